@@ -1,0 +1,3 @@
+"""lathe: reinforcement-learning post-training of language models (PPO, GRPO and relatives)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,59 @@
+"""Algorithm catalogue: pure tensor functions for advantages, losses, KL, aggregation, rollout correction.
+
+No models, no config objects, no distribution. Importing this package registers every built-in advantage
+estimator and policy loss, so ``ADV_ESTIMATORS`` / ``POLICY_LOSSES`` are complete after any import from
+``lathe.algo``.
+"""
+
+from lathe.algo import advantages, bypass, policy_loss, policy_loss_cov  # noqa: F401  (registration)
+from lathe.algo.aggregate import LOSS_AGG_MODES, agg_loss, global_batch_info
+from lathe.algo.dapo import filter_groups, overlong_reward_penalty
+from lathe.algo.kl import (
+    KL_PENALTIES,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_penalty,
+    make_kl_controller,
+)
+from lathe.algo.policy_loss import PolicyLossParams, compute_entropy_loss, compute_value_loss
+from lathe.algo.registry import (
+    ADV_ESTIMATORS,
+    POLICY_LOSSES,
+    get_adv_estimator,
+    get_policy_loss,
+    register_adv_estimator,
+    register_policy_loss,
+)
+from lathe.algo.rollout_correction import ROLLOUT_CORRECTION_KEYS, ROLLOUT_RS_OPTIONS, compute_rollout_correction
+from lathe.algo.utils import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "POLICY_LOSSES",
+    "KL_PENALTIES",
+    "LOSS_AGG_MODES",
+    "ROLLOUT_RS_OPTIONS",
+    "ROLLOUT_CORRECTION_KEYS",
+    "register_adv_estimator",
+    "get_adv_estimator",
+    "register_policy_loss",
+    "get_policy_loss",
+    "agg_loss",
+    "global_batch_info",
+    "kl_penalty",
+    "apply_kl_penalty",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "make_kl_controller",
+    "PolicyLossParams",
+    "compute_value_loss",
+    "compute_entropy_loss",
+    "compute_rollout_correction",
+    "filter_groups",
+    "overlong_reward_penalty",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+]

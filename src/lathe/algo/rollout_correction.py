@@ -1,0 +1,284 @@
+"""Rollout correction: importance weights and rejection masks for rollout/trainer policy mismatch.
+
+The rollout engine samples from ``pi_rollout`` (its own kernels, precision, maybe stale weights); training
+assumes ``pi_old``. With ``log r = log pi_old - log pi_rollout`` per token (Liu, Li et al. 2025, "When Speed
+Kills Stability", https://richardli.xyz/rl-collapse; Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training"):
+
+* IS weights (``rollout_is``): ``token`` ``w_t = r_t``; ``sequence`` ``w = prod_t r_t`` broadcast to the
+  row. ``rollout_is_threshold`` = one number -> truncated IS (TIS, ``min(w, upper)``); ``"lower_upper"``
+  (e.g. ``"0.5_5.0"``) -> IcePop: weights outside the band are set to 0 (the mask is not changed).
+  Weights are safety-bounded by ``exp(+-20)``, 0 on padding, detached, optionally batch-normalised to mean 1.
+* Rejection sampling (``rollout_rs``, comma-separated, all must pass): a token/sequence is masked out when
+  a divergence statistic leaves its bounds. Statistics per token: ``k1 = -log r``, ``k2 = (log r)^2 / 2``,
+  ``k3 = r - 1 - log r``; options ``token_k{1,2,3}``, ``seq_sum_k{1,2,3}``, ``seq_mean_k{1,2,3}``
+  (``seq_mean_k1`` is the geometric-mean ratio test, "Geo-RS"), ``seq_max_k{2,3}``. k1 options take ratio
+  bounds ``"lower_upper"`` (a single number u means ``1/u`` to u) applied to ``exp(k1)`` (verl's convention); k2/k3
+  options take one upper bound. Legacy names ``token``/``sequence``/``geometric`` map to
+  ``token_k1``/``seq_sum_k1``/``seq_mean_k1``.
+* Bypass mode (``bypass_mode=True``): the trainer sets ``old_log_prob := rollout_log_prob`` and skips the
+  old-policy forward; the correction is then computed inside the loss against the current policy (see
+  ``lathe.algo.bypass``). ``loss_type`` picks ``ppo_clip`` or ``reinforce`` there.
+
+All metrics are floats under ``rollout_corr/`` (verl's names).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lathe.algo.registry import unknown_name_error
+from lathe.algo.utils import masked_mean, masked_sum
+
+__all__ = [
+    "ROLLOUT_RS_OPTIONS",
+    "ROLLOUT_CORRECTION_KEYS",
+    "compute_rollout_correction",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
+    "compute_offpolicy_metrics",
+    "parse_rollout_is_threshold",
+]
+
+SAFETY_BOUND = 20.0
+ROLLOUT_RS_OPTIONS: tuple[str, ...] = (
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+_LEGACY_RS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+ROLLOUT_CORRECTION_KEYS: dict = {
+    "rollout_is": None,
+    "rollout_is_threshold": 2.0,
+    "rollout_is_batch_normalize": False,
+    "rollout_rs": None,
+    "rollout_rs_threshold": None,
+    "bypass_mode": False,
+    "loss_type": "ppo_clip",
+}
+_KEY = "algorithm.rollout_correction"
+
+
+def _bounds(spec, key: str) -> tuple[float, float | None]:
+    """Parse ``u`` or ``"l_u"`` into (upper, lower or None); both must be positive and l <= u."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ValueError(f"{_KEY}.{key}={spec!r} must be a number or a 'lower_upper' string like '0.5_2.0'")
+    text = str(spec).strip()
+    try:
+        parts = [float(x) for x in text.split("_")] if "_" in text else [float(text)]
+    except ValueError:
+        raise ValueError(f"{_KEY}.{key}={spec!r} is not a number or a 'lower_upper' string like '0.5_2.0'") from None
+    upper, lower = (parts[0], None) if len(parts) == 1 else (parts[1], parts[0])
+    if len(parts) > 2 or upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"{_KEY}.{key}={spec!r}: need positive bounds with lower <= upper")
+    return upper, lower
+
+
+def parse_rollout_is_threshold(spec) -> tuple[float, float | None]:
+    """``rollout_is_threshold`` -> (upper, lower); lower is None for TIS, set for IcePop."""
+    return _bounds(spec, "rollout_is_threshold")
+
+
+def _parse_rs(rollout_rs: str, threshold) -> dict[str, tuple[float, float | None]]:
+    options = []
+    for opt in (o.strip() for o in str(rollout_rs).split(",")):
+        opt = _LEGACY_RS.get(opt, opt)
+        if opt and opt not in ROLLOUT_RS_OPTIONS:
+            raise unknown_name_error("rejection-sampling option", f"{_KEY}.rollout_rs", opt, ROLLOUT_RS_OPTIONS)
+        if opt and opt not in options:
+            options.append(opt)
+    if threshold is None:
+        raise ValueError(f"{_KEY}.rollout_rs={rollout_rs!r} needs {_KEY}.rollout_rs_threshold (e.g. '0.5_2.0')")
+    specs = [s.strip() for s in str(threshold).split(",") if s.strip()]
+    if len(specs) not in (1, len(options)):
+        raise ValueError(f"{_KEY}.rollout_rs_threshold={threshold!r}: give one value or one per rollout_rs option")
+    specs = specs * len(options) if len(specs) == 1 else specs
+    out = {}
+    for opt, spec in zip(options, specs, strict=True):
+        upper, lower = _bounds(spec, "rollout_rs_threshold")
+        if opt.endswith("k1"):
+            out[opt] = (upper, 1.0 / upper if lower is None else lower)
+        elif lower is not None:
+            raise ValueError(f"{_KEY}.rollout_rs_threshold={spec!r}: option '{opt}' takes one upper bound")
+        else:
+            out[opt] = (upper, None)
+    return out
+
+
+def _vals(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return x[valid].double()
+
+
+def _mean(x: torch.Tensor) -> float:
+    """Mean as a float; 0.0 for an empty selection (a fully rejected or empty micro-batch)."""
+    return float(x.double().mean()) if x.numel() else 0.0
+
+
+def _max(x: torch.Tensor) -> float:
+    return float(x.max()) if x.numel() else 0.0
+
+
+def _min(x: torch.Tensor) -> float:
+    return float(x.min()) if x.numel() else 0.0
+
+
+def _mmm(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    return {f"{prefix}_mean": _mean(values), f"{prefix}_max": _max(values), f"{prefix}_min": _min(values)}
+
+
+def _is_metrics(weights, raw, log_w, mask, level, upper, lower) -> dict[str, float]:
+    valid, seq_valid = mask.bool(), mask.bool().any(dim=-1)
+    low = 1.0 / upper if lower is None else lower
+    m = _mmm("rollout_is", _vals(weights, valid))
+    per = _vals(raw, valid) if level == "token" else log_w[seq_valid].double().exp()
+    m["rollout_is_ratio_fraction_high"] = _mean(per > upper)
+    m["rollout_is_ratio_fraction_low"] = _mean(per < low)
+    w = _vals(weights, valid).clamp(0.0, upper)
+    m["rollout_is_std"] = float(w.std(unbiased=False)) if w.numel() > 1 else 0.0
+    m["rollout_is_eff_sample_size"] = 1.0 / _mean((w / (w.mean() + 1e-8)) ** 2) if w.numel() else 0.0
+    seq = masked_mean(weights, mask, dim=-1)[seq_valid].double()
+    m.update(_mmm("rollout_is_seq", seq))
+    m["rollout_is_seq_std"] = float(seq.std()) if seq.numel() > 1 else 0.0
+    m["rollout_is_seq_max_deviation"] = _max((seq - 1).abs())
+    if lower is not None:
+        m["rollout_is_oob_ratio"] = _mean(((raw < lower) | (raw > upper))[valid])
+    return m
+
+
+@torch.no_grad()
+def compute_rollout_correction_weights(log_ratio, response_mask, rollout_is="token", rollout_is_threshold=2.0,
+                                       rollout_is_batch_normalize=False):
+    """IS weights (B, T) from ``log_ratio = log pi_old - log pi_rollout`` and their ``rollout_is_*`` metrics."""
+    if rollout_is not in ("token", "sequence"):
+        raise unknown_name_error("IS level", f"{_KEY}.rollout_is", rollout_is, ("token", "sequence", "null"))
+    upper, lower = parse_rollout_is_threshold(rollout_is_threshold)
+    mask = response_mask.to(log_ratio.dtype)
+    log_w = masked_sum(log_ratio, response_mask, dim=-1) if rollout_is == "sequence" else None
+    per = log_ratio if log_w is None else log_w.unsqueeze(-1).expand_as(log_ratio)
+    raw = torch.exp(per.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * mask
+    if lower is None:
+        weights = raw.clamp(max=upper)
+    else:
+        weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+    metrics = _is_metrics(weights, raw, log_w, response_mask, rollout_is, upper, lower)
+    if rollout_is_batch_normalize:
+        seq_valid = response_mask.bool().any(dim=-1)
+        if rollout_is == "token":
+            mean = masked_mean(weights, response_mask)
+        else:
+            mean = masked_mean(weights, response_mask, dim=-1)[seq_valid].mean()
+        factor = float(mean) if float(mean) > 1e-8 else 1.0
+        weights = weights / factor
+        metrics["rollout_is_batch_norm_factor"] = factor
+    return weights.detach(), metrics
+
+
+def _rs_statistic(opt: str, log_ratio, response_mask):
+    lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    stat = {"k1": -lr, "k2": 0.5 * lr**2, "k3": torch.exp(lr) - 1.0 - lr}[opt[-2:]]
+    if opt.startswith("token"):
+        return stat, "token"
+    if opt.startswith("seq_sum"):
+        return masked_sum(stat, response_mask, dim=-1), "sequence"
+    if opt.startswith("seq_mean"):
+        return masked_mean(stat, response_mask, dim=-1), "sequence"
+    neg_inf = torch.full_like(stat, float("-inf"))
+    seq_max = torch.where(response_mask.bool(), stat, neg_inf).max(dim=-1).values
+    return torch.where(torch.isinf(seq_max), torch.zeros_like(seq_max), seq_max), "sequence"
+
+
+@torch.no_grad()
+def compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs="token_k1", rollout_rs_threshold=None):
+    """Response mask with rejected tokens/sequences zeroed, and ``rollout_rs_*`` metrics."""
+    specs = _parse_rs(rollout_rs, rollout_rs_threshold)
+    valid, seq_valid = response_mask.bool(), response_mask.bool().any(dim=-1)
+    keep_all = torch.ones_like(valid)
+    metrics: dict[str, float] = {}
+    for opt, (upper, lower) in specs.items():
+        stat, level = _rs_statistic(opt, log_ratio, response_mask)
+        hi, lo = (math.log(upper), math.log(lower)) if lower is not None else (upper, None)
+        keep = (stat <= hi) & (stat >= lo) if lo is not None else stat <= hi
+        keep = keep if level == "token" else keep.unsqueeze(-1).expand_as(valid)
+        values = _vals(stat, valid) if level == "token" else stat[seq_valid].double()
+        pre = f"rollout_rs_{opt}"
+        metrics.update(_mmm(pre, values))
+        metrics[f"{pre}_fraction_high"] = _mean(values > hi)
+        metrics[f"{pre}_fraction_low"] = _mean(values < lo) if lo is not None else 0.0
+        metrics[f"{pre}_masked_fraction"] = _mean(~keep[valid])
+        metrics[f"{pre}_seq_masked_fraction"] = _mean(((~keep) & valid).any(-1)[seq_valid])
+        keep_all &= keep
+    metrics["rollout_rs_masked_fraction"] = _mean(~keep_all[valid])
+    metrics["rollout_rs_seq_masked_fraction"] = _mean(((~keep_all) & valid).any(-1)[seq_valid])
+    return (response_mask * keep_all.to(response_mask.dtype)).to(response_mask.dtype), metrics
+
+
+@torch.no_grad()
+def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask) -> dict[str, float]:
+    """Mismatch diagnostics: KL(rollout || old) estimates, perplexities, chi-square divergences."""
+    seq_valid = response_mask.bool().any(dim=-1)
+    old_mean = masked_mean(old_log_prob.double(), response_mask, dim=-1)[seq_valid]
+    m = {"training_ppl": _mean(torch.exp(-old_mean)), "training_log_ppl": _mean(-old_mean)}
+    if rollout_log_prob is None:
+        return m
+    lr = (old_log_prob - rollout_log_prob).double()
+    roll_mean = masked_mean(rollout_log_prob.double(), response_mask, dim=-1)[seq_valid]
+    diff = roll_mean - old_mean
+    lr_safe = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    seq_sum = masked_sum(lr, response_mask, dim=-1)[seq_valid].clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    m.update({
+        "kl": float(masked_mean(-lr, response_mask)),
+        "k3_kl": float(masked_mean(torch.exp(lr) - lr - 1, response_mask)),
+        "rollout_ppl": _mean(torch.exp(-roll_mean)),
+        "rollout_log_ppl": _mean(-roll_mean),
+        "log_ppl_diff": _mean(diff),
+        "log_ppl_abs_diff": _mean(diff.abs()),
+        "log_ppl_diff_max": _max(diff),
+        "log_ppl_diff_min": _min(diff),
+        "ppl_ratio": _mean(torch.exp(diff)),
+        "chi2_token": float(masked_mean(torch.exp(lr_safe) ** 2, response_mask) - 1.0),
+        "chi2_seq": _mean(torch.exp(2.0 * seq_sum)) - 1.0,
+    })  # fmt: skip
+    return m
+
+
+def _check_cfg(cfg: dict) -> dict:
+    unknown = [k for k in cfg if k not in ROLLOUT_CORRECTION_KEYS]
+    if unknown:
+        raise unknown_name_error("rollout_correction key", f"{_KEY} key", unknown[0], ROLLOUT_CORRECTION_KEYS)
+    full = {**ROLLOUT_CORRECTION_KEYS, **cfg}
+    if full["loss_type"] not in ("ppo_clip", "reinforce"):
+        raise unknown_name_error("bypass loss type", f"{_KEY}.loss_type", full["loss_type"], ("ppo_clip", "reinforce"))
+    return full
+
+
+@torch.no_grad()
+def compute_rollout_correction(old_log_prob, rollout_log_prob, response_mask, **cfg):
+    """One entry point: ``(is_weights or None, modified_response_mask, metrics)``.
+
+    ``cfg`` takes verl's ``algorithm.rollout_correction.*`` keys (``ROLLOUT_CORRECTION_KEYS`` with their
+    defaults); unknown keys raise. IS weights are None when ``rollout_is`` is None; the mask is the input
+    mask with rejected tokens zeroed (unchanged when ``rollout_rs`` is None). Metrics are always computed.
+    """
+    full = _check_cfg(cfg)
+    if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
+        raise ValueError(
+            f"rollout correction: old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob "
+            f"{tuple(rollout_log_prob.shape)} and response_mask {tuple(response_mask.shape)} must match"
+        )
+    log_ratio = old_log_prob - rollout_log_prob
+    metrics: dict[str, float] = {}
+    weights = None
+    if full["rollout_is"] is not None:
+        weights, is_m = compute_rollout_correction_weights(
+            log_ratio, response_mask, full["rollout_is"], full["rollout_is_threshold"],
+            full["rollout_is_batch_normalize"],
+        )  # fmt: skip
+        metrics.update(is_m)
+    mask = response_mask.clone()
+    if full["rollout_rs"] is not None:
+        mask, rs_m = compute_rollout_rejection_mask(log_ratio, response_mask, full["rollout_rs"],
+                                                    full["rollout_rs_threshold"])
+        metrics.update(rs_m)
+    metrics.update(compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
+    return weights, mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}

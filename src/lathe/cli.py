@@ -1,0 +1,101 @@
+"""The `lathe` command.
+
+    lathe train [PRESET|FILE.yaml] [key=value ...] [--print-config]
+    lathe preprocess gsm8k --input DIR_OR_FILE --output DIR
+    lathe presets
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+# Mistakes a user can make and fix (ConfigError, DataError, PreprocessError and the algorithm registry's errors
+# are ValueErrors): shown as one plain message without a traceback, unless LATHE_DEBUG=1.
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotImplementedError)
+
+
+def _split_source(items: list[str]) -> tuple[str | None, list[str]]:
+    """`[PRESET|FILE] key=value ...` -> (source, overrides)."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from lathe.config import load_config, to_yaml
+    source, overrides = _split_source(args.items)
+    cfg = load_config(source, overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from lathe.loop.ppo import fit
+    from lathe.loop.setup import build_trainer
+    trainer = build_trainer(cfg)
+    try:
+        metrics = fit(trainer)
+    finally:
+        trainer.tracker.close()
+        trainer.reward.close()
+    score = metrics.get("critic/score/mean")
+    logging.getLogger("lathe").info("done: %d steps, last critic/score/mean %s, run directory %s",
+                                    trainer.global_step, "n/a" if score is None else f"{score:.3f}",
+                                    cfg.trainer.default_local_dir)
+    return 0
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from lathe.data.preprocess import PREPROCESSORS
+    if args.dataset not in PREPROCESSORS:
+        raise ValueError(f"unknown dataset {args.dataset!r}; known: {', '.join(sorted(PREPROCESSORS))}")
+    outputs = PREPROCESSORS[args.dataset](args.input, args.output)
+    for split, path in outputs.items():
+        print(f"{split}: {path}")
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from lathe.config import list_presets
+    print("\n".join(list_presets()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lathe", description="RL post-training of language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run PPO/GRPO training (no arguments: the built-in CPU demo)")
+    train.add_argument("items", nargs="*", metavar="[PRESET|FILE.yaml] key=value",
+                       help="a preset name or YAML file, then verl-style key=value overrides")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.set_defaults(func=cmd_train)
+    pre = sub.add_parser("preprocess", help="turn a raw dataset into verl-schema parquet")
+    pre.add_argument("dataset", help="gsm8k or math500")
+    pre.add_argument("--input", required=True, help="the raw data: a directory or a .jsonl file")
+    pre.add_argument("--output", required=True, help="directory for train/test parquet files")
+    pre.set_defaults(func=cmd_preprocess)
+    presets = sub.add_parser("presets", help="list the built-in config presets")
+    presets.set_defaults(func=cmd_presets)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lathe.models.hf import ModelLoadError
+    logging.basicConfig(level=logging.INFO, format="lathe: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("lathe: interrupted", file=sys.stderr)
+        return 130
+    except _USER_ERRORS + (ModelLoadError,) as e:
+        if os.environ.get("LATHE_DEBUG"):
+            raise
+        print(f"lathe: error: {e}", file=sys.stderr)
+        print("lathe: (set LATHE_DEBUG=1 for the full traceback)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""lathe's typed, self-validating config tree with verl's key names.
+
+    from lathe.config import load_config, to_yaml
+    cfg = load_config("gsm8k_grpo", ["actor_rollout_ref.rollout.n=8", "trainer.logger=[console]"])
+    cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+
+This package is a leaf: it imports only the standard library and PyYAML (never torch).
+"""
+
+from .errors import ConfigError
+from .loader import list_presets, load_config
+from .rules import BatchPlan, batch_plan, critic_in_use, resolve_devices
+from .schema import LatheConfig
+from .tree import help_for, to_dict, to_yaml
+
+__all__ = [
+    "BatchPlan",
+    "ConfigError",
+    "LatheConfig",
+    "batch_plan",
+    "critic_in_use",
+    "help_for",
+    "list_presets",
+    "load_config",
+    "resolve_devices",
+    "to_dict",
+    "to_yaml",
+]

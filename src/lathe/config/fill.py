@@ -1,0 +1,127 @@
+"""Fill keys left null with the value they fall back to (verl's ``${...}`` defaults, made concrete).
+
+After ``fill_defaults`` the tree holds plain numbers everywhere downstream code looks: the critic's
+mini-batch size, the rollout's prompt length, the clip bounds, ... Deprecated verl keys
+(global ``*_micro_batch_size``, ``warmup_style``, ``optim.clip_grad``) are converted here too.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .errors import ProblemList
+from .schema import LatheConfig
+
+
+def fill_defaults(cfg: LatheConfig, device_count: int, problems: ProblemList) -> None:
+    """Make every fallback concrete; conversion problems are added to ``problems``."""
+    _fill_actor(cfg)
+    _fill_rollout_ref(cfg)
+    _fill_critic(cfg)
+    _fill_misc(cfg)
+    _convert_micro_batches(cfg, device_count, problems)
+    critic = cfg.critic
+    if critic.forward_micro_batch_size_per_gpu is None:
+        critic.forward_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu
+
+
+def _fill_actor(cfg: LatheConfig) -> None:
+    """Clip bounds fall back to clip_ratio; old optimizer spellings are copied to the new keys."""
+    actor = cfg.actor_rollout_ref.actor
+    if actor.clip_ratio_low is None:
+        actor.clip_ratio_low = actor.clip_ratio
+    if actor.clip_ratio_high is None:
+        actor.clip_ratio_high = actor.clip_ratio
+    for owner in (actor, cfg.critic):
+        if owner.optim.warmup_style is not None:
+            owner.optim.lr_scheduler_type = owner.optim.warmup_style
+        if owner.optim.clip_grad is not None:
+            owner.grad_clip = owner.optim.clip_grad
+    if actor.data_loader_seed is None:
+        actor.data_loader_seed = cfg.trainer.seed
+
+
+def _fill_rollout_ref(cfg: LatheConfig) -> None:
+    """Rollout lengths come from data; ref/rollout log-prob batching from the actor."""
+    arr = cfg.actor_rollout_ref
+    actor, ref, rollout = arr.actor, arr.ref, arr.rollout
+    if rollout.prompt_length is None:
+        rollout.prompt_length = cfg.data.max_prompt_length
+    if rollout.response_length is None:
+        rollout.response_length = cfg.data.max_response_length
+    for owner in (ref, rollout):
+        if owner.log_prob_use_dynamic_bsz is None:
+            owner.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        if owner.log_prob_max_token_len_per_gpu is None:
+            owner.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    if ref.ulysses_sequence_parallel_size is None:
+        ref.ulysses_sequence_parallel_size = actor.ulysses_sequence_parallel_size
+    if ref.use_torch_compile is None:
+        ref.use_torch_compile = actor.use_torch_compile
+
+
+def _fill_critic(cfg: LatheConfig) -> None:
+    """Critic keys left null take the actor's / the policy model's values."""
+    actor, model, critic = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model, cfg.critic
+    for key in ("ppo_mini_batch_size", "use_dynamic_bsz", "ppo_epochs", "shuffle", "loss_agg_mode"):
+        if getattr(critic, key) is None:
+            setattr(critic, key, getattr(actor, key))
+    if critic.forward_max_token_len_per_gpu is None:
+        critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
+    if critic.model.path is None:
+        critic.model.path = model.path
+    if critic.model.tokenizer_path is None:
+        critic.model.tokenizer_path = model.tokenizer_path or model.path
+    if critic.model.external_lib is None:
+        critic.model.external_lib = model.external_lib
+    if critic.model.trust_remote_code is None:
+        critic.model.trust_remote_code = model.trust_remote_code
+
+
+def _fill_misc(cfg: LatheConfig) -> None:
+    """Data seed, DAPO generation batch and reward-model batching fallbacks."""
+    if cfg.data.seed is None:
+        cfg.data.seed = cfg.trainer.seed
+    if cfg.data.gen_batch_size is None:
+        cfg.data.gen_batch_size = cfg.data.train_batch_size
+    rm = cfg.reward_model
+    if rm.use_dynamic_bsz is None:
+        rm.use_dynamic_bsz = cfg.critic.use_dynamic_bsz
+    if rm.forward_max_token_len_per_gpu is None:
+        rm.forward_max_token_len_per_gpu = cfg.critic.forward_max_token_len_per_gpu
+
+
+def _micro_pairs(cfg: LatheConfig) -> list[tuple[object, str, str, str]]:
+    """(owner, deprecated field, per-device field, owner's dotted path) for each verl pair."""
+    arr = cfg.actor_rollout_ref
+    return [
+        (arr.actor, "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor"),
+        (arr.ref, "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref"),
+        (arr.rollout, "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu",
+         "actor_rollout_ref.rollout"),
+        (cfg.critic, "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "critic"),
+        (cfg.critic, "forward_micro_batch_size", "forward_micro_batch_size_per_gpu", "critic"),
+        (cfg.reward_model, "micro_batch_size", "micro_batch_size_per_gpu", "reward_model"),
+    ]
+
+
+def _convert_micro_batches(cfg: LatheConfig, device_count: int, problems: ProblemList) -> None:
+    """verl's deprecated global micro-batch sizes become per-device sizes (global / devices)."""
+    for owner, old, new, prefix in _micro_pairs(cfg):
+        total, per_device = getattr(owner, old), getattr(owner, new)
+        if total is None:
+            continue
+        if per_device is not None:
+            problems.add(f"Both {prefix}.{old}={total} and {prefix}.{new}={per_device} are set. {old} is "
+                         f"verl's deprecated global size; {new} replaces it. Fix: remove {prefix}.{old}.")
+            continue
+        if total < device_count or total % device_count:
+            problems.add(f"{prefix}.{old}={total} (deprecated global micro-batch, in sequences) must be a "
+                         f"positive multiple of the device count {device_count}, because it is split evenly "
+                         f"across devices. Fix: set {prefix}.{new} (sequences per device) instead.")
+            continue
+        setattr(owner, new, total // device_count)
+        setattr(owner, old, None)
+        warnings.warn(f"{prefix}.{old} is deprecated (verl); using {prefix}.{new}={total // device_count} "
+                      f"({total} / {device_count} devices). Set {prefix}.{new} to silence this.",
+                      DeprecationWarning, stacklevel=4)

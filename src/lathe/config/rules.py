@@ -1,0 +1,260 @@
+"""Cross-field rules checked by ``load_config`` before any model loads, and the batch plan.
+
+verl's batch semantics, which every message spells out with the numbers:
+``data.train_batch_size`` = prompts per step; each prompt is sampled ``rollout.n`` times;
+``ppo_mini_batch_size`` counts PROMPTS (x n sequences, split evenly over the devices) and
+``ppo_micro_batch_size_per_gpu`` counts SEQUENCES per device per forward/backward pass.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+
+from .errors import ConfigError, ProblemList
+from .schema import LatheConfig
+
+
+@dataclass(frozen=True)
+class Devices:
+    """How many devices the batch is split over, and why (quoted in messages)."""
+
+    count: int
+    why: str
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one step's batch is cut for a PPO role (actor or critic), all in sequences unless named."""
+
+    device_count: int
+    prompts_per_step: int
+    sequences_per_step: int
+    mini_batch_prompts: int
+    mini_batch_sequences: int
+    mini_batches_per_step: int
+    mini_batch_sequences_per_device: int
+    micro_batch_per_device: int
+    grad_accum_steps: int
+
+
+def cuda_available() -> bool:
+    """Whether CUDA looks usable, without importing torch (uses torch only if already imported)."""
+    if "torch" in sys.modules:
+        return bool(sys.modules["torch"].cuda.is_available())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia/gpus")
+
+
+def resolve_devices(cfg: LatheConfig, device_count: int | None = None) -> Devices:
+    """Explicit count, else 1 on a CPU run, else trainer.nnodes x trainer.n_gpus_per_node."""
+    if device_count is not None:
+        if device_count < 1:
+            raise ConfigError(f"device_count={device_count} must be >= 1. Fix: pass a positive device_count.")
+        return Devices(device_count, f"device_count={device_count} given to load_config")
+    t = cfg.trainer
+    if t.device == "cpu" or (t.device == "auto" and not cuda_available()):
+        return Devices(1, f"1 on a CPU run (trainer.device={t.device})")
+    count = t.nnodes * t.n_gpus_per_node
+    return Devices(count, f"{count} = trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}")
+
+
+def critic_in_use(cfg: LatheConfig) -> bool:
+    """critic.enable when set, else whether the advantage estimator is GAE."""
+    if cfg.critic.enable is not None:
+        return cfg.critic.enable
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def batch_plan(cfg: LatheConfig, device_count: int | None = None, role: str = "actor") -> BatchPlan:
+    """The batch cut of a validated config for ``role`` ('actor' or 'critic')."""
+    dev = resolve_devices(cfg, device_count).count
+    owner = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
+    n, tbs, mini = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size, owner.ppo_mini_batch_size
+    per_device = mini * n // dev
+    micro = owner.ppo_micro_batch_size_per_gpu or per_device
+    return BatchPlan(dev, tbs, tbs * n, mini, mini * n, tbs // mini, per_device, micro, max(1, per_device // micro))
+
+
+def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> None:
+    """Add every cross-field violation to ``problems``; emit warnings for allowed-but-odd combos."""
+    arr = cfg.actor_rollout_ref
+    actor_ok = _check_batches(cfg, "actor_rollout_ref.actor", arr.actor, devices, problems)
+    if critic_in_use(cfg):
+        if cfg.critic.ppo_mini_batch_size != arr.actor.ppo_mini_batch_size:
+            _check_batches(cfg, "critic", cfg.critic, devices, problems)
+        elif actor_ok:  # same mini-batch as the actor: only the critic's own micro-batch is new
+            critic = cfg.critic
+            _check_micro("critic", critic.ppo_mini_batch_size, arr.rollout.n, critic.ppo_micro_batch_size_per_gpu,
+                         critic.use_dynamic_bsz, devices, problems)
+    _check_ranges(cfg, problems)
+    _check_backend_and_run(cfg, problems)
+    if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
+        warnings.warn("actor_rollout_ref.actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: the KL to "
+                      "the reference policy is applied twice (as a loss term and as a reward penalty). verl "
+                      "allows this, but usually only one is wanted (GRPO: use_kl_loss).", UserWarning, stacklevel=3)
+
+
+def _suggest(values: list[int], target: int) -> str:
+    """'e.g. 4 or 8': up to two valid values nearest ``target``."""
+    best = sorted(set(values), key=lambda v: (abs(v - target), v))[:2]
+    return "e.g. " + " or ".join(str(v) for v in sorted(best)) if best else "no valid value exists"
+
+
+def _check_batches(cfg: LatheConfig, prefix: str, owner, devices: Devices, problems: ProblemList) -> bool:
+    """Rules 1-5 for one role; returns whether the mini-batch rules held (micro is checked only then)."""
+    tbs, n, mini = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, owner.ppo_mini_batch_size
+    key = f"{prefix}.ppo_mini_batch_size"
+    if not _positive([("data.train_batch_size", tbs), ("actor_rollout_ref.rollout.n", n), (key, mini)], problems):
+        return False
+    if prefix == "actor_rollout_ref.actor":
+        _check_step_split(tbs, n, devices, problems)
+    if not _check_mini(key, tbs, n, mini, devices, problems):
+        return False
+    _check_micro(prefix, mini, n, owner.ppo_micro_batch_size_per_gpu, owner.use_dynamic_bsz, devices, problems)
+    return True
+
+
+def _positive(items: list[tuple[str, int]], problems: ProblemList) -> bool:
+    """Rule 1: batch sizes and n are >= 1."""
+    bad = [(k, v) for k, v in items if v < 1]
+    for k, v in bad:
+        problems.add(f"{k}={v} must be >= 1 (train_batch_size = prompts per step, n = responses per prompt, "
+                     f"ppo_mini_batch_size = prompts per PPO update). Fix: set {k} to a positive number.")
+    return not bad
+
+
+def _check_step_split(tbs: int, n: int, devices: Devices, problems: ProblemList) -> None:
+    """Rule 5: a step's train_batch_size x n sequences split evenly over the devices."""
+    if (tbs * n) % devices.count == 0:
+        return
+    ok = [t for t in range(1, 2 * tbs + 1) if (t * n) % devices.count == 0]
+    problems.add(f"data.train_batch_size={tbs} x actor_rollout_ref.rollout.n={n} = {tbs * n} sequences per "
+                 f"step is not divisible by the device count ({devices.why}); each step's sequences are "
+                 f"split evenly across devices. Fix: set data.train_batch_size so the product divides, "
+                 f"{_suggest(ok, tbs)}.")
+
+
+def _check_mini(key: str, tbs: int, n: int, mini: int, devices: Devices, problems: ProblemList) -> bool:
+    """Rules 2-3: the mini-batch fits in and divides the step, and its sequences divide over devices."""
+    divisors = [d for d in range(1, tbs + 1) if tbs % d == 0]
+    if mini > tbs:
+        problems.add(f"{key}={mini} is larger than data.train_batch_size={tbs}. A PPO mini-batch is a slice of "
+                     f"one step's {tbs} prompts, so it cannot hold more. Fix: set ppo_mini_batch_size to a "
+                     f"divisor of {tbs}, {_suggest(divisors, mini)}, or raise data.train_batch_size.")
+        return False
+    ok = True
+    if tbs % mini:
+        ok = False
+        problems.add(f"{key}={mini} does not divide data.train_batch_size={tbs}. Each step's {tbs} prompts are "
+                     f"split into mini-batches of {mini} prompts (x rollout.n={n} = {mini * n} sequences) for "
+                     f"the PPO updates, so {tbs} must be a multiple of {mini}. Fix: set ppo_mini_batch_size to "
+                     f"a divisor of {tbs}, {_suggest(divisors, mini)}.")
+    if (mini * n) % devices.count:
+        ok = False
+        fits = [d for d in divisors if (d * n) % devices.count == 0]
+        problems.add(f"{key}={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} sequences per mini-batch is "
+                     f"not divisible by the device count ({devices.why}); each mini-batch is split evenly "
+                     f"across devices. Fix: set ppo_mini_batch_size so that ppo_mini_batch_size x n is a "
+                     f"multiple of {devices.count}, {_suggest(fits, mini)}.")
+    return ok
+
+
+def _check_micro(prefix: str, mini: int, n: int, micro: int | None, dynamic: bool, devices: Devices,
+                 problems: ProblemList) -> None:
+    """Rule 4: the per-device micro-batch divides the per-device mini-batch."""
+    if micro is None or dynamic:
+        return
+    per_device = mini * n // devices.count
+    key = f"{prefix}.ppo_micro_batch_size_per_gpu"
+    where = (f"the per-device mini-batch of {per_device} sequences (ppo_mini_batch_size={mini} x rollout.n={n} "
+             f"/ {devices.count} device(s))")
+    divisors = [d for d in range(1, per_device + 1) if per_device % d == 0]
+    if micro < 1 or micro > per_device:
+        problems.add(f"{key}={micro} must be between 1 and {where}, because a micro-batch is a slice of it. "
+                     f"Fix: set it to a divisor of {per_device}, {_suggest(divisors, micro)}, or leave it null "
+                     f"(one pass over the whole per-device mini-batch).")
+    elif per_device % micro:
+        problems.add(f"{key}={micro} does not divide {where}; gradient accumulation needs equal micro-batches. "
+                     f"Fix: set it to a divisor of {per_device}, {_suggest(divisors, micro)}.")
+
+
+def _range_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]:
+    """(key, value, ok, rule) for the simple per-key range checks (rule 7 and friends)."""
+    arr, data, t = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+    actor, ro, vk = arr.actor, arr.rollout, arr.rollout.val_kwargs
+    a = "actor_rollout_ref.actor"
+    r = "actor_rollout_ref.rollout"
+    rules = [(f"{a}.{k}", getattr(actor, k), getattr(actor, k) >= 0, "must be >= 0 (a clip epsilon)")
+             for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")]
+    rules += [
+        (f"{a}.clip_ratio_c", actor.clip_ratio_c, actor.clip_ratio_c > 1, "must be > 1 (dual-clip constant)"),
+        (f"{r}.temperature", ro.temperature, ro.temperature > 0, "must be > 0 (use do_sample=false for greedy)"),
+        (f"{r}.val_kwargs.temperature", vk.temperature, vk.temperature >= 0, "must be >= 0 (0 = greedy)"),
+        (f"{r}.top_p", ro.top_p, 0 < ro.top_p <= 1, "must be in (0, 1]"),
+        (f"{r}.val_kwargs.top_p", vk.top_p, 0 < vk.top_p <= 1, "must be in (0, 1]"),
+        (f"{r}.top_k", ro.top_k, ro.top_k == -1 or ro.top_k >= 1, "must be -1 (disabled) or >= 1"),
+        (f"{r}.val_kwargs.top_k", vk.top_k, vk.top_k == -1 or vk.top_k >= 1, "must be -1 (disabled) or >= 1"),
+        (f"{r}.val_kwargs.n", vk.n, vk.n >= 1, "must be >= 1"),
+        (f"{r}.gpu_memory_utilization", ro.gpu_memory_utilization, 0 < ro.gpu_memory_utilization <= 1,
+         "must be in (0, 1] (a fraction of device memory)"),
+        ("data.max_prompt_length", data.max_prompt_length, data.max_prompt_length >= 1, "must be >= 1"),
+        ("data.max_response_length", data.max_response_length, data.max_response_length >= 1, "must be >= 1"),
+        (f"{r}.prompt_length", ro.prompt_length, ro.prompt_length >= 1, "must be >= 1"),
+        (f"{r}.response_length", ro.response_length, ro.response_length >= 1, "must be >= 1"),
+        (f"{a}.optim.lr", actor.optim.lr, actor.optim.lr >= 0, "must be >= 0"),
+        ("critic.optim.lr", cfg.critic.optim.lr, cfg.critic.optim.lr >= 0, "must be >= 0"),
+        ("actor_rollout_ref.model.warm_start.lr", arr.model.warm_start.lr, arr.model.warm_start.lr >= 0,
+         "must be >= 0"),
+        ("actor_rollout_ref.model.warm_start.steps", arr.model.warm_start.steps, arr.model.warm_start.steps >= 0,
+         "must be >= 0 (0 = no warm start)"),
+        (f"{a}.optim.betas", actor.optim.betas, _betas_ok(actor.optim.betas), "must be two numbers in [0, 1)"),
+        ("critic.optim.betas", cfg.critic.optim.betas, _betas_ok(cfg.critic.optim.betas),
+         "must be two numbers in [0, 1)"),
+        (f"{a}.ppo_epochs", actor.ppo_epochs, actor.ppo_epochs >= 1, "must be >= 1"),
+        ("critic.ppo_epochs", cfg.critic.ppo_epochs, cfg.critic.ppo_epochs >= 1, "must be >= 1"),
+        (f"{a}.grad_clip", actor.grad_clip, actor.grad_clip > 0, "must be > 0 (max gradient norm)"),
+        ("algorithm.gamma", cfg.algorithm.gamma, 0 <= cfg.algorithm.gamma <= 1, "must be in [0, 1]"),
+        ("algorithm.lam", cfg.algorithm.lam, 0 <= cfg.algorithm.lam <= 1, "must be in [0, 1]"),
+        ("reward.timeout_s", cfg.reward.timeout_s, cfg.reward.timeout_s >= 0, "must be >= 0 (0 = no timeout)"),
+        ("reward.num_workers", cfg.reward.num_workers, cfg.reward.num_workers >= 1, "must be >= 1"),
+        ("trainer.nnodes", t.nnodes, t.nnodes >= 1, "must be >= 1"),
+        ("trainer.n_gpus_per_node", t.n_gpus_per_node, t.n_gpus_per_node >= 1, "must be >= 1"),
+        ("trainer.total_epochs", t.total_epochs, t.total_epochs >= 1, "must be >= 1"),
+        ("trainer.total_training_steps", t.total_training_steps,
+         t.total_training_steps is None or t.total_training_steps >= 1, "must be >= 1 or null"),
+    ]
+    return rules
+
+
+def _betas_ok(betas: list[float]) -> bool:
+    """Two Adam betas, each in [0, 1)."""
+    return len(betas) == 2 and all(0 <= b < 1 for b in betas)
+
+
+def _check_ranges(cfg: LatheConfig, problems: ProblemList) -> None:
+    """Rule 7: each value within its valid range."""
+    for key, value, ok, rule in _range_rules(cfg):
+        if not ok:
+            problems.add(f"{key}={value} is out of range: it {rule}. Fix: set {key} to a value that does.")
+
+
+def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
+    """Rules 9-11: rollout backend shipped, resume path present, validation data present."""
+    name, t = cfg.actor_rollout_ref.rollout.name, cfg.trainer
+    if name in ("vllm", "sglang"):
+        problems.add(f"actor_rollout_ref.rollout.name={name}: lathe does not use {name}. It ships its own "
+                     f"rollout engine (`lathe`: paged KV cache, continuous batching, prefix sharing) and a "
+                     f"transformers fallback (`hf`). Fix: set actor_rollout_ref.rollout.name=lathe (or hf); "
+                     f"the engine keys you set for {name} (gpu_memory_utilization, max_num_seqs, ...) still apply.")
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        problems.add("trainer.resume_mode=resume_path needs trainer.resume_from_path, which is not set. Fix: set "
+                     "trainer.resume_from_path=<checkpoint dir>, or use trainer.resume_mode=auto.")
+    if t.test_freq > 0 and not cfg.data.val_files:
+        problems.add(f"trainer.test_freq={t.test_freq} asks for validation every {t.test_freq} steps, but "
+                     f"data.val_files is not set. Fix: set data.val_files=<parquet/jsonl file> (or "
+                     f"builtin:arithmetic), or set trainer.test_freq=-1.")

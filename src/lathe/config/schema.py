@@ -1,0 +1,323 @@
+"""The root config tree ``LatheConfig`` and its data, critic, reward, algorithm and trainer groups.
+
+Group and key names are verl's (``data.train_batch_size``, ``algorithm.adv_estimator``, ...), so a
+verl launch script's ``key=value`` arguments apply unchanged. lathe-only keys say "lathe:".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .coerce import spec
+from .schema_actor import CheckpointConfig, FSDPConfig, OptimConfig
+from .schema_rollout import ActorRolloutRefConfig
+
+_COMPAT = "Accepted for verl compatibility; not used yet."
+
+
+@dataclass
+class PathNameConfig:
+    """A Python object located by file path and attribute name."""
+
+    path: str | None = spec(None, "Python file (or module) defining the object.")
+    name: str | None = spec(None, "Name of the object in that file.")
+
+
+@dataclass
+class SamplerConfig:
+    """verl ``data.sampler``: a custom (curriculum) sampler class."""
+
+    class_path: str | None = spec(None, "Module containing the sampler class.")
+    class_name: str | None = spec(None, "Sampler class name.")
+
+
+@dataclass
+class DataConfig:
+    """Datasets and batch size (verl ``data``). Files are parquet/jsonl in verl's schema."""
+
+    tokenizer: str | None = spec(None, "Tokenizer location; null = the model's.")
+    use_shm: bool = spec(False, _COMPAT)
+    train_files: str | list[str] = spec("builtin:arithmetic", "Training file(s); 'builtin:<task>' = built-in data.")
+    val_files: str | list[str] | None = spec("builtin:arithmetic", "Validation file(s); null = no validation set.")
+    train_max_samples: int = spec(-1, "Use at most this many training rows; -1 = all.")
+    val_max_samples: int = spec(-1, "Use at most this many validation rows; -1 = all.")
+    prompt_key: str = spec("prompt", "Column holding the chat-format prompt.")
+    reward_fn_key: str = spec("data_source", "Column selecting the reward function per row.")
+    max_prompt_length: int = spec(512, "Prompt token budget (see truncation).")
+    max_response_length: int = spec(512, "Max generated tokens per response.")
+    train_batch_size: int = spec(1024, "Prompts per training step (each sampled rollout.n times).")
+    val_batch_size: int | None = spec(None, "Prompts per validation batch; null = whole set (verl: deprecated).")
+    gen_batch_size: int | None = spec(None, "DAPO: prompts generated per try when filtering groups; "
+                                            "null = train_batch_size.")
+    return_raw_input_ids: bool = spec(False, "Also return un-templated input ids (RM with another tokenizer).")
+    return_raw_chat: bool = spec(False, "Also return the raw chat messages.")
+    return_full_prompt: bool = spec(False, "Also return the templated prompt text.")
+    shuffle: bool = spec(True, "Shuffle the training set each epoch.")
+    seed: int | None = spec(None, "Shuffle seed; null = trainer.seed.")
+    validation_shuffle: bool = spec(False, "Shuffle the validation set.")
+    dataloader_num_workers: int = spec(8, "Data loader worker processes.")
+    filter_overlong_prompts: bool = spec(False, "Drop rows whose templated prompt exceeds max_prompt_length.")
+    filter_overlong_prompts_workers: int = spec(1, "Processes used for that filtering.")
+    truncation: Literal["error", "left", "right", "middle"] = spec(
+        "error", "What to do with a prompt longer than max_prompt_length.")
+    image_key: str = spec("images", "Column of images (multimodal). " + _COMPAT)
+    video_key: str = spec("videos", "Column of videos (multimodal). " + _COMPAT)
+    trust_remote_code: bool = spec(False, "Allow tokenizer code shipped with the checkpoint.")
+    tool_config_path: str | None = spec(None, "Tools used when measuring prompt length. " + _COMPAT)
+    custom_cls: PathNameConfig = spec(factory=PathNameConfig, help="Custom dataset class.")
+    return_multi_modal_inputs: bool = spec(True, _COMPAT)
+    sampler: SamplerConfig = spec(factory=SamplerConfig, help="Custom sampler class.")
+    datagen: PathNameConfig = spec(factory=PathNameConfig, help="Dynamic data generator. " + _COMPAT)
+    apply_chat_template_kwargs: dict[str, Any] = spec({}, "Extra kwargs for tokenizer.apply_chat_template.")
+
+
+@dataclass
+class CriticModelConfig:
+    """The value model (verl ``critic.model``); null keys fall back to the policy model's."""
+
+    path: str | None = spec(None, "Value model location; null = actor_rollout_ref.model.path.")
+    tokenizer_path: str | None = spec(None, "null = actor_rollout_ref.model.path.")
+    override_config: dict[str, Any] = spec({}, "HF config overrides.")
+    external_lib: str | None = spec(None, "null = actor_rollout_ref.model.external_lib.")
+    trust_remote_code: bool | None = spec(None, "null = actor_rollout_ref.model.trust_remote_code.")
+    use_shm: bool = spec(False, _COMPAT)
+    enable_gradient_checkpointing: bool = spec(True, _COMPAT)
+    enable_activation_offload: bool = spec(False, _COMPAT)
+    use_remove_padding: bool = spec(False, _COMPAT)
+    lora_rank: int = spec(0, "LoRA rank; 0 = full fine-tuning.")
+    lora_alpha: int = spec(16, "LoRA alpha.")
+    target_modules: str | list[str] = spec("all-linear", "LoRA target modules.")
+    fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="Critic sharding/offload.")
+
+
+@dataclass
+class CriticConfig:
+    """Value-function training, used when algorithm.adv_estimator=gae (verl ``critic``).
+
+    Keys left null take the actor's value (mini-batch size, epochs, shuffle, ...).
+    """
+
+    strategy: str = spec("fsdp", _COMPAT)
+    enable: bool | None = spec(None, "Force the critic on/off; null = on exactly when adv_estimator=gae.")
+    model: CriticModelConfig = spec(factory=CriticModelConfig, help="Value model.")
+    optim: OptimConfig = spec(factory=lambda: OptimConfig(lr=1e-5), help="Critic optimizer (lr 1e-5).")
+    ppo_mini_batch_size: int | None = spec(None, "Prompts per critic mini-batch; null = actor's.")
+    ppo_micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
+    ppo_micro_batch_size_per_gpu: int | None = spec(
+        None, "Sequences per device per pass; null = the whole per-device mini-batch.")
+    forward_micro_batch_size: int | None = spec(None, "Deprecated (verl); converted.")
+    forward_micro_batch_size_per_gpu: int | None = spec(None, "Value forward micro-batch; "
+                                                              "null = ppo_micro_batch_size_per_gpu.")
+    use_dynamic_bsz: bool | None = spec(None, "null = actor's.")
+    ppo_max_token_len_per_gpu: int = spec(32768, "Token budget per micro-batch with use_dynamic_bsz.")
+    forward_max_token_len_per_gpu: int | None = spec(None, "null = ppo_max_token_len_per_gpu.")
+    ppo_epochs: int | None = spec(None, "null = actor's.")
+    shuffle: bool | None = spec(None, "null = actor's.")
+    grad_clip: float = spec(1.0, "Max global gradient norm.")
+    cliprange_value: float = spec(0.5, "Value clipping range around the old values.")
+    loss_agg_mode: str | None = spec(None, "null = actor's.")
+    ulysses_sequence_parallel_size: int = spec(1, _COMPAT)
+    checkpoint: CheckpointConfig = spec(factory=CheckpointConfig, help="Checkpoint contents.")
+    profiler: dict[str, Any] = spec({}, _COMPAT)
+
+
+@dataclass
+class RewardModelModelConfig:
+    """A learned reward model's weights (verl ``reward_model.model``)."""
+
+    path: str | None = spec(None, "Reward model location.")
+    input_tokenizer: str | None = spec(None, "Tokenizer of the policy, when it differs from the RM's.")
+    external_lib: str | None = spec(None, "Module imported before loading.")
+    trust_remote_code: bool = spec(False, "Allow code shipped with the checkpoint.")
+    use_shm: bool = spec(False, _COMPAT)
+    use_remove_padding: bool = spec(False, _COMPAT)
+    use_fused_kernels: bool = spec(False, _COMPAT)
+    fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="RM sharding/offload.")
+
+
+@dataclass
+class SandboxFusionConfig:
+    """Remote code-execution sandbox (verl ``reward_model.sandbox_fusion``)."""
+
+    url: str | None = spec(None, "Sandbox service URL; null = lathe's local sandbox.")
+    max_concurrent: int = spec(64, "Concurrent sandbox requests.")
+    memory_limit_mb: int = spec(1024, "Memory limit per execution.")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment (verl recipe ``reward_model.overlong_buffer``)."""
+
+    enable: bool = spec(False, "Penalize responses longer than max_response_length - len.")
+    len: int = spec(0, "Buffer length in tokens before the hard limit.")
+    penalty_factor: float = spec(0.0, "Penalty at the hard limit (grows linearly through the buffer).")
+    log: bool = spec(False, "Log the penalty as a metric.")
+
+
+@dataclass
+class RewardModelConfig:
+    """verl ``reward_model``: learned reward model and the reward manager."""
+
+    enable: bool = spec(False, "Score with a learned reward model.")
+    enable_resource_pool: bool = spec(False, _COMPAT)
+    n_gpus_per_node: int = spec(0, _COMPAT)
+    nnodes: int = spec(0, _COMPAT)
+    strategy: str = spec("fsdp", _COMPAT)
+    model: RewardModelModelConfig = spec(factory=RewardModelModelConfig, help="Reward model weights.")
+    micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
+    micro_batch_size_per_gpu: int | None = spec(None, "Sequences per device per RM forward.")
+    max_length: int | None = spec(None, "Max RM input length.")
+    use_dynamic_bsz: bool | None = spec(None, "null = critic's.")
+    forward_max_token_len_per_gpu: int | None = spec(None, "Token budget per RM micro-batch.")
+    ulysses_sequence_parallel_size: int = spec(1, _COMPAT)
+    reward_manager: str = spec("naive", "How scores are computed per batch: naive, prime, batch, dapo.")
+    launch_reward_fn_async: bool = spec(False, "Score on CPU while log-probs are computed.")
+    reward_kwargs: dict[str, Any] = spec({}, "Extra kwargs for the reward manager (e.g. max_resp_len).")
+    sandbox_fusion: SandboxFusionConfig = spec(factory=SandboxFusionConfig, help="Code sandbox.")
+    overlong_buffer: OverlongBufferConfig = spec(factory=OverlongBufferConfig, help="DAPO overlong penalty.")
+    profiler: dict[str, Any] = spec({}, _COMPAT)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """User scoring function ``fn(data_source, solution_str, ground_truth, extra_info, **kw)``."""
+
+    path: str | None = spec(None, "Python file defining the function; null = built-in scorers.")
+    name: str = spec("compute_score", "Function name in that file.")
+
+
+@dataclass
+class RewardConfig:
+    """Rule/function rewards. verl's top-level custom_reward_function.* maps here."""
+
+    custom_reward_function: CustomRewardFunctionConfig = spec(factory=CustomRewardFunctionConfig,
+                                                              help="User scoring function.")
+    reward_kwargs: dict[str, Any] = spec({}, "Extra keyword arguments passed to the scoring function.")
+    timeout_s: float = spec(10.0, "lathe: per-sample scorer timeout in seconds; 0 = in-process, no timeout.")
+    num_workers: int = spec(1, "lathe: scorer worker processes.")
+
+
+@dataclass
+class KLControlConfig:
+    """In-reward KL coefficient controller (verl ``algorithm.kl_ctrl``)."""
+
+    type: str = spec("fixed", "fixed | adaptive.")
+    kl_coef: float = spec(0.001, "(Initial) KL coefficient.")
+    horizon: int = spec(10000, "Adaptive controller horizon.")
+    target_kl: float = spec(0.1, "Adaptive controller target KL.")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose responses all score the same."""
+
+    enable: bool = spec(False, "Filter out zero-variance groups and regenerate.")
+    metric: str | None = spec(None, "Metric compared within a group: acc, score, seq_reward, seq_final_reward.")
+    max_num_gen_batches: int = spec(0, "Max generation tries per step; <= 0 = no limit.")
+
+
+@dataclass
+class PFPPOConfig:
+    """Preference-feedback PPO reweighting (verl ``algorithm.pf_ppo``)."""
+
+    reweight_method: str = spec("pow", "pow | max_min | max_random.")
+    weight_pow: float = spec(2.0, "Exponent for the pow method.")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction between the rollout engine and the trainer (verl names)."""
+
+    rollout_is: str | None = spec(None, "IS weights: token | sequence | null (off).")
+    rollout_is_threshold: float = spec(2.0, "Upper truncation of IS weights.")
+    rollout_is_batch_normalize: bool = spec(False, "Normalize IS weights to mean 1 per batch.")
+    rollout_rs: str | None = spec(None, "Rejection sampling: token | sequence | geometric | null (off).")
+    rollout_rs_threshold: float | None = spec(None, "RS upper threshold; null = rollout_is_threshold.")
+    rollout_rs_threshold_lower: float | None = spec(None, "RS lower threshold; null = 1 / upper.")
+    rollout_token_veto_threshold: float | None = spec(None, "Reject a sequence if any token ratio is below.")
+    bypass_mode: bool = spec(False, "Use rollout log-probs as old log-probs (skip recomputation).")
+    loss_type: str = spec("ppo_clip", "Bypass-mode loss: ppo_clip | reinforce.")
+    use_policy_gradient: bool = spec(False, "Older verl spelling of loss_type=reinforce.")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and reward shaping (verl ``algorithm``)."""
+
+    gamma: float = spec(1.0, "Discount factor.")
+    lam: float = spec(1.0, "GAE lambda.")
+    adv_estimator: str = spec("gae", "gae, grpo, rloo, reinforce_plus_plus, remax, ... (checked by the algo registry).")
+    norm_adv_by_std_in_grpo: bool = spec(True, "GRPO: divide by the group std (false = Dr. GRPO).")
+    use_kl_in_reward: bool = spec(False, "Subtract a KL penalty from the token rewards.")
+    kl_penalty: str = spec("kl", "In-reward KL estimator: kl, abs, mse, low_var_kl, full.")
+    kl_ctrl: KLControlConfig = spec(factory=KLControlConfig, help="In-reward KL coefficient.")
+    use_pf_ppo: bool = spec(False, "Preference-feedback PPO reweighting.")
+    pf_ppo: PFPPOConfig = spec(factory=PFPPOConfig, help="PF-PPO settings.")
+    filter_groups: FilterGroupsConfig = spec(factory=FilterGroupsConfig, help="DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = spec(factory=RolloutCorrectionConfig,
+                                                       help="Rollout/trainer mismatch correction.")
+
+
+Logger = Literal["console", "tensorboard", "wandb", "mlflow", "jsonl"]
+
+
+@dataclass
+class TrainerConfig:
+    """Run length, logging, checkpointing and placement (verl ``trainer``)."""
+
+    total_epochs: int = spec(30, "Passes over the training set.")
+    total_training_steps: int | None = spec(None, "Stop after this many steps; null = total_epochs.")
+    project_name: str = spec("lathe", "Project (logger group, checkpoint dir).")
+    experiment_name: str = spec("default", "Run name within the project.")
+    logger: list[Logger] = spec(["console", "tensorboard"], "Loggers; jsonl metrics are always written.",
+                                scalar_to_list=True)
+    log_val_generations: int = spec(0, "Validation samples logged as text per validation.")
+    rollout_data_dir: str | None = spec(None, "Dump each step's rollouts here as jsonl.")
+    validation_data_dir: str | None = spec(None, "Dump validation generations here.")
+    nnodes: int = spec(1, "Nodes.")
+    n_gpus_per_node: int = spec(1, "Devices per node (lathe default 1).")
+    device: Literal["auto", "cpu", "cuda"] = spec("auto", "lathe: auto = cuda when available, else cpu.")
+    seed: int = spec(42, "lathe: seeds python, numpy and torch.")
+    save_freq: int = spec(-1, "Save a checkpoint every N steps; -1 = never.")
+    test_freq: int = spec(-1, "Validate every N steps; -1 = never.")
+    val_before_train: bool = spec(True, "Validate once before the first step.")
+    val_only: bool = spec(False, "Only validate, then exit.")
+    critic_warmup: int = spec(0, "Steps that train only the critic.")
+    balance_batch: bool = spec(True, "Balance token counts across devices.")
+    resume_mode: Literal["auto", "disable", "resume_path"] = spec(
+        "auto", "auto = resume from the latest checkpoint in default_local_dir if any.")
+    resume_from_path: str | None = spec(None, "Checkpoint dir used when resume_mode=resume_path.")
+    default_local_dir: str = spec("checkpoints/${trainer.project_name}/${trainer.experiment_name}",
+                                  "Checkpoint directory.")
+    default_hdfs_dir: str | None = spec(None, _COMPAT)
+    del_local_ckpt_after_load: bool = spec(False, _COMPAT)
+    remove_previous_ckpt_in_save: bool = spec(False, "Old verl key. " + _COMPAT)
+    max_actor_ckpt_to_keep: int | None = spec(None, "Keep only the newest N actor checkpoints; null = all.")
+    max_critic_ckpt_to_keep: int | None = spec(None, "Keep only the newest N critic checkpoints; null = all.")
+    esi_redundant_time: int = spec(0, _COMPAT)
+    ray_wait_register_center_timeout: int = spec(300, "Seconds to wait for Ray workers to register.")
+    use_legacy_worker_impl: str = spec("auto", _COMPAT)
+
+
+@dataclass
+class LatheConfig:
+    """The whole run: verl's top-level groups plus lathe's ``reward`` group."""
+
+    data: DataConfig = spec(factory=DataConfig, help="Datasets and batch size.")
+    actor_rollout_ref: ActorRolloutRefConfig = spec(factory=ActorRolloutRefConfig,
+                                                    help="Policy model, actor, ref and rollout.")
+    critic: CriticConfig = spec(factory=CriticConfig, help="Value function (GAE).")
+    reward_model: RewardModelConfig = spec(factory=RewardModelConfig, help="Reward model / manager.")
+    reward: RewardConfig = spec(factory=RewardConfig, help="Rule and function rewards.")
+    algorithm: AlgorithmConfig = spec(factory=AlgorithmConfig, help="Advantage and KL settings.")
+    trainer: TrainerConfig = spec(factory=TrainerConfig, help="Run control.")
+    ray_kwargs: dict[str, Any] = spec({}, "Ray settings (e.g. ray_init.num_cpus) for multi-node runs.")
+    ray_init: dict[str, Any] = spec({}, "Older verl spelling of ray_kwargs.ray_init.")
+    global_profiler: dict[str, Any] = spec({}, "verl profiler settings. " + _COMPAT)
+    hydra: dict[str, Any] = spec({}, "Hydra's own settings in verl scripts; ignored.")
+
+    @property
+    def custom_reward_function(self) -> CustomRewardFunctionConfig:
+        """verl's old top-level spelling of ``reward.custom_reward_function``."""
+        return self.reward.custom_reward_function

@@ -1,0 +1,181 @@
+"""Config groups for the policy model, the actor's PPO update and the reference policy.
+
+Key names and defaults follow verl's ``actor_rollout_ref.{model,actor,ref}`` groups. Keys that
+lathe accepts so verl launch scripts run unchanged, but does not act on yet, say so in their help.
+A default of ``None`` that "falls back" to another key is filled in by ``load_config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .coerce import spec
+
+_COMPAT = "Accepted for verl compatibility; not used yet."
+
+
+@dataclass
+class FSDPConfig:
+    """verl's ``fsdp_config`` group: sharding and offload switches for one model."""
+
+    param_offload: bool = spec(False, "Keep parameters on CPU between uses (offload).")
+    optimizer_offload: bool = spec(False, "Keep optimizer state on CPU between updates.")
+    offload_policy: bool = spec(False, "FSDP2 CPU offload policy for param/grad/optimizer.")
+    grad_offload: bool = spec(False, "Old verl key (gradient offload). " + _COMPAT)
+    reshard_after_forward: bool = spec(True, "FSDP2: free gathered params after forward.")
+    fsdp_size: int = spec(-1, "Devices per FSDP shard group; -1 = all devices.")
+    forward_prefetch: bool = spec(False, "Prefetch the next all-gather during forward.")
+    model_dtype: str = spec("fp32", "Dtype of the sharded master weights (fp32|bf16).")
+    use_orig_params: bool = spec(False, "FSDP1 use_orig_params. " + _COMPAT)
+    wrap_policy: dict[str, Any] = spec({"min_num_params": 0}, "Module wrapping policy. " + _COMPAT)
+    strategy: str | None = spec(None, "Engine strategy override (fsdp|fsdp2). " + _COMPAT)
+
+
+@dataclass
+class CheckpointConfig:
+    """What a checkpoint holds (verl ``checkpoint``)."""
+
+    save_contents: list[str] = spec(["model", "optimizer", "extra"],
+                                    "Parts to save: model, optimizer, extra (rng, step), hf_model.")
+    load_contents: list[str] = spec(["model", "optimizer", "extra"], "Parts to load on resume.")
+    async_save: bool = spec(False, "Save in the background. " + _COMPAT)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and learning-rate schedule (verl ``optim``)."""
+
+    lr: float = spec(1e-6, "Peak learning rate.")
+    lr_warmup_steps: int | None = spec(-1, "Warmup steps; <= 0 or null defers to lr_warmup_steps_ratio.")
+    lr_warmup_steps_ratio: float = spec(0.0, "Warmup steps as a fraction of total training steps.")
+    min_lr_ratio: float | None = spec(0.0, "Cosine schedule floor as a fraction of lr.")
+    num_cycles: float = spec(0.5, "Number of cosine half-waves over training (0.5 = decay once).")
+    lr_scheduler_type: Literal["constant", "cosine"] = spec("constant", "LR schedule after warmup.")
+    warmup_style: Literal["constant", "cosine"] | None = spec(
+        None, "verl's older name for lr_scheduler_type; when set it wins and is copied there.")
+    weight_decay: float = spec(0.01, "Decoupled (AdamW) weight decay.")
+    betas: list[float] = spec([0.9, 0.999], "Adam betas [beta1, beta2].")
+    clip_grad: float | None = spec(None, "verl's newer spelling of grad_clip; when set it wins.")
+    total_training_steps: int = spec(-1, "Filled in at runtime from the data size; -1 = not yet known.")
+    optimizer: str = spec("AdamW", "Optimizer class name.")
+    optimizer_impl: str = spec("torch.optim", "Module the optimizer class is imported from.")
+    override_optimizer_config: dict[str, Any] | None = spec(None, "Extra optimizer kwargs.")
+
+
+@dataclass
+class PolicyLossConfig:
+    """Which policy-gradient loss to use and its knobs (verl ``policy_loss``)."""
+
+    loss_mode: str = spec("vanilla", "Policy loss name: vanilla (PPO clip), gspo, sapo, cispo, geo_mean, "
+                                     "gpg, clip_cov, kl_cov, ... (checked by the algo registry).")
+    clip_cov_ratio: float = spec(0.0002, "clip_cov: fraction of tokens whose gradient is clipped.")
+    clip_cov_lb: float = spec(1.0, "clip_cov: lower bound of the covariance window.")
+    clip_cov_ub: float = spec(5.0, "clip_cov: upper bound of the covariance window.")
+    kl_cov_ratio: float = spec(0.0002, "kl_cov: fraction of tokens that get the KL penalty.")
+    ppo_kl_coef: float = spec(0.1, "kl_cov: KL penalty coefficient.")
+
+
+@dataclass
+class WarmStartConfig:
+    """lathe: supervised warm start on ``extra_info.answer`` before RL (the built-in run uses it)."""
+
+    steps: int = spec(0, "Supervised steps before RL; 0 disables the warm start.")
+    lr: float = spec(1e-3, "Learning rate of the warm start.")
+    batch_size: int = spec(64, "Examples per warm-start step.")
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (verl ``actor_rollout_ref.model``), shared by actor, ref and rollout."""
+
+    path: str = spec("builtin:tiny", "HF model id or local dir; 'builtin:tiny' = a tiny model built in code.")
+    tokenizer_path: str | None = spec(None, "Tokenizer location; null = same as path.")
+    hf_config_path: str | None = spec(None, "HF config location; null = same as path.")
+    trust_remote_code: bool = spec(False, "Allow model code shipped with the checkpoint.")
+    override_config: dict[str, Any] = spec({}, "Keys that override the model's HF config (e.g. attention_dropout).")
+    external_lib: str | None = spec(None, "Python module imported before loading (registers custom models).")
+    custom_chat_template: str | None = spec(None, "Jinja chat template replacing the tokenizer's.")
+    use_shm: bool = spec(False, "Copy the model to shared memory first. " + _COMPAT)
+    enable_gradient_checkpointing: bool = spec(True, "Recompute activations in backward to save memory. "
+                                                     "Accepted for verl compatibility; not used yet.")
+    enable_activation_offload: bool = spec(False, "Offload activations to CPU. " + _COMPAT)
+    use_remove_padding: bool = spec(False, "Packed (varlen) forward without pad tokens. " + _COMPAT)
+    use_liger: bool = spec(False, "Liger kernels. " + _COMPAT)
+    use_fused_kernels: bool = spec(False, "Fused log-prob/entropy kernels. " + _COMPAT)
+    fused_kernel_options: dict[str, Any] = spec({"impl_backend": "torch"}, "Fused kernel options. " + _COMPAT)
+    lora_rank: int = spec(0, "LoRA rank; 0 = full fine-tuning.")
+    lora_alpha: int = spec(16, "LoRA alpha.")
+    target_modules: str | list[str] = spec("all-linear", "LoRA target modules.")
+    exclude_modules: str | list[str] | None = spec(None, "Modules excluded from LoRA.")
+    warm_start: WarmStartConfig = spec(factory=WarmStartConfig, help="lathe: supervised warm start before RL.")
+
+
+@dataclass
+class ActorConfig:
+    """PPO-family policy update (verl ``actor_rollout_ref.actor``).
+
+    Batch units (verl's): ``ppo_mini_batch_size`` counts PROMPTS (x rollout.n sequences, split
+    across devices); ``ppo_micro_batch_size_per_gpu`` counts SEQUENCES per device.
+    """
+
+    strategy: str = spec("fsdp", "Training backend (fsdp|fsdp2|megatron). " + _COMPAT)
+    ppo_mini_batch_size: int = spec(256, "Prompts per PPO mini-batch (one optimizer step); x rollout.n sequences.")
+    ppo_micro_batch_size: int | None = spec(None, "Deprecated (verl): global micro-batch in sequences; "
+                                                  "converted to ppo_micro_batch_size_per_gpu.")
+    ppo_micro_batch_size_per_gpu: int | None = spec(
+        None, "Sequences per device per forward/backward (gradient accumulation). "
+              "null = lathe default: the whole per-device mini-batch in one pass.")
+    use_dynamic_bsz: bool = spec(False, "Pack micro-batches by token count instead of sequence count.")
+    ppo_max_token_len_per_gpu: int = spec(16384, "Token budget per device micro-batch when use_dynamic_bsz.")
+    clip_ratio: float = spec(0.2, "PPO clip epsilon; default for clip_ratio_low/high.")
+    clip_ratio_low: float | None = spec(None, "Lower clip epsilon (ratio >= 1-low); null = clip_ratio.")
+    clip_ratio_high: float | None = spec(None, "Upper clip epsilon (ratio <= 1+high, DAPO clip-higher); "
+                                               "null = clip_ratio.")
+    clip_ratio_c: float = spec(3.0, "Dual-clip PPO constant c (> 1) bounding the loss for negative advantages.")
+    tau_pos: float = spec(1.0, "SAPO smoothing temperature for positive advantages.")
+    tau_neg: float = spec(1.05, "SAPO smoothing temperature for negative advantages.")
+    policy_loss: PolicyLossConfig = spec(factory=PolicyLossConfig, help="Policy loss selection.")
+    loss_agg_mode: str = spec("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
+                                            "seq-mean-token-sum-norm (checked by the algo registry).")
+    loss_scale_factor: float | None = spec(None, "seq-mean-token-sum-norm divisor; null = response length.")
+    entropy_coeff: float = spec(0.0, "Entropy bonus coefficient in the actor loss.")
+    use_kl_loss: bool = spec(False, "Add a KL(actor || ref) term to the loss (GRPO style).")
+    kl_loss_coef: float = spec(0.001, "Coefficient of the KL loss.")
+    kl_loss_type: str = spec("low_var_kl", "KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), full.")
+    ppo_epochs: int = spec(1, "Passes over each step's batch.")
+    shuffle: bool = spec(False, "Shuffle sequences between PPO epochs.")
+    grad_clip: float = spec(1.0, "Max global gradient norm.")
+    tis_imp_ratio_cap: float = spec(-1.0, "Truncated IS cap on old/rollout ratio; -1 disables.")
+    use_token_level_loss: bool | None = spec(None, "Old verl DAPO key; use loss_agg_mode=token-mean. " + _COMPAT)
+    ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree. " + _COMPAT)
+    entropy_from_logits_with_chunking: bool = spec(False, "Chunk the entropy computation. " + _COMPAT)
+    entropy_checkpointing: bool = spec(False, "Recompute entropy in backward. " + _COMPAT)
+    use_torch_compile: bool = spec(True, "Allow torch.compile for the loss kernels.")
+    use_fused_kernels: bool = spec(False, "Fused log-prob kernels. " + _COMPAT)
+    use_remove_padding: bool = spec(False, "Packed forward without padding. " + _COMPAT)
+    freeze_vision_tower: bool = spec(False, "Freeze a VLM's vision tower. " + _COMPAT)
+    data_loader_seed: int | None = spec(None, "Seed for mini-batch shuffling; null = trainer.seed.")
+    checkpoint: CheckpointConfig = spec(factory=CheckpointConfig, help="Checkpoint contents.")
+    optim: OptimConfig = spec(factory=OptimConfig, help="Actor optimizer.")
+    fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="Actor sharding/offload.")
+    profiler: dict[str, Any] = spec({}, "verl profiler settings. " + _COMPAT)
+
+
+@dataclass
+class RefConfig:
+    """Frozen reference policy for the KL term (verl ``actor_rollout_ref.ref``)."""
+
+    strategy: str = spec("fsdp", "Backend. " + _COMPAT)
+    log_prob_micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
+    log_prob_micro_batch_size_per_gpu: int | None = spec(
+        None, "Sequences per device per ref log-prob forward; null = lathe picks.")
+    log_prob_use_dynamic_bsz: bool | None = spec(None, "Token-count micro-batches; null = actor.use_dynamic_bsz.")
+    log_prob_max_token_len_per_gpu: int | None = spec(
+        None, "Token budget per micro-batch; null = actor.ppo_max_token_len_per_gpu.")
+    ulysses_sequence_parallel_size: int | None = spec(None, "Sequence-parallel degree; null = actor's. " + _COMPAT)
+    use_torch_compile: bool | None = spec(None, "null = actor.use_torch_compile.")
+    entropy_from_logits_with_chunking: bool = spec(False, _COMPAT)
+    entropy_checkpointing: bool = spec(False, _COMPAT)
+    fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="Ref sharding/offload (param_offload useful).")
+    profiler: dict[str, Any] = spec({}, "verl profiler settings. " + _COMPAT)

@@ -1,0 +1,111 @@
+"""Config groups for generation (verl ``actor_rollout_ref.rollout``) and the group that holds them.
+
+lathe ships two rollout backends: ``lathe`` (the built-in paged engine) and ``hf`` (transformers
+``generate``). ``vllm``/``sglang`` are accepted by the schema so a verl script parses, and then
+rejected by the cross-field rules with an explanation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .coerce import spec
+from .schema_actor import ActorConfig, ModelConfig, RefConfig
+
+_COMPAT = "Accepted for verl compatibility; not used yet."
+
+
+@dataclass
+class ValKwargsConfig:
+    """Sampling used for validation (verl ``rollout.val_kwargs``); greedy by default."""
+
+    n: int = spec(1, "Responses per validation prompt.")
+    temperature: float = spec(0.0, "Sampling temperature; 0 = greedy.")
+    top_p: float = spec(1.0, "Nucleus sampling mass, in (0, 1].")
+    top_k: int = spec(-1, "Top-k; -1 disables.")
+    do_sample: bool = spec(False, "Sample (true) or decode greedily (false).")
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn / tool-calling rollouts (verl ``rollout.multi_turn``)."""
+
+    enable: bool = spec(False, "Run agent loops with tools instead of single-turn generation.")
+    max_assistant_turns: int | None = spec(None, "Cap on assistant turns; null = no cap.")
+    max_user_turns: int | None = spec(None, "Cap on user/tool turns; null = no cap.")
+    tool_config_path: str | None = spec(None, "YAML file describing the tools.")
+    interaction_config_path: str | None = spec(None, "YAML file describing simulated users.")
+    max_parallel_calls: int = spec(1, "Tool calls executed in parallel per turn.")
+    max_tool_response_length: int = spec(256, "Tool output truncated to this many tokens.")
+    tool_response_truncate_side: str = spec("middle", "left | right | middle.")
+    use_inference_chat_template: bool = spec(False, "Apply the chat template used at inference.")
+    tokenization_sanity_check_mode: str = spec("strict", "strict | ignore_strippable | disable.")
+    format: str = spec("hermes", "Tool-call format.")
+
+
+@dataclass
+class RolloutConfig:
+    """Response generation for training and validation."""
+
+    name: Literal["hf", "lathe", "vllm", "sglang"] = spec(
+        "hf", "Backend: lathe (built-in paged engine) or hf (transformers generate). "
+              "vllm/sglang are not shipped; load_config explains the fix.")
+    mode: str = spec("sync", "sync | async (verl). " + _COMPAT)
+    n: int = spec(1, "Responses sampled per prompt (GRPO group size).")
+    temperature: float = spec(1.0, "Sampling temperature (> 0).")
+    top_p: float = spec(1.0, "Nucleus sampling mass, in (0, 1].")
+    top_k: int = spec(-1, "Top-k; -1 disables.")
+    do_sample: bool = spec(True, "Sample (true) or decode greedily (false).")
+    ignore_eos: bool = spec(False, "Keep generating past EOS up to response_length.")
+    prompt_length: int | None = spec(None, "Prompt token budget; null = data.max_prompt_length.")
+    response_length: int | None = spec(None, "Response token budget; null = data.max_response_length.")
+    dtype: str = spec("bfloat16", "Rollout weights dtype (bfloat16|float16|float32); CPU runs use float32.")
+    gpu_memory_utilization: float = spec(0.5, "Fraction of device memory the engine may use (weights + KV cache).")
+    tensor_model_parallel_size: int = spec(1, "Tensor-parallel degree of the engine (verl default 2). "
+                                              + _COMPAT)
+    data_parallel_size: int = spec(1, _COMPAT)
+    expert_parallel_size: int = spec(1, _COMPAT)
+    max_num_batched_tokens: int = spec(8192, "Token budget of one engine step (prefill chunking).")
+    max_model_len: int | None = spec(None, "Max prompt+response length; null = prompt_length + response_length.")
+    max_num_seqs: int = spec(1024, "Max sequences running at once in the engine.")
+    enforce_eager: bool = spec(False, "Disable CUDA graphs in the engine.")
+    cudagraph_capture_sizes: list[int] | None = spec(None, "Batch sizes to capture as CUDA graphs.")
+    free_cache_engine: bool = spec(True, "Release the KV cache while training (colocated).")
+    enable_chunked_prefill: bool = spec(True, "Split long prefills across engine steps.")
+    enable_prefix_caching: bool = spec(True, "Share KV blocks of identical prompt prefixes.")
+    load_format: str = spec("dummy", "How the engine first gets weights. " + _COMPAT)
+    layered_summon: bool = spec(False, _COMPAT)
+    log_prob_micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
+    log_prob_micro_batch_size_per_gpu: int | None = spec(
+        None, "Sequences per device per old-log-prob forward; null = lathe picks.")
+    log_prob_use_dynamic_bsz: bool | None = spec(None, "null = actor.use_dynamic_bsz.")
+    log_prob_max_token_len_per_gpu: int | None = spec(None, "null = actor.ppo_max_token_len_per_gpu.")
+    disable_log_stats: bool = spec(True, "Silence the engine's own stats logging.")
+    calculate_log_probs: bool = spec(False, "Return the engine's log-probs (needed by rollout_correction).")
+    over_sample_rate: float = spec(0.0, _COMPAT)
+    multi_stage_wake_up: bool = spec(False, _COMPAT)
+    update_weights_bucket_megabytes: int = spec(512, "Bucket size for pushing weights into the engine.")
+    skip_rollout: bool = spec(False, _COMPAT)
+    skip_dump_dir: str = spec("/tmp/rollout_dump", _COMPAT)
+    skip_tokenizer_init: bool = spec(True, _COMPAT)
+    use_fire_sampling: bool = spec(False, "Old verl key. " + _COMPAT)
+    chat_scheduler: str | None = spec(None, "Old verl key. " + _COMPAT)
+    engine_kwargs: dict[str, Any] = spec({"vllm": {}, "sglang": {}}, "Backend-specific engine kwargs.")
+    val_kwargs: ValKwargsConfig = spec(factory=ValKwargsConfig, help="Validation sampling.")
+    multi_turn: MultiTurnConfig = spec(factory=MultiTurnConfig, help="Multi-turn / tool rollouts.")
+    agent: dict[str, Any] = spec({}, "verl agent-loop settings. " + _COMPAT)
+    trace: dict[str, Any] = spec({}, "verl rollout tracing. " + _COMPAT)
+    profiler: dict[str, Any] = spec({}, "verl profiler settings. " + _COMPAT)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    """verl's ``actor_rollout_ref``: the policy model and its three roles."""
+
+    hybrid_engine: bool = spec(True, "Actor and rollout share devices and weights (colocated).")
+    nccl_timeout: int = spec(600, "Seconds before a collective is declared hung.")
+    model: ModelConfig = spec(factory=ModelConfig, help="The policy model.")
+    actor: ActorConfig = spec(factory=ActorConfig, help="Policy update.")
+    ref: RefConfig = spec(factory=RefConfig, help="Reference policy.")
+    rollout: RolloutConfig = spec(factory=RolloutConfig, help="Generation.")

@@ -1,0 +1,283 @@
+"""Setting and reading values on the dataclass tree: dotted paths, YAML mappings, verl aliases.
+
+A *layer* (one YAML file, or the list of command-line overrides) is flattened into
+``Assignment``s along the schema, verl's old spellings are rewritten to lathe's paths, and each
+assignment is checked and applied. All problems of a layer are reported in one ConfigError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any, get_args, get_origin
+
+from .coerce import coerce, dump_yaml, hints_of, parse_value, show, type_name
+from .errors import ConfigError, ProblemList, closest, did_you_mean
+from .schema import LatheConfig
+
+# Old verl spellings -> lathe paths (prefix rewrite).
+ALIASES: dict[str, str] = {
+    "custom_reward_function.path": "reward.custom_reward_function.path",
+    "custom_reward_function.name": "reward.custom_reward_function.name",
+    "custom_reward_function.reward_kwargs": "reward.reward_kwargs",
+    "custom_reward_function.overlong_buffer": "reward_model.overlong_buffer",
+}
+_ALIAS_GROUPS = {"custom_reward_function"}
+
+
+@dataclass
+class Assignment:
+    """One ``path = value`` from a layer; ``raw`` is the override text, ``spelled`` the key as typed."""
+
+    path: str
+    value: Any
+    raw: str | None
+    spelled: str
+    origin: str
+
+
+# ----------------------------------------------------------------------------- schema walking
+
+
+def _dataclass_type(tp: Any) -> type | None:
+    """The dataclass inside an annotation (plain or Optional), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _is_dict_type(tp: Any) -> bool:
+    """True for dict / dict[...] / Optional[dict]."""
+    if tp is dict or get_origin(tp) is dict:
+        return True
+    return any(a is dict or get_origin(a) is dict for a in get_args(tp))
+
+
+@functools.lru_cache(maxsize=None)
+def all_paths() -> tuple[str, ...]:
+    """Every dotted key of the schema (groups and leaves) plus the accepted aliases."""
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in hints_of(cls).items():
+            path = f"{prefix}{name}"
+            out.append(path)
+            sub = _dataclass_type(tp)
+            if sub is not None:
+                walk(sub, path + ".")
+
+    walk(LatheConfig, "")
+    return tuple(out + list(ALIASES) + sorted(_ALIAS_GROUPS))
+
+
+def field_meta(cls: type, name: str) -> dict:
+    """The metadata of field ``name`` of dataclass ``cls``."""
+    return dict(cls.__dataclass_fields__[name].metadata)
+
+
+def help_for(path: str) -> str:
+    """Help text of a dotted key ('' for unknown keys or keys without help)."""
+    cls: Any = LatheConfig
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        hints = hints_of(cls)
+        if part not in hints:
+            return ""
+        if i == len(parts) - 1:
+            return field_meta(cls, part).get("help", "")
+        cls = _dataclass_type(hints[part])
+        if cls is None:
+            return ""
+    return ""
+
+
+def unknown_key_message(path: str, origin: str) -> str:
+    """'Unknown key' text: fix the first unknown segment by its siblings, else find the leaf elsewhere."""
+    paths = all_paths()
+    known = set(paths)
+    parts = path.split(".")
+    index = next(i for i in range(len(parts)) if ".".join(parts[: i + 1]) not in known)
+    parent, bad, rest = parts[:index], parts[index], parts[index + 1:]
+    prefix = ".".join(parent) + "." if parent else ""
+    siblings = sorted({p[len(prefix):].split(".")[0] for p in paths if p.startswith(prefix)})
+    guesses = []
+    for name in closest(bad, siblings, n=2):
+        fixed = prefix + name + ("." + ".".join(rest) if rest else "")
+        guesses.append(fixed if fixed in known else prefix + name)
+    if not guesses:
+        guesses = [p for p in paths if p.rsplit(".", 1)[-1] == parts[-1]][:3]
+    if not guesses:
+        guesses = closest(path, paths, n=2, cutoff=0.75)
+    listing = ""
+    if len(siblings) <= 15:
+        listing = f" Valid keys under `{prefix[:-1] or '(top level)'}`: {', '.join(siblings)}."
+    return f"Unknown config key `{path}` ({origin}).{did_you_mean(guesses)}{listing}"
+
+
+# ----------------------------------------------------------------------------- flattening
+
+
+def flatten_mapping(mapping: dict, origin: str) -> list[Assignment]:
+    """Turn a nested YAML mapping into assignments, descending only into schema groups."""
+    out: list[Assignment] = []
+
+    def walk(cls: type | None, node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            key = str(key)
+            if key == "_target_":
+                continue
+            path = f"{prefix}{key}"
+            hints = hints_of(cls) if cls is not None else {}
+            sub = _dataclass_type(hints[key]) if key in hints else None
+            group = sub is not None or (cls is LatheConfig and key in _ALIAS_GROUPS)
+            if group and isinstance(value, dict):
+                walk(sub, value, path + ".")
+            else:
+                out.append(Assignment(path, value, None, path, origin))
+
+    walk(LatheConfig, mapping, "")
+    return out
+
+
+_OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][\w\-]*(?:\.[\w\-]+)*)\s*=(.*)$", re.S)
+
+
+def parse_override(text: str) -> Assignment:
+    """Parse 'a.b=1', '+a.b=1' or '++a.b=1' (Hydra prefixes tolerated) into an assignment."""
+    stripped = text.strip()
+    if stripped.startswith("~"):
+        raise ConfigError(f"Override '{text}': deleting keys (~key) is not supported. "
+                          f"Fix: set the key to null instead, e.g. {stripped[1:].split('=')[0]}=null.")
+    match = _OVERRIDE.match(stripped)
+    if not match:
+        raise ConfigError(f"Override '{text}' is not of the form key=value. "
+                          f"Fix: write it like actor_rollout_ref.rollout.n=8 (no spaces around '=').")
+    _, key, raw = match.groups()
+    return Assignment(key, parse_value(raw), raw, key, f"override '{stripped}'")
+
+
+def rewrite_aliases(items: list[Assignment], problems: ProblemList) -> list[Assignment]:
+    """Map old verl spellings onto lathe paths; flag a layer setting both spellings differently."""
+    seen: dict[str, Assignment] = {}
+    for item in items:
+        for old, new in ALIASES.items():
+            if item.path == old or item.path.startswith(old + "."):
+                item.path = new + item.path[len(old):]
+                break
+        previous = seen.get(item.path)
+        if previous is not None and previous.spelled != item.spelled and previous.value != item.value:
+            old = previous.spelled if previous.spelled != item.path else item.spelled
+            problems.add(
+                f"`{previous.spelled}`={show(previous.value)} and `{item.spelled}`={show(item.value)} are both "
+                f"set, but they are the same setting (`{old}` is verl's old spelling of `{item.path}`). "
+                f"Fix: keep only one of them.")
+        seen[item.path] = item
+    return items
+
+
+# ----------------------------------------------------------------------------- applying
+
+
+def apply_layer(cfg: LatheConfig, items: list[Assignment], context: str) -> None:
+    """Apply a layer's assignments in order; raise one ConfigError listing every problem."""
+    problems = ProblemList()
+    for item in rewrite_aliases(items, problems):
+        try:
+            assign(cfg, item)
+        except ConfigError as err:
+            problems.add(str(err))
+    problems.raise_if_any(context)
+
+
+def assign(root: LatheConfig, item: Assignment) -> None:
+    """Set one dotted path (into groups, and into free dict fields) after type checking."""
+    parts = item.path.split(".")
+    node: Any = root
+    for i, part in enumerate(parts):
+        path = ".".join(parts[: i + 1])
+        hints = hints_of(type(node))
+        if part not in hints:
+            raise ConfigError(unknown_key_message(item.path, item.origin))
+        tp = hints[part]
+        if i == len(parts) - 1:
+            _set_field(root, node, part, tp, item)
+            return
+        current = getattr(node, part)
+        if dataclasses.is_dataclass(current):
+            node = current
+            continue
+        if _is_dict_type(tp):
+            if current is None:
+                current = {}
+                setattr(node, part, current)
+            _set_in_dict(current, parts[i + 1:], item.value)
+            return
+        raise ConfigError(f"`{path}` is a single value ({type_name(tp)}), not a group, so "
+                          f"`{item.path}` cannot be set ({item.origin}). Fix: set `{path}` itself.")
+
+
+def _set_field(root: LatheConfig, node: Any, name: str, tp: Any, item: Assignment) -> None:
+    """Assign a leaf field, or merge a mapping into a group / dict field."""
+    if _dataclass_type(tp) is not None and isinstance(item.value, dict):
+        for key, value in item.value.items():
+            if str(key) != "_target_":
+                child = Assignment(f"{item.path}.{key}", value, None, f"{item.spelled}.{key}", item.origin)
+                assign(root, child)
+        return
+    current = getattr(node, name)
+    if _is_dict_type(tp) and isinstance(item.value, dict) and isinstance(current, dict):
+        _deep_merge(current, item.value)
+        return
+    meta = field_meta(type(node), name)
+    setattr(node, name, coerce(item.value, tp, item.path, raw=item.raw, example=current, meta=meta))
+
+
+def _set_in_dict(target: dict, parts: list[str], value: Any) -> None:
+    """Set a nested key inside a free-form dict, creating intermediate dicts."""
+    for part in parts[:-1]:
+        nxt = target.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            target[part] = nxt
+        target = nxt
+    target[parts[-1]] = value
+
+
+def _deep_merge(target: dict, update: dict) -> None:
+    """Merge ``update`` into ``target`` recursively (Hydra-style dict merge)."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _deep_merge(target[key], value)
+        else:
+            target[key] = value
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def get_path(cfg: LatheConfig, path: str) -> Any:
+    """Value at a dotted path (through groups and dicts); KeyError when it does not exist."""
+    node: Any = cfg
+    for part in path.split("."):
+        if dataclasses.is_dataclass(node) and part in hints_of(type(node)):
+            node = getattr(node, part)
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise KeyError(path)
+    return node
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain nested dicts/lists (deep copy), in declaration order."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    """The config as YAML that load_config reads back to an equal tree."""
+    return dump_yaml(to_dict(cfg))

@@ -1,0 +1,14 @@
+"""Prompt data: verl-schema datasets, a resumable loader, built-in tasks and preprocess scripts."""
+
+from lathe.data.builtin import BUILTIN_DATASETS, arithmetic_rows, builtin_tokenizer
+from lathe.data.dataset import DataError, RLDataset
+from lathe.data.loader import StatefulDataLoader
+
+__all__ = [
+    "BUILTIN_DATASETS",
+    "DataError",
+    "RLDataset",
+    "StatefulDataLoader",
+    "arithmetic_rows",
+    "builtin_tokenizer",
+]

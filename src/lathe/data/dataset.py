@@ -1,0 +1,290 @@
+"""RL prompt datasets in verl's parquet/jsonl schema, tokenized once at load.
+
+A row (as verl's `examples/data_preprocess/*.py` write them)::
+
+    {"data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],          # data.prompt_key
+     "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"split": "train", "index": 0, ...}}
+
+`RLDataset` validates every row up front (a bad row fails at start-up, naming file, row and
+field, not minutes into training), renders the chat template with add_generation_prompt=True,
+tokenizes, and drops or truncates prompts longer than data.max_prompt_length as verl's
+RLHFDataset does (data.filter_overlong_prompts, data.truncation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+from lathe.data.builtin import BUILTIN_DATASETS
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+PREPROCESS_HINT = (
+    "create it with `lathe preprocess gsm8k <raw gsm8k dir or .jsonl> <output dir>` "
+    "(see lathe.data.preprocess.PREPROCESSORS), or use files=builtin:arithmetic"
+)
+
+
+class DataError(ValueError):
+    """A data file or row that cannot be used; the message names where and how to fix it."""
+
+
+# --------------------------------------------------------------------------- reading files
+
+
+def _read_jsonl(path: str) -> list[tuple[str, Any]]:
+    """Rows of a JSON-lines file as (location, row); blank lines are skipped."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"line {lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path} line {lineno}: not valid JSON ({e.msg}). "
+                    "Fix: one JSON object per line (JSON lines)."
+                ) from None
+    return rows
+
+
+def _read_json(path: str) -> list[tuple[str, Any]]:
+    """A `.json` file: a top-level JSON array of rows, or JSON lines."""
+    with open(path, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith("["):
+        return _read_jsonl(path)
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}).") from None
+    return [(f"row {i}", row) for i, row in enumerate(data)]
+
+
+def _read_parquet(path: str) -> list[tuple[str, Any]]:
+    """Rows of a parquet file as Python dicts (nested lists/structs become lists/dicts)."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a corrupt file
+        raise DataError(f"{path}: cannot read as parquet ({e}).") from None
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+_READERS = {".parquet": _read_parquet, ".jsonl": _read_jsonl, ".json": _read_json}
+
+
+def read_data_file(path: str, split: str = "train") -> list[tuple[str, Any]]:
+    """Rows of one data source as (location, row): a builtin name, a parquet or jsonl file."""
+    if path in BUILTIN_DATASETS:
+        return [(f"row {i}", row) for i, row in enumerate(BUILTIN_DATASETS[path](split))]
+    if path.startswith("builtin:"):
+        raise DataError(f"unknown builtin data set {path!r}; available: {sorted(BUILTIN_DATASETS)}")
+    full = os.path.expanduser(path)
+    if not os.path.isfile(full):
+        raise DataError(f"data file not found: {full}. Fix: check the path, or {PREPROCESS_HINT}.")
+    ext = os.path.splitext(full)[1].lower()
+    if ext not in _READERS:
+        raise DataError(
+            f"{full}: unsupported file type {ext!r}; lathe reads {sorted(_READERS)} files "
+            "in verl's schema. Fix: convert it, e.g. with pandas.DataFrame.to_parquet."
+        )
+    return _READERS[ext](full)
+
+
+# --------------------------------------------------------------------------- row schema
+
+
+def _fail(src: str, where: str, field: str, problem: str, fix: str) -> DataError:
+    return DataError(f"{src} {where}: field '{field}': {problem}. Fix: {fix}")
+
+
+def _check_messages(prompt: Any, src: str, where: str, key: str) -> list[dict]:
+    """The prompt as a list of {role, content} messages, or a DataError saying what is wrong."""
+    fix = f'make {key} a list like [{{"role": "user", "content": "..."}}]'
+    if not isinstance(prompt, list) or not prompt:
+        got = "an empty list" if prompt == [] else f"{type(prompt).__name__} {str(prompt)[:60]!r}"
+        raise _fail(src, where, key, f"expected a non-empty list of messages, got {got}", fix)
+    for j, msg in enumerate(prompt):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise _fail(src, where, f"{key}[{j}]", f"expected a {{role, content}} dict, got {msg!r}"[:200], fix)
+        if not isinstance(msg["role"], str) or not msg["role"]:
+            raise _fail(src, where, f"{key}[{j}].role", f"expected a non-empty string, got {msg['role']!r}", fix)
+        if not isinstance(msg["content"], str):
+            raise _fail(
+                src, where, f"{key}[{j}].content",
+                f"expected a string, got {type(msg['content']).__name__}", "store message text as a string",
+            )
+        if not msg["content"].strip():
+            raise _fail(src, where, f"{key}[{j}].content", "empty message", "drop the row or fill in the text")
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def _check_fields(row: dict, src: str, where: str) -> tuple[str, str, Any, dict]:
+    """data_source, ability, ground_truth, extra_info of a row, checked against verl's schema."""
+    ds = row.get("data_source")
+    if not isinstance(ds, str) or not ds:
+        raise _fail(src, where, "data_source", f"expected a non-empty string, got {ds!r}",
+                    'add "data_source" (e.g. "openai/gsm8k"); it selects the reward function')
+    rm = row.get("reward_model")
+    if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+        raise _fail(src, where, "reward_model.ground_truth", f"missing (reward_model={rm!r})"[:200],
+                    'add "reward_model": {"style": "rule", "ground_truth": <answer>}')
+    ability = row.get("ability", "")
+    if ability is None:
+        ability = ""
+    if not isinstance(ability, str):
+        raise _fail(src, where, "ability", f"expected a string, got {type(ability).__name__}", 'e.g. "math"')
+    extra = row.get("extra_info") or {}
+    if not isinstance(extra, dict):
+        raise _fail(src, where, "extra_info", f"expected a dict, got {type(extra).__name__}",
+                    "store extra_info as a JSON object / parquet struct")
+    return ds, ability, rm["ground_truth"], extra
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def truncate_ids(ids: list[int], max_len: int, mode: str) -> list[int]:
+    """Cut `ids` to `max_len` tokens: "left" keeps the end, "right" the start, "middle" both ends."""
+    if len(ids) <= max_len:
+        return ids
+    if mode == "left":
+        return ids[len(ids) - max_len:]
+    if mode == "right":
+        return ids[:max_len]
+    if mode == "middle":
+        head = max_len // 2
+        tail = max_len - head
+        return ids[:head] + (ids[len(ids) - tail:] if tail else [])
+    raise ValueError(f"data.truncation={mode!r}; use one of {TRUNCATION_MODES}")
+
+
+def _require_chat_template(tokenizer) -> None:
+    if getattr(tokenizer, "chat_template", None):
+        return
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    raise DataError(
+        f"tokenizer {name!r} has no chat template, so prompts cannot be rendered. Fix: use an "
+        "instruct/chat model's tokenizer, or set actor_rollout_ref.model.custom_chat_template "
+        "(a Jinja template string), or use lathe.data.builtin.builtin_tokenizer()."
+    )
+
+
+class RLDataset:
+    """Map-style prompt dataset: validated, chat-templated and tokenized at construction.
+
+    `files` is one path or a list (parquet, jsonl, json; `~` expanded; concatenated in order),
+    or "builtin:arithmetic". `split` picks the builtin split. Items are dicts with prompt_ids,
+    raw_prompt (the messages), data_source, ability, ground_truth, extra_info and index (the
+    row's position in the concatenated, unfiltered data). `num_filtered` counts prompts dropped
+    as longer than max_prompt_length when filter_overlong_prompts=True.
+    """
+
+    def __init__(self, files: str | list[str], tokenizer, *, prompt_key: str = "prompt",
+                 max_prompt_length: int = 512, filter_overlong_prompts: bool = False,
+                 truncation: str = "error", apply_chat_template_kwargs: dict | None = None,
+                 split: str = "train"):
+        if truncation not in TRUNCATION_MODES:
+            raise DataError(f"data.truncation={truncation!r} is not supported; use one of {TRUNCATION_MODES}")
+        if max_prompt_length < 1:
+            raise DataError(f"data.max_prompt_length={max_prompt_length}; it must be >= 1")
+        _require_chat_template(tokenizer)
+        self.files = [files] if isinstance(files, str) else list(files)
+        if not self.files:
+            raise DataError("no data files given. Fix: set data.train_files / data.val_files")
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.truncation = truncation
+        self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
+        self.split = split
+        self.num_filtered = 0
+        self.num_truncated = 0
+        self._items: list[dict[str, Any]] = []
+        self._load()
+
+    # ---- loading
+
+    def _load(self) -> None:
+        records, origins = self._validated_records()
+        texts = [self._render(r["raw_prompt"], origins[i]) for i, r in enumerate(records)]
+        all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        for rec, ids, origin in zip(records, all_ids, origins):
+            if len(ids) > self.max_prompt_length:
+                if self.filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if self.truncation == "error":
+                    raise self._overlong_error(origin, len(ids))
+                ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
+                self.num_truncated += 1
+            rec["prompt_ids"] = list(ids)
+            self._items.append(rec)
+
+    def _validated_records(self) -> tuple[list[dict], list[str]]:
+        """All rows of all files, schema-checked, in file order; plus "file location" origins."""
+        records, origins, n_string_prompts = [], [], 0
+        for path in self.files:
+            src = os.path.expanduser(path)
+            for where, row in read_data_file(path, self.split):
+                if not isinstance(row, dict):
+                    raise DataError(f"{src} {where}: expected a JSON object / parquet row, got {type(row).__name__}")
+                if self.prompt_key not in row:
+                    raise _fail(src, where, self.prompt_key, f"missing (row has keys {sorted(row)})",
+                                "add the prompt messages, or set data.prompt_key to the column that holds them")
+                prompt = row[self.prompt_key]
+                if isinstance(prompt, str):
+                    n_string_prompts += 1
+                    prompt = [{"role": "user", "content": prompt}]
+                messages = _check_messages(prompt, src, where, self.prompt_key)
+                ds, ability, gt, extra = _check_fields(row, src, where)
+                records.append({"raw_prompt": messages, "data_source": ds, "ability": ability,
+                                "ground_truth": gt, "extra_info": extra, "index": len(records)})
+                origins.append(f"{src} {where}")
+        if n_string_prompts:
+            warnings.warn(
+                f"{n_string_prompts} row(s) in {self.files} give '{self.prompt_key}' as a plain string; "
+                "lathe treats each as one user message. verl requires a list of {role, content} "
+                "messages: convert the data to run it under verl too.",
+                stacklevel=3,
+            )
+        return records, origins
+
+    def _render(self, messages: list[dict], origin: str) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **self.apply_chat_template_kwargs
+            )
+        except Exception as e:  # jinja raises TemplateError and friends
+            raise DataError(f"{origin}: chat template failed on this prompt ({type(e).__name__}: {e})") from None
+
+    def _overlong_error(self, origin: str, length: int) -> DataError:
+        return DataError(
+            f"{origin}: prompt is {length} tokens after the chat template, longer than "
+            f"data.max_prompt_length={self.max_prompt_length}. Fix: raise data.max_prompt_length "
+            "(to at least this length), or set data.filter_overlong_prompts=True to drop such "
+            "prompts, or set data.truncation=left|right|middle to cut them."
+        )
+
+    # ---- map-style access
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item = self._items[i]
+        return {**item, "prompt_ids": list(item["prompt_ids"])}
+
+    def __repr__(self) -> str:
+        return (f"RLDataset(files={self.files}, rows={len(self)}, filtered={self.num_filtered}, "
+                f"max_prompt_length={self.max_prompt_length})")

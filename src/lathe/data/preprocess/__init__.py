@@ -1,0 +1,20 @@
+"""Preprocess scripts: raw public data sets -> parquet in verl's schema.
+
+PREPROCESSORS maps a data set name to `fn(input, output_dir) -> {split: parquet path}`;
+`lathe preprocess <name> <input> <output_dir>` calls it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from lathe.data.preprocess.common import PreprocessError
+from lathe.data.preprocess.gsm8k import preprocess_gsm8k
+from lathe.data.preprocess.math500 import preprocess_math500
+
+PREPROCESSORS: dict[str, Callable[[str, str], dict[str, str]]] = {
+    "gsm8k": preprocess_gsm8k,
+    "math500": preprocess_math500,
+}
+
+__all__ = ["PREPROCESSORS", "PreprocessError", "preprocess_gsm8k", "preprocess_math500"]

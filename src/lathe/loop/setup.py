@@ -1,0 +1,208 @@
+"""Build everything a run needs from its config, cheapest and most error-prone checks first.
+
+Order: algorithm names, reward function, data (schema, lengths, scorers), resume point — all before
+a model loads — then model (and warm start), workers, tracker, and finally the resumed state.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lathe.algo import KL_PENALTIES, get_adv_estimator, get_policy_loss, make_kl_controller
+from lathe.batch import Batch
+from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
+from lathe.config import to_dict
+from lathe.data import RLDataset, StatefulDataLoader
+from lathe.models.hf import load_causal_lm, load_tokenizer
+from lathe.reward import RewardManager, load_reward_fn
+from lathe.reward.registry import scorer_for
+from lathe.rollout.base import SamplingParams
+from lathe.track import Tracker
+from lathe.train.sft import supervised_fit
+from lathe.train.workers import ActorRolloutRefWorker
+
+log = logging.getLogger("lathe")
+INIT_MODEL = "init_model"   # the warm-started starting point, kept in the run directory for resume and reference
+
+
+@dataclass
+class Trainer:
+    cfg: object
+    tokenizer: object
+    worker: ActorRolloutRefWorker
+    reward: RewardManager
+    loader: StatefulDataLoader
+    val_dataset: RLDataset | None
+    tracker: Tracker
+    sampling: SamplingParams
+    val_sampling: SamplingParams
+    kl_ctrl: object
+    total_steps: int
+    device: torch.device
+    global_step: int = 0
+    resumed_from: Path | None = None
+    notes: dict = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def check_algorithm_names(cfg) -> None:
+    """Unknown estimator / loss / KL names fail here, listing the known ones."""
+    get_adv_estimator(cfg.algorithm.adv_estimator)
+    get_policy_loss(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)
+    for key, name in (("actor_rollout_ref.actor.kl_loss_type", cfg.actor_rollout_ref.actor.kl_loss_type),
+                      ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
+        if name not in KL_PENALTIES:
+            raise ValueError(f"{key}={name!r} is not a KL estimator; known: {', '.join(KL_PENALTIES)}")
+    if cfg.algorithm.adv_estimator == "gae":
+        raise NotImplementedError("algorithm.adv_estimator=gae needs a critic, which this version does not train "
+                                  "yet; use grpo, rloo, reinforce_plus_plus, opo or gpg")
+
+
+def load_custom_reward(reward_cfg):
+    fn_cfg = reward_cfg.custom_reward_function
+    try:
+        return load_reward_fn(fn_cfg.path, fn_cfg.name, reward_cfg.reward_kwargs)
+    except (ImportError, AttributeError, TypeError) as e:
+        raise ValueError(f"reward.custom_reward_function (path={fn_cfg.path!r}, name={fn_cfg.name!r}): {e}") from e
+
+
+def sampling_params(rollout_cfg, max_tokens: int, *, validation: bool = False) -> SamplingParams:
+    src = rollout_cfg.val_kwargs if validation else rollout_cfg
+    return SamplingParams(n=src.n, temperature=src.temperature, top_p=src.top_p, top_k=src.top_k,
+                          do_sample=src.do_sample, max_tokens=max_tokens, ignore_eos=rollout_cfg.ignore_eos)
+
+
+def load_datasets(cfg, tokenizer) -> tuple[RLDataset, RLDataset | None]:
+    d = cfg.data
+    kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+              filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
+              apply_chat_template_kwargs=d.apply_chat_template_kwargs)
+    train = RLDataset(d.train_files, tokenizer, split="train", **kw)
+    val = RLDataset(d.val_files, tokenizer, split="val", **kw) if d.val_files else None
+    for name, ds in (("train", train), ("val", val)):
+        if ds is not None and ds.num_filtered:
+            log.warning("data: %d %s prompts longer than data.max_prompt_length=%d were filtered out (%d remain)",
+                        ds.num_filtered, name, d.max_prompt_length, len(ds))
+    return train, val
+
+
+def check_scorers(datasets, custom_path: str | None) -> None:
+    """Without a custom reward function every data_source needs a built-in scorer: fail before training."""
+    if custom_path:
+        return
+    for ds in datasets:
+        if ds is not None:
+            for source in sorted({ds[i]["data_source"] for i in range(len(ds))}):
+                scorer_for(source)
+
+
+def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: Path | None,
+                device: torch.device):
+    """The starting policy: `model.path`, warm-started when asked (saved as `run_dir/init_model`)."""
+    m = cfg.actor_rollout_ref.model
+    init_dir = run_dir / INIT_MODEL
+    if resume_dir is not None and (init_dir / "config.json").exists():
+        return load_causal_lm(str(init_dir))
+    model = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, vocab_size=len(tokenizer),
+                           seed=cfg.trainer.seed, override_config=m.override_config)
+    if m.warm_start.steps > 0:
+        model.to(device)
+        examples = warm_start_examples(cfg, tokenizer, train_ds)
+        losses = supervised_fit(model, examples, steps=m.warm_start.steps, lr=m.warm_start.lr,
+                                batch_size=m.warm_start.batch_size, pad_id=tokenizer.pad_token_id,
+                                seed=cfg.trainer.seed, device=device)
+        log.info("warm start: %d supervised steps on extra_info.answer, loss %.3f -> %.3f",
+                 len(losses), losses[0], losses[-1])
+        model.save_pretrained(init_dir, safe_serialization=True)
+        tokenizer.save_pretrained(init_dir)
+    return model
+
+
+def warm_start_examples(cfg, tokenizer, train: RLDataset) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + eos) for every training row, from `extra_info.answer`."""
+    examples = []
+    for i in range(len(train)):
+        row = train[i]
+        answer = (row["extra_info"] or {}).get("answer")
+        if answer is None:
+            raise ValueError(f"actor_rollout_ref.model.warm_start.steps={cfg.actor_rollout_ref.model.warm_start.steps} "
+                             f"needs extra_info.answer in every training row; row {row['index']} of "
+                             f"{cfg.data.train_files} has none. Set warm_start.steps=0 or add the answers.")
+        ids = tokenizer(str(answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        examples.append((row["prompt_ids"], ids))
+    return examples
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_trainer(cfg) -> Trainer:
+    t = cfg.trainer
+    arr = cfg.actor_rollout_ref
+    check_algorithm_names(cfg)
+    reward_fn = load_custom_reward(cfg.reward)
+    device = resolve_device(t.device)
+    seed_everything(t.seed)
+    resume_dir = find_resume_dir(t)
+    run_dir = Path(t.default_local_dir).expanduser()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, trust_remote_code=arr.model.trust_remote_code)
+    train_ds, val_ds = load_datasets(cfg, tokenizer)
+    check_scorers([train_ds, val_ds], cfg.reward.custom_reward_function.path)
+    loader = StatefulDataLoader(train_ds, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    total_steps = t.total_training_steps or len(loader) * t.total_epochs
+
+    model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
+    need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    worker = ActorRolloutRefWorker(cfg, model, tokenizer, total_steps=total_steps, device=device, need_ref=need_ref)
+    trainer = Trainer(
+        cfg=cfg, tokenizer=tokenizer, worker=worker,
+        reward=RewardManager(reward_fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers),
+        loader=loader, val_dataset=val_ds,
+        tracker=Tracker(t.logger, run_dir, project=t.project_name, experiment=t.experiment_name,
+                        config=to_dict(cfg), total_steps=total_steps),
+        sampling=sampling_params(arr.rollout, cfg.data.max_response_length),
+        val_sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=True),
+        kl_ctrl=make_kl_controller(**vars(cfg.algorithm.kl_ctrl)),
+        total_steps=total_steps, device=device)
+    if resume_dir is not None:
+        resume(trainer, resume_dir)
+    trainer.tracker.truncate_after(trainer.global_step)
+    return trainer
+
+
+def resume(trainer: Trainer, path: Path) -> None:
+    state = load_trainer_state(path)
+    trainer.worker.load_checkpoint(path / "actor")
+    trainer.loader.load_state_dict(state["dataloader"])
+    trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    restore_rng(state["rng"])
+    trainer.global_step = state["global_step"]
+    trainer.resumed_from = path
+    log.info("resumed from %s (step %d)", path, trainer.global_step)
+
+
+def prompt_batch(rows: list[dict], step: int) -> Batch:
+    """A dataloader batch as a `Batch`; `uid` groups the samples of one prompt (GRPO's index)."""
+    keys = ("prompt_ids", "raw_prompt", "data_source", "ground_truth", "extra_info", "index")
+    nt = {k: [r[k] for r in rows] for k in keys}
+    nt["uid"] = [f"{step}:{i}" for i in range(len(rows))]
+    return Batch(non_tensors=nt)
+

@@ -1,0 +1,91 @@
+"""The named steps the driver sequences between worker calls: reward, advantage, data metrics."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from lathe.algo import apply_kl_penalty, get_adv_estimator
+from lathe.batch import Batch
+
+
+def decode_responses(batch: Batch, tokenizer) -> list[str]:
+    """Response text of each row: valid tokens only, special tokens dropped (verl's naive manager)."""
+    lengths = batch["response_mask"].sum(-1).tolist()
+    return [tokenizer.decode(ids[:n].tolist(), skip_special_tokens=True)
+            for ids, n in zip(batch["responses"], lengths)]
+
+
+def compute_reward(batch: Batch, tokenizer, reward_manager) -> tuple[Batch, dict[str, float]]:
+    """Score each response; the score sits on its last valid token (`token_level_scores`, (B, R))."""
+    texts = decode_responses(batch, tokenizer)
+    items = [{"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": extra}
+             for ds, text, gt, extra in zip(batch["data_source"], texts, batch["ground_truth"],
+                                            batch["extra_info"])]
+    results = reward_manager.score(items)
+    mask = batch["response_mask"]
+    scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+    token_level = torch.zeros(mask.shape, dtype=torch.float32)
+    last = (mask.sum(-1) - 1).clamp(min=0)
+    token_level[torch.arange(len(scores)), last] = scores
+    metrics: dict[str, float] = dict(reward_manager.metrics())
+    extras: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        for k, v in r.extra.items():
+            extras[k].append(v)
+    metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()})
+    out = Batch({"token_level_scores": token_level, "seq_scores": scores}, {"response_text": texts})
+    return out, metrics
+
+
+def compute_advantage(batch: Batch, algo_cfg, kl_ctrl=None) -> tuple[Batch, dict[str, float]]:
+    """`token_level_rewards` (scores, minus the KL penalty when `use_kl_in_reward`), advantages and returns."""
+    metrics: dict[str, float] = {}
+    scores = batch["token_level_scores"]
+    if algo_cfg.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_penalty(scores, batch["old_log_probs"], batch["ref_log_prob"],
+                                               batch["response_mask"], kl_ctrl, algo_cfg.kl_penalty)
+        metrics.update({k: float(v) for k, v in kl_metrics.items()})
+    else:
+        rewards = scores
+    estimator = get_adv_estimator(algo_cfg.adv_estimator)
+    advantages, returns = estimator(
+        token_level_rewards=rewards, response_mask=batch["response_mask"], index=batch["uid"],
+        values=batch.tensors.get("values"), gamma=algo_cfg.gamma, lam=algo_cfg.lam,
+        norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo,
+        reward_baselines=batch.tensors.get("reward_baselines"))
+    return Batch({"token_level_rewards": rewards, "advantages": advantages, "returns": returns}), metrics
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    if values.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def compute_data_metrics(batch: Batch, *, max_response_length: int) -> dict[str, float]:
+    """verl's `critic/*`, `response_length/*` and `prompt_length/*` metrics of one step's batch."""
+    mask = batch["response_mask"].bool()
+    resp_len = mask.sum(-1).float()
+    prompt_len = (batch["attention_mask"].sum(-1) - batch["response_mask"].sum(-1)).float()
+    m: dict[str, float] = {}
+    m.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
+    m.update(_stats("critic/rewards", batch["token_level_rewards"].sum(-1)))
+    m.update(_stats("critic/advantages", batch["advantages"][mask]))
+    m.update(_stats("critic/returns", batch["returns"][mask]))
+    if "values" in batch:
+        m.update(_stats("critic/values", batch["values"][mask]))
+    m.update(_stats("response_length", resp_len))
+    m["response_length/clip_ratio"] = (resp_len >= max_response_length).float().mean().item()
+    m.update(_stats("prompt_length", prompt_len))
+    return m
+
+
+def compute_throughput_metrics(batch: Batch, step_seconds: float, num_devices: int = 1) -> dict[str, float]:
+    tokens = int(batch["attention_mask"].sum())
+    return {"perf/total_num_tokens": tokens, "perf/time_per_step": step_seconds,
+            "perf/throughput": tokens / max(step_seconds, 1e-9) / num_devices}

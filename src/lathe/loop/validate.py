@@ -1,0 +1,31 @@
+"""Validation: generate on the validation set with `rollout.val_kwargs`, score, report per data source.
+
+Runs on a private RNG stream, so validating (or not) never changes the training run's samples.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from lathe.loop.setup import Trainer, prompt_batch
+from lathe.loop.steps import compute_reward
+
+
+def validate(t: Trainer) -> dict[str, float]:
+    """verl's `val-core/<data_source>/reward/mean@<n>` for each data source of the validation set."""
+    ds = t.val_dataset
+    batch_size = t.cfg.data.val_batch_size or len(ds)
+    scores: dict[str, list[float]] = defaultdict(list)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(t.cfg.trainer.seed)
+        for start in range(0, len(ds), batch_size):
+            rows = [ds[i] for i in range(start, min(start + batch_size, len(ds)))]
+            batch = t.worker.generate_sequences(prompt_batch(rows, step=-1), t.val_sampling)
+            result, _ = compute_reward(batch, t.tokenizer, t.reward)
+            for source, score in zip(batch["data_source"], result["seq_scores"].tolist()):
+                scores[source].append(score)
+    n = t.val_sampling.n
+    return {f"val-core/{source}/reward/mean@{n}": float(np.mean(v)) for source, v in scores.items()}

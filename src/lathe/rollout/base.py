@@ -1,0 +1,98 @@
+"""The `Rollout` interface: prompts plus `SamplingParams` in; response ids, log-probs and finish reasons out.
+
+Backends (transformers `generate` now, lathe's own engine later) implement `Rollout`. `to_batch` turns
+their output into the tensors the rest of the step reads (see `lathe.batch` for the layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from lathe.batch import Batch
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's names. `temperature=0` or `do_sample=False` is greedy."""
+
+    n: int = 1                      # samples per prompt, returned consecutively
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                 # -1: off
+    max_tokens: int = 16            # new tokens at most
+    min_tokens: int = 0
+    do_sample: bool = True
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the returned log-probs (and the trainer's) are computed at."""
+        return 1.0 if self.greedy else self.temperature
+
+
+@dataclass
+class RolloutOutput:
+    """One entry per sample: `len(prompts) * n`, prompt-major (prompt 0's n samples first)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]        # "stop" (EOS or a stop id, included in token_ids) or "length"
+
+
+class Rollout(Protocol):
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int, n: int) -> Batch:
+    """Left-pad prompts, right-pad responses, and build the masks and positions for the trainer.
+
+    `prompt_token_ids` are the unrepeated prompts; each is repeated `n` times to line up with `out`.
+    """
+    prompts = [p for p in prompt_token_ids for _ in range(n)]
+    if len(prompts) != len(out.token_ids):
+        raise ValueError(f"rollout returned {len(out.token_ids)} samples for {len(prompts)} (prompts x n)")
+    P = max(len(p) for p in prompts)
+    R = max(1, max(len(r) for r in out.token_ids))
+    B = len(prompts)
+    prompt_t = torch.full((B, P), pad_id, dtype=torch.long)
+    resp_t = torch.full((B, R), pad_id, dtype=torch.long)
+    resp_mask = torch.zeros((B, R), dtype=torch.long)
+    prompt_mask = torch.zeros((B, P), dtype=torch.long)
+    logp = torch.zeros((B, R), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, out.token_ids, out.logprobs)):
+        prompt_t[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        prompt_mask[i, P - len(p):] = 1
+        if r:
+            resp_t[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            resp_mask[i, :len(r)] = 1
+            logp[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
+    attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
+    return Batch(
+        tensors={
+            "prompts": prompt_t,
+            "responses": resp_t,
+            "input_ids": torch.cat([prompt_t, resp_t], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids_from_mask(attention_mask),
+            "response_mask": resp_mask,
+            "rollout_log_probs": logp,
+        },
+        non_tensors={"finish_reason": list(out.finish_reasons)},
+    )
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only (left padding gets position 0)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)

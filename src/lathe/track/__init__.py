@@ -1,0 +1,26 @@
+"""Metrics and loggers: ``Tracker`` (console, tensorboard, wandb, mlflow, always ``metrics.jsonl``),
+``Timer`` (``timing_s/*``), ``reduce_metrics``, the console step line and a progress bar.
+
+Metric names are verl's (``critic/score/mean``, ``actor/pg_loss``, ``timing_s/gen``,
+``perf/throughput``, ``val-core/<data_source>/reward/mean@1`` ...); callers produce them, this
+package only reduces, formats and writes them.
+"""
+
+from lathe.track.console import ProgressBar, format_step_line
+from lathe.track.jsonl import MetricsFile, read_metrics
+from lathe.track.metrics import reduce_metrics, to_scalar
+from lathe.track.timer import Timer
+from lathe.track.tracker import METRICS_FILE, VALID_LOGGERS, Tracker
+
+__all__ = [
+    "Tracker",
+    "Timer",
+    "reduce_metrics",
+    "to_scalar",
+    "format_step_line",
+    "ProgressBar",
+    "MetricsFile",
+    "read_metrics",
+    "METRICS_FILE",
+    "VALID_LOGGERS",
+]

@@ -1,0 +1,206 @@
+"""Logger backends behind ``trainer.logger``: console, tensorboard, wandb, mlflow.
+
+Each backend has ``log(metrics, step)`` taking plain numbers (the ``Tracker`` converts tensors
+first), ``truncate_after(step)`` for resume, and ``close()``. wandb and mlflow are optional
+dependencies: they are imported only when named, and a missing one is reported with the
+``pip install`` that fixes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lathe.track.console import format_step_line
+
+__all__ = ["ConsoleLogger", "TensorboardLogger", "WandbLogger", "MlflowLogger", "import_optional"]
+
+Metrics = Mapping[str, float | int]
+
+
+def import_optional(name: str) -> Any:
+    """Import the optional package behind logger ``name``, or say exactly how to get it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise ImportError(
+            f"trainer.logger names {name!r} but the {name} package is not installed ({err}). "
+            f"Fix: `pip install {name}` (or `pip install lathe[{name}]`), or remove {name!r} from trainer.logger."
+        ) from None
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` as JSON-like data: dataclasses to dicts, paths to str, enums to their value."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return plain(dataclasses.asdict(obj))
+    if isinstance(obj, Mapping):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [plain(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    return obj
+
+
+def flatten_config(config: Any, sep: str = ".") -> dict[str, Any]:
+    """Nested config as ``{"actor_rollout_ref.actor.ppo_mini_batch_size": 256, ...}`` (for mlflow params)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                walk(v, f"{prefix}{sep}{k}" if prefix else str(k))
+        else:
+            out[prefix or "config"] = node
+
+    if config is not None:
+        walk(plain(config), "")
+    return out
+
+
+def _default_printer(line: str) -> None:
+    """Print through tqdm so an active progress bar is redrawn below the line, not torn."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+
+
+class ConsoleLogger:
+    """One ``format_step_line`` per step, to stdout or to any ``printer`` (e.g. a logging method)."""
+
+    def __init__(self, total_steps: int | None = None, printer: Callable[[str], None] | None = None) -> None:
+        self.total_steps = total_steps
+        self.printer = printer or _default_printer
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        self.printer(format_step_line(step, self.total_steps, metrics))
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorboardLogger:
+    """Scalars to event files in ``log_dir`` (``$TENSORBOARD_DIR`` wins, as in verl).
+
+    The ``SummaryWriter`` opens on the first ``log`` so that ``truncate_after(step)`` can give it
+    ``purge_step=step + 1``: TensorBoard then hides the abandoned events of later steps from
+    the run before the resume instead of drawing two curves over them.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or log_dir)
+        self._purge_step: int | None = None
+        self._writer = None
+
+    def _open(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(str(self.log_dir), purge_step=self._purge_step)
+            self._purge_step = None
+        return self._writer
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        writer = self._open()
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        writer.flush()
+
+    def truncate_after(self, step: int) -> None:
+        self.close()
+        self._purge_step = step + 1
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _wandb_id(project: str, experiment: str) -> str:
+    """verl's run id ``<project>--<experiment>``, with characters wandb refuses replaced by ``-``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{project}--{experiment}")
+
+
+class WandbLogger:
+    """A wandb run named after the experiment; resumes the same run id (verl's id scheme).
+
+    ``WANDB_MODE`` (online/offline/disabled) is honoured; ``WANDB_RUN_ID`` overrides the id.
+    Files go under ``run_dir/wandb``.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, project: str, experiment: str, config: Any) -> None:
+        self.wandb = import_optional("wandb")
+        kwargs: dict[str, Any] = {
+            "project": project,
+            "name": experiment,
+            "config": plain(config) if config is not None else None,
+            "dir": str(run_dir),
+            "resume": "allow",
+        }
+        if not os.environ.get("WANDB_RUN_ID"):
+            kwargs["id"] = _wandb_id(project, experiment)
+        if os.environ.get("WANDB_MODE"):
+            kwargs["mode"] = os.environ["WANDB_MODE"]
+        self.run = self.wandb.init(**kwargs)
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        self.wandb.log(dict(metrics), step=step)
+
+    def truncate_after(self, step: int) -> None:
+        pass  # wandb itself ignores steps at or below the run's last logged step
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.wandb.finish()
+            self.run = None
+
+
+_MLFLOW_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def mlflow_key(key: str) -> str:
+    """A metric name mlflow accepts: ``@`` becomes ``_at_`` (as in verl), other odd characters ``_``."""
+    return _MLFLOW_BAD.sub("_", key.replace("@", "_at_"))
+
+
+class MlflowLogger:
+    """An mlflow run (experiment = project, run name = experiment) with the flattened config as params.
+
+    ``MLFLOW_TRACKING_URI`` is honoured; without it runs go to ``sqlite:///<run_dir>/mlflow.db``.
+    """
+
+    MAX_PARAM_CHARS = 500  # the smallest param-value limit across mlflow versions
+
+    def __init__(self, run_dir: str | os.PathLike, project: str, experiment: str, config: Any) -> None:
+        self.mlflow = import_optional("mlflow")
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+        self.mlflow.set_tracking_uri(uri)
+        exp = self.mlflow.set_experiment(project)
+        self.run = self.mlflow.start_run(experiment_id=exp.experiment_id, run_name=experiment)
+        params = {k: str(v)[: self.MAX_PARAM_CHARS] for k, v in flatten_config(config).items()}
+        if params:
+            self.mlflow.log_params(params)
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        self.mlflow.log_metrics({mlflow_key(k): v for k, v in metrics.items()}, step=step)
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.mlflow.end_run()
+            self.run = None

@@ -1,0 +1,98 @@
+"""The PPO-family actor update: mini-batches, micro-batch gradient accumulation, clipping, metrics.
+
+Batch sizes follow verl: a step's `train_batch_size * n` sequences are cut into mini-batches of
+`ppo_mini_batch_size * n` sequences (one optimizer step each, `ppo_epochs` passes), and each
+mini-batch into micro-batches of `ppo_micro_batch_size_per_gpu` sequences whose gradients add up.
+Losses are normalised by the token and sequence counts of the whole mini-batch, so the update does
+not depend on the micro-batch size.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from lathe.algo import agg_loss, get_policy_loss, kl_penalty
+from lathe.algo.policy_loss import PolicyLossParams
+from lathe.batch import Batch
+from lathe.train.logprob import response_log_probs
+
+
+def policy_loss_params(actor_cfg) -> PolicyLossParams:
+    """verl's actor keys -> the loss functions' parameters."""
+    names = set(PolicyLossParams.__dataclass_fields__)
+    values = {k: getattr(actor_cfg, k) for k in names if hasattr(actor_cfg, k)}
+    values.update({k: getattr(actor_cfg.policy_loss, k) for k in names if hasattr(actor_cfg.policy_loss, k)})
+    return PolicyLossParams(**{k: v for k, v in values.items() if v is not None})
+
+
+class PPOActor:
+    """Owns the policy module and its optimizer; `update_policy` runs one RL step's PPO updates."""
+
+    def __init__(self, model, optimizer, scheduler, actor_cfg, *, n: int, temperature: float,
+                 max_response_length: int):
+        self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
+        self.mini_batch_size = actor_cfg.ppo_mini_batch_size * n
+        self.micro_batch_size = actor_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
+        self.temperature = temperature
+        self.loss_params = policy_loss_params(actor_cfg)
+        self.policy_loss = get_policy_loss(actor_cfg.policy_loss.loss_mode)
+        self.loss_scale_factor = max_response_length
+
+    def update_policy(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs over mini-batches; returns verl's `actor/*` metrics averaged over mini-batches."""
+        self.model.train()
+        metrics: dict[str, list[float]] = defaultdict(list)
+        for _ in range(self.cfg.ppo_epochs):
+            for mini in batch.split(self.mini_batch_size):
+                for k, v in self._update_mini_batch(mini).items():
+                    metrics[k].append(v)
+        self.scheduler.step()
+        out = {k: sum(v) / len(v) for k, v in metrics.items()}
+        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    def _update_mini_batch(self, mini: Batch) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        mask = mini["response_mask"]
+        agg = dict(global_num_tokens=mask.sum().clamp(min=1), global_num_seqs=mask.shape[0],
+                   loss_scale_factor=self.loss_scale_factor)
+        sums: dict[str, float] = defaultdict(float)
+        for micro in mini.split(self.micro_batch_size):
+            loss, parts = self._micro_batch_loss(micro, agg)
+            loss.backward()
+            weight = len(micro) / len(mini)   # per-micro metrics (fractions, means) weighted by rows
+            for k, v in parts.items():
+                sums[k] += float(v) * (1.0 if k in _SUMMED else weight)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        sums["actor/grad_norm"] = float(grad_norm)
+        return dict(sums)
+
+    def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict]:
+        cfg = self.cfg
+        mask = micro["response_mask"]
+        log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
+                                               calculate_entropy=True)
+        pg_loss, pg_metrics = self.policy_loss(
+            micro["old_log_probs"], log_prob, micro["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode,
+            params=self.loss_params, rollout_is_weights=micro.tensors.get("rollout_is_weights"), agg_kwargs=agg)
+        entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
+        loss = pg_loss - cfg.entropy_coeff * entropy_loss
+        parts = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy_loss.detach(),
+                 **{k: v for k, v in pg_metrics.items()}}
+        if cfg.use_kl_loss:
+            kl = kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **agg)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            parts["actor/kl_loss"] = kl_loss.detach()
+            parts["actor/kl_coef"] = cfg.kl_loss_coef
+        return loss, parts
+
+
+# Losses normalised by global mini-batch counts add up over micro-batches; every other metric is averaged.
+_SUMMED = {"actor/pg_loss", "actor/entropy", "actor/kl_loss"}

@@ -1,0 +1,37 @@
+"""Optimizer and learning-rate schedule from verl's `optim.*` keys."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
+    """AdamW with `optim.{lr, betas, weight_decay}`."""
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=optim_cfg.lr,
+                             betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay)
+
+
+def warmup_steps(optim_cfg, total_steps: int) -> int:
+    """`lr_warmup_steps` when >= 0, else `lr_warmup_steps_ratio * total_steps` (verl's rule)."""
+    if optim_cfg.lr_warmup_steps is not None and optim_cfg.lr_warmup_steps >= 0:
+        return int(optim_cfg.lr_warmup_steps)
+    return int(optim_cfg.lr_warmup_steps_ratio * total_steps)
+
+
+def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant or cosine decay to `min_lr_ratio * lr`. Stepped once per RL step."""
+    warm = warmup_steps(optim_cfg, total_steps)
+    style = getattr(optim_cfg, "lr_scheduler_type", None) or getattr(optim_cfg, "warmup_style", "constant")
+    min_ratio = getattr(optim_cfg, "min_lr_ratio", 0.0) or 0.0
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        if style == "cosine":
+            progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,50 @@
+"""Supervised fine-tuning: teacher-forced cross-entropy on response tokens only.
+
+Used as the built-in default's warm start (a random model cannot find the answer format by RL alone
+within minutes) and as the basis of an SFT driver.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from lathe.batch import Batch
+from lathe.rollout.base import RolloutOutput, to_batch
+from lathe.train.logprob import response_log_probs
+
+
+def sft_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> Batch:
+    """The rollout batch layout, built from given responses instead of sampled ones."""
+    out = RolloutOutput(response_ids, [[0.0] * len(r) for r in response_ids], ["stop"] * len(response_ids))
+    return to_batch(prompt_ids, out, pad_id, n=1)
+
+
+def sft_loss(model, batch: Batch) -> torch.Tensor:
+    """Mean negative log-likelihood over all response tokens of the batch."""
+    log_probs, _ = response_log_probs(model, batch)
+    mask = batch["response_mask"].to(log_probs.dtype)
+    return -(log_probs * mask).sum() / mask.sum().clamp(min=1)
+
+
+def supervised_fit(model, examples: list[tuple[list[int], list[int]]], *, steps: int, lr: float, batch_size: int,
+                   pad_id: int, seed: int, device: torch.device, grad_clip: float = 1.0) -> list[float]:
+    """`steps` AdamW steps on (prompt_ids, response_ids) pairs sampled with a private RNG; returns the losses.
+
+    Uses its own random stream so the caller's RNG state (and thus RL sampling) is untouched.
+    """
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        chunk = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+        batch = sft_batch([p for p, _ in chunk], [r for _, r in chunk], pad_id).to(device)
+        loss = sft_loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

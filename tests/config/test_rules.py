@@ -1,0 +1,158 @@
+"""Tests for lathe.config.rules: cross-field batch rules, ranges, backend/run rules, device count."""
+
+import warnings
+
+import pytest
+
+from lathe.config import ConfigError, batch_plan, load_config, resolve_devices
+from lathe.config.rules import critic_in_use
+
+GRPO = ["algorithm.adv_estimator=grpo", "trainer.test_freq=-1"]
+
+
+def fails(overrides, device_count=1, source="base"):
+    """The ConfigError text for a config that must be rejected."""
+    with pytest.raises(ConfigError) as err:
+        load_config(source, GRPO + overrides, device_count=device_count)
+    return str(err.value)
+
+
+def batch(tbs, mini, n, micro=None):
+    out = [f"data.train_batch_size={tbs}", f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+           f"actor_rollout_ref.rollout.n={n}"]
+    return out + ([f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}"] if micro else [])
+
+
+def test_good_batch_configs_pass():
+    cfg = load_config("base", GRPO + batch(64, 16, 8, micro=4), device_count=4)
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
+    load_config("base", GRPO + batch(64, 64, 1), device_count=2)
+
+
+def test_rule1_positive_sizes():
+    text = fails(batch(0, 1, 1))
+    assert "data.train_batch_size=0" in text and ">= 1" in text
+    assert "actor_rollout_ref.rollout.n=0" in fails(batch(8, 4, 0))
+
+
+def test_rule2_mini_larger_than_step():
+    text = fails(batch(32, 64, 4))
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size=64" in text and "data.train_batch_size=32" in text
+
+
+def test_rule2_mini_must_divide_step_example_message():
+    text = fails(batch(64, 48, 8))
+    assert "ppo_mini_batch_size=48 does not divide data.train_batch_size=64" in text
+    assert "384 sequences" in text and "e.g. 32 or 64" in text
+
+
+def test_rule3_mini_sequences_divisible_by_devices():
+    text = fails(batch(30, 3, 1), device_count=2)
+    assert "ppo_mini_batch_size=3" in text and "rollout.n=1" in text and "3 sequences per mini-batch" in text
+    assert "device_count=2" in text
+
+
+def test_rule4_micro_divides_per_device_mini():
+    text = fails(batch(64, 16, 5, micro=7), device_count=2)
+    assert "ppo_micro_batch_size_per_gpu=7" in text and "40 sequences" in text
+    text = fails(batch(64, 16, 5, micro=80), device_count=2)
+    assert "ppo_micro_batch_size_per_gpu=80" in text and "between 1 and" in text
+
+
+def test_rule4_skipped_with_dynamic_bsz():
+    load_config("base", GRPO + batch(64, 16, 5, micro=7) + ["actor_rollout_ref.actor.use_dynamic_bsz=true"],
+                device_count=2)
+
+
+def test_rule5_step_sequences_divisible_by_devices():
+    text = fails(batch(10, 5, 3), device_count=4)
+    assert "data.train_batch_size=10" in text and "30 sequences per step" in text
+
+
+def test_rule6_critic_rules_apply_for_gae_only():
+    overrides = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=24"] + batch(64, 16, 2)
+    with pytest.raises(ConfigError, match=r"critic.ppo_mini_batch_size=24 does not divide"):
+        load_config("base", overrides, device_count=1)
+    load_config("base", GRPO + ["critic.ppo_mini_batch_size=24"] + batch(64, 16, 2), device_count=1)
+    with pytest.raises(ConfigError, match=r"critic.ppo_micro_batch_size_per_gpu=3"):
+        load_config("base", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=3"] + batch(64, 16, 2))
+
+
+def test_all_problems_listed_at_once():
+    text = fails(batch(64, 48, 8) + ["actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.name=vllm"])
+    assert "3 config problems" in text
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("actor_rollout_ref.actor.clip_ratio_high=-0.1", "clip_ratio_high"),
+     ("actor_rollout_ref.actor.clip_ratio_c=1.0", "clip_ratio_c"),
+     ("actor_rollout_ref.rollout.temperature=0", "rollout.temperature"),
+     ("actor_rollout_ref.rollout.top_p=0", "rollout.top_p"),
+     ("actor_rollout_ref.rollout.top_k=0", "rollout.top_k"),
+     ("data.max_response_length=0", "data.max_response_length"),
+     ("actor_rollout_ref.actor.optim.lr=-1e-6", "actor.optim.lr"),
+     ("actor_rollout_ref.actor.ppo_epochs=0", "actor.ppo_epochs"),
+     ("actor_rollout_ref.actor.optim.betas=[0.9]", "actor.optim.betas"),
+     ("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "gpu_memory_utilization")],
+)
+def test_rule7_ranges(override, key):
+    text = fails([override])
+    assert key in text and "out of range" in text
+
+
+def test_val_temperature_zero_is_fine():
+    cfg = load_config("base", GRPO + ["actor_rollout_ref.rollout.val_kwargs.temperature=0"])
+    assert cfg.actor_rollout_ref.rollout.val_kwargs.temperature == 0.0
+
+
+def test_rule8_double_kl_warns_not_errors():
+    with pytest.warns(UserWarning, match="use_kl_loss"):
+        load_config("base", GRPO + ["actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config("base", GRPO + ["actor_rollout_ref.actor.use_kl_loss=true"])
+
+
+def test_rule9_vllm_rejected_with_fix():
+    text = fails(["actor_rollout_ref.rollout.name=sglang"])
+    assert "rollout.name=sglang" in text and "rollout.name=lathe" in text
+
+
+def test_rule10_resume_path_needs_path():
+    assert "trainer.resume_from_path" in fails(["trainer.resume_mode=resume_path"])
+    load_config("base", GRPO + ["trainer.resume_mode=resume_path", "trainer.resume_from_path=ck/step_5"])
+
+
+def test_rule11_validation_needs_val_files():
+    text = fails(["trainer.test_freq=5", "data.val_files=null"])
+    assert "trainer.test_freq=5" in text and "data.val_files" in text
+    load_config("base", ["algorithm.adv_estimator=grpo", "trainer.test_freq=5", "data.val_files=builtin:arithmetic"])
+
+
+def test_device_count_resolution(monkeypatch):
+    cfg = load_config("base", GRPO + ["trainer.device=cpu", "trainer.n_gpus_per_node=8"])
+    assert resolve_devices(cfg).count == 1
+    monkeypatch.setattr("lathe.config.rules.cuda_available", lambda: True)
+    cfg = load_config("base", GRPO + ["trainer.nnodes=2", "trainer.n_gpus_per_node=4",
+                                      "actor_rollout_ref.actor.ppo_mini_batch_size=256"])
+    assert resolve_devices(cfg).count == 8
+    assert "trainer.n_gpus_per_node=4" in resolve_devices(cfg).why
+    monkeypatch.setattr("lathe.config.rules.cuda_available", lambda: False)
+    assert resolve_devices(cfg).count == 1
+    assert resolve_devices(cfg, 3).count == 3
+
+
+def test_batch_plan_numbers():
+    cfg = load_config("base", GRPO + batch(64, 16, 8, micro=8), device_count=4)
+    plan = batch_plan(cfg, 4)
+    assert (plan.sequences_per_step, plan.mini_batch_sequences, plan.mini_batches_per_step) == (512, 128, 4)
+    assert (plan.mini_batch_sequences_per_device, plan.micro_batch_per_device, plan.grad_accum_steps) == (32, 8, 4)
+    cfg = load_config("base", GRPO + batch(64, 16, 8), device_count=4)
+    assert batch_plan(cfg, 4).micro_batch_per_device == 32  # null micro = whole per-device mini-batch
+
+
+def test_critic_in_use():
+    assert critic_in_use(load_config("base", ["trainer.test_freq=-1"]))
+    assert not critic_in_use(load_config("base", GRPO))
+    assert critic_in_use(load_config("base", GRPO + ["critic.enable=true"]))

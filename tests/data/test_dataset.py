@@ -1,0 +1,243 @@
+"""Tests for lathe.data.dataset.RLDataset: reading, schema errors, chat template, length limits."""
+
+import copy
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lathe.data.builtin import builtin_tokenizer
+from lathe.data.dataset import DataError, RLDataset, truncate_ids
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return builtin_tokenizer()
+
+
+def make_row(i, content=None):
+    return {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": content or f"question number {i}?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(i * 3)},
+        "extra_info": {"split": "train", "index": i},
+    }
+
+
+def write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def expected_ids(tok, messages):
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_parquet_items(tok, tmp_path):
+    rows = [make_row(i) for i in range(5)]
+    ds = RLDataset(write_parquet(tmp_path / "a.parquet", rows), tok)
+    assert len(ds) == 5 and ds.num_filtered == 0
+    for i, row in enumerate(rows):
+        item = ds[i]
+        assert item["prompt_ids"] == expected_ids(tok, row["prompt"])
+        assert item["raw_prompt"] == row["prompt"]
+        assert item["data_source"] == "openai/gsm8k" and item["ability"] == "math"
+        assert item["ground_truth"] == str(i * 3)
+        assert item["extra_info"] == row["extra_info"]
+        assert item["index"] == i
+    with pytest.raises(IndexError):
+        ds[5]
+
+
+def test_files_concatenate_in_order(tok, tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [make_row(i) for i in range(3)])
+    b = write_parquet(tmp_path / "b.parquet", [make_row(i) for i in range(10, 12)])
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps([make_row(20)]))
+    ds = RLDataset([a, b, str(c)], tok)
+    assert [ds[i]["ground_truth"] for i in range(len(ds))] == ["0", "3", "6", "30", "33", "60"]
+    assert [ds[i]["index"] for i in range(len(ds))] == list(range(6))
+
+
+def test_home_directory_is_expanded(tok, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_jsonl(tmp_path / "d.jsonl", [make_row(1)])
+    assert RLDataset("~/d.jsonl", tok)[0]["ground_truth"] == "3"
+
+
+def test_missing_file_names_it_and_the_fix(tok, tmp_path):
+    with pytest.raises(DataError, match=r"nowhere\.parquet.*lathe preprocess gsm8k"):
+        RLDataset(str(tmp_path / "nowhere.parquet"), tok)
+
+
+def test_unsupported_extension(tok, tmp_path):
+    p = tmp_path / "x.csv"
+    p.write_text("a,b\n")
+    with pytest.raises(DataError, match=r"x\.csv.*'\.csv'"):
+        RLDataset(str(p), tok)
+
+
+def _drop(key):
+    return lambda r: r.pop(key)
+
+
+BAD_ROWS = [
+    ("missing prompt", _drop("prompt"), "'prompt'"),
+    ("empty prompt", lambda r: r.update(prompt=[]), "'prompt'"),
+    ("prompt a number", lambda r: r.update(prompt=5), "'prompt'"),
+    ("message without content", lambda r: r["prompt"][0].pop("content"), r"'prompt\[0\]'"),
+    ("message not a dict", lambda r: r.update(prompt=["hi"]), r"'prompt\[0\]'"),
+    ("content not a string", lambda r: r["prompt"][0].update(content=7), r"'prompt\[0\]\.content'"),
+    ("empty content", lambda r: r["prompt"][0].update(content="  "), r"'prompt\[0\]\.content'"),
+    ("empty role", lambda r: r["prompt"][0].update(role=""), r"'prompt\[0\]\.role'"),
+    ("missing data_source", _drop("data_source"), "'data_source'"),
+    ("data_source not a string", lambda r: r.update(data_source=3), "'data_source'"),
+    ("missing reward_model", _drop("reward_model"), r"'reward_model\.ground_truth'"),
+    ("missing ground_truth", lambda r: r["reward_model"].pop("ground_truth"), r"'reward_model\.ground_truth'"),
+    ("ability not a string", lambda r: r.update(ability=1), "'ability'"),
+    ("extra_info not a dict", lambda r: r.update(extra_info=[1]), "'extra_info'"),
+]
+
+
+@pytest.mark.parametrize("case,mutate,field", BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
+def test_bad_jsonl_row_names_file_line_and_field(tok, tmp_path, case, mutate, field):
+    rows = [make_row(i) for i in range(3)]
+    mutate(rows[1])
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError, match=rf"bad\.jsonl line 2: field {field}.*Fix:"):
+        RLDataset(path, tok)
+
+
+def test_bad_parquet_row_names_row(tok, tmp_path):
+    rows = [make_row(i) for i in range(4)]
+    rows[2]["prompt"][0]["content"] = ""
+    path = write_parquet(tmp_path / "bad.parquet", rows)
+    with pytest.raises(DataError, match=r"bad\.parquet row 2: field 'prompt\[0\]\.content'"):
+        RLDataset(path, tok)
+
+
+def test_invalid_json_line(tok, tmp_path):
+    p = tmp_path / "broken.jsonl"
+    p.write_text(json.dumps(make_row(0)) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"broken\.jsonl line 2: not valid JSON"):
+        RLDataset(str(p), tok)
+
+
+def test_custom_prompt_key(tok, tmp_path):
+    rows = [make_row(i) for i in range(2)]
+    for r in rows:
+        r["messages"] = r.pop("prompt")
+    path = write_jsonl(tmp_path / "m.jsonl", rows)
+    assert RLDataset(path, tok, prompt_key="messages")[1]["raw_prompt"] == rows[1]["messages"]
+    with pytest.raises(DataError, match=r"line 1: field 'prompt'.*data\.prompt_key"):
+        RLDataset(path, tok)
+
+
+def test_string_prompt_is_one_user_message_with_warning(tok, tmp_path):
+    listed = [make_row(i) for i in range(3)]
+    plain = copy.deepcopy(listed)
+    for r in plain:
+        r["prompt"] = r["prompt"][0]["content"]
+    with pytest.warns(UserWarning, match=r"3 row\(s\).*plain string"):
+        ds = RLDataset(write_jsonl(tmp_path / "s.jsonl", plain), tok)
+    ref = RLDataset(write_jsonl(tmp_path / "l.jsonl", listed), tok)
+    assert [ds[i]["prompt_ids"] for i in range(3)] == [ref[i]["prompt_ids"] for i in range(3)]
+    assert ds[0]["raw_prompt"] == listed[0]["prompt"]
+
+
+def test_tokenizer_without_chat_template(tok, tmp_path):
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    bare.name_or_path = "/models/base-model"
+    path = write_jsonl(tmp_path / "a.jsonl", [make_row(0)])
+    with pytest.raises(DataError, match=r"/models/base-model.*no chat template.*custom_chat_template"):
+        RLDataset(path, bare)
+
+
+def test_apply_chat_template_kwargs_reach_the_template(tok, tmp_path):
+    t = copy.deepcopy(tok)
+    t.chat_template = tok.chat_template + "{% if enable_thinking is defined and not enable_thinking %}NT{% endif %}"
+    path = write_jsonl(tmp_path / "a.jsonl", [make_row(0)])
+    plain = RLDataset(path, t)[0]["prompt_ids"]
+    no_think = RLDataset(path, t, apply_chat_template_kwargs={"enable_thinking": False})[0]["prompt_ids"]
+    assert no_think == plain + t.encode("NT", add_special_tokens=False)
+
+
+def _mixed_length_file(tmp_path):
+    # prompt i has 10*i extra characters; template adds <|user|>, <|end|>, <|assistant|> (3 tokens)
+    rows = [make_row(i, content="q" + "x" * (10 * i)) for i in range(6)]
+    return write_jsonl(tmp_path / "len.jsonl", rows), rows
+
+
+def test_filter_overlong_prompts_counts_and_keeps_index(tok, tmp_path):
+    path, rows = _mixed_length_file(tmp_path)
+    lengths = [len(expected_ids(tok, r["prompt"])) for r in rows]
+    limit = lengths[3]
+    ds = RLDataset(path, tok, max_prompt_length=limit, filter_overlong_prompts=True)
+    assert len(ds) == 4 and ds.num_filtered == 2
+    assert [ds[i]["index"] for i in range(len(ds))] == [0, 1, 2, 3]
+    assert all(len(ds[i]["prompt_ids"]) <= limit for i in range(len(ds)))
+
+
+def test_overlong_prompt_error_names_row_length_limit_and_fixes(tok, tmp_path):
+    path, rows = _mixed_length_file(tmp_path)
+    length = len(expected_ids(tok, rows[4]["prompt"]))
+    limit = len(expected_ids(tok, rows[3]["prompt"]))
+    with pytest.raises(DataError) as err:
+        RLDataset(path, tok, max_prompt_length=limit)
+    msg = str(err.value)
+    assert "len.jsonl line 5" in msg and f"{length} tokens" in msg
+    assert f"data.max_prompt_length={limit}" in msg and "data.filter_overlong_prompts=True" in msg
+
+
+@pytest.mark.parametrize("mode", ["left", "right", "middle"])
+def test_truncation_modes(tok, tmp_path, mode):
+    path, rows = _mixed_length_file(tmp_path)
+    limit = 15
+    ds = RLDataset(path, tok, max_prompt_length=limit, truncation=mode)
+    assert len(ds) == 6 and ds.num_filtered == 0
+    full = expected_ids(tok, rows[5]["prompt"])
+    got = ds[5]["prompt_ids"]
+    assert len(got) == limit
+    if mode == "left":
+        assert got == full[-limit:] and got[-1] == tok.convert_tokens_to_ids("<|assistant|>")
+    elif mode == "right":
+        assert got == full[:limit] and got[0] == tok.convert_tokens_to_ids("<|user|>")
+    else:
+        assert got == full[:7] + full[-8:]
+    assert ds[0]["prompt_ids"] == expected_ids(tok, rows[0]["prompt"])  # short prompt untouched
+
+
+def test_truncate_ids_middle_keeps_both_ends():
+    ids = list(range(10))
+    assert truncate_ids(ids, 5, "middle") == [0, 1, 7, 8, 9]
+    assert truncate_ids(ids, 1, "middle") == [9]
+    assert truncate_ids(ids, 4, "left") == [6, 7, 8, 9]
+    assert truncate_ids(ids, 4, "right") == [0, 1, 2, 3]
+    assert truncate_ids(ids, 12, "middle") == ids
+
+
+def test_bad_truncation_mode(tok, tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [make_row(0)])
+    with pytest.raises(DataError, match="data.truncation='both'"):
+        RLDataset(path, tok, truncation="both")
+
+
+def test_builtin_arithmetic_dataset(tok):
+    train = RLDataset("builtin:arithmetic", tok, max_prompt_length=16)
+    val = RLDataset("builtin:arithmetic", tok, max_prompt_length=16, split="val")
+    assert len(train) == 4096 and len(val) == 256
+    item = val[0]
+    assert item["data_source"] == "lathe/arithmetic"
+    assert tok.decode(item["prompt_ids"]) == "<|user|>" + item["raw_prompt"][0]["content"] + "<|end|><|assistant|>"
+    assert str(eval(item["raw_prompt"][0]["content"][:-1])) == item["ground_truth"]
+    with pytest.raises(DataError, match="unknown builtin"):
+        RLDataset("builtin:nope", tok)

@@ -1,0 +1,112 @@
+import pickle
+import textwrap
+
+import pytest
+
+from lathe.reward.custom import RewardFn, load_reward_fn
+from lathe.reward.registry import default_compute_score
+
+
+def _write(tmp_path, body: str, name: str = "my_reward.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+FLOAT_FN = """
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return float(solution_str.strip() == ground_truth)
+"""
+
+DICT_FN = """
+    def my_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+        hit = solution_str == ground_truth
+        return {"score": float(hit) + bonus, "acc": hit, "length": len(solution_str)}
+"""
+
+
+def test_float_function_from_file(tmp_path):
+    fn = load_reward_fn(str(_write(tmp_path, FLOAT_FN)))
+    assert fn("src", " 4 ", "4") == 1.0
+    assert fn("src", "5", "4", {"index": 1}) == 0.0
+
+
+def test_dict_function_with_name_and_reward_kwargs(tmp_path):
+    fn = load_reward_fn(str(_write(tmp_path, DICT_FN)), name="my_score", reward_kwargs={"bonus": 0.5})
+    assert fn("src", "ab", "ab") == {"score": 1.5, "acc": True, "length": 2}
+    assert fn("src", "a", "ab")["score"] == 0.5
+
+
+def test_positional_only_names_still_work(tmp_path):
+    body = """
+        def compute_score(ds, sol, gt, extra):
+            return float(sol == gt)
+    """
+    fn = load_reward_fn(str(_write(tmp_path, body)))
+    assert fn("src", "x", "x") == 1.0
+
+
+def test_tilde_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write(tmp_path, FLOAT_FN)
+    assert load_reward_fn("~/my_reward.py")("s", "1", "1") == 1.0
+
+
+def test_none_path_gives_the_default_dispatcher():
+    assert load_reward_fn(None) is default_compute_score
+    with pytest.raises(ValueError, match="reward_kwargs"):
+        load_reward_fn(None, reward_kwargs={"bonus": 1})
+
+
+def test_loaded_function_pickles_by_path(tmp_path):
+    fn = load_reward_fn(str(_write(tmp_path, DICT_FN)), name="my_score", reward_kwargs={"bonus": 2.0})
+    clone = pickle.loads(pickle.dumps(fn))
+    assert isinstance(clone, RewardFn) and clone is not fn
+    assert clone("s", "a", "a")["score"] == 3.0
+
+
+def test_two_files_with_the_same_name_do_not_clash(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fa = load_reward_fn(str(_write(tmp_path / "a", "def compute_score(*a, **k):\n    return 1.0\n", "r.py")))
+    fb = load_reward_fn(str(_write(tmp_path / "b", "def compute_score(*a, **k):\n    return 2.0\n", "r.py")))
+    assert (fa("s", "x", "y"), fb("s", "x", "y")) == (1.0, 2.0)
+
+
+def test_missing_file_is_named(tmp_path):
+    missing = tmp_path / "nope.py"
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        load_reward_fn(str(missing))
+
+
+def test_missing_function_lists_what_the_file_defines(tmp_path):
+    path = _write(tmp_path, textwrap.dedent(DICT_FN) + "\nimport os\nhelper = lambda: 1\n")
+    with pytest.raises(AttributeError) as info:
+        load_reward_fn(str(path), name="my_scor")
+    message = str(info.value)
+    assert "'my_scor'" in message and "my_score" in message and "helper" in message
+    assert "Did you mean 'my_score'" in message
+    assert "'os'" not in message  # imports are not the file's own callables
+
+
+def test_not_callable(tmp_path):
+    path = _write(tmp_path, "compute_score = 3\n")
+    with pytest.raises(TypeError, match="not a function"):
+        load_reward_fn(str(path))
+
+
+def test_signature_that_cannot_take_four_args(tmp_path):
+    path = _write(tmp_path, "def compute_score(solution_str, ground_truth):\n    return 1.0\n")
+    with pytest.raises(TypeError, match=r"extra_info=None"):
+        load_reward_fn(str(path))
+
+
+def test_reward_kwargs_the_function_does_not_accept(tmp_path):
+    with pytest.raises(TypeError, match="bonus"):
+        load_reward_fn(str(_write(tmp_path, FLOAT_FN)), reward_kwargs={"bonus": 1.0})
+
+
+def test_import_error_in_the_file_is_reported_with_the_path(tmp_path):
+    path = _write(tmp_path, "import not_a_real_module_xyz\n")
+    with pytest.raises(ImportError, match=r"my_reward\.py.*not_a_real_module_xyz"):
+        load_reward_fn(str(path))

@@ -1,0 +1,75 @@
+import sys
+import types
+
+import pytest
+import torch
+
+from lathe.track import METRICS_FILE, Tracker, read_metrics
+from lathe.track.backends import flatten_config, mlflow_key
+
+
+def make(tmp_path, loggers, **kw):
+    return Tracker(loggers, tmp_path, project="proj", experiment="exp/1", config={"trainer": {"n": 1}}, **kw)
+
+
+def test_flatten_config_and_mlflow_key():
+    assert flatten_config({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": 1, "a.c": [1, 2], "d": None}
+    assert flatten_config(None) == {}
+    assert mlflow_key("val-core/x/reward/best@4/mean") == "val-core/x/reward/best_at_4/mean"
+    assert mlflow_key("a[b]:c") == "a_b__c"
+
+
+def fake_module(name, calls, **funcs):
+    mod = types.ModuleType(name)
+    for fname, ret in funcs.items():
+        def f(*args, _fname=fname, _ret=ret, **kwargs):
+            calls.append((_fname, args, kwargs))
+            return _ret(*args, **kwargs) if callable(_ret) else _ret
+        setattr(mod, fname, f)
+    return mod
+
+
+def test_wandb_init_log_finish(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_module("wandb", calls, init=object(), log=None, finish=None))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    with make(tmp_path, ["wandb"]) as tr:
+        tr.log({"actor/pg_loss": torch.tensor(0.5)}, 7)
+    (n0, _, init), (n1, _, log_kw), (n2, _, _) = calls
+    assert (n0, n1, n2) == ("init", "log", "finish")
+    assert init["project"] == "proj" and init["name"] == "exp/1" and init["mode"] == "offline"
+    assert init["config"] == {"trainer": {"n": 1}} and init["id"] == "proj--exp-1"
+    assert calls[1][1] == ({"actor/pg_loss": 0.5},) and log_kw == {"step": 7}
+
+
+def test_remote_logger_failure_warns_and_run_continues(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise ConnectionError("network down")
+
+    monkeypatch.setitem(sys.modules, "wandb", fake_module("wandb", [], init=object(), log=boom, finish=None))
+    with make(tmp_path, ["wandb"]) as tr:
+        with pytest.warns(UserWarning, match="'wandb' failed at step 1"):
+            tr.log({"a": 1.0}, 1)
+        tr.log({"a": 2.0}, 2)  # warned once, still logs to jsonl
+    assert [r["a"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1.0, 2.0]
+
+
+def test_mlflow_params_and_metric_names(tmp_path, monkeypatch):
+    calls = []
+    exp = types.SimpleNamespace(experiment_id="42")
+    mod = fake_module(
+        "mlflow", calls, set_tracking_uri=None, set_experiment=exp, start_run=object(),
+        log_params=None, log_metrics=None, end_run=None,
+    )
+    monkeypatch.setitem(sys.modules, "mlflow", mod)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with make(tmp_path, ["mlflow"]) as tr:
+        tr.log({"val-core/gsm8k/reward/mean@1": 0.5}, 3)
+    by_name = {name: (args, kw) for name, args, kw in calls}
+    assert by_name["set_tracking_uri"][0][0] == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert by_name["set_experiment"][0] == ("proj",)
+    assert by_name["start_run"][1] == {"experiment_id": "42", "run_name": "exp/1"}
+    assert by_name["log_params"][0] == ({"trainer.n": "1"},)
+    assert by_name["log_metrics"] == (({"val-core/gsm8k/reward/mean_at_1": 0.5},), {"step": 3})
+    assert [c[0] for c in calls][-1] == "end_run"

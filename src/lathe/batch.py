@@ -63,13 +63,17 @@ class Batch:
         raise KeyError(f"batch has no field {key!r}; it has {sorted(self.tensors) + sorted(self.non_tensors)}")
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            self.non_tensors.pop(key, None)
-            self.tensors[key] = value
-        else:
-            self.tensors.pop(key, None)
-            self.non_tensors[key] = value if isinstance(value, np.ndarray) else _as_object_array(value)
-        self.__post_init__()
+        """Add or replace a field; a value of the wrong size raises and leaves the batch unchanged."""
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            value = _as_object_array(value)
+        sizes = {k: v.shape[0] if isinstance(v, torch.Tensor) else len(v)
+                 for store in (self.tensors, self.non_tensors) for k, v in store.items() if k != key}
+        if sizes and set(sizes.values()) != {len(value)}:
+            raise ValueError(f"Batch fields disagree on the batch size: field {key!r} has {len(value)} rows, "
+                             f"the others {sizes}")
+        self.tensors.pop(key, None)
+        self.non_tensors.pop(key, None)
+        (self.tensors if isinstance(value, torch.Tensor) else self.non_tensors)[key] = value
 
     def select(self, idx: torch.Tensor | np.ndarray | Sequence[int] | slice) -> Batch:
         """Rows `idx` (indices, a boolean mask or a slice) of every field."""

@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 
-# Mistakes a user can make and fix (ConfigError, DataError, PreprocessError and the algorithm registry's errors
-# are ValueErrors): shown as one plain message without a traceback, unless LATHE_DEBUG=1.
+# Mistakes a user can make and fix (ConfigError, DataError, PreprocessError, ModelLoadError and the algorithm
+# registry's errors are ValueErrors): shown as one plain message without a traceback, unless LATHE_DEBUG=1.
 _USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotImplementedError)
 
 
@@ -81,7 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lathe.models.hf import ModelLoadError
     logging.basicConfig(level=logging.INFO, format="lathe: %(message)s")
     args = build_parser().parse_args(argv)
     try:
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lathe: interrupted", file=sys.stderr)
         return 130
-    except _USER_ERRORS + (ModelLoadError,) as e:
+    except _USER_ERRORS as e:
         if os.environ.get("LATHE_DEBUG"):
             raise
         print(f"lathe: error: {e}", file=sys.stderr)

@@ -49,8 +49,8 @@ def save_checkpoint(root: str | Path, step: int, worker, trainer_state: dict[str
     tmp = root / (LATEST + ".tmp")
     tmp.write_text(str(step))
     tmp.replace(root / LATEST)
-    if max_to_keep:
-        for old in sorted(_step_dirs(root), key=_step_of)[:-max_to_keep]:
+    if max_to_keep:   # only steps up to this one: later ones (from a run resumed earlier) may sort above it
+        for old in sorted((d for d in _step_dirs(root) if _step_of(d) <= step), key=_step_of)[:-max_to_keep]:
             shutil.rmtree(old, ignore_errors=True)
     return path
 

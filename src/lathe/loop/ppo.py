@@ -1,6 +1,7 @@
 """The synchronous PPO-family driver: one screen, top to bottom, only named steps.
 
-    prompts -> rollout -> reward -> old log-probs -> (ref log-probs) -> advantages -> actor update
+    prompts -> rollout -> reward -> old log-probs -> (rollout correction) -> (ref log-probs) -> (values)
+            -> advantages -> (critic update) -> actor update
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ import time
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import save_checkpoint
 from lathe.loop.setup import Trainer, prompt_batch
-from lathe.loop.steps import compute_advantage, compute_data_metrics, compute_reward, compute_throughput_metrics
+from lathe.loop.sampling import sample_step_batch
+from lathe.loop.steps import (
+    apply_rollout_correction,
+    compute_advantage,
+    compute_data_metrics,
+    compute_throughput_metrics,
+    rollout_correction_enabled,
+)
 from lathe.loop.validate import validate
 from lathe.track import ProgressBar, Timer
 
@@ -18,24 +26,35 @@ from lathe.track import ProgressBar, Timer
 def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
     """One RL iteration on a batch of prompts; returns the step's metrics (verl's names)."""
     timer, metrics = Timer(), {}
+    rc = t.cfg.algorithm.rollout_correction
     start = time.perf_counter()
-    with timer("gen"):
-        batch = t.worker.generate_sequences(prompts, t.sampling)
-    with timer("reward"):
-        scores, reward_metrics = compute_reward(batch, t.tokenizer, t.reward)
-        batch.update(scores)
+    batch, sample_metrics = sample_step_batch(t, prompts, timer)         # rollout + reward (+ DAPO, ReMax)
     with timer("old_log_prob"):
-        batch.update(t.worker.compute_log_prob(batch))
+        if rc.bypass_mode:                                               # the rollout's log-probs are pi_old
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        else:
+            batch.update(t.worker.compute_log_prob(batch))
+    if not rc.bypass_mode and rollout_correction_enabled(rc):
+        correction, rc_metrics = apply_rollout_correction(batch, rc)
+        batch.update(correction)
+        metrics.update(rc_metrics)
     if t.worker.ref is not None:
         with timer("ref"):
             batch.update(t.worker.compute_ref_log_prob(batch))
+    if t.critic is not None:
+        with timer("values"):
+            batch.update(t.critic.compute_values(batch))
     with timer("adv"):
         advantages, adv_metrics = compute_advantage(batch, t.cfg.algorithm, t.kl_ctrl)
         batch.update(advantages)
-    with timer("update_actor"):
-        actor_metrics = t.worker.update_actor(batch)
+    if t.critic is not None:
+        with timer("update_critic"):
+            metrics.update(t.critic.update_critic(batch))
+    if t.global_step >= t.cfg.trainer.critic_warmup:          # verl: the critic may train alone first
+        with timer("update_actor"):
+            metrics.update(t.worker.update_actor(batch))
     step_seconds = time.perf_counter() - start
-    metrics.update(reward_metrics, **adv_metrics, **actor_metrics)
+    metrics.update(sample_metrics, **adv_metrics)
     metrics.update(compute_data_metrics(batch, max_response_length=t.cfg.data.max_response_length))
     metrics.update(timer.metrics(), **{"timing_s/step": step_seconds})
     metrics.update(compute_throughput_metrics(batch, step_seconds))
@@ -52,7 +71,7 @@ def fit(t: Trainer) -> dict[str, float]:
     if tr.val_only:
         return {}
     while t.global_step < t.total_steps:
-        rows = next_rows(t)
+        rows = t.next_rows()
         t.global_step += 1
         last = train_step(t, prompt_batch(rows, t.global_step))
         done = t.global_step >= t.total_steps
@@ -66,18 +85,9 @@ def fit(t: Trainer) -> dict[str, float]:
     return last
 
 
-def next_rows(t: Trainer) -> list[dict]:
-    """The next dataloader batch, starting a new epoch when one runs out."""
-    if t.notes.get("iterator") is None:
-        t.notes["iterator"] = iter(t.loader)
-    try:
-        return next(t.notes["iterator"])
-    except StopIteration:
-        t.notes["iterator"] = iter(t.loader)
-        return next(t.notes["iterator"])
-
-
 def save(t: Trainer) -> None:
     state = {"dataloader": t.loader.state_dict(), "kl_ctrl": t.kl_ctrl.state_dict()}
-    save_checkpoint(t.cfg.trainer.default_local_dir, t.global_step, t.worker, state,
-                    max_to_keep=t.cfg.trainer.max_actor_ckpt_to_keep)
+    path = save_checkpoint(t.cfg.trainer.default_local_dir, t.global_step, t.worker, state,
+                           max_to_keep=t.cfg.trainer.max_actor_ckpt_to_keep)
+    if t.critic is not None:
+        t.critic.save_checkpoint(path / "critic")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from lathe.algo import KL_PENALTIES, get_adv_estimator, get_policy_loss, make_kl_controller
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
-from lathe.config import to_dict
+from lathe.config import critic_in_use, to_dict
 from lathe.data import RLDataset, StatefulDataLoader
 from lathe.models.hf import load_causal_lm, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
@@ -45,9 +46,20 @@ class Trainer:
     kl_ctrl: object
     total_steps: int
     device: torch.device
+    critic: object | None = None        # a CriticWorker when algorithm.adv_estimator=gae
     global_step: int = 0
     resumed_from: Path | None = None
-    notes: dict = field(default_factory=dict)
+    _rows: Iterator[list[dict]] | None = field(default=None, repr=False)
+
+    def next_rows(self) -> list[dict]:
+        """The next dataloader batch, starting a new epoch when one runs out."""
+        if self._rows is None:
+            self._rows = iter(self.loader)
+        try:
+            return next(self._rows)
+        except StopIteration:
+            self._rows = iter(self.loader)
+            return next(self._rows)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,9 +78,6 @@ def check_algorithm_names(cfg) -> None:
                       ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
         if name not in KL_PENALTIES:
             raise ValueError(f"{key}={name!r} is not a KL estimator; known: {', '.join(KL_PENALTIES)}")
-    if cfg.algorithm.adv_estimator == "gae":
-        raise NotImplementedError("algorithm.adv_estimator=gae needs a critic, which this version does not train "
-                                  "yet; use grpo, rloo, reinforce_plus_plus, opo or gpg")
 
 
 def load_custom_reward(reward_cfg):
@@ -181,16 +190,24 @@ def build_trainer(cfg) -> Trainer:
         sampling=sampling_params(arr.rollout, cfg.data.max_response_length),
         val_sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=True),
         kl_ctrl=make_kl_controller(**vars(cfg.algorithm.kl_ctrl)),
-        total_steps=total_steps, device=device)
+        total_steps=total_steps, device=device,
+        critic=build_critic(cfg, tokenizer, total_steps, device) if critic_in_use(cfg) else None)
     if resume_dir is not None:
         resume(trainer, resume_dir)
     trainer.tracker.truncate_after(trainer.global_step)
     return trainer
 
 
+def build_critic(cfg, tokenizer, total_steps: int, device: torch.device):
+    from lathe.train.critic import CriticWorker
+    return CriticWorker(cfg, tokenizer, total_steps=total_steps, device=device)
+
+
 def resume(trainer: Trainer, path: Path) -> None:
     state = load_trainer_state(path)
     trainer.worker.load_checkpoint(path / "actor")
+    if trainer.critic is not None:
+        trainer.critic.load_checkpoint(path / "critic")
     trainer.loader.load_state_dict(state["dataloader"])
     trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
     restore_rng(state["rng"])
@@ -199,10 +216,10 @@ def resume(trainer: Trainer, path: Path) -> None:
     log.info("resumed from %s (step %d)", path, trainer.global_step)
 
 
-def prompt_batch(rows: list[dict], step: int) -> Batch:
+def prompt_batch(rows: list[dict], step: int, round_: int = 0) -> Batch:
     """A dataloader batch as a `Batch`; `uid` groups the samples of one prompt (GRPO's index)."""
     keys = ("prompt_ids", "raw_prompt", "data_source", "ground_truth", "extra_info", "index")
     nt = {k: [r[k] for r in rows] for k in keys}
-    nt["uid"] = [f"{step}:{i}" for i in range(len(rows))]
+    nt["uid"] = [f"{step}:{round_}:{i}" for i in range(len(rows))]
     return Batch(non_tensors=nt)
 

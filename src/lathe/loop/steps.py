@@ -7,7 +7,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from lathe.algo import apply_kl_penalty, get_adv_estimator
+from lathe.algo import ROLLOUT_CORRECTION_KEYS, apply_kl_penalty, compute_rollout_correction, get_adv_estimator, overlong_reward_penalty
 from lathe.batch import Batch
 
 
@@ -18,8 +18,13 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
             for ids, n in zip(batch["responses"], lengths)]
 
 
-def compute_reward(batch: Batch, tokenizer, reward_manager) -> tuple[Batch, dict[str, float]]:
-    """Score each response; the score sits on its last valid token (`token_level_scores`, (B, R))."""
+def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None,
+                   max_response_length: int | None = None) -> tuple[Batch, dict[str, float]]:
+    """Score each response; the score sits on its last valid token (`token_level_scores`, (B, R)).
+
+    `seq_scores` keeps the scorer's own numbers; `token_level_scores` adds DAPO's overlong penalty when
+    `overlong` (verl's `reward_model.overlong_buffer`) is enabled.
+    """
     texts = decode_responses(batch, tokenizer)
     items = [{"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": extra}
              for ds, text, gt, extra in zip(batch["data_source"], texts, batch["ground_truth"],
@@ -27,17 +32,45 @@ def compute_reward(batch: Batch, tokenizer, reward_manager) -> tuple[Batch, dict
     results = reward_manager.score(items)
     mask = batch["response_mask"]
     scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+    shaped = scores
+    metrics: dict[str, float] = dict(reward_manager.metrics())
+    if overlong is not None and overlong.enable:
+        penalty = overlong_reward_penalty(mask.sum(-1), max_response_length, overlong.len, overlong.penalty_factor)
+        shaped = scores + penalty
+        if overlong.log:
+            metrics["reward_extra/overlong_reward/mean"] = penalty.mean().item()
+            metrics["reward_extra/overlong/mean"] = (penalty < 0).float().mean().item()
     token_level = torch.zeros(mask.shape, dtype=torch.float32)
     last = (mask.sum(-1) - 1).clamp(min=0)
-    token_level[torch.arange(len(scores)), last] = scores
-    metrics: dict[str, float] = dict(reward_manager.metrics())
+    token_level[torch.arange(len(scores)), last] = shaped
     extras: dict[str, list[float]] = defaultdict(list)
     for r in results:
         for k, v in r.extra.items():
             extras[k].append(v)
     metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()})
     out = Batch({"token_level_scores": token_level, "seq_scores": scores}, {"response_text": texts})
+    if results and all("acc" in r.extra for r in results):
+        out["acc"] = torch.tensor([r.extra["acc"] for r in results], dtype=torch.float32)
     return out, metrics
+
+
+def apply_rollout_correction(batch: Batch, rc_cfg) -> tuple[Batch, dict[str, float]]:
+    """IS weights / rejection masks for the rollout-vs-trainer mismatch (`algorithm.rollout_correction`)."""
+    weights, mask, metrics = compute_rollout_correction(
+        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], **rollout_correction_kwargs(rc_cfg))
+    out = Batch({"response_mask": mask.to(batch["response_mask"].dtype)})
+    if weights is not None:
+        out["rollout_is_weights"] = weights
+    return out, {k: float(v) for k, v in metrics.items()}
+
+
+def rollout_correction_kwargs(rc_cfg) -> dict:
+    """The `algorithm.rollout_correction.*` keys the algorithm functions take."""
+    return {k: getattr(rc_cfg, k) for k in ROLLOUT_CORRECTION_KEYS}
+
+
+def rollout_correction_enabled(rc_cfg) -> bool:
+    return rc_cfg.rollout_is is not None or rc_cfg.rollout_rs is not None
 
 
 def compute_advantage(batch: Batch, algo_cfg, kl_ctrl=None) -> tuple[Batch, dict[str, float]]:

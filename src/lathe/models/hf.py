@@ -22,7 +22,7 @@ BUILTIN_SHAPES = {
 }
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(ValueError):
     """A model or tokenizer could not be loaded; the message says why and what to do."""
 
 

@@ -26,8 +26,9 @@ class HFRollout:
         self.eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.pad_id = pad_token_id
         self.max_num_seqs = max_num_seqs
-        # A checkpoint's generation_config.json (repetition penalty, top_k=20 ...) must not leak into RL sampling.
-        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=pad_token_id)
+        # A checkpoint's generation_config.json (repetition penalty, top_k=20 ...) must not leak into RL sampling:
+        # transformers fills unset sampling options from the model's config, so it is replaced at every call.
+        self.clean_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=pad_token_id)
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
@@ -35,6 +36,7 @@ class HFRollout:
         out = RolloutOutput([], [], [])
         was_training = self.model.training
         self.model.eval()
+        self.model.generation_config = self.clean_config
         try:
             with torch.random.fork_rng(devices=[], enabled=params.seed is not None):
                 if params.seed is not None:

@@ -19,25 +19,28 @@ from lathe.batch import Batch
 from lathe.train.logprob import response_log_probs
 
 
-def policy_loss_params(actor_cfg) -> PolicyLossParams:
+def policy_loss_params(actor_cfg, rollout_correction: dict | None = None) -> PolicyLossParams:
     """verl's actor keys -> the loss functions' parameters."""
-    names = set(PolicyLossParams.__dataclass_fields__)
+    names = set(PolicyLossParams.__dataclass_fields__) - {"rollout_correction"}
     values = {k: getattr(actor_cfg, k) for k in names if hasattr(actor_cfg, k)}
     values.update({k: getattr(actor_cfg.policy_loss, k) for k in names if hasattr(actor_cfg.policy_loss, k)})
-    return PolicyLossParams(**{k: v for k, v in values.items() if v is not None})
+    return PolicyLossParams(**{k: v for k, v in values.items() if v is not None}, rollout_correction=rollout_correction)
 
 
 class PPOActor:
     """Owns the policy module and its optimizer; `update_policy` runs one RL step's PPO updates."""
 
     def __init__(self, model, optimizer, scheduler, actor_cfg, *, n: int, temperature: float,
-                 max_response_length: int):
+                 max_response_length: int, rollout_correction: dict | None = None):
+        """`rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
+        then treats `old_log_probs` as the rollout's and corrects against the current policy itself."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
         self.mini_batch_size = actor_cfg.ppo_mini_batch_size * n
         self.micro_batch_size = actor_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.temperature = temperature
-        self.loss_params = policy_loss_params(actor_cfg)
-        self.policy_loss = get_policy_loss(actor_cfg.policy_loss.loss_mode)
+        bypass = bool(rollout_correction and rollout_correction.get("bypass_mode"))
+        self.loss_params = policy_loss_params(actor_cfg, rollout_correction if bypass else None)
+        self.policy_loss = get_policy_loss("bypass_mode" if bypass else actor_cfg.policy_loss.loss_mode)
         self.loss_scale_factor = max_response_length
 
     def update_policy(self, batch: Batch) -> dict[str, float]:

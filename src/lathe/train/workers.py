@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from lathe.algo import ROLLOUT_CORRECTION_KEYS
 from lathe.batch import Batch
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
@@ -30,7 +31,9 @@ class ActorRolloutRefWorker:
         self.scheduler = build_scheduler(self.optimizer, arr.actor.optim, total_steps)
         self.actor = PPOActor(self.model, self.optimizer, self.scheduler, arr.actor, n=arr.rollout.n,
                               temperature=arr.rollout.temperature,
-                              max_response_length=cfg.data.max_response_length)
+                              max_response_length=cfg.data.max_response_length,
+                              rollout_correction={k: getattr(cfg.algorithm.rollout_correction, k)
+                                                  for k in ROLLOUT_CORRECTION_KEYS})
         self.rollout = _build_rollout(arr.rollout, self.model, tokenizer)
         self.log_prob_micro_batch_size = (arr.rollout.log_prob_micro_batch_size_per_gpu
                                           or self.actor.micro_batch_size)

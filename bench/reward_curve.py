@@ -1,0 +1,95 @@
+"""The built-in default run's reward curve and wall time: `lathe train` with no arguments.
+
+    python bench/reward_curve.py [--out bench/results/reward_curve_cpu.json] [--plot docs/reward_curve.png]
+
+Runs the `default` preset in a fresh run directory in a subprocess (so start-up is counted), reads its
+metrics.jsonl, prints a table, writes JSON (device, date, git sha, per-step `critic/score/mean`, wall
+time) and, when matplotlib is installed, a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_default(run_dir: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "lathe.cli", "train", f"trainer.default_local_dir={run_dir}"],
+                   check=True, cwd=ROOT)
+    return time.perf_counter() - start
+
+
+def rolling(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(ROOT / "bench/results/reward_curve_cpu.json"))
+    parser.add_argument("--plot", default=str(ROOT / "docs/reward_curve.png"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        wall = run_default(Path(tmp) / "run")
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "critic/score/mean" in r]
+    steps = [r["step"] for r in train]
+    score = [r["critic/score/mean"] for r in train]
+    val = {r["step"]: v for r in rows for k, v in r.items() if k.startswith("val-core/")}
+    smooth = rolling(score, 10)
+    first_at_08 = next((s for s, v in zip(steps, smooth) if v >= 0.8), None)
+    result = {
+        "bench": "reward_curve", "command": "lathe train", "device": f"cpu ({os.cpu_count()} cores, "
+        f"{platform.processor() or platform.machine()})", "date": datetime.date.today().isoformat(),
+        "git_sha": git_sha(), "wall_seconds": round(wall, 1), "steps": steps, "score_mean": score,
+        "score_mean_rolling10": smooth, "val_greedy": val, "first_step_score": score[0],
+        "final_rolling10": smooth[-1], "first_step_rolling10_ge_0.8": first_at_08,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'step':>6} {'score':>8} {'rolling10':>10}")
+    for s, v, m in list(zip(steps, score, smooth))[::10] + [(steps[-1], score[-1], smooth[-1])]:
+        print(f"{s:>6} {v:>8.3f} {m:>10.3f}")
+    print(f"wall {wall:.0f} s; first step {score[0]:.3f}; rolling mean >= 0.8 from step {first_at_08}; "
+          f"final {smooth[-1]:.3f} -> {args.out}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
+    ax.plot(steps, score, color="#bbb", lw=1, label="critic/score/mean")
+    ax.plot(steps, smooth, color="#1f77b4", lw=2, label="rolling mean (10 steps)")
+    if val:
+        ax.plot(list(map(int, val)), list(val.values()), "o", color="#d62728", label="validation (greedy)")
+    ax.axhline(0.8, ls="--", color="k", lw=0.8)
+    ax.set(xlabel="step", ylabel="reward", ylim=(0, 1.02),
+           title=f"lathe train (built-in GRPO, CPU): {wall:.0f} s wall")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot)
+    print(f"plot -> {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

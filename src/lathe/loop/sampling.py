@@ -1,0 +1,81 @@
+"""Producing a step's scored samples: rollout, reward, DAPO's dynamic sampling, ReMax's greedy baseline."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from lathe.algo import filter_groups
+from lathe.batch import Batch
+from lathe.loop.setup import Trainer, prompt_batch
+from lathe.loop.steps import compute_reward
+
+
+class DynamicSamplingExhausted(ValueError):
+    """DAPO's dynamic sampling used `max_num_gen_batches` generation rounds without filling the batch."""
+
+
+def generate_and_score(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[str, float]]:
+    """`rollout.n` responses per prompt with their rewards (and ReMax baselines when that estimator is used)."""
+    with timer("gen"):
+        batch = t.worker.generate_sequences(prompts, t.sampling)
+    with timer("reward"):
+        scores, metrics = compute_reward(batch, t.tokenizer, t.reward, overlong=t.cfg.reward_model.overlong_buffer,
+                                         max_response_length=t.cfg.data.max_response_length)
+        batch.update(scores)
+    if t.cfg.algorithm.adv_estimator == "remax":
+        with timer("gen_max"):
+            batch["reward_baselines"] = greedy_baseline(t, prompts)
+    return batch, metrics
+
+
+def greedy_baseline(t: Trainer, prompts: Batch) -> torch.Tensor:
+    """ReMax (Li et al. 2023): the reward of one greedy response per prompt, repeated for its n samples."""
+    greedy = replace(t.sampling, n=1, do_sample=False)
+    batch = t.worker.generate_sequences(prompts, greedy)
+    scores, _ = compute_reward(batch, t.tokenizer, t.reward)
+    return scores["seq_scores"].repeat_interleave(t.sampling.n)
+
+
+def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[str, float]]:
+    """The step's batch; with `algorithm.filter_groups.enable`, DAPO's dynamic sampling.
+
+    Groups whose `filter_groups.metric` has zero variance (all right or all wrong: no GRPO signal) are
+    dropped and further prompt batches generated until `train_batch_size` prompts remain, at most
+    `max_num_gen_batches` rounds (0 = no limit).
+    """
+    fg = t.cfg.algorithm.filter_groups
+    batch, metrics = generate_and_score(t, prompts, timer)
+    if not fg.enable:
+        return batch, metrics
+    want = t.cfg.data.train_batch_size * t.sampling.n
+    kept, rounds = [], 1
+    while True:
+        keep = filter_groups(batch["uid"], group_metric(batch, fg.metric))
+        kept.append(batch.select(keep))
+        have = sum(len(b) for b in kept)
+        if have >= want:
+            break
+        if 0 < fg.max_num_gen_batches <= rounds:
+            raise DynamicSamplingExhausted(
+                f"algorithm.filter_groups: after {rounds} generation rounds (max_num_gen_batches="
+                f"{fg.max_num_gen_batches}) only {have // t.sampling.n} of data.train_batch_size="
+                f"{t.cfg.data.train_batch_size} prompts had reward variance within their group. The policy "
+                "is solving (or failing) nearly every prompt: raise max_num_gen_batches (0 = no limit), use "
+                "harder/easier data, or disable filter_groups.")
+        rounds += 1
+        batch, more = generate_and_score(t, prompt_batch(t.next_rows(), t.global_step, round_=rounds), timer)
+        metrics.update(more)
+    metrics["train/num_gen_batches"] = rounds
+    return Batch.concat(kept).select(slice(0, want)), metrics
+
+
+def group_metric(batch: Batch, metric: str | None) -> torch.Tensor:
+    """One number per row for dynamic sampling: `acc` (a scorer's `acc` extra, else the score),
+    `score`/`seq_reward` (the score) or `seq_final_reward` (the reward after shaping)."""
+    if metric in (None, "acc"):
+        return batch["acc"] if "acc" in batch else batch["seq_scores"]
+    if metric in ("score", "seq_reward", "seq_final_reward"):
+        return batch["token_level_scores"].sum(-1)
+    raise ValueError(f"algorithm.filter_groups.metric={metric!r}: use acc, score, seq_reward or seq_final_reward")

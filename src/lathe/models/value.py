@@ -1,0 +1,118 @@
+"""Value models for the PPO critic: a decoder with a one-output token-classification head (``score``).
+
+Like verl, a critic is ``AutoModelForTokenClassification`` with ``num_labels=1``: the backbone of a causal
+LM checkpoint plus a linear ``score`` head that reads one scalar value off every position's hidden state.
+Dropout in the head is switched off (``classifier_dropout=0``), as verl does, so a training-mode forward is
+deterministic and gradient accumulation over micro-batches is exact.
+
+A head that the checkpoint does not hold (a causal LM loaded as a critic for the first time) starts at
+zero, so the first values are exactly 0 whatever the seed; a saved critic keeps its trained head.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+
+from lathe.models.hf import (
+    BUILTIN_PREFIX,
+    ModelLoadError,
+    _explain,
+    _HUB_ID,
+    build_builtin_model,
+    is_builtin,
+)
+
+__all__ = ["VALUE_HEAD", "load_value_model", "build_builtin_value_model", "torch_dtype"]
+
+VALUE_HEAD = "score"   # the head's module name in transformers' *ForTokenClassification models
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype, key: str = "critic.model.fsdp_config.model_dtype") -> torch.dtype:
+    """``"fp32"`` / ``"bf16"`` / ``"fp16"`` (or the long names) -> the torch dtype; ``key`` names it in errors."""
+    if isinstance(name, torch.dtype):
+        return name
+    if str(name) not in _DTYPES:
+        raise ValueError(f"{key}={name!r} is not a known dtype; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[str(name)]
+
+
+def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0, trust_remote_code: bool = False,
+                     dtype: torch.dtype | str = torch.float32, override_config: dict | None = None):
+    """A value model from ``path``: a local HF directory, a hub id, or ``builtin:<shape>``.
+
+    A Hugging Face checkpoint loads through ``AutoModelForTokenClassification(num_labels=1)``; a missing
+    ``score`` head is zero-initialised. ``builtin:<shape>`` builds the built-in policy's architecture with
+    the same seeded backbone weights (see ``build_builtin_value_model``).
+    """
+    dtype = torch_dtype(dtype)
+    if is_builtin(path):
+        return build_builtin_value_model(path[len(BUILTIN_PREFIX):], vocab_size=vocab_size, seed=seed, dtype=dtype)
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    local = _resolve_critic_path(path)
+    local_only = Path(local).is_dir()
+    try:
+        config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=local_only)
+        for key, value in {"num_labels": 1, "classifier_dropout": 0.0, **(override_config or {})}.items():
+            setattr(config, key, value)
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            local, config=config, trust_remote_code=trust_remote_code, dtype=dtype, local_files_only=local_only,
+            output_loading_info=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(_explain(path, "value model (critic.model.path)", e)) from e
+    if any(k.startswith(VALUE_HEAD + ".") or f".{VALUE_HEAD}." in k for k in info.get("missing_keys", ())):
+        _zero_value_head(model)
+    return model
+
+
+def build_builtin_value_model(shape: str, *, vocab_size: int | None, seed: int = 0, dtype=torch.float32):
+    """The built-in policy of ``shape`` (same config, same seeded backbone) with a zero value head.
+
+    Starting the critic's backbone from the policy's initial weights mirrors verl, where the critic is
+    usually loaded from the actor's checkpoint.
+    """
+    from transformers import Qwen2ForTokenClassification
+    policy = build_builtin_model(shape, vocab_size=vocab_size, seed=seed, dtype=torch.float32)
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    config.architectures = ["Qwen2ForTokenClassification"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForTokenClassification(config)
+    backbone = {k: v for k, v in policy.state_dict().items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(backbone, strict=False)
+    if unexpected or any(not k.startswith(VALUE_HEAD + ".") for k in missing):
+        raise RuntimeError(f"builtin:{shape} value model: backbone mismatch, missing {missing}, "
+                           f"unexpected {unexpected}")
+    _zero_value_head(model)
+    return model.to(dtype)
+
+
+def _zero_value_head(model) -> None:
+    """Initial values are exactly 0: the first GAE step sees V = 0 instead of random noise."""
+    head = getattr(model, VALUE_HEAD, None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ModelLoadError(f"value model {type(model).__name__} has no linear '{VALUE_HEAD}' head; critic.model.path "
+                             "must be a decoder that transformers can load with AutoModelForTokenClassification")
+    with torch.no_grad():
+        head.weight.zero_()
+        if head.bias is not None:
+            head.bias.zero_()
+
+
+def _resolve_critic_path(path: str) -> str:
+    expanded = os.path.expanduser(str(path))
+    if Path(expanded).is_dir():
+        return expanded
+    if Path(expanded).exists() or not _HUB_ID.match(str(path)):
+        raise ModelLoadError(f"critic.model.path={path!r}: no such directory. Give a local Hugging Face checkpoint "
+                             "directory (config.json + *.safetensors), a hub id, or builtin:tiny; null uses "
+                             "actor_rollout_ref.model.path")
+    return str(path)

@@ -1,0 +1,167 @@
+"""The PPO critic for ``algorithm.adv_estimator=gae``: value predictions and the clipped value-loss update.
+
+Batch sizes follow verl's ``critic.*`` keys exactly as the actor's do: one step's sequences are cut into
+mini-batches of ``ppo_mini_batch_size * rollout.n`` sequences (one optimizer step each, ``ppo_epochs``
+passes) and each mini-batch into micro-batches of ``ppo_micro_batch_size_per_gpu`` sequences whose
+gradients add up. The value loss is normalised by the token/sequence counts of the whole mini-batch
+(``global_batch_info``), so the update does not depend on the micro-batch size.
+
+Alignment (verl ``dp_critic._forward_micro_batch``): the value of response token t is read off the hidden
+state of the position that predicts it, ``values[:, -R-1:-1]`` -- V(s_t) is the value of the prefix
+before token t is emitted, the state in which the policy chose it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from lathe.algo import compute_value_loss, global_batch_info, masked_mean
+from lathe.batch import Batch
+from lathe.models.value import load_value_model, torch_dtype
+from lathe.train.optim import build_optimizer, build_scheduler
+
+__all__ = ["response_values", "PPOCritic", "CriticWorker"]
+
+
+def response_values(model, batch: Batch) -> torch.Tensor:
+    """Values (B, R) float32 of the response positions, zero where ``response_mask`` is 0."""
+    R = batch["responses"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False)
+    values = out.logits[:, -R - 1:-1, 0].float()
+    return values * batch["response_mask"].to(values.dtype)
+
+
+class PPOCritic:
+    """Owns the value module and its optimizer; ``update_critic`` runs one RL step's value updates."""
+
+    def __init__(self, model, optimizer, scheduler, critic_cfg, *, n: int, max_response_length: int):
+        self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, critic_cfg
+        self.mini_batch_size = critic_cfg.ppo_mini_batch_size * n
+        self.micro_batch_size = critic_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
+        self.forward_micro_batch_size = critic_cfg.forward_micro_batch_size_per_gpu or self.micro_batch_size
+        self.loss_scale_factor = max_response_length
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        """``{"values": (B, R)}`` in eval mode, ``forward_micro_batch_size_per_gpu`` sequences at a time."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            parts = [response_values(self.model, mb) for mb in batch.split(self.forward_micro_batch_size)]
+        finally:
+            self.model.train(was_training)
+        return Batch({"values": torch.cat(parts)})
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs over mini-batches; verl's ``critic/*`` metrics averaged over mini-batches.
+
+        Needs ``values`` (old predictions, the clipping centre) and ``returns`` besides the sequence tensors.
+        """
+        self.model.train()
+        metrics: dict[str, list[float]] = defaultdict(list)
+        for _ in range(self.cfg.ppo_epochs):
+            for mini in batch.split(self.mini_batch_size):
+                for k, v in self._update_mini_batch(mini).items():
+                    metrics[k].append(v)
+        self.scheduler.step()
+        out = {k: sum(v) / len(v) for k, v in metrics.items()}
+        out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    def _update_mini_batch(self, mini: Batch) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        mask = mini["response_mask"]
+        agg = global_batch_info(mask, self.loss_scale_factor)
+        total_tokens = max(1, agg["global_num_tokens"])
+        sums: dict[str, float] = defaultdict(float)
+        for micro in mini.split(self.micro_batch_size):
+            loss, parts = self._micro_batch_loss(micro, agg)
+            loss.backward()
+            share = float(micro["response_mask"].sum()) / total_tokens   # token-weighted: exact mini-batch means
+            sums["critic/vf_loss"] += float(loss.detach())                # global normalisation: losses add up
+            for k, v in parts.items():
+                sums[k] += v * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        sums["critic/grad_norm"] = float(grad_norm)
+        return dict(sums)
+
+    def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = micro["response_mask"]
+        vpreds = response_values(self.model, micro)
+        loss, clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], mask, self.cfg.cliprange_value,
+                                            loss_agg_mode=self.cfg.loss_agg_mode, agg_kwargs=agg)
+        parts = {"critic/vf_clipfrac": float(clipfrac), "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
+        return loss, parts
+
+    # -- checkpoint -----------------------------------------------------------------------------
+    def save_checkpoint(self, path: Path) -> None:
+        """HF-format weights under ``path/huggingface`` plus optimizer and scheduler state in ``path/optim.pt``."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path / "huggingface", safe_serialization=True)
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                   path / "optim.pt")
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore what ``save_checkpoint`` wrote; a weight set that does not fit the model raises."""
+        from safetensors.torch import load_file
+        path = Path(path)
+        files = sorted((path / "huggingface").glob("*.safetensors"))
+        if not files or not (path / "optim.pt").exists():
+            raise FileNotFoundError(f"critic checkpoint {path} is incomplete: expected huggingface/*.safetensors "
+                                    "and optim.pt written by save_checkpoint")
+        state = {}
+        for f in files:
+            state.update(load_file(f))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"critic checkpoint {path} does not match the value model: missing {missing}, "
+                               f"unexpected {unexpected}")
+        opt = torch.load(path / "optim.pt", weights_only=False)
+        self.optimizer.load_state_dict(opt["optimizer"])
+        self.scheduler.load_state_dict(opt["scheduler"])
+
+
+class CriticWorker:
+    """The critic as a placeable unit: Batch in, Batch or metrics out (in-process now, a Ray worker later).
+
+    Builds the value model from ``critic.model`` (``path`` falls back to the policy's), its optimizer from
+    ``critic.optim`` and the schedule over ``total_steps``; ``model`` injects a ready module instead (tests).
+    """
+
+    def __init__(self, cfg, tokenizer, *, total_steps: int, device: torch.device, model=None):
+        critic = cfg.critic
+        self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
+        if model is None:
+            model = load_value_model(critic.model.path, vocab_size=len(tokenizer), seed=cfg.trainer.seed,
+                                     trust_remote_code=bool(critic.model.trust_remote_code),
+                                     dtype=torch_dtype(critic.model.fsdp_config.model_dtype),
+                                     override_config=critic.model.override_config)
+        self.model = model.to(self.device)
+        self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
+        self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
+        self.critic = PPOCritic(self.model, self.optimizer, self.scheduler, critic,
+                                n=cfg.actor_rollout_ref.rollout.n, max_response_length=cfg.data.max_response_length)
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """``{"values": (B, R)}`` on the CPU."""
+        return self.critic.compute_values(batch.to(self.device)).to("cpu")
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self.critic.update_critic(batch.to(self.device))
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Weights + tokenizer (a loadable HF directory, reusable as ``critic.model.path``) + optimizer state."""
+        self.critic.save_checkpoint(Path(path))
+        self.tokenizer.save_pretrained(Path(path) / "huggingface")
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.critic.load_checkpoint(Path(path))

@@ -1,0 +1,131 @@
+"""End-to-end runs of the GRPO driver on the built-in task: resume equality, failing rewards, GSM8K."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lathe.config import load_config
+from lathe.loop import ppo
+from lathe.loop.ppo import fit
+from lathe.loop.setup import build_trainer
+
+SHARED_GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+
+TINY = [
+    "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "data.max_response_length=4",
+    "actor_rollout_ref.model.warm_start.steps=100", "data.val_batch_size=64", "trainer.logger=[console]",
+]
+
+
+def run(tmp_path: Path, *overrides: str, name: str = "run"):
+    cfg = load_config(None, [*TINY, f"trainer.default_local_dir={tmp_path / name}", *overrides])
+    trainer = build_trainer(cfg)
+    try:
+        fit(trainer)
+    finally:
+        trainer.tracker.close()
+        trainer.reward.close()
+    return trainer
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows}
+
+
+def deterministic(metrics: dict) -> dict:
+    """Everything but wall-clock figures."""
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing", "perf/"))}
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
+    common = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=2",
+              "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2",
+              "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.lr=3e-4"]
+    whole = run(tmp_path, *common, name="whole")
+
+    real_step = ppo.train_step
+
+    def crash_at_step_3(t, prompts):
+        if t.global_step == 3:
+            raise KeyboardInterrupt("simulated crash")
+        return real_step(t, prompts)
+
+    monkeypatch.setattr(ppo, "train_step", crash_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, *common, name="split")
+    monkeypatch.setattr(ppo, "train_step", real_step)
+    resumed = run(tmp_path, *common, name="split")
+
+    assert resumed.resumed_from is not None and resumed.resumed_from.name == "global_step_2"
+    a, b = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4]
+    for step in (3, 4):
+        assert 0 < a[step]["critic/score/mean"] < 1, "no reward signal: the test would not exercise the update"
+        assert a[step]["actor/grad_norm"] > 0
+        assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
+    assert "actor/kl_loss" in a[4] and a[4]["actor/kl_loss"] != 0.0
+    for (name, p), q in zip(whole.worker.model.named_parameters(), resumed.worker.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_validation_does_not_change_training(tmp_path):
+    with_val = run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=1", name="val")
+    without = run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                  "trainer.val_before_train=false", name="noval")
+    a, b = read_metrics(tmp_path / "val"), read_metrics(tmp_path / "noval")
+    assert any(k.startswith("val-core/lathe/arithmetic/reward/mean@1") for k in a[2])
+    assert a[2]["critic/score/mean"] == b[2]["critic/score/mean"]
+    for p, q in zip(with_val.worker.model.parameters(), without.worker.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_failing_and_hanging_reward_does_not_stop_the_run(tmp_path, caplog):
+    reward_file = tmp_path / "flaky_reward.py"
+    reward_file.write_text(
+        "import time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if extra_info['index'] % 3 == 0:\n"
+        "        raise RuntimeError('scorer exploded')\n"
+        "    if extra_info['index'] % 7 == 1:\n"
+        "        time.sleep(60)\n"
+        "    return {'score': float(solution_str.strip() == ground_truth), 'len': len(solution_str)}\n")
+    trainer = run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                  "trainer.val_before_train=false", "reward.timeout_s=0.5",
+                  f"reward.custom_reward_function.path={reward_file}", "data.shuffle=false")
+    metrics = read_metrics(tmp_path / "run")
+    assert trainer.global_step == 2
+    errors = sum(m.get("reward/num_errors", 0) for m in metrics.values())
+    timeouts = sum(m.get("reward/num_timeouts", 0) for m in metrics.values())
+    assert errors > 0 and timeouts > 0
+    assert "reward_extra/len/mean" in metrics[1]
+    assert "scorer exploded" in caplog.text
+
+
+@pytest.mark.skipif(not SHARED_GSM8K.exists(), reason="GSM8K not found at ../shared/data/gsm8k")
+def test_gsm8k_steps_with_a_transformers_checkpoint(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lathe.data.builtin import builtin_tokenizer
+    from lathe.data.preprocess import PREPROCESSORS
+
+    out = PREPROCESSORS["gsm8k"](str(SHARED_GSM8K), str(tmp_path / "gsm8k"))
+    tok = builtin_tokenizer()
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    trainer = run(tmp_path, f"data.train_files={out['train']}", f"data.val_files={out['test']}",
+                  f"actor_rollout_ref.model.path={tmp_path / 'model'}", "actor_rollout_ref.model.warm_start.steps=0",
+                  "data.max_prompt_length=300", "data.filter_overlong_prompts=true", "data.max_response_length=8",
+                  "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false")
+    metrics = read_metrics(tmp_path / "run")
+    assert trainer.global_step == 2 and trainer.loader.dataset.num_filtered > 0
+    assert metrics[2]["response_length/clip_ratio"] >= 0 and "critic/score/mean" in metrics[2]
+    assert metrics[2]["prompt_length/max"] <= 300

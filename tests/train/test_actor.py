@@ -1,0 +1,122 @@
+"""Tests for lathe.train.actor.PPOActor: micro-batch invariance, the KL loss, PPO epochs, metrics."""
+
+import pytest
+import torch
+
+from lathe.train.actor import PPOActor, policy_loss_params
+from lathe.train.logprob import response_log_probs
+from lathe.train.optim import build_optimizer, build_scheduler
+
+
+def _actor(model, cfg, optimizer=None):
+    arr = cfg.actor_rollout_ref
+    optimizer = optimizer or build_optimizer(model.parameters(), arr.actor.optim)
+    scheduler = build_scheduler(optimizer, arr.actor.optim, total_steps=10)
+    return PPOActor(model, optimizer, scheduler, arr.actor, n=arr.rollout.n, temperature=arr.rollout.temperature,
+                    max_response_length=cfg.data.max_response_length)
+
+
+def _ppo_batch(model, rollout_batch, temperature, seed=0, adv_scale=1.0):
+    """A rollout batch plus `old_log_probs` (current policy, perturbed so ratios != 1), advantages, ref."""
+    batch = rollout_batch(rows=8, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    mask = batch["response_mask"].float()
+    with torch.no_grad():
+        logp, _ = response_log_probs(model.eval(), batch, temperature=temperature)
+    model.train()
+    shape = mask.shape
+    batch["old_log_probs"] = (logp + 0.3 * torch.randn(shape, generator=g)) * mask
+    batch["advantages"] = adv_scale * torch.randn(shape[0], 1, generator=g).expand(shape) * mask
+    batch["ref_log_prob"] = (logp + 0.5 * torch.randn(shape, generator=g)) * mask
+    return batch
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _max_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_update_does_not_depend_on_micro_batch_size(make_model, rollout_batch, load_cfg, agg):
+    common = [f"actor_rollout_ref.actor.loss_agg_mode={agg}", "actor_rollout_ref.actor.use_kl_loss=true",
+              "actor_rollout_ref.actor.kl_loss_coef=0.1", "actor_rollout_ref.actor.entropy_coeff=0.01",
+              "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.actor.grad_clip=1000.0"]
+    start = _params(make_model())
+    results = {}
+    for micro in ("null", 4, 2, 1):   # mini-batch = 2 prompts x n=2 = 4 sequences: whole, halves, quarters
+        cfg = load_cfg(*common, f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}")
+        model = make_model()
+        actor = _actor(model, cfg)
+        metrics = actor.update_policy(_ppo_batch(model, rollout_batch, temperature=0.7))
+        results[micro] = (_params(model), metrics)
+    whole, whole_metrics = results["null"]
+    assert _max_diff(whole, start) > 1e-4, "precondition: the update moves the parameters"
+    for micro in (4, 2, 1):
+        params, metrics = results[micro]
+        assert _max_diff(params, whole) < 1e-6, f"micro-batch {micro} changed the update"
+        # losses are normalised by whole-mini-batch counts, so they add up exactly over micro-batches
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+            assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def _kl_to_ref(model, batch, temperature):
+    with torch.no_grad():
+        logp, _ = response_log_probs(model, batch, temperature=temperature)
+    diff = (logp - batch["ref_log_prob"]) * batch["response_mask"]
+    return float(diff.abs().sum())
+
+
+@pytest.mark.parametrize("use_kl", [True, False])
+def test_kl_loss_gradient_moves_policy_towards_reference(make_model, rollout_batch, load_cfg, use_kl):
+    cfg = load_cfg(f"actor_rollout_ref.actor.use_kl_loss={str(use_kl).lower()}",
+                   "actor_rollout_ref.actor.kl_loss_coef=1.0", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+                   "actor_rollout_ref.actor.entropy_coeff=0.0")
+    model = make_model()
+    batch = _ppo_batch(model, rollout_batch, temperature=1.0, adv_scale=0.0)   # no policy-gradient signal
+    before, kl_before = _params(model), _kl_to_ref(model, batch, 1.0)
+    actor = _actor(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    metrics = actor.update_policy(batch)
+    if use_kl:
+        assert metrics["actor/kl_loss"] > 0 and metrics["actor/kl_coef"] == 1.0
+        assert metrics["actor/grad_norm"] > 0
+        assert _kl_to_ref(model, batch, 1.0) < kl_before
+    else:
+        assert "actor/kl_loss" not in metrics
+        assert metrics["actor/grad_norm"] == 0.0
+        assert _max_diff(_params(model), before) == 0.0
+
+
+def test_ppo_epochs_two_optimizer_steps_per_mini_batch(make_model, rollout_batch, load_cfg):
+    for epochs, expected_steps in ((1, 2), (2, 4)):
+        cfg = load_cfg(f"actor_rollout_ref.actor.ppo_epochs={epochs}")
+        model = make_model()
+        actor = _actor(model, cfg)
+        calls = []
+        actor.optimizer.register_step_post_hook(lambda *_: calls.append(1))
+        metrics = actor.update_policy(_ppo_batch(model, rollout_batch, temperature=1.0))
+        assert len(calls) == expected_steps          # 8 sequences / mini-batches of 4, times ppo_epochs
+        assert actor.scheduler.last_epoch == 1       # the schedule advances once per RL step
+        assert {"actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/ppo_kl"} <= set(metrics)
+
+
+def test_non_finite_gradient_skips_the_step(make_model, rollout_batch, load_cfg):
+    model = make_model()
+    actor = _actor(model, load_cfg())
+    batch = _ppo_batch(model, rollout_batch, temperature=1.0)
+    batch["advantages"][0, 0] = float("nan")
+    before = _params(model)
+    metrics = actor.update_policy(batch)
+    assert metrics["actor/grad_norm"] != metrics["actor/grad_norm"]  # nan
+    # the first mini-batch (rows 0-3) was skipped, so no NaN reached the weights; the second one still trained
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert _max_diff(_params(model), before) > 0
+
+
+def test_policy_loss_params_from_actor_config(load_cfg):
+    cfg = load_cfg("actor_rollout_ref.actor.clip_ratio_low=0.1", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+                   "actor_rollout_ref.actor.clip_ratio_c=4.0")
+    params = policy_loss_params(cfg.actor_rollout_ref.actor)
+    assert (params.low, params.high, params.clip_ratio_c) == (0.1, 0.28, 4.0)

@@ -1,0 +1,173 @@
+"""Tests for lathe.train.critic: value alignment, micro-batch invariance, fitting, value clipping, checkpoints."""
+
+import pytest
+import torch
+
+from lathe.data.builtin import builtin_tokenizer
+from lathe.train.critic import CriticWorker, PPOCritic, response_values
+
+VOCAB, PAD = 40, 0   # the vocabulary of conftest.rollout_batch
+# mini-batch = critic.ppo_mini_batch_size 2 prompts x rollout.n 2 = 4 sequences; 8 rows -> 2 mini-batches
+CRITIC = ["critic.ppo_mini_batch_size=2", "critic.optim.lr=1e-3", "critic.grad_clip=1000.0"]
+
+
+def _value_model(seed: int = 0):
+    """A tiny Qwen2 value model with a random (non-zero) head, so every parameter gets a gradient."""
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      initializer_range=0.2, bos_token_id=None, eos_token_id=1, pad_token_id=PAD,
+                      num_labels=1, classifier_dropout=0.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForTokenClassification(cfg)
+
+
+def _worker(cfg, model=None, total_steps=10):
+    return CriticWorker(cfg, builtin_tokenizer(), total_steps=total_steps, device="cpu", model=model)
+
+
+def _critic_batch(worker, rollout_batch, seed=0, value_noise=0.5):
+    """A rollout batch with old `values` (current predictions + noise) and random per-sequence `returns`."""
+    batch = rollout_batch(rows=8, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    mask = batch["response_mask"].float()
+    values = worker.compute_values(batch)["values"]
+    batch["values"] = (values + value_noise * torch.randn(mask.shape, generator=g)) * mask
+    batch["returns"] = torch.randn(mask.shape[0], 1, generator=g).expand(mask.shape) * mask
+    return batch
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _max_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_values_align_with_unpadded_forward(rollout_batch, load_cfg):
+    """Value of response token t = head output at the position just before it, row by row without padding."""
+    model = _value_model().eval()
+    batch = rollout_batch(rows=8, seed=3)
+    with torch.no_grad():
+        got = response_values(model, batch)
+    P = batch["prompts"].shape[1]
+    for i in range(len(batch)):
+        prompt = batch["prompts"][i][batch["attention_mask"][i, :P].bool()]
+        resp_mask = batch["response_mask"][i].bool()
+        response = batch["responses"][i][resp_mask]
+        ids = torch.cat([prompt, response]).unsqueeze(0)
+        with torch.no_grad():
+            v = model(input_ids=ids).logits[0, :, 0]
+        expected = v[len(prompt) - 1: len(prompt) - 1 + len(response)]
+        torch.testing.assert_close(got[i][resp_mask], expected, atol=1e-5, rtol=1e-5)
+        assert torch.all(got[i][~resp_mask] == 0), f"row {i}: padded response positions must be 0"
+    # the worker's micro-batched, no-grad path gives the same numbers for an uneven split
+    worker = _worker(load_cfg(*CRITIC, "critic.forward_micro_batch_size_per_gpu=3"), model=model)
+    values = worker.compute_values(batch)["values"]
+    assert not values.requires_grad
+    torch.testing.assert_close(values, got, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_update_does_not_depend_on_micro_batch_size(rollout_batch, load_cfg, agg):
+    start = _params(_value_model())
+    results = {}
+    for micro in ("null", 4, 2, 1):   # whole mini-batch, halves, quarters
+        cfg = load_cfg(*CRITIC, f"critic.loss_agg_mode={agg}", "critic.cliprange_value=0.2",
+                       f"critic.ppo_micro_batch_size_per_gpu={micro}")
+        worker = _worker(cfg, model=_value_model())
+        metrics = worker.update_critic(_critic_batch(worker, rollout_batch))
+        results[micro] = (_params(worker.model), metrics)
+    whole, whole_metrics = results["null"]
+    assert _max_diff(whole, start) > 1e-4, "precondition: the update moves the parameters"
+    assert 0 < whole_metrics["critic/vf_clipfrac"] < 1, "precondition: both loss branches are exercised"
+    for micro in (4, 2, 1):
+        params, metrics = results[micro]
+        assert _max_diff(params, whole) < 1e-6, f"micro-batch {micro} changed the update"
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"):
+            assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-5, abs=1e-7), (micro, key)
+
+
+def test_value_loss_falls_when_fitting_fixed_returns(rollout_batch, load_cfg):
+    cfg = load_cfg(*CRITIC, "critic.optim.lr=3e-3", "critic.ppo_epochs=2", "critic.ppo_micro_batch_size_per_gpu=2")
+    worker = _worker(cfg, model=_value_model(seed=1))
+    batch = _critic_batch(worker, rollout_batch, seed=5, value_noise=0.0)
+    mask = batch["response_mask"].bool()
+
+    def mse():
+        values = worker.compute_values(batch)["values"]
+        return float(((values - batch["returns"])[mask] ** 2).mean())
+
+    start, losses = mse(), []
+    for _ in range(8):
+        batch["values"] = worker.compute_values(batch)["values"]   # each PPO step re-centres the clipping
+        losses.append(worker.update_critic(batch)["critic/vf_loss"])
+    assert mse() < 0.3 * start, f"value error {start:.3f} -> {mse():.3f}"
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("cliprange, clipped", [(0.1, True), (100.0, False)])
+def test_value_clipping_engages_when_predictions_leave_the_range(rollout_batch, load_cfg, cliprange, clipped):
+    """Old values 3 below the predictions, returns 3 above: a clipped prediction is worse, so it is used."""
+    cfg = load_cfg(*CRITIC, f"critic.cliprange_value={cliprange}", "critic.optim.weight_decay=0.0",
+                   "critic.ppo_mini_batch_size=4")   # one mini-batch: the loss is measured before any step
+    worker = _worker(cfg, model=_value_model())
+    batch = rollout_batch(rows=8, seed=2)
+    mask = batch["response_mask"]
+    current = worker.compute_values(batch)["values"]
+    batch["values"] = (current - 3.0) * mask
+    batch["returns"] = (current + 3.0) * mask
+    before = _params(worker.model)
+    metrics = worker.update_critic(batch)
+    if clipped:
+        assert metrics["critic/vf_clipfrac"] == pytest.approx(1.0)
+        # the loss is the clipped branch everywhere, which is constant in the prediction: no gradient at all
+        assert metrics["critic/grad_norm"] == 0.0
+        assert _max_diff(_params(worker.model), before) == 0.0
+        assert metrics["critic/vf_loss"] == pytest.approx(0.5 * 5.9 ** 2, rel=1e-4)
+    else:
+        assert metrics["critic/vf_clipfrac"] == 0.0
+        assert metrics["critic/grad_norm"] > 0
+        assert metrics["critic/vf_loss"] == pytest.approx(0.5 * 3.0 ** 2, rel=1e-4)
+
+
+def test_builtin_critic_checkpoint_round_trip(rollout_batch, load_cfg, tmp_path):
+    cfg = load_cfg(*CRITIC, "critic.model.path=builtin:tiny", "critic.optim.lr_warmup_steps=3")
+    worker = _worker(cfg)
+    batch = _critic_batch(worker, rollout_batch, seed=7)
+    assert torch.all(batch["values"] == batch["values"]), "no NaN"
+    assert torch.all(worker.compute_values(batch)["values"] == 0), "a fresh value head predicts exactly 0"
+    worker.update_critic(batch)
+    worker.save_checkpoint(tmp_path / "critic")
+
+    restored = _worker(cfg)
+    assert not torch.equal(restored.compute_values(batch)["values"], worker.compute_values(batch)["values"])
+    restored.load_checkpoint(tmp_path / "critic")
+    assert torch.equal(restored.compute_values(batch)["values"], worker.compute_values(batch)["values"])
+    a, b = worker.optimizer.state_dict(), restored.optimizer.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for k in a["state"]:
+        for name, t in a["state"][k].items():
+            assert torch.equal(t, b["state"][k][name]), (k, name)
+    assert restored.scheduler.last_epoch == worker.scheduler.last_epoch == 1
+    # resuming continues exactly: one more identical update keeps the two critics equal
+    m1, m2 = worker.update_critic(batch), restored.update_critic(batch)
+    assert m1 == m2 and m1["critic/lr"] == pytest.approx(1e-3 * 3 / 4)
+    assert _max_diff(_params(worker.model), _params(restored.model)) == 0.0
+
+
+def test_load_checkpoint_rejects_incomplete_directory(load_cfg, tmp_path):
+    worker = _worker(load_cfg(*CRITIC), model=_value_model())
+    with pytest.raises(FileNotFoundError, match="optim.pt"):
+        worker.load_checkpoint(tmp_path / "nothing")
+
+
+def test_ppo_critic_batch_sizes_follow_verl_keys(load_cfg):
+    cfg = load_cfg(*CRITIC, "critic.ppo_micro_batch_size_per_gpu=2")
+    model = _value_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    critic = PPOCritic(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), cfg.critic,
+                       n=cfg.actor_rollout_ref.rollout.n, max_response_length=cfg.data.max_response_length)
+    assert (critic.mini_batch_size, critic.micro_batch_size, critic.forward_micro_batch_size) == (4, 2, 2)

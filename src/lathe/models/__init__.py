@@ -1,0 +1,65 @@
+"""Models: lathe's own decoder (Llama, Qwen2/2.5, Qwen3) and the transformers loader used as fallback.
+
+`load_lathe_model(path)` builds lathe's decoder from a local Hugging Face checkpoint directory, or raises
+`UnsupportedArchitecture` (a ValueError whose message names the architecture and says that the
+transformers fallback will be used); callers catch it and load with `lathe.models.hf.load_causal_lm`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lathe.models.config import SUPPORTED_ARCHITECTURES, LatheConfig, UnsupportedArchitecture
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "LatheConfig", "UnsupportedArchitecture", "load_lathe_model",
+           "load_lathe_value_model", "supports"]
+
+
+def supports(path: str | Path) -> tuple[bool, str]:
+    """(True, architecture) when lathe's decoder runs the checkpoint, else (False, the reason)."""
+    try:
+        cfg = LatheConfig.from_pretrained(path)
+    except UnsupportedArchitecture as e:
+        return False, str(e)
+    return True, cfg.architecture
+
+
+def load_lathe_model(path: str | Path, dtype: torch.dtype = torch.float32, *,
+                     device: str | torch.device = "cpu"):
+    """A `LatheCausalLM` with the weights of the checkpoint directory `path`, in `dtype` on `device`."""
+    from lathe.models.decoder import LatheCausalLM
+    from lathe.models.io import load_into, read_state_dict
+    cfg = LatheConfig.from_pretrained(path)
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitecture(f"{path}: {cfg.architecture} is a value (token-classification) checkpoint; "
+                                      "load it with load_lathe_value_model")
+    with torch.device("meta"):
+        model = LatheCausalLM(cfg)
+    load_into(model, read_state_dict(path, dtype=dtype, device=device), str(path))
+    return model
+
+
+def load_lathe_value_model(path: str | Path, dtype: torch.dtype = torch.float32, *,
+                           device: str | torch.device = "cpu"):
+    """A `LatheValueModel` (critic) from a causal-LM or token-classification checkpoint.
+
+    From a causal LM (how verl initialises its critic from the actor) `lm_head` is dropped and the
+    `score` head starts at zero, so the first values are exactly 0 (as `lathe.models.value` does for
+    transformers critics); from a token-classification checkpoint `score` is loaded.
+    """
+    from lathe.models.decoder import LatheValueModel
+    from lathe.models.io import load_into, read_state_dict
+    cfg = LatheConfig.from_pretrained(path)
+    state = {k: v for k, v in read_state_dict(path, dtype=dtype, device=device).items() if k != "lm_head.weight"}
+    score_bias = "score.bias" in state or "score.weight" not in state
+    cfg.tie_word_embeddings = False   # a critic has no lm_head to tie
+    with torch.device("meta"):
+        model = LatheValueModel(cfg, score_bias=score_bias)
+    if load_into(model, state, str(path), optional=("score.",)):
+        model.score = torch.nn.Linear(cfg.hidden_size, 1, bias=score_bias, device=device, dtype=dtype)
+        torch.nn.init.zeros_(model.score.weight)
+        if score_bias:
+            torch.nn.init.zeros_(model.score.bias)
+    return model

@@ -1,0 +1,127 @@
+"""Attention backends, chosen at run time. Each is a callable `(q, k, v) -> out` bound to one batch layout.
+
+Layouts:
+- packed: q (T, Hq, D), k/v (T, Hkv, D); sequences laid end to end, delimited by `cu_seqlens` (S+1,),
+  attention causal within each sequence and never across.
+- padded: q (B, L, Hq, D), k/v (B, L, Hkv, D) with a (B, L) attention mask of real tokens.
+
+Backends for packed batches:
+- "varlen": `torch.nn.attention.varlen.varlen_attn` (flash attention; CUDA, fp16/bf16, torch >= 2.9).
+  Its causal switch moved: torch 2.9 takes `is_causal=True`, later versions `window_size=(-1, 0)`;
+  the signature is probed once.
+- "sdpa": one `scaled_dot_product_attention(is_causal=True)` per sequence; runs anywhere, the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+PACKED_BACKENDS = ("auto", "varlen", "sdpa")
+
+
+@functools.cache
+def varlen_signature() -> frozenset[str] | None:
+    """Keyword names of `varlen_attn`, or None when this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def select_packed_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Resolve "auto" to "varlen" where flash attention can run, else "sdpa"; validate explicit choices."""
+    if requested not in PACKED_BACKENDS:
+        raise ValueError(f"attention backend {requested!r} is unknown; use one of {', '.join(PACKED_BACKENDS)}")
+    varlen_ok = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and varlen_signature() is not None
+    if requested == "varlen" and not varlen_ok:
+        raise ValueError(f"attention backend 'varlen' needs CUDA, fp16/bf16 and torch >= 2.9 (have device="
+                         f"{device.type}, dtype={dtype}, torch {torch.__version__}); use 'sdpa' or 'auto'")
+    if requested == "auto":
+        return "varlen" if varlen_ok else "sdpa"
+    return requested
+
+
+def _repeat_kv(x: torch.Tensor, groups: int, head_dim_axis: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=head_dim_axis)
+
+
+@dataclass
+class PackedAttention:
+    """Causal attention within each packed sequence."""
+
+    cu_seqlens: torch.Tensor      # (S+1,) int32, on the tokens' device
+    max_seqlen: int
+    backend: str = "sdpa"
+
+    def __post_init__(self):
+        self._bounds = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.backend == "varlen":
+            return self._varlen(q, k, v)
+        return self._sdpa(q, k, v)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self._bounds is None:   # one host sync per forward, shared by all layers
+            self._bounds = self.cu_seqlens.tolist()
+        groups = q.shape[1] // k.shape[1]
+        outs = []
+        for start, end in zip(self._bounds[:-1], self._bounds[1:]):
+            if end == start:
+                continue
+            qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=groups > 1)
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+
+    def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+        params = varlen_signature()
+        kwargs = {}
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+        if "window_size" in params:
+            kwargs["window_size"] = (-1, 0)
+        else:
+            kwargs["is_causal"] = True
+        cu = self.cu_seqlens.to(torch.int32)
+        return varlen_attn(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, **kwargs)
+
+
+@dataclass
+class PaddedAttention:
+    """Causal attention over a padded (B, L) batch; pad keys are masked out.
+
+    Every query may also see itself, so that rows made only of padding give finite (ignored) outputs
+    instead of NaN, which would otherwise leak into gradients through `0 * NaN`.
+    """
+
+    attention_mask: torch.Tensor | None   # (B, L), 1 for real tokens; None = no padding
+
+    def __post_init__(self):
+        self._mask = None
+        if self.attention_mask is not None:
+            L = self.attention_mask.shape[1]
+            device = self.attention_mask.device
+            causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+            keys = self.attention_mask.bool()[:, None, None, :]                     # (B, 1, 1, L)
+            diag = torch.eye(L, dtype=torch.bool, device=device)
+            self._mask = causal & (keys | diag)                                     # (B, 1, L, L)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))                           # (B, H, L, D)
+        gqa = q.shape[1] != k.shape[1]
+        if self._mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask, enable_gqa=gqa)
+        return out.transpose(1, 2)

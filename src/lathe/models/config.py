@@ -1,0 +1,171 @@
+"""The shape of a lathe decoder, read from a Hugging Face `config.json`.
+
+Plain JSON is read (no `AutoConfig`), so both the transformers 4 layout (`rope_theta` plus
+`rope_scaling`) and the transformers 5 layout (`rope_parameters`) are understood, and reading a
+config never imports transformers. Anything lathe's decoder does not implement raises
+`UnsupportedArchitecture`, whose message says that the transformers fallback will be used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+# The token-classification (critic) heads over the same backbones load too.
+VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
+                       "Qwen3ForTokenClassification"}
+ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
+
+
+class UnsupportedArchitecture(ValueError):
+    """The checkpoint is outside what lathe's own decoder implements; transformers will run it instead."""
+
+
+@dataclass
+class RopeConfig:
+    """Rotary position embedding parameters (the keys of HF's `rope_parameters`)."""
+
+    rope_type: str = "default"
+    rope_theta: float = 10000.0
+    factor: float | None = None                      # linear, llama3, dynamic, yarn
+    low_freq_factor: float | None = None             # llama3
+    high_freq_factor: float | None = None            # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    attention_factor: float | None = None            # yarn: scales cos/sin
+    beta_fast: float | None = None                   # yarn
+    beta_slow: float | None = None                   # yarn
+    mscale: float | None = None                      # yarn
+    mscale_all_dim: float | None = None              # yarn
+    truncate: bool = True                            # yarn
+
+
+@dataclass
+class LatheConfig:
+    """Everything the decoder math needs; `hf_config` keeps the original JSON for saving back."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False        # bias on q/k/v projections (always on for Qwen2)
+    o_bias: bool = False          # bias on o_proj (Llama/Qwen3 `attention_bias`)
+    mlp_bias: bool = False        # Llama `mlp_bias`
+    qk_norm: bool = False         # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    torch_dtype: str | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def family(self) -> str:
+        return self.architecture.replace("ForCausalLM", "").replace("ForTokenClassification", "").lower()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "LatheConfig":
+        """Read `<path>/config.json`."""
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: no config.json; a Hugging Face checkpoint directory holds "
+                                    "config.json next to its *.safetensors weights")
+        with open(file) as f:
+            return cls.from_hf_dict(json.load(f), source=str(file))
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> "LatheConfig":
+        """Build from a Hugging Face config dictionary; raise `UnsupportedArchitecture` for what lathe lacks."""
+        arch = _architecture(d, source)
+        family = arch.replace("ForCausalLM", "").replace("ForTokenClassification", "")
+        _check_features(d, arch, source)
+        heads = int(d["num_attention_heads"])
+        attention_bias = bool(d.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if family == "Qwen2" else attention_bias,
+            o_bias=False if family == "Qwen2" else attention_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)) if family == "Llama" else False,
+            qk_norm=family == "Qwen3",
+            rope=read_rope(d, source),
+            torch_dtype=d.get("dtype") or d.get("torch_dtype"),
+            hf_config=dict(d),
+        )
+
+
+def _architecture(d: dict[str, Any], source: str) -> str:
+    archs = d.get("architectures") or []
+    if not archs:
+        model_type = d.get("model_type")
+        guess = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        if model_type in guess:
+            return guess[model_type]
+        raise UnsupportedArchitecture(f"{source}: no 'architectures' entry and model_type={model_type!r}; lathe's "
+                                      "decoder cannot tell what this is, so the transformers fallback will be used")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES | VALUE_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{source}: architecture {arch!r} is not implemented by lathe's decoder (supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}); the transformers fallback will be used")
+    return arch
+
+
+def _check_features(d: dict[str, Any], arch: str, source: str) -> None:
+    """Refuse configs whose math lathe's decoder does not reproduce."""
+    fallback = "; the transformers fallback will be used"
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedArchitecture(f"{source}: {arch} with hidden_act={act!r} (lathe implements silu){fallback}")
+    if d.get("use_sliding_window") and d.get("sliding_window"):
+        raise UnsupportedArchitecture(f"{source}: {arch} with use_sliding_window=true (lathe implements full "
+                                      f"attention only){fallback}")
+    layer_types = d.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise UnsupportedArchitecture(f"{source}: {arch} with layer_types other than full_attention{fallback}")
+    prf = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if prf not in (None, 1, 1.0):
+        raise UnsupportedArchitecture(f"{source}: {arch} with partial_rotary_factor={prf}{fallback}")
+
+
+def read_rope(d: dict[str, Any], source: str = "config.json") -> RopeConfig:
+    """RoPE parameters from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x)."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedArchitecture(f"{source}: rope_type={rope_type!r} is not implemented by lathe's decoder "
+                                      f"(supported: {', '.join(sorted(ROPE_TYPES))}); the transformers fallback "
+                                      "will be used")
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    orig = params.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    if rope_type in ("llama3", "yarn") and orig is None:
+        orig = d.get("max_position_embeddings", 2048)
+    rope = RopeConfig(rope_type=rope_type, rope_theta=float(theta),
+                      original_max_position_embeddings=int(orig) if orig is not None else None,
+                      truncate=bool(params.get("truncate", True)))
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+                "mscale", "mscale_all_dim"):
+        if params.get(key) is not None:
+            setattr(rope, key, float(params[key]))
+    needs = {"linear": ["factor"], "dynamic": ["factor"],
+             "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}.get(rope_type, [])
+    missing = [k for k in needs if getattr(rope, k) is None]
+    if missing:
+        raise ValueError(f"{source}: rope_type={rope_type!r} needs {', '.join(missing)} in rope_scaling / "
+                         "rope_parameters; add them (see the model card) or remove the scaling")
+    return rope

@@ -1,0 +1,259 @@
+"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm) in one module tree.
+
+Module and parameter names are those of the Hugging Face checkpoints (`model.embed_tokens.weight`,
+`model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`), so a state dict moves between the
+two with no renaming. Only the math lives here: no KV cache, paging, sharding or optimizer.
+
+Two forward forms share the layers:
+- `forward(input_ids, attention_mask, position_ids)`: a padded (B, L) batch, as transformers takes it;
+  returns an object with `.logits` (B, L, V) (or `.hidden_states` with `return_hidden=True`).
+- `forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen)`: T tokens of S sequences laid end to
+  end, causal within each; returns the final hidden states (T, H). No padding is ever computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lathe.models.attention import PackedAttention, PaddedAttention, select_packed_backend
+from lathe.models.config import LatheConfig
+from lathe.models.packing import pack_padded, position_ids_from_mask, unpack_to_padded
+from lathe.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__()
+        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE; the batch layout is the `attn` callable's business."""
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn(q, k, v)
+        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LatheDecoderModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:
+        """Final-norm hidden states for tokens of any leading shape, attention given by `attn`."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+@dataclass
+class CausalLMOutput:
+    """What `LatheCausalLM.forward` returns: `.logits` like transformers, or `.hidden_states` alone."""
+
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+class _Backbone(nn.Module):
+    """Shared by the LM and the value model: config, backbone, layout dispatch and HF-style switches."""
+
+    attn_backend: str = "auto"      # packed attention: "auto" | "varlen" | "sdpa"
+    padded_attention: str = "auto"  # padded batches: "auto" | "mask" | "unpad"
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LatheDecoderModel(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def packed_backend(self) -> str:
+        return select_packed_backend(self.attn_backend, self.device, self.dtype)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute each decoder layer in backward (same name as transformers' switch)."""
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+
+    def hidden_packed(self, input_ids, position_ids, cu_seqlens, max_seqlen) -> torch.Tensor:
+        """(T, H) final hidden states of a packed stream."""
+        attn = PackedAttention(cu_seqlens.to(input_ids.device), int(max_seqlen), self.packed_backend())
+        return self.model(input_ids, position_ids, attn)
+
+    def hidden_padded(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """(B, L, H) final hidden states of a padded batch; padding positions hold unspecified values."""
+        if attention_mask is None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            return self.model(input_ids, position_ids, PaddedAttention(None))
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        mode = self.padded_attention
+        if mode == "auto":
+            mode = "unpad" if self.packed_backend() == "varlen" else "mask"
+        if mode == "mask":
+            return self.model(input_ids, position_ids, PaddedAttention(attention_mask))
+        if mode != "unpad":
+            raise ValueError(f"padded_attention={mode!r} is unknown; use 'auto', 'mask' or 'unpad'")
+        packed = pack_padded(input_ids, attention_mask, position_ids)
+        hidden = self.hidden_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
+        return unpack_to_padded(hidden, packed)
+
+
+class LatheCausalLM(_Backbone):
+    """Decoder plus `lm_head` (tied to `model.embed_tokens` when the config says so)."""
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make `lm_head.weight` the very tensor of `model.embed_tokens.weight` when embeddings are tied."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, *, use_cache: bool = False,
+                return_hidden: bool = False) -> CausalLMOutput:
+        """Padded forward, called like a transformers causal LM. `use_cache` is accepted and ignored."""
+        hidden = self.hidden_padded(input_ids, attention_mask, position_ids)
+        if return_hidden:
+            return CausalLMOutput(hidden_states=hidden)
+        return CausalLMOutput(logits=self.lm_head(hidden))
+
+    def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                       max_seqlen: int, *, return_hidden: bool = True) -> torch.Tensor:
+        """Packed forward: hidden (T, H) by default, logits (T, V) with `return_hidden=False`."""
+        hidden = self.hidden_packed(input_ids, position_ids, cu_seqlens, max_seqlen)
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB", safe_serialization: bool = True) -> None:
+        """Write config.json and safetensors weights that `AutoModelForCausalLM.from_pretrained` loads."""
+        from lathe.models.io import save_pretrained
+        save_pretrained(self, path, max_shard_size=max_shard_size)
+
+
+@dataclass
+class ValueOutput:
+    """Like transformers' TokenClassifierOutput: `.logits` (B, L, 1) are the values."""
+
+    logits: torch.Tensor
+
+
+class LatheValueModel(_Backbone):
+    """The critic: the decoder backbone and a `score` Linear(hidden, 1) head (verl's token-classification critic)."""
+
+    def __init__(self, cfg: LatheConfig, *, score_bias: bool = True):
+        super().__init__(cfg)
+        self.score = nn.Linear(cfg.hidden_size, 1, bias=score_bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, *, use_cache: bool = False) -> ValueOutput:
+        return ValueOutput(logits=self.score(self.hidden_padded(input_ids, attention_mask, position_ids)))
+
+    def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                       max_seqlen: int) -> torch.Tensor:
+        """Values (T,) of a packed stream."""
+        return self.score(self.hidden_packed(input_ids, position_ids, cu_seqlens, max_seqlen)).squeeze(-1)
+
+    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB", safe_serialization: bool = True) -> None:
+        """Write a checkpoint that `AutoModelForTokenClassification.from_pretrained` loads (num_labels=1)."""
+        from lathe.models.io import save_pretrained
+        save_pretrained(self, path, max_shard_size=max_shard_size)
+
+
+def init_weights(model: nn.Module, std: float = 0.02) -> None:
+    """Random initialisation as transformers does it: normal(0, std) matrices, zero biases, unit norms."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)

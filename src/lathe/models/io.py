@@ -1,0 +1,150 @@
+"""Reading and writing Hugging Face checkpoint directories for lathe's decoder.
+
+Parameter names already match the checkpoints, so loading is a plain safetensors read (one file, or
+shards listed in `model.safetensors.index.json`; `pytorch_model.bin` as a last resort) and saving is a
+plain safetensors write plus `config.json`, which `transformers.AutoModelFor*.from_pretrained` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lathe.models.config import LatheConfig, UnsupportedArchitecture
+
+SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+# Buffers some older checkpoints carry; lathe recomputes them from the config.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The weight files of a checkpoint directory, in load order."""
+    path = Path(path)
+    for single, index in ((SAFE_SINGLE, SAFE_INDEX), (BIN_SINGLE, BIN_INDEX)):
+        if (path / single).is_file():
+            return [path / single]
+        if (path / index).is_file():
+            with open(path / index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+            missing = [n for n in names if not (path / n).is_file()]
+            if missing:
+                raise FileNotFoundError(f"{path / index} lists shards that are not there: {', '.join(missing)}; "
+                                        "copy the whole checkpoint directory")
+            return [path / n for n in names]
+    raise FileNotFoundError(f"{path}: no {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX}; a Hugging "
+                            "Face checkpoint directory holds its weights in one of these")
+
+
+def read_state_dict(path: str | Path, *, dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, cast to `dtype` (floating tensors only) on `device`."""
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            part = load_file(str(file), device=str(device))
+        else:
+            part = torch.load(file, map_location=device, weights_only=True)
+        for name, t in part.items():
+            if _IGNORED.search(name):
+                continue
+            state[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return state
+
+
+def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
+              optional: tuple[str, ...] = ()) -> list[str]:
+    """Assign `state` to a (meta-device) model; names in `optional` may be missing. Returns those missing."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if tied:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    expected = set(model.state_dict().keys())
+    if tied:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    required_missing = [k for k in missing if not k.startswith(optional)]
+    if required_missing or unexpected:
+        raise UnsupportedArchitecture(
+            f"{source}: the checkpoint's tensors do not match lathe's {model.config.architecture} decoder: "
+            f"missing {required_missing[:8]}, unexpected {unexpected[:8]}. It is a variant lathe does not "
+            "implement; the transformers fallback will be used")
+    model.load_state_dict(state, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return missing
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in "5GB" / "50KB" / "2GiB" / 1000 (decimal units as transformers reads them)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size={size!r} is not a size; write e.g. '5GB', '500MB' or a byte count")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_"))
+
+
+def export_config(model: nn.Module) -> dict:
+    """The config.json to write: the original HF dict with architecture and dtype brought up to date."""
+    cfg: LatheConfig = model.config
+    d = dict(cfg.hf_config)
+    family = cfg.architecture.replace("ForCausalLM", "").replace("ForTokenClassification", "")
+    is_value = hasattr(model, "score")
+    d["architectures"] = [family + ("ForTokenClassification" if is_value else "ForCausalLM")]
+    d.setdefault("model_type", family.lower())
+    if is_value:
+        d["id2label"], d["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+        d["num_labels"] = 1
+    d["tie_word_embeddings"] = cfg.tie_word_embeddings
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    keys = [k for k in ("dtype", "torch_dtype") if k in d] or ["dtype"]
+    for k in keys:
+        d[k] = dtype
+    return d
+
+
+def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB") -> None:
+    """Write config.json and the weights (one file, or shards plus an index when over `max_shard_size`)."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    shards = _shard(state, parse_size(max_shard_size))
+    for stale in list(path.glob("model*.safetensors")) + [path / SAFE_INDEX]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SAFE_SINGLE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        with open(path / SAFE_INDEX, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(path / "config.json", "w") as f:
+        json.dump(export_config(model), f, indent=2)
+
+
+def _shard(state: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Greedy split in name order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name].to("cpu")
+        size += nbytes
+    return shards

@@ -1,0 +1,60 @@
+"""Tiny random transformers checkpoints of each family lathe's decoder implements (test helper, not a test)."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 101
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def hf_config(family: str, *, tie: bool = False):
+    """A tiny config: Llama with llama3 rope scaling, Qwen2 (q/k/v bias), Qwen3 (q/k norm, head_dim != H/heads)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    if family == "llama":
+        return LlamaConfig(**_COMMON, tie_word_embeddings=tie, rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    if family == "qwen2":
+        return Qwen2Config(**_COMMON, tie_word_embeddings=tie, rope_theta=1000000.0)
+    if family == "qwen3":
+        return Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=tie)
+    raise KeyError(family)
+
+
+def hf_model(family: str, *, tie: bool = False, seed: int = 0):
+    """A random transformers causal LM (fp32, eval mode); biases and norms randomised so bugs show."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, tie=tie), attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def save_hf(tmp_path, family: str, *, tie: bool = False, seed: int = 0, **save_kwargs):
+    """(directory, model): a random transformers model saved with `save_pretrained`."""
+    model = hf_model(family, tie=tie, seed=seed)
+    path = tmp_path / f"{family}-{'tied' if tie else 'untied'}"
+    model.save_pretrained(path, **save_kwargs)
+    return path, model
+
+
+def ragged_batch(seed: int = 0, batch_size: int = 4, max_len: int = 20):
+    """(input_ids, attention_mask, position_ids): rows of mixed lengths, prompts left-padded and the last
+    rows right-padded too, as lathe's trainer builds them (left-padded prompt + right-padded response)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch_size, max_len), generator=gen)
+    mask = torch.ones(batch_size, max_len, dtype=torch.long)
+    for b in range(batch_size):
+        left = int(torch.randint(0, max_len // 2, (1,), generator=gen))
+        right = int(torch.randint(0, max_len // 4, (1,), generator=gen)) if b % 2 else 0
+        mask[b, :left] = 0
+        if right:
+            mask[b, max_len - right:] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, position_ids

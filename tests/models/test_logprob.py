@@ -1,0 +1,126 @@
+"""Chunked log-prob/entropy: equal to the naive full-logits computation, with memory bounded by the chunk."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lathe.models import load_lathe_model
+from lathe.models.logprob import chunked_log_probs, naive_log_probs, response_log_probs
+
+from .lathe_tiny import save_hf
+
+
+def _inputs(n=37, hidden=16, vocab=50, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=gen, dtype=dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=gen, dtype=dtype) * 0.5).requires_grad_()
+    t = torch.randint(0, vocab, (n,), generator=gen)
+    return h, w, t
+
+
+def _value_and_grads(fn, h, w, t, **kw):
+    h.grad = w.grad = None
+    logp, ent = fn(h, w, t, **kw)
+    coef = torch.linspace(-1, 1, logp.numel()).view_as(logp)
+    loss = (logp * coef).sum() + (0.3 * ent.sum() if ent is not None else 0)
+    loss.backward()
+    return logp.detach(), (ent.detach() if ent is not None else None), h.grad.clone(), w.grad.clone()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 8, 37, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_chunked_equals_naive_in_value_and_gradient(chunk_size, temperature, entropy):
+    h, w, t = _inputs()
+    kw = dict(temperature=temperature, calculate_entropy=entropy)
+    ours = _value_and_grads(chunked_log_probs, h, w, t, chunk_size=chunk_size, **kw)
+    ref = _value_and_grads(naive_log_probs, h, w, t, **kw)
+    for a, b in zip(ours, ref):
+        if b is None:
+            assert a is None
+        else:
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_gradcheck_in_float64():
+    h, w, t = _inputs(n=6, hidden=4, vocab=7, dtype=torch.float64)
+    fn = lambda h, w: chunked_log_probs(h, w, t, temperature=0.7, chunk_size=4, calculate_entropy=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (h, w))
+
+
+def test_temperature_divides_the_logits():
+    h, w, t = _inputs()
+    hot = chunked_log_probs(h, w, t, temperature=2.0)[0]
+    assert torch.allclose(hot, chunked_log_probs(h / 2.0, w, t)[0], atol=1e-6)
+    assert not torch.allclose(hot, chunked_log_probs(h, w, t)[0], atol=1e-3)
+
+
+def test_any_leading_shape_and_bad_inputs():
+    h, w, t = _inputs(n=12)
+    lp, _ = chunked_log_probs(h.view(3, 4, -1), w, t.view(3, 4), chunk_size=5)
+    assert lp.shape == (3, 4) and torch.allclose(lp.flatten(), naive_log_probs(h, w, t)[0], atol=1e-6)
+    with pytest.raises(ValueError, match="temperature"):
+        chunked_log_probs(h, w, t, temperature=0)
+    with pytest.raises(ValueError, match="targets"):
+        chunked_log_probs(h, w, t[:-1])
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces (deterministic, unlike timing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(x, torch.Tensor):
+                self.max_numel = max(self.max_numel, x.numel())
+        return out
+
+
+def _largest(fn, n, vocab, hidden=4, **kw):
+    h, w, t = _inputs(n=n, hidden=hidden, vocab=vocab)
+    with _LargestTensor() as probe:
+        logp, ent = fn(h, w, t, calculate_entropy=True, **kw)
+        (logp.sum() + ent.sum()).backward()
+    return probe.max_numel
+
+
+def test_peak_memory_grows_with_the_chunk_not_with_tokens_times_vocab():
+    n, vocab = 512, 1000
+    naive = _largest(naive_log_probs, n, vocab)
+    small = _largest(chunked_log_probs, n, vocab, chunk_size=16)
+    large = _largest(chunked_log_probs, n, vocab, chunk_size=128)
+    more_tokens = _largest(chunked_log_probs, 4 * n, vocab, chunk_size=16)
+    assert naive >= n * vocab                  # the probe sees the full logits when they exist
+    assert small <= 16 * vocab and large <= 128 * vocab
+    assert large > small                       # grows with the chunk ...
+    assert more_tokens == small                # ... and not with the number of tokens (4n x hidden < 16 x vocab)
+    assert naive >= 4 * large
+
+
+def test_response_log_probs_equal_the_trainers_full_logits_path(tmp_path):
+    from lathe.batch import Batch
+    from lathe.train.logprob import response_log_probs as full_logits_path
+
+    from .lathe_tiny import ragged_batch
+    path, _ = save_hf(tmp_path, "qwen2", tie=True)
+    ids, mask, pos = ragged_batch(4, max_len=16)
+    responses = ids[:, -6:]
+    batch = Batch(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": responses})
+    results = []
+    for chunked in (True, False):
+        model = load_lathe_model(path)
+        if chunked:
+            lp, ent = response_log_probs(model, ids, mask, pos, responses, temperature=0.8, chunk_size=5,
+                                         calculate_entropy=True)
+        else:
+            lp, ent = full_logits_path(model, batch, temperature=0.8, calculate_entropy=True)
+        resp_mask = mask[:, -6:]
+        ((lp * resp_mask).sum() - 0.1 * (ent * resp_mask).sum()).backward()
+        results.append((lp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert results[0][2].abs().sum() > 0

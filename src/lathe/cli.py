@@ -2,6 +2,7 @@
 
     lathe train [PRESET|FILE.yaml] [key=value ...] [--print-config]
     lathe preprocess gsm8k --input DIR_OR_FILE --output DIR
+    lathe model check MODEL_DIR
     lathe presets
 """
 
@@ -56,6 +57,11 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_check(args: argparse.Namespace) -> int:
+    from lathe.models.check import run_check
+    return run_check(args.model_dir, num_batches=args.batches, atol=args.atol)
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from lathe.config import list_presets
     print("\n".join(list_presets()))
@@ -75,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--input", required=True, help="the raw data: a directory or a .jsonl file")
     pre.add_argument("--output", required=True, help="directory for train/test parquet files")
     pre.set_defaults(func=cmd_preprocess)
+    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
+    check = model.add_parser("check", help="compare lathe's decoder with transformers on a checkpoint")
+    check.add_argument("model_dir", help="a local Hugging Face checkpoint directory")
+    check.add_argument("--batches", type=int, default=3, help="ragged random batches to compare")
+    check.add_argument("--atol", type=float, default=1e-4, help="largest logit difference accepted")
+    check.set_defaults(func=cmd_model_check)
     presets = sub.add_parser("presets", help="list the built-in config presets")
     presets.set_defaults(func=cmd_presets)
     return parser

@@ -230,10 +230,13 @@ class RolloutCorrectionConfig:
     """Off-policy correction between the rollout engine and the trainer (verl names)."""
 
     rollout_is: str | None = spec(None, "IS weights: token | sequence | null (off).")
-    rollout_is_threshold: float = spec(2.0, "Upper truncation of IS weights.")
+    rollout_is_threshold: float | str = spec(
+        2.0, "IS weight bound: a number truncates weights above it (TIS); 'lower_upper' such as '0.5_5.0' zeroes "
+        "weights outside the band (IcePop).")
     rollout_is_batch_normalize: bool = spec(False, "Normalize IS weights to mean 1 per batch.")
     rollout_rs: str | None = spec(None, "Rejection sampling: token | sequence | geometric | null (off).")
-    rollout_rs_threshold: float | None = spec(None, "RS upper threshold; null = rollout_is_threshold.")
+    rollout_rs_threshold: float | str | None = spec(
+        None, "Rejection bound: one number, or 'lower_upper' for the k1 ratio tests; null = rollout_is_threshold.")
     rollout_rs_threshold_lower: float | None = spec(None, "RS lower threshold; null = 1 / upper.")
     rollout_token_veto_threshold: float | None = spec(None, "Reject a sequence if any token ratio is below.")
     bypass_mode: bool = spec(False, "Use rollout log-probs as old log-probs (skip recomputation).")

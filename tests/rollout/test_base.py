@@ -77,3 +77,21 @@ def test_to_batch_rejects_sample_count_mismatch():
 def test_position_ids_from_mask():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+
+
+def test_concat_rollouts_repads_batches_of_different_widths():
+    from lathe.rollout.base import concat_rollouts
+    a = to_batch([[5, 6]], RolloutOutput([[7]], [[-0.5]], ["stop"]), pad_id=0, n=1)
+    b = to_batch([[1, 2, 3]], RolloutOutput([[8, 9, 4]], [[-1.0, -2.0, -3.0]], ["length"]), pad_id=0, n=1)
+    a["token_level_scores"] = torch.tensor([[1.0]])
+    b["token_level_scores"] = torch.tensor([[0.0, 0.0, 0.5]])
+    joined = concat_rollouts([a, b], pad_id=0)
+    assert joined["prompts"].tolist() == [[0, 5, 6], [1, 2, 3]]
+    assert joined["responses"].tolist() == [[7, 0, 0], [8, 9, 4]]
+    assert joined["input_ids"].tolist() == [[0, 5, 6, 7, 0, 0], [1, 2, 3, 8, 9, 4]]
+    assert joined["attention_mask"].tolist() == [[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+    assert joined["position_ids"][0].tolist()[:4] == [0, 0, 1, 2]
+    assert joined["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert joined["token_level_scores"].tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.5]]
+    # each row equals its own batch re-laid out: the rebuilt full sequence matches prompts + responses
+    assert torch.equal(joined["input_ids"], torch.cat([joined["prompts"], joined["responses"]], dim=1))

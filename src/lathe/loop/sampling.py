@@ -10,6 +10,7 @@ from lathe.algo import filter_groups
 from lathe.batch import Batch
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward
+from lathe.rollout.base import concat_rollouts
 
 
 class DynamicSamplingExhausted(ValueError):
@@ -68,7 +69,7 @@ def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[st
         batch, more = generate_and_score(t, prompt_batch(t.next_rows(), t.global_step, round_=rounds), timer)
         metrics.update(more)
     metrics["train/num_gen_batches"] = rounds
-    return Batch.concat(kept).select(slice(0, want)), metrics
+    return concat_rollouts(kept, t.tokenizer.pad_token_id).select(slice(0, want)), metrics
 
 
 def group_metric(batch: Batch, metric: str | None) -> torch.Tensor:

@@ -96,3 +96,36 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only (left padding gets position 0)."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+# Which side a (B, width) tensor is padded on when rollout batches of different widths are joined.
+_PROMPT_SIDE = {"prompts"}                                        # (B, P), left-padded
+_WHOLE_SEQUENCE = {"input_ids", "attention_mask", "position_ids"}  # (B, P + R)
+_TOKEN_IDS = {"prompts", "responses", "input_ids"}                # padded with the pad id, the rest with 0
+
+
+def concat_rollouts(batches: list[Batch], pad_id: int) -> Batch:
+    """Join rollout batches whose prompt/response widths differ, re-padding to the widest of each.
+
+    Every other 2-D tensor is response-aligned (B, R) and right-padded; 1-D tensors join as they are.
+    """
+    P = max(b["prompts"].shape[1] for b in batches)
+    R = max(b["responses"].shape[1] for b in batches)
+    return Batch.concat([_repad(b, P, R, pad_id) for b in batches])
+
+
+def _repad(batch: Batch, P: int, R: int, pad_id: int) -> Batch:
+    p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
+    out = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
+    for key, t in batch.tensors.items():
+        if t.dim() != 2:
+            continue
+        value = pad_id if key in _TOKEN_IDS else 0
+        if key in _PROMPT_SIDE:
+            out.tensors[key] = torch.nn.functional.pad(t, (P - p, 0), value=value)
+        elif key in _WHOLE_SEQUENCE:
+            out.tensors[key] = torch.nn.functional.pad(t, (P - p, R - r), value=value)
+        else:
+            out.tensors[key] = torch.nn.functional.pad(t, (0, R - r), value=value)
+    out.tensors["position_ids"] = position_ids_from_mask(out.tensors["attention_mask"])
+    return out

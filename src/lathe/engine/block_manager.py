@@ -1,0 +1,171 @@
+"""A paged KV block allocator with reference counts and prefix sharing (vLLM / nano-vllm's block manager).
+
+Blocks hold `block_size` tokens' K/V. A full block is keyed by a hash chained over all tokens up to its
+end, so any sequence whose prefix matches reuses it (the `n` samples of a prompt, or two prompts with a
+common system prompt). With `share_partial=True` the last, partial block of a prompt is keyed too, so the
+`n` samples share it as well; the first sample to append to a shared partial block gets a private copy
+(copy-on-write): `may_append` returns the `(src, dst)` block pairs the KV cache must copy before the step.
+
+A block whose sequences all finished keeps its content and key, and is revived by a later hit until it
+is handed out again. `reset()` forgets every key: it must run on every weight update, so that KV
+computed by old weights never serves a new prompt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lathe.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None            # key in `hash_to_block`, None when unregistered
+    token_ids: list[int] = field(default_factory=list)
+
+
+def block_hash(prefix_hash: int | None, token_ids: list[int], partial: bool) -> int:
+    """Chained key of a block: the previous block's key, this block's tokens, and whether it is partial."""
+    return hash((prefix_hash, tuple(token_ids), partial))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 share_partial: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"BlockManager: num_blocks={num_blocks}, block_size={block_size}; both must be >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.share_partial = share_partial and enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.reset()
+
+    # ---- bookkeeping -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Free every block and forget every prefix key (call on weight updates and after sleep)."""
+        for b in self.blocks:
+            b.ref_count, b.hash, b.token_ids = 0, None, []
+        self.hash_to_block: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(len(self.blocks)))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _register(self, block: Block, key: int, token_ids: list[int]) -> None:
+        if block.hash is not None:
+            self._unregister(block)
+        old = self.hash_to_block.get(key)
+        if old is not None and old != block.block_id:
+            self.blocks[old].hash = None
+        block.hash, block.token_ids = key, list(token_ids)
+        self.hash_to_block[key] = block.block_id
+
+    def _unregister(self, block: Block) -> None:
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = None, []
+
+    def _take_free(self) -> Block:
+        """A fresh block: the least recently freed one; its old key is dropped."""
+        block = self.blocks[self.free_block_ids.popleft()]
+        self._unregister(block)
+        block.ref_count = 1
+        return block
+
+    def _lookup(self, key: int, token_ids: list[int]) -> Block | None:
+        block_id = self.hash_to_block.get(key)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return self.blocks[block_id]
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Conservative: as many free blocks as the sequence has, prefix hits not counted."""
+        return self.num_free_blocks >= seq.num_blocks(self.block_size)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` a block table, reusing cached blocks for its longest cached prefix.
+
+        Sets `seq.num_cached_tokens`; at least the last token is always recomputed, since its logits are
+        needed (the runner then skips writing its KV, which the cached block already holds).
+        """
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
+        bs, prefix, miss, cached = self.block_size, None, not self.enable_prefix_caching, 0
+        for i in range(seq.num_blocks(bs)):
+            tokens = seq.block_tokens(i, bs)
+            partial = len(tokens) < bs
+            key = None
+            if self.enable_prefix_caching and (not partial or self.share_partial):
+                key = block_hash(prefix, tokens, partial)
+            block = None if miss or key is None else self._lookup(key, tokens)
+            if block is None:
+                miss = True
+                block = self._take_free()
+                if key is not None:
+                    self._register(block, key, tokens)
+            else:
+                cached += len(tokens)
+                if block.ref_count == 0:
+                    self.free_block_ids.remove(block.block_id)
+                block.ref_count += 1
+            prefix = key
+            seq.block_table.append(block.block_id)
+        seq.num_kv_cached = cached
+        seq.num_cached_tokens = min(cached, len(seq) - 1)
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop `seq`'s references; blocks nobody holds go back to the free list (keys kept)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids.append(block_id)
+        seq.block_table = []
+        seq.num_cached_tokens = seq.num_kv_cached = 0
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the slot for `seq`'s last token (appended, KV not yet computed) can be provided."""
+        pos = len(seq) - 1
+        if pos // self.block_size >= len(seq.block_table):
+            return self.num_free_blocks >= 1
+        last = self.blocks[seq.block_table[-1]]
+        return last.ref_count == 1 or self.num_free_blocks >= 1
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Make the block of `seq`'s last token exist and belong to `seq` alone; returns KV copies to do.
+
+        A new block is taken when the last token starts one; a shared partial block is copied
+        (copy-on-write); a private block whose content changes loses its prefix key; a block the token
+        fills is keyed as a full block so later prompts can reuse it.
+        """
+        bs, pos = self.block_size, len(seq) - 1
+        copies: list[tuple[int, int]] = []
+        if pos // bs >= len(seq.block_table):
+            block = self._take_free()
+            seq.block_table.append(block.block_id)
+        else:
+            block = self.blocks[seq.block_table[-1]]
+            if block.ref_count > 1:
+                new = self._take_free()
+                block.ref_count -= 1
+                copies.append((block.block_id, new.block_id))
+                seq.block_table[-1] = new.block_id
+                block = new
+            else:
+                self._unregister(block)
+        if self.enable_prefix_caching and len(seq) % bs == 0:
+            prev = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else None
+            if len(seq.block_table) == 1 or prev is not None:
+                tokens = seq.block_tokens(len(seq.block_table) - 1, bs)
+                self._register(block, block_hash(prev, tokens, False), tokens)
+        return copies

@@ -1,0 +1,65 @@
+"""The paged KV cache: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim].
+
+A token's slot is `block_id * block_size + offset`; `store` writes new tokens' K/V to their slots
+(slot -1 = already cached, skipped). `free()` drops the tensors (engine `sleep`), `allocate()` takes
+them back (`wake_up`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.num_layers, self.dtype, self.device = num_layers, dtype, torch.device(device)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.allocate()
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers, K and V."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.shape[1]
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.k)
+
+    def allocate(self) -> None:
+        if self.allocated:
+            return
+        self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def free(self) -> None:
+        self.k, self.v = [], []
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write k/v (T, kv_heads, head_dim) to the slots `slot_mapping` (T,); slots < 0 are skipped."""
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+        flat = (-1,) + self.shape[2:]
+        self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of shared partial blocks)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.k + self.v:
+            cache[dst] = cache[src]

@@ -1,0 +1,149 @@
+"""`LatheEngine`: lathe's built-in rollout engine, a `Rollout` over the paged KV cache.
+
+    engine = LatheEngine.from_pretrained(path, eos_token_id=tok.eos_token_id)
+    out = engine.generate(prompt_token_ids, SamplingParams(n=8, temperature=1.0, max_tokens=512, seed=0))
+
+`generate` returns `len(prompts) * n` samples, prompt-major, as `HFRollout` does; greedy output equals
+transformers' greedy `generate`. Sample `j` of prompt `i` draws from a generator seeded by
+`(seed, i * n + j)`: reproducible, and independent of batching, preemption and of the prompts after it.
+(Different batch shapes can change fp32 logits in the last bits, so a token exactly on a sampling
+boundary may still differ; this is the only dependence.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+
+import torch
+
+from lathe.engine.block_manager import BlockManager
+from lathe.engine.kv_cache import KVCache
+from lathe.engine.model_runner import ModelRunner
+from lathe.engine.sampler import sample
+from lathe.engine.scheduler import Scheduler
+from lathe.engine.sequence import Sequence, SequenceParams
+from lathe.rollout.base import RolloutOutput, SamplingParams
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """A well-mixed 63-bit seed for sample `index` of a call seeded with `seed`."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class LatheEngine:
+    """Continuous-batching generation with a `LatheCausalLM` (fp32/bf16, CPU or CUDA).
+
+    KV memory: `num_kv_blocks` blocks of `block_size` tokens; when not given it is sized from
+    `gpu_memory_utilization` of the device's free memory (CUDA) or to hold `max_num_seqs` sequences of
+    `max_model_len` tokens (capped at 64 sequences on CPU).
+    """
+
+    def __init__(self, model, *, eos_token_id: int | list[int] | None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True):
+        self.model = model.eval()
+        cfg = model.config
+        self.eos_ids = [] if eos_token_id is None else (
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if num_kv_blocks is None:
+            num_kv_blocks = self._default_num_blocks(block_size, gpu_memory_utilization, max_num_seqs)
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
+                                cfg.head_dim, dtype=model.dtype, device=model.device)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache)
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        **kwargs) -> "LatheEngine":
+        from lathe.models import load_lathe_model
+        return cls(load_lathe_model(path, dtype, device=device), **kwargs)
+
+    def _default_num_blocks(self, block_size: int, utilization: float, max_num_seqs: int) -> int:
+        cfg, device = self.model.config, self.model.device
+        per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
+                                            cfg.head_dim, self.model.dtype)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = min(free, total * utilization - torch.cuda.memory_allocated(device))
+            return max(1, int(budget // per_block))
+        return math.ceil(self.max_model_len / block_size) * min(max_num_seqs, 64)
+
+    # ---- Rollout ----------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        if not self.kv_cache.allocated:
+            raise RuntimeError("LatheEngine.generate: the engine is asleep (KV cache freed); call wake_up() first")
+        seqs = self._make_sequences(prompt_token_ids, params)
+        for seq in seqs:
+            if params.max_tokens <= 0:
+                seq.finish_reason = "length"
+            else:
+                self.scheduler.add(seq)
+        while not self.scheduler.is_finished():
+            self.step()
+        return RolloutOutput(token_ids=[s.output_token_ids for s in seqs], logprobs=[list(s.logprobs) for s in seqs],
+                             finish_reasons=[s.finish_reason for s in seqs])
+
+    def _make_sequences(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        stop = frozenset() if params.ignore_eos else frozenset(self.eos_ids) | frozenset(params.stop_token_ids)
+        sp = SequenceParams(temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
+                            top_k=params.top_k, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+                            stop_token_ids=stop)
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        seqs = []
+        for i, prompt in enumerate(prompts):
+            if len(prompt) >= self.max_model_len:
+                raise ValueError(f"prompt {i}: {len(prompt)} tokens, max_model_len={self.max_model_len}; "
+                                 "shorten it or raise max_model_len")
+            for j in range(params.n):
+                index = i * params.n + j
+                gen = None
+                if not sp.greedy:
+                    gen = torch.Generator(device=self.model.device).manual_seed(sequence_seed(base, index))
+                seqs.append(Sequence(list(prompt), sp, gen, index=index))
+        return seqs
+
+    def step(self) -> int:
+        """One scheduler step (a prefill or a decode); returns how many sequences it ran."""
+        seqs, is_prefill, copies = self.scheduler.schedule()
+        self.kv_cache.copy_blocks(copies)
+        logits = self.runner.run(seqs, is_prefill)
+        tokens, logprobs = sample(logits, seqs)
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            seq.append_token(tok, lp)
+            if tok in seq.params.stop_token_ids:
+                self.scheduler.finish(seq, "stop")
+            elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                self.scheduler.finish(seq, "length")
+        return len(seqs)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights in place (HF names) and drop every cached prefix: old KV must not serve new weights."""
+        if not self.scheduler.is_finished():
+            raise RuntimeError("LatheEngine.update_weights: sequences are still being generated")
+        params = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise KeyError(f"update_weights: the engine's model has no tensor named {name!r}")
+                target = params[name]
+                if target.data_ptr() != tensor.data_ptr():
+                    target.copy_(tensor)
+        self.block_manager.reset()
+
+    def sleep(self) -> None:
+        """Free the KV cache (and forget cached prefixes) so training can use the memory."""
+        self.block_manager.reset()
+        self.kv_cache.free()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Take the KV cache back after `sleep()`."""
+        self.kv_cache.allocate()

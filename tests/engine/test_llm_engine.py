@@ -1,0 +1,138 @@
+"""Tests for lathe.engine.llm_engine.LatheEngine against transformers on tiny random checkpoints (CPU, fp32)."""
+
+import pytest
+import torch
+
+from lathe.engine.llm_engine import LatheEngine
+from lathe.models import load_lathe_model
+from lathe.rollout.base import SamplingParams
+
+from .conftest import PROMPTS
+
+MAX = 10
+
+
+def _engine(path, **kw):
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_kv_blocks", 64)
+    return LatheEngine.from_pretrained(path, eos_token_id=kw.pop("eos", None), **kw)
+
+
+@torch.no_grad()
+def _hf_greedy(hf, prompt, max_tokens):
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=None,
+                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def _teacher_forced(model, prompt, response, temperature):
+    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_equals_transformers_generate(checkpoints, family, prefix_caching):
+    path, hf = checkpoints[family]
+    engine = _engine(path, enable_prefix_caching=prefix_caching)
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=MAX))
+    expected = [_hf_greedy(hf, p, MAX) for p in PROMPTS for _ in range(2)]
+    assert out.token_ids == expected
+    assert len({tuple(t) for t in expected}) > 2, "precondition: prompts give different continuations"
+    assert out.finish_reasons == ["length"] * len(expected)
+
+
+def test_log_probs_equal_teacher_forced_forward(checkpoints):
+    path, _ = checkpoints["qwen2"]
+    model = load_lathe_model(path)
+    engine = _engine(path)
+    for params, t in ((SamplingParams(temperature=0, max_tokens=MAX), 1.0),
+                      (SamplingParams(n=3, temperature=0.7, top_k=20, top_p=0.9, max_tokens=MAX, seed=1), 0.7)):
+        out = engine.generate(PROMPTS, params)
+        prompts = [p for p in PROMPTS for _ in range(params.n)]
+        for prompt, ids, lps in zip(prompts, out.token_ids, out.logprobs):
+            assert len(ids) == len(lps) == MAX
+            ref = _teacher_forced(model, prompt, ids, t)
+            torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoints):
+    path, _ = checkpoints["llama"]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=MAX, seed=7)
+    ref = _engine(path).generate(PROMPTS, params).token_ids
+    assert _engine(path).generate(PROMPTS, params).token_ids == ref
+    # one sequence at a time, and a cache so small that sequences are preempted: same samples
+    assert _engine(path, max_num_seqs=1).generate(PROMPTS, params).token_ids == ref
+    small = _engine(path, num_kv_blocks=10)
+    assert small.generate(PROMPTS, params).token_ids == ref
+    assert small.scheduler.num_preemptions > 0
+    # more prompts after them do not change their samples
+    more = _engine(path).generate(PROMPTS + [[5, 6, 7]], params).token_ids
+    assert more[:len(ref)] == ref
+    assert len({tuple(t) for t in ref[:3]}) > 1, "the n samples of a prompt differ"
+    other = _engine(path).generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_tokens=MAX, seed=8))
+    assert other.token_ids != ref
+
+
+def test_tiny_kv_budget_preempts_and_still_matches(checkpoints):
+    path, hf = checkpoints["qwen3"]
+    engine = _engine(path, num_kv_blocks=8)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX))
+    assert engine.scheduler.num_preemptions > 0
+    assert out.token_ids == [_hf_greedy(hf, p, MAX) for p in PROMPTS]
+    assert engine.block_manager.num_free_blocks == 8
+
+
+def test_update_weights_invalidates_shared_prefixes(checkpoints, tmp_path):
+    from models.lathe_tiny import save_hf
+    path, _ = checkpoints["qwen2"]
+    new_path, _ = save_hf(tmp_path, "qwen2", seed=1)
+    engine = _engine(path)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
+    before = engine.generate(PROMPTS, params)
+    engine.update_weights(load_lathe_model(new_path).state_dict().items())
+    after = engine.generate(PROMPTS, params)
+    fresh = _engine(new_path).generate(PROMPTS, params)
+    assert after.token_ids == fresh.token_ids and after.token_ids != before.token_ids
+    torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
+
+
+def test_stop_ids_min_tokens_ignore_eos(checkpoints):
+    path, hf = checkpoints["llama"]
+    prompt = PROMPTS[0]
+    greedy = _hf_greedy(hf, prompt, MAX)
+    eos = greedy[2]
+    first = greedy.index(eos)
+    engine = _engine(path, eos=eos)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX))
+    assert out.token_ids[0] == greedy[:first + 1] and out.finish_reasons == ["stop"]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True))
+    assert out.token_ids[0] == greedy and out.finish_reasons == ["length"]
+    stop = greedy[4]
+    out = _engine(path).generate([prompt], SamplingParams(temperature=0, max_tokens=MAX, stop_token_ids=[stop]))
+    assert out.token_ids[0] == greedy[:greedy.index(stop) + 1] and out.finish_reasons == ["stop"]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX, min_tokens=first + 2))
+    assert len(out.token_ids[0]) > first + 1 and eos not in out.token_ids[0][:first + 2]
+    out = engine.generate([prompt, [3]], SamplingParams(temperature=0, max_tokens=0))
+    assert out.token_ids == [[], []] and out.finish_reasons == ["length", "length"]
+
+
+def test_sleep_frees_kv_and_wake_up_restores(checkpoints):
+    path, hf = checkpoints["qwen2"]
+    engine = _engine(path)
+    params = SamplingParams(temperature=0, max_tokens=MAX)
+    before = engine.generate(PROMPTS, params)
+    engine.sleep()
+    assert not engine.kv_cache.allocated
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.generate(PROMPTS, params)
+    engine.wake_up()
+    assert engine.generate(PROMPTS, params).token_ids == before.token_ids
+
+
+def test_sequence_too_long_for_the_cache_is_refused(checkpoints):
+    path, _ = checkpoints["qwen2"]
+    with pytest.raises(ValueError, match="KV blocks"):
+        _engine(path, num_kv_blocks=2).generate([list(range(1, 8))], SamplingParams(temperature=0, max_tokens=5))

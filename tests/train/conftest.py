@@ -29,6 +29,13 @@ def make_model():
 
 
 @pytest.fixture
+def make_lathe(make_model):
+    """make_lathe(seed=0) -> lathe's decoder holding the weights of make_model(seed)."""
+    from lathe.models.hf import lathe_from_transformers
+    return lambda seed=0: lathe_from_transformers(make_model(seed))
+
+
+@pytest.fixture
 def load_cfg():
     """load_cfg(*overrides) -> the full config with the tiny batch sizes above."""
     return lambda *overrides: load_config(None, [*BASE_OVERRIDES, *overrides])

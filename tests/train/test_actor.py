@@ -120,3 +120,35 @@ def test_policy_loss_params_from_actor_config(load_cfg):
                    "actor_rollout_ref.actor.clip_ratio_c=4.0")
     params = policy_loss_params(cfg.actor_rollout_ref.actor)
     assert (params.low, params.high, params.clip_ratio_c) == (0.1, 0.28, 4.0)
+
+
+def _actor_remove_padding(model, cfg, remove_padding):
+    """SGD, so that parameter differences are the gradient differences (Adam would magnify tiny ones)."""
+    arr = cfg.actor_rollout_ref
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return PPOActor(model, optimizer, build_scheduler(optimizer, arr.actor.optim, total_steps=10), arr.actor,
+                    n=arr.rollout.n, temperature=arr.rollout.temperature,
+                    max_response_length=cfg.data.max_response_length, use_remove_padding=remove_padding)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_lathe_packed_and_padded_updates_agree(make_model, make_lathe, rollout_batch, load_cfg, agg):
+    """PPO updates of lathe's decoder: packed (use_remove_padding) = padded, within 1e-5 in fp32, and both
+    close to the same update of the transformers model they were converted from."""
+    cfg = load_cfg(f"actor_rollout_ref.actor.loss_agg_mode={agg}", "actor_rollout_ref.actor.use_kl_loss=true",
+                   "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.rollout.temperature=0.7",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.ppo_epochs=2",
+                   "actor_rollout_ref.actor.grad_clip=1000.0")
+    batch = _ppo_batch(make_model(), rollout_batch, temperature=0.7)
+    start = _params(make_model())
+    results = {}
+    for name, model, packed in (("hf", make_model(), False), ("padded", make_lathe(), False),
+                                ("packed", make_lathe(), True)):
+        metrics = _actor_remove_padding(model, cfg, packed).update_policy(batch)
+        results[name] = (_params(model), metrics)
+    assert _max_diff(results["padded"][0], start) > 1e-3, "precondition: the update moves the parameters"
+    assert _max_diff(results["packed"][0], results["padded"][0]) < 1e-5
+    assert _max_diff(results["padded"][0], results["hf"][0]) < 1e-4
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+        assert results["packed"][1][key] == pytest.approx(results["padded"][1][key], rel=1e-5, abs=1e-6), key
+        assert results["padded"][1][key] == pytest.approx(results["hf"][1][key], rel=1e-4, abs=1e-5), key

@@ -171,3 +171,31 @@ def test_ppo_critic_batch_sizes_follow_verl_keys(load_cfg):
     critic = PPOCritic(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), cfg.critic,
                        n=cfg.actor_rollout_ref.rollout.n, max_response_length=cfg.data.max_response_length)
     assert (critic.mini_batch_size, critic.micro_batch_size, critic.forward_micro_batch_size) == (4, 2, 2)
+
+
+def test_critic_runs_lathe_decoder_packed_equal_to_padded(rollout_batch, load_cfg):
+    """A supported transformers critic becomes a LatheValueModel with the same values; its packed update
+    (critic.model.use_remove_padding) equals the padded one, and impl=hf keeps the transformers module."""
+    from lathe.models.decoder import LatheValueModel
+    batch = rollout_batch(rows=8, seed=3)
+    hf_model = _value_model()
+    with torch.no_grad():
+        expected = response_values(hf_model.eval(), batch)
+    kept = _worker(load_cfg(*CRITIC, "actor_rollout_ref.model.impl=hf"), model=hf_model)
+    assert kept.model is hf_model
+    g = torch.Generator().manual_seed(9)
+    returns = torch.randn(8, 1, generator=g).expand(batch["response_mask"].shape) * batch["response_mask"]
+    results = {}
+    for packed in ("false", "true"):
+        worker = _worker(load_cfg(*CRITIC, f"critic.model.use_remove_padding={packed}",
+                                  "critic.ppo_micro_batch_size_per_gpu=2"), model=_value_model())
+        assert isinstance(worker.model, LatheValueModel)
+        values = worker.compute_values(batch)["values"]
+        torch.testing.assert_close(values, expected, atol=1e-6, rtol=1e-6)
+        batch["values"], batch["returns"] = values + 0.3 * returns, returns
+        metrics = worker.update_critic(batch)
+        results[packed] = (_params(worker.model), metrics)
+    assert _max_diff(results["false"][0], _params(_value_model())) > 1e-4, "precondition: the update moves weights"
+    assert _max_diff(results["true"][0], results["false"][0]) < 1e-5
+    for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
+        assert results["true"][1][key] == pytest.approx(results["false"][1][key], rel=1e-5, abs=1e-7), key

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lathe.models.hf import lathe_from_transformers
 from lathe.train.logprob import batched_log_probs, response_log_probs
 
 
@@ -18,17 +19,46 @@ def _manual(model, batch, row, temperature):
     return logp.gather(-1, response[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
+@pytest.mark.parametrize("impl", ["hf", "lathe-padded", "lathe-packed"])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_response_log_probs_match_manual_forward(make_model, rollout_batch, temperature):
+def test_response_log_probs_match_manual_forward(make_model, rollout_batch, temperature, impl):
+    """transformers' full logits and lathe's chunked path (padded or packed forward) give the same numbers as
+    a forward of each row alone through the transformers model."""
     model, batch = make_model().eval(), rollout_batch()
+    run = lathe_from_transformers(model).eval() if impl.startswith("lathe") else model
     with torch.no_grad():
-        logp, ent = response_log_probs(model, batch, temperature=temperature, calculate_entropy=True)
+        logp, ent = response_log_probs(run, batch, temperature=temperature, calculate_entropy=True,
+                                       remove_padding=impl == "lathe-packed", chunk_size=5)
     assert logp.shape == ent.shape == batch["responses"].shape
     for row in range(len(batch)):
         m_logp, m_ent = _manual(model, batch, row, temperature)
         n = len(m_logp)
         assert torch.allclose(logp[row, :n].double(), m_logp, atol=1e-5)
         assert torch.allclose(ent[row, :n].double(), m_ent, atol=1e-5)
+        if impl == "lathe-packed":
+            assert torch.all(logp[row, n:] == 0) and torch.all(ent[row, n:] == 0), "padding holds 0"
+
+
+def test_lathe_packed_gradients_equal_padded(make_lathe, rollout_batch):
+    """The packed forward (use_remove_padding) gives the padded forward's gradients, entropy included."""
+    batch = rollout_batch(seed=4)
+    weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for packed in (False, True):
+        model = make_lathe()
+        logp, ent = response_log_probs(model, batch, temperature=0.7, calculate_entropy=True, remove_padding=packed)
+        ((logp + 0.1 * ent) * weights * batch["response_mask"]).sum().backward()
+        grads[packed] = {k: p.grad.clone() for k, p in model.named_parameters()}
+    assert grads[False]["model.embed_tokens.weight"].abs().sum() > 0
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_packed_rejects_a_response_after_padding(make_lathe, rollout_batch):
+    batch = rollout_batch(rows=2)
+    batch["attention_mask"][0, batch["prompts"].shape[1] - 1] = 0   # the token before the response is padding
+    with pytest.raises(ValueError, match="follows a padding position"):
+        response_log_probs(make_lathe(), batch, remove_padding=True)
 
 
 def test_entropy_off_by_default_and_gradients_flow(make_model, rollout_batch):

@@ -97,10 +97,15 @@ class ModelConfig:
     external_lib: str | None = spec(None, "Python module imported before loading (registers custom models).")
     custom_chat_template: str | None = spec(None, "Jinja chat template replacing the tokenizer's.")
     use_shm: bool = spec(False, "Copy the model to shared memory first. " + _COMPAT)
-    enable_gradient_checkpointing: bool = spec(True, "Recompute activations in backward to save memory. "
-                                                     "Accepted for verl compatibility; not used yet.")
+    impl: Literal["auto", "lathe", "hf"] = spec(
+        "auto", "lathe: the implementation that trains actor, reference and critic. auto = lathe's own decoder "
+                "for Llama/Qwen2/Qwen3 checkpoints (packed forward, chunked log-probs), transformers for other "
+                "architectures; lathe = lathe's decoder or an error; hf = transformers always.")
+    enable_gradient_checkpointing: bool = spec(True, "Recompute each decoder layer's activations in backward to "
+                                                     "save memory (lathe's decoder; not yet for transformers).")
     enable_activation_offload: bool = spec(False, "Offload activations to CPU. " + _COMPAT)
-    use_remove_padding: bool = spec(False, "Packed (varlen) forward without pad tokens. " + _COMPAT)
+    use_remove_padding: bool = spec(False, "Packed (varlen) forward of actor and reference without pad tokens "
+                                           "(lathe's decoder; transformers models run padded).")
     use_liger: bool = spec(False, "Liger kernels. " + _COMPAT)
     use_fused_kernels: bool = spec(False, "Fused log-prob/entropy kernels. " + _COMPAT)
     fused_kernel_options: dict[str, Any] = spec({"impl_backend": "torch"}, "Fused kernel options. " + _COMPAT)

@@ -2,17 +2,25 @@
 
 A local directory never touches the network. A hub id is fetched only when the user names one, and an
 offline failure says so plainly. `trust_remote_code` stays off unless the user sets it.
+
+Models load through transformers (the config and checkpoint reader of record); `select_impl` then moves
+the weights of a supported architecture into lathe's own decoder (`lathe_from_transformers`), which is
+what the trainer runs (`actor_rollout_ref.model.impl`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
 
 import torch
 
+log = logging.getLogger("lathe")
+
 BUILTIN_PREFIX = "builtin:"
+IMPLS = ("auto", "lathe", "hf")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 # The built-in model: a Qwen2-shaped decoder small enough to train on two CPU cores in minutes.
@@ -103,3 +111,63 @@ def _explain(path: str, what: str, err: Exception) -> str:
     if "trust_remote_code" in str(err):
         msg += "\nThe checkpoint ships its own code: set actor_rollout_ref.model.trust_remote_code=true if you trust it."
     return msg
+
+
+def lathe_from_transformers(model):
+    """lathe's decoder holding a copy of the weights of a transformers model, or `UnsupportedArchitecture`.
+
+    A `*ForCausalLM` becomes a `LatheCausalLM`, a `*ForTokenClassification` (the critic) a `LatheValueModel`.
+    Parameter names are the same on both sides, so this is a state-dict copy (cloned, not shared: the
+    transformers module stays usable, e.g. as the rollout's copy) and the seeded initialisation is kept.
+    """
+    from lathe.models.config import LatheConfig, UnsupportedArchitecture
+    from lathe.models.decoder import LatheCausalLM, LatheValueModel
+    from lathe.models.io import load_into
+    name = type(model).__name__
+    d = model.config.to_dict()
+    d["architectures"] = [name]
+    source = f"{name} ({getattr(model.config, '_name_or_path', '') or 'in memory'})"
+    cfg = LatheConfig.from_hf_dict(d, source=source)
+    for key in ("attention_dropout", "classifier_dropout", "hidden_dropout"):
+        if float(d.get(key) or 0.0) > 0.0:
+            raise UnsupportedArchitecture(f"{source}: {key}={d[key]} (lathe's decoder has no dropout); the "
+                                          "transformers fallback will be used")
+    is_value = name.endswith("ForTokenClassification")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if is_value:
+        if getattr(model.config, "num_labels", 1) != 1:
+            raise UnsupportedArchitecture(f"{source}: num_labels={model.config.num_labels}; a critic has one "
+                                          "output (num_labels=1); the transformers fallback will be used")
+        cfg.tie_word_embeddings = False
+        with torch.device("meta"):
+            lathe = LatheValueModel(cfg, score_bias="score.bias" in state)
+    else:
+        with torch.device("meta"):
+            lathe = LatheCausalLM(cfg)
+    load_into(lathe, state, source)
+    return lathe.train(model.training)
+
+
+def select_impl(model, impl: str = "auto", *, role: str = "actor", key: str = "actor_rollout_ref.model.impl"):
+    """The module the trainer runs for `model` (a transformers model), following `impl`; logs which.
+
+    `auto`: lathe's decoder when it implements the architecture, else `model` itself; `lathe`: lathe's
+    decoder or an error; `hf`: `model` itself. A lathe module holds its own copy of the weights.
+    """
+    from lathe.models.config import UnsupportedArchitecture
+    name = type(model).__name__
+    if impl not in IMPLS:
+        raise ValueError(f"{key}={impl!r} is unknown; use one of {', '.join(IMPLS)}")
+    if impl == "hf":
+        log.info("%s: transformers %s (%s=hf)", role, name, key)
+        return model
+    try:
+        lathe = lathe_from_transformers(model)
+    except UnsupportedArchitecture as e:
+        if impl == "lathe":
+            raise ValueError(f"{key}=lathe, but lathe's decoder cannot run {name}: {e}. Set {key}=auto (or hf) "
+                             "to train it with transformers") from e
+        log.info("%s: transformers %s (lathe's decoder does not implement it: %s)", role, name, e)
+        return model
+    log.info("%s: lathe decoder (%s, %s layers)", role, lathe.config.architecture, lathe.config.num_hidden_layers)
+    return lathe

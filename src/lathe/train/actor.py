@@ -31,10 +31,12 @@ class PPOActor:
     """Owns the policy module and its optimizer; `update_policy` runs one RL step's PPO updates."""
 
     def __init__(self, model, optimizer, scheduler, actor_cfg, *, n: int, temperature: float,
-                 max_response_length: int, rollout_correction: dict | None = None):
+                 max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False):
         """`rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
-        then treats `old_log_probs` as the rollout's and corrects against the current policy itself."""
+        then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
+        `use_remove_padding` (verl's `model.use_remove_padding`): packed forward for lathe's decoder."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
+        self.use_remove_padding = use_remove_padding
         self.mini_batch_size = actor_cfg.ppo_mini_batch_size * n
         self.micro_batch_size = actor_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.temperature = temperature
@@ -80,10 +82,12 @@ class PPOActor:
         cfg = self.cfg
         mask = micro["response_mask"]
         log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
-                                               calculate_entropy=True)
+                                               calculate_entropy=True, remove_padding=self.use_remove_padding)
         pg_loss, pg_metrics = self.policy_loss(
             micro["old_log_probs"], log_prob, micro["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode,
             params=self.loss_params, rollout_is_weights=micro.tensors.get("rollout_is_weights"), agg_kwargs=agg)
+        if not cfg.entropy_coeff:
+            entropy = entropy.detach()   # a zero coefficient adds exact zeros: skip the entropy backward
         entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
         loss = pg_loss - cfg.entropy_coeff * entropy_loss
         parts = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy_loss.detach(),

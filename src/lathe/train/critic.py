@@ -20,14 +20,25 @@ import torch
 
 from lathe.algo import compute_value_loss, global_batch_info, masked_mean
 from lathe.batch import Batch
+from lathe.models.decoder import LatheValueModel
+from lathe.models.hf import select_impl
 from lathe.models.value import load_value_model, torch_dtype
+from lathe.train.logprob import response_hidden, scatter_response
 from lathe.train.optim import build_optimizer, build_scheduler
 
 __all__ = ["response_values", "PPOCritic", "CriticWorker"]
 
 
-def response_values(model, batch: Batch) -> torch.Tensor:
-    """Values (B, R) float32 of the response positions, zero where ``response_mask`` is 0."""
+def response_values(model, batch: Batch, *, remove_padding: bool = False) -> torch.Tensor:
+    """Values (B, R) float32 of the response positions, zero where ``response_mask`` is 0.
+
+    lathe's ``LatheValueModel`` reads the head off the real response positions only, from a packed forward
+    when ``remove_padding`` (verl's ``critic.model.use_remove_padding``); a transformers model runs padded.
+    """
+    if isinstance(model, LatheValueModel):
+        hidden, valid = response_hidden(model, batch, remove_padding=remove_padding)
+        values = scatter_response(model.score(hidden).squeeze(-1).float(), valid)
+        return values * batch["response_mask"].to(values.dtype)
     R = batch["responses"].shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["position_ids"], use_cache=False)
@@ -38,8 +49,10 @@ def response_values(model, batch: Batch) -> torch.Tensor:
 class PPOCritic:
     """Owns the value module and its optimizer; ``update_critic`` runs one RL step's value updates."""
 
-    def __init__(self, model, optimizer, scheduler, critic_cfg, *, n: int, max_response_length: int):
+    def __init__(self, model, optimizer, scheduler, critic_cfg, *, n: int, max_response_length: int,
+                 use_remove_padding: bool = False):
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, critic_cfg
+        self.use_remove_padding = use_remove_padding
         self.mini_batch_size = critic_cfg.ppo_mini_batch_size * n
         self.micro_batch_size = critic_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.forward_micro_batch_size = critic_cfg.forward_micro_batch_size_per_gpu or self.micro_batch_size
@@ -51,7 +64,8 @@ class PPOCritic:
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = [response_values(self.model, mb) for mb in batch.split(self.forward_micro_batch_size)]
+            parts = [response_values(self.model, mb, remove_padding=self.use_remove_padding)
+                     for mb in batch.split(self.forward_micro_batch_size)]
         finally:
             self.model.train(was_training)
         return Batch({"values": torch.cat(parts)})
@@ -95,7 +109,7 @@ class PPOCritic:
 
     def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro["response_mask"]
-        vpreds = response_values(self.model, micro)
+        vpreds = response_values(self.model, micro, remove_padding=self.use_remove_padding)
         loss, clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], mask, self.cfg.cliprange_value,
                                             loss_agg_mode=self.cfg.loss_agg_mode, agg_kwargs=agg)
         parts = {"critic/vf_clipfrac": float(clipfrac), "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
@@ -134,7 +148,9 @@ class CriticWorker:
     """The critic as a placeable unit: Batch in, Batch or metrics out (in-process now, a Ray worker later).
 
     Builds the value model from ``critic.model`` (``path`` falls back to the policy's), its optimizer from
-    ``critic.optim`` and the schedule over ``total_steps``; ``model`` injects a ready module instead (tests).
+    ``critic.optim`` and the schedule over ``total_steps``; ``model`` injects a ready transformers module
+    instead (tests). Either is moved into lathe's ``LatheValueModel`` when ``actor_rollout_ref.model.impl``
+    allows and the architecture is supported (see ``lathe.models.hf.select_impl``).
     """
 
     def __init__(self, cfg, tokenizer, *, total_steps: int, device: torch.device, model=None):
@@ -145,11 +161,15 @@ class CriticWorker:
                                      trust_remote_code=bool(critic.model.trust_remote_code),
                                      dtype=torch_dtype(critic.model.fsdp_config.model_dtype),
                                      override_config=critic.model.override_config)
+        model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
+        if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable()
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
         self.critic = PPOCritic(self.model, self.optimizer, self.scheduler, critic,
-                                n=cfg.actor_rollout_ref.rollout.n, max_response_length=cfg.data.max_response_length)
+                                n=cfg.actor_rollout_ref.rollout.n, max_response_length=cfg.data.max_response_length,
+                                use_remove_padding=critic.model.use_remove_padding)
 
     def compute_values(self, batch: Batch) -> Batch:
         """``{"values": (B, R)}`` on the CPU."""

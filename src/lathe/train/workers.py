@@ -2,7 +2,12 @@
 
 This is the unit a cluster places: in one process it is a plain object; on Ray it becomes a worker
 group behind the same methods. It owns the policy weights, the optimizer, the frozen reference
-copy and the rollout backend, which share one module when colocated.
+copy and the rollout backend.
+
+Actor and reference run lathe's own decoder when it implements the architecture
+(`actor_rollout_ref.model.impl`, see `lathe.models.hf.select_impl`); the HF `generate` rollout keeps the
+transformers module it was given, and receives the actor's weights (same names) after every update. When
+the actor is itself that transformers module, actor and rollout share it and nothing is copied.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS
 from lathe.batch import Batch
+from lathe.models.decoder import LatheCausalLM
+from lathe.models.hf import select_impl
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train.actor import PPOActor
@@ -25,7 +32,13 @@ class ActorRolloutRefWorker:
     def __init__(self, cfg, model, tokenizer, *, total_steps: int, device: torch.device, need_ref: bool):
         arr = cfg.actor_rollout_ref
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
-        self.model = model.to(device)
+        rollout_model = model.to(device)
+        self.model = select_impl(rollout_model, arr.model.impl, role="actor")
+        self.remove_padding = arr.model.use_remove_padding
+        if isinstance(self.model, LatheCausalLM):
+            rollout_model.requires_grad_(False)   # the rollout's copy: written by update_weights only
+            if arr.model.enable_gradient_checkpointing:
+                self.model.gradient_checkpointing_enable()
         self.ref = _frozen_copy(self.model) if need_ref else None
         self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, arr.actor.optim, total_steps)
@@ -33,8 +46,9 @@ class ActorRolloutRefWorker:
                               temperature=arr.rollout.temperature,
                               max_response_length=cfg.data.max_response_length,
                               rollout_correction={k: getattr(cfg.algorithm.rollout_correction, k)
-                                                  for k in ROLLOUT_CORRECTION_KEYS})
-        self.rollout = _build_rollout(arr.rollout, self.model, tokenizer)
+                                                  for k in ROLLOUT_CORRECTION_KEYS},
+                              use_remove_padding=self.remove_padding)
+        self.rollout = _build_rollout(arr.rollout, rollout_model, tokenizer)
         self.log_prob_micro_batch_size = (arr.rollout.log_prob_micro_batch_size_per_gpu
                                           or self.actor.micro_batch_size)
 
@@ -51,20 +65,25 @@ class ActorRolloutRefWorker:
         """The current policy's log-probs of the responses (`old_log_probs`) and their entropy."""
         logp, ent = batched_log_probs(self.model, batch.to(self.device), micro_batch_size=self.log_prob_micro_batch_size,
                                       temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                                      calculate_entropy=True)
+                                      calculate_entropy=True, remove_padding=self.remove_padding)
         return Batch({"old_log_probs": logp.cpu(), "entropys": ent.cpu()})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu or self.log_prob_micro_batch_size
         logp, _ = batched_log_probs(self.ref, batch.to(self.device), micro_batch_size=micro,
-                                    temperature=self.cfg.actor_rollout_ref.rollout.temperature)
+                                    temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+                                    remove_padding=self.remove_padding)
         return Batch({"ref_log_prob": logp.cpu()})
 
     # -- training -------------------------------------------------------------------------------
     def update_actor(self, batch: Batch) -> dict[str, float]:
         metrics = self.actor.update_policy(batch.to(self.device))
-        self.rollout.update_weights(self.model.state_dict().items())
+        self.sync_rollout_weights()
         return metrics
+
+    def sync_rollout_weights(self) -> None:
+        """Push the actor's weights into the rollout (a no-op for tensors the two already share)."""
+        self.rollout.update_weights(self.model.state_dict().items())
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
@@ -88,6 +107,7 @@ class ActorRolloutRefWorker:
         opt = torch.load(path / "optim.pt", weights_only=False)
         self.optimizer.load_state_dict(opt["optimizer"])
         self.scheduler.load_state_dict(opt["scheduler"])
+        self.sync_rollout_weights()
 
 
 def _build_rollout(rollout_cfg, model, tokenizer):

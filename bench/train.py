@@ -1,0 +1,458 @@
+"""Training throughput of lathe's decoder against transformers' own model, on one GPU.
+
+    python bench/train.py [--models 0.5b,1.5b,7b] [--tokens 16384] [--out bench/results/train_<device>.json]
+    python bench/train.py --device cpu --models tiny --tokens 512 --min-len 16 --max-len 128   # smoke test
+
+Random-weight Qwen2.5 shapes in bf16. One training step = forward + backward of a next-token
+log-likelihood loss over `--tokens` tokens made of sequences of random lengths in [min-len, max-len]:
+- lathe: the sequences packed into one stream (`forward_packed`, varlen attention), log-probs through
+  `lathe.models.logprob.chunked_log_probs` (what the trainer does with `use_remove_padding=true`);
+- transformers (what TRL does): the same sequences in micro-batches of `--hf-micro-batch` rows, right-padded,
+  `model(input_ids, attention_mask, labels)` (SDPA attention, full logits); and once more with one
+  sequence per micro-batch (no padding at all), transformers' best case without packing.
+Both models hold the same weights (lathe's is converted from transformers' by state dict). 7B runs with
+gradient checkpointing on both sides (its activations do not fit otherwise). No optimizer step is timed.
+
+Reported per model: tokens/s (real tokens, median of timed steps), MFU (model FLOPs: 6 x linear params +
+causal attention, over the datasheet bf16 peak and over a measured bf16 matmul rate), peak memory; the
+log-prob step (no grad, log-probs + entropy) peak memory with chunked vs full logits; and a torch.profiler
+summary of one step of each implementation. Writes JSON after each model, so a timeout keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from lathe.models.hf import lathe_from_transformers  # noqa: E402
+from lathe.models.logprob import chunked_log_probs, naive_log_probs  # noqa: E402
+from lathe.models.packing import pack_sequences  # noqa: E402
+
+QWEN_VOCAB = 151936
+SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+CHECKPOINTED = {"7b"}
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]   # dense datasheet
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def datasheet_peak(name: str) -> float | None:
+    return next((tf for key, tf in PEAK_BF16_TFLOPS if key in name), None)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn, device, *, warmup: int, iters: int) -> float:
+    """Median wall seconds of `fn()` (device synchronised around each call), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measured_matmul_tflops(device, dtype) -> float | None:
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = median_time(lambda: a @ b, device, warmup=3, iters=10)
+    return 2 * n ** 3 / seconds / 1e12
+
+
+# -- workload ---------------------------------------------------------------------------------------------
+def draw_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
+    """Random lengths in [lo, hi] adding up to exactly `total` (the last one trimmed, at least lo)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
+    excess = sum(lengths) - total
+    if lengths[-1] - excess >= lo:
+        lengths[-1] -= excess
+    else:
+        lengths.pop()
+    return lengths
+
+
+def make_sequences(lengths: list[int], vocab: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def packed_inputs(seqs, device):
+    """lathe's inputs: the packed stream, and for the loss the rows that have a next token and that token."""
+    ids, pos, cu, max_len = pack_sequences([s.to(device) for s in seqs])
+    ends = cu[1:].long() - 1
+    keep = torch.ones(len(ids), dtype=torch.bool, device=device)
+    keep[ends] = False
+    rows = keep.nonzero(as_tuple=True)[0]
+    return dict(ids=ids, pos=pos, cu=cu, max_len=max_len, rows=rows, targets=ids[rows + 1])
+
+
+def padded_micro_batches(seqs, micro: int, device):
+    """transformers' inputs: right-padded micro-batches with labels -100 on padding (HF shifts them itself)."""
+    out = []
+    for i in range(0, len(seqs), micro):
+        group = seqs[i:i + micro]
+        L = max(len(s) for s in group)
+        ids = torch.zeros(len(group), L, dtype=torch.long)
+        mask = torch.zeros(len(group), L, dtype=torch.long)
+        for r, s in enumerate(group):
+            ids[r, :len(s)], mask[r, :len(s)] = s, 1
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append((ids.to(device), mask.to(device), labels.to(device), sum(len(s) - 1 for s in group)))
+    return out
+
+
+def train_flops(shape: dict, lengths: list[int]) -> float:
+    """Model FLOPs of forward + backward (3x forward): linear layers incl. lm_head, plus causal attention."""
+    h, i, n_layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    hd = h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    macs_per_token = n_layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + shape["vocab_size"] * h
+    attn_macs = n_layers * sum(2 * q * s * (s + 1) / 2 for s in lengths)   # QK^T and PV over the causal half
+    return 3 * 2 * (sum(lengths) * macs_per_token + attn_macs)
+
+
+# -- models -----------------------------------------------------------------------------------------------
+def build_hf(shape_name: str, device, dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(**SHAPES[shape_name], max_position_embeddings=32768, rope_theta=1000000.0,
+                      rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    return model.to(dtype).train()
+
+
+def lathe_train_step(model, inp) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    hidden = model.forward_packed(inp["ids"], inp["pos"], inp["cu"], inp["max_len"])
+    logp, _ = chunked_log_probs(hidden[inp["rows"]], model.lm_head.weight, inp["targets"])
+    loss = -logp.mean()
+    loss.backward()
+    return loss.detach()
+
+
+def hf_train_step(model, micro_batches) -> torch.Tensor:
+    """Token-weighted mean loss over micro-batches (each micro-batch's loss is its own token mean)."""
+    model.zero_grad(set_to_none=True)
+    total, count = 0.0, 0
+    for ids, mask, labels, n in micro_batches:
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        total, count = total + out.loss.detach() * n, count + n
+    return total / count
+
+
+@torch.no_grad()
+def lathe_logprob_step(model, inp, chunked: bool):
+    hidden = model.forward_packed(inp["ids"], inp["pos"], inp["cu"], inp["max_len"])
+    fn = chunked_log_probs if chunked else naive_log_probs
+    return fn(hidden[inp["rows"]], model.lm_head.weight, inp["targets"], calculate_entropy=True)
+
+
+# -- measurement ------------------------------------------------------------------------------------------
+def measure_train(step, device, flops, tokens, peaks, args) -> dict:
+    """tokens/s, MFU and peak memory of `step()`; the loss of the last call."""
+    losses = []
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = median_time(lambda: losses.append(step()), device, warmup=args.warmup, iters=args.iters)
+    out = {"step_s": seconds, "tokens_per_s": tokens / seconds, "model_tflops_per_s": flops / seconds / 1e12,
+           "loss": float(losses[-1])}
+    for key, peak in peaks.items():
+        if peak:
+            out[f"mfu_vs_{key}"] = flops / seconds / 1e12 / peak
+    if device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return out
+
+
+def measure_logprob(model, inp, device, args) -> dict:
+    out = {}
+    for name, chunked in (("chunked", True), ("full_logits", False)):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = median_time(lambda: lathe_logprob_step(model, inp, chunked), device, warmup=1, iters=3)
+        row = {"step_s": seconds}
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            row.update(peak_memory_gib=peak / 2 ** 30, peak_above_weights_gib=(peak - base) / 2 ** 30)
+        out[name] = row
+    if device.type == "cuda":
+        out["peak_ratio_full_over_chunked"] = out["full_logits"]["peak_memory_gib"] / out["chunked"]["peak_memory_gib"]
+        out["extra_ratio_full_over_chunked"] = (out["full_logits"]["peak_above_weights_gib"]
+                                                / out["chunked"]["peak_above_weights_gib"])
+    return out
+
+
+def head_time(model, inp, device, args) -> float:
+    """Seconds of the loss head alone: chunked log-probs over the packed hidden states, forward + backward."""
+    hidden = torch.randn(len(inp["rows"]), model.config.hidden_size, device=device, dtype=model.dtype,
+                         requires_grad=True)
+
+    def step():
+        logp, _ = chunked_log_probs(hidden, model.lm_head.weight, inp["targets"])
+        (-logp.mean()).backward()
+        hidden.grad = None
+        model.zero_grad(set_to_none=True)
+    return median_time(step, device, warmup=args.warmup, iters=args.iters)
+
+
+def measure_compiled(model, inp, device, flops, tokens, peaks, args) -> dict:
+    """Not what the trainer runs: each decoder layer and the log-prob chunk math under torch.compile, to show
+    how much of the step is unfused elementwise work. Restores the eager log-prob code afterwards."""
+    import lathe.models.logprob as logprob
+    eager_chunk = logprob._chunk_stats
+    try:
+        start = time.perf_counter()
+        for layer in model.model.layers:
+            layer.compile()
+        logprob._chunk_stats = torch.compile(eager_chunk)
+        lathe_train_step(model, inp)
+        sync(device)
+        compile_s = time.perf_counter() - start
+        row = measure_train(lambda: lathe_train_step(model, inp), device, flops, tokens, peaks, args)
+        row["compile_s"] = compile_s
+        row["note"] = "torch.compile per decoder layer + log-prob chunk math; the trainer runs eager"
+        return row
+    except Exception as e:   # compilation is a probe, not the benchmark
+        return {"error": "".join(traceback.format_exception_only(type(e), e)).strip()[:500]}
+    finally:
+        logprob._chunk_stats = eager_chunk
+
+
+def profile_summary(step, device, top: int = 12) -> dict:
+    """Device time of one step by category (matmul, attention, other) and its top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    sync(device)
+    with profile(activities=acts) as prof:
+        step()
+        sync(device)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA] \
+        if device.type == "cuda" else list(prof.key_averages())
+
+    def self_us(e):
+        if device.type == "cuda":
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        return e.self_cpu_time_total
+    total = sum(self_us(e) for e in events) or 1.0
+    cats = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for e in events:
+        name = e.key.lower()
+        cat = ("attention" if re.search(r"flash|fmha|sdpa|attn|attention", name) else
+               "matmul" if re.search(r"gemm|matmul|cutlass|xmma|nvjet|cublas|mm_", name) else "other")
+        cats[cat] += self_us(e)
+    rows = sorted(events, key=self_us, reverse=True)[:top]
+    return {"device_ms": total / 1e3,
+            "share": {k: v / total for k, v in cats.items()},
+            "top": [{"name": e.key[:120], "ms": self_us(e) / 1e3, "share": self_us(e) / total, "calls": e.count}
+                    for e in rows]}
+
+
+def bench_model(shape_name: str, device, dtype, peaks, args) -> dict:
+    shape = SHAPES[shape_name]
+    lengths = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
+    seqs = make_sequences(lengths, shape["vocab_size"], args.seed)
+    tokens, flops = sum(lengths), train_flops(shape, lengths)
+    ckpt = shape_name in CHECKPOINTED
+    res = {"shape": shape, "tokens_per_step": tokens, "num_sequences": len(lengths), "lengths": lengths,
+           "gradient_checkpointing": ckpt, "model_flops_per_step": flops}
+    hf = build_hf(shape_name, device, dtype)
+    res["parameters"] = sum(p.numel() for p in hf.parameters())
+    if ckpt:
+        hf.gradient_checkpointing_enable()
+    for key, micro in (("transformers_padded", args.hf_micro_batch), ("transformers_unpadded_mb1", 1)):
+        if key.endswith("mb1") and (ckpt or args.skip_mb1):
+            continue
+        mbs = padded_micro_batches(seqs, micro, device)
+        padded = sum(mb[0].numel() for mb in mbs)
+        try:
+            row = measure_train(lambda: hf_train_step(hf, mbs), device, flops, tokens, peaks, args)
+            row.update(micro_batch=micro, padded_tokens=padded, padding_efficiency=tokens / padded)
+            if key == "transformers_padded" and args.profile and not ckpt:
+                row["profile"] = profile_summary(lambda: hf_train_step(hf, mbs), device)
+        except torch.OutOfMemoryError as e:
+            row = {"error": f"out of memory: {str(e).splitlines()[0]}", "micro_batch": micro}
+        res[key] = row
+        hf.zero_grad(set_to_none=True)
+        print(f"  {shape_name} {key}: {_fmt(row)}", flush=True)
+    lathe = lathe_from_transformers(hf).train()
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if ckpt:
+        lathe.gradient_checkpointing_enable()
+    inp = packed_inputs(seqs, device)
+    res["attention_backend"] = lathe.packed_backend()
+    row = measure_train(lambda: lathe_train_step(lathe, inp), device, flops, tokens, peaks, args)
+    if args.profile and not ckpt:
+        row["profile"] = profile_summary(lambda: lathe_train_step(lathe, inp), device)
+    row["head_fwd_bwd_s"] = head_time(lathe, inp, device, args)
+    res["lathe_packed"] = row
+    print(f"  {shape_name} lathe_packed: {_fmt(row)}, head_fwd_bwd_s={row['head_fwd_bwd_s']:.4g}", flush=True)
+    lathe.zero_grad(set_to_none=True)
+    lathe.eval()
+    res["logprob_step"] = measure_logprob(lathe, inp, device, args)
+    print(f"  {shape_name} logprob_step: {res['logprob_step']}", flush=True)
+    if args.compiled and not ckpt:
+        res["lathe_packed_compiled"] = measure_compiled(lathe.train(), inp, device, flops, tokens, peaks, args)
+        print(f"  {shape_name} lathe_packed_compiled: {_fmt(res['lathe_packed_compiled'])}", flush=True)
+    base = res.get("transformers_padded", {})
+    if "tokens_per_s" in base:
+        res["speedup_vs_transformers_padded"] = row["tokens_per_s"] / base["tokens_per_s"]
+        res["loss_rel_diff_lathe_vs_transformers"] = abs(row["loss"] - base["loss"]) / abs(base["loss"])
+    if "tokens_per_s" in res.get("transformers_unpadded_mb1", {}):
+        res["speedup_vs_transformers_unpadded_mb1"] = row["tokens_per_s"] / res["transformers_unpadded_mb1"]["tokens_per_s"]
+    del lathe
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def _fmt(row: dict) -> str:
+    if "error" in row:
+        return row["error"]
+    keys = ("tokens_per_s", "step_s", "mfu_vs_datasheet", "mfu_vs_measured_matmul", "peak_memory_gib", "loss")
+    return ", ".join(f"{k}={row[k]:.4g}" for k in keys if k in row)
+
+
+def goals(results: dict) -> dict:
+    out = {}
+    m = results["models"].get("1.5b", {})
+    if "speedup_vs_transformers_padded" in m:
+        out["speedup_1.5b"] = {"goal": 2.0, "got": m["speedup_vs_transformers_padded"],
+                               "met": m["speedup_vs_transformers_padded"] >= 2.0}
+    if "mfu_vs_datasheet" in m.get("lathe_packed", {}):
+        got = m["lathe_packed"]["mfu_vs_datasheet"]
+        out["mfu_1.5b"] = {"goal": 0.40, "got": got, "met": got >= 0.40}
+    ratios = {k: v["logprob_step"].get("peak_ratio_full_over_chunked") for k, v in results["models"].items()
+              if "logprob_step" in v}
+    ratios = {k: r for k, r in ratios.items() if r}
+    if ratios:
+        out["logprob_memory"] = {"goal": 4.0, "got": ratios, "met": all(r >= 4.0 for r in ratios.values())}
+    return out
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{results['device']} | torch {results['torch']} | transformers {results['transformers']} | "
+          f"{results['tokens_per_step']} tokens/step, lengths {results['min_len']}-{results['max_len']}")
+    print(f"{'model':6} {'impl':26} {'tok/s':>9} {'step s':>7} {'MFU':>6} {'peak GiB':>9} {'loss':>8}")
+    for name, m in results["models"].items():
+        for impl in ("lathe_packed", "lathe_packed_compiled", "transformers_padded", "transformers_unpadded_mb1"):
+            r = m.get(impl)
+            if not r:
+                continue
+            if "error" in r:
+                print(f"{name:6} {impl:26} {r['error'][:60]}")
+                continue
+            mfu = r.get("mfu_vs_datasheet")
+            print(f"{name:6} {impl:26} {r['tokens_per_s']:9.0f} {r['step_s']:7.3f} "
+                  f"{(f'{mfu:.1%}' if mfu else '-'):>6} {r.get('peak_memory_gib', 0):9.1f} {r['loss']:8.4f}")
+        lp = m.get("logprob_step", {})
+        if "peak_ratio_full_over_chunked" in lp:
+            print(f"{name:6} log-prob step peak GiB: chunked {lp['chunked']['peak_memory_gib']:.2f}, full logits "
+                  f"{lp['full_logits']['peak_memory_gib']:.2f} ({lp['peak_ratio_full_over_chunked']:.1f}x); "
+                  f"speedup vs transformers padded {m.get('speedup_vs_transformers_padded', 0):.2f}x")
+    print("goals:", json.dumps(results["goals"]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="0.5b,1.5b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--min-len", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--hf-micro-batch", type=int, default=4)
+    p.add_argument("--skip-mb1", action="store_true", help="skip transformers with one sequence per micro-batch")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--compiled", action="store_true", help="also time a torch.compile'd copy (a probe)")
+    p.add_argument("--git-sha", default=None)
+    p.add_argument("--out", default=None, help="JSON path; default bench/results/train_<device>.json")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    import transformers
+    name = device_name(device)
+    peaks = {"datasheet": datasheet_peak(name), "measured_matmul": measured_matmul_tflops(device, dtype)}
+    results = {"bench": "train", "device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+               "cuda": torch.version.cuda, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "git_sha": args.git_sha or git_sha(), "dtype": str(dtype).replace("torch.", ""),
+               "tokens_per_step": args.tokens, "min_len": args.min_len, "max_len": args.max_len,
+               "hf_micro_batch": args.hf_micro_batch, "peak_bf16_tflops_datasheet": peaks["datasheet"],
+               "bf16_matmul_tflops_measured": peaks["measured_matmul"], "command": " ".join(sys.argv),
+               "models": {}, "errors": {}}
+    out = Path(args.out or ROOT / "bench" / "results" / f"train_{slug(name)}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for shape_name in args.models.split(","):
+        print(f"== {shape_name}", flush=True)
+        try:
+            results["models"][shape_name] = bench_model(shape_name, device, dtype, peaks, args)
+        except Exception as e:   # keep what finished; say what broke
+            results["errors"][shape_name] = "".join(traceback.format_exception_only(type(e), e)).strip()
+            traceback.print_exc()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        results["goals"] = goals(results)
+        out.write_text(json.dumps(results, indent=2))
+    print_table(results)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ from lathe.algo import agg_loss, get_policy_loss, kl_penalty
 from lathe.algo.policy_loss import PolicyLossParams
 from lathe.batch import Batch
 from lathe.train.logprob import response_log_probs
+from lathe.train.update import clipped_step, run_ppo_epochs
 
 
 def policy_loss_params(actor_cfg, rollout_correction: dict | None = None) -> PolicyLossParams:
@@ -48,13 +49,9 @@ class PPOActor:
     def update_policy(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches; returns verl's `actor/*` metrics averaged over mini-batches."""
         self.model.train()
-        metrics: dict[str, list[float]] = defaultdict(list)
-        for _ in range(self.cfg.ppo_epochs):
-            for mini in batch.split(self.mini_batch_size):
-                for k, v in self._update_mini_batch(mini).items():
-                    metrics[k].append(v)
+        out = run_ppo_epochs(batch, epochs=self.cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
+                             update_mini_batch=self._update_mini_batch)
         self.scheduler.step()
-        out = {k: sum(v) / len(v) for k, v in metrics.items()}
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
@@ -70,12 +67,7 @@ class PPOActor:
             weight = len(micro) / len(mini)   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
                 sums[k] += float(v) * (1.0 if k in _SUMMED else weight)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-        sums["actor/grad_norm"] = float(grad_norm)
+        sums["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
         return dict(sums)
 
     def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict]:

@@ -25,6 +25,7 @@ from lathe.models.hf import select_impl
 from lathe.models.value import load_value_model, torch_dtype
 from lathe.train.logprob import response_hidden, scatter_response
 from lathe.train.optim import build_optimizer, build_scheduler
+from lathe.train.update import clipped_step, load_trainable, run_ppo_epochs, save_trainable
 
 __all__ = ["response_values", "PPOCritic", "CriticWorker"]
 
@@ -76,13 +77,9 @@ class PPOCritic:
         Needs ``values`` (old predictions, the clipping centre) and ``returns`` besides the sequence tensors.
         """
         self.model.train()
-        metrics: dict[str, list[float]] = defaultdict(list)
-        for _ in range(self.cfg.ppo_epochs):
-            for mini in batch.split(self.mini_batch_size):
-                for k, v in self._update_mini_batch(mini).items():
-                    metrics[k].append(v)
+        out = run_ppo_epochs(batch, epochs=self.cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
+                             update_mini_batch=self._update_mini_batch)
         self.scheduler.step()
-        out = {k: sum(v) / len(v) for k, v in metrics.items()}
         out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
@@ -99,12 +96,7 @@ class PPOCritic:
             sums["critic/vf_loss"] += float(loss.detach())                # global normalisation: losses add up
             for k, v in parts.items():
                 sums[k] += v * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-        sums["critic/grad_norm"] = float(grad_norm)
+        sums["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
         return dict(sums)
 
     def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict[str, float]]:
@@ -117,31 +109,10 @@ class PPOCritic:
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
-        """HF-format weights under ``path/huggingface`` plus optimizer and scheduler state in ``path/optim.pt``."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path / "huggingface", safe_serialization=True)
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                   path / "optim.pt")
+        save_trainable(Path(path), self.model, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore what ``save_checkpoint`` wrote; a weight set that does not fit the model raises."""
-        from safetensors.torch import load_file
-        path = Path(path)
-        files = sorted((path / "huggingface").glob("*.safetensors"))
-        if not files or not (path / "optim.pt").exists():
-            raise FileNotFoundError(f"critic checkpoint {path} is incomplete: expected huggingface/*.safetensors "
-                                    "and optim.pt written by save_checkpoint")
-        state = {}
-        for f in files:
-            state.update(load_file(f))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise RuntimeError(f"critic checkpoint {path} does not match the value model: missing {missing}, "
-                               f"unexpected {unexpected}")
-        opt = torch.load(path / "optim.pt", weights_only=False)
-        self.optimizer.load_state_dict(opt["optimizer"])
-        self.scheduler.load_state_dict(opt["scheduler"])
+        load_trainable(Path(path), self.model, self.optimizer, self.scheduler, what="critic")
 
 
 class CriticWorker:

@@ -26,6 +26,7 @@ from lathe.rollout.hf import HFRollout
 from lathe.train.actor import PPOActor
 from lathe.train.logprob import batched_log_probs
 from lathe.train.optim import build_optimizer, build_scheduler
+from lathe.train.update import load_trainable, save_trainable
 
 
 class ActorRolloutRefWorker:
@@ -87,26 +88,13 @@ class ActorRolloutRefWorker:
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
-        """HF-format weights (loadable by transformers) plus optimizer and scheduler state."""
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path / "huggingface", safe_serialization=True)
+        """HF-format weights (loadable by transformers) and tokenizer, plus optimizer and scheduler state."""
+        save_trainable(path, self.model, self.optimizer, self.scheduler)
         self.tokenizer.save_pretrained(path / "huggingface")
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                   path / "optim.pt")
 
     def load_checkpoint(self, path: Path) -> None:
-        from safetensors.torch import load_file
-        state = {}
-        for f in sorted((path / "huggingface").glob("*.safetensors")):
-            state.update(load_file(f))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not _is_tied(self.model, m)]
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, "
-                               f"unexpected {unexpected}")
-        opt = torch.load(path / "optim.pt", weights_only=False)
-        self.optimizer.load_state_dict(opt["optimizer"])
-        self.scheduler.load_state_dict(opt["scheduler"])
+        load_trainable(path, self.model, self.optimizer, self.scheduler, what="actor",
+                       ignore_missing=lambda name: _is_tied(self.model, name))
         self.sync_rollout_weights()
 
 

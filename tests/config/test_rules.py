@@ -116,7 +116,12 @@ def test_rule8_double_kl_warns_not_errors():
 
 def test_rule9_vllm_rejected_with_fix():
     text = fails(["actor_rollout_ref.rollout.name=sglang"])
-    assert "rollout.name=sglang" in text and "rollout.name=lathe" in text
+    assert "rollout.name=sglang" in text and "rollout.name=hf" in text
+
+
+def test_lathe_engine_not_yet_selectable_fails_before_any_model_loads():
+    text = fails(["actor_rollout_ref.rollout.name=lathe"])
+    assert "rollout.name=lathe" in text and "rollout.name=hf" in text
 
 
 def test_rule10_resume_path_needs_path():

@@ -48,7 +48,7 @@ def test_common_verl_script_keys_accepted():
             "algorithm.rollout_correction.rollout_rs_threshold_lower=null", "algorithm.filter_groups.metric=acc",
             "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.rollout.calculate_log_probs=True",
             "ray_kwargs.ray_init.num_cpus=8", "global_profiler.tool=nsys", "data.gen_batch_size=96",
-            "actor_rollout_ref.actor.fsdp_config.grad_offload=False", "actor_rollout_ref.rollout.name=lathe"]
+            "actor_rollout_ref.actor.fsdp_config.grad_offload=False", "actor_rollout_ref.rollout.name=hf"]
     cfg = load_config("base", ["algorithm.adv_estimator=grpo"] + keys)
     assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
     assert cfg.algorithm.rollout_correction.rollout_is == "token"

@@ -248,9 +248,12 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
     name, t = cfg.actor_rollout_ref.rollout.name, cfg.trainer
     if name in ("vllm", "sglang"):
         problems.add(f"actor_rollout_ref.rollout.name={name}: lathe does not use {name}. It ships its own "
-                     f"rollout engine (`lathe`: paged KV cache, continuous batching, prefix sharing) and a "
-                     f"transformers fallback (`hf`). Fix: set actor_rollout_ref.rollout.name=lathe (or hf); "
-                     f"the engine keys you set for {name} (gpu_memory_utilization, max_num_seqs, ...) still apply.")
+                     f"rollout backends: transformers generate (`hf`) today, its own paged engine (`lathe`) soon. "
+                     f"Fix: set actor_rollout_ref.rollout.name=hf; the engine keys you set for {name} "
+                     f"(gpu_memory_utilization, max_num_seqs, ...) are accepted.")
+    elif name == "lathe":
+        problems.add("actor_rollout_ref.rollout.name=lathe: lathe's own engine (lathe.engine) is built but not yet "
+                     "selectable for training in this version. Fix: set actor_rollout_ref.rollout.name=hf.")
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         problems.add("trainer.resume_mode=resume_path needs trainer.resume_from_path, which is not set. Fix: set "
                      "trainer.resume_from_path=<checkpoint dir>, or use trainer.resume_mode=auto.")

@@ -24,7 +24,7 @@ from lathe.engine.model_runner import ModelRunner
 from lathe.engine.sampler import sample
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import Sequence, SequenceParams
-from lathe.rollout.base import RolloutOutput, SamplingParams
+from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -127,14 +127,7 @@ class LatheEngine:
         """Copy new weights in place (HF names) and drop every cached prefix: old KV must not serve new weights."""
         if not self.scheduler.is_finished():
             raise RuntimeError("LatheEngine.update_weights: sequences are still being generated")
-        params = self.model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in params:
-                    raise KeyError(f"update_weights: the engine's model has no tensor named {name!r}")
-                target = params[name]
-                if target.data_ptr() != tensor.data_ptr():
-                    target.copy_(tensor)
+        copy_named_tensors(self.model, named_tensors, who="engine's model")
         self.block_manager.reset()
 
     def sleep(self) -> None:

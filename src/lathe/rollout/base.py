@@ -55,6 +55,18 @@ class Rollout(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
+def copy_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *, who: str) -> None:
+    """Copy weights in place by HF name (tied names such as lm_head.weight included); the same storage is skipped."""
+    params = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"update_weights: the {who} has no tensor named {name!r}")
+            target = params[name]
+            if target.data_ptr() != tensor.data_ptr():
+                target.copy_(tensor)
+
+
 def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int, n: int) -> Batch:
     """Left-pad prompts, right-pad responses, and build the masks and positions for the trainer.
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from lathe.rollout.base import RolloutOutput, SamplingParams
+from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
 
 
 class HFRollout:
@@ -85,11 +85,4 @@ class HFRollout:
             out.finish_reasons.append("stop" if len(hits) else "length")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = self.model.state_dict(keep_vars=True)   # includes tied names such as lm_head.weight
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in params:
-                    raise KeyError(f"update_weights: the rollout model has no tensor named {name!r}")
-                target = params[name]
-                if target.data_ptr() != tensor.data_ptr():
-                    target.copy_(tensor)
+        copy_named_tensors(self.model, named_tensors, who="rollout model")

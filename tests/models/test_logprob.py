@@ -101,15 +101,12 @@ def test_peak_memory_grows_with_the_chunk_not_with_tokens_times_vocab():
     assert naive >= 4 * large
 
 
-def test_response_log_probs_equal_the_trainers_full_logits_path(tmp_path):
-    from lathe.batch import Batch
-    from lathe.train.logprob import response_log_probs as full_logits_path
-
+def test_response_log_probs_equal_a_full_logits_forward(tmp_path):
+    """The chunked response path against log_softmax over the model's whole padded logits (computed here)."""
     from .lathe_tiny import ragged_batch
     path, _ = save_hf(tmp_path, "qwen2", tie=True)
     ids, mask, pos = ragged_batch(4, max_len=16)
     responses = ids[:, -6:]
-    batch = Batch(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": responses})
     results = []
     for chunked in (True, False):
         model = load_lathe_model(path)
@@ -117,10 +114,14 @@ def test_response_log_probs_equal_the_trainers_full_logits_path(tmp_path):
             lp, ent = response_log_probs(model, ids, mask, pos, responses, temperature=0.8, chunk_size=5,
                                          calculate_entropy=True)
         else:
-            lp, ent = full_logits_path(model, batch, temperature=0.8, calculate_entropy=True)
+            logits = model(ids, attention_mask=mask, position_ids=pos).logits[:, -7:-1].float() / 0.8
+            logp_all = torch.log_softmax(logits, dim=-1)
+            lp = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+            ent = -(logp_all.exp() * logp_all).sum(-1)
         resp_mask = mask[:, -6:]
         ((lp * resp_mask).sum() - 0.1 * (ent * resp_mask).sum()).backward()
-        results.append((lp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+        results.append(((lp * resp_mask).detach(), (ent * resp_mask).detach(),
+                        torch.cat([p.grad.flatten() for p in model.parameters()])))
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=1e-5)
     assert results[0][2].abs().sum() > 0

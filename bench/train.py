@@ -1,19 +1,26 @@
 """Training throughput of lathe's decoder against transformers' own model, on one GPU.
 
     python bench/train.py [--models 0.5b,1.5b,7b] [--tokens 16384] [--out bench/results/train_<device>.json]
-    python bench/train.py --device cpu --models tiny --tokens 512 --min-len 16 --max-len 128   # smoke test
+    python bench/train.py --device cpu --models tiny --tokens 512 --min-len 16 --max-len 128 --no-profile \
+        --force-compile --out /tmp/train_smoke.json                                        # CPU smoke test
 
 Random-weight Qwen2.5 shapes in bf16. One training step = forward + backward of a next-token
 log-likelihood loss over `--tokens` tokens made of sequences of random lengths in [min-len, max-len]:
-- lathe: the sequences packed into one stream (`forward_packed`, varlen attention), log-probs through
-  `lathe.models.logprob.chunked_log_probs` (what the trainer does with `use_remove_padding=true`);
+- lathe (row `lathe_packed`): the trainer's own path. Each sequence is a rollout sample (a 1-token prompt,
+  the rest its response) in the rollout's padded layout (`lathe.rollout.base.to_batch`); the model is
+  compiled by `lathe.models.compile.maybe_compile`, exactly as `PPOActor` does with verl's default
+  `actor.use_torch_compile=true` (on CUDA: each decoder layer and the chunked log-prob math), and the
+  loss comes from `lathe.train.logprob.response_log_probs(..., remove_padding=True, calculate_entropy=True)`
+  (packed forward with varlen attention, chunked log-probs + entropy), as `PPOActor` computes it with
+  `use_remove_padding=true`. Row `lathe_packed_eager`: the same with `use_torch_compile=false`;
 - transformers (what TRL does): the same sequences in micro-batches of `--hf-micro-batch` rows, right-padded,
   `model(input_ids, attention_mask, labels)` (SDPA attention, full logits); and once more with one
   sequence per micro-batch (no padding at all), transformers' best case without packing.
 Both models hold the same weights (lathe's is converted from transformers' by state dict). 7B runs with
 gradient checkpointing on both sides (its activations do not fit otherwise). No optimizer step is timed.
 
-Reported per model: tokens/s (real tokens, median of timed steps), MFU (model FLOPs: 6 x linear params +
+The compiled row also reports `first_step_s` (compilation included). Reported per model: tokens/s (real tokens,
+median of timed steps), MFU (model FLOPs: 6 x linear params +
 causal attention, over the datasheet bf16 peak and over a measured bf16 matmul rate), peak memory; the
 log-prob step (no grad, log-probs + entropy) peak memory with chunked vs full logits; and a torch.profiler
 summary of one step of each implementation. Writes JSON after each model, so a timeout keeps what finished.
@@ -37,9 +44,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from lathe.models.compile import compile_decoder, maybe_compile  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
 from lathe.models.logprob import chunked_log_probs, naive_log_probs  # noqa: E402
 from lathe.models.packing import pack_sequences  # noqa: E402
+from lathe.rollout.base import RolloutOutput, to_batch  # noqa: E402
+from lathe.train.logprob import response_log_probs  # noqa: E402
 
 QWEN_VOCAB = 151936
 SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
@@ -123,8 +133,16 @@ def make_sequences(lengths: list[int], vocab: int, seed: int) -> list[torch.Tens
     return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
 
 
+def trainer_batch(seqs, device):
+    """The trainer's input: each sequence as a rollout sample whose prompt is its first token and whose response
+    is the rest (so every token but the last is predicted, as in the transformers rows), padded by `to_batch`."""
+    responses = [s[1:].tolist() for s in seqs]
+    out = RolloutOutput(responses, [[0.0] * len(r) for r in responses], ["length"] * len(seqs))
+    return to_batch([[int(s[0])] for s in seqs], out, pad_id=0, n=1).to(device)
+
+
 def packed_inputs(seqs, device):
-    """lathe's inputs: the packed stream, and for the loss the rows that have a next token and that token."""
+    """The log-prob memory probe's inputs: the packed stream, the rows that have a next token and that token."""
     ids, pos, cu, max_len = pack_sequences([s.to(device) for s in seqs])
     ends = cu[1:].long() - 1
     keep = torch.ones(len(ids), dtype=torch.bool, device=device)
@@ -170,11 +188,14 @@ def build_hf(shape_name: str, device, dtype):
     return model.to(dtype).train()
 
 
-def lathe_train_step(model, inp) -> torch.Tensor:
+def lathe_train_step(model, batch) -> torch.Tensor:
+    """One micro-batch as `PPOActor` runs it with use_remove_padding=true: `response_log_probs` (packed forward,
+    chunked log-probs + entropy; compiled with the model), a token-mean loss, backward. The entropy is computed
+    and left out of the loss, as with verl's default entropy_coeff=0."""
     model.zero_grad(set_to_none=True)
-    hidden = model.forward_packed(inp["ids"], inp["pos"], inp["cu"], inp["max_len"])
-    logp, _ = chunked_log_probs(hidden[inp["rows"]], model.lm_head.weight, inp["targets"])
-    loss = -logp.mean()
+    logp, _ = response_log_probs(model, batch, calculate_entropy=True, remove_padding=True)
+    mask = batch["response_mask"]
+    loss = -(logp * mask).sum() / mask.sum()
     loss.backward()
     return loss.detach()
 
@@ -241,34 +262,26 @@ def head_time(model, inp, device, args) -> float:
                          requires_grad=True)
 
     def step():
-        logp, _ = chunked_log_probs(hidden, model.lm_head.weight, inp["targets"])
+        logp, _ = chunked_log_probs(hidden, model.lm_head.weight, inp["targets"], compile_backend=model.compile_backend)
         (-logp.mean()).backward()
         hidden.grad = None
         model.zero_grad(set_to_none=True)
     return median_time(step, device, warmup=args.warmup, iters=args.iters)
 
 
-def measure_compiled(model, inp, device, flops, tokens, peaks, args) -> dict:
-    """Not what the trainer runs: each decoder layer and the log-prob chunk math under torch.compile, to show
-    how much of the step is unfused elementwise work. Restores the eager log-prob code afterwards."""
-    import lathe.models.logprob as logprob
-    eager_chunk = logprob._chunk_stats
-    try:
-        start = time.perf_counter()
-        for layer in model.model.layers:
-            layer.compile()
-        logprob._chunk_stats = torch.compile(eager_chunk)
-        lathe_train_step(model, inp)
-        sync(device)
-        compile_s = time.perf_counter() - start
-        row = measure_train(lambda: lathe_train_step(model, inp), device, flops, tokens, peaks, args)
-        row["compile_s"] = compile_s
-        row["note"] = "torch.compile per decoder layer + log-prob chunk math; the trainer runs eager"
-        return row
-    except Exception as e:   # compilation is a probe, not the benchmark
-        return {"error": "".join(traceback.format_exception_only(type(e), e)).strip()[:500]}
-    finally:
-        logprob._chunk_stats = eager_chunk
+def measure_lathe(model, batch, device, flops, tokens, peaks, args) -> dict:
+    """The trainer's step: compile as `PPOActor` does (`maybe_compile`, or always with --force-compile), time the
+    first step (compilation included), then tokens/s and MFU as for every row."""
+    start = time.perf_counter()
+    if args.force_compile:
+        compile_decoder(model)
+    compiled = maybe_compile(model, args.use_torch_compile)
+    lathe_train_step(model, batch)
+    sync(device)
+    first_step_s = time.perf_counter() - start
+    row = measure_train(lambda: lathe_train_step(model, batch), device, flops, tokens, peaks, args)
+    row.update(use_torch_compile=compiled, first_step_s=first_step_s)
+    return row
 
 
 def profile_summary(step, device, top: int = 12) -> dict:
@@ -334,26 +347,32 @@ def bench_model(shape_name: str, device, dtype, peaks, args) -> dict:
         torch.cuda.empty_cache()
     if ckpt:
         lathe.gradient_checkpointing_enable()
-    inp = packed_inputs(seqs, device)
+    batch, inp = trainer_batch(seqs, device), packed_inputs(seqs, device)
     res["attention_backend"] = lathe.packed_backend()
-    row = measure_train(lambda: lathe_train_step(lathe, inp), device, flops, tokens, peaks, args)
-    if args.profile and not ckpt:
-        row["profile"] = profile_summary(lambda: lathe_train_step(lathe, inp), device)
-    row["head_fwd_bwd_s"] = head_time(lathe, inp, device, args)
-    res["lathe_packed"] = row
-    print(f"  {shape_name} lathe_packed: {_fmt(row)}, head_fwd_bwd_s={row['head_fwd_bwd_s']:.4g}", flush=True)
+    if args.eager:   # before compiling: compilation is in place, per instance
+        res["lathe_packed_eager"] = measure_train(lambda: lathe_train_step(lathe, batch), device, flops, tokens,
+                                                  peaks, args)
+        print(f"  {shape_name} lathe_packed_eager: {_fmt(res['lathe_packed_eager'])}", flush=True)
     lathe.zero_grad(set_to_none=True)
     lathe.eval()
     res["logprob_step"] = measure_logprob(lathe, inp, device, args)
     print(f"  {shape_name} logprob_step: {res['logprob_step']}", flush=True)
-    if args.compiled and not ckpt:
-        res["lathe_packed_compiled"] = measure_compiled(lathe.train(), inp, device, flops, tokens, peaks, args)
-        print(f"  {shape_name} lathe_packed_compiled: {_fmt(res['lathe_packed_compiled'])}", flush=True)
+    lathe.train()
+    try:
+        row = measure_lathe(lathe, batch, device, flops, tokens, peaks, args)
+        if args.profile and not ckpt:
+            row["profile"] = profile_summary(lambda: lathe_train_step(lathe, batch), device)
+        row["head_fwd_bwd_s"] = head_time(lathe, inp, device, args)
+    except Exception as e:   # e.g. a compile failure: keep the other rows, say what broke
+        traceback.print_exc()
+        row = {"error": "".join(traceback.format_exception_only(type(e), e)).strip()[:500]}
+    res["lathe_packed"] = row
+    print(f"  {shape_name} lathe_packed: {_fmt(row)}", flush=True)
     base = res.get("transformers_padded", {})
-    if "tokens_per_s" in base:
+    if "tokens_per_s" in row and "tokens_per_s" in base:
         res["speedup_vs_transformers_padded"] = row["tokens_per_s"] / base["tokens_per_s"]
         res["loss_rel_diff_lathe_vs_transformers"] = abs(row["loss"] - base["loss"]) / abs(base["loss"])
-    if "tokens_per_s" in res.get("transformers_unpadded_mb1", {}):
+    if "tokens_per_s" in row and "tokens_per_s" in res.get("transformers_unpadded_mb1", {}):
         res["speedup_vs_transformers_unpadded_mb1"] = row["tokens_per_s"] / res["transformers_unpadded_mb1"]["tokens_per_s"]
     del lathe
     if device.type == "cuda":
@@ -364,7 +383,8 @@ def bench_model(shape_name: str, device, dtype, peaks, args) -> dict:
 def _fmt(row: dict) -> str:
     if "error" in row:
         return row["error"]
-    keys = ("tokens_per_s", "step_s", "mfu_vs_datasheet", "mfu_vs_measured_matmul", "peak_memory_gib", "loss")
+    keys = ("tokens_per_s", "step_s", "mfu_vs_datasheet", "mfu_vs_measured_matmul", "peak_memory_gib", "loss",
+            "first_step_s", "head_fwd_bwd_s")
     return ", ".join(f"{k}={row[k]:.4g}" for k in keys if k in row)
 
 
@@ -390,7 +410,7 @@ def print_table(results: dict) -> None:
           f"{results['tokens_per_step']} tokens/step, lengths {results['min_len']}-{results['max_len']}")
     print(f"{'model':6} {'impl':26} {'tok/s':>9} {'step s':>7} {'MFU':>6} {'peak GiB':>9} {'loss':>8}")
     for name, m in results["models"].items():
-        for impl in ("lathe_packed", "lathe_packed_compiled", "transformers_padded", "transformers_unpadded_mb1"):
+        for impl in ("lathe_packed", "lathe_packed_eager", "transformers_padded", "transformers_unpadded_mb1"):
             r = m.get(impl)
             if not r:
                 continue
@@ -398,6 +418,8 @@ def print_table(results: dict) -> None:
                 print(f"{name:6} {impl:26} {r['error'][:60]}")
                 continue
             mfu = r.get("mfu_vs_datasheet")
+            if impl == "lathe_packed":
+                impl += " (compiled)" if r.get("use_torch_compile") else " (eager)"
             print(f"{name:6} {impl:26} {r['tokens_per_s']:9.0f} {r['step_s']:7.3f} "
                   f"{(f'{mfu:.1%}' if mfu else '-'):>6} {r.get('peak_memory_gib', 0):9.1f} {r['loss']:8.4f}")
         lp = m.get("logprob_step", {})
@@ -421,7 +443,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-profile", dest="profile", action="store_false")
-    p.add_argument("--compiled", action="store_true", help="also time a torch.compile'd copy (a probe)")
+    p.add_argument("--no-compile", dest="use_torch_compile", action="store_false",
+                   help="the trainer with actor.use_torch_compile=false (lathe_packed runs eager)")
+    p.add_argument("--force-compile", action="store_true",
+                   help="compile lathe even off CUDA (where the trainer runs eager): a CPU smoke test of the path")
+    p.add_argument("--skip-eager", dest="eager", action="store_false",
+                   help="skip the lathe_packed_eager comparison row")
     p.add_argument("--git-sha", default=None)
     p.add_argument("--out", default=None, help="JSON path; default bench/results/train_<device>.json")
     args = p.parse_args()

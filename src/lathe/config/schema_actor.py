@@ -30,6 +30,8 @@ class FSDPConfig:
     use_orig_params: bool = spec(False, "FSDP1 use_orig_params. " + _COMPAT)
     wrap_policy: dict[str, Any] = spec({"min_num_params": 0}, "Module wrapping policy. " + _COMPAT)
     strategy: str | None = spec(None, "Engine strategy override (fsdp|fsdp2). " + _COMPAT)
+    use_torch_compile: bool = spec(True, "verl's engine-worker switch: false runs this model eager. On CUDA, "
+                                         "lathe compiles its decoder layers (and the actor's log-prob math).")
 
 
 @dataclass
@@ -156,7 +158,9 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree. " + _COMPAT)
     entropy_from_logits_with_chunking: bool = spec(False, "Chunk the entropy computation. " + _COMPAT)
     entropy_checkpointing: bool = spec(False, "Recompute entropy in backward. " + _COMPAT)
-    use_torch_compile: bool = spec(True, "Allow torch.compile for the loss kernels.")
+    use_torch_compile: bool = spec(True, "torch.compile lathe's decoder layers and chunked log-prob/entropy math "
+                                         "on CUDA (CPU runs eager); false, or fsdp_config.use_torch_compile=false, "
+                                         "runs eager.")
     use_fused_kernels: bool = spec(False, "Fused log-prob kernels. " + _COMPAT)
     use_remove_padding: bool = spec(False, "Packed forward without padding. " + _COMPAT)
     freeze_vision_tower: bool = spec(False, "Freeze a VLM's vision tower. " + _COMPAT)

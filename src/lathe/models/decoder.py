@@ -9,6 +9,9 @@ Two forward forms share the layers:
   returns an object with `.logits` (B, L, V) (or `.hidden_states` with `return_hidden=True`).
 - `forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen)`: T tokens of S sequences laid end to
   end, causal within each; returns the final hidden states (T, H). No padding is ever computed.
+
+Training may compile the decoder layers of one model instance (`lathe.models.compile.compile_decoder`);
+the attention call always runs eager (`_attend`), so every backend and batch layout works the same.
 """
 
 from __future__ import annotations
@@ -23,6 +26,27 @@ from lathe.models.attention import PackedAttention, PaddedAttention, select_pack
 from lathe.models.config import LatheConfig
 from lathe.models.packing import pack_padded, position_ids_from_mask, unpack_to_padded
 from lathe.models.rope import RotaryEmbedding, apply_rotary
+
+
+@torch.compiler.disable
+def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mark_dynamic: bool = False) -> torch.Tensor:
+    """`attn(q, k, v)` with the heads flattened, (..., Hq * D), always run eager: the attention callables hold
+    per-batch Python state (sequence bounds, a KV cache, a layer counter) that would make a compiled layer
+    recompile for every batch. Eager callers pay well under a microsecond for the wrapper. From a compiled
+    layer (`mark_dynamic`), the output's token dims are marked dynamic like the layer's inputs, so the graph
+    after attention also compiles once for all lengths."""
+    out = attn(q, k, v).flatten(-2)
+    if mark_dynamic:
+        _mark_token_dims_dynamic(out)
+    return out
+
+
+def _mark_token_dims_dynamic(*tensors: torch.Tensor) -> None:
+    """Tell torch.compile that the leading (token) dimensions change from batch to batch, so the layers compile
+    once for all packed lengths instead of once per length; feature dimensions stay static."""
+    for t in tensors:
+        for dim in range(t.dim() - 1):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 class RMSNorm(nn.Module):
@@ -70,16 +94,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q, k, v), each (..., heads, head_dim), q/k normed (Qwen3) and rotated."""
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn(q, k, v)
-        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        return self.o_proj(_attend(attn, *self.project(x, cos, sin)))
 
 
 class DecoderLayer(nn.Module):
@@ -93,12 +119,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        # self_attn's steps spelled out here, so that in a compiled layer the graph breaks at `_attend` in this
+        # frame: one graph before attention, one after, every input of both marked dynamic
+        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        x = x + self.self_attn.o_proj(_attend(attn, q, k, v, torch.compiler.is_compiling()))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LatheDecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's `model.` prefix)."""
+
+    compile_backend: str | None = None   # set on an instance by compile_decoder: its layers run under torch.compile
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
@@ -112,6 +143,8 @@ class LatheDecoderModel(nn.Module):
         """Final-norm hidden states for tokens of any leading shape, attention given by `attn`."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
+        if self.compile_backend is not None:
+            _mark_token_dims_dynamic(x, cos, sin)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False)
@@ -146,6 +179,11 @@ class _Backbone(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    @property
+    def compile_backend(self) -> str | None:
+        """The torch.compile backend of this instance's layers (and of its log-prob chunk math); None = eager."""
+        return self.model.compile_backend
 
     def packed_backend(self) -> str:
         return select_packed_backend(self.attn_backend, self.device, self.dtype)

@@ -17,6 +17,8 @@ the weight dtype and then cast to float32 (as `model(...).logits.float()` does).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -25,36 +27,82 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                 with_entropy: bool):
-    """(logp, entropy or None, logits, lse) of one chunk; logits are float32 and temperature-scaled."""
-    logits = (h @ weight.t()).to(_acc_dtype(h.dtype)) / temperature
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    return (h @ weight.t()).to(_acc_dtype(h.dtype)) / temperature
+
+
+def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp, entropy or None) of one chunk of rows."""
+    logits = _chunk_logits(h, weight, temperature)
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = None
-    if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = lse - (probs * logits).sum(-1)
-    return logp, entropy, logits, lse
+    if not with_entropy:
+        return logp, None
+    probs = torch.softmax(logits, dim=-1)
+    return logp, lse - (probs * logits).sum(-1)
+
+
+def _chunk_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor,
+                grad_entropy: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """Gradient with respect to the raw logits `h @ W^T` of one chunk (recomputed), in the weight dtype."""
+    logits = _chunk_logits(h, weight, temperature)
+    probs = torch.exp(logits - torch.logsumexp(logits, dim=-1, keepdim=True))
+    grad_z = probs * (-grad_logp.unsqueeze(-1))
+    grad_z.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1).to(grad_z.dtype))
+    if grad_entropy is not None:
+        mean_z = (probs * logits).sum(-1, keepdim=True)
+        grad_z -= grad_entropy.unsqueeze(-1) * probs * (logits - mean_z)
+    return (grad_z / temperature).to(weight.dtype)
+
+
+@functools.cache
+def _chunk_ops(compile_backend: str | None):
+    """(forward, grad) chunk functions: eager, or compiled once per process with `compile_backend`."""
+    if compile_backend is None:
+        return _chunk_forward, _chunk_grad
+    return (torch.compile(_chunk_forward, backend=compile_backend),
+            torch.compile(_chunk_grad, backend=compile_backend))
+
+
+def _rows_dynamic(compiled: bool, *tensors: torch.Tensor | None) -> None:
+    """Mark dim 0 (the chunk's rows: the last chunk is shorter) dynamic, so a compiled chunk function compiles
+    once for all row counts; vocabulary and hidden sizes stay static."""
+    if compiled:
+        for t in tensors:
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _chunk_bounds(n: int, chunk_size: int) -> list[tuple[int, int]]:
+    """(start, end) of each chunk of `n` rows. A 1-row remainder joins the chunk before it: torch.compile
+    specialises size-1 dimensions, so a compiled chunk function would compile again for it."""
+    starts = list(range(0, n, chunk_size))
+    if chunk_size > 1 and len(starts) > 1 and n - starts[-1] == 1:
+        starts.pop()
+    return [(s, e) for s, e in zip(starts, [*starts[1:], n])]
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     """Autograd function behind `chunked_log_probs`; saves only inputs and per-token scalars."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, compile_backend):
         n = hidden.shape[0]
         acc = _acc_dtype(hidden.dtype)
+        chunk_forward, _ = _chunk_ops(compile_backend)
         logp = hidden.new_empty(n, dtype=acc)
         entropy = hidden.new_empty(n, dtype=acc) if with_entropy else None
-        for s in range(0, n, chunk_size):
-            e = min(s + chunk_size, n)
-            lp, ent, _, _ = _chunk_stats(hidden[s:e], weight, targets[s:e], temperature, with_entropy)
+        for s, e in _chunk_bounds(n, chunk_size):
+            h, t = hidden[s:e], targets[s:e]
+            _rows_dynamic(compile_backend is not None, h, t)
+            lp, ent = chunk_forward(h, weight, t, temperature, with_entropy)
             logp[s:e] = lp
             if with_entropy:
                 entropy[s:e] = ent
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.compile_backend = compile_backend
         if with_entropy:
             return logp, entropy
         empty = hidden.new_zeros(0, dtype=acc)
@@ -64,36 +112,33 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets = ctx.saved_tensors
-        T, n = ctx.temperature, hidden.shape[0]
+        n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        _, chunk_grad = _chunk_ops(ctx.compile_backend)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
         use_entropy = ctx.with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
-        for s in range(0, n, ctx.chunk_size):
-            e = min(s + ctx.chunk_size, n)
-            h = hidden[s:e]
-            _, _, logits, lse = _chunk_stats(h, weight, targets[s:e], T, False)
-            probs = torch.exp(logits - lse.unsqueeze(-1))
-            grad_z = probs * (-grad_logp[s:e].unsqueeze(-1))
-            grad_z.scatter_add_(-1, targets[s:e].unsqueeze(-1), grad_logp[s:e].unsqueeze(-1).to(grad_z.dtype))
-            if use_entropy:
-                mean_z = (probs * logits).sum(-1, keepdim=True)
-                grad_z -= grad_entropy[s:e].unsqueeze(-1) * probs * (logits - mean_z)
-            grad_raw = (grad_z / T).to(weight.dtype)
+        for s, e in _chunk_bounds(n, ctx.chunk_size):
+            h, t, g_lp = hidden[s:e], targets[s:e], grad_logp[s:e]
+            g_ent = grad_entropy[s:e] if use_entropy else None
+            _rows_dynamic(ctx.compile_backend is not None, h, t, g_lp, g_ent)
+            grad_raw = chunk_grad(h, weight, t, g_lp, g_ent, ctx.temperature)
             if need_h:
                 grad_h[s:e] = grad_raw @ weight
             if need_w:
                 grad_w += (grad_raw.t() @ h).to(grad_w.dtype)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                      temperature: float = 1.0, chunk_size: int = 1024, calculate_entropy: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      temperature: float = 1.0, chunk_size: int = 1024, calculate_entropy: bool = False,
+                      compile_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log_probs, entropy or None) of `targets` under `softmax(hidden @ weight.T / temperature)`.
 
     hidden: (..., H) hidden states (any leading shape); weight: (V, H) the `lm_head` weight;
     targets: (...) token ids in [0, V). Returns float32 tensors shaped like `targets`.
+    `compile_backend`: run the per-chunk math under `torch.compile(backend=...)` (a compiled model's
+    `model.compile_backend`); None = eager. Same values either way, up to float rounding.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 (it divides the logits)")
@@ -106,7 +151,7 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).long()
     logp, entropy = _ChunkedLogProbs.apply(h, weight, t, float(temperature), int(chunk_size),
-                                           bool(calculate_entropy))
+                                           bool(calculate_entropy), compile_backend)
     return logp.view(lead), (entropy.view(lead) if calculate_entropy else None)
 
 
@@ -127,10 +172,12 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     """(B, R) log-probs (and entropy) of `responses`, the last R tokens of `input_ids`, under a lathe model.
 
     The same contract as `lathe.train.logprob.response_log_probs`, without full logits: the logits that
-    predict the response are those at the R positions before it.
+    predict the response are those at the R positions before it. A compiled model (`compile_decoder`) also
+    compiles the chunk math.
     """
     R = responses.shape[1]
     hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    return_hidden=True).hidden_states[:, -R - 1:-1]
     return chunked_log_probs(hidden, model.lm_head.weight, responses, temperature=temperature,
-                             chunk_size=chunk_size, calculate_entropy=calculate_entropy)
+                             chunk_size=chunk_size, calculate_entropy=calculate_entropy,
+                             compile_backend=getattr(model, "compile_backend", None))

@@ -16,6 +16,7 @@ import torch
 from lathe.algo import agg_loss, get_policy_loss, kl_penalty
 from lathe.algo.policy_loss import PolicyLossParams
 from lathe.batch import Batch
+from lathe.models.compile import maybe_compile
 from lathe.train.logprob import response_log_probs
 from lathe.train.update import clipped_step, run_ppo_epochs
 
@@ -35,8 +36,11 @@ class PPOActor:
                  max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False):
         """`rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
         then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
-        `use_remove_padding` (verl's `model.use_remove_padding`): packed forward for lathe's decoder."""
+        `use_remove_padding` (verl's `model.use_remove_padding`): packed forward for lathe's decoder.
+        `use_torch_compile` and `fsdp_config.use_torch_compile` (verl's two spellings; either false turns it off):
+        compile lathe's decoder layers and log-prob math, on CUDA (see `lathe.models.compile`)."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
+        self.compiled = maybe_compile(model, use_torch_compile(actor_cfg))
         self.use_remove_padding = use_remove_padding
         self.mini_batch_size = actor_cfg.ppo_mini_batch_size * n
         self.micro_batch_size = actor_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
@@ -91,6 +95,14 @@ class PPOActor:
             parts["actor/kl_loss"] = kl_loss.detach()
             parts["actor/kl_coef"] = cfg.kl_loss_coef
         return loss, parts
+
+
+def use_torch_compile(cfg) -> bool:
+    """verl's switch for an actor/ref/critic(.model) group: its own `use_torch_compile` (the legacy dp workers'
+    key) and its `fsdp_config.use_torch_compile` (the engine workers' key); absent keys count as on."""
+    own = getattr(cfg, "use_torch_compile", True)
+    fsdp = getattr(getattr(cfg, "fsdp_config", None), "use_torch_compile", True)
+    return (True if own is None else bool(own)) and (True if fsdp is None else bool(fsdp))
 
 
 # Losses normalised by global mini-batch counts add up over micro-batches; every other metric is averaged.

@@ -20,6 +20,7 @@ import torch
 
 from lathe.algo import compute_value_loss, global_batch_info, masked_mean
 from lathe.batch import Batch
+from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
 from lathe.models.value import load_value_model, torch_dtype
@@ -54,6 +55,8 @@ class PPOCritic:
                  use_remove_padding: bool = False):
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, critic_cfg
         self.use_remove_padding = use_remove_padding
+        # verl's critic.model.fsdp_config.use_torch_compile: compile the value model's decoder layers, on CUDA
+        self.compiled = maybe_compile(model, critic_cfg.model.fsdp_config.use_torch_compile)
         self.mini_batch_size = critic_cfg.ppo_mini_batch_size * n
         self.micro_batch_size = critic_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.forward_micro_batch_size = critic_cfg.forward_micro_batch_size_per_gpu or self.micro_batch_size

@@ -10,6 +10,9 @@ Two implementations behind one call:
   packed over the real tokens (`forward_packed`) and only real response tokens reach `lm_head`
   (padding positions hold 0); else a padded forward, every (B, R) position computed as transformers
   does. Both give the same numbers at real tokens, so the same masked losses and gradients.
+
+A lathe model compiled by `lathe.models.compile.compile_decoder` (the actor with `use_torch_compile`) also
+runs the chunked log-prob/entropy math compiled, with the same backend.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def response_log_probs(model, batch: Batch, *, temperature: float = 1.0, calcula
         hidden, valid = response_hidden(model, batch, remove_padding=True)
         logp, entropy = chunked_log_probs(hidden, model.lm_head.weight, batch["responses"][valid],
                                           temperature=temperature, chunk_size=chunk_size,
-                                          calculate_entropy=calculate_entropy)
+                                          calculate_entropy=calculate_entropy, compile_backend=model.compile_backend)
         return scatter_response(logp, valid), (scatter_response(entropy, valid) if calculate_entropy else None)
     responses = batch["responses"]
     R = responses.shape[1]

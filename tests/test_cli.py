@@ -61,3 +61,32 @@ def test_preprocess_gsm8k_command(tmp_path, capsys):
 def test_presets_are_listed(capsys):
     assert main(["presets"]) == 0
     assert "default" in capsys.readouterr().out.split()
+
+
+def test_generate_mistyped_key_fails_before_anything_heavy_loads(tmp_path):
+    r = lathe("generate", str(tmp_path), str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "temprature=0")
+    assert r.returncode == 2
+    assert "temperature" in r.stderr and "did you mean" in r.stderr.lower()
+    assert "NO_TORCH" in r.stdout
+
+
+def test_generate_bad_row_names_file_line_and_field_before_torch(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "fine"}\n{"prompt_token_ids": "1 2 3"}\n')
+    r = lathe("generate", str(tmp_path / "model"), str(inp), str(tmp_path / "out.jsonl"), "temperature=0")
+    assert r.returncode == 2
+    assert f"{inp} line 2" in r.stderr and "prompt_token_ids" in r.stderr
+    assert "NO_TORCH" in r.stdout
+
+
+def test_generate_command_writes_one_row_per_prompt(tmp_path, caplog):
+    from engine.test_generate import save_tiny_model
+    model, _ = save_tiny_model(tmp_path / "model")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("1+1=", "22+3=", "7*7=")))
+    with caplog.at_level("INFO", logger="lathe"):
+        assert main(["generate", str(model), str(inp), str(out), "n=2", "max_tokens=5", "seed=0", "batch_size=2"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["1+1=", "22+3=", "7*7="] and [r["index"] for r in rows] == [0, 1, 2]
+    assert all(len(r["outputs"]) == 2 and all(1 <= len(s["token_ids"]) <= 5 for s in r["outputs"]) for r in rows)
+    assert "3 prompts, 6 samples" in caplog.text and "tok/s" in caplog.text

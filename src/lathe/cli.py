@@ -3,6 +3,7 @@
     lathe train [PRESET|FILE.yaml] [key=value ...] [--print-config]
     lathe preprocess gsm8k --input DIR_OR_FILE --output DIR
     lathe model check MODEL_DIR
+    lathe generate MODEL_DIR INPUT.jsonl OUTPUT.jsonl [key=value ...]
     lathe presets
 """
 
@@ -62,6 +63,12 @@ def cmd_model_check(args: argparse.Namespace) -> int:
     return run_check(args.model_dir, num_batches=args.batches, atol=args.atol)
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from lathe.engine.generate import generate_file
+    generate_file(args.model_dir, args.input, args.output, args.items)
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from lathe.config import list_presets
     print("\n".join(list_presets()))
@@ -87,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--batches", type=int, default=3, help="ragged random batches to compare")
     check.add_argument("--atol", type=float, default=1e-4, help="largest logit difference accepted")
     check.set_defaults(func=cmd_model_check)
+    gen = sub.add_parser("generate", help="offline batch generation with lathe's engine (JSON lines in and out)",
+                         description="Generate for every row of INPUT.jsonl ({\"prompt\": text or chat messages} or "
+                                     "{\"prompt_token_ids\": [...]}) and write one row per input row to OUTPUT.jsonl. "
+                                     "Keys: n, temperature (0 = greedy), top_p, top_k, max_tokens, min_tokens, seed, "
+                                     "stop, stop_token_ids, ignore_eos, dtype, device, gpu_memory_utilization, "
+                                     "max_num_seqs, max_model_len, enable_prefix_caching, batch_size.")
+    gen.add_argument("model_dir", help="a local Hugging Face checkpoint directory (with its tokenizer)")
+    gen.add_argument("input", help="JSON lines, one prompt per row")
+    gen.add_argument("output", help="JSON lines written here, one row per input row, in input order")
+    gen.add_argument("items", nargs="*", metavar="key=value", help="sampling and engine settings")
+    gen.set_defaults(func=cmd_generate)
     presets = sub.add_parser("presets", help="list the built-in config presets")
     presets.set_defaults(func=cmd_presets)
     return parser

@@ -136,3 +136,28 @@ def test_sequence_too_long_for_the_cache_is_refused(checkpoints):
     path, _ = checkpoints["qwen2"]
     with pytest.raises(ValueError, match="KV blocks"):
         _engine(path, num_kv_blocks=2).generate([list(range(1, 8))], SamplingParams(temperature=0, max_tokens=5))
+
+
+@pytest.mark.parametrize("budget", [3, 5])
+def test_chunked_prefill_equals_transformers(checkpoints, budget):
+    """Prompts longer than the step's token budget are computed in chunks and still give transformers' tokens."""
+    path, hf = checkpoints["qwen2"]
+    engine = _engine(path, max_num_batched_tokens=budget)
+    steps = []
+    real_step = engine.scheduler.prefill_done
+
+    def spy(seqs):
+        steps.append([s.num_scheduled_tokens for s in seqs])
+        return real_step(seqs)
+
+    engine.scheduler.prefill_done = spy
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=MAX))
+    assert out.token_ids == [_hf_greedy(hf, p, MAX) for p in PROMPTS for _ in range(2)]
+    assert max(sum(s) for s in steps) <= budget and any(0 < n < 9 for s in steps for n in s)
+
+
+def test_prompt_longer_than_budget_runs_alone_without_chunking(checkpoints):
+    path, hf = checkpoints["llama"]
+    engine = _engine(path, max_num_batched_tokens=4, enable_chunked_prefill=False)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX))
+    assert out.token_ids == [_hf_greedy(hf, p, MAX) for p in PROMPTS]

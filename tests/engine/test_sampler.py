@@ -28,19 +28,61 @@ def test_greedy_min_tokens_and_logprob_temperature():
     assert tok == [2]                                         # the stop id is banned before min_tokens
     assert math.isclose(lp[0], float(torch.log_softmax(logits[0], -1)[2]), abs_tol=1e-6)
     params = SequenceParams(temperature=0.5, top_k=1)
-    tok, lp = sample(logits, [Sequence([5], params, torch.Generator().manual_seed(0))])
+    tok, lp = sample(logits, [Sequence([5], params, 0)])
     assert tok == [1] and math.isclose(lp[0], float(torch.log_softmax(logits[0] / 0.5, -1)[1]), abs_tol=1e-6)
 
 
-def test_per_sequence_generator_draws_do_not_depend_on_neighbours():
+def test_per_sequence_draws_do_not_depend_on_neighbours():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = SequenceParams(temperature=1.0)
 
     def draw(rows):
-        seqs = [Sequence([1], params, torch.Generator().manual_seed(10 + r)) for r in rows]
-        return [sample(logits[rows], seqs)[0] for _ in range(5)]
+        seqs = [Sequence([1], params, 10 + r) for r in rows]
+        out = []
+        for _ in range(5):
+            out.append(sample(logits[rows], seqs)[0])
+            for s, t in zip(seqs, out[-1]):
+                s.append_token(t, 0.0)
+        return out
 
     alone = draw([1])
     together = draw([0, 1, 2])
     assert [t[0] for t in alone] == [t[1] for t in together]
     assert len({t[1] for t in together}) > 1
+
+
+def test_sampling_frequencies_follow_the_warped_distribution():
+    """Many seeds, one step: the empirical frequencies match softmax(top-k/top-p(logits / T))."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    params = SequenceParams(temperature=0.7, top_k=4, top_p=0.9)
+    draws = 4000
+    tokens, _ = sample(logits.expand(draws, -1), [Sequence([1], params, s) for s in range(draws)])
+    freq = torch.bincount(torch.tensor(tokens), minlength=6).float() / draws
+    expect = apply_top_k_top_p(logits[0] / 0.7, 4, 0.9).softmax(-1)
+    assert expect[4:].sum() == 0 and freq[4:].sum() == 0         # outside the top-k/top-p sets never drawn
+    assert torch.allclose(freq, expect, atol=0.025), (freq, expect)
+
+
+def test_mixed_rows_equal_rows_sampled_alone():
+    """A batch mixing greedy, top-k, top-p and min_tokens rows gives each row what it gets alone."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 30, generator=g)
+    params = [SequenceParams(temperature=0), SequenceParams(temperature=1.3, top_k=5),
+              SequenceParams(temperature=0.8, top_p=0.6),
+              SequenceParams(temperature=1.0, min_tokens=2, stop_token_ids=frozenset({int(logits[3].argmax())}))]
+    seqs = [Sequence([1], p, None if p.greedy else 100 + i) for i, p in enumerate(params)]
+    together = sample(logits, seqs)
+    for i, seq in enumerate(seqs):
+        tok, lp = sample(logits[i:i + 1], [seq])
+        assert tok[0] == together[0][i]
+        assert math.isclose(lp[0], together[1][i], abs_tol=1e-6)
+        t = params[i].logprob_temperature
+        assert math.isclose(lp[0], float(torch.log_softmax(logits[i] / t, -1)[tok[0]]), abs_tol=1e-6)
+    assert together[0][3] not in params[3].stop_token_ids
+
+
+def test_vectorised_uniforms_equal_the_scalar_hash():
+    from lathe.engine.sampler import uniform, uniforms
+    seeds, positions = [0, 1, 2**62 + 5, 123456789], [0, 7, 3, 100000]
+    assert uniforms(seeds, positions).tolist() == [uniform(s, p) for s, p in zip(seeds, positions)]
+    assert len({uniform(0, p) for p in range(100)}) == 100 and all(0 <= uniform(9, p) < 1 for p in range(100))

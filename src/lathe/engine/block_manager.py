@@ -13,7 +13,7 @@ computed by old weights never serves a new prompt.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from lathe.engine.sequence import Sequence
@@ -49,7 +49,8 @@ class BlockManager:
         for b in self.blocks:
             b.ref_count, b.hash, b.token_ids = 0, None, []
         self.hash_to_block: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(len(self.blocks)))
+        # free blocks, least recently freed first; an OrderedDict so that reviving a cached block is O(1)
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(len(self.blocks)))
 
     @property
     def num_blocks(self) -> int:
@@ -75,7 +76,9 @@ class BlockManager:
 
     def _take_free(self) -> Block:
         """A fresh block: the least recently freed one; its old key is dropped."""
-        block = self.blocks[self.free_block_ids.popleft()]
+        if not self.free_block_ids:
+            raise IndexError("BlockManager: no free KV block (callers check can_allocate/can_append first)")
+        block = self.blocks[self.free_block_ids.popitem(last=False)[0]]
         self._unregister(block)
         block.ref_count = 1
         return block
@@ -115,7 +118,7 @@ class BlockManager:
             else:
                 cached += len(tokens)
                 if block.ref_count == 0:
-                    self.free_block_ids.remove(block.block_id)
+                    del self.free_block_ids[block.block_id]
                 block.ref_count += 1
             prefix = key
             seq.block_table.append(block.block_id)
@@ -128,44 +131,44 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids[block_id] = None
         seq.block_table = []
-        seq.num_cached_tokens = seq.num_kv_cached = 0
+        seq.num_cached_tokens = seq.num_kv_cached = seq.num_scheduled_tokens = 0
 
     # ---- decode -----------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
         """Whether the slot for `seq`'s last token (appended, KV not yet computed) can be provided."""
-        pos = len(seq) - 1
-        if pos // self.block_size >= len(seq.block_table):
-            return self.num_free_blocks >= 1
-        last = self.blocks[seq.block_table[-1]]
-        return last.ref_count == 1 or self.num_free_blocks >= 1
+        table = seq.block_table
+        if (len(seq.token_ids) - 1) // self.block_size >= len(table):
+            return bool(self.free_block_ids)
+        return self.blocks[table[-1]].ref_count == 1 or bool(self.free_block_ids)
 
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the block of `seq`'s last token exist and belong to `seq` alone; returns KV copies to do.
 
         A new block is taken when the last token starts one; a shared partial block is copied
         (copy-on-write); a private block whose content changes loses its prefix key; a block the token
-        fills is keyed as a full block so later prompts can reuse it.
+        fills is keyed as a full block so later prompts can reuse it. Runs for every sequence at every
+        decode step, so the common case (a private block with room) does nothing else.
         """
-        bs, pos = self.block_size, len(seq) - 1
+        bs, n, table = self.block_size, len(seq.token_ids), seq.block_table
         copies: list[tuple[int, int]] = []
-        if pos // bs >= len(seq.block_table):
+        if (n - 1) // bs >= len(table):
             block = self._take_free()
-            seq.block_table.append(block.block_id)
+            table.append(block.block_id)
         else:
-            block = self.blocks[seq.block_table[-1]]
+            block = self.blocks[table[-1]]
             if block.ref_count > 1:
                 new = self._take_free()
                 block.ref_count -= 1
                 copies.append((block.block_id, new.block_id))
-                seq.block_table[-1] = new.block_id
+                table[-1] = new.block_id
                 block = new
-            else:
+            elif block.hash is not None:
                 self._unregister(block)
-        if self.enable_prefix_caching and len(seq) % bs == 0:
-            prev = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else None
-            if len(seq.block_table) == 1 or prev is not None:
-                tokens = seq.block_tokens(len(seq.block_table) - 1, bs)
+        if self.enable_prefix_caching and n % bs == 0:
+            prev = self.blocks[table[-2]].hash if len(table) > 1 else None
+            if len(table) == 1 or prev is not None:
+                tokens = seq.block_tokens(len(table) - 1, bs)
                 self._register(block, block_hash(prev, tokens, False), tokens)
         return copies

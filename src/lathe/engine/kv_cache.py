@@ -1,7 +1,8 @@
 """The paged KV cache: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim].
 
 A token's slot is `block_id * block_size + offset`; `store` writes new tokens' K/V to their slots
-(slot -1 = already cached, skipped). `free()` drops the tensors (engine `sleep`), `allocate()` takes
+(slot -1 = already cached, skipped). One extra block past `num_blocks`, never handed out, holds
+`scratch_slot`: padding rows of a CUDA-graph batch write there. `free()` drops the tensors (engine `sleep`), `allocate()` takes
 them back (`wake_up`).
 """
 
@@ -13,7 +14,7 @@ import torch
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        self.shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)   # + the scratch block
         self.num_layers, self.dtype, self.device = num_layers, dtype, torch.device(device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -27,7 +28,11 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.shape[0]
+        return self.shape[0] - 1
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_blocks * self.block_size
 
     @property
     def block_size(self) -> int:
@@ -51,6 +56,12 @@ class KVCache:
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+        flat = (-1,) + self.shape[2:]
+        self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def store_unchecked(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """`store` for slots known to be valid: no host sync, so it can be captured in a CUDA graph."""
         flat = (-1,) + self.shape[2:]
         self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))
         self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))

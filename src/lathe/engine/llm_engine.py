@@ -4,16 +4,17 @@
     out = engine.generate(prompt_token_ids, SamplingParams(n=8, temperature=1.0, max_tokens=512, seed=0))
 
 `generate` returns `len(prompts) * n` samples, prompt-major, as `HFRollout` does; greedy output equals
-transformers' greedy `generate`. Sample `j` of prompt `i` draws from a generator seeded by
-`(seed, i * n + j)`: reproducible, and independent of batching, preemption and of the prompts after it.
-(Different batch shapes can change fp32 logits in the last bits, so a token exactly on a sampling
-boundary may still differ; this is the only dependence.)
+transformers' greedy `generate`. Sample `j` of prompt `i` samples with the seed `(seed, i * n + j)`:
+reproducible, and independent of batching, preemption and of the prompts after it. (Different batch
+shapes can change logits in the last bits — on a GPU, bf16 matmuls pick kernels by batch size — so a
+token exactly on a sampling boundary may still differ; this is the only dependence.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -24,6 +25,7 @@ from lathe.engine.model_runner import ModelRunner
 from lathe.engine.sampler import sample
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import Sequence, SequenceParams
+from lathe.engine.stop import StopStringMatcher, StopStrings
 from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
 
 
@@ -36,6 +38,10 @@ def sequence_seed(seed: int, index: int) -> int:
 class LatheEngine:
     """Continuous-batching generation with a `LatheCausalLM` (fp32/bf16, CPU or CUDA).
 
+    On CUDA, by default: the model's layers are compiled (`compile_model`, torch.compile per layer), decode
+    steps replay CUDA graphs (`enforce_eager=False`), and decode attention is the fastest kernel measured at
+    start-up (`decode_backend="auto"`: Triton paged decode or the PyTorch reference).
+
     KV memory: `num_kv_blocks` blocks of `block_size` tokens; when not given it is sized from
     `gpu_memory_utilization` of the device's free memory (CUDA) or to hold `max_num_seqs` sequences of
     `max_model_len` tokens (capped at 64 sequences on CPU).
@@ -44,11 +50,18 @@ class LatheEngine:
     def __init__(self, model, *, eos_token_id: int | list[int] | None, block_size: int = 16,
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, decode_backend: str = "auto", enforce_eager: bool = False,
+                 compile_model: bool | None = None, tokenizer=None):
         self.model = model.eval()
+        if compile_model if compile_model is not None else model.device.type == "cuda":
+            from lathe.models.compile import compile_decoder
+            compile_decoder(model)    # fuses norms, RoPE, SwiGLU; the decode graphs capture the compiled kernels
         cfg = model.config
         self.eos_ids = [] if eos_token_id is None else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        self.tokenizer = tokenizer    # decodes outputs for SamplingParams.stop (stop strings); optional
+        self._stop_matchers: weakref.WeakKeyDictionary[Sequence, StopStringMatcher] = weakref.WeakKeyDictionary()
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         if num_kv_blocks is None:
             num_kv_blocks = self._default_num_blocks(block_size, gpu_memory_utilization, max_num_seqs)
@@ -56,8 +69,11 @@ class LatheEngine:
                                 cfg.head_dim, dtype=model.dtype, device=model.device)
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv_cache)
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_chunked_prefill=enable_chunked_prefill)
+        self.runner = ModelRunner(model, self.kv_cache, max_model_len=self.max_model_len,
+                                  decode_backend=decode_backend, cuda_graphs=not enforce_eager,
+                                  max_graph_batch=min(max_num_seqs, 512))
 
     @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -72,7 +88,7 @@ class LatheEngine:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             budget = min(free, total * utilization - torch.cuda.memory_allocated(device))
-            return max(1, int(budget // per_block))
+            return max(1, int(budget // per_block) - 1)      # - the scratch block
         return math.ceil(self.max_model_len / block_size) * min(max_num_seqs, 64)
 
     # ---- Rollout ----------------------------------------------------------------------------------
@@ -96,6 +112,12 @@ class LatheEngine:
                             top_k=params.top_k, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                             stop_token_ids=stop)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop={params.stop!r}: stop strings need a tokenizer to decode the "
+                             "outputs; build the engine with LatheEngine(..., tokenizer=tokenizer)")
+        stops = None
+        if params.stop and params.max_tokens > 0:
+            stops = StopStrings.from_tokenizer(params.stop, self.tokenizer)
         seqs = []
         for i, prompt in enumerate(prompts):
             if len(prompt) >= self.max_model_len:
@@ -103,21 +125,33 @@ class LatheEngine:
                                  "shorten it or raise max_model_len")
             for j in range(params.n):
                 index = i * params.n + j
-                gen = None
-                if not sp.greedy:
-                    gen = torch.Generator(device=self.model.device).manual_seed(sequence_seed(base, index))
-                seqs.append(Sequence(list(prompt), sp, gen, index=index))
+                seed = None if sp.greedy else sequence_seed(base, index)
+                seqs.append(Sequence(list(prompt), sp, seed, index=index))
+                if stops is not None:
+                    self._stop_matchers[seqs[-1]] = stops.matcher(min_tokens=params.min_tokens, prompt_len=len(prompt))
         return seqs
 
     def step(self) -> int:
         """One scheduler step (a prefill or a decode); returns how many sequences it ran."""
         seqs, is_prefill, copies = self.scheduler.schedule()
         self.kv_cache.copy_blocks(copies)
-        logits = self.runner.run(seqs, is_prefill)
+        if is_prefill:
+            logits = self.runner.run(seqs, True, [s.num_scheduled_tokens for s in seqs])
+            complete = self.scheduler.prefill_done(seqs)
+            if len(complete) < len(seqs):       # a prompt chunk: nothing to sample for it yet
+                keep = {id(s) for s in complete}
+                logits = logits[[i for i, s in enumerate(seqs) if id(s) in keep]]
+                seqs = complete
+            if not seqs:
+                return 0
+        else:
+            logits = self.runner.run(seqs, False)
         tokens, logprobs = sample(logits, seqs)
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             seq.append_token(tok, lp)
             if tok in seq.params.stop_token_ids:
+                self.scheduler.finish(seq, "stop")
+            elif (m := self._stop_matchers.get(seq)) is not None and m.check(seq.token_ids):
                 self.scheduler.finish(seq, "stop")
             elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
                 self.scheduler.finish(seq, "length")
@@ -133,6 +167,8 @@ class LatheEngine:
     def sleep(self) -> None:
         """Free the KV cache (and forget cached prefixes) so training can use the memory."""
         self.block_manager.reset()
+        if self.runner.graphs is not None:
+            self.runner.graphs.reset()
         self.kv_cache.free()
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()

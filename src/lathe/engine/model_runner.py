@@ -4,53 +4,103 @@ The decoder's own modules do all the math (`model.model(input_ids, position_ids,
 embeddings, RoPE, norms, projections, MLP), so the engine and the trainer compute the same numbers;
 only the attention callable differs. It is called once per layer, in order, and counts the layers to
 know which cache to write and read.
+
+Prefill sorts its sequences into three groups, each with the cheapest correct attention:
+- fresh (nothing cached): packed causal attention over their own new tokens (flash `varlen_attn` on
+  CUDA, per-sequence SDPA on CPU), exactly the trainer's packed path;
+- one new token over a cached prefix (the n-1 other samples of a prompt): the decode kernel;
+- several new tokens over a cached prefix (a prefix shared across prompts, a chunk of a long prompt):
+  the PyTorch reference over the gathered context.
+Decode runs every sequence's last token; on CUDA it replays a CUDA graph captured for the smallest
+batch bucket that holds the batch (`cuda_graph.py`).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lathe.engine.kv_cache import KVCache
-from lathe.engine.paged_attention import decode_attention, prefill_attention
+from lathe.engine.paged_attention import choose_decode_backend, decode_with, prefill_attention
 from lathe.engine.sequence import Sequence
+from lathe.models.attention import PackedAttention, select_packed_backend
 
 
 @dataclass
-class PagedAttention:
-    """The `attn(q, k, v)` callable the decoder layers call: store the new K/V, attend over the cache."""
+class DecodeAttention:
+    """One token per sequence: store its K/V at `slot_mapping`, attend over the blocks. No host syncs, so it
+    can run under CUDA-graph capture."""
 
     kv_cache: KVCache
-    slot_mapping: torch.Tensor              # (T,) slot of each new token, -1 = already cached
-    is_prefill: bool
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    cu_seqlens_q: list[int] | None = None   # prefill only
+    slot_mapping: torch.Tensor      # (B,) int64, every slot valid (padding rows write the scratch slot)
+    block_tables: torch.Tensor      # (B, max_blocks) int32
+    context_lens: torch.Tensor      # (B,) int32
+    backend: str = "torch"
+    num_splits: int = 1
 
     def __post_init__(self):
         self.layer = 0
-        if not self.is_prefill:
-            device = self.slot_mapping.device
-            width = max(len(t) for t in self.block_tables)
-            self._tables = torch.tensor([t + [0] * (width - len(t)) for t in self.block_tables], device=device)
-            self._lens = torch.tensor(self.context_lens, device=device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        self.layer += 1
+        self.kv_cache.store_unchecked(layer, k, v, self.slot_mapping)
+        return decode_with(self.backend, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
+                           self.context_lens, self.num_splits)
+
+
+@dataclass
+class PrefillAttention:
+    """New tokens laid out as [fresh sequences | single new tokens | the rest]; see the module docstring."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor      # (T,) slot of each new token, -1 = its KV is already cached
+    num_fresh_tokens: int
+    fresh: PackedAttention | None
+    single: tuple[torch.Tensor, torch.Tensor] | None     # (block_tables, context_lens) of the single-token group
+    rest: tuple[list[int], list[int], list[list[int]]]   # (cu_seqlens_q from the group's start, ctx lens, tables)
+    decode_backend: str = "torch"
+
+    def __post_init__(self):
+        self.layer = 0
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer = self.layer
         self.layer += 1
         self.kv_cache.store(layer, k, v, self.slot_mapping)
         kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        if self.is_prefill:
-            return prefill_attention(q, kc, vc, self.cu_seqlens_q, self.context_lens, self.block_tables)
-        return decode_attention(q, kc, vc, self._tables, self._lens)
+        a = self.num_fresh_tokens
+        b = a + (0 if self.single is None else self.single[1].shape[0])
+        outs = []
+        if self.fresh is not None:
+            outs.append(self.fresh(q[:a], k[:a], v[:a]))
+        if self.single is not None:
+            outs.append(decode_with(self.decode_backend, q[a:b], kc, vc, *self.single))
+        cu, ctx, tables = self.rest
+        if ctx:
+            outs.append(prefill_attention(q[b:], kc, vc, cu, ctx, tables))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache):
+    def __init__(self, model, kv_cache: KVCache, *, max_model_len: int, decode_backend: str = "auto",
+                 cuda_graphs: bool = True, max_graph_batch: int = 512):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.max_blocks = -(-max_model_len // self.block_size)
+        cfg = model.config
+        self.decode_backend, self.backend_times = choose_decode_backend(
+            decode_backend, self.device, model.dtype, num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, block_size=self.block_size)
+        self.packed_backend = select_packed_backend("auto", self.device, model.dtype)
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and cfg.rope.rope_type != "dynamic":
+            from lathe.engine.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(self, max_graph_batch)
 
     @property
     def device(self) -> torch.device:
@@ -59,35 +109,94 @@ class ModelRunner:
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def prepare_prefill(self, seqs: list[Sequence]):
-        """Flattened new tokens of every sequence (those past its cached prefix) and their attention context."""
+    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
+        """(len(seqs), width) int32 block tables padded with block 0; width = the longest table by default."""
+        tables = [s.block_table for s in seqs]
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        width = int(lens.max()) if width is None else width
+        out = np.zeros((len(tables), width), dtype=np.int32)
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+        rows = np.repeat(np.arange(len(tables)), lens)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+        out[rows, cols] = flat
+        return torch.from_numpy(out)
+
+    # ---- prefill -------------------------------------------------------------------------------------
+    def prepare_prefill(self, seqs: list[Sequence], num_new: list[int]):
+        """Inputs for sequence i's tokens `num_cached_tokens ... + num_new[i]`, grouped (see module doc).
+
+        Returns (ids, positions, attn, last, order): `last[j]` is the row of group-ordered sequence
+        `order[j]`'s last new token.
+        """
+        def group(i):
+            seq = seqs[i]
+            return 0 if seq.num_cached_tokens == 0 else (1 if num_new[i] == 1 else 2)
+        order = sorted(range(len(seqs)), key=group)
+        groups = [group(i) for i in order]
         ids, positions, slots, cu = [], [], [], [0]
-        for seq in seqs:
-            start = seq.num_cached_tokens
-            ids.extend(seq.token_ids[start:])
-            positions.extend(range(start, len(seq)))
-            slots.extend(self._slot(seq, p) if p >= seq.num_kv_cached else -1 for p in range(start, len(seq)))
+        for i in order:
+            seq, start = seqs[i], seqs[i].num_cached_tokens
+            end = start + num_new[i]
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slot(seq, p) if p >= seq.num_kv_cached else -1 for p in range(start, end))
             cu.append(len(ids))
-        dev = self.device
-        attn = PagedAttention(self.kv_cache, torch.tensor(slots, device=dev), True, [len(s) for s in seqs],
-                              [s.block_table for s in seqs], cu)
-        last = torch.tensor(cu[1:], device=dev) - 1
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), attn, last
+        n_fresh, n_single = groups.count(0), groups.count(1)
+        fresh = None
+        if n_fresh:
+            lens = [cu[j + 1] - cu[j] for j in range(n_fresh)]
+            fresh = PackedAttention(self._tensor(cu[:n_fresh + 1], torch.int32), max(lens), self.packed_backend)
+        single = None
+        if n_single:
+            members = [seqs[i] for i in order[n_fresh:n_fresh + n_single]]
+            single = (self._tables(members).to(self.device),
+                      self._tensor([s.num_cached_tokens + 1 for s in members], torch.int32))
+        rest_idx = range(n_fresh + n_single, len(order))
+        base = cu[n_fresh + n_single]
+        rest = ([cu[j] - base for j in rest_idx] + [cu[-1] - base] if rest_idx else [],
+                [seqs[order[j]].num_cached_tokens + num_new[order[j]] for j in rest_idx],
+                [seqs[order[j]].block_table for j in rest_idx])
+        attn = PrefillAttention(self.kv_cache, self._tensor(slots), cu[n_fresh], fresh, single, rest,
+                                self.decode_backend)
+        last = self._tensor(cu[1:]) - 1
+        return self._tensor(ids), self._tensor(positions), attn, last, order
 
-    def prepare_decode(self, seqs: list[Sequence]):
-        """The last token of every sequence, at position len - 1."""
-        dev = self.device
-        ids = torch.tensor([s.last_token for s in seqs], device=dev)
-        positions = torch.tensor([len(s) - 1 for s in seqs], device=dev)
-        slots = torch.tensor([self._slot(s, len(s) - 1) for s in seqs], device=dev)
-        attn = PagedAttention(self.kv_cache, slots, False, [len(s) for s in seqs], [s.block_table for s in seqs])
-        return ids, positions, attn, None
+    # ---- decode --------------------------------------------------------------------------------------
+    def decode_inputs(self, seqs: list[Sequence]):
+        """Host-side (ids, positions, slots, context lens) lists of a decode step."""
+        bs = self.block_size
+        ids, positions, slots, lens = [], [], [], []
+        for s in seqs:
+            n = len(s.token_ids)
+            ids.append(s.token_ids[-1])
+            positions.append(n - 1)
+            slots.append(s.block_table[(n - 1) // bs] * bs + (n - 1) % bs)
+            lens.append(n)
+        return ids, positions, slots, lens
 
+    # ---- run -----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Logits (B, V) in float32 for the next token of each sequence."""
-        ids, positions, attn, last = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
-        hidden = self.model.model(ids, positions, attn)
-        if last is not None:
-            hidden = hidden[last]
-        return self.model.lm_head(hidden).float()
+    def run(self, seqs: list[Sequence], is_prefill: bool, num_new: list[int] | None = None) -> torch.Tensor:
+        """Logits (B, V), in the model's dtype, for the next token of each sequence (rows in `seqs` order).
+
+        Prefill computes `num_new[i]` tokens of sequence i (all its uncached tokens by default)."""
+        if is_prefill:
+            if num_new is None:
+                num_new = [len(s) - s.num_cached_tokens for s in seqs]
+            ids, positions, attn, last, order = self.prepare_prefill(seqs, num_new)
+            hidden = self.model.model(ids, positions, attn)[last]
+            inverse = [0] * len(order)
+            for j, i in enumerate(order):
+                inverse[i] = j
+            hidden = hidden[self._tensor(inverse)]
+        elif self.graphs is not None and self.graphs.fits(len(seqs)):
+            hidden = self.graphs.run(seqs, *self.decode_inputs(seqs))
+        else:
+            ids, positions, slots, lens = self.decode_inputs(seqs)
+            attn = DecodeAttention(self.kv_cache, self._tensor(slots), self._tables(seqs).to(self.device),
+                                   self._tensor(lens, torch.int32), self.decode_backend)
+            hidden = self.model.model(self._tensor(ids), self._tensor(positions), attn)
+        return self.model.lm_head(hidden)

@@ -54,3 +54,58 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[:, :, 0, :]
+
+
+DECODE_BACKENDS = ("auto", "triton", "torch")
+
+
+def decode_with(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, num_splits: int = 1) -> torch.Tensor:
+    """Decode attention by a resolved backend name ("triton" or "torch"); same contract as `decode_attention`."""
+    if backend == "triton":
+        from lathe.engine.triton_decode import paged_decode
+        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits)
+    return decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+
+
+def _time_backend(backend: str, args: tuple, repeats: int = 5) -> float:
+    decode_with(backend, *args)                      # compile / warm up
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        decode_with(backend, *args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def choose_decode_backend(requested: str, device: torch.device, dtype: torch.dtype, *, num_heads: int,
+                          num_kv_heads: int, head_dim: int, block_size: int) -> tuple[str, dict[str, float]]:
+    """Resolve "auto" by measuring: on CUDA, time each available kernel on a batch-64, 1024-token probe and
+    keep the fastest; elsewhere the PyTorch reference. Returns (backend, {backend: ms per call})."""
+    if requested not in DECODE_BACKENDS:
+        raise ValueError(f"decode attention backend {requested!r} is unknown; use one of {', '.join(DECODE_BACKENDS)}")
+    from lathe.engine import triton_decode
+    if requested == "triton" and not (triton_decode.available() and (device.type == "cuda" or triton_decode.interpreted())):
+        raise ValueError("decode attention backend 'triton' needs CUDA and Triton (or TRITON_INTERPRET=1 on CPU); "
+                         "use 'torch' or 'auto'")
+    if requested != "auto":
+        return requested, {}
+    if device.type != "cuda" or not triton_decode.available():
+        return "torch", {}
+    batch, ctx = 64, 1024
+    blocks = batch * ctx // block_size
+    g = torch.Generator(device=device).manual_seed(0)
+    kc = torch.randn(blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    vc = torch.randn_like(kc)
+    tables = torch.arange(blocks, device=device, dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype, generator=g)
+    times = {}
+    for name in ("triton", "torch"):
+        try:
+            times[name] = _time_backend(name, (q, kc, vc, tables, lens))
+        except Exception:          # a kernel that fails to build here is simply not chosen
+            continue
+    return min(times, key=times.get), times

@@ -1,55 +1,128 @@
-"""Sampling the next token: temperature, top-k, top-p, per-sequence generators; greedy at temperature 0.
+"""Sampling the next token for a whole batch at once: temperature, top-k, top-p, min_tokens; greedy at T=0.
 
 The returned log-prob is `log_softmax(logits / T)` of the chosen token over the full vocabulary, T=1 for
 greedy: the quantity the trainer recomputes (and `HFRollout` returns), not the truncated distribution
 that top-k/top-p sampled from. `min_tokens` bans the stop ids from being sampled, never from the log-prob.
 
-Each sequence draws from its own `torch.Generator` with a fixed number of draws per step, so what it
-samples does not depend on the other sequences in the batch.
+Every row may have its own settings; the work is a few (B, V) tensor passes, with no per-row loop on the
+device. On CUDA, batches without top-k/top-p/min_tokens bans go through one fused Triton kernel instead
+(`triton_sample.py`), the same draw from the same uniform numbers. Randomness is inverse-CDF sampling from one uniform number per row, `uniform(seed, t)`, a
+hash of the sequence's seed and its output position t: a sequence samples the same tokens whatever
+else shares its batch, and after preemption.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lathe.engine.sequence import Sequence
 
+_MASK64 = (1 << 64) - 1
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside the top-k and outside the smallest set holding `top_p` of the mass.
 
-    Order as transformers' warpers and vLLM: top-k first, then top-p over what is left. `logits` (V,).
+def uniform(seed: int, position: int) -> float:
+    """A uniform float in [0, 1) from (seed, position): splitmix64 of the pair (53 random bits)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """`uniform` for many (seed, position) pairs at once (numpy uint64 arithmetic wraps like the masks)."""
+    with np.errstate(over="ignore"):
+        z = (np.array(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             + (np.array(positions, dtype=np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | int, top_p: torch.Tensor | float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside each row's top-k and outside the smallest set holding its `top_p` mass.
+
+    Order as transformers' warpers and vLLM: top-k first, then top-p over what is left. `logits` (V,) or
+    (B, V); `top_k` (B,) or an int (<= 0 disables), `top_p` (B,) or a float (1 disables).
     """
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        cum = probs.cumsum(-1)
-        remove = (cum - probs) >= top_p        # tokens after the mass already reached top_p
-        remove[0] = False
-        logits = logits.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
-    return logits
+    squeeze = logits.dim() == 1
+    x = logits[None] if squeeze else logits
+    b, v = x.shape
+    k = torch.as_tensor(top_k, device=x.device).expand(b)
+    p = torch.as_tensor(top_p, device=x.device, dtype=torch.float32).expand(b)
+    k = torch.where((k <= 0) | (k >= v), torch.full_like(k, v), k)
+    if bool((k < v).any()):
+        top = torch.topk(x, int(k.max()), dim=-1).values
+        kth = top.gather(1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    if bool((p < 1).any()):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        before = probs.cumsum(-1) - probs                      # mass of the tokens ranked above each one
+        remove = before >= torch.where(p < 1, p, torch.full_like(p, float("inf")))[:, None]
+        remove[:, 0] = False
+        x = x.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), float("-inf"))
+    return x[0] if squeeze else x
+
+
+def _fusable(logits: torch.Tensor, seqs: list[Sequence]) -> bool:
+    """Whether the fused Triton kernel can sample this batch: CUDA, no top-k/top-p, no min_tokens ban."""
+    if not logits.is_cuda:
+        return False
+    from lathe.engine import triton_decode
+    if not triton_decode.available():
+        return False
+    v = logits.shape[-1]
+    return all(p.greedy or ((p.top_k <= 0 or p.top_k >= v) and p.top_p >= 1) for p in (s.params for s in seqs)) \
+        and not any(s.num_output_tokens < s.params.min_tokens and s.params.stop_token_ids for s in seqs)
+
+
+def _sample_fused(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    from lathe.engine.triton_sample import fused_sample
+    params = [s.params for s in seqs]
+    host = torch.tensor([[p.logprob_temperature for p in params], [float(p.greedy) for p in params]])
+    u = uniforms([s.seed or 0 for s in seqs], [s.num_output_tokens for s in seqs])
+    u = torch.from_numpy(u.astype(np.float32))
+    host = torch.cat([host.float(), u[None]]).to(logits.device, non_blocking=True)
+    tokens, logprobs = fused_sample(logits, host[0], host[1].int(), host[2])
+    both = torch.stack([tokens.double(), logprobs.double()]).tolist()
+    return [int(t) for t in both[0]], both[1]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-    """(token ids, log-probs) for logits (B, V) float32, one row per sequence."""
-    tokens, logprobs = [], []
-    for row, seq in zip(logits, seqs):
-        p = seq.params
-        banned = p.stop_token_ids if seq.num_output_tokens < p.min_tokens else ()
-        if banned:
-            row_s = row.clone()
-            row_s[list(banned)] = float("-inf")
+    """(token ids, log-probs) for logits (B, V), one row per sequence (computed in float32)."""
+    if _fusable(logits, seqs):
+        return _sample_fused(logits, seqs)
+    logits = logits.float()
+    device = logits.device
+    params = [s.params for s in seqs]
+    temps = torch.tensor([p.logprob_temperature for p in params], device=device)[:, None]
+    banned = [(row, tok) for row, (s, p) in enumerate(zip(seqs, params))
+              if s.num_output_tokens < p.min_tokens for tok in p.stop_token_ids]
+    masked = logits
+    if banned:
+        rows, toks = torch.tensor(banned, device=device).T
+        masked = logits.index_put((rows, toks), torch.tensor(float("-inf"), device=device))
+    tokens = masked.argmax(-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=device) if len(sampled) < len(seqs) else None
+        x = masked if rows is None else masked[rows]
+        x = x / (temps if rows is None else temps[rows])
+        top_k = [params[i].top_k for i in sampled]
+        top_p = [params[i].top_p for i in sampled]
+        if any(0 < k < x.shape[-1] for k in top_k) or any(p < 1 for p in top_p):
+            x = apply_top_k_top_p(x, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+        cdf = x.softmax(-1).cumsum(-1)
+        u = torch.from_numpy(uniforms([seqs[i].seed or 0 for i in sampled],
+                                      [seqs[i].num_output_tokens for i in sampled])).to(device, cdf.dtype)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=x.shape[-1] - 1)
+        if rows is None:
+            tokens = drawn
         else:
-            row_s = row
-        if p.greedy:
-            tok = int(row_s.argmax())
-        else:
-            warped = apply_top_k_top_p(row_s / p.temperature, p.top_k, p.top_p)
-            probs = warped.softmax(-1)
-            tok = int(torch.multinomial(probs, 1, generator=seq.generator))
-        logprobs.append(float(torch.log_softmax(row / p.logprob_temperature, -1)[tok]))
-        tokens.append(tok)
-    return tokens, logprobs
+            tokens = tokens.index_copy(0, rows, drawn)
+    logprobs = torch.log_softmax(logits / temps, -1).gather(1, tokens[:, None])[:, 0]
+    both = torch.stack([tokens.double(), logprobs.double()]).tolist()     # one device-to-host copy
+    return [int(t) for t in both[0]], both[1]

@@ -1,8 +1,9 @@
 """One sequence being generated: its tokens, sampled log-probs, status and KV `block_table`.
 
 A request of the `Rollout` interface (one prompt, `n` samples) becomes `n` sequences; each carries its
-own sampling settings and its own `torch.Generator`, so what it samples never depends on which other
-sequences share its batch (nano-vllm / vLLM's `Sequence`).
+own sampling settings and its own `seed`: the uniform number behind output token t is a hash of
+(seed, t), so what it samples never depends on which other sequences share its batch, nor on
+preemption (nano-vllm / vLLM's `Sequence`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
-
-import torch
 
 
 class SequenceStatus(Enum):
@@ -53,7 +52,7 @@ class Sequence:
 
     prompt_token_ids: list[int]
     params: SequenceParams = field(default_factory=SequenceParams)
-    generator: torch.Generator | None = None
+    seed: int | None = None               # sampling seed; None for greedy
     index: int = 0                        # position in the output (prompt-major)
     seq_id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(init=False)
@@ -63,6 +62,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0            # leading tokens prefill skips
     num_kv_cached: int = 0                # leading tokens whose KV the cache already holds (>= the above)
+    num_scheduled_tokens: int = 0         # prompt tokens the current prefill step computes (chunked prefill)
     finish_reason: str | None = None
 
     def __post_init__(self):

@@ -28,6 +28,7 @@ class SamplingParams:
     do_sample: bool = True
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)   # stop strings; see lathe.engine.stop for the exact rule
     seed: int | None = None
 
     @property
@@ -46,7 +47,8 @@ class RolloutOutput:
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
-    finish_reasons: list[str]        # "stop" (EOS or a stop id, included in token_ids) or "length"
+    finish_reasons: list[str]        # "stop" (EOS, a stop id or a stop string; the stopping token is included
+                                     # in token_ids) or "length"
 
 
 class Rollout(Protocol):

@@ -1,0 +1,259 @@
+"""Generation throughput of lathe's engine against transformers `generate` and `generate_batch`, on one GPU.
+
+    python bench/rollout.py [--models 0.5b,1.5b,7b] [--loads fixed,grpo] [--hf-models 0.5b,1.5b,7b]
+                            [--hf-grpo-models 0.5b] [--out bench/results/rollout_<device>.json]
+    python bench/rollout.py --device cpu --models tiny --prompts 4 --grpo-prompts 2 --new-tokens 8   # smoke test
+
+Random-weight Qwen2.5 shapes in bf16, the same weights in every backend (lathe's model is converted from
+transformers' by state dict). Two loads:
+- fixed: `--prompts` random prompts of `--prompt-len` tokens, `--new-tokens` forced new tokens each
+  (ignore_eos / min_new_tokens), sampling at temperature 1 (no top-k/top-p);
+- grpo: `--grpo-prompts` prompts of random lengths in [64, 512], n=`--grpo-n` samples each, responses of
+  natural length up to `--grpo-max-tokens` (random weights rarely sample EOS, so most run to the cap).
+Reported: generated tokens/s (wall time of the whole call, prefill included), and the fraction of the decode
+roofline: per step, the weights' bytes plus the KV bytes of every running sequence's context, over the
+HBM bandwidth; the roofline rate is the batch over that time, averaged over the run's decode steps.
+A torch.profiler summary of the engine's decode (eager, same batch) says where the time goes.
+Writes JSON after each model, so a timeout keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from train import SHAPES, build_hf, device_name, git_sha, profile_summary, slug, sync  # noqa: E402
+
+from lathe.engine.llm_engine import LatheEngine  # noqa: E402
+from lathe.models.hf import lathe_from_transformers  # noqa: E402
+from lathe.rollout.base import SamplingParams  # noqa: E402
+
+HBM_TBPS = [("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8), ("A100", 2.0)]
+
+
+def hbm_bandwidth(name: str) -> float | None:
+    return next((tb * 1e12 for key, tb in HBM_TBPS if key in name), None)
+
+
+def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
+    hd = shape["hidden_size"] // shape["num_attention_heads"]
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype_bytes
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def roofline_tok_s(shape: dict, wbytes: int, prompt_lens: list[int], out_lens: list[int], bandwidth: float) -> float:
+    """Generated tokens over the minimum decode time: each step reads the weights and every running
+    sequence's KV once (the sequences run together from the start, as they do in both loads)."""
+    kvt = kv_bytes_per_token(shape)
+    steps = max(out_lens)
+    seconds = 0.0
+    for t in range(steps):
+        ctx = sum(p + t for p, o in zip(prompt_lens, out_lens) if t < o)
+        seconds += (wbytes + ctx * kvt) / bandwidth
+    return sum(out_lens) / seconds
+
+
+def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (count,), generator=g).tolist()
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+# -- backends ---------------------------------------------------------------------------------------------
+def run_lathe(engine, prompts, params, device) -> dict:
+    engine.generate([p[:8] for p in prompts[:len(prompts)]],
+                    SamplingParams(n=params.n, temperature=1.0, max_tokens=4, ignore_eos=True, seed=1))  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    out = engine.generate(prompts, params)
+    sync(device)
+    seconds = time.perf_counter() - start
+    lens = [len(t) for t in out.token_ids]
+    return {"seconds": seconds, "tokens": sum(lens), "tok_s": sum(lens) / seconds, "out_lens": lens,
+            "preemptions": engine.scheduler.num_preemptions}
+
+
+def run_hf_generate(model, prompts, n, max_new, forced, device) -> dict:
+    """transformers `generate`: one left-padded batch of every prompt repeated n times."""
+    rows = [p for p in prompts for _ in range(n)]
+    L = max(len(p) for p in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(rows):
+        ids[r, L - len(p):], mask[r, L - len(p):] = torch.tensor(p), 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new, pad_token_id=0)
+    if forced:
+        kw["min_new_tokens"] = max_new
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], **{**kw, "max_new_tokens": 2,
+                                                                            "min_new_tokens": 0})
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        sync(device)
+    seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - L) * len(rows)
+    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+
+
+def run_hf_generate_batch(model, prompts, n, max_new, forced, device) -> dict:
+    """transformers `generate_batch` (continuous batching, paged attention)."""
+    from transformers import GenerationConfig
+    rows = [p for p in prompts for _ in range(n)]
+    cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new,
+                           eos_token_id=None if forced else 0, pad_token_id=0)
+    start = time.perf_counter()      # no inference_mode here: generate_batch's worker thread reuses its tensors
+    out = model.generate_batch(inputs=rows, generation_config=cfg, progress_bar=False)
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.generated_tokens) for r in out.values())
+    if tokens == 0:
+        raise RuntimeError(f"generate_batch returned no tokens for {len(rows)} requests")
+    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+
+
+def engine_profile(model, prompts, params, device) -> dict:
+    """Device time of a few eager decode steps by category (where a step's time goes)."""
+    eager = LatheEngine(model, eos_token_id=None, max_num_seqs=len(prompts) * params.n, enforce_eager=True,
+                        gpu_memory_utilization=0.85)
+    short = SamplingParams(n=params.n, temperature=1.0, max_tokens=6, ignore_eos=True, seed=0)
+    summary = profile_summary(lambda: eager.generate(prompts, short), device)
+    eager.sleep()
+    return summary
+
+
+# -- one model --------------------------------------------------------------------------------------------
+def bench_model(name: str, device, args) -> dict:
+    shape = SHAPES[name]
+    hf = build_hf(name, device, torch.bfloat16).eval()
+    lathe = lathe_from_transformers(hf).eval()
+    bandwidth = hbm_bandwidth(device_name(device)) if device.type == "cuda" else None
+    wbytes = weight_bytes(lathe)
+    result = {"shape": shape, "weight_bytes": wbytes, "kv_bytes_per_token": kv_bytes_per_token(shape), "loads": {}}
+    loads = {
+        "fixed": (random_prompts(args.prompts, args.prompt_len, args.prompt_len, shape["vocab_size"], 0),
+                  SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0), True),
+        "grpo": (random_prompts(args.grpo_prompts, min(64, args.prompt_len), max(64, 2 * args.prompt_len),
+                                shape["vocab_size"], 1),
+                 SamplingParams(n=args.grpo_n, temperature=1.0, max_tokens=args.grpo_max_tokens, seed=0), False),
+    }
+    max_seqs = max(args.prompts, args.grpo_prompts * args.grpo_n)
+    engine = LatheEngine(lathe, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
+                         gpu_memory_utilization=args.gpu_memory_utilization)
+    result["engine"] = {"kv_blocks": engine.kv_cache.num_blocks, "block_size": engine.kv_cache.block_size,
+                        "decode_backend": engine.runner.decode_backend,
+                        "decode_backend_probe_ms": engine.runner.backend_times,
+                        "cuda_graphs": engine.runner.graphs is not None}
+    for load in args.loads:
+        prompts, params, forced = loads[load]
+        row = {"prompts": len(prompts), "n": params.n, "max_tokens": params.max_tokens, "forced": forced}
+        row["lathe"] = run_lathe(engine, prompts, params, device)
+        out_lens = row["lathe"].pop("out_lens")
+        if bandwidth:
+            prompt_lens = [len(p) for p in prompts for _ in range(params.n)]
+            roof = roofline_tok_s(shape, wbytes, prompt_lens, out_lens, bandwidth)
+            row["roofline_tok_s"] = roof
+            row["lathe"]["roofline_fraction"] = row["lathe"]["tok_s"] / roof
+        hf_models = args.hf_models if load == "fixed" else args.hf_grpo_models
+        if name in hf_models:
+            for base, fn in (("hf_generate", run_hf_generate), ("hf_generate_batch", run_hf_generate_batch)):
+                if base.removeprefix("hf_") not in args.baselines:
+                    continue
+                try:
+                    row[base] = fn(hf, prompts, params.n, params.max_tokens, forced, device)
+                    row[f"speedup_vs_{base}"] = row["lathe"]["tok_s"] / row[base]["tok_s"]
+                except Exception as e:            # a baseline that fails is reported, not fatal
+                    row[base] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                    traceback.print_exc()
+        result["loads"][load] = row
+        if args.partial_out:
+            args.partial_out(result)
+        print(f"{name} {load}: " + ", ".join(f"{k} {v['tok_s']:.0f} tok/s" for k, v in row.items()
+                                             if isinstance(v, dict) and "tok_s" in v), flush=True)
+    if args.profile and device.type == "cuda":
+        prompts, params, _ = loads["fixed"]
+        engine.sleep()
+        result["profile_eager_decode"] = engine_profile(lathe, prompts, params, device)
+    engine.sleep()
+    del engine, lathe, hf
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return result
+
+
+def goals(results: dict) -> dict:
+    fixed = results.get("models", {}).get("0.5b", {}).get("loads", {}).get("fixed", {})
+    speed = fixed.get("speedup_vs_hf_generate")
+    roofs = {m: r["loads"][ld]["lathe"].get("roofline_fraction") for m, r in results.get("models", {}).items()
+             if "loads" in r for ld in r["loads"] if ld == "fixed"}
+    return {"speedup_0.5b_batch256_vs_generate": speed, "goal_15x_met": speed is not None and speed >= 15,
+            "roofline_fraction_fixed": roofs,
+            "goal_40pct_roofline_met": {m: f is not None and f >= 0.4 for m, f in roofs.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    csv = lambda s: [x for x in s.split(",") if x]   # noqa: E731
+    ap.add_argument("--models", type=csv, default=["0.5b", "1.5b", "7b"])
+    ap.add_argument("--loads", type=csv, default=["fixed", "grpo"])
+    ap.add_argument("--baselines", type=csv, default=["generate", "generate_batch"])
+    ap.add_argument("--hf-models", type=csv, default=["0.5b", "1.5b", "7b"], help="models with HF baselines (fixed)")
+    ap.add_argument("--hf-grpo-models", type=csv, default=["0.5b"], help="models with HF baselines (grpo)")
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--grpo-prompts", type=int, default=64)
+    ap.add_argument("--grpo-n", type=int, default=8)
+    ap.add_argument("--grpo-max-tokens", type=int, default=1024)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    ap.add_argument("--profile", action="store_true", help="add an eager decode profile per model")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    name = device_name(device)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"rollout_{slug(name)}.json"
+    results = {"bench": "rollout", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "git_sha": git_sha(), "torch": torch.__version__, "args": dict(vars(args)), "models": {}}
+    def save_partial(model):
+        def write(result):
+            results["models"][model] = result
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=2))
+        return write
+
+    for model in args.models:
+        args.partial_out = save_partial(model)
+        try:
+            results["models"][model] = bench_model(model, device, args)
+        except Exception as e:
+            traceback.print_exc()
+            results["models"][model] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        results["goals"] = goals(results)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results["goals"], indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Paged decode attention in Triton: one new query token per sequence over its KV blocks.
+
+One program handles one sequence, one KV head and one split of the context: it loads the query
+heads that share that KV head (GQA, padded to 16 rows for `tl.dot`), walks the context in tiles of
+`BLOCK_N` tokens, reading each token's slot through the block table, and keeps an online softmax.
+With several splits (short batches, long contexts) each split writes its unnormalised partial result
+and a second step combines them (flash-decoding). The caller picks `num_splits` once per batch shape,
+so the launch is CUDA-graph safe: nothing here reads a tensor on the host.
+
+`paged_decode` is the public entry; `lathe.engine.paged_attention.decode_attention` is the PyTorch
+reference it must match (tests run this kernel in Triton's interpreter on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:          # CPU-only installs: the PyTorch reference path is used
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, as the tests use it)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_kernel(Q, K, V, BT, LENS, O, M, L,
+                       stride_qb, stride_qh, stride_kslot, stride_kh, stride_bt,
+                       stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
+                       scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        ctx = tl.load(LENS + b)
+        per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = s * per_split
+        end = tl.minimum(start + per_split, ctx)
+
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, DIM_PAD)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        q_ptr = Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        for start_n in range(start, end, BLOCK_N):
+            n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            block = tl.load(BT + b * stride_bt + n // PAGE, mask=n_ok, other=0)
+            slot = block.to(tl.int64) * PAGE + n % PAGE
+            kv_off = slot[:, None] * stride_kslot + h * stride_kh + d[None, :]
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            scores = tl.where(n_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+
+        o_ptr = O + b * stride_ob + s * stride_os + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(o_ptr, out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(o_ptr, acc, mask=g_ok[:, None] & d_ok[None, :])
+            ml = b * stride_mb + s * stride_ms + h * GROUP + g
+            tl.store(M + ml, m_i, mask=g_ok)
+            tl.store(L + ml, l_i, mask=g_ok)
+
+
+def _combine(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Merge split results: partial (B, S, Hq, D) unnormalised, m/l (B, S, Hq) running max and sum."""
+    m_max = m.amax(1, keepdim=True)
+    m_max = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)
+    w = torch.exp(m - m_max)                                       # empty splits: exp(-inf) = 0
+    num = (partial * w[..., None]).sum(1)
+    den = (l * w).sum(1).clamp_min(torch.finfo(torch.float32).tiny)
+    return (num / den[..., None]).to(dtype)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float | None = None, num_splits: int = 1,
+                 block_n: int = 64) -> torch.Tensor:
+    """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks) int32/int64;
+    context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference."""
+    if triton is None:
+        raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
+    B, hq, dim = q.shape
+    _, page, hkv, _ = k_cache.shape
+    if hq % hkv:
+        raise ValueError(f"paged_decode: {hq} query heads is not a multiple of {hkv} KV heads")
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    q = q.contiguous()
+    if num_splits == 1:
+        out = torch.empty_like(q)
+        o, m, l = out.unsqueeze(1), out, out                           # m/l unused with one split
+        so = (o.stride(0), o.stride(1), o.stride(2))
+        sm = (0, 0)
+    else:
+        o = torch.empty(B, num_splits, hq, dim, device=q.device, dtype=torch.float32)
+        m = torch.empty(B, num_splits, hq, device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        so = (o.stride(0), o.stride(1), o.stride(2))
+        sm = (m.stride(0), m.stride(1))
+    _decode_kernel[(B, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, o, m, l,
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *so, *sm, scale,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
+        DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits)
+    if num_splits == 1:
+        return out
+    return _combine(o, m, l, q.dtype)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Enough programs to fill the GPU about twice: split the context only when the batch is small."""
+    programs = batch * num_kv_heads
+    return max(1, min(max_splits, (2 * num_sms + programs - 1) // programs))

@@ -132,6 +132,34 @@ def run_hf_generate_batch(model, prompts, n, max_new, forced, device) -> dict:
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
 
 
+def _generate_batch_child(name, prompts, n, max_new, forced, device, queue) -> None:
+    device = torch.device(device)
+    hf = build_hf(name, device, torch.bfloat16).eval()
+    try:
+        queue.put(run_hf_generate_batch(hf, prompts, n, max_new, forced, device))
+    except Exception as e:
+        queue.put({"error": f"{type(e).__name__}: {e}"[:400]})
+
+
+def run_hf_generate_batch_isolated(name, prompts, n, max_new, forced, device, timeout: float) -> dict:
+    """`run_hf_generate_batch` in a child process (same seed, same weights) that is killed after `timeout`
+    seconds: transformers' continuous batching can run for many minutes on these loads."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_generate_batch_child, args=(name, prompts, n, max_new, forced, str(device), queue))
+    start = time.perf_counter()
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return {"error": f"did not finish within {timeout:.0f} s (model build included); killed"}
+    result = queue.get() if not queue.empty() else {"error": f"child exited with code {child.exitcode}"}
+    result["wall_with_build_s"] = time.perf_counter() - start
+    return result
+
+
 def engine_profile(model, prompts, params, device) -> dict:
     """Device time of a few eager decode steps by category (where a step's time goes)."""
     eager = LatheEngine(model, eos_token_id=None, max_num_seqs=len(prompts) * params.n, enforce_eager=True,
@@ -176,15 +204,23 @@ def bench_model(name: str, device, args) -> dict:
             row["lathe"]["roofline_fraction"] = row["lathe"]["tok_s"] / roof
         hf_models = args.hf_models if load == "fixed" else args.hf_grpo_models
         if name in hf_models:
-            for base, fn in (("hf_generate", run_hf_generate), ("hf_generate_batch", run_hf_generate_batch)):
+            engine.sleep()                      # the KV cache's memory goes to the baselines meanwhile
+            for base in ("hf_generate", "hf_generate_batch"):
                 if base.removeprefix("hf_") not in args.baselines:
                     continue
                 try:
-                    row[base] = fn(hf, prompts, params.n, params.max_tokens, forced, device)
+                    if base == "hf_generate":
+                        row[base] = run_hf_generate(hf, prompts, params.n, params.max_tokens, forced, device)
+                    else:
+                        row[base] = run_hf_generate_batch_isolated(name, prompts, params.n, params.max_tokens,
+                                                                   forced, device, args.hf_batch_timeout)
+                        if "error" in row[base]:
+                            continue
                     row[f"speedup_vs_{base}"] = row["lathe"]["tok_s"] / row[base]["tok_s"]
                 except Exception as e:            # a baseline that fails is reported, not fatal
                     row[base] = {"error": f"{type(e).__name__}: {e}"[:400]}
                     traceback.print_exc()
+            engine.wake_up()
         result["loads"][load] = row
         if args.partial_out:
             args.partial_out(result)
@@ -225,6 +261,8 @@ def main() -> None:
     ap.add_argument("--grpo-n", type=int, default=8)
     ap.add_argument("--grpo-max-tokens", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    ap.add_argument("--hf-batch-timeout", type=float, default=240.0,
+                    help="seconds before a generate_batch baseline (run in a child process) is killed")
     ap.add_argument("--profile", action="store_true", help="add an eager decode profile per model")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)

@@ -37,6 +37,13 @@ def test_critic_and_rollout_fall_back_to_actor_and_data():
     assert cfg.data.seed == cfg.trainer.seed and cfg.data.gen_batch_size == cfg.data.train_batch_size
 
 
+def test_engine_max_model_len_is_prompt_plus_response_length():
+    cfg, _ = filled(["data.max_prompt_length=100", "actor_rollout_ref.rollout.response_length=30"])
+    assert cfg.actor_rollout_ref.rollout.max_model_len == 130
+    cfg, _ = filled(["data.max_prompt_length=100", "actor_rollout_ref.rollout.max_model_len=500"])
+    assert cfg.actor_rollout_ref.rollout.max_model_len == 500   # explicitly set: not overwritten
+
+
 def test_old_optimizer_spellings_copied():
     cfg, _ = filled(["actor_rollout_ref.actor.optim.warmup_style=cosine", "actor_rollout_ref.actor.optim.clip_grad=0.5"])
     actor = cfg.actor_rollout_ref.actor

@@ -114,14 +114,35 @@ def test_rule8_double_kl_warns_not_errors():
         load_config("base", GRPO + ["actor_rollout_ref.actor.use_kl_loss=true"])
 
 
-def test_rule9_vllm_rejected_with_fix():
-    text = fails(["actor_rollout_ref.rollout.name=sglang"])
-    assert "rollout.name=sglang" in text and "rollout.name=hf" in text
+@pytest.mark.parametrize("name", ["vllm", "sglang"])
+def test_rule9_vllm_rejected_recommending_lathes_engine(name):
+    text = fails([f"actor_rollout_ref.rollout.name={name}"])
+    assert f"rollout.name={name}" in text and "actor_rollout_ref.rollout.name=lathe" in text
 
 
-def test_lathe_engine_not_yet_selectable_fails_before_any_model_loads():
-    text = fails(["actor_rollout_ref.rollout.name=lathe"])
-    assert "rollout.name=lathe" in text and "rollout.name=hf" in text
+@pytest.mark.parametrize("source", ["base", "default"])
+def test_rule9_rollout_backend_defaults_to_auto_and_lathe_is_accepted(source):
+    assert load_config(source, GRPO).actor_rollout_ref.rollout.name == "auto"
+    cfg = load_config(source, GRPO + ["actor_rollout_ref.rollout.name=lathe", "actor_rollout_ref.model.impl=lathe"])
+    assert cfg.actor_rollout_ref.rollout.name == "lathe"
+    assert load_config("gsm8k_grpo").actor_rollout_ref.rollout.name == "lathe"
+
+
+def test_rule9_lathe_engine_with_transformers_actor_fails_naming_both_keys():
+    text = fails(["actor_rollout_ref.rollout.name=lathe", "actor_rollout_ref.model.impl=hf"])
+    assert "actor_rollout_ref.rollout.name=lathe" in text and "actor_rollout_ref.model.impl=hf" in text
+    assert "Fix:" in text and "impl=auto" in text
+    for ok in (["actor_rollout_ref.rollout.name=auto"], ["actor_rollout_ref.rollout.name=hf"]):
+        load_config("base", GRPO + ok + ["actor_rollout_ref.model.impl=hf"])
+
+
+def test_rule9_rollout_dtype_and_max_model_len():
+    assert "rollout.dtype='bf16'" in fails(["actor_rollout_ref.rollout.dtype=bf16"])
+    lengths = ["data.max_prompt_length=100", "data.max_response_length=28"]
+    assert load_config("base", GRPO + lengths).actor_rollout_ref.rollout.max_model_len == 128
+    text = fails(lengths + ["actor_rollout_ref.rollout.max_model_len=127"])
+    assert "max_model_len=127" in text and "128" in text
+    load_config("base", GRPO + lengths + ["actor_rollout_ref.rollout.max_model_len=200"])
 
 
 def test_rule10_resume_path_needs_path():

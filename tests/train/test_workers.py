@@ -1,4 +1,4 @@
-"""Tests for lathe.train.workers: which implementation the actor runs, and weight sync into the rollout."""
+"""Tests for lathe.train.workers: which implementation the actor and the rollout run, and weight sync."""
 
 import logging
 
@@ -38,8 +38,9 @@ def _same_weights(lathe, hf) -> bool:
 
 def test_builtin_actor_runs_lathe_with_a_synced_transformers_rollout(load_cfg, rollout_batch, caplog):
     with caplog.at_level(logging.INFO, logger="lathe"):
-        worker = _worker(load_cfg)
+        worker = _worker(load_cfg, "actor_rollout_ref.rollout.name=hf")
     assert "actor: lathe decoder (Qwen2ForCausalLM" in caplog.text
+    assert "rollout: transformers generate (actor_rollout_ref.rollout.name=hf)" in caplog.text
     assert isinstance(worker.model, LatheCausalLM) and isinstance(worker.ref, LatheCausalLM)
     rollout_model = worker.rollout.model
     assert not isinstance(rollout_model, LatheCausalLM) and worker.model.model.gradient_checkpointing
@@ -67,6 +68,7 @@ def test_impl_hf_shares_one_transformers_module(load_cfg, caplog):
         worker = _worker(load_cfg, "actor_rollout_ref.model.impl=hf")
     assert worker.rollout.model is worker.model and not isinstance(worker.model, LatheCausalLM)
     assert "actor: transformers Qwen2ForCausalLM" in caplog.text
+    assert "rollout: transformers generate (actor_rollout_ref.rollout.name=auto and the actor runs" in caplog.text
 
 
 def _gelu_model():
@@ -87,13 +89,17 @@ def test_unsupported_architecture_falls_back_or_fails_when_lathe_is_required(loa
     assert torch.isfinite(logp).all()
     with pytest.raises(ValueError, match="actor_rollout_ref.model.impl=lathe"):
         _worker(load_cfg, "actor_rollout_ref.model.impl=lathe", model=_gelu_model(), need_ref=False)
+    with pytest.raises(ValueError, match=r"rollout.name=lathe: .* not implement Qwen2ForCausalLM.*rollout.name=hf"):
+        _worker(load_cfg, "actor_rollout_ref.rollout.name=lathe", model=_gelu_model(), need_ref=False)
 
 
-def test_checkpoint_round_trip_resyncs_the_rollout(load_cfg, rollout_batch, tmp_path):
-    worker = _worker(load_cfg)
+@pytest.mark.parametrize("rollout", ["hf", "lathe"])
+def test_checkpoint_round_trip_resyncs_the_rollout(load_cfg, rollout_batch, tmp_path, rollout):
+    name = f"actor_rollout_ref.rollout.name={rollout}"
+    worker = _worker(load_cfg, name)
     worker.update_actor(_ppo_batch(worker, rollout_batch))
     worker.save_checkpoint(tmp_path / "actor")
-    restored = _worker(load_cfg)
+    restored = _worker(load_cfg, name)
     assert not _same_weights(worker.model, restored.rollout.model)
     restored.load_checkpoint(tmp_path / "actor")
     assert _same_weights(worker.model, restored.model)

@@ -42,13 +42,15 @@ def _fill_actor(cfg: LatheConfig) -> None:
 
 
 def _fill_rollout_ref(cfg: LatheConfig) -> None:
-    """Rollout lengths come from data; ref/rollout log-prob batching from the actor."""
+    """Rollout lengths come from data (the engine's max_model_len from them); log-prob batching from the actor."""
     arr = cfg.actor_rollout_ref
     actor, ref, rollout = arr.actor, arr.ref, arr.rollout
     if rollout.prompt_length is None:
         rollout.prompt_length = cfg.data.max_prompt_length
     if rollout.response_length is None:
         rollout.response_length = cfg.data.max_response_length
+    if rollout.max_model_len is None:
+        rollout.max_model_len = rollout.prompt_length + rollout.response_length
     for owner in (ref, rollout):
         if owner.log_prob_use_dynamic_bsz is None:
             owner.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz

@@ -244,16 +244,9 @@ def _check_ranges(cfg: LatheConfig, problems: ProblemList) -> None:
 
 
 def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
-    """Rules 9-11: rollout backend shipped, resume path present, validation data present."""
-    name, t = cfg.actor_rollout_ref.rollout.name, cfg.trainer
-    if name in ("vllm", "sglang"):
-        problems.add(f"actor_rollout_ref.rollout.name={name}: lathe does not use {name}. It ships its own "
-                     f"rollout backends: transformers generate (`hf`) today, its own paged engine (`lathe`) soon. "
-                     f"Fix: set actor_rollout_ref.rollout.name=hf; the engine keys you set for {name} "
-                     f"(gpu_memory_utilization, max_num_seqs, ...) are accepted.")
-    elif name == "lathe":
-        problems.add("actor_rollout_ref.rollout.name=lathe: lathe's own engine (lathe.engine) is built but not yet "
-                     "selectable for training in this version. Fix: set actor_rollout_ref.rollout.name=hf.")
+    """Rules 9-11: rollout backend shipped and runnable, resume path present, validation data present."""
+    t = cfg.trainer
+    _check_rollout_backend(cfg, problems)
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         problems.add("trainer.resume_mode=resume_path needs trainer.resume_from_path, which is not set. Fix: set "
                      "trainer.resume_from_path=<checkpoint dir>, or use trainer.resume_mode=auto.")
@@ -261,3 +254,31 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
         problems.add(f"trainer.test_freq={t.test_freq} asks for validation every {t.test_freq} steps, but "
                      f"data.val_files is not set. Fix: set data.val_files=<parquet/jsonl file> (or "
                      f"builtin:arithmetic), or set trainer.test_freq=-1.")
+
+
+ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:
+    """Rule 9: a shipped backend that can run this actor, a known engine dtype, a max_model_len that fits."""
+    arr = cfg.actor_rollout_ref
+    ro, impl = arr.rollout, arr.model.impl
+    r, m = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
+    if ro.name in ("vllm", "sglang"):
+        problems.add(f"{r}.name={ro.name}: lathe does not use {ro.name}. It ships its own paged engine with "
+                     f"continuous batching and prefix caching (`lathe`, for Llama/Qwen2/Qwen3 models) and "
+                     f"transformers generate (`hf`, any model). Fix: set {r}.name=lathe (or auto, which falls "
+                     f"back to hf for other architectures); the engine keys you set for {ro.name} "
+                     f"(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, ...) are used by lathe's engine.")
+    elif ro.name == "lathe" and impl == "hf":
+        problems.add(f"{r}.name=lathe runs the policy in lathe's own decoder, but {m}.impl=hf asks for the "
+                     f"transformers implementation. Fix: set {m}.impl=auto (or lathe), or set {r}.name=hf "
+                     f"(or auto) to generate with transformers.")
+    if ro.dtype not in ROLLOUT_DTYPES:
+        problems.add(f"{r}.dtype={ro.dtype!r} is not a rollout dtype. Fix: set it to one of "
+                     f"{', '.join(ROLLOUT_DTYPES)} (CPU runs always use float32).")
+    if ro.prompt_length >= 1 and ro.response_length >= 1 and ro.max_model_len < ro.prompt_length + ro.response_length:
+        problems.add(f"{r}.max_model_len={ro.max_model_len} is shorter than {r}.prompt_length={ro.prompt_length} + "
+                     f"{r}.response_length={ro.response_length} = {ro.prompt_length + ro.response_length} tokens, so "
+                     f"long prompts could not get their full response. Fix: raise max_model_len to at least "
+                     f"{ro.prompt_length + ro.response_length}, or leave it null (= prompt_length + response_length).")

@@ -1,8 +1,9 @@
 """Config groups for generation (verl ``actor_rollout_ref.rollout``) and the group that holds them.
 
 lathe ships two rollout backends: ``lathe`` (the built-in paged engine) and ``hf`` (transformers
-``generate``). ``vllm``/``sglang`` are accepted by the schema so a verl script parses, and then
-rejected by the cross-field rules with an explanation.
+``generate``); ``auto`` (the default) picks the engine when lathe's decoder runs the actor's architecture.
+``vllm``/``sglang`` are accepted by the schema so a verl script parses, and then rejected by the
+cross-field rules with an explanation.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class MultiTurnConfig:
 class RolloutConfig:
     """Response generation for training and validation."""
 
-    name: Literal["hf", "lathe", "vllm", "sglang"] = spec(
-        "hf", "Backend: lathe (built-in paged engine) or hf (transformers generate). "
-              "vllm/sglang are not shipped; load_config explains the fix.")
+    name: Literal["auto", "lathe", "hf", "vllm", "sglang"] = spec(
+        "auto", "Backend: lathe (built-in paged engine, needs lathe's decoder: Llama/Qwen2/Qwen3), hf "
+                "(transformers generate, any causal LM), or auto (lathe when the actor runs lathe's decoder, "
+                "else hf). vllm/sglang are not shipped; load_config explains the fix.")
     mode: str = spec("sync", "sync | async (verl). " + _COMPAT)
     n: int = spec(1, "Responses sampled per prompt (GRPO group size).")
     temperature: float = spec(1.0, "Sampling temperature (> 0).")
@@ -60,7 +62,8 @@ class RolloutConfig:
     ignore_eos: bool = spec(False, "Keep generating past EOS up to response_length.")
     prompt_length: int | None = spec(None, "Prompt token budget; null = data.max_prompt_length.")
     response_length: int | None = spec(None, "Response token budget; null = data.max_response_length.")
-    dtype: str = spec("bfloat16", "Rollout weights dtype (bfloat16|float16|float32); CPU runs use float32.")
+    dtype: str = spec("bfloat16", "Engine weights and KV-cache dtype (bfloat16|float16|float32) on CUDA; "
+                                  "CPU runs use float32. The hf backend shares the actor's dtype.")
     gpu_memory_utilization: float = spec(0.5, "Fraction of device memory the engine may use (weights + KV cache).")
     tensor_model_parallel_size: int = spec(1, "Tensor-parallel degree of the engine (verl default 2). "
                                               + _COMPAT)
@@ -71,7 +74,7 @@ class RolloutConfig:
     max_num_seqs: int = spec(1024, "Max sequences running at once in the engine.")
     enforce_eager: bool = spec(False, "Disable CUDA graphs in the engine.")
     cudagraph_capture_sizes: list[int] | None = spec(None, "Batch sizes to capture as CUDA graphs.")
-    free_cache_engine: bool = spec(True, "Release the KV cache while training (colocated).")
+    free_cache_engine: bool = spec(True, "Release the engine's KV cache while training (CUDA; kept on CPU).")
     enable_chunked_prefill: bool = spec(True, "Split long prefills across engine steps.")
     enable_prefix_caching: bool = spec(True, "Share KV blocks of identical prompt prefixes.")
     load_format: str = spec("dummy", "How the engine first gets weights. " + _COMPAT)

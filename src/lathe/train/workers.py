@@ -5,42 +5,56 @@ group behind the same methods. It owns the policy weights, the optimizer, the fr
 copy and the rollout backend.
 
 Actor and reference run lathe's own decoder when it implements the architecture
-(`actor_rollout_ref.model.impl`, see `lathe.models.hf.select_impl`); the HF `generate` rollout keeps the
-transformers module it was given, and receives the actor's weights (same names) after every update. When
-the actor is itself that transformers module, actor and rollout share it and nothing is copied.
+(`actor_rollout_ref.model.impl`, see `lathe.models.hf.select_impl`). The rollout backend
+(`actor_rollout_ref.rollout.name`, `auto` by default) is then:
+
+- `lathe`: lathe's paged engine (`lathe.engine.llm_engine.LatheEngine`) over its own copy of the actor's
+  decoder in `rollout.dtype` (float32 on CPU); the transformers module is dropped. `auto` picks it
+  whenever the actor runs lathe's decoder.
+- `hf`: transformers `generate` on the transformers module the worker was given. When the actor is that
+  module they share it and nothing is copied; otherwise the module is the rollout's own copy.
+
+Either way the rollout receives the actor's weights (same names) after every update and checkpoint load.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import torch
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS
 from lathe.batch import Batch
+from lathe.engine.llm_engine import LatheEngine
+from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
+from lathe.models.io import load_into
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
-from lathe.train.actor import PPOActor
+from lathe.train.actor import PPOActor, use_torch_compile
 from lathe.train.logprob import batched_log_probs
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.update import load_trainable, save_trainable
+
+log = logging.getLogger("lathe")
+ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class ActorRolloutRefWorker:
     def __init__(self, cfg, model, tokenizer, *, total_steps: int, device: torch.device, need_ref: bool):
         arr = cfg.actor_rollout_ref
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
-        rollout_model = model.to(device)
-        self.model = select_impl(rollout_model, arr.model.impl, role="actor")
+        hf_model = model.to(device)
+        self.model = select_impl(hf_model, arr.model.impl, role="actor")
         self.remove_padding = arr.model.use_remove_padding
-        if isinstance(self.model, LatheCausalLM):
-            rollout_model.requires_grad_(False)   # the rollout's copy: written by update_weights only
-            if arr.model.enable_gradient_checkpointing:
-                self.model.gradient_checkpointing_enable()
-        self.ref = _frozen_copy(self.model) if need_ref else None
+        self.rollout_name = resolve_rollout_name(arr.rollout.name, self.model, impl=arr.model.impl)
+        if isinstance(self.model, LatheCausalLM) and arr.model.enable_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.ref = _frozen_copy(self.model) if need_ref else None    # copied before PPOActor compiles the actor
+        maybe_compile(self.ref, use_torch_compile(arr.ref))
         self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, arr.actor.optim, total_steps)
         self.actor = PPOActor(self.model, self.optimizer, self.scheduler, arr.actor, n=arr.rollout.n,
@@ -49,15 +63,36 @@ class ActorRolloutRefWorker:
                               rollout_correction={k: getattr(cfg.algorithm.rollout_correction, k)
                                                   for k in ROLLOUT_CORRECTION_KEYS},
                               use_remove_padding=self.remove_padding)
-        self.rollout = _build_rollout(arr.rollout, rollout_model, tokenizer)
         self.log_prob_micro_batch_size = (arr.rollout.log_prob_micro_batch_size_per_gpu
                                           or self.actor.micro_batch_size)
+        # last, so that the engine sizes its KV cache from the memory that actor and reference leave
+        self.rollout = self._build_rollout(arr.rollout, hf_model, eos_token_ids(tokenizer, hf_model))
+        # the engine's KV cache lives only while generating (colocated on one GPU); on CPU it stays allocated
+        self.free_cache_engine = (self.rollout_name == "lathe" and arr.rollout.free_cache_engine
+                                  and device.type == "cuda")
+        if self.free_cache_engine:
+            self.rollout.sleep()
+
+    def _build_rollout(self, rollout_cfg, hf_model, eos_ids: list[int]):
+        """The engine over a copy of the actor (the transformers module is then dropped), or HF generate."""
+        if self.rollout_name == "lathe":
+            return build_engine(rollout_cfg, self.model, eos_ids)
+        if hf_model is not self.model:
+            hf_model.requires_grad_(False)        # the rollout's own copy: written by update_weights only
+        return HFRollout(hf_model, eos_token_id=eos_ids, pad_token_id=self.tokenizer.pad_token_id,
+                         max_num_seqs=rollout_cfg.max_num_seqs or 1024)
 
     # -- rollout ------------------------------------------------------------------------------
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Sample `params.n` responses per prompt; returns the prompt rows repeated n times plus the tensors."""
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
-        out = self.rollout.generate(prompt_ids, params)
+        if self.free_cache_engine:
+            self.rollout.wake_up()
+        try:
+            out = self.rollout.generate(prompt_ids, params)
+        finally:
+            if self.free_cache_engine:
+                self.rollout.sleep()
         gen = to_batch(prompt_ids, out, self.tokenizer.pad_token_id, params.n)
         return prompts.repeat(params.n, interleave=True).update(gen)
 
@@ -98,12 +133,80 @@ class ActorRolloutRefWorker:
         self.sync_rollout_weights()
 
 
-def _build_rollout(rollout_cfg, model, tokenizer):
-    if rollout_cfg.name != "hf":
-        raise ValueError(f"actor_rollout_ref.rollout.name={rollout_cfg.name!r} is not available yet; "
-                         "use actor_rollout_ref.rollout.name=hf")
-    return HFRollout(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                     max_num_seqs=rollout_cfg.max_num_seqs or 1024)
+def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
+    """`lathe` or `hf` for `rollout.name` (`auto` resolved by what the actor runs); logs which and why.
+
+    The engine runs lathe's decoder, so it needs an actor that `select_impl` turned into one.
+    """
+    key, arch = "actor_rollout_ref.rollout.name", _architecture(actor)
+    is_lathe = isinstance(actor, LatheCausalLM)
+    if name == "lathe" and not is_lathe:
+        why = ("actor_rollout_ref.model.impl=hf" if impl == "hf"
+               else f"lathe's decoder does not implement {arch} (see the 'actor:' log line)")
+        raise ValueError(f"{key}=lathe: lathe's engine runs lathe's own decoder, but the actor runs transformers "
+                         f"{arch} because {why}. Fix: set {key}=hf (or auto) to generate with transformers"
+                         + (", or set actor_rollout_ref.model.impl=auto." if impl == "hf" else "."))
+    if name not in ("auto", "lathe", "hf"):
+        raise ValueError(f"{key}={name!r} is not a lathe rollout backend; use auto, lathe or hf")
+    if name == "auto":
+        name = "lathe" if is_lathe else "hf"
+        why = (f"{key}=auto and lathe's decoder runs {arch}" if is_lathe
+               else f"{key}=auto and the actor runs transformers {arch}")
+    else:
+        why = f"{key}={name}"
+    log.info("rollout: %s (%s)", "lathe engine" if name == "lathe" else "transformers generate", why)
+    return name
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """The ids that end a response: the tokenizer's eos, then any other eos of the model's generation_config.
+
+    Chat checkpoints often list several (Qwen2.5-Instruct: `<|im_end|>` and `<|endoftext|>`).
+    """
+    ids: list[int] = []
+    gen_cfg = getattr(model, "generation_config", None)
+    for value in (tokenizer.eos_token_id, getattr(gen_cfg, "eos_token_id", None)):
+        for i in [] if value is None else [value] if isinstance(value, int) else value:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`rollout.dtype` on CUDA; float32 on CPU (bf16 matmuls there are slow and lose the trainer's numerics)."""
+    if device.type != "cuda":
+        return torch.float32
+    if name not in ROLLOUT_DTYPES:
+        raise ValueError(f"actor_rollout_ref.rollout.dtype={name!r}; use one of {', '.join(ROLLOUT_DTYPES)}")
+    return ROLLOUT_DTYPES[name]
+
+
+def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int]) -> LatheEngine:
+    """lathe's engine over a private copy of `actor` in the rollout dtype, on the actor's device."""
+    engine_model = _engine_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device))
+    max_model_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
+    return LatheEngine(engine_model, eos_token_id=eos_ids,
+                       gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+                       max_num_seqs=rollout_cfg.max_num_seqs, max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
+                       max_model_len=max_model_len, enable_prefix_caching=rollout_cfg.enable_prefix_caching,
+                       enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
+                       enforce_eager=rollout_cfg.enforce_eager)
+
+
+def _engine_copy(actor: LatheCausalLM, dtype: torch.dtype) -> LatheCausalLM:
+    """A frozen copy of `actor` in `dtype`, cast tensor by tensor (no full-precision second copy on the way)."""
+    tied = bool(getattr(actor.config, "tie_word_embeddings", False))
+    state = {k: v.detach().to(dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
+             for k, v in actor.state_dict().items() if not (tied and k == "lm_head.weight")}
+    with torch.device("meta"):
+        model = type(actor)(actor.config)
+    load_into(model, state, "the actor's weights")
+    return model.requires_grad_(False).eval()
+
+
+def _architecture(model) -> str:
+    config = getattr(model, "config", None)
+    return getattr(config, "architecture", None) or type(model).__name__
 
 
 def _frozen_copy(model):

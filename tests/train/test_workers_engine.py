@@ -1,0 +1,131 @@
+"""Tests for lathe.train.workers with lathe's engine as the rollout (`actor_rollout_ref.rollout.name=lathe|auto`)."""
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+
+from lathe.data.builtin import builtin_tokenizer
+from lathe.engine.llm_engine import LatheEngine
+from lathe.models.decoder import LatheCausalLM
+from lathe.rollout.base import SamplingParams
+from lathe.rollout.hf import HFRollout
+from lathe.train.workers import ActorRolloutRefWorker, build_engine, eos_token_ids
+
+from .test_workers import _ppo_batch, _same_weights
+
+# Ragged prompts; the first two share a 17-token prefix (more than one 16-token KV block) for prefix caching.
+PROMPT_IDS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+              [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 30, 31],
+              [9, 30], [40, 41, 42, 43, 44, 45], [7]]
+SECOND_EOS = 27   # listed by the model's generation_config only, as Qwen2.5-Instruct lists <|im_end|>
+
+
+def _qwen2(seed: int = 2):
+    """A tiny random Qwen2 (large init, so greedy continuations vary) whose generation_config has two eos ids."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = builtin_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, initializer_range=0.2, bos_token_id=None,
+                      eos_token_id=[tok.eos_token_id, SECOND_EOS], pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(cfg)
+
+
+def _worker(load_cfg, rollout: str, *overrides, model=None):
+    cfg = load_cfg(f"actor_rollout_ref.rollout.name={rollout}", "data.max_prompt_length=24",
+                   "data.max_response_length=12", "actor_rollout_ref.actor.optim.lr=1e-2", *overrides)
+    return ActorRolloutRefWorker(cfg, model if model is not None else _qwen2(), builtin_tokenizer(), total_steps=10,
+                                 device=torch.device("cpu"), need_ref=True)
+
+
+def _prompts():
+    from lathe.batch import Batch
+    return Batch(non_tensors={"prompt_ids": [list(p) for p in PROMPT_IDS]})
+
+
+GREEDY = SamplingParams(n=2, temperature=0, max_tokens=12)
+
+
+def test_eos_ids_are_the_tokenizers_then_the_generation_configs():
+    assert eos_token_ids(builtin_tokenizer(), _qwen2()) == [1, SECOND_EOS]
+    assert eos_token_ids(builtin_tokenizer(), object()) == [1]
+
+
+def test_auto_picks_the_engine_for_lathes_decoder_and_keeps_no_transformers_copy(load_cfg, caplog):
+    model = _qwen2()
+    alive = weakref.ref(model)
+    with caplog.at_level(logging.INFO, logger="lathe"):
+        worker = _worker(load_cfg, "auto", model=model)
+    assert "rollout: lathe engine (actor_rollout_ref.rollout.name=auto and lathe's decoder runs Qwen2ForCausalLM)" \
+        in caplog.text
+    engine = worker.rollout
+    assert isinstance(engine, LatheEngine) and isinstance(engine.model, LatheCausalLM)
+    assert engine.model.dtype == torch.float32 and engine.max_model_len == 24 + 12
+    assert engine.eos_ids == [1, SECOND_EOS]
+    assert _same_weights(worker.model, engine.model)
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight, "tied weights stay tied"
+    assert engine.model.model.embed_tokens.weight.data_ptr() != worker.model.model.embed_tokens.weight.data_ptr()
+    assert not any(p.requires_grad for p in engine.model.parameters())
+    del model
+    gc.collect()
+    assert alive() is None, "the transformers module must not be kept beside the engine"
+
+
+def test_engine_greedy_responses_equal_the_hf_rollouts_token_for_token(load_cfg):
+    hf, engine = _worker(load_cfg, "hf"), _worker(load_cfg, "lathe")
+    assert isinstance(hf.rollout, HFRollout) and isinstance(engine.rollout, LatheEngine)
+    a, b = hf.generate_sequences(_prompts(), GREEDY), engine.generate_sequences(_prompts(), GREEDY)
+    reasons = list(a["finish_reason"])
+    assert "stop" in reasons and "length" in reasons, "precondition: some responses end on an eos, some do not"
+    assert any(r[m.bool()][-1] == SECOND_EOS for r, m in zip(a["responses"], a["response_mask"])), \
+        "precondition: a response ends on the generation_config's second eos"
+    assert reasons == list(b["finish_reason"])
+    for key in ("responses", "response_mask", "prompts", "input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(a[key], b[key]), key
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-4, rtol=0)
+
+
+def test_engine_follows_actor_updates_and_equals_a_fresh_engine(load_cfg, rollout_batch):
+    worker = _worker(load_cfg, "lathe")
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3)
+    before = worker.rollout.generate(PROMPT_IDS, sampled)   # fills the prefix cache with the old weights' KV
+    worker.update_actor(_ppo_batch(worker, rollout_batch))
+    assert _same_weights(worker.model, worker.rollout.model)
+    fresh = build_engine(worker.cfg.actor_rollout_ref.rollout, worker.model, [1, SECOND_EOS])
+    for params in (sampled, GREEDY):
+        after, expected = worker.rollout.generate(PROMPT_IDS, params), fresh.generate(PROMPT_IDS, params)
+        assert after.token_ids == expected.token_ids and after.finish_reasons == expected.finish_reasons
+        assert after.logprobs == expected.logprobs
+    assert after.token_ids != before.token_ids or after.logprobs != before.logprobs
+    resampled = worker.rollout.generate(PROMPT_IDS, sampled)
+    assert resampled.logprobs != before.logprobs, "the update changed the policy the engine samples from"
+
+
+def test_free_cache_engine_releases_the_kv_cache_between_generations(load_cfg):
+    worker = _worker(load_cfg, "lathe")
+    assert not worker.free_cache_engine and worker.rollout.kv_cache.allocated, "CPU: the cache stays allocated"
+    first = worker.generate_sequences(_prompts(), GREEDY)
+    worker.free_cache_engine = True          # what a CUDA device with rollout.free_cache_engine=true sets
+    second = worker.generate_sequences(_prompts(), GREEDY)
+    assert not worker.rollout.kv_cache.allocated, "asleep after generating"
+    third = worker.generate_sequences(_prompts(), GREEDY)
+    assert torch.equal(first["responses"], second["responses"]) and torch.equal(first["responses"], third["responses"])
+
+
+@pytest.mark.gpu
+def test_cuda_engine_runs_in_the_rollout_dtype_and_sleeps_while_training(load_cfg, rollout_batch):
+    cfg = load_cfg("actor_rollout_ref.rollout.name=lathe", "data.max_prompt_length=24", "data.max_response_length=12",
+                   "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")
+    worker = ActorRolloutRefWorker(cfg, _qwen2(), builtin_tokenizer(), total_steps=10, device=torch.device("cuda"),
+                                   need_ref=True)
+    assert worker.rollout.model.dtype == torch.bfloat16 and worker.rollout.model.device.type == "cuda"
+    assert worker.free_cache_engine and not worker.rollout.kv_cache.allocated
+    out = worker.generate_sequences(_prompts(), GREEDY)
+    assert out["responses"].shape[0] == len(PROMPT_IDS) * 2 and not worker.rollout.kv_cache.allocated
+    worker.update_actor(_ppo_batch(worker, rollout_batch))
+    assert worker.generate_sequences(_prompts(), GREEDY)["responses"].shape[0] == len(PROMPT_IDS) * 2

@@ -122,3 +122,13 @@ def test_reset_forgets_every_prefix():
     bm.allocate(b)
     assert b.num_cached_tokens == 0 and b.num_kv_cached == 0
     assert bm.num_free_blocks == 2
+
+
+def test_resize_forgets_and_changes_capacity():
+    bm = BlockManager(8, 4)
+    a = _seq(range(10))
+    bm.allocate(a)
+    bm.resize(3)
+    assert bm.num_blocks == 3 and bm.num_free_blocks == 3 and not bm.hash_to_block
+    with pytest.raises(ValueError):
+        bm.resize(0)

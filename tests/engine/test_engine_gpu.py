@@ -58,3 +58,18 @@ def test_cuda_engine_logprobs_sleep_and_graph_recapture(checkpoints):
     engine.wake_up()
     again = engine.generate(PROMPTS, params)
     assert again.token_ids == first.token_ids
+
+
+def test_wake_up_shrinks_an_auto_sized_cache_when_training_took_memory(checkpoints):
+    path, _ = checkpoints["qwen2"]
+    engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4,
+                                         gpu_memory_utilization=0.3)
+    before = engine.kv_cache.num_blocks
+    engine.sleep()
+    total = torch.cuda.mem_get_info()[1]
+    hog = torch.empty(int(total * 0.15), dtype=torch.uint8, device="cuda")   # optimizer states, say
+    engine.wake_up()
+    assert engine.kv_cache.num_blocks < before and engine.block_manager.num_blocks == engine.kv_cache.num_blocks
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4))
+    assert all(len(t) == 4 for t in out.token_ids)
+    del hog

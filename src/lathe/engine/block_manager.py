@@ -52,6 +52,13 @@ class BlockManager:
         # free blocks, least recently freed first; an OrderedDict so that reviving a cached block is O(1)
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(len(self.blocks)))
 
+    def resize(self, num_blocks: int) -> None:
+        """Change the number of blocks (the KV cache was re-sized while asleep); forgets everything, as reset."""
+        if num_blocks < 1:
+            raise ValueError(f"BlockManager.resize: num_blocks={num_blocks}; must be >= 1")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.reset()
+
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)

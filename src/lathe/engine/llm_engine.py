@@ -13,6 +13,7 @@ token exactly on a sampling boundary may still differ; this is the only dependen
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import weakref
 from collections.abc import Iterable
@@ -27,6 +28,8 @@ from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import Sequence, SequenceParams
 from lathe.engine.stop import StopStringMatcher, StopStrings
 from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
+
+logger = logging.getLogger(__name__)
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -63,6 +66,7 @@ class LatheEngine:
         self.tokenizer = tokenizer    # decodes outputs for SamplingParams.stop (stop strings); optional
         self._stop_matchers: weakref.WeakKeyDictionary[Sequence, StopStringMatcher] = weakref.WeakKeyDictionary()
         self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self._auto_size = None if num_kv_blocks is not None else (block_size, gpu_memory_utilization, max_num_seqs)
         if num_kv_blocks is None:
             num_kv_blocks = self._default_num_blocks(block_size, gpu_memory_utilization, max_num_seqs)
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
@@ -87,7 +91,9 @@ class LatheEngine:
                                             cfg.head_dim, self.model.dtype)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            budget = min(free, total * utilization - torch.cuda.memory_allocated(device))
+            allocated = torch.cuda.memory_allocated(device)
+            reusable = torch.cuda.memory_reserved(device) - allocated     # cached by PyTorch, not in `free`
+            budget = min(free + reusable, total * utilization - allocated)
             return max(1, int(budget // per_block) - 1)      # - the scratch block
         return math.ceil(self.max_model_len / block_size) * min(max_num_seqs, 64)
 
@@ -174,5 +180,17 @@ class LatheEngine:
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        """Take the KV cache back after `sleep()`."""
+        """Take the KV cache back after `sleep()`.
+
+        A cache sized from `gpu_memory_utilization` is sized again first: training may now hold more memory
+        (optimizer states appear at the first step), so the cache shrinks, with a warning, rather than
+        running the device out of memory. It never grows past its first size."""
+        if self._auto_size is not None and not self.kv_cache.allocated and self.model.device.type == "cuda":
+            blocks = self._default_num_blocks(*self._auto_size)
+            if blocks < self.kv_cache.num_blocks:
+                logger.warning("engine: KV cache shrinks from %d to %d blocks of %d tokens to stay within "
+                               "gpu_memory_utilization=%.2f", self.kv_cache.num_blocks, blocks,
+                               self.kv_cache.block_size, self._auto_size[1])
+                self.kv_cache.shape = (blocks + 1,) + self.kv_cache.shape[1:]
+                self.block_manager.resize(blocks)
         self.kv_cache.allocate()

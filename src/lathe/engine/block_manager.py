@@ -141,6 +141,7 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_cached_tokens = seq.num_kv_cached = seq.num_scheduled_tokens = 0
+        seq.num_deallocations += 1
 
     # ---- decode -----------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:

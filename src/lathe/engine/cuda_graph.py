@@ -45,7 +45,7 @@ class DecodeGraphs:
     def reset(self) -> None:
         """Forget every captured graph (the KV cache they point at is gone)."""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.row_seq = [-1] * self.max_batch        # which sequence's table each row of `tables` holds
+        self.row_seq = [None] * self.max_batch      # (seq_id, allocation) whose table each row of `tables` holds
         self.row_len = [0] * self.max_batch
         self.row_last = [-1] * self.max_batch
         self.outputs: dict[int, torch.Tensor] = {}
@@ -81,9 +81,10 @@ class DecodeGraphs:
         dirty = []
         for i, seq in enumerate(seqs):
             table = seq.block_table
-            if self.row_seq[i] != seq.seq_id or self.row_len[i] != len(table) or self.row_last[i] != table[-1]:
+            key = (seq.seq_id, seq.num_deallocations)    # a preempted sequence comes back with new blocks
+            if self.row_seq[i] != key or self.row_len[i] != len(table) or self.row_last[i] != table[-1]:
                 self.host_tables[i, :len(table)] = table
-                self.row_seq[i], self.row_len[i], self.row_last[i] = seq.seq_id, len(table), table[-1]
+                self.row_seq[i], self.row_len[i], self.row_last[i] = key, len(table), table[-1]
                 dirty.append(i)
         if not dirty:
             return

@@ -63,6 +63,7 @@ class Sequence:
     num_cached_tokens: int = 0            # leading tokens prefill skips
     num_kv_cached: int = 0                # leading tokens whose KV the cache already holds (>= the above)
     num_scheduled_tokens: int = 0         # prompt tokens the current prefill step computes (chunked prefill)
+    num_deallocations: int = 0            # bumped when its blocks are freed: a new block table follows
     finish_reason: str | None = None
 
     def __post_init__(self):

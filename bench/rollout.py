@@ -80,7 +80,7 @@ def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[
 
 # -- backends ---------------------------------------------------------------------------------------------
 def run_lathe(engine, prompts, params, device) -> dict:
-    engine.generate([p[:8] for p in prompts[:len(prompts)]],
+    engine.generate([p[:8] for p in prompts],
                     SamplingParams(n=params.n, temperature=1.0, max_tokens=4, ignore_eos=True, seed=1))  # warm-up
     sync(device)
     start = time.perf_counter()

@@ -81,8 +81,19 @@ def test_mixed_rows_equal_rows_sampled_alone():
     assert together[0][3] not in params[3].stop_token_ids
 
 
-def test_vectorised_uniforms_equal_the_scalar_hash():
-    from lathe.engine.sampler import uniform, uniforms
+def _splitmix_reference(seed: int, position: int) -> float:
+    """splitmix64 written with Python integers and explicit 64-bit masks: the reference for `uniforms`."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def test_vectorised_uniforms_equal_the_python_integer_hash():
+    from lathe.engine.sampler import uniforms
     seeds, positions = [0, 1, 2**62 + 5, 123456789], [0, 7, 3, 100000]
-    assert uniforms(seeds, positions).tolist() == [uniform(s, p) for s, p in zip(seeds, positions)]
-    assert len({uniform(0, p) for p in range(100)}) == 100 and all(0 <= uniform(9, p) < 1 for p in range(100))
+    assert uniforms(seeds, positions).tolist() == [_splitmix_reference(s, p) for s, p in zip(seeds, positions)]
+    draws = uniforms([0] * 100, list(range(100)))
+    assert len(set(draws.tolist())) == 100 and ((0 <= draws) & (draws < 1)).all()

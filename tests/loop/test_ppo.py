@@ -43,14 +43,10 @@ def deterministic(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith(("timing", "perf/"))}
 
 
-def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
-    # in-process scoring: a scorer timeout under heavy machine load would change a score, which is not what
-    # this test is about (timeouts have their own tests)
-    common = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=2", "reward.timeout_s=0",
-              "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2",
-              "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.lr=3e-4"]
-    whole = run(tmp_path, *common, name="whole")
-
+def run_crash_and_resume(tmp_path: Path, monkeypatch, overrides: list[str]):
+    """(uninterrupted trainer, resumed trainer): runs "whole", then "split" crashing at step 3 and resumed
+    from its step-2 checkpoint (overrides must set trainer.save_freq=2)."""
+    whole = run(tmp_path, *overrides, name="whole")
     real_step = ppo.train_step
 
     def crash_at_step_3(t, prompts):
@@ -60,11 +56,20 @@ def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ppo, "train_step", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path, *common, name="split")
+        run(tmp_path, *overrides, name="split")
     monkeypatch.setattr(ppo, "train_step", real_step)
-    resumed = run(tmp_path, *common, name="split")
-
+    resumed = run(tmp_path, *overrides, name="split")
     assert resumed.resumed_from is not None and resumed.resumed_from.name == "global_step_2"
+    return whole, resumed
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
+    # in-process scoring: a scorer timeout under heavy machine load would change a score, which is not what
+    # this test is about (timeouts have their own tests)
+    common = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=2", "reward.timeout_s=0",
+              "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2",
+              "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.lr=3e-4"]
+    whole, resumed = run_crash_and_resume(tmp_path, monkeypatch, common)
     a, b = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
     assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4]
     for step in (3, 4):

@@ -7,14 +7,12 @@ uninterrupted run (test_ppo checks resume with the default backend, `auto`, whic
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from lathe.engine.llm_engine import LatheEngine
-from lathe.loop import ppo
 from lathe.rollout.hf import HFRollout
 
-from .test_ppo import deterministic, read_metrics, run
+from .test_ppo import deterministic, read_metrics, run, run_crash_and_resume
 
 VAL = "val-core/lathe/arithmetic/reward/mean@1"
 
@@ -39,23 +37,8 @@ def test_transformers_rollout_run_trains_and_validates(tmp_path):
 
 def test_engine_run_validates_and_resumes_exactly(tmp_path, monkeypatch):
     common = _overrides(tmp_path, "lathe", steps=3)
-    whole = run(tmp_path, *common, name="whole")
+    whole, resumed = run_crash_and_resume(tmp_path, monkeypatch, common)
     assert isinstance(whole.worker.rollout, LatheEngine)
-
-    real_step = ppo.train_step
-
-    def crash_at_step_3(t, prompts):
-        if t.global_step == 3:
-            raise KeyboardInterrupt("simulated crash")
-        return real_step(t, prompts)
-
-    monkeypatch.setattr(ppo, "train_step", crash_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        run(tmp_path, *common, name="split")
-    monkeypatch.setattr(ppo, "train_step", real_step)
-    resumed = run(tmp_path, *common, name="split")
-
-    assert resumed.resumed_from is not None and resumed.resumed_from.name == "global_step_2"
     a, b = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
     assert sorted(a) == sorted(b) == [1, 2, 3]
     assert a[3]["actor/grad_norm"] > 0 and a[3]["critic/score/max"] > a[3]["critic/score/min"], \

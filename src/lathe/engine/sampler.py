@@ -6,9 +6,11 @@ that top-k/top-p sampled from. `min_tokens` bans the stop ids from being sampled
 
 Every row may have its own settings; the work is a few (B, V) tensor passes, with no per-row loop on the
 device. On CUDA, batches without top-k/top-p/min_tokens bans go through one fused Triton kernel instead
-(`triton_sample.py`), the same draw from the same uniform numbers. Randomness is inverse-CDF sampling from one uniform number per row, `uniform(seed, t)`, a
-hash of the sequence's seed and its output position t: a sequence samples the same tokens whatever
-else shares its batch, and after preemption.
+(`triton_sample.py`), the same draw from the same uniform numbers.
+
+Randomness is inverse-CDF sampling from one uniform number per row, `uniforms(seed, t)`: splitmix64 of
+the sequence's seed and its output position t. A sequence samples the same tokens whatever else shares
+its batch, and after preemption.
 """
 
 from __future__ import annotations
@@ -18,20 +20,10 @@ import torch
 
 from lathe.engine.sequence import Sequence
 
-_MASK64 = (1 << 64) - 1
-
-
-def uniform(seed: int, position: int) -> float:
-    """A uniform float in [0, 1) from (seed, position): splitmix64 of the pair (53 random bits)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z >> 11) / float(1 << 53)
-
 
 def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
-    """`uniform` for many (seed, position) pairs at once (numpy uint64 arithmetic wraps like the masks)."""
+    """Uniform floats in [0, 1) (53 random bits) for (seed, position) pairs: splitmix64 of
+    `seed * golden + (position + 1) * c`, in numpy uint64 arithmetic (which wraps modulo 2**64)."""
     with np.errstate(over="ignore"):
         z = (np.array(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
              + (np.array(positions, dtype=np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9))
@@ -71,8 +63,8 @@ def _fusable(logits: torch.Tensor, seqs: list[Sequence]) -> bool:
     """Whether the fused Triton kernel can sample this batch: CUDA, no top-k/top-p, no min_tokens ban."""
     if not logits.is_cuda:
         return False
-    from lathe.engine import triton_decode
-    if not triton_decode.available():
+    from lathe.engine.triton_sample import triton
+    if triton is None:
         return False
     v = logits.shape[-1]
     return all(p.greedy or ((p.top_k <= 0 or p.top_k >= v) and p.top_p >= 1) for p in (s.params for s in seqs)) \

@@ -16,17 +16,41 @@ _COMPAT = "Accepted for verl compatibility; not used yet."
 
 
 @dataclass
-class FSDPConfig:
-    """verl's ``fsdp_config`` group: sharding and offload switches for one model."""
+class MixedPrecisionConfig:
+    """verl's ``fsdp_config.mixed_precision``: FSDP2 ``MixedPrecisionPolicy`` semantics (on CUDA; CPU runs fp32)."""
 
-    param_offload: bool = spec(False, "Keep parameters on CPU between uses (offload).")
-    optimizer_offload: bool = spec(False, "Keep optimizer state on CPU between updates.")
+    param_dtype: str = spec("bf16", "Dtype the model computes in (forward and backward): bf16 or fp32. The weights "
+                                    "the optimizer updates stay in model_dtype.")
+    reduce_dtype: str = spec("fp32", "Dtype gradients are accumulated (and, on many devices, reduced) in: fp32 or "
+                                     "bf16.")
+    buffer_dtype: str = spec("fp32", "Dtype of model buffers; lathe keeps its only buffers (rotary frequencies) in "
+                                     "fp32, so only fp32 is accepted.")
+
+
+@dataclass
+class FSDPConfig:
+    """verl's ``fsdp_config`` group: precision, sharding and offload switches for one model.
+
+    On one CUDA device lathe trains as FSDP2's mixed precision does (``lathe.train.precision``): the module
+    computes in ``mixed_precision.param_dtype`` (bf16) while the optimizer updates ``model_dtype`` (fp32)
+    master weights, with gradients accumulated in ``reduce_dtype``. A frozen model (the reference) holds
+    ``param_dtype`` weights only.
+    """
+
+    param_offload: bool = spec(False, "Keep parameters on CPU between uses: the actor's/critic's fp32 master weights "
+                                      "(streamed through the GPU by the optimizer step); the reference's weights "
+                                      "(moved in for each log-prob pass). Needs CUDA and mixed precision.")
+    optimizer_offload: bool = spec(False, "Keep the optimizer state (AdamW moments) in CPU memory; the step "
+                                          "streams it through the GPU. Needs CUDA and mixed precision.")
     offload_policy: bool = spec(False, "FSDP2 CPU offload policy for param/grad/optimizer.")
     grad_offload: bool = spec(False, "Old verl key (gradient offload). " + _COMPAT)
     reshard_after_forward: bool = spec(True, "FSDP2: free gathered params after forward.")
     fsdp_size: int = spec(-1, "Devices per FSDP shard group; -1 = all devices.")
     forward_prefetch: bool = spec(False, "Prefetch the next all-gather during forward.")
-    model_dtype: str = spec("fp32", "Dtype of the sharded master weights (fp32|bf16).")
+    model_dtype: str = spec("fp32", "Dtype of the weights the optimizer updates (master weights): fp32 or bf16 "
+                                    "(bf16 = pure bf16 training). A frozen reference holds param_dtype weights.")
+    mixed_precision: MixedPrecisionConfig = spec(factory=MixedPrecisionConfig,
+                                                 help="Compute / gradient dtypes (FSDP2 MixedPrecisionPolicy).")
     use_orig_params: bool = spec(False, "FSDP1 use_orig_params. " + _COMPAT)
     wrap_policy: dict[str, Any] = spec({"min_num_params": 0}, "Module wrapping policy. " + _COMPAT)
     strategy: str | None = spec(None, "Engine strategy override (fsdp|fsdp2). " + _COMPAT)

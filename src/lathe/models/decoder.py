@@ -195,6 +195,14 @@ class _Backbone(nn.Module):
     def gradient_checkpointing_disable(self) -> None:
         self.model.gradient_checkpointing = False
 
+    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB", safe_serialization: bool = True,
+                        state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write config.json and safetensors weights that transformers' `AutoModelForCausalLM` (the LM) or
+        `AutoModelForTokenClassification` (the value model) loads; `state_dict` replaces the module's own tensors
+        (a mixed-precision trainer saves its fp32 masters)."""
+        from lathe.models.io import save_pretrained
+        save_pretrained(self, path, max_shard_size=max_shard_size, state=state_dict)
+
     def hidden_packed(self, input_ids, position_ids, cu_seqlens, max_seqlen) -> torch.Tensor:
         """(T, H) final hidden states of a packed stream."""
         attn = PackedAttention(cu_seqlens.to(input_ids.device), int(max_seqlen), self.packed_backend())
@@ -251,11 +259,6 @@ class LatheCausalLM(_Backbone):
         hidden = self.hidden_packed(input_ids, position_ids, cu_seqlens, max_seqlen)
         return hidden if return_hidden else self.lm_head(hidden)
 
-    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB", safe_serialization: bool = True) -> None:
-        """Write config.json and safetensors weights that `AutoModelForCausalLM.from_pretrained` loads."""
-        from lathe.models.io import save_pretrained
-        save_pretrained(self, path, max_shard_size=max_shard_size)
-
 
 @dataclass
 class ValueOutput:
@@ -279,11 +282,6 @@ class LatheValueModel(_Backbone):
                        max_seqlen: int) -> torch.Tensor:
         """Values (T,) of a packed stream."""
         return self.score(self.hidden_packed(input_ids, position_ids, cu_seqlens, max_seqlen)).squeeze(-1)
-
-    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB", safe_serialization: bool = True) -> None:
-        """Write a checkpoint that `AutoModelForTokenClassification.from_pretrained` loads (num_labels=1)."""
-        from lathe.models.io import save_pretrained
-        save_pretrained(self, path, max_shard_size=max_shard_size)
 
 
 def init_weights(model: nn.Module, std: float = 0.02) -> None:

@@ -91,7 +91,7 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_"))
 
 
-def export_config(model: nn.Module) -> dict:
+def export_config(model: nn.Module, dtype: torch.dtype | None = None) -> dict:
     """The config.json to write: the original HF dict with architecture and dtype brought up to date."""
     cfg: LatheConfig = model.config
     d = dict(cfg.hf_config)
@@ -103,19 +103,21 @@ def export_config(model: nn.Module) -> dict:
         d["id2label"], d["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
         d["num_labels"] = 1
     d["tie_word_embeddings"] = cfg.tie_word_embeddings
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    dtype = str(dtype or next(model.parameters()).dtype).replace("torch.", "")
     keys = [k for k in ("dtype", "torch_dtype") if k in d] or ["dtype"]
     for k in keys:
         d[k] = dtype
     return d
 
 
-def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB") -> None:
-    """Write config.json and the weights (one file, or shards plus an index when over `max_shard_size`)."""
+def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB",
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write config.json and the weights (one file, or shards plus an index when over `max_shard_size`);
+    `state` (same names as `model.state_dict()`) replaces the module's own tensors."""
     from safetensors.torch import save_file
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     shards = _shard(state, parse_size(max_shard_size))
@@ -133,7 +135,12 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
         with open(path / SAFE_INDEX, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(path / "config.json", "w") as f:
-        json.dump(export_config(model), f, indent=2)
+        json.dump(export_config(model, _weights_dtype(state)), f, indent=2)
+
+
+def _weights_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype of the first floating-point tensor written (what config.json's `dtype` must say)."""
+    return next((t.dtype for t in state.values() if t.is_floating_point()), None)
 
 
 def _shard(state: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

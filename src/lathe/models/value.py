@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from lathe.dtypes import to_dtype
 from lathe.models.hf import (
     BUILTIN_PREFIX,
     ModelLoadError,
@@ -30,17 +31,10 @@ __all__ = ["VALUE_HEAD", "load_value_model", "build_builtin_value_model", "torch
 
 VALUE_HEAD = "score"   # the head's module name in transformers' *ForTokenClassification models
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
-
 
 def torch_dtype(name: str | torch.dtype, key: str = "critic.model.fsdp_config.model_dtype") -> torch.dtype:
     """``"fp32"`` / ``"bf16"`` / ``"fp16"`` (or the long names) -> the torch dtype; ``key`` names it in errors."""
-    if isinstance(name, torch.dtype):
-        return name
-    if str(name) not in _DTYPES:
-        raise ValueError(f"{key}={name!r} is not a known dtype; use one of {', '.join(_DTYPES)}")
-    return _DTYPES[str(name)]
+    return to_dtype(name, key)
 
 
 def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0, trust_remote_code: bool = False,

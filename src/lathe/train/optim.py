@@ -6,11 +6,23 @@ import math
 
 import torch
 
+from lathe.train.master import MasterAdamW
+from lathe.train.precision import FP32, PrecisionPolicy
 
-def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
-    """AdamW with `optim.{lr, betas, weight_decay}`."""
-    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=optim_cfg.lr,
-                             betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay)
+
+def build_optimizer(params, optim_cfg, *, policy: PrecisionPolicy = FP32, offload_params: bool = False,
+                    offload_state: bool = False) -> torch.optim.Optimizer:
+    """AdamW with `optim.{lr, betas, weight_decay}`.
+
+    With a mixed `policy` (bf16 compute, fp32 master weights) or CPU offload, `MasterAdamW`, which casts the
+    parameters to `policy.param_dtype` in place and keeps the masters; else `torch.optim.AdamW` on `params`.
+    """
+    params = [p for p in params if p.requires_grad]
+    kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay)
+    if policy.mixed or offload_params or offload_state:
+        return MasterAdamW(params, policy=policy, offload_params=offload_params, offload_state=offload_state,
+                           **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def warmup_steps(optim_cfg, total_steps: int) -> int:

@@ -24,8 +24,11 @@ def run_ppo_epochs(batch: Batch, *, epochs: int, mini_batch_size: int,
 
 
 def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
-    """Clip the gradient norm, step the optimizer unless the norm is not finite (then drop the gradient)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    """Clip the gradient norm, step the optimizer unless the norm is not finite (then drop the gradient).
+
+    An optimizer that keeps its own gradients (`MasterAdamW`: fp32 buffers beside bf16 parameters) clips them."""
+    own = getattr(optimizer, "clip_grad_norm_", None)
+    grad_norm = own(grad_clip) if own is not None else torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if torch.isfinite(grad_norm):
         optimizer.step()
     else:
@@ -34,9 +37,14 @@ def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_
 
 
 def save_trainable(path: Path, model, optimizer, scheduler) -> None:
-    """HF-format weights under `path/huggingface` (transformers loads them) plus `path/optim.pt`."""
+    """HF-format weights under `path/huggingface` (transformers loads them) plus `path/optim.pt`.
+
+    The weights saved are those the optimizer updates: the fp32 masters of a mixed-precision model, so that a
+    resumed run continues from exactly the same numbers."""
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path / "huggingface", safe_serialization=True)
+    masters = getattr(optimizer, "master_state_dict", None)
+    state = masters(model) if masters is not None else None
+    model.save_pretrained(path / "huggingface", safe_serialization=True, state_dict=state)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, path / "optim.pt")
 
 
@@ -56,6 +64,9 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     if missing or unexpected:
         raise RuntimeError(f"{what} checkpoint {path} does not match the model: missing {missing}, "
                            f"unexpected {unexpected}")
+    load_masters = getattr(optimizer, "load_master_state_dict", None)
+    if load_masters is not None:
+        load_masters(model, state)
     opt = torch.load(path / "optim.pt", weights_only=False)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])

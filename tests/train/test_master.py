@@ -1,0 +1,199 @@
+"""Tests for lathe.train.master.MasterAdamW: fp32 master weights behind a bf16 module.
+
+The reference for every step is torch's own `torch.optim.AdamW` on fp32 tensors fed the same gradients; CPU
+tests force the bf16 policy (the class does not care which device), offloading runs on a GPU.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lathe.train.master import MasterAdamW
+from lathe.train.optim import build_optimizer
+from lathe.train.precision import FP32, PrecisionPolicy
+from lathe.train.update import clipped_step, load_trainable, save_trainable
+
+MIXED = PrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, master_dtype=torch.float32)
+HPARAMS = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _net(seed: int = 0, device: str = "cpu") -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 50)).to(device)
+
+
+def _loss(net: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return net(tokens).float().logsumexp(-1).mean()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (4, 7), generator=g) for _ in range(n)]
+
+
+def test_construction_casts_the_module_and_keeps_the_original_weights_as_masters():
+    net = _net()
+    originals = [p.detach().clone() for p in net.parameters()]
+    storages = [p.data_ptr() for p in net.parameters()]
+    opt = MasterAdamW(net.parameters(), policy=MIXED, **HPARAMS)
+    masters = opt.param_groups[0]["params"]
+    assert all(p.dtype == torch.bfloat16 for p in net.parameters())
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert [m.data_ptr() for m in masters] == storages, "the loaded fp32 tensors become the masters (no copy)"
+    assert all(torch.equal(m, o) for m, o in zip(masters, originals))
+
+
+def test_micro_batch_gradients_accumulate_in_fp32_and_bf16_gradients_are_freed():
+    net, twin = _net(), _net()
+    opt = MasterAdamW(net.parameters(), policy=MIXED, **HPARAMS)
+    twin.to(torch.bfloat16)
+    expected = [torch.zeros(p.shape) for p in twin.parameters()]
+    for tokens in _batches(3):
+        _loss(net, tokens).backward()
+        assert all(p.grad is None for p in net.parameters()), "each bf16 gradient is freed once accumulated"
+        twin.zero_grad()
+        _loss(twin, tokens).backward()
+        for e, p in zip(expected, twin.parameters()):
+            e += p.grad.float()
+    assert all(g.dtype == torch.float32 for g in opt.grads)
+    assert max(_rel(g, e) for g, e in zip(opt.grads, expected)) < 1e-6
+
+
+def test_step_equals_torch_adamw_on_the_masters_and_casts_them_into_the_module():
+    net = _net()
+    opt = MasterAdamW(net.parameters(), policy=MIXED, **HPARAMS)
+    reference = [m.detach().clone().requires_grad_(True) for m in opt.param_groups[0]["params"]]
+    torch_opt = torch.optim.AdamW(reference, foreach=False, **HPARAMS)
+    for tokens in _batches(4):
+        opt.zero_grad()
+        _loss(net, tokens).backward()
+        for r, g in zip(reference, opt.grads):
+            r.grad = g.clone()
+        opt.step()
+        torch_opt.step()
+        masters = opt.param_groups[0]["params"]
+        assert max(_rel(m, r) for m, r in zip(masters, reference)) < 1e-6
+        assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(net.parameters(), masters))
+
+
+def test_clip_grad_norm_equals_torchs_on_the_same_gradients():
+    net = _net()
+    opt = MasterAdamW(net.parameters(), policy=MIXED, **HPARAMS)
+    _loss(net, _batches(1)[0]).backward()
+    twins = [torch.zeros_like(g, requires_grad=True) for g in opt.grads]
+    for t, g in zip(twins, opt.grads):
+        t.grad = g.clone()
+    expected = torch.nn.utils.clip_grad_norm_(twins, 0.01)
+    norm = opt.clip_grad_norm_(0.01)
+    assert _rel(norm, expected) < 1e-6 and float(norm) > 0.01, "precondition: the norm is above the clip"
+    assert max(_rel(g, t.grad) for g, t in zip(opt.grads, twins)) < 1e-6
+
+
+def test_clipped_step_skips_a_non_finite_gradient_and_frees_it():
+    net = _net()
+    opt = MasterAdamW(net.parameters(), policy=MIXED, **HPARAMS)
+    before = [p.detach().clone() for p in net.parameters()]
+    (_loss(net, _batches(1)[0]) * float("inf")).backward()
+    assert not math.isfinite(clipped_step(net, opt, 1.0))
+    assert all(g is None for g in opt.grads)
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+
+
+def test_tied_weights_get_one_master():
+    net = _net()
+    head = nn.Linear(16, 50, bias=False)
+    head.weight = net[0].weight                      # tied: the same Parameter twice in the module
+    model = nn.ModuleDict({"body": net, "head": head})
+    opt = MasterAdamW(model.parameters(), policy=MIXED, **HPARAMS)
+    assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))
+    state = opt.master_state_dict(model)
+    assert state["head.weight"].data_ptr() == state["body.0.weight"].data_ptr()
+    assert state["head.weight"].dtype == torch.float32
+
+
+def test_state_dict_interchanges_with_torch_adamw_and_resume_is_exact():
+    net = _net()
+    opt = MasterAdamW(net.parameters(), policy=MIXED, **HPARAMS)
+    batches = _batches(4)
+    for tokens in batches[:2]:
+        opt.zero_grad()
+        _loss(net, tokens).backward()
+        opt.step()
+    saved, masters = copy.deepcopy(opt.state_dict()), {k: v.clone() for k, v in opt.master_state_dict(net).items()}
+    # continue: two more steps
+    for tokens in batches[2:]:
+        opt.zero_grad()
+        _loss(net, tokens).backward()
+        opt.step()
+    # resume into a fresh module from the saved masters and state
+    fresh = _net(seed=5)
+    opt2 = MasterAdamW(fresh.parameters(), policy=MIXED, **HPARAMS)
+    opt2.load_master_state_dict(fresh, masters)
+    opt2.load_state_dict(saved)
+    for tokens in batches[2:]:
+        opt2.zero_grad()
+        _loss(fresh, tokens).backward()
+        opt2.step()
+    for a, b in zip(opt.param_groups[0]["params"], opt2.param_groups[0]["params"]):
+        assert torch.equal(a, b)
+    # the same state drives torch's AdamW on fp32 copies of the masters
+    plain = [m.clone().requires_grad_(True) for m in masters.values()]
+    torch_opt = torch.optim.AdamW(plain, foreach=False, **HPARAMS)
+    torch_opt.load_state_dict(saved)
+    assert torch_opt.state[plain[0]]["exp_avg"].shape == plain[0].shape
+
+
+def test_build_optimizer_picks_master_adamw_only_for_mixed_precision_or_offload():
+    assert type(build_optimizer(_net().parameters(), _optim_cfg())) is torch.optim.AdamW
+    assert isinstance(build_optimizer(_net().parameters(), _optim_cfg(), policy=MIXED), MasterAdamW)
+    with pytest.raises(ValueError, match="CUDA"):
+        build_optimizer(_net().parameters(), _optim_cfg(), policy=FP32, offload_state=True)
+
+
+def test_save_and_load_trainable_keep_the_fp32_masters(tmp_path, make_lathe):
+    model = make_lathe(0)
+    opt = MasterAdamW(model.parameters(), policy=MIXED, **HPARAMS)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ids = torch.randint(2, 40, (3, 9))
+    model(ids).logits.float().logsumexp(-1).mean().backward()
+    opt.step()
+    save_trainable(tmp_path, model, opt, sched)
+    fresh = make_lathe(3)
+    opt2 = MasterAdamW(fresh.parameters(), policy=MIXED, **HPARAMS)
+    load_trainable(tmp_path, fresh, opt2, torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0), what="actor",
+                   ignore_missing=lambda n: n == "lm_head.weight")
+    for a, b in zip(opt.param_groups[0]["params"], opt2.param_groups[0]["params"]):
+        assert torch.equal(a, b), "the masters come back bit for bit, not through bf16"
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload_params", [False, True])
+def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offload_params):
+    resident, offloaded = _net(device="cuda"), _net(device="cuda")
+    a = MasterAdamW(resident.parameters(), policy=MIXED, **HPARAMS)
+    b = MasterAdamW(offloaded.parameters(), policy=MIXED, offload_params=offload_params, offload_state=True,
+                    chunk_numel=700, **HPARAMS)
+    assert all(m.device.type == ("cpu" if offload_params else "cuda") for m in b.param_groups[0]["params"])
+    for tokens in _batches(3):
+        for net, opt in ((resident, a), (offloaded, b)):
+            opt.zero_grad()
+            _loss(net, tokens.cuda()).backward()
+            opt.step()
+    assert b.state[b.param_groups[0]["params"][0]]["exp_avg"].device.type == "cpu"
+    assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.master_state_dict(resident).values(),
+                                                              b.master_state_dict(offloaded).values()))
+    assert all(torch.equal(x, y) for x, y in zip(resident.parameters(), offloaded.parameters()))
+
+
+def _optim_cfg():
+    from lathe.config import load_config
+    return load_config(None).actor_rollout_ref.actor.optim

@@ -69,8 +69,10 @@ def test_auto_picks_the_engine_for_lathes_decoder_and_keeps_no_transformers_copy
     assert engine.eos_ids == [1, SECOND_EOS]
     assert _same_weights(worker.model, engine.model)
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight, "tied weights stay tied"
-    assert engine.model.model.embed_tokens.weight.data_ptr() != worker.model.model.embed_tokens.weight.data_ptr()
+    for (name, a), b in zip(worker.model.state_dict().items(), engine.model.state_dict().values()):
+        assert a.data_ptr() == b.data_ptr(), f"{name}: the engine runs on the actor's own tensors (one copy)"
     assert not any(p.requires_grad for p in engine.model.parameters())
+    assert all(p.requires_grad for p in worker.model.parameters()), "the actor's parameters stay trainable"
     del model
     gc.collect()
     assert alive() is None, "the transformers module must not be kept beside the engine"

@@ -71,6 +71,35 @@ def load_causal_lm(path: str, *, trust_remote_code: bool = False, dtype: torch.d
     return model
 
 
+def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = False, trust_remote_code: bool = False,
+                vocab_size: int | None = None, seed: int = 0, override_config: dict | None = None):
+    """The policy to train, in float32 on the CPU: lathe's decoder read straight from the checkpoint when it runs
+    the architecture and nothing needs the transformers module (`impl` not `hf`, no transformers rollout, no
+    config overrides); else the transformers model (`load_causal_lm`), which the trainer may still convert.
+
+    Reading straight into lathe's decoder skips transformers' own copy of the weights: for a 7B model that is
+    28 GiB of host memory and a full copy's time."""
+    from lathe.models import supports
+    direct = (impl != "hf" and not needs_transformers and not override_config and not is_builtin(path)
+              and Path(os.path.expanduser(str(path))).is_dir())
+    if direct and supports(os.path.expanduser(str(path)))[0]:
+        from lathe.models import load_lathe_model
+        local = os.path.expanduser(str(path))
+        model = load_lathe_model(local, torch.float32)
+        model.generation_config = _generation_config(local)
+        return model
+    return load_causal_lm(path, trust_remote_code=trust_remote_code, vocab_size=vocab_size, seed=seed,
+                          override_config=override_config)
+
+
+def _generation_config(path: str):
+    """The checkpoint's generation_config.json (its eos ids end responses), or None."""
+    if not (Path(path) / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+    return GenerationConfig.from_pretrained(path, local_files_only=True)
+
+
 def build_builtin_model(shape: str, *, vocab_size: int | None, seed: int = 0, dtype=torch.float32):
     """A randomly initialised Qwen2-architecture model of a built-in shape (see `BUILTIN_SHAPES`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -152,12 +181,19 @@ def select_impl(model, impl: str = "auto", *, role: str = "actor", key: str = "a
     """The module the trainer runs for `model` (a transformers model), following `impl`; logs which.
 
     `auto`: lathe's decoder when it implements the architecture, else `model` itself; `lathe`: lathe's
-    decoder or an error; `hf`: `model` itself. A lathe module holds its own copy of the weights.
+    decoder or an error; `hf`: `model` itself. A lathe module holds its own copy of the weights; a module that
+    already is lathe's decoder (loaded straight from a checkpoint) is returned as it is.
     """
     from lathe.models.config import UnsupportedArchitecture
+    from lathe.models.decoder import LatheCausalLM, LatheValueModel
     name = type(model).__name__
     if impl not in IMPLS:
         raise ValueError(f"{key}={impl!r} is unknown; use one of {', '.join(IMPLS)}")
+    if isinstance(model, (LatheCausalLM, LatheValueModel)):     # loaded straight into lathe's decoder
+        if impl == "hf":
+            raise ValueError(f"{key}=hf, but the {role} was loaded into lathe's decoder; load it with transformers")
+        log.info("%s: lathe decoder (%s, %s layers)", role, model.config.architecture, model.config.num_hidden_layers)
+        return model
     if impl == "hf":
         log.info("%s: transformers %s (%s=hf)", role, name, key)
         return model

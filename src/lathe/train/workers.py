@@ -15,18 +15,26 @@ Actor and reference run lathe's own decoder when it implements the architecture
   module they share it and nothing is copied; otherwise the module is the rollout's own copy.
 
 Either way the rollout receives the actor's weights (same names) after every update and checkpoint load.
+
+Precision (`lathe.train.precision`, verl's `fsdp_config.{model_dtype, mixed_precision}`): on CUDA the actor
+computes in bf16 on fp32 master weights kept by its optimizer (`MasterAdamW`); the engine then runs on the
+actor's own bf16 tensors (one copy of the weights serves training and rollout, and the weight sync only
+drops the prefix cache). The reference is a frozen bf16 copy, in pinned CPU memory between uses with
+`ref.fsdp_config.param_offload`. CPU runs train in fp32 as before.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS
 from lathe.batch import Batch
+from lathe.dtypes import short_name
 from lathe.engine.llm_engine import LatheEngine
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
@@ -36,7 +44,9 @@ from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train.actor import PPOActor, use_torch_compile
 from lathe.train.logprob import batched_log_probs
+from lathe.train.offload import HostWeights
 from lathe.train.optim import build_optimizer, build_scheduler
+from lathe.train.precision import resolve_policy
 from lathe.train.update import load_trainable, save_trainable
 
 log = logging.getLogger("lathe")
@@ -45,18 +55,23 @@ ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 
 class ActorRolloutRefWorker:
     def __init__(self, cfg, model, tokenizer, *, total_steps: int, device: torch.device, need_ref: bool):
+        """`model`: the policy as loaded (lathe's decoder or a transformers module, in its load dtype, any device)."""
         arr = cfg.actor_rollout_ref
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
-        hf_model = model.to(device)
-        self.model = select_impl(hf_model, arr.model.impl, role="actor")
+        hf_model = model
+        self.model = select_impl(model, arr.model.impl, role="actor")
         self.remove_padding = arr.model.use_remove_padding
         self.rollout_name = resolve_rollout_name(arr.rollout.name, self.model, impl=arr.model.impl)
         if isinstance(self.model, LatheCausalLM) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.ref = _frozen_copy(self.model) if need_ref else None    # copied before PPOActor compiles the actor
-        maybe_compile(self.ref, use_torch_compile(arr.ref))
-        self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim)
+        self.policy = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config")
+        self.ref, self.ref_host = self._build_ref(arr, need_ref)   # from the weights as loaded, before the cast
+        self.model.to(device=device, dtype=self.policy.master_dtype)
+        self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim, policy=self.policy,
+                                         **offload_flags(arr.actor.fsdp_config, device,
+                                                         key="actor_rollout_ref.actor.fsdp_config"))
         self.scheduler = build_scheduler(self.optimizer, arr.actor.optim, total_steps)
+        log.info("actor: %s on %s", self.policy.describe(), device)
         self.actor = PPOActor(self.model, self.optimizer, self.scheduler, arr.actor, n=arr.rollout.n,
                               temperature=arr.rollout.temperature,
                               max_response_length=cfg.data.max_response_length,
@@ -73,12 +88,26 @@ class ActorRolloutRefWorker:
         if self.free_cache_engine:
             self.rollout.sleep()
 
+    def _build_ref(self, arr, need_ref: bool):
+        """The frozen reference: a copy of the actor in the ref's compute dtype, compiled like the actor; with
+        `ref.fsdp_config.param_offload` its weights wait in pinned CPU memory (`HostWeights`) between uses."""
+        if not need_ref:
+            return None, None
+        key = "actor_rollout_ref.ref.fsdp_config"
+        policy = resolve_policy(arr.ref.fsdp_config, self.device, key=key, trainable=False)
+        ref = frozen_copy(self.model, policy.param_dtype, self.device)
+        offload = offload_flags(arr.ref.fsdp_config, self.device, key=key, frozen=True)["offload_params"]
+        maybe_compile(ref, use_torch_compile(arr.ref), device=self.device)
+        log.info("reference: %s weights%s", short_name(policy.param_dtype), ", in CPU memory between uses" * offload)
+        return ref, (HostWeights(ref, self.device) if offload else None)
+
     def _build_rollout(self, rollout_cfg, hf_model, eos_ids: list[int]):
-        """The engine over a copy of the actor (the transformers module is then dropped), or HF generate."""
+        """The engine over the actor's weights (the transformers module is then dropped), or HF generate."""
         if self.rollout_name == "lathe":
             return build_engine(rollout_cfg, self.model, eos_ids)
-        if hf_model is not self.model:
-            hf_model.requires_grad_(False)        # the rollout's own copy: written by update_weights only
+        if hf_model is not self.model:      # the rollout's own copy: written by update_weights only
+            hf_model.requires_grad_(False)
+            hf_model.to(device=self.device, dtype=rollout_dtype(rollout_cfg.dtype, self.device))
         return HFRollout(hf_model, eos_token_id=eos_ids, pad_token_id=self.tokenizer.pad_token_id,
                          max_num_seqs=rollout_cfg.max_num_seqs or 1024)
 
@@ -106,9 +135,10 @@ class ActorRolloutRefWorker:
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu or self.log_prob_micro_batch_size
-        logp, _ = batched_log_probs(self.ref, batch.to(self.device), micro_batch_size=micro,
-                                    temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                                    remove_padding=self.remove_padding)
+        with (self.ref_host.on_device() if self.ref_host is not None else nullcontext(self.ref)) as ref:
+            logp, _ = batched_log_probs(ref, batch.to(self.device), micro_batch_size=micro,
+                                        temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+                                        remove_padding=self.remove_padding)
         return Batch({"ref_log_prob": logp.cpu()})
 
     # -- training -------------------------------------------------------------------------------
@@ -182,8 +212,9 @@ def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int]) -> LatheEngine:
-    """lathe's engine over a private copy of `actor` in the rollout dtype, on the actor's device."""
-    engine_model = _engine_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device))
+    """lathe's engine over `actor`'s weights in the rollout dtype, on the actor's device: the actor's own tensors
+    when they already are in that dtype (mixed-precision training on CUDA), else a frozen copy."""
+    engine_model = frozen_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device), actor.device, share=True)
     max_model_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
     return LatheEngine(engine_model, eos_token_id=eos_ids,
                        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
@@ -193,26 +224,45 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int]) -> Lathe
                        enforce_eager=rollout_cfg.enforce_eager)
 
 
-def _engine_copy(actor: LatheCausalLM, dtype: torch.dtype) -> LatheCausalLM:
-    """A frozen copy of `actor` in `dtype`, cast tensor by tensor (no full-precision second copy on the way)."""
-    tied = bool(getattr(actor.config, "tie_word_embeddings", False))
-    state = {k: v.detach().to(dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
-             for k, v in actor.state_dict().items() if not (tied and k == "lm_head.weight")}
+def frozen_copy(model, dtype: torch.dtype, device: torch.device, *, share: bool = False):
+    """An eval-mode, gradient-free module holding `model`'s weights in `dtype` on `device`.
+
+    lathe's decoder is rebuilt from its state dict tensor by tensor (no second full-precision copy on the way);
+    with `share`, tensors already in `dtype` on `device` are the very same storage (updates show through).
+    A transformers module is deep-copied."""
+    if not isinstance(model, LatheCausalLM):
+        return copy.deepcopy(model).to(device=device, dtype=dtype).requires_grad_(False).eval()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state = {k: _as(v.detach(), dtype if v.is_floating_point() else v.dtype, device, share)
+             for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     with torch.device("meta"):
-        model = type(actor)(actor.config)
-    load_into(model, state, "the actor's weights")
-    return model.requires_grad_(False).eval()
+        out = type(model)(model.config)
+    load_into(out, state, "the actor's weights")
+    return out.requires_grad_(False).eval()
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype, device: torch.device, share: bool) -> torch.Tensor:
+    if share and t.dtype == dtype and t.device == torch.device(device):
+        return t
+    return t.to(device=device, dtype=dtype, copy=True)
+
+
+def offload_flags(fsdp_cfg, device: torch.device, *, key: str, frozen: bool = False) -> dict[str, bool]:
+    """verl's `param_offload` / `optimizer_offload` for one model, as `build_optimizer` takes them.
+
+    They act on CUDA only: a CPU run has nothing to offload to, which is said once and ignored."""
+    asked = {"offload_params": bool(fsdp_cfg.param_offload),
+             "offload_state": bool(fsdp_cfg.optimizer_offload) and not frozen}
+    if any(asked.values()) and device.type != "cuda":
+        log.warning("%s: param_offload/optimizer_offload have no effect on a %s run (everything is in host "
+                    "memory already)", key, device.type)
+        return dict.fromkeys(asked, False)
+    return asked
 
 
 def _architecture(model) -> str:
     config = getattr(model, "config", None)
     return getattr(config, "architecture", None) or type(model).__name__
-
-
-def _frozen_copy(model):
-    ref = copy.deepcopy(model)
-    ref.requires_grad_(False)
-    return ref.eval()
 
 
 def _is_tied(model, name: str) -> bool:

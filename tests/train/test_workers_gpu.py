@@ -1,0 +1,56 @@
+"""The worker's CUDA path: bf16 compute on fp32 masters, the engine on the actor's own tensors, offload."""
+
+import pytest
+import torch
+
+from lathe.data.builtin import builtin_tokenizer
+from lathe.train.master import MasterAdamW
+from lathe.train.workers import ActorRolloutRefWorker, build_engine
+
+from .test_workers import _ppo_batch
+from .test_workers_engine import GREEDY, PROMPT_IDS, SECOND_EOS, _prompts, _qwen2
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_worker(load_cfg, *overrides):
+    cfg = load_cfg("actor_rollout_ref.rollout.name=lathe", "data.max_prompt_length=24", "data.max_response_length=12",
+                   "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.actor.optim.lr=1e-2",
+                   *overrides)
+    return ActorRolloutRefWorker(cfg, _qwen2(), builtin_tokenizer(), total_steps=10, device=torch.device("cuda"),
+                                 need_ref=True)
+
+
+def test_actor_computes_in_bf16_on_fp32_masters_and_the_engine_runs_on_its_tensors(load_cfg, rollout_batch):
+    worker = _cuda_worker(load_cfg)
+    assert isinstance(worker.optimizer, MasterAdamW)
+    masters = worker.optimizer.param_groups[0]["params"]
+    assert all(p.dtype == torch.bfloat16 for p in worker.model.parameters())
+    assert all(m.dtype == torch.float32 and m.is_cuda for m in masters)
+    assert all(p.dtype == torch.bfloat16 for p in worker.ref.parameters())
+    actor = {n: t.data_ptr() for n, t in worker.model.state_dict().items()}
+    assert all(actor[n] == t.data_ptr() for n, t in worker.rollout.model.state_dict().items()), "one copy of weights"
+    before = [m.clone() for m in masters]
+    worker.update_actor(_ppo_batch(worker, rollout_batch))
+    assert any(not torch.equal(a, b) for a, b in zip(masters, before)), "the masters moved"
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(worker.model.parameters(), masters))
+    worker.rollout.wake_up()
+    fresh = build_engine(worker.cfg.actor_rollout_ref.rollout, worker.model, [1, SECOND_EOS])
+    assert worker.rollout.generate(PROMPT_IDS, GREEDY).token_ids == fresh.generate(PROMPT_IDS, GREEDY).token_ids
+
+
+def test_offloaded_reference_and_optimizer_give_the_same_numbers(load_cfg, rollout_batch):
+    plain = _cuda_worker(load_cfg)
+    off = _cuda_worker(load_cfg, "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+                       "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                       "actor_rollout_ref.actor.fsdp_config.param_offload=true")
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in off.ref.parameters()), "ref waits in host memory"
+    batch = _ppo_batch(plain, rollout_batch)
+    assert torch.equal(off.compute_ref_log_prob(batch)["ref_log_prob"], batch["ref_log_prob"])
+    plain.update_actor(batch)
+    off.update_actor(batch)
+    moments = off.optimizer.state[off.optimizer.param_groups[0]["params"][0]]
+    assert moments["exp_avg"].device.type == "cpu"
+    assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), off.model.parameters()))
+    assert torch.equal(off.generate_sequences(_prompts(), GREEDY)["responses"],
+                       plain.generate_sequences(_prompts(), GREEDY)["responses"])

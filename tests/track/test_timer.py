@@ -58,3 +58,36 @@ def test_real_clock_measures_sleep():
     with timer("sleep"):
         time.sleep(0.02)
     assert 0.015 < timer.metrics()["timing_s/sleep"] < 1.0
+
+
+def test_a_memory_tracker_sees_every_phase_and_its_metrics_join_the_timings():
+    from lathe.track.memory import PeakMemory
+    seen = []
+
+    class Fake(PeakMemory):
+        def start(self, name):
+            seen.append(("start", name))
+
+        def stop(self, name):
+            seen.append(("stop", name))
+            self.gb[name] = {"gen": (3.0, 4.0), "update_actor": (7.5, 9.0)}[name]
+
+    timer = Timer(memory=Fake("cuda"))
+    with timer("gen"):
+        pass
+    with timer("update_actor"):
+        pass
+    m = timer.metrics()
+    assert seen == [("start", "gen"), ("stop", "gen"), ("start", "update_actor"), ("stop", "update_actor")]
+    assert m["perf/max_memory_allocated_gb/gen"] == 3.0 and m["perf/max_memory_reserved_gb/update_actor"] == 9.0
+    assert m["perf/max_memory_allocated_gb"] == 7.5 and m["perf/max_memory_reserved_gb"] == 9.0
+    timer.reset()
+    assert not any(k.startswith("perf/") for k in timer.metrics())
+
+
+def test_peak_memory_reports_nothing_on_a_cpu():
+    from lathe.track.memory import PeakMemory
+    timer = Timer(memory=PeakMemory("cpu"))
+    with timer("gen"):
+        pass
+    assert set(timer.metrics()) == {"timing_s/gen"}

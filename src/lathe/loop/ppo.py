@@ -20,12 +20,12 @@ from lathe.loop.steps import (
     rollout_correction_enabled,
 )
 from lathe.loop.validate import validate
-from lathe.track import ProgressBar, Timer
+from lathe.track import PeakMemory, ProgressBar, Timer
 
 
 def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
     """One RL iteration on a batch of prompts; returns the step's metrics (verl's names)."""
-    timer, metrics = Timer(), {}
+    timer, metrics = Timer(memory=PeakMemory(t.device)), {}
     rc = t.cfg.algorithm.rollout_correction
     start = time.perf_counter()
     batch, sample_metrics = sample_step_batch(t, prompts, timer)         # rollout + reward (+ DAPO, ReMax)

@@ -20,7 +20,7 @@ from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
 from lathe.config import critic_in_use, to_dict
 from lathe.data import RLDataset, StatefulDataLoader
-from lathe.models.hf import load_causal_lm, load_tokenizer
+from lathe.models.hf import load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
 from lathe.reward.registry import scorer_for
 from lathe.rollout.base import SamplingParams
@@ -123,10 +123,11 @@ def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: 
     """The starting policy: `model.path`, warm-started when asked (saved as `run_dir/init_model`)."""
     m = cfg.actor_rollout_ref.model
     init_dir = run_dir / INIT_MODEL
+    needs_transformers = cfg.actor_rollout_ref.rollout.name == "hf"
     if resume_dir is not None and (init_dir / "config.json").exists():
-        return load_causal_lm(str(init_dir))
-    model = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, vocab_size=len(tokenizer),
-                           seed=cfg.trainer.seed, override_config=m.override_config)
+        return load_policy(str(init_dir), impl=m.impl, needs_transformers=needs_transformers)
+    model = load_policy(m.path, impl=m.impl, needs_transformers=needs_transformers, trust_remote_code=m.trust_remote_code,
+                        vocab_size=len(tokenizer), seed=cfg.trainer.seed, override_config=m.override_config)
     if m.warm_start.steps > 0:
         model.to(device)
         examples = warm_start_examples(cfg, tokenizer, train_ds)
@@ -180,6 +181,7 @@ def build_trainer(cfg) -> Trainer:
 
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
     need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    log_memory_plan(cfg, model, device, need_ref=need_ref)
     worker = ActorRolloutRefWorker(cfg, model, tokenizer, total_steps=total_steps, device=device, need_ref=need_ref)
     trainer = Trainer(
         cfg=cfg, tokenizer=tokenizer, worker=worker,
@@ -196,6 +198,24 @@ def build_trainer(cfg) -> Trainer:
         resume(trainer, resume_dir)
     trainer.tracker.truncate_after(trainer.global_step)
     return trainer
+
+
+def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool) -> None:
+    """Print what will live where (GiB); refuse a run whose update cannot fit even before activations."""
+    from lathe.models.config import SUPPORTED_ARCHITECTURES
+    from lathe.train.memory import count_params, format_plan, plan
+    arr = cfg.actor_rollout_ref
+    n = count_params(model)
+    head = getattr(model, "lm_head", None)
+    critic = (n - (0 if head is None or getattr(model.config, "tie_word_embeddings", False) else head.weight.numel())
+              if critic_in_use(cfg) else None)
+    runs_lathe = type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None)
+    lathe_engine = arr.rollout.name != "hf" and bool(runs_lathe) and arr.model.impl != "hf"
+    text, fits = format_plan(plan(cfg, n, device, need_ref=need_ref, critic_params=critic, lathe_engine=lathe_engine),
+                             device, arr.rollout.gpu_memory_utilization)
+    log.info("%s", text)
+    if not fits:
+        raise ValueError(text)
 
 
 def build_critic(cfg, tokenizer, total_steps: int, device: torch.device):

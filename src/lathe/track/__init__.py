@@ -1,5 +1,5 @@
 """Metrics and loggers: ``Tracker`` (console, tensorboard, wandb, mlflow, always ``metrics.jsonl``),
-``Timer`` (``timing_s/*``), ``reduce_metrics``, the console step line and a progress bar.
+``Timer`` (``timing_s/*``, and with ``PeakMemory`` ``perf/max_memory_*_gb``), ``reduce_metrics``, the console step line and a progress bar.
 
 Metric names are verl's (``critic/score/mean``, ``actor/pg_loss``, ``timing_s/gen``,
 ``perf/throughput``, ``val-core/<data_source>/reward/mean@1`` ...); callers produce them, this
@@ -8,6 +8,7 @@ package only reduces, formats and writes them.
 
 from lathe.track.console import ProgressBar, format_step_line
 from lathe.track.jsonl import MetricsFile, read_metrics
+from lathe.track.memory import PeakMemory
 from lathe.track.metrics import reduce_metrics, to_scalar
 from lathe.track.timer import Timer
 from lathe.track.tracker import METRICS_FILE, VALID_LOGGERS, Tracker
@@ -15,6 +16,7 @@ from lathe.track.tracker import METRICS_FILE, VALID_LOGGERS, Tracker
 __all__ = [
     "Tracker",
     "Timer",
+    "PeakMemory",
     "reduce_metrics",
     "to_scalar",
     "format_step_line",

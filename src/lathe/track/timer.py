@@ -27,8 +27,10 @@ __all__ = ["Timer"]
 class Timer:
     """Accumulates seconds per phase name until ``reset()``; the same name used twice adds up."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, memory=None) -> None:
+        """`memory`: a `lathe.track.memory.PeakMemory` to measure each phase's peak device memory too."""
         self._clock = clock
+        self.memory = memory
         self.seconds: dict[str, float] = {}
         self._open: set[str] = set()
 
@@ -41,12 +43,16 @@ class Timer:
                 "count its seconds twice. Give the inner phase its own name."
             )
         self._open.add(name)
+        if self.memory is not None:
+            self.memory.start(name)
         start = self._clock()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + (self._clock() - start)
             self._open.discard(name)
+            if self.memory is not None:
+                self.memory.stop(name)
 
     def metrics(self, num_tokens: Mapping[str, int] | None = None) -> dict[str, float]:
         """``{"timing_s/<name>": s}`` plus ``{"timing_per_token_ms/<name>": ms}`` for named token counts.
@@ -58,8 +64,12 @@ class Timer:
         for name, count in (num_tokens or {}).items():
             if name in self.seconds and count > 0:
                 out[f"timing_per_token_ms/{name}"] = self.seconds[name] * 1000.0 / count
+        if self.memory is not None:
+            out.update(self.memory.metrics())
         return out
 
     def reset(self) -> None:
         """Forget the accumulated seconds (call once per step, after logging)."""
         self.seconds.clear()
+        if self.memory is not None:
+            self.memory.reset()

@@ -1,0 +1,105 @@
+"""The memory plan printed before training: what lives where, in GiB, and whether the update fits.
+
+Computed from parameter counts and the precision/offload keys, before any weight reaches the GPU, so a
+run that cannot fit says so (with the keys that would make it fit) in seconds rather than at the first
+out-of-memory error. Activations and the allocator's slack are not modelled: the plan is a floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lathe.device import GIB, total_memory
+from lathe.dtypes import short_name
+from lathe.train.precision import resolve_policy
+
+
+@dataclass
+class Part:
+    what: str
+    nbytes: int
+    on_gpu: bool
+    update_only: bool = False     # exists only during the update (gradients)
+    why: str = ""                 # where it lives and which key put it there
+    offload_key: str = ""         # the key that would move it to CPU memory
+
+
+def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trainable: bool = True,
+                weights_note: str = "") -> list[Part]:
+    """The parts one model contributes: compute weights, master weights, gradients and AdamW moments."""
+    policy = resolve_policy(fsdp_cfg, device, key=f"{prefix}.fsdp_config", trainable=trainable)
+    size = lambda dtype: n_params * torch.empty((), dtype=dtype).element_size()   # noqa: E731
+    key = f"{prefix}.fsdp_config"
+    if not trainable:
+        off = bool(fsdp_cfg.param_offload)
+        return [Part(f"{role} weights, {short_name(policy.param_dtype)}", size(policy.param_dtype), not off,
+                     why=f"{key}.param_offload=true" if off else "", offload_key=f"{key}.param_offload")]
+    parts = [Part(f"{role} weights, {short_name(policy.param_dtype)}{weights_note}", size(policy.param_dtype), True)]
+    if policy.mixed:
+        off = bool(fsdp_cfg.param_offload)
+        parts.append(Part(f"{role} master weights, {short_name(policy.master_dtype)}", size(policy.master_dtype),
+                          not off, why=f"{key}.param_offload=true" if off else "", offload_key=f"{key}.param_offload"))
+    parts.append(Part(f"{role} gradients, {short_name(policy.reduce_dtype)} (during the update)",
+                      size(policy.reduce_dtype), True, update_only=True))
+    off = bool(fsdp_cfg.optimizer_offload)
+    parts.append(Part(f"{role} AdamW moments, 2 x {short_name(policy.master_dtype)}", 2 * size(policy.master_dtype),
+                      not off, why=f"{key}.optimizer_offload=true" if off else "",
+                      offload_key=f"{key}.optimizer_offload"))
+    return parts
+
+
+def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_params: int | None,
+         lathe_engine: bool) -> list[Part]:
+    """The parts of a run: actor (+ a rollout copy unless lathe's engine runs on the actor's own weights in
+    the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's decoder."""
+    from lathe.train.workers import rollout_dtype
+    arr = cfg.actor_rollout_ref
+    compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
+    engine_dtype = rollout_dtype(arr.rollout.dtype, torch.device(device))
+    shares = lathe_engine and engine_dtype == compute
+    note = ", shared with the rollout engine" if shares else ""
+    parts = model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device, weights_note=note)
+    if not shares:
+        parts.append(Part(f"rollout weights, {short_name(engine_dtype)}",
+                          n_params * torch.empty((), dtype=engine_dtype).element_size(), True))
+    if need_ref:
+        parts += model_parts("reference", "actor_rollout_ref.ref", n_params, arr.ref.fsdp_config, device,
+                             trainable=False)
+    if critic_params:
+        parts += model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config, device)
+    return parts
+
+
+def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization: float) -> tuple[str, bool]:
+    """(the plan as log lines, whether the update fits in the device's memory)."""
+    total = total_memory(device)
+    resident = sum(p.nbytes for p in parts if p.on_gpu and not p.update_only)
+    update = resident + sum(p.nbytes for p in parts if p.on_gpu and p.update_only)
+    host = sum(p.nbytes for p in parts if not p.on_gpu)
+    where = f"{device} ({total / GIB:.1f} GiB)" if total else f"{device}"
+    lines = [f"memory plan on {where}:"]
+    for p in parts:
+        place = ("GPU" if p.on_gpu else "CPU") if total else "host"
+        lines.append(f"  {p.what:<58} {p.nbytes / GIB:7.2f} GiB  {place}{'  (' + p.why + ')' if p.why else ''}")
+    if not total:
+        return "\n".join(lines), True
+    kv = max(0.0, gpu_memory_utilization * total - resident)
+    lines.append(f"  GPU while generating: {resident / GIB:.2f} GiB + KV cache up to {kv / GIB:.2f} GiB "
+                 f"(rollout.gpu_memory_utilization={gpu_memory_utilization})")
+    lines.append(f"  GPU during the update: {update / GIB:.2f} GiB + activations")
+    if host:
+        lines.append(f"  CPU (pinned): {host / GIB:.2f} GiB")
+    fits = update < total
+    if not fits:
+        hint = "; ".join(f"{p.offload_key}=true saves {p.nbytes / GIB:.1f} GiB ({p.what})"
+                         for p in parts if p.on_gpu and p.offload_key)
+        lines.append(f"  DOES NOT FIT: the update needs {update / GIB:.1f} GiB of {total / GIB:.1f} GiB before "
+                     f"activations. Fix: {hint}; or use a smaller model.")
+    return "\n".join(lines), fits
+
+
+def count_params(model) -> int:
+    """Parameters of `model`, tied tensors once."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,50 @@
+"""Tests for lathe.train.memory: the start-up memory plan (what lives where, and whether the update fits)."""
+
+import pytest
+import torch
+
+import lathe.train.memory as memory
+from lathe.config import load_config
+
+N = 1_000_000_000           # 1B parameters: bf16 = 1.86 GiB, fp32 = 3.73 GiB
+CUDA = torch.device("cuda")
+
+
+def _plan(*overrides, need_ref=True, total_gib=80.0, lathe_engine=True, monkeypatch=None):
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(total_gib * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", *overrides])
+    parts = memory.plan(cfg, N, CUDA, need_ref=need_ref, critic_params=None, lathe_engine=lathe_engine)
+    return parts, *memory.format_plan(parts, CUDA, 0.5)
+
+
+def _gib(parts, what):
+    return next(p.nbytes for p in parts if p.what.startswith(what)) / 2**30
+
+
+def test_mixed_precision_parts_and_sizes(monkeypatch):
+    parts, text, fits = _plan(monkeypatch=monkeypatch)
+    assert _gib(parts, "actor weights, bf16, shared with the rollout engine") == pytest.approx(2 * N / 2**30)
+    assert _gib(parts, "actor master weights, fp32") == pytest.approx(4 * N / 2**30)
+    assert _gib(parts, "actor gradients, fp32") == pytest.approx(4 * N / 2**30)
+    assert _gib(parts, "actor AdamW moments") == pytest.approx(8 * N / 2**30)
+    assert _gib(parts, "reference weights, bf16") == pytest.approx(2 * N / 2**30)
+    assert not any(p.what.startswith("rollout weights") for p in parts), "the engine runs on the actor's bf16 weights"
+    assert fits and "GPU during the update: 18.63 GiB + activations" in text
+
+
+def test_offload_moves_parts_to_cpu_and_says_which_key(monkeypatch):
+    parts, text, _ = _plan("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                           "actor_rollout_ref.ref.fsdp_config.param_offload=true", monkeypatch=monkeypatch)
+    moments = next(p for p in parts if "moments" in p.what)
+    assert not moments.on_gpu and "optimizer_offload=true" in text and "CPU (pinned): 9.31 GiB" in text
+
+
+def test_an_update_that_cannot_fit_is_refused_with_the_keys_that_would_make_it_fit(monkeypatch):
+    _, text, fits = _plan(total_gib=16.0, monkeypatch=monkeypatch)
+    assert not fits
+    assert "DOES NOT FIT" in text and "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true saves 7.5 GiB" in text
+
+
+def test_a_transformers_rollout_keeps_its_own_copy(monkeypatch):
+    parts, _, _ = _plan(lathe_engine=False, monkeypatch=monkeypatch)
+    assert _gib(parts, "rollout weights, bf16") == pytest.approx(2 * N / 2**30)

@@ -1,0 +1,269 @@
+"""End to end: `lathe train` itself against TRL's GRPOTrainer on the same GRPO workload, one GPU.
+
+    python bench/e2e.py [--models 0.5b,1.5b,7b] [--systems lathe,trl] [--steps 5] [--out bench/results/e2e_<device>.json]
+    python bench/e2e.py --device cpu --models tiny --systems lathe --steps 2 --prompts 4 --n 2 \
+        --prompt-len 16 --response-len 8 --out /tmp/e2e_smoke.json                                   # CPU smoke test
+
+The workload (the one that issue 9 measured): random-weight Qwen2.5 shapes, `--prompts` prompts x `--n` samples
+per step, prompts of exactly `--prompt-len` tokens (synthetic words of a synthetic word-level tokenizer with
+the model's vocabulary size), exactly `--response-len` new tokens (lathe: `rollout.ignore_eos=true`; TRL:
+`min_new_tokens`), a cheap custom reward, one optimizer step per RL step, no KL (7B: `use_kl_loss=true` in lathe,
+the reference model on).
+
+- lathe: the `lathe train` command (`python -m lathe train base key=value ...`) in a child process, exactly as a
+  user runs it; per-step figures come from the run's `metrics.jsonl` (`timing_s/*`, `perf/*`).
+- TRL: `bench/e2e_trl.py` in a child process: `GRPOTrainer` with its defaults (fp32 weights, bf16 autocast,
+  gradient checkpointing, transformers `generate`), the same model directory, prompts, lengths and batch shape;
+  `per_device_train_batch_size x gradient_accumulation_steps` = prompts x n (one optimizer step per generation).
+
+Reported per model and system: median seconds per step over the steps after `--warmup` (compilation and
+allocator warm-up excluded), per-phase seconds, tokens/s, the update phase's MFU (model FLOPs: 6 x linear
+params + causal attention per token, over the datasheet bf16 peak), peak GPU memory, and lathe/TRL speed-up.
+Writes JSON after every run, so a timeout keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from train import SHAPES, datasheet_peak, device_name, git_sha, slug, train_flops  # noqa: E402
+
+# Per shape: lathe's micro-batch (sequences per forward/backward), gradient checkpointing, KL/ref, offload.
+LATHE_SETTINGS = {
+    "tiny": dict(micro=8, checkpointing=False, kl=False, extra=[]),
+    "0.5b": dict(micro=32, checkpointing=False, kl=False, extra=[]),
+    "1.5b": dict(micro=16, checkpointing=False, kl=False, extra=[]),
+    "7b": dict(micro=16, checkpointing=True, kl=True,
+               extra=["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]),
+}
+TRL_MICRO = {"tiny": 8, "0.5b": 32, "1.5b": 16, "7b": 8}
+
+REWARD_FILE = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Cheap and deterministic: the response's length in characters, folded into [0, 1)."""
+    return (len(solution_str) % 97) / 97.0
+'''
+
+
+# -- the workload on disk ----------------------------------------------------------------------------------
+def write_model(shape: str, where: Path, device: str) -> Path:
+    """A random-weight checkpoint of `shape` (bf16 safetensors + config.json), written once."""
+    from transformers import Qwen2Config
+
+    from lathe.models.config import LatheConfig
+    from lathe.models.decoder import LatheCausalLM, init_weights
+    out = where / f"model-{shape}"
+    if (out / "config.json").exists():
+        return out
+    hf = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, eos_token_id=0, pad_token_id=0,
+                     bos_token_id=None, rope_theta=1e6).to_dict()
+    hf["architectures"] = ["Qwen2ForCausalLM"]
+    cfg = LatheConfig.from_hf_dict(hf, source=f"bench shape {shape}")
+    with torch.device(device):
+        model = LatheCausalLM(cfg).to(torch.bfloat16)
+    torch.manual_seed(0)
+    init_weights(model)
+    model.save_pretrained(out)
+    return out
+
+
+def write_tokenizer(vocab_size: int, where: Path) -> Path:
+    """A word-level tokenizer: id 0 `<eos>` (also pad), id 1 `<unk>`, then synthetic words `w2 .. w{V-1}`. Kept in a
+    directory of its own (transformers 5 would read a tokenizer beside a qwen2 config.json as Qwen2Tokenizer).
+    (Special tokens must not look like words: added tokens match inside words, `w1` would split `w136`.)"""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    out = where / f"tokenizer-{vocab_size}"
+    if (out / "tokenizer.json").exists():
+        return out
+    vocab = {"<eos>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    fast.save_pretrained(out)
+    return out
+
+
+def write_data(where: Path, *, rows: int, prompt_len: int, vocab_size: int) -> tuple[Path, Path]:
+    """verl-schema parquet (chat prompts, for lathe) and JSON lines of the same prompts as text (for TRL)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(f"w{int(i)}" for i in torch.randint(2, vocab_size, (prompt_len,), generator=g))
+             for _ in range(rows)]
+    parquet, jsonl = where / f"train-{prompt_len}.parquet", where / f"train-{prompt_len}.jsonl"
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "e2e", "prompt": [{"role": "user", "content": t}], "ability": "bench",
+         "reward_model": {"style": "rule", "ground_truth": "0"}, "extra_info": {"index": i}}
+        for i, t in enumerate(texts)]), parquet)
+    jsonl.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return parquet, jsonl
+
+
+# -- the two systems ---------------------------------------------------------------------------------------
+def lathe_command(shape: str, paths: dict, args) -> list[str]:
+    s = LATHE_SETTINGS[shape]
+    kl = ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001"] if s["kl"] else []
+    return [sys.executable, "-m", "lathe", "train", "base",
+            f"data.train_files={paths['parquet']}", "data.val_files=null", "trainer.test_freq=-1",
+            f"data.train_batch_size={args.prompts}", f"data.max_prompt_length={args.prompt_len}",
+            f"data.max_response_length={args.response_len}", "data.shuffle=false",
+            f"actor_rollout_ref.model.path={paths['model']}", f"actor_rollout_ref.model.tokenizer_path={paths['tokenizer']}",
+            "actor_rollout_ref.model.use_remove_padding=true",
+            f"actor_rollout_ref.model.enable_gradient_checkpointing={str(s['checkpointing']).lower()}",
+            "algorithm.adv_estimator=grpo", f"actor_rollout_ref.rollout.n={args.n}",
+            "actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.temperature=1.0",
+            f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={min(s['micro'], args.prompts * args.n)}",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={min(2 * s['micro'], args.prompts * args.n)}",
+            "actor_rollout_ref.actor.optim.lr=1e-6", *kl, *s["extra"],
+            f"reward.custom_reward_function.path={paths['reward']}",
+            f"trainer.total_training_steps={args.steps}", "trainer.logger=[console]", "trainer.save_freq=-1",
+            "trainer.resume_mode=disable", f"trainer.device={args.device}",
+            f"trainer.default_local_dir={paths['run'] / 'lathe'}"]
+
+
+def run_child(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
+                                ).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.perf_counter() - start
+
+
+def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float | None) -> dict:
+    timed = steps[warmup:] or steps[-1:]
+    med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
+    phases = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
+    row = {"step_s": med("timing_s/step"), "phases_s": {k.split("/", 1)[1]: med(k) for k in phases},
+           "tokens_per_s": med("perf/throughput"), "steps_timed": len(timed),
+           "step_s_all": [s.get("timing_s/step") for s in steps],
+           "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps), default=None),
+           "max_memory_reserved_gb": max((s.get("perf/max_memory_reserved_gb", 0) for s in steps), default=None),
+           "max_memory_allocated_gb_by_phase": {k.rsplit("/", 1)[1]: max(s.get(k, 0) for s in steps)
+                                                 for k in steps[-1] if k.startswith("perf/max_memory_allocated_gb/")}}
+    update = row["phases_s"].get("update_actor")
+    if update and peak_tflops:
+        row["update_mfu"] = flops / update / 1e12 / peak_tflops
+    return row
+
+
+def bench_model(shape: str, args, peak: float | None) -> dict:
+    where = Path(args.workdir)
+    where.mkdir(parents=True, exist_ok=True)
+    vocab = SHAPES[shape]["vocab_size"]
+    parquet, jsonl = write_data(where, rows=args.prompts * (args.steps + 1), prompt_len=args.prompt_len,
+                                vocab_size=vocab)
+    (where / "reward.py").write_text(REWARD_FILE)
+    paths = {"model": write_model(shape, where, args.device), "tokenizer": write_tokenizer(vocab, where),
+             "parquet": parquet, "jsonl": jsonl, "reward": where / "reward.py", "run": where / f"run-{shape}"}
+    seqs = args.prompts * args.n
+    flops = train_flops(SHAPES[shape], [args.prompt_len + args.response_len] * seqs)
+    res = {"shape": shape, "sequences_per_step": seqs, "tokens_per_step": seqs * (args.prompt_len + args.response_len),
+           "update_model_flops": flops, "lathe_settings": LATHE_SETTINGS[shape]}
+    if "lathe" in args.systems:
+        cmd = lathe_command(shape, paths, args)
+        metrics = paths["run"] / "lathe" / "metrics.jsonl"
+        metrics.unlink(missing_ok=True)
+        rc, wall = run_child(cmd, Path(args.logs) / f"lathe-{shape}.log", args.timeout)
+        steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        res["lathe"] = {"command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall,
+                        **(lathe_row(steps, args.warmup, flops, peak) if steps else {})}
+    if "trl" in args.systems and shape not in args.trl_skip:
+        out = paths["run"] / "trl.json"
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, str(ROOT / "bench" / "e2e_trl.py"), "--model", str(paths["model"]),
+               "--tokenizer", str(paths["tokenizer"]), "--prompts-file", str(paths["jsonl"]), "--n", str(args.n),
+               "--prompts", str(args.prompts), "--response-len", str(args.response_len), "--steps", str(args.trl_steps),
+               "--micro", str(min(TRL_MICRO[shape], seqs)), "--out", str(out), "--beta",
+               "0.001" if LATHE_SETTINGS[shape]["kl"] else "0.0"]
+        rc, wall = run_child(cmd, Path(args.logs) / f"trl-{shape}.log", args.timeout)
+        trl = json.loads(out.read_text()) if out.exists() else {}
+        timed = trl.get("step_s_all", [])[args.trl_warmup:]
+        res["trl"] = {"command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall, **trl,
+                      "step_s": statistics.median(timed) if timed else None}
+    elif "trl" in args.systems:
+        res["trl"] = {"skipped": args.trl_skip[shape]}
+    lathe_s, trl_s = res.get("lathe", {}).get("step_s"), res.get("trl", {}).get("step_s")
+    if lathe_s and trl_s:
+        res["speedup_vs_trl"] = trl_s / lathe_s
+    return res
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'model':<6} {'lathe s/step':>12} {'gen':>6} {'old_lp':>7} {'ref':>6} {'update':>7} {'MFU upd':>8} "
+          f"{'tok/s':>9} {'peak GiB':>9} {'TRL s/step':>11} {'speed-up':>9}")
+    for shape, r in results["models"].items():
+        la, tr = r.get("lathe", {}), r.get("trl", {})
+        ph = la.get("phases_s", {})
+        f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"   # noqa: E731
+        print(f"{shape:<6} {f(la.get('step_s'), '12.2f')} {f(ph.get('gen'), '6.2f')} {f(ph.get('old_log_prob'), '7.2f')} "
+              f"{f(ph.get('ref'), '6.2f')} {f(ph.get('update_actor'), '7.2f')} {f(la.get('update_mfu'), '8.1%')} "
+              f"{f(la.get('tokens_per_s'), '9.0f')} {f(la.get('max_memory_allocated_gb'), '9.1f')} "
+              f"{f(tr.get('step_s'), '11.2f')} {f(r.get('speedup_vs_trl'), '8.2f')}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="0.5b,1.5b,7b")
+    p.add_argument("--systems", default="lathe,trl")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5, help="lathe steps per model")
+    p.add_argument("--warmup", type=int, default=2, help="lathe steps left out of the median (compilation)")
+    p.add_argument("--trl-steps", type=int, default=4)
+    p.add_argument("--trl-warmup", type=int, default=1)
+    p.add_argument("--trl-skip", default="7b", help="shapes TRL is not run on (comma list)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--workdir", default="/tmp/lathe-e2e")
+    p.add_argument("--logs", default=None, help="child logs directory (default: <workdir>/logs)")
+    p.add_argument("--git-sha", default=None, help="the commit measured (the GPU copy of the tree may lack .git)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    args.systems = args.systems.split(",")
+    args.trl_skip = {s: "not run: TRL keeps fp32 weights, gradients and AdamW state (about 16 bytes per parameter) "
+                        "plus a reference copy, which does not fit one GPU at 7B"
+                     for s in args.trl_skip.split(",") if s}
+    args.logs = args.logs or str(Path(args.workdir) / "logs")
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    name = device_name(device)
+    out = Path(args.out or ROOT / "bench" / "results" / f"e2e_{slug(name)}.json")
+    results = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
+               "workload": {k: getattr(args, k) for k in ("prompts", "n", "prompt_len", "response_len", "steps",
+                                                          "warmup", "trl_steps", "trl_warmup")},
+               "peak_bf16_tflops_datasheet": datasheet_peak(name), "models": {}}
+    for shape in args.models.split(","):
+        results["models"][shape] = bench_model(shape, args, datasheet_peak(name))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        print_table(results)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

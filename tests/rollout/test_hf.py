@@ -7,6 +7,8 @@ from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train.logprob import response_log_probs
 
+from helpers import assert_close_rel
+
 MAX = 8
 
 
@@ -50,8 +52,8 @@ def test_greedy_matches_manual_loop_on_ragged_prompts(make_model, tok, prompts):
 def test_greedy_log_probs_are_at_temperature_one(make_model, tok, prompts):
     model = make_model()
     out = _rollout(model, tok).generate(prompts, SamplingParams(do_sample=False, temperature=0.5, max_tokens=4))
-    for p, r, lp in zip(prompts, out.token_ids, out.logprobs):
-        assert torch.allclose(torch.tensor(lp, dtype=torch.float64), _manual_log_probs(model, p, r, 1.0), atol=1e-5)
+    for i, (p, r, lp) in enumerate(zip(prompts, out.token_ids, out.logprobs)):
+        assert_close_rel(lp, _manual_log_probs(model, p, r, 1.0), name=f"log-probs of row {i}")
 
 
 def test_sampled_log_probs_match_teacher_forced_forward(make_model, tok, prompts):
@@ -63,12 +65,11 @@ def test_sampled_log_probs_match_teacher_forced_forward(make_model, tok, prompts
     mask = batch["response_mask"].bool()
     with torch.no_grad():
         trainer_lp, _ = response_log_probs(model, batch, temperature=T)
-    assert (trainer_lp - batch["rollout_log_probs"])[mask].abs().max() < 1e-5
+    assert_close_rel(batch["rollout_log_probs"][mask], trainer_lp[mask], name="log-probs vs the trainer's")
     # an independent computation, one unpadded sequence at a time
     rows = [p for p in prompts for _ in range(2)]
-    for p, r, lp in zip(rows, out.token_ids, out.logprobs):
-        manual = _manual_log_probs(model, p, r, T)
-        assert (torch.tensor(lp, dtype=torch.float64) - manual).abs().max() < 1e-5
+    for i, (p, r, lp) in enumerate(zip(rows, out.token_ids, out.logprobs)):
+        assert_close_rel(lp, _manual_log_probs(model, p, r, T), name=f"log-probs of row {i}")
     # and the temperature matters: at T=1 the values differ
     lp_t1, _ = response_log_probs(model, batch, temperature=1.0)
     assert (lp_t1 - batch["rollout_log_probs"])[mask].abs().max() > 1e-3
@@ -125,8 +126,7 @@ def test_n_samples_are_prompt_major(make_model, tok, prompts):
     # sampled: sample j of prompt i is row i*n + j; the log-probs follow that prompt
     sampled = rollout.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4, n=3, seed=0, ignore_eos=True))
     for row, (r, lp) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
-        manual = _manual_log_probs(rollout.model, prompts[row // 3], r, 1.0)
-        assert (torch.tensor(lp, dtype=torch.float64) - manual).abs().max() < 1e-5
+        assert_close_rel(lp, _manual_log_probs(rollout.model, prompts[row // 3], r, 1.0), name=f"row {row}")
 
 
 def test_max_num_seqs_chunks_give_the_same_output(make_model, tok, prompts):

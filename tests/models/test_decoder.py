@@ -127,7 +127,8 @@ def test_bf16_weights_run_and_track_fp32(tmp_path):
         a = fp32(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         b = bf16(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     assert b.dtype == torch.bfloat16
-    assert (a - b.float())[mask.bool()].abs().max() < 0.05
+    real = mask.bool()
+    assert_close_rel(b[real], a[real], rel=0.05, name="bf16 logits")   # 8-bit mantissas: 1e-2 here
     # rope frequencies stay float32 after .to(bfloat16)
     assert bf16.to(torch.bfloat16).model.rotary_emb.inv_freq.dtype == torch.float32
 

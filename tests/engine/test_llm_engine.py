@@ -7,6 +7,8 @@ from lathe.engine.llm_engine import LatheEngine
 from lathe.models import load_lathe_model
 from lathe.rollout.base import SamplingParams
 
+from helpers import assert_close_rel
+
 from .conftest import PROMPTS
 
 MAX = 10
@@ -55,7 +57,7 @@ def test_log_probs_equal_teacher_forced_forward(checkpoints):
         for prompt, ids, lps in zip(prompts, out.token_ids, out.logprobs):
             assert len(ids) == len(lps) == MAX
             ref = _teacher_forced(model, prompt, ids, t)
-            torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+            assert_close_rel(lps, ref, name="log-probs")
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoints):

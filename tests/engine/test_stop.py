@@ -10,6 +10,8 @@ from lathe.engine.stop import StopStrings, check_stop_strings, first_stop, stop_
 from lathe.rollout.base import SamplingParams
 from lathe.rollout.hf import HFRollout
 
+from helpers import assert_close_rel
+
 from .conftest import PROMPTS
 
 MAX = 12
@@ -132,7 +134,9 @@ def test_engine_stops_on_a_string_from_an_unconstrained_run(checkpoints):
     for i, ids in enumerate(free.token_ids):
         k = first_stop(ids, StopStrings.from_tokenizer([stop], tok))
         end = MAX if k is None else k
-        assert out.token_ids[i] == ids[:end] and out.logprobs[i] == pytest.approx(free.logprobs[i][:end])
+        assert out.token_ids[i] == ids[:end]
+        # the batch shrinks at other steps once a row stops: the same log-probs up to rounding
+        assert_close_rel(out.logprobs[i], free.logprobs[i][:end], name=f"log-probs of row {i}")
         assert out.finish_reasons[i] == ("length" if k is None else "stop")
     assert out.finish_reasons[0] == "stop"
     assert tok.decode(out.token_ids[0], skip_special_tokens=True).endswith(stop)

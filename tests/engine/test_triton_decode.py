@@ -7,6 +7,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from lathe.engine.paged_attention import decode_attention  # noqa: E402
+from helpers import assert_close_rel  # noqa: E402
 from models.lathe_tiny import save_hf  # noqa: E402
 
 
@@ -45,8 +46,7 @@ def test_kernel_equals_reference(kernel, batch, hq, hkv, dim, page, splits):
     q = torch.randn(batch, hq, dim, generator=g)
     out = kernel.paged_decode(q, kc, vc, tables, lens.int(), num_splits=splits, block_n=32)
     ref = decode_attention(q, kc, vc, tables.long(), lens)
-    assert out.shape == ref.shape
-    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    assert_close_rel(out, ref, name="paged decode")
 
 
 def test_engine_with_triton_decode_equals_torch_decode(kernel, tmp_path):
@@ -65,7 +65,7 @@ def test_engine_with_triton_decode_equals_torch_decode(kernel, tmp_path):
         assert engine.runner.decode_backend == backend
         outs[backend] = engine.generate(prompts, params)
     assert outs["triton"].token_ids == outs["torch"].token_ids
-    assert np.allclose(sum(outs["triton"].logprobs, []), sum(outs["torch"].logprobs, []), atol=1e-5)
+    assert_close_rel(sum(outs["triton"].logprobs, []), sum(outs["torch"].logprobs, []), name="log-probs")
 
 
 def test_num_splits_fill_the_device(kernel):
@@ -91,4 +91,4 @@ def test_fused_sampler_equals_torch_sampler(kernel):
     tok, lp = fused_sample(logits, temps, greedy, u, block=512)
     assert tok.tolist() == ref_tok
     assert tok[2] == 4321 and tok[3] == int(logits[3].argmax())
-    assert np.allclose(lp.numpy(), ref_lp, atol=1e-5)
+    assert_close_rel(lp, ref_lp, name="log-probs")

@@ -9,9 +9,9 @@ from lathe.models import UnsupportedArchitecture, load_lathe_model, load_lathe_v
 from lathe.models.io import SAFE_INDEX, parse_size, read_state_dict, save_pretrained
 from lathe.models.packing import pack_padded
 
-from .lathe_tiny import FAMILIES, ragged_batch, save_hf
+from helpers import assert_close_rel
 
-ATOL = 1e-4
+from .lathe_tiny import FAMILIES, ragged_batch, save_hf
 
 
 def _logits(model, batch):
@@ -25,7 +25,7 @@ def test_lathe_reads_a_sharded_transformers_checkpoint(tmp_path):
     assert (path / SAFE_INDEX).is_file() and len(list(path.glob("model-*.safetensors"))) > 1
     ref, real = _logits(hf, ragged_batch(0))
     out, _ = _logits(load_lathe_model(path), ragged_batch(0))
-    assert (out - ref)[real].abs().max() <= ATOL
+    assert_close_rel(out[real], ref[real], name="logits")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -48,7 +48,7 @@ def test_saved_checkpoint_loads_back_in_transformers(tmp_path, family, tie, shar
     ref, real = _logits(back, ragged_batch(1))
     ours, _ = _logits(lathe, ragged_batch(1))
     orig, _ = _logits(hf, ragged_batch(1))
-    assert (ours - ref)[real].abs().max() <= ATOL
+    assert_close_rel(ours[real], ref[real], name="logits")
     assert (orig - ref)[real].abs().max() > 1e-3
 
 
@@ -110,10 +110,10 @@ def test_value_model_from_a_causal_lm_starts_at_zero_and_round_trips_through_tra
     assert type(hf).__name__ == "Qwen2ForTokenClassification" and hf.config.num_labels == 1
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    assert (values - ref)[mask.bool()].abs().max() <= ATOL
+    assert_close_rel(values[mask.bool()], ref[mask.bool()], name="values")
     again = load_lathe_value_model(tmp_path / "critic")
     assert torch.equal(again.score.weight, critic.score.weight) and torch.equal(again.score.bias, critic.score.bias)
     p = pack_padded(ids, mask, pos)
     with torch.no_grad():
         packed = again.forward_packed(p.input_ids, p.position_ids, p.cu_seqlens, p.max_seqlen)
-    assert (packed - values[mask.bool()].squeeze(-1)).abs().max() <= ATOL
+    assert_close_rel(packed, values[mask.bool()].squeeze(-1), name="packed values")

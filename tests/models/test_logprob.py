@@ -7,6 +7,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lathe.models import load_lathe_model
 from lathe.models.logprob import chunked_log_probs, naive_log_probs, response_log_probs
 
+from helpers import assert_close_rel
+
 from .lathe_tiny import save_hf
 
 
@@ -35,11 +37,11 @@ def test_chunked_equals_naive_in_value_and_gradient(chunk_size, temperature, ent
     kw = dict(temperature=temperature, calculate_entropy=entropy)
     ours = _value_and_grads(chunked_log_probs, h, w, t, chunk_size=chunk_size, **kw)
     ref = _value_and_grads(naive_log_probs, h, w, t, **kw)
-    for a, b in zip(ours, ref):
+    for name, a, b in zip(("log-probs", "entropy", "grad h", "grad w"), ours, ref):
         if b is None:
             assert a is None
         else:
-            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+            assert_close_rel(a, b, name=name)
 
 
 def test_gradcheck_in_float64():
@@ -58,7 +60,8 @@ def test_temperature_divides_the_logits():
 def test_any_leading_shape_and_bad_inputs():
     h, w, t = _inputs(n=12)
     lp, _ = chunked_log_probs(h.view(3, 4, -1), w, t.view(3, 4), chunk_size=5)
-    assert lp.shape == (3, 4) and torch.allclose(lp.flatten(), naive_log_probs(h, w, t)[0], atol=1e-6)
+    assert lp.shape == (3, 4)
+    assert_close_rel(lp.flatten(), naive_log_probs(h, w, t)[0])
     with pytest.raises(ValueError, match="temperature"):
         chunked_log_probs(h, w, t, temperature=0)
     with pytest.raises(ValueError, match="targets"):
@@ -122,6 +125,6 @@ def test_response_log_probs_equal_a_full_logits_forward(tmp_path):
         ((lp * resp_mask).sum() - 0.1 * (ent * resp_mask).sum()).backward()
         results.append(((lp * resp_mask).detach(), (ent * resp_mask).detach(),
                         torch.cat([p.grad.flatten() for p in model.parameters()])))
-    for a, b in zip(*results):
-        assert torch.allclose(a, b, atol=1e-5)
+    for name, a, b in zip(("log-probs", "entropy", "gradients"), *results):
+        assert_close_rel(a, b, name=name)
     assert results[0][2].abs().sum() > 0

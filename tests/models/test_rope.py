@@ -6,6 +6,8 @@ import torch
 from lathe.models.config import LatheConfig
 from lathe.models.rope import RotaryEmbedding, apply_rotary, default_inv_freq
 
+from helpers import assert_close_rel
+
 SCALINGS = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
@@ -35,7 +37,8 @@ def test_cos_sin_equal_transformers(kind):
     positions = torch.arange(200).unsqueeze(0)   # inside max_position_embeddings
     cos, sin = ours(positions, torch.float32)
     ref_cos, ref_sin = theirs(x, positions)
-    assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
+    assert_close_rel(cos, ref_cos, name="cos")
+    assert_close_rel(sin, ref_sin, name="sin")
 
 
 @pytest.mark.parametrize("kind", ["llama3", "linear", "yarn"])
@@ -63,7 +66,7 @@ def test_rotation_preserves_norm_and_is_relative():
         cq, sq = rope(torch.tensor([pq]), torch.float32)
         ck, sk = rope(torch.tensor([pk]), torch.float32)
         return (apply_rotary(q, cq, sq) * apply_rotary(k, ck, sk)).sum(-1)
-    assert torch.allclose(apply_rotary(q, *rope(torch.tensor([7]), torch.float32)).norm(dim=-1), q.norm(dim=-1),
-                          atol=1e-5)
-    assert torch.allclose(score(5, 2), score(13, 10), atol=1e-4)
+    assert_close_rel(apply_rotary(q, *rope(torch.tensor([7]), torch.float32)).norm(dim=-1), q.norm(dim=-1),
+                     name="norm after rotation")
+    assert_close_rel(score(13, 10), score(5, 2), name="score at another absolute position")
     assert not torch.allclose(score(5, 2), score(5, 4), atol=1e-3)

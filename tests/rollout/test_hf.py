@@ -1,11 +1,18 @@
 """Tests for lathe.rollout.hf.HFRollout on a tiny random Qwen2 model (see conftest.py)."""
 
+import weakref
+from collections import Counter
+from dataclasses import replace
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train.logprob import response_log_probs
+
+from helpers import assert_close_rel
 
 MAX = 8
 
@@ -50,8 +57,8 @@ def test_greedy_matches_manual_loop_on_ragged_prompts(make_model, tok, prompts):
 def test_greedy_log_probs_are_at_temperature_one(make_model, tok, prompts):
     model = make_model()
     out = _rollout(model, tok).generate(prompts, SamplingParams(do_sample=False, temperature=0.5, max_tokens=4))
-    for p, r, lp in zip(prompts, out.token_ids, out.logprobs):
-        assert torch.allclose(torch.tensor(lp, dtype=torch.float64), _manual_log_probs(model, p, r, 1.0), atol=1e-5)
+    for i, (p, r, lp) in enumerate(zip(prompts, out.token_ids, out.logprobs)):
+        assert_close_rel(lp, _manual_log_probs(model, p, r, 1.0), name=f"log-probs of row {i}")
 
 
 def test_sampled_log_probs_match_teacher_forced_forward(make_model, tok, prompts):
@@ -63,15 +70,70 @@ def test_sampled_log_probs_match_teacher_forced_forward(make_model, tok, prompts
     mask = batch["response_mask"].bool()
     with torch.no_grad():
         trainer_lp, _ = response_log_probs(model, batch, temperature=T)
-    assert (trainer_lp - batch["rollout_log_probs"])[mask].abs().max() < 1e-5
+    assert_close_rel(batch["rollout_log_probs"][mask], trainer_lp[mask], name="log-probs vs the trainer's")
     # an independent computation, one unpadded sequence at a time
     rows = [p for p in prompts for _ in range(2)]
-    for p, r, lp in zip(rows, out.token_ids, out.logprobs):
-        manual = _manual_log_probs(model, p, r, T)
-        assert (torch.tensor(lp, dtype=torch.float64) - manual).abs().max() < 1e-5
+    for i, (p, r, lp) in enumerate(zip(rows, out.token_ids, out.logprobs)):
+        assert_close_rel(lp, _manual_log_probs(model, p, r, T), name=f"log-probs of row {i}")
     # and the temperature matters: at T=1 the values differ
     lp_t1, _ = response_log_probs(model, batch, temperature=1.0)
     assert (lp_t1 - batch["rollout_log_probs"])[mask].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [0, 0.7])
+def test_log_probs_of_rows_cut_by_eos_and_stop_strings_match_teacher_forced_forward(make_model, tok, prompts,
+                                                                                    temperature):
+    """Rows end early on an eos or a stop string; min_tokens bans the eos for two steps and top-k/top-p warp the
+    sampling scores, yet each kept token's log-prob is log_softmax(raw logits / T) of a teacher-forced forward."""
+    model = make_model()
+    params = SamplingParams(temperature=temperature, top_k=8, top_p=0.9, max_tokens=MAX, min_tokens=2, n=3, seed=5)
+    free = _rollout(model, tok).generate(prompts, replace(params, ignore_eos=True))
+    eos = Counter(t for r in free.token_ids for t in set(r[2:])).most_common(1)[0][0]    # a token it often emits
+    other = next(r for r in free.token_ids if eos not in r[2:])
+    stop = tok.decode(other, skip_special_tokens=True)[3:5]                              # a string it writes
+    out = _rollout(model, tok, eos=eos, tokenizer=tok).generate(prompts, replace(params, stop=[stop]))
+    ends = [("eos" if r[-1] == eos else "stop") if reason == "stop" else reason
+            for r, reason in zip(out.token_ids, out.finish_reasons)]
+    assert {"eos", "stop"} <= set(ends), f"precondition: rows cut by an eos and by a stop string: {ends}"
+    for row, (r, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        manual = _manual_log_probs(model, prompts[row // 3], r, params.logprob_temperature)
+        assert_close_rel(lp, manual, name=f"log-probs of row {row}")
+
+
+class _LiveLogits(TorchDispatchMode):
+    """Peak bytes held at once in tensors shaped like logits, (rows, ..., vocabulary): the dispatch mode sees every
+    tensor an op creates, and weak references tell which are still alive."""
+
+    def __init__(self, rows: int, vocab: int):
+        super().__init__()
+        self.rows, self.vocab, self.refs, self.peak = rows, vocab, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(x, torch.Tensor) and x.dim() >= 2 and (x.shape[0], x.shape[-1]) == (self.rows, self.vocab):
+                self.refs.append(weakref.ref(x))
+                live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in (r() for r in self.refs) if t is not None}
+                self.peak = max(self.peak, sum(live.values()))
+        return out
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_logits_held_do_not_grow_with_the_number_of_new_tokens(make_model, tok, prompts, temperature):
+    """The logits alive at once (one step's: generate's own buffers and the log-prob capture's) do not grow with
+    the generation; keeping every step's (output_logits) would take hundreds of GB at a 152k vocabulary."""
+    rollout = _rollout(make_model(), tok)
+    peaks = {}
+    for max_tokens in (3, 12):
+        params = SamplingParams(temperature=temperature, top_k=10, top_p=0.9, max_tokens=max_tokens, n=2, seed=0,
+                                ignore_eos=True)
+        with _LiveLogits(len(prompts) * 2, len(tok)) as probe:
+            out = rollout.generate(prompts, params)
+        assert [len(lp) for lp in out.logprobs] == [max_tokens] * len(out.logprobs)
+        peaks[max_tokens] = probe.peak
+    assert peaks[3] > 0, "precondition: the probe sees the logits"
+    assert peaks[12] == peaks[3], f"logits held grow with the generation: {peaks}"
 
 
 def test_finish_reason_stop_on_eos_includes_it_and_cuts(make_model, tok, prompts):
@@ -125,8 +187,7 @@ def test_n_samples_are_prompt_major(make_model, tok, prompts):
     # sampled: sample j of prompt i is row i*n + j; the log-probs follow that prompt
     sampled = rollout.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4, n=3, seed=0, ignore_eos=True))
     for row, (r, lp) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
-        manual = _manual_log_probs(rollout.model, prompts[row // 3], r, 1.0)
-        assert (torch.tensor(lp, dtype=torch.float64) - manual).abs().max() < 1e-5
+        assert_close_rel(lp, _manual_log_probs(rollout.model, prompts[row // 3], r, 1.0), name=f"row {row}")
 
 
 def test_max_num_seqs_chunks_give_the_same_output(make_model, tok, prompts):

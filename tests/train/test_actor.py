@@ -7,6 +7,10 @@ from lathe.train.actor import PPOActor, policy_loss_params
 from lathe.train.logprob import response_log_probs
 from lathe.train.optim import build_optimizer, build_scheduler
 
+from helpers import assert_close_rel
+
+from .conftest import UPDATE_REL
+
 
 def _actor(model, cfg, optimizer=None):
     arr = cfg.actor_rollout_ref
@@ -39,6 +43,11 @@ def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _update(params, start):
+    """What an update changed, by parameter name: compared by norm-relative error (see helpers)."""
+    return {k: params[k] - start[k] for k in start}
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_update_does_not_depend_on_micro_batch_size(make_model, rollout_batch, load_cfg, agg):
     common = [f"actor_rollout_ref.actor.loss_agg_mode={agg}", "actor_rollout_ref.actor.use_kl_loss=true",
@@ -49,14 +58,17 @@ def test_update_does_not_depend_on_micro_batch_size(make_model, rollout_batch, l
     for micro in ("null", 4, 2, 1):   # mini-batch = 2 prompts x n=2 = 4 sequences: whole, halves, quarters
         cfg = load_cfg(*common, f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}")
         model = make_model()
-        actor = _actor(model, cfg)
+        # SGD: the update is the gradient, scale included; Adam's first step is ~lr * sign(gradient), which
+        # hides a mis-scaled gradient and turns the rounding noise of a near-zero one into a full lr step
+        actor = _actor(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         metrics = actor.update_policy(_ppo_batch(model, rollout_batch, temperature=0.7))
         results[micro] = (_params(model), metrics)
     whole, whole_metrics = results["null"]
     assert _max_diff(whole, start) > 1e-4, "precondition: the update moves the parameters"
     for micro in (4, 2, 1):
         params, metrics = results[micro]
-        assert _max_diff(params, whole) < 1e-6, f"micro-batch {micro} changed the update"
+        assert_close_rel(_update(params, start), _update(whole, start), UPDATE_REL,
+                         name=f"update with micro-batch {micro}")
         # losses are normalised by whole-mini-batch counts, so they add up exactly over micro-batches
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-5, abs=1e-7), key
@@ -133,8 +145,8 @@ def _actor_remove_padding(model, cfg, remove_padding):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
 def test_lathe_packed_and_padded_updates_agree(make_model, make_lathe, rollout_batch, load_cfg, agg):
-    """PPO updates of lathe's decoder: packed (use_remove_padding) = padded, within 1e-5 in fp32, and both
-    close to the same update of the transformers model they were converted from."""
+    """PPO updates of lathe's decoder: packed (use_remove_padding) = padded, and both equal to the same update
+    of the transformers model they were converted from (norm-relative UPDATE_REL in fp32)."""
     cfg = load_cfg(f"actor_rollout_ref.actor.loss_agg_mode={agg}", "actor_rollout_ref.actor.use_kl_loss=true",
                    "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.rollout.temperature=0.7",
                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.ppo_epochs=2",
@@ -147,8 +159,9 @@ def test_lathe_packed_and_padded_updates_agree(make_model, make_lathe, rollout_b
         metrics = _actor_remove_padding(model, cfg, packed).update_policy(batch)
         results[name] = (_params(model), metrics)
     assert _max_diff(results["padded"][0], start) > 1e-3, "precondition: the update moves the parameters"
-    assert _max_diff(results["packed"][0], results["padded"][0]) < 1e-5
-    assert _max_diff(results["padded"][0], results["hf"][0]) < 1e-4
+    packed, padded, hf = (_update(results[name][0], start) for name in ("packed", "padded", "hf"))
+    assert_close_rel(packed, padded, UPDATE_REL, name="packed update")
+    assert_close_rel(padded, hf, UPDATE_REL, name="lathe update vs transformers'")
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
         assert results["packed"][1][key] == pytest.approx(results["padded"][1][key], rel=1e-5, abs=1e-6), key
         assert results["padded"][1][key] == pytest.approx(results["hf"][1][key], rel=1e-4, abs=1e-5), key

@@ -6,6 +6,8 @@ import torch
 from lathe.models.hf import lathe_from_transformers
 from lathe.train.logprob import batched_log_probs, response_log_probs
 
+from helpers import assert_close_rel
+
 
 @torch.no_grad()
 def _manual(model, batch, row, temperature):
@@ -33,8 +35,8 @@ def test_response_log_probs_match_manual_forward(make_model, rollout_batch, temp
     for row in range(len(batch)):
         m_logp, m_ent = _manual(model, batch, row, temperature)
         n = len(m_logp)
-        assert torch.allclose(logp[row, :n].double(), m_logp, atol=1e-5)
-        assert torch.allclose(ent[row, :n].double(), m_ent, atol=1e-5)
+        assert_close_rel(logp[row, :n], m_logp, name=f"log-probs of row {row}")
+        assert_close_rel(ent[row, :n], m_ent, name=f"entropy of row {row}")
         if impl == "lathe-packed":
             assert torch.all(logp[row, n:] == 0) and torch.all(ent[row, n:] == 0), "padding holds 0"
 
@@ -50,8 +52,7 @@ def test_lathe_packed_gradients_equal_padded(make_lathe, rollout_batch):
         ((logp + 0.1 * ent) * weights * batch["response_mask"]).sum().backward()
         grads[packed] = {k: p.grad.clone() for k, p in model.named_parameters()}
     assert grads[False]["model.embed_tokens.weight"].abs().sum() > 0
-    for name, g in grads[False].items():
-        torch.testing.assert_close(grads[True][name], g, atol=1e-6, rtol=1e-5, msg=name)
+    assert_close_rel(grads[True], grads[False], name="packed gradients")
 
 
 def test_packed_rejects_a_response_after_padding(make_lathe, rollout_batch):
@@ -78,7 +79,7 @@ def test_batched_log_probs_match_one_pass_and_restore_mode(make_model, rollout_b
     assert model.training
     assert not logp.requires_grad
     mask = batch["response_mask"].bool()
-    assert torch.allclose(logp[mask], full[mask], atol=1e-5)
-    assert torch.allclose(ent[mask], full_ent[mask], atol=1e-5)
+    assert_close_rel(logp[mask], full[mask], name="log-probs")
+    assert_close_rel(ent[mask], full_ent[mask], name="entropy")
     logp2, ent2 = batched_log_probs(model, batch, micro_batch_size=100)
     assert ent2 is None and logp2.shape == full.shape

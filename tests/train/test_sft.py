@@ -7,6 +7,8 @@ import torch
 
 from lathe.train.sft import sft_batch, sft_loss, supervised_fit
 
+from helpers import assert_close_rel
+
 from .conftest import PAD
 
 EXAMPLES = [([5, 6, 7], [10, 11, 1]), ([8, 9], [12, 1]), ([5, 13, 14, 15], [16, 17, 18, 1])]
@@ -29,7 +31,7 @@ def test_sft_loss_is_mean_nll_over_response_tokens_only(make_model):
             logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1]
             nll -= torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(r)[:, None]).sum().item()
             count += len(r)
-    assert abs(loss.item() - nll / count) < 1e-5
+    assert_close_rel(loss.item(), nll / count, name="loss")
 
 
 def test_supervised_fit_memorises_and_is_deterministic(make_model):

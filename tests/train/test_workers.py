@@ -11,6 +11,8 @@ from lathe.models.hf import build_builtin_model
 from lathe.rollout.base import SamplingParams
 from lathe.train.workers import ActorRolloutRefWorker
 
+from helpers import assert_close_rel
+
 
 def _worker(load_cfg, *overrides, model=None, need_ref=True):
     cfg = load_cfg("actor_rollout_ref.model.path=builtin:tiny", "actor_rollout_ref.model.use_remove_padding=true",
@@ -54,7 +56,7 @@ def test_builtin_actor_runs_lathe_with_a_synced_transformers_rollout(load_cfg, r
     gen = to_batch(prompts, out, worker.tokenizer.pad_token_id, params.n)
     logp = worker.compute_log_prob(gen)["old_log_probs"]
     mask = gen["response_mask"].bool()
-    torch.testing.assert_close(logp[mask], gen["rollout_log_probs"][mask], atol=1e-4, rtol=1e-4)
+    assert_close_rel(logp[mask], gen["rollout_log_probs"][mask], name="trainer log-probs vs the rollout's")
 
     before = {k: v.clone() for k, v in rollout_model.state_dict().items()}
     metrics = worker.update_actor(_ppo_batch(worker, rollout_batch))

@@ -14,6 +14,8 @@ from lathe.rollout.base import SamplingParams
 from lathe.rollout.hf import HFRollout
 from lathe.train.workers import ActorRolloutRefWorker, build_engine, eos_token_ids
 
+from helpers import assert_close_rel
+
 from .test_workers import _ppo_batch, _same_weights
 
 # Ragged prompts; the first two share a 17-token prefix (more than one 16-token KV block) for prefix caching.
@@ -89,7 +91,7 @@ def test_engine_greedy_responses_equal_the_hf_rollouts_token_for_token(load_cfg)
     assert reasons == list(b["finish_reason"])
     for key in ("responses", "response_mask", "prompts", "input_ids", "attention_mask", "position_ids"):
         assert torch.equal(a[key], b[key]), key
-    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-4, rtol=0)
+    assert_close_rel(b["rollout_log_probs"], a["rollout_log_probs"], name="engine log-probs vs transformers'")
 
 
 def test_engine_follows_actor_updates_and_equals_a_fresh_engine(load_cfg, rollout_batch):

@@ -2,6 +2,8 @@
 
 Log-probs are `log_softmax(logits / T)` of the sampled token, over the full vocabulary: the same
 quantity the trainer computes, not the top-k/top-p truncated distribution sampling drew from.
+They are gathered step by step as `generate` runs (`SampledLogProbs`), never from all steps' logits at
+once: at a 152k vocabulary, (sequences x new tokens x vocabulary) floats would be hundreds of GB.
 
 Stop strings (`SamplingParams.stop`, needs `tokenizer`) follow `lathe.engine.stop`'s rule, so both backends
 cut at the same token: a stopping criterion running that rule ends rows early, then each row is cut after it.
@@ -57,6 +59,7 @@ class HFRollout:
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, out: RolloutOutput) -> None:
+        from transformers import StoppingCriteriaList
         device = next(self.model.parameters()).device
         P = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
@@ -65,27 +68,35 @@ class HFRollout:
             ids[i, P - len(p):] = torch.tensor(p)
             mask[i, P - len(p):] = 1
         stop_ids = [] if params.ignore_eos else self.eos_ids + list(params.stop_token_ids)
-        early = {}
+        criteria = StoppingCriteriaList()
         if params.stop:
-            early["stopping_criteria"] = _stop_string_criteria(params, self.tokenizer, len(prompts), P)
-        gen = self.model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device),
-            do_sample=not params.greedy, temperature=None if params.greedy else params.temperature,
-            top_p=None if params.greedy else params.top_p,
-            top_k=None if params.greedy or params.top_k <= 0 else params.top_k,
-            max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens or None,
-            eos_token_id=stop_ids or None, pad_token_id=self.pad_id,
-            output_logits=True, return_dict_in_generate=True, use_cache=True, **early,
-        )
-        new = gen.sequences[:, P:].cpu()
+            criteria.append(_stop_string_criterion(params, self.tokenizer, len(prompts), P))
+        log_probs = _sampled_log_probs(self.model, params.logprob_temperature)   # hooks the model: remove()
+        criteria.append(log_probs)
+        try:
+            sequences = self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device),
+                do_sample=not params.greedy, temperature=None if params.greedy else params.temperature,
+                top_p=None if params.greedy else params.top_p,
+                top_k=None if params.greedy or params.top_k <= 0 else params.top_k,
+                max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens or None,
+                eos_token_id=stop_ids or None, pad_token_id=self.pad_id,
+                stopping_criteria=criteria, return_dict_in_generate=False, use_cache=True,
+            )
+        finally:
+            log_probs.remove()
+        new = sequences[:, P:].cpu()
         if new.shape[1] == 0:
             out.token_ids.extend([] for _ in prompts)
             out.logprobs.extend([] for _ in prompts)
             out.finish_reasons.extend("length" for _ in prompts)
             return
-        logits = torch.stack(gen.logits, dim=1).float().cpu()          # (B, new, V), raw
-        logp = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
-        token_logp = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        self._append_rows(out, new, log_probs.result(new.shape[1]), params, stop_ids)
+
+    def _append_rows(self, out: RolloutOutput, new: torch.Tensor, token_logp: torch.Tensor, params: SamplingParams,
+                     stop_ids: list[int]) -> None:
+        """Cut each row of (B, new) tokens and log-probs after its first stop id or stop string (rows that
+        finished early were padded by `generate`) and append it to `out`."""
         stops = StopStrings.from_tokenizer(params.stop, self.tokenizer) if params.stop else None
         stop = torch.zeros_like(new, dtype=torch.bool)
         for s in stop_ids:
@@ -105,12 +116,56 @@ class HFRollout:
         copy_named_tensors(self.model, named_tensors, who="rollout model")
 
 
-def _stop_string_criteria(params: SamplingParams, tokenizer, batch_size: int, prompt_width: int):
+def _sampled_log_probs(model, temperature: float):
+    """A stopping criterion (it never stops a row) that collects `log_softmax(raw logits / temperature)` of each
+    step's sampled token while `model.generate` runs; `result(n)` is the (B, n) tensor, `remove()` unhooks.
+
+    transformers' `generate` runs the model once per step, then samples, appends the token and calls the stopping
+    criteria. A forward hook keeps the last position's raw logits of the latest forward; the criterion gathers the
+    log-prob of the token just appended and drops them. So at most one step's (B, V) logits are held, beside the
+    ones `generate` holds itself. Raw logits, not the scores the logits processors hand on: those carry the
+    top-k/top-p masks and min_tokens' banned eos, in an order that is transformers' to choose. Finished rows get
+    the pad token and a log-prob that the caller cuts off with the row.
+    """
+    from transformers import StoppingCriteria
+
+    class SampledLogProbs(StoppingCriteria):
+        # no `eos_token_id` attribute: `generate` would take this for an eos criterion
+        def __init__(self):
+            self.steps: list[torch.Tensor] = []
+            self.logits: torch.Tensor | None = None
+            self.hook = model.register_forward_hook(self.keep_logits)
+
+        def keep_logits(self, module, args, output) -> None:
+            self.logits = output.logits[:, -1]                       # (B, V) view, raw, the model's dtype
+
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            if self.logits is None:
+                raise RuntimeError("generate appended a token without running the model: this generation mode "
+                                   "is not supported by HFRollout's log-prob capture")
+            logp = torch.log_softmax(self.logits.float() / temperature, dim=-1)
+            self.steps.append(logp.gather(-1, input_ids[:, -1:]).squeeze(-1))
+            self.logits = None
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        def result(self, n: int) -> torch.Tensor:
+            if len(self.steps) < n:
+                raise RuntimeError(f"captured {len(self.steps)} log-prob steps for {n} generated tokens")
+            return torch.stack(self.steps[:n], dim=1).float().cpu()
+
+        def remove(self) -> None:
+            self.hook.remove()
+            self.logits = None
+
+    return SampledLogProbs()
+
+
+def _stop_string_criterion(params: SamplingParams, tokenizer, batch_size: int, prompt_width: int):
     """A transformers stopping criterion that ends a row when `lathe.engine.stop`'s rule fires on it.
 
     (transformers' own `stop_strings` matches token strings, not decoded text, and ignores `min_tokens`.)
     """
-    from transformers import StoppingCriteria, StoppingCriteriaList
+    from transformers import StoppingCriteria
 
     class StopStringCriterion(StoppingCriteria):
         def __init__(self):
@@ -122,4 +177,4 @@ def _stop_string_criteria(params: SamplingParams, tokenizer, batch_size: int, pr
             done = [m.check(row) for m, row in zip(self.matchers, input_ids.tolist())]
             return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
-    return StoppingCriteriaList([StopStringCriterion()])
+    return StopStringCriterion()

@@ -1,0 +1,75 @@
+"""Shared test helpers (imported as `from helpers import ...`: pytest puts `tests/` on the path).
+
+`assert_close_rel` is how the suite compares floating-point results that two code paths compute in different
+orders (packed vs padded, chunked vs full, compiled vs eager, micro-batched vs whole, lathe vs transformers).
+Such results differ by rounding of about 1e-7 of the tensor's scale, and by how much exactly depends on the
+CPU's kernels: an element near zero then fails any element-wise relative test on some machine, and an
+element-wise absolute test is only right for one scale. The norm-relative error ‖a − b‖ / ‖b‖ measures the
+difference against the whole tensor's scale, so the same tolerance holds on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+
+def _as_float64(x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float64)
+    return torch.as_tensor(np.asarray(x, dtype=np.float64))
+
+
+def _flatten(x: Mapping, keys: list) -> torch.Tensor:
+    return torch.cat([_as_float64(x[k]).flatten() for k in keys])
+
+
+def rel_error(actual, expected) -> float:
+    """‖actual − expected‖ / ‖expected‖ in float64 (‖actual − expected‖ when `expected` is all zeros)."""
+    a, b = _as_float64(actual), _as_float64(expected)
+    diff, scale = float((a - b).norm()), float(b.norm())
+    return diff / scale if scale > 0 else diff
+
+
+def assert_close_rel(actual, expected, rel: float = 1e-5, name: str = "value") -> float:
+    """Assert ‖actual − expected‖ / ‖expected‖ <= rel (Frobenius norms, in float64); return the error.
+
+    `actual` and `expected` are tensors, arrays, nested lists or scalars of the same shape, or two mappings
+    with the same keys (e.g. gradients by parameter name), compared as one vector so that a tensor whose true
+    value is ~0 (its rounding noise is all there is) does not decide alone. Fails on a shape or key mismatch
+    and on NaN or inf on either side; when `expected` is all zeros, `actual` must be within `rel` of zero.
+    """
+    keys = None
+    if isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping), f"{name}: expected a mapping, got {type(actual).__name__}"
+        keys = list(expected)
+        assert set(actual) == set(keys), f"{name}: keys differ: {sorted(set(actual) ^ set(keys))}"
+        for k in keys:
+            assert tuple(actual[k].shape) == tuple(expected[k].shape), f"{name}[{k!r}]: shapes differ"
+        a, b = _flatten(actual, keys), _flatten(expected, keys)
+    else:
+        a, b = _as_float64(actual), _as_float64(expected)
+        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != expected {tuple(b.shape)}"
+    assert torch.isfinite(b).all(), f"{name}: expected holds NaN/inf"
+    assert torch.isfinite(a).all(), f"{name}: actual holds NaN/inf where expected is finite"
+    err = rel_error(a, b)
+    if err > rel:
+        raise AssertionError(f"{name}: ‖actual − expected‖ / ‖expected‖ = {err:.3g} > {rel:g} "
+                             f"(‖expected‖ = {float(b.norm()):.3g}{_worst(actual, expected, keys, a, b)})")
+    return err
+
+
+def _worst(actual, expected, keys, a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where the difference is largest: the element, or for mappings the entry, that a failure should name."""
+    if keys is not None:
+        norms = {k: float((_as_float64(actual[k]) - _as_float64(expected[k])).norm()) for k in keys}
+        k = max(norms, key=norms.get)
+        return f"; most of it in {k!r}: ‖difference‖ = {norms[k]:.3g}"
+    d = (a - b).abs()
+    if d.numel() == 0:
+        return ""
+    i = int(d.flatten().argmax())
+    where = tuple(int(j) for j in np.unravel_index(i, tuple(d.shape)))
+    return f"; largest |difference| {float(d.flatten()[i]):.3g} at {where}"

@@ -5,7 +5,7 @@ test_key_coverage.py`` checks both ways). ``check_support`` runs inside ``load_c
 given (before fill-ins): a refused value is a ConfigError listing every problem at once; keys with no effect
 are named together in one ``IgnoredKeysWarning``. ``docs/config_keys.md`` is generated from this list:
 
-    PYTHONPATH=src python -m lathe.config.support > docs/config_keys.md
+    PYTHONPATH=src python -c "from lathe.config.support import markdown; print(markdown())" > docs/config_keys.md
 
 When a feature lands, its entries go (and the test then checks that the code reads the keys).
 """
@@ -22,7 +22,8 @@ from .schema import LatheConfig
 from .support_base import Entry, at_most, inert, no_entries, one_of, refuse, same_as, warn
 from .tree import get_path
 
-A, REF, R, M = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
+A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
+R, M = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
 C, RM = "critic", "reward_model"
 TRAINED = (A, REF, f"{C}.model")                      # the fsdp_config groups of models lathe loads
 ONE_DEVICE = "multi-GPU is coming through Ray/FSDP2"
@@ -159,13 +160,16 @@ def _memory() -> list[Entry]:
                   "remove it; lathe's decoder saves activation memory with enable_gradient_checkpointing")
            for m in (M, f"{C}.model")]
     out += [refuse(f"{g}.fsdp_config.offload_policy", "FSDP2's CPU offload policy",
-                   "remove it; fsdp_config.param_offload and optimizer_offload are the offload switches") for g in TRAINED]
+                   "remove it; fsdp_config.param_offload and optimizer_offload are the offload switches")
+            for g in TRAINED]
     out += [refuse(f"{g}.fsdp_config.grad_offload", "gradient offload (an old verl key)") for g in TRAINED]
     return out
 
 
 def _data() -> list[Entry]:
-    policy_tok = lambda cfg: cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path  # noqa: E731
+    def policy_tok(cfg) -> str:
+        return cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path
+
     out = [refuse("data.tokenizer", "tokenizing prompts with a tokenizer other than the policy's",
                   f"remove it; prompts use {M}.tokenizer_path (or {M}.path)",
                   lambda v, cfg: v is None or v == policy_tok(cfg)),
@@ -211,6 +215,9 @@ def _models() -> list[Entry]:
     return out
 
 
+PF_PPO = "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"
+
+
 def _training() -> list[Entry]:
     out = [refuse(f"{A}.shuffle", "shuffling sequences between PPO epochs"),
            refuse(f"{C}.shuffle", "shuffling sequences between PPO epochs"),
@@ -221,8 +228,7 @@ def _training() -> list[Entry]:
            refuse(f"{A}.use_token_level_loss", "an old verl DAPO key", f"use {A}.loss_agg_mode=token-mean (true) or "
                   "seq-mean-token-mean (false)"),
            refuse("algorithm.use_pf_ppo", "preference-feedback PPO reweighting (PF-PPO)"),
-           warn("algorithm.pf_ppo.reweight_method", "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"),
-           warn("algorithm.pf_ppo.weight_pow", "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"),
+           warn("algorithm.pf_ppo.reweight_method", PF_PPO), warn("algorithm.pf_ppo.weight_pow", PF_PPO),
            refuse("algorithm.rollout_correction.rollout_rs_threshold_lower", "a separate rejection lower bound",
                   "give both bounds in rollout_rs_threshold as 'lower_upper', e.g. '0.5_2.0'"),
            refuse("algorithm.rollout_correction.rollout_token_veto_threshold", "the per-token veto"),
@@ -236,12 +242,15 @@ def _training() -> list[Entry]:
     for g in (A, C):
         out += [refuse(f"{g}.optim.optimizer", "an optimizer other than AdamW", "set it to AdamW",
                        lambda v, cfg: v.lower() == "adamw"),
-                refuse(f"{g}.optim.optimizer_impl", "an optimizer module other than torch.optim", "set it to torch.optim",
-                       one_of("torch.optim")),
+                refuse(f"{g}.optim.optimizer_impl", "an optimizer module other than torch.optim",
+                       "set it to torch.optim", one_of("torch.optim")),
                 refuse(f"{g}.optim.override_optimizer_config", "extra optimizer arguments", ok=lambda v, cfg: not v),
                 warn(f"{g}.optim.total_training_steps", "it is set at run time from trainer.total_training_steps "
                                                         "(or the epochs)")]
     return out
+
+
+ALWAYS_SAVED = {"model", "optimizer", "extra"}
 
 
 def _checkpoints() -> list[Entry]:
@@ -254,10 +263,9 @@ def _checkpoints() -> list[Entry]:
     for g in (A, C):
         out += [refuse(f"{g}.checkpoint.load_contents", "loading only part of a checkpoint",
                        "remove it: lathe resumes model, optimizer and extra",
-                       lambda v, cfg: {"model", "optimizer", "extra"} <= set(v)),
+                       lambda v, cfg: ALWAYS_SAVED <= set(v)),
                 warn(f"{g}.checkpoint.save_contents", "lathe always saves model (in Hugging Face format, so hf_model "
-                     "too), optimizer and extra", lambda v, cfg: set(v) in ({"model", "optimizer", "extra"},
-                                                                            {"model", "optimizer", "extra", "hf_model"})),
+                     "too), optimizer and extra", lambda v, cfg: set(v) - {"hf_model"} == ALWAYS_SAVED),
                 warn(f"{g}.checkpoint.async_save", "checkpoints are saved synchronously; the files are the same")]
     return out
 
@@ -349,8 +357,7 @@ def support_note(key: str) -> str:
 def markdown() -> str:
     """docs/config_keys.md: every registry entry under its feature heading (generated; a test keeps it current)."""
     lines = ["# Config keys lathe accepts but does not act on yet", "",
-             "Generated from `src/lathe/config/support.py` by "
-             "`PYTHONPATH=src python -m lathe.config.support > docs/config_keys.md`; do not edit by hand.", "",
+             "Generated from `src/lathe/config/support.py` (see its docstring); do not edit by hand.", "",
              "- **refused**: a value other than the default fails `load_config` (before any model loads), "
              "naming the key and the fix.",
              "- **no effect**: a value other than the default is accepted with one warning listing such keys.",
@@ -367,6 +374,3 @@ def markdown() -> str:
         lines.append("")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    print(markdown())

@@ -185,7 +185,7 @@ def build_trainer(cfg) -> Trainer:
                                trust_remote_code=arr.model.trust_remote_code or cfg.data.trust_remote_code)
     train_ds, val_ds = load_datasets(cfg, tokenizer)
     check_scorers([train_ds, val_ds], cfg.reward.custom_reward_function.path)
-    loader = StatefulDataLoader(train_ds, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    loader = StatefulDataLoader(train_ds, cfg.data.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     total_steps = t.total_training_steps or len(loader) * t.total_epochs
 
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)

@@ -365,7 +365,7 @@ def markdown() -> str:
     label = {"refuse": "refused", "warn": "no effect", "inert": "same either way"}
     for feature in FEATURES:
         entries = [e for e in registry().values() if e.feature == feature]
-        lines += [f"## {feature}", "", "| key | default | | why / fix |", "| --- | --- | --- | --- |"]
+        lines += [f"## {feature}", "", "| key | default | status | why / fix |", "| --- | --- | --- | --- |"]
         for e in entries:
             default = show(get_path(_defaults(), e.key))
             fix = e.format(e.fix, None, get_path(_defaults(), e.key), shown="<value>")

@@ -69,6 +69,13 @@ def test_presets_and_their_printed_config_load_without_warnings(name, tmp_path):
         load_config(str(path))
 
 
+def test_agent_loop_workers_warn_and_custom_agent_loops_fail():
+    with pytest.warns(IgnoredKeysWarning, match="agent-loop workers"):
+        load_config("base", GRPO + ["actor_rollout_ref.rollout.agent.num_workers=8"])
+    text = refused("actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml")
+    assert "agent_loop_config_path" in text and "not implemented yet" in text and "Fix:" in text
+
+
 def test_keys_with_no_effect_warn_once_together():
     with pytest.warns(IgnoredKeysWarning) as record:
         load_config("base", GRPO + ["actor_rollout_ref.model.lora_alpha=32", "trainer.balance_batch=false",

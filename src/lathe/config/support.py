@@ -34,22 +34,31 @@ class IgnoredKeysWarning(UserWarning):
     """Config keys were set that have no effect in lathe (the message lists them and why)."""
 
 
-def _devices(value, cfg) -> bool:
-    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node <= 1
-
-
-def _devices_message(value, cfg) -> str:
+def _devices(value, cfg) -> tuple[str, str] | None:
     """One message for both device keys (so the problem list shows it once)."""
     t = cfg.trainer
-    return (f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} = "
-            f"{t.nnodes * t.n_gpus_per_node} devices: training on more than one device is not implemented yet in "
-            f"lathe ({ONE_DEVICE}). Fix: set trainer.n_gpus_per_node=1 trainer.nnodes=1.")
+    if t.nnodes * t.n_gpus_per_node <= 1:
+        return None
+    return "refuse", (f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} = "
+                      f"{t.nnodes * t.n_gpus_per_node} devices: training on more than one device is not implemented "
+                      f"yet in lathe ({ONE_DEVICE}). Fix: set trainer.n_gpus_per_node=1 trainer.nnodes=1.")
+
+
+def _agent(value, cfg) -> tuple[str, str] | None:
+    """verl's agent loop: its worker count has no effect; anything else (custom loops) is refused."""
+    if not value:
+        return None
+    if set(value) <= {"num_workers"}:
+        return "warn", f"`{R}.agent`={show(value)} has no effect in lathe: lathe's engine needs no agent-loop workers."
+    return "refuse", (f"`{R}.agent`={show(value)}: verl's agent loop is not implemented yet in lathe (it generates "
+                      f"one response per prompt in its own engine). Fix: remove {R}.agent (num_workers alone is "
+                      f"accepted).")
 
 
 def _multi_gpu() -> list[Entry]:
     fix_devices = "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
-    out = [replace(refuse(f"trainer.{k}", f"training on more than one device ({ONE_DEVICE})", fix_devices, _devices),
-                   explain=_devices_message) for k in ("nnodes", "n_gpus_per_node")]
+    out = [replace(refuse(f"trainer.{k}", f"training on more than one device ({ONE_DEVICE})", fix_devices),
+                   judge=_devices) for k in ("nnodes", "n_gpus_per_node")]
     out += [refuse(f"{R}.{k}", f"{what} over several devices ({ONE_DEVICE})", "set it to 1", at_most(1))
             for k, what in (("tensor_model_parallel_size", "tensor-parallel generation"),
                             ("data_parallel_size", "data-parallel generation"),
@@ -112,9 +121,8 @@ def _lora() -> list[Entry]:
 def _multi_turn() -> list[Entry]:
     out = [refuse(f"{R}.multi_turn.enable", "multi-turn rollouts with tools (the agent loop)",
                   "remove it: lathe generates one response per prompt"),
-           refuse(f"{R}.agent", "verl's agent loop settings other than num_workers",
-                  "remove them: lathe generates one response per prompt, in its own engine",
-                  lambda v, cfg: set(v) <= {"num_workers"}),
+           replace(refuse(f"{R}.agent", "verl's agent loop (num_workers alone has no effect)",
+                          f"remove {R}.agent"), judge=_agent),
            warn("data.tool_config_path", "tools are used only by multi-turn rollouts (not implemented yet)")]
     needs = "it is read only with rollout.multi_turn.enable=true (not implemented yet)"
     out += [warn(f"{R}.multi_turn.{k}", needs) for k in (

@@ -35,18 +35,18 @@ class Entry:
     fix: str = ""              # refuse: the fix; may use {key}, {value}, {default}
     ok: Check | None = None    # None: the default (or off) is fine, any other value is not
     feature: str = ""          # the heading it is listed under (filled in by ``registry``)
-    explain: Callable[[Any, Any], str] | None = None   # refuse: a message of its own, from (value, cfg)
+    judge: Callable[[Any, Any], tuple[str, str] | None] | None = None   # a verdict of its own, from (value, cfg)
 
     def verdict(self, value: Any, default: Any, cfg: Any) -> tuple[str, str] | None:
         """(kind, message) when ``value`` is refused or warned about, else None."""
+        if self.judge is not None:
+            return self.judge(value, cfg)
         fine = self.ok(value, cfg) if self.ok is not None else is_off(value, default)
         if fine:
             return None
         shown = f"`{self.key}`={show(value)}"
         if self.kind == "warn":
             return "warn", f"{shown} has no effect in lathe: {self.text}."
-        if self.explain is not None:
-            return "refuse", self.explain(value, cfg)
         if self.kind == "inert":
             return "refuse", (f"{shown} is not a value lathe knows for this key ({self.text}). "
                               f"Fix: {self.format(self.fix, value, default)}.")

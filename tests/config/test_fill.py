@@ -26,6 +26,12 @@ def test_clip_bounds_fall_back_to_clip_ratio_like_verl():
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.3, 0.28)
 
 
+def test_use_policy_gradient_is_the_old_spelling_of_reinforce():
+    cfg, _ = filled(["algorithm.rollout_correction.use_policy_gradient=true"])
+    assert cfg.algorithm.rollout_correction.loss_type == "reinforce"
+    assert filled([])[0].algorithm.rollout_correction.loss_type == "ppo_clip"
+
+
 def test_critic_and_rollout_fall_back_to_actor_and_data():
     cfg, _ = filled(["actor_rollout_ref.actor.ppo_mini_batch_size=64", "actor_rollout_ref.actor.ppo_epochs=2",
                      "data.max_prompt_length=100", "actor_rollout_ref.model.path=m", "critic.shuffle=true"])

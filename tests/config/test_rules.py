@@ -59,9 +59,10 @@ def test_rule4_micro_divides_per_device_mini():
     assert "ppo_micro_batch_size_per_gpu=80" in text and "between 1 and" in text
 
 
-def test_rule4_skipped_with_dynamic_bsz():
-    load_config("base", GRPO + batch(64, 16, 5, micro=7) + ["actor_rollout_ref.actor.use_dynamic_bsz=true"],
-                device_count=2)
+def test_dynamic_bsz_is_refused_alone_without_the_micro_rule():
+    text = fails(batch(64, 16, 5, micro=7) + ["actor_rollout_ref.actor.use_dynamic_bsz=true"], device_count=2)
+    assert "actor_rollout_ref.actor.use_dynamic_bsz`=true" in text and "not implemented yet" in text
+    assert "ppo_micro_batch_size_per_gpu=7" not in text
 
 
 def test_rule5_step_sequences_divisible_by_devices():
@@ -157,16 +158,65 @@ def test_rule11_validation_needs_val_files():
 
 
 def test_device_count_resolution(monkeypatch):
-    cfg = load_config("base", GRPO + ["trainer.device=cpu", "trainer.n_gpus_per_node=8"])
+    cfg = load_config("base", GRPO)
     assert resolve_devices(cfg).count == 1
+    cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 2, 4      # what multi-GPU runs will plan with
     monkeypatch.setattr("lathe.config.rules.cuda_available", lambda: True)
-    cfg = load_config("base", GRPO + ["trainer.nnodes=2", "trainer.n_gpus_per_node=4",
-                                      "actor_rollout_ref.actor.ppo_mini_batch_size=256"])
     assert resolve_devices(cfg).count == 8
     assert "trainer.n_gpus_per_node=4" in resolve_devices(cfg).why
-    monkeypatch.setattr("lathe.config.rules.cuda_available", lambda: False)
+    cfg.trainer.device = "cpu"
     assert resolve_devices(cfg).count == 1
     assert resolve_devices(cfg, 3).count == 3
+
+
+@pytest.mark.parametrize("devices", [["trainer.n_gpus_per_node=8"], ["trainer.nnodes=2"],
+                                     ["trainer.nnodes=2", "trainer.n_gpus_per_node=4", "trainer.device=cpu"]])
+def test_more_than_one_device_is_refused_until_multi_gpu(devices):
+    text = fails(devices, device_count=None)
+    assert "not implemented yet" in text and "multi-GPU is coming through Ray/FSDP2" in text
+    assert "set trainer.n_gpus_per_node=1 trainer.nnodes=1" in text
+    assert text.count("training on more than one device") == 1      # one message for the two keys
+
+
+def test_planned_device_count_skips_the_device_rule():
+    cfg = load_config("base", GRPO + ["trainer.n_gpus_per_node=8"] + batch(64, 16, 8), device_count=8)
+    assert batch_plan(cfg, 8).mini_batch_sequences_per_device == 16
+
+
+def test_gpus_asked_for_must_be_visible(monkeypatch):
+    monkeypatch.setattr("lathe.config.rules.visible_cuda_devices", lambda: 0)
+    text = fails(["trainer.device=cuda"], device_count=None)
+    assert "trainer.device=cuda" in text and "sees 0" in text
+    load_config("base", GRPO + ["trainer.device=auto"])        # auto: the CPU when no GPU is visible
+    monkeypatch.setattr("lathe.config.rules.visible_cuda_devices", lambda: 1)
+    load_config("base", GRPO + ["trainer.device=cuda"])
+
+
+def test_visible_cuda_devices_without_torch(monkeypatch):
+    from lathe.config import rules
+    monkeypatch.setattr(rules, "_gpus_present", lambda: 4)
+    monkeypatch.delitem(__import__("sys").modules, "torch", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert rules.visible_cuda_devices() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert rules.visible_cuda_devices() == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert rules.visible_cuda_devices() == 4
+
+
+def test_gen_batch_size_only_with_dynamic_sampling():
+    text = fails(batch(64, 16, 2) + ["data.gen_batch_size=96"])
+    assert "data.gen_batch_size=96" in text and "algorithm.filter_groups.enable=true" in text
+    cfg = load_config("base", GRPO + batch(64, 16, 2) + ["data.gen_batch_size=96", "algorithm.filter_groups.enable=true"])
+    assert cfg.data.gen_batch_size == 96
+    assert load_config("base", GRPO + batch(64, 16, 2)).data.gen_batch_size == 64
+
+
+def test_rollout_lengths_follow_data():
+    text = fails(["actor_rollout_ref.rollout.response_length=64", "data.max_response_length=32"])
+    assert "rollout.response_length=64" in text and "data.max_response_length=32" in text
+    cfg = load_config("base", GRPO + ["actor_rollout_ref.rollout.prompt_length=100", "data.max_prompt_length=100"])
+    assert cfg.actor_rollout_ref.rollout.prompt_length == 100
 
 
 def test_batch_plan_numbers():

@@ -92,7 +92,7 @@ def test_breaking_out_keeps_position():
 
 
 def test_dataset_smaller_than_batch_is_an_error():
-    with pytest.raises(DataError, match=r"data\.train_batch_size=16.*\(5 prompts after filtering\)"):
+    with pytest.raises(DataError, match=r"batch of 16 prompts \(data\.train_batch_size.*\(5 prompts after filtering\)"):
         StatefulDataLoader(items(5), 16, shuffle=True, seed=0)
     with pytest.raises(DataError, match="0 prompts"):
         StatefulDataLoader([], 1, shuffle=True, seed=0, drop_last=False)

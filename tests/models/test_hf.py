@@ -128,3 +128,35 @@ def test_builtin_model_is_seeded_and_leaves_global_rng():
 def test_builtin_tokenizer_via_load_tokenizer():
     tok = load_tokenizer("builtin:tiny")
     assert tok.decode(tok.encode("3*4=12")) == "3*4=12"
+
+
+def test_custom_chat_template_replaces_a_missing_one_and_the_dataset_renders_with_it(tmp_path):
+    """What data/dataset.py's "no chat template" error tells users to set really works."""
+    import json
+
+    from lathe.data import RLDataset
+    from lathe.data.dataset import DataError
+    bare = builtin_tokenizer()
+    bare.chat_template = None
+    bare.save_pretrained(tmp_path / "base")
+    row = {"data_source": "x", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match="custom_chat_template"):
+        RLDataset(str(data), load_tokenizer(str(tmp_path / "base")))
+    template = "{% for m in messages %}Q: {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} A:{% endif %}"
+    tok = load_tokenizer(str(tmp_path / "base"), chat_template=template)
+    assert tok.decode(RLDataset(str(data), tok)[0]["prompt_ids"]) == "Q: 1+1= A:"
+    assert load_tokenizer("builtin:tiny", chat_template=template).chat_template == template
+
+
+def test_external_lib_is_imported_and_a_failure_names_the_key(tmp_path, monkeypatch):
+    import sys
+
+    from lathe.models.hf import import_external_libs
+    (tmp_path / "my_models_pkg.py").write_text("REGISTERED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import_external_libs({"actor_rollout_ref.model.external_lib": "my_models_pkg", "critic.model.external_lib": None})
+    assert sys.modules["my_models_pkg"].REGISTERED
+    with pytest.raises(ModelLoadError, match=r"critic\.model\.external_lib='no_such_pkg_x'.*no_such_pkg_x.*PYTHONPATH"):
+        import_external_libs({"critic.model.external_lib": "no_such_pkg_x"})

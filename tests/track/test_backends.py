@@ -73,3 +73,45 @@ def test_mlflow_params_and_metric_names(tmp_path, monkeypatch):
     assert by_name["log_params"][0] == ({"trainer.n": "1"},)
     assert by_name["log_metrics"] == (({"val-core/gsm8k/reward/mean_at_1": 0.5},), {"step": 3})
     assert [c[0] for c in calls][-1] == "end_run"
+
+
+SAMPLES = [("1+1=", "2", 1.0), ("2+2=", "5", 0.0)]
+
+
+def test_generations_go_to_tensorboard_as_text(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    with make(tmp_path, ["console", "tensorboard"]) as tr:
+        tr.log_generations(SAMPLES, 4)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = acc.Tensors("val/generations/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 4 and "**Input:** 2+2=" in text and "**Output:** 5" in text and "**Score:** 0.0" in text
+
+
+def test_generations_go_to_wandb_as_a_growing_table_and_to_mlflow_as_json(tmp_path, monkeypatch):
+    calls = []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    monkeypatch.setitem(sys.modules, "wandb", fake_module("wandb", calls, init=object(), log=None, finish=None))
+    sys.modules["wandb"].Table = Table
+    with make(tmp_path, ["wandb"]) as tr:
+        tr.log_generations(SAMPLES[:1], 2)
+        tr.log_generations(SAMPLES, 4)
+    table = [kw for name, args, kw in calls if name == "log"][-1]
+    logged = [args[0]["val/generations"] for name, args, kw in calls if name == "log"][-1]
+    assert table == {"step": 4} and logged.columns[:4] == ["step", "input_1", "output_1", "score_1"]
+    assert logged.data == [[2, "1+1=", "2", 1.0, None, None, None], [4, "1+1=", "2", 1.0, "2+2=", "5", 0.0]]
+    calls.clear()
+    exp = types.SimpleNamespace(experiment_id="1")
+    monkeypatch.setitem(sys.modules, "mlflow", fake_module(
+        "mlflow", calls, set_tracking_uri=None, set_experiment=exp, start_run=object(), log_params=None,
+        log_dict=None, end_run=None))
+    with make(tmp_path, ["mlflow"]) as tr:
+        tr.log_generations(SAMPLES, 4)
+    (args,) = [a for name, a, kw in calls if name == "log_dict"]
+    assert args == ([{"input": "1+1=", "output": "2", "score": 1.0}, {"input": "2+2=", "output": "5", "score": 0.0}],
+                    "val_generations/step_4.json")

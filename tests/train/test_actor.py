@@ -165,3 +165,14 @@ def test_lathe_packed_and_padded_updates_agree(make_model, make_lathe, rollout_b
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
         assert results["packed"][1][key] == pytest.approx(results["padded"][1][key], rel=1e-5, abs=1e-6), key
         assert results["padded"][1][key] == pytest.approx(results["hf"][1][key], rel=1e-4, abs=1e-5), key
+
+
+def test_loss_scale_factor_divides_seq_mean_token_sum_norm(make_model, rollout_batch, load_cfg):
+    """actor.loss_scale_factor replaces the default divisor (data.max_response_length) of seq-mean-token-sum-norm."""
+    losses = {}
+    for factor in ("null", 2 * 16):
+        cfg = load_cfg("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "data.max_response_length=16",
+                       f"actor_rollout_ref.actor.loss_scale_factor={factor}", "actor_rollout_ref.actor.optim.lr=0")
+        model = make_model()
+        losses[factor] = _actor(model, cfg).update_policy(_ppo_batch(model, rollout_batch, temperature=1.0))
+    assert losses[32]["actor/pg_loss"] == pytest.approx(losses["null"]["actor/pg_loss"] / 2, rel=1e-5)

@@ -79,3 +79,11 @@ def test_cosine_after_warmup_decays_to_min_ratio(key):
 def test_cosine_default_min_ratio_reaches_zero():
     lrs = _lrs(_optim_cfg(lr_scheduler_type="cosine"), 4, 5)
     assert lrs[0] == pytest.approx(LR) and lrs[2] == pytest.approx(LR / 2) and lrs[4] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_cosine_num_cycles_waves_like_verl():
+    T = 8
+    lrs = _lrs(_optim_cfg(lr_scheduler_type="cosine", num_cycles=1.0), T, T + 1)
+    expected = [LR * 0.5 * (1 + math.cos(2 * math.pi * k / T)) for k in range(T + 1)]
+    assert lrs == pytest.approx(expected, abs=1e-12)
+    assert lrs[T // 2] == pytest.approx(0.0, abs=1e-12) and lrs[T] == pytest.approx(LR)   # down and back up

@@ -26,7 +26,7 @@ def fill_defaults(cfg: LatheConfig, device_count: int, problems: ProblemList) ->
 
 
 def _fill_actor(cfg: LatheConfig) -> None:
-    """Clip bounds fall back to clip_ratio; old optimizer spellings are copied to the new keys."""
+    """Clip bounds fall back to clip_ratio; old optimizer and rollout-correction spellings go to the new keys."""
     actor = cfg.actor_rollout_ref.actor
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
@@ -39,6 +39,9 @@ def _fill_actor(cfg: LatheConfig) -> None:
             owner.grad_clip = owner.optim.clip_grad
     if actor.data_loader_seed is None:
         actor.data_loader_seed = cfg.trainer.seed
+    rc = cfg.algorithm.rollout_correction
+    if rc.use_policy_gradient:                 # verl's older spelling of loss_type=reinforce
+        rc.loss_type = "reinforce"
 
 
 def _fill_rollout_ref(cfg: LatheConfig) -> None:

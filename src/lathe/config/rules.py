@@ -9,6 +9,7 @@ verl's batch semantics, which every message spells out with the numbers:
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -42,12 +43,35 @@ class BatchPlan:
 
 def cuda_available() -> bool:
     """Whether CUDA looks usable, without importing torch (uses torch only if already imported)."""
+    return visible_cuda_devices() > 0
+
+
+def visible_cuda_devices() -> int:
+    """How many CUDA devices this process can see, without importing torch (uses torch if already imported).
+
+    ``CUDA_VISIBLE_DEVICES`` wins when set (its entries counted, capped by the GPUs present); else the
+    driver's GPU list under /proc, else the /dev/nvidiaN nodes.
+    """
     if "torch" in sys.modules:
-        return bool(sys.modules["torch"].cuda.is_available())
+        cuda = sys.modules["torch"].cuda
+        return int(cuda.device_count()) if cuda.is_available() else 0
+    present = _gpus_present()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return False
-    return os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia/gpus")
+    if visible is None:
+        return present
+    entries = [e for e in visible.split(",") if e.strip()]
+    if not entries or entries[0].strip() == "-1":
+        return 0
+    return min(len(entries), present)
+
+
+def _gpus_present() -> int:
+    """NVIDIA GPUs the driver exposes (0 without a driver)."""
+    if os.path.isdir("/proc/driver/nvidia/gpus"):
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    if not os.path.exists("/dev/nvidiactl"):
+        return 0
+    return sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name)) or 1
 
 
 def resolve_devices(cfg: LatheConfig, device_count: int | None = None) -> Devices:
@@ -61,6 +85,19 @@ def resolve_devices(cfg: LatheConfig, device_count: int | None = None) -> Device
         return Devices(1, f"1 on a CPU run (trainer.device={t.device})")
     count = t.nnodes * t.n_gpus_per_node
     return Devices(count, f"{count} = trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}")
+
+
+def check_visible_devices(cfg: LatheConfig, problems: ProblemList) -> None:
+    """A GPU run may not ask for more GPUs per node than this process can see."""
+    t = cfg.trainer
+    visible = visible_cuda_devices()
+    if t.device == "cpu" or (t.device == "auto" and visible == 0) or t.n_gpus_per_node <= visible:
+        return
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else ""
+    problems.add(f"trainer.device={t.device} with trainer.n_gpus_per_node={t.n_gpus_per_node} asks for "
+                 f"{t.n_gpus_per_node} GPU(s), but this process sees {visible}{where}. Fix: make the GPUs visible, "
+                 f"or set trainer.device=cpu (or auto, which trains on the CPU when no GPU is visible).")
 
 
 def critic_in_use(cfg: LatheConfig) -> bool:
@@ -204,6 +241,7 @@ def _range_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]:
          "must be in (0, 1] (a fraction of device memory)"),
         ("data.max_prompt_length", data.max_prompt_length, data.max_prompt_length >= 1, "must be >= 1"),
         ("data.max_response_length", data.max_response_length, data.max_response_length >= 1, "must be >= 1"),
+        ("data.gen_batch_size", data.gen_batch_size, data.gen_batch_size >= 1, "must be >= 1 (prompts per round)"),
         (f"{r}.prompt_length", ro.prompt_length, ro.prompt_length >= 1, "must be >= 1"),
         (f"{r}.response_length", ro.response_length, ro.response_length >= 1, "must be >= 1"),
         (f"{a}.optim.lr", actor.optim.lr, actor.optim.lr >= 0, "must be >= 0"),
@@ -250,10 +288,28 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         problems.add("trainer.resume_mode=resume_path needs trainer.resume_from_path, which is not set. Fix: set "
                      "trainer.resume_from_path=<checkpoint dir>, or use trainer.resume_mode=auto.")
+    _check_lengths_and_rounds(cfg, problems)
     if t.test_freq > 0 and not cfg.data.val_files:
         problems.add(f"trainer.test_freq={t.test_freq} asks for validation every {t.test_freq} steps, but "
                      f"data.val_files is not set. Fix: set data.val_files=<parquet/jsonl file> (or "
                      f"builtin:arithmetic), or set trainer.test_freq=-1.")
+
+
+def _check_lengths_and_rounds(cfg: LatheConfig, problems: ProblemList) -> None:
+    """The rollout generates data.max_response_length tokens; gen_batch_size sizes DAPO's generation rounds only."""
+    d, ro, r = cfg.data, cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
+    for key, value, data_key, data_value in ((f"{r}.prompt_length", ro.prompt_length, "data.max_prompt_length",
+                                              d.max_prompt_length),
+                                             (f"{r}.response_length", ro.response_length, "data.max_response_length",
+                                              d.max_response_length)):
+        if value != data_value:
+            problems.add(f"{key}={value} differs from {data_key}={data_value}; lathe sizes prompts and responses by "
+                         f"{data_key} (verl copies it into {key}). Fix: set {data_key}={value} and leave {key} unset.")
+    if d.gen_batch_size != d.train_batch_size and not cfg.algorithm.filter_groups.enable:
+        problems.add(f"data.gen_batch_size={d.gen_batch_size} differs from data.train_batch_size={d.train_batch_size}, "
+                     "but gen_batch_size is read only by DAPO's dynamic sampling (prompts per generation round, with "
+                     "algorithm.filter_groups.enable=true). Fix: remove data.gen_batch_size, or set "
+                     "algorithm.filter_groups.enable=true.")
 
 
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")

@@ -13,8 +13,6 @@ from .coerce import spec
 from .schema_actor import CheckpointConfig, FSDPConfig, OptimConfig
 from .schema_rollout import ActorRolloutRefConfig
 
-_COMPAT = "Accepted for verl compatibility; not used yet."
-
 
 @dataclass
 class PathNameConfig:
@@ -37,7 +35,7 @@ class DataConfig:
     """Datasets and batch size (verl ``data``). Files are parquet/jsonl in verl's schema."""
 
     tokenizer: str | None = spec(None, "Tokenizer location; null = the model's.")
-    use_shm: bool = spec(False, _COMPAT)
+    use_shm: bool = spec(False, "Copy the files to shared memory first (verl).")
     train_files: str | list[str] = spec("builtin:arithmetic", "Training file(s); 'builtin:<task>' = built-in data.")
     val_files: str | list[str] | None = spec("builtin:arithmetic", "Validation file(s); null = no validation set.")
     train_max_samples: int = spec(-1, "Use at most this many training rows; -1 = all.")
@@ -61,14 +59,14 @@ class DataConfig:
     filter_overlong_prompts_workers: int = spec(1, "Processes used for that filtering.")
     truncation: Literal["error", "left", "right", "middle"] = spec(
         "error", "What to do with a prompt longer than max_prompt_length.")
-    image_key: str = spec("images", "Column of images (multimodal). " + _COMPAT)
-    video_key: str = spec("videos", "Column of videos (multimodal). " + _COMPAT)
+    image_key: str = spec("images", "Column of images (verl, multimodal).")
+    video_key: str = spec("videos", "Column of videos (verl, multimodal).")
     trust_remote_code: bool = spec(False, "Allow tokenizer code shipped with the checkpoint.")
-    tool_config_path: str | None = spec(None, "Tools used when measuring prompt length. " + _COMPAT)
+    tool_config_path: str | None = spec(None, "Tools used when measuring prompt length (verl).")
     custom_cls: PathNameConfig = spec(factory=PathNameConfig, help="Custom dataset class.")
-    return_multi_modal_inputs: bool = spec(True, _COMPAT)
+    return_multi_modal_inputs: bool = spec(True, "Return the processor's multimodal inputs (verl).")
     sampler: SamplerConfig = spec(factory=SamplerConfig, help="Custom sampler class.")
-    datagen: PathNameConfig = spec(factory=PathNameConfig, help="Dynamic data generator. " + _COMPAT)
+    datagen: PathNameConfig = spec(factory=PathNameConfig, help="Dynamic data generator (verl).")
     apply_chat_template_kwargs: dict[str, Any] = spec({}, "Extra kwargs for tokenizer.apply_chat_template.")
 
 
@@ -81,9 +79,9 @@ class CriticModelConfig:
     override_config: dict[str, Any] = spec({}, "HF config overrides.")
     external_lib: str | None = spec(None, "null = actor_rollout_ref.model.external_lib.")
     trust_remote_code: bool | None = spec(None, "null = actor_rollout_ref.model.trust_remote_code.")
-    use_shm: bool = spec(False, _COMPAT)
+    use_shm: bool = spec(False, "Copy the files to shared memory first (verl).")
     enable_gradient_checkpointing: bool = spec(True, "Recompute each decoder layer in backward (lathe's decoder).")
-    enable_activation_offload: bool = spec(False, _COMPAT)
+    enable_activation_offload: bool = spec(False, "Offload activations to CPU (verl).")
     use_remove_padding: bool = spec(False, "Packed (varlen) critic forward without pad tokens (lathe's decoder).")
     lora_rank: int = spec(0, "LoRA rank; 0 = full fine-tuning.")
     lora_alpha: int = spec(16, "LoRA alpha.")
@@ -98,7 +96,7 @@ class CriticConfig:
     Keys left null take the actor's value (mini-batch size, epochs, shuffle, ...).
     """
 
-    strategy: str = spec("fsdp", _COMPAT)
+    strategy: str = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
     enable: bool | None = spec(None, "Force the critic on/off; null = on exactly when adv_estimator=gae.")
     model: CriticModelConfig = spec(factory=CriticModelConfig, help="Value model.")
     optim: OptimConfig = spec(factory=lambda: OptimConfig(lr=1e-5), help="Critic optimizer (lr 1e-5).")
@@ -117,9 +115,9 @@ class CriticConfig:
     grad_clip: float = spec(1.0, "Max global gradient norm.")
     cliprange_value: float = spec(0.5, "Value clipping range around the old values.")
     loss_agg_mode: str | None = spec(None, "null = actor's.")
-    ulysses_sequence_parallel_size: int = spec(1, _COMPAT)
+    ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")
     checkpoint: CheckpointConfig = spec(factory=CheckpointConfig, help="Checkpoint contents.")
-    profiler: dict[str, Any] = spec({}, _COMPAT)
+    profiler: dict[str, Any] = spec({}, "verl profiler settings.")
 
 
 @dataclass
@@ -128,11 +126,11 @@ class RewardModelModelConfig:
 
     path: str | None = spec(None, "Reward model location.")
     input_tokenizer: str | None = spec(None, "Tokenizer of the policy, when it differs from the RM's.")
-    external_lib: str | None = spec(None, "Module imported before loading.")
+    external_lib: str | None = spec(None, "Python module imported before loading (verl).")
     trust_remote_code: bool = spec(False, "Allow code shipped with the checkpoint.")
-    use_shm: bool = spec(False, _COMPAT)
-    use_remove_padding: bool = spec(False, _COMPAT)
-    use_fused_kernels: bool = spec(False, _COMPAT)
+    use_shm: bool = spec(False, "Copy the files to shared memory first (verl).")
+    use_remove_padding: bool = spec(False, "Packed forward without padding (verl).")
+    use_fused_kernels: bool = spec(False, "Fused kernels (verl).")
     fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="RM sharding/offload.")
 
 
@@ -140,7 +138,7 @@ class RewardModelModelConfig:
 class SandboxFusionConfig:
     """Remote code-execution sandbox (verl ``reward_model.sandbox_fusion``)."""
 
-    url: str | None = spec(None, "Sandbox service URL; null = lathe's local sandbox.")
+    url: str | None = spec(None, "Code-execution sandbox service URL (verl).")
     max_concurrent: int = spec(64, "Concurrent sandbox requests.")
     memory_limit_mb: int = spec(1024, "Memory limit per execution.")
 
@@ -160,23 +158,24 @@ class RewardModelConfig:
     """verl ``reward_model``: learned reward model and the reward manager."""
 
     enable: bool = spec(False, "Score with a learned reward model.")
-    enable_resource_pool: bool = spec(False, _COMPAT)
-    n_gpus_per_node: int = spec(0, _COMPAT)
-    nnodes: int = spec(0, _COMPAT)
-    strategy: str = spec("fsdp", _COMPAT)
+    enable_resource_pool: bool = spec(False, "Give the reward model its own devices (verl).")
+    n_gpus_per_node: int = spec(0, "Devices per node of the reward model's pool (verl).")
+    nnodes: int = spec(0, "Nodes of the reward model's pool (verl).")
+    strategy: str = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
     model: RewardModelModelConfig = spec(factory=RewardModelModelConfig, help="Reward model weights.")
     micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
     micro_batch_size_per_gpu: int | None = spec(None, "Sequences per device per RM forward.")
     max_length: int | None = spec(None, "Max RM input length.")
     use_dynamic_bsz: bool | None = spec(None, "null = critic's.")
     forward_max_token_len_per_gpu: int | None = spec(None, "Token budget per RM micro-batch.")
-    ulysses_sequence_parallel_size: int = spec(1, _COMPAT)
-    reward_manager: str = spec("naive", "How scores are computed per batch: naive, prime, batch, dapo.")
+    ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")
+    reward_manager: str = spec("naive", "verl's reward manager: naive, prime, dapo (lathe's per-response scoring) "
+                                        "or batch.")
     launch_reward_fn_async: bool = spec(False, "Score on CPU while log-probs are computed.")
-    reward_kwargs: dict[str, Any] = spec({}, "Extra kwargs for the reward manager (e.g. max_resp_len).")
+    reward_kwargs: dict[str, Any] = spec({}, "Extra kwargs for verl's reward manager (e.g. max_resp_len).")
     sandbox_fusion: SandboxFusionConfig = spec(factory=SandboxFusionConfig, help="Code sandbox.")
     overlong_buffer: OverlongBufferConfig = spec(factory=OverlongBufferConfig, help="DAPO overlong penalty.")
-    profiler: dict[str, Any] = spec({}, _COMPAT)
+    profiler: dict[str, Any] = spec({}, "verl profiler settings.")
 
 
 @dataclass
@@ -275,9 +274,11 @@ class TrainerConfig:
     experiment_name: str = spec("default", "Run name within the project.")
     logger: list[Logger] = spec(["console", "tensorboard"], "Loggers; jsonl metrics are always written.",
                                 scalar_to_list=True)
-    log_val_generations: int = spec(0, "Validation samples logged as text per validation.")
-    rollout_data_dir: str | None = spec(None, "Dump each step's rollouts here as jsonl.")
-    validation_data_dir: str | None = spec(None, "Dump validation generations here.")
+    log_val_generations: int = spec(0, "Validation samples (input, output, score) sent to the loggers per validation "
+                                       "(tensorboard text, wandb table, mlflow artifact).")
+    rollout_data_dir: str | None = spec(None, "Write each step's samples to <dir>/<step>.jsonl (input, output, gts, "
+                                              "score, step, reward extras).")
+    validation_data_dir: str | None = spec(None, "Write each validation's samples to <dir>/<step>.jsonl.")
     nnodes: int = spec(1, "Nodes.")
     n_gpus_per_node: int = spec(1, "Devices per node (lathe default 1).")
     device: Literal["auto", "cpu", "cuda"] = spec("auto", "lathe: auto = cuda when available, else cpu.")
@@ -293,14 +294,14 @@ class TrainerConfig:
     resume_from_path: str | None = spec(None, "Checkpoint dir used when resume_mode=resume_path.")
     default_local_dir: str = spec("checkpoints/${trainer.project_name}/${trainer.experiment_name}",
                                   "Checkpoint directory.")
-    default_hdfs_dir: str | None = spec(None, _COMPAT)
-    del_local_ckpt_after_load: bool = spec(False, _COMPAT)
-    remove_previous_ckpt_in_save: bool = spec(False, "Old verl key. " + _COMPAT)
+    default_hdfs_dir: str | None = spec(None, "Copy checkpoints to this HDFS directory (verl).")
+    del_local_ckpt_after_load: bool = spec(False, "Delete the local checkpoint once loaded (verl).")
+    remove_previous_ckpt_in_save: bool = spec(False, "Old verl key: keep one checkpoint (max_actor_ckpt_to_keep=1).")
     max_actor_ckpt_to_keep: int | None = spec(None, "Keep only the newest N actor checkpoints; null = all.")
     max_critic_ckpt_to_keep: int | None = spec(None, "Keep only the newest N critic checkpoints; null = all.")
-    esi_redundant_time: int = spec(0, _COMPAT)
+    esi_redundant_time: int = spec(0, "Seconds before an elastic instance expires to save (verl).")
     ray_wait_register_center_timeout: int = spec(300, "Seconds to wait for Ray workers to register.")
-    use_legacy_worker_impl: str = spec("auto", _COMPAT)
+    use_legacy_worker_impl: str = spec("auto", "verl's worker implementation: auto | enable | disable.")
 
 
 @dataclass
@@ -317,7 +318,7 @@ class LatheConfig:
     trainer: TrainerConfig = spec(factory=TrainerConfig, help="Run control.")
     ray_kwargs: dict[str, Any] = spec({}, "Ray settings (e.g. ray_init.num_cpus) for multi-node runs.")
     ray_init: dict[str, Any] = spec({}, "Older verl spelling of ray_kwargs.ray_init.")
-    global_profiler: dict[str, Any] = spec({}, "verl profiler settings. " + _COMPAT)
+    global_profiler: dict[str, Any] = spec({}, "verl profiler settings.")
     hydra: dict[str, Any] = spec({}, "Hydra's own settings in verl scripts; ignored.")
 
     @property

@@ -12,8 +12,6 @@ from typing import Any, Literal
 
 from .coerce import spec
 
-_COMPAT = "Accepted for verl compatibility; not used yet."
-
 
 @dataclass
 class MixedPrecisionConfig:
@@ -43,7 +41,7 @@ class FSDPConfig:
     optimizer_offload: bool = spec(False, "Keep the optimizer state (AdamW moments) in CPU memory; the step "
                                           "streams it through the GPU. Needs CUDA and mixed precision.")
     offload_policy: bool = spec(False, "FSDP2 CPU offload policy for param/grad/optimizer.")
-    grad_offload: bool = spec(False, "Old verl key (gradient offload). " + _COMPAT)
+    grad_offload: bool = spec(False, "Old verl key: gradient offload.")
     reshard_after_forward: bool = spec(True, "FSDP2: free gathered params after forward.")
     fsdp_size: int = spec(-1, "Devices per FSDP shard group; -1 = all devices.")
     forward_prefetch: bool = spec(False, "Prefetch the next all-gather during forward.")
@@ -51,9 +49,9 @@ class FSDPConfig:
                                     "(bf16 = pure bf16 training). A frozen reference holds param_dtype weights.")
     mixed_precision: MixedPrecisionConfig = spec(factory=MixedPrecisionConfig,
                                                  help="Compute / gradient dtypes (FSDP2 MixedPrecisionPolicy).")
-    use_orig_params: bool = spec(False, "FSDP1 use_orig_params. " + _COMPAT)
-    wrap_policy: dict[str, Any] = spec({"min_num_params": 0}, "Module wrapping policy. " + _COMPAT)
-    strategy: str | None = spec(None, "Engine strategy override (fsdp|fsdp2). " + _COMPAT)
+    use_orig_params: bool = spec(False, "FSDP1 use_orig_params (verl).")
+    wrap_policy: dict[str, Any] = spec({"min_num_params": 0}, "Module wrapping policy (verl).")
+    strategy: str | None = spec(None, "Engine strategy override (verl: fsdp|fsdp2).")
     use_torch_compile: bool = spec(True, "verl's engine-worker switch: false runs this model eager. On CUDA, "
                                          "lathe compiles its decoder layers (and the actor's log-prob math).")
 
@@ -65,7 +63,7 @@ class CheckpointConfig:
     save_contents: list[str] = spec(["model", "optimizer", "extra"],
                                     "Parts to save: model, optimizer, extra (rng, step), hf_model.")
     load_contents: list[str] = spec(["model", "optimizer", "extra"], "Parts to load on resume.")
-    async_save: bool = spec(False, "Save in the background. " + _COMPAT)
+    async_save: bool = spec(False, "Save in the background (verl).")
 
 
 @dataclass
@@ -122,19 +120,19 @@ class ModelConfig:
     override_config: dict[str, Any] = spec({}, "Keys that override the model's HF config (e.g. attention_dropout).")
     external_lib: str | None = spec(None, "Python module imported before loading (registers custom models).")
     custom_chat_template: str | None = spec(None, "Jinja chat template replacing the tokenizer's.")
-    use_shm: bool = spec(False, "Copy the model to shared memory first. " + _COMPAT)
+    use_shm: bool = spec(False, "Copy the model to shared memory first (verl).")
     impl: Literal["auto", "lathe", "hf"] = spec(
         "auto", "lathe: the implementation that trains actor, reference and critic. auto = lathe's own decoder "
                 "for Llama/Qwen2/Qwen3 checkpoints (packed forward, chunked log-probs), transformers for other "
                 "architectures; lathe = lathe's decoder or an error; hf = transformers always.")
     enable_gradient_checkpointing: bool = spec(True, "Recompute each decoder layer's activations in backward to "
                                                      "save memory (lathe's decoder; not yet for transformers).")
-    enable_activation_offload: bool = spec(False, "Offload activations to CPU. " + _COMPAT)
+    enable_activation_offload: bool = spec(False, "Offload activations to CPU (verl).")
     use_remove_padding: bool = spec(False, "Packed (varlen) forward of actor and reference without pad tokens "
                                            "(lathe's decoder; transformers models run padded).")
-    use_liger: bool = spec(False, "Liger kernels. " + _COMPAT)
-    use_fused_kernels: bool = spec(False, "Fused log-prob/entropy kernels. " + _COMPAT)
-    fused_kernel_options: dict[str, Any] = spec({"impl_backend": "torch"}, "Fused kernel options. " + _COMPAT)
+    use_liger: bool = spec(False, "Liger kernels (verl).")
+    use_fused_kernels: bool = spec(False, "Fused log-prob/entropy kernels (verl).")
+    fused_kernel_options: dict[str, Any] = spec({"impl_backend": "torch"}, "Fused kernel options (verl).")
     lora_rank: int = spec(0, "LoRA rank; 0 = full fine-tuning.")
     lora_alpha: int = spec(16, "LoRA alpha.")
     target_modules: str | list[str] = spec("all-linear", "LoRA target modules.")
@@ -150,7 +148,7 @@ class ActorConfig:
     across devices); ``ppo_micro_batch_size_per_gpu`` counts SEQUENCES per device.
     """
 
-    strategy: str = spec("fsdp", "Training backend (fsdp|fsdp2|megatron). " + _COMPAT)
+    strategy: str = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
     ppo_mini_batch_size: int = spec(256, "Prompts per PPO mini-batch (one optimizer step); x rollout.n sequences.")
     ppo_micro_batch_size: int | None = spec(None, "Deprecated (verl): global micro-batch in sequences; "
                                                   "converted to ppo_micro_batch_size_per_gpu.")
@@ -178,37 +176,37 @@ class ActorConfig:
     shuffle: bool = spec(False, "Shuffle sequences between PPO epochs.")
     grad_clip: float = spec(1.0, "Max global gradient norm.")
     tis_imp_ratio_cap: float = spec(-1.0, "Truncated IS cap on old/rollout ratio; -1 disables.")
-    use_token_level_loss: bool | None = spec(None, "Old verl DAPO key; use loss_agg_mode=token-mean. " + _COMPAT)
-    ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree. " + _COMPAT)
-    entropy_from_logits_with_chunking: bool = spec(False, "Chunk the entropy computation. " + _COMPAT)
-    entropy_checkpointing: bool = spec(False, "Recompute entropy in backward. " + _COMPAT)
+    use_token_level_loss: bool | None = spec(None, "Old verl DAPO key; loss_agg_mode=token-mean replaces it.")
+    ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")
+    entropy_from_logits_with_chunking: bool = spec(False, "Chunk the entropy computation (verl).")
+    entropy_checkpointing: bool = spec(False, "Recompute entropy in backward (verl).")
     use_torch_compile: bool = spec(True, "torch.compile lathe's decoder layers and chunked log-prob/entropy math "
                                          "on CUDA (CPU runs eager); false, or fsdp_config.use_torch_compile=false, "
                                          "runs eager.")
-    use_fused_kernels: bool = spec(False, "Fused log-prob kernels. " + _COMPAT)
-    use_remove_padding: bool = spec(False, "Packed forward without padding. " + _COMPAT)
-    freeze_vision_tower: bool = spec(False, "Freeze a VLM's vision tower. " + _COMPAT)
+    use_fused_kernels: bool = spec(False, "Fused log-prob kernels (verl).")
+    use_remove_padding: bool = spec(False, "Packed forward without padding (verl).")
+    freeze_vision_tower: bool = spec(False, "Freeze a VLM's vision tower (verl).")
     data_loader_seed: int | None = spec(None, "Seed for mini-batch shuffling; null = trainer.seed.")
     checkpoint: CheckpointConfig = spec(factory=CheckpointConfig, help="Checkpoint contents.")
     optim: OptimConfig = spec(factory=OptimConfig, help="Actor optimizer.")
     fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="Actor sharding/offload.")
-    profiler: dict[str, Any] = spec({}, "verl profiler settings. " + _COMPAT)
+    profiler: dict[str, Any] = spec({}, "verl profiler settings.")
 
 
 @dataclass
 class RefConfig:
     """Frozen reference policy for the KL term (verl ``actor_rollout_ref.ref``)."""
 
-    strategy: str = spec("fsdp", "Backend. " + _COMPAT)
+    strategy: str = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
     log_prob_micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
     log_prob_micro_batch_size_per_gpu: int | None = spec(
         None, "Sequences per device per ref log-prob forward; null = lathe picks.")
     log_prob_use_dynamic_bsz: bool | None = spec(None, "Token-count micro-batches; null = actor.use_dynamic_bsz.")
     log_prob_max_token_len_per_gpu: int | None = spec(
         None, "Token budget per micro-batch; null = actor.ppo_max_token_len_per_gpu.")
-    ulysses_sequence_parallel_size: int | None = spec(None, "Sequence-parallel degree; null = actor's. " + _COMPAT)
+    ulysses_sequence_parallel_size: int | None = spec(None, "Sequence-parallel degree; null = actor's (verl).")
     use_torch_compile: bool | None = spec(None, "null = actor.use_torch_compile.")
-    entropy_from_logits_with_chunking: bool = spec(False, _COMPAT)
-    entropy_checkpointing: bool = spec(False, _COMPAT)
+    entropy_from_logits_with_chunking: bool = spec(False, "Chunk the entropy computation (verl).")
+    entropy_checkpointing: bool = spec(False, "Recompute entropy in backward (verl).")
     fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="Ref sharding/offload (param_offload useful).")
-    profiler: dict[str, Any] = spec({}, "verl profiler settings. " + _COMPAT)
+    profiler: dict[str, Any] = spec({}, "verl profiler settings.")

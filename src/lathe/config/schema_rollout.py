@@ -14,8 +14,6 @@ from typing import Any, Literal
 from .coerce import spec
 from .schema_actor import ActorConfig, ModelConfig, RefConfig
 
-_COMPAT = "Accepted for verl compatibility; not used yet."
-
 
 @dataclass
 class ValKwargsConfig:
@@ -53,7 +51,7 @@ class RolloutConfig:
         "auto", "Backend: lathe (built-in paged engine, needs lathe's decoder: Llama/Qwen2/Qwen3), hf "
                 "(transformers generate, any causal LM), or auto (lathe when the actor runs lathe's decoder, "
                 "else hf). vllm/sglang are not shipped; load_config explains the fix.")
-    mode: str = spec("sync", "sync | async (verl). " + _COMPAT)
+    mode: str = spec("sync", "verl: sync | async (server-based) generation.")
     n: int = spec(1, "Responses sampled per prompt (GRPO group size).")
     temperature: float = spec(1.0, "Sampling temperature (> 0).")
     top_p: float = spec(1.0, "Nucleus sampling mass, in (0, 1].")
@@ -65,10 +63,9 @@ class RolloutConfig:
     dtype: str = spec("bfloat16", "Engine weights and KV-cache dtype (bfloat16|float16|float32) on CUDA; "
                                   "CPU runs use float32. The hf backend shares the actor's dtype.")
     gpu_memory_utilization: float = spec(0.5, "Fraction of device memory the engine may use (weights + KV cache).")
-    tensor_model_parallel_size: int = spec(1, "Tensor-parallel degree of the engine (verl default 2). "
-                                              + _COMPAT)
-    data_parallel_size: int = spec(1, _COMPAT)
-    expert_parallel_size: int = spec(1, _COMPAT)
+    tensor_model_parallel_size: int = spec(1, "Tensor-parallel degree of the engine (verl default 2).")
+    data_parallel_size: int = spec(1, "Data-parallel degree of the engine (verl).")
+    expert_parallel_size: int = spec(1, "Expert-parallel degree of the engine (verl).")
     max_num_batched_tokens: int = spec(8192, "Token budget of one engine step (prefill chunking).")
     max_model_len: int | None = spec(None, "Max prompt+response length; null = prompt_length + response_length.")
     max_num_seqs: int = spec(1024, "Max sequences running at once in the engine.")
@@ -77,29 +74,29 @@ class RolloutConfig:
     free_cache_engine: bool = spec(True, "Release the engine's KV cache while training (CUDA; kept on CPU).")
     enable_chunked_prefill: bool = spec(True, "Split long prefills across engine steps.")
     enable_prefix_caching: bool = spec(True, "Share KV blocks of identical prompt prefixes.")
-    load_format: str = spec("dummy", "How the engine first gets weights. " + _COMPAT)
-    layered_summon: bool = spec(False, _COMPAT)
+    load_format: str = spec("dummy", "How the engine first gets weights (verl).")
+    layered_summon: bool = spec(False, "Gather sharded weights layer by layer for the engine (verl).")
     log_prob_micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
     log_prob_micro_batch_size_per_gpu: int | None = spec(
         None, "Sequences per device per old-log-prob forward; null = lathe picks.")
     log_prob_use_dynamic_bsz: bool | None = spec(None, "null = actor.use_dynamic_bsz.")
     log_prob_max_token_len_per_gpu: int | None = spec(None, "null = actor.ppo_max_token_len_per_gpu.")
     disable_log_stats: bool = spec(True, "Silence the engine's own stats logging.")
-    calculate_log_probs: bool = spec(False, "Return the engine's log-probs (needed by rollout_correction).")
-    over_sample_rate: float = spec(0.0, _COMPAT)
-    multi_stage_wake_up: bool = spec(False, _COMPAT)
+    calculate_log_probs: bool = spec(False, "Return the engine's log-probs (rollout_correction uses them).")
+    over_sample_rate: float = spec(0.0, "Sample extra prompts and abort the slowest rollouts (verl).")
+    multi_stage_wake_up: bool = spec(False, "Wake the engine up in stages to save memory (verl).")
     update_weights_bucket_megabytes: int = spec(512, "Bucket size for pushing weights into the engine.")
-    skip_rollout: bool = spec(False, _COMPAT)
-    skip_dump_dir: str = spec("/tmp/rollout_dump", _COMPAT)
-    skip_tokenizer_init: bool = spec(True, _COMPAT)
-    use_fire_sampling: bool = spec(False, "Old verl key. " + _COMPAT)
-    chat_scheduler: str | None = spec(None, "Old verl key. " + _COMPAT)
+    skip_rollout: bool = spec(False, "Replay dumped rollouts instead of generating (verl debug).")
+    skip_dump_dir: str = spec("/tmp/rollout_dump", "Where skip_rollout's dumps live (verl).")
+    skip_tokenizer_init: bool = spec(True, "Engine without its own tokenizer (verl).")
+    use_fire_sampling: bool = spec(False, "Old verl key.")
+    chat_scheduler: str | None = spec(None, "Old verl key.")
     engine_kwargs: dict[str, Any] = spec({"vllm": {}, "sglang": {}}, "Backend-specific engine kwargs.")
     val_kwargs: ValKwargsConfig = spec(factory=ValKwargsConfig, help="Validation sampling.")
     multi_turn: MultiTurnConfig = spec(factory=MultiTurnConfig, help="Multi-turn / tool rollouts.")
-    agent: dict[str, Any] = spec({}, "verl agent-loop settings. " + _COMPAT)
-    trace: dict[str, Any] = spec({}, "verl rollout tracing. " + _COMPAT)
-    profiler: dict[str, Any] = spec({}, "verl profiler settings. " + _COMPAT)
+    agent: dict[str, Any] = spec({}, "verl agent-loop settings.")
+    trace: dict[str, Any] = spec({}, "verl rollout tracing.")
+    profiler: dict[str, Any] = spec({}, "verl profiler settings.")
 
 
 @dataclass

@@ -81,7 +81,9 @@ def field_meta(cls: type, name: str) -> dict:
 
 
 def help_for(path: str) -> str:
-    """Help text of a dotted key ('' for unknown keys or keys without help)."""
+    """Help text of a dotted key, with what lathe does with it when it is in the support registry
+    ('' for unknown keys or keys without help)."""
+    from .support import support_note    # support reads values through this module
     cls: Any = LatheConfig
     parts = path.split(".")
     for i, part in enumerate(parts):
@@ -89,7 +91,7 @@ def help_for(path: str) -> str:
         if part not in hints:
             return ""
         if i == len(parts) - 1:
-            return field_meta(cls, part).get("help", "")
+            return " ".join(t for t in (field_meta(cls, part).get("help", ""), support_note(path)) if t)
         cls = _dataclass_type(hints[part])
         if cls is None:
             return ""

@@ -30,10 +30,10 @@ class StatefulDataLoader:
         size = len(dataset)
         if size == 0 or (drop_last and size < batch_size):
             raise DataError(
-                f"data.train_batch_size={batch_size} is larger than the dataset ({size} prompts "
-                "after filtering), so not one batch can be formed. Fix: lower data.train_batch_size, "
-                "add data, or raise data.max_prompt_length / set data.filter_overlong_prompts=False "
-                "if filtering dropped prompts."
+                f"a batch of {batch_size} prompts (data.train_batch_size, or data.gen_batch_size with "
+                f"algorithm.filter_groups) is larger than the dataset ({size} prompts after filtering), so not "
+                "one batch can be formed. Fix: lower that batch size, add data, or raise "
+                "data.max_prompt_length / set data.filter_overlong_prompts=False if filtering dropped prompts."
             )
         self.dataset = dataset
         self.batch_size = batch_size

@@ -10,6 +10,7 @@ import time
 
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import save_checkpoint
+from lathe.loop.dump import dump_rollouts
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.sampling import sample_step_batch
 from lathe.loop.steps import (
@@ -58,6 +59,7 @@ def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
     metrics.update(compute_data_metrics(batch, max_response_length=t.cfg.data.max_response_length))
     metrics.update(timer.metrics(), **{"timing_s/step": step_seconds})
     metrics.update(compute_throughput_metrics(batch, step_seconds))
+    dump_rollouts(t, batch)                                              # trainer.rollout_data_dir
     return metrics
 
 

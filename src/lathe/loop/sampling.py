@@ -42,9 +42,10 @@ def greedy_baseline(t: Trainer, prompts: Batch) -> torch.Tensor:
 def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[str, float]]:
     """The step's batch; with `algorithm.filter_groups.enable`, DAPO's dynamic sampling.
 
-    Groups whose `filter_groups.metric` has zero variance (all right or all wrong: no GRPO signal) are
-    dropped and further prompt batches generated until `train_batch_size` prompts remain, at most
-    `max_num_gen_batches` rounds (0 = no limit).
+    Each generation round takes one dataloader batch of `data.gen_batch_size` prompts (verl's DAPO recipe;
+    = train_batch_size unless set). Groups whose `filter_groups.metric` has zero variance (all right or all
+    wrong: no GRPO signal) are dropped and further rounds generated until `train_batch_size` prompts remain,
+    at most `max_num_gen_batches` rounds (0 = no limit); the first `train_batch_size` kept groups train.
     """
     fg = t.cfg.algorithm.filter_groups
     batch, metrics = generate_and_score(t, prompts, timer)

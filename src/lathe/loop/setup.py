@@ -20,7 +20,7 @@ from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
 from lathe.config import critic_in_use, to_dict
 from lathe.data import RLDataset, StatefulDataLoader
-from lathe.models.hf import load_policy, load_tokenizer
+from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
 from lathe.reward.registry import scorer_for
 from lathe.rollout.base import SamplingParams
@@ -78,6 +78,14 @@ def check_algorithm_names(cfg) -> None:
                       ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
         if name not in KL_PENALTIES:
             raise ValueError(f"{key}={name!r} is not a KL estimator; known: {', '.join(KL_PENALTIES)}")
+
+
+def external_libs(cfg) -> dict[str, str | None]:
+    """verl's `external_lib` modules to import before any model loads (the critic's when it trains)."""
+    libs = {"actor_rollout_ref.model.external_lib": cfg.actor_rollout_ref.model.external_lib}
+    if critic_in_use(cfg):
+        libs["critic.model.external_lib"] = cfg.critic.model.external_lib
+    return libs
 
 
 def load_custom_reward(reward_cfg):
@@ -173,10 +181,12 @@ def build_trainer(cfg) -> Trainer:
     run_dir = Path(t.default_local_dir).expanduser()
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, trust_remote_code=arr.model.trust_remote_code)
+    import_external_libs(external_libs(cfg))
+    tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, chat_template=arr.model.custom_chat_template,
+                               trust_remote_code=arr.model.trust_remote_code or cfg.data.trust_remote_code)
     train_ds, val_ds = load_datasets(cfg, tokenizer)
     check_scorers([train_ds, val_ds], cfg.reward.custom_reward_function.path)
-    loader = StatefulDataLoader(train_ds, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    loader = StatefulDataLoader(train_ds, cfg.data.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     total_steps = t.total_training_steps or len(loader) * t.total_epochs
 
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)

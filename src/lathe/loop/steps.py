@@ -23,7 +23,8 @@ def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None,
     """Score each response; the score sits on its last valid token (`token_level_scores`, (B, R)).
 
     `seq_scores` keeps the scorer's own numbers; `token_level_scores` adds DAPO's overlong penalty when
-    `overlong` (verl's `reward_model.overlong_buffer`) is enabled.
+    `overlong` (verl's `reward_model.overlong_buffer`) is enabled. `reward_extra_info` holds each scorer's
+    extra numbers per sample (their means are the `reward_extra/*` metrics).
     """
     texts = decode_responses(batch, tokenizer)
     items = [{"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": extra}
@@ -48,7 +49,8 @@ def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None,
         for k, v in r.extra.items():
             extras[k].append(v)
     metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()})
-    out = Batch({"token_level_scores": token_level, "seq_scores": scores}, {"response_text": texts})
+    out = Batch({"token_level_scores": token_level, "seq_scores": scores},
+                {"response_text": texts, "reward_extra_info": [dict(r.extra) for r in results]})
     if results and all("acc" in r.extra for r in results):
         out["acc"] = torch.tensor([r.extra["acc"] for r in results], dtype=torch.float32)
     return out, metrics

@@ -10,6 +10,7 @@ what the trainer runs (`actor_rollout_ref.model.impl`).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -38,8 +39,33 @@ def is_builtin(path: str | None) -> bool:
     return bool(path) and str(path).startswith(BUILTIN_PREFIX)
 
 
-def load_tokenizer(path: str, *, trust_remote_code: bool = False):
-    """The tokenizer of `path` (a local directory, a hub id, or `builtin:<name>`)."""
+def load_tokenizer(path: str, *, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The tokenizer of `path` (a local directory, a hub id, or `builtin:<name>`).
+
+    `chat_template` (verl's `actor_rollout_ref.model.custom_chat_template`, a Jinja template) replaces the
+    tokenizer's own, so everything that renders prompts or saves the tokenizer uses it.
+    """
+    tok = _tokenizer(path, trust_remote_code)
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok
+
+
+def import_external_libs(libs: dict[str, str | None]) -> None:
+    """Import each module named by a config key (verl's `external_lib`: code that registers custom
+    architectures with transformers), before any model loads. A failing import names the key."""
+    for key, module in libs.items():
+        if not module:
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # an import can fail in any way; the user needs the key and the module
+            raise ModelLoadError(f"{key}={module!r}: importing module {module!r} failed ({type(e).__name__}: {e}). "
+                                 f"Fix: install it or add its directory to PYTHONPATH, or remove {key}.") from e
+        log.info("imported %s (%s)", module, key)
+
+
+def _tokenizer(path: str, trust_remote_code: bool):
     if is_builtin(path):
         from lathe.data.builtin import builtin_tokenizer
         return builtin_tokenizer()

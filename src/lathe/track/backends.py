@@ -1,7 +1,8 @@
 """Logger backends behind ``trainer.logger``: console, tensorboard, wandb, mlflow.
 
 Each backend has ``log(metrics, step)`` taking plain numbers (the ``Tracker`` converts tensors
-first), ``truncate_after(step)`` for resume, and ``close()``. wandb and mlflow are optional
+first), ``log_generations(samples, step)`` for verl's ``trainer.log_val_generations`` (``samples``: a list
+of (input, output, score)), ``truncate_after(step)`` for resume, and ``close()``. wandb and mlflow are optional
 dependencies: they are imported only when named, and a missing one is reported with the
 ``pip install`` that fixes it.
 """
@@ -23,6 +24,8 @@ from lathe.track.console import format_step_line
 __all__ = ["ConsoleLogger", "TensorboardLogger", "WandbLogger", "MlflowLogger", "import_optional"]
 
 Metrics = Mapping[str, float | int]
+Samples = list[tuple[str, str, float]]
+GENERATIONS_KEY = "val/generations"
 
 
 def import_optional(name: str) -> Any:
@@ -84,6 +87,9 @@ class ConsoleLogger:
     def log(self, metrics: Metrics, step: int) -> None:
         self.printer(format_step_line(step, self.total_steps, metrics))
 
+    def log_generations(self, samples: Samples, step: int) -> None:
+        pass  # as in verl: sample tables go to the experiment loggers, not the step line
+
     def truncate_after(self, step: int) -> None:
         pass
 
@@ -117,6 +123,14 @@ class TensorboardLogger:
         writer = self._open()
         for key, value in metrics.items():
             writer.add_scalar(key, value, step)
+        writer.flush()
+
+    def log_generations(self, samples: Samples, step: int) -> None:
+        """One markdown text entry ``val/generations`` per validation."""
+        parts = [f"### Sample {i}\n\n**Input:** {inp}\n\n**Output:** {out}\n\n**Score:** {score}\n"
+                 for i, (inp, out, score) in enumerate(samples, 1)]
+        writer = self._open()
+        writer.add_text(GENERATIONS_KEY, f"**Validation generations, step {step}**\n\n" + "\n---\n\n".join(parts), step)
         writer.flush()
 
     def truncate_after(self, step: int) -> None:
@@ -155,9 +169,20 @@ class WandbLogger:
         if os.environ.get("WANDB_MODE"):
             kwargs["mode"] = os.environ["WANDB_MODE"]
         self.run = self.wandb.init(**kwargs)
+        self.generation_rows: list[list] = []
 
     def log(self, metrics: Metrics, step: int) -> None:
         self.wandb.log(dict(metrics), step=step)
+
+    def log_generations(self, samples: Samples, step: int) -> None:
+        """A ``val/generations`` table with one row per validation: step, then input/output/score of each sample."""
+        columns = ["step"] + [f"{part}_{i}" for i in range(1, len(samples) + 1)
+                              for part in ("input", "output", "score")]
+        row = [step] + [value for sample in samples for value in sample]
+        self.generation_rows.append(row)
+        width = len(columns)   # rows of earlier validations (fewer samples) are padded to this table's width
+        table = self.wandb.Table(columns=columns, data=[r + [None] * (width - len(r)) for r in self.generation_rows])
+        self.wandb.log({GENERATIONS_KEY: table}, step=step)
 
     def truncate_after(self, step: int) -> None:
         pass  # wandb itself ignores steps at or below the run's last logged step
@@ -196,6 +221,11 @@ class MlflowLogger:
 
     def log(self, metrics: Metrics, step: int) -> None:
         self.mlflow.log_metrics({mlflow_key(k): v for k, v in metrics.items()}, step=step)
+
+    def log_generations(self, samples: Samples, step: int) -> None:
+        """The samples as a JSON artifact ``val_generations/step_<step>.json``."""
+        rows = [{"input": inp, "output": out, "score": score} for inp, out, score in samples]
+        self.mlflow.log_dict(rows, f"val_generations/step_{step}.json")
 
     def truncate_after(self, step: int) -> None:
         pass

@@ -119,6 +119,17 @@ class Tracker:
                 self._warn_once(f"backend:{name}", f"Tracker: logger {name!r} failed at step {step}: {err!r}")
         return scalars
 
+    def log_generations(self, samples: list[tuple[str, str, float]], step: int) -> None:
+        """Send (input, output, score) samples to every logger that shows text (verl's log_val_generations)."""
+        for name, backend in self.backends.items():
+            try:
+                backend.log_generations(samples, step)
+            except Exception as err:  # noqa: BLE001 - a sample table must not end the run either
+                if name in ("console", "tensorboard"):
+                    raise
+                self._warn_once(f"generations:{name}", f"Tracker: logger {name!r} failed to log generations at "
+                                                       f"step {step}: {err!r}")
+
     def truncate_after(self, step: int) -> int:
         """Resume at ``step``: forget logged steps ``> step`` (jsonl lines; tensorboard purge).
 

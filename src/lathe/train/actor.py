@@ -48,7 +48,7 @@ class PPOActor:
         bypass = bool(rollout_correction and rollout_correction.get("bypass_mode"))
         self.loss_params = policy_loss_params(actor_cfg, rollout_correction if bypass else None)
         self.policy_loss = get_policy_loss("bypass_mode" if bypass else actor_cfg.policy_loss.loss_mode)
-        self.loss_scale_factor = max_response_length
+        self.loss_scale_factor = actor_cfg.loss_scale_factor or max_response_length   # seq-mean-token-sum-norm's divisor
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches; returns verl's `actor/*` metrics averaged over mini-batches."""

@@ -33,17 +33,22 @@ def warmup_steps(optim_cfg, total_steps: int) -> int:
 
 
 def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then constant or cosine decay to `min_lr_ratio * lr`. Stepped once per RL step."""
+    """Linear warm-up, then constant or cosine decay to `min_lr_ratio * lr`. Stepped once per RL step.
+
+    The cosine makes `num_cycles` waves over the steps after warm-up (verl's default 0.5: one decay).
+    """
     warm = warmup_steps(optim_cfg, total_steps)
     style = getattr(optim_cfg, "lr_scheduler_type", None) or getattr(optim_cfg, "warmup_style", "constant")
     min_ratio = getattr(optim_cfg, "min_lr_ratio", 0.0) or 0.0
+    cycles = getattr(optim_cfg, "num_cycles", 0.5)
 
     def factor(step: int) -> float:
         if step < warm:
             return (step + 1) / (warm + 1)
         if style == "cosine":
             progress = min(1.0, (step - warm) / max(1, total_steps - warm))
-            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            wave = max(0.0, 0.5 * (1 + math.cos(math.pi * 2.0 * cycles * progress)))
+            return min_ratio + (1 - min_ratio) * wave
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

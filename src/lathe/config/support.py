@@ -1,0 +1,385 @@
+"""The one list of config keys lathe accepts (verl's names) but does not act on yet, and what it does with them.
+
+Every key of the config tree is either read by lathe's code or listed here (``tests/config/
+test_key_coverage.py`` checks both ways). ``check_support`` runs inside ``load_config`` on the values as
+given (before fill-ins): a refused value is a ConfigError listing every problem at once; keys with no effect
+are named together in one ``IgnoredKeysWarning``. ``docs/config_keys.md`` is generated from this list:
+
+    PYTHONPATH=src python -c "from lathe.config.support import markdown; print(markdown())" > docs/config_keys.md
+
+When a feature lands, its entries go (and the test then checks that the code reads the keys).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import replace
+
+from .errors import ProblemList
+from .coerce import show
+from .schema import LatheConfig
+from .support_base import Entry, at_most, inert, no_entries, one_of, refuse, same_as, warn
+from .tree import get_path
+
+A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
+R, M = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
+C, RM = "critic", "reward_model"
+TRAINED = (A, REF, f"{C}.model")                      # the fsdp_config groups of models lathe loads
+ONE_DEVICE = "multi-GPU is coming through Ray/FSDP2"
+DEVICE_KEYS = frozenset({"trainer.nnodes", "trainer.n_gpus_per_node"})   # not checked when load_config plans devices
+
+
+class IgnoredKeysWarning(UserWarning):
+    """Config keys were set that have no effect in lathe (the message lists them and why)."""
+
+
+def _devices(value, cfg) -> tuple[str, str] | None:
+    """One message for both device keys (so the problem list shows it once)."""
+    t = cfg.trainer
+    if t.nnodes * t.n_gpus_per_node <= 1:
+        return None
+    return "refuse", (f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} = "
+                      f"{t.nnodes * t.n_gpus_per_node} devices: training on more than one device is not implemented "
+                      f"yet in lathe ({ONE_DEVICE}). Fix: set trainer.n_gpus_per_node=1 trainer.nnodes=1.")
+
+
+def _agent(value, cfg) -> tuple[str, str] | None:
+    """verl's agent loop: its worker count has no effect; anything else (custom loops) is refused."""
+    if not value:
+        return None
+    if set(value) <= {"num_workers"}:
+        return "warn", f"`{R}.agent`={show(value)} has no effect in lathe: lathe's engine needs no agent-loop workers."
+    return "refuse", (f"`{R}.agent`={show(value)}: verl's agent loop is not implemented yet in lathe (it generates "
+                      f"one response per prompt in its own engine). Fix: remove {R}.agent (num_workers alone is "
+                      f"accepted).")
+
+
+def _multi_gpu() -> list[Entry]:
+    fix_devices = "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
+    out = [replace(refuse(f"trainer.{k}", f"training on more than one device ({ONE_DEVICE})", fix_devices),
+                   judge=_devices) for k in ("nnodes", "n_gpus_per_node")]
+    out += [refuse(f"{R}.{k}", f"{what} over several devices ({ONE_DEVICE})", "set it to 1", at_most(1))
+            for k, what in (("tensor_model_parallel_size", "tensor-parallel generation"),
+                            ("data_parallel_size", "data-parallel generation"),
+                            ("expert_parallel_size", "expert-parallel generation"))]
+    out += [refuse(f"{g}.ulysses_sequence_parallel_size", f"Ulysses sequence parallelism ({ONE_DEVICE})",
+                   "set it to 1", at_most(1)) for g in (A, REF, C)]
+    out += [refuse(f"{g}.strategy", "a training backend other than fsdp/fsdp2 (such as megatron)",
+                   "set it to fsdp2 (or fsdp): lathe trains with PyTorch on one device, FSDP2 when multi-GPU lands",
+                   one_of("fsdp", "fsdp2")) for g in (A, REF, C)]
+    out += [refuse(f"{g}.fsdp_config.strategy", "an engine strategy other than fsdp/fsdp2", "remove it",
+                   one_of(None, "fsdp", "fsdp2")) for g in TRAINED]
+    out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
+            refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices (hybrid_engine=false)",
+                   "remove it: the rollout engine shares the actor's device")]
+    return out
+
+
+def _one_device() -> list[Entry]:
+    shard = "a sharding setting, with nothing to shard on one device"
+    out = [warn(f"{g}.fsdp_config.{k}", shard, ok) for g in TRAINED for k, ok in (
+        ("reshard_after_forward", None), ("fsdp_size", one_of(-1, 1)), ("forward_prefetch", None),
+        ("use_orig_params", None), ("wrap_policy", None))]
+    no_ray = "Ray is not used on one device"
+    out += [warn("actor_rollout_ref.nccl_timeout", "no collectives run on one device"),
+            warn("trainer.balance_batch", "it balances tokens across devices; there is one"),
+            warn("trainer.ray_wait_register_center_timeout", no_ray),
+            warn("ray_kwargs", no_ray), warn("ray_init", no_ray),
+            warn("trainer.esi_redundant_time", "it is for Volcano Engine elastic instances"),
+            warn(f"{R}.layered_summon", "it gathers sharded weights layer by layer; nothing is sharded"),
+            warn(f"{R}.update_weights_bucket_megabytes", "weights are copied in-process, without buckets")]
+    return out
+
+
+def _dynamic_batch() -> list[Entry]:
+    what = "dynamic batch size (micro-batches packed by token count)"
+    out = [refuse(f"{A}.use_dynamic_bsz", what, "remove it; size micro-batches with "
+                  f"{A}.ppo_micro_batch_size_per_gpu (sequences per device)"),
+           refuse(f"{C}.use_dynamic_bsz", what, f"remove it; use {C}.ppo_micro_batch_size_per_gpu")]
+    out += [refuse(f"{g}.log_prob_use_dynamic_bsz", what, f"remove it; use {g}.log_prob_micro_batch_size_per_gpu")
+            for g in (REF, R)]
+    needs = "it is read only with use_dynamic_bsz=true (not implemented yet)"
+    out += [warn(f"{A}.ppo_max_token_len_per_gpu", needs), warn(f"{C}.ppo_max_token_len_per_gpu", needs)]
+    out += [warn(key, needs, same_as(source)) for key, source in (   # null-defaulted keys filled from another
+        (f"{REF}.log_prob_max_token_len_per_gpu", f"{A}.ppo_max_token_len_per_gpu"),
+        (f"{R}.log_prob_max_token_len_per_gpu", f"{A}.ppo_max_token_len_per_gpu"),
+        (f"{C}.forward_max_token_len_per_gpu", f"{C}.ppo_max_token_len_per_gpu"))]
+    return out
+
+
+def _lora() -> list[Entry]:
+    out = []
+    for model in (M, f"{C}.model"):
+        out.append(refuse(f"{model}.lora_rank", "LoRA fine-tuning", "remove it (or set it to 0): lathe trains "
+                          "all weights", at_most(0)))
+        keys = ("lora_alpha", "target_modules") + (("exclude_modules",) if model == M else ())
+        out += [warn(f"{model}.{k}", "it is read only with lora_rank > 0 (LoRA is not implemented yet)") for k in keys]
+    return out
+
+
+def _multi_turn() -> list[Entry]:
+    out = [refuse(f"{R}.multi_turn.enable", "multi-turn rollouts with tools (the agent loop)",
+                  "remove it: lathe generates one response per prompt"),
+           replace(refuse(f"{R}.agent", "verl's agent loop (num_workers alone has no effect)",
+                          f"remove {R}.agent"), judge=_agent),
+           warn("data.tool_config_path", "tools are used only by multi-turn rollouts (not implemented yet)")]
+    needs = "it is read only with rollout.multi_turn.enable=true (not implemented yet)"
+    out += [warn(f"{R}.multi_turn.{k}", needs) for k in (
+        "max_assistant_turns", "max_user_turns", "tool_config_path", "interaction_config_path", "max_parallel_calls",
+        "max_tool_response_length", "tool_response_truncate_side", "use_inference_chat_template",
+        "tokenization_sanity_check_mode", "format")]
+    return out
+
+
+def _rewards() -> list[Entry]:
+    sandbox = f"it is read only with {RM}.sandbox_fusion.url (not implemented yet)"
+    out = [refuse(f"{RM}.sandbox_fusion.url", "scoring code in a sandbox (sandbox_fusion)",
+                  "remove it: lathe has no code-execution scorer yet"),
+           warn(f"{RM}.sandbox_fusion.max_concurrent", sandbox), warn(f"{RM}.sandbox_fusion.memory_limit_mb", sandbox),
+           refuse(f"{RM}.enable", "scoring with a learned reward model", "remove it; score with the built-in "
+                  "scorers or reward.custom_reward_function.path"),
+           refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo: "
+                  "per-response scoring in worker processes with timeouts)", "set it to naive",
+                  one_of("naive", "prime", "dapo")),
+           refuse(f"{RM}.reward_kwargs", "reward-manager keyword arguments", "pass scorer arguments in "
+                  "reward.reward_kwargs; DAPO's overlong shaping is reward_model.overlong_buffer.{{enable,len,"
+                  "penalty_factor,log}} and max_resp_len is data.max_response_length"),
+           warn(f"{RM}.launch_reward_fn_async", "scoring runs in worker processes while the step waits; the "
+                                                "scores are the same"),
+           warn(f"{RM}.n_gpus_per_node", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
+           warn(f"{RM}.nnodes", f"it is read only with {RM}.enable_resource_pool (not implemented yet)")]
+    needs = f"it is read only with {RM}.enable=true (learned reward models are not implemented yet)"
+    rm_keys = ["strategy", "micro_batch_size", "micro_batch_size_per_gpu", "max_length", "use_dynamic_bsz",
+               "forward_max_token_len_per_gpu", "ulysses_sequence_parallel_size"]
+    rm_keys += [f"model.{k}" for k in ("path", "input_tokenizer", "external_lib", "trust_remote_code", "use_shm",
+                                       "use_remove_padding", "use_fused_kernels")]
+    rm_keys += [f"model.fsdp_config.{k}" for k in (
+        "param_offload", "optimizer_offload", "offload_policy", "grad_offload", "reshard_after_forward", "fsdp_size",
+        "forward_prefetch", "model_dtype", "use_orig_params", "wrap_policy", "strategy", "use_torch_compile",
+        "mixed_precision.param_dtype", "mixed_precision.reduce_dtype", "mixed_precision.buffer_dtype")]
+    out += [warn(f"{RM}.{k}", needs) for k in rm_keys if k != "forward_max_token_len_per_gpu"]
+    out.append(warn(f"{RM}.forward_max_token_len_per_gpu", needs, same_as(f"{C}.forward_max_token_len_per_gpu",
+                                                                          f"{C}.ppo_max_token_len_per_gpu")))
+    return out
+
+
+def _memory() -> list[Entry]:
+    out = [refuse(f"{m}.enable_activation_offload", "activation offload",
+                  "remove it; lathe's decoder saves activation memory with enable_gradient_checkpointing")
+           for m in (M, f"{C}.model")]
+    out += [refuse(f"{g}.fsdp_config.offload_policy", "FSDP2's CPU offload policy",
+                   "remove it; fsdp_config.param_offload and optimizer_offload are the offload switches")
+            for g in TRAINED]
+    out += [refuse(f"{g}.fsdp_config.grad_offload", "gradient offload (an old verl key)") for g in TRAINED]
+    return out
+
+
+def _data() -> list[Entry]:
+    def policy_tok(cfg) -> str:
+        return cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path
+
+    out = [refuse("data.tokenizer", "tokenizing prompts with a tokenizer other than the policy's",
+                  f"remove it; prompts use {M}.tokenizer_path (or {M}.path)",
+                  lambda v, cfg: v is None or v == policy_tok(cfg)),
+           refuse(f"{C}.model.tokenizer_path", "a critic tokenizer other than the policy's",
+                  "remove it: the critic reads the policy's tokens", lambda v, cfg: v is None or v == policy_tok(cfg)),
+           refuse("data.reward_fn_key", "choosing the scorer by a column other than data_source",
+                  "rename that column to data_source in the data"),
+           refuse("data.image_key", "multimodal (image/video) prompts", "remove it: lathe trains text-only models"),
+           refuse("data.video_key", "multimodal (image/video) prompts", "remove it: lathe trains text-only models"),
+           refuse(f"{A}.freeze_vision_tower", "vision-language models", "remove it: lathe trains text-only models"),
+           warn("data.return_multi_modal_inputs", "text-only data has no multimodal inputs")]
+    out += [refuse(f"data.{k}", "using a subset of the data (max_samples)", "remove it, or cut the data file",
+                   at_most(0)) for k in ("train_max_samples", "val_max_samples")]
+    out += [refuse(f"data.{group}.{k}", what, "remove it; write the data as verl-schema parquet/jsonl "
+                   "(see `lathe preprocess`)") for group, what, keys in (
+        ("custom_cls", "a custom dataset class", ("path", "name")),
+        ("sampler", "a custom (curriculum) sampler", ("class_path", "class_name")),
+        ("datagen", "dynamic data generation", ("path", "name"))) for k in keys]
+    once = "lathe reads and tokenizes the data once at start-up, in the trainer process"
+    out += [warn("data.use_shm", "copying data to shared memory only speeds up loading"),
+            warn("data.dataloader_num_workers", once), warn("data.filter_overlong_prompts_workers", once),
+            warn("data.validation_shuffle", "validation covers the whole set; its order does not change the metrics"),
+            warn("data.return_raw_input_ids", "it is read only by learned reward models (not implemented yet)"),
+            warn("data.return_full_prompt", "it is read only by reward models and agent loops (not implemented yet)"),
+            inert("data.return_raw_chat", "lathe always keeps each row's chat messages")]
+    return out
+
+
+def _models() -> list[Entry]:
+    fused = "lathe's decoder computes log-probs and entropy with its own chunked kernels"
+    out = [refuse(f"{M}.hf_config_path", "reading the model config from a separate path",
+                  f"remove it; keep config.json with the weights in {M}.path (single keys: {M}.override_config)",
+                  lambda v, cfg: v is None or v == cfg.actor_rollout_ref.model.path),
+           refuse(f"{A}.use_remove_padding", "a packed-forward switch of the actor's own",
+                  f"set {M}.use_remove_padding instead (it switches actor and reference)"),
+           warn(f"{M}.use_liger", "lathe's decoder is its own implementation; Liger's kernels are not used"),
+           warn(f"{M}.use_fused_kernels", fused), warn(f"{M}.fused_kernel_options", fused),
+           warn(f"{A}.use_fused_kernels", fused)]
+    out += [warn(f"{m}.use_shm", "copying the model to shared memory only speeds up loading")
+            for m in (M, f"{C}.model")]
+    out += [warn(f"{g}.{k}", "lathe's decoder always computes entropy chunk by chunk and recomputes it in backward")
+            for g in (A, REF) for k in ("entropy_from_logits_with_chunking", "entropy_checkpointing")]
+    return out
+
+
+PF_PPO = "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"
+
+
+def _training() -> list[Entry]:
+    out = [refuse(f"{A}.shuffle", "shuffling sequences between PPO epochs"),
+           refuse(f"{C}.shuffle", "shuffling sequences between PPO epochs"),
+           warn(f"{A}.data_loader_seed", f"it is read only with {A}.shuffle=true (not implemented yet)",
+                same_as("trainer.seed")),
+           refuse(f"{A}.tis_imp_ratio_cap", "the old truncated-IS cap",
+                  "use algorithm.rollout_correction.rollout_is=token rollout_is_threshold={value}", at_most(0)),
+           refuse(f"{A}.use_token_level_loss", "an old verl DAPO key", f"use {A}.loss_agg_mode=token-mean (true) or "
+                  "seq-mean-token-mean (false)"),
+           refuse("algorithm.use_pf_ppo", "preference-feedback PPO reweighting (PF-PPO)"),
+           warn("algorithm.pf_ppo.reweight_method", PF_PPO), warn("algorithm.pf_ppo.weight_pow", PF_PPO),
+           refuse("algorithm.rollout_correction.rollout_rs_threshold_lower", "a separate rejection lower bound",
+                  "give both bounds in rollout_rs_threshold as 'lower_upper', e.g. '0.5_2.0'"),
+           refuse("algorithm.rollout_correction.rollout_token_veto_threshold", "the per-token veto"),
+           refuse(f"{R}.over_sample_rate", "over-sampling rollouts (aborting the slowest)", ok=at_most(0)),
+           refuse(f"{R}.skip_rollout", "replaying dumped rollouts instead of generating (skip_rollout)"),
+           warn(f"{R}.skip_dump_dir", f"it is read only with {R}.skip_rollout=true (not implemented yet)"),
+           refuse(f"{R}.use_fire_sampling", "FIRE sampling (an old verl key)"),
+           refuse(f"{R}.chat_scheduler", "the chat scheduler (an old verl key)"),
+           refuse(f"{R}.cudagraph_capture_sizes", "choosing the CUDA-graph batch sizes",
+                  f"remove it; lathe's engine picks them ({R}.enforce_eager=true turns graphs off)")]
+    for g in (A, C):
+        out += [refuse(f"{g}.optim.optimizer", "an optimizer other than AdamW", "set it to AdamW",
+                       lambda v, cfg: v.lower() == "adamw"),
+                refuse(f"{g}.optim.optimizer_impl", "an optimizer module other than torch.optim",
+                       "set it to torch.optim", one_of("torch.optim")),
+                refuse(f"{g}.optim.override_optimizer_config", "extra optimizer arguments", ok=lambda v, cfg: not v),
+                warn(f"{g}.optim.total_training_steps", "it is set at run time from trainer.total_training_steps "
+                                                        "(or the epochs)")]
+    return out
+
+
+ALWAYS_SAVED = {"model", "optimizer", "extra"}
+
+
+def _checkpoints() -> list[Entry]:
+    out = [refuse("trainer.default_hdfs_dir", "copying checkpoints to HDFS"),
+           refuse("trainer.del_local_ckpt_after_load", "deleting the local checkpoint after loading it"),
+           refuse("trainer.remove_previous_ckpt_in_save", "an old verl key", "set trainer.max_actor_ckpt_to_keep=1"),
+           refuse("trainer.max_critic_ckpt_to_keep", "keeping a different number of critic than actor checkpoints "
+                  "(both live in one global_step_N directory)", "remove it; trainer.max_actor_ckpt_to_keep prunes "
+                  "whole checkpoints", lambda v, cfg: v is None or v == cfg.trainer.max_actor_ckpt_to_keep)]
+    for g in (A, C):
+        out += [refuse(f"{g}.checkpoint.load_contents", "loading only part of a checkpoint",
+                       "remove it: lathe resumes model, optimizer and extra",
+                       lambda v, cfg: ALWAYS_SAVED <= set(v)),
+                warn(f"{g}.checkpoint.save_contents", "lathe always saves model (in Hugging Face format, so hf_model "
+                     "too), optimizer and extra", lambda v, cfg: set(v) - {"hf_model"} == ALWAYS_SAVED),
+                warn(f"{g}.checkpoint.async_save", "checkpoints are saved synchronously; the files are the same")]
+    return out
+
+
+def _observability() -> list[Entry]:
+    none_yet = "profiling is not implemented yet; no profile is written"
+    out = [warn(f"{g}.profiler", none_yet) for g in (A, REF, R, C, RM)]
+    out += [warn("global_profiler", none_yet),
+            warn(f"{R}.trace", "rollout tracing is not implemented yet"),
+            warn(f"{R}.disable_log_stats", "lathe's engine has no periodic stats log (its time is timing_s/gen)"),
+            warn(f"{R}.multi_stage_wake_up", "lathe's engine wakes up in one stage"),
+            warn(f"{R}.engine_kwargs", "they are vLLM/SGLang arguments; lathe's engine takes the rollout.* keys",
+                 no_entries)]
+    return out
+
+
+def _same_either_way() -> list[Entry]:
+    return [inert(f"{R}.mode", "lathe's engine batches each step's prompts continuously in either mode",
+                  ("sync", "async")),
+            inert(f"{R}.calculate_log_probs", "the rollout always returns its log-probs"),
+            inert(f"{R}.load_format", "the engine always starts from the actor's weights"),
+            inert(f"{R}.skip_tokenizer_init", "lathe's engine works on token ids"),
+            inert("trainer.use_legacy_worker_impl", "lathe has one worker implementation",
+                  ("auto", "enable", "disable")),
+            inert("hydra", "Hydra's own settings; lathe does not run Hydra")]
+
+
+FEATURES = {
+    "Multi-GPU and multi-node (Ray / FSDP2)": _multi_gpu,
+    "Dynamic batch size": _dynamic_batch,
+    "LoRA": _lora,
+    "Multi-turn rollouts and tools": _multi_turn,
+    "Reward models, reward managers, code sandbox": _rewards,
+    "Memory offload": _memory,
+    "Data pipeline and multimodal data": _data,
+    "Model loading and kernels": _models,
+    "Training and algorithm options": _training,
+    "Checkpoints": _checkpoints,
+    "Profiling, tracing, engine logs": _observability,
+    "No effect on one device": _one_device,
+    "Accepted: lathe behaves the same either way": _same_either_way,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def registry() -> dict[str, Entry]:
+    """Every entry by key, each tagged with its feature heading (first listing wins)."""
+    out: dict[str, Entry] = {}
+    for feature, entries in FEATURES.items():
+        for entry in entries():
+            if entry.key in out:
+                raise RuntimeError(f"config/support.py lists {entry.key} twice")
+            out[entry.key] = replace(entry, feature=feature)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> LatheConfig:
+    return LatheConfig()
+
+
+def check_support(cfg: LatheConfig, problems: ProblemList, *, skip: frozenset[str] = frozenset(),
+                  stacklevel: int = 3) -> None:
+    """Refused values go to ``problems``; values with no effect are named in one IgnoredKeysWarning."""
+    ignored = []
+    for key, entry in registry().items():
+        if key in skip:
+            continue
+        verdict = entry.verdict(get_path(cfg, key), get_path(_defaults(), key), cfg)
+        if verdict is None:
+            continue
+        kind, message = verdict
+        if kind == "refuse":
+            problems.add(message)
+        else:
+            ignored.append(message)
+    if ignored:
+        lines = "\n".join(f"  - {m}" for m in ignored)
+        warnings.warn(f"{len(ignored)} config key(s) set here have no effect in lathe:\n{lines}",
+                      IgnoredKeysWarning, stacklevel=stacklevel)
+
+
+def support_note(key: str) -> str:
+    """The registry's sentence for ``key`` ('' for keys lathe acts on)."""
+    entry = registry().get(key)
+    return entry.note() if entry else ""
+
+
+def markdown() -> str:
+    """docs/config_keys.md: every registry entry under its feature heading (generated; a test keeps it current)."""
+    lines = ["# Config keys lathe accepts but does not act on yet", "",
+             "Generated from `src/lathe/config/support.py` (see its docstring); do not edit by hand.", "",
+             "- **refused**: a value other than the default fails `load_config` (before any model loads), "
+             "naming the key and the fix.",
+             "- **no effect**: a value other than the default is accepted with one warning listing such keys.",
+             "- **same either way**: lathe already behaves as the key asks; accepted silently.", ""]
+    label = {"refuse": "refused", "warn": "no effect", "inert": "same either way"}
+    for feature in FEATURES:
+        entries = [e for e in registry().values() if e.feature == feature]
+        lines += [f"## {feature}", "", "| key | default | status | why / fix |", "| --- | --- | --- | --- |"]
+        for e in entries:
+            default = show(get_path(_defaults(), e.key))
+            fix = e.format(e.fix, None, get_path(_defaults(), e.key), shown="<value>")
+            why = f"{e.text}; fix: {fix}" if e.kind == "refuse" else e.text
+            lines.append(f"| `{e.key}` | `{default}` | {label[e.kind]} | {why.replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines)
+

@@ -1,0 +1,105 @@
+"""What a registry entry of ``support.py`` is, and how it judges a value.
+
+An ``Entry`` names a config key lathe accepts but does not act on (fully) yet, and says what happens when
+the key holds a value other than its default:
+
+* ``refuse``: the value fails ``load_config`` ("... is not implemented yet in lathe. Fix: ...");
+* ``warn``: the value has no effect in lathe (on one device, or lathe always does the same thing); one
+  warning lists every such key of a run;
+* ``inert``: lathe already behaves as any accepted value asks (``values``), so it is accepted silently;
+  other values are refused.
+
+``ok(value, cfg)`` says whether a value is fine as it is (default: the dataclass default, or off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .coerce import show
+from .tree import get_path
+
+Check = Callable[[Any, Any], bool]
+KINDS = ("refuse", "warn", "inert")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registry entry: ``key`` (dotted), ``kind``, the text that explains it, and its value test."""
+
+    key: str
+    kind: str
+    text: str                  # refuse: what is not implemented ("LoRA fine-tuning"); warn/inert: why
+    fix: str = ""              # refuse: the fix; may use {key}, {value}, {default}
+    ok: Check | None = None    # None: the default (or off) is fine, any other value is not
+    feature: str = ""          # the heading it is listed under (filled in by ``registry``)
+    judge: Callable[[Any, Any], tuple[str, str] | None] | None = None   # a verdict of its own, from (value, cfg)
+
+    def verdict(self, value: Any, default: Any, cfg: Any) -> tuple[str, str] | None:
+        """(kind, message) when ``value`` is refused or warned about, else None."""
+        if self.judge is not None:
+            return self.judge(value, cfg)
+        fine = self.ok(value, cfg) if self.ok is not None else is_off(value, default)
+        if fine:
+            return None
+        shown = f"`{self.key}`={show(value)}"
+        if self.kind == "warn":
+            return "warn", f"{shown} has no effect in lathe: {self.text}."
+        if self.kind == "inert":
+            return "refuse", (f"{shown} is not a value lathe knows for this key ({self.text}). "
+                              f"Fix: {self.format(self.fix, value, default)}.")
+        return "refuse", (f"{shown}: {self.text} is not implemented yet in lathe. "
+                          f"Fix: {self.format(self.fix, value, default)}.")
+
+    def format(self, text: str, value: Any, default: Any, *, shown: str | None = None) -> str:
+        return text.format(key=self.key, value=shown or show(value), default=show(default))
+
+    def note(self) -> str:
+        """The sentence ``help_for`` adds to the key's help."""
+        if self.kind == "refuse":
+            return f"Not implemented yet in lathe ({self.text}): a non-default value fails."
+        if self.kind == "warn":
+            return f"No effect in lathe ({self.text}): a non-default value warns."
+        return f"Accepted; lathe behaves the same either way ({self.text})."
+
+
+def refuse(key: str, text: str, fix: str = "remove it (or set it back to {default})", ok: Check | None = None):
+    return Entry(key, "refuse", text, fix, ok)
+
+
+def warn(key: str, text: str, ok: Check | None = None):
+    return Entry(key, "warn", text, ok=ok)
+
+
+def inert(key: str, text: str, values: tuple | None = None):
+    """Accepted silently; with ``values``, any other value is refused."""
+    ok = None if values is None else (lambda v, cfg: v in values)
+    fix = "use one of " + ", ".join(map(str, values)) if values else ""
+    return Entry(key, "inert", text, fix, ok or (lambda v, cfg: True))
+
+
+def is_off(value: Any, default: Any) -> bool:
+    """The default, or (for a key whose default is off) another spelling of off."""
+    if value == default:
+        return True
+    return default in (None, False) and value in (None, False)
+
+
+def at_most(limit: int) -> Check:
+    return lambda v, cfg: v is None or v <= limit
+
+
+def one_of(*values: Any) -> Check:
+    return lambda v, cfg: v in values
+
+
+def no_entries(value: Any, cfg: Any) -> bool:
+    """A dict whose values (nested dicts included) are all empty."""
+    return not value or all(not v for v in value.values())
+
+
+def same_as(*sources: str) -> Check:
+    """Null, or the value lathe fills in from ``sources`` (what ``to_yaml`` writes back is not a user's choice)."""
+    return lambda v, cfg: v is None or any(v == get_path(cfg, s) for s in sources)

@@ -1,0 +1,117 @@
+"""Every config key either acts or is in the registry (``lathe/config/support.py``) that refuses or warns.
+
+"Acts" is found by a static scan of ``src/lathe`` outside ``config/`` (see ``key_reads.py``); keys the scan
+cannot see are listed below with the place that reads them, and each list is checked against the code.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+from config.key_reads import Scan, schema_paths
+from lathe.config.support import markdown, registry
+
+# Keys whose whole effect happens inside config/ (converted into the key that acts, or decided there).
+READ_IN_CONFIG = {
+    "actor_rollout_ref.actor.ppo_micro_batch_size": "fill.py: converted to ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": "fill.py: converted to log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": "fill.py: converted to log_prob_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size": "fill.py: converted to ppo_micro_batch_size_per_gpu",
+    "critic.forward_micro_batch_size": "fill.py: converted to forward_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.optim.clip_grad": "fill.py: copied to actor.grad_clip",
+    "critic.optim.clip_grad": "fill.py: copied to critic.grad_clip",
+    "algorithm.rollout_correction.use_policy_gradient": "fill.py: converted to loss_type=reinforce",
+    "critic.enable": "rules.py: critic_in_use(), which loop/setup.py calls",
+}
+
+# Keys read through a name the scan cannot follow; each is checked against the mechanism below.
+POLICY_LOSS = ("actor_rollout_ref.actor.{clip_ratio,clip_ratio_low,clip_ratio_high,clip_ratio_c,tau_pos,tau_neg}",
+               "actor_rollout_ref.actor.policy_loss.{clip_cov_ratio,clip_cov_lb,clip_cov_ub,kl_cov_ratio,ppo_kl_coef}")
+TORCH_COMPILE = ("actor_rollout_ref.{actor,ref}.use_torch_compile", "actor_rollout_ref.{actor,ref}.fsdp_config.use_torch_compile")
+ROLLOUT_CORRECTION = ("algorithm.rollout_correction.{loss_type,rollout_is_threshold,rollout_is_batch_normalize,"
+                      "rollout_rs_threshold}",)
+
+
+def expand(patterns: tuple[str, ...]) -> set[str]:
+    """'a.{b,c}.d' -> {'a.b.d', 'a.c.d'} (brace groups, any number)."""
+    out: set[str] = set()
+    for pattern in patterns:
+        if "{" not in pattern:
+            out.add(pattern)
+            continue
+        head, rest = pattern.split("{", 1)
+        options, tail = rest.split("}", 1)
+        out |= expand(tuple(head + o + tail for o in options.split(",")))
+    return out
+
+
+DYNAMIC_READS = {
+    **dict.fromkeys(expand(POLICY_LOSS), "train/actor.py policy_loss_params: getattr over PolicyLossParams' fields"),
+    **dict.fromkeys(expand(TORCH_COMPILE), "train/actor.py use_torch_compile(group): getattr on the group"),
+    **dict.fromkeys(expand(ROLLOUT_CORRECTION), "loop/steps.py, train/workers.py: getattr over ROLLOUT_CORRECTION_KEYS"),
+}
+
+
+@pytest.fixture(scope="module")
+def scan() -> Scan:
+    return Scan()
+
+
+def test_every_key_is_read_or_registered(scan):
+    leaves, _ = schema_paths()
+    known = set(scan.reads) | set(registry()) | set(READ_IN_CONFIG) | set(DYNAMIC_READS)
+    missing = sorted(leaves - known)
+    assert not missing, ("config keys that no code outside config/ reads and that lathe/config/support.py does not "
+                         "list; make them act, or add them to the registry (refused or no effect):\n  "
+                         + "\n  ".join(missing))
+
+
+def test_registry_names_real_keys_lathe_does_not_read(scan):
+    leaves, _ = schema_paths()
+    assert sorted(set(registry()) - leaves) == [], "stale registry entries (no such key)"
+    read = {k: scan.reads[k] for k in registry() if k in scan.reads}
+    assert not read, f"registered as not acting, but read by the code (drop them from the registry): {read}"
+
+
+def test_hand_lists_are_real_and_needed(scan):
+    leaves, _ = schema_paths()
+    for listed in (READ_IN_CONFIG, DYNAMIC_READS):
+        assert sorted(set(listed) - leaves) == []
+        assert sorted(set(listed) & set(registry())) == []
+        assert sorted(k for k in listed if k in scan.reads) == [], "the scan sees these now: drop them from the list"
+
+
+def test_dynamic_reads_match_their_mechanism():
+    from lathe.algo.policy_loss import PolicyLossParams
+    from lathe.algo.rollout_correction import ROLLOUT_CORRECTION_KEYS
+    from lathe.train import actor
+    for key in expand(POLICY_LOSS):
+        assert key.rsplit(".", 1)[-1] in PolicyLossParams.__dataclass_fields__, key
+    for key in expand(ROLLOUT_CORRECTION):
+        assert key.rsplit(".", 1)[-1] in ROLLOUT_CORRECTION_KEYS, key
+    source = inspect.getsource(actor.use_torch_compile)
+    assert '"use_torch_compile"' in source and '"fsdp_config"' in source
+
+
+def test_scan_matches_generic_names_on_their_group_only():
+    """`.enable` of filter_groups must not count for reward_model.enable; `.format(...)` is no key."""
+    scan = Scan(root=None)
+    scan.scan_source(
+        "def f(cfg, rollout_cfg):\n"
+        "    fg = cfg.algorithm.filter_groups\n"
+        "    t = cfg.trainer\n"
+        "    if fg.enable and t.device:\n"
+        "        '{}'.format(rollout_cfg.multi_turn)\n"
+        "    src = rollout_cfg.val_kwargs if fg else rollout_cfg\n"
+        "    return src.top_k, getattr(cfg.data, 'seed')\n", "snippet.py")
+    assert set(scan.reads) == {"algorithm.filter_groups.enable", "trainer.device", "data.seed",
+                               "actor_rollout_ref.rollout.top_k", "actor_rollout_ref.rollout.val_kwargs.top_k"}
+
+
+def test_docs_list_is_generated_from_the_registry():
+    docs = Path(__file__).resolve().parents[2] / "docs" / "config_keys.md"
+    assert docs.read_text() == markdown() + "\n", \
+        "docs/config_keys.md is stale; regenerate it as lathe/config/support.py's docstring says"

@@ -1,0 +1,107 @@
+"""Tests for lathe.config.support: keys lathe does not act on yet fail (or warn) in load_config, defaults pass."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from lathe.config import ConfigError, help_for, load_config, to_yaml
+from lathe.config.schema import LatheConfig
+from lathe.config.support import IgnoredKeysWarning, registry
+from lathe.config.tree import all_paths, get_path
+
+GRPO = ["algorithm.adv_estimator=grpo", "trainer.test_freq=-1"]
+
+
+def refused(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config("base", GRPO + list(overrides))
+    return str(err.value)
+
+
+@pytest.mark.parametrize(("override", "fix"), [
+    ("actor_rollout_ref.model.lora_rank=32", "set it to 0"),
+    ("actor_rollout_ref.actor.use_dynamic_bsz=true", "ppo_micro_batch_size_per_gpu"),
+    ("reward_model.enable=true", "reward.custom_reward_function.path"),
+    ("actor_rollout_ref.rollout.multi_turn.enable=true", "remove it"),
+    ("reward_model.sandbox_fusion.url=http://localhost:8080", "remove it"),
+    ("actor_rollout_ref.actor.strategy=megatron", "fsdp2"),
+    ("reward_model.reward_manager=batch", "naive"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "set it to 1"),
+    ("actor_rollout_ref.model.enable_activation_offload=true", "enable_gradient_checkpointing"),
+    ("data.custom_cls.path=my_dataset.py", "verl-schema parquet"),
+    ("actor_rollout_ref.actor.tis_imp_ratio_cap=2.0", "rollout_is_threshold=2.0"),
+    ("trainer.default_hdfs_dir=hdfs://ckpt", "set it back to null"),
+    ("actor_rollout_ref.rollout.mode=streaming", "sync, async"),
+])
+def test_unimplemented_value_fails_naming_key_value_and_fix(override, fix):
+    key, value = override.split("=", 1)
+    text = refused(override)
+    assert f"`{key}`=" in text and value.split(":")[0] in text
+    assert ("not implemented yet" in text or "not a value lathe knows" in text) and "Fix:" in text and fix in text
+
+
+def test_all_refusals_are_reported_together_with_batch_problems():
+    text = refused("actor_rollout_ref.model.lora_rank=8", "reward_model.enable=true", "data.train_batch_size=64",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=48")
+    assert "3 config problems" in text and "lora_rank" in text and "ppo_mini_batch_size=48" in text
+
+
+def test_accepted_values_pass():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config("base", GRPO + ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp",
+                                    "reward_model.reward_manager=prime", "actor_rollout_ref.model.lora_rank=0",
+                                    "actor_rollout_ref.rollout.mode=async", "reward_model.enable=false",
+                                    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                                    "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+                                    "trainer.max_critic_ckpt_to_keep=2", "trainer.max_actor_ckpt_to_keep=2"])
+
+
+@pytest.mark.parametrize("name", ["base", "default", "dapo", "gsm8k_grpo"])
+def test_presets_and_their_printed_config_load_without_warnings(name, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(name)
+        path = tmp_path / "printed.yaml"
+        path.write_text(to_yaml(cfg))                   # what `lathe train --print-config` writes
+        load_config(str(path))
+
+
+def test_agent_loop_workers_warn_and_custom_agent_loops_fail():
+    with pytest.warns(IgnoredKeysWarning, match="agent-loop workers"):
+        load_config("base", GRPO + ["actor_rollout_ref.rollout.agent.num_workers=8"])
+    text = refused("actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml")
+    assert "agent_loop_config_path" in text and "not implemented yet" in text and "Fix:" in text
+
+
+def test_keys_with_no_effect_warn_once_together():
+    with pytest.warns(IgnoredKeysWarning) as record:
+        load_config("base", GRPO + ["actor_rollout_ref.model.lora_alpha=32", "trainer.balance_batch=false",
+                                    "actor_rollout_ref.nccl_timeout=1200"])
+    assert len(record) == 1
+    text = str(record[0].message)
+    assert "3 config key(s)" in text and "lora_rank > 0" in text and "one device" in text
+
+
+def test_every_default_passes_the_registry():
+    cfg = LatheConfig()
+    for entry in registry().values():
+        assert entry.verdict(get_path(cfg, entry.key), get_path(cfg, entry.key), cfg) is None, entry.key
+
+
+def test_help_says_what_the_registry_says():
+    for key, entry in registry().items():
+        text = help_for(key)
+        assert {"refuse": "Not implemented yet in lathe", "warn": "No effect in lathe",
+                "inert": "lathe behaves the same"}[entry.kind] in text, key
+    assert not [p for p in all_paths() if "not used yet" in help_for(p)]
+
+
+def test_refusal_happens_before_torch_is_imported():
+    code = ("import sys; from lathe.config import load_config, ConfigError\n"
+            "try:\n    load_config('base', ['actor_rollout_ref.model.lora_rank=32'])\n"
+            "except ConfigError as e:\n    print('lora_rank' in str(e), 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr

@@ -15,6 +15,9 @@ roofline: per step, the weights' bytes plus the KV bytes of every running sequen
 HBM bandwidth; the roofline rate is the batch over that time, averaged over the run's decode steps.
 A torch.profiler summary of the engine's decode (eager, same batch) says where the time goes.
 Writes JSON after each model, so a timeout keeps what finished.
+
+A component benchmark: the engine alone on a fixed load. `lathe train`'s rollout phase (the engine on the
+actor's own bf16 weights, KV cache re-sized at each wake-up) is timed by `bench/e2e.py` (`phases_s.gen`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ median of timed steps), MFU (model FLOPs: 6 x linear params +
 causal attention, over the datasheet bf16 peak and over a measured bf16 matmul rate), peak memory; the
 log-prob step (no grad, log-probs + entropy) peak memory with chunked vs full logits; and a torch.profiler
 summary of one step of each implementation. Writes JSON after each model, so a timeout keeps what finished.
+
+A component benchmark: the decoder's forward + backward only, on bf16 weights, no optimizer, no rollout. What
+`lathe train` achieves (bf16 compute on fp32 master weights, optimizer step included) is `bench/e2e.py`'s
+`update_mfu`; quote that figure for the trainer.
 """
 
 from __future__ import annotations

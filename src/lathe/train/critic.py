@@ -13,6 +13,7 @@ before token t is emitted, the state in which the policy chose it.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,12 +24,16 @@ from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
-from lathe.models.value import load_value_model, torch_dtype
+from lathe.models.value import load_value_model
 from lathe.train.logprob import response_hidden, scatter_response
+from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
+from lathe.train.precision import resolve_policy
 from lathe.train.update import clipped_step, load_trainable, run_ppo_epochs, save_trainable
 
 __all__ = ["response_values", "PPOCritic", "CriticWorker"]
+
+log = logging.getLogger("lathe")
 
 
 def response_values(model, batch: Batch, *, remove_padding: bool = False) -> torch.Tensor:
@@ -125,21 +130,28 @@ class CriticWorker:
     ``critic.optim`` and the schedule over ``total_steps``; ``model`` injects a ready transformers module
     instead (tests). Either is moved into lathe's ``LatheValueModel`` when ``actor_rollout_ref.model.impl``
     allows and the architecture is supported (see ``lathe.models.hf.select_impl``).
+
+    Precision follows the actor's rule (``lathe.train.precision``): on CUDA the critic computes in
+    ``critic.model.fsdp_config.mixed_precision.param_dtype`` (bf16) and ``MasterAdamW`` updates ``model_dtype``
+    (fp32) masters, offloaded to CPU memory with ``param_offload`` / ``optimizer_offload``; on CPU, fp32.
     """
 
     def __init__(self, cfg, tokenizer, *, total_steps: int, device: torch.device, model=None):
         critic = cfg.critic
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
+        key = "critic.model.fsdp_config"
+        self.policy = resolve_policy(critic.model.fsdp_config, self.device, key=key)
         if model is None:
             model = load_value_model(critic.model.path, vocab_size=len(tokenizer), seed=cfg.trainer.seed,
                                      trust_remote_code=bool(critic.model.trust_remote_code),
-                                     dtype=torch_dtype(critic.model.fsdp_config.model_dtype),
-                                     override_config=critic.model.override_config)
+                                     dtype=self.policy.master_dtype, override_config=critic.model.override_config)
         model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
         if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.model = model.to(self.device)
-        self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
+        self.model = model.to(device=self.device, dtype=self.policy.master_dtype)
+        self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
+                                         **offload_flags(critic.model.fsdp_config, self.device, key=key))
+        log.info("critic: %s on %s", self.policy.describe(), self.device)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
         self.critic = PPOCritic(self.model, self.optimizer, self.scheduler, critic,
                                 n=cfg.actor_rollout_ref.rollout.n, max_response_length=cfg.data.max_response_length,

@@ -44,7 +44,7 @@ from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train.actor import PPOActor, use_torch_compile
 from lathe.train.logprob import batched_log_probs
-from lathe.train.offload import HostWeights
+from lathe.train.offload import HostWeights, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
 from lathe.train.update import load_trainable, save_trainable
@@ -245,19 +245,6 @@ def _as(t: torch.Tensor, dtype: torch.dtype, device: torch.device, share: bool) 
     if share and t.dtype == dtype and t.device == torch.device(device):
         return t
     return t.to(device=device, dtype=dtype, copy=True)
-
-
-def offload_flags(fsdp_cfg, device: torch.device, *, key: str, frozen: bool = False) -> dict[str, bool]:
-    """verl's `param_offload` / `optimizer_offload` for one model, as `build_optimizer` takes them.
-
-    They act on CUDA only: a CPU run has nothing to offload to, which is said once and ignored."""
-    asked = {"offload_params": bool(fsdp_cfg.param_offload),
-             "offload_state": bool(fsdp_cfg.optimizer_offload) and not frozen}
-    if any(asked.values()) and device.type != "cuda":
-        log.warning("%s: param_offload/optimizer_offload have no effect on a %s run (everything is in host "
-                    "memory already)", key, device.type)
-        return dict.fromkeys(asked, False)
-    return asked
 
 
 def _architecture(model) -> str:

@@ -1,5 +1,7 @@
 """Tests for lathe.engine.llm_engine.LatheEngine against transformers on tiny random checkpoints (CPU, fp32)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -163,3 +165,24 @@ def test_prompt_longer_than_budget_runs_alone_without_chunking(checkpoints):
     engine = _engine(path, max_num_batched_tokens=4, enable_chunked_prefill=False)
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX))
     assert out.token_ids == [_hf_greedy(hf, p, MAX) for p in PROMPTS]
+
+
+def test_gpu_sized_cache_is_capped_at_what_the_sequences_can_hold(checkpoints, monkeypatch):
+    """A small model on a large GPU: the memory budget allows millions of blocks, but only max_num_seqs sequences
+    of max_model_len tokens can ever be resident, so the cache (and the block manager's lists) stop there."""
+    path, _ = checkpoints["qwen2"]
+    engine = LatheEngine(load_lathe_model(path, torch.float32), eos_token_id=None, num_kv_blocks=8, max_model_len=64)
+    config = engine.model.config
+    monkeypatch.setattr(engine, "model", SimpleNamespace(config=config, device=torch.device("cuda"),
+                                                         dtype=torch.float32))
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: gib)
+    assert engine._default_num_blocks(16, 0.5, 32) == (64 // 16) * 32
+    per_block = engine.kv_cache.bytes_per_block(config.num_hidden_layers, 16, config.num_key_value_heads,
+                                                config.head_dim, torch.float32)
+    small = 20 * per_block          # room for 20 blocks: the memory, not the cap, decides
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 40 * gib - small)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 40 * gib - small)
+    assert engine._default_num_blocks(16, 0.5, 32) == 20 - 1        # - the scratch block

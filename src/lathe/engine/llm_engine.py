@@ -89,12 +89,16 @@ class LatheEngine:
         cfg, device = self.model.config, self.model.device
         per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
                                             cfg.head_dim, self.model.dtype)
+        # the most blocks the running sequences can ever hold: max_num_seqs sequences of max_model_len tokens
+        # (more only keep finished prefixes, which every weight update forgets). Without this cap a small
+        # model on a large GPU gets millions of blocks, and the block manager's Python bookkeeping minutes.
+        most = math.ceil(self.max_model_len / block_size) * max_num_seqs
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             allocated = torch.cuda.memory_allocated(device)
             reusable = torch.cuda.memory_reserved(device) - allocated     # cached by PyTorch, not in `free`
             budget = min(free + reusable, total * utilization - allocated)
-            return max(1, int(budget // per_block) - 1)      # - the scratch block
+            return max(1, min(most, int(budget // per_block) - 1))      # - the scratch block
         return math.ceil(self.max_model_len / block_size) * min(max_num_seqs, 64)
 
     # ---- Rollout ----------------------------------------------------------------------------------

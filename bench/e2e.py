@@ -240,7 +240,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--workdir", default="/tmp/lathe-e2e")
     p.add_argument("--logs", default=None, help="child logs directory (default: <workdir>/logs)")
-    p.add_argument("--git-sha", default=None, help="the commit measured (the GPU copy of the tree may lack .git)")
+    p.add_argument("--git-sha", default=None,
+                   help="the commit measured, as your checkout names it (the GPU copy of the tree may lack .git or "
+                        "carry a stale one: do not compute it there)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.systems = args.systems.split(",")

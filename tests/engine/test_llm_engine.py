@@ -69,9 +69,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoints):
     assert _engine(path).generate(PROMPTS, params).token_ids == ref
     # one sequence at a time, and a cache so small that sequences are preempted: same samples
     assert _engine(path, max_num_seqs=1).generate(PROMPTS, params).token_ids == ref
-    small = _engine(path, num_kv_blocks=10)
-    assert small.generate(PROMPTS, params).token_ids == ref
-    assert small.scheduler.num_preemptions > 0
+    small = _engine(path, num_kv_blocks=10, reserve_new_tokens=False)
+    out = small.generate(PROMPTS, params)
+    assert out.token_ids == ref
+    assert small.scheduler.num_preemptions > 0 and out.metrics["rollout/num_preemptions"] > 0
+    reserving = _engine(path, num_kv_blocks=10)          # the same cache, admission reserving for the responses
+    out = reserving.generate(PROMPTS, params)
+    assert out.token_ids == ref and out.metrics["rollout/num_preemptions"] == 0
     # more prompts after them do not change their samples
     more = _engine(path).generate(PROMPTS + [[5, 6, 7]], params).token_ids
     assert more[:len(ref)] == ref
@@ -82,7 +86,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoints):
 
 def test_tiny_kv_budget_preempts_and_still_matches(checkpoints):
     path, hf = checkpoints["qwen3"]
-    engine = _engine(path, num_kv_blocks=8)
+    engine = _engine(path, num_kv_blocks=8, reserve_new_tokens=False)
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX))
     assert engine.scheduler.num_preemptions > 0
     assert out.token_ids == [_hf_greedy(hf, p, MAX) for p in PROMPTS]
@@ -186,3 +190,40 @@ def test_gpu_sized_cache_is_capped_at_what_the_sequences_can_hold(checkpoints, m
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 40 * gib - small)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 40 * gib - small)
     assert engine._default_num_blocks(16, 0.5, 32) == 20 - 1        # - the scratch block
+
+
+def test_reserving_admission_prevents_a_preemption_storm(checkpoints):
+    """A GRPO-shaped load (n samples per prompt, every response running to max_tokens) on a cache that holds a
+    few full sequences: greedy admission takes every prompt that fits and then preempts as responses grow;
+    reserving admission queues them instead. Seeded samples are the same either way."""
+    path, _ = checkpoints["qwen2"]
+    prompts = [[3 + i, 7, 11 + i, 5, 9][: 2 + i % 4] for i in range(8)]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=24, seed=3, ignore_eos=True)
+    greedy = _engine(path, num_kv_blocks=40, reserve_new_tokens=False)
+    reserving = _engine(path, num_kv_blocks=40)
+    storm, calm = greedy.generate(prompts, params), reserving.generate(prompts, params)
+    assert calm.token_ids == storm.token_ids
+    assert storm.metrics["rollout/num_preemptions"] >= 10
+    assert calm.metrics["rollout/num_preemptions"] == 0
+    assert reserving.scheduler.length_fraction == 1.0          # every response ran to max_tokens
+
+
+def test_length_estimate_follows_finished_responses_and_preemption_raises_it(checkpoints):
+    path, _ = checkpoints["qwen2"]
+    engine = _engine(path, num_kv_blocks=40)
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=0,
+                                                  stop_token_ids=list(range(engine.model.config.vocab_size // 2))))
+    assert any(len(t) < 16 for t in out.token_ids), "half the vocabulary stops: responses end early"
+    assert engine.scheduler.length_fraction < 1.0
+    low = engine.scheduler.expected_fraction
+    engine.scheduler.preempt(_running_sequence(engine))
+    assert engine.scheduler.expected_fraction == min(1.0, low + 0.25)
+    engine.scheduler.new_call()
+    assert engine.scheduler.expected_fraction == 1.0, "each call starts from nothing known (resume-exact batching)"
+
+
+def _running_sequence(engine):
+    from lathe.engine.sequence import Sequence, SequenceParams
+    seq = Sequence([1, 2, 3], SequenceParams(max_tokens=4), None)
+    engine.block_manager.allocate(seq)
+    return seq

@@ -77,6 +77,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
         assert a[step]["actor/grad_norm"] > 0
         assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
     assert "actor/kl_loss" in a[4] and a[4]["actor/kl_loss"] != 0.0
+    assert a[4]["rollout/num_preemptions"] == 0 and a[4]["rollout/kv_cache_blocks"] > 0, "the engine's own metrics"
     for (name, p), q in zip(whole.worker.model.named_parameters(), resumed.worker.model.parameters()):
         assert torch.equal(p, q), name
 

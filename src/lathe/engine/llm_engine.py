@@ -48,6 +48,11 @@ class LatheEngine:
     KV memory: `num_kv_blocks` blocks of `block_size` tokens; when not given it is sized from
     `gpu_memory_utilization` of the device's free memory (CUDA) or to hold `max_num_seqs` sequences of
     `max_model_len` tokens (capped at 64 sequences on CPU).
+
+    Admission reserves KV room for the responses still to come (`reserve_new_tokens`, see
+    `lathe.engine.scheduler`), so that a large GRPO load queues instead of preempting; `generate`'s output
+    reports `rollout/num_preemptions`. `reserve_new_tokens=False` admits whatever prompt fits (tests use it to
+    force preemption).
     """
 
     def __init__(self, model, *, eos_token_id: int | list[int] | None, block_size: int = 16,
@@ -55,7 +60,7 @@ class LatheEngine:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, decode_backend: str = "auto", enforce_eager: bool = False,
-                 compile_model: bool | None = None, tokenizer=None):
+                 compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True):
         self.model = model.eval()
         if compile_model if compile_model is not None else model.device.type == "cuda":
             from lathe.models.compile import compile_decoder
@@ -74,7 +79,8 @@ class LatheEngine:
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_chunked_prefill=enable_chunked_prefill)
+                                   enable_chunked_prefill=enable_chunked_prefill,
+                                   reserve_new_tokens=reserve_new_tokens)
         self.runner = ModelRunner(model, self.kv_cache, max_model_len=self.max_model_len,
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
                                   max_graph_batch=min(max_num_seqs, 512))
@@ -106,6 +112,8 @@ class LatheEngine:
         if not self.kv_cache.allocated:
             raise RuntimeError("LatheEngine.generate: the engine is asleep (KV cache freed); call wake_up() first")
         seqs = self._make_sequences(prompt_token_ids, params)
+        self.scheduler.new_call()
+        preempted = self.scheduler.num_preemptions
         for seq in seqs:
             if params.max_tokens <= 0:
                 seq.finish_reason = "length"
@@ -114,7 +122,9 @@ class LatheEngine:
         while not self.scheduler.is_finished():
             self.step()
         return RolloutOutput(token_ids=[s.output_token_ids for s in seqs], logprobs=[list(s.logprobs) for s in seqs],
-                             finish_reasons=[s.finish_reason for s in seqs])
+                             finish_reasons=[s.finish_reason for s in seqs],
+                             metrics={"rollout/num_preemptions": self.scheduler.num_preemptions - preempted,
+                                      "rollout/kv_cache_blocks": self.kv_cache.num_blocks})
 
     def _make_sequences(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         stop = frozenset() if params.ignore_eos else frozenset(self.eos_ids) | frozenset(params.stop_token_ids)

@@ -8,27 +8,62 @@ budget runs alone in one step. Otherwise every running sequence decodes one toke
 sequence's next slot cannot be had, the most recently admitted running sequence is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue with its tokens
 (prompt + output so far), to be prefilled again later.
+
+Admission reserves room to grow (`reserve_new_tokens`, SGLang's new-token-ratio idea): a waiting sequence is
+admitted only if, after its prompt's blocks, the free blocks still cover what every admitted sequence is
+expected to append: `expected_fraction` of its remaining `max_tokens`. Each `generate` call starts at 1 (no
+preemption at all while nothing is known), then follows the response lengths seen (a moving average of
+`output tokens / max_tokens` over the call's finished sequences); a preemption raises it for the rest of the
+call. Nothing carries from one call to the next, so admission (and batch composition) depends on the call's
+inputs only and a resumed run batches as an uninterrupted one. Without the reservation a GRPO load admits every
+prompt whose prompt fits, then preempts hundreds of them as the responses grow (each one recomputed).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.sequence import Sequence, SequenceStatus
 
 
+LENGTH_EMA = 1 / 64          # weight of one finished sequence in the response-length average
+PREEMPTION_BOOST = 0.25      # added to the expected fraction by each preemption (until the call ends)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, reserve_new_tokens: bool = True):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.reserve_new_tokens = reserve_new_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.prefilling: Sequence | None = None     # admitted, part of its prompt still to compute
         self.num_preemptions = 0
+        self.length_fraction = 1.0                  # moving average of output tokens / max_tokens when finished
+        self.boost = 0.0                            # raised by preemptions; both reset by `new_call`
+
+    def new_call(self) -> None:
+        """A `generate` call starts: forget the last call's lengths and preemptions."""
+        self.length_fraction, self.boost = 1.0, 0.0
+
+    @property
+    def expected_fraction(self) -> float:
+        """The fraction of its remaining `max_tokens` each admitted sequence is expected to still append."""
+        return min(1.0, max(self.length_fraction, self.boost))
+
+    def _growth(self, seq: Sequence, fraction: float) -> int:
+        """Blocks `seq` is expected to take beyond those its current tokens fill; plus one for the private copy
+        of a partial last block that the `n` samples of a prompt share (copy-on-write at the first append)."""
+        bs = self.block_manager.block_size
+        remaining = max(0, seq.params.max_tokens - seq.num_output_tokens)
+        expected = len(seq) + math.ceil(fraction * remaining)
+        cow = int(self.block_manager.share_partial and remaining > 0 and len(seq) % bs != 0)
+        return max(0, (expected + bs - 1) // bs - seq.num_blocks(bs)) + cow
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and self.prefilling is None
@@ -52,12 +87,21 @@ class Scheduler:
             seq, self.prefilling = self.prefilling, None
             budget -= self._chunk(seq, budget)
             scheduled.append(seq)
+        reserved = None     # blocks the admitted sequences are expected to append (computed once, if needed)
+        fraction = self.expected_fraction
         while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if scheduled and not self.enable_chunked_prefill and len(seq) > budget:
                 break       # upper bound; prefix hits are found at allocation
             if not self.block_manager.can_allocate(seq):
                 break
+            if self.reserve_new_tokens and (self.running or scheduled):
+                if reserved is None:
+                    reserved = sum(self._growth(s, fraction) for s in (*self.running, *scheduled))
+                grow, prompt_blocks = self._growth(seq, fraction), seq.num_blocks(self.block_manager.block_size)
+                if self.block_manager.num_free_blocks - prompt_blocks < reserved + grow:
+                    break
+                reserved += grow
             self.block_manager.allocate(seq)
             budget -= self._chunk(seq, budget)
             seq.status = SequenceStatus.RUNNING
@@ -109,6 +153,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and put it first in line; it is recomputed from its tokens when readmitted."""
         self.num_preemptions += 1
+        self.boost = min(1.0, self.expected_fraction + PREEMPTION_BOOST)
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
@@ -116,5 +161,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        fraction = min(1.0, seq.num_output_tokens / max(1, seq.params.max_tokens))
+        self.length_fraction += LENGTH_EMA * (fraction - self.length_fraction)
         self.block_manager.deallocate(seq)
         self.running.remove(seq)

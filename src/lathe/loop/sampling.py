@@ -25,6 +25,7 @@ def generate_and_score(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[s
         scores, metrics = compute_reward(batch, t.tokenizer, t.reward, overlong=t.cfg.reward_model.overlong_buffer,
                                          max_response_length=t.cfg.data.max_response_length)
         batch.update(scores)
+    metrics.update(batch.meta.pop("rollout_metrics", {}))
     if t.cfg.algorithm.adv_estimator == "remax":
         with timer("gen_max"):
             batch["reward_baselines"] = greedy_baseline(t, prompts)
@@ -68,6 +69,8 @@ def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[st
                 "harder/easier data, or disable filter_groups.")
         rounds += 1
         batch, more = generate_and_score(t, prompt_batch(t.next_rows(), t.global_step, round_=rounds), timer)
+        if "rollout/num_preemptions" in more:       # summed over all rounds
+            more["rollout/num_preemptions"] += metrics.get("rollout/num_preemptions", 0)
         metrics.update(more)
     metrics["train/num_gen_batches"] = rounds
     return concat_rollouts(kept, t.tokenizer.pad_token_id).select(slice(0, want)), metrics

@@ -49,6 +49,7 @@ class RolloutOutput:
     logprobs: list[list[float]]
     finish_reasons: list[str]        # "stop" (EOS, a stop id or a stop string; the stopping token is included
                                      # in token_ids) or "length"
+    metrics: dict[str, float] = field(default_factory=dict)    # the backend's own, as `rollout/<name>`
 
 
 class Rollout(Protocol):

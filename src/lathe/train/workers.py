@@ -123,7 +123,9 @@ class ActorRolloutRefWorker:
             if self.free_cache_engine:
                 self.rollout.sleep()
         gen = to_batch(prompt_ids, out, self.tokenizer.pad_token_id, params.n)
-        return prompts.repeat(params.n, interleave=True).update(gen)
+        batch = prompts.repeat(params.n, interleave=True).update(gen)
+        batch.meta["rollout_metrics"] = dict(out.metrics)      # the engine's own (preemptions, cache size)
+        return batch
 
     # -- log-probs ------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:

@@ -43,9 +43,13 @@ def test_actor_computes_in_bf16_on_fp32_masters_and_the_engine_runs_on_its_tenso
     assert after_update == fresh.generate(PROMPT_IDS, GREEDY).token_ids
 
 
+EAGER = ["actor_rollout_ref.actor.use_torch_compile=false", "actor_rollout_ref.ref.use_torch_compile=false",
+         "actor_rollout_ref.rollout.enforce_eager=true"]     # compilation has its own tests; these only cost time
+
+
 def test_offloaded_reference_and_optimizer_give_the_same_numbers(load_cfg, rollout_batch):
-    plain = _cuda_worker(load_cfg)
-    off = _cuda_worker(load_cfg, "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+    plain = _cuda_worker(load_cfg, *EAGER)
+    off = _cuda_worker(load_cfg, *EAGER, "actor_rollout_ref.ref.fsdp_config.param_offload=true",
                        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
                        "actor_rollout_ref.actor.fsdp_config.param_offload=true")
     assert all(p.device.type == "cpu" and p.is_pinned() for p in off.ref.parameters()), "ref waits in host memory"
@@ -62,7 +66,8 @@ def test_offloaded_reference_and_optimizer_give_the_same_numbers(load_cfg, rollo
 
 def test_critic_trains_in_bf16_on_fp32_masters_and_offload_changes_no_number(load_cfg, rollout_batch):
     def critic(*overrides):
-        cfg = load_cfg("algorithm.adv_estimator=gae", *CRITIC, *overrides)
+        cfg = load_cfg("algorithm.adv_estimator=gae", "critic.model.fsdp_config.use_torch_compile=false", *CRITIC,
+                       *overrides)
         return CriticWorker(cfg, builtin_tokenizer(), total_steps=10, device=torch.device("cuda"),
                             model=_value_model())
     plain = critic()

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from lathe.dtypes import to_dtype
 from lathe.models.hf import ModelLoadError, build_builtin_model
-from lathe.models.value import load_value_model, torch_dtype
+from lathe.models.value import load_value_model
 
 
 def _backbone_equal(value_model, policy) -> bool:
@@ -49,6 +50,6 @@ def test_missing_path_names_the_critic_key(tmp_path):
 
 
 def test_unknown_dtype_names_the_key():
-    assert torch_dtype("fp32") is torch.float32
+    assert to_dtype("fp32", "critic.model.fsdp_config.model_dtype") is torch.float32
     with pytest.raises(ValueError, match="model_dtype='fp8'"):
-        torch_dtype("fp8")
+        load_value_model("builtin:tiny", dtype="fp8")

@@ -48,3 +48,13 @@ def test_an_update_that_cannot_fit_is_refused_with_the_keys_that_would_make_it_f
 def test_a_transformers_rollout_keeps_its_own_copy(monkeypatch):
     parts, _, _ = _plan(lathe_engine=False, monkeypatch=monkeypatch)
     assert _gib(parts, "rollout weights, bf16") == pytest.approx(2 * N / 2**30)
+
+
+def test_the_critic_has_its_own_masters_moments_and_offload_key(monkeypatch):
+    monkeypatch.setattr(memory, "total_memory", lambda device: 80 * 2**30)
+    cfg = load_config("base", ["trainer.device=cpu", "algorithm.adv_estimator=gae",
+                               "critic.model.fsdp_config.optimizer_offload=true"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=N, lathe_engine=True)
+    assert _gib(parts, "critic master weights, fp32") == pytest.approx(4 * N / 2**30)
+    moments = next(p for p in parts if p.what.startswith("critic AdamW moments"))
+    assert not moments.on_gpu and moments.why == "critic.model.fsdp_config.optimizer_offload=true"

@@ -27,14 +27,9 @@ from lathe.models.hf import (
     is_builtin,
 )
 
-__all__ = ["VALUE_HEAD", "load_value_model", "build_builtin_value_model", "torch_dtype"]
+__all__ = ["VALUE_HEAD", "load_value_model", "build_builtin_value_model"]
 
 VALUE_HEAD = "score"   # the head's module name in transformers' *ForTokenClassification models
-
-
-def torch_dtype(name: str | torch.dtype, key: str = "critic.model.fsdp_config.model_dtype") -> torch.dtype:
-    """``"fp32"`` / ``"bf16"`` / ``"fp16"`` (or the long names) -> the torch dtype; ``key`` names it in errors."""
-    return to_dtype(name, key)
 
 
 def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0, trust_remote_code: bool = False,
@@ -45,7 +40,7 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
     ``score`` head is zero-initialised. ``builtin:<shape>`` builds the built-in policy's architecture with
     the same seeded backbone weights (see ``build_builtin_value_model``).
     """
-    dtype = torch_dtype(dtype)
+    dtype = to_dtype(dtype, "critic.model.fsdp_config.model_dtype")
     if is_builtin(path):
         return build_builtin_value_model(path[len(BUILTIN_PREFIX):], vocab_size=vocab_size, seed=seed, dtype=dtype)
     from transformers import AutoConfig, AutoModelForTokenClassification

@@ -1,5 +1,6 @@
 """Metrics and loggers: ``Tracker`` (console, tensorboard, wandb, mlflow, always ``metrics.jsonl``),
-``Timer`` (``timing_s/*``, and with ``PeakMemory`` ``perf/max_memory_*_gb``), ``reduce_metrics``, the console step line and a progress bar.
+``Timer`` (``timing_s/*``, and with ``PeakMemory`` ``perf/max_memory_*_gb``), ``reduce_metrics``, the console
+step line and a progress bar.
 
 Metric names are verl's (``critic/score/mean``, ``actor/pg_loss``, ``timing_s/gen``,
 ``perf/throughput``, ``val-core/<data_source>/reward/mean@1`` ...); callers produce them, this

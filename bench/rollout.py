@@ -92,7 +92,7 @@ def run_lathe(engine, prompts, params, device) -> dict:
     seconds = time.perf_counter() - start
     lens = [len(t) for t in out.token_ids]
     return {"seconds": seconds, "tokens": sum(lens), "tok_s": sum(lens) / seconds, "out_lens": lens,
-            "preemptions": engine.scheduler.num_preemptions}
+            "preemptions": out.metrics["rollout/num_preemptions"]}
 
 
 def run_hf_generate(model, prompts, n, max_new, forced, device) -> dict:
@@ -190,8 +190,9 @@ def bench_model(name: str, device, args) -> dict:
     }
     max_seqs = max(args.prompts, args.grpo_prompts * args.grpo_n)
     engine = LatheEngine(lathe, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
-                         gpu_memory_utilization=args.gpu_memory_utilization)
-    result["engine"] = {"kv_blocks": engine.kv_cache.num_blocks, "block_size": engine.kv_cache.block_size,
+                         gpu_memory_utilization=args.gpu_memory_utilization,
+                         reserve_new_tokens=not args.no_reserve)
+    result["engine"] = {"reserve_new_tokens": not args.no_reserve, "kv_blocks": engine.kv_cache.num_blocks, "block_size": engine.kv_cache.block_size,
                         "decode_backend": engine.runner.decode_backend,
                         "decode_backend_probe_ms": engine.runner.backend_times,
                         "cuda_graphs": engine.runner.graphs is not None}
@@ -266,6 +267,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--hf-batch-timeout", type=float, default=240.0,
                     help="seconds before a generate_batch baseline (run in a child process) is killed")
+    ap.add_argument("--no-reserve", action="store_true",
+                    help="admit whatever prompt fits (no KV room reserved for the responses still to come)")
     ap.add_argument("--profile", action="store_true", help="add an eager decode profile per model")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -71,6 +72,9 @@ PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A1
 
 
 def git_sha() -> str:
+    """HEAD's sha, or $LATHE_GIT_SHA where set (a copied working tree's .git may be stale)."""
+    if os.environ.get("LATHE_GIT_SHA"):
+        return os.environ["LATHE_GIT_SHA"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):

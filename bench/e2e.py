@@ -77,6 +77,9 @@ def write_model(shape: str, where: Path, device: str) -> Path:
     torch.manual_seed(0)
     init_weights(model)
     model.save_pretrained(out)
+    del model           # the trainers run in child processes: this one must not keep the GPU's memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 

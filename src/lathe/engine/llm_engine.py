@@ -100,10 +100,15 @@ class LatheEngine:
         # model on a large GPU gets millions of blocks, and the block manager's Python bookkeeping minutes.
         most = math.ceil(self.max_model_len / block_size) * max_num_seqs
         if device.type == "cuda":
+            # Cached segments go back to the driver first: what PyTorch holds but has not allocated is mostly
+            # fragments of the update's activations, useless for the cache's large tensors (counting it as room
+            # ran a 7B step out of memory at wake-up). Then `free` is what the cache can take, less the
+            # allocator's rounding of its 2 x layers tensors and a little for the step's own buffers.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
             allocated = torch.cuda.memory_allocated(device)
-            reusable = torch.cuda.memory_reserved(device) - allocated     # cached by PyTorch, not in `free`
-            budget = min(free + reusable, total * utilization - allocated)
+            slack = 2 * cfg.num_hidden_layers * (2 << 20) + (256 << 20)
+            budget = min(free - slack, total * utilization - allocated)
             return max(1, min(most, int(budget // per_block) - 1))      # - the scratch block
         return math.ceil(self.max_model_len / block_size) * min(max_num_seqs, 64)
 

@@ -191,8 +191,8 @@ def bench_model(name: str, device, args) -> dict:
     max_seqs = max(args.prompts, args.grpo_prompts * args.grpo_n)
     engine = LatheEngine(lathe, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
                          gpu_memory_utilization=args.gpu_memory_utilization,
-                         reserve_new_tokens=not args.no_reserve)
-    result["engine"] = {"reserve_new_tokens": not args.no_reserve, "kv_blocks": engine.kv_cache.num_blocks, "block_size": engine.kv_cache.block_size,
+                         reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step)
+    result["engine"] = {"reserve_new_tokens": not args.no_reserve, "async_scheduling": not args.step_by_step, "kv_blocks": engine.kv_cache.num_blocks, "block_size": engine.kv_cache.block_size,
                         "decode_backend": engine.runner.decode_backend,
                         "decode_backend_probe_ms": engine.runner.backend_times,
                         "cuda_graphs": engine.runner.graphs is not None}
@@ -269,6 +269,8 @@ def main() -> None:
                     help="seconds before a generate_batch baseline (run in a child process) is killed")
     ap.add_argument("--no-reserve", action="store_true",
                     help="admit whatever prompt fits (no KV room reserved for the responses still to come)")
+    ap.add_argument("--step-by-step", action="store_true",
+                    help="resolve each step's tokens before scheduling the next (no overlap of host and device)")
     ap.add_argument("--profile", action="store_true", help="add an eager decode profile per model")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)

@@ -1,4 +1,5 @@
-"""The one place that asks the accelerator about itself: memory queries (CUDA here; CPU answers nothing).
+"""The one place that asks the accelerator about itself (memory queries; CUDA here, CPU answers nothing) and
+moves small host tensors to it without waiting for it.
 
 Issue 14 grows this into the device layer (cuda / rocm / npu / cpu discovery, visible-devices variables,
 collective backends); what lives here now is what the trainer's memory plan and metrics need.
@@ -34,3 +35,11 @@ def peak_memory(device: torch.device | str) -> tuple[int, int] | None:
     if not is_accelerator(device):
         return None
     return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: CUDA copies go through pinned memory (a copy
+    from pageable memory may wait for the stream's queued work, which would stall the engine's overlap)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

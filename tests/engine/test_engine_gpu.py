@@ -76,3 +76,24 @@ def test_wake_up_shrinks_an_auto_sized_cache_when_training_took_memory(checkpoin
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4))
     assert all(len(t) == 4 for t in out.token_ids)
     del hog
+
+
+@pytest.mark.parametrize("sampler", ["fused", "top_p"])
+def test_cuda_overlapped_scheduling_equals_step_by_step(checkpoints, sampler):
+    """On the GPU the next step's input tokens come from the device (graph buffers written by a gather) and the
+    host reads each step's tokens one step late: the same tokens as resolving every step at once (fp32), with
+    early stops, preemption and both samplers (the fused kernel; the PyTorch path for top-p)."""
+    path, _ = checkpoints["qwen2"]
+    vocab = load_lathe_model(path).config.vocab_size
+    params = SamplingParams(n=4, temperature=0.9, top_p=0.9 if sampler == "top_p" else 1.0, max_tokens=MAX, seed=2,
+                            stop_token_ids=list(range(0, vocab, 11)))
+    outs = []
+    for overlap in (False, True):
+        engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4, num_kv_blocks=24,
+                                             reserve_new_tokens=False, async_scheduling=overlap)
+        outs.append(engine.generate(PROMPTS, params))
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert outs[1].token_ids == outs[0].token_ids and outs[1].finish_reasons == outs[0].finish_reasons
+    assert "stop" in outs[0].finish_reasons and outs[1].metrics["rollout/num_preemptions"] > 0
+    torch.testing.assert_close(torch.tensor([x for r in outs[1].logprobs for x in r]),
+                               torch.tensor([x for r in outs[0].logprobs for x in r]), atol=1e-4, rtol=0)

@@ -227,3 +227,51 @@ def _running_sequence(engine):
     seq = Sequence([1, 2, 3], SequenceParams(max_tokens=4), None)
     engine.block_manager.allocate(seq)
     return seq
+
+
+@pytest.mark.parametrize("case", ["stops", "preempt", "chunked"])
+def test_overlapped_scheduling_equals_step_by_step(checkpoints, case, monkeypatch):
+    """The engine runs each step while the host handles the previous step's tokens (a sequence's last token may
+    still be on the device when the next step is scheduled). Token for token, it samples what resolving every
+    step at once samples: with early stops (half the vocabulary stops), preemption, chunked prefill, top-k/p."""
+    from lathe.engine.model_runner import ModelRunner
+    path, _ = checkpoints["qwen2"]
+    vocab = load_lathe_model(path).config.vocab_size
+    kw = {"stops": {}, "preempt": dict(num_kv_blocks=12, reserve_new_tokens=False),
+          "chunked": dict(max_num_batched_tokens=5)}[case]
+    params = SamplingParams(n=3, temperature=0.9, top_k=40, top_p=0.95, max_tokens=12, min_tokens=2, seed=5,
+                            stop_token_ids=list(range(0, vocab, 3 if case == "stops" else 7)))
+    pending_steps = []
+    take = ModelRunner.take_pending
+    monkeypatch.setattr(ModelRunner, "take_pending",
+                        staticmethod(lambda ids, pending: (pending_steps.append(pending is not None), take(ids, pending))))
+    step_by_step = _engine(path, async_scheduling=False, **kw).generate(PROMPTS, params)
+    assert not any(pending_steps)
+    engine = _engine(path, **kw)
+    overlapped = engine.generate(PROMPTS, params)
+    assert any(pending_steps), "decode steps took their inputs from the device"
+    assert overlapped.token_ids == step_by_step.token_ids
+    assert overlapped.finish_reasons == step_by_step.finish_reasons
+    assert_close_rel(torch.tensor([x for row in overlapped.logprobs for x in row]),
+                     torch.tensor([x for row in step_by_step.logprobs for x in row]), name="log-probs")
+    if case == "stops":
+        assert "stop" in overlapped.finish_reasons and any(len(t) < 12 for t in overlapped.token_ids)
+    if case == "preempt":
+        assert overlapped.metrics["rollout/num_preemptions"] > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert all(min(t) >= 0 for t in overlapped.token_ids if t), "no placeholder is left"
+
+
+def test_blocks_completed_by_overlapped_tokens_are_keyed_for_reuse(checkpoints):
+    """A generated token reaches the host a step late; the block it completes is keyed then, so a later prompt
+    that continues the conversation reuses the generated blocks."""
+    path, _ = checkpoints["qwen2"]
+    engine = _engine(path)
+    prompt = PROMPTS[0]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True))
+    follow = prompt + out.token_ids[0] + [5]
+    from lathe.engine.sequence import Sequence
+    seq = Sequence(follow)
+    engine.block_manager.allocate(seq)
+    assert seq.num_kv_cached == (len(prompt) + MAX - 1) // 4 * 4      # every full block (the last token's KV
+    engine.block_manager.deallocate(seq)                              # was never computed)

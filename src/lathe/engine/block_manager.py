@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from lathe.engine.sequence import Sequence
+from lathe.engine.sequence import PENDING, Sequence
 
 
 @dataclass
@@ -174,9 +174,21 @@ class BlockManager:
                 block = new
             elif block.hash is not None:
                 self._unregister(block)
-        if self.enable_prefix_caching and n % bs == 0:
-            prev = self.blocks[table[-2]].hash if len(table) > 1 else None
-            if len(table) == 1 or prev is not None:
-                tokens = seq.block_tokens(len(table) - 1, bs)
-                self._register(block, block_hash(prev, tokens, False), tokens)
+        if n % bs == 0 and seq.token_ids[-1] != PENDING:   # a pending token is keyed when it arrives
+            self.register_full(seq, len(table) - 1)
         return copies
+
+    def token_resolved(self, seq: Sequence, index: int) -> None:
+        """The token at `index`, appended as a placeholder, has arrived: key the block it completes, if any."""
+        if (index + 1) % self.block_size == 0:
+            self.register_full(seq, index // self.block_size)
+
+    def register_full(self, seq: Sequence, i: int) -> None:
+        """Key `seq`'s full block `i` so later prompts can reuse it (when the blocks before it are keyed)."""
+        table = seq.block_table
+        if not self.enable_prefix_caching or i >= len(table):
+            return
+        prev = self.blocks[table[i - 1]].hash if i > 0 else None
+        if i == 0 or prev is not None:
+            tokens = seq.block_tokens(i, self.block_size)
+            self._register(self.blocks[table[i]], block_hash(prev, tokens, False), tokens)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lathe.device import to_device
 from lathe.engine.triton_decode import choose_num_splits
 
 
@@ -89,20 +90,24 @@ class DecodeGraphs:
         if not dirty:
             return
         lo, hi = dirty[0], dirty[-1] + 1
-        self.tables[lo:hi].copy_(torch.from_numpy(self.host_tables[lo:hi]), non_blocking=True)
+        self.tables[lo:hi].copy_(to_device(torch.from_numpy(self.host_tables[lo:hi]), self.tables.device))
 
-    def run(self, seqs, ids: list[int], positions: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
-        """Final hidden states (B, H) of one decode step; inputs as `ModelRunner.decode_inputs` makes them."""
+    def run(self, seqs, ids: list[int], positions: list[int], slots: list[int], lens: list[int],
+            pending=None) -> torch.Tensor:
+        """Final hidden states (B, H) of one decode step; inputs as `ModelRunner.decode_inputs` makes them, and
+        the input ids still on the device as `ModelRunner.take_pending` takes them."""
         batch = len(ids)
         bucket = self._bucket(batch)
         pad = bucket - batch
         scratch = self.runner.kv_cache.scratch_slot
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [scratch] * pad, lens + [1] * pad],
                             dtype=torch.int64)
-        self.input_ids[:bucket].copy_(host[0], non_blocking=True)
-        self.positions[:bucket].copy_(host[1], non_blocking=True)
-        self.slots[:bucket].copy_(host[2], non_blocking=True)
-        self.lens[:bucket].copy_(host[3], non_blocking=True)
+        dev = to_device(host, self.input_ids.device)           # one copy, from pinned memory
+        self.input_ids[:bucket].copy_(dev[0])
+        self.positions[:bucket].copy_(dev[1])
+        self.slots[:bucket].copy_(dev[2])
+        self.lens[:bucket].copy_(dev[3])
+        self.runner.take_pending(self.input_ids, pending)
         self._sync_tables(seqs)        # padding rows keep whatever table they hold: they read one token of it
         if bucket not in self.graphs:
             self._capture(bucket)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from lathe.device import to_device
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -70,7 +72,6 @@ class KVCache:
         """Copy whole blocks src -> dst in every layer (copy-on-write of shared partial blocks)."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        src, dst = to_device(torch.tensor(pairs).T.contiguous(), self.device)
         for cache in self.k + self.v:
             cache[dst] = cache[src]

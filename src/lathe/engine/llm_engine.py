@@ -23,9 +23,9 @@ import torch
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
-from lathe.engine.sampler import sample
+from lathe.engine.sampler import sample_on_device
 from lathe.engine.scheduler import Scheduler
-from lathe.engine.sequence import Sequence, SequenceParams
+from lathe.engine.sequence import PENDING, Sequence, SequenceParams
 from lathe.engine.stop import StopStringMatcher, StopStrings
 from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
 
@@ -36,6 +36,39 @@ def sequence_seed(seed: int, index: int) -> int:
     """A well-mixed 63-bit seed for sample `index` of a call seeded with `seed`."""
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+class _InFlight:
+    """A step whose samples are still on the device: `out` (2, B) token ids and log-probs, copied to pinned host
+    memory behind the step's work (CUDA); `pending` the (sequence, row, index in token_ids) placeholders."""
+
+    def __init__(self, seqs: list[Sequence], out: torch.Tensor):
+        self.seqs, self.out = seqs, out
+        self.tokens = out[0].long()
+        self.rows = {s: i for i, s in enumerate(seqs)}
+        self.pending: list[tuple[Sequence, int, int]] = []
+        self.host, self.event = None, None
+        if out.is_cuda:
+            self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self.host.copy_(out, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def add_placeholders(self, engine: "LatheEngine") -> None:
+        """A placeholder for each sequence still running; one that reaches its length limit with it ends now
+        (its last token arrives later), so the next step does not run it."""
+        for row, seq in enumerate(self.seqs):
+            if seq.is_finished:                 # stopped at the previous step's tokens: this row is dropped
+                continue
+            self.pending.append((seq, row, seq.append_pending()))
+            if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= engine.max_model_len:
+                engine.scheduler.finish(seq, "length")
+
+    def to_host(self) -> tuple[list[float], list[float]]:
+        if self.event is None:
+            return self.out.tolist()
+        self.event.synchronize()
+        return self.host.tolist()
 
 
 class LatheEngine:
@@ -60,8 +93,11 @@ class LatheEngine:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, decode_backend: str = "auto", enforce_eager: bool = False,
-                 compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True):
+                 compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
+                 async_scheduling: bool = True):
         self.model = model.eval()
+        self.async_scheduling = async_scheduling
+        self._inflight: _InFlight | None = None
         if compile_model if compile_model is not None else model.device.type == "cuda":
             from lathe.models.compile import compile_decoder
             compile_decoder(model)    # fuses norms, RoPE, SwiGLU; the decode graphs capture the compiled kernels
@@ -124,8 +160,11 @@ class LatheEngine:
                 seq.finish_reason = "length"
             else:
                 self.scheduler.add(seq)
+        self._inflight = None
         while not self.scheduler.is_finished():
             self.step()
+        self._resolve(self._inflight)
+        self._inflight = None
         return RolloutOutput(token_ids=[s.output_token_ids for s in seqs], logprobs=[list(s.logprobs) for s in seqs],
                              finish_reasons=[s.finish_reason for s in seqs],
                              metrics={"rollout/num_preemptions": self.scheduler.num_preemptions - preempted,
@@ -157,9 +196,16 @@ class LatheEngine:
         return seqs
 
     def step(self) -> int:
-        """One scheduler step (a prefill or a decode); returns how many sequences it ran."""
+        """One scheduler step (a prefill or a decode); returns how many sequences it ran.
+
+        The step's sampled tokens stay on the device: the next step reads them there, and the host learns them
+        one step later (`_resolve`), while that next step runs. Meanwhile each sequence holds a `PENDING`
+        placeholder, so lengths, positions and KV slots are already right for scheduling; what needs the
+        token's value (stop tokens and strings, prefix keys) waits for it. A sequence that stopped thus runs
+        one extra step whose token is dropped. `async_scheduling=False` resolves each step at once."""
         seqs, is_prefill, copies = self.scheduler.schedule()
         self.kv_cache.copy_blocks(copies)
+        last = self._inflight
         if is_prefill:
             logits = self.runner.run(seqs, True, [s.num_scheduled_tokens for s in seqs])
             complete = self.scheduler.prefill_done(seqs)
@@ -167,20 +213,50 @@ class LatheEngine:
                 keep = {id(s) for s in complete}
                 logits = logits[[i for i, s in enumerate(seqs) if id(s) in keep]]
                 seqs = complete
-            if not seqs:
-                return 0
         else:
-            logits = self.runner.run(seqs, False)
-        tokens, logprobs = sample(logits, seqs)
-        for seq, tok, lp in zip(seqs, tokens, logprobs):
-            seq.append_token(tok, lp)
-            if tok in seq.params.stop_token_ids:
-                self.scheduler.finish(seq, "stop")
-            elif (m := self._stop_matchers.get(seq)) is not None and m.check(seq.token_ids):
-                self.scheduler.finish(seq, "stop")
-            elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
-                self.scheduler.finish(seq, "length")
+            logits = self.runner.run(seqs, False, pending=self._pending_inputs(seqs, last))
+        if seqs:
+            out = sample_on_device(logits, seqs)
+            self._inflight = _InFlight(seqs, out)
+        else:
+            self._inflight = None
+        self._resolve(last)                     # the previous step's tokens, while this one runs
+        if self._inflight is not None:
+            self._inflight.add_placeholders(self)
+            if not self.async_scheduling:
+                self._resolve(self._inflight)
+                self._inflight = None
         return len(seqs)
+
+    @staticmethod
+    def _pending_inputs(seqs: list[Sequence], last: _InFlight | None):
+        """(tokens, rows, src) for the decode inputs still on the device: rows of `seqs` whose last token is
+        the previous step's sample `src` (see `ModelRunner.take_pending`)."""
+        if last is None:
+            return None
+        rows, src, where = [], [], last.rows
+        for i, s in enumerate(seqs):
+            if s.token_ids[-1] == PENDING:
+                rows.append(i)
+                src.append(where[s])
+        return (last.tokens, rows, src) if rows else None
+
+    def _resolve(self, step: _InFlight | None) -> None:
+        """Bring `step`'s sampled tokens to the host and act on them: fill the placeholders, key the blocks
+        they complete, stop the sequences that sampled a stop token or completed a stop string."""
+        if step is None:
+            return
+        tokens, logprobs = step.to_host()
+        bm, matchers = self.block_manager, self._stop_matchers
+        for seq, row, index in step.pending:
+            tok = int(tokens[row])
+            seq.resolve(index, tok, logprobs[row])
+            bm.token_resolved(seq, index)
+            if tok in seq.params.stop_token_ids or ((m := matchers.get(seq)) is not None and m.check(seq.token_ids)):
+                if seq.is_finished:
+                    seq.finish_reason = "stop"          # it ended at max_tokens with a stop token: stop, as vLLM
+                else:
+                    self.scheduler.finish(seq, "stop")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy new weights in place (HF names) and drop every cached prefix: old KV must not serve new weights."""

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lathe.device import to_device
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.paged_attention import choose_decode_backend, decode_with, prefill_attention
-from lathe.engine.sequence import Sequence
+from lathe.engine.sequence import PENDING, Sequence
 from lathe.models.attention import PackedAttention, select_packed_backend
 
 
@@ -57,12 +58,13 @@ class PrefillAttention:
     """New tokens laid out as [fresh sequences | single new tokens | the rest]; see the module docstring."""
 
     kv_cache: KVCache
-    slot_mapping: torch.Tensor      # (T,) slot of each new token, -1 = its KV is already cached
+    slot_mapping: torch.Tensor      # slots of the new tokens whose KV is not cached yet (rows `store_rows`)
     num_fresh_tokens: int
     fresh: PackedAttention | None
     single: tuple[torch.Tensor, torch.Tensor] | None     # (block_tables, context_lens) of the single-token group
     rest: tuple[list[int], list[int], list[list[int]]]   # (cu_seqlens_q from the group's start, ctx lens, tables)
     decode_backend: str = "torch"
+    store_rows: torch.Tensor | None = None     # rows of the new tokens to store (None: all of them)
 
     def __post_init__(self):
         self.layer = 0
@@ -70,7 +72,11 @@ class PrefillAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer = self.layer
         self.layer += 1
-        self.kv_cache.store(layer, k, v, self.slot_mapping)
+        if self.store_rows is None:
+            self.kv_cache.store_unchecked(layer, k, v, self.slot_mapping)
+        else:       # picked by rows known on the host: a boolean mask would make the host wait for the device
+            self.kv_cache.store_unchecked(layer, k.index_select(0, self.store_rows),
+                                          v.index_select(0, self.store_rows), self.slot_mapping)
         kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
         a = self.num_fresh_tokens
         b = a + (0 if self.single is None else self.single[1].shape[0])
@@ -110,7 +116,7 @@ class ModelRunner:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(torch.tensor(data, dtype=dtype), self.device)
 
     def _tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
         """(len(seqs), width) int32 block tables padded with block 0; width = the longest table by default."""
@@ -144,6 +150,9 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(self._slot(seq, p) if p >= seq.num_kv_cached else -1 for p in range(start, end))
             cu.append(len(ids))
+        if PENDING in ids:
+            raise RuntimeError("engine: a prefill met a token still on the device; this is a bug (a sequence's "
+                               "pending token must be resolved before it is prefilled again)")
         n_fresh, n_single = groups.count(0), groups.count(1)
         fresh = None
         if n_fresh:
@@ -152,15 +161,19 @@ class ModelRunner:
         single = None
         if n_single:
             members = [seqs[i] for i in order[n_fresh:n_fresh + n_single]]
-            single = (self._tables(members).to(self.device),
+            single = (to_device(self._tables(members), self.device),
                       self._tensor([s.num_cached_tokens + 1 for s in members], torch.int32))
         rest_idx = range(n_fresh + n_single, len(order))
         base = cu[n_fresh + n_single]
         rest = ([cu[j] - base for j in rest_idx] + [cu[-1] - base] if rest_idx else [],
                 [seqs[order[j]].num_cached_tokens + num_new[order[j]] for j in rest_idx],
                 [seqs[order[j]].block_table for j in rest_idx])
+        rows = [i for i, slot in enumerate(slots) if slot >= 0]     # -1: the KV is cached already
+        store_rows = None
+        if len(rows) < len(slots):
+            store_rows, slots = self._tensor(rows), [slots[i] for i in rows]
         attn = PrefillAttention(self.kv_cache, self._tensor(slots), cu[n_fresh], fresh, single, rest,
-                                self.decode_backend)
+                                self.decode_backend, store_rows)
         last = self._tensor(cu[1:]) - 1
         return self._tensor(ids), self._tensor(positions), attn, last, order
 
@@ -178,11 +191,27 @@ class ModelRunner:
         return ids, positions, slots, lens
 
     # ---- run -----------------------------------------------------------------------------------------
+    @staticmethod
+    def take_pending(ids: torch.Tensor, pending: tuple[torch.Tensor, list[int], list[int]] | None) -> None:
+        """Write the input ids that are still on the device: `pending = (tokens, rows, src)` sets
+        `ids[rows[j]] = tokens[src[j]]` (the previous step's samples, which the host has not seen yet)."""
+        if not pending:
+            return
+        tokens, rows, src = pending
+        n = len(rows)
+        if rows == src and rows[-1] == n - 1:          # the same batch as the previous step, in order
+            ids[:n].copy_(tokens[:n])
+            return
+        index = to_device(torch.tensor([rows, src]), ids.device)
+        ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
+
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, num_new: list[int] | None = None) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], is_prefill: bool, num_new: list[int] | None = None,
+            pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
         """Logits (B, V), in the model's dtype, for the next token of each sequence (rows in `seqs` order).
 
-        Prefill computes `num_new[i]` tokens of sequence i (all its uncached tokens by default)."""
+        Prefill computes `num_new[i]` tokens of sequence i (all its uncached tokens by default). A decode's
+        input tokens that are still on the device come from `pending` (see `take_pending`)."""
         if is_prefill:
             if num_new is None:
                 num_new = [len(s) - s.num_cached_tokens for s in seqs]
@@ -193,10 +222,12 @@ class ModelRunner:
                 inverse[i] = j
             hidden = hidden[self._tensor(inverse)]
         elif self.graphs is not None and self.graphs.fits(len(seqs)):
-            hidden = self.graphs.run(seqs, *self.decode_inputs(seqs))
+            hidden = self.graphs.run(seqs, *self.decode_inputs(seqs), pending=pending)
         else:
             ids, positions, slots, lens = self.decode_inputs(seqs)
-            attn = DecodeAttention(self.kv_cache, self._tensor(slots), self._tables(seqs).to(self.device),
+            attn = DecodeAttention(self.kv_cache, self._tensor(slots), to_device(self._tables(seqs), self.device),
                                    self._tensor(lens, torch.int32), self.decode_backend)
-            hidden = self.model.model(self._tensor(ids), self._tensor(positions), attn)
+            ids = self._tensor(ids)
+            self.take_pending(ids, pending)
+            hidden = self.model.model(ids, self._tensor(positions), attn)
         return self.model.lm_head(hidden)

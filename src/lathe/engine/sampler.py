@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lathe.device import to_device
 from lathe.engine.sequence import Sequence
 
 
@@ -33,11 +34,14 @@ def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | int, top_p: torch.Tensor | float) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | int, top_p: torch.Tensor | float, *,
+                      k_max: int | None = None, use_p: bool | None = None) -> torch.Tensor:
     """Mask (to -inf) the tokens outside each row's top-k and outside the smallest set holding its `top_p` mass.
 
     Order as transformers' warpers and vLLM: top-k first, then top-p over what is left. `logits` (V,) or
-    (B, V); `top_k` (B,) or an int (<= 0 disables), `top_p` (B,) or a float (1 disables).
+    (B, V); `top_k` (B,) or an int (<= 0 disables), `top_p` (B,) or a float (1 disables). `k_max` (the largest
+    row's k, V when none uses top-k) and `use_p` (whether a row uses top-p): when the caller knows them;
+    otherwise they are asked of the device, which waits for it.
     """
     squeeze = logits.dim() == 1
     x = logits[None] if squeeze else logits
@@ -45,11 +49,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | int, top_p: to
     k = torch.as_tensor(top_k, device=x.device).expand(b)
     p = torch.as_tensor(top_p, device=x.device, dtype=torch.float32).expand(b)
     k = torch.where((k <= 0) | (k >= v), torch.full_like(k, v), k)
-    if bool((k < v).any()):
-        top = torch.topk(x, int(k.max()), dim=-1).values
+    k_max = int(k.max()) if k_max is None else min(k_max, v)
+    if k_max < v:
+        top = torch.topk(x, k_max, dim=-1).values
         kth = top.gather(1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
-    if bool((p < 1).any()):
+    if use_p if use_p is not None else bool((p < 1).any()):
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         before = probs.cumsum(-1) - probs                      # mass of the tokens ranked above each one
@@ -71,50 +76,60 @@ def _fusable(logits: torch.Tensor, seqs: list[Sequence]) -> bool:
         and not any(s.num_output_tokens < s.params.min_tokens and s.params.stop_token_ids for s in seqs)
 
 
-def _sample_fused(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+def _sample_fused(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     from lathe.engine.triton_sample import fused_sample
     params = [s.params for s in seqs]
     host = torch.tensor([[p.logprob_temperature for p in params], [float(p.greedy) for p in params]])
     u = uniforms([s.seed or 0 for s in seqs], [s.num_output_tokens for s in seqs])
     u = torch.from_numpy(u.astype(np.float32))
-    host = torch.cat([host.float(), u[None]]).to(logits.device, non_blocking=True)
+    host = to_device(torch.cat([host.float(), u[None]]), logits.device)
     tokens, logprobs = fused_sample(logits, host[0], host[1].int(), host[2])
-    both = torch.stack([tokens.double(), logprobs.double()]).tolist()
-    return [int(t) for t in both[0]], both[1]
+    return torch.stack([tokens.double(), logprobs.double()])
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-    """(token ids, log-probs) for logits (B, V), one row per sequence (computed in float32)."""
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """(2, B) float64 on the logits' device: row 0 the token ids, row 1 their log-probs; one row of `logits`
+    (B, V) per sequence (computed in float32). Nothing here waits for the device: the engine copies the
+    result to the host while the next step runs."""
     if _fusable(logits, seqs):
         return _sample_fused(logits, seqs)
     logits = logits.float()
     device = logits.device
     params = [s.params for s in seqs]
-    temps = torch.tensor([p.logprob_temperature for p in params], device=device)[:, None]
+    temps = to_device(torch.tensor([p.logprob_temperature for p in params]), device)[:, None]
     banned = [(row, tok) for row, (s, p) in enumerate(zip(seqs, params))
               if s.num_output_tokens < p.min_tokens for tok in p.stop_token_ids]
     masked = logits
     if banned:
-        rows, toks = torch.tensor(banned, device=device).T
+        rows, toks = to_device(torch.tensor(banned), device).T
         masked = logits.index_put((rows, toks), torch.tensor(float("-inf"), device=device))
     tokens = masked.argmax(-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        rows = torch.tensor(sampled, device=device) if len(sampled) < len(seqs) else None
+        rows = to_device(torch.tensor(sampled), device) if len(sampled) < len(seqs) else None
         x = masked if rows is None else masked[rows]
         x = x / (temps if rows is None else temps[rows])
         top_k = [params[i].top_k for i in sampled]
         top_p = [params[i].top_p for i in sampled]
-        if any(0 < k < x.shape[-1] for k in top_k) or any(p < 1 for p in top_p):
-            x = apply_top_k_top_p(x, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+        v = x.shape[-1]
+        k_max, use_p = max(k if 0 < k < v else v for k in top_k), any(p < 1 for p in top_p)
+        if k_max < v or use_p:
+            x = apply_top_k_top_p(x, to_device(torch.tensor(top_k), device), to_device(torch.tensor(top_p), device),
+                                  k_max=k_max, use_p=use_p)
         cdf = x.softmax(-1).cumsum(-1)
-        u = torch.from_numpy(uniforms([seqs[i].seed or 0 for i in sampled],
-                                      [seqs[i].num_output_tokens for i in sampled])).to(device, cdf.dtype)
-        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=x.shape[-1] - 1)
+        u = to_device(torch.from_numpy(uniforms([seqs[i].seed or 0 for i in sampled],
+                                                [seqs[i].num_output_tokens for i in sampled])), device)
+        drawn = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)[:, 0]
+        drawn = drawn.clamp_(max=x.shape[-1] - 1)
         if rows is None:
             tokens = drawn
         else:
             tokens = tokens.index_copy(0, rows, drawn)
     logprobs = torch.log_softmax(logits / temps, -1).gather(1, tokens[:, None])[:, 0]
-    both = torch.stack([tokens.double(), logprobs.double()]).tolist()     # one device-to-host copy
+    return torch.stack([tokens.double(), logprobs.double()])
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    """(token ids, log-probs) for logits (B, V), one row per sequence: `sample_on_device`, on the host."""
+    both = sample_on_device(logits, seqs).tolist()     # one device-to-host copy
     return [int(t) for t in both[0]], both[1]

@@ -159,9 +159,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` (running, or waiting: preempted while its last token was still on the device)."""
+        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         fraction = min(1.0, seq.num_output_tokens / max(1, seq.params.max_tokens))
         self.length_fraction += LENGTH_EMA * (fraction - self.length_fraction)
         self.block_manager.deallocate(seq)
-        self.running.remove(seq)

@@ -131,6 +131,7 @@ class BlockManager:
             seq.block_table.append(block.block_id)
         seq.num_kv_cached = cached
         seq.num_cached_tokens = min(cached, len(seq) - 1)
+        seq.tail_private = False
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks nobody holds go back to the free list (keys kept)."""
@@ -140,6 +141,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
+        seq.tail_private = False
         seq.num_cached_tokens = seq.num_kv_cached = seq.num_scheduled_tokens = 0
         seq.num_deallocations += 1
 
@@ -176,6 +178,7 @@ class BlockManager:
                 self._unregister(block)
         if n % bs == 0 and seq.token_ids[-1] != PENDING:   # a pending token is keyed when it arrives
             self.register_full(seq, len(table) - 1)
+        seq.tail_private = True     # until the next token starts a block, nothing here needs doing again
         return copies
 
     def token_resolved(self, seq: Sequence, index: int) -> None:

@@ -46,7 +46,8 @@ class DecodeGraphs:
     def reset(self) -> None:
         """Forget every captured graph (the KV cache they point at is gone)."""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.row_seq = [None] * self.max_batch      # (seq_id, allocation) whose table each row of `tables` holds
+        self.row_seq = [None] * self.max_batch      # the sequence whose table each row of `tables` holds,
+        self.row_dealloc = [0] * self.max_batch     # at which of its allocations, how long, ending in which block
         self.row_len = [0] * self.max_batch
         self.row_last = [-1] * self.max_batch
         self.outputs: dict[int, torch.Tensor] = {}
@@ -80,13 +81,15 @@ class DecodeGraphs:
         """Bring the device block tables up to date, rewriting only rows whose sequence or blocks changed
         (a decode step changes a row when its sequence starts a block or copies a shared one)."""
         dirty = []
+        row_seq, row_len, row_last, row_dealloc = self.row_seq, self.row_len, self.row_last, self.row_dealloc
         for i, seq in enumerate(seqs):
             table = seq.block_table
-            key = (seq.seq_id, seq.num_deallocations)    # a preempted sequence comes back with new blocks
-            if self.row_seq[i] != key or self.row_len[i] != len(table) or self.row_last[i] != table[-1]:
-                self.host_tables[i, :len(table)] = table
-                self.row_seq[i], self.row_len[i], self.row_last[i] = key, len(table), table[-1]
-                dirty.append(i)
+            if (row_seq[i] is seq and row_len[i] == len(table) and row_last[i] == table[-1]
+                    and row_dealloc[i] == seq.num_deallocations):     # a preempted sequence comes back with new blocks
+                continue
+            self.host_tables[i, :len(table)] = table
+            row_seq[i], row_len[i], row_last[i], row_dealloc[i] = seq, len(table), table[-1], seq.num_deallocations
+            dirty.append(i)
         if not dirty:
             return
         lo, hi = dirty[0], dirty[-1] + 1

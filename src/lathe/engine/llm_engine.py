@@ -25,7 +25,7 @@ from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
 from lathe.engine.sampler import sample_on_device
 from lathe.engine.scheduler import Scheduler
-from lathe.engine.sequence import PENDING, Sequence, SequenceParams
+from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
 from lathe.engine.stop import StopStringMatcher, StopStrings
 from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
 
@@ -36,6 +36,9 @@ def sequence_seed(seed: int, index: int) -> int:
     """A well-mixed 63-bit seed for sample `index` of a call seeded with `seed`."""
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+FINISHED = SequenceStatus.FINISHED
 
 
 class _InFlight:
@@ -57,12 +60,16 @@ class _InFlight:
     def add_placeholders(self, engine: "LatheEngine") -> None:
         """A placeholder for each sequence still running; one that reaches its length limit with it ends now
         (its last token arrives later), so the next step does not run it."""
-        for row, seq in enumerate(self.seqs):
-            if seq.is_finished:                 # stopped at the previous step's tokens: this row is dropped
+        pending, finish, nan = self.pending, engine.scheduler.finish, float("nan")
+        for row, seq in enumerate(self.seqs):       # (runs for every sequence at every step: kept lean)
+            if seq.status is FINISHED:          # stopped at the previous step's tokens: this row is dropped
                 continue
-            self.pending.append((seq, row, seq.append_pending()))
-            if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= engine.max_model_len:
-                engine.scheduler.finish(seq, "length")
+            ids = seq.token_ids
+            ids.append(PENDING)
+            seq.logprobs.append(nan)
+            pending.append((seq, row, len(ids) - 1))
+            if len(ids) >= seq.length_limit:
+                finish(seq, "length")
 
     def to_host(self) -> tuple[list[float], list[float]]:
         if self.event is None:
@@ -190,7 +197,8 @@ class LatheEngine:
             for j in range(params.n):
                 index = i * params.n + j
                 seed = None if sp.greedy else sequence_seed(base, index)
-                seqs.append(Sequence(list(prompt), sp, seed, index=index))
+                seqs.append(Sequence(list(prompt), sp, seed, index=index,
+                                     length_limit=min(len(prompt) + sp.max_tokens, self.max_model_len)))
                 if stops is not None:
                     self._stop_matchers[seqs[-1]] = stops.matcher(min_tokens=params.min_tokens, prompt_len=len(prompt))
         return seqs
@@ -234,6 +242,9 @@ class LatheEngine:
         the previous step's sample `src` (see `ModelRunner.take_pending`)."""
         if last is None:
             return None
+        n = len(seqs)
+        if last.seqs[:n] == seqs:       # the previous batch's first rows, in order (identity comparison)
+            return last.tokens, None, n
         rows, src, where = [], [], last.rows
         for i, s in enumerate(seqs):
             if s.token_ids[-1] == PENDING:
@@ -247,12 +258,16 @@ class LatheEngine:
         if step is None:
             return
         tokens, logprobs = step.to_host()
-        bm, matchers = self.block_manager, self._stop_matchers
-        for seq, row, index in step.pending:
+        bm, bs, matchers = self.block_manager, self.block_manager.block_size, self._stop_matchers
+        strings = len(matchers) > 0
+        for seq, row, index in step.pending:       # (Sequence.resolve and BlockManager.token_resolved, inlined)
             tok = int(tokens[row])
-            seq.resolve(index, tok, logprobs[row])
-            bm.token_resolved(seq, index)
-            if tok in seq.params.stop_token_ids or ((m := matchers.get(seq)) is not None and m.check(seq.token_ids)):
+            seq.token_ids[index] = tok
+            seq.logprobs[index - seq.num_prompt_tokens] = logprobs[row]
+            if (index + 1) % bs == 0:
+                bm.register_full(seq, index // bs)
+            if tok in seq.params.stop_token_ids or (
+                    strings and (m := matchers.get(seq)) is not None and m.check(seq.token_ids)):
                 if seq.is_finished:
                     seq.finish_reason = "stop"          # it ended at max_tokens with a stop token: stop, as vLLM
                 else:

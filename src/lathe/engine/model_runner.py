@@ -181,33 +181,30 @@ class ModelRunner:
     def decode_inputs(self, seqs: list[Sequence]):
         """Host-side (ids, positions, slots, context lens) lists of a decode step."""
         bs = self.block_size
-        ids, positions, slots, lens = [], [], [], []
-        for s in seqs:
-            n = len(s.token_ids)
-            ids.append(s.token_ids[-1])
-            positions.append(n - 1)
-            slots.append(s.block_table[(n - 1) // bs] * bs + (n - 1) % bs)
-            lens.append(n)
+        lens = [len(s.token_ids) for s in seqs]
+        ids = [s.token_ids[-1] for s in seqs]
+        positions = [n - 1 for n in lens]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
         return ids, positions, slots, lens
 
     # ---- run -----------------------------------------------------------------------------------------
     @staticmethod
-    def take_pending(ids: torch.Tensor, pending: tuple[torch.Tensor, list[int], list[int]] | None) -> None:
+    def take_pending(ids: torch.Tensor, pending: tuple | None) -> None:
         """Write the input ids that are still on the device: `pending = (tokens, rows, src)` sets
-        `ids[rows[j]] = tokens[src[j]]` (the previous step's samples, which the host has not seen yet)."""
+        `ids[rows[j]] = tokens[src[j]]` (the previous step's samples, which the host has not seen yet);
+        `(tokens, None, n)`: the first n rows are the previous step's first n."""
         if not pending:
             return
         tokens, rows, src = pending
-        n = len(rows)
-        if rows == src and rows[-1] == n - 1:          # the same batch as the previous step, in order
-            ids[:n].copy_(tokens[:n])
+        if rows is None:
+            ids[:src].copy_(tokens[:src])
             return
         index = to_device(torch.tensor([rows, src]), ids.device)
         ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, num_new: list[int] | None = None,
-            pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
+            pending: tuple | None = None) -> torch.Tensor:
         """Logits (B, V), in the model's dtype, for the next token of each sequence (rows in `seqs` order).
 
         Prefill computes `num_new[i]` tokens of sequence i (all its uncached tokens by default). A decode's

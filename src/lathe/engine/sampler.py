@@ -64,7 +64,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | int, top_p: to
     return x[0] if squeeze else x
 
 
-def _fusable(logits: torch.Tensor, seqs: list[Sequence]) -> bool:
+def _shared_params(seqs: list[Sequence]):
+    """The one `SequenceParams` every sequence holds (a `generate` call makes one), else None."""
+    first = seqs[0].params
+    return first if all(s.params is first for s in seqs) else None
+
+
+def _fusable(logits: torch.Tensor, seqs: list[Sequence], shared) -> bool:
     """Whether the fused Triton kernel can sample this batch: CUDA, no top-k/top-p, no min_tokens ban."""
     if not logits.is_cuda:
         return False
@@ -72,15 +78,22 @@ def _fusable(logits: torch.Tensor, seqs: list[Sequence]) -> bool:
     if triton is None:
         return False
     v = logits.shape[-1]
-    return all(p.greedy or ((p.top_k <= 0 or p.top_k >= v) and p.top_p >= 1) for p in (s.params for s in seqs)) \
-        and not any(s.num_output_tokens < s.params.min_tokens and s.params.stop_token_ids for s in seqs)
+    params = [shared] if shared is not None else [s.params for s in seqs]
+    if not all(p.greedy or ((p.top_k <= 0 or p.top_k >= v) and p.top_p >= 1) for p in params):
+        return False
+    if not any(p.min_tokens and p.stop_token_ids for p in params):
+        return True
+    return not any(s.num_output_tokens < s.params.min_tokens and s.params.stop_token_ids for s in seqs)
 
 
-def _sample_fused(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _sample_fused(logits: torch.Tensor, seqs: list[Sequence], shared) -> torch.Tensor:
     from lathe.engine.triton_sample import fused_sample
-    params = [s.params for s in seqs]
-    host = torch.tensor([[p.logprob_temperature for p in params], [float(p.greedy) for p in params]])
-    u = uniforms([s.seed or 0 for s in seqs], [s.num_output_tokens for s in seqs])
+    if shared is not None:      # runs at every decode step: per-sequence lists only where they differ
+        host = torch.tensor([[shared.logprob_temperature], [float(shared.greedy)]]).expand(2, len(seqs))
+    else:
+        params = [s.params for s in seqs]
+        host = torch.tensor([[p.logprob_temperature for p in params], [float(p.greedy) for p in params]])
+    u = uniforms([s.seed or 0 for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs])
     u = torch.from_numpy(u.astype(np.float32))
     host = to_device(torch.cat([host.float(), u[None]]), logits.device)
     tokens, logprobs = fused_sample(logits, host[0], host[1].int(), host[2])
@@ -91,8 +104,9 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     """(2, B) float64 on the logits' device: row 0 the token ids, row 1 their log-probs; one row of `logits`
     (B, V) per sequence (computed in float32). Nothing here waits for the device: the engine copies the
     result to the host while the next step runs."""
-    if _fusable(logits, seqs):
-        return _sample_fused(logits, seqs)
+    shared = _shared_params(seqs)
+    if _fusable(logits, seqs, shared):
+        return _sample_fused(logits, seqs, shared)
     logits = logits.float()
     device = logits.device
     params = [s.params for s in seqs]

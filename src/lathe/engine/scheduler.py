@@ -135,9 +135,12 @@ class Scheduler:
         return complete
 
     def _schedule_decode(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
-        scheduled, copies = [], []
+        scheduled, copies, bs = [], [], self.block_manager.block_size
         while self.running:
             seq = self.running.popleft()
+            if seq.tail_private and (len(seq.token_ids) - 1) % bs:     # its slot is in its own last block
+                scheduled.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())

@@ -43,3 +43,9 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on `device` (nothing to wait for on the CPU)."""
+    if is_accelerator(device):
+        torch.cuda.synchronize(torch.device(device))

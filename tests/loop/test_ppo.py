@@ -78,6 +78,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
         assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
     assert "actor/kl_loss" in a[4] and a[4]["actor/kl_loss"] != 0.0
     assert a[4]["rollout/num_preemptions"] == 0 and a[4]["rollout/kv_cache_blocks"] > 0, "the engine's own metrics"
+    assert a[4]["rollout/kv_cache_gb"] > 0 and a[4]["rollout/graph_captures"] == 0 and "timing_s/update_weights" in a[4]
     for (name, p), q in zip(whole.worker.model.named_parameters(), resumed.worker.model.parameters()):
         assert torch.equal(p, q), name
 

@@ -16,6 +16,8 @@ again after `wake_up()`.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -41,6 +43,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(self.max_batch, width, dtype=torch.int32, device=device)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.host_tables = np.zeros((self.max_batch, width), dtype=np.int32)   # mirror of `tables`
+        self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
         self.reset()
 
     def reset(self) -> None:
@@ -68,6 +71,7 @@ class DecodeGraphs:
         return runner.model.model(self.input_ids[:bucket], self.positions[:bucket], attn)
 
     def _capture(self, bucket: int) -> None:
+        start = time.perf_counter()
         self._forward(bucket)                       # warm-up: kernels compiled, workspaces allocated
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -76,6 +80,8 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[bucket] = self._forward(bucket)
         self.graphs[bucket] = graph
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - start
 
     def _sync_tables(self, seqs) -> None:
         """Bring the device block tables up to date, rewriting only rows whose sequence or blocks changed

@@ -8,6 +8,8 @@ them back (`wake_up`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lathe.device import to_device
@@ -39,6 +41,11 @@ class KVCache:
     @property
     def block_size(self) -> int:
         return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache takes when allocated (K and V, every layer, the scratch block included)."""
+        return 2 * self.num_layers * math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
 
     @property
     def allocated(self) -> bool:

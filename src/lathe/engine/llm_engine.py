@@ -162,6 +162,8 @@ class LatheEngine:
         seqs = self._make_sequences(prompt_token_ids, params)
         self.scheduler.new_call()
         preempted = self.scheduler.num_preemptions
+        graphs = self.runner.graphs
+        captured = (graphs.captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
         for seq in seqs:
             if params.max_tokens <= 0:
                 seq.finish_reason = "length"
@@ -175,7 +177,11 @@ class LatheEngine:
         return RolloutOutput(token_ids=[s.output_token_ids for s in seqs], logprobs=[list(s.logprobs) for s in seqs],
                              finish_reasons=[s.finish_reason for s in seqs],
                              metrics={"rollout/num_preemptions": self.scheduler.num_preemptions - preempted,
-                                      "rollout/kv_cache_blocks": self.kv_cache.num_blocks})
+                                      "rollout/kv_cache_blocks": self.kv_cache.num_blocks,
+                                      "rollout/kv_cache_gb": self.kv_cache.nbytes / 2**30,
+                                      "rollout/graph_captures": (graphs.captures if graphs else 0) - captured[0],
+                                      "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
+                                      - captured[1]})
 
     def _make_sequences(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         stop = frozenset() if params.ignore_eos else frozenset(self.eos_ids) | frozenset(params.stop_token_ids)

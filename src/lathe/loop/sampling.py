@@ -12,6 +12,9 @@ from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward
 from lathe.rollout.base import concat_rollouts
 
+SUMMED_ROLLOUT_METRICS = ("rollout/num_preemptions", "rollout/graph_captures", "timing_s/rollout_wake_up",
+                          "timing_s/rollout_sleep", "timing_s/graph_capture")
+
 
 class DynamicSamplingExhausted(ValueError):
     """DAPO's dynamic sampling used `max_num_gen_batches` generation rounds without filling the batch."""
@@ -69,8 +72,9 @@ def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[st
                 "harder/easier data, or disable filter_groups.")
         rounds += 1
         batch, more = generate_and_score(t, prompt_batch(t.next_rows(), t.global_step, round_=rounds), timer)
-        if "rollout/num_preemptions" in more:       # summed over all rounds
-            more["rollout/num_preemptions"] += metrics.get("rollout/num_preemptions", 0)
+        for key in more:                            # counts and seconds are summed over all rounds
+            if key in SUMMED_ROLLOUT_METRICS:
+                more[key] += metrics.get(key, 0)
         metrics.update(more)
     metrics["train/num_gen_batches"] = rounds
     return concat_rollouts(kept, t.tokenizer.pad_token_id).select(slice(0, want)), metrics

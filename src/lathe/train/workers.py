@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import copy
 import logging
-from contextlib import nullcontext
+import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS
 from lathe.batch import Batch
+from lathe.device import synchronize
 from lathe.dtypes import short_name
 from lathe.engine.llm_engine import LatheEngine
 from lathe.models.compile import maybe_compile
@@ -115,17 +117,29 @@ class ActorRolloutRefWorker:
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Sample `params.n` responses per prompt; returns the prompt rows repeated n times plus the tensors."""
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
+        timings = {}
         if self.free_cache_engine:
-            self.rollout.wake_up()
+            with self._timed(timings, "timing_s/rollout_wake_up"):
+                self.rollout.wake_up()
         try:
             out = self.rollout.generate(prompt_ids, params)
         finally:
             if self.free_cache_engine:
-                self.rollout.sleep()
+                with self._timed(timings, "timing_s/rollout_sleep"):
+                    self.rollout.sleep()
         gen = to_batch(prompt_ids, out, self.tokenizer.pad_token_id, params.n)
         batch = prompts.repeat(params.n, interleave=True).update(gen)
-        batch.meta["rollout_metrics"] = dict(out.metrics)      # the engine's own (preemptions, cache size)
+        batch.meta["rollout_metrics"] = {**out.metrics, **timings}   # the engine's own (preemptions, cache, graphs)
         return batch
+
+    @contextmanager
+    def _timed(self, into: dict, key: str):
+        """Seconds of the block into `into[key]`, the device's queued work included (it syncs before and after)."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        synchronize(self.device)
+        into[key] = time.perf_counter() - start
 
     # -- log-probs ------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -146,7 +160,8 @@ class ActorRolloutRefWorker:
     # -- training -------------------------------------------------------------------------------
     def update_actor(self, batch: Batch) -> dict[str, float]:
         metrics = self.actor.update_policy(batch.to(self.device))
-        self.sync_rollout_weights()
+        with self._timed(metrics, "timing_s/update_weights"):
+            self.sync_rollout_weights()
         return metrics
 
     def sync_rollout_weights(self) -> None:

@@ -164,6 +164,11 @@ def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float |
            "max_memory_reserved_gb": max((s.get("perf/max_memory_reserved_gb", 0) for s in steps), default=None),
            "max_memory_allocated_gb_by_phase": {k.rsplit("/", 1)[1]: max(s.get(k, 0) for s in steps)
                                                  for k in steps[-1] if k.startswith("perf/max_memory_allocated_gb/")}}
+    row["rollout"] = {k.split("/", 1)[1]: med(k) for k in sorted({k for s in timed for k in s
+                                                                   if k.startswith("rollout/")})}
+    wake, gb = row["phases_s"].get("rollout_wake_up"), row["rollout"].get("kv_cache_gb")
+    if wake is not None and gb:
+        row["rollout"]["wake_up_ms_per_gb"] = 1000 * wake / gb
     update = row["phases_s"].get("update_actor")
     if update and peak_tflops:
         row["update_mfu"] = flops / update / 1e12 / peak_tflops

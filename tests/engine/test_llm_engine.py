@@ -247,7 +247,7 @@ def test_overlapped_scheduling_equals_step_by_step(checkpoints, case, monkeypatc
                         staticmethod(lambda ids, pending: (pending_steps.append(pending is not None), take(ids, pending))))
     step_by_step = _engine(path, async_scheduling=False, **kw).generate(PROMPTS, params)
     assert not any(pending_steps)
-    engine = _engine(path, **kw)
+    engine = _engine(path, async_scheduling=True, **kw)       # (the default on CUDA only)
     overlapped = engine.generate(PROMPTS, params)
     assert any(pending_steps), "decode steps took their inputs from the device"
     assert overlapped.token_ids == step_by_step.token_ids
@@ -266,7 +266,7 @@ def test_blocks_completed_by_overlapped_tokens_are_keyed_for_reuse(checkpoints):
     """A generated token reaches the host a step late; the block it completes is keyed then, so a later prompt
     that continues the conversation reuses the generated blocks."""
     path, _ = checkpoints["qwen2"]
-    engine = _engine(path)
+    engine = _engine(path, async_scheduling=True)
     prompt = PROMPTS[0]
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True))
     follow = prompt + out.token_ids[0] + [5]

@@ -61,8 +61,9 @@ def test_builtin_actor_runs_lathe_with_a_synced_transformers_rollout(load_cfg, r
     before = {k: v.clone() for k, v in rollout_model.state_dict().items()}
     metrics = worker.update_actor(_ppo_batch(worker, rollout_batch))
     assert metrics["actor/grad_norm"] > 0
+    worker.sync_weights()
     assert not torch.equal(before["model.embed_tokens.weight"], rollout_model.state_dict()["model.embed_tokens.weight"])
-    assert _same_weights(worker.model, rollout_model), "update_actor pushes the new weights into the rollout"
+    assert _same_weights(worker.model, rollout_model), "sync_weights pushes the new weights into the rollout"
 
 
 def test_impl_hf_shares_one_transformers_module(load_cfg, caplog):

@@ -99,6 +99,7 @@ def test_engine_follows_actor_updates_and_equals_a_fresh_engine(load_cfg, rollou
     sampled = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3)
     before = worker.rollout.generate(PROMPT_IDS, sampled)   # fills the prefix cache with the old weights' KV
     worker.update_actor(_ppo_batch(worker, rollout_batch))
+    worker.sync_weights()                                   # the engine forgets the old weights' prefixes
     assert _same_weights(worker.model, worker.rollout.model)
     fresh = build_engine(worker.cfg.actor_rollout_ref.rollout, worker.model, [1, SECOND_EOS])
     for params in (sampled, GREEDY):
@@ -132,4 +133,5 @@ def test_cuda_engine_runs_in_the_rollout_dtype_and_sleeps_while_training(load_cf
     out = worker.generate_sequences(_prompts(), GREEDY)
     assert out["responses"].shape[0] == len(PROMPT_IDS) * 2 and not worker.rollout.kv_cache.allocated
     worker.update_actor(_ppo_batch(worker, rollout_batch))
+    worker.sync_weights()
     assert worker.generate_sequences(_prompts(), GREEDY)["responses"].shape[0] == len(PROMPT_IDS) * 2

@@ -34,6 +34,7 @@ def test_actor_computes_in_bf16_on_fp32_masters_and_the_engine_runs_on_its_tenso
     assert all(actor[n] == t.data_ptr() for n, t in worker.rollout.model.state_dict().items()), "one copy of weights"
     before = [m.clone() for m in masters]
     worker.update_actor(_ppo_batch(worker, rollout_batch))
+    worker.sync_weights()
     assert any(not torch.equal(a, b) for a, b in zip(masters, before)), "the masters moved"
     assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(worker.model.parameters(), masters))
     worker.rollout.wake_up()
@@ -57,6 +58,8 @@ def test_offloaded_reference_and_optimizer_give_the_same_numbers(load_cfg, rollo
     assert torch.equal(off.compute_ref_log_prob(batch)["ref_log_prob"], batch["ref_log_prob"])
     plain.update_actor(batch)
     off.update_actor(batch)
+    plain.sync_weights()
+    off.sync_weights()
     moments = off.optimizer.state[off.optimizer.param_groups[0]["params"][0]]
     assert moments["exp_avg"].device.type == "cpu"
     assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), off.model.parameters()))

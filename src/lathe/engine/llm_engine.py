@@ -93,6 +93,8 @@ class LatheEngine:
     `lathe.engine.scheduler`), so that a large GRPO load queues instead of preempting; `generate`'s output
     reports `rollout/num_preemptions`. `reserve_new_tokens=False` admits whatever prompt fits (tests use it to
     force preemption).
+
+    Scheduling overlaps the device (`async_scheduling`, on by default on CUDA): see `step`.
     """
 
     def __init__(self, model, *, eos_token_id: int | list[int] | None, block_size: int = 16,
@@ -101,9 +103,10 @@ class LatheEngine:
                  enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, decode_backend: str = "auto", enforce_eager: bool = False,
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
-                 async_scheduling: bool = True):
+                 async_scheduling: bool | None = None):
         self.model = model.eval()
-        self.async_scheduling = async_scheduling
+        # overlap needs a device that runs behind the host; on the CPU it would only run stopped rows once more
+        self.async_scheduling = model.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _InFlight | None = None
         if compile_model if compile_model is not None else model.device.type == "cuda":
             from lathe.models.compile import compile_decoder
@@ -216,7 +219,8 @@ class LatheEngine:
         one step later (`_resolve`), while that next step runs. Meanwhile each sequence holds a `PENDING`
         placeholder, so lengths, positions and KV slots are already right for scheduling; what needs the
         token's value (stop tokens and strings, prefix keys) waits for it. A sequence that stopped thus runs
-        one extra step whose token is dropped. `async_scheduling=False` resolves each step at once."""
+        one extra step whose token is dropped. `async_scheduling=False` (the CPU's default) resolves each step
+        at once."""
         seqs, is_prefill, copies = self.scheduler.schedule()
         self.kv_cache.copy_blocks(copies)
         last = self._inflight

@@ -1,7 +1,7 @@
 """The synchronous PPO-family driver: one screen, top to bottom, only named steps.
 
     prompts -> rollout -> reward -> old log-probs -> (rollout correction) -> (ref log-probs) -> (values)
-            -> advantages -> (critic update) -> actor update
+            -> advantages -> (critic update) -> actor update -> weights into the rollout
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
     if t.global_step >= t.cfg.trainer.critic_warmup:          # verl: the critic may train alone first
         with timer("update_actor"):
             metrics.update(t.worker.update_actor(batch))
+        with timer("update_weights"):                        # into the rollout, for the next step
+            t.worker.sync_weights()
     step_seconds = time.perf_counter() - start
     metrics.update(sample_metrics, **adv_metrics)
     metrics.update(compute_data_metrics(batch, max_response_length=t.cfg.data.max_response_length))

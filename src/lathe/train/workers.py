@@ -159,12 +159,10 @@ class ActorRolloutRefWorker:
 
     # -- training -------------------------------------------------------------------------------
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        metrics = self.actor.update_policy(batch.to(self.device))
-        with self._timed(metrics, "timing_s/update_weights"):
-            self.sync_rollout_weights()
-        return metrics
+        """One PPO update of the actor; the rollout keeps the old weights until `sync_weights`."""
+        return self.actor.update_policy(batch.to(self.device))
 
-    def sync_rollout_weights(self) -> None:
+    def sync_weights(self) -> None:
         """Push the actor's weights into the rollout (a no-op for tensors the two already share)."""
         self.rollout.update_weights(self.model.state_dict().items())
 
@@ -177,7 +175,7 @@ class ActorRolloutRefWorker:
     def load_checkpoint(self, path: Path) -> None:
         load_trainable(path, self.model, self.optimizer, self.scheduler, what="actor",
                        ignore_missing=lambda name: _is_tied(self.model, name))
-        self.sync_rollout_weights()
+        self.sync_weights()
 
 
 def resolve_rollout_name(name: str, actor, *, impl: str) -> str:

@@ -33,6 +33,7 @@ SYNONYMS = {"algo": "algorithm", "rc": "rollout_correction", "fn": "custom_rewar
 PARAMETER_GROUPS = {                             # parameters holding a group under another name
     "overlong": {"reward_model.overlong_buffer"},
     "fsdp_cfg": {f"{g}.fsdp_config" for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")},
+    "log_prob_cfg": {"actor_rollout_ref.rollout", "actor_rollout_ref.ref"},
 }
 
 

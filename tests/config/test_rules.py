@@ -59,10 +59,15 @@ def test_rule4_micro_divides_per_device_mini():
     assert "ppo_micro_batch_size_per_gpu=80" in text and "between 1 and" in text
 
 
-def test_dynamic_bsz_is_refused_alone_without_the_micro_rule():
-    text = fails(batch(64, 16, 5, micro=7) + ["actor_rollout_ref.actor.use_dynamic_bsz=true"], device_count=2)
-    assert "actor_rollout_ref.actor.use_dynamic_bsz`=true" in text and "not implemented yet" in text
+def test_dynamic_bsz_skips_the_micro_rule_and_its_budgets_must_hold_the_longest_sequence():
+    dyn = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "data.max_prompt_length=512", "data.max_response_length=512"]
+    text = fails(batch(64, 16, 5, micro=7) + dyn + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000"],
+                 device_count=2)
     assert "ppo_micro_batch_size_per_gpu=7" not in text
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" in text and "1024" in text
+    # the log-prob budgets follow the actor's (verl's interpolation), so they are named too
+    assert "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu" in text
+    load_config("base", GRPO + batch(64, 16, 5, micro=7) + dyn, device_count=2)   # default budget 16384: fine
 
 
 def test_rule5_step_sequences_divisible_by_devices():

@@ -22,7 +22,6 @@ def refused(*overrides: str) -> str:
 
 @pytest.mark.parametrize(("override", "fix"), [
     ("actor_rollout_ref.model.lora_rank=32", "set it to 0"),
-    ("actor_rollout_ref.actor.use_dynamic_bsz=true", "ppo_micro_batch_size_per_gpu"),
     ("reward_model.enable=true", "reward.custom_reward_function.path"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "remove it"),
     ("reward_model.sandbox_fusion.url=http://localhost:8080", "remove it"),

@@ -52,11 +52,15 @@ def _update(params, start):
 def test_update_does_not_depend_on_micro_batch_size(make_model, rollout_batch, load_cfg, agg):
     common = [f"actor_rollout_ref.actor.loss_agg_mode={agg}", "actor_rollout_ref.actor.use_kl_loss=true",
               "actor_rollout_ref.actor.kl_loss_coef=0.1", "actor_rollout_ref.actor.entropy_coeff=0.01",
-              "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.actor.grad_clip=1000.0"]
+              "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.actor.grad_clip=1000.0",
+              "data.max_prompt_length=5", "data.max_response_length=6"]     # the test batch's longest: 11 tokens
     start = _params(make_model())
     results = {}
-    for micro in ("null", 4, 2, 1):   # mini-batch = 2 prompts x n=2 = 4 sequences: whole, halves, quarters
-        cfg = load_cfg(*common, f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}")
+    # mini-batch = 2 prompts x n=2 = 4 sequences: whole, halves, quarters, and packed by a 12-token budget
+    for micro in ("null", 4, 2, 1, "dynamic"):
+        by = (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12"]
+              if micro == "dynamic" else [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}"])
+        cfg = load_cfg(*common, *by)
         model = make_model()
         # SGD: the update is the gradient, scale included; Adam's first step is ~lr * sign(gradient), which
         # hides a mis-scaled gradient and turns the rounding noise of a near-zero one into a full lr step
@@ -65,7 +69,7 @@ def test_update_does_not_depend_on_micro_batch_size(make_model, rollout_batch, l
         results[micro] = (_params(model), metrics)
     whole, whole_metrics = results["null"]
     assert _max_diff(whole, start) > 1e-4, "precondition: the update moves the parameters"
-    for micro in (4, 2, 1):
+    for micro in (4, 2, 1, "dynamic"):
         params, metrics = results[micro]
         assert_close_rel(_update(params, start), _update(whole, start), UPDATE_REL,
                          name=f"update with micro-batch {micro}")

@@ -87,15 +87,21 @@ def test_values_align_with_unpadded_forward(rollout_batch, load_cfg):
     values = worker.compute_values(batch)["values"]
     assert not values.requires_grad
     assert_close_rel(values, got, name="micro-batched values")
+    # packed by a token budget (rows regrouped), then put back in the batch's order
+    worker = _worker(load_cfg(*CRITIC, "critic.use_dynamic_bsz=true", "critic.forward_max_token_len_per_gpu=12",
+                              "data.max_prompt_length=5", "data.max_response_length=6"), model=model)
+    assert_close_rel(worker.compute_values(batch)["values"], got, name="token-packed values")
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_update_does_not_depend_on_micro_batch_size(rollout_batch, load_cfg, agg):
     start = _params(_value_model())
     results = {}
-    for micro in ("null", 4, 2, 1):   # whole mini-batch, halves, quarters
-        cfg = load_cfg(*CRITIC, f"critic.loss_agg_mode={agg}", "critic.cliprange_value=0.2",
-                       f"critic.ppo_micro_batch_size_per_gpu={micro}")
+    for micro in ("null", 4, 2, 1, "dynamic"):   # whole mini-batch, halves, quarters, packed by 12 tokens
+        by = (["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=12"] if micro == "dynamic"
+              else [f"critic.ppo_micro_batch_size_per_gpu={micro}"])
+        cfg = load_cfg(*CRITIC, f"critic.loss_agg_mode={agg}", "critic.cliprange_value=0.2", *by,
+                       "data.max_prompt_length=5", "data.max_response_length=6")   # longest test sequence: 11
         worker = _worker(cfg, model=_value_model())
         _use_sgd(worker)
         metrics = worker.update_critic(_critic_batch(worker, rollout_batch))
@@ -103,7 +109,7 @@ def test_update_does_not_depend_on_micro_batch_size(rollout_batch, load_cfg, agg
     whole, whole_metrics = results["null"]
     assert _max_diff(whole, start) > 1e-4, "precondition: the update moves the parameters"
     assert 0 < whole_metrics["critic/vf_clipfrac"] < 1, "precondition: both loss branches are exercised"
-    for micro in (4, 2, 1):
+    for micro in (4, 2, 1, "dynamic"):
         params, metrics = results[micro]
         assert_close_rel(_update(params, start), _update(whole, start), UPDATE_REL,
                          name=f"update with micro-batch {micro}")

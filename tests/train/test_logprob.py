@@ -83,3 +83,8 @@ def test_batched_log_probs_match_one_pass_and_restore_mode(make_model, rollout_b
     assert_close_rel(ent[mask], full_ent[mask], name="entropy")
     logp2, ent2 = batched_log_probs(model, batch, micro_batch_size=100)
     assert ent2 is None and logp2.shape == full.shape
+    # packed by a token budget: rows regrouped across micro-batches, returned in the batch's order
+    logp3, ent3 = batched_log_probs(model, batch, micro_batch_size=1, max_tokens=12, temperature=0.8,
+                                   calculate_entropy=True)
+    assert_close_rel(logp3[mask], full[mask], name="token-packed log-probs")
+    assert_close_rel(ent3[mask], full_ent[mask], name="token-packed entropy")

@@ -266,7 +266,26 @@ def _range_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]:
         ("trainer.total_training_steps", t.total_training_steps,
          t.total_training_steps is None or t.total_training_steps >= 1, "must be >= 1 or null"),
     ]
-    return rules
+    return rules + _token_budget_rules(cfg)
+
+
+def _token_budget_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]:
+    """With use_dynamic_bsz, each token budget in force must hold the longest sequence (prompt + response)."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    budgets = [("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu,
+                arr.actor.use_dynamic_bsz),
+               ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", arr.rollout.log_prob_max_token_len_per_gpu,
+                arr.rollout.log_prob_use_dynamic_bsz),
+               ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_max_token_len_per_gpu,
+                arr.ref.log_prob_use_dynamic_bsz)]
+    if critic_in_use(cfg):
+        budgets += [("critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, critic.use_dynamic_bsz),
+                    ("critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
+                     critic.use_dynamic_bsz)]
+    rule = (f"must be >= data.max_prompt_length + data.max_response_length = {longest} with use_dynamic_bsz "
+            "(a micro-batch must hold the longest sequence)")
+    return [(key, value, value is not None and value >= longest, rule) for key, value, on in budgets if on]
 
 
 def _betas_ok(betas: list[float]) -> bool:

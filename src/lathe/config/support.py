@@ -92,22 +92,6 @@ def _one_device() -> list[Entry]:
     return out
 
 
-def _dynamic_batch() -> list[Entry]:
-    what = "dynamic batch size (micro-batches packed by token count)"
-    out = [refuse(f"{A}.use_dynamic_bsz", what, "remove it; size micro-batches with "
-                  f"{A}.ppo_micro_batch_size_per_gpu (sequences per device)"),
-           refuse(f"{C}.use_dynamic_bsz", what, f"remove it; use {C}.ppo_micro_batch_size_per_gpu")]
-    out += [refuse(f"{g}.log_prob_use_dynamic_bsz", what, f"remove it; use {g}.log_prob_micro_batch_size_per_gpu")
-            for g in (REF, R)]
-    needs = "it is read only with use_dynamic_bsz=true (not implemented yet)"
-    out += [warn(f"{A}.ppo_max_token_len_per_gpu", needs), warn(f"{C}.ppo_max_token_len_per_gpu", needs)]
-    out += [warn(key, needs, same_as(source)) for key, source in (   # null-defaulted keys filled from another
-        (f"{REF}.log_prob_max_token_len_per_gpu", f"{A}.ppo_max_token_len_per_gpu"),
-        (f"{R}.log_prob_max_token_len_per_gpu", f"{A}.ppo_max_token_len_per_gpu"),
-        (f"{C}.forward_max_token_len_per_gpu", f"{C}.ppo_max_token_len_per_gpu"))]
-    return out
-
-
 def _lora() -> list[Entry]:
     out = []
     for model in (M, f"{C}.model"):
@@ -304,7 +288,6 @@ def _same_either_way() -> list[Entry]:
 
 FEATURES = {
     "Multi-GPU and multi-node (Ray / FSDP2)": _multi_gpu,
-    "Dynamic batch size": _dynamic_batch,
     "LoRA": _lora,
     "Multi-turn rollouts and tools": _multi_turn,
     "Reward models, reward managers, code sandbox": _rewards,

@@ -2,7 +2,8 @@
 
 Batch sizes follow verl: a step's `train_batch_size * n` sequences are cut into mini-batches of
 `ppo_mini_batch_size * n` sequences (one optimizer step each, `ppo_epochs` passes), and each
-mini-batch into micro-batches of `ppo_micro_batch_size_per_gpu` sequences whose gradients add up.
+mini-batch into micro-batches of `ppo_micro_batch_size_per_gpu` sequences whose gradients add up (or, with
+`use_dynamic_bsz`, micro-batches packed to `ppo_max_token_len_per_gpu` tokens: `lathe.train.micro`).
 Losses are normalised by the token and sequence counts of the whole mini-batch, so the update does
 not depend on the micro-batch size.
 """
@@ -18,6 +19,7 @@ from lathe.algo.policy_loss import PolicyLossParams
 from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.train.logprob import response_log_probs
+from lathe.train.micro import micro_batches
 from lathe.train.update import clipped_step, run_ppo_epochs
 
 
@@ -44,6 +46,7 @@ class PPOActor:
         self.use_remove_padding = use_remove_padding
         self.mini_batch_size = actor_cfg.ppo_mini_batch_size * n
         self.micro_batch_size = actor_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
+        self.max_token_len = actor_cfg.ppo_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None
         self.temperature = temperature
         bypass = bool(rollout_correction and rollout_correction.get("bypass_mode"))
         self.loss_params = policy_loss_params(actor_cfg, rollout_correction if bypass else None)
@@ -65,7 +68,8 @@ class PPOActor:
         agg = dict(global_num_tokens=mask.sum().clamp(min=1), global_num_seqs=mask.shape[0],
                    loss_scale_factor=self.loss_scale_factor)
         sums: dict[str, float] = defaultdict(float)
-        for micro in mini.split(self.micro_batch_size):
+        for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
+                                      key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu"):
             loss, parts = self._micro_batch_loss(micro, agg)
             loss.backward()
             weight = len(micro) / len(mini)   # per-micro metrics (fractions, means) weighted by rows

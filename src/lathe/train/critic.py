@@ -26,6 +26,7 @@ from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
 from lathe.models.value import load_value_model
 from lathe.train.logprob import response_hidden, scatter_response
+from lathe.train.micro import in_batch_order, micro_batches
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
@@ -65,6 +66,9 @@ class PPOCritic:
         self.mini_batch_size = critic_cfg.ppo_mini_batch_size * n
         self.micro_batch_size = critic_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.forward_micro_batch_size = critic_cfg.forward_micro_batch_size_per_gpu or self.micro_batch_size
+        dynamic = critic_cfg.use_dynamic_bsz        # (verl: token budgets instead of sequence counts)
+        self.max_token_len = critic_cfg.ppo_max_token_len_per_gpu if dynamic else None
+        self.forward_max_token_len = critic_cfg.forward_max_token_len_per_gpu if dynamic else None
         self.loss_scale_factor = max_response_length
 
     @torch.no_grad()
@@ -73,11 +77,13 @@ class PPOCritic:
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = [response_values(self.model, mb, remove_padding=self.use_remove_padding)
-                     for mb in batch.split(self.forward_micro_batch_size)]
+            parts = [(response_values(self.model, mb, remove_padding=self.use_remove_padding), rows)
+                     for mb, rows in micro_batches(batch, size=self.forward_micro_batch_size,
+                                                   max_tokens=self.forward_max_token_len,
+                                                   key="critic.forward_max_token_len_per_gpu")]
         finally:
             self.model.train(was_training)
-        return Batch({"values": torch.cat(parts)})
+        return Batch({"values": in_batch_order(parts)})
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches; verl's ``critic/*`` metrics averaged over mini-batches.
@@ -97,7 +103,8 @@ class PPOCritic:
         agg = global_batch_info(mask, self.loss_scale_factor)
         total_tokens = max(1, agg["global_num_tokens"])
         sums: dict[str, float] = defaultdict(float)
-        for micro in mini.split(self.micro_batch_size):
+        for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
+                                      key="critic.ppo_max_token_len_per_gpu"):
             loss, parts = self._micro_batch_loss(micro, agg)
             loss.backward()
             share = float(micro["response_mask"].sum()) / total_tokens   # token-weighted: exact mini-batch means

@@ -24,6 +24,7 @@ from lathe.models.decoder import LatheCausalLM
 from lathe.models.logprob import chunked_log_probs
 from lathe.models.logprob import response_log_probs as padded_log_probs
 from lathe.models.packing import pack_padded
+from lathe.train.micro import in_batch_order, micro_batches
 
 LOGPROB_CHUNK_SIZE = 1024   # tokens per lm_head chunk: peak extra memory ~ chunk x vocab x 4 bytes (x3 in backward)
 
@@ -95,17 +96,20 @@ def response_log_probs(model, batch: Batch, *, temperature: float = 1.0, calcula
 
 @torch.no_grad()
 def batched_log_probs(model, batch: Batch, *, micro_batch_size: int, temperature: float = 1.0,
-                      calculate_entropy: bool = False, remove_padding: bool = False
+                      calculate_entropy: bool = False, remove_padding: bool = False,
+                      max_tokens: int | None = None, max_tokens_key: str = "log_prob_max_token_len_per_gpu"
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`response_log_probs` over micro-batches, in eval mode, without gradients."""
+    """`response_log_probs` over micro-batches (`micro_batch_size` sequences, or packed by `max_tokens`: see
+    `lathe.train.micro`), in eval mode, without gradients; rows in the batch's order."""
     was_training = model.training
     model.eval()
     try:
-        parts = [response_log_probs(model, mb, temperature=temperature, calculate_entropy=calculate_entropy,
-                                    remove_padding=remove_padding)
-                 for mb in batch.split(micro_batch_size)]
+        parts = [(response_log_probs(model, mb, temperature=temperature, calculate_entropy=calculate_entropy,
+                                     remove_padding=remove_padding), rows)
+                 for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens,
+                                               key=max_tokens_key)]
     finally:
         model.train(was_training)
-    log_probs = torch.cat([p[0] for p in parts])
-    entropy = torch.cat([p[1] for p in parts]) if calculate_entropy else None
+    log_probs = in_batch_order([(p[0], rows) for p, rows in parts])
+    entropy = in_batch_order([(p[1], rows) for p, rows in parts]) if calculate_entropy else None
     return log_probs, entropy

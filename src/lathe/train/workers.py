@@ -144,17 +144,19 @@ class ActorRolloutRefWorker:
     # -- log-probs ------------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
         """The current policy's log-probs of the responses (`old_log_probs`) and their entropy."""
+        ro = self.cfg.actor_rollout_ref.rollout
         logp, ent = batched_log_probs(self.model, batch.to(self.device), micro_batch_size=self.log_prob_micro_batch_size,
-                                      temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                                      calculate_entropy=True, remove_padding=self.remove_padding)
+                                      temperature=ro.temperature, calculate_entropy=True,
+                                      remove_padding=self.remove_padding, **_token_budget(ro, "rollout"))
         return Batch({"old_log_probs": logp.cpu(), "entropys": ent.cpu()})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu or self.log_prob_micro_batch_size
+        ref_cfg = self.cfg.actor_rollout_ref.ref
+        micro = ref_cfg.log_prob_micro_batch_size_per_gpu or self.log_prob_micro_batch_size
         with (self.ref_host.on_device() if self.ref_host is not None else nullcontext(self.ref)) as ref:
             logp, _ = batched_log_probs(ref, batch.to(self.device), micro_batch_size=micro,
                                         temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                                        remove_padding=self.remove_padding)
+                                        remove_padding=self.remove_padding, **_token_budget(ref_cfg, "ref"))
         return Batch({"ref_log_prob": logp.cpu()})
 
     # -- training -------------------------------------------------------------------------------
@@ -269,3 +271,12 @@ def _architecture(model) -> str:
 
 def _is_tied(model, name: str) -> bool:
     return name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
+
+
+def _token_budget(log_prob_cfg, name: str) -> dict:
+    """`batched_log_probs`' token budget from the rollout's or ref's `log_prob_use_dynamic_bsz` keys (none when
+    off)."""
+    if not log_prob_cfg.log_prob_use_dynamic_bsz:
+        return {}
+    return {"max_tokens": log_prob_cfg.log_prob_max_token_len_per_gpu,
+            "max_tokens_key": f"actor_rollout_ref.{name}.log_prob_max_token_len_per_gpu"}

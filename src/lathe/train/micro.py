@@ -1,0 +1,61 @@
+"""Cutting a batch into micro-batches: by sequence count, or packed by token count (verl's `use_dynamic_bsz`).
+
+With a token budget (`ppo_max_token_len_per_gpu`, `log_prob_max_token_len_per_gpu`,
+`forward_max_token_len_per_gpu`) the sequences, measured by their real tokens (prompt + response, the
+`attention_mask`), go into the fewest micro-batches that each hold at most the budget, balanced so that
+their token counts are close (largest first into the lightest micro-batch, LPT; one more micro-batch when
+the balance overflows the budget). The losses are normalised by the whole mini-batch's counts, so the
+update does not depend on the cut; outputs computed per micro-batch are put back in the batch's order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch
+
+from lathe.batch import Batch
+
+
+def token_balanced_partitions(lengths: list[int], max_tokens: int, *, key: str) -> list[list[int]]:
+    """Row indices grouped into micro-batches of at most `max_tokens` tokens (`lengths[i]` for row i), each
+    group in ascending order, groups ordered by their first row. `key` names the budget in errors."""
+    if not lengths:
+        return []
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise ValueError(f"{key}={max_tokens}: the longest sequence has {longest} tokens (prompt + response) "
+                         f"and a micro-batch must hold it; raise {key} to at least {longest}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts = max(1, math.ceil(sum(lengths) / max_tokens))
+    while True:
+        heap = [(0, g) for g in range(parts)]             # (tokens, group): the lightest group first
+        groups: list[list[int]] = [[] for _ in range(parts)]
+        for i in order:
+            load, g = heapq.heappop(heap)
+            groups[g].append(i)
+            heapq.heappush(heap, (load + lengths[i], g))
+        if max(load for load, _ in heap) <= max_tokens:
+            break
+        parts += 1
+    return sorted((sorted(g) for g in groups if g), key=lambda g: g[0])
+
+
+def micro_batches(batch: Batch, *, size: int, max_tokens: int | None = None, key: str = "max_token_len"
+                  ) -> list[tuple[Batch, list[int] | None]]:
+    """(micro-batch, its rows in `batch` or None for consecutive chunks): `size` sequences each, or packed by
+    `max_tokens` real tokens when given (see the module docstring)."""
+    if max_tokens is None:
+        return [(mb, None) for mb in batch.split(size)]
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    return [(batch.select(rows), rows) for rows in token_balanced_partitions(lengths, max_tokens, key=key)]
+
+
+def in_batch_order(parts: list[tuple[torch.Tensor, list[int] | None]]) -> torch.Tensor:
+    """Concatenate per-micro-batch outputs (rows first) back into the batch's row order."""
+    if all(rows is None for _, rows in parts):
+        return torch.cat([t for t, _ in parts])
+    rows = torch.tensor([r for _, rs in parts for r in rs])
+    out = torch.cat([t for t, _ in parts])
+    return out[torch.argsort(rows).to(out.device)]

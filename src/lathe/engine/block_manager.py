@@ -176,15 +176,10 @@ class BlockManager:
                 block = new
             elif block.hash is not None:
                 self._unregister(block)
-        if n % bs == 0 and seq.token_ids[-1] != PENDING:   # a pending token is keyed when it arrives
+        if n % bs == 0 and seq.token_ids[-1] != PENDING:   # keyed when the pending token arrives (engine `_resolve`)
             self.register_full(seq, len(table) - 1)
         seq.tail_private = True     # until the next token starts a block, nothing here needs doing again
         return copies
-
-    def token_resolved(self, seq: Sequence, index: int) -> None:
-        """The token at `index`, appended as a placeholder, has arrived: key the block it completes, if any."""
-        if (index + 1) % self.block_size == 0:
-            self.register_full(seq, index // self.block_size)
 
     def register_full(self, seq: Sequence, i: int) -> None:
         """Key `seq`'s full block `i` so later prompts can reuse it (when the blocks before it are keyed)."""

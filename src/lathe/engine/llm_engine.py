@@ -48,7 +48,7 @@ class _InFlight:
     def __init__(self, seqs: list[Sequence], out: torch.Tensor):
         self.seqs, self.out = seqs, out
         self.tokens = out[0].long()
-        self.rows = {s: i for i, s in enumerate(seqs)}
+        self._rows: dict[Sequence, int] | None = None
         self.pending: list[tuple[Sequence, int, int]] = []
         self.host, self.event = None, None
         if out.is_cuda:
@@ -56,6 +56,13 @@ class _InFlight:
             self.host.copy_(out, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
+
+    @property
+    def rows(self) -> dict[Sequence, int]:
+        """Each sequence's row (built when the next step is not simply this one's first rows)."""
+        if self._rows is None:
+            self._rows = {s: i for i, s in enumerate(self.seqs)}
+        return self._rows
 
     def add_placeholders(self, engine: "LatheEngine") -> None:
         """A placeholder for each sequence still running; one that reaches its length limit with it ends now
@@ -270,7 +277,7 @@ class LatheEngine:
         tokens, logprobs = step.to_host()
         bm, bs, matchers = self.block_manager, self.block_manager.block_size, self._stop_matchers
         strings = len(matchers) > 0
-        for seq, row, index in step.pending:       # (Sequence.resolve and BlockManager.token_resolved, inlined)
+        for seq, row, index in step.pending:       # (runs for every row of every step: kept lean)
             tok = int(tokens[row])
             seq.token_ids[index] = tok
             seq.logprobs[index - seq.num_prompt_tokens] = logprobs[row]

@@ -106,14 +106,3 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(int(token_id))
         self.logprobs.append(float(logprob))
-
-    def append_pending(self) -> int:
-        """Append a placeholder for a token still on the device; returns its index in `token_ids`."""
-        self.token_ids.append(PENDING)
-        self.logprobs.append(float("nan"))
-        return len(self.token_ids) - 1
-
-    def resolve(self, index: int, token_id: int, logprob: float) -> None:
-        """Fill the placeholder at `index` (of `token_ids`) with the sampled token and its log-prob."""
-        self.token_ids[index] = token_id
-        self.logprobs[index - self.num_prompt_tokens] = logprob

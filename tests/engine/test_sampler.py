@@ -14,6 +14,16 @@ def test_top_k_keeps_the_k_largest():
     assert kept.tolist() == [False, True, False, True]
 
 
+def test_rows_with_and_without_top_k_in_one_batch():
+    """A row without top-k (k = -1) beside one with it: each keeps its own set, whether the device is asked
+    which rows use top-k or the caller says so (the engine's sampler does, to avoid waiting for the device)."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 3.0, 1.0, 2.0], [1.0, 0.0, 2.0, 3.0]])
+    k = torch.tensor([2, -1, 3])
+    for flags in ({}, {"use_k": True, "k_max": 4, "use_p": False}):
+        kept = torch.isfinite(apply_top_k_top_p(logits, k, torch.ones(3), **flags))
+        assert kept.tolist() == [[False, True, False, True], [True] * 4, [True, False, True, True]]
+
+
 def test_top_p_keeps_smallest_set_reaching_p():
     probs = torch.tensor([0.1, 0.5, 0.15, 0.25])
     kept = torch.isfinite(apply_top_k_top_p(probs.log(), -1, 0.7))

@@ -8,8 +8,6 @@ them back (`wake_up`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from lathe.device import to_device
@@ -45,7 +43,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes the cache takes when allocated (K and V, every layer, the scratch block included)."""
-        return 2 * self.num_layers * math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+        return self.bytes_per_block(self.num_layers, *self.shape[1:], self.dtype) * self.shape[0]
 
     @property
     def allocated(self) -> bool:

@@ -35,13 +35,14 @@ def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | int, top_p: torch.Tensor | float, *,
-                      k_max: int | None = None, use_p: bool | None = None) -> torch.Tensor:
+                      use_k: bool | None = None, k_max: int | None = None, use_p: bool | None = None
+                      ) -> torch.Tensor:
     """Mask (to -inf) the tokens outside each row's top-k and outside the smallest set holding its `top_p` mass.
 
     Order as transformers' warpers and vLLM: top-k first, then top-p over what is left. `logits` (V,) or
-    (B, V); `top_k` (B,) or an int (<= 0 disables), `top_p` (B,) or a float (1 disables). `k_max` (the largest
-    row's k, V when none uses top-k) and `use_p` (whether a row uses top-p): when the caller knows them;
-    otherwise they are asked of the device, which waits for it.
+    (B, V); `top_k` (B,) or an int (<= 0 disables), `top_p` (B,) or a float (1 disables). `use_k` / `use_p`
+    (whether any row uses top-k / top-p) and `k_max` (the largest k, V for a row without top-k): when the caller
+    knows them; otherwise they are asked of the device, which waits for it.
     """
     squeeze = logits.dim() == 1
     x = logits[None] if squeeze else logits
@@ -49,9 +50,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | int, top_p: to
     k = torch.as_tensor(top_k, device=x.device).expand(b)
     p = torch.as_tensor(top_p, device=x.device, dtype=torch.float32).expand(b)
     k = torch.where((k <= 0) | (k >= v), torch.full_like(k, v), k)
-    k_max = int(k.max()) if k_max is None else min(k_max, v)
-    if k_max < v:
-        top = torch.topk(x, k_max, dim=-1).values
+    if use_k if use_k is not None else bool((k < v).any()):
+        top = torch.topk(x, int(k.max()) if k_max is None else min(k_max, v), dim=-1).values
         kth = top.gather(1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
     if use_p if use_p is not None else bool((p < 1).any()):
@@ -126,10 +126,11 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         top_k = [params[i].top_k for i in sampled]
         top_p = [params[i].top_p for i in sampled]
         v = x.shape[-1]
-        k_max, use_p = max(k if 0 < k < v else v for k in top_k), any(p < 1 for p in top_p)
-        if k_max < v or use_p:
+        effective_k = [k if 0 < k < v else v for k in top_k]
+        use_k, use_p = min(effective_k) < v, any(p < 1 for p in top_p)
+        if use_k or use_p:
             x = apply_top_k_top_p(x, to_device(torch.tensor(top_k), device), to_device(torch.tensor(top_p), device),
-                                  k_max=k_max, use_p=use_p)
+                                  use_k=use_k, k_max=max(effective_k), use_p=use_p)
         cdf = x.softmax(-1).cumsum(-1)
         u = to_device(torch.from_numpy(uniforms([seqs[i].seed or 0 for i in sampled],
                                                 [seqs[i].num_output_tokens for i in sampled])), device)

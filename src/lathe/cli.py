@@ -39,8 +39,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         metrics = fit(trainer)
     finally:
-        trainer.tracker.close()
-        trainer.reward.close()
+        trainer.close()
     score = metrics.get("critic/score/mean")
     logging.getLogger("lathe").info("done: %d steps, last critic/score/mean %s, run directory %s",
                                     trainer.global_step, "n/a" if score is None else f"{score:.3f}",

@@ -45,6 +45,12 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def empty_cache(device: torch.device | str) -> None:
+    """Return the allocator's cached blocks to the device (nothing to do on the CPU)."""
+    if is_accelerator(device):
+        torch.cuda.empty_cache()
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the work queued on `device` (nothing to wait for on the CPU)."""
     if is_accelerator(device):

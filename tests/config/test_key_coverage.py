@@ -72,8 +72,11 @@ def test_every_key_is_read_or_registered(scan):
 def test_registry_names_real_keys_lathe_does_not_read(scan):
     leaves, _ = schema_paths()
     assert sorted(set(registry()) - leaves) == [], "stale registry entries (no such key)"
-    read = {k: scan.reads[k] for k in registry() if k in scan.reads}
+    read = {k: scan.reads[k] for k, entry in registry().items() if k in scan.reads and not entry.when}
     assert not read, f"registered as not acting, but read by the code (drop them from the registry): {read}"
+    unread = [k for k, entry in registry().items() if entry.when and k not in scan.reads]
+    assert not unread, f"registered as acting on {'/'.join({e.when for e in registry().values() if e.when})} only, " \
+                       f"but no code reads them: {unread}"
 
 
 def test_hand_lists_are_real_and_needed(scan):

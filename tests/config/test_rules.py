@@ -6,6 +6,7 @@ import pytest
 
 from lathe.config import ConfigError, batch_plan, load_config, resolve_devices
 from lathe.config.rules import critic_in_use
+from lathe.config.support import IgnoredKeysWarning
 
 GRPO = ["algorithm.adv_estimator=grpo", "trainer.test_freq=-1"]
 
@@ -165,22 +166,35 @@ def test_rule11_validation_needs_val_files():
 def test_device_count_resolution(monkeypatch):
     cfg = load_config("base", GRPO)
     assert resolve_devices(cfg).count == 1
-    cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 2, 4      # what multi-GPU runs will plan with
+    cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 2, 4
     monkeypatch.setattr("lathe.config.rules.cuda_available", lambda: True)
     assert resolve_devices(cfg).count == 8
     assert "trainer.n_gpus_per_node=4" in resolve_devices(cfg).why
-    cfg.trainer.device = "cpu"
-    assert resolve_devices(cfg).count == 1
+    cfg.trainer.device = "cpu"                                   # CPU workers count as devices too
+    assert resolve_devices(cfg).count == 8
     assert resolve_devices(cfg, 3).count == 3
 
 
-@pytest.mark.parametrize("devices", [["trainer.n_gpus_per_node=8"], ["trainer.nnodes=2"],
-                                     ["trainer.nnodes=2", "trainer.n_gpus_per_node=4", "trainer.device=cpu"]])
-def test_more_than_one_device_is_refused_until_multi_gpu(devices):
-    text = fails(devices, device_count=None)
-    assert "not implemented yet" in text and "multi-GPU is coming through Ray/FSDP2" in text
-    assert "set trainer.n_gpus_per_node=1 trainer.nnodes=1" in text
-    assert text.count("training on more than one device") == 1      # one message for the two keys
+def test_several_devices_are_planned_and_checked():
+    cfg = load_config("base", GRPO + ["trainer.device=cpu", "trainer.n_gpus_per_node=2"] + batch(8, 4, 2))
+    assert batch_plan(cfg).mini_batch_sequences_per_device == 4 * cfg.actor_rollout_ref.rollout.n // 2
+    text = fails(["trainer.device=cpu", "trainer.nnodes=3"] + batch(8, 4, 1), device_count=None)
+    assert "not divisible by the device count (3 = trainer.nnodes=3" in text
+
+
+def test_distribution_keys_act_on_several_devices_only():
+    keys = ["actor_rollout_ref.nccl_timeout=60", "trainer.balance_batch=false"]
+    with pytest.warns(UserWarning, match="nccl_timeout"):
+        load_config("base", GRPO + keys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredKeysWarning)
+        load_config("base", GRPO + keys + ["trainer.device=cpu", "trainer.n_gpus_per_node=2"] + batch(8, 4, 2))
+    text = fails(["trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config."
+                  "optimizer_offload=true"] + batch(8, 4, 2), device_count=None)
+    assert "set param_offload=true too" in text
+    text = fails(["trainer.device=cpu", "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.fsdp_config."
+                  "fsdp_size=2"] + batch(8, 4, 2), device_count=None)
+    assert "hybrid sharding" in text
 
 
 def test_planned_device_count_skips_the_device_rule():

@@ -1,7 +1,8 @@
 """End-to-end GRPO runs with each rollout backend, chosen explicitly: lathe's engine and transformers generate.
 
-Kept short: no warm start, so a reward that needs no trained model (the response's length) gives the
-update a signal. The engine run also crashes before step 3, resumes from step 2 and must equal the
+Kept short: no warm start, so a reward that needs no trained model (a hash of the response's characters, which
+differs between random responses of equal length) gives the update a signal. The engine run also crashes
+before step 3, resumes from step 2 and must equal the
 uninterrupted run (test_ppo checks resume with the default backend, `auto`, which is the engine too).
 """
 
@@ -20,7 +21,7 @@ VAL = "val-core/lathe/arithmetic/reward/mean@1"
 def _overrides(tmp_path, backend: str, steps: int) -> list[str]:
     reward_file = tmp_path / "length_reward.py"
     reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                           "    return (len(solution_str) % 3) / 2\n")
+                           "    return (sum(map(ord, solution_str)) % 3) / 2\n")
     return [f"actor_rollout_ref.rollout.name={backend}", "actor_rollout_ref.model.warm_start.steps=0",
             f"reward.custom_reward_function.path={reward_file}", "reward.timeout_s=0",
             f"trainer.total_training_steps={steps}", "trainer.save_freq=2", f"trainer.test_freq={steps}",

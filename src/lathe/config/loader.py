@@ -16,7 +16,7 @@ from .fill import fill_defaults
 from .interpolate import resolve_interpolations
 from .rules import check_config, check_visible_devices, resolve_devices
 from .schema import LatheConfig
-from .support import DEVICE_KEYS, check_support
+from .support import check_support
 from .tree import apply_layer, flatten_mapping, parse_override
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -35,7 +35,7 @@ def load_config(source: str | os.PathLike | None = None, overrides: Sequence[str
     ``source``: None -> preset "default"; a preset name; or a YAML file (a partial tree applied over
     the dataclass defaults, or over the preset named by its top-level ``preset:`` key).
     ``overrides``: ``key=value`` strings (Hydra's ``+``/``++`` prefixes tolerated), values as YAML.
-    ``device_count``: devices the batch is split over; None -> 1 on CPU, else nnodes x n_gpus_per_node. Given,
+    ``device_count``: devices the batch is split over; None -> trainer.nnodes x trainer.n_gpus_per_node. Given,
     it plans the batch arithmetic for that many devices and the devices this machine has are not checked.
     Raises ConfigError listing every problem (keys lathe does not implement yet included, see
     ``support.py``); warnings for allowed-but-suspicious combinations and for keys that have no effect.
@@ -46,15 +46,14 @@ def load_config(source: str | os.PathLike | None = None, overrides: Sequence[str
     resolve_interpolations(cfg)
     devices = resolve_devices(cfg, device_count)
     problems = ProblemList()
-    check_support(cfg, problems, skip=DEVICE_KEYS if device_count is not None else frozenset())
+    check_support(cfg, problems)
     if device_count is None:
         check_visible_devices(cfg, problems)
-    devices_ok = device_count is not None or devices.count == 1
     filled = ProblemList()
     fill_defaults(cfg, devices.count, filled)
     for message in filled.problems:
         problems.add(message)
-    if devices_ok and not filled.problems:   # batch rules for a device count lathe refuses would only add noise
+    if not filled.problems:
         check_config(cfg, devices, problems)
     problems.raise_if_any()
     return cfg

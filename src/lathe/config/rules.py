@@ -75,14 +75,12 @@ def _gpus_present() -> int:
 
 
 def resolve_devices(cfg: LatheConfig, device_count: int | None = None) -> Devices:
-    """Explicit count, else 1 on a CPU run, else trainer.nnodes x trainer.n_gpus_per_node."""
+    """Explicit count, else trainer.nnodes x trainer.n_gpus_per_node (on a CPU run, that many CPU workers)."""
     if device_count is not None:
         if device_count < 1:
             raise ConfigError(f"device_count={device_count} must be >= 1. Fix: pass a positive device_count.")
         return Devices(device_count, f"device_count={device_count} given to load_config")
     t = cfg.trainer
-    if t.device == "cpu" or (t.device == "auto" and not cuda_available()):
-        return Devices(1, f"1 on a CPU run (trainer.device={t.device})")
     count = t.nnodes * t.n_gpus_per_node
     return Devices(count, f"{count} = trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}")
 

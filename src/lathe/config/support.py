@@ -19,29 +19,18 @@ from dataclasses import replace
 from .errors import ProblemList
 from .coerce import show
 from .schema import LatheConfig
-from .support_base import Entry, at_most, inert, no_entries, one_of, refuse, same_as, warn
+from .support_base import Entry, at_most, devices, inert, no_entries, one_of, only_on, refuse, same_as, warn
 from .tree import get_path
 
 A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 R, M = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
 C, RM = "critic", "reward_model"
 TRAINED = (A, REF, f"{C}.model")                      # the fsdp_config groups of models lathe loads
-ONE_DEVICE = "multi-GPU is coming through Ray/FSDP2"
-DEVICE_KEYS = frozenset({"trainer.nnodes", "trainer.n_gpus_per_node"})   # not checked when load_config plans devices
+NOT_YET = "lathe shards training with FSDP2 and runs one engine per device"
 
 
 class IgnoredKeysWarning(UserWarning):
     """Config keys were set that have no effect in lathe (the message lists them and why)."""
-
-
-def _devices(value, cfg) -> tuple[str, str] | None:
-    """One message for both device keys (so the problem list shows it once)."""
-    t = cfg.trainer
-    if t.nnodes * t.n_gpus_per_node <= 1:
-        return None
-    return "refuse", (f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} = "
-                      f"{t.nnodes * t.n_gpus_per_node} devices: training on more than one device is not implemented "
-                      f"yet in lathe ({ONE_DEVICE}). Fix: set trainer.n_gpus_per_node=1 trainer.nnodes=1.")
 
 
 def _agent(value, cfg) -> tuple[str, str] | None:
@@ -56,39 +45,43 @@ def _agent(value, cfg) -> tuple[str, str] | None:
 
 
 def _multi_gpu() -> list[Entry]:
-    fix_devices = "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
-    out = [replace(refuse(f"trainer.{k}", f"training on more than one device ({ONE_DEVICE})", fix_devices),
-                   judge=_devices) for k in ("nnodes", "n_gpus_per_node")]
-    out += [refuse(f"{R}.{k}", f"{what} over several devices ({ONE_DEVICE})", "set it to 1", at_most(1))
-            for k, what in (("tensor_model_parallel_size", "tensor-parallel generation"),
-                            ("data_parallel_size", "data-parallel generation"),
-                            ("expert_parallel_size", "expert-parallel generation"))]
-    out += [refuse(f"{g}.ulysses_sequence_parallel_size", f"Ulysses sequence parallelism ({ONE_DEVICE})",
+    out = [refuse(f"{R}.{k}", f"{what} ({NOT_YET})", "set it to 1", at_most(1))
+           for k, what in (("tensor_model_parallel_size", "tensor-parallel generation"),
+                           ("data_parallel_size", "a data-parallel size of the rollout's own (lathe's rollout is "
+                                                  "data-parallel over all the trainer's devices)"),
+                           ("expert_parallel_size", "expert-parallel generation"))]
+    out += [refuse(f"{g}.ulysses_sequence_parallel_size", f"Ulysses sequence parallelism ({NOT_YET})",
                    "set it to 1", at_most(1)) for g in (A, REF, C)]
     out += [refuse(f"{g}.strategy", "a training backend other than fsdp/fsdp2 (such as megatron)",
-                   "set it to fsdp2 (or fsdp): lathe trains with PyTorch on one device, FSDP2 when multi-GPU lands",
-                   one_of("fsdp", "fsdp2")) for g in (A, REF, C)]
+                   "set it to fsdp2 (or fsdp): lathe trains with PyTorch FSDP2", one_of("fsdp", "fsdp2"))
+            for g in (A, REF, C)]
     out += [refuse(f"{g}.fsdp_config.strategy", "an engine strategy other than fsdp/fsdp2", "remove it",
                    one_of(None, "fsdp", "fsdp2")) for g in TRAINED]
+    out += [refuse(f"{g}.fsdp_config.fsdp_size", "hybrid sharding (shard groups smaller than all devices, HSDP)",
+                   "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, devices(cfg)))
+            for g in TRAINED]
     out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
             refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices (hybrid_engine=false)",
-                   "remove it: the rollout engine shares the actor's device")]
+                   "remove it: the rollout engine shares the actor's devices")]
     return out
 
 
 def _one_device() -> list[Entry]:
-    shard = "a sharding setting, with nothing to shard on one device"
-    out = [warn(f"{g}.fsdp_config.{k}", shard, ok) for g in TRAINED for k, ok in (
-        ("reshard_after_forward", None), ("fsdp_size", one_of(-1, 1)), ("forward_prefetch", None),
-        ("use_orig_params", None), ("wrap_policy", None))]
-    no_ray = "Ray is not used on one device"
-    out += [warn("actor_rollout_ref.nccl_timeout", "no collectives run on one device"),
-            warn("trainer.balance_batch", "it balances tokens across devices; there is one"),
-            warn("trainer.ray_wait_register_center_timeout", no_ray),
-            warn("ray_kwargs", no_ray), warn("ray_init", no_ray),
+    out = [only_on("one device", warn(f"{g}.fsdp_config.reshard_after_forward",
+                                      "a sharding setting, with nothing to shard on one device")) for g in TRAINED]
+    out += [warn(f"{g}.fsdp_config.{k}", why) for g in TRAINED for k, why in (
+        ("forward_prefetch", "FSDP2 prefetches the next layer's gather by itself"),
+        ("use_orig_params", "an FSDP1 setting; FSDP2 always keeps the original parameters"),
+        ("wrap_policy", "lathe shards each decoder layer and the root, whatever the policy"))]
+    out += [only_on("one device", warn(k, why)) for k, why in (
+        ("actor_rollout_ref.nccl_timeout", "no collectives run on one device"),
+        ("trainer.balance_batch", "it balances tokens across devices; there is one"),
+        ("ray_kwargs", "Ray is not used on one device"), ("ray_init", "Ray is not used on one device"))]
+    out += [warn("trainer.ray_wait_register_center_timeout", "lathe's workers have no register center"),
             warn("trainer.esi_redundant_time", "it is for Volcano Engine elastic instances"),
-            warn(f"{R}.layered_summon", "it gathers sharded weights layer by layer; nothing is sharded"),
-            warn(f"{R}.update_weights_bucket_megabytes", "weights are copied in-process, without buckets")]
+            warn(f"{R}.layered_summon", "lathe always gathers sharded weights one tensor at a time"),
+            warn(f"{R}.update_weights_bucket_megabytes", "weights reach the engine tensor by tensor, without "
+                                                         "buckets")]
     return out
 
 
@@ -152,9 +145,15 @@ def _memory() -> list[Entry]:
     out = [refuse(f"{m}.enable_activation_offload", "activation offload",
                   "remove it; lathe's decoder saves activation memory with enable_gradient_checkpointing")
            for m in (M, f"{C}.model")]
-    out += [refuse(f"{g}.fsdp_config.offload_policy", "FSDP2's CPU offload policy",
-                   "remove it; fsdp_config.param_offload and optimizer_offload are the offload switches")
-            for g in TRAINED]
+    out += [only_on("one device", refuse(f"{g}.fsdp_config.offload_policy", "FSDP2's CPU offload policy on one "
+                                         "device", "remove it; fsdp_config.param_offload and optimizer_offload are "
+                                         "the offload switches on one device")) for g in TRAINED]
+    out += [only_on("several devices", refuse(
+        f"{g}.fsdp_config.optimizer_offload", "offloading optimizer state without the parameters on several "
+        "devices (FSDP2 offloads shards, gradients and optimizer state together)",
+        "set param_offload=true too (or offload_policy=true)",
+        lambda v, cfg, g=g: not v or bool(get_path(cfg, f"{g}.fsdp_config.param_offload"))
+        or bool(get_path(cfg, f"{g}.fsdp_config.offload_policy")))) for g in (A, f"{C}.model")]
     out += [refuse(f"{g}.fsdp_config.grad_offload", "gradient offload (an old verl key)") for g in TRAINED]
     return out
 
@@ -297,7 +296,7 @@ FEATURES = {
     "Training and algorithm options": _training,
     "Checkpoints": _checkpoints,
     "Profiling, tracing, engine logs": _observability,
-    "No effect on one device": _one_device,
+    "Distribution settings with no effect (on one device, or at all)": _one_device,
     "Accepted: lathe behaves the same either way": _same_either_way,
 }
 

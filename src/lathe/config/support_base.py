@@ -15,7 +15,7 @@ the key holds a value other than its default:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .coerce import show
@@ -36,9 +36,12 @@ class Entry:
     ok: Check | None = None    # None: the default (or off) is fine, any other value is not
     feature: str = ""          # the heading it is listed under (filled in by ``registry``)
     judge: Callable[[Any, Any], tuple[str, str] | None] | None = None   # a verdict of its own, from (value, cfg)
+    when: str = ""             # "one device" / "several devices": the entry holds only then (the key acts otherwise)
 
     def verdict(self, value: Any, default: Any, cfg: Any) -> tuple[str, str] | None:
         """(kind, message) when ``value`` is refused or warned about, else None."""
+        if self.when and (devices(cfg) > 1) != (self.when == "several devices"):
+            return None
         if self.judge is not None:
             return self.judge(value, cfg)
         fine = self.ok(value, cfg) if self.ok is not None else is_off(value, default)
@@ -58,10 +61,11 @@ class Entry:
 
     def note(self) -> str:
         """The sentence ``help_for`` adds to the key's help."""
+        on = f"On {self.when}: " if self.when else ""
         if self.kind == "refuse":
-            return f"Not implemented yet in lathe ({self.text}): a non-default value fails."
+            return f"{on}Not implemented yet in lathe ({self.text}): a non-default value fails."
         if self.kind == "warn":
-            return f"No effect in lathe ({self.text}): a non-default value warns."
+            return f"{on}No effect in lathe ({self.text}): a non-default value warns."
         return f"Accepted; lathe behaves the same either way ({self.text})."
 
 
@@ -78,6 +82,16 @@ def inert(key: str, text: str, values: tuple | None = None):
     ok = None if values is None else (lambda v, cfg: v in values)
     fix = "use one of " + ", ".join(map(str, values)) if values else ""
     return Entry(key, "inert", text, fix, ok or (lambda v, cfg: True))
+
+
+def devices(cfg: Any) -> int:
+    """The devices (ranks) a run trains on: trainer.nnodes x trainer.n_gpus_per_node."""
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def only_on(when: str, entry: Entry) -> Entry:
+    """`entry`, holding only on "one device" or "several devices" (the code reads the key in the other case)."""
+    return replace(entry, when=when)
 
 
 def is_off(value: Any, default: Any) -> bool:

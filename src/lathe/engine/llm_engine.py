@@ -166,10 +166,14 @@ class LatheEngine:
         return math.ceil(self.max_model_len / block_size) * min(max_num_seqs, 64)
 
     # ---- Rollout ----------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *, first_index: int = 0
+                 ) -> RolloutOutput:
+        """`params.n` samples per prompt, prompt-major. Sample j of prompt i draws with the seed
+        `(params.seed, first_index + i * n + j)`: a call over prompts k.. of a larger list, with
+        `first_index = k * n`, samples exactly what the whole call samples for them (data-parallel rollout)."""
         if not self.kv_cache.allocated:
             raise RuntimeError("LatheEngine.generate: the engine is asleep (KV cache freed); call wake_up() first")
-        seqs = self._make_sequences(prompt_token_ids, params)
+        seqs = self._make_sequences(prompt_token_ids, params, first_index)
         self.scheduler.new_call()
         preempted = self.scheduler.num_preemptions
         graphs = self.runner.graphs
@@ -193,7 +197,8 @@ class LatheEngine:
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
                                       - captured[1]})
 
-    def _make_sequences(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+    def _make_sequences(self, prompts: list[list[int]], params: SamplingParams, first_index: int = 0
+                        ) -> list[Sequence]:
         stop = frozenset() if params.ignore_eos else frozenset(self.eos_ids) | frozenset(params.stop_token_ids)
         sp = SequenceParams(temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                             top_k=params.top_k, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
@@ -212,7 +217,7 @@ class LatheEngine:
                                  "shorten it or raise max_model_len")
             for j in range(params.n):
                 index = i * params.n + j
-                seed = None if sp.greedy else sequence_seed(base, index)
+                seed = None if sp.greedy else sequence_seed(base, first_index + index)
                 seqs.append(Sequence(list(prompt), sp, seed, index=index,
                                      length_limit=min(len(prompt) + sp.max_tokens, self.max_model_len)))
                 if stops is not None:

@@ -39,7 +39,7 @@ def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
         correction, rc_metrics = apply_rollout_correction(batch, rc)
         batch.update(correction)
         metrics.update(rc_metrics)
-    if t.worker.ref is not None:
+    if t.worker.has_ref:
         with timer("ref"):
             batch.update(t.worker.compute_ref_log_prob(batch))
     if t.critic is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 import torch
@@ -20,10 +21,15 @@ class DynamicSamplingExhausted(ValueError):
     """DAPO's dynamic sampling used `max_num_gen_batches` generation rounds without filling the batch."""
 
 
-def generate_and_score(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[str, float]]:
-    """`rollout.n` responses per prompt with their rewards (and ReMax baselines when that estimator is used)."""
+def generate_and_score(t: Trainer, prompts: Batch, timer, round_: int = 0) -> tuple[Batch, dict[str, float]]:
+    """`rollout.n` responses per prompt with their rewards (and ReMax baselines when that estimator is used).
+
+    The samples are seeded by (trainer.seed, step, generation round): the same on one device or many, and after
+    a resume."""
+    params = t.sampling if t.sampling.seed is not None else replace(
+        t.sampling, seed=rollout_seed(t.cfg.trainer.seed, t.global_step, round_))
     with timer("gen"):
-        batch = t.worker.generate_sequences(prompts, t.sampling)
+        batch = t.worker.generate_sequences(prompts, params)
     with timer("reward"):
         scores, metrics = compute_reward(batch, t.tokenizer, t.reward, overlong=t.cfg.reward_model.overlong_buffer,
                                          max_response_length=t.cfg.data.max_response_length)
@@ -33,6 +39,11 @@ def generate_and_score(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[s
         with timer("gen_max"):
             batch["reward_baselines"] = greedy_baseline(t, prompts)
     return batch, metrics
+
+
+def rollout_seed(seed: int, step: int, round_: int) -> int:
+    """A well-mixed 62-bit sampling seed for one generation round of one step."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{round_}".encode()).digest()[:8], "little") >> 2
 
 
 def greedy_baseline(t: Trainer, prompts: Batch) -> torch.Tensor:
@@ -71,7 +82,8 @@ def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[st
                 "is solving (or failing) nearly every prompt: raise max_num_gen_batches (0 = no limit), use "
                 "harder/easier data, or disable filter_groups.")
         rounds += 1
-        batch, more = generate_and_score(t, prompt_batch(t.next_rows(), t.global_step, round_=rounds), timer)
+        batch, more = generate_and_score(t, prompt_batch(t.next_rows(), t.global_step, round_=rounds), timer,
+                                         round_=rounds)
         for key in more:                            # counts and seconds are summed over all rounds
             if key in SUMMED_ROLLOUT_METRICS:
                 more[key] += metrics.get(key, 0)

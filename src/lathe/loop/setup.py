@@ -20,6 +20,7 @@ from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
 from lathe.config import critic_in_use, to_dict
 from lathe.data import RLDataset, StatefulDataLoader
+from lathe.device import empty_cache
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
 from lathe.reward.registry import scorer_for
@@ -47,9 +48,19 @@ class Trainer:
     total_steps: int
     device: torch.device
     critic: object | None = None        # a CriticWorker when algorithm.adv_estimator=gae
+    cluster: object | None = None       # the Ray worker groups behind worker/critic on many devices
     global_step: int = 0
     resumed_from: Path | None = None
     _rows: Iterator[list[dict]] | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        """Flush the loggers, stop the reward processes and the workers."""
+        try:
+            self.tracker.close()
+            self.reward.close()
+        finally:
+            if self.cluster is not None:
+                self.cluster.close()
 
     def next_rows(self) -> list[dict]:
         """The next dataloader batch, starting a new epoch when one runs out."""
@@ -126,16 +137,34 @@ def check_scorers(datasets, custom_path: str | None) -> None:
                 scorer_for(source)
 
 
+def model_source(cfg, tokenizer, run_dir: Path, resume_dir: Path | None) -> tuple[str, dict]:
+    """(path, `load_policy` keywords) of the starting policy: the warm-started copy in `run_dir/init_model` once
+    `build_model` wrote it (or a resumed run finds it), else `model.path`."""
+    m = cfg.actor_rollout_ref.model
+    init_dir = run_dir / INIT_MODEL
+    needs_transformers = cfg.actor_rollout_ref.rollout.name == "hf"
+    if (resume_dir is not None or m.warm_start.steps > 0) and (init_dir / "config.json").exists():
+        return str(init_dir), dict(impl=m.impl, needs_transformers=needs_transformers)
+    return _given_model(cfg, tokenizer)
+
+
+def _given_model(cfg, tokenizer) -> tuple[str, dict]:
+    m = cfg.actor_rollout_ref.model
+    return m.path, dict(impl=m.impl, needs_transformers=cfg.actor_rollout_ref.rollout.name == "hf",
+                        trust_remote_code=m.trust_remote_code, vocab_size=len(tokenizer), seed=cfg.trainer.seed,
+                        override_config=m.override_config)
+
+
 def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: Path | None,
                 device: torch.device):
     """The starting policy: `model.path`, warm-started when asked (saved as `run_dir/init_model`)."""
     m = cfg.actor_rollout_ref.model
     init_dir = run_dir / INIT_MODEL
-    needs_transformers = cfg.actor_rollout_ref.rollout.name == "hf"
     if resume_dir is not None and (init_dir / "config.json").exists():
-        return load_policy(str(init_dir), impl=m.impl, needs_transformers=needs_transformers)
-    model = load_policy(m.path, impl=m.impl, needs_transformers=needs_transformers, trust_remote_code=m.trust_remote_code,
-                        vocab_size=len(tokenizer), seed=cfg.trainer.seed, override_config=m.override_config)
+        path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
+        return load_policy(path, **kwargs)
+    path, kwargs = _given_model(cfg, tokenizer)
+    model = load_policy(path, **kwargs)
     if m.warm_start.steps > 0:
         model.to(device)
         examples = warm_start_examples(cfg, tokenizer, train_ds)
@@ -191,10 +220,24 @@ def build_trainer(cfg) -> Trainer:
 
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
     need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    log_memory_plan(cfg, model, device, need_ref=need_ref)
-    worker = ActorRolloutRefWorker(cfg, model, tokenizer, total_steps=total_steps, device=device, need_ref=need_ref)
+    world = t.nnodes * t.n_gpus_per_node
+    log_memory_plan(cfg, model, device, need_ref=need_ref, world=world)
+    cluster = None
+    if world > 1:                   # one rank per device, each loading the same starting weights
+        path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
+        del model
+        empty_cache(device)
+        from lathe.cluster import start_cluster
+        cluster = start_cluster(cfg, model_path=path, load_kwargs=kwargs, tokenizer=tokenizer,
+                                total_steps=total_steps, device_type=device.type, need_ref=need_ref,
+                                critic=critic_in_use(cfg))
+        worker, critic, device = cluster.actor, cluster.critic, torch.device("cpu")   # the driver holds no model
+    else:
+        worker = ActorRolloutRefWorker(cfg, model, tokenizer, total_steps=total_steps, device=device,
+                                       need_ref=need_ref)
+        critic = build_critic(cfg, tokenizer, total_steps, device) if critic_in_use(cfg) else None
     trainer = Trainer(
-        cfg=cfg, tokenizer=tokenizer, worker=worker,
+        cfg=cfg, tokenizer=tokenizer, worker=worker, cluster=cluster,
         reward=RewardManager(reward_fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers),
         loader=loader, val_dataset=val_ds,
         tracker=Tracker(t.logger, run_dir, project=t.project_name, experiment=t.experiment_name,
@@ -202,15 +245,18 @@ def build_trainer(cfg) -> Trainer:
         sampling=sampling_params(arr.rollout, cfg.data.max_response_length),
         val_sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=True),
         kl_ctrl=make_kl_controller(**vars(cfg.algorithm.kl_ctrl)),
-        total_steps=total_steps, device=device,
-        critic=build_critic(cfg, tokenizer, total_steps, device) if critic_in_use(cfg) else None)
+        total_steps=total_steps, device=device, critic=critic)
     if resume_dir is not None:
-        resume(trainer, resume_dir)
+        try:
+            resume(trainer, resume_dir)
+        except BaseException:
+            trainer.close()
+            raise
     trainer.tracker.truncate_after(trainer.global_step)
     return trainer
 
 
-def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool) -> None:
+def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool, world: int = 1) -> None:
     """Print what will live where (GiB); refuse a run whose update cannot fit even before activations."""
     from lathe.models.config import SUPPORTED_ARCHITECTURES
     from lathe.train.memory import count_params, format_plan, plan
@@ -221,7 +267,8 @@ def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool) -> None
               if critic_in_use(cfg) else None)
     runs_lathe = type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None)
     lathe_engine = arr.rollout.name != "hf" and bool(runs_lathe) and arr.model.impl != "hf"
-    text, fits = format_plan(plan(cfg, n, device, need_ref=need_ref, critic_params=critic, lathe_engine=lathe_engine),
+    text, fits = format_plan(plan(cfg, n, device, need_ref=need_ref, critic_params=critic, lathe_engine=lathe_engine,
+                                    world=world),
                              device, arr.rollout.gpu_memory_utilization)
     log.info("%s", text)
     if not fits:

@@ -205,11 +205,19 @@ class _Backbone(nn.Module):
 
     def hidden_packed(self, input_ids, position_ids, cu_seqlens, max_seqlen) -> torch.Tensor:
         """(T, H) final hidden states of a packed stream."""
+        return self._hidden_packed(input_ids, position_ids, cu_seqlens, max_seqlen)
+
+    def _hidden_packed(self, input_ids, position_ids, cu_seqlens, max_seqlen) -> torch.Tensor:
         attn = PackedAttention(cu_seqlens.to(input_ids.device), int(max_seqlen), self.packed_backend())
         return self.model(input_ids, position_ids, attn)
 
     def hidden_padded(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """(B, L, H) final hidden states of a padded batch; padding positions hold unspecified values."""
+        return self._hidden_padded(input_ids, attention_mask, position_ids)
+
+    # The public entry points (forward, hidden_padded, hidden_packed) never call one another: a sharding wrapper
+    # may hook each of them (FSDP2's register_fsdp_forward_method), and hooks must not nest.
+    def _hidden_padded(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         if attention_mask is None:
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -224,7 +232,7 @@ class _Backbone(nn.Module):
         if mode != "unpad":
             raise ValueError(f"padded_attention={mode!r} is unknown; use 'auto', 'mask' or 'unpad'")
         packed = pack_padded(input_ids, attention_mask, position_ids)
-        hidden = self.hidden_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
+        hidden = self._hidden_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
         return unpack_to_padded(hidden, packed)
 
 
@@ -248,7 +256,7 @@ class LatheCausalLM(_Backbone):
                 position_ids: torch.Tensor | None = None, *, use_cache: bool = False,
                 return_hidden: bool = False) -> CausalLMOutput:
         """Padded forward, called like a transformers causal LM. `use_cache` is accepted and ignored."""
-        hidden = self.hidden_padded(input_ids, attention_mask, position_ids)
+        hidden = self._hidden_padded(input_ids, attention_mask, position_ids)
         if return_hidden:
             return CausalLMOutput(hidden_states=hidden)
         return CausalLMOutput(logits=self.lm_head(hidden))
@@ -276,7 +284,7 @@ class LatheValueModel(_Backbone):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, use_cache: bool = False) -> ValueOutput:
-        return ValueOutput(logits=self.score(self.hidden_padded(input_ids, attention_mask, position_ids)))
+        return ValueOutput(logits=self.score(self._hidden_padded(input_ids, attention_mask, position_ids)))
 
     def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                        max_seqlen: int) -> torch.Tensor:

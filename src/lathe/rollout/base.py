@@ -53,7 +53,9 @@ class RolloutOutput:
 
 
 class Rollout(Protocol):
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *, first_index: int = 0
+                 ) -> RolloutOutput:
+        """`first_index`: the place of this call's first sample in a larger call split over ranks (seeding)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 

@@ -11,6 +11,7 @@ cut at the same token: a stopping criterion running that rule ends rows early, t
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 import torch
@@ -39,7 +40,11 @@ class HFRollout:
         self.clean_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=pad_token_id)
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *, first_index: int = 0
+                 ) -> RolloutOutput:
+        """transformers' sampling draws from one generator for the whole call: with `first_index` (a rank's share
+        of a data-parallel rollout) the seed is mixed with it, so shares differ, but the samples are not those of
+        one undivided call (lathe's engine seeds each sample instead)."""
         if params.stop and self.tokenizer is None:
             raise ValueError(f"SamplingParams.stop={params.stop!r}: stop strings need a tokenizer; build the "
                              "rollout with HFRollout(..., tokenizer=tokenizer)")
@@ -51,7 +56,9 @@ class HFRollout:
         try:
             with torch.random.fork_rng(devices=[], enabled=params.seed is not None):
                 if params.seed is not None:
-                    torch.manual_seed(params.seed)
+                    torch.manual_seed(params.seed if not first_index else
+                                      int.from_bytes(hashlib.sha256(f"{params.seed}/{first_index}".encode()).digest()[:8],
+                                                     "little") >> 1)
                 for i in range(0, len(prompts), self.max_num_seqs):
                     self._generate_chunk(prompts[i:i + self.max_num_seqs], params, out)
         finally:

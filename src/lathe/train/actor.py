@@ -18,6 +18,7 @@ from lathe.algo import agg_loss, get_policy_loss, kl_penalty
 from lathe.algo.policy_loss import PolicyLossParams
 from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
+from lathe.train import parallel
 from lathe.train.logprob import response_log_probs
 from lathe.train.micro import micro_batches
 from lathe.train.update import clipped_step, run_ppo_epochs
@@ -44,7 +45,7 @@ class PPOActor:
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
         self.compiled = maybe_compile(model, use_torch_compile(actor_cfg))
         self.use_remove_padding = use_remove_padding
-        self.mini_batch_size = actor_cfg.ppo_mini_batch_size * n
+        self.mini_batch_size = actor_cfg.ppo_mini_batch_size * n // parallel.world_size()   # this rank's share
         self.micro_batch_size = actor_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.max_token_len = actor_cfg.ppo_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None
         self.temperature = temperature
@@ -63,20 +64,23 @@ class PPOActor:
         return out
 
     def _update_mini_batch(self, mini: Batch) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch (all of it in one process): losses normalised by
+        the whole mini-batch's token and sequence counts, so gradients summed over ranks and micro-batches are
+        those of the mini-batch, however it was cut."""
         self.optimizer.zero_grad(set_to_none=True)
-        mask = mini["response_mask"]
-        agg = dict(global_num_tokens=mask.sum().clamp(min=1), global_num_seqs=mask.shape[0],
-                   loss_scale_factor=self.loss_scale_factor)
+        tokens, seqs = parallel.global_counts(mini["response_mask"])
+        agg = dict(global_num_tokens=tokens, global_num_seqs=seqs, loss_scale_factor=self.loss_scale_factor)
         sums: dict[str, float] = defaultdict(float)
         for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                       key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu"):
             loss, parts = self._micro_batch_loss(micro, agg)
             loss.backward()
-            weight = len(micro) / len(mini)   # per-micro metrics (fractions, means) weighted by rows
+            weight = len(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
                 sums[k] += float(v) * (1.0 if k in _SUMMED else weight)
-        sums["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
-        return dict(sums)
+        out = parallel.sum_metrics(sums)
+        out["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
+        return out
 
     def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg

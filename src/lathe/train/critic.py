@@ -25,6 +25,7 @@ from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
 from lathe.models.value import load_value_model
+from lathe.train import parallel
 from lathe.train.logprob import response_hidden, scatter_response
 from lathe.train.micro import in_batch_order, micro_batches
 from lathe.train.offload import offload_flags
@@ -63,7 +64,7 @@ class PPOCritic:
         self.use_remove_padding = use_remove_padding
         # verl's critic.model.fsdp_config.use_torch_compile: compile the value model's decoder layers, on CUDA
         self.compiled = maybe_compile(model, critic_cfg.model.fsdp_config.use_torch_compile)
-        self.mini_batch_size = critic_cfg.ppo_mini_batch_size * n
+        self.mini_batch_size = critic_cfg.ppo_mini_batch_size * n // parallel.world_size()   # this rank's share
         self.micro_batch_size = critic_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.forward_micro_batch_size = critic_cfg.forward_micro_batch_size_per_gpu or self.micro_batch_size
         dynamic = critic_cfg.use_dynamic_bsz        # (verl: token budgets instead of sequence counts)
@@ -83,6 +84,7 @@ class PPOCritic:
                                                    key="critic.forward_max_token_len_per_gpu")]
         finally:
             self.model.train(was_training)
+            parallel.reshard(self.model)
         return Batch({"values": in_batch_order(parts)})
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -100,7 +102,9 @@ class PPOCritic:
     def _update_mini_batch(self, mini: Batch) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         mask = mini["response_mask"]
-        agg = global_batch_info(mask, self.loss_scale_factor)
+        agg = global_batch_info(mask, self.loss_scale_factor)      # summed over data-parallel ranks
+        tokens, seqs = parallel.all_reduce([agg["global_num_tokens"], agg["global_num_seqs"]]).tolist()
+        agg.update(global_num_tokens=int(tokens), global_num_seqs=int(seqs))
         total_tokens = max(1, agg["global_num_tokens"])
         sums: dict[str, float] = defaultdict(float)
         for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
@@ -111,8 +115,9 @@ class PPOCritic:
             sums["critic/vf_loss"] += float(loss.detach())                # global normalisation: losses add up
             for k, v in parts.items():
                 sums[k] += v * share
-        sums["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
-        return dict(sums)
+        out = parallel.sum_metrics(sums)
+        out["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
+        return out
 
     def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro["response_mask"]
@@ -156,8 +161,12 @@ class CriticWorker:
         if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = model.to(device=self.device, dtype=self.policy.master_dtype)
-        self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
-                                         **offload_flags(critic.model.fsdp_config, self.device, key=key))
+        if parallel.distributed():                  # one rank of a data-parallel group: FSDP2, fp32 shards
+            parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device)
+            self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
+        else:
+            self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
+                                             **offload_flags(critic.model.fsdp_config, self.device, key=key))
         log.info("critic: %s on %s", self.policy.describe(), self.device)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
         self.critic = PPOCritic(self.model, self.optimizer, self.scheduler, critic,
@@ -174,7 +183,8 @@ class CriticWorker:
     def save_checkpoint(self, path: Path) -> None:
         """Weights + tokenizer (a loadable HF directory, reusable as ``critic.model.path``) + optimizer state."""
         self.critic.save_checkpoint(Path(path))
-        self.tokenizer.save_pretrained(Path(path) / "huggingface")
+        if parallel.rank() == 0:
+            self.tokenizer.save_pretrained(Path(path) / "huggingface")
 
     def load_checkpoint(self, path: Path) -> None:
         self.critic.load_checkpoint(Path(path))

@@ -24,6 +24,7 @@ from lathe.models.decoder import LatheCausalLM
 from lathe.models.logprob import chunked_log_probs
 from lathe.models.logprob import response_log_probs as padded_log_probs
 from lathe.models.packing import pack_padded
+from lathe.train import parallel
 from lathe.train.micro import in_batch_order, micro_batches
 
 LOGPROB_CHUNK_SIZE = 1024   # tokens per lm_head chunk: peak extra memory ~ chunk x vocab x 4 bytes (x3 in backward)
@@ -110,6 +111,7 @@ def batched_log_probs(model, batch: Batch, *, micro_batch_size: int, temperature
                                                key=max_tokens_key)]
     finally:
         model.train(was_training)
+        parallel.reshard(model)
     log_probs = in_batch_order([(p[0], rows) for p, rows in parts])
     entropy = in_batch_order([(p[1], rows) for p, rows in parts]) if calculate_entropy else None
     return log_probs, entropy

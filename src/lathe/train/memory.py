@@ -7,7 +7,7 @@ out-of-memory error. Activations and the allocator's slack are not modelled: the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,14 +51,16 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
 
 
 def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_params: int | None,
-         lathe_engine: bool) -> list[Part]:
-    """The parts of a run: actor (+ a rollout copy unless lathe's engine runs on the actor's own weights in
-    the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's decoder."""
+         lathe_engine: bool, world: int = 1) -> list[Part]:
+    """The parts of a run on one device: actor (+ a rollout copy unless lathe's engine runs on the actor's own
+    weights in the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's
+    decoder. With `world` > 1 data-parallel ranks every trained or reference part is a 1/world FSDP2 shard and
+    the engine holds its own full copy."""
     from lathe.train.workers import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
     engine_dtype = rollout_dtype(arr.rollout.dtype, torch.device(device))
-    shares = lathe_engine and engine_dtype == compute
+    shares = lathe_engine and engine_dtype == compute and world == 1
     note = ", shared with the rollout engine" if shares else ""
     parts = model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device, weights_note=note)
     if not shares:
@@ -69,6 +71,9 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
                              trainable=False)
     if critic_params:
         parts += model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config, device)
+    if world > 1:
+        parts = [p if p.what.startswith("rollout weights") else
+                 replace(p, nbytes=p.nbytes // world, what=f"{p.what}, 1/{world} shard") for p in parts]
     return parts
 
 

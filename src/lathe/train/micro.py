@@ -16,11 +16,14 @@ import math
 import torch
 
 from lathe.batch import Batch
+from lathe.train import parallel
 
 
-def token_balanced_partitions(lengths: list[int], max_tokens: int, *, key: str) -> list[list[int]]:
+def token_balanced_partitions(lengths: list[int], max_tokens: int, *, key: str, min_parts: int = 1
+                              ) -> list[list[int]]:
     """Row indices grouped into micro-batches of at most `max_tokens` tokens (`lengths[i]` for row i), each
-    group in ascending order, groups ordered by their first row. `key` names the budget in errors."""
+    group in ascending order, groups ordered by their first row; at least `min_parts` of them (as many as there
+    are rows at most). `key` names the budget in errors."""
     if not lengths:
         return []
     longest = max(lengths)
@@ -28,7 +31,7 @@ def token_balanced_partitions(lengths: list[int], max_tokens: int, *, key: str) 
         raise ValueError(f"{key}={max_tokens}: the longest sequence has {longest} tokens (prompt + response) "
                          f"and a micro-batch must hold it; raise {key} to at least {longest}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    parts = max(1, math.ceil(sum(lengths) / max_tokens))
+    parts = min(len(lengths), max(1, min_parts, math.ceil(sum(lengths) / max_tokens)))
     while True:
         heap = [(0, g) for g in range(parts)]             # (tokens, group): the lightest group first
         groups: list[list[int]] = [[] for _ in range(parts)]
@@ -45,11 +48,27 @@ def token_balanced_partitions(lengths: list[int], max_tokens: int, *, key: str) 
 def micro_batches(batch: Batch, *, size: int, max_tokens: int | None = None, key: str = "max_token_len"
                   ) -> list[tuple[Batch, list[int] | None]]:
     """(micro-batch, its rows in `batch` or None for consecutive chunks): `size` sequences each, or packed by
-    `max_tokens` real tokens when given (see the module docstring)."""
+    `max_tokens` real tokens when given (see the module docstring).
+
+    Data-parallel ranks (each holding its share of a batch) get the same number of micro-batches, since every
+    micro-batch's forward gathers sharded weights together: packed ones are cut into as many as the rank that
+    needs most, and fixed-size ones require equal shares."""
     if max_tokens is None:
-        return [(mb, None) for mb in batch.split(size)]
+        parts = batch.split(size)
+        if parallel.distributed() and parallel.max_over_ranks(len(parts)) != len(parts):
+            raise ValueError(f"{len(batch)} rows on rank {parallel.rank()} make {len(parts)} micro-batches of {size}, "
+                             "fewer than another rank's: data-parallel shares must be equal")
+        return [(mb, None) for mb in parts]
     lengths = batch["attention_mask"].sum(-1).tolist()
-    return [(batch.select(rows), rows) for rows in token_balanced_partitions(lengths, max_tokens, key=key)]
+    groups = token_balanced_partitions(lengths, max_tokens, key=key)
+    if parallel.distributed():
+        most = parallel.max_over_ranks(len(groups))
+        if most > len(lengths):
+            raise ValueError(f"{key}={max_tokens}: another rank packs its share into {most} micro-batches but rank "
+                             f"{parallel.rank()} has only {len(lengths)} rows; raise {key}")
+        if most > len(groups):
+            groups = token_balanced_partitions(lengths, max_tokens, key=key, min_parts=most)
+    return [(batch.select(rows), rows) for rows in groups]
 
 
 def in_batch_order(parts: list[tuple[torch.Tensor, list[int] | None]]) -> torch.Tensor:

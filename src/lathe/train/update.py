@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lathe.batch import Batch
+from lathe.train import parallel
 
 
 def run_ppo_epochs(batch: Batch, *, epochs: int, mini_batch_size: int,
@@ -29,6 +30,7 @@ def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_
     An optimizer that keeps its own gradients (`MasterAdamW`: fp32 buffers beside bf16 parameters) clips them."""
     own = getattr(optimizer, "clip_grad_norm_", None)
     grad_norm = own(grad_clip) if own is not None else torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = parallel.to_local(grad_norm)          # sharded parameters: the norm over all shards
     if torch.isfinite(grad_norm):
         optimizer.step()
     else:
@@ -40,17 +42,27 @@ def save_trainable(path: Path, model, optimizer, scheduler) -> None:
     """HF-format weights under `path/huggingface` (transformers loads them) plus `path/optim.pt`.
 
     The weights saved are those the optimizer updates: the fp32 masters of a mixed-precision model, so that a
-    resumed run continues from exactly the same numbers."""
-    path.mkdir(parents=True, exist_ok=True)
+    resumed run continues from exactly the same numbers. A plain optimizer's state is saved by parameter name
+    (`torch.distributed.checkpoint.state_dict`'s full form), so a checkpoint written by N data-parallel ranks
+    resumes on any other number of them, one included. Sharded models are gathered (every rank calls this);
+    rank 0 writes."""
     masters = getattr(optimizer, "master_state_dict", None)
-    state = masters(model) if masters is not None else None
+    if masters is not None:                      # MasterAdamW: one device, its own state format
+        state, optim = masters(model), optimizer.state_dict()
+    else:
+        state, optim = parallel.full_state(model, optimizer)
+    if parallel.rank() != 0:
+        return
+    path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path / "huggingface", safe_serialization=True, state_dict=state)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, path / "optim.pt")
+    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "by_name": masters is None},
+               path / "optim.pt")
 
 
 def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
                    ignore_missing: Callable[[str], bool] = lambda name: False) -> None:
-    """Restore what `save_trainable` wrote; weights that do not fit the model raise, naming the tensors."""
+    """Restore what `save_trainable` wrote; weights that do not fit the model raise, naming the tensors.
+    Sharded models: every rank calls this with the same path."""
     from safetensors.torch import load_file
     files = sorted((path / "huggingface").glob("*.safetensors"))
     if not files or not (path / "optim.pt").exists():
@@ -59,14 +71,28 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     state = {}
     for f in files:
         state.update(load_file(f))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not ignore_missing(m)]
+    names = set(parallel.state_names(model))
+    missing = [m for m in sorted(names - set(state)) if not ignore_missing(m)]
+    unexpected = sorted(set(state) - names)
     if missing or unexpected:
         raise RuntimeError(f"{what} checkpoint {path} does not match the model: missing {missing}, "
                            f"unexpected {unexpected}")
+    opt = torch.load(path / "optim.pt", weights_only=False)
     load_masters = getattr(optimizer, "load_master_state_dict", None)
     if load_masters is not None:
+        if opt.get("by_name"):
+            raise RuntimeError(f"{what} checkpoint {path} was written by a run without fp32 master weights (CPU or "
+                               "several devices); resume it with the same device type and precision")
+        model.load_state_dict(state, strict=False)
         load_masters(model, state)
-    opt = torch.load(path / "optim.pt", weights_only=False)
-    optimizer.load_state_dict(opt["optimizer"])
+        optimizer.load_state_dict(opt["optimizer"])
+    elif opt.get("by_name"):
+        parallel.load_full_state(model, optimizer, state, opt["optimizer"], ignore_missing=ignore_missing)
+    elif parallel.distributed():
+        raise RuntimeError(f"{what} checkpoint {path} holds an optimizer state saved by an older lathe on one "
+                           "device; resume it on one device (trainer.n_gpus_per_node=1 trainer.nnodes=1) and save "
+                           "again, which writes the state by parameter name")
+    else:
+        model.load_state_dict(state, strict=False)
+        optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])

@@ -44,6 +44,7 @@ from lathe.models.hf import select_impl
 from lathe.models.io import load_into
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
+from lathe.train import parallel
 from lathe.train.actor import PPOActor, use_torch_compile
 from lathe.train.logprob import batched_log_probs
 from lathe.train.offload import HostWeights, offload_flags
@@ -67,11 +68,22 @@ class ActorRolloutRefWorker:
         if isinstance(self.model, LatheCausalLM) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config")
+        self.sharded = parallel.distributed()          # one rank of a data-parallel group: FSDP2
         self.ref, self.ref_host = self._build_ref(arr, need_ref)   # from the weights as loaded, before the cast
         self.model.to(device=device, dtype=self.policy.master_dtype)
-        self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim, policy=self.policy,
-                                         **offload_flags(arr.actor.fsdp_config, device,
-                                                         key="actor_rollout_ref.actor.fsdp_config"))
+        if self.sharded:
+            # the rollout's own full copy, taken before the actor's weights are cut into shards
+            self.engine_model = (frozen_copy(self.model, rollout_dtype(arr.rollout.dtype, device), device)
+                                 if self.rollout_name == "lathe" else None)
+            if hf_model is self.model:
+                hf_model = copy.deepcopy(self.model)
+            parallel.shard(self.model, arr.actor.fsdp_config, self.policy, device)
+            self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim)   # fp32 shards
+        else:
+            self.engine_model = None
+            self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim, policy=self.policy,
+                                             **offload_flags(arr.actor.fsdp_config, device,
+                                                             key="actor_rollout_ref.actor.fsdp_config"))
         self.scheduler = build_scheduler(self.optimizer, arr.actor.optim, total_steps)
         log.info("actor: %s on %s", self.policy.describe(), device)
         self.actor = PPOActor(self.model, self.optimizer, self.scheduler, arr.actor, n=arr.rollout.n,
@@ -99,30 +111,33 @@ class ActorRolloutRefWorker:
         policy = resolve_policy(arr.ref.fsdp_config, self.device, key=key, trainable=False)
         ref = frozen_copy(self.model, policy.param_dtype, self.device)
         offload = offload_flags(arr.ref.fsdp_config, self.device, key=key, frozen=True)["offload_params"]
+        if self.sharded:
+            parallel.shard(ref, arr.ref.fsdp_config, policy, self.device)
         maybe_compile(ref, use_torch_compile(arr.ref), device=self.device)
         log.info("reference: %s weights%s", short_name(policy.param_dtype), ", in CPU memory between uses" * offload)
-        return ref, (HostWeights(ref, self.device) if offload else None)
+        return ref, (HostWeights(ref, self.device) if offload and not self.sharded else None)
 
     def _build_rollout(self, rollout_cfg, hf_model, eos_ids: list[int]):
         """The engine over the actor's weights (the transformers module is then dropped), or HF generate."""
         if self.rollout_name == "lathe":
-            return build_engine(rollout_cfg, self.model, eos_ids)
-        if hf_model is not self.model:      # the rollout's own copy: written by update_weights only
+            return build_engine(rollout_cfg, self.model, eos_ids, engine_model=self.engine_model)
+        if hf_model is not self.model:      # the rollout's own copy: written by sync_weights only
             hf_model.requires_grad_(False)
             hf_model.to(device=self.device, dtype=rollout_dtype(rollout_cfg.dtype, self.device))
         return HFRollout(hf_model, eos_token_id=eos_ids, pad_token_id=self.tokenizer.pad_token_id,
                          max_num_seqs=rollout_cfg.max_num_seqs or 1024)
 
     # -- rollout ------------------------------------------------------------------------------
-    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """Sample `params.n` responses per prompt; returns the prompt rows repeated n times plus the tensors."""
+    def generate_sequences(self, prompts: Batch, params: SamplingParams, *, first_index: int = 0) -> Batch:
+        """Sample `params.n` responses per prompt; returns the prompt rows repeated n times plus the tensors.
+        `first_index`: where this share's first sample sits in a rollout split over ranks (see `Rollout`)."""
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
         timings = {}
         if self.free_cache_engine:
             with self._timed(timings, "timing_s/rollout_wake_up"):
                 self.rollout.wake_up()
         try:
-            out = self.rollout.generate(prompt_ids, params)
+            out = self.rollout.generate(prompt_ids, params, first_index=first_index)
         finally:
             if self.free_cache_engine:
                 with self._timed(timings, "timing_s/rollout_sleep"):
@@ -165,14 +180,22 @@ class ActorRolloutRefWorker:
         return self.actor.update_policy(batch.to(self.device))
 
     def sync_weights(self) -> None:
-        """Push the actor's weights into the rollout (a no-op for tensors the two already share)."""
-        self.rollout.update_weights(self.model.state_dict().items())
+        """Push the actor's weights into the rollout (a no-op for tensors the two already share). Sharded: each
+        tensor is gathered whole, copied into the engine and dropped, one at a time (no second full model)."""
+        self.rollout.update_weights(parallel.full_tensors(self.model) if self.sharded
+                                    else self.model.state_dict().items())
+
+    @property
+    def has_ref(self) -> bool:
+        return self.ref is not None
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
-        """HF-format weights (loadable by transformers) and tokenizer, plus optimizer and scheduler state."""
+        """HF-format weights (loadable by transformers) and tokenizer, plus optimizer and scheduler state
+        (sharded: every rank gathers, rank 0 writes)."""
         save_trainable(path, self.model, self.optimizer, self.scheduler)
-        self.tokenizer.save_pretrained(path / "huggingface")
+        if parallel.rank() == 0:
+            self.tokenizer.save_pretrained(path / "huggingface")
 
     def load_checkpoint(self, path: Path) -> None:
         load_trainable(path, self.model, self.optimizer, self.scheduler, what="actor",
@@ -228,10 +251,12 @@ def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
     return ROLLOUT_DTYPES[name]
 
 
-def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int]) -> LatheEngine:
+def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engine_model=None) -> LatheEngine:
     """lathe's engine over `actor`'s weights in the rollout dtype, on the actor's device: the actor's own tensors
-    when they already are in that dtype (mixed-precision training on CUDA), else a frozen copy."""
-    engine_model = frozen_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device), actor.device, share=True)
+    when they already are in that dtype (mixed-precision training on CUDA), else a frozen copy; or over
+    `engine_model` when given (the copy a sharded actor made before sharding)."""
+    if engine_model is None:
+        engine_model = frozen_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device), actor.device, share=True)
     max_model_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
     return LatheEngine(engine_model, eos_token_id=eos_ids,
                        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,

@@ -1,0 +1,97 @@
+"""Where the workers run: a Ray cluster (started here or joined) and a pool of placement-group bundles.
+
+`trainer.nnodes x trainer.n_gpus_per_node` devices become one placement group per node, each holding
+`n_gpus_per_node` bundles of one GPU (or, on a CPU run, one CPU slot) packed onto one node (`STRICT_PACK`).
+Rank r runs in bundle r: ranks 0..n-1 on the first node, n..2n-1 on the second, and so on.
+
+`ray_kwargs.ray_init` (verl's key; the older `ray_init` too) goes to `ray.init`: `address` joins an existing
+cluster (`auto`, `host:port`, or set RAY_ADDRESS; `scripts/slurm_ray.sbatch` starts one with `ray start`),
+`num_cpus` sizes a local one (started without its dashboard).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("lathe")
+
+
+class ClusterError(RuntimeError):
+    """Ray is missing or the cluster cannot hold the workers asked for (the message says what to change)."""
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("trainer.nnodes x trainer.n_gpus_per_node > 1 runs one worker per device through Ray, "
+                           "which is not installed. Fix: pip install 'lathe[ray]' (or set trainer.n_gpus_per_node=1 "
+                           "trainer.nnodes=1 for one device).") from None
+    return ray
+
+
+def ray_init_kwargs(cfg) -> dict:
+    """verl's `ray_kwargs.ray_init` over the older top-level `ray_init` (null values dropped)."""
+    merged = {**(cfg.ray_init or {}), **((cfg.ray_kwargs or {}).get("ray_init") or {})}
+    return {k: v for k, v in merged.items() if v is not None}
+
+
+def start_ray(cfg) -> bool:
+    """Join or start Ray; True when this call started it (and should shut it down)."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return False
+    kwargs = ray_init_kwargs(cfg)
+    joining = kwargs.get("address") or os.environ.get("RAY_ADDRESS")
+    if not joining:
+        kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("logging_level", logging.WARNING)
+    ray.init(**kwargs)
+    log.info("ray: %s, %s", f"joined {joining}" if joining else "started a local cluster",
+             _show(ray.cluster_resources()))
+    return True
+
+
+class ResourcePool:
+    """`nnodes` placement groups of `per_node` single-device bundles; `bundles()` in rank order."""
+
+    def __init__(self, nnodes: int, per_node: int, *, use_gpu: bool, cpus_per_worker: float = 1,
+                 timeout_s: float = 300):
+        ray = require_ray()
+        from ray.util.placement_group import placement_group
+        self.nnodes, self.per_node, self.use_gpu, self.cpus_per_worker = nnodes, per_node, use_gpu, cpus_per_worker
+        bundle = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+        self.groups = [placement_group([dict(bundle) for _ in range(per_node)], strategy="STRICT_PACK",
+                                       name=f"lathe_node{i}") for i in range(nnodes)]
+        ready, _ = ray.wait([pg.ready() for pg in self.groups], num_returns=nnodes, timeout=timeout_s)
+        if len(ready) < nnodes:
+            self.release()
+            have = ray.available_resources()
+            raise ClusterError(
+                f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={per_node}: could not place {nnodes} node(s) of "
+                f"{per_node} x {bundle} within {timeout_s:.0f} s; the cluster has "
+                f"{_show(ray.cluster_resources())} in total and {_show(have)} free. Each node must hold "
+                f"n_gpus_per_node {'GPUs' if use_gpu else 'CPU slots'}. Fix: lower trainer.n_gpus_per_node / nnodes, "
+                f"or add nodes (ray start --address=... --num-gpus=...).")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.per_node
+
+    def bundles(self):
+        return [(pg, i) for pg in self.groups for i in range(self.per_node)]
+
+    def release(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+        for pg in self.groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:      # noqa: BLE001 - already gone with the cluster
+                pass
+        self.groups = []
+
+
+def _show(resources: dict) -> str:
+    keep = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"

@@ -1,0 +1,122 @@
+"""The driver's side of the worker groups: the same methods as `ActorRolloutRefWorker` and `CriticWorker`, each
+split across the data-parallel ranks and joined back (`lathe.cluster.dispatch`), so `loop/ppo.py` drives one
+device or a cluster with the same code. The `build_*` factories run inside each rank (see `RankHost.build`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from lathe.batch import Batch
+from lathe.cluster.dispatch import contiguous_shares, even_shares, in_order, update_shares
+from lathe.rollout.base import SamplingParams, concat_rollouts
+
+ACTOR, CRITIC = "actor_rollout_ref", "critic"
+SUMMED = ("rollout/num_preemptions", "rollout/graph_captures")
+
+
+# -- inside each rank ----------------------------------------------------------------------------------
+def rank_device(device_type: str) -> torch.device:
+    return torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+
+
+def build_actor_rollout_ref(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int,
+                            device_type: str, need_ref: bool):
+    """The actor/rollout/reference worker of this rank, on the starting weights every rank loads alike."""
+    from lathe.loop.setup import seed_everything
+    from lathe.models.hf import load_policy
+    from lathe.train.workers import ActorRolloutRefWorker
+    seed_everything(cfg.trainer.seed)
+    model = load_policy(model_path, **load_kwargs)
+    return ActorRolloutRefWorker(cfg, model, tokenizer, total_steps=total_steps, device=rank_device(device_type),
+                                 need_ref=need_ref)
+
+
+def build_critic(cfg, tokenizer, *, total_steps: int, device_type: str):
+    from lathe.loop.setup import seed_everything
+    from lathe.train.critic import CriticWorker
+    seed_everything(cfg.trainer.seed)
+    return CriticWorker(cfg, tokenizer, total_steps=total_steps, device=rank_device(device_type))
+
+
+# -- on the driver -------------------------------------------------------------------------------------
+class ActorRolloutRefGroup:
+    """`ActorRolloutRefWorker`'s methods over a worker group: rollout split by prompts, log-probs by balanced
+    equal shares, updates mini-batch by mini-batch (see `update_shares`); answers joined in batch order."""
+
+    def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool):
+        self.group, self.pad_id, self.mini_batch_size, self.balance = group, pad_id, mini_batch_size, balance
+        self.has_ref = has_ref
+        self.world = group.world_size
+
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Prompts in consecutive shares; each sample is seeded by its place in the whole call, so the samples
+        are those one undivided call draws."""
+        if params.seed is None and not params.greedy:
+            params = replace(params, seed=int(torch.randint(0, 2**62, (1,))))
+        shares = contiguous_shares(len(prompts), self.world)
+        calls = [((prompts.select(list(s)), params), {"first_index": s.start * params.n}) if len(s) else None
+                 for s in shares]
+        outs = [o for o in self.group.call_each(ACTOR, "generate_sequences", calls) if o is not None]
+        batch = concat_rollouts(outs, self.pad_id)
+        batch.meta["rollout_metrics"] = merge_rollout_metrics([o.meta.get("rollout_metrics", {}) for o in outs])
+        return batch
+
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        return self._forward("compute_log_prob", batch)
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        return self._forward("compute_ref_log_prob", batch)
+
+    def _forward(self, method: str, batch: Batch) -> Batch:
+        shares = even_shares(batch, self.world, balance=self.balance)
+        outs = self.group.call_each(ACTOR, method, [((batch.select(s),), {}) for s in shares])
+        return in_order(outs, shares)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        shares = update_shares(batch, self.world, mini_batch_size=self.mini_batch_size, balance=self.balance)
+        return self.group.call_each(ACTOR, "update_actor", [((batch.select(s),), {}) for s in shares])[0]
+
+    def sync_weights(self) -> None:
+        self.group.call(ACTOR, "sync_weights")
+
+    def save_checkpoint(self, path: Path) -> None:
+        self.group.call(ACTOR, "save_checkpoint", Path(path))
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.group.call(ACTOR, "load_checkpoint", Path(path))
+
+
+class CriticGroup:
+    """`CriticWorker`'s methods over the same ranks (colocated with the actor)."""
+
+    def __init__(self, group, *, mini_batch_size: int, balance: bool):
+        self.group, self.mini_batch_size, self.balance = group, mini_batch_size, balance
+        self.world = group.world_size
+
+    def compute_values(self, batch: Batch) -> Batch:
+        shares = even_shares(batch, self.world, balance=self.balance)
+        outs = self.group.call_each(CRITIC, "compute_values", [((batch.select(s),), {}) for s in shares])
+        return in_order(outs, shares)
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        shares = update_shares(batch, self.world, mini_batch_size=self.mini_batch_size, balance=self.balance)
+        return self.group.call_each(CRITIC, "update_critic", [((batch.select(s),), {}) for s in shares])[0]
+
+    def save_checkpoint(self, path: Path) -> None:
+        self.group.call(CRITIC, "save_checkpoint", Path(path))
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.group.call(CRITIC, "load_checkpoint", Path(path))
+
+
+def merge_rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The ranks' engine metrics as one step's: counts summed, seconds the slowest rank's, sizes rank 0's."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        values = [p[key] for p in parts if key in p]
+        out[key] = sum(values) if key in SUMMED else max(values) if key.startswith("timing_s/") else values[0]
+    return out

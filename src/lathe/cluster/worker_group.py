@@ -1,0 +1,192 @@
+"""Ray worker groups: one actor per device, joined into one `torch.distributed` process group, driven by the
+single controller.
+
+`RayWorkerGroup` starts a `RankHost` actor in each bundle of a `ResourcePool` (one GPU each, or one CPU slot on a
+CPU run), picks the rendezvous (rank 0's node address and a free port there), and has every rank join the
+process group (NCCL on GPUs, gloo on CPUs) with `actor_rollout_ref.nccl_timeout` as the collective timeout.
+Role workers (the actor/rollout/reference worker, the critic) are then built inside each rank by a factory and
+called by name; several roles share a rank (colocated, as verl's hybrid engine does).
+
+Nothing waits forever. Every call the controller waits on has a deadline; when it passes, the error names the
+group, the method, the ranks that did not answer (with their hosts) and the last call each rank finished. A
+rank that raises ends the call at once with its rank and host added to the error, and a rank whose process
+dies (killed, out of memory) ends it with the exit cause Ray reports — the other ranks are not waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger("lathe")
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker group call failed: a rank died or did not answer in time (the message says which)."""
+
+
+class RankHost:
+    """One rank of a worker group (a Ray actor): joins the process group, then builds and runs role workers."""
+
+    def __init__(self, rank: int, world_size: int, num_cpus: float):
+        import torch
+        self.rank, self.world_size = rank, world_size
+        self.roles: dict[str, Any] = {}
+        torch.set_num_threads(max(1, int(num_cpus)))
+        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+        logging.getLogger("lathe").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+    def node(self) -> dict:
+        """This rank's Ray node (its address is the one the cluster uses: 127.0.0.1 on a local cluster)."""
+        import ray
+        node_id = ray.get_runtime_context().get_node_id()
+        ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id),
+                  ray.util.get_node_ip_address())
+        return {"ip": ip, "node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(),
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def init_process_group(self, address: str, port: int, backend: str, timeout_s: float) -> None:
+        import torch
+        import torch.distributed as dist
+        if backend == "nccl":
+            torch.cuda.set_device(0)        # Ray makes this actor's GPU the only visible one
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+
+    def build(self, role: str, factory: Callable, args: tuple, kwargs: dict) -> None:
+        self.roles[role] = factory(*args, **kwargs)
+
+    def call(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.roles[role], method)(*args, **kwargs)
+
+    def attribute(self, role: str, name: str) -> Any:
+        return getattr(self.roles[role], name)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayWorkerGroup:
+    """`world_size` ranks placed on `pool`'s bundles; `call` runs a role's method on every rank."""
+
+    def __init__(self, pool, *, name: str, timeout_s: float):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        self.name, self.timeout_s, self.pool = name, float(timeout_s), pool
+        self.world_size = pool.world_size
+        actor = ray.remote(RankHost)
+        self.hosts = []
+        for rank, (pg, index) in enumerate(pool.bundles()):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+            self.hosts.append(actor.options(num_cpus=pool.cpus_per_worker, num_gpus=1 if pool.use_gpu else 0,
+                                            scheduling_strategy=strategy, name=None)
+                              .remote(rank, self.world_size, pool.cpus_per_worker))
+        self.last_done = ["(started)"] * self.world_size
+        self.nodes = self._gather([h.node.remote() for h in self.hosts], "node")
+        address, port = self.nodes[0]["ip"], self._gather([self.hosts[0].free_port.remote()], "free_port")[0]
+        backend = "nccl" if pool.use_gpu else "gloo"
+        self._gather([h.init_process_group.remote(address, port, backend, self.timeout_s) for h in self.hosts],
+                     "init_process_group")
+        log.info("%s: %d workers over %s on %s (rendezvous %s:%d)", name, self.world_size, backend,
+                 self.placement(), address, port)
+
+    def placement(self) -> str:
+        """'node 10.0.0.1: ranks 0-1; node 10.0.0.2: ranks 2-3' style summary."""
+        by_node: dict[str, list[int]] = {}
+        for rank, node in enumerate(self.nodes):
+            by_node.setdefault(f"node {node['ip']} ({node['node_id'][:8]})", []).append(rank)
+        return "; ".join(f"{host}: ranks {','.join(map(str, ranks))}" for host, ranks in by_node.items())
+
+    def build(self, role: str, factory: Callable, *args, **kwargs) -> None:
+        """`factory(*args, **kwargs)` on every rank (after the process group exists) becomes `role`."""
+        self._gather([h.build.remote(role, factory, args, kwargs) for h in self.hosts], f"build {role}")
+
+    def call(self, role: str, method: str, *args, **kwargs) -> list:
+        """The same call on every rank; the answers in rank order."""
+        return self.call_each(role, method, [(args, kwargs)] * self.world_size)
+
+    def call_each(self, role: str, method: str, per_rank: Sequence[tuple[tuple, dict] | None]) -> list:
+        """Rank r runs `method(*args_r, **kwargs_r)`; a None entry skips that rank (its answer is None)."""
+        refs = [None if a is None else h.call.remote(role, method, a[0], a[1]) for h, a in zip(self.hosts, per_rank)]
+        return self._gather(refs, f"{role}.{method}")
+
+    def attribute(self, role: str, name: str) -> Any:
+        return self._gather([self.hosts[0].attribute.remote(role, name)], f"{role}.{name}")[0]
+
+    def _gather(self, refs: list, what: str) -> list:
+        """Wait for every rank's answer; fail fast on the first error, or name the silent ranks at the deadline."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        rank_of = {ref: r for r, ref in enumerate(refs) if ref is not None}
+        out: list = [None] * len(refs)
+        pending = list(rank_of)
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerGroupError(self._silent(sorted(rank_of[p] for p in pending), what))
+            ref = ready[0]
+            r = rank_of[ref]
+            try:
+                out[r] = ray.get(ref)
+            except RayActorError as e:
+                raise WorkerGroupError(f"{self.name}: rank {r}{self._where(r)} died during {what}: "
+                                       f"{_actor_death(e)}. The run cannot continue without it.") from None
+            except RayTaskError as e:
+                cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+                cause.add_note(f"(raised by {self.name} rank {r}{self._where(r)} in {what}; the rank's traceback:\n"
+                               f"{_remote_traceback(e)})")
+                raise cause from None
+            except GetTimeoutError:      # pragma: no cover - ray.wait said it was ready
+                pending.append(ref)
+                continue
+            self.last_done[r] = what
+        return out
+
+    def _where(self, rank: int) -> str:
+        nodes = getattr(self, "nodes", None)
+        return f" on {nodes[rank]['host']} ({nodes[rank]['ip']}, pid {nodes[rank]['pid']})" if nodes else ""
+
+    def _silent(self, ranks: list[int], what: str) -> str:
+        last = ", ".join(f"rank {r}: {done}" for r, done in enumerate(self.last_done))
+        return (f"{self.name}: {what} got no answer within {self.timeout_s:.0f} s from rank(s) "
+                f"{', '.join(str(r) + self._where(r) for r in ranks)}. Last call each rank finished: {last}. A rank "
+                "stuck in a collective usually means another rank took a different path or died; if the call is "
+                "only slow, raise actor_rollout_ref.nccl_timeout (seconds).")
+
+    def shutdown(self) -> None:
+        """Leave the process group and stop every rank (best effort: dead ranks are skipped)."""
+        import ray
+        try:
+            ray.wait([h.shutdown.remote() for h in self.hosts], num_returns=len(self.hosts), timeout=10)
+        except Exception:      # noqa: BLE001 - shutting down after a failure: nothing more to report
+            pass
+        for h in self.hosts:
+            ray.kill(h)
+        self.pool.release()
+
+
+def _actor_death(err: Exception) -> str:
+    """The exit cause Ray reports for a dead actor, on one line."""
+    text = str(err).strip().splitlines()
+    cause = next((line.strip() for line in text if "cause" in line.lower() or "exit" in line.lower()), None)
+    return cause or (text[0] if text else type(err).__name__)
+
+
+def _remote_traceback(err: Exception) -> str:
+    """The traceback lines of a RayTaskError (Ray puts the rank's traceback in its message)."""
+    text = str(err)
+    start = text.find("Traceback (most recent call last)")
+    return text[start:].rstrip() if start >= 0 else text.rstrip()

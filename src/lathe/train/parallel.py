@@ -1,0 +1,183 @@
+"""Data parallelism inside a worker: the process group it belongs to, FSDP2 wrapping, and the few collectives
+the updates need.
+
+A worker placed by `lathe.cluster` runs as one rank of a `torch.distributed` process group (NCCL on GPUs,
+gloo on CPUs). Each rank holds its shard of every weight and optimizer state (FSDP2, `fully_shard` per
+decoder layer plus the root) and computes on its share of each mini-batch; gradients are *summed* across
+ranks (`set_gradient_divide_factor(1)`), because every loss is already normalised by the counts of the whole
+mini-batch (`global_counts`). A mini-batch's update therefore does not depend on how it was cut into ranks
+and micro-batches. In one process (no group) every function here is the identity and nothing is sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def distributed() -> bool:
+    return world_size() > 1
+
+
+def all_reduce(values: list[float] | torch.Tensor, *, op: str = "sum") -> torch.Tensor:
+    """`values` (float64 on the CPU) summed (or `max`ed) over the ranks; unchanged in one process."""
+    t = torch.as_tensor(values, dtype=torch.float64).clone()
+    if not distributed():
+        return t
+    device = _comm_device()
+    out = t.to(device)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return out.cpu()
+
+
+def max_over_ranks(value: int) -> int:
+    return int(all_reduce([value], op="max")[0])
+
+
+def sum_metrics(values: dict[str, float]) -> dict[str, float]:
+    """Each metric summed over the ranks (the ranks report the same keys)."""
+    keys = sorted(values)
+    return dict(zip(keys, all_reduce([values[k] for k in keys]).tolist())) if distributed() else dict(values)
+
+
+def global_counts(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(tokens, sequences) of the whole mini-batch whose share on this rank has `response_mask` `mask`."""
+    local = [float(mask.sum()), float(mask.shape[0])]
+    tokens, seqs = all_reduce(local).tolist()
+    return torch.tensor(tokens, device=mask.device, dtype=mask.sum().dtype).clamp(min=1), int(seqs)
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+# -- FSDP2 --------------------------------------------------------------------------------------------
+FORWARD_METHODS = ("hidden_packed", "hidden_padded")   # lathe's models compute hidden states outside forward()
+
+
+def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool = True,
+                offload: bool = False, device: torch.device | None = None) -> nn.Module:
+    """`fully_shard` each decoder layer, then the root (embeddings, final norm, heads), in place.
+
+    `mp_policy`: FSDP2's `MixedPrecisionPolicy` (bf16 compute on fp32 shards) or None; `offload`: shards and
+    optimizer state in pinned CPU memory (`CPUOffloadPolicy`). lathe's models run their decoder through
+    `hidden_packed` / `hidden_padded` as well as `forward`; those are registered as forward methods so FSDP2
+    gathers the root's weights for them too.
+
+    `reshard_after_forward` (verl's key) applies to the decoder layers."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, register_fsdp_forward_method
+    kw: dict = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device is not None and device.type == "cuda")
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kw)
+    # the root stays gathered after forward: its heads (lm_head, score) are also used outside forward, by the
+    # chunked log-prob and the value read-out; `reshard` frees it after passes without backward
+    fully_shard(model, **{**kw, "reshard_after_forward": False})
+    for name in FORWARD_METHODS:
+        if hasattr(model, name):
+            register_fsdp_forward_method(model, name)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)     # sums: the losses are normalised by the global counts
+            module.set_force_sum_reduction_for_comms(True)   # a plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def shard(model: nn.Module, fsdp_cfg, policy, device: torch.device) -> nn.Module:
+    """`shard_model` with verl's `fsdp_config` keys (`reshard_after_forward`, `param_offload`/`offload_policy`) and
+    a `lathe.train.precision` policy (bf16 compute on fp32 shards when mixed)."""
+    return shard_model(model, mp_policy=policy.fsdp2_policy() if policy.mixed else None,
+                       reshard_after_forward=fsdp_cfg.reshard_after_forward,
+                       offload=bool(fsdp_cfg.param_offload or fsdp_cfg.offload_policy), device=device)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a decoder (lathe's or a transformers model): the longest `ModuleList`."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no decoder layers (nn.ModuleList) to shard")
+    return list(max(lists, key=len))
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the root's gathered weights after a pass without backward (FSDP2 keeps the root unsharded after
+    forward, expecting a backward)."""
+    if is_sharded(model):
+        model.reshard()
+
+
+def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of `model`'s state dict, one gathered at a time (every rank must iterate all)."""
+    from torch.distributed.tensor import DTensor
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+def to_local(value):
+    """A plain tensor for a (replicated) DTensor result such as a clipped grad-norm."""
+    from torch.distributed.tensor import DTensor
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+# -- full (unsharded) state: what checkpoints hold ------------------------------------------------------
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
+
+
+def full_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
+    """(weights, optimizer state by parameter name), full tensors on the CPU of rank 0 (empty elsewhere);
+    every rank calls this."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    weights = get_model_state_dict(model, options=_options())
+    return weights, get_optimizer_state_dict(model, optimizer, options=_options())
+
+
+def state_names(model: nn.Module) -> list[str]:
+    return list(model.state_dict().keys())
+
+
+def load_full_state(model: nn.Module, optimizer, weights: dict, optim_state: dict, *, ignore_missing) -> None:
+    """The inverse of `full_state` on any number of ranks (each loads its shard of the full tensors); names
+    `ignore_missing` accepts (a tied `lm_head.weight`) are taken from the module as it is."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    weights = dict(weights)
+    for name, partner in tied_names(model).items():
+        if name not in weights and ignore_missing(name) and partner in weights:
+            weights[name] = weights[partner]
+    set_model_state_dict(model, weights, options=_options(strict=True))
+    set_optimizer_state_dict(model, optimizer, optim_state, options=_options())
+    for group in optimizer.param_groups:             # the round trip turns tuples into lists
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """{name: the first name of the same parameter} for parameters registered under several names."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out

@@ -1,0 +1,45 @@
+"""Data-parallel shares of a batch: equal sizes, token balance, mini-batch-preserving update cuts, order kept."""
+
+from __future__ import annotations
+
+import torch
+
+from lathe.batch import Batch
+from lathe.cluster.dispatch import contiguous_shares, equal_partitions, in_order, update_shares
+
+
+def batch_of(lengths: list[int], width: int = 12) -> Batch:
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    return Batch({"attention_mask": mask, "row": torch.arange(len(lengths))})
+
+
+def test_equal_partitions_are_equal_sized_and_balanced():
+    lengths = [12, 1, 11, 2, 10, 3, 9, 4]
+    parts = equal_partitions(lengths, 2, balance=True)
+    assert sorted(i for p in parts for i in p) == list(range(8)) and all(len(p) == 4 for p in parts)
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= 2                       # contiguous halves would differ by 16
+    assert equal_partitions(lengths, 2, balance=False) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_update_shares_keep_each_mini_batch_together():
+    b = batch_of([12, 1, 11, 2, 10, 3, 9, 4, 5, 6, 7, 8])
+    shares = update_shares(b, 2, mini_batch_size=4, balance=True)
+    per_rank_mini = 2
+    for j in range(3):       # the ranks' j-th mini-batches together are the undivided j-th mini-batch
+        rows = {i for s in shares for i in s[j * per_rank_mini:(j + 1) * per_rank_mini]}
+        assert rows == set(range(4 * j, 4 * j + 4))
+
+
+def test_in_order_restores_the_batch_order():
+    b = batch_of([5, 9, 2, 7, 3, 8])
+    shares = equal_partitions([5, 9, 2, 7, 3, 8], 3, balance=True)
+    parts = [b.select(s) for s in shares]
+    assert in_order(parts, shares)["row"].tolist() == list(range(6))
+
+
+def test_contiguous_shares_cover_uneven_counts():
+    assert [list(r) for r in contiguous_shares(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [len(r) for r in contiguous_shares(1, 3)] == [1, 0, 0]

@@ -1,0 +1,122 @@
+"""Ray worker groups on CPU workers over gloo: the same run as one process, exact resume on any number of
+workers, placement over two (simulated) nodes, and failures that name the rank instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
+
+from lathe.cli import main  # noqa: E402
+from lathe.cluster.placement import ResourcePool  # noqa: E402
+from lathe.cluster.worker_group import RayWorkerGroup, WorkerGroupError  # noqa: E402
+
+pytestmark = pytest.mark.slow
+STEPS = ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+         "trainer.logger=[console]"]
+COMPARED = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean", "response_length/mean")
+
+
+def train(run_dir, *overrides: str) -> list[dict]:
+    assert main(["train", f"trainer.default_local_dir={run_dir}", *STEPS, *overrides]) == 0
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same(a: dict, b: dict) -> None:
+    for key in COMPARED:
+        assert abs(a[key] - b[key]) <= 1e-5 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The built-in run for 3 steps on one process and on 2 Ray workers (which saves at step 2)."""
+    root = tmp_path_factory.mktemp("runs")
+    one = train(root / "one")
+    two = train(root / "two", "trainer.n_gpus_per_node=2", "trainer.save_freq=2")
+    return root, one, two
+
+
+def test_two_workers_train_exactly_as_one_process(runs):
+    _, one, two = runs
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_resume_from_two_workers_is_exact_on_any_worker_count(runs, tmp_path, workers):
+    root, _, two = runs
+    run = tmp_path / "resumed"
+    run.mkdir()
+    for name in ("global_step_2", "init_model"):
+        shutil.copytree(root / "two" / name, run / name)
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in two[:2]))
+    resumed = train(run, f"trainer.n_gpus_per_node={workers}")
+    assert_same(resumed[-1], two[-1])
+
+
+# -- worker groups on their own ------------------------------------------------------------------------
+class Probe:
+    """A role that misbehaves on rank 1 on demand."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.rank = dist.get_rank()
+
+    def whoami(self) -> int:
+        return self.rank
+
+    def boom(self):
+        if self.rank == 1:
+            raise ValueError("bad input on rank 1")
+        return self.rank
+
+    def hang(self):
+        if self.rank == 1:
+            time.sleep(8)
+        return self.rank
+
+    def die(self):
+        if self.rank == 1:
+            os._exit(3)
+        return self.rank
+
+
+@pytest.fixture
+def two_nodes():
+    """A Ray cluster of two simulated nodes with one CPU slot each."""
+    from ray.cluster_utils import Cluster
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_workers_spread_over_two_nodes_and_failures_name_the_rank(two_nodes):
+    group = RayWorkerGroup(ResourcePool(2, 1, use_gpu=False, timeout_s=60), name="probe", timeout_s=5)
+    try:
+        assert len({node["node_id"] for node in group.nodes}) == 2       # one rank on each node
+        assert group.placement().count("node ") == 2
+        group.build("probe", Probe)
+        assert group.call("probe", "whoami") == [0, 1]
+        with pytest.raises(ValueError, match="bad input on rank 1") as err:
+            group.call("probe", "boom")
+        assert "probe rank 1 on" in "\n".join(err.value.__notes__)
+        with pytest.raises(WorkerGroupError, match=r"probe.hang got no answer within 5 s from rank\(s\) 1") as err:
+            group.call("probe", "hang")
+        assert "rank 0: probe.hang" in str(err.value) and "nccl_timeout" in str(err.value)
+        time.sleep(4)                                     # let rank 1 finish sleeping before it is asked to die
+        with pytest.raises(WorkerGroupError, match="probe: rank 1 on .* died during probe.die"):
+            group.call("probe", "die")
+    finally:
+        group.shutdown()

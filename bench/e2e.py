@@ -1,6 +1,8 @@
 """End to end: `lathe train` itself against TRL's GRPOTrainer on the same GRPO workload, one GPU.
 
     python bench/e2e.py [--models 0.5b,1.5b,7b] [--systems lathe,trl] [--steps 5] [--out bench/results/e2e_<device>.json]
+    python bench/e2e.py --systems lathe --models 1.5b --gpus 2          # Ray workers + FSDP2 on 2 GPUs
+    python bench/e2e.py --systems lathe --models 0.5b --ray             # one GPU through the distributed path
     python bench/e2e.py --device cpu --models tiny --systems lathe --steps 2 --prompts 4 --n 2 \
         --prompt-len 16 --response-len 8 --out /tmp/e2e_smoke.json                                   # CPU smoke test
 
@@ -137,17 +139,17 @@ def lathe_command(shape: str, paths: dict, args) -> list[str]:
             "actor_rollout_ref.actor.optim.lr=1e-6", *kl, *s["extra"],
             f"reward.custom_reward_function.path={paths['reward']}",
             f"trainer.total_training_steps={args.steps}", "trainer.logger=[console]", "trainer.save_freq=-1",
-            "trainer.resume_mode=disable", f"trainer.device={args.device}",
+            "trainer.resume_mode=disable", f"trainer.device={args.device}", f"trainer.n_gpus_per_node={args.gpus}",
             f"trainer.default_local_dir={paths['run'] / 'lathe'}"]
 
 
-def run_child(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
     start = time.perf_counter()
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
-                                ).returncode
+                                env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
+                                     **(env or {})}).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     return rc, time.perf_counter() - start
@@ -192,9 +194,11 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
         cmd = lathe_command(shape, paths, args)
         metrics = paths["run"] / "lathe" / "metrics.jsonl"
         metrics.unlink(missing_ok=True)
-        rc, wall = run_child(cmd, Path(args.logs) / f"lathe-{shape}.log", args.timeout)
+        env = {"LATHE_RAY": "1"} if args.ray else {}
+        rc, wall = run_child(cmd, Path(args.logs) / f"lathe-{shape}.log", args.timeout, env)
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        res["lathe"] = {"command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall,
+        res["lathe"] = {"command": " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]]), "returncode": rc,
+                        "wall_s": wall, "gpus": args.gpus, "ray_workers": args.ray or args.gpus > 1,
                         **(lathe_row(steps, args.warmup, flops, peak) if steps else {})}
     if "trl" in args.systems and shape not in args.trl_skip:
         out = paths["run"] / "trl.json"
@@ -235,6 +239,10 @@ def main() -> None:
     p.add_argument("--models", default="0.5b,1.5b,7b")
     p.add_argument("--systems", default="lathe,trl")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--gpus", type=int, default=1, help="lathe: trainer.n_gpus_per_node (more than 1: Ray workers, "
+                                                       "FSDP2); the batch stays the same (strong scaling)")
+    p.add_argument("--ray", action="store_true", help="lathe: LATHE_RAY=1, one GPU as a Ray worker group of one "
+                                                      "FSDP2 rank (the distributed path's cost on one GPU)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -265,7 +273,7 @@ def main() -> None:
     results = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
                "workload": {k: getattr(args, k) for k in ("prompts", "n", "prompt_len", "response_len", "steps",
-                                                          "warmup", "trl_steps", "trl_warmup")},
+                                                          "warmup", "trl_steps", "trl_warmup", "gpus", "ray")},
                "peak_bf16_tflops_datasheet": datasheet_peak(name), "models": {}}
     for shape in args.models.split(","):
         results["models"][shape] = bench_model(shape, args, datasheet_peak(name))

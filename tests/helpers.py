@@ -73,3 +73,15 @@ def _worst(actual, expected, keys, a: torch.Tensor, b: torch.Tensor) -> str:
     i = int(d.flatten().argmax())
     where = tuple(int(j) for j in np.unravel_index(i, tuple(d.shape)))
     return f"; largest |difference| {float(d.flatten()[i]):.3g} at {where}"
+
+
+def local_gpus() -> int:
+    """CUDA devices this process sees (verl's get_local_gpus_num): multi-GPU tests size themselves by it."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs_gpus(count: int):
+    """Skip, saying why, when fewer than `count` GPUs are visible."""
+    import pytest
+    have = local_gpus()
+    return pytest.mark.skipif(have < count, reason=f"needs {count} GPU(s), this machine shows {have}")

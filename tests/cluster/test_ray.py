@@ -49,6 +49,14 @@ def test_two_workers_train_exactly_as_one_process(runs):
         assert_same(a, b)
 
 
+def test_one_ray_worker_runs_the_sharded_path_exactly_as_one_process(runs, tmp_path, monkeypatch):
+    """LATHE_RAY=1: one device as a worker group of one FSDP2 rank (how the distributed path is checked on one GPU)."""
+    monkeypatch.setenv("LATHE_RAY", "1")
+    _, one, _ = runs
+    for a, b in zip(one, train(tmp_path / "ray1")):
+        assert_same(a, b)
+
+
 @pytest.mark.parametrize("workers", [2, 1])
 def test_resume_from_two_workers_is_exact_on_any_worker_count(runs, tmp_path, workers):
     root, _, two = runs

@@ -7,6 +7,7 @@ a model loads — then model (and warm start), workers, tracker, and finally the
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -223,7 +224,8 @@ def build_trainer(cfg) -> Trainer:
     world = t.nnodes * t.n_gpus_per_node
     log_memory_plan(cfg, model, device, need_ref=need_ref, world=world)
     cluster = None
-    if world > 1:                   # one rank per device, each loading the same starting weights
+    if world > 1 or os.environ.get("LATHE_RAY") == "1":   # one rank per device, each loading the same weights
+        # (LATHE_RAY=1: one device as a Ray worker group of one FSDP2 rank, to check that path on one GPU)
         path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
         del model
         empty_cache(device)

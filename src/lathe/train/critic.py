@@ -161,7 +161,7 @@ class CriticWorker:
         if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = model.to(device=self.device, dtype=self.policy.master_dtype)
-        if parallel.distributed():                  # one rank of a data-parallel group: FSDP2, fp32 shards
+        if parallel.in_group():                     # a rank of a data-parallel group: FSDP2, fp32 shards
             parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         else:

@@ -27,7 +27,14 @@ def rank() -> int:
 
 
 def distributed() -> bool:
+    """More than one rank: collectives are needed."""
     return world_size() > 1
+
+
+def in_group() -> bool:
+    """This process is a rank of a process group (placed by `lathe.cluster`, one rank included): its models are
+    sharded with FSDP2."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def all_reduce(values: list[float] | torch.Tensor, *, op: str = "sum") -> torch.Tensor:
@@ -56,6 +63,17 @@ def global_counts(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     local = [float(mask.sum()), float(mask.shape[0])]
     tokens, seqs = all_reduce(local).tolist()
     return torch.tensor(tokens, device=mask.device, dtype=mask.sum().dtype).clamp(min=1), int(seqs)
+
+
+def peak_memory_metrics(device: torch.device) -> dict[str, float]:
+    """verl's `perf/max_memory_{allocated,reserved}_gb`: this device's peaks since the last reset, the largest
+    over the ranks (nothing on the CPU)."""
+    from lathe.device import GIB, peak_memory
+    peaks = peak_memory(device)
+    if peaks is None:
+        return {}
+    allocated, reserved = all_reduce(list(peaks), op="max").tolist()
+    return {"perf/max_memory_allocated_gb": allocated / GIB, "perf/max_memory_reserved_gb": reserved / GIB}
 
 
 def _comm_device() -> torch.device:
@@ -126,10 +144,26 @@ def reshard(model: nn.Module) -> None:
 
 
 def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of `model`'s state dict, one gathered at a time (every rank must iterate all)."""
-    from torch.distributed.tensor import DTensor
-    for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+    """(name, full tensor) of every parameter of a sharded `model`, one FSDP2 group at a time: each decoder layer
+    is gathered whole in one collective (in the compute dtype: bf16 under mixed precision), its tensors yielded,
+    and freed before the next; the root's (embeddings, norm, heads) last. Every rank must iterate all of it."""
+    from torch.distributed.fsdp import FSDPModule
+    prefixes = {id(m): name for name, m in model.named_modules()}
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [m for m in groups if m is not model] + [model]
+    nested = [prefixes[id(m)] + "." for m in groups if m is not model]
+    for module in groups:
+        prefix = prefixes[id(module)]
+        module.unshard()
+        try:
+            for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
+                if module is model and any(name.startswith(n) for n in nested):
+                    continue                         # a layer's own group: yielded already
+                yield name, p.detach()
+        finally:
+            if module is not model:
+                module.reshard()
+    model.reshard()
 
 
 def to_local(value):

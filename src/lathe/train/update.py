@@ -88,7 +88,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
         optimizer.load_state_dict(opt["optimizer"])
     elif opt.get("by_name"):
         parallel.load_full_state(model, optimizer, state, opt["optimizer"], ignore_missing=ignore_missing)
-    elif parallel.distributed():
+    elif parallel.in_group():
         raise RuntimeError(f"{what} checkpoint {path} holds an optimizer state saved by an older lathe on one "
                            "device; resume it on one device (trainer.n_gpus_per_node=1 trainer.nnodes=1) and save "
                            "again, which writes the state by parameter name")

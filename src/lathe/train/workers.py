@@ -35,7 +35,7 @@ import torch
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS
 from lathe.batch import Batch
-from lathe.device import synchronize
+from lathe.device import reset_peak_memory, synchronize
 from lathe.dtypes import short_name
 from lathe.engine.llm_engine import LatheEngine
 from lathe.models.compile import maybe_compile
@@ -68,7 +68,7 @@ class ActorRolloutRefWorker:
         if isinstance(self.model, LatheCausalLM) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config")
-        self.sharded = parallel.distributed()          # one rank of a data-parallel group: FSDP2
+        self.sharded = parallel.in_group()             # a rank of a data-parallel group: FSDP2
         self.ref, self.ref_host = self._build_ref(arr, need_ref)   # from the weights as loaded, before the cast
         self.model.to(device=device, dtype=self.policy.master_dtype)
         if self.sharded:
@@ -133,6 +133,8 @@ class ActorRolloutRefWorker:
         `first_index`: where this share's first sample sits in a rollout split over ranks (see `Rollout`)."""
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
         timings = {}
+        if self.sharded:                       # a step starts here: its peak memory is reported by update_actor
+            reset_peak_memory(self.device)
         if self.free_cache_engine:
             with self._timed(timings, "timing_s/rollout_wake_up"):
                 self.rollout.wake_up()
@@ -176,8 +178,10 @@ class ActorRolloutRefWorker:
 
     # -- training -------------------------------------------------------------------------------
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """One PPO update of the actor; the rollout keeps the old weights until `sync_weights`."""
-        return self.actor.update_policy(batch.to(self.device))
+        """One PPO update of the actor; the rollout keeps the old weights until `sync_weights`. A rank of a group
+        adds the step's peak memory (since its rollout began), the largest over the ranks."""
+        out = self.actor.update_policy(batch.to(self.device))
+        return {**out, **parallel.peak_memory_metrics(self.device)} if self.sharded else out
 
     def sync_weights(self) -> None:
         """Push the actor's weights into the rollout (a no-op for tensors the two already share). Sharded: each

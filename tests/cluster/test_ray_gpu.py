@@ -1,0 +1,27 @@
+"""The distributed path on GPUs (NCCL, FSDP2 with bf16 compute on fp32 shards, one engine per GPU), sized by the
+GPUs this machine shows: 2+ GPUs run 2 workers, one GPU runs one worker (LATHE_RAY=1). Either is compared with
+the in-process run, which computes the same bf16 forward from the same fp32 weights."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import local_gpus, needs_gpus
+
+pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
+
+from cluster.test_ray import train  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_gpus(1)]
+
+
+def test_gpu_workers_train_as_one_process(tmp_path, monkeypatch):
+    workers = min(local_gpus(), 2)
+    one = train(tmp_path / "one", "trainer.device=cuda")
+    if workers == 1:
+        monkeypatch.setenv("LATHE_RAY", "1")
+    many = train(tmp_path / "many", "trainer.device=cuda", f"trainer.n_gpus_per_node={workers}")
+    assert many[0]["critic/score/mean"] == one[0]["critic/score/mean"]       # the same samples at step 1
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert abs(many[0][key] - one[0][key]) <= 2e-2 * max(abs(one[0][key]), 1e-2), (key, one[0][key], many[0][key])
+    assert many[-1]["perf/max_memory_allocated_gb"] > 0 and "timing_s/update_weights" in many[-1]

@@ -37,7 +37,7 @@ def assert_same(a: dict, b: dict) -> None:
 def runs(tmp_path_factory):
     """The built-in run for 3 steps on one process and on 2 Ray workers (which saves at step 2)."""
     root = tmp_path_factory.mktemp("runs")
-    one = train(root / "one")
+    one = train(root / "one", "trainer.save_freq=2")
     two = train(root / "two", "trainer.n_gpus_per_node=2", "trainer.save_freq=2")
     return root, one, two
 
@@ -57,15 +57,19 @@ def test_one_ray_worker_runs_the_sharded_path_exactly_as_one_process(runs, tmp_p
         assert_same(a, b)
 
 
-@pytest.mark.parametrize("workers", [2, 1])
-def test_resume_from_two_workers_is_exact_on_any_worker_count(runs, tmp_path, workers):
-    root, _, two = runs
+@pytest.mark.parametrize("saved_by,workers", [("two", 2), ("two", 1), ("one", 2)])
+def test_resume_is_exact_on_any_worker_count(runs, tmp_path, saved_by, workers):
+    """Ranks write their shards (torch.distributed.checkpoint), which load on any number of ranks or in one
+    process; a one-process checkpoint (full state) loads on several ranks."""
+    root, one, two = runs
+    if saved_by == "two":
+        assert len(list((root / "two" / "global_step_2" / "actor" / "sharded").glob("*.distcp"))) == 2
     run = tmp_path / "resumed"
     run.mkdir()
     for name in ("global_step_2", "init_model"):
-        shutil.copytree(root / "two" / name, run / name)
+        shutil.copytree(root / saved_by / name, run / name)
     (run / "latest_checkpointed_iteration.txt").write_text("2")
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in two[:2]))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in one[:2]))
     resumed = train(run, f"trainer.n_gpus_per_node={workers}")
     assert_same(resumed[-1], two[-1])
 

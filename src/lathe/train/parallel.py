@@ -11,6 +11,7 @@ and micro-batches. In one process (no group) every function here is the identity
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -178,12 +179,37 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
 
 
-def full_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
-    """(weights, optimizer state by parameter name), full tensors on the CPU of rank 0 (empty elsewhere);
-    every rank calls this."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    weights = get_model_state_dict(model, options=_options())
-    return weights, get_optimizer_state_dict(model, optimizer, options=_options())
+def full_state(model: nn.Module) -> dict:
+    """The weights as full tensors on the CPU of rank 0 (empty elsewhere); every rank calls this."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(model, options=_options())
+
+
+def full_optimizer_state(model: nn.Module, optimizer) -> dict:
+    """The optimizer state by parameter name, full tensors on the CPU (one process)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=_options())
+
+
+def save_sharded(path, model: nn.Module, optimizer) -> None:
+    """Weights and optimizer state with `torch.distributed.checkpoint`: every rank writes its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    weights, optim = get_state_dict(model, optimizer)
+    dcp.save({"model": weights, "optimizer": optim}, checkpoint_id=str(path))
+
+
+def load_sharded(path, model: nn.Module, optimizer) -> None:
+    """The inverse of `save_sharded` on any number of ranks (DCP reshards), or in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    weights, optim = get_state_dict(model, optimizer)
+    state = {"model": weights, "optimizer": optim}
+    with warnings.catch_warnings():          # one process: DCP says it assumes so; that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=not in_group())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    _betas_as_tuples(optimizer)
 
 
 def state_names(model: nn.Module) -> list[str]:
@@ -200,6 +226,10 @@ def load_full_state(model: nn.Module, optimizer, weights: dict, optim_state: dic
             weights[name] = weights[partner]
     set_model_state_dict(model, weights, options=_options(strict=True))
     set_optimizer_state_dict(model, optimizer, optim_state, options=_options())
+    _betas_as_tuples(optimizer)
+
+
+def _betas_as_tuples(optimizer) -> None:
     for group in optimizer.param_groups:             # the round trip turns tuples into lists
         if isinstance(group.get("betas"), list):
             group["betas"] = tuple(group["betas"])

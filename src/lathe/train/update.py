@@ -38,25 +38,33 @@ def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_
     return float(grad_norm)
 
 
+SHARDED = "sharded"        # torch.distributed.checkpoint's directory: weights and optimizer state, one file per rank
+
+
 def save_trainable(path: Path, model, optimizer, scheduler) -> None:
     """HF-format weights under `path/huggingface` (transformers loads them) plus `path/optim.pt`.
 
     The weights saved are those the optimizer updates: the fp32 masters of a mixed-precision model, so that a
     resumed run continues from exactly the same numbers. A plain optimizer's state is saved by parameter name
-    (`torch.distributed.checkpoint.state_dict`'s full form), so a checkpoint written by N data-parallel ranks
-    resumes on any other number of them, one included. Sharded models are gathered (every rank calls this);
-    rank 0 writes."""
+    (`torch.distributed.checkpoint.state_dict`'s full form), so a one-device checkpoint resumes on any number
+    of ranks. Ranks of a group (every rank calls this) save weights and optimizer state sharded under
+    `path/sharded` (`torch.distributed.checkpoint`: each rank writes its own shards, no rank holds the whole
+    optimizer state), which loads on any number of ranks, one process included; rank 0 also gathers the weights
+    for `path/huggingface`."""
     masters = getattr(optimizer, "master_state_dict", None)
-    if masters is not None:                      # MasterAdamW: one device, its own state format
+    if parallel.in_group():                      # sharded: each rank writes its shards, rank 0 the HF weights
+        state, optim = parallel.full_state(model), None
+        parallel.save_sharded(path / SHARDED, model, optimizer)
+    elif masters is not None:                    # MasterAdamW: one device, its own state format
         state, optim = masters(model), optimizer.state_dict()
     else:
-        state, optim = parallel.full_state(model, optimizer)
+        state, optim = parallel.full_state(model), parallel.full_optimizer_state(model, optimizer)
     if parallel.rank() != 0:
         return
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path / "huggingface", safe_serialization=True, state_dict=state)
-    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "by_name": masters is None},
-               path / "optim.pt")
+    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "by_name": masters is None,
+                "sharded": optim is None}, path / "optim.pt")
 
 
 def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
@@ -79,7 +87,9 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
                            f"unexpected {unexpected}")
     opt = torch.load(path / "optim.pt", weights_only=False)
     load_masters = getattr(optimizer, "load_master_state_dict", None)
-    if load_masters is not None:
+    if opt.get("sharded") and load_masters is None:       # any number of ranks, one process included
+        parallel.load_sharded(path / SHARDED, model, optimizer)
+    elif load_masters is not None:
         if opt.get("by_name"):
             raise RuntimeError(f"{what} checkpoint {path} was written by a run without fp32 master weights (CPU or "
                                "several devices); resume it with the same device type and precision")

@@ -184,8 +184,8 @@ class ActorRolloutRefWorker:
         return {**out, **parallel.peak_memory_metrics(self.device)} if self.sharded else out
 
     def sync_weights(self) -> None:
-        """Push the actor's weights into the rollout (a no-op for tensors the two already share). Sharded: each
-        tensor is gathered whole, copied into the engine and dropped, one at a time (no second full model)."""
+        """Push the actor's weights into the rollout (a no-op for tensors the two already share). Sharded: one FSDP2
+        group (a decoder layer) is gathered, copied into the engine and freed at a time (no second full model)."""
         self.rollout.update_weights(parallel.full_tensors(self.model) if self.sharded
                                     else self.model.state_dict().items())
 

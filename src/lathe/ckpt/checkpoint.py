@@ -1,12 +1,19 @@
 """Save and resume: model, optimizer, scheduler, dataloader position and every RNG state.
 
-Layout (verl's): `<default_local_dir>/global_step_<k>/{actor/, trainer_state.pt}` plus
-`latest_checkpointed_iteration.txt`, written last, so a save cut short never becomes "latest".
-`actor/huggingface/` is a plain Hugging Face checkpoint directory: transformers loads it as is.
+Layout (verl's): `<default_local_dir>/global_step_<k>/{actor/, critic/, trainer_state.pt}` plus
+`latest_checkpointed_iteration.txt`. `actor/huggingface/` is a plain Hugging Face checkpoint directory:
+transformers loads it as is.
+
+A save never damages what was there: every part is written into `.global_step_<k>.partial/`, which is renamed
+to `global_step_<k>` only when all parts are on disk; the "latest" marker moves after that, and old
+checkpoints are pruned last (never the one just written). A save that fails midway (full disk, a kill)
+leaves the previous checkpoint intact and "latest". Everything is read back with `torch.load(weights_only=True)`
+(tensors and plain values only: no pickled code runs on resume).
 """
 
 from __future__ import annotations
 
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -19,15 +26,24 @@ LATEST = "latest_checkpointed_iteration.txt"
 
 
 def capture_rng() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG state as tensors and plain values (loadable with `weights_only=True`)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss_next},
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -37,18 +53,27 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"global_step_{step}"
 
 
-def save_checkpoint(root: str | Path, step: int, worker, trainer_state: dict[str, Any], *,
+def save_checkpoint(root: str | Path, step: int, parts: dict[str, Any], trainer_state: dict[str, Any], *,
                     max_to_keep: int | None = None) -> Path:
-    """Write step `step`'s checkpoint, then mark it latest, then prune old ones beyond `max_to_keep`."""
+    """Write step `step`'s checkpoint: each of `parts` (`{"actor": worker, "critic": critic}`, each with
+    `save_checkpoint(dir)`) under its name plus `trainer_state.pt`, all in a partial directory renamed into
+    place when complete; then mark it latest, then prune old ones beyond `max_to_keep`."""
     root = Path(root)
-    path = step_dir(root, step)
-    if path.exists():
-        shutil.rmtree(path)
-    worker.save_checkpoint(path / "actor")
-    torch.save({**trainer_state, "global_step": step, "rng": capture_rng()}, path / "trainer_state.pt")
+    path, partial = step_dir(root, step), root / f".global_step_{step}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for name, worker in parts.items():
+        worker.save_checkpoint(partial / name)
+    torch.save({**trainer_state, "global_step": step, "rng": capture_rng()}, partial / "trainer_state.pt")
+    replaced = None
+    if path.exists():                 # the same step saved again (a run resumed before it): swap, then drop
+        replaced = path.rename(root / f".global_step_{step}.replaced")
+    partial.rename(path)
     tmp = root / (LATEST + ".tmp")
     tmp.write_text(str(step))
     tmp.replace(root / LATEST)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     if max_to_keep:   # only steps up to this one: later ones (from a run resumed earlier) may sort above it
         for old in sorted((d for d in _step_dirs(root) if _step_of(d) <= step), key=_step_of)[:-max_to_keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -56,7 +81,12 @@ def save_checkpoint(root: str | Path, step: int, worker, trainer_state: dict[str
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
-    return torch.load(path / "trainer_state.pt", weights_only=False)
+    try:
+        return torch.load(path / "trainer_state.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path / 'trainer_state.pt'} holds pickled objects that lathe does not read (only tensors "
+                         "and plain values load, so that no code in a checkpoint runs); it was written by an older "
+                         f"lathe. Start a fresh run, or resume it with the lathe that wrote it. ({e})") from None
 
 
 def find_resume_dir(trainer_cfg) -> Path | None:

@@ -91,7 +91,6 @@ def fit(t: Trainer) -> dict[str, float]:
 
 def save(t: Trainer) -> None:
     state = {"dataloader": t.loader.state_dict(), "kl_ctrl": t.kl_ctrl.state_dict()}
-    path = save_checkpoint(t.cfg.trainer.default_local_dir, t.global_step, t.worker, state,
-                           max_to_keep=t.cfg.trainer.max_actor_ckpt_to_keep)
-    if t.critic is not None:
-        t.critic.save_checkpoint(path / "critic")
+    parts = {"actor": t.worker, **({"critic": t.critic} if t.critic is not None else {})}
+    save_checkpoint(t.cfg.trainer.default_local_dir, t.global_step, parts, state,
+                    max_to_keep=t.cfg.trainer.max_actor_ckpt_to_keep)

@@ -85,7 +85,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     if missing or unexpected:
         raise RuntimeError(f"{what} checkpoint {path} does not match the model: missing {missing}, "
                            f"unexpected {unexpected}")
-    opt = torch.load(path / "optim.pt", weights_only=False)
+    opt = torch.load(path / "optim.pt", weights_only=True)
     load_masters = getattr(optimizer, "load_master_state_dict", None)
     if opt.get("sharded") and load_masters is None:       # any number of ranks, one process included
         parallel.load_sharded(path / SHARDED, model, optimizer)

@@ -36,7 +36,32 @@ def test_a_corrupted_weight_is_caught(tmp_path, monkeypatch):
 
 
 def test_unsupported_architecture_reports_the_fallback(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=32)).save_pretrained(tmp_path)
     lines = []
-    assert run_check(tmp_path, out=lines.append) == 0
+    assert run_check(tmp_path, out=lines.append) == 0, "\n".join(lines)
     assert "transformers fallback" in "\n".join(lines) and "GPT2LMHeadModel" in "\n".join(lines)
+
+
+def _rename_a_tensor(path):
+    from safetensors.torch import load_file, save_file
+    (file,) = path.glob("*.safetensors")
+    state = load_file(file)
+    state["model.layers.0.mlp.down_proj.weight_renamed"] = state.pop("model.layers.0.mlp.down_proj.weight")
+    save_file(state, file, metadata={"format": "pt"})
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_by_check_and_by_loading(tmp_path):
+    """Neither lathe's decoder nor the transformers fallback may start a layer at random."""
+    import pytest
+
+    from lathe.models.hf import ModelLoadError, load_policy
+    path, _ = save_hf(tmp_path, "llama")
+    _rename_a_tensor(path)
+    lines = []
+    assert run_check(path, num_batches=1, out=lines.append) == 1
+    text = "\n".join(lines)
+    assert "BROKEN CHECKPOINT" in text and "model.layers.0.mlp.down_proj.weight" in text, text
+    with pytest.raises(ModelLoadError, match=r"missing \(they would be initialised at random\): "
+                                             r"model.layers.0.mlp.down_proj.weight"):
+        load_policy(str(path))

@@ -46,6 +46,20 @@ def compare_logits(lathe_model, hf_model, batches, device) -> dict[str, float]:
     return worst
 
 
+def _fallback(model_dir: str, out: Callable[[str], None]) -> int:
+    """lathe's decoder cannot read the checkpoint: 0 when transformers loads every tensor of it (the fallback then
+    trains it), 1 with the tensors named when it would initialise some at random (a broken checkpoint)."""
+    from lathe.models.hf import ModelLoadError, load_causal_lm
+    try:
+        load_causal_lm(model_dir)
+    except ModelLoadError as e:
+        out(f"BROKEN CHECKPOINT: {e}")
+        out("lathe will use: nothing (lathe train refuses this checkpoint)")
+        return 1
+    out("lathe will use: transformers fallback (it loads every tensor of the checkpoint)")
+    return 0
+
+
 def run_check(model_dir: str | Path, *, num_batches: int = 3, seed: int = 0, atol: float = 1e-4,
               out: Callable[[str], None] = print) -> int:
     """Compare lathe's decoder with transformers on `model_dir`; print a report; return the exit status."""
@@ -54,8 +68,7 @@ def run_check(model_dir: str | Path, *, num_batches: int = 3, seed: int = 0, ato
         cfg = LatheConfig.from_pretrained(model_dir)
     except UnsupportedArchitecture as e:
         out(f"{e}")
-        out("lathe will use: transformers fallback")
-        return 0
+        return _fallback(model_dir, out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out(f"checkpoint: {model_dir}")
     out(f"architecture: {cfg.architecture} (layers={cfg.num_hidden_layers}, hidden={cfg.hidden_size}, "
@@ -65,8 +78,7 @@ def run_check(model_dir: str | Path, *, num_batches: int = 3, seed: int = 0, ato
         lathe_model = load_lathe_model(model_dir, torch.float32, device=device).eval()
     except UnsupportedArchitecture as e:
         out(f"{e}")
-        out("lathe will use: transformers fallback")
-        return 0
+        return _fallback(model_dir, out)
     from transformers import AutoModelForCausalLM
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                     local_files_only=Path(model_dir).is_dir()).to(device).eval()

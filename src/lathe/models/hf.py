@@ -89,12 +89,33 @@ def load_causal_lm(path: str, *, trust_remote_code: bool = False, dtype: torch.d
     from transformers import AutoModelForCausalLM
     local = _resolve(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             local, trust_remote_code=trust_remote_code, dtype=dtype, local_files_only=Path(local).is_dir(),
-            **(override_config or {}))
+            output_loading_info=True, **(override_config or {}))
     except (OSError, ValueError) as e:
         raise ModelLoadError(_explain(path, "model", e)) from e
+    problem = loading_problem(info, type(model).__name__)
+    if problem:
+        raise ModelLoadError(f"{path}: {problem}")
     return model
+
+
+def loading_problem(info: dict, architecture: str) -> str | None:
+    """What is wrong with a checkpoint, from transformers' `output_loading_info`: tensors the model needs that the
+    checkpoint lacks (transformers would initialise them at random), tensors it does not know, shape mismatches.
+    None when the checkpoint holds exactly the model's weights."""
+    parts = []
+    for key, what in (("missing_keys", "missing (they would be initialised at random)"),
+                      ("unexpected_keys", "not part of the model"), ("mismatched_keys", "of the wrong shape")):
+        names = sorted(str(k) for k in info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            parts.append(f"{len(names)} tensor(s) {what}: {shown}")
+    if not parts:
+        return None
+    return (f"the checkpoint does not hold the weights of {architecture}: " + "; ".join(parts) + ". It is "
+            "incomplete, renamed or saved from another architecture; lathe does not train a model with weights "
+            "it did not load. Fix: re-export or re-download the checkpoint (or point model.path at the right one).")
 
 
 def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = False, trust_remote_code: bool = False,
@@ -110,10 +131,15 @@ def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = Fal
               and Path(os.path.expanduser(str(path))).is_dir())
     if direct and supports(os.path.expanduser(str(path)))[0]:
         from lathe.models import load_lathe_model
+        from lathe.models.config import UnsupportedArchitecture
         local = os.path.expanduser(str(path))
-        model = load_lathe_model(local, torch.float32)
-        model.generation_config = _generation_config(local)
-        return model
+        try:
+            model = load_lathe_model(local, torch.float32)
+        except UnsupportedArchitecture as e:     # tensors lathe's decoder does not know: transformers decides
+            log.info("model: %s", e)
+        else:
+            model.generation_config = _generation_config(local)
+            return model
     return load_causal_lm(path, trust_remote_code=trust_remote_code, vocab_size=vocab_size, seed=seed,
                           override_config=override_config)
 

@@ -25,6 +25,7 @@ from lathe.models.hf import (
     _HUB_ID,
     build_builtin_model,
     is_builtin,
+    loading_problem,
 )
 
 __all__ = ["VALUE_HEAD", "load_value_model", "build_builtin_value_model"]
@@ -55,7 +56,13 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
             output_loading_info=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(_explain(path, "value model (critic.model.path)", e)) from e
-    if any(k.startswith(VALUE_HEAD + ".") or f".{VALUE_HEAD}." in k for k in info.get("missing_keys", ())):
+    is_head = lambda k: k.startswith(VALUE_HEAD + ".") or f".{VALUE_HEAD}." in k   # noqa: E731
+    backbone = {"missing_keys": [k for k in info.get("missing_keys", ()) if not is_head(k)],
+                "mismatched_keys": info.get("mismatched_keys", ())}    # (a causal LM's lm_head is left over)
+    problem = loading_problem(backbone, type(model).__name__)
+    if problem:
+        raise ModelLoadError(f"critic.model.path={path}: {problem}")
+    if any(is_head(k) for k in info.get("missing_keys", ())):
         _zero_value_head(model)
     return model
 

@@ -12,6 +12,7 @@ from lathe.config import load_config
 from lathe.loop import ppo
 from lathe.loop.ppo import fit
 from lathe.loop.setup import build_trainer
+from lathe.reward.manager import RewardFunctionFailing
 
 SHARED_GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 
@@ -28,8 +29,7 @@ def run(tmp_path: Path, *overrides: str, name: str = "run"):
     try:
         fit(trainer)
     finally:
-        trainer.tracker.close()
-        trainer.reward.close()
+        trainer.close()
     return trainer
 
 
@@ -114,6 +114,16 @@ def test_failing_and_hanging_reward_does_not_stop_the_run(tmp_path, caplog):
     assert errors > 0 and timeouts > 0
     assert "reward_extra/len/mean" in metrics[1]
     assert "scorer exploded" in caplog.text
+
+
+def test_a_reward_function_failing_on_every_sample_stops_the_run(tmp_path):
+    reward_file = tmp_path / "broken_reward.py"
+    reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                           "    return extra_info['no_such_field']\n")
+    with pytest.raises(RewardFunctionFailing, match="KeyError: 'no_such_field'"):
+        run(tmp_path, "trainer.total_training_steps=6", "trainer.test_freq=-1", "trainer.val_before_train=false",
+            "reward.timeout_s=0", f"reward.custom_reward_function.path={reward_file}")
+    assert len(read_metrics(tmp_path / "run")) == 2       # steps 1 and 2 logged; step 3's scoring stopped it
 
 
 @pytest.mark.skipif(not SHARED_GSM8K.exists(), reason="GSM8K not found at ../shared/data/gsm8k")

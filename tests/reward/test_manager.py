@@ -5,7 +5,7 @@ import time
 import pytest
 
 from lathe.reward.custom import load_reward_fn
-from lathe.reward.manager import RewardManager, ScoreResult
+from lathe.reward.manager import RewardFunctionFailing, RewardManager, ScoreResult
 
 
 def _items(solutions, truth="a", data_source="test/source"):
@@ -209,3 +209,28 @@ def test_an_unpicklable_item_fails_alone(managers):
     assert "sample 1 could not be sent" in results[1].error
     assert results[0].error is None and results[2].error is None
     assert m.score([]) == []
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 5.0])
+def test_a_function_failing_wholesale_stops_after_three_calls_with_its_first_error(managers, timeout_s):
+    def broken(data_source, solution_str, ground_truth, extra_info=None):
+        if extra_info["index"] == 0 or solution_str != "ok":
+            raise KeyError(f"no field for {solution_str}")
+        return 1.0
+
+    m = managers(broken, timeout_s=timeout_s)
+    m.score(_items(["x", "y", "z"]))
+    m.score(_items(["x", "y", "z"]))
+    m.score(_items(["x", "ok", "ok"]))          # 1 of 3 fails: not a failing call, the streak restarts
+    m.score(_items(["a", "b"]))
+    m.score(_items(["a", "b"]))
+    with pytest.raises(RewardFunctionFailing, match=r"3 scoring calls in a row") as err:
+        m.score(_items(["a", "b"]))
+    text = str(err.value)
+    assert "2 of 2 samples failed" in text and "KeyError: 'no field for a'" in text and "max_failing_calls" in text
+
+
+def test_wholesale_failure_stop_can_be_turned_off(managers):
+    m = managers(lambda *a, **k: 1 / 0, timeout_s=0.0, max_failing_calls=0)
+    for _ in range(5):
+        assert [r.score for r in m.score(_items(["a"]))] == [0.0]

@@ -195,6 +195,10 @@ class RewardConfig:
     reward_kwargs: dict[str, Any] = spec({}, "Extra keyword arguments passed to the scoring function.")
     timeout_s: float = spec(10.0, "lathe: per-sample scorer timeout in seconds; 0 = in-process, no timeout.")
     num_workers: int = spec(1, "lathe: scorer worker processes.")
+    max_failure_fraction: float = spec(0.5, "lathe: a scoring call where more than this share of the samples fail "
+                                            "(errors, timeouts) is a failing call.")
+    max_failing_calls: int = spec(3, "lathe: stop the run after this many failing scoring calls in a row, showing "
+                                     "the first error (0 = never stop).")
 
 
 @dataclass

@@ -240,7 +240,9 @@ def build_trainer(cfg) -> Trainer:
         critic = build_critic(cfg, tokenizer, total_steps, device) if critic_in_use(cfg) else None
     trainer = Trainer(
         cfg=cfg, tokenizer=tokenizer, worker=worker, cluster=cluster,
-        reward=RewardManager(reward_fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers),
+        reward=RewardManager(reward_fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
+                             max_failure_fraction=cfg.reward.max_failure_fraction,
+                             max_failing_calls=cfg.reward.max_failing_calls),
         loader=loader, val_dataset=val_ds,
         tracker=Tracker(t.logger, run_dir, project=t.project_name, experiment=t.experiment_name,
                         config=to_dict(cfg), total_steps=total_steps),

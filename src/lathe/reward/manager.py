@@ -3,7 +3,8 @@
 A reward function that raises, returns garbage, crashes its process or never returns costs
 only the sample it was scoring: that sample gets 0.0, the event is counted
 (``reward/num_errors``, ``reward/num_timeouts``) and the first one of each ``score()`` call
-is logged on the ``lathe.reward`` logger. Everything else is scored normally.
+is logged on the ``lathe.reward`` logger. Everything else is scored normally. A function that fails
+wholesale (most samples, several calls in a row) stops the run with its first error.
 
 Timeouts need a process that can be killed, so with ``timeout_s > 0`` samples are scored in
 worker processes forked from this one (see :mod:`lathe.reward.workers`); the workers
@@ -28,7 +29,7 @@ from typing import Any, Callable
 from lathe.reward.scoring import ScoreResult, describe_fn, score_one
 from lathe.reward.workers import Worker
 
-__all__ = ["RewardManager", "ScoreResult"]
+__all__ = ["RewardManager", "RewardFunctionFailing", "ScoreResult"]
 
 logger = logging.getLogger("lathe.reward")
 
@@ -41,6 +42,10 @@ def _shorten(text: Any, head: int = 60, tail: int = 140) -> str:
     """Keep the start and the (answer-bearing) end of a long response for a log line."""
     text = str(text)
     return text if len(text) <= head + tail + 5 else f"{text[:head]} ... {text[-tail:]}"
+
+
+class RewardFunctionFailing(RuntimeError):
+    """The reward function failed on most samples in several scoring calls in a row."""
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -65,7 +70,11 @@ class RewardManager:
     Workers start on the first ``score()`` and live until :meth:`close` (also run at exit).
     """
 
-    def __init__(self, compute_score: Callable, *, timeout_s: float = 10.0, num_workers: int = 1):
+    def __init__(self, compute_score: Callable, *, timeout_s: float = 10.0, num_workers: int = 1,
+                 max_failure_fraction: float = 0.5, max_failing_calls: int = 3):
+        """A call where more than `max_failure_fraction` of the samples fail (errors and timeouts) is a failing
+        call; `max_failing_calls` of them in a row raise `RewardFunctionFailing` with the first error of the first
+        one (0: never). Isolated failures cost only their samples."""
         if not callable(compute_score):
             raise TypeError(f"RewardManager: compute_score={compute_score!r:.80} is not callable")
         if num_workers < 1:
@@ -76,6 +85,8 @@ class RewardManager:
         self._fn_desc = describe_fn(compute_score)
         self._workers: list[Worker] = []
         self._counts = {"reward/num_errors": 0, "reward/num_timeouts": 0}
+        self.max_failure_fraction, self.max_failing_calls = float(max_failure_fraction), int(max_failing_calls)
+        self._failing: list[str] = []        # one line per failing call of the current streak
         self._warned_dropped: set[str] = set()
         self._lock = threading.Lock()  # one batch at a time: workers hold per-batch state
         if self.timeout_s > 0 and "fork" not in multiprocessing.get_all_start_methods():
@@ -97,7 +108,25 @@ class RewardManager:
                 raw = self._score_in_workers(items)
             results = [self._to_result(r) for r in raw]
             self._report(items, raw, results)
+            self._check_streak(items, raw, results)
         return results
+
+    def _check_streak(self, items: list[dict], raw: list, results: list[ScoreResult]) -> None:
+        failed = [i for i, r in enumerate(results) if r.error is not None]
+        if len(failed) <= self.max_failure_fraction * len(results):
+            self._failing = []
+            return
+        i = failed[0]
+        tb = raw[i][4] if raw[i] is not _TIMEOUT and len(raw[i]) == 5 else ""
+        self._failing.append(f"{len(failed)} of {len(results)} samples failed; the first, sample {i} "
+                             f"(data_source={items[i]['data_source']!r}): {results[i].error}"
+                             + (f"\n{tb.rstrip()}" if tb else ""))
+        if 0 < self.max_failing_calls <= len(self._failing):
+            raise RewardFunctionFailing(
+                f"reward function {self._fn_desc} failed on more than {self.max_failure_fraction:.0%} of the samples "
+                f"in {len(self._failing)} scoring calls in a row, so the run stops instead of training on zero "
+                f"rewards. First failing call: {self._failing[0]}\nFix the function (or raise "
+                f"reward.max_failure_fraction / reward.max_failing_calls; 0 calls = never stop).")
 
     def metrics(self) -> dict[str, int]:
         """Error and timeout counts since the previous call, then reset."""

@@ -6,6 +6,7 @@ import torch
 from lathe.train.actor import PPOActor, policy_loss_params
 from lathe.train.logprob import response_log_probs
 from lathe.train.optim import build_optimizer, build_scheduler
+from lathe.train.update import NonFiniteGuard, NonFiniteUpdates
 
 from helpers import assert_close_rel
 
@@ -129,6 +130,24 @@ def test_non_finite_gradient_skips_the_step(make_model, rollout_batch, load_cfg)
     # the first mini-batch (rows 0-3) was skipped, so no NaN reached the weights; the second one still trained
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert _max_diff(_params(model), before) > 0
+    assert metrics["actor/skipped_updates"] == 0.5        # one of the step's two mini-batch updates
+
+
+def test_non_finite_updates_in_a_row_stop_with_the_batch_saved(make_model, rollout_batch, load_cfg, tmp_path):
+    model = make_model()
+    cfg = load_cfg()
+    arr = cfg.actor_rollout_ref
+    optimizer = build_optimizer(model.parameters(), arr.actor.optim)
+    actor = PPOActor(model, optimizer, build_scheduler(optimizer, arr.actor.optim, total_steps=10), arr.actor,
+                     n=arr.rollout.n, temperature=1.0, max_response_length=cfg.data.max_response_length,
+                     nonfinite=NonFiniteGuard("actor", limit=3, dump_dir=tmp_path))
+    batch = _ppo_batch(model, rollout_batch, temperature=1.0)
+    batch["advantages"][:, 0] = float("inf")                 # every mini-batch: 2 skipped updates per step
+    assert actor.update_policy(batch)["actor/skipped_updates"] == 1.0
+    with pytest.raises(NonFiniteUpdates, match="3 updates in a row had a non-finite gradient norm") as err:
+        actor.update_policy(batch)
+    assert "actor_skip3.pt" in str(err.value) and (tmp_path / "actor_skip3.pt").exists()
+    assert torch.isinf(torch.load(tmp_path / "actor_skip1.pt", weights_only=True)["advantages"]).any()
 
 
 def test_policy_loss_params_from_actor_config(load_cfg):

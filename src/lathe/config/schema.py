@@ -274,6 +274,9 @@ class TrainerConfig:
 
     total_epochs: int = spec(30, "Passes over the training set.")
     total_training_steps: int | None = spec(None, "Stop after this many steps; null = total_epochs.")
+    max_nonfinite_updates: int = spec(3, "lathe: an update whose gradient norm is inf/NaN is skipped (counted in "
+                                         "actor|critic/skipped_updates, its batch saved under nonfinite_batches/); "
+                                         "this many in a row stop the run (0 = never).")
     project_name: str = spec("lathe", "Project (logger group, checkpoint dir).")
     experiment_name: str = spec("default", "Run name within the project.")
     logger: list[Logger] = spec(["console", "tensorboard"], "Loggers; jsonl metrics are always written.",

@@ -21,7 +21,7 @@ from lathe.models.compile import maybe_compile
 from lathe.train import parallel
 from lathe.train.logprob import response_log_probs
 from lathe.train.micro import micro_batches
-from lathe.train.update import clipped_step, run_ppo_epochs
+from lathe.train.update import NonFiniteGuard, clipped_step, run_ppo_epochs
 
 
 def policy_loss_params(actor_cfg, rollout_correction: dict | None = None) -> PolicyLossParams:
@@ -36,13 +36,15 @@ class PPOActor:
     """Owns the policy module and its optimizer; `update_policy` runs one RL step's PPO updates."""
 
     def __init__(self, model, optimizer, scheduler, actor_cfg, *, n: int, temperature: float,
-                 max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False):
+                 max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False,
+                 nonfinite: NonFiniteGuard | None = None):
         """`rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
         then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
         `use_remove_padding` (verl's `model.use_remove_padding`): packed forward for lathe's decoder.
         `use_torch_compile` and `fsdp_config.use_torch_compile` (verl's two spellings; either false turns it off):
         compile lathe's decoder layers and log-prob math, on CUDA (see `lathe.models.compile`)."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
+        self.nonfinite = nonfinite or NonFiniteGuard("actor")
         self.compiled = maybe_compile(model, use_torch_compile(actor_cfg))
         self.use_remove_padding = use_remove_padding
         self.mini_batch_size = actor_cfg.ppo_mini_batch_size * n // parallel.world_size()   # this rank's share
@@ -80,6 +82,7 @@ class PPOActor:
                 sums[k] += float(v) * (1.0 if k in _SUMMED else weight)
         out = parallel.sum_metrics(sums)
         out["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
+        out["actor/skipped_updates"] = self.nonfinite.check(out["actor/grad_norm"], mini)
         return out
 
     def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict]:

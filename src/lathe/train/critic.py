@@ -31,7 +31,8 @@ from lathe.train.micro import in_batch_order, micro_batches
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
-from lathe.train.update import clipped_step, load_trainable, run_ppo_epochs, save_trainable
+from lathe.train.update import (NonFiniteGuard, clipped_step, load_trainable, nonfinite_guard, run_ppo_epochs,
+                                save_trainable)
 
 __all__ = ["response_values", "PPOCritic", "CriticWorker"]
 
@@ -59,8 +60,9 @@ class PPOCritic:
     """Owns the value module and its optimizer; ``update_critic`` runs one RL step's value updates."""
 
     def __init__(self, model, optimizer, scheduler, critic_cfg, *, n: int, max_response_length: int,
-                 use_remove_padding: bool = False):
+                 use_remove_padding: bool = False, nonfinite: NonFiniteGuard | None = None):
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, critic_cfg
+        self.nonfinite = nonfinite or NonFiniteGuard("critic")
         self.use_remove_padding = use_remove_padding
         # verl's critic.model.fsdp_config.use_torch_compile: compile the value model's decoder layers, on CUDA
         self.compiled = maybe_compile(model, critic_cfg.model.fsdp_config.use_torch_compile)
@@ -117,6 +119,7 @@ class PPOCritic:
                 sums[k] += v * share
         out = parallel.sum_metrics(sums)
         out["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
+        out["critic/skipped_updates"] = self.nonfinite.check(out["critic/grad_norm"], mini)
         return out
 
     def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict[str, float]]:
@@ -171,7 +174,8 @@ class CriticWorker:
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
         self.critic = PPOCritic(self.model, self.optimizer, self.scheduler, critic,
                                 n=cfg.actor_rollout_ref.rollout.n, max_response_length=cfg.data.max_response_length,
-                                use_remove_padding=critic.model.use_remove_padding)
+                                use_remove_padding=critic.model.use_remove_padding,
+                                nonfinite=nonfinite_guard(cfg, "critic"))
 
     def compute_values(self, batch: Batch) -> Batch:
         """``{"values": (B, R)}`` on the CPU."""

@@ -3,6 +3,8 @@ saving/loading a module with its optimizer and scheduler."""
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +13,8 @@ import torch
 
 from lathe.batch import Batch
 from lathe.train import parallel
+
+log = logging.getLogger("lathe")
 
 
 def run_ppo_epochs(batch: Batch, *, epochs: int, mini_batch_size: int,
@@ -22,6 +26,48 @@ def run_ppo_epochs(batch: Batch, *, epochs: int, mini_batch_size: int,
             for k, v in update_mini_batch(mini).items():
                 metrics[k].append(v)
     return {k: sum(v) / len(v) for k, v in metrics.items()}
+
+
+class NonFiniteUpdates(RuntimeError):
+    """Several updates in a row had a non-finite gradient norm (each was skipped)."""
+
+
+class NonFiniteGuard:
+    """Watches each optimizer step's gradient norm: a non-finite one means the update was skipped (`clipped_step`
+    drops that gradient); it is counted, its mini-batch is saved to `dump_dir` for a post-mortem, and `limit`
+    skipped updates in a row (0: never) stop the run."""
+
+    def __init__(self, what: str, limit: int = 3, dump_dir: Path | None = None):
+        self.what, self.limit, self.dump_dir = what, int(limit), dump_dir
+        self.in_a_row = self.total = 0
+
+    def check(self, grad_norm: float, mini: Batch) -> float:
+        """1.0 when this update was skipped, else 0.0 (its mean over a step is the share skipped)."""
+        if math.isfinite(grad_norm):
+            self.in_a_row = 0
+            return 0.0
+        self.in_a_row += 1
+        self.total += 1
+        saved = ""
+        if self.dump_dir is not None and parallel.rank() == 0:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            file = self.dump_dir / f"{self.what}_skip{self.total}.pt"
+            torch.save({k: v.detach().cpu() for k, v in mini.tensors.items()}, file)
+            saved = f"; its mini-batch is in {file}"
+        log.warning("%s: gradient norm %s, update skipped (%d in a row)%s", self.what, grad_norm, self.in_a_row, saved)
+        if 0 < self.limit <= self.in_a_row:
+            raise NonFiniteUpdates(
+                f"{self.what}: {self.in_a_row} updates in a row had a non-finite gradient norm ({grad_norm}) and were "
+                f"skipped{saved}. Something upstream is inf/NaN or diverging: check the rewards and advantages of "
+                "those batches, lower the learning rate, or set grad_clip; trainer.max_nonfinite_updates (0 = never "
+                "stop) sets how many in a row end the run.")
+        return 1.0
+
+
+def nonfinite_guard(cfg, what: str) -> NonFiniteGuard:
+    """The guard of a run: `trainer.max_nonfinite_updates`, skipped batches under the run directory."""
+    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+    return NonFiniteGuard(what, cfg.trainer.max_nonfinite_updates, run_dir / "nonfinite_batches")
 
 
 def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:

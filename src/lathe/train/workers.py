@@ -50,7 +50,7 @@ from lathe.train.logprob import batched_log_probs
 from lathe.train.offload import HostWeights, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
-from lathe.train.update import load_trainable, save_trainable
+from lathe.train.update import load_trainable, nonfinite_guard, save_trainable
 
 log = logging.getLogger("lathe")
 ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -91,7 +91,7 @@ class ActorRolloutRefWorker:
                               max_response_length=cfg.data.max_response_length,
                               rollout_correction={k: getattr(cfg.algorithm.rollout_correction, k)
                                                   for k in ROLLOUT_CORRECTION_KEYS},
-                              use_remove_padding=self.remove_padding)
+                              use_remove_padding=self.remove_padding, nonfinite=nonfinite_guard(cfg, "actor"))
         self.log_prob_micro_batch_size = (arr.rollout.log_prob_micro_batch_size_per_gpu
                                           or self.actor.micro_batch_size)
         # last, so that the engine sizes its KV cache from the memory that actor and reference leave

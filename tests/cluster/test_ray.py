@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -18,7 +20,7 @@ from lathe.cluster.placement import ResourcePool  # noqa: E402
 from lathe.cluster.worker_group import RayWorkerGroup, WorkerGroupError  # noqa: E402
 
 pytestmark = pytest.mark.slow
-STEPS = ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+STEPS = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=false",
          "trainer.logger=[console]"]
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean", "response_length/mean")
 
@@ -35,7 +37,7 @@ def assert_same(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The built-in run for 3 steps on one process and on 2 Ray workers (which saves at step 2)."""
+    """The built-in run for 4 steps on one process and on 2 Ray workers (both save at steps 2 and 4)."""
     root = tmp_path_factory.mktemp("runs")
     one = train(root / "one", "trainer.save_freq=2")
     two = train(root / "two", "trainer.n_gpus_per_node=2", "trainer.save_freq=2")
@@ -44,7 +46,7 @@ def runs(tmp_path_factory):
 
 def test_two_workers_train_exactly_as_one_process(runs):
     _, one, two = runs
-    assert len(one) == len(two) == 3
+    assert len(one) == len(two) == 4
     for a, b in zip(one, two):
         assert_same(a, b)
 
@@ -72,6 +74,42 @@ def test_resume_is_exact_on_any_worker_count(runs, tmp_path, saved_by, workers):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in one[:2]))
     resumed = train(run, f"trainer.n_gpus_per_node={workers}")
     assert_same(resumed[-1], two[-1])
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_killed_worker_restarts_from_the_last_checkpoint_or_stops_naming_it(runs, tmp_path, restarts):
+    """SIGKILL rank 1 right after the step-2 checkpoint: with restarts allowed the run reloads step 2 on fresh
+    workers and ends exactly as the uninterrupted run; without, it stops naming the rank."""
+    from lathe.ckpt.checkpoint import LATEST
+    from lathe.config import load_config
+    from lathe.loop.ppo import fit
+    from lathe.loop.setup import build_trainer
+    _, _, two = runs
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [f"trainer.default_local_dir={run_dir}", *STEPS, "trainer.n_gpus_per_node=2",
+                             "trainer.save_freq=2", f"trainer.restart_on_worker_failure={restarts}"])
+    t = build_trainer(cfg)
+    pid = t.cluster.group.nodes[1]["pid"]
+
+    def kill_after_step_2():
+        while not ((run_dir / LATEST).exists() and (run_dir / LATEST).read_text() == "2"):
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_after_step_2, daemon=True).start()
+    try:
+        if restarts:
+            fit(t)
+        else:
+            with pytest.raises(WorkerGroupError, match="rank 1 on .* died during"):
+                fit(t)
+            return
+    finally:
+        t.close()
+    assert t.cluster.group.nodes[1]["pid"] != pid                       # a new rank 1
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]                    # each step once in the log
+    assert_same(rows[-1], two[-1])
 
 
 # -- worker groups on their own ------------------------------------------------------------------------

@@ -20,12 +20,20 @@ class Cluster:
     actor: object                  # ActorRolloutRefGroup
     critic: object | None          # CriticGroup
     started_ray: bool
+    args: tuple = ()               # what start_cluster was given (to start the same workers again)
 
     def close(self) -> None:
         self.group.shutdown()
         if self.started_ray:
             import ray
             ray.shutdown()
+
+    def restart(self) -> Cluster:
+        """Stop every rank (the dead one included) and start the same workers afresh, on their starting
+        weights; the caller then loads a checkpoint into them."""
+        self.close()
+        cfg, kwargs = self.args
+        return start_cluster(cfg, **kwargs)
 
 
 def start_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int, device_type: str,
@@ -59,4 +67,7 @@ def start_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_s
             import ray
             ray.shutdown()
         raise
-    return Cluster(group, actor, critic_group, started)
+    return Cluster(group, actor, critic_group, started,
+                   args=(cfg, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
+                                   total_steps=total_steps, device_type=device_type, need_ref=need_ref,
+                                   critic=critic)))

@@ -260,6 +260,8 @@ def _range_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]:
         ("reward.num_workers", cfg.reward.num_workers, cfg.reward.num_workers >= 1, "must be >= 1"),
         ("reward.max_failure_fraction", cfg.reward.max_failure_fraction,
          0 <= cfg.reward.max_failure_fraction < 1, "must be in [0, 1)"),
+        ("trainer.restart_on_worker_failure", cfg.trainer.restart_on_worker_failure,
+         cfg.trainer.restart_on_worker_failure >= 0, "must be >= 0"),
         ("trainer.max_nonfinite_updates", cfg.trainer.max_nonfinite_updates, cfg.trainer.max_nonfinite_updates >= 0,
          "must be >= 0"),
         ("reward.max_failing_calls", cfg.reward.max_failing_calls, cfg.reward.max_failing_calls >= 0, "must be >= 0"),

@@ -274,6 +274,9 @@ class TrainerConfig:
 
     total_epochs: int = spec(30, "Passes over the training set.")
     total_training_steps: int | None = spec(None, "Stop after this many steps; null = total_epochs.")
+    restart_on_worker_failure: int = spec(0, "lathe: when a worker dies or stops answering, restart all workers "
+                                              "from the last checkpoint and go on, at most this many times; 0 = stop "
+                                              "with the rank, host and cause.")
     max_nonfinite_updates: int = spec(3, "lathe: an update whose gradient norm is inf/NaN is skipped (counted in "
                                          "actor|critic/skipped_updates, its batch saved under nonfinite_batches/); "
                                          "this many in a row stop the run (0 = never).")

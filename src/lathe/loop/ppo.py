@@ -11,6 +11,7 @@ import time
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import save_checkpoint
 from lathe.loop.dump import dump_rollouts
+from lathe.loop.recover import run_with_restarts
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.sampling import sample_step_batch
 from lathe.loop.steps import (
@@ -66,11 +67,16 @@ def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
 
 
 def fit(t: Trainer) -> dict[str, float]:
-    """Train until `total_steps`; validate every `test_freq` and save every `save_freq` steps."""
+    """Train until `total_steps`; validate every `test_freq` and save every `save_freq` steps (restarting lost
+    workers from the last checkpoint when `trainer.restart_on_worker_failure` allows: `lathe.loop.recover`)."""
+    return run_with_restarts(t, _fit)
+
+
+def _fit(t: Trainer, first: bool) -> dict[str, float]:
     tr = t.cfg.trainer
     bar = ProgressBar(t.total_steps, initial=t.global_step, desc="train")
     last: dict[str, float] = {}
-    if t.val_dataset is not None and (tr.val_before_train or tr.val_only):
+    if first and t.val_dataset is not None and (tr.val_before_train or tr.val_only):
         t.tracker.log(validate(t), step=t.global_step)
     if tr.val_only:
         return {}

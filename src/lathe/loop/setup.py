@@ -294,6 +294,7 @@ def resume(trainer: Trainer, path: Path) -> None:
     restore_rng(state["rng"])
     trainer.global_step = state["global_step"]
     trainer.resumed_from = path
+    trainer._rows = None                 # the next batch comes from the restored dataloader position
     log.info("resumed from %s (step %d)", path, trainer.global_step)
 
 

@@ -82,6 +82,10 @@ def resolve_devices(cfg: LatheConfig, device_count: int | None = None) -> Device
         return Devices(device_count, f"device_count={device_count} given to load_config")
     t = cfg.trainer
     count = t.nnodes * t.n_gpus_per_node
+    if t.nnodes < 1 or t.n_gpus_per_node < 1:
+        raise ConfigError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}: both must be "
+                          ">= 1 (they are the nodes and the devices per node the run trains on). Fix: set them to "
+                          "positive numbers (1 and 1 for one device).")
     return Devices(count, f"{count} = trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}")
 
 
@@ -253,7 +257,8 @@ def _range_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]:
          "must be two numbers in [0, 1)"),
         (f"{a}.ppo_epochs", actor.ppo_epochs, actor.ppo_epochs >= 1, "must be >= 1"),
         ("critic.ppo_epochs", cfg.critic.ppo_epochs, cfg.critic.ppo_epochs >= 1, "must be >= 1"),
-        (f"{a}.grad_clip", actor.grad_clip, actor.grad_clip > 0, "must be > 0 (max gradient norm)"),
+        *[(_grad_clip_key(prefix, owner), owner.grad_clip, owner.grad_clip > 0, "must be > 0 (max gradient norm)")
+          for prefix, owner in ((a, actor), ("critic", cfg.critic))],
         ("algorithm.gamma", cfg.algorithm.gamma, 0 <= cfg.algorithm.gamma <= 1, "must be in [0, 1]"),
         ("algorithm.lam", cfg.algorithm.lam, 0 <= cfg.algorithm.lam <= 1, "must be in [0, 1]"),
         ("reward.timeout_s", cfg.reward.timeout_s, cfg.reward.timeout_s >= 0, "must be >= 0 (0 = no timeout)"),
@@ -296,6 +301,13 @@ def _token_budget_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]
 def _betas_ok(betas: list[float]) -> bool:
     """Two Adam betas, each in [0, 1)."""
     return len(betas) == 2 and all(0 <= b < 1 for b in betas)
+
+
+def _grad_clip_key(prefix: str, owner) -> str:
+    """The key a user set the gradient clip with: verl's older optim.clip_grad is copied to grad_clip."""
+    if owner.optim.clip_grad is not None:
+        return f"{prefix}.optim.clip_grad (copied to {prefix}.grad_clip)"
+    return f"{prefix}.grad_clip"
 
 
 def _check_ranges(cfg: LatheConfig, problems: ProblemList) -> None:

@@ -40,8 +40,9 @@ class DataError(ValueError):
 def _read_jsonl(path: str) -> list[tuple[str, Any]]:
     """Rows of a JSON-lines file as (location, row); blank lines are skipped."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _utf8(raw, path, f"line {lineno}")
             if not line.strip():
                 continue
             try:
@@ -54,17 +55,26 @@ def _read_jsonl(path: str) -> list[tuple[str, Any]]:
     return rows
 
 
+def _utf8(raw: bytes, path: str, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} {where}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}). Fix: "
+                        "re-encode the file as UTF-8.") from None
+
+
 def _read_json(path: str) -> list[tuple[str, Any]]:
     """A `.json` file: a top-level JSON array of rows, or JSON lines."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         head = f.read(4096).lstrip()
-    if not head.startswith("["):
+    if not head.startswith(b"["):
         return _read_jsonl(path)
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}).") from None
+    with open(path, "rb") as f:
+        text = _utf8(f.read(), path, "(whole file)")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}).") from None
     return [(f"row {i}", row) for i, row in enumerate(data)]
 
 

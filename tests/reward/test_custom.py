@@ -110,3 +110,12 @@ def test_import_error_in_the_file_is_reported_with_the_path(tmp_path):
     path = _write(tmp_path, "import not_a_real_module_xyz\n")
     with pytest.raises(ImportError, match=r"my_reward\.py.*not_a_real_module_xyz"):
         load_reward_fn(str(path))
+
+
+@pytest.mark.parametrize("source", ["def compute_score(a, b\n", "raise RuntimeError('boom at import')\n",
+                                    "x = 1 / 0\n", "\x00\x01 not python\n"])
+def test_a_file_that_cannot_be_imported_fails_naming_it(tmp_path, source):
+    """Syntax errors and exceptions at import time are reported with the file, never as a bare traceback."""
+    path = _write(tmp_path, source)
+    with pytest.raises(ImportError, match=r"my_reward\.py"):
+        load_reward_fn(str(path))

@@ -25,6 +25,7 @@ from lathe.device import empty_cache
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
 from lathe.reward.registry import scorer_for
+from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.base import SamplingParams
 from lathe.track import Tracker
 from lathe.train.sft import supervised_fit
@@ -129,13 +130,20 @@ def load_datasets(cfg, tokenizer) -> tuple[RLDataset, RLDataset | None]:
 
 
 def check_scorers(datasets, custom_path: str | None) -> None:
-    """Without a custom reward function every data_source needs a built-in scorer: fail before training."""
+    """Without a custom reward function every data_source needs a built-in scorer, and code tasks the local
+    sandbox: fail before training."""
     if custom_path:
         return
+    from lathe.reward import sandbox
+    from lathe.reward.code import CODE_SOURCES
     for ds in datasets:
         if ds is not None:
             for source in sorted({ds[i]["data_source"] for i in range(len(ds))}):
                 scorer_for(source)
+                why = sandbox.unavailable() if source in CODE_SOURCES else None
+                if why:
+                    raise ValueError(f"data_source={source!r} is a code task, scored by running the responses in "
+                                     f"lathe's local sandbox, which cannot run here: {why}.")
 
 
 def model_source(cfg, tokenizer, run_dir: Path, resume_dir: Path | None) -> tuple[str, dict]:
@@ -205,6 +213,8 @@ def build_trainer(cfg) -> Trainer:
     arr = cfg.actor_rollout_ref
     check_algorithm_names(cfg)
     reward_fn = load_custom_reward(cfg.reward)
+    sb = cfg.reward_model.sandbox_fusion
+    configure_sandbox(max_concurrent=sb.max_concurrent, memory_limit_mb=sb.memory_limit_mb)   # before scorers fork
     device = resolve_device(t.device)
     seed_everything(t.seed)
     resume_dir = find_resume_dir(t)

@@ -5,7 +5,8 @@ Ground truth (verl's schema): JSON `{"inputs": [...], "outputs": [...]}`, option
 each input is the program's stdin and the output its expected stdout (compared line by line, trailing
 whitespace ignored). With it the program defines that function; each input is a JSON list of arguments and the
 output the JSON value it must return. The program is the last ```python fenced block of the response (or the
-whole response when it has none). Tests stop at the first failure.
+whole response when it has none). Tests stop at the first failure. Each test may take the sandbox's time
+limit, and the reward manager's `reward.timeout_s` bounds the whole sample: raise it for tasks with many tests.
 """
 
 from __future__ import annotations

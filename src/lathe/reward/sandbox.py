@@ -9,7 +9,8 @@ program killed), no core files. A wall-clock limit kills the whole process tree;
 process ends, the kernel ends every other process of its PID namespace, so nothing outlives a run. At most
 `max_concurrent` runs at once across every scoring process (slots are `flock`ed files).
 
-The programs run with the system's `/usr/bin/python3` (stdlib only), not lathe's environment.
+The programs run with the system's `/usr/bin/python3` (stdlib only), not lathe's environment. Run as a normal
+user, the process limit is that user's current process count plus `max_processes` (the kernel counts them all).
 """
 
 from __future__ import annotations
@@ -118,8 +119,22 @@ def _limits_in_child(limits: SandboxLimits):
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+            nproc = limits.max_processes
+        else:                            # the limit counts all of this user's processes: allow that many more
+            nproc = _processes_of(os.getuid()) + limits.max_processes
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     return apply
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                count += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return count
 
 
 def _run(work: Path, stdin: str, limits: SandboxLimits) -> RunResult:

@@ -11,6 +11,7 @@ import torch
 from lathe.config import load_config
 from lathe.loop import ppo
 from lathe.loop.ppo import fit
+from lathe.loop.oom import OutOfMemory
 from lathe.loop.setup import build_trainer
 from lathe.reward.manager import RewardFunctionFailing
 
@@ -114,6 +115,25 @@ def test_failing_and_hanging_reward_does_not_stop_the_run(tmp_path, caplog):
     assert errors > 0 and timeouts > 0
     assert "reward_extra/len/mean" in metrics[1]
     assert "scorer exploded" in caplog.text
+
+
+@pytest.mark.parametrize("method,phase,key", [("update_actor", "update_actor", "ppo_micro_batch_size_per_gpu"),
+                                              ("generate_sequences", "gen", "gpu_memory_utilization")])
+def test_out_of_memory_names_the_phase_and_the_keys(tmp_path, monkeypatch, method, phase, key):
+    cfg = load_config(None, [*TINY, f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=1",
+                             "trainer.test_freq=-1", "trainer.val_before_train=false"])
+    trainer = build_trainer(cfg)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 79.1 GiB in use.")
+
+    monkeypatch.setattr(trainer.worker, method, oom)
+    try:
+        with pytest.raises(OutOfMemory, match=f"during {phase}: CUDA out of memory. Tried to allocate 2.00 GiB") as err:
+            fit(trainer)
+    finally:
+        trainer.close()
+    assert key in str(err.value)
 
 
 def test_a_reward_function_failing_on_every_sample_stops_the_run(tmp_path):

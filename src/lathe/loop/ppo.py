@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import save_checkpoint
 from lathe.loop.dump import dump_rollouts
+from lathe.loop.oom import explain as explain_oom
 from lathe.loop.recover import run_with_restarts
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.sampling import sample_step_batch
@@ -26,8 +29,17 @@ from lathe.track import PeakMemory, ProgressBar, Timer
 
 
 def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
-    """One RL iteration on a batch of prompts; returns the step's metrics (verl's names)."""
-    timer, metrics = Timer(memory=PeakMemory(t.device)), {}
+    """One RL iteration on a batch of prompts; returns the step's metrics (verl's names). Running out of device
+    memory names the phase and the keys that lower it (`lathe.loop.oom`)."""
+    timer = Timer(memory=PeakMemory(t.device))
+    try:
+        return _train_step(t, prompts, timer)
+    except torch.OutOfMemoryError as e:
+        raise explain_oom(e, timer.failed_phase) from e
+
+
+def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:
+    metrics = {}
     rc = t.cfg.algorithm.rollout_correction
     start = time.perf_counter()
     batch, sample_metrics = sample_step_batch(t, prompts, timer)         # rollout + reward (+ DAPO, ReMax)

@@ -33,6 +33,7 @@ class Timer:
         self.memory = memory
         self.seconds: dict[str, float] = {}
         self._open: set[str] = set()
+        self.failed_phase: str | None = None
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -48,6 +49,9 @@ class Timer:
         start = self._clock()
         try:
             yield
+        except BaseException:
+            self.failed_phase = name              # the innermost phase an exception left (see loop/oom.py)
+            raise
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + (self._clock() - start)
             self._open.discard(name)

@@ -24,7 +24,6 @@ def refused(*overrides: str) -> str:
     ("actor_rollout_ref.model.lora_rank=32", "set it to 0"),
     ("reward_model.enable=true", "reward.custom_reward_function.path"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "remove it"),
-    ("reward_model.sandbox_fusion.url=http://localhost:8080", "remove it"),
     ("actor_rollout_ref.actor.strategy=megatron", "fsdp2"),
     ("reward_model.reward_manager=batch", "naive"),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "set it to 1"),

@@ -132,3 +132,37 @@ def test_concurrent_runs_share_the_slots():
     for t in threads:
         t.join()
     assert all(r.status == "ok" for r in results) and time.monotonic() - start >= 0.85      # one at a time
+
+
+def test_a_sandbox_fusion_service_url_is_used_instead(monkeypatch):
+    """`sandbox_fusion.url`: the run_code request goes to the service; an outage raises (counted, not scored 0)."""
+    import http.server
+
+    seen = []
+
+    class Service(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            out = body["stdin"] if "input()" in body["code"] else ""
+            answer = {"status": "Success", "run_result": {"status": "Finished", "return_code": 0, "stdout": out,
+                                                          "stderr": ""}}
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Service)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/run_code"
+    limits = SandboxLimits(**{**vars(LIMITS), "url": url})
+    assert run_python("print(input())", "hi\n", limits=limits).stdout == "hi\n"
+    assert seen[0]["language"] == "python" and seen[0]["memory_limit_MB"] == LIMITS.memory_limit_mb
+    server.shutdown()
+    server.server_close()
+    with pytest.raises(sandbox.SandboxUnavailable, match="sandbox_fusion.url"):
+        run_python("print(1)", limits=limits)

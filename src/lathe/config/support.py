@@ -110,10 +110,7 @@ def _multi_turn() -> list[Entry]:
 
 
 def _rewards() -> list[Entry]:
-    out = [refuse(f"{RM}.sandbox_fusion.url", "a remote SandboxFusion service",
-                  "remove it: lathe runs code-task programs in its local bubblewrap sandbox "
-                  "(reward_model.sandbox_fusion.max_concurrent and memory_limit_mb apply to it)"),
-           refuse(f"{RM}.enable", "scoring with a learned reward model", "remove it; score with the built-in "
+    out = [refuse(f"{RM}.enable", "scoring with a learned reward model", "remove it; score with the built-in "
                   "scorers or reward.custom_reward_function.path"),
            refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo: "
                   "per-response scoring in worker processes with timeouts)", "set it to naive",

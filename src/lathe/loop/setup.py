@@ -214,7 +214,8 @@ def build_trainer(cfg) -> Trainer:
     check_algorithm_names(cfg)
     reward_fn = load_custom_reward(cfg.reward)
     sb = cfg.reward_model.sandbox_fusion
-    configure_sandbox(max_concurrent=sb.max_concurrent, memory_limit_mb=sb.memory_limit_mb)   # before scorers fork
+    configure_sandbox(max_concurrent=sb.max_concurrent, memory_limit_mb=sb.memory_limit_mb,   # before scorers fork
+                      url=sb.url or None)
     device = resolve_device(t.device)
     seed_everything(t.seed)
     resume_dir = find_resume_dir(t)

@@ -9,6 +9,8 @@ program killed), no core files. A wall-clock limit kills the whole process tree;
 process ends, the kernel ends every other process of its PID namespace, so nothing outlives a run. At most
 `max_concurrent` runs at once across every scoring process (slots are `flock`ed files).
 
+With `reward_model.sandbox_fusion.url` (verl's key) the programs go to that SandboxFusion service instead.
+
 The programs run with the system's `/usr/bin/python3` (stdlib only), not lathe's environment. Run as a normal
 user, the process limit is that user's current process count plus `max_processes` (the kernel counts them all).
 """
@@ -51,6 +53,7 @@ class SandboxLimits:
     max_output_bytes: int = 1 << 20
     max_processes: int = 64
     max_concurrent: int = 4
+    url: str | None = None          # a SandboxFusion service's run_code endpoint instead of the local sandbox
 
 
 _LIMITS = SandboxLimits()
@@ -65,7 +68,9 @@ def configure(**limits) -> SandboxLimits:
 
 
 def unavailable() -> str | None:
-    """Why the local sandbox cannot run here, or None."""
+    """Why the local sandbox cannot run here, or None (always None with a service URL: it is tried per run)."""
+    if _LIMITS.url:
+        return None
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed; install the OS package (Debian/Ubuntu: apt-get install bubblewrap)"
     if not Path("/usr/bin/python3").exists():
@@ -79,6 +84,9 @@ def unavailable() -> str | None:
 def run_python(code: str, stdin: str = "", *, limits: SandboxLimits | None = None, check: bool = True) -> RunResult:
     """Run `code` (a Python program) on `stdin` in a fresh sandbox; its stdout, stderr and how it ended."""
     limits = limits or _LIMITS
+    if limits.url:
+        with _slot(limits.max_concurrent):
+            return run_remote(limits.url, code, stdin, limits)
     if check and shutil.which("bwrap") is None:
         raise SandboxUnavailable(unavailable() or "bubblewrap is not installed")
     work = Path(tempfile.mkdtemp(prefix="lathe-sbx-"))
@@ -91,6 +99,31 @@ def run_python(code: str, stdin: str = "", *, limits: SandboxLimits | None = Non
             return _run(work, stdin, limits)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_remote(url: str, code: str, stdin: str, limits: SandboxLimits) -> RunResult:
+    """The same run on a SandboxFusion service (`POST url` with its run_code request). A service that cannot be
+    reached or answers garbage raises `SandboxUnavailable`: the reward manager counts it as the sample's error,
+    and an outage stops the run (`reward.max_failing_calls`) instead of scoring everything 0."""
+    import json
+    import urllib.error
+    import urllib.request
+    body = json.dumps({"code": code, "language": "python", "stdin": stdin, "compile_timeout": 10,
+                       "run_timeout": limits.time_limit_s, "memory_limit_MB": limits.memory_limit_mb}).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=limits.time_limit_s + 30) as response:
+            answer = json.loads(response.read())
+        run = answer.get("run_result") or {}
+        service, state, code_ = answer.get("status"), run.get("status"), run.get("return_code")
+    except (urllib.error.URLError, OSError, ValueError, AttributeError) as e:
+        raise SandboxUnavailable(f"reward_model.sandbox_fusion.url={url}: {e}") from None
+    if service == "SandboxError":
+        raise SandboxUnavailable(f"reward_model.sandbox_fusion.url={url}: the service failed ({answer})"[:300])
+    status = "timeout" if state == "TimeLimitExceeded" else "ok" if state == "Finished" and code_ == 0 else "error"
+    return RunResult(status, str(run.get("stdout") or "")[:limits.max_output_bytes],
+                     str(run.get("stderr") or "")[:limits.max_output_bytes], code_, time.monotonic() - start)
 
 
 def _command(work: Path) -> list[str]:

@@ -163,11 +163,12 @@ class CriticWorker:
         model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
         if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.model = model.to(device=self.device, dtype=self.policy.master_dtype)
-        if parallel.in_group():                     # a rank of a data-parallel group: FSDP2, fp32 shards
+        if parallel.in_group():     # a rank of a data-parallel group: FSDP2 moves each rank's fp32 shards to the device
+            self.model = model.to(dtype=self.policy.master_dtype)
             parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         else:
+            self.model = model.to(device=self.device, dtype=self.policy.master_dtype)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
                                              **offload_flags(critic.model.fsdp_config, self.device, key=key))
         log.info("critic: %s on %s", self.policy.describe(), self.device)

@@ -11,6 +11,7 @@ and micro-batches. In one process (no group) every function here is the identity
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 
@@ -101,6 +102,8 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
         kw["mp_policy"] = mp_policy
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device is not None and device.type == "cuda")
+    if device is not None:
+        kw["mesh"] = _mesh(device.type)      # weights still in host memory are moved to this device, shard by shard
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
     # the root stays gathered after forward: its heads (lm_head, score) are also used outside forward, by the
@@ -122,6 +125,13 @@ def shard(model: nn.Module, fsdp_cfg, policy, device: torch.device) -> nn.Module
     return shard_model(model, mp_policy=policy.fsdp2_policy() if policy.mixed else None,
                        reshard_after_forward=fsdp_cfg.reshard_after_forward,
                        offload=bool(fsdp_cfg.param_offload or fsdp_cfg.offload_policy), device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(device_type: str):
+    """The 1-D mesh of every rank on `device_type` (one per process, reused by every sharded model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (world_size(),))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -70,9 +70,10 @@ class ActorRolloutRefWorker:
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config")
         self.sharded = parallel.in_group()             # a rank of a data-parallel group: FSDP2
         self.ref, self.ref_host = self._build_ref(arr, need_ref)   # from the weights as loaded, before the cast
-        self.model.to(device=device, dtype=self.policy.master_dtype)
         if self.sharded:
-            # the rollout's own full copy, taken before the actor's weights are cut into shards
+            # the weights stay in host memory until fully_shard moves each layer's shard to the device (the whole
+            # model is never on the device); the rollout's own full copy goes there tensor by tensor
+            self.model.to(dtype=self.policy.master_dtype)
             self.engine_model = (frozen_copy(self.model, rollout_dtype(arr.rollout.dtype, device), device)
                                  if self.rollout_name == "lathe" else None)
             if hf_model is self.model:
@@ -80,6 +81,7 @@ class ActorRolloutRefWorker:
             parallel.shard(self.model, arr.actor.fsdp_config, self.policy, device)
             self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim)   # fp32 shards
         else:
+            self.model.to(device=device, dtype=self.policy.master_dtype)
             self.engine_model = None
             self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim, policy=self.policy,
                                              **offload_flags(arr.actor.fsdp_config, device,
@@ -109,7 +111,8 @@ class ActorRolloutRefWorker:
             return None, None
         key = "actor_rollout_ref.ref.fsdp_config"
         policy = resolve_policy(arr.ref.fsdp_config, self.device, key=key, trainable=False)
-        ref = frozen_copy(self.model, policy.param_dtype, self.device)
+        # sharded: built in host memory, fully_shard moves each rank's shards to the device
+        ref = frozen_copy(self.model, policy.param_dtype, torch.device("cpu") if self.sharded else self.device)
         offload = offload_flags(arr.ref.fsdp_config, self.device, key=key, frozen=True)["offload_params"]
         if self.sharded:
             parallel.shard(ref, arr.ref.fsdp_config, policy, self.device)

@@ -69,9 +69,6 @@ class RankHost:
     def call(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self.roles[role], method)(*args, **kwargs)
 
-    def attribute(self, role: str, name: str) -> Any:
-        return getattr(self.roles[role], name)
-
     def shutdown(self) -> None:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -91,7 +88,7 @@ class RayWorkerGroup:
         for rank, (pg, index) in enumerate(pool.bundles()):
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
             self.hosts.append(actor.options(num_cpus=pool.cpus_per_worker, num_gpus=1 if pool.use_gpu else 0,
-                                            scheduling_strategy=strategy, name=None)
+                                            scheduling_strategy=strategy)
                               .remote(rank, self.world_size, pool.cpus_per_worker))
         self.last_done = ["(started)"] * self.world_size
         self.nodes = self._gather([h.node.remote() for h in self.hosts], "node")
@@ -121,9 +118,6 @@ class RayWorkerGroup:
         """Rank r runs `method(*args_r, **kwargs_r)`; a None entry skips that rank (its answer is None)."""
         refs = [None if a is None else h.call.remote(role, method, a[0], a[1]) for h, a in zip(self.hosts, per_rank)]
         return self._gather(refs, f"{role}.{method}")
-
-    def attribute(self, role: str, name: str) -> Any:
-        return self._gather([self.hosts[0].attribute.remote(role, name)], f"{role}.{name}")[0]
 
     def _gather(self, refs: list, what: str) -> list:
         """Wait for every rank's answer; fail fast on the first error, or name the silent ranks at the deadline."""

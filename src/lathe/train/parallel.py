@@ -20,23 +20,23 @@ import torch.distributed as dist
 from torch import nn
 
 
+def in_group() -> bool:
+    """This process is a rank of a process group (placed by `lathe.cluster`, one rank included): its models are
+    sharded with FSDP2."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if in_group() else 1
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if in_group() else 0
 
 
 def distributed() -> bool:
     """More than one rank: collectives are needed."""
     return world_size() > 1
-
-
-def in_group() -> bool:
-    """This process is a rank of a process group (placed by `lathe.cluster`, one rank included): its models are
-    sharded with FSDP2."""
-    return dist.is_available() and dist.is_initialized()
 
 
 def all_reduce(values: list[float] | torch.Tensor, *, op: str = "sum") -> torch.Tensor:
@@ -142,15 +142,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len))
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
-
-
 def reshard(model: nn.Module) -> None:
     """Free the root's gathered weights after a pass without backward (FSDP2 keeps the root unsharded after
     forward, expecting a backward)."""
-    if is_sharded(model):
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(model, FSDPModule):
         model.reshard()
 
 
@@ -220,10 +216,6 @@ def load_sharded(path, model: nn.Module, optimizer) -> None:
         dcp.load(state, checkpoint_id=str(path), no_dist=not in_group())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     _betas_as_tuples(optimizer)
-
-
-def state_names(model: nn.Module) -> list[str]:
-    return list(model.state_dict().keys())
 
 
 def load_full_state(model: nn.Module, optimizer, weights: dict, optim_state: dict, *, ignore_missing) -> None:

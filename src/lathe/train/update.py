@@ -117,25 +117,32 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
                    ignore_missing: Callable[[str], bool] = lambda name: False) -> None:
     """Restore what `save_trainable` wrote; weights that do not fit the model raise, naming the tensors.
     Sharded models: every rank calls this with the same path."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
     files = sorted((path / "huggingface").glob("*.safetensors"))
     if not files or not (path / "optim.pt").exists():
         raise FileNotFoundError(f"{what} checkpoint {path} is incomplete: expected huggingface/*.safetensors and "
                                 "optim.pt")
-    state = {}
-    for f in files:
-        state.update(load_file(f))
-    names = set(parallel.state_names(model))
-    missing = [m for m in sorted(names - set(state)) if not ignore_missing(m)]
-    unexpected = sorted(set(state) - names)
+    saved: set[str] = set()
+    for f in files:                              # names from the headers: the tensors are read only when used
+        with safe_open(f, framework="pt") as handle:
+            saved.update(handle.keys())
+    names = set(model.state_dict().keys())
+    missing = [m for m in sorted(names - saved) if not ignore_missing(m)]
+    unexpected = sorted(saved - names)
     if missing or unexpected:
         raise RuntimeError(f"{what} checkpoint {path} does not match the model: missing {missing}, "
                            f"unexpected {unexpected}")
     opt = torch.load(path / "optim.pt", weights_only=True)
     load_masters = getattr(optimizer, "load_master_state_dict", None)
     if opt.get("sharded") and load_masters is None:       # any number of ranks, one process included
-        parallel.load_sharded(path / SHARDED, model, optimizer)
-    elif load_masters is not None:
+        parallel.load_sharded(path / SHARDED, model, optimizer)   # each rank reads its own shards only
+        scheduler.load_state_dict(opt["scheduler"])
+        return
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    if load_masters is not None:
         if opt.get("by_name"):
             raise RuntimeError(f"{what} checkpoint {path} was written by a run without fp32 master weights (CPU or "
                                "several devices); resume it with the same device type and precision")

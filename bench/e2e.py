@@ -52,6 +52,9 @@ LATHE_SETTINGS = {
     "7b": dict(micro=16, checkpointing=True, kl=True,
                extra=["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]),
 }
+# One GPU needs the 7B optimizer state in host memory; sharded over several GPUs it fits (and lathe refuses
+# optimizer offload without parameter offload there), so these settings are dropped when --gpus > 1.
+SINGLE_GPU_ONLY = ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",)
 TRL_MICRO = {"tiny": 8, "0.5b": 32, "1.5b": 16, "7b": 8}
 
 REWARD_FILE = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -122,6 +125,7 @@ def write_data(where: Path, *, rows: int, prompt_len: int, vocab_size: int) -> t
 # -- the two systems ---------------------------------------------------------------------------------------
 def lathe_command(shape: str, paths: dict, args) -> list[str]:
     s = LATHE_SETTINGS[shape]
+    extra = [e for e in s["extra"] if args.gpus == 1 or e not in SINGLE_GPU_ONLY]
     kl = ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001"] if s["kl"] else []
     return [sys.executable, "-m", "lathe", "train", "base",
             f"data.train_files={paths['parquet']}", "data.val_files=null", "trainer.test_freq=-1",
@@ -136,7 +140,7 @@ def lathe_command(shape: str, paths: dict, args) -> list[str]:
             f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={min(s['micro'], args.prompts * args.n)}",
             f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={min(2 * s['micro'], args.prompts * args.n)}",
-            "actor_rollout_ref.actor.optim.lr=1e-6", *kl, *s["extra"],
+            "actor_rollout_ref.actor.optim.lr=1e-6", *kl, *extra,
             f"reward.custom_reward_function.path={paths['reward']}",
             f"trainer.total_training_steps={args.steps}", "trainer.logger=[console]", "trainer.save_freq=-1",
             "trainer.resume_mode=disable", f"trainer.device={args.device}", f"trainer.n_gpus_per_node={args.gpus}",

@@ -160,6 +160,7 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None
 
 
 def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float | None) -> dict:
+    """`peak_tflops`: of all the GPUs the run uses (MFU is per GPU)."""
     timed = steps[warmup:] or steps[-1:]
     med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
     phases = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
@@ -203,7 +204,7 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         res["lathe"] = {"command": " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]]), "returncode": rc,
                         "wall_s": wall, "gpus": args.gpus, "ray_workers": args.ray or args.gpus > 1,
-                        **(lathe_row(steps, args.warmup, flops, peak) if steps else {})}
+                        **(lathe_row(steps, args.warmup, flops, peak and peak * args.gpus) if steps else {})}
     if "trl" in args.systems and shape not in args.trl_skip:
         out = paths["run"] / "trl.json"
         out.unlink(missing_ok=True)

@@ -58,3 +58,25 @@ def test_the_critic_has_its_own_masters_moments_and_offload_key(monkeypatch):
     assert _gib(parts, "critic master weights, fp32") == pytest.approx(4 * N / 2**30)
     moments = next(p for p in parts if p.what.startswith("critic AdamW moments"))
     assert not moments.on_gpu and moments.why == "critic.model.fsdp_config.optimizer_offload=true"
+
+
+def _kv_plan(utilization, monkeypatch, seqs=256):
+    monkeypatch.setattr(memory, "total_memory", lambda device: 80 * 2**30)
+    cfg = load_config("base", ["trainer.device=cpu"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=True, critic_params=None, lathe_engine=True)
+    return memory.format_plan(parts, CUDA, utilization, kv_seq_bytes=2**28, seqs=seqs)   # 0.25 GiB a sequence
+
+
+def test_no_room_for_the_kv_cache_is_refused_up_front_with_the_utilization_that_fits(monkeypatch):
+    # resident while generating: bf16 weights 1.86 + fp32 masters 3.73 + moments 7.45 + reference 1.86 = 14.9 GiB
+    text, fits = _kv_plan(0.18, monkeypatch)        # 14.4 GiB of 80: no sequence fits
+    assert not fits and "DOES NOT FIT while generating" in text
+    assert "gpu_memory_utilization=0.95" in text and "optimizer_offload=true saves 7.5 GiB" in text
+    assert "gradients" not in text.split("Fix:")[-1], "gradients do not exist while generating"
+
+
+def test_a_batch_that_does_not_fit_at_once_is_said_but_runs(monkeypatch):
+    text, fits = _kv_plan(0.5, monkeypatch, seqs=256)          # 25 GiB of KV; 64 GiB wanted
+    assert fits and "the engine will preempt" in text and "gpu_memory_utilization=0.95" in text
+    text, fits = _kv_plan(0.5, monkeypatch, seqs=64)           # 16 GiB wanted: fits
+    assert fits and "preempt" not in text and "gpu_memory_utilization=0.45" not in text

@@ -7,6 +7,7 @@ out-of-memory error. Activations and the allocator's slack are not modelled: the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -51,11 +52,11 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
 
 
 def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_params: int | None,
-         lathe_engine: bool, world: int = 1) -> list[Part]:
+         lathe_engine: bool, world: int = 1, colocated: bool = True) -> list[Part]:
     """The parts of a run on one device: actor (+ a rollout copy unless lathe's engine runs on the actor's own
     weights in the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's
     decoder. With `world` > 1 data-parallel ranks every trained or reference part is a 1/world FSDP2 shard and
-    the engine holds its own full copy."""
+    the engine holds its own full copy. `colocated=False`: the rollout has devices of its own (fully async)."""
     from lathe.train.workers import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
@@ -63,7 +64,7 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     shares = lathe_engine and engine_dtype == compute and world == 1
     note = ", shared with the rollout engine" if shares else ""
     parts = model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device, weights_note=note)
-    if not shares:
+    if not shares and colocated:
         parts.append(Part(f"rollout weights, {short_name(engine_dtype)}",
                           n_params * torch.empty((), dtype=engine_dtype).element_size(), True))
     if need_ref:
@@ -77,8 +78,13 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     return parts
 
 
-def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization: float) -> tuple[str, bool]:
-    """(the plan as log lines, whether the update fits in the device's memory)."""
+def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization: float, *,
+                kv_seq_bytes: int = 0, seqs: int = 0) -> tuple[str, bool]:
+    """(the plan as log lines, whether the run fits in the device's memory).
+
+    `kv_seq_bytes`: the KV cache of one sequence of the longest length (lathe's engine; 0 = not checked), and
+    `seqs` the sequences one device generates per step. Room for none of them is refused: the engine could not
+    start its second step, once the optimizer's state exists (its cache is sized again at each wake-up)."""
     total = total_memory(device)
     resident = sum(p.nbytes for p in parts if p.on_gpu and not p.update_only)
     update = resident + sum(p.nbytes for p in parts if p.on_gpu and p.update_only)
@@ -96,12 +102,26 @@ def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization:
     lines.append(f"  GPU during the update: {update / GIB:.2f} GiB + activations")
     if host:
         lines.append(f"  CPU (pinned): {host / GIB:.2f} GiB")
+    offload = lambda during: "; ".join(  # noqa: E731
+        f"{p.offload_key}=true saves {p.nbytes / GIB:.1f} GiB ({p.what})"
+        for p in parts if p.on_gpu and p.offload_key and (during == "update" or not p.update_only))
     fits = update < total
     if not fits:
-        hint = "; ".join(f"{p.offload_key}=true saves {p.nbytes / GIB:.1f} GiB ({p.what})"
-                         for p in parts if p.on_gpu and p.offload_key)
         lines.append(f"  DOES NOT FIT: the update needs {update / GIB:.1f} GiB of {total / GIB:.1f} GiB before "
-                     f"activations. Fix: {hint}; or use a smaller model.")
+                     f"activations. Fix: {offload('update')}; or use a smaller model.")
+    if kv_seq_bytes and seqs:
+        batch = kv_seq_bytes * seqs
+        enough = min(0.95, math.ceil(100 * (resident + batch) / total / 5) * 5 / 100)
+        if kv < kv_seq_bytes:
+            fits = False
+            lines.append(
+                f"  DOES NOT FIT while generating: the weights and optimizer state resident then ({resident / GIB:.1f} "
+                f"GiB) leave no KV cache within rollout.gpu_memory_utilization={gpu_memory_utilization} x "
+                f"{total / GIB:.1f} GiB (one sequence needs {kv_seq_bytes / GIB:.2f} GiB). Fix: "
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={enough}; or {offload('generate')}.")
+        elif kv < batch:
+            lines.append(f"  the step's {seqs} sequences per device need {batch / GIB:.1f} GiB of KV cache at their "
+                         f"longest: the engine will preempt (slower); gpu_memory_utilization={enough} avoids it")
     return "\n".join(lines), fits
 
 

@@ -8,6 +8,9 @@ transformers' greedy `generate`. Sample `j` of prompt `i` samples with the seed 
 reproducible, and independent of batching, preemption and of the prompts after it. (Different batch
 shapes can change logits in the last bits — on a GPU, bf16 matmuls pick kernels by batch size — so a
 token exactly on a sampling boundary may still differ; this is the only dependence.)
+
+Requests can also stream in and out while the engine runs, and be interrupted for a weight sync (partial
+rollout): `add_request`, `step`, `pop_finished`, `interrupt`, `load_weights` (`lathe.engine.stream`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from lathe.engine.sampler import sample_on_device
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
 from lathe.engine.stop import StopStringMatcher, StopStrings
+from lathe.engine.stream import StreamingMixin
 from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -85,7 +89,7 @@ class _InFlight:
         return self.host.tolist()
 
 
-class LatheEngine:
+class LatheEngine(StreamingMixin):
     """Continuous-batching generation with a `LatheCausalLM` (fp32/bf16, CPU or CUDA).
 
     On CUDA, by default: the model's layers are compiled (`compile_model`, torch.compile per layer), decode
@@ -137,6 +141,7 @@ class LatheEngine:
         self.runner = ModelRunner(model, self.kv_cache, max_model_len=self.max_model_len,
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
                                   max_graph_batch=min(max_num_seqs, 512))
+        self._init_streaming()
 
     @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -173,6 +178,10 @@ class LatheEngine:
         `first_index = k * n`, samples exactly what the whole call samples for them (data-parallel rollout)."""
         if not self.kv_cache.allocated:
             raise RuntimeError("LatheEngine.generate: the engine is asleep (KV cache freed); call wake_up() first")
+        if not self.scheduler.is_finished():
+            raise RuntimeError("LatheEngine.generate: streamed requests (add_request) are unfinished; run them out "
+                               "with step(), or add this batch as a request too")
+        self._resolve(self._inflight)           # a streamed request's last tokens, if still on the device
         seqs = self._make_sequences(prompt_token_ids, params, first_index)
         self.scheduler.new_call()
         preempted = self.scheduler.num_preemptions
@@ -232,7 +241,13 @@ class LatheEngine:
         placeholder, so lengths, positions and KV slots are already right for scheduling; what needs the
         token's value (stop tokens and strings, prefix keys) waits for it. A sequence that stopped thus runs
         one extra step whose token is dropped. `async_scheduling=False` (the CPU's default) resolves each step
-        at once."""
+        at once. With nothing left to schedule it only resolves the step still on the device (and returns 0)."""
+        if self.scheduler.is_finished():
+            self._resolve(self._inflight)
+            self._inflight = None
+            return 0
+        if not self.kv_cache.allocated:
+            raise RuntimeError("LatheEngine.step: the engine is asleep (KV cache freed); call wake_up() first")
         seqs, is_prefill, copies = self.scheduler.schedule()
         self.kv_cache.copy_blocks(copies)
         last = self._inflight
@@ -303,7 +318,12 @@ class LatheEngine:
         self.block_manager.reset()
 
     def sleep(self) -> None:
-        """Free the KV cache (and forget cached prefixes) so training can use the memory."""
+        """Free the KV cache (and forget cached prefixes) so training can use the memory. Unfinished streamed
+        requests must hold no KV (`interrupt()` first); they continue after `wake_up()`."""
+        if self.scheduler.running or self.scheduler.prefilling is not None:
+            raise RuntimeError("LatheEngine.sleep: sequences hold KV blocks; call engine.interrupt() first")
+        self._resolve(self._inflight)
+        self._inflight = None
         self.block_manager.reset()
         if self.runner.graphs is not None:
             self.runner.graphs.reset()

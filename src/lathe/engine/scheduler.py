@@ -17,12 +17,17 @@ preemption at all while nothing is known), then follows the response lengths see
 call. Nothing carries from one call to the next, so admission (and batch composition) depends on the call's
 inputs only and a resumed run batches as an uninterrupted one. Without the reservation a GRPO load admits every
 prompt whose prompt fits, then preempts hundreds of them as the responses grow (each one recomputed).
+(Streamed requests, `lathe.engine.stream`, start the statistics afresh only when they find the engine idle.)
+
+`preempt_all` empties the KV cache for a weight sync (partial rollout): every sequence holding blocks goes back
+to the waiting queue, its tokens kept; that is not memory pressure, so neither counted nor boosting the reservation.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.sequence import Sequence, SequenceStatus
@@ -46,6 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.length_fraction = 1.0                  # moving average of output tokens / max_tokens when finished
         self.boost = 0.0                            # raised by preemptions; both reset by `new_call`
+        self.on_finish: Callable[[Sequence], None] | None = None     # told of each sequence `finish` ends
 
     def new_call(self) -> None:
         """A `generate` call starts: forget the last call's lengths and preemptions."""
@@ -156,10 +162,26 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and put it first in line; it is recomputed from its tokens when readmitted."""
         self.num_preemptions += 1
+        seq.num_preemptions += 1
         self.boost = min(1.0, self.expected_fraction + PREEMPTION_BOOST)
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
+
+    def preempt_all(self) -> list[Sequence]:
+        """Preempt every sequence holding KV blocks (the running ones, the one mid-prefill) by recompute, so that
+        none does; they wait first in line, in the order they were admitted. Returns them. A weight sync's
+        interruption: not counted in `num_preemptions`, no reservation boost."""
+        seqs = list(self.running)
+        if self.prefilling is not None:
+            seqs.append(self.prefilling)
+        self.running.clear()
+        self.prefilling = None
+        for seq in reversed(seqs):
+            seq.status = SequenceStatus.WAITING
+            self.block_manager.deallocate(seq)
+            self.waiting.appendleft(seq)
+        return seqs
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (running, or waiting: preempted while its last token was still on the device)."""
@@ -169,3 +191,5 @@ class Scheduler:
         fraction = min(1.0, seq.num_output_tokens / max(1, seq.params.max_tokens))
         self.length_fraction += LENGTH_EMA * (fraction - self.length_fraction)
         self.block_manager.deallocate(seq)
+        if self.on_finish is not None:
+            self.on_finish(seq)

@@ -50,6 +50,10 @@ class RolloutOutput:
     finish_reasons: list[str]        # "stop" (EOS, a stop id or a stop string; the stopping token is included
                                      # in token_ids) or "length"
     metrics: dict[str, float] = field(default_factory=dict)    # the backend's own, as `rollout/<name>`
+    # per sample, the weight versions its tokens were sampled with: (version, index of the first output token
+    # sampled with it), ascending; a partial rollout continued after a weight sync has several. None: not tracked
+    # (one version throughout, as `generate`)
+    versions: list[list[tuple[int, int]]] | None = None
 
 
 class Rollout(Protocol):

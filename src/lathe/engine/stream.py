@@ -1,0 +1,198 @@
+"""Streamed requests and partial rollout for `LatheEngine` (fully asynchronous RL).
+
+    engine.add_request("q17", prompts, SamplingParams(n=8, seed=0), first_index=136)   # at any time
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request_id, out in engine.pop_finished():       # each request once, when all its samples are done
+            ...
+    engine.interrupt()                                  # weight sync: in-flight samples keep their tokens
+    engine.load_weights(named_tensors, version=3)       # ... and continue under the new weights
+
+A request (prompts, each sampled `n` times) becomes sequences exactly as `generate` makes them (same seeds for the
+same `first_index`), so a streamed request samples what one `generate` call for it samples, whenever it is added and
+whatever runs beside it (up to the last bits of batch-dependent logits, see `lathe.engine.llm_engine`).
+
+Partial rollout (verl's `async_training.partial_rollout`): `interrupt()` resolves the step still on the device, then
+preempts every sequence that holds KV blocks by recompute (`Scheduler.preempt_all`): its tokens and log-probs stay,
+its KV goes. `load_weights` then copies new weights in, forgets every cached prefix, and bumps `weight_version`;
+the continuation's prefill recomputes prompt + generated tokens under the new weights. Each output token keeps the
+log-prob it was sampled with; `RolloutOutput.versions` says which weights sampled which tokens.
+
+Admission statistics (`Scheduler.new_call`): a request that finds the engine idle starts them afresh, as a
+`generate` call does; while requests keep arriving they carry over (response lengths seen so far, and the
+reservation boost of memory preemptions; weight-sync interrupts do not raise it).
+
+`generate` refuses to run while streamed requests are unfinished (it would drive them, and they it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lathe.engine.sequence import PENDING, Sequence, SequenceStatus
+from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
+
+
+class _Request:
+    __slots__ = ("request_id", "seqs", "versions", "remaining", "num_interrupted")
+
+    def __init__(self, request_id, seqs: list[Sequence], version: int):
+        self.request_id, self.seqs = request_id, seqs
+        self.versions = [[(version, 0)] for _ in seqs]
+        self.remaining = sum(not s.is_finished for s in seqs)
+        self.num_interrupted = 0
+
+    def on_host(self) -> bool:
+        """Every sample's last token has reached the host (none is a `PENDING` placeholder)."""
+        return all(s.token_ids[-1] != PENDING for s in self.seqs)
+
+    def output(self) -> RolloutOutput:
+        return RolloutOutput(
+            token_ids=[s.output_token_ids for s in self.seqs], logprobs=[list(s.logprobs) for s in self.seqs],
+            finish_reasons=[s.finish_reason for s in self.seqs],
+            metrics={"rollout/num_preemptions": sum(s.num_preemptions for s in self.seqs),
+                     "rollout/num_interrupted": self.num_interrupted},
+            versions=[list(v) for v in self.versions])
+
+
+class RequestTracker:
+    """Which request each unfinished sequence belongs to, and the requests whose sequences all finished, in the
+    order they finished (`Scheduler.on_finish`). A request is returned once its last tokens are on the host."""
+
+    def __init__(self):
+        self.requests: dict[Any, _Request] = {}              # added, not yet returned
+        self.owner: dict[Sequence, tuple[_Request, int]] = {}  # unfinished sequence -> (request, sample)
+        self.done: list[_Request] = []                      # all sequences finished, in finish order
+
+    def check_new(self, request_id) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"add_request: request_id {request_id!r} is already in the engine (added and not yet "
+                             "returned by pop_finished); request ids must be unique among unreturned requests")
+
+    def add(self, request_id, seqs: list[Sequence], version: int) -> None:
+        self.check_new(request_id)
+        req = _Request(request_id, seqs, version)
+        self.requests[request_id] = req
+        for j, s in enumerate(seqs):
+            if not s.is_finished:
+                self.owner[s] = (req, j)
+        if req.remaining == 0:
+            self.done.append(req)
+
+    def on_finish(self, seq: Sequence) -> None:
+        entry = self.owner.pop(seq, None)
+        if entry is None:               # a `generate` call's sequence
+            return
+        req = entry[0]
+        req.remaining -= 1
+        if req.remaining == 0:
+            self.done.append(req)
+
+    def interrupted(self, seq: Sequence) -> None:
+        entry = self.owner.get(seq)
+        if entry is not None:
+            entry[0].num_interrupted += 1
+
+    def new_version(self, version: int) -> None:
+        """Each unfinished sequence samples its next token with weights `version`."""
+        for seq, (req, j) in self.owner.items():
+            spans, start = req.versions[j], seq.num_output_tokens
+            if spans[-1][1] == start:           # nothing sampled under the previous version
+                spans[-1] = (version, start)
+            elif spans[-1][0] != version:
+                spans.append((version, start))
+
+    def pop_ready(self) -> list[tuple[Any, RolloutOutput]]:
+        ready = [r for r in self.done if r.on_host()]
+        if not ready:
+            return []
+        self.done = [r for r in self.done if not r.on_host()]
+        for r in ready:
+            del self.requests[r.request_id]
+        return [(r.request_id, r.output()) for r in ready]
+
+
+class StreamingMixin:
+    """`LatheEngine`'s streaming interface (see the module docstring); state lives in `self._requests`."""
+
+    weight_version: int
+    _requests: RequestTracker
+
+    def _init_streaming(self) -> None:
+        self.weight_version = 0
+        self._requests = RequestTracker()
+        self.scheduler.on_finish = self._requests.on_finish
+
+    def add_request(self, request_id, prompt_token_ids: list[list[int]], params: SamplingParams, *,
+                    first_index: int = 0) -> None:
+        """Queue `params.n` samples of each prompt (prompt-major), seeded as `generate(..., first_index=)` seeds
+        them; callable between any two `step()` calls. `request_id`: any hashable, unique among the requests
+        not yet returned by `pop_finished`."""
+        self._requests.check_new(request_id)
+        seqs = self._make_sequences(prompt_token_ids, params, first_index)
+        if params.max_tokens <= 0:
+            for seq in seqs:
+                seq.finish_reason, seq.status = "length", SequenceStatus.FINISHED
+        elif seqs:
+            if not self.has_unfinished_requests():
+                self.scheduler.new_call()        # an idle engine starts its admission statistics afresh
+            waiting = len(self.scheduler.waiting)
+            try:
+                for seq in seqs:
+                    self.scheduler.add(seq)      # raises when a sequence can never fit in the cache
+            except ValueError:
+                while len(self.scheduler.waiting) > waiting:     # the request is refused whole
+                    self.scheduler.waiting.pop()
+                raise
+        self._requests.add(request_id, seqs, self.weight_version)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a sequence is still to be generated, or a sampled token still to reach the host: `step()` has
+        work. A request whose samples are all done waits in `pop_finished`."""
+        return not self.scheduler.is_finished() or self._inflight is not None
+
+    def pop_finished(self) -> list[tuple[Any, RolloutOutput]]:
+        """(request_id, output) of each request whose samples have all finished since the last call, in the order
+        they finished; each request once. The output is `generate`'s for that request alone, plus `versions`
+        and the request's own `rollout/num_preemptions` and `rollout/num_interrupted` (how many of its sequences
+        interrupts preempted, counting each interrupt). With overlapped scheduling a sample's last token reaches
+        the host one step late: its request comes at the next call after the next `step()`, or at once when the
+        engine has nothing left to run (the step on the device is resolved then)."""
+        if self._inflight is not None and self.scheduler.is_finished():
+            self._resolve(self._inflight)
+            self._inflight = None
+        return self._requests.pop_ready()
+
+    def interrupt(self) -> int:
+        """Partial rollout: resolve the step still on the device, then preempt every unfinished sequence that holds
+        KV blocks (running or mid-prefill) by recompute; they keep their tokens and log-probs and continue, in
+        order, at the next `step()`. Returns how many were interrupted (0 when idle)."""
+        self._resolve(self._inflight)
+        self._inflight = None
+        seqs = self.scheduler.preempt_all()
+        for seq in seqs:
+            self._requests.interrupted(seq)
+        return len(seqs)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Copy new weights in place (HF names) while requests are unfinished, provided no sequence holds KV
+        computed by the old ones (after `interrupt()`, or when idle); drop every cached prefix; the unfinished
+        sequences sample their next tokens with weights `version` (recorded in their `versions`). A sync may load
+        its tensors in several calls (buckets) with the same `version`."""
+        sch = self.scheduler
+        holding = len(sch.running) + (sch.prefilling is not None)
+        if holding:
+            raise RuntimeError(f"LatheEngine.load_weights: {holding} sequences hold KV computed with weight version "
+                               f"{self.weight_version}; call engine.interrupt() first (partial rollout), or load "
+                               "once no request is unfinished")
+        self._resolve(self._inflight)       # tokens sampled by the old weights (all finished: nothing holds KV)
+        self._inflight = None
+        copy_named_tensors(self.model, named_tensors, who="engine's model")
+        if self.block_manager.hash_to_block:        # (a sync loading bucket by bucket resets once)
+            self.block_manager.reset()
+        if version != self.weight_version:
+            self._requests.new_version(version)
+            self.weight_version = version

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -154,23 +154,36 @@ def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of every parameter of a sharded `model`, one FSDP2 group at a time: each decoder layer
     is gathered whole in one collective (in the compute dtype: bf16 under mixed precision), its tensors yielded,
     and freed before the next; the root's (embeddings, norm, heads) last. Every rank must iterate all of it."""
-    from torch.distributed.fsdp import FSDPModule
-    prefixes = {id(m): name for name, m in model.named_modules()}
-    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    groups = [m for m in groups if m is not model] + [model]
-    nested = [prefixes[id(m)] + "." for m in groups if m is not model]
-    for module in groups:
-        prefix = prefixes[id(module)]
+    for module, own in _groups_in_order(model):
         module.unshard()
         try:
-            for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
-                if module is model and any(name.startswith(n) for n in nested):
-                    continue                         # a layer's own group: yielded already
+            for name, p in own():            # read after unshard: the gathered tensors, not the DTensor shards
                 yield name, p.detach()
         finally:
             if module is not model:
                 module.reshard()
     model.reshard()
+
+
+def full_shapes(model: nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """(name, full shape, dtype) of what `full_tensors` yields, in its order, without gathering anything (a
+    DTensor shard reports its full shape)."""
+    return [(name, p.shape, p.dtype) for _, own in _groups_in_order(model) for name, p in own()]
+
+
+def _groups_in_order(model: nn.Module) -> list[tuple[nn.Module, Callable[[], list[tuple[str, nn.Parameter]]]]]:
+    """The FSDP2 groups of `model` (layers first, the root last), each with a function listing its own parameters
+    by full name as they are registered when it is called (FSDP2 swaps shards and gathered tensors on unshard)."""
+    from torch.distributed.fsdp import FSDPModule
+    prefixes = {id(m): name for name, m in model.named_modules()}
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [m for m in groups if m is not model] + [model]
+    nested = tuple(prefixes[id(m)] + "." for m in groups if m is not model)
+
+    def own(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for name, p in module.named_parameters(prefix=prefixes[id(module)], remove_duplicate=False)
+                if not (module is model and name.startswith(nested))]      # a layer's: in its own group
+    return [(m, functools.partial(own, m)) for m in groups]
 
 
 def to_local(value):

@@ -124,3 +124,35 @@ def test_to_dict_and_to_yaml_mirror_the_tree():
     assert d["data"]["train_batch_size"] == 64
     assert d["trainer"]["experiment_name"] == "1e-3"
     assert load_yaml(to_yaml(cfg)) == d
+
+
+def test_a_group_set_by_a_verl_preset_name_takes_its_values_and_later_keys_on_top():
+    cfg = apply(["algorithm.rollout_correction.rollout_is_batch_normalize=true",
+                 "algorithm.rollout_correction=decoupled_geo_rs_seq_tis",
+                 "algorithm.rollout_correction.rollout_is_threshold=3.0"])
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold) == (
+        "sequence", 3.0, "seq_mean_k1", "0.999_1.001")
+    assert rc.rollout_is_batch_normalize is False and rc.bypass_mode is False     # reset by the preset
+    rc = apply(["algorithm.rollout_correction=bypass_pg_geo_rs"]).algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_rs, rc.bypass_mode, rc.loss_type) == (None, "seq_mean_k1", True, "reinforce")
+    cfg = LatheConfig()
+    apply_layer(cfg, flatten_mapping({"algorithm": {"rollout_correction": "decoupled_k3_rs"}}, "in test.yaml"), "")
+    assert (cfg.algorithm.rollout_correction.rollout_rs, cfg.algorithm.rollout_correction.rollout_rs_threshold) == (
+        "seq_mean_k3", 0.01)
+
+
+def test_the_fully_async_scripts_preset_spelling_maps_to_its_verl_preset_and_a_typo_lists_them():
+    with pytest.warns(UserWarning, match="taken as verl's preset decoupled_geo_rs_seq_tis"):
+        rc = apply(["algorithm.rollout_correction=sequence_tis_geometric_rs"]).algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_rs) == ("sequence", "seq_mean_k1")
+    with pytest.raises(ConfigError, match=r"Did you mean `decoupled_geo_rs_seq_tis`.*Presets: disabled, "):
+        apply(["algorithm.rollout_correction=decoupled_geo_rs_seq_ti"])
+
+
+def test_every_rollout_correction_preset_loads():
+    from lathe.config import load_config
+    from lathe.config.schema import ROLLOUT_CORRECTION_PRESETS
+    for name, values in ROLLOUT_CORRECTION_PRESETS.items():
+        rc = load_config("default", [f"algorithm.rollout_correction={name}"]).algorithm.rollout_correction
+        assert all(getattr(rc, k) == v for k, v in values.items()), name

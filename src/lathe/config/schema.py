@@ -247,6 +247,33 @@ class RolloutCorrectionConfig:
     use_policy_gradient: bool = spec(False, "Older verl spelling of loss_type=reinforce.")
 
 
+_GEO_RS = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}    # geometric-mean ratio within 0.1%
+_K3_RS = {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01}
+_SEQ_TIS = {"rollout_is": "sequence", "rollout_is_threshold": 2.0}
+_TOKEN_TIS = {"rollout_is": "token", "rollout_is_threshold": 2.0}
+_ICEPOP = {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}
+_PG = {"bypass_mode": True, "loss_type": "reinforce"}
+_PPO = {"bypass_mode": True, "loss_type": "ppo_clip"}
+# verl's RolloutCorrectionConfig factory presets by name (`algorithm.rollout_correction=<name>`), as field values;
+# the fields a preset does not name take their defaults.
+ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
+    "disabled": {},
+    "decoupled_token_is": _TOKEN_TIS, "decoupled_seq_is": _SEQ_TIS, "decoupled_token_icepop": _ICEPOP,
+    "decoupled_seq_is_rs": {**_SEQ_TIS, "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0"},
+    "decoupled_geo_rs": _GEO_RS, "decoupled_geo_rs_seq_tis": {**_SEQ_TIS, **_GEO_RS},
+    "decoupled_geo_rs_token_tis": {**_TOKEN_TIS, **_GEO_RS},
+    "decoupled_k3_rs": _K3_RS, "decoupled_k3_rs_seq_tis": {**_SEQ_TIS, **_K3_RS},
+    "decoupled_k3_rs_token_tis": {**_TOKEN_TIS, **_K3_RS},
+    "bypass_ppo_clip": _PPO, "bypass_ppo_clip_geo_rs": {**_PPO, **_GEO_RS}, "bypass_ppo_clip_k3_rs": {**_PPO, **_K3_RS},
+    "bypass_pg_is": {**_PG, **_SEQ_TIS}, "bypass_pg_token_icepop": {**_PG, **_ICEPOP},
+    "bypass_pg_geo_rs": {**_PG, **_GEO_RS}, "bypass_pg_geo_rs_seq_tis": {**_PG, **_SEQ_TIS, **_GEO_RS},
+    "bypass_pg_geo_rs_token_tis": {**_PG, **_TOKEN_TIS, **_GEO_RS},
+}
+# other spellings seen in verl's docs and launch scripts -> the preset meant
+ROLLOUT_CORRECTION_PRESET_ALIASES = {"geo_rs_seq_tis": "decoupled_geo_rs_seq_tis",
+                                     "sequence_tis_geometric_rs": "decoupled_geo_rs_seq_tis"}
+
+
 @dataclass
 class AlgorithmConfig:
     """Advantage estimation and reward shaping (verl ``algorithm``)."""
@@ -262,7 +289,13 @@ class AlgorithmConfig:
     pf_ppo: PFPPOConfig = spec(factory=PFPPOConfig, help="PF-PPO settings.")
     filter_groups: FilterGroupsConfig = spec(factory=FilterGroupsConfig, help="DAPO dynamic sampling.")
     rollout_correction: RolloutCorrectionConfig = spec(factory=RolloutCorrectionConfig,
-                                                       help="Rollout/trainer mismatch correction.")
+                                                       help="Rollout/trainer mismatch correction: its keys, or a "
+                                                            "verl preset name (e.g. decoupled_geo_rs_seq_tis).")
+
+
+# groups that can be set whole by a preset name: group type -> (presets, aliases)
+GROUP_PRESETS: dict[type, tuple[dict[str, dict[str, Any]], dict[str, str]]] = {
+    RolloutCorrectionConfig: (ROLLOUT_CORRECTION_PRESETS, ROLLOUT_CORRECTION_PRESET_ALIASES)}
 
 
 Logger = Literal["console", "tensorboard", "wandb", "mlflow", "jsonl"]

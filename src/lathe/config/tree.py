@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, get_args, get_origin
 
 from .coerce import coerce, dump_yaml, hints_of, parse_value, show, type_name
 from .errors import ConfigError, ProblemList, closest, did_you_mean
-from .schema import LatheConfig
+from .schema import GROUP_PRESETS, LatheConfig
 
 # Old verl spellings -> lathe paths (prefix rewrite).
 ALIASES: dict[str, str] = {
@@ -224,7 +225,10 @@ def assign(root: LatheConfig, item: Assignment) -> None:
 
 
 def _set_field(root: LatheConfig, node: Any, name: str, tp: Any, item: Assignment) -> None:
-    """Assign a leaf field, or merge a mapping into a group / dict field."""
+    """Assign a leaf field, merge a mapping into a group / dict field, or set a group from a preset name."""
+    if _dataclass_type(tp) in GROUP_PRESETS and isinstance(item.value, str):
+        _set_group_preset(root, node, name, _dataclass_type(tp), item)
+        return
     if _dataclass_type(tp) is not None and isinstance(item.value, dict):
         for key, value in item.value.items():
             if str(key) != "_target_":
@@ -237,6 +241,24 @@ def _set_field(root: LatheConfig, node: Any, name: str, tp: Any, item: Assignmen
         return
     meta = field_meta(type(node), name)
     setattr(node, name, coerce(item.value, tp, item.path, raw=item.raw, example=current, meta=meta))
+
+
+def _set_group_preset(root: LatheConfig, node: Any, name: str, group: type, item: Assignment) -> None:
+    """`group=<preset name>` (verl's named factory configs): the group back to its defaults, then the preset's
+    values; later assignments to its keys apply on top."""
+    presets, aliases = GROUP_PRESETS[group]
+    chosen = aliases.get(item.value, item.value)
+    if chosen not in presets:
+        hint = did_you_mean(closest(item.value, [*presets, *aliases], n=2))
+        raise ConfigError(f"`{item.spelled}`={show(item.value)} is not a preset of this group ({item.origin}).{hint} "
+                          f"Presets: {', '.join(presets)}. Fix: name one of them, or set the group's keys "
+                          f"({item.path}.<key>=...).")
+    if chosen != item.value:
+        warnings.warn(f"{item.spelled}={item.value} is taken as verl's preset {chosen}: "
+                      f"{', '.join(f'{k}={v}' for k, v in presets[chosen].items())}", stacklevel=2)
+    setattr(node, name, group())
+    for key, value in presets[chosen].items():
+        assign(root, Assignment(f"{item.path}.{key}", value, None, f"{item.spelled}.{key}", item.origin))
 
 
 def _set_in_dict(target: dict, parts: list[str], value: Any) -> None:

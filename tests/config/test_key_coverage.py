@@ -25,6 +25,8 @@ READ_IN_CONFIG = {
     "critic.optim.clip_grad": "fill.py: copied to critic.grad_clip",
     "algorithm.rollout_correction.use_policy_gradient": "fill.py: converted to loss_type=reinforce",
     "critic.enable": "rules.py: critic_in_use(), which loop/setup.py calls",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": "rules.py: must agree with the placement, which picks the "
+                                                           "sync (nccl: a rollout pool; naive: colocated)",
 }
 
 # Keys read through a name the scan cannot follow; each is checked against the mechanism below.

@@ -25,7 +25,12 @@ from lathe.algo.registry import (
     register_adv_estimator,
     register_policy_loss,
 )
-from lathe.algo.rollout_correction import ROLLOUT_CORRECTION_KEYS, ROLLOUT_RS_OPTIONS, compute_rollout_correction
+from lathe.algo.rollout_correction import (
+    ROLLOUT_CORRECTION_KEYS,
+    ROLLOUT_RS_OPTIONS,
+    compute_rollout_correction,
+    rollout_probs_diff,
+)
 from lathe.algo.utils import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -35,6 +40,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "ROLLOUT_RS_OPTIONS",
     "ROLLOUT_CORRECTION_KEYS",
+    "rollout_probs_diff",
     "register_adv_estimator",
     "get_adv_estimator",
     "register_policy_loss",

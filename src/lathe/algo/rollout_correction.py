@@ -40,6 +40,7 @@ __all__ = [
     "compute_rollout_rejection_mask",
     "compute_offpolicy_metrics",
     "parse_rollout_is_threshold",
+    "rollout_probs_diff",
 ]
 
 SAFETY_BOUND = 20.0
@@ -240,6 +241,18 @@ def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask) -> 
         "chi2_seq": _mean(torch.exp(2.0 * seq_sum)) - 1.0,
     })  # fmt: skip
     return m
+
+
+@torch.no_grad()
+def rollout_probs_diff(old_log_prob, rollout_log_prob, response_mask) -> dict[str, float]:
+    """verl's rollout/trainer consistency check, ``|exp(log pi_rollout) - exp(log pi_old)|`` per valid token:
+    ``{"max", "mean", "std"}`` (nothing when no token is valid). Large values mean the engine sampled from another
+    distribution than the trainer computes (stale weights, precision, a bug)."""
+    diff = (rollout_log_prob.double().exp() - old_log_prob.double().exp()).abs()[response_mask.bool()]
+    if not diff.numel():
+        return {}
+    return {"max": float(diff.max()), "mean": float(diff.mean()),
+            "std": float(diff.std()) if diff.numel() > 1 else 0.0}
 
 
 def _check_cfg(cfg: dict) -> dict:

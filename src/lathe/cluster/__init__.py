@@ -4,11 +4,16 @@
 joins) Ray, reserves one bundle per device, starts one rank per bundle in one process group, builds the
 actor/rollout/reference worker (and the critic) on every rank, and returns the driver-side groups that the
 loop calls exactly as it calls the in-process workers.
+
+`start_async_cluster` is its fully-asynchronous counterpart (`rollout.n_gpus_per_node` > 0): two pools, the
+trainer's ranks without engines and the rollout replicas (`cluster/async_roles.py`), joined by the checkpoint
+engine's process group (`cluster/checkpoint_engine.py`) for the weight sync.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 log = logging.getLogger("lathe")
@@ -71,3 +76,131 @@ def start_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_s
                    args=(cfg, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
                                    total_steps=total_steps, device_type=device_type, need_ref=need_ref,
                                    critic=critic)))
+
+
+@dataclass
+class AsyncCluster:
+    """Fully-async training's two pools: the trainer's worker group and the rollout replicas, and the weight sync
+    between them (a process group of the trainer's rank 0 and every replica)."""
+
+    trainer_group: object          # RayWorkerGroup (AsyncTrainerWorker on every rank)
+    rollout_group: object          # RayWorkerGroup (RolloutWorker on every rank)
+    actor: object                  # AsyncActorGroup
+    critic: object | None
+    rollout: object                # RolloutGroup
+    started_ray: bool
+    metas: list
+    bucket_bytes: int
+
+    def sync(self, version: int) -> dict:
+        """Broadcast the trainer's weights to every (paused) replica; they take `version`."""
+        what = "weight sync"
+        sends = self.trainer_group.submit_each("actor_rollout_ref", "send_weights",
+                                               [((self.metas, self.bucket_bytes), {})] * self.trainer_group.world_size)
+        receives = self.rollout_group.submit_each("rollout", "receive_weights",
+                                                  [((self.metas, self.bucket_bytes, version), {})]
+                                                  * self.rollout_group.world_size)
+        stats = self.trainer_group.gather(sends, what)[0]
+        self.rollout_group.gather(receives, what)
+        return stats
+
+    def close(self) -> None:
+        try:
+            self.rollout_group.call("rollout", "shutdown")      # the engines' threads
+        except Exception:      # noqa: BLE001 - shutting down (maybe after a failure): the groups are stopped next
+            pass
+        self.rollout_group.shutdown()
+        self.trainer_group.shutdown()
+        if self.started_ray:
+            import ray
+            ray.shutdown()
+
+
+def start_async_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int, device_type: str,
+                        need_ref: bool, critic: bool) -> AsyncCluster:
+    """The trainer pool (`trainer.nnodes x n_gpus_per_node`, FSDP2, no engine) and the rollout pool
+    (`rollout.nnodes x n_gpus_per_node` replicas of lathe's engine), joined for the weight sync."""
+    from lathe.cluster.async_roles import ROLLOUT, RolloutGroup
+    from lathe.cluster.placement import ResourcePool, start_ray
+    from lathe.cluster.roles import ACTOR, CRITIC, AsyncActorGroup, CriticGroup, build_critic
+    from lathe.cluster.worker_group import RayWorkerGroup
+    t, arr = cfg.trainer, cfg.actor_rollout_ref
+    use_gpu, timeout = device_type == "cuda", arr.nccl_timeout
+    started = start_ray(cfg)
+    groups: list = []
+
+    def pool(name: str, nnodes: int, per_node: int, **kwargs) -> RayWorkerGroup:
+        group = RayWorkerGroup(ResourcePool(nnodes, per_node, use_gpu=use_gpu, name=name), name=name,
+                               timeout_s=timeout, **kwargs)
+        groups.append(group)
+        return group
+
+    def trainer_pool() -> RayWorkerGroup:
+        group = pool("trainer", t.nnodes, t.n_gpus_per_node)
+        group.build(ACTOR, build_async_trainer, cfg, model_path, load_kwargs, tokenizer, total_steps=total_steps,
+                    device_type=device_type, need_ref=need_ref)
+        if critic:
+            group.build(CRITIC, build_critic, cfg, tokenizer, total_steps=total_steps, device_type=device_type)
+        return group
+
+    def rollout_pool() -> RayWorkerGroup:
+        group = pool("rollout", cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node, max_concurrency=4)
+        group.build(ROLLOUT, build_rollout_worker, cfg, model_path, load_kwargs, tokenizer, device_type=device_type)
+        return group
+
+    try:
+        with ThreadPoolExecutor(2, thread_name_prefix="lathe-pool") as starting:   # both pools load at once
+            futures = [starting.submit(trainer_pool), starting.submit(rollout_pool)]
+            trainer, rollout = (f.result() for f in futures)
+        n = arr.rollout.n
+        replicas = RolloutGroup(rollout, pad_id=tokenizer.pad_token_id, timeout_s=timeout)
+        actor = AsyncActorGroup(trainer, replicas, pad_id=tokenizer.pad_token_id, balance=t.balance_batch,
+                                mini_batch_size=arr.actor.ppo_mini_batch_size * n, has_ref=need_ref)
+        critic_group = (CriticGroup(trainer, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
+                                    balance=t.balance_batch) if critic else None)
+        metas = trainer.call(ACTOR, "weight_metas")[0]
+        ce = cfg.async_training.checkpoint_engine
+        megabytes = ce.device_buffer_size_M or arr.rollout.update_weights_bucket_megabytes
+        bucket_bytes = megabytes << 20 if ce.enable else 1          # enable=false: every tensor a bucket of its own
+        _join_sync_group(trainer, rollout, trainer.nodes[0]["ip"], trainer.free_port(), timeout)
+        log.info("fully async: %d trainer rank(s), %d rollout replica(s); weight sync of %.2f GB in %s",
+                 trainer.world_size, rollout.world_size, sum(m.nbytes for m in metas) / 1e9,
+                 f"buckets of {megabytes} MB" if ce.enable else "one bucket per tensor")
+    except BaseException:
+        for g in groups:
+            g.shutdown()
+        if started:
+            import ray
+            ray.shutdown()
+        raise
+    return AsyncCluster(trainer, rollout, actor, critic_group, replicas, started, metas, bucket_bytes)
+
+
+def _join_sync_group(trainer, rollout, host: str, port: int, timeout_s: float) -> None:
+    world = 1 + rollout.world_size
+    a = trainer.submit_each("actor_rollout_ref", "join_sync_group",
+                            [((host, port, 0, world, timeout_s), {})] * trainer.world_size)
+    b = rollout.submit_each("rollout", "join_sync_group",
+                            [((host, port, 1 + r, world, timeout_s), {}) for r in range(rollout.world_size)])
+    trainer.gather(a, "join_sync_group")
+    rollout.gather(b, "join_sync_group")
+
+
+def build_async_trainer(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int, device_type: str,
+                        need_ref: bool):
+    """A trainer rank of fully-async training: the actor/reference worker without an engine."""
+    from lathe.cluster.async_roles import AsyncTrainerWorker
+    from lathe.cluster.roles import rank_device
+    from lathe.loop.setup import seed_everything
+    from lathe.models.hf import load_policy
+    from lathe.train.workers import ActorRolloutRefWorker, rollout_dtype
+    seed_everything(cfg.trainer.seed)
+    device = rank_device(device_type)
+    worker = ActorRolloutRefWorker(cfg, load_policy(model_path, **load_kwargs), tokenizer, total_steps=total_steps,
+                                   device=device, need_ref=need_ref, rollout=False)
+    return AsyncTrainerWorker(worker, rollout_dtype(cfg.actor_rollout_ref.rollout.dtype, device))
+
+
+def build_rollout_worker(cfg, model_path: str, load_kwargs: dict, tokenizer, *, device_type: str):
+    from lathe.cluster.async_roles import RolloutWorker
+    return RolloutWorker(cfg, model_path, load_kwargs, tokenizer, device_type=device_type)

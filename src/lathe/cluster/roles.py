@@ -90,6 +90,21 @@ class ActorRolloutRefGroup:
         self.group.call(ACTOR, "load_checkpoint", Path(path))
 
 
+class AsyncActorGroup(ActorRolloutRefGroup):
+    """Fully-async training's trainer ranks: the actor's methods, with generation going to the rollout replicas
+    (validation) and no colocated engine to sync (the driver broadcasts the weights: `AsyncCluster.sync`)."""
+
+    def __init__(self, group, replicas, **kwargs):
+        super().__init__(group, **kwargs)
+        self.replicas = replicas
+
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return self.replicas.generate_sequences(prompts, params)
+
+    def sync_weights(self) -> None:
+        pass
+
+
 class CriticGroup:
     """`CriticWorker`'s methods over the same ranks (colocated with the actor)."""
 

@@ -78,7 +78,7 @@ class RankHost:
 class RayWorkerGroup:
     """`world_size` ranks placed on `pool`'s bundles; `call` runs a role's method on every rank."""
 
-    def __init__(self, pool, *, name: str, timeout_s: float):
+    def __init__(self, pool, *, name: str, timeout_s: float, max_concurrency: int = 1):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         self.name, self.timeout_s, self.pool = name, float(timeout_s), pool
@@ -88,16 +88,20 @@ class RayWorkerGroup:
         for rank, (pg, index) in enumerate(pool.bundles()):
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
             self.hosts.append(actor.options(num_cpus=pool.cpus_per_worker, num_gpus=1 if pool.use_gpu else 0,
-                                            scheduling_strategy=strategy)
+                                            scheduling_strategy=strategy, max_concurrency=max_concurrency)
                               .remote(rank, self.world_size, pool.cpus_per_worker))
         self.last_done = ["(started)"] * self.world_size
         self.nodes = self._gather([h.node.remote() for h in self.hosts], "node")
-        address, port = self.nodes[0]["ip"], self._gather([self.hosts[0].free_port.remote()], "free_port")[0]
+        address, port = self.nodes[0]["ip"], self.free_port()
         backend = "nccl" if pool.use_gpu else "gloo"
         self._gather([h.init_process_group.remote(address, port, backend, self.timeout_s) for h in self.hosts],
                      "init_process_group")
         log.info("%s: %d workers over %s on %s (rendezvous %s:%d)", name, self.world_size, backend,
                  self.placement(), address, port)
+
+    def free_port(self) -> int:
+        """A free TCP port on rank 0's node (for a rendezvous hosted there)."""
+        return self._gather([self.hosts[0].free_port.remote()], "free_port")[0]
 
     def placement(self) -> str:
         """'node 10.0.0.1: ranks 0-1; node 10.0.0.2: ranks 2-3' style summary."""
@@ -116,8 +120,15 @@ class RayWorkerGroup:
 
     def call_each(self, role: str, method: str, per_rank: Sequence[tuple[tuple, dict] | None]) -> list:
         """Rank r runs `method(*args_r, **kwargs_r)`; a None entry skips that rank (its answer is None)."""
-        refs = [None if a is None else h.call.remote(role, method, a[0], a[1]) for h, a in zip(self.hosts, per_rank)]
-        return self._gather(refs, f"{role}.{method}")
+        return self.gather(self.submit_each(role, method, per_rank), f"{role}.{method}")
+
+    def submit_each(self, role: str, method: str, per_rank: Sequence[tuple[tuple, dict] | None]) -> list:
+        """`call_each` without waiting: the per-rank Ray references, for `gather` (or `ray.wait`) later."""
+        return [None if a is None else h.call.remote(role, method, a[0], a[1]) for h, a in zip(self.hosts, per_rank)]
+
+    def gather(self, refs: list, what: str) -> list:
+        """The answers of `submit_each`'s references, with the same deadline and error reports as `call`."""
+        return self._gather(refs, what)
 
     def _gather(self, refs: list, what: str) -> list:
         """Wait for every rank's answer; fail fast on the first error, or name the silent ranks at the deadline."""

@@ -84,9 +84,16 @@ def _fill_critic(cfg: LatheConfig) -> None:
 
 
 def _fill_misc(cfg: LatheConfig) -> None:
-    """Data seed, DAPO generation batch and reward-model batching fallbacks."""
+    """Data seed, DAPO generation batch and reward-model batching fallbacks; in fully-async mode a training step is
+    `require_batches x ppo_mini_batch_size` prompts (verl: train_batch_size has no effect there, its scripts set 0)
+    and prompts are sent to the rollout one at a time unless data.gen_batch_size says otherwise."""
     if cfg.data.seed is None:
         cfg.data.seed = cfg.trainer.seed
+    if cfg.rollout.n_gpus_per_node > 0:
+        cfg.data.train_batch_size = (cfg.async_training.require_batches
+                                     * cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+        if cfg.data.gen_batch_size is None:
+            cfg.data.gen_batch_size = 1
     if cfg.data.gen_batch_size is None:
         cfg.data.gen_batch_size = cfg.data.train_batch_size
     rm = cfg.reward_model

@@ -91,8 +91,14 @@ def resolve_devices(cfg: LatheConfig, device_count: int | None = None) -> Device
 
 def check_visible_devices(cfg: LatheConfig, problems: ProblemList) -> None:
     """A GPU run may not ask for more GPUs per node than this process can see."""
-    t = cfg.trainer
+    t, pool = cfg.trainer, cfg.rollout
     visible = visible_cuda_devices()
+    if (pool.n_gpus_per_node > 0 and t.nnodes == pool.nnodes == 1 and t.device != "cpu"
+            and t.n_gpus_per_node + pool.n_gpus_per_node > visible and not (t.device == "auto" and visible == 0)):
+        problems.add(f"trainer.n_gpus_per_node={t.n_gpus_per_node} + rollout.n_gpus_per_node={pool.n_gpus_per_node} "
+                     f"GPUs on this one node, but this process sees {visible}. Fix: lower one of them (the trainer "
+                     "and the rollout each need devices of their own), or add nodes (trainer.nnodes/rollout.nnodes).")
+        return
     if t.device == "cpu" or (t.device == "auto" and visible == 0) or t.n_gpus_per_node <= visible:
         return
     shown = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -325,6 +331,7 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
         problems.add("trainer.resume_mode=resume_path needs trainer.resume_from_path, which is not set. Fix: set "
                      "trainer.resume_from_path=<checkpoint dir>, or use trainer.resume_mode=auto.")
     _check_lengths_and_rounds(cfg, problems)
+    _check_async(cfg, problems)
     if t.test_freq > 0 and not cfg.data.val_files:
         problems.add(f"trainer.test_freq={t.test_freq} asks for validation every {t.test_freq} steps, but "
                      f"data.val_files is not set. Fix: set data.val_files=<parquet/jsonl file> (or "
@@ -341,7 +348,7 @@ def _check_lengths_and_rounds(cfg: LatheConfig, problems: ProblemList) -> None:
         if value != data_value:
             problems.add(f"{key}={value} differs from {data_key}={data_value}; lathe sizes prompts and responses by "
                          f"{data_key} (verl copies it into {key}). Fix: set {data_key}={value} and leave {key} unset.")
-    if d.gen_batch_size != d.train_batch_size and not cfg.algorithm.filter_groups.enable:
+    if d.gen_batch_size != d.train_batch_size and not cfg.algorithm.filter_groups.enable and not is_async(cfg):
         problems.add(f"data.gen_batch_size={d.gen_batch_size} differs from data.train_batch_size={d.train_batch_size}, "
                      "but gen_batch_size is read only by DAPO's dynamic sampling (prompts per generation round, with "
                      "algorithm.filter_groups.enable=true). Fix: remove data.gen_batch_size, or set "
@@ -349,6 +356,56 @@ def _check_lengths_and_rounds(cfg: LatheConfig, problems: ProblemList) -> None:
 
 
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def is_async(cfg: LatheConfig) -> bool:
+    """Fully asynchronous: the rollout has a device pool of its own (`rollout.n_gpus_per_node` > 0)."""
+    return cfg.rollout.n_gpus_per_node > 0
+
+
+def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:
+    """The fully-async keys: sane values, a step the prompt chunks divide, and no key of the other mode."""
+    at, pool, ce = cfg.async_training, cfg.rollout, cfg.actor_rollout_ref.rollout.checkpoint_engine.backend
+    if not is_async(cfg):
+        if ce == "nccl":
+            problems.add("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl moves weights to a separate "
+                         "rollout pool, but the rollout shares the trainer's devices (rollout.n_gpus_per_node=0). "
+                         "Fix: set rollout.n_gpus_per_node (fully asynchronous training), or use backend=naive/auto.")
+        return
+    step = cfg.data.train_batch_size
+    for key, value, ok in (("async_training.staleness_threshold", at.staleness_threshold, at.staleness_threshold >= 0),
+                           ("async_training.trigger_parameter_sync_step", at.trigger_parameter_sync_step,
+                            at.trigger_parameter_sync_step >= 1),
+                           ("async_training.require_batches", at.require_batches, at.require_batches >= 1),
+                           ("rollout.nnodes", pool.nnodes, pool.nnodes >= 1),
+                           ("data.gen_batch_size", cfg.data.gen_batch_size, cfg.data.gen_batch_size >= 1)):
+        if not ok:
+            problems.add(f"{key}={value} is out of range (staleness_threshold >= 0, the others >= 1).")
+    if cfg.data.gen_batch_size >= 1 and step % cfg.data.gen_batch_size:
+        problems.add(f"data.gen_batch_size={cfg.data.gen_batch_size} prompts per rollout request must divide a "
+                     f"training step of async_training.require_batches x ppo_mini_batch_size = {step} prompts. "
+                     "Fix: set data.gen_batch_size=1 (verl's streaming default) or a divisor of that.")
+    if ce == "naive":
+        problems.add("actor_rollout_ref.rollout.checkpoint_engine.backend=naive copies weights in-process, but the "
+                     "rollout has devices of its own (rollout.n_gpus_per_node > 0). Fix: use backend=nccl or auto.")
+    if cfg.algorithm.filter_groups.enable:
+        problems.add("algorithm.filter_groups.enable=true (DAPO's dynamic sampling) is not implemented in fully-async "
+                     "mode yet. Fix: disable it, or train synchronously (rollout.n_gpus_per_node=0).")
+    if cfg.trainer.restart_on_worker_failure:
+        problems.add(f"trainer.restart_on_worker_failure={cfg.trainer.restart_on_worker_failure} is not implemented "
+                     "for fully-async training yet (two pools to restart). Fix: set it to 0, and resume from the last "
+                     "checkpoint after a failure (trainer.resume_mode=auto).")
+    rc = cfg.algorithm.rollout_correction
+    if ((rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode
+            and at.use_rollout_log_probs and not at.compute_prox_log_prob):
+        problems.add("algorithm.rollout_correction corrects between the rollout's log-probs and the trainer's "
+                     "recomputed ones (decoupled mode), but async_training.use_rollout_log_probs=true without "
+                     "compute_prox_log_prob takes the rollout's as PPO's old log-probs: nothing would be corrected. "
+                     "Fix: set async_training.compute_prox_log_prob=true, or use a bypass preset "
+                     "(algorithm.rollout_correction.bypass_mode=true).")
+    if cfg.algorithm.adv_estimator == "remax":
+        problems.add("algorithm.adv_estimator=remax needs a greedy rollout per step, which fully-async mode does not "
+                     "run yet. Fix: use grpo/rloo/reinforce_plus_plus..., or train synchronously.")
 
 
 def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:

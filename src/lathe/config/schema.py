@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from .coerce import spec
 from .schema_actor import CheckpointConfig, FSDPConfig, OptimConfig
+from .schema_async import AsyncTrainingConfig, RolloutPoolConfig
 from .schema_rollout import ActorRolloutRefConfig
 
 
@@ -359,6 +360,9 @@ class LatheConfig:
     reward: RewardConfig = spec(factory=RewardConfig, help="Rule and function rewards.")
     algorithm: AlgorithmConfig = spec(factory=AlgorithmConfig, help="Advantage and KL settings.")
     trainer: TrainerConfig = spec(factory=TrainerConfig, help="Run control.")
+    rollout: RolloutPoolConfig = spec(factory=RolloutPoolConfig, help="The rollout's own device pool (fully "
+                                                                      "asynchronous training).")
+    async_training: AsyncTrainingConfig = spec(factory=AsyncTrainingConfig, help="Fully asynchronous training.")
     ray_kwargs: dict[str, Any] = spec({}, "Ray settings (e.g. ray_init.num_cpus) for multi-node runs.")
     ray_init: dict[str, Any] = spec({}, "Older verl spelling of ray_kwargs.ray_init.")
     global_profiler: dict[str, Any] = spec({}, "verl profiler settings.")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .coerce import spec
+from .schema_async import CheckpointEngineConfig
 from .schema_actor import ActorConfig, ModelConfig, RefConfig
 
 
@@ -85,7 +86,9 @@ class RolloutConfig:
     calculate_log_probs: bool = spec(False, "Return the engine's log-probs (rollout_correction uses them).")
     over_sample_rate: float = spec(0.0, "Sample extra prompts and abort the slowest rollouts (verl).")
     multi_stage_wake_up: bool = spec(False, "Wake the engine up in stages to save memory (verl).")
-    update_weights_bucket_megabytes: int = spec(512, "Bucket size for pushing weights into the engine.")
+    update_weights_bucket_megabytes: int = spec(512, "Bucket size (MB) of the weight sync to a separate rollout pool.")
+    checkpoint_engine: CheckpointEngineConfig = spec(factory=CheckpointEngineConfig, help="How weights reach the "
+                                                                                           "rollout.")
     skip_rollout: bool = spec(False, "Replay dumped rollouts instead of generating (verl debug).")
     skip_dump_dir: str = spec("/tmp/rollout_dump", "Where skip_rollout's dumps live (verl).")
     skip_tokenizer_init: bool = spec(True, "Engine without its own tokenizer (verl).")

@@ -61,8 +61,47 @@ def _multi_gpu() -> list[Entry]:
                    "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, devices(cfg)))
             for g in TRAINED]
     out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
-            refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices (hybrid_engine=false)",
-                   "remove it: the rollout engine shares the actor's devices")]
+            replace(refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices without a "
+                           "rollout pool (fully-asynchronous training)",
+                           "set rollout.n_gpus_per_node"), judge=_hybrid_engine)]
+    return out
+
+
+def _hybrid_engine(value, cfg) -> tuple[str, str] | None:
+    """hybrid_engine=false (verl's fully-async scripts) acts through the rollout pool; alone it cannot."""
+    if value or cfg.rollout.n_gpus_per_node > 0:
+        return None
+    return "refuse", ("`actor_rollout_ref.hybrid_engine`=false asks for the rollout on devices of its own, but no "
+                      "rollout pool is set (rollout.n_gpus_per_node=0). Fix: set rollout.nnodes and "
+                      "rollout.n_gpus_per_node (fully asynchronous training), or remove hybrid_engine=false.")
+
+
+def _needs_pool(key: str):
+    """An async_training/rollout-pool key set in synchronous training is refused (it would act on nothing)."""
+    def judge(value, cfg) -> tuple[str, str] | None:
+        if value == get_path(_defaults(), key):
+            return None
+        return "refuse", (f"`{key}`={show(value)} acts only in fully-asynchronous training, which needs a rollout "
+                          "pool of its own. Fix: set rollout.n_gpus_per_node (and rollout.nnodes), or remove "
+                          f"{key}.")
+    return judge
+
+
+def _async() -> list[Entry]:
+    keys = [f"async_training.{k}" for k in ("staleness_threshold", "trigger_parameter_sync_step", "require_batches",
+                                           "partial_rollout", "use_rollout_log_probs", "compute_prox_log_prob",
+                                           "checkpoint_engine.enable", "checkpoint_engine.device_buffer_size_M")]
+    keys += [f"rollout.{k}" for k in ("nnodes", "total_rollout_steps", "total_epochs", "test_freq")]
+    text = "this key in synchronous training (it acts with a rollout pool of its own: rollout.n_gpus_per_node > 0)"
+    out = [only_on("synchronous training", replace(refuse(k, text, "set rollout.n_gpus_per_node"),
+                                                   judge=_needs_pool(k))) for k in keys]
+    out += [warn("async_training.checkpoint_engine.overlap_broadcast_and_consume",
+                 "lathe's weight sync always receives the next bucket while the engine loads the last"),
+            warn("async_training.checkpoint_engine.bypass_cpu", "lathe's weight sync never passes through host "
+                                                                "memory on GPUs"),
+            only_on("synchronous training", warn(f"{R}.update_weights_bucket_megabytes", (
+                "colocated, weights reach the engine tensor by tensor, without buckets (it sizes the buckets of "
+                "fully-async training's weight sync)")))]
     return out
 
 
@@ -79,9 +118,7 @@ def _one_device() -> list[Entry]:
         ("ray_kwargs", "Ray is not used on one device"), ("ray_init", "Ray is not used on one device"))]
     out += [warn("trainer.ray_wait_register_center_timeout", "lathe's workers have no register center"),
             warn("trainer.esi_redundant_time", "it is for Volcano Engine elastic instances"),
-            warn(f"{R}.layered_summon", "lathe always gathers sharded weights one tensor at a time"),
-            warn(f"{R}.update_weights_bucket_megabytes", "weights reach the engine tensor by tensor, without "
-                                                         "buckets")]
+            warn(f"{R}.layered_summon", "lathe always gathers sharded weights one tensor at a time")]
     return out
 
 
@@ -283,6 +320,7 @@ def _same_either_way() -> list[Entry]:
 
 FEATURES = {
     "Multi-GPU and multi-node (Ray / FSDP2)": _multi_gpu,
+    "Fully asynchronous training (a rollout pool of its own)": _async,
     "LoRA": _lora,
     "Multi-turn rollouts and tools": _multi_turn,
     "Reward models, reward managers, code sandbox": _rewards,

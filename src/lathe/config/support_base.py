@@ -36,11 +36,11 @@ class Entry:
     ok: Check | None = None    # None: the default (or off) is fine, any other value is not
     feature: str = ""          # the heading it is listed under (filled in by ``registry``)
     judge: Callable[[Any, Any], tuple[str, str] | None] | None = None   # a verdict of its own, from (value, cfg)
-    when: str = ""             # "one device" / "several devices": the entry holds only then (the key acts otherwise)
+    when: str = ""             # a key of WHEN: the entry holds only then (the key acts otherwise)
 
     def verdict(self, value: Any, default: Any, cfg: Any) -> tuple[str, str] | None:
         """(kind, message) when ``value`` is refused or warned about, else None."""
-        if self.when and (devices(cfg) > 1) != (self.when == "several devices"):
+        if self.when and not WHEN[self.when](cfg):
             return None
         if self.judge is not None:
             return self.judge(value, cfg)
@@ -89,8 +89,18 @@ def devices(cfg: Any) -> int:
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
+# the conditions an entry can be limited to (`only_on`); outside them the code reads the key
+WHEN: dict[str, Callable[[Any], bool]] = {
+    "one device": lambda cfg: devices(cfg) == 1,
+    "several devices": lambda cfg: devices(cfg) > 1,
+    "synchronous training": lambda cfg: cfg.rollout.n_gpus_per_node == 0,     # no rollout pool of its own
+}
+
+
 def only_on(when: str, entry: Entry) -> Entry:
-    """`entry`, holding only on "one device" or "several devices" (the code reads the key in the other case)."""
+    """`entry`, holding only `when` (a key of WHEN; the code reads the key in the other case)."""
+    if when not in WHEN:
+        raise ValueError(f"only_on: {when!r} is not one of {', '.join(WHEN)}")
     return replace(entry, when=when)
 
 

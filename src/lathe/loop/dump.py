@@ -7,7 +7,7 @@
 
 One JSON line per sample: ``input`` (the templated prompt), ``output`` (the response), ``gts`` (ground
 truth), ``score`` (the reward, after DAPO's overlong shaping when on), ``step``, and every reward extra
-(e.g. ``acc``) that all samples have.
+(e.g. ``acc``) that all samples have, and ``uid`` (the prompt's group) when the batch has one.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ def generation_rows(batch: Batch, tokenizer, step: int) -> list[dict[str, Any]]:
     scores = batch["token_level_scores"].sum(-1).tolist()
     extras = list(batch["reward_extra_info"]) if "reward_extra_info" in batch else [{} for _ in scores]
     shared = [k for k in (extras[0] if extras else {}) if all(k in e for e in extras)]
-    return [{"input": inp, "output": out, "gts": gt, "score": score, "step": step, **{k: extra[k] for k in shared}}
+    rows = [{"input": inp, "output": out, "gts": gt, "score": score, "step": step, **{k: extra[k] for k in shared}}
             for inp, out, gt, score, extra in zip(inputs, batch["response_text"], batch["ground_truth"], scores, extras)]
+    if "uid" in batch:                  # the prompt's group (fully-async runs: its issue index, `p<index>`)
+        for row, uid in zip(rows, batch["uid"]):
+            row["uid"] = uid
+    return rows
 
 
 def write_rows(rows: list[dict[str, Any]], directory: str, step: int) -> Path:

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from lathe.algo import rollout_probs_diff
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import save_checkpoint
 from lathe.loop.dump import dump_rollouts
@@ -39,16 +40,29 @@ def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
 
 
 def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:
-    metrics = {}
-    rc = t.cfg.algorithm.rollout_correction
     start = time.perf_counter()
     batch, sample_metrics = sample_step_batch(t, prompts, timer)         # rollout + reward (+ DAPO, ReMax)
+    metrics = learn(t, batch, timer, old_from_rollout=t.cfg.algorithm.rollout_correction.bypass_mode)
+    if t.global_step >= t.cfg.trainer.critic_warmup:
+        with timer("update_weights"):                        # into the rollout, for the next step
+            t.worker.sync_weights()
+    return finish_metrics(t, batch, timer, {**sample_metrics, **metrics}, time.perf_counter() - start)
+
+
+def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool) -> dict[str, float]:
+    """Everything a step does with its scored samples: old (or the rollout's) log-probs, rollout correction,
+    reference log-probs, values, advantages, critic and actor updates. `batch` gains the tensors on the way."""
+    metrics = {}
+    rc = t.cfg.algorithm.rollout_correction
     with timer("old_log_prob"):
-        if rc.bypass_mode:                                               # the rollout's log-probs are pi_old
+        if old_from_rollout:                                             # the rollout's log-probs are pi_old
             batch["old_log_probs"] = batch["rollout_log_probs"]
         else:
             batch.update(t.worker.compute_log_prob(batch))
-    if not rc.bypass_mode and rollout_correction_enabled(rc):
+            if "rollout_log_probs" in batch:                             # verl's engine-vs-trainer check
+                metrics.update({f"training/rollout_probs_diff_{k}": v for k, v in rollout_probs_diff(
+                    batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]).items()})
+    if not old_from_rollout and rollout_correction_enabled(rc):
         correction, rc_metrics = apply_rollout_correction(batch, rc)
         batch.update(correction)
         metrics.update(rc_metrics)
@@ -61,16 +75,18 @@ def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:
     with timer("adv"):
         advantages, adv_metrics = compute_advantage(batch, t.cfg.algorithm, t.kl_ctrl)
         batch.update(advantages)
+    metrics.update(adv_metrics)
     if t.critic is not None:
         with timer("update_critic"):
             metrics.update(t.critic.update_critic(batch))
     if t.global_step >= t.cfg.trainer.critic_warmup:          # verl: the critic may train alone first
         with timer("update_actor"):
             metrics.update(t.worker.update_actor(batch))
-        with timer("update_weights"):                        # into the rollout, for the next step
-            t.worker.sync_weights()
-    step_seconds = time.perf_counter() - start
-    metrics.update(sample_metrics, **adv_metrics)
+    return metrics
+
+
+def finish_metrics(t: Trainer, batch: Batch, timer: Timer, metrics: dict, step_seconds: float) -> dict[str, float]:
+    """The step's data, timing and throughput metrics added to `metrics`; the samples dumped when asked."""
     metrics.update(compute_data_metrics(batch, max_response_length=t.cfg.data.max_response_length))
     metrics.update(timer.metrics(), **{"timing_s/step": step_seconds})
     metrics.update(compute_throughput_metrics(batch, step_seconds))
@@ -80,7 +96,11 @@ def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:
 
 def fit(t: Trainer) -> dict[str, float]:
     """Train until `total_steps`; validate every `test_freq` and save every `save_freq` steps (restarting lost
-    workers from the last checkpoint when `trainer.restart_on_worker_failure` allows: `lathe.loop.recover`)."""
+    workers from the last checkpoint when `trainer.restart_on_worker_failure` allows: `lathe.loop.recover`). With a
+    rollout pool of its own (`rollout.n_gpus_per_node` > 0) training is fully asynchronous (`lathe.loop.fully_async`)."""
+    if t.cfg.rollout.n_gpus_per_node > 0:
+        from lathe.loop.fully_async import fit_async
+        return fit_async(t)
     return run_with_restarts(t, _fit)
 
 
@@ -107,8 +127,8 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
     return last
 
 
-def save(t: Trainer) -> None:
-    state = {"dataloader": t.loader.state_dict(), "kl_ctrl": t.kl_ctrl.state_dict()}
+def save(t: Trainer, extra: dict | None = None) -> None:
+    state = {"dataloader": t.loader.state_dict(), "kl_ctrl": t.kl_ctrl.state_dict(), **(extra or {})}
     parts = {"actor": t.worker, **({"critic": t.critic} if t.critic is not None else {})}
     save_checkpoint(t.cfg.trainer.default_local_dir, t.global_step, parts, state,
                     max_to_keep=t.cfg.trainer.max_actor_ckpt_to_keep)

@@ -7,6 +7,7 @@ a model loads — then model (and warm start), workers, tracker, and finally the
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -53,6 +54,7 @@ class Trainer:
     cluster: object | None = None       # the Ray worker groups behind worker/critic on many devices
     global_step: int = 0
     resumed_from: Path | None = None
+    resume_state: dict | None = None    # the trainer_state of the checkpoint resumed from
     _rows: Iterator[list[dict]] | None = field(default=None, repr=False)
 
     def close(self) -> None:
@@ -229,21 +231,24 @@ def build_trainer(cfg) -> Trainer:
     check_scorers([train_ds, val_ds], cfg.reward.custom_reward_function.path)
     loader = StatefulDataLoader(train_ds, cfg.data.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     total_steps = t.total_training_steps or len(loader) * t.total_epochs
+    if cfg.rollout.n_gpus_per_node > 0:     # fully async: a step is train_batch_size prompts
+        total_steps = _async_steps(cfg, len(loader), total_steps)
 
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
     need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     world = t.nnodes * t.n_gpus_per_node
-    log_memory_plan(cfg, model, device, need_ref=need_ref, world=world)
+    fully_async = cfg.rollout.n_gpus_per_node > 0            # the rollout on devices of its own
+    log_memory_plan(cfg, model, device, need_ref=need_ref, world=world, colocated=not fully_async)
     cluster = None
-    if world > 1 or os.environ.get("LATHE_RAY") == "1":   # one rank per device, each loading the same weights
+    if fully_async or world > 1 or os.environ.get("LATHE_RAY") == "1":   # Ray workers, each loading the weights
         # (LATHE_RAY=1: one device as a Ray worker group of one FSDP2 rank, to check that path on one GPU)
         path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
         del model
         empty_cache(device)
-        from lathe.cluster import start_cluster
-        cluster = start_cluster(cfg, model_path=path, load_kwargs=kwargs, tokenizer=tokenizer,
-                                total_steps=total_steps, device_type=device.type, need_ref=need_ref,
-                                critic=critic_in_use(cfg))
+        from lathe.cluster import start_async_cluster, start_cluster
+        cluster = (start_async_cluster if fully_async else start_cluster)(
+            cfg, model_path=path, load_kwargs=kwargs, tokenizer=tokenizer, total_steps=total_steps,
+            device_type=device.type, need_ref=need_ref, critic=critic_in_use(cfg))
         worker, critic, device = cluster.actor, cluster.critic, torch.device("cpu")   # the driver holds no model
     else:
         worker = ActorRolloutRefWorker(cfg, model, tokenizer, total_steps=total_steps, device=device,
@@ -271,7 +276,25 @@ def build_trainer(cfg) -> Trainer:
     return trainer
 
 
-def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool, world: int = 1) -> None:
+def _async_steps(cfg, loader_batches: int, total_steps: int) -> int:
+    """Fully-async steps: `trainer.total_training_steps`, at most the steps `rollout.total_rollout_steps` prompts
+    make (the Rollouter issues no more: more steps would wait forever); without either, the epochs' prompts."""
+    t, step = cfg.trainer, cfg.data.train_batch_size
+    if cfg.rollout.total_rollout_steps:
+        can = max(1, cfg.rollout.total_rollout_steps // step)
+        if t.total_training_steps and can < t.total_training_steps:
+            log.warning("fully async: rollout.total_rollout_steps=%d prompts make %d steps of %d prompts, fewer than "
+                        "trainer.total_training_steps=%d: training stops after %d", cfg.rollout.total_rollout_steps,
+                        can, step, t.total_training_steps, can)
+        return min(t.total_training_steps or can, can)
+    if t.total_training_steps:
+        return total_steps
+    prompts = loader_batches * cfg.data.gen_batch_size * (cfg.rollout.total_epochs or t.total_epochs)
+    return max(1, prompts // step)
+
+
+def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool, world: int = 1, colocated: bool = True
+                    ) -> None:
     """Print what will live where (GiB); refuse a run whose update cannot fit even before activations."""
     from lathe.models.config import SUPPORTED_ARCHITECTURES
     from lathe.train.memory import count_params, format_plan, plan
@@ -282,9 +305,18 @@ def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool, world: 
               if critic_in_use(cfg) else None)
     runs_lathe = type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None)
     lathe_engine = arr.rollout.name != "hf" and bool(runs_lathe) and arr.model.impl != "hf"
+    kv_seq = 0
+    if lathe_engine and colocated:       # lathe's engine: its KV cache, in the rollout dtype, for one sequence of the longest length
+        from lathe.engine.kv_cache import KVCache
+        from lathe.train.workers import rollout_dtype
+        c, length = model.config, cfg.data.max_prompt_length + cfg.data.max_response_length
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_seq = KVCache.bytes_per_block(c.num_hidden_layers, length, c.num_key_value_heads, head_dim,
+                                         rollout_dtype(arr.rollout.dtype, torch.device(device)))
+    seqs = math.ceil(cfg.data.train_batch_size * arr.rollout.n / world)
     text, fits = format_plan(plan(cfg, n, device, need_ref=need_ref, critic_params=critic, lathe_engine=lathe_engine,
-                                    world=world),
-                             device, arr.rollout.gpu_memory_utilization)
+                                    world=world, colocated=colocated),
+                             device, arr.rollout.gpu_memory_utilization, kv_seq_bytes=kv_seq, seqs=seqs)
     log.info("%s", text)
     if not fits:
         raise ValueError(text)
@@ -304,7 +336,7 @@ def resume(trainer: Trainer, path: Path) -> None:
     trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
     restore_rng(state["rng"])
     trainer.global_step = state["global_step"]
-    trainer.resumed_from = path
+    trainer.resumed_from, trainer.resume_state = path, state
     trainer._rows = None                 # the next batch comes from the restored dataloader position
     log.info("resumed from %s (step %d)", path, trainer.global_step)
 

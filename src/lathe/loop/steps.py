@@ -44,16 +44,21 @@ def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None,
     token_level = torch.zeros(mask.shape, dtype=torch.float32)
     last = (mask.sum(-1) - 1).clamp(min=0)
     token_level[torch.arange(len(scores)), last] = shaped
-    extras: dict[str, list[float]] = defaultdict(list)
-    for r in results:
-        for k, v in r.extra.items():
-            extras[k].append(v)
-    metrics.update({f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()})
+    metrics.update(reward_extra_means([r.extra for r in results]))
     out = Batch({"token_level_scores": token_level, "seq_scores": scores},
                 {"response_text": texts, "reward_extra_info": [dict(r.extra) for r in results]})
     if results and all("acc" in r.extra for r in results):
         out["acc"] = torch.tensor([r.extra["acc"] for r in results], dtype=torch.float32)
     return out, metrics
+
+
+def reward_extra_means(extras: list[dict]) -> dict[str, float]:
+    """`reward_extra/<key>/mean` over the samples' scorer extras (each key over the samples that have it)."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for extra in extras:
+        for k, v in extra.items():
+            values[k].append(v)
+    return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in values.items()}
 
 
 def apply_rollout_correction(batch: Batch, rc_cfg) -> tuple[Batch, dict[str, float]]:

@@ -57,14 +57,16 @@ ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 
 
 class ActorRolloutRefWorker:
-    def __init__(self, cfg, model, tokenizer, *, total_steps: int, device: torch.device, need_ref: bool):
-        """`model`: the policy as loaded (lathe's decoder or a transformers module, in its load dtype, any device)."""
+    def __init__(self, cfg, model, tokenizer, *, total_steps: int, device: torch.device, need_ref: bool,
+                 rollout: bool = True):
+        """`model`: the policy as loaded (lathe's decoder or a transformers module, in its load dtype, any device).
+        `rollout=False`: no rollout backend (fully-async training generates on devices of its own)."""
         arr = cfg.actor_rollout_ref
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         hf_model = model
         self.model = select_impl(model, arr.model.impl, role="actor")
         self.remove_padding = arr.model.use_remove_padding
-        self.rollout_name = resolve_rollout_name(arr.rollout.name, self.model, impl=arr.model.impl)
+        self.rollout_name = resolve_rollout_name(arr.rollout.name, self.model, impl=arr.model.impl) if rollout else None
         if isinstance(self.model, LatheCausalLM) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config")
@@ -97,7 +99,8 @@ class ActorRolloutRefWorker:
         self.log_prob_micro_batch_size = (arr.rollout.log_prob_micro_batch_size_per_gpu
                                           or self.actor.micro_batch_size)
         # last, so that the engine sizes its KV cache from the memory that actor and reference leave
-        self.rollout = self._build_rollout(arr.rollout, hf_model, eos_token_ids(tokenizer, hf_model))
+        self.rollout = (self._build_rollout(arr.rollout, hf_model, eos_token_ids(tokenizer, hf_model)) if rollout
+                        else None)
         # the engine's KV cache lives only while generating (colocated on one GPU); on CPU it stays allocated
         self.free_cache_engine = (self.rollout_name == "lathe" and arr.rollout.free_cache_engine
                                   and device.type == "cuda")
@@ -189,6 +192,8 @@ class ActorRolloutRefWorker:
     def sync_weights(self) -> None:
         """Push the actor's weights into the rollout (a no-op for tensors the two already share). Sharded: one FSDP2
         group (a decoder layer) is gathered, copied into the engine and freed at a time (no second full model)."""
+        if self.rollout is None:                # no engine here: the fully-async driver sends the weights
+            return
         self.rollout.update_weights(parallel.full_tensors(self.model) if self.sharded
                                     else self.model.state_dict().items())
 

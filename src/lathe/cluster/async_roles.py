@@ -1,0 +1,272 @@
+"""The two pools of fully-asynchronous training: rollout replicas that generate without pause, trainer ranks that
+send them new weights (`lathe.loop.fully_async` drives both).
+
+`RolloutWorker` (one per rollout device) runs lathe's engine in a thread of its own: requests arrive at any time
+(`submit`), the engine steps while any is unfinished, and finished requests wait in an outbox (`collect`). At a
+weight sync the driver `pause`s every replica — with partial rollout the unfinished responses are interrupted
+(they keep their tokens and log-probs, and continue on the new weights), without it the replica first finishes
+them — then the trainer's rank 0 broadcasts the weights in buckets over a process group of its own
+(`lathe.cluster.checkpoint_engine`) and the replicas load them bucket by bucket, then `resume`.
+
+`AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
+sync. The engine is thread-safe only through the worker's lock: every engine call is made under it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from lathe.batch import Batch
+from lathe.cluster.checkpoint_engine import SyncGroup, TensorMeta, receive_weights, send_weights
+from lathe.cluster.roles import rank_device
+from lathe.rollout.base import SamplingParams, to_batch
+
+ROLLOUT = "rollout"
+
+
+class RolloutWorker:
+    """A rollout replica: lathe's engine on this rank's device, stepping in a background thread."""
+
+    def __init__(self, cfg, model_path: str, load_kwargs: dict, tokenizer, *, device_type: str):
+        from lathe.loop.setup import seed_everything
+        from lathe.models.decoder import LatheCausalLM
+        from lathe.models.hf import load_policy, select_impl
+        from lathe.train.workers import build_engine, eos_token_ids, frozen_copy, rollout_dtype
+        seed_everything(cfg.trainer.seed)
+        arr, device = cfg.actor_rollout_ref, rank_device(device_type)
+        loaded = load_policy(model_path, **load_kwargs)
+        model = select_impl(loaded, arr.model.impl, role="rollout")
+        if not isinstance(model, LatheCausalLM):
+            raise ValueError(f"fully-async training generates with lathe's engine, which runs lathe's own decoder; "
+                             f"{type(loaded).__name__} runs on transformers here. Fix: use a Llama/Qwen2/Qwen3 "
+                             "model (actor_rollout_ref.model.impl=auto), or train synchronously "
+                             "(rollout.n_gpus_per_node=0).")
+        self.dtype = rollout_dtype(arr.rollout.dtype, device)
+        eos = eos_token_ids(tokenizer, loaded)          # the checkpoint's generation_config (the copy has none)
+        engine_model = frozen_copy(model, self.dtype, device)
+        del model, loaded
+        self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model)
+        self.pad_id, self.device = tokenizer.pad_token_id, device
+        self.sync: SyncGroup | None = None
+        self._cv = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._prompts: dict = {}            # request id -> (prompt token ids, n) until it is collected
+        self._outbox: list[tuple] = []
+        self._hold = self._stop = False
+        self._paused = False
+        self._unfinished = False            # the engine has work (as of the loop's last step)
+        self._error: BaseException | None = None
+        self._busy_s = 0.0
+        self._thread = threading.Thread(target=self._loop, name="lathe-rollout", daemon=True)
+        self._thread.start()
+
+    # -- the engine's thread --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Step the engine while a request is unfinished. The engine is this thread's alone while it runs (other
+        threads touch it only while the loop is parked by `pause`); the lock is held to trade requests and results,
+        never across a step: a step under it would starve `collect` (Python's lock is not fair) and leave finished
+        requests waiting in the outbox while the trainer idles."""
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and (self._hold or not (self._inbox or self._unfinished)):
+                        self._paused = self._hold
+                        self._cv.notify_all()
+                        self._cv.wait()
+                    self._paused = False
+                    if self._stop:
+                        return
+                    requests, self._inbox = self._inbox, []
+                start = time.perf_counter()
+                for request_id, prompt_ids, params, first_index in requests:
+                    self.engine.add_request(request_id, prompt_ids, params, first_index=first_index)
+                self.engine.step()
+                done = self.engine.pop_finished()
+                unfinished = self.engine.has_unfinished_requests()
+                with self._cv:
+                    self._busy_s += time.perf_counter() - start
+                    self._unfinished = unfinished
+                    self._outbox.extend(done)
+                    if done or not unfinished:
+                        self._cv.notify_all()
+        except BaseException as e:      # noqa: BLE001 - handed to the driver by the next call
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"rollout replica: the engine failed: {self._error!r}") from self._error
+
+    # -- called by the driver -------------------------------------------------------------------------------
+    def submit(self, requests: list[tuple[object, list[list[int]], SamplingParams, int]]) -> None:
+        """Queue `(request_id, prompt token ids, params, first_index)` requests; the engine takes them all before its
+        next step (so requests submitted together are batched as one call would be)."""
+        with self._cv:
+            self._check()
+            self._inbox.extend(requests)
+            for request_id, prompt_ids, params, _ in requests:
+                self._prompts[request_id] = (prompt_ids, params.n)
+            self._cv.notify_all()
+
+    def collect(self, wait_s: float = 0.0) -> dict:
+        """Finished requests as `(request_id, Batch)` (the response tensors of `to_batch` plus the weight versions
+        each response was sampled with), waiting up to `wait_s` for one; and the engine's busy seconds so far."""
+        with self._cv:
+            if not self._outbox and wait_s > 0:
+                self._cv.wait_for(lambda: self._outbox or self._error is not None, timeout=wait_s)
+            self._check()
+            done, self._outbox = self._outbox, []
+            busy = self._busy_s
+        return {"done": [(rid, self._to_batch(rid, out)) for rid, out in done], "busy_s": busy}
+
+    def _to_batch(self, request_id, out) -> Batch:
+        prompt_ids, n = self._prompts.pop(request_id)
+        batch = to_batch(prompt_ids, out, self.pad_id, n)
+        spans = out.versions or [[(self.engine.weight_version, 0)] for _ in out.token_ids]
+        batch["rollout_versions"] = token_versions(spans, batch["responses"].shape[1])
+        batch.meta["rollout_metrics"] = dict(out.metrics)
+        return batch
+
+    def pause(self, partial: bool, timeout_s: float) -> int:
+        """Stop between two engine steps. `partial`: interrupt the unfinished responses (returns how many); else
+        first let every submitted request finish (nothing new is submitted meanwhile)."""
+        with self._cv:
+            self._check()
+            if not partial:
+                if not self._cv.wait_for(lambda: self._error is not None or not (self._inbox or self._unfinished),
+                                         timeout=timeout_s):
+                    raise TimeoutError(f"rollout replica: unfinished requests after {timeout_s:.0f} s of waiting "
+                                       "for a weight sync (actor_rollout_ref.nccl_timeout)")
+            self._hold = True
+            self._cv.notify_all()
+            if not self._cv.wait_for(lambda: self._paused or self._error is not None, timeout=timeout_s):
+                raise TimeoutError(f"rollout replica: the engine did not pause within {timeout_s:.0f} s")
+            self._check()
+            return self.engine.interrupt() if partial else 0
+
+    def resume(self) -> None:
+        with self._cv:
+            self._hold = False
+            self._cv.notify_all()
+
+    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        self.sync = SyncGroup(host, port, rank, world_size, device=self.device, timeout_s=timeout_s)
+
+    def receive_weights(self, metas: list[TensorMeta], bucket_bytes: int, version: int) -> dict:
+        """Load the trainer's broadcast weights bucket by bucket (paused: no sequence holds KV)."""
+        with self._cv:
+            if not self._paused:
+                raise RuntimeError("rollout replica: receive_weights needs pause() first")
+            return receive_weights(self.sync, metas, bucket_bytes=bucket_bytes,
+                                   consume=lambda named: self.engine.load_weights(named, version=version))
+
+    def generate_sequences(self, prompts: Batch, params: SamplingParams, *, first_index: int = 0) -> Batch:
+        """A blocking generation (validation): submitted as one request, waited for."""
+        key = ("blocking", time.monotonic_ns())
+        prompt_ids = [list(p) for p in prompts["prompt_ids"]]
+        self.submit([(key, prompt_ids, params, first_index)])
+        with self._cv:
+            self._cv.wait_for(lambda: self._error is not None or any(rid == key for rid, _ in self._outbox))
+            self._check()
+            out = next(o for rid, o in self._outbox if rid == key)
+            self._outbox = [(rid, o) for rid, o in self._outbox if rid != key]
+        return prompts.repeat(params.n, interleave=True).update(self._to_batch(key, out))
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+        if self.sync is not None:
+            self.sync.close()
+
+
+class AsyncTrainerWorker:
+    """The trainer pool's actor/reference worker (no engine) and the sending side of the weight sync."""
+
+    def __init__(self, worker, rollout_dtype: torch.dtype):
+        self.worker, self.rollout_dtype = worker, rollout_dtype
+        self.sync: SyncGroup | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.worker, name)
+
+    def weight_metas(self) -> list[TensorMeta]:
+        """(name, full shape, rollout dtype) of every tensor the sync sends, in the order it sends them."""
+        from lathe.train import parallel
+        return [TensorMeta(name, tuple(shape), self.rollout_dtype if dtype.is_floating_point else dtype)
+                for name, shape, dtype in parallel.full_shapes(self.worker.model)]
+
+    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        from lathe.train import parallel
+        if parallel.rank() == 0:              # the trainer's rank 0 sends; its other ranks only help gather
+            self.sync = SyncGroup(host, port, rank, world_size, device=self.worker.device, timeout_s=timeout_s)
+
+    def send_weights(self, metas: list[TensorMeta], bucket_bytes: int) -> dict:
+        """Every trainer rank gathers the sharded weights layer by layer; rank 0 broadcasts them in buckets."""
+        from lathe.train import parallel
+        tensors = parallel.full_tensors(self.worker.model)
+        if self.sync is None:
+            for _ in tensors:
+                pass
+            return {}
+        return send_weights(self.sync, tensors, metas, bucket_bytes=bucket_bytes)
+
+
+def token_versions(spans: list[list[tuple[int, int]]], width: int) -> torch.Tensor:
+    """(B, width) long: the weight version each response token was sampled with, from `RolloutOutput.versions`
+    spans ((version, first token index), ascending); padding after a response carries its last version."""
+    out = torch.empty(len(spans), width, dtype=torch.long)
+    for i, sample in enumerate(spans):
+        for k, (version, start) in enumerate(sample):
+            end = sample[k + 1][1] if k + 1 < len(sample) else width
+            out[i, start:end] = version
+    return out
+
+
+# -- on the driver -------------------------------------------------------------------------------------------
+class RolloutGroup:
+    """The driver's handle on the rollout replicas: requests in, finished requests out, pause/resume for a sync."""
+
+    def __init__(self, group, *, pad_id: int, timeout_s: float):
+        self.group, self.pad_id, self.timeout_s = group, pad_id, timeout_s
+        self.world = group.world_size
+        self._collecting: list | None = None
+        self._busy = [0.0] * self.world
+
+    def submit(self, requests: dict[int, list]) -> None:
+        """`{replica: [(request_id, prompt ids, params, first_index), ...]}`."""
+        self.group.call_each(ROLLOUT, "submit", [((requests[r],), {}) if r in requests else None
+                                                 for r in range(self.world)])
+
+    def collect(self, wait_s: float) -> tuple[list[tuple[object, Batch]], list[float]]:
+        """Finished requests of every replica (each replica waits up to `wait_s` for one) and their busy seconds."""
+        answers = self.group.call(ROLLOUT, "collect", wait_s)
+        self._busy = [a["busy_s"] for a in answers]
+        return [d for a in answers for d in a["done"]], list(self._busy)
+
+    def pause(self, partial: bool) -> int:
+        return sum(self.group.call(ROLLOUT, "pause", partial, self.timeout_s))
+
+    def resume(self) -> None:
+        self.group.call(ROLLOUT, "resume")
+
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """A blocking rollout split over the replicas (validation), seeded by each sample's place in the call."""
+        from dataclasses import replace as _replace
+
+        from lathe.cluster.dispatch import contiguous_shares
+        from lathe.rollout.base import concat_rollouts
+        if params.seed is None and not params.greedy:
+            params = _replace(params, seed=int(torch.randint(0, 2**62, (1,))))
+        shares = contiguous_shares(len(prompts), self.world)
+        calls = [((prompts.select(list(s)), params), {"first_index": s.start * params.n}) if len(s) else None
+                 for s in shares]
+        outs = [o for o in self.group.call_each(ROLLOUT, "generate_sequences", calls) if o is not None]
+        batch = concat_rollouts(outs, self.pad_id)
+        batch.meta["rollout_metrics"] = {}
+        return batch

@@ -1,0 +1,331 @@
+"""Fully asynchronous training (verl's fully_async_policy): the Rollouter and the Trainer on separate device pools.
+
+The driver keeps both pools busy at once:
+
+    rollout pool:  prompts --submit--> replicas generate continuously --collect--> score --> queue of groups
+    trainer pool:  queue --(require_batches x ppo_mini_batch_size prompts)--> learn (one local update)
+    every trigger_parameter_sync_step updates: pause the replicas (partial rollout: interrupt; else let them
+    finish), broadcast the weights trainer -> replicas in buckets, resume
+
+Staleness (verl's semantics): between two syncs the Rollouter starts at most
+`(1 + staleness_threshold) x trigger_parameter_sync_step x require_batches x ppo_mini_batch_size` prompts, less
+those still queued or running when the interval began. `staleness_threshold=0` with `trigger_parameter_sync_step=1`
+is on-policy (the synchronous loop on two pools: same samples, same updates); `staleness_threshold=1` with one update
+per sync is verl's one-step-off policy. Every sample carries the weight version(s) it was sampled with; a trained
+batch reports its lag behind the trainer's version.
+
+Every prompt gets an issue index when it is sent; its samples are seeded by it exactly as the synchronous loop
+seeds the same prompt of the same step, and a checkpoint records which issued prompts were trained, so a resumed run
+re-issues the untrained ones (none lost, none trained twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from lathe.algo import rollout_probs_diff
+from lathe.batch import Batch
+from lathe.loop.ppo import finish_metrics, learn, save
+from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed
+from lathe.loop.setup import Trainer, prompt_batch
+from lathe.loop.steps import compute_reward, reward_extra_means
+from lathe.loop.validate import validate
+from lathe.rollout.base import concat_rollouts
+from lathe.track import PeakMemory, ProgressBar, Timer
+
+log = logging.getLogger("lathe")
+COUNTED = (*SUMMED_ROLLOUT_METRICS, "rollout/num_interrupted", "reward/num_errors", "reward/num_timeouts")
+
+
+@dataclass
+class Ledger:
+    """Which prompts were issued and trained (what a checkpoint must know to resume exactly)."""
+
+    issued: int = 0                                   # issue index of the next prompt
+    chunk_states: dict[int, dict] = field(default_factory=dict)   # first index of a chunk -> loader state before it
+    trained: set[int] = field(default_factory=set)    # trained issue indices at or after the oldest untrained chunk
+    skip: set[int] = field(default_factory=set)       # on resume: issued before and trained already
+
+    def untrained_from(self, pending: set[int]) -> int:
+        return min(pending) if pending else self.issued
+
+    def forget_before(self, oldest: int) -> None:
+        """Drop what no resume point can need any more: everything before the oldest untrained prompt's chunk."""
+        keep = max((c for c in self.chunk_states if c <= oldest), default=oldest)
+        self.chunk_states = {c: s for c, s in self.chunk_states.items() if c >= keep}
+        self.trained = {i for i in self.trained if i >= keep}
+
+    def state_dict(self, pending: set[int], loader_state: dict) -> dict:
+        """Resume point: the oldest chunk that holds an untrained prompt (its loader state), and the prompts after it
+        that were trained already."""
+        first = self.untrained_from(pending)
+        chunk = max((c for c in self.chunk_states if c <= first), default=None)
+        if chunk is None or not pending:
+            return {"issued": self.issued, "loader": loader_state, "trained": []}
+        return {"issued": chunk, "loader": self.chunk_states[chunk], "trained": sorted(i for i in self.trained
+                                                                                      if i >= chunk)}
+
+
+class AsyncDriver:
+    """The single controller of the two pools (see the module docstring)."""
+
+    def __init__(self, t: Trainer):
+        cfg, self.t = t.cfg, t
+        self.at, self.cluster = cfg.async_training, t.cluster
+        self.step_prompts = self.at.require_batches * cfg.actor_rollout_ref.actor.ppo_mini_batch_size   # prompts
+        self.per_sync = self.at.trigger_parameter_sync_step * self.step_prompts
+        self.n, self.chunk = t.sampling.n, cfg.data.gen_batch_size
+        self.total_prompts = cfg.rollout.total_rollout_steps or t.total_steps * self.step_prompts
+        self.version, self.syncs, self.updates_since_sync = 0, 0, 0
+        self.ledger = Ledger()
+        self.in_flight: dict[int, tuple[int, Batch]] = {}        # first issue index -> (replica, prompt rows)
+        self.queue: deque[Batch] = deque()                        # scored groups, in the order they finished
+        self.budget = self._budget(stale=0)
+        self.next_replica = 0
+        self.busy = [0.0] * self.cluster.rollout.world
+        self.counters = dict.fromkeys(("stale_samples", "stale_trajectories"), 0)
+        self.counted: dict[str, float] = {}               # request metrics since the last trained step
+
+    # -- the Rollouter's side ------------------------------------------------------------------------------
+    def _budget(self, stale: int) -> int:
+        return max(0, math.floor((1 + self.at.staleness_threshold) * self.per_sync) - stale)
+
+    def fill(self) -> None:
+        """Send chunks of prompts to the replicas (round robin) while the interval's budget lasts."""
+        requests: dict[int, list] = {}
+        while self.budget >= self.chunk and self.ledger.issued < self.total_prompts:
+            first, state = self.ledger.issued, self.t.loader.state_dict()
+            rows = self.t.next_rows()
+            self.ledger.issued += len(rows)
+            if all(first + i in self.ledger.skip for i in range(len(rows))):
+                continue                                                   # trained before the resume
+            self.ledger.chunk_states[first] = state
+            self.budget -= len(rows)
+            prompts = prompt_batch(rows, step=0)
+            prompts = Batch(non_tensors={**prompts.non_tensors, "uid": [f"p{first + i}" for i in range(len(rows))]})
+            # seeded as the synchronous loop seeds prompt i of its step s (same samples when on-policy)
+            step, i = divmod(first, self.step_prompts)
+            params = replace(self.t.sampling, seed=self.t.sampling.seed if self.t.sampling.seed is not None
+                             else rollout_seed(self.t.cfg.trainer.seed, step + 1, 0))
+            replica = self.next_replica
+            self.next_replica = (replica + 1) % self.cluster.rollout.world
+            self.in_flight[first] = (replica, prompts)
+            requests.setdefault(replica, []).append((first, [list(p) for p in prompts["prompt_ids"]], params,
+                                                     i * self.n))
+        if requests:
+            self.cluster.rollout.submit(requests)
+
+    def poll(self, wait_s: float) -> int:
+        """Finished requests from the replicas: scored and queued. Returns how many came."""
+        done, busy = self.cluster.rollout.collect(wait_s)
+        self.busy = busy
+        for first, gen in done:
+            _, prompts = self.in_flight.pop(first)
+            batch = prompts.repeat(self.n, interleave=True).update(gen)
+            scores, metrics = compute_reward(batch, self.t.tokenizer, self.t.reward,
+                                             overlong=self.t.cfg.reward_model.overlong_buffer,
+                                             max_response_length=self.t.cfg.data.max_response_length)
+            batch.update(scores)
+            batch.meta["first"] = first
+            self.queue.append(batch)
+            for key, value in {**metrics, **batch.meta.pop("rollout_metrics", {})}.items():
+                if key in COUNTED:                    # per request: summed over the step
+                    self.counted[key] = self.counted.get(key, 0) + value
+                elif not key.startswith("reward_extra/"):    # (those are over the trained batch: step_metrics)
+                    self.counted[key] = value
+        return len(done)
+
+    def check_waiting(self, since: float) -> None:
+        """The trainer waits for prompts: fail, saying why, when none can come or none came for the timeout."""
+        queued, waited = self.queued_prompts(), time.monotonic() - since
+        if not self.in_flight and self.ledger.issued >= self.total_prompts:
+            raise RuntimeError(f"fully async: a step needs {self.step_prompts} finished prompts, {queued} are queued "
+                               f"and the rollout has issued all {self.total_prompts} (rollout.total_rollout_steps / "
+                               "the data): nothing more can come")
+        if waited > self.t.cfg.actor_rollout_ref.nccl_timeout:
+            by_replica: dict[int, int] = {}
+            for replica, prompts in self.in_flight.values():
+                by_replica[replica] = by_replica.get(replica, 0) + len(prompts)
+            raise TimeoutError(f"fully async: no rollout request finished in {waited:.0f} s "
+                               f"(actor_rollout_ref.nccl_timeout) while the trainer waited for {self.step_prompts} "
+                               f"prompts ({queued} queued); prompts in flight by replica: {by_replica}")
+
+    def step_metrics(self, batch: Batch) -> dict[str, float]:
+        """What the rollout side reports for a trained step: the requests' counts since the last step, and the
+        scorer extras of the trained samples."""
+        out, self.counted = self.counted, {}
+        return {**out, **reward_extra_means(batch["reward_extra_info"] if "reward_extra_info" in batch else [])}
+
+    def queued_prompts(self) -> int:
+        return sum(len(b) for b in self.queue) // self.n
+
+    def take(self) -> Batch:
+        """The next training batch: the oldest finished groups, `step_prompts` prompts, ordered by issue index."""
+        groups, have = [], 0
+        while have < self.step_prompts:
+            groups.append(self.queue.popleft())
+            have += len(groups[-1]) // self.n
+        groups.sort(key=lambda b: b.meta["first"])
+        for b in groups:
+            self.ledger.trained.update(range(b.meta["first"], b.meta["first"] + len(b) // self.n))
+        self.ledger.forget_before(min([*self.in_flight, *(b.meta["first"] for b in self.queue)],
+                                      default=self.ledger.issued))
+        return concat_rollouts(groups, self.t.tokenizer.pad_token_id)
+
+    def staleness_metrics(self, batch: Batch) -> dict[str, float]:
+        """How far the trained responses lag behind the rollout's weights (in syncs, from each response's first
+        token), the stale prompts (any response begun before the last sync; verl's 'samples') and responses so far,
+        and the responses that mix weight versions (partial rollouts)."""
+        versions, mask = batch["rollout_versions"], batch["response_mask"].bool()
+        first = versions[:, 0]
+        last = torch.where(mask.any(-1), versions.masked_fill(~mask, -1).max(-1).values, first)
+        lag = (self.version - first).float()
+        stale = (lag > 0).tolist()
+        self.counters["stale_trajectories"] += sum(stale)
+        self.counters["stale_samples"] += len({uid for uid, s in zip(batch["uid"], stale) if s})
+        partial = last != first
+        return {"fully_async/staleness/mean": float(lag.mean()), "fully_async/staleness/max": float(lag.max()),
+                "fully_async/count/stale_samples_processed": self.counters["stale_samples"],
+                "fully_async/count/stale_trajectory_processed": self.counters["stale_trajectories"],
+                "fully_async/partial/total_partial_num": int(partial.sum()),
+                "fully_async/partial/partial_ratio": float(partial.float().mean()),
+                "fully_async/partial/max_partial_span": float((last - first).max()),
+                "fully_async/queue_size": self.queued_prompts(), "fully_async/policy_version": self.version}
+
+    # -- the weight sync ----------------------------------------------------------------------------------------
+    def sync_weights(self) -> dict[str, float]:
+        """Pause the replicas, broadcast the trainer's weights, resume; a new interval's budget."""
+        start = time.perf_counter()
+        interrupted = self.cluster.rollout.pause(partial=self.at.partial_rollout)
+        self.poll(0.0)                                     # what finished while pausing
+        stats = self.cluster.sync(self.version + 1)
+        self.version += 1
+        self.syncs += 1
+        self.cluster.rollout.resume()
+        self.budget = self._budget(stale=self.queued_prompts() + sum(len(p) for _, p in self.in_flight.values()))
+        seconds = time.perf_counter() - start
+        return {"timing_s/param_sync": seconds, "fully_async/sync/interrupted": interrupted,
+                "fully_async/sync/gb": stats.get("bytes", 0) / 2**30,
+                "fully_async/sync/send_s": stats.get("seconds", 0.0)}
+
+    def state_dict(self) -> dict:
+        pending = {i for first, (_, p) in self.in_flight.items() for i in range(first, first + len(p))}
+        pending |= {i for b in self.queue for i in range(b.meta["first"], b.meta["first"] + len(b) // self.n)}
+        return {**self.ledger.state_dict(pending, self.t.loader.state_dict()), "version": self.version,
+                "syncs": self.syncs, "updates_since_sync": self.updates_since_sync}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint; the replicas then take its weights: the same version when it was saved right
+        after a sync, else a new one (the trainer had updated since)."""
+        self.version, self.syncs = state["version"], state["syncs"]
+        self.version += bool(state["updates_since_sync"])
+        self.ledger.issued = state["issued"]
+        self.ledger.skip = set(state["trained"])
+        self.t.loader.load_state_dict(state["loader"])
+        self.t._rows = None
+
+
+def fit_async(t: Trainer) -> dict[str, float]:
+    """Train until `t.total_steps` local updates (see the module docstring)."""
+    d, tr = AsyncDriver(t), t.cfg.trainer
+    resumed = (t.resume_state or {}).get("fully_async")
+    if resumed is not None:
+        d.load_state_dict(resumed)
+        t.cluster.rollout.pause(partial=True)
+        t.cluster.sync(d.version)                         # the replicas start from the checkpoint's weights
+        t.cluster.rollout.resume()
+    if t.val_dataset is not None and (tr.val_before_train or tr.val_only) and resumed is None:
+        t.tracker.log(validate(t), step=t.global_step)
+    if tr.val_only:
+        return {}
+    bar = ProgressBar(t.total_steps, initial=t.global_step, desc="train")
+    pool = ThreadPoolExecutor(1, thread_name_prefix="lathe-trainer")
+    training: Future | None = None
+    last: dict[str, float] = {}
+    wall = time.perf_counter()
+    idle_since, idle = time.perf_counter(), 0.0
+    progress_at = time.monotonic()                    # the last finished request (or a step in training)
+    busy_at = (wall, list(d.busy))
+    try:
+        while t.global_step < t.total_steps or training is not None:
+            d.fill()
+            if d.poll(wait_s=0.0 if training is not None and training[0].done() else 0.05) or training is not None:
+                progress_at = time.monotonic()
+            elif d.queued_prompts() < d.step_prompts:
+                d.check_waiting(since=progress_at)
+            if training is None and t.global_step < t.total_steps and d.queued_prompts() >= d.step_prompts:
+                idle += time.perf_counter() - idle_since
+                batch = d.take()
+                current = d.version if d.updates_since_sync == 0 else None   # the trainer holds the rollout's weights
+                t.global_step += 1                        # the step in training, counted as the synchronous loop does
+                training = (pool.submit(_learn, t, batch, current),
+                            {**d.staleness_metrics(batch), **d.step_metrics(batch)})
+            if training is not None and training[0].done():
+                last = {**training[1], **training[0].result()}
+                training, idle_since = None, time.perf_counter()
+                done = t.global_step >= t.total_steps
+                d.updates_since_sync += 1
+                if d.updates_since_sync == d.at.trigger_parameter_sync_step or done:
+                    d.updates_since_sync = 0
+                    last.update(d.sync_weights())
+                    freq = t.cfg.rollout.test_freq                # verl's: every `test_freq` syncs
+                    if freq > 0 and t.val_dataset is not None and d.syncs % freq == 0:
+                        last.update(validate(t))
+                if (tr.test_freq > 0 and t.val_dataset is not None and (t.global_step % tr.test_freq == 0 or done)
+                        and not any(k.startswith("val") for k in last)):
+                    last.update(validate(t))
+                now = time.perf_counter()
+                last["perf/time_per_step"] = now - wall         # wall time per update (`timing_s/step`: the update)
+                last["perf/throughput"] = last["perf/total_num_tokens"] / max(now - wall, 1e-9)
+                last["trainer/idle_ratio"] = idle / max(1e-9, now - wall)
+                last["rollouter/idle_ratio"] = 1 - _busy_fraction(busy_at, now, d.busy)
+                busy_at, wall, idle = (now, list(d.busy)), now, 0.0
+                t.tracker.log(last, step=t.global_step)
+                bar.update(t.global_step, last)
+                if tr.save_freq > 0 and (t.global_step % tr.save_freq == 0 or done):
+                    save(t, extra={"fully_async": d.state_dict()})
+                progress_at = time.monotonic()             # (a sync, validation or save is no wait for prompts)
+    finally:
+        if training is not None:
+            training[0].cancel()
+        pool.shutdown(wait=True)
+        bar.close()
+    return last
+
+
+def _learn(t: Trainer, batch: Batch, current: int | None) -> dict[str, float]:
+    """One local update on a batch of finished groups (run in the trainer thread). `current`: the rollout's weight
+    version when the trainer holds exactly those weights (the first update after a sync), else None; the tokens
+    sampled with it must then have the log-probs the trainer recomputes (`rollout_probs_diff_current_*`)."""
+    timer = Timer(memory=PeakMemory(t.device))
+    start = time.perf_counter()
+    old_from_rollout = old_log_probs_from_rollout(t.cfg)
+    metrics = learn(t, batch, timer, old_from_rollout=old_from_rollout)
+    if current is not None and not old_from_rollout:
+        same = batch["response_mask"].bool() & (batch["rollout_versions"] == current)
+        metrics.update({f"fully_async/rollout_probs_diff_current_{k}": v for k, v in rollout_probs_diff(
+            batch["old_log_probs"], batch["rollout_log_probs"], same).items()})
+    return finish_metrics(t, batch, timer, metrics, time.perf_counter() - start)
+
+
+def old_log_probs_from_rollout(cfg) -> bool:
+    """PPO's old log-probs are the engine's (verl: use_rollout_log_probs without compute_prox_log_prob, or the
+    rollout correction's bypass mode); else the trainer recomputes them (the proximal policy of decoupled PPO)."""
+    at = cfg.async_training
+    return cfg.algorithm.rollout_correction.bypass_mode or (at.use_rollout_log_probs and not at.compute_prox_log_prob)
+
+
+def _busy_fraction(since: tuple[float, list[float]], now: float, busy: list[float]) -> float:
+    """The replicas' mean fraction of time spent stepping since `since`."""
+    then, before = since
+    span = max(1e-9, now - then)
+    return min(1.0, sum(b - a for a, b in zip(before, busy)) / (span * max(1, len(busy))))
+
+

@@ -1,0 +1,72 @@
+"""lathe.cluster.async_roles in one process (no Ray): a rollout replica streams requests through its engine thread,
+stops on the checkpoint's end-of-sequence ids, hands finished requests out while others run, pauses (interrupting
+or finishing what runs) and continues; per-token weight versions from the engine's spans."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from lathe.cluster.async_roles import RolloutWorker, token_versions
+from lathe.config import load_config
+from lathe.loop.setup import _given_model
+from lathe.models.hf import load_policy, load_tokenizer
+from lathe.rollout.base import SamplingParams
+
+WAIT_S = 60
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    """A replica of the built-in tiny model, saved with a generation_config naming two more end-of-sequence ids."""
+    cfg = load_config("default", ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
+                                  "actor_rollout_ref.rollout.max_num_seqs=1", "data.max_response_length=256"])
+    tokenizer = load_tokenizer("builtin:tiny")
+    path, kwargs = _given_model(cfg, tokenizer)
+    model_dir = tmp_path_factory.mktemp("model")
+    load_policy(path, **kwargs).save_pretrained(model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    worker = RolloutWorker(cfg, str(model_dir), {"impl": "auto"}, tokenizer, device_type="cpu")
+    yield worker, tokenizer
+    worker.shutdown()
+
+
+def test_a_replica_stops_on_the_checkpoints_end_of_sequence_ids(replica):
+    worker, tokenizer = replica
+    assert {tokenizer.eos_token_id, 5, 7} <= set(worker.engine.eos_ids)
+
+
+def _collect_until(worker, ids: set, timeout_s: float = WAIT_S) -> dict:
+    got, deadline = {}, time.monotonic() + timeout_s
+    while not ids <= set(got) and time.monotonic() < deadline:
+        got.update(worker.collect(wait_s=0.5)["done"])
+    assert ids <= set(got), f"requests {sorted(ids - set(got))} not finished within {timeout_s} s"
+    return got
+
+
+def test_finished_requests_come_out_while_a_long_one_runs_and_a_pause_interrupts_it(replica):
+    worker, _ = replica
+    long = SamplingParams(n=2, temperature=1.0, max_tokens=256, ignore_eos=True, seed=1)
+    short = SamplingParams(temperature=0, max_tokens=1)
+    worker.submit([("short", [[6, 7]], short, 0), ("long", [[3, 4, 5]], long, 0)])
+    got = _collect_until(worker, {"short"})          # one sequence at a time: short ends 512 steps before long
+    assert "long" not in got and got["short"]["responses"].shape == (1, 1)
+    assert worker.pause(partial=True, timeout_s=WAIT_S) >= 1          # long was mid-way: interrupted
+    worker.resume()
+    out = _collect_until(worker, {"long"})["long"]
+    assert out["response_mask"].sum(-1).tolist() == [256, 256]
+    assert (out["rollout_versions"] == 0).all()      # no new weights came: one version throughout
+    # without partial rollout a pause lets what runs finish first
+    worker.submit([("again", [[3, 4]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), 0)])
+    assert worker.pause(partial=False, timeout_s=WAIT_S) == 0
+    assert "again" in worker.collect()["done"][0]
+    worker.resume()
+
+
+def test_token_versions_follow_the_spans():
+    spans = [[(0, 0), (1, 3)], [(2, 0)], [(1, 0), (2, 1), (3, 2)]]
+    assert token_versions(spans, 5).tolist() == [[0, 0, 0, 1, 1], [2, 2, 2, 2, 2], [1, 2, 3, 3, 3]]
+    assert token_versions([], 3).shape == (0, 3) and token_versions(spans, 5).dtype == torch.long

@@ -1,0 +1,153 @@
+"""Fully asynchronous training on CPU workers (1 trainer rank + 1 rollout replica over Ray/gloo): on-policy it is
+the synchronous loop; off-policy it streams, stays within its staleness bound, interrupts and continues responses
+at weight syncs, and resumes where its checkpoint left off."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
+
+from lathe.cli import main  # noqa: E402
+from lathe.config import ConfigError, load_config  # noqa: E402
+from lathe.loop.fully_async import AsyncDriver, Ledger  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_ray():
+    """One local Ray for the module's runs (each `lathe train` joins it instead of starting its own)."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+BASE = ["trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.logger=[console]"]
+POOLS = ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false"]
+COMPARED = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean")
+
+
+def train(run_dir, *overrides: str) -> list[dict]:
+    """`lathe train [PRESET] overrides...` into run_dir; its metrics rows."""
+    preset = [o for o in overrides[:1] if "=" not in o]
+    overrides = overrides[len(preset):]
+    assert main(["train", *preset, f"trainer.default_local_dir={run_dir}", *BASE, *overrides]) == 0
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_on_policy_async_is_the_synchronous_loop(tmp_path):
+    """staleness_threshold=0, one update per sync, one request per step: the same samples and the same updates; the
+    trainer's recomputed log-probs are the engine's (it holds the rollout's weights at every update)."""
+    steps = ["trainer.total_training_steps=2"]
+    sync = train(tmp_path / "sync", *steps)
+    on_policy = train(tmp_path / "async", *steps, *POOLS, "async_training.staleness_threshold=0",
+                      "async_training.trigger_parameter_sync_step=1", "async_training.require_batches=2",
+                      "async_training.partial_rollout=false", "async_training.use_rollout_log_probs=false",
+                      "data.gen_batch_size=32")
+    assert len(sync) == len(on_policy) == 2
+    for a, b in zip(sync, on_policy):
+        for key in COMPARED:
+            assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
+        assert b["fully_async/staleness/max"] == 0 and b["fully_async/partial/total_partial_num"] == 0
+        assert b["fully_async/rollout_probs_diff_current_max"] == b["training/rollout_probs_diff_max"] < 1e-4
+
+
+OFF_POLICY = ["trainer.total_training_steps=4", *POOLS, "actor_rollout_ref.model.warm_start.steps=0",
+              "data.max_response_length=12", "actor_rollout_ref.rollout.max_num_seqs=1", "actor_rollout_ref.rollout.n=4",
+              "actor_rollout_ref.actor.optim.lr=1e-3", "reward.timeout_s=0",
+              "async_training.staleness_threshold=0.5", "async_training.trigger_parameter_sync_step=2",
+              "async_training.require_batches=1", "async_training.partial_rollout=true",
+              "async_training.compute_prox_log_prob=true", "rollout.total_rollout_steps=64"]
+STEP, PER_SYNC = 16, 32                      # prompts per update (ppo_mini_batch_size), per sync interval
+
+
+def test_off_policy_streams_within_its_staleness_bound_and_resumes_without_losing_a_prompt(tmp_path):
+    """Two updates per sync, staleness 0.5, partial rollout, one prompt per request, exactly the 64 prompts four
+    steps need. A random model answers at length (rewarded by a hash of its characters, so that it learns) and the
+    engine runs one sequence at a time: the rollout is the slow side, and at the sync a response is mid-way (its
+    prefill sampled its first token) and gets interrupted."""
+    run, dumps, reward = tmp_path / "run", tmp_path / "dumps", tmp_path / "hash_reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return (sum(map(ord, solution_str)) % 3) / 2\n")
+    args = [*OFF_POLICY, "trainer.save_freq=2", f"trainer.rollout_data_dir={dumps}",
+            f"reward.custom_reward_function.path={reward}"]
+    rows = train(run, *args)
+    assert [r["fully_async/policy_version"] for r in rows] == [0, 0, 1, 1]
+    # the bound: the prompts begun before a sync and trained after it are at most staleness x per-interval prompts
+    stale = [r["fully_async/count/stale_samples_processed"] for r in rows]
+    assert stale[1] == 0 and stale[3] - stale[1] <= math.floor(0.5 * PER_SYNC), stale
+    for r in rows:
+        assert r["fully_async/staleness/max"] <= 1 + r["fully_async/partial/max_partial_span"], r
+        assert 0 <= r["trainer/idle_ratio"] <= 1 and 0 <= r["rollouter/idle_ratio"] <= 1
+    assert rows[1]["fully_async/sync/interrupted"] > 0, "no response was mid-way at the sync"
+    assert sum(r["fully_async/partial/total_partial_num"] for r in rows) > 0, "no interrupted response was trained"
+    # tokens sampled with the weights the trainer holds (first update after a sync) have the log-probs it computes:
+    # continued responses took the new weights for their new tokens, and kept each old token's own log-prob
+    for r in (rows[0], rows[2]):
+        assert r["fully_async/rollout_probs_diff_current_max"] < 1e-4, r
+    # resume from step 2: steps 3 and 4 again; over steps 1-4 every prompt is trained once, none lost, none twice
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = train(run, *args)
+    assert len(resumed) == 4 and [r["fully_async/policy_version"] for r in resumed[2:]] == [1, 1]
+    trained = [json.loads(line)["uid"] for step in range(1, 5)
+               for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+    assert sorted(set(trained), key=lambda u: int(u[1:])) == [f"p{i}" for i in range(4 * STEP)]
+    assert all(trained.count(u) == 4 for u in set(trained)), "a prompt's group (n=4) trained twice or in part"
+
+
+def test_the_reward_rises_as_in_the_synchronous_loop(tmp_path):
+    """The fully_async preset (staleness 0.5, a sync every 2 updates, partial rollout) on the built-in task."""
+    rows = train(tmp_path, "fully_async", "trainer.total_training_steps=50")
+    scores = [r["critic/score/mean"] for r in rows]
+    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
+    assert last >= first + 0.1, f"reward went from {first:.2f} to {last:.2f} in 50 steps"
+
+
+def test_the_ledger_resumes_at_the_oldest_untrained_chunk_and_skips_what_was_trained():
+    ledger = Ledger()
+    for first in range(0, 8, 2):                  # four chunks of two prompts
+        ledger.chunk_states[first] = {"pos": first}
+    ledger.issued = 8
+    ledger.trained = {0, 1, 4, 5}                 # chunks 0 and 4 trained; 2 and 6 in flight or queued
+    state = ledger.state_dict(pending={2, 3, 6, 7}, loader_state={"pos": 8})
+    assert state == {"issued": 2, "loader": {"pos": 2}, "trained": [4, 5]}
+    assert ledger.state_dict(pending=set(), loader_state={"pos": 8}) == {"issued": 8, "loader": {"pos": 8},
+                                                                         "trained": []}
+    ledger.forget_before(6)
+    assert set(ledger.chunk_states) == {6} and ledger.trained == set()
+
+
+def test_a_trainer_waiting_for_prompts_that_cannot_come_fails_saying_why():
+    d = AsyncDriver.__new__(AsyncDriver)              # only the fields check_waiting reads
+    d.t = SimpleNamespace(cfg=load_config("default", POOLS))
+    d.in_flight, d.queue, d.n, d.step_prompts, d.total_prompts = {}, deque(), 8, 16, 64
+    d.ledger = Ledger(issued=64)
+    with pytest.raises(RuntimeError, match="issued all 64 .* nothing more can come"):
+        d.check_waiting(since=time.monotonic())
+    d.ledger.issued, d.in_flight = 60, {60: (1, ["prompt"] * 4)}
+    d.check_waiting(since=time.monotonic())           # in flight, within the timeout: keep waiting
+    with pytest.raises(TimeoutError, match=r"no rollout request finished in \d+ s .* by replica: \{1: 4\}"):
+        d.check_waiting(since=time.monotonic() - 601)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["async_training.staleness_threshold=0.5"], "acts only in fully-asynchronous training"),
+    (["actor_rollout_ref.hybrid_engine=false"], "no rollout pool is set"),
+    ([*POOLS, "data.gen_batch_size=3"], "must divide a training step"),
+    ([*POOLS, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"], "backend=nccl or auto"),
+    ([*POOLS, "algorithm.rollout_correction=decoupled_geo_rs_seq_tis"], "compute_prox_log_prob=true"),
+    (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"], "rollout.n_gpus_per_node"),
+])
+def test_async_keys_are_refused_where_they_cannot_act(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("default", overrides)
+
+
+def test_a_step_is_require_batches_mini_batches_of_prompts():
+    cfg = load_config("default", [*POOLS, "async_training.require_batches=3", "data.train_batch_size=0"])
+    assert cfg.data.train_batch_size == 48 and cfg.data.gen_batch_size == 1

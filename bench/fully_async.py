@@ -1,0 +1,146 @@
+"""Fully asynchronous training against the synchronous colocated loop on the same devices, on a long-tail workload.
+
+    python bench/fully_async.py [--shape 0.5b] [--steps 12] [--git-sha SHA] [--out bench/results/fully_async_<device>.json]
+    python bench/fully_async.py --device cpu --shape tiny --steps 4 --warmup 1 --prompts 8 --n 2 --prompt-len 8 \
+        --median-response-len 4 --max-response-len 32 --out /tmp/fully_async_smoke.json                # CPU smoke
+
+Two GPUs (or two CPU workers), two `lathe train` runs in child processes, exactly as a user runs them:
+
+- sync: `trainer.n_gpus_per_node=2`, the hybrid engine (each GPU an FSDP2 rank with its own engine, data-parallel
+  rollout, the weights synced into the engines after every update), one optimizer step per RL step;
+- async: `trainer.n_gpus_per_node=1 rollout.n_gpus_per_node=1`, the trainer on one GPU and lathe's engine on the
+  other, weights broadcast between them (`--trigger` updates per sync, `--staleness`, partial rollout).
+
+Both train the same `--steps` x `--prompts` prompts (`--n` samples each; async: `require_batches=1`,
+`ppo_mini_batch_size=--prompts`, so the same optimizer steps on the same batch size).
+
+The long tail: random-weight Qwen2.5 shapes sample near-uniformly random tokens, and the checkpoint's
+generation_config lists `k = round(V ln 2 / median)` of the vocabulary's ids as end-of-sequence ids, so a response
+stops at each token with probability about k/V: lengths are geometric with median `--median-response-len`, capped at
+`--max-response-len` (default 8x the median: about 1 response in 256 reaches the cap, and every synchronous step waits
+for the longest of its responses). The measured length distribution is in the JSON.
+
+Reported per run: the median and total wall seconds per trained step after `--warmup` (`perf/time_per_step`: the
+whole step in the synchronous loop; the time between two finished updates in the asynchronous one), tokens/s, the
+response lengths, and for async the staleness, idle ratios, partial rollouts and weight-sync time. The speed-up is
+sync seconds / async seconds over the timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from e2e import REWARD_FILE, lathe_command, run_child, write_data, write_model, write_tokenizer  # noqa: E402
+from train import SHAPES, device_name, git_sha, slug  # noqa: E402
+
+
+def long_tail_model(shape: str, where: Path, device: str, median: int) -> tuple[Path, int]:
+    """e2e's random-weight checkpoint of `shape` plus a generation_config.json listing k stop ids (see above)."""
+    base = write_model(shape, where, device)
+    vocab = SHAPES[shape]["vocab_size"]
+    k = max(1, round(vocab * math.log(2) / median))
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(1, k + 1))}))
+    return base, k
+
+
+def commands(paths: dict, args) -> dict[str, list[str]]:
+    """The two `lathe train` command lines: e2e's (same model, data, reward, batch) with EOS honoured, then each
+    mode's placement (later overrides win)."""
+    args.response_len, args.gpus = args.max_response_len, 2
+    base = [*lathe_command(args.shape, paths, args), "actor_rollout_ref.rollout.ignore_eos=false"]
+    run = paths["run"]
+    sync = [*base, "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={run / 'sync'}"]
+    asyn = [*base, "trainer.n_gpus_per_node=1", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.hybrid_engine=false", "data.train_batch_size=0", "data.gen_batch_size=1",
+            "async_training.require_batches=1", f"async_training.trigger_parameter_sync_step={args.trigger}",
+            f"async_training.staleness_threshold={args.staleness}", "async_training.partial_rollout=true",
+            f"trainer.default_local_dir={run / 'async'}"]
+    return {"sync": sync, "async": asyn}
+
+
+def summarize(steps: list[dict], warmup: int) -> dict:
+    timed = steps[warmup:] or steps[-1:]
+    walls = [s["perf/time_per_step"] for s in timed]
+    keys = ("response_length/mean", "response_length/max", "response_length/clip_ratio", "perf/throughput",
+            "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "timing_s/param_sync",
+            "trainer/idle_ratio", "rollouter/idle_ratio", "fully_async/staleness/mean", "fully_async/staleness/max",
+            "fully_async/partial/partial_ratio", "fully_async/sync/send_s", "fully_async/sync/interrupted")
+    return {"steps_timed": len(timed), "step_wall_s_median": statistics.median(walls), "timed_wall_s": sum(walls),
+            "step_wall_s_all": [s.get("perf/time_per_step") for s in steps],
+            "medians": {k: statistics.median(s[k] for s in timed) for k in keys if all(k in s for s in timed)},
+            "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps), default=None)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step (and ppo_mini_batch_size)")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--median-response-len", type=int, default=256)
+    p.add_argument("--max-response-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out (compilation, the async pipeline filling)")
+    p.add_argument("--trigger", type=int, default=2, help="async_training.trigger_parameter_sync_step")
+    p.add_argument("--staleness", type=float, default=1.0, help="async_training.staleness_threshold")
+    p.add_argument("--modes", default="sync,async")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--workdir", default="/tmp/lathe-fully-async")
+    p.add_argument("--git-sha", default=None, help="the commit measured, as your checkout names it")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    where = Path(args.workdir)
+    (where / "logs").mkdir(parents=True, exist_ok=True)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    model, k = long_tail_model(args.shape, where, args.device, args.median_response_len)
+    parquet, _ = write_data(where, rows=args.prompts * (args.steps + 4), prompt_len=args.prompt_len, vocab_size=vocab)
+    (where / "reward.py").write_text(REWARD_FILE)
+    paths = {"model": model, "tokenizer": write_tokenizer(vocab, where), "parquet": parquet,
+             "reward": where / "reward.py", "run": where / f"run-{args.shape}"}
+    name = device_name(torch.device(args.device))
+    out = Path(args.out or ROOT / "bench" / "results" / f"fully_async_{slug(name)}.json")
+    result = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
+              "workload": {**{k_: getattr(args, k_) for k_ in ("shape", "prompts", "n", "prompt_len", "steps", "warmup",
+                                                               "median_response_len", "max_response_len", "trigger",
+                                                               "staleness")}, "stop_ids": k, "vocab": vocab},
+              "runs": {}}
+    for mode, cmd in commands(paths, args).items():
+        if mode not in args.modes.split(","):
+            continue
+        metrics = paths["run"] / mode / "metrics.jsonl"
+        metrics.unlink(missing_ok=True)
+        rc, wall = run_child(cmd, where / "logs" / f"{mode}.log", args.timeout)
+        steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        result["runs"][mode] = {"command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall,
+                                **(summarize(steps, args.warmup) if steps else {})}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    s, a = (result["runs"].get(m, {}).get("timed_wall_s") for m in ("sync", "async"))
+    if s and a:
+        result["speedup_async_vs_sync"] = s / a
+    out.write_text(json.dumps(result, indent=2))
+    for mode, r in result["runs"].items():
+        print(f"{mode:>5}: rc {r['returncode']}, {r.get('step_wall_s_median', float('nan')):.2f} s/step (median), "
+              f"{r.get('timed_wall_s', float('nan')):.1f} s over {r.get('steps_timed', 0)} steps, "
+              f"response length {r.get('medians', {}).get('response_length/mean', float('nan')):.0f} mean")
+    if "speedup_async_vs_sync" in result:
+        print(f"speed-up (async / sync): {result['speedup_async_vs_sync']:.2f}x")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@
     lathe model check MODEL_DIR
     lathe generate MODEL_DIR INPUT.jsonl OUTPUT.jsonl [key=value ...]
     lathe presets
+    lathe diagnose [--json] [--ray]
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from lathe.diagnose import run
+    return run(as_json=args.json, ray=args.ray)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lathe", description="RL post-training of language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     presets = sub.add_parser("presets", help="list the built-in config presets")
     presets.set_defaults(func=cmd_presets)
+    diag = sub.add_parser("diagnose", help="check this machine for lathe: versions, GPUs, driver, NCCL, "
+                                           "environment variables; exit 1 on a problem")
+    diag.add_argument("--json", action="store_true", help="one JSON object instead of the report")
+    diag.add_argument("--ray", action="store_true", help="also join the Ray cluster (RAY_ADDRESS or the local one) "
+                                                         "and list its resources")
+    diag.set_defaults(func=cmd_diagnose)
     return parser
 
 

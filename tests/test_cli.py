@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
+import pytest
 import yaml
 
 from lathe.cli import main
@@ -39,6 +40,11 @@ def test_print_config_prints_a_loadable_resolved_tree(capsys):
     assert tree["actor_rollout_ref"]["rollout"]["n"] == 4
     assert tree["algorithm"]["adv_estimator"] == "grpo"
     assert "${" not in tree["trainer"]["default_local_dir"]     # interpolations resolved
+    # keys on both sides of the flag (a launch script's keys, then `--print-config key=value` from its caller)
+    assert main(["train", "base", "actor_rollout_ref.rollout.n=4", "--print-config", "actor_rollout_ref.rollout.n=6"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["actor_rollout_ref"]["rollout"]["n"] == 6
+    with pytest.raises(SystemExit):
+        main(["presets", "extra"])
 
 
 def test_unknown_algorithm_name_fails_with_known_names(tmp_path, capsys):

@@ -123,7 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="lathe: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command == "train" and not any(r.startswith("-") for r in rest):
+        args.items += rest              # `lathe train PRESET --print-config key=value`: keys after the flag too
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except KeyboardInterrupt:

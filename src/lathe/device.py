@@ -1,57 +1,213 @@
-"""The one place that asks the accelerator about itself (memory queries; CUDA here, CPU answers nothing) and
-moves small host tensors to it without waiting for it.
+"""The one place that knows which accelerator lathe drives: discovery, the visible-devices variable, the collective
+backend, memory and random-state queries, events, streams' synchronisation and graph capture. Nothing else in
+lathe calls `torch.cuda` (tests/test_device.py checks it).
 
-Issue 14 grows this into the device layer (cuda / rocm / npu / cpu discovery, visible-devices variables,
-collective backends); what lives here now is what the trainer's memory plan and metrics need.
+Platforms: `cuda` (NVIDIA), `rocm` (AMD through HIP: torch calls it "cuda" too, the library behind "nccl" is RCCL),
+`npu` (Ascend through torch_npu: device type "npu", HCCL) and `cpu`. Only CUDA and CPU run on lathe's machines;
+ROCm and NPU are told apart by the same code and tested with fakes.
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 GIB = 1024 ** 3
 
 
+@dataclass(frozen=True)
+class Platform:
+    name: str                      # cuda | rocm | npu | cpu
+    device_type: str               # torch's device type: cuda (CUDA and ROCm), npu, cpu
+    visible_devices: str | None    # the variable that selects this process's devices
+    backend: str                   # torch.distributed's backend name
+    collectives: str               # the library behind it
+    ray_resource: str | None       # Ray's resource name for one device
+
+
+PLATFORMS = {
+    "cuda": Platform("cuda", "cuda", "CUDA_VISIBLE_DEVICES", "nccl", "NCCL", "GPU"),
+    "rocm": Platform("rocm", "cuda", "HIP_VISIBLE_DEVICES", "nccl", "RCCL", "GPU"),
+    "npu": Platform("npu", "npu", "ASCEND_RT_VISIBLE_DEVICES", "hccl", "HCCL", "NPU"),
+    "cpu": Platform("cpu", "cpu", None, "gloo", "Gloo", None),
+}
+
+
+def detect(torch_module: ModuleType = torch) -> Platform:
+    """The accelerator this process can use: ROCm when torch is a HIP build, else CUDA; an Ascend NPU (torch_npu
+    loaded); else the CPU."""
+    if torch_module.cuda.is_available():
+        return PLATFORMS["rocm" if getattr(torch_module.version, "hip", None) else "cuda"]
+    npu = getattr(torch_module, "npu", None)
+    if npu is not None and npu.is_available():
+        return PLATFORMS["npu"]
+    return PLATFORMS["cpu"]
+
+
+def backend_for(device_type: str) -> str:
+    """torch.distributed's backend for ranks on `device_type` devices (gloo on the CPU)."""
+    return next((p.backend for p in PLATFORMS.values() if p.device_type == device_type), "gloo")
+
+
+def _api(device: torch.device | str) -> ModuleType | None:
+    """torch's module for `device`'s kind (torch.cuda, torch.npu), or None for the CPU."""
+    kind = torch.device(device).type
+    return getattr(torch, kind, None) if kind in ("cuda", "npu") else None
+
+
 def is_accelerator(device: torch.device | str) -> bool:
-    return torch.device(device).type == "cuda"
+    return _api(device) is not None
+
+
+def accelerator_available() -> bool:
+    return detect().device_type != "cpu"
+
+
+def default_device_type() -> str:
+    """`auto`: the accelerator when there is one, else the CPU."""
+    return detect().device_type
+
+
+def device_count(device_type: str | None = None) -> int:
+    api = _api(device_type or default_device_type())
+    return api.device_count() if api is not None and api.is_available() else 0
+
+
+def current_device(device_type: str | None = None) -> torch.device:
+    """This process's current accelerator (its index made explicit), or the CPU."""
+    kind = device_type or default_device_type()
+    api = _api(kind)
+    return torch.device(kind, api.current_device()) if api is not None else torch.device("cpu")
+
+
+def set_device(index: int, device_type: str | None = None) -> None:
+    api = _api(device_type or default_device_type())
+    if api is not None:
+        api.set_device(index)
+
+
+def use_device(device: torch.device | str):
+    """A context in which `device` is the current accelerator (nothing on the CPU)."""
+    api = _api(device)
+    return api.device(torch.device(device)) if api is not None else contextlib.nullcontext()
+
+
+def properties(index: int, device_type: str | None = None) -> dict:
+    """Name, memory (bytes), compute capability and multiprocessor count of accelerator `index`."""
+    p = _api(device_type or default_device_type()).get_device_properties(index)
+    return {"name": p.name, "total_memory": p.total_memory, "capability": f"{p.major}.{p.minor}",
+            "multiprocessors": getattr(p, "multi_processor_count", None)}
+
+
+def collectives_version() -> str | None:
+    """The version of NCCL (RCCL on ROCm) torch was built with, or None."""
+    if detect().backend != "nccl":
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:                                   # noqa: BLE001 - a build without NCCL
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def multiprocessor_count(device: torch.device | str) -> int:
+    device = torch.device(device)
+    return _api(device).get_device_properties(device).multi_processor_count
 
 
 def total_memory(device: torch.device | str) -> int | None:
     """Bytes of memory on `device`, or None for the CPU (host memory is not planned)."""
-    device = torch.device(device)
-    if not is_accelerator(device):
-        return None
-    return torch.cuda.get_device_properties(device).total_memory
+    api = _api(device)
+    return None if api is None else api.get_device_properties(torch.device(device)).total_memory
+
+
+def memory_info(device: torch.device | str) -> tuple[int, int]:
+    """(free, total) bytes on the accelerator `device`."""
+    return _api(device).mem_get_info(torch.device(device))
+
+
+def memory_allocated(device: torch.device | str) -> int:
+    api = _api(device)
+    return 0 if api is None else api.memory_allocated(torch.device(device))
 
 
 def reset_peak_memory(device: torch.device | str) -> None:
-    if is_accelerator(device):
-        torch.cuda.reset_peak_memory_stats(torch.device(device))
+    api = _api(device)
+    if api is not None:
+        api.reset_peak_memory_stats(torch.device(device))
 
 
 def peak_memory(device: torch.device | str) -> tuple[int, int] | None:
     """(peak allocated, peak reserved) bytes since the last `reset_peak_memory`, or None on the CPU."""
-    device = torch.device(device)
-    if not is_accelerator(device):
+    api = _api(device)
+    if api is None:
         return None
-    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device: CUDA copies go through pinned memory (a copy
-    from pageable memory may wait for the stream's queued work, which would stall the engine's overlap)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    device = torch.device(device)
+    return api.max_memory_allocated(device), api.max_memory_reserved(device)
 
 
 def empty_cache(device: torch.device | str) -> None:
     """Return the allocator's cached blocks to the device (nothing to do on the CPU)."""
-    if is_accelerator(device):
-        torch.cuda.empty_cache()
+    api = _api(device)
+    if api is not None:
+        api.empty_cache()
 
 
 def synchronize(device: torch.device | str) -> None:
     """Wait for the work queued on `device` (nothing to wait for on the CPU)."""
-    if is_accelerator(device):
-        torch.cuda.synchronize(torch.device(device))
+    api = _api(device)
+    if api is not None:
+        api.synchronize(torch.device(device))
+
+
+def new_event(device: torch.device | str, *, timing: bool = False):
+    """An event on `device`'s current stream, to record and wait on (accelerators only)."""
+    return _api(device).Event(enable_timing=timing)
+
+
+def pin_memory_available() -> bool:
+    """Whether host tensors can be page-locked (there is an accelerator to copy them to)."""
+    return accelerator_available()
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: accelerator copies go through pinned memory (a
+    copy from pageable memory may wait for the stream's queued work, which would stall the engine's overlap)."""
+    if not is_accelerator(device):
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+# -- graphs (the engine's decode steps) --------------------------------------------------------------------
+def new_graph(device: torch.device | str):
+    """An empty graph to capture into (CUDA and ROCm: CUDAGraph / HIP graphs)."""
+    return _api(device).CUDAGraph()
+
+
+def graph_pool(device: torch.device | str):
+    """A memory pool the graphs of one engine share."""
+    return _api(device).graph_pool_handle()
+
+
+def capture(graph, device: torch.device | str, pool=None):
+    """The context that records the work issued inside it into `graph`."""
+    return _api(device).graph(graph, pool=pool)
+
+
+# -- random state (checkpoints) ----------------------------------------------------------------------------
+def rng_states() -> dict[str, list[torch.Tensor]]:
+    """Every accelerator's random-generator state, by torch device type ({} on the CPU)."""
+    platform = detect()
+    api = _api(platform.device_type)
+    return {} if api is None else {platform.device_type: api.get_rng_state_all()}
+
+
+def set_rng_states(states: dict[str, list[torch.Tensor]]) -> None:
+    """Restore what `rng_states` saved, for the device types present here."""
+    for kind, state in states.items():
+        api = _api(kind)
+        if api is not None and api.is_available():
+            api.set_rng_state_all(state)

@@ -79,19 +79,18 @@ class Probe:
 
     def torch(self) -> dict:
         import torch
+
+        from lathe import device
+        platform = device.detect()
         out = {"version": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
-               "cuda_available": torch.cuda.is_available(), "cudnn": None, "nccl": None, "gpus": []}
+               "platform": platform.name, "cuda_available": platform.device_type != "cpu", "cudnn": None,
+               "nccl": device.collectives_version(), "gpus": []}
         if out["cuda_available"]:
             out["cudnn"] = torch.backends.cudnn.version()
-            try:
-                nccl = torch.cuda.nccl.version()
-                out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-            except Exception:                        # noqa: BLE001 - a build without NCCL
-                pass
-            for i in range(torch.cuda.device_count()):
-                p = torch.cuda.get_device_properties(i)
-                out["gpus"].append({"index": i, "name": p.name, "memory_gb": p.total_memory / GIB,
-                                    "capability": f"{p.major}.{p.minor}"})
+            for i in range(device.device_count()):
+                p = device.properties(i)
+                out["gpus"].append({"index": i, "name": p["name"], "memory_gb": p["total_memory"] / GIB,
+                                    "capability": p["capability"]})
         return out
 
     def gpus_present(self) -> int:

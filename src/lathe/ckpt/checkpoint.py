@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lathe import device
 
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -33,9 +34,7 @@ def capture_rng() -> dict[str, Any]:
                         "gauss_next": gauss_next},
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "gauss": float(gauss)},
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+             "torch": torch.get_rng_state(), **device.rng_states()}      # + "cuda" (or "npu"): every device's
     return state
 
 
@@ -45,8 +44,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
                          npy["gauss"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    device.set_rng_states({k: v for k, v in state.items() if k in ("cuda", "npu")})
 
 
 def step_dir(root: str | Path, step: int) -> Path:

@@ -31,6 +31,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lathe import device as accel
+
 ALIGN = 256                 # bytes: every tensor's offset in a bucket buffer is a multiple of this
 _ERROR_KEY = "error"        # store key where a failed rank posts its error
 _POLL_MAX_S = 2e-4          # longest sleep between two completion checks of a broadcast
@@ -116,7 +118,7 @@ class SyncGroup:
                              f"[0, world_size) (rank 0 is the sender, 1..world_size-1 the receivers)")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = accel.current_device("cuda")
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"SyncGroup: device={device}: only cuda (NCCL) and cpu (Gloo) are supported")
         self.host, self.port, self.rank, self.world_size, self.device = host, port, rank, world_size, device
@@ -135,7 +137,7 @@ class SyncGroup:
             options.is_high_priority_stream = False
             self.backend = dist.ProcessGroupNCCL(backend_store, rank, world_size, options)
             if hasattr(self.backend, "eager_connect_single_device"):   # build the communicator now, not mid-sync
-                with torch.cuda.device(device):
+                with accel.use_device(device):
                     self.backend.eager_connect_single_device(device)
         else:
             self.backend = dist.ProcessGroupGloo(backend_store, rank, world_size, timeout=timeout)
@@ -194,8 +196,7 @@ class SyncGroup:
             raise
 
     def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        accel.synchronize(self.device)
 
     def begin_sync(self) -> None:
         """Count one more send/receive_weights call; refuse it once the group has failed."""

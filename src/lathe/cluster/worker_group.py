@@ -56,10 +56,11 @@ class RankHost:
             return s.getsockname()[1]
 
     def init_process_group(self, address: str, port: int, backend: str, timeout_s: float) -> None:
-        import torch
         import torch.distributed as dist
-        if backend == "nccl":
-            torch.cuda.set_device(0)        # Ray makes this actor's GPU the only visible one
+
+        from lathe.device import set_device
+        if backend != "gloo":
+            set_device(0)                   # Ray makes this actor's device the only visible one
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
 
@@ -93,7 +94,8 @@ class RayWorkerGroup:
         self.last_done = ["(started)"] * self.world_size
         self.nodes = self._gather([h.node.remote() for h in self.hosts], "node")
         address, port = self.nodes[0]["ip"], self.free_port()
-        backend = "nccl" if pool.use_gpu else "gloo"
+        from lathe.device import backend_for
+        backend = backend_for("cuda" if pool.use_gpu else "cpu")
         self._gather([h.init_process_group.remote(address, port, backend, self.timeout_s) for h in self.hosts],
                      "init_process_group")
         log.info("%s: %d workers over %s on %s (rendezvous %s:%d)", name, self.world_size, backend,

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from lathe import device as accel
 from lathe.device import to_device
 from lathe.engine.triton_decode import choose_num_splits
 
@@ -41,14 +42,14 @@ class DecodeGraphs:
         self.slots = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
         self.tables = torch.zeros(self.max_batch, width, dtype=torch.int32, device=device)
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.num_sms = accel.multiprocessor_count(device)
         self.host_tables = np.zeros((self.max_batch, width), dtype=np.int32)   # mirror of `tables`
         self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
         self.reset()
 
     def reset(self) -> None:
         """Forget every captured graph (the KV cache they point at is gone)."""
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, object] = {}          # batch bucket -> captured graph
         self.row_seq = [None] * self.max_batch      # the sequence whose table each row of `tables` holds,
         self.row_dealloc = [0] * self.max_batch     # at which of its allocations, how long, ending in which block
         self.row_len = [0] * self.max_batch
@@ -73,11 +74,12 @@ class DecodeGraphs:
     def _capture(self, bucket: int) -> None:
         start = time.perf_counter()
         self._forward(bucket)                       # warm-up: kernels compiled, workspaces allocated
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
+        device = self.runner.device
+        accel.synchronize(device)
+        graph = accel.new_graph(device)
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
+            self.pool = accel.graph_pool(device)
+        with accel.capture(graph, device, pool=self.pool):
             self.outputs[bucket] = self._forward(bucket)
         self.graphs[bucket] = graph
         self.captures += 1

@@ -296,15 +296,15 @@ def generate_file(model_dir: str | Path, input_path: str | Path, output_path: st
 def _load_engine(model_dir, opts: GenerateOptions, tokenizer, cfg):
     import torch
 
+    from lathe.device import default_device_type, device_count
     from lathe.engine.llm_engine import LatheEngine
     try:
-        device = torch.device("cuda" if opts.device == "auto" and torch.cuda.is_available() else
-                              "cpu" if opts.device == "auto" else opts.device)
+        device = torch.device(default_device_type() if opts.device == "auto" else opts.device)
     except RuntimeError as e:
         raise GenerateError(f"device={opts.device!r}: {e}. Fix: e.g. device=cuda, device=cuda:1 or "
                             "device=cpu") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GenerateError(f"device={opts.device}: no CUDA device is available. Fix: device=cpu")
+    if device.type != "cpu" and device_count(device.type) == 0:
+        raise GenerateError(f"device={opts.device}: no {device.type} device is available. Fix: device=cpu")
     dtype_name = opts.dtype if opts.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
     start = time.perf_counter()
     engine = LatheEngine.from_pretrained(

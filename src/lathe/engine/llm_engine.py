@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
+from lathe import device as accel
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
@@ -58,7 +59,7 @@ class _InFlight:
         if out.is_cuda:
             self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             self.host.copy_(out, non_blocking=True)
-            self.event = torch.cuda.Event()
+            self.event = accel.new_event(out.device)
             self.event.record()
 
     @property
@@ -162,9 +163,9 @@ class LatheEngine(StreamingMixin):
             # fragments of the update's activations, useless for the cache's large tensors (counting it as room
             # ran a 7B step out of memory at wake-up). Then `free` is what the cache can take, less the
             # allocator's rounding of its 2 x layers tensors and a little for the step's own buffers.
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(device)
-            allocated = torch.cuda.memory_allocated(device)
+            accel.empty_cache(device)
+            free, total = accel.memory_info(device)
+            allocated = accel.memory_allocated(device)
             slack = 2 * cfg.num_hidden_layers * (2 << 20) + (256 << 20)
             budget = min(free - slack, total * utilization - allocated)
             return max(1, min(most, int(budget // per_block) - 1))      # - the scratch block
@@ -328,8 +329,7 @@ class LatheEngine(StreamingMixin):
         if self.runner.graphs is not None:
             self.runner.graphs.reset()
         self.kv_cache.free()
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()
+        accel.empty_cache(self.model.device)
 
     def wake_up(self) -> None:
         """Take the KV cache back after `sleep()`.

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lathe import device as accel
+
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """(B, max_blocks) block ids -> (B, max_blocks * block_size, kv_heads, head_dim) contiguous context."""
@@ -70,13 +72,14 @@ def decode_with(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def _time_backend(backend: str, args: tuple, repeats: int = 5) -> float:
     decode_with(backend, *args)                      # compile / warm up
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    device = args[0].device
+    accel.synchronize(device)
+    start, end = accel.new_event(device, timing=True), accel.new_event(device, timing=True)
     start.record()
     for _ in range(repeats):
         decode_with(backend, *args)
     end.record()
-    torch.cuda.synchronize()
+    accel.synchronize(device)
     return start.elapsed_time(end) / repeats
 
 

@@ -22,7 +22,7 @@ from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
 from lathe.config import critic_in_use, to_dict
 from lathe.data import RLDataset, StatefulDataLoader
-from lathe.device import empty_cache
+from lathe.device import default_device_type, device_count, empty_cache
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
 from lathe.reward.registry import scorer_for
@@ -78,10 +78,10 @@ class Trainer:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = default_device_type()
+    elif name != "cpu" and device_count(name) == 0:
+        raise RuntimeError(f"trainer.device={name} but no {name} device is visible; use trainer.device=cpu or auto")
     return torch.device(name)
 
 

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from lathe.device import default_device_type
 from lathe.models import LatheConfig, UnsupportedArchitecture, load_lathe_model
 from lathe.models.packing import pack_padded, position_ids_from_mask, unpack_to_padded
 
@@ -69,7 +70,7 @@ def run_check(model_dir: str | Path, *, num_batches: int = 3, seed: int = 0, ato
     except UnsupportedArchitecture as e:
         out(f"{e}")
         return _fallback(model_dir, out)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(default_device_type())
     out(f"checkpoint: {model_dir}")
     out(f"architecture: {cfg.architecture} (layers={cfg.num_hidden_layers}, hidden={cfg.hidden_size}, "
         f"heads={cfg.num_attention_heads}/{cfg.num_key_value_heads} kv, rope={cfg.rope.rope_type}, "

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.optim.adam import adam
 
+from lathe.device import pin_memory_available, synchronize
 from lathe.train.precision import PrecisionPolicy
 
 
@@ -135,8 +136,8 @@ class MasterAdamW(torch.optim.Optimizer):
     # -- internals ------------------------------------------------------------------------------------------
     def _wait_for_copies(self) -> None:
         """Offloaded tensors are written back by asynchronous device-to-host copies: wait before the host reads."""
-        if self.device.type == "cuda" and (self.offload_params or self.offload_state):
-            torch.cuda.synchronize(self.device)
+        if self.offload_params or self.offload_state:
+            synchronize(self.device)
 
     def _masters(self) -> list[torch.Tensor]:
         return [m for g in self.param_groups for m in g["params"]]
@@ -195,6 +196,6 @@ class MasterAdamW(torch.optim.Optimizer):
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of `t` in pinned (page-locked) CPU memory: device<->host copies from it run asynchronously."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin_memory_available())
     out.copy_(t)
     return out

@@ -79,7 +79,9 @@ def peak_memory_metrics(device: torch.device) -> dict[str, float]:
 
 
 def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    """Where this rank's collectives put their tensors: its accelerator, or the CPU for gloo."""
+    from lathe.device import current_device
+    return torch.device("cpu") if dist.get_backend() == "gloo" else current_device()
 
 
 # -- FSDP2 --------------------------------------------------------------------------------------------

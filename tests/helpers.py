@@ -10,7 +10,12 @@ difference against the whole tensor's scale, so the same tolerance holds on any 
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -85,3 +90,22 @@ def needs_gpus(count: int):
     import pytest
     have = local_gpus()
     return pytest.mark.skipif(have < count, reason=f"needs {count} GPU(s), this machine shows {have}")
+
+
+@functools.lru_cache(maxsize=None)
+def warm_started(steps: int = 80) -> tuple[str, ...]:
+    """`lathe train` overrides that start from the built-in model already warm-started with `steps` supervised
+    steps (the default preset's warm start, built once per test session and step count). A run then skips
+    3-9 s of warm start and is otherwise the same: the RL steps draw no random numbers the warm start moved
+    (the same metrics, checked in tests/loop/test_ppo.py)."""
+    from lathe.config import load_config
+    from lathe.loop.setup import build_model, load_datasets
+    from lathe.models.hf import load_tokenizer
+    root = Path(tempfile.mkdtemp(prefix=f"lathe-warm{steps}-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    cfg = load_config("default", [f"actor_rollout_ref.model.warm_start.steps={steps}",
+                                  f"trainer.default_local_dir={root}"])
+    tokenizer = load_tokenizer("builtin:tiny")
+    build_model(cfg, tokenizer, load_datasets(cfg, tokenizer)[0], root, None, torch.device("cpu"))
+    return (f"actor_rollout_ref.model.path={root / 'init_model'}", "actor_rollout_ref.model.tokenizer_path=builtin:tiny",
+            "actor_rollout_ref.model.warm_start.steps=0", "critic.model.path=builtin:tiny")   # (the critic as before)

@@ -14,6 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
 
+from helpers import warm_started  # noqa: E402
 from lathe.cli import main  # noqa: E402
 from lathe.config import ConfigError, load_config  # noqa: E402
 from lathe.loop.fully_async import AsyncDriver, Ledger  # noqa: E402
@@ -32,11 +33,13 @@ POOLS = ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false"]
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean")
 
 
-def train(run_dir, *overrides: str) -> list[dict]:
-    """`lathe train [PRESET] overrides...` into run_dir; its metrics rows."""
+def train(run_dir, *overrides: str, warm: bool = True) -> list[dict]:
+    """`lathe train [PRESET] overrides...` into run_dir (from the shared warm start: tests/helpers.py); its
+    metrics rows."""
     preset = [o for o in overrides[:1] if "=" not in o]
     overrides = overrides[len(preset):]
-    assert main(["train", *preset, f"trainer.default_local_dir={run_dir}", *BASE, *overrides]) == 0
+    shared = list(warm_started()) if warm else []
+    assert main(["train", *preset, f"trainer.default_local_dir={run_dir}", *BASE, *shared, *overrides]) == 0
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -76,7 +79,7 @@ def test_off_policy_streams_within_its_staleness_bound_and_resumes_without_losin
                       "    return (sum(map(ord, solution_str)) % 3) / 2\n")
     args = [*OFF_POLICY, "trainer.save_freq=2", f"trainer.rollout_data_dir={dumps}",
             f"reward.custom_reward_function.path={reward}"]
-    rows = train(run, *args)
+    rows = train(run, *args, warm=False)
     assert [r["fully_async/policy_version"] for r in rows] == [0, 0, 1, 1]
     # the bound: the prompts begun before a sync and trained after it are at most staleness x per-interval prompts
     stale = [r["fully_async/count/stale_samples_processed"] for r in rows]
@@ -92,7 +95,7 @@ def test_off_policy_streams_within_its_staleness_bound_and_resumes_without_losin
         assert r["fully_async/rollout_probs_diff_current_max"] < 1e-4, r
     # resume from step 2: steps 3 and 4 again; over steps 1-4 every prompt is trained once, none lost, none twice
     (run / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = train(run, *args)
+    resumed = train(run, *args, warm=False)
     assert len(resumed) == 4 and [r["fully_async/policy_version"] for r in resumed[2:]] == [1, 1]
     trained = [json.loads(line)["uid"] for step in range(1, 5)
                for line in (dumps / f"{step}.jsonl").read_text().splitlines()]

@@ -15,6 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
 
+from helpers import warm_started  # noqa: E402
 from lathe.cli import main  # noqa: E402
 from lathe.cluster.placement import ResourcePool  # noqa: E402
 from lathe.cluster.worker_group import RayWorkerGroup, WorkerGroupError  # noqa: E402
@@ -26,7 +27,8 @@ COMPARED = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/m
 
 
 def train(run_dir, *overrides: str) -> list[dict]:
-    assert main(["train", f"trainer.default_local_dir={run_dir}", *STEPS, *overrides]) == 0
+    """The built-in run (its warm start shared: tests/helpers.py) for STEPS, with `overrides`."""
+    assert main(["train", f"trainer.default_local_dir={run_dir}", *STEPS, *warm_started(), *overrides]) == 0
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -68,8 +70,7 @@ def test_resume_is_exact_on_any_worker_count(runs, tmp_path, saved_by, workers):
         assert len(list((root / "two" / "global_step_2" / "actor" / "sharded").glob("*.distcp"))) == 2
     run = tmp_path / "resumed"
     run.mkdir()
-    for name in ("global_step_2", "init_model"):
-        shutil.copytree(root / saved_by / name, run / name)
+    shutil.copytree(root / saved_by / "global_step_2", run / "global_step_2")     # (the warm start is shared)
     (run / "latest_checkpointed_iteration.txt").write_text("2")
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in one[:2]))
     resumed = train(run, f"trainer.n_gpus_per_node={workers}")

@@ -9,15 +9,19 @@ import pytest
 from lathe.algo import ADV_ESTIMATORS, POLICY_LOSSES
 from lathe.cli import main
 
+from helpers import warm_started
+
 FAST = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "data.max_response_length=4", "actor_rollout_ref.model.warm_start.steps=30", "trainer.total_training_steps=2",
+        "data.max_response_length=4", "trainer.total_training_steps=2",
         "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.logger=[console]",
         "critic.ppo_mini_batch_size=2"]
 
 
-def train(tmp_path, *overrides: str, source: str | None = None) -> dict[int, dict]:
+def train(tmp_path, *overrides: str, source: str | None = None, warm: int = 30) -> dict[int, dict]:
+    """FAST on the built-in model warm-started for `warm` steps (built once per session: tests/helpers.py)."""
     run_dir = tmp_path / "run"
-    args = ["train"] + ([source] if source else []) + FAST + [f"trainer.default_local_dir={run_dir}", *overrides]
+    args = ["train"] + ([source] if source else []) + FAST + list(warm_started(warm)) + [
+        f"trainer.default_local_dir={run_dir}", *overrides]
     assert main(args) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows}
@@ -69,7 +73,7 @@ def test_rollout_correction_modes(tmp_path, overrides):
 
 
 def test_dapo_preset_filters_groups_and_shapes_overlong(tmp_path):
-    metrics = train(tmp_path, "actor_rollout_ref.model.warm_start.steps=60", source="dapo")
+    metrics = train(tmp_path, source="dapo", warm=60)
     assert metrics[2]["train/num_gen_batches"] >= 1
     assert "reward_extra/overlong_reward/mean" in metrics[2]
 

@@ -15,17 +15,26 @@ from lathe.loop.oom import OutOfMemory
 from lathe.loop.setup import build_trainer
 from lathe.reward.manager import RewardFunctionFailing
 
+from helpers import warm_started
+
 SHARED_GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 
 TINY = [
     "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "data.max_response_length=4",
-    "actor_rollout_ref.model.warm_start.steps=100", "data.val_batch_size=64", "trainer.logger=[console]",
+    "data.val_batch_size=64", "trainer.logger=[console]",
 ]
 
 
+def tiny(overrides=()) -> list[str]:
+    """TINY on the built-in model warm-started for 100 steps, unless the overrides choose the model or its warm
+    start themselves."""
+    own = any(o.startswith(("actor_rollout_ref.model.path=", "actor_rollout_ref.model.warm_start.")) for o in overrides)
+    return [*TINY, *([] if own else warm_started(100))]
+
+
 def run(tmp_path: Path, *overrides: str, name: str = "run"):
-    cfg = load_config(None, [*TINY, f"trainer.default_local_dir={tmp_path / name}", *overrides])
+    cfg = load_config(None, [*tiny(overrides), f"trainer.default_local_dir={tmp_path / name}", *overrides])
     trainer = build_trainer(cfg)
     try:
         fit(trainer)
@@ -117,10 +126,21 @@ def test_failing_and_hanging_reward_does_not_stop_the_run(tmp_path, caplog):
     assert "scorer exploded" in caplog.text
 
 
+def test_a_prewarmed_model_trains_as_a_run_that_warm_starts_it_itself(tmp_path):
+    """What lets the suite share one warm start (tests/helpers.py warm_started): the RL steps after it are the same."""
+    steps = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false"]
+    own = run(tmp_path, *steps, "actor_rollout_ref.model.warm_start.steps=100", name="own")
+    shared = run(tmp_path, *steps, name="shared")
+    assert (tmp_path / "own" / "init_model").exists() and not (tmp_path / "shared" / "init_model").exists()
+    a, b = read_metrics(tmp_path / "own"), read_metrics(tmp_path / "shared")
+    assert sorted(a) == [1, 2] and all(deterministic(a[s]) == deterministic(b[s]) for s in a)
+    assert own.global_step == shared.global_step == 2
+
+
 @pytest.mark.parametrize("method,phase,key", [("update_actor", "update_actor", "ppo_micro_batch_size_per_gpu"),
                                               ("generate_sequences", "gen", "gpu_memory_utilization")])
 def test_out_of_memory_names_the_phase_and_the_keys(tmp_path, monkeypatch, method, phase, key):
-    cfg = load_config(None, [*TINY, f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=1",
+    cfg = load_config(None, [*tiny(), f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=1",
                              "trainer.test_freq=-1", "trainer.val_before_train=false"])
     trainer = build_trainer(cfg)
 

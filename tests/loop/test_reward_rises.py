@@ -8,6 +8,8 @@ import pytest
 
 from lathe.cli import main
 
+from helpers import warm_started
+
 
 def scores_of(run_dir) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -21,7 +23,7 @@ def scores_of(run_dir) -> list[float]:
 ], ids=["gae-critic", "dapo"])
 def test_reward_rises(tmp_path, args):
     source, overrides = (args[:1], args[1:]) if "=" not in args[0] else ([], args)
-    assert main(["train", *source, *overrides, "trainer.total_training_steps=100", "trainer.test_freq=-1",
+    assert main(["train", *source, *warm_started(), *overrides, "trainer.total_training_steps=100", "trainer.test_freq=-1",
                  "trainer.val_before_train=false", "trainer.logger=[console]",
                  f"trainer.default_local_dir={tmp_path}"]) == 0
     scores = scores_of(tmp_path)

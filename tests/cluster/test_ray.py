@@ -26,9 +26,10 @@ STEPS = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean", "response_length/mean")
 
 
-def train(run_dir, *overrides: str) -> list[dict]:
-    """The built-in run (its warm start shared: tests/helpers.py) for STEPS, with `overrides`."""
-    assert main(["train", f"trainer.default_local_dir={run_dir}", *STEPS, *warm_started(), *overrides]) == 0
+def train(run_dir, *overrides: str, shared_warm_start: bool = True) -> list[dict]:
+    """The built-in run for STEPS, with `overrides`; its warm start shared (tests/helpers.py), or its own."""
+    shared = warm_started() if shared_warm_start else ()
+    assert main(["train", f"trainer.default_local_dir={run_dir}", *STEPS, *shared, *overrides]) == 0
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

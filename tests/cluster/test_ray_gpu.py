@@ -17,11 +17,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_gpus(1)]
 
 def test_gpu_workers_train_as_one_process(tmp_path, monkeypatch):
     workers = min(local_gpus(), 2)
-    one = train(tmp_path / "one", "trainer.device=cuda")
+    one = train(tmp_path / "one", "trainer.device=cuda", shared_warm_start=False)    # warm-started on the GPU
     if workers == 1:
         monkeypatch.setenv("LATHE_RAY", "1")
-    many = train(tmp_path / "many", "trainer.device=cuda", f"trainer.n_gpus_per_node={workers}")
+    many = train(tmp_path / "many", "trainer.device=cuda", f"trainer.n_gpus_per_node={workers}",
+                 shared_warm_start=False)
     assert many[0]["critic/score/mean"] == one[0]["critic/score/mean"]       # the same samples at step 1
+    # pg_loss averages unit-scale advantages times ratios near 1 and is itself near 0: its bf16 noise is absolute
+    # (~2e-3 when the in-process run reuses kernels an earlier GPU test compiled; the same before lathe.device)
+    floor = {"actor/pg_loss": 0.25}
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
-        assert abs(many[0][key] - one[0][key]) <= 2e-2 * max(abs(one[0][key]), 1e-2), (key, one[0][key], many[0][key])
+        tol = 2e-2 * max(abs(one[0][key]), floor.get(key, 1e-2))
+        assert abs(many[0][key] - one[0][key]) <= tol, (key, one[0][key], many[0][key])
     assert many[-1]["perf/max_memory_allocated_gb"] > 0 and "timing_s/update_weights" in many[-1]

@@ -21,7 +21,7 @@ import torch
 
 from lathe.batch import Batch
 from lathe.cluster.checkpoint_engine import SyncGroup, TensorMeta, receive_weights, send_weights
-from lathe.cluster.roles import rank_device
+from lathe.cluster.roles import generate_over_ranks, rank_device
 from lathe.rollout.base import SamplingParams, to_batch
 
 ROLLOUT = "rollout"
@@ -256,17 +256,5 @@ class RolloutGroup:
         self.group.call(ROLLOUT, "resume")
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """A blocking rollout split over the replicas (validation), seeded by each sample's place in the call."""
-        from dataclasses import replace as _replace
-
-        from lathe.cluster.dispatch import contiguous_shares
-        from lathe.rollout.base import concat_rollouts
-        if params.seed is None and not params.greedy:
-            params = _replace(params, seed=int(torch.randint(0, 2**62, (1,))))
-        shares = contiguous_shares(len(prompts), self.world)
-        calls = [((prompts.select(list(s)), params), {"first_index": s.start * params.n}) if len(s) else None
-                 for s in shares]
-        outs = [o for o in self.group.call_each(ROLLOUT, "generate_sequences", calls) if o is not None]
-        batch = concat_rollouts(outs, self.pad_id)
-        batch.meta["rollout_metrics"] = {}
-        return batch
+        """A blocking rollout split over the replicas (validation), while they stream the training requests."""
+        return generate_over_ranks(self.group, ROLLOUT, prompts, params, self.pad_id)

@@ -43,6 +43,20 @@ def build_critic(cfg, tokenizer, *, total_steps: int, device_type: str):
 
 
 # -- on the driver -------------------------------------------------------------------------------------
+def generate_over_ranks(group, role: str, prompts: Batch, params: SamplingParams, pad_id: int) -> Batch:
+    """`role.generate_sequences` over the group's ranks, the prompts in consecutive shares; each sample is seeded by
+    its place in the whole call, so the samples are those one undivided call draws; the ranks' metrics merged."""
+    if params.seed is None and not params.greedy:
+        params = replace(params, seed=int(torch.randint(0, 2**62, (1,))))
+    shares = contiguous_shares(len(prompts), group.world_size)
+    calls = [((prompts.select(list(s)), params), {"first_index": s.start * params.n}) if len(s) else None
+             for s in shares]
+    outs = [o for o in group.call_each(role, "generate_sequences", calls) if o is not None]
+    batch = concat_rollouts(outs, pad_id)
+    batch.meta["rollout_metrics"] = merge_rollout_metrics([o.meta.get("rollout_metrics", {}) for o in outs])
+    return batch
+
+
 class ActorRolloutRefGroup:
     """`ActorRolloutRefWorker`'s methods over a worker group: rollout split by prompts, log-probs by balanced
     equal shares, updates mini-batch by mini-batch (see `update_shares`); answers joined in batch order."""
@@ -53,17 +67,7 @@ class ActorRolloutRefGroup:
         self.world = group.world_size
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """Prompts in consecutive shares; each sample is seeded by its place in the whole call, so the samples
-        are those one undivided call draws."""
-        if params.seed is None and not params.greedy:
-            params = replace(params, seed=int(torch.randint(0, 2**62, (1,))))
-        shares = contiguous_shares(len(prompts), self.world)
-        calls = [((prompts.select(list(s)), params), {"first_index": s.start * params.n}) if len(s) else None
-                 for s in shares]
-        outs = [o for o in self.group.call_each(ACTOR, "generate_sequences", calls) if o is not None]
-        batch = concat_rollouts(outs, self.pad_id)
-        batch.meta["rollout_metrics"] = merge_rollout_metrics([o.meta.get("rollout_metrics", {}) for o in outs])
-        return batch
+        return generate_over_ranks(self.group, ACTOR, prompts, params, self.pad_id)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         return self._forward("compute_log_prob", batch)

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=cmd_train)
     pre = sub.add_parser("preprocess", help="turn a raw dataset into verl-schema parquet")
-    pre.add_argument("dataset", help="gsm8k or math500")
+    pre.add_argument("dataset", help="gsm8k, math500, aime24 or amc23")
     pre.add_argument("--input", required=True, help="the raw data: a directory or a .jsonl file")
     pre.add_argument("--output", required=True, help="directory for train/test parquet files")
     pre.set_defaults(func=cmd_preprocess)

@@ -24,7 +24,7 @@ from typing import Any
 
 GIB = 1024 ** 3
 # what the report lists beside lathe's own requirements (imported only to read a version when no metadata says)
-OPTIONAL = ("ray", "triton", "wandb", "mlflow", "math-verify", "hypothesis", "peft", "flash-attn", "vllm", "sglang")
+OPTIONAL = ("ray", "triton", "wandb", "mlflow", "hypothesis", "peft", "flash-attn", "vllm", "sglang")
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME",
             "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE",
             "NCCL_DEBUG", "RAY_ADDRESS", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_OFFLINE")

@@ -1,29 +1,23 @@
-"""MATH-style rule scorer: last ``\\boxed{...}`` answer, normalised, compared to the truth.
+"""MATH-style rule scorer: the last ``\\boxed{...}`` answer, checked against the truth with math-verify.
 
-Behaves in the spirit of verl's ``math.py`` (Hendrycks' MATH normaliser) and
-``math_dapo.py``: the answer is the content of the LAST ``\\boxed{}`` (nested braces
-allowed), both sides are normalised as strings (``\\left``/``\\right``, spaces, ``\\!``,
-trailing unit ``\\text{...}``, ``dfrac`` -> ``frac``, ``\\frac12`` -> ``\\frac{1}{2}``,
-``a/b`` -> ``\\frac{a}{b}``, trailing ``.0``, degrees, dollars, percent, ``x =`` ...), and
-when both sides are plain numbers (integers, decimals, ``\\frac{a}{b}``) they are also
-compared exactly as fractions, so ``0.5`` matches ``\\frac{1}{2}``. No symbolic algebra:
-equal-but-differently-written expressions (``2\\sqrt{2}`` vs ``\\sqrt{8}``) score 0.
+The answer is the content of the LAST ``\\boxed{}`` (or ``\\fbox{}``; nested braces allowed), as in verl's
+``math.py`` / ``math_dapo.py`` scorers and as the MATH prompts ask. Equivalence is decided by the maintained
+`math-verify` library (Hugging Face): both sides are parsed from LaTeX into sympy and compared as values,
+expressions, sets, intervals, tuples or equations, so ``0.5`` matches ``\\frac{1}{2}``, ``\\sqrt{8}`` matches
+``2\\sqrt{2}``, ``x = 5`` matches ``5`` and ``10\\text{ cm}^2`` matches ``10``; numbers compare to 6 decimals.
+Identical strings match without parsing. math-verify's own timeouts use SIGALRM, which only the main thread may
+set: elsewhere the comparison runs without one (lathe's scoring workers bound every sample's time themselves).
 """
 
 from __future__ import annotations
 
 import re
-from fractions import Fraction
+import threading
 
-__all__ = ["compute_score", "is_equiv", "last_boxed_only_string", "strip_string"]
+__all__ = ["compute_score", "is_equiv", "last_boxed_only_string"]
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-# A unit word (or words) in \text{}/\mbox{}/\mathrm{} at the very end, maybe squared/cubed.
-_RIGHT_UNIT_RE = re.compile(r"^(.+?)\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?\d\}?)?$")
-_WRAPPER_RE = re.compile(r"\\(?:text|textbf|mbox|mathrm|mathbf)\{([^{}]*)\}")
-_THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-_DECIMAL_RE = re.compile(r"-?\d+(?:\.\d+)?")
-_FRAC_RE = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}")
+_TIMEOUT_S = 5
 
 
 def last_boxed_only_string(text: str) -> str | None:
@@ -49,88 +43,29 @@ def last_boxed_only_string(text: str) -> str | None:
     return None
 
 
-def _fix_fracs(s: str) -> str:
-    """Add braces to shorthand fractions: ``\\frac12`` -> ``\\frac{1}{2}``, ``\\frac1{7}``."""
-    parts = s.split("\\frac")
-    out = parts[0]
-    for part in parts[1:]:
-        out += "\\frac"
-        if part.startswith("{") or len(part) < 2:
-            out += part
-        elif part[1] == "{":
-            out += "{" + part[0] + "}" + part[1:]
-        else:
-            out += "{" + part[0] + "}{" + part[1] + "}" + part[2:]
-    return out
+_FORMATTED = re.compile(r"\\(?:textbf|mathbf|text|mathrm)\{(.*)\}")
 
 
-def _fix_a_slash_b(s: str) -> str:
-    """``3/4`` -> ``\\frac{3}{4}`` when both sides are integers."""
-    m = re.fullmatch(r"(-?\d+)/(\d+)", s)
-    return f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}" if m else s
-
-
-def _remove_right_units(s: str) -> str:
-    """Drop a trailing unit such as ``\\text{ cm}^2`` or ``\\mbox{ inches}`` after a value."""
-    m = _RIGHT_UNIT_RE.match(s)
-    return m.group(1) if m and m.group(1).strip() else s
-
-
-def _strip_latex_noise(s: str) -> str:
-    """Remove spacing, sizing and display-only LaTeX that never changes a value."""
-    for old, new in (
-        ("\n", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\:", ""), ("\\ ", " "),
-        ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"), ("\\left", ""), ("\\right", ""),
-        ("\\displaystyle", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\degree", ""),
-        ("\\$", ""), ("$", ""), ("\\%", ""), ("%", ""), ("{,}", ""),
-        ("\\neq", "\\ne"), ("\\leq", "\\le"), ("\\geq", "\\ge"), ("bmatrix", "pmatrix"),
-    ):
-        s = s.replace(old, new)
-    return s.strip()
-
-
-def strip_string(answer: str) -> str:
-    """Normalise a LaTeX answer string so equal answers compare equal as strings."""
-    s = _strip_latex_noise(str(answer).strip())
-    s = s.rstrip(".").strip()
-    s = _remove_right_units(s)
-    while (unwrapped := _WRAPPER_RE.sub(r"\1", s)) != s:
-        s = unwrapped
-    s = s.replace(" .", " 0.").replace("{.", "{0.")
-    if s.startswith("."):
-        s = "0" + s
-    lhs, eq, rhs = s.partition("=")
-    if eq and "=" not in rhs and len(lhs.strip()) <= 2:
-        s = rhs  # "x = 5" -> "5", "k=3" -> "3"
-    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
-    s = s.replace(" ", "")
-    if _THOUSANDS_RE.fullmatch(s):
-        s = s.replace(",", "")
-    s = re.sub(r"(\d)\.0+(?!\d)", r"\1", s)  # 5.0 -> 5, 2.00x -> 2x
-    s = _fix_fracs(s)
-    return _fix_a_slash_b(s)
-
-
-def _as_number(s: str) -> Fraction | None:
-    """Exact value of a normalised plain number (``-3``, ``0.25``, ``\\frac{1}{4}``), else None."""
-    if _DECIMAL_RE.fullmatch(s):
-        return Fraction(s)
-    m = _FRAC_RE.fullmatch(s)
-    if m and int(m.group(3)) != 0:
-        value = Fraction(int(m.group(2)), int(m.group(3)))
-        return -value if m.group(1) else value
-    return None
+def _unformatted(answer: str) -> str:
+    """The answer without formatting around all of it (AoPS writes AIME answers as ``\\textbf{(073)}``)."""
+    answer = answer.strip()
+    while (m := _FORMATTED.fullmatch(answer)) is not None:
+        answer = m.group(1).strip()
+    return answer
 
 
 def is_equiv(pred: str | None, truth: str | None) -> bool:
-    """True when two answers are the same after normalisation (or the same number)."""
+    """True when two LaTeX answers denote the same thing (math-verify), or are the same string."""
     if pred is None or truth is None:
         return False
-    a, b = strip_string(pred), strip_string(truth)
-    if a == b:
+    pred, truth = _unformatted(pred), _unformatted(truth)
+    if pred == truth:
         return True
-    num_a, num_b = _as_number(a), _as_number(b)
-    return num_a is not None and num_a == num_b
+    from math_verify import parse, verify
+    timeout = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"${truth}$", parsing_timeout=timeout)
+    answer = parse(f"${pred}$", parsing_timeout=timeout)
+    return bool(gold and answer and verify(gold, answer, timeout_seconds=timeout))
 
 
 def compute_score(solution_str: str, ground_truth: str) -> float:

@@ -10,11 +10,14 @@ from typing import Callable
 
 from lathe.data.preprocess.common import PreprocessError
 from lathe.data.preprocess.gsm8k import preprocess_gsm8k
-from lathe.data.preprocess.math500 import preprocess_math500
+from lathe.data.preprocess.math_sets import preprocess_aime24, preprocess_amc23, preprocess_math500
 
 PREPROCESSORS: dict[str, Callable[[str, str], dict[str, str]]] = {
     "gsm8k": preprocess_gsm8k,
     "math500": preprocess_math500,
+    "aime24": preprocess_aime24,
+    "amc23": preprocess_amc23,
 }
 
-__all__ = ["PREPROCESSORS", "PreprocessError", "preprocess_gsm8k", "preprocess_math500"]
+__all__ = ["PREPROCESSORS", "PreprocessError", "preprocess_aime24", "preprocess_amc23", "preprocess_gsm8k",
+           "preprocess_math500"]

@@ -6,6 +6,7 @@
     lathe generate MODEL_DIR INPUT.jsonl OUTPUT.jsonl [key=value ...]
     lathe presets
     lathe diagnose [--json] [--ray]
+    lathe export RUN_DIR OUT_DIR [--step N] [--part actor|critic] [--check] [--force]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 
 # Mistakes a user can make and fix (ConfigError, DataError, PreprocessError, ModelLoadError and the algorithm
 # registry's errors are ValueErrors): shown as one plain message without a traceback, unless LATHE_DEBUG=1.
-_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotImplementedError)
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotImplementedError)
 
 
 def _split_source(items: list[str]) -> tuple[str | None, list[str]]:
@@ -80,6 +81,15 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return run(as_json=args.json, ray=args.ray)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from lathe.ckpt.export import check_loads, export
+    out = export(args.source, args.out, step=args.step, part=args.part, force=args.force)
+    print(f"exported {args.part} to {out}")
+    if args.check:
+        print(f"transformers loads it: {check_loads(out, args.part)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lathe", description="RL post-training of language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--ray", action="store_true", help="also join the Ray cluster (RAY_ADDRESS or the local one) "
                                                          "and list its resources")
     diag.set_defaults(func=cmd_diagnose)
+    exp = sub.add_parser("export", help="a checkpoint as a plain Hugging Face directory (verl's model_merger)")
+    exp.add_argument("source", help="a run directory (its latest checkpoint) or one of its global_step_<k>")
+    exp.add_argument("out", help="the directory to write (config, safetensors, tokenizer)")
+    exp.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the latest)")
+    exp.add_argument("--part", default="actor", help="actor (default) or critic")
+    exp.add_argument("--check", action="store_true", help="then load it with transformers and run a forward")
+    exp.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    exp.set_defaults(func=cmd_export)
     return parser
 
 

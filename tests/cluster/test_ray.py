@@ -78,6 +78,21 @@ def test_resume_is_exact_on_any_worker_count(runs, tmp_path, saved_by, workers):
     assert_same(resumed[-1], two[-1])
 
 
+def test_export_gives_transformers_the_same_model_from_full_and_sharded_checkpoints(runs, tmp_path):
+    """verl's model_merger: the one-process run's checkpoint and the 2-rank sharded one export to Hugging Face
+    directories that transformers loads, with the same weights up to the runs' float summation order."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_close_rel
+    from lathe.ckpt.export import check_loads, export
+    root, _, _ = runs
+    full, sharded = export(root / "one", tmp_path / "one"), export(root / "two", tmp_path / "two")
+    for out in (full, sharded):
+        assert check_loads(out)["logits_finite"]
+    weights = [AutoModelForCausalLM.from_pretrained(p).state_dict() for p in (full, sharded)]
+    assert_close_rel(weights[1], weights[0], rel=1e-5, name="step-4 weights")
+
+
 @pytest.mark.parametrize("restarts", [1, 0])
 def test_a_killed_worker_restarts_from_the_last_checkpoint_or_stops_naming_it(runs, tmp_path, restarts):
     """SIGKILL rank 1 right after the step-2 checkpoint: with restarts allowed the run reloads step 2 on fresh

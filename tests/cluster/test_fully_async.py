@@ -125,6 +125,19 @@ def test_the_ledger_resumes_at_the_oldest_untrained_chunk_and_skips_what_was_tra
     assert set(ledger.chunk_states) == {6} and ledger.trained == set()
 
 
+def test_a_resumed_driver_takes_the_checkpoints_version_counts_and_prompt_position():
+    d = AsyncDriver.__new__(AsyncDriver)              # only the fields load_state_dict touches
+    loaded = []
+    d.t = SimpleNamespace(loader=SimpleNamespace(load_state_dict=loaded.append), _rows="stale iterator")
+    d.ledger, d.counters = Ledger(), {"stale_samples": 0, "stale_trajectories": 0}
+    state = {"issued": 32, "loader": {"pos": 32}, "trained": [40, 41], "version": 3, "syncs": 3,
+             "updates_since_sync": 1, "counters": {"stale_samples": 5, "stale_trajectories": 37}}
+    d.load_state_dict(state)
+    assert (d.version, d.syncs) == (4, 3), "saved between syncs: the replicas take the checkpoint's weights as new"
+    assert d.counters == {"stale_samples": 5, "stale_trajectories": 37}
+    assert (d.ledger.issued, d.ledger.skip, loaded, d.t._rows) == (32, {40, 41}, [{"pos": 32}], None)
+
+
 def test_a_trainer_waiting_for_prompts_that_cannot_come_fails_saying_why():
     d = AsyncDriver.__new__(AsyncDriver)              # only the fields check_waiting reads
     d.t = SimpleNamespace(cfg=load_config("default", POOLS))
@@ -154,3 +167,5 @@ def test_async_keys_are_refused_where_they_cannot_act(overrides, message):
 def test_a_step_is_require_batches_mini_batches_of_prompts():
     cfg = load_config("default", [*POOLS, "async_training.require_batches=3", "data.train_batch_size=0"])
     assert cfg.data.train_batch_size == 48 and cfg.data.gen_batch_size == 1
+    with pytest.warns(UserWarning, match="data.train_batch_size=256 has no effect .* = 16 prompts"):
+        assert load_config("default", [*POOLS, "data.train_batch_size=256"]).data.train_batch_size == 16

@@ -235,8 +235,6 @@ class RolloutGroup:
     def __init__(self, group, *, pad_id: int, timeout_s: float):
         self.group, self.pad_id, self.timeout_s = group, pad_id, timeout_s
         self.world = group.world_size
-        self._collecting: list | None = None
-        self._busy = [0.0] * self.world
 
     def submit(self, requests: dict[int, list]) -> None:
         """`{replica: [(request_id, prompt ids, params, first_index), ...]}`."""
@@ -246,8 +244,7 @@ class RolloutGroup:
     def collect(self, wait_s: float) -> tuple[list[tuple[object, Batch]], list[float]]:
         """Finished requests of every replica (each replica waits up to `wait_s` for one) and their busy seconds."""
         answers = self.group.call(ROLLOUT, "collect", wait_s)
-        self._busy = [a["busy_s"] for a in answers]
-        return [d for a in answers for d in a["done"]], list(self._busy)
+        return [d for a in answers for d in a["done"]], [a["busy_s"] for a in answers]
 
     def pause(self, partial: bool) -> int:
         return sum(self.group.call(ROLLOUT, "pause", partial, self.timeout_s))

@@ -90,8 +90,12 @@ def _fill_misc(cfg: LatheConfig) -> None:
     if cfg.data.seed is None:
         cfg.data.seed = cfg.trainer.seed
     if cfg.rollout.n_gpus_per_node > 0:
-        cfg.data.train_batch_size = (cfg.async_training.require_batches
-                                     * cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+        step = cfg.async_training.require_batches * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        if cfg.data.train_batch_size not in (0, step, LatheConfig().data.train_batch_size):
+            warnings.warn(f"data.train_batch_size={cfg.data.train_batch_size} has no effect in fully-asynchronous "
+                          f"training: a step is async_training.require_batches x ppo_mini_batch_size = {step} "
+                          "prompts (set data.train_batch_size=0, as verl's fully-async scripts do)", stacklevel=2)
+        cfg.data.train_batch_size = step
         if cfg.data.gen_batch_size is None:
             cfg.data.gen_batch_size = 1
     if cfg.data.gen_batch_size is None:

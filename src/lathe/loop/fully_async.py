@@ -219,13 +219,14 @@ class AsyncDriver:
         pending = {i for first, (_, p) in self.in_flight.items() for i in range(first, first + len(p))}
         pending |= {i for b in self.queue for i in range(b.meta["first"], b.meta["first"] + len(b) // self.n)}
         return {**self.ledger.state_dict(pending, self.t.loader.state_dict()), "version": self.version,
-                "syncs": self.syncs, "updates_since_sync": self.updates_since_sync}
+                "syncs": self.syncs, "updates_since_sync": self.updates_since_sync, "counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a checkpoint; the replicas then take its weights: the same version when it was saved right
         after a sync, else a new one (the trainer had updated since)."""
         self.version, self.syncs = state["version"], state["syncs"]
         self.version += bool(state["updates_since_sync"])
+        self.counters.update(state["counters"])               # verl's stale counts run on across a resume
         self.ledger.issued = state["issued"]
         self.ledger.skip = set(state["trained"])
         self.t.loader.load_state_dict(state["loader"])

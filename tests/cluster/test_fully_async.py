@@ -72,14 +72,20 @@ STEP, PER_SYNC = 16, 32                      # prompts per update (ppo_mini_batc
 def test_off_policy_streams_within_its_staleness_bound_and_resumes_without_losing_a_prompt(tmp_path):
     """Two updates per sync, staleness 0.5, partial rollout, one prompt per request, exactly the 64 prompts four
     steps need. A random model answers at length (rewarded by a hash of its characters, so that it learns) and the
-    engine runs one sequence at a time: the rollout is the slow side, and at the sync a response is mid-way (its
-    prefill sampled its first token) and gets interrupted."""
-    run, dumps, reward = tmp_path / "run", tmp_path / "dumps", tmp_path / "hash_reward.py"
+    engine runs one sequence at a time: the rollout is the slow side (seconds of work left at the sync), and at the
+    sync a response is mid-way (its prefill sampled its first token) and gets interrupted. Unless the pause falls
+    between two responses (the step that finished one and the step that admits the next: about one pause in 12, seen
+    in CI): nothing is mid-way then, rightly, and the run is repeated (three tries: all three miss about once in 1,700 runs)."""
+    reward = tmp_path / "hash_reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return (sum(map(ord, solution_str)) % 3) / 2\n")
-    args = [*OFF_POLICY, "trainer.save_freq=2", f"trainer.rollout_data_dir={dumps}",
-            f"reward.custom_reward_function.path={reward}"]
-    rows = train(run, *args, warm=False)
+    for attempt in range(3):
+        run, dumps = tmp_path / f"run{attempt}", tmp_path / f"dumps{attempt}"
+        args = [*OFF_POLICY, "trainer.save_freq=2", f"trainer.rollout_data_dir={dumps}",
+                f"reward.custom_reward_function.path={reward}"]
+        rows = train(run, *args, warm=False)
+        if rows[1]["fully_async/sync/interrupted"] > 0:
+            break
     assert [r["fully_async/policy_version"] for r in rows] == [0, 0, 1, 1]
     # the bound: the prompts begun before a sync and trained after it are at most staleness x per-interval prompts
     stale = [r["fully_async/count/stale_samples_processed"] for r in rows]
@@ -87,7 +93,7 @@ def test_off_policy_streams_within_its_staleness_bound_and_resumes_without_losin
     for r in rows:
         assert r["fully_async/staleness/max"] <= 1 + r["fully_async/partial/max_partial_span"], r
         assert 0 <= r["trainer/idle_ratio"] <= 1 and 0 <= r["rollouter/idle_ratio"] <= 1
-    assert rows[1]["fully_async/sync/interrupted"] > 0, "no response was mid-way at the sync"
+    assert rows[1]["fully_async/sync/interrupted"] > 0, "no response was mid-way at the sync, in three runs"
     assert sum(r["fully_async/partial/total_partial_num"] for r in rows) > 0, "no interrupted response was trained"
     # tokens sampled with the weights the trainer holds (first update after a sync) have the log-probs it computes:
     # continued responses took the new weights for their new tokens, and kept each old token's own log-prob

@@ -49,7 +49,15 @@ def test_a_single_node_example_resolves_to_a_valid_config(name, checks, data_dir
         assert node == want, (key, node)
 
 
-@pytest.mark.parametrize("name", ["gsm8k_grpo_1gpu.sh", "qwen3_8b_gb200.sh", "gsm8k_grpo_slurm.sh"])
+def test_the_sft_example_resolves_to_verls_gsm8k_sft_recipe(data_dir):
+    out = run_example("gsm8k_sft.sh", "--print-config", "trainer.device=cpu", DATA_DIR=str(data_dir), MODEL="/models/m")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["model"]["path"] == "/models/m" and cfg["data"]["train_files"] == str(data_dir / "train.parquet")
+    assert (cfg["data"]["prompt_dict_keys"], cfg["data"]["response_dict_keys"]) == (["question"], ["answer"])
+
+
+@pytest.mark.parametrize("name", ["gsm8k_grpo_1gpu.sh", "qwen3_8b_gb200.sh", "gsm8k_grpo_slurm.sh", "gsm8k_sft.sh"])
 def test_an_example_without_its_data_says_how_to_make_it(name, tmp_path):
     out = run_example(name, DATA_DIR=str(tmp_path / "nowhere"), SBATCH="false")
     assert out.returncode == 2 and "train.parquet" in out.stderr and "DATA_DIR" in out.stderr

@@ -1,6 +1,7 @@
 """The `lathe` command.
 
     lathe train [PRESET|FILE.yaml] [key=value ...] [--print-config]
+    lathe sft [FILE.yaml] [key=value ...] [--print-config]
     lathe preprocess gsm8k --input DIR_OR_FILE --output DIR
     lathe model check MODEL_DIR
     lathe generate MODEL_DIR INPUT.jsonl OUTPUT.jsonl [key=value ...]
@@ -45,6 +46,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     score = metrics.get("critic/score/mean")
     logging.getLogger("lathe").info("done: %d steps, last critic/score/mean %s, run directory %s",
                                     trainer.global_step, "n/a" if score is None else f"{score:.3f}",
+                                    cfg.trainer.default_local_dir)
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from lathe.config import to_yaml
+    from lathe.config.sft import load_sft_config
+    source, overrides = _split_source(args.items)
+    cfg = load_sft_config(source, overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from lathe.loop.sft import run_sft
+    metrics = run_sft(cfg)
+    logging.getLogger("lathe").info("done: last train/loss %s, run directory %s",
+                                    f"{metrics['train/loss']:.4f}" if "train/loss" in metrics else "n/a",
                                     cfg.trainer.default_local_dir)
     return 0
 
@@ -98,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a preset name or YAML file, then verl-style key=value overrides")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=cmd_train)
+    sft = sub.add_parser("sft", help="supervised fine-tuning with verl's SFT trainer keys (built-in task by default)")
+    sft.add_argument("items", nargs="*", metavar="[FILE.yaml] key=value", help="a YAML file in verl's SFT layout "
+                                                                              "and/or overrides")
+    sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    sft.set_defaults(func=cmd_sft)
     pre = sub.add_parser("preprocess", help="turn a raw dataset into verl-schema parquet")
     pre.add_argument("dataset", help="gsm8k, math500, aime24 or amc23")
     pre.add_argument("--input", required=True, help="the raw data: a directory or a .jsonl file")
@@ -143,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="lathe: %(message)s")
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command == "train" and not any(r.startswith("-") for r in rest):
+    if rest and args.command in ("train", "sft") and not any(r.startswith("-") for r in rest):
         args.items += rest              # `lathe train PRESET --print-config key=value`: keys after the flag too
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

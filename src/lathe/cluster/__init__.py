@@ -5,6 +5,8 @@ joins) Ray, reserves one bundle per device, starts one rank per bundle in one pr
 actor/rollout/reference worker (and the critic) on every rank, and returns the driver-side groups that the
 loop calls exactly as it calls the in-process workers.
 
+`start_sft_cluster` is `lathe sft`'s: the same ranks running `SFTWorker`s.
+
 `start_async_cluster` is its fully-asynchronous counterpart (`rollout.n_gpus_per_node` > 0): two pools, the
 trainer's ranks without engines and the rollout replicas (`cluster/async_roles.py`), joined by the checkpoint
 engine's process group (`cluster/checkpoint_engine.py`) for the weight sync.
@@ -41,28 +43,18 @@ class Cluster:
         return start_cluster(cfg, **kwargs)
 
 
-def start_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int, device_type: str,
-                  need_ref: bool, critic: bool) -> Cluster:
+def _group(cfg, device_type: str, name: str, timeout_s: float, build) -> tuple[object, bool]:
+    """Ray joined or started, one bundle per device, a worker group built by `build(group)`; on failure
+    everything started is released before the error goes on."""
     from lathe.cluster.placement import ResourcePool, start_ray
-    from lathe.cluster.roles import (ACTOR, CRITIC, ActorRolloutRefGroup, CriticGroup, build_actor_rollout_ref,
-                                     build_critic)
     from lathe.cluster.worker_group import RayWorkerGroup
-    t, arr = cfg.trainer, cfg.actor_rollout_ref
+    t = cfg.trainer
     started = start_ray(cfg)
     pool = group = None
     try:
         pool = ResourcePool(t.nnodes, t.n_gpus_per_node, use_gpu=device_type == "cuda")
-        group = RayWorkerGroup(pool, name="actor_rollout_ref", timeout_s=arr.nccl_timeout)
-        group.build(ACTOR, build_actor_rollout_ref, cfg, model_path, load_kwargs, tokenizer, total_steps=total_steps,
-                    device_type=device_type, need_ref=need_ref)
-        n = arr.rollout.n
-        actor = ActorRolloutRefGroup(group, pad_id=tokenizer.pad_token_id, balance=t.balance_batch,
-                                     mini_batch_size=arr.actor.ppo_mini_batch_size * n, has_ref=need_ref)
-        critic_group = None
-        if critic:
-            group.build(CRITIC, build_critic, cfg, tokenizer, total_steps=total_steps, device_type=device_type)
-            critic_group = CriticGroup(group, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
-                                       balance=t.balance_batch)
+        group = RayWorkerGroup(pool, name=name, timeout_s=timeout_s)
+        build(group)
     except BaseException:
         if group is not None:
             group.shutdown()
@@ -72,6 +64,36 @@ def start_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_s
             import ray
             ray.shutdown()
         raise
+    return group, started
+
+
+def start_sft_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int,
+                      device_type: str) -> Cluster:
+    from lathe.cluster.roles import SFT, SFTGroup, build_sft_worker
+    group, started = _group(cfg, device_type, "sft", 600.0, lambda g: g.build(
+        SFT, build_sft_worker, cfg, model_path, load_kwargs, tokenizer, total_steps=total_steps,
+        device_type=device_type))
+    return Cluster(group, SFTGroup(group, balance=cfg.trainer.balance_batch), None, started)
+
+
+def start_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int, device_type: str,
+                  need_ref: bool, critic: bool) -> Cluster:
+    from lathe.cluster.roles import (ACTOR, CRITIC, ActorRolloutRefGroup, CriticGroup, build_actor_rollout_ref,
+                                     build_critic)
+    t, arr = cfg.trainer, cfg.actor_rollout_ref
+
+    def build(group) -> None:
+        group.build(ACTOR, build_actor_rollout_ref, cfg, model_path, load_kwargs, tokenizer, total_steps=total_steps,
+                    device_type=device_type, need_ref=need_ref)
+        if critic:
+            group.build(CRITIC, build_critic, cfg, tokenizer, total_steps=total_steps, device_type=device_type)
+
+    group, started = _group(cfg, device_type, "actor_rollout_ref", arr.nccl_timeout, build)
+    n = arr.rollout.n
+    actor = ActorRolloutRefGroup(group, pad_id=tokenizer.pad_token_id, balance=t.balance_batch,
+                                 mini_batch_size=arr.actor.ppo_mini_batch_size * n, has_ref=need_ref)
+    critic_group = (CriticGroup(group, mini_batch_size=cfg.critic.ppo_mini_batch_size * n, balance=t.balance_batch)
+                    if critic else None)
     return Cluster(group, actor, critic_group, started,
                    args=(cfg, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
                                    total_steps=total_steps, device_type=device_type, need_ref=need_ref,

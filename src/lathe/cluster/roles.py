@@ -14,7 +14,7 @@ from lathe.batch import Batch
 from lathe.cluster.dispatch import contiguous_shares, even_shares, in_order, update_shares
 from lathe.rollout.base import SamplingParams, concat_rollouts
 
-ACTOR, CRITIC = "actor_rollout_ref", "critic"
+ACTOR, CRITIC, SFT = "actor_rollout_ref", "critic", "sft"
 SUMMED = ("rollout/num_preemptions", "rollout/graph_captures")
 
 
@@ -40,6 +40,16 @@ def build_critic(cfg, tokenizer, *, total_steps: int, device_type: str):
     from lathe.train.critic import CriticWorker
     seed_everything(cfg.trainer.seed)
     return CriticWorker(cfg, tokenizer, total_steps=total_steps, device=rank_device(device_type))
+
+
+def build_sft_worker(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int, device_type: str):
+    """`lathe sft`'s worker of this rank, on the starting weights every rank loads alike."""
+    from lathe.loop.setup import seed_everything
+    from lathe.models.hf import load_policy
+    from lathe.train.sft import SFTWorker
+    seed_everything(cfg.trainer.seed)
+    return SFTWorker(cfg, load_policy(model_path, **load_kwargs), tokenizer, total_steps=total_steps,
+                     device=rank_device(device_type))
 
 
 # -- on the driver -------------------------------------------------------------------------------------
@@ -130,6 +140,30 @@ class CriticGroup:
 
     def load_checkpoint(self, path: Path) -> None:
         self.group.call(CRITIC, "load_checkpoint", Path(path))
+
+
+class SFTGroup:
+    """`SFTWorker`'s methods over a worker group: each batch dealt to the ranks in equal shares (balanced by tokens
+    with `balance`); the ranks' loss is already normalised by the whole batch's trained tokens."""
+
+    def __init__(self, group, *, balance: bool):
+        self.group, self.balance, self.world = group, balance, group.world_size
+
+    def _each(self, method: str, batch: Batch):
+        shares = even_shares(batch, self.world, balance=self.balance)
+        return self.group.call_each(SFT, method, [((batch.select(s),), {}) for s in shares])[0]
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        return self._each("train_step", batch)
+
+    def eval_loss(self, batch: Batch) -> dict[str, float]:
+        return self._each("eval_loss", batch)
+
+    def save_checkpoint(self, path: Path) -> None:
+        self.group.call(SFT, "save_checkpoint", Path(path))
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.group.call(SFT, "load_checkpoint", Path(path))
 
 
 def merge_rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -104,7 +104,7 @@ def _lookup_key(root: Any, key: str, path: str, stack: list[str]) -> Any:
     try:
         target = get_path(root, key)
     except KeyError:
-        hint = did_you_mean(closest(key, all_paths(), n=2))
+        hint = did_you_mean(closest(key, all_paths(type(root)), n=2))
         raise ConfigError(f"{path} refers to ${{{key}}}, but `{key}` is not a config key.{hint} "
                           f"Fix: correct the reference or replace it with a value.") from None
     if dataclasses.is_dataclass(target):

@@ -60,8 +60,8 @@ def _is_dict_type(tp: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def all_paths() -> tuple[str, ...]:
-    """Every dotted key of the schema (groups and leaves) plus the accepted aliases."""
+def all_paths(root: type = LatheConfig) -> tuple[str, ...]:
+    """Every dotted key of the schema `root` (groups and leaves) plus, for `lathe train`'s, the accepted aliases."""
     out: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -72,8 +72,8 @@ def all_paths() -> tuple[str, ...]:
             if sub is not None:
                 walk(sub, path + ".")
 
-    walk(LatheConfig, "")
-    return tuple(out + list(ALIASES) + sorted(_ALIAS_GROUPS))
+    walk(root, "")
+    return tuple(out + list(ALIASES) + sorted(_ALIAS_GROUPS)) if root is LatheConfig else tuple(out)
 
 
 def field_meta(cls: type, name: str) -> dict:
@@ -99,9 +99,9 @@ def help_for(path: str) -> str:
     return ""
 
 
-def unknown_key_message(path: str, origin: str) -> str:
+def unknown_key_message(path: str, origin: str, root: type = LatheConfig) -> str:
     """'Unknown key' text: fix the first unknown segment by its siblings, else find the leaf elsewhere."""
-    paths = all_paths()
+    paths = all_paths(root)
     known = set(paths)
     parts = path.split(".")
     index = next(i for i in range(len(parts)) if ".".join(parts[: i + 1]) not in known)
@@ -125,7 +125,7 @@ def unknown_key_message(path: str, origin: str) -> str:
 # ----------------------------------------------------------------------------- flattening
 
 
-def flatten_mapping(mapping: dict, origin: str) -> list[Assignment]:
+def flatten_mapping(mapping: dict, origin: str, root: type = LatheConfig) -> list[Assignment]:
     """Turn a nested YAML mapping into assignments, descending only into schema groups."""
     out: list[Assignment] = []
 
@@ -143,7 +143,7 @@ def flatten_mapping(mapping: dict, origin: str) -> list[Assignment]:
             else:
                 out.append(Assignment(path, value, None, path, origin))
 
-    walk(LatheConfig, mapping, "")
+    walk(root, mapping, "")
     return out
 
 
@@ -205,7 +205,7 @@ def assign(root: LatheConfig, item: Assignment) -> None:
         path = ".".join(parts[: i + 1])
         hints = hints_of(type(node))
         if part not in hints:
-            raise ConfigError(unknown_key_message(item.path, item.origin))
+            raise ConfigError(unknown_key_message(item.path, item.origin, type(root)))
         tp = hints[part]
         if i == len(parts) - 1:
             _set_field(root, node, part, tp, item)

@@ -42,6 +42,7 @@ class StatefulDataLoader:
         self.drop_last = drop_last
         self.epoch = 0
         self.batch_in_epoch = 0
+        self._batches: Iterator[list[dict[str, Any]]] | None = None
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -72,6 +73,16 @@ class StatefulDataLoader:
             if last:
                 return
 
+    def next_batch(self) -> list[dict[str, Any]]:
+        """The next batch, starting the next epoch when one runs out (a trainer's steps)."""
+        if self._batches is None:
+            self._batches = iter(self)
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._batches = iter(self)
+            return next(self._batches)
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed}
 
@@ -94,3 +105,4 @@ class StatefulDataLoader:
                 stacklevel=2,
             )
         self.epoch, self.batch_in_epoch, self.seed = epoch, pos, seed
+        self._batches = None                 # the next batch comes from the restored position

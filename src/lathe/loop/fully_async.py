@@ -230,7 +230,6 @@ class AsyncDriver:
         self.ledger.issued = state["issued"]
         self.ledger.skip = set(state["trained"])
         self.t.loader.load_state_dict(state["loader"])
-        self.t._rows = None
 
 
 def fit_async(t: Trainer) -> dict[str, float]:

@@ -10,8 +10,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import torch
 from lathe.algo import KL_PENALTIES, get_adv_estimator, get_policy_loss, make_kl_controller
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
-from lathe.config import critic_in_use, to_dict
+from lathe.config import critic_in_use, to_dict, to_yaml
 from lathe.data import RLDataset, StatefulDataLoader
 from lathe.device import default_device_type, device_count, empty_cache
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
@@ -33,6 +32,7 @@ from lathe.train.sft import supervised_fit
 from lathe.train.workers import ActorRolloutRefWorker
 
 log = logging.getLogger("lathe")
+CONFIG_FILE = "config.yaml"   # the resolved config, written into the run directory at start
 INIT_MODEL = "init_model"   # the warm-started starting point, kept in the run directory for resume and reference
 
 
@@ -55,7 +55,6 @@ class Trainer:
     global_step: int = 0
     resumed_from: Path | None = None
     resume_state: dict | None = None    # the trainer_state of the checkpoint resumed from
-    _rows: Iterator[list[dict]] | None = field(default=None, repr=False)
 
     def close(self) -> None:
         """Flush the loggers, stop the reward processes and the workers."""
@@ -68,13 +67,7 @@ class Trainer:
 
     def next_rows(self) -> list[dict]:
         """The next dataloader batch, starting a new epoch when one runs out."""
-        if self._rows is None:
-            self._rows = iter(self.loader)
-        try:
-            return next(self._rows)
-        except StopIteration:
-            self._rows = iter(self.loader)
-            return next(self._rows)
+        return self.loader.next_batch()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -223,6 +216,7 @@ def build_trainer(cfg) -> Trainer:
     resume_dir = find_resume_dir(t)
     run_dir = Path(t.default_local_dir).expanduser()
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))        # what ran (lathe report shows it)
 
     import_external_libs(external_libs(cfg))
     tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, chat_template=arr.model.custom_chat_template,
@@ -337,7 +331,6 @@ def resume(trainer: Trainer, path: Path) -> None:
     restore_rng(state["rng"])
     trainer.global_step = state["global_step"]
     trainer.resumed_from, trainer.resume_state = path, state
-    trainer._rows = None                 # the next batch comes from the restored dataloader position
     log.info("resumed from %s (step %d)", path, trainer.global_step)
 
 

@@ -1,0 +1,157 @@
+"""`lathe sft`: the loss against an independent computation with transformers, the same update however the batch
+is cut into micro-batches or dealt to ranks, an exact resume, verl's keys and metric names, and a checkpoint that
+`lathe train` starts from."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from helpers import assert_close_rel
+from lathe.cli import main
+from lathe.config import ConfigError
+from lathe.config.sft import load_sft_config
+from lathe.data.builtin import builtin_tokenizer
+from lathe.data.sft import SFTDataset
+from lathe.loop.sft import collate
+from lathe.models.hf import load_policy
+from lathe.train.sft import SFTWorker
+
+FAST = ["data.train_batch_size=8", "data.micro_batch_size_per_gpu=4", "data.val_max_samples=16",
+        "optim.lr=3e-3", "trainer.logger=[console]"]
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def sft(run_dir, *overrides: str) -> list[dict]:
+    assert main(["sft", f"trainer.default_local_dir={run_dir}", *FAST, *overrides]) == 0
+    return rows(run_dir)
+
+
+def test_the_default_learns_and_lathe_train_starts_from_its_checkpoint(tmp_path):
+    out = sft(tmp_path / "sft", "trainer.total_training_steps=16", "trainer.test_freq=8")
+    assert [r["step"] for r in out] == list(range(1, 17))
+    assert {"train/loss", "train/grad_norm", "train/lr", "train/global_tokens", "train/total_tokens(B)"} <= set(out[0])
+    assert [r["step"] for r in out if "val/loss" in r] == [8, 16] and out[15]["val/loss"] < out[7]["val/loss"]
+    assert sum(r["train/loss"] for r in out[-4:]) < 0.6 * sum(r["train/loss"] for r in out[:4])
+    assert out[0]["train/lr"] < out[1]["train/lr"]                     # verl's SFT default: warm-up, then cosine
+    model = tmp_path / "sft" / "global_step_16" / "actor" / "huggingface"
+    assert main(["train", f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.warm_start.steps=0",
+                 "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.logger=[console]",
+                 "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                 f"trainer.default_local_dir={tmp_path / 'rl'}"]) == 0
+    assert rows(tmp_path / "rl")[0]["response_length/mean"] < 8        # the answers' format, not random tokens
+
+
+def test_resume_continues_exactly(tmp_path):
+    run = tmp_path / "run"
+    first = sft(run, "trainer.total_training_steps=4", "trainer.save_freq=2", "data.val_files=null")
+    weights = (run / "global_step_4" / "actor" / "huggingface" / "model.safetensors").read_bytes()
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    again = sft(run, "trainer.total_training_steps=4", "trainer.save_freq=2", "data.val_files=null")
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    for a, b in zip(first[2:], again[2:]):
+        assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
+    assert (run / "global_step_4" / "actor" / "huggingface" / "model.safetensors").read_bytes() == weights
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = builtin_tokenizer()
+    cfg = load_sft_config(None, ["optim.lr=1e-2", "optim.lr_warmup_steps_ratio=0"])
+    examples = list(SFTDataset("builtin:arithmetic", tok, cfg.data, max_samples=6))
+    return tok, cfg, examples, load_policy("builtin:tiny", vocab_size=len(tok), seed=3)
+
+
+def updated(setup, *overrides: str) -> tuple[float, dict]:
+    tok, cfg, examples, model = setup
+    cfg = copy.deepcopy(cfg)
+    for item in overrides:
+        key, value = item.split("=")
+        setattr(cfg.data, key, type(getattr(cfg.data, key))(int(value) if value.isdigit() else value == "true"))
+    worker = SFTWorker(cfg, copy.deepcopy(model), tok, total_steps=4, device=torch.device("cpu"))
+    loss = worker.train_step(collate(examples, tok.pad_token_id))["train/loss"]
+    return loss, {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+
+
+def test_the_loss_is_transformers_mean_nll_over_trained_tokens_whatever_the_micro_batches(setup):
+    tok, _, examples, model = setup
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for e in examples:                    # one unpadded sequence at a time, transformers' own forward
+            ids = torch.tensor([e.prompt_ids + e.response_ids])
+            logits = model(ids).logits[0, len(e.prompt_ids) - 1:-1].double()
+            token_nll = -torch.log_softmax(logits, -1).gather(-1, torch.tensor(e.response_ids)[:, None])[:, 0]
+            nll += float((token_nll * torch.tensor(e.loss_mask)).sum())
+            count += sum(e.loss_mask)
+    whole, after = updated(setup, "micro_batch_size_per_gpu=6")
+    assert_close_rel(whole, nll / count, rel=1e-5, name="train/loss")
+    for cut in (["micro_batch_size_per_gpu=1"], ["micro_batch_size_per_gpu=4"],
+                ["use_dynamic_bsz=true", "max_token_len_per_gpu=20"]):
+        loss, weights = updated(setup, *cut)
+        assert_close_rel(loss, whole, rel=1e-6, name=f"loss {cut}")
+        assert_close_rel(weights, after, rel=3e-5, name=f"weights {cut}")
+
+
+def test_verls_older_spellings_act_and_unimplemented_keys_fail_up_front():
+    cfg = load_sft_config(None, ["model.partial_pretrain=/m", "optim.warmup_steps_ratio=0.3",
+                                 "optim.lr_scheduler=constant", "data.multiturn.messages_key=conv",
+                                 "use_remove_padding=true", "data.micro_batch_size=8", "trainer.n_gpus_per_node=2",
+                                 "data.train_batch_size=16"])
+    assert (cfg.model.path, cfg.optim.lr_warmup_steps_ratio, cfg.optim.lr_scheduler_type) == ("/m", 0.3, "constant")
+    assert (cfg.data.messages_key, cfg.model.use_remove_padding, cfg.data.micro_batch_size_per_gpu) == ("conv", True, 4)
+    with pytest.raises(ConfigError) as err:
+        load_sft_config(None, ["model.lora_rank=8", "ulysses_sequence_parallel_size=2", "data.train_batch_size=7",
+                               "trainer.n_gpus_per_node=2"])
+    for part in ("`model.lora_rank`=8: LoRA fine-tuning", "sequence parallelism",
+                 "data.train_batch_size=7 is not divisible by the 2 devices"):
+        assert part in str(err.value), part
+    with pytest.raises(ConfigError, match=r"Did you mean `data.prompt_key`"):
+        load_sft_config(None, ["data.prompt_kye=q"])
+    with pytest.warns(UserWarning, match=r"data.num_workers`=2 has no effect"):
+        load_sft_config(None, ["data.num_workers=2"])
+
+
+def test_print_config_reads_a_verl_style_yaml(tmp_path, capsys):
+    path = tmp_path / "sft.yaml"
+    path.write_text("data:\n  prompt_key: question\n  response_key: answer\n  response_dict_keys: null\n"
+                    "model:\n  partial_pretrain: /models/x\ntrainer:\n  total_epochs: 2\n")
+    assert main(["sft", str(path), "--print-config", "trainer.total_epochs=3"]) == 0
+    printed = capsys.readouterr().out
+    assert "prompt_key: question" in printed and "path: /models/x" in printed and "total_epochs: 3" in printed
+
+
+def test_every_sft_key_is_read_or_registered():
+    """A key that is accepted must act: each leaf of the SFT schema is read (by name) in the code that `lathe sft`
+    runs, or is in the registry of keys that are refused or warned about (config/sft.py `entries`)."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from lathe.config.schema_sft import SFTConfig
+    from lathe.config.sft import entries
+    src = Path(__file__).resolve().parents[2] / "src" / "lathe"
+    modules = ["loop/sft.py", "data/sft.py", "train/sft.py", "config/sft.py", "train/precision.py", "train/optim.py",
+               "train/offload.py", "train/parallel.py", "ckpt/checkpoint.py", "cluster/placement.py", "cluster/__init__.py",
+               "track/tracker.py", "data/loader.py"]
+    code = "\n".join((src / m).read_text() for m in modules)
+    registered = {e.key for e in entries()}
+    same_either_way = {"data.pad_mode", "model.use_remove_padding", "use_remove_padding", "model.lora_alpha",
+                       "model.target_modules", "data.custom_cls.name", "model.fsdp_config.mixed_precision.buffer_dtype",
+                       "model.fsdp_config.use_torch_compile"}
+
+    def leaves(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if dataclasses.is_dataclass(sub):
+                yield from leaves(type(sub), f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}"
+    unread = [k for k in leaves(SFTConfig) if k not in registered | same_either_way
+              and not re.search(rf"\.{re.escape(k.rsplit('.', 1)[-1])}\b|\"{re.escape(k.rsplit('.', 1)[-1])}\"", code)]
+    assert unread == [], f"accepted but never read, and not registered: {unread}"

@@ -92,6 +92,10 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
         res["lathe"] = {"command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall,
                         "step_s_all": [s["timing_s/step"] for s in steps],
                         "loss_all": [s["train/loss"] for s in steps],
+                        "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps),
+                                                       default=None),
+                        "max_memory_reserved_gb": max((s.get("perf/max_memory_reserved_gb", 0) for s in steps),
+                                                      default=None),
                         "step_s": statistics.median(timed) if timed else None}
     if "trl" in args.systems:
         out = paths["run"] / "trl.json"

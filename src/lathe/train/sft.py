@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lathe.batch import Batch
+from lathe.device import reset_peak_memory
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
@@ -113,8 +114,10 @@ class SFTWorker:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step: the mean NLL over every trained token of the step's batch (all ranks together),
-        whatever the micro-batches; verl's `train/loss`, `train/grad_norm`, `train/lr`."""
+        whatever the micro-batches; verl's `train/loss`, `train/grad_norm`, `train/lr`, and on a GPU the step's
+        `perf/max_memory_{allocated,reserved}_gb`."""
         self.model.train()
+        reset_peak_memory(self.device)
         batch = batch.to(self.device)
         tokens, _ = parallel.global_counts(batch["response_mask"])
         total = 0.0
@@ -126,7 +129,7 @@ class SFTWorker:
         out["train/grad_norm"] = clipped_step(self.model, self.optimizer, self.grad_clip)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
-        return out
+        return {**out, **parallel.peak_memory_metrics(self.device)}     # the step's peak, the largest over ranks
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> dict[str, float]:

@@ -8,6 +8,7 @@
     lathe presets
     lathe diagnose [--json] [--ray]
     lathe export RUN_DIR OUT_DIR [--step N] [--part actor|critic] [--check] [--force]
+    lathe report RUN_DIR [-o OUT.html] [--val-dir DIR] [--rollout-dir DIR] [--max-samples N]
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from lathe.report import write_report
+    print(write_report(args.run_dir, args.out, val_dir=args.val_dir, rollout_dir=args.rollout_dir,
+                       max_samples=args.max_samples))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lathe", description="RL post-training of language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--check", action="store_true", help="then load it with transformers and run a forward")
     exp.add_argument("--force", action="store_true", help="replace OUT if it exists")
     exp.set_defaults(func=cmd_export)
+    rep = sub.add_parser("report", help="a run directory as one self-contained HTML page: charts, config, samples")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (trainer.default_local_dir)")
+    rep.add_argument("-o", "--out", metavar="OUT.html", help="the file to write (default: RUN_DIR/report.html)")
+    rep.add_argument("--val-dir", metavar="DIR", help="validation samples, <step>.jsonl files "
+                                                      "(default: the saved config's trainer.validation_data_dir)")
+    rep.add_argument("--rollout-dir", metavar="DIR", help="training samples, <step>.jsonl files "
+                                                          "(default: the saved config's trainer.rollout_data_dir)")
+    rep.add_argument("--max-samples", metavar="N", type=int, default=4, help="samples per step file (default 4)")
+    rep.set_defaults(func=cmd_report)
     return parser
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lathe.track import METRICS_FILE, Tracker, read_metrics
+from lathe.track import backends
 from lathe.track.backends import flatten_config, mlflow_key
 
 
@@ -16,7 +17,7 @@ def test_flatten_config_and_mlflow_key():
     assert flatten_config({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": 1, "a.c": [1, 2], "d": None}
     assert flatten_config(None) == {}
     assert mlflow_key("val-core/x/reward/best@4/mean") == "val-core/x/reward/best_at_4/mean"
-    assert mlflow_key("a[b]:c") == "a_b__c"
+    assert mlflow_key("a[b]:c") == "a_b_:c" and mlflow_key("/perf//mfu/") == "perf/mfu"   # as mlflow accepts them
 
 
 def fake_module(name, calls, **funcs):
@@ -29,9 +30,16 @@ def fake_module(name, calls, **funcs):
     return mod
 
 
+def fake_wandb(calls):
+    """A fake ``wandb`` whose ``init`` returns a run with ``log``/``finish`` recording into ``calls``."""
+    run = fake_module("run", calls, log=None, finish=None)
+    return fake_module("wandb", calls, init=run)
+
+
 def test_wandb_init_log_finish(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setitem(sys.modules, "wandb", fake_module("wandb", calls, init=object(), log=None, finish=None))
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     with make(tmp_path, ["wandb"]) as tr:
@@ -39,7 +47,7 @@ def test_wandb_init_log_finish(tmp_path, monkeypatch):
     (n0, _, init), (n1, _, log_kw), (n2, _, _) = calls
     assert (n0, n1, n2) == ("init", "log", "finish")
     assert init["project"] == "proj" and init["name"] == "exp/1" and init["mode"] == "offline"
-    assert init["config"] == {"trainer": {"n": 1}} and init["id"] == "proj--exp-1"
+    assert init["config"] == {"trainer": {"n": 1}} and init["id"] == "proj--exp-1" and init["dir"] == str(tmp_path)
     assert calls[1][1] == ({"actor/pg_loss": 0.5},) and log_kw == {"step": 7}
 
 
@@ -47,7 +55,8 @@ def test_remote_logger_failure_warns_and_run_continues(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise ConnectionError("network down")
 
-    monkeypatch.setitem(sys.modules, "wandb", fake_module("wandb", [], init=object(), log=boom, finish=None))
+    run = fake_module("run", [], log=boom, finish=None)
+    monkeypatch.setitem(sys.modules, "wandb", fake_module("wandb", [], init=run))
     with make(tmp_path, ["wandb"]) as tr:
         with pytest.warns(UserWarning, match="'wandb' failed at step 1"):
             tr.log({"a": 1.0}, 1)
@@ -55,22 +64,29 @@ def test_remote_logger_failure_warns_and_run_continues(tmp_path, monkeypatch):
     assert [r["a"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1.0, 2.0]
 
 
+def fake_mlflow(calls, **funcs):
+    """A fake ``mlflow``: experiment "42", a new run that holds no params."""
+    run = types.SimpleNamespace(data=types.SimpleNamespace(params={}))
+    return fake_module("mlflow", calls, set_tracking_uri=None, get_experiment_by_name=None, create_experiment="42",
+                       set_experiment=types.SimpleNamespace(experiment_id="42"), start_run=run, log_params=None,
+                       end_run=None, **funcs)
+
+
 def test_mlflow_params_and_metric_names(tmp_path, monkeypatch):
     calls = []
-    exp = types.SimpleNamespace(experiment_id="42")
-    mod = fake_module(
-        "mlflow", calls, set_tracking_uri=None, set_experiment=exp, start_run=object(),
-        log_params=None, log_metrics=None, end_run=None,
-    )
-    monkeypatch.setitem(sys.modules, "mlflow", mod)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(backends, "_require_sqlalchemy", lambda uri: None)   # (the fake needs no SQLAlchemy)
+    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(calls, log_metrics=None))
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
     with make(tmp_path, ["mlflow"]) as tr:
         tr.log({"val-core/gsm8k/reward/mean@1": 0.5}, 3)
     by_name = {name: (args, kw) for name, args, kw in calls}
     assert by_name["set_tracking_uri"][0][0] == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    artifacts = (tmp_path.resolve() / "mlartifacts").as_uri()   # not mlflow's ./mlruns of the working directory
+    assert by_name["create_experiment"] == (("proj",), {"artifact_location": artifacts})
     assert by_name["set_experiment"][0] == ("proj",)
     assert by_name["start_run"][1] == {"experiment_id": "42", "run_name": "exp/1"}
-    assert by_name["log_params"][0] == ({"trainer.n": "1"},)
+    assert by_name["log_params"][0] == ({"trainer/n": "1"},)   # verl's param names
     assert by_name["log_metrics"] == (({"val-core/gsm8k/reward/mean_at_1": 0.5},), {"step": 3})
     assert [c[0] for c in calls][-1] == "end_run"
 
@@ -96,7 +112,7 @@ def test_generations_go_to_wandb_as_a_growing_table_and_to_mlflow_as_json(tmp_pa
         def __init__(self, columns, data):
             self.columns, self.data = columns, data
 
-    monkeypatch.setitem(sys.modules, "wandb", fake_module("wandb", calls, init=object(), log=None, finish=None))
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     sys.modules["wandb"].Table = Table
     with make(tmp_path, ["wandb"]) as tr:
         tr.log_generations(SAMPLES[:1], 2)
@@ -106,12 +122,12 @@ def test_generations_go_to_wandb_as_a_growing_table_and_to_mlflow_as_json(tmp_pa
     assert table == {"step": 4} and logged.columns[:4] == ["step", "input_1", "output_1", "score_1"]
     assert logged.data == [[2, "1+1=", "2", 1.0, None, None, None], [4, "1+1=", "2", 1.0, "2+2=", "5", 0.0]]
     calls.clear()
-    exp = types.SimpleNamespace(experiment_id="1")
-    monkeypatch.setitem(sys.modules, "mlflow", fake_module(
-        "mlflow", calls, set_tracking_uri=None, set_experiment=exp, start_run=object(), log_params=None,
-        log_dict=None, end_run=None))
+    monkeypatch.setattr(backends, "_require_sqlalchemy", lambda uri: None)
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(calls, log_dict=None))
     with make(tmp_path, ["mlflow"]) as tr:
         tr.log_generations(SAMPLES, 4)
     (args,) = [a for name, a, kw in calls if name == "log_dict"]
     assert args == ([{"input": "1+1=", "output": "2", "score": 1.0}, {"input": "2+2=", "output": "5", "score": 0.0}],
-                    "val_generations/step_4.json")
+                    "val_step4.json")   # verl's artifact name

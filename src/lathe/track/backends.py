@@ -15,6 +15,7 @@ import importlib
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -144,15 +145,17 @@ class TensorboardLogger:
 
 
 def _wandb_id(project: str, experiment: str) -> str:
-    """verl's run id ``<project>--<experiment>``, with characters wandb refuses replaced by ``-``."""
+    """The run id ``<project>--<experiment>``, with characters wandb refuses replaced by ``-``."""
     return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{project}--{experiment}")
 
 
 class WandbLogger:
-    """A wandb run named after the experiment; resumes the same run id (verl's id scheme).
+    """A wandb run named after the experiment (as in verl), with the id ``<project>--<experiment>`` so that a
+    resumed training continues the same run (verl starts a new one each time).
 
-    ``WANDB_MODE`` (online/offline/disabled) is honoured; ``WANDB_RUN_ID`` overrides the id.
-    Files go under ``run_dir/wandb``.
+    ``WANDB_MODE`` (online/offline/disabled) is honoured; ``WANDB_RUN_ID`` overrides the id. Files go under
+    ``run_dir/wandb`` (``$WANDB_DIR`` wins); offline, each start writes a directory there that ``wandb sync``
+    uploads into the one run id.
     """
 
     def __init__(self, run_dir: str | os.PathLike, project: str, experiment: str, config: Any) -> None:
@@ -161,7 +164,7 @@ class WandbLogger:
             "project": project,
             "name": experiment,
             "config": plain(config) if config is not None else None,
-            "dir": str(run_dir),
+            "dir": os.environ.get("WANDB_DIR") or str(run_dir),
             "resume": "allow",
         }
         if not os.environ.get("WANDB_RUN_ID"):
@@ -172,63 +175,105 @@ class WandbLogger:
         self.generation_rows: list[list] = []
 
     def log(self, metrics: Metrics, step: int) -> None:
-        self.wandb.log(dict(metrics), step=step)
+        self.run.log(dict(metrics), step=step)   # this run's, not ``wandb.run``: another init must not steal it
 
     def log_generations(self, samples: Samples, step: int) -> None:
-        """A ``val/generations`` table with one row per validation: step, then input/output/score of each sample."""
+        """verl's ``val/generations`` table, one row per validation: step, then input/output/score of each sample."""
         columns = ["step"] + [f"{part}_{i}" for i in range(1, len(samples) + 1)
                               for part in ("input", "output", "score")]
         row = [step] + [value for sample in samples for value in sample]
         self.generation_rows.append(row)
         width = len(columns)   # rows of earlier validations (fewer samples) are padded to this table's width
         table = self.wandb.Table(columns=columns, data=[r + [None] * (width - len(r)) for r in self.generation_rows])
-        self.wandb.log({GENERATIONS_KEY: table}, step=step)
+        self.run.log({GENERATIONS_KEY: table}, step=step)
 
     def truncate_after(self, step: int) -> None:
-        pass  # wandb itself ignores steps at or below the run's last logged step
+        pass  # online, wandb drops (with a warning) steps at or below the resumed run's last one
 
     def close(self) -> None:
         if self.run is not None:
-            self.wandb.finish()
+            self.run.finish()
             self.run = None
 
 
-_MLFLOW_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
+_MLFLOW_BAD = re.compile(r"[^\w\-. /:]")
 
 
 def mlflow_key(key: str) -> str:
-    """A metric name mlflow accepts: ``@`` becomes ``_at_`` (as in verl), other odd characters ``_``."""
-    return _MLFLOW_BAD.sub("_", key.replace("@", "_at_"))
+    """A metric or param name mlflow accepts, as verl makes it: ``@`` becomes ``_at_``, runs of ``/`` one ``/``
+    (mlflow treats names as paths), other characters it refuses ``_``."""
+    return _MLFLOW_BAD.sub("_", re.sub("/+", "/", key.replace("@", "_at_"))).strip("/")
+
+
+def _require_sqlalchemy(uri: str) -> None:
+    """An sqlite store needs SQLAlchemy and alembic, which mlflow-skinny lacks (mlflow's own error blames the model
+    registry)."""
+    try:
+        importlib.import_module("sqlalchemy")
+        importlib.import_module("alembic")
+    except ImportError as err:
+        raise ImportError(
+            f"trainer.logger names 'mlflow', whose store {uri} needs SQLAlchemy and alembic ({err}): mlflow-skinny "
+            "does not bring them. Fix: `pip install mlflow` (or `pip install sqlalchemy alembic`), or set "
+            "MLFLOW_TRACKING_URI to a tracking server."
+        ) from None
 
 
 class MlflowLogger:
-    """An mlflow run (experiment = project, run name = experiment) with the flattened config as params.
+    """An mlflow run (experiment = project, run name = experiment) with the flattened config as params, as in verl:
+    params are the config keys joined by ``/`` (``actor_rollout_ref/actor/ppo_mini_batch_size``); each start, a
+    resume too, opens a new run of that name; ``MLFLOW_RUN_ID`` attaches to an existing run instead.
 
-    ``MLFLOW_TRACKING_URI`` is honoured; without it runs go to ``sqlite:///<run_dir>/mlflow.db``.
+    ``MLFLOW_TRACKING_URI`` is honoured; without it runs go to ``sqlite:///<run_dir>/mlflow.db`` and their artifacts
+    to ``<run_dir>/mlartifacts`` (mlflow's own default is ``./mlruns`` of the working directory).
     """
 
     MAX_PARAM_CHARS = 500  # the smallest param-value limit across mlflow versions
 
     def __init__(self, run_dir: str | os.PathLike, project: str, experiment: str, config: Any) -> None:
         self.mlflow = import_optional("mlflow")
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+        run_dir = Path(run_dir).resolve()
+        default = not os.environ.get("MLFLOW_TRACKING_URI")
+        uri = f"sqlite:///{run_dir / 'mlflow.db'}" if default else os.environ["MLFLOW_TRACKING_URI"]
+        if uri.startswith("sqlite:"):
+            _require_sqlalchemy(uri)
         self.mlflow.set_tracking_uri(uri)
-        exp = self.mlflow.set_experiment(project)
-        self.run = self.mlflow.start_run(experiment_id=exp.experiment_id, run_name=experiment)
-        params = {k: str(v)[: self.MAX_PARAM_CHARS] for k, v in flatten_config(config).items()}
-        if params:
-            self.mlflow.log_params(params)
+        if os.environ.get("MLFLOW_RUN_ID"):
+            self.run = self.mlflow.start_run(run_id=os.environ["MLFLOW_RUN_ID"])
+        else:
+            if default and self.mlflow.get_experiment_by_name(project) is None:
+                self.mlflow.create_experiment(project, artifact_location=(run_dir / "mlartifacts").as_uri())
+            exp = self.mlflow.set_experiment(project)
+            self.run = self.mlflow.start_run(experiment_id=exp.experiment_id, run_name=experiment)
+        try:
+            self._log_params({mlflow_key(k): str(v)[: self.MAX_PARAM_CHARS]
+                              for k, v in flatten_config(config, sep="/").items()})
+        except BaseException:
+            self.close()   # an active run left behind would make the next start_run in this process fail
+            raise
+
+    def _log_params(self, params: dict[str, str]) -> None:
+        """Log ``params``; on an attached run, those it holds already are kept (mlflow refuses to change one)."""
+        held = dict(self.run.data.params)
+        changed = sorted(k for k, v in params.items() if k in held and held[k] != v)
+        if changed:
+            warnings.warn(f"mlflow: run {self.run.info.run_id} already holds params {', '.join(changed[:5])}"
+                          f"{' ...' if len(changed) > 5 else ''} with other values; they keep their first values",
+                          stacklevel=4)
+        new = {k: v for k, v in params.items() if k not in held}
+        if new:
+            self.mlflow.log_params(new)
 
     def log(self, metrics: Metrics, step: int) -> None:
         self.mlflow.log_metrics({mlflow_key(k): v for k, v in metrics.items()}, step=step)
 
     def log_generations(self, samples: Samples, step: int) -> None:
-        """The samples as a JSON artifact ``val_generations/step_<step>.json``."""
+        """The samples as verl's JSON artifact ``val_step<step>.json``: a list of {input, output, score}."""
         rows = [{"input": inp, "output": out, "score": score} for inp, out, score in samples]
-        self.mlflow.log_dict(rows, f"val_generations/step_{step}.json")
+        self.mlflow.log_dict(rows, f"val_step{step}.json")
 
     def truncate_after(self, step: int) -> None:
-        pass
+        pass  # the resumed training logs into a new run
 
     def close(self) -> None:
         if self.run is not None:

@@ -27,7 +27,9 @@ _FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("vf_loss", ("critic/vf_loss",), "num"),
     ("kl", ("actor/kl_loss", "actor/reward_kl_penalty"), "num"),
     ("entropy", ("actor/entropy",), "num"),
-    ("grad_norm", ("actor/grad_norm",), "num"),
+    ("loss", ("train/loss",), "num"),                  # lathe sft
+    ("val_loss", ("val/loss",), "num"),
+    ("grad_norm", ("actor/grad_norm", "train/grad_norm"), "num"),
     ("resp_len", ("response_length/mean",), "num"),
     ("gen", ("timing_s/gen",), "sec"),
     ("step", ("timing_s/step",), "sec"),

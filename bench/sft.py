@@ -1,6 +1,7 @@
 """`lathe sft` itself against TRL's SFTTrainer on the same supervised workload, one GPU.
 
     python bench/sft.py [--models 0.5b,1.5b] [--systems lathe,trl] [--steps 8] [--out bench/results/sft_<device>.json]
+    python bench/sft.py --systems lathe --models 0.5b --ray    # one GPU through the distributed path (Ray, FSDP2)
     python bench/sft.py --device cpu --models tiny --batch 8 --micro 4 --steps 3 --warmup 1 \
         --prompt-len 8,16 --response-len 8,24 --out /tmp/sft_smoke.json                            # CPU smoke test
 
@@ -86,10 +87,12 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
         cmd = lathe_command(paths, args)
         metrics = paths["run"] / "lathe" / "metrics.jsonl"
         metrics.unlink(missing_ok=True)
-        rc, wall = run_child(cmd, Path(args.logs) / f"lathe-sft-{shape}.log", args.timeout)
+        env = {"LATHE_RAY": "1"} if args.ray else {}
+        rc, wall = run_child(cmd, Path(args.logs) / f"lathe-sft-{shape}.log", args.timeout, env)
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         timed = [s["timing_s/step"] for s in steps[args.warmup:]]
-        res["lathe"] = {"command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall,
+        res["lathe"] = {"command": " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]]), "returncode": rc,
+                        "wall_s": wall, "ray_worker": args.ray,
                         "step_s_all": [s["timing_s/step"] for s in steps],
                         "loss_all": [s["train/loss"] for s in steps],
                         "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps),
@@ -125,6 +128,8 @@ def main() -> None:
     p.add_argument("--models", default="0.5b,1.5b")
     p.add_argument("--systems", default="lathe,trl")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--ray", action="store_true", help="lathe: LATHE_RAY=1, one GPU as a Ray worker group of one FSDP2 "
+                                                      "rank (the distributed path on one GPU)")
     p.add_argument("--batch", type=int, default=64, help="pairs per optimizer step")
     p.add_argument("--micro", type=int, default=8, help="TRL: pairs per forward/backward")
     p.add_argument("--max-tokens", type=int, default=16384, help="lathe: real tokens per packed micro-batch")
@@ -148,7 +153,7 @@ def main() -> None:
     results = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
                "workload": {k: getattr(args, k) for k in ("batch", "micro", "max_tokens", "prompt_len", "response_len",
-                                                          "max_length", "steps", "trl_steps", "warmup")},
+                                                          "max_length", "steps", "trl_steps", "warmup", "ray")},
                "peak_bf16_tflops_datasheet": datasheet_peak(name), "models": {}}
     for shape in args.models.split(","):
         results["models"][shape] = r = bench_model(shape, args, datasheet_peak(name))

@@ -144,7 +144,7 @@ def lathe_command(shape: str, paths: dict, args) -> list[str]:
             f"reward.custom_reward_function.path={paths['reward']}",
             f"trainer.total_training_steps={args.steps}", "trainer.logger=[console]", "trainer.save_freq=-1",
             "trainer.resume_mode=disable", f"trainer.device={args.device}", f"trainer.n_gpus_per_node={args.gpus}",
-            f"trainer.default_local_dir={paths['run'] / 'lathe'}"]
+            f"trainer.default_local_dir={paths['run'] / 'lathe'}", *args.extra]
 
 
 def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
@@ -264,6 +264,8 @@ def main() -> None:
     p.add_argument("--git-sha", default=None,
                    help="the commit measured, as your checkout names it (the GPU copy of the tree may lack .git or "
                         "carry a stale one: do not compute it there)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="key=value",
+                   help="lathe: more keys after the bench's own (e.g. actor_rollout_ref.model.lora_rank=64)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.systems = args.systems.split(",")
@@ -278,7 +280,7 @@ def main() -> None:
     results = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
                "workload": {k: getattr(args, k) for k in ("prompts", "n", "prompt_len", "response_len", "steps",
-                                                          "warmup", "trl_steps", "trl_warmup", "gpus", "ray")},
+                                                          "warmup", "trl_steps", "trl_warmup", "gpus", "ray", "extra")},
                "peak_bf16_tflops_datasheet": datasheet_peak(name), "models": {}}
     for shape in args.models.split(","):
         results["models"][shape] = bench_model(shape, args, datasheet_peak(name))

@@ -21,7 +21,7 @@ def refused(*overrides: str) -> str:
 
 
 @pytest.mark.parametrize(("override", "fix"), [
-    ("actor_rollout_ref.model.lora_rank=32", "set it to 0"),
+    ("critic.model.lora_rank=32", "set it to 0"),
     ("reward_model.enable=true", "reward.custom_reward_function.path"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "remove it"),
     ("actor_rollout_ref.actor.strategy=megatron", "fsdp2"),
@@ -41,7 +41,7 @@ def test_unimplemented_value_fails_naming_key_value_and_fix(override, fix):
 
 
 def test_all_refusals_are_reported_together_with_batch_problems():
-    text = refused("actor_rollout_ref.model.lora_rank=8", "reward_model.enable=true", "data.train_batch_size=64",
+    text = refused("critic.model.lora_rank=8", "reward_model.enable=true", "data.train_batch_size=64",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=48")
     assert "3 config problems" in text and "lora_rank" in text and "ppo_mini_batch_size=48" in text
 
@@ -99,7 +99,7 @@ def test_help_says_what_the_registry_says():
 
 def test_refusal_happens_before_torch_is_imported():
     code = ("import sys; from lathe.config import load_config, ConfigError\n"
-            "try:\n    load_config('base', ['actor_rollout_ref.model.lora_rank=32'])\n"
+            "try:\n    load_config('base', ['critic.model.lora_rank=32'])\n"
             "except ConfigError as e:\n    print('lora_rank' in str(e), 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr

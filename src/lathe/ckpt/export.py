@@ -7,8 +7,9 @@
 Every checkpoint already holds its part's full weights as a Hugging Face directory (`<part>/huggingface`: config,
 safetensors, tokenizer, generation config), written by rank 0 also when the ranks saved sharded state, so nothing
 needs merging: the export copies that directory, after checking that it is complete (every tensor its safetensors
-index names is in its files), and `--check` loads it with transformers. LoRA adapters will be merged here once
-lathe trains them (not yet).
+index names is in its files), and `--check` loads it with transformers. A LoRA run's checkpoint holds the merged
+model there (base + adapters, written at save time) beside the adapter itself in PEFT's layout (`lora_adapter/`),
+so its export is the merged model too.
 """
 
 from __future__ import annotations

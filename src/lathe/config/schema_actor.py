@@ -133,10 +133,14 @@ class ModelConfig:
     use_liger: bool = spec(False, "Liger kernels (verl).")
     use_fused_kernels: bool = spec(False, "Fused log-prob/entropy kernels (verl).")
     fused_kernel_options: dict[str, Any] = spec({"impl_backend": "torch"}, "Fused kernel options (verl).")
-    lora_rank: int = spec(0, "LoRA rank; 0 = full fine-tuning.")
-    lora_alpha: int = spec(16, "LoRA alpha.")
+    lora_rank: int = spec(0, "LoRA rank; 0 = full fine-tuning. > 0: only the adapters train, the reference is the "
+                             "actor with its adapters off, the engine generates from the merged weights.")
+    lora_alpha: int = spec(16, "LoRA alpha (the update is scaled by lora_alpha / lora_rank).")
     target_modules: str | list[str] = spec("all-linear", "LoRA target modules.")
     exclude_modules: str | list[str] | None = spec(None, "Modules excluded from LoRA.")
+    lora_adapter_path: str | None = spec(None, "A PEFT LoRA adapter directory (adapter_config.json + "
+                                               "adapter_model.safetensors) the adapters start from.")
+    lora_dropout: float = spec(0.0, "lathe: dropout on the LoRA branch's input while training.")
     warm_start: WarmStartConfig = spec(factory=WarmStartConfig, help="lathe: supervised warm start before RL.")
 
 

@@ -123,13 +123,24 @@ def _one_device() -> list[Entry]:
 
 
 def _lora() -> list[Entry]:
-    out = []
-    for model in (M, f"{C}.model"):
-        out.append(refuse(f"{model}.lora_rank", "LoRA fine-tuning", "remove it (or set it to 0): lathe trains "
-                          "all weights", at_most(0)))
-        keys = ("lora_alpha", "target_modules") + (("exclude_modules",) if model == M else ())
-        out += [warn(f"{model}.{k}", "it is read only with lora_rank > 0 (LoRA is not implemented yet)") for k in keys]
+    out = [only_on("several devices", refuse(f"{M}.lora_rank", "LoRA on several devices (with FSDP2 sharding)",
+                                             "train LoRA on one device, or set lora_rank=0", at_most(0))),
+           refuse(f"{C}.model.lora_rank", "LoRA for the critic", "remove it (or set it to 0): the critic trains all "
+                  "weights", at_most(0))]
+    out += [warn(f"{C}.model.{k}", "it is read only with critic.model.lora_rank > 0 (not implemented yet)")
+            for k in ("lora_alpha", "target_modules")]
+    out += [replace(warn(f"{M}.{k}", "it is read only with lora_rank > 0"), judge=_needs_lora(f"{M}.{k}"))
+            for k in ("lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path", "lora_dropout")]
     return out
+
+
+def _needs_lora(key: str):
+    """A LoRA setting without lora_rank > 0 has no effect (said once, with the other such keys)."""
+    def judge(value, cfg) -> tuple[str, str] | None:
+        if cfg.actor_rollout_ref.model.lora_rank > 0 or value == get_path(_defaults(), key):
+            return None
+        return "warn", f"`{key}`={show(value)} has no effect in lathe: it is read only with lora_rank > 0."
+    return judge
 
 
 def _multi_turn() -> list[Entry]:

@@ -42,6 +42,7 @@ from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
 from lathe.models.io import load_into
+from lathe.models.lora import adapters_disabled, apply_lora, load_adapter, merged_weights, read_adapter
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train import parallel
@@ -50,7 +51,7 @@ from lathe.train.logprob import batched_log_probs
 from lathe.train.offload import HostWeights, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
-from lathe.train.update import load_trainable, nonfinite_guard, save_trainable
+from lathe.train.update import load_lora, load_trainable, nonfinite_guard, save_lora, save_trainable
 
 log = logging.getLogger("lathe")
 ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -65,13 +66,19 @@ class ActorRolloutRefWorker:
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         hf_model = model
         self.model = select_impl(model, arr.model.impl, role="actor")
+        self.lora = arr.model.lora_rank > 0 and self._apply_lora(arr.model, cfg.trainer.seed)
         self.remove_padding = arr.model.use_remove_padding
         self.rollout_name = resolve_rollout_name(arr.rollout.name, self.model, impl=arr.model.impl) if rollout else None
         if isinstance(self.model, LatheCausalLM) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config")
         self.sharded = parallel.in_group()             # a rank of a data-parallel group: FSDP2
-        self.ref, self.ref_host = self._build_ref(arr, need_ref)   # from the weights as loaded, before the cast
+        if self.sharded and self.lora:
+            raise NotImplementedError("actor_rollout_ref.model.lora_rank > 0 on several devices (LoRA with FSDP2 "
+                                      "sharding) is not implemented yet; train LoRA on one device")
+        # LoRA: the reference is the actor with its adapters off (no second copy of the weights)
+        self.lora_ref = self.lora and need_ref
+        self.ref, self.ref_host = self._build_ref(arr, need_ref and not self.lora)   # from the weights as loaded
         if self.sharded:
             # the weights stay in host memory until fully_shard moves each layer's shard to the device (the whole
             # model is never on the device); the rollout's own full copy goes there tensor by tensor
@@ -83,8 +90,15 @@ class ActorRolloutRefWorker:
             parallel.shard(self.model, arr.actor.fsdp_config, self.policy, device)
             self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim)   # fp32 shards
         else:
-            self.model.to(device=device, dtype=self.policy.master_dtype)
-            self.engine_model = None
+            if self.lora:        # the frozen base computes in param_dtype (bf16 on a GPU); only the adapters train
+                for p in self.model.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(self.policy.param_dtype)
+            self.model.to(device=device, dtype=None if self.lora else self.policy.master_dtype)
+            # LoRA: the engine generates from the merged weights (its own copies of the adapted layers)
+            self.engine_model = (frozen_copy(self.model, rollout_dtype(arr.rollout.dtype, device), device, share=True,
+                                             state=merged_weights(self.model))
+                                 if self.lora and self.rollout_name == "lathe" else None)
             self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim, policy=self.policy,
                                              **offload_flags(arr.actor.fsdp_config, device,
                                                              key="actor_rollout_ref.actor.fsdp_config"))
@@ -106,6 +120,22 @@ class ActorRolloutRefWorker:
                                   and device.type == "cuda")
         if self.free_cache_engine:
             self.rollout.sleep()
+
+    def _apply_lora(self, m, seed: int) -> bool:
+        """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""
+        if not isinstance(self.model, LatheCausalLM):
+            raise ValueError("actor_rollout_ref.model.lora_rank > 0 needs lathe's decoder (Llama, Qwen2, Qwen3), but "
+                             f"the actor runs transformers {_architecture(self.model)}. Fix: set lora_rank=0, or use "
+                             "an architecture lathe's decoder implements.")
+        names = apply_lora(self.model, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules,
+                           exclude_modules=m.exclude_modules, dropout=m.lora_dropout, seed=seed)
+        if m.lora_adapter_path:
+            _, tensors = read_adapter(m.lora_adapter_path)
+            load_adapter(self.model, tensors, f"actor_rollout_ref.model.lora_adapter_path={m.lora_adapter_path}")
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        log.info("actor: LoRA rank %d on %d layers: %.2fM trainable parameters of %.1fM", m.lora_rank, len(names),
+                 trained / 1e6, sum(p.numel() for p in self.model.parameters()) / 1e6)
+        return True
 
     def _build_ref(self, arr, need_ref: bool):
         """The frozen reference: a copy of the actor in the ref's compute dtype, compiled like the actor; with
@@ -176,7 +206,8 @@ class ActorRolloutRefWorker:
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         ref_cfg = self.cfg.actor_rollout_ref.ref
         micro = ref_cfg.log_prob_micro_batch_size_per_gpu or self.log_prob_micro_batch_size
-        with (self.ref_host.on_device() if self.ref_host is not None else nullcontext(self.ref)) as ref:
+        with (adapters_disabled(self.model) if self.lora_ref else
+              self.ref_host.on_device() if self.ref_host is not None else nullcontext(self.ref)) as ref:
             logp, _ = batched_log_probs(ref, batch.to(self.device), micro_batch_size=micro,
                                         temperature=self.cfg.actor_rollout_ref.rollout.temperature,
                                         remove_padding=self.remove_padding, **_token_budget(ref_cfg, "ref"))
@@ -194,24 +225,33 @@ class ActorRolloutRefWorker:
         group (a decoder layer) is gathered, copied into the engine and freed at a time (no second full model)."""
         if self.rollout is None:                # no engine here: the fully-async driver sends the weights
             return
+        if self.lora:                           # only the adapted layers change: their merged weights
+            self.rollout.update_weights(merged_weights(self.model, only_adapted=True))
+            return
         self.rollout.update_weights(parallel.full_tensors(self.model) if self.sharded
                                     else self.model.state_dict().items())
 
     @property
     def has_ref(self) -> bool:
-        return self.ref is not None
+        return self.ref is not None or self.lora_ref
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
         """HF-format weights (loadable by transformers) and tokenizer, plus optimizer and scheduler state
         (sharded: every rank gathers, rank 0 writes)."""
-        save_trainable(path, self.model, self.optimizer, self.scheduler)
+        if self.lora:
+            save_lora(path, self.model, self.optimizer, self.scheduler, base_model=self.cfg.actor_rollout_ref.model.path)
+        else:
+            save_trainable(path, self.model, self.optimizer, self.scheduler)
         if parallel.rank() == 0:
             self.tokenizer.save_pretrained(path / "huggingface")
 
     def load_checkpoint(self, path: Path) -> None:
-        load_trainable(path, self.model, self.optimizer, self.scheduler, what="actor",
-                       ignore_missing=lambda name: _is_tied(self.model, name))
+        if self.lora:
+            load_lora(path, self.model, self.optimizer, self.scheduler, what="actor")
+        else:
+            load_trainable(path, self.model, self.optimizer, self.scheduler, what="actor",
+                           ignore_missing=lambda name: _is_tied(self.model, name))
         self.sync_weights()
 
 
@@ -278,17 +318,18 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engin
                        enforce_eager=rollout_cfg.enforce_eager)
 
 
-def frozen_copy(model, dtype: torch.dtype, device: torch.device, *, share: bool = False):
+def frozen_copy(model, dtype: torch.dtype, device: torch.device, *, share: bool = False, state=None):
     """An eval-mode, gradient-free module holding `model`'s weights in `dtype` on `device`.
 
-    lathe's decoder is rebuilt from its state dict tensor by tensor (no second full-precision copy on the way);
-    with `share`, tensors already in `dtype` on `device` are the very same storage (updates show through).
-    A transformers module is deep-copied."""
+    lathe's decoder is rebuilt from its state dict tensor by tensor (no second full-precision copy on the way),
+    or from `state` ((name, tensor) pairs: a LoRA model's merged weights); with `share`, tensors already in `dtype`
+    on `device` are the very same storage (updates show through). A transformers module is deep-copied."""
     if not isinstance(model, LatheCausalLM):
         return copy.deepcopy(model).to(device=device, dtype=dtype).requires_grad_(False).eval()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state = {k: _as(v.detach(), dtype if v.is_floating_point() else v.dtype, device, share)
-             for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+             for k, v in (state if state is not None else model.state_dict().items())
+             if not (tied and k == "lm_head.weight")}
     with torch.device("meta"):
         out = type(model)(model.config)
     load_into(out, state, "the actor's weights")

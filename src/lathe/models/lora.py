@@ -1,0 +1,202 @@
+"""LoRA on lathe's decoder (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models").
+
+A targeted linear layer computes ``y = x W^T + b + s * dropout(x) A^T B^T`` with ``A`` (r x in), ``B`` (out x r)
+and ``s = lora_alpha / r``; ``B`` starts at zero, so training starts from the base model. The layer keeps its own
+``weight`` / ``bias`` under their Hugging Face names (frozen), and gains ``lora_A`` / ``lora_B``: everything that
+reads or writes the base weights by name (the engine's weight sync, checkpoints, the reference) sees the same
+names as without LoRA.
+
+- ``apply_lora``: turn the targeted ``nn.Linear`` layers into ``LoRALinear`` in place (no copy of the weights);
+  only the adapters are trainable. Targets follow PEFT: ``all-linear`` is every linear layer of the decoder
+  (not ``lm_head``), a name matches a module whose path ends with it; ``exclude_modules`` likewise.
+- ``adapters_disabled``: the base model (the reference policy: no second copy of the weights).
+- ``merged_weights``: ``W + s B A`` of each adapted layer, for the rollout engine and for a Hugging Face export.
+- ``save_adapter`` / ``load_adapter``: PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors`` with
+  ``base_model.model.<path>.lora_A.weight`` names), which ``peft.PeftModel.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` with a low-rank update (built by `apply_lora` from an existing layer)."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    scaling: float
+    lora_dropout: float
+    lora_enabled: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(x, self.weight, self.bias)
+        if not self.lora_enabled:
+            return out
+        h = nn.functional.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        return out + nn.functional.linear(nn.functional.linear(h.to(self.lora_A.dtype), self.lora_A),
+                                          self.lora_B).to(out.dtype) * self.scaling
+
+    def delta(self) -> torch.Tensor:
+        """``s B A`` (out x in) in float32."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+
+
+def target_names(model: nn.Module, target_modules: str | list[str], exclude_modules: str | list[str] | None
+                 ) -> list[str]:
+    """The module paths LoRA adapts (PEFT's matching: a path equal to or ending in ``.<name>``)."""
+    def matches(path: str, names) -> bool:
+        names = [names] if isinstance(names, str) else list(names or [])
+        return any(path == n or path.endswith("." + n) for n in names)
+
+    linear = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith("model.layers.")]
+    chosen = linear if target_modules == "all-linear" else [p for p in linear if matches(p, target_modules)]
+    chosen = [p for p in chosen if not matches(p, exclude_modules)]
+    if not chosen:
+        have = sorted({p.rsplit(".", 1)[-1] for p in linear})
+        raise ValueError(f"actor_rollout_ref.model.target_modules={target_modules!r} (exclude_modules="
+                         f"{exclude_modules!r}) matches no linear layer of the decoder. Fix: name some of {have}, "
+                         "or use all-linear.")
+    return chosen
+
+
+def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: str | list[str] = "all-linear",
+               exclude_modules: str | list[str] | None = None, dropout: float = 0.0, seed: int = 0) -> list[str]:
+    """Adapt `model` in place (see the module docstring); returns the adapted module paths. Every other parameter
+    is frozen. `A` is initialised as PEFT does (Kaiming-uniform, a=sqrt(5)) from `seed`, `B` at zero."""
+    if rank < 1:
+        raise ValueError(f"lora_rank={rank}: LoRA needs a rank >= 1")
+    names = target_names(model, target_modules, exclude_modules)
+    model.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    for path in names:
+        layer = model.get_submodule(path)
+        a = torch.empty(rank, layer.in_features)
+        bound = math.sqrt(6 / ((1 + 5) * layer.in_features))          # kaiming_uniform_(a=sqrt(5))
+        a.uniform_(-bound, bound, generator=gen)
+        layer.__class__ = LoRALinear
+        layer.lora_A = nn.Parameter(a.to(device=layer.weight.device, dtype=layer.weight.dtype))
+        layer.lora_B = nn.Parameter(torch.zeros(layer.out_features, rank, device=layer.weight.device,
+                                                dtype=layer.weight.dtype))
+        layer.scaling, layer.lora_dropout, layer.lora_enabled = alpha / rank, float(dropout), True
+    model.lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": float(dropout), "target_modules": names}
+    return names
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    return ((p, m) for p, m in model.named_modules() if isinstance(m, LoRALinear))
+
+
+def has_lora(model: nn.Module) -> bool:
+    return next(lora_layers(model), None) is not None
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model inside the block."""
+    layers = [m for _, m in lora_layers(model)]
+    for m in layers:
+        m.lora_enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.lora_enabled = True
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+@torch.no_grad()
+def merged_weights(model: nn.Module, *, only_adapted: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of the model with every adapter merged (``W + s B A`` in W's dtype); the adapters'
+    own tensors are left out. `only_adapted`: just the merged weights (the rest never changes under LoRA)."""
+    adapted = dict(lora_layers(model))
+    for name, tensor in model.state_dict().items():
+        if is_adapter(name):
+            continue
+        path, _, leaf = name.rpartition(".")
+        if path in adapted and leaf == "weight":
+            yield name, (tensor.float() + adapted[path].delta()).to(tensor.dtype)
+        elif not only_adapted:
+            yield name, tensor
+
+
+def adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's names; `tensors` (by lathe's names) replaces the module's own (fp32 masters)."""
+    out = {}
+    for path, layer in lora_layers(model):
+        for leaf in ("lora_A", "lora_B"):
+            value = tensors[f"{path}.{leaf}"] if tensors is not None else getattr(layer, leaf)
+            out[f"{PEFT_PREFIX}{path}.{leaf}.weight"] = value.detach().to("cpu").contiguous()
+    return out
+
+
+def save_adapter(model: nn.Module, path: str | Path, *, base_model: str | None = None,
+                 tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """PEFT's adapter directory: `adapter_config.json` and `adapter_model.safetensors`."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    spec = model.lora
+    modules = sorted({p.rsplit(".", 1)[-1] for p in spec["target_modules"]})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec["r"],
+              "lora_alpha": spec["lora_alpha"], "lora_dropout": spec["lora_dropout"], "bias": "none",
+              "target_modules": modules, "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
+              "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+              "layers_pattern": None}
+    same_leaves = {p for p, _ in _linear(model) if p.rsplit(".", 1)[-1] in modules}
+    if same_leaves != set(spec["target_modules"]):       # some layers of those names excluded: list the paths
+        config["target_modules"] = "(?:" + "|".join(p.replace(".", r"\.") for p in spec["target_modules"]) + ")"
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    save_file(adapter_state(model, tensors), str(path / ADAPTER_WEIGHTS))
+    return path
+
+
+def _linear(model: nn.Module):
+    return ((p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith("model.layers."))
+
+
+def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config, {lathe name: tensor}) of a PEFT adapter directory."""
+    from safetensors.torch import load_file
+    path = Path(path).expanduser()
+    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"{path} is not a PEFT LoRA adapter directory: expected {ADAPTER_CONFIG} and "
+                                f"{ADAPTER_WEIGHTS} (what peft's save_pretrained writes)")
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    tensors = {}
+    for name, t in load_file(str(path / ADAPTER_WEIGHTS)).items():
+        if not name.startswith(PEFT_PREFIX) or not name.endswith((".lora_A.weight", ".lora_B.weight")):
+            raise ValueError(f"{path / ADAPTER_WEIGHTS}: tensor {name!r} is not a LoRA A/B matrix of a causal LM "
+                             "(lathe reads plain LoRA adapters: no DoRA, no modules_to_save)")
+        tensors[name[len(PEFT_PREFIX):-len(".weight")].replace(".default", "")] = t
+    return config, tensors
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy adapter tensors (lathe's names, as `read_adapter` returns them) into an adapted model; a missing, extra
+    or misshapen tensor is an error naming it."""
+    own = {f"{p}.{leaf}": getattr(m, leaf) for p, m in lora_layers(model) for leaf in ("lora_A", "lora_B")}
+    missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or extra:
+        raise ValueError(f"{source}: the adapter does not fit this model's LoRA layers (missing {missing[:4]}, "
+                         f"unexpected {extra[:4]}). Fix: use the lora_rank/target_modules the adapter was trained "
+                         "with, and the same base architecture.")
+    for name, param in own.items():
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise ValueError(f"{source}: {name} has shape {tuple(tensors[name].shape)}, the model's LoRA layer "
+                             f"{tuple(param.shape)}. Fix: set lora_rank to the adapter's r.")
+        param.copy_(tensors[name])

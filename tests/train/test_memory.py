@@ -80,3 +80,14 @@ def test_a_batch_that_does_not_fit_at_once_is_said_but_runs(monkeypatch):
     assert fits and "the engine will preempt" in text and "gpu_memory_utilization=0.95" in text
     text, fits = _kv_plan(0.5, monkeypatch, seqs=64)           # 16 GiB wanted: fits
     assert fits and "preempt" not in text and "gpu_memory_utilization=0.45" not in text
+
+
+def test_lora_plans_a_frozen_base_small_adapters_no_reference_and_merged_engine_layers(monkeypatch):
+    """7B-like: a 1B base whose adapted layers hold 0.8B parameters, 20M adapter parameters."""
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", "actor_rollout_ref.model.lora_rank=8"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=True, critic_params=None, lathe_engine=True, lora=(20_000_000, 800_000_000))
+    assert _gib(parts, "actor base weights (frozen), bf16") == pytest.approx(2 * N / 2**30)
+    assert _gib(parts, "actor LoRA adapters AdamW moments") == pytest.approx(8 * 20e6 / 2**30)
+    assert _gib(parts, "rollout merged weights, bf16") == pytest.approx(2 * 800e6 / 2**30)
+    assert not any("reference" in p.what or "actor master" in p.what for p in parts), "no reference copy, no base masters"

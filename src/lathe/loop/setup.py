@@ -308,8 +308,15 @@ def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool, world: 
         kv_seq = KVCache.bytes_per_block(c.num_hidden_layers, length, c.num_key_value_heads, head_dim,
                                          rollout_dtype(arr.rollout.dtype, torch.device(device)))
     seqs = math.ceil(cfg.data.train_batch_size * arr.rollout.n / world)
+    lora = None
+    if arr.model.lora_rank > 0:                  # (adapter parameters, parameters of the layers they adapt)
+        from lathe.models.lora import target_names
+        layers = [model.get_submodule(p) for p in target_names(model, arr.model.target_modules,
+                                                                 arr.model.exclude_modules)]
+        lora = (sum(arr.model.lora_rank * (m.in_features + m.out_features) for m in layers),
+                sum(m.weight.numel() for m in layers))
     text, fits = format_plan(plan(cfg, n, device, need_ref=need_ref, critic_params=critic, lathe_engine=lathe_engine,
-                                    world=world, colocated=colocated),
+                                    world=world, colocated=colocated, lora=lora),
                              device, arr.rollout.gpu_memory_utilization, kv_seq_bytes=kv_seq, seqs=seqs)
     log.info("%s", text)
     if not fits:

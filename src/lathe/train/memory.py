@@ -52,17 +52,31 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
 
 
 def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_params: int | None,
-         lathe_engine: bool, world: int = 1, colocated: bool = True) -> list[Part]:
+         lathe_engine: bool, world: int = 1, colocated: bool = True, lora: tuple[int, int] | None = None
+         ) -> list[Part]:
     """The parts of a run on one device: actor (+ a rollout copy unless lathe's engine runs on the actor's own
     weights in the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's
     decoder. With `world` > 1 data-parallel ranks every trained or reference part is a 1/world FSDP2 shard and
-    the engine holds its own full copy. `colocated=False`: the rollout has devices of its own (fully async)."""
+    the engine holds its own full copy. `colocated=False`: the rollout has devices of its own (fully async).
+    `lora`: (adapter parameters, parameters of the adapted layers): the base is frozen in the compute dtype, only
+    the adapters have masters, gradients and moments, the reference is the base itself, and lathe's engine holds
+    merged copies of the adapted layers only."""
     from lathe.train.workers import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
     engine_dtype = rollout_dtype(arr.rollout.dtype, torch.device(device))
     shares = lathe_engine and engine_dtype == compute and world == 1
     note = ", shared with the rollout engine" if shares else ""
+    if lora is not None:
+        adapters, adapted = lora
+        size = lambda n, dtype: n * torch.empty((), dtype=dtype).element_size()   # noqa: E731
+        parts = [Part(f"actor base weights (frozen), {short_name(compute)}", size(n_params, compute), True),
+                 *model_parts("actor LoRA adapters", "actor_rollout_ref.actor", adapters, arr.actor.fsdp_config, device)]
+        if colocated:
+            merged = adapted if lathe_engine and engine_dtype == compute else n_params
+            parts.append(Part(f"rollout merged weights, {short_name(engine_dtype)}", size(merged, engine_dtype), True))
+        return parts + (model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config, device)
+                        if critic_params else [])
     parts = model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device, weights_note=note)
     if not shares and colocated:
         parts.append(Part(f"rollout weights, {short_name(engine_dtype)}",

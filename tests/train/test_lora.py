@@ -117,7 +117,7 @@ def test_only_the_adapters_train_the_reference_is_the_base_and_the_engine_gets_t
         base = w.compute_log_prob(batch)["old_log_probs"]
     assert torch.equal(w.compute_ref_log_prob(batch)["ref_log_prob"], base)
     assert not torch.equal(w.compute_log_prob(batch)["old_log_probs"], base)
-    engine = w.rollout.model_runner.model if hasattr(w.rollout, "model_runner") else w.rollout.model
+    engine = w.rollout.model
     merged = copy.deepcopy(w.model)
     with torch.no_grad():
         for path, layer in [(p, m) for p, m in merged.named_modules() if hasattr(m, "lora_A")]:
@@ -145,3 +145,17 @@ def test_a_lora_checkpoint_resumes_exactly_and_holds_a_peft_adapter_and_the_merg
     assert got["actor/pg_loss"] == expected["actor/pg_loss"] and got["actor/grad_norm"] == expected["actor/grad_norm"]
     for k, v in w.model.state_dict().items():
         assert torch.equal(v, restored.model.state_dict()[k]), k
+
+
+def test_a_run_starts_from_an_existing_peft_adapter(load_cfg, rollout_batch, tmp_path):
+    w = worker(load_cfg)
+    w.update_actor(ppo_batch(w, rollout_batch, 1))
+    w.sync_weights()                                  # (the loop syncs the engine after each update)
+    save_adapter(w.model, tmp_path / "adapter")
+    started = worker(load_cfg, f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}")
+    batch = rollout_batch(rows=8, seed=9)
+    assert_close_rel(started.compute_log_prob(batch)["old_log_probs"], w.compute_log_prob(batch)["old_log_probs"],
+                     rel=1e-6, name="log-probs from the loaded adapter")
+    assert_close_rel(started.rollout.model.model.layers[0].self_attn.q_proj.weight,
+                     w.rollout.model.model.layers[0].self_attn.q_proj.weight, rel=1e-6,
+                     name="the engine starts from the merged adapter")

@@ -129,18 +129,9 @@ def _lora() -> list[Entry]:
                   "weights", at_most(0))]
     out += [warn(f"{C}.model.{k}", "it is read only with critic.model.lora_rank > 0 (not implemented yet)")
             for k in ("lora_alpha", "target_modules")]
-    out += [replace(warn(f"{M}.{k}", "it is read only with lora_rank > 0"), judge=_needs_lora(f"{M}.{k}"))
+    out += [only_on("lora_rank=0", warn(f"{M}.{k}", "it is read only with lora_rank > 0"))
             for k in ("lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path", "lora_dropout")]
     return out
-
-
-def _needs_lora(key: str):
-    """A LoRA setting without lora_rank > 0 has no effect (said once, with the other such keys)."""
-    def judge(value, cfg) -> tuple[str, str] | None:
-        if cfg.actor_rollout_ref.model.lora_rank > 0 or value == get_path(_defaults(), key):
-            return None
-        return "warn", f"`{key}`={show(value)} has no effect in lathe: it is read only with lora_rank > 0."
-    return judge
 
 
 def _multi_turn() -> list[Entry]:

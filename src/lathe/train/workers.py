@@ -66,7 +66,7 @@ class ActorRolloutRefWorker:
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         hf_model = model
         self.model = select_impl(model, arr.model.impl, role="actor")
-        self.lora = arr.model.lora_rank > 0 and self._apply_lora(arr.model, cfg.trainer.seed)
+        self.lora = arr.model.lora_rank > 0 and self._apply_lora()
         self.remove_padding = arr.model.use_remove_padding
         self.rollout_name = resolve_rollout_name(arr.rollout.name, self.model, impl=arr.model.impl) if rollout else None
         if isinstance(self.model, LatheCausalLM) and arr.model.enable_gradient_checkpointing:
@@ -121,8 +121,9 @@ class ActorRolloutRefWorker:
         if self.free_cache_engine:
             self.rollout.sleep()
 
-    def _apply_lora(self, m, seed: int) -> bool:
+    def _apply_lora(self) -> bool:
         """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""
+        m, seed = self.cfg.actor_rollout_ref.model, self.cfg.trainer.seed
         if not isinstance(self.model, LatheCausalLM):
             raise ValueError("actor_rollout_ref.model.lora_rank > 0 needs lathe's decoder (Llama, Qwen2, Qwen3), but "
                              f"the actor runs transformers {_architecture(self.model)}. Fix: set lora_rank=0, or use "

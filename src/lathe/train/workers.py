@@ -118,6 +118,8 @@ class ActorRolloutRefWorker:
         # the engine's KV cache lives only while generating (colocated on one GPU); on CPU it stays allocated
         self.free_cache_engine = (self.rollout_name == "lathe" and arr.rollout.free_cache_engine
                                   and device.type == "cuda")
+        if self.lora and arr.model.lora_adapter_path and self.rollout is not None:
+            self.sync_weights()          # a transformers rollout's own copy starts from the base: give it the adapter
         if self.free_cache_engine:
             self.rollout.sleep()
 

@@ -48,6 +48,17 @@ def test_the_default_learns_and_lathe_train_starts_from_its_checkpoint(tmp_path)
     assert rows(tmp_path / "rl")[0]["response_length/mean"] < 8        # the answers' format, not random tokens
 
 
+def test_lora_sft_starts_at_the_base_models_loss_learns_and_saves_a_peft_adapter(tmp_path):
+    full = sft(tmp_path / "full", "trainer.total_training_steps=1", "data.val_files=null")
+    lora = sft(tmp_path / "lora", "trainer.total_training_steps=8", "data.val_files=null", "model.lora_rank=16",
+               "model.lora_alpha=32", "optim.lr=1e-2")
+    assert lora[0]["train/loss"] == pytest.approx(full[0]["train/loss"], rel=1e-6), "B = 0: the base model's loss"
+    assert lora[-1]["train/loss"] < 0.8 * lora[0]["train/loss"]
+    actor = tmp_path / "lora" / "global_step_8" / "actor"
+    assert (actor / "lora_adapter" / "adapter_model.safetensors").exists()
+    assert (actor / "huggingface" / "model.safetensors").exists()       # the merged model: lathe train starts from it
+
+
 def test_resume_continues_exactly(tmp_path):
     run = tmp_path / "run"
     first = sft(run, "trainer.total_training_steps=4", "trainer.save_freq=2", "data.val_files=null")
@@ -108,7 +119,7 @@ def test_verls_older_spellings_act_and_unimplemented_keys_fail_up_front():
     with pytest.raises(ConfigError) as err:
         load_sft_config(None, ["model.lora_rank=8", "ulysses_sequence_parallel_size=2", "data.train_batch_size=7",
                                "trainer.n_gpus_per_node=2"])
-    for part in ("`model.lora_rank`=8: LoRA fine-tuning", "sequence parallelism",
+    for part in ("`model.lora_rank`=8: LoRA on several devices", "sequence parallelism",
                  "data.train_batch_size=7 is not divisible by the 2 devices"):
         assert part in str(err.value), part
     with pytest.raises(ConfigError, match=r"Did you mean `data.prompt_key`"):
@@ -141,9 +152,8 @@ def test_every_sft_key_is_read_or_registered():
                "track/tracker.py", "data/loader.py"]
     code = "\n".join((src / m).read_text() for m in modules)
     registered = {e.key for e in entries()}
-    same_either_way = {"data.pad_mode", "model.use_remove_padding", "use_remove_padding", "model.lora_alpha",
-                       "model.target_modules", "data.custom_cls.name", "model.fsdp_config.mixed_precision.buffer_dtype",
-                       "model.fsdp_config.use_torch_compile"}
+    same_either_way = {"data.pad_mode", "model.use_remove_padding", "use_remove_padding", "data.custom_cls.name",
+                       "model.fsdp_config.mixed_precision.buffer_dtype", "model.fsdp_config.use_torch_compile"}
 
     def leaves(cls, prefix=""):
         for f in dataclasses.fields(cls):

@@ -26,7 +26,8 @@ ALWAYS_SAVED = {"model", "optimizer", "extra"}
 def entries() -> list[Entry]:
     """The SFT keys lathe accepts but does not act on (fully): refused, or warned about (see support_base)."""
     return [
-        refuse("model.lora_rank", "LoRA fine-tuning (lathe sft trains the full model)", ok=at_most(0)),
+        only_on("several devices", refuse("model.lora_rank", "LoRA on several devices (FSDP2 sharding)",
+                                          "train LoRA on one device, or set lora_rank=0", at_most(0))),
         refuse("ulysses_sequence_parallel_size", "Ulysses sequence parallelism", "set it to 1", at_most(1)),
         refuse("model.use_liger", "Liger kernels"),
         refuse("data.custom_cls.path", "a custom dataset class"),

@@ -93,6 +93,14 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: str
     return names
 
 
+@torch.no_grad()
+def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """The frozen (base) parameters to `dtype` (the compute dtype: bf16 on a GPU); the adapters keep theirs."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
+
+
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     return ((p, m) for p, m in model.named_modules() if isinstance(m, LoRALinear))
 

@@ -18,6 +18,7 @@ from lathe.device import reset_peak_memory
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
+from lathe.models.lora import apply_lora, cast_frozen
 from lathe.rollout.base import RolloutOutput, to_batch
 from lathe.train import parallel
 from lathe.train.actor import use_torch_compile
@@ -26,7 +27,7 @@ from lathe.train.micro import micro_batches
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
-from lathe.train.update import clipped_step, load_trainable, save_trainable
+from lathe.train.update import clipped_step, load_lora, load_trainable, save_lora, save_trainable
 
 log = logging.getLogger("lathe")
 
@@ -82,17 +83,30 @@ class SFTWorker:
         m, d = cfg.model, cfg.data
         self.tokenizer, self.device = tokenizer, device
         self.model = select_impl(model, m.impl, role="actor", key="model.impl")
+        self.lora = m.lora_rank > 0
+        if self.lora:
+            if not isinstance(self.model, LatheCausalLM):
+                raise ValueError("model.lora_rank > 0 needs lathe's decoder (Llama, Qwen2, Qwen3). Fix: set "
+                                 "model.lora_rank=0, or use an architecture lathe's decoder implements.")
+            apply_lora(self.model, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules,
+                       seed=cfg.trainer.seed)
+        self.base_model = m.path
         if isinstance(self.model, LatheCausalLM) and m.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         key = "model.fsdp_config"
         self.policy = resolve_policy(m.fsdp_config, device, key=key)
         self.sharded = parallel.in_group()
+        if self.sharded and self.lora:
+            raise NotImplementedError("model.lora_rank > 0 on several devices (LoRA with FSDP2) is not implemented "
+                                      "yet; train LoRA on one device")
         if self.sharded:
             self.model.to(dtype=self.policy.master_dtype)
             parallel.shard(self.model, m.fsdp_config, self.policy, device)
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         else:
-            self.model.to(device=device, dtype=self.policy.master_dtype)
+            if self.lora:                 # the frozen base in the compute dtype; only the adapters train
+                cast_frozen(self.model, self.policy.param_dtype)
+            self.model.to(device=device, dtype=None if self.lora else self.policy.master_dtype)
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, policy=self.policy,
                                              **offload_flags(m.fsdp_config, device, key=key))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
@@ -144,12 +158,19 @@ class SFTWorker:
         return parallel.sum_metrics({"nll": nll, "tokens": float(batch["response_mask"].sum())})
 
     def save_checkpoint(self, path: Path) -> None:
-        """The layout of `lathe train`'s actor: `huggingface/` (weights + tokenizer) and `optim.pt`."""
-        save_trainable(path, self.model, self.optimizer, self.scheduler)
+        """The layout of `lathe train`'s actor: `huggingface/` (weights + tokenizer; with LoRA the merged model, and
+        the adapter in PEFT's layout under `lora_adapter/`) and `optim.pt`."""
+        if self.lora:
+            save_lora(path, self.model, self.optimizer, self.scheduler, base_model=self.base_model)
+        else:
+            save_trainable(path, self.model, self.optimizer, self.scheduler)
         if parallel.rank() == 0:
             self.tokenizer.save_pretrained(path / "huggingface")
 
     def load_checkpoint(self, path: Path) -> None:
+        if self.lora:
+            load_lora(path, self.model, self.optimizer, self.scheduler, what="sft")
+            return
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         load_trainable(path, self.model, self.optimizer, self.scheduler, what="sft",
                        ignore_missing=lambda name: tied and name == "lm_head.weight")

@@ -42,7 +42,7 @@ from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
 from lathe.models.io import load_into
-from lathe.models.lora import adapters_disabled, apply_lora, load_adapter, merged_weights, read_adapter
+from lathe.models.lora import adapters_disabled, apply_lora, cast_frozen, load_adapter, merged_weights, read_adapter
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train import parallel
@@ -91,9 +91,7 @@ class ActorRolloutRefWorker:
             self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim)   # fp32 shards
         else:
             if self.lora:        # the frozen base computes in param_dtype (bf16 on a GPU); only the adapters train
-                for p in self.model.parameters():
-                    if not p.requires_grad:
-                        p.data = p.data.to(self.policy.param_dtype)
+                cast_frozen(self.model, self.policy.param_dtype)
             self.model.to(device=device, dtype=None if self.lora else self.policy.master_dtype)
             # LoRA: the engine generates from the merged weights (its own copies of the adapted layers)
             self.engine_model = (frozen_copy(self.model, rollout_dtype(arr.rollout.dtype, device), device, share=True,

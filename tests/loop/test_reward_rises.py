@@ -17,18 +17,19 @@ def scores_of(run_dir) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [
-    ["algorithm.adv_estimator=gae", "critic.optim.lr=5e-4"],
-    ["dapo"],
+@pytest.mark.parametrize("args,steps", [
+    (["algorithm.adv_estimator=gae", "critic.optim.lr=5e-4"], 60),     # 0.40 -> 0.62 here (0.69 at 100 steps)
+    (["dapo"], 100),                                                   # 0.43 -> 0.68 here (0.59 at 60)
 ], ids=["gae-critic", "dapo"])
-def test_reward_rises(tmp_path, args):
+def test_reward_rises(tmp_path, args, steps):
     source, overrides = (args[:1], args[1:]) if "=" not in args[0] else ([], args)
-    assert main(["train", *source, *warm_started(), *overrides, "trainer.total_training_steps=100", "trainer.test_freq=-1",
+    assert main(["train", *source, *warm_started(), *overrides, f"trainer.total_training_steps={steps}",
+                 "trainer.test_freq=-1",
                  "trainer.val_before_train=false", "trainer.logger=[console]",
                  f"trainer.default_local_dir={tmp_path}"]) == 0
     scores = scores_of(tmp_path)
     first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
-    assert last >= first + 0.15, f"reward went from {first:.2f} to {last:.2f} in 100 steps"
+    assert last >= first + 0.15, f"reward went from {first:.2f} to {last:.2f} in {steps} steps"
 
 
 @pytest.mark.slow

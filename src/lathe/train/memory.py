@@ -71,7 +71,8 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
         adapters, adapted = lora
         size = lambda n, dtype: n * torch.empty((), dtype=dtype).element_size()   # noqa: E731
         parts = [Part(f"actor base weights (frozen), {short_name(compute)}", size(n_params, compute), True),
-                 *model_parts("actor LoRA adapters", "actor_rollout_ref.actor", adapters, arr.actor.fsdp_config, device)]
+                 *model_parts("actor LoRA adapters", "actor_rollout_ref.actor", adapters, arr.actor.fsdp_config,
+                              device)]
         if colocated:
             merged = adapted if lathe_engine and engine_dtype == compute else n_params
             parts.append(Part(f"rollout merged weights, {short_name(engine_dtype)}", size(merged, engine_dtype), True))

@@ -27,7 +27,7 @@ from lathe.train.micro import micro_batches
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
-from lathe.train.update import clipped_step, load_lora, load_trainable, save_lora, save_trainable
+from lathe.train.update import clipped_step, load_policy_checkpoint, save_policy_checkpoint
 
 log = logging.getLogger("lathe")
 
@@ -160,17 +160,8 @@ class SFTWorker:
     def save_checkpoint(self, path: Path) -> None:
         """The layout of `lathe train`'s actor: `huggingface/` (weights + tokenizer; with LoRA the merged model, and
         the adapter in PEFT's layout under `lora_adapter/`) and `optim.pt`."""
-        if self.lora:
-            save_lora(path, self.model, self.optimizer, self.scheduler, base_model=self.base_model)
-        else:
-            save_trainable(path, self.model, self.optimizer, self.scheduler)
-        if parallel.rank() == 0:
-            self.tokenizer.save_pretrained(path / "huggingface")
+        save_policy_checkpoint(path, self.model, self.optimizer, self.scheduler, self.tokenizer,
+                               base_model=self.base_model)
 
     def load_checkpoint(self, path: Path) -> None:
-        if self.lora:
-            load_lora(path, self.model, self.optimizer, self.scheduler, what="sft")
-            return
-        tied = getattr(self.model.config, "tie_word_embeddings", False)
-        load_trainable(path, self.model, self.optimizer, self.scheduler, what="sft",
-                       ignore_missing=lambda name: tied and name == "lm_head.weight")
+        load_policy_checkpoint(path, self.model, self.optimizer, self.scheduler, what="sft")

@@ -118,6 +118,30 @@ def save_trainable(path: Path, model, optimizer, scheduler) -> None:
 LORA_ADAPTER = "lora_adapter"
 
 
+def save_policy_checkpoint(path: Path, model, optimizer, scheduler, tokenizer, *,
+                           base_model: str | None) -> None:
+    """A trained policy's checkpoint (the actor's, `lathe sft`'s): `save_lora` for a LoRA model, else
+    `save_trainable`; rank 0 adds the tokenizer to `huggingface/`."""
+    from lathe.models.lora import has_lora
+    if has_lora(model):
+        save_lora(path, model, optimizer, scheduler, base_model=base_model)
+    else:
+        save_trainable(path, model, optimizer, scheduler)
+    if parallel.rank() == 0:
+        tokenizer.save_pretrained(path / "huggingface")
+
+
+def load_policy_checkpoint(path: Path, model, optimizer, scheduler, *, what: str) -> None:
+    """Restore what `save_policy_checkpoint` wrote (a tied `lm_head.weight` is not expected in the files)."""
+    from lathe.models.lora import has_lora
+    if has_lora(model):
+        load_lora(path, model, optimizer, scheduler, what=what)
+        return
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    load_trainable(path, model, optimizer, scheduler, what=what,
+                   ignore_missing=lambda name: tied and name == "lm_head.weight")
+
+
 def save_lora(path: Path, model, optimizer, scheduler, *, base_model: str | None) -> None:
     """A LoRA model's checkpoint: the adapters in PEFT's layout under `path/lora_adapter` (fp32 masters when the
     optimizer keeps them), the merged model under `path/huggingface` (what `lathe export` copies and transformers

@@ -51,7 +51,7 @@ from lathe.train.logprob import batched_log_probs
 from lathe.train.offload import HostWeights, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
-from lathe.train.update import load_lora, load_trainable, nonfinite_guard, save_lora, save_trainable
+from lathe.train.update import load_policy_checkpoint, nonfinite_guard, save_policy_checkpoint
 
 log = logging.getLogger("lathe")
 ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -240,19 +240,11 @@ class ActorRolloutRefWorker:
     def save_checkpoint(self, path: Path) -> None:
         """HF-format weights (loadable by transformers) and tokenizer, plus optimizer and scheduler state
         (sharded: every rank gathers, rank 0 writes)."""
-        if self.lora:
-            save_lora(path, self.model, self.optimizer, self.scheduler, base_model=self.cfg.actor_rollout_ref.model.path)
-        else:
-            save_trainable(path, self.model, self.optimizer, self.scheduler)
-        if parallel.rank() == 0:
-            self.tokenizer.save_pretrained(path / "huggingface")
+        save_policy_checkpoint(path, self.model, self.optimizer, self.scheduler, self.tokenizer,
+                    base_model=self.cfg.actor_rollout_ref.model.path)
 
     def load_checkpoint(self, path: Path) -> None:
-        if self.lora:
-            load_lora(path, self.model, self.optimizer, self.scheduler, what="actor")
-        else:
-            load_trainable(path, self.model, self.optimizer, self.scheduler, what="actor",
-                           ignore_missing=lambda name: _is_tied(self.model, name))
+        load_policy_checkpoint(path, self.model, self.optimizer, self.scheduler, what="actor")
         self.sync_weights()
 
 
@@ -346,10 +338,6 @@ def _as(t: torch.Tensor, dtype: torch.dtype, device: torch.device, share: bool) 
 def _architecture(model) -> str:
     config = getattr(model, "config", None)
     return getattr(config, "architecture", None) or type(model).__name__
-
-
-def _is_tied(model, name: str) -> bool:
-    return name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
 
 
 def _token_budget(log_prob_cfg, name: str) -> dict:

@@ -109,3 +109,32 @@ def warm_started(steps: int = 80) -> tuple[str, ...]:
     build_model(cfg, tokenizer, load_datasets(cfg, tokenizer)[0], root, None, torch.device("cpu"))
     return (f"actor_rollout_ref.model.path={root / 'init_model'}", "actor_rollout_ref.model.tokenizer_path=builtin:tiny",
             "actor_rollout_ref.model.warm_start.steps=0", "critic.model.path=builtin:tiny")   # (the critic as before)
+
+
+# Qwen2.5's chat template in brief: tools listed in the system turn (else a default system turn), tool answers joined
+# into one user turn, ChatML markers.
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nYou may call tools:\\n<tools>' }}"
+    "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def qwen_style_tokenizer():
+    """The built-in character tokenizer with ChatML markers (special) and `<tool_call>`/`</tool_call>` (added, not
+    special, as in Qwen2.5's tokenizer) and `QWEN_TOOLS_TEMPLATE`."""
+    from lathe.data.builtin import builtin_tokenizer
+    tok = builtin_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_tokens(["<tool_call>", "</tool_call>"])      # added, not special: as in Qwen2.5's tokenizer
+    tok.chat_template = QWEN_TOOLS_TEMPLATE
+    return tok

@@ -13,19 +13,8 @@ from lathe.data.builtin import builtin_tokenizer
 from lathe.data.dataset import DataError
 from lathe.data.sft import SFTDataset
 
-# Qwen2.5's template in brief: a default system turn, tool answers joined into one user turn, ChatML markers.
-QWEN_STYLE = (
-    "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+from helpers import qwen_style_tokenizer
+
 CONVERSATION = [
     {"role": "user", "content": "What is 6*7?"},
     {"role": "assistant", "content": "Let me compute."},
@@ -39,10 +28,7 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def qwen_tokenizer():
-    tok = builtin_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = QWEN_STYLE
-    return tok
+    return qwen_style_tokenizer()
 
 
 def write_jsonl(path, rows) -> str:

@@ -332,10 +332,37 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
                      "trainer.resume_from_path=<checkpoint dir>, or use trainer.resume_mode=auto.")
     _check_lengths_and_rounds(cfg, problems)
     _check_async(cfg, problems)
+    _check_multi_turn(cfg, problems)
     if t.test_freq > 0 and not cfg.data.val_files:
         problems.add(f"trainer.test_freq={t.test_freq} asks for validation every {t.test_freq} steps, but "
                      f"data.val_files is not set. Fix: set data.val_files=<parquet/jsonl file> (or "
                      f"builtin:arithmetic), or set trainer.test_freq=-1.")
+
+
+TOOL_CALL_FORMATS = ("hermes", "llama3_json")       # lathe.rollout.agent.parser.PARSERS
+
+
+def _check_multi_turn(cfg: LatheConfig, problems: ProblemList) -> None:
+    """The agent loop's settings: a known tool-call format and truncation side, positive limits, a tool file."""
+    mt, k = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+    if not mt.enable:
+        return
+    if mt.format not in TOOL_CALL_FORMATS:
+        problems.add(f"{k}.format={mt.format!r} is not a tool-call format lathe parses. Fix: set it to hermes "
+                     f"(<tool_call>{{json}}</tool_call>: Qwen2.5/Qwen3) or llama3_json (Llama 3.1+).")
+    if mt.tool_response_truncate_side not in ("left", "right", "middle"):
+        problems.add(f"{k}.tool_response_truncate_side={mt.tool_response_truncate_side!r}. Fix: set it to left "
+                     f"(keep the start), right (keep the end) or middle (keep both ends).")
+    for key in ("max_assistant_turns", "max_user_turns"):
+        if getattr(mt, key) is not None and getattr(mt, key) < 1:
+            problems.add(f"{k}.{key}={getattr(mt, key)}. Fix: set it to 1 or more, or to null for no cap.")
+    for key in ("max_parallel_calls", "max_concurrent_tool_calls", "tool_timeout"):
+        if getattr(mt, key) <= 0:
+            problems.add(f"{k}.{key}={getattr(mt, key)} must be positive. Fix: raise it.")
+    path = mt.tool_config_path or cfg.data.tool_config_path
+    if path and not os.path.isfile(os.path.expanduser(path)):
+        problems.add(f"{k}.tool_config_path={path!r}: no such file. Fix: point it at a tool YAML file (verl's shape: "
+                     f"tools: [{{class_name, config, tool_schema}}]), or remove it to run without tools.")
 
 
 def _check_lengths_and_rounds(cfg: LatheConfig, problems: ProblemList) -> None:

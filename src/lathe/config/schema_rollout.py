@@ -36,12 +36,18 @@ class MultiTurnConfig:
     max_user_turns: int | None = spec(None, "Cap on user/tool turns; null = no cap.")
     tool_config_path: str | None = spec(None, "YAML file describing the tools.")
     interaction_config_path: str | None = spec(None, "YAML file describing simulated users.")
-    max_parallel_calls: int = spec(1, "Tool calls executed in parallel per turn.")
-    max_tool_response_length: int = spec(256, "Tool output truncated to this many tokens.")
-    tool_response_truncate_side: str = spec("middle", "left | right | middle.")
-    use_inference_chat_template: bool = spec(False, "Apply the chat template used at inference.")
-    tokenization_sanity_check_mode: str = spec("strict", "strict | ignore_strippable | disable.")
-    format: str = spec("hermes", "Tool-call format.")
+    max_parallel_calls: int = spec(1, "Tool calls run per model turn (at once); later calls of a turn are dropped.")
+    max_tool_response_length: int = spec(256, "A tool answer is cut to this many characters (verl).")
+    tool_response_truncate_side: str = spec("middle", "Which part of a long tool answer stays: left (the start), "
+                                                      "right (the end) or middle (both ends).")
+    tool_timeout: float = spec(30.0, "lathe: seconds a tool call may take; then the model reads a timeout error.")
+    max_concurrent_tool_calls: int = spec(32, "lathe: tool calls running at once across all trajectories.")
+    use_inference_chat_template: bool = spec(False, "verl: apply the chat template used at inference (no effect: "
+                                                    "lathe never re-renders a conversation).")
+    tokenization_sanity_check_mode: str = spec("strict", "verl: strict | ignore_strippable | disable (no effect: "
+                                                         "lathe never re-tokenises a conversation).")
+    format: str = spec("hermes", "Tool-call format of the model's text: hermes (<tool_call>{json}</tool_call>, "
+                                 "Qwen2.5/Qwen3) or llama3_json (Llama 3.1+).")
 
 
 @dataclass

@@ -137,16 +137,24 @@ def _lora() -> list[Entry]:
 
 
 def _multi_turn() -> list[Entry]:
-    out = [refuse(f"{R}.multi_turn.enable", "multi-turn rollouts with tools (the agent loop)",
-                  "remove it: lathe generates one response per prompt"),
+    mt = f"{R}.multi_turn"
+    out = [only_on("a rollout pool", refuse(f"{mt}.enable", "multi-turn rollouts on a rollout pool of its own "
+                                            "(fully async training)", "train multi-turn synchronously "
+                                            "(rollout.n_gpus_per_node=0), or set it to false", one_of(False))),
            replace(refuse(f"{R}.agent", "verl's agent loop (num_workers alone has no effect)",
                           f"remove {R}.agent"), judge=_agent),
-           warn("data.tool_config_path", "tools are used only by multi-turn rollouts (not implemented yet)")]
-    needs = "it is read only with rollout.multi_turn.enable=true (not implemented yet)"
-    out += [warn(f"{R}.multi_turn.{k}", needs) for k in (
-        "max_assistant_turns", "max_user_turns", "tool_config_path", "interaction_config_path", "max_parallel_calls",
-        "max_tool_response_length", "tool_response_truncate_side", "use_inference_chat_template",
-        "tokenization_sanity_check_mode", "format")]
+           refuse(f"{mt}.interaction_config_path", "simulated users (verl's interactions)",
+                  "remove it: lathe's agent loop answers tool calls only"),
+           only_on("single-turn", warn("data.tool_config_path", "tools are used only by multi-turn rollouts "
+                                       "(rollout.multi_turn.enable=true)"))]
+    for k in ("use_inference_chat_template", "tokenization_sanity_check_mode"):
+        out.append(warn(f"{mt}.{k}", "lathe never re-tokenises a conversation: the model's turns stay as sampled "
+                        "and the tokens between them are the chat template's own (checked token by token in "
+                        "lathe's tests), so there is nothing to choose or check"))
+    needs = "it is read only with rollout.multi_turn.enable=true"
+    out += [only_on("single-turn", warn(f"{mt}.{k}", needs)) for k in (
+        "max_assistant_turns", "max_user_turns", "tool_config_path", "max_parallel_calls",
+        "max_tool_response_length", "tool_timeout", "max_concurrent_tool_calls")]
     return out
 
 

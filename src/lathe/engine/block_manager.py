@@ -131,6 +131,8 @@ class BlockManager:
             seq.block_table.append(block.block_id)
         seq.num_kv_cached = cached
         seq.num_cached_tokens = min(cached, len(seq) - 1)
+        if seq.num_deallocations == 0:          # its first allocation: how much of its prompt the cache held
+            seq.num_prefix_hit_tokens = seq.num_cached_tokens
         seq.tail_private = False
 
     def deallocate(self, seq: Sequence) -> None:

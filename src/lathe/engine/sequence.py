@@ -67,6 +67,7 @@ class Sequence:
     num_kv_cached: int = 0                # leading tokens whose KV the cache already holds (>= the above)
     num_scheduled_tokens: int = 0         # prompt tokens the current prefill step computes (chunked prefill)
     num_deallocations: int = 0            # bumped when its blocks are freed: a new block table follows
+    num_prefix_hit_tokens: int = 0        # prompt tokens its first prefill found in the prefix cache
     num_preemptions: int = 0              # times the scheduler preempted it for KV room (not weight-sync interrupts)
     tail_private: bool = False            # its last block is its own and unkeyed (`BlockManager.may_append`)
     length_limit: int = 1 << 62           # len(token_ids) at which it ends (max_tokens, max_model_len)

@@ -54,7 +54,8 @@ class _Request:
             token_ids=[s.output_token_ids for s in self.seqs], logprobs=[list(s.logprobs) for s in self.seqs],
             finish_reasons=[s.finish_reason for s in self.seqs],
             metrics={"rollout/num_preemptions": sum(s.num_preemptions for s in self.seqs),
-                     "rollout/num_interrupted": self.num_interrupted},
+                     "rollout/num_interrupted": self.num_interrupted,
+                     "rollout/prefix_hit_tokens": sum(s.num_prefix_hit_tokens for s in self.seqs)},
             versions=[list(v) for v in self.versions])
 
 

@@ -26,6 +26,7 @@ from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
 from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
+from lathe.rollout.agent import load_run_tools
 from lathe.rollout.base import SamplingParams
 from lathe.track import Tracker
 from lathe.train.sft import supervised_fit
@@ -112,9 +113,13 @@ def sampling_params(rollout_cfg, max_tokens: int, *, validation: bool = False) -
 
 def load_datasets(cfg, tokenizer) -> tuple[RLDataset, RLDataset | None]:
     d = cfg.data
+    template_kwargs = dict(d.apply_chat_template_kwargs)
+    tools = load_run_tools(cfg)           # multi-turn: the prompts show the tools (and a bad tool file fails here)
+    if tools is not None:
+        template_kwargs["tools"] = tools.schemas()
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-              apply_chat_template_kwargs=d.apply_chat_template_kwargs)
+              apply_chat_template_kwargs=template_kwargs)
     train = RLDataset(d.train_files, tokenizer, split="train", **kw)
     val = RLDataset(d.val_files, tokenizer, split="val", **kw) if d.val_files else None
     for name, ds in (("train", train), ("val", val)):

@@ -11,16 +11,30 @@ from lathe.algo import ROLLOUT_CORRECTION_KEYS, apply_kl_penalty, compute_rollou
 from lathe.batch import Batch
 
 
+def response_attention(batch: Batch) -> torch.Tensor:
+    """(B, R) 1 on every real response token: the model's and, in multi-turn rollouts, the tool answers between its
+    turns (`response_mask`, the loss mask, covers only the model's)."""
+    return batch["attention_mask"][:, -batch["responses"].shape[1]:]
+
+
 def decode_responses(batch: Batch, tokenizer) -> list[str]:
-    """Response text of each row: valid tokens only, special tokens dropped (verl's naive manager)."""
-    lengths = batch["response_mask"].sum(-1).tolist()
+    """Response text of each row: valid tokens only (tool answers included), special tokens dropped (verl's naive
+    manager)."""
+    lengths = response_attention(batch).sum(-1).tolist()
     return [tokenizer.decode(ids[:n].tolist(), skip_special_tokens=True)
             for ids, n in zip(batch["responses"], lengths)]
 
 
+def last_model_token(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) the position of each row's last loss-mask token (0 for an empty row): where its score sits."""
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    return torch.where(mask.bool(), positions, 0).max(-1).values
+
+
 def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None,
                    max_response_length: int | None = None) -> tuple[Batch, dict[str, float]]:
-    """Score each response; the score sits on its last valid token (`token_level_scores`, (B, R)).
+    """Score each response; the score sits on its last valid token (`token_level_scores`, (B, R)): the model's last
+    token of a multi-turn trajectory (`response_mask` is 0 on tool answers).
 
     `seq_scores` keeps the scorer's own numbers; `token_level_scores` adds DAPO's overlong penalty when
     `overlong` (verl's `reward_model.overlong_buffer`) is enabled. `reward_extra_info` holds each scorer's
@@ -36,14 +50,13 @@ def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None,
     shaped = scores
     metrics: dict[str, float] = dict(reward_manager.metrics())
     if overlong is not None and overlong.enable:
-        penalty = overlong_reward_penalty(mask.sum(-1), max_response_length, overlong.len, overlong.penalty_factor)
+        penalty = overlong_reward_penalty(response_attention(batch).sum(-1), max_response_length, overlong.len, overlong.penalty_factor)
         shaped = scores + penalty
         if overlong.log:
             metrics["reward_extra/overlong_reward/mean"] = penalty.mean().item()
             metrics["reward_extra/overlong/mean"] = (penalty < 0).float().mean().item()
     token_level = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (mask.sum(-1) - 1).clamp(min=0)
-    token_level[torch.arange(len(scores)), last] = shaped
+    token_level[torch.arange(len(scores)), last_model_token(mask)] = shaped
     metrics.update(reward_extra_means([r.extra for r in results]))
     out = Batch({"token_level_scores": token_level, "seq_scores": scores},
                 {"response_text": texts, "reward_extra_info": [dict(r.extra) for r in results]})
@@ -110,8 +123,8 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 def compute_data_metrics(batch: Batch, *, max_response_length: int) -> dict[str, float]:
     """verl's `critic/*`, `response_length/*` and `prompt_length/*` metrics of one step's batch."""
     mask = batch["response_mask"].bool()
-    resp_len = mask.sum(-1).float()
-    prompt_len = (batch["attention_mask"].sum(-1) - batch["response_mask"].sum(-1)).float()
+    resp_len = response_attention(batch).sum(-1).float()
+    prompt_len = (batch["attention_mask"].sum(-1) - resp_len).float()
     m: dict[str, float] = {}
     m.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
     m.update(_stats("critic/rewards", batch["token_level_rewards"].sum(-1)))
@@ -122,6 +135,11 @@ def compute_data_metrics(batch: Batch, *, max_response_length: int) -> dict[str,
     m.update(_stats("response_length", resp_len))
     m["response_length/clip_ratio"] = (resp_len >= max_response_length).float().mean().item()
     m.update(_stats("prompt_length", prompt_len))
+    if "num_turns" in batch:                     # a multi-turn rollout (verl's num_turns; lathe's tool counts)
+        m.update(_stats("num_turns", torch.tensor([float(x) for x in batch["num_turns"]])))
+        for key in ("tool_calls", "tool_errors", "tool_seconds"):
+            m[f"agent/{key}/mean"] = float(np.mean([float(x) for x in batch[key]]))
+        m["agent/tool_calls/total"] = float(sum(batch["tool_calls"]))
     return m
 
 

@@ -79,8 +79,11 @@ def copy_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
 def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int, n: int) -> Batch:
     """Left-pad prompts, right-pad responses, and build the masks and positions for the trainer.
 
-    `prompt_token_ids` are the unrepeated prompts; each is repeated `n` times to line up with `out`.
+    `prompt_token_ids` are the unrepeated prompts; each is repeated `n` times to line up with `out`. An output with
+    `loss_masks` (the agent loop's: tool answers appended between model turns) sets `response_mask` from them;
+    `attention_mask` covers every response token either way.
     """
+    loss_masks = getattr(out, "loss_masks", None) or None
     prompts = [p for p in prompt_token_ids for _ in range(n)]
     if len(prompts) != len(out.token_ids):
         raise ValueError(f"rollout returned {len(out.token_ids)} samples for {len(prompts)} (prompts x n)")
@@ -90,6 +93,7 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
     prompt_t = torch.full((B, P), pad_id, dtype=torch.long)
     resp_t = torch.full((B, R), pad_id, dtype=torch.long)
     resp_mask = torch.zeros((B, R), dtype=torch.long)
+    loss_mask = torch.zeros((B, R), dtype=torch.long) if loss_masks else resp_mask
     prompt_mask = torch.zeros((B, P), dtype=torch.long)
     logp = torch.zeros((B, R), dtype=torch.float32)
     for i, (p, r, lp) in enumerate(zip(prompts, out.token_ids, out.logprobs)):
@@ -98,6 +102,8 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
         if r:
             resp_t[i, :len(r)] = torch.tensor(r, dtype=torch.long)
             resp_mask[i, :len(r)] = 1
+            if loss_masks:
+                loss_mask[i, :len(r)] = torch.tensor(loss_masks[i], dtype=torch.long)
             logp[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
     attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
     return Batch(
@@ -107,7 +113,7 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
             "input_ids": torch.cat([prompt_t, resp_t], dim=1),
             "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask),
-            "response_mask": resp_mask,
+            "response_mask": loss_mask,
             "rollout_log_probs": logp,
         },
         non_tensors={"finish_reason": list(out.finish_reasons)},

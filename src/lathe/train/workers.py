@@ -43,6 +43,7 @@ from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
 from lathe.models.io import load_into
 from lathe.models.lora import adapters_disabled, apply_lora, cast_frozen, load_adapter, merged_weights, read_adapter
+from lathe.rollout.agent import agent_columns
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train import parallel
@@ -118,8 +119,19 @@ class ActorRolloutRefWorker:
                                   and device.type == "cuda")
         if self.lora and arr.model.lora_adapter_path and self.rollout is not None:
             self.sync_weights()          # a transformers rollout's own copy starts from the base: give it the adapter
+        self.agent = self._build_agent(cfg) if self.rollout is not None and arr.rollout.multi_turn.enable else None
         if self.free_cache_engine:
             self.rollout.sleep()
+
+    def _build_agent(self, cfg):
+        """The multi-turn agent loop over the engine (`rollout.multi_turn.enable`), with the run's tools."""
+        from lathe.rollout.agent import build_agent_loop
+        if self.rollout_name != "lathe":
+            raise NotImplementedError(
+                "actor_rollout_ref.rollout.multi_turn.enable=true needs lathe's engine (rollout.name=lathe), which "
+                f"streams each turn; this run generates with {self.rollout_name} (see the 'rollout:' log line), "
+                "for which the agent loop is not implemented")
+        return build_agent_loop(cfg, self.rollout, self.tokenizer)
 
     def _apply_lora(self) -> bool:
         """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""
@@ -176,13 +188,19 @@ class ActorRolloutRefWorker:
             with self._timed(timings, "timing_s/rollout_wake_up"):
                 self.rollout.wake_up()
         try:
-            out = self.rollout.generate(prompt_ids, params, first_index=first_index)
+            if self.agent is not None:
+                out = self.agent.generate(prompt_ids, params, first_index=first_index,
+                                          tools_kwargs=[(x or {}).get("tools_kwargs") for x in prompts["extra_info"]])
+            else:
+                out = self.rollout.generate(prompt_ids, params, first_index=first_index)
         finally:
             if self.free_cache_engine:
                 with self._timed(timings, "timing_s/rollout_sleep"):
                     self.rollout.sleep()
         gen = to_batch(prompt_ids, out, self.tokenizer.pad_token_id, params.n)
         batch = prompts.repeat(params.n, interleave=True).update(gen)
+        if self.agent is not None:
+            batch.update(agent_columns(out, batch["extra_info"]))
         batch.meta["rollout_metrics"] = {**out.metrics, **timings}   # the engine's own (preemptions, cache, graphs)
         return batch
 

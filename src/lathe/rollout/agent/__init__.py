@@ -1,0 +1,46 @@
+"""Multi-turn, tool-calling rollouts (verl's agent loop, `actor_rollout_ref.rollout.multi_turn.*`).
+
+- `loop.AgentLoop`: trajectories streamed through lathe's engine, tools in a bounded thread pool;
+- `render.ConversationRenderer`: the chat template's tokens between model turns (no re-tokenisation);
+- `parser`: tool calls in the model's text (`hermes`, `llama3_json`);
+- `tools`: verl-shaped tools from a YAML file (`BaseTool`, `load_tools`) and lathe's built-in ones.
+"""
+
+from __future__ import annotations
+
+from lathe.batch import Batch
+
+
+def tool_config_path(cfg) -> str | None:
+    """The run's tool file: `rollout.multi_turn.tool_config_path`, else verl's `data.tool_config_path`."""
+    if not cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        return None
+    return cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path or cfg.data.tool_config_path
+
+
+def load_run_tools(cfg):
+    """The run's `ToolSet`, or None without a tool file."""
+    path = tool_config_path(cfg)
+    if not path:
+        return None
+    from lathe.rollout.agent.tools import load_tools
+    return load_tools(path)
+
+
+def build_agent_loop(cfg, engine, tokenizer):
+    """An `AgentLoop` over `engine` with the run's tools, parser and `multi_turn` settings."""
+    from lathe.rollout.agent.loop import AgentLoop, AgentSettings
+    from lathe.rollout.agent.parser import get_parser
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    settings = AgentSettings.from_config(mt, cfg.data.max_response_length)
+    return AgentLoop(engine, tokenizer, settings, tools=load_run_tools(cfg), parse=get_parser(mt.format))
+
+
+def agent_columns(out, extra_info: list) -> Batch:
+    """Per-sample columns of a multi-turn rollout: verl's `num_turns`, tool calls/errors/seconds, and each sample's
+    `extra_info` gaining `num_turns` and `tool_rewards` (each tool's `calc_reward`) for the reward function."""
+    extra = [{**(x or {}), "num_turns": n, "tool_rewards": dict(r)}
+             for x, n, r in zip(extra_info, out.num_turns, out.tool_rewards)]
+    return Batch(non_tensors={"num_turns": list(out.num_turns), "tool_calls": list(out.tool_calls),
+                              "tool_errors": list(out.tool_errors), "tool_seconds": list(out.tool_seconds),
+                              "extra_info": extra})

@@ -1,0 +1,253 @@
+"""The agent loop: many multi-turn, tool-calling trajectories at once on lathe's engine.
+
+Each trajectory alternates model turns and tool turns until the model stops calling tools, a turn cap
+(`max_assistant_turns`, `max_user_turns`) or the response budget (`data.max_response_length`, all turns together)
+is reached. Nothing waits for a batch of turns: every model turn is a request streamed into the engine
+(`LatheEngine.add_request`, continuous batching beside every other trajectory's turns), and every tool call runs in a
+bounded thread pool while the engine keeps stepping. A trajectory's next turn is queued as soon as its tool
+answers are in; its prefill finds the conversation so far in the prefix cache.
+
+    model turn ──parse──> tool calls ──threads──> answers ──chat template──> tokens ──> next model turn ...
+
+The response of a trajectory is the concatenation of everything after the prompt; `loss_mask` is 1 on the model's
+own tokens and 0 on what the loop appended (the rest of the end-of-turn marker, tool answers, generation prompts),
+which come from `ConversationRenderer` exactly as the chat template renders them. Malformed calls, unknown tools,
+tool exceptions and timeouts become the tool's answer (an error message the model reads), never a crash.
+
+Seeding: turn 0 of sample `i` draws as `LatheEngine.generate(..., first_index=)` draws sample `i`, so with no tool
+calls the loop samples exactly what single-turn generation samples; turn `k` uses the run's seed mixed with `k`.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from lathe.engine.llm_engine import sequence_seed
+from lathe.rollout.agent.parser import ParsedTurn
+from lathe.rollout.agent.render import ConversationRenderer
+from lathe.rollout.base import RolloutOutput, SamplingParams
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+@dataclass
+class AgentSettings:
+    """verl's `rollout.multi_turn` keys the loop reads, plus the response budget."""
+
+    response_length: int
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_parallel_calls: int = 1                 # calls of one turn that run; later ones are dropped (verl)
+    max_tool_response_length: int = 256         # characters of one tool answer (verl truncates text)
+    tool_response_truncate_side: str = "middle"
+    tool_timeout_s: float = 30.0
+    max_concurrent_tool_calls: int = 32         # across all trajectories
+
+    @classmethod
+    def from_config(cls, multi_turn_cfg, response_length: int) -> "AgentSettings":
+        c = multi_turn_cfg
+        return cls(response_length=response_length, max_assistant_turns=c.max_assistant_turns,
+                   max_user_turns=c.max_user_turns, max_parallel_calls=c.max_parallel_calls,
+                   max_tool_response_length=c.max_tool_response_length,
+                   tool_response_truncate_side=c.tool_response_truncate_side, tool_timeout_s=c.tool_timeout,
+                   max_concurrent_tool_calls=c.max_concurrent_tool_calls)
+
+
+@dataclass
+class AgentOutput(RolloutOutput):
+    """`RolloutOutput` plus, per sample, the loss mask over its response and the trajectory's record."""
+
+    loss_masks: list[list[int]] = field(default_factory=list)
+    num_turns: list[int] = field(default_factory=list)          # verl: prompt + model turns + tool turns
+    tool_calls: list[int] = field(default_factory=list)
+    tool_errors: list[int] = field(default_factory=list)
+    tool_seconds: list[float] = field(default_factory=list)
+    tool_rewards: list[dict] = field(default_factory=list)      # each tool's calc_reward, by name
+
+
+@dataclass(eq=False)
+class Trajectory:
+    index: int                                  # prompt-major sample index
+    prompt: list[int]
+    session: object | None                      # the trajectory's ToolSession (None: no tools)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    last_turn: list[int] = field(default_factory=list)
+    assistant_turns: int = 0
+    user_turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    tool_seconds: float = 0.0
+    pending: list[Future] = field(default_factory=list)
+    parse_errors: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    rewards: dict = field(default_factory=dict)
+
+
+def truncate_text(text: str, limit: int, side: str) -> str:
+    """verl's tool-answer truncation: keep the start (`left`), the end (`right`) or both halves (`middle`)."""
+    if limit <= 0 or len(text) <= limit:
+        return text
+    if side == "left":
+        return text[:limit] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-limit:]
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[len(text) - (limit - half):]
+
+
+class AgentLoop:
+    """Runs trajectories for one `generate` call. `engine`: a `LatheEngine` (its streaming interface); `tools`: a
+    `ToolSet` or None; `parse`: a tool-call parser (`lathe.rollout.agent.parser.get_parser`)."""
+
+    def __init__(self, engine, tokenizer, settings: AgentSettings, *, tools=None, parse, renderer=None):
+        if settings.tool_response_truncate_side not in TRUNCATE_SIDES:
+            raise ValueError(f"actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side="
+                             f"{settings.tool_response_truncate_side!r}; use one of {TRUNCATE_SIDES}")
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.tools, self.parse = tools, parse
+        self.renderer = renderer or ConversationRenderer(tokenizer, tools=tools.schemas() if tools else None)
+        self._stop_ids = set(getattr(engine, "eos_ids", []) or []) | set(self.renderer.stop_ids())
+        self._calls = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int = 0,
+                 tools_kwargs: list[dict | None] | None = None, request_prefix: str = "agent") -> AgentOutput:
+        """`params.n` trajectories per prompt, prompt-major (as `LatheEngine.generate`); `tools_kwargs[i]`: prompt
+        i's `extra_info["tools_kwargs"]` (verl: per tool, `create_kwargs` for its instance)."""
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        self._params = replace(params, n=1, stop_token_ids=sorted(set(params.stop_token_ids) |
+                                                                  set(self.renderer.stop_ids())))
+        self._calls += 1                                   # trajectory and request ids unique across calls
+        self._base, self._first, self._prefix = base, first_index, f"{request_prefix}{self._calls}"
+        self._preemptions, self._resumed = 0, [0, 0]
+        trajs = []
+        for i, prompt in enumerate(prompts):
+            kwargs = (tools_kwargs or [None] * len(prompts))[i]
+            for j in range(params.n):
+                index = i * params.n + j
+                session = self.tools.open(f"{self._prefix}-{first_index + index}", kwargs) if self.tools else None
+                trajs.append(Trajectory(index, list(prompt), session))
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=max(1, self.settings.max_concurrent_tool_calls),
+                                thread_name_prefix="lathe-tool") as pool:
+            self._pool = pool
+            try:
+                self._run(trajs)
+            finally:
+                for t in trajs:
+                    self._close(t)
+        return self._output(trajs, time.perf_counter() - start)
+
+    # -- the event loop -----------------------------------------------------------------------------------------
+    def _run(self, trajs: list[Trajectory]) -> None:
+        live = {t.index: t for t in trajs}
+        waiting: set[Trajectory] = set()            # trajectories whose tool calls are running
+        for t in trajs:
+            self._submit(t)
+        while live:
+            if self.engine.has_unfinished_requests():
+                self.engine.step()
+            elif waiting:
+                wait([f for t in waiting for f in t.pending], timeout=self.settings.tool_timeout_s + 5,
+                     return_when=FIRST_COMPLETED)
+            for key, out in self.engine.pop_finished():
+                self._preemptions += out.metrics.get("rollout/num_preemptions", 0)
+                t = live[key[1]]
+                if key[2] > 0:                     # a later turn: how much of the conversation the cache held
+                    self._resumed[0] += out.metrics.get("rollout/prefix_hit_tokens", 0)
+                    self._resumed[1] += len(t.prompt) + len(t.ids)
+                if not self._on_turn(t, out):
+                    del live[t.index]
+                elif t.pending or t.parse_errors:
+                    waiting.add(t)
+            for t in [t for t in waiting if all(f.done() for f in t.pending)]:
+                waiting.discard(t)
+                if not self._on_tools(t):
+                    del live[t.index]
+            if live and not waiting and not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"agent loop: {len(live)} trajectories neither generating nor calling tools "
+                                   "(an internal error: please report it)")
+
+    def _submit(self, t: Trajectory) -> None:
+        turn = t.assistant_turns
+        seed = self._base if turn == 0 else sequence_seed(self._base, -turn)
+        params = replace(self._params, seed=seed, max_tokens=self.settings.response_length - len(t.ids))
+        self.engine.add_request((self._prefix, t.index, turn), [t.prompt + t.ids], params,
+                                first_index=self._first + t.index)
+
+    def _on_turn(self, t: Trajectory, out: RolloutOutput) -> bool:
+        """A model turn finished: append it; start its tool calls. False when the trajectory is done."""
+        ids, logprobs = out.token_ids[0], out.logprobs[0]
+        t.ids += ids
+        t.logprobs += logprobs
+        t.mask += [1] * len(ids)
+        t.last_turn = list(ids)
+        t.assistant_turns += 1
+        s = self.settings
+        if out.finish_reasons[0] == "length" or len(t.ids) >= s.response_length:
+            return self._finish(t, "length")
+        parsed = self._parse(ids)
+        if not (parsed.calls or parsed.errors) or self.tools is None:
+            return self._finish(t, "stop")
+        if (s.max_assistant_turns and t.assistant_turns >= s.max_assistant_turns) or (
+                s.max_user_turns and t.user_turns >= s.max_user_turns):
+            return self._finish(t, "stop")
+        calls = parsed.calls[:max(1, s.max_parallel_calls)]
+        t.calls += len(calls)
+        t.errors += len(parsed.errors)
+        t.parse_errors = list(parsed.errors)
+        t.pending = [self._pool.submit(t.session.call, c, timeout_s=s.tool_timeout_s) for c in calls]
+        return True
+
+    def _parse(self, ids: list[int]) -> ParsedTurn:
+        body = ids[:-1] if ids and ids[-1] in self._stop_ids else ids
+        return self.parse(self.tokenizer.decode(body, skip_special_tokens=False))
+
+    def _on_tools(self, t: Trajectory) -> bool:
+        """A trajectory's tool answers are in: append them as the template renders them; queue its next turn."""
+        s = self.settings
+        results = [f.result() for f in t.pending]
+        t.pending = []
+        texts = [r.text for r in results] + t.parse_errors
+        t.parse_errors = []
+        t.errors += sum(r.error for r in results)
+        t.tool_seconds += sum(r.seconds for r in results)
+        messages = [{"role": "tool", "content": truncate_text(x, s.max_tool_response_length,
+                                                              s.tool_response_truncate_side)} for x in texts]
+        delta = self.renderer.close_turn(t.last_turn) + self.renderer.messages_delta(messages)
+        if len(t.ids) + len(delta) >= s.response_length:        # no room for the answers and a next turn
+            return self._finish(t, "length")
+        t.ids += delta
+        t.logprobs += [0.0] * len(delta)
+        t.mask += [0] * len(delta)
+        t.user_turns += 1
+        self._submit(t)
+        return True
+
+    def _finish(self, t: Trajectory, reason: str) -> bool:
+        t.finish_reason = reason
+        self._close(t)
+        return False
+
+    def _close(self, t: Trajectory) -> None:
+        if t.session is not None:
+            t.rewards = t.session.rewards()
+            t.session.close()
+            t.session = None
+
+    def _output(self, trajs: list[Trajectory], seconds: float) -> AgentOutput:
+        metrics = {"timing_s/agent_loop": seconds, "rollout/num_preemptions": self._preemptions}
+        if self._resumed[1]:     # share of later turns' prompts (the conversation so far) found in the prefix cache
+            metrics["agent/prefix_hit_rate"] = self._resumed[0] / self._resumed[1]
+        return AgentOutput(
+            token_ids=[t.ids for t in trajs], logprobs=[t.logprobs for t in trajs],
+            finish_reasons=[t.finish_reason or "stop" for t in trajs], metrics=metrics,
+            loss_masks=[t.mask for t in trajs], num_turns=[1 + t.assistant_turns + t.user_turns for t in trajs],
+            tool_calls=[t.calls for t in trajs], tool_errors=[t.errors for t in trajs],
+            tool_seconds=[t.tool_seconds for t in trajs],
+            tool_rewards=[t.rewards for t in trajs])

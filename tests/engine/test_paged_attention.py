@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.engine.kv_cache import KVCache
-from lathe.engine.paged_attention import decode_attention, prefill_attention
+from lathe.engine.paged_attention import CachedPrefill, decode_attention, prefill_attention
 
 from helpers import assert_close_rel
 
@@ -28,3 +28,23 @@ def test_prefill_and_decode_over_scattered_blocks_match_sdpa():
     assert torch.equal(cache.k[0][0], cache.k[0][6])
     cache.store(0, k[:1] + 1, v[:1], torch.tensor([-1]))      # slot -1: nothing written
     assert torch.equal(cache.k[0][6, 0], k[0])
+
+
+def test_the_batched_cached_prefill_equals_the_per_sequence_reference():
+    """`CachedPrefill` (one masked SDPA over the group's padded contexts, in slices) against `prefill_attention`
+    (one SDPA per sequence): ragged new-token counts and contexts, GQA, shared and scattered blocks."""
+    g = torch.Generator().manual_seed(1)
+    bs, hq, hkv, d = 4, 6, 2, 8
+    cache = KVCache(1, 40, bs, hkv, d)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    contexts, new = [13, 7, 22, 5], [5, 7, 1, 3]               # one fresh sequence (7 of 7), one single token
+    tables = [[3, 9, 1, 30], [5, 2], [3, 9, 1, 12, 17, 25], [8, 39]]    # the first and third share two blocks
+    cu = [0]
+    for n in new:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], hq, d, generator=g)
+    ref = prefill_attention(q, cache.k[0], cache.v[0], cu, contexts, tables)
+    batched = CachedPrefill(cu, contexts, tables, q.device)
+    for budget in (1 << 26, 1):                                 # all at once, and one sequence per slice
+        assert_close_rel(batched(q, cache.k[0], cache.v[0], max_elements=budget), ref, rel=1e-5, name="prefill")

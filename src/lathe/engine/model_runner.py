@@ -9,8 +9,8 @@ Prefill sorts its sequences into three groups, each with the cheapest correct at
 - fresh (nothing cached): packed causal attention over their own new tokens (flash `varlen_attn` on
   CUDA, per-sequence SDPA on CPU), exactly the trainer's packed path;
 - one new token over a cached prefix (the n-1 other samples of a prompt): the decode kernel;
-- several new tokens over a cached prefix (a prefix shared across prompts, a chunk of a long prompt):
-  the PyTorch reference over the gathered context.
+- several new tokens over a cached prefix (a prefix shared across prompts, a chunk of a long prompt, the agent
+  loop's next turn): one masked SDPA over the group's gathered contexts (`CachedPrefill`).
 Decode runs every sequence's last token; on CUDA it replays a CUDA graph captured for the smallest
 batch bucket that holds the batch (`cuda_graph.py`).
 """
@@ -25,7 +25,7 @@ import torch
 
 from lathe.device import to_device
 from lathe.engine.kv_cache import KVCache
-from lathe.engine.paged_attention import choose_decode_backend, decode_with, prefill_attention
+from lathe.engine.paged_attention import CachedPrefill, choose_decode_backend, decode_with
 from lathe.engine.sequence import PENDING, Sequence
 from lathe.models.attention import PackedAttention, select_packed_backend
 
@@ -44,6 +44,7 @@ class DecodeAttention:
 
     def __post_init__(self):
         self.layer = 0
+        self._cached = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer = self.layer
@@ -68,6 +69,7 @@ class PrefillAttention:
 
     def __post_init__(self):
         self.layer = 0
+        self._cached = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer = self.layer
@@ -87,7 +89,9 @@ class PrefillAttention:
             outs.append(decode_with(self.decode_backend, q[a:b], kc, vc, *self.single))
         cu, ctx, tables = self.rest
         if ctx:
-            outs.append(prefill_attention(q[b:], kc, vc, cu, ctx, tables))
+            if self._cached is None:                # built once, used by every layer
+                self._cached = CachedPrefill(cu, ctx, tables, q.device)
+            outs.append(self._cached(q[b:], kc, vc))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 

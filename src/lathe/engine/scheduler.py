@@ -19,6 +19,11 @@ inputs only and a resumed run batches as an uninterrupted one. Without the reser
 prompt whose prompt fits, then preempts hundreds of them as the responses grow (each one recomputed).
 (Streamed requests, `lathe.engine.stream`, start the statistics afresh only when they find the engine idle.)
 
+Prefill batching (`prefill_interval`, SGLang/vLLM's scheduling delay): while sequences decode, newly waiting ones
+are admitted only every `prefill_interval` decode steps (or at once when as many wait as a quarter of the running
+batch), so that requests arriving one by one (the agent loop's next turns) share a prefill step instead of each
+pausing every decode for a step of its own. 1 (the default) admits at every step.
+
 `preempt_all` empties the KV cache for a weight sync (partial rollout): every sequence holding blocks goes back
 to the waiting queue, its tokens kept; that is not memory pressure, so neither counted nor boosting the reservation.
 """
@@ -52,6 +57,9 @@ class Scheduler:
         self.length_fraction = 1.0                  # moving average of output tokens / max_tokens when finished
         self.boost = 0.0                            # raised by preemptions; both reset by `new_call`
         self.on_finish: Callable[[Sequence], None] | None = None     # told of each sequence `finish` ends
+        self.prefill_interval = 1                   # decode steps between admissions while sequences run
+        self.decodes_since_prefill = 0
+        self.num_steps = {"prefill": 0, "decode": 0}     # steps scheduled, for benchmarks
 
     def new_call(self) -> None:
         """A `generate` call starts: forget the last call's lengths and preemptions."""
@@ -95,6 +103,8 @@ class Scheduler:
             scheduled.append(seq)
         reserved = None     # blocks the admitted sequences are expected to append (computed once, if needed)
         fraction = self.expected_fraction
+        if not scheduled and self._hold_prefill():
+            return self._schedule_decode()
         while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if scheduled and not self.enable_chunked_prefill and len(seq) > budget:
@@ -113,11 +123,19 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             scheduled.append(self.waiting.popleft())
         if scheduled:
+            self.decodes_since_prefill = 0
+            self.num_steps["prefill"] += 1
             return scheduled, True, []
         if not self.running:
             raise RuntimeError("scheduler: sequences wait but none fits in the KV cache even alone; this is a bug "
                                "(add() checks each sequence fits)")
         return self._schedule_decode()
+
+    def _hold_prefill(self) -> bool:
+        """Prefill batching: keep decoding while few sequences wait and the interval has not passed."""
+        return (self.prefill_interval > 1 and bool(self.running) and bool(self.waiting)
+                and self.decodes_since_prefill < self.prefill_interval - 1
+                and len(self.waiting) * 4 < len(self.running))
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Schedule the next tokens of `seq`'s prefill within `budget` (all of them without chunking)."""
@@ -141,6 +159,8 @@ class Scheduler:
         return complete
 
     def _schedule_decode(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
+        self.decodes_since_prefill += 1
+        self.num_steps["decode"] += 1
         scheduled, copies, bs = [], [], self.block_manager.block_size
         while self.running:
             seq = self.running.popleft()

@@ -236,3 +236,20 @@ def test_later_turns_find_the_conversation_in_the_prefix_cache(qwen_tok, caching
     assert out.tool_calls[0] >= 2 and out.finish_reasons == ["length"]
     rate = out.metrics["agent/prefix_hit_rate"]
     assert rate > 0.4 if caching else rate == 0
+
+
+def test_prefill_batching_changes_when_turns_start_not_what_they_sample(qwen_tok):
+    """The engine admits next turns every `prefill_interval` decode steps: fewer prefill steps, the same tokens."""
+    outs, steps = [], []
+    for interval in (1, 8):
+        engine = tiny_engine(qwen_tok)
+        loop = AgentLoop(engine, qwen_tok, AgentSettings(response_length=120, max_assistant_turns=3,
+                                                          prefill_interval=interval), tools=FakeTools(),
+                         parse=lambda text: get_parser("hermes")(CALL % "6*7"))
+        stops = list(range(7, 107, 3))                          # turns of a few tokens
+        outs.append(loop.generate([prompt_of(qwen_tok, q) for q in ("a", "bb", "ccc", "dddd")],
+                                  SamplingParams(n=8, seed=5, stop_token_ids=stops)))
+        steps.append(engine.scheduler.num_steps["prefill"])
+        assert engine.scheduler.prefill_interval == 1          # restored after the call
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].loss_masks == outs[1].loss_masks
+    assert steps[1] < steps[0], steps

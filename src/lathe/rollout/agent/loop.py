@@ -46,6 +46,7 @@ class AgentSettings:
     tool_response_truncate_side: str = "middle"
     tool_timeout_s: float = 30.0
     max_concurrent_tool_calls: int = 32         # across all trajectories
+    prefill_interval: int = 16                  # the engine admits next turns every this many decode steps
 
     @classmethod
     def from_config(cls, multi_turn_cfg, response_length: int) -> "AgentSettings":
@@ -133,12 +134,18 @@ class AgentLoop:
                 session = self.tools.open(f"{self._prefix}-{first_index + index}", kwargs) if self.tools else None
                 trajs.append(Trajectory(index, list(prompt), session))
         start = time.perf_counter()
+        scheduler = getattr(self.engine, "scheduler", None)
+        interval = getattr(scheduler, "prefill_interval", None)
+        if interval is not None:                # next turns arrive one by one: batch their prefills
+            scheduler.prefill_interval = self.settings.prefill_interval
         with ThreadPoolExecutor(max_workers=max(1, self.settings.max_concurrent_tool_calls),
                                 thread_name_prefix="lathe-tool") as pool:
             self._pool = pool
             try:
                 self._run(trajs)
             finally:
+                if interval is not None:
+                    scheduler.prefill_interval = interval
                 for t in trajs:
                     self._close(t)
         return self._output(trajs, time.perf_counter() - start)

@@ -13,11 +13,20 @@ and gives one output row, in input order:
 
 `text` is the decoded output (special tokens skipped); when a stop string ended it, it is cut just after the
 stop string, while `token_ids`/`logprobs` run up to the token that completed it (see `lathe.engine.stop`).
+
 Keys are vLLM's `SamplingParams` names plus engine settings (`GenerateOptions`). With a `seed` the samples are
 reproducible for the same `batch_size` (the engine seeds each sample by its place in the call; each call gets
 its own seed, so a prompt repeated in two calls gets fresh samples). Everything that can be
 checked before the weights load is checked first: keys and values, every row, the architecture, then (with
 the tokenizer) each prompt's length and token ids; errors name the file, the row and the field.
+
+With `tool_config_path=TOOLS.yaml` a sample is a multi-turn, tool-calling trajectory (`lathe train`'s loop; see
+`lathe.engine.generate_tools`): chat prompts are rendered with the tools' schemas, a row may add verl's
+`"extra_info": {"tools_kwargs": {...}}`, `token_ids`, `logprobs` (0.0 on tokens the loop appended) and `text` run
+over the whole trajectory, tool answers included, `max_tokens` is the budget of all its turns, and each output gains
+    "loss_mask": [1 = the model's own token, 0 = appended], "num_turns", "tool_calls", "tool_errors",
+    "tool_rewards": {tool name: its calc_reward}
+Without a tool file the output has none of these fields.
 """
 
 from __future__ import annotations
@@ -66,6 +75,18 @@ class GenerateOptions:
     enable_prefix_caching: bool = spec(True, "share the KV cache of common prompt prefixes")
     batch_size: int | None = spec(None, "prompts per engine call (progress is shown per call); "
                                         "null = enough for 4 * max_num_seqs samples")
+    # tools (verl's rollout.multi_turn names; see lathe.engine.generate_tools); the others need tool_config_path
+    tool_config_path: str | None = spec(None, "verl's tool YAML (tools: [{class_name, config, tool_schema}]): run "
+                                              "the multi-turn tool loop; null = single-turn generation")
+    tool_format: Literal["hermes", "llama3_json"] = spec("hermes", "tool calls in the model's text: hermes "
+                                                                   "(Qwen2.5/Qwen3) or llama3_json (Llama 3.1+)")
+    max_assistant_turns: int | None = spec(None, "model turns per trajectory at most; null = no cap")
+    max_user_turns: int | None = spec(None, "tool-answer turns per trajectory at most; null = no cap")
+    max_parallel_calls: int = spec(1, "tool calls run per model turn; later calls of a turn are dropped")
+    max_tool_response_length: int = spec(256, "characters of one tool answer kept")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = spec(
+        "middle", "which part of a long tool answer stays: left (the start), right (the end), middle (both ends)")
+    tool_timeout: float = spec(30.0, "seconds a tool call may take; then the model reads a timeout error")
 
     def sampling_params(self):
         from lathe.rollout.base import SamplingParams
@@ -100,6 +121,8 @@ def parse_options(items: list[str]) -> GenerateOptions:
         values[key] = coerce(value, hints[key], key, raw=raw, meta=dict(meta[key]))
     opts = GenerateOptions(**values)
     _check_ranges(opts)
+    from lathe.engine.generate_tools import check_tool_options
+    check_tool_options(opts, set(values))
     return opts
 
 
@@ -131,6 +154,7 @@ class PromptRow:
     where: str          # "FILE line N", for error messages
     field: str          # "prompt" or "prompt_token_ids"
     value: Any          # as given: a string, a list of messages, or a list of token ids
+    extra_info: Any = None  # as given (verl's column; read with tools, for its "tools_kwargs")
 
 
 def read_rows(path: str | Path) -> list[PromptRow]:
@@ -180,7 +204,7 @@ def _check_row(row: Any, where: str) -> PromptRow:
     else:
         raise GenerateError(f"{where}: field 'prompt': expected a string or a non-empty list of messages, got "
                             f"{type(value).__name__} {str(value)[:60]}. Fix: {fix}")
-    return PromptRow(where, field, value)
+    return PromptRow(where, field, value, row.get("extra_info"))
 
 
 # ---- model directory ---------------------------------------------------------------------------------
@@ -224,10 +248,13 @@ def eos_token_ids(model_dir: str | Path, tokenizer) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def tokenize_rows(rows: list[PromptRow], tokenizer, *, vocab_size: int, max_model_len: int) -> list[list[int]]:
-    """Each row's prompt token ids, checked against the vocabulary and `max_model_len`."""
+def tokenize_rows(rows: list[PromptRow], tokenizer, *, vocab_size: int, max_model_len: int,
+                  tools: list[dict] | None = None) -> list[list[int]]:
+    """Each row's prompt token ids, checked against the vocabulary and `max_model_len`; chat prompts are rendered
+    with the `tools` schemas when given."""
     texts = {i: r.value for i, r in enumerate(rows) if isinstance(r.value, str)}
-    chats = {i: _render_chat(r, tokenizer) for i, r in enumerate(rows) if r.field == "prompt" and i not in texts}
+    chats = {i: _render_chat(r, tokenizer, tools) for i, r in enumerate(rows)
+             if r.field == "prompt" and i not in texts}
     ids: dict[int, list[int]] = {i: list(r.value) for i, r in enumerate(rows) if r.field == "prompt_token_ids"}
     for group, special in ((texts, True), (chats, False)):
         if group:
@@ -246,12 +273,13 @@ def tokenize_rows(rows: list[PromptRow], tokenizer, *, vocab_size: int, max_mode
     return prompts
 
 
-def _render_chat(row: PromptRow, tokenizer) -> str:
+def _render_chat(row: PromptRow, tokenizer, tools: list[dict] | None = None) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise GenerateError(f"{row.where}: field 'prompt' is a list of messages, but the tokenizer has no chat "
                             "template. Fix: give the prompt as a string, or use a chat model's tokenizer")
     try:
-        return tokenizer.apply_chat_template(row.value, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(row.value, add_generation_prompt=True, tokenize=False, **extra)
     except Exception as e:  # jinja raises TemplateError and friends
         raise GenerateError(f"{row.where}: field 'prompt': the chat template failed "
                             f"({type(e).__name__}: {e})") from None
@@ -266,6 +294,9 @@ class GenerateStats:
     samples: int
     tokens: int
     seconds: float
+    tools: bool = False         # whether the tool loop ran (then the totals below count)
+    tool_calls: int = 0
+    tool_errors: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -275,8 +306,12 @@ class GenerateStats:
 def generate_file(model_dir: str | Path, input_path: str | Path, output_path: str | Path,
                   options: GenerateOptions | list[str] = ()) -> GenerateStats:
     """Generate for every row of `input_path` and write `output_path` (see the module docstring)."""
+    from lathe.engine.generate_tools import ToolSetup
     opts = options if isinstance(options, GenerateOptions) else parse_options(list(options))
+    tools = ToolSetup.load(opts)                # None without tool_config_path; a bad tool file fails here
     rows = read_rows(input_path)
+    if tools:
+        tools.check_rows(rows)
     output_path = Path(output_path).expanduser()
     if not output_path.parent.is_dir():
         raise GenerateError(f"output directory {output_path.parent} does not exist. Fix: create it first")
@@ -288,9 +323,13 @@ def generate_file(model_dir: str | Path, input_path: str | Path, output_path: st
         raise GenerateError(f"max_model_len={max_model_len} is beyond the model's max_position_embeddings="
                             f"{cfg.max_position_embeddings}. Fix: lower it or leave it unset")
     tokenizer = load_tokenizer(model_dir)
-    prompts = tokenize_rows(rows, tokenizer, vocab_size=cfg.vocab_size, max_model_len=max_model_len)
+    schemas = tools.check_tokenizer(tokenizer) if tools else None
+    prompts = tokenize_rows(rows, tokenizer, vocab_size=cfg.vocab_size, max_model_len=max_model_len, tools=schemas)
+    if tools:
+        tools.check_prompts(rows, prompts, max_model_len)
     engine = _load_engine(model_dir, opts, tokenizer, cfg)
-    return _run(engine, tokenizer, rows, prompts, opts, output_path)
+    runner = tools.runner(engine, tokenizer) if tools else None
+    return _run(engine, tokenizer, rows, prompts, opts, output_path, runner)
 
 
 def _load_engine(model_dir, opts: GenerateOptions, tokenizer, cfg):
@@ -317,32 +356,45 @@ def _load_engine(model_dir, opts: GenerateOptions, tokenizer, cfg):
     return engine
 
 
-def _run(engine, tokenizer, rows, prompts, opts: GenerateOptions, output_path: Path) -> GenerateStats:
-    from lathe.engine.stop import stop_text, text_decoder
+def _run(engine, tokenizer, rows, prompts, opts: GenerateOptions, output_path: Path, runner=None) -> GenerateStats:
+    """Generate `prompts` in engine calls of `opts.prompts_per_call` and write the rows; `runner`: the tool loop's
+    `ToolRunner` (None: single-turn `engine.generate`)."""
+    from lathe.engine.stop import text_decoder
     decode, params, n = text_decoder(tokenizer), opts.sampling_params(), opts.n
-    stats = GenerateStats(prompts=len(rows), samples=len(rows) * n, tokens=0, seconds=0.0)
+    stats = GenerateStats(prompts=len(rows), samples=len(rows) * n, tokens=0, seconds=0.0, tools=runner is not None)
+    call = runner.generate if runner else lambda ps, p, lo, hi: engine.generate(ps[lo:hi], p)
     bar = _progress(len(rows))
     start = time.perf_counter()
     with open(output_path, "w", encoding="utf-8") as f:
         for lo in range(0, len(rows), opts.prompts_per_call):
             hi = min(lo + opts.prompts_per_call, len(rows))
-            out = engine.generate(prompts[lo:hi], dataclasses.replace(params, seed=_call_seed(opts.seed, lo)))
+            out = call(prompts, dataclasses.replace(params, seed=_call_seed(opts.seed, lo)), lo, hi)
             for i in range(lo, hi):
-                samples = []
-                for k in range((i - lo) * n, (i - lo + 1) * n):
-                    ids, reason = out.token_ids[k], out.finish_reasons[k]
-                    text = stop_text(ids, opts.stop, decode) if reason == "stop" else decode(ids)
-                    samples.append({"token_ids": ids, "text": text, "logprobs": out.logprobs[k],
-                                    "finish_reason": reason})
-                    stats.tokens += len(ids)
+                samples = [_sample(out, k, opts.stop, decode, runner, stats) for k in range((i - lo) * n,
+                                                                                            (i - lo + 1) * n)]
                 row = {"index": i, rows[i].field: rows[i].value, "outputs": samples}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             stats.seconds = time.perf_counter() - start
             bar(hi, stats)
-    log.info("generated %d prompts, %d samples, %d tokens in %.2f s (%.1f tok/s) -> %s", stats.prompts,
-             stats.samples, stats.tokens, stats.seconds, stats.tokens_per_second, output_path)
+    tools = f", {stats.tool_calls} tool calls, {stats.tool_errors} tool errors" if stats.tools else ""
+    log.info("generated %d prompts, %d samples, %d tokens%s in %.2f s (%.1f tok/s) -> %s", stats.prompts,
+             stats.samples, stats.tokens, tools, stats.seconds, stats.tokens_per_second, output_path)
     return stats
+
+
+def _sample(out, k: int, stop: list[str], decode, runner, stats: GenerateStats) -> dict:
+    """Output sample `k` as written (see the module docstring), counted into `stats`."""
+    from lathe.engine.stop import stop_text
+    ids, reason = out.token_ids[k], out.finish_reasons[k]
+    text = stop_text(ids, stop, decode) if reason == "stop" else decode(ids)
+    sample = {"token_ids": ids, "text": text, "logprobs": out.logprobs[k], "finish_reason": reason}
+    stats.tokens += len(ids)
+    if runner is not None:
+        sample.update(runner.fields(out, k))
+        stats.tool_calls += sample["tool_calls"]
+        stats.tool_errors += sample["tool_errors"]
+    return sample
 
 
 def _call_seed(seed: int | None, first_row: int) -> int | None:

@@ -1,6 +1,7 @@
 """examples/: each launch script resolves to a valid config (its keys through load_config, with the paths from
 its environment variables), refuses to start without its data, and the SLURM one hands Ray's launcher the same
-keys. No GPU here: the runs are checked as `--print-config trainer.device=cpu` (the last key wins)."""
+keys; the tool configs of the multi-turn examples (examples/tools/) load and answer. No GPU here: the runs are
+checked as `--print-config trainer.device=cpu` (the last key wins)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from lathe.config import load_config
+from lathe.data.preprocess import PREPROCESSORS
+from lathe.reward.sandbox import unavailable
+from lathe.rollout.agent.parser import ToolCall
+from lathe.rollout.agent.tools import load_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 LATHE = f"{shlex.quote(sys.executable)} -m lathe"
@@ -35,6 +41,13 @@ def run_example(name: str, *args: str, **env) -> subprocess.CompletedProcess:
     ("gsm8k_grpo_1gpu.sh", {"actor_rollout_ref.rollout.n": 5, "data.train_batch_size": 256}),
     ("qwen3_8b_gb200.sh", {"actor_rollout_ref.rollout.enforce_eager": True,
                            "actor_rollout_ref.actor.fsdp_config.model_dtype": "bf16", "trainer.n_gpus_per_node": 4}),
+    ("gsm8k_multiturn_tool.sh", {"actor_rollout_ref.rollout.name": "lathe", "actor_rollout_ref.rollout.n": 16,
+                                 "actor_rollout_ref.rollout.multi_turn.enable": True,
+                                 "actor_rollout_ref.rollout.multi_turn.format": "hermes",
+                                 "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 5,
+                                 "actor_rollout_ref.rollout.multi_turn.tool_config_path":
+                                     str(ROOT / "examples" / "tools" / "gsm8k_tool.yaml"),
+                                 "data.max_prompt_length": 1024, "trainer.n_gpus_per_node": 8}),
 ])
 def test_a_single_node_example_resolves_to_a_valid_config(name, checks, data_dir):
     out = run_example(name, "--print-config", "trainer.device=cpu", DATA_DIR=str(data_dir), MODEL="/models/m")
@@ -57,7 +70,8 @@ def test_the_sft_example_resolves_to_verls_gsm8k_sft_recipe(data_dir):
     assert (cfg["data"]["prompt_dict_keys"], cfg["data"]["response_dict_keys"]) == (["question"], ["answer"])
 
 
-@pytest.mark.parametrize("name", ["gsm8k_grpo_1gpu.sh", "qwen3_8b_gb200.sh", "gsm8k_grpo_slurm.sh", "gsm8k_sft.sh"])
+@pytest.mark.parametrize("name", ["gsm8k_grpo_1gpu.sh", "qwen3_8b_gb200.sh", "gsm8k_grpo_slurm.sh", "gsm8k_sft.sh",
+                                  "gsm8k_multiturn_tool.sh"])
 def test_an_example_without_its_data_says_how_to_make_it(name, tmp_path):
     out = run_example(name, DATA_DIR=str(tmp_path / "nowhere"), SBATCH="false")
     assert out.returncode == 2 and "train.parquet" in out.stderr and "DATA_DIR" in out.stderr
@@ -79,3 +93,75 @@ def test_the_slurm_example_hands_the_launcher_valid_keys_and_sets_rocm_variables
     overrides = argv[5:] + ["trainer.device=cpu", "trainer.nnodes=2", "trainer.n_gpus_per_node=4"]
     cfg = load_config("base", overrides)       # the launcher adds trainer.nnodes / n_gpus_per_node
     assert cfg.trainer.total_epochs == 1 and cfg.data.train_batch_size == 1024
+
+
+def _print_config(name: str, *args: str, **env) -> dict:
+    out = run_example(name, "--print-config", "trainer.device=cpu", *args, MODEL="/models/m", **env)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+def test_the_multiturn_tool_example_runs_on_one_gpu_with_a_smaller_model(data_dir):
+    cfg = _print_config("gsm8k_multiturn_tool.sh", DATA_DIR=str(data_dir), GPUS="1")
+    assert cfg["trainer"]["n_gpus_per_node"] == 1 and cfg["actor_rollout_ref"]["rollout"]["multi_turn"]["enable"]
+
+
+@pytest.fixture
+def math_data_dir(tmp_path):
+    for name in ("math500", "aime24"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "test.parquet").write_bytes(b"")     # only their existence is checked before lathe runs
+    return tmp_path
+
+
+def test_the_code_interpreter_example_resolves_to_a_retool_style_config(math_data_dir):
+    cfg = _print_config("code_interpreter_math.sh", DATA_DIR=str(math_data_dir))
+    arr = cfg["actor_rollout_ref"]
+    assert arr["model"]["path"] == "/models/m"
+    assert cfg["data"]["train_files"] == str(math_data_dir / "math500" / "test.parquet")
+    assert cfg["data"]["val_files"] == str(math_data_dir / "aime24" / "test.parquet")
+    mt = arr["rollout"]["multi_turn"]
+    assert (mt["enable"], mt["format"], mt["max_assistant_turns"], mt["max_user_turns"]) == (True, "hermes", 16, 16)
+    assert mt["tool_config_path"] == str(ROOT / "examples" / "tools" / "code_interpreter.yaml")
+    assert arr["rollout"]["name"] == "lathe" and arr["rollout"]["n"] == 16 and arr["rollout"]["val_kwargs"]["n"] == 30
+    assert (arr["actor"]["clip_ratio_low"], arr["actor"]["clip_ratio_high"], arr["actor"]["use_kl_loss"]) == \
+        (0.2, 0.28, False)
+
+
+def test_the_code_interpreter_example_takes_other_data_files(math_data_dir):
+    train = math_data_dir / "mine.parquet"
+    train.write_bytes(b"")
+    cfg = _print_config("code_interpreter_math.sh", DATA_DIR=str(math_data_dir), TRAIN_FILE=str(train))
+    assert cfg["data"]["train_files"] == str(train)
+
+
+def test_the_code_interpreter_example_without_its_data_says_how_to_make_it(tmp_path):
+    out = run_example("code_interpreter_math.sh", DATA_DIR=str(tmp_path / "nowhere"))
+    assert out.returncode == 2
+    assert "lathe preprocess math500" in out.stderr and "DATA_DIR" in out.stderr and "TRAIN_FILE" in out.stderr
+
+
+def test_the_gsm8k_tool_config_scores_a_preprocessed_row(tmp_path):
+    raw = tmp_path / "test.jsonl"
+    raw.write_text('{"question": "2 + 40?", "answer": "2+40=42\\n#### 42"}\n')
+    (row,) = pq.read_table(PREPROCESSORS["gsm8k_tool"](str(raw), str(tmp_path / "out"))["test"]).to_pylist()
+    tools = load_tools(ROOT / "examples" / "tools" / "gsm8k_tool.yaml")
+    assert list(tools.tools) == ["calc_gsm8k_reward"]
+    params = tools.schemas()[0]["function"]["parameters"]
+    assert params["required"] == ["answer"] and params["properties"]["answer"]["type"] == "string"
+    session = tools.open("t0", row["extra_info"]["tools_kwargs"])
+    result = session.call(ToolCall("calc_gsm8k_reward", {"answer": "42"}), timeout_s=30)
+    assert not result.error and session.rewards() == {"calc_gsm8k_reward": 1.0}
+    session.close()
+
+
+def test_the_code_interpreter_tool_config_runs_python():
+    if reason := unavailable():
+        pytest.skip(f"the local sandbox cannot run here: {reason}")
+    tools = load_tools(ROOT / "examples" / "tools" / "code_interpreter.yaml")
+    assert list(tools.tools) == ["code_interpreter"]
+    assert tools.schemas()[0]["function"]["parameters"]["required"] == ["code"]
+    session = tools.open("t0")
+    result = session.call(ToolCall("code_interpreter", {"code": "print(6 * 7)"}), timeout_s=30)
+    session.close()
+    assert not result.error and result.text.strip() == "42"

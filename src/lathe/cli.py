@@ -2,7 +2,7 @@
 
     lathe train [PRESET|FILE.yaml] [key=value ...] [--print-config]
     lathe sft [FILE.yaml] [key=value ...] [--print-config]
-    lathe preprocess gsm8k --input DIR_OR_FILE --output DIR
+    lathe preprocess gsm8k|gsm8k_tool|math500|aime24|amc23 --input DIR_OR_FILE --output DIR
     lathe model check MODEL_DIR
     lathe generate MODEL_DIR INPUT.jsonl OUTPUT.jsonl [key=value ...]
     lathe presets
@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     sft.set_defaults(func=cmd_sft)
     pre = sub.add_parser("preprocess", help="turn a raw dataset into verl-schema parquet")
-    pre.add_argument("dataset", help="gsm8k, math500, aime24 or amc23")
+    pre.add_argument("dataset", help="gsm8k, gsm8k_tool (multi-turn with the calc_gsm8k_reward tool; alias "
+                                      "gsm8k_multiturn_w_tool), math500, aime24 or amc23")
     pre.add_argument("--input", required=True, help="the raw data: a directory or a .jsonl file")
     pre.add_argument("--output", required=True, help="directory for train/test parquet files")
     pre.set_defaults(func=cmd_preprocess)
@@ -144,7 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "{\"prompt_token_ids\": [...]}) and write one row per input row to OUTPUT.jsonl. "
                                      "Keys: n, temperature (0 = greedy), top_p, top_k, max_tokens, min_tokens, seed, "
                                      "stop, stop_token_ids, ignore_eos, dtype, device, gpu_memory_utilization, "
-                                     "max_num_seqs, max_model_len, enable_prefix_caching, batch_size.")
+                                     "max_num_seqs, max_model_len, enable_prefix_caching, batch_size. Tools (the "
+                                     "multi-turn loop of lathe train): tool_config_path (verl's tool YAML) turns it "
+                                     "on; then tool_format, max_assistant_turns, max_user_turns, max_parallel_calls, "
+                                     "max_tool_response_length, tool_response_truncate_side, tool_timeout.")
     gen.add_argument("model_dir", help="a local Hugging Face checkpoint directory (with its tokenizer)")
     gen.add_argument("input", help="JSON lines, one prompt per row")
     gen.add_argument("output", help="JSON lines written here, one row per input row, in input order")

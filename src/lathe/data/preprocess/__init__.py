@@ -10,14 +10,17 @@ from typing import Callable
 
 from lathe.data.preprocess.common import PreprocessError
 from lathe.data.preprocess.gsm8k import preprocess_gsm8k
+from lathe.data.preprocess.gsm8k_tool import preprocess_gsm8k_tool
 from lathe.data.preprocess.math_sets import preprocess_aime24, preprocess_amc23, preprocess_math500
 
 PREPROCESSORS: dict[str, Callable[[str, str], dict[str, str]]] = {
     "gsm8k": preprocess_gsm8k,
+    "gsm8k_tool": preprocess_gsm8k_tool,                 # verl's gsm8k_multiturn_w_tool.py
+    "gsm8k_multiturn_w_tool": preprocess_gsm8k_tool,     # the same, under verl's script name
     "math500": preprocess_math500,
     "aime24": preprocess_aime24,
     "amc23": preprocess_amc23,
 }
 
 __all__ = ["PREPROCESSORS", "PreprocessError", "preprocess_aime24", "preprocess_amc23", "preprocess_gsm8k",
-           "preprocess_math500"]
+           "preprocess_gsm8k_tool", "preprocess_math500"]

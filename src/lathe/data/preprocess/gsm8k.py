@@ -4,18 +4,23 @@ Raw rows are {"question", "answer"} with the answer a worked solution ending "##
 Output rows: prompt = question + " " + INSTRUCTION as one user message; data_source
 "openai/gsm8k"; ability "math"; reward_model {"style": "rule", "ground_truth": number with
 commas removed}; extra_info {split, index, answer (the full solution), question}.
+`row_fn` builds another row layout from the same parsed fields (gsm8k_tool.py: the multi-turn tool variant).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 from lathe.data.preprocess.common import PreprocessError, read_jsonl, require_str, split_inputs, write_parquet
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 _FINAL_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+# (question, answer, split, index, ground_truth) -> one verl-schema row
+RowFn = Callable[[str, str, str, int, str], dict]
 
 
 def extract_gsm8k_answer(solution: str) -> str | None:
@@ -35,8 +40,8 @@ def gsm8k_row(question: str, answer: str, split: str, index: int, ground_truth: 
     }
 
 
-def convert_gsm8k_file(path: str, split: str) -> list[dict]:
-    """All rows of one raw GSM8K .jsonl file in verl's schema; index counts rows from 0."""
+def convert_gsm8k_file(path: str, split: str, row_fn: RowFn = gsm8k_row) -> list[dict]:
+    """All rows of one raw GSM8K .jsonl file in verl's schema (built by `row_fn`); index counts rows from 0."""
     rows = []
     for lineno, raw in read_jsonl(path):
         question = require_str(raw, "question", path, lineno)
@@ -47,11 +52,11 @@ def convert_gsm8k_file(path: str, split: str) -> list[dict]:
                 f"{path} line {lineno}: field 'answer' has no final '#### <number>' line "
                 f"(ends {answer[-60:]!r}). Fix: end the solution with '#### <number>' or drop the line."
             )
-        rows.append(gsm8k_row(question, answer, split, len(rows), ground_truth))
+        rows.append(row_fn(question, answer, split, len(rows), ground_truth))
     return rows
 
 
-def preprocess_gsm8k(input: str, output_dir: str) -> dict[str, str]:
+def preprocess_gsm8k(input: str, output_dir: str, row_fn: RowFn = gsm8k_row) -> dict[str, str]:
     """Convert raw GSM8K (a folder with train.jsonl/test.jsonl, or one .jsonl) to parquet.
 
     Writes `<output_dir>/<split>.parquet` for each split found; returns {split: path}.
@@ -59,6 +64,6 @@ def preprocess_gsm8k(input: str, output_dir: str) -> dict[str, str]:
     out = os.path.expanduser(output_dir)
     written = {}
     for split, path in split_inputs(input, ("train", "test")).items():
-        rows = convert_gsm8k_file(path, split)
+        rows = convert_gsm8k_file(path, split, row_fn)
         written[split] = write_parquet(rows, os.path.join(out, f"{split}.parquet"))
     return written

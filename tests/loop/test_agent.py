@@ -76,12 +76,15 @@ def write_task(root, n_sft: int = 256, n_rl: int = 512, tool_share: float = 0.4)
             else:
                 conv = [user, {"role": "assistant", "content": "=" + str(rng.randrange(10))}]
             f.write(json.dumps({"messages": conv}) + "\n")
-    with open(root / "rl.jsonl", "w") as f:
+    with open(root / "rl.jsonl", "w") as f, open(root / "val.jsonl", "w") as v:
         for i in range(n_rl):
             secret = str(rng.randrange(10))
-            f.write(json.dumps({"data_source": "secret", "prompt": [{"role": "user", "content": f"item {i}"}],
-                                "reward_model": {"ground_truth": secret},
-                                "extra_info": {"tools_kwargs": {"f": {"create_kwargs": {"value": secret}}}}}) + "\n")
+            row = json.dumps({"data_source": "secret", "prompt": [{"role": "user", "content": f"item {i}"}],
+                              "reward_model": {"ground_truth": secret},
+                              "extra_info": {"tools_kwargs": {"f": {"create_kwargs": {"value": secret}}}}}) + "\n"
+            f.write(row)
+            if i < 16:
+                v.write(row)
 
 
 def scores_of(run_dir, key="critic/score/mean") -> list[float]:
@@ -100,14 +103,17 @@ def test_the_model_learns_to_call_the_tool_and_its_reward_rises(tmp_path, monkey
     model = tmp_path / "sft" / f"global_step_{sft_steps}" / "actor" / "huggingface"
     steps = 20
     assert main(["train", f"actor_rollout_ref.model.path={model}", f"data.train_files={tmp_path / 'rl.jsonl'}",
-                 "data.val_files=null", "data.train_batch_size=16", "data.max_prompt_length=32",
+                 f"data.val_files={tmp_path / 'val.jsonl'}", "data.val_batch_size=16", "data.train_batch_size=16",
+                 "data.max_prompt_length=32", f"trainer.test_freq={steps}",
                  "data.max_response_length=96", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
                  "actor_rollout_ref.model.warm_start.steps=0", "actor_rollout_ref.rollout.multi_turn.enable=true",
                  f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
                  f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
-                 f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                 f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
                  "trainer.logger=[console]", f"trainer.default_local_dir={tmp_path / 'rl'}"]) == 0
     scores, calls = scores_of(tmp_path / "rl"), scores_of(tmp_path / "rl", "agent/tool_calls/mean")
+    assert len(scores_of(tmp_path / "rl", "val-core/secret/reward/mean@1")) == 1      # validation ran the loop too
+    assert scores_of(tmp_path / "rl", "num_turns/max")[-1] == 4                      # prompt, call, answer, reply
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
 
     # 0.30 -> 0.50 (tool calls 0.30 -> 0.49) on the machine this was written on

@@ -23,7 +23,6 @@ def refused(*overrides: str) -> str:
 @pytest.mark.parametrize(("override", "fix"), [
     ("critic.model.lora_rank=32", "set it to 0"),
     ("reward_model.enable=true", "reward.custom_reward_function.path"),
-    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path=users.yaml", "remove it"),
     ("actor_rollout_ref.actor.strategy=megatron", "fsdp2"),
     ("reward_model.reward_manager=batch", "naive"),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "set it to 1"),

@@ -363,6 +363,10 @@ def _check_multi_turn(cfg: LatheConfig, problems: ProblemList) -> None:
     if path and not os.path.isfile(os.path.expanduser(path)):
         problems.add(f"{k}.tool_config_path={path!r}: no such file. Fix: point it at a tool YAML file (verl's shape: "
                      f"tools: [{{class_name, config, tool_schema}}]), or remove it to run without tools.")
+    path = mt.interaction_config_path
+    if path and not os.path.isfile(os.path.expanduser(path)):
+        problems.add(f"{k}.interaction_config_path={path!r}: no such file. Fix: point it at an interaction YAML file "
+                     f"(verl's shape: interaction: [{{name, class_name, config}}]), or remove it.")
 
 
 def _check_lengths_and_rounds(cfg: LatheConfig, problems: ProblemList) -> None:

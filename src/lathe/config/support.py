@@ -143,8 +143,6 @@ def _multi_turn() -> list[Entry]:
                                             "(rollout.n_gpus_per_node=0), or set it to false", one_of(False))),
            replace(refuse(f"{R}.agent", "verl's agent loop (num_workers alone has no effect)",
                           f"remove {R}.agent"), judge=_agent),
-           refuse(f"{mt}.interaction_config_path", "simulated users (verl's interactions)",
-                  "remove it: lathe's agent loop answers tool calls only"),
            only_on("single-turn", warn("data.tool_config_path", "tools are used only by multi-turn rollouts "
                                        "(rollout.multi_turn.enable=true)"))]
     for k in ("use_inference_chat_template", "tokenization_sanity_check_mode"):
@@ -153,7 +151,7 @@ def _multi_turn() -> list[Entry]:
                         "lathe's tests), so there is nothing to choose or check"))
     needs = "it is read only with rollout.multi_turn.enable=true"
     out += [only_on("single-turn", warn(f"{mt}.{k}", needs)) for k in (
-        "max_assistant_turns", "max_user_turns", "tool_config_path", "max_parallel_calls",
+        "max_assistant_turns", "max_user_turns", "tool_config_path", "interaction_config_path", "max_parallel_calls",
         "max_tool_response_length", "tool_timeout", "max_concurrent_tool_calls")]
     return out
 

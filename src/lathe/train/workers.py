@@ -189,8 +189,11 @@ class ActorRolloutRefWorker:
                 self.rollout.wake_up()
         try:
             if self.agent is not None:
+                extra = prompts["extra_info"]
                 out = self.agent.generate(prompt_ids, params, first_index=first_index,
-                                          tools_kwargs=[(x or {}).get("tools_kwargs") for x in prompts["extra_info"]])
+                                          tools_kwargs=[(x or {}).get("tools_kwargs") for x in extra],
+                                          interaction_kwargs=[(x or {}).get("interaction_kwargs") for x in extra],
+                                          messages=list(prompts["raw_prompt"]))
             else:
                 out = self.rollout.generate(prompt_ids, params, first_index=first_index)
         finally:

@@ -28,19 +28,25 @@ def load_run_tools(cfg):
 
 
 def build_agent_loop(cfg, engine, tokenizer):
-    """An `AgentLoop` over `engine` with the run's tools, parser and `multi_turn` settings."""
+    """An `AgentLoop` over `engine` with the run's tools, simulated users, parser and `multi_turn` settings."""
     from lathe.rollout.agent.loop import AgentLoop, AgentSettings
     from lathe.rollout.agent.parser import get_parser
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     settings = AgentSettings.from_config(mt, cfg.data.max_response_length)
-    return AgentLoop(engine, tokenizer, settings, tools=load_run_tools(cfg), parse=get_parser(mt.format))
+    interactions = None
+    if mt.interaction_config_path:
+        from lathe.rollout.agent.interactions import load_interactions
+        interactions = load_interactions(mt.interaction_config_path, timeout_s=mt.tool_timeout)
+    return AgentLoop(engine, tokenizer, settings, tools=load_run_tools(cfg), parse=get_parser(mt.format),
+                     interactions=interactions)
 
 
 def agent_columns(out, extra_info: list) -> Batch:
     """Per-sample columns of a multi-turn rollout: verl's `num_turns`, tool calls/errors/seconds, and each sample's
-    `extra_info` gaining `num_turns` and `tool_rewards` (each tool's `calc_reward`) for the reward function."""
-    extra = [{**(x or {}), "num_turns": n, "tool_rewards": dict(r)}
-             for x, n, r in zip(extra_info, out.num_turns, out.tool_rewards)]
+    `extra_info` gaining `num_turns`, `tool_rewards` (each tool's `calc_reward`) and `turn_scores` (the simulated
+    user's score of each turn) for the reward function."""
+    extra = [{**(x or {}), "num_turns": n, "tool_rewards": dict(r), "turn_scores": list(s)}
+             for x, n, r, s in zip(extra_info, out.num_turns, out.tool_rewards, out.turn_scores)]
     return Batch(non_tensors={"num_turns": list(out.num_turns), "tool_calls": list(out.tool_calls),
                               "tool_errors": list(out.tool_errors), "tool_seconds": list(out.tool_seconds),
                               "extra_info": extra})

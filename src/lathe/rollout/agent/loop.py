@@ -67,6 +67,7 @@ class AgentOutput(RolloutOutput):
     tool_calls: list[int] = field(default_factory=list)
     tool_errors: list[int] = field(default_factory=list)
     tool_seconds: list[float] = field(default_factory=list)
+    turn_scores: list[list[float]] = field(default_factory=list)   # the simulated user's score of each turn
     tool_rewards: list[dict] = field(default_factory=list)      # each tool's calc_reward, by name
 
 
@@ -75,6 +76,10 @@ class Trajectory:
     index: int                                  # prompt-major sample index
     prompt: list[int]
     session: object | None                      # the trajectory's ToolSession (None: no tools)
+    user: object | None = None                  # its InteractionSession (None: no simulated user)
+    messages: list[dict] = field(default_factory=list)   # the conversation, for the simulated user
+    turn_scores: list[float] = field(default_factory=list)
+    pending_user: bool = False                  # `pending` holds the user's answer, not tool calls
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -104,22 +109,26 @@ def truncate_text(text: str, limit: int, side: str) -> str:
 
 class AgentLoop:
     """Runs trajectories for one `generate` call. `engine`: a `LatheEngine` (its streaming interface); `tools`: a
-    `ToolSet` or None; `parse`: a tool-call parser (`lathe.rollout.agent.parser.get_parser`)."""
+    `ToolSet` or None; `parse`: a tool-call parser (`lathe.rollout.agent.parser.get_parser`); `interactions`: an
+    `InteractionSet` (simulated users, `lathe.rollout.agent.interactions`) or None."""
 
-    def __init__(self, engine, tokenizer, settings: AgentSettings, *, tools=None, parse, renderer=None):
+    def __init__(self, engine, tokenizer, settings: AgentSettings, *, tools=None, parse, renderer=None,
+                 interactions=None):
         if settings.tool_response_truncate_side not in TRUNCATE_SIDES:
             raise ValueError(f"actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side="
                              f"{settings.tool_response_truncate_side!r}; use one of {TRUNCATE_SIDES}")
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
-        self.tools, self.parse = tools, parse
+        self.tools, self.parse, self.interactions = tools, parse, interactions
         self.renderer = renderer or ConversationRenderer(tokenizer, tools=tools.schemas() if tools else None)
         self._stop_ids = set(getattr(engine, "eos_ids", []) or []) | set(self.renderer.stop_ids())
         self._calls = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int = 0,
-                 tools_kwargs: list[dict | None] | None = None, request_prefix: str = "agent") -> AgentOutput:
+                 tools_kwargs: list[dict | None] | None = None, interaction_kwargs: list[dict | None] | None = None,
+                 messages: list[list[dict]] | None = None, request_prefix: str = "agent") -> AgentOutput:
         """`params.n` trajectories per prompt, prompt-major (as `LatheEngine.generate`); `tools_kwargs[i]`: prompt
-        i's `extra_info["tools_kwargs"]` (verl: per tool, `create_kwargs` for its instance)."""
+        i's `extra_info["tools_kwargs"]` (verl: per tool, `create_kwargs` for its instance); `interaction_kwargs[i]`
+        its `extra_info["interaction_kwargs"]` and `messages[i]` its chat messages (for the simulated user)."""
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         self._params = replace(params, n=1, stop_token_ids=sorted(set(params.stop_token_ids) |
                                                                   set(self.renderer.stop_ids())))
@@ -129,10 +138,14 @@ class AgentLoop:
         trajs = []
         for i, prompt in enumerate(prompts):
             kwargs = (tools_kwargs or [None] * len(prompts))[i]
+            user_kwargs = (interaction_kwargs or [None] * len(prompts))[i]
             for j in range(params.n):
                 index = i * params.n + j
-                session = self.tools.open(f"{self._prefix}-{first_index + index}", kwargs) if self.tools else None
-                trajs.append(Trajectory(index, list(prompt), session))
+                tid = f"{self._prefix}-{first_index + index}"
+                session = self.tools.open(tid, kwargs) if self.tools else None
+                user = self.interactions.open(tid, user_kwargs) if self.interactions else None
+                trajs.append(Trajectory(index, list(prompt), session, user, [dict(m) for m in (messages or [[]] *
+                                                                                               len(prompts))[i]]))
         start = time.perf_counter()
         scheduler = getattr(self.engine, "scheduler", None)
         interval = getattr(scheduler, "prefill_interval", None)
@@ -174,7 +187,7 @@ class AgentLoop:
                     waiting.add(t)
             for t in [t for t in waiting if all(f.done() for f in t.pending)]:
                 waiting.discard(t)
-                if not self._on_tools(t):
+                if not self._on_answers(t):
                     del live[t.index]
             if live and not waiting and not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"agent loop: {len(live)} trajectories neither generating nor calling tools "
@@ -199,11 +212,16 @@ class AgentLoop:
         if out.finish_reasons[0] == "length" or len(t.ids) >= s.response_length:
             return self._finish(t, "length")
         parsed = self._parse(ids)
-        if not (parsed.calls or parsed.errors) or self.tools is None:
-            return self._finish(t, "stop")
+        if t.user is not None:
+            t.messages.append({"role": "assistant", "content": self._text(ids)})
         if (s.max_assistant_turns and t.assistant_turns >= s.max_assistant_turns) or (
                 s.max_user_turns and t.user_turns >= s.max_user_turns):
             return self._finish(t, "stop")
+        if not (parsed.calls or parsed.errors) or self.tools is None:
+            if t.user is None:
+                return self._finish(t, "stop")
+            t.pending, t.pending_user = [self._pool.submit(t.user.respond, list(t.messages))], True
+            return True
         calls = parsed.calls[:max(1, s.max_parallel_calls)]
         t.calls += len(calls)
         t.errors += len(parsed.errors)
@@ -211,21 +229,36 @@ class AgentLoop:
         t.pending = [self._pool.submit(t.session.call, c, timeout_s=s.tool_timeout_s) for c in calls]
         return True
 
-    def _parse(self, ids: list[int]) -> ParsedTurn:
-        body = ids[:-1] if ids and ids[-1] in self._stop_ids else ids
-        return self.parse(self.tokenizer.decode(body, skip_special_tokens=False))
+    def _body(self, ids: list[int]) -> list[int]:
+        return ids[:-1] if ids and ids[-1] in self._stop_ids else ids
 
-    def _on_tools(self, t: Trajectory) -> bool:
-        """A trajectory's tool answers are in: append them as the template renders them; queue its next turn."""
+    def _parse(self, ids: list[int]) -> ParsedTurn:
+        return self.parse(self.tokenizer.decode(self._body(ids), skip_special_tokens=False))
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(self._body(ids), skip_special_tokens=True)
+
+    def _on_answers(self, t: Trajectory) -> bool:
+        """A trajectory's tool answers (or its simulated user's) are in: append them as the template renders them;
+        queue its next turn."""
         s = self.settings
         results = [f.result() for f in t.pending]
         t.pending = []
-        texts = [r.text for r in results] + t.parse_errors
-        t.parse_errors = []
-        t.errors += sum(r.error for r in results)
-        t.tool_seconds += sum(r.seconds for r in results)
-        messages = [{"role": "tool", "content": truncate_text(x, s.max_tool_response_length,
-                                                              s.tool_response_truncate_side)} for x in texts]
+        if t.pending_user:
+            t.pending_user, turn = False, results[0]
+            t.turn_scores.append(turn.score)
+            if turn.terminate:
+                return self._finish(t, "stop")
+            messages = [{"role": "user", "content": turn.text}]
+        else:
+            texts = [r.text for r in results] + t.parse_errors
+            t.parse_errors = []
+            t.errors += sum(r.error for r in results)
+            t.tool_seconds += sum(r.seconds for r in results)
+            messages = [{"role": "tool", "content": truncate_text(x, s.max_tool_response_length,
+                                                                  s.tool_response_truncate_side)} for x in texts]
+        if t.user is not None:
+            t.messages += messages
         delta = self.renderer.close_turn(t.last_turn) + self.renderer.messages_delta(messages)
         if len(t.ids) + len(delta) >= s.response_length:        # no room for the answers and a next turn
             return self._finish(t, "length")
@@ -246,6 +279,9 @@ class AgentLoop:
             t.rewards = t.session.rewards()
             t.session.close()
             t.session = None
+        if t.user is not None:
+            t.user.close()
+            t.user = None
 
     def _output(self, trajs: list[Trajectory], seconds: float) -> AgentOutput:
         metrics = {"timing_s/agent_loop": seconds, "rollout/num_preemptions": self._preemptions}
@@ -256,5 +292,5 @@ class AgentLoop:
             finish_reasons=[t.finish_reason or "stop" for t in trajs], metrics=metrics,
             loss_masks=[t.mask for t in trajs], num_turns=[1 + t.assistant_turns + t.user_turns for t in trajs],
             tool_calls=[t.calls for t in trajs], tool_errors=[t.errors for t in trajs],
-            tool_seconds=[t.tool_seconds for t in trajs],
+            tool_seconds=[t.tool_seconds for t in trajs], turn_scores=[t.turn_scores for t in trajs],
             tool_rewards=[t.rewards for t in trajs])

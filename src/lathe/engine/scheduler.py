@@ -22,7 +22,8 @@ prompt whose prompt fits, then preempts hundreds of them as the responses grow (
 Prefill batching (`prefill_interval`, SGLang/vLLM's scheduling delay): while sequences decode, newly waiting ones
 are admitted only every `prefill_interval` decode steps (or at once when as many wait as a quarter of the running
 batch), so that requests arriving one by one (the agent loop's next turns) share a prefill step instead of each
-pausing every decode for a step of its own. 1 (the default) admits at every step.
+pausing every decode for a step of its own. It changes when a sequence starts, not what it samples (up to the
+last bits of batch-dependent logits). 1 (the default) admits at every step.
 
 `preempt_all` empties the KV cache for a weight sync (partial rollout): every sequence holding blocks goes back
 to the waiting queue, its tokens kept; that is not memory pressure, so neither counted nor boosting the reservation.

@@ -146,12 +146,13 @@ def test_the_gsm8k_tool_config_scores_a_preprocessed_row(tmp_path):
     raw.write_text('{"question": "2 + 40?", "answer": "2+40=42\\n#### 42"}\n')
     (row,) = pq.read_table(PREPROCESSORS["gsm8k_tool"](str(raw), str(tmp_path / "out"))["test"]).to_pylist()
     tools = load_tools(ROOT / "examples" / "tools" / "gsm8k_tool.yaml")
-    assert list(tools.tools) == ["calc_gsm8k_reward"]
+    assert list(tools.tools) == ["calc_gsm8k_reward", "calculator"]
     params = tools.schemas()[0]["function"]["parameters"]
     assert params["required"] == ["answer"] and params["properties"]["answer"]["type"] == "string"
     session = tools.open("t0", row["extra_info"]["tools_kwargs"])
     result = session.call(ToolCall("calc_gsm8k_reward", {"answer": "42"}), timeout_s=30)
     assert not result.error and session.rewards() == {"calc_gsm8k_reward": 1.0}
+    assert session.call(ToolCall("calculator", {"expression": "6*7"}), timeout_s=30).text == "42"
     session.close()
 
 

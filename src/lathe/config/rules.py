@@ -356,7 +356,11 @@ def _check_multi_turn(cfg: LatheConfig, problems: ProblemList) -> None:
     for key in ("max_assistant_turns", "max_user_turns"):
         if getattr(mt, key) is not None and getattr(mt, key) < 1:
             problems.add(f"{k}.{key}={getattr(mt, key)}. Fix: set it to 1 or more, or to null for no cap.")
-    for key in ("max_parallel_calls", "max_concurrent_tool_calls", "tool_timeout"):
+    if cfg.actor_rollout_ref.rollout.name == "hf":
+        problems.add(f"{k}.enable=true with actor_rollout_ref.rollout.name=hf: the agent loop streams each turn into "
+                     f"lathe's engine and is not implemented for transformers generate. Fix: set "
+                     f"actor_rollout_ref.rollout.name=lathe (or auto), or {k}.enable=false.")
+    for key in ("max_parallel_calls", "max_concurrent_tool_calls", "max_tool_response_length", "tool_timeout"):
         if getattr(mt, key) <= 0:
             problems.add(f"{k}.{key}={getattr(mt, key)} must be positive. Fix: raise it.")
     path = mt.tool_config_path or cfg.data.tool_config_path

@@ -44,7 +44,6 @@ class DecodeAttention:
 
     def __post_init__(self):
         self.layer = 0
-        self._cached = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer = self.layer

@@ -50,7 +50,8 @@ def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None,
     shaped = scores
     metrics: dict[str, float] = dict(reward_manager.metrics())
     if overlong is not None and overlong.enable:
-        penalty = overlong_reward_penalty(response_attention(batch).sum(-1), max_response_length, overlong.len, overlong.penalty_factor)
+        penalty = overlong_reward_penalty(response_attention(batch).sum(-1), max_response_length, overlong.len,
+                                          overlong.penalty_factor)
         shaped = scores + penalty
         if overlong.log:
             metrics["reward_extra/overlong_reward/mean"] = penalty.mean().item()

@@ -33,6 +33,8 @@ def test_the_agent_loop_keys_load_without_warnings(tmp_path):
     (f"{MT}.tool_response_truncate_side=top", "Fix: set it to left"),
     (f"{MT}.max_assistant_turns=0", "Fix: set it to 1 or more, or to null"),
     (f"{MT}.tool_timeout=0", "tool_timeout=0.0 must be positive"),
+    (f"{MT}.max_tool_response_length=0", "max_tool_response_length=0 must be positive"),
+    ("actor_rollout_ref.rollout.name=hf", "not implemented for transformers generate"),
     (f"{MT}.tool_config_path=/nonexistent/tools.yaml", "no such file"),
     (f"{MT}.interaction_config_path=users.yaml", "interaction_config_path='users.yaml': no such file"),
     ("rollout.n_gpus_per_node=1", "multi-turn rollouts on a rollout pool"),

@@ -184,7 +184,7 @@ def test_tool_calls_of_all_trajectories_run_at_once_while_others_generate(qwen_t
     assert time.perf_counter() - start < 0.3 * n / 2             # the four tool calls overlapped
     assert tools.most == 4 and out.tool_calls == [i % 2 for i in range(n)]
     assert sorted(tools.closed) == sorted(t for t, _ in tools.opened) and len(tools.opened) == n
-    assert [qwen_tok.decode(t).endswith(f"{i + 1}<|im_end|>") for i, t in enumerate(out.token_ids) if i % 2]
+    assert all(qwen_tok.decode(t).endswith(f"{i + 1}<|im_end|>") for i, t in enumerate(out.token_ids) if i % 2)
 
 
 @pytest.mark.parametrize("side,expected", [("left", "abcd...(truncated)"), ("right", "(truncated)...ghij"),

@@ -137,15 +137,15 @@ class AgentLoop:
         self._preemptions, self._resumed = 0, [0, 0]
         trajs = []
         for i, prompt in enumerate(prompts):
-            kwargs = (tools_kwargs or [None] * len(prompts))[i]
-            user_kwargs = (interaction_kwargs or [None] * len(prompts))[i]
+            kwargs = tools_kwargs[i] if tools_kwargs else None
+            user_kwargs = interaction_kwargs[i] if interaction_kwargs else None
+            conversation = messages[i] if messages else []
             for j in range(params.n):
                 index = i * params.n + j
                 tid = f"{self._prefix}-{first_index + index}"
                 session = self.tools.open(tid, kwargs) if self.tools else None
                 user = self.interactions.open(tid, user_kwargs) if self.interactions else None
-                trajs.append(Trajectory(index, list(prompt), session, user, [dict(m) for m in (messages or [[]] *
-                                                                                               len(prompts))[i]]))
+                trajs.append(Trajectory(index, list(prompt), session, user, [dict(m) for m in conversation]))
         start = time.perf_counter()
         scheduler = getattr(self.engine, "scheduler", None)
         interval = getattr(scheduler, "prefill_interval", None)
@@ -166,7 +166,7 @@ class AgentLoop:
     # -- the event loop -----------------------------------------------------------------------------------------
     def _run(self, trajs: list[Trajectory]) -> None:
         live = {t.index: t for t in trajs}
-        waiting: set[Trajectory] = set()            # trajectories whose tool calls are running
+        waiting: set[Trajectory] = set()            # trajectories whose tool calls (or user's answer) are running
         for t in trajs:
             self._submit(t)
         while live:

@@ -4,7 +4,7 @@ the conversation in the prefix cache."""
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -239,10 +239,10 @@ def test_later_turns_find_the_conversation_in_the_prefix_cache(qwen_tok, caching
 
 
 def test_prefill_batching_changes_when_turns_start_not_what_they_sample(qwen_tok):
-    """The engine admits next turns every `prefill_interval` decode steps: fewer prefill steps, the same tokens (up
-    to the last bits of batch-dependent logits, which a batch of another size may round differently and so flip a
-    sample now and then: all but two of the 32 trajectories must match)."""
-    outs, steps = [], []
+    """The agent loop sets the engine's prefill interval for its call (and restores it); the samples are the same
+    (up to the last bits of batch-dependent logits, which a batch of another size may round differently and so flip
+    a sample now and then: all but two of the 32 trajectories must match)."""
+    outs = []
     for interval in (1, 8):
         engine = tiny_engine(qwen_tok)
         loop = AgentLoop(engine, qwen_tok, AgentSettings(response_length=120, max_assistant_turns=3,
@@ -251,8 +251,25 @@ def test_prefill_batching_changes_when_turns_start_not_what_they_sample(qwen_tok
         stops = list(range(7, 107, 3))                          # turns of a few tokens
         outs.append(loop.generate([prompt_of(qwen_tok, q) for q in ("a", "bb", "ccc", "dddd")],
                                   SamplingParams(n=8, seed=5, stop_token_ids=stops)))
-        steps.append(engine.scheduler.num_steps["prefill"])
         assert engine.scheduler.prefill_interval == 1          # restored after the call
     same = sum(a == b for a, b in zip(outs[0].token_ids, outs[1].token_ids))
     assert same >= len(outs[0].token_ids) - 2, f"{same} of {len(outs[0].token_ids)} trajectories equal"
-    assert steps[1] < steps[0], steps
+
+
+@pytest.mark.parametrize("interval,waiting,held", [(1, 1, 0), (8, 1, 6), (8, 4, 0)])
+def test_the_scheduler_holds_a_few_arrivals_for_the_interval(qwen_tok, interval, waiting, held):
+    """With 16 sequences decoding, `waiting` new requests arriving one decode step after the last prefill are
+    prefilled after `held` more decode steps: at once without batching; for one arrival, once interval - 1 decode
+    steps have passed since the last prefill; at once when a quarter of the batch waits."""
+    engine = tiny_engine(qwen_tok)
+    engine.scheduler.prefill_interval = interval
+    long = SamplingParams(n=16, seed=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("running", [prompt_of(qwen_tok, "a")], long)
+    while engine.scheduler.waiting or engine.scheduler.prefilling is not None:
+        engine.step()
+    engine.step()                                               # one decode step since the prefill
+    engine.add_request("new", [prompt_of(qwen_tok, "b")], replace(long, n=waiting))
+    decodes = engine.scheduler.num_steps["decode"]
+    while engine.scheduler.waiting:
+        engine.step()
+    assert engine.scheduler.num_steps["decode"] - decodes == held

@@ -44,3 +44,49 @@ def test_tables_follow_new_blocks_copy_on_write_and_reallocation():
     bm.deallocate(a)                                     # preempted; readmitted with the same number of blocks
     a.block_table = [first[1], first[0], first[2]]       # and the same last block: only the epoch tells
     check()
+
+
+class _Replay:
+    """A captured graph's stand-in on the CPU: replaying reruns the step over the static buffers."""
+
+    def __init__(self, graphs, bucket):
+        self.graphs, self.bucket = graphs, bucket
+
+    def replay(self):
+        self.graphs.outputs[self.bucket] = self.graphs._forward(self.bucket)
+
+
+def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpreter, monkeypatch):
+    """The graph step's own work (one input buffer, slots and lengths from positions and block tables, padding rows
+    on the scratch slot, the fused sampler drawing from seeds and output positions, the KV store kernel) run
+    eagerly on the CPU: the same tokens as the plain engine, with overlapped scheduling, early stops, preemption,
+    changing buckets, and the PyTorch sampler for top-p batches."""
+    import lathe.engine.llm_engine as llm
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.engine.sampler import fused_settings
+    from lathe.models import load_lathe_model
+    from lathe.rollout.base import SamplingParams
+    from helpers import assert_close_rel
+    from .conftest import PROMPTS
+
+    path, _ = checkpoints["qwen2"]
+    monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
+    monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
+        torch.device("cuda"), vocab, seqs))                    # the CPU stands in for CUDA here
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, b: self.graphs.__setitem__(b, _Replay(self, b)))
+    vocab = load_lathe_model(path).config.vocab_size
+    for top_p in (1.0, 0.9):
+        params = SamplingParams(n=3, temperature=0.9, top_p=top_p, max_tokens=10, seed=4,
+                                stop_token_ids=list(range(0, vocab, 13)))
+        outs = []
+        for graphs in (False, True):
+            engine = LatheEngine(load_lathe_model(path), eos_token_id=None, block_size=4, num_kv_blocks=24,
+                                 reserve_new_tokens=False, async_scheduling=graphs)
+            if graphs:
+                engine.runner.graphs = DecodeGraphs(engine.runner, 16)
+            outs.append(engine.generate(PROMPTS, params))
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert outs[1].token_ids == outs[0].token_ids and outs[1].finish_reasons == outs[0].finish_reasons
+        assert "stop" in outs[0].finish_reasons and outs[1].metrics["rollout/num_preemptions"] > 0
+        assert_close_rel(torch.tensor(sum(outs[1].logprobs, [])), torch.tensor(sum(outs[0].logprobs, [])),
+                         name="log-probs")

@@ -107,6 +107,23 @@ def test_update_weights_invalidates_shared_prefixes(checkpoints, tmp_path):
     torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
 
 
+def test_fused_projections_sample_the_same_and_take_weight_updates(checkpoints, tmp_path):
+    """The engine with fused q/k/v and gate/up matmuls (CUDA's default for small models) samples what the unfused
+    engine samples, and an update of its weights reaches the fused tensors."""
+    from models.lathe_tiny import save_hf
+    path, _ = checkpoints["qwen2"]
+    new_path, _ = save_hf(tmp_path, "qwen2", seed=1)
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=MAX, seed=3)
+    plain = LatheEngine(load_lathe_model(path), eos_token_id=None, block_size=4, num_kv_blocks=64)
+    fused = LatheEngine(load_lathe_model(path), eos_token_id=None, block_size=4, num_kv_blocks=64,
+                        fuse_projections=True)
+    assert fused.model.model.layers[0].mlp.gate_up_weight is not None
+    assert fused.generate(PROMPTS, params).token_ids == plain.generate(PROMPTS, params).token_ids
+    fused.update_weights(load_lathe_model(new_path).state_dict().items())
+    fresh = LatheEngine(load_lathe_model(new_path), eos_token_id=None, block_size=4, num_kv_blocks=64)
+    assert fused.generate(PROMPTS, params).token_ids == fresh.generate(PROMPTS, params).token_ids
+
+
 def test_stop_ids_min_tokens_ignore_eos(checkpoints):
     path, hf = checkpoints["llama"]
     prompt = PROMPTS[0]

@@ -163,3 +163,25 @@ def test_model_built_from_config_initialises_and_runs():
     init_weights(model)
     assert model.model.layers[0].self_attn.q_norm.weight.eq(1).all()
     assert torch.isfinite(model(torch.randint(0, VOCAB, (1, 5))).logits).all()
+
+
+def test_fused_projections_keep_logits_names_and_weight_syncs(tmp_path):
+    """`fuse_projections` (the engine's one matmul for q/k/v and one for gate/up): the logits of every family are
+    unchanged, the state dict keeps its HF names, and weights copied into `q_proj.weight` etc. reach the fused
+    tensors (an engine's weight sync)."""
+    from lathe.models.decoder import fuse_projections
+    from lathe.rollout.base import copy_named_tensors
+    for family in FAMILIES:
+        path, _ = save_hf(tmp_path / family, family)
+        model, other = load_lathe_model(path), load_lathe_model(path)
+        ids = torch.randint(0, VOCAB, (2, 9))
+        ref = model(ids).logits
+        names = set(model.state_dict())
+        fuse_projections(model)
+        assert model.model.layers[0].self_attn.qkv_weight is not None and set(model.state_dict()) == names
+        assert_close_rel(model(ids).logits, ref, name=f"{family} fused logits")
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        copy_named_tensors(model, other.state_dict().items(), who="test model")
+        assert_close_rel(model(ids).logits, other(ids).logits, name=f"{family} logits after a weight copy")

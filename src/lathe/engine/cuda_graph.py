@@ -2,12 +2,19 @@
 
 A decode step of a small model is hundreds of small kernels; launched one by one from Python the GPU
 mostly waits (transformers `generate` spends 65-78 ms a step whatever the model size). A graph
-records the whole forward once per bucket and replays it with one launch. Inputs go through static
-buffers sized for the largest bucket; a batch runs in the smallest bucket that holds it, its padding
-rows writing their K/V to the cache's scratch slot and attending over one token (their outputs are
-dropped). The block tables live on the device between steps; a step rewrites only the rows whose
-sequence changed or gained a block. A bucket is captured the first time it is needed, after one eager warm-up run,
-into a memory pool all buckets share.
+records the whole step once per bucket and replays it with one launch: the forward, the lm_head, and the
+fused sampler (`triton_sample.py`), so that a step's sampled tokens and log-probs come out of the graph and
+nothing else is launched per step but the input copy.
+
+Inputs go through one static (6, max batch) int64 buffer, written by one host-to-device copy per step: token
+ids, positions, and the sampler's seeds, output positions, greedy flags and temperatures (float64 bit
+patterns). Inside the graph, each row's KV slot and context length come from its position and block table.
+A batch runs in the smallest bucket that holds it; its padding rows (position -1) write their K/V to the
+cache's scratch slot and attend over one token, and their outputs are dropped. The block tables live on
+the device between steps; a step rewrites only the rows whose sequence changed or gained a block. A
+bucket is captured the first time it is needed, after one eager warm-up run, into a memory pool all
+buckets share. A batch the fused sampler cannot take (top-k/top-p, a min_tokens ban) uses the graph's
+logits and the PyTorch sampler instead.
 
 The graphs hold the KV cache's and the weights' addresses: `update_weights` copies in place (graphs
 stay valid), `sleep()` frees the cache, so the engine calls `reset()` then and buckets are captured
@@ -23,7 +30,12 @@ import torch
 
 from lathe import device as accel
 from lathe.device import to_device
+from lathe.engine.sampler import fused_rows
 from lathe.engine.triton_decode import choose_num_splits
+
+IDS, POS, SEED, OUT_POS, GREEDY, TEMP = range(6)     # rows of the static input buffer
+_ONE = np.array(1.0).view(np.int64)
+PAD = np.array([0, -1, 0, 0, 1, _ONE], dtype=np.int64)          # a padding row: greedy, scratch slot
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -37,13 +49,14 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         device, width = runner.device, runner.max_blocks
-        self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.slots = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
+        self.inputs = torch.zeros(len(PAD), self.max_batch, dtype=torch.int64, device=device)
+        self.sampled = torch.zeros(2, self.max_batch, dtype=torch.float64, device=device)
         self.tables = torch.zeros(self.max_batch, width, dtype=torch.int32, device=device)
         self.num_sms = accel.multiprocessor_count(device)
         self.host_tables = np.zeros((self.max_batch, width), dtype=np.int32)   # mirror of `tables`
+        self.stage = np.zeros((len(PAD), self.max_batch), dtype=np.int64)       # host side of `inputs`
+        from lathe.engine.triton_sample import triton
+        self.samples = triton is not None
         self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
         self.reset()
 
@@ -64,12 +77,23 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= batch)
 
     def _forward(self, bucket: int) -> torch.Tensor:
+        """One decode step over the static buffers: logits (bucket, V); the sampled tokens and log-probs go to
+        `sampled`."""
         from lathe.engine.model_runner import DecodeAttention
-        runner = self.runner
+        runner, inp = self.runner, self.inputs[:, :bucket]
+        bs, pos = runner.block_size, inp[POS]
+        real = pos.clamp_min(0)
+        block = self.tables[:bucket].gather(1, (real // bs)[:, None])[:, 0].long()
+        slots = torch.where(pos >= 0, block * bs + real % bs, runner.kv_cache.scratch_slot)
         splits = choose_num_splits(bucket, runner.model.config.num_key_value_heads, self.num_sms)
-        attn = DecodeAttention(runner.kv_cache, self.slots[:bucket], self.tables[:bucket], self.lens[:bucket],
+        attn = DecodeAttention(runner.kv_cache, slots, self.tables[:bucket], real + 1,
                                runner.decode_backend, splits if runner.decode_backend == "triton" else 1)
-        return runner.model.model(self.input_ids[:bucket], self.positions[:bucket], attn)
+        logits = runner.model.lm_head(runner.model.model(inp[IDS], pos.clamp_min(0), attn))
+        if self.samples:
+            from lathe.engine.triton_sample import fused_sample
+            fused_sample(logits, inp[TEMP].view(torch.float64).float(), inp[GREEDY].int(), inp[SEED], inp[OUT_POS],
+                         out=self.sampled)
+        return logits
 
     def _capture(self, bucket: int) -> None:
         start = time.perf_counter()
@@ -103,24 +127,28 @@ class DecodeGraphs:
         lo, hi = dirty[0], dirty[-1] + 1
         self.tables[lo:hi].copy_(to_device(torch.from_numpy(self.host_tables[lo:hi]), self.tables.device))
 
-    def run(self, seqs, ids: list[int], positions: list[int], slots: list[int], lens: list[int],
-            pending=None) -> torch.Tensor:
-        """Final hidden states (B, H) of one decode step; inputs as `ModelRunner.decode_inputs` makes them, and
-        the input ids still on the device as `ModelRunner.take_pending` takes them."""
-        batch = len(ids)
+    def run(self, seqs, pending=None, sampling=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of `seqs`: (logits (B, V), sampled (2, B) float64 or None).
+
+        `sampling`: `sampler.fused_settings` of the batch, or None when the fused sampler cannot take it (then
+        `sampled` is None and the caller samples from the logits). Input ids still on the device are taken as
+        `ModelRunner.take_pending` takes them."""
+        batch = len(seqs)
         bucket = self._bucket(batch)
-        pad = bucket - batch
-        scratch = self.runner.kv_cache.scratch_slot
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [scratch] * pad, lens + [1] * pad],
-                            dtype=torch.int64)
-        dev = to_device(host, self.input_ids.device)           # one copy, from pinned memory
-        self.input_ids[:bucket].copy_(dev[0])
-        self.positions[:bucket].copy_(dev[1])
-        self.slots[:bucket].copy_(dev[2])
-        self.lens[:bucket].copy_(dev[3])
-        self.runner.take_pending(self.input_ids, pending)
-        self._sync_tables(seqs)        # padding rows keep whatever table they hold: they read one token of it
+        stage = self.stage
+        stage[IDS, :batch] = [s.token_ids[-1] for s in seqs]         # PENDING (-1) ones are written below
+        stage[POS, :batch] = [len(s.token_ids) - 1 for s in seqs]
+        if sampling is not None and self.samples:
+            stage[SEED:, :batch] = fused_rows(seqs, sampling)
+        else:
+            stage[SEED:, :batch] = PAD[SEED:, None]
+        stage[:, batch:bucket] = PAD[:, None]
+        host = torch.from_numpy(np.ascontiguousarray(stage[:, :bucket]))
+        self.inputs[:, :bucket].copy_(to_device(host, self.inputs.device))
+        self.runner.take_pending(self.inputs[IDS], pending)
+        self._sync_tables(seqs)        # padding rows keep whatever table they hold: they write the scratch slot
         if bucket not in self.graphs:
             self._capture(bucket)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:batch]
+        sampled = self.sampled[:, :batch] if sampling is not None and self.samples else None
+        return self.outputs[bucket][:batch], sampled

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lathe.device import to_device
+from lathe.engine.triton_store import can_store, store_kv
 
 
 class KVCache:
@@ -68,7 +69,11 @@ class KVCache:
         self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))
 
     def store_unchecked(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """`store` for slots known to be valid: no host sync, so it can be captured in a CUDA graph."""
+        """`store` for slots known to be valid: no host sync, so it can be captured in a CUDA graph. On CUDA one
+        Triton launch writes both (`triton_store`)."""
+        if can_store(k, v):
+            store_kv(k, v, self.k[layer], self.v[layer], slot_mapping)
+            return
         flat = (-1,) + self.shape[2:]
         self.k[layer].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))
         self.v[layer].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))

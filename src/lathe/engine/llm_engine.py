@@ -27,7 +27,7 @@ from lathe import device as accel
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
-from lathe.engine.sampler import sample_on_device
+from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
 from lathe.engine.stop import StopStringMatcher, StopStrings
@@ -44,6 +44,7 @@ def sequence_seed(seed: int, index: int) -> int:
 
 
 FINISHED = SequenceStatus.FINISHED
+FUSE_MAX_FRACTION = 0.04     # fused projections by default while their copy is at most this share of the device
 
 
 class _InFlight:
@@ -52,7 +53,9 @@ class _InFlight:
 
     def __init__(self, seqs: list[Sequence], out: torch.Tensor):
         self.seqs, self.out = seqs, out
-        self.tokens = out[0].long()
+        self.tokens = out[0].long()             # (`out` may be a graph's static buffer, which the next step rewrites:
+        if not out.is_cuda:                     # on CUDA the copies below are queued before that step; elsewhere
+            self.out = out.clone()              # it is read at resolve time, so kept)
         self._rows: dict[Sequence, int] | None = None
         self.pending: list[tuple[Sequence, int, int]] = []
         self.host, self.event = None, None
@@ -94,8 +97,9 @@ class LatheEngine(StreamingMixin):
     """Continuous-batching generation with a `LatheCausalLM` (fp32/bf16, CPU or CUDA).
 
     On CUDA, by default: the model's layers are compiled (`compile_model`, torch.compile per layer), decode
-    steps replay CUDA graphs (`enforce_eager=False`), and decode attention is the fastest kernel measured at
-    start-up (`decode_backend="auto"`: Triton paged decode or the PyTorch reference).
+    steps replay CUDA graphs (`enforce_eager=False`) that also sample, decode attention is the fastest kernel
+    measured at start-up (`decode_backend="auto"`: Triton paged decode or the PyTorch reference), and a small
+    model's q/k/v and gate/up projections run as one matmul each (`fuse_projections`, see `_should_fuse`).
 
     KV memory: `num_kv_blocks` blocks of `block_size` tokens; when not given it is sized from
     `gpu_memory_utilization` of the device's free memory (CUDA) or to hold `max_num_seqs` sequences of
@@ -115,8 +119,11 @@ class LatheEngine(StreamingMixin):
                  enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, decode_backend: str = "auto", enforce_eager: bool = False,
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
-                 async_scheduling: bool | None = None):
+                 async_scheduling: bool | None = None, fuse_projections: bool | None = None):
         self.model = model.eval()
+        if self._should_fuse(fuse_projections):
+            from lathe.models.decoder import fuse_projections as fuse
+            fuse(model)
         # overlap needs a device that runs behind the host; on the CPU it would only run stopped rows once more
         self.async_scheduling = model.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _InFlight | None = None
@@ -124,6 +131,7 @@ class LatheEngine(StreamingMixin):
             from lathe.models.compile import compile_decoder
             compile_decoder(model)    # fuses norms, RoPE, SwiGLU; the decode graphs capture the compiled kernels
         cfg = model.config
+        self.vocab_size = model.lm_head.weight.shape[0]
         self.eos_ids = [] if eos_token_id is None else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         self.tokenizer = tokenizer    # decodes outputs for SamplingParams.stop (stop strings); optional
@@ -143,6 +151,19 @@ class LatheEngine(StreamingMixin):
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
                                   max_graph_batch=min(max_num_seqs, 512))
         self._init_streaming()
+
+    def _should_fuse(self, requested: bool | None) -> bool:
+        """Fused q/k/v and gate/up matmuls (`lathe.models.decoder.fuse_projections`): asked for, or by default on CUDA
+        when the fused copy is small (at most `FUSE_MAX_FRACTION` of the device's memory). The copy is extra memory
+        when the engine shares the trainer's tensors (one GPU), and it pays where it matters: a small model's decode
+        step is latency-bound small matmuls, a large model's matmuls are bandwidth-bound either way."""
+        if requested is not None:
+            return requested
+        if self.model.device.type != "cuda":
+            return False
+        from lathe.models.decoder import projection_bytes
+        total = accel.total_memory(self.model.device) or 0
+        return projection_bytes(self.model) <= FUSE_MAX_FRACTION * total
 
     @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -259,10 +280,13 @@ class LatheEngine(StreamingMixin):
                 keep = {id(s) for s in complete}
                 logits = logits[[i for i, s in enumerate(seqs) if id(s) in keep]]
                 seqs = complete
+            sampled = None
         else:
-            logits = self.runner.run(seqs, False, pending=self._pending_inputs(seqs, last))
+            sampling = (fused_settings(self.model.device, self.vocab_size, seqs)
+                        if self.runner.graphs is not None else None)      # sampled inside the step's graph
+            logits, sampled = self.runner.decode(seqs, self._pending_inputs(seqs, last), sampling)
         if seqs:
-            out = sample_on_device(logits, seqs)
+            out = sampled if sampled is not None else sample_on_device(logits, seqs)
             self._inflight = _InFlight(seqs, out)
         else:
             self._inflight = None

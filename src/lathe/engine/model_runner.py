@@ -212,22 +212,29 @@ class ModelRunner:
 
         Prefill computes `num_new[i]` tokens of sequence i (all its uncached tokens by default). A decode's
         input tokens that are still on the device come from `pending` (see `take_pending`)."""
-        if is_prefill:
-            if num_new is None:
-                num_new = [len(s) - s.num_cached_tokens for s in seqs]
-            ids, positions, attn, last, order = self.prepare_prefill(seqs, num_new)
-            hidden = self.model.model(ids, positions, attn)[last]
-            inverse = [0] * len(order)
-            for j, i in enumerate(order):
-                inverse[i] = j
-            hidden = hidden[self._tensor(inverse)]
-        elif self.graphs is not None and self.graphs.fits(len(seqs)):
-            hidden = self.graphs.run(seqs, *self.decode_inputs(seqs), pending=pending)
-        else:
-            ids, positions, slots, lens = self.decode_inputs(seqs)
-            attn = DecodeAttention(self.kv_cache, self._tensor(slots), to_device(self._tables(seqs), self.device),
-                                   self._tensor(lens, torch.int32), self.decode_backend)
-            ids = self._tensor(ids)
-            self.take_pending(ids, pending)
-            hidden = self.model.model(ids, self._tensor(positions), attn)
-        return self.model.lm_head(hidden)
+        if not is_prefill:
+            return self.decode(seqs, pending)[0]
+        if num_new is None:
+            num_new = [len(s) - s.num_cached_tokens for s in seqs]
+        ids, positions, attn, last, order = self.prepare_prefill(seqs, num_new)
+        hidden = self.model.model(ids, positions, attn)[last]
+        inverse = [0] * len(order)
+        for j, i in enumerate(order):
+            inverse[i] = j
+        return self.model.lm_head(hidden[self._tensor(inverse)])
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence], pending: tuple | None = None, sampling=None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step: (logits (B, V), sampled (2, B) float64 token ids and log-probs, or None).
+
+        On CUDA graphs the step samples too when `sampling` (`sampler.fused_settings` of the batch) is given;
+        otherwise `sampled` is None and the caller samples from the logits."""
+        if self.graphs is not None and self.graphs.fits(len(seqs)):
+            return self.graphs.run(seqs, pending, sampling)
+        ids, positions, slots, lens = self.decode_inputs(seqs)
+        attn = DecodeAttention(self.kv_cache, self._tensor(slots), to_device(self._tables(seqs), self.device),
+                               self._tensor(lens, torch.int32), self.decode_backend)
+        ids = self._tensor(ids)
+        self.take_pending(ids, pending)
+        return self.model.lm_head(self.model.model(ids, self._tensor(positions), attn)), None

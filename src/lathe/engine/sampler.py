@@ -5,8 +5,8 @@ greedy: the quantity the trainer recomputes (and `HFRollout` returns), not the t
 that top-k/top-p sampled from. `min_tokens` bans the stop ids from being sampled, never from the log-prob.
 
 Every row may have its own settings; the work is a few (B, V) tensor passes, with no per-row loop on the
-device. On CUDA, batches without top-k/top-p/min_tokens bans go through one fused Triton kernel instead
-(`triton_sample.py`), the same draw from the same uniform numbers.
+device. On CUDA, batches without top-k/top-p/min_tokens bans go through the fused Triton sampler instead
+(`triton_sample.py`, which a decode step's CUDA graph also captures), the same draw from the same uniform numbers.
 
 Randomness is inverse-CDF sampling from one uniform number per row, `uniforms(seed, t)`: splitmix64 of
 the sequence's seed and its output position t. A sequence samples the same tokens whatever else shares
@@ -70,43 +70,52 @@ def _shared_params(seqs: list[Sequence]):
     return first if all(s.params is first for s in seqs) else None
 
 
-def _fusable(logits: torch.Tensor, seqs: list[Sequence], shared) -> bool:
-    """Whether the fused Triton kernel can sample this batch: CUDA, no top-k/top-p, no min_tokens ban."""
-    if not logits.is_cuda:
-        return False
+def fused_settings(device: torch.device, vocab: int, seqs: list[Sequence]):
+    """(greedy, temperature) for the fused Triton sampler, each a scalar when every row shares it (a `generate`
+    call) or a per-row list; None when the fused kernel cannot sample this batch (not CUDA, no Triton, a row with
+    top-k/top-p, or a min_tokens ban in force)."""
+    if device.type != "cuda":
+        return None
     from lathe.engine.triton_sample import triton
     if triton is None:
-        return False
-    v = logits.shape[-1]
+        return None
+    shared = _shared_params(seqs)
     params = [shared] if shared is not None else [s.params for s in seqs]
-    if not all(p.greedy or ((p.top_k <= 0 or p.top_k >= v) and p.top_p >= 1) for p in params):
-        return False
-    if not any(p.min_tokens and p.stop_token_ids for p in params):
-        return True
-    return not any(s.num_output_tokens < s.params.min_tokens and s.params.stop_token_ids for s in seqs)
-
-
-def _sample_fused(logits: torch.Tensor, seqs: list[Sequence], shared) -> torch.Tensor:
-    from lathe.engine.triton_sample import fused_sample
+    if not all(p.greedy or ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1) for p in params):
+        return None
+    if any(p.min_tokens and p.stop_token_ids for p in params) and any(
+            s.num_output_tokens < s.params.min_tokens and s.params.stop_token_ids for s in seqs):
+        return None
     if shared is not None:      # runs at every decode step: per-sequence lists only where they differ
-        host = torch.tensor([[shared.logprob_temperature], [float(shared.greedy)]]).expand(2, len(seqs))
-    else:
-        params = [s.params for s in seqs]
-        host = torch.tensor([[p.logprob_temperature for p in params], [float(p.greedy) for p in params]])
-    u = uniforms([s.seed or 0 for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs])
-    u = torch.from_numpy(u.astype(np.float32))
-    host = to_device(torch.cat([host.float(), u[None]]), logits.device)
-    tokens, logprobs = fused_sample(logits, host[0], host[1].int(), host[2])
-    return torch.stack([tokens.double(), logprobs.double()])
+        return int(shared.greedy), shared.logprob_temperature
+    return [int(p.greedy) for p in params], [p.logprob_temperature for p in params]
+
+
+def fused_rows(seqs: list[Sequence], settings) -> np.ndarray:
+    """(4, B) int64 host rows the fused sampler reads: seeds, output positions, greedy flags, and temperatures
+    (float64 bit patterns, `.view(torch.float64)` on the device)."""
+    greedy, temps = settings
+    rows = np.empty((4, len(seqs)), dtype=np.int64)
+    rows[0] = [s.seed or 0 for s in seqs]
+    rows[1] = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
+    rows[2] = greedy
+    rows[3] = np.asarray(temps, dtype=np.float64).view(np.int64)
+    return rows
+
+
+def _sample_fused(logits: torch.Tensor, seqs: list[Sequence], settings) -> torch.Tensor:
+    from lathe.engine.triton_sample import fused_sample
+    rows = to_device(torch.from_numpy(fused_rows(seqs, settings)), logits.device)
+    return fused_sample(logits, rows[3].view(torch.float64).float(), rows[2].int(), rows[0], rows[1])
 
 
 def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """(2, B) float64 on the logits' device: row 0 the token ids, row 1 their log-probs; one row of `logits`
     (B, V) per sequence (computed in float32). Nothing here waits for the device: the engine copies the
     result to the host while the next step runs."""
-    shared = _shared_params(seqs)
-    if _fusable(logits, seqs, shared):
-        return _sample_fused(logits, seqs, shared)
+    settings = fused_settings(logits.device, logits.shape[-1], seqs)
+    if settings is not None:
+        return _sample_fused(logits, seqs, settings)
     logits = logits.float()
     device = logits.device
     params = [s.params for s in seqs]

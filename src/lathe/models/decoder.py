@@ -73,8 +73,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.register_buffer("gate_up_weight", None, persistent=False)    # set by fuse_projections
+        self.register_buffer("gate_up_bias", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:       # fused (`fuse_projections`): one matmul for gate and up
+            gate, up = nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            return self.down_proj(nn.functional.silu(gate) * up)
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -93,13 +98,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.register_buffer("qkv_weight", None, persistent=False)        # set by fuse_projections
+        self.register_buffer("qkv_bias", None, persistent=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q, k, v), each (..., heads, head_dim), q/k normed (Qwen3) and rotated."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        if self.qkv_weight is not None:           # fused (`fuse_projections`): one matmul for q, k and v
+            kv = self.n_kv * self.head_dim
+            q, k, v = nn.functional.linear(x, self.qkv_weight, self.qkv_bias).split(
+                [self.n_heads * self.head_dim, kv, kv], dim=-1)
+            q, k, v = (t.reshape(*lead, -1, self.head_dim) for t in (q, k, v))
+        else:
+            q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+            k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
+            v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
@@ -124,6 +137,41 @@ class DecoderLayer(nn.Module):
         q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
         x = x + self.self_attn.o_proj(_attend(attn, q, k, v, torch.compiler.is_compiling()))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _fuse(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]) -> None:
+    """Concatenate `linears`' weights (and biases) into `owner.<name>_weight` / `_bias` (non-persistent buffers) and
+    make each layer's own parameters views of them: the state dict keeps its HF names, and a weight copied into
+    `q_proj.weight` (an engine's weight sync) lands in the fused tensor."""
+    for part in ("weight", "bias"):
+        tensors = [getattr(lin, part) for lin in linears]
+        if tensors[0] is None:
+            owner.register_buffer(f"{name}_{part}", None, persistent=False)
+            continue
+        fused = torch.cat([t.detach() for t in tensors])
+        owner.register_buffer(f"{name}_{part}", fused, persistent=False)
+        start = 0
+        for lin, t in zip(linears, tensors):
+            getattr(lin, part).data = fused[start:start + t.shape[0]]
+            start += t.shape[0]
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """One matmul for each layer's q/k/v projections and one for gate/up, as vLLM's QKV and merged column layers.
+    For inference (the rollout engine): a decode step of a small model is made of small, latency-bound matmuls, and
+    each one saved is a launch saved. The fused tensors are new memory; the layers' old tensors are freed unless
+    something else (a trainer sharing them) still holds them."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        _fuse(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
+        _fuse(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))
+
+
+def projection_bytes(model: nn.Module) -> int:
+    """Bytes of the weights `fuse_projections` concatenates (q, k, v, gate, up of every layer)."""
+    parts = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.model.layers]
+    parts += [(layer.mlp, ("gate_proj", "up_proj")) for layer in model.model.layers]
+    return sum(getattr(owner, name).weight.nbytes for owner, names in parts for name in names)
 
 
 class LatheDecoderModel(nn.Module):

@@ -1,0 +1,200 @@
+"""Where a decode step's time goes: host work per part, device time per part, and the device's idle gaps.
+
+    python bench/decode_profile.py [--models 0.5b,1.5b] [--prompts 256] [--prompt-len 256] [--new-tokens 512]
+
+Runs `bench/rollout.py`'s fixed load through the engine as users get it (CUDA graphs, compiled layers,
+overlapped scheduling), with every host-side part of a step timed by `perf_counter` and CUDA events around
+each step's graph run. Reported per decode step (medians over the run's decode steps):
+wall time; host milliseconds in each part; device milliseconds of the graph-replayed step (forward, lm_head and
+sampler, with the input copies just before it); and the
+share of the run's span in which the device had no step's work queued (host-bound time). Then a
+torch.profiler table of a few graph-replayed decode steps: which kernels the device time goes to.
+Writes JSON (device, date, git sha) to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from rollout import hbm_bandwidth, random_prompts, roofline_tok_s, weight_bytes  # noqa: E402
+from train import SHAPES, build_hf, device_name, git_sha, profile_summary, slug, sync  # noqa: E402
+
+import lathe.engine.llm_engine as llm  # noqa: E402
+from lathe.engine.llm_engine import LatheEngine  # noqa: E402
+from lathe.models.hf import lathe_from_transformers  # noqa: E402
+from lathe.rollout.base import SamplingParams  # noqa: E402
+
+
+class Probe:
+    """Accumulates host seconds per named part of the current step, and device events per step."""
+
+    def __init__(self):
+        self.host = defaultdict(float)
+        self.steps: list[dict] = []
+        self.events: list[tuple] = []
+        self.on = False
+
+    def wrap(self, obj, name: str, label: str | None = None):
+        fn = getattr(obj, name)
+        label = label or name
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.host[label] += time.perf_counter() - t
+        setattr(obj, name, timed)
+
+
+def instrument(engine: LatheEngine, probe: Probe) -> None:
+    probe.wrap(engine.scheduler, "schedule")
+    probe.wrap(engine, "_resolve", "resolve")
+    probe.wrap(engine.kv_cache, "copy_blocks")
+    probe.wrap(engine.runner, "decode_inputs")
+    probe.wrap(llm._InFlight, "add_placeholders")
+    probe.wrap(llm._InFlight, "__init__", "inflight_copy")
+    probe.wrap(engine, "_pending_inputs", "pending_inputs")
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        probe.wrap(graphs, "_sync_tables", "graph_tables")
+        run = graphs.run
+
+        def graph_run(*a, **k):
+            if not probe.on:
+                return run(*a, **k)
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            t = time.perf_counter()
+            out = run(*a, **k)
+            probe.host["graph_run"] += time.perf_counter() - t
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record()
+            probe.events.append((e0, e1, len(a[0])))
+            return out
+        graphs.run = graph_run
+    sample = llm.sample_on_device
+
+    def sample_timed(logits, seqs):
+        if not probe.on:
+            return sample(logits, seqs)
+        t = time.perf_counter()
+        out = sample(logits, seqs)
+        probe.host["sample"] += time.perf_counter() - t
+        return out
+    llm.sample_on_device = sample_timed
+    step = engine.step
+
+    def step_timed():
+        if not probe.on:
+            return step()
+        probe.host.clear()
+        t = time.perf_counter()
+        n = step()
+        wall = time.perf_counter() - t
+        probe.steps.append({"wall": wall, "n": n, "host": dict(probe.host),
+                            "decode": "graph_run" in probe.host})
+        return n
+    engine.step = step_timed
+
+
+def med(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+def profile_model(name: str, device, args) -> dict:
+    shape = SHAPES[name]
+    hf = build_hf(name, device, torch.bfloat16).eval()
+    model = lathe_from_transformers(hf).eval()
+    del hf
+    torch.cuda.empty_cache()
+    prompts = random_prompts(args.prompts, args.prompt_len, args.prompt_len, shape["vocab_size"], 0)
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    engine = LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=args.prompts,
+                         gpu_memory_utilization=args.gpu_memory_utilization)
+    probe = Probe()
+    instrument(engine, probe)
+    engine.generate(prompts, params)            # warm-up: compile, capture every bucket
+    sync(device)
+    plain = []
+    for _ in range(2):
+        t = time.perf_counter()
+        out = engine.generate(prompts, params)
+        sync(device)
+        plain.append(time.perf_counter() - t)
+    probe.on = True
+    t = time.perf_counter()
+    engine.generate(prompts, params)
+    sync(device)
+    probed = time.perf_counter() - t
+    probe.on = False
+    decode = [s for s in probe.steps if s["decode"]]
+    parts = sorted({k for s in decode for k in s["host"]})
+    fwd = [a.elapsed_time(b) for a, b, n in probe.events]
+    span = probe.events[0][0].elapsed_time(probe.events[-1][1]) if probe.events else 0.0
+    busy = sum(fwd)
+    tokens = sum(len(t) for t in out.token_ids)
+    bandwidth = hbm_bandwidth(device_name(device))
+    roof = roofline_tok_s(shape, weight_bytes(model), [len(p) for p in prompts], [len(t) for t in out.token_ids],
+                          bandwidth) if bandwidth else None
+    result = {
+        "tok_s": [tokens / s for s in plain], "tok_s_probed": tokens / probed,
+        "roofline_tok_s": roof, "roofline_fraction": [tokens / s / roof for s in plain] if roof else None,
+        "decode_steps": len(decode), "prefill_steps": len(probe.steps) - len(decode),
+        "decode_wall_ms_median": 1e3 * med([s["wall"] for s in decode]),
+        "decode_host_ms_median": {k: 1e3 * med([s["host"].get(k, 0.0) for s in decode]) for k in parts},
+        "decode_device_ms_median": med(fwd),
+        "device_busy_fraction_of_decode_span": busy / span if span else None,
+        "prefill_wall_s_total": sum(s["wall"] for s in probe.steps if not s["decode"]),
+        "decode_wall_s_total": sum(s["wall"] for s in decode),
+    }
+    # kernels of a few graph-replayed decode steps
+    short = SamplingParams(n=1, temperature=1.0, max_tokens=8, ignore_eos=True, seed=0)
+    result["kernels_8_tokens"] = profile_summary(lambda: engine.generate(prompts, short), device, top=20)
+    engine.sleep()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="0.5b")
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    name = device_name(device)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_profile_{slug(name)}.json"
+    res = {"bench": "decode_profile", "label": args.label, "device": name,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "git_sha": git_sha(),
+           "torch": torch.__version__, "args": vars(args), "models": {}}
+    for m in args.models.split(","):
+        res["models"][m] = r = profile_model(m, device, args)
+        print(m, json.dumps({k: v for k, v in r.items() if k != "kernels_8_tokens"}, indent=1), flush=True)
+        print(json.dumps(r["kernels_8_tokens"], indent=1)[:4000], flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ KV cache fastest.
     python bench/decode_kernels.py [--batch 256] [--contexts 512,1024] [--out bench/results/decode_kernels_<device>.json]
 
 For each Qwen2.5 attention shape (0.5B 14/2 heads of 64, 1.5B 12/2 of 128, 7B 28/4 of 128), a bf16 paged cache
-with shuffled block tables, and every (BLOCK_N, num_warps, num_stages) of a small grid: the median time of
+with shuffled block tables, and every (num_splits, BLOCK_N, num_warps, num_stages) of a small grid: the median time of
 `paged_decode` (triton.testing.do_bench) and the bandwidth it reaches (K and V bytes read over time). The
 engine's setting is marked; the fastest per shape is what `triton_decode` should use.
 """
@@ -61,25 +61,28 @@ def main() -> None:
             ref = decode_attention(q.float(), kc.float(), vc.float(), tables.long(), lens)
             splits = choose_num_splits(b, hkv, sms)
             rows = []
-            for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
+            grid = [(s, bn, w, st) for s in (1, 2, 4) for bn, w, st in
+                    itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))]
+            for split, bn, warps, stages in grid:
                 try:
-                    fn = lambda: paged_decode(q, kc, vc, tables, lens, num_splits=splits, block_n=bn,  # noqa: E731
+                    fn = lambda: paged_decode(q, kc, vc, tables, lens, num_splits=split, block_n=bn,  # noqa: E731
                                               num_warps=warps, num_stages=stages)
                     err = float((fn().float() - ref).norm() / ref.norm())
                     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                 except Exception as e:          # a configuration that does not compile (shared memory) is skipped
-                    rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "error": str(e)[:200]})
+                    rows.append({"num_splits": split, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                                 "error": str(e)[:200]})
                     continue
-                rows.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "ms": ms,
+                rows.append({"num_splits": split, "block_n": bn, "num_warps": warps, "num_stages": stages, "ms": ms,
                              "tb_s": nbytes / ms / 1e9, "rel_err": err,
-                             "engine_default": (bn, warps, stages) == (64, 4, 3)})
+                             "engine_default": (split, bn, warps, stages) == (splits, 64, 4, 3)})
             ok = [r for r in rows if "ms" in r]
             best = min(ok, key=lambda r: r["ms"])
             default = next(r for r in ok if r["engine_default"])
             res["shapes"][f"{shape}_ctx{ctx}"] = {"heads": [hq, hkv, dim], "num_splits": splits, "bytes": nbytes,
                                                   "best": best, "default": default, "all": rows}
             print(f"{shape} ctx {ctx}: default {default['ms']*1e3:.1f} us ({default['tb_s']:.2f} TB/s), best "
-                  f"{best['ms']*1e3:.1f} us ({best['tb_s']:.2f} TB/s) at block_n {best['block_n']} warps "
+                  f"{best['ms']*1e3:.1f} us ({best['tb_s']:.2f} TB/s) at splits {best['num_splits']} block_n {best['block_n']} warps "
                   f"{best['num_warps']} stages {best['num_stages']}", flush=True)
             del kc, vc
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_kernels_{slug(name)}.json"

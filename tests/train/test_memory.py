@@ -91,3 +91,15 @@ def test_lora_plans_a_frozen_base_small_adapters_no_reference_and_merged_engine_
     assert _gib(parts, "actor LoRA adapters AdamW moments") == pytest.approx(8 * 20e6 / 2**30)
     assert _gib(parts, "rollout merged weights, bf16") == pytest.approx(2 * 800e6 / 2**30)
     assert not any("reference" in p.what or "actor master" in p.what for p in parts), "no reference copy, no base masters"
+
+
+def test_sharded_lora_plans_shards_of_the_base_and_adapters_and_a_full_merged_engine_copy(monkeypatch):
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", "actor_rollout_ref.model.lora_rank=8",
+                               "trainer.n_gpus_per_node=2"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=True, critic_params=None, lathe_engine=True, world=2,
+                        lora=(20_000_000, 800_000_000))
+    assert _gib(parts, "actor base weights (frozen), bf16, 1/2 shard") == pytest.approx(N / 2**30)
+    assert _gib(parts, "actor LoRA adapters AdamW moments, 2 x fp32, 1/2 shard") == pytest.approx(4 * 20e6 / 2**30)
+    assert _gib(parts, "rollout merged weights, bf16") == pytest.approx(2 * N / 2**30)   # the engine's own copy
+    assert not any("reference" in p.what for p in parts)

@@ -1,7 +1,7 @@
 """``load_sft_config``: defaults -> YAML file -> overrides -> interpolation -> verl's old spellings -> checks.
 
 Every key of ``schema_sft`` acts, or is in ``entries()``: refused when set to a value lathe does not implement
-(LoRA, sequence parallelism, Liger, a custom dataset class, HDFS copies, ...), or warned about when it has no effect
+(sequence parallelism, Liger, a custom dataset class, HDFS copies, ...), or warned about when it has no effect
 (the registry's ``Entry`` of ``support_base``, as ``lathe train``'s keys are judged).
 """
 
@@ -26,8 +26,6 @@ ALWAYS_SAVED = {"model", "optimizer", "extra"}
 def entries() -> list[Entry]:
     """The SFT keys lathe accepts but does not act on (fully): refused, or warned about (see support_base)."""
     return [
-        only_on("several devices", refuse("model.lora_rank", "LoRA on several devices (FSDP2 sharding)",
-                                          "train LoRA on one device, or set lora_rank=0", at_most(0))),
         refuse("ulysses_sequence_parallel_size", "Ulysses sequence parallelism", "set it to 1", at_most(1)),
         refuse("model.use_liger", "Liger kernels"),
         refuse("data.custom_cls.path", "a custom dataset class"),

@@ -94,7 +94,6 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "one device": lambda cfg: devices(cfg) == 1,
     "several devices": lambda cfg: devices(cfg) > 1,
     "synchronous training": lambda cfg: cfg.rollout.n_gpus_per_node == 0,     # no rollout pool of its own
-    "several devices or a rollout pool": lambda cfg: devices(cfg) > 1 or cfg.rollout.n_gpus_per_node > 0,
     "lora_rank=0": lambda cfg: cfg.actor_rollout_ref.model.lora_rank == 0,     # full fine-tuning: no adapters
     "a rollout pool": lambda cfg: cfg.rollout.n_gpus_per_node > 0,             # fully asynchronous training
     "single-turn": lambda cfg: not cfg.actor_rollout_ref.rollout.multi_turn.enable,

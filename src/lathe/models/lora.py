@@ -10,7 +10,8 @@ names as without LoRA.
   only the adapters are trainable. Targets follow PEFT: ``all-linear`` is every linear layer of the decoder
   (not ``lm_head``), a name matches a module whose path ends with it; ``exclude_modules`` likewise.
 - ``adapters_disabled``: the base model (the reference policy: no second copy of the weights).
-- ``merged_weights``: ``W + s B A`` of each adapted layer, for the rollout engine and for a Hugging Face export.
+- ``merged_weights``: ``W + s B A`` of each adapted layer, for the rollout engine and for a Hugging Face export
+  (``merged_state``: the same from a full state dict, what a sharded model's ranks gather).
 - ``save_adapter`` / ``load_adapter``: PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors`` with
   ``base_model.model.<path>.lora_A.weight`` names), which ``peft.PeftModel.from_pretrained`` loads.
 """
@@ -94,11 +95,14 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: str
 
 
 @torch.no_grad()
-def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
-    """The frozen (base) parameters to `dtype` (the compute dtype: bf16 on a GPU); the adapters keep theirs."""
+def cast_frozen(model: nn.Module, dtype: torch.dtype, *, adapters: torch.dtype | None = None) -> None:
+    """The frozen (base) parameters to `dtype` (the compute dtype: bf16 on a GPU); the adapters keep theirs, or
+    become `adapters` (the master dtype of a sharded model, whose shards are what its optimizer updates)."""
     for p in model.parameters():
         if not p.requires_grad:
             p.data = p.data.to(dtype)
+        elif adapters is not None:
+            p.data = p.data.to(adapters)
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
@@ -124,6 +128,27 @@ def adapters_disabled(model: nn.Module):
 
 def is_adapter(name: str) -> bool:
     return name.endswith((".lora_A", ".lora_B"))
+
+
+def merge(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + s B A`` in W's dtype, the adapters first rounded to W's dtype (as the module computes with them when the
+    base is in the compute dtype), the sum in float32."""
+    a, b = (t.to(weight.dtype).float() for t in (lora_A, lora_B))
+    return (weight.float() + (b @ a) * scaling).to(weight.dtype)
+
+
+def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state dict of `model` (by lathe's names, adapters included, such as a sharded model's gathered one)
+    with every adapter merged into its layer's weight and the adapters' own tensors left out."""
+    adapted = dict(lora_layers(model))
+    out = {}
+    for name, tensor in state.items():
+        if is_adapter(name):
+            continue
+        path, _, leaf = name.rpartition(".")
+        out[name] = (merge(tensor, state[f"{path}.lora_A"], state[f"{path}.lora_B"], adapted[path].scaling)
+                     if path in adapted and leaf == "weight" else tensor)
+    return out
 
 
 @torch.no_grad()
@@ -193,10 +218,10 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-@torch.no_grad()
-def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy adapter tensors (lathe's names, as `read_adapter` returns them) into an adapted model; a missing, extra
-    or misshapen tensor is an error naming it."""
+def check_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> dict[str, nn.Parameter]:
+    """The model's adapter parameters by lathe's name, once `tensors` (as `read_adapter` returns them) is known to
+    fit them: a missing, extra or misshapen tensor is an error naming it. (A sharded parameter reports its full
+    shape.)"""
     own = {f"{p}.{leaf}": getattr(m, leaf) for p, m in lora_layers(model) for leaf in ("lora_A", "lora_B")}
     missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or extra:
@@ -207,4 +232,12 @@ def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
         if tuple(tensors[name].shape) != tuple(param.shape):
             raise ValueError(f"{source}: {name} has shape {tuple(tensors[name].shape)}, the model's LoRA layer "
                              f"{tuple(param.shape)}. Fix: set lora_rank to the adapter's r.")
+    return own
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy adapter tensors (lathe's names, as `read_adapter` returns them) into an adapted model (not sharded);
+    see `check_adapter` for the errors."""
+    for name, param in check_adapter(model, tensors, source).items():
         param.copy_(tensors[name])

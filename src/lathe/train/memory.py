@@ -60,35 +60,35 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     the engine holds its own full copy. `colocated=False`: the rollout has devices of its own (fully async).
     `lora`: (adapter parameters, parameters of the adapted layers): the base is frozen in the compute dtype, only
     the adapters have masters, gradients and moments, the reference is the base itself, and lathe's engine holds
-    merged copies of the adapted layers only."""
+    merged copies of the adapted layers only (on one device: it shares the rest with the frozen base; sharded, it
+    holds a full copy of its own, the base and adapters being 1/world shards)."""
     from lathe.train.workers import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
     engine_dtype = rollout_dtype(arr.rollout.dtype, torch.device(device))
     shares = lathe_engine and engine_dtype == compute and world == 1
     note = ", shared with the rollout engine" if shares else ""
+    size = lambda n, dtype: n * torch.empty((), dtype=dtype).element_size()   # noqa: E731
     if lora is not None:
         adapters, adapted = lora
-        size = lambda n, dtype: n * torch.empty((), dtype=dtype).element_size()   # noqa: E731
         parts = [Part(f"actor base weights (frozen), {short_name(compute)}", size(n_params, compute), True),
                  *model_parts("actor LoRA adapters", "actor_rollout_ref.actor", adapters, arr.actor.fsdp_config,
                               device)]
         if colocated:
-            merged = adapted if lathe_engine and engine_dtype == compute else n_params
+            merged = adapted if lathe_engine and engine_dtype == compute and world == 1 else n_params
             parts.append(Part(f"rollout merged weights, {short_name(engine_dtype)}", size(merged, engine_dtype), True))
-        return parts + (model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config, device)
-                        if critic_params else [])
-    parts = model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device, weights_note=note)
-    if not shares and colocated:
-        parts.append(Part(f"rollout weights, {short_name(engine_dtype)}",
-                          n_params * torch.empty((), dtype=engine_dtype).element_size(), True))
-    if need_ref:
-        parts += model_parts("reference", "actor_rollout_ref.ref", n_params, arr.ref.fsdp_config, device,
-                             trainable=False)
+    else:
+        parts = model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device,
+                            weights_note=note)
+        if not shares and colocated:
+            parts.append(Part(f"rollout weights, {short_name(engine_dtype)}", size(n_params, engine_dtype), True))
+        if need_ref:
+            parts += model_parts("reference", "actor_rollout_ref.ref", n_params, arr.ref.fsdp_config, device,
+                                 trainable=False)
     if critic_params:
         parts += model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config, device)
     if world > 1:
-        parts = [p if p.what.startswith("rollout weights") else
+        parts = [p if p.what.startswith("rollout ") else
                  replace(p, nbytes=p.nbytes // world, what=f"{p.what}, 1/{world} shard") for p in parts]
     return parts
 

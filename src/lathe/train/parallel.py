@@ -156,11 +156,19 @@ def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of every parameter of a sharded `model`, one FSDP2 group at a time: each decoder layer
     is gathered whole in one collective (in the compute dtype: bf16 under mixed precision), its tensors yielded,
     and freed before the next; the root's (embeddings, norm, heads) last. Every rank must iterate all of it."""
+    for _, own in gathered_groups(model):
+        for name, p in own():                # read after unshard: the gathered tensors, not the DTensor shards
+            yield name, p.detach()
+
+
+def gathered_groups(model: nn.Module) -> Iterator[tuple[nn.Module, Callable[[], list[tuple[str, nn.Parameter]]]]]:
+    """Each FSDP2 group of a sharded `model` gathered whole in turn (layers first, the root last), with the function
+    listing its own parameters by full name (call it inside the step: the gathered tensors, in the compute dtype);
+    a layer is freed when the iteration moves on, the root at the end. Every rank must iterate all of it."""
     for module, own in _groups_in_order(model):
         module.unshard()
         try:
-            for name, p in own():            # read after unshard: the gathered tensors, not the DTensor shards
-                yield name, p.detach()
+            yield module, own
         finally:
             if module is not model:
                 module.reshard()
@@ -244,6 +252,20 @@ def load_full_state(model: nn.Module, optimizer, weights: dict, optim_state: dic
     set_model_state_dict(model, weights, options=_options(strict=True))
     set_optimizer_state_dict(model, optimizer, optim_state, options=_options())
     _betas_as_tuples(optimizer)
+
+
+def load_full_params(model: nn.Module, weights: dict, optimizer=None, optim_state: dict | None = None) -> None:
+    """Some parameters (`weights`: full tensors by name, such as a LoRA model's adapters; the others keep theirs)
+    and, given, the optimizer state by name (`full_optimizer_state`'s form) on any number of ranks, one process
+    included: each rank keeps its shard of the full tensors."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    result = set_model_state_dict(model, weights, options=_options(strict=False))
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    if unexpected:
+        raise KeyError(f"tensors {unexpected[:4]} are not parameters of the model")
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=_options())
+        _betas_as_tuples(optimizer)
 
 
 def _betas_as_tuples(optimizer) -> None:

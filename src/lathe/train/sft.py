@@ -18,9 +18,9 @@ from lathe.device import reset_peak_memory
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
-from lathe.models.lora import apply_lora, cast_frozen
+from lathe.models.lora import apply_lora
 from lathe.rollout.base import RolloutOutput, to_batch
-from lathe.train import parallel
+from lathe.train import lora, parallel
 from lathe.train.actor import use_torch_compile
 from lathe.train.logprob import response_log_probs
 from lathe.train.micro import micro_batches
@@ -96,17 +96,14 @@ class SFTWorker:
         key = "model.fsdp_config"
         self.policy = resolve_policy(m.fsdp_config, device, key=key)
         self.sharded = parallel.in_group()
-        if self.sharded and self.lora:
-            raise NotImplementedError("model.lora_rank > 0 on several devices (LoRA with FSDP2) is not implemented "
-                                      "yet; train LoRA on one device")
+        if self.lora:                     # the frozen base in the compute dtype; only the adapters train
+            lora.place(self.model, self.policy, device, sharded=self.sharded)
+        else:                             # sharded: fully_shard moves each rank's shards to the device
+            self.model.to(device=None if self.sharded else device, dtype=self.policy.master_dtype)
         if self.sharded:
-            self.model.to(dtype=self.policy.master_dtype)
             parallel.shard(self.model, m.fsdp_config, self.policy, device)
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         else:
-            if self.lora:                 # the frozen base in the compute dtype; only the adapters train
-                cast_frozen(self.model, self.policy.param_dtype)
-            self.model.to(device=device, dtype=None if self.lora else self.policy.master_dtype)
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, policy=self.policy,
                                              **offload_flags(m.fsdp_config, device, key=key))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)

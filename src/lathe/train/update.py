@@ -115,14 +115,12 @@ def save_trainable(path: Path, model, optimizer, scheduler) -> None:
                 "sharded": optim is None}, path / "optim.pt")
 
 
-LORA_ADAPTER = "lora_adapter"
-
-
 def save_policy_checkpoint(path: Path, model, optimizer, scheduler, tokenizer, *,
                            base_model: str | None) -> None:
-    """A trained policy's checkpoint (the actor's, `lathe sft`'s): `save_lora` for a LoRA model, else
-    `save_trainable`; rank 0 adds the tokenizer to `huggingface/`."""
+    """A trained policy's checkpoint (the actor's, `lathe sft`'s): `lathe.train.lora.save_lora` for a LoRA model,
+    else `save_trainable`; rank 0 adds the tokenizer to `huggingface/`."""
     from lathe.models.lora import has_lora
+    from lathe.train.lora import save_lora
     if has_lora(model):
         save_lora(path, model, optimizer, scheduler, base_model=base_model)
     else:
@@ -134,41 +132,13 @@ def save_policy_checkpoint(path: Path, model, optimizer, scheduler, tokenizer, *
 def load_policy_checkpoint(path: Path, model, optimizer, scheduler, *, what: str) -> None:
     """Restore what `save_policy_checkpoint` wrote (a tied `lm_head.weight` is not expected in the files)."""
     from lathe.models.lora import has_lora
+    from lathe.train.lora import load_lora
     if has_lora(model):
         load_lora(path, model, optimizer, scheduler, what=what)
         return
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     load_trainable(path, model, optimizer, scheduler, what=what,
                    ignore_missing=lambda name: tied and name == "lm_head.weight")
-
-
-def save_lora(path: Path, model, optimizer, scheduler, *, base_model: str | None) -> None:
-    """A LoRA model's checkpoint: the adapters in PEFT's layout under `path/lora_adapter` (fp32 masters when the
-    optimizer keeps them), the merged model under `path/huggingface` (what `lathe export` copies and transformers
-    loads), and `path/optim.pt` (the adapters' optimizer state and the scheduler). One device."""
-    from lathe.models.lora import merged_weights, save_adapter
-    masters = getattr(optimizer, "master_state_dict", None)
-    path.mkdir(parents=True, exist_ok=True)
-    save_adapter(model, path / LORA_ADAPTER, base_model=base_model, tensors=masters(model) if masters else None)
-    model.save_pretrained(path / "huggingface", safe_serialization=True, state_dict=dict(merged_weights(model)))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "lora": True},
-               path / "optim.pt")
-
-
-def load_lora(path: Path, model, optimizer, scheduler, *, what: str) -> None:
-    """Restore what `save_lora` wrote (the base weights are the run's starting model, unchanged)."""
-    from lathe.models.lora import load_adapter, read_adapter
-    if not (path / "optim.pt").exists() or not (path / LORA_ADAPTER).is_dir():
-        raise FileNotFoundError(f"{what} checkpoint {path} holds no LoRA adapter ({LORA_ADAPTER}/ and optim.pt): it "
-                                "was saved by a run without LoRA. Resume it with lora_rank=0, or start a new run.")
-    _, tensors = read_adapter(path / LORA_ADAPTER)
-    load_adapter(model, tensors, f"{what} checkpoint {path}")
-    load_masters = getattr(optimizer, "load_master_state_dict", None)
-    if load_masters is not None:
-        load_masters(model, tensors)
-    opt = torch.load(path / "optim.pt", weights_only=True)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
 
 
 def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,

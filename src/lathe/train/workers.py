@@ -42,11 +42,11 @@ from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
 from lathe.models.io import load_into
-from lathe.models.lora import adapters_disabled, apply_lora, cast_frozen, load_adapter, merged_weights, read_adapter
+from lathe.models.lora import adapters_disabled, apply_lora, load_adapter, merged_weights, read_adapter
 from lathe.rollout.agent import agent_columns
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
-from lathe.train import parallel
+from lathe.train import lora, parallel
 from lathe.train.actor import PPOActor, use_torch_compile
 from lathe.train.logprob import batched_log_probs
 from lathe.train.offload import HostWeights, offload_flags
@@ -74,30 +74,32 @@ class ActorRolloutRefWorker:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config")
         self.sharded = parallel.in_group()             # a rank of a data-parallel group: FSDP2
-        if self.sharded and self.lora:
-            raise NotImplementedError("actor_rollout_ref.model.lora_rank > 0 on several devices (LoRA with FSDP2 "
-                                      "sharding) is not implemented yet; train LoRA on one device")
+        if self.lora and not rollout:
+            raise NotImplementedError("actor_rollout_ref.model.lora_rank > 0 with a rollout pool of its own (fully "
+                                      "async: the weight sync sends full weights) is not implemented yet; train "
+                                      "LoRA synchronously (rollout.n_gpus_per_node=0)")
         # LoRA: the reference is the actor with its adapters off (no second copy of the weights)
         self.lora_ref = self.lora and need_ref
         self.ref, self.ref_host = self._build_ref(arr, need_ref and not self.lora)   # from the weights as loaded
-        if self.sharded:
-            # the weights stay in host memory until fully_shard moves each layer's shard to the device (the whole
-            # model is never on the device); the rollout's own full copy goes there tensor by tensor
-            self.model.to(dtype=self.policy.master_dtype)
-            self.engine_model = (frozen_copy(self.model, rollout_dtype(arr.rollout.dtype, device), device)
-                                 if self.rollout_name == "lathe" else None)
-            if hf_model is self.model:
-                hf_model = copy.deepcopy(self.model)
-            parallel.shard(self.model, arr.actor.fsdp_config, self.policy, device)
-            self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim)   # fp32 shards
+        # sharded: the weights stay in host memory until fully_shard moves each layer's shard to the device (the
+        # whole model is never on the device)
+        if self.lora:            # the frozen base computes in param_dtype (bf16 on a GPU); only the adapters train
+            lora.place(self.model, self.policy, device, sharded=self.sharded)
         else:
-            if self.lora:        # the frozen base computes in param_dtype (bf16 on a GPU); only the adapters train
-                cast_frozen(self.model, self.policy.param_dtype)
-            self.model.to(device=device, dtype=None if self.lora else self.policy.master_dtype)
-            # LoRA: the engine generates from the merged weights (its own copies of the adapted layers)
+            self.model.to(device=None if self.sharded else device, dtype=self.policy.master_dtype)
+        # LoRA: the engine generates from the merged weights (no adapters of its own)
+        merged = (lambda: merged_weights(self.model)) if self.lora else (lambda: None)
+        if self.sharded:         # the rollout's own full copy goes to the device tensor by tensor
+            self.engine_model = (frozen_copy(self.model, rollout_dtype(arr.rollout.dtype, device), device,
+                                             state=merged()) if self.rollout_name == "lathe" else None)
+            if hf_model is self.model:        # transformers generate: a copy of its own
+                hf_model = (frozen_copy(self.model, self.policy.master_dtype, torch.device("cpu"), state=merged())
+                            if self.lora else copy.deepcopy(self.model))
+            parallel.shard(self.model, arr.actor.fsdp_config, self.policy, device)
+            self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim)   # fp32 shards (LoRA: adapters)
+        else:                    # LoRA: the engine's own copies of the adapted layers, the rest shared
             self.engine_model = (frozen_copy(self.model, rollout_dtype(arr.rollout.dtype, device), device, share=True,
-                                             state=merged_weights(self.model))
-                                 if self.lora and self.rollout_name == "lathe" else None)
+                                             state=merged()) if self.lora and self.rollout_name == "lathe" else None)
             self.optimizer = build_optimizer(self.model.parameters(), arr.actor.optim, policy=self.policy,
                                              **offload_flags(arr.actor.fsdp_config, device,
                                                              key="actor_rollout_ref.actor.fsdp_config"))
@@ -244,11 +246,12 @@ class ActorRolloutRefWorker:
 
     def sync_weights(self) -> None:
         """Push the actor's weights into the rollout (a no-op for tensors the two already share). Sharded: one FSDP2
-        group (a decoder layer) is gathered, copied into the engine and freed at a time (no second full model)."""
+        group (a decoder layer) is gathered, copied into the engine and freed at a time (no second full model).
+        LoRA: only the adapted layers, merged (`lathe.train.lora.engine_weights`)."""
         if self.rollout is None:                # no engine here: the fully-async driver sends the weights
             return
         if self.lora:                           # only the adapted layers change: their merged weights
-            self.rollout.update_weights(merged_weights(self.model, only_adapted=True))
+            self.rollout.update_weights(lora.engine_weights(self.model))
             return
         self.rollout.update_weights(parallel.full_tensors(self.model) if self.sharded
                                     else self.model.state_dict().items())

@@ -11,7 +11,8 @@ transformers' by state dict). Two loads:
 - grpo: `--grpo-prompts` prompts of random lengths in [64, 512], n=`--grpo-n` samples each, responses of
   natural length up to `--grpo-max-tokens` (random weights rarely sample EOS, so most run to the cap).
 Reported: generated tokens/s (wall time of the whole call, prefill included; the second of two identical calls,
-the first's time and graph-capture seconds beside it), and the fraction of the decode
+each starting with an empty prefix cache as after a weight sync; the first's time and graph-capture seconds beside
+it), and the fraction of the decode
 roofline: per step, the weights' bytes plus the KV bytes of every running sequence's context, over the
 HBM bandwidth; the roofline rate is the batch over that time, averaged over the run's decode steps.
 A torch.profiler summary of the engine's decode (eager, same batch) says where the time goes.
@@ -89,6 +90,7 @@ def run_lathe(engine, prompts, params, device) -> dict:
     sync(device)
     runs = []
     for _ in range(2):                  # the first run captures the graphs of batch sizes the warm-up did not meet
+        engine.update_weights([])       # no prompt found in the prefix cache: as after a training step's sync
         start = time.perf_counter()
         out = engine.generate(prompts, params)
         sync(device)

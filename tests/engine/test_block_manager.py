@@ -132,3 +132,24 @@ def test_resize_forgets_and_changes_capacity():
     assert bm.num_blocks == 3 and bm.num_free_blocks == 3 and not bm.hash_to_block
     with pytest.raises(ValueError):
         bm.resize(0)
+
+
+def test_reset_forgets_every_key_and_hands_out_each_block_once():
+    """`reset` touches no block (constant time): the stale fields of blocks used before it never serve a prefix hit,
+    and afterwards every block is handed out exactly once before any is reused."""
+    bm = BlockManager(6, 2)
+    a = Sequence([1, 2, 3, 4, 5])
+    bm.allocate(a)
+    bm.deallocate(a)                                   # freed, keyed: would be revived by the same prompt
+    bm.reset()
+    assert bm.num_free_blocks == 6
+    b = Sequence([1, 2, 3, 4, 5])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0                    # no hit from before the reset
+    c = Sequence([9, 9, 9, 9, 9, 9])
+    bm.allocate(c)
+    assert sorted(b.block_table + c.block_table) == list(range(6)) and bm.num_free_blocks == 0
+    bm.deallocate(c)
+    d = Sequence([1, 2, 3, 4, 7])                      # shares b's two full blocks, then takes a freed one
+    bm.allocate(d)
+    assert d.num_cached_tokens == 4 and d.block_table[:2] == b.block_table[:2] and bm.num_free_blocks == 2

@@ -185,3 +185,21 @@ def test_fused_projections_keep_logits_names_and_weight_syncs(tmp_path):
                 p.add_(0.05 * torch.randn_like(p))
         copy_named_tensors(model, other.state_dict().items(), who="test model")
         assert_close_rel(model(ids).logits, other(ids).logits, name=f"{family} logits after a weight copy")
+
+
+def test_fused_projections_leave_lora_layers_alone(tmp_path):
+    """A group holding a LoRA layer keeps its own forward (the adapters must act); the other groups fuse."""
+    from lathe.models.decoder import fuse_projections
+    from lathe.models.lora import apply_lora, lora_layers
+    path, _ = save_hf(tmp_path, "qwen2")
+    model = load_lathe_model(path)
+    apply_lora(model, rank=4, alpha=8, target_modules=["q_proj"])
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B.normal_()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    ref = model(ids).logits
+    fuse_projections(model)
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_weight is None and layer.mlp.gate_up_weight is not None
+    assert_close_rel(model(ids).logits, ref, name="logits with LoRA q_proj")

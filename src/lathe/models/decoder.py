@@ -159,12 +159,14 @@ def _fuse(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]) -> None:
 def fuse_projections(model: nn.Module) -> None:
     """One matmul for each layer's q/k/v projections and one for gate/up, as vLLM's QKV and merged column layers.
     For inference (the rollout engine): a decode step of a small model is made of small, latency-bound matmuls, and
-    each one saved is a launch saved. The fused tensors are new memory; the layers' old tensors are freed unless
+    each one saved is a launch saved. Groups holding a subclass of `nn.Linear` (LoRA layers) are left as they are. The fused tensors are new memory; the layers' old tensors are freed unless
     something else (a trainer sharing them) still holds them."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        _fuse(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
-        _fuse(mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))
+        for owner, name, linears in ((attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                     (mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))):
+            if all(type(lin) is nn.Linear for lin in linears):     # a LoRA layer's own forward must run: kept
+                _fuse(owner, name, linears)
 
 
 def projection_bytes(model: nn.Module) -> int:

@@ -14,7 +14,7 @@ import torch
 from lathe.models.config import SUPPORTED_ARCHITECTURES, LatheConfig, UnsupportedArchitecture
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LatheConfig", "UnsupportedArchitecture", "load_lathe_model",
-           "load_lathe_value_model", "supports"]
+           "load_lathe_value_model", "load_lathe_vl_model", "supports"]
 
 
 def supports(path: str | Path) -> tuple[bool, str]:
@@ -63,3 +63,11 @@ def load_lathe_value_model(path: str | Path, dtype: torch.dtype = torch.float32,
         if score_bias:
             torch.nn.init.zeros_(model.score.bias)
     return model
+
+
+def load_lathe_vl_model(path: str | Path, dtype: torch.dtype = torch.float32, *, device: str | torch.device = "cpu",
+                        vision_attn_implementation: str = "sdpa"):
+    """A `LatheVLForConditionalGeneration` (Qwen2.5-VL / Qwen3-VL) from a checkpoint directory; see
+    `lathe.models.vl`. `load_lathe_model` keeps refusing VL checkpoints (its callers expect a text model)."""
+    from lathe.models.vl import load_lathe_vl_model as load
+    return load(path, dtype, device=device, vision_attn_implementation=vision_attn_implementation)

@@ -1,0 +1,110 @@
+"""The vision tower (transformers' own module, built from `vision_config`) and splicing image embeddings into text.
+
+The tower is transformers' class itself (`Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel`), so its
+parameter names and numerics are the checkpoint's; only that class is imported, never the full VL model.
+
+Inputs are in the processor's layout: `pixel_values` (patches, C * temporal_patch * patch * patch), the patches of
+all images end to end, and `image_grid_thw` (images, 3) in patches. Image i yields t*h*w / merge**2 embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lathe.models.vl.config import VLConfig
+from lathe.models.vl.rope import image_token_count
+
+
+@dataclass
+class ImageEmbeddings:
+    """What the vision tower gives the language model for a list of images, their tokens end to end.
+
+    `embeds` (N, H) replace the N image placeholder tokens; `deepstack` (Qwen3-VL; empty for Qwen2.5-VL) holds one
+    (N, H) tensor per early decoder layer, added to the image tokens' hidden states after that layer.
+    """
+
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+
+    def per_image(self, image_grid_thw: torch.Tensor, spatial_merge_size: int) -> list["ImageEmbeddings"]:
+        """Split into one `ImageEmbeddings` per image (e.g. to cache an encoded image in a rollout engine)."""
+        sizes = [image_token_count(g, spatial_merge_size) for g in image_grid_thw.tolist()]
+        embeds = self.embeds.split(sizes)
+        deep = [d.split(sizes) for d in self.deepstack]
+        return [ImageEmbeddings(e, [d[i] for d in deep]) for i, e in enumerate(embeds)]
+
+    @staticmethod
+    def cat(images: list["ImageEmbeddings"]) -> "ImageEmbeddings":
+        """Join per-image embeddings back, in the order their placeholders appear in the token stream."""
+        if not images:
+            raise ValueError("ImageEmbeddings.cat needs at least one image")
+        deep = [torch.cat([im.deepstack[k] for im in images]) for k in range(len(images[0].deepstack))]
+        return ImageEmbeddings(torch.cat([im.embeds for im in images]), deep)
+
+
+def vision_classes(family: str):
+    """(tower class, its config class) of transformers for a VL family."""
+    if family == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+        return Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLVisionConfig
+    if family == "qwen3_vl":
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+        return Qwen3VLVisionModel, Qwen3VLVisionConfig
+    raise ValueError(f"VL family {family!r} has no vision tower in lathe; supported: qwen2_5_vl, qwen3_vl")
+
+
+def build_vision_tower(cfg: VLConfig, attn_implementation: str = "sdpa") -> nn.Module:
+    """transformers' vision tower for `cfg` (on the current default device; `torch.device("meta")` for loading).
+
+    `attn_implementation` is transformers' name ("sdpa", "eager", "flash_attention_2")."""
+    tower_cls, config_cls = vision_classes(cfg.family)
+    vision_cfg = config_cls.from_dict(dict(cfg.vision))
+    vision_cfg._attn_implementation = attn_implementation
+    return tower_cls(vision_cfg)
+
+
+def rebuild_meta_buffers(tower: nn.Module, device: torch.device | str) -> None:
+    """After a meta-device build and `load_state_dict(assign=True)`, recompute the non-persistent buffers (the
+    rotary `inv_freq`) that no checkpoint holds, by building their modules again from the tower's config."""
+    for name, module in list(tower.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            with torch.device(device):
+                fresh = type(module)(tower.config)
+            if any(p.is_meta for p in module.parameters(recurse=False)):
+                raise RuntimeError(f"vision tower module {name!r} still has meta parameters after loading; the "
+                                   "checkpoint lacks its weights")
+            for buf_name, buf in fresh.named_buffers(recurse=False):
+                setattr(module, buf_name, buf)
+
+
+def embed_images(tower: nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> ImageEmbeddings:
+    """Run the vision tower: `pixel_values` (patches, C*tp*p*p), `image_grid_thw` (images, 3) -> ImageEmbeddings
+    with (N, H) rows, N = sum of t*h*w / merge**2 over the images, in order."""
+    if image_grid_thw is None or image_grid_thw.dim() != 2 or image_grid_thw.shape[1] != 3:
+        raise ValueError("image_grid_thw must be (images, 3) (temporal, height, width in patches), as the "
+                         f"processor returns it; got {None if image_grid_thw is None else tuple(image_grid_thw.shape)}")
+    patches = int(image_grid_thw.prod(-1).sum())
+    if pixel_values.dim() != 2 or pixel_values.shape[0] != patches:
+        raise ValueError(f"pixel_values must be (patches, features) with patches = sum of t*h*w over "
+                         f"image_grid_thw = {patches}; got {tuple(pixel_values.shape)}")
+    dtype = next(tower.parameters()).dtype
+    out = tower(pixel_values.to(dtype), grid_thw=image_grid_thw, return_dict=True)
+    return ImageEmbeddings(out.pooler_output, list(getattr(out, "deepstack_features", None) or []))
+
+
+def merge_image_embeddings(inputs_embeds: torch.Tensor, image_embeds: torch.Tensor,
+                           image_mask: torch.Tensor) -> torch.Tensor:
+    """Token embeddings (..., H) with the rows where `image_mask` (...) is true replaced, in order, by
+    `image_embeds` (N, H); N must equal the number of placeholders. Out of place and differentiable."""
+    n = int(image_mask.sum())
+    if n != image_embeds.shape[0]:
+        raise ValueError(f"image tokens and image features do not match: {n} placeholder tokens in input_ids, "
+                         f"{image_embeds.shape[0]} image embeddings; each image of grid (t, h, w) needs "
+                         "t*h*w / spatial_merge_size**2 placeholders")
+    mask = image_mask.unsqueeze(-1).expand_as(inputs_embeds)
+    return inputs_embeds.masked_scatter(mask, image_embeds.to(inputs_embeds.dtype))

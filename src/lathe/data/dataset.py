@@ -12,6 +12,9 @@ A row (as verl's `examples/data_preprocess/*.py` write them)::
 field, not minutes into training), renders the chat template with add_generation_prompt=True,
 tokenizes, and drops or truncates prompts longer than data.max_prompt_length as verl's
 RLHFDataset does (data.filter_overlong_prompts, data.truncation).
+
+Rows with a non-empty images column (data.image_key, verl's multimodal schema) need a `processor`;
+see lathe.data.multimodal for how they are encoded and which fields their items gain.
 """
 
 from __future__ import annotations
@@ -197,12 +200,17 @@ class RLDataset:
     raw_prompt (the messages), data_source, ability, ground_truth, extra_info and index (the
     row's position in the concatenated, unfiltered data). `num_filtered` counts prompts dropped
     as longer than max_prompt_length when filter_overlong_prompts=True.
+
+    Image rows (non-empty `image_key` column) need `processor` (a Qwen-VL processor, see
+    lathe.data.multimodal); `min_pixels`/`max_pixels` bound the image resize. Their items also carry
+    multi_modal_data {"image": [PIL]} and multi_modal_inputs {pixel_values, image_grid_thw}.
     """
 
     def __init__(self, files: str | list[str], tokenizer, *, prompt_key: str = "prompt",
                  max_prompt_length: int = 512, filter_overlong_prompts: bool = False,
                  truncation: str = "error", apply_chat_template_kwargs: dict | None = None,
-                 split: str = "train"):
+                 split: str = "train", processor=None, image_key: str = "images",
+                 min_pixels: int | None = None, max_pixels: int | None = None):
         if truncation not in TRUNCATION_MODES:
             raise DataError(f"data.truncation={truncation!r} is not supported; use one of {TRUNCATION_MODES}")
         if max_prompt_length < 1:
@@ -218,6 +226,9 @@ class RLDataset:
         self.truncation = truncation
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.split = split
+        self.processor = processor
+        self.image_key = image_key
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.num_filtered = 0
         self.num_truncated = 0
         self._items: list[dict[str, Any]] = []
@@ -227,8 +238,15 @@ class RLDataset:
 
     def _load(self) -> None:
         records, origins = self._validated_records()
-        texts = [self._render(r["raw_prompt"], origins[i]) for i, r in enumerate(records)]
-        all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        text_rows = [i for i, r in enumerate(records) if "_images" not in r]
+        texts = [self._render(records[i]["raw_prompt"], origins[i]) for i in text_rows]
+        text_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        all_ids: list = [None] * len(records)
+        for i, ids in zip(text_rows, text_ids):
+            all_ids[i] = ids
+        for i, rec in enumerate(records):
+            if all_ids[i] is None:
+                all_ids[i] = self._encode_multimodal(rec, origins[i])
         for rec, ids, origin in zip(records, all_ids, origins):
             if len(ids) > self.max_prompt_length:
                 if self.filter_overlong_prompts:
@@ -236,10 +254,26 @@ class RLDataset:
                     continue
                 if self.truncation == "error":
                     raise self._overlong_error(origin, len(ids))
-                ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
+                ids = self._truncate(ids, rec, origin)
                 self.num_truncated += 1
             rec["prompt_ids"] = list(ids)
             self._items.append(rec)
+
+    def _truncate(self, ids: list[int], rec: dict, origin: str) -> list[int]:
+        cut = truncate_ids(ids, self.max_prompt_length, self.truncation)
+        if "_images" in rec:
+            from lathe.data.multimodal import check_truncation
+            check_truncation(ids, cut, self.processor, origin, self.max_prompt_length)
+        return cut
+
+    def _encode_multimodal(self, rec: dict, origin: str) -> list[int]:
+        """Expanded prompt ids of an image row; the pixels are dropped here and recomputed by __getitem__."""
+        from lathe.data.multimodal import encode_multimodal_prompt
+        enc = encode_multimodal_prompt(rec["raw_prompt"], rec["_images"], self.processor, origin,
+                                       base_dir=rec["_base_dir"], min_pixels=self.min_pixels,
+                                       max_pixels=self.max_pixels, chat_template_kwargs=self.apply_chat_template_kwargs)
+        rec["_origin"] = origin
+        return enc.prompt_ids
 
     def _validated_records(self) -> tuple[list[dict], list[str]]:
         """All rows of all files, schema-checked, in file order; plus "file location" origins."""
@@ -260,6 +294,9 @@ class RLDataset:
                 ds, ability, gt, extra = _check_fields(row, src, where)
                 records.append({"raw_prompt": messages, "data_source": ds, "ability": ability,
                                 "ground_truth": gt, "extra_info": extra, "index": len(records)})
+                images = row.get(self.image_key)
+                if images is not None and (not isinstance(images, (list, tuple)) or len(images)):
+                    records[-1].update(self._image_fields(images, src, where))
                 origins.append(f"{src} {where}")
         if n_string_prompts:
             warnings.warn(
@@ -269,6 +306,17 @@ class RLDataset:
                 stacklevel=3,
             )
         return records, origins
+
+    def _image_fields(self, images: Any, src: str, where: str) -> dict:
+        """Private fields of an image row: the raw images and the folder relative image paths start from."""
+        if not isinstance(images, (list, tuple)):
+            raise _fail(src, where, self.image_key, f"expected a list of images, got {type(images).__name__}",
+                        "store one list of images per row (HF datasets' Sequence(Image()))")
+        if self.processor is None:
+            raise _fail(src, where, self.image_key, f"the row has {len(images)} image(s) but no vision processor "
+                        "was given", "train a vision-language model (its processor encodes the images), or drop "
+                        f"the '{self.image_key}' column for a text-only model")
+        return {"_images": list(images), "_base_dir": os.path.dirname(os.path.abspath(src))}
 
     def _render(self, messages: list[dict], origin: str) -> str:
         try:
@@ -293,7 +341,21 @@ class RLDataset:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = self._items[i]
-        return {**item, "prompt_ids": list(item["prompt_ids"])}
+        if "_images" not in item:
+            return {**item, "prompt_ids": list(item["prompt_ids"])}
+        return self._multimodal_item(item)
+
+    def _multimodal_item(self, item: dict) -> dict[str, Any]:
+        """An image row's item: decodes its images and runs the image processor now (pixels are not kept in memory)."""
+        from lathe.data.multimodal import image_inputs, load_images
+        images = load_images(item["_images"], self.processor, item["_origin"], base_dir=item["_base_dir"],
+                             min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        inputs = image_inputs(images, self.processor)
+        out = {k: v for k, v in item.items() if not k.startswith("_")}
+        out["prompt_ids"] = list(item["prompt_ids"])
+        out["multi_modal_data"] = {"image": images}
+        out["multi_modal_inputs"] = inputs
+        return out
 
     def __repr__(self) -> str:
         return (f"RLDataset(files={self.files}, rows={len(self)}, filtered={self.num_filtered}, "

@@ -1,6 +1,6 @@
 """Rewards: text in, numbers out.
 
-* rule scorers: :mod:`~lathe.reward.gsm8k`, :mod:`~lathe.reward.math`, :mod:`~lathe.reward.builtin`,
+* rule scorers: :mod:`~lathe.reward.gsm8k`, :mod:`~lathe.reward.math`, :mod:`~lathe.reward.geo3k`, :mod:`~lathe.reward.builtin`,
   dispatched on ``data_source`` by :func:`default_compute_score` (as in verl);
 * user functions with verl's signature: :func:`load_reward_fn`;
 * :class:`RewardManager`: scores batches so that a raising, hanging or crashing scorer

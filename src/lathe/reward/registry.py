@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lathe.reward import builtin, code, gsm8k
+from lathe.reward import builtin, code, geo3k, gsm8k
 from lathe.reward import math as math_score
 
 __all__ = ["GSM8K_SOURCES", "MATH_SOURCES", "MATH_PREFIXES", "ARITHMETIC_SOURCES", "default_compute_score", "scorer_for"]
@@ -41,7 +41,10 @@ def scorer_for(data_source: str) -> Callable[[str, Any], float]:
         return builtin.compute_score
     if data_source in code.CODE_SOURCES:
         return code.compute_score
-    known = sorted(GSM8K_SOURCES | MATH_SOURCES | ARITHMETIC_SOURCES | code.CODE_SOURCES) + [p + "*" for p in MATH_PREFIXES]
+    if data_source in geo3k.DATA_SOURCES:
+        return geo3k.compute_score
+    known = sorted(GSM8K_SOURCES | MATH_SOURCES | ARITHMETIC_SOURCES | code.CODE_SOURCES | geo3k.DATA_SOURCES)
+    known += [p + "*" for p in MATH_PREFIXES]
     raise NotImplementedError(
         f"no built-in reward function for data_source={data_source!r} (built-in: {', '.join(known)}); "
         "write one as compute_score(data_source, solution_str, ground_truth, extra_info=None) "

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from lathe.data.preprocess.common import PreprocessError
+from lathe.data.preprocess.geo3k import preprocess_geo3k
 from lathe.data.preprocess.gsm8k import preprocess_gsm8k
 from lathe.data.preprocess.gsm8k_tool import preprocess_gsm8k_tool
 from lathe.data.preprocess.math_sets import preprocess_aime24, preprocess_amc23, preprocess_math500
@@ -20,7 +21,8 @@ PREPROCESSORS: dict[str, Callable[[str, str], dict[str, str]]] = {
     "math500": preprocess_math500,
     "aime24": preprocess_aime24,
     "amc23": preprocess_amc23,
+    "geo3k": preprocess_geo3k,                           # images + <image> prompts (hiyouga/geometry3k)
 }
 
-__all__ = ["PREPROCESSORS", "PreprocessError", "preprocess_aime24", "preprocess_amc23", "preprocess_gsm8k",
-           "preprocess_gsm8k_tool", "preprocess_math500"]
+__all__ = ["PREPROCESSORS", "PreprocessError", "preprocess_aime24", "preprocess_amc23", "preprocess_geo3k",
+           "preprocess_gsm8k", "preprocess_gsm8k_tool", "preprocess_math500"]

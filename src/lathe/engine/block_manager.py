@@ -1,7 +1,7 @@
 """A paged KV block allocator with reference counts and prefix sharing (vLLM / nano-vllm's block manager).
 
 Blocks hold `block_size` tokens' K/V. A full block is keyed by a hash chained over all tokens up to its
-end, so any sequence whose prefix matches reuses it (the `n` samples of a prompt, or two prompts with a
+end (and, for an image prompt, over its images' digest), so any sequence whose prefix matches reuses it (the `n` samples of a prompt, or two prompts with a
 common system prompt). With `share_partial=True` the last, partial block of a prompt is keyed too, so the
 `n` samples share it as well; the first sample to append to a shared partial block gets a private copy
 (copy-on-write): `may_append` returns the `(src, dst)` block pairs the KV cache must copy before the step.
@@ -30,6 +30,12 @@ class Block:
 def block_hash(prefix_hash: int | None, token_ids: list[int], partial: bool) -> int:
     """Chained key of a block: the previous block's key, this block's tokens, and whether it is partial."""
     return hash((prefix_hash, tuple(token_ids), partial))
+
+
+def _salt(seq: Sequence) -> int | None:
+    """What a sequence's first block key starts from: its images' digest for an image prompt (the same tokens with
+    other images must not share KV), else nothing."""
+    return None if seq.mm is None else seq.mm.salt
 
 
 class BlockManager:
@@ -116,7 +122,7 @@ class BlockManager:
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
-        bs, prefix, miss, cached = self.block_size, None, not self.enable_prefix_caching, 0
+        bs, prefix, miss, cached = self.block_size, _salt(seq), not self.enable_prefix_caching, 0
         for i in range(seq.num_blocks(bs)):
             tokens = seq.block_tokens(i, bs)
             partial = len(tokens) < bs
@@ -195,7 +201,7 @@ class BlockManager:
         table = seq.block_table
         if not self.enable_prefix_caching or i >= len(table):
             return
-        prev = self.blocks[table[i - 1]].hash if i > 0 else None
+        prev = self.blocks[table[i - 1]].hash if i > 0 else _salt(seq)
         if i == 0 or prev is not None:
             tokens = seq.block_tokens(i, self.block_size)
             self._register(self.blocks[table[i]], block_hash(prev, tokens, False), tokens)

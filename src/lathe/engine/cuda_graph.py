@@ -6,9 +6,9 @@ records the whole step once per bucket and replays it with one launch: the forwa
 fused sampler (`triton_sample.py`), so that a step's sampled tokens and log-probs come out of the graph and
 nothing else is launched per step but the input copy.
 
-Inputs go through one static (6, max batch) int64 buffer, written by one host-to-device copy per step: token
-ids, positions, and the sampler's seeds, output positions, greedy flags and temperatures (float64 bit
-patterns). Inside the graph, each row's KV slot and context length come from its position and block table.
+Inputs go through one static (7, max batch) int64 buffer, written by one host-to-device copy per step: token
+ids, positions, the sampler's seeds, output positions, greedy flags and temperatures (float64 bit
+patterns), and an image prompt's rope delta (VL models). Inside the graph, each row's KV slot and context length come from its position and block table.
 A batch runs in the smallest bucket that holds it; its padding rows (position -1) write their K/V to the
 cache's scratch slot and attend over one token, and their outputs are dropped. The block tables live on
 the device between steps; a step rewrites only the rows whose sequence changed or gained a block. A
@@ -30,12 +30,14 @@ import torch
 
 from lathe import device as accel
 from lathe.device import to_device
+from lathe.engine.model_runner import rope_delta
+from lathe.engine.multimodal import hidden_states, text_config
 from lathe.engine.sampler import fused_rows
 from lathe.engine.triton_decode import choose_num_splits
 
-IDS, POS, SEED, OUT_POS, GREEDY, TEMP = range(6)     # rows of the static input buffer
+IDS, POS, SEED, OUT_POS, GREEDY, TEMP, DELTA = range(7)     # rows of the static input buffer
 _ONE = np.array(1.0).view(np.int64)
-PAD = np.array([0, -1, 0, 0, 1, _ONE], dtype=np.int64)          # a padding row: greedy, scratch slot
+PAD = np.array([0, -1, 0, 0, 1, _ONE, 0], dtype=np.int64)        # a padding row: greedy, scratch slot
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -85,10 +87,11 @@ class DecodeGraphs:
         real = pos.clamp_min(0)
         block = self.tables[:bucket].gather(1, (real // bs)[:, None])[:, 0].long()
         slots = torch.where(pos >= 0, block * bs + real % bs, runner.kv_cache.scratch_slot)
-        splits = choose_num_splits(bucket, runner.model.config.num_key_value_heads, self.num_sms)
+        splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms)
         attn = DecodeAttention(runner.kv_cache, slots, self.tables[:bucket], real + 1,
                                runner.decode_backend, splits if runner.decode_backend == "triton" else 1)
-        logits = runner.model.lm_head(runner.model.model(inp[IDS], pos.clamp_min(0), attn))
+        rope = real + inp[DELTA] if runner.vl else real          # an image prompt's tokens sit at index + delta
+        logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], rope, attn))
         if self.samples:
             from lathe.engine.triton_sample import fused_sample
             fused_sample(logits, inp[TEMP].view(torch.float64).float(), inp[GREEDY].int(), inp[SEED], inp[OUT_POS],
@@ -139,9 +142,10 @@ class DecodeGraphs:
         stage[IDS, :batch] = [s.token_ids[-1] for s in seqs]         # PENDING (-1) ones are written below
         stage[POS, :batch] = [len(s.token_ids) - 1 for s in seqs]
         if sampling is not None and self.samples:
-            stage[SEED:, :batch] = fused_rows(seqs, sampling)
+            stage[SEED:DELTA, :batch] = fused_rows(seqs, sampling)
         else:
-            stage[SEED:, :batch] = PAD[SEED:, None]
+            stage[SEED:DELTA, :batch] = PAD[SEED:DELTA, None]
+        stage[DELTA, :batch] = [rope_delta(s) for s in seqs] if self.runner.vl else 0
         stage[:, batch:bucket] = PAD[:, None]
         host = torch.from_numpy(np.ascontiguousarray(stage[:, :bucket]))
         self.inputs[:, :bucket].copy_(to_device(host, self.inputs.device))

@@ -27,6 +27,7 @@ from lathe import device as accel
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
+from lathe.engine.multimodal import is_vl, prepare_prompt, text_config
 from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
@@ -121,16 +122,17 @@ class LatheEngine(StreamingMixin):
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None):
         self.model = model.eval()
+        self.vl = is_vl(model)        # a vision-language model: prompts may carry images (`multimodal.py`)
         if self._should_fuse(fuse_projections):
             from lathe.models.decoder import fuse_projections as fuse
             fuse(model)
         # overlap needs a device that runs behind the host; on the CPU it would only run stopped rows once more
         self.async_scheduling = model.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _InFlight | None = None
-        if compile_model if compile_model is not None else model.device.type == "cuda":
+        if not self.vl and (compile_model if compile_model is not None else model.device.type == "cuda"):
             from lathe.models.compile import compile_decoder
             compile_decoder(model)    # fuses norms, RoPE, SwiGLU; the decode graphs capture the compiled kernels
-        cfg = model.config
+        cfg = text_config(model)
         self.vocab_size = model.lm_head.weight.shape[0]
         self.eos_ids = [] if eos_token_id is None else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
@@ -158,8 +160,10 @@ class LatheEngine(StreamingMixin):
         when the engine shares the trainer's tensors (one GPU), and it pays where it matters: a small model's decode
         step is latency-bound small matmuls, a large model's matmuls are bandwidth-bound either way."""
         if requested is not None:
+            if requested and self.vl:
+                raise ValueError("fuse_projections=True: not implemented for vision-language models")
             return requested
-        if self.model.device.type != "cuda":
+        if self.vl or self.model.device.type != "cuda":
             return False
         from lathe.models.decoder import projection_bytes
         total = accel.total_memory(self.model.device) or 0
@@ -172,7 +176,7 @@ class LatheEngine(StreamingMixin):
         return cls(load_lathe_model(path, dtype, device=device), **kwargs)
 
     def _default_num_blocks(self, block_size: int, utilization: float, max_num_seqs: int) -> int:
-        cfg, device = self.model.config, self.model.device
+        cfg, device = text_config(self.model), self.model.device
         per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
                                             cfg.head_dim, self.model.dtype)
         # the most blocks the running sequences can ever hold: max_num_seqs sequences of max_model_len tokens
@@ -193,18 +197,22 @@ class LatheEngine(StreamingMixin):
         return math.ceil(self.max_model_len / block_size) * min(max_num_seqs, 64)
 
     # ---- Rollout ----------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *, first_index: int = 0
-                 ) -> RolloutOutput:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *, first_index: int = 0,
+                 multi_modal_inputs: list[dict | None] | None = None) -> RolloutOutput:
         """`params.n` samples per prompt, prompt-major. Sample j of prompt i draws with the seed
         `(params.seed, first_index + i * n + j)`: a call over prompts k.. of a larger list, with
-        `first_index = k * n`, samples exactly what the whole call samples for them (data-parallel rollout)."""
+        `first_index = k * n`, samples exactly what the whole call samples for them (data-parallel rollout).
+
+        `multi_modal_inputs[i]` (VL models): prompt i's images, `{"pixel_values", "image_grid_thw"}` in the
+        processor's layout with the prompt's placeholder tokens expanded, or None for a text prompt. Each prompt's
+        images are encoded once for its `n` samples (see `lathe.engine.multimodal`)."""
         if not self.kv_cache.allocated:
             raise RuntimeError("LatheEngine.generate: the engine is asleep (KV cache freed); call wake_up() first")
         if not self.scheduler.is_finished():
             raise RuntimeError("LatheEngine.generate: streamed requests (add_request) are unfinished; run them out "
                                "with step(), or add this batch as a request too")
         self._resolve(self._inflight)           # a streamed request's last tokens, if still on the device
-        seqs = self._make_sequences(prompt_token_ids, params, first_index)
+        seqs = self._make_sequences(prompt_token_ids, params, first_index, multi_modal_inputs)
         self.scheduler.new_call()
         preempted = self.scheduler.num_preemptions
         graphs = self.runner.graphs
@@ -228,8 +236,8 @@ class LatheEngine(StreamingMixin):
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
                                       - captured[1]})
 
-    def _make_sequences(self, prompts: list[list[int]], params: SamplingParams, first_index: int = 0
-                        ) -> list[Sequence]:
+    def _make_sequences(self, prompts: list[list[int]], params: SamplingParams, first_index: int = 0,
+                        multi_modal_inputs: list[dict | None] | None = None) -> list[Sequence]:
         stop = frozenset() if params.ignore_eos else frozenset(self.eos_ids) | frozenset(params.stop_token_ids)
         sp = SequenceParams(temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                             top_k=params.top_k, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
@@ -241,19 +249,32 @@ class LatheEngine(StreamingMixin):
         stops = None
         if params.stop and params.max_tokens > 0:
             stops = StopStrings.from_tokenizer(params.stop, self.tokenizer)
+        if multi_modal_inputs is not None and len(multi_modal_inputs) != len(prompts):
+            raise ValueError(f"multi_modal_inputs has {len(multi_modal_inputs)} entries for {len(prompts)} prompts; "
+                             "give one per prompt (None for a text prompt)")
         seqs = []
         for i, prompt in enumerate(prompts):
             if len(prompt) >= self.max_model_len:
                 raise ValueError(f"prompt {i}: {len(prompt)} tokens, max_model_len={self.max_model_len}; "
                                  "shorten it or raise max_model_len")
+            mm = self._prompt_images(i, prompt, None if multi_modal_inputs is None else multi_modal_inputs[i])
             for j in range(params.n):
                 index = i * params.n + j
                 seed = None if sp.greedy else sequence_seed(base, first_index + index)
                 seqs.append(Sequence(list(prompt), sp, seed, index=index,
-                                     length_limit=min(len(prompt) + sp.max_tokens, self.max_model_len)))
+                                     length_limit=min(len(prompt) + sp.max_tokens, self.max_model_len), mm=mm))
                 if stops is not None:
                     self._stop_matchers[seqs[-1]] = stops.matcher(min_tokens=params.min_tokens, prompt_len=len(prompt))
         return seqs
+
+    def _prompt_images(self, i: int, prompt: list[int], inputs: dict | None):
+        """Prompt i's shared image state (`multimodal.prepare_prompt`), None for a text prompt."""
+        if inputs is None or inputs.get("pixel_values") is None:
+            return None
+        if not self.vl:
+            raise ValueError(f"prompt {i} carries images, but the engine's model "
+                             f"({type(self.model).__name__}) is a text model")
+        return prepare_prompt(self.model, prompt, inputs, f"prompt {i}")
 
     def step(self) -> int:
         """One scheduler step (a prefill or a decode); returns how many sequences it ran.

@@ -1,7 +1,8 @@
 """Runs a `LatheCausalLM` over the paged KV cache: ragged prefill and batched decode.
 
 The decoder's own modules do all the math (`model.model(input_ids, position_ids, attn)` with
-embeddings, RoPE, norms, projections, MLP), so the engine and the trainer compute the same numbers;
+embeddings, RoPE, norms, projections, MLP; for a VL model its language model, with 3D positions and the image
+embeddings spliced at their placeholders: `multimodal.py`), so the engine and the trainer compute the same numbers;
 only the attention callable differs. It is called once per layer, in order, and counts the layers to
 know which cache to write and read.
 
@@ -25,9 +26,15 @@ import torch
 
 from lathe.device import to_device
 from lathe.engine.kv_cache import KVCache
+from lathe.engine.multimodal import StepInputs, hidden_states, is_vl, text_config
 from lathe.engine.paged_attention import CachedPrefill, choose_decode_backend, decode_with
 from lathe.engine.sequence import PENDING, Sequence
 from lathe.models.attention import PackedAttention, select_packed_backend
+
+
+def rope_delta(seq: Sequence) -> int:
+    """How far a generated token's rotary position is from its index (an image prompt's `rope_delta`; 0 for text)."""
+    return 0 if seq.mm is None else seq.mm.delta
 
 
 @dataclass
@@ -101,7 +108,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
-        cfg = model.config
+        cfg = text_config(model)
+        self.vl = is_vl(model)                      # image prompts: 3D positions, image rows spliced at prefill
         self.decode_backend, self.backend_times = choose_decode_backend(
             decode_backend, self.device, model.dtype, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, block_size=self.block_size)
@@ -113,7 +121,7 @@ class ModelRunner:
 
     @property
     def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
+        return self.model.get_input_embeddings().weight.device
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -137,8 +145,9 @@ class ModelRunner:
     def prepare_prefill(self, seqs: list[Sequence], num_new: list[int]):
         """Inputs for sequence i's tokens `num_cached_tokens ... + num_new[i]`, grouped (see module doc).
 
-        Returns (ids, positions, attn, last, order): `last[j]` is the row of group-ordered sequence
-        `order[j]`'s last new token.
+        Returns (ids, positions, attn, last, order, visual): `last[j]` is the row of group-ordered sequence
+        `order[j]`'s last new token; a VL model's positions are 3D (3, T) and `visual` holds the image rows its
+        tokens take (`multimodal.StepInputs`), None otherwise.
         """
         def group(i):
             seq = seqs[i]
@@ -146,11 +155,14 @@ class ModelRunner:
         order = sorted(range(len(seqs)), key=group)
         groups = [group(i) for i in order]
         ids, positions, slots, cu = [], [], [], [0]
+        step = StepInputs() if self.vl else None
         for i in order:
             seq, start = seqs[i], seqs[i].num_cached_tokens
             end = start + num_new[i]
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
+            if step is not None:
+                step.add(seq.mm, start, end)
             slots.extend(self._slot(seq, p) if p >= seq.num_kv_cached else -1 for p in range(start, end))
             cu.append(len(ids))
         if PENDING in ids:
@@ -178,7 +190,11 @@ class ModelRunner:
         attn = PrefillAttention(self.kv_cache, self._tensor(slots), cu[n_fresh], fresh, single, rest,
                                 self.decode_backend, store_rows)
         last = self._tensor(cu[1:]) - 1
-        return self._tensor(ids), self._tensor(positions), attn, last, order
+        visual = None
+        if step is not None:
+            pos3, mask, rows, deep = step.build(self.device)
+            return self._tensor(ids), pos3, attn, last, order, (mask, rows, deep)
+        return self._tensor(ids), self._tensor(positions), attn, last, order, visual
 
     # ---- decode --------------------------------------------------------------------------------------
     def decode_inputs(self, seqs: list[Sequence]):
@@ -216,8 +232,8 @@ class ModelRunner:
             return self.decode(seqs, pending)[0]
         if num_new is None:
             num_new = [len(s) - s.num_cached_tokens for s in seqs]
-        ids, positions, attn, last, order = self.prepare_prefill(seqs, num_new)
-        hidden = self.model.model(ids, positions, attn)[last]
+        ids, positions, attn, last, order, visual = self.prepare_prefill(seqs, num_new)
+        hidden = hidden_states(self.model, ids, positions, attn, visual)[last]
         inverse = [0] * len(order)
         for j, i in enumerate(order):
             inverse[i] = j
@@ -237,4 +253,5 @@ class ModelRunner:
                                self._tensor(lens, torch.int32), self.decode_backend)
         ids = self._tensor(ids)
         self.take_pending(ids, pending)
-        return self.model.lm_head(self.model.model(ids, self._tensor(positions), attn)), None
+        rope = positions if not self.vl else [p + rope_delta(s) for s, p in zip(seqs, positions)]
+        return self.model.lm_head(hidden_states(self.model, ids, self._tensor(rope), attn)), None

@@ -72,6 +72,7 @@ class Sequence:
     tail_private: bool = False            # its last block is its own and unkeyed (`BlockManager.may_append`)
     length_limit: int = 1 << 62           # len(token_ids) at which it ends (max_tokens, max_model_len)
     finish_reason: str | None = None
+    mm: object | None = None              # `multimodal.MultiModalPrompt` of an image prompt (shared by its samples)
 
     def __post_init__(self):
         if not self.prompt_token_ids:

@@ -1,0 +1,155 @@
+"""Image prompts in the engine (Qwen2.5-VL / Qwen3-VL, `lathe.models.vl`): encode once, splice, position in 3D.
+
+A prompt with images arrives as its token ids (each image's placeholder tokens already expanded, as the processor
+and `lathe.data.multimodal` make them) plus `{"pixel_values", "image_grid_thw"}`. `prepare_prompt` runs the vision
+tower once for the prompt's images and keeps, in a `MultiModalPrompt` that the prompt's `n` samples share:
+- the image embeddings (and Qwen3-VL's deepstack features), one row per placeholder token;
+- the prompt's 3D rotary positions (3, P) and its `rope_delta`: token i >= P (everything generated, all text) sits
+  at `i + rope_delta` on all three axes;
+- `image_rows`: for each prompt token, its embedding row (-1 for text);
+- `salt`: a digest of the images' pixels and grids. The prefix cache mixes it into the prompt's first block key
+  (`BlockManager`), so two prompts with the same tokens but other images never share KV, while the `n` samples of
+  one prompt (and a preempted sample's recompute) do.
+
+`StepInputs` gathers what a prefill or decode step's forward needs beyond the token ids: 3D positions, and the
+image rows to splice at the placeholders of the tokens it computes (a chunk of a long prompt gets its own slice).
+`hidden_states` runs the decoder for text and VL models alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def is_vl(model) -> bool:
+    """Whether `model` is lathe's vision-language model (the engine then takes image prompts)."""
+    from lathe.models.vl import LatheVLForConditionalGeneration
+    return isinstance(model, LatheVLForConditionalGeneration)
+
+
+def text_config(model):
+    """The decoder's `LatheConfig` (a VL model's language model's)."""
+    return getattr(model.config, "text", model.config)
+
+
+@dataclass(eq=False)
+class MultiModalPrompt:
+    embeds: torch.Tensor                 # (N, H) image embeddings, on the model's device
+    deepstack: list[torch.Tensor]        # Qwen3-VL: one (N, H) per early layer; [] for Qwen2.5-VL
+    positions: torch.Tensor              # (3, P) int64 on the CPU: the prompt's rotary positions
+    delta: int                           # token i >= P sits at i + delta on every axis
+    image_rows: np.ndarray               # (P,) int64: embedding row of each prompt token, -1 for text
+    salt: int                            # digest of the images: keys the prompt's prefix-cache blocks
+
+
+def _digest(pixel_values: torch.Tensor, grid: torch.Tensor) -> int:
+    h = hashlib.sha256()
+    h.update(grid.to(torch.int64).cpu().contiguous().numpy().tobytes())
+    h.update(pixel_values.detach().float().cpu().contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+@torch.inference_mode()
+def prepare_prompt(model, prompt: list[int], inputs: dict | None, where: str) -> MultiModalPrompt | None:
+    """The shared multimodal state of one prompt, or None for a text prompt (no images). `where` names the prompt
+    in errors."""
+    from lathe.models.vl.rope import sequence_positions
+    pixels = None if inputs is None else inputs.get("pixel_values")
+    if pixels is None or len(pixels) == 0:
+        if inputs is not None and inputs.get("image_grid_thw") is not None and len(inputs["image_grid_thw"]):
+            raise ValueError(f"{where}: image_grid_thw is given without pixel_values")
+        return None
+    unknown = sorted(set(inputs) - {"pixel_values", "image_grid_thw"})
+    if unknown:
+        raise ValueError(f"{where}: multi_modal_inputs keys {unknown} are not supported (images only: pixel_values, "
+                         "image_grid_thw; videos are not implemented)")
+    grid = torch.as_tensor(inputs["image_grid_thw"], dtype=torch.int64)
+    pixels = torch.as_tensor(pixels)
+    cfg = model.config
+    ids = torch.tensor(prompt, dtype=torch.int64)
+    try:
+        positions, delta, used = sequence_positions(ids, grid.tolist(), image_token_id=cfg.image_token_id,
+                                                    video_token_id=cfg.video_token_id,
+                                                    spatial_merge_size=cfg.spatial_merge_size)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if used != len(grid):
+        raise ValueError(f"{where}: image_grid_thw lists {len(grid)} image(s), the prompt holds placeholders for "
+                         f"{used}; expand each image's pad tokens as the processor does")
+    device = model.get_input_embeddings().weight.device
+    embeds = model.embed_images(pixels.to(device), grid.to(device))
+    mask = (ids == cfg.image_token_id).numpy()
+    if int(mask.sum()) != embeds.embeds.shape[0]:
+        raise ValueError(f"{where}: {int(mask.sum())} image placeholder tokens for {embeds.embeds.shape[0]} image "
+                         "embeddings")
+    rows = np.full(len(prompt), -1, dtype=np.int64)
+    rows[mask] = np.arange(int(mask.sum()))
+    return MultiModalPrompt(embeds.embeds, list(embeds.deepstack), positions.cpu(), int(delta), rows,
+                            _digest(pixels, grid))
+
+
+def token_positions(mm: MultiModalPrompt | None, start: int, end: int) -> torch.Tensor:
+    """(3, end - start) rotary positions of tokens start..end-1 of a sequence with this prompt state."""
+    if mm is None:
+        return torch.arange(start, end).expand(3, -1)
+    p = mm.positions.shape[1]
+    head = mm.positions[:, start:min(end, p)]
+    tail = torch.arange(max(start, p), max(end, p)) + mm.delta
+    return torch.cat([head, tail.expand(3, -1)], dim=1)
+
+
+class StepInputs:
+    """A step's 3D positions and the image rows its tokens take (VL models only).
+
+    Built by `add(seq_mm, start, end)` per sequence in the order its tokens are laid out; `visual` then holds the
+    token mask and the spliced rows (embeddings, deepstack) on `device`."""
+
+    def __init__(self):
+        self.positions: list[torch.Tensor] = []
+        self.mask: list[np.ndarray] = []
+        self.rows: list[tuple[MultiModalPrompt, np.ndarray]] = []
+
+    def add(self, mm: MultiModalPrompt | None, start: int, end: int) -> None:
+        self.positions.append(token_positions(mm, start, end))
+        if mm is None or start >= len(mm.image_rows):
+            self.mask.append(np.zeros(end - start, dtype=bool))
+            return
+        rows = np.full(end - start, -1, dtype=np.int64)
+        stop = min(end, len(mm.image_rows))
+        rows[:stop - start] = mm.image_rows[start:stop]
+        self.mask.append(rows >= 0)
+        if (rows >= 0).any():
+            self.rows.append((mm, rows[rows >= 0]))
+
+    def build(self, device: torch.device):
+        """(positions (3, T), visual mask (T,) or None, embeddings (N, H) or None, deepstack list)."""
+        positions = torch.cat(self.positions, dim=1).to(device)
+        if not self.rows:
+            return positions, None, None, []
+        mask = torch.from_numpy(np.concatenate(self.mask)).to(device)
+        embeds = torch.cat([mm.embeds[torch.from_numpy(r).to(mm.embeds.device)] for mm, r in self.rows])
+        layers = len(self.rows[0][0].deepstack)
+        deep = [torch.cat([mm.deepstack[k][torch.from_numpy(r).to(mm.embeds.device)] for mm, r in self.rows])
+                for k in range(layers)]
+        return positions, mask, embeds, deep
+
+
+def hidden_states(model, ids: torch.Tensor, positions: torch.Tensor, attn, visual=None) -> torch.Tensor:
+    """Final hidden states of `ids` (T,) through the decoder: a text model at `positions` (T,); a VL model at 3D
+    `positions` (3, T) (or (T,), the same on every axis), with `visual` = (mask (T,), embeddings, deepstack) spliced
+    at the image placeholders."""
+    if not is_vl(model):
+        return model.model(ids, positions, attn)
+    from lathe.models.vl.vision import merge_image_embeddings
+    if positions.dim() == 1:
+        positions = positions.expand(3, -1)
+    embeds = model.get_input_embeddings()(ids)
+    mask, deep = None, []
+    if visual is not None and visual[0] is not None:
+        mask, rows, deep = visual
+        embeds = merge_image_embeddings(embeds, rows, mask)
+    return model.model.language_model(embeds, positions, attn, mask, deep)

@@ -115,3 +115,15 @@ def test_refusal_happens_before_torch_is_imported():
             "except ConfigError as e:\n    print('lora_rank' in str(e), 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+
+
+def test_image_key_acts_and_video_key_is_refused_naming_the_fix():
+    """Issue 17: `data.image_key` selects the images column of a vision-language run; videos are not implemented."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config("base", GRPO + ["data.image_key=pictures"])
+    assert cfg.data.image_key == "pictures"
+    assert "data.image_key" not in registry()
+    text = refused("data.video_key=clips")
+    assert "`data.video_key`=clips: video prompts" in text and "not implemented yet" in text
+    assert "Fix:" in text and "image frames in the data.image_key column" in text

@@ -60,7 +60,8 @@ class DataConfig:
     filter_overlong_prompts_workers: int = spec(1, "Processes used for that filtering.")
     truncation: Literal["error", "left", "right", "middle"] = spec(
         "error", "What to do with a prompt longer than max_prompt_length.")
-    image_key: str = spec("images", "Column of images (verl, multimodal).")
+    image_key: str = spec("images", "Column of each row's images (verl's schema, one <image> per image in the "
+                                    "prompt); read when actor_rollout_ref.model.path is a vision-language model.")
     video_key: str = spec("videos", "Column of videos (verl, multimodal).")
     trust_remote_code: bool = spec(False, "Allow tokenizer code shipped with the checkpoint.")
     tool_config_path: str | None = spec(None, "Tools used when measuring prompt length (verl).")

@@ -212,10 +212,13 @@ def _data() -> list[Entry]:
                   "remove it: the critic reads the policy's tokens", lambda v, cfg: v is None or v == policy_tok(cfg)),
            refuse("data.reward_fn_key", "choosing the scorer by a column other than data_source",
                   "rename that column to data_source in the data"),
-           refuse("data.image_key", "multimodal (image/video) prompts", "remove it: lathe trains text-only models"),
-           refuse("data.video_key", "multimodal (image/video) prompts", "remove it: lathe trains text-only models"),
-           refuse(f"{A}.freeze_vision_tower", "vision-language models", "remove it: lathe trains text-only models"),
-           warn("data.return_multi_modal_inputs", "text-only data has no multimodal inputs")]
+           refuse("data.video_key", "video prompts (lathe's vision-language models take images only)",
+                  "remove it (or set it back to {default}); give a video as image frames in the data.image_key "
+                  "column, one <image> placeholder per frame"),
+           refuse(f"{A}.freeze_vision_tower", "freezing a vision-language model's vision tower",
+                  "remove it: the vision tower trains with the rest of the model"),
+           warn("data.return_multi_modal_inputs", "lathe always gives a vision-language model its images' "
+                "processor outputs (pixel_values, image_grid_thw)")]
     out += [refuse(f"data.{k}", "using a subset of the data (max_samples)", "remove it, or cut the data file",
                    at_most(0)) for k in ("train_max_samples", "val_max_samples")]
     out += [refuse(f"data.{group}.{k}", what, "remove it; write the data as verl-schema parquet/jsonl "

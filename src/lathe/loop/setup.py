@@ -21,6 +21,7 @@ from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
 from lathe.config import critic_in_use, to_dict, to_yaml
 from lathe.data import RLDataset, StatefulDataLoader
+from lathe.data.multimodal import multimodal_non_tensors
 from lathe.device import default_device_type, device_count, empty_cache
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
@@ -111,7 +112,22 @@ def sampling_params(rollout_cfg, max_tokens: int, *, validation: bool = False) -
                           do_sample=src.do_sample, max_tokens=max_tokens, ignore_eos=rollout_cfg.ignore_eos)
 
 
-def load_datasets(cfg, tokenizer) -> tuple[RLDataset, RLDataset | None]:
+def load_vl_processor(cfg):
+    """The image processor of a vision-language policy (`lathe.data.multimodal.load_processor` of
+    `model.tokenizer_path` or `model.path`), or None for a text model: image rows then fail in `RLDataset`,
+    naming the column."""
+    from lathe.models.hf import is_builtin
+    from lathe.models.vl import is_vl_checkpoint
+    m = cfg.actor_rollout_ref.model
+    if is_builtin(m.path) or not is_vl_checkpoint(os.path.expanduser(str(m.path))):
+        return None
+    from lathe.data.multimodal import load_processor
+    return load_processor(os.path.expanduser(str(m.tokenizer_path or m.path)))
+
+
+def load_datasets(cfg, tokenizer, processor=None) -> tuple[RLDataset, RLDataset | None]:
+    """(train, val) datasets of `data.*`; `processor` (a VL policy's, see `load_vl_processor`) encodes the
+    images of the `data.image_key` column."""
     d = cfg.data
     template_kwargs = dict(d.apply_chat_template_kwargs)
     tools = load_run_tools(cfg)           # multi-turn: the prompts show the tools (and a bad tool file fails here)
@@ -119,7 +135,7 @@ def load_datasets(cfg, tokenizer) -> tuple[RLDataset, RLDataset | None]:
         template_kwargs["tools"] = tools.schemas()
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-              apply_chat_template_kwargs=template_kwargs)
+              apply_chat_template_kwargs=template_kwargs, processor=processor, image_key=d.image_key)
     train = RLDataset(d.train_files, tokenizer, split="train", **kw)
     val = RLDataset(d.val_files, tokenizer, split="val", **kw) if d.val_files else None
     for name, ds in (("train", train), ("val", val)):
@@ -175,6 +191,12 @@ def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: 
     path, kwargs = _given_model(cfg, tokenizer)
     model = load_policy(path, **kwargs)
     if m.warm_start.steps > 0:
+        from lathe.models.vl import LatheVLForConditionalGeneration
+        if isinstance(model, LatheVLForConditionalGeneration):
+            raise NotImplementedError(f"actor_rollout_ref.model.warm_start.steps={m.warm_start.steps}: the warm start "
+                                      f"trains on text answers only, and {path} is a vision-language model. Fix: "
+                                      "set actor_rollout_ref.model.warm_start.steps=0 (name a preset other than "
+                                      "`default`, whose built-in demo warm-starts)")
         model.to(device)
         examples = warm_start_examples(cfg, tokenizer, train_ds)
         losses = supervised_fit(model, examples, steps=m.warm_start.steps, lr=m.warm_start.lr,
@@ -226,7 +248,7 @@ def build_trainer(cfg) -> Trainer:
     import_external_libs(external_libs(cfg))
     tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, chat_template=arr.model.custom_chat_template,
                                trust_remote_code=arr.model.trust_remote_code or cfg.data.trust_remote_code)
-    train_ds, val_ds = load_datasets(cfg, tokenizer)
+    train_ds, val_ds = load_datasets(cfg, tokenizer, load_vl_processor(cfg))
     check_scorers([train_ds, val_ds], cfg.reward.custom_reward_function.path)
     loader = StatefulDataLoader(train_ds, cfg.data.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     total_steps = t.total_training_steps or len(loader) * t.total_epochs
@@ -308,7 +330,8 @@ def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool, world: 
     if lathe_engine and colocated:       # lathe's engine: its KV cache, in the rollout dtype, for one sequence of the longest length
         from lathe.engine.kv_cache import KVCache
         from lathe.train.workers import rollout_dtype
-        c, length = model.config, cfg.data.max_prompt_length + cfg.data.max_response_length
+        c = getattr(model.config, "text", model.config)          # a VL model: its language model's config
+        length = cfg.data.max_prompt_length + cfg.data.max_response_length
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_seq = KVCache.bytes_per_block(c.num_hidden_layers, length, c.num_key_value_heads, head_dim,
                                          rollout_dtype(arr.rollout.dtype, torch.device(device)))
@@ -347,9 +370,14 @@ def resume(trainer: Trainer, path: Path) -> None:
 
 
 def prompt_batch(rows: list[dict], step: int, round_: int = 0) -> Batch:
-    """A dataloader batch as a `Batch`; `uid` groups the samples of one prompt (GRPO's index)."""
+    """A dataloader batch as a `Batch`; `uid` groups the samples of one prompt (GRPO's index).
+
+    When any row has images: `multi_modal_inputs` ({pixel_values (patches, D), image_grid_thw (images, 3)}) and
+    `multi_modal_data` ({"image": [PIL]}) per row, None for text rows; as non-tensors they follow their rows
+    through `repeat`/`select`/`concat`, and the trainer's log-prob micro-batches take their images from them."""
     keys = ("prompt_ids", "raw_prompt", "data_source", "ground_truth", "extra_info", "index")
     nt = {k: [r[k] for r in rows] for k in keys}
     nt["uid"] = [f"{step}:{round_}:{i}" for i in range(len(rows))]
+    nt.update(multimodal_non_tensors(rows))
     return Batch(non_tensors=nt)
 

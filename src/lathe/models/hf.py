@@ -127,6 +127,8 @@ def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = Fal
     Reading straight into lathe's decoder skips transformers' own copy of the weights: for a 7B model that is
     28 GiB of host memory and a full copy's time."""
     from lathe.models import supports
+    if not is_builtin(path) and _is_vl(path):
+        return load_vl_policy(path, impl=impl, override_config=override_config)
     direct = (impl != "hf" and not needs_transformers and not override_config and not is_builtin(path)
               and Path(os.path.expanduser(str(path))).is_dir())
     if direct and supports(os.path.expanduser(str(path)))[0]:
@@ -142,6 +144,30 @@ def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = Fal
             return model
     return load_causal_lm(path, trust_remote_code=trust_remote_code, vocab_size=vocab_size, seed=seed,
                           override_config=override_config)
+
+
+def _is_vl(path: str) -> bool:
+    from lathe.models.vl import is_vl_checkpoint
+    return is_vl_checkpoint(os.path.expanduser(str(path)))
+
+
+def load_vl_policy(path: str, *, impl: str = "auto", override_config: dict | None = None):
+    """A vision-language policy (Qwen2.5-VL / Qwen3-VL checkpoint directory): lathe's VL model
+    (`lathe.models.vl.load_lathe_vl_model`) in float32 on the CPU; the trainer has no transformers path for it."""
+    key = "actor_rollout_ref.model"
+    if impl == "hf":
+        raise ModelLoadError(f"{key}.impl=hf: {path} is a vision-language checkpoint, which lathe trains with its own "
+                             f"VL model only (transformers' VL modules take no packed batches here). Fix: set "
+                             f"{key}.impl=auto (or lathe).")
+    if override_config:
+        raise ModelLoadError(f"{key}.override_config={override_config!r}: config overrides are not implemented for "
+                             f"vision-language checkpoints ({path}). Fix: remove them, or edit the checkpoint's "
+                             "config.json.")
+    from lathe.models.vl import load_lathe_vl_model
+    local = os.path.expanduser(str(path))
+    model = load_lathe_vl_model(local, torch.float32)
+    model.generation_config = _generation_config(local)
+    return model
 
 
 def _generation_config(path: str):
@@ -238,9 +264,17 @@ def select_impl(model, impl: str = "auto", *, role: str = "actor", key: str = "a
     """
     from lathe.models.config import UnsupportedArchitecture
     from lathe.models.decoder import LatheCausalLM, LatheValueModel
+    from lathe.models.vl import LatheVLForConditionalGeneration
     name = type(model).__name__
     if impl not in IMPLS:
         raise ValueError(f"{key}={impl!r} is unknown; use one of {', '.join(IMPLS)}")
+    if isinstance(model, LatheVLForConditionalGeneration):      # a vision-language checkpoint (`load_vl_policy`)
+        if impl == "hf":
+            raise ValueError(f"{key}=hf, but the {role} is a vision-language model, which lathe trains with its own "
+                             f"VL model only; set {key}=auto")
+        log.info("%s: lathe VL model (%s, %s layers)", role, model.config.architecture,
+                 model.config.text.num_hidden_layers)
+        return model
     if isinstance(model, (LatheCausalLM, LatheValueModel)):     # loaded straight into lathe's decoder
         if impl == "hf":
             raise ValueError(f"{key}=hf, but the {role} was loaded into lathe's decoder; load it with transformers")

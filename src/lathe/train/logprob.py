@@ -11,6 +11,11 @@ Two implementations behind one call:
   (padding positions hold 0); else a padded forward, every (B, R) position computed as transformers
   does. Both give the same numbers at real tokens, so the same masked losses and gradients.
 
+A vision-language model (`lathe.models.vl.LatheVLForConditionalGeneration`) runs the same two paths; each
+(micro-)batch gives it the images of its own rows (`multi_modal_inputs`, one entry per row, None for text rows:
+`image_inputs`) and 3D M-RoPE positions computed from its tokens and image grids (`vl_positions`; the batch's 1D
+`position_ids` are not used: the response tokens are text and continue after the prompt's largest position).
+
 A lathe model compiled by `lathe.models.compile.compile_decoder` (the actor with `use_torch_compile`) also
 runs the chunked log-prob/entropy math compiled, with the same backend.
 """
@@ -24,6 +29,7 @@ from lathe.models.decoder import LatheCausalLM
 from lathe.models.logprob import chunked_log_probs
 from lathe.models.logprob import response_log_probs as padded_log_probs
 from lathe.models.packing import pack_padded
+from lathe.models.vl import LatheVLForConditionalGeneration, mrope_positions
 from lathe.train import parallel
 from lathe.train.micro import in_batch_order, micro_batches
 
@@ -43,14 +49,23 @@ def response_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def response_hidden(model, batch: Batch, *, remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden (N, H), valid (B, R)): final hidden states predicting the N real response tokens of a lathe model
-    (`LatheCausalLM` or `LatheValueModel`), from a packed forward when `remove_padding`, else a padded one."""
+    (`LatheCausalLM`, `LatheValueModel`, or `LatheVLForConditionalGeneration` with the rows' images), from a packed
+    forward when `remove_padding`, else a padded one."""
     ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     valid, source = response_positions(batch)
+    vl = isinstance(model, LatheVLForConditionalGeneration)
+    images = image_inputs(batch, model.device) if vl else {}
+    if vl:                      # 3D positions and the prompts' placeholders, as the engine saw them
+        pos3, images["image_mask"] = vl_positions(model, batch, images.get("image_grid_thw"))
     if not remove_padding:
-        hidden = model.hidden_padded(ids, mask, pos)
+        hidden = model.hidden_padded(ids, mask, pos3 if vl else pos, **images)
         return hidden.reshape(-1, hidden.shape[-1])[source], valid
     packed = pack_padded(ids, mask, pos)
-    hidden = model.hidden_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
+    positions = packed.position_ids
+    if vl:
+        positions = pos3.reshape(3, -1)[:, packed.indices]
+        images["image_mask"] = images["image_mask"].reshape(-1)[packed.indices]
+    hidden = model.hidden_packed(packed.input_ids, positions, packed.cu_seqlens, packed.max_seqlen, **images)
     where = torch.full((ids.numel(),), -1, dtype=torch.long, device=ids.device)
     where[packed.indices] = torch.arange(len(packed.indices), device=ids.device)
     index = where[source]
@@ -58,6 +73,34 @@ def response_hidden(model, batch: Batch, *, remove_padding: bool = False) -> tup
         raise ValueError("a response token follows a padding position (attention_mask 0): the batch must be a "
                          "left-padded prompt followed by a right-padded response, as rollout.base.to_batch builds it")
     return hidden[index], valid
+
+
+def image_inputs(batch: Batch, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """{"pixel_values" (patches, D), "image_grid_thw" (images, 3)} of the batch's rows, images in row order, on
+    `device`; {} when the batch has no `multi_modal_inputs` column or no row has images. Micro-batches are
+    `Batch.select`s, so each carries exactly its own rows' images."""
+    if "multi_modal_inputs" not in batch:
+        return {}
+    from lathe.data.multimodal import concat_multi_modal_inputs
+    joined = concat_multi_modal_inputs(list(batch["multi_modal_inputs"]))
+    return {k: v.to(device) for k, v in joined.items()}
+
+
+def vl_positions(model, batch: Batch, image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions (3, B, L), image placeholder mask (B, L)) of a padded prompt+response batch for a VL model.
+
+    Only the prompts hold placeholders: an image (or video) token the policy generated is a text token at a text
+    position, as the engine ran it (a response token i sits at i + the prompt's rope delta on every axis), so the
+    positions are computed with such tokens read as text."""
+    c = model.config
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    prompt = torch.zeros_like(ids, dtype=torch.bool)
+    prompt[:, :batch["prompts"].shape[1]] = True
+    special = (ids == c.image_token_id) | (ids == c.video_token_id)
+    positions, _ = mrope_positions(torch.where(special & ~prompt, torch.zeros_like(ids), ids), image_grid_thw, mask,
+                                   image_token_id=c.image_token_id, video_token_id=c.video_token_id,
+                                   spatial_merge_size=c.spatial_merge_size)
+    return positions, (ids == c.image_token_id) & prompt
 
 
 def scatter_response(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -70,17 +113,19 @@ def response_log_probs(model, batch: Batch, *, temperature: float = 1.0, calcula
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log_probs (B, R), entropy (B, R) or None) float32 of `batch["responses"]`.
 
-    `remove_padding` and `chunk_size` apply to lathe's decoder; a transformers model always runs padded.
+    `remove_padding` and `chunk_size` apply to lathe's decoder and VL model; a transformers model always runs
+    padded.
     """
     if isinstance(model, LatheCausalLM) and not remove_padding:
         return padded_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
                                 batch["responses"], temperature=temperature, chunk_size=chunk_size,
                                 calculate_entropy=calculate_entropy)
-    if isinstance(model, LatheCausalLM):
-        hidden, valid = response_hidden(model, batch, remove_padding=True)
+    if isinstance(model, (LatheCausalLM, LatheVLForConditionalGeneration)):
+        hidden, valid = response_hidden(model, batch, remove_padding=remove_padding)
         logp, entropy = chunked_log_probs(hidden, model.lm_head.weight, batch["responses"][valid],
                                           temperature=temperature, chunk_size=chunk_size,
-                                          calculate_entropy=calculate_entropy, compile_backend=model.compile_backend)
+                                          calculate_entropy=calculate_entropy,
+                                          compile_backend=getattr(model, "compile_backend", None))
         return scatter_response(logp, valid), (scatter_response(entropy, valid) if calculate_entropy else None)
     responses = batch["responses"]
     R = responses.shape[1]

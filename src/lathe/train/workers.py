@@ -38,6 +38,7 @@ from lathe.batch import Batch
 from lathe.device import reset_peak_memory, synchronize
 from lathe.dtypes import short_name
 from lathe.engine.llm_engine import LatheEngine
+from lathe.engine.multimodal import is_vl
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
@@ -67,10 +68,12 @@ class ActorRolloutRefWorker:
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         hf_model = model
         self.model = select_impl(model, arr.model.impl, role="actor")
+        if is_vl(self.model):
+            check_vl(self.model, arr, rollout=rollout, sharded=parallel.in_group())
         self.lora = arr.model.lora_rank > 0 and self._apply_lora()
         self.remove_padding = arr.model.use_remove_padding
         self.rollout_name = resolve_rollout_name(arr.rollout.name, self.model, impl=arr.model.impl) if rollout else None
-        if isinstance(self.model, LatheCausalLM) and arr.model.enable_gradient_checkpointing:
+        if (isinstance(self.model, LatheCausalLM) or is_vl(self.model)) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config")
         self.sharded = parallel.in_group()             # a rank of a data-parallel group: FSDP2
@@ -196,8 +199,10 @@ class ActorRolloutRefWorker:
                                           tools_kwargs=[(x or {}).get("tools_kwargs") for x in extra],
                                           interaction_kwargs=[(x or {}).get("interaction_kwargs") for x in extra],
                                           messages=list(prompts["raw_prompt"]))
-            else:
-                out = self.rollout.generate(prompt_ids, params, first_index=first_index)
+            else:       # image prompts (VL): each prompt's {pixel_values, image_grid_thw}, None for text prompts
+                images = ({"multi_modal_inputs": list(prompts["multi_modal_inputs"])}
+                          if "multi_modal_inputs" in prompts else {})
+                out = self.rollout.generate(prompt_ids, params, first_index=first_index, **images)
         finally:
             if self.free_cache_engine:
                 with self._timed(timings, "timing_s/rollout_sleep"):
@@ -272,13 +277,33 @@ class ActorRolloutRefWorker:
         self.sync_weights()
 
 
+def check_vl(actor, arr, *, rollout: bool, sharded: bool) -> None:
+    """What a vision-language actor does not do yet, refused before anything runs. It generates with lathe's engine
+    (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`) on one device, with full
+    fine-tuning and single-turn rollouts (fully-async training's rollout pool refuses it: `async_roles`)."""
+    what = f"actor_rollout_ref.model.path is a vision-language checkpoint ({actor.config.architecture})"
+    refused = [
+        (rollout and arr.rollout.name == "hf", "actor_rollout_ref.rollout.name=hf",
+         "the transformers rollout does not take image prompts; set actor_rollout_ref.rollout.name=auto (or lathe)"),
+        (sharded, "several devices (FSDP2)", "train on one device (trainer.n_gpus_per_node=1, trainer.nnodes=1)"),
+        (arr.model.lora_rank > 0, f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}",
+         "set lora_rank=0 (full fine-tuning)"),
+        (rollout and arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable=true",
+         "the agent loop does not carry images; set multi_turn.enable=false"),
+    ]
+    for on, key, fix in refused:
+        if on:
+            raise NotImplementedError(f"{key} with a vision-language model is not implemented yet ({what}). "
+                                      f"Fix: {fix}.")
+
+
 def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
     """`lathe` or `hf` for `rollout.name` (`auto` resolved by what the actor runs); logs which and why.
 
     The engine runs lathe's decoder, so it needs an actor that `select_impl` turned into one.
     """
     key, arch = "actor_rollout_ref.rollout.name", _architecture(actor)
-    is_lathe = isinstance(actor, LatheCausalLM)
+    is_lathe = isinstance(actor, LatheCausalLM) or is_vl(actor)      # the engine runs both
     if name == "lathe" and not is_lathe:
         why = ("actor_rollout_ref.model.impl=hf" if impl == "hf"
                else f"lathe's decoder does not implement {arch} (see the 'actor:' log line)")

@@ -131,12 +131,13 @@ class LatheVLForConditionalGeneration(nn.Module):
                                video_token_id=self.config.video_token_id,
                                spatial_merge_size=self.config.spatial_merge_size)
 
-    def _inputs(self, input_ids, pixel_values, image_grid_thw, image_embeds, videos):
-        """(inputs_embeds, image mask, deepstack features) with the image embeddings spliced in."""
+    def _inputs(self, input_ids, pixel_values, image_grid_thw, image_embeds, videos, image_mask=None):
+        """(inputs_embeds, image mask, deepstack features) with the image embeddings spliced in. `image_mask`: where
+        the placeholders are, when not every image token is one (a trainer's responses: generated tokens are text)."""
         if videos:
             raise NotImplementedError("pixel_values_videos / video_grid_thw are not implemented by lathe's VL "
                                       "model; pass images only or use the transformers fallback")
-        mask = self.image_mask(input_ids)
+        mask = self.image_mask(input_ids) if image_mask is None else image_mask
         embeds = self.get_input_embeddings()(input_ids)
         if image_embeds is None and pixel_values is not None:
             image_embeds = self.embed_images(pixel_values, image_grid_thw)
@@ -163,14 +164,16 @@ class LatheVLForConditionalGeneration(nn.Module):
         return CausalLMOutput(logits=self.lm_head(hidden))
 
     def hidden_padded(self, input_ids, attention_mask=None, position_ids=None, pixel_values=None,
-                      image_grid_thw=None, *, image_embeds=None) -> torch.Tensor:
-        """(B, L, H) final hidden states of a padded batch; padding positions hold unspecified values."""
+                      image_grid_thw=None, *, image_embeds=None, image_mask=None) -> torch.Tensor:
+        """(B, L, H) final hidden states of a padded batch; padding positions hold unspecified values. `image_mask`
+        (B, L): the placeholders, when not every image token is one (see `_inputs`)."""
         return self._hidden_padded(input_ids, attention_mask, position_ids, pixel_values, image_grid_thw,
-                                   image_embeds, False)
+                                   image_embeds, False, image_mask)
 
     def _hidden_padded(self, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw, image_embeds,
-                       videos) -> torch.Tensor:
-        embeds, mask, deepstack = self._inputs(input_ids, pixel_values, image_grid_thw, image_embeds, videos)
+                       videos, image_mask=None) -> torch.Tensor:
+        embeds, mask, deepstack = self._inputs(input_ids, pixel_values, image_grid_thw, image_embeds, videos,
+                                               image_mask)
         if position_ids is None:
             position_ids, _ = self.mrope_positions(input_ids, image_grid_thw, attention_mask)
         elif position_ids.dim() == 2:      # text positions: the same on all three axes
@@ -191,12 +194,15 @@ class LatheVLForConditionalGeneration(nn.Module):
     def hidden_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                       max_seqlen: int, pixel_values: torch.Tensor | None = None,
                       image_grid_thw: torch.Tensor | None = None, *,
-                      image_embeds: ImageEmbeddings | None = None) -> torch.Tensor:
+                      image_embeds: ImageEmbeddings | None = None, image_mask: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """(T, H) final hidden states of a packed stream: `input_ids` (T,), `position_ids` (3, T) (see
-        `packed_mrope_positions`), `cu_seqlens` (S+1,); the images in the order their placeholders appear."""
+        `packed_mrope_positions`), `cu_seqlens` (S+1,); the images in the order their placeholders appear;
+        `image_mask` (T,): the placeholders, when not every image token is one (see `_inputs`)."""
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(3, -1)
-        embeds, mask, deepstack = self._inputs(input_ids, pixel_values, image_grid_thw, image_embeds, False)
+        embeds, mask, deepstack = self._inputs(input_ids, pixel_values, image_grid_thw, image_embeds, False,
+                                               image_mask)
         attn = PackedAttention(cu_seqlens.to(input_ids.device), int(max_seqlen), self.packed_backend())
         return self.model.language_model(embeds, position_ids, attn, mask, deepstack)
 

@@ -1,0 +1,95 @@
+"""Issue 17 end to end: `lathe train` GRPO on a tiny Qwen2.5-VL checkpoint and a parquet of image prompts (verl's
+schema), on the CPU: the processor is found from `model.tokenizer_path`, the engine generates from the images, the
+reward sees the responses, the update moves the vision tower too, and a validation pass runs."""
+
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from PIL import Image
+
+from lathe.data.multimodal import IMAGE_TOKEN, tiny_vl_processor
+from lathe.engine.llm_engine import LatheEngine
+
+from .test_ppo import read_metrics, run
+
+COLOURS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (240, 240, 240)]
+
+
+def _png(colour, size=(16, 16)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _checkpoint(tmp_path):
+    """A random Qwen2.5-VL model whose vocabulary and vision tokens are the tiny processor's (saved apart: a
+    tokenizer beside a qwen config.json would be read as Qwen2's)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    processor = tiny_vl_processor()
+    tok = processor.tokenizer
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("image_token_id", IMAGE_TOKEN),
+                                                           ("vision_start_token_id", "<|vision_start|>"),
+                                                           ("vision_end_token_id", "<|vision_end|>"))}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, window_size=16,
+                  fullatt_block_indexes=[0])
+    torch.manual_seed(0)
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, video_token_id=len(tok) + 1, **ids)
+    Qwen2_5_VLForConditionalGeneration._from_config(cfg).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "tokenizer")
+    processor.image_processor.save_pretrained(tmp_path / "tokenizer")
+    return tmp_path / "model", tmp_path / "tokenizer"
+
+
+def _data(tmp_path, n: int = 8) -> str:
+    rows = [{"data_source": "colours", "prompt": [{"role": "user", "content": "<image>which?"}],
+             "images": [{"bytes": _png(COLOURS[i % 4]), "path": None}], "ability": "vision",
+             "reward_model": {"style": "rule", "ground_truth": str(i % 4)}, "extra_info": {"index": i}}
+            for i in range(n)]
+    path = tmp_path / "colours.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_grpo_on_image_prompts_runs_end_to_end(tmp_path):
+    model, tokenizer = _checkpoint(tmp_path)
+    data = _data(tmp_path)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str[:1] == ground_truth) + (sum(map(ord, solution_str)) % 3) / 4\n")
+    trainer = run(tmp_path, f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
+                  f"data.train_files={data}", f"data.val_files={data}", "data.max_prompt_length=64",
+                  "data.max_response_length=4", f"reward.custom_reward_function.path={reward}",
+                  "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
+                  "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.model.warm_start.steps=0")
+    metrics = read_metrics(tmp_path / "run")
+    assert isinstance(trainer.worker.rollout, LatheEngine) and trainer.worker.rollout.vl
+    assert sorted(metrics) == [1, 2] and metrics[2]["actor/grad_norm"] > 0
+    assert metrics[2]["critic/score/max"] > metrics[2]["critic/score/min"]
+    assert any(k.startswith("val-core/colours/") for k in metrics[2])
+    start = _weights(model)
+    moved = [k for k, p in trainer.worker.model.state_dict().items() if k.startswith("model.visual.")
+             and not torch.equal(p.cpu(), start[k])]
+    assert moved, "the update did not reach the vision tower"
+
+
+def _weights(path):
+    from lathe.models.vl import load_lathe_vl_model
+    return {k: v.cpu() for k, v in load_lathe_vl_model(path).state_dict().items()}
+
+
+def test_warm_start_of_a_vl_model_is_refused(tmp_path):
+    import pytest
+    model, tokenizer = _checkpoint(tmp_path)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    with pytest.raises(NotImplementedError, match="warm_start.steps=0"):
+        run(tmp_path, f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
+            f"reward.custom_reward_function.path={reward}",
+            f"data.train_files={_data(tmp_path)}", "data.val_files=null", "trainer.test_freq=-1",
+            "data.max_prompt_length=64")

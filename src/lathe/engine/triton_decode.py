@@ -35,7 +35,7 @@ def interpreted() -> bool:
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])     # varies between calls: one compile serves all
     def _decode_kernel(Q, K, V, BT, LENS, O, M, L,
                        stride_qb, stride_qh, stride_kslot, stride_kh, stride_bt,
                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms,

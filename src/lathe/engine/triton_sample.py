@@ -60,7 +60,7 @@ if triton is not None:
         tl.store(PS + out, s)
         tl.store(PA + out, first)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["out_stride"])     # varies between calls: one compile serves all
     def _pick_kernel(LOGITS, stride, V, TEMP, GREEDY, SEED, POS, PM, PS, PA, NCHUNK, OUT, out_stride,
                      CHUNK_: tl.constexpr, NCHUNK_PAD: tl.constexpr):
         row = tl.program_id(0)

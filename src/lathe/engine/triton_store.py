@@ -17,7 +17,7 @@ except ImportError:
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_k", "stride_v"])     # varies between calls: one compile serves all
     def _store_kernel(K, V, KC, VC, SLOTS, stride_k, stride_v, N: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         slot = tl.load(SLOTS + t).to(tl.int64)

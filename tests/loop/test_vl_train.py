@@ -47,6 +47,7 @@ def _checkpoint(tmp_path):
 
 
 def _data(tmp_path, n: int = 8) -> str:
+    """`n` rows: an image filled with colour i % 4, the answer the digit i % 4 (balanced)."""
     rows = [{"data_source": "colours", "prompt": [{"role": "user", "content": "<image>which?"}],
              "images": [{"bytes": _png(COLOURS[i % 4]), "path": None}], "ability": "vision",
              "reward_model": {"style": "rule", "ground_truth": str(i % 4)}, "extra_info": {"index": i}}
@@ -93,3 +94,23 @@ def test_warm_start_of_a_vl_model_is_refused(tmp_path):
             f"reward.custom_reward_function.path={reward}",
             f"data.train_files={_data(tmp_path)}", "data.val_files=null", "trainer.test_freq=-1",
             "data.max_prompt_length=64")
+
+
+def test_grpo_learns_to_read_the_image(tmp_path):
+    """GRPO from the random tiny model: the reward is 1 for the colour's digit first, 0.2 for another digit. A policy
+    that ignores the image scores at most 0.4 (always the same digit: right for a quarter of the balanced rows), so
+    a mean above that is read off the pixels, through the engine's image prompts and the trainer's image log-probs.
+    (Here: 0.02 at the start, about 0.63 over steps 53-60.)"""
+    model, tokenizer = _checkpoint(tmp_path)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    c = solution_str[:1]\n    return 1.0 if c == ground_truth else (0.2 if c in '0123' else 0.0)\n")
+    run(tmp_path, f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
+        f"data.train_files={_data(tmp_path, n=64)}", "data.val_files=null", "trainer.test_freq=-1",
+        "data.max_prompt_length=64", "data.max_response_length=2", f"reward.custom_reward_function.path={reward}",
+        "trainer.total_training_steps=60", "data.train_batch_size=16", "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+        "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.model.warm_start.steps=0")
+    scores = [m["critic/score/mean"] for _, m in sorted(read_metrics(tmp_path / "run").items())]
+    first, last = sum(scores[:8]) / 8, sum(scores[-8:]) / 8
+    assert last > 0.48 and last > first + 0.3, f"no learning from the image: {first:.2f} -> {last:.2f}"

@@ -99,7 +99,9 @@ def test_dataset_items_carry_multimodal_fields(tmp_path, processor):
     assert item["multi_modal_inputs"]["pixel_values"].shape[0] == int(grid.prod())
     assert len(item["multi_modal_data"]["image"]) == 1
     assert not any(k.startswith("_") for k in item)
-    assert "multi_modal_inputs" not in text_item and "multi_modal_data" not in text_item
+    assert text_item["multi_modal_inputs"] is None and text_item["multi_modal_data"] is None   # columns in every batch
+    text_only = RLDataset(write(tmp_path, [text_row], "t.parquet"), processor.tokenizer, max_prompt_length=200)
+    assert "multi_modal_inputs" not in text_only[0]                 # a text run's items are as before
     assert item["raw_prompt"] == [{"role": "user", "content": "<image>Find x."}]
 
 

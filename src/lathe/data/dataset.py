@@ -342,7 +342,10 @@ class RLDataset:
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = self._items[i]
         if "_images" not in item:
-            return {**item, "prompt_ids": list(item["prompt_ids"])}
+            out = {**item, "prompt_ids": list(item["prompt_ids"])}
+            if self.processor is not None:      # a VL run: every batch carries the columns (DAPO's rounds concatenate)
+                out.update(multi_modal_data=None, multi_modal_inputs=None)
+            return out
         return self._multimodal_item(item)
 
     def _multimodal_item(self, item: dict) -> dict[str, Any]:

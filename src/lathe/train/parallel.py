@@ -137,7 +137,11 @@ def _mesh(device_type: str):
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a decoder (lathe's or a transformers model): the longest `ModuleList`."""
+    """The repeated blocks of a decoder (lathe's or a transformers model): the longest `ModuleList`; a vision-language
+    model's vision blocks and language-model layers both."""
+    from lathe.models.vl import LatheVLForConditionalGeneration
+    if isinstance(model, LatheVLForConditionalGeneration):
+        return [*model.model.visual.blocks, *model.model.language_model.layers]
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise ValueError(f"{type(model).__name__}: no decoder layers (nn.ModuleList) to shard")

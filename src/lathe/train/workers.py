@@ -285,7 +285,6 @@ def check_vl(actor, arr, *, rollout: bool, sharded: bool) -> None:
     refused = [
         (rollout and arr.rollout.name == "hf", "actor_rollout_ref.rollout.name=hf",
          "the transformers rollout does not take image prompts; set actor_rollout_ref.rollout.name=auto (or lathe)"),
-        (sharded, "several devices (FSDP2)", "train on one device (trainer.n_gpus_per_node=1, trainer.nnodes=1)"),
         (arr.model.lora_rank > 0, f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}",
          "set lora_rank=0 (full fine-tuning)"),
         (rollout and arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable=true",

@@ -1,0 +1,37 @@
+"""A vision-language GRPO run on two Ray workers (FSDP2 ranks over gloo on CPU; the vision blocks and the language
+model's layers sharded) equals the one-process run: the same samples from each rank's engine on its share of the
+image prompts, the same losses and gradient norms up to summation order."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
+
+from loop.test_ppo import read_metrics, run  # noqa: E402
+from loop.test_vl_train import _checkpoint, _data  # noqa: E402
+
+pytestmark = pytest.mark.slow
+COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean")
+
+
+def test_two_workers_equal_one_process_on_image_prompts(tmp_path):
+    model, tokenizer = _checkpoint(tmp_path)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return (sum(map(ord, solution_str)) % 3) / 2\n")
+    common = [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
+              f"data.train_files={_data(tmp_path, n=16)}", "data.val_files=null", "trainer.test_freq=-1",
+              "data.max_prompt_length=64", "data.max_response_length=3", f"reward.custom_reward_function.path={reward}",
+              "trainer.total_training_steps=2", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+              "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.model.warm_start.steps=0",
+              "trainer.device=cpu"]
+    run(tmp_path, *common, name="one")
+    run(tmp_path, *common, "trainer.n_gpus_per_node=2", name="two")
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2]
+    assert one[2]["actor/grad_norm"] > 0 and one[2]["critic/score/max"] > one[2]["critic/score/min"]
+    for step in (1, 2):
+        for key in COMPARED:
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-7), (step, key)

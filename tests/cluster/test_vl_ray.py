@@ -1,6 +1,6 @@
 """A vision-language GRPO run on two Ray workers (FSDP2 ranks over gloo on CPU; the vision blocks and the language
 model's layers sharded) equals the one-process run: the same samples from each rank's engine on its share of the
-image prompts, the same losses and gradient norms up to summation order."""
+image prompts, the same losses and gradient norms up to summation order; its checkpoint loads as a VL model."""
 
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ def test_two_workers_equal_one_process_on_image_prompts(tmp_path):
               "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.model.warm_start.steps=0",
               "trainer.device=cpu"]
     run(tmp_path, *common, name="one")
-    run(tmp_path, *common, "trainer.n_gpus_per_node=2", name="two")
+    run(tmp_path, *common, "trainer.n_gpus_per_node=2", "trainer.save_freq=2", name="two")
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert sorted(one) == sorted(two) == [1, 2]
     assert one[2]["actor/grad_norm"] > 0 and one[2]["critic/score/max"] > one[2]["critic/score/min"]
     for step in (1, 2):
         for key in COMPARED:
             assert two[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-7), (step, key)
+    from lathe.models.vl import load_lathe_vl_model          # the sharded run's checkpoint: a VL model again
+    saved = load_lathe_vl_model(tmp_path / "two" / "global_step_2" / "actor" / "huggingface")
+    assert set(saved.state_dict()) == set(load_lathe_vl_model(model).state_dict())

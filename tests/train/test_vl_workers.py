@@ -76,3 +76,30 @@ def test_worker_log_probs_reference_and_update_on_image_rows(vl_dir, tmp_path):
     assert max(float((v - before[k]).abs().max()) for k, v in worker.model.state_dict().items()) > 0
     after = worker.compute_log_prob(batch)["old_log_probs"]
     assert float(((after - batch["old_log_probs"]) * mask).abs().max()) > 0
+
+
+def test_freeze_vision_tower_trains_the_language_model_only(vl_dir, tmp_path):
+    """verl's actor.freeze_vision_tower: after an update the vision tower is unchanged and out of the optimizer, the
+    language model moved; a text policy refuses the key."""
+    cfg = _cfg(vl_dir, tmp_path, "actor_rollout_ref.actor.freeze_vision_tower=true")
+    worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tiny_vl_processor().tokenizer, total_steps=1,
+                                   device=torch.device("cpu"), need_ref=True, rollout=False)
+    batch = vl_rollout_batch()
+    batch.update(worker.compute_log_prob(batch))
+    batch.update(worker.compute_ref_log_prob(batch))
+    batch["advantages"] = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(1)) * batch["response_mask"]
+    before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    worker.update_actor(batch)
+    changed = {k for k, v in worker.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and not any(k.startswith("model.visual.") for k in changed)
+    assert any(k.startswith("model.language_model.") for k in changed)
+    trained = {id(p) for g in worker.optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in trained for p in worker.model.model.visual.parameters())
+    from lathe.data.builtin import builtin_tokenizer
+    from lathe.models.hf import build_builtin_model
+    tok = builtin_tokenizer()
+    with pytest.raises(ValueError, match="freeze_vision_tower=true: the policy is a text model"):
+        ActorRolloutRefWorker(load_config(None, ["actor_rollout_ref.model.path=builtin:tiny",
+                                                 "actor_rollout_ref.actor.freeze_vision_tower=true"]),
+                              build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok, total_steps=1,
+                              device=torch.device("cpu"), need_ref=False, rollout=False)

@@ -215,8 +215,6 @@ def _data() -> list[Entry]:
            refuse("data.video_key", "video prompts (lathe's vision-language models take images only)",
                   "remove it (or set it back to {default}); give a video as image frames in the data.image_key "
                   "column, one <image> placeholder per frame"),
-           refuse(f"{A}.freeze_vision_tower", "freezing a vision-language model's vision tower",
-                  "remove it: the vision tower trains with the rest of the model"),
            warn("data.return_multi_modal_inputs", "lathe always gives a vision-language model its images' "
                 "processor outputs (pixel_values, image_grid_thw)")]
     out += [refuse(f"data.{k}", "using a subset of the data (max_samples)", "remove it, or cut the data file",

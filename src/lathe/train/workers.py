@@ -39,6 +39,7 @@ from lathe.device import reset_peak_memory, synchronize
 from lathe.dtypes import short_name
 from lathe.engine.llm_engine import LatheEngine
 from lathe.engine.multimodal import is_vl
+from lathe.train.vl import check_vl, freeze_vision_tower
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
@@ -90,6 +91,8 @@ class ActorRolloutRefWorker:
             lora.place(self.model, self.policy, device, sharded=self.sharded)
         else:
             self.model.to(device=None if self.sharded else device, dtype=self.policy.master_dtype)
+        if arr.actor.freeze_vision_tower:
+            freeze_vision_tower(self.model, self.policy.param_dtype, sharded=self.sharded)
         # LoRA: the engine generates from the merged weights (no adapters of its own)
         merged = (lambda: merged_weights(self.model)) if self.lora else (lambda: None)
         if self.sharded:         # the rollout's own full copy goes to the device tensor by tensor
@@ -275,25 +278,6 @@ class ActorRolloutRefWorker:
     def load_checkpoint(self, path: Path) -> None:
         load_policy_checkpoint(path, self.model, self.optimizer, self.scheduler, what="actor")
         self.sync_weights()
-
-
-def check_vl(actor, arr, *, rollout: bool, sharded: bool) -> None:
-    """What a vision-language actor does not do yet, refused before anything runs. It generates with lathe's engine
-    (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`) on one device, with full
-    fine-tuning and single-turn rollouts (fully-async training's rollout pool refuses it: `async_roles`)."""
-    what = f"actor_rollout_ref.model.path is a vision-language checkpoint ({actor.config.architecture})"
-    refused = [
-        (rollout and arr.rollout.name == "hf", "actor_rollout_ref.rollout.name=hf",
-         "the transformers rollout does not take image prompts; set actor_rollout_ref.rollout.name=auto (or lathe)"),
-        (arr.model.lora_rank > 0, f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}",
-         "set lora_rank=0 (full fine-tuning)"),
-        (rollout and arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable=true",
-         "the agent loop does not carry images; set multi_turn.enable=false"),
-    ]
-    for on, key, fix in refused:
-        if on:
-            raise NotImplementedError(f"{key} with a vision-language model is not implemented yet ({what}). "
-                                      f"Fix: {fix}.")
 
 
 def resolve_rollout_name(name: str, actor, *, impl: str) -> str:

@@ -1,0 +1,38 @@
+"""What the actor worker does differently for a vision-language policy (`lathe.models.vl`): the refusals of what it
+does not do yet, and verl's `actor.freeze_vision_tower`."""
+
+from __future__ import annotations
+
+import torch
+
+from lathe.engine.multimodal import is_vl
+
+
+def freeze_vision_tower(model, dtype: torch.dtype, *, sharded: bool) -> None:
+    """verl's `actor.freeze_vision_tower`: the vision tower (patch embedding, blocks, merger) takes no gradient and stays
+    out of the optimizer; on one device it is held in the compute dtype, as a frozen LoRA base is."""
+    if not is_vl(model):
+        raise ValueError("actor_rollout_ref.actor.freeze_vision_tower=true: the policy is a text model, which has no "
+                         "vision tower. Fix: remove the key (or set it to false).")
+    model.model.visual.requires_grad_(False)
+    if not sharded:
+        model.model.visual.to(dtype)
+
+
+def check_vl(actor, arr, *, rollout: bool, sharded: bool) -> None:
+    """What a vision-language actor does not do yet, refused before anything runs. It generates with lathe's engine
+    (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`) on one device, with full
+    fine-tuning and single-turn rollouts (fully-async training's rollout pool refuses it: `async_roles`)."""
+    what = f"actor_rollout_ref.model.path is a vision-language checkpoint ({actor.config.architecture})"
+    refused = [
+        (rollout and arr.rollout.name == "hf", "actor_rollout_ref.rollout.name=hf",
+         "the transformers rollout does not take image prompts; set actor_rollout_ref.rollout.name=auto (or lathe)"),
+        (arr.model.lora_rank > 0, f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}",
+         "set lora_rank=0 (full fine-tuning)"),
+        (rollout and arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable=true",
+         "the agent loop does not carry images; set multi_turn.enable=false"),
+    ]
+    for on, key, fix in refused:
+        if on:
+            raise NotImplementedError(f"{key} with a vision-language model is not implemented yet ({what}). "
+                                      f"Fix: {fix}.")

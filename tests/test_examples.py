@@ -48,6 +48,9 @@ def run_example(name: str, *args: str, **env) -> subprocess.CompletedProcess:
                                  "actor_rollout_ref.rollout.multi_turn.tool_config_path":
                                      str(ROOT / "examples" / "tools" / "gsm8k_tool.yaml"),
                                  "data.max_prompt_length": 1024, "trainer.n_gpus_per_node": 8}),
+    ("geo3k_qwen2_5_vl.sh", {"data.image_key": "images", "actor_rollout_ref.rollout.n": 5,
+                             "actor_rollout_ref.rollout.name": "lathe", "data.max_response_length": 2048,
+                             "trainer.n_gpus_per_node": 8}),
 ])
 def test_a_single_node_example_resolves_to_a_valid_config(name, checks, data_dir):
     out = run_example(name, "--print-config", "trainer.device=cpu", DATA_DIR=str(data_dir), MODEL="/models/m")
@@ -71,7 +74,7 @@ def test_the_sft_example_resolves_to_verls_gsm8k_sft_recipe(data_dir):
 
 
 @pytest.mark.parametrize("name", ["gsm8k_grpo_1gpu.sh", "qwen3_8b_gb200.sh", "gsm8k_grpo_slurm.sh", "gsm8k_sft.sh",
-                                  "gsm8k_multiturn_tool.sh"])
+                                  "gsm8k_multiturn_tool.sh", "geo3k_qwen2_5_vl.sh"])
 def test_an_example_without_its_data_says_how_to_make_it(name, tmp_path):
     out = run_example(name, DATA_DIR=str(tmp_path / "nowhere"), SBATCH="false")
     assert out.returncode == 2 and "train.parquet" in out.stderr and "DATA_DIR" in out.stderr

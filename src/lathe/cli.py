@@ -2,7 +2,7 @@
 
     lathe train [PRESET|FILE.yaml] [key=value ...] [--print-config]
     lathe sft [FILE.yaml] [key=value ...] [--print-config]
-    lathe preprocess gsm8k|gsm8k_tool|math500|aime24|amc23 --input DIR_OR_FILE --output DIR
+    lathe preprocess gsm8k|gsm8k_tool|math500|aime24|amc23|geo3k --input DIR_OR_FILE --output DIR
     lathe model check MODEL_DIR
     lathe generate MODEL_DIR INPUT.jsonl OUTPUT.jsonl [key=value ...]
     lathe presets

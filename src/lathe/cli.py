@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     sft.set_defaults(func=cmd_sft)
     pre = sub.add_parser("preprocess", help="turn a raw dataset into verl-schema parquet")
     pre.add_argument("dataset", help="gsm8k, gsm8k_tool (multi-turn with the calc_gsm8k_reward tool; alias "
-                                      "gsm8k_multiturn_w_tool), math500, aime24 or amc23")
+                                      "gsm8k_multiturn_w_tool), math500, aime24, amc23 or geo3k (images; a local copy of "
+                                      "hiyouga/geometry3k)")
     pre.add_argument("--input", required=True, help="the raw data: a directory or a .jsonl file")
     pre.add_argument("--output", required=True, help="directory for train/test parquet files")
     pre.set_defaults(func=cmd_preprocess)

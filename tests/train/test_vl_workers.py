@@ -40,8 +40,7 @@ def test_a_vl_actor_generates_with_the_engine_and_refuses_the_transformers_rollo
     from lathe.batch import Batch
     from lathe.rollout.base import SamplingParams
     tok = tiny_vl_processor().tokenizer
-    for key in ("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.model.lora_rank=4",
-                "actor_rollout_ref.rollout.multi_turn.enable=true"):
+    for key in ("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.multi_turn.enable=true"):
         with pytest.raises(NotImplementedError, match=f"{key.split('=')[0]}.*vision-language"):
             ActorRolloutRefWorker(_cfg(vl_dir, tmp_path, key), load_policy(str(vl_dir)),
                                   tok, total_steps=1, device=torch.device("cpu"), need_ref=False)
@@ -103,3 +102,60 @@ def test_freeze_vision_tower_trains_the_language_model_only(vl_dir, tmp_path):
                                                  "actor_rollout_ref.actor.freeze_vision_tower=true"]),
                               build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok, total_steps=1,
                               device=torch.device("cpu"), need_ref=False, rollout=False)
+
+
+def test_lora_on_a_vl_model_adapts_the_language_model_and_the_engine_runs_merged(vl_dir, tmp_path):
+    """LoRA on a VL policy: adapters on the language model's layers only (the vision tower frozen), only they change
+    in an update, the engine holds the merged weights (its own plain layers), and the checkpoint holds the PEFT
+    adapter and a merged model that loads as the VL model."""
+    from lathe.models.lora import lora_layers
+    from lathe.models.vl import load_lathe_vl_model
+    cfg = _cfg(vl_dir, tmp_path, "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8")
+    worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tiny_vl_processor().tokenizer, total_steps=1,
+                                   device=torch.device("cpu"), need_ref=True)
+    adapted = dict(lora_layers(worker.model))
+    assert adapted and all(p.startswith("model.language_model.layers.") for p in adapted)
+    assert not list(lora_layers(worker.rollout.model))               # the engine's copy: plain merged layers
+    batch = vl_rollout_batch()
+    batch.update(worker.compute_log_prob(batch))
+    batch.update(worker.compute_ref_log_prob(batch))
+    batch["advantages"] = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(2)) * batch["response_mask"]
+    before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    worker.update_actor(batch)
+    worker.sync_weights()
+    changed = {k for k, v in worker.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.endswith((".lora_A", ".lora_B")) for k in changed)
+    engine = worker.rollout.model.state_dict()
+    for path, layer in adapted.items():
+        want = layer.weight.float() + layer.delta()
+        assert torch.allclose(engine[f"{path}.weight"].float(), want, atol=1e-6), path
+    worker.save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "lora_adapter" / "adapter_config.json").is_file()
+    merged = load_lathe_vl_model(tmp_path / "ckpt" / "huggingface").state_dict()
+    for path in adapted:
+        assert torch.allclose(merged[f"{path}.weight"].float(), engine[f"{path}.weight"].float(), atol=1e-6), path
+
+
+def test_peft_loads_a_vl_adapter_to_the_same_logits(tmp_path):
+    """A VL model's adapter, saved in PEFT's layout, loads onto transformers' Qwen2.5-VL with PEFT to the same logits
+    on a ragged image batch."""
+    peft = pytest.importorskip("peft")
+    from lathe.models.lora import apply_lora, lora_layers, save_adapter
+    from lathe.models.vl import load_lathe_vl_model
+    from models.vl_tiny import ragged_vl_batch
+    path, hf = save_hf(tmp_path, "qwen2_5_vl")
+    model = load_lathe_vl_model(path)
+    apply_lora(model, rank=4, alpha=8)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B.normal_(0, 0.1)
+    save_adapter(model, tmp_path / "adapter", base_model=str(path))
+    wrapped = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    ids, mask, pixels, grid, mm_types = ragged_vl_batch(0)
+    with torch.no_grad():
+        theirs = wrapped(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                         mm_token_type_ids=mm_types).logits
+        ours = model(ids, mask, pixel_values=pixels, image_grid_thw=grid).logits
+    from helpers import assert_close_rel
+    real = mask.bool()
+    assert_close_rel(ours[real], theirs[real], name="VL LoRA logits against PEFT")

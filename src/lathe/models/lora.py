@@ -11,7 +11,8 @@ names as without LoRA.
   (not ``lm_head``), a name matches a module whose path ends with it; ``exclude_modules`` likewise.
 - ``adapters_disabled``: the base model (the reference policy: no second copy of the weights).
 - ``merged_weights``: ``W + s B A`` of each adapted layer, for the rollout engine and for a Hugging Face export
-  (``merged_state``: the same from a full state dict, what a sharded model's ranks gather).
+  (``merged_state``: the same from a full state dict, what a sharded model's ranks gather; ``merge_and_unload``:
+  a model's LoRA layers turned back into plain merged ones).
 - ``save_adapter`` / ``load_adapter``: PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors`` with
   ``base_model.model.<path>.lora_A.weight`` names), which ``peft.PeftModel.from_pretrained`` loads.
 """
@@ -28,6 +29,9 @@ import torch
 from torch import nn
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# where the adapted layers live: lathe's decoder, and a vision-language model's language model (its vision tower
+# is left frozen, as verl's freeze_vision_tower)
+DECODER_PREFIXES = ("model.layers.", "model.language_model.layers.")
 PEFT_PREFIX = "base_model.model."
 
 
@@ -60,7 +64,7 @@ def target_names(model: nn.Module, target_modules: str | list[str], exclude_modu
         names = [names] if isinstance(names, str) else list(names or [])
         return any(path == n or path.endswith("." + n) for n in names)
 
-    linear = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith("model.layers.")]
+    linear = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith(DECODER_PREFIXES)]
     chosen = linear if target_modules == "all-linear" else [p for p in linear if matches(p, target_modules)]
     chosen = [p for p in chosen if not matches(p, exclude_modules)]
     if not chosen:
@@ -164,6 +168,19 @@ def merged_weights(model: nn.Module, *, only_adapted: bool = False) -> Iterator[
             yield name, (tensor.float() + adapted[path].delta()).to(tensor.dtype)
         elif not only_adapted:
             yield name, tensor
+
+
+@torch.no_grad()
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """`model` with every LoRA layer turned back into a plain `nn.Linear` holding ``W + s B A`` (PEFT's name), in
+    place; returns it."""
+    for _, layer in list(lora_layers(model)):
+        layer.weight.data = (layer.weight.float() + layer.delta()).to(layer.weight.dtype)
+        del layer.lora_A, layer.lora_B
+        layer.__class__ = nn.Linear
+    if hasattr(model, "lora"):
+        del model.lora
+    return model
 
 
 def adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

@@ -19,16 +19,14 @@ def freeze_vision_tower(model, dtype: torch.dtype, *, sharded: bool) -> None:
         model.model.visual.to(dtype)
 
 
-def check_vl(actor, arr, *, rollout: bool, sharded: bool) -> None:
+def check_vl(actor, arr, *, rollout: bool) -> None:
     """What a vision-language actor does not do yet, refused before anything runs. It generates with lathe's engine
-    (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`) on one device, with full
-    fine-tuning and single-turn rollouts (fully-async training's rollout pool refuses it: `async_roles`)."""
+    (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`), single-turn (fully-async
+    training's rollout pool refuses it too: `async_roles`)."""
     what = f"actor_rollout_ref.model.path is a vision-language checkpoint ({actor.config.architecture})"
     refused = [
         (rollout and arr.rollout.name == "hf", "actor_rollout_ref.rollout.name=hf",
          "the transformers rollout does not take image prompts; set actor_rollout_ref.rollout.name=auto (or lathe)"),
-        (arr.model.lora_rank > 0, f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}",
-         "set lora_rank=0 (full fine-tuning)"),
         (rollout and arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable=true",
          "the agent loop does not carry images; set multi_turn.enable=false"),
     ]

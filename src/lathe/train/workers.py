@@ -44,7 +44,8 @@ from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
 from lathe.models.io import load_into
-from lathe.models.lora import adapters_disabled, apply_lora, load_adapter, merged_weights, read_adapter
+from lathe.models.lora import (adapters_disabled, apply_lora, load_adapter, merge_and_unload, merged_weights,
+                               read_adapter)
 from lathe.rollout.agent import agent_columns
 from lathe.rollout.base import SamplingParams, to_batch
 from lathe.rollout.hf import HFRollout
@@ -70,7 +71,7 @@ class ActorRolloutRefWorker:
         hf_model = model
         self.model = select_impl(model, arr.model.impl, role="actor")
         if is_vl(self.model):
-            check_vl(self.model, arr, rollout=rollout, sharded=parallel.in_group())
+            check_vl(self.model, arr, rollout=rollout)
         self.lora = arr.model.lora_rank > 0 and self._apply_lora()
         self.remove_padding = arr.model.use_remove_padding
         self.rollout_name = resolve_rollout_name(arr.rollout.name, self.model, impl=arr.model.impl) if rollout else None
@@ -144,7 +145,7 @@ class ActorRolloutRefWorker:
     def _apply_lora(self) -> bool:
         """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""
         m, seed = self.cfg.actor_rollout_ref.model, self.cfg.trainer.seed
-        if not isinstance(self.model, LatheCausalLM):
+        if not (isinstance(self.model, LatheCausalLM) or is_vl(self.model)):
             raise ValueError("actor_rollout_ref.model.lora_rank > 0 needs lathe's decoder (Llama, Qwen2, Qwen3), but "
                              f"the actor runs transformers {_architecture(self.model)}. Fix: set lora_rank=0, or use "
                              "an architecture lathe's decoder implements.")
@@ -349,8 +350,8 @@ def frozen_copy(model, dtype: torch.dtype, device: torch.device, *, share: bool 
     lathe's decoder is rebuilt from its state dict tensor by tensor (no second full-precision copy on the way),
     or from `state` ((name, tensor) pairs: a LoRA model's merged weights); with `share`, tensors already in `dtype`
     on `device` are the very same storage (updates show through). A transformers module is deep-copied."""
-    if not isinstance(model, LatheCausalLM):
-        return copy.deepcopy(model).to(device=device, dtype=dtype).requires_grad_(False).eval()
+    if not isinstance(model, LatheCausalLM):    # transformers, or a VL model: a copy (its LoRA layers merged)
+        return merge_and_unload(copy.deepcopy(model)).to(device=device, dtype=dtype).requires_grad_(False).eval()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state = {k: _as(v.detach(), dtype if v.is_floating_point() else v.dtype, device, share)
              for k, v in (state if state is not None else model.state_dict().items())

@@ -20,6 +20,16 @@ VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassificati
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 
 
+def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
+    """(the dictionary, the file's path) of `<path>/config.json`; a clear error when there is none."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no config.json; a Hugging Face checkpoint directory holds "
+                                "config.json next to its *.safetensors weights")
+    with open(file) as f:
+        return json.load(f), str(file)
+
+
 class UnsupportedArchitecture(ValueError):
     """The checkpoint is outside what lathe's own decoder implements; transformers will run it instead."""
 
@@ -72,12 +82,8 @@ class LatheConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "LatheConfig":
         """Read `<path>/config.json`."""
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"{file}: no config.json; a Hugging Face checkpoint directory holds "
-                                    "config.json next to its *.safetensors weights")
-        with open(file) as f:
-            return cls.from_hf_dict(json.load(f), source=str(file))
+        d, source = read_config_json(path)
+        return cls.from_hf_dict(d, source=source)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> "LatheConfig":

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from lathe.models.config import UnsupportedArchitecture
 from lathe.models.vl.config import VL_ARCHITECTURES, VLConfig
 from lathe.models.vl.model import LatheVLForConditionalGeneration, LatheVLTextModel
 from lathe.models.vl.rope import MRotaryEmbedding, mrope_positions, packed_mrope_positions

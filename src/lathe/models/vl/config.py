@@ -8,12 +8,11 @@ transformers' own vision-tower class (`lathe.models.vl.vision`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lathe.models.config import LatheConfig, UnsupportedArchitecture, read_rope
+from lathe.models.config import LatheConfig, UnsupportedArchitecture, read_config_json, read_rope
 
 # architecture -> family; Qwen3-VL interleaves the M-RoPE axes over the rotary dims, Qwen2.5-VL splits them in blocks
 VL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
@@ -54,12 +53,8 @@ class VLConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "VLConfig":
         """Read `<path>/config.json`."""
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"{file}: no config.json; a Hugging Face checkpoint directory holds "
-                                    "config.json next to its *.safetensors weights")
-        with open(file) as f:
-            return cls.from_hf_dict(json.load(f), source=str(file))
+        d, source = read_config_json(path)
+        return cls.from_hf_dict(d, source=source)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> "VLConfig":

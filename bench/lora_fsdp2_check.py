@@ -54,7 +54,7 @@ def rank_main(rank, world, port):
     print(f"rank {rank}: policy {w.policy.describe()}; params", {str(p.dtype) + ('/train' if p.requires_grad else '')
                                                                 for p in w.model.parameters()}, flush=True)
     res = {"start": w.full_weights(), "metrics": []}
-    lp = w.compute_log_prob(share(data["batches"][0], rank, world))
+    w.compute_log_prob(share(data["batches"][0], rank, world))     # a log-prob pass before the updates, as a step runs
     for b in data["batches"][:2]:
         res["metrics"].append(w.update_actor(share(b, rank, world)))
     w.sync_weights()

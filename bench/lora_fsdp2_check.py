@@ -4,9 +4,11 @@
 
 Uses `tests/cluster/test_lora_ray.py`'s worker and batches, without Ray: one process trains 2 steps and saves a
 checkpoint, then 2 ranks (torch.multiprocessing, NCCL) train the same steps on their shares, sync the engines,
-save, and both resume from each other's checkpoints. Prints the metrics side by side, the adapters' norm-relative
-difference, which tensors changed, and each rank's engine weights against the merged `W + (alpha/r) B A`.
+save, and both resume from each other's checkpoints. Reports (printed, and written to
+`$OUT/lora_fsdp2_check.json`) the metrics side by side, the adapters' norm-relative difference, which tensors
+changed, and each rank's engine weights against the merged `W + (alpha/r) B A`.
 """
+import json
 import os
 import sys
 import time
@@ -102,28 +104,31 @@ def main():
     mp.spawn(rank_main, args=(world, 29533), nprocs=world, join=True)
     two = torch.load(f"{ROOT}/two.pt", weights_only=False)
     K = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
-    for i, (a, b) in enumerate(zip(metrics, two["metrics"])):
-        print("step", i + 1, {k: (round(a[k], 6), round(b[k], 6)) for k in K})
-    print("third:", {k: (round(third[k], 6), round(two["third"][k], 6), round(two["third_from_one"][k], 6)) for k in K})
+    report = {"bench": "lora_fsdp2_check", "device": f"{world}x {torch.cuda.get_device_name(0)}",
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "git_sha": os.environ.get("LATHE_GIT_SHA"),
+              "steps": {str(i + 1): {k: [a[k], b[k]] for k in K} for i, (a, b) in enumerate(zip(metrics, two["metrics"]))}}
+    report["steps"]["3"] = {k: [third[k], two["third"][k], two["third_from_one"][k]] for k in K}
     ad = [k for k in w_one if k.endswith(("lora_A", "lora_B"))]
-    print("adapters rel (one vs two):", rel(torch.cat([two["weights"][k].flatten().float() for k in ad]),
-                                            torch.cat([w_one[k].flatten().float() for k in ad])))
+    report["adapters_rel_diff_one_vs_two_after_2_steps"] = rel(
+        torch.cat([two["weights"][k].flatten().float() for k in ad]), torch.cat([w_one[k].flatten().float() for k in ad]))
     start, wt = two["start"], two["weights"]
     changed = [k for k in start if not torch.equal(start[k], wt[k])]
-    print("changed only adapters:", all(k.endswith(("lora_A", "lora_B")) for k in changed), len(changed),
-          {str(wt[k].dtype) for k in wt if not k.endswith(("lora_A", "lora_B"))},
-          {str(wt[k].dtype) for k in ad})
+    report["changed_only_adapters"] = all(k.endswith(("lora_A", "lora_B")) for k in changed)
+    report["changed_tensors"] = len(changed)
     paths = [k[:-7] for k in wt if k.endswith(".lora_A")]
-    for r, eng in enumerate(two["engines"]):
-        errs = [rel(eng[f"{p}.weight"], wt[f"{p}.weight"].double() + 2.0 * wt[f"{p}.lora_B"].double().cpu()
-                    @ wt[f"{p}.lora_A"].double().cpu()) for p in paths]
-        print(f"engine rank {r}: max rel vs merged (bf16) {max(errs):.2e}; dtype {eng[paths[0] + '.weight'].dtype}")
+    report["engine_max_rel_vs_merged"] = {
+        f"rank{r}": max(rel(eng[f"{p}.weight"], wt[f"{p}.weight"].double() + 2.0 * wt[f"{p}.lora_B"].double().cpu()
+                            @ wt[f"{p}.lora_A"].double().cpu()) for p in paths)
+        for r, eng in enumerate(two["engines"])}
     restored = make(dev)
     restored.load_checkpoint(Path(ROOT) / "two")
     got = restored.update_actor(b3)
-    print("one from two:", {k: (round(got[k], 6), round(two["third"][k], 6)) for k in K})
-    print("files two:", sorted(os.listdir(Path(ROOT) / "two")), "time", round(time.time() - t0, 1))
-
+    report["one_process_resumed_from_two_ranks_step3"] = {k: [got[k], two["third"][k]] for k in K}
+    report["checkpoint_files"] = sorted(os.listdir(Path(ROOT) / "two"))
+    report["seconds"] = round(time.time() - t0, 1)
+    print(json.dumps(report, indent=1))
+    Path(OUT).mkdir(parents=True, exist_ok=True)
+    (Path(OUT) / "lora_fsdp2_check.json").write_text(json.dumps(report, indent=2))
 
 if __name__ == "__main__":
     main()

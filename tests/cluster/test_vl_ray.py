@@ -1,6 +1,7 @@
 """A vision-language GRPO run on two Ray workers (FSDP2 ranks over gloo on CPU; the vision blocks and the language
 model's layers sharded) equals the one-process run: the same samples from each rank's engine on its share of the
-image prompts, the same losses and gradient norms up to summation order; its checkpoint loads as a VL model."""
+image prompts, the same losses and gradient norms up to summation order; its checkpoint loads as a VL model. With
+LoRA too (adapters on the language model's layers, each rank's engine on the merged weights)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.slow
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean")
 
 
-def test_two_workers_equal_one_process_on_image_prompts(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_workers_equal_one_process_on_image_prompts(tmp_path, lora):
     model, tokenizer = _checkpoint(tmp_path)
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -26,7 +28,8 @@ def test_two_workers_equal_one_process_on_image_prompts(tmp_path):
               "trainer.total_training_steps=2", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
               "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
               "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.model.warm_start.steps=0",
-              "trainer.device=cpu"]
+              "trainer.device=cpu",
+              *(["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"] if lora else [])]
     run(tmp_path, *common, name="one")
     run(tmp_path, *common, "trainer.n_gpus_per_node=2", "trainer.save_freq=2", name="two")
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")

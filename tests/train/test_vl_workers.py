@@ -77,19 +77,24 @@ def test_worker_log_probs_reference_and_update_on_image_rows(vl_dir, tmp_path):
     assert float(((after - batch["old_log_probs"]) * mask).abs().max()) > 0
 
 
+def _changed_by_an_update(worker, seed: int) -> set[str]:
+    """The state-dict names one PPO update of `worker` changes, on the image rollout batch with random advantages."""
+    batch = vl_rollout_batch()
+    batch.update(worker.compute_log_prob(batch))
+    batch.update(worker.compute_ref_log_prob(batch))
+    batch["advantages"] = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(seed)) * batch["response_mask"]
+    before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    worker.update_actor(batch)
+    return {k for k, v in worker.model.state_dict().items() if not torch.equal(v, before[k])}
+
+
 def test_freeze_vision_tower_trains_the_language_model_only(vl_dir, tmp_path):
     """verl's actor.freeze_vision_tower: after an update the vision tower is unchanged and out of the optimizer, the
     language model moved; a text policy refuses the key."""
     cfg = _cfg(vl_dir, tmp_path, "actor_rollout_ref.actor.freeze_vision_tower=true")
     worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tiny_vl_processor().tokenizer, total_steps=1,
                                    device=torch.device("cpu"), need_ref=True, rollout=False)
-    batch = vl_rollout_batch()
-    batch.update(worker.compute_log_prob(batch))
-    batch.update(worker.compute_ref_log_prob(batch))
-    batch["advantages"] = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(1)) * batch["response_mask"]
-    before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
-    worker.update_actor(batch)
-    changed = {k for k, v in worker.model.state_dict().items() if not torch.equal(v, before[k])}
+    changed = _changed_by_an_update(worker, seed=1)
     assert changed and not any(k.startswith("model.visual.") for k in changed)
     assert any(k.startswith("model.language_model.") for k in changed)
     trained = {id(p) for g in worker.optimizer.param_groups for p in g["params"]}
@@ -116,14 +121,8 @@ def test_lora_on_a_vl_model_adapts_the_language_model_and_the_engine_runs_merged
     adapted = dict(lora_layers(worker.model))
     assert adapted and all(p.startswith("model.language_model.layers.") for p in adapted)
     assert not list(lora_layers(worker.rollout.model))               # the engine's copy: plain merged layers
-    batch = vl_rollout_batch()
-    batch.update(worker.compute_log_prob(batch))
-    batch.update(worker.compute_ref_log_prob(batch))
-    batch["advantages"] = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(2)) * batch["response_mask"]
-    before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
-    worker.update_actor(batch)
+    changed = _changed_by_an_update(worker, seed=2)
     worker.sync_weights()
-    changed = {k for k, v in worker.model.state_dict().items() if not torch.equal(v, before[k])}
     assert changed and all(k.endswith((".lora_A", ".lora_B")) for k in changed)
     engine = worker.rollout.model.state_dict()
     for path, layer in adapted.items():

@@ -32,10 +32,10 @@ from lathe import device as accel
 from lathe.device import to_device
 from lathe.engine.model_runner import rope_delta
 from lathe.engine.multimodal import hidden_states, text_config
-from lathe.engine.sampler import fused_rows
+from lathe.engine.sampler import fused_rows, sample_rows
 from lathe.engine.triton_decode import choose_num_splits
 
-IDS, POS, SEED, OUT_POS, GREEDY, TEMP, DELTA = range(7)     # rows of the static input buffer
+IDS, POS, SEED, OUT_POS, GREEDY, TEMP, DELTA = range(7)     # rows of the static input buffer (SEED:DELTA: fused_rows)
 _ONE = np.array(1.0).view(np.int64)
 PAD = np.array([0, -1, 0, 0, 1, _ONE, 0], dtype=np.int64)        # a padding row: greedy, scratch slot
 
@@ -93,9 +93,7 @@ class DecodeGraphs:
         rope = real + inp[DELTA] if runner.vl else real          # an image prompt's tokens sit at index + delta
         logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], rope, attn))
         if self.samples:
-            from lathe.engine.triton_sample import fused_sample
-            fused_sample(logits, inp[TEMP].view(torch.float64).float(), inp[GREEDY].int(), inp[SEED], inp[OUT_POS],
-                         out=self.sampled)
+            sample_rows(logits, inp[SEED:DELTA], out=self.sampled)
         return logits
 
     def _capture(self, bucket: int) -> None:

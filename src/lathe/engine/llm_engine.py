@@ -295,7 +295,7 @@ class LatheEngine(StreamingMixin):
         self.kv_cache.copy_blocks(copies)
         last = self._inflight
         if is_prefill:
-            logits = self.runner.run(seqs, True, [s.num_scheduled_tokens for s in seqs])
+            logits = self.runner.prefill(seqs, [s.num_scheduled_tokens for s in seqs])
             complete = self.scheduler.prefill_done(seqs)
             if len(complete) < len(seqs):       # a prompt chunk: nothing to sample for it yet
                 keep = {id(s) for s in complete}

@@ -190,11 +190,10 @@ class ModelRunner:
         attn = PrefillAttention(self.kv_cache, self._tensor(slots), cu[n_fresh], fresh, single, rest,
                                 self.decode_backend, store_rows)
         last = self._tensor(cu[1:]) - 1
-        visual = None
-        if step is not None:
-            pos3, mask, rows, deep = step.build(self.device)
-            return self._tensor(ids), pos3, attn, last, order, (mask, rows, deep)
-        return self._tensor(ids), self._tensor(positions), attn, last, order, visual
+        if step is None:
+            return self._tensor(ids), self._tensor(positions), attn, last, order, None
+        pos3, mask, rows, deep = step.build(self.device)
+        return self._tensor(ids), pos3, attn, last, order, (mask, rows, deep)
 
     # ---- decode --------------------------------------------------------------------------------------
     def decode_inputs(self, seqs: list[Sequence]):
@@ -222,14 +221,9 @@ class ModelRunner:
         ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, num_new: list[int] | None = None,
-            pending: tuple | None = None) -> torch.Tensor:
-        """Logits (B, V), in the model's dtype, for the next token of each sequence (rows in `seqs` order).
-
-        Prefill computes `num_new[i]` tokens of sequence i (all its uncached tokens by default). A decode's
-        input tokens that are still on the device come from `pending` (see `take_pending`)."""
-        if not is_prefill:
-            return self.decode(seqs, pending)[0]
+    def prefill(self, seqs: list[Sequence], num_new: list[int] | None = None) -> torch.Tensor:
+        """Logits (B, V), in the model's dtype, for the next token of each sequence (rows in `seqs` order), after
+        computing `num_new[i]` tokens of sequence i (all its uncached tokens by default)."""
         if num_new is None:
             num_new = [len(s) - s.num_cached_tokens for s in seqs]
         ids, positions, attn, last, order, visual = self.prepare_prefill(seqs, num_new)

@@ -103,10 +103,14 @@ def fused_rows(seqs: list[Sequence], settings) -> np.ndarray:
     return rows
 
 
-def _sample_fused(logits: torch.Tensor, seqs: list[Sequence], settings) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused sampler over `fused_rows` already on the device ((4, B) int64); `out` as `fused_sample` takes it."""
     from lathe.engine.triton_sample import fused_sample
-    rows = to_device(torch.from_numpy(fused_rows(seqs, settings)), logits.device)
-    return fused_sample(logits, rows[3].view(torch.float64).float(), rows[2].int(), rows[0], rows[1])
+    return fused_sample(logits, rows[3].view(torch.float64).float(), rows[2].int(), rows[0], rows[1], out=out)
+
+
+def _sample_fused(logits: torch.Tensor, seqs: list[Sequence], settings) -> torch.Tensor:
+    return sample_rows(logits, to_device(torch.from_numpy(fused_rows(seqs, settings)), logits.device))
 
 
 def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -99,3 +99,35 @@ def test_cuda_overlapped_scheduling_equals_step_by_step(checkpoints, sampler):
     assert "stop" in outs[0].finish_reasons and outs[1].metrics["rollout/num_preemptions"] > 0
     assert_close_rel(torch.tensor([x for r in outs[1].logprobs for x in r]),     # batch shapes differ: the last
                      torch.tensor([x for r in outs[0].logprobs for x in r]), name="log-probs", rel=1e-4)   # bits may too
+
+
+def test_all_heads_kernel_on_cuda_bf16():
+    from lathe.engine.triton_decode import paged_decode_heads
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for batch, hq, hkv, dim in ((64, 14, 2, 64), (3, 28, 4, 128), (5, 12, 2, 128), (4, 32, 8, 128)):
+        kc, vc = (torch.randn(300, 16, hkv, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        lens = torch.randint(1, 700, (batch,), device="cuda", generator=g).int()
+        tables = torch.randint(0, 300, (batch, 44), device="cuda", generator=g).int()
+        q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        out = paged_decode_heads(q, kc, vc, tables, lens)
+        ref = decode_attention(q.float(), kc.float(), vc.float(), tables.long(), lens.long())
+        assert_close_rel(out.float(), ref, rel=2e-2, name=f"all-heads decode {hq}/{hkv}x{dim}")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_cuda_vl_engine_greedy_equals_transformers(tmp_path, family):
+    """Image prompts on the GPU, fp32: CUDA graphs with the M-RoPE decode positions, Triton decode and the vision
+    tower on CUDA give transformers' greedy tokens (n=2 samples share each image prompt). The images arrive on the
+    CPU, as the data loader gives them."""
+    from lathe.models.vl import load_lathe_vl_model
+
+    from .test_multimodal import _hf_greedy, _prompts
+    from models.vl_tiny import save_hf
+    path, hf = save_hf(tmp_path, family)
+    prompts, inputs = _prompts()
+    engine = LatheEngine(load_lathe_vl_model(path, device="cuda"), eos_token_id=None, block_size=4, num_kv_blocks=128,
+                         decode_backend="triton")
+    assert engine.runner.graphs is not None
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=6), multi_modal_inputs=inputs)
+    for i, (prompt, mm) in enumerate(zip(prompts, inputs)):
+        assert out.token_ids[2 * i] == out.token_ids[2 * i + 1] == _hf_greedy(hf, prompt, mm), f"prompt {i}"

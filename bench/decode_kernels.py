@@ -63,7 +63,7 @@ def main() -> None:
             splits = choose_num_splits(b, hkv, sms)
             rows = []
             grid = [(s, bn, w, st) for s in (1,) for bn, w, st in          # splits > 1 measured 3x slower (bench/results)
-                    itertools.product((32, 64), (2, 4, 8), (2, 3, 4))]
+                    itertools.product((32, 64), (2, 4), (3,))]
             for split, bn, warps, stages in grid:
                 try:
                     fn = lambda: paged_decode(q, kc, vc, tables, lens, num_splits=split, block_n=bn,  # noqa: E731
@@ -78,7 +78,7 @@ def main() -> None:
                              "tb_s": nbytes / ms / 1e9, "rel_err": err,
                              "engine_default": (split, bn, warps, stages) == (splits, 64, 4, 3)})
             heads = []
-            for bn, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (2, 3, 4)):
+            for bn, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3)):
                 try:
                     fn = lambda: paged_decode_heads(q, kc, vc, tables, lens, block_n=bn,  # noqa: E731
                                                     num_warps=warps, num_stages=stages)

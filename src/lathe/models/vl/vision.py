@@ -9,10 +9,13 @@ all images end to end, and `image_grid_thw` (images, 3) in patches. Image i yiel
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from lathe.models.attention import varlen_signature
 
 from lathe.models.vl.config import VLConfig
 from lathe.models.vl.rope import image_token_count
@@ -65,7 +68,56 @@ def build_vision_tower(cfg: VLConfig, attn_implementation: str = "sdpa") -> nn.M
     tower_cls, config_cls = vision_classes(cfg.family)
     vision_cfg = config_cls.from_dict(dict(cfg.vision))
     vision_cfg._attn_implementation = attn_implementation
-    return tower_cls(vision_cfg)
+    tower = tower_cls(vision_cfg)
+    if attn_implementation == "sdpa":
+        for block in tower.blocks:
+            block.attn.__class__ = varlen_attention_class(type(block.attn))
+    return tower
+
+
+# -- one attention call per layer ------------------------------------------------------------------------------
+_VARLEN_CLASSES: dict[type, type] = {}
+
+
+def varlen_ok(x: torch.Tensor) -> bool:
+    """Whether flash varlen attention runs on `x` (CUDA, fp16/bf16, a torch that has `varlen_attn`)."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and varlen_signature() is not None
+
+
+def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Non-causal attention within each `cu` segment: (N, heads, dim) in and out."""
+    from torch.nn.attention.varlen import varlen_attn
+    kwargs = {"window_size": (-1, -1)} if "window_size" in varlen_signature() else {"is_causal": False}
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def varlen_attention_class(base: type) -> type:
+    """transformers' vision attention `base` whose forward makes one flash varlen call per layer over every window
+    (Qwen2.5-VL) or image (Qwen3-VL) where it can, instead of transformers' SDPA path, which loops one call per
+    window or image (Qwen2.5-VL-7B: 16 windows of a 448-pixel image, 28 windowed layers: 448 launches per image).
+    Elsewhere (CPU, fp32) and for inputs it does not know, transformers' own forward runs. The parameters and their
+    names are the base class's."""
+    cls = _VARLEN_CLASSES.get(base)
+    if cls is not None:
+        return cls
+    rotary = sys.modules[base.__module__].apply_rotary_pos_emb_vision
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, **kwargs) -> torch.Tensor:
+        position_embeddings = kwargs.get("position_embeddings")
+        if position_embeddings is None or not varlen_ok(hidden_states) or (self.training and self.attention_dropout):
+            return base.forward(self, hidden_states, cu_seqlens=cu_seqlens, **kwargs)
+        seq = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).reshape(seq, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = rotary(q, k, *position_embeddings)
+        cu = cu_seqlens.to(torch.int32)
+        max_len = kwargs.get("max_seqlen")
+        max_len = int(max_len) if max_len is not None else int((cu[1:] - cu[:-1]).max())
+        out = attend_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, max_len)
+        return self.proj(out.reshape(seq, -1))
+
+    cls = type(f"Varlen{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
+    _VARLEN_CLASSES[base] = cls
+    return cls
 
 
 def rebuild_meta_buffers(tower: nn.Module, device: torch.device | str) -> None:

@@ -74,7 +74,7 @@ def main() -> None:
                     rows.append({"num_splits": split, "block_n": bn, "num_warps": warps, "num_stages": stages,
                                  "error": str(e)[:200]})
                     continue
-                    rows.append({"num_splits": split, "block_n": bn, "num_warps": warps, "num_stages": stages, "ms": ms,
+                rows.append({"num_splits": split, "block_n": bn, "num_warps": warps, "num_stages": stages, "ms": ms,
                              "tb_s": nbytes / ms / 1e9, "rel_err": err,
                              "engine_default": (split, bn, warps, stages) == (splits, 64, 4, 3)})
             heads = []

@@ -6,7 +6,9 @@ checked as `--print-config trainer.device=cpu` (the last key wins)."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +67,55 @@ def test_a_single_node_example_resolves_to_a_valid_config(name, checks, data_dir
         assert node == want, (key, node)
 
 
+FULLY_ASYNC_VL = "geo3k_qwen3_vl_fully_async.sh"
+
+
+def _fake_nvidia_smi(tmp_path, gpus: int) -> dict:
+    """Environment whose PATH finds an `nvidia-smi` listing `gpus` GPUs (and CUDA_VISIBLE_DEVICES unset)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    probe = bin_dir / "nvidia-smi"
+    probe.write_text("#!/usr/bin/env bash\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n"
+                                                        for i in range(gpus)))
+    probe.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_the_fully_async_vl_example_splits_the_nodes_gpus_between_the_pools(data_dir, tmp_path):
+    cfg = _print_config(FULLY_ASYNC_VL, DATA_DIR=str(data_dir), **_fake_nvidia_smi(tmp_path, 8), TRAIN_GPUS="2",
+                        ROLLOUT_GPUS="6")
+    arr = cfg["actor_rollout_ref"]
+    assert arr["model"]["path"] == "/models/m" and cfg["data"]["image_key"] == "images"
+    assert (cfg["trainer"]["n_gpus_per_node"], cfg["rollout"]["n_gpus_per_node"]) == (2, 6)
+    assert arr["hybrid_engine"] is False and arr["rollout"]["name"] == "lathe" and arr["rollout"]["n"] == 4
+    at = cfg["async_training"]
+    assert (at["staleness_threshold"], at["trigger_parameter_sync_step"], at["require_batches"],
+            at["partial_rollout"], at["compute_prox_log_prob"]) == (0.1, 4, 2, True, True)
+    assert cfg["data"]["train_batch_size"] == 128, "a step: require_batches x ppo_mini_batch_size prompts"
+    rc = cfg["algorithm"]["rollout_correction"]
+    assert (rc["rollout_is"], rc["rollout_rs"]) == ("sequence", "seq_mean_k1")
+    default = _print_config(FULLY_ASYNC_VL, DATA_DIR=str(data_dir), GPUS_PER_NODE="8")      # half and half
+    assert (default["trainer"]["n_gpus_per_node"], default["rollout"]["n_gpus_per_node"]) == (4, 4)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"TRAIN_GPUS": "4", "ROLLOUT_GPUS": "4"}, "TRAIN_GPUS=4 \\+ ROLLOUT_GPUS=4 = 8 GPUs per node, but a node has "
+                                               "GPUS_PER_NODE=6"),
+    ({"TRAIN_GPUS": "6"}, "ROLLOUT_GPUS=0: each pool needs at least one GPU"),
+    ({"GPUS_PER_NODE": "8"}, "GPUS_PER_NODE=8, but this node shows 6 GPU"),
+])
+def test_the_fully_async_vl_example_refuses_a_split_the_node_cannot_hold(env, message, data_dir, tmp_path):
+    out = run_example(FULLY_ASYNC_VL, DATA_DIR=str(data_dir), **_fake_nvidia_smi(tmp_path, 6), **env)
+    assert out.returncode == 2 and re.search(message, out.stderr), out.stderr
+
+
+def test_the_fully_async_vl_example_without_nvidia_smi_asks_for_the_gpu_count(data_dir):
+    if shutil.which("nvidia-smi"):
+        pytest.skip("nvidia-smi is installed here")
+    out = run_example(FULLY_ASYNC_VL, DATA_DIR=str(data_dir))
+    assert out.returncode == 2 and "nvidia-smi not found" in out.stderr and "GPUS_PER_NODE" in out.stderr
+
+
 def test_the_sft_example_resolves_to_verls_gsm8k_sft_recipe(data_dir):
     out = run_example("gsm8k_sft.sh", "--print-config", "trainer.device=cpu", DATA_DIR=str(data_dir), MODEL="/models/m")
     assert out.returncode == 0, out.stderr
@@ -74,7 +125,7 @@ def test_the_sft_example_resolves_to_verls_gsm8k_sft_recipe(data_dir):
 
 
 @pytest.mark.parametrize("name", ["gsm8k_grpo_1gpu.sh", "qwen3_8b_gb200.sh", "gsm8k_grpo_slurm.sh", "gsm8k_sft.sh",
-                                  "gsm8k_multiturn_tool.sh", "geo3k_qwen2_5_vl.sh"])
+                                  "gsm8k_multiturn_tool.sh", "geo3k_qwen2_5_vl.sh", "geo3k_qwen3_vl_fully_async.sh"])
 def test_an_example_without_its_data_says_how_to_make_it(name, tmp_path):
     out = run_example(name, DATA_DIR=str(tmp_path / "nowhere"), SBATCH="false")
     assert out.returncode == 2 and "train.parquet" in out.stderr and "DATA_DIR" in out.stderr

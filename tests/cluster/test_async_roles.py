@@ -1,6 +1,7 @@
 """lathe.cluster.async_roles in one process (no Ray): a rollout replica streams requests through its engine thread,
 stops on the checkpoint's end-of-sequence ids, hands finished requests out while others run, pauses (interrupting
-or finishing what runs) and continues; per-token weight versions from the engine's spans."""
+or finishing what runs) and continues; per-token weight versions from the engine's spans. A replica of a
+vision-language model takes image requests and image validation batches."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import pytest
 import torch
 
+from lathe.batch import Batch
 from lathe.cluster.async_roles import RolloutWorker, token_versions
 from lathe.config import load_config
 from lathe.loop.setup import _given_model
@@ -70,3 +72,37 @@ def test_token_versions_follow_the_spans():
     spans = [[(0, 0), (1, 3)], [(2, 0)], [(1, 0), (2, 1), (3, 2)]]
     assert token_versions(spans, 5).tolist() == [[0, 0, 0, 1, 1], [2, 2, 2, 2, 2], [1, 2, 3, 3, 3]]
     assert token_versions([], 3).shape == (0, 3) and token_versions(spans, 5).dtype == torch.long
+
+
+def test_a_replica_of_a_vl_model_generates_from_each_prompts_images(tmp_path):
+    """Requests carry their prompts' images (`multi_modal_inputs`, one entry per prompt, None for text), streamed
+    and in the blocking validation call alike: the replica samples what the engine's `generate` samples for them."""
+    from types import SimpleNamespace
+
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.models.vl import load_lathe_vl_model
+    from engine.test_multimodal import _prompts
+    from models.vl_tiny import save_hf
+
+    path, _ = save_hf(tmp_path, "qwen2_5_vl")
+    cfg = load_config("default", ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
+                                  "data.max_response_length=6", "data.train_batch_size=0"])
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=2)     # (the replica reads these two ids only)
+    worker = RolloutWorker(cfg, str(path), {"impl": "auto"}, tokenizer, device_type="cpu")
+    try:
+        assert worker.engine.vl
+        prompts, inputs = _prompts()
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3)
+        want = LatheEngine(load_lathe_vl_model(path), eos_token_id=[2], block_size=4, num_kv_blocks=128).generate(
+            prompts, params, first_index=4, multi_modal_inputs=inputs)
+        worker.submit([("images", prompts, params, 4, inputs)])
+        got = _collect_until(worker, {"images"})["images"]
+        validation = worker.generate_sequences(Batch(non_tensors={"prompt_ids": prompts,
+                                                                  "multi_modal_inputs": inputs}),
+                                               params, first_index=4)
+        for batch in (got, validation):
+            responses = [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
+            assert responses == want.token_ids
+        assert validation["multi_modal_inputs"][2] is inputs[1], "the rows keep their own images (n=2 each)"
+    finally:
+        worker.shutdown()

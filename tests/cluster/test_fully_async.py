@@ -1,6 +1,6 @@
 """Fully asynchronous training on CPU workers (1 trainer rank + 1 rollout replica over Ray/gloo): on-policy it is
-the synchronous loop; off-policy it streams, stays within its staleness bound, interrupts and continues responses
-at weight syncs, and resumes where its checkpoint left off."""
+the synchronous loop, with text and with image prompts (a vision-language model); off-policy it streams, stays within
+its staleness bound, interrupts and continues responses at weight syncs, and resumes where its checkpoint left off."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
 
@@ -115,6 +116,89 @@ def test_the_reward_rises_as_in_the_synchronous_loop(tmp_path):
     scores = [r["critic/score/mean"] for r in rows]
     first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
     assert last >= first + 0.1, f"reward went from {first:.2f} to {last:.2f} in 50 steps"
+
+
+def _vl_run(tmp_path) -> tuple[list[str], str, object]:
+    """(the keys of a GRPO run of a tiny random Qwen2.5-VL on 16 image prompts, its data file, its tokenizer dir)."""
+    from loop.test_vl_train import _checkpoint, _data
+
+    model, tokenizer = _checkpoint(tmp_path)
+    data = _data(tmp_path, n=16)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return (sum(map(ord, solution_str)) % 3) / 2\n")
+    return [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
+            f"data.train_files={data}", "data.max_prompt_length=64", f"reward.custom_reward_function.path={reward}",
+            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.optim.lr=3e-3",
+            "actor_rollout_ref.model.warm_start.steps=0", "trainer.device=cpu"], data, tokenizer
+
+
+def test_on_policy_async_with_image_prompts_is_the_synchronous_loop(tmp_path, monkeypatch):
+    """A tiny random Qwen2.5-VL on image prompts: each request carries its prompts' images to the replica, the trained
+    batches carry them to the trainer, row by row (the replica's prompt tokens, the driver's images and the data
+    file's row agree), and on-policy the run equals the synchronous one (same samples, losses and updates, and the
+    same validation, which runs on the replicas)."""
+    from lathe.data.dataset import RLDataset
+    from lathe.data.multimodal import load_processor
+    from lathe.loop import fully_async
+    from lathe.models.hf import load_tokenizer
+
+    keys, data, tokenizer = _vl_run(tmp_path)
+    common = [*keys, f"data.val_files={data}", "trainer.test_freq=2", "data.max_response_length=3",
+              "trainer.total_training_steps=2"]
+    sync = train(tmp_path / "sync", *common, "data.train_batch_size=4", warm=False)
+    trained = []
+    take = fully_async.AsyncDriver.take
+    monkeypatch.setattr(fully_async.AsyncDriver, "take", lambda d: trained.append(take(d)) or trained[-1])
+    on_policy = train(tmp_path / "async", *common, *POOLS, "data.train_batch_size=0",
+                      "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
+                      "async_training.require_batches=1", "async_training.partial_rollout=false",
+                      "data.gen_batch_size=4", warm=False)
+    assert len(sync) == len(on_policy) == 2 and len(trained) == 2
+    for a, b in zip(sync, on_policy):
+        assert all(math.isfinite(b[k]) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"))
+        for key in (*COMPARED, "actor/entropy", *(k for k in a if k.startswith("val-core/"))):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
+    assert any(k.startswith("val-core/colours/") for k in on_policy[1]), "validated on the replicas, with images"
+    assert sync[1]["critic/score/max"] > sync[1]["critic/score/min"], "precondition: the rewards differ"
+    rows = RLDataset(data, load_tokenizer(str(tokenizer)), processor=load_processor(str(tokenizer)),
+                     max_prompt_length=64)
+    rows = {rows[i]["index"]: rows[i] for i in range(len(rows))}
+    for batch in trained:
+        assert len(batch) == 8
+        for r in range(len(batch)):
+            row = rows[batch["index"][r]]
+            prompt = batch["prompts"][r][batch["attention_mask"][r, :batch["prompts"].shape[1]].bool()]
+            assert prompt.tolist() == row["prompt_ids"], f"trained row {r}: the replica's prompt is another row's"
+            for key in ("pixel_values", "image_grid_thw"):
+                assert torch.equal(batch["multi_modal_inputs"][r][key], row["multi_modal_inputs"][key]), (r, key)
+
+
+def test_image_responses_interrupted_at_a_sync_continue_on_the_new_vision_tower(tmp_path):
+    """Off-policy with partial rollout on image prompts (staleness 1, a sync after every update, long responses one at
+    a time: the rollout is the slow side, and at a sync a response is mid-way). The update moves the vision tower, so
+    an interrupted response's images must be encoded again by the replica for its new tokens: their log-probs are then
+    the trainer's at the first update after the sync (1e-8 here; the old tower's embeddings give 1e-3). A pause that
+    falls between two responses interrupts nothing; the run is then repeated (three tries)."""
+    keys, _, _ = _vl_run(tmp_path)
+    args = [*keys, *POOLS, "data.val_files=null", "data.max_response_length=64",
+            "actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.max_num_seqs=1",
+            "trainer.total_training_steps=3", "data.train_batch_size=0", "data.gen_batch_size=1",
+            "async_training.staleness_threshold=1", "async_training.trigger_parameter_sync_step=1",
+            "async_training.require_batches=1", "async_training.partial_rollout=true",
+            "async_training.compute_prox_log_prob=true", "reward.timeout_s=0"]
+    for attempt in range(3):
+        rows = train(tmp_path / f"run{attempt}", *args, warm=False)
+        continued = [r for r in rows if r["fully_async/partial/total_partial_num"] > 0
+                     and "fully_async/rollout_probs_diff_current_max" in r]
+        if continued:
+            break
+    assert continued, "no interrupted response was continued and trained after a sync, in three runs"
+    for r in rows:
+        assert all(math.isfinite(r[k]) for k in ("actor/pg_loss", "actor/grad_norm"))
+        if "fully_async/rollout_probs_diff_current_max" in r:
+            assert r["fully_async/rollout_probs_diff_current_max"] < 1e-4, r
 
 
 def test_the_ledger_resumes_at_the_oldest_untrained_chunk_and_skips_what_was_trained():

@@ -8,6 +8,8 @@ from lathe.engine.llm_engine import LatheEngine
 from lathe.models.vl import load_lathe_vl_model
 from lathe.rollout.base import SamplingParams
 
+from helpers import assert_close_rel
+
 from models.vl_tiny import FAMILIES, IMAGE, image_tokens, ragged_vl_batch, save_hf
 
 MAX = 6
@@ -121,3 +123,92 @@ def test_graph_decode_step_of_image_prompts_on_cpu(pair, triton_interpreter, mon
             engine.runner.graphs = DecodeGraphs(engine.runner, 8)
         outs.append(engine.generate(prompts, params, multi_modal_inputs=inputs))
     assert outs[1].token_ids == outs[0].token_ids
+
+
+def _run_requests(engine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        done.update(engine.pop_finished())
+    return done
+
+
+def test_streamed_image_requests_equal_generate(pair):
+    """`add_request(..., multi_modal_inputs=)` (fully-async rollout) samples what `generate` samples for the same
+    prompts and images: greedy token for token, and seeded sampling beside it, whatever shares the batch."""
+    _, path = pair
+    prompts, inputs = _prompts()
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=MAX)
+    sampled = SamplingParams(n=3, temperature=1.0, max_tokens=MAX, seed=5)
+    ref = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128)
+    engine = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128)
+    engine.add_request("all", prompts, greedy, multi_modal_inputs=inputs)
+    engine.step()
+    engine.add_request("two-images", [prompts[2]], sampled, first_index=6, multi_modal_inputs=[inputs[2]])
+    done = _run_requests(engine)
+    assert done["all"].token_ids == ref.generate(prompts, greedy, multi_modal_inputs=inputs).token_ids
+    want = ref.generate([prompts[2]], sampled, first_index=6, multi_modal_inputs=[inputs[2]])
+    assert done["two-images"].token_ids == want.token_ids
+    with pytest.raises(ValueError, match="add_request 'bad': .*one per prompt"):
+        engine.add_request("bad", prompts, greedy, multi_modal_inputs=inputs[:1])
+
+
+def _other_tower(model, seed: int = 1) -> list[tuple[str, torch.Tensor]]:
+    """The vision tower's tensors of `model`, each moved by random noise of its own scale (new vision weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(k, v + 0.5 * v.float().std().nan_to_num() * torch.randn(v.shape, generator=gen))
+            for k, v in model.state_dict().items() if k.startswith("model.visual.") and v.is_floating_point()]
+
+
+def _continued(engine, prompt, images, prefix, max_tokens):
+    """Greedy tokens and log-probs after `prefix`: a sample of `prompt` that generated `prefix` already (text tokens,
+    whatever their ids), computed from scratch by `engine` (one prefill of prompt + prefix, then decodes)."""
+    [seq] = engine._make_sequences([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), 0, [images])
+    for token in prefix:
+        seq.append_token(token, 0.0)
+    engine.scheduler.add(seq)
+    while not engine.scheduler.is_finished():
+        engine.step()
+    return seq.output_token_ids[len(prefix):], seq.logprobs[len(prefix):]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_interrupted_image_prompt_continues_on_the_new_vision_tower(pair, async_scheduling):
+    """Partial rollout with images: responses interrupted at a weight sync that changes only the vision tower are
+    re-prefilled with their images encoded by the new tower (the old tower's embeddings are dropped), so each
+    continues as a sample of the same tokens so far does under the new weights; a request that was queued (encoded
+    by the old tower) when the weights came generates what the new weights generate from scratch."""
+    _, path = pair
+    prompts, inputs = _prompts()
+    prompt, images, max_tokens = prompts[2], inputs[2], 10
+    new_tower = _other_tower(load_lathe_vl_model(path))
+
+    def engine(tower=(), **kw):
+        model = load_lathe_vl_model(path)
+        if tower:
+            model.load_state_dict(dict(tower), strict=False)
+        return LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=128, **kw)
+
+    params = SamplingParams(n=2, temperature=0, max_tokens=max_tokens)
+    live = engine(async_scheduling=async_scheduling)
+    live.add_request("r", [prompt], params, multi_modal_inputs=[images])
+    for _ in range(4):
+        live.step()
+    assert live.interrupt() == 2
+    live.add_request("queued", [prompt], params, multi_modal_inputs=[images])     # waits through the sync
+    live.load_weights(new_tower[:3], version=1)             # in buckets, as a sync loads them
+    live.load_weights(new_tower[3:], version=1)
+    assert not live.block_manager.hash_to_block
+    done = _run_requests(live)
+    old, new = engine(), engine(new_tower)
+    changed = False
+    for tokens, logprobs, spans in zip(done["r"].token_ids, done["r"].logprobs, done["r"].versions):
+        assert len(spans) == 2 and spans[0] == (0, 0) and spans[1][0] == 1
+        switch = spans[1][1]
+        assert 0 < switch < max_tokens
+        want, want_logprobs = _continued(new, prompt, images, tokens[:switch], max_tokens)
+        assert tokens[switch:] == want, "the continuation did not use the new vision tower"
+        assert_close_rel(logprobs[switch:], want_logprobs, rel=1e-4, name="continued log-probs")
+        changed |= want != _continued(old, prompt, images, tokens[:switch], max_tokens)[0]
+    assert changed, "precondition: the new vision tower changes the continuation"
+    assert done["queued"].token_ids == new.generate([prompt], params, multi_modal_inputs=[images]).token_ids

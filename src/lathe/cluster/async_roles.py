@@ -2,10 +2,11 @@
 send them new weights (`lathe.loop.fully_async` drives both).
 
 `RolloutWorker` (one per rollout device) runs lathe's engine in a thread of its own: requests arrive at any time
-(`submit`), the engine steps while any is unfinished, and finished requests wait in an outbox (`collect`). At a
-weight sync the driver `pause`s every replica — with partial rollout the unfinished responses are interrupted
-(they keep their tokens and log-probs, and continue on the new weights), without it the replica first finishes
-them — then the trainer's rank 0 broadcasts the weights in buckets over a process group of its own
+(`submit`; a vision-language model's carry their prompts' images), the engine steps while any is unfinished, and
+finished requests wait in an outbox (`collect`). At a weight sync the driver `pause`s every replica — with partial
+rollout the unfinished responses are interrupted (they keep their tokens and log-probs, and continue on the new
+weights, their images encoded again by the new vision tower), without it the replica first finishes them — then
+the trainer's rank 0 broadcasts the weights in buckets over a process group of its own
 (`lathe.cluster.checkpoint_engine`) and the replicas load them bucket by bucket, then `resume`.
 
 `AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
@@ -31,22 +32,26 @@ class RolloutWorker:
     """A rollout replica: lathe's engine on this rank's device, stepping in a background thread."""
 
     def __init__(self, cfg, model_path: str, load_kwargs: dict, tokenizer, *, device_type: str):
+        from lathe.engine.multimodal import is_vl
         from lathe.loop.setup import seed_everything
         from lathe.models.decoder import LatheCausalLM
         from lathe.models.hf import load_policy, select_impl
+        from lathe.train.vl import check_vl
         from lathe.train.workers import build_engine, eos_token_ids, frozen_copy, rollout_dtype
         seed_everything(cfg.trainer.seed)
         arr, device = cfg.actor_rollout_ref, rank_device(device_type)
         loaded = load_policy(model_path, **load_kwargs)
         model = select_impl(loaded, arr.model.impl, role="rollout")
-        if not isinstance(model, LatheCausalLM):
+        if not (isinstance(model, LatheCausalLM) or is_vl(model)):
             raise ValueError(f"fully-async training generates with lathe's engine, which runs lathe's own decoder; "
-                             f"{type(loaded).__name__} runs on transformers here. Fix: use a Llama/Qwen2/Qwen3 "
-                             "model (actor_rollout_ref.model.impl=auto), or train synchronously "
+                             f"{type(loaded).__name__} runs on transformers here. Fix: use a Llama/Qwen2/Qwen3 or "
+                             "Qwen2.5-VL/Qwen3-VL model (actor_rollout_ref.model.impl=auto), or train synchronously "
                              "(rollout.n_gpus_per_node=0).")
+        if is_vl(model):                # image prompts: each request carries its prompts' images (`submit`)
+            check_vl(model, arr, rollout=True)
         self.dtype = rollout_dtype(arr.rollout.dtype, device)
         eos = eos_token_ids(tokenizer, loaded)          # the checkpoint's generation_config (the copy has none)
-        engine_model = frozen_copy(model, self.dtype, device)
+        engine_model = frozen_copy(model, self.dtype, device)      # (a VL model: a deep copy, as the workers make)
         del model, loaded
         self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model)
         self.pad_id, self.device = tokenizer.pad_token_id, device
@@ -81,8 +86,9 @@ class RolloutWorker:
                         return
                     requests, self._inbox = self._inbox, []
                 start = time.perf_counter()
-                for request_id, prompt_ids, params, first_index in requests:
-                    self.engine.add_request(request_id, prompt_ids, params, first_index=first_index)
+                for request_id, prompt_ids, params, first_index, images in requests:
+                    self.engine.add_request(request_id, prompt_ids, params, first_index=first_index,
+                                            multi_modal_inputs=images)
                 self.engine.step()
                 done = self.engine.pop_finished()
                 unfinished = self.engine.has_unfinished_requests()
@@ -102,13 +108,16 @@ class RolloutWorker:
             raise RuntimeError(f"rollout replica: the engine failed: {self._error!r}") from self._error
 
     # -- called by the driver -------------------------------------------------------------------------------
-    def submit(self, requests: list[tuple[object, list[list[int]], SamplingParams, int]]) -> None:
-        """Queue `(request_id, prompt token ids, params, first_index)` requests; the engine takes them all before its
-        next step (so requests submitted together are batched as one call would be)."""
+    def submit(self, requests: list[tuple]) -> None:
+        """Queue `(request_id, prompt token ids, params, first_index[, multi_modal_inputs])` requests; the engine
+        takes them all before its next step (so requests submitted together are batched as one call would be).
+        `multi_modal_inputs` (VL models): one entry per prompt, `{"pixel_values", "image_grid_thw"}` (CPU tensors)
+        or None for a text prompt, as `LatheEngine.generate` takes them."""
+        requests = [tuple(r) if len(r) == 5 else (*r, None) for r in requests]
         with self._cv:
             self._check()
             self._inbox.extend(requests)
-            for request_id, prompt_ids, params, _ in requests:
+            for request_id, prompt_ids, params, _, _ in requests:
                 self._prompts[request_id] = (prompt_ids, params.n)
             self._cv.notify_all()
 
@@ -168,7 +177,7 @@ class RolloutWorker:
         """A blocking generation (validation): submitted as one request, waited for."""
         key = ("blocking", time.monotonic_ns())
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
-        self.submit([(key, prompt_ids, params, first_index)])
+        self.submit([(key, prompt_ids, params, first_index, request_images(prompts))])
         with self._cv:
             self._cv.wait_for(lambda: self._error is not None or any(rid == key for rid, _ in self._outbox))
             self._check()
@@ -217,6 +226,12 @@ class AsyncTrainerWorker:
         return send_weights(self.sync, tensors, metas, bucket_bytes=bucket_bytes)
 
 
+def request_images(prompts: Batch) -> list | None:
+    """The prompt rows' images as a request carries them (`multi_modal_inputs`, one entry per row, None for a text
+    row), or None when no row has images."""
+    return list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts else None
+
+
 def token_versions(spans: list[list[tuple[int, int]]], width: int) -> torch.Tensor:
     """(B, width) long: the weight version each response token was sampled with, from `RolloutOutput.versions`
     spans ((version, first token index), ascending); padding after a response carries its last version."""
@@ -237,7 +252,7 @@ class RolloutGroup:
         self.world = group.world_size
 
     def submit(self, requests: dict[int, list]) -> None:
-        """`{replica: [(request_id, prompt ids, params, first_index), ...]}`."""
+        """`{replica: [(request_id, prompt ids, params, first_index, multi_modal_inputs), ...]}`."""
         self.group.call_each(ROLLOUT, "submit", [((requests[r],), {}) if r in requests else None
                                                  for r in range(self.world)])
 

@@ -27,7 +27,7 @@ from lathe import device as accel
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
-from lathe.engine.multimodal import is_vl, prepare_prompt, text_config
+from lathe.engine.multimodal import ensure_embeddings, is_vl, prepare_prompt, text_config
 from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
@@ -295,6 +295,10 @@ class LatheEngine(StreamingMixin):
         self.kv_cache.copy_blocks(copies)
         last = self._inflight
         if is_prefill:
+            if self.vl:                         # images whose embeddings a weight load dropped: the new tower's
+                for seq in seqs:
+                    if seq.mm is not None:
+                        ensure_embeddings(self.model, seq.mm)
             logits = self.runner.prefill(seqs, [s.num_scheduled_tokens for s in seqs])
             complete = self.scheduler.prefill_done(seqs)
             if len(complete) < len(seqs):       # a prompt chunk: nothing to sample for it yet
@@ -357,7 +361,9 @@ class LatheEngine(StreamingMixin):
                     self.scheduler.finish(seq, "stop")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new weights in place (HF names) and drop every cached prefix: old KV must not serve new weights."""
+        """Copy new weights in place (HF names) and drop every cached prefix: old KV must not serve new weights.
+        (Image embeddings live as long as their sequences, and none is unfinished here; streamed requests that wait
+        through new weights take them with `load_weights`.)"""
         if not self.scheduler.is_finished():
             raise RuntimeError("LatheEngine.update_weights: sequences are still being generated")
         copy_named_tensors(self.model, named_tensors, who="engine's model")

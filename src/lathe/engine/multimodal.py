@@ -11,6 +11,11 @@ tower once for the prompt's images and keeps, in a `MultiModalPrompt` that the p
   (`BlockManager`), so two prompts with the same tokens but other images never share KV, while the `n` samples of
   one prompt (and a preempted sample's recompute) do.
 
+The embeddings belong to the vision tower's weights. When the engine loads new weights while prompts wait (a weight
+sync of fully-asynchronous training: queued requests, responses interrupted by partial rollout), it drops them
+(`drop_embeddings`); the prompt's next prefill encodes its images again with the new tower (`ensure_embeddings`).
+The positions, image rows and salt depend on the tokens and pixels only, and stay.
+
 `StepInputs` gathers what a prefill or decode step's forward needs beyond the token ids: 3D positions, and the
 image rows to splice at the placeholders of the tokens it computes (a chunk of a long prompt gets its own slice).
 `hidden_states` runs the decoder for text and VL models alike.
@@ -19,7 +24,7 @@ image rows to splice at the placeholders of the tokens it computes (a chunk of a
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,12 +43,35 @@ def text_config(model):
 
 @dataclass(eq=False)
 class MultiModalPrompt:
-    embeds: torch.Tensor                 # (N, H) image embeddings, on the model's device
-    deepstack: list[torch.Tensor]        # Qwen3-VL: one (N, H) per early layer; [] for Qwen2.5-VL
+    pixel_values: torch.Tensor           # the prompt's images as given (patches, D): encoded again after new weights
+    grid: torch.Tensor                   # (images, 3) int64 image_grid_thw
     positions: torch.Tensor              # (3, P) int64 on the CPU: the prompt's rotary positions
     delta: int                           # token i >= P sits at i + delta on every axis
     image_rows: np.ndarray               # (P,) int64: embedding row of each prompt token, -1 for text
     salt: int                            # digest of the images: keys the prompt's prefix-cache blocks
+    embeds: torch.Tensor | None = None   # (N, H) image embeddings, on the model's device; None: to encode
+    deepstack: list[torch.Tensor] = field(default_factory=list)   # Qwen3-VL: one (N, H) per early layer
+
+
+@torch.inference_mode()
+def ensure_embeddings(model, mm: MultiModalPrompt) -> None:
+    """Encode `mm`'s images with `model`'s vision tower, unless they are encoded already (since the last
+    `drop_embeddings`)."""
+    if mm.embeds is not None:
+        return
+    device = model.get_input_embeddings().weight.device
+    out = model.embed_images(mm.pixel_values.to(device), mm.grid.to(device))
+    mm.embeds, mm.deepstack = out.embeds, list(out.deepstack)
+
+
+def drop_embeddings(seqs) -> int:
+    """Forget the image embeddings of `seqs`' prompts (new vision weights came); returns how many prompts'."""
+    dropped = 0
+    for seq in seqs:
+        if seq.mm is not None and seq.mm.embeds is not None:
+            seq.mm.embeds, seq.mm.deepstack = None, []
+            dropped += 1
+    return dropped
 
 
 def _digest(pixel_values: torch.Tensor, grid: torch.Tensor) -> int:
@@ -80,16 +108,15 @@ def prepare_prompt(model, prompt: list[int], inputs: dict | None, where: str) ->
     if used != len(grid):
         raise ValueError(f"{where}: image_grid_thw lists {len(grid)} image(s), the prompt holds placeholders for "
                          f"{used}; expand each image's pad tokens as the processor does")
-    device = model.get_input_embeddings().weight.device
-    embeds = model.embed_images(pixels.to(device), grid.to(device))
     mask = (ids == cfg.image_token_id).numpy()
-    if int(mask.sum()) != embeds.embeds.shape[0]:
-        raise ValueError(f"{where}: {int(mask.sum())} image placeholder tokens for {embeds.embeds.shape[0]} image "
-                         "embeddings")
     rows = np.full(len(prompt), -1, dtype=np.int64)
     rows[mask] = np.arange(int(mask.sum()))
-    return MultiModalPrompt(embeds.embeds, list(embeds.deepstack), positions.cpu(), int(delta), rows,
-                            _digest(pixels, grid))
+    mm = MultiModalPrompt(pixels, grid, positions.cpu(), int(delta), rows, _digest(pixels, grid))
+    ensure_embeddings(model, mm)
+    if int(mask.sum()) != mm.embeds.shape[0]:
+        raise ValueError(f"{where}: {int(mask.sum())} image placeholder tokens for {mm.embeds.shape[0]} image "
+                         "embeddings")
+    return mm
 
 
 def token_positions(mm: MultiModalPrompt | None, start: int, end: int) -> torch.Tensor:
@@ -123,6 +150,9 @@ class StepInputs:
         rows[:stop - start] = mm.image_rows[start:stop]
         self.mask.append(rows >= 0)
         if (rows >= 0).any():
+            if mm.embeds is None:
+                raise RuntimeError("engine: a prefill met an image prompt whose embeddings were dropped at a weight "
+                                   "load and not encoded again; this is a bug (see `ensure_embeddings`)")
             self.rows.append((mm, rows[rows >= 0]))
 
     def build(self, device: torch.device):

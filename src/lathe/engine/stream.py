@@ -14,9 +14,10 @@ whatever runs beside it (up to the last bits of batch-dependent logits, see `lat
 
 Partial rollout (verl's `async_training.partial_rollout`): `interrupt()` resolves the step still on the device, then
 preempts every sequence that holds KV blocks by recompute (`Scheduler.preempt_all`): its tokens and log-probs stay,
-its KV goes. `load_weights` then copies new weights in, forgets every cached prefix, and bumps `weight_version`;
-the continuation's prefill recomputes prompt + generated tokens under the new weights. Each output token keeps the
-log-prob it was sampled with; `RolloutOutput.versions` says which weights sampled which tokens.
+its KV goes. `load_weights` then copies new weights in, forgets every cached prefix and the image embeddings of the
+waiting prompts (VL models), and bumps `weight_version`; the continuation's prefill encodes its images again with the
+new vision tower and recomputes prompt + generated tokens under the new weights. Each output token keeps the log-prob
+it was sampled with; `RolloutOutput.versions` says which weights sampled which tokens.
 
 Admission statistics (`Scheduler.new_call`): a request that finds the engine idle starts them afresh, as a
 `generate` call does; while requests keep arriving they carry over (response lengths seen so far, and the
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lathe.engine.multimodal import drop_embeddings
 from lathe.engine.sequence import PENDING, Sequence, SequenceStatus
 from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
 
@@ -128,12 +130,16 @@ class StreamingMixin:
         self.scheduler.on_finish = self._requests.on_finish
 
     def add_request(self, request_id, prompt_token_ids: list[list[int]], params: SamplingParams, *,
-                    first_index: int = 0) -> None:
+                    first_index: int = 0, multi_modal_inputs: list[dict | None] | None = None) -> None:
         """Queue `params.n` samples of each prompt (prompt-major), seeded as `generate(..., first_index=)` seeds
         them; callable between any two `step()` calls. `request_id`: any hashable, unique among the requests
-        not yet returned by `pop_finished`."""
+        not yet returned by `pop_finished`. `multi_modal_inputs` (VL models): each prompt's images, as `generate`
+        takes them (encoded here, once for the prompt's `n` samples)."""
         self._requests.check_new(request_id)
-        seqs = self._make_sequences(prompt_token_ids, params, first_index)
+        try:
+            seqs = self._make_sequences(prompt_token_ids, params, first_index, multi_modal_inputs)
+        except ValueError as e:
+            raise ValueError(f"add_request {request_id!r}: {e}") from None
         if params.max_tokens <= 0:
             for seq in seqs:
                 seq.finish_reason, seq.status = "length", SequenceStatus.FINISHED
@@ -180,7 +186,8 @@ class StreamingMixin:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         """Copy new weights in place (HF names) while requests are unfinished, provided no sequence holds KV
-        computed by the old ones (after `interrupt()`, or when idle); drop every cached prefix; the unfinished
+        computed by the old ones (after `interrupt()`, or when idle); drop every cached prefix and the waiting
+        image prompts' embeddings (their next prefill encodes them with the new vision tower); the unfinished
         sequences sample their next tokens with weights `version` (recorded in their `versions`). A sync may load
         its tensors in several calls (buckets) with the same `version`."""
         sch = self.scheduler
@@ -193,7 +200,8 @@ class StreamingMixin:
         self._inflight = None
         copy_named_tensors(self.model, named_tensors, who="engine's model")
         if self.block_manager.hash_to_block:        # (a sync loading bucket by bucket resets once)
-            self.block_manager.reset()
+            self.block_manager.reset()              # (image prompts' blocks too: the images' salt is in their key)
+        drop_embeddings(sch.waiting)                # waiting image prompts encode again, with the new tower
         if version != self.weight_version:
             self._requests.new_version(version)
             self.weight_version = version

@@ -32,6 +32,7 @@ import torch
 
 from lathe.algo import rollout_probs_diff
 from lathe.batch import Batch
+from lathe.cluster.async_roles import request_images
 from lathe.loop.ppo import finish_metrics, learn, save
 from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed
 from lathe.loop.setup import Trainer, prompt_batch
@@ -118,7 +119,7 @@ class AsyncDriver:
             self.next_replica = (replica + 1) % self.cluster.rollout.world
             self.in_flight[first] = (replica, prompts)
             requests.setdefault(replica, []).append((first, [list(p) for p in prompts["prompt_ids"]], params,
-                                                     i * self.n))
+                                                     i * self.n, request_images(prompts)))
         if requests:
             self.cluster.rollout.submit(requests)
 

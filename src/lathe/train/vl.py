@@ -21,8 +21,8 @@ def freeze_vision_tower(model, dtype: torch.dtype, *, sharded: bool) -> None:
 
 def check_vl(actor, arr, *, rollout: bool) -> None:
     """What a vision-language actor does not do yet, refused before anything runs. It generates with lathe's engine
-    (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`), single-turn (fully-async
-    training's rollout pool refuses it too: `async_roles`)."""
+    (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`), single-turn; fully-async
+    training's rollout replicas check it too (`async_roles.RolloutWorker`, whose requests carry the images)."""
     what = f"actor_rollout_ref.model.path is a vision-language checkpoint ({actor.config.architecture})"
     refused = [
         (rollout and arr.rollout.name == "hf", "actor_rollout_ref.rollout.name=hf",

@@ -114,3 +114,26 @@ def test_grpo_learns_to_read_the_image(tmp_path):
     scores = [m["critic/score/mean"] for _, m in sorted(read_metrics(tmp_path / "run").items())]
     first, last = sum(scores[:8]) / 8, sum(scores[-8:]) / 8
     assert last > 0.48 and last > first + 0.3, f"no learning from the image: {first:.2f} -> {last:.2f}"
+
+
+def test_dynamic_batch_sizes_on_image_prompts_equal_fixed_micro_batches(tmp_path):
+    """verl's token-budget micro-batches (`use_dynamic_bsz`, as the geo3k examples set it) on image rows: each
+    micro-batch takes its own rows' images, and the step's losses and gradient norm equal fixed micro-batches'."""
+    model, tokenizer = _checkpoint(tmp_path)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str[:1] == ground_truth) + (sum(map(ord, solution_str)) % 3) / 4\n")
+    common = [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
+              f"data.train_files={_data(tmp_path)}", "data.val_files=null", "trainer.test_freq=-1",
+              "data.max_prompt_length=64", "data.max_response_length=4", f"reward.custom_reward_function.path={reward}",
+              "trainer.total_training_steps=1", "actor_rollout_ref.model.warm_start.steps=0",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]     # dynamic: several rows per micro-batch
+    run(tmp_path, *common, name="fixed")
+    run(tmp_path, *common, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=80", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=80",
+        name="dynamic")
+    fixed, dynamic = read_metrics(tmp_path / "fixed")[1], read_metrics(tmp_path / "dynamic")[1]
+    assert fixed["critic/score/mean"] == dynamic["critic/score/mean"]          # the same samples
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert abs(fixed[key] - dynamic[key]) <= 1e-4 * max(1.0, abs(fixed[key])), (key, fixed[key], dynamic[key])

@@ -5,9 +5,9 @@ KV cache fastest.
 
 For each Qwen2.5 attention shape (0.5B 14/2 heads of 64, 1.5B 12/2 of 128, 7B 28/4 of 128), a bf16 paged cache
 with shuffled block tables, and every (num_splits, BLOCK_N, num_warps, num_stages) of a small grid: the median time of
-`paged_decode` and of `paged_decode_heads` (all heads of a
-sequence in one program) (triton.testing.do_bench) and the bandwidth it reaches (K and V bytes read over time). The
-engine's setting is marked; the fastest per shape is what `triton_decode` should use.
+`paged_decode` (triton.testing.do_bench) and the bandwidth it reaches (K and V bytes read over time). The
+engine's setting is marked; the fastest per shape is what `triton_decode` should use. (A kernel with every head of a
+sequence in one program measured the same bandwidth: `bench/results/decode_kernels_all_heads_*.json`, eeb94d5.)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from train import device_name, git_sha, slug  # noqa: E402
 
 from lathe.engine.paged_attention import decode_attention  # noqa: E402
-from lathe.engine.triton_decode import choose_num_splits, paged_decode, paged_decode_heads  # noqa: E402
+from lathe.engine.triton_decode import choose_num_splits, paged_decode  # noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128)}
 
@@ -77,30 +77,11 @@ def main() -> None:
                 rows.append({"num_splits": split, "block_n": bn, "num_warps": warps, "num_stages": stages, "ms": ms,
                              "tb_s": nbytes / ms / 1e9, "rel_err": err,
                              "engine_default": (split, bn, warps, stages) == (splits, 64, 4, 3)})
-            heads = []
-            for bn, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3)):
-                try:
-                    fn = lambda: paged_decode_heads(q, kc, vc, tables, lens, block_n=bn,  # noqa: E731
-                                                    num_warps=warps, num_stages=stages)
-                    err = float((fn().float() - ref).norm() / ref.norm())
-                    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                except Exception as e:
-                    heads.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "error": str(e)[:200]})
-                    continue
-                heads.append({"block_n": bn, "num_warps": warps, "num_stages": stages, "ms": ms,
-                              "tb_s": nbytes / ms / 1e9, "rel_err": err})
             ok = [r for r in rows if "ms" in r]
             best = min(ok, key=lambda r: r["ms"])
             default = next(r for r in ok if r["engine_default"])
-            heads_ok = [r for r in heads if "ms" in r]
-            heads_best = min(heads_ok, key=lambda r: r["ms"]) if heads_ok else None
             res["shapes"][f"{shape}_ctx{ctx}"] = {"heads": [hq, hkv, dim], "num_splits": splits, "bytes": nbytes,
-                                                  "best": best, "default": default, "all": rows,
-                                                  "all_heads_kernel": {"best": heads_best, "all": heads}}
-            if heads_best:
-                print(f"{shape} ctx {ctx}: all-heads kernel best {heads_best['ms']*1e3:.1f} us "
-                      f"({heads_best['tb_s']:.2f} TB/s) at block_n {heads_best['block_n']} warps "
-                      f"{heads_best['num_warps']} stages {heads_best['num_stages']}", flush=True)
+                                                  "best": best, "default": default, "all": rows}
             print(f"{shape} ctx {ctx}: default {default['ms']*1e3:.1f} us ({default['tb_s']:.2f} TB/s), best "
                   f"{best['ms']*1e3:.1f} us ({best['tb_s']:.2f} TB/s) at splits {best['num_splits']} block_n {best['block_n']} warps "
                   f"{best['num_warps']} stages {best['num_stages']}", flush=True)

@@ -101,19 +101,6 @@ def test_cuda_overlapped_scheduling_equals_step_by_step(checkpoints, sampler):
                      torch.tensor([x for r in outs[0].logprobs for x in r]), name="log-probs", rel=1e-4)   # bits may too
 
 
-def test_all_heads_kernel_on_cuda_bf16():
-    from lathe.engine.triton_decode import paged_decode_heads
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for batch, hq, hkv, dim in ((64, 14, 2, 64), (3, 28, 4, 128), (5, 12, 2, 128), (4, 32, 8, 128)):
-        kc, vc = (torch.randn(300, 16, hkv, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        lens = torch.randint(1, 700, (batch,), device="cuda", generator=g).int()
-        tables = torch.randint(0, 300, (batch, 44), device="cuda", generator=g).int()
-        q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        out = paged_decode_heads(q, kc, vc, tables, lens)
-        ref = decode_attention(q.float(), kc.float(), vc.float(), tables.long(), lens.long())
-        assert_close_rel(out.float(), ref, rel=2e-2, name=f"all-heads decode {hq}/{hkv}x{dim}")
-
-
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_cuda_vl_engine_greedy_equals_transformers(tmp_path, family):
     """Image prompts on the GPU, fp32: CUDA graphs with the M-RoPE decode positions, Triton decode and the vision

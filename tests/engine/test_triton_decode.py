@@ -36,24 +36,6 @@ def test_kernel_equals_reference(kernel, batch, hq, hkv, dim, page, splits):
     assert_close_rel(out, ref, name="paged decode")
 
 
-
-@pytest.mark.parametrize("batch,hq,hkv,dim,page", [
-    (3, 14, 2, 64, 16),         # Qwen2.5-0.5B: 14 query heads on 16 rows, groups of 7
-    (2, 28, 4, 32, 4),          # 7B's head counts (32 rows)
-    (2, 8, 8, 16, 16),          # no GQA
-])
-def test_all_heads_kernel_equals_reference(kernel, batch, hq, hkv, dim, page):
-    g = torch.Generator().manual_seed(batch + hq)
-    blocks = 40
-    kc, vc = (torch.randn(blocks, page, hkv, dim, generator=g) for _ in range(2))
-    lens = torch.randint(1, 120, (batch,), generator=g)
-    lens[0] = 1
-    width = -(-int(lens.max()) // page)
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(batch)]).int()
-    q = torch.randn(batch, hq, dim, generator=g)
-    out = kernel.paged_decode_heads(q, kc, vc, tables, lens.int(), block_n=32)
-    assert_close_rel(out, decode_attention(q, kc, vc, tables.long(), lens), name="paged decode, all heads")
-
 def test_engine_with_triton_decode_equals_torch_decode(kernel, tmp_path):
     """The whole engine (prefill single-token group and decode) on the kernel gives the reference's output."""
     from lathe.engine.llm_engine import LatheEngine

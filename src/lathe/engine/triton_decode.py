@@ -89,51 +89,6 @@ if triton is not None:
             tl.store(L + ml, l_i, mask=g_ok)
 
 
-    @triton.jit(do_not_specialize=["stride_bt"])
-    def _decode_heads_kernel(Q, K, V, BT, LENS, O,
-                             stride_qb, stride_qh, stride_kslot, stride_kh, stride_bt, stride_ob, stride_oh,
-                             scale, HQ: tl.constexpr, ROWS: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Every head of one sequence in one program: each token's block-table entry is read once and its K/V rows
-        (all KV heads, contiguous) are read in the same iteration. Query heads are the `ROWS` rows of one tile; the
-        scores of KV head h are kept on the rows of its query group."""
-        b = tl.program_id(0)
-        ctx = tl.load(LENS + b)
-        r = tl.arange(0, ROWS)
-        d = tl.arange(0, HEAD_DIM)
-        r_ok = r < HQ
-        head = r // GROUP
-        q = tl.load(Q + b * stride_qb + r[:, None] * stride_qh + d[None, :], mask=r_ok[:, None], other=0.0)
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for start_n in range(0, ctx, BLOCK_N):
-            n = start_n + tl.arange(0, BLOCK_N)
-            n_ok = n < ctx
-            block = tl.load(BT + b * stride_bt + n // PAGE, mask=n_ok, other=0)
-            row_off = (block.to(tl.int64) * PAGE + n % PAGE)[:, None] * stride_kslot + d[None, :]
-            scores = tl.zeros([ROWS, BLOCK_N], tl.float32)
-            for h in tl.static_range(HKV):
-                k = tl.load(K + row_off + h * stride_kh, mask=n_ok[:, None], other=0.0)
-                s_h = tl.dot(q, tl.trans(k)).to(tl.float32)
-                scores = tl.where((head == h)[:, None], s_h, scores)
-            scores = tl.where(n_ok[None, :], scores * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            for h in tl.static_range(HKV):
-                v = tl.load(V + row_off + h * stride_kh, mask=n_ok[:, None], other=0.0)
-                p_h = tl.where((head == h)[:, None], p, 0.0).to(v.dtype)
-                acc += tl.dot(p_h, v).to(tl.float32)
-            m_i = m_new
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(O + b * stride_ob + r[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
-                 mask=r_ok[:, None])
-
-
 def _combine(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Merge split results: partial (B, S, Hq, D) unnormalised, m/l (B, S, Hq) running max and sum."""
     m_max = m.amax(1, keepdim=True)
@@ -179,28 +134,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_splits == 1:
         return out
     return _combine(o, m, l, q.dtype)
-
-
-def paged_decode_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                       context_lens: torch.Tensor, scale: float | None = None, block_n: int = 32, num_warps: int = 4,
-                       num_stages: int = 3) -> torch.Tensor:
-    """`paged_decode` with one program per sequence for all its heads (`_decode_heads_kernel`); same contract.
-    Needs a power-of-two head_dim of at least 16."""
-    if triton is None:
-        raise RuntimeError("paged_decode_heads needs Triton; install triton or use the 'torch' decode backend")
-    B, hq, dim = q.shape
-    _, page, hkv, _ = k_cache.shape
-    if hq % hkv or dim < 16 or dim & (dim - 1):
-        raise ValueError(f"paged_decode_heads: {hq} query heads over {hkv} KV heads of dim {dim} is not supported")
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    _decode_heads_kernel[(B,)](
-        q, k_cache, v_cache, block_tables, context_lens, out,
-        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), 1.0 / math.sqrt(dim) if scale is None else scale,
-        HQ=hq, ROWS=max(16, triton.next_power_of_2(hq)), HKV=hkv, GROUP=hq // hkv, HEAD_DIM=dim, PAGE=page,
-        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
-    return out
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:

@@ -12,7 +12,8 @@ transformers' by state dict). Two loads:
   natural length up to `--grpo-max-tokens` (random weights rarely sample EOS, so most run to the cap).
 Reported: generated tokens/s (wall time of the whole call, prefill included; the second of two identical calls,
 each starting with an empty prefix cache as after a weight sync; the first's time and graph-capture seconds beside
-it), and the fraction of the decode
+it, and a third call's that finds the prompts cached), the prefill and decode steps of each call (counts, host wall
+seconds, prefilled tokens), and the fraction of the decode
 roofline: per step, the weights' bytes plus the KV bytes of every running sequence's context, over the
 HBM bandwidth; the roofline rate is the batch over that time, averaged over the run's decode steps.
 A torch.profiler summary of the engine's decode (eager, same batch) says where the time goes.
@@ -84,22 +85,59 @@ def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[
 
 
 # -- backends ---------------------------------------------------------------------------------------------
+class StepStats:
+    """Per-call counts and host wall seconds of the engine's prefill and decode steps (`engine.step` wrapped):
+    with overlapped scheduling a step's wall time is the host's, which waits for the device's previous step."""
+
+    def __init__(self, engine):
+        self.engine, self.step = engine, engine.step
+        schedule = engine.scheduler.schedule
+
+        def counted_schedule():
+            seqs, is_prefill, copies = schedule()
+            self.kind = "prefill" if is_prefill else "decode"
+            if is_prefill:
+                self.stats["prefill_tokens"] += sum(s.num_scheduled_tokens for s in seqs)
+            return seqs, is_prefill, copies
+
+        def timed_step():
+            self.kind = None
+            start = time.perf_counter()
+            n = self.step()
+            if self.kind is not None:
+                self.stats[f"{self.kind}_steps"] += 1
+                self.stats[f"{self.kind}_wall_s"] += time.perf_counter() - start
+            return n
+
+        engine.scheduler.schedule, engine.step = counted_schedule, timed_step
+        self.reset()
+
+    def reset(self) -> dict:
+        old, self.stats = getattr(self, "stats", None), dict.fromkeys(
+            ("prefill_steps", "prefill_wall_s", "prefill_tokens", "decode_steps", "decode_wall_s"), 0)
+        return old
+
+
 def run_lathe(engine, prompts, params, device) -> dict:
     engine.generate([p[:8] for p in prompts],
                     SamplingParams(n=params.n, temperature=1.0, max_tokens=4, ignore_eos=True, seed=1))  # warm-up
     sync(device)
+    stats = StepStats(engine)
     runs = []
-    for _ in range(2):                  # the first run captures the graphs of batch sizes the warm-up did not meet
-        engine.update_weights([])       # no prompt found in the prefix cache: as after a training step's sync
+    for cold in (True, True, False):    # the first run captures the graphs of batch sizes the warm-up did not meet;
+        if cold:                        # the third finds its prompts cached (the second's)
+            engine.update_weights([])   # no prompt found in the prefix cache: as after a training step's sync
+        stats.reset()
         start = time.perf_counter()
         out = engine.generate(prompts, params)
         sync(device)
-        runs.append((time.perf_counter() - start, out.metrics))
-    (first, m1), (seconds, m2) = runs
+        runs.append((time.perf_counter() - start, out.metrics, stats.reset()))
+    (first, m1, s1), (seconds, m2, s2), (cached, _, s3) = runs
     lens = [len(t) for t in out.token_ids]
     return {"seconds": seconds, "tokens": sum(lens), "tok_s": sum(lens) / seconds, "out_lens": lens,
             "preemptions": m2["rollout/num_preemptions"], "first_run_seconds": first,
-            "first_run_graph_capture_s": m1["timing_s/graph_capture"], "graph_capture_s": m2["timing_s/graph_capture"]}
+            "first_run_graph_capture_s": m1["timing_s/graph_capture"], "graph_capture_s": m2["timing_s/graph_capture"],
+            "cached_prompts_seconds": cached, "steps": {"first": s1, "timed": s2, "cached_prompts": s3}}
 
 
 def run_hf_generate(model, prompts, n, max_new, forced, device) -> dict:

@@ -218,7 +218,7 @@ def bench_engine(shape: str, paths: dict, args) -> dict:
                          max_num_seqs=args.max_num_seqs)
     params = SamplingParams(n=args.n, max_tokens=args.response_len, temperature=1.0, ignore_eos=True, seed=0)
 
-    def timed(p, m) -> tuple[float, dict]:
+    def timed(engine, p, m) -> tuple[float, dict]:
         engine.update_weights([])                        # an empty prefix cache, as after a weight sync
         sync(device)
         start = time.perf_counter()
@@ -229,11 +229,11 @@ def bench_engine(shape: str, paths: dict, args) -> dict:
         return seconds, out.metrics
 
     tokens = args.prompts * args.n * args.response_len
-    first, _ = timed(prompts, mm)
-    second, metrics = timed(prompts, mm)
+    first, _ = timed(engine, prompts, mm)
+    second, metrics = timed(engine, prompts, mm)
     text = [[t if t != image_id else 2 + (k % 1000) for k, t in enumerate(p)] for p in prompts]
-    timed(text, None)
-    text_s, _ = timed(text, None)
+    timed(engine, text, None)
+    text_s, _ = timed(engine, text, None)
     bandwidth = hbm_bandwidth(device_name(device)) if device.type == "cuda" else None
     tcfg = model.config.text
     kv_shape = {"hidden_size": tcfg.head_dim * tcfg.num_attention_heads, "num_attention_heads": tcfg.num_attention_heads,
@@ -249,7 +249,7 @@ def bench_engine(shape: str, paths: dict, args) -> dict:
         lens = [len(p) for p in prompts for _ in range(args.n)]
         roof = roofline_tok_s(kv_shape, lm_bytes, lens, [args.response_len] * len(lens), bandwidth)
         res.update(roofline_tok_s=roof, roofline_fraction=res["tok_s"] / roof)
-    del engine, model, pixels, timed
+    del engine, model, pixels
     import gc
     gc.collect()                # the engine's graphs and runner refer to each other
     if torch.cuda.is_available():

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
 
 from loop.test_ppo import read_metrics, run  # noqa: E402
-from loop.test_vl_train import _checkpoint, _data  # noqa: E402
+from loop.test_vl_train import vl_keys  # noqa: E402
 
 pytestmark = pytest.mark.slow
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean")
@@ -18,17 +18,10 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entr
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_workers_equal_one_process_on_image_prompts(tmp_path, lora):
-    model, tokenizer = _checkpoint(tmp_path)
-    reward = tmp_path / "reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return (sum(map(ord, solution_str)) % 3) / 2\n")
-    common = [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
-              f"data.train_files={_data(tmp_path, n=16)}", "data.val_files=null", "trainer.test_freq=-1",
-              "data.max_prompt_length=64", "data.max_response_length=3", f"reward.custom_reward_function.path={reward}",
+    common = [*vl_keys(tmp_path, "(sum(map(ord, solution_str)) % 3) / 2", rows=16, response_length=3),
               "trainer.total_training_steps=2", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
               "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-              "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.model.warm_start.steps=0",
-              "trainer.device=cpu",
+              "actor_rollout_ref.actor.optim.lr=3e-3", "trainer.device=cpu",
               *(["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"] if lora else [])]
     run(tmp_path, *common, name="one")
     run(tmp_path, *common, "trainer.n_gpus_per_node=2", "trainer.save_freq=2", name="two")
@@ -40,4 +33,4 @@ def test_two_workers_equal_one_process_on_image_prompts(tmp_path, lora):
             assert two[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-7), (step, key)
     from lathe.models.vl import load_lathe_vl_model          # the sharded run's checkpoint: a VL model again
     saved = load_lathe_vl_model(tmp_path / "two" / "global_step_2" / "actor" / "huggingface")
-    assert set(saved.state_dict()) == set(load_lathe_vl_model(model).state_dict())
+    assert set(saved.state_dict()) == set(load_lathe_vl_model(tmp_path / "model").state_dict())

@@ -57,6 +57,20 @@ def _data(tmp_path, n: int = 8) -> str:
     return str(path)
 
 
+def vl_keys(tmp_path, score: str, *, rows: int = 8, response_length: int = 4) -> list[str]:
+    """The keys of a GRPO run of the tiny VL checkpoint on `rows` colour rows, scored by `return <score>` (of
+    `solution_str` and `ground_truth`), one step, no validation."""
+    model, tokenizer = _checkpoint(tmp_path)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    return {score}\n")
+    return [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
+            f"data.train_files={_data(tmp_path, n=rows)}", "data.val_files=null", "trainer.test_freq=-1",
+            "data.max_prompt_length=64", f"data.max_response_length={response_length}",
+            f"reward.custom_reward_function.path={reward}", "trainer.total_training_steps=1",
+            "actor_rollout_ref.model.warm_start.steps=0"]
+
+
 def test_grpo_on_image_prompts_runs_end_to_end(tmp_path):
     model, tokenizer = _checkpoint(tmp_path)
     data = _data(tmp_path)
@@ -119,14 +133,7 @@ def test_grpo_learns_to_read_the_image(tmp_path):
 def test_dynamic_batch_sizes_on_image_prompts_equal_fixed_micro_batches(tmp_path):
     """verl's token-budget micro-batches (`use_dynamic_bsz`, as the geo3k examples set it) on image rows: each
     micro-batch takes its own rows' images, and the step's losses and gradient norm equal fixed micro-batches'."""
-    model, tokenizer = _checkpoint(tmp_path)
-    reward = tmp_path / "reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(solution_str[:1] == ground_truth) + (sum(map(ord, solution_str)) % 3) / 4\n")
-    common = [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
-              f"data.train_files={_data(tmp_path)}", "data.val_files=null", "trainer.test_freq=-1",
-              "data.max_prompt_length=64", "data.max_response_length=4", f"reward.custom_reward_function.path={reward}",
-              "trainer.total_training_steps=1", "actor_rollout_ref.model.warm_start.steps=0",
+    common = [*vl_keys(tmp_path, "float(solution_str[:1] == ground_truth) + (sum(map(ord, solution_str)) % 3) / 4"),
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]     # dynamic: several rows per micro-batch
     run(tmp_path, *common, name="fixed")
     run(tmp_path, *common, "actor_rollout_ref.actor.use_dynamic_bsz=true",

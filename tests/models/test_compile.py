@@ -118,6 +118,33 @@ def test_recompiles_stay_bounded_across_lengths_modes_and_layouts():
     assert _graphs() <= 24, f"{_graphs()} graphs for 4 kinds of call: something recompiles per layer or per call"
 
 
+def test_an_engine_and_a_lora_trainer_fit_in_the_variant_limit():
+    """One process holding a compiled engine copy and a compiled LoRA policy (a LoRA run on one device): the layers'
+    shared code object collects a variant per attention type, grad mode, module types and size-1 batches. They must
+    stay below dynamo's limit, or the next variant runs eager without a word (dynamo's default of 8 is reached)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.models.decoder import DecoderLayer
+    from lathe.models.lora import apply_lora
+    from lathe.rollout.base import SamplingParams
+    engine_model = compile_decoder(_tiny().eval(), backend="aot_eager")
+    engine = LatheEngine(engine_model, eos_token_id=None, block_size=4, num_kv_blocks=128, compile_model=False)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=0)
+    engine.generate([[1, 2, 3, 4, 5], [6, 7, 8]], params)
+    engine.generate([[9, 10, 11]], SamplingParams(n=1, temperature=1.0, max_tokens=3, seed=0))   # a batch of one
+    plain, lora = _tiny(), _tiny()
+    apply_lora(lora, rank=4, alpha=8)
+    for model in (plain, lora):
+        compile_decoder(model, backend="aot_eager")
+        s = _stream([6, 3, 9])
+        model.forward_packed(s["ids"], s["pos"], s["cu"], s["max_len"]).square().mean().backward()
+        torch.no_grad()(_step_no_grad)(model, s)
+    variants = len(_debug_get_cache_entry_list(DecoderLayer.forward.__code__))
+    assert variants >= 8, f"precondition: {variants} variants, fewer than dynamo's default limit"
+    assert variants < torch._dynamo.config.recompile_limit, (variants, torch._dynamo.config.recompile_limit)
+
+
 def _step_no_grad(model, s: dict):
     hidden = model.forward_packed(s["ids"], s["pos"], s["cu"], s["max_len"])
     return chunked_log_probs(hidden[s["rows"]], model.lm_head.weight, s["targets"], chunk_size=5,

@@ -17,6 +17,13 @@ What still compiles again, a bounded number of times per code object (well under
 limit of 8): grad mode (training vs the no-grad log-prob pass), and a token dimension of size 1 (0/1
 specialisation). Gradient checkpointing recomputes through the same compiled graphs.
 
+Variants: every compiled layer of every model in the process shares one code object (`DecoderLayer.forward`) and so
+one list of compiled variants, which dynamo caps at `recompile_limit` (8 by default) before it runs further variants
+eagerly, silently slower. A LoRA run with its engine on one device fills 8: the engine's prefill and decode attention
+types, a decode batch of one, the trainer's grad and no-grad passes, and LoRA's module types for both
+(`tests/models/test_compile.py`); FSDP2's wrapped layers or a critic add more. `compile_decoder` raises the cap to
+`RECOMPILE_LIMIT`.
+
 Compilation is per instance: another `LatheCausalLM` (the rollout engine's copy, the reference policy
 built before) keeps running eager. CUDA only by default: on CPU, inductor's start-up (C++ builds, tens
 of seconds) costs more than it saves for the models a CPU trains; `compile_decoder` itself runs anywhere.
@@ -28,6 +35,14 @@ import torch
 
 COMPILE_DEVICE_TYPES = ("cuda",)   # devices on which use_torch_compile=true compiles; elsewhere it runs eager
 DEFAULT_BACKEND = "inductor"
+RECOMPILE_LIMIT = 32               # compiled variants of the decoder layer's code allowed (see the module docstring)
+
+
+def allow_variants(limit: int = RECOMPILE_LIMIT) -> None:
+    """Let dynamo keep at least `limit` compiled variants per code object (never lowers a higher setting)."""
+    cfg = torch._dynamo.config
+    if cfg.recompile_limit < limit:
+        cfg.recompile_limit = limit
 
 
 def compile_decoder(model, *, backend: str = DEFAULT_BACKEND, mode: str | None = None):
@@ -44,6 +59,7 @@ def compile_decoder(model, *, backend: str = DEFAULT_BACKEND, mode: str | None =
                         f"{type(model).__name__}; transformers models are not compiled by lathe")
     if decoder.compile_backend is not None:
         return model
+    allow_variants()
     for layer in decoder.layers:
         layer.compile(backend=backend, mode=mode)   # dynamic=None: token dims are marked dynamic by the decoder
     decoder.compile_backend = backend

@@ -292,3 +292,27 @@ def test_blocks_completed_by_overlapped_tokens_are_keyed_for_reuse(checkpoints):
     engine.block_manager.allocate(seq)
     assert seq.num_kv_cached == (len(prompt) + MAX - 1) // 4 * 4      # every full block (the last token's KV
     engine.block_manager.deallocate(seq)                              # was never computed)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["step_by_step", "overlapped"])
+def test_a_stop_token_that_fills_a_block_is_not_reused_without_its_kv(checkpoints, async_scheduling):
+    """A response that stops on a token filling a KV block: that token's KV is never computed (the sequence ends
+    before feeding it), so its block must not be keyed for reuse. The next turn of a conversation continues it
+    (prompt + response + more) and must compute that token, not read an unwritten slot: its greedy tokens and
+    log-probs equal an engine without prefix caching."""
+    path, _ = checkpoints["qwen2"]
+    prompt = PROMPTS[0]                                      # 11 tokens, blocks of 4
+    free = _engine(path, async_scheduling=async_scheduling).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).token_ids[0]
+    j = next(j for j in range(len(free)) if (len(prompt) + j + 1) % 4 == 0 and free[j] not in free[:j])
+    stop = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free[j]])
+    follow = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for caching in (True, False):
+        engine = _engine(path, async_scheduling=async_scheduling, enable_prefix_caching=caching)
+        first = engine.generate([prompt], stop).token_ids[0]
+        assert first == free[:j + 1], "precondition: the response stops on the block-filling token"
+        outs.append(engine.generate([prompt + first + [5, 6, 7]], follow))
+    (cached, plain) = outs
+    assert cached.token_ids == plain.token_ids
+    assert_close_rel(cached.logprobs, plain.logprobs, rel=1e-5, name="next turn's log-probs")

@@ -341,24 +341,31 @@ class LatheEngine(StreamingMixin):
 
     def _resolve(self, step: _InFlight | None) -> None:
         """Bring `step`'s sampled tokens to the host and act on them: fill the placeholders, key the blocks
-        they complete, stop the sequences that sampled a stop token or completed a stop string."""
+        they complete (see below), stop the sequences that sampled a stop token or completed a stop string."""
         if step is None:
             return
         tokens, logprobs = step.to_host()
         bm, bs, matchers = self.block_manager, self.block_manager.block_size, self._stop_matchers
+        # A block is keyed (reusable by later prompts) only once its last token's KV is computed: by the step now
+        # running (`ahead`), or by the sequence's next decode step. A finished sequence's last token never gets KV,
+        # so a later prompt continuing it (the agent loop's next turn) computes it instead of reading a stale slot.
+        ahead = self._inflight if self._inflight is not step else None
         strings = len(matchers) > 0
         for seq, row, index in step.pending:       # (runs for every row of every step: kept lean)
             tok = int(tokens[row])
             seq.token_ids[index] = tok
             seq.logprobs[index - seq.num_prompt_tokens] = logprobs[row]
-            if (index + 1) % bs == 0:
-                bm.register_full(seq, index // bs)
             if tok in seq.params.stop_token_ids or (
                     strings and (m := matchers.get(seq)) is not None and m.check(seq.token_ids)):
                 if seq.is_finished:
                     seq.finish_reason = "stop"          # it ended at max_tokens with a stop token: stop, as vLLM
                 else:
                     self.scheduler.finish(seq, "stop")
+            if (index + 1) % bs == 0 and not seq.is_finished:     # the token fills a block: key it ...
+                if ahead is not None and seq in ahead.rows:         # ... now, as the running step computes its KV,
+                    bm.register_full(seq, index // bs)
+                else:                                               # ... or when its decode step is scheduled
+                    seq.tail_private = False                        # (`BlockManager.may_append`)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy new weights in place (HF names) and drop every cached prefix: old KV must not serve new weights.

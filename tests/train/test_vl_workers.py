@@ -40,10 +40,10 @@ def test_a_vl_actor_generates_with_the_engine_and_refuses_the_transformers_rollo
     from lathe.batch import Batch
     from lathe.rollout.base import SamplingParams
     tok = tiny_vl_processor().tokenizer
-    for key in ("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.multi_turn.enable=true"):
-        with pytest.raises(NotImplementedError, match=f"{key.split('=')[0]}.*vision-language"):
-            ActorRolloutRefWorker(_cfg(vl_dir, tmp_path, key), load_policy(str(vl_dir)),
-                                  tok, total_steps=1, device=torch.device("cpu"), need_ref=False)
+    key = "actor_rollout_ref.rollout.name=hf"
+    with pytest.raises(NotImplementedError, match=f"{key.split('=')[0]}.*vision-language"):
+        ActorRolloutRefWorker(_cfg(vl_dir, tmp_path, key), load_policy(str(vl_dir)),
+                              tok, total_steps=1, device=torch.device("cpu"), need_ref=False)
     worker = ActorRolloutRefWorker(_cfg(vl_dir, tmp_path), load_policy(str(vl_dir)), tok, total_steps=1,
                                    device=torch.device("cpu"), need_ref=False)
     assert worker.rollout_name == "lathe"

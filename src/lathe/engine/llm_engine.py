@@ -27,7 +27,8 @@ from lathe import device as accel
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
-from lathe.engine.multimodal import ensure_embeddings, is_vl, prepare_prompt, text_config
+from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensure_embeddings, is_vl, prepare_prompt,
+                                     text_config)
 from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
@@ -204,8 +205,9 @@ class LatheEngine(StreamingMixin):
         `first_index = k * n`, samples exactly what the whole call samples for them (data-parallel rollout).
 
         `multi_modal_inputs[i]` (VL models): prompt i's images, `{"pixel_values", "image_grid_thw"}` in the
-        processor's layout with the prompt's placeholder tokens expanded, or None for a text prompt. Each prompt's
-        images are encoded once for its `n` samples (see `lathe.engine.multimodal`)."""
+        processor's layout with the prompt's placeholder tokens expanded, or None for a text prompt (or what
+        `prepare_images` made of them). Each prompt's images are encoded once for its `n` samples (see
+        `lathe.engine.multimodal`)."""
         if not self.kv_cache.allocated:
             raise RuntimeError("LatheEngine.generate: the engine is asleep (KV cache freed); call wake_up() first")
         if not self.scheduler.is_finished():
@@ -267,14 +269,23 @@ class LatheEngine(StreamingMixin):
                     self._stop_matchers[seqs[-1]] = stops.matcher(min_tokens=params.min_tokens, prompt_len=len(prompt))
         return seqs
 
-    def _prompt_images(self, i: int, prompt: list[int], inputs: dict | None):
-        """Prompt i's shared image state (`multimodal.prepare_prompt`), None for a text prompt."""
+    def prepare_images(self, prompt: list[int], inputs: dict | None, *, where: str = "prompt"):
+        """A prompt's shared image state (`multimodal.prepare_prompt`: its images encoded, its 3D positions), None
+        for a text prompt. Given as the prompt's `multi_modal_inputs` entry, to `generate` or `add_request`, for
+        this prompt or any prompt that continues it (later turns of a conversation), it is reused: the images are
+        encoded once, and the tokens after this prompt are text (`multimodal.check_continuation`)."""
         if inputs is None or inputs.get("pixel_values") is None:
             return None
         if not self.vl:
-            raise ValueError(f"prompt {i} carries images, but the engine's model "
+            raise ValueError(f"{where} carries images, but the engine's model "
                              f"({type(self.model).__name__}) is a text model")
-        return prepare_prompt(self.model, prompt, inputs, f"prompt {i}")
+        return prepare_prompt(self.model, prompt, inputs, where)
+
+    def _prompt_images(self, i: int, prompt: list[int], inputs):
+        """Prompt i's shared image state: `inputs` prepared here, or as `prepare_images` prepared it."""
+        if isinstance(inputs, MultiModalPrompt):
+            return check_continuation(self.model, inputs, prompt, f"prompt {i}")
+        return self.prepare_images(prompt, inputs, where=f"prompt {i}")
 
     def step(self) -> int:
         """One scheduler step (a prefill or a decode); returns how many sequences it ran.

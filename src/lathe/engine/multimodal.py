@@ -119,6 +119,20 @@ def prepare_prompt(model, prompt: list[int], inputs: dict | None, where: str) ->
     return mm
 
 
+def check_continuation(model, mm: MultiModalPrompt, prompt: list[int], where: str) -> MultiModalPrompt:
+    """`mm`, prepared for an earlier prompt, as the image state of `prompt`, which continues that prompt (a later
+    turn of a multi-turn conversation: the first prompt, then turns and tool answers). The earlier prompt's tokens
+    keep their 3D positions and image rows; every token after them is text at `index + rope_delta`, as generated
+    tokens are (an image placeholder among them too), and the prefix cache keys the blocks by the same salt."""
+    p = len(mm.image_rows)
+    head = np.asarray(prompt[:p], dtype=np.int64)
+    if len(prompt) < p or not np.array_equal(head == model.config.image_token_id, mm.image_rows >= 0):
+        raise ValueError(f"{where}: its prepared images belong to a prompt of {p} tokens whose image placeholders "
+                         "this prompt does not start with; prepare the images of this prompt instead "
+                         "(LatheEngine.prepare_images)")
+    return mm
+
+
 def token_positions(mm: MultiModalPrompt | None, start: int, end: int) -> torch.Tensor:
     """(3, end - start) rotary positions of tokens start..end-1 of a sequence with this prompt state."""
     if mm is None:

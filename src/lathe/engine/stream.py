@@ -134,7 +134,8 @@ class StreamingMixin:
         """Queue `params.n` samples of each prompt (prompt-major), seeded as `generate(..., first_index=)` seeds
         them; callable between any two `step()` calls. `request_id`: any hashable, unique among the requests
         not yet returned by `pop_finished`. `multi_modal_inputs` (VL models): each prompt's images, as `generate`
-        takes them (encoded here, once for the prompt's `n` samples)."""
+        takes them (encoded here, once for the prompt's `n` samples), or a `prepare_images` result of a prompt that
+        this one continues (the agent loop's later turns: encoded once, the tokens after it are text)."""
         self._requests.check_new(request_id)
         try:
             seqs = self._make_sequences(prompt_token_ids, params, first_index, multi_modal_inputs)

@@ -21,14 +21,14 @@ def freeze_vision_tower(model, dtype: torch.dtype, *, sharded: bool) -> None:
 
 def check_vl(actor, arr, *, rollout: bool) -> None:
     """What a vision-language actor does not do yet, refused before anything runs. It generates with lathe's engine
-    (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`), single-turn; fully-async
-    training's rollout replicas check it too (`async_roles.RolloutWorker`, whose requests carry the images)."""
+    (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`), single-turn or in the agent
+    loop (`multi_turn.enable`: every turn carries its prompt's images; tools answer text, and one that returns an
+    image stops the run, `lathe.rollout.agent.tools.ToolImageError`); fully-async training's rollout replicas check
+    it too (`async_roles.RolloutWorker`, whose requests carry the images)."""
     what = f"actor_rollout_ref.model.path is a vision-language checkpoint ({actor.config.architecture})"
     refused = [
         (rollout and arr.rollout.name == "hf", "actor_rollout_ref.rollout.name=hf",
          "the transformers rollout does not take image prompts; set actor_rollout_ref.rollout.name=auto (or lathe)"),
-        (rollout and arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable=true",
-         "the agent loop does not carry images; set multi_turn.enable=false"),
     ]
     for on, key, fix in refused:
         if on:

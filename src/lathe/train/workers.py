@@ -196,16 +196,16 @@ class ActorRolloutRefWorker:
         if self.free_cache_engine:
             with self._timed(timings, "timing_s/rollout_wake_up"):
                 self.rollout.wake_up()
+        # image prompts (VL): each prompt's {pixel_values, image_grid_thw}, None for text prompts
+        images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
         try:
             if self.agent is not None:
                 extra = prompts["extra_info"]
                 out = self.agent.generate(prompt_ids, params, first_index=first_index,
                                           tools_kwargs=[(x or {}).get("tools_kwargs") for x in extra],
                                           interaction_kwargs=[(x or {}).get("interaction_kwargs") for x in extra],
-                                          messages=list(prompts["raw_prompt"]))
-            else:       # image prompts (VL): each prompt's {pixel_values, image_grid_thw}, None for text prompts
-                images = ({"multi_modal_inputs": list(prompts["multi_modal_inputs"])}
-                          if "multi_modal_inputs" in prompts else {})
+                                          messages=list(prompts["raw_prompt"]), **images)
+            else:
                 out = self.rollout.generate(prompt_ids, params, first_index=first_index, **images)
         finally:
             if self.free_cache_engine:

@@ -14,6 +14,13 @@ own tokens and 0 on what the loop appended (the rest of the end-of-turn marker, 
 which come from `ConversationRenderer` exactly as the chat template renders them. Malformed calls, unknown tools,
 tool exceptions and timeouts become the tool's answer (an error message the model reads), never a crash.
 
+Images (VL models): a prompt's images sit in the first prompt only. The engine prepares them once per prompt
+(`LatheEngine.prepare_images`: encoded, 3D positions), and every turn of its trajectories carries that state, so the
+prompt keeps its 3D positions, everything after it (model turns and tool answers) is text at `index + rope_delta`
+(as the trainer's `vl_positions` places response tokens), and each turn's prefill finds the last in the prefix cache
+(keyed by the images' digest). Tool answers are text: a tool that returns an image stops the run
+(`tools.ToolImageError`).
+
 Seeding: turn 0 of sample `i` draws as `LatheEngine.generate(..., first_index=)` draws sample `i`, so with no tool
 calls the loop samples exactly what single-turn generation samples; turn `k` uses the run's seed mixed with `k`.
 """
@@ -76,6 +83,7 @@ class Trajectory:
     index: int                                  # prompt-major sample index
     prompt: list[int]
     session: object | None                      # the trajectory's ToolSession (None: no tools)
+    images: object | None = None                # its prompt's images, as the engine prepared them (VL models)
     user: object | None = None                  # its InteractionSession (None: no simulated user)
     messages: list[dict] = field(default_factory=list)   # the conversation, for the simulated user
     turn_scores: list[float] = field(default_factory=list)
@@ -125,16 +133,21 @@ class AgentLoop:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int = 0,
                  tools_kwargs: list[dict | None] | None = None, interaction_kwargs: list[dict | None] | None = None,
-                 messages: list[list[dict]] | None = None, request_prefix: str = "agent") -> AgentOutput:
+                 messages: list[list[dict]] | None = None, multi_modal_inputs: list[dict | None] | None = None,
+                 request_prefix: str = "agent") -> AgentOutput:
         """`params.n` trajectories per prompt, prompt-major (as `LatheEngine.generate`); `tools_kwargs[i]`: prompt
         i's `extra_info["tools_kwargs"]` (verl: per tool, `create_kwargs` for its instance); `interaction_kwargs[i]`
-        its `extra_info["interaction_kwargs"]` and `messages[i]` its chat messages (for the simulated user)."""
+        its `extra_info["interaction_kwargs"]` and `messages[i]` its chat messages (for the simulated user);
+        `multi_modal_inputs[i]` (VL models) its images, as `LatheEngine.generate` takes them: encoded once
+        (`LatheEngine.prepare_images`) and carried by every turn of its trajectories, whose tokens after the prompt
+        are text."""
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         self._params = replace(params, n=1, stop_token_ids=sorted(set(params.stop_token_ids) |
                                                                   set(self.renderer.stop_ids())))
         self._calls += 1                                   # trajectory and request ids unique across calls
         self._base, self._first, self._prefix = base, first_index, f"{request_prefix}{self._calls}"
         self._preemptions, self._resumed = 0, [0, 0]
+        images = self._images(prompts, multi_modal_inputs)
         trajs = []
         for i, prompt in enumerate(prompts):
             kwargs = tools_kwargs[i] if tools_kwargs else None
@@ -145,7 +158,8 @@ class AgentLoop:
                 tid = f"{self._prefix}-{first_index + index}"
                 session = self.tools.open(tid, kwargs) if self.tools else None
                 user = self.interactions.open(tid, user_kwargs) if self.interactions else None
-                trajs.append(Trajectory(index, list(prompt), session, user, [dict(m) for m in conversation]))
+                trajs.append(Trajectory(index, list(prompt), session, images[i], user,
+                                        [dict(m) for m in conversation]))
         start = time.perf_counter()
         scheduler = getattr(self.engine, "scheduler", None)
         interval = getattr(scheduler, "prefill_interval", None)
@@ -162,6 +176,16 @@ class AgentLoop:
                 for t in trajs:
                     self._close(t)
         return self._output(trajs, time.perf_counter() - start)
+
+    def _images(self, prompts: list[list[int]], multi_modal_inputs: list[dict | None] | None) -> list:
+        """Each prompt's images prepared by the engine (None for a text prompt): every turn reuses them."""
+        if multi_modal_inputs is None or all(m is None for m in multi_modal_inputs):
+            return [None] * len(prompts)
+        if len(multi_modal_inputs) != len(prompts):
+            raise ValueError(f"multi_modal_inputs has {len(multi_modal_inputs)} entries for {len(prompts)} prompts; "
+                             "give one per prompt (None for a text prompt)")
+        return [self.engine.prepare_images(p, m, where=f"prompt {i}") for i, (p, m) in
+                enumerate(zip(prompts, multi_modal_inputs))]
 
     # -- the event loop -----------------------------------------------------------------------------------------
     def _run(self, trajs: list[Trajectory]) -> None:
@@ -197,8 +221,9 @@ class AgentLoop:
         turn = t.assistant_turns
         seed = self._base if turn == 0 else sequence_seed(self._base, -turn)
         params = replace(self._params, seed=seed, max_tokens=self.settings.response_length - len(t.ids))
+        images = {} if t.images is None else {"multi_modal_inputs": [t.images]}
         self.engine.add_request((self._prefix, t.index, turn), [t.prompt + t.ids], params,
-                                first_index=self._first + t.index)
+                                first_index=self._first + t.index, **images)
 
     def _on_turn(self, t: Trajectory, out: RolloutOutput) -> bool:
         """A model turn finished: append it; start its tool calls. False when the trajectory is done."""

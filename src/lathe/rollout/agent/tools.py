@@ -35,8 +35,8 @@ import yaml
 
 from lathe.rollout.agent.parser import ToolCall
 
-__all__ = ["BaseTool", "ToolConfigError", "ToolResponse", "ToolResult", "ToolSession", "ToolSet", "ToolTimeout",
-           "check_schema", "load_tools", "run_with_timeout"]
+__all__ = ["BaseTool", "ToolConfigError", "ToolImageError", "ToolResponse", "ToolResult", "ToolSession", "ToolSet",
+           "ToolTimeout", "check_schema", "load_tools", "run_with_timeout"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,16 @@ class ToolTimeout(TimeoutError):
     """A tool method did not return within its time limit."""
 
 
+class ToolImageError(NotImplementedError):
+    """A tool answered with an image or a video (verl's `ToolResponse.image` / `.video`): tool answers are text in
+    lathe's agent loop, and a picture the model would never see is not dropped silently. It stops the run."""
+
+
 @dataclass
 class ToolResponse:
     text: str | None = None
-    image: Any = None                 # verl's multimodal fields: accepted so verl tools port, ignored (text only)
-    video: Any = None
+    image: Any = None                 # verl's multimodal fields: accepted so verl tools port; an answer that fills one
+    video: Any = None                 # stops the run (ToolImageError): tool answers are text only
 
 
 @dataclass
@@ -178,6 +183,11 @@ def _normalize(out: Any) -> tuple[str, float, dict]:
     reward, metrics = 0.0, {}
     if isinstance(out, tuple) and len(out) == 3:
         out, reward, metrics = out
+    media = [k for k in ("image", "video") if (out.get(k) if isinstance(out, dict) else getattr(out, k, None))]
+    if media:
+        raise ToolImageError(f"it returned {' and '.join(media)} content (verl's ToolResponse.{media[0]}), which "
+                             "lathe's agent loop does not show the model (tool answers are text only). Fix: answer "
+                             "with text (ToolResponse(text=...)), or describe the picture in words")
     if isinstance(out, dict) and "text" in out:
         text = out["text"]
     elif isinstance(out, str) or out is None:
@@ -279,6 +289,8 @@ class ToolSession:
             text, reward, metrics = _normalize(out)
         except ToolTimeout:
             return self._error(start, f"{name} timed out after {timeout_s:g} s and gave no answer")
+        except ToolImageError as e:
+            raise ToolImageError(f"tool {name!r} (trajectory {self.trajectory_id}): {e}") from None
         except (TypeError, ValueError, KeyError) as e:
             args = json.dumps(arguments, ensure_ascii=False, default=str)[:300]
             return self._error(start, f"{name} error: {_describe(e)}. Called with {args}; "

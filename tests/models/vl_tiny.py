@@ -89,3 +89,25 @@ def ragged_vl_batch(seed: int = 0):
     patches = int(grid_thw.prod(-1).sum())
     pixel_values = torch.randn(patches, 3 * TEMPORAL_PATCH * PATCH * PATCH, generator=gen)
     return ids, mask, pixel_values, grid_thw, (ids == IMAGE).int()
+
+
+def text_and_image_prompts(grid_sets, g: torch.Generator, lead) -> tuple[list[list[int]], list[dict | None]]:
+    """One prompt per entry of `grid_sets` (a list of (t, h, w) image grids; [] for a text prompt): `lead(g)` text
+    tokens, then each image's placeholders between its start/end markers and two text tokens; and each prompt's
+    `multi_modal_inputs` (random pixels in the processor's layout), None for a text prompt."""
+    def text(n):
+        return torch.randint(3, VISION_START, (n,), generator=g).tolist()
+
+    prompts, inputs = [], []
+    for grids in grid_sets:
+        ids = text(lead(g))
+        for grid in grids:
+            ids += [VISION_START] + [IMAGE] * image_tokens(grid) + [VISION_END] + text(2)
+        prompts.append(ids)
+        if grids:
+            grid_thw = torch.tensor(grids)
+            pixels = torch.randn(int(grid_thw.prod(-1).sum()), 3 * TEMPORAL_PATCH * PATCH * PATCH, generator=g)
+            inputs.append({"pixel_values": pixels, "image_grid_thw": grid_thw})
+        else:
+            inputs.append(None)
+    return prompts, inputs

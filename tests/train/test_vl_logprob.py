@@ -13,7 +13,7 @@ from lathe.train.logprob import batched_log_probs, response_log_probs
 from lathe.train.optim import build_scheduler
 
 from helpers import assert_close_rel
-from models.vl_tiny import IMAGE, PATCH, TEMPORAL_PATCH, VISION_END, VISION_START, image_tokens, save_hf
+from models.vl_tiny import IMAGE, VISION_START, save_hf, text_and_image_prompts
 
 from .conftest import UPDATE_REL
 
@@ -41,22 +41,11 @@ def vl_rollout_batch(seed: int = 0):
     """`to_batch` rows (left-padded prompts with image placeholders, right-padded text responses) plus the
     per-row `multi_modal_inputs` column (None for text rows), as `prompt_batch` + the rollout build it."""
     g = torch.Generator().manual_seed(seed)
+    prompts, mm = text_and_image_prompts(ROW_GRIDS, g, lambda g: int(torch.randint(2, 6, (1,), generator=g)))
 
     def text(n):
         return torch.randint(3, VISION_START, (n,), generator=g).tolist()
 
-    prompts, mm = [], []
-    for grids in ROW_GRIDS:
-        ids = text(int(torch.randint(2, 6, (1,), generator=g)))
-        for grid in grids:
-            ids += [VISION_START] + [IMAGE] * image_tokens(grid) + [VISION_END] + text(2)
-        prompts.append(ids)
-        if grids:
-            grid_thw = torch.tensor(grids)
-            pixels = torch.randn(int(grid_thw.prod(-1).sum()), 3 * TEMPORAL_PATCH * PATCH * PATCH, generator=g)
-            mm.append({"pixel_values": pixels, "image_grid_thw": grid_thw})
-        else:
-            mm.append(None)
     responses = [text(int(torch.randint(1, 7, (1,), generator=g))) for _ in prompts]
     out = RolloutOutput(responses, [[0.0] * len(r) for r in responses], ["stop"] * len(prompts))
     batch = to_batch(prompts, out, PAD, n=1)

@@ -13,7 +13,7 @@ from lathe.rollout.base import SamplingParams, to_batch
 from lathe.train.logprob import response_log_probs
 
 from helpers import assert_close_rel
-from models.vl_tiny import IMAGE, PATCH, TEMPORAL_PATCH, VISION_END, VISION_START, image_tokens, save_hf
+from models.vl_tiny import IMAGE, VISION_END, VISION_START, save_hf, text_and_image_prompts
 from rollout.agent.test_loop import CALL, FakeTools
 
 PAD = 0
@@ -53,24 +53,8 @@ def vl_model(tmp_path_factory):
 
 def image_prompts(seed: int = 0):
     """(prompts, multi_modal_inputs): one image, two images, text only."""
-    g = torch.Generator().manual_seed(seed)
-
-    def text(n):
-        return torch.randint(3, VISION_START, (n,), generator=g).tolist()
-
-    prompts, inputs = [], []
-    for grids in ([(1, 4, 4)], [(1, 4, 6), (1, 6, 4)], []):
-        ids = text(3)
-        for grid in grids:
-            ids += [VISION_START] + [IMAGE] * image_tokens(grid) + [VISION_END] + text(2)
-        prompts.append(ids)
-        if grids:
-            grid_thw = torch.tensor(grids)
-            pixels = torch.randn(int(grid_thw.prod(-1).sum()), 3 * TEMPORAL_PATCH * PATCH * PATCH, generator=g)
-            inputs.append({"pixel_values": pixels, "image_grid_thw": grid_thw})
-        else:
-            inputs.append(None)
-    return prompts, inputs
+    return text_and_image_prompts([[(1, 4, 4)], [(1, 4, 6), (1, 6, 4)], []], torch.Generator().manual_seed(seed),
+                                  lambda g: 3)
 
 
 def run_loop(model, prompts, inputs, **settings):

@@ -5,6 +5,7 @@ checked as `--print-config trainer.device=cpu` (the last key wins)."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shlex
@@ -13,9 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from PIL import Image
 
 from lathe.config import load_config
 from lathe.data.preprocess import PREPROCESSORS
@@ -53,6 +56,15 @@ def run_example(name: str, *args: str, **env) -> subprocess.CompletedProcess:
     ("geo3k_qwen2_5_vl.sh", {"data.image_key": "images", "actor_rollout_ref.rollout.n": 5,
                              "actor_rollout_ref.rollout.name": "lathe", "data.max_response_length": 2048,
                              "trainer.n_gpus_per_node": 8}),
+    ("geo3k_multiturn_qwen2_5_vl.sh", {"data.image_key": "images", "actor_rollout_ref.rollout.name": "lathe",
+                                       "actor_rollout_ref.rollout.n": 16,
+                                       "actor_rollout_ref.rollout.multi_turn.enable": True,
+                                       "actor_rollout_ref.rollout.multi_turn.format": "hermes",
+                                       "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 5,
+                                       "actor_rollout_ref.rollout.multi_turn.tool_config_path":
+                                           str(ROOT / "examples" / "tools" / "geo3k_tool.yaml"),
+                                       "data.max_prompt_length": 2048, "data.max_response_length": 2048,
+                                       "data.train_batch_size": 256, "trainer.n_gpus_per_node": 8}),
 ])
 def test_a_single_node_example_resolves_to_a_valid_config(name, checks, data_dir):
     out = run_example(name, "--print-config", "trainer.device=cpu", DATA_DIR=str(data_dir), MODEL="/models/m")
@@ -125,7 +137,8 @@ def test_the_sft_example_resolves_to_verls_gsm8k_sft_recipe(data_dir):
 
 
 @pytest.mark.parametrize("name", ["gsm8k_grpo_1gpu.sh", "qwen3_8b_gb200.sh", "gsm8k_grpo_slurm.sh", "gsm8k_sft.sh",
-                                  "gsm8k_multiturn_tool.sh", "geo3k_qwen2_5_vl.sh", "geo3k_qwen3_vl_fully_async.sh"])
+                                  "gsm8k_multiturn_tool.sh", "geo3k_qwen2_5_vl.sh", "geo3k_qwen3_vl_fully_async.sh",
+                                  "geo3k_multiturn_qwen2_5_vl.sh"])
 def test_an_example_without_its_data_says_how_to_make_it(name, tmp_path):
     out = run_example(name, DATA_DIR=str(tmp_path / "nowhere"), SBATCH="false")
     assert out.returncode == 2 and "train.parquet" in out.stderr and "DATA_DIR" in out.stderr
@@ -207,6 +220,36 @@ def test_the_gsm8k_tool_config_scores_a_preprocessed_row(tmp_path):
     result = session.call(ToolCall("calc_gsm8k_reward", {"answer": "42"}), timeout_s=30)
     assert not result.error and session.rewards() == {"calc_gsm8k_reward": 1.0}
     assert session.call(ToolCall("calculator", {"expression": "6*7"}), timeout_s=30).text == "42"
+    session.close()
+
+
+def test_the_geo3k_multiturn_example_names_the_preprocess_command_and_runs_on_fewer_gpus(data_dir, tmp_path):
+    out = run_example("geo3k_multiturn_qwen2_5_vl.sh", DATA_DIR=str(tmp_path / "nowhere"))
+    assert out.returncode == 2 and "lathe preprocess geo3k_tool" in out.stderr
+    cfg = _print_config("geo3k_multiturn_qwen2_5_vl.sh", DATA_DIR=str(data_dir), GPUS="4")
+    assert cfg["trainer"]["n_gpus_per_node"] == 4 and cfg["actor_rollout_ref"]["rollout"]["multi_turn"]["enable"]
+
+
+def test_the_geo3k_tool_config_scores_a_preprocessed_row(tmp_path):
+    image = io.BytesIO()
+    Image.new("RGB", (16, 16), (10, 120, 240)).save(image, format="PNG")
+    raw = tmp_path / "geometry3k" / "data"                               # a local copy of hiyouga/geometry3k
+    raw.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([{"images": [{"bytes": image.getvalue(), "path": None}],
+                                          "problem": "<image>Find x.", "answer": "3"}]),
+                   str(raw / "test-00000-of-00001.parquet"))
+    out = PREPROCESSORS["geo3k_tool"](str(raw.parent), str(tmp_path / "out"))
+    (row,) = pq.read_table(out["test"]).to_pylist()
+    tools = load_tools(ROOT / "examples" / "tools" / "geo3k_tool.yaml")
+    assert list(tools.tools) == ["calc_geo3k_reward"]
+    assert type(tools.tools["calc_geo3k_reward"]).__name__ == "Geo3kTool", "verl's class path runs lathe's built-in"
+    params = tools.schemas()[0]["function"]["parameters"]
+    assert params["required"] == ["answer"] and params["properties"]["answer"]["type"] == "string"
+    session = tools.open("t0", row["extra_info"]["tools_kwargs"])
+    wrong = session.call(ToolCall("calc_geo3k_reward", {"answer": "4"}), timeout_s=30)
+    right = session.call(ToolCall("calc_geo3k_reward", {"answer": "\\boxed{3}"}), timeout_s=30)
+    assert (wrong.reward, right.reward) == (-0.05, 0.0) and not right.error
+    assert session.rewards() == {"calc_geo3k_reward": 1.0}
     session.close()
 
 

@@ -2,7 +2,7 @@
 
     lathe train [PRESET|FILE.yaml] [key=value ...] [--print-config]
     lathe sft [FILE.yaml] [key=value ...] [--print-config]
-    lathe preprocess gsm8k|gsm8k_tool|math500|aime24|amc23|geo3k --input DIR_OR_FILE --output DIR
+    lathe preprocess gsm8k|gsm8k_tool|math500|aime24|amc23|geo3k|geo3k_tool --input DIR_OR_FILE --output DIR
     lathe model check MODEL_DIR
     lathe generate MODEL_DIR INPUT.jsonl OUTPUT.jsonl [key=value ...]
     lathe presets
@@ -130,9 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     sft.set_defaults(func=cmd_sft)
     pre = sub.add_parser("preprocess", help="turn a raw dataset into verl-schema parquet")
     pre.add_argument("dataset", help="gsm8k, gsm8k_tool (multi-turn with the calc_gsm8k_reward tool; alias "
-                                      "gsm8k_multiturn_w_tool), math500, aime24, amc23 or geo3k (images; a local copy of "
-                                      "hiyouga/geometry3k)")
-    pre.add_argument("--input", required=True, help="the raw data: a directory or a .jsonl file")
+                                      "gsm8k_multiturn_w_tool), math500, aime24, amc23, geo3k (images; a local copy of "
+                                      "hiyouga/geometry3k) or geo3k_tool (geo3k, multi-turn with the calc_geo3k_reward "
+                                      "tool; alias geo3k_multiturn_w_tool)")
+    pre.add_argument("--input", required=True, help="the raw data: a directory, or a .jsonl file (a .parquet file "
+                                                     "for geo3k and geo3k_tool)")
     pre.add_argument("--output", required=True, help="directory for train/test parquet files")
     pre.set_defaults(func=cmd_preprocess)
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)

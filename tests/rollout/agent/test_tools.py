@@ -13,6 +13,7 @@ from lathe.rollout.agent import builtin_tools
 from lathe.rollout.agent.builtin_tools import (
     CalculatorTool,
     CodeInterpreterTool,
+    Geo3kTool,
     Gsm8kTool,
 )
 from lathe.rollout.agent.parser import ToolCall
@@ -183,6 +184,50 @@ def test_gsm8k_tool_scores_and_step_rewards():
     assert s.rewards() == {"calc_gsm8k_reward": 0.0}                  # the latest submission counts
 
 
+GEO3K_KWARGS = {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "2\\sqrt{3}"}}}
+
+
+def test_geo3k_tool_scores_the_answer_and_step_rewards():
+    s = session(Geo3kTool(), kwargs=GEO3K_KWARGS)
+    answers = ("3", "\\sqrt{12}", "\\boxed{2\\sqrt{3}}", "the side is \\boxed{4}", "2*sqrt(3)")
+    steps = [s.call(ToolCall("calc_geo3k_reward", {"answer": a}), timeout_s=30) for a in answers]
+    assert not any(r.error for r in steps), [r.text for r in steps]
+    assert [r.text for r in steps] == [f"Current parsed answer={a!r} reward={w!r}"
+                                       for a, w in zip(answers, (0.0, 1.0, 1.0, 0.0, 1.0), strict=True)]
+    assert [r.reward for r in steps] == [-0.05, 0.0, -0.05, -0.05, 0.0]   # 0.0 only when it beats the last score
+    assert s.rewards() == {"calc_geo3k_reward": 1.0}                   # the latest submission counts
+    s.call(ToolCall("calc_geo3k_reward", {"answer": 7}), timeout_s=30)   # a number is read as its text
+    assert s.rewards() == {"calc_geo3k_reward": 0.0}
+    s.close()
+
+
+def test_geo3k_tool_has_no_format_part_and_numbers_compare_as_numbers():
+    s = session(Geo3kTool(), kwargs={"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "24"}}})
+    result = s.call(ToolCall("calc_geo3k_reward", {"answer": "<think>area</think> \\boxed{24.0}"}), timeout_s=30)
+    assert result.text.endswith("reward=1.0"), "1.0, not the single-turn scorer's 0.9 + 0.1 split"
+    assert s.rewards() == {"calc_geo3k_reward": 1.0}
+
+
+def test_geo3k_tool_instances_are_per_trajectory_and_released():
+    tool = Geo3kTool()
+    tools = ToolSet([tool], release_timeout_s=2.0)
+    a = tools.open("a", {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "5"}}})
+    b = tools.open("b", {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "6"}}})
+    for s in (a, b):
+        s.call(ToolCall("calc_geo3k_reward", {"answer": "5"}), timeout_s=30)
+    assert (a.rewards(), b.rewards()) == ({"calc_geo3k_reward": 1.0}, {"calc_geo3k_reward": 0.0})
+    a.close()
+    b.close()
+    assert tool._instances == {}
+
+
+def test_geo3k_tool_without_a_ground_truth_says_how_to_make_the_data():
+    s = session(Geo3kTool())
+    result = s.call(ToolCall("calc_geo3k_reward", {"answer": "3"}), timeout_s=30)
+    assert result.error and "create_kwargs.ground_truth" in result.text and "lathe preprocess geo3k_tool" in result.text
+    assert s.rewards() == {}
+
+
 @pytest.mark.parametrize("expression, value", [
     ("2 + 3 * 4", "14"), ("(1 + 2) ** 3", "27"), ("7 / 2", "3.5"), ("-3 // 2", "-2"), ("10 % 4", "2"),
     ("0.1 + 0.2", "0.3"), ("-(-2) ** 10", "-1024"), (" 1_000 * 3 ", "3000"), (12, "12"),
@@ -306,8 +351,12 @@ def test_builtins_without_schema_get_their_default(tmp_path):
           - class_name: lathe.rollout.agent.builtin_tools.CalculatorTool
           - class_name: verl.tools.gsm8k_tool.Gsm8kTool
             config: {type: native}
+          - class_name: verl.tools.geo3k_tool.Geo3kTool
+            config: {type: native}
         """))
-    assert [s["function"]["name"] for s in tools.schemas()] == ["calculator", "calc_gsm8k_reward"]
+    assert [s["function"]["name"] for s in tools.schemas()] == ["calculator", "calc_gsm8k_reward", "calc_geo3k_reward"]
+    assert isinstance(tools.tools["calc_geo3k_reward"], Geo3kTool)
+    assert tools.schemas()[2]["function"]["parameters"]["required"] == ["answer"]
     assert tools.schemas()[0]["function"]["parameters"]["required"] == ["expression"]
 
 

@@ -8,6 +8,7 @@ already carries one `<image>` placeholder per image) and `answer`.
 Output rows: prompt = problem + " " + INSTRUCTION as one user message; `images` passed through unchanged; data_source
 "hiyouga/geometry3k"; ability "math"; reward_model {"style": "rule", "ground_truth": answer}; extra_info
 {split, index, answer, question=problem}. Scored by lathe.reward.geo3k.
+`row_fn` builds another row layout from the same checked fields (geo3k_tool.py: the multi-turn tool variant).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import glob
 import io
 import os
-from typing import Any
+from typing import Any, Callable
 
 from lathe.data.preprocess.common import PreprocessError, write_parquet
 
@@ -26,6 +27,9 @@ INSTRUCTION = (
     r"The reasoning process MUST BE enclosed within <think> </think> tags. "
     r"The final answer MUST BE put in \boxed{}."
 )
+
+# (problem, answer, images, split, index) -> one verl-schema row
+RowFn = Callable[[str, str, list, str, int], dict]
 
 
 def geo3k_split_files(input_path: str) -> dict[str, list[str]]:
@@ -100,8 +104,9 @@ def geo3k_row(problem: str, answer: str, images: list, split: str, index: int) -
     }
 
 
-def convert_geo3k_files(paths: list[str], split: str) -> list[dict]:
-    """All rows of a split's raw parquet shards in verl's schema; index counts rows from 0 across shards."""
+def convert_geo3k_files(paths: list[str], split: str, row_fn: RowFn = geo3k_row) -> list[dict]:
+    """All rows of a split's raw parquet shards in verl's schema (built by `row_fn`); index counts rows from 0 across
+    shards."""
     import pyarrow.parquet as pq
     rows = []
     for path in paths:
@@ -112,15 +117,15 @@ def convert_geo3k_files(paths: list[str], split: str) -> list[dict]:
         for i, raw in enumerate(raw_rows):
             problem, answer, images = _check_row(raw, path, i)
             structs = [_image_struct(im, f"{path} row {i}, images[{j}]") for j, im in enumerate(images)]
-            rows.append(geo3k_row(problem, answer, structs, split, len(rows)))
+            rows.append(row_fn(problem, answer, structs, split, len(rows)))
     return rows
 
 
-def preprocess_geo3k(input: str, output_dir: str) -> dict[str, str]:
+def preprocess_geo3k(input: str, output_dir: str, row_fn: RowFn = geo3k_row) -> dict[str, str]:
     """Convert a local hiyouga/geometry3k copy to `<output_dir>/{train,test}.parquet`; returns {split: path}."""
     out = os.path.expanduser(output_dir)
     written = {}
     for split, paths in geo3k_split_files(input).items():
-        rows = convert_geo3k_files(paths, split)
+        rows = convert_geo3k_files(paths, split, row_fn)
         written[split] = write_parquet(rows, os.path.join(out, f"{split}.parquet"))
     return written

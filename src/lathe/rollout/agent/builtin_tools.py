@@ -2,6 +2,8 @@
 
 * `Gsm8kTool` (``calc_gsm8k_reward``): verl's GSM8K demo tool, same behaviour: the model submits an answer and
   reads its score; the step reward is 0.0 when the score beats the previous submission's, else -0.05.
+* `Geo3kTool` (``calc_geo3k_reward``): verl's Geometry3K demo tool, the same exchange scored by lathe's geo3k
+  scorer (the answer alone, no format part).
 * `CalculatorTool` (``calculator``): arithmetic, evaluated from the `ast` (no names, calls or attributes) with
   the sizes of results bounded, so ``9**9**9`` is refused instead of hanging.
 * `CodeInterpreterTool` (``code_interpreter``): runs Python in lathe's sandbox (`lathe.reward.sandbox`), or on
@@ -24,15 +26,17 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+from lathe.reward.geo3k import compute_score as geo3k_score
 from lathe.reward.gsm8k import compute_score
 from lathe.reward.sandbox import RunResult, SandboxLimits, run_python, unavailable
 from lathe.rollout.agent.tools import BaseTool, ToolConfigError, ToolResponse
 
-__all__ = ["VERL_BUILTINS", "CalculatorTool", "CodeInterpreterTool", "Gsm8kTool", "evaluate_arithmetic",
-           "resolve_tool_class"]
+__all__ = ["VERL_BUILTINS", "CalculatorTool", "CodeInterpreterTool", "Geo3kTool", "Gsm8kTool",
+           "evaluate_arithmetic", "resolve_tool_class"]
 
 # verl class paths that lathe runs with its own built-ins.
 VERL_BUILTINS = {"verl.tools.gsm8k_tool.Gsm8kTool": "Gsm8kTool",
+                 "verl.tools.geo3k_tool.Geo3kTool": "Geo3kTool",
                  "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "CodeInterpreterTool"}
 
 
@@ -44,20 +48,17 @@ def _function_schema(name: str, description: str, parameter: str, about: str) ->
                        "required": [parameter]}}}
 
 
-class Gsm8kTool(BaseTool):
-    """verl's ``calc_gsm8k_reward``: `create(ground_truth=...)` stores the answer; `execute({"answer": ...})`
-    scores ``"#### " + answer`` (lathe's GSM8K scorer, flexible); `calc_reward` is the latest score."""
+class _AnswerCheckTool(BaseTool):
+    """verl's answer-checking demo tools: `create(ground_truth=...)` stores a trajectory's answer; each
+    `execute({"answer": ...})` scores the submission (`_score`), answers "Current parsed answer=... reward=...",
+    and returns verl's step reward: 0.0 when the score beats the previous submission's, else STEP_PENALTY;
+    `calc_reward` is the latest submission's score."""
 
     STEP_PENALTY = -0.05                # verl's step reward for a submission that does not beat the previous one
 
     def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
         super().__init__(config, tool_schema)
         self._instances: dict[str, dict] = {}
-
-    @classmethod
-    def default_schema(cls) -> dict:
-        return _function_schema("calc_gsm8k_reward", "Submit an answer to the GSM8K question and get its score "
-                                "(1.0 when it is right)", "answer", "the final answer, a number")
 
     async def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs):
         instance_id = instance_id or uuid4().hex
@@ -70,7 +71,7 @@ class Gsm8kTool(BaseTool):
         state = self._instances[instance_id]
         answer = parameters.get("answer", "")
         answer = answer if isinstance(answer, str) else str(answer)
-        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        state["response"] = self._response(answer)
         reward = await self.calc_reward(instance_id)
         step = 0.0 if reward > state["reward"] else self.STEP_PENALTY
         state["reward"] = reward
@@ -78,10 +79,59 @@ class Gsm8kTool(BaseTool):
 
     async def calc_reward(self, instance_id: str, **kwargs) -> float:
         state = self._instances[instance_id]
-        return compute_score(state["response"], state["ground_truth"], method="flexible")
+        return self._score(state["response"], state["ground_truth"])
 
     async def release(self, instance_id: str, **kwargs) -> None:
         self._instances.pop(instance_id, None)
+
+    def _response(self, answer: str) -> str:
+        """The text the scorer reads for a submitted answer."""
+        return answer
+
+    def _score(self, response: str, ground_truth: Any) -> float:
+        raise NotImplementedError
+
+
+class Gsm8kTool(_AnswerCheckTool):
+    """verl's ``calc_gsm8k_reward``: `create(ground_truth=...)` stores the answer; `execute({"answer": ...})`
+    scores ``"#### " + answer`` (lathe's GSM8K scorer, flexible); `calc_reward` is the latest score."""
+
+    @classmethod
+    def default_schema(cls) -> dict:
+        return _function_schema("calc_gsm8k_reward", "Submit an answer to the GSM8K question and get its score "
+                                "(1.0 when it is right)", "answer", "the final answer, a number")
+
+    def _response(self, answer: str) -> str:
+        return answer if answer.startswith("#### ") else "#### " + answer
+
+    def _score(self, response: str, ground_truth: Any) -> float:
+        return compute_score(response, ground_truth, method="flexible")
+
+
+class Geo3kTool(_AnswerCheckTool):
+    """verl's ``calc_geo3k_reward``: `create(ground_truth=...)` stores the answer; `execute({"answer": ...})` scores
+    the submission with lathe's geo3k scorer, accuracy only (verl's ``format_score=0.0``): 1.0 when it equals the
+    ground truth (math-verify: ``3`` = ``3.0``, ``\\frac{1}{2}`` = ``0.5``), else 0.0. verl compares the whole
+    submission (``use_boxed=False``); lathe does too, unless it holds a ``\\boxed{}``, whose content is compared
+    (the schema asks for the answer in a box). `calc_reward` is the latest score. A trajectory without a ground truth
+    (its row lacks ``extra_info.tools_kwargs.calc_geo3k_reward.create_kwargs.ground_truth``) is refused at its first
+    call: the model reads the error and ``agent/tool_errors/mean`` counts it, instead of every answer scoring 0."""
+
+    @classmethod
+    def default_schema(cls) -> dict:
+        return _function_schema("calc_geo3k_reward", "Submit an answer to the geometry question and get its score "
+                                "(1.0 when it is right)", "answer", "the final answer, enclosed in \\boxed{}")
+
+    async def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs):
+        if ground_truth is None and (kwargs.get("create_kwargs") or {}).get("ground_truth") is None:
+            raise ValueError("calc_geo3k_reward has no ground truth for this trajectory: its data row lacks "
+                             "extra_info.tools_kwargs.calc_geo3k_reward.create_kwargs.ground_truth; make the data "
+                             "with `lathe preprocess geo3k_tool`")
+        return await super().create(instance_id, ground_truth, **kwargs)
+
+    def _score(self, response: str, ground_truth: Any) -> float:
+        boxed = "\\boxed" in response or "\\fbox" in response
+        return geo3k_score(response, ground_truth, use_boxed=boxed, format_score=0.0)
 
 
 MAX_EXPRESSION_CHARS = 500

@@ -11,10 +11,9 @@ from lathe.data.preprocess import PREPROCESSORS, PreprocessError
 from lathe.data.preprocess.geo3k import INSTRUCTION, preprocess_geo3k
 from lathe.data.preprocess.geo3k_tool import SYSTEM_PROMPT, TOOL_NAME, preprocess_geo3k_tool
 from lathe.rollout.agent.builtin_tools import Geo3kTool
-from lathe.rollout.agent.parser import ToolCall
-from lathe.rollout.agent.tools import ToolSet
 
 from .test_geo3k import RAW, png, raw_copy
+from .test_preprocess_gsm8k_tool import tool_reward
 
 
 def _expected(raw: dict, split: str, index: int) -> dict:
@@ -31,15 +30,7 @@ def _expected(raw: dict, split: str, index: int) -> dict:
 
 
 def _tool_reward(row: dict, answer: str) -> float:
-    """calc_geo3k_reward's score of `answer` for a trajectory opened with the row's tools_kwargs, as the agent loop
-    opens it."""
-    session = ToolSet([Geo3kTool()]).open("t0", row["extra_info"]["tools_kwargs"])
-    try:
-        result = session.call(ToolCall(TOOL_NAME, {"answer": answer}), timeout_s=30)
-        assert not result.error, result.text
-        return session.rewards()[TOOL_NAME]
-    finally:
-        session.close()
+    return tool_reward(Geo3kTool(), row, answer)
 
 
 def test_rows_have_the_images_the_system_prompt_and_tools_kwargs(tmp_path):

@@ -45,16 +45,19 @@ def _expected(raw: dict, split: str, index: int, ground_truth: str) -> dict:
                            "tools_kwargs": {TOOL_NAME: {"create_kwargs": {"ground_truth": ground_truth}}}}}
 
 
-def _tool_reward(row: dict, answer: str) -> float:
-    """calc_gsm8k_reward's score of `answer` for a trajectory opened with the row's tools_kwargs, as the agent loop
-    opens it."""
-    session = ToolSet([Gsm8kTool()]).open("t0", row["extra_info"]["tools_kwargs"])
+def tool_reward(tool, row: dict, answer: str) -> float:
+    """`tool`'s score of `answer` for a trajectory opened with the row's tools_kwargs, as the agent loop opens it."""
+    session = ToolSet([tool]).open("t0", row["extra_info"]["tools_kwargs"])
     try:
-        result = session.call(ToolCall(TOOL_NAME, {"answer": answer}), timeout_s=30)
+        result = session.call(ToolCall(tool.name, {"answer": answer}), timeout_s=30)
         assert not result.error, result.text
-        return session.rewards()[TOOL_NAME]
+        return session.rewards()[tool.name]
     finally:
         session.close()
+
+
+def _tool_reward(row: dict, answer: str) -> float:
+    return tool_reward(Gsm8kTool(), row, answer)
 
 
 def test_synthetic_rows_have_the_system_prompt_and_tools_kwargs(tmp_path):

@@ -221,10 +221,11 @@ def test_geo3k_tool_instances_are_per_trajectory_and_released():
     assert tool._instances == {}
 
 
-def test_geo3k_tool_without_a_ground_truth_says_how_to_make_the_data():
-    s = session(Geo3kTool())
-    result = s.call(ToolCall("calc_geo3k_reward", {"answer": "3"}), timeout_s=30)
-    assert result.error and "create_kwargs.ground_truth" in result.text and "lathe preprocess geo3k_tool" in result.text
+@pytest.mark.parametrize("tool,data", [(Geo3kTool, "geo3k_tool"), (Gsm8kTool, "gsm8k_tool")])
+def test_an_answer_tool_without_a_ground_truth_says_how_to_make_the_data(tool, data):
+    s = session(tool())
+    result = s.call(ToolCall(tool().name, {"answer": "3"}), timeout_s=30)
+    assert result.error and "create_kwargs.ground_truth" in result.text and f"lathe preprocess {data}" in result.text
     assert s.rewards() == {}
 
 

@@ -71,3 +71,13 @@ def write_parquet(rows: list[dict[str, Any]], path: str) -> str:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
+
+
+def with_answer_tool(row: dict[str, Any], tool: str, system_prompt: str, ground_truth: str) -> dict[str, Any]:
+    """`row` for verl's multi-turn tool recipes: `system_prompt` first, and extra_info.need_tools_kwargs /
+    tools_kwargs = {tool: {"create_kwargs": {"ground_truth": ...}}}, with which the agent loop creates each
+    trajectory's tool instance (so the tool scores submissions against this row's answer)."""
+    row["prompt"] = [{"role": "system", "content": system_prompt}, *row["prompt"]]
+    row["extra_info"]["need_tools_kwargs"] = True
+    row["extra_info"]["tools_kwargs"] = {tool: {"create_kwargs": {"ground_truth": ground_truth}}}
+    return row

@@ -15,6 +15,7 @@ when rollout.multi_turn.enable=true and reads no agent_name, so it is left out.
 
 from __future__ import annotations
 
+from lathe.data.preprocess.common import with_answer_tool
 from lathe.data.preprocess.geo3k import geo3k_row, preprocess_geo3k
 
 TOOL_NAME = "calc_geo3k_reward"
@@ -27,11 +28,7 @@ SYSTEM_PROMPT = (
 
 def geo3k_tool_row(problem: str, answer: str, images: list, split: str, index: int) -> dict:
     """One verl-schema row for the multi-turn tool recipe: geo3k_row plus the system message and tools_kwargs."""
-    row = geo3k_row(problem, answer, images, split, index)
-    row["prompt"] = [{"role": "system", "content": SYSTEM_PROMPT}, *row["prompt"]]
-    row["extra_info"]["need_tools_kwargs"] = True
-    row["extra_info"]["tools_kwargs"] = {TOOL_NAME: {"create_kwargs": {"ground_truth": answer}}}
-    return row
+    return with_answer_tool(geo3k_row(problem, answer, images, split, index), TOOL_NAME, SYSTEM_PROMPT, answer)
 
 
 def preprocess_geo3k_tool(input: str, output_dir: str) -> dict[str, str]:

@@ -14,6 +14,7 @@ out.
 
 from __future__ import annotations
 
+from lathe.data.preprocess.common import with_answer_tool
 from lathe.data.preprocess.gsm8k import gsm8k_row, preprocess_gsm8k
 
 TOOL_NAME = "calc_gsm8k_reward"
@@ -26,11 +27,7 @@ SYSTEM_PROMPT = (
 
 def gsm8k_tool_row(question: str, answer: str, split: str, index: int, ground_truth: str) -> dict:
     """One verl-schema row for the multi-turn tool recipe: gsm8k_row plus the system message and tools_kwargs."""
-    row = gsm8k_row(question, answer, split, index, ground_truth)
-    row["prompt"] = [{"role": "system", "content": SYSTEM_PROMPT}, *row["prompt"]]
-    row["extra_info"]["need_tools_kwargs"] = True
-    row["extra_info"]["tools_kwargs"] = {TOOL_NAME: {"create_kwargs": {"ground_truth": ground_truth}}}
-    return row
+    return with_answer_tool(gsm8k_row(question, answer, split, index, ground_truth), TOOL_NAME, SYSTEM_PROMPT, ground_truth)
 
 
 def preprocess_gsm8k_tool(input: str, output_dir: str) -> dict[str, str]:

@@ -4,6 +4,8 @@
   reads its score; the step reward is 0.0 when the score beats the previous submission's, else -0.05.
 * `Geo3kTool` (``calc_geo3k_reward``): verl's Geometry3K demo tool, the same exchange scored by lathe's geo3k
   scorer (the answer alone, no format part).
+  Unlike verl's, both refuse a trajectory whose row has no ground truth (an error answer the model reads, naming the
+  `lathe preprocess` command that writes it) instead of scoring every submission 0.
 * `CalculatorTool` (``calculator``): arithmetic, evaluated from the `ast` (no names, calls or attributes) with
   the sizes of results bounded, so ``9**9**9`` is refused instead of hanging.
 * `CodeInterpreterTool` (``code_interpreter``): runs Python in lathe's sandbox (`lathe.reward.sandbox`), or on
@@ -60,10 +62,18 @@ class _AnswerCheckTool(BaseTool):
         super().__init__(config, tool_schema)
         self._instances: dict[str, dict] = {}
 
+    PREPROCESS = ""                     # the `lathe preprocess` command that writes this tool's tools_kwargs
+
     async def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs):
+        """A trajectory's instance; one without a ground truth is refused (the model reads the error, and
+        `agent/tool_errors/mean` counts it), instead of every submission scoring 0."""
         instance_id = instance_id or uuid4().hex
         if ground_truth is None:
             ground_truth = (kwargs.get("create_kwargs") or {}).get("ground_truth")
+        if ground_truth is None:
+            raise ValueError(f"{self.name} has no ground truth for this trajectory: its data row lacks "
+                             f"extra_info.tools_kwargs.{self.name}.create_kwargs.ground_truth; make the data with "
+                             f"`lathe preprocess {self.PREPROCESS}`")
         self._instances[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
         return instance_id, ToolResponse()
 
@@ -96,6 +106,8 @@ class Gsm8kTool(_AnswerCheckTool):
     """verl's ``calc_gsm8k_reward``: `create(ground_truth=...)` stores the answer; `execute({"answer": ...})`
     scores ``"#### " + answer`` (lathe's GSM8K scorer, flexible); `calc_reward` is the latest score."""
 
+    PREPROCESS = "gsm8k_tool"
+
     @classmethod
     def default_schema(cls) -> dict:
         return _function_schema("calc_gsm8k_reward", "Submit an answer to the GSM8K question and get its score "
@@ -113,21 +125,14 @@ class Geo3kTool(_AnswerCheckTool):
     the submission with lathe's geo3k scorer, accuracy only (verl's ``format_score=0.0``): 1.0 when it equals the
     ground truth (math-verify: ``3`` = ``3.0``, ``\\frac{1}{2}`` = ``0.5``), else 0.0. verl compares the whole
     submission (``use_boxed=False``); lathe does too, unless it holds a ``\\boxed{}``, whose content is compared
-    (the schema asks for the answer in a box). `calc_reward` is the latest score. A trajectory without a ground truth
-    (its row lacks ``extra_info.tools_kwargs.calc_geo3k_reward.create_kwargs.ground_truth``) is refused at its first
-    call: the model reads the error and ``agent/tool_errors/mean`` counts it, instead of every answer scoring 0."""
+    (the schema asks for the answer in a box). `calc_reward` is the latest score."""
+
+    PREPROCESS = "geo3k_tool"
 
     @classmethod
     def default_schema(cls) -> dict:
         return _function_schema("calc_geo3k_reward", "Submit an answer to the geometry question and get its score "
                                 "(1.0 when it is right)", "answer", "the final answer, enclosed in \\boxed{}")
-
-    async def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs):
-        if ground_truth is None and (kwargs.get("create_kwargs") or {}).get("ground_truth") is None:
-            raise ValueError("calc_geo3k_reward has no ground truth for this trajectory: its data row lacks "
-                             "extra_info.tools_kwargs.calc_geo3k_reward.create_kwargs.ground_truth; make the data "
-                             "with `lathe preprocess geo3k_tool`")
-        return await super().create(instance_id, ground_truth, **kwargs)
 
     def _score(self, response: str, ground_truth: Any) -> float:
         boxed = "\\boxed" in response or "\\fbox" in response

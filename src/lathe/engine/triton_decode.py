@@ -37,7 +37,7 @@ def interpreted() -> bool:
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])     # varies between calls: one compile serves all
     def _decode_kernel(Q, K, V, BT, LENS, O, M, L,
-                       stride_qb, stride_qh, stride_kslot, stride_kh, stride_bt,
+                       stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
                        scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -63,8 +63,8 @@ if triton is not None:
             n = start_n + tl.arange(0, BLOCK_N)
             n_ok = n < end
             block = tl.load(BT + b * stride_bt + n // PAGE, mask=n_ok, other=0)
-            slot = block.to(tl.int64) * PAGE + n % PAGE
-            kv_off = slot[:, None] * stride_kslot + h * stride_kh + d[None, :]
+            tok = block.to(tl.int64) * stride_kblock + (n % PAGE) * stride_ktok
+            kv_off = tok[:, None] + h * stride_kh + d[None, :]
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
@@ -102,7 +102,8 @@ def _combine(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: tor
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float | None = None, num_splits: int = 1,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks) int32/int64;
+    """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D), any strides with the last dimension contiguous (a
+    head-major cache passes as a permuted view); k and v strided alike; block_tables (B, max_blocks) int32/int64;
     context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
@@ -110,6 +111,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _, page, hkv, _ = k_cache.shape
     if hq % hkv:
         raise ValueError(f"paged_decode: {hq} query heads is not a multiple of {hkv} KV heads")
+    if k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("paged_decode: k/v caches need a contiguous last dimension and the same strides")
     group = hq // hkv
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     q = q.contiguous()
@@ -126,7 +129,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         sm = (m.stride(0), m.stride(1))
     _decode_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, o, m, l,
-        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *so, *sm, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,

@@ -167,7 +167,7 @@ def profile_model(name: str, device, args) -> dict:
     }
     # kernels of a few graph-replayed decode steps
     short = SamplingParams(n=1, temperature=1.0, max_tokens=8, ignore_eos=True, seed=0)
-    result["kernels_8_tokens"] = profile_summary(lambda: engine.generate(prompts, short), device, top=20)
+    result["kernels_8_tokens"] = profile_summary(lambda: engine.generate(prompts, short), device, top=40)
     engine.sleep()
     return result
 

@@ -223,6 +223,12 @@ def bench_model(name: str, device, args) -> dict:
     shape = SHAPES[name]
     hf = build_hf(name, device, torch.bfloat16).eval()
     lathe = lathe_from_transformers(hf).eval()
+    # the transformers copy is only the baselines' model: on the device it would take the KV cache's room (a 7B
+    # copy is 15 GB, half of what gpu_memory_utilization=0.5 leaves the cache), so it waits on the host meanwhile
+    baselines = name in args.hf_models or name in args.hf_grpo_models
+    hf = hf.to("cpu") if baselines else None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     bandwidth = hbm_bandwidth(device_name(device)) if device.type == "cuda" else None
     wbytes = weight_bytes(lathe)
     result = {"shape": shape, "weight_bytes": wbytes, "kv_bytes_per_token": kv_bytes_per_token(shape), "loads": {}}
@@ -254,6 +260,7 @@ def bench_model(name: str, device, args) -> dict:
         hf_models = args.hf_models if load == "fixed" else args.hf_grpo_models
         if name in hf_models:
             engine.sleep()                      # the KV cache's memory goes to the baselines meanwhile
+            hf.to(device)
             for base in ("hf_generate", "hf_generate_batch"):
                 if base.removeprefix("hf_") not in args.baselines:
                     continue
@@ -269,6 +276,9 @@ def bench_model(name: str, device, args) -> dict:
                 except Exception as e:            # a baseline that fails is reported, not fatal
                     row[base] = {"error": f"{type(e).__name__}: {e}"[:400]}
                     traceback.print_exc()
+            hf.to("cpu")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             engine.wake_up()
         result["loads"][load] = row
         if args.partial_out:

@@ -156,6 +156,31 @@ def test_out_of_memory_names_the_phase_and_the_keys(tmp_path, monkeypatch, metho
     assert key in str(err.value)
 
 
+@pytest.mark.parametrize("overrides,forward", [
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], False),            # one epoch over one mini-batch
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=2"], True),             # two mini-batches: the second is off-policy
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2"], True),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.use_kl_in_reward=true"], True),   # reads them
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.rollout_is=token"], True),
+])
+def test_the_old_policy_forward_runs_only_when_something_reads_it(tmp_path, monkeypatch, overrides, forward):
+    cfg = load_config(None, [*tiny(), f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2",
+                             "trainer.test_freq=-1", "trainer.val_before_train=false", *overrides])
+    trainer = build_trainer(cfg)
+    calls = []
+    real = trainer.worker.compute_log_prob
+    monkeypatch.setattr(trainer.worker, "compute_log_prob", lambda batch: calls.append(1) or real(batch))
+    try:
+        fit(trainer)
+    finally:
+        trainer.close()
+    metrics = read_metrics(tmp_path)
+    assert len(calls) == (2 if forward else 0)
+    assert all(("timing_s/old_log_prob" in m) == forward for m in metrics.values())
+    # the engine-vs-trainer check is there either way (the update computes it when it takes pi_old's log-probs)
+    assert all(0 <= m["training/rollout_probs_diff_max"] < 0.05 for m in metrics.values()), metrics
+
+
 def test_a_reward_function_failing_on_every_sample_stops_the_run(tmp_path):
     reward_file = tmp_path / "broken_reward.py"
     reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -199,3 +199,46 @@ def test_loss_scale_factor_divides_seq_mean_token_sum_norm(make_model, rollout_b
         model = make_model()
         losses[factor] = _actor(model, cfg).update_policy(_ppo_batch(model, rollout_batch, temperature=1.0))
     assert losses[32]["actor/pg_loss"] == pytest.approx(losses["null"]["actor/pg_loss"] / 2, rel=1e-5)
+
+
+def test_on_policy_update_takes_old_log_probs_from_its_own_forward(make_model, rollout_batch, load_cfg):
+    """Without `old_log_probs` (the loop saved the old-policy forward: one epoch, one mini-batch), the update equals
+    one given the policy's own log-probs, and reports the engine-vs-trainer diff of the whole batch."""
+    from lathe.algo import rollout_probs_diff
+    cfg = load_cfg("actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                   "actor_rollout_ref.actor.entropy_coeff=0.01")      # one mini-batch of 8 in micro-batches of 2
+    start = _params(make_model())
+    results = {}
+    for given in (True, False):
+        model = make_model()
+        batch = _ppo_batch(model, rollout_batch, temperature=1.0)
+        g = torch.Generator().manual_seed(7)
+        batch["rollout_log_probs"] = (batch["old_log_probs"] - 0.1 * torch.rand(batch["old_log_probs"].shape, generator=g))
+        with torch.no_grad():
+            own, _ = response_log_probs(model.train(), batch, temperature=1.0)
+        if given:
+            batch["old_log_probs"] = own
+        else:
+            del batch.tensors["old_log_probs"]
+        actor = _actor(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        metrics = actor.update_policy(batch)
+        results[given] = (_params(model), metrics, own, batch)
+    (with_old, m_with, own, batch), (without, m_without, _, _) = results[True], results[False]
+    assert _max_diff(with_old, start) > 1e-4
+    assert_close_rel(_update(without, start), _update(with_old, start), UPDATE_REL, name="on-policy update")
+    assert m_without["actor/pg_loss"] == pytest.approx(m_with["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert m_without["actor/pg_clipfrac"] == 0.0
+    expected = rollout_probs_diff(own, batch["rollout_log_probs"], batch["response_mask"])
+    for k, v in expected.items():
+        assert m_without[f"training/rollout_probs_diff_{k}"] == pytest.approx(v, rel=1e-4, abs=1e-7), k
+    assert not any(k.startswith("training/") for k in m_with)      # the loop reports it when it ran the forward
+
+
+def test_update_without_old_log_probs_must_be_on_policy(make_model, rollout_batch, load_cfg):
+    model = make_model()
+    batch = _ppo_batch(model, rollout_batch, temperature=1.0)
+    del batch.tensors["old_log_probs"]
+    for overrides in (["actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+                      []):                                             # 2 epochs; 2 mini-batches
+        with pytest.raises(ValueError, match="no old_log_probs"):
+            _actor(model, load_cfg(*overrides)).update_policy(batch)

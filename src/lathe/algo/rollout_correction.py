@@ -244,15 +244,47 @@ def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask) -> 
 
 
 @torch.no_grad()
+def _probs_diff(old_log_prob, rollout_log_prob, response_mask) -> torch.Tensor:
+    return (rollout_log_prob.double().exp() - old_log_prob.double().exp()).abs()[response_mask.bool()]
+
+
 def rollout_probs_diff(old_log_prob, rollout_log_prob, response_mask) -> dict[str, float]:
     """verl's rollout/trainer consistency check, ``|exp(log pi_rollout) - exp(log pi_old)|`` per valid token:
     ``{"max", "mean", "std"}`` (nothing when no token is valid). Large values mean the engine sampled from another
     distribution than the trainer computes (stale weights, precision, a bug)."""
-    diff = (rollout_log_prob.double().exp() - old_log_prob.double().exp()).abs()[response_mask.bool()]
+    diff = _probs_diff(old_log_prob, rollout_log_prob, response_mask)
     if not diff.numel():
         return {}
     return {"max": float(diff.max()), "mean": float(diff.mean()),
             "std": float(diff.std()) if diff.numel() > 1 else 0.0}
+
+
+class ProbsDiffSums:
+    """`rollout_probs_diff` gathered piece by piece (micro-batches, ranks): count, sum, sum of squares and max in
+    float64, so the pieces combine into the statistics of the whole batch. `reduce` takes a function that sums (or
+    maxes) float64 values over the ranks (`lathe.train.parallel.all_reduce`)."""
+
+    def __init__(self):
+        self.n, self.total, self.squares, self.max = 0.0, 0.0, 0.0, 0.0
+
+    @torch.no_grad()
+    def add(self, old_log_prob, rollout_log_prob, response_mask) -> None:
+        diff = _probs_diff(old_log_prob, rollout_log_prob, response_mask)
+        if diff.numel():
+            self.n += diff.numel()
+            self.total += float(diff.sum())
+            self.squares += float(diff.square().sum())
+            self.max = max(self.max, float(diff.max()))
+
+    def metrics(self, reduce=None) -> dict[str, float]:
+        n, total, squares = (self.n, self.total, self.squares) if reduce is None else \
+            reduce([self.n, self.total, self.squares]).tolist()
+        top = self.max if reduce is None else float(reduce([self.max], op="max")[0])
+        if not n:
+            return {}
+        mean = total / n
+        var = max(0.0, (squares - n * mean * mean) / (n - 1)) if n > 1 else 0.0     # torch.std's (n - 1)
+        return {"max": top, "mean": mean, "std": var ** 0.5}
 
 
 def _check_cfg(cfg: dict) -> dict:

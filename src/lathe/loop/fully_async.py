@@ -308,7 +308,7 @@ def _learn(t: Trainer, batch: Batch, current: int | None) -> dict[str, float]:
     timer = Timer(memory=PeakMemory(t.device))
     start = time.perf_counter()
     old_from_rollout = old_log_probs_from_rollout(t.cfg)
-    metrics = learn(t, batch, timer, old_from_rollout=old_from_rollout)
+    metrics = learn(t, batch, timer, old_from_rollout=old_from_rollout, skip_on_policy=False)  # the diff below reads them
     if current is not None and not old_from_rollout:
         same = batch["response_mask"].bool() & (batch["rollout_versions"] == current)
         metrics.update({f"fully_async/rollout_probs_diff_current_{k}": v for k, v in rollout_probs_diff(

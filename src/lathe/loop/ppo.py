@@ -49,19 +49,22 @@ def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:
     return finish_metrics(t, batch, timer, {**sample_metrics, **metrics}, time.perf_counter() - start)
 
 
-def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool) -> dict[str, float]:
+def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, skip_on_policy: bool = True
+          ) -> dict[str, float]:
     """Everything a step does with its scored samples: old (or the rollout's) log-probs, rollout correction,
-    reference log-probs, values, advantages, critic and actor updates. `batch` gains the tensors on the way."""
+    reference log-probs, values, advantages, critic and actor updates. `batch` gains the tensors on the way.
+    `skip_on_policy`: leave the old-policy forward to the actor update when the step is on-policy
+    (`needs_old_forward`); a caller that reads `old_log_probs` afterwards passes False."""
     metrics = {}
     rc = t.cfg.algorithm.rollout_correction
-    with timer("old_log_prob"):
-        if old_from_rollout:                                             # the rollout's log-probs are pi_old
-            batch["old_log_probs"] = batch["rollout_log_probs"]
-        else:
+    if old_from_rollout:                                                 # the rollout's log-probs are pi_old
+        batch["old_log_probs"] = batch["rollout_log_probs"]
+    elif not skip_on_policy or needs_old_forward(t, batch):
+        with timer("old_log_prob"):
             batch.update(t.worker.compute_log_prob(batch))
-            if "rollout_log_probs" in batch:                             # verl's engine-vs-trainer check
-                metrics.update({f"training/rollout_probs_diff_{k}": v for k, v in rollout_probs_diff(
-                    batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]).items()})
+        if "rollout_log_probs" in batch:                                 # verl's engine-vs-trainer check
+            metrics.update({f"training/rollout_probs_diff_{k}": v for k, v in rollout_probs_diff(
+                batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]).items()})
     if not old_from_rollout and rollout_correction_enabled(rc):
         correction, rc_metrics = apply_rollout_correction(batch, rc)
         batch.update(correction)
@@ -83,6 +86,18 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool) -> 
         with timer("update_actor"):
             metrics.update(t.worker.update_actor(batch))
     return metrics
+
+
+def needs_old_forward(t: Trainer, batch: Batch) -> bool:
+    """Whether the step needs the old policy's log-probs before the actor update. An on-policy update (one epoch,
+    the whole batch one mini-batch) does not: pi_old is the policy it updates, whose log-probs its own forward
+    computes (verl's dp_actor then uses them, detached, in place of the recomputed ones). So the forward is saved
+    unless something else reads `old_log_probs` first: the KL penalty in the reward, rollout correction, or an actor
+    update that does not run this step (critic warm-up)."""
+    arr = t.cfg.actor_rollout_ref
+    on_policy = arr.actor.ppo_epochs == 1 and len(batch) <= arr.actor.ppo_mini_batch_size * arr.rollout.n
+    return (not on_policy or t.cfg.algorithm.use_kl_in_reward or rollout_correction_enabled(t.cfg.algorithm.rollout_correction)
+            or t.global_step < t.cfg.trainer.critic_warmup)
 
 
 def finish_metrics(t: Trainer, batch: Batch, timer: Timer, metrics: dict, step_seconds: float) -> dict[str, float]:

@@ -16,6 +16,7 @@ import torch
 
 from lathe.algo import agg_loss, get_policy_loss, kl_penalty
 from lathe.algo.policy_loss import PolicyLossParams
+from lathe.algo.rollout_correction import ProbsDiffSums
 from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.train import parallel
@@ -57,7 +58,16 @@ class PPOActor:
         self.loss_scale_factor = actor_cfg.loss_scale_factor or max_response_length   # seq-mean-token-sum-norm's divisor
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
-        """PPO epochs over mini-batches; returns verl's `actor/*` metrics averaged over mini-batches."""
+        """PPO epochs over mini-batches; returns verl's `actor/*` metrics averaged over mini-batches.
+
+        A batch without `old_log_probs` is on-policy: one epoch over one mini-batch, where pi_old is the policy
+        being updated, so its log-probs are taken from this update's own forward (detached; verl's `on_policy`
+        rule) and the old-policy forward is saved (`lathe.loop.ppo.needs_old_forward`). The engine-vs-trainer check
+        `training/rollout_probs_diff_*` is then computed here, over the whole batch (every rank's share)."""
+        if "old_log_probs" not in batch and (self.cfg.ppo_epochs != 1 or len(batch) > self.mini_batch_size):
+            raise ValueError(f"update_policy: the batch has no old_log_probs, which only an on-policy update (one "
+                             f"epoch over one mini-batch) can do without; ppo_epochs={self.cfg.ppo_epochs}, "
+                             f"{len(batch)} sequences in mini-batches of {self.mini_batch_size}")
         self.model.train()
         out = run_ppo_epochs(batch, epochs=self.cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
                              update_mini_batch=self._update_mini_batch)
@@ -73,25 +83,34 @@ class PPOActor:
         tokens, seqs = parallel.global_counts(mini["response_mask"])
         agg = dict(global_num_tokens=tokens, global_num_seqs=seqs, loss_scale_factor=self.loss_scale_factor)
         sums: dict[str, float] = defaultdict(float)
+        diff = ProbsDiffSums() if "old_log_probs" not in mini and "rollout_log_probs" in mini else None
         for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                       key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu"):
-            loss, parts = self._micro_batch_loss(micro, agg)
+            loss, parts = self._micro_batch_loss(micro, agg, diff)
             loss.backward()
             weight = len(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
                 sums[k] += float(v) * (1.0 if k in _SUMMED else weight)
         out = parallel.sum_metrics(sums)
+        if diff is not None:
+            out.update({f"training/rollout_probs_diff_{k}": v for k, v in diff.metrics(parallel.all_reduce).items()})
         out["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
         out["actor/skipped_updates"] = self.nonfinite.check(out["actor/grad_norm"], mini)
         return out
 
-    def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict]:
+    def _micro_batch_loss(self, micro: Batch, agg: dict, diff: ProbsDiffSums | None = None
+                          ) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         mask = micro["response_mask"]
         log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
                                                calculate_entropy=True, remove_padding=self.use_remove_padding)
+        old = micro.tensors.get("old_log_probs")
+        if old is None:                     # on-policy (see update_policy): pi_old is this very forward
+            old = log_prob.detach()
+            if diff is not None:
+                diff.add(old, micro["rollout_log_probs"], mask)
         pg_loss, pg_metrics = self.policy_loss(
-            micro["old_log_probs"], log_prob, micro["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode,
+            old, log_prob, micro["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode,
             params=self.loss_params, rollout_is_weights=micro.tensors.get("rollout_is_weights"), agg_kwargs=agg)
         if not cfg.entropy_coeff:
             entropy = entropy.detach()   # a zero coefficient adds exact zeros: skip the entropy backward

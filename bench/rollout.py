@@ -78,6 +78,17 @@ def roofline_tok_s(shape: dict, wbytes: int, prompt_lens: list[int], out_lens: l
     return sum(out_lens) / seconds
 
 
+BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4))     # dense bf16 datasheet peaks
+
+
+def prefill_seconds_at_peak(shape: dict, wbytes: int, prompt_lens: list[int], peak_flops: float) -> float:
+    """The prefill's least time: 2 FLOPs per weight of the decoder layers per prompt token (the embedding is a
+    lookup; the lm_head runs on one row per prompt) at the device's dense bf16 peak. Attention's own FLOPs are left
+    out, which makes it lower still."""
+    layer_weights = wbytes / 2 - shape["vocab_size"] * shape["hidden_size"] * (1 if shape["tie_word_embeddings"] else 2)
+    return 2 * layer_weights * sum(prompt_lens) / peak_flops
+
+
 def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (count,), generator=g).tolist()
@@ -257,6 +268,11 @@ def bench_model(name: str, device, args) -> dict:
             roof = roofline_tok_s(shape, wbytes, prompt_lens, out_lens, bandwidth)
             row["roofline_tok_s"] = roof
             row["lathe"]["roofline_fraction"] = row["lathe"]["tok_s"] / roof
+            peak = next((tf * 1e12 for key, tf in BF16_TFLOPS if key in device_name(device)), None)
+            if peak:   # the decode roofline leaves the prefill out; with it at the compute peak (prompts once each)
+                least = row["lathe"]["tokens"] / roof + prefill_seconds_at_peak(shape, wbytes, [len(p) for p in prompts], peak)
+                row["roofline_with_prefill_tok_s"] = row["lathe"]["tokens"] / least
+                row["lathe"]["roofline_with_prefill_fraction"] = row["lathe"]["tok_s"] * least / row["lathe"]["tokens"]
         hf_models = args.hf_models if load == "fixed" else args.hf_grpo_models
         if name in hf_models:
             engine.sleep()                      # the KV cache's memory goes to the baselines meanwhile

@@ -5,8 +5,10 @@
 For each Qwen2.5 layer projection (fused q/k/v with bias, o, fused gate/up, down) and the lm_head, at a decode batch
 of `--tokens` rows, bf16: `F.linear` (what the engine runs), the same product with the residual added by the GEMM
 (`torch.addmm(residual, x, W.T)`, what a compiled layer may fuse it into), and a Triton template chosen by
-`torch.compile(mode="max-autotune-no-cudagraphs")` for the same static shape. Each: median time
+`torch.compile(mode="max-autotune-no-cudagraphs")` for the same static shape (`--autotune`). Each: median time
 (triton.testing.do_bench), weight bandwidth (weight bytes over time) and the achieved fraction of `--bandwidth`.
+A time is one launch timed alone, L2 flushed: for the small projections mostly launch and ramp (the decode graph's
+own kernel times are in `bench/decode_profile.py`); the large ones show what cuBLAS reads at this row count.
 """
 
 from __future__ import annotations

@@ -171,3 +171,26 @@ def test_threshold_parsing():
     assert parse_rollout_is_threshold("0.5_5.0") == (5.0, 0.5)
     with pytest.raises(ValueError):
         parse_rollout_is_threshold(True)
+
+
+def test_probs_diff_pieces_combine_into_the_whole_batchs_statistics():
+    """ProbsDiffSums over micro-batches on two 'ranks' (a reduce that adds or maxes the ranks' values) equals
+    rollout_probs_diff of the whole batch."""
+    from lathe.algo.rollout_correction import ProbsDiffSums, rollout_probs_diff
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(12, 9, generator=g, dtype=torch.float64) * 3
+    rollout = old + 0.2 * torch.randn(12, 9, generator=g, dtype=torch.float64)
+    mask = torch.rand(12, 9, generator=g) > 0.3
+    ranks = [ProbsDiffSums(), ProbsDiffSums()]
+    for rank, rows in ((0, slice(0, 4)), (0, slice(4, 7)), (1, slice(7, 12))):
+        ranks[rank].add(old[rows], rollout[rows], mask[rows])
+
+    def reduce(values, op="sum"):
+        other = {3: [ranks[1].n, ranks[1].total, ranks[1].squares], 1: [ranks[1].max]}[len(values)]
+        pairs = torch.tensor([values, other], dtype=torch.float64)
+        return pairs.sum(0) if op == "sum" else pairs.amax(0)
+    got, want = ranks[0].metrics(reduce), rollout_probs_diff(old, rollout, mask)
+    assert set(got) == {"max", "mean", "std"} and got["max"] == want["max"]
+    for k in ("mean", "std"):
+        assert got[k] == pytest.approx(want[k], rel=1e-9)
+    assert ProbsDiffSums().metrics() == {}

@@ -54,6 +54,20 @@ def test_two_workers_train_exactly_as_one_process(runs):
         assert_same(a, b)
 
 
+def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_path):
+    """One mini-batch per step: each rank takes pi_old from its update's forward (how the pieces of the engine-vs-trainer
+    diff combine over ranks: tests/algo/test_rollout_correction.py)."""
+    on_policy = ["actor_rollout_ref.actor.ppo_mini_batch_size=32", "trainer.total_training_steps=2"]
+    one = train(tmp_path / "one", *on_policy)
+    two = train(tmp_path / "two", "trainer.n_gpus_per_node=2", *on_policy)
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        assert "timing_s/old_log_prob" not in a and "timing_s/old_log_prob" not in b
+        assert_same(a, b)
+        for key in ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_std"):
+            assert 0 <= a[key] < 1e-4 and 0 <= b[key] < 1e-4, (key, a[key], b[key])    # fp32 rounding on both sides
+
+
 def test_one_ray_worker_runs_the_sharded_path_exactly_as_one_process(runs, tmp_path, monkeypatch):
     """LATHE_RAY=1: one device as a worker group of one FSDP2 rank (how the distributed path is checked on one GPU)."""
     monkeypatch.setenv("LATHE_RAY", "1")

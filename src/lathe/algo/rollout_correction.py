@@ -248,6 +248,7 @@ def _probs_diff(old_log_prob, rollout_log_prob, response_mask) -> torch.Tensor:
     return (rollout_log_prob.double().exp() - old_log_prob.double().exp()).abs()[response_mask.bool()]
 
 
+@torch.no_grad()
 def rollout_probs_diff(old_log_prob, rollout_log_prob, response_mask) -> dict[str, float]:
     """verl's rollout/trainer consistency check, ``|exp(log pi_rollout) - exp(log pi_old)|`` per valid token:
     ``{"max", "mean", "std"}`` (nothing when no token is valid). Large values mean the engine sampled from another

@@ -44,6 +44,23 @@ def test_chunked_equals_naive_in_value_and_gradient(chunk_size, temperature, ent
             assert_close_rel(a, b, name=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_weight_gradient_accumulates_in_float32_in_one_gemm_on_cuda():
+    """bf16 hidden states and weight on CUDA: the chunks' weight gradients go into the float32 accumulator inside
+    the GEMM (no bf16 product per chunk), and value and gradients match a float32 full-logits reference."""
+    from lathe.models.logprob import _accumulates_in_place
+    assert _accumulates_in_place("cuda")
+    h32, w32, t = _inputs(n=1000, hidden=64, vocab=3000)
+    h = h32.detach().cuda().bfloat16().requires_grad_()
+    w = w32.detach().cuda().bfloat16().requires_grad_()
+    ours = _value_and_grads(chunked_log_probs, h, w, t.cuda(), chunk_size=128, calculate_entropy=True)
+    hr, wr = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = _value_and_grads(naive_log_probs, hr, wr, t.cuda(), calculate_entropy=True)
+    for name, a, b in zip(("log-probs", "entropy", "grad h", "grad w"), ours, ref):
+        assert_close_rel(a.float(), b, 2e-2, name=name)
+
+
 def test_gradcheck_in_float64():
     h, w, t = _inputs(n=6, hidden=4, vocab=7, dtype=torch.float64)
     fn = lambda h, w: chunked_log_probs(h, w, t, temperature=0.7, chunk_size=4, calculate_entropy=True)  # noqa: E731

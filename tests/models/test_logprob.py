@@ -23,7 +23,7 @@ def _inputs(n=37, hidden=16, vocab=50, dtype=torch.float32, seed=0):
 def _value_and_grads(fn, h, w, t, **kw):
     h.grad = w.grad = None
     logp, ent = fn(h, w, t, **kw)
-    coef = torch.linspace(-1, 1, logp.numel()).view_as(logp)
+    coef = torch.linspace(-1, 1, logp.numel(), device=logp.device).view_as(logp)
     loss = (logp * coef).sum() + (0.3 * ent.sum() if ent is not None else 0)
     loss.backward()
     return logp.detach(), (ent.detach() if ent is not None else None), h.grad.clone(), w.grad.clone()

@@ -2,8 +2,8 @@
 
 The naive way, `log_softmax(hidden @ W.T / T)`, holds a (tokens x vocab) float32 tensor (and its
 gradient) for the whole micro-batch: 4 GiB for 8k tokens of a 152k vocabulary. Here tokens go through
-`lm_head` `chunk_size` at a time; the forward keeps only per-token results, and the backward recomputes
-each chunk's logits to form its gradient. Peak extra memory is O(chunk_size x vocab), independent of
+`lm_head` `chunk_size` at a time; the forward keeps only per-token results (log-prob, logsumexp, E_p[z]), and
+the backward recomputes each chunk's logits to form its gradient in one elementwise pass from them. Peak extra memory is O(chunk_size x vocab), independent of
 the number of tokens. Value and gradient equal the naive computation.
 
 Temperature is applied as `logits / temperature`, the way the rollout sampled, with logits computed in
@@ -31,28 +31,32 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> 
     return (h @ weight.t()).to(_acc_dtype(h.dtype)) / temperature
 
 
-def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logp, entropy or None) of one chunk of rows."""
+def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, lse, mean_z) of one chunk of rows: lse = logsumexp(z), mean_z = E_p[z] (entropy = lse - mean_z).
+    One pass for the row max, one for both sums: the two reductions a compiled chunk needs, instead of separate
+    logsumexp and softmax passes over the (rows x vocab) logits."""
     logits = _chunk_logits(h, weight, temperature)
-    lse = torch.logsumexp(logits, dim=-1)
+    top = logits.amax(-1, keepdim=True)
+    e = torch.exp(logits - top)
+    total = e.sum(-1)
+    lse = top.squeeze(-1) + torch.log(total)
+    mean_z = (e * logits).sum(-1) / total
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, None
-    probs = torch.softmax(logits, dim=-1)
-    return logp, lse - (probs * logits).sum(-1)
+    return logp, lse, mean_z
 
 
-def _chunk_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor,
-                grad_entropy: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """Gradient with respect to the raw logits `h @ W^T` of one chunk (recomputed), in the weight dtype."""
+def _chunk_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                mean_z: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None,
+                temperature: float) -> torch.Tensor:
+    """Gradient with respect to the raw logits `h @ W^T` of one chunk (recomputed), in the weight dtype. The
+    forward's per-row lse and E_p[z] make it one elementwise pass (no reduction over the vocabulary)."""
     logits = _chunk_logits(h, weight, temperature)
-    probs = torch.exp(logits - torch.logsumexp(logits, dim=-1, keepdim=True))
+    probs = torch.exp(logits - lse.unsqueeze(-1))
     grad_z = probs * (-grad_logp.unsqueeze(-1))
     grad_z.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1).to(grad_z.dtype))
     if grad_entropy is not None:
-        mean_z = (probs * logits).sum(-1, keepdim=True)
-        grad_z -= grad_entropy.unsqueeze(-1) * probs * (logits - mean_z)
+        grad_z -= grad_entropy.unsqueeze(-1) * probs * (logits - mean_z.unsqueeze(-1))
     return (grad_z / temperature).to(weight.dtype)
 
 
@@ -120,27 +124,23 @@ class _ChunkedLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         acc = _acc_dtype(hidden.dtype)
         chunk_forward, _ = _chunk_ops(compile_backend)
-        logp = hidden.new_empty(n, dtype=acc)
-        entropy = hidden.new_empty(n, dtype=acc) if with_entropy else None
+        logp, lse, mean_z = (hidden.new_empty(n, dtype=acc) for _ in range(3))
         for s, e in _chunk_bounds(n, chunk_size):
             h, t = hidden[s:e], targets[s:e]
             _rows_dynamic(compile_backend is not None, h, t)
-            lp, ent = chunk_forward(h, weight, t, temperature, with_entropy)
-            logp[s:e] = lp
-            if with_entropy:
-                entropy[s:e] = ent
-        ctx.save_for_backward(hidden, weight, targets)
+            logp[s:e], lse[s:e], mean_z[s:e] = chunk_forward(h, weight, t, temperature)
+        ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.compile_backend = compile_backend
         if with_entropy:
-            return logp, entropy
+            return logp, lse - mean_z
         empty = hidden.new_zeros(0, dtype=acc)
         ctx.mark_non_differentiable(empty)
         return logp, empty
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse, mean_z = ctx.saved_tensors
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         _, chunk_grad = _chunk_ops(ctx.compile_backend)
@@ -150,8 +150,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s, e in _chunk_bounds(n, ctx.chunk_size):
             h, t, g_lp = hidden[s:e], targets[s:e], grad_logp[s:e]
             g_ent = grad_entropy[s:e] if use_entropy else None
-            _rows_dynamic(ctx.compile_backend is not None, h, t, g_lp, g_ent)
-            grad_raw = chunk_grad(h, weight, t, g_lp, g_ent, ctx.temperature)
+            lse_c, mean_c = lse[s:e], mean_z[s:e]
+            _rows_dynamic(ctx.compile_backend is not None, h, t, lse_c, mean_c, g_lp, g_ent)
+            grad_raw = chunk_grad(h, weight, t, lse_c, mean_c, g_lp, g_ent, ctx.temperature)
             if need_h:
                 grad_h[s:e] = grad_raw @ weight
             if need_w:

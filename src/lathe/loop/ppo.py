@@ -94,9 +94,9 @@ def needs_old_forward(t: Trainer, batch: Batch) -> bool:
     computes (verl's dp_actor then uses them, detached, in place of the recomputed ones). So the forward is saved
     unless something else reads `old_log_probs` first: the KL penalty in the reward, rollout correction, or an actor
     update that does not run this step (critic warm-up)."""
-    arr = t.cfg.actor_rollout_ref
+    arr, algo = t.cfg.actor_rollout_ref, t.cfg.algorithm
     on_policy = arr.actor.ppo_epochs == 1 and len(batch) <= arr.actor.ppo_mini_batch_size * arr.rollout.n
-    return (not on_policy or t.cfg.algorithm.use_kl_in_reward or rollout_correction_enabled(t.cfg.algorithm.rollout_correction)
+    return (not on_policy or algo.use_kl_in_reward or rollout_correction_enabled(algo.rollout_correction)
             or t.global_step < t.cfg.trainer.critic_warmup)
 
 

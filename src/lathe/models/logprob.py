@@ -3,8 +3,9 @@
 The naive way, `log_softmax(hidden @ W.T / T)`, holds a (tokens x vocab) float32 tensor (and its
 gradient) for the whole micro-batch: 4 GiB for 8k tokens of a 152k vocabulary. Here tokens go through
 `lm_head` `chunk_size` at a time; the forward keeps only per-token results (log-prob, logsumexp, E_p[z]), and
-the backward recomputes each chunk's logits to form its gradient in one elementwise pass from them. Peak extra memory is O(chunk_size x vocab), independent of
-the number of tokens. Value and gradient equal the naive computation.
+the backward recomputes each chunk's logits to form its gradient in one elementwise pass from them. Peak extra
+memory is O(chunk_size x vocab), independent of the number of tokens. Value and gradient equal the naive
+computation.
 
 Temperature is applied as `logits / temperature`, the way the rollout sampled, with logits computed in
 the weight dtype and then cast to float32 (as `model(...).logits.float()` does).

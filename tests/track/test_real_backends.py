@@ -75,6 +75,8 @@ def wandb_records(path: Path):
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if len(chunk) < length:                          # the writer is still at it: the records so far
+            return
         if kind == 0:                                    # zero fill up to the block's end
             pos += -pos % block
             continue
@@ -87,9 +89,15 @@ def wandb_records(path: Path):
 
 def finished_records(log: Path, timeout_s: float = 10.0) -> list:
     """The records of a finished run's log: wandb-core writes the file a moment after ``finish()`` returns."""
+    from google.protobuf.message import DecodeError
     deadline = time.monotonic() + timeout_s
     while True:
-        records = list(wandb_records(log))
+        try:
+            records = list(wandb_records(log))
+        except DecodeError:                              # read while a record was half written: read again
+            if time.monotonic() > deadline:
+                raise
+            records = []
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             return records
         time.sleep(0.02)

@@ -200,38 +200,3 @@ def test_cuda_bf16_varlen_compiled_step_matches_eager_and_does_not_recompile():
     for seed, lengths in enumerate([[64, 5, 33], [120, 17], [9, 9, 9, 80]]):
         _step(compiled, cuda(_stream(lengths, seed=seed + 2)))
     assert _graphs() == before, f"new packed lengths recompiled {_graphs() - before} graph(s)"
-
-
-def test_residual_addmm_is_unfused_in_forward_graphs_only():
-    """UnfuseResidualAddmm: addmm with a 2-D C (a residual) becomes mm + add with the same value; a bias addmm (1-D
-    C) and any addmm of a backward graph (it has tangents) stay."""
-    import torch.fx as fx
-
-    from lathe.models.compile import UnfuseResidualAddmm
-    aten = torch.ops.aten
-
-    def build(backward: bool):
-        g = fx.Graph()
-        names = ("tangents_1", "a", "b", "bias", "w") if backward else ("res", "a", "b", "bias", "w")
-        c, a, b, bias, w = (g.placeholder(n) for n in names)
-        vals = {c: torch.randn(4, 3), a: torch.randn(4, 5), b: torch.randn(5, 3), bias: torch.randn(3),
-                w: torch.randn(3, 3)}
-        for node, v in vals.items():
-            node.meta["val"] = v
-        r = g.call_function(aten.addmm.default, (c, a, b))
-        r.meta["val"] = torch.empty(4, 3)
-        o = g.call_function(aten.addmm.default, (bias, r, w))
-        o.meta["val"] = torch.empty(4, 3)
-        g.output(o)
-        return g, list(vals.values())
-
-    for backward in (False, True):
-        g, args = build(backward)
-        want = fx.GraphModule(torch.nn.Module(), g)(*args)
-        UnfuseResidualAddmm()(g)
-        targets = [n.target for n in g.nodes if n.op == "call_function"]
-        if backward:
-            assert targets == [aten.addmm.default, aten.addmm.default]
-        else:
-            assert targets == [aten.mm.default, aten.add.Tensor, aten.addmm.default]   # the bias addmm stays
-        assert torch.allclose(fx.GraphModule(torch.nn.Module(), g)(*args), want, rtol=1e-6, atol=1e-6)

@@ -24,13 +24,6 @@ types, a decode batch of one, the trainer's grad and no-grad passes, and LoRA's 
 (`tests/models/test_compile.py`); FSDP2's wrapped layers or a critic add more. `compile_decoder` raises the cap to
 `RECOMPILE_LIMIT`.
 
-Residual adds stay out of the matmuls: inductor turns `x + o_proj(a)` and `x + down(h)` into cuBLAS `addmm` with the
-residual as C, which copies the residual into the output first (a device-to-device copy per projection, two per layer)
-and picks slower beta-add kernels; at a decode step's 256 rows these cost ~7% of a 0.5B step. `UnfuseResidualAddmm`
-(an inductor post-grad pass on the forward graphs) puts them back as a matmul and an add that inductor fuses into
-the next RMSNorm, which also rounds as eager PyTorch does (the product to bf16, then the sum). Bias addmms (1-D C)
-and backward graphs keep inductor's choice.
-
 Compilation is per instance: another `LatheCausalLM` (the rollout engine's copy, the reference policy
 built before) keeps running eager. CUDA only by default: on CPU, inductor's start-up (C++ builds, tens
 of seconds) costs more than it saves for the models a CPU trains; `compile_decoder` itself runs anywhere.
@@ -39,38 +32,10 @@ of seconds) costs more than it saves for the models a CPU trains; `compile_decod
 from __future__ import annotations
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 COMPILE_DEVICE_TYPES = ("cuda",)   # devices on which use_torch_compile=true compiles; elsewhere it runs eager
 DEFAULT_BACKEND = "inductor"
 RECOMPILE_LIMIT = 32               # compiled variants of the decoder layer's code allowed (see the module docstring)
-
-
-class UnfuseResidualAddmm(CustomGraphPass):
-    """Post-grad pass: `addmm(C, A, B)` with a 2-D C (a residual, not a bias) in a forward graph becomes
-    `mm(A, B) + C`. See the module docstring."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        aten = torch.ops.aten
-        if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
-            return                                  # a backward graph: its addmms accumulate gradients, keep them
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not aten.addmm.default:
-                continue
-            c, a, b = node.args[:3]
-            val = getattr(c, "meta", {}).get("val")
-            if (val is None or val.dim() != 2 or node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1
-                    or len(node.args) > 3):
-                continue
-            with graph.inserting_before(node):
-                mm = graph.call_function(aten.mm.default, (a, b))
-                add = graph.call_function(aten.add.Tensor, (mm, c))
-            mm.meta, add.meta = dict(node.meta), dict(node.meta)
-            node.replace_all_uses_with(add)
-            graph.erase_node(node)
-
-    def uuid(self) -> str:
-        return "lathe.UnfuseResidualAddmm.v1"
 
 
 def allow_variants(limit: int = RECOMPILE_LIMIT) -> None:
@@ -95,9 +60,8 @@ def compile_decoder(model, *, backend: str = DEFAULT_BACKEND, mode: str | None =
     if decoder.compile_backend is not None:
         return model
     allow_variants()
-    options = {"post_grad_custom_post_pass": UnfuseResidualAddmm()} if backend == "inductor" and mode is None else None
-    for layer in decoder.layers:   # dynamic=None: token dims are marked dynamic by the decoder
-        layer.compile(backend=backend, mode=mode, options=options)
+    for layer in decoder.layers:
+        layer.compile(backend=backend, mode=mode)   # dynamic=None: token dims are marked dynamic by the decoder
     decoder.compile_backend = backend
     return model
 

@@ -11,7 +11,7 @@ block tables, and these candidates:
   blocks, the last partial page masked by `kv % page < rest`);
 - `cudnn` / `flash`: SDPA on a contiguous, unpaged cache of the same tokens: what a kernel reads at best here.
 Each: the median time (triton.testing.do_bench), the bandwidth (K and V bytes over time) and the error against the
-float64-free PyTorch reference (`paged_attention.decode_attention` in float32).
+PyTorch reference (`paged_attention.decode_attention` in float32).
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ def main() -> None:
             lens = torch.full((b,), ctx, device=device, dtype=torch.int32)
             lens[::3] -= 5                       # partial last pages too
             nbytes_real = 2 * int(lens.sum()) * hkv * dim * 2
-            ref = None
             for page in map(int, args.pages.split(",")):
                 per = -(-ctx // page)
                 blocks = b * per + 1
@@ -116,8 +115,6 @@ def main() -> None:
                 fl = flex_decoder(page)
                 rows.append(measure(lambda: fl(q, kc, vc, tables, lens), r, nbytes_real, kernel="flex",  # noqa: B023
                                     layout="token", page=page))
-                if ref is None:
-                    ref = (r, kc, vc, tables)
                 del kc, vc, kh, vh
             # unpaged: the same tokens contiguous per sequence (no padding mask: all ctx tokens, lens ignored)
             kcont = torch.randn(b, hkv, ctx, dim, device=device, dtype=torch.bfloat16, generator=g)

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from train import SHAPES, build_hf, device_name, git_sha, profile_summary, slug, sync  # noqa: E402
 
+from lathe.engine import scheduler  # noqa: E402
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
 from lathe.rollout.base import SamplingParams  # noqa: E402
@@ -251,10 +252,14 @@ def bench_model(name: str, device, args) -> dict:
                  SamplingParams(n=args.grpo_n, temperature=1.0, max_tokens=args.grpo_max_tokens, seed=0), False),
     }
     max_seqs = max(args.prompts, args.grpo_prompts * args.grpo_n)
+    if args.overcommit is not None:      # an A/B of the admission rule (1 = reserve for every response in full)
+        scheduler.OVERCOMMIT = args.overcommit
     engine = LatheEngine(lathe, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step)
-    result["engine"] = {"reserve_new_tokens": not args.no_reserve, "async_scheduling": not args.step_by_step, "kv_blocks": engine.kv_cache.num_blocks, "block_size": engine.kv_cache.block_size,
+    result["engine"] = {"reserve_new_tokens": not args.no_reserve, "overcommit": scheduler.OVERCOMMIT,
+                        "async_scheduling": not args.step_by_step, "kv_blocks": engine.kv_cache.num_blocks,
+                        "block_size": engine.kv_cache.block_size,
                         "decode_backend": engine.runner.decode_backend,
                         "decode_backend_probe_ms": engine.runner.backend_times,
                         "cuda_graphs": engine.runner.graphs is not None}
@@ -340,6 +345,9 @@ def main() -> None:
                     help="seconds before a generate_batch baseline (run in a child process) is killed")
     ap.add_argument("--no-reserve", action="store_true",
                     help="admit whatever prompt fits (no KV room reserved for the responses still to come)")
+    ap.add_argument("--overcommit", type=float, default=None,
+                    help="admit a call's whole load when it fits with responses at 1/this of max_tokens "
+                         "(default: the scheduler's OVERCOMMIT; 1 reserves for every response in full)")
     ap.add_argument("--step-by-step", action="store_true",
                     help="resolve each step's tokens before scheduling the next (no overlap of host and device)")
     ap.add_argument("--profile", action="store_true", help="add an eager decode profile per model")

@@ -225,6 +225,29 @@ def test_reserving_admission_prevents_a_preemption_storm(checkpoints):
     assert reserving.scheduler.length_fraction == 1.0          # every response ran to max_tokens
 
 
+def test_a_load_that_overflows_a_little_is_admitted_at_once(checkpoints, monkeypatch):
+    """16 sequences whose responses at max_tokens need 84 blocks on a cache of 76: reserving in full holds some
+    back for a second wave; the call plan (`OVERCOMMIT`) admits all, preempts the few that outgrow the cache near
+    the end and takes fewer decode steps. Seeded samples are the same either way. With half the cache the plan
+    keeps the full reservation (no preemption)."""
+    from lathe.engine import scheduler
+    path, _ = checkpoints["qwen2"]
+    prompts = [[3 + i, 7, 11 + i, 5] for i in range(4)]         # one full block each: no copy-on-write block
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=20, seed=5, ignore_eos=True)
+    runs = {}
+    for name, overcommit, blocks in (("full", 1.0, 76), ("plan", scheduler.OVERCOMMIT, 76),
+                                     ("small", scheduler.OVERCOMMIT, 40)):
+        monkeypatch.setattr(scheduler, "OVERCOMMIT", overcommit)
+        engine = _engine(path, num_kv_blocks=blocks)
+        out = engine.generate(prompts, params)
+        runs[name] = (out.token_ids, out.metrics["rollout/num_preemptions"], engine.scheduler.num_steps["decode"])
+    (full, full_pre, full_steps), (plan, plan_pre, plan_steps), (small, small_pre, _) = runs.values()
+    assert plan == full == small
+    assert full_pre == 0 and small_pre == 0
+    assert plan_pre > 0
+    assert plan_steps < full_steps
+
+
 def test_length_estimate_follows_finished_responses_and_preemption_raises_it(checkpoints):
     path, _ = checkpoints["qwen2"]
     engine = _engine(path, num_kv_blocks=40)

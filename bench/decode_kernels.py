@@ -1,7 +1,8 @@
 """Decode-attention kernel configurations at the engine's shapes: which Triton tile and launch settings read the
 KV cache fastest.
 
-    python bench/decode_kernels.py [--batch 256] [--contexts 512,1024] [--out bench/results/decode_kernels_<device>.json]
+    python bench/decode_kernels.py [--batches 256] [--contexts 512,1024] [--splits 1,2,3,4]
+                                   [--out bench/results/decode_kernels_<device>.json]
 
 For each Qwen2.5 attention shape (0.5B 14/2 heads of 64, 1.5B 12/2 of 128, 7B 28/4 of 128), a bf16 paged cache
 with shuffled block tables, and every (num_splits, BLOCK_N, num_warps, num_stages) of a small grid: the median time of
@@ -36,8 +37,10 @@ SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128)}
 def main() -> None:
     import triton
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batches", default="256")
     ap.add_argument("--contexts", default="512,1024")
+    ap.add_argument("--splits", default="1,2,3,4")
+    ap.add_argument("--git-sha", default=None)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -45,12 +48,12 @@ def main() -> None:
     name = device_name(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     res = {"bench": "decode_kernels", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "git_sha": git_sha(), "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
+           "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
            "shapes": {}}
     g = torch.Generator(device=device).manual_seed(0)
     for shape, (hq, hkv, dim) in SHAPES.items():
-        for ctx in map(int, args.contexts.split(",")):
-            b, page = args.batch, args.page
+        for b, ctx in itertools.product(map(int, args.batches.split(",")), map(int, args.contexts.split(","))):
+            page = args.page
             per = -(-ctx // page)
             blocks = b * per + 1
             kc = torch.randn(blocks, page, hkv, dim, device=device, dtype=torch.bfloat16, generator=g)
@@ -62,12 +65,13 @@ def main() -> None:
             ref = decode_attention(q.float(), kc.float(), vc.float(), tables.long(), lens)
             splits = choose_num_splits(b, hkv, sms)
             rows = []
-            grid = [(s, bn, w, st) for s in (1,) for bn, w, st in          # splits > 1 measured 3x slower (bench/results)
-                    itertools.product((32, 64), (2, 4), (3,))]
+            grid = [(s, bn, w, st) for s in map(int, args.splits.split(",")) for bn, w, st in
+                    itertools.product((32, 64), (2, 4), (3, 4))]
+            counters = torch.zeros(b * hkv, dtype=torch.int32, device=device)    # as a decode step passes them
             for split, bn, warps, stages in grid:
                 try:
                     fn = lambda: paged_decode(q, kc, vc, tables, lens, num_splits=split, block_n=bn,  # noqa: E731
-                                              num_warps=warps, num_stages=stages)
+                                              num_warps=warps, num_stages=stages, counters=counters)
                     err = float((fn().float() - ref).norm() / ref.norm())
                     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                 except Exception as e:          # a configuration that does not compile (shared memory) is skipped
@@ -80,9 +84,9 @@ def main() -> None:
             ok = [r for r in rows if "ms" in r]
             best = min(ok, key=lambda r: r["ms"])
             default = next(r for r in ok if r["engine_default"])
-            res["shapes"][f"{shape}_ctx{ctx}"] = {"heads": [hq, hkv, dim], "num_splits": splits, "bytes": nbytes,
+            res["shapes"][f"{shape}_b{b}_ctx{ctx}"] = {"heads": [hq, hkv, dim], "num_splits": splits, "bytes": nbytes,
                                                   "best": best, "default": default, "all": rows}
-            print(f"{shape} ctx {ctx}: default {default['ms']*1e3:.1f} us ({default['tb_s']:.2f} TB/s), best "
+            print(f"{shape} batch {b} ctx {ctx}: default {default['ms']*1e3:.1f} us ({default['tb_s']:.2f} TB/s), best "
                   f"{best['ms']*1e3:.1f} us ({best['tb_s']:.2f} TB/s) at splits {best['num_splits']} block_n {best['block_n']} warps "
                   f"{best['num_warps']} stages {best['num_stages']}", flush=True)
             del kc, vc

@@ -36,6 +36,23 @@ def test_kernel_equals_reference(kernel, batch, hq, hkv, dim, page, splits):
     assert_close_rel(out, ref, name="paged decode")
 
 
+def test_split_merge_counters_are_shared_and_left_at_zero(kernel):
+    """Several layers of a step share one counter set: each split launch merges in-kernel and leaves it zeroed."""
+    g = torch.Generator().manual_seed(11)
+    blocks, page, batch, hq, hkv, dim = 24, 4, 3, 8, 2, 16
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:10] for _ in range(batch)]).int()
+    lens = torch.tensor([1, 17, 40], dtype=torch.int32)
+    counters = torch.zeros(batch * hkv, dtype=torch.int32)
+    for layer in range(3):
+        kc, vc = (torch.randn(blocks, page, hkv, dim, generator=g) for _ in range(2))
+        q = torch.randn(batch, hq, dim, generator=g)
+        out = kernel.paged_decode(q, kc, vc, tables, lens, num_splits=4, block_n=16, counters=counters)
+        assert_close_rel(out, decode_attention(q, kc, vc, tables.long(), lens.long()), name=f"layer {layer}")
+        assert counters.eq(0).all()
+    with pytest.raises(ValueError, match="counters"):
+        kernel.paged_decode(q, kc, vc, tables, lens, num_splits=2, counters=torch.zeros(2, dtype=torch.int32))
+
+
 def test_engine_with_triton_decode_equals_torch_decode(kernel, tmp_path):
     """The whole engine (prefill single-token group and decode) on the kernel gives the reference's output."""
     from lathe.engine.llm_engine import LatheEngine

@@ -51,13 +51,17 @@ class DecodeAttention:
 
     def __post_init__(self):
         self.layer = 0
+        self.counters = None        # the split kernel's merge counters, one zeroed set shared by the step's layers
+        if self.backend == "triton" and self.num_splits > 1:
+            rows, kv_heads = self.block_tables.shape[0], self.kv_cache.k[0].shape[2]
+            self.counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=self.block_tables.device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer = self.layer
         self.layer += 1
         self.kv_cache.store_unchecked(layer, k, v, self.slot_mapping)
         return decode_with(self.backend, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
-                           self.context_lens, self.num_splits)
+                           self.context_lens, self.num_splits, self.counters)
 
 
 @dataclass

@@ -106,11 +106,14 @@ DECODE_BACKENDS = ("auto", "triton", "torch")
 
 
 def decode_with(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_tables: torch.Tensor, context_lens: torch.Tensor, num_splits: int = 1) -> torch.Tensor:
-    """Decode attention by a resolved backend name ("triton" or "torch"); same contract as `decode_attention`."""
+                block_tables: torch.Tensor, context_lens: torch.Tensor, num_splits: int = 1,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention by a resolved backend name ("triton" or "torch"); same contract as `decode_attention`.
+    `counters`: the Triton kernel's zeroed merge counters (`paged_decode`), shared by a step's layers."""
     if backend == "triton":
         from lathe.engine.triton_decode import paged_decode
-        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits)
+        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits,
+                            counters=counters)
     return decode_attention(q, k_cache, v_cache, block_tables, context_lens)
 
 

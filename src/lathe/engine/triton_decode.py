@@ -4,7 +4,8 @@ One program handles one sequence, one KV head and one split of the context: it l
 heads that share that KV head (GQA, padded to 16 rows for `tl.dot`), walks the context in tiles of
 `BLOCK_N` tokens, reading each token's slot through the block table, and keeps an online softmax.
 With several splits (short batches, long contexts) each split writes its unnormalised partial result
-and a second step combines them (flash-decoding). The caller picks `num_splits` once per batch shape,
+and the split that finishes last for its (sequence, KV head), told by a counter, merges them in split order in
+the same launch (flash-decoding without a second kernel). The caller picks `num_splits` once per batch shape,
 so the launch is CUDA-graph safe: nothing here reads a tensor on the host.
 
 `paged_decode` is the public entry; `lathe.engine.paged_attention.decode_attention` is the PyTorch
@@ -36,9 +37,9 @@ def interpreted() -> bool:
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])     # varies between calls: one compile serves all
-    def _decode_kernel(Q, K, V, BT, LENS, O, M, L,
+    def _decode_kernel(Q, K, V, BT, LENS, O, M, L, OUT, COUNT,
                        stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
-                       stride_ob, stride_os, stride_oh, stride_mb, stride_ms,
+                       stride_ob, stride_os, stride_oh, stride_mb, stride_ms, stride_outb, stride_outh,
                        scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
         b = tl.program_id(0)
@@ -87,24 +88,42 @@ if triton is not None:
             ml = b * stride_mb + s * stride_ms + h * GROUP + g
             tl.store(M + ml, m_i, mask=g_ok)
             tl.store(L + ml, l_i, mask=g_ok)
-
-
-def _combine(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Merge split results: partial (B, S, Hq, D) unnormalised, m/l (B, S, Hq) running max and sum."""
-    m_max = m.amax(1, keepdim=True)
-    m_max = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)
-    w = torch.exp(m - m_max)                                       # empty splits: exp(-inf) = 0
-    num = (partial * w[..., None]).sum(1)
-    den = (l * w).sum(1).clamp_min(torch.finfo(torch.float32).tiny)
-    return (num / den[..., None]).to(dtype)
+            # The split that finishes last for this (sequence, KV head) merges all splits, in split order
+            # (deterministic); the counter goes back to zero for the next layer or graph replay.
+            tl.debug_barrier()
+            done = tl.atomic_add(COUNT + b * tl.num_programs(1) + h, 1, sem="acq_rel")
+            if done == NUM_SPLITS - 1:
+                m_row = M + b * stride_mb + h * GROUP + g
+                m_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                for t in tl.static_range(NUM_SPLITS):
+                    m_max = tl.maximum(m_max, tl.load(m_row + t * stride_ms, mask=g_ok, other=float("-inf"),
+                                                      cache_modifier=".cg"))
+                m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+                num = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+                den = tl.zeros([GROUP_PAD], tl.float32)
+                o_row = O + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
+                for t in tl.static_range(NUM_SPLITS):
+                    w = tl.exp(tl.load(m_row + t * stride_ms, mask=g_ok, other=float("-inf"),
+                                       cache_modifier=".cg") - m_max)
+                    den += w * tl.load(L + b * stride_mb + t * stride_ms + h * GROUP + g, mask=g_ok, other=0.0,
+                                       cache_modifier=".cg")
+                    num += w[:, None] * tl.load(o_row + t * stride_os, mask=g_ok[:, None] & d_ok[None, :],
+                                                other=0.0, cache_modifier=".cg")
+                out = num / tl.maximum(den, 1.1754943508222875e-38)[:, None]
+                out_ptr = OUT + b * stride_outb + (h * GROUP + g)[:, None] * stride_outh + d[None, :]
+                tl.store(out_ptr, out.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+                tl.atomic_xchg(COUNT + b * tl.num_programs(1) + h, 0)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float | None = None, num_splits: int = 1,
-                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D), any strides with the last dimension contiguous (a
     head-major cache passes as a permuted view); k and v strided alike; block_tables (B, max_blocks) int32/int64;
-    context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference."""
+    context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference.
+    With several splits, `counters` is int32 scratch of at least B * Hkv zeros (left at zero; a decode step's
+    layers share one): the last split of each (sequence, KV head) merges the others in the same launch."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
     B, hq, dim = q.shape
@@ -116,27 +135,26 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = hq // hkv
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     q = q.contiguous()
+    out = torch.empty_like(q)
     if num_splits == 1:
-        out = torch.empty_like(q)
-        o, m, l = out.unsqueeze(1), out, out                           # m/l unused with one split
-        so = (o.stride(0), o.stride(1), o.stride(2))
+        o, m, l, count = out.unsqueeze(1), out, out, out              # m/l/count unused with one split
         sm = (0, 0)
     else:
         o = torch.empty(B, num_splits, hq, dim, device=q.device, dtype=torch.float32)
         m = torch.empty(B, num_splits, hq, device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
-        so = (o.stride(0), o.stride(1), o.stride(2))
         sm = (m.stride(0), m.stride(1))
+        count = counters if counters is not None else torch.zeros(B * hkv, dtype=torch.int32, device=q.device)
+        if count.numel() < B * hkv or count.dtype != torch.int32:
+            raise ValueError(f"paged_decode: counters must be int32 with at least {B * hkv} elements")
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o, m, l,
+        q, k_cache, v_cache, block_tables, context_lens, o, m, l, out, count,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        *so, *sm, scale,
+        o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         num_warps=num_warps, num_stages=num_stages)
-    if num_splits == 1:
-        return out
-    return _combine(o, m, l, q.dtype)
+    return out
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:

@@ -78,17 +78,17 @@ class Scheduler:
 
     def _plan_call(self) -> None:
         """The call's first admission: start from 1/OVERCOMMIT instead of 1 when that admits every waiting
-        sequence (the `n` samples of a prompt counted once for the prompt's blocks) but 1 would not."""
+        sequence but 1 would not. The `n` samples of a prompt (neighbours in the queue) count the prompt's blocks
+        once, as the prefix cache shares them."""
         self.plan_pending = False
         waiting, bs = list(self.waiting), self.block_manager.block_size
         if not waiting or len(self.running) + len(waiting) > self.max_num_seqs:
             return
-        prompts = {}
-        for seq in waiting:
-            prompts.setdefault(tuple(seq.token_ids), seq.num_blocks(bs))
+        prompt_blocks = sum(seq.num_blocks(bs) for i, seq in enumerate(waiting)
+                            if i == 0 or seq.token_ids != waiting[i - 1].token_ids)
 
         def demand(fraction: float) -> int:
-            return sum(prompts.values()) + sum(self._growth(s, fraction) for s in (*self.running, *waiting))
+            return prompt_blocks + sum(self._growth(s, fraction) for s in (*self.running, *waiting))
         free, optimistic = self.block_manager.num_free_blocks, 1 / OVERCOMMIT
         if demand(1.0) > free >= demand(optimistic):
             self.length_fraction = optimistic

@@ -5,14 +5,17 @@
 `bench/rollout.py`'s fixed load (256 prompts x 256 tokens, 512 forced new tokens, cold prefix cache each call) run
 `--repeats` times on one engine. For each call: tokens per second, prefill and decode wall time, and what
 `nvidia-smi` reported every `--sample-ms` while it ran (SM and memory clocks, power draw, temperature, active
-clock-throttle reasons). The spread of the calls' rates, and their correlation with the mean SM clock, say whether a
-difference between two measurements is the engine's or the GPU's.
+clock-throttle reasons), and the Python garbage collector's passes during the call (count and seconds per
+generation). The spread of the calls' rates, and their correlation with the mean SM clock, say whether a
+difference between two measurements is the engine's or the GPU's. `--gc-modes on,off` runs the calls once with the
+collector as it is and once disabled during each call (an A/B of host pauses), in the order given.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import subprocess
@@ -77,6 +80,26 @@ class Sampler:
         return summary
 
 
+class GcTimer:
+    """Seconds and count of the cyclic garbage collector's passes, per generation, since the last `take`."""
+
+    def __init__(self):
+        self.start, self.stats = None, {}
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self.start = time.perf_counter()
+        elif self.start is not None:
+            n, s = self.stats.get(info["generation"], (0, 0.0))
+            self.stats[info["generation"]] = (n + 1, s + time.perf_counter() - self.start)
+            self.start = None
+
+    def take(self) -> dict:
+        stats, self.stats = self.stats, {}
+        return {f"gen{g}": {"passes": n, "seconds": s} for g, (n, s) in sorted(stats.items())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.5b")
@@ -86,6 +109,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--sample-ms", type=int, default=50)
+    ap.add_argument("--gc-modes", default="on", help="on, off or both in order (off: collector disabled in each call)")
     ap.add_argument("--git-sha", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -94,6 +118,7 @@ def main() -> None:
     res = {"bench": "rollout_variance", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "args": vars(args), "models": {}}
     sampler = Sampler(torch.cuda.current_device(), args.sample_ms)
+    gc_timer = GcTimer()
     for model_name in args.models.split(","):
         shape = SHAPES[model_name]
         hf = build_hf(model_name, device, torch.bfloat16).eval()
@@ -107,25 +132,35 @@ def main() -> None:
         engine.generate(prompts, params)         # compiles and graph captures
         sync(device)
         stats = StepStats(engine)
-        calls = []
-        for _ in range(args.repeats):
-            engine.update_weights([])            # a cold prefix cache, as after a training step's weight sync
-            stats.reset()
-            sampler.on = True
-            start = time.perf_counter()
-            out = engine.generate(prompts, params)
-            sync(device)
-            seconds = time.perf_counter() - start
-            sampler.on = False
-            tokens = sum(len(t) for t in out.token_ids)
-            calls.append({"seconds": seconds, "tok_s": tokens / seconds, "steps": stats.reset(), "gpu": sampler.take()})
-            print(model_name, f"{tokens / seconds:,.0f} tok/s", calls[-1]["gpu"].get("clocks.sm"), flush=True)
-        rates = [c["tok_s"] for c in calls]
-        clocks = [c["gpu"].get("clocks.sm", {}).get("mean") for c in calls]
-        row = {"calls": calls, "tok_s_min": min(rates), "tok_s_max": max(rates), "tok_s_median": statistics.median(rates),
-               "spread_max_over_min": max(rates) / min(rates)}
-        if all(c is not None for c in clocks) and len(set(clocks)) > 1 and len(set(rates)) > 1:
-            row["corr_tok_s_sm_clock"] = statistics.correlation(rates, clocks)
+        row = {}
+        for mode in [f"gc_{m}" for m in args.gc_modes.split(",")]:
+            calls = []
+            for _ in range(args.repeats):
+                engine.update_weights([])            # a cold prefix cache, as after a training step's weight sync
+                stats.reset()
+                gc_timer.take()
+                if mode == "gc_off":
+                    gc.disable()
+                sampler.on = True
+                start = time.perf_counter()
+                out = engine.generate(prompts, params)
+                sync(device)
+                seconds = time.perf_counter() - start
+                sampler.on = False
+                gc.enable()
+                tokens = sum(len(t) for t in out.token_ids)
+                calls.append({"seconds": seconds, "tok_s": tokens / seconds, "steps": stats.reset(),
+                              "gc": gc_timer.take(), "gpu": sampler.take()})
+                print(model_name, mode, f"{tokens / seconds:,.0f} tok/s", calls[-1]["gc"],
+                      calls[-1]["gpu"].get("clocks.sm"), flush=True)
+            gc.collect()
+            rates = [c["tok_s"] for c in calls]
+            clocks = [c["gpu"].get("clocks.sm", {}).get("mean") for c in calls]
+            part = {"calls": calls, "tok_s_min": min(rates), "tok_s_max": max(rates),
+                    "tok_s_median": statistics.median(rates), "spread_max_over_min": max(rates) / min(rates)}
+            if all(c is not None for c in clocks) and len(set(clocks)) > 1 and len(set(rates)) > 1:
+                part["corr_tok_s_sm_clock"] = statistics.correlation(rates, clocks)
+            row[mode] = part
         res["models"][model_name] = row
         engine.sleep()
         del engine, model

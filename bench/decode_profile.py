@@ -30,12 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from rollout import hbm_bandwidth, random_prompts, roofline_tok_s, weight_bytes  # noqa: E402
-from train import SHAPES, build_hf, device_name, git_sha, profile_summary, slug, sync  # noqa: E402
+from rollout import fixed_load_engine, hbm_bandwidth, roofline_tok_s, weight_bytes  # noqa: E402
+from train import SHAPES, device_name, git_sha, profile_summary, slug, sync  # noqa: E402
 
 import lathe.engine.llm_engine as llm  # noqa: E402
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
-from lathe.models.hf import lathe_from_transformers  # noqa: E402
 from lathe.rollout.base import SamplingParams  # noqa: E402
 
 
@@ -121,14 +120,8 @@ def med(xs):
 
 def profile_model(name: str, device, args) -> dict:
     shape = SHAPES[name]
-    hf = build_hf(name, device, torch.bfloat16).eval()
-    model = lathe_from_transformers(hf).eval()
-    del hf
-    torch.cuda.empty_cache()
-    prompts = random_prompts(args.prompts, args.prompt_len, args.prompt_len, shape["vocab_size"], 0)
-    params = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
-    engine = LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=args.prompts,
-                         gpu_memory_utilization=args.gpu_memory_utilization)
+    engine, prompts, params = fixed_load_engine(name, device, args)
+    model = engine.model
     probe = Probe()
     instrument(engine, probe)
     engine.generate(prompts, params)            # warm-up: compile, capture every bucket

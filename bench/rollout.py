@@ -96,6 +96,22 @@ def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
+def fixed_load_engine(name: str, device, args):
+    """(engine, prompts, params) of the fixed load for a random-weight bf16 model of shape `name`: `args.prompts`
+    prompts of `args.prompt_len` tokens, `args.new_tokens` forced new tokens, the engine at
+    `args.gpu_memory_utilization` (the transformers copy the weights come from is freed)."""
+    shape = SHAPES[name]
+    hf = build_hf(name, device, torch.bfloat16).eval()
+    model = lathe_from_transformers(hf).eval()
+    del hf
+    torch.cuda.empty_cache()
+    prompts = random_prompts(args.prompts, args.prompt_len, args.prompt_len, shape["vocab_size"], 0)
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    engine = LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=args.prompts,
+                         gpu_memory_utilization=args.gpu_memory_utilization)
+    return engine, prompts, params
+
+
 # -- backends ---------------------------------------------------------------------------------------------
 class StepStats:
     """Per-call counts and host wall seconds of the engine's prefill and decode steps (`engine.step` wrapped):

@@ -30,12 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from rollout import StepStats, random_prompts  # noqa: E402
-from train import SHAPES, build_hf, device_name, git_sha, slug, sync  # noqa: E402
+from rollout import StepStats, fixed_load_engine  # noqa: E402
+from train import device_name, git_sha, slug, sync  # noqa: E402
 
-from lathe.engine.llm_engine import LatheEngine  # noqa: E402
-from lathe.models.hf import lathe_from_transformers  # noqa: E402
-from lathe.rollout.base import SamplingParams  # noqa: E402
 
 FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
 
@@ -120,15 +117,7 @@ def main() -> None:
     sampler = Sampler(torch.cuda.current_device(), args.sample_ms)
     gc_timer = GcTimer()
     for model_name in args.models.split(","):
-        shape = SHAPES[model_name]
-        hf = build_hf(model_name, device, torch.bfloat16).eval()
-        model = lathe_from_transformers(hf).eval()
-        del hf
-        torch.cuda.empty_cache()
-        prompts = random_prompts(args.prompts, args.prompt_len, args.prompt_len, shape["vocab_size"], 0)
-        params = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
-        engine = LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=args.prompts,
-                             gpu_memory_utilization=args.gpu_memory_utilization)
+        engine, prompts, params = fixed_load_engine(model_name, device, args)
         engine.generate(prompts, params)         # compiles and graph captures
         sync(device)
         stats = StepStats(engine)
@@ -163,7 +152,7 @@ def main() -> None:
             row[mode] = part
         res["models"][model_name] = row
         engine.sleep()
-        del engine, model
+        del engine
         torch.cuda.empty_cache()
     sampler.stop = True
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"rollout_variance_{slug(name)}.json"

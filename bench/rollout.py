@@ -5,11 +5,14 @@
     python bench/rollout.py --device cpu --models tiny --prompts 4 --grpo-prompts 2 --new-tokens 8   # smoke test
 
 Random-weight Qwen2.5 shapes in bf16, the same weights in every backend (lathe's model is converted from
-transformers' by state dict). Two loads:
+transformers' by state dict). Three loads (`--loads`, fixed and grpo by default):
 - fixed: `--prompts` random prompts of `--prompt-len` tokens, `--new-tokens` forced new tokens each
   (ignore_eos / min_new_tokens), sampling at temperature 1 (no top-k/top-p);
 - grpo: `--grpo-prompts` prompts of random lengths in [64, 512], n=`--grpo-n` samples each, responses of
-  natural length up to `--grpo-max-tokens` (random weights rarely sample EOS, so most run to the cap).
+  natural length up to `--grpo-max-tokens` (random weights rarely sample EOS, so most run to the cap);
+- grpo_eos: the grpo prompts with responses that end: every `--eos-period`-th token id stops one, so the lengths
+  spread roughly geometrically (mean near the period) under `--eos-max-tokens`, as a trained policy's responses
+  vary; the case for admission, which must guess lengths well below max_tokens.
 Reported: generated tokens/s (wall time of the whole call, prefill included; the second of two identical calls,
 each starting with an empty prefix cache as after a weight sync; the first's time and graph-capture seconds beside
 it, and a third call's that finds the prompts cached), the prefill and decode steps of each call (counts, host wall
@@ -266,6 +269,12 @@ def bench_model(name: str, device, args) -> dict:
         "grpo": (random_prompts(args.grpo_prompts, min(64, args.prompt_len), max(64, 2 * args.prompt_len),
                                 shape["vocab_size"], 1),
                  SamplingParams(n=args.grpo_n, temperature=1.0, max_tokens=args.grpo_max_tokens, seed=0), False),
+        # the grpo prompts with responses that end: every `--eos-period`-th token id stops a sequence, so lengths
+        # spread roughly geometrically (mean about the period) under `--eos-max-tokens`, as a trained policy's do
+        "grpo_eos": (random_prompts(args.grpo_prompts, min(64, args.prompt_len), max(64, 2 * args.prompt_len),
+                                    shape["vocab_size"], 1),
+                     SamplingParams(n=args.grpo_n, temperature=1.0, max_tokens=args.eos_max_tokens, seed=0,
+                                    stop_token_ids=list(range(0, shape["vocab_size"], args.eos_period))), False),
     }
     max_seqs = max(args.prompts, args.grpo_prompts * args.grpo_n)
     if args.overcommit is not None:      # an A/B of the admission rule (1 = reserve for every response in full)
@@ -356,6 +365,8 @@ def main() -> None:
     ap.add_argument("--grpo-prompts", type=int, default=64)
     ap.add_argument("--grpo-n", type=int, default=8)
     ap.add_argument("--grpo-max-tokens", type=int, default=1024)
+    ap.add_argument("--eos-period", type=int, default=512, help="grpo_eos: every n-th token id ends a response")
+    ap.add_argument("--eos-max-tokens", type=int, default=4096, help="grpo_eos: the responses' max_tokens")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--hf-batch-timeout", type=float, default=240.0,
                     help="seconds before a generate_batch baseline (run in a child process) is killed")

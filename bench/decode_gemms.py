@@ -14,8 +14,6 @@ own kernel times are in `bench/decode_profile.py`); the large ones show what cuB
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train import device_name, git_sha, slug  # noqa: E402
+from train import result_header, write_result  # noqa: E402
 
 # hidden, intermediate, q heads, kv heads, head dim, vocab
 MODELS = {"0.5b": (896, 4864, 14, 2, 64, 151936), "1.5b": (1536, 8960, 12, 2, 128, 151936),
@@ -44,9 +42,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
-    name = device_name(device)
-    res = {"bench": "decode_gemms", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "args": vars(args), "models": {}}
+    res = {**result_header("decode_gemms", device, args), "models": {}}
     m = args.tokens
     for model in args.models.split(","):
         h, inter, hq, hkv, d, vocab = MODELS[model]
@@ -83,9 +79,7 @@ def main() -> None:
                                 "weights_at_bandwidth_us_per_step": ideal / args.bandwidth * 1e6}
         print(model, f"per step: linear {per_step:.0f} us, weights at bandwidth {ideal / args.bandwidth * 1e6:.0f} us",
               flush=True)
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_gemms_{slug(name)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    write_result(res, args.out)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ sequence in one program measured the same bandwidth: `bench/results/decode_kerne
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train import device_name, git_sha, slug  # noqa: E402
+from train import result_header, write_result  # noqa: E402
 
 from lathe.engine.paged_attention import decode_attention  # noqa: E402
 from lathe.engine.triton_decode import choose_num_splits, paged_decode  # noqa: E402
@@ -45,11 +43,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
-    name = device_name(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    res = {"bench": "decode_kernels", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
-           "shapes": {}}
+    res = {**result_header("decode_kernels", device, args, triton=triton.__version__), "shapes": {}}
     g = torch.Generator(device=device).manual_seed(0)
     for shape, (hq, hkv, dim) in SHAPES.items():
         for b, ctx in itertools.product(map(int, args.batches.split(",")), map(int, args.contexts.split(","))):
@@ -90,9 +85,7 @@ def main() -> None:
                   f"{best['ms']*1e3:.1f} us ({best['tb_s']:.2f} TB/s) at splits {best['num_splits']} block_n {best['block_n']} warps "
                   f"{best['num_warps']} stages {best['num_stages']}", flush=True)
             del kc, vc
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_kernels_{slug(name)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    write_result(res, args.out)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ PyTorch reference (`paged_attention.decode_attention` in float32).
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -30,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train import device_name, git_sha, slug  # noqa: E402
+from train import result_header, write_result  # noqa: E402
 
 from lathe.engine.paged_attention import decode_attention  # noqa: E402
 from lathe.engine.triton_decode import paged_decode  # noqa: E402
@@ -73,10 +71,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
-    name = device_name(device)
-    res = {"bench": "decode_layouts", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "triton": triton.__version__,
-           "args": vars(args), "shapes": {}}
+    res = {**result_header("decode_layouts", device, args, triton=triton.__version__), "shapes": {}}
     g = torch.Generator(device=device).manual_seed(0)
     b = args.batch
 
@@ -145,9 +140,7 @@ def main() -> None:
             for x in rows:
                 if "error" in x and x["kernel"] != "triton":
                     print("   error", x, flush=True)
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_layouts_{slug(name)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    write_result(res, args.out)
 
 
 if __name__ == "__main__":

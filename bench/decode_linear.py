@@ -26,8 +26,6 @@ row count but the large gate/up products at 64 rows, where the two are within 3%
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +38,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from decode_gemms import MODELS  # noqa: E402
-from train import device_name, git_sha, slug  # noqa: E402
+from train import result_header, write_result  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -200,11 +198,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
-    name = device_name(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    res = {"bench": "decode_linear", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "sms": sms, "args": vars(args),
-           "models": {}}
+    res = {**result_header("decode_linear", device, args, sms=sms), "models": {}}
     for model in args.models.split(","):
         h, inter, hq, hkv, d, _ = MODELS[model]
         shapes = {"qkv": (h, (hq + 2 * hkv) * d, True), "o": (hq * d, h, False), "gate_up": (h, 2 * inter, False),
@@ -251,9 +246,7 @@ def main() -> None:
                       row.get("sweep_best", {}).get("config"), flush=True)
             del ws, bs
             torch.cuda.empty_cache()
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_linear_{slug(name)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    write_result(res, args.out)
 
 
 if __name__ == "__main__":

@@ -263,16 +263,16 @@ def bench_model(name: str, device, args) -> dict:
     bandwidth = hbm_bandwidth(device_name(device)) if device.type == "cuda" else None
     wbytes = weight_bytes(lathe)
     result = {"shape": shape, "weight_bytes": wbytes, "kv_bytes_per_token": kv_bytes_per_token(shape), "loads": {}}
+    grpo_prompts = random_prompts(args.grpo_prompts, min(64, args.prompt_len), max(64, 2 * args.prompt_len),
+                                  shape["vocab_size"], 1)
     loads = {
         "fixed": (random_prompts(args.prompts, args.prompt_len, args.prompt_len, shape["vocab_size"], 0),
                   SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0), True),
-        "grpo": (random_prompts(args.grpo_prompts, min(64, args.prompt_len), max(64, 2 * args.prompt_len),
-                                shape["vocab_size"], 1),
+        "grpo": (grpo_prompts,
                  SamplingParams(n=args.grpo_n, temperature=1.0, max_tokens=args.grpo_max_tokens, seed=0), False),
         # the grpo prompts with responses that end: every `--eos-period`-th token id stops a sequence, so lengths
         # spread roughly geometrically (mean about the period) under `--eos-max-tokens`, as a trained policy's do
-        "grpo_eos": (random_prompts(args.grpo_prompts, min(64, args.prompt_len), max(64, 2 * args.prompt_len),
-                                    shape["vocab_size"], 1),
+        "grpo_eos": (grpo_prompts,
                      SamplingParams(n=args.grpo_n, temperature=1.0, max_tokens=args.eos_max_tokens, seed=0,
                                     stop_token_ids=list(range(0, shape["vocab_size"], args.eos_period))), False),
     }

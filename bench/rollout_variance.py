@@ -14,9 +14,7 @@ collector as it is and once disabled during each call (an A/B of host pauses), i
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import statistics
 import subprocess
 import sys
@@ -31,7 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from rollout import StepStats, fixed_load_engine  # noqa: E402
-from train import device_name, git_sha, slug, sync  # noqa: E402
+from train import result_header, sync, write_result  # noqa: E402
 
 
 FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
@@ -111,9 +109,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
-    name = device_name(device)
-    res = {"bench": "rollout_variance", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "args": vars(args), "models": {}}
+    res = {**result_header("rollout_variance", device, args), "models": {}}
     sampler = Sampler(torch.cuda.current_device(), args.sample_ms)
     gc_timer = GcTimer()
     for model_name in args.models.split(","):
@@ -155,9 +151,7 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
     sampler.stop = True
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"rollout_variance_{slug(name)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    write_result(res, args.out)
 
 
 if __name__ == "__main__":

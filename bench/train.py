@@ -89,6 +89,23 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def result_header(bench: str, device: torch.device, args, **extra) -> dict:
+    """The fields a bench's JSON opens with: bench, device, date, git sha (`args.git_sha` where given: a device
+    copy's .git may be stale), torch version, any `extra`, then the arguments."""
+    return {"bench": bench, "device": device_name(device),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "git_sha": getattr(args, "git_sha", None) or git_sha(), "torch": torch.__version__, **extra,
+            "args": vars(args)}
+
+
+def write_result(res: dict, out: str | None) -> Path:
+    """`res` as JSON at `out`, or at bench/results/<bench>_<device slug>.json."""
+    path = Path(out) if out else ROOT / "bench" / "results" / f"{res['bench']}_{slug(res['device'])}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2))
+    return path
+
+
 def datasheet_peak(name: str) -> float | None:
     return next((tf for key, tf in PEAK_BF16_TFLOPS if key in name), None)
 

@@ -29,6 +29,7 @@ actor's own bf16 weights, KV cache re-sized at each wake-up) is timed by `bench/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -276,6 +277,8 @@ def bench_model(name: str, device, args) -> dict:
                      SamplingParams(n=args.grpo_n, temperature=1.0, max_tokens=args.eos_max_tokens, seed=0,
                                     stop_token_ids=list(range(0, shape["vocab_size"], args.eos_period))), False),
     }
+    loads = {load: (prompts, dataclasses.replace(params, top_k=args.top_k, top_p=args.top_p), forced)
+             for load, (prompts, params, forced) in loads.items()}
     max_seqs = max(args.prompts, args.grpo_prompts * args.grpo_n)
     if args.overcommit is not None:      # an A/B of the admission rule (1 = reserve for every response in full)
         scheduler.OVERCOMMIT = args.overcommit
@@ -375,6 +378,9 @@ def main() -> None:
     ap.add_argument("--overcommit", type=float, default=None,
                     help="admit a call's whole load when it fits with responses at 1/this of max_tokens "
                          "(default: the scheduler's OVERCOMMIT; 1 reserves for every response in full)")
+    ap.add_argument("--top-k", type=int, default=-1,
+                    help="every load samples with this top-k (-1: off; lathe only, not the HF baselines)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every load samples with this top-p (1: off; lathe only)")
     ap.add_argument("--step-by-step", action="store_true",
                     help="resolve each step's tokens before scheduling the next (no overlap of host and device)")
     ap.add_argument("--profile", action="store_true", help="add an eager decode profile per model")

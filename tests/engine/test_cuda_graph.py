@@ -49,18 +49,19 @@ def test_tables_follow_new_blocks_copy_on_write_and_reallocation():
 class _Replay:
     """A captured graph's stand-in on the CPU: replaying reruns the step over the static buffers."""
 
-    def __init__(self, graphs, bucket):
-        self.graphs, self.bucket = graphs, bucket
+    def __init__(self, graphs, key):
+        self.graphs, self.key = graphs, key
 
     def replay(self):
-        self.graphs.outputs[self.bucket] = self.graphs._forward(self.bucket)
+        self.graphs.outputs[self.key] = self.graphs._forward(self.key)
 
 
 def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpreter, monkeypatch):
     """The graph step's own work (one input buffer, slots and lengths from positions and block tables, padding rows
     on the scratch slot, the fused sampler drawing from seeds and output positions, the KV store kernel) run
     eagerly on the CPU: the same tokens as the plain engine, with overlapped scheduling, early stops, preemption,
-    changing buckets, and the PyTorch sampler for top-p batches."""
+    changing buckets, and top-p batches (the fused sampler's search in the graph step, the PyTorch sort in the
+    plain engine)."""
     import lathe.engine.llm_engine as llm
     from lathe.engine.llm_engine import LatheEngine
     from lathe.engine.sampler import fused_settings

@@ -115,7 +115,7 @@ def test_wake_up_shrinks_an_auto_sized_cache_when_training_took_memory(checkpoin
 def test_cuda_overlapped_scheduling_equals_step_by_step(checkpoints, sampler):
     """On the GPU the next step's input tokens come from the device (graph buffers written by a gather) and the
     host reads each step's tokens one step late: the same tokens as resolving every step at once (fp32), with
-    early stops, preemption and both samplers (the fused kernel; the PyTorch path for top-p)."""
+    early stops, preemption and the fused sampler plain and with its top-p search."""
     path, _ = checkpoints["qwen2"]
     vocab = load_lathe_model(path).config.vocab_size
     params = SamplingParams(n=4, temperature=0.9, top_p=0.9 if sampler == "top_p" else 1.0, max_tokens=MAX, seed=2,
@@ -130,6 +130,30 @@ def test_cuda_overlapped_scheduling_equals_step_by_step(checkpoints, sampler):
     assert "stop" in outs[0].finish_reasons and outs[1].metrics["rollout/num_preemptions"] > 0
     assert_close_rel(torch.tensor([x for r in outs[1].logprobs for x in r]),     # batch shapes differ: the last
                      torch.tensor([x for r in outs[0].logprobs for x in r]), name="log-probs", rel=1e-4)   # bits may too
+
+
+def test_cuda_graph_top_k_top_p_search_equals_the_torch_sampler(checkpoints, monkeypatch):
+    """Decode steps replayed from CUDA graphs whose fused sampler searches top-k and top-p thresholds: the tokens and
+    log-probs of an engine whose every step samples with the PyTorch sort path."""
+    import lathe.engine.llm_engine as llm
+    import lathe.engine.sampler as sampler
+    path, _ = checkpoints["qwen2"]
+    outs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: None)
+            monkeypatch.setattr(sampler, "fused_settings", lambda device, vocab, seqs: None)
+        engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4, num_kv_blocks=64)
+        assert engine.runner.graphs is not None
+        outs.append([engine.generate(PROMPTS, SamplingParams(n=3, temperature=t, top_k=k, top_p=p, max_tokens=MAX,
+                                                              seed=7))
+                     for t, k, p in ((0.8, 20, 1.0), (1.0, -1, 0.7), (1.2, 40, 0.9))])
+        if fused:
+            assert {key[1:] for key in engine.runner.graphs.graphs} >= {(True, False), (False, True), (True, True)}
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert_close_rel(torch.tensor([x for r in a.logprobs for x in r]),
+                         torch.tensor([x for r in b.logprobs for x in r]), name="log-probs", rel=1e-4)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

@@ -107,3 +107,26 @@ def test_vectorised_uniforms_equal_the_python_integer_hash():
     assert uniforms(seeds, positions).tolist() == [_splitmix_reference(s, p) for s, p in zip(seeds, positions)]
     draws = uniforms([0] * 100, list(range(100)))
     assert len(set(draws.tolist())) == 100 and ((0 <= draws) & (draws < 1)).all()
+
+
+def test_ties_are_kept_or_dropped_whole():
+    """Three tokens tie at the k-th largest value, and top-p's cut falls inside the same tie group: all three are
+    kept either way (a sort's order among them decides nothing)."""
+    logits = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0])
+    assert torch.isfinite(apply_top_k_top_p(logits, 2, 1.0)).tolist() == [True] * 4 + [False]
+    # mass above the 1.0 group: e^2 / (e^2 + 3e + 1) = 0.447 < 0.5, while e^2 + e alone is 0.61 of it
+    assert torch.isfinite(apply_top_k_top_p(logits, -1, 0.5)).tolist() == [True] * 4 + [False]
+    assert torch.isfinite(apply_top_k_top_p(logits, -1, 0.4)).tolist() == [True] + [False] * 4
+
+
+def test_kept_sets_equal_the_rule_written_out():
+    """Random rows, some with ties (bf16-rounded): the PyTorch masks equal the float64 reference's kept sets."""
+    from .sampling_reference import kept_reference
+    g = torch.Generator().manual_seed(2)
+    for trial in range(12):
+        x = torch.randn(400, generator=g) * (0.5 + trial)
+        if trial % 2:
+            x = x.bfloat16().float()
+        temperature, k, p = 0.5 + 0.1 * trial, [-1, 3, 40, 399][trial % 4], [1.0, 0.3, 0.9, 0.99][trial // 3 % 4]
+        kept = torch.isfinite(apply_top_k_top_p(x / temperature, k, p)).tolist()
+        assert kept == kept_reference(x.double().tolist(), temperature, k, p), (trial, k, p)

@@ -6,14 +6,15 @@ records the whole step once per bucket and replays it with one launch: the forwa
 fused sampler (`triton_sample.py`), so that a step's sampled tokens and log-probs come out of the graph and
 nothing else is launched per step but the input copy.
 
-Inputs go through one static (7, max batch) int64 buffer, written by one host-to-device copy per step: token
-ids, positions, the sampler's seeds, output positions, greedy flags and temperatures (float64 bit
-patterns), and an image prompt's rope delta (VL models). Inside the graph, each row's KV slot and context length come from its position and block table.
-A batch runs in the smallest bucket that holds it; its padding rows (position -1) write their K/V to the
+Inputs go through one static (9, max batch) int64 buffer, written by one host-to-device copy per step: token
+ids, positions, the sampler's seeds, output positions, greedy flags, temperatures and top-p (float64 bit
+patterns) and top-k, and an image prompt's rope delta (VL models). Inside the graph, each row's KV slot and context length come from its position and block table.
+A batch runs in the smallest bucket that holds it (a bucket has up to four graphs: with and without the
+sampler's top-k and top-p searches, which only batches that use them pay for); its padding rows (position -1) write their K/V to the
 cache's scratch slot and attend over one token, and their outputs are dropped. The block tables live on
 the device between steps; a step rewrites only the rows whose sequence changed or gained a block. A
 bucket is captured the first time it is needed, after one eager warm-up run, into a memory pool all
-buckets share. A batch the fused sampler cannot take (top-k/top-p, a min_tokens ban) uses the graph's
+buckets share. A batch the fused sampler cannot take (a min_tokens ban in force) uses the graph's
 logits and the PyTorch sampler instead.
 
 The graphs hold the KV cache's and the weights' addresses: `update_weights` copies in place (graphs
@@ -32,12 +33,13 @@ from lathe import device as accel
 from lathe.device import to_device
 from lathe.engine.model_runner import rope_delta
 from lathe.engine.multimodal import hidden_states, text_config
-from lathe.engine.sampler import fused_rows, sample_rows
+from lathe.engine.sampler import FUSED_ROWS, fused_rows, sample_rows
 from lathe.engine.triton_decode import choose_num_splits
 
-IDS, POS, SEED, OUT_POS, GREEDY, TEMP, DELTA = range(7)     # rows of the static input buffer (SEED:DELTA: fused_rows)
+IDS, POS, SEED, OUT_POS, GREEDY, TEMP, TOP_K, TOP_P, DELTA = range(9)   # static input rows (SEED:DELTA: fused_rows)
+assert DELTA - SEED == FUSED_ROWS
 _ONE = np.array(1.0).view(np.int64)
-PAD = np.array([0, -1, 0, 0, 1, _ONE, 0], dtype=np.int64)        # a padding row: greedy, scratch slot
+PAD = np.array([0, -1, 0, 0, 1, _ONE, 0, _ONE, 0], dtype=np.int64)        # a padding row: greedy, scratch slot
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -64,12 +66,12 @@ class DecodeGraphs:
 
     def reset(self) -> None:
         """Forget every captured graph (the KV cache they point at is gone)."""
-        self.graphs: dict[int, object] = {}          # batch bucket -> captured graph
+        self.graphs: dict[tuple, object] = {}        # (batch bucket, top-k search, top-p search) -> captured graph
         self.row_seq = [None] * self.max_batch      # the sequence whose table each row of `tables` holds,
         self.row_dealloc = [0] * self.max_batch     # at which of its allocations, how long, ending in which block
         self.row_len = [0] * self.max_batch
         self.row_last = [-1] * self.max_batch
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
 
     def fits(self, batch: int) -> bool:
@@ -78,10 +80,11 @@ class DecodeGraphs:
     def _bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        """One decode step over the static buffers: logits (bucket, V); the sampled tokens and log-probs go to
-        `sampled`."""
+    def _forward(self, key: tuple) -> torch.Tensor:
+        """One decode step over the static buffers for key = (bucket, top-k search, top-p search): logits
+        (bucket, V); the sampled tokens and log-probs go to `sampled`."""
         from lathe.engine.model_runner import DecodeAttention
+        bucket, use_k, use_p = key
         runner, inp = self.runner, self.inputs[:, :bucket]
         bs, pos = runner.block_size, inp[POS]
         real = pos.clamp_min(0)
@@ -93,20 +96,20 @@ class DecodeGraphs:
         rope = real + inp[DELTA] if runner.vl else real          # an image prompt's tokens sit at index + delta
         logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], rope, attn))
         if self.samples:
-            sample_rows(logits, inp[SEED:DELTA], out=self.sampled)
+            sample_rows(logits, inp[SEED:DELTA], out=self.sampled, use_k=use_k, use_p=use_p)
         return logits
 
-    def _capture(self, bucket: int) -> None:
+    def _capture(self, key: tuple) -> None:
         start = time.perf_counter()
-        self._forward(bucket)                       # warm-up: kernels compiled, workspaces allocated
+        self._forward(key)                          # warm-up: kernels compiled, workspaces allocated
         device = self.runner.device
         accel.synchronize(device)
         graph = accel.new_graph(device)
         if self.pool is None:
             self.pool = accel.graph_pool(device)
         with accel.capture(graph, device, pool=self.pool):
-            self.outputs[bucket] = self._forward(bucket)
-        self.graphs[bucket] = graph
+            self.outputs[key] = self._forward(key)
+        self.graphs[key] = graph
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
 
@@ -149,8 +152,9 @@ class DecodeGraphs:
         self.inputs[:, :bucket].copy_(to_device(host, self.inputs.device))
         self.runner.take_pending(self.inputs[IDS], pending)
         self._sync_tables(seqs)        # padding rows keep whatever table they hold: they write the scratch slot
-        if bucket not in self.graphs:
-            self._capture(bucket)
-        self.graphs[bucket].replay()
-        sampled = self.sampled[:, :batch] if sampling is not None and self.samples else None
-        return self.outputs[bucket][:batch], sampled
+        samples = sampling is not None and self.samples
+        key = (bucket, samples and sampling.use_k, samples and sampling.use_p)
+        if key not in self.graphs:
+            self._capture(key)
+        self.graphs[key].replay()
+        return self.outputs[key][:batch], self.sampled[:, :batch] if samples else None

@@ -5,8 +5,9 @@ greedy: the quantity the trainer recomputes (and `HFRollout` returns), not the t
 that top-k/top-p sampled from. `min_tokens` bans the stop ids from being sampled, never from the log-prob.
 
 Every row may have its own settings; the work is a few (B, V) tensor passes, with no per-row loop on the
-device. On CUDA, batches without top-k/top-p/min_tokens bans go through the fused Triton sampler instead
-(`triton_sample.py`, which a decode step's CUDA graph also captures), the same draw from the same uniform numbers.
+device. On CUDA, batches without a min_tokens ban in force go through the fused Triton sampler instead
+(`triton_sample.py`, which a decode step's CUDA graph also captures; top-k/top-p without a sort), the same draw
+from the same uniform numbers, up to float summation order.
 
 Randomness is inverse-CDF sampling from one uniform number per row, `uniforms(seed, t)`: splitmix64 of
 the sequence's seed and its output position t. A sequence samples the same tokens whatever else shares
@@ -14,6 +15,8 @@ its batch, and after preemption.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,7 +42,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | int, top_p: to
                       ) -> torch.Tensor:
     """Mask (to -inf) the tokens outside each row's top-k and outside the smallest set holding its `top_p` mass.
 
-    Order as transformers' warpers and vLLM: top-k first, then top-p over what is left. `logits` (V,) or
+    Order as transformers' warpers and vLLM: top-k first, then top-p over what is left. Ties are kept or dropped
+    whole: top-k keeps every token at the k-th largest value, top-p every token whose value's tie group starts
+    with less than `top_p` of the mass ranked above it (the fused kernel's rule, `triton_sample.py`; a sort's
+    order among equal values decides nothing). `logits` (V,) or
     (B, V); `top_k` (B,) or an int (<= 0 disables), `top_p` (B,) or a float (1 disables). `use_k` / `use_p`
     (whether any row uses top-k / top-p) and `k_max` (the largest k, V for a row without top-k): when the caller
     knows them; otherwise they are asked of the device, which waits for it.
@@ -58,6 +64,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | int, top_p: to
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         before = probs.cumsum(-1) - probs                      # mass of the tokens ranked above each one
+        starts = torch.ones_like(sorted_x, dtype=torch.bool)   # first of its tie group: all share its `before`
+        starts[:, 1:] = sorted_x[:, 1:] != sorted_x[:, :-1]
+        before = torch.where(starts, before, float("-inf")).cummax(-1).values
         remove = before >= torch.where(p < 1, p, torch.full_like(p, float("inf")))[:, None]
         remove[:, 0] = False
         x = x.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), float("-inf"))
@@ -70,10 +79,21 @@ def _shared_params(seqs: list[Sequence]):
     return first if all(s.params is first for s in seqs) else None
 
 
-def fused_settings(device: torch.device, vocab: int, seqs: list[Sequence]):
-    """(greedy, temperature) for the fused Triton sampler, each a scalar when every row shares it (a `generate`
-    call) or a per-row list; None when the fused kernel cannot sample this batch (not CUDA, no Triton, a row with
-    top-k/top-p, or a min_tokens ban in force)."""
+class FusedSettings(NamedTuple):
+    """What the fused sampler needs of a batch: each field a scalar when every row shares it (a `generate` call)
+    or a per-row list; `use_k` / `use_p` whether any sampled row has top-k / top-p (the searches run only then)."""
+
+    greedy: int | list[int]
+    temperature: float | list[float]
+    top_k: int | list[int]
+    top_p: float | list[float]
+    use_k: bool
+    use_p: bool
+
+
+def fused_settings(device: torch.device, vocab: int, seqs: list[Sequence]) -> FusedSettings | None:
+    """The batch's `FusedSettings`, or None when the fused Triton sampler cannot sample it (not CUDA, no Triton, or
+    a min_tokens ban in force)."""
     if device.type != "cuda":
         return None
     from lathe.engine.triton_sample import triton
@@ -81,36 +101,46 @@ def fused_settings(device: torch.device, vocab: int, seqs: list[Sequence]):
         return None
     shared = _shared_params(seqs)
     params = [shared] if shared is not None else [s.params for s in seqs]
-    if not all(p.greedy or ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1) for p in params):
-        return None
     if any(p.min_tokens and p.stop_token_ids for p in params) and any(
             s.num_output_tokens < s.params.min_tokens and s.params.stop_token_ids for s in seqs):
         return None
+    use_k = any(not p.greedy and 0 < p.top_k < vocab for p in params)
+    use_p = any(not p.greedy and p.top_p < 1 for p in params)
     if shared is not None:      # runs at every decode step: per-sequence lists only where they differ
-        return int(shared.greedy), shared.logprob_temperature
-    return [int(p.greedy) for p in params], [p.logprob_temperature for p in params]
+        return FusedSettings(int(shared.greedy), shared.logprob_temperature, shared.top_k, shared.top_p, use_k, use_p)
+    return FusedSettings([int(p.greedy) for p in params], [p.logprob_temperature for p in params],
+                         [p.top_k for p in params], [p.top_p for p in params], use_k, use_p)
 
 
-def fused_rows(seqs: list[Sequence], settings) -> np.ndarray:
-    """(4, B) int64 host rows the fused sampler reads: seeds, output positions, greedy flags, and temperatures
-    (float64 bit patterns, `.view(torch.float64)` on the device)."""
-    greedy, temps = settings
-    rows = np.empty((4, len(seqs)), dtype=np.int64)
+FUSED_ROWS = 6
+
+
+def fused_rows(seqs: list[Sequence], settings: FusedSettings) -> np.ndarray:
+    """(FUSED_ROWS, B) int64 host rows the fused sampler reads: seeds, output positions, greedy flags, temperatures
+    (float64 bit patterns, `.view(torch.float64)` on the device), top-k, top-p (float64 bit patterns)."""
+    rows = np.empty((FUSED_ROWS, len(seqs)), dtype=np.int64)
     rows[0] = [s.seed or 0 for s in seqs]
     rows[1] = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
-    rows[2] = greedy
-    rows[3] = np.asarray(temps, dtype=np.float64).view(np.int64)
+    rows[2] = settings.greedy
+    rows[3] = np.asarray(settings.temperature, dtype=np.float64).view(np.int64)
+    rows[4] = settings.top_k
+    rows[5] = np.asarray(settings.top_p, dtype=np.float64).view(np.int64)
     return rows
 
 
-def sample_rows(logits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The fused sampler over `fused_rows` already on the device ((4, B) int64); `out` as `fused_sample` takes it."""
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None,
+                use_k: bool = False, use_p: bool = False) -> torch.Tensor:
+    """The fused sampler over `fused_rows` already on the device ((FUSED_ROWS, B) int64); `out` as `fused_sample`
+    takes it; the top-k / top-p searches run when `use_k` / `use_p`."""
     from lathe.engine.triton_sample import fused_sample
-    return fused_sample(logits, rows[3].view(torch.float64).float(), rows[2].int(), rows[0], rows[1], out=out)
+    return fused_sample(logits, rows[3].view(torch.float64).float(), rows[2].int(), rows[0], rows[1], out=out,
+                        top_k=rows[4] if use_k else None,
+                        top_p=rows[5].view(torch.float64).float() if use_p else None)
 
 
-def _sample_fused(logits: torch.Tensor, seqs: list[Sequence], settings) -> torch.Tensor:
-    return sample_rows(logits, to_device(torch.from_numpy(fused_rows(seqs, settings)), logits.device))
+def _sample_fused(logits: torch.Tensor, seqs: list[Sequence], settings: FusedSettings) -> torch.Tensor:
+    rows = to_device(torch.from_numpy(fused_rows(seqs, settings)), logits.device)
+    return sample_rows(logits, rows, use_k=settings.use_k, use_p=settings.use_p)
 
 
 def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -120,6 +150,12 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     settings = fused_settings(logits.device, logits.shape[-1], seqs)
     if settings is not None:
         return _sample_fused(logits, seqs, settings)
+    return sample_torch(logits, seqs)
+
+
+def sample_torch(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """`sample_on_device` in PyTorch operations (a sort for top-p, `topk` for top-k): the path for the CPU and for
+    rows with a min_tokens ban in force, and the fused sampler's reference."""
     logits = logits.float()
     device = logits.device
     params = [s.params for s in seqs]

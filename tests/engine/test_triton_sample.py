@@ -37,11 +37,11 @@ def _seqs(params, seeds, positions):
     return seqs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_searches_draw_what_the_torch_sampler_draws(fused, dtype):
     """A batch mixing top-k, top-p, both, k = 1, k >= V, greedy and plain rows over a 3000-token vocabulary cut into
     six chunks: every row draws the PyTorch sampler's token from the same uniform, inside the reference's kept set,
-    with the full distribution's log-prob. bf16 logits take the four-pass search, float32 ones eight passes."""
+    with the full distribution's log-prob. bf16 logits take the four-pass search, fp16 five, float32 eight."""
     g = torch.Generator().manual_seed(3)
     settings = [dict(top_k=20), dict(top_p=0.8, temperature=0.7), dict(top_k=50, top_p=0.5), dict(temperature=0),
                 dict(temperature=1.3), dict(top_k=1, temperature=0.9), dict(top_k=5000, top_p=0.95),
@@ -88,8 +88,9 @@ def test_ties_at_the_threshold_are_kept_whole(fused):
 
 def test_search_passes_cover_the_key_space():
     """bf16 logits leave 16 of a float32 key's bits zero: four passes of 16 pivots reach one value apart; fp16 five,
-    float32 eight."""
+    float32 eight. The first pass spans the int32 keys."""
     from lathe.engine.triton_sample import NP, search_strides
-    for dtype, passes, last in ((torch.bfloat16, 4, 1 << 16), (torch.float16, 5, 1 << 13), (torch.float32, 8, 1)):
+    for dtype, passes, step in ((torch.bfloat16, 4, 1 << 16), (torch.float16, 5, 1 << 13), (torch.float32, 8, 1)):
         strides = search_strides(dtype)
-        assert len(strides) == passes and strides[-1] == last and strides[0] * NP >= 1 << 32
+        assert len(strides) == passes and strides[-1] <= step and strides[0] * NP == 1 << 32
+        assert all(a == b * NP for a, b in zip(strides, strides[1:]))

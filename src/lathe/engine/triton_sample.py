@@ -75,9 +75,10 @@ if triton is not None:
 
     @triton.jit
     def _order_key(x):
-        """float32 -> int64 key in [0, 2**32) with the floats' order (-0.0 counted as +0.0)."""
-        b = x.to(tl.int32, bitcast=True).to(tl.int64)
-        return tl.where(b >= 0, b + 2147483648, tl.where(b == -2147483648, 2147483648, -1 - b))
+        """float32 -> int32 key with the floats' order (-0.0 counted as +0.0): a negative float's bits, read as an
+        int32, grow with its magnitude; flipping the 31 low bits reverses that."""
+        b = x.to(tl.int32, bitcast=True)
+        return tl.where(b >= 0, b, tl.where(b == -2147483648, 0, b ^ 2147483647))
 
     @triton.jit
     def _row_totals(PM, PS, row, NCHUNK, inv_t, NCHUNK_PAD: tl.constexpr):
@@ -91,7 +92,8 @@ if triton is not None:
 
     @triton.jit
     def _prep_kernel(PM, PS, V, TEMP, GREEDY, TOPK, USE_K: tl.constexpr, FLOATS, INTS, B, NCHUNK, NCHUNK_PAD: tl.constexpr):
-        """Per row: the max and the full mass (FLOATS rows 0, 1); the search state LO = GATE = 0, J = -1; the top-k
+        """Per row: the max and the full mass (FLOATS rows 0, 1); the search state LO = GATE = the lowest key, J = -1;
+        the top-k
         target k (FLOATS row 2), or -1 where the row does not search."""
         row = tl.program_id(0)
         greedy = tl.load(GREEDY + row)
@@ -104,8 +106,8 @@ if triton is not None:
         tl.store(FLOATS + row, best)
         tl.store(FLOATS + B + row, tl.sum(w, 0))
         tl.store(FLOATS + 2 * B + row, target)
-        tl.store(INTS + row, 0)
-        tl.store(INTS + B + row, 0)
+        tl.store(INTS + row, -2147483648)
+        tl.store(INTS + B + row, -2147483648)
         tl.store(INTS + 2 * B + row, -1)
 
     @triton.jit
@@ -119,7 +121,7 @@ if triton is not None:
             best = tl.load(FLOATS + row)
             inv_t = 1.0 / tl.load(TEMP + row)       # searching rows are sampled rows
             gate = tl.load(INTS + B + row)
-            pivots = tl.load(INTS + row) + tl.arange(0, NP_).to(tl.int64) * pivot_stride
+            pivots = tl.load(INTS + row) + tl.arange(0, NP_) * pivot_stride
             count = tl.zeros([NP_], dtype=tl.float32)
             mass = tl.zeros([NP_], dtype=tl.float32)
             base = LOGITS + row.to(tl.int64) * stride
@@ -130,8 +132,8 @@ if triton is not None:
                 key = _order_key(x)
                 live = ok & (key >= gate)
                 e = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
-                above = (key[None, :] >= pivots[:, None]) & live[None, :]
-                count += tl.sum(above.to(tl.float32), 1)
+                above = key[None, :] >= pivots[:, None]      # (`& live` here fails Triton 3.6's layout pass)
+                count += tl.sum(tl.where(above, live.to(tl.float32)[None, :], 0.0), 1)
                 mass += tl.sum(tl.where(above, e[None, :], 0.0), 1)
             out = PART + (row * NCHUNK + c) * 2 * NP_ + tl.arange(0, NP_)
             tl.store(out, count)
@@ -155,13 +157,13 @@ if triton is not None:
                 j = tl.max(tl.where(mass >= target, js, 0), 0)
             else:
                 j = tl.max(tl.where(count >= target, js, 0), 0)
-            tl.store(INTS + row, tl.load(INTS + row) + j.to(tl.int64) * pivot_stride)
-            tl.store(INTS + 2 * B + row, j.to(tl.int64))
+            tl.store(INTS + row, tl.load(INTS + row) + j * pivot_stride)
+            tl.store(INTS + 2 * B + row, j)
             tl.store(FLOATS + 3 * B + row, tl.sum(tl.where(js == j, mass, 0.0), 0))
 
     @triton.jit
     def _top_p_kernel(GREEDY, TOPP, FLOATS, INTS, B):
-        """Between the searches, per row: top-p searches from LO = 0 over the tokens top-k kept (GATE = the top-k
+        """Between the searches, per row: top-p searches from the lowest key over the tokens top-k kept (GATE = the top-k
         threshold), for the target p * their mass; rows without top-p stop searching (J, LO stay top-k's)."""
         row = tl.program_id(0)
         p = tl.load(TOPP + row)
@@ -170,8 +172,8 @@ if triton is not None:
         kept = tl.where(used_k, tl.load(FLOATS + 3 * B + row), tl.load(FLOATS + B + row))
         tl.store(FLOATS + 2 * B + row, tl.where(searches, p * kept, -1.0))
         if searches:
-            tl.store(INTS + B + row, tl.where(used_k, tl.load(INTS + row), 0))
-            tl.store(INTS + row, 0)
+            tl.store(INTS + B + row, tl.where(used_k, tl.load(INTS + row), -2147483648))
+            tl.store(INTS + row, -2147483648)
 
     @triton.jit(do_not_specialize=["out_stride"])     # varies between calls: one compile serves all
     def _pick_kernel(LOGITS, stride, V, TEMP, GREEDY, SEED, POS, PM, PS, PA, NCHUNK, OUT, out_stride,
@@ -187,7 +189,7 @@ if triton is not None:
         total = tl.sum(w, 0)
         base = LOGITS + row.to(tl.int64) * stride
         if greedy == 0:
-            threshold = tl.zeros([], dtype=tl.int64)            # keys are >= 0: every token
+            threshold = tl.full([], -2147483648, dtype=tl.int32)     # the lowest key: every token
             if FILTER:      # a row that searched draws from the chunks' masses at its threshold's pivot
                 j = tl.load(INTS + 2 * B + row)
                 kept = tl.load(PART + (row * NCHUNK + cs) * 2 * NP_ + NP_ + tl.maximum(j, 0), mask=cok,
@@ -219,13 +221,13 @@ _KEY_STEP = {torch.bfloat16: 1 << 16, torch.float16: 1 << 13}     # float32 key 
 
 
 def search_strides(dtype: torch.dtype) -> list[int]:
-    """The pivot spacing of each search pass for logits of `dtype`: from 2**32 / NP down to the spacing of
-    neighbouring values (a float32 key's low bits that bf16/fp16 leave zero are skipped)."""
-    step = _KEY_STEP.get(dtype, 1)
-    passes = 0
-    while step * NP ** passes < 1 << 32:
-        passes += 1
-    return [step * NP ** (passes - 1 - i) for i in range(passes)]
+    """The pivot spacing of each search pass for logits of `dtype`: from 2**32 / NP down to at most the spacing of
+    neighbouring values (a float32 key's low bits that bf16/fp16 leave zero are skipped). Pivots stay inside
+    int32: the bracket starts at -2**31 and is 2**32 wide."""
+    strides = [(1 << 32) // NP]
+    while strides[-1] > _KEY_STEP.get(dtype, 1):
+        strides.append(strides[-1] // NP)
+    return strides
 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
@@ -252,7 +254,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch
                                CHUNK_=chunk, num_warps=warps)
     filtered = top_k is not None or top_p is not None
     floats = torch.empty(4, b, dtype=torch.float32, device=logits.device)   # max, mass, target, kept mass
-    ints = torch.empty(3, b, dtype=torch.int64, device=logits.device)       # LO, GATE, J
+    ints = torch.empty(3, b, dtype=torch.int32, device=logits.device)       # LO, GATE, J
     part = torch.empty(b, nchunk, 2, NP, dtype=torch.float32, device=logits.device) if filtered else pm
     if filtered:
         _search(logits, v, temperatures, greedy, top_k, top_p, pm, ps, nchunk, pad, floats, ints, part, chunk)

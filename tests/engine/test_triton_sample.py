@@ -48,8 +48,11 @@ def test_searches_draw_what_the_torch_sampler_draws(fused, dtype):
                 dict(top_k=300, top_p=0.99, temperature=1.5), dict(top_p=0.05)]
     params = [SequenceParams(**{"temperature": 1.0, **s}) for s in settings] * 2
     rows = len(params)
-    logits = (torch.randn(rows, 3000, generator=g) * 3).to(dtype).float()
+    logits = torch.randn(rows, 3000, generator=g) * 3
     logits[2, 2999] = 25.0                                      # a peaked row: top-p keeps one token
+    logits[13] -= 30.0                                          # a plain row of negative logits in a searching batch
+    logits[15] -= 30.0                                          # and a top-k = 1 one
+    logits = logits.to(dtype).float()                           # values the kernel's dtype holds exactly
     seeds = torch.randint(0, 2**62, (rows,), generator=g).tolist()
     positions = torch.randint(0, 900, (rows,), generator=g).tolist()
     ref_tok, ref_lp = sample(logits, _seqs(params, seeds, positions))

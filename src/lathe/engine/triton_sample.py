@@ -195,7 +195,7 @@ if triton is not None:
                 kept = tl.load(PART + (row * NCHUNK + cs) * 2 * NP_ + NP_ + tl.maximum(j, 0), mask=cok,
                                other=0.0)
                 w = tl.where(j >= 0, kept, w)
-                threshold = tl.where(j >= 0, tl.maximum(tl.load(INTS + row), tl.load(INTS + B + row)), 0)
+                threshold = tl.where(j >= 0, tl.maximum(tl.load(INTS + row), tl.load(INTS + B + row)), threshold)
             target = _uniform(tl.load(SEED + row), tl.load(POS + row)) * tl.sum(w, 0)
             cum = tl.cumsum(w, 0)
             last_chunk = tl.max(tl.where(w > 0, cs, 0), 0)

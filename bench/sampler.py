@@ -77,17 +77,41 @@ def bench_case(logits: torch.Tensor, setting: dict, iters: int) -> dict:
     return row
 
 
+def sweep(args, device) -> dict:
+    """Time the top-p search (one phase) under each `SearchConfig` candidate, fused sampler in a CUDA graph."""
+    import itertools
+
+    from lathe.engine import triton_sample
+    rows = {}
+    for np_, sub, warps, acc2d, skip in itertools.product((4, 8, 16), (256, 1024), (4, 8), (False, True),
+                                                           (False, True)):
+        triton_sample.SEARCH = triton_sample.SearchConfig(np_, sub, warps, acc2d, skip)
+        name = f"np={np_} sub={sub} warps={warps} acc2d={int(acc2d)} skip={int(skip)}"
+        for batch in args.batches:
+            row = bench_case(make_logits(batch, args.vocab, device, batch), SETTINGS["top_p=0.95"], args.iters)
+            rows[f"{name} B={batch}"] = {k: row[k] for k in ("fused_graph_ms", "rows_differing")}
+            print(f"{name} B={batch:4d} graph {row['fused_graph_ms']:7.3f} ms differ {row['rows_differing']}",
+                  flush=True)
+    triton_sample.SEARCH = triton_sample.SearchConfig()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--settings", type=lambda s: s.split(";"), default=list(SETTINGS))
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true", help="time the search's kernel configurations (top_p=0.95)")
     ap.add_argument("--git-sha", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
     res = result_header("sampler", device, args, cases={})
+    if args.sweep:
+        res["sweep"] = sweep(args, device)
+        print(f"wrote {write_result(res, args.out)}")
+        return
     for batch in args.batches:
         logits = make_logits(batch, args.vocab, device, batch)
         for name in args.settings:

@@ -92,8 +92,8 @@ def test_ties_at_the_threshold_are_kept_whole(fused):
 def test_search_passes_cover_the_key_space():
     """bf16 logits leave 16 of a float32 key's bits zero: four passes of 16 pivots reach one value apart; fp16 five,
     float32 eight. The first pass spans the int32 keys."""
-    from lathe.engine.triton_sample import NP, search_strides
+    from lathe.engine.triton_sample import SEARCH, search_strides
     for dtype, passes, step in ((torch.bfloat16, 4, 1 << 16), (torch.float16, 5, 1 << 13), (torch.float32, 8, 1)):
         strides = search_strides(dtype)
-        assert len(strides) == passes and strides[-1] <= step and strides[0] * NP == 1 << 32
-        assert all(a == b * NP for a, b in zip(strides, strides[1:]))
+        assert len(strides) == passes and strides[-1] <= step and strides[0] * SEARCH.np == 1 << 32
+        assert all(a == b * SEARCH.np for a, b in zip(strides, strides[1:]))

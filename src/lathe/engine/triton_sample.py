@@ -32,6 +32,8 @@ Rows with a min_tokens ban in force use the PyTorch path (`sampler.sample` decid
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -41,8 +43,22 @@ except ImportError:
     triton = None
 
 CHUNK = 4096
-NP = 16         # pivots per search pass: 4 key bits per pass
-SUB = 1024      # tokens a search program holds at once (NP x SUB compares in registers)
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How `_count_kernel` runs: `np` pivots per pass (a power of two: log2(np) key bits per pass), `sub` tokens
+    held at once, `warps`, per-pivot sums kept as (np, sub) accumulators (`acc2d`), blocks without a token inside
+    the bracket skipped (`skip`). `bench/sampler.py --sweep` times the candidates."""
+
+    np: int = 16
+    sub: int = 1024
+    warps: int = 8
+    acc2d: bool = False
+    skip: bool = False
+
+
+SEARCH = SearchConfig()
 
 
 if triton is not None:
@@ -111,19 +127,42 @@ if triton is not None:
         tl.store(INTS + 2 * B + row, -1)
 
     @triton.jit
-    def _count_kernel(LOGITS, stride, V, TEMP, FLOATS, INTS, B, PART, NCHUNK, pivot_stride,
-                      CHUNK_: tl.constexpr, SUB_: tl.constexpr, NP_: tl.constexpr):
+    def _tally(key, pivots, w_count, w_mass, count, mass, ACC2D: tl.constexpr):
+        """Add each token's count and mass weight to every pivot at or below its key: into (NP, SUB) accumulators
+        reduced once per program (ACC2D) or into (NP,) ones reduced here."""
+        above = key[None, :] >= pivots[:, None]         # (`& mask[None, :]` here fails Triton 3.6's layout pass)
+        if ACC2D:
+            count += tl.where(above, w_count[None, :], 0.0)
+            mass += tl.where(above, w_mass[None, :], 0.0)
+        else:
+            count += tl.sum(tl.where(above, w_count[None, :], 0.0), 1)
+            mass += tl.sum(tl.where(above, w_mass[None, :], 0.0), 1)
+        return count, mass
+
+    @triton.jit
+    def _count_kernel(LOGITS, stride, V, TEMP, FLOATS, INTS, B, PART, NCHUNK, pivot_stride, width,
+                      CHUNK_: tl.constexpr, SUB_: tl.constexpr, NP_: tl.constexpr, ACC2D: tl.constexpr,
+                      SKIP: tl.constexpr):
         """One (row, chunk): the count and the mass of the chunk's tokens at or above each of the NP pivots
-        LO + j * pivot_stride (tokens below GATE left out), into PART[row, chunk, 0 / 1, j]."""
+        LO + j * pivot_stride (tokens below GATE left out), into PART[row, chunk, 0 / 1, j]. With SKIP, tokens at or
+        above the bracket's top (LO + width) are summed apart, and a block of SUB tokens none of which falls
+        inside the bracket skips the per-pivot work."""
         row = tl.program_id(0)
         c = tl.program_id(1)
         if tl.load(FLOATS + 2 * B + row) >= 0:
             best = tl.load(FLOATS + row)
             inv_t = 1.0 / tl.load(TEMP + row)       # searching rows are sampled rows
             gate = tl.load(INTS + B + row)
-            pivots = tl.load(INTS + row) + tl.arange(0, NP_) * pivot_stride
-            count = tl.zeros([NP_], dtype=tl.float32)
-            mass = tl.zeros([NP_], dtype=tl.float32)
+            lo = tl.load(INTS + row)
+            pivots = lo + tl.arange(0, NP_) * pivot_stride
+            if ACC2D:
+                count = tl.zeros([NP_, SUB_], dtype=tl.float32)
+                mass = tl.zeros([NP_, SUB_], dtype=tl.float32)
+            else:
+                count = tl.zeros([NP_], dtype=tl.float32)
+                mass = tl.zeros([NP_], dtype=tl.float32)
+            top_count = tl.zeros([SUB_], dtype=tl.float32)
+            top_mass = tl.zeros([SUB_], dtype=tl.float32)
             base = LOGITS + row.to(tl.int64) * stride
             for sub in range(0, CHUNK_, SUB_):
                 offs = c * CHUNK_ + sub + tl.arange(0, SUB_)
@@ -132,12 +171,23 @@ if triton is not None:
                 key = _order_key(x)
                 live = ok & (key >= gate)
                 e = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
-                above = key[None, :] >= pivots[:, None]      # (`& live` here fails Triton 3.6's layout pass)
-                count += tl.sum(tl.where(above, live.to(tl.float32)[None, :], 0.0), 1)
-                mass += tl.sum(tl.where(above, e[None, :], 0.0), 1)
+                if SKIP:
+                    rel = key.to(tl.int64) - lo.to(tl.int64)
+                    over = live & (rel >= width)
+                    top_count += over.to(tl.float32)
+                    top_mass += tl.where(over, e, 0.0)
+                    inside = live & (rel >= 0) & (rel < width)
+                    if tl.max(inside.to(tl.int32), 0) > 0:
+                        count, mass = _tally(key, pivots, inside.to(tl.float32), tl.where(inside, e, 0.0),
+                                             count, mass, ACC2D)
+                else:
+                    count, mass = _tally(key, pivots, live.to(tl.float32), e, count, mass, ACC2D)
+            if ACC2D:
+                count = tl.sum(count, 1)
+                mass = tl.sum(mass, 1)
             out = PART + (row * NCHUNK + c) * 2 * NP_ + tl.arange(0, NP_)
-            tl.store(out, count)
-            tl.store(out + NP_, mass)
+            tl.store(out, count + tl.sum(top_count, 0))
+            tl.store(out + NP_, mass + tl.sum(top_mass, 0))
 
     @triton.jit
     def _narrow_kernel(FLOATS, INTS, B, PART, NCHUNK, pivot_stride, BY_MASS: tl.constexpr, NP_: tl.constexpr,
@@ -220,13 +270,14 @@ if triton is not None:
 _KEY_STEP = {torch.bfloat16: 1 << 16, torch.float16: 1 << 13}     # float32 key bits these dtypes leave at zero
 
 
-def search_strides(dtype: torch.dtype) -> list[int]:
+def search_strides(dtype: torch.dtype, np: int | None = None) -> list[int]:
     """The pivot spacing of each search pass for logits of `dtype`: from 2**32 / NP down to at most the spacing of
     neighbouring values (a float32 key's low bits that bf16/fp16 leave zero are skipped). Pivots stay inside
     int32: the bracket starts at -2**31 and is 2**32 wide."""
-    strides = [(1 << 32) // NP]
+    np = np or SEARCH.np
+    strides = [(1 << 32) // np]
     while strides[-1] > _KEY_STEP.get(dtype, 1):
-        strides.append(strides[-1] // NP)
+        strides.append(strides[-1] // np)
     return strides
 
 
@@ -255,11 +306,11 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch
     filtered = top_k is not None or top_p is not None
     floats = torch.empty(4, b, dtype=torch.float32, device=logits.device)   # max, mass, target, kept mass
     ints = torch.empty(3, b, dtype=torch.int32, device=logits.device)       # LO, GATE, J
-    part = torch.empty(b, nchunk, 2, NP, dtype=torch.float32, device=logits.device) if filtered else pm
+    part = torch.empty(b, nchunk, 2, SEARCH.np, dtype=torch.float32, device=logits.device) if filtered else pm
     if filtered:
         _search(logits, v, temperatures, greedy, top_k, top_p, pm, ps, nchunk, pad, floats, ints, part, chunk)
     _pick_kernel[(b,)](logits, logits.stride(0), v, temperatures, greedy, seeds, positions, pm, ps, pa, nchunk,
-                       out, out.stride(0), floats, ints, b, part, FILTER=filtered, NP_=NP,
+                       out, out.stride(0), floats, ints, b, part, FILTER=filtered, NP_=SEARCH.np,
                        CHUNK_=chunk, NCHUNK_PAD=pad, num_warps=warps)
     return out[:, :b]
 
@@ -271,13 +322,15 @@ def _search(logits, v, temperatures, greedy, top_k, top_p, pm, ps, nchunk, pad, 
     dummy = ints[0]                       # stands for an absent top_k / top_p: never read
     _prep_kernel[(b,)](pm, ps, v, temperatures, greedy, top_k if use_k else dummy, use_k, floats, ints, b,
                        nchunk, NCHUNK_PAD=pad)
-    strides = search_strides(logits.dtype)
+    cfg = SEARCH
+    strides = search_strides(logits.dtype, cfg.np)
     phases = ([False] if use_k else []) + ([True] if top_p is not None else [])
     for by_mass in phases:
         if by_mass:
             _top_p_kernel[(b,)](greedy, top_p, floats, ints, b)
         for pivot_stride in strides:
             _count_kernel[(b, nchunk)](logits, logits.stride(0), v, temperatures, floats, ints, b, part, nchunk,
-                                       pivot_stride, CHUNK_=chunk, SUB_=min(SUB, chunk), NP_=NP, num_warps=8)
-            _narrow_kernel[(b,)](floats, ints, b, part, nchunk, pivot_stride, BY_MASS=by_mass, NP_=NP,
+                                       pivot_stride, pivot_stride * cfg.np, CHUNK_=chunk, SUB_=min(cfg.sub, chunk),
+                                       NP_=cfg.np, ACC2D=cfg.acc2d, SKIP=cfg.skip, num_warps=cfg.warps)
+            _narrow_kernel[(b,)](floats, ints, b, part, nchunk, pivot_stride, BY_MASS=by_mass, NP_=cfg.np,
                                  NCHUNK_PAD=pad)

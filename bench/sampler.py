@@ -83,10 +83,9 @@ def sweep(args, device) -> dict:
 
     from lathe.engine import triton_sample
     rows = {}
-    for np_, sub, warps, acc2d, skip in itertools.product((4, 8, 16), (256, 1024), (4, 8), (False, True),
-                                                           (False, True)):
-        triton_sample.SEARCH = triton_sample.SearchConfig(np_, sub, warps, acc2d, skip)
-        name = f"np={np_} sub={sub} warps={warps} acc2d={int(acc2d)} skip={int(skip)}"
+    for np_, sub, warps in itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8)):
+        triton_sample.SEARCH = triton_sample.SearchConfig(np_, sub, warps)
+        name = f"np={np_} sub={sub} warps={warps}"
         for batch in args.batches:
             row = bench_case(make_logits(batch, args.vocab, device, batch), SETTINGS["top_p=0.95"], args.iters)
             rows[f"{name} B={batch}"] = {k: row[k] for k in ("fused_graph_ms", "rows_differing")}

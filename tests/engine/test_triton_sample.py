@@ -41,7 +41,7 @@ def _seqs(params, seeds, positions):
 def test_searches_draw_what_the_torch_sampler_draws(fused, dtype):
     """A batch mixing top-k, top-p, both, k = 1, k >= V, greedy and plain rows over a 3000-token vocabulary cut into
     six chunks: every row draws the PyTorch sampler's token from the same uniform, inside the reference's kept set,
-    with the full distribution's log-prob. bf16 logits take the four-pass search, fp16 five, float32 eight."""
+    with the full distribution's log-prob, for logits in bf16 (16 key bits to search), fp16 (19) and float32 (32)."""
     g = torch.Generator().manual_seed(3)
     settings = [dict(top_k=20), dict(top_p=0.8, temperature=0.7), dict(top_k=50, top_p=0.5), dict(temperature=0),
                 dict(temperature=1.3), dict(top_k=1, temperature=0.9), dict(top_k=5000, top_p=0.95),
@@ -90,10 +90,13 @@ def test_ties_at_the_threshold_are_kept_whole(fused):
 
 
 def test_search_passes_cover_the_key_space():
-    """bf16 logits leave 16 of a float32 key's bits zero: four passes of 16 pivots reach one value apart; fp16 five,
-    float32 eight. The first pass spans the int32 keys."""
-    from lathe.engine.triton_sample import SEARCH, search_strides
-    for dtype, passes, step in ((torch.bfloat16, 4, 1 << 16), (torch.float16, 5, 1 << 13), (torch.float32, 8, 1)):
-        strides = search_strides(dtype)
-        assert len(strides) == passes and strides[-1] <= step and strides[0] * SEARCH.np == 1 << 32
-        assert all(a == b * SEARCH.np for a, b in zip(strides, strides[1:]))
+    """bf16 logits leave 16 of a float32 key's bits zero: the passes reach one value apart after 16 bits of
+    pivots (fp16 19, float32 all 32). The first pass spans the int32 keys."""
+    from lathe.engine.triton_sample import search_strides
+    for np_ in (4, 8, 16):
+        bits = np_.bit_length() - 1
+        for dtype, step in ((torch.bfloat16, 1 << 16), (torch.float16, 1 << 13), (torch.float32, 1)):
+            strides = search_strides(dtype, np_)
+            assert len(strides) == -(-(32 - step.bit_length() + 1) // bits)
+            assert strides[-1] <= step and strides[0] * np_ == 1 << 32
+            assert all(a == b * np_ or b == 1 for a, b in zip(strides, strides[1:]))

@@ -18,11 +18,11 @@ host's `sampler.uniforms`. So the whole sampler takes device tensors only and ca
 
 Top-k and top-p (`fused_sample(top_k=, top_p=)`) cut the row at a threshold found without sorting: a radix
 search over the logits' order-preserving integer keys (float32 bits, flipped for negatives). Each pass,
-`_count_kernel` over all (row, chunk) programs counts the tokens and sums the mass at or above `NP` evenly spaced
-pivot keys in the row's current bracket, then `_narrow_kernel`, one program per row, keeps the sub-bracket
-that holds the threshold: the largest key t with count(x >= t) >= k (top-k), or with mass(x >= t) >= p * mass of
-the top-k set (top-p, over the tokens top-k kept). bf16 logits carry 16 significant key bits, so four passes
-of 16 pivots find each threshold exactly. Tokens at the threshold's value are all kept: a tie is kept or dropped
+`_count_kernel` over all (row, chunk) programs counts the tokens (top-k) or sums their mass (top-p) at or above
+`SEARCH.np` evenly spaced pivot keys in the row's current bracket, then `_narrow_kernel`, one program per row,
+keeps the sub-bracket that holds the threshold: the largest key t with count(x >= t) >= k (top-k), or with
+mass(x >= t) >= p * mass of the top-k set (top-p, over the tokens top-k kept). bf16 logits carry 16 significant
+key bits, so eight passes of 4 pivots (2 bits each) find each threshold exactly. Tokens at the threshold's value are all kept: a tie is kept or dropped
 whole (`sampler.apply_top_k_top_p`, the PyTorch path, follows the same rule). The last pass's per-chunk masses
 at the chosen pivot are the kept mass of each chunk, which `_pick_kernel` draws from as above. The log-prob stays
 that of the full distribution at temperature T.
@@ -48,14 +48,12 @@ CHUNK = 4096
 @dataclass(frozen=True)
 class SearchConfig:
     """How `_count_kernel` runs: `np` pivots per pass (a power of two: log2(np) key bits per pass), `sub` tokens
-    held at once, `warps`, per-pivot sums kept as (np, sub) accumulators (`acc2d`), blocks without a token inside
-    the bracket skipped (`skip`). `bench/sampler.py --sweep` times the candidates."""
+    held at once, `warps`. The default won `bench/sampler.py --sweep` on an H100
+    (`bench/results/sampler_sweep_*.json`)."""
 
-    np: int = 16
+    np: int = 4
     sub: int = 1024
-    warps: int = 8
-    acc2d: bool = False
-    skip: bool = False
+    warps: int = 4
 
 
 SEARCH = SearchConfig()
@@ -127,42 +125,20 @@ if triton is not None:
         tl.store(INTS + 2 * B + row, -1)
 
     @triton.jit
-    def _tally(key, pivots, w_count, w_mass, count, mass, ACC2D: tl.constexpr):
-        """Add each token's count and mass weight to every pivot at or below its key: into (NP, SUB) accumulators
-        reduced once per program (ACC2D) or into (NP,) ones reduced here."""
-        above = key[None, :] >= pivots[:, None]         # (`& mask[None, :]` here fails Triton 3.6's layout pass)
-        if ACC2D:
-            count += tl.where(above, w_count[None, :], 0.0)
-            mass += tl.where(above, w_mass[None, :], 0.0)
-        else:
-            count += tl.sum(tl.where(above, w_count[None, :], 0.0), 1)
-            mass += tl.sum(tl.where(above, w_mass[None, :], 0.0), 1)
-        return count, mass
-
-    @triton.jit
-    def _count_kernel(LOGITS, stride, V, TEMP, FLOATS, INTS, B, PART, NCHUNK, pivot_stride, width,
-                      CHUNK_: tl.constexpr, SUB_: tl.constexpr, NP_: tl.constexpr, ACC2D: tl.constexpr,
-                      SKIP: tl.constexpr):
-        """One (row, chunk): the count and the mass of the chunk's tokens at or above each of the NP pivots
-        LO + j * pivot_stride (tokens below GATE left out), into PART[row, chunk, 0 / 1, j]. With SKIP, tokens at or
-        above the bracket's top (LO + width) are summed apart, and a block of SUB tokens none of which falls
-        inside the bracket skips the per-pivot work."""
+    def _count_kernel(LOGITS, stride, V, TEMP, FLOATS, INTS, B, PART, NCHUNK, pivot_stride,
+                      CHUNK_: tl.constexpr, SUB_: tl.constexpr, NP_: tl.constexpr, COUNT: tl.constexpr,
+                      MASS: tl.constexpr):
+        """One (row, chunk): the count (COUNT) and the mass (MASS) of the chunk's tokens at or above each of the NP
+        pivots LO + j * pivot_stride (tokens below GATE left out), into PART[row, chunk, 0 / 1, j]."""
         row = tl.program_id(0)
         c = tl.program_id(1)
         if tl.load(FLOATS + 2 * B + row) >= 0:
             best = tl.load(FLOATS + row)
             inv_t = 1.0 / tl.load(TEMP + row)       # searching rows are sampled rows
             gate = tl.load(INTS + B + row)
-            lo = tl.load(INTS + row)
-            pivots = lo + tl.arange(0, NP_) * pivot_stride
-            if ACC2D:
-                count = tl.zeros([NP_, SUB_], dtype=tl.float32)
-                mass = tl.zeros([NP_, SUB_], dtype=tl.float32)
-            else:
-                count = tl.zeros([NP_], dtype=tl.float32)
-                mass = tl.zeros([NP_], dtype=tl.float32)
-            top_count = tl.zeros([SUB_], dtype=tl.float32)
-            top_mass = tl.zeros([SUB_], dtype=tl.float32)
+            pivots = tl.load(INTS + row) + tl.arange(0, NP_) * pivot_stride
+            count = tl.zeros([NP_], dtype=tl.float32)
+            mass = tl.zeros([NP_], dtype=tl.float32)
             base = LOGITS + row.to(tl.int64) * stride
             for sub in range(0, CHUNK_, SUB_):
                 offs = c * CHUNK_ + sub + tl.arange(0, SUB_)
@@ -170,24 +146,15 @@ if triton is not None:
                 x = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32)
                 key = _order_key(x)
                 live = ok & (key >= gate)
-                e = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
-                if SKIP:
-                    rel = key.to(tl.int64) - lo.to(tl.int64)
-                    over = live & (rel >= width)
-                    top_count += over.to(tl.float32)
-                    top_mass += tl.where(over, e, 0.0)
-                    inside = live & (rel >= 0) & (rel < width)
-                    if tl.max(inside.to(tl.int32), 0) > 0:
-                        count, mass = _tally(key, pivots, inside.to(tl.float32), tl.where(inside, e, 0.0),
-                                             count, mass, ACC2D)
-                else:
-                    count, mass = _tally(key, pivots, live.to(tl.float32), e, count, mass, ACC2D)
-            if ACC2D:
-                count = tl.sum(count, 1)
-                mass = tl.sum(mass, 1)
+                above = key[None, :] >= pivots[:, None]     # (`& live[None, :]` fails Triton 3.6's layout pass)
+                if COUNT:
+                    count += tl.sum(tl.where(above, live.to(tl.float32)[None, :], 0.0), 1)
+                if MASS:
+                    e = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
+                    mass += tl.sum(tl.where(above, e[None, :], 0.0), 1)
             out = PART + (row * NCHUNK + c) * 2 * NP_ + tl.arange(0, NP_)
-            tl.store(out, count + tl.sum(top_count, 0))
-            tl.store(out + NP_, mass + tl.sum(top_mass, 0))
+            tl.store(out, count)
+            tl.store(out + NP_, mass)
 
     @triton.jit
     def _narrow_kernel(FLOATS, INTS, B, PART, NCHUNK, pivot_stride, BY_MASS: tl.constexpr, NP_: tl.constexpr,
@@ -277,7 +244,7 @@ def search_strides(dtype: torch.dtype, np: int | None = None) -> list[int]:
     np = np or SEARCH.np
     strides = [(1 << 32) // np]
     while strides[-1] > _KEY_STEP.get(dtype, 1):
-        strides.append(strides[-1] // np)
+        strides.append(max(1, strides[-1] // np))    # pivots past a bracket narrower than np are never chosen
     return strides
 
 
@@ -328,9 +295,10 @@ def _search(logits, v, temperatures, greedy, top_k, top_p, pm, ps, nchunk, pad, 
     for by_mass in phases:
         if by_mass:
             _top_p_kernel[(b,)](greedy, top_p, floats, ints, b)
-        for pivot_stride in strides:
+        for i, pivot_stride in enumerate(strides):     # top-k counts; its last pass and top-p sum the mass
             _count_kernel[(b, nchunk)](logits, logits.stride(0), v, temperatures, floats, ints, b, part, nchunk,
-                                       pivot_stride, pivot_stride * cfg.np, CHUNK_=chunk, SUB_=min(cfg.sub, chunk),
-                                       NP_=cfg.np, ACC2D=cfg.acc2d, SKIP=cfg.skip, num_warps=cfg.warps)
+                                       pivot_stride, CHUNK_=chunk, SUB_=min(cfg.sub, chunk), NP_=cfg.np,
+                                       COUNT=not by_mass, MASS=by_mass or i == len(strides) - 1,
+                                       num_warps=cfg.warps)
             _narrow_kernel[(b,)](floats, ints, b, part, nchunk, pivot_stride, BY_MASS=by_mass, NP_=cfg.np,
                                  NCHUNK_PAD=pad)

@@ -16,16 +16,16 @@ The uniform is computed in the kernel from the sequence's seed and output positi
 host's `sampler.uniforms`. So the whole sampler takes device tensors only and can run inside a CUDA graph
 (`cuda_graph.py` captures it behind the decode forward).
 
-Top-k and top-p (`fused_sample(top_k=, top_p=)`) cut the row at a threshold found without sorting: a radix
-search over the logits' order-preserving integer keys (float32 bits, flipped for negatives). Each pass,
-`_count_kernel` over all (row, chunk) programs counts the tokens (top-k) or sums their mass (top-p) at or above
-`SEARCH.np` evenly spaced pivot keys in the row's current bracket, then `_narrow_kernel`, one program per row,
-keeps the sub-bracket that holds the threshold: the largest key t with count(x >= t) >= k (top-k), or with
-mass(x >= t) >= p * mass of the top-k set (top-p, over the tokens top-k kept). bf16 logits carry 16 significant
-key bits, so eight passes of 4 pivots (2 bits each) find each threshold exactly. Tokens at the threshold's value are all kept: a tie is kept or dropped
-whole (`sampler.apply_top_k_top_p`, the PyTorch path, follows the same rule). The last pass's per-chunk masses
-at the chosen pivot are the kept mass of each chunk, which `_pick_kernel` draws from as above. The log-prob stays
-that of the full distribution at temperature T.
+Top-k and top-p (`fused_sample(top_k=, top_p=)`) cut the row at a threshold found without sorting: a radix search
+over the logits' order-preserving integer keys (float32 bits, flipped for negatives). Each pass, `_count_kernel`
+over all (row, chunk) programs counts the tokens (top-k) or sums their mass (top-p) at or above `SEARCH.np` evenly
+spaced pivot keys in the row's current bracket, then `_narrow_kernel`, one program per row, keeps the sub-bracket
+that holds the threshold: the largest key t with count(x >= t) >= k (top-k), or with mass(x >= t) >= p * mass of the
+top-k set (top-p, over the tokens top-k kept). bf16 logits carry 16 significant key bits, so four passes of 16
+pivots (4 bits each) find each threshold exactly. Tokens at the threshold's value are all kept: a tie is kept or
+dropped whole (`sampler.apply_top_k_top_p`, the PyTorch path, follows the same rule). The last pass's per-chunk
+masses at the chosen pivot are the kept mass of each chunk, which `_pick_kernel` draws from as above. The log-prob
+stays that of the full distribution at temperature T.
 
 Rows with a min_tokens ban in force use the PyTorch path (`sampler.sample` decides).
 """
@@ -51,9 +51,9 @@ class SearchConfig:
     held at once, `warps`. The default won `bench/sampler.py --sweep` on an H100
     (`bench/results/sampler_sweep_*.json`)."""
 
-    np: int = 4
-    sub: int = 1024
-    warps: int = 4
+    np: int = 16
+    sub: int = 2048
+    warps: int = 2
 
 
 SEARCH = SearchConfig()

@@ -78,20 +78,23 @@ def bench_case(logits: torch.Tensor, setting: dict, iters: int) -> dict:
 
 
 def sweep(args, device) -> dict:
-    """Time the top-p search (one phase) under each `SearchConfig` candidate, fused sampler in a CUDA graph."""
+    """Time each search (top-k's counting passes on top_k=50, top-p's mass passes on top_p=0.95) under each
+    `SearchConfig` candidate, the fused sampler replayed from a CUDA graph."""
     import itertools
 
     from lathe.engine import triton_sample
+    default = dict(triton_sample.SEARCH)
     rows = {}
-    for np_, sub, warps in itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8)):
-        triton_sample.SEARCH = triton_sample.SearchConfig(np_, sub, warps)
-        name = f"np={np_} sub={sub} warps={warps}"
-        for batch in args.batches:
-            row = bench_case(make_logits(batch, args.vocab, device, batch), SETTINGS["top_p=0.95"], args.iters)
-            rows[f"{name} B={batch}"] = {k: row[k] for k in ("fused_graph_ms", "rows_differing")}
-            print(f"{name} B={batch:4d} graph {row['fused_graph_ms']:7.3f} ms differ {row['rows_differing']}",
-                  flush=True)
-    triton_sample.SEARCH = triton_sample.SearchConfig()
+    for search, case in (("top_k", "top_k=50"), ("top_p", "top_p=0.95")):
+        for np_, sub, warps in itertools.product((4, 8, 16), (512, 1024, 2048), (2, 4, 8)):
+            triton_sample.SEARCH = {**default, search: triton_sample.SearchConfig(np_, sub, warps)}
+            name = f"{search} np={np_} sub={sub} warps={warps}"
+            for batch in args.batches:
+                row = bench_case(make_logits(batch, args.vocab, device, batch), SETTINGS[case], args.iters)
+                rows[f"{name} B={batch}"] = {k: row[k] for k in ("fused_graph_ms", "rows_differing")}
+                print(f"{name} B={batch:4d} graph {row['fused_graph_ms']:7.3f} ms differ {row['rows_differing']}",
+                      flush=True)
+    triton_sample.SEARCH = default
     return rows
 
 
@@ -101,7 +104,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--settings", type=lambda s: s.split(";"), default=list(SETTINGS))
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--sweep", action="store_true", help="time the search's kernel configurations (top_p=0.95)")
+    ap.add_argument("--sweep", action="store_true", help="time the searches' kernel configurations")
     ap.add_argument("--git-sha", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

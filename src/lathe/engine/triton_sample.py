@@ -18,7 +18,7 @@ host's `sampler.uniforms`. So the whole sampler takes device tensors only and ca
 
 Top-k and top-p (`fused_sample(top_k=, top_p=)`) cut the row at a threshold found without sorting: a radix search
 over the logits' order-preserving integer keys (float32 bits, flipped for negatives). Each pass, `_count_kernel`
-over all (row, chunk) programs counts the tokens (top-k) or sums their mass (top-p) at or above `SEARCH.np` evenly
+over all (row, chunk) programs counts the tokens (top-k) or sums their mass (top-p) at or above `SEARCH[...].np` evenly
 spaced pivot keys in the row's current bracket, then `_narrow_kernel`, one program per row, keeps the sub-bracket
 that holds the threshold: the largest key t with count(x >= t) >= k (top-k), or with mass(x >= t) >= p * mass of the
 top-k set (top-p, over the tokens top-k kept). bf16 logits carry 16 significant key bits, so four passes of 16
@@ -47,16 +47,18 @@ CHUNK = 4096
 
 @dataclass(frozen=True)
 class SearchConfig:
-    """How `_count_kernel` runs: `np` pivots per pass (a power of two: log2(np) key bits per pass), `sub` tokens
-    held at once, `warps`. The default won `bench/sampler.py --sweep` on an H100
-    (`bench/results/sampler_sweep_*.json`)."""
+    """How `_count_kernel` runs: `np` pivots per pass (a power of two up to PART_NP: log2(np) key bits per pass),
+    `sub` tokens held at once, `warps`."""
 
-    np: int = 16
-    sub: int = 2048
-    warps: int = 2
+    np: int
+    sub: int
+    warps: int
 
 
-SEARCH = SearchConfig()
+PART_NP = 16        # per-pivot slots of the search's partial sums: the most pivots a pass may use
+# per search: top-k's passes count, top-p's sum mass; each the fastest of `bench/sampler.py --sweep` on an H100
+# (`bench/results/sampler_sweep_nvidia-h100-80gb-hbm3.json`)
+SEARCH = {"top_k": SearchConfig(4, 1024, 4), "top_p": SearchConfig(16, 2048, 2)}
 
 
 if triton is not None:
@@ -105,7 +107,8 @@ if triton is not None:
         return cs, cok, best, tl.where(cok, s * tl.exp((m - best) * inv_t), 0.0)
 
     @triton.jit
-    def _prep_kernel(PM, PS, V, TEMP, GREEDY, TOPK, USE_K: tl.constexpr, FLOATS, INTS, B, NCHUNK, NCHUNK_PAD: tl.constexpr):
+    def _prep_kernel(PM, PS, V, TEMP, GREEDY, TOPK, USE_K: tl.constexpr, FLOATS, INTS, B, NCHUNK,
+                     NCHUNK_PAD: tl.constexpr):
         """Per row: the max and the full mass (FLOATS rows 0, 1); the search state LO = GATE = the lowest key, J = -1;
         the top-k
         target k (FLOATS row 2), or -1 where the row does not search."""
@@ -126,8 +129,8 @@ if triton is not None:
 
     @triton.jit
     def _count_kernel(LOGITS, stride, V, TEMP, FLOATS, INTS, B, PART, NCHUNK, pivot_stride,
-                      CHUNK_: tl.constexpr, SUB_: tl.constexpr, NP_: tl.constexpr, COUNT: tl.constexpr,
-                      MASS: tl.constexpr):
+                      CHUNK_: tl.constexpr, SUB_: tl.constexpr, NP_: tl.constexpr, PS_: tl.constexpr,
+                      COUNT: tl.constexpr, MASS: tl.constexpr):
         """One (row, chunk): the count (COUNT) and the mass (MASS) of the chunk's tokens at or above each of the NP
         pivots LO + j * pivot_stride (tokens below GATE left out), into PART[row, chunk, 0 / 1, j]."""
         row = tl.program_id(0)
@@ -152,12 +155,13 @@ if triton is not None:
                 if MASS:
                     e = tl.where(live, tl.exp((x - best) * inv_t), 0.0)
                     mass += tl.sum(tl.where(above, e[None, :], 0.0), 1)
-            out = PART + (row * NCHUNK + c) * 2 * NP_ + tl.arange(0, NP_)
+            out = PART + (row * NCHUNK + c) * 2 * PS_ + tl.arange(0, NP_)
             tl.store(out, count)
-            tl.store(out + NP_, mass)
+            tl.store(out + PS_, mass)
 
     @triton.jit
     def _narrow_kernel(FLOATS, INTS, B, PART, NCHUNK, pivot_stride, BY_MASS: tl.constexpr, NP_: tl.constexpr,
+                       PS_: tl.constexpr,
                        NCHUNK_PAD: tl.constexpr):
         """One row: sum the chunks' counts/masses per pivot and move LO to the largest pivot whose count (top-k)
         or mass (top-p) still reaches the target; J = that pivot's index, KEEP (FLOATS row 3) = its mass."""
@@ -166,10 +170,10 @@ if triton is not None:
         if target >= 0:
             cs = tl.arange(0, NCHUNK_PAD)
             js = tl.arange(0, NP_)
-            ptr = PART + row * NCHUNK * 2 * NP_ + cs[:, None] * 2 * NP_ + js[None, :]
+            ptr = PART + row * NCHUNK * 2 * PS_ + cs[:, None] * 2 * PS_ + js[None, :]
             live = (cs < NCHUNK)[:, None]
             count = tl.sum(tl.load(ptr, mask=live, other=0.0), 0)
-            mass = tl.sum(tl.load(ptr + NP_, mask=live, other=0.0), 0)
+            mass = tl.sum(tl.load(ptr + PS_, mask=live, other=0.0), 0)
             if BY_MASS:
                 j = tl.max(tl.where(mass >= target, js, 0), 0)
             else:
@@ -180,8 +184,8 @@ if triton is not None:
 
     @triton.jit
     def _top_p_kernel(GREEDY, TOPP, FLOATS, INTS, B):
-        """Between the searches, per row: top-p searches from the lowest key over the tokens top-k kept (GATE = the top-k
-        threshold), for the target p * their mass; rows without top-p stop searching (J, LO stay top-k's)."""
+        """Between the searches, per row: top-p searches from the lowest key over the tokens top-k kept (GATE = the
+        top-k threshold), for the target p * their mass; rows without top-p stop searching (J, LO stay top-k's)."""
         row = tl.program_id(0)
         p = tl.load(TOPP + row)
         used_k = tl.load(FLOATS + 2 * B + row) >= 0         # the target still holds k for rows top-k searched
@@ -194,7 +198,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["out_stride"])     # varies between calls: one compile serves all
     def _pick_kernel(LOGITS, stride, V, TEMP, GREEDY, SEED, POS, PM, PS, PA, NCHUNK, OUT, out_stride,
-                     FLOATS, INTS, B, PART, FILTER: tl.constexpr, NP_: tl.constexpr,
+                     FLOATS, INTS, B, PART, FILTER: tl.constexpr, PS_: tl.constexpr,
                      CHUNK_: tl.constexpr, NCHUNK_PAD: tl.constexpr):
         row = tl.program_id(0)
         greedy = tl.load(GREEDY + row)
@@ -209,7 +213,7 @@ if triton is not None:
             threshold = tl.full([], -2147483648, dtype=tl.int32)     # the lowest key: every token
             if FILTER:      # a row that searched draws from the chunks' masses at its threshold's pivot
                 j = tl.load(INTS + 2 * B + row)
-                kept = tl.load(PART + (row * NCHUNK + cs) * 2 * NP_ + NP_ + tl.maximum(j, 0), mask=cok,
+                kept = tl.load(PART + (row * NCHUNK + cs) * 2 * PS_ + PS_ + tl.maximum(j, 0), mask=cok,
                                other=0.0)
                 w = tl.where(j >= 0, kept, w)
                 threshold = tl.where(j >= 0, tl.maximum(tl.load(INTS + row), tl.load(INTS + B + row)), threshold)
@@ -237,11 +241,10 @@ if triton is not None:
 _KEY_STEP = {torch.bfloat16: 1 << 16, torch.float16: 1 << 13}     # float32 key bits these dtypes leave at zero
 
 
-def search_strides(dtype: torch.dtype, np: int | None = None) -> list[int]:
-    """The pivot spacing of each search pass for logits of `dtype`: from 2**32 / NP down to at most the spacing of
-    neighbouring values (a float32 key's low bits that bf16/fp16 leave zero are skipped). Pivots stay inside
-    int32: the bracket starts at -2**31 and is 2**32 wide."""
-    np = np or SEARCH.np
+def search_strides(dtype: torch.dtype, np: int) -> list[int]:
+    """The pivot spacing of each pass of a search with `np` pivots for logits of `dtype`: from 2**32 / np down to at
+    most the spacing of neighbouring values (a float32 key's low bits that bf16/fp16 leave zero are skipped).
+    Pivots stay inside int32: the bracket starts at -2**31 and is 2**32 wide."""
     strides = [(1 << 32) // np]
     while strides[-1] > _KEY_STEP.get(dtype, 1):
         strides.append(max(1, strides[-1] // np))    # pivots past a bracket narrower than np are never chosen
@@ -273,11 +276,11 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch
     filtered = top_k is not None or top_p is not None
     floats = torch.empty(4, b, dtype=torch.float32, device=logits.device)   # max, mass, target, kept mass
     ints = torch.empty(3, b, dtype=torch.int32, device=logits.device)       # LO, GATE, J
-    part = torch.empty(b, nchunk, 2, SEARCH.np, dtype=torch.float32, device=logits.device) if filtered else pm
+    part = torch.empty(b, nchunk, 2, PART_NP, dtype=torch.float32, device=logits.device) if filtered else pm
     if filtered:
         _search(logits, v, temperatures, greedy, top_k, top_p, pm, ps, nchunk, pad, floats, ints, part, chunk)
     _pick_kernel[(b,)](logits, logits.stride(0), v, temperatures, greedy, seeds, positions, pm, ps, pa, nchunk,
-                       out, out.stride(0), floats, ints, b, part, FILTER=filtered, NP_=SEARCH.np,
+                       out, out.stride(0), floats, ints, b, part, FILTER=filtered, PS_=PART_NP,
                        CHUNK_=chunk, NCHUNK_PAD=pad, num_warps=warps)
     return out[:, :b]
 
@@ -289,16 +292,17 @@ def _search(logits, v, temperatures, greedy, top_k, top_p, pm, ps, nchunk, pad, 
     dummy = ints[0]                       # stands for an absent top_k / top_p: never read
     _prep_kernel[(b,)](pm, ps, v, temperatures, greedy, top_k if use_k else dummy, use_k, floats, ints, b,
                        nchunk, NCHUNK_PAD=pad)
-    cfg = SEARCH
-    strides = search_strides(logits.dtype, cfg.np)
     phases = ([False] if use_k else []) + ([True] if top_p is not None else [])
     for by_mass in phases:
         if by_mass:
             _top_p_kernel[(b,)](greedy, top_p, floats, ints, b)
+        cfg = SEARCH["top_p" if by_mass else "top_k"]
+        assert cfg.np <= PART_NP
+        strides = search_strides(logits.dtype, cfg.np)
         for i, pivot_stride in enumerate(strides):     # top-k counts; its last pass and top-p sum the mass
             _count_kernel[(b, nchunk)](logits, logits.stride(0), v, temperatures, floats, ints, b, part, nchunk,
-                                       pivot_stride, CHUNK_=chunk, SUB_=min(cfg.sub, chunk), NP_=cfg.np,
+                                       pivot_stride, CHUNK_=chunk, SUB_=min(cfg.sub, chunk), NP_=cfg.np, PS_=PART_NP,
                                        COUNT=not by_mass, MASS=by_mass or i == len(strides) - 1,
                                        num_warps=cfg.warps)
-            _narrow_kernel[(b,)](floats, ints, b, part, nchunk, pivot_stride, BY_MASS=by_mass, NP_=cfg.np,
+            _narrow_kernel[(b,)](floats, ints, b, part, nchunk, pivot_stride, BY_MASS=by_mass, NP_=cfg.np, PS_=PART_NP,
                                  NCHUNK_PAD=pad)

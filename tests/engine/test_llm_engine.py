@@ -163,6 +163,15 @@ def test_sequence_too_long_for_the_cache_is_refused(checkpoints):
         _engine(path, num_kv_blocks=2).generate([list(range(1, 8))], SamplingParams(temperature=0, max_tokens=5))
 
 
+@pytest.mark.parametrize("bad", [dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-0.1)])
+def test_sampling_settings_out_of_range_are_refused(checkpoints, bad):
+    """Settings outside their range fail before anything runs (top_p = 0 would leave the fused sampler's search no
+    token to keep), as the config rules refuse them for `lathe train`."""
+    path, _ = checkpoints["qwen2"]
+    with pytest.raises(ValueError, match="top_p must be in"):
+        _engine(path).generate([[1, 2, 3]], SamplingParams(max_tokens=2, **bad))
+
+
 @pytest.mark.parametrize("budget", [3, 5])
 def test_chunked_prefill_equals_transformers(checkpoints, budget):
     """Prompts longer than the step's token budget are computed in chunks and still give transformers' tokens."""

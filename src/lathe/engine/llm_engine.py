@@ -240,6 +240,9 @@ class LatheEngine(StreamingMixin):
 
     def _make_sequences(self, prompts: list[list[int]], params: SamplingParams, first_index: int = 0,
                         multi_modal_inputs: list[dict | None] | None = None) -> list[Sequence]:
+        if not 0 < params.top_p <= 1 or params.temperature < 0:
+            raise ValueError(f"SamplingParams(top_p={params.top_p}, temperature={params.temperature}): top_p must be "
+                             "in (0, 1] (1 = off) and temperature >= 0 (0 = greedy)")
         stop = frozenset() if params.ignore_eos else frozenset(self.eos_ids) | frozenset(params.stop_token_ids)
         sp = SequenceParams(temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                             top_k=params.top_k, max_tokens=params.max_tokens, min_tokens=params.min_tokens,

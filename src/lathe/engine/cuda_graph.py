@@ -8,10 +8,11 @@ nothing else is launched per step but the input copy.
 
 Inputs go through one static (9, max batch) int64 buffer, written by one host-to-device copy per step: token
 ids, positions, the sampler's seeds, output positions, greedy flags, temperatures and top-p (float64 bit
-patterns) and top-k, and an image prompt's rope delta (VL models). Inside the graph, each row's KV slot and context length come from its position and block table.
-A batch runs in the smallest bucket that holds it (a bucket has up to four graphs: with and without the
-sampler's top-k and top-p searches, which only batches that use them pay for); its padding rows (position -1) write their K/V to the
-cache's scratch slot and attend over one token, and their outputs are dropped. The block tables live on
+patterns) and top-k, and an image prompt's rope delta (VL models). Inside the graph, each row's KV slot and
+context length come from its position and block table. A batch runs in the smallest bucket that holds it (a
+bucket has up to four graphs: with and without the sampler's top-k and top-p searches, which only batches that
+use them pay for); its padding rows (position -1) write their K/V to the cache's scratch slot and attend over
+one token, and their outputs are dropped. The block tables live on
 the device between steps; a step rewrites only the rows whose sequence changed or gained a block. A
 bucket is captured the first time it is needed, after one eager warm-up run, into a memory pool all
 buckets share. A batch the fused sampler cannot take (a min_tokens ban in force) uses the graph's

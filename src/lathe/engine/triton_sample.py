@@ -110,8 +110,7 @@ if triton is not None:
     def _prep_kernel(PM, PS, V, TEMP, GREEDY, TOPK, USE_K: tl.constexpr, FLOATS, INTS, B, NCHUNK,
                      NCHUNK_PAD: tl.constexpr):
         """Per row: the max and the full mass (FLOATS rows 0, 1); the search state LO = GATE = the lowest key, J = -1;
-        the top-k
-        target k (FLOATS row 2), or -1 where the row does not search."""
+        the top-k target k (FLOATS row 2), or -1 where the row does not search."""
         row = tl.program_id(0)
         greedy = tl.load(GREEDY + row)
         inv_t = tl.where(greedy != 0, 1.0, 1.0 / tl.load(TEMP + row))
@@ -161,8 +160,7 @@ if triton is not None:
 
     @triton.jit
     def _narrow_kernel(FLOATS, INTS, B, PART, NCHUNK, pivot_stride, BY_MASS: tl.constexpr, NP_: tl.constexpr,
-                       PS_: tl.constexpr,
-                       NCHUNK_PAD: tl.constexpr):
+                       PS_: tl.constexpr, NCHUNK_PAD: tl.constexpr):
         """One row: sum the chunks' counts/masses per pivot and move LO to the largest pivot whose count (top-k)
         or mass (top-p) still reaches the target; J = that pivot's index, KEEP (FLOATS row 3) = its mass."""
         row = tl.program_id(0)

@@ -1,5 +1,6 @@
 """The KV store kernel, run in Triton's CPU interpreter, against `index_copy_`."""
 
+import pytest
 import torch
 
 
@@ -16,3 +17,57 @@ def test_store_kv_writes_both_caches_at_their_slots(triton_interpreter):
     ref_k.view(-1, hkv, dim).index_copy_(0, slots, k)
     ref_v.view(-1, hkv, dim).index_copy_(0, slots, v)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+def test_rope_store_rotates_q_and_k_and_stores_k_and_v(triton_interpreter):
+    """One launch: q and k rotated as `apply_rotary` rotates them, k and v stored at their slots, from the strided
+    views a fused q/k/v projection gives (GQA, head_dim 24: halves of 12, not a power of two)."""
+    from lathe.engine.triton_store import rope_store_kv
+    from lathe.models.rope import apply_rotary
+    from helpers import assert_close_rel
+    g = torch.Generator().manual_seed(1)
+    blocks, page, hq, hkv, dim, t = 6, 4, 6, 2, 24, 5
+    kc, vc = (torch.randn(blocks, page, hkv, dim, generator=g) for _ in range(2))
+    ref_k, ref_v = kc.clone(), vc.clone()
+    qkv = torch.randn(t, (hq + 2 * hkv) * dim, generator=g)
+    q, k, v = (x.view(t, -1, dim) for x in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1))
+    angles = torch.randn(t, dim // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    slots = torch.tensor([0, 7, 13, 22, 23])
+    out = rope_store_kv(q, k, v, cos, sin, kc, vc, slots)
+    ref_k.view(-1, hkv, dim).index_copy_(0, slots, apply_rotary(k, cos, sin))
+    ref_v.view(-1, hkv, dim).index_copy_(0, slots, v)
+    assert out.is_contiguous()
+    assert_close_rel(out, apply_rotary(q, cos, sin), rel=1e-6, name="q")
+    assert_close_rel(kc, ref_k, rel=1e-6, name="k cache")
+    assert torch.equal(vc, ref_v)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_engine_with_rope_in_the_store_launch_equals_the_plain_engine(checkpoints, triton_interpreter, monkeypatch,
+                                                                      family):
+    """Decode steps whose layers hand the attention q and k before RoPE (as on CUDA) and rotate them in the store's
+    launch (the kernel run by the interpreter): the plain engine's tokens and log-probs, greedy and seeded, with the
+    q/k norms of Qwen3 applied before the rotation."""
+    from lathe.engine import model_runner, triton_store
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.rollout.base import SamplingParams
+    from helpers import assert_close_rel
+    from .conftest import PROMPTS
+
+    path, _ = checkpoints[family]
+    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=3)]
+    outs = []
+    for fused in (False, True):
+        if fused:
+            calls = []
+            kernel = triton_store.rope_store_kv
+            monkeypatch.setattr(model_runner.DecodeAttention, "rotates", property(lambda self: True))
+            monkeypatch.setattr(triton_store, "can_rope_store", lambda *a: True)     # the CPU stands in for CUDA
+            monkeypatch.setattr(triton_store, "rope_store_kv", lambda *a: calls.append(1) or kernel(*a))
+        engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)
+        outs.append([engine.generate(PROMPTS, p) for p in params])
+    assert calls
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert_close_rel(torch.tensor(sum(b.logprobs, [])), torch.tensor(sum(a.logprobs, [])), name="log-probs")

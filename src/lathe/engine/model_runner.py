@@ -25,11 +25,13 @@ import numpy as np
 import torch
 
 from lathe.device import to_device
+from lathe.engine import triton_store
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.multimodal import StepInputs, hidden_states, is_vl, text_config
 from lathe.engine.paged_attention import CachedPrefill, choose_decode_backend, decode_with
 from lathe.engine.sequence import PENDING, Sequence
 from lathe.models.attention import PackedAttention, select_packed_backend
+from lathe.models.rope import apply_rotary
 
 
 def rope_delta(seq: Sequence) -> int:
@@ -56,10 +58,23 @@ class DecodeAttention:
             rows, kv_heads = self.block_tables.shape[0], self.kv_cache.k[0].shape[2]
             self.counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=self.block_tables.device)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @property
+    def rotates(self) -> bool:
+        """Whether the layers hand this attention q and k before RoPE, with cos/sin (`DecoderLayer`): on CUDA one
+        Triton launch rotates q and k and stores k and v (`triton_store.rope_store_kv`)."""
+        return self.kv_cache.device.type == "cuda" and triton_store.triton is not None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None = None,
+                 sin: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layer
         self.layer += 1
-        self.kv_cache.store_unchecked(layer, k, v, self.slot_mapping)
+        if cos is not None and triton_store.can_rope_store(q, k, v, cos, sin):
+            q = triton_store.rope_store_kv(q, k, v, cos, sin, self.kv_cache.k[layer], self.kv_cache.v[layer],
+                                           self.slot_mapping)
+        else:
+            if cos is not None:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            self.kv_cache.store_unchecked(layer, k, v, self.slot_mapping)
         return decode_with(self.backend, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
                            self.context_lens, self.num_splits, self.counters)
 

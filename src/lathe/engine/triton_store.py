@@ -3,6 +3,10 @@
 `KVCache.store_unchecked` on CUDA: one program per token copies its K row and its V row (kv_heads x head_dim
 each) to its slot. PyTorch's `index_copy_` takes two launches per tensor (four per layer); a decode step of a
 24-layer model spent ~0.18 ms in them at batch 256 on an H100. No host syncs: CUDA-graph safe.
+
+`rope_store_kv` does a decode step's RoPE in the same launch: one program per token rotates its q heads (written
+out for the attention kernel) and its k heads, and stores the rotated k and v at its slot. Three launches a layer
+become one (the compiled layer rotated q and k in two kernels before the store).
 """
 
 from __future__ import annotations
@@ -45,3 +49,69 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     _store_kernel[(t,)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), N=n,
                         BLOCK=triton.next_power_of_2(n), num_warps=1 if n <= 256 else 2)
+
+
+if triton is not None:
+    @triton.jit
+    def _rotate(X, COS, SIN, heads, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                stride_h):
+        """(H_PAD, 2, HALF_PAD) halves of `heads` rows of head_dim = 2 * HALF at X (row stride `stride_h`), rotated:
+        x * cos + rotate_half(x) * sin in float32, as the compiled layer computes it."""
+        h = tl.arange(0, H_PAD)[:, None]
+        d = tl.arange(0, HALF_PAD)[None, :]
+        ok = (h < heads) & (d < HALF)
+        x1 = tl.load(X + h * stride_h + d, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(X + h * stride_h + HALF + d, mask=ok, other=0.0).to(tl.float32)
+        c1 = tl.load(COS + d, mask=d < HALF, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + d, mask=d < HALF, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, h, d, ok
+
+    @triton.jit(do_not_specialize=["stride_qt", "stride_kt", "stride_vt", "stride_cos"])
+    def _rope_store_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOTS, stride_qt, stride_qh, stride_kt, stride_kh,
+                           stride_vt, stride_vh, stride_cos, HQ: tl.constexpr, HKV: tl.constexpr,
+                           HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
+                           HALF_PAD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cos, sin = COS + t * stride_cos, SIN + t * stride_cos
+        o1, o2, h, d, ok = _rotate(Q + t * stride_qt, cos, sin, HQ, HQ_PAD, HALF, HALF_PAD, stride_qh)
+        qo = QO + t * (HQ * 2 * HALF) + h * (2 * HALF) + d
+        tl.store(qo, o1.to(QO.dtype.element_ty), mask=ok)
+        tl.store(qo + HALF, o2.to(QO.dtype.element_ty), mask=ok)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        k1, k2, h, d, ok = _rotate(K + t * stride_kt, cos, sin, HKV, HKV_PAD, HALF, HALF_PAD, stride_kh)
+        kc = KC + slot * (HKV * 2 * HALF) + h * (2 * HALF) + d
+        tl.store(kc, k1.to(KC.dtype.element_ty), mask=ok)
+        tl.store(kc + HALF, k2.to(KC.dtype.element_ty), mask=ok)
+        vc = VC + slot * (HKV * 2 * HALF) + h * (2 * HALF) + d
+        v = V + t * stride_vt + h * stride_vh + d
+        tl.store(vc, tl.load(v, mask=ok).to(VC.dtype.element_ty), mask=ok)
+        tl.store(vc + HALF, tl.load(v + HALF, mask=ok).to(VC.dtype.element_ty), mask=ok)
+
+
+def can_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `rope_store_kv` takes these: CUDA, Triton, an even head_dim, each head's row contiguous, cos and sin
+    (T, head_dim) alike with contiguous rows."""
+    if triton is None or not q.is_cuda or q.shape[-1] % 2 or cos.dim() != 2 or cos.shape[-1] != q.shape[-1]:
+        return False
+    return all(t.stride(-1) == 1 for t in (q, k, v, cos)) and sin.shape == cos.shape and sin.stride() == cos.stride()
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """q (T, Hq, D), k and v (T, Hkv, D) as the projections leave them (any token and head strides), cos/sin (T, D):
+    rotate q and k by RoPE (`lathe.models.rope.apply_rotary`'s formula), store the rotated k and v into the
+    contiguous caches (num_blocks, block_size, Hkv, D) at `slots` (T,); return the rotated q, (T, Hq, D)
+    contiguous."""
+    t, hq, dim = q.shape
+    hkv = k.shape[1]
+    out = torch.empty(t, hq, dim, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    half = dim // 2
+    _rope_store_kernel[(t,)](q, k, v, cos, sin, out, k_cache, v_cache, slots, q.stride(0), q.stride(1),
+                             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), HQ=hq, HKV=hkv,
+                             HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv), HALF=half,
+                             HALF_PAD=triton.next_power_of_2(half), num_warps=4 if hq * dim >= 2048 else 2)
+    return out

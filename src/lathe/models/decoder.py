@@ -29,13 +29,15 @@ from lathe.models.rope import RotaryEmbedding, apply_rotary
 
 
 @torch.compiler.disable
-def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mark_dynamic: bool = False) -> torch.Tensor:
+def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mark_dynamic: bool = False,
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`attn(q, k, v)` with the heads flattened, (..., Hq * D), always run eager: the attention callables hold
     per-batch Python state (sequence bounds, a KV cache, a layer counter) that would make a compiled layer
     recompile for every batch. Eager callers pay well under a microsecond for the wrapper. From a compiled
     layer (`mark_dynamic`), the output's token dims are marked dynamic like the layer's inputs, so the graph
-    after attention also compiles once for all lengths."""
-    out = attn(q, k, v).flatten(-2)
+    after attention also compiles once for all lengths. `rope`: (cos, sin) for an attention that rotates q and
+    k itself (`attn.rotates`: the engine's decode step, which does it in its KV store's launch)."""
+    out = (attn(q, k, v) if rope is None else attn(q, k, v, *rope)).flatten(-2)
     if mark_dynamic:
         _mark_token_dims_dynamic(out)
     return out
@@ -101,8 +103,8 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)        # set by fuse_projections
         self.register_buffer("qkv_bias", None, persistent=False)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(q, k, v), each (..., heads, head_dim), q/k normed (Qwen3) and rotated."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool = True):
+        """(q, k, v), each (..., heads, head_dim), q/k normed (Qwen3) and rotated (unless not `rotate`)."""
         lead = x.shape[:-1]
         if self.qkv_weight is not None:           # fused (`fuse_projections`): one matmul for q, k and v
             kv = self.n_kv * self.head_dim
@@ -115,6 +117,8 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if not rotate:
+            return q, k, v
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
@@ -134,8 +138,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         # self_attn's steps spelled out here, so that in a compiled layer the graph breaks at `_attend` in this
         # frame: one graph before attention, one after, every input of both marked dynamic
-        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        x = x + self.self_attn.o_proj(_attend(attn, q, k, v, torch.compiler.is_compiling()))
+        rotates = getattr(attn, "rotates", False)      # the attention applies RoPE itself
+        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin, rotate=not rotates)
+        x = x + self.self_attn.o_proj(_attend(attn, q, k, v, torch.compiler.is_compiling(),
+                                              (cos, sin) if rotates else None))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

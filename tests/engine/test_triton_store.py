@@ -62,7 +62,9 @@ def test_engine_with_rope_in_the_store_launch_equals_the_plain_engine(checkpoint
         if fused:
             calls = []
             kernel = triton_store.rope_store_kv
-            monkeypatch.setattr(model_runner.DecodeAttention, "rotates", property(lambda self: True))
+            init = model_runner.DecodeAttention.__post_init__
+            monkeypatch.setattr(model_runner.DecodeAttention, "__post_init__",
+                                lambda self: (setattr(self, "rotates", True), init(self))[1])
             monkeypatch.setattr(triton_store, "can_rope_store", lambda *a: True)     # the CPU stands in for CUDA
             monkeypatch.setattr(triton_store, "rope_store_kv", lambda *a: calls.append(1) or kernel(*a))
         engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)

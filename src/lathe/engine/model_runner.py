@@ -50,19 +50,18 @@ class DecodeAttention:
     context_lens: torch.Tensor      # (B,) int32
     backend: str = "torch"
     num_splits: int = 1
+    # whether the layers hand this attention q and k before RoPE, with cos/sin (`DecoderLayer`); on CUDA by default:
+    # one Triton launch then rotates q and k and stores k and v (`triton_store.rope_store_kv`)
+    rotates: bool | None = None
 
     def __post_init__(self):
+        if self.rotates is None:
+            self.rotates = self.kv_cache.device.type == "cuda" and triton_store.triton is not None
         self.layer = 0
         self.counters = None        # the split kernel's merge counters, one zeroed set shared by the step's layers
         if self.backend == "triton" and self.num_splits > 1:
             rows, kv_heads = self.block_tables.shape[0], self.kv_cache.k[0].shape[2]
             self.counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=self.block_tables.device)
-
-    @property
-    def rotates(self) -> bool:
-        """Whether the layers hand this attention q and k before RoPE, with cos/sin (`DecoderLayer`): on CUDA one
-        Triton launch rotates q and k and stores k and v (`triton_store.rope_store_kv`)."""
-        return self.kv_cache.device.type == "cuda" and triton_store.triton is not None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The worker's CUDA path: bf16 compute on fp32 masters, the engine on the actor's own tensors (but its fused projections),
-offload."""
+"""The worker's CUDA path: bf16 compute on fp32 masters, the engine on the actor's own tensors (but for its fused
+projections), offload."""
 
 import pytest
 import torch

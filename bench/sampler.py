@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from train import result_header, write_result  # noqa: E402
 
-from lathe.engine.sampler import FusedSettings, fused_rows, sample_rows, sample_torch  # noqa: E402
+from lathe.engine.sampler import fused_rows, fused_settings, sample_rows, sample_torch  # noqa: E402
 from lathe.engine.sequence import Sequence, SequenceParams  # noqa: E402
 
 SETTINGS = {"plain": {}, "top_k=50": {"top_k": 50}, "top_p=0.95": {"top_p": 0.95}, "top_p=0.7": {"top_p": 0.7},
@@ -57,7 +57,7 @@ def bench_case(logits: torch.Tensor, setting: dict, iters: int) -> dict:
     seqs = [Sequence([1], params, 1000 + i) for i in range(b)]
     for i, s in enumerate(seqs):
         s.token_ids += [0] * (i % 97)                     # output positions differ between rows
-    settings = FusedSettings(0, 1.0, params.top_k, params.top_p, 0 < params.top_k < v, params.top_p < 1)
+    settings = fused_settings(logits.device, v, seqs)
     rows = torch.from_numpy(fused_rows(seqs, settings)).to(logits.device)
     out = torch.zeros(2, b, dtype=torch.float64, device=logits.device)
 

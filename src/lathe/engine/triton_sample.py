@@ -98,13 +98,13 @@ if triton is not None:
 
     @triton.jit
     def _row_totals(PM, PS, row, NCHUNK, inv_t, NCHUNK_PAD: tl.constexpr):
-        """(chunk indices, in-range mask, row max, each chunk's mass relative to the row max)."""
+        """(chunk indices, in-range mask, chunk maxima, row max, each chunk's mass relative to the row max)."""
         cs = tl.arange(0, NCHUNK_PAD)
         cok = cs < NCHUNK
         m = tl.load(PM + row * NCHUNK + cs, mask=cok, other=float("-inf"))
         s = tl.load(PS + row * NCHUNK + cs, mask=cok, other=0.0)
         best = tl.max(m, 0)
-        return cs, cok, best, tl.where(cok, s * tl.exp((m - best) * inv_t), 0.0)
+        return cs, cok, m, best, tl.where(cok, s * tl.exp((m - best) * inv_t), 0.0)
 
     @triton.jit
     def _prep_kernel(PM, PS, V, TEMP, GREEDY, TOPK, USE_K: tl.constexpr, FLOATS, INTS, B, NCHUNK,
@@ -114,7 +114,7 @@ if triton is not None:
         row = tl.program_id(0)
         greedy = tl.load(GREEDY + row)
         inv_t = tl.where(greedy != 0, 1.0, 1.0 / tl.load(TEMP + row))
-        cs, cok, best, w = _row_totals(PM, PS, row, NCHUNK, inv_t, NCHUNK_PAD)
+        cs, cok, m, best, w = _row_totals(PM, PS, row, NCHUNK, inv_t, NCHUNK_PAD)
         target = -1.0
         if USE_K:
             k = tl.load(TOPK + row)
@@ -201,9 +201,8 @@ if triton is not None:
         row = tl.program_id(0)
         greedy = tl.load(GREEDY + row)
         inv_t = tl.where(greedy != 0, 1.0, 1.0 / tl.load(TEMP + row))
-        cs, cok, best, w = _row_totals(PM, PS, row, NCHUNK, inv_t, NCHUNK_PAD)
+        cs, cok, m, best, w = _row_totals(PM, PS, row, NCHUNK, inv_t, NCHUNK_PAD)
         a = tl.load(PA + row * NCHUNK + cs, mask=cok, other=V)
-        m = tl.load(PM + row * NCHUNK + cs, mask=cok, other=float("-inf"))
         token = tl.min(tl.where(m == best, a, V), 0)            # the first index of the row's max
         total = tl.sum(w, 0)
         base = LOGITS + row.to(tl.int64) * stride
@@ -272,11 +271,13 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch
     _chunk_kernel[(b, nchunk)](logits, logits.stride(0), v, temperatures, greedy, pm, ps, pa, nchunk,
                                CHUNK_=chunk, num_warps=warps)
     filtered = top_k is not None or top_p is not None
-    floats = torch.empty(4, b, dtype=torch.float32, device=logits.device)   # max, mass, target, kept mass
-    ints = torch.empty(3, b, dtype=torch.int32, device=logits.device)       # LO, GATE, J
-    part = torch.empty(b, nchunk, 2, PART_NP, dtype=torch.float32, device=logits.device) if filtered else pm
-    if filtered:
+    if filtered:        # the searches' state; without them the pick kernel reads none of it (pm/pa stand in)
+        floats = torch.empty(4, b, dtype=torch.float32, device=logits.device)   # max, mass, target, kept mass
+        ints = torch.empty(3, b, dtype=torch.int32, device=logits.device)       # LO, GATE, J
+        part = torch.empty(b, nchunk, 2, PART_NP, dtype=torch.float32, device=logits.device)
         _search(logits, v, temperatures, greedy, top_k, top_p, pm, ps, nchunk, pad, floats, ints, part, chunk)
+    else:
+        floats, ints, part = pm, pa, pm
     _pick_kernel[(b,)](logits, logits.stride(0), v, temperatures, greedy, seeds, positions, pm, ps, pa, nchunk,
                        out, out.stride(0), floats, ints, b, part, FILTER=filtered, PS_=PART_NP,
                        CHUNK_=chunk, NCHUNK_PAD=pad, num_warps=warps)

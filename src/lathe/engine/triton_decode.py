@@ -26,9 +26,6 @@ except ImportError:          # CPU-only installs: the PyTorch reference path is 
     triton = None
 
 
-PDL = os.environ.get("LATHE_PDL", "0") == "1"
-
-
 def available() -> bool:
     return triton is not None
 
@@ -44,10 +41,7 @@ if triton is not None:
                        stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms, stride_outb, stride_outh,
                        scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       PDL: tl.constexpr = False):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
+                       DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -159,7 +153,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        num_warps=num_warps, num_stages=num_stages, PDL=PDL, launch_pdl=PDL)
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 

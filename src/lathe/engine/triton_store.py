@@ -11,8 +11,6 @@ become one (the compiled layer rotated q and k in two kernels before the store).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -20,9 +18,6 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
-
-
-PDL = os.environ.get("LATHE_PDL", "0") == "1"
 
 
 if triton is not None:
@@ -77,10 +72,7 @@ if triton is not None:
     def _rope_store_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOTS, stride_qt, stride_qh, stride_kt, stride_kh,
                            stride_vt, stride_vh, stride_cos, HQ: tl.constexpr, HKV: tl.constexpr,
                            HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
-                           HALF_PAD: tl.constexpr, PDL: tl.constexpr = False):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                           HALF_PAD: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cos, sin = COS + t * stride_cos, SIN + t * stride_cos
         o1, o2, h, d, ok = _rotate(Q + t * stride_qt, cos, sin, HQ, HQ_PAD, HALF, HALF_PAD, stride_qh)
@@ -121,6 +113,5 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     _rope_store_kernel[(t,)](q, k, v, cos, sin, out, k_cache, v_cache, slots, q.stride(0), q.stride(1),
                              k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), HQ=hq, HKV=hkv,
                              HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv), HALF=half,
-                             HALF_PAD=triton.next_power_of_2(half), num_warps=4 if hq * dim >= 2048 else 2,
-                             PDL=PDL, launch_pdl=PDL)
+                             HALF_PAD=triton.next_power_of_2(half), num_warps=4 if hq * dim >= 2048 else 2)
     return out

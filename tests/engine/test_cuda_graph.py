@@ -1,8 +1,8 @@
 """DecodeGraphs' device block tables: which rows a step rewrites (the bookkeeping runs on CPU here)."""
 
-import numpy as np
 import torch
 
+from lathe.device import Staging
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.cuda_graph import DecodeGraphs, batch_buckets
 from lathe.engine.sequence import Sequence
@@ -12,7 +12,7 @@ def _graphs(rows: int, width: int) -> DecodeGraphs:
     g = DecodeGraphs.__new__(DecodeGraphs)           # no CUDA: only the table mirror is exercised
     g.max_batch = rows
     g.tables = torch.zeros(rows, width, dtype=torch.int32)
-    g.host_tables = np.zeros((rows, width), dtype=np.int32)
+    g.host_tables = Staging((rows, width), torch.int32, torch.device("cpu"))
     g.reset()
     return g
 

@@ -6,7 +6,8 @@ records the whole step once per bucket and replays it with one launch: the forwa
 fused sampler (`triton_sample.py`), so that a step's sampled tokens and log-probs come out of the graph and
 nothing else is launched per step but the input copy.
 
-Inputs go through one static (9, max batch) int64 buffer, written by one host-to-device copy per step: token
+Inputs go through one static (9, max batch) int64 buffer, written by one host-to-device copy per step (from
+page-locked buffers kept for it, as the block tables' mirror is: `lathe.device.Staging`): token
 ids, positions, the sampler's seeds, output positions, greedy flags, temperatures and top-p (float64 bit
 patterns) and top-k, and an image prompt's rope delta (VL models). Inside the graph, each row's KV slot and
 context length come from its position and block table. A batch runs in the smallest bucket that holds it (a
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from lathe import device as accel
-from lathe.device import to_device
+from lathe.device import Staging
 from lathe.engine.model_runner import rope_delta
 from lathe.engine.multimodal import hidden_states, text_config
 from lathe.engine.sampler import FUSED_ROWS, fused_rows, sample_rows
@@ -58,8 +59,11 @@ class DecodeGraphs:
         self.sampled = torch.zeros(2, self.max_batch, dtype=torch.float64, device=device)
         self.tables = torch.zeros(self.max_batch, width, dtype=torch.int32, device=device)
         self.num_sms = accel.multiprocessor_count(device)
-        self.host_tables = np.zeros((self.max_batch, width), dtype=np.int32)   # mirror of `tables`
-        self.stage = np.zeros((len(PAD), self.max_batch), dtype=np.int64)       # host side of `inputs`
+        self.host_tables = Staging((self.max_batch, width), torch.int32, device)      # mirror of `tables`
+        # the host side of `inputs`, two buffers used in turn (a step's copy may still be queued when the next
+        # step writes its inputs); each is laid out for the step's bucket, (9, bucket) contiguous
+        self.stages = [Staging((len(PAD) * self.max_batch,), torch.int64, device) for _ in range(2)]
+        self.turn = 0
         from lathe.engine.triton_sample import triton
         self.samples = triton is not None
         self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
@@ -124,13 +128,16 @@ class DecodeGraphs:
             if (row_seq[i] is seq and row_len[i] == len(table) and row_last[i] == table[-1]
                     and row_dealloc[i] == seq.num_deallocations):     # a preempted sequence comes back with new blocks
                 continue
-            self.host_tables[i, :len(table)] = table
             row_seq[i], row_len[i], row_last[i], row_dealloc[i] = seq, len(table), table[-1], seq.num_deallocations
             dirty.append(i)
         if not dirty:
             return
+        host = self.host_tables.writable().numpy()
+        for i in dirty:
+            table = seqs[i].block_table
+            host[i, :len(table)] = table
         lo, hi = dirty[0], dirty[-1] + 1
-        self.tables[lo:hi].copy_(to_device(torch.from_numpy(self.host_tables[lo:hi]), self.tables.device))
+        self.host_tables.copy_to(self.tables[lo:hi], self.host_tables.tensor[lo:hi])
 
     def run(self, seqs, pending=None, sampling=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of `seqs`: (logits (B, V), sampled (2, B) float64 or None).
@@ -140,7 +147,10 @@ class DecodeGraphs:
         `ModelRunner.take_pending` takes them."""
         batch = len(seqs)
         bucket = self._bucket(batch)
-        stage = self.stage
+        staging = self.stages[self.turn]
+        self.turn ^= 1
+        host = staging.writable()[:len(PAD) * bucket].view(len(PAD), bucket)
+        stage = host.numpy()
         stage[IDS, :batch] = [s.token_ids[-1] for s in seqs]         # PENDING (-1) ones are written below
         stage[POS, :batch] = [len(s.token_ids) - 1 for s in seqs]
         if sampling is not None and self.samples:
@@ -149,8 +159,7 @@ class DecodeGraphs:
             stage[SEED:DELTA, :batch] = PAD[SEED:DELTA, None]
         stage[DELTA, :batch] = [rope_delta(s) for s in seqs] if self.runner.vl else 0
         stage[:, batch:bucket] = PAD[:, None]
-        host = torch.from_numpy(np.ascontiguousarray(stage[:, :bucket]))
-        self.inputs[:, :bucket].copy_(to_device(host, self.inputs.device))
+        staging.copy_to(self.inputs[:, :bucket], host)
         self.runner.take_pending(self.inputs[IDS], pending)
         self._sync_tables(seqs)        # padding rows keep whatever table they hold: they write the scratch slot
         samples = sampling is not None and self.samples

@@ -27,16 +27,19 @@ from lathe.loop.steps import (
 )
 from lathe.loop.validate import validate
 from lathe.track import PeakMemory, ProgressBar, Timer
+from lathe.track.collector import CollectorPauses
 
 
 def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
     """One RL iteration on a batch of prompts; returns the step's metrics (verl's names). Running out of device
     memory names the phase and the keys that lower it (`lathe.loop.oom`)."""
     timer = Timer(memory=PeakMemory(t.device))
-    try:
-        return _train_step(t, prompts, timer)
-    except torch.OutOfMemoryError as e:
-        raise explain_oom(e, timer.failed_phase) from e
+    with CollectorPauses() as pauses:              # `timing_s/gc`: the garbage collector's share of the step
+        try:
+            metrics = _train_step(t, prompts, timer)
+        except torch.OutOfMemoryError as e:
+            raise explain_oom(e, timer.failed_phase) from e
+    return {**metrics, **pauses.metrics()}
 
 
 def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:

@@ -206,8 +206,11 @@ def step_phases(engine, prompts, params, slow_factor: float = 2.5) -> dict:
     times the median, part by part, beside the median step's parts."""
     from lathe.engine import cuda_graph
     graphs = engine.runner.graphs
+    from lathe.device import Staging
+    copies = ([(cuda_graph, "to_device")] if hasattr(cuda_graph, "to_device")      # the graphs' host-to-device copies
+              else [(Staging, "writable"), (Staging, "copy_to")])                  # (before 4a16dac: to_device)
     targets = [(engine.scheduler, "schedule"), (engine, "_resolve"), (llm_engine._InFlight, "add_placeholders"),
-               (llm_engine._InFlight, "__init__"), (graphs, "_sync_tables"), (cuda_graph, "to_device"),
+               (llm_engine._InFlight, "__init__"), (graphs, "_sync_tables"), *copies,
                (engine.kv_cache, "copy_blocks"), (engine.runner, "decode")]
     saved = [(obj, name, getattr(obj, name)) for obj, name in targets]
     cur: dict = {}

@@ -273,11 +273,11 @@ def main() -> None:
         for _ in range(2):
             engine.update_weights([])
             engine.generate(prompts, params)
-        unsynced = {}
+        unsynced = []                                   # (budget, runs), in the order run
         for budget in map(int, args.batched_tokens.split(",")):
             engine.scheduler.max_num_batched_tokens = budget
-            unsynced[budget] = unsynced_steps(engine, prompts, params, args.repeats)
-            for r in unsynced[budget]:
+            unsynced.append((budget, unsynced_steps(engine, prompts, params, args.repeats)))
+            for r in unsynced[-1][1]:
                 print(name, budget, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                                      if k != "slow_decode_steps"}, flush=True)
         engine.scheduler.max_num_batched_tokens = default_budget

@@ -37,6 +37,19 @@ SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128)}
 
 
 @triton.jit
+def _online_softmax(q, k, v, n_ok, m_i, l_i, acc, scale):
+    """One tile of keys `k` / values `v` (masked by `n_ok`) folded into the running max, sum and output."""
+    scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    scores = tl.where(n_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _variant_kernel(Q, K, V, BT, LENS, O, stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
                     stride_ob, stride_oh, scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
@@ -73,14 +86,7 @@ def _variant_kernel(Q, K, V, BT, LENS, O, stride_qb, stride_qh, stride_kblock, s
             v_nx = tl.load(V + off, mask=nn_ok[:, None], other=0.0)
             n2 = nn + BLOCK_N
             blk_nx = tl.load(bt_row + n2 // PAGE, mask=n2 < ctx, other=0)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            scores = tl.where(n_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(q, k, v, n_ok, m_i, l_i, acc, scale)
     else:                                                        # early V: K and V issued together
         for start_n in range(0, ctx, BLOCK_N):
             n = start_n + tl.arange(0, BLOCK_N)
@@ -89,14 +95,7 @@ def _variant_kernel(Q, K, V, BT, LENS, O, stride_qb, stride_qh, stride_kblock, s
             off = (blk.to(tl.int64) * stride_kblock + (n % PAGE) * stride_ktok)[:, None] + head
             k = tl.load(K + off, mask=n_ok[:, None], other=0.0)
             v = tl.load(V + off, mask=n_ok[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            scores = tl.where(n_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(q, k, v, n_ok, m_i, l_i, acc, scale)
     out = acc / l_i[:, None]
     tl.store(O + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=g_ok[:, None])

@@ -46,6 +46,30 @@ def test_tables_follow_new_blocks_copy_on_write_and_reallocation():
     check()
 
 
+def test_tables_when_a_batch_starts_blocks_together_and_rows_change_hands():
+    """Rows that only gained a block get that entry written, the others whole; the device tables match the
+    sequences' after every step, whichever rows changed."""
+    bm = BlockManager(32, 4, enable_prefix_caching=False)
+    seqs = [Sequence(list(range(k, k + 4))) for k in (0, 10, 20)]       # each fills its first block exactly
+    for s in seqs:
+        bm.allocate(s)
+    g = _graphs(4, 8)
+
+    def check(batch):
+        g._sync_tables(batch)
+        for row, seq in enumerate(batch):
+            assert g.tables[row, :len(seq.block_table)].tolist() == seq.block_table
+
+    check(seqs)
+    for _ in range(9):                                   # all three start a block at the same steps
+        for s in seqs:
+            s.append_token(1, 0.0)
+            bm.may_append(s)
+        check(seqs)
+    check([seqs[2], seqs[0], seqs[1]])                    # the rows change hands: rewritten whole
+    check(seqs)
+
+
 class _Replay:
     """A captured graph's stand-in on the CPU: replaying reruns the step over the static buffers."""
 

@@ -176,8 +176,8 @@ def pin_memory_available() -> bool:
 class Staging:
     """A host buffer that one kind of host-to-device copy reuses at every step: page-locked on an accelerator, so
     the copy neither waits for the stream's queued work (as a copy from pageable memory may) nor pins new memory
-    each time (`to_device` does: a few microseconds usually, but milliseconds when the caching host allocator has
-    no free block of the size, as a 2 MB block-table update met every 16th decode step). `writable()` first waits
+    each time (`to_device` does: tens of microseconds usually, but milliseconds when the caching host allocator
+    has no free block of the size, as a 2 MB block-table update met every 16th decode step). `writable()` first waits
     for the copy that last read the buffer (normally long done), so the host never rewrites bytes a queued copy
     has not read yet. On the CPU: a plain tensor, copied at once."""
 

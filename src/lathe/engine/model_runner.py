@@ -151,7 +151,8 @@ class ModelRunner:
         return slots
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
-        return to_device(torch.tensor(data, dtype=dtype), self.device)
+        """A list or numpy array on the device (a numpy array of `dtype` without a host copy)."""
+        return to_device(torch.as_tensor(data, dtype=dtype), self.device)
 
     def _tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
         """(len(seqs), width) int32 block tables padded with block 0; width = the longest table by default."""
@@ -178,18 +179,21 @@ class ModelRunner:
             return 0 if seq.num_cached_tokens == 0 else (1 if num_new[i] == 1 else 2)
         order = sorted(range(len(seqs)), key=group)
         groups = [group(i) for i in order]
-        ids, positions, slot_parts, cu = [], [], [], [0]
+        id_parts, pos_parts, slot_parts, cu = [], [], [], [0]
         step = StepInputs() if self.vl else None
         for i in order:
             seq, start = seqs[i], seqs[i].num_cached_tokens
             end = start + num_new[i]
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            id_parts.append(seq.token_ids[start:end])
+            pos_parts.append(np.arange(start, end, dtype=np.int64))
             if step is not None:
                 step.add(seq.mm, start, end)
             slot_parts.append(self._slots(seq, start, end))
-            cu.append(len(ids))
-        if PENDING in ids:
+            cu.append(cu[-1] + end - start)
+        # numpy, not Python lists, on the way to the device: torch.tensor of an 8k-token list took ~0.5 ms a call
+        ids = np.fromiter(itertools.chain.from_iterable(id_parts), dtype=np.int64, count=cu[-1])
+        positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
+        if (ids == PENDING).any():
             raise RuntimeError("engine: a prefill met a token still on the device; this is a bug (a sequence's "
                                "pending token must be resolved before it is prefilled again)")
         n_fresh, n_single = groups.count(0), groups.count(1)

@@ -56,6 +56,7 @@ def timed_prefills(engine, prompts, params) -> list[dict]:
         out = schedule()
         mark("schedule")
         now["prefill"] = out[1]
+        now["tokens"] = sum(s.num_scheduled_tokens for s in out[0])   # (reset to 0 once the step has run)
         return out
 
     def t_prepare(*a, **k):
@@ -83,9 +84,7 @@ def timed_prefills(engine, prompts, params) -> list[dict]:
         n = step()
         if now.get("prefill"):
             torch.cuda.synchronize()
-            rows.append({"tokens": sum(s.num_scheduled_tokens for s in engine._inflight.seqs)
-                         if engine._inflight else None,
-                         "wall_s": time.perf_counter() - start, **now["phases"]})
+            rows.append({"tokens": now["tokens"], "wall_s": time.perf_counter() - start, **now["phases"]})
         return n
 
     engine.scheduler.schedule, runner.prepare_prefill = t_schedule, t_prepare

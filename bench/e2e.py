@@ -144,7 +144,15 @@ def lathe_command(shape: str, paths: dict, args) -> list[str]:
             f"reward.custom_reward_function.path={paths['reward']}",
             f"trainer.total_training_steps={args.steps}", "trainer.logger=[console]", "trainer.save_freq=-1",
             "trainer.resume_mode=disable", f"trainer.device={args.device}", f"trainer.n_gpus_per_node={args.gpus}",
-            f"trainer.default_local_dir={paths['run'] / 'lathe'}", *args.extra]
+            f"trainer.default_local_dir={paths['run'] / 'lathe'}", *profile_keys(paths, args), *args.extra]
+
+
+def profile_keys(paths: dict, args) -> list[str]:
+    """--profile-step N: lathe's global_profiler on step N (its trace and per-phase summary under the run dir)."""
+    if not args.profile_step:
+        return []
+    return ["global_profiler.tool=torch", f"global_profiler.steps=[{args.profile_step}]",
+            f"global_profiler.save_path={paths['run'] / 'lathe' / 'profile'}"]
 
 
 def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
@@ -159,9 +167,10 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None
     return rc, time.perf_counter() - start
 
 
-def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float | None) -> dict:
-    """`peak_tflops`: of all the GPUs the run uses (MFU is per GPU)."""
-    timed = steps[warmup:] or steps[-1:]
+def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float | None, profiled: int = 0) -> dict:
+    """`peak_tflops`: of all the GPUs the run uses (MFU is per GPU). `profiled`: a step (1-based) left out of the
+    median, since the profiler slowed it."""
+    timed = [s for i, s in enumerate(steps) if i >= warmup and i + 1 != profiled] or steps[-1:]
     med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
     phases = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
     row = {"step_s": med("timing_s/step"), "phases_s": {k.split("/", 1)[1]: med(k) for k in phases},
@@ -204,7 +213,10 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         res["lathe"] = {"command": " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]]), "returncode": rc,
                         "wall_s": wall, "gpus": args.gpus, "ray_workers": args.ray or args.gpus > 1,
-                        **(lathe_row(steps, args.warmup, flops, peak and peak * args.gpus) if steps else {})}
+                        **(lathe_row(steps, args.warmup, flops, peak and peak * args.gpus, args.profile_step) if steps else {})}
+        summary = paths["run"] / "lathe" / "profile" / f"step_{args.profile_step}" / "summary.json"
+        if args.profile_step and summary.exists():
+            res["lathe"]["profile"] = json.loads(summary.read_text())
     if "trl" in args.systems and shape not in args.trl_skip:
         out = paths["run"] / "trl.json"
         out.unlink(missing_ok=True)
@@ -266,6 +278,9 @@ def main() -> None:
                         "carry a stale one: do not compute it there)")
     p.add_argument("--extra", nargs="*", default=[], metavar="key=value",
                    help="lathe: more keys after the bench's own (e.g. actor_rollout_ref.model.lora_rank=64)")
+    p.add_argument("--profile-step", type=int, default=0,
+                   help="lathe: profile this step (global_profiler.tool=torch); its per-phase kernel summary goes "
+                        "into the JSON and the step is left out of the median (the profiler slows it)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.systems = args.systems.split(",")

@@ -52,7 +52,8 @@ def test_common_verl_script_keys_accepted():
             "algorithm.rollout_correction.rollout_rs_threshold_lower=null", "algorithm.filter_groups.metric=acc",
             "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.rollout.calculate_log_probs=True",
             "actor_rollout_ref.actor.fsdp_config.grad_offload=False", "actor_rollout_ref.rollout.name=hf"]
-    no_effect = ["data.dataloader_num_workers=4", "ray_kwargs.ray_init.num_cpus=8", "global_profiler.tool=nsys"]
+    no_effect = ["data.dataloader_num_workers=4", "ray_kwargs.ray_init.num_cpus=8",
+                 "actor_rollout_ref.actor.profiler.enable=true"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg = load_config("base", ["algorithm.adv_estimator=grpo"] + keys)

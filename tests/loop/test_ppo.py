@@ -213,3 +213,15 @@ def test_gsm8k_steps_with_a_transformers_checkpoint(tmp_path):
     assert trainer.global_step == 2 and trainer.loader.dataset.num_filtered > 0
     assert metrics[2]["response_length/clip_ratio"] >= 0 and "critic/score/mean" in metrics[2]
     assert metrics[2]["prompt_length/max"] <= 300
+
+
+def test_global_profiler_writes_the_listed_steps_phases(tmp_path):
+    prof = tmp_path / "prof"
+    run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "global_profiler.tool=torch", "global_profiler.steps=[2]", f"global_profiler.save_path={prof}")
+    assert sorted(p.name for p in prof.iterdir()) == ["step_2"]
+    summary = json.loads((prof / "step_2" / "summary.json").read_text())
+    assert {"gen", "reward", "adv", "update_actor", "update_weights"} <= set(summary["phases"])
+    update = summary["phases"]["update_actor"]
+    assert update["wall_s"] > 0 and any(op["name"].startswith("aten::") for op in update["top_host_ops"])
+    assert (prof / "step_2" / "trace.json.gz").stat().st_size > 0

@@ -333,6 +333,7 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
     _check_lengths_and_rounds(cfg, problems)
     _check_async(cfg, problems)
     _check_multi_turn(cfg, problems)
+    _check_profiler(cfg, problems)
     if t.test_freq > 0 and not cfg.data.val_files:
         problems.add(f"trainer.test_freq={t.test_freq} asks for validation every {t.test_freq} steps, but "
                      f"data.val_files is not set. Fix: set data.val_files=<parquet/jsonl file> (or "
@@ -396,6 +397,39 @@ ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
 def is_async(cfg: LatheConfig) -> bool:
     """Fully asynchronous: the rollout has a device pool of its own (`rollout.n_gpus_per_node` > 0)."""
     return cfg.rollout.n_gpus_per_node > 0
+
+
+PROFILER_TOOLS = {"nsys": "profiling with NVIDIA Nsight Systems", "npu": "profiling on Ascend NPUs",
+                  "torch_memory": "the CUDA memory-allocation history profiler"}
+
+
+def _check_profiler(cfg: LatheConfig, problems: ProblemList) -> None:
+    """`global_profiler`: tool torch (or off), with steps; the trainer process only (lathe.track.profile)."""
+    p = cfg.global_profiler
+    if p.tool is not None and p.tool != "torch":
+        what = PROFILER_TOOLS.get(p.tool, f"a profiler named {p.tool!r}")
+        problems.add(f"global_profiler.tool={p.tool}: {what} is not implemented yet in lathe. Fix: use "
+                     f"global_profiler.tool=torch (a PyTorch profiler trace and a per-phase summary of each listed "
+                     f"step), or remove it.")
+        return
+    steps = p.steps or []
+    if p.tool == "torch" and not steps:
+        problems.add("global_profiler.tool=torch but global_profiler.steps lists no step, so nothing would be "
+                     "profiled. Fix: set global_profiler.steps=[N,...] (the first step is 1), or remove the tool.")
+    if p.tool is None and steps:
+        problems.add(f"global_profiler.steps={steps} but global_profiler.tool is not set, so nothing would be "
+                     f"profiled. Fix: set global_profiler.tool=torch, or remove global_profiler.steps.")
+    bad = [s for s in steps if s < 1]
+    if bad:
+        problems.add(f"global_profiler.steps={steps}: {bad} are not step numbers (the first step is 1). Fix: list "
+                     f"steps >= 1.")
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if p.tool == "torch" and steps and (world > 1 or cfg.rollout.n_gpus_per_node > 0):
+        problems.add("global_profiler.tool=torch profiles the trainer process, but with "
+                     f"{world} devices (trainer.nnodes x trainer.n_gpus_per_node) or a rollout pool "
+                     f"(rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}) training and rollout run in Ray "
+                     "workers it does not reach; profiling them is not implemented yet. Fix: profile a one-device "
+                     "run, or remove global_profiler.tool.")
 
 
 def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:

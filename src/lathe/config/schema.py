@@ -350,6 +350,19 @@ class TrainerConfig:
 
 
 @dataclass
+class GlobalProfilerConfig:
+    """verl ``global_profiler``: which steps to profile, with which tool, into which directory."""
+
+    tool: str | None = spec(None, "Profiler: torch = a PyTorch profiler trace and a per-phase summary of each listed "
+                                  "step (lathe.track.profile); null = off. nsys/npu/torch_memory are not implemented.")
+    steps: list[int] | None = spec(None, "Steps to profile (the first step is 1); null = none.")
+    profile_continuous_steps: bool = spec(False, "One trace across consecutive listed steps (not implemented: lathe "
+                                                 "writes one trace per step).")
+    save_path: str = spec("outputs/profile", "Directory of the traces: <save_path>/step_<N>/.")
+    global_tool_config: dict[str, Any] = spec({}, "Settings of the nsys and torch_memory tools (not used by torch).")
+
+
+@dataclass
 class LatheConfig:
     """The whole run: verl's top-level groups plus lathe's ``reward`` group."""
 
@@ -366,7 +379,7 @@ class LatheConfig:
     async_training: AsyncTrainingConfig = spec(factory=AsyncTrainingConfig, help="Fully asynchronous training.")
     ray_kwargs: dict[str, Any] = spec({}, "Ray settings (e.g. ray_init.num_cpus) for multi-node runs.")
     ray_init: dict[str, Any] = spec({}, "Older verl spelling of ray_kwargs.ray_init.")
-    global_profiler: dict[str, Any] = spec({}, "verl profiler settings.")
+    global_profiler: GlobalProfilerConfig = spec(factory=GlobalProfilerConfig, help="Profiling of chosen steps.")
     hydra: dict[str, Any] = spec({}, "Hydra's own settings in verl scripts; ignored.")
 
     @property

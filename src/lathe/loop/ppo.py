@@ -28,6 +28,7 @@ from lathe.loop.steps import (
 from lathe.loop.validate import validate
 from lathe.track import PeakMemory, ProgressBar, Timer
 from lathe.track.collector import CollectorPauses
+from lathe.track.profile import StepProfiler
 
 
 def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
@@ -130,10 +131,13 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
         t.tracker.log(validate(t), step=t.global_step)
     if tr.val_only:
         return {}
+    gp = t.cfg.global_profiler                                          # global_profiler.tool=torch
+    profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, remote_workers=t.cluster is not None)
     while t.global_step < t.total_steps:
         rows = t.next_rows()
         t.global_step += 1
-        last = train_step(t, prompt_batch(rows, t.global_step))
+        with profiler.step(t.global_step):
+            last = train_step(t, prompt_batch(rows, t.global_step))
         done = t.global_step >= t.total_steps
         if tr.test_freq > 0 and t.val_dataset is not None and (t.global_step % tr.test_freq == 0 or done):
             last.update(validate(t))

@@ -12,7 +12,9 @@
 gives ``timing_s/step``, ``timing_s/gen``, ``timing_s/update_actor`` and, for names given token
 counts, ``timing_per_token_ms/<name>`` (verl's ``compute_timing_metrics``: ms per token).
 Nesting different names is allowed (an outer phase includes its inner ones); re-entering a name
-that is already open is refused because it would count the same seconds twice.
+that is already open is refused because it would count the same seconds twice. While the PyTorch profiler
+records (`global_profiler.tool=torch`, `lathe.track.profile`), each phase is also a profiler range
+``timing/<name>``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 __all__ = ["Timer"]
+
+
+def _profiler_range(name: str):
+    """An entered `record_function("timing/<name>")` while the PyTorch profiler records, else None (no cost)."""
+    from torch.autograd import profiler
+    if not profiler._is_profiler_enabled:
+        return None
+    label = profiler.record_function(f"timing/{name}")
+    label.__enter__()
+    return label
 
 
 class Timer:
@@ -47,12 +59,15 @@ class Timer:
         if self.memory is not None:
             self.memory.start(name)
         start = self._clock()
+        label = _profiler_range(name)
         try:
             yield
         except BaseException:
             self.failed_phase = name              # the innermost phase an exception left (see loop/oom.py)
             raise
         finally:
+            if label is not None:
+                label.__exit__(None, None, None)
             self.seconds[name] = self.seconds.get(name, 0.0) + (self._clock() - start)
             self._open.discard(name)
             if self.memory is not None:

@@ -1,0 +1,123 @@
+"""`global_profiler.tool=torch`: a trace and a per-phase summary of the listed steps, and the config's refusals."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from lathe.config import ConfigError, load_config
+from lathe.track import Timer
+from lathe.track.profile import NO_PHASE, StepProfiler, device_phases, kernel_kind
+
+
+def fake_step(timer: Timer) -> None:
+    a = torch.randn(64, 64)
+    with timer("gen"):
+        for _ in range(3):
+            a = a @ a / 64
+    with timer("update_actor"):
+        (a.relu() + 1).sum()
+    with timer("gen"):                  # a second generation round (DAPO): its seconds add to the phase
+        torch.mm(a, a)
+
+
+def test_a_listed_step_writes_a_trace_and_a_summary_by_phase(tmp_path):
+    profiler = StepProfiler("torch", [2], tmp_path / "prof", torch.device("cpu"))
+    timer = Timer()
+    for step in (1, 2, 3):
+        with profiler.step(step):
+            fake_step(timer)
+    assert [p.name for p in profiler.written] == ["step_2"]
+    out = tmp_path / "prof" / "step_2"
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["step_2"]
+    trace = json.loads(gzip.decompress((out / "trace.json.gz").read_bytes()))
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"timing/gen", "timing/update_actor"} <= names
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 2 and summary["wall_s"] > 0
+    phases = summary["phases"]
+    assert set(phases) == {"gen", "update_actor"}
+    assert 0 < phases["gen"]["wall_s"] < summary["wall_s"]
+    gen_ops = {op["name"]: op["calls"] for op in phases["gen"]["top_host_ops"]}
+    assert gen_ops.get("aten::mm") == 4, gen_ops            # 3 in the first round, 1 in the second
+    assert "aten::relu" in {op["name"] for op in phases["update_actor"]["top_host_ops"]}
+
+
+def test_the_timer_adds_no_range_when_nothing_profiles():
+    from torch.autograd import profiler
+    timer = Timer()
+    with timer("gen"):
+        assert not profiler._is_profiler_enabled
+    assert timer.seconds["gen"] >= 0
+
+
+def test_remote_workers_are_refused_at_run_time(tmp_path):
+    with pytest.raises(ValueError, match="Ray workers"):
+        StepProfiler("torch", [1], tmp_path, torch.device("cpu"), remote_workers=True)
+    StepProfiler(None, None, tmp_path, torch.device("cpu"), remote_workers=True)      # off: nothing to refuse
+
+
+def test_device_kernels_count_for_the_phase_that_launched_them():
+    """Kernels run after their launch; a backward launches from another thread; a graph replay is one launch of many
+    kernels; phases nest (the innermost wins)."""
+    def launch(tid, ts, corr, name="cudaLaunchKernel", cat="cuda_runtime"):
+        return {"cat": cat, "name": name, "ph": "X", "tid": tid, "ts": ts, "dur": 5, "args": {"correlation": corr}}
+
+    def kernel(ts, dur, corr, name):
+        return {"cat": "kernel", "name": name, "ph": "X", "tid": 7, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [
+        {"cat": "user_annotation", "name": "timing/gen", "ph": "X", "tid": 1, "ts": 0, "dur": 1000},
+        {"cat": "user_annotation", "name": "timing/gen_max", "ph": "X", "tid": 1, "ts": 800, "dur": 100},
+        {"cat": "user_annotation", "name": "timing/update_actor", "ph": "X", "tid": 1, "ts": 2000, "dur": 1000},
+        launch(1, 10, 1, "cudaGraphLaunch"),
+        kernel(20, 100, 1, "_decode_kernel"), kernel(130, 50, 1, "nvjet_sm90_tst_64x32"),
+        launch(1, 990, 2, "cuLaunchKernel", "cuda_driver"), kernel(2100, 300, 2, "triton_poi_fused_mul_silu"),
+        launch(1, 850, 3), kernel(860, 10, 3, "gemm_small"),
+        launch(2, 2500, 4), kernel(2600, 200, 4, "flash_bwd_kernel"),          # autograd's thread
+        launch(1, 1500, 5), kernel(1510, 40, 5, "memset"),                       # between the phases
+    ]}
+    phases = device_phases(trace)
+    gen = phases["gen"]
+    assert gen["wall_s"] == pytest.approx(1e-3) and gen["device_s"] == pytest.approx(450e-6)
+    assert gen["kinds"] == pytest.approx({"attention": 100e-6, "matmul": 50e-6, "other": 300e-6})
+    assert gen["top"][0] == {"name": "triton_poi_fused_mul_silu", "s": pytest.approx(300e-6), "calls": 1}
+    assert phases["gen_max"]["device_s"] == pytest.approx(10e-6)
+    assert phases["update_actor"]["kinds"]["attention"] == pytest.approx(200e-6)
+    assert phases["update_actor"]["device_busy_fraction"] == pytest.approx(0.2)
+    assert phases[NO_PHASE]["device_s"] == pytest.approx(40e-6) and phases[NO_PHASE]["wall_s"] is None
+
+
+def test_kernel_kinds():
+    assert kernel_kind("nvjet_sm90_tst_64x32_64x16_2x4_h_badd_TNT") == "matmul"
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert kernel_kind("flash_fwd_kernel<...>") == "attention"
+    assert kernel_kind("_decode_kernel") == "attention"
+    assert kernel_kind("triton_poi_fused_mul_silu_1") == "other"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["global_profiler.tool=nsys", "global_profiler.steps=[1]"], "Nsight Systems is not implemented"),
+    (["global_profiler.tool=torch"], "lists no step"),
+    (["global_profiler.steps=[1,2]"], "global_profiler.tool is not set"),
+    (["global_profiler.tool=torch", "global_profiler.steps=[0]"], "not step numbers"),
+    (["global_profiler.tool=torch", "global_profiler.steps=[1]", "global_profiler.profile_continuous_steps=true"],
+     "one trace across consecutive profiled steps"),
+    (["global_profiler.tool=torch", "global_profiler.steps=[1]", "trainer.n_gpus_per_node=2"], "Ray"),
+])
+def test_profiler_settings_lathe_cannot_honour_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("base", overrides)
+
+
+def test_verl_profiler_defaults_load_silently():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config("base", ["global_profiler.tool=torch", "global_profiler.steps=[2]",
+                                   "global_profiler.save_path=/tmp/p", "global_profiler.profile_continuous_steps=false",
+                                   "+global_profiler.global_tool_config.torch_memory.stack_depth=32"])
+    assert cfg.global_profiler.steps == [2] and cfg.global_profiler.save_path == "/tmp/p"

@@ -61,6 +61,27 @@ def test_bf16_weight_gradient_accumulates_in_float32_in_one_gemm_on_cuda():
         assert_close_rel(a.float(), b, 2e-2, name=name)
 
 
+@pytest.mark.parametrize("used", ["log-probs", "entropy"])
+def test_an_output_the_loss_does_not_use_costs_no_gradient_pass(monkeypatch, used):
+    """The actor computes the entropy for its metric and detaches it when entropy_coeff=0: the backward must then
+    skip the entropy term (autograd hands the function None, not zeros); with only the entropy in the loss, the
+    log-prob term is zero. Gradients equal the naive reference either way."""
+    from lathe.models import logprob
+    seen = []
+    spy = lambda *a: seen.append(a[6]) or logprob._chunk_grad(*a)  # noqa: E731
+    monkeypatch.setattr(logprob, "_chunk_ops", lambda backend: (logprob._chunk_forward, spy))
+    h, w, t = _inputs()
+    grads = []
+    for fn in (chunked_log_probs, naive_log_probs):
+        h.grad = w.grad = None
+        logp, ent = fn(h, w, t, calculate_entropy=True)
+        (logp.sum() + ent.detach().sum() if used == "log-probs" else ent.sum() + 0 * logp.detach().sum()).backward()
+        grads.append((h.grad.clone(), w.grad.clone()))
+    assert seen and all((g is None) == (used == "log-probs") for g in seen)
+    for name, a, b in zip(("grad h", "grad w"), *grads):
+        assert_close_rel(a, b, name=name)
+
+
 def test_gradcheck_in_float64():
     h, w, t = _inputs(n=6, hidden=4, vocab=7, dtype=torch.float64)
     fn = lambda h, w: chunked_log_probs(h, w, t, temperature=0.7, chunk_size=4, calculate_entropy=True)  # noqa: E731

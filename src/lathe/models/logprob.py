@@ -131,6 +131,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
             _rows_dynamic(compile_backend is not None, h, t)
             logp[s:e], lse[s:e], mean_z[s:e] = chunk_forward(h, weight, t, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
+        # an output the loss does not use (the entropy, detached when its coefficient is 0) gets None, not a zero
+        # tensor: its gradient term is then skipped instead of computed as zeros (a pass over every chunk's logits)
+        ctx.set_materialize_grads(False)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.compile_backend = compile_backend
         if with_entropy:
@@ -148,6 +151,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
         use_entropy = ctx.with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
+        if grad_logp is None:                   # only the entropy is in the loss
+            grad_logp = torch.zeros_like(lse)
         for s, e in _chunk_bounds(n, ctx.chunk_size):
             h, t, g_lp = hidden[s:e], targets[s:e], grad_logp[s:e]
             g_ent = grad_entropy[s:e] if use_entropy else None

@@ -166,3 +166,28 @@ def test_response_log_probs_equal_a_full_logits_forward(tmp_path):
     for name, a, b in zip(("log-probs", "entropy", "gradients"), *results):
         assert_close_rel(a, b, name=name)
     assert results[0][2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_a_compiled_chunk_gradient_is_one_pass_over_the_logits(entropy):
+    """The backward's elementwise work per chunk (softmax, the target's one-hot, the entropy term, the cast) fuses
+    into one kernel after the logits' GEMM: a scatter_add_ had split it in two around a float32 copy of the chunk
+    (two extra passes over chunk x vocabulary per chunk on an H100). Checked with inductor's CPU code, whose fusion
+    decisions are the CUDA backend's."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    from lathe.models.logprob import _chunk_grad
+    torch._dynamo.reset()
+    n, hidden, vocab = 16, 8, 300
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(n, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen)
+    t = torch.randint(0, vocab, (n,), generator=gen)
+    lse, mean_z, g = (torch.randn(n, generator=gen) for _ in range(3))
+    g_ent = torch.randn(n, generator=gen) if entropy else None
+    try:
+        out, code = run_and_get_code(torch.compile(_chunk_grad), h, w, t, lse, mean_z, g, g_ent, 0.7)
+    finally:
+        torch._dynamo.reset()                   # leave no compiled variant of the shared function behind
+    kernels = set(re.findall(r"cpp_fused\w+", "\n".join(code)))
+    assert len(kernels) == 1, kernels
+    assert_close_rel(out, _chunk_grad(h, w, t, lse, mean_z, g, g_ent, 0.7), 1e-5)

@@ -113,6 +113,12 @@ def test_profiler_settings_lathe_cannot_honour_are_refused(overrides, message):
         load_config("base", overrides)
 
 
+def test_one_device_through_ray_is_refused_too(monkeypatch):
+    monkeypatch.setenv("LATHE_RAY", "1")
+    with pytest.raises(ConfigError, match="LATHE_RAY=1 \\(set\\)"):
+        load_config("base", ["global_profiler.tool=torch", "global_profiler.steps=[1]"])
+
+
 def test_verl_profiler_defaults_load_silently():
     import warnings
     with warnings.catch_warnings():

@@ -424,12 +424,14 @@ def _check_profiler(cfg: LatheConfig, problems: ProblemList) -> None:
         problems.add(f"global_profiler.steps={steps}: {bad} are not step numbers (the first step is 1). Fix: list "
                      f"steps >= 1.")
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    if p.tool == "torch" and steps and (world > 1 or cfg.rollout.n_gpus_per_node > 0):
+    ray_one = os.environ.get("LATHE_RAY") == "1"
+    if p.tool == "torch" and steps and (world > 1 or cfg.rollout.n_gpus_per_node > 0 or ray_one):
         problems.add("global_profiler.tool=torch profiles the trainer process, but with "
-                     f"{world} devices (trainer.nnodes x trainer.n_gpus_per_node) or a rollout pool "
-                     f"(rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}) training and rollout run in Ray "
-                     "workers it does not reach; profiling them is not implemented yet. Fix: profile a one-device "
-                     "run, or remove global_profiler.tool.")
+                     f"{world} devices (trainer.nnodes x trainer.n_gpus_per_node), a rollout pool "
+                     f"(rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}) or LATHE_RAY=1 "
+                     f"({'set' if ray_one else 'not set'}) training and rollout run in Ray workers it does not reach; "
+                     "profiling them is not implemented yet. Fix: profile a one-device run without LATHE_RAY, or "
+                     "remove global_profiler.tool.")
 
 
 def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:

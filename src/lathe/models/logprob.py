@@ -55,10 +55,14 @@ def _chunk_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ls
     logits = _chunk_logits(h, weight, temperature)
     probs = torch.exp(logits - lse.unsqueeze(-1))
     g = grad_logp.unsqueeze(-1)
-    # the target's one-hot as a comparison, not a scatter: a compiled chunk then makes this one elementwise pass,
-    # logits in, gradient out (a scatter_add_ split it in two around a float32 copy of the whole chunk)
-    target = torch.arange(logits.shape[-1], device=logits.device) == targets.unsqueeze(-1)
-    grad_z = torch.where(target, g, 0.0) - probs * g
+    if torch.compiler.is_compiling():
+        # compiled: the target's one-hot as a comparison, so the chunk's gradient is one elementwise pass, logits in,
+        # gradient out (a scatter_add_ splits it in two around a float32 copy of the whole chunk)
+        target = torch.arange(logits.shape[-1], device=logits.device) == targets.unsqueeze(-1)
+        grad_z = torch.where(target, g, 0.0) - probs * g
+    else:           # eager: in place, fewer (chunk x vocabulary) temporaries
+        grad_z = probs * -g
+        grad_z.scatter_add_(-1, targets.unsqueeze(-1), g.to(grad_z.dtype))
     if grad_entropy is not None:
         grad_z = grad_z - grad_entropy.unsqueeze(-1) * probs * (logits - mean_z.unsqueeze(-1))
     return (grad_z / temperature).to(weight.dtype)

@@ -29,6 +29,8 @@ from typing import Iterator
 
 import torch
 
+from lathe import device as accel
+
 __all__ = ["PHASE_PREFIX", "StepProfiler", "device_phases", "host_phases", "kernel_kind"]
 
 PHASE_PREFIX = "timing/"      # the profiler range of a timed phase: `timing/<phase>` (lathe.track.timer)
@@ -139,6 +141,12 @@ class StepProfiler:
         self.device = torch.device(device)
         self.written: list[Path] = []
 
+    def _device_name(self) -> str:
+        if self.device.type != "cuda":
+            return self.device.type
+        index = self.device.index if self.device.index is not None else accel.current_device("cuda").index
+        return accel.properties(index, "cuda")["name"]
+
     def enabled(self, step: int) -> bool:
         return step in self.steps
 
@@ -154,15 +162,14 @@ class StepProfiler:
         start = time.perf_counter()
         with profile(activities=activities) as prof:
             yield
-            if device:
-                torch.cuda.synchronize(self.device)
+            accel.synchronize(self.device)
         wall = time.perf_counter() - start
         out = self.save_path / f"step_{step}"
         out.mkdir(parents=True, exist_ok=True)
         trace = out / "trace.json.gz"
         prof.export_chrome_trace(str(trace))
         phases = device_phases(json.loads(gzip.decompress(trace.read_bytes()))) if device else host_phases(prof.events())
-        summary = {"step": step, "device": torch.cuda.get_device_name(self.device) if device else self.device.type,
+        summary = {"step": step, "device": self._device_name(),
                    "wall_s": wall, "phases": phases,
                    "note": "a profiled step runs slower than an unprofiled one; compare phases within it"}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -208,13 +208,14 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
         cmd = lathe_command(shape, paths, args)
         metrics = paths["run"] / "lathe" / "metrics.jsonl"
         metrics.unlink(missing_ok=True)
+        summary = paths["run"] / "lathe" / "profile" / f"step_{args.profile_step}" / "summary.json"
+        summary.unlink(missing_ok=True)                  # a previous run's must not pass for this one's
         env = {"LATHE_RAY": "1"} if args.ray else {}
         rc, wall = run_child(cmd, Path(args.logs) / f"lathe-{shape}.log", args.timeout, env)
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         res["lathe"] = {"command": " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]]), "returncode": rc,
                         "wall_s": wall, "gpus": args.gpus, "ray_workers": args.ray or args.gpus > 1,
                         **(lathe_row(steps, args.warmup, flops, peak and peak * args.gpus, args.profile_step) if steps else {})}
-        summary = paths["run"] / "lathe" / "profile" / f"step_{args.profile_step}" / "summary.json"
         if args.profile_step and summary.exists():
             res["lathe"]["profile"] = json.loads(summary.read_text())
     if "trl" in args.systems and shape not in args.trl_skip:
@@ -295,7 +296,8 @@ def main() -> None:
     results = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
                "workload": {k: getattr(args, k) for k in ("prompts", "n", "prompt_len", "response_len", "steps",
-                                                          "warmup", "trl_steps", "trl_warmup", "gpus", "ray", "extra")},
+                                                          "warmup", "trl_steps", "trl_warmup", "gpus", "ray", "extra",
+                                                          "profile_step")},
                "peak_bf16_tflops_datasheet": datasheet_peak(name), "models": {}}
     for shape in args.models.split(","):
         results["models"][shape] = bench_model(shape, args, datasheet_peak(name))

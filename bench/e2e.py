@@ -152,7 +152,8 @@ def profile_keys(paths: dict, args) -> list[str]:
     if not args.profile_step:
         return []
     return ["global_profiler.tool=torch", f"global_profiler.steps=[{args.profile_step}]",
-            f"global_profiler.save_path={paths['run'] / 'lathe' / 'profile'}"]
+            f"global_profiler.save_path={paths['run'] / 'lathe' / 'profile'}",
+            *(["global_profiler.with_stack=true"] if args.profile_stack else [])]
 
 
 def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
@@ -282,6 +283,9 @@ def main() -> None:
     p.add_argument("--profile-step", type=int, default=0,
                    help="lathe: profile this step (global_profiler.tool=torch); its per-phase kernel summary goes "
                         "into the JSON and the step is left out of the median (the profiler slows it)")
+    p.add_argument("--profile-stack", action="store_true",
+                   help="with --profile-step: Python frames too (global_profiler.with_stack; bench/trace_phases.py "
+                        "then names what the host does in the decode steps that fall behind)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.systems = args.systems.split(",")
@@ -297,7 +301,7 @@ def main() -> None:
                "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
                "workload": {k: getattr(args, k) for k in ("prompts", "n", "prompt_len", "response_len", "steps",
                                                           "warmup", "trl_steps", "trl_warmup", "gpus", "ray", "extra",
-                                                          "profile_step")},
+                                                          "profile_step", "profile_stack")},
                "peak_bf16_tflops_datasheet": datasheet_peak(name), "models": {}}
     for shape in args.models.split(","):
         results["models"][shape] = bench_model(shape, args, datasheet_peak(name))

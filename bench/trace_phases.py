@@ -9,12 +9,14 @@ kernels by gap size (under 5 us is the launch gap between a CUDA graph's kernels
 falling behind or waiting); the host's top-level operations that lasted over 1 ms. For the rollout phase (`gen`),
 the decode steps as the CUDA graph replays show them: replays, the host interval between them, each replay's
 device span and kernel time, and the device idle between replays; and the host time of compiled regions before
-the first replay (the prefill's layers).
+the first replay (the prefill's layers); with `global_profiler.with_stack=true`, the Python functions the host
+spends more time in during the replay intervals that fall behind (over 1.5x the median) than in the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -102,7 +104,7 @@ def decode_report(events: list[dict], phase: dict, launched: dict) -> dict:
     first = replays[0]["ts"]
     regions = [e for e in events if str(e.get("name", "")).startswith("Torch-Compiled Region")
                and start <= e["ts"] < first and e.get("tid") == phase.get("tid")]
-    return {"replays": len(replays), "first_replay_at_ms": (first - start) / 1e3,
+    report = {"replays": len(replays), "first_replay_at_ms": (first - start) / 1e3,
             "last_replay_at_ms": (replays[-1]["ts"] - start) / 1e3,
             "host_interval_ms": {"median": median_interval / 1e3, "mean": statistics.mean(intervals) / 1e3,
                                  "over_1_5x_median": sum(1 for i in intervals if i > 1.5 * median_interval)},
@@ -117,6 +119,33 @@ def decode_report(events: list[dict], phase: dict, launched: dict) -> dict:
                                                           and start <= e["ts"] < first),
                                     "cudaFree_ms": sum(e.get("dur", 0) for e in events if e.get("name") == "cudaFree"
                                                        and start <= e["ts"] < first) / 1e3}}
+    slow_python = python_in_slow_intervals(events, replays, median_interval, phase.get("tid"))
+    if slow_python:
+        report["python_in_slow_intervals"] = slow_python
+    return report
+
+
+def python_in_slow_intervals(events: list[dict], replays: list[dict], median: float, tid, top: int = 20) -> list[dict]:
+    """With `global_profiler.with_stack=true`: the Python functions (inclusive time, by name) whose mean time per
+    host interval between replays is highest in the slow intervals (over 1.5x the median) compared with the others:
+    what the host does more of in the steps that fall behind."""
+    calls = [e for e in events if e.get("cat") == "python_function" and e.get("tid") == tid]
+    if not calls:
+        return []
+    starts = [r["ts"] for r in replays]
+    slow = {i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > 1.5 * median}
+    normal = len(starts) - 1 - len(slow)
+    if not slow or not normal:
+        return []
+    sums: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in calls:
+        i = bisect.bisect_right(starts, e["ts"]) - 1
+        if 0 <= i < len(starts) - 1:
+            sums[e["name"]][i in slow] += e.get("dur", 0)
+    rows = [{"name": name[:120], "slow_interval_us": s / len(slow), "other_interval_us": o / normal}
+            for name, (o, s) in sums.items()]
+    rows.sort(key=lambda r: -(r["slow_interval_us"] - r["other_interval_us"]))
+    return rows[:top]
 
 
 def main() -> None:

@@ -46,6 +46,15 @@ def test_a_listed_step_writes_a_trace_and_a_summary_by_phase(tmp_path):
     assert "aten::relu" in {op["name"] for op in phases["update_actor"]["top_host_ops"]}
 
 
+def test_with_stack_records_python_frames(tmp_path):
+    profiler = StepProfiler("torch", [1], tmp_path, torch.device("cpu"), with_stack=True)
+    with profiler.step(1):
+        fake_step(Timer())
+    trace = json.loads(gzip.decompress((tmp_path / "step_1" / "trace.json.gz").read_bytes()))
+    frames = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "python_function"}
+    assert any("fake_step" in name for name in frames), sorted(frames)[:20]
+
+
 def test_the_timer_adds_no_range_when_nothing_profiles():
     from torch.autograd import profiler
     timer = Timer()

@@ -359,6 +359,8 @@ class GlobalProfilerConfig:
     profile_continuous_steps: bool = spec(False, "One trace across consecutive listed steps (not implemented: lathe "
                                                  "writes one trace per step).")
     save_path: str = spec("outputs/profile", "Directory of the traces: <save_path>/step_<N>/.")
+    with_stack: bool = spec(False, "lathe: also record Python frames (torch.profiler with_stack): the trace then shows "
+                                   "which Python functions the host's time went to; the step runs slower.")
     global_tool_config: dict[str, Any] = spec({}, "Settings of the nsys and torch_memory tools (not used by torch).")
 
 

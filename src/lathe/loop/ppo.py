@@ -132,7 +132,8 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
     if tr.val_only:
         return {}
     gp = t.cfg.global_profiler                                          # global_profiler.tool=torch
-    profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, remote_workers=t.cluster is not None)
+    profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, remote_workers=t.cluster is not None,
+                            with_stack=gp.with_stack)
     while t.global_step < t.total_steps:
         rows = t.next_rows()
         t.global_step += 1

@@ -2,6 +2,7 @@
 of where the step's time went, phase by phase.
 
     global_profiler.tool=torch global_profiler.steps=[3,4] global_profiler.save_path=outputs/profile
+    global_profiler.with_stack=true         # lathe: Python frames too (`python_function` events; slower)
 
 writes, for each listed step N (verl's step numbers: the first step is 1),
 
@@ -129,7 +130,7 @@ class StepProfiler:
     and summary under `save_path`. `tool`: None (off) or "torch"."""
 
     def __init__(self, tool: str | None, steps: list[int] | None, save_path: str | Path,
-                 device: torch.device, *, remote_workers: bool = False):
+                 device: torch.device, *, remote_workers: bool = False, with_stack: bool = False):
         self.steps = set(steps or []) if tool == "torch" else set()
         if tool not in (None, "torch"):
             raise ValueError(f"global_profiler.tool={tool!r}: lathe profiles with tool=torch only")
@@ -139,6 +140,7 @@ class StepProfiler:
                              "does not reach. Fix: profile a one-device run, or remove global_profiler.tool")
         self.save_path = Path(save_path)
         self.device = torch.device(device)
+        self.with_stack = with_stack            # Python frames too (`python_function` events in the trace)
         self.written: list[Path] = []
 
     def _device_name(self) -> str:
@@ -160,7 +162,7 @@ class StepProfiler:
         device = self.device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])
         start = time.perf_counter()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, with_stack=self.with_stack) as prof:
             yield
             accel.synchronize(self.device)
         wall = time.perf_counter() - start

@@ -112,6 +112,7 @@ def test_kernel_kinds():
     (["global_profiler.tool=nsys", "global_profiler.steps=[1]"], "Nsight Systems is not implemented"),
     (["global_profiler.tool=torch"], "lists no step"),
     (["global_profiler.steps=[1,2]"], "global_profiler.tool is not set"),
+    (["global_profiler.with_stack=true"], "with_stack=True but global_profiler.tool is not set"),
     (["global_profiler.tool=torch", "global_profiler.steps=[0]"], "not step numbers"),
     (["global_profiler.tool=torch", "global_profiler.steps=[1]", "global_profiler.profile_continuous_steps=true"],
      "one trace across consecutive profiled steps"),

@@ -416,9 +416,10 @@ def _check_profiler(cfg: LatheConfig, problems: ProblemList) -> None:
     if p.tool == "torch" and not steps:
         problems.add("global_profiler.tool=torch but global_profiler.steps lists no step, so nothing would be "
                      "profiled. Fix: set global_profiler.steps=[N,...] (the first step is 1), or remove the tool.")
-    if p.tool is None and steps:
-        problems.add(f"global_profiler.steps={steps} but global_profiler.tool is not set, so nothing would be "
-                     f"profiled. Fix: set global_profiler.tool=torch, or remove global_profiler.steps.")
+    for key, value in (("steps", steps), ("with_stack", p.with_stack)):
+        if p.tool is None and value:
+            problems.add(f"global_profiler.{key}={value} but global_profiler.tool is not set, so nothing would be "
+                         f"profiled. Fix: set global_profiler.tool=torch, or remove global_profiler.{key}.")
     bad = [s for s in steps if s < 1]
     if bad:
         problems.add(f"global_profiler.steps={steps}: {bad} are not step numbers (the first step is 1). Fix: list "

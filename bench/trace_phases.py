@@ -101,31 +101,38 @@ def decode_report(events: list[dict], phase: dict, launched: dict) -> dict:
     idle = [order[i + 1][0] - order[i][1] for i in range(len(order) - 1)]
     intervals = [replays[i + 1]["ts"] - replays[i]["ts"] for i in range(len(replays) - 1)]
     median_interval = statistics.median(intervals)
+    slow = [i for i, x in enumerate(intervals) if x > 1.5 * median_interval]   # host intervals that fell behind
     first = replays[0]["ts"]
+    head = [e for e in events if e.get("cat") in DEVICE_CATEGORIES
+            and start <= launched.get(e.get("args", {}).get("correlation"), {}).get("ts", -1) < first]
     regions = [e for e in events if str(e.get("name", "")).startswith("Torch-Compiled Region")
                and start <= e["ts"] < first and e.get("tid") == phase.get("tid")]
     report = {"replays": len(replays), "first_replay_at_ms": (first - start) / 1e3,
             "last_replay_at_ms": (replays[-1]["ts"] - start) / 1e3,
             "host_interval_ms": {"median": median_interval / 1e3, "mean": statistics.mean(intervals) / 1e3,
-                                 "over_1_5x_median": sum(1 for i in intervals if i > 1.5 * median_interval)},
+                                 "over_1_5x_median": len(slow),
+                                 # which replay each follows: with equal lengths, index % block_size == block_size - 1
+                                 # is the step where every sequence starts a block
+                                 "over_1_5x_median_after_replay": slow},
             "replay_device_span_ms_median": statistics.median(s[1] - s[0] for s in order) / 1e3,
             "replay_kernel_ms_median": statistics.median(s[2] for s in order) / 1e3,
             "device_idle_between_replays_ms": {"total": sum(max(0.0, i) for i in idle) / 1e3,
                                                "over_100us": sum(i for i in idle if i > 100) / 1e3,
                                                "count_over_100us": sum(1 for i in idle if i > 100)},
-            "before_first_replay": {"compiled_region_calls": len(regions),    # nested ones (after a graph break) too
+            "before_first_replay": {"device_busy_ms": sum(b - a for a, b in merged_busy(head)) / 1e3 if head else 0.0,
+                                    "compiled_region_calls": len(regions),    # nested ones (after a graph break) too
                                     "compiled_region_host_ms": sum(b - a for a, b in merged_busy(regions)) / 1e3,
                                     "cudaFree_calls": sum(1 for e in events if e.get("name") == "cudaFree"
                                                           and start <= e["ts"] < first),
                                     "cudaFree_ms": sum(e.get("dur", 0) for e in events if e.get("name") == "cudaFree"
                                                        and start <= e["ts"] < first) / 1e3}}
-    slow_python = python_in_slow_intervals(events, replays, median_interval, phase.get("tid"))
+    slow_python = python_in_slow_intervals(events, replays, set(slow), phase.get("tid"))
     if slow_python:
         report["python_in_slow_intervals"] = slow_python
     return report
 
 
-def python_in_slow_intervals(events: list[dict], replays: list[dict], median: float, tid, top: int = 20) -> list[dict]:
+def python_in_slow_intervals(events: list[dict], replays: list[dict], slow: set[int], tid, top: int = 20) -> list[dict]:
     """With `global_profiler.with_stack=true`: the Python functions (inclusive time, by name) whose mean time per
     host interval between replays is highest in the slow intervals (over 1.5x the median) compared with the others:
     what the host does more of in the steps that fall behind."""
@@ -133,7 +140,6 @@ def python_in_slow_intervals(events: list[dict], replays: list[dict], median: fl
     if not calls:
         return []
     starts = [r["ts"] for r in replays]
-    slow = {i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > 1.5 * median}
     normal = len(starts) - 1 - len(slow)
     if not slow or not normal:
         return []

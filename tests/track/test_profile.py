@@ -55,12 +55,22 @@ def test_with_stack_records_python_frames(tmp_path):
     assert any("fake_step" in name for name in frames), sorted(frames)[:20]
 
 
-def test_the_timer_adds_no_range_when_nothing_profiles():
+def test_the_timer_opens_a_range_only_while_the_profiler_records(monkeypatch):
+    """Unprofiled phases pay nothing: no record_function is created (the phase timer runs many times a step)."""
     from torch.autograd import profiler
+    from lathe.track import timer as timer_module
+    made = []
+    real = profiler.record_function
+    monkeypatch.setattr(profiler, "record_function", lambda name: made.append(name) or real(name))
     timer = Timer()
     with timer("gen"):
-        assert not profiler._is_profiler_enabled
-    assert timer.seconds["gen"] >= 0
+        pass
+    assert made == [] and timer.seconds["gen"] >= 0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with timer("update_actor"):
+            pass
+    assert made == ["timing/update_actor"]
+    assert timer_module._profiler_range("gen") is None
 
 
 def test_remote_workers_are_refused_at_run_time(tmp_path):

@@ -80,8 +80,78 @@ def phase_report(events: list[dict], phase: dict, launched: dict) -> dict:
                idle_before_first_kernel_ms=(busy[0][0] - start) / 1e3,
                idle_after_last_kernel_ms=max(0.0, end - busy[-1][1]) / 1e3,
                idle_between_kernels_ms=by_size,
+               late_launch_gaps=late_launch_gaps(events, kernels, launched),
                host_ops_over_1ms=host_ops_over(events, phase.get("tid"), start, end, 1000)[:40])
     return row
+
+
+def late_launch_gaps(events: list[dict], kernels: list[dict], launched: dict, min_us: float = 20,
+                     top: int = 12) -> dict:
+    """The device's idle gaps (over `min_us`) that end with a kernel the host launched only after the gap began: the
+    host was late, not the device busy elsewhere. Each is charged to what the launching thread was doing when the
+    device fell idle: its top-level operation, and (with `with_stack`) the innermost Python frame of lathe's code
+    and the innermost frame of all."""
+    order = sorted(kernels, key=lambda e: e["ts"])
+    late, busy_end = [], None
+    for e in order:
+        start = e["ts"]
+        if busy_end is not None and start - busy_end > min_us:
+            launch = launched.get(e.get("args", {}).get("correlation"))
+            if launch is not None and launch["ts"] > busy_end:
+                late.append((busy_end, start - busy_end, launch.get("tid")))
+        end = start + e.get("dur", 0)
+        busy_end = end if busy_end is None else max(busy_end, end)
+    report: dict = {"min_gap_us": min_us, "count": len(late), "total_ms": sum(g for _, g, _ in late) / 1e3}
+    if not late:
+        return report
+    for key, cats, pick in (("by_host_op", ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"), "outer"),
+                            ("by_lathe_frame", ("python_function",), "lathe"),
+                            ("by_python_frame", ("python_function",), "inner")):
+        tids = {tid for _, _, tid in late}
+        totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+        for tid in tids:
+            spans = [e for e in events if e.get("tid") == tid and e.get("cat") in cats
+                     and not str(e.get("name", "")).startswith(PHASE_PREFIX)]
+            for (at, gap, _), chain in zip(*enclosing(spans, [(at, g, t) for at, g, t in late if t == tid])):
+                name = pick_frame(chain, pick)
+                if name is not None:
+                    totals[name][0] += gap / 1e3
+                    totals[name][1] += 1
+        if totals:
+            report[key] = [{"name": n[:120], "ms": round(ms, 3), "gaps": c}
+                           for n, (ms, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
+    return report
+
+
+def enclosing(spans: list[dict], queries: list[tuple]) -> tuple[list[tuple], list[list[str]]]:
+    """For each query (its time first), the names of the spans that contain that time, outermost first: one sweep
+    over the spans in start order with a stack of the open ones (a thread's spans nest)."""
+    spans = sorted(spans, key=lambda e: (e["ts"], -e.get("dur", 0)))
+    queries = sorted(queries)
+    stack: list[tuple[float, str]] = []
+    chains, i = [], 0
+    for q in queries:
+        t = q[0]
+        while i < len(spans) and spans[i]["ts"] <= t:
+            e = spans[i]
+            while stack and stack[-1][0] <= e["ts"]:
+                stack.pop()
+            stack.append((e["ts"] + e.get("dur", 0), str(e.get("name", ""))))
+            i += 1
+        while stack and stack[-1][0] <= t:
+            stack.pop()
+        chains.append([name for end, name in stack if end > t])
+    return queries, chains
+
+
+def pick_frame(chain: list[str], pick: str) -> str | None:
+    if not chain:
+        return None
+    if pick == "outer":
+        return chain[0]
+    if pick == "lathe":
+        return next((n for n in reversed(chain) if "lathe/" in n and "bench/" not in n), None)
+    return chain[-1]
 
 
 def decode_report(events: list[dict], phase: dict, launched: dict) -> dict:

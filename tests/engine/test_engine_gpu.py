@@ -77,20 +77,41 @@ def test_cuda_engine_greedy_equals_transformers(checkpoints, family):
     hf.to("cpu")
 
 
-def test_cuda_engine_logprobs_sleep_and_graph_recapture(checkpoints):
+def test_cuda_engine_logprobs_sleep_and_graph_recapture(checkpoints, monkeypatch):
     path, _ = checkpoints["qwen2"]
     engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4, num_kv_blocks=128)
     cpu_model = load_lathe_model(path)
     params = SamplingParams(n=4, temperature=0.8, max_tokens=MAX, seed=5)
     first = engine.generate(PROMPTS, params)
+    assert first.metrics["rollout/graph_captures"] >= 1
     prompts = [p for p in PROMPTS for _ in range(4)]
     for prompt, ids, lps in zip(prompts, first.token_ids, first.logprobs):
         ref = _teacher_forced(cpu_model, prompt, ids, 0.8)
         torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-3, rtol=0)
+
+    def cycle(between=None):
+        engine.sleep()
+        held = between() if between else None
+        engine.wake_up()
+        out = engine.generate(PROMPTS, params)
+        del held
+        assert out.token_ids == first.token_ids
+        return out.metrics["rollout/graph_captures"]
+
+    # room to spare: the allocator keeps the freed cache and hands the same block back; the graphs stay
+    address = engine.kv_cache.address
+    assert cycle() == 0 and engine.kv_cache.address == address
+    # the block taken while asleep: the cache lands elsewhere and the graphs are captured again
+    assert cycle(lambda: torch.empty(engine.kv_cache.nbytes, dtype=torch.uint8, device="cuda")) >= 1
+    assert engine.kv_cache.address != address
+    # near the device's limit: sleep gives everything back to the driver, graphs included
+    from lathe.engine import llm_engine
+    monkeypatch.setattr(llm_engine, "KEEP_CACHED_FRACTION", 0.0)
+    before = torch.cuda.memory_reserved()
     engine.sleep()
+    assert not engine.runner.graphs.graphs and torch.cuda.memory_reserved() < before
     engine.wake_up()
-    again = engine.generate(PROMPTS, params)
-    assert again.token_ids == first.token_ids
+    assert engine.generate(PROMPTS, params).token_ids == first.token_ids
 
 
 def test_wake_up_shrinks_an_auto_sized_cache_when_training_took_memory(checkpoints):

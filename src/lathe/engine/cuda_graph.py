@@ -20,8 +20,8 @@ buckets share. A batch the fused sampler cannot take (a min_tokens ban in force)
 logits and the PyTorch sampler instead.
 
 The graphs hold the KV cache's and the weights' addresses: `update_weights` copies in place (graphs
-stay valid), `sleep()` frees the cache, so the engine calls `reset()` then and buckets are captured
-again after `wake_up()`.
+stay valid); after a `sleep()` the engine keeps them when `wake_up()` finds the cache at its old address (the
+allocator kept the block), else it calls `reset()` and buckets are captured again.
 """
 
 from __future__ import annotations
@@ -73,12 +73,16 @@ class DecodeGraphs:
     def reset(self) -> None:
         """Forget every captured graph (the KV cache they point at is gone)."""
         self.graphs: dict[tuple, object] = {}        # (batch bucket, top-k search, top-p search) -> captured graph
+        self.outputs: dict[tuple, torch.Tensor] = {}
+        self.pool = None
+        self.forget_rows()
+
+    def forget_rows(self) -> None:
+        """Forget what the device block tables hold: the next step writes each row in use again."""
         self.row_seq = [None] * self.max_batch      # the sequence whose table each row of `tables` holds,
         self.row_dealloc = [0] * self.max_batch     # at which of its allocations, how long, ending in which block
         self.row_len = [0] * self.max_batch
         self.row_last = [-1] * self.max_batch
-        self.outputs: dict[tuple, torch.Tensor] = {}
-        self.pool = None
 
     def fits(self, batch: int) -> bool:
         return batch <= self.max_batch

@@ -3,7 +3,9 @@
 A token's slot is `block_id * block_size + offset`; `store` writes new tokens' K/V to their slots
 (slot -1 = already cached, skipped). One extra block past `num_blocks`, never handed out, holds
 `scratch_slot`: padding rows of a CUDA-graph batch write there. `free()` drops the tensors (engine `sleep`), `allocate()` takes
-them back (`wake_up`).
+them back (`wake_up`). All layers' K and V are views of one allocation, so that the cache comes back at the same
+address when the allocator still holds that block (`address`): the engine's captured decode graphs, which hold
+it, then stay valid across a sleep.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class KVCache:
         self.num_layers, self.dtype, self.device = num_layers, dtype, torch.device(device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.buffer: torch.Tensor | None = None     # (2, layers, *shape): k[i] is buffer[0, i], v[i] buffer[1, i]
         self.allocate()
 
     @staticmethod
@@ -50,14 +53,20 @@ class KVCache:
     def allocated(self) -> bool:
         return bool(self.k)
 
+    @property
+    def address(self) -> tuple[int, tuple[int, ...]] | None:
+        """Where the cache lives and its shape, or None when freed: equal addresses mean kernels captured against
+        the one can run on the other."""
+        return None if self.buffer is None else (self.buffer.data_ptr(), self.shape)
+
     def allocate(self) -> None:
         if self.allocated:
             return
-        self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.buffer = torch.zeros((2, self.num_layers) + self.shape, dtype=self.dtype, device=self.device)
+        self.k, self.v = list(self.buffer[0].unbind(0)), list(self.buffer[1].unbind(0))
 
     def free(self) -> None:
-        self.k, self.v = [], []
+        self.k, self.v, self.buffer = [], [], None
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write k/v (T, kv_heads, head_dim) to the slots `slot_mapping` (T,); slots < 0 are skipped."""

@@ -46,6 +46,10 @@ def sequence_seed(seed: int, index: int) -> int:
 
 
 FINISHED = SequenceStatus.FINISHED
+# `sleep` keeps the allocator's cached memory (and the decode graphs) while the device holds at most this share in
+# all: the next `wake_up` then takes the cache back from the allocator, the trainer's cached blocks stay for its next
+# update, and nothing is freed to the driver and allocated again each step
+KEEP_CACHED_FRACTION = 0.8
 FUSE_MAX_FRACTION = 0.04     # fused projections by default while their copy is at most this share of the device
 
 
@@ -141,6 +145,7 @@ class LatheEngine(StreamingMixin):
         self._stop_matchers: weakref.WeakKeyDictionary[Sequence, StopStringMatcher] = weakref.WeakKeyDictionary()
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self._auto_size = None if num_kv_blocks is not None else (block_size, gpu_memory_utilization, max_num_seqs)
+        self._cache_kept, self._kv_address = False, None        # what `sleep` left for `wake_up`
         if num_kv_blocks is None:
             num_kv_blocks = self._default_num_blocks(block_size, gpu_memory_utilization, max_num_seqs)
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
@@ -391,30 +396,69 @@ class LatheEngine(StreamingMixin):
         self.block_manager.reset()
 
     def sleep(self) -> None:
-        """Free the KV cache (and forget cached prefixes) so training can use the memory. Unfinished streamed
-        requests must hold no KV (`interrupt()` first); they continue after `wake_up()`."""
+        """Free the KV cache (and forget cached prefixes) so training can use the memory: back to PyTorch's
+        allocator while the device has room to spare (`KEEP_CACHED_FRACTION`), else to the driver. Unfinished
+        streamed requests must hold no KV (`interrupt()` first); they continue after `wake_up()`."""
         if self.scheduler.running or self.scheduler.prefilling is not None:
             raise RuntimeError("LatheEngine.sleep: sequences hold KV blocks; call engine.interrupt() first")
         self._resolve(self._inflight)
         self._inflight = None
         self.block_manager.reset()
+        self._kv_address = self.kv_cache.address
+        self.kv_cache.free()
+        device = self.model.device
+        # With room to spare, the freed cache stays with the allocator (the trainer may use it; `wake_up` takes it
+        # back, at the same address if nothing split it, and the decode graphs stay valid). Near the device's
+        # limit everything goes back to the driver, graphs' pool included, as the trainer may need all of it.
+        self._cache_kept = (device.type == "cuda"
+                            and accel.memory_reserved(device) <= KEEP_CACHED_FRACTION * accel.total_memory(device))
+        if not self._cache_kept:
+            self._release_memory()
+
+    def _release_memory(self) -> None:
         if self.runner.graphs is not None:
             self.runner.graphs.reset()
-        self.kv_cache.free()
         accel.empty_cache(self.model.device)
+
+    def _blocks_within_utilization(self) -> int:
+        """The blocks `gpu_memory_utilization` leaves room for beside the memory allocated now (the allocator's
+        accounting alone; `_default_num_blocks` also asks the driver, after emptying the allocator's cache)."""
+        device, utilization = self.model.device, self._auto_size[1]
+        per_block = self.kv_cache.nbytes // self.kv_cache.shape[0]
+        return int((accel.total_memory(device) * utilization - accel.memory_allocated(device)) // per_block) - 1
 
     def wake_up(self) -> None:
         """Take the KV cache back after `sleep()`.
 
         A cache sized from `gpu_memory_utilization` is sized again first: training may now hold more memory
         (optimizer states appear at the first step), so the cache shrinks, with a warning, rather than
-        running the device out of memory. It never grows past its first size."""
-        if self._auto_size is not None and not self.kv_cache.allocated and self.model.device.type == "cuda":
-            blocks = self._default_num_blocks(*self._auto_size)
-            if blocks < self.kv_cache.num_blocks:
-                logger.warning("engine: KV cache shrinks from %d to %d blocks of %d tokens to stay within "
-                               "gpu_memory_utilization=%.2f", self.kv_cache.num_blocks, blocks,
-                               self.kv_cache.block_size, self._auto_size[1])
-                self.kv_cache.shape = (blocks + 1,) + self.kv_cache.shape[1:]
-                self.block_manager.resize(blocks)
-        self.kv_cache.allocate()
+        running the device out of memory. It never grows past its first size. When `sleep` kept the allocator's
+        cached memory and the budget still holds the cache, it is taken from there (on an out-of-memory error,
+        everything cached goes back to the driver and the cache is sized as above); when it lands where it was, the
+        captured decode graphs are kept, else they are captured again."""
+        if self.kv_cache.allocated:
+            return
+        kept, self._cache_kept = self._cache_kept, False
+        if kept and (self._auto_size is None or self._blocks_within_utilization() >= self.kv_cache.num_blocks):
+            try:
+                self.kv_cache.allocate()
+            except torch.OutOfMemoryError:
+                logger.info("engine: the allocator's cached memory did not hold the KV cache; releasing it")
+        if not self.kv_cache.allocated:
+            if kept:
+                self._release_memory()
+            if self._auto_size is not None and self.model.device.type == "cuda":
+                blocks = self._default_num_blocks(*self._auto_size)
+                if blocks < self.kv_cache.num_blocks:
+                    logger.warning("engine: KV cache shrinks from %d to %d blocks of %d tokens to stay within "
+                                   "gpu_memory_utilization=%.2f", self.kv_cache.num_blocks, blocks,
+                                   self.kv_cache.block_size, self._auto_size[1])
+                    self.kv_cache.shape = (blocks + 1,) + self.kv_cache.shape[1:]
+                    self.block_manager.resize(blocks)
+            self.kv_cache.allocate()
+        graphs = self.runner.graphs
+        if graphs is not None:
+            if self.kv_cache.address == self._kv_address:
+                graphs.forget_rows()         # the block manager started over: every table row is written anew
+            else:
+                graphs.reset()

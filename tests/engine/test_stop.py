@@ -6,7 +6,7 @@ import pytest
 
 from lathe.data.builtin import builtin_tokenizer
 from lathe.engine.llm_engine import LatheEngine
-from lathe.engine.stop import StopStrings, check_stop_strings, first_stop, stop_text, text_decoder
+from lathe.engine.stop import StopStrings, check_stop_strings, decode_texts, first_stop, stop_text, text_decoder
 from lathe.rollout.base import SamplingParams
 from lathe.rollout.hf import HFRollout
 
@@ -112,6 +112,15 @@ def test_text_decoder_equals_tokenizer_decode():
     tok = builtin_tokenizer()
     ids = tok.encode("12+7=19") + [tok.eos_token_id] + tok.encode(" x\n")
     assert text_decoder(tok)(ids) == tok.decode(ids, skip_special_tokens=True) == "12+7=19 x\n"
+
+
+def test_decode_texts_equals_tokenizer_decode_row_by_row():
+    tok = builtin_tokenizer()
+    rows = [tok.encode("12+7=19") + [tok.eos_token_id] + tok.encode(" x\n"), [], tok.encode("3 * 4 = 12")]
+    expected = [tok.decode(r, skip_special_tokens=True) for r in rows]
+    assert decode_texts(tok, rows) == expected == ["12+7=19 x\n", "", "3 * 4 = 12"]
+    tok.clean_up_tokenization_spaces = True        # transformers' own post-processing: decoded row by row
+    assert decode_texts(tok, rows) == [tok.decode(r, skip_special_tokens=True) for r in rows]
 
 
 # ---- engine and HF rollout -------------------------------------------------------------------------

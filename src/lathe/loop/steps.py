@@ -9,6 +9,7 @@ import torch
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS, apply_kl_penalty, compute_rollout_correction, get_adv_estimator, overlong_reward_penalty
 from lathe.batch import Batch
+from lathe.engine.stop import decode_texts
 
 
 def response_attention(batch: Batch) -> torch.Tensor:
@@ -21,8 +22,7 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
     """Response text of each row: valid tokens only (tool answers included), special tokens dropped (verl's naive
     manager)."""
     lengths = response_attention(batch).sum(-1).tolist()
-    return [tokenizer.decode(ids[:n].tolist(), skip_special_tokens=True)
-            for ids, n in zip(batch["responses"], lengths)]
+    return decode_texts(tokenizer, [ids[:n] for ids, n in zip(batch["responses"].tolist(), lengths)])
 
 
 def last_model_token(mask: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,28 @@ def test_varlen_equals_sdpa_on_cuda():
 
 
 @pytest.mark.gpu
+def test_varlen_grouped_kv_equals_repeated_heads_in_value_and_gradients():
+    """K/V left at their own head count (the kernel's native grouped-query path, where `varlen_takes_gqa`) give
+    what K/V repeated to the query heads give: output and the gradients of q, k and v."""
+    from lathe.models.attention import _repeat_kv, varlen_takes_gqa
+    torch.manual_seed(0)
+    lens = [300, 17, 1, 129, 64]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, 64, device="cuda", dtype=torch.bfloat16) for h in (12, 2, 2))
+    grad = torch.randn_like(q)
+    attn = PackedAttention(cu, max(lens), "varlen")
+    outs = []
+    for repeat in (False, True):
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+        out = attn(qq, *((_repeat_kv(kk, 6, 1), _repeat_kv(vv, 6, 1)) if repeat else (kk, vv)))
+        outs.append([out, *torch.autograd.grad(out, (qq, kk, vv), grad)])
+    for a, b in zip(*outs):
+        assert a.shape == b.shape and (a.float() - b.float()).norm() <= 1e-2 * b.float().norm()
+    print("varlen_takes_gqa:", varlen_takes_gqa(torch.cuda.current_device(), torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_bf16_model_on_cuda_varlen_matches_sdpa_in_value_and_gradient(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -101,10 +123,12 @@ def test_bf16_model_on_cuda_varlen_matches_sdpa_in_value_and_gradient(tmp_path):
         model.zero_grad()
         h = model.forward_packed(p.input_ids, p.position_ids, p.cu_seqlens, p.max_seqlen)
         (h.float() * probe).sum().backward()
-        outs[backend] = (h.float(), model.model.layers[0].self_attn.q_proj.weight.grad.float().clone())
+        attn = model.model.layers[0].self_attn
+        outs[backend] = (h.float(), [lin.weight.grad.float().clone() for lin in (attn.q_proj, attn.k_proj, attn.v_proj)])
     (h1, g1), (h0, g0) = outs["varlen"], outs["sdpa"]
     assert (h1 - h0).abs().max() <= 0.02 * h0.abs().max()
-    assert (g1 - g0).norm() <= 0.02 * g0.norm()
+    for a, b in zip(g1, g0):        # q, and the grouped k and v (8 query heads over 2 K/V heads)
+        assert (a - b).norm() <= 0.02 * b.norm()
     model.attn_backend = "auto"
     with torch.no_grad():
         unpadded = model(ids, mask).logits.float()         # auto: unpad + varlen on CUDA

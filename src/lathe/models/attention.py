@@ -8,7 +8,8 @@ Layouts:
 Backends for packed batches:
 - "varlen": `torch.nn.attention.varlen.varlen_attn` (flash attention; CUDA, fp16/bf16, torch >= 2.9).
   Its causal switch moved: torch 2.9 takes `is_causal=True`, later versions `window_size=(-1, 0)`;
-  the signature is probed once.
+  the signature is probed once. Grouped-query K/V go in at their own head count where the kernel takes them
+  (`varlen_takes_gqa`), else repeated to the query heads.
 - "sdpa": one `scaled_dot_product_attention(is_causal=True)` per sequence; runs anywhere, the reference.
 """
 
@@ -32,6 +33,38 @@ def varlen_signature() -> frozenset[str] | None:
     except ImportError:
         return None
     return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+@functools.cache
+def varlen_takes_gqa(device_index: int, dtype: torch.dtype) -> bool:
+    """Whether `varlen_attn` computes grouped-query attention from K/V at their own head count: its `enable_gqa`
+    flag where it has one; else whether the flash kernel, given fewer K/V heads (which it supports natively), gives
+    the repeated-heads result, output and gradients, on a small causal batch (probed once per device and dtype).
+    Repeating K/V costs a copy of each and a reduction of their gradients per layer."""
+    params = varlen_signature()
+    if params is None:
+        return False
+    if "enable_gqa" in params:
+        return True
+    from torch.nn.attention.varlen import varlen_attn
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    results = []
+    try:
+        with torch.inference_mode(False), torch.enable_grad():      # the first caller may be the engine's prefill
+            g = torch.Generator(device=f"cuda:{device_index}").manual_seed(0)
+            q, k, v = (torch.randn(24, heads, 64, device=f"cuda:{device_index}", generator=g, dtype=dtype)
+                       for heads in (4, 2, 2))
+            grad = torch.randn(q.shape, device=q.device, generator=g, dtype=dtype)
+            cu = torch.tensor([0, 9, 24], dtype=torch.int32, device=q.device)
+            for grouped in (True, False):
+                qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+                kr, vr = (kk, vv) if grouped else (_repeat_kv(kk, 2, 1), _repeat_kv(vv, 2, 1))
+                out = varlen_attn(qq, kr, vr, cu, cu, 15, 15, **kwargs)
+                results.append([out, *torch.autograd.grad(out, (qq, kk, vv), grad)])
+    except (RuntimeError, ValueError):
+        return False
+    return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+               for a, b in zip(*results))
 
 
 def select_packed_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -86,7 +119,7 @@ class PackedAttention:
         kwargs = {}
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
-        else:
+        elif q.shape[1] != k.shape[1] and not varlen_takes_gqa(q.device.index, q.dtype):
             groups = q.shape[1] // k.shape[1]
             k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
         if "window_size" in params:

@@ -74,6 +74,25 @@ def test_to_batch_rejects_sample_count_mismatch():
         to_batch(prompts, out, PAD, n=3)
 
 
+def test_to_batch_rejects_per_token_values_that_do_not_line_up():
+    prompts, out = _example()
+    out.logprobs[2] = out.logprobs[2][:-1]
+    with pytest.raises(ValueError, match="logprobs of sample 2"):
+        to_batch(prompts, out, PAD, n=2)
+    prompts, out = _example()
+    out.logprobs.pop()
+    with pytest.raises(ValueError, match="logprobs of sample 3 .*3 samples of logprobs for 4"):
+        to_batch(prompts, out, PAD, n=2)
+
+
+def test_to_batch_loss_masks_from_the_agent_loop():
+    prompts, out = _example()
+    out.loss_masks = [[1, 0], [1], [1, 0, 0, 1], [0, 1]]
+    b = to_batch(prompts, out, PAD, n=2)
+    assert b["response_mask"].tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 1], [0, 1, 0, 0]]
+    assert b["attention_mask"][:, 3:].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
+
+
 def test_position_ids_from_mask():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]

@@ -6,10 +6,12 @@ their output into the tensors the rest of the step reads (see `lathe.batch` for 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from lathe.batch import Batch
@@ -87,25 +89,23 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
     prompts = [p for p in prompt_token_ids for _ in range(n)]
     if len(prompts) != len(out.token_ids):
         raise ValueError(f"rollout returned {len(out.token_ids)} samples for {len(prompts)} (prompts x n)")
+    for name, per_token in (("logprobs", out.logprobs), ("loss_masks", loss_masks)):
+        if per_token is None:
+            continue
+        bad = next((i for i, (r, x) in enumerate(zip(out.token_ids, per_token)) if len(r) != len(x)),
+                   None if len(per_token) == len(prompts) else min(len(per_token), len(prompts)))
+        if bad is not None:
+            raise ValueError(f"rollout output: {name} of sample {bad} do not line up with its tokens (one value per "
+                             f"token; {len(per_token)} samples of {name} for {len(prompts)})")
     P = max(len(p) for p in prompts)
     R = max(1, max(len(r) for r in out.token_ids))
-    B = len(prompts)
-    prompt_t = torch.full((B, P), pad_id, dtype=torch.long)
-    resp_t = torch.full((B, R), pad_id, dtype=torch.long)
-    resp_mask = torch.zeros((B, R), dtype=torch.long)
-    loss_mask = torch.zeros((B, R), dtype=torch.long) if loss_masks else resp_mask
-    prompt_mask = torch.zeros((B, P), dtype=torch.long)
-    logp = torch.zeros((B, R), dtype=torch.float32)
-    for i, (p, r, lp) in enumerate(zip(prompts, out.token_ids, out.logprobs)):
-        prompt_t[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        prompt_mask[i, P - len(p):] = 1
-        if r:
-            resp_t[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-            resp_mask[i, :len(r)] = 1
-            if loss_masks:
-                loss_mask[i, :len(r)] = torch.tensor(loss_masks[i], dtype=torch.long)
-            logp[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
-    attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
+    prompt_t, prompt_mask = _padded(prompts, P, pad_id, np.int64, left=True)
+    resp_t, resp_mask = _padded(out.token_ids, R, pad_id, np.int64)
+    logp, _ = _padded(out.logprobs, R, 0.0, np.float32)
+    resp_mask = torch.from_numpy(resp_mask.astype(np.int64))
+    loss_mask = torch.from_numpy(_padded(loss_masks, R, 0, np.int64)[0]) if loss_masks else resp_mask
+    attention_mask = torch.cat([torch.from_numpy(prompt_mask.astype(np.int64)), resp_mask], dim=1)
+    prompt_t, resp_t = torch.from_numpy(prompt_t), torch.from_numpy(resp_t)
     return Batch(
         tensors={
             "prompts": prompt_t,
@@ -114,10 +114,21 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
             "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask),
             "response_mask": loss_mask,
-            "rollout_log_probs": logp,
+            "rollout_log_probs": torch.from_numpy(logp),
         },
         non_tensors={"finish_reason": list(out.finish_reasons)},
     )
+
+
+def _padded(rows: list, width: int, fill, dtype, *, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(B, width) array of `rows`, each right-aligned (`left` padding) or left-aligned, `fill` elsewhere, and the
+    (B, width) mask of real entries: one vectorised write (a row-by-row fill costs ~0.1 ms a row)."""
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    cols = np.arange(width)
+    mask = cols >= (width - lengths)[:, None] if left else cols < lengths[:, None]
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    out[mask] = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lengths.sum()))
+    return out, mask
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

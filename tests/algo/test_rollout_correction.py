@@ -186,7 +186,8 @@ def test_probs_diff_pieces_combine_into_the_whole_batchs_statistics():
         ranks[rank].add(old[rows], rollout[rows], mask[rows])
 
     def reduce(values, op="sum"):
-        other = {3: [ranks[1].n, ranks[1].total, ranks[1].squares], 1: [ranks[1].max]}[len(values)]
+        n, total, squares, top = ranks[1].sums.tolist()
+        other = {3: [n, total, squares], 1: [top]}[len(values)]
         pairs = torch.tensor([values, other], dtype=torch.float64)
         return pairs.sum(0) if op == "sum" else pairs.amax(0)
     got, want = ranks[0].metrics(reduce), rollout_probs_diff(old, rollout, mask)

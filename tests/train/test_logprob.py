@@ -5,6 +5,7 @@ import torch
 
 from lathe.models.hf import lathe_from_transformers
 from lathe.train.logprob import batched_log_probs, response_log_probs
+from lathe.train.micro import HOST_MASK, micro_batches, with_host_mask
 
 from helpers import assert_close_rel
 
@@ -58,8 +59,36 @@ def test_lathe_packed_gradients_equal_padded(make_lathe, rollout_batch):
 def test_packed_rejects_a_response_after_padding(make_lathe, rollout_batch):
     batch = rollout_batch(rows=2)
     batch["attention_mask"][0, batch["prompts"].shape[1] - 1] = 0   # the token before the response is padding
-    with pytest.raises(ValueError, match="follows a padding position"):
-        response_log_probs(make_lathe(), batch, remove_padding=True)
+    for b in (batch, with_host_mask(batch)):
+        with pytest.raises(ValueError, match="follows a padding position"):
+            response_log_probs(make_lathe(), b, remove_padding=True)
+
+
+def test_packed_layout_from_the_host_mask_gives_the_same_numbers_and_gradients(make_lathe, rollout_batch):
+    """Micro-batches carry a host copy of the mask (`with_host_mask`); the packing and response positions worked
+    out from it (`host_layout`, no device sync) give exactly what the device-side packing gives, in value and
+    gradient, for the actor (log-probs, entropy) and the critic's hidden states."""
+    from lathe.train.logprob import host_layout, response_hidden
+    batch = rollout_batch(seed=5)
+    weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for host in (False, True):
+        b = with_host_mask(batch) if host else batch
+        assert (host_layout(b) is not None) == host
+        model = make_lathe()
+        logp, ent = response_log_probs(model, b, temperature=0.7, calculate_entropy=True, remove_padding=True)
+        ((logp + 0.1 * ent) * weights * batch["response_mask"]).sum().backward()
+        with torch.no_grad():
+            hidden, valid = response_hidden(model, b, remove_padding=True)
+        results[host] = (logp, ent, hidden, valid, {k: p.grad.clone() for k, p in model.named_parameters()})
+    for a, b in zip(results[True], results[False]):
+        if isinstance(a, dict):
+            assert_close_rel(a, b, name="gradients")
+        else:
+            assert torch.equal(a, b)
+    parts = micro_batches(batch, size=3)
+    assert all(HOST_MASK in mb for mb, _ in parts) and torch.equal(
+        torch.cat([mb[HOST_MASK] for mb, _ in parts]), batch["attention_mask"])
 
 
 def test_entropy_off_by_default_and_gradients_flow(make_model, rollout_batch):

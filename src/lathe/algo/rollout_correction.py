@@ -266,21 +266,23 @@ class ProbsDiffSums:
     maxes) float64 values over the ranks (`lathe.train.parallel.all_reduce`)."""
 
     def __init__(self):
-        self.n, self.total, self.squares, self.max = 0.0, 0.0, 0.0, 0.0
+        self.sums: torch.Tensor | None = None      # (count, sum, sum of squares, max), float64 on the device
 
     @torch.no_grad()
     def add(self, old_log_prob, rollout_log_prob, response_mask) -> None:
-        diff = _probs_diff(old_log_prob, rollout_log_prob, response_mask)
-        if diff.numel():
-            self.n += diff.numel()
-            self.total += float(diff.sum())
-            self.squares += float(diff.square().sum())
-            self.max = max(self.max, float(diff.max()))
+        """Adds on the device (no host read, no boolean indexing), so that micro-batches queue without waiting."""
+        mask = response_mask.bool()
+        diff = torch.where(mask, (rollout_log_prob.double().exp() - old_log_prob.double().exp()).abs(), 0.0)
+        piece = torch.stack([mask.sum().double(), diff.sum(), diff.square().sum(), diff.max() if diff.numel()
+                             else diff.new_zeros(())])
+        self.sums = piece if self.sums is None else torch.cat([self.sums[:3] + piece[:3],
+                                                               torch.maximum(self.sums[3:], piece[3:])])
 
     def metrics(self, reduce=None) -> dict[str, float]:
-        n, total, squares = (self.n, self.total, self.squares) if reduce is None else \
-            reduce([self.n, self.total, self.squares]).tolist()
-        top = self.max if reduce is None else float(reduce([self.max], op="max")[0])
+        n, total, squares, top = [0.0] * 4 if self.sums is None else self.sums.tolist()
+        if reduce is not None:
+            n, total, squares = reduce([n, total, squares]).tolist()
+            top = float(reduce([top], op="max")[0])
         if not n:
             return {}
         mean = total / n

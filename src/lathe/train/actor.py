@@ -82,7 +82,9 @@ class PPOActor:
         self.optimizer.zero_grad(set_to_none=True)
         tokens, seqs = parallel.global_counts(mini["response_mask"])
         agg = dict(global_num_tokens=tokens, global_num_seqs=seqs, loss_scale_factor=self.loss_scale_factor)
-        sums: dict[str, float] = defaultdict(float)
+        # metrics stay on the device until the mini-batch ends: a host read per micro-batch would make the host
+        # wait for each backward before it could queue the next micro-batch
+        sums: dict[str, float | torch.Tensor] = defaultdict(float)
         diff = ProbsDiffSums() if "old_log_probs" not in mini and "rollout_log_probs" in mini else None
         for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                       key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu"):
@@ -90,8 +92,9 @@ class PPOActor:
             loss.backward()
             weight = len(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
-                sums[k] += float(v) * (1.0 if k in _SUMMED else weight)
-        out = parallel.sum_metrics(sums)
+                v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+                sums[k] = sums[k] + v * (1.0 if k in _SUMMED else weight)
+        out = parallel.sum_metrics({k: float(v) for k, v in sums.items()})
         if diff is not None:
             out.update({f"training/rollout_probs_diff_{k}": v for k, v in diff.metrics(parallel.all_reduce).items()})
         out["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)

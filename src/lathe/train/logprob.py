@@ -22,18 +22,26 @@ runs the chunked log-prob/entropy math compiled, with the same backend.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lathe.batch import Batch
+from lathe.device import to_device
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.logprob import chunked_log_probs
 from lathe.models.logprob import response_log_probs as padded_log_probs
 from lathe.models.packing import pack_padded
 from lathe.models.vl import LatheVLForConditionalGeneration, mrope_positions
 from lathe.train import parallel
-from lathe.train.micro import in_batch_order, micro_batches
+from lathe.train.micro import HOST_MASK, in_batch_order, micro_batches
 
 LOGPROB_CHUNK_SIZE = 1024   # tokens per lm_head chunk: peak extra memory ~ chunk x vocab x 4 bytes (x3 in backward)
+
+
+def response_valid(batch: Batch) -> torch.Tensor:
+    """(B, R) bool: the real response tokens."""
+    return batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()
 
 
 def response_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,19 +49,69 @@ def response_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     (B * L) padded batch of the position whose hidden state predicts it (the position before it)."""
     B, L = batch["input_ids"].shape
     R = batch["responses"].shape[1]
-    valid = batch["attention_mask"][:, L - R:].bool()
+    valid = response_valid(batch)
     rows = torch.arange(B, device=valid.device).unsqueeze(1) * L
     cols = torch.arange(L - R - 1, L - 1, device=valid.device).unsqueeze(0)
     return valid, (rows + cols)[valid]
 
 
-def response_hidden(model, batch: Batch, *, remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class HostLayout:
+    """Where a micro-batch's real tokens and response tokens sit, worked out on the host from its attention mask
+    (`lathe.train.micro.HOST_MASK`) and copied to the device without waiting for it: what `pack_padded` and boolean
+    indexing would find on the device, each at the cost of a host sync."""
+    indices: torch.Tensor        # (T,) real tokens in the flattened (B * L) batch
+    cu_seqlens: torch.Tensor     # (B+1,) int32
+    max_seqlen: int
+    index: torch.Tensor          # (N,) the packed position whose hidden state predicts each real response token
+    flat: torch.Tensor           # (N,) each real response token's position in the flattened (B * R) responses
+
+
+def host_layout(batch: Batch) -> HostLayout | None:
+    """The batch's `HostLayout`, or None when it carries no host mask (then the device works it out). Raises, as
+    `response_hidden` does, when a response token follows a padding position."""
+    host = batch.tensors.get(HOST_MASK)
+    if host is None or host.shape != batch["attention_mask"].shape:
+        return None
+    mask = host.bool()
+    B, L = mask.shape
+    R = batch["responses"].shape[1]
+    seqlens = mask.sum(-1, dtype=torch.int32)
+    indices = mask.flatten().nonzero(as_tuple=True)[0]
+    valid = mask[:, L - R:]
+    source = (torch.arange(B).unsqueeze(1) * L + torch.arange(L - R - 1, L - 1).unsqueeze(0))[valid]
+    where = torch.full((B * L,), -1, dtype=torch.long)
+    where[indices] = torch.arange(len(indices))
+    index = where[source]
+    if bool((index < 0).any()):
+        raise ValueError(BAD_LAYOUT)
+    device = batch["attention_mask"].device
+    return HostLayout(indices=to_device(indices, device),
+                      cu_seqlens=to_device(torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0)),
+                                           device),
+                      max_seqlen=int(seqlens.max()) if B else 0, index=to_device(index, device),
+                      flat=to_device(valid.flatten().nonzero(as_tuple=True)[0], device))
+
+
+BAD_LAYOUT = ("a response token follows a padding position (attention_mask 0): the batch must be a left-padded "
+              "prompt followed by a right-padded response, as rollout.base.to_batch builds it")
+
+
+def response_hidden(model, batch: Batch, *, remove_padding: bool = False, layout: HostLayout | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden (N, H), valid (B, R)): final hidden states predicting the N real response tokens of a lathe model
     (`LatheCausalLM`, `LatheValueModel`, or `LatheVLForConditionalGeneration` with the rows' images), from a packed
-    forward when `remove_padding`, else a padded one."""
+    forward when `remove_padding`, else a padded one. A text model's packed forward takes its positions from
+    `layout` (or the batch's `host_layout`) when there is one: no host sync."""
     ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    valid, source = response_positions(batch)
     vl = isinstance(model, LatheVLForConditionalGeneration)
+    if remove_padding and not vl:
+        layout = layout or host_layout(batch)
+        if layout is not None:
+            hidden = model.hidden_packed(ids.flatten()[layout.indices], pos.flatten()[layout.indices],
+                                         layout.cu_seqlens, layout.max_seqlen)
+            return hidden[layout.index], response_valid(batch)
+    valid, source = response_positions(batch)
     images = image_inputs(batch, model.device) if vl else {}
     if vl:                      # 3D positions and the prompts' placeholders, as the engine saw them
         pos3, images["image_mask"] = vl_positions(model, batch, images.get("image_grid_thw"))
@@ -70,8 +128,7 @@ def response_hidden(model, batch: Batch, *, remove_padding: bool = False) -> tup
     where[packed.indices] = torch.arange(len(packed.indices), device=ids.device)
     index = where[source]
     if bool((index < 0).any()):
-        raise ValueError("a response token follows a padding position (attention_mask 0): the batch must be a "
-                         "left-padded prompt followed by a right-padded response, as rollout.base.to_batch builds it")
+        raise ValueError(BAD_LAYOUT)
     return hidden[index], valid
 
 
@@ -103,9 +160,12 @@ def vl_positions(model, batch: Batch, image_grid_thw: torch.Tensor | None) -> tu
     return positions, (ids == c.image_token_id) & prompt
 
 
-def scatter_response(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(N,) values of the real response tokens -> (B, R), 0 at padding. Differentiable."""
-    return values.new_zeros(valid.shape).masked_scatter(valid, values)
+def scatter_response(values: torch.Tensor, valid: torch.Tensor, shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """(N,) values of the real response tokens -> (B, R), 0 at padding. Differentiable. `valid`: the (B, R) mask,
+    or the tokens' flat positions (`HostLayout.flat`) with the (B, R) `shape`."""
+    if valid.dtype == torch.bool:
+        return values.new_zeros(valid.shape).masked_scatter(valid, values)
+    return values.new_zeros(shape[0] * shape[1]).index_put((valid,), values).view(shape)
 
 
 def response_log_probs(model, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
@@ -121,12 +181,16 @@ def response_log_probs(model, batch: Batch, *, temperature: float = 1.0, calcula
                                 batch["responses"], temperature=temperature, chunk_size=chunk_size,
                                 calculate_entropy=calculate_entropy)
     if isinstance(model, (LatheCausalLM, LatheVLForConditionalGeneration)):
-        hidden, valid = response_hidden(model, batch, remove_padding=remove_padding)
-        logp, entropy = chunked_log_probs(hidden, model.lm_head.weight, batch["responses"][valid],
+        layout = host_layout(batch) if remove_padding and isinstance(model, LatheCausalLM) else None
+        hidden, valid = response_hidden(model, batch, remove_padding=remove_padding, layout=layout)
+        targets = batch["responses"].flatten()[layout.flat] if layout is not None else batch["responses"][valid]
+        logp, entropy = chunked_log_probs(hidden, model.lm_head.weight, targets,
                                           temperature=temperature, chunk_size=chunk_size,
                                           calculate_entropy=calculate_entropy,
                                           compile_backend=getattr(model, "compile_backend", None))
-        return scatter_response(logp, valid), (scatter_response(entropy, valid) if calculate_entropy else None)
+        where = layout.flat if layout is not None else valid
+        return scatter_response(logp, where, valid.shape), (scatter_response(entropy, where, valid.shape)
+                                                            if calculate_entropy else None)
     responses = batch["responses"]
     R = responses.shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

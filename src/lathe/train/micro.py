@@ -18,6 +18,8 @@ import torch
 from lathe.batch import Batch
 from lathe.train import parallel
 
+HOST_MASK = "host_attention_mask"     # the attention mask in host memory (see `with_host_mask`)
+
 
 def token_balanced_partitions(lengths: list[int], max_tokens: int, *, key: str, min_parts: int = 1
                               ) -> list[list[int]]:
@@ -53,13 +55,14 @@ def micro_batches(batch: Batch, *, size: int, max_tokens: int | None = None, key
     Data-parallel ranks (each holding its share of a batch) get the same number of micro-batches, since every
     micro-batch's forward gathers sharded weights together: packed ones are cut into as many as the rank that
     needs most, and fixed-size ones require equal shares."""
+    batch = with_host_mask(batch)
     if max_tokens is None:
         parts = batch.split(size)
         if parallel.distributed() and parallel.max_over_ranks(len(parts)) != len(parts):
             raise ValueError(f"{len(batch)} rows on rank {parallel.rank()} make {len(parts)} micro-batches of {size}, "
                              "fewer than another rank's: data-parallel shares must be equal")
         return [(mb, None) for mb in parts]
-    lengths = batch["attention_mask"].sum(-1).tolist()
+    lengths = batch[HOST_MASK].sum(-1).tolist()
     groups = token_balanced_partitions(lengths, max_tokens, key=key)
     if parallel.distributed():
         most = parallel.max_over_ranks(len(groups))
@@ -69,6 +72,16 @@ def micro_batches(batch: Batch, *, size: int, max_tokens: int | None = None, key
         if most > len(groups):
             groups = token_balanced_partitions(lengths, max_tokens, key=key, min_parts=most)
     return [(batch.select(rows), rows) for rows in groups]
+
+
+def with_host_mask(batch: Batch) -> Batch:
+    """`batch` with a host copy of its attention mask (`HOST_MASK`; one device-to-host copy), which micro-batches
+    carry along: their packing and response positions are then worked out on the host, without waiting for the
+    device (`lathe.train.logprob.host_layout`), so the host can queue a micro-batch while the previous one runs."""
+    if "attention_mask" not in batch or HOST_MASK in batch:
+        return batch
+    return Batch({**batch.tensors, HOST_MASK: batch["attention_mask"].cpu()}, dict(batch.non_tensors),
+                 dict(batch.meta))
 
 
 def in_batch_order(parts: list[tuple[torch.Tensor, list[int] | None]]) -> torch.Tensor:

@@ -6,7 +6,8 @@
 For each timed phase (`timing/<phase>` ranges): its wall time; the device's busy time (kernels and copies launched
 during the phase, overlapping ones merged); the idle time before its first kernel, after its last, and between
 kernels by gap size (under 5 us is the launch gap between a CUDA graph's kernels; 0.1-1 ms and more is the host
-falling behind or waiting); the host's top-level operations that lasted over 1 ms. For the rollout phase (`gen`),
+falling behind or waiting); the host's top-level operations that lasted over 1 ms (the first 40, and all of those
+after the phase's last kernel). For the rollout phase (`gen`),
 the decode steps as the CUDA graph replays show them: replays, the host interval between them, each replay's
 device span and kernel time, and the device idle between replays; and the host time of compiled regions before
 the first replay (the prefill's layers); with `global_profiler.with_stack=true`, the Python functions the host
@@ -81,7 +82,9 @@ def phase_report(events: list[dict], phase: dict, launched: dict) -> dict:
                idle_after_last_kernel_ms=max(0.0, end - busy[-1][1]) / 1e3,
                idle_between_kernels_ms=by_size,
                late_launch_gaps=late_launch_gaps(events, kernels, launched),
-               host_ops_over_1ms=host_ops_over(events, phase.get("tid"), start, end, 1000)[:40])
+               host_ops_over_1ms=host_ops_over(events, phase.get("tid"), start, end, 1000)[:40],
+               # what the host does once the device has nothing left (the rollout's outputs, the update's end)
+               host_ops_after_last_kernel_over_1ms=host_ops_over(events, phase.get("tid"), busy[-1][1], end, 1000))
     return row
 
 

@@ -134,12 +134,6 @@ def memory_allocated(device: torch.device | str) -> int:
     return 0 if api is None else api.memory_allocated(torch.device(device))
 
 
-def memory_reserved(device: torch.device | str) -> int:
-    """Bytes the allocator holds on `device` (allocated or cached), 0 on the CPU."""
-    api = _api(device)
-    return 0 if api is None else api.memory_reserved(torch.device(device))
-
-
 def reset_peak_memory(device: torch.device | str) -> None:
     api = _api(device)
     if api is not None:

@@ -46,9 +46,10 @@ def sequence_seed(seed: int, index: int) -> int:
 
 
 FINISHED = SequenceStatus.FINISHED
-# `sleep` keeps the allocator's cached memory (and the decode graphs) while the device holds at most this share in
-# all: the next `wake_up` then takes the cache back from the allocator, the trainer's cached blocks stay for its next
-# update, and nothing is freed to the driver and allocated again each step
+# `sleep` keeps the allocator's cached memory (and the decode graphs) while the device holds at most this share of
+# its memory in all (every process's, as the driver counts it): the next `wake_up` then takes the cache back from the
+# allocator, the trainer's cached blocks stay for its next update, and nothing is freed to the driver and allocated
+# again each step
 KEEP_CACHED_FRACTION = 0.8
 FUSE_MAX_FRACTION = 0.04     # fused projections by default while their copy is at most this share of the device
 
@@ -410,8 +411,11 @@ class LatheEngine(StreamingMixin):
         # With room to spare, the freed cache stays with the allocator (the trainer may use it; `wake_up` takes it
         # back, at the same address if nothing split it, and the decode graphs stay valid). Near the device's
         # limit everything goes back to the driver, graphs' pool included, as the trainer may need all of it.
-        self._cache_kept = (device.type == "cuda"
-                            and accel.memory_reserved(device) <= KEEP_CACHED_FRACTION * accel.total_memory(device))
+        if device.type == "cuda":
+            free, total = accel.memory_info(device)
+            self._cache_kept = total - free <= KEEP_CACHED_FRACTION * total
+        else:
+            self._cache_kept = False
         if not self._cache_kept:
             self._release_memory()
 

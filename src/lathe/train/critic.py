@@ -108,16 +108,17 @@ class PPOCritic:
         tokens, seqs = parallel.all_reduce([agg["global_num_tokens"], agg["global_num_seqs"]]).tolist()
         agg.update(global_num_tokens=int(tokens), global_num_seqs=int(seqs))
         total_tokens = max(1, agg["global_num_tokens"])
-        sums: dict[str, float] = defaultdict(float)
+        # metrics stay on the device until the mini-batch ends (as the actor's): no host wait per micro-batch
+        sums: dict[str, float | torch.Tensor] = defaultdict(float)
         for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                       key="critic.ppo_max_token_len_per_gpu"):
             loss, parts = self._micro_batch_loss(micro, agg)
             loss.backward()
-            share = float(micro["response_mask"].sum()) / total_tokens   # token-weighted: exact mini-batch means
-            sums["critic/vf_loss"] += float(loss.detach())                # global normalisation: losses add up
+            share = micro["response_mask"].sum().double() / total_tokens   # token-weighted: exact mini-batch means
+            sums["critic/vf_loss"] = sums["critic/vf_loss"] + loss.detach().double()   # global normalisation: add up
             for k, v in parts.items():
-                sums[k] += v * share
-        out = parallel.sum_metrics(sums)
+                sums[k] = sums[k] + v * share
+        out = parallel.sum_metrics({k: float(v) for k, v in sums.items()})
         out["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
         out["critic/skipped_updates"] = self.nonfinite.check(out["critic/grad_norm"], mini)
         return out
@@ -127,7 +128,8 @@ class PPOCritic:
         vpreds = response_values(self.model, micro, remove_padding=self.use_remove_padding)
         loss, clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], mask, self.cfg.cliprange_value,
                                             loss_agg_mode=self.cfg.loss_agg_mode, agg_kwargs=agg)
-        parts = {"critic/vf_clipfrac": float(clipfrac), "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
+        parts = {"critic/vf_clipfrac": torch.as_tensor(clipfrac).detach().double(),
+                 "critic/vpred_mean": masked_mean(vpreds.detach(), mask).double()}
         return loss, parts
 
     # -- checkpoint -----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lathe.batch import Batch
@@ -73,24 +74,25 @@ def host_layout(batch: Batch) -> HostLayout | None:
     host = batch.tensors.get(HOST_MASK)
     if host is None or host.shape != batch["attention_mask"].shape:
         return None
-    mask = host.bool()
+    # numpy: single-threaded (torch's CPU ops wake their thread pool per op, slow on a busy host; see to_batch)
+    mask = host.numpy().astype(bool)
     B, L = mask.shape
     R = batch["responses"].shape[1]
-    seqlens = mask.sum(-1, dtype=torch.int32)
-    indices = mask.flatten().nonzero(as_tuple=True)[0]
+    seqlens = mask.sum(-1)
+    indices = np.flatnonzero(mask)
     valid = mask[:, L - R:]
-    source = (torch.arange(B).unsqueeze(1) * L + torch.arange(L - R - 1, L - 1).unsqueeze(0))[valid]
-    where = torch.full((B * L,), -1, dtype=torch.long)
-    where[indices] = torch.arange(len(indices))
+    source = (np.arange(B)[:, None] * L + np.arange(L - R - 1, L - 1)[None, :])[valid]
+    where = np.full(B * L, -1, dtype=np.int64)
+    where[indices] = np.arange(len(indices))
     index = where[source]
-    if bool((index < 0).any()):
+    if (index < 0).any():
         raise ValueError(BAD_LAYOUT)
     device = batch["attention_mask"].device
-    return HostLayout(indices=to_device(indices, device),
-                      cu_seqlens=to_device(torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0)),
-                                           device),
-                      max_seqlen=int(seqlens.max()) if B else 0, index=to_device(index, device),
-                      flat=to_device(valid.flatten().nonzero(as_tuple=True)[0], device))
+
+    def moved(a: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return to_device(torch.from_numpy(np.ascontiguousarray(a)).to(dtype), device)
+    return HostLayout(indices=moved(indices), cu_seqlens=moved(np.concatenate([[0], np.cumsum(seqlens)]), torch.int32),
+                      max_seqlen=int(seqlens.max()) if B else 0, index=moved(index), flat=moved(np.flatnonzero(valid)))
 
 
 BAD_LAYOUT = ("a response token follows a padding position (attention_mask 0): the batch must be a left-padded "

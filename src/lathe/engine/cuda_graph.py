@@ -68,9 +68,6 @@ class DecodeGraphs:
         from lathe.engine.triton_sample import triton
         self.samples = triton is not None
         self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
-        import os
-        self.streams = int(os.environ.get("LATHE_DECODE_STREAMS", "1"))     # experiment
-        self.side = torch.cuda.Stream(device) if self.streams > 1 else None
         self.reset()
 
     def reset(self) -> None:
@@ -93,40 +90,23 @@ class DecodeGraphs:
     def _bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def _hidden(self, lo: int, hi: int, splits: int) -> torch.Tensor:
-        """Final hidden states of the static input rows lo..hi-1."""
-        from lathe.engine.model_runner import DecodeAttention
-        runner, inp = self.runner, self.inputs[:, lo:hi]
-        bs, pos = runner.block_size, inp[POS]
-        real = pos.clamp_min(0)
-        tables = self.tables[lo:hi]
-        block = tables.gather(1, (real // bs)[:, None])[:, 0].long()
-        slots = torch.where(pos >= 0, block * bs + real % bs, runner.kv_cache.scratch_slot)
-        attn = DecodeAttention(runner.kv_cache, slots, tables, real + 1, runner.decode_backend, splits)
-        rope = real + inp[DELTA] if runner.vl else real          # an image prompt's tokens sit at index + delta
-        return hidden_states(runner.model, inp[IDS], rope, attn)
-
     def _forward(self, key: tuple) -> torch.Tensor:
         """One decode step over the static buffers for key = (bucket, top-k search, top-p search): logits
         (bucket, V); the sampled tokens and log-probs go to `sampled`."""
+        from lathe.engine.model_runner import DecodeAttention
         bucket, use_k, use_p = key
-        runner = self.runner
+        runner, inp = self.runner, self.inputs[:, :bucket]
+        bs, pos = runner.block_size, inp[POS]
+        real = pos.clamp_min(0)
+        block = self.tables[:bucket].gather(1, (real // bs)[:, None])[:, 0].long()
+        slots = torch.where(pos >= 0, block * bs + real % bs, runner.kv_cache.scratch_slot)
         splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms)
-        splits = splits if runner.decode_backend == "triton" else 1
-        if self.streams > 1 and bucket >= 64:
-            half = bucket // 2
-            cur = torch.cuda.current_stream(runner.device)
-            self.side.wait_stream(cur)
-            with torch.cuda.stream(self.side):
-                first = self._hidden(0, half, splits)
-            second = self._hidden(half, bucket, splits)
-            cur.wait_stream(self.side)
-            hidden = torch.cat([first, second])
-        else:
-            hidden = self._hidden(0, bucket, splits)
-        logits = runner.model.lm_head(hidden)
+        attn = DecodeAttention(runner.kv_cache, slots, self.tables[:bucket], real + 1,
+                               runner.decode_backend, splits if runner.decode_backend == "triton" else 1)
+        rope = real + inp[DELTA] if runner.vl else real          # an image prompt's tokens sit at index + delta
+        logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], rope, attn))
         if self.samples:
-            sample_rows(logits, self.inputs[SEED:DELTA, :bucket], out=self.sampled, use_k=use_k, use_p=use_p)
+            sample_rows(logits, inp[SEED:DELTA], out=self.sampled, use_k=use_k, use_p=use_p)
         return logits
 
     def _capture(self, key: tuple) -> None:

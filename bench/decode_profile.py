@@ -7,8 +7,9 @@ overlapped scheduling), with every host-side part of a step timed by `perf_count
 each step's graph run. Reported per decode step (medians over the run's decode steps):
 wall time; host milliseconds in each part; device milliseconds of the graph-replayed step (forward, lm_head and
 sampler, with the input copies just before it); and the
-share of the run's span in which the device had no step's work queued (host-bound time). Then a
-torch.profiler table of a few graph-replayed decode steps: which kernels the device time goes to.
+share of the run's span in which the device had no step's work queued (host-bound time). Then
+torch.profiler tables of graph-replayed decode steps, which kernels the device time goes to: a short call's first
+8 steps (contexts at the prompt length) and 8 steps halfway through a full call (contexts at the run's mean).
 Writes JSON (device, date, git sha) to `--out`.
 """
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from rollout import fixed_load_engine, hbm_bandwidth, roofline_tok_s, weight_bytes  # noqa: E402
-from train import SHAPES, device_name, git_sha, profile_summary, slug, sync  # noqa: E402
+from train import SHAPES, device_name, git_sha, profile_summary, slug, summarize_profile, sync  # noqa: E402
 
 import lathe.engine.llm_engine as llm  # noqa: E402
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
@@ -114,6 +115,33 @@ def instrument(engine: LatheEngine, probe: Probe) -> None:
     engine.step = step_timed
 
 
+def profile_steps(engine: LatheEngine, prompts, params, device, first: int, count: int, top: int) -> dict:
+    """`profile_summary` of engine steps first..first+count-1 of one `generate` call (kernels launched by them)."""
+    from torch.profiler import ProfilerActivity, profile
+    step, seen, prof = engine.step, [0], profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def stepped():
+        i = seen[0]
+        seen[0] += 1
+        if i == first:
+            sync(device)
+            prof.__enter__()
+        try:
+            return step()
+        finally:
+            if i == first + count - 1:
+                sync(device)
+                prof.__exit__(None, None, None)
+    engine.step = stepped
+    try:
+        engine.generate(prompts, params)
+    finally:
+        engine.step = step
+    if seen[0] < first + count:
+        raise RuntimeError(f"decode_profile: the call ran {seen[0]} steps, fewer than the {first + count} profiled")
+    return summarize_profile(prof, device, top)
+
+
 def med(xs):
     return statistics.median(xs) if xs else 0.0
 
@@ -161,6 +189,10 @@ def profile_model(name: str, device, args) -> dict:
     # kernels of a few graph-replayed decode steps
     short = SamplingParams(n=1, temperature=1.0, max_tokens=8, ignore_eos=True, seed=0)
     result["kernels_8_tokens"] = profile_summary(lambda: engine.generate(prompts, short), device, top=40)
+    # and of 8 decode steps halfway through the run, where the contexts are the run's mean
+    middle = result["prefill_steps"] + len(decode) // 2
+    result["kernels_8_mid_run_steps"] = {"first_step": middle,
+                                         **profile_steps(engine, prompts, params, device, middle, 8, top=40)}
     engine.sleep()
     return result
 
@@ -173,18 +205,22 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--label", default="")
+    ap.add_argument("--git-sha", default=None, help="the tree's sha where .git is stale (the device copy)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
     name = device_name(device)
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_profile_{slug(name)}.json"
     res = {"bench": "decode_profile", "label": args.label, "device": name,
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "git_sha": git_sha(),
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "git_sha": args.git_sha or git_sha(),
            "torch": torch.__version__, "args": vars(args), "models": {}}
     for m in args.models.split(","):
         res["models"][m] = r = profile_model(m, device, args)
-        print(m, json.dumps({k: v for k, v in r.items() if k != "kernels_8_tokens"}, indent=1), flush=True)
-        print(json.dumps(r["kernels_8_tokens"], indent=1)[:4000], flush=True)
+        print(m, json.dumps({k: v for k, v in r.items() if not k.startswith("kernels_")}, indent=1), flush=True)
+        for key in ("kernels_8_tokens", "kernels_8_mid_run_steps"):
+            top = r[key]["top"][:14]
+            print(key, round(r[key]["device_ms"], 3), "ms;", "; ".join(
+                f"{k['name'][:40]} {k['ms']:.3f}/{k['calls']}" for k in top), flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=2))
 

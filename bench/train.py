@@ -318,6 +318,11 @@ def profile_summary(step, device, top: int = 12) -> dict:
     with profile(activities=acts) as prof:
         step()
         sync(device)
+    return summarize_profile(prof, device, top)
+
+
+def summarize_profile(prof, device, top: int = 12) -> dict:
+    """`profile_summary`'s figures from a finished torch.profiler run."""
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA] \
         if device.type == "cuda" else list(prof.key_averages())
 

@@ -20,14 +20,15 @@ buckets share. A batch the fused sampler cannot take (a min_tokens ban in force)
 logits and the PyTorch sampler instead.
 
 Prefill steps replay from graphs too where an eager forward would leave the device waiting: a step of fresh
-prompts (nothing cached) whose matmul work is under `PREFILL_GRAPH_FLOPS` runs a graph keyed by its token, sequence
-and longest-prompt buckets (`prefill_key`; the packed tokens padded with scratch-slot rows that no sequence owns,
-the sequence bounds with empty sequences), which returns the last hidden state of each prompt; single new tokens
-over a cached prefix (the n-1 other samples of a prompt) are decode steps in all but name and run the decode graph
-of their bucket, after the fresh prompts whose KV they read. An eager prefill forward of a small model is host-bound:
-on an H100 host the 0.5B fixed load's 8 steps of 8192 tokens took 0.24-0.35 s for 0.11 s of device work, and a step
-of 256 single tokens 45-56 ms for 1.7 ms (`bench/results/prefill_host_*`). Steps with other rows (several new
-tokens over a cached prefix: shared prefixes, prompt chunks, the agent loop's turns) and VL models run eagerly.
+prompts only (nothing cached) whose matmul work is under `PREFILL_GRAPH_FLOPS` runs a graph keyed by its token,
+sequence and longest-prompt buckets (`prefill_key`; the packed tokens padded with scratch-slot rows that no sequence
+owns, the sequence bounds with empty sequences), which returns the last hidden state of each prompt. An eager
+prefill forward of a small model is host-bound: on an H100 host the 0.5B fixed load's 8 steps of 8192 tokens took
+0.24-0.35 s for 0.11 s of device work (`bench/results/prefill_host_*`). Steps with cached prefixes (the n-1 other
+samples of a prompt, shared prefixes, a prompt's later chunks, the agent loop's turns) and VL models run eagerly:
+running a GRPO step's single new tokens through the decode graph after the fresh prompts' graph made the decode
+steps that followed slower on an H100 (1.04-1.06 s against 0.97-1.00 s for 511 steps, cause not found;
+`bench/results/prefill_graphs_ab_*`), so it was taken out.
 
 The graphs hold the KV cache's and the weights' addresses: `update_weights` copies in place (graphs
 stay valid); after a `sleep()` the engine keeps them when `wake_up()` finds the cache at its old address (the
@@ -154,40 +155,22 @@ class DecodeGraphs:
         return hidden_states(runner.model, ids, pos, attn)[last]
 
     def prefill(self, seqs, num_new: list[int]) -> torch.Tensor | None:
-        """Logits (B, V) of a prefill step run from graphs (see the module doc), rows in `seqs` order; None when
-        the step is not one they run (the caller runs it eagerly)."""
-        fresh, single = [], []
-        for i, (seq, n) in enumerate(zip(seqs, num_new)):
-            if seq.num_cached_tokens == 0:
-                fresh.append(i)
-            elif n == 1 and seq.num_cached_tokens + 1 == len(seq.token_ids):
-                single.append(i)
-            else:
-                return None
-        if len(single) > self.max_batch:
+        """Logits (B, V) of a prefill step of fresh prompts run from a graph (see the module doc), rows in `seqs`
+        order; None when the step is not one the graphs run (the caller runs it eagerly)."""
+        if any(seq.num_cached_tokens for seq in seqs):
             return None
-        parts = []
-        if fresh:
-            key = prefill_key([num_new[i] for i in fresh], self.params)
-            if key is None or not self._prefill_inputs(key, [seqs[i] for i in fresh], [num_new[i] for i in fresh]):
-                return None
-            if key not in self.graphs:
-                self._capture(key)
-                while sum(k[0] == "prefill" for k in self.graphs) > MAX_PREFILL_GRAPHS:
-                    old = next(k for k in self.graphs if k[0] == "prefill")
-                    del self.graphs[old], self.outputs[old], self.prefill_inputs[old]
-            else:                                        # most recently used last
-                self.graphs[key] = self.graphs.pop(key)
-            self.graphs[key].replay()
-            parts.append(self.runner.model.lm_head(self.outputs[key][:len(fresh)]))
-        if single:                                       # after the fresh prompts: their KV may be what these read
-            parts.append(self.run([seqs[i] for i in single])[0])
-        if len(parts) == 1:
-            return parts[0]
-        order = fresh + single
-        inverse = np.empty(len(order), dtype=np.int64)
-        inverse[order] = np.arange(len(order))
-        return torch.cat(parts)[self.runner._tensor(inverse)]
+        key = prefill_key(num_new, self.params)
+        if key is None or not self._prefill_inputs(key, seqs, num_new):
+            return None
+        if key not in self.graphs:
+            self._capture(key)
+            while sum(k[0] == "prefill" for k in self.graphs) > MAX_PREFILL_GRAPHS:
+                old = next(k for k in self.graphs if k[0] == "prefill")
+                del self.graphs[old], self.outputs[old], self.prefill_inputs[old]
+        else:                                            # most recently used last
+            self.graphs[key] = self.graphs.pop(key)
+        self.graphs[key].replay()
+        return self.runner.model.lm_head(self.outputs[key][:len(seqs)])
 
     def _prefill_inputs(self, key: tuple, seqs, lens: list[int]) -> bool:
         """Write the inputs of fresh prompts `seqs` (`lens` new tokens each) to key's static buffer; False (nothing

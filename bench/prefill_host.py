@@ -1,0 +1,84 @@
+"""Host cost of the engine's prefill steps: the rollout bench's fixed load prefilled alone (max_tokens=1), fresh
+(prefix cache emptied: 8 steps of 8192 tokens) and with its prompts cached (one step of 256 single tokens), five
+calls each; the device's busy time of one call of each (torch.profiler), and a cProfile of each beside the JSON.
+
+    python bench/prefill_host.py [--model 0.5b] --out bench/results/prefill_host_<model>_<device>.json
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from rollout import fixed_load_engine  # noqa: E402
+from train import sync  # noqa: E402
+
+from lathe.rollout.base import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    from torch.profiler import ProfilerActivity, profile
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="0.5b")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    args = types.SimpleNamespace(prompts=256, prompt_len=256, new_tokens=512, gpu_memory_utilization=0.6)
+    dev = torch.device("cuda")
+    engine, prompts, _ = fixed_load_engine(a.model, dev, args)
+    one = SamplingParams(n=1, temperature=1.0, max_tokens=1, ignore_eos=True, seed=0)
+    engine.generate(prompts, SamplingParams(n=1, temperature=1.0, max_tokens=2, ignore_eos=True, seed=0))
+    sync(dev)
+    res = {"model": a.model, "device": torch.cuda.get_device_name(dev), "fresh_s": [], "cached_s": []}
+
+    def call(cold):
+        if cold:
+            engine.update_weights([])          # empties the prefix cache
+        sync(dev)
+        t = time.perf_counter()
+        engine.generate(prompts, one)
+        sync(dev)
+        return time.perf_counter() - t
+    for _ in range(5):
+        res["fresh_s"].append(round(call(True), 4))
+        res["cached_s"].append(round(call(False), 4))
+    for cold in (True, False):
+        if cold:
+            engine.update_weights([])
+        sync(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, one)
+            sync(dev)
+        busy = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+        res["device_busy_ms_" + ("fresh" if cold else "cached")] = round(busy / 1e3, 2)
+    for cold in (True, False):
+        if cold:
+            engine.update_weights([])
+        sync(dev)
+        pr = cProfile.Profile()
+        pr.enable()
+        engine.generate(prompts, one)
+        sync(dev)
+        pr.disable()
+        s = io.StringIO()
+        st = pstats.Stats(pr, stream=s)
+        st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("cumulative").print_stats(45)
+        Path(a.out).with_name(f"cprofile_{a.model}_{'fresh' if cold else 'cached'}.txt").write_text(s.getvalue())
+    print(json.dumps(res))
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

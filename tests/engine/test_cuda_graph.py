@@ -23,17 +23,6 @@ def test_buckets_cover_every_batch_size():
     assert all(any(b >= n for b in buckets) for n in range(1, 101))
 
 
-def test_prefill_buckets_and_the_device_bound_limit():
-    from lathe.engine.cuda_graph import PREFILL_GRAPH_FLOPS, prefill_key
-    assert prefill_key([100, 20], 10**6) == ("prefill", 256, 2, 128)
-    assert prefill_key([300, 200, 1], 10**6) == ("prefill", 512, 4, 512)
-    assert prefill_key([300, 300], 10**6) == ("prefill", 1024, 2, 512)
-    assert prefill_key([256] * 32, 10**6) == ("prefill", 8192, 32, 256)
-    assert prefill_key([5000], 10**6) == ("prefill", 5120, 1, 5120)           # the longest within the tokens
-    params = int(PREFILL_GRAPH_FLOPS / (2 * 8192))
-    assert prefill_key([256] * 32, params) is not None and prefill_key([256] * 33, params) is None
-
-
 def test_tables_follow_new_blocks_copy_on_write_and_reallocation():
     bm = BlockManager(16, 4, enable_prefix_caching=False)
     a, b = Sequence(list(range(6))), Sequence(list(range(10, 13)))
@@ -126,50 +115,3 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
         assert "stop" in outs[0].finish_reasons and outs[1].metrics["rollout/num_preemptions"] > 0
         assert_close_rel(torch.tensor(sum(outs[1].logprobs, [])), torch.tensor(sum(outs[0].logprobs, [])),
                          name="log-probs")
-
-
-def test_prefill_steps_from_graphs_on_cpu_equal_the_eager_engine(checkpoints, triton_interpreter, monkeypatch):
-    """Prefill steps of fresh prompts replayed from graphs (run eagerly on the CPU over their static buffers), padded
-    to their token, sequence and longest-prompt buckets: the same tokens and log-probs as the plain engine. Steps
-    with cached prefixes (the other samples of a prompt, a prompt's second chunk) run eagerly."""
-    import lathe.engine.llm_engine as llm
-    from lathe.engine.llm_engine import LatheEngine
-    from lathe.engine.sampler import fused_settings
-    from lathe.models import load_lathe_model
-    from lathe.rollout.base import SamplingParams
-    from helpers import assert_close_rel
-
-    path, _ = checkpoints["qwen2"]
-    monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
-    monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
-        torch.device("cuda"), vocab, seqs))
-    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, b: self.graphs.__setitem__(b, _Replay(self, b)))
-    steps = []
-    prefill = DecodeGraphs.prefill
-
-    def spied(self, seqs, num_new):
-        out = prefill(self, seqs, num_new)
-        kinds = {"fresh" if s.num_cached_tokens == 0 else "single" if n == 1 else "rest"
-                 for s, n in zip(seqs, num_new)}
-        steps.append((frozenset(kinds), out is not None))
-        return out
-    monkeypatch.setattr(DecodeGraphs, "prefill", spied)
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [27, 18], list(range(30, 43)), [50, 51, 52, 53, 54]]
-    params = SamplingParams(n=3, temperature=0.9, max_tokens=6, seed=7)
-    outs = []
-    for graphs in (False, True):
-        engine = LatheEngine(load_lathe_model(path), eos_token_id=None, block_size=4, num_kv_blocks=64,
-                             max_num_batched_tokens=32, reserve_new_tokens=False, async_scheduling=graphs)
-        if graphs:
-            engine.runner.graphs = DecodeGraphs(engine.runner, 16)
-        outs.append([engine.generate(prompts, params),
-                     engine.generate([p[::-1] for p in prompts], SamplingParams(n=1, max_tokens=4, seed=3))])
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    for plain, graphed in zip(*outs):
-        assert graphed.token_ids == plain.token_ids
-        assert_close_rel(torch.tensor(sum(graphed.logprobs, [])), torch.tensor(sum(plain.logprobs, [])),
-                         name="log-probs")
-    assert (frozenset({"fresh"}), True) in steps                         # fresh prompts alone: from a graph
-    assert {"single", "rest"} <= set().union(*(kinds for kinds, _ in steps))
-    assert all(not used for kinds, used in steps if kinds != {"fresh"})   # other samples, second chunks: eager
-    assert any(k[0] == "prefill" for k in engine.runner.graphs.graphs)

@@ -19,17 +19,6 @@ bucket is captured the first time it is needed, after one eager warm-up run, int
 buckets share. A batch the fused sampler cannot take (a min_tokens ban in force) uses the graph's
 logits and the PyTorch sampler instead.
 
-Prefill steps replay from graphs too where an eager forward would leave the device waiting: a step of fresh
-prompts only (nothing cached) whose matmul work is under `PREFILL_GRAPH_FLOPS` runs a graph keyed by its token,
-sequence and longest-prompt buckets (`prefill_key`; the packed tokens padded with scratch-slot rows that no sequence
-owns, the sequence bounds with empty sequences), which returns the last hidden state of each prompt. An eager
-prefill forward of a small model is host-bound: on an H100 host the 0.5B fixed load's 8 steps of 8192 tokens took
-0.24-0.35 s for 0.11 s of device work (`bench/results/prefill_host_*`). Steps with cached prefixes (the n-1 other
-samples of a prompt, shared prefixes, a prompt's later chunks, the agent loop's turns) and VL models run eagerly:
-running a GRPO step's single new tokens through the decode graph after the fresh prompts' graph made the decode
-steps that followed slower on an H100 (1.04-1.06 s against 0.97-1.00 s for 511 steps, cause not found;
-`bench/results/prefill_graphs_ab_*`), so it was taken out.
-
 The graphs hold the KV cache's and the weights' addresses: `update_weights` copies in place (graphs
 stay valid); after a `sleep()` the engine keeps them when `wake_up()` finds the cache at its old address (the
 allocator kept the block), else it calls `reset()` and buckets are captured again.
@@ -56,22 +45,6 @@ _ONE = np.array(1.0).view(np.int64)
 PAD = np.array([0, -1, 0, 0, 1, _ONE, 0, _ONE, 0], dtype=np.int64)        # a padding row: greedy, scratch slot
 
 
-PREFILL_GRAPH_FLOPS = 12e12       # 2 x parameters x padded tokens: above it the device's work outlasts the launches
-MAX_PREFILL_GRAPHS = 8             # prefill keys kept (least recently used dropped): each holds its static buffers
-
-
-def prefill_key(lens: list[int], params: int) -> tuple | None:
-    """("prefill", tokens, sequences, longest) buckets of a step of fresh prompts of `lens` new tokens each: tokens
-    up to 256, 512, then multiples of 1024; sequences and the longest prompt to powers of two. None when the padded
-    step's matmul work is over `PREFILL_GRAPH_FLOPS` (the eager forward is device-bound there)."""
-    total = sum(lens)
-    tokens = 256 if total <= 256 else 512 if total <= 512 else -(-total // 1024) * 1024
-    if 2 * params * tokens > PREFILL_GRAPH_FLOPS:
-        return None
-    pow2 = lambda n: 1 << max(0, n - 1).bit_length()          # noqa: E731
-    return "prefill", tokens, pow2(len(lens)), min(pow2(max(lens)), tokens)
-
-
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
@@ -95,14 +68,12 @@ class DecodeGraphs:
         from lathe.engine.triton_sample import triton
         self.samples = triton is not None
         self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
-        self.params = sum(p.numel() for p in runner.model.parameters())
         self.reset()
 
     def reset(self) -> None:
         """Forget every captured graph (the KV cache they point at is gone)."""
         self.graphs: dict[tuple, object] = {}        # (batch bucket, top-k search, top-p search) -> captured graph
-        self.outputs: dict[tuple, torch.Tensor] = {}  # and prefill_key(...) -> graph of a step of fresh prompts
-        self.prefill_inputs: dict[tuple, tuple[torch.Tensor, Staging]] = {}   # prefill key -> (static, host) inputs
+        self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
         self.forget_rows()
 
@@ -121,9 +92,7 @@ class DecodeGraphs:
 
     def _forward(self, key: tuple) -> torch.Tensor:
         """One decode step over the static buffers for key = (bucket, top-k search, top-p search): logits
-        (bucket, V); the sampled tokens and log-probs go to `sampled`. A prefill key: `_prefill_forward`."""
-        if key[0] == "prefill":
-            return self._prefill_forward(key)
+        (bucket, V); the sampled tokens and log-probs go to `sampled`."""
         from lathe.engine.model_runner import DecodeAttention
         bucket, use_k, use_p = key
         runner, inp = self.runner, self.inputs[:, :bucket]
@@ -139,68 +108,6 @@ class DecodeGraphs:
         if self.samples:
             sample_rows(logits, inp[SEED:DELTA], out=self.sampled, use_k=use_k, use_p=use_p)
         return logits
-
-    def _prefill_forward(self, key: tuple) -> torch.Tensor:
-        """The fresh prompts of a prefill step over the static buffers of key = ("prefill", tokens, sequences,
-        longest): the last hidden state of each sequence (sequences, hidden). The buffer holds token ids, positions,
-        KV slots (tokens each), each sequence's last row (sequences) and the sequence bounds (sequences + 1)."""
-        from lathe.engine.model_runner import PrefillAttention
-        from lathe.models.attention import PackedAttention
-        _, tokens, nseq, longest = key
-        runner, buf = self.runner, self.prefill_inputs[key][0]
-        ids, pos, slots = buf[:tokens], buf[tokens:2 * tokens], buf[2 * tokens:3 * tokens]
-        last, bounds = buf[3 * tokens:3 * tokens + nseq], buf[3 * tokens + nseq:].to(torch.int32)
-        attn = PrefillAttention(runner.kv_cache, slots, tokens, PackedAttention(bounds, longest, runner.packed_backend),
-                                None, ([], [], []), runner.decode_backend)
-        return hidden_states(runner.model, ids, pos, attn)[last]
-
-    def prefill(self, seqs, num_new: list[int]) -> torch.Tensor | None:
-        """Logits (B, V) of a prefill step of fresh prompts run from a graph (see the module doc), rows in `seqs`
-        order; None when the step is not one the graphs run (the caller runs it eagerly)."""
-        if any(seq.num_cached_tokens for seq in seqs):
-            return None
-        key = prefill_key(num_new, self.params)
-        if key is None or not self._prefill_inputs(key, seqs, num_new):
-            return None
-        if key not in self.graphs:
-            self._capture(key)
-            while sum(k[0] == "prefill" for k in self.graphs) > MAX_PREFILL_GRAPHS:
-                old = next(k for k in self.graphs if k[0] == "prefill")
-                del self.graphs[old], self.outputs[old], self.prefill_inputs[old]
-        else:                                            # most recently used last
-            self.graphs[key] = self.graphs.pop(key)
-        self.graphs[key].replay()
-        return self.runner.model.lm_head(self.outputs[key][:len(seqs)])
-
-    def _prefill_inputs(self, key: tuple, seqs, lens: list[int]) -> bool:
-        """Write the inputs of fresh prompts `seqs` (`lens` new tokens each) to key's static buffer; False (nothing
-        written) when a token's KV slot is not a plain one (cached already)."""
-        _, tokens, nseq, _ = key
-        total = sum(lens)
-        slots = np.full(tokens, self.runner.kv_cache.scratch_slot, dtype=np.int64)
-        slots[:total] = np.concatenate([self.runner._slots(s, 0, n) for s, n in zip(seqs, lens)])
-        if (slots[:total] < 0).any():
-            return False
-        if key not in self.prefill_inputs:
-            size = 3 * tokens + 2 * nseq + 1
-            self.prefill_inputs[key] = (torch.zeros(size, dtype=torch.int64, device=self.runner.device),
-                                        Staging((size,), torch.int64, self.runner.device))
-        static, staging = self.prefill_inputs[key]
-        host = staging.writable().numpy()
-        ends = np.cumsum(lens)
-        host[:tokens] = 0
-        host[:total] = np.fromiter(itertools.chain.from_iterable(s.token_ids[:n] for s, n in zip(seqs, lens)),
-                                   dtype=np.int64, count=total)
-        host[tokens:2 * tokens] = 0
-        host[tokens:tokens + total] = np.arange(total) - np.repeat(ends - lens, lens)
-        host[2 * tokens:3 * tokens] = slots
-        host[3 * tokens:3 * tokens + nseq] = 0                       # padding sequences: row 0, dropped
-        host[3 * tokens:3 * tokens + len(lens)] = ends - 1
-        host[3 * tokens + nseq:] = total                             # empty padding sequences after the real ones
-        host[3 * tokens + nseq + 1:3 * tokens + nseq + 1 + len(lens)] = ends
-        host[3 * tokens + nseq] = 0
-        staging.copy_to(static, staging.tensor)
-        return True
 
     def _capture(self, key: tuple) -> None:
         start = time.perf_counter()

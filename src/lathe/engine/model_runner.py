@@ -255,10 +255,6 @@ class ModelRunner:
         computing `num_new[i]` tokens of sequence i (all its uncached tokens by default)."""
         if num_new is None:
             num_new = [len(s) - s.num_cached_tokens for s in seqs]
-        if self.graphs is not None and not self.vl:
-            logits = self.graphs.prefill(seqs, num_new)
-            if logits is not None:
-                return logits
         ids, positions, attn, last, order, visual = self.prepare_prefill(seqs, num_new)
         hidden = hidden_states(self.model, ids, positions, attn, visual)[last]
         inverse = [0] * len(order)

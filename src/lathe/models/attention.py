@@ -111,8 +111,6 @@ class PackedAttention:
             qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=groups > 1)
             outs.append(out[0].transpose(0, 1))
-        if self._bounds[-1] < q.shape[0]:          # rows after the last sequence (a padded graph step's): zeros
-            outs.append(q.new_zeros((q.shape[0] - self._bounds[-1],) + q.shape[1:]))
         return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
     def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

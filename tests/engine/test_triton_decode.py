@@ -120,3 +120,36 @@ def test_fused_sampler_uniforms_match_the_host(kernel):
     ref_tok, _ = sample(logits, seqs)
     out = fused_sample(logits, torch.ones(rows), torch.zeros(rows, dtype=torch.int32), seeds, positions, chunk=256)
     assert out[0].long().tolist() == ref_tok
+
+
+@pytest.mark.parametrize("batch,hq,hkv,dim,page,splits", [
+    (3, 14, 2, 64, 16, 1),      # Qwen2.5-0.5B's group of 7, one split
+    (4, 8, 4, 48, 4, 3),        # three splits, some empty for short contexts; head_dim not a power of two
+])
+def test_kernel_with_the_new_token_equals_rope_store_then_attention(kernel, batch, hq, hkv, dim, page, splits):
+    """`new_kv`: q and the step's k arrive before RoPE (strided views of one q/k/v projection, as the layers hand
+    them), the launch rotates them, stores k and v at the slots and attends to the new token from registers:
+    the cache and the output equal a RoPE+store launch followed by the plain kernel over the cache."""
+    from lathe.engine.triton_store import rope_store_kv
+    g = torch.Generator().manual_seed(batch + splits)
+    lens = torch.randint(1, 90, (batch,), generator=g)
+    lens[0] = 1                                              # the new token alone
+    width = -(-int(lens.max()) // page)
+    blocks = batch * width + 3                               # each sequence's own blocks, as the engine's are
+    kc, vc = (torch.randn(blocks, page, hkv, dim, generator=g) for _ in range(2))
+    tables = torch.randperm(blocks, generator=g)[:batch * width].view(batch, width).int()
+    pos = lens - 1
+    slots = tables.long().gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
+    qkv = torch.randn(batch, (hq + 2 * hkv) * dim, generator=g)
+    q, k, v = (x.view(batch, -1, dim) for x in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1))
+    angles = torch.randn(batch, dim // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    q_rot = rope_store_kv(q, k, v, cos, sin, ref_k, ref_v, slots)
+    ref = kernel.paged_decode(q_rot, ref_k, ref_v, tables, lens.int(), num_splits=splits, block_n=16)
+    out = kernel.paged_decode(q, kc, vc, tables, lens.int(), num_splits=splits, block_n=16,
+                              new_kv=(k, v, cos, sin, slots))
+    assert_close_rel(kc, ref_k, rel=1e-6, name="k cache")
+    assert torch.equal(vc, ref_v)
+    assert_close_rel(out, ref, rel=1e-5, name="attention with the new token")
+    assert_close_rel(out, decode_attention(q_rot, ref_k, ref_v, tables.long(), lens), name="reference")

@@ -73,3 +73,37 @@ def test_engine_with_rope_in_the_store_launch_equals_the_plain_engine(checkpoint
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
         assert_close_rel(torch.tensor(sum(b.logprobs, [])), torch.tensor(sum(a.logprobs, [])), name="log-probs")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_engine_with_rope_store_and_attention_in_one_launch_equals_the_plain_engine(checkpoints, triton_interpreter,
+                                                                                   monkeypatch, family):
+    """With the Triton decode kernel, the decode steps' RoPE, K/V store and attention run in one launch
+    (`paged_decode(new_kv=...)`, by the interpreter): the plain engine's tokens and log-probs, greedy and seeded."""
+    from lathe.engine import model_runner, triton_decode, triton_store
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.models import load_lathe_model
+    from lathe.rollout.base import SamplingParams
+    from helpers import assert_close_rel
+    from .conftest import PROMPTS
+
+    path, _ = checkpoints[family]
+    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=3)]
+    outs = []
+    for fused in (False, True):
+        if fused:
+            calls = []
+            kernel = triton_decode.paged_decode
+            init = model_runner.DecodeAttention.__post_init__
+            monkeypatch.setattr(model_runner.DecodeAttention, "__post_init__",
+                                lambda self: (setattr(self, "rotates", True), init(self))[1])
+            monkeypatch.setattr(triton_store, "can_rope_store", lambda *a: True)     # the CPU stands in for CUDA
+            monkeypatch.setattr(triton_decode, "paged_decode",
+                                lambda *a, **k: calls.append("new_kv" in k) or kernel(*a, **k))
+        engine = LatheEngine(load_lathe_model(path, torch.float32), eos_token_id=None, block_size=4,
+                             num_kv_blocks=64, decode_backend="triton")
+        outs.append([engine.generate(PROMPTS, p) for p in params])
+    assert any(calls)
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert_close_rel(torch.tensor(sum(b.logprobs, [])), torch.tensor(sum(a.logprobs, [])), name="log-probs")

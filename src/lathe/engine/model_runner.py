@@ -51,7 +51,8 @@ class DecodeAttention:
     backend: str = "torch"
     num_splits: int = 1
     # whether the layers hand this attention q and k before RoPE, with cos/sin (`DecoderLayer`); on CUDA by default:
-    # one Triton launch then rotates q and k and stores k and v (`triton_store.rope_store_kv`)
+    # one Triton launch then rotates q and k and stores k and v (`triton_store.rope_store_kv`); with the Triton decode
+    # kernel that launch is the attention's own (`triton_decode.paged_decode(new_kv=...)`)
     rotates: bool | None = None
 
     def __post_init__(self):
@@ -67,6 +68,11 @@ class DecodeAttention:
                  sin: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layer
         self.layer += 1
+        if cos is not None and self.backend == "triton" and triton_store.can_rope_store(q, k, v, cos, sin):
+            from lathe.engine.triton_decode import paged_decode      # RoPE, store and attention in one launch
+            return paged_decode(q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
+                                self.context_lens, num_splits=self.num_splits, counters=self.counters,
+                                new_kv=(k, v, cos, sin, self.slot_mapping))
         if cos is not None and triton_store.can_rope_store(q, k, v, cos, sin):
             q = triton_store.rope_store_kv(q, k, v, cos, sin, self.kv_cache.k[layer], self.kv_cache.v[layer],
                                            self.slot_mapping)

@@ -36,12 +36,14 @@ def interpreted() -> bool:
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["stride_bt"])     # varies between calls: one compile serves all
-    def _decode_kernel(Q, K, V, BT, LENS, O, M, L, OUT, COUNT,
+    @triton.jit(do_not_specialize=["stride_bt", "stride_kn", "stride_vn", "stride_cos"])   # vary: one compile
+    def _decode_kernel(Q, K, V, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS,
                        stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms, stride_outb, stride_outh,
+                       stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos,
                        scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                       DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                       NEW_KV: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -56,13 +58,27 @@ if triton is not None:
         d_ok = d < HEAD_DIM
         q_ptr = Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        cached_end = end
+        if NEW_KV:
+            # q arrives before RoPE: x * cos + rotate_half(x) * sin in float32 (rotate_half(x) = [-x2, x1]),
+            # rounded to q's dtype as the store's launch wrote it. The token's own K/V (the context's last
+            # position) come from KN/VN, not from the cache: the split that holds it stores them and adds them
+            # to its softmax after the loop over the cached ones.
+            d_rot = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
+            sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+            cos = tl.load(COS + b * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
+            sin = tl.load(SIN + b * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
+            q_rot = tl.load(Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d_rot[None, :],
+                            mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_rot * sin[None, :]).to(Q.dtype.element_ty)
+            cached_end = tl.minimum(end, ctx - 1)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        for start_n in range(start, end, BLOCK_N):
+        for start_n in range(start, cached_end, BLOCK_N):
             n = start_n + tl.arange(0, BLOCK_N)
-            n_ok = n < end
+            n_ok = n < cached_end
             block = tl.load(BT + b * stride_bt + n // PAGE, mask=n_ok, other=0)
             tok = block.to(tl.int64) * stride_kblock + (n % PAGE) * stride_ktok
             kv_off = tok[:, None] + h * stride_kh + d[None, :]
@@ -78,6 +94,24 @@ if triton is not None:
             v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
+        if NEW_KV:
+            if (start <= ctx - 1) & (ctx - 1 < end):
+                k_row = KN + b * stride_kn + h * stride_knh
+                k_new = tl.load(k_row + d, mask=d_ok, other=0.0).to(tl.float32)
+                k_rot = tl.load(k_row + d_rot, mask=d_ok, other=0.0).to(tl.float32)
+                k_new = (k_new * cos + sign * k_rot * sin).to(K.dtype.element_ty)
+                v_new = tl.load(VN + b * stride_vn + h * stride_vnh + d, mask=d_ok, other=0.0).to(V.dtype.element_ty)
+                slot = tl.load(SLOTS + b).to(tl.int64)
+                at = (slot // PAGE) * stride_kblock + (slot % PAGE) * stride_ktok + h * stride_kh + d
+                tl.store(K + at, k_new, mask=d_ok)
+                tl.store(V + at, v_new, mask=d_ok)
+                score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+                m_new = tl.maximum(m_i, score)
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(score - m_new)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
 
         o_ptr = O + b * stride_ob + s * stride_os + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
         if NUM_SPLITS == 1:
@@ -118,12 +152,18 @@ if triton is not None:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float | None = None, num_splits: int = 1,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
-                 counters: torch.Tensor | None = None) -> torch.Tensor:
+                 counters: torch.Tensor | None = None, new_kv: tuple | None = None) -> torch.Tensor:
     """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D), any strides with the last dimension contiguous (a
     head-major cache passes as a permuted view); k and v strided alike; block_tables (B, max_blocks) int32/int64;
     context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference.
     With several splits, `counters` is int32 scratch of at least B * Hkv zeros (left at zero; a decode step's
-    layers share one): the last split of each (sequence, KV head) merges the others in the same launch."""
+    layers share one): the last split of each (sequence, KV head) merges the others in the same launch.
+
+    `new_kv = (k, v, cos, sin, slots)`: the step's own token, which the same launch rotates and stores (what
+    `triton_store.rope_store_kv` and a plain call did in two launches): q and k (B, Hkv, D) arrive before RoPE,
+    cos/sin (B, D) rows, v (B, Hkv, D) (rows contiguous, any token and head strides), slots (B,) where the token's K/V
+    go (the context's last position; a padding row's scratch slot). The token is attended from registers, the
+    rest of its context from the cache."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
     B, hq, dim = q.shape
@@ -134,8 +174,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError("paged_decode: k/v caches need a contiguous last dimension and the same strides")
     group = hq // hkv
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(B, hq, dim, dtype=q.dtype, device=q.device)
+    if new_kv is None:
+        kn = vn = cos = sin = slots = q                                  # unused
+        nb = (0, 0, 0, 0, 0)
+    else:
+        kn, vn, cos, sin, slots = new_kv
+        if dim % 2 or kn.stride(-1) != 1 or vn.stride(-1) != 1 or cos.stride(-1) != 1 \
+                or sin.stride() != cos.stride() or cos.shape[-1] != dim:
+            raise ValueError("paged_decode: new_kv needs an even head_dim, k and v rows contiguous, and cos/sin "
+                             "(B, head_dim) rows alike")
+        nb = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0))
     if num_splits == 1:
         o, m, l, count = out.unsqueeze(1), out, out, out              # m/l/count unused with one split
         sm = (0, 0)
@@ -148,12 +199,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         if count.numel() < B * hkv or count.dtype != torch.int32:
             raise ValueError(f"paged_decode: counters must be int32 with at least {B * hkv} elements")
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o, m, l, out, count,
+        q, k_cache, v_cache, block_tables, context_lens, o, m, l, out, count, kn, vn, cos, sin, slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), scale,
+        o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), *nb, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        num_warps=num_warps, num_stages=num_stages)
+        NEW_KV=new_kv is not None, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

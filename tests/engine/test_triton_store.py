@@ -43,44 +43,11 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v(triton_interpreter):
     assert torch.equal(vc, ref_v)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_engine_with_rope_in_the_store_launch_equals_the_plain_engine(checkpoints, triton_interpreter, monkeypatch,
-                                                                      family):
-    """Decode steps whose layers hand the attention q and k before RoPE (as on CUDA) and rotate them in the store's
-    launch (the kernel run by the interpreter): the plain engine's tokens and log-probs, greedy and seeded, with the
-    q/k norms of Qwen3 applied before the rotation."""
+def _rotating_engine_equals_plain(checkpoints, monkeypatch, family, spy, **engine_kwargs):
+    """Generate with the plain engine, then with decode layers that hand the attention q and k before RoPE (as on
+    CUDA; `spy(calls)` patches the launch under test to record into `calls`); the same tokens and log-probs, greedy
+    and seeded. Returns the recorded calls."""
     from lathe.engine import model_runner, triton_store
-    from lathe.engine.llm_engine import LatheEngine
-    from lathe.rollout.base import SamplingParams
-    from helpers import assert_close_rel
-    from .conftest import PROMPTS
-
-    path, _ = checkpoints[family]
-    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=3)]
-    outs = []
-    for fused in (False, True):
-        if fused:
-            calls = []
-            kernel = triton_store.rope_store_kv
-            init = model_runner.DecodeAttention.__post_init__
-            monkeypatch.setattr(model_runner.DecodeAttention, "__post_init__",
-                                lambda self: (setattr(self, "rotates", True), init(self))[1])
-            monkeypatch.setattr(triton_store, "can_rope_store", lambda *a: True)     # the CPU stands in for CUDA
-            monkeypatch.setattr(triton_store, "rope_store_kv", lambda *a: calls.append(1) or kernel(*a))
-        engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)
-        outs.append([engine.generate(PROMPTS, p) for p in params])
-    assert calls
-    for a, b in zip(*outs):
-        assert a.token_ids == b.token_ids
-        assert_close_rel(torch.tensor(sum(b.logprobs, [])), torch.tensor(sum(a.logprobs, [])), name="log-probs")
-
-
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_engine_with_rope_store_and_attention_in_one_launch_equals_the_plain_engine(checkpoints, triton_interpreter,
-                                                                                   monkeypatch, family):
-    """With the Triton decode kernel, the decode steps' RoPE, K/V store and attention run in one launch
-    (`paged_decode(new_kv=...)`, by the interpreter): the plain engine's tokens and log-probs, greedy and seeded."""
-    from lathe.engine import model_runner, triton_decode, triton_store
     from lathe.engine.llm_engine import LatheEngine
     from lathe.models import load_lathe_model
     from lathe.rollout.base import SamplingParams
@@ -89,21 +56,46 @@ def test_engine_with_rope_store_and_attention_in_one_launch_equals_the_plain_eng
 
     path, _ = checkpoints[family]
     params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=3)]
-    outs = []
+    outs, calls = [], []
     for fused in (False, True):
         if fused:
-            calls = []
-            kernel = triton_decode.paged_decode
             init = model_runner.DecodeAttention.__post_init__
             monkeypatch.setattr(model_runner.DecodeAttention, "__post_init__",
                                 lambda self: (setattr(self, "rotates", True), init(self))[1])
             monkeypatch.setattr(triton_store, "can_rope_store", lambda *a: True)     # the CPU stands in for CUDA
-            monkeypatch.setattr(triton_decode, "paged_decode",
-                                lambda *a, **k: calls.append("new_kv" in k) or kernel(*a, **k))
+            spy(calls)
         engine = LatheEngine(load_lathe_model(path, torch.float32), eos_token_id=None, block_size=4,
-                             num_kv_blocks=64, decode_backend="triton")
+                             num_kv_blocks=64, **engine_kwargs)
         outs.append([engine.generate(PROMPTS, p) for p in params])
-    assert any(calls)
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
         assert_close_rel(torch.tensor(sum(b.logprobs, [])), torch.tensor(sum(a.logprobs, [])), name="log-probs")
+    return calls
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_engine_with_rope_in_the_store_launch_equals_the_plain_engine(checkpoints, triton_interpreter, monkeypatch,
+                                                                      family):
+    """Decode steps whose layers hand the attention q and k before RoPE (as on CUDA) and rotate them in the store's
+    launch (the kernel run by the interpreter; PyTorch decode attention): the plain engine's tokens and log-probs,
+    greedy and seeded, with the q/k norms of Qwen3 applied before the rotation."""
+    from lathe.engine import triton_store
+    kernel = triton_store.rope_store_kv
+
+    def spy(calls):
+        monkeypatch.setattr(triton_store, "rope_store_kv", lambda *a: calls.append(1) or kernel(*a))
+    assert _rotating_engine_equals_plain(checkpoints, monkeypatch, family, spy, decode_backend="torch")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_engine_with_rope_store_and_attention_in_one_launch_equals_the_plain_engine(checkpoints, triton_interpreter,
+                                                                                   monkeypatch, family):
+    """With the Triton decode kernel, the decode steps' RoPE, K/V store and attention run in one launch
+    (`paged_decode(new_kv=...)`, by the interpreter): the plain engine's tokens and log-probs, greedy and seeded."""
+    from lathe.engine import triton_decode
+    kernel = triton_decode.paged_decode
+
+    def spy(calls):
+        monkeypatch.setattr(triton_decode, "paged_decode",
+                            lambda *a, **k: calls.append("new_kv" in k) or kernel(*a, **k))
+    assert any(_rotating_engine_equals_plain(checkpoints, monkeypatch, family, spy, decode_backend="triton"))

@@ -160,8 +160,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     layers share one): the last split of each (sequence, KV head) merges the others in the same launch.
 
     `new_kv = (k, v, cos, sin, slots)`: the step's own token, which the same launch rotates and stores (what
-    `triton_store.rope_store_kv` and a plain call did in two launches): q and k (B, Hkv, D) arrive before RoPE,
-    cos/sin (B, D) rows, v (B, Hkv, D) (rows contiguous, any token and head strides), slots (B,) where the token's K/V
+    `triton_store.rope_store_kv` and a plain call did in two launches): q (B, Hq, D) and k (B, Hkv, D) arrive before
+    RoPE, cos/sin (B, D) rows, v (B, Hkv, D) (rows contiguous, any token and head strides), slots (B,) where its K/V
     go (the context's last position; a padding row's scratch slot). The token is attended from registers, the
     rest of its context from the cache."""
     if triton is None:

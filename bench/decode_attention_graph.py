@@ -33,7 +33,7 @@ for m in args.models.split(","):
         kcs = [torch.randn(blocks, page, hkv, dim, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(L)]
         vcs = [torch.randn_like(k) for k in kcs]
         tables = torch.randperm(blocks - 1, device=dev, generator=g)[:b * per].view(b, per).int()
-        # contexts spread like the fixed load's rows (all the same length there)
+        # every row at the same context, as the fixed load's rows are at any one step
         lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         q = torch.randn(b, hq, dim, device=dev, dtype=torch.bfloat16, generator=g)
         for cfg in args.configs.split(","):

@@ -68,12 +68,13 @@ class DecodeAttention:
                  sin: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layer
         self.layer += 1
-        if cos is not None and self.backend == "triton" and triton_store.can_rope_store(q, k, v, cos, sin):
+        in_launch = cos is not None and triton_store.can_rope_store(q, k, v, cos, sin)
+        if in_launch and self.backend == "triton":
             from lathe.engine.triton_decode import paged_decode      # RoPE, store and attention in one launch
             return paged_decode(q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
                                 self.context_lens, num_splits=self.num_splits, counters=self.counters,
                                 new_kv=(k, v, cos, sin, self.slot_mapping))
-        if cos is not None and triton_store.can_rope_store(q, k, v, cos, sin):
+        if in_launch:
             q = triton_store.rope_store_kv(q, k, v, cos, sin, self.kv_cache.k[layer], self.kv_cache.v[layer],
                                            self.slot_mapping)
         else:

@@ -93,7 +93,7 @@ class DecodeGraphs:
     def _forward(self, key: tuple) -> torch.Tensor:
         """One decode step over the static buffers for key = (bucket, top-k search, top-p search): logits
         (bucket, V); the sampled tokens and log-probs go to `sampled`."""
-        from lathe.engine.model_runner import DecodeAttention
+        from lathe.engine.model_runner import DecodeAttention, decode_split_k
         bucket, use_k, use_p = key
         runner, inp = self.runner, self.inputs[:, :bucket]
         bs, pos = runner.block_size, inp[POS]
@@ -102,7 +102,8 @@ class DecodeGraphs:
         slots = torch.where(pos >= 0, block * bs + real % bs, runner.kv_cache.scratch_slot)
         splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms)
         attn = DecodeAttention(runner.kv_cache, slots, self.tables[:bucket], real + 1,
-                               runner.decode_backend, splits if runner.decode_backend == "triton" else 1)
+                               runner.decode_backend, splits if runner.decode_backend == "triton" else 1,
+                               split_k=decode_split_k(runner.model, bucket))
         rope = real + inp[DELTA] if runner.vl else real          # an image prompt's tokens sit at index + delta
         logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], rope, attn))
         if self.samples:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lathe.device import to_device
+from lathe.device import multiprocessor_count, to_device
 from lathe.engine import triton_store
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.multimodal import StepInputs, hidden_states, is_vl, text_config
@@ -37,6 +37,37 @@ from lathe.models.rope import apply_rotary
 def rope_delta(seq: Sequence) -> int:
     """How far a generated token's rotary position is from its index (an image prompt's `rope_delta`; 0 for text)."""
     return 0 if seq.mm is None else seq.mm.delta
+
+
+def decode_split_k(model, rows: int) -> tuple[int, int] | None:
+    """The (o_proj, down_proj) K splits of a decode step of `rows` sequences (`DecoderLayer.split_forward`), or None
+    for the layers' plain forward. The split form pays where its adds fold into the norms, and it was measured on
+    CUDA: only for lathe's text decoder compiled (`compile_decoder`, as the engine does on CUDA), in half precision,
+    on CUDA."""
+    from lathe.models.decoder import LatheDecoderModel
+    decoder = getattr(model, "model", None)
+    if not isinstance(decoder, LatheDecoderModel) or decoder.compile_backend is None or model.dtype == torch.float32:
+        return None
+    device = model.get_input_embeddings().weight.device
+    if device.type != "cuda":
+        return None
+    cfg, sms = model.config, multiprocessor_count(device)
+    return (_splits_for(rows, cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, sms),
+            _splits_for(rows, cfg.intermediate_size, cfg.hidden_size, sms))
+
+
+def _splits_for(rows: int, k: int, n: int, num_sms: int) -> int:
+    """K splits of a decode projection of `k` input and `n` output features at `rows` rows, as measured on an H100
+    (bench/decode_split_layers.py, the layers' step time without attention): none under 192 rows (cuBLAS's own
+    choice is as fast or faster); 4 where the output has fewer 64x64 tiles than the GPU has SMs, else 2; never
+    chunks under 2048 features (0.5B's down projection, K=4864: 2 splits 5% faster at 256 rows, 4 slower than 1)."""
+    if rows < 192:
+        return 1
+    tiles = -(-rows // 64) * -(-n // 64)
+    for s in ((4, 2) if tiles < num_sms else (2,)):
+        if k % s == 0 and k // s >= 2048:
+            return s
+    return 1
 
 
 @dataclass
@@ -54,6 +85,9 @@ class DecodeAttention:
     # one Triton launch then rotates q and k and stores k and v (`triton_store.rope_store_kv`); with the Triton decode
     # kernel that launch is the attention's own (`triton_decode.paged_decode(new_kv=...)`)
     rotates: bool | None = None
+    # (o_proj, down_proj) K splits of the decoder's split-K decode form (`DecoderLayer.split_forward`), or None: the
+    # layers' plain forward (`decode_split_k` picks them)
+    split_k: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.rotates is None:
@@ -280,7 +314,8 @@ class ModelRunner:
             return self.graphs.run(seqs, pending, sampling)
         ids, positions, slots, lens = self.decode_inputs(seqs)
         attn = DecodeAttention(self.kv_cache, self._tensor(slots), to_device(self._tables(seqs), self.device),
-                               self._tensor(lens, torch.int32), self.decode_backend)
+                               self._tensor(lens, torch.int32), self.decode_backend,
+                               split_k=decode_split_k(self.model, len(seqs)))
         ids = self._tensor(ids)
         self.take_pending(ids, pending)
         rope = positions if not self.vl else [p + rope_delta(s) for s, p in zip(seqs, positions)]

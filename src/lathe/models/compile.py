@@ -62,6 +62,9 @@ def compile_decoder(model, *, backend: str = DEFAULT_BACKEND, mode: str | None =
     allow_variants()
     for layer in decoder.layers:
         layer.compile(backend=backend, mode=mode)   # dynamic=None: token dims are marked dynamic by the decoder
+    # the engine's split-K decode form (`DecoderLayer.split_forward`): one compiled code object for every layer
+    decoder.split_step = torch.compile(type(decoder).split_step, backend=backend, mode=mode)
+    decoder.split_final = torch.compile(type(decoder).split_final, backend=backend, mode=mode)
     decoder.compile_backend = backend
     return model
 

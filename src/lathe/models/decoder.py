@@ -78,11 +78,15 @@ class MLP(nn.Module):
         self.register_buffer("gate_up_weight", None, persistent=False)    # set by fuse_projections
         self.register_buffer("gate_up_bias", None, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x), the down projection's input."""
         if self.gate_up_weight is not None:       # fused (`fuse_projections`): one matmul for gate and up
             gate, up = nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-            return self.down_proj(nn.functional.silu(gate) * up)
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            return nn.functional.silu(gate) * up
+        return nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.hidden(x))
 
 
 class Attention(nn.Module):
@@ -144,6 +148,53 @@ class DecoderLayer(nn.Module):
                                               (cos, sin) if rotates else None))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def split_forward(self, x: torch.Tensor, part: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attn,
+                      splits: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for the rollout engine's decode step, with o_proj and down_proj as split-K matmuls
+        (`split_linear`, `splits` = their K splits): the residual add of the down projection is left to the
+        next layer (`part`, this layer's (S, T, H) partial products, None before the first layer), where summing
+        the partials, adding the residual and the input norm are one kernel of the compiled layer; o_proj's sum
+        and residual add fold into the post-attention norm the same way. Returns (x before the pending add,
+        the down projection's partials). Why: at a few hundred rows these long-K matmuls fill few of the GPU's
+        SMs (1.5B down: 96 tiles of 64x64 for 132 SMs, each looping over K=8960), and cuBLAS's own split-K needs
+        a reduction launch of its own."""
+        if part is not None:
+            x = _add_partials(x, part)
+        rotates = getattr(attn, "rotates", False)
+        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin, rotate=not rotates)
+        out = _attend(attn, q, k, v, torch.compiler.is_compiling(), (cos, sin) if rotates else None)
+        x = _add_partials(x, split_linear(out, self.self_attn.o_proj, splits[0]))
+        return x, split_linear(self.mlp.hidden(self.post_attention_layernorm(x)), self.mlp.down_proj, splits[1])
+
+
+def split_linear(x: torch.Tensor, linear: nn.Linear, splits: int) -> torch.Tensor:
+    """`linear(x)` as `splits` partial products over equal chunks of the input features: (splits, *x's lead, N),
+    summing to `linear(x)` (up to rounding: each partial is rounded to x's dtype). One batched matmul, no copies (the
+    chunks are strided views of x and of the weight). A linear with a bias, a subclass (LoRA: its own forward
+    must run), one split, or features that do not divide evenly: `linear(x)` as a single partial."""
+    k = x.shape[-1]
+    if splits <= 1 or type(linear) is not nn.Linear or linear.bias is not None or k % splits:
+        return linear(x).unsqueeze(0)
+    n, c = linear.weight.shape[0], k // splits
+    a = x.reshape(-1, splits, c).transpose(0, 1)                    # (S, T, c)
+    b = linear.weight.view(n, splits, c).permute(1, 2, 0)           # (S, c, N)
+    return torch.bmm(a, b).view(splits, *x.shape[:-1], n)
+
+
+def _add_partials(x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """x + part.sum(0), added up in float32 in a fixed order and rounded once: written as a chain of adds (the split
+    count is static) so that the compiled layer folds it into the norm that follows; inductor makes `sum(0)` a
+    reduction kernel of its own."""
+    total = x.float()
+    for p in part.unbind(0):
+        total = total + p.float()
+    return total.to(x.dtype)
+
+
+def _split_final(norm: RMSNorm, x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """The last layer's pending residual add and the final norm (one kernel when compiled)."""
+    return norm(_add_partials(x, part))
+
 
 def _fuse(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]) -> None:
     """Concatenate `linears`' weights (and biases) into `owner.<name>_weight` / `_bias` (non-persistent buffers) and
@@ -186,6 +237,9 @@ class LatheDecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's `model.` prefix)."""
 
     compile_backend: str | None = None   # set on an instance by compile_decoder: its layers run under torch.compile
+    # the split-K decode form (`DecoderLayer.split_forward`, `_split_final`): compiled by compile_decoder
+    split_step = staticmethod(DecoderLayer.split_forward)
+    split_final = staticmethod(_split_final)
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
@@ -201,6 +255,15 @@ class LatheDecoderModel(nn.Module):
         cos, sin = self.rotary_emb(position_ids, x.dtype)
         if self.compile_backend is not None:
             _mark_token_dims_dynamic(x, cos, sin)
+        splits = getattr(attn, "split_k", None)       # the engine's decode step: (o_proj, down_proj) K splits
+        if splits is not None:
+            part = None
+            for layer in self.layers:
+                x, part = self.split_step(layer, x, part, cos, sin, attn, splits)
+                if self.compile_backend is not None:
+                    _mark_token_dims_dynamic(x)
+                    torch._dynamo.maybe_mark_dynamic(part, 1)
+            return self.split_final(self.norm, x, part)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False)

@@ -1,0 +1,137 @@
+"""The decode step's split-K form (`DecoderLayer.split_forward`: o_proj and down_proj as partial products over K
+chunks, their sums and residual adds folded into the next norm) against the layers' plain forward, and the engine
+that uses it."""
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import assert_close_rel
+
+
+class _Attention:
+    """A stand-in attention: a fixed mix of q and v (GQA heads repeated), so the layers' math is all that differs."""
+    rotates = False
+
+    def __init__(self, split_k=None):
+        self.split_k = split_k
+
+    def __call__(self, q, k, v):
+        return 0.5 * q + v.repeat_interleave(q.shape[-2] // v.shape[-2], dim=-2)
+
+
+def _model(family, seed=0):
+    from lathe.models.decoder import fuse_projections
+    from lathe.models.hf import lathe_from_transformers
+    from models.lathe_tiny import hf_model
+    model = lathe_from_transformers(hf_model(family, seed=seed)).eval()
+    fuse_projections(model)
+    return model
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_split_linear_sums_to_the_linear(splits):
+    from lathe.models.decoder import split_linear
+    g = torch.Generator().manual_seed(splits)
+    lin = nn.Linear(64, 24, bias=False)
+    x = torch.randn(3, 5, 64, generator=g, dtype=torch.float64)
+    lin.weight.data = torch.randn(24, 64, generator=g, dtype=torch.float64)
+    parts = split_linear(x, lin, splits)
+    assert parts.shape == (splits, 3, 5, 24)
+    assert_close_rel(parts.sum(0), lin(x), rel=1e-12, name="sum of partials")
+    chunk = 64 // splits                   # partial i is the product over the i-th chunk of the input features
+    assert_close_rel(parts[1], x[..., chunk:2 * chunk] @ lin.weight[:, chunk:2 * chunk].T, rel=1e-12, name="partial")
+
+
+def test_split_linear_keeps_a_bias_a_subclass_and_an_uneven_split_whole():
+    from lathe.models.decoder import split_linear
+
+    class Adapter(nn.Linear):                # a LoRA-like subclass: its own forward must run
+        def forward(self, x):
+            return super().forward(x) + 1.0
+    x = torch.randn(4, 12)
+    for lin, splits in ((nn.Linear(12, 6, bias=True), 2), (Adapter(12, 6, bias=False), 2),
+                        (nn.Linear(12, 6, bias=False), 5), (nn.Linear(12, 6, bias=False), 1)):
+        parts = split_linear(x, lin, splits)
+        assert parts.shape == (1, 4, 6)
+        assert torch.equal(parts[0], lin(x))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_split_decode_form_equals_the_plain_forward(family):
+    """Every layer in its split form (partials handed to the next layer, the last sum before the final norm): the
+    plain forward's hidden states, for several split pairs and batch sizes."""
+    model = _model(family)
+    with torch.no_grad():
+        for rows in (1, 7):
+            ids, pos = torch.randint(0, 100, (rows,)), torch.arange(rows) + 3
+            ref = model.model(ids, pos, _Attention())
+            for pair in ((1, 1), (2, 2), (4, 2), (2, 4), (1, 8)):
+                assert_close_rel(model.model(ids, pos, _Attention(pair)), ref, rel=1e-5, name=f"{family} {pair}")
+
+
+def test_split_decode_form_compiles_once_for_all_layers_and_batches():
+    """Compiled (`compile_decoder`), the split form is one code object for every layer: compiling it for a second
+    batch size, or running it again, traces nothing new beyond the first layer's variant (no pending partials)."""
+    from torch._dynamo.utils import counters
+    from lathe.models.compile import compile_decoder
+    torch._dynamo.reset()
+    model = compile_decoder(_model("qwen2"), backend="eager")
+    with torch.no_grad():
+        for rows in (5, 9, 16):
+            ids, pos = torch.randint(0, 100, (rows,)), torch.arange(rows)
+            ref = model.model(ids, pos, _Attention())
+            counters.clear()
+            out = model.model(ids, pos, _Attention((2, 2)))
+            frames = counters["frames"]["ok"]
+            assert_close_rel(out, ref, rel=1e-5, name=f"compiled split, {rows} rows")
+            if rows == 5:
+                assert frames > 0
+            else:
+                assert frames == 0, f"{frames} frames traced again for {rows} rows"
+
+
+def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypatch):
+    """The engine's decode steps in the split form (the rule forced on, as on CUDA): the plain engine's tokens and
+    log-probs, greedy and seeded."""
+    from lathe.engine import model_runner
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.models import load_lathe_model
+    from lathe.rollout.base import SamplingParams
+    from .conftest import PROMPTS
+
+    path, _ = checkpoints["qwen2"]
+    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=3)]
+    outs, seen = [], []
+    for split in (False, True):
+        if split:
+            monkeypatch.setattr(model_runner, "decode_split_k", lambda model, rows: seen.append(rows) or (2, 4))
+        engine = LatheEngine(load_lathe_model(path, torch.float32), eos_token_id=None, block_size=4, num_kv_blocks=64)
+        outs.append([engine.generate(PROMPTS, p) for p in params])
+    assert seen, "the decode steps never asked for their splits"
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert_close_rel(torch.tensor(sum(b.logprobs, [])), torch.tensor(sum(a.logprobs, [])), name="log-probs")
+
+
+def test_decode_split_k_rule(monkeypatch):
+    """The plain forward where splitting was not measured to pay (an eager model, float32, the CPU); on CUDA, compiled
+    in half precision, splits from bench/decode_split_layers.py's H100 figures."""
+    from lathe.engine import model_runner
+    from lathe.engine.model_runner import _splits_for, decode_split_k
+    from lathe.models.compile import compile_decoder
+    model = _model("qwen2")
+    assert decode_split_k(model, 256) is None                                  # eager
+    compile_decoder(model, backend="eager")
+    assert decode_split_k(model, 256) is None                                  # float32
+    assert decode_split_k(model.to(torch.bfloat16), 256) is None               # the CPU
+    sms = 132
+    assert _splits_for(256, 8960, 1536, sms) == 4          # 1.5B down: 96 tiles
+    assert _splits_for(512, 8960, 1536, sms) == 2          # 192 tiles
+    assert _splits_for(256, 18944, 3584, sms) == 2         # 7B down: 224 tiles
+    assert _splits_for(256, 4864, 896, sms) == 2           # 0.5B down: 4 splits would leave 1216 features
+    assert _splits_for(256, 896, 896, sms) == 1 and _splits_for(256, 3584, 3584, sms) == 1     # o_proj
+    assert _splits_for(128, 8960, 1536, sms) == 1 and _splits_for(256, 4094, 896, sms) == 1    # few rows; K odd/2
+    monkeypatch.setattr(model_runner, "multiprocessor_count", lambda device: sms)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    assert decode_split_k(model, 256) == (1, 1)            # K = 32 and 64: too short to split

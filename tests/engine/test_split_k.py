@@ -135,3 +135,31 @@ def test_decode_split_k_rule(monkeypatch):
     monkeypatch.setattr(model_runner, "multiprocessor_count", lambda device: sms)
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     assert decode_split_k(model, 256) == (1, 1)            # K = 32 and 64: too short to split
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_split_decode_is_as_accurate_as_the_plain_form(checkpoints, monkeypatch):
+    """On CUDA in bf16, compiled (the engine's default there), decode steps in the split form (forced to (2, 2)) and
+    in the plain form: the sampled tokens' log-probs against a float32 teacher-forced forward on the CPU; the split
+    form's worst error is within the plain form's (x1.5, + 0.01)."""
+    from lathe.engine import model_runner
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.models import load_lathe_model
+    from lathe.rollout.base import SamplingParams
+    from .conftest import PROMPTS
+    from .test_llm_engine import _teacher_forced
+
+    path, _ = checkpoints["qwen2"]
+    cpu_model = load_lathe_model(path)
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=12, seed=5)
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    errors, seen = {}, []
+    for form, rule in (("plain", lambda model, rows: None), ("split", lambda model, rows: seen.append(rows) or (2, 2))):
+        monkeypatch.setattr(model_runner, "decode_split_k", rule)
+        engine = LatheEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, eos_token_id=None,
+                                             block_size=4, num_kv_blocks=128)
+        out = engine.generate(PROMPTS, params)
+        errors[form] = max(float((torch.tensor(lps, dtype=torch.float64) - _teacher_forced(cpu_model, p, ids, 0.8))
+                                 .abs().max()) for p, ids, lps in zip(prompts, out.token_ids, out.logprobs))
+    assert seen, "the decode steps never asked for their splits"
+    assert errors["split"] <= 1.5 * errors["plain"] + 0.01, errors

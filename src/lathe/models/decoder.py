@@ -9,6 +9,9 @@ Two forward forms share the layers:
   returns an object with `.logits` (B, L, V) (or `.hidden_states` with `return_hidden=True`).
 - `forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen)`: T tokens of S sequences laid end to
   end, causal within each; returns the final hidden states (T, H). No padding is ever computed.
+The rollout engine's decode steps run the same layers in a split form (`DecoderLayer.split_forward`, asked for by an
+attention with `split_k`): each layer's residual adds are left to the norm that follows, and the down projection
+may run as partial products over chunks of K (`split_linear`).
 
 Training may compile the decoder layers of one model instance (`lathe.models.compile.compile_decoder`);
 the attention call always runs eager (`_attend`), so every backend and batch layout works the same.

@@ -2,6 +2,8 @@
 chunks, their sums and residual adds folded into the next norm) against the layers' plain forward, and the engine
 that uses it."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -43,14 +45,16 @@ def test_split_linear_sums_to_the_linear(splits):
     assert_close_rel(parts[1], x[..., chunk:2 * chunk] @ lin.weight[:, chunk:2 * chunk].T, rel=1e-12, name="partial")
 
 
-def test_split_linear_keeps_a_bias_a_subclass_and_an_uneven_split_whole():
+def test_split_linear_keeps_a_bias_a_subclass_a_strided_weight_and_an_uneven_split_whole():
     from lathe.models.decoder import split_linear
 
     class Adapter(nn.Linear):                # a LoRA-like subclass: its own forward must run
         def forward(self, x):
             return super().forward(x) + 1.0
+    strided = nn.Linear(12, 6, bias=False)
+    strided.weight = nn.Parameter(torch.randn(12, 6).T)           # a transposed view: chunking it would copy it
     x = torch.randn(4, 12)
-    for lin, splits in ((nn.Linear(12, 6, bias=True), 2), (Adapter(12, 6, bias=False), 2),
+    for lin, splits in ((nn.Linear(12, 6, bias=True), 2), (Adapter(12, 6, bias=False), 2), (strided, 2),
                         (nn.Linear(12, 6, bias=False), 5), (nn.Linear(12, 6, bias=False), 1)):
         parts = split_linear(x, lin, splits)
         assert parts.shape == (1, 4, 6)
@@ -133,7 +137,8 @@ def test_decode_split_k_rule(monkeypatch):
     assert _splits_for(256, 896, 896, sms) == 1 and _splits_for(256, 3584, 3584, sms) == 1     # o_proj
     assert _splits_for(128, 8960, 1536, sms) == 1 and _splits_for(256, 4094, 896, sms) == 1    # few rows; K odd/2
     monkeypatch.setattr(model_runner, "multiprocessor_count", lambda device: sms)
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    on_cuda = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda", 0)))
+    monkeypatch.setattr(model, "get_input_embeddings", lambda: on_cuda)
     assert decode_split_k(model, 256) == (1, 1)            # K = 32 and 64: too short to split
 
 

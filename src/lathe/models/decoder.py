@@ -158,9 +158,11 @@ class DecoderLayer(nn.Module):
         next layer (`part`, this layer's (S, T, H) partial products, None before the first layer), where summing
         the partials, adding the residual and the input norm are one kernel of the compiled layer; o_proj's sum
         and residual add fold into the post-attention norm the same way. Returns (x before the pending add,
-        the down projection's partials). Why: at a few hundred rows these long-K matmuls fill few of the GPU's
-        SMs (1.5B down: 96 tiles of 64x64 for 132 SMs, each looping over K=8960), and cuBLAS's own split-K needs
-        a reduction launch of its own."""
+        the down projection's partials). Why: the plain form's `x + linear(...)` compiles to a cuBLAS addmm, which
+        copies the residual into its output first (two device-to-device copies a layer) and leaves the final norm
+        to eager kernels; and at a few hundred rows a long-K matmul fills few of the GPU's SMs (1.5B down: 96 tiles
+        of 64x64 for 132 SMs, each looping over K=8960), where cuBLAS's own split-K would need a reduction launch of
+        its own."""
         if part is not None:
             x = _add_partials(x, part)
         rotates = getattr(attn, "rotates", False)
@@ -174,9 +176,11 @@ def split_linear(x: torch.Tensor, linear: nn.Linear, splits: int) -> torch.Tenso
     """`linear(x)` as `splits` partial products over equal chunks of the input features: (splits, *x's lead, N),
     summing to `linear(x)` (up to rounding: each partial is rounded to x's dtype). One batched matmul, no copies (the
     chunks are strided views of x and of the weight). A linear with a bias, a subclass (LoRA: its own forward
-    must run), one split, or features that do not divide evenly: `linear(x)` as a single partial."""
+    must run), a weight that is not contiguous (viewing its chunks would copy it), one split, or features that do
+    not divide evenly: `linear(x)` as a single partial."""
     k = x.shape[-1]
-    if splits <= 1 or type(linear) is not nn.Linear or linear.bias is not None or k % splits:
+    if splits <= 1 or type(linear) is not nn.Linear or linear.bias is not None or k % splits \
+            or not linear.weight.is_contiguous():
         return linear(x).unsqueeze(0)
     n, c = linear.weight.shape[0], k // splits
     a = x.reshape(-1, splits, c).transpose(0, 1)                    # (S, T, c)

@@ -133,6 +133,7 @@ def test_decode_split_k_rule(monkeypatch):
     assert _splits_for(256, 8960, 1536, sms) == 4          # 1.5B down: 96 tiles
     assert _splits_for(512, 8960, 1536, sms) == 2          # 192 tiles
     assert _splits_for(256, 18944, 3584, sms) == 2         # 7B down: 224 tiles
+    assert _splits_for(512, 18944, 3584, sms) == 1         # 448 tiles
     assert _splits_for(256, 4864, 896, sms) == 2           # 0.5B down: 4 splits would leave 1216 features
     assert _splits_for(256, 896, 896, sms) == 1 and _splits_for(256, 3584, 3584, sms) == 1     # o_proj
     assert _splits_for(128, 8960, 1536, sms) == 1 and _splits_for(256, 4094, 896, sms) == 1    # few rows; K odd/2

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train import SHAPES, build_hf, result_header, summarize_profile, write_result  # noqa: E402
+from train import SHAPES, build_hf, graph_step_us, result_header, summarize_profile, write_result  # noqa: E402
 
 from lathe.engine.model_runner import decode_split_k  # noqa: E402
 from lathe.models.compile import compile_decoder  # noqa: E402
@@ -42,29 +42,6 @@ class StubAttention:
 
     def __call__(self, q, k, v):
         return q
-
-
-def step_time_us(fn, reps: int, steps: int = 20) -> float:
-    """Median microseconds per call of `fn` replayed `steps` times in one CUDA graph."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / steps)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def kernel_table(fn) -> dict:
@@ -102,10 +79,10 @@ def bench_model(name: str, args) -> dict:
 
             def run(split):
                 return lambda: model.model(ids, pos, StubAttention(split))
-            row["plain_us"] = step_time_us(run(None), args.reps)
+            row["plain_us"] = graph_step_us(run(None), args.reps)
             for pair in pairs:
                 got = model.model(ids, pos, StubAttention(pair)).float()
-                row[f"split_{pair[0]}_{pair[1]}"] = {"us": step_time_us(run(pair), args.reps),
+                row[f"split_{pair[0]}_{pair[1]}"] = {"us": graph_step_us(run(pair), args.reps),
                                                      "rel_err": float((got - ref).norm() / ref.norm()),
                                                      "rel_err_vs_fp32": float((got - f32).norm() / f32.norm())}
             if rows == max(args.rows):

@@ -129,6 +129,30 @@ def median_time(fn, device, *, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def graph_step_us(fn, reps: int, steps: int = 20) -> float:
+    """Median microseconds per call of `fn` (CUDA work only: no host syncs, capturable), captured `steps` times
+    in one CUDA graph and replayed `reps` times, timed by CUDA events."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / steps)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def measured_matmul_tflops(device, dtype) -> float | None:
     if device.type != "cuda":
         return None

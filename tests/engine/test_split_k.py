@@ -75,24 +75,37 @@ def test_split_decode_form_equals_the_plain_forward(family):
 
 
 def test_split_decode_form_compiles_once_for_all_layers_and_batches():
-    """Compiled (`compile_decoder`), the split form is one code object for every layer: compiling it for a second
-    batch size, or running it again, traces nothing new beyond the first layer's variant (no pending partials)."""
+    """Compiled (`compile_decoder`), the split form is one code object for every layer: a model of four layers
+    traces no more frames than one of two (layers share the compiled variants), and another batch size or a second
+    run traces nothing new."""
+    import copy
     from torch._dynamo.utils import counters
     from lathe.models.compile import compile_decoder
-    torch._dynamo.reset()
-    model = compile_decoder(_model("qwen2"), backend="eager")
-    with torch.no_grad():
-        for rows in (5, 9, 16):
-            ids, pos = torch.randint(0, 100, (rows,)), torch.arange(rows)
-            ref = model.model(ids, pos, _Attention())
-            counters.clear()
-            out = model.model(ids, pos, _Attention((2, 2)))
-            frames = counters["frames"]["ok"]
-            assert_close_rel(out, ref, rel=1e-5, name=f"compiled split, {rows} rows")
-            if rows == 5:
-                assert frames > 0
-            else:
-                assert frames == 0, f"{frames} frames traced again for {rows} rows"
+    first_frames = {}
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        model = _model("qwen2")
+        while len(model.model.layers) < layers:          # more layers of the same shapes, other weights
+            extra = copy.deepcopy(model.model.layers[-1])
+            with torch.no_grad():
+                for p in extra.parameters():
+                    p.mul_(0.9)
+            model.model.layers.append(extra)
+        compile_decoder(model, backend="eager")
+        with torch.no_grad():
+            for rows in (5, 9, 16):
+                ids, pos = torch.randint(0, 100, (rows,)), torch.arange(rows)
+                ref = model.model(ids, pos, _Attention())
+                counters.clear()
+                out = model.model(ids, pos, _Attention((2, 2)))
+                frames = counters["frames"]["ok"]
+                assert_close_rel(out, ref, rel=1e-5, name=f"compiled split, {layers} layers, {rows} rows")
+                if rows == 5:
+                    assert frames > 0
+                    first_frames[layers] = frames
+                else:
+                    assert frames == 0, f"{frames} frames traced again for {rows} rows"
+    assert first_frames[4] == first_frames[2], first_frames
 
 
 def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypatch):

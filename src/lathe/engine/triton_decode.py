@@ -62,8 +62,11 @@ if triton is not None:
         if NEW_KV:
             # q arrives before RoPE: x * cos + rotate_half(x) * sin in float32 (rotate_half(x) = [-x2, x1]),
             # rounded to q's dtype as the store's launch wrote it. The token's own K/V (the context's last
-            # position) come from KN/VN, not from the cache: the split that holds it stores them and adds them
-            # to its softmax after the loop over the cached ones.
+            # position) come from KN/VN, not from the cache: the split that holds it rotates and stores them and
+            # starts its softmax with them, before the loop over the cached ones (which stops short of their slot).
+            # Nothing of them lives through the loop: kept for after it (and loaded there), they cost registers
+            # (H100, Triton 3.6: 126 vs 108 a thread at head_dim 128, 91 vs 72 at 64) and a load's latency at the end
+            # of every program (bench/decode_attention_situ.py: 0.3-0.5 us a layer).
             d_rot = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
             sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
             cos = tl.load(COS + b * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -72,10 +75,27 @@ if triton is not None:
                             mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_rot * sin[None, :]).to(Q.dtype.element_ty)
             cached_end = tl.minimum(end, ctx - 1)
+            holds = (start <= ctx - 1) & (ctx - 1 < end)
+            last = ctx - 1 + 0 * d                          # the token's position, as a vector for the masks
+            new_ok = d_ok & (start <= last) & (last < end)
+            k_row = KN + b * stride_kn + h * stride_knh
+            k_new = tl.load(k_row + d, mask=new_ok, other=0.0).to(tl.float32)
+            k_rot = tl.load(k_row + d_rot, mask=new_ok, other=0.0).to(tl.float32)
+            k_new = (k_new * cos + sign * k_rot * sin).to(K.dtype.element_ty)
+            v_new = tl.load(VN + b * stride_vn + h * stride_vnh + d, mask=new_ok, other=0.0).to(V.dtype.element_ty)
+            slot = tl.load(SLOTS + b).to(tl.int64)
+            at = (slot // PAGE) * stride_kblock + (slot % PAGE) * stride_ktok + h * stride_kh + d
+            tl.store(K + at, k_new, mask=new_ok)
+            tl.store(V + at, v_new, mask=new_ok)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        if NEW_KV:          # the token's weight is exp(score - max) = 1 while it is the only one seen
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            m_i = tl.where(holds, score, m_i)
+            l_i = tl.where(holds, 1.0, l_i)
+            acc += v_new.to(tl.float32)[None, :]            # zeros where the split does not hold it
         for start_n in range(start, cached_end, BLOCK_N):
             n = start_n + tl.arange(0, BLOCK_N)
             n_ok = n < cached_end
@@ -94,24 +114,6 @@ if triton is not None:
             v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
-        if NEW_KV:
-            if (start <= ctx - 1) & (ctx - 1 < end):
-                k_row = KN + b * stride_kn + h * stride_knh
-                k_new = tl.load(k_row + d, mask=d_ok, other=0.0).to(tl.float32)
-                k_rot = tl.load(k_row + d_rot, mask=d_ok, other=0.0).to(tl.float32)
-                k_new = (k_new * cos + sign * k_rot * sin).to(K.dtype.element_ty)
-                v_new = tl.load(VN + b * stride_vn + h * stride_vnh + d, mask=d_ok, other=0.0).to(V.dtype.element_ty)
-                slot = tl.load(SLOTS + b).to(tl.int64)
-                at = (slot // PAGE) * stride_kblock + (slot % PAGE) * stride_ktok + h * stride_kh + d
-                tl.store(K + at, k_new, mask=d_ok)
-                tl.store(V + at, v_new, mask=d_ok)
-                score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
-                m_new = tl.maximum(m_i, score)
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(score - m_new)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
-                m_i = m_new
 
         o_ptr = O + b * stride_ob + s * stride_os + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
         if NUM_SPLITS == 1:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train import result_header, write_result  # noqa: E402
+from train import graph_step_us, result_header, write_result  # noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64, 24), "1.5b": (12, 2, 128, 28), "7b": (28, 4, 128, 28)}   # q heads, kv heads, dim, layers
 
@@ -51,34 +51,14 @@ def compiled_variants(module) -> list[dict]:
         for cache in module._decode_kernel.device_caches.values():
             for kernel in cache[0].values():
                 kernel._init_handles()
-                consts = {k[0] if isinstance(k, tuple) else k: v for k, v in getattr(kernel.src, "constants", {}).items()}
+                consts = {k[0] if isinstance(k, tuple) else k: v
+                          for k, v in getattr(kernel.src, "constants", {}).items()}
                 out.append({"n_regs": kernel.n_regs, "n_spills": kernel.n_spills, "shared": kernel.metadata.shared,
                             "num_warps": kernel.metadata.num_warps, "num_stages": kernel.metadata.num_stages,
                             "constants": {str(k): v for k, v in consts.items() if not hasattr(v, "dtype")}})
     except Exception as e:      # noqa: BLE001 - a report, not a requirement
         out.append({"error": repr(e)})
     return out
-
-
-def graph_us(fn, layers: int, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1000 / layers)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main() -> None:
@@ -150,9 +130,10 @@ def main() -> None:
                                 q = qkv[:, :hidden].view(b, hq, dim)
                                 k = qkv[:, hidden:hidden + hkv * dim].view(b, hkv, dim)
                                 v = qkv[:, hidden + hkv * dim:].view(b, hkv, dim)
-                                us = graph_us(lambda: [attend(i, q, k, v) for i in range(layers)], layers)
+                                launches = lambda: [attend(i, q, k, v) for i in range(layers)]   # noqa: E731
+                                us = graph_step_us(launches, 20, steps=1) / layers
                             else:
-                                us = graph_us(lambda: step(mode), layers)
+                                us = graph_step_us(lambda: step(mode), 20, steps=1) / layers
                             key = f"{m}_ctx{ctx}_{cfg}_{kname}_{mode}"
                             row = rows.setdefault(key, {"us_per_layer": []})
                             row["us_per_layer"].append(round(us, 2))

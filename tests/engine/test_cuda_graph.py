@@ -85,7 +85,7 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
     on the scratch slot, the fused sampler drawing from seeds and output positions, the KV store kernel) run
     eagerly on the CPU: the same tokens as the plain engine, with overlapped scheduling, early stops, preemption,
     changing buckets, and top-p batches (the fused sampler's search in the graph step, the PyTorch sort in the
-    plain engine)."""
+    plain engine). Slots, lengths and RoPE rows come from the step-inputs kernel and its table, as on CUDA."""
     import lathe.engine.llm_engine as llm
     from lathe.engine.llm_engine import LatheEngine
     from lathe.engine.sampler import fused_settings
@@ -96,6 +96,7 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
 
     path, _ = checkpoints["qwen2"]
     monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
+    monkeypatch.setattr("lathe.engine.triton_step.available", lambda device: True)
     monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
         torch.device("cuda"), vocab, seqs))                    # the CPU stands in for CUDA here
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, b: self.graphs.__setitem__(b, _Replay(self, b)))
@@ -109,6 +110,7 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
                                  reserve_new_tokens=False, async_scheduling=graphs)
             if graphs:
                 engine.runner.graphs = DecodeGraphs(engine.runner, 16)
+                assert engine.runner.graphs.rope_table is not None
             outs.append(engine.generate(PROMPTS, params))
             assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert outs[1].token_ids == outs[0].token_ids and outs[1].finish_reasons == outs[0].finish_reasons

@@ -10,10 +10,12 @@ Inputs go through one static (9, max batch) int64 buffer, written by one host-to
 page-locked buffers kept for it, as the block tables' mirror is: `lathe.device.Staging`): token
 ids, positions, the sampler's seeds, output positions, greedy flags, temperatures and top-p (float64 bit
 patterns) and top-k, and an image prompt's rope delta (VL models). Inside the graph, each row's KV slot and
-context length come from its position and block table. A batch runs in the smallest bucket that holds it (a
-bucket has up to four graphs: with and without the sampler's top-k and top-p searches, which only batches that
-use them pay for); its padding rows (position -1) write their K/V to the cache's scratch slot and attend over
-one token, and their outputs are dropped. The block tables live on
+context length come from its position and block table, and a text model's RoPE rows from a [cos | sin] table of
+every position below max_model_len that the model's RotaryEmbedding computed once (`triton_step`: one launch for
+all three; max_model_len x 2 x head_dim values, 16 MB at 32k positions and head_dim 128). A batch runs in the
+smallest bucket that holds it (a bucket has up to four graphs: with and without the sampler's top-k and top-p
+searches, which only batches that use them pay for); its padding rows (position -1) write their K/V to the
+cache's scratch slot and attend over one token, and their outputs are dropped. The block tables live on
 the device between steps; a step rewrites only the rows whose sequence changed or gained a block. A
 bucket is captured the first time it is needed, after one eager warm-up run, into a memory pool all
 buckets share. A batch the fused sampler cannot take (a min_tokens ban in force) uses the graph's
@@ -36,7 +38,9 @@ from lathe import device as accel
 from lathe.device import Staging
 from lathe.engine.model_runner import rope_delta
 from lathe.engine.multimodal import hidden_states, text_config
+from lathe.engine import triton_step
 from lathe.engine.sampler import FUSED_ROWS, fused_rows, sample_rows
+from lathe.models.rope import RotaryEmbedding
 from lathe.engine.triton_decode import choose_num_splits
 
 IDS, POS, SEED, OUT_POS, GREEDY, TEMP, TOP_K, TOP_P, DELTA = range(9)   # static input rows (SEED:DELTA: fused_rows)
@@ -67,6 +71,12 @@ class DecodeGraphs:
         self.turn = 0
         from lathe.engine.triton_sample import triton
         self.samples = triton is not None
+        # [cos | sin] of every position for the step-inputs kernel (text models; a VL model's 3D RoPE is its own)
+        rotary = getattr(getattr(runner.model, "model", None), "rotary_emb", None)
+        self.rope_table = None
+        if triton_step.available(device) and not runner.vl and isinstance(rotary, RotaryEmbedding):
+            self.rope_table = triton_step.rope_table(rotary, runner.max_model_len,
+                                                     runner.model.get_input_embeddings().weight.dtype, device)
         self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
         self.reset()
 
@@ -95,17 +105,21 @@ class DecodeGraphs:
         (bucket, V); the sampled tokens and log-probs go to `sampled`."""
         from lathe.engine.model_runner import DecodeAttention, decode_split_k
         bucket, use_k, use_p = key
-        runner, inp = self.runner, self.inputs[:, :bucket]
-        bs, pos = runner.block_size, inp[POS]
-        real = pos.clamp_min(0)
-        block = self.tables[:bucket].gather(1, (real // bs)[:, None])[:, 0].long()
-        slots = torch.where(pos >= 0, block * bs + real % bs, runner.kv_cache.scratch_slot)
+        runner, inp, tables = self.runner, self.inputs[:, :bucket], self.tables[:bucket]
+        bs, pos, scratch = runner.block_size, inp[POS], runner.kv_cache.scratch_slot
+        if self.rope_table is not None:         # slots, lengths and RoPE rows in one launch
+            slots, lens, cos, sin = triton_step.step_inputs(pos, tables, self.rope_table, bs, scratch)
+            rope, positions = (cos, sin), pos       # the model takes the rows; positions go unused
+        else:
+            slots, lens = triton_step.step_inputs_torch(pos, tables, bs, scratch)
+            rope, positions = None, pos.clamp_min(0)
+            if runner.vl:
+                positions = positions + inp[DELTA]      # an image prompt's tokens sit at index + delta
         splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms)
-        attn = DecodeAttention(runner.kv_cache, slots, self.tables[:bucket], real + 1,
-                               runner.decode_backend, splits if runner.decode_backend == "triton" else 1,
-                               split_k=decode_split_k(runner.model, bucket))
-        rope = real + inp[DELTA] if runner.vl else real          # an image prompt's tokens sit at index + delta
-        logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], rope, attn))
+        attn = DecodeAttention(runner.kv_cache, slots, tables, lens, runner.decode_backend,
+                               splits if runner.decode_backend == "triton" else 1,
+                               split_k=decode_split_k(runner.model, bucket), rope=rope)
+        logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], positions, attn))
         if self.samples:
             sample_rows(logits, inp[SEED:DELTA], out=self.sampled, use_k=use_k, use_p=use_p)
         return logits

@@ -89,6 +89,9 @@ class DecodeAttention:
     # (o_proj, down_proj) K splits of the decoder's split-K decode form (`DecoderLayer.split_forward`), or None: the
     # layers' plain forward (`decode_split_k` picks them)
     split_k: tuple[int, int] | None = None
+    # the step's RoPE rows (cos, sin), each (B, head_dim), when the caller has them (the decode graph's table lookup,
+    # `triton_step.step_inputs`); None: the model computes them from the positions
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self):
         if self.rotates is None:
@@ -167,6 +170,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // self.block_size)
         cfg = text_config(model)
         self.vl = is_vl(model)                      # image prompts: 3D positions, image rows spliced at prefill

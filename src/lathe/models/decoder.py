@@ -259,7 +259,8 @@ class LatheDecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:
         """Final-norm hidden states for tokens of any leading shape, attention given by `attn`."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        rope = getattr(attn, "rope", None)        # the engine's decode graph looks its rows up in a table
+        cos, sin = rope if rope is not None else self.rotary_emb(position_ids, x.dtype)
         if self.compile_backend is not None:
             _mark_token_dims_dynamic(x, cos, sin)
         splits = getattr(attn, "split_k", None)       # the engine's decode step: (o_proj, down_proj) K splits

@@ -36,12 +36,12 @@ import torch
 
 from lathe import device as accel
 from lathe.device import Staging
+from lathe.engine import triton_step
 from lathe.engine.model_runner import rope_delta
 from lathe.engine.multimodal import hidden_states, text_config
-from lathe.engine import triton_step
 from lathe.engine.sampler import FUSED_ROWS, fused_rows, sample_rows
-from lathe.models.rope import RotaryEmbedding
 from lathe.engine.triton_decode import choose_num_splits
+from lathe.models.rope import RotaryEmbedding
 
 IDS, POS, SEED, OUT_POS, GREEDY, TEMP, TOP_K, TOP_P, DELTA = range(9)   # static input rows (SEED:DELTA: fused_rows)
 assert DELTA - SEED == FUSED_ROWS

@@ -85,7 +85,8 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
     on the scratch slot, the fused sampler drawing from seeds and output positions, the KV store kernel) run
     eagerly on the CPU: the same tokens as the plain engine, with overlapped scheduling, early stops, preemption,
     changing buckets, and top-p batches (the fused sampler's search in the graph step, the PyTorch sort in the
-    plain engine). Slots, lengths and RoPE rows come from the step-inputs kernel and its table, as on CUDA."""
+    plain engine). Slots, lengths and RoPE rows come from the step-inputs kernel and its table, as on CUDA: the
+    graph steps never call the model's RotaryEmbedding (only prefills do)."""
     import lathe.engine.llm_engine as llm
     from lathe.engine.llm_engine import LatheEngine
     from lathe.engine.sampler import fused_settings
@@ -100,6 +101,23 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
     monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
         torch.device("cuda"), vocab, seqs))                    # the CPU stands in for CUDA here
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, b: self.graphs.__setitem__(b, _Replay(self, b)))
+    from lathe.models.rope import RotaryEmbedding
+    in_step, rope_in_steps = [False], []                        # RoPE computed inside a graph step, if ever
+    rope_forward, graph_forward = RotaryEmbedding.forward, DecodeGraphs._forward
+
+    def counted_rope(self, pos, dtype):
+        if in_step[0]:
+            rope_in_steps.append(pos.numel())
+        return rope_forward(self, pos, dtype)
+
+    def flagged_step(self, key):
+        in_step[0] = True
+        try:
+            return graph_forward(self, key)
+        finally:
+            in_step[0] = False
+    monkeypatch.setattr(RotaryEmbedding, "forward", counted_rope)
+    monkeypatch.setattr(DecodeGraphs, "_forward", flagged_step)
     vocab = load_lathe_model(path).config.vocab_size
     for top_p in (1.0, 0.9):
         params = SamplingParams(n=3, temperature=0.9, top_p=top_p, max_tokens=10, seed=4,
@@ -113,6 +131,7 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
                 assert engine.runner.graphs.rope_table is not None
             outs.append(engine.generate(PROMPTS, params))
             assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert not rope_in_steps, "a graph step computed RoPE instead of taking its rows from the table"
         assert outs[1].token_ids == outs[0].token_ids and outs[1].finish_reasons == outs[0].finish_reasons
         assert "stop" in outs[0].finish_reasons and outs[1].metrics["rollout/num_preemptions"] > 0
         assert_close_rel(torch.tensor(sum(outs[1].logprobs, [])), torch.tensor(sum(outs[0].logprobs, [])),

@@ -58,15 +58,16 @@ if triton is not None:
         d_ok = d < HEAD_DIM
         q_ptr = Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        cached_end = end
         if NEW_KV:
             # q arrives before RoPE: x * cos + rotate_half(x) * sin in float32 (rotate_half(x) = [-x2, x1]),
             # rounded to q's dtype as the store's launch wrote it. The token's own K/V (the context's last
-            # position) come from KN/VN, not from the cache: the split that holds it rotates and stores them and
-            # starts its softmax with them, before the loop over the cached ones (which stops short of their slot).
-            # Nothing of them lives through the loop: kept for after it (and loaded there), they cost registers
-            # (H100, Triton 3.6: 126 vs 108 a thread at head_dim 128, 91 vs 72 at 64) and a load's latency at the end
-            # of every program (bench/decode_attention_situ.py: 0.3-0.5 us a layer).
+            # position) come from KN/VN: the split that holds it rotates and stores them at their slot, and after a
+            # CTA barrier (its threads' stores visible to its threads' loads) the loop reads them back from the cache
+            # like every other position: the same arithmetic, in the same order, as a store launch followed by the
+            # plain kernel. No other program reads that slot (the sequence's own block; other splits stop short).
+            # Adding the token to the softmax from registers instead cost layout conversions and CTA barriers
+            # before the loop (9 barriers against 4) and, kept for after the loop, registers (H100, Triton 3.6: 126
+            # vs 108 a thread at head_dim 128) and a load's latency at the end of every program.
             d_rot = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
             sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
             cos = tl.load(COS + b * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -74,8 +75,6 @@ if triton is not None:
             q_rot = tl.load(Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d_rot[None, :],
                             mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_rot * sin[None, :]).to(Q.dtype.element_ty)
-            cached_end = tl.minimum(end, ctx - 1)
-            holds = (start <= ctx - 1) & (ctx - 1 < end)
             last = ctx - 1 + 0 * d                          # the token's position, as a vector for the masks
             new_ok = d_ok & (start <= last) & (last < end)
             k_row = KN + b * stride_kn + h * stride_knh
@@ -87,18 +86,14 @@ if triton is not None:
             at = (slot // PAGE) * stride_kblock + (slot % PAGE) * stride_ktok + h * stride_kh + d
             tl.store(K + at, k_new, mask=new_ok)
             tl.store(V + at, v_new, mask=new_ok)
+            tl.debug_barrier()
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        if NEW_KV:          # the token's weight is exp(score - max) = 1 while it is the only one seen
-            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
-            m_i = tl.where(holds, score, m_i)
-            l_i = tl.where(holds, 1.0, l_i)
-            acc += v_new.to(tl.float32)[None, :]            # zeros where the split does not hold it
-        for start_n in range(start, cached_end, BLOCK_N):
+        for start_n in range(start, end, BLOCK_N):
             n = start_n + tl.arange(0, BLOCK_N)
-            n_ok = n < cached_end
+            n_ok = n < end
             block = tl.load(BT + b * stride_bt + n // PAGE, mask=n_ok, other=0)
             tok = block.to(tl.int64) * stride_kblock + (n % PAGE) * stride_ktok
             kv_off = tok[:, None] + h * stride_kh + d[None, :]
@@ -164,8 +159,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     `new_kv = (k, v, cos, sin, slots)`: the step's own token, which the same launch rotates and stores (what
     `triton_store.rope_store_kv` and a plain call did in two launches): q (B, Hq, D) and k (B, Hkv, D) arrive before
     RoPE, cos/sin (B, D) rows, v (B, Hkv, D) (rows contiguous, any token and head strides), slots (B,) where its K/V
-    go (the context's last position; a padding row's scratch slot). The token is attended from registers, the
-    rest of its context from the cache."""
+    go (the context's last position; a padding row's scratch slot). The launch then attends over the whole context
+    from the cache, the token's K/V read back after a barrier within the program."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
     B, hq, dim = q.shape

@@ -28,9 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train import graph_step_us, result_header, write_result  # noqa: E402
+from train import SHAPES, graph_step_us, result_header, write_result  # noqa: E402
 
-SHAPES = {"0.5b": (14, 2, 64, 24), "1.5b": (12, 2, 128, 28), "7b": (28, 4, 128, 28)}   # q heads, kv heads, dim, layers
 
 
 def load_kernel(spec: str):
@@ -80,7 +79,9 @@ def main() -> None:
     b, page = args.batch, 16
     rows = {}
     for m in args.models.split(","):
-        hq, hkv, dim, layers = SHAPES[m]
+        shape = SHAPES[m]
+        hq, hkv, layers = shape["num_attention_heads"], shape["num_key_value_heads"], shape["num_hidden_layers"]
+        dim = shape["hidden_size"] // hq
         hidden, width = hq * dim, (hq + 2 * hkv) * dim
         w_qkv = [torch.randn(width, hidden, device=dev, dtype=torch.bfloat16, generator=g) * hidden ** -0.5
                  for _ in range(layers)]

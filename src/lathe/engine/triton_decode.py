@@ -66,8 +66,9 @@ if triton is not None:
             # like every other position: the same arithmetic, in the same order, as a store launch followed by the
             # plain kernel. No other program reads that slot (the sequence's own block; other splits stop short).
             # Adding the token to the softmax from registers instead cost layout conversions and CTA barriers
-            # before the loop (9 barriers against 4) and, kept for after the loop, registers (H100, Triton 3.6: 126
-            # vs 108 a thread at head_dim 128) and a load's latency at the end of every program.
+            # before the loop (9 barriers against 4 in Triton 3.9's PTX at head_dim 128) and, kept for after the
+            # loop, registers (H100, Triton 3.6: 126 vs 108 a thread at head_dim 128) and a load's latency at the
+            # end of every program.
             d_rot = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
             sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
             cos = tl.load(COS + b * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)

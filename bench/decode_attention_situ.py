@@ -1,7 +1,8 @@
 """Decode attention where a decode step runs it: between the layer's q/k/v projection and its output projection.
 
     python bench/decode_attention_situ.py [--models 0.5b,1.5b] [--contexts 16,256,512,768] [--configs 64:4:3,64:2:3]
-                                          [--kernels new=src,old=.ab/old_triton_decode.py] [--rounds 2] [--out F]
+                                          [--kernels new=src,pdl=src+pdl,old=.ab/old_triton_decode.py] [--rounds 2]
+                                          [--out F]
 
 Four CUDA graphs per (model, context, kernel, launch setting), batch 256, every row at the same context (as the fixed
 load's rows are at any one step), a distinct KV cache and distinct weights per layer (none of it stays in L2):
@@ -12,7 +13,7 @@ load's rows are at any one step), a distinct KV cache and distinct weights per l
 `situ - gemms` is attention's cost inside the step; against `new_kv` it shows what the kernel loses to its
 neighbours (the cache's first loads after a GEMM, the GEMM's tail). Median microseconds per layer over 20 replays
 and K/V bandwidth. `--kernels` names triton_decode modules to compare in the same process (`src`: the installed
-lathe's); rounds interleave them.
+lathe's; `+pdl`: launched with `pdl=True`, as a programmatic dependent of the launch before it); rounds interleave them.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    kernels = {name: load_kernel(spec) for name, spec in (kv.split("=", 1) for kv in args.kernels.split(","))}
+    specs = dict(kv.split("=", 1) for kv in args.kernels.split(","))
+    kernels = {name: load_kernel(spec.removesuffix("+pdl")) for name, spec in specs.items()}
     modes = args.modes.split(",")
     g = torch.Generator(device=dev).manual_seed(0)
     b, page = args.batch, 16
@@ -106,10 +108,12 @@ def main() -> None:
                 for cfg in args.configs.split(","):
                     bn, nw, ns = map(int, cfg.split(":"))
                     for kname, mod in kernels.items():
+                        pdl = {"pdl": True} if specs[kname].endswith("+pdl") else {}
+
                         def attend(i, q, k=None, v=None):
                             new_kv = None if k is None else (k, v, cos, sin, slots)
                             return mod.paged_decode(q, kcs[i], vcs[i], tables, lens, block_n=bn, num_warps=nw,
-                                                    num_stages=ns, new_kv=new_kv)
+                                                    num_stages=ns, new_kv=new_kv, **pdl)
 
                         def step(mode):
                             x = x0

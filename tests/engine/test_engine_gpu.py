@@ -61,6 +61,58 @@ def test_split_merge_in_a_cuda_graph_shares_counters_across_layers_and_replays()
             assert_close_rel(out.float(), ref, rel=2e-2, name="graph-replayed split decode")
 
 
+def test_programmatic_dependent_launch_after_a_projection_equals_plain_launch():
+    """`pdl=True` in a CUDA graph where each launch follows the projection that writes its q, k and v (the decode
+    step's order; a long projection, so the kernel's programs start while it runs): outputs and caches equal plain
+    launches bit for bit over replays with new inputs. Without the wait, the kernel would read q/k/v mid-write."""
+    from lathe.engine.triton_decode import paged_decode, pdl_available
+    if not pdl_available(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and a Triton with gdc_wait")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    batch, hq, hkv, dim, page, layers, hidden = 64, 12, 2, 128, 16, 3, 4096
+    width = (hq + 2 * hkv) * dim
+    ws = [torch.randn(width, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * hidden ** -0.5
+          for _ in range(layers)]
+    x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.randint(1, 500, (batch,), device="cuda", generator=g).int()
+    per = 32
+    tables = torch.randperm(batch * per, device="cuda", generator=g).view(batch, per).int()
+    pos = lens.long() - 1
+    slots = tables.long().gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
+    angles = torch.randn(batch, dim // 2, device="cuda", generator=g)
+    cos = torch.cat([angles.cos()] * 2, -1).bfloat16()
+    sin = torch.cat([angles.sin()] * 2, -1).bfloat16()
+    caches = {pdl: [[torch.randn(batch * per, page, hkv, dim, device="cuda", dtype=torch.bfloat16,
+                                 generator=torch.Generator(device="cuda").manual_seed(10 * i + j))
+                     for j in range(2)] for i in range(layers)] for pdl in (False, True)}
+
+    def step(pdl):
+        outs = []
+        for w, (kc, vc) in zip(ws, caches[pdl]):
+            q, k, v = torch.nn.functional.linear(x, w).split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+            outs.append(paged_decode(q.view(batch, hq, dim), kc, vc, tables, lens,
+                                     new_kv=(k.view(batch, hkv, dim), v.view(batch, hkv, dim), cos, sin, slots),
+                                     pdl=pdl))
+        return outs
+
+    graphs, outs = {}, {}
+    for pdl in (False, True):
+        step(pdl)
+        torch.cuda.synchronize()
+        graphs[pdl] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[pdl]):
+            outs[pdl] = step(pdl)
+    for _ in range(3):
+        x.copy_(torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16, generator=g))
+        for pdl in (False, True):
+            graphs[pdl].replay()
+        torch.cuda.synchronize()
+        for a, b in zip(outs[False], outs[True]):
+            assert torch.equal(a, b)
+        for (ka, va), (kb, vb) in zip(caches[False], caches[True]):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_cuda_engine_greedy_equals_transformers(checkpoints, family):
     """fp32 on the GPU: graphs + Triton decode + prefix sharing give transformers' greedy tokens."""
@@ -69,6 +121,7 @@ def test_cuda_engine_greedy_equals_transformers(checkpoints, family):
     engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4, num_kv_blocks=128,
                                          decode_backend="triton")
     assert engine.runner.graphs is not None
+    assert engine.runner.graphs.pdl == (torch.cuda.get_device_capability()[0] >= 9)   # the kernel after q/k/v
     out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=0, max_tokens=MAX))
     for i, prompt in enumerate(PROMPTS):
         ids = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=MAX,

@@ -78,6 +78,13 @@ def test_num_splits_fill_the_device(kernel):
     assert kernel.choose_num_splits(8, 4, 132) == 9
 
 
+def test_dependent_launch_only_on_a_hopper_gpu(kernel):
+    """`pdl_available`: never on the CPU or under the interpreter (the engine then launches plainly); the GPU tests
+    check the dependent launch itself (tests/engine/test_engine_gpu.py)."""
+    assert not kernel.pdl_available(torch.device("cpu"))
+    assert not kernel.pdl_available(torch.device("cuda"))        # the interpreter runs these tests
+
+
 def test_fused_sampler_equals_torch_sampler(kernel):
     """The fused Triton sampler draws the same tokens as the PyTorch path from the same uniforms (which it computes
     itself from seed and output position), log-probs too; a row's chunks of the vocabulary combine exactly."""

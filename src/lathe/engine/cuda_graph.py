@@ -40,7 +40,7 @@ from lathe.engine import triton_step
 from lathe.engine.model_runner import rope_delta
 from lathe.engine.multimodal import hidden_states, text_config
 from lathe.engine.sampler import FUSED_ROWS, fused_rows, sample_rows
-from lathe.engine.triton_decode import choose_num_splits
+from lathe.engine.triton_decode import choose_num_splits, pdl_available
 from lathe.models.rope import RotaryEmbedding
 
 IDS, POS, SEED, OUT_POS, GREEDY, TEMP, TOP_K, TOP_P, DELTA = range(9)   # static input rows (SEED:DELTA: fused_rows)
@@ -77,6 +77,8 @@ class DecodeGraphs:
         if triton_step.available(device) and not runner.vl and isinstance(rotary, RotaryEmbedding):
             self.rope_table = triton_step.rope_table(rotary, runner.max_model_len,
                                                      runner.model.get_input_embeddings().weight.dtype, device)
+        # the decode kernel starts while the q/k/v projection drains (its lengths, slots and rows come from here)
+        self.pdl = self.rope_table is not None and pdl_available(device)
         self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
         self.reset()
 
@@ -118,7 +120,7 @@ class DecodeGraphs:
         splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms)
         attn = DecodeAttention(runner.kv_cache, slots, tables, lens, runner.decode_backend,
                                splits if runner.decode_backend == "triton" else 1,
-                               split_k=decode_split_k(runner.model, bucket), rope=rope)
+                               split_k=decode_split_k(runner.model, bucket), rope=rope, pdl=self.pdl)
         logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], positions, attn))
         if self.samples:
             sample_rows(logits, inp[SEED:DELTA], out=self.sampled, use_k=use_k, use_p=use_p)

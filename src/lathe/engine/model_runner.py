@@ -92,6 +92,10 @@ class DecodeAttention:
     # the step's RoPE rows (cos, sin), each (B, head_dim), when the caller has them (the decode graph's table lookup,
     # `triton_step.step_inputs`); None: the model computes them from the positions
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # launch the Triton kernel as a programmatic dependent of the q/k/v projection before it (`paged_decode(pdl=True)`):
+    # only where the context lengths, slots and RoPE rows were written at the step's start (`step_inputs`), not by
+    # the launch right before the attention
+    pdl: bool = False
 
     def __post_init__(self):
         if self.rotates is None:
@@ -111,7 +115,7 @@ class DecodeAttention:
             from lathe.engine.triton_decode import paged_decode      # RoPE, store and attention in one launch
             return paged_decode(q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
                                 self.context_lens, num_splits=self.num_splits, counters=self.counters,
-                                new_kv=(k, v, cos, sin, self.slot_mapping))
+                                new_kv=(k, v, cos, sin, self.slot_mapping), pdl=self.pdl)
         if in_launch:
             q = triton_store.rope_store_kv(q, k, v, cos, sin, self.kv_cache.k[layer], self.kv_cache.v[layer],
                                            self.slot_mapping)

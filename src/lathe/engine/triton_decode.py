@@ -43,7 +43,7 @@ if triton is not None:
                        stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos,
                        scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       NEW_KV: tl.constexpr):
+                       NEW_KV: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -56,6 +56,18 @@ if triton is not None:
         d = tl.arange(0, DIM_PAD)
         g_ok = g < GROUP
         d_ok = d < HEAD_DIM
+        if NEW_KV:
+            d_rot = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
+            sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+            cos = tl.load(COS + b * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
+            sin = tl.load(SIN + b * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
+            slot = tl.load(SLOTS + b).to(tl.int64)
+        if PDL:
+            # Launched as a programmatic dependent of the launch before it (`paged_decode(pdl=True)`): the program
+            # may start while that one drains. Above this line it reads only the lengths, RoPE rows and slots, which
+            # that launch must not write; q, the token's k/v, the cache and every write come after the wait, which
+            # returns once the previous launch has completed and its writes are visible.
+            tl.extra.cuda.gdc_wait()
         q_ptr = Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if NEW_KV:
@@ -69,10 +81,6 @@ if triton is not None:
             # before the loop (9 barriers against 4 in Triton 3.9's PTX at head_dim 128) and, kept for after the
             # loop, registers (H100, Triton 3.6: 126 vs 108 a thread at head_dim 128) and a load's latency at the
             # end of every program.
-            d_rot = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
-            sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
-            cos = tl.load(COS + b * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
-            sin = tl.load(SIN + b * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
             q_rot = tl.load(Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d_rot[None, :],
                             mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_rot * sin[None, :]).to(Q.dtype.element_ty)
@@ -83,7 +91,6 @@ if triton is not None:
             k_rot = tl.load(k_row + d_rot, mask=new_ok, other=0.0).to(tl.float32)
             k_new = (k_new * cos + sign * k_rot * sin).to(K.dtype.element_ty)
             v_new = tl.load(VN + b * stride_vn + h * stride_vnh + d, mask=new_ok, other=0.0).to(V.dtype.element_ty)
-            slot = tl.load(SLOTS + b).to(tl.int64)
             at = (slot // PAGE) * stride_kblock + (slot % PAGE) * stride_ktok + h * stride_kh + d
             tl.store(K + at, k_new, mask=new_ok)
             tl.store(V + at, v_new, mask=new_ok)
@@ -150,7 +157,7 @@ if triton is not None:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float | None = None, num_splits: int = 1,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
-                 counters: torch.Tensor | None = None, new_kv: tuple | None = None) -> torch.Tensor:
+                 counters: torch.Tensor | None = None, new_kv: tuple | None = None, pdl: bool = False) -> torch.Tensor:
     """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D), any strides with the last dimension contiguous (a
     head-major cache passes as a permuted view); k and v strided alike; block_tables (B, max_blocks) int32/int64;
     context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference.
@@ -161,7 +168,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     `triton_store.rope_store_kv` and a plain call did in two launches): q (B, Hq, D) and k (B, Hkv, D) arrive before
     RoPE, cos/sin (B, D) rows, v (B, Hkv, D) (rows contiguous, any token and head strides), slots (B,) where its K/V
     go (the context's last position; a padding row's scratch slot). The launch then attends over the whole context
-    from the cache, the token's K/V read back after a barrier within the program."""
+    from the cache, the token's K/V read back after a barrier within the program.
+
+    `pdl`: launch as a programmatic dependent of the launch before it (Hopper and newer, `pdl_available`), so that the
+    programs start while that one drains: only for a caller whose previous launch does not write context_lens or
+    new_kv's cos/sin/slots (the decode step: the q/k/v projection writes q, k and v only)."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
     B, hq, dim = q.shape
@@ -202,8 +213,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), *nb, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        NEW_KV=new_kv is not None, num_warps=num_warps, num_stages=num_stages)
+        NEW_KV=new_kv is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether `paged_decode(pdl=True)` can run on `device`: CUDA compute capability 9.0 or newer, a Triton with
+    programmatic dependent launch, and not Triton's CPU interpreter."""
+    return (triton is not None and device.type == "cuda" and not interpreted()
+            and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:

@@ -39,7 +39,7 @@ def test_the_platform_is_detected_and_names_its_variable_and_backend(fake, name,
 def test_the_cpu_answers_without_an_accelerator():
     cpu = torch.device("cpu")
     assert not device.is_accelerator(cpu) and not device.is_accelerator("cpu")
-    assert device.total_memory(cpu) is None and device.peak_memory(cpu) is None
+    assert device.total_memory(cpu) is None and device.peak_memory(cpu) is None and device.nvidia_capability(cpu) is None
     assert device.memory_allocated(cpu) == 0 and device.current_device("cpu") == cpu
     device.empty_cache(cpu), device.synchronize(cpu), device.reset_peak_memory(cpu), device.set_device(0, "cpu")
     with device.use_device(cpu):
@@ -54,6 +54,7 @@ def test_a_machine_without_gpus_runs_on_the_cpu():
     assert not device.accelerator_available() and not device.pin_memory_available()
     assert device.device_count() == 0 and device.device_count("cuda") == 0
     assert device.rng_states() == {} and device.collectives_version() is None
+    assert device.nvidia_capability("cuda") is None          # no NVIDIA GPU detected: no capability to report
     device.set_rng_states({"cuda": [torch.zeros(16, dtype=torch.uint8)]})     # a GPU run's state: nothing to set
 
 

@@ -118,6 +118,16 @@ def multiprocessor_count(device: torch.device | str) -> int:
     return _api(device).get_device_properties(device).multi_processor_count
 
 
+def nvidia_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """(major, minor) compute capability of an NVIDIA GPU; None for the CPU and other accelerators (ROCm reports its
+    own numbering through the same call)."""
+    device = torch.device(device)
+    if device.type != "cuda" or detect().name != "cuda":
+        return None
+    p = torch.cuda.get_device_properties(device)
+    return p.major, p.minor
+
+
 def total_memory(device: torch.device | str) -> int | None:
     """Bytes of memory on `device`, or None for the CPU (host memory is not planned)."""
     api = _api(device)

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from lathe.device import nvidia_capability
+
 try:
     import triton
     import triton.language as tl
@@ -218,11 +220,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def pdl_available(device: torch.device) -> bool:
-    """Whether `paged_decode(pdl=True)` can run on `device`: CUDA compute capability 9.0 or newer, a Triton with
-    programmatic dependent launch, and not Triton's CPU interpreter."""
+    """Whether `paged_decode(pdl=True)` can run on `device`: an NVIDIA GPU of compute capability 9.0 or newer, a Triton
+    with programmatic dependent launch, and not Triton's CPU interpreter."""
     return (triton is not None and device.type == "cuda" and not interpreted()
             and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and (nvidia_capability(device) or (0,))[0] >= 9)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:

@@ -39,7 +39,8 @@ def test_the_platform_is_detected_and_names_its_variable_and_backend(fake, name,
 def test_the_cpu_answers_without_an_accelerator():
     cpu = torch.device("cpu")
     assert not device.is_accelerator(cpu) and not device.is_accelerator("cpu")
-    assert device.total_memory(cpu) is None and device.peak_memory(cpu) is None and device.nvidia_capability(cpu) is None
+    assert device.total_memory(cpu) is None and device.peak_memory(cpu) is None
+    assert device.nvidia_capability(cpu) is None
     assert device.memory_allocated(cpu) == 0 and device.current_device("cpu") == cpu
     device.empty_cache(cpu), device.synchronize(cpu), device.reset_peak_memory(cpu), device.set_device(0, "cpu")
     with device.use_device(cpu):

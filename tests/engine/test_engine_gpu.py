@@ -63,8 +63,9 @@ def test_split_merge_in_a_cuda_graph_shares_counters_across_layers_and_replays()
 
 def test_programmatic_dependent_launch_after_a_projection_equals_plain_launch():
     """`pdl=True` in a CUDA graph where each launch follows the projection that writes its q, k and v (the decode
-    step's order; a long projection, so the kernel's programs start while it runs): outputs and caches equal plain
-    launches bit for bit over replays with new inputs. Without the wait, the kernel would read q/k/v mid-write."""
+    step's order): outputs and caches equal plain launches bit for bit over replays with new inputs. It shows the
+    dependent launch captures, replays and computes the same; it cannot show the wait is never needed (a race without
+    it would be rare: the programs launch once the projection's programs have exited)."""
     from lathe.engine.triton_decode import paged_decode, pdl_available
     if not pdl_available(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability 9.0 and a Triton with gdc_wait")

@@ -78,7 +78,7 @@ def test_num_splits_fill_the_device(kernel):
     assert kernel.choose_num_splits(8, 4, 132) == 9
 
 
-def test_dependent_launch_only_on_a_hopper_gpu(kernel):
+def test_no_dependent_launch_on_the_cpu_or_under_the_interpreter(kernel):
     """`pdl_available`: never on the CPU or under the interpreter (the engine then launches plainly); the GPU tests
     check the dependent launch itself (tests/engine/test_engine_gpu.py)."""
     assert not kernel.pdl_available(torch.device("cpu"))

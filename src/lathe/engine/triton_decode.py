@@ -215,7 +215,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), *nb, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        NEW_KV=new_kv is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
+        NEW_KV=new_kv is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from decode_gemms import MODELS  # noqa: E402
-from train import result_header, write_result  # noqa: E402
+from train import graph_step_us, result_header, write_result  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -151,25 +151,7 @@ LAYERS = {"0.5b": 24, "1.5b": 28, "7b": 28}
 
 def graph_us(fn, layers: int, reps: int) -> float:
     """Microseconds per launch of `fn(i)` for i in range(layers), captured in one CUDA graph."""
-    for i in range(layers):
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(layers):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    times.sort()
-    return times[len(times) // 2]
+    return graph_step_us(lambda: [fn(i) for i in range(layers)], reps, steps=1) / layers
 
 
 def sweep_configs(m: int) -> list:

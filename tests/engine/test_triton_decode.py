@@ -78,11 +78,20 @@ def test_num_splits_fill_the_device(kernel):
     assert kernel.choose_num_splits(8, 4, 132) == 9
 
 
-def test_no_dependent_launch_on_the_cpu_or_under_the_interpreter(kernel):
-    """`pdl_available`: never on the CPU or under the interpreter (the engine then launches plainly); the GPU tests
-    check the dependent launch itself (tests/engine/test_engine_gpu.py)."""
+def test_no_dependent_launch_on_the_cpu_or_under_the_interpreter(kernel, monkeypatch):
+    """`pdl_available`: never on the CPU, under the interpreter or below compute capability 9 (the engine then
+    launches plainly), with a capability faked here so that each condition is what decides; the GPU tests check the
+    dependent launch itself (tests/engine/test_engine_gpu.py)."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kernel, "nvidia_capability", lambda device: (9, 0))
     assert not kernel.pdl_available(torch.device("cpu"))
-    assert not kernel.pdl_available(torch.device("cuda"))        # the interpreter runs these tests
+    assert not kernel.pdl_available(cuda)                        # the interpreter runs these tests
+    monkeypatch.setattr(kernel, "interpreted", lambda: False)
+    assert kernel.pdl_available(cuda) == hasattr(triton.language.extra.cuda, "gdc_wait")   # this Triton's support
+    monkeypatch.setattr(kernel, "nvidia_capability", lambda device: (8, 0))
+    assert not kernel.pdl_available(cuda)
+    monkeypatch.setattr(kernel, "nvidia_capability", lambda device: None)   # ROCm or no NVIDIA GPU
+    assert not kernel.pdl_available(cuda)
 
 
 def test_fused_sampler_equals_torch_sampler(kernel):

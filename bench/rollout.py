@@ -112,8 +112,14 @@ def fixed_load_engine(name: str, device, args):
     prompts = random_prompts(args.prompts, args.prompt_len, args.prompt_len, shape["vocab_size"], 0)
     params = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
     engine = LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=args.prompts,
-                         gpu_memory_utilization=args.gpu_memory_utilization)
+                         gpu_memory_utilization=args.gpu_memory_utilization, **batched_tokens(args))
     return engine, prompts, params
+
+
+def batched_tokens(args) -> dict:
+    """The engine's `max_num_batched_tokens` when the command line sets one (else the engine's default)."""
+    n = getattr(args, "max_num_batched_tokens", None)
+    return {} if n is None else {"max_num_batched_tokens": n}
 
 
 # -- backends ---------------------------------------------------------------------------------------------
@@ -284,8 +290,10 @@ def bench_model(name: str, device, args) -> dict:
         scheduler.OVERCOMMIT = args.overcommit
     engine = LatheEngine(lathe, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
                          gpu_memory_utilization=args.gpu_memory_utilization,
-                         reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step)
-    result["engine"] = {"reserve_new_tokens": not args.no_reserve, "overcommit": scheduler.OVERCOMMIT,
+                         reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,
+                         **batched_tokens(args))
+    result["engine"] = {"max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+                        "reserve_new_tokens": not args.no_reserve, "overcommit": scheduler.OVERCOMMIT,
                         "async_scheduling": not args.step_by_step, "kv_blocks": engine.kv_cache.num_blocks,
                         "block_size": engine.kv_cache.block_size,
                         "decode_backend": engine.runner.decode_backend,
@@ -371,6 +379,8 @@ def main() -> None:
     ap.add_argument("--eos-period", type=int, default=512, help="grpo_eos: every n-th token id ends a response")
     ap.add_argument("--eos-max-tokens", type=int, default=4096, help="grpo_eos: the responses' max_tokens")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engine's prefill step budget (default: the engine's, verl's 8192)")
     ap.add_argument("--hf-batch-timeout", type=float, default=240.0,
                     help="seconds before a generate_batch baseline (run in a child process) is killed")
     ap.add_argument("--no-reserve", action="store_true",

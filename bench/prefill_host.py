@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from rollout import fixed_load_engine  # noqa: E402
-from train import sync  # noqa: E402
+from train import git_sha, sync  # noqa: E402
 
 from lathe.rollout.base import SamplingParams  # noqa: E402
 
@@ -42,7 +42,9 @@ def main() -> None:
     one = SamplingParams(n=1, temperature=1.0, max_tokens=1, ignore_eos=True, seed=0)
     engine.generate(prompts, SamplingParams(n=1, temperature=1.0, max_tokens=2, ignore_eos=True, seed=0))
     sync(dev)
-    res = {"model": a.model, "device": torch.cuda.get_device_name(dev), "fresh_s": [], "cached_s": []}
+    res = {"bench": "prefill_host", "model": a.model, "device": torch.cuda.get_device_name(dev),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "git_sha": git_sha(), "torch": torch.__version__,
+           "fresh_s": [], "cached_s": []}
 
     def call(cold):
         if cold:

@@ -7,6 +7,7 @@ compared with the PyTorch path's, token for token (the two sum in different orde
 rounding of a boundary may differ: the count of differing rows is reported).
 
     python bench/sampler.py --out /tmp/sampler.json
+    python bench/sampler.py --chunk-sweep --settings "plain;top_p=0.95" --out /tmp/chunk.json   # chunk pass settings
 """
 
 from __future__ import annotations
@@ -98,6 +99,28 @@ def sweep(args, device) -> dict:
     return rows
 
 
+def chunk_sweep(args, device) -> dict:
+    """Time the fused sampler under each chunk size and `_chunk_kernel` warp count (`triton_sample.CHUNK`,
+    `CHUNK_WARPS`), replayed from a CUDA graph, in two interleaved rounds; the searches keep their own settings."""
+    from lathe.engine import triton_sample
+    default = (triton_sample.CHUNK, triton_sample.CHUNK_WARPS)
+    rows = {}
+    logits = {batch: make_logits(batch, args.vocab, device, batch) for batch in args.batches}
+    for rnd in range(2):
+        for chunk, warps in ((4096, 8), (4096, 4), (4096, 2), (2048, 4), (2048, 2), (8192, 8), (8192, 4)):
+            triton_sample.CHUNK, triton_sample.CHUNK_WARPS = chunk, warps
+            for batch in args.batches:
+                for name in args.settings:
+                    row = bench_case(logits[batch], SETTINGS[name], args.iters)
+                    key = f"chunk={chunk} warps={warps} B={batch} {name}"
+                    rows.setdefault(key, {"fused_graph_ms": [], "rows_differing": row["rows_differing"]})
+                    rows[key]["fused_graph_ms"].append(row["fused_graph_ms"])
+                    print(f"round {rnd} {key:48s} graph {row['fused_graph_ms']:7.3f} ms differ {row['rows_differing']}",
+                          flush=True)
+    triton_sample.CHUNK, triton_sample.CHUNK_WARPS = default
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
@@ -105,6 +128,7 @@ def main():
     ap.add_argument("--settings", type=lambda s: s.split(";"), default=list(SETTINGS))
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="time the searches' kernel configurations")
+    ap.add_argument("--chunk-sweep", action="store_true", help="time chunk sizes and the chunk pass's warps")
     ap.add_argument("--git-sha", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -112,6 +136,10 @@ def main():
     res = result_header("sampler", device, args, cases={})
     if args.sweep:
         res["sweep"] = sweep(args, device)
+        print(f"wrote {write_result(res, args.out)}")
+        return
+    if args.chunk_sweep:
+        res["chunk_sweep"] = chunk_sweep(args, device)
         print(f"wrote {write_result(res, args.out)}")
         return
     for batch in args.batches:

@@ -42,7 +42,9 @@ try:
 except ImportError:
     triton = None
 
-CHUNK = 4096
+CHUNK = 4096        # tokens of a row per chunk (the searches' sweep, `SEARCH`, was run at this size)
+CHUNK_WARPS = 4     # warps of `_chunk_kernel`: on an H100 at batch 256, 4 read the logits faster than 8
+                    # (bench/results/sampler_chunk_*: see `bench/sampler.py --chunk-sweep`)
 
 
 @dataclass(frozen=True)
@@ -249,15 +251,17 @@ def search_strides(dtype: torch.dtype, np: int) -> list[int]:
 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
-                 positions: torch.Tensor, out: torch.Tensor | None = None, chunk: int = CHUNK,
+                 positions: torch.Tensor, out: torch.Tensor | None = None, chunk: int | None = None,
                  top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
     """(2, B) float64: row 0 the token ids, row 1 their log-probs, for logits (B, V) of any float dtype.
 
     temperatures (B,) float32 > 0 (ignored for greedy rows); greedy (B,) int32 0/1; seeds (B,) int64 and
     positions (B,) int64, the sequence's seed and output position that give each sampled row its uniform.
     top_k (B,) int64 (<= 0 or >= V: none) and top_p (B,) float32 (>= 1: none), or None when no row uses it.
-    `out`: a (2, >= B) float64 buffer to write into (a CUDA graph's static output). No host syncs."""
+    `out`: a (2, >= B) float64 buffer to write into (a CUDA graph's static output). `chunk`: tokens per chunk
+    (default `CHUNK`, read at the call). No host syncs."""
     b, v = logits.shape
+    chunk = chunk or CHUNK
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     nchunk = triton.cdiv(v, chunk)
@@ -269,7 +273,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch
     if out is None:
         out = torch.empty(2, b, dtype=torch.float64, device=logits.device)
     _chunk_kernel[(b, nchunk)](logits, logits.stride(0), v, temperatures, greedy, pm, ps, pa, nchunk,
-                               CHUNK_=chunk, num_warps=warps)
+                               CHUNK_=chunk, num_warps=CHUNK_WARPS)
     filtered = top_k is not None or top_p is not None
     if filtered:        # the searches' state; without them the pick kernel reads none of it (pm/pa stand in)
         floats = torch.empty(4, b, dtype=torch.float32, device=logits.device)   # max, mass, target, kept mass

@@ -1,10 +1,12 @@
 """Host cost of the engine's prefill steps: the rollout bench's fixed load prefilled alone (max_tokens=1), fresh
-(prefix cache emptied: 8 steps of 8192 tokens) and with its prompts cached (one step of 256 single tokens), five
-calls each; the device's busy time of one call of each (torch.profiler), and a cProfile of each beside the JSON.
+(prefix cache emptied: steps of the engine's default budget, 16384 tokens) and with its prompts cached (one step of
+256 single tokens), five calls each; the device's busy time of one call of each (torch.profiler), and a cProfile
+of each beside the JSON.
 `--batched-tokens 8192,32768`: the fresh prefill again at each prefill step budget (the scheduler's
 `max_num_batched_tokens`, set on the same engine between calls), with its device time by kernel.
 
-    python bench/prefill_host.py [--model 0.5b] [--batched-tokens N,...] --out bench/results/prefill_host_<model>_<device>.json
+    python bench/prefill_host.py [--model 0.5b] [--batched-tokens N,...] \
+        --out bench/results/prefill_host_<model>_<device>.json
 """
 
 import argparse

@@ -380,7 +380,7 @@ def main() -> None:
     ap.add_argument("--eos-max-tokens", type=int, default=4096, help="grpo_eos: the responses' max_tokens")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="the engine's prefill step budget (default: the engine's, verl's 8192)")
+                    help="the engine's prefill step budget (default: the engine's, 16384)")
     ap.add_argument("--hf-batch-timeout", type=float, default=240.0,
                     help="seconds before a generate_batch baseline (run in a child process) is killed")
     ap.add_argument("--no-reserve", action="store_true",

@@ -73,7 +73,10 @@ class RolloutConfig:
     tensor_model_parallel_size: int = spec(1, "Tensor-parallel degree of the engine (verl default 2).")
     data_parallel_size: int = spec(1, "Data-parallel degree of the engine (verl).")
     expert_parallel_size: int = spec(1, "Expert-parallel degree of the engine (verl).")
-    max_num_batched_tokens: int = spec(8192, "Token budget of one engine step (prefill chunking).")
+    max_num_batched_tokens: int = spec(
+        16384, "Token budget of one engine step (prefill chunking). lathe's default is 16384 (verl's yaml says "
+               "8192): half as many prefill steps, whose host cost bounds a small model's prefill; a step's "
+               "activations grow with it (~1 GB more at 7B than at 8192), so lower it where memory is tight.")
     max_model_len: int | None = spec(None, "Max prompt+response length; null = prompt_length + response_length.")
     max_num_seqs: int = spec(1024, "Max sequences running at once in the engine.")
     enforce_eager: bool = spec(False, "Disable CUDA graphs in the engine.")

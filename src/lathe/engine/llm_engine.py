@@ -122,7 +122,7 @@ class LatheEngine(StreamingMixin):
 
     def __init__(self, model, *, eos_token_id: int | list[int] | None, block_size: int = 16,
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 16384, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, decode_backend: str = "auto", enforce_eager: bool = False,
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,

@@ -53,7 +53,7 @@ OVERCOMMIT = 1.25            # a call's whole load is admitted at once if it fit
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
                  enable_chunked_prefill: bool = True, reserve_new_tokens: bool = True):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs

@@ -9,7 +9,7 @@ lm_head and sampling; the splits change nothing else.
 Per model and rows: microseconds per step of the plain forward and of every (o, down) split pair (median of
 `--reps` timed replays of 20 steps), the norm-relative error of each against the plain forward's hidden states,
 the error of each and of the plain bf16 forward against the same weights in float32 (plain forward, eager),
-the engine's own choice (`decode_split_k`), and torch.profiler kernel tables of the plain step and the engine's
+the engine's own choice (`step_split_k`), and torch.profiler kernel tables of the plain step and the engine's
 choice at the largest row count. Writes JSON (device, date, git sha) to `--out`.
 """
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from train import SHAPES, build_hf, graph_step_us, result_header, summarize_profile, write_result  # noqa: E402
 
-from lathe.engine.model_runner import decode_split_k  # noqa: E402
+from lathe.engine.model_runner import step_split_k  # noqa: E402
 from lathe.models.compile import compile_decoder  # noqa: E402
 from lathe.models.decoder import fuse_projections  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
@@ -71,7 +71,7 @@ def bench_model(name: str, args) -> dict:
         gen = torch.Generator(device="cpu").manual_seed(rows)
         ids = torch.randint(0, cfg.vocab_size, (rows,), generator=gen).to(device)
         pos = torch.randint(0, 1024, (rows,), generator=gen).to(device)
-        row = {"engine_choice": decode_split_k(model, rows)}
+        row = {"engine_choice": step_split_k(model, rows)}
         with torch.inference_mode():
             ref = model.model(ids, pos, StubAttention(None)).float()
             f32 = exact.model(ids, pos, StubAttention(None))

@@ -109,8 +109,8 @@ def test_split_decode_form_compiles_once_for_all_layers_and_batches():
 
 
 def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypatch):
-    """The engine's decode steps in the split form (the rule forced on, as on CUDA): the plain engine's tokens and
-    log-probs, greedy and seeded."""
+    """The engine's prefill and decode steps in the split form (the rule forced on, as on CUDA): the plain engine's
+    tokens and log-probs, greedy and seeded."""
     from lathe.engine import model_runner
     from lathe.engine.llm_engine import LatheEngine
     from lathe.models import load_lathe_model
@@ -122,26 +122,27 @@ def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypat
     outs, seen = [], []
     for split in (False, True):
         if split:
-            monkeypatch.setattr(model_runner, "decode_split_k", lambda model, rows: seen.append(rows) or (2, 4))
+            monkeypatch.setattr(model_runner, "step_split_k", lambda model, rows: seen.append(rows) or (2, 4))
         engine = LatheEngine(load_lathe_model(path, torch.float32), eos_token_id=None, block_size=4, num_kv_blocks=64)
         outs.append([engine.generate(PROMPTS, p) for p in params])
-    assert seen, "the decode steps never asked for their splits"
+    # decode steps ask with their rows (at most 2 x 4 sequences), prefill steps with their new tokens (more)
+    assert len(PROMPTS) in seen and max(seen) > 2 * len(PROMPTS), f"prefill and decode should both ask: {seen}"
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
         assert_close_rel(torch.tensor(sum(b.logprobs, [])), torch.tensor(sum(a.logprobs, [])), name="log-probs")
 
 
-def test_decode_split_k_rule(monkeypatch):
+def test_step_split_k_rule(monkeypatch):
     """The plain forward where splitting was not measured to pay (an eager model, float32, the CPU); on CUDA, compiled
     in half precision, splits from bench/decode_split_layers.py's H100 figures."""
     from lathe.engine import model_runner
-    from lathe.engine.model_runner import _splits_for, decode_split_k
+    from lathe.engine.model_runner import _splits_for, step_split_k
     from lathe.models.compile import compile_decoder
     model = _model("qwen2")
-    assert decode_split_k(model, 256) is None                                  # eager
+    assert step_split_k(model, 256) is None                                  # eager
     compile_decoder(model, backend="eager")
-    assert decode_split_k(model, 256) is None                                  # float32
-    assert decode_split_k(model.to(torch.bfloat16), 256) is None               # the CPU
+    assert step_split_k(model, 256) is None                                  # float32
+    assert step_split_k(model.to(torch.bfloat16), 256) is None               # the CPU
     sms = 132
     assert _splits_for(256, 8960, 1536, sms) == 4          # 1.5B down: 96 tiles
     assert _splits_for(512, 8960, 1536, sms) == 2          # 192 tiles
@@ -153,7 +154,7 @@ def test_decode_split_k_rule(monkeypatch):
     monkeypatch.setattr(model_runner, "multiprocessor_count", lambda device: sms)
     on_cuda = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(model, "get_input_embeddings", lambda: on_cuda)
-    assert decode_split_k(model, 256) == (1, 1)            # K = 32 and 64: too short to split
+    assert step_split_k(model, 256) == (1, 1)            # K = 32 and 64: too short to split
 
 
 @pytest.mark.gpu
@@ -174,7 +175,7 @@ def test_cuda_bf16_split_decode_is_as_accurate_as_the_plain_form(checkpoints, mo
     prompts = [p for p in PROMPTS for _ in range(2)]
     errors, seen = {}, []
     for form, rule in (("plain", lambda model, rows: None), ("split", lambda model, rows: seen.append(rows) or (2, 2))):
-        monkeypatch.setattr(model_runner, "decode_split_k", rule)
+        monkeypatch.setattr(model_runner, "step_split_k", rule)
         engine = LatheEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, eos_token_id=None,
                                              block_size=4, num_kv_blocks=128)
         out = engine.generate(PROMPTS, params)

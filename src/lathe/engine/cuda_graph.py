@@ -105,7 +105,7 @@ class DecodeGraphs:
     def _forward(self, key: tuple) -> torch.Tensor:
         """One decode step over the static buffers for key = (bucket, top-k search, top-p search): logits
         (bucket, V); the sampled tokens and log-probs go to `sampled`."""
-        from lathe.engine.model_runner import DecodeAttention, decode_split_k
+        from lathe.engine.model_runner import DecodeAttention, step_split_k
         bucket, use_k, use_p = key
         runner, inp, tables = self.runner, self.inputs[:, :bucket], self.tables[:bucket]
         bs, pos, scratch = runner.block_size, inp[POS], runner.kv_cache.scratch_slot
@@ -120,7 +120,7 @@ class DecodeGraphs:
         splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms)
         attn = DecodeAttention(runner.kv_cache, slots, tables, lens, runner.decode_backend,
                                splits if runner.decode_backend == "triton" else 1,
-                               split_k=decode_split_k(runner.model, bucket), rope=rope, pdl=self.pdl)
+                               split_k=step_split_k(runner.model, bucket), rope=rope, pdl=self.pdl)
         logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], positions, attn))
         if self.samples:
             sample_rows(logits, inp[SEED:DELTA], out=self.sampled, use_k=use_k, use_p=use_p)

@@ -39,11 +39,12 @@ def rope_delta(seq: Sequence) -> int:
     return 0 if seq.mm is None else seq.mm.delta
 
 
-def decode_split_k(model, rows: int) -> tuple[int, int] | None:
-    """The (o_proj, down_proj) K splits of a decode step of `rows` sequences (`DecoderLayer.split_forward`), or None
-    for the layers' plain forward. The split form pays where its adds fold into the norms, and it was measured on
-    CUDA: only for lathe's text decoder compiled (`compile_decoder`, as the engine does on CUDA), in half precision,
-    on CUDA."""
+def step_split_k(model, rows: int) -> tuple[int, int] | None:
+    """The (o_proj, down_proj) K splits of an engine step of `rows` tokens (`DecoderLayer.split_forward`): a decode
+    step's sequences or a prefill step's new tokens (where the rule finds (1, 1): the split form without splits, whose
+    residual adds fold into the norms instead of cuBLAS addmm's copies), or None for the layers' plain forward. The
+    split form pays where its adds fold into the norms, and it was measured on CUDA: only for lathe's text decoder
+    compiled (`compile_decoder`, as the engine does on CUDA), in half precision, on CUDA."""
     from lathe.models.decoder import LatheDecoderModel
     decoder = getattr(model, "model", None)
     if not isinstance(decoder, LatheDecoderModel) or decoder.compile_backend is None or model.dtype == torch.float32:
@@ -87,7 +88,7 @@ class DecodeAttention:
     # kernel that launch is the attention's own (`triton_decode.paged_decode(new_kv=...)`)
     rotates: bool | None = None
     # (o_proj, down_proj) K splits of the decoder's split-K decode form (`DecoderLayer.split_forward`), or None: the
-    # layers' plain forward (`decode_split_k` picks them)
+    # layers' plain forward (`step_split_k` picks them)
     split_k: tuple[int, int] | None = None
     # the step's RoPE rows (cos, sin), each (B, head_dim), when the caller has them (the decode graph's table lookup,
     # `triton_step.step_inputs`); None: the model computes them from the positions
@@ -139,6 +140,7 @@ class PrefillAttention:
     rest: tuple[list[int], list[int], list[list[int]]]   # (cu_seqlens_q from the group's start, ctx lens, tables)
     decode_backend: str = "torch"
     store_rows: torch.Tensor | None = None     # rows of the new tokens to store (None: all of them)
+    split_k: tuple[int, int] | None = None     # the layers' split form (`step_split_k`), or None: their plain forward
 
     def __post_init__(self):
         self.layer = 0
@@ -267,7 +269,7 @@ class ModelRunner:
         if len(rows) < len(slots):
             store_rows, slots = self._tensor(rows), slots[rows]
         attn = PrefillAttention(self.kv_cache, self._tensor(slots), cu[n_fresh], fresh, single, rest,
-                                self.decode_backend, store_rows)
+                                self.decode_backend, store_rows, step_split_k(self.model, len(ids)))
         last = self._tensor(cu[1:]) - 1
         if step is None:
             return self._tensor(ids), self._tensor(positions), attn, last, order, None
@@ -324,7 +326,7 @@ class ModelRunner:
         ids, positions, slots, lens = self.decode_inputs(seqs)
         attn = DecodeAttention(self.kv_cache, self._tensor(slots), to_device(self._tables(seqs), self.device),
                                self._tensor(lens, torch.int32), self.decode_backend,
-                               split_k=decode_split_k(self.model, len(seqs)))
+                               split_k=step_split_k(self.model, len(seqs)))
         ids = self._tensor(ids)
         self.take_pending(ids, pending)
         rope = positions if not self.vl else [p + rope_delta(s) for s, p in zip(seqs, positions)]

@@ -4,8 +4,8 @@
 - `gemm`: the lm_head product alone (cuBLAS), `gemm_t`: its transpose (weight x hidden^T);
 - `gemm_sample`: the product and the engine's fused sampler (chunk pass + pick);
 - `gemm_chunk_<chunk>_<warps>`: the product and the chunk pass at a chunk size and warp count;
-- `pieces_<P>`: the product in P vocabulary pieces, each followed by the chunk pass over its piece, so that a
-  piece's logits may still be in L2 when the pass reads them (`pieces_<P>_match`: equal to the whole pass).
+- `pieces_<P>`: the product in P vocabulary pieces, each followed by the engine's chunk pass over its piece, so that
+  a piece's logits may still be in L2 when the pass reads them (`pieces_<P>_match`: equal to the whole pass).
 
     python bench/lm_head_pieces.py [--out bench/results/lm_head_pieces_<device>.json]
 """
@@ -24,30 +24,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from train import graph_step_us, result_header, write_result  # noqa: E402
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from lathe.engine import triton_sample as ts  # noqa: E402
 
 ROWS, VOCAB, CHUNK = 256, 151936, 4096
-
-
-@triton.jit
-def _chunk_piece(LOGITS, stride, V, TEMP, GREEDY, PM, PS, PA, NCHUNK, C0, A0, CHUNK_: tl.constexpr):
-    """triton_sample._chunk_kernel over a vocabulary piece starting at token A0 (chunk C0) of the row."""
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    greedy = tl.load(GREEDY + row)
-    inv_t = tl.where(greedy != 0, 1.0, 1.0 / tl.load(TEMP + row))
-    offs = c * CHUNK_ + tl.arange(0, CHUNK_)
-    ok = offs < V
-    x = tl.load(LOGITS + row.to(tl.int64) * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, 0)
-    first = tl.min(tl.where(x == m, offs, V), 0) + A0
-    s = tl.sum(tl.where(ok, tl.exp((x - m) * inv_t), 0.0), 0)
-    out = row * NCHUNK + C0 + c
-    tl.store(PM + out, m)
-    tl.store(PS + out, s)
-    tl.store(PA + out, first)
 
 
 def measure(hidden: int, dev, reps: int) -> dict:
@@ -85,13 +65,15 @@ def measure(hidden: int, dev, reps: int) -> dict:
         stats = [torch.empty_like(t) for t in whole]
 
         def pieces_pass(bounds=bounds, outs=outs, stats=stats):
-            for (a, b), out in zip(bounds, outs):
+            for (a, b), out in zip(bounds, outs):       # the engine's pass over a piece: its stats at column a/CHUNK
                 torch.mm(h, w[a:b].t(), out=out)
-                _chunk_piece[(ROWS, triton.cdiv(b - a, CHUNK))](out, out.stride(0), b - a, temp, greedy, *stats, nch,
-                                                               a // CHUNK, a, CHUNK_=CHUNK, num_warps=8)
+                ts._chunk_kernel[(ROWS, triton.cdiv(b - a, CHUNK))](out, out.stride(0), b - a, temp, greedy,
+                                                                    *(t[:, a // CHUNK:] for t in stats), nch,
+                                                                    CHUNK_=CHUNK, num_warps=8)
         row[f"pieces_{len(bounds)}"] = graph_step_us(pieces_pass, reps)
         pieces_pass()
-        row[f"pieces_{len(bounds)}_match"] = bool(torch.equal(stats[0], whole[0]) and torch.equal(stats[2], whole[2])
+        first = torch.cat([stats[2][:, a // CHUNK:triton.cdiv(b, CHUNK)] + a for a, b in bounds], dim=1)  # piece -> row
+        row[f"pieces_{len(bounds)}_match"] = bool(torch.equal(stats[0], whole[0]) and torch.equal(first, whole[2])
                                                   and torch.allclose(stats[1], whole[1], rtol=1e-5))
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
 

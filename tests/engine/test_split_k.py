@@ -139,10 +139,10 @@ def test_step_split_k_rule(monkeypatch):
     from lathe.engine.model_runner import _splits_for, step_split_k
     from lathe.models.compile import compile_decoder
     model = _model("qwen2")
-    assert step_split_k(model, 256) is None                                  # eager
+    assert step_split_k(model, 256) is None                                    # eager
     compile_decoder(model, backend="eager")
-    assert step_split_k(model, 256) is None                                  # float32
-    assert step_split_k(model.to(torch.bfloat16), 256) is None               # the CPU
+    assert step_split_k(model, 256) is None                                    # float32
+    assert step_split_k(model.to(torch.bfloat16), 256) is None                 # the CPU
     sms = 132
     assert _splits_for(256, 8960, 1536, sms) == 4          # 1.5B down: 96 tiles
     assert _splits_for(512, 8960, 1536, sms) == 2          # 192 tiles
@@ -154,14 +154,14 @@ def test_step_split_k_rule(monkeypatch):
     monkeypatch.setattr(model_runner, "multiprocessor_count", lambda device: sms)
     on_cuda = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(model, "get_input_embeddings", lambda: on_cuda)
-    assert step_split_k(model, 256) == (1, 1)            # K = 32 and 64: too short to split
+    assert step_split_k(model, 256) == (1, 1)              # K = 32 and 64: too short to split
 
 
 @pytest.mark.gpu
 def test_cuda_bf16_split_decode_is_as_accurate_as_the_plain_form(checkpoints, monkeypatch):
-    """On CUDA in bf16, compiled (the engine's default there), decode steps in the split form (forced to (2, 2)) and
-    in the plain form: the sampled tokens' log-probs against a float32 teacher-forced forward on the CPU; the split
-    form's worst error is within the plain form's (x1.5, + 0.01)."""
+    """On CUDA in bf16, compiled (the engine's default there), prefill and decode steps in the split form (forced to
+    (2, 2)) and in the plain form: the sampled tokens' log-probs against a float32 teacher-forced forward on the CPU;
+    the split form's worst error is within the plain form's (x1.5, + 0.01)."""
     from lathe.engine import model_runner
     from lathe.engine.llm_engine import LatheEngine
     from lathe.models import load_lathe_model
@@ -181,5 +181,5 @@ def test_cuda_bf16_split_decode_is_as_accurate_as_the_plain_form(checkpoints, mo
         out = engine.generate(PROMPTS, params)
         errors[form] = max(float((torch.tensor(lps, dtype=torch.float64) - _teacher_forced(cpu_model, p, ids, 0.8))
                                  .abs().max()) for p, ids, lps in zip(prompts, out.token_ids, out.logprobs))
-    assert seen, "the decode steps never asked for their splits"
+    assert seen, "the engine's steps never asked for their splits"
     assert errors["split"] <= 1.5 * errors["plain"] + 0.01, errors

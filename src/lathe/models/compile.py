@@ -10,8 +10,9 @@ log-probs. Compiling fuses them. What is compiled:
   few graphs (before and after attention) shared by all layers of the model;
 - the per-chunk math of `lathe.models.logprob.chunked_log_probs` (logits -> log-prob, entropy, and the
   recomputing backward's gradient), when the caller passes the model's `compile_backend`;
-- the layers' split form for the rollout engine's decode steps (`DecoderLayer.split_forward` and the final norm
-  after it), one compiled function shared by every layer, so that the residual adds it defers fold into the norms.
+- the layers' split form for the rollout engine's decode and prefill steps (`DecoderLayer.split_forward` and the
+  final norm after it), one compiled function shared by every layer, so that the residual adds it defers fold into
+  the norms.
 
 Shapes: packed streams change length every micro-batch, so the token dimensions are marked dynamic
 (`decoder._mark_token_dims_dynamic`, and the chunk rows in `logprob`): one compile serves every length.

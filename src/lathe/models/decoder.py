@@ -9,9 +9,9 @@ Two forward forms share the layers:
   returns an object with `.logits` (B, L, V) (or `.hidden_states` with `return_hidden=True`).
 - `forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen)`: T tokens of S sequences laid end to
   end, causal within each; returns the final hidden states (T, H). No padding is ever computed.
-The rollout engine's decode steps run the same layers in a split form (`DecoderLayer.split_forward`, asked for by an
-attention with `split_k`): each layer's residual adds are left to the norm that follows, and the down projection
-may run as partial products over chunks of K (`split_linear`).
+The rollout engine's decode and prefill steps run the same layers in a split form (`DecoderLayer.split_forward`,
+asked for by an attention with `split_k`): each layer's residual adds are left to the norm that follows, and the
+down projection may run as partial products over chunks of K (`split_linear`).
 
 Training may compile the decoder layers of one model instance (`lathe.models.compile.compile_decoder`);
 the attention call always runs eager (`_attend`), so every backend and batch layout works the same.
@@ -153,7 +153,7 @@ class DecoderLayer(nn.Module):
 
     def split_forward(self, x: torch.Tensor, part: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attn,
                       splits: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for the rollout engine's decode step, with o_proj and down_proj as split-K matmuls
+        """`forward` for the rollout engine's steps, with o_proj and down_proj as split-K matmuls
         (`split_linear`, `splits` = their K splits): the residual add of the down projection is left to the
         next layer (`part`, this layer's (S, T, H) partial products, None before the first layer), where summing
         the partials, adding the residual and the input norm are one kernel of the compiled layer; o_proj's sum
@@ -263,7 +263,7 @@ class LatheDecoderModel(nn.Module):
         cos, sin = rope if rope is not None else self.rotary_emb(position_ids, x.dtype)
         if self.compile_backend is not None:
             _mark_token_dims_dynamic(x, cos, sin)
-        splits = getattr(attn, "split_k", None)       # the engine's decode step: (o_proj, down_proj) K splits
+        splits = getattr(attn, "split_k", None)       # the engine's steps: (o_proj, down_proj) K splits
         if splits is not None:
             part = None
             for layer in self.layers:

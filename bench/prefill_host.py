@@ -59,15 +59,19 @@ def main() -> None:
     for _ in range(5):
         res["fresh_s"].append(round(call(True), 4))
         res["cached_s"].append(round(call(False), 4))
-    for cold in (True, False):
+
+    def device_kernels(cold):
+        """(name, device microseconds, calls) of one call's kernels under torch.profiler, longest first."""
         if cold:
             engine.update_weights([])
         sync(dev)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, one)
             sync(dev)
-        busy = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+        return sorted(((e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+                       if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: -k[1])
+    for cold in (True, False):
+        busy = sum(k[1] for k in device_kernels(cold))
         res["device_busy_ms_" + ("fresh" if cold else "cached")] = round(busy / 1e3, 2)
     for cold in (True, False):
         if cold:
@@ -94,13 +98,7 @@ def main() -> None:
                 row["fresh_s"] += [round(call(True), 4) for _ in range(3)]
         for n in budgets:
             engine.scheduler.max_num_batched_tokens = n
-            engine.update_weights([])
-            sync(dev)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                engine.generate(prompts, one)
-                sync(dev)
-            kernels = sorted(((e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-                              if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: -k[1])
+            kernels = device_kernels(True)
             res["budgets"][str(n)]["device_busy_ms"] = round(sum(k[1] for k in kernels) / 1e3, 2)
             res["budgets"][str(n)]["top_kernels"] = [{"name": k[:110], "ms": round(t / 1e3, 3), "calls": c}
                                                      for k, t, c in kernels[:14]]

@@ -122,11 +122,15 @@ def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypat
     outs, seen = [], []
     for split in (False, True):
         if split:
-            monkeypatch.setattr(model_runner, "step_split_k", lambda model, rows: seen.append(rows) or (2, 4))
+            monkeypatch.setattr(model_runner, "step_split_k",     # the splits the real rule gives prefill: (1, 1)
+                                lambda model, rows, prefill=False: seen.append((rows, prefill)) or (2, 4))
         engine = LatheEngine(load_lathe_model(path, torch.float32), eos_token_id=None, block_size=4, num_kv_blocks=64)
         outs.append([engine.generate(PROMPTS, p) for p in params])
-    # decode steps ask with their rows (at most 2 x 4 sequences), prefill steps with their new tokens (more)
-    assert len(PROMPTS) in seen and max(seen) > 2 * len(PROMPTS), f"prefill and decode should both ask: {seen}"
+    # decode steps ask with their rows (at most 2 x 4 sequences), prefill steps with their new tokens (more), and say
+    # they are prefill steps
+    decode, prefill = {r for r, p in seen if not p}, {r for r, p in seen if p}
+    assert len(PROMPTS) in decode and max(decode) <= 2 * len(PROMPTS), f"decode steps should ask: {seen}"
+    assert prefill and max(prefill) > 2 * len(PROMPTS), f"prefill steps should ask as prefill steps: {seen}"
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
         assert_close_rel(torch.tensor(sum(b.logprobs, [])), torch.tensor(sum(a.logprobs, [])), name="log-probs")
@@ -155,6 +159,9 @@ def test_step_split_k_rule(monkeypatch):
     on_cuda = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(model, "get_input_embeddings", lambda: on_cuda)
     assert step_split_k(model, 256) == (1, 1)              # K = 32 and 64: too short to split
+    monkeypatch.setattr(model_runner, "_splits_for", lambda rows, k, n, num_sms: 4)
+    assert step_split_k(model, 256) == (4, 4)
+    assert step_split_k(model, 256, prefill=True) == (1, 1)        # a prefill never compiles a split variant
 
 
 @pytest.mark.gpu
@@ -174,7 +181,8 @@ def test_cuda_bf16_split_decode_is_as_accurate_as_the_plain_form(checkpoints, mo
     params = SamplingParams(n=2, temperature=0.8, max_tokens=12, seed=5)
     prompts = [p for p in PROMPTS for _ in range(2)]
     errors, seen = {}, []
-    for form, rule in (("plain", lambda model, rows: None), ("split", lambda model, rows: seen.append(rows) or (2, 2))):
+    for form, rule in (("plain", lambda model, rows, prefill=False: None),
+                       ("split", lambda model, rows, prefill=False: seen.append(rows) or (2, 2))):
         monkeypatch.setattr(model_runner, "step_split_k", rule)
         engine = LatheEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, eos_token_id=None,
                                              block_size=4, num_kv_blocks=128)

@@ -39,12 +39,17 @@ def rope_delta(seq: Sequence) -> int:
     return 0 if seq.mm is None else seq.mm.delta
 
 
-def step_split_k(model, rows: int) -> tuple[int, int] | None:
+def step_split_k(model, rows: int, prefill: bool = False) -> tuple[int, int] | None:
     """The (o_proj, down_proj) K splits of an engine step of `rows` tokens (`DecoderLayer.split_forward`): a decode
-    step's sequences or a prefill step's new tokens (where the rule finds (1, 1): the split form without splits, whose
-    residual adds fold into the norms instead of cuBLAS addmm's copies), or None for the layers' plain forward. The
-    split form pays where its adds fold into the norms, and it was measured on CUDA: only for lathe's text decoder
-    compiled (`compile_decoder`, as the engine does on CUDA), in half precision, on CUDA."""
+    step's sequences, or a prefill step's new tokens (`prefill`), which always get (1, 1): the split form without
+    splits, whose residual adds fold into the norms instead of cuBLAS addmm's copies; or None for the layers' plain
+    forward. The split form pays where its adds fold into the norms, and it was measured on CUDA: only for lathe's
+    text decoder compiled (`compile_decoder`, as the engine does on CUDA), in half precision, on CUDA.
+
+    Why no K splits at prefill: each split pair is a compiled variant of the layers. The decode graphs' capture
+    compiles the decode steps' pairs at start-up; a prefill of a few hundred tokens (prompts found in the prefix
+    cache, a small admission) would compile one of its own the first time it met it, 0.6-2.1 s on an H100
+    (rollout_final_3042aaf_*: the third call's 256-token prefill), for a few percent of one step's layers."""
     from lathe.models.decoder import LatheDecoderModel
     decoder = getattr(model, "model", None)
     if not isinstance(decoder, LatheDecoderModel) or decoder.compile_backend is None or model.dtype == torch.float32:
@@ -52,6 +57,8 @@ def step_split_k(model, rows: int) -> tuple[int, int] | None:
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda":
         return None
+    if prefill:
+        return (1, 1)
     cfg, sms = model.config, multiprocessor_count(device)
     return (_splits_for(rows, cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, sms),
             _splits_for(rows, cfg.intermediate_size, cfg.hidden_size, sms))
@@ -269,7 +276,7 @@ class ModelRunner:
         if len(rows) < len(slots):
             store_rows, slots = self._tensor(rows), slots[rows]
         attn = PrefillAttention(self.kv_cache, self._tensor(slots), cu[n_fresh], fresh, single, rest,
-                                self.decode_backend, store_rows, step_split_k(self.model, len(ids)))
+                                self.decode_backend, store_rows, step_split_k(self.model, len(ids), prefill=True))
         last = self._tensor(cu[1:]) - 1
         if step is None:
             return self._tensor(ids), self._tensor(positions), attn, last, order, None

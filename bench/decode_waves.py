@@ -17,6 +17,10 @@ weight stays in L2 from the launch before), replayed `--reps` times; microsecond
 - o and qkv: the same K splits (o) and the column cuts (qkv).
 Each variant is checked against the whole product (norm-relative error) and the kernel names of each launch are
 recorded (torch.profiler) so that the tiles cuBLAS picked can be read off.
+
+Answer on an H100 (decode_waves_nvidia-h100-80gb-hbm3.json): no. Every column cut of gate/up is slower than the whole
+product (1.5B 27.2 us vs 31-34 us in two launches): the second launch costs more than the idle SMs of the last wave.
+Down's best K split is the engine's rule's (1.5B: 4).
 """
 
 from __future__ import annotations

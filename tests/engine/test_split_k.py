@@ -122,7 +122,9 @@ def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypat
     outs, seen = [], []
     for split in (False, True):
         if split:
-            monkeypatch.setattr(model_runner, "step_split_k",     # the splits the real rule gives prefill: (1, 1)
+            # forced on both kinds of step (the real rule gives prefill steps (1, 1)), so that the split form's
+            # prefill path is compared too
+            monkeypatch.setattr(model_runner, "step_split_k",
                                 lambda model, rows, prefill=False: seen.append((rows, prefill)) or (2, 4))
         engine = LatheEngine(load_lathe_model(path, torch.float32), eos_token_id=None, block_size=4, num_kv_blocks=64)
         outs.append([engine.generate(PROMPTS, p) for p in params])

@@ -48,8 +48,9 @@ def step_split_k(model, rows: int, prefill: bool = False) -> tuple[int, int] | N
 
     Why no K splits at prefill: each split pair is a compiled variant of the layers. The decode graphs' capture
     compiles the decode steps' pairs at start-up; a prefill of a few hundred tokens (prompts found in the prefix
-    cache, a small admission) would compile one of its own the first time it met it, 0.6-2.1 s on an H100
-    (rollout_final_3042aaf_*: the third call's 256-token prefill), for a few percent of one step's layers."""
+    cache, a small admission) would compile one of its own the first time it met it, for a few percent of one step's
+    layers: on an H100 the fixed load's 256-token prefill of cached prompts took 1.6 s (0.5B) and 2.3 s (1.5B) with
+    its split pair, 0.025 and 0.043 s without (bench/results/rollout_prefill_no_split_ab_*)."""
     from lathe.models.decoder import LatheDecoderModel
     decoder = getattr(model, "model", None)
     if not isinstance(decoder, LatheDecoderModel) or decoder.compile_backend is None or model.dtype == torch.float32:

@@ -1,0 +1,270 @@
+"""A stream-K GEMM for a decode step's row counts, written in Gluon (Triton's explicit Hopper layer: TMA, mbarriers,
+warpgroup MMA), against cuBLAS. A prototype for the question the engine's profile leaves: can a kernel that gives
+every SM the same share of the work beat cuBLAS, whose fixed tiles leave waves part-empty at 256 rows?
+
+    python bench/decode_gemm_gluon.py [--models 0.5b,1.5b] [--rows 256] [--out bench/results/decode_gemm_gluon_<device>.json]
+
+The kernel: Y = X W^T for X (M <= 256, K) and W (N, K) in bf16, float32 accumulation. One tile is all M rows (256,
+TMA zero-fills the rows past M) by BN columns; the work is the (tile, k-step) pairs in tile order, and program g of
+G takes the contiguous run [g * total // G, (g + 1) * total // G) of them, so every program does the same number of
+k-steps whatever the tile count. A run covers the end of some tiles and the start of at most one more: a tile it
+finishes alone it stores; the partial sum of the tile it starts but does not finish goes to a float32 workspace
+slot of its own, with a flag; the program that finishes a tile started by others waits for their flags and adds
+their partials in program order (deterministic: the same sum for the same shape and grid) before it stores. A
+four-stage TMA ring keeps two k-steps of loads ahead of the MMA, across tile boundaries. With `swiglu` the tile is
+BN features of the fused gate/up weight (rows j and I + j: two MMAs, two accumulators) and the store is
+silu(gate) * up: the MLP's activation in the GEMM's epilogue.
+
+Per model and row count, bf16, one CUDA graph of one launch per layer, each layer its own weights (`--layers`),
+replayed `--reps` times: microseconds per layer for cuBLAS (`torch.mm`; down also as the engine's 4-way split bmm)
+and the stream-K kernel (plain, and SwiGLU-fused for gate/up against cuBLAS + the compiled SwiGLU), the
+norm-relative error against a float64 product, and whether two runs agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import triton  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+BM = 256      # rows of a tile: a decode step's whole batch
+
+
+@gluon.jit
+def _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, q, start, end, KT, INTER, BN: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr):
+    """The TMA loads of the run's q-th k-step into ring slot q % STAGES (none past the run's end)."""
+    p = start + q
+    pred = p < end
+    t = p // KT
+    kk = p - t * KT
+    s = q % STAGES
+    bar = bars.index(s)
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes * (2 if SWIGLU else 1)
+    mbarrier.expect(bar, nbytes, pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [0, kk * BK], bar, x_bufs.index(s), pred)
+    tma.async_copy_global_to_shared(w_desc, [t * BN, kk * BK], bar, w_bufs.index(s), pred)
+    if SWIGLU:
+        tma.async_copy_global_to_shared(w_desc, [INTER + t * BN, kk * BK], bar, u_bufs.index(s), pred)
+
+
+@gluon.jit
+def _wait(acc, acc_u, SWIGLU: gl.constexpr, LAST_IN_FLIGHT: gl.constexpr):
+    """The MMAs issued so far complete, but the last k-step's when LAST_IN_FLIGHT (its one MMA, two with SwiGLU)."""
+    if SWIGLU:
+        acc, acc_u = warpgroup_mma_wait(num_outstanding=2 if LAST_IN_FLIGHT else 0, deps=(acc, acc_u))
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=1 if LAST_IN_FLIGHT else 0, deps=(acc, ))
+    return acc, acc_u
+
+
+@gluon.jit
+def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TOTAL, INTER,
+                    SWIGLU: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BMc: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BN, 16])
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    u_bufs = w_bufs
+    if SWIGLU:
+        u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    g = gl.program_id(0)
+    G = gl.num_programs(0)
+    start = g * TOTAL // G
+    end = (g + 1) * TOTAL // G
+    rows = gl.arange(0, BMc, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    tile_offs = rows[:, None] * BN + cols[None, :]                     # a tile's place in a workspace slot
+    parts: gl.constexpr = 2 if SWIGLU else 1
+
+    for q in gl.static_range(STAGES - 2):
+        _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, q, start, end, KT, INTER, BN, BK, STAGES, SWIGLU)
+    acc = gl.zeros((BMc, BN), dtype=gl.float32, layout=layout)
+    acc_u = gl.zeros((BMc, BN), dtype=gl.float32, layout=layout)
+    use_acc = gl.to_tensor(False)
+    for i in range(0, end - start):
+        _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, i + STAGES - 2, start, end, KT, INTER, BN, BK,
+                     STAGES, SWIGLU)
+        s = i % STAGES
+        mbarrier.wait(bars.index(s), (i // STAGES) & 1)
+        acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+        if SWIGLU:
+            acc_u = warpgroup_mma(x_bufs.index(s), u_bufs.index(s).permute((1, 0)), acc_u, use_acc=use_acc,
+                                  is_async=True)
+        # the previous k-step's MMAs done (its ring slot free for the loads two steps on); this one's in flight
+        acc, acc_u = _wait(acc, acc_u, SWIGLU, True)
+        use_acc = gl.to_tensor(True)
+        c = start + i
+        t = c // KT
+        tile_end = (c - t * KT) == KT - 1
+        if tile_end | (c == end - 1):
+            acc, acc_u = _wait(acc, acc_u, SWIGLU, False)
+            use_acc = gl.to_tensor(False)
+            if tile_end:
+                if start > t * KT:
+                    # others started this tile: add their partials, in program order
+                    first = t * KT
+                    j = first * G // TOTAL
+                    while (j + 1) * TOTAL // G <= first:
+                        j += 1
+                    while j < g:
+                        while gl.atomic_add(flag_ptr + j, 0, sem="acquire") == 0:
+                            pass
+                        slot = ws_ptr + j * (parts * BMc * BN)
+                        acc += gl.load(slot + tile_offs, cache_modifier=".cg")
+                        if SWIGLU:
+                            acc_u += gl.load(slot + BMc * BN + tile_offs, cache_modifier=".cg")
+                        gl.atomic_xchg(flag_ptr + j, 0, sem="relaxed")
+                        j += 1
+                if SWIGLU:
+                    out = acc * (1.0 / (1.0 + gl.exp(-acc))) * acc_u
+                else:
+                    out = acc
+                ptrs = y_ptr + rows[:, None] * stride_y + (t * BN + cols)[None, :]
+                gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None])
+            else:
+                # this run ends inside the tile: its partial to its own slot, then its flag
+                slot = ws_ptr + g * (parts * BMc * BN)
+                gl.store(slot + tile_offs, acc)
+                if SWIGLU:
+                    gl.store(slot + BMc * BN + tile_offs, acc_u)
+                gl.thread_barrier()
+                gl.atomic_xchg(flag_ptr + g, 1, sem="release")
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+class StreamK:
+    """Y = X W^T (or SwiGLU of the fused gate/up product) by `_streamk_kernel`, with its workspace and flags."""
+
+    def __init__(self, n: int, k: int, device, *, swiglu: bool = False, bn: int = 128, bk: int = 64,
+                 stages: int = 4, num_warps: int = 8, grid: int | None = None):
+        self.n_out = n // 2 if swiglu else n
+        if self.n_out % bn:
+            raise ValueError(f"{self.n_out} output features are not a multiple of BN={bn}")
+        self.swiglu, self.bn, self.bk, self.stages, self.num_warps = swiglu, bn, bk, stages, num_warps
+        self.kt = triton.cdiv(k, bk)
+        self.total = self.n_out // bn * self.kt
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.grid = min(grid or sms, self.total)
+        parts = 2 if swiglu else 1
+        self.ws = torch.empty(self.grid * parts * BM * bn, device=device, dtype=torch.float32)
+        self.flags = torch.zeros(self.grid, device=device, dtype=torch.int32)
+        self.x_layout = gl.NVMMASharedLayout.get_default_for([BM, bk], gl.bfloat16)
+        self.w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > BM:
+            raise ValueError(f"at most {BM} rows")
+        x_desc = TensorDescriptor.from_tensor(x, [BM, self.bk], self.x_layout)
+        w_desc = TensorDescriptor.from_tensor(w, [self.bn, self.bk], self.w_layout)
+        _streamk_kernel[(self.grid,)](x_desc, w_desc, out, self.ws, self.flags, x.shape[0], out.stride(0), self.kt,
+                                      self.total, self.n_out, SWIGLU=self.swiglu, STAGES=self.stages,
+                                      num_warps=self.num_warps)
+        return out
+
+
+def bench_model(name: str, rows: int, args) -> dict:
+    from decode_gemms import MODELS
+    from train import graph_step_us
+    from lathe.models.decoder import split_linear
+    hidden, inter, hq, hkv, d, _ = MODELS[name]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    shapes = {"gate_up": (hidden, 2 * inter), "down": (inter, hidden), "qkv": (hidden, (hq + 2 * hkv) * d),
+              "o": (hq * d, hidden)}
+    g = torch.Generator(device=dev).manual_seed(rows)
+    res = {}
+    for proj, (k, n) in shapes.items():
+        if proj not in args.projections:
+            continue
+        ws = [torch.randn(n, k, device=dev, dtype=dt, generator=g) * k ** -0.5 for _ in range(args.layers)]
+        x = torch.randn(rows, k, device=dev, dtype=dt, generator=g)
+        exact = x.double() @ ws[0].double().T
+        act_exact = F.silu(exact[:, :inter]) * exact[:, inter:] if proj == "gate_up" else None
+        outs = [torch.empty(rows, n, device=dev, dtype=dt) for _ in range(args.layers)]
+        hs = [torch.empty(rows, inter, device=dev, dtype=dt) for _ in range(args.layers)]
+
+        def us(fn):
+            return graph_step_us(lambda: [fn(i) for i in range(args.layers)], args.reps, steps=1) / args.layers
+
+        def err(got, want):
+            return float((got.double() - want).norm() / want.norm())
+
+        row = {"k": k, "n": n, "cublas": {"us": us(lambda i: torch.mm(x, ws[i].t(), out=outs[i])),
+                                          "rel_err": err(torch.mm(x, ws[0].t()), exact)}}
+        if proj == "down":
+            lin = [torch.nn.Linear(k, n, bias=False, device=dev, dtype=dt) for _ in range(args.layers)]
+            for layer, w in zip(lin, ws):
+                layer.weight.data = w
+            row["cublas_split4_bmm"] = {"us": us(lambda i: split_linear(x, lin[i], 4))}
+        if proj == "gate_up":
+            act = torch.compile(lambda t: F.silu(t[:, :inter]) * t[:, inter:], dynamic=False)
+            row["cublas_swiglu"] = {"us": us(lambda i: act(torch.mm(x, ws[i].t(), out=outs[i]))),
+                                    "rel_err": err(act(torch.mm(x, ws[0].t())), act_exact)}
+        variants = [("streamk", False, bn, grid) for bn in args.bn for grid in args.grids]
+        if proj == "gate_up":
+            variants += [("streamk_swiglu", True, bn // 2, grid) for bn in args.bn for grid in args.grids]
+        for kind, swiglu, bn, grid in variants:
+            key = f"{kind}_bn{bn}_g{grid or 'sms'}"
+            try:
+                kern = StreamK(n, k, dev, swiglu=swiglu, bn=bn, grid=grid)
+                dst = hs if swiglu else outs
+                first = kern(x, ws[0], dst[0]).clone()
+                second = kern(x, ws[0], dst[0]).clone()
+                row[key] = {"us": us(lambda i, kern=kern, dst=dst: kern(x, ws[i], dst[i])),
+                            "rel_err": err(first, act_exact if swiglu else exact),
+                            "deterministic": bool(torch.equal(first, second)), "grid": kern.grid,
+                            "k_steps_per_program": kern.total / kern.grid}
+            except Exception as exc:          # a configuration that does not build or fit: recorded
+                row[key] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(name, rows, proj, {v: (r.get("us") and round(r["us"], 2), r.get("error", "")[:80])
+                                 for v, r in row.items() if isinstance(r, dict)}, flush=True)
+        res[proj] = row
+    return res
+
+
+def main() -> None:
+    from train import result_header, write_result
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="0.5b,1.5b")
+    ap.add_argument("--rows", default="256")
+    ap.add_argument("--projections", default="gate_up,down,qkv,o")
+    ap.add_argument("--bn", default="128", help="stream-K tile widths (SwiGLU: half of each, gate and up)")
+    ap.add_argument("--grids", default="0", help="programs (0: one per SM)")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--git-sha", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.projections = args.projections.split(",")
+    args.bn = [int(b) for b in args.bn.split(",")]
+    args.grids = [int(g) or None for g in args.grids.split(",")]
+    res = result_header("decode_gemm_gluon", torch.device("cuda"), args, triton=triton.__version__, models={})
+    for name in args.models.split(","):
+        for rows in [int(r) for r in args.rows.split(",")]:
+            res["models"].setdefault(name, {})[rows] = bench_model(name, rows, args)
+            write_result(res, args.out)
+
+
+if __name__ == "__main__":
+    main()

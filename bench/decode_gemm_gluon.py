@@ -7,11 +7,13 @@ every SM the same share of the work beat cuBLAS, whose fixed tiles leave waves p
 The kernel: Y = X W^T for X (M <= 256, K) and W (N, K) in bf16, float32 accumulation. One tile is all M rows (256,
 TMA zero-fills the rows past M) by BN columns; the work is the (tile, k-step) pairs in tile order, and program g of
 G takes the contiguous run [g * total // G, (g + 1) * total // G) of them, so every program does the same number of
-k-steps whatever the tile count. A run covers the end of some tiles and the start of at most one more: a tile it
-finishes alone it stores; the partial sum of the tile it starts but does not finish goes to a float32 workspace
-slot of its own, with a flag; the program that finishes a tile started by others waits for their flags and adds
-their partials in program order (deterministic: the same sum for the same shape and grid) before it stores. A
-four-stage TMA ring keeps two k-steps of loads ahead of the MMA, across tile boundaries. With `swiglu` the tile is
+k-steps whatever the tile count. A run covers the end of some tiles and the start of at most one more, and goes
+backwards, so that the tile it starts but does not finish comes first: its partial sum goes to a float32 workspace
+slot of its own, with a flag, before anything else (going forwards, each program's partial came at the end of its
+run and the next program waited for it: a chain through every program, 10-30x slower than cuBLAS). A tile the run
+finishes alone it stores; a tile others started it finishes last, waiting for their flags and adding their
+partials in program order (deterministic: the same sum for the same shape and grid) before it stores. A four-stage
+TMA ring keeps two k-steps of loads ahead of the MMA, across tile boundaries. With `swiglu` the tile is
 BN features of the fused gate/up weight (rows j and I + j: two MMAs, two accumulators) and the store is
 silu(gate) * up: the MLP's activation in the GEMM's epilogue.
 
@@ -46,9 +48,10 @@ BM = 256      # rows of a tile: a decode step's whole batch
 @gluon.jit
 def _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, q, start, end, KT, INTER, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr):
-    """The TMA loads of the run's q-th k-step into ring slot q % STAGES (none past the run's end)."""
-    p = start + q
-    pred = p < end
+    """The TMA loads of the run's q-th k-step (the run goes backwards: k-step end - 1 - q) into ring slot q % STAGES
+    (none past the run's start)."""
+    p = end - 1 - q
+    pred = p >= start
     t = p // KT
     kk = p - t * KT
     s = q % STAGES
@@ -114,13 +117,12 @@ def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TO
         # the previous k-step's MMAs done (its ring slot free for the loads two steps on); this one's in flight
         acc, acc_u = _wait(acc, acc_u, SWIGLU, True)
         use_acc = gl.to_tensor(True)
-        c = start + i
+        c = end - 1 - i
         t = c // KT
-        tile_end = (c - t * KT) == KT - 1
-        if tile_end | (c == end - 1):
+        if c == gl.maximum(start, t * KT):          # the run's last k-step of this tile (its lowest)
             acc, acc_u = _wait(acc, acc_u, SWIGLU, False)
             use_acc = gl.to_tensor(False)
-            if tile_end:
+            if end >= (t + 1) * KT:                     # this run holds the tile's last k-step: it finishes the tile
                 if start > t * KT:
                     # others started this tile: add their partials, in program order
                     first = t * KT
@@ -143,7 +145,8 @@ def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TO
                 ptrs = y_ptr + rows[:, None] * stride_y + (t * BN + cols)[None, :]
                 gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None])
             else:
-                # this run ends inside the tile: its partial to its own slot, then its flag
+                # this run ends inside the tile (its first segment, so published at once): its partial to its own
+                # slot, then its flag
                 slot = ws_ptr + g * (parts * BMc * BN)
                 gl.store(slot + tile_offs, acc)
                 if SWIGLU:

@@ -12,8 +12,8 @@ backwards, so that the tile it starts but does not finish comes first: its parti
 slot of its own, with a flag, before anything else (going forwards, each program's partial came at the end of its
 run and the next program waited for it: a chain through every program, 10-30x slower than cuBLAS). A tile the run
 finishes alone it stores; a tile others started it finishes last, waiting for their flags and adding their
-partials in program order (deterministic: the same sum for the same shape and grid) before it stores. A four-stage
-TMA ring keeps two k-steps of loads ahead of the MMA, across tile boundaries. With `swiglu` the tile is
+partials in program order (deterministic: the same sum for the same shape and grid) before it stores. A TMA ring
+(`stages`) keeps stages - 1 k-steps of loads ahead of the MMA, across tile boundaries. With `swiglu` the tile is
 BN features of the fused gate/up weight (rows j and I + j: two MMAs, two accumulators) and the store is
 silu(gate) * up: the MLP's activation in the GEMM's epilogue.
 
@@ -46,7 +46,7 @@ BM = 256      # rows of a tile: a decode step's whole batch
 
 
 @gluon.jit
-def _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, q, start, end, KT, INTER, BN: gl.constexpr,
+def _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, q, start, end, KT, INTER, MT, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr):
     """The TMA loads of the run's q-th k-step (the run goes backwards: k-step end - 1 - q) into ring slot q % STAGES
     (none past the run's start)."""
@@ -54,14 +54,16 @@ def _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, q, start, end, KT
     pred = p >= start
     t = p // KT
     kk = p - t * KT
+    off_m = (t % MT) * x_desc.block_type.shape[0]         # tiles: row blocks fastest, so neighbours share W's
+    off_n = (t // MT) * BN
     s = q % STAGES
     bar = bars.index(s)
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes * (2 if SWIGLU else 1)
     mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(x_desc, [0, kk * BK], bar, x_bufs.index(s), pred)
-    tma.async_copy_global_to_shared(w_desc, [t * BN, kk * BK], bar, w_bufs.index(s), pred)
+    tma.async_copy_global_to_shared(x_desc, [off_m, kk * BK], bar, x_bufs.index(s), pred)
+    tma.async_copy_global_to_shared(w_desc, [off_n, kk * BK], bar, w_bufs.index(s), pred)
     if SWIGLU:
-        tma.async_copy_global_to_shared(w_desc, [INTER + t * BN, kk * BK], bar, u_bufs.index(s), pred)
+        tma.async_copy_global_to_shared(w_desc, [INTER + off_n, kk * BK], bar, u_bufs.index(s), pred)
 
 
 @gluon.jit
@@ -75,7 +77,7 @@ def _wait(acc, acc_u, SWIGLU: gl.constexpr, LAST_IN_FLIGHT: gl.constexpr):
 
 
 @gluon.jit
-def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TOTAL, INTER,
+def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TOTAL, INTER, MT,
                     SWIGLU: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BMc: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -100,22 +102,23 @@ def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TO
     tile_offs = rows[:, None] * BN + cols[None, :]                     # a tile's place in a workspace slot
     parts: gl.constexpr = 2 if SWIGLU else 1
 
-    for q in gl.static_range(STAGES - 2):
-        _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, q, start, end, KT, INTER, BN, BK, STAGES, SWIGLU)
+    for q in gl.static_range(STAGES - 1):
+        _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, q, start, end, KT, INTER, MT, BN, BK, STAGES,
+                     SWIGLU)
     acc = gl.zeros((BMc, BN), dtype=gl.float32, layout=layout)
     acc_u = gl.zeros((BMc, BN), dtype=gl.float32, layout=layout)
     use_acc = gl.to_tensor(False)
     for i in range(0, end - start):
-        _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, i + STAGES - 2, start, end, KT, INTER, BN, BK,
-                     STAGES, SWIGLU)
         s = i % STAGES
         mbarrier.wait(bars.index(s), (i // STAGES) & 1)
         acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
         if SWIGLU:
             acc_u = warpgroup_mma(x_bufs.index(s), u_bufs.index(s).permute((1, 0)), acc_u, use_acc=use_acc,
                                   is_async=True)
-        # the previous k-step's MMAs done (its ring slot free for the loads two steps on); this one's in flight
+        # the previous k-step's MMAs done, this one's in flight: the previous slot takes the loads STAGES - 1 on
         acc, acc_u = _wait(acc, acc_u, SWIGLU, True)
+        _issue_loads(x_desc, w_desc, bars, x_bufs, w_bufs, u_bufs, i + STAGES - 1, start, end, KT, INTER, MT, BN, BK,
+                     STAGES, SWIGLU)
         use_acc = gl.to_tensor(True)
         c = end - 1 - i
         t = c // KT
@@ -142,8 +145,9 @@ def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TO
                     out = acc * (1.0 / (1.0 + gl.exp(-acc))) * acc_u
                 else:
                     out = acc
-                ptrs = y_ptr + rows[:, None] * stride_y + (t * BN + cols)[None, :]
-                gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None])
+                out_rows = (t % MT) * BMc + rows
+                ptrs = y_ptr + out_rows[:, None] * stride_y + ((t // MT) * BN + cols)[None, :]
+                gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=(out_rows < M)[:, None])
             else:
                 # this run ends inside the tile (its first segment, so published at once): its partial to its own
                 # slot, then its flag
@@ -160,29 +164,30 @@ def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TO
 class StreamK:
     """Y = X W^T (or SwiGLU of the fused gate/up product) by `_streamk_kernel`, with its workspace and flags."""
 
-    def __init__(self, n: int, k: int, device, *, swiglu: bool = False, bn: int = 128, bk: int = 64,
-                 stages: int = 4, num_warps: int = 8, grid: int | None = None):
+    def __init__(self, n: int, k: int, device, *, swiglu: bool = False, bm: int = BM, bn: int = 128, bk: int = 64,
+                 stages: int = 4, num_warps: int = 8, grid: int | None = None, rows: int = BM):
         self.n_out = n // 2 if swiglu else n
         if self.n_out % bn:
             raise ValueError(f"{self.n_out} output features are not a multiple of BN={bn}")
         self.swiglu, self.bn, self.bk, self.stages, self.num_warps = swiglu, bn, bk, stages, num_warps
         self.kt = triton.cdiv(k, bk)
-        self.total = self.n_out // bn * self.kt
+        self.bm, self.mt = bm, triton.cdiv(rows, bm)
+        self.total = self.mt * (self.n_out // bn) * self.kt
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.grid = min(grid or sms, self.total)
         parts = 2 if swiglu else 1
-        self.ws = torch.empty(self.grid * parts * BM * bn, device=device, dtype=torch.float32)
+        self.ws = torch.empty(self.grid * parts * bm * bn, device=device, dtype=torch.float32)
         self.flags = torch.zeros(self.grid, device=device, dtype=torch.int32)
-        self.x_layout = gl.NVMMASharedLayout.get_default_for([BM, bk], gl.bfloat16)
+        self.x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)
         self.w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > BM:
-            raise ValueError(f"at most {BM} rows")
-        x_desc = TensorDescriptor.from_tensor(x, [BM, self.bk], self.x_layout)
+        if x.shape[0] > self.mt * self.bm:
+            raise ValueError(f"at most {self.mt * self.bm} rows (built for them)")
+        x_desc = TensorDescriptor.from_tensor(x, [self.bm, self.bk], self.x_layout)
         w_desc = TensorDescriptor.from_tensor(w, [self.bn, self.bk], self.w_layout)
         _streamk_kernel[(self.grid,)](x_desc, w_desc, out, self.ws, self.flags, x.shape[0], out.stride(0), self.kt,
-                                      self.total, self.n_out, SWIGLU=self.swiglu, STAGES=self.stages,
+                                      self.total, self.n_out, self.mt, SWIGLU=self.swiglu, STAGES=self.stages,
                                       num_warps=self.num_warps)
         return out
 
@@ -224,13 +229,14 @@ def bench_model(name: str, rows: int, args) -> dict:
             act = torch.compile(lambda t: F.silu(t[:, :inter]) * t[:, inter:], dynamic=False)
             row["cublas_swiglu"] = {"us": us(lambda i: act(torch.mm(x, ws[i].t(), out=outs[i]))),
                                     "rel_err": err(act(torch.mm(x, ws[0].t())), act_exact)}
-        variants = [("streamk", False, bn, grid) for bn in args.bn for grid in args.grids]
+        configs = [tuple(int(v) for v in c.split(":")) for c in args.configs]      # bm:bn:warps:stages
+        variants = [("streamk", False, c) for c in configs]
         if proj == "gate_up":
-            variants += [("streamk_swiglu", True, bn // 2, grid) for bn in args.bn for grid in args.grids]
-        for kind, swiglu, bn, grid in variants:
-            key = f"{kind}_bn{bn}_g{grid or 'sms'}"
+            variants += [("streamk_swiglu", True, (bm, bn // 2, w, st)) for bm, bn, w, st in configs]
+        for kind, swiglu, (bm, bn, warps, stages) in variants:
+            key = f"{kind}_{bm}x{bn}_w{warps}_s{stages}"
             try:
-                kern = StreamK(n, k, dev, swiglu=swiglu, bn=bn, grid=grid)
+                kern = StreamK(n, k, dev, swiglu=swiglu, bm=bm, bn=bn, num_warps=warps, stages=stages, rows=rows)
                 dst = hs if swiglu else outs
                 first = kern(x, ws[0], dst[0]).clone()
                 second = kern(x, ws[0], dst[0]).clone()
@@ -252,16 +258,15 @@ def main() -> None:
     ap.add_argument("--models", default="0.5b,1.5b")
     ap.add_argument("--rows", default="256")
     ap.add_argument("--projections", default="gate_up,down,qkv,o")
-    ap.add_argument("--bn", default="128", help="stream-K tile widths (SwiGLU: half of each, gate and up)")
-    ap.add_argument("--grids", default="0", help="programs (0: one per SM)")
+    ap.add_argument("--configs", default="256:128:8:4,256:64:8:4,128:128:8:6,128:128:4:6,128:64:4:8",
+                    help="stream-K bm:bn:warps:stages (SwiGLU: bn halved, gate and up)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--git-sha", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.projections = args.projections.split(",")
-    args.bn = [int(b) for b in args.bn.split(",")]
-    args.grids = [int(g) or None for g in args.grids.split(",")]
+    args.configs = args.configs.split(",")
     res = result_header("decode_gemm_gluon", torch.device("cuda"), args, triton=triton.__version__, models={})
     for name in args.models.split(","):
         for rows in [int(r) for r in args.rows.split(",")]:

@@ -2,7 +2,8 @@
 warpgroup MMA), against cuBLAS. A prototype for the question the engine's profile leaves: can a kernel that gives
 every SM the same share of the work beat cuBLAS, whose fixed tiles leave waves part-empty at 256 rows?
 
-    python bench/decode_gemm_gluon.py [--models 0.5b,1.5b] [--rows 256] [--out bench/results/decode_gemm_gluon_<device>.json]
+    python bench/decode_gemm_gluon.py [--models 0.5b,1.5b] [--rows 256] [--configs 256:128:8:4,...]
+                                      [--out bench/results/decode_gemm_gluon_<device>.json]
 
 The kernel: Y = X W^T for X (M <= 256, K) and W (N, K) in bf16, float32 accumulation. One tile is all M rows (256,
 TMA zero-fills the rows past M) by BN columns; the work is the (tile, k-step) pairs in tile order, and program g of
@@ -21,6 +22,11 @@ Per model and row count, bf16, one CUDA graph of one launch per layer, each laye
 replayed `--reps` times: microseconds per layer for cuBLAS (`torch.mm`; down also as the engine's 4-way split bmm)
 and the stream-K kernel (plain, and SwiGLU-fused for gate/up against cuBLAS + the compiled SwiGLU), the
 norm-relative error against a float64 product, and whether two runs agree bit for bit.
+
+Answer on an H100 (decode_gemm_gluon_nvidia-h100-80gb-hbm3.json, Triton 3.6): correct and deterministic, not fast.
+Best against cuBLAS at 256 rows: 1.5B gate/up 45.9 vs 26.8 us (SwiGLU-fused 43.3 vs cuBLAS + SwiGLU 32.0), down
+32.3 vs the engine's split bmm 15.4, 0.5B gate/up 21.0 vs 12.3. The float32 fix-up of partial tiles and a main loop
+at ~40% of the MMA rate (no warp specialization) cost more than the waves it fills.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 BM = 256      # rows of a tile: a decode step's whole batch

@@ -181,7 +181,9 @@ class StreamK:
         self.bm, self.mt = bm, triton.cdiv(rows, bm)
         self.total = self.mt * (self.n_out // bn) * self.kt
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.grid = min(grid or sms, self.total)
+        # grid -1: one program per tile (data-parallel: runs align with tiles, nothing to fix up, any count runs);
+        # otherwise at most one per SM, so that a finisher never waits on a program that has no SM to run on
+        self.grid = self.total // self.kt if grid == -1 else min(grid or sms, sms, self.total)
         parts = 2 if swiglu else 1
         self.ws = torch.empty(self.grid * parts * bm * bn, device=device, dtype=torch.float32)
         self.flags = torch.zeros(self.grid, device=device, dtype=torch.int32)
@@ -236,14 +238,15 @@ def bench_model(name: str, rows: int, args) -> dict:
             act = torch.compile(lambda t: F.silu(t[:, :inter]) * t[:, inter:], dynamic=False)
             row["cublas_swiglu"] = {"us": us(lambda i: act(torch.mm(x, ws[i].t(), out=outs[i]))),
                                     "rel_err": err(act(torch.mm(x, ws[0].t())), act_exact)}
-        configs = [tuple(int(v) for v in c.split(":")) for c in args.configs]      # bm:bn:warps:stages
+        configs = [tuple(int(v) for v in (c + ":0").split(":")[:5]) for c in args.configs]   # bm:bn:warps:stages:grid
         variants = [("streamk", False, c) for c in configs]
         if proj == "gate_up":
-            variants += [("streamk_swiglu", True, (bm, bn // 2, w, st)) for bm, bn, w, st in configs]
-        for kind, swiglu, (bm, bn, warps, stages) in variants:
-            key = f"{kind}_{bm}x{bn}_w{warps}_s{stages}"
+            variants += [("streamk_swiglu", True, (bm, bn // 2, w, st, gr)) for bm, bn, w, st, gr in configs]
+        for kind, swiglu, (bm, bn, warps, stages, grid) in variants:
+            key = f"{kind}_{bm}x{bn}_w{warps}_s{stages}" + ("_dp" if grid == -1 else f"_g{grid}" if grid else "")
             try:
-                kern = StreamK(n, k, dev, swiglu=swiglu, bm=bm, bn=bn, num_warps=warps, stages=stages, rows=rows)
+                kern = StreamK(n, k, dev, swiglu=swiglu, bm=bm, bn=bn, num_warps=warps, stages=stages, rows=rows,
+                               grid=grid or None)
                 dst = hs if swiglu else outs
                 first = kern(x, ws[0], dst[0]).clone()
                 second = kern(x, ws[0], dst[0]).clone()
@@ -266,7 +269,8 @@ def main() -> None:
     ap.add_argument("--rows", default="256")
     ap.add_argument("--projections", default="gate_up,down,qkv,o")
     ap.add_argument("--configs", default="256:128:8:4,256:64:8:4,128:128:8:6,128:128:4:6,128:64:4:8",
-                    help="stream-K bm:bn:warps:stages (SwiGLU: bn halved, gate and up)")
+                    help="stream-K bm:bn:warps:stages[:grid] (SwiGLU: bn halved, gate and up; grid -1: one program "
+                         "per tile, data-parallel; default one per SM)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--git-sha", default=None)

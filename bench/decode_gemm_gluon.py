@@ -104,9 +104,6 @@ def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TO
     G = gl.num_programs(0)
     start = g * TOTAL // G
     end = (g + 1) * TOTAL // G
-    rows = gl.arange(0, BMc, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-    tile_offs = rows[:, None] * BN + cols[None, :]                     # a tile's place in a workspace slot
     parts: gl.constexpr = 2 if SWIGLU else 1
 
     for q in gl.static_range(STAGES - 1):
@@ -132,6 +129,10 @@ def _streamk_kernel(x_desc, w_desc, y_ptr, ws_ptr, flag_ptr, M, stride_y, KT, TO
         if c == gl.maximum(start, t * KT):          # the run's last k-step of this tile (its lowest)
             acc, acc_u = _wait(acc, acc_u, SWIGLU, False)
             use_acc = gl.to_tensor(False)
+            # built here, not before the loop: a (BM, BN) offset tensor kept live costs as many registers as acc
+            rows = gl.arange(0, BMc, layout=gl.SliceLayout(1, layout))
+            cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+            tile_offs = rows[:, None] * BN + cols[None, :]                 # a tile's place in a workspace slot
             if end >= (t + 1) * KT:                     # this run holds the tile's last k-step: it finishes the tile
                 if start > t * KT:
                     # others started this tile: add their partials, in program order

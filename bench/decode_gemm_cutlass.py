@@ -11,7 +11,8 @@ multicast), 128x128 without clusters, 128x256 with 2x1 clusters; each call picks
 (CUTLASS's heuristic, data-parallel, split-K 2/4, stream-K; deterministic reduction). Per model and projection, bf16,
 one CUDA graph of one launch per layer, each layer its own weights, replayed `--reps` times: microseconds per layer,
 the norm-relative error against a float64 product and whether two runs agree bit for bit; cuBLAS (`torch.mm`, and for
-down the engine's 4-way split bmm) beside it.
+down the engine's 4-way split bmm) beside it. `_prepared`: the kernel's parameters built once per layer and each call
+only a launch (what an engine would do in its decode graph), for the decompositions that need no workspace reset.
 """
 
 from __future__ import annotations
@@ -39,7 +40,29 @@ class Cutlass:
         self.lib.lathe_gemm.restype = ctypes.c_int
         self.lib.lathe_gemm.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6
                                         + [ctypes.c_void_p] * 2)
+        self.lib.lathe_gemm_prepare.restype = ctypes.c_void_p
+        self.lib.lathe_gemm_prepare.argtypes = self.lib.lathe_gemm.argtypes
+        self.lib.lathe_gemm_launch.restype = ctypes.c_int
+        self.lib.lathe_gemm_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def prepared(self, config: int, mode: str, m: int, n: int, k: int, x, weights, outs):
+        """One prepared launch per layer (parameters built once; each call only launches): (layer index) -> out."""
+        size = self.lib.lathe_gemm_workspace(config, m, n, k, MODES[mode], 1, self.sms)
+        ws = torch.zeros(max(size, 16), dtype=torch.uint8, device=x.device)
+        stream = torch.cuda.current_stream().cuda_stream
+        handles = [self.lib.lathe_gemm_prepare(config, x.data_ptr(), w.data_ptr(), o.data_ptr(), m, n, k, MODES[mode],
+                                               1, self.sms, ws.data_ptr(), stream) for w, o in zip(weights, outs)]
+        if not all(handles):
+            raise RuntimeError(f"lathe_gemm_prepare failed (config {config}, mode {mode}, {m}x{n}x{k})")
+
+        def call(i):
+            rc = self.lib.lathe_gemm_launch(handles[i], torch.cuda.current_stream().cuda_stream)
+            if rc:
+                raise RuntimeError(f"lathe_gemm_launch returned {rc}")
+            return outs[i]
+        call.keep = ws
+        return call
 
     def op(self, config: int, mode: str, splits: int, m: int, n: int, k: int, device):
         """A callable (x, w, out) -> out for this kernel and decomposition, with its workspace."""
@@ -92,6 +115,14 @@ def bench_model(lib: Cutlass, name: str, rows: int, args) -> dict:
                                 "rel_err": float((first.double() - exact).norm() / exact.norm()),
                                 "deterministic": bool(torch.equal(first, second)),
                                 "workspace_bytes": op.workspace_bytes}
+                except Exception as exc:
+                    row[key] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            for mode in ("dp",):            # a stream-K or split-K workspace would need its reset each launch
+                key = f"{CONFIGS[config]}_{mode}_prepared"
+                try:
+                    op = lib.prepared(config, mode, rows, n, k, x, ws, outs)
+                    first = op(0).clone()
+                    row[key] = {"us": us(op), "rel_err": float((first.double() - exact).norm() / exact.norm())}
                 except Exception as exc:
                     row[key] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         timed = {v: r["us"] for v, r in row.items() if isinstance(r, dict) and "us" in r}

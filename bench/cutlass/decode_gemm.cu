@@ -2,7 +2,7 @@
 // accumulation, warp-specialized cooperative kernels with the sm90 stream-K tile scheduler (data-parallel, split-K,
 // stream-K or CUTLASS's heuristic chosen per call). A C ABI so that Python loads it with ctypes (no torch headers:
 // the .so does not depend on the torch it runs beside). Build (nvcc 12.x/13.x, CUTLASS 3/4 headers):
-//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -shared -Xcompiler -fPIC \
+//   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a --expt-relaxed-constexpr -shared -Xcompiler -fPIC \
 //        -I$CUTLASS/include -I$CUTLASS/tools/util/include -o decode_gemm.so decode_gemm.cu -cudart static
 #include <cuda_runtime.h>
 #include "cute/tensor.hpp"
@@ -104,4 +104,42 @@ extern "C" int lathe_gemm(int config, const void* a, const void* b, void* d, int
     case 1: return run<C1>(a, b, d, M, N, K, mode, splits, sms, ws, s);
     default: return run<C2>(a, b, d, M, N, K, mode, splits, sms, ws, s);
   }
+}
+
+// A prepared call: the kernel's parameters built once (`initialize`), each launch only `run` (no host work, no
+// workspace memset). For a data-parallel decomposition, which needs no workspace between launches.
+struct Prepared {
+  int config;
+  void* gemm;
+};
+
+template <class Cfg>
+static void* prepare(const void* a, const void* b, void* d, int M, int N, int K, int mode, int splits, int sms, void* ws,
+                     cudaStream_t stream) {
+  auto* gemm = new typename Cfg::Gemm();
+  auto args = make_args<Cfg>(a, b, d, M, N, K, mode, splits, sms);
+  if (gemm->can_implement(args) != cutlass::Status::kSuccess ||
+      gemm->initialize(args, ws, stream) != cutlass::Status::kSuccess) {
+    delete gemm;
+    return nullptr;
+  }
+  return gemm;
+}
+
+extern "C" void* lathe_gemm_prepare(int config, const void* a, const void* b, void* d, int M, int N, int K, int mode,
+                                    int splits, int sms, void* ws, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  void* g = config == 0 ? prepare<C0>(a, b, d, M, N, K, mode, splits, sms, ws, s)
+          : config == 1 ? prepare<C1>(a, b, d, M, N, K, mode, splits, sms, ws, s)
+                        : prepare<C2>(a, b, d, M, N, K, mode, splits, sms, ws, s);
+  return g ? new Prepared{config, g} : nullptr;
+}
+
+extern "C" int lathe_gemm_launch(void* handle, void* stream) {
+  auto* p = static_cast<Prepared*>(handle);
+  auto s = static_cast<cudaStream_t>(stream);
+  cutlass::Status st = p->config == 0 ? static_cast<C0::Gemm*>(p->gemm)->run(s)
+                     : p->config == 1 ? static_cast<C1::Gemm*>(p->gemm)->run(s)
+                                      : static_cast<C2::Gemm*>(p->gemm)->run(s);
+  return st == cutlass::Status::kSuccess ? static_cast<int>(cudaGetLastError()) : 3;
 }

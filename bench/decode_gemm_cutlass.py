@@ -13,6 +13,10 @@ one CUDA graph of one launch per layer, each layer its own weights, replayed `--
 the norm-relative error against a float64 product and whether two runs agree bit for bit; cuBLAS (`torch.mm`, and for
 down the engine's 4-way split bmm) beside it. `_prepared`: the kernel's parameters built once per layer and each call
 only a launch (what an engine would do in its decode graph), for the decompositions that need no workspace reset.
+
+Answer on an H100 (decode_gemm_cutlass_nvidia-h100-80gb-hbm3.json): no. Correct and deterministic, slower at every
+shape and decomposition: 1.5B gate/up 34.1 vs cuBLAS 26.9 us, down 27.6 vs the split bmm's 15.7, q/k/v and o 11.5 vs
+6.3; 0.5B gate/up 15.2 vs 12.3.
 """
 
 from __future__ import annotations

@@ -84,13 +84,11 @@ class Cutlass:
 
 
 def bench_model(lib: Cutlass, name: str, rows: int, args) -> dict:
-    from decode_gemms import MODELS
+    from decode_gemms import projections
     from train import graph_step_us
     from lathe.models.decoder import split_linear
-    hidden, inter, hq, hkv, d, _ = MODELS[name]
     dev, dt = torch.device("cuda"), torch.bfloat16
-    shapes = {"gate_up": (hidden, 2 * inter), "down": (inter, hidden), "qkv": (hidden, (hq + 2 * hkv) * d),
-              "o": (hq * d, hidden)}
+    shapes = projections(name)
     g = torch.Generator(device=dev).manual_seed(rows)
     res = {}
     for proj, (k, n) in shapes.items():

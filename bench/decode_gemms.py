@@ -31,6 +31,12 @@ MODELS = {"0.5b": (896, 4864, 14, 2, 64, 151936), "1.5b": (1536, 8960, 12, 2, 12
           "7b": (3584, 18944, 28, 4, 128, 152064)}
 
 
+def projections(model: str) -> dict[str, tuple[int, int]]:
+    """A decode layer's projections of `model`, fused as the engine runs them: {name: (K in, N out features)}."""
+    h, inter, hq, hkv, d, _ = MODELS[model]
+    return {"qkv": (h, (hq + 2 * hkv) * d), "o": (hq * d, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+
+
 def main() -> None:
     import triton
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from decode_gemms import MODELS  # noqa: E402
+from decode_gemms import projections  # noqa: E402
 from train import graph_step_us, result_header, write_result  # noqa: E402
 
 from lathe.models.decoder import split_linear  # noqa: E402
@@ -60,11 +60,10 @@ def column_cut(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, first: int) 
 
 
 def bench_model(name: str, rows: int, args) -> dict:
-    h, inter, hq, hkv, d, _ = MODELS[name]
     dev, dt = torch.device("cuda"), torch.bfloat16
     layers = args.layers
     g = torch.Generator(device=dev).manual_seed(0)
-    shapes = {"qkv": (h, (hq + 2 * hkv) * d), "o": (hq * d, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+    shapes = projections(name)
     res = {}
     for proj, (k, n) in shapes.items():
         ws = [torch.randn(n, k, device=dev, dtype=dt, generator=g) * k ** -0.5 for _ in range(layers)]
@@ -76,7 +75,8 @@ def bench_model(name: str, rows: int, args) -> dict:
             for cut in args.gate_up_cuts:
                 first = n - 128 * cut
                 if 0 < cut and 0 < first < n:
-                    variants[f"cols_{first}+{n - first}"] = (lambda f: lambda i: column_cut(x, ws[i], outs[i], f))(first)
+                    variants[f"cols_{first}+{n - first}"] = (
+                        lambda f: lambda i: column_cut(x, ws[i], outs[i], f))(first)
         if proj in ("down", "o"):
             for s in args.splits:
                 if s > 1 and k % s == 0:

@@ -1,6 +1,6 @@
 """Decode attention where a decode step runs it: between the layer's q/k/v projection and its output projection.
 
-    python bench/decode_attention_situ.py [--models 0.5b,1.5b] [--contexts 16,256,512,768] [--configs 64:4:3,64:2:3]
+    python bench/decode_attention_situ.py [--models 0.5b,1.5b] [--contexts 16,256,512,768] [--configs 64:4:3,64:4:3:2]
                                           [--kernels new=src,pdl=src+pdl,old=.ab/old_triton_decode.py] [--rounds 2]
                                           [--out F]
 
@@ -14,6 +14,8 @@ load's rows are at any one step), a distinct KV cache and distinct weights per l
 neighbours (the cache's first loads after a GEMM, the GEMM's tail). Median microseconds per layer over 20 replays
 and K/V bandwidth. `--kernels` names triton_decode modules to compare in the same process (`src`: the installed
 lathe's; `+pdl`: launched with `pdl=True`, as a programmatic dependent of the launch before it); rounds interleave them.
+`--configs`: block_n:num_warps:num_stages[:num_splits] of the kernel (one split unless given; the engine picks splits
+by `choose_num_splits`).
 """
 from __future__ import annotations
 
@@ -106,14 +108,16 @@ def main() -> None:
             kv_bytes = 2 * b * ctx * hkv * dim * 2
             for rnd in range(args.rounds):
                 for cfg in args.configs.split(","):
-                    bn, nw, ns = map(int, cfg.split(":"))
+                    bn, nw, ns, splits = (list(map(int, cfg.split(":"))) + [1])[:4]     # block_n:warps:stages[:splits]
+                    counters = torch.zeros(b * hkv, dtype=torch.int32, device=dev)
                     for kname, mod in kernels.items():
                         pdl = {"pdl": True} if specs[kname].endswith("+pdl") else {}
 
                         def attend(i, q, k=None, v=None):
                             new_kv = None if k is None else (k, v, cos, sin, slots)
                             return mod.paged_decode(q, kcs[i], vcs[i], tables, lens, block_n=bn, num_warps=nw,
-                                                    num_stages=ns, new_kv=new_kv, **pdl)
+                                                    num_stages=ns, new_kv=new_kv, num_splits=splits,
+                                                    counters=counters if splits > 1 else None, **pdl)
 
                         def step(mode):
                             x = x0

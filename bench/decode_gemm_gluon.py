@@ -5,8 +5,9 @@ every SM the same share of the work beat cuBLAS, whose fixed tiles leave waves p
     python bench/decode_gemm_gluon.py [--models 0.5b,1.5b] [--rows 256] [--configs 256:128:8:4,...]
                                       [--out bench/results/decode_gemm_gluon_<device>.json]
 
-The kernel: Y = X W^T for X (M <= 256, K) and W (N, K) in bf16, float32 accumulation. One tile is all M rows (256,
-TMA zero-fills the rows past M) by BN columns; the work is the (tile, k-step) pairs in tile order, and program g of
+The kernel: Y = X W^T for X (M <= 256, K) and W (N, K) in bf16, float32 accumulation. A tile is BM rows (256: the
+whole batch, TMA zero-filling the rows past M; or 128, row blocks fastest so that neighbours share a weight tile) by
+BN columns; the work is the (tile, k-step) pairs in tile order, and program g of
 G takes the contiguous run [g * total // G, (g + 1) * total // G) of them, so every program does the same number of
 k-steps whatever the tile count. A run covers the end of some tiles and the start of at most one more, and goes
 backwards, so that the tile it starts but does not finish comes first: its partial sum goes to a float32 workspace
@@ -25,8 +26,9 @@ norm-relative error against a float64 product, and whether two runs agree bit fo
 
 Answer on an H100 (decode_gemm_gluon_nvidia-h100-80gb-hbm3.json, Triton 3.6): correct and deterministic, not fast.
 Best against cuBLAS at 256 rows: 1.5B gate/up 45.9 vs 26.8 us (SwiGLU-fused 43.3 vs cuBLAS + SwiGLU 32.0), down
-32.3 vs the engine's split bmm 15.4, 0.5B gate/up 21.0 vs 12.3. The float32 fix-up of partial tiles and a main loop
-at ~40% of the MMA rate (no warp specialization) cost more than the waves it fills.
+32.3 vs the engine's split bmm 15.4, 0.5B gate/up 21.0 vs 12.3. Its data-parallel form (`:-1`, nothing to fix up) is
+no faster: the main loop loses, at about half an SM's MMA rate (ncu, `bench/ncu_targets.py gemm`: 34-37% SM
+throughput against cuBLAS's 67%, ~1.7x its L2 bytes for the same product).
 """
 
 from __future__ import annotations

@@ -107,7 +107,8 @@ extern "C" int lathe_gemm(int config, const void* a, const void* b, void* d, int
 }
 
 // A prepared call: the kernel's parameters built once (`initialize`), each launch only `run` (no host work, no
-// workspace memset). For a data-parallel decomposition, which needs no workspace between launches.
+// workspace memset). For a data-parallel decomposition, which needs no workspace between launches. Never freed: the
+// handles live as long as the bench that made them.
 struct Prepared {
   int config;
   void* gemm;

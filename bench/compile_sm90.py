@@ -48,7 +48,7 @@ def main() -> None:
     import decode_gemm_gluon as dg
     bf16 = dg.gl.bfloat16
     shapes = {"1.5b gate_up": (17920, 1536), "1.5b down": (1536, 8960)}
-    configs = [(256, 128, 8, 4), (256, 64, 8, 4), (128, 128, 8, 6), (128, 128, 4, 6), (128, 64, 4, 8)]
+    configs = [tuple(map(int, c.split(":"))) for c in dg.CONFIGS.split(",")]     # the bench's default sweep
     for name, (n, k) in shapes.items():
         for swiglu in ((False, True) if "gate_up" in name else (False,)):
             for bm, bn, warps, stages in configs:

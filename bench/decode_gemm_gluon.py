@@ -28,7 +28,7 @@ Answer on an H100 (decode_gemm_gluon_nvidia-h100-80gb-hbm3.json, Triton 3.6): co
 Best against cuBLAS at 256 rows: 1.5B gate/up 45.9 vs 26.8 us (SwiGLU-fused 43.3 vs cuBLAS + SwiGLU 32.0), down
 32.3 vs the engine's split bmm 15.4, 0.5B gate/up 21.0 vs 12.3. Its data-parallel form (`:-1`, nothing to fix up) is
 no faster: the main loop loses, at about half an SM's MMA rate (ncu, `bench/ncu_targets.py gemm`: 34-37% SM
-throughput against cuBLAS's 67%, ~1.7x its L2 bytes for the same product).
+throughput against cuBLAS's 67%, ~1.7-1.9x its L2 bytes for the same product).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 BM = 256      # rows of a tile: a decode step's whole batch
+CONFIGS = "256:128:8:4,256:64:8:4,128:128:8:6,128:128:4:6,128:64:4:8"     # bm:bn:warps:stages swept by default
 
 
 @gluon.jit
@@ -270,7 +271,7 @@ def main() -> None:
     ap.add_argument("--models", default="0.5b,1.5b")
     ap.add_argument("--rows", default="256")
     ap.add_argument("--projections", default="gate_up,down,qkv,o")
-    ap.add_argument("--configs", default="256:128:8:4,256:64:8:4,128:128:8:6,128:128:4:6,128:64:4:8",
+    ap.add_argument("--configs", default=CONFIGS,
                     help="stream-K bm:bn:warps:stages[:grid] (SwiGLU: bn halved, gate and up; grid -1: one program "
                          "per tile, data-parallel; default one per SM)")
     ap.add_argument("--layers", type=int, default=24)

@@ -58,6 +58,7 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
     """The two `lathe train` command lines: e2e's (same model, data, reward, batch) with EOS honoured, then each
     mode's placement (later overrides win)."""
     args.response_len, args.gpus = args.max_response_len, 2
+    args.extra, args.profile_step, args.profile_stack = [], 0, False     # e2e's knobs that this bench does not offer
     base = [*lathe_command(args.shape, paths, args), "actor_rollout_ref.rollout.ignore_eos=false"]
     run = paths["run"]
     sync = [*base, "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={run / 'sync'}"]
@@ -82,7 +83,7 @@ def summarize(steps: list[dict], warmup: int) -> dict:
             "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps), default=None)}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda")
@@ -101,7 +102,11 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/lathe-fully-async")
     p.add_argument("--git-sha", default=None, help="the commit measured, as your checkout names it")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     where = Path(args.workdir)
     (where / "logs").mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.shape]["vocab_size"]

@@ -58,7 +58,7 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
     """The two `lathe train` command lines: e2e's (same model, data, reward, batch) with EOS honoured, then each
     mode's placement (later overrides win)."""
     args.response_len, args.gpus = args.max_response_len, 2
-    args.extra, args.profile_step, args.profile_stack = [], 0, False     # e2e's knobs that this bench does not offer
+    args.profile_step, args.profile_stack = 0, False      # e2e's profiler knobs, which this bench does not offer
     base = [*lathe_command(args.shape, paths, args), "actor_rollout_ref.rollout.ignore_eos=false"]
     run = paths["run"]
     sync = [*base, "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={run / 'sync'}"]
@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--workdir", default="/tmp/lathe-fully-async")
     p.add_argument("--git-sha", default=None, help="the commit measured, as your checkout names it")
+    p.add_argument("--extra", nargs="*", default=[], metavar="key=value",
+                   help="more lathe train keys for both runs (e.g. actor_rollout_ref.nccl_timeout=120)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 

@@ -189,6 +189,12 @@ def test_distribution_keys_act_on_several_devices_only():
     with warnings.catch_warnings():
         warnings.simplefilter("error", IgnoredKeysWarning)
         load_config("base", GRPO + keys + ["trainer.device=cpu", "trainer.n_gpus_per_node=2"] + batch(8, 4, 2))
+    # fully async on one trainer device: the rollout pool's weight sync and the driver's waits read nccl_timeout,
+    # and Ray places both pools
+    with pytest.warns(UserWarning, match="balance_batch") as record:
+        load_config("base", GRPO + keys + ["ray_kwargs.ray_init.num_cpus=8", "rollout.n_gpus_per_node=1",
+                                           "actor_rollout_ref.hybrid_engine=false"])
+    assert not any("nccl_timeout" in str(w.message) or "ray_kwargs" in str(w.message) for w in record)
     text = fails(["trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config."
                   "optimizer_offload=true"] + batch(8, 4, 2), device_count=None)
     assert "set param_offload=true too" in text

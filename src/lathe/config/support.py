@@ -112,10 +112,11 @@ def _one_device() -> list[Entry]:
         ("forward_prefetch", "FSDP2 prefetches the next layer's gather by itself"),
         ("use_orig_params", "an FSDP1 setting; FSDP2 always keeps the original parameters"),
         ("wrap_policy", "lathe shards each decoder layer and the root, whatever the policy"))]
-    out += [only_on("one device", warn(k, why)) for k, why in (
-        ("actor_rollout_ref.nccl_timeout", "no collectives run on one device"),
-        ("trainer.balance_batch", "it balances tokens across devices; there is one"),
-        ("ray_kwargs", "Ray is not used on one device"), ("ray_init", "Ray is not used on one device"))]
+    out += [only_on("one device", warn("trainer.balance_batch", "it balances tokens across devices; there is one"))]
+    out += [only_on("one process", warn(k, why)) for k, why in (
+        ("actor_rollout_ref.nccl_timeout", "no collectives run on one device without a rollout pool"),
+        ("ray_kwargs", "Ray is not used on one device without a rollout pool"),
+        ("ray_init", "Ray is not used on one device without a rollout pool"))]
     out += [warn("trainer.ray_wait_register_center_timeout", "lathe's workers have no register center"),
             warn("trainer.esi_redundant_time", "it is for Volcano Engine elastic instances"),
             warn(f"{R}.layered_summon", "lathe always gathers sharded weights one tensor at a time")]

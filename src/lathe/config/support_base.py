@@ -92,6 +92,8 @@ def devices(cfg: Any) -> int:
 # the conditions an entry can be limited to (`only_on`); outside them the code reads the key
 WHEN: dict[str, Callable[[Any], bool]] = {
     "one device": lambda cfg: devices(cfg) == 1,
+    # one process: one trainer device and no rollout pool (with a pool, Ray places both and they sync over NCCL/gloo)
+    "one process": lambda cfg: devices(cfg) == 1 and cfg.rollout.n_gpus_per_node == 0,
     "several devices": lambda cfg: devices(cfg) > 1,
     "synchronous training": lambda cfg: cfg.rollout.n_gpus_per_node == 0,     # no rollout pool of its own
     "lora_rank=0": lambda cfg: cfg.actor_rollout_ref.model.lora_rank == 0,     # full fine-tuning: no adapters

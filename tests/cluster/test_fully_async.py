@@ -259,3 +259,31 @@ def test_a_step_is_require_batches_mini_batches_of_prompts():
     assert cfg.data.train_batch_size == 48 and cfg.data.gen_batch_size == 1
     with pytest.warns(UserWarning, match="data.train_batch_size=256 has no effect .* = 16 prompts"):
         assert load_config("default", [*POOLS, "data.train_batch_size=256"]).data.train_batch_size == 16
+
+
+def test_close_shuts_both_ends_of_the_weight_sync_before_waiting_for_either():
+    """Closing an NCCL communicator waits for its other ranks to close it too: the driver asks the replicas and the
+    trainer at once, then waits (asking the replicas alone waited out nccl_timeout at every run's end on GPUs)."""
+    from lathe.cluster import AsyncCluster
+    log = []
+
+    class Group:
+        def __init__(self, name):
+            self.name, self.world_size = name, 1
+
+        def submit_each(self, role, method, per_rank):
+            log.append(("submit", self.name, method))
+            return [f"{self.name}.{method}"]
+
+        def gather(self, refs, what):
+            log.append(("gather", self.name))
+            return [None]
+
+        def shutdown(self):
+            log.append(("shutdown", self.name))
+
+    cluster = AsyncCluster(Group("trainer"), Group("rollout"), None, None, None, False, [], 0)
+    cluster.close()
+    assert log[:2] == [("submit", "rollout", "shutdown"), ("submit", "trainer", "close_sync")]
+    assert {entry[1] for entry in log[2:4]} == {"rollout", "trainer"} and all(e[0] == "gather" for e in log[2:4])
+    assert log[4:] == [("shutdown", "rollout"), ("shutdown", "trainer")]

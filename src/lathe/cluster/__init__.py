@@ -127,8 +127,16 @@ class AsyncCluster:
         return stats
 
     def close(self) -> None:
+        """Stop the replicas' engine threads and close the weight sync on both sides at once: closing an NCCL
+        communicator waits for every rank of it to close too, so the replicas closing alone waited out
+        actor_rollout_ref.nccl_timeout at the end of every run on GPUs (gloo does not wait)."""
         try:
-            self.rollout_group.call("rollout", "shutdown")      # the engines' threads
+            replicas = self.rollout_group.submit_each("rollout", "shutdown",
+                                                      [((), {})] * self.rollout_group.world_size)
+            sender = self.trainer_group.submit_each("actor_rollout_ref", "close_sync",
+                                                    [((), {})] * self.trainer_group.world_size)
+            self.rollout_group.gather(replicas, "rollout.shutdown")
+            self.trainer_group.gather(sender, "close_sync")
         except Exception:      # noqa: BLE001 - shutting down (maybe after a failure): the groups are stopped next
             pass
         self.rollout_group.shutdown()

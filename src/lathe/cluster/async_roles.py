@@ -215,6 +215,12 @@ class AsyncTrainerWorker:
         if parallel.rank() == 0:              # the trainer's rank 0 sends; its other ranks only help gather
             self.sync = SyncGroup(host, port, rank, world_size, device=self.worker.device, timeout_s=timeout_s)
 
+    def close_sync(self) -> None:
+        """Close the sending side of the weight sync (rank 0's; `AsyncCluster.close`, beside the replicas')."""
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+
     def send_weights(self, metas: list[TensorMeta], bucket_bytes: int) -> dict:
         """Every trainer rank gathers the sharded weights layer by layer; rank 0 broadcasts them in buckets."""
         from lathe.train import parallel

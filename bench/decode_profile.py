@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from rollout import fixed_load_engine, hbm_bandwidth, roofline_tok_s, weight_bytes  # noqa: E402
+from rollout import fixed_load_engine, hbm_bandwidth, kv_bytes_per_token, roofline_tok_s, weight_bytes  # noqa: E402
 from train import SHAPES, device_name, git_sha, profile_summary, slug, summarize_profile, sync  # noqa: E402
 
 import lathe.engine.llm_engine as llm  # noqa: E402
@@ -142,6 +142,38 @@ def profile_steps(engine: LatheEngine, prompts, params, device, first: int, coun
     return summarize_profile(prof, device, top)
 
 
+def kernel_kind(name: str, calls: int, steps: int) -> str:
+    """A decode kernel's kind in `where_time_goes`: the lm_head is the one cuBLAS launch per step."""
+    if name == "_decode_kernel":
+        return "attention"
+    if name.startswith("nvjet") or "gemm" in name:
+        return "lm_head" if calls == steps else "matmul"
+    if "silu" in name:
+        return "swiglu"
+    if "rsqrt" in name:
+        return "norms"
+    return "sampler" if name in ("_chunk_kernel", "_pick_kernel") else "other"
+
+
+def where_time_goes(table: dict, steps: int, rows: int, context: float, wbytes: int, kv_per_token: int,
+                    bandwidth: float) -> dict:
+    """A decode step's kernel time by kind (`table`: `profile_summary` of `steps` steps) against that step's
+    roofline: the weights and `rows` sequences' KV at `context` tokens read once at `bandwidth` bytes/s."""
+    per: dict[str, float] = defaultdict(float)
+    for k in table["top"]:
+        per[kernel_kind(k["name"], k["calls"], steps)] += k["ms"] / steps
+    weights_ms, kv_ms = wbytes / bandwidth * 1e3, rows * context * kv_per_token / bandwidth * 1e3
+    step_ms = table["device_ms"] / steps
+    return {"step_device_ms": round(step_ms, 4), "context": context, "rows": rows,
+            "by_kind_ms": {c: round(v, 4) for c, v in sorted(per.items(), key=lambda z: -z[1])},
+            "roofline_step_ms": round(weights_ms + kv_ms, 4),
+            "step_fraction_of_roofline": round((weights_ms + kv_ms) / step_ms, 4),
+            "attention_fraction_of_kv_read": round(kv_ms / per["attention"], 4) if per["attention"] else None,
+            "matmuls_incl_lm_head_fraction_of_weight_read": round(weights_ms / (per["matmul"] + per["lm_head"]), 4)
+            if per["matmul"] + per["lm_head"] else None,
+            "no_bytes_in_roofline_ms": round(sum(per[c] for c in ("swiglu", "norms", "sampler", "other")), 4)}
+
+
 def med(xs):
     return statistics.median(xs) if xs else 0.0
 
@@ -193,6 +225,10 @@ def profile_model(name: str, device, args) -> dict:
     middle = result["prefill_steps"] + len(decode) // 2
     result["kernels_8_mid_run_steps"] = {"first_step": middle,
                                          **profile_steps(engine, prompts, params, device, middle, 8, top=40)}
+    if bandwidth:      # the prompt, the tokens before the first profiled step (the prefill's one too), half of 8
+        context = args.prompt_len + (middle - result["prefill_steps"]) + 1 + 4
+        result["where_time_goes"] = where_time_goes(result["kernels_8_mid_run_steps"], 8, len(prompts), context,
+                                                    weight_bytes(model), kv_bytes_per_token(shape), bandwidth)
     engine.sleep()
     return result
 

@@ -358,7 +358,7 @@ def summarize_profile(prof, device, top: int = 12) -> dict:
     cats = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for e in events:
         name = e.key.lower()
-        cat = ("attention" if re.search(r"flash|fmha|sdpa|attn|attention", name) else
+        cat = ("attention" if re.search(r"flash|fmha|sdpa|attn|attention|_decode_kernel", name) else
                "matmul" if re.search(r"gemm|matmul|cutlass|xmma|nvjet|cublas|mm_", name) else "other")
         cats[cat] += self_us(e)
     rows = sorted(events, key=self_us, reverse=True)[:top]

@@ -34,11 +34,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 from train import SHAPES, build_hf, device_name, git_sha, slug, sync  # noqa: E402
 
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
+from lathe.generation import SamplingParams  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
 from lathe.rollout.agent.loop import AgentLoop, AgentSettings  # noqa: E402
 from lathe.rollout.agent.parser import ParsedTurn, ToolCall  # noqa: E402
 from lathe.rollout.agent.tools import BaseTool, ToolSet  # noqa: E402
-from lathe.rollout.base import SamplingParams  # noqa: E402
 
 SHAPES = {**SHAPES, "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)}

@@ -36,7 +36,7 @@ from train import SHAPES, device_name, git_sha, profile_summary, slug, summarize
 
 import lathe.engine.llm_engine as llm  # noqa: E402
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
-from lathe.rollout.base import SamplingParams  # noqa: E402
+from lathe.generation import SamplingParams  # noqa: E402
 
 
 class Probe:

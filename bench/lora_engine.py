@@ -32,9 +32,9 @@ from rollout import random_prompts  # noqa: E402
 from train import SHAPES, build_hf, device_name, git_sha, slug, sync  # noqa: E402
 
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
+from lathe.generation import SamplingParams  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
 from lathe.models.lora import apply_lora, lora_layers, merged_weights  # noqa: E402
-from lathe.rollout.base import SamplingParams  # noqa: E402
 
 
 def timed_generate(engine, prompts, params, device) -> float:

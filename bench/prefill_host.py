@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from rollout import fixed_load_engine  # noqa: E402
 from train import git_sha, sync  # noqa: E402
 
-from lathe.rollout.base import SamplingParams  # noqa: E402
+from lathe.generation import SamplingParams  # noqa: E402
 
 
 def main() -> None:

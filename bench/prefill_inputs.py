@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from train import result_header, write_result  # noqa: E402
 
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
+from lathe.generation import SamplingParams  # noqa: E402
 from lathe.models.config import LatheConfig  # noqa: E402
 from lathe.models.decoder import LatheCausalLM  # noqa: E402
-from lathe.rollout.base import SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -47,8 +47,8 @@ from train import SHAPES, build_hf, device_name, git_sha, profile_summary, slug,
 
 from lathe.engine import scheduler  # noqa: E402
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
+from lathe.generation import SamplingParams  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
-from lathe.rollout.base import SamplingParams  # noqa: E402
 
 HBM_TBPS = [("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8), ("A100", 2.0)]
 

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import rollout  # noqa: E402
 from train import sync  # noqa: E402
 
-from lathe.rollout.base import SamplingParams  # noqa: E402
+from lathe.generation import SamplingParams  # noqa: E402
 
 
 def main() -> None:

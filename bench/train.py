@@ -49,11 +49,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from lathe.generation import RolloutOutput  # noqa: E402
 from lathe.models.compile import compile_decoder, maybe_compile  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
 from lathe.models.logprob import chunked_log_probs, naive_log_probs  # noqa: E402
 from lathe.models.packing import pack_sequences  # noqa: E402
-from lathe.rollout.base import RolloutOutput, to_batch  # noqa: E402
+from lathe.rollout.base import to_batch  # noqa: E402
 from lathe.train.logprob import response_log_probs  # noqa: E402
 
 QWEN_VOCAB = 151936

@@ -189,8 +189,8 @@ def bench_engine(shape: str, paths: dict, args) -> dict:
     from lathe.data.dataset import RLDataset
     from lathe.data.multimodal import load_processor
     from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
     from lathe.models.vl import load_lathe_vl_model
-    from lathe.rollout.base import SamplingParams
     device = torch.device(args.device)
     processor = load_processor(str(paths["processor"]))
     ds = RLDataset(str(paths["parquet"]), processor.tokenizer, processor=processor, image_key="images",

@@ -14,9 +14,9 @@ import torch
 from lathe.batch import Batch
 from lathe.cluster.async_roles import RolloutWorker, token_versions
 from lathe.config import load_config
+from lathe.generation import SamplingParams
 from lathe.loop.setup import _given_model
 from lathe.models.hf import load_policy, load_tokenizer
-from lathe.rollout.base import SamplingParams
 
 WAIT_S = 60
 

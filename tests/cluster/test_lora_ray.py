@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip ins
 
 from helpers import assert_close_rel  # noqa: E402
 from lathe.config import load_config  # noqa: E402
-from lathe.rollout.base import RolloutOutput, to_batch  # noqa: E402
+from lathe.generation import RolloutOutput  # noqa: E402
+from lathe.rollout.base import to_batch  # noqa: E402
 from lathe.train import parallel  # noqa: E402
 from lathe.train.workers import ActorRolloutRefWorker  # noqa: E402
 

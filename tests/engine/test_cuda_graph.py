@@ -90,8 +90,8 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
     import lathe.engine.llm_engine as llm
     from lathe.engine.llm_engine import LatheEngine
     from lathe.engine.sampler import fused_settings
+    from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
-    from lathe.rollout.base import SamplingParams
     from helpers import assert_close_rel
     from .conftest import PROMPTS
 

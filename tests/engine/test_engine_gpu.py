@@ -5,8 +5,8 @@ import torch
 
 from lathe.engine.llm_engine import LatheEngine
 from lathe.engine.paged_attention import decode_attention
+from lathe.generation import SamplingParams
 from lathe.models import load_lathe_model
-from lathe.rollout.base import SamplingParams
 
 from helpers import assert_close_rel
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from lathe.engine.llm_engine import LatheEngine
+from lathe.generation import SamplingParams
 from lathe.models.vl import load_lathe_vl_model
-from lathe.rollout.base import SamplingParams
 
 from helpers import assert_close_rel
 

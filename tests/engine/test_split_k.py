@@ -113,8 +113,8 @@ def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypat
     tokens and log-probs, greedy and seeded."""
     from lathe.engine import model_runner
     from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
-    from lathe.rollout.base import SamplingParams
     from .conftest import PROMPTS
 
     path, _ = checkpoints["qwen2"]
@@ -173,8 +173,8 @@ def test_cuda_bf16_split_decode_is_as_accurate_as_the_plain_form(checkpoints, mo
     the split form's worst error is within the plain form's (x1.5, + 0.01)."""
     from lathe.engine import model_runner
     from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
-    from lathe.rollout.base import SamplingParams
     from .conftest import PROMPTS
     from .test_llm_engine import _teacher_forced
 

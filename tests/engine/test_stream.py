@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lathe.engine.llm_engine import LatheEngine
+from lathe.generation import SamplingParams
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import LatheCausalLM, init_weights
-from lathe.rollout.base import SamplingParams
 
 from helpers import assert_close_rel
 

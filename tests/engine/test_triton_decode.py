@@ -56,8 +56,8 @@ def test_split_merge_counters_are_shared_and_left_at_zero(kernel):
 def test_engine_with_triton_decode_equals_torch_decode(kernel, tmp_path):
     """The whole engine (prefill single-token group and decode) on the kernel gives the reference's output."""
     from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
-    from lathe.rollout.base import SamplingParams
 
     path, _ = save_hf(tmp_path, "qwen2")
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]

@@ -49,8 +49,8 @@ def _rotating_engine_equals_plain(checkpoints, monkeypatch, family, spy, **engin
     and seeded. Returns the recorded calls."""
     from lathe.engine import model_runner, triton_store
     from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
-    from lathe.rollout.base import SamplingParams
     from helpers import assert_close_rel
     from .conftest import PROMPTS
 

@@ -125,9 +125,9 @@ def test_an_engine_and_a_lora_trainer_fit_in_the_variant_limit():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
     from lathe.models.decoder import DecoderLayer
     from lathe.models.lora import apply_lora
-    from lathe.rollout.base import SamplingParams
     engine_model = compile_decoder(_tiny().eval(), backend="aot_eager")
     engine = LatheEngine(engine_model, eos_token_id=None, block_size=4, num_kv_blocks=128, compile_model=False)
     params = SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=0)

@@ -170,7 +170,7 @@ def test_fused_projections_keep_logits_names_and_weight_syncs(tmp_path):
     unchanged, the state dict keeps its HF names, and weights copied into `q_proj.weight` etc. reach the fused
     tensors (an engine's weight sync)."""
     from lathe.models.decoder import fuse_projections
-    from lathe.rollout.base import copy_named_tensors
+    from lathe.models.io import copy_named_tensors
     for family in FAMILIES:
         path, _ = save_hf(tmp_path / family, family)
         model, other = load_lathe_model(path), load_lathe_model(path)

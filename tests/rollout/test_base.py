@@ -1,20 +1,12 @@
-"""Tests for lathe.rollout.base: SamplingParams properties and the `to_batch` tensor layout."""
+"""Tests for lathe.rollout.base: the `to_batch` tensor layout and `concat_rollouts`."""
 
 import pytest
 import torch
 
-from lathe.rollout.base import RolloutOutput, SamplingParams, position_ids_from_mask, to_batch
+from lathe.generation import RolloutOutput
+from lathe.rollout.base import position_ids_from_mask, to_batch
 
 PAD = 0
-
-
-def test_sampling_params_greedy_and_logprob_temperature():
-    assert SamplingParams(temperature=0).greedy
-    assert SamplingParams(do_sample=False, temperature=0.7).greedy
-    assert not SamplingParams(temperature=0.7).greedy
-    assert SamplingParams(temperature=0).logprob_temperature == 1.0
-    assert SamplingParams(do_sample=False, temperature=0.7).logprob_temperature == 1.0
-    assert SamplingParams(temperature=0.7).logprob_temperature == 0.7
 
 
 def _example():

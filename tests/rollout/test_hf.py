@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lathe.rollout.base import SamplingParams, to_batch
+from lathe.generation import SamplingParams
+from lathe.rollout.base import to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train.logprob import response_log_probs
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lathe.config import load_config
-from lathe.rollout.base import RolloutOutput, to_batch
+from lathe.generation import RolloutOutput
+from lathe.rollout.base import to_batch
 
 VOCAB = 40
 PAD = 0

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lathe.config import load_config
-from lathe.rollout.base import RolloutOutput, to_batch
+from lathe.generation import RolloutOutput
+from lathe.rollout.base import to_batch
 from lathe.train.actor import PPOActor
 from lathe.train.logprob import batched_log_probs, response_log_probs
 from lathe.train.optim import build_scheduler
@@ -143,7 +144,7 @@ def test_trainer_log_probs_equal_the_engines_with_generated_image_tokens(vl_mode
     placeholder tokens: in a response they are text at text positions (index + the prompt's rope delta) for both.
     The image token's lm_head row is scaled up so that samples hold it often."""
     from lathe.engine.llm_engine import LatheEngine
-    from lathe.rollout.base import SamplingParams
+    from lathe.generation import SamplingParams
     model = vl_models("qwen2_5_vl")
     batch = vl_rollout_batch(3)
     prompts = [[t for t, m in zip(row.tolist(), keep.tolist()) if m]

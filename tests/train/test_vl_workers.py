@@ -38,7 +38,7 @@ def test_load_policy_builds_lathes_vl_model_and_refuses_impl_hf(vl_dir):
 
 def test_a_vl_actor_generates_with_the_engine_and_refuses_the_transformers_rollout(vl_dir, tmp_path):
     from lathe.batch import Batch
-    from lathe.rollout.base import SamplingParams
+    from lathe.generation import SamplingParams
     tok = tiny_vl_processor().tokenizer
     key = "actor_rollout_ref.rollout.name=hf"
     with pytest.raises(NotImplementedError, match=f"{key.split('=')[0]}.*vision-language"):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lathe.data.builtin import builtin_tokenizer
+from lathe.generation import SamplingParams
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import build_builtin_model
-from lathe.rollout.base import SamplingParams
 from lathe.train.workers import ActorRolloutRefWorker
 
 from helpers import assert_close_rel

@@ -9,8 +9,8 @@ import torch
 
 from lathe.data.builtin import builtin_tokenizer
 from lathe.engine.llm_engine import LatheEngine
+from lathe.generation import SamplingParams
 from lathe.models.decoder import LatheCausalLM
-from lathe.rollout.base import SamplingParams
 from lathe.rollout.hf import HFRollout
 from lathe.train.workers import ActorRolloutRefWorker, build_engine, eos_token_ids
 

@@ -23,7 +23,8 @@ import torch
 from lathe.batch import Batch
 from lathe.cluster.checkpoint_engine import SyncGroup, TensorMeta, receive_weights, send_weights
 from lathe.cluster.roles import generate_over_ranks, rank_device
-from lathe.rollout.base import SamplingParams, to_batch
+from lathe.generation import SamplingParams
+from lathe.rollout.base import to_batch
 
 ROLLOUT = "rollout"
 

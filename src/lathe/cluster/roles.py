@@ -12,7 +12,8 @@ import torch
 
 from lathe.batch import Batch
 from lathe.cluster.dispatch import contiguous_shares, even_shares, in_order, update_shares
-from lathe.rollout.base import SamplingParams, concat_rollouts
+from lathe.generation import SamplingParams
+from lathe.rollout.base import concat_rollouts
 
 ACTOR, CRITIC, SFT = "actor_rollout_ref", "critic", "sft"
 SUMMED = ("rollout/num_preemptions", "rollout/graph_captures")

@@ -12,7 +12,7 @@ and gives one output row, in input order:
      "outputs": [{"token_ids", "text", "logprobs", "finish_reason"}, ... n of them]}
 
 `text` is the decoded output (special tokens skipped); when a stop string ended it, it is cut just after the
-stop string, while `token_ids`/`logprobs` run up to the token that completed it (see `lathe.engine.stop`).
+stop string, while `token_ids`/`logprobs` run up to the token that completed it (see `lathe.generation.stop`).
 
 Keys are vLLM's `SamplingParams` names plus engine settings (`GenerateOptions`). With a `seed` the samples are
 reproducible for the same `batch_size` (the engine seeds each sample by its place in the call; each call gets
@@ -89,7 +89,7 @@ class GenerateOptions:
     tool_timeout: float = spec(30.0, "seconds a tool call may take; then the model reads a timeout error")
 
     def sampling_params(self):
-        from lathe.rollout.base import SamplingParams
+        from lathe.generation import SamplingParams
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed,
                               stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
@@ -359,7 +359,7 @@ def _load_engine(model_dir, opts: GenerateOptions, tokenizer, cfg):
 def _run(engine, tokenizer, rows, prompts, opts: GenerateOptions, output_path: Path, runner=None) -> GenerateStats:
     """Generate `prompts` in engine calls of `opts.prompts_per_call` and write the rows; `runner`: the tool loop's
     `ToolRunner` (None: single-turn `engine.generate`)."""
-    from lathe.engine.stop import text_decoder
+    from lathe.generation.stop import text_decoder
     decode, params, n = text_decoder(tokenizer), opts.sampling_params(), opts.n
     stats = GenerateStats(prompts=len(rows), samples=len(rows) * n, tokens=0, seconds=0.0, tools=runner is not None)
     call = runner.generate if runner else lambda ps, p, lo, hi: engine.generate(ps[lo:hi], p)
@@ -385,7 +385,7 @@ def _run(engine, tokenizer, rows, prompts, opts: GenerateOptions, output_path: P
 
 def _sample(out, k: int, stop: list[str], decode, runner, stats: GenerateStats) -> dict:
     """Output sample `k` as written (see the module docstring), counted into `stats`."""
-    from lathe.engine.stop import stop_text
+    from lathe.generation.stop import stop_text
     ids, reason = out.token_ids[k], out.finish_reasons[k]
     text = stop_text(ids, stop, decode) if reason == "stop" else decode(ids)
     sample = {"token_ids": ids, "text": text, "logprobs": out.logprobs[k], "finish_reason": reason}

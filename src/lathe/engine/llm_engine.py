@@ -32,9 +32,10 @@ from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensur
 from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
-from lathe.engine.stop import StopStringMatcher, StopStrings
 from lathe.engine.stream import StreamingMixin
-from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
+from lathe.generation import RolloutOutput, SamplingParams
+from lathe.generation.stop import StopStringMatcher, StopStrings
+from lathe.models.io import copy_named_tensors
 
 logger = logging.getLogger(__name__)
 

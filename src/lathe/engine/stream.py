@@ -35,7 +35,8 @@ import torch
 
 from lathe.engine.multimodal import drop_embeddings
 from lathe.engine.sequence import PENDING, Sequence, SequenceStatus
-from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
+from lathe.generation import RolloutOutput, SamplingParams
+from lathe.models.io import copy_named_tensors
 
 
 class _Request:

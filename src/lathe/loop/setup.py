@@ -23,12 +23,12 @@ from lathe.config import critic_in_use, to_dict, to_yaml
 from lathe.data import RLDataset, StatefulDataLoader
 from lathe.data.multimodal import multimodal_non_tensors
 from lathe.device import default_device_type, device_count, empty_cache
+from lathe.generation import SamplingParams
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
 from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.agent import load_run_tools
-from lathe.rollout.base import SamplingParams
 from lathe.track import Tracker
 from lathe.train.sft import supervised_fit
 from lathe.train.workers import ActorRolloutRefWorker

@@ -9,7 +9,7 @@ import torch
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS, apply_kl_penalty, compute_rollout_correction, get_adv_estimator, overlong_reward_penalty
 from lathe.batch import Batch
-from lathe.engine.stop import decode_texts
+from lathe.generation.stop import decode_texts
 
 
 def response_attention(batch: Batch) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Reading and writing Hugging Face checkpoint directories for lathe's decoder.
+"""Reading and writing Hugging Face checkpoint directories for lathe's decoder, and copying weights by name.
 
 Parameter names already match the checkpoints, so loading is a plain safetensors read (one file, or
 shards listed in `model.safetensors.index.json`; `pytorch_model.bin` as a last resort) and saving is a
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -78,6 +79,18 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return missing
+
+
+def copy_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *, who: str) -> None:
+    """Copy weights in place by HF name (tied names such as lm_head.weight included); the same storage is skipped."""
+    params = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"update_weights: the {who} has no tensor named {name!r}")
+            target = params[name]
+            if target.data_ptr() != tensor.data_ptr():
+                target.copy_(tensor)
 
 
 def parse_size(size: int | str) -> int:

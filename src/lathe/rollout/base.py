@@ -1,61 +1,21 @@
 """The `Rollout` interface: prompts plus `SamplingParams` in; response ids, log-probs and finish reasons out.
 
-Backends (transformers `generate` now, lathe's own engine later) implement `Rollout`. `to_batch` turns
-their output into the tensors the rest of the step reads (see `lathe.batch` for the layout).
+Backends (lathe's engine, transformers' `generate`, the agent loop on either) implement `Rollout`; the engine
+does so structurally, without importing this module. `to_batch` turns their output into the tensors the rest of
+the step reads (see `lathe.batch` for the layout); `concat_rollouts` joins such batches.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from lathe.batch import Batch
-
-
-@dataclass
-class SamplingParams:
-    """vLLM's names. `temperature=0` or `do_sample=False` is greedy."""
-
-    n: int = 1                      # samples per prompt, returned consecutively
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1                 # -1: off
-    max_tokens: int = 16            # new tokens at most
-    min_tokens: int = 0
-    do_sample: bool = True
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)   # stop strings; see lathe.engine.stop for the exact rule
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0
-
-    @property
-    def logprob_temperature(self) -> float:
-        """The temperature the returned log-probs (and the trainer's) are computed at."""
-        return 1.0 if self.greedy else self.temperature
-
-
-@dataclass
-class RolloutOutput:
-    """One entry per sample: `len(prompts) * n`, prompt-major (prompt 0's n samples first)."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    finish_reasons: list[str]        # "stop" (EOS, a stop id or a stop string; the stopping token is included
-                                     # in token_ids) or "length"
-    metrics: dict[str, float] = field(default_factory=dict)    # the backend's own, as `rollout/<name>`
-    # per sample, the weight versions its tokens were sampled with: (version, index of the first output token
-    # sampled with it), ascending; a partial rollout continued after a weight sync has several. None: not tracked
-    # (one version throughout, as `generate`)
-    versions: list[list[tuple[int, int]]] | None = None
+from lathe.generation import RolloutOutput, SamplingParams
 
 
 class Rollout(Protocol):
@@ -64,18 +24,6 @@ class Rollout(Protocol):
         """`first_index`: the place of this call's first sample in a larger call split over ranks (seeding)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
-
-
-def copy_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *, who: str) -> None:
-    """Copy weights in place by HF name (tied names such as lm_head.weight included); the same storage is skipped."""
-    params = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise KeyError(f"update_weights: the {who} has no tensor named {name!r}")
-            target = params[name]
-            if target.data_ptr() != tensor.data_ptr():
-                target.copy_(tensor)
 
 
 def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int, n: int) -> Batch:
@@ -99,8 +47,8 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
                              f"token; {len(per_token)} samples of {name} for {len(prompts)})")
     P = max(len(p) for p in prompts)
     R = max(1, max(len(r) for r in out.token_ids))
-    # numpy throughout: single-threaded, where torch's CPU kernels wake their thread pool for every (B, L) op and
-    # took 6-16 ms per op on a busy 16-core GPU host (a profiled lathe train step's rollout)
+    # numpy throughout: single-threaded, where torch's CPU kernels wake their thread pool for every (B, L) op, which
+    # is slow on a busy many-core GPU host
     prompt_ids, prompt_mask = _padded(prompts, P, pad_id, np.int64, left=True)
     resp_ids, resp_mask = _padded(out.token_ids, R, pad_id, np.int64)
     logp, _ = _padded(out.logprobs, R, 0.0, np.float32)
@@ -122,7 +70,7 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
 
 def _padded(rows: list, width: int, fill, dtype, *, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(B, width) array of `rows`, each right-aligned (`left` padding) or left-aligned, `fill` elsewhere, and the
-    (B, width) mask of real entries: one vectorised write (a row-by-row fill costs ~0.1 ms a row)."""
+    (B, width) mask of real entries: one vectorised write, not a row-by-row fill."""
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     cols = np.arange(width)
     mask = cols >= (width - lengths)[:, None] if left else cols < lengths[:, None]

@@ -5,7 +5,7 @@ quantity the trainer computes, not the top-k/top-p truncated distribution sampli
 They are gathered step by step as `generate` runs (`SampledLogProbs`), never from all steps' logits at
 once: at a 152k vocabulary, (sequences x new tokens x vocabulary) floats would be hundreds of GB.
 
-Stop strings (`SamplingParams.stop`, needs `tokenizer`) follow `lathe.engine.stop`'s rule, so both backends
+Stop strings (`SamplingParams.stop`, needs `tokenizer`) follow `lathe.generation.stop`'s rule, so both backends
 cut at the same token: a stopping criterion running that rule ends rows early, then each row is cut after it.
 """
 
@@ -16,8 +16,9 @@ from collections.abc import Iterable
 
 import torch
 
-from lathe.engine.stop import StopStrings, first_stop
-from lathe.rollout.base import RolloutOutput, SamplingParams, copy_named_tensors
+from lathe.generation import RolloutOutput, SamplingParams
+from lathe.generation.stop import StopStrings, first_stop
+from lathe.models.io import copy_named_tensors
 
 
 class HFRollout:
@@ -168,7 +169,7 @@ def _sampled_log_probs(model, temperature: float):
 
 
 def _stop_string_criterion(params: SamplingParams, tokenizer, batch_size: int, prompt_width: int):
-    """A transformers stopping criterion that ends a row when `lathe.engine.stop`'s rule fires on it.
+    """A transformers stopping criterion that ends a row when `lathe.generation.stop`'s rule fires on it.
 
     (transformers' own `stop_strings` matches token strings, not decoded text, and ignores `min_tokens`.)
     """

@@ -15,11 +15,12 @@ import torch
 
 from lathe.batch import Batch
 from lathe.device import reset_peak_memory
+from lathe.generation import RolloutOutput
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora
-from lathe.rollout.base import RolloutOutput, to_batch
+from lathe.rollout.base import to_batch
 from lathe.train import lora, parallel
 from lathe.train.actor import use_torch_compile
 from lathe.train.logprob import response_log_probs

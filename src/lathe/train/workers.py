@@ -39,6 +39,7 @@ from lathe.device import reset_peak_memory, synchronize
 from lathe.dtypes import short_name
 from lathe.engine.llm_engine import LatheEngine
 from lathe.engine.multimodal import is_vl
+from lathe.generation import SamplingParams
 from lathe.train.vl import check_vl, freeze_vision_tower
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
@@ -47,7 +48,7 @@ from lathe.models.io import load_into
 from lathe.models.lora import (adapters_disabled, apply_lora, load_adapter, merge_and_unload, merged_weights,
                                read_adapter)
 from lathe.rollout.agent import agent_columns
-from lathe.rollout.base import SamplingParams, to_batch
+from lathe.rollout.base import to_batch
 from lathe.rollout.hf import HFRollout
 from lathe.train import lora, parallel
 from lathe.train.actor import PPOActor, use_torch_compile

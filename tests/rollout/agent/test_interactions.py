@@ -4,9 +4,9 @@ the user's answers are rendered as the template renders a user turn, their score
 
 import pytest
 
+from lathe.generation import SamplingParams
 from lathe.rollout.agent.interactions import BaseInteraction, Gsm8kInteraction, InteractionSet, load_interactions
 from lathe.rollout.agent.tools import ToolConfigError
-from lathe.rollout.base import SamplingParams
 
 from rollout.agent.test_loop import loop_for, prompt_of
 from rollout.agent.test_render import ids, rendered

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from lathe.engine.llm_engine import LatheEngine
+from lathe.generation import RolloutOutput, SamplingParams
 from lathe.rollout.agent.loop import AgentLoop, AgentSettings, truncate_text
 from lathe.rollout.agent.parser import get_parser
-from lathe.rollout.base import RolloutOutput, SamplingParams, to_batch
+from lathe.rollout.base import to_batch
 
 from rollout.agent.test_render import TOOLS, ids, rendered
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from lathe.engine.llm_engine import LatheEngine
+from lathe.generation import SamplingParams
 from lathe.rollout.agent.loop import AgentLoop, AgentSettings
 from lathe.rollout.agent.parser import get_parser
-from lathe.rollout.base import SamplingParams, to_batch
+from lathe.rollout.base import to_batch
 from lathe.train.logprob import response_log_probs
 
 from helpers import assert_close_rel

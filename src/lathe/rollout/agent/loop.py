@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lathe.engine.llm_engine import sequence_seed
+from lathe.generation import RolloutOutput, SamplingParams
 from lathe.rollout.agent.parser import ParsedTurn
 from lathe.rollout.agent.render import ConversationRenderer
-from lathe.rollout.base import RolloutOutput, SamplingParams
 
 TRUNCATE_SIDES = ("left", "right", "middle")
 

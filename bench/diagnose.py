@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from lathe.diagnose import run  # noqa: E402
+from lathe.cli.diagnose import run  # noqa: E402
 from train import device_name, git_sha, slug  # noqa: E402
 
 

@@ -32,7 +32,7 @@ def git_sha() -> str:
 
 def run_default(run_dir: Path) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "lathe.cli", "train", f"trainer.default_local_dir={run_dir}"],
+    subprocess.run([sys.executable, "-m", "lathe", "train", f"trainer.default_local_dir={run_dir}"],
                    check=True, cwd=ROOT)
     return time.perf_counter() - start
 

@@ -86,7 +86,7 @@ def test_generate_bad_row_names_file_line_and_field_before_torch(tmp_path):
 
 
 def test_generate_command_writes_one_row_per_prompt(tmp_path, caplog):
-    from engine.test_generate import save_tiny_model
+    from cli.test_generate import save_tiny_model
     model, _ = save_tiny_model(tmp_path / "model")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("1+1=", "22+3=", "7*7=")))

@@ -21,7 +21,7 @@ checked before the weights load is checked first: keys and values, every row, th
 the tokenizer) each prompt's length and token ids; errors name the file, the row and the field.
 
 With `tool_config_path=TOOLS.yaml` a sample is a multi-turn, tool-calling trajectory (`lathe train`'s loop; see
-`lathe.engine.generate_tools`): chat prompts are rendered with the tools' schemas, a row may add verl's
+`lathe.cli.generate_tools`): chat prompts are rendered with the tools' schemas, a row may add verl's
 `"extra_info": {"tools_kwargs": {...}}`, `token_ids`, `logprobs` (0.0 on tokens the loop appended) and `text` run
 over the whole trajectory, tool answers included, `max_tokens` is the budget of all its turns, and each output gains
     "loss_mask": [1 = the model's own token, 0 = appended], "num_turns", "tool_calls", "tool_errors",
@@ -75,7 +75,7 @@ class GenerateOptions:
     enable_prefix_caching: bool = spec(True, "share the KV cache of common prompt prefixes")
     batch_size: int | None = spec(None, "prompts per engine call (progress is shown per call); "
                                         "null = enough for 4 * max_num_seqs samples")
-    # tools (verl's rollout.multi_turn names; see lathe.engine.generate_tools); the others need tool_config_path
+    # tools (verl's rollout.multi_turn names; see lathe.cli.generate_tools); the others need tool_config_path
     tool_config_path: str | None = spec(None, "verl's tool YAML (tools: [{class_name, config, tool_schema}]): run "
                                               "the multi-turn tool loop; null = single-turn generation")
     tool_format: Literal["hermes", "llama3_json"] = spec("hermes", "tool calls in the model's text: hermes "
@@ -121,7 +121,7 @@ def parse_options(items: list[str]) -> GenerateOptions:
         values[key] = coerce(value, hints[key], key, raw=raw, meta=dict(meta[key]))
     opts = GenerateOptions(**values)
     _check_ranges(opts)
-    from lathe.engine.generate_tools import check_tool_options
+    from lathe.cli.generate_tools import check_tool_options
     check_tool_options(opts, set(values))
     return opts
 
@@ -306,7 +306,7 @@ class GenerateStats:
 def generate_file(model_dir: str | Path, input_path: str | Path, output_path: str | Path,
                   options: GenerateOptions | list[str] = ()) -> GenerateStats:
     """Generate for every row of `input_path` and write `output_path` (see the module docstring)."""
-    from lathe.engine.generate_tools import ToolSetup
+    from lathe.cli.generate_tools import ToolSetup
     opts = options if isinstance(options, GenerateOptions) else parse_options(list(options))
     tools = ToolSetup.load(opts)                # None without tool_config_path; a bad tool file fails here
     rows = read_rows(input_path)

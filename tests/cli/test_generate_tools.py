@@ -1,4 +1,4 @@
-"""`lathe generate` with tools (`lathe.engine.generate_tools`): with no tool calls the tool loop samples what plain
+"""`lathe generate` with tools (`lathe.cli.generate_tools`): with no tool calls the tool loop samples what plain
 generation samples; tool keys and rows are checked before any model loads; a scripted engine's tool calls are
 written as trajectories (loss mask, turns, calls, errors, text)."""
 
@@ -7,11 +7,11 @@ import logging
 
 import pytest
 
-from lathe.engine.generate import (GenerateError, GenerateOptions, _run, generate_file, parse_options, read_rows,
-                                   tokenize_rows)
-from lathe.engine.generate_tools import ToolSetup
+from lathe.cli.generate import (GenerateError, GenerateOptions, _run, generate_file, parse_options, read_rows,
+                                tokenize_rows)
+from lathe.cli.generate_tools import ToolSetup
 
-from engine.test_generate import _write, save_tiny_model
+from cli.test_generate import _write, save_tiny_model
 from helpers import qwen_style_tokenizer
 from rollout.agent.test_loop import CALL, ScriptedEngine
 

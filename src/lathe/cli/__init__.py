@@ -78,12 +78,12 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def cmd_model_check(args: argparse.Namespace) -> int:
-    from lathe.models.check import run_check
+    from lathe.cli.model_check import run_check
     return run_check(args.model_dir, num_batches=args.batches, atol=args.atol)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lathe.engine.generate import generate_file
+    from lathe.cli.generate import generate_file
     generate_file(args.model_dir, args.input, args.output, args.items)
     return 0
 
@@ -95,7 +95,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from lathe.diagnose import run
+    from lathe.cli.diagnose import run
     return run(as_json=args.json, ray=args.ray)
 
 

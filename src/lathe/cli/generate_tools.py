@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from lathe.engine.generate import GenerateError, GenerateOptions, PromptRow
+from lathe.cli.generate import GenerateError, GenerateOptions, PromptRow
 
 log = logging.getLogger("lathe")
 

@@ -4,9 +4,9 @@ import json
 
 import torch
 
-from lathe.models.check import run_check
+from lathe.cli.model_check import run_check
 
-from .lathe_tiny import FAMILIES, save_hf
+from models.lathe_tiny import FAMILIES, save_hf
 
 
 def test_good_checkpoints_pass(tmp_path):
@@ -19,7 +19,7 @@ def test_good_checkpoints_pass(tmp_path):
 
 
 def test_a_corrupted_weight_is_caught(tmp_path, monkeypatch):
-    import lathe.models.check as check
+    import lathe.cli.model_check as check
     path, _ = save_hf(tmp_path, "llama")
     load = check.load_lathe_model
 

@@ -1,13 +1,12 @@
-"""Tests for lathe.engine.generate (`lathe generate`) on a tiny random Qwen3 saved with the built-in tokenizer."""
+"""Tests for lathe.cli.generate (`lathe generate`) on a tiny random Qwen3 saved with the built-in tokenizer."""
 
 import json
 
 import pytest
 import torch
 
+from lathe.cli.generate import GenerateError, eos_token_ids, generate_file, parse_options, read_rows
 from lathe.data.builtin import builtin_tokenizer
-from lathe.engine.generate import (GenerateError, eos_token_ids, generate_file, parse_options,
-                                   read_rows)
 
 from helpers import assert_close_rel
 

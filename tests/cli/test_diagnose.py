@@ -1,4 +1,4 @@
-"""lathe.diagnose: facts from a probe, checks against lathe's requirements and what multi-GPU runs need from the
+"""lathe.cli.diagnose: facts from a probe, checks against lathe's requirements and what multi-GPU runs need from the
 environment. The real probe runs on this machine; faked probes stand for GPU hosts (CUDA, ROCm) and broken
 setups."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from lathe.cli import main
-from lathe.diagnose import Probe, check, collect, run
+from lathe.cli.diagnose import Probe, check, collect, run
 
 
 class FakeProbe(Probe):

@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from lathe.cli.generate import GenerateError, eos_token_ids, generate_file, parse_options, read_rows
+from lathe.cli.generate import eos_token_ids, generate_file
+from lathe.cli.generate_options import GenerateError
+from lathe.cli.generate_rows import read_rows
 from lathe.data.builtin import builtin_tokenizer
 
 from helpers import assert_close_rel
@@ -104,22 +106,6 @@ def test_stop_string_ends_the_sample_and_the_text(tiny, tmp_path):
     assert sample["token_ids"] == free_ids[:k] and sample["text"].endswith(stop)
     assert_close_rel(sample["logprobs"], free[0]["outputs"][0]["logprobs"][:k], name="log-probs")
     assert stop not in sample["text"][:-1]
-
-
-def test_options_parse_like_overrides_and_unknown_keys_get_a_suggestion():
-    o = parse_options(["temperature=0", "n=2", "stop=###", "stop_token_ids=7", "seed=null", "dtype=float32"])
-    assert (o.temperature, o.n, o.stop, o.stop_token_ids, o.seed, o.dtype) == (0.0, 2, ["###"], [7], None, "float32")
-    assert parse_options(['stop=["\\n\\n", "Q:"]']).stop == ["\n\n", "Q:"]
-    with pytest.raises(GenerateError, match="(?i)did you mean `temperature`"):
-        parse_options(["temprature=0"])
-    with pytest.raises(ValueError, match="top_p=2"):
-        parse_options(["top_p=2"])
-    with pytest.raises(ValueError, match="bfloat16"):
-        parse_options(["dtype=bf16"])
-    with pytest.raises(ValueError, match="n=two"):
-        parse_options(["n=two"])
-    with pytest.raises(GenerateError, match="min_tokens=9"):
-        parse_options(["max_tokens=8", "min_tokens=9"])
 
 
 @pytest.mark.parametrize("line, field", [

@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
-from lathe.cli.generate import (GenerateError, GenerateOptions, _run, generate_file, parse_options, read_rows,
-                                tokenize_rows)
+from lathe.cli.generate import _run, generate_file
+from lathe.cli.generate_options import GenerateError, GenerateOptions, parse_options
+from lathe.cli.generate_rows import read_rows, tokenize_rows
 from lathe.cli.generate_tools import ToolSetup
 
 from cli.test_generate import _write, save_tiny_model

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -115,6 +116,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_keys() -> str:
+    """`lathe generate`'s sampling keys: `SamplingParams`' fields, declared once in `lathe.generation`."""
+    from lathe.generation import SamplingParams
+    return ", ".join(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lathe", description="RL post-training of language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="offline batch generation with lathe's engine (JSON lines in and out)",
                          description="Generate for every row of INPUT.jsonl ({\"prompt\": text or chat messages} or "
                                      "{\"prompt_token_ids\": [...]}) and write one row per input row to OUTPUT.jsonl. "
-                                     "Keys: n, temperature (0 = greedy), top_p, top_k, max_tokens, min_tokens, seed, "
-                                     "stop, stop_token_ids, ignore_eos, dtype, device, gpu_memory_utilization, "
-                                     "max_num_seqs, max_model_len, enable_prefix_caching, batch_size. Tools (the "
+                                     f"Sampling keys (vLLM's SamplingParams): {_sampling_keys()}. Engine keys: "
+                                     "dtype, device, gpu_memory_utilization, max_num_seqs, max_model_len, "
+                                     "enable_prefix_caching, batch_size. Tools (the "
                                      "multi-turn loop of lathe train): tool_config_path (verl's tool YAML) turns it "
                                      "on; then tool_format, max_assistant_turns, max_user_turns, max_parallel_calls, "
                                      "max_tool_response_length, tool_response_truncate_side, tool_timeout.")

@@ -14,7 +14,7 @@ and gives one output row, in input order:
 `text` is the decoded output (special tokens skipped); when a stop string ended it, it is cut just after the
 stop string, while `token_ids`/`logprobs` run up to the token that completed it (see `lathe.generation.stop`).
 
-Keys are vLLM's `SamplingParams` names plus engine settings (`GenerateOptions`). With a `seed` the samples are
+Keys are `SamplingParams`' fields (vLLM's names) plus engine settings (`lathe.cli.generate_options`). With a `seed` the samples are
 reproducible for the same `batch_size` (the engine seeds each sample by its place in the call; each call gets
 its own seed, so a prompt repeated in two calls gets fresh samples). Everything that can be
 checked before the weights load is checked first: keys and values, every row, the architecture, then (with
@@ -39,175 +39,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
 
-from lathe.config.coerce import coerce, parse_value, spec
-from lathe.config.errors import closest, did_you_mean
+from lathe.cli.generate_options import GenerateError, GenerateOptions, parse_options
+from lathe.cli.generate_rows import read_rows, tokenize_rows
+from lathe.cli.generate_tools import ToolSetup
 
 log = logging.getLogger("lathe")
-
-
-class GenerateError(ValueError):
-    """A bad key, value, input row or model directory for `lathe generate` (the message says which and the fix)."""
-
-
-@dataclass
-class GenerateOptions:
-    """The `key=value` settings of `lathe generate`."""
-
-    # sampling (vLLM's SamplingParams names)
-    n: int = spec(1, "samples per prompt")
-    temperature: float = spec(1.0, "sampling temperature; 0 = greedy")
-    top_p: float = spec(1.0, "nucleus sampling mass; 1 = off")
-    top_k: int = spec(-1, "sample from the k most likely tokens; -1 = off")
-    max_tokens: int = spec(512, "new tokens per sample at most")
-    min_tokens: int = spec(0, "new tokens before EOS, stop ids or stop strings may end a sample")
-    seed: int | None = spec(None, "seed for reproducible sampling; null = a fresh seed")
-    stop: list[str] = spec([], 'stop strings; one verbatim string, or a YAML list: stop=\'["\\n\\n", "###"]\'')
-    stop_token_ids: list[int] = spec([], "token ids that end a sample (besides EOS)")
-    ignore_eos: bool = spec(False, "keep generating past EOS and stop ids")
-    # engine
-    dtype: Literal["auto", "bfloat16", "float32"] = spec("auto", "auto: bfloat16 on CUDA, float32 on CPU")
-    device: str = spec("auto", "auto: cuda when available, else cpu")
-    gpu_memory_utilization: float = spec(0.9, "fraction of GPU memory the model and KV cache may use")
-    max_num_seqs: int = spec(256, "sequences decoded together at most")
-    max_model_len: int | None = spec(None, "prompt + output tokens at most; null = the model's limit")
-    enable_prefix_caching: bool = spec(True, "share the KV cache of common prompt prefixes")
-    batch_size: int | None = spec(None, "prompts per engine call (progress is shown per call); "
-                                        "null = enough for 4 * max_num_seqs samples")
-    # tools (verl's rollout.multi_turn names; see lathe.cli.generate_tools); the others need tool_config_path
-    tool_config_path: str | None = spec(None, "verl's tool YAML (tools: [{class_name, config, tool_schema}]): run "
-                                              "the multi-turn tool loop; null = single-turn generation")
-    tool_format: Literal["hermes", "llama3_json"] = spec("hermes", "tool calls in the model's text: hermes "
-                                                                   "(Qwen2.5/Qwen3) or llama3_json (Llama 3.1+)")
-    max_assistant_turns: int | None = spec(None, "model turns per trajectory at most; null = no cap")
-    max_user_turns: int | None = spec(None, "tool-answer turns per trajectory at most; null = no cap")
-    max_parallel_calls: int = spec(1, "tool calls run per model turn; later calls of a turn are dropped")
-    max_tool_response_length: int = spec(256, "characters of one tool answer kept")
-    tool_response_truncate_side: Literal["left", "right", "middle"] = spec(
-        "middle", "which part of a long tool answer stays: left (the start), right (the end), middle (both ends)")
-    tool_timeout: float = spec(30.0, "seconds a tool call may take; then the model reads a timeout error")
-
-    def sampling_params(self):
-        from lathe.generation import SamplingParams
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed,
-                              stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos)
-
-    @property
-    def prompts_per_call(self) -> int:
-        return self.batch_size or max(1, 4 * self.max_num_seqs // self.n)
-
-
-def parse_options(items: list[str]) -> GenerateOptions:
-    """`["temperature=0", "n=4", ...]` -> checked `GenerateOptions` (unknown keys get a "did you mean")."""
-    hints = get_type_hints(GenerateOptions)
-    meta = {f.name: f.metadata for f in dataclasses.fields(GenerateOptions)}
-    values: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise GenerateError(f"{item!r} is not key=value. Fix: write settings as key=value, e.g. temperature=0")
-        if key not in hints:
-            raise GenerateError(f"unknown key {key!r}.{did_you_mean(closest(key, hints))} "
-                                f"Known keys: {', '.join(hints)}")
-        value = parse_value(raw)
-        if key == "stop" and not raw.lstrip().startswith("["):
-            value = [raw]                                  # one stop string, verbatim (YAML would eat "###")
-        elif key == "stop_token_ids" and not isinstance(value, list):
-            value = [value]
-        values[key] = coerce(value, hints[key], key, raw=raw, meta=dict(meta[key]))
-    opts = GenerateOptions(**values)
-    _check_ranges(opts)
-    from lathe.cli.generate_tools import check_tool_options
-    check_tool_options(opts, set(values))
-    return opts
-
-
-def _check_ranges(o: GenerateOptions) -> None:
-    rules = [
-        (o.n >= 1, f"n={o.n}: need at least 1 sample per prompt"),
-        (o.temperature >= 0, f"temperature={o.temperature}: must be >= 0 (0 = greedy)"),
-        (0 < o.top_p <= 1, f"top_p={o.top_p}: must be in (0, 1]"),
-        (o.top_k >= -1, f"top_k={o.top_k}: use -1 for off or a positive k"),
-        (o.max_tokens >= 1, f"max_tokens={o.max_tokens}: must be >= 1"),
-        (0 <= o.min_tokens <= o.max_tokens, f"min_tokens={o.min_tokens}: must be in [0, max_tokens={o.max_tokens}]"),
-        (all(o.stop), "stop: an empty stop string would end every sample at once; remove it"),
-        (all(t >= 0 for t in o.stop_token_ids), f"stop_token_ids={o.stop_token_ids}: token ids are >= 0"),
-        (0 < o.gpu_memory_utilization <= 1, f"gpu_memory_utilization={o.gpu_memory_utilization}: must be in (0, 1]"),
-        (o.max_num_seqs >= 1, f"max_num_seqs={o.max_num_seqs}: must be >= 1"),
-        (o.max_model_len is None or o.max_model_len >= 2, f"max_model_len={o.max_model_len}: must be >= 2"),
-        (o.batch_size is None or o.batch_size >= 1, f"batch_size={o.batch_size}: must be >= 1"),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise GenerateError(message)
-
-
-# ---- input rows --------------------------------------------------------------------------------------
-
-
-@dataclass
-class PromptRow:
-    where: str          # "FILE line N", for error messages
-    field: str          # "prompt" or "prompt_token_ids"
-    value: Any          # as given: a string, a list of messages, or a list of token ids
-    extra_info: Any = None  # as given (verl's column; read with tools, for its "tools_kwargs")
-
-
-def read_rows(path: str | Path) -> list[PromptRow]:
-    """Every row of a JSON-lines file, checked; a bad row raises a GenerateError naming file, line and field."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise GenerateError(f"input file not found: {path}. Fix: give a JSON-lines file, one prompt per line")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise GenerateError(f"{where}: not valid JSON ({e.msg}). Fix: one JSON object per line") from None
-            rows.append(_check_row(row, where))
-    if not rows:
-        raise GenerateError(f"{path}: no rows. Fix: one JSON object per line, e.g. {{\"prompt\": \"Hello\"}}")
-    return rows
-
-
-def _check_row(row: Any, where: str) -> PromptRow:
-    fix = 'give "prompt" (a string or a list of {"role", "content"} messages) or "prompt_token_ids" (a list of ints)'
-    if not isinstance(row, dict):
-        raise GenerateError(f"{where}: expected a JSON object, got {type(row).__name__}. Fix: {fix}")
-    given = [k for k in ("prompt", "prompt_token_ids") if k in row]
-    if len(given) != 1:
-        problem = "has both 'prompt' and 'prompt_token_ids'" if given else f"has neither (keys: {sorted(row)})"
-        raise GenerateError(f"{where}: row {problem}. Fix: {fix}")
-    field, value = given[0], row[given[0]]
-    if field == "prompt_token_ids":
-        if not isinstance(value, list) or not value or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-            raise GenerateError(f"{where}: field 'prompt_token_ids': expected a non-empty list of token ids "
-                                f"(ints >= 0), got {str(value)[:80]}")
-    elif isinstance(value, str):
-        if not value:
-            raise GenerateError(f"{where}: field 'prompt': empty string. Fix: drop the row or fill in the text")
-    elif isinstance(value, list) and value:
-        for j, m in enumerate(value):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
-                    and isinstance(m.get("content"), str)):
-                raise GenerateError(f"{where}: field 'prompt[{j}]': expected a {{\"role\": str, \"content\": str}} "
-                                    f"message, got {str(m)[:80]}")
-    else:
-        raise GenerateError(f"{where}: field 'prompt': expected a string or a non-empty list of messages, got "
-                            f"{type(value).__name__} {str(value)[:60]}. Fix: {fix}")
-    return PromptRow(where, field, value, row.get("extra_info"))
-
-
-# ---- model directory ---------------------------------------------------------------------------------
 
 
 def check_model_dir(model_dir: str | Path):
@@ -248,43 +85,6 @@ def eos_token_ids(model_dir: str | Path, tokenizer) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def tokenize_rows(rows: list[PromptRow], tokenizer, *, vocab_size: int, max_model_len: int,
-                  tools: list[dict] | None = None) -> list[list[int]]:
-    """Each row's prompt token ids, checked against the vocabulary and `max_model_len`; chat prompts are rendered
-    with the `tools` schemas when given."""
-    texts = {i: r.value for i, r in enumerate(rows) if isinstance(r.value, str)}
-    chats = {i: _render_chat(r, tokenizer, tools) for i, r in enumerate(rows)
-             if r.field == "prompt" and i not in texts}
-    ids: dict[int, list[int]] = {i: list(r.value) for i, r in enumerate(rows) if r.field == "prompt_token_ids"}
-    for group, special in ((texts, True), (chats, False)):
-        if group:
-            encoded = tokenizer(list(group.values()), add_special_tokens=special)["input_ids"]
-            ids.update(zip(group, encoded))
-    prompts = [list(ids[i]) for i in range(len(rows))]
-    for row, p in zip(rows, prompts):
-        if not p:
-            raise GenerateError(f"{row.where}: field '{row.field}': the prompt has no tokens. Fix: give it text")
-        if max(p) >= vocab_size:
-            raise GenerateError(f"{row.where}: field '{row.field}': token id {max(p)} is outside the model's "
-                                f"vocabulary (vocab_size={vocab_size})")
-        if len(p) >= max_model_len:
-            raise GenerateError(f"{row.where}: field '{row.field}': the prompt is {len(p)} tokens, not under "
-                                f"max_model_len={max_model_len}. Fix: shorten it or raise max_model_len")
-    return prompts
-
-
-def _render_chat(row: PromptRow, tokenizer, tools: list[dict] | None = None) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise GenerateError(f"{row.where}: field 'prompt' is a list of messages, but the tokenizer has no chat "
-                            "template. Fix: give the prompt as a string, or use a chat model's tokenizer")
-    try:
-        extra = {"tools": tools} if tools else {}
-        return tokenizer.apply_chat_template(row.value, add_generation_prompt=True, tokenize=False, **extra)
-    except Exception as e:  # jinja raises TemplateError and friends
-        raise GenerateError(f"{row.where}: field 'prompt': the chat template failed "
-                            f"({type(e).__name__}: {e})") from None
-
-
 # ---- the run -----------------------------------------------------------------------------------------
 
 
@@ -306,7 +106,6 @@ class GenerateStats:
 def generate_file(model_dir: str | Path, input_path: str | Path, output_path: str | Path,
                   options: GenerateOptions | list[str] = ()) -> GenerateStats:
     """Generate for every row of `input_path` and write `output_path` (see the module docstring)."""
-    from lathe.cli.generate_tools import ToolSetup
     opts = options if isinstance(options, GenerateOptions) else parse_options(list(options))
     tools = ToolSetup.load(opts)                # None without tool_config_path; a bad tool file fails here
     rows = read_rows(input_path)
@@ -360,7 +159,8 @@ def _run(engine, tokenizer, rows, prompts, opts: GenerateOptions, output_path: P
     """Generate `prompts` in engine calls of `opts.prompts_per_call` and write the rows; `runner`: the tool loop's
     `ToolRunner` (None: single-turn `engine.generate`)."""
     from lathe.generation.stop import text_decoder
-    decode, params, n = text_decoder(tokenizer), opts.sampling_params(), opts.n
+    decode, params = text_decoder(tokenizer), opts.sampling
+    n = params.n
     stats = GenerateStats(prompts=len(rows), samples=len(rows) * n, tokens=0, seconds=0.0, tools=runner is not None)
     call = runner.generate if runner else lambda ps, p, lo, hi: engine.generate(ps[lo:hi], p)
     bar = _progress(len(rows))
@@ -368,9 +168,9 @@ def _run(engine, tokenizer, rows, prompts, opts: GenerateOptions, output_path: P
     with open(output_path, "w", encoding="utf-8") as f:
         for lo in range(0, len(rows), opts.prompts_per_call):
             hi = min(lo + opts.prompts_per_call, len(rows))
-            out = call(prompts, dataclasses.replace(params, seed=_call_seed(opts.seed, lo)), lo, hi)
+            out = call(prompts, dataclasses.replace(params, seed=_call_seed(params.seed, lo)), lo, hi)
             for i in range(lo, hi):
-                samples = [_sample(out, k, opts.stop, decode, runner, stats) for k in range((i - lo) * n,
+                samples = [_sample(out, k, params.stop, decode, runner, stats) for k in range((i - lo) * n,
                                                                                             (i - lo + 1) * n)]
                 row = {"index": i, rows[i].field: rows[i].value, "outputs": samples}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -17,41 +17,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from lathe.cli.generate import GenerateError, GenerateOptions, PromptRow
+from lathe.cli.generate_options import GenerateError, GenerateOptions, check_tool_options
+from lathe.cli.generate_rows import PromptRow
 
 log = logging.getLogger("lathe")
 
-TOOL_KEYS = ("tool_format", "max_assistant_turns", "max_user_turns", "max_parallel_calls",
-             "max_tool_response_length", "tool_response_truncate_side", "tool_timeout")
 KWARGS_FIX = 'write "extra_info": {"tools_kwargs": {"TOOL_NAME": {"create_kwargs": {...}}}} (verl\'s layout)'
-
-
-def check_tool_options(opts: GenerateOptions, given: set[str] | None = None) -> None:
-    """The tool keys: each needs `tool_config_path`, and their ranges. `given`: the keys set (None: those that differ
-    from their defaults)."""
-    if given is None:
-        default = GenerateOptions()
-        given = {k for k in TOOL_KEYS if getattr(opts, k) != getattr(default, k)}
-    if not opts.tool_config_path:
-        loose = [k for k in TOOL_KEYS if k in given]
-        if loose:
-            raise GenerateError(f"{loose[0]}={getattr(opts, loose[0])} needs tool_config_path: the tool keys act only "
-                                f"in the multi-turn tool loop, which a tool file turns on. Fix: add "
-                                f"tool_config_path=TOOLS.yaml, or drop {', '.join(loose)}")
-        return
-    rules = [
-        (opts.max_assistant_turns is None or opts.max_assistant_turns >= 1,
-         f"max_assistant_turns={opts.max_assistant_turns}: must be >= 1, or null for no cap"),
-        (opts.max_user_turns is None or opts.max_user_turns >= 1,
-         f"max_user_turns={opts.max_user_turns}: must be >= 1, or null for no cap"),
-        (opts.max_parallel_calls >= 1, f"max_parallel_calls={opts.max_parallel_calls}: must be >= 1"),
-        (opts.max_tool_response_length >= 1,
-         f"max_tool_response_length={opts.max_tool_response_length}: must be >= 1 (characters of one tool answer)"),
-        (opts.tool_timeout > 0, f"tool_timeout={opts.tool_timeout}: must be > 0 (seconds)"),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise GenerateError(message)
 
 
 def load_toolset(opts: GenerateOptions):
@@ -164,7 +135,7 @@ class ToolSetup:
         return self.toolset.schemas()
 
     def check_prompts(self, rows: list[PromptRow], prompts: list[list[int]], max_model_len: int) -> None:
-        check_room(rows, prompts, self.opts.max_tokens, max_model_len)
+        check_room(rows, prompts, self.opts.sampling.max_tokens, max_model_len)
 
     def runner(self, engine, tokenizer) -> ToolRunner:
         return ToolRunner(engine, tokenizer, self.opts, self.toolset, self.renderer, self.tools_kwargs)
@@ -177,7 +148,7 @@ class ToolRunner:
         from lathe.rollout.agent.loop import AgentLoop, AgentSettings
         from lathe.rollout.agent.parser import get_parser
         settings = AgentSettings(
-            response_length=opts.max_tokens, max_assistant_turns=opts.max_assistant_turns,
+            response_length=opts.sampling.max_tokens, max_assistant_turns=opts.max_assistant_turns,
             max_user_turns=opts.max_user_turns, max_parallel_calls=opts.max_parallel_calls,
             max_tool_response_length=opts.max_tool_response_length,
             tool_response_truncate_side=opts.tool_response_truncate_side, tool_timeout_s=opts.tool_timeout)

@@ -161,7 +161,7 @@ def parse_args():
 
 
 def main() -> int:
-    from train import SHAPES, device_name, git_sha, slug   # here, not at the top: the spawned workers skip it
+    from common import SHAPES, device_name, git_sha, slug   # here, not at the top: the spawned workers skip it
     args = parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         sys.exit(f"bench/checkpoint_engine.py: needs 2 GPUs or more (1 sender, the rest receivers); this machine "

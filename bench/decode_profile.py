@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from rollout import fixed_load_engine, hbm_bandwidth, kv_bytes_per_token, roofline_tok_s, weight_bytes  # noqa: E402
-from train import SHAPES, device_name, git_sha, profile_summary, slug, summarize_profile, sync  # noqa: E402
+from common import (SHAPES, device_name, fixed_load_engine, git_sha, hbm_bandwidth, kv_bytes_per_token,  # noqa: E402
+                    profile_summary, roofline_tok_s, slug, summarize_profile, sync, weight_bytes)
 
 import lathe.engine.llm_engine as llm  # noqa: E402
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402

@@ -29,11 +29,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train import SHAPES, datasheet_peak, device_name, git_sha, slug, train_flops  # noqa: E402
+from common import (REWARD_FILE, SHAPES, datasheet_peak, device_name, git_sha, lathe_row, run_child, slug,  # noqa: E402
+                    train_flops, write_data, write_model, write_tokenizer)
 
 # Per shape: lathe's micro-batch (sequences per forward/backward), gradient checkpointing, KL/ref, offload.
 LATHE_SETTINGS = {
@@ -57,71 +55,7 @@ LATHE_SETTINGS = {
 SINGLE_GPU_ONLY = ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",)
 TRL_MICRO = {"tiny": 8, "0.5b": 32, "1.5b": 16, "7b": 8}
 
-REWARD_FILE = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Cheap and deterministic: the response's length in characters, folded into [0, 1)."""
-    return (len(solution_str) % 97) / 97.0
-'''
-
-
 # -- the workload on disk ----------------------------------------------------------------------------------
-def write_model(shape: str, where: Path, device: str) -> Path:
-    """A random-weight checkpoint of `shape` (bf16 safetensors + config.json), written once."""
-    from transformers import Qwen2Config
-
-    from lathe.models.config import LatheConfig
-    from lathe.models.decoder import LatheCausalLM, init_weights
-    out = where / f"model-{shape}"
-    if (out / "config.json").exists():
-        return out
-    hf = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, eos_token_id=0, pad_token_id=0,
-                     bos_token_id=None, rope_theta=1e6).to_dict()
-    hf["architectures"] = ["Qwen2ForCausalLM"]
-    cfg = LatheConfig.from_hf_dict(hf, source=f"bench shape {shape}")
-    with torch.device(device):
-        model = LatheCausalLM(cfg).to(torch.bfloat16)
-    torch.manual_seed(0)
-    init_weights(model)
-    model.save_pretrained(out)
-    del model           # the trainers run in child processes: this one must not keep the GPU's memory
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return out
-
-
-def write_tokenizer(vocab_size: int, where: Path) -> Path:
-    """A word-level tokenizer: id 0 `<eos>` (also pad), id 1 `<unk>`, then synthetic words `w2 .. w{V-1}`. Kept in a
-    directory of its own (transformers 5 would read a tokenizer beside a qwen2 config.json as Qwen2Tokenizer).
-    (Special tokens must not look like words: added tokens match inside words, `w1` would split `w136`.)"""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    out = where / f"tokenizer-{vocab_size}"
-    if (out / "tokenizer.json").exists():
-        return out
-    vocab = {"<eos>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>")
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    fast.save_pretrained(out)
-    return out
-
-
-def write_data(where: Path, *, rows: int, prompt_len: int, vocab_size: int) -> tuple[Path, Path]:
-    """verl-schema parquet (chat prompts, for lathe) and JSON lines of the same prompts as text (for TRL)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    g = torch.Generator().manual_seed(0)
-    texts = [" ".join(f"w{int(i)}" for i in torch.randint(2, vocab_size, (prompt_len,), generator=g))
-             for _ in range(rows)]
-    parquet, jsonl = where / f"train-{prompt_len}.parquet", where / f"train-{prompt_len}.jsonl"
-    pq.write_table(pa.Table.from_pylist([
-        {"data_source": "e2e", "prompt": [{"role": "user", "content": t}], "ability": "bench",
-         "reward_model": {"style": "rule", "ground_truth": "0"}, "extra_info": {"index": i}}
-        for i, t in enumerate(texts)]), parquet)
-    jsonl.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    return parquet, jsonl
-
-
 # -- the two systems ---------------------------------------------------------------------------------------
 def lathe_command(shape: str, paths: dict, args) -> list[str]:
     s = LATHE_SETTINGS[shape]
@@ -154,42 +88,6 @@ def profile_keys(paths: dict, args) -> list[str]:
     return ["global_profiler.tool=torch", f"global_profiler.steps=[{args.profile_step}]",
             f"global_profiler.save_path={paths['run'] / 'lathe' / 'profile'}",
             *(["global_profiler.with_stack=true"] if args.profile_stack else [])]
-
-
-def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
-                                     **(env or {})}).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    return rc, time.perf_counter() - start
-
-
-def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float | None, profiled: int = 0) -> dict:
-    """`peak_tflops`: of all the GPUs the run uses (MFU is per GPU). `profiled`: a step (1-based) left out of the
-    median, since the profiler slowed it."""
-    timed = [s for i, s in enumerate(steps) if i >= warmup and i + 1 != profiled] or steps[-1:]
-    med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
-    phases = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
-    row = {"step_s": med("timing_s/step"), "phases_s": {k.split("/", 1)[1]: med(k) for k in phases},
-           "tokens_per_s": med("perf/throughput"), "steps_timed": len(timed),
-           "step_s_all": [s.get("timing_s/step") for s in steps],
-           "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps), default=None),
-           "max_memory_reserved_gb": max((s.get("perf/max_memory_reserved_gb", 0) for s in steps), default=None),
-           "max_memory_allocated_gb_by_phase": {k.rsplit("/", 1)[1]: max(s.get(k, 0) for s in steps)
-                                                 for k in steps[-1] if k.startswith("perf/max_memory_allocated_gb/")}}
-    row["rollout"] = {k.split("/", 1)[1]: med(k) for k in sorted({k for s in timed for k in s
-                                                                   if k.startswith("rollout/")})}
-    wake, gb = row["phases_s"].get("rollout_wake_up"), row["rollout"].get("kv_cache_gb")
-    if wake is not None and gb:
-        row["rollout"]["wake_up_ms_per_gb"] = 1000 * wake / gb
-    update = row["phases_s"].get("update_actor")
-    if update and peak_tflops:
-        row["update_mfu"] = flops / update / 1e12 / peak_tflops
-    return row
 
 
 def bench_model(shape: str, args, peak: float | None) -> dict:

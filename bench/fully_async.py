@@ -41,8 +41,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e import REWARD_FILE, lathe_command, run_child, write_data, write_model, write_tokenizer  # noqa: E402
-from train import SHAPES, device_name, git_sha, slug  # noqa: E402
+from common import (REWARD_FILE, SHAPES, device_name, git_sha, run_child, slug, write_data, write_model,  # noqa: E402
+                    write_tokenizer)
+from e2e import lathe_command  # noqa: E402
 
 
 def long_tail_model(shape: str, where: Path, device: str, median: int) -> tuple[Path, int]:

@@ -28,8 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from rollout import random_prompts  # noqa: E402
-from train import SHAPES, build_hf, device_name, git_sha, slug, sync  # noqa: E402
+from common import SHAPES, build_hf, device_name, git_sha, random_prompts, slug, sync  # noqa: E402
 
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
 from lathe.generation import SamplingParams  # noqa: E402

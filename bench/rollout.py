@@ -43,48 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train import SHAPES, build_hf, device_name, git_sha, profile_summary, slug, sync  # noqa: E402
+from common import (SHAPES, batched_tokens, build_hf, datasheet_peak, device_name, git_sha, hbm_bandwidth,  # noqa: E402
+                    kv_bytes_per_token, profile_summary, random_prompts, roofline_tok_s, slug, sync, weight_bytes)
 
 from lathe.engine import scheduler  # noqa: E402
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
 from lathe.generation import SamplingParams  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
-
-HBM_TBPS = [("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8), ("A100", 2.0)]
-
-
-def hbm_bandwidth(name: str) -> float | None:
-    return next((tb * 1e12 for key, tb in HBM_TBPS if key in name), None)
-
-
-def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
-    hd = shape["hidden_size"] // shape["num_attention_heads"]
-    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype_bytes
-
-
-def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
-def roofline_tok_s(shape: dict, wbytes: int, prompt_lens: list[int], out_lens: list[int], bandwidth: float) -> float:
-    """Generated tokens over the minimum decode time: each step reads the weights and every running
-    sequence's KV once (the sequences run together from the start, as they do in both loads)."""
-    kvt = kv_bytes_per_token(shape)
-    steps = max(out_lens)
-    seconds = 0.0
-    for t in range(steps):
-        ctx = sum(p + t for p, o in zip(prompt_lens, out_lens) if t < o)
-        seconds += (wbytes + ctx * kvt) / bandwidth
-    return sum(out_lens) / seconds
-
-
-BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4))     # dense bf16 datasheet peaks
-
 
 def prefill_seconds_at_peak(shape: dict, wbytes: int, prompt_lens: list[int], peak_flops: float) -> float:
     """The prefill's least time: 2 FLOPs per weight of the decoder layers per prompt token (the embedding is a
@@ -92,34 +57,6 @@ def prefill_seconds_at_peak(shape: dict, wbytes: int, prompt_lens: list[int], pe
     out, which makes it lower still."""
     layer_weights = wbytes / 2 - shape["vocab_size"] * shape["hidden_size"] * (1 if shape["tie_word_embeddings"] else 2)
     return 2 * layer_weights * sum(prompt_lens) / peak_flops
-
-
-def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi + 1, (count,), generator=g).tolist()
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
-
-
-def fixed_load_engine(name: str, device, args):
-    """(engine, prompts, params) of the fixed load for a random-weight bf16 model of shape `name`: `args.prompts`
-    prompts of `args.prompt_len` tokens, `args.new_tokens` forced new tokens, the engine at
-    `args.gpu_memory_utilization` (the transformers copy the weights come from is freed)."""
-    shape = SHAPES[name]
-    hf = build_hf(name, device, torch.bfloat16).eval()
-    model = lathe_from_transformers(hf).eval()
-    del hf
-    torch.cuda.empty_cache()
-    prompts = random_prompts(args.prompts, args.prompt_len, args.prompt_len, shape["vocab_size"], 0)
-    params = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
-    engine = LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=args.prompts,
-                         gpu_memory_utilization=args.gpu_memory_utilization, **batched_tokens(args))
-    return engine, prompts, params
-
-
-def batched_tokens(args) -> dict:
-    """The engine's `max_num_batched_tokens` when the command line sets one (else the engine's default)."""
-    n = getattr(args, "max_num_batched_tokens", None)
-    return {} if n is None else {"max_num_batched_tokens": n}
 
 
 # -- backends ---------------------------------------------------------------------------------------------
@@ -309,7 +246,7 @@ def bench_model(name: str, device, args) -> dict:
             roof = roofline_tok_s(shape, wbytes, prompt_lens, out_lens, bandwidth)
             row["roofline_tok_s"] = roof
             row["lathe"]["roofline_fraction"] = row["lathe"]["tok_s"] / roof
-            peak = next((tf * 1e12 for key, tf in BF16_TFLOPS if key in device_name(device)), None)
+            peak = (datasheet_peak(device_name(device)) or 0) * 1e12 or None
             if peak:   # the decode roofline leaves the prefill out; with it at the compute peak (prompts once each)
                 least = row["lathe"]["tokens"] / roof + prefill_seconds_at_peak(shape, wbytes, [len(p) for p in prompts], peak)
                 row["roofline_with_prefill_tok_s"] = row["lathe"]["tokens"] / least

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e import run_child, write_model, write_tokenizer  # noqa: E402
-from train import SHAPES, datasheet_peak, device_name, git_sha, slug, train_flops  # noqa: E402
+from common import (SHAPES, datasheet_peak, device_name, git_sha, run_child, slug, train_flops,  # noqa: E402
+                    write_model, write_tokenizer)
 
 
 def span(text: str) -> tuple[int, int]:

@@ -35,10 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -48,7 +45,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from common import (SHAPES, build_hf, datasheet_peak, device_name, git_sha, profile_summary, slug, sync,  # noqa: E402
+                    train_flops)
 from lathe.generation import RolloutOutput  # noqa: E402
 from lathe.models.compile import compile_decoder, maybe_compile  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
@@ -57,65 +57,7 @@ from lathe.models.packing import pack_sequences  # noqa: E402
 from lathe.rollout.base import to_batch  # noqa: E402
 from lathe.train.logprob import response_log_probs  # noqa: E402
 
-QWEN_VOCAB = 151936
-SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
 CHECKPOINTED = {"7b"}
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]   # dense datasheet
-
-
-def git_sha() -> str:
-    """HEAD's sha, or $LATHE_GIT_SHA where set (a copied working tree's .git may be stale)."""
-    if os.environ.get("LATHE_GIT_SHA"):
-        return os.environ["LATHE_GIT_SHA"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def result_header(bench: str, device: torch.device, args, **extra) -> dict:
-    """The fields a bench's JSON opens with: bench, device, date, git sha (`args.git_sha` where given: a device
-    copy's .git may be stale), torch version, any `extra`, then the arguments."""
-    return {"bench": bench, "device": device_name(device),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "git_sha": getattr(args, "git_sha", None) or git_sha(), "torch": torch.__version__, **extra,
-            "args": vars(args)}
-
-
-def write_result(res: dict, out: str | None) -> Path:
-    """`res` as JSON at `out`, or at bench/results/<bench>_<device slug>.json."""
-    path = Path(out) if out else ROOT / "bench" / "results" / f"{res['bench']}_{slug(res['device'])}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2))
-    return path
-
-
-def datasheet_peak(name: str) -> float | None:
-    return next((tf for key, tf in PEAK_BF16_TFLOPS if key in name), None)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def median_time(fn, device, *, warmup: int, iters: int) -> float:
     """Median wall seconds of `fn()` (device synchronised around each call), after `warmup` calls."""
     for _ in range(warmup):
@@ -128,30 +70,6 @@ def median_time(fn, device, *, warmup: int, iters: int) -> float:
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def graph_step_us(fn, reps: int, steps: int = 20) -> float:
-    """Median microseconds per call of `fn` (CUDA work only: no host syncs, capturable), captured `steps` times
-    in one CUDA graph and replayed `reps` times, timed by CUDA events."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / steps)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def measured_matmul_tflops(device, dtype) -> float | None:
@@ -216,28 +134,7 @@ def padded_micro_batches(seqs, micro: int, device):
     return out
 
 
-def train_flops(shape: dict, lengths: list[int]) -> float:
-    """Model FLOPs of forward + backward (3x forward): linear layers incl. lm_head, plus causal attention."""
-    h, i, n_layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    hd = h // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
-    macs_per_token = n_layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + shape["vocab_size"] * h
-    attn_macs = n_layers * sum(2 * q * s * (s + 1) / 2 for s in lengths)   # QK^T and PV over the causal half
-    return 3 * 2 * (sum(lengths) * macs_per_token + attn_macs)
-
-
 # -- models -----------------------------------------------------------------------------------------------
-def build_hf(shape_name: str, device, dtype):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(**SHAPES[shape_name], max_position_embeddings=32768, rope_theta=1000000.0,
-                      rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                      attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg)
-    return model.to(dtype).train()
-
-
 def lathe_train_step(model, batch) -> torch.Tensor:
     """One micro-batch as `PPOActor` runs it with use_remove_padding=true: `response_log_probs` (packed forward,
     chunked log-probs + entropy; compiled with the model), a token-mean loss, backward. The entropy is computed
@@ -332,41 +229,6 @@ def measure_lathe(model, batch, device, flops, tokens, peaks, args) -> dict:
     row = measure_train(lambda: lathe_train_step(model, batch), device, flops, tokens, peaks, args)
     row.update(use_torch_compile=compiled, first_step_s=first_step_s)
     return row
-
-
-def profile_summary(step, device, top: int = 12) -> dict:
-    """Device time of one step by category (matmul, attention, other) and its top kernels."""
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    step()
-    sync(device)
-    with profile(activities=acts) as prof:
-        step()
-        sync(device)
-    return summarize_profile(prof, device, top)
-
-
-def summarize_profile(prof, device, top: int = 12) -> dict:
-    """`profile_summary`'s figures from a finished torch.profiler run."""
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA] \
-        if device.type == "cuda" else list(prof.key_averages())
-
-    def self_us(e):
-        if device.type == "cuda":
-            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        return e.self_cpu_time_total
-    total = sum(self_us(e) for e in events) or 1.0
-    cats = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
-    for e in events:
-        name = e.key.lower()
-        cat = ("attention" if re.search(r"flash|fmha|sdpa|attn|attention|_decode_kernel", name) else
-               "matmul" if re.search(r"gemm|matmul|cutlass|xmma|nvjet|cublas|mm_", name) else "other")
-        cats[cat] += self_us(e)
-    rows = sorted(events, key=self_us, reverse=True)[:top]
-    return {"device_ms": total / 1e3,
-            "share": {k: v / total for k, v in cats.items()},
-            "top": [{"name": e.key[:120], "ms": self_us(e) / 1e3, "share": self_us(e) / total, "calls": e.count}
-                    for e in rows]}
 
 
 def bench_model(shape_name: str, device, dtype, peaks, args) -> dict:

@@ -38,9 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e import REWARD_FILE, lathe_row, run_child  # noqa: E402
-from rollout import hbm_bandwidth, roofline_tok_s, weight_bytes  # noqa: E402
-from train import device_name, git_sha, slug, sync  # noqa: E402
+from common import (REWARD_FILE, device_name, git_sha, hbm_bandwidth, lathe_row, roofline_tok_s, run_child,  # noqa: E402
+                    slug, sync, weight_bytes)
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 

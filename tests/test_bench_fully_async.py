@@ -1,6 +1,6 @@
 """bench/fully_async.py builds its two `lathe train` command lines from bench/e2e.py's: an argument e2e gained later
 (`--profile-step`) once broke it on the GPU machine before either run started. The bench is imported in a child
-process: its sibling modules (`train`, `e2e`) share names with test packages already imported here."""
+process, with bench/ on its path as when it runs, so nothing imported by the suite stands in for its modules."""
 
 import json
 import subprocess

@@ -2,10 +2,8 @@
 `perf/gc_full_passes` for generation-2 passes, which walk every tracked object and take longest).
 
 A pause lands in whichever phase allocated last (a rollout's token lists, most often), so a step slower than its
-neighbours can be told apart from one whose device work grew. `lathe train` at 0.5B on an H100 with the set-up
-objects frozen out of the collector's reach (`gc.freeze`, as vLLM does; bench/results/e2e_gc_freeze_ab_*.json):
-5-12 ms a step, 50 ms in the step with a full pass. The freeze did not change the step time, so lathe does not
-freeze.
+neighbours can be told apart from one whose device work grew. lathe does not freeze its set-up objects out of the
+collector's reach (`gc.freeze`, as vLLM does): measured, it did not change the step time (docs/tried_and_not_kept.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,286 @@
+"""What the benchmarks share: the model shapes, where a result comes from (device, commit), the device's datasheet
+figures, the random-weight workloads, and running `lathe train` / `lathe sft` in a child process as a user does.
+
+Named `common` (not after a bench) so that putting bench/ on `sys.path` cannot shadow a test package or `lathe`'s own.
+Each bench does `sys.path.insert(0, bench/)` and `from common import ...`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+QWEN_VOCAB = 151936
+SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]   # dense datasheet
+HBM_TBPS = [("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8), ("A100", 2.0)]   # datasheet TB/s
+
+
+# -- where a result comes from ----------------------------------------------------------------------------------------
+def git_sha() -> str:
+    """HEAD's sha, or $LATHE_GIT_SHA where set (a copied working tree's .git may be stale)."""
+    if os.environ.get("LATHE_GIT_SHA"):
+        return os.environ["LATHE_GIT_SHA"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- datasheet figures and rooflines ----------------------------------------------------------------------------------
+def datasheet_peak(name: str) -> float | None:
+    return next((tf for key, tf in PEAK_BF16_TFLOPS if key in name), None)
+
+
+def hbm_bandwidth(name: str) -> float | None:
+    return next((tb * 1e12 for key, tb in HBM_TBPS if key in name), None)
+
+
+def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
+    hd = shape["hidden_size"] // shape["num_attention_heads"]
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype_bytes
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def roofline_tok_s(shape: dict, wbytes: int, prompt_lens: list[int], out_lens: list[int], bandwidth: float) -> float:
+    """Generated tokens over the minimum decode time: each step reads the weights and every running
+    sequence's KV once (the sequences run together from the start, as they do in both loads)."""
+    kvt = kv_bytes_per_token(shape)
+    steps = max(out_lens)
+    seconds = 0.0
+    for t in range(steps):
+        ctx = sum(p + t for p, o in zip(prompt_lens, out_lens) if t < o)
+        seconds += (wbytes + ctx * kvt) / bandwidth
+    return sum(out_lens) / seconds
+
+
+def train_flops(shape: dict, lengths: list[int]) -> float:
+    """Model FLOPs of forward + backward (3x forward): linear layers incl. lm_head, plus causal attention."""
+    h, i, n_layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    hd = h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    macs_per_token = n_layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + shape["vocab_size"] * h
+    attn_macs = n_layers * sum(2 * q * s * (s + 1) / 2 for s in lengths)   # QK^T and PV over the causal half
+    return 3 * 2 * (sum(lengths) * macs_per_token + attn_macs)
+
+
+# -- random-weight models and workloads -------------------------------------------------------------------------------
+def build_hf(shape_name: str, device, dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(**SHAPES[shape_name], max_position_embeddings=32768, rope_theta=1000000.0,
+                      rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    return model.to(dtype).train()
+
+
+def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (count,), generator=g).tolist()
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def fixed_load_engine(name: str, device, args):
+    """(engine, prompts, params) of the fixed load for a random-weight bf16 model of shape `name`: `args.prompts`
+    prompts of `args.prompt_len` tokens, `args.new_tokens` forced new tokens, the engine at
+    `args.gpu_memory_utilization` (the transformers copy the weights come from is freed)."""
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.models.hf import lathe_from_transformers
+    from lathe.generation import SamplingParams
+    shape = SHAPES[name]
+    hf = build_hf(name, device, torch.bfloat16).eval()
+    model = lathe_from_transformers(hf).eval()
+    del hf
+    torch.cuda.empty_cache()
+    prompts = random_prompts(args.prompts, args.prompt_len, args.prompt_len, shape["vocab_size"], 0)
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    engine = LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=args.prompts,
+                         gpu_memory_utilization=args.gpu_memory_utilization, **batched_tokens(args))
+    return engine, prompts, params
+
+
+def batched_tokens(args) -> dict:
+    """The engine's `max_num_batched_tokens` when the command line sets one (else the engine's default)."""
+    n = getattr(args, "max_num_batched_tokens", None)
+    return {} if n is None else {"max_num_batched_tokens": n}
+
+
+# -- profiles ---------------------------------------------------------------------------------------------------------
+def profile_summary(step, device, top: int = 12) -> dict:
+    """Device time of one step by category (matmul, attention, other) and its top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    sync(device)
+    with profile(activities=acts) as prof:
+        step()
+        sync(device)
+    return summarize_profile(prof, device, top)
+
+
+def summarize_profile(prof, device, top: int = 12) -> dict:
+    """`profile_summary`'s figures from a finished torch.profiler run."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA] \
+        if device.type == "cuda" else list(prof.key_averages())
+
+    def self_us(e):
+        if device.type == "cuda":
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        return e.self_cpu_time_total
+    total = sum(self_us(e) for e in events) or 1.0
+    cats = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for e in events:
+        name = e.key.lower()
+        cat = ("attention" if re.search(r"flash|fmha|sdpa|attn|attention|_decode_kernel", name) else
+               "matmul" if re.search(r"gemm|matmul|cutlass|xmma|nvjet|cublas|mm_", name) else "other")
+        cats[cat] += self_us(e)
+    rows = sorted(events, key=self_us, reverse=True)[:top]
+    return {"device_ms": total / 1e3,
+            "share": {k: v / total for k, v in cats.items()},
+            "top": [{"name": e.key[:120], "ms": self_us(e) / 1e3, "share": self_us(e) / total, "calls": e.count}
+                    for e in rows]}
+
+
+# -- lathe as a user runs it: files on disk and a child process -------------------------------------------------------
+REWARD_FILE = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Cheap and deterministic: the response's length in characters, folded into [0, 1)."""
+    return (len(solution_str) % 97) / 97.0
+'''
+
+
+def write_model(shape: str, where: Path, device: str) -> Path:
+    """A random-weight checkpoint of `shape` (bf16 safetensors + config.json), written once."""
+    from transformers import Qwen2Config
+
+    from lathe.models.config import LatheConfig
+    from lathe.models.decoder import LatheCausalLM, init_weights
+    out = where / f"model-{shape}"
+    if (out / "config.json").exists():
+        return out
+    hf = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, eos_token_id=0, pad_token_id=0,
+                     bos_token_id=None, rope_theta=1e6).to_dict()
+    hf["architectures"] = ["Qwen2ForCausalLM"]
+    cfg = LatheConfig.from_hf_dict(hf, source=f"bench shape {shape}")
+    with torch.device(device):
+        model = LatheCausalLM(cfg).to(torch.bfloat16)
+    torch.manual_seed(0)
+    init_weights(model)
+    model.save_pretrained(out)
+    del model           # the trainers run in child processes: this one must not keep the GPU's memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def write_tokenizer(vocab_size: int, where: Path) -> Path:
+    """A word-level tokenizer: id 0 `<eos>` (also pad), id 1 `<unk>`, then synthetic words `w2 .. w{V-1}`. Kept in a
+    directory of its own (transformers 5 would read a tokenizer beside a qwen2 config.json as Qwen2Tokenizer).
+    (Special tokens must not look like words: added tokens match inside words, `w1` would split `w136`.)"""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    out = where / f"tokenizer-{vocab_size}"
+    if (out / "tokenizer.json").exists():
+        return out
+    vocab = {"<eos>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    fast.save_pretrained(out)
+    return out
+
+
+def write_data(where: Path, *, rows: int, prompt_len: int, vocab_size: int) -> tuple[Path, Path]:
+    """verl-schema parquet (chat prompts, for lathe) and JSON lines of the same prompts as text (for TRL)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(f"w{int(i)}" for i in torch.randint(2, vocab_size, (prompt_len,), generator=g))
+             for _ in range(rows)]
+    parquet, jsonl = where / f"train-{prompt_len}.parquet", where / f"train-{prompt_len}.jsonl"
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "e2e", "prompt": [{"role": "user", "content": t}], "ability": "bench",
+         "reward_model": {"style": "rule", "ground_truth": "0"}, "extra_info": {"index": i}}
+        for i, t in enumerate(texts)]), parquet)
+    jsonl.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return parquet, jsonl
+
+
+def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
+                                     **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.perf_counter() - start
+
+
+def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float | None, profiled: int = 0) -> dict:
+    """`peak_tflops`: of all the GPUs the run uses (MFU is per GPU). `profiled`: a step (1-based) left out of the
+    median, since the profiler slowed it."""
+    timed = [s for i, s in enumerate(steps) if i >= warmup and i + 1 != profiled] or steps[-1:]
+    med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
+    phases = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
+    row = {"step_s": med("timing_s/step"), "phases_s": {k.split("/", 1)[1]: med(k) for k in phases},
+           "tokens_per_s": med("perf/throughput"), "steps_timed": len(timed),
+           "step_s_all": [s.get("timing_s/step") for s in steps],
+           "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps), default=None),
+           "max_memory_reserved_gb": max((s.get("perf/max_memory_reserved_gb", 0) for s in steps), default=None),
+           "max_memory_allocated_gb_by_phase": {k.rsplit("/", 1)[1]: max(s.get(k, 0) for s in steps)
+                                                 for k in steps[-1] if k.startswith("perf/max_memory_allocated_gb/")}}
+    row["rollout"] = {k.split("/", 1)[1]: med(k) for k in sorted({k for s in timed for k in s
+                                                                   if k.startswith("rollout/")})}
+    wake, gb = row["phases_s"].get("rollout_wake_up"), row["rollout"].get("kv_cache_gb")
+    if wake is not None and gb:
+        row["rollout"]["wake_up_ms_per_gb"] = 1000 * wake / gb
+    update = row["phases_s"].get("update_actor")
+    if update and peak_tflops:
+        row["update_mfu"] = flops / update / 1e12 / peak_tflops
+    return row

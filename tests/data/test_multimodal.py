@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from lathe.batch import Batch
-from lathe.data.dataset import DataError, RLDataset
+from lathe.data.dataset import RLDataset
+from lathe.data.errors import DataError
 from lathe.data.multimodal import (IMAGE_TOKEN, concat_multi_modal_inputs, encode_multimodal_prompt, image_messages,
                                    load_processor, multimodal_non_tensors, smart_resize, tiny_vl_processor)
 

@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from lathe.data.dataset import DataError
+from lathe.data.errors import DataError
 
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_TOKEN = "<|image_pad|>"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from lathe.config import LatheConfig
 from lathe.config.coerce import hints_of
-from lathe.config.tree import _dataclass_type
+from lathe.config.tree import dataclass_type
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "lathe"
 ROOT_NAMES = {"cfg", "config"}
@@ -44,7 +44,7 @@ def schema_paths() -> tuple[set[str], dict[str, type]]:
 
     def walk(cls: type, prefix: str) -> None:
         for name, tp in hints_of(cls).items():
-            sub = _dataclass_type(tp)
+            sub = dataclass_type(tp)
             if sub is None:
                 leaves.add(prefix + name)
             else:

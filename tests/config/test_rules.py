@@ -144,7 +144,7 @@ def test_rule9_lathe_engine_with_transformers_actor_fails_naming_both_keys():
 
 
 def test_rule9_rollout_dtype_and_max_model_len():
-    assert "rollout.dtype='bf16'" in fails(["actor_rollout_ref.rollout.dtype=bf16"])
+    assert "rollout.dtype=bf16 is not one of" in fails(["actor_rollout_ref.rollout.dtype=bf16"])
     lengths = ["data.max_prompt_length=100", "data.max_response_length=28"]
     assert load_config("base", GRPO + lengths).actor_rollout_ref.rollout.max_model_len == 128
     text = fails(lengths + ["actor_rollout_ref.rollout.max_model_len=127"])

@@ -4,7 +4,8 @@ import pytest
 
 from lathe.config import ConfigError, LatheConfig, to_dict, to_yaml
 from lathe.config.coerce import load_yaml
-from lathe.config.tree import all_paths, apply_layer, flatten_mapping, get_path, help_for, parse_override
+from lathe.config.help import help_for
+from lathe.config.tree import all_paths, apply_layer, flatten_mapping, get_path, parse_override
 
 
 def apply(overrides, cfg=None):

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from lathe.data.builtin import builtin_tokenizer
-from lathe.data.dataset import DataError, RLDataset, truncate_ids
+from lathe.data.dataset import RLDataset, truncate_ids
+from lathe.data.errors import DataError
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lathe.data.builtin import builtin_tokenizer
-from lathe.data.dataset import DataError, RLDataset
+from lathe.data.dataset import RLDataset
+from lathe.data.errors import DataError
 
 TOK = builtin_tokenizer()
 FUZZ = settings(max_examples=200, deadline=None,

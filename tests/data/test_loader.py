@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from lathe.data.dataset import DataError
+from lathe.data.errors import DataError
 from lathe.data.loader import StatefulDataLoader
 
 

@@ -2,6 +2,7 @@
 prompt ids, pixel_values and image_grid_thw, with a tiny Qwen2-VL style processor built in code."""
 
 import io
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -10,7 +11,8 @@ import torch
 from PIL import Image
 
 from lathe.batch import Batch
-from lathe.data.dataset import DataError, RLDataset
+from lathe.data.dataset import RLDataset
+from lathe.data.errors import DataError
 from lathe.data.multimodal import (IMAGE_TOKEN, concat_multi_modal_inputs, encode_multimodal_prompt, image_messages,
                                    load_processor, multimodal_non_tensors, smart_resize, tiny_vl_processor)
 
@@ -155,3 +157,61 @@ def test_load_processor_round_trips_a_saved_processor(tmp_path, processor):
     b = encode_multimodal_prompt(msgs, [png(30, 30)], loaded, "o")
     assert a.prompt_ids == b.prompt_ids
     assert torch.equal(a.multi_modal_inputs["pixel_values"], b.multi_modal_inputs["pixel_values"])
+
+
+def _saved(tmp_path, processor, *, image_processor=True):
+    processor.tokenizer.save_pretrained(tmp_path)
+    if image_processor:
+        processor.image_processor.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _auto_processor_raises(monkeypatch, error):
+    import transformers
+
+    def from_pretrained(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", from_pretrained)
+
+
+def test_a_processor_that_fails_to_load_is_an_error_naming_the_directory_and_the_cause(tmp_path, processor,
+                                                                                        monkeypatch):
+    path = _saved(tmp_path, processor)          # tokenizer and image processor load fine: no quiet substitute
+    _auto_processor_raises(monkeypatch, ValueError("needs trust_remote_code=True"))
+    with pytest.raises(DataError, match=rf"{re.escape(path)}: the processor could not be loaded: ValueError: needs "
+                                        r"trust_remote_code=True\. Fix:") as err:
+        load_processor(path)
+    assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_a_corrupt_processor_file_is_an_error_naming_the_directory(tmp_path, processor):
+    path = _saved(tmp_path, processor)
+    (tmp_path / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(DataError, match=rf"{re.escape(path)}: the processor could not be loaded: .*preprocessor_config.json"):
+        load_processor(path)
+
+
+def test_a_directory_without_an_image_processor_is_not_a_vision_language_checkpoint(tmp_path, processor):
+    path = _saved(tmp_path, processor, image_processor=False)
+    with pytest.raises(DataError, match=rf"{re.escape(path)}: no image processor .* not a vision-language checkpoint"):
+        load_processor(path)
+
+
+def test_a_processor_class_needing_a_missing_library_is_replaced_with_a_warning(tmp_path, processor, monkeypatch):
+    path = _saved(tmp_path, processor)
+    _auto_processor_raises(monkeypatch, ImportError("Qwen2VLVideoProcessor requires the Torchvision library but it "
+                                                    "was not found in your environment.\nSee the installation page."))
+    with pytest.warns(UserWarning, match=rf"{re.escape(path)}: transformers' processor cannot be built here "
+                                         r"\(Qwen2VLVideoProcessor requires the Torchvision library"):
+        loaded = load_processor(path)
+    msgs = [{"role": "user", "content": "<image>x"}]
+    a = encode_multimodal_prompt(msgs, [png(30, 30)], processor, "o")
+    assert encode_multimodal_prompt(msgs, [png(30, 30)], loaded, "o").prompt_ids == a.prompt_ids
+
+
+def test_a_tokenizer_and_image_processor_without_a_processor_config_load_without_a_warning(tmp_path, processor):
+    import warnings
+    path = _saved(tmp_path, processor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_processor(path).image_processor is not None

@@ -10,7 +10,7 @@ import pytest
 
 from lathe.config.sft import load_sft_config
 from lathe.data.builtin import builtin_tokenizer
-from lathe.data.dataset import DataError
+from lathe.data.errors import DataError
 from lathe.data.sft import SFTDataset
 
 from helpers import qwen_style_tokenizer

@@ -135,7 +135,7 @@ def test_custom_chat_template_replaces_a_missing_one_and_the_dataset_renders_wit
     import json
 
     from lathe.data import RLDataset
-    from lathe.data.dataset import DataError
+    from lathe.data.errors import DataError
     bare = builtin_tokenizer()
     bare.chat_template = None
     bare.save_pretrained(tmp_path / "base")

@@ -11,7 +11,8 @@ from .errors import ConfigError
 from .loader import list_presets, load_config
 from .rules import BatchPlan, batch_plan, critic_in_use, resolve_devices
 from .schema import LatheConfig
-from .tree import help_for, to_dict, to_yaml
+from .help import help_for
+from .tree import to_dict, to_yaml
 
 __all__ = [
     "BatchPlan",

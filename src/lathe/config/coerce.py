@@ -207,8 +207,8 @@ def _coerce_literal(value: Any, choices: tuple, key: str, raw: str | None) -> An
             return choice
     names = [str(c) for c in choices]
     hint = did_you_mean(closest(str(candidate), names, n=1))
-    raise ConfigError(f"{key}={show(value)} is not a valid choice: expected one of {', '.join(names)}."
-                      f"{hint} Fix: set {key} to one of those.")
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    raise ConfigError(f"{key}={show(value)} is not one of the values this key takes.{hint} Fix: set it to {listed}.")
 
 
 def _coerce_list(value: Any, tp: Any, args: tuple, key: str, example: Any, meta: dict) -> list:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .choices import (BypassLoss, ISLevel, KLControllerType, KLEstimator, LegacyWorkerImpl, LossAggMode,
+                      ProfilerTool, ReweightMethod, Strategy)
 from .coerce import spec
 from .schema_actor import CheckpointConfig, FSDPConfig, OptimConfig
 from .schema_async import AsyncTrainingConfig, RolloutPoolConfig
@@ -98,7 +100,7 @@ class CriticConfig:
     Keys left null take the actor's value (mini-batch size, epochs, shuffle, ...).
     """
 
-    strategy: str = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
+    strategy: Strategy = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
     enable: bool | None = spec(None, "Force the critic on/off; null = on exactly when adv_estimator=gae.")
     model: CriticModelConfig = spec(factory=CriticModelConfig, help="Value model.")
     optim: OptimConfig = spec(factory=lambda: OptimConfig(lr=1e-5), help="Critic optimizer (lr 1e-5).")
@@ -116,7 +118,7 @@ class CriticConfig:
     shuffle: bool | None = spec(None, "null = actor's.")
     grad_clip: float = spec(1.0, "Max global gradient norm.")
     cliprange_value: float = spec(0.5, "Value clipping range around the old values.")
-    loss_agg_mode: str | None = spec(None, "null = actor's.")
+    loss_agg_mode: LossAggMode | None = spec(None, "null = actor's.")
     ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")
     checkpoint: CheckpointConfig = spec(factory=CheckpointConfig, help="Checkpoint contents.")
     profiler: dict[str, Any] = spec({}, "verl profiler settings.")
@@ -163,7 +165,7 @@ class RewardModelConfig:
     enable_resource_pool: bool = spec(False, "Give the reward model its own devices (verl).")
     n_gpus_per_node: int = spec(0, "Devices per node of the reward model's pool (verl).")
     nnodes: int = spec(0, "Nodes of the reward model's pool (verl).")
-    strategy: str = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
+    strategy: Strategy = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
     model: RewardModelModelConfig = spec(factory=RewardModelModelConfig, help="Reward model weights.")
     micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
     micro_batch_size_per_gpu: int | None = spec(None, "Sequences per device per RM forward.")
@@ -207,7 +209,7 @@ class RewardConfig:
 class KLControlConfig:
     """In-reward KL coefficient controller (verl ``algorithm.kl_ctrl``)."""
 
-    type: str = spec("fixed", "fixed | adaptive.")
+    type: KLControllerType = spec("fixed", "fixed | adaptive.")
     kl_coef: float = spec(0.001, "(Initial) KL coefficient.")
     horizon: int = spec(10000, "Adaptive controller horizon.")
     target_kl: float = spec(0.1, "Adaptive controller target KL.")
@@ -226,7 +228,7 @@ class FilterGroupsConfig:
 class PFPPOConfig:
     """Preference-feedback PPO reweighting (verl ``algorithm.pf_ppo``)."""
 
-    reweight_method: str = spec("pow", "pow | max_min | max_random.")
+    reweight_method: ReweightMethod = spec("pow", "pow | max_min | max_random.")
     weight_pow: float = spec(2.0, "Exponent for the pow method.")
 
 
@@ -234,7 +236,7 @@ class PFPPOConfig:
 class RolloutCorrectionConfig:
     """Off-policy correction between the rollout engine and the trainer (verl names)."""
 
-    rollout_is: str | None = spec(None, "IS weights: token | sequence | null (off).")
+    rollout_is: ISLevel | None = spec(None, "IS weights: token | sequence | null (off).")
     rollout_is_threshold: float | str = spec(
         2.0, "IS weight bound: a number truncates weights above it (TIS); 'lower_upper' such as '0.5_5.0' zeroes "
         "weights outside the band (IcePop).")
@@ -245,7 +247,7 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold_lower: float | None = spec(None, "RS lower threshold; null = 1 / upper.")
     rollout_token_veto_threshold: float | None = spec(None, "Reject a sequence if any token ratio is below.")
     bypass_mode: bool = spec(False, "Use rollout log-probs as old log-probs (skip recomputation).")
-    loss_type: str = spec("ppo_clip", "Bypass-mode loss: ppo_clip | reinforce.")
+    loss_type: BypassLoss = spec("ppo_clip", "Bypass-mode loss: ppo_clip | reinforce.")
     use_policy_gradient: bool = spec(False, "Older verl spelling of loss_type=reinforce.")
 
 
@@ -285,7 +287,8 @@ class AlgorithmConfig:
     adv_estimator: str = spec("gae", "gae, grpo, rloo, reinforce_plus_plus, remax, ... (checked by the algo registry).")
     norm_adv_by_std_in_grpo: bool = spec(True, "GRPO: divide by the group std (false = Dr. GRPO).")
     use_kl_in_reward: bool = spec(False, "Subtract a KL penalty from the token rewards.")
-    kl_penalty: str = spec("kl", "In-reward KL estimator: kl, abs, mse, low_var_kl, full.")
+    kl_penalty: KLEstimator = spec("kl", "In-reward KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "
+                                         "trailing + (e.g. low_var_kl+) takes k2's gradient.")
     kl_ctrl: KLControlConfig = spec(factory=KLControlConfig, help="In-reward KL coefficient.")
     use_pf_ppo: bool = spec(False, "Preference-feedback PPO reweighting.")
     pf_ppo: PFPPOConfig = spec(factory=PFPPOConfig, help="PF-PPO settings.")
@@ -346,14 +349,14 @@ class TrainerConfig:
     max_critic_ckpt_to_keep: int | None = spec(None, "Keep only the newest N critic checkpoints; null = all.")
     esi_redundant_time: int = spec(0, "Seconds before an elastic instance expires to save (verl).")
     ray_wait_register_center_timeout: int = spec(300, "Seconds to wait for Ray workers to register.")
-    use_legacy_worker_impl: str = spec("auto", "verl's worker implementation: auto | enable | disable.")
+    use_legacy_worker_impl: LegacyWorkerImpl = spec("auto", "verl's worker implementation: auto | enable | disable.")
 
 
 @dataclass
 class GlobalProfilerConfig:
     """verl ``global_profiler``: which steps to profile, with which tool, into which directory."""
 
-    tool: str | None = spec(None, "Profiler: torch = a PyTorch profiler trace and a per-phase summary of each listed "
+    tool: ProfilerTool | None = spec(None, "Profiler: torch = a PyTorch profiler trace and a per-phase summary of each listed "
                                   "step (lathe.track.profile); null = off. nsys/npu/torch_memory are not implemented.")
     steps: list[int] | None = spec(None, "Steps to profile (the first step is 1); null = none.")
     profile_continuous_steps: bool = spec(False, "One trace across consecutive listed steps (not implemented: lathe "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .choices import CheckpointPart, DtypeName, FSDPStrategy, KLEstimator, LossAggMode, Strategy
 from .coerce import spec
 
 
@@ -17,11 +18,11 @@ from .coerce import spec
 class MixedPrecisionConfig:
     """verl's ``fsdp_config.mixed_precision``: FSDP2 ``MixedPrecisionPolicy`` semantics (on CUDA; CPU runs fp32)."""
 
-    param_dtype: str = spec("bf16", "Dtype the model computes in (forward and backward): bf16 or fp32. The weights "
+    param_dtype: DtypeName = spec("bf16", "Dtype the model computes in (forward and backward): bf16 or fp32. The weights "
                                     "the optimizer updates stay in model_dtype.")
-    reduce_dtype: str = spec("fp32", "Dtype gradients are accumulated (and, on many devices, reduced) in: fp32 or "
+    reduce_dtype: DtypeName = spec("fp32", "Dtype gradients are accumulated (and, on many devices, reduced) in: fp32 or "
                                      "bf16.")
-    buffer_dtype: str = spec("fp32", "Dtype of model buffers; lathe keeps its only buffers (rotary frequencies) in "
+    buffer_dtype: DtypeName = spec("fp32", "Dtype of model buffers; lathe keeps its only buffers (rotary frequencies) in "
                                      "fp32, so only fp32 is accepted.")
 
 
@@ -45,13 +46,13 @@ class FSDPConfig:
     reshard_after_forward: bool = spec(True, "FSDP2: free gathered params after forward.")
     fsdp_size: int = spec(-1, "Devices per FSDP shard group; -1 = all devices.")
     forward_prefetch: bool = spec(False, "Prefetch the next all-gather during forward.")
-    model_dtype: str = spec("fp32", "Dtype of the weights the optimizer updates (master weights): fp32 or bf16 "
+    model_dtype: DtypeName = spec("fp32", "Dtype of the weights the optimizer updates (master weights): fp32 or bf16 "
                                     "(bf16 = pure bf16 training). A frozen reference holds param_dtype weights.")
     mixed_precision: MixedPrecisionConfig = spec(factory=MixedPrecisionConfig,
                                                  help="Compute / gradient dtypes (FSDP2 MixedPrecisionPolicy).")
     use_orig_params: bool = spec(False, "FSDP1 use_orig_params (verl).")
     wrap_policy: dict[str, Any] = spec({"min_num_params": 0}, "Module wrapping policy (verl).")
-    strategy: str | None = spec(None, "Engine strategy override (verl: fsdp|fsdp2).")
+    strategy: FSDPStrategy | None = spec(None, "Engine strategy override (verl: fsdp|fsdp2).")
     use_torch_compile: bool = spec(True, "verl's engine-worker switch: false runs this model eager. On CUDA, "
                                          "lathe compiles its decoder layers (and the actor's log-prob math).")
 
@@ -60,9 +61,9 @@ class FSDPConfig:
 class CheckpointConfig:
     """What a checkpoint holds (verl ``checkpoint``)."""
 
-    save_contents: list[str] = spec(["model", "optimizer", "extra"],
+    save_contents: list[CheckpointPart] = spec(["model", "optimizer", "extra"],
                                     "Parts to save: model, optimizer, extra (rng, step), hf_model.")
-    load_contents: list[str] = spec(["model", "optimizer", "extra"], "Parts to load on resume.")
+    load_contents: list[CheckpointPart] = spec(["model", "optimizer", "extra"], "Parts to load on resume.")
     async_save: bool = spec(False, "Save in the background (verl).")
 
 
@@ -152,7 +153,7 @@ class ActorConfig:
     across devices); ``ppo_micro_batch_size_per_gpu`` counts SEQUENCES per device.
     """
 
-    strategy: str = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
+    strategy: Strategy = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
     ppo_mini_batch_size: int = spec(256, "Prompts per PPO mini-batch (one optimizer step); x rollout.n sequences.")
     ppo_micro_batch_size: int | None = spec(None, "Deprecated (verl): global micro-batch in sequences; "
                                                   "converted to ppo_micro_batch_size_per_gpu.")
@@ -169,13 +170,15 @@ class ActorConfig:
     tau_pos: float = spec(1.0, "SAPO smoothing temperature for positive advantages.")
     tau_neg: float = spec(1.05, "SAPO smoothing temperature for negative advantages.")
     policy_loss: PolicyLossConfig = spec(factory=PolicyLossConfig, help="Policy loss selection.")
-    loss_agg_mode: str = spec("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
-                                            "seq-mean-token-sum-norm (checked by the algo registry).")
+    loss_agg_mode: LossAggMode = spec("token-mean", "How token losses become the loss (lathe.algo.aggregate): "
+                                                    "token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean "
+                                                    "or seq-mean-token-sum-norm.")
     loss_scale_factor: float | None = spec(None, "seq-mean-token-sum-norm divisor; null = response length.")
     entropy_coeff: float = spec(0.0, "Entropy bonus coefficient in the actor loss.")
     use_kl_loss: bool = spec(False, "Add a KL(actor || ref) term to the loss (GRPO style).")
     kl_loss_coef: float = spec(0.001, "Coefficient of the KL loss.")
-    kl_loss_type: str = spec("low_var_kl", "KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), full.")
+    kl_loss_type: KLEstimator = spec("low_var_kl", "KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "
+                                                   "trailing + (e.g. low_var_kl+) takes k2's gradient.")
     ppo_epochs: int = spec(1, "Passes over each step's batch.")
     shuffle: bool = spec(False, "Shuffle sequences between PPO epochs.")
     grad_clip: float = spec(1.0, "Max global gradient norm.")
@@ -201,7 +204,7 @@ class ActorConfig:
 class RefConfig:
     """Frozen reference policy for the KL term (verl ``actor_rollout_ref.ref``)."""
 
-    strategy: str = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
+    strategy: Strategy = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
     log_prob_micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
     log_prob_micro_batch_size_per_gpu: int | None = spec(
         None, "Sequences per device per ref log-prob forward; null = lathe picks.")

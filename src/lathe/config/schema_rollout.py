@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .choices import RolloutDtype, RolloutMode, SanityCheckMode, ToolCallFormat, TruncateSide
 from .coerce import spec
 from .schema_async import CheckpointEngineConfig
 from .schema_actor import ActorConfig, ModelConfig, RefConfig
@@ -38,15 +39,15 @@ class MultiTurnConfig:
     interaction_config_path: str | None = spec(None, "YAML file describing simulated users.")
     max_parallel_calls: int = spec(1, "Tool calls run per model turn (at once); later calls of a turn are dropped.")
     max_tool_response_length: int = spec(256, "A tool answer is cut to this many characters (verl).")
-    tool_response_truncate_side: str = spec("middle", "Which part of a long tool answer stays: left (the start), "
+    tool_response_truncate_side: TruncateSide = spec("middle", "Which part of a long tool answer stays: left (the start), "
                                                       "right (the end) or middle (both ends).")
     tool_timeout: float = spec(30.0, "lathe: seconds a tool call may take; then the model reads a timeout error.")
     max_concurrent_tool_calls: int = spec(32, "lathe: tool calls running at once across all trajectories.")
     use_inference_chat_template: bool = spec(False, "verl: apply the chat template used at inference (no effect: "
                                                     "lathe never re-renders a conversation).")
-    tokenization_sanity_check_mode: str = spec("strict", "verl: strict | ignore_strippable | disable (no effect: "
+    tokenization_sanity_check_mode: SanityCheckMode = spec("strict", "verl: strict | ignore_strippable | disable (no effect: "
                                                          "lathe never re-tokenises a conversation).")
-    format: str = spec("hermes", "Tool-call format of the model's text: hermes (<tool_call>{json}</tool_call>, "
+    format: ToolCallFormat = spec("hermes", "Tool-call format of the model's text: hermes (<tool_call>{json}</tool_call>, "
                                  "Qwen2.5/Qwen3) or llama3_json (Llama 3.1+).")
 
 
@@ -58,7 +59,7 @@ class RolloutConfig:
         "auto", "Backend: lathe (built-in paged engine, needs lathe's decoder: Llama/Qwen2/Qwen3), hf "
                 "(transformers generate, any causal LM), or auto (lathe when the actor runs lathe's decoder, "
                 "else hf). vllm/sglang are not shipped; load_config explains the fix.")
-    mode: str = spec("sync", "verl: sync | async (server-based) generation.")
+    mode: RolloutMode = spec("sync", "verl: sync | async (server-based) generation.")
     n: int = spec(1, "Responses sampled per prompt (GRPO group size).")
     temperature: float = spec(1.0, "Sampling temperature (> 0).")
     top_p: float = spec(1.0, "Nucleus sampling mass, in (0, 1].")
@@ -67,7 +68,7 @@ class RolloutConfig:
     ignore_eos: bool = spec(False, "Keep generating past EOS up to response_length.")
     prompt_length: int | None = spec(None, "Prompt token budget; null = data.max_prompt_length.")
     response_length: int | None = spec(None, "Response token budget; null = data.max_response_length.")
-    dtype: str = spec("bfloat16", "Engine weights and KV-cache dtype (bfloat16|float16|float32) on CUDA; "
+    dtype: RolloutDtype = spec("bfloat16", "Engine weights and KV-cache dtype (bfloat16|float16|float32) on CUDA; "
                                   "CPU runs use float32. The hf backend shares the actor's dtype.")
     gpu_memory_utilization: float = spec(0.5, "Fraction of device memory the engine may use (weights + KV cache).")
     tensor_model_parallel_size: int = spec(1, "Tensor-parallel degree of the engine (verl default 2).")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .choices import CheckpointPart, Strategy
 from .coerce import spec
 from .schema import Logger, PathNameConfig
 from .schema_actor import FSDPConfig, OptimConfig
@@ -90,7 +91,7 @@ class SFTModelConfig:
     use_remove_padding: bool | None = spec(None, "Packed forward (lathe's decoder always packs in SFT).")
     use_shm: bool = spec(False, "Copy the model to shared memory first (verl).")
     fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="Precision, sharding and offload.")
-    strategy: str = spec("fsdp2", "Training backend (verl: fsdp|fsdp2).")
+    strategy: Strategy = spec("fsdp2", "Training backend (verl: fsdp|fsdp2|megatron).")
     lora_rank: int = spec(0, "LoRA rank; 0 = full fine-tuning.")
     lora_alpha: int = spec(16, "LoRA alpha.")
     target_modules: str | list[str] = spec("all-linear", "LoRA target modules.")
@@ -144,8 +145,8 @@ class SFTCheckpointConfig:
     """What a checkpoint holds (verl ``checkpoint``); lathe always saves the model (Hugging Face format),
     optimizer and the rest that an exact resume needs."""
 
-    save_contents: list[str] = spec(["model", "optimizer", "extra"], "Parts to save (lathe saves them all).")
-    load_contents: list[str] = spec(["model", "optimizer", "extra"], "Parts to load on resume.")
+    save_contents: list[CheckpointPart] = spec(["model", "optimizer", "extra"], "Parts to save (lathe saves them all).")
+    load_contents: list[CheckpointPart] = spec(["model", "optimizer", "extra"], "Parts to load on resume.")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from .errors import ConfigError, ProblemList
 from .interpolate import resolve_interpolations
 from .loader import _apply_overrides, _read_mapping
 from .schema_sft import SFTConfig
-from .support_base import Entry, at_most, devices, one_of, only_on, refuse, warn
+from .support_base import Entry, at_most, devices, inert, one_of, only_on, refuse, warn
 from .tree import apply_layer, flatten_mapping, get_path
 
 F = "model.fsdp_config"
@@ -33,7 +33,7 @@ def entries() -> list[Entry]:
         refuse("trainer.use_sudo_for_checkpoint", "writing checkpoints with sudo"),
         refuse("model.strategy", "a training backend other than fsdp/fsdp2", "set it to fsdp2",
                one_of("fsdp", "fsdp2")),
-        refuse(f"{F}.strategy", "an engine strategy other than fsdp/fsdp2", "remove it", one_of(None, "fsdp", "fsdp2")),
+        inert(f"{F}.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2"),
         refuse(f"{F}.fsdp_size", "hybrid sharding (shard groups smaller than all devices, HSDP)",
                "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, devices(cfg))),
         refuse(f"{F}.grad_offload", "gradient offload (an old verl key)"),

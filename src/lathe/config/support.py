@@ -55,8 +55,7 @@ def _multi_gpu() -> list[Entry]:
     out += [refuse(f"{g}.strategy", "a training backend other than fsdp/fsdp2 (such as megatron)",
                    "set it to fsdp2 (or fsdp): lathe trains with PyTorch FSDP2", one_of("fsdp", "fsdp2"))
             for g in (A, REF, C)]
-    out += [refuse(f"{g}.fsdp_config.strategy", "an engine strategy other than fsdp/fsdp2", "remove it",
-                   one_of(None, "fsdp", "fsdp2")) for g in TRAINED]
+    out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
     out += [refuse(f"{g}.fsdp_config.fsdp_size", "hybrid sharding (shard groups smaller than all devices, HSDP)",
                    "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, devices(cfg)))
             for g in TRAINED]
@@ -324,13 +323,11 @@ def _observability() -> list[Entry]:
 
 
 def _same_either_way() -> list[Entry]:
-    return [inert(f"{R}.mode", "lathe's engine batches each step's prompts continuously in either mode",
-                  ("sync", "async")),
+    return [inert(f"{R}.mode", "lathe's engine batches each step's prompts continuously in either mode"),
             inert(f"{R}.calculate_log_probs", "the rollout always returns its log-probs"),
             inert(f"{R}.load_format", "the engine always starts from the actor's weights"),
             inert(f"{R}.skip_tokenizer_init", "lathe's engine works on token ids"),
-            inert("trainer.use_legacy_worker_impl", "lathe has one worker implementation",
-                  ("auto", "enable", "disable")),
+            inert("trainer.use_legacy_worker_impl", "lathe has one worker implementation"),
             inert("hydra", "Hydra's own settings; lathe does not run Hydra")]
 
 

@@ -6,8 +6,8 @@ the key holds a value other than its default:
 * ``refuse``: the value fails ``load_config`` ("... is not implemented yet in lathe. Fix: ...");
 * ``warn``: the value has no effect in lathe (on one device, or lathe always does the same thing); one
   warning lists every such key of a run;
-* ``inert``: lathe already behaves as any accepted value asks (``values``), so it is accepted silently;
-  other values are refused.
+* ``inert``: lathe already behaves as any value asks, so it is accepted silently (a key whose values form a
+  closed set is typed as a ``Literal`` in the schema, which rejects the others).
 
 ``ok(value, cfg)`` says whether a value is fine as it is (default: the dataclass default, or off).
 """
@@ -50,9 +50,6 @@ class Entry:
         shown = f"`{self.key}`={show(value)}"
         if self.kind == "warn":
             return "warn", f"{shown} has no effect in lathe: {self.text}."
-        if self.kind == "inert":
-            return "refuse", (f"{shown} is not a value lathe knows for this key ({self.text}). "
-                              f"Fix: {self.format(self.fix, value, default)}.")
         return "refuse", (f"{shown}: {self.text} is not implemented yet in lathe. "
                           f"Fix: {self.format(self.fix, value, default)}.")
 
@@ -77,11 +74,9 @@ def warn(key: str, text: str, ok: Check | None = None):
     return Entry(key, "warn", text, ok=ok)
 
 
-def inert(key: str, text: str, values: tuple | None = None):
-    """Accepted silently; with ``values``, any other value is refused."""
-    ok = None if values is None else (lambda v, cfg: v in values)
-    fix = "use one of " + ", ".join(map(str, values)) if values else ""
-    return Entry(key, "inert", text, fix, ok or (lambda v, cfg: True))
+def inert(key: str, text: str):
+    """Accepted silently, whatever the value."""
+    return Entry(key, "inert", text, ok=lambda v, cfg: True)
 
 
 def devices(cfg: Any) -> int:

@@ -42,7 +42,7 @@ class Assignment:
 # ----------------------------------------------------------------------------- schema walking
 
 
-def _dataclass_type(tp: Any) -> type | None:
+def dataclass_type(tp: Any) -> type | None:
     """The dataclass inside an annotation (plain or Optional), else None."""
     if dataclasses.is_dataclass(tp):
         return tp
@@ -68,7 +68,7 @@ def all_paths(root: type = LatheConfig) -> tuple[str, ...]:
         for name, tp in hints_of(cls).items():
             path = f"{prefix}{name}"
             out.append(path)
-            sub = _dataclass_type(tp)
+            sub = dataclass_type(tp)
             if sub is not None:
                 walk(sub, path + ".")
 
@@ -79,24 +79,6 @@ def all_paths(root: type = LatheConfig) -> tuple[str, ...]:
 def field_meta(cls: type, name: str) -> dict:
     """The metadata of field ``name`` of dataclass ``cls``."""
     return dict(cls.__dataclass_fields__[name].metadata)
-
-
-def help_for(path: str) -> str:
-    """Help text of a dotted key, with what lathe does with it when it is in the support registry
-    ('' for unknown keys or keys without help)."""
-    from .support import support_note    # support reads values through this module
-    cls: Any = LatheConfig
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        hints = hints_of(cls)
-        if part not in hints:
-            return ""
-        if i == len(parts) - 1:
-            return " ".join(t for t in (field_meta(cls, part).get("help", ""), support_note(path)) if t)
-        cls = _dataclass_type(hints[part])
-        if cls is None:
-            return ""
-    return ""
 
 
 def unknown_key_message(path: str, origin: str, root: type = LatheConfig) -> str:
@@ -136,7 +118,7 @@ def flatten_mapping(mapping: dict, origin: str, root: type = LatheConfig) -> lis
                 continue
             path = f"{prefix}{key}"
             hints = hints_of(cls) if cls is not None else {}
-            sub = _dataclass_type(hints[key]) if key in hints else None
+            sub = dataclass_type(hints[key]) if key in hints else None
             group = sub is not None or (cls is LatheConfig and key in _ALIAS_GROUPS)
             if group and isinstance(value, dict):
                 walk(sub, value, path + ".")
@@ -226,10 +208,10 @@ def assign(root: LatheConfig, item: Assignment) -> None:
 
 def _set_field(root: LatheConfig, node: Any, name: str, tp: Any, item: Assignment) -> None:
     """Assign a leaf field, merge a mapping into a group / dict field, or set a group from a preset name."""
-    if _dataclass_type(tp) in GROUP_PRESETS and isinstance(item.value, str):
-        _set_group_preset(root, node, name, _dataclass_type(tp), item)
+    if dataclass_type(tp) in GROUP_PRESETS and isinstance(item.value, str):
+        _set_group_preset(root, node, name, dataclass_type(tp), item)
         return
-    if _dataclass_type(tp) is not None and isinstance(item.value, dict):
+    if dataclass_type(tp) is not None and isinstance(item.value, dict):
         for key, value in item.value.items():
             if str(key) != "_target_":
                 child = Assignment(f"{item.path}.{key}", value, None, f"{item.spelled}.{key}", item.origin)

@@ -25,16 +25,13 @@ import warnings
 from typing import Any
 
 from lathe.data.builtin import BUILTIN_DATASETS
+from lathe.data.errors import DataError
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 PREPROCESS_HINT = (
     "create it with `lathe preprocess gsm8k <raw gsm8k dir or .jsonl> <output dir>` "
     "(see lathe.data.preprocess.PREPROCESSORS), or use files=builtin:arithmetic"
 )
-
-
-class DataError(ValueError):
-    """A data file or row that cannot be used; the message names where and how to fix it."""
 
 
 # --------------------------------------------------------------------------- reading files

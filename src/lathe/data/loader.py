@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from lathe.data.dataset import DataError
+from lathe.data.errors import DataError
 
 
 class StatefulDataLoader:

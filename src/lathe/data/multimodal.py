@@ -26,10 +26,11 @@ from __future__ import annotations
 import io
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from lathe.data.dataset import DataError
+from lathe.data.errors import DataError
 
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_TOKEN = "<|image_pad|>"
@@ -72,17 +73,43 @@ class VisionProcessor:
 
 
 def load_processor(path: str):
-    """The VL processor of a checkpoint directory: `AutoProcessor` (slow image processor), or, where that cannot be
-    built (no torchvision), a `VisionProcessor` from `AutoTokenizer` + `AutoImageProcessor(use_fast=False)`."""
+    """The VL processor of checkpoint directory `path`: `AutoProcessor` (slow image processor) where it builds one
+    with a tokenizer and an image processor.
+
+    Two cases build lathe's `VisionProcessor` (`AutoTokenizer` + `AutoImageProcessor(use_fast=False)`; the same
+    prompt ids and pixel inputs) instead: `AutoProcessor` gives a tokenizer alone (the directory has no processor
+    config), or the processor class needs a library that is not installed (Qwen2.5-VL's video processor needs
+    torchvision, and lathe reads no video), which a warning says. Any other failure, or a directory without an image
+    processor, is a DataError naming `path` and the underlying error.
+    """
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     try:
         processor = AutoProcessor.from_pretrained(path, use_fast=False)
+    except ImportError as err:
+        missing = str(err).strip().splitlines()[0]
+        warnings.warn(f"{path}: transformers' processor cannot be built here ({missing}); lathe builds its own from "
+                      f"the tokenizer and the image processor (images only; the same prompt ids).", stacklevel=2)
+    except Exception as err:
+        raise DataError(f"{path}: the processor could not be loaded: {_cause(err)}. Fix: point "
+                        f"actor_rollout_ref.model.tokenizer_path (or model.path) at the vision-language checkpoint's "
+                        f"directory (its tokenizer files and preprocessor_config.json).") from err
+    else:
         if getattr(processor, "tokenizer", None) is not None and getattr(processor, "image_processor", None) is not None:
             return processor
-    except Exception:  # transformers raises several types when the video processor needs torchvision
-        pass
-    image_processor = AutoImageProcessor.from_pretrained(path, use_fast=False)
-    return VisionProcessor(AutoTokenizer.from_pretrained(path), image_processor)
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(path, use_fast=False)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise DataError(f"{path}: no image processor and tokenizer could be loaded, so it is not a vision-language "
+                        f"checkpoint lathe can read: {_cause(err)}. Fix: point "
+                        f"actor_rollout_ref.model.tokenizer_path (or model.path) at a directory with the tokenizer "
+                        f"files and preprocessor_config.json of a Qwen2-VL style model.") from err
+    return VisionProcessor(tokenizer, image_processor)
+
+
+def _cause(err: Exception) -> str:
+    """`Type: message` of an error, on one line, without a trailing period."""
+    return f"{type(err).__name__}: {' '.join(str(err).split()).rstrip('.')}"
 
 
 def _parts(processor) -> tuple[Any, Any, str]:

@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from lathe.data.dataset import DataError, _require_chat_template, read_data_file
+from lathe.data.dataset import _require_chat_template, read_data_file
+from lathe.data.errors import DataError
 
 
 @dataclass

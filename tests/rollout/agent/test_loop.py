@@ -29,11 +29,14 @@ class Result:
 
 
 class FakeTools:
-    """A ToolSet stand-in: `calculator` evaluates digits-and-operators, after `delay` seconds."""
+    """A ToolSet stand-in: `calculator` evaluates digits-and-operators, after `delay` seconds; with `together`, each
+    call waits until that many calls are running at once (a barrier: it breaks, and the call fails, when they never
+    all arrive)."""
 
-    def __init__(self, delay: float = 0.0):
+    def __init__(self, delay: float = 0.0, together: int = 0):
         self.delay, self.opened, self.closed, self.running, self.most = delay, [], [], 0, 0
         self.lock = threading.Lock()
+        self.barrier = threading.Barrier(together, timeout=60) if together else None
 
     def schemas(self):
         return TOOLS
@@ -47,6 +50,8 @@ class FakeTools:
                 with tools.lock:
                     tools.running += 1
                     tools.most = max(tools.most, tools.running)
+                if tools.barrier is not None:
+                    tools.barrier.wait()
                 time.sleep(tools.delay)
                 with tools.lock:
                     tools.running -= 1
@@ -178,12 +183,15 @@ def test_max_parallel_calls_runs_the_first_calls_of_a_turn(qwen_tok):
 def test_tool_calls_of_all_trajectories_run_at_once_while_others_generate(qwen_tok):
     n = 8
     script = [[CALL % f"{i}+1", f"{i + 1}"] if i % 2 else ["no tool"] for i in range(n)]
-    tools = FakeTools(delay=0.3)
-    _, loop = loop_for(qwen_tok, script, tools=tools, max_concurrent_tool_calls=16)
-    start = time.perf_counter()
+    tools = FakeTools(together=n // 2)                             # the four calls return only once all run at once
+    engine, loop = loop_for(qwen_tok, script, tools=tools, max_concurrent_tool_calls=16)
+    running_at_step = []
+    step = engine.step
+    engine.step = lambda: running_at_step.append(tools.running) or step()
     out = loop.generate([prompt_of(qwen_tok)] * n, SamplingParams(n=1, seed=0))
-    assert time.perf_counter() - start < 0.3 * n / 2             # the four tool calls overlapped
-    assert tools.most == 4 and out.tool_calls == [i % 2 for i in range(n)]
+    assert not tools.barrier.broken and tools.most == 4 and out.tool_calls == [i % 2 for i in range(n)]
+    assert out.tool_errors == [0] * n
+    assert any(running_at_step), "the engine generated while tool calls were running"
     assert sorted(tools.closed) == sorted(t for t, _ in tools.opened) and len(tools.opened) == n
     assert all(qwen_tok.decode(t).endswith(f"{i + 1}<|im_end|>") for i, t in enumerate(out.token_ids) if i % 2)
 

@@ -1,0 +1,50 @@
+"""The closed sets of values that choice keys take, as ``Literal`` types for the schema.
+
+A key whose value must be one of a fixed set is typed with one of these, so ``coerce`` rejects anything else when
+the value is set, naming the key, the value and the choices. Sets a user can extend stay ``str`` in the schema and
+are checked by their registry (advantage estimators and policy losses: ``lathe.algo.registry``; reward managers,
+optimizer classes, tool classes, model paths).
+
+Several sets mirror a table in a package ``config/`` may not import (it is a leaf: no torch); each such Literal
+names its table, and ``tests/config/test_choices.py`` checks that they agree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+# lathe.dtypes.DTYPES: verl's spellings of the training dtypes (fsdp_config.model_dtype, mixed_precision.*)
+DtypeName = Literal["fp32", "float32", "32", "bf16", "bfloat16", "fp16", "float16", "16"]
+# lathe.train.workers.ROLLOUT_DTYPES: the engine's weights and KV-cache dtype
+RolloutDtype = Literal["bfloat16", "float16", "float32"]
+# verl's training backends; support.py refuses megatron with its fix
+Strategy = Literal["fsdp", "fsdp2", "megatron"]
+# verl's fsdp_config.strategy (an engine override within FSDP)
+FSDPStrategy = Literal["fsdp", "fsdp2"]
+# lathe.algo.aggregate.LOSS_AGG_MODES
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# lathe.algo.kl.KL_PENALTIES: k1/k2/k3 estimators by either name; a trailing + takes k2's gradient (straight-through)
+KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                      "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
+# lathe.algo.kl.make_kl_controller
+KLControllerType = Literal["fixed", "adaptive"]
+# lathe.algo.rollout_correction.compute_rollout_correction_weights (null = off)
+ISLevel = Literal["token", "sequence"]
+# lathe.algo.bypass: the loss of bypass mode
+BypassLoss = Literal["ppo_clip", "reinforce"]
+# verl's PF-PPO reweighting methods
+ReweightMethod = Literal["pow", "max_min", "max_random"]
+# lathe.rollout.agent.parser.PARSERS
+ToolCallFormat = Literal["hermes", "llama3_json"]
+# lathe.rollout.agent: which part of a long tool answer stays
+TruncateSide = Literal["left", "right", "middle"]
+# verl's multi-turn tokenization check
+SanityCheckMode = Literal["strict", "ignore_strippable", "disable"]
+# verl's rollout modes
+RolloutMode = Literal["sync", "async"]
+# verl's worker implementation switch
+LegacyWorkerImpl = Literal["auto", "enable", "disable"]
+# verl's global_profiler tools; rules.py refuses all but torch with what each is
+ProfilerTool = Literal["torch", "nsys", "npu", "torch_memory"]
+# verl's checkpoint contents
+CheckpointPart = Literal["model", "optimizer", "extra", "hf_model"]

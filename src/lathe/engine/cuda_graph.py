@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs, one graph per batch bucket (1, 2, 4, 8, 16, 32, 48, ...).
 
 A decode step of a small model is hundreds of small kernels; launched one by one from Python the GPU
-mostly waits (transformers `generate` spends 65-78 ms a step whatever the model size). A graph
+mostly waits, and the step takes about as long whatever the model size. A graph
 records the whole step once per bucket and replays it with one launch: the forward, the lm_head, and the
 fused sampler (`triton_sample.py`), so that a step's sampled tokens and log-probs come out of the graph and
 nothing else is launched per step but the input copy.
@@ -142,9 +142,9 @@ class DecodeGraphs:
     def _sync_tables(self, seqs) -> None:
         """Bring the device block tables up to date, rewriting only rows whose sequence or blocks changed
         (a decode step changes a row when its sequence starts a block or copies a shared one). A row that only
-        gained a block gets that one entry written, and all entries go in with one numpy assignment: writing 256
-        rows one by one from their lists took 1-2 ms of host time where a whole batch starts new blocks, and ~7 ms
-        at a call's first decode step (on an H100 host, `bench/step_probe.py`)."""
+        gained a block gets that one entry written, and all entries go in with one numpy assignment: writing a
+        large batch's rows one by one from their lists is a visible share of a step's host time where the batch
+        starts new blocks, and more at a call's first decode step."""
         dirty, full, rows, cols, vals = [], [], [], [], []
         row_seq, row_len, row_last, row_dealloc = self.row_seq, self.row_len, self.row_last, self.row_dealloc
         for i, seq in enumerate(seqs):

@@ -58,7 +58,7 @@ class ModelRunner:
 
     def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """KV slots of `seq`'s positions start..end-1, -1 for those whose KV is cached already (computed with numpy:
-        a per-token Python loop took ~5 ms of an 8k-token prefill step's host time)."""
+        a per-token Python loop is a large share of a long prefill step's host time)."""
         bs = self.block_size
         pos = np.arange(start, end, dtype=np.int64)
         slots = np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
@@ -105,7 +105,7 @@ class ModelRunner:
                 step.add(seq.mm, start, end)
             slot_parts.append(self._slots(seq, start, end))
             cu.append(cu[-1] + end - start)
-        # numpy, not Python lists, on the way to the device: torch.tensor of an 8k-token list took ~0.5 ms a call
+        # numpy, not Python lists, on the way to the device: torch.tensor of a long Python list is slow
         ids = np.fromiter(itertools.chain.from_iterable(id_parts), dtype=np.int64, count=cu[-1])
         positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
         if (ids == PENDING).any():

@@ -1,9 +1,13 @@
 """Tests for lathe.engine.kv_cache + paged_attention: scattered blocks give plain causal attention's result."""
 
+import logging
+
+import pytest
 import torch
 import torch.nn.functional as F
 
 from lathe.engine.kv_cache import KVCache
+from lathe.engine import paged_attention
 from lathe.engine.paged_attention import CachedPrefill, decode_attention, prefill_attention
 
 from helpers import assert_close_rel
@@ -48,3 +52,35 @@ def test_the_batched_cached_prefill_equals_the_per_sequence_reference():
     batched = CachedPrefill(cu, contexts, tables, q.device)
     for budget in (1 << 26, 1):                                 # all at once, and one sequence per slice
         assert_close_rel(batched(q, cache.k[0], cache.v[0], max_elements=budget), ref, rel=1e-5, name="prefill")
+
+
+def test_a_failing_candidate_is_logged_once_and_the_choice_names_every_candidate(caplog, monkeypatch):
+    """`pick_fastest` (how "auto" picks the decode kernel): a candidate that raises is skipped with its error logged,
+    once per process for the same error; the choice is logged with what each candidate gave."""
+    monkeypatch.setattr(paged_attention, "_logged_failures", set())
+
+    def time_one(name):
+        if name == "triton":
+            raise RuntimeError("no kernel image for this device")
+        return 0.25
+    with caplog.at_level(logging.INFO, logger="lathe.engine.paged_attention"):
+        for _ in range(2):
+            assert paged_attention.pick_fastest(("triton", "torch"), time_one, "decode attention") == \
+                ("torch", {"torch": 0.25})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "'triton'" in warnings[0] and "no kernel image for this device" in warnings[0]
+    choices = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(choices) == 2 and all("chose 'torch'" in c and "triton failed" in c and "torch 0.25 ms" in c
+                                     for c in choices)
+
+
+def test_when_no_candidate_runs_the_error_lists_each_with_its_error(monkeypatch):
+    monkeypatch.setattr(paged_attention, "_logged_failures", set())
+
+    def time_one(name):
+        raise {"triton": RuntimeError("PTX too new"), "torch": ValueError("bad shape")}[name]
+    with pytest.raises(RuntimeError) as info:
+        paged_attention.pick_fastest(("triton", "torch"), time_one, "decode attention on cuda:0")
+    message = str(info.value)
+    assert "decode attention on cuda:0" in message and "no candidate ran" in message
+    assert "triton: RuntimeError: PTX too new" in message and "torch: ValueError: bad shape" in message

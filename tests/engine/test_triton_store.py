@@ -47,7 +47,7 @@ def _rotating_engine_equals_plain(checkpoints, monkeypatch, family, spy, **engin
     """Generate with the plain engine, then with decode layers that hand the attention q and k before RoPE (as on
     CUDA; `spy(calls)` patches the launch under test to record into `calls`); the same tokens and log-probs, greedy
     and seeded. Returns the recorded calls."""
-    from lathe.engine import model_runner, triton_store
+    from lathe.engine import step_attention, triton_store
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
@@ -59,8 +59,8 @@ def _rotating_engine_equals_plain(checkpoints, monkeypatch, family, spy, **engin
     outs, calls = [], []
     for fused in (False, True):
         if fused:
-            init = model_runner.DecodeAttention.__post_init__
-            monkeypatch.setattr(model_runner.DecodeAttention, "__post_init__",
+            init = step_attention.DecodeAttention.__post_init__
+            monkeypatch.setattr(step_attention.DecodeAttention, "__post_init__",
                                 lambda self: (setattr(self, "rotates", True), init(self))[1])
             monkeypatch.setattr(triton_store, "can_rope_store", lambda *a: True)     # the CPU stands in for CUDA
             spy(calls)

@@ -34,7 +34,8 @@ def test_actor_computes_in_bf16_on_fp32_masters_and_the_engine_runs_on_its_tenso
     actor = {n: t.data_ptr() for n, t in worker.model.state_dict().items()}
     engine = worker.rollout.model
     own = {n for n, t in engine.state_dict().items() if actor[n] != t.data_ptr()}
-    fused = engine.model.layers[0].self_attn.qkv_weight is not None      # the engine's q/k/v, gate/up copy
+    from lathe.engine.decode_forms import FusedAttention
+    fused = isinstance(engine.model.layers[0].self_attn, FusedAttention)    # the engine's q/k/v, gate/up copy
     projections = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")
     assert own == ({n for n in actor if any(p in n for p in projections)} if fused else set()), \
         "one copy of every weight but the fused projections (which sync_weights copies)"

@@ -52,7 +52,7 @@ class BlockManager:
     # ---- bookkeeping -------------------------------------------------------------------------------
     def reset(self) -> None:
         """Free every block and forget every prefix key (call on weight updates and after sleep). Constant time
-        (it runs twice per RL step; a loop over a quarter of a million blocks took 30 ms): blocks keep their stale
+        (it runs twice per RL step, and a large cache has hundreds of thousands of blocks): blocks keep their stale
         fields, which nothing reads until `_take_free` hands them out again (a key counts only while `hash_to_block`
         maps it to that block)."""
         self.hash_to_block: dict[int, int] = {}

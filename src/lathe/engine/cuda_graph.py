@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs, one graph per batch bucket (1, 2, 4, 8, 16, 32, 48, ...).
 
 A decode step of a small model is hundreds of small kernels; launched one by one from Python the GPU
-mostly waits (transformers `generate` spends 65-78 ms a step whatever the model size). A graph
+mostly waits, and the step takes about as long whatever the model size. A graph
 records the whole step once per bucket and replays it with one launch: the forward, the lm_head, and the
 fused sampler (`triton_sample.py`), so that a step's sampled tokens and log-probs come out of the graph and
 nothing else is launched per step but the input copy.
@@ -36,10 +36,10 @@ import torch
 
 from lathe import device as accel
 from lathe.device import Staging
-from lathe.engine import triton_step
-from lathe.engine.model_runner import rope_delta
-from lathe.engine.multimodal import hidden_states, text_config
+from lathe.engine import decode_forms, triton_step
+from lathe.engine.multimodal import hidden_states, rope_delta, text_config
 from lathe.engine.sampler import FUSED_ROWS, fused_rows, sample_rows
+from lathe.engine.step_attention import DecodeAttention
 from lathe.engine.triton_decode import choose_num_splits, pdl_available
 from lathe.models.rope import RotaryEmbedding
 
@@ -72,9 +72,9 @@ class DecodeGraphs:
         from lathe.engine.triton_sample import triton
         self.samples = triton is not None
         # [cos | sin] of every position for the step-inputs kernel (text models; a VL model's 3D RoPE is its own)
-        rotary = getattr(getattr(runner.model, "model", None), "rotary_emb", None)
+        rotary = None if runner.vl else runner.model.model.rotary_emb
         self.rope_table = None
-        if triton_step.available(device) and not runner.vl and isinstance(rotary, RotaryEmbedding):
+        if triton_step.available(device) and isinstance(rotary, RotaryEmbedding):
             self.rope_table = triton_step.rope_table(rotary, runner.max_model_len,
                                                      runner.model.get_input_embeddings().weight.dtype, device)
         # the decode kernel starts while the q/k/v projection drains (its lengths, slots and rows come from here)
@@ -105,7 +105,6 @@ class DecodeGraphs:
     def _forward(self, key: tuple) -> torch.Tensor:
         """One decode step over the static buffers for key = (bucket, top-k search, top-p search): logits
         (bucket, V); the sampled tokens and log-probs go to `sampled`."""
-        from lathe.engine.model_runner import DecodeAttention, step_split_k
         bucket, use_k, use_p = key
         runner, inp, tables = self.runner, self.inputs[:, :bucket], self.tables[:bucket]
         bs, pos, scratch = runner.block_size, inp[POS], runner.kv_cache.scratch_slot
@@ -120,7 +119,7 @@ class DecodeGraphs:
         splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms)
         attn = DecodeAttention(runner.kv_cache, slots, tables, lens, runner.decode_backend,
                                splits if runner.decode_backend == "triton" else 1,
-                               split_k=step_split_k(runner.model, bucket), rope=rope, pdl=self.pdl)
+                               split_k=decode_forms.step_split_k(runner.model, bucket), rope=rope, pdl=self.pdl)
         logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], positions, attn))
         if self.samples:
             sample_rows(logits, inp[SEED:DELTA], out=self.sampled, use_k=use_k, use_p=use_p)
@@ -143,9 +142,9 @@ class DecodeGraphs:
     def _sync_tables(self, seqs) -> None:
         """Bring the device block tables up to date, rewriting only rows whose sequence or blocks changed
         (a decode step changes a row when its sequence starts a block or copies a shared one). A row that only
-        gained a block gets that one entry written, and all entries go in with one numpy assignment: writing 256
-        rows one by one from their lists took 1-2 ms of host time where a whole batch starts new blocks, and ~7 ms
-        at a call's first decode step (on an H100 host, `bench/step_probe.py`)."""
+        gained a block gets that one entry written, and all entries go in with one numpy assignment: writing a
+        large batch's rows one by one from their lists is a visible share of a step's host time where the batch
+        starts new blocks, and more at a call's first decode step."""
         dirty, full, rows, cols, vals = [], [], [], [], []
         row_seq, row_len, row_last, row_dealloc = self.row_seq, self.row_len, self.row_last, self.row_dealloc
         for i, seq in enumerate(seqs):

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from lathe import device as accel
+from lathe.engine import decode_forms
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
@@ -131,8 +132,7 @@ class LatheEngine(StreamingMixin):
         self.model = model.eval()
         self.vl = is_vl(model)        # a vision-language model: prompts may carry images (`multimodal.py`)
         if self._should_fuse(fuse_projections):
-            from lathe.models.decoder import fuse_projections as fuse
-            fuse(model)
+            decode_forms.fuse_projections(model)
         # overlap needs a device that runs behind the host; on the CPU it would only run stopped rows once more
         self.async_scheduling = model.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _InFlight | None = None
@@ -163,7 +163,7 @@ class LatheEngine(StreamingMixin):
         self._init_streaming()
 
     def _should_fuse(self, requested: bool | None) -> bool:
-        """Fused q/k/v and gate/up matmuls (`lathe.models.decoder.fuse_projections`): asked for, or by default on CUDA
+        """Fused q/k/v and gate/up matmuls (`decode_forms.fuse_projections`): asked for, or by default on CUDA
         when the fused copy is small (at most `FUSE_MAX_FRACTION` of the device's memory). The copy is extra memory
         when the engine shares the trainer's tensors (one GPU), and it pays where it matters: a small model's decode
         step is latency-bound small matmuls, a large model's matmuls are bandwidth-bound either way."""
@@ -173,9 +173,8 @@ class LatheEngine(StreamingMixin):
             return requested
         if self.vl or self.model.device.type != "cuda":
             return False
-        from lathe.models.decoder import projection_bytes
         total = accel.total_memory(self.model.device) or 0
-        return projection_bytes(self.model) <= FUSE_MAX_FRACTION * total
+        return decode_forms.projection_bytes(self.model) <= FUSE_MAX_FRACTION * total
 
     @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

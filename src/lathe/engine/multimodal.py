@@ -18,7 +18,8 @@ The positions, image rows and salt depend on the tokens and pixels only, and sta
 
 `StepInputs` gathers what a prefill or decode step's forward needs beyond the token ids: 3D positions, and the
 image rows to splice at the placeholders of the tokens it computes (a chunk of a long prompt gets its own slice).
-`hidden_states` runs the decoder for text and VL models alike.
+`hidden_states` runs the decoder for text and VL models alike (a text decoder in the engine's forms:
+`decode_forms.text_hidden`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from lathe.engine.decode_forms import text_hidden
+
 
 def is_vl(model) -> bool:
     """Whether `model` is lathe's vision-language model (the engine then takes image prompts)."""
@@ -36,9 +39,14 @@ def is_vl(model) -> bool:
     return isinstance(model, LatheVLForConditionalGeneration)
 
 
+def rope_delta(seq) -> int:
+    """How far a generated token's rotary position is from its index (an image prompt's `rope_delta`; 0 for text)."""
+    return 0 if seq.mm is None else seq.mm.delta
+
+
 def text_config(model):
     """The decoder's `LatheConfig` (a VL model's language model's)."""
-    return getattr(model.config, "text", model.config)
+    return model.config.text if is_vl(model) else model.config
 
 
 @dataclass(eq=False)
@@ -187,7 +195,7 @@ def hidden_states(model, ids: torch.Tensor, positions: torch.Tensor, attn, visua
     `positions` (3, T) (or (T,), the same on every axis), with `visual` = (mask (T,), embeddings, deepstack) spliced
     at the image placeholders."""
     if not is_vl(model):
-        return model.model(ids, positions, attn)
+        return text_hidden(model.model, ids, positions, attn)
     from lathe.models.vl.vision import merge_image_embeddings
     if positions.dim() == 1:
         positions = positions.expand(3, -1)

@@ -7,10 +7,14 @@ whose prefix blocks another sequence of the same batch is writing sees them. GQA
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from lathe import device as accel
+
+log = logging.getLogger(__name__)
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -103,6 +107,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 DECODE_BACKENDS = ("auto", "triton", "torch")
+DECODE_CANDIDATES = ("triton", "torch")      # what "auto" times on CUDA, in this order
+_logged_failures: set[tuple[str, str]] = set()     # (candidate, error) pairs already logged in this process
 
 
 def decode_with(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -133,7 +139,11 @@ def _time_backend(backend: str, args: tuple, repeats: int = 5) -> float:
 def choose_decode_backend(requested: str, device: torch.device, dtype: torch.dtype, *, num_heads: int,
                           num_kv_heads: int, head_dim: int, block_size: int) -> tuple[str, dict[str, float]]:
     """Resolve "auto" by measuring: on CUDA, time each available kernel on a batch-64, 1024-token probe and
-    keep the fastest; elsewhere the PyTorch reference. Returns (backend, {backend: ms per call})."""
+    keep the fastest; elsewhere the PyTorch reference. Returns (backend, {backend: ms per call}).
+
+    A candidate that raises while it is timed is not chosen; its error is logged (once per process for the same
+    error), and the choice is logged with every candidate tried. When none runs, the error lists each with its
+    error."""
     if requested not in DECODE_BACKENDS:
         raise ValueError(f"decode attention backend {requested!r} is unknown; use one of {', '.join(DECODE_BACKENDS)}")
     from lathe.engine import triton_decode
@@ -152,10 +162,29 @@ def choose_decode_backend(requested: str, device: torch.device, dtype: torch.dty
     tables = torch.arange(blocks, device=device, dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
     q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype, generator=g)
-    times = {}
-    for name in ("triton", "torch"):
+    return pick_fastest(DECODE_CANDIDATES, lambda name: _time_backend(name, (q, kc, vc, tables, lens)),
+                        f"decode attention on {device} ({dtype}, {num_heads}/{num_kv_heads} heads of {head_dim})")
+
+
+def pick_fastest(candidates, time_one, what: str) -> tuple[str, dict[str, float]]:
+    """(the candidate with the least `time_one(name)`, {name: time} of those that ran). A candidate that raises is
+    skipped and its error logged (once per process for the same candidate and error); the choice is logged with
+    what each candidate gave; when none runs, a RuntimeError names `what` and lists each candidate's error."""
+    times, errors = {}, {}
+    for name in candidates:
         try:
-            times[name] = _time_backend(name, (q, kc, vc, tables, lens))
-        except Exception:          # a kernel that fails to build here is simply not chosen
-            continue
-    return min(times, key=times.get), times
+            times[name] = time_one(name)
+        except Exception as e:      # a kernel that fails to build or run here is not chosen; the reason is kept
+            errors[name] = f"{type(e).__name__}: {e}"
+            if (name, errors[name]) not in _logged_failures:
+                _logged_failures.add((name, errors[name]))
+                log.warning("%s: candidate %r failed and is not chosen: %s", what, name, errors[name])
+    tried = ", ".join(f"{n} {times[n]:.4g} ms" if n in times else f"{n} failed" for n in candidates)
+    if not times:
+        lines = "\n".join(f"  - {n}: {errors[n]}" for n in candidates)
+        raise RuntimeError(f"{what}: no candidate ran; tried {len(candidates)}:\n{lines}\n"
+                           "pass a backend explicitly (decode_backend='torch' is the reference) to see the error "
+                           "where it happens")
+    best = min(times, key=times.get)
+    log.info("%s: chose %r of %s", what, best, tried)
+    return best, times

@@ -17,11 +17,9 @@ preemption at all while nothing is known), then follows the response lengths see
 call. A call whose whole load overflows the free blocks by a little is admitted at once instead (`OVERCOMMIT`): at
 its first admission, if every waiting sequence fits when each response is expected to reach 1/OVERCOMMIT of its
 `max_tokens`, that is the starting estimate; the few sequences that outgrow the cache near the end are preempted
-and finish after the rest. Holding them back instead would cost a second wave of decode steps as long as the first
-(7B GRPO load on an H100 at `gpu_memory_utilization=0.5`: 2,046 decode steps and 16.5k tok/s reserving for every
-response at `max_tokens`, 1,160 steps, 67 preemptions and 22.6k tok/s admitting all). With 19% fewer blocks the
-overflow is too large and the plan keeps the full reservation: admitting more there was slower (a second wave
-and 140 preemptions; bench/results/rollout_7b_admission_*.json).
+and finish after the rest. Holding them back instead would cost a second wave of decode steps as long as the first,
+far more than the few preemptions. When the overflow is larger the plan keeps the full reservation: admitting more
+there brings the second wave back and many preemptions with it (`bench/rollout.py` measures both).
 Nothing carries from one call to the next, so admission (and batch composition) depends on the call's
 inputs only and a resumed run batches as an uninterrupted one. Without the reservation a GRPO load admits every
 prompt whose prompt fits, then preempts hundreds of them as the responses grow (each one recomputed).

@@ -81,7 +81,7 @@ if triton is not None:
             # plain kernel. No other program reads that slot (the sequence's own block; other splits stop short).
             # Adding the token to the softmax from registers instead cost layout conversions and CTA barriers
             # before the loop (9 barriers against 4 in Triton 3.9's PTX at head_dim 128) and, kept for after the
-            # loop, registers (H100, Triton 3.6: 126 vs 108 a thread at head_dim 128) and a load's latency at the
+            # loop, more registers a thread and a load's latency at the
             # end of every program.
             q_rot = tl.load(Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d_rot[None, :],
                             mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)

@@ -5,7 +5,7 @@ cumsum, log_softmax, ...). Here each row is cut into chunks of `CHUNK` tokens:
 
 1. `_chunk_kernel`, one program per (row, chunk): the chunk's max, its first argmax, and the sum of
    exp((x - chunk max) / T). All chunks of all rows run at once: one pass over the logits at full bandwidth
-   (one program per row walking 152k tokens three times took 0.43 ms a step at batch 256 on an H100).
+   (one program per row, walking a whole vocabulary three times, is several times slower).
 2. `_pick_kernel`, one program per row: the row's max and greedy argmax from the chunks', the total
    sum = sum over chunks of sum_c * exp((max_c - max) / T), and for a sampled row the draw: the chunk where the
    running sum first passes `u * total`, then the token inside it where it does. The same inverse-CDF draw, from
@@ -43,8 +43,7 @@ except ImportError:
     triton = None
 
 CHUNK = 4096        # tokens of a row per chunk (the searches' sweep, `SEARCH`, was run at this size)
-CHUNK_WARPS = 4     # warps of `_chunk_kernel`: on an H100 at batch 256, 4 read the logits faster than 8
-                    # (bench/results/sampler_chunk_*: see `bench/sampler.py --chunk-sweep`)
+CHUNK_WARPS = 4     # warps of `_chunk_kernel`: measured faster than 8 at reading the logits
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,7 @@ class SearchConfig:
 
 
 PART_NP = 16        # per-pivot slots of the search's partial sums: the most pivots a pass may use
-# per search: top-k's passes count, top-p's sum mass; each the fastest of `bench/sampler.py --sweep` on an H100
-# (`bench/results/sampler_sweep_nvidia-h100-80gb-hbm3.json`)
+# per search: top-k's passes count, top-p's sum mass; each the fastest setting of a sweep on a GPU
 SEARCH = {"top_k": SearchConfig(4, 1024, 4), "top_p": SearchConfig(16, 2048, 2)}
 
 

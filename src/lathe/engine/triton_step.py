@@ -4,9 +4,8 @@ From each row's position (-1 for a padding row) and block table: the KV slot its
 the cache's scratch slot), its context length (position + 1; one token for a padding row) and its RoPE (cos, sin)
 row, copied from a table the model's own `RotaryEmbedding` computed once for every position (`rope_table`), so
 each row is bit for bit what the model computes for that position. In PyTorch these were about eighteen small
-kernels a step (clamp, divide, gather, multiply, where; float, multiply, cat, cos, sin, scale, cast): on an H100 at
-batch 256 the kernels outside the layers went from 30 a step to 12, ~58 to ~30 us
-(`bench/results/decode_profile_mid_run_step_inputs_nvidia-h100-80gb-hbm3.json`).
+kernels a step (clamp, divide, gather, multiply, where; float, multiply, cat, cos, sin, scale, cast), a sizeable
+share of the kernels outside the layers; `bench/decode_profile.py` measures a step's kernels.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Attention backends, chosen at run time. Each is a callable `(q, k, v) -> out` bound to one batch layout.
+"""Attention backends, chosen at run time. Each is a callable `(q, k, v) -> out` bound to one batch layout: an
+`AttentionFn`, what the decoder's layers call.
 
 Layouts:
 - packed: q (T, Hq, D), k/v (T, Hkv, D); sequences laid end to end, delimited by `cu_seqlens` (S+1,),
@@ -18,11 +19,24 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 
 PACKED_BACKENDS = ("auto", "varlen", "sdpa")
+
+
+class AttentionFn(Protocol):
+    """What the decoder's layers call for attention: q (..., Hq, D), k and v (..., Hkv, D) -> (..., Hq, D).
+
+    `rotates`: False, the layers hand over q and k already rotated (RoPE); True, they hand over q and k before RoPE
+    and `(cos, sin)` as two more arguments, and the attention rotates them itself (the engine's decode step, which
+    rotates and stores in one launch)."""
+
+    rotates: bool
+
+    def __call__(self, q, k, v, *rope): ...
 
 
 @functools.cache
@@ -91,6 +105,7 @@ class PackedAttention:
     cu_seqlens: torch.Tensor      # (S+1,) int32, on the tokens' device
     max_seqlen: int
     backend: str = "sdpa"
+    rotates: ClassVar[bool] = False     # takes q and k rotated (`AttentionFn`)
 
     def __post_init__(self):
         self._bounds = None
@@ -139,6 +154,7 @@ class PaddedAttention:
     """
 
     attention_mask: torch.Tensor | None   # (B, L), 1 for real tokens; None = no padding
+    rotates: ClassVar[bool] = False       # takes q and k rotated (`AttentionFn`)
 
     def __post_init__(self):
         self._mask = None

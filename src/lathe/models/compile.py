@@ -5,17 +5,15 @@ RMSNorm's float32 casts, RoPE, SwiGLU, residual adds, and the softmax/entropy ma
 log-probs. Compiling fuses them. What is compiled:
 
 - each decoder layer of ONE model instance (`layer.compile(...)`): norms, q/k/v/o projections, RoPE, MLP,
-  residuals. The attention call itself stays eager (`decoder._attend` is `torch.compiler.disable`d), so
+  residuals. The attention call itself stays eager (`decoder.attend` is `torch.compiler.disable`d), so
   varlen flash attention on CUDA and per-sequence SDPA on CPU run unchanged, and a layer compiles into a
   few graphs (before and after attention) shared by all layers of the model;
 - the per-chunk math of `lathe.models.logprob.chunked_log_probs` (logits -> log-prob, entropy, and the
-  recomputing backward's gradient), when the caller passes the model's `compile_backend`;
-- the layers' split form for the rollout engine's decode and prefill steps (`DecoderLayer.split_forward` and the
-  final norm after it), one compiled function shared by every layer, so that the residual adds it defers fold into
-  the norms.
+  recomputing backward's gradient), when the caller passes the model's `compile_backend`.
+The rollout engine compiles its own forms of the layers with the same backend (`lathe.engine.decode_forms`).
 
 Shapes: packed streams change length every micro-batch, so the token dimensions are marked dynamic
-(`decoder._mark_token_dims_dynamic`, and the chunk rows in `logprob`): one compile serves every length.
+(`decoder.mark_token_dims_dynamic`, and the chunk rows in `logprob`): one compile serves every length.
 What still compiles again, a bounded number of times per code object (well under dynamo's recompile
 limit of 8): grad mode (training vs the no-grad log-prob pass), and a token dimension of size 1 (0/1
 specialisation). Gradient checkpointing recomputes through the same compiled graphs.
@@ -65,9 +63,6 @@ def compile_decoder(model, *, backend: str = DEFAULT_BACKEND, mode: str | None =
     allow_variants()
     for layer in decoder.layers:
         layer.compile(backend=backend, mode=mode)   # dynamic=None: token dims are marked dynamic by the decoder
-    # the engine's split-K decode form (`DecoderLayer.split_forward`): one compiled code object for every layer
-    decoder.split_step = torch.compile(type(decoder).split_step, backend=backend, mode=mode)
-    decoder.split_final = torch.compile(type(decoder).split_final, backend=backend, mode=mode)
     decoder.compile_backend = backend
     return model
 

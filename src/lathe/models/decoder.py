@@ -9,12 +9,14 @@ Two forward forms share the layers:
   returns an object with `.logits` (B, L, V) (or `.hidden_states` with `return_hidden=True`).
 - `forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen)`: T tokens of S sequences laid end to
   end, causal within each; returns the final hidden states (T, H). No padding is ever computed.
-The rollout engine's decode and prefill steps run the same layers in a split form (`DecoderLayer.split_forward`,
-asked for by an attention with `split_k`): each layer's residual adds are left to the norm that follows, and the
-down projection may run as partial products over chunks of K (`split_linear`).
+How the rollout engine runs these layers in its steps (fused projections, split-K layers, RoPE rows looked up from
+a table) is the engine's business: `lathe.engine.decode_forms`.
+
+The attention is a callable handed to the layers (`lathe.models.attention.AttentionFn`): it takes q, k, v and
+returns the heads' outputs; one whose `rotates` is true also takes (cos, sin) and rotates q and k itself.
 
 Training may compile the decoder layers of one model instance (`lathe.models.compile.compile_decoder`);
-the attention call always runs eager (`_attend`), so every backend and batch layout works the same.
+the attention call always runs eager (`attend`), so every backend and batch layout works the same.
 """
 
 from __future__ import annotations
@@ -32,21 +34,21 @@ from lathe.models.rope import RotaryEmbedding, apply_rotary
 
 
 @torch.compiler.disable
-def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mark_dynamic: bool = False,
+def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mark_dynamic: bool = False,
             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`attn(q, k, v)` with the heads flattened, (..., Hq * D), always run eager: the attention callables hold
     per-batch Python state (sequence bounds, a KV cache, a layer counter) that would make a compiled layer
     recompile for every batch. Eager callers pay well under a microsecond for the wrapper. From a compiled
     layer (`mark_dynamic`), the output's token dims are marked dynamic like the layer's inputs, so the graph
     after attention also compiles once for all lengths. `rope`: (cos, sin) for an attention that rotates q and
-    k itself (`attn.rotates`: the engine's decode step, which does it in its KV store's launch)."""
+    k itself (`attn.rotates`)."""
     out = (attn(q, k, v) if rope is None else attn(q, k, v, *rope)).flatten(-2)
     if mark_dynamic:
-        _mark_token_dims_dynamic(out)
+        mark_token_dims_dynamic(out)
     return out
 
 
-def _mark_token_dims_dynamic(*tensors: torch.Tensor) -> None:
+def mark_token_dims_dynamic(*tensors: torch.Tensor) -> None:
     """Tell torch.compile that the leading (token) dimensions change from batch to batch, so the layers compile
     once for all packed lengths instead of once per length; feature dimensions stay static."""
     for t in tensors:
@@ -78,14 +80,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.register_buffer("gate_up_weight", None, persistent=False)    # set by fuse_projections
-        self.register_buffer("gate_up_bias", None, persistent=False)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x), the down projection's input."""
-        if self.gate_up_weight is not None:       # fused (`fuse_projections`): one matmul for gate and up
-            gate, up = nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-            return nn.functional.silu(gate) * up
         return nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,21 +104,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.register_buffer("qkv_weight", None, persistent=False)        # set by fuse_projections
-        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def qkv(self, x: torch.Tensor):
+        """The projections (q, k, v), each (..., heads, head_dim)."""
+        lead = x.shape[:-1]
+        return (self.q_proj(x).view(*lead, self.n_heads, self.head_dim),
+                self.k_proj(x).view(*lead, self.n_kv, self.head_dim),
+                self.v_proj(x).view(*lead, self.n_kv, self.head_dim))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool = True):
         """(q, k, v), each (..., heads, head_dim), q/k normed (Qwen3) and rotated (unless not `rotate`)."""
-        lead = x.shape[:-1]
-        if self.qkv_weight is not None:           # fused (`fuse_projections`): one matmul for q, k and v
-            kv = self.n_kv * self.head_dim
-            q, k, v = nn.functional.linear(x, self.qkv_weight, self.qkv_bias).split(
-                [self.n_heads * self.head_dim, kv, kv], dim=-1)
-            q, k, v = (t.reshape(*lead, -1, self.head_dim) for t in (q, k, v))
-        else:
-            q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
-            k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
-            v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        q, k, v = self.qkv(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotate:
@@ -129,7 +122,7 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-        return self.o_proj(_attend(attn, *self.project(x, cos, sin)))
+        return self.o_proj(attend(attn, *self.project(x, cos, sin)))
 
 
 class DecoderLayer(nn.Module):
@@ -143,110 +136,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-        # self_attn's steps spelled out here, so that in a compiled layer the graph breaks at `_attend` in this
+        # self_attn's steps spelled out here, so that in a compiled layer the graph breaks at `attend` in this
         # frame: one graph before attention, one after, every input of both marked dynamic
-        rotates = getattr(attn, "rotates", False)      # the attention applies RoPE itself
+        rotates = attn.rotates      # the attention applies RoPE itself
         q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin, rotate=not rotates)
-        x = x + self.self_attn.o_proj(_attend(attn, q, k, v, torch.compiler.is_compiling(),
-                                              (cos, sin) if rotates else None))
+        x = x + self.self_attn.o_proj(attend(attn, q, k, v, torch.compiler.is_compiling(),
+                                             (cos, sin) if rotates else None))
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def split_forward(self, x: torch.Tensor, part: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attn,
-                      splits: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for the rollout engine's steps, with o_proj and down_proj as split-K matmuls
-        (`split_linear`, `splits` = their K splits): the residual add of the down projection is left to the
-        next layer (`part`, this layer's (S, T, H) partial products, None before the first layer), where summing
-        the partials, adding the residual and the input norm are one kernel of the compiled layer; o_proj's sum
-        and residual add fold into the post-attention norm the same way. Returns (x before the pending add,
-        the down projection's partials). Why: the plain form's `x + linear(...)` compiles to a cuBLAS addmm, which
-        copies the residual into its output first (two device-to-device copies a layer) and leaves the final norm
-        to eager kernels; and at a few hundred rows a long-K matmul fills few of the GPU's SMs (1.5B down: 96 tiles
-        of 64x64 for 132 SMs, each looping over K=8960), where cuBLAS's own split-K would need a reduction launch of
-        its own."""
-        if part is not None:
-            x = _add_partials(x, part)
-        rotates = getattr(attn, "rotates", False)
-        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin, rotate=not rotates)
-        out = _attend(attn, q, k, v, torch.compiler.is_compiling(), (cos, sin) if rotates else None)
-        x = _add_partials(x, split_linear(out, self.self_attn.o_proj, splits[0]))
-        return x, split_linear(self.mlp.hidden(self.post_attention_layernorm(x)), self.mlp.down_proj, splits[1])
-
-
-def split_linear(x: torch.Tensor, linear: nn.Linear, splits: int) -> torch.Tensor:
-    """`linear(x)` as `splits` partial products over equal chunks of the input features: (splits, *x's lead, N),
-    summing to `linear(x)` (up to rounding: each partial is rounded to x's dtype). One batched matmul, no copies (the
-    chunks are strided views of x and of the weight). A linear with a bias, a subclass (LoRA: its own forward
-    must run), a weight that is not contiguous (viewing its chunks would copy it), one split, or features that do
-    not divide evenly: `linear(x)` as a single partial."""
-    k = x.shape[-1]
-    if splits <= 1 or type(linear) is not nn.Linear or linear.bias is not None or k % splits \
-            or not linear.weight.is_contiguous():
-        return linear(x).unsqueeze(0)
-    n, c = linear.weight.shape[0], k // splits
-    a = x.reshape(-1, splits, c).transpose(0, 1)                    # (S, T, c)
-    b = linear.weight.view(n, splits, c).permute(1, 2, 0)           # (S, c, N)
-    return torch.bmm(a, b).view(splits, *x.shape[:-1], n)
-
-
-def _add_partials(x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    """x + part.sum(0), added up in float32 in a fixed order and rounded once: written as a chain of adds (the split
-    count is static) so that the compiled layer folds it into the norm that follows; inductor makes `sum(0)` a
-    reduction kernel of its own."""
-    total = x.float()
-    for p in part.unbind(0):
-        total = total + p.float()
-    return total.to(x.dtype)
-
-
-def _split_final(norm: RMSNorm, x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    """The last layer's pending residual add and the final norm (one kernel when compiled)."""
-    return norm(_add_partials(x, part))
-
-
-def _fuse(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]) -> None:
-    """Concatenate `linears`' weights (and biases) into `owner.<name>_weight` / `_bias` (non-persistent buffers) and
-    make each layer's own parameters views of them: the state dict keeps its HF names, and a weight copied into
-    `q_proj.weight` (an engine's weight sync) lands in the fused tensor."""
-    for part in ("weight", "bias"):
-        tensors = [getattr(lin, part) for lin in linears]
-        if tensors[0] is None:
-            owner.register_buffer(f"{name}_{part}", None, persistent=False)
-            continue
-        fused = torch.cat([t.detach() for t in tensors])
-        owner.register_buffer(f"{name}_{part}", fused, persistent=False)
-        start = 0
-        for lin, t in zip(linears, tensors):
-            getattr(lin, part).data = fused[start:start + t.shape[0]]
-            start += t.shape[0]
-
-
-def fuse_projections(model: nn.Module) -> None:
-    """One matmul for each layer's q/k/v projections and one for gate/up, as vLLM's QKV and merged column layers.
-    For inference (the rollout engine): a decode step of a small model is made of small, latency-bound matmuls, and
-    each one saved is a launch saved. Groups holding a subclass of `nn.Linear` (LoRA layers) are left as they are. The fused tensors are new memory; the layers' old tensors are freed unless
-    something else (a trainer sharing them) still holds them."""
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for owner, name, linears in ((attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                     (mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))):
-            if all(type(lin) is nn.Linear for lin in linears):     # a LoRA layer's own forward must run: kept
-                _fuse(owner, name, linears)
-
-
-def projection_bytes(model: nn.Module) -> int:
-    """Bytes of the weights `fuse_projections` concatenates (q, k, v, gate, up of every layer)."""
-    parts = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.model.layers]
-    parts += [(layer.mlp, ("gate_proj", "up_proj")) for layer in model.model.layers]
-    return sum(getattr(owner, name).weight.nbytes for owner, names in parts for name in names)
 
 
 class LatheDecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's `model.` prefix)."""
 
     compile_backend: str | None = None   # set on an instance by compile_decoder: its layers run under torch.compile
-    # the split-K decode form (`DecoderLayer.split_forward`, `_split_final`): compiled by compile_decoder
-    split_step = staticmethod(DecoderLayer.split_forward)
-    split_final = staticmethod(_split_final)
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
@@ -259,19 +161,9 @@ class LatheDecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:
         """Final-norm hidden states for tokens of any leading shape, attention given by `attn`."""
         x = self.embed_tokens(input_ids)
-        rope = getattr(attn, "rope", None)        # the engine's decode graph looks its rows up in a table
-        cos, sin = rope if rope is not None else self.rotary_emb(position_ids, x.dtype)
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
         if self.compile_backend is not None:
-            _mark_token_dims_dynamic(x, cos, sin)
-        splits = getattr(attn, "split_k", None)       # the engine's steps: (o_proj, down_proj) K splits
-        if splits is not None:
-            part = None
-            for layer in self.layers:
-                x, part = self.split_step(layer, x, part, cos, sin, attn, splits)
-                if self.compile_backend is not None:
-                    _mark_token_dims_dynamic(x)
-                    torch._dynamo.maybe_mark_dynamic(part, 1)
-            return self.split_final(self.norm, x, part)
+            mark_token_dims_dynamic(x, cos, sin)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False)

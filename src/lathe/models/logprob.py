@@ -87,8 +87,8 @@ def _accumulates_in_place(device_type: str) -> bool:
 
 def _add_weight_grad(grad_w: torch.Tensor, grad_raw: torch.Tensor, h: torch.Tensor) -> None:
     """grad_w += grad_raw^T @ h, grad_w float32. Half-precision inputs on CUDA: one GEMM that accumulates into
-    grad_w in its epilogue (a separate product, cast and add cost ~10% of a 0.5B training step); else a product
-    cast and added (in float32 throughout for float32 inputs)."""
+    grad_w in its epilogue (a separate product, cast and add is a visible share of a small model's training step);
+    else a product cast and added (in float32 throughout for float32 inputs)."""
     if grad_raw.dtype == grad_w.dtype:
         grad_w.addmm_(grad_raw.t(), h)
     elif _accumulates_in_place(grad_w.device.type):

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from lathe.models.attention import PackedAttention, PaddedAttention, select_packed_backend
 from lathe.models.decoder import CausalLMOutput, DecoderLayer, RMSNorm
 from lathe.models.vl.config import VLConfig
+from lathe.models.vl.io import save_vl_pretrained
 from lathe.models.vl.rope import MRotaryEmbedding, mrope_positions
 from lathe.models.vl.vision import ImageEmbeddings, build_vision_tower, embed_images, merge_image_embeddings
 
@@ -110,7 +111,6 @@ class LatheVLForConditionalGeneration(nn.Module):
     def save_pretrained(self, path, *, max_shard_size: int | str = "5GB", safe_serialization: bool = True,
                         state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write config.json and safetensors weights that transformers loads (see `save_vl_pretrained`)."""
-        from lathe.models.vl import save_vl_pretrained
         save_vl_pretrained(self, path, max_shard_size=max_shard_size, state=state_dict)
 
     # ---- the pieces a rollout engine calls on its own ---------------------------------------------------------

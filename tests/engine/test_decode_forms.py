@@ -1,6 +1,6 @@
-"""The decode step's split-K form (`DecoderLayer.split_forward`: o_proj and down_proj as partial products over K
-chunks, their sums and residual adds folded into the next norm) against the layers' plain forward, and the engine
-that uses it."""
+"""The engine's forms of the decoder (`lathe.engine.decode_forms`): fused projections, and the split-K layers (o_proj
+and down_proj as partial products over K chunks, their sums and residual adds folded into the next norm) against the
+layers' plain forward, and the engine that uses them."""
 
 from types import SimpleNamespace
 
@@ -14,6 +14,7 @@ from helpers import assert_close_rel
 class _Attention:
     """A stand-in attention: a fixed mix of q and v (GQA heads repeated), so the layers' math is all that differs."""
     rotates = False
+    rope = None
 
     def __init__(self, split_k=None):
         self.split_k = split_k
@@ -23,7 +24,7 @@ class _Attention:
 
 
 def _model(family, seed=0):
-    from lathe.models.decoder import fuse_projections
+    from lathe.engine.decode_forms import fuse_projections
     from lathe.models.hf import lathe_from_transformers
     from models.lathe_tiny import hf_model
     model = lathe_from_transformers(hf_model(family, seed=seed)).eval()
@@ -31,9 +32,53 @@ def _model(family, seed=0):
     return model
 
 
+def test_fused_projections_keep_logits_names_and_weight_syncs(tmp_path):
+    """`fuse_projections` (the engine's one matmul for q/k/v and one for gate/up): the logits of every family are
+    unchanged, the state dict keeps its HF names, and weights copied into `q_proj.weight` etc. reach the fused
+    tensors (an engine's weight sync)."""
+    from lathe.engine.decode_forms import FusedAttention, fuse_projections
+    from lathe.models import load_lathe_model
+    from lathe.models.io import copy_named_tensors
+    from models.lathe_tiny import FAMILIES, VOCAB, save_hf
+    for family in FAMILIES:
+        path, _ = save_hf(tmp_path / family, family)
+        model, other = load_lathe_model(path), load_lathe_model(path)
+        ids = torch.randint(0, VOCAB, (2, 9))
+        ref = model(ids).logits
+        names = set(model.state_dict())
+        fuse_projections(model)
+        assert isinstance(model.model.layers[0].self_attn, FusedAttention) and set(model.state_dict()) == names
+        assert_close_rel(model(ids).logits, ref, name=f"{family} fused logits")
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        copy_named_tensors(model, other.state_dict().items(), who="test model")
+        assert_close_rel(model(ids).logits, other(ids).logits, name=f"{family} logits after a weight copy")
+
+
+def test_fused_projections_leave_lora_layers_alone(tmp_path):
+    """A group holding a LoRA layer keeps its own forward (the adapters must act); the other groups fuse."""
+    from lathe.engine.decode_forms import FusedAttention, FusedMLP, fuse_projections
+    from lathe.models import load_lathe_model
+    from lathe.models.lora import apply_lora, lora_layers
+    from models.lathe_tiny import VOCAB, save_hf
+    path, _ = save_hf(tmp_path, "qwen2")
+    model = load_lathe_model(path)
+    apply_lora(model, rank=4, alpha=8, target_modules=["q_proj"])
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B.normal_()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    ref = model(ids).logits
+    fuse_projections(model)
+    layer = model.model.layers[0]
+    assert not isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP)
+    assert_close_rel(model(ids).logits, ref, name="logits with LoRA q_proj")
+
+
 @pytest.mark.parametrize("splits", [2, 4, 8])
 def test_split_linear_sums_to_the_linear(splits):
-    from lathe.models.decoder import split_linear
+    from lathe.engine.decode_forms import split_linear
     g = torch.Generator().manual_seed(splits)
     lin = nn.Linear(64, 24, bias=False)
     x = torch.randn(3, 5, 64, generator=g, dtype=torch.float64)
@@ -46,7 +91,7 @@ def test_split_linear_sums_to_the_linear(splits):
 
 
 def test_split_linear_keeps_a_bias_a_subclass_a_strided_weight_and_an_uneven_split_whole():
-    from lathe.models.decoder import split_linear
+    from lathe.engine.decode_forms import split_linear
 
     class Adapter(nn.Linear):                # a LoRA-like subclass: its own forward must run
         def forward(self, x):
@@ -65,13 +110,16 @@ def test_split_linear_keeps_a_bias_a_subclass_a_strided_weight_and_an_uneven_spl
 def test_split_decode_form_equals_the_plain_forward(family):
     """Every layer in its split form (partials handed to the next layer, the last sum before the final norm): the
     plain forward's hidden states, for several split pairs and batch sizes."""
+    from lathe.engine.decode_forms import text_hidden
     model = _model(family)
     with torch.no_grad():
         for rows in (1, 7):
             ids, pos = torch.randint(0, 100, (rows,)), torch.arange(rows) + 3
             ref = model.model(ids, pos, _Attention())
+            assert torch.equal(text_hidden(model.model, ids, pos, _Attention()), ref)
             for pair in ((1, 1), (2, 2), (4, 2), (2, 4), (1, 8)):
-                assert_close_rel(model.model(ids, pos, _Attention(pair)), ref, rel=1e-5, name=f"{family} {pair}")
+                assert_close_rel(text_hidden(model.model, ids, pos, _Attention(pair)), ref, rel=1e-5,
+                                 name=f"{family} {pair}")
 
 
 def test_split_decode_form_compiles_once_for_all_layers_and_batches():
@@ -80,6 +128,7 @@ def test_split_decode_form_compiles_once_for_all_layers_and_batches():
     run traces nothing new."""
     import copy
     from torch._dynamo.utils import counters
+    from lathe.engine.decode_forms import text_hidden
     from lathe.models.compile import compile_decoder
     first_frames = {}
     for layers in (2, 4):
@@ -97,7 +146,7 @@ def test_split_decode_form_compiles_once_for_all_layers_and_batches():
                 ids, pos = torch.randint(0, 100, (rows,)), torch.arange(rows)
                 ref = model.model(ids, pos, _Attention())
                 counters.clear()
-                out = model.model(ids, pos, _Attention((2, 2)))
+                out = text_hidden(model.model, ids, pos, _Attention((2, 2)))
                 frames = counters["frames"]["ok"]
                 assert_close_rel(out, ref, rel=1e-5, name=f"compiled split, {layers} layers, {rows} rows")
                 if rows == 5:
@@ -111,7 +160,7 @@ def test_split_decode_form_compiles_once_for_all_layers_and_batches():
 def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypatch):
     """The engine's prefill and decode steps in the split form (the rule forced on, as on CUDA): the plain engine's
     tokens and log-probs, greedy and seeded."""
-    from lathe.engine import model_runner
+    from lathe.engine import decode_forms
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
@@ -124,7 +173,7 @@ def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypat
         if split:
             # forced on both kinds of step (the real rule gives prefill steps (1, 1)), so that the split form's
             # prefill path is compared too
-            monkeypatch.setattr(model_runner, "step_split_k",
+            monkeypatch.setattr(decode_forms, "step_split_k",
                                 lambda model, rows, prefill=False: seen.append((rows, prefill)) or (2, 4))
         engine = LatheEngine(load_lathe_model(path, torch.float32), eos_token_id=None, block_size=4, num_kv_blocks=64)
         outs.append([engine.generate(PROMPTS, p) for p in params])
@@ -140,9 +189,9 @@ def test_engine_with_split_decode_equals_the_plain_engine(checkpoints, monkeypat
 
 def test_step_split_k_rule(monkeypatch):
     """The plain forward where splitting was not measured to pay (an eager model, float32, the CPU); on CUDA, compiled
-    in half precision, splits from bench/decode_split_layers.py's H100 figures."""
-    from lathe.engine import model_runner
-    from lathe.engine.model_runner import _splits_for, step_split_k
+    in half precision, splits by the output's tiles against the GPU's SMs."""
+    from lathe.engine import decode_forms
+    from lathe.engine.decode_forms import _splits_for, step_split_k
     from lathe.models.compile import compile_decoder
     model = _model("qwen2")
     assert step_split_k(model, 256) is None                                    # eager
@@ -157,11 +206,11 @@ def test_step_split_k_rule(monkeypatch):
     assert _splits_for(256, 4864, 896, sms) == 2           # 0.5B down: 4 splits would leave 1216 features
     assert _splits_for(256, 896, 896, sms) == 1 and _splits_for(256, 3584, 3584, sms) == 1     # o_proj
     assert _splits_for(128, 8960, 1536, sms) == 1 and _splits_for(256, 4094, 896, sms) == 1    # few rows; K odd/2
-    monkeypatch.setattr(model_runner, "multiprocessor_count", lambda device: sms)
+    monkeypatch.setattr(decode_forms, "multiprocessor_count", lambda device: sms)
     on_cuda = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(model, "get_input_embeddings", lambda: on_cuda)
     assert step_split_k(model, 256) == (1, 1)              # K = 32 and 64: too short to split
-    monkeypatch.setattr(model_runner, "_splits_for", lambda rows, k, n, num_sms: 4)
+    monkeypatch.setattr(decode_forms, "_splits_for", lambda rows, k, n, num_sms: 4)
     assert step_split_k(model, 256) == (4, 4)
     assert step_split_k(model, 256, prefill=True) == (1, 1)        # a prefill never compiles a split variant
 
@@ -171,7 +220,7 @@ def test_cuda_bf16_split_decode_is_as_accurate_as_the_plain_form(checkpoints, mo
     """On CUDA in bf16, compiled (the engine's default there), prefill and decode steps in the split form (forced to
     (2, 2)) and in the plain form: the sampled tokens' log-probs against a float32 teacher-forced forward on the CPU;
     the split form's worst error is within the plain form's (x1.5, + 0.01)."""
-    from lathe.engine import model_runner
+    from lathe.engine import decode_forms
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
@@ -185,7 +234,7 @@ def test_cuda_bf16_split_decode_is_as_accurate_as_the_plain_form(checkpoints, mo
     errors, seen = {}, []
     for form, rule in (("plain", lambda model, rows, prefill=False: None),
                        ("split", lambda model, rows, prefill=False: seen.append(rows) or (2, 2))):
-        monkeypatch.setattr(model_runner, "step_split_k", rule)
+        monkeypatch.setattr(decode_forms, "step_split_k", rule)
         engine = LatheEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, eos_token_id=None,
                                              block_size=4, num_kv_blocks=128)
         out = engine.generate(PROMPTS, params)

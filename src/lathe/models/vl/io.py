@@ -1,0 +1,81 @@
+"""Checkpoint files of lathe's VL models: which directories hold one, the names their tensors are saved under (the
+hub's layouts of transformers 4 and 5), and writing one that transformers reads back."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from lathe.models.vl.config import VL_ARCHITECTURES
+
+# transformers 4.x (before 4.52) saved Qwen2.5-VL as `visual.*` and `model.layers.*`; today's names nest both
+_LEGACY_VISUAL = re.compile(r"^visual\.")
+_LEGACY_TEXT = re.compile(r"^model\.(?!language_model\.|visual\.)")
+
+
+def is_vl_checkpoint(path: str | Path) -> bool:
+    """True when `<path>/config.json` names an architecture this package implements."""
+    import json
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return False
+    with open(file) as f:
+        d = json.load(f)
+    return bool(set(d.get("architectures") or []) & VL_ARCHITECTURES.keys())
+
+
+def rename_legacy_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Bring 4.x-era names (`visual.`, `model.layers.`) to the checkpoint names of transformers 5."""
+    out = {}
+    for name, t in state.items():
+        name = _LEGACY_VISUAL.sub("model.visual.", name)
+        name = _LEGACY_TEXT.sub("model.language_model.", name)
+        out[name] = t
+    return out
+
+
+def checkpoint_names(state: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
+    """The names to write: Qwen2.5-VL in the hub's layout (as transformers 5 itself saves it, readable by every
+    transformers and vLLM version), Qwen3-VL as its modules are named."""
+    if family != "qwen2_5_vl":
+        return dict(state)
+    return {name.replace("model.visual.", "visual.", 1).replace("model.language_model.", "model.", 1): t
+            for name, t in state.items()}
+
+
+def save_vl_pretrained(model, path: str | Path, *,
+                       max_shard_size: int | str = "5GB", state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write config.json and safetensors weights that transformers' `AutoModelForImageTextToText` (and
+    `load_lathe_vl_model`) read back; `state` (the module's names) replaces the module's own tensors."""
+    import json
+    from safetensors.torch import save_file
+    from lathe.models.io import SAFE_INDEX, SAFE_SINGLE, _shard, parse_size
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = checkpoint_names(state, model.config.family)
+    shards = _shard(state, parse_size(max_shard_size))
+    for stale in list(path.glob("model*.safetensors")) + [path / SAFE_INDEX]:
+        stale.unlink(missing_ok=True)
+    names = [SAFE_SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                     for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        with open(path / SAFE_INDEX, "w") as f:
+            json.dump({"metadata": {"total_size": total},
+                       "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}}, f, indent=2)
+    config = dict(model.config.hf_config)
+    config["architectures"] = [model.config.architecture]
+    config["tie_word_embeddings"] = model.config.tie_word_embeddings
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+    if dtype is not None:
+        for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+            config[key] = str(dtype).replace("torch.", "")
+    with open(path / "config.json", "w") as f:
+        json.dump(config, f, indent=2)

@@ -24,7 +24,7 @@ from lathe.config import load_config
 from lathe.data.preprocess import PREPROCESSORS
 from lathe.reward.sandbox import unavailable
 from lathe.rollout.agent.parser import ToolCall
-from lathe.rollout.agent.tools import load_tools
+from lathe.rollout.agent.tool_config import load_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 LATHE = f"{shlex.quote(sys.executable)} -m lathe"

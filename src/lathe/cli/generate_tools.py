@@ -30,7 +30,8 @@ def load_toolset(opts: GenerateOptions):
     check_tool_options(opts)                    # again for options built in code (parse_options checks the keys given)
     if not opts.tool_config_path:
         return None
-    from lathe.rollout.agent.tools import ToolConfigError, load_tools
+    from lathe.rollout.agent.tool_config import load_tools
+    from lathe.rollout.agent.tools import ToolConfigError
     path = Path(opts.tool_config_path).expanduser()
     if not path.is_file():
         raise GenerateError(f"tool_config_path={opts.tool_config_path}: no such file. Fix: give a tool YAML file in "

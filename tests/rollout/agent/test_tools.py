@@ -17,13 +17,8 @@ from lathe.rollout.agent.builtin_tools import (
     Gsm8kTool,
 )
 from lathe.rollout.agent.parser import ToolCall
-from lathe.rollout.agent.tools import (
-    BaseTool,
-    ToolConfigError,
-    ToolResponse,
-    ToolSet,
-    load_tools,
-)
+from lathe.rollout.agent.tool_config import load_tools
+from lathe.rollout.agent.tools import BaseTool, ToolConfigError, ToolResponse, ToolSet
 
 
 def schema(name: str, *required: str) -> dict:

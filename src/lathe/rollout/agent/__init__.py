@@ -3,7 +3,7 @@
 - `loop.AgentLoop`: trajectories streamed through lathe's engine, tools in a bounded thread pool;
 - `render.ConversationRenderer`: the chat template's tokens between model turns (no re-tokenisation);
 - `parser`: tool calls in the model's text (`hermes`, `llama3_json`);
-- `tools`: verl-shaped tools from a YAML file (`BaseTool`, `load_tools`) and lathe's built-in ones.
+- `tools`: verl-shaped tools from a YAML file (`tools.BaseTool`, `tool_config.load_tools`) and lathe's built-in ones.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def load_run_tools(cfg):
     path = tool_config_path(cfg)
     if not path:
         return None
-    from lathe.rollout.agent.tools import load_tools
+    from lathe.rollout.agent.tool_config import load_tools
     return load_tools(path)
 
 

@@ -9,7 +9,7 @@ This package is a leaf: it imports only the standard library and PyYAML (never t
 
 from .errors import ConfigError
 from .loader import list_presets, load_config
-from .rules import BatchPlan, batch_plan, critic_in_use, resolve_devices
+from .plan import BatchPlan, RunPlan, batch_plan, critic_in_use, is_async, resolve_devices, run_plan
 from .schema import LatheConfig
 from .help import help_for
 from .tree import to_dict, to_yaml
@@ -18,12 +18,15 @@ __all__ = [
     "BatchPlan",
     "ConfigError",
     "LatheConfig",
+    "RunPlan",
     "batch_plan",
     "critic_in_use",
     "help_for",
+    "is_async",
     "list_presets",
     "load_config",
     "resolve_devices",
+    "run_plan",
     "to_dict",
     "to_yaml",
 ]

@@ -14,7 +14,8 @@ from .coerce import load_yaml
 from .errors import ConfigError, ProblemList, closest, did_you_mean
 from .fill import fill_defaults
 from .interpolate import resolve_interpolations
-from .rules import check_config, check_visible_devices, resolve_devices
+from .plan import resolve_devices
+from .rules import check_config, check_visible_devices
 from .schema import LatheConfig
 from .support import check_support
 from .tree import apply_layer, flatten_mapping, parse_override

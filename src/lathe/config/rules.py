@@ -1,9 +1,7 @@
-"""Cross-field rules checked by ``load_config`` before any model loads, and the batch plan.
+"""Cross-field rules checked by ``load_config`` before any model loads.
 
-verl's batch semantics, which every message spells out with the numbers:
-``data.train_batch_size`` = prompts per step; each prompt is sampled ``rollout.n`` times;
-``ppo_mini_batch_size`` counts PROMPTS (x n sequences, split evenly over the devices) and
-``ppo_micro_batch_size_per_gpu`` counts SEQUENCES per device per forward/backward pass.
+Every message spells out verl's batch semantics with the numbers (see `lathe.config.plan`, which derives the
+batch cut these rules check).
 """
 
 from __future__ import annotations
@@ -12,33 +10,10 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import dataclass
 
-from .errors import ConfigError, ProblemList
+from .errors import ProblemList
+from .plan import BatchPlan, Devices, batch_plan, critic_in_use, is_async, trainer_devices
 from .schema import LatheConfig
-
-
-@dataclass(frozen=True)
-class Devices:
-    """How many devices the batch is split over, and why (quoted in messages)."""
-
-    count: int
-    why: str
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How one step's batch is cut for a PPO role (actor or critic), all in sequences unless named."""
-
-    device_count: int
-    prompts_per_step: int
-    sequences_per_step: int
-    mini_batch_prompts: int
-    mini_batch_sequences: int
-    mini_batches_per_step: int
-    mini_batch_sequences_per_device: int
-    micro_batch_per_device: int
-    grad_accum_steps: int
 
 
 def cuda_available() -> bool:
@@ -74,21 +49,6 @@ def _gpus_present() -> int:
     return sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name)) or 1
 
 
-def resolve_devices(cfg: LatheConfig, device_count: int | None = None) -> Devices:
-    """Explicit count, else trainer.nnodes x trainer.n_gpus_per_node (on a CPU run, that many CPU workers)."""
-    if device_count is not None:
-        if device_count < 1:
-            raise ConfigError(f"device_count={device_count} must be >= 1. Fix: pass a positive device_count.")
-        return Devices(device_count, f"device_count={device_count} given to load_config")
-    t = cfg.trainer
-    count = t.nnodes * t.n_gpus_per_node
-    if t.nnodes < 1 or t.n_gpus_per_node < 1:
-        raise ConfigError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}: both must be "
-                          ">= 1 (they are the nodes and the devices per node the run trains on). Fix: set them to "
-                          "positive numbers (1 and 1 for one device).")
-    return Devices(count, f"{count} = trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}")
-
-
 def check_visible_devices(cfg: LatheConfig, problems: ProblemList) -> None:
     """A GPU run may not ask for more GPUs per node than this process can see."""
     t, pool = cfg.trainer, cfg.rollout
@@ -108,23 +68,6 @@ def check_visible_devices(cfg: LatheConfig, problems: ProblemList) -> None:
                  f"or set trainer.device=cpu (or auto, which trains on the CPU when no GPU is visible).")
 
 
-def critic_in_use(cfg: LatheConfig) -> bool:
-    """critic.enable when set, else whether the advantage estimator is GAE."""
-    if cfg.critic.enable is not None:
-        return cfg.critic.enable
-    return cfg.algorithm.adv_estimator == "gae"
-
-
-def batch_plan(cfg: LatheConfig, device_count: int | None = None, role: str = "actor") -> BatchPlan:
-    """The batch cut of a validated config for ``role`` ('actor' or 'critic')."""
-    dev = resolve_devices(cfg, device_count).count
-    owner = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
-    n, tbs, mini = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size, owner.ppo_mini_batch_size
-    per_device = mini * n // dev
-    micro = owner.ppo_micro_batch_size_per_gpu or per_device
-    return BatchPlan(dev, tbs, tbs * n, mini, mini * n, tbs // mini, per_device, micro, max(1, per_device // micro))
-
-
 def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> None:
     """Add every cross-field violation to ``problems``; emit warnings for allowed-but-odd combos."""
     arr = cfg.actor_rollout_ref
@@ -133,9 +76,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
         if cfg.critic.ppo_mini_batch_size != arr.actor.ppo_mini_batch_size:
             _check_batches(cfg, "critic", cfg.critic, devices, problems)
         elif actor_ok:  # same mini-batch as the actor: only the critic's own micro-batch is new
-            critic = cfg.critic
-            _check_micro("critic", critic.ppo_mini_batch_size, arr.rollout.n, critic.ppo_micro_batch_size_per_gpu,
-                         critic.use_dynamic_bsz, devices, problems)
+            _check_micro("critic", cfg.critic, batch_plan(cfg, devices.count, "critic"), arr.rollout.n, problems)
     _check_ranges(cfg, problems)
     _check_backend_and_run(cfg, problems)
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
@@ -160,7 +101,8 @@ def _check_batches(cfg: LatheConfig, prefix: str, owner, devices: Devices, probl
         _check_step_split(tbs, n, devices, problems)
     if not _check_mini(key, tbs, n, mini, devices, problems):
         return False
-    _check_micro(prefix, mini, n, owner.ppo_micro_batch_size_per_gpu, owner.use_dynamic_bsz, devices, problems)
+    role = "actor" if prefix == "actor_rollout_ref.actor" else "critic"
+    _check_micro(prefix, owner, batch_plan(cfg, devices.count, role), n, problems)
     return True
 
 
@@ -209,15 +151,14 @@ def _check_mini(key: str, tbs: int, n: int, mini: int, devices: Devices, problem
     return ok
 
 
-def _check_micro(prefix: str, mini: int, n: int, micro: int | None, dynamic: bool, devices: Devices,
-                 problems: ProblemList) -> None:
+def _check_micro(prefix: str, owner, plan: BatchPlan, n: int, problems: ProblemList) -> None:
     """Rule 4: the per-device micro-batch divides the per-device mini-batch."""
-    if micro is None or dynamic:
+    micro = owner.ppo_micro_batch_size_per_gpu
+    if micro is None or owner.use_dynamic_bsz:
         return
-    per_device = mini * n // devices.count
-    key = f"{prefix}.ppo_micro_batch_size_per_gpu"
-    where = (f"the per-device mini-batch of {per_device} sequences (ppo_mini_batch_size={mini} x rollout.n={n} "
-             f"/ {devices.count} device(s))")
+    per_device, key = plan.mini_batch_sequences_per_device, f"{prefix}.ppo_micro_batch_size_per_gpu"
+    where = (f"the per-device mini-batch of {per_device} sequences (ppo_mini_batch_size={plan.mini_batch_prompts} "
+             f"x rollout.n={n} / {plan.device_count} device(s))")
     divisors = [d for d in range(1, per_device + 1) if per_device % d == 0]
     if micro < 1 or micro > per_device:
         problems.add(f"{key}={micro} must be between 1 and {where}, because a micro-batch is a slice of it. "
@@ -383,11 +324,6 @@ def _check_lengths_and_rounds(cfg: LatheConfig, problems: ProblemList) -> None:
                      "algorithm.filter_groups.enable=true.")
 
 
-def is_async(cfg: LatheConfig) -> bool:
-    """Fully asynchronous: the rollout has a device pool of its own (`rollout.n_gpus_per_node` > 0)."""
-    return cfg.rollout.n_gpus_per_node > 0
-
-
 PROFILER_TOOLS = {"nsys": "profiling with NVIDIA Nsight Systems", "npu": "profiling on Ascend NPUs",
                   "torch_memory": "the CUDA memory-allocation history profiler"}
 
@@ -412,7 +348,7 @@ def _check_profiler(cfg: LatheConfig, problems: ProblemList) -> None:
     if bad:
         problems.add(f"global_profiler.steps={steps}: {bad} are not step numbers (the first step is 1). Fix: list "
                      f"steps >= 1.")
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    world = trainer_devices(cfg)
     ray_one = os.environ.get("LATHE_RAY") == "1"
     if p.tool == "torch" and steps and (world > 1 or cfg.rollout.n_gpus_per_node > 0 or ray_one):
         problems.add("global_profiler.tool=torch profiles the trainer process, but with "

@@ -1,4 +1,4 @@
-"""Weight-sync bandwidth of lathe.cluster.checkpoint_engine: the trainer's rank 0 broadcasting a model's weights.
+"""Weight-sync bandwidth of lathe.workers.checkpoint_engine: the trainer's rank 0 broadcasting a model's weights.
 
     python bench/checkpoint_engine.py [--models 1.5b,7b] [--buckets-mb 256,512,1024] [--repeats 3] [--warmup 1]
         [--git-sha SHA] [--out bench/results/checkpoint_engine_<device>.json]
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from lathe.cluster.checkpoint_engine import (SyncGroup, TensorMeta, metas_of, receive_weights,  # noqa: E402
+from lathe.workers.checkpoint_engine import (SyncGroup, TensorMeta, metas_of, receive_weights,  # noqa: E402
                                              send_weights)
 
 

@@ -138,3 +138,12 @@ def qwen_style_tokenizer():
     tok.add_tokens(["<tool_call>", "</tool_call>"])      # added, not special: as in Qwen2.5's tokenizer
     tok.chat_template = QWEN_TOOLS_TEMPLATE
     return tok
+
+
+def plan_of(cfg, **changes):
+    """`lathe.config.run_plan(cfg)` with some facts replaced: a test that wants a reference (or none) whatever the
+    config's KL keys say passes `needs_ref`."""
+    from dataclasses import replace
+
+    from lathe.config import run_plan
+    return replace(run_plan(cfg), **changes)

@@ -83,6 +83,11 @@ def current_device(device_type: str | None = None) -> torch.device:
     return torch.device(kind, api.current_device()) if api is not None else torch.device("cpu")
 
 
+def rank_device(device_type: str) -> torch.device:
+    """The device of a Ray worker rank: the one accelerator Ray made visible to it (index 0), or the CPU."""
+    return torch.device(device_type, 0) if device_type != "cpu" else torch.device("cpu")
+
+
 def set_device(index: int, device_type: str | None = None) -> None:
     api = _api(device_type or default_device_type())
     if api is not None:

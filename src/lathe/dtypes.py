@@ -23,3 +23,11 @@ def to_dtype(name: str | torch.dtype, key: str) -> torch.dtype:
 def short_name(dtype: torch.dtype) -> str:
     """bf16 / fp32 / fp16 (for log lines and the memory plan)."""
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The engine's dtype: `actor_rollout_ref.rollout.dtype` on CUDA (the config checked the name); float32 on CPU,
+    where bf16 matmuls are slow and lose the trainer's numerics."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    return to_dtype(name, "actor_rollout_ref.rollout.dtype")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lathe.batch import Batch
-from lathe.cluster.async_roles import RolloutWorker, token_versions
+from lathe.workers.fully_async import RolloutWorker, token_versions
 from lathe.config import load_config
 from lathe.generation import SamplingParams
 from lathe.loop.setup import _given_model

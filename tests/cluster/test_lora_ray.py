@@ -15,12 +15,12 @@ import torch
 
 ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
 
-from helpers import assert_close_rel  # noqa: E402
+from helpers import assert_close_rel, plan_of  # noqa: E402
 from lathe.config import load_config  # noqa: E402
 from lathe.generation import RolloutOutput  # noqa: E402
 from lathe.rollout.base import to_batch  # noqa: E402
 from lathe.train import parallel  # noqa: E402
-from lathe.train.workers import ActorRolloutRefWorker  # noqa: E402
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
 pytestmark = pytest.mark.slow
 OVERRIDES = ["actor_rollout_ref.model.path=builtin:tiny", "actor_rollout_ref.model.use_remove_padding=true",
@@ -44,15 +44,15 @@ class ProbedWorker(ActorRolloutRefWorker):
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """This rank's engine weights (its own full copy)."""
-        return {k: v.detach().clone() for k, v in self.rollout.model.state_dict().items()}
+        return {k: v.detach().clone() for k, v in self.rollout.backend.model.state_dict().items()}
 
 
 def make_worker(cfg) -> ProbedWorker:
     from lathe.data.builtin import builtin_tokenizer
     from lathe.models.hf import build_builtin_model
     tok = builtin_tokenizer()
-    return ProbedWorker(cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok, total_steps=10,
-                        device=torch.device("cpu"), need_ref=True)
+    return ProbedWorker(cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok,
+                        plan=plan_of(cfg, needs_ref=True), total_steps=10, device=torch.device("cpu"))
 
 
 def ppo_batch(worker, seed: int):

@@ -8,7 +8,7 @@ import math
 import torch
 
 from lathe.rollout.agent import parser as parser_module
-from lathe.train.workers import ActorRolloutRefWorker
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 from .test_ppo import read_metrics, run
 from .test_vl_train import COLOURS, vl_keys

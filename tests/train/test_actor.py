@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from lathe.config import batch_plan
+
 from lathe.train.actor import PPOActor, policy_loss_params
 from lathe.train.logprob import response_log_probs
 from lathe.train.optim import build_optimizer, build_scheduler
@@ -17,7 +19,9 @@ def _actor(model, cfg, optimizer=None):
     arr = cfg.actor_rollout_ref
     optimizer = optimizer or build_optimizer(model.parameters(), arr.actor.optim)
     scheduler = build_scheduler(optimizer, arr.actor.optim, total_steps=10)
-    return PPOActor(model, optimizer, scheduler, arr.actor, n=arr.rollout.n, temperature=arr.rollout.temperature,
+    return PPOActor(model, optimizer, scheduler, arr.actor,
+                    mini_batch_size=batch_plan(cfg).mini_batch_sequences_per_device,
+                    temperature=arr.rollout.temperature,
                     max_response_length=cfg.data.max_response_length)
 
 
@@ -139,7 +143,8 @@ def test_non_finite_updates_in_a_row_stop_with_the_batch_saved(make_model, rollo
     arr = cfg.actor_rollout_ref
     optimizer = build_optimizer(model.parameters(), arr.actor.optim)
     actor = PPOActor(model, optimizer, build_scheduler(optimizer, arr.actor.optim, total_steps=10), arr.actor,
-                     n=arr.rollout.n, temperature=1.0, max_response_length=cfg.data.max_response_length,
+                     mini_batch_size=batch_plan(cfg).mini_batch_sequences_per_device,
+                     temperature=1.0, max_response_length=cfg.data.max_response_length,
                      nonfinite=NonFiniteGuard("actor", limit=3, dump_dir=tmp_path))
     batch = _ppo_batch(model, rollout_batch, temperature=1.0)
     batch["advantages"][:, 0] = float("inf")                 # every mini-batch: 2 skipped updates per step
@@ -162,7 +167,8 @@ def _actor_remove_padding(model, cfg, remove_padding):
     arr = cfg.actor_rollout_ref
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return PPOActor(model, optimizer, build_scheduler(optimizer, arr.actor.optim, total_steps=10), arr.actor,
-                    n=arr.rollout.n, temperature=arr.rollout.temperature,
+                    mini_batch_size=batch_plan(cfg).mini_batch_sequences_per_device,
+                    temperature=arr.rollout.temperature,
                     max_response_length=cfg.data.max_response_length, use_remove_padding=remove_padding)
 
 

@@ -7,6 +7,8 @@ equals the eager one. CPU compilation is switched on here through `lathe.models.
 import pytest
 import torch
 
+from lathe.config import batch_plan
+
 import lathe.models.compile as compile_mod
 from lathe.models.decoder import LatheCausalLM, LatheValueModel
 from lathe.train.actor import PPOActor, use_torch_compile
@@ -39,7 +41,7 @@ def _actor(model, cfg, remove_padding=True):
     arr = cfg.actor_rollout_ref
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return PPOActor(model, optimizer, build_scheduler(optimizer, arr.actor.optim, total_steps=10), arr.actor,
-                    n=arr.rollout.n, temperature=arr.rollout.temperature,
+                    mini_batch_size=batch_plan(cfg).mini_batch_sequences_per_device, temperature=arr.rollout.temperature,
                     max_response_length=cfg.data.max_response_length, use_remove_padding=remove_padding)
 
 

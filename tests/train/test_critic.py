@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from lathe.config import batch_plan
 from lathe.data.builtin import builtin_tokenizer
-from lathe.train.critic import CriticWorker, PPOCritic, response_values
+from lathe.train.critic import PPOCritic, response_values
+from lathe.workers.critic import CriticWorker
 
 from helpers import assert_close_rel
 
@@ -28,7 +30,8 @@ def _value_model(seed: int = 0):
 
 
 def _worker(cfg, model=None, total_steps=10):
-    return CriticWorker(cfg, builtin_tokenizer(), total_steps=total_steps, device="cpu", model=model)
+    return CriticWorker(cfg, builtin_tokenizer(), plan=batch_plan(cfg, role="critic"), total_steps=total_steps,
+                        device="cpu", model=model)
 
 
 def _critic_batch(worker, rollout_batch, seed=0, value_noise=0.5):
@@ -196,7 +199,8 @@ def test_ppo_critic_batch_sizes_follow_verl_keys(load_cfg):
     model = _value_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     critic = PPOCritic(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), cfg.critic,
-                       n=cfg.actor_rollout_ref.rollout.n, max_response_length=cfg.data.max_response_length)
+                       mini_batch_size=batch_plan(cfg, role="critic").mini_batch_sequences_per_device,
+                       max_response_length=cfg.data.max_response_length)
     assert (critic.mini_batch_size, critic.micro_batch_size, critic.forward_micro_batch_size) == (4, 2, 2)
 
 

@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 
-from helpers import assert_close_rel
+from helpers import assert_close_rel, plan_of
 from lathe.data.builtin import builtin_tokenizer
 from lathe.models.hf import build_builtin_model
 from lathe.models.lora import adapters_disabled, apply_lora, load_adapter, read_adapter, save_adapter
-from lathe.train.workers import ActorRolloutRefWorker
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"]
 
@@ -86,8 +86,8 @@ def worker(load_cfg, *overrides):
     cfg = load_cfg("actor_rollout_ref.model.path=builtin:tiny", "actor_rollout_ref.model.use_remove_padding=true",
                    "actor_rollout_ref.actor.use_kl_loss=true", *LORA, *overrides)
     tok = builtin_tokenizer()
-    return ActorRolloutRefWorker(cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok, total_steps=10,
-                                 device=torch.device("cpu"), need_ref=True)
+    return ActorRolloutRefWorker(cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok,
+                                 plan=plan_of(cfg, needs_ref=True), total_steps=10, device=torch.device("cpu"))
 
 
 def ppo_batch(w, rollout_batch, seed=1):
@@ -103,7 +103,7 @@ def ppo_batch(w, rollout_batch, seed=1):
 def test_only_the_adapters_train_the_reference_is_the_base_and_the_engine_gets_the_merged_weights(
         load_cfg, rollout_batch):
     w = worker(load_cfg)
-    assert w.ref is None and w.has_ref, "no second copy of the weights for the reference"
+    assert w.ref.model is None and w.has_ref, "no second copy of the weights for the reference"
     before = {k: v.clone() for k, v in w.model.state_dict().items()}
     for seed in (1, 3):
         w.update_actor(ppo_batch(w, rollout_batch, seed))
@@ -117,7 +117,7 @@ def test_only_the_adapters_train_the_reference_is_the_base_and_the_engine_gets_t
         base = w.compute_log_prob(batch)["old_log_probs"]
     assert torch.equal(w.compute_ref_log_prob(batch)["ref_log_prob"], base)
     assert not torch.equal(w.compute_log_prob(batch)["old_log_probs"], base)
-    engine = w.rollout.model
+    engine = w.rollout.backend.model
     merged = copy.deepcopy(w.model)
     with torch.no_grad():
         for path, layer in [(p, m) for p, m in merged.named_modules() if hasattr(m, "lora_A")]:
@@ -156,6 +156,6 @@ def test_a_run_starts_from_an_existing_peft_adapter(load_cfg, rollout_batch, tmp
     batch = rollout_batch(rows=8, seed=9)
     assert_close_rel(started.compute_log_prob(batch)["old_log_probs"], w.compute_log_prob(batch)["old_log_probs"],
                      rel=1e-6, name="log-probs from the loaded adapter")
-    assert_close_rel(started.rollout.model.model.layers[0].self_attn.q_proj.weight,
-                     w.rollout.model.model.layers[0].self_attn.q_proj.weight, rel=1e-6,
+    assert_close_rel(started.rollout.backend.model.model.layers[0].self_attn.q_proj.weight,
+                     w.rollout.backend.model.model.layers[0].self_attn.q_proj.weight, rel=1e-6,
                      name="the engine starts from the merged adapter")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lathe.config import load_config
+from lathe.config import batch_plan, load_config
 from lathe.generation import RolloutOutput
 from lathe.rollout.base import to_batch
 from lathe.train.actor import PPOActor
@@ -124,7 +124,8 @@ def test_update_runs_and_does_not_depend_on_micro_batch_size(vl_models):
         arr.actor.ppo_micro_batch_size_per_gpu = micro
         optimizer = torch.optim.SGD(vl_model.parameters(), lr=0.1)
         actor = PPOActor(vl_model, optimizer, build_scheduler(optimizer, arr.actor.optim, total_steps=10), arr.actor,
-                         n=arr.rollout.n, temperature=TEMPERATURE, max_response_length=cfg.data.max_response_length,
+                         mini_batch_size=batch_plan(cfg).mini_batch_sequences_per_device,
+                         temperature=TEMPERATURE, max_response_length=cfg.data.max_response_length,
                          use_remove_padding=True)
         metrics = actor.update_policy(batch)
         results[micro] = ({k: v.detach() - start[k] for k, v in vl_model.state_dict().items()}, metrics)

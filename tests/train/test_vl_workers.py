@@ -9,7 +9,9 @@ from lathe.config import load_config
 from lathe.data.multimodal import tiny_vl_processor
 from lathe.models.hf import ModelLoadError, load_policy
 from lathe.models.vl import LatheVLForConditionalGeneration
-from lathe.train.workers import ActorRolloutRefWorker
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+from helpers import plan_of
 
 from models.vl_tiny import save_hf
 
@@ -42,11 +44,13 @@ def test_a_vl_actor_generates_with_the_engine_and_refuses_the_transformers_rollo
     tok = tiny_vl_processor().tokenizer
     key = "actor_rollout_ref.rollout.name=hf"
     with pytest.raises(NotImplementedError, match=f"{key.split('=')[0]}.*vision-language"):
-        ActorRolloutRefWorker(_cfg(vl_dir, tmp_path, key), load_policy(str(vl_dir)),
-                              tok, total_steps=1, device=torch.device("cpu"), need_ref=False)
-    worker = ActorRolloutRefWorker(_cfg(vl_dir, tmp_path), load_policy(str(vl_dir)), tok, total_steps=1,
-                                   device=torch.device("cpu"), need_ref=False)
-    assert worker.rollout_name == "lathe"
+        cfg = _cfg(vl_dir, tmp_path, key)
+        ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tok, plan=plan_of(cfg, needs_ref=False), total_steps=1,
+                              device=torch.device("cpu"))
+    cfg = _cfg(vl_dir, tmp_path)
+    worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tok, plan=plan_of(cfg, needs_ref=False),
+                                   total_steps=1, device=torch.device("cpu"))
+    assert worker.rollout.name == "lathe"
     rows = vl_rollout_batch()
     P = rows["prompts"].shape[1]
     prompts = Batch(non_tensors={"prompt_ids": [r[m.bool()].tolist() for r, m in
@@ -60,8 +64,9 @@ def test_a_vl_actor_generates_with_the_engine_and_refuses_the_transformers_rollo
 
 def test_worker_log_probs_reference_and_update_on_image_rows(vl_dir, tmp_path):
     cfg = _cfg(vl_dir, tmp_path)
-    worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tiny_vl_processor().tokenizer, total_steps=1,
-                                   device=torch.device("cpu"), need_ref=True, rollout=False)
+    worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tiny_vl_processor().tokenizer,
+                                   plan=plan_of(cfg, needs_ref=True), total_steps=1, device=torch.device("cpu"),
+                                   rollout=False)
     assert isinstance(worker.model, LatheVLForConditionalGeneration) and worker.has_ref
     batch = vl_rollout_batch()
     batch.update(worker.compute_log_prob(batch))
@@ -92,21 +97,23 @@ def test_freeze_vision_tower_trains_the_language_model_only(vl_dir, tmp_path):
     """verl's actor.freeze_vision_tower: after an update the vision tower is unchanged and out of the optimizer, the
     language model moved; a text policy refuses the key."""
     cfg = _cfg(vl_dir, tmp_path, "actor_rollout_ref.actor.freeze_vision_tower=true")
-    worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tiny_vl_processor().tokenizer, total_steps=1,
-                                   device=torch.device("cpu"), need_ref=True, rollout=False)
+    worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tiny_vl_processor().tokenizer,
+                                   plan=plan_of(cfg, needs_ref=True), total_steps=1, device=torch.device("cpu"),
+                                   rollout=False)
     changed = _changed_by_an_update(worker, seed=1)
     assert changed and not any(k.startswith("model.visual.") for k in changed)
     assert any(k.startswith("model.language_model.") for k in changed)
-    trained = {id(p) for g in worker.optimizer.param_groups for p in g["params"]}
+    trained = {id(p) for g in worker.actor.optimizer.param_groups for p in g["params"]}
     assert not any(id(p) in trained for p in worker.model.model.visual.parameters())
     from lathe.data.builtin import builtin_tokenizer
     from lathe.models.hf import build_builtin_model
     tok = builtin_tokenizer()
     with pytest.raises(ValueError, match="freeze_vision_tower=true: the policy is a text model"):
-        ActorRolloutRefWorker(load_config(None, ["actor_rollout_ref.model.path=builtin:tiny",
-                                                 "actor_rollout_ref.actor.freeze_vision_tower=true"]),
-                              build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok, total_steps=1,
-                              device=torch.device("cpu"), need_ref=False, rollout=False)
+        text_cfg = load_config(None, ["actor_rollout_ref.model.path=builtin:tiny",
+                                      "actor_rollout_ref.actor.freeze_vision_tower=true"])
+        ActorRolloutRefWorker(text_cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok,
+                              plan=plan_of(text_cfg, needs_ref=False), total_steps=1, device=torch.device("cpu"),
+                              rollout=False)
 
 
 def test_lora_on_a_vl_model_adapts_the_language_model_and_the_engine_runs_merged(vl_dir, tmp_path):
@@ -116,15 +123,15 @@ def test_lora_on_a_vl_model_adapts_the_language_model_and_the_engine_runs_merged
     from lathe.models.lora import lora_layers
     from lathe.models.vl import load_lathe_vl_model
     cfg = _cfg(vl_dir, tmp_path, "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8")
-    worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tiny_vl_processor().tokenizer, total_steps=1,
-                                   device=torch.device("cpu"), need_ref=True)
+    worker = ActorRolloutRefWorker(cfg, load_policy(str(vl_dir)), tiny_vl_processor().tokenizer,
+                                   plan=plan_of(cfg, needs_ref=True), total_steps=1, device=torch.device("cpu"))
     adapted = dict(lora_layers(worker.model))
     assert adapted and all(p.startswith("model.language_model.layers.") for p in adapted)
-    assert not list(lora_layers(worker.rollout.model))               # the engine's copy: plain merged layers
+    assert not list(lora_layers(worker.rollout.backend.model))               # the engine's copy: plain merged layers
     changed = _changed_by_an_update(worker, seed=2)
     worker.sync_weights()
     assert changed and all(k.endswith((".lora_A", ".lora_B")) for k in changed)
-    engine = worker.rollout.model.state_dict()
+    engine = worker.rollout.backend.model.state_dict()
     for path, layer in adapted.items():
         want = layer.weight.float() + layer.delta()
         assert torch.allclose(engine[f"{path}.weight"].float(), want, atol=1e-6), path

@@ -9,9 +9,10 @@ from lathe.data.builtin import builtin_tokenizer
 from lathe.generation import SamplingParams
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import build_builtin_model
-from lathe.train.workers import ActorRolloutRefWorker
+from lathe.generation import SamplingParams
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-from helpers import assert_close_rel
+from helpers import assert_close_rel, plan_of
 
 
 def _worker(load_cfg, *overrides, model=None, need_ref=True):
@@ -19,7 +20,8 @@ def _worker(load_cfg, *overrides, model=None, need_ref=True):
                    *overrides)
     tok = builtin_tokenizer()
     model = model if model is not None else build_builtin_model("tiny", vocab_size=len(tok), seed=0)
-    return ActorRolloutRefWorker(cfg, model, tok, total_steps=10, device=torch.device("cpu"), need_ref=need_ref)
+    return ActorRolloutRefWorker(cfg, model, tok, plan=plan_of(cfg, needs_ref=need_ref), total_steps=10,
+                                 device=torch.device("cpu"))
 
 
 def _ppo_batch(worker, rollout_batch):
@@ -43,15 +45,15 @@ def test_builtin_actor_runs_lathe_with_a_synced_transformers_rollout(load_cfg, r
         worker = _worker(load_cfg, "actor_rollout_ref.rollout.name=hf")
     assert "actor: lathe decoder (Qwen2ForCausalLM" in caplog.text
     assert "rollout: transformers generate (actor_rollout_ref.rollout.name=hf)" in caplog.text
-    assert isinstance(worker.model, LatheCausalLM) and isinstance(worker.ref, LatheCausalLM)
-    rollout_model = worker.rollout.model
+    assert isinstance(worker.model, LatheCausalLM) and isinstance(worker.ref.model, LatheCausalLM)
+    rollout_model = worker.rollout.backend.model
     assert not isinstance(rollout_model, LatheCausalLM) and worker.model.model.gradient_checkpointing
     assert _same_weights(worker.model, rollout_model), "the seeded built-in weights are kept by the conversion"
     assert rollout_model.model.embed_tokens.weight.data_ptr() != worker.model.model.embed_tokens.weight.data_ptr()
     # the trainer's log-probs of a rollout agree with the rollout's own
     params = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=0)
     prompts = [[5, 6, 7], [8, 9]]
-    out = worker.rollout.generate(prompts, params)
+    out = worker.rollout.backend.generate(prompts, params)
     from lathe.rollout.base import to_batch
     gen = to_batch(prompts, out, worker.tokenizer.pad_token_id, params.n)
     logp = worker.compute_log_prob(gen)["old_log_probs"]
@@ -69,7 +71,7 @@ def test_builtin_actor_runs_lathe_with_a_synced_transformers_rollout(load_cfg, r
 def test_impl_hf_shares_one_transformers_module(load_cfg, caplog):
     with caplog.at_level(logging.INFO, logger="lathe"):
         worker = _worker(load_cfg, "actor_rollout_ref.model.impl=hf")
-    assert worker.rollout.model is worker.model and not isinstance(worker.model, LatheCausalLM)
+    assert worker.rollout.backend.model is worker.model and not isinstance(worker.model, LatheCausalLM)
     assert "actor: transformers Qwen2ForCausalLM" in caplog.text
     assert "rollout: transformers generate (actor_rollout_ref.rollout.name=auto and the actor runs" in caplog.text
 
@@ -86,7 +88,7 @@ def _gelu_model():
 def test_unsupported_architecture_falls_back_or_fails_when_lathe_is_required(load_cfg, rollout_batch, caplog):
     with caplog.at_level(logging.INFO, logger="lathe"):
         worker = _worker(load_cfg, model=_gelu_model(), need_ref=False)
-    assert worker.model is worker.rollout.model and not isinstance(worker.model, LatheCausalLM)
+    assert worker.model is worker.rollout.backend.model and not isinstance(worker.model, LatheCausalLM)
     assert "hidden_act='gelu'" in caplog.text
     logp = worker.compute_log_prob(rollout_batch(rows=2))["old_log_probs"]   # runs padded, use_remove_padding or not
     assert torch.isfinite(logp).all()
@@ -103,7 +105,7 @@ def test_checkpoint_round_trip_resyncs_the_rollout(load_cfg, rollout_batch, tmp_
     worker.update_actor(_ppo_batch(worker, rollout_batch))
     worker.save_checkpoint(tmp_path / "actor")
     restored = _worker(load_cfg, name)
-    assert not _same_weights(worker.model, restored.rollout.model)
+    assert not _same_weights(worker.model, restored.rollout.backend.model)
     restored.load_checkpoint(tmp_path / "actor")
     assert _same_weights(worker.model, restored.model)
-    assert _same_weights(worker.model, restored.rollout.model), "load_checkpoint pushes the weights into the rollout"
+    assert _same_weights(worker.model, restored.rollout.backend.model), "load_checkpoint pushes the weights into the rollout"

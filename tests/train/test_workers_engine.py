@@ -12,9 +12,10 @@ from lathe.engine.llm_engine import LatheEngine
 from lathe.generation import SamplingParams
 from lathe.models.decoder import LatheCausalLM
 from lathe.rollout.hf import HFRollout
-from lathe.train.workers import ActorRolloutRefWorker, build_engine, eos_token_ids
+from lathe.rollout.build import build_engine, eos_token_ids
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-from helpers import assert_close_rel
+from helpers import assert_close_rel, plan_of
 
 from .test_workers import _ppo_batch, _same_weights
 
@@ -41,8 +42,8 @@ def _qwen2(seed: int = 2):
 def _worker(load_cfg, rollout: str, *overrides, model=None):
     cfg = load_cfg(f"actor_rollout_ref.rollout.name={rollout}", "data.max_prompt_length=24",
                    "data.max_response_length=12", "actor_rollout_ref.actor.optim.lr=1e-2", *overrides)
-    return ActorRolloutRefWorker(cfg, model if model is not None else _qwen2(), builtin_tokenizer(), total_steps=10,
-                                 device=torch.device("cpu"), need_ref=True)
+    return ActorRolloutRefWorker(cfg, model if model is not None else _qwen2(), builtin_tokenizer(),
+                                 plan=plan_of(cfg, needs_ref=True), total_steps=10, device=torch.device("cpu"))
 
 
 def _prompts():
@@ -65,7 +66,7 @@ def test_auto_picks_the_engine_for_lathes_decoder_and_keeps_no_transformers_copy
         worker = _worker(load_cfg, "auto", model=model)
     assert "rollout: lathe engine (actor_rollout_ref.rollout.name=auto and lathe's decoder runs Qwen2ForCausalLM)" \
         in caplog.text
-    engine = worker.rollout
+    engine = worker.rollout.backend
     assert isinstance(engine, LatheEngine) and isinstance(engine.model, LatheCausalLM)
     assert engine.model.dtype == torch.float32 and engine.max_model_len == 24 + 12
     assert engine.eos_ids == [1, SECOND_EOS]
@@ -82,7 +83,7 @@ def test_auto_picks_the_engine_for_lathes_decoder_and_keeps_no_transformers_copy
 
 def test_engine_greedy_responses_equal_the_hf_rollouts_token_for_token(load_cfg):
     hf, engine = _worker(load_cfg, "hf"), _worker(load_cfg, "lathe")
-    assert isinstance(hf.rollout, HFRollout) and isinstance(engine.rollout, LatheEngine)
+    assert isinstance(hf.rollout.backend, HFRollout) and isinstance(engine.rollout.backend, LatheEngine)
     a, b = hf.generate_sequences(_prompts(), GREEDY), engine.generate_sequences(_prompts(), GREEDY)
     reasons = list(a["finish_reason"])
     assert "stop" in reasons and "length" in reasons, "precondition: some responses end on an eos, some do not"
@@ -97,27 +98,27 @@ def test_engine_greedy_responses_equal_the_hf_rollouts_token_for_token(load_cfg)
 def test_engine_follows_actor_updates_and_equals_a_fresh_engine(load_cfg, rollout_batch):
     worker = _worker(load_cfg, "lathe")
     sampled = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3)
-    before = worker.rollout.generate(PROMPT_IDS, sampled)   # fills the prefix cache with the old weights' KV
+    before = worker.rollout.backend.generate(PROMPT_IDS, sampled)   # fills the prefix cache with the old weights' KV
     worker.update_actor(_ppo_batch(worker, rollout_batch))
     worker.sync_weights()                                   # the engine forgets the old weights' prefixes
-    assert _same_weights(worker.model, worker.rollout.model)
+    assert _same_weights(worker.model, worker.rollout.backend.model)
     fresh = build_engine(worker.cfg.actor_rollout_ref.rollout, worker.model, [1, SECOND_EOS])
     for params in (sampled, GREEDY):
-        after, expected = worker.rollout.generate(PROMPT_IDS, params), fresh.generate(PROMPT_IDS, params)
+        after, expected = worker.rollout.backend.generate(PROMPT_IDS, params), fresh.generate(PROMPT_IDS, params)
         assert after.token_ids == expected.token_ids and after.finish_reasons == expected.finish_reasons
         assert after.logprobs == expected.logprobs
     assert after.token_ids != before.token_ids or after.logprobs != before.logprobs
-    resampled = worker.rollout.generate(PROMPT_IDS, sampled)
+    resampled = worker.rollout.backend.generate(PROMPT_IDS, sampled)
     assert resampled.logprobs != before.logprobs, "the update changed the policy the engine samples from"
 
 
 def test_free_cache_engine_releases_the_kv_cache_between_generations(load_cfg):
     worker = _worker(load_cfg, "lathe")
-    assert not worker.free_cache_engine and worker.rollout.kv_cache.allocated, "CPU: the cache stays allocated"
+    assert not worker.rollout.free_cache_engine and worker.rollout.backend.kv_cache.allocated, "CPU: the cache stays allocated"
     first = worker.generate_sequences(_prompts(), GREEDY)
-    worker.free_cache_engine = True          # what a CUDA device with rollout.free_cache_engine=true sets
+    worker.rollout.free_cache_engine = True          # what a CUDA device with rollout.free_cache_engine=true sets
     second = worker.generate_sequences(_prompts(), GREEDY)
-    assert not worker.rollout.kv_cache.allocated, "asleep after generating"
+    assert not worker.rollout.backend.kv_cache.allocated, "asleep after generating"
     third = worker.generate_sequences(_prompts(), GREEDY)
     assert torch.equal(first["responses"], second["responses"]) and torch.equal(first["responses"], third["responses"])
 
@@ -126,12 +127,12 @@ def test_free_cache_engine_releases_the_kv_cache_between_generations(load_cfg):
 def test_cuda_engine_runs_in_the_rollout_dtype_and_sleeps_while_training(load_cfg, rollout_batch):
     cfg = load_cfg("actor_rollout_ref.rollout.name=lathe", "data.max_prompt_length=24", "data.max_response_length=12",
                    "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")
-    worker = ActorRolloutRefWorker(cfg, _qwen2(), builtin_tokenizer(), total_steps=10, device=torch.device("cuda"),
-                                   need_ref=True)
-    assert worker.rollout.model.dtype == torch.bfloat16 and worker.rollout.model.device.type == "cuda"
-    assert worker.free_cache_engine and not worker.rollout.kv_cache.allocated
+    worker = ActorRolloutRefWorker(cfg, _qwen2(), builtin_tokenizer(), plan=plan_of(cfg, needs_ref=True),
+                                   total_steps=10, device=torch.device("cuda"))
+    assert worker.rollout.backend.model.dtype == torch.bfloat16 and worker.rollout.backend.model.device.type == "cuda"
+    assert worker.rollout.free_cache_engine and not worker.rollout.backend.kv_cache.allocated
     out = worker.generate_sequences(_prompts(), GREEDY)
-    assert out["responses"].shape[0] == len(PROMPT_IDS) * 2 and not worker.rollout.kv_cache.allocated
+    assert out["responses"].shape[0] == len(PROMPT_IDS) * 2 and not worker.rollout.backend.kv_cache.allocated
     worker.update_actor(_ppo_batch(worker, rollout_batch))
     worker.sync_weights()
     assert worker.generate_sequences(_prompts(), GREEDY)["responses"].shape[0] == len(PROMPT_IDS) * 2

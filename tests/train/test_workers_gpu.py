@@ -4,10 +4,14 @@ projections), offload."""
 import pytest
 import torch
 
+from lathe.config import batch_plan
 from lathe.data.builtin import builtin_tokenizer
-from lathe.train.critic import CriticWorker
+from lathe.workers.critic import CriticWorker
 from lathe.train.master import MasterAdamW
-from lathe.train.workers import ActorRolloutRefWorker, build_engine
+from lathe.rollout.build import build_engine
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+from helpers import plan_of
 
 from .test_critic import CRITIC, _critic_batch, _value_model
 from .test_workers import _ppo_batch
@@ -20,19 +24,19 @@ def _cuda_worker(load_cfg, *overrides):
     cfg = load_cfg("actor_rollout_ref.rollout.name=lathe", "data.max_prompt_length=24", "data.max_response_length=12",
                    "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.actor.optim.lr=1e-2",
                    *overrides)
-    return ActorRolloutRefWorker(cfg, _qwen2(), builtin_tokenizer(), total_steps=10, device=torch.device("cuda"),
-                                 need_ref=True)
+    return ActorRolloutRefWorker(cfg, _qwen2(), builtin_tokenizer(), plan=plan_of(cfg, needs_ref=True),
+                                 total_steps=10, device=torch.device("cuda"))
 
 
 def test_actor_computes_in_bf16_on_fp32_masters_and_the_engine_runs_on_its_tensors(load_cfg, rollout_batch):
     worker = _cuda_worker(load_cfg)
-    assert isinstance(worker.optimizer, MasterAdamW)
-    masters = worker.optimizer.param_groups[0]["params"]
+    assert isinstance(worker.actor.optimizer, MasterAdamW)
+    masters = worker.actor.optimizer.param_groups[0]["params"]
     assert all(p.dtype == torch.bfloat16 for p in worker.model.parameters())
     assert all(m.dtype == torch.float32 and m.is_cuda for m in masters)
-    assert all(p.dtype == torch.bfloat16 for p in worker.ref.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in worker.ref.model.parameters())
     actor = {n: t.data_ptr() for n, t in worker.model.state_dict().items()}
-    engine = worker.rollout.model
+    engine = worker.rollout.backend.model
     own = {n for n, t in engine.state_dict().items() if actor[n] != t.data_ptr()}
     from lathe.engine.decode_forms import FusedAttention
     fused = isinstance(engine.model.layers[0].self_attn, FusedAttention)    # the engine's q/k/v, gate/up copy
@@ -44,9 +48,9 @@ def test_actor_computes_in_bf16_on_fp32_masters_and_the_engine_runs_on_its_tenso
     worker.sync_weights()
     assert any(not torch.equal(a, b) for a, b in zip(masters, before)), "the masters moved"
     assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(worker.model.parameters(), masters))
-    worker.rollout.wake_up()
-    after_update = worker.rollout.generate(PROMPT_IDS, GREEDY).token_ids
-    worker.rollout.sleep()                    # its KV cache goes back before a second engine sizes its own
+    worker.rollout.backend.wake_up()
+    after_update = worker.rollout.backend.generate(PROMPT_IDS, GREEDY).token_ids
+    worker.rollout.backend.sleep()                    # its KV cache goes back before a second engine sizes its own
     fresh = build_engine(worker.cfg.actor_rollout_ref.rollout, worker.model, [1, SECOND_EOS])
     assert after_update == fresh.generate(PROMPT_IDS, GREEDY).token_ids
 
@@ -78,7 +82,8 @@ def test_critic_trains_in_bf16_on_fp32_masters_and_offload_changes_no_number(loa
     def critic(*overrides):
         cfg = load_cfg("algorithm.adv_estimator=gae", "critic.model.fsdp_config.use_torch_compile=false", *CRITIC,
                        *overrides)
-        return CriticWorker(cfg, builtin_tokenizer(), total_steps=10, device=torch.device("cuda"),
+        return CriticWorker(cfg, builtin_tokenizer(), plan=batch_plan(cfg, role="critic"), total_steps=10,
+                            device=torch.device("cuda"),
                             model=_value_model())
     plain = critic()
     off = critic("critic.model.fsdp_config.param_offload=true", "critic.model.fsdp_config.optimizer_offload=true")

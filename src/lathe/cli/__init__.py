@@ -38,7 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    from lathe.loop.ppo import fit
+    from lathe.loop.run import fit
     from lathe.loop.setup import build_trainer
     trainer = build_trainer(cfg)
     try:

@@ -9,7 +9,7 @@ loop calls exactly as it calls the in-process workers.
 
 `start_async_cluster` is its fully-asynchronous counterpart (`rollout.n_gpus_per_node` > 0): two pools, the
 trainer's ranks without engines and the rollout replicas (`cluster/async_roles.py`), joined by the checkpoint
-engine's process group (`cluster/checkpoint_engine.py`) for the weight sync.
+engine's process group (`workers/checkpoint_engine.py`) for the weight sync.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from lathe.config import LatheConfig, RunPlan
 
 log = logging.getLogger("lathe")
 
@@ -39,8 +41,8 @@ class Cluster:
         """Stop every rank (the dead one included) and start the same workers afresh, on their starting
         weights; the caller then loads a checkpoint into them."""
         self.close()
-        cfg, kwargs = self.args
-        return start_cluster(cfg, **kwargs)
+        cfg, plan, kwargs = self.args
+        return start_cluster(cfg, plan, **kwargs)
 
 
 def _group(cfg, device_type: str, name: str, timeout_s: float, build) -> tuple[object, bool]:
@@ -69,35 +71,42 @@ def _group(cfg, device_type: str, name: str, timeout_s: float, build) -> tuple[o
 
 def start_sft_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int,
                       device_type: str) -> Cluster:
-    from lathe.cluster.roles import SFT, SFTGroup, build_sft_worker
+    from lathe.cluster.roles import SFT, SFTGroup
+    from lathe.workers.build import build_sft_worker
     group, started = _group(cfg, device_type, "sft", 600.0, lambda g: g.build(
         SFT, build_sft_worker, cfg, model_path, load_kwargs, tokenizer, total_steps=total_steps,
         device_type=device_type))
     return Cluster(group, SFTGroup(group, balance=cfg.trainer.balance_batch), None, started)
 
 
-def start_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int, device_type: str,
-                  need_ref: bool, critic: bool) -> Cluster:
-    from lathe.cluster.roles import (ACTOR, CRITIC, ActorRolloutRefGroup, CriticGroup, build_actor_rollout_ref,
-                                     build_critic)
-    t, arr = cfg.trainer, cfg.actor_rollout_ref
+def start_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int,
+                  device_type: str) -> Cluster:
+    """One worker group over the trainer's devices (`plan.devices`): the actor/rollout/reference worker (and the
+    critic) colocated on every rank."""
+    from lathe.cluster.roles import ACTOR, CRITIC, ActorRolloutRefGroup, CriticGroup
+    from lathe.workers.build import build_actor_rollout_ref, build_critic
 
     def build(group) -> None:
-        group.build(ACTOR, build_actor_rollout_ref, cfg, model_path, load_kwargs, tokenizer, total_steps=total_steps,
-                    device_type=device_type, need_ref=need_ref)
-        if critic:
-            group.build(CRITIC, build_critic, cfg, tokenizer, total_steps=total_steps, device_type=device_type)
+        group.build(ACTOR, build_actor_rollout_ref, cfg, plan, model_path, load_kwargs, tokenizer,
+                    total_steps=total_steps, device_type=device_type)
+        if plan.critic is not None:
+            group.build(CRITIC, build_critic, cfg, plan, tokenizer, total_steps=total_steps, device_type=device_type)
 
-    group, started = _group(cfg, device_type, "actor_rollout_ref", arr.nccl_timeout, build)
-    n = arr.rollout.n
-    actor = ActorRolloutRefGroup(group, pad_id=tokenizer.pad_token_id, balance=t.balance_batch,
-                                 mini_batch_size=arr.actor.ppo_mini_batch_size * n, has_ref=need_ref)
-    critic_group = (CriticGroup(group, mini_batch_size=cfg.critic.ppo_mini_batch_size * n, balance=t.balance_batch)
-                    if critic else None)
-    return Cluster(group, actor, critic_group, started,
-                   args=(cfg, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
-                                   total_steps=total_steps, device_type=device_type, need_ref=need_ref,
-                                   critic=critic)))
+    group, started = _group(cfg, device_type, "actor_rollout_ref", cfg.actor_rollout_ref.nccl_timeout, build)
+    actor, critic = _driver_groups(cfg, plan, group, tokenizer, ActorRolloutRefGroup, CriticGroup)
+    return Cluster(group, actor, critic, started,
+                   args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
+                                         total_steps=total_steps, device_type=device_type)))
+
+
+def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls, critic_cls, **actor_kwargs):
+    """The driver's handles on a group's actor and critic, each update cut into the plan's mini-batches."""
+    balance = cfg.trainer.balance_batch
+    actor = actor_cls(group, pad_id=tokenizer.pad_token_id, balance=balance, has_ref=plan.needs_ref,
+                      mini_batch_size=plan.actor.mini_batch_sequences, **actor_kwargs)
+    critic = (critic_cls(group, mini_batch_size=plan.critic.mini_batch_sequences, balance=balance)
+              if plan.critic is not None else None)
+    return actor, critic
 
 
 @dataclass
@@ -146,14 +155,16 @@ class AsyncCluster:
             ray.shutdown()
 
 
-def start_async_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int, device_type: str,
-                        need_ref: bool, critic: bool) -> AsyncCluster:
+def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwargs: dict, tokenizer,
+                        total_steps: int, device_type: str) -> AsyncCluster:
     """The trainer pool (`trainer.nnodes x n_gpus_per_node`, FSDP2, no engine) and the rollout pool
     (`rollout.nnodes x n_gpus_per_node` replicas of lathe's engine), joined for the weight sync."""
-    from lathe.cluster.async_roles import ROLLOUT, RolloutGroup
+    from lathe.cluster.async_roles import RolloutGroup
     from lathe.cluster.placement import ResourcePool, start_ray
-    from lathe.cluster.roles import ACTOR, CRITIC, AsyncActorGroup, CriticGroup, build_critic
+    from lathe.cluster.roles import ACTOR, CRITIC, AsyncActorGroup, CriticGroup
     from lathe.cluster.worker_group import RayWorkerGroup
+    from lathe.workers.build import build_async_trainer, build_critic, build_rollout_replica
+    from lathe.workers.fully_async import ROLLOUT
     t, arr = cfg.trainer, cfg.actor_rollout_ref
     use_gpu, timeout = device_type == "cuda", arr.nccl_timeout
     started = start_ray(cfg)
@@ -167,27 +178,24 @@ def start_async_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, t
 
     def trainer_pool() -> RayWorkerGroup:
         group = pool("trainer", t.nnodes, t.n_gpus_per_node)
-        group.build(ACTOR, build_async_trainer, cfg, model_path, load_kwargs, tokenizer, total_steps=total_steps,
-                    device_type=device_type, need_ref=need_ref)
-        if critic:
-            group.build(CRITIC, build_critic, cfg, tokenizer, total_steps=total_steps, device_type=device_type)
+        group.build(ACTOR, build_async_trainer, cfg, plan, model_path, load_kwargs, tokenizer,
+                    total_steps=total_steps, device_type=device_type)
+        if plan.critic is not None:
+            group.build(CRITIC, build_critic, cfg, plan, tokenizer, total_steps=total_steps, device_type=device_type)
         return group
 
     def rollout_pool() -> RayWorkerGroup:
         group = pool("rollout", cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node, max_concurrency=4)
-        group.build(ROLLOUT, build_rollout_worker, cfg, model_path, load_kwargs, tokenizer, device_type=device_type)
+        group.build(ROLLOUT, build_rollout_replica, cfg, model_path, load_kwargs, tokenizer, device_type=device_type)
         return group
 
     try:
         with ThreadPoolExecutor(2, thread_name_prefix="lathe-pool") as starting:   # both pools load at once
             futures = [starting.submit(trainer_pool), starting.submit(rollout_pool)]
             trainer, rollout = (f.result() for f in futures)
-        n = arr.rollout.n
         replicas = RolloutGroup(rollout, pad_id=tokenizer.pad_token_id, timeout_s=timeout)
-        actor = AsyncActorGroup(trainer, replicas, pad_id=tokenizer.pad_token_id, balance=t.balance_batch,
-                                mini_batch_size=arr.actor.ppo_mini_batch_size * n, has_ref=need_ref)
-        critic_group = (CriticGroup(trainer, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
-                                    balance=t.balance_batch) if critic else None)
+        actor, critic_group = _driver_groups(cfg, plan, trainer, tokenizer, AsyncActorGroup, CriticGroup,
+                                             replicas=replicas)
         metas = trainer.call(ACTOR, "weight_metas")[0]
         ce = cfg.async_training.checkpoint_engine
         megabytes = ce.device_buffer_size_M or arr.rollout.update_weights_bucket_megabytes
@@ -214,23 +222,3 @@ def _join_sync_group(trainer, rollout, host: str, port: int, timeout_s: float) -
                             [((host, port, 1 + r, world, timeout_s), {}) for r in range(rollout.world_size)])
     trainer.gather(a, "join_sync_group")
     rollout.gather(b, "join_sync_group")
-
-
-def build_async_trainer(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int, device_type: str,
-                        need_ref: bool):
-    """A trainer rank of fully-async training: the actor/reference worker without an engine."""
-    from lathe.cluster.async_roles import AsyncTrainerWorker
-    from lathe.cluster.roles import rank_device
-    from lathe.loop.setup import seed_everything
-    from lathe.models.hf import load_policy
-    from lathe.train.workers import ActorRolloutRefWorker, rollout_dtype
-    seed_everything(cfg.trainer.seed)
-    device = rank_device(device_type)
-    worker = ActorRolloutRefWorker(cfg, load_policy(model_path, **load_kwargs), tokenizer, total_steps=total_steps,
-                                   device=device, need_ref=need_ref, rollout=False)
-    return AsyncTrainerWorker(worker, rollout_dtype(cfg.actor_rollout_ref.rollout.dtype, device))
-
-
-def build_rollout_worker(cfg, model_path: str, load_kwargs: dict, tokenizer, *, device_type: str):
-    from lathe.cluster.async_roles import RolloutWorker
-    return RolloutWorker(cfg, model_path, load_kwargs, tokenizer, device_type=device_type)

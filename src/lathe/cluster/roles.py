@@ -1,6 +1,6 @@
 """The driver's side of the worker groups: the same methods as `ActorRolloutRefWorker` and `CriticWorker`, each
 split across the data-parallel ranks and joined back (`lathe.cluster.dispatch`), so `loop/ppo.py` drives one
-device or a cluster with the same code. The `build_*` factories run inside each rank (see `RankHost.build`).
+device or a cluster with the same code. What each rank builds is `lathe.workers.build`.
 """
 
 from __future__ import annotations
@@ -17,40 +17,6 @@ from lathe.rollout.base import concat_rollouts
 
 ACTOR, CRITIC, SFT = "actor_rollout_ref", "critic", "sft"
 SUMMED = ("rollout/num_preemptions", "rollout/graph_captures")
-
-
-# -- inside each rank ----------------------------------------------------------------------------------
-def rank_device(device_type: str) -> torch.device:
-    return torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-
-
-def build_actor_rollout_ref(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int,
-                            device_type: str, need_ref: bool):
-    """The actor/rollout/reference worker of this rank, on the starting weights every rank loads alike."""
-    from lathe.loop.setup import seed_everything
-    from lathe.models.hf import load_policy
-    from lathe.train.workers import ActorRolloutRefWorker
-    seed_everything(cfg.trainer.seed)
-    model = load_policy(model_path, **load_kwargs)
-    return ActorRolloutRefWorker(cfg, model, tokenizer, total_steps=total_steps, device=rank_device(device_type),
-                                 need_ref=need_ref)
-
-
-def build_critic(cfg, tokenizer, *, total_steps: int, device_type: str):
-    from lathe.loop.setup import seed_everything
-    from lathe.train.critic import CriticWorker
-    seed_everything(cfg.trainer.seed)
-    return CriticWorker(cfg, tokenizer, total_steps=total_steps, device=rank_device(device_type))
-
-
-def build_sft_worker(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int, device_type: str):
-    """`lathe sft`'s worker of this rank, on the starting weights every rank loads alike."""
-    from lathe.loop.setup import seed_everything
-    from lathe.models.hf import load_policy
-    from lathe.train.sft import SFTWorker
-    seed_everything(cfg.trainer.seed)
-    return SFTWorker(cfg, load_policy(model_path, **load_kwargs), tokenizer, total_steps=total_steps,
-                     device=rank_device(device_type))
 
 
 # -- on the driver -------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 
 from lathe.algo import rollout_probs_diff
 from lathe.batch import Batch
-from lathe.cluster.async_roles import request_images
+from lathe.workers.fully_async import request_images
 from lathe.loop.ppo import finish_metrics, learn, save
 from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed
 from lathe.loop.setup import Trainer, prompt_batch

@@ -98,8 +98,8 @@ def needs_old_forward(t: Trainer, batch: Batch) -> bool:
     computes (verl's dp_actor then uses them, detached, in place of the recomputed ones). So the forward is saved
     unless something else reads `old_log_probs` first: the KL penalty in the reward, rollout correction, or an actor
     update that does not run this step (critic warm-up)."""
-    arr, algo = t.cfg.actor_rollout_ref, t.cfg.algorithm
-    on_policy = arr.actor.ppo_epochs == 1 and len(batch) <= arr.actor.ppo_mini_batch_size * arr.rollout.n
+    algo = t.cfg.algorithm
+    on_policy = t.cfg.actor_rollout_ref.actor.ppo_epochs == 1 and len(batch) <= t.plan.actor.mini_batch_sequences
     return (not on_policy or algo.use_kl_in_reward or rollout_correction_enabled(algo.rollout_correction)
             or t.global_step < t.cfg.trainer.critic_warmup)
 
@@ -114,12 +114,9 @@ def finish_metrics(t: Trainer, batch: Batch, timer: Timer, metrics: dict, step_s
 
 
 def fit(t: Trainer) -> dict[str, float]:
-    """Train until `total_steps`; validate every `test_freq` and save every `save_freq` steps (restarting lost
-    workers from the last checkpoint when `trainer.restart_on_worker_failure` allows: `lathe.loop.recover`). With a
-    rollout pool of its own (`rollout.n_gpus_per_node` > 0) training is fully asynchronous (`lathe.loop.fully_async`)."""
-    if t.cfg.rollout.n_gpus_per_node > 0:
-        from lathe.loop.fully_async import fit_async
-        return fit_async(t)
+    """Train synchronously until `total_steps`; validate every `test_freq` and save every `save_freq` steps
+    (restarting lost workers from the last checkpoint when `trainer.restart_on_worker_failure` allows:
+    `lathe.loop.recover`)."""
     return run_with_restarts(t, _fit)
 
 

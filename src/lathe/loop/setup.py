@@ -9,17 +9,15 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from lathe.algo import KL_PENALTIES, get_adv_estimator, get_policy_loss, make_kl_controller
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
-from lathe.config import critic_in_use, to_dict, to_yaml
+from lathe.config import LatheConfig, RunPlan, critic_in_use, run_plan, to_dict, to_yaml
 from lathe.data import RLDataset, StatefulDataLoader
 from lathe.data.multimodal import multimodal_non_tensors
 from lathe.device import default_device_type, device_count, empty_cache
@@ -30,8 +28,10 @@ from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.agent import load_run_tools
 from lathe.track import Tracker
+from lathe.seeding import seed_everything
 from lathe.train.sft import supervised_fit
-from lathe.train.workers import ActorRolloutRefWorker
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
+from lathe.workers.critic import CriticWorker
 
 log = logging.getLogger("lathe")
 CONFIG_FILE = "config.yaml"   # the resolved config, written into the run directory at start
@@ -40,9 +40,10 @@ INIT_MODEL = "init_model"   # the warm-started starting point, kept in the run d
 
 @dataclass
 class Trainer:
-    cfg: object
+    cfg: LatheConfig
+    plan: RunPlan                       # what the config implies (devices, batch cut, async): lathe.config.plan
     tokenizer: object
-    worker: ActorRolloutRefWorker
+    worker: ActorRolloutRefWorker       # or the cluster's group with the same methods
     reward: RewardManager
     loader: StatefulDataLoader
     val_dataset: RLDataset | None
@@ -52,7 +53,7 @@ class Trainer:
     kl_ctrl: object
     total_steps: int
     device: torch.device
-    critic: object | None = None        # a CriticWorker when algorithm.adv_estimator=gae
+    critic: CriticWorker | None = None  # when a critic trains (algorithm.adv_estimator=gae); or its group
     cluster: object | None = None       # the Ray worker groups behind worker/critic on many devices
     global_step: int = 0
     resumed_from: Path | None = None
@@ -224,12 +225,6 @@ def warm_start_examples(cfg, tokenizer, train: RLDataset) -> list[tuple[list[int
     return examples
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def build_trainer(cfg) -> Trainer:
     t = cfg.trainer
     arr = cfg.actor_rollout_ref
@@ -238,6 +233,7 @@ def build_trainer(cfg) -> Trainer:
     sb = cfg.reward_model.sandbox_fusion
     configure_sandbox(max_concurrent=sb.max_concurrent, memory_limit_mb=sb.memory_limit_mb,   # before scorers fork
                       url=sb.url or None)
+    plan = run_plan(cfg)
     device = resolve_device(t.device)
     seed_everything(t.seed)
     resume_dir = find_resume_dir(t)
@@ -252,31 +248,28 @@ def build_trainer(cfg) -> Trainer:
     check_scorers([train_ds, val_ds], cfg.reward.custom_reward_function.path)
     loader = StatefulDataLoader(train_ds, cfg.data.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     total_steps = t.total_training_steps or len(loader) * t.total_epochs
-    if cfg.rollout.n_gpus_per_node > 0:     # fully async: a step is train_batch_size prompts
+    if plan.is_async:                       # fully async: a step is train_batch_size prompts
         total_steps = _async_steps(cfg, len(loader), total_steps)
 
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
-    need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    world = t.nnodes * t.n_gpus_per_node
-    fully_async = cfg.rollout.n_gpus_per_node > 0            # the rollout on devices of its own
-    log_memory_plan(cfg, model, device, need_ref=need_ref, world=world, colocated=not fully_async)
+    log_memory_plan(cfg, plan, model, device)
     cluster = None
-    if fully_async or world > 1 or os.environ.get("LATHE_RAY") == "1":   # Ray workers, each loading the weights
+    if plan.is_async or plan.world > 1 or os.environ.get("LATHE_RAY") == "1":   # Ray workers, each loading the weights
         # (LATHE_RAY=1: one device as a Ray worker group of one FSDP2 rank, to check that path on one GPU)
         path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
         del model
         empty_cache(device)
         from lathe.cluster import start_async_cluster, start_cluster
-        cluster = (start_async_cluster if fully_async else start_cluster)(
-            cfg, model_path=path, load_kwargs=kwargs, tokenizer=tokenizer, total_steps=total_steps,
-            device_type=device.type, need_ref=need_ref, critic=critic_in_use(cfg))
+        cluster = (start_async_cluster if plan.is_async else start_cluster)(
+            cfg, plan, model_path=path, load_kwargs=kwargs, tokenizer=tokenizer, total_steps=total_steps,
+            device_type=device.type)
         worker, critic, device = cluster.actor, cluster.critic, torch.device("cpu")   # the driver holds no model
     else:
-        worker = ActorRolloutRefWorker(cfg, model, tokenizer, total_steps=total_steps, device=device,
-                                       need_ref=need_ref)
-        critic = build_critic(cfg, tokenizer, total_steps, device) if critic_in_use(cfg) else None
+        worker = ActorRolloutRefWorker(cfg, model, tokenizer, plan=plan, total_steps=total_steps, device=device)
+        critic = (CriticWorker(cfg, tokenizer, plan=plan.critic, total_steps=total_steps, device=device)
+                  if plan.critic is not None else None)
     trainer = Trainer(
-        cfg=cfg, tokenizer=tokenizer, worker=worker, cluster=cluster,
+        cfg=cfg, plan=plan, tokenizer=tokenizer, worker=worker, cluster=cluster,
         reward=RewardManager(reward_fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
                              max_failure_fraction=cfg.reward.max_failure_fraction,
                              max_failing_calls=cfg.reward.max_failing_calls),
@@ -314,8 +307,7 @@ def _async_steps(cfg, loader_batches: int, total_steps: int) -> int:
     return max(1, prompts // step)
 
 
-def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool, world: int = 1, colocated: bool = True
-                    ) -> None:
+def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device) -> None:
     """Print what will live where (GiB); refuse a run whose update cannot fit even before activations."""
     from lathe.models.config import SUPPORTED_ARCHITECTURES
     from lathe.train.memory import count_params, format_plan, plan
@@ -323,19 +315,19 @@ def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool, world: 
     n = count_params(model)
     head = getattr(model, "lm_head", None)
     critic = (n - (0 if head is None or getattr(model.config, "tie_word_embeddings", False) else head.weight.numel())
-              if critic_in_use(cfg) else None)
+              if run.critic is not None else None)
     runs_lathe = type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None)
     lathe_engine = arr.rollout.name != "hf" and bool(runs_lathe) and arr.model.impl != "hf"
     kv_seq = 0
-    if lathe_engine and colocated:       # lathe's engine: its KV cache, in the rollout dtype, for one sequence of the longest length
+    if lathe_engine and not run.is_async:       # lathe's engine: its KV cache, in the rollout dtype, for one sequence of the longest length
         from lathe.engine.kv_cache import KVCache
-        from lathe.train.workers import rollout_dtype
+        from lathe.dtypes import rollout_dtype
         c = getattr(model.config, "text", model.config)          # a VL model: its language model's config
         length = cfg.data.max_prompt_length + cfg.data.max_response_length
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_seq = KVCache.bytes_per_block(c.num_hidden_layers, length, c.num_key_value_heads, head_dim,
                                          rollout_dtype(arr.rollout.dtype, torch.device(device)))
-    seqs = math.ceil(cfg.data.train_batch_size * arr.rollout.n / world)
+    seqs = math.ceil(run.actor.sequences_per_step / run.world)
     lora = None
     if arr.model.lora_rank > 0:                  # (adapter parameters, parameters of the layers they adapt)
         from lathe.models.lora import target_names
@@ -343,17 +335,12 @@ def log_memory_plan(cfg, model, device: torch.device, *, need_ref: bool, world: 
                                                                  arr.model.exclude_modules)]
         lora = (sum(arr.model.lora_rank * (m.in_features + m.out_features) for m in layers),
                 sum(m.weight.numel() for m in layers))
-    text, fits = format_plan(plan(cfg, n, device, need_ref=need_ref, critic_params=critic, lathe_engine=lathe_engine,
-                                    world=world, colocated=colocated, lora=lora),
+    text, fits = format_plan(plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
+                                    world=run.world, colocated=not run.is_async, lora=lora),
                              device, arr.rollout.gpu_memory_utilization, kv_seq_bytes=kv_seq, seqs=seqs)
     log.info("%s", text)
     if not fits:
         raise ValueError(text)
-
-
-def build_critic(cfg, tokenizer, total_steps: int, device: torch.device):
-    from lathe.train.critic import CriticWorker
-    return CriticWorker(cfg, tokenizer, total_steps=total_steps, device=device)
 
 
 def resume(trainer: Trainer, path: Path) -> None:

@@ -21,12 +21,14 @@ from pathlib import Path
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng, save_checkpoint
 from lathe.config import to_dict, to_yaml
+from lathe.config.plan import trainer_devices
 from lathe.data import StatefulDataLoader
 from lathe.data.dataset import DataError
 from lathe.data.sft import SFTDataset
 from lathe.device import empty_cache
-from lathe.loop.setup import CONFIG_FILE, resolve_device, seed_everything
+from lathe.loop.setup import CONFIG_FILE, resolve_device
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
+from lathe.seeding import seed_everything
 from lathe.track import Tracker
 from lathe.train.sft import SFTWorker, sft_batch
 
@@ -79,7 +81,7 @@ def build_sft(cfg) -> SFTRun:
                         f"{d.train_batch_size}: not one step. Fix: lower data.train_batch_size or add data.")
     loader = StatefulDataLoader(train, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
     total_steps = t.total_training_steps or len(loader) * t.total_epochs
-    world = t.nnodes * t.n_gpus_per_node
+    world = trainer_devices(cfg)
     log.info("sft: %d training examples (%d truncated), %s validation; %d steps of %d", len(train),
              train.num_truncated, len(val) if val is not None else "no", total_steps, d.train_batch_size)
     load_kwargs = dict(impl=m.impl, trust_remote_code=m.trust_remote_code, vocab_size=len(tokenizer), seed=t.seed,

@@ -36,10 +36,11 @@ def policy_loss_params(actor_cfg, rollout_correction: dict | None = None) -> Pol
 class PPOActor:
     """Owns the policy module and its optimizer; `update_policy` runs one RL step's PPO updates."""
 
-    def __init__(self, model, optimizer, scheduler, actor_cfg, *, n: int, temperature: float,
+    def __init__(self, model, optimizer, scheduler, actor_cfg, *, mini_batch_size: int, temperature: float,
                  max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False,
                  nonfinite: NonFiniteGuard | None = None):
-        """`rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
+        """`mini_batch_size`: this rank's share of a mini-batch, in sequences (`BatchPlan.mini_batch_sequences_per_device`).
+        `rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
         then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
         `use_remove_padding` (verl's `model.use_remove_padding`): packed forward for lathe's decoder.
         `use_torch_compile` and `fsdp_config.use_torch_compile` (verl's two spellings; either false turns it off):
@@ -48,7 +49,7 @@ class PPOActor:
         self.nonfinite = nonfinite or NonFiniteGuard("actor")
         self.compiled = maybe_compile(model, use_torch_compile(actor_cfg))
         self.use_remove_padding = use_remove_padding
-        self.mini_batch_size = actor_cfg.ppo_mini_batch_size * n // parallel.world_size()   # this rank's share
+        self.mini_batch_size = mini_batch_size
         self.micro_batch_size = actor_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.max_token_len = actor_cfg.ppo_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None
         self.temperature = temperature

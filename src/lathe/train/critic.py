@@ -23,18 +23,13 @@ from lathe.algo import compute_value_loss, global_batch_info, masked_mean
 from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheValueModel
-from lathe.models.hf import select_impl
-from lathe.models.value import load_value_model
 from lathe.train import parallel
 from lathe.train.logprob import response_hidden, scatter_response
 from lathe.train.micro import in_batch_order, micro_batches
-from lathe.train.offload import offload_flags
-from lathe.train.optim import build_optimizer, build_scheduler
-from lathe.train.precision import resolve_policy
-from lathe.train.update import (NonFiniteGuard, clipped_step, load_trainable, nonfinite_guard, run_ppo_epochs,
+from lathe.train.update import (NonFiniteGuard, clipped_step, load_trainable, run_ppo_epochs,
                                 save_trainable)
 
-__all__ = ["response_values", "PPOCritic", "CriticWorker"]
+__all__ = ["response_values", "PPOCritic"]
 
 log = logging.getLogger("lathe")
 
@@ -59,14 +54,14 @@ def response_values(model, batch: Batch, *, remove_padding: bool = False) -> tor
 class PPOCritic:
     """Owns the value module and its optimizer; ``update_critic`` runs one RL step's value updates."""
 
-    def __init__(self, model, optimizer, scheduler, critic_cfg, *, n: int, max_response_length: int,
+    def __init__(self, model, optimizer, scheduler, critic_cfg, *, mini_batch_size: int, max_response_length: int,
                  use_remove_padding: bool = False, nonfinite: NonFiniteGuard | None = None):
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, critic_cfg
         self.nonfinite = nonfinite or NonFiniteGuard("critic")
         self.use_remove_padding = use_remove_padding
         # verl's critic.model.fsdp_config.use_torch_compile: compile the value model's decoder layers, on CUDA
         self.compiled = maybe_compile(model, critic_cfg.model.fsdp_config.use_torch_compile)
-        self.mini_batch_size = critic_cfg.ppo_mini_batch_size * n // parallel.world_size()   # this rank's share
+        self.mini_batch_size = mini_batch_size        # this rank's share, in sequences (BatchPlan)
         self.micro_batch_size = critic_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.forward_micro_batch_size = critic_cfg.forward_micro_batch_size_per_gpu or self.micro_batch_size
         dynamic = critic_cfg.use_dynamic_bsz        # (verl: token budgets instead of sequence counts)
@@ -138,60 +133,3 @@ class PPOCritic:
 
     def load_checkpoint(self, path: Path) -> None:
         load_trainable(Path(path), self.model, self.optimizer, self.scheduler, what="critic")
-
-
-class CriticWorker:
-    """The critic as a placeable unit: Batch in, Batch or metrics out (in-process now, a Ray worker later).
-
-    Builds the value model from ``critic.model`` (``path`` falls back to the policy's), its optimizer from
-    ``critic.optim`` and the schedule over ``total_steps``; ``model`` injects a ready transformers module
-    instead (tests). Either is moved into lathe's ``LatheValueModel`` when ``actor_rollout_ref.model.impl``
-    allows and the architecture is supported (see ``lathe.models.hf.select_impl``).
-
-    Precision follows the actor's rule (``lathe.train.precision``): on CUDA the critic computes in
-    ``critic.model.fsdp_config.mixed_precision.param_dtype`` (bf16) and ``MasterAdamW`` updates ``model_dtype``
-    (fp32) masters, offloaded to CPU memory with ``param_offload`` / ``optimizer_offload``; on CPU, fp32.
-    """
-
-    def __init__(self, cfg, tokenizer, *, total_steps: int, device: torch.device, model=None):
-        critic = cfg.critic
-        self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
-        key = "critic.model.fsdp_config"
-        self.policy = resolve_policy(critic.model.fsdp_config, self.device, key=key)
-        if model is None:
-            model = load_value_model(critic.model.path, vocab_size=len(tokenizer), seed=cfg.trainer.seed,
-                                     trust_remote_code=bool(critic.model.trust_remote_code),
-                                     dtype=self.policy.master_dtype, override_config=critic.model.override_config)
-        model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
-        if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        if parallel.in_group():     # a rank of a data-parallel group: FSDP2 moves each rank's fp32 shards to the device
-            self.model = model.to(dtype=self.policy.master_dtype)
-            parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device)
-            self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
-        else:
-            self.model = model.to(device=self.device, dtype=self.policy.master_dtype)
-            self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
-                                             **offload_flags(critic.model.fsdp_config, self.device, key=key))
-        log.info("critic: %s on %s", self.policy.describe(), self.device)
-        self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
-        self.critic = PPOCritic(self.model, self.optimizer, self.scheduler, critic,
-                                n=cfg.actor_rollout_ref.rollout.n, max_response_length=cfg.data.max_response_length,
-                                use_remove_padding=critic.model.use_remove_padding,
-                                nonfinite=nonfinite_guard(cfg, "critic"))
-
-    def compute_values(self, batch: Batch) -> Batch:
-        """``{"values": (B, R)}`` on the CPU."""
-        return self.critic.compute_values(batch.to(self.device)).to("cpu")
-
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self.critic.update_critic(batch.to(self.device))
-
-    def save_checkpoint(self, path: Path) -> None:
-        """Weights + tokenizer (a loadable HF directory, reusable as ``critic.model.path``) + optimizer state."""
-        self.critic.save_checkpoint(Path(path))
-        if parallel.rank() == 0:
-            self.tokenizer.save_pretrained(Path(path) / "huggingface")
-
-    def load_checkpoint(self, path: Path) -> None:
-        self.critic.load_checkpoint(Path(path))

@@ -62,7 +62,7 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     the adapters have masters, gradients and moments, the reference is the base itself, and lathe's engine holds
     merged copies of the adapted layers only (on one device: it shares the rest with the frozen base; sharded, it
     holds a full copy of its own, the base and adapters being 1/world shards)."""
-    from lathe.train.workers import rollout_dtype
+    from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
     engine_dtype = rollout_dtype(arr.rollout.dtype, torch.device(device))

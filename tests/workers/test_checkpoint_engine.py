@@ -1,4 +1,4 @@
-"""lathe.cluster.checkpoint_engine: the bucket plan, and bit-equal weight sync from one sender to two receivers
+"""lathe.workers.checkpoint_engine: the bucket plan, and bit-equal weight sync from one sender to two receivers
 in separate processes, each with its own default process group (Gloo on CPU; NCCL across GPUs)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from helpers import needs_gpus
 
-from lathe.cluster.checkpoint_engine import (ALIGN, SyncGroup, TensorMeta, bucket_layout, bucket_plan, check_tensor,
+from lathe.workers.checkpoint_engine import (ALIGN, SyncGroup, TensorMeta, bucket_layout, bucket_plan, check_tensor,
                                              metas_of, receive_weights, send_weights)
 
 UPDATES = 3

@@ -1,0 +1,97 @@
+"""Building a rollout backend from `actor_rollout_ref.rollout`: lathe's engine or transformers' `generate`.
+
+`rollout.name` (`auto` by default) picks the backend for the policy the actor runs:
+
+- `lathe`: lathe's paged engine (`lathe.engine.llm_engine.LatheEngine`) over lathe's decoder (or a VL model), in
+  `rollout.dtype` (float32 on CPU). `auto` picks it whenever the actor runs lathe's decoder.
+- `hf`: transformers `generate` on a transformers module (the actor's own, or a copy of it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lathe.dtypes import rollout_dtype
+from lathe.engine.llm_engine import LatheEngine
+from lathe.engine.multimodal import is_vl
+from lathe.models.decoder import LatheCausalLM
+from lathe.models.frozen import frozen_copy
+from lathe.rollout.hf import HFRollout
+
+log = logging.getLogger("lathe")
+KEY = "actor_rollout_ref.rollout.name"
+
+
+def runs_lathe(model) -> bool:
+    """Whether lathe's engine can run `model` (lathe's decoder or its VL model)."""
+    return isinstance(model, LatheCausalLM) or is_vl(model)
+
+
+def architecture(model) -> str:
+    config = getattr(model, "config", None)
+    return getattr(config, "architecture", None) or type(model).__name__
+
+
+def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
+    """`lathe` or `hf` for `rollout.name` (`auto` resolved by what the actor runs); logs which and why.
+
+    The engine runs lathe's decoder, so it needs an actor that `select_impl` turned into one.
+    """
+    arch, is_lathe = architecture(actor), runs_lathe(actor)
+    if name == "lathe" and not is_lathe:
+        why = ("actor_rollout_ref.model.impl=hf" if impl == "hf"
+               else f"lathe's decoder does not implement {arch} (see the 'actor:' log line)")
+        raise ValueError(f"{KEY}=lathe: lathe's engine runs lathe's own decoder, but the actor runs transformers "
+                         f"{arch} because {why}. Fix: set {KEY}=hf (or auto) to generate with transformers"
+                         + (", or set actor_rollout_ref.model.impl=auto." if impl == "hf" else "."))
+    if name not in ("auto", "lathe", "hf"):
+        raise ValueError(f"{KEY}={name!r} is not a lathe rollout backend; use auto, lathe or hf")
+    if name == "auto":
+        name = "lathe" if is_lathe else "hf"
+        why = (f"{KEY}=auto and lathe's decoder runs {arch}" if is_lathe
+               else f"{KEY}=auto and the actor runs transformers {arch}")
+    else:
+        why = f"{KEY}={name}"
+    log.info("rollout: %s (%s)", "lathe engine" if name == "lathe" else "transformers generate", why)
+    return name
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """The ids that end a response: the tokenizer's eos, then any other eos of the model's generation_config.
+
+    Chat checkpoints often list several (Qwen2.5-Instruct: `<|im_end|>` and `<|endoftext|>`).
+    """
+    ids: list[int] = []
+    gen_cfg = getattr(model, "generation_config", None)
+    for value in (tokenizer.eos_token_id, getattr(gen_cfg, "eos_token_id", None)):
+        for i in [] if value is None else [value] if isinstance(value, int) else value:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engine_model=None) -> LatheEngine:
+    """lathe's engine over `actor`'s weights in the rollout dtype, on the actor's device: the actor's own tensors
+    when they already are in that dtype (mixed-precision training on CUDA), else a frozen copy; or over
+    `engine_model` when given (a copy made beforehand: a sharded actor's, a LoRA actor's merged layers, a replica's)."""
+    if engine_model is None:
+        engine_model = frozen_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device), actor.device, share=True)
+    max_model_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
+    return LatheEngine(engine_model, eos_token_id=eos_ids,
+                       gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+                       max_num_seqs=rollout_cfg.max_num_seqs, max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
+                       max_model_len=max_model_len, enable_prefix_caching=rollout_cfg.enable_prefix_caching,
+                       enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
+                       enforce_eager=rollout_cfg.enforce_eager)
+
+
+def build_hf_rollout(rollout_cfg, model, eos_ids: list[int], pad_id: int, device: torch.device, *,
+                     own_copy: bool) -> HFRollout:
+    """transformers `generate` on `model`; `own_copy`: the module is the rollout's own (written only by weight
+    syncs), moved to the device in the rollout dtype and frozen."""
+    if own_copy:
+        model.requires_grad_(False)
+        model.to(device=device, dtype=rollout_dtype(rollout_cfg.dtype, device))
+    return HFRollout(model, eos_token_id=eos_ids, pad_token_id=pad_id, max_num_seqs=rollout_cfg.max_num_seqs or 1024)

@@ -1,0 +1,129 @@
+"""The actor part of a worker: the trained policy, its precision, sharding, optimizer and PPO update.
+
+Built in two steps so that the parts beside it can copy the weights in between: `Actor(...)` resolves the
+implementation (lathe's decoder or transformers), applies LoRA and gradient checkpointing, and places the weights
+in their training dtype; `start_training(...)` then shards them (a rank of an FSDP2 group) and builds the optimizer,
+the schedule and the PPO update. The reference and the rollout take their copies between the two, from the
+weights as loaded, before any sharding.
+
+Precision (`lathe.train.precision`, verl's `fsdp_config.{model_dtype, mixed_precision}`): on CUDA the actor
+computes in bf16 on fp32 master weights kept by its optimizer (`MasterAdamW`); CPU runs train in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from lathe.batch import Batch
+from lathe.config.plan import BatchPlan
+from lathe.engine.multimodal import is_vl
+from lathe.models.hf import select_impl
+from lathe.models.lora import apply_lora, load_adapter, read_adapter
+from lathe.rollout.build import architecture, runs_lathe
+from lathe.train import lora, parallel
+from lathe.train.actor import PPOActor
+from lathe.train.logprob import batched_log_probs
+from lathe.train.offload import offload_flags
+from lathe.train.optim import build_optimizer, build_scheduler
+from lathe.train.precision import resolve_policy
+from lathe.train.update import NonFiniteGuard, load_policy_checkpoint, save_policy_checkpoint
+from lathe.train.vl import check_vl, freeze_vision_tower
+
+log = logging.getLogger("lathe")
+FSDP_KEY = "actor_rollout_ref.actor.fsdp_config"
+
+
+class Actor:
+    """The policy being trained (`model`), from `actor_rollout_ref.{model, actor}`."""
+
+    def __init__(self, arr, model, *, device: torch.device, seed: int, with_rollout: bool):
+        """`arr`: the `actor_rollout_ref` group; `model`: the policy as loaded (lathe's decoder or a transformers
+        module, any dtype and device); `with_rollout`: a rollout engine is colocated (fully async: none)."""
+        self.arr, self.device = arr, device
+        self.model = select_impl(model, arr.model.impl, role="actor")
+        if is_vl(self.model):
+            check_vl(self.model, arr, rollout=with_rollout)
+        self.lora = arr.model.lora_rank > 0 and self._apply_lora(seed)
+        if self.lora and not with_rollout:
+            raise NotImplementedError("actor_rollout_ref.model.lora_rank > 0 with a rollout pool of its own (fully "
+                                      "async: the weight sync sends full weights) is not implemented yet; train "
+                                      "LoRA synchronously (rollout.n_gpus_per_node=0)")
+        if runs_lathe(self.model) and arr.model.enable_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.policy = resolve_policy(arr.actor.fsdp_config, device, key=FSDP_KEY)
+        self.sharded = parallel.in_group()             # a rank of a data-parallel group: FSDP2
+        # sharded: the weights stay in host memory until fully_shard moves each layer's shard to the device
+        if self.lora:            # the frozen base computes in param_dtype (bf16 on a GPU); only the adapters train
+            lora.place(self.model, self.policy, device, sharded=self.sharded)
+        else:
+            self.model.to(device=None if self.sharded else device, dtype=self.policy.master_dtype)
+        if arr.actor.freeze_vision_tower:
+            freeze_vision_tower(self.model, self.policy.param_dtype, sharded=self.sharded)
+        self.optimizer = self.scheduler = self.ppo = None
+
+    def start_training(self, *, plan: BatchPlan, total_steps: int, temperature: float, max_response_length: int,
+                       rollout_correction: dict, nonfinite: NonFiniteGuard) -> None:
+        """Shard (a rank of a group), then the optimizer (fp32 shards; LoRA: the adapters only), its schedule and the
+        PPO update over this rank's share of each mini-batch (`plan`)."""
+        actor = self.arr.actor
+        if self.sharded:
+            parallel.shard(self.model, actor.fsdp_config, self.policy, self.device)
+            self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
+        else:
+            self.optimizer = build_optimizer(self.model.parameters(), actor.optim, policy=self.policy,
+                                             **offload_flags(actor.fsdp_config, self.device, key=FSDP_KEY))
+        self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
+        log.info("actor: %s on %s", self.policy.describe(), self.device)
+        self.ppo = PPOActor(self.model, self.optimizer, self.scheduler, actor,
+                            mini_batch_size=plan.mini_batch_sequences_per_device, temperature=temperature,
+                            max_response_length=max_response_length, rollout_correction=rollout_correction,
+                            use_remove_padding=self.arr.model.use_remove_padding, nonfinite=nonfinite)
+
+    def _apply_lora(self, seed: int) -> bool:
+        """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""
+        m = self.arr.model
+        if not runs_lathe(self.model):
+            raise ValueError("actor_rollout_ref.model.lora_rank > 0 needs lathe's decoder (Llama, Qwen2, Qwen3), but "
+                             f"the actor runs transformers {architecture(self.model)}. Fix: set lora_rank=0, or use "
+                             "an architecture lathe's decoder implements.")
+        names = apply_lora(self.model, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules,
+                           exclude_modules=m.exclude_modules, dropout=m.lora_dropout, seed=seed)
+        if m.lora_adapter_path:
+            _, tensors = read_adapter(m.lora_adapter_path)
+            load_adapter(self.model, tensors, f"actor_rollout_ref.model.lora_adapter_path={m.lora_adapter_path}")
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        log.info("actor: LoRA rank %d on %d layers: %.2fM trainable parameters of %.1fM", m.lora_rank, len(names),
+                 trained / 1e6, sum(p.numel() for p in self.model.parameters()) / 1e6)
+        return True
+
+    # -- what the worker calls ------------------------------------------------------------------------
+    def compute_log_prob(self, batch: Batch, *, micro_batch_size: int, temperature: float, **budget) -> Batch:
+        """The current policy's log-probs of the responses (`old_log_probs`) and their entropy."""
+        logp, ent = batched_log_probs(self.model, batch.to(self.device), micro_batch_size=micro_batch_size,
+                                      temperature=temperature, calculate_entropy=True,
+                                      remove_padding=self.arr.model.use_remove_padding, **budget)
+        return Batch({"old_log_probs": logp.cpu(), "entropys": ent.cpu()})
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """One PPO update; a rank of a group adds the step's peak memory, the largest over the ranks."""
+        out = self.ppo.update_policy(batch.to(self.device))
+        return {**out, **parallel.peak_memory_metrics(self.device)} if self.sharded else out
+
+    def weights(self):
+        """(name, tensor) pairs a rollout engine loads after an update: full tensors gathered one FSDP2 group (a
+        decoder layer) at a time when sharded; LoRA: only the adapted layers, merged."""
+        if self.lora:
+            return lora.engine_weights(self.model)
+        return parallel.full_tensors(self.model) if self.sharded else self.model.state_dict().items()
+
+    def save_checkpoint(self, path: Path, tokenizer) -> None:
+        """HF-format weights (loadable by transformers) and tokenizer, plus optimizer and scheduler state
+        (sharded: every rank gathers, rank 0 writes)."""
+        save_policy_checkpoint(path, self.model, self.optimizer, self.scheduler, tokenizer,
+                               base_model=self.arr.model.path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        load_policy_checkpoint(path, self.model, self.optimizer, self.scheduler, what="actor")

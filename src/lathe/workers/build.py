@@ -1,0 +1,50 @@
+"""What each rank of a worker group builds (`RayWorkerGroup.build` runs these inside the rank's process): the role
+workers on the starting weights every rank loads alike, seeded alike."""
+
+from __future__ import annotations
+
+from lathe.config import LatheConfig, RunPlan
+from lathe.device import rank_device
+from lathe.dtypes import rollout_dtype
+from lathe.models.hf import load_policy
+from lathe.seeding import seed_everything
+from lathe.train.sft import SFTWorker
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
+from lathe.workers.critic import CriticWorker
+from lathe.workers.fully_async import AsyncTrainerWorker, RolloutWorker
+
+
+def build_actor_rollout_ref(cfg: LatheConfig, plan: RunPlan, model_path: str, load_kwargs: dict, tokenizer, *,
+                            total_steps: int, device_type: str):
+    """The actor/rollout/reference worker of this rank."""
+    seed_everything(cfg.trainer.seed)
+    return ActorRolloutRefWorker(cfg, load_policy(model_path, **load_kwargs), tokenizer, plan=plan,
+                                 total_steps=total_steps, device=rank_device(device_type))
+
+
+def build_async_trainer(cfg: LatheConfig, plan: RunPlan, model_path: str, load_kwargs: dict, tokenizer, *,
+                        total_steps: int, device_type: str):
+    """A trainer rank of fully-async training: the actor/reference worker without an engine, and the sending side
+    of the weight sync."""
+    seed_everything(cfg.trainer.seed)
+    device = rank_device(device_type)
+    worker = ActorRolloutRefWorker(cfg, load_policy(model_path, **load_kwargs), tokenizer, plan=plan,
+                                   total_steps=total_steps, device=device, rollout=False)
+    return AsyncTrainerWorker(worker, rollout_dtype(cfg.actor_rollout_ref.rollout.dtype, device))
+
+
+def build_rollout_replica(cfg: LatheConfig, model_path: str, load_kwargs: dict, tokenizer, *, device_type: str):
+    """A rollout replica of fully-async training: lathe's engine on this rank's device."""
+    return RolloutWorker(cfg, model_path, load_kwargs, tokenizer, device_type=device_type)
+
+
+def build_critic(cfg: LatheConfig, plan: RunPlan, tokenizer, *, total_steps: int, device_type: str):
+    seed_everything(cfg.trainer.seed)
+    return CriticWorker(cfg, tokenizer, plan=plan.critic, total_steps=total_steps, device=rank_device(device_type))
+
+
+def build_sft_worker(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int, device_type: str):
+    """`lathe sft`'s worker of this rank."""
+    seed_everything(cfg.trainer.seed)
+    return SFTWorker(cfg, load_policy(model_path, **load_kwargs), tokenizer, total_steps=total_steps,
+                     device=rank_device(device_type))

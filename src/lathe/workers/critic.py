@@ -1,0 +1,84 @@
+"""The critic worker for ``algorithm.adv_estimator=gae`` (verl's ``CriticWorker``): the value model built from
+``critic.*``, its optimizer and schedule, and the PPO value update of `lathe.train.critic`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from lathe.batch import Batch
+from lathe.config import LatheConfig
+from lathe.config.plan import BatchPlan
+from lathe.models.decoder import LatheValueModel
+from lathe.models.hf import select_impl
+from lathe.models.value import load_value_model
+from lathe.train import parallel
+from lathe.train.critic import PPOCritic
+from lathe.train.offload import offload_flags
+from lathe.train.optim import build_optimizer, build_scheduler
+from lathe.train.precision import resolve_policy
+from lathe.train.update import nonfinite_guard
+
+log = logging.getLogger("lathe")
+
+
+class CriticWorker:
+    """The critic as a placeable unit: Batch in, Batch or metrics out (in-process now, a Ray worker later).
+
+    Builds the value model from ``critic.model`` (``path`` falls back to the policy's), its optimizer from
+    ``critic.optim`` and the schedule over ``total_steps``; ``model`` injects a ready transformers module
+    instead (tests). Either is moved into lathe's ``LatheValueModel`` when ``actor_rollout_ref.model.impl``
+    allows and the architecture is supported (see ``lathe.models.hf.select_impl``).
+
+    Precision follows the actor's rule (``lathe.train.precision``): on CUDA the critic computes in
+    ``critic.model.fsdp_config.mixed_precision.param_dtype`` (bf16) and ``MasterAdamW`` updates ``model_dtype``
+    (fp32) masters, offloaded to CPU memory with ``param_offload`` / ``optimizer_offload``; on CPU, fp32.
+    """
+
+    def __init__(self, cfg: LatheConfig, tokenizer, *, plan: BatchPlan, total_steps: int, device: torch.device,
+                 model=None):
+        """`plan`: the critic's batch cut (`RunPlan.critic`)."""
+        critic = cfg.critic
+        self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
+        key = "critic.model.fsdp_config"
+        self.policy = resolve_policy(critic.model.fsdp_config, self.device, key=key)
+        if model is None:
+            model = load_value_model(critic.model.path, vocab_size=len(tokenizer), seed=cfg.trainer.seed,
+                                     trust_remote_code=bool(critic.model.trust_remote_code),
+                                     dtype=self.policy.master_dtype, override_config=critic.model.override_config)
+        model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
+        if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if parallel.in_group():     # a rank of a data-parallel group: FSDP2 moves each rank's fp32 shards to the device
+            self.model = model.to(dtype=self.policy.master_dtype)
+            parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device)
+            self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
+        else:
+            self.model = model.to(device=self.device, dtype=self.policy.master_dtype)
+            self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
+                                             **offload_flags(critic.model.fsdp_config, self.device, key=key))
+        log.info("critic: %s on %s", self.policy.describe(), self.device)
+        self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
+        self.critic = PPOCritic(self.model, self.optimizer, self.scheduler, critic,
+                                mini_batch_size=plan.mini_batch_sequences_per_device,
+                                max_response_length=cfg.data.max_response_length,
+                                use_remove_padding=critic.model.use_remove_padding,
+                                nonfinite=nonfinite_guard(cfg, "critic"))
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """``{"values": (B, R)}`` on the CPU."""
+        return self.critic.compute_values(batch.to(self.device)).to("cpu")
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self.critic.update_critic(batch.to(self.device))
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Weights + tokenizer (a loadable HF directory, reusable as ``critic.model.path``) + optimizer state."""
+        self.critic.save_checkpoint(Path(path))
+        if parallel.rank() == 0:
+            self.tokenizer.save_pretrained(Path(path) / "huggingface")
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.critic.load_checkpoint(Path(path))

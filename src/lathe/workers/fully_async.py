@@ -1,0 +1,250 @@
+"""The two pools of fully-asynchronous training: rollout replicas that generate without pause, trainer ranks that
+send them new weights (`lathe.loop.fully_async` drives both).
+
+`RolloutWorker` (one per rollout device) runs lathe's engine in a thread of its own: requests arrive at any time
+(`submit`; a vision-language model's carry their prompts' images), the engine steps while any is unfinished, and
+finished requests wait in an outbox (`collect`). At a weight sync the driver `pause`s every replica — with partial
+rollout the unfinished responses are interrupted (they keep their tokens and log-probs, and continue on the new
+weights, their images encoded again by the new vision tower), without it the replica first finishes them — then
+the trainer's rank 0 broadcasts the weights in buckets over a process group of its own
+(`lathe.workers.checkpoint_engine`) and the replicas load them bucket by bucket, then `resume`.
+
+`AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
+sync. The engine is thread-safe only through the worker's lock: every engine call is made under it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from lathe.batch import Batch
+from lathe.config import LatheConfig
+from lathe.device import rank_device
+from lathe.dtypes import rollout_dtype
+from lathe.engine.multimodal import is_vl
+from lathe.models.frozen import frozen_copy
+from lathe.models.hf import load_policy, select_impl
+from lathe.generation import SamplingParams
+from lathe.rollout.base import to_batch
+from lathe.rollout.build import build_engine, eos_token_ids, runs_lathe
+from lathe.seeding import seed_everything
+from lathe.train import parallel
+from lathe.train.vl import check_vl
+from lathe.workers.checkpoint_engine import SyncGroup, TensorMeta, receive_weights, send_weights
+
+ROLLOUT = "rollout"         # the role name of a replica in its worker group
+
+
+class RolloutWorker:
+    """A rollout replica: lathe's engine on this rank's device, stepping in a background thread."""
+
+    def __init__(self, cfg: LatheConfig, model_path: str, load_kwargs: dict, tokenizer, *, device_type: str):
+        seed_everything(cfg.trainer.seed)
+        arr, device = cfg.actor_rollout_ref, rank_device(device_type)
+        loaded = load_policy(model_path, **load_kwargs)
+        model = select_impl(loaded, arr.model.impl, role="rollout")
+        if not runs_lathe(model):
+            raise ValueError(f"fully-async training generates with lathe's engine, which runs lathe's own decoder; "
+                             f"{type(loaded).__name__} runs on transformers here. Fix: use a Llama/Qwen2/Qwen3 or "
+                             "Qwen2.5-VL/Qwen3-VL model (actor_rollout_ref.model.impl=auto), or train synchronously "
+                             "(rollout.n_gpus_per_node=0).")
+        if is_vl(model):                # image prompts: each request carries its prompts' images (`submit`)
+            check_vl(model, arr, rollout=True)
+        self.dtype = rollout_dtype(arr.rollout.dtype, device)
+        eos = eos_token_ids(tokenizer, loaded)          # the checkpoint's generation_config (the copy has none)
+        engine_model = frozen_copy(model, self.dtype, device)      # (a VL model: a deep copy, as the workers make)
+        del model, loaded
+        self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model)
+        self.pad_id, self.device = tokenizer.pad_token_id, device
+        self.sync: SyncGroup | None = None
+        self._cv = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._prompts: dict = {}            # request id -> (prompt token ids, n) until it is collected
+        self._outbox: list[tuple] = []
+        self._hold = self._stop = False
+        self._paused = False
+        self._unfinished = False            # the engine has work (as of the loop's last step)
+        self._error: BaseException | None = None
+        self._busy_s = 0.0
+        self._thread = threading.Thread(target=self._loop, name="lathe-rollout", daemon=True)
+        self._thread.start()
+
+    # -- the engine's thread --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Step the engine while a request is unfinished. The engine is this thread's alone while it runs (other
+        threads touch it only while the loop is parked by `pause`); the lock is held to trade requests and results,
+        never across a step: a step under it would starve `collect` (Python's lock is not fair) and leave finished
+        requests waiting in the outbox while the trainer idles."""
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and (self._hold or not (self._inbox or self._unfinished)):
+                        self._paused = self._hold
+                        self._cv.notify_all()
+                        self._cv.wait()
+                    self._paused = False
+                    if self._stop:
+                        return
+                    requests, self._inbox = self._inbox, []
+                start = time.perf_counter()
+                for request_id, prompt_ids, params, first_index, images in requests:
+                    self.engine.add_request(request_id, prompt_ids, params, first_index=first_index,
+                                            multi_modal_inputs=images)
+                self.engine.step()
+                done = self.engine.pop_finished()
+                unfinished = self.engine.has_unfinished_requests()
+                with self._cv:
+                    self._busy_s += time.perf_counter() - start
+                    self._unfinished = unfinished
+                    self._outbox.extend(done)
+                    if done or not unfinished:
+                        self._cv.notify_all()
+        except BaseException as e:      # noqa: BLE001 - handed to the driver by the next call
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"rollout replica: the engine failed: {self._error!r}") from self._error
+
+    # -- called by the driver -------------------------------------------------------------------------------
+    def submit(self, requests: list[tuple]) -> None:
+        """Queue `(request_id, prompt token ids, params, first_index[, multi_modal_inputs])` requests; the engine
+        takes them all before its next step (so requests submitted together are batched as one call would be).
+        `multi_modal_inputs` (VL models): one entry per prompt, `{"pixel_values", "image_grid_thw"}` (CPU tensors)
+        or None for a text prompt, as `LatheEngine.generate` takes them."""
+        requests = [tuple(r) if len(r) == 5 else (*r, None) for r in requests]
+        with self._cv:
+            self._check()
+            self._inbox.extend(requests)
+            for request_id, prompt_ids, params, _, _ in requests:
+                self._prompts[request_id] = (prompt_ids, params.n)
+            self._cv.notify_all()
+
+    def collect(self, wait_s: float = 0.0) -> dict:
+        """Finished requests as `(request_id, Batch)` (the response tensors of `to_batch` plus the weight versions
+        each response was sampled with), waiting up to `wait_s` for one; and the engine's busy seconds so far."""
+        with self._cv:
+            if not self._outbox and wait_s > 0:
+                self._cv.wait_for(lambda: self._outbox or self._error is not None, timeout=wait_s)
+            self._check()
+            done, self._outbox = self._outbox, []
+            busy = self._busy_s
+        return {"done": [(rid, self._to_batch(rid, out)) for rid, out in done], "busy_s": busy}
+
+    def _to_batch(self, request_id, out) -> Batch:
+        prompt_ids, n = self._prompts.pop(request_id)
+        batch = to_batch(prompt_ids, out, self.pad_id, n)
+        spans = out.versions or [[(self.engine.weight_version, 0)] for _ in out.token_ids]
+        batch["rollout_versions"] = token_versions(spans, batch["responses"].shape[1])
+        batch.meta["rollout_metrics"] = dict(out.metrics)
+        return batch
+
+    def pause(self, partial: bool, timeout_s: float) -> int:
+        """Stop between two engine steps. `partial`: interrupt the unfinished responses (returns how many); else
+        first let every submitted request finish (nothing new is submitted meanwhile)."""
+        with self._cv:
+            self._check()
+            if not partial:
+                if not self._cv.wait_for(lambda: self._error is not None or not (self._inbox or self._unfinished),
+                                         timeout=timeout_s):
+                    raise TimeoutError(f"rollout replica: unfinished requests after {timeout_s:.0f} s of waiting "
+                                       "for a weight sync (actor_rollout_ref.nccl_timeout)")
+            self._hold = True
+            self._cv.notify_all()
+            if not self._cv.wait_for(lambda: self._paused or self._error is not None, timeout=timeout_s):
+                raise TimeoutError(f"rollout replica: the engine did not pause within {timeout_s:.0f} s")
+            self._check()
+            return self.engine.interrupt() if partial else 0
+
+    def resume(self) -> None:
+        with self._cv:
+            self._hold = False
+            self._cv.notify_all()
+
+    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        self.sync = SyncGroup(host, port, rank, world_size, device=self.device, timeout_s=timeout_s)
+
+    def receive_weights(self, metas: list[TensorMeta], bucket_bytes: int, version: int) -> dict:
+        """Load the trainer's broadcast weights bucket by bucket (paused: no sequence holds KV)."""
+        with self._cv:
+            if not self._paused:
+                raise RuntimeError("rollout replica: receive_weights needs pause() first")
+            return receive_weights(self.sync, metas, bucket_bytes=bucket_bytes,
+                                   consume=lambda named: self.engine.load_weights(named, version=version))
+
+    def generate_sequences(self, prompts: Batch, params: SamplingParams, *, first_index: int = 0) -> Batch:
+        """A blocking generation (validation): submitted as one request, waited for."""
+        key = ("blocking", time.monotonic_ns())
+        prompt_ids = [list(p) for p in prompts["prompt_ids"]]
+        self.submit([(key, prompt_ids, params, first_index, request_images(prompts))])
+        with self._cv:
+            self._cv.wait_for(lambda: self._error is not None or any(rid == key for rid, _ in self._outbox))
+            self._check()
+            out = next(o for rid, o in self._outbox if rid == key)
+            self._outbox = [(rid, o) for rid, o in self._outbox if rid != key]
+        return prompts.repeat(params.n, interleave=True).update(self._to_batch(key, out))
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+        if self.sync is not None:
+            self.sync.close()
+
+
+class AsyncTrainerWorker:
+    """The trainer pool's actor/reference worker (no engine) and the sending side of the weight sync."""
+
+    def __init__(self, worker, rollout_dtype: torch.dtype):
+        self.worker, self.rollout_dtype = worker, rollout_dtype
+        self.sync: SyncGroup | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.worker, name)
+
+    def weight_metas(self) -> list[TensorMeta]:
+        """(name, full shape, rollout dtype) of every tensor the sync sends, in the order it sends them."""
+        return [TensorMeta(name, tuple(shape), self.rollout_dtype if dtype.is_floating_point else dtype)
+                for name, shape, dtype in parallel.full_shapes(self.worker.model)]
+
+    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        if parallel.rank() == 0:              # the trainer's rank 0 sends; its other ranks only help gather
+            self.sync = SyncGroup(host, port, rank, world_size, device=self.worker.device, timeout_s=timeout_s)
+
+    def close_sync(self) -> None:
+        """Close the sending side of the weight sync (rank 0's; `AsyncCluster.close`, beside the replicas')."""
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+
+    def send_weights(self, metas: list[TensorMeta], bucket_bytes: int) -> dict:
+        """Every trainer rank gathers the sharded weights layer by layer; rank 0 broadcasts them in buckets."""
+        tensors = parallel.full_tensors(self.worker.model)
+        if self.sync is None:
+            for _ in tensors:
+                pass
+            return {}
+        return send_weights(self.sync, tensors, metas, bucket_bytes=bucket_bytes)
+
+
+def request_images(prompts: Batch) -> list | None:
+    """The prompt rows' images as a request carries them (`multi_modal_inputs`, one entry per row, None for a text
+    row), or None when no row has images."""
+    return list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts else None
+
+
+def token_versions(spans: list[list[tuple[int, int]]], width: int) -> torch.Tensor:
+    """(B, width) long: the weight version each response token was sampled with, from `RolloutOutput.versions`
+    spans ((version, first token index), ascending); padding after a response carries its last version."""
+    out = torch.empty(len(spans), width, dtype=torch.long)
+    for i, sample in enumerate(spans):
+        for k, (version, start) in enumerate(sample):
+            end = sample[k + 1][1] if k + 1 < len(sample) else width
+            out[i, start:end] = version
+    return out

@@ -1,0 +1,61 @@
+"""The reference part of a worker: the frozen policy the KL terms compare against (`actor_rollout_ref.ref`).
+
+A copy of the actor's weights as loaded, in the reference's compute dtype, compiled like the actor; sharded with
+FSDP2 on a rank of a group; with `ref.fsdp_config.param_offload` its weights wait in pinned CPU memory between
+uses. Under LoRA the reference is the actor itself with its adapters off: no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+
+import torch
+
+from lathe.batch import Batch
+from lathe.dtypes import short_name
+from lathe.models.compile import maybe_compile
+from lathe.models.frozen import frozen_copy
+from lathe.models.lora import adapters_disabled
+from lathe.train import parallel
+from lathe.train.actor import use_torch_compile
+from lathe.train.logprob import batched_log_probs
+from lathe.train.offload import HostWeights, offload_flags
+from lathe.train.precision import resolve_policy
+from lathe.workers.actor import Actor
+
+log = logging.getLogger("lathe")
+FSDP_KEY = "actor_rollout_ref.ref.fsdp_config"
+
+
+class Reference:
+    """`compute_ref_log_prob` of the frozen reference; build it from the actor before `Actor.start_training`."""
+
+    def __init__(self, ref_cfg, actor: Actor):
+        self.cfg, self.device, self.remove_padding = ref_cfg, actor.device, actor.arr.model.use_remove_padding
+        self.model = self.host = None
+        if actor.lora:                      # the actor with its adapters off
+            self._actor_model = actor.model
+            return
+        self._actor_model = None
+        policy = resolve_policy(ref_cfg.fsdp_config, self.device, key=FSDP_KEY, trainable=False)
+        # sharded: built in host memory, fully_shard moves each rank's shards to the device
+        self.model = frozen_copy(actor.model, policy.param_dtype,
+                                 torch.device("cpu") if actor.sharded else self.device)
+        offload = offload_flags(ref_cfg.fsdp_config, self.device, key=FSDP_KEY, frozen=True)["offload_params"]
+        if actor.sharded:
+            parallel.shard(self.model, ref_cfg.fsdp_config, policy, self.device)
+        maybe_compile(self.model, use_torch_compile(ref_cfg), device=self.device)
+        log.info("reference: %s weights%s", short_name(policy.param_dtype), ", in CPU memory between uses" * offload)
+        self.host = HostWeights(self.model, self.device) if offload and not actor.sharded else None
+
+    def _on_device(self):
+        if self._actor_model is not None:
+            return adapters_disabled(self._actor_model)
+        return self.host.on_device() if self.host is not None else nullcontext(self.model)
+
+    def compute_ref_log_prob(self, batch: Batch, *, micro_batch_size: int, temperature: float, **budget) -> Batch:
+        with self._on_device() as ref:
+            logp, _ = batched_log_probs(ref, batch.to(self.device), micro_batch_size=micro_batch_size,
+                                        temperature=temperature, remove_padding=self.remove_padding, **budget)
+        return Batch({"ref_log_prob": logp.cpu()})

@@ -1,0 +1,121 @@
+"""The rollout part of a colocated worker: a backend over the actor's weights, asleep between rollouts on a GPU.
+
+The backend (`lathe.rollout.build`) is lathe's engine over the actor's own tensors when they are in the rollout
+dtype (mixed precision on CUDA: one copy of the weights serves training and rollout), else over a copy of its own;
+or transformers' `generate`, sharing the actor's module when the actor runs transformers on one device. Either way
+it receives the actor's weights (same names) after every update and checkpoint load (`update_weights`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from lathe.batch import Batch
+from lathe.device import reset_peak_memory, synchronize
+from lathe.dtypes import rollout_dtype
+from lathe.generation import SamplingParams
+from lathe.models.frozen import frozen_copy
+from lathe.models.lora import merged_weights
+from lathe.rollout.agent import agent_columns
+from lathe.rollout.base import to_batch
+from lathe.rollout.build import build_engine, build_hf_rollout, eos_token_ids, resolve_rollout_name
+from lathe.workers.actor import Actor
+
+
+class Rollout:
+    """Generation beside the actor. Construct it before `Actor.start_training` (a sharded actor's full weights are
+    copied then), and call `start` after it, so that the engine sizes its KV cache from the memory left."""
+
+    def __init__(self, rollout_cfg, actor: Actor, loaded, tokenizer):
+        """`loaded`: the policy as loaded (a transformers module when `select_impl` converted it)."""
+        self.cfg, self.actor, self.tokenizer, self.device = rollout_cfg, actor, tokenizer, actor.device
+        self.name = resolve_rollout_name(rollout_cfg.name, actor.model, impl=actor.arr.model.impl)
+        self.eos_ids = eos_token_ids(tokenizer, loaded)
+        self.hf_model = None if self.name == "lathe" else loaded    # lathe's engine: the transformers module is dropped
+        self.engine_model = None
+        self.backend = self.agent = None
+        self.free_cache_engine = False
+        if actor.sharded:       # the rollout's own full copy, before sharding, to the device tensor by tensor
+            state = merged_weights(actor.model) if actor.lora else None
+            if self.name == "lathe":
+                self.engine_model = frozen_copy(actor.model, rollout_dtype(rollout_cfg.dtype, self.device),
+                                                self.device, state=state)
+            if self.name == "hf" and loaded is actor.model:      # transformers generate: a copy of its own
+                self.hf_model = (frozen_copy(actor.model, actor.policy.master_dtype, torch.device("cpu"), state=state)
+                                 if actor.lora else copy.deepcopy(actor.model))
+
+    def start(self, agent: Callable | None = None) -> None:
+        """Build the backend (and the agent loop over it, `agent(engine)`); asleep on a GPU with
+        `free_cache_engine`. LoRA on one device: the engine's own copies of the adapted layers, the rest shared."""
+        actor, cfg = self.actor, self.cfg
+        if self.name == "lathe":
+            if actor.lora and not actor.sharded:
+                self.engine_model = frozen_copy(actor.model, rollout_dtype(cfg.dtype, self.device), self.device,
+                                                share=True, state=merged_weights(actor.model))
+            self.backend = build_engine(cfg, actor.model, self.eos_ids, engine_model=self.engine_model)
+        else:
+            self.backend = build_hf_rollout(cfg, self.hf_model, self.eos_ids, self.tokenizer.pad_token_id,
+                                            self.device, own_copy=self.hf_model is not actor.model)
+        # the engine's KV cache lives only while generating (colocated on one GPU); on CPU it stays allocated
+        self.free_cache_engine = self.name == "lathe" and cfg.free_cache_engine and self.device.type == "cuda"
+        if actor.lora and actor.arr.model.lora_adapter_path:
+            self.update_weights(actor.weights())   # a transformers rollout's own copy starts from the base
+        if agent is not None:
+            if self.name != "lathe":
+                raise NotImplementedError(
+                    "actor_rollout_ref.rollout.multi_turn.enable=true needs lathe's engine (rollout.name=lathe), "
+                    f"which streams each turn; this run generates with {self.name} (see the 'rollout:' log line), "
+                    "for which the agent loop is not implemented")
+            self.agent = agent(self.backend)
+        if self.free_cache_engine:
+            self.backend.sleep()
+
+    def generate_sequences(self, prompts: Batch, params: SamplingParams, *, first_index: int = 0) -> Batch:
+        """Sample `params.n` responses per prompt; returns the prompt rows repeated n times plus the tensors.
+        `first_index`: where this share's first sample sits in a rollout split over ranks (seeding)."""
+        prompt_ids = [list(p) for p in prompts["prompt_ids"]]
+        timings = {}
+        if self.actor.sharded:                 # a step starts here: its peak memory is reported by the update
+            reset_peak_memory(self.device)
+        if self.free_cache_engine:
+            with self._timed(timings, "timing_s/rollout_wake_up"):
+                self.backend.wake_up()
+        # image prompts (VL): each prompt's {pixel_values, image_grid_thw}, None for text prompts
+        images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
+        try:
+            if self.agent is not None:
+                extra = prompts["extra_info"]
+                out = self.agent.generate(prompt_ids, params, first_index=first_index,
+                                          tools_kwargs=[(x or {}).get("tools_kwargs") for x in extra],
+                                          interaction_kwargs=[(x or {}).get("interaction_kwargs") for x in extra],
+                                          messages=list(prompts["raw_prompt"]), **images)
+            else:
+                out = self.backend.generate(prompt_ids, params, first_index=first_index, **images)
+        finally:
+            if self.free_cache_engine:
+                with self._timed(timings, "timing_s/rollout_sleep"):
+                    self.backend.sleep()
+        gen = to_batch(prompt_ids, out, self.tokenizer.pad_token_id, params.n)
+        batch = prompts.repeat(params.n, interleave=True).update(gen)
+        if self.agent is not None:
+            batch.update(agent_columns(out, batch["extra_info"]))
+        batch.meta["rollout_metrics"] = {**out.metrics, **timings}   # the engine's own (preemptions, cache, graphs)
+        return batch
+
+    def update_weights(self, named_tensors) -> None:
+        """Load (name, tensor) pairs into the backend (a no-op for tensors the two already share)."""
+        self.backend.update_weights(named_tensors)
+
+    @contextmanager
+    def _timed(self, into: dict, key: str):
+        """Seconds of the block into `into[key]`, the device's queued work included (it syncs before and after)."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        synchronize(self.device)
+        into[key] = time.perf_counter() - start

@@ -140,10 +140,11 @@ def qwen_style_tokenizer():
     return tok
 
 
-def plan_of(cfg, **changes):
-    """`lathe.config.run_plan(cfg)` with some facts replaced: a test that wants a reference (or none) whatever the
-    config's KL keys say passes `needs_ref`."""
+def plan_of(cfg, device_count: int | None = None, **changes):
+    """`lathe.config.run_plan(cfg, device_count)` with some facts replaced: a test that wants a reference (or none)
+    whatever the config's KL keys say passes `needs_ref`; one that builds a one-process worker beside the ranks of a
+    multi-device config passes `device_count=1`."""
     from dataclasses import replace
 
     from lathe.config import run_plan
-    return replace(run_plan(cfg), **changes)
+    return replace(run_plan(cfg, device_count), **changes)

@@ -22,9 +22,11 @@ ADAPTER_REL = 5e-2  # B starts at 0 and Adam moves near-zero-gradient elements b
 WORLD = 2
 
 
-def make(device: torch.device):
+def make(device: torch.device, device_count: int = WORLD):
+    """A rank's worker, or with `device_count=1` the one-process reference."""
     from cluster.test_lora_ray import OVERRIDES, ProbedWorker
 
+    from helpers import plan_of
     from lathe.config import load_config
     from lathe.data.builtin import builtin_tokenizer
     from lathe.models.hf import build_builtin_model
@@ -32,8 +34,9 @@ def make(device: torch.device):
         f"trainer.device={device.type}", "actor_rollout_ref.rollout.enforce_eager=true",
         "actor_rollout_ref.model.target_modules=all-linear"]
     tok = builtin_tokenizer()
-    return ProbedWorker(load_config(None, over), build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok,
-                        total_steps=10, device=device, need_ref=True)
+    cfg = load_config(None, over)
+    return ProbedWorker(cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok,
+                        plan=plan_of(cfg, device_count, needs_ref=True), total_steps=10, device=device)
 
 
 def share(batch, rank: int):
@@ -82,7 +85,7 @@ def run(root: Path, device_type: str, backend: str, port: int) -> None:
     import torch.multiprocessing as mp
     from cluster.test_lora_ray import ppo_batch
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    one = make(device)
+    one = make(device, 1)
     batches = [ppo_batch(one, s).to("cpu") for s in (1, 2)]
     metrics = [one.update_actor(b) for b in batches]
     one.sync_weights()
@@ -112,7 +115,7 @@ def run(root: Path, device_type: str, backend: str, port: int) -> None:
         assert worst < 1e-2, f"rank {rank}'s engine against the merged weights: {worst}"
     assert_same(third, two["third"], "third step, one process against 2 ranks")
     assert_same(third, two["third_from_one"], "2 ranks resumed from the one-process checkpoint")
-    restored = make(device)
+    restored = make(device, 1)
     restored.load_checkpoint(root / "two")
     assert_same(restored.update_actor(batches[2]), two["third"], "one process resumed from the 2-rank checkpoint")
 

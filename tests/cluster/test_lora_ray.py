@@ -47,12 +47,13 @@ class ProbedWorker(ActorRolloutRefWorker):
         return {k: v.detach().clone() for k, v in self.rollout.backend.model.state_dict().items()}
 
 
-def make_worker(cfg) -> ProbedWorker:
+def make_worker(cfg, device_count: int | None = None) -> ProbedWorker:
+    """A rank's worker, or with `device_count=1` the one-process worker the ranks are compared with."""
     from lathe.data.builtin import builtin_tokenizer
     from lathe.models.hf import build_builtin_model
     tok = builtin_tokenizer()
     return ProbedWorker(cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok,
-                        plan=plan_of(cfg, needs_ref=True), total_steps=10, device=torch.device("cpu"))
+                        plan=plan_of(cfg, device_count, needs_ref=True), total_steps=10, device=torch.device("cpu"))
 
 
 def ppo_batch(worker, seed: int):
@@ -82,7 +83,7 @@ def runs(tmp_path_factory):
     try:
         group.build(ACTOR, make_worker, cfg)
         two = ActorRolloutRefGroup(group, pad_id=0, mini_batch_size=4, balance=False, has_ref=True)
-        one = make_worker(cfg)
+        one = make_worker(cfg, 1)
         out = {"start": group.call(ACTOR, "full_weights")[0], "one": [], "two": []}
         batches = [ppo_batch(one, seed) for seed in (1, 2)]
         out["log_probs"] = (two.compute_log_prob(batches[0]), two.compute_ref_log_prob(batches[0]), batches[0])
@@ -98,7 +99,7 @@ def runs(tmp_path_factory):
         third = ppo_batch(one, 3)
         out["third"] = {"one": one.update_actor(third), "two": two.update_actor(third)}
         out["third_weights"] = group.call(ACTOR, "full_weights")[0]
-        restored = make_worker(cfg)                  # one process from the 2-rank checkpoint
+        restored = make_worker(cfg, 1)               # one process from the 2-rank checkpoint
         restored.load_checkpoint(root / "two")
         out["third"]["one from two"] = restored.update_actor(third)
         out["third_weights_one_from_two"] = restored.full_weights()

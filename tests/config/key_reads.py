@@ -34,6 +34,7 @@ PARAMETER_GROUPS = {                             # parameters holding a group un
     "overlong": {"reward_model.overlong_buffer"},
     "fsdp_cfg": {f"{g}.fsdp_config" for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")},
     "log_prob_cfg": {"actor_rollout_ref.rollout", "actor_rollout_ref.ref"},
+    "arr": {"actor_rollout_ref"},                # the workers' parts take the actor_rollout_ref group
 }
 
 

@@ -24,7 +24,8 @@ READ_IN_CONFIG = {
     "actor_rollout_ref.actor.optim.clip_grad": "fill.py: copied to actor.grad_clip",
     "critic.optim.clip_grad": "fill.py: copied to critic.grad_clip",
     "algorithm.rollout_correction.use_policy_gradient": "fill.py: converted to loss_type=reinforce",
-    "critic.enable": "rules.py: critic_in_use(), which loop/setup.py calls",
+    "critic.enable": "plan.py: critic_in_use(), which run_plan (the plan the workers are built from) calls",
+    "critic.ppo_mini_batch_size": "plan.py: batch_plan(role='critic'), RunPlan.critic: the critic's mini-batches",
     "actor_rollout_ref.rollout.checkpoint_engine.backend": "rules.py: must agree with the placement, which picks the "
                                                            "sync (nccl: a rollout pool; naive: colocated)",
 }
@@ -53,7 +54,8 @@ def expand(patterns: tuple[str, ...]) -> set[str]:
 DYNAMIC_READS = {
     **dict.fromkeys(expand(POLICY_LOSS), "train/actor.py policy_loss_params: getattr over PolicyLossParams' fields"),
     **dict.fromkeys(expand(TORCH_COMPILE), "train/actor.py use_torch_compile(group): getattr on the group"),
-    **dict.fromkeys(expand(ROLLOUT_CORRECTION), "loop/steps.py, train/workers.py: getattr over ROLLOUT_CORRECTION_KEYS"),
+    **dict.fromkeys(expand(ROLLOUT_CORRECTION),
+                    "loop/steps.py, workers/actor_rollout_ref.py: getattr over ROLLOUT_CORRECTION_KEYS"),
 }
 
 

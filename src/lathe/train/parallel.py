@@ -30,6 +30,15 @@ def world_size() -> int:
     return dist.get_world_size() if in_group() else 1
 
 
+def check_plan_world(plan, role: str) -> None:
+    """A worker's batch plan (`lathe.config.plan.BatchPlan`) cuts each mini-batch into `plan.device_count` shares; the
+    process group it runs in must have that many ranks."""
+    if plan.device_count != world_size():
+        raise ValueError(f"{role}: the batch plan splits each mini-batch over {plan.device_count} device(s), but this "
+                         f"worker runs in a group of {world_size()} rank(s). Fix: build the worker with the run plan "
+                         f"of its own group (lathe.config.run_plan(cfg, device_count={world_size()})).")
+
+
 def rank() -> int:
     return dist.get_rank() if in_group() else 0
 

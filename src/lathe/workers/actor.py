@@ -69,6 +69,7 @@ class Actor:
         """Shard (a rank of a group), then the optimizer (fp32 shards; LoRA: the adapters only), its schedule and the
         PPO update over this rank's share of each mini-batch (`plan`)."""
         actor = self.arr.actor
+        parallel.check_plan_world(plan, "actor")
         if self.sharded:
             parallel.shard(self.model, actor.fsdp_config, self.policy, self.device)
             self.optimizer = build_optimizer(self.model.parameters(), actor.optim)

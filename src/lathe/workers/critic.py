@@ -41,6 +41,7 @@ class CriticWorker:
                  model=None):
         """`plan`: the critic's batch cut (`RunPlan.critic`)."""
         critic = cfg.critic
+        parallel.check_plan_world(plan, "critic")
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
         key = "critic.model.fsdp_config"
         self.policy = resolve_policy(critic.model.fsdp_config, self.device, key=key)

@@ -4,6 +4,7 @@ table outside config/ (which config may not import) agree with it."""
 from typing import get_args
 
 import pytest
+import torch
 
 from lathe.config import ConfigError, load_config
 from lathe.config import choices
@@ -55,11 +56,12 @@ def test_the_sets_agree_with_the_tables_they_mirror():
     from lathe.dtypes import DTYPES
     from lathe.rollout.agent.loop import TRUNCATE_SIDES
     from lathe.rollout.agent.parser import PARSERS
-    from lathe.train.workers import ROLLOUT_DTYPES
+    from lathe.dtypes import rollout_dtype
 
     assert set(get_args(choices.LossAggMode)) == set(LOSS_AGG_MODES)
     assert set(get_args(choices.KLEstimator)) == set(KL_PENALTIES)
     assert set(get_args(choices.DtypeName)) == set(DTYPES)
     assert set(get_args(choices.TruncateSide)) == set(TRUNCATE_SIDES)
     assert set(get_args(choices.ToolCallFormat)) == set(PARSERS)
-    assert set(get_args(choices.RolloutDtype)) == set(ROLLOUT_DTYPES)
+    engine = {name: rollout_dtype(name, torch.device("cuda")) for name in get_args(choices.RolloutDtype)}
+    assert len(set(engine.values())) == len(engine), engine          # each name is a dtype of its own

@@ -15,7 +15,7 @@ from typing import Literal
 
 # lathe.dtypes.DTYPES: verl's spellings of the training dtypes (fsdp_config.model_dtype, mixed_precision.*)
 DtypeName = Literal["fp32", "float32", "32", "bf16", "bfloat16", "fp16", "float16", "16"]
-# lathe.train.workers.ROLLOUT_DTYPES: the engine's weights and KV-cache dtype
+# lathe.dtypes.rollout_dtype: the engine's weights and KV-cache dtype on CUDA (float32 on CPU)
 RolloutDtype = Literal["bfloat16", "float16", "float32"]
 # verl's training backends; support.py refuses megatron with its fix
 Strategy = Literal["fsdp", "fsdp2", "megatron"]

@@ -23,7 +23,7 @@ from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_r
 from lathe.config import to_dict, to_yaml
 from lathe.config.plan import trainer_devices
 from lathe.data import StatefulDataLoader
-from lathe.data.dataset import DataError
+from lathe.data.errors import DataError
 from lathe.data.sft import SFTDataset
 from lathe.device import empty_cache
 from lathe.loop.setup import CONFIG_FILE, resolve_device

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 from .errors import ProblemList
+from .plan import is_async
 from .schema import LatheConfig
 
 
@@ -89,7 +90,7 @@ def _fill_misc(cfg: LatheConfig) -> None:
     and prompts are sent to the rollout one at a time unless data.gen_batch_size says otherwise."""
     if cfg.data.seed is None:
         cfg.data.seed = cfg.trainer.seed
-    if cfg.rollout.n_gpus_per_node > 0:
+    if is_async(cfg):
         step = cfg.async_training.require_batches * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         if cfg.data.train_batch_size not in (0, step, LatheConfig().data.train_batch_size):
             warnings.warn(f"data.train_batch_size={cfg.data.train_batch_size} has no effect in fully-asynchronous "

@@ -53,7 +53,7 @@ def check_visible_devices(cfg: LatheConfig, problems: ProblemList) -> None:
     """A GPU run may not ask for more GPUs per node than this process can see."""
     t, pool = cfg.trainer, cfg.rollout
     visible = visible_cuda_devices()
-    if (pool.n_gpus_per_node > 0 and t.nnodes == pool.nnodes == 1 and t.device != "cpu"
+    if (is_async(cfg) and t.nnodes == pool.nnodes == 1 and t.device != "cpu"
             and t.n_gpus_per_node + pool.n_gpus_per_node > visible and not (t.device == "auto" and visible == 0)):
         problems.add(f"trainer.n_gpus_per_node={t.n_gpus_per_node} + rollout.n_gpus_per_node={pool.n_gpus_per_node} "
                      f"GPUs on this one node, but this process sees {visible}. Fix: lower one of them (the trainer "
@@ -350,7 +350,7 @@ def _check_profiler(cfg: LatheConfig, problems: ProblemList) -> None:
                      f"steps >= 1.")
     world = trainer_devices(cfg)
     ray_one = os.environ.get("LATHE_RAY") == "1"
-    if p.tool == "torch" and steps and (world > 1 or cfg.rollout.n_gpus_per_node > 0 or ray_one):
+    if p.tool == "torch" and steps and (world > 1 or is_async(cfg) or ray_one):
         problems.add("global_profiler.tool=torch profiles the trainer process, but with "
                      f"{world} devices (trainer.nnodes x trainer.n_gpus_per_node), a rollout pool "
                      f"(rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}) or LATHE_RAY=1 "

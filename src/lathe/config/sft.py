@@ -16,7 +16,8 @@ from .errors import ConfigError, ProblemList
 from .interpolate import resolve_interpolations
 from .loader import _apply_overrides, _read_mapping
 from .schema_sft import SFTConfig
-from .support_base import Entry, at_most, devices, inert, one_of, only_on, refuse, warn
+from .plan import trainer_devices
+from .support_base import Entry, at_most, inert, one_of, only_on, refuse, warn
 from .tree import apply_layer, flatten_mapping, get_path
 
 F = "model.fsdp_config"
@@ -35,7 +36,7 @@ def entries() -> list[Entry]:
                one_of("fsdp", "fsdp2")),
         inert(f"{F}.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2"),
         refuse(f"{F}.fsdp_size", "hybrid sharding (shard groups smaller than all devices, HSDP)",
-               "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, devices(cfg))),
+               "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, trainer_devices(cfg))),
         refuse(f"{F}.grad_offload", "gradient offload (an old verl key)"),
         only_on("one device", refuse(f"{F}.offload_policy", "FSDP2's CPU offload policy on one device",
                                      "remove it; param_offload and optimizer_offload are the switches on one device")),
@@ -103,7 +104,7 @@ def _fill(cfg: SFTConfig) -> None:
         o.lr_scheduler_type = o.warmup_style
     if cfg.use_remove_padding is not None and m.use_remove_padding is None:
         m.use_remove_padding = cfg.use_remove_padding
-    devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    devices = trainer_devices(cfg)
     if d.micro_batch_size is not None:
         d.micro_batch_size_per_gpu = max(1, d.micro_batch_size // max(1, devices))
     if d.seed is None:
@@ -120,7 +121,7 @@ def _check(cfg: SFTConfig) -> None:
         warnings.warn("lathe sft: config keys set here that have no effect:\n" + "\n".join(f"  - {m}" for m in ignored),
                       stacklevel=3)
     d, t = cfg.data, cfg.trainer
-    devices = t.nnodes * t.n_gpus_per_node
+    devices = trainer_devices(cfg)
     for key, value in (("data.train_batch_size", d.train_batch_size), ("data.micro_batch_size_per_gpu",
                        d.micro_batch_size_per_gpu), ("data.max_length", d.max_length),
                        ("data.max_token_len_per_gpu", d.max_token_len_per_gpu), ("trainer.total_epochs",

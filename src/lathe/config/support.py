@@ -19,7 +19,8 @@ from dataclasses import replace
 from .errors import ProblemList
 from .coerce import show
 from .schema import LatheConfig
-from .support_base import Entry, at_most, devices, inert, no_entries, one_of, only_on, refuse, same_as, warn
+from .plan import is_async, trainer_devices
+from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
 from .tree import get_path
 
 A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
@@ -57,7 +58,7 @@ def _multi_gpu() -> list[Entry]:
             for g in (A, REF, C)]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
     out += [refuse(f"{g}.fsdp_config.fsdp_size", "hybrid sharding (shard groups smaller than all devices, HSDP)",
-                   "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, devices(cfg)))
+                   "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, trainer_devices(cfg)))
             for g in TRAINED]
     out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
             replace(refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices without a "
@@ -68,7 +69,7 @@ def _multi_gpu() -> list[Entry]:
 
 def _hybrid_engine(value, cfg) -> tuple[str, str] | None:
     """hybrid_engine=false (verl's fully-async scripts) acts through the rollout pool; alone it cannot."""
-    if value or cfg.rollout.n_gpus_per_node > 0:
+    if value or is_async(cfg):
         return None
     return "refuse", ("`actor_rollout_ref.hybrid_engine`=false asks for the rollout on devices of its own, but no "
                       "rollout pool is set (rollout.n_gpus_per_node=0). Fix: set rollout.nnodes and "

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .coerce import show
+from .plan import is_async, trainer_devices
 from .tree import get_path
 
 Check = Callable[[Any, Any], bool]
@@ -79,20 +80,15 @@ def inert(key: str, text: str):
     return Entry(key, "inert", text, ok=lambda v, cfg: True)
 
 
-def devices(cfg: Any) -> int:
-    """The devices (ranks) a run trains on: trainer.nnodes x trainer.n_gpus_per_node."""
-    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-
-
 # the conditions an entry can be limited to (`only_on`); outside them the code reads the key
 WHEN: dict[str, Callable[[Any], bool]] = {
-    "one device": lambda cfg: devices(cfg) == 1,
+    "one device": lambda cfg: trainer_devices(cfg) == 1,
     # one process: one trainer device and no rollout pool (with a pool, Ray places both and they sync over NCCL/gloo)
-    "one process": lambda cfg: devices(cfg) == 1 and cfg.rollout.n_gpus_per_node == 0,
-    "several devices": lambda cfg: devices(cfg) > 1,
-    "synchronous training": lambda cfg: cfg.rollout.n_gpus_per_node == 0,     # no rollout pool of its own
+    "one process": lambda cfg: trainer_devices(cfg) == 1 and not is_async(cfg),
+    "several devices": lambda cfg: trainer_devices(cfg) > 1,
+    "synchronous training": lambda cfg: not is_async(cfg),                   # no rollout pool of its own
     "lora_rank=0": lambda cfg: cfg.actor_rollout_ref.model.lora_rank == 0,     # full fine-tuning: no adapters
-    "a rollout pool": lambda cfg: cfg.rollout.n_gpus_per_node > 0,             # fully asynchronous training
+    "a rollout pool": is_async,                                              # fully asynchronous training
     "single-turn": lambda cfg: not cfg.actor_rollout_ref.rollout.multi_turn.enable,
 }
 

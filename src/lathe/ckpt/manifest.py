@@ -165,8 +165,9 @@ def last_verified(root: str | Path, *, threads: int | None = None) -> Path | Non
     return None
 
 
-def check(root: str | Path, *, fix: Callable[[Path | None], str], threads: int | None = None) -> bool:
-    """`verify` checkpoint `root`: True when it verifies; False, with one warning, when it has no manifest.
+def check(root: str | Path, *, fix: Callable[[Path | None], str], prefix: str = "",
+          warn: Callable[[str], None] = log.warning, threads: int | None = None) -> bool:
+    """`verify` checkpoint `root`: True when it verifies; False, with one `warn`ing, when it has no manifest.
     A damaged one raises `CheckpointDamaged`, one paragraph naming the file, the checkpoint, the last one of the
     run that verifies (`last_good`, also an attribute) and `fix(last_good)`."""
     root = Path(root)
@@ -176,11 +177,11 @@ def check(root: str | Path, *, fix: Callable[[Path | None], str], threads: int |
         good = last_verified(root, threads=threads)
         where = (f"The last checkpoint under {root.parent} that verifies is {good.name}." if good is not None else
                  f"No earlier checkpoint under {root.parent} verifies.")
-        raise CheckpointDamaged(f"{e} {where} Fix: {fix(good)}", checkpoint=root, file=e.file,
+        raise CheckpointDamaged(f"{prefix}{e} {where} Fix: {fix(good)}", checkpoint=root, file=e.file,
                                 last_good=good, problem=str(e)) from None
     if not ok:
-        log.warning("checkpoint %s has no %s (it was written before lathe wrote manifests): its files cannot be "
-                    "verified, and it loads as it is.", root, MANIFEST)
+        warn(f"checkpoint {root} has no {MANIFEST} (it was written before lathe wrote manifests): its files cannot "
+             "be verified, and it loads as it is.")
     return ok
 
 

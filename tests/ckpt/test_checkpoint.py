@@ -26,8 +26,9 @@ class FakeWorker:
         self.saved.append(path)
 
 
-def _trainer(root, mode="auto", resume_from_path=None):
-    return SimpleNamespace(resume_mode=mode, resume_from_path=resume_from_path, default_local_dir=str(root))
+def _trainer(root, mode="auto", resume_from_path=None, fallback=False):
+    return SimpleNamespace(resume_mode=mode, resume_from_path=resume_from_path, default_local_dir=str(root),
+                           resume_fallback_to_verified=fallback)
 
 
 def _steps(root):

@@ -7,12 +7,14 @@ transformers loads it as is.
 A save never damages what was there: every part is written into `.global_step_<k>.partial/`, which is renamed
 to `global_step_<k>` only when all parts are on disk; the "latest" marker moves after that, and old
 checkpoints are pruned last (never the one just written). A save that fails midway (full disk, a kill)
-leaves the previous checkpoint intact and "latest". Everything is read back with `torch.load(weights_only=True)`
-(tensors and plain values only: no pickled code runs on resume).
+leaves the previous checkpoint intact and "latest". Before the rename, `manifest.json` records every file's size
+and content hash (`lathe.ckpt.manifest`); resume verifies them before reading anything. Everything is read back
+with `torch.load(weights_only=True)` (tensors and plain values only: no pickled code runs on resume).
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import random
 import shutil
@@ -22,8 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 from lathe import device
+from lathe.ckpt import manifest
 
 LATEST = "latest_checkpointed_iteration.txt"
+log = logging.getLogger("lathe")
 
 
 def capture_rng() -> dict[str, Any]:
@@ -63,6 +67,7 @@ def save_checkpoint(root: str | Path, step: int, parts: dict[str, Any], trainer_
     for name, worker in parts.items():
         worker.save_checkpoint(partial / name)
     torch.save({**trainer_state, "global_step": step, "rng": capture_rng()}, partial / "trainer_state.pt")
+    manifest.write_manifest(partial)    # every part is on disk: the parts' savers return when all ranks wrote
     replaced = None
     if path.exists():                 # the same step saved again (a run resumed before it): swap, then drop
         replaced = path.rename(root / f".global_step_{step}.replaced")
@@ -88,24 +93,55 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def find_resume_dir(trainer_cfg) -> Path | None:
-    """The checkpoint to resume from per `trainer.resume_mode` (auto | disable | resume_path), or None."""
+    """The checkpoint to resume from per `trainer.resume_mode` (auto | disable | resume_path), or None; verified
+    against its manifest (`verified_for_resume`)."""
     mode = trainer_cfg.resume_mode
     if mode == "disable":
         return None
     if mode == "resume_path":
         path = Path(trainer_cfg.resume_from_path).expanduser()
-        if not (path / "trainer_state.pt").exists():
+        if not _is_checkpoint(path):
             raise FileNotFoundError(f"trainer.resume_from_path={trainer_cfg.resume_from_path!r} is not a checkpoint "
                                     "directory (it must hold trainer_state.pt, e.g. .../global_step_20)")
-        return path
+        return verified_for_resume(path, trainer_cfg)
     root = Path(trainer_cfg.default_local_dir).expanduser()
     latest = root / LATEST
     if not latest.exists():
         return None
     path = step_dir(root, int(latest.read_text().strip()))
-    if not (path / "trainer_state.pt").exists():
+    if not _is_checkpoint(path):
         raise FileNotFoundError(f"{latest} names {path.name}, which is missing or incomplete; delete {latest} "
                                 "to start over or set trainer.resume_mode=resume_path with another checkpoint")
+    return verified_for_resume(path, trainer_cfg)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A step directory: its trainer state, or a manifest (which names what is missing when that is)."""
+    return (path / "trainer_state.pt").exists() or (path / manifest.MANIFEST).exists()
+
+
+def verified_for_resume(path: Path, trainer_cfg) -> Path:
+    """`path` when it verifies (or has no manifest: a warning); when damaged, with `trainer.resume_mode=auto` and
+    `trainer.resume_fallback_to_verified`, the last checkpoint of the run that verifies; else the error."""
+    auto = trainer_cfg.resume_mode == "auto"
+    fallback = auto and trainer_cfg.resume_fallback_to_verified
+
+    def fix(good: Path | None) -> str:
+        if good is None:
+            return ("restore the file from a copy, or start over with trainer.resume_mode=disable or another "
+                    "trainer.default_local_dir.")
+        flag = ("trainer.resume_fallback_to_verified=true (trainer.resume_mode=auto then falls back to it), or "
+                if auto else "")
+        return (f"resume from {good.name} with {flag}trainer.resume_mode=resume_path trainer.resume_from_path={good};"
+                " or restore the file from a copy.")
+    try:
+        manifest.check(path, fix=fix)
+    except manifest.CheckpointDamaged as e:
+        if not (fallback and e.last_good is not None):
+            raise
+        log.warning("%s Resuming from %s instead (trainer.resume_fallback_to_verified=true): the steps after it "
+                    "are trained again; %s is left as it is for you to inspect.", e.problem, e.last_good, path.name)
+        return e.last_good
     return path
 
 

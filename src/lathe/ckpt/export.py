@@ -9,7 +9,9 @@ safetensors, tokenizer, generation config), written by rank 0 also when the rank
 needs merging: the export copies that directory, after checking that it is complete (every tensor its safetensors
 index names is in its files), and `--check` loads it with transformers. A LoRA run's checkpoint holds the merged
 model there (base + adapters, written at save time) beside the adapter itself in PEFT's layout (`lora_adapter/`),
-so its export is the merged model too.
+so its export is the merged model too. The checkpoint is verified against its manifest first (`lathe.ckpt.manifest`):
+a damaged one (any file of it missing, truncated or changed) is refused, naming the last one of the run that
+verifies.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import shutil
 from pathlib import Path
 
+from lathe.ckpt import manifest
 from lathe.ckpt.checkpoint import LATEST, _step_dirs, _step_of, step_dir
 
 PARTS = ("actor", "critic")
@@ -61,6 +64,16 @@ def check_complete(hf_dir: Path) -> list[str]:
     return files
 
 
+def verify_for_export(ckpt: Path, part: str = "actor") -> bool:
+    """`manifest.check` with `lathe export`'s fix; False (and a warning) for a checkpoint without a manifest."""
+    def fix(good: Path | None) -> str:
+        if good is None:
+            return "restore the file from a copy; this run has no other checkpoint to export."
+        return (f"export that one (lathe export {ckpt.parent} OUT_DIR --step {_step_of(good)} --part {part}), "
+                "or restore the file from a copy.")
+    return manifest.check(ckpt, fix=fix, prefix="lathe export: ")
+
+
 def export(source: str | Path, out: str | Path, *, step: int | None = None, part: str = "actor",
            force: bool = False) -> Path:
     """Copy `part`'s Hugging Face directory of the chosen checkpoint to `out`; return `out`."""
@@ -71,6 +84,7 @@ def export(source: str | Path, out: str | Path, *, step: int | None = None, part
     if not hf_dir.is_dir():
         have = [p for p in PARTS if (ckpt / p / "huggingface").is_dir()]
         raise FileNotFoundError(f"lathe export: {ckpt} has no {part} (it has {', '.join(have) or 'nothing'}).")
+    verify_for_export(ckpt, part)
     check_complete(hf_dir)
     out = Path(out).expanduser()
     if out.exists() and any(out.iterdir()):

@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.set_defaults(func=cmd_preprocess)
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     check = model.add_parser("check", help="compare lathe's decoder with transformers on a checkpoint")
-    check.add_argument("model_dir", help="a local Hugging Face checkpoint directory")
+    check.add_argument("model_dir", help="a local Hugging Face checkpoint directory, or a lathe checkpoint "
+                                         "(global_step_N: its actor; its files are verified first)")
     check.add_argument("--batches", type=int, default=3, help="ragged random batches to compare")
     check.add_argument("--atol", type=float, default=1e-4, help="largest logit difference accepted")
     check.set_defaults(func=cmd_model_check)

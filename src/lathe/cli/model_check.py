@@ -5,6 +5,10 @@ left-padded random batches, and reports the largest logit difference over real t
 padded forward and for its packed forward (the one training uses). Exit status 0 means lathe will use
 its own decoder and agrees within `atol`, or that lathe does not implement the architecture and will
 use transformers; 1 means lathe disagrees with transformers, or could not load the checkpoint.
+
+MODEL_DIR may be a lathe checkpoint (`global_step_<k>`: its actor's `huggingface/` is checked) or a directory
+inside one; the checkpoint's files are verified against its manifest first (`lathe.ckpt.manifest`), and a
+damaged checkpoint exits 1 before anything loads.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from lathe.ckpt import manifest
 from lathe.device import default_device_type
 from lathe.models import LatheConfig, UnsupportedArchitecture, load_lathe_model
 from lathe.models.packing import pack_padded, position_ids_from_mask, unpack_to_padded
@@ -61,10 +66,38 @@ def _fallback(model_dir: str, out: Callable[[str], None]) -> int:
     return 0
 
 
+def enclosing_checkpoint(model_dir: Path) -> tuple[Path, Path | None]:
+    """(the Hugging Face directory to check, the lathe checkpoint holding it or None)."""
+    if not model_dir.is_dir():
+        return model_dir, None                     # a hub id
+    for ckpt in (model_dir, *list(model_dir.resolve().parents)[:2]):   # global_step_<k>[/actor[/huggingface]]
+        if (ckpt / "trainer_state.pt").exists() or (ckpt / manifest.MANIFEST).exists():
+            return (model_dir / "actor" / "huggingface" if ckpt == model_dir else model_dir), ckpt
+    return model_dir, None
+
+
+def verify_checkpoint(ckpt: Path, out: Callable[[str], None]) -> bool:
+    """`manifest.check` for `lathe model check`: False (after the report) when the checkpoint is damaged."""
+    def fix(good: Path | None) -> str:
+        return (f"check that one (lathe model check {good}), or restore the file from a copy." if good is not None
+                else "restore the file from a copy.")
+    try:
+        if manifest.check(ckpt, fix=fix, warn=lambda message: out(f"WARNING: {message}")):
+            out(f"files: every file of {ckpt} matches its {manifest.MANIFEST}")
+    except manifest.CheckpointDamaged as e:
+        out(f"DAMAGED CHECKPOINT: {e}")
+        out("lathe will use: nothing (resume and lathe export refuse this checkpoint)")
+        return False
+    return True
+
+
 def run_check(model_dir: str | Path, *, num_batches: int = 3, seed: int = 0, atol: float = 1e-4,
               out: Callable[[str], None] = print) -> int:
     """Compare lathe's decoder with transformers on `model_dir`; print a report; return the exit status."""
-    model_dir = str(model_dir)
+    hf_dir, ckpt = enclosing_checkpoint(Path(model_dir).expanduser())
+    if ckpt is not None and not verify_checkpoint(ckpt, out):
+        return 1
+    model_dir = str(hf_dir) if ckpt is not None else str(model_dir)
     try:
         cfg = LatheConfig.from_pretrained(model_dir)
     except UnsupportedArchitecture as e:

@@ -340,6 +340,10 @@ class TrainerConfig:
     resume_mode: Literal["auto", "disable", "resume_path"] = spec(
         "auto", "auto = resume from the latest checkpoint in default_local_dir if any.")
     resume_from_path: str | None = spec(None, "Checkpoint dir used when resume_mode=resume_path.")
+    resume_fallback_to_verified: bool = spec(
+        False, "lathe: with resume_mode=auto, when the latest checkpoint does not match its manifest (a file missing, "
+               "truncated or changed), resume from the newest earlier checkpoint that does, with a warning; false = "
+               "stop with an error naming both.")
     default_local_dir: str = spec("checkpoints/${trainer.project_name}/${trainer.experiment_name}",
                                   "Checkpoint directory.")
     default_hdfs_dir: str | None = spec(None, "Copy checkpoints to this HDFS directory (verl).")

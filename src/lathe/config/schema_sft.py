@@ -134,6 +134,10 @@ class SFTTrainerConfig:
     resume_mode: Literal["auto", "disable", "resume_path"] = spec(
         "auto", "auto = resume from the latest checkpoint in default_local_dir if any.")
     resume_from_path: str | None = spec(None, "Checkpoint dir used when resume_mode=resume_path.")
+    resume_fallback_to_verified: bool = spec(
+        False, "lathe: with resume_mode=auto, when the latest checkpoint does not match its manifest (a file missing, "
+               "truncated or changed), resume from the newest earlier checkpoint that does, with a warning; false = "
+               "stop with an error naming both.")
     device: Literal["auto", "cpu", "cuda"] = spec("auto", "auto = cuda when available, else cpu.")
     use_sudo_for_checkpoint: bool = spec(False, "verl: write checkpoints with sudo.")
     checkpoint: dict[str, Any] = spec({}, "verl's older place of the checkpoint group (see checkpoint).")

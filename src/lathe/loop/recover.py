@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from lathe.ckpt.checkpoint import LATEST, step_dir
+from lathe.ckpt.checkpoint import LATEST, step_dir, verified_for_resume
 from lathe.cluster.worker_group import WorkerGroupError
 from lathe.loop.setup import Trainer, resume
 
@@ -48,4 +48,4 @@ def last_checkpoint(t: Trainer) -> Path:
         raise WorkerGroupError(f"a worker was lost at step {t.global_step} and trainer.restart_on_worker_failure="
                                f"{t.cfg.trainer.restart_on_worker_failure} asks to restart from the last checkpoint, "
                                f"but {root} has none yet. Set trainer.save_freq so that there is one to restart from.")
-    return step_dir(root, int(latest.read_text().strip()))
+    return verified_for_resume(step_dir(root, int(latest.read_text().strip())), t.cfg.trainer)

@@ -18,7 +18,7 @@ from lathe.data.builtin import builtin_tokenizer
 from lathe.data.sft import SFTDataset
 from lathe.loop.sft import collate
 from lathe.models.hf import load_policy
-from lathe.train.sft import SFTWorker
+from lathe.workers.sft import SFTWorker
 
 FAST = ["data.train_batch_size=8", "data.micro_batch_size_per_gpu=4", "data.val_max_samples=16",
         "optim.lr=3e-3", "trainer.logger=[console]"]
@@ -149,8 +149,8 @@ def test_every_sft_key_is_read_or_registered():
     from lathe.config.schema_sft import SFTConfig
     from lathe.config.sft import entries
     src = Path(__file__).resolve().parents[2] / "src" / "lathe"
-    modules = ["loop/sft.py", "data/sft.py", "train/sft.py", "config/sft.py", "train/precision.py", "train/optim.py",
-               "train/offload.py", "train/parallel.py", "ckpt/checkpoint.py", "cluster/placement.py", "cluster/__init__.py",
+    modules = ["loop/sft.py", "data/sft.py", "workers/sft.py", "train/sft.py", "config/sft.py", "train/precision.py",
+               "train/optim.py", "train/offload.py", "train/parallel.py", "ckpt/checkpoint.py", "cluster/placement.py", "cluster/__init__.py",
                "track/tracker.py", "data/loader.py"]
     code = "\n".join((src / m).read_text() for m in modules)
     registered = {e.key for e in entries()}

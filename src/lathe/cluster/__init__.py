@@ -7,9 +7,9 @@ loop calls exactly as it calls the in-process workers.
 
 `start_sft_cluster` is `lathe sft`'s: the same ranks running `SFTWorker`s.
 
-`start_async_cluster` is its fully-asynchronous counterpart (`rollout.n_gpus_per_node` > 0): two pools, the
-trainer's ranks without engines and the rollout replicas (`cluster/async_roles.py`), joined by the checkpoint
-engine's process group (`workers/checkpoint_engine.py`) for the weight sync.
+`start_async_cluster` is its fully-asynchronous counterpart (`RunPlan.is_async`): two pools, the trainer's ranks
+without engines and the rollout replicas (`lathe.workers.fully_async`, driven through `cluster/async_roles.py`),
+joined by the checkpoint engine's process group (`lathe.workers.checkpoint_engine`) for the weight sync.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from lathe.engine import decode_forms
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
-from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensure_embeddings, is_vl, prepare_prompt,
+from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensure_embeddings, prepare_prompt,
                                      text_config)
 from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
@@ -37,6 +37,7 @@ from lathe.engine.stream import StreamingMixin
 from lathe.generation import RolloutOutput, SamplingParams
 from lathe.generation.stop import StopStringMatcher, StopStrings
 from lathe.models.io import copy_named_tensors
+from lathe.models.vl import is_vl
 
 logger = logging.getLogger(__name__)
 

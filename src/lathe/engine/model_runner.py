@@ -27,11 +27,12 @@ from lathe.device import to_device
 from lathe.engine import decode_forms
 from lathe.engine.cuda_graph import DecodeGraphs
 from lathe.engine.kv_cache import KVCache
-from lathe.engine.multimodal import StepInputs, hidden_states, is_vl, rope_delta, text_config
+from lathe.engine.multimodal import StepInputs, hidden_states, rope_delta, text_config
 from lathe.engine.paged_attention import choose_decode_backend
 from lathe.engine.sequence import PENDING, Sequence
 from lathe.engine.step_attention import DecodeAttention, PrefillAttention
 from lathe.models.attention import PackedAttention, select_packed_backend
+from lathe.models.vl import is_vl
 
 
 class ModelRunner:

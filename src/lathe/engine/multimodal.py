@@ -31,12 +31,7 @@ import numpy as np
 import torch
 
 from lathe.engine.decode_forms import text_hidden
-
-
-def is_vl(model) -> bool:
-    """Whether `model` is lathe's vision-language model (the engine then takes image prompts)."""
-    from lathe.models.vl import LatheVLForConditionalGeneration
-    return isinstance(model, LatheVLForConditionalGeneration)
+from lathe.models.vl import is_vl
 
 
 def rope_delta(seq) -> int:

@@ -30,7 +30,8 @@ from lathe.loop.setup import CONFIG_FILE, resolve_device
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.seeding import seed_everything
 from lathe.track import Tracker
-from lathe.train.sft import SFTWorker, sft_batch
+from lathe.train.sft import sft_batch
+from lathe.workers.sft import SFTWorker
 
 log = logging.getLogger("lathe")
 

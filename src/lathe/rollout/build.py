@@ -15,7 +15,7 @@ import torch
 
 from lathe.dtypes import rollout_dtype
 from lathe.engine.llm_engine import LatheEngine
-from lathe.engine.multimodal import is_vl
+from lathe.models.vl import is_vl
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.frozen import frozen_copy
 from lathe.rollout.hf import HFRollout

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lathe.engine.multimodal import is_vl
+from lathe.models.vl import is_vl
 
 
 def freeze_vision_tower(model, dtype: torch.dtype, *, sharded: bool) -> None:
@@ -24,7 +24,7 @@ def check_vl(actor, arr, *, rollout: bool) -> None:
     (`build_engine`; `generate_sequences` hands it each prompt's `multi_modal_inputs`), single-turn or in the agent
     loop (`multi_turn.enable`: every turn carries its prompt's images; tools answer text, and one that returns an
     image stops the run, `lathe.rollout.agent.tools.ToolImageError`); fully-async training's rollout replicas check
-    it too (`async_roles.RolloutWorker`, whose requests carry the images)."""
+    it too (`lathe.workers.fully_async.RolloutWorker`, whose requests carry the images)."""
     what = f"actor_rollout_ref.model.path is a vision-language checkpoint ({actor.config.architecture})"
     refused = [
         (rollout and arr.rollout.name == "hf", "actor_rollout_ref.rollout.name=hf",

@@ -19,7 +19,7 @@ import torch
 
 from lathe.batch import Batch
 from lathe.config.plan import BatchPlan
-from lathe.engine.multimodal import is_vl
+from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora, load_adapter, read_adapter
 from lathe.rollout.build import architecture, runs_lathe

@@ -8,7 +8,7 @@ from lathe.device import rank_device
 from lathe.dtypes import rollout_dtype
 from lathe.models.hf import load_policy
 from lathe.seeding import seed_everything
-from lathe.train.sft import SFTWorker
+from lathe.workers.sft import SFTWorker
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 from lathe.workers.critic import CriticWorker
 from lathe.workers.fully_async import AsyncTrainerWorker, RolloutWorker

@@ -24,7 +24,7 @@ from lathe.batch import Batch
 from lathe.config import LatheConfig
 from lathe.device import rank_device
 from lathe.dtypes import rollout_dtype
-from lathe.engine.multimodal import is_vl
+from lathe.models.vl import is_vl
 from lathe.models.frozen import frozen_copy
 from lathe.models.hf import load_policy, select_impl
 from lathe.generation import SamplingParams

@@ -17,10 +17,15 @@ from lathe.models.vl.model import LatheVLForConditionalGeneration, LatheVLTextMo
 from lathe.models.vl.rope import MRotaryEmbedding, mrope_positions, packed_mrope_positions
 from lathe.models.vl.vision import ImageEmbeddings, embed_images, merge_image_embeddings, rebuild_meta_buffers
 
-__all__ = ["VL_ARCHITECTURES", "ImageEmbeddings", "LatheVLForConditionalGeneration", "LatheVLTextModel",
+__all__ = ["VL_ARCHITECTURES", "ImageEmbeddings", "is_vl", "LatheVLForConditionalGeneration", "LatheVLTextModel",
            "MRotaryEmbedding", "VLConfig", "embed_images", "is_vl_checkpoint", "load_lathe_vl_model",
            "merge_image_embeddings", "mrope_positions", "packed_mrope_positions", "rename_legacy_keys",
            "save_vl_pretrained"]
+
+
+def is_vl(model) -> bool:
+    """Whether `model` is lathe's vision-language model (the engine then takes image prompts)."""
+    return isinstance(model, LatheVLForConditionalGeneration)
 
 
 def load_lathe_vl_model(path: str | Path, dtype: torch.dtype = torch.float32, *, device: str | torch.device = "cpu",

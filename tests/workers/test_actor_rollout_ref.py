@@ -1,4 +1,4 @@
-"""Tests for lathe.train.workers: which implementation the actor and the rollout run, and weight sync."""
+"""Tests for lathe.workers.actor_rollout_ref: which implementation the actor and the rollout run, and weight sync."""
 
 import logging
 

@@ -13,9 +13,9 @@ from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 from helpers import plan_of
 
-from .test_critic import CRITIC, _critic_batch, _value_model
-from .test_workers import _ppo_batch
-from .test_workers_engine import GREEDY, PROMPT_IDS, SECOND_EOS, _prompts, _qwen2
+from train.test_critic import CRITIC, _critic_batch, _value_model
+from .test_actor_rollout_ref import _ppo_batch
+from .test_rollout import GREEDY, PROMPT_IDS, SECOND_EOS, _prompts, _qwen2
 
 pytestmark = pytest.mark.gpu
 

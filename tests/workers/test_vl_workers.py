@@ -15,7 +15,7 @@ from helpers import plan_of
 
 from models.vl_tiny import save_hf
 
-from .test_vl_logprob import vl_rollout_batch
+from train.test_vl_logprob import vl_rollout_batch
 
 
 @pytest.fixture(scope="module")

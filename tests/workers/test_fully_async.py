@@ -1,4 +1,4 @@
-"""lathe.cluster.async_roles in one process (no Ray): a rollout replica streams requests through its engine thread,
+"""lathe.workers.fully_async in one process (no Ray): a rollout replica streams requests through its engine thread,
 stops on the checkpoint's end-of-sequence ids, hands finished requests out while others run, pauses (interrupting
 or finishing what runs) and continues; per-token weight versions from the engine's spans. A replica of a
 vision-language model takes image requests and image validation batches."""

@@ -1,4 +1,4 @@
-"""Tests for lathe.train.workers with lathe's engine as the rollout (`actor_rollout_ref.rollout.name=lathe|auto`)."""
+"""Tests for lathe.workers.rollout with lathe's engine as the backend (`actor_rollout_ref.rollout.name=lathe|auto`)."""
 
 import gc
 import logging
@@ -17,7 +17,7 @@ from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 from helpers import assert_close_rel, plan_of
 
-from .test_workers import _ppo_batch, _same_weights
+from .test_actor_rollout_ref import _ppo_batch, _same_weights
 
 # Ragged prompts; the first two share a 17-token prefix (more than one 16-token KV block) for prefix caching.
 PROMPT_IDS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],

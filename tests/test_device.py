@@ -64,3 +64,24 @@ def test_nothing_else_in_lathe_calls_torch_cuda():
              or path.parent != SRC for i, line in enumerate(path.read_text().splitlines(), 1)
              if re.search(r"\btorch\.cuda\b", line.split("#", 1)[0])]
     assert not calls, "call lathe.device instead:\n" + "\n".join(calls)
+
+
+def test_a_small_cpu_model_trains_on_one_thread_unless_the_user_chose(monkeypatch):
+    from lathe.device import ONE_THREAD_PARAMS, cpu_threads, use_cpu_threads
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu_threads(1_000) == 1 and cpu_threads(ONE_THREAD_PARAMS) is None
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        model = torch.nn.Linear(8, 8)
+        assert use_cpu_threads(model, "cpu") is model and torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        use_cpu_threads(model, "meta")                     # not a CPU run: torch's threads are left alone
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert cpu_threads(1_000) is None
+        use_cpu_threads(model, "cpu")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

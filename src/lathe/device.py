@@ -10,6 +10,8 @@ ROCm and NPU are told apart by the same code and tested with fakes.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -64,6 +66,33 @@ def is_accelerator(device: torch.device | str) -> bool:
 
 def accelerator_available() -> bool:
     return detect().device_type != "cpu"
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# Below this size a CPU model's matmuls are too small to split over threads: a second thread only adds the cost of
+# waking it, and on a machine running anything else each op waits for a thread that is not scheduled.
+ONE_THREAD_PARAMS = 50_000_000
+
+
+def cpu_threads(n_params: int) -> int | None:
+    """Torch's intra-op threads for training a model of `n_params` on the CPU: one for a small model, None (torch's
+    own choice) for a larger one or when the user chose with OMP_NUM_THREADS / MKL_NUM_THREADS."""
+    if any(name in os.environ for name in THREAD_VARIABLES):
+        return None
+    return 1 if n_params < ONE_THREAD_PARAMS else None
+
+
+def use_cpu_threads(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """On a CPU run, apply `cpu_threads` for `model` before anything computes (and say so); returns `model`."""
+    if torch.device(device).type != "cpu":
+        return model
+    n_params = sum(p.numel() for p in model.parameters())
+    threads = cpu_threads(n_params)
+    if threads is not None and threads != torch.get_num_threads():
+        logging.getLogger("lathe").info("cpu: %d torch thread(s) for a %.1fM-parameter model (more only wait on each "
+                                        "other; set OMP_NUM_THREADS to choose)", threads, n_params / 1e6)
+        torch.set_num_threads(threads)
+    return model
 
 
 def default_device_type() -> str:

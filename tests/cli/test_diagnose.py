@@ -25,7 +25,8 @@ class FakeProbe(Probe):
                                "gpus": [{"index": i, "name": "NVIDIA H100 80GB HBM3", "memory_gb": 79.2,
                                          "capability": "9.0"} for i in range(2)]},
                      "gpus_present": 2, "driver": "580.95.05", "interfaces": ["eth0", "ib0", "lo"],
-                     "infiniband": [], "shm_bytes": 64 * 2**30, "open_files": 1 << 20, "env": {}, **over}
+                     "infiniband": [], "shm_bytes": 64 * 2**30, "open_files": 1 << 20, "env": {},
+                     "cpu": {"cores": 16, "load1": 0.5}, **over}
 
     def python(self):
         return {"version": "3.12.3", "executable": "/usr/bin/python3"}
@@ -66,6 +67,9 @@ class FakeProbe(Probe):
 
     def env(self):
         return self.over["env"]
+
+    def cpu(self):
+        return self.over["cpu"]
 
     def ray(self, connect):
         return self.over.get("ray", {"address": None, "local_cluster": False})
@@ -131,6 +135,8 @@ def test_each_broken_setup_fails_naming_what_to_change(over, name, words):
                  "nccl": None, "gpus": []}), "torch build", "CPU build, but the driver shows 2 GPU(s)"),
     (dict(ray={"address": "10.0.0.1:6379", "local_cluster": False, "error": "ConnectionError: no cluster"}),
      "ray cluster", "could not join Ray at 10.0.0.1:6379"),
+    (dict(env={"OMP_WAIT_POLICY": "active"}), "cpu threads", "idle OpenMP threads spin"),
+    (dict(cpu={"cores": 2, "load1": 1.7}), "cpu threads", "busy (load 1.7 on 2 cores)"),
 ])
 def test_risky_setups_warn_with_a_fix(over, name, words):
     status, detail, fix = verdicts(FakeProbe(**over))[name]

@@ -27,7 +27,7 @@ GIB = 1024 ** 3
 OPTIONAL = ("ray", "triton", "wandb", "mlflow", "hypothesis", "peft", "flash-attn", "vllm", "sglang")
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME",
             "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE",
-            "NCCL_DEBUG", "RAY_ADDRESS", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_OFFLINE")
+            "NCCL_DEBUG", "RAY_ADDRESS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_OFFLINE")
 MIN_SHM = GIB                 # NCCL and Ray's object store live in /dev/shm (Docker's default is 64 MB)
 MIN_OPEN_FILES = 65536        # Ray opens a socket per worker and connection
 
@@ -127,6 +127,11 @@ class Probe:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return None if soft == resource.RLIM_INFINITY else soft
 
+    def cpu(self) -> dict:
+        """Cores and the 1-minute load average (how busy the machine is now)."""
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        return {"cores": os.cpu_count() or 1, "load1": load}
+
     def env(self) -> dict[str, str]:
         return {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
 
@@ -153,13 +158,13 @@ def collect(probe: Probe, *, ray: bool = False) -> dict:
             "packages": {n: probe.version(n) for n in dict.fromkeys([*names, *OPTIONAL])},
             "torch": probe.torch(), "gpus_present": probe.gpus_present(), "driver": probe.driver(),
             "interfaces": probe.interfaces(), "infiniband": probe.infiniband(), "shm_bytes": probe.shm_bytes(),
-            "open_files": probe.open_files(), "env": probe.env(), "ray": probe.ray(connect=ray)}
+            "open_files": probe.open_files(), "cpu": probe.cpu(), "env": probe.env(), "ray": probe.ray(connect=ray)}
 
 
 # -- checks ---------------------------------------------------------------------------------------------------
 def check(facts: dict) -> list[Check]:
     return [*_check_versions(facts), *_check_accelerator(facts), *_check_visible_devices(facts),
-            *_check_network(facts), *_check_limits(facts), *_check_ray(facts)]
+            *_check_network(facts), *_check_limits(facts), *_check_threads(facts), *_check_ray(facts)]
 
 
 def _check_versions(f: dict) -> list[Check]:
@@ -292,6 +297,23 @@ def _check_limits(f: dict) -> list[Check]:
     if files is not None and files < MIN_OPEN_FILES:
         out.append(Check("open files", "warn", f"ulimit -n is {files}: Ray may run out of file descriptors with "
                          "many workers", f"ulimit -n {MIN_OPEN_FILES} (or more) before starting Ray"))
+    return out
+
+
+def _check_threads(f: dict) -> list[Check]:
+    """CPU threads that would compete with other processes: an OpenMP pool told to spin, or a busy machine where torch
+    would start one thread per core for a large CPU model."""
+    env, cpu = f["env"], f.get("cpu") or {}
+    out = []
+    if env.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
+        out.append(Check("cpu threads", "warn", "OMP_WAIT_POLICY=ACTIVE: idle OpenMP threads spin, taking cores from "
+                         "every other process", "unset OMP_WAIT_POLICY (lathe then lets idle threads sleep)"))
+    load, cores = cpu.get("load1"), cpu.get("cores", 1)
+    if load is not None and load >= 0.5 * cores and "OMP_NUM_THREADS" not in env:
+        out.append(Check("cpu threads", "warn", f"this machine is busy (load {load:.1f} on {cores} cores): torch's "
+                         "default of one thread per core makes a CPU run wait on threads that are not scheduled "
+                         "(lathe uses one thread for models under 50M parameters on its own)",
+                         f"OMP_NUM_THREADS={max(1, cores // 2)} (or fewer) for a larger model trained on the CPU"))
     return out
 
 

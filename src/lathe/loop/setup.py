@@ -20,7 +20,7 @@ from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_r
 from lathe.config import LatheConfig, RunPlan, critic_in_use, run_plan, to_dict, to_yaml
 from lathe.data import RLDataset, StatefulDataLoader
 from lathe.data.multimodal import multimodal_non_tensors
-from lathe.device import default_device_type, device_count, empty_cache
+from lathe.device import default_device_type, device_count, empty_cache, use_cpu_threads
 from lathe.generation import SamplingParams
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
@@ -188,9 +188,9 @@ def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: 
     init_dir = run_dir / INIT_MODEL
     if resume_dir is not None and (init_dir / "config.json").exists():
         path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
-        return load_policy(path, **kwargs)
+        return use_cpu_threads(load_policy(path, **kwargs), device)
     path, kwargs = _given_model(cfg, tokenizer)
-    model = load_policy(path, **kwargs)
+    model = use_cpu_threads(load_policy(path, **kwargs), device)
     if m.warm_start.steps > 0:
         from lathe.models.vl import LatheVLForConditionalGeneration
         if isinstance(model, LatheVLForConditionalGeneration):

@@ -25,7 +25,7 @@ from lathe.config.plan import trainer_devices
 from lathe.data import StatefulDataLoader
 from lathe.data.errors import DataError
 from lathe.data.sft import SFTDataset
-from lathe.device import empty_cache
+from lathe.device import empty_cache, use_cpu_threads
 from lathe.loop.setup import CONFIG_FILE, resolve_device
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.seeding import seed_everything
@@ -94,8 +94,8 @@ def build_sft(cfg) -> SFTRun:
                                     total_steps=total_steps, device_type=device.type)
         worker = cluster.actor
     else:
-        worker = SFTWorker(cfg, load_policy(m.path, **load_kwargs), tokenizer, total_steps=total_steps,
-                           device=device)
+        worker = SFTWorker(cfg, use_cpu_threads(load_policy(m.path, **load_kwargs), device), tokenizer,
+                           total_steps=total_steps, device=device)
     run = SFTRun(cfg=cfg, tokenizer=tokenizer, worker=worker, loader=loader, val=val, cluster=cluster,
                  tracker=Tracker(t.logger, run_dir, project=t.project_name, experiment=t.experiment_name,
                                  config=to_dict(cfg), total_steps=total_steps),

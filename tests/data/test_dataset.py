@@ -242,3 +242,17 @@ def test_builtin_arithmetic_dataset(tok):
     assert str(eval(item["raw_prompt"][0]["content"][:-1])) == item["ground_truth"]
     with pytest.raises(DataError, match="unknown builtin"):
         RLDataset("builtin:nope", tok)
+
+
+def test_max_samples_keeps_verls_subset(tok, tmp_path):
+    """verl's data.train_max_samples / val_max_samples: the first rows, or with shuffle a seeded subset drawn
+    without replacement (numpy's default_rng(seed).choice, as verl draws it); <= 0 or more than the file: all."""
+    import numpy as np
+    path = tmp_path / "d.parquet"
+    write_parquet(path, [make_row(i) for i in range(10)])
+    first = RLDataset(str(path), tok, max_samples=3)
+    assert [first[i]["index"] for i in range(len(first))] == [0, 1, 2]
+    drawn = RLDataset(str(path), tok, max_samples=4, shuffle=True, seed=7)
+    expected = np.random.default_rng(7).choice(10, size=4, replace=False).tolist()
+    assert [drawn[i]["index"] for i in range(len(drawn))] == expected
+    assert len(RLDataset(str(path), tok, max_samples=-1)) == len(RLDataset(str(path), tok, max_samples=50)) == 10

@@ -218,8 +218,6 @@ def _data() -> list[Entry]:
                   "column, one <image> placeholder per frame"),
            warn("data.return_multi_modal_inputs", "lathe always gives a vision-language model its images' "
                 "processor outputs (pixel_values, image_grid_thw)")]
-    out += [refuse(f"data.{k}", "using a subset of the data (max_samples)", "remove it, or cut the data file",
-                   at_most(0)) for k in ("train_max_samples", "val_max_samples")]
     out += [refuse(f"data.{group}.{k}", what, "remove it; write the data as verl-schema parquet/jsonl "
                    "(see `lathe preprocess`)") for group, what, keys in (
         ("custom_cls", "a custom dataset class", ("path", "name")),

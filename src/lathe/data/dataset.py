@@ -24,6 +24,8 @@ import os
 import warnings
 from typing import Any
 
+import numpy as np
+
 from lathe.data.builtin import BUILTIN_DATASETS
 from lathe.data.errors import DataError
 
@@ -207,7 +209,10 @@ class RLDataset:
                  max_prompt_length: int = 512, filter_overlong_prompts: bool = False,
                  truncation: str = "error", apply_chat_template_kwargs: dict | None = None,
                  split: str = "train", processor=None, image_key: str = "images",
-                 min_pixels: int | None = None, max_pixels: int | None = None):
+                 min_pixels: int | None = None, max_pixels: int | None = None, max_samples: int = -1,
+                 shuffle: bool = False, seed: int | None = None):
+        """`max_samples` > 0 keeps that many rows (verl's `data.train_max_samples` / `val_max_samples`): a random
+        subset drawn with `seed` when `shuffle`, else the first ones; before long prompts are filtered."""
         if truncation not in TRUNCATION_MODES:
             raise DataError(f"data.truncation={truncation!r} is not supported; use one of {TRUNCATION_MODES}")
         if max_prompt_length < 1:
@@ -226,6 +231,7 @@ class RLDataset:
         self.processor = processor
         self.image_key = image_key
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.max_samples, self.shuffle, self.seed = max_samples, shuffle, seed
         self.num_filtered = 0
         self.num_truncated = 0
         self._items: list[dict[str, Any]] = []
@@ -235,6 +241,9 @@ class RLDataset:
 
     def _load(self) -> None:
         records, origins = self._validated_records()
+        keep = sample_rows(len(records), self.max_samples, shuffle=self.shuffle, seed=self.seed)
+        if keep is not None:
+            records, origins = [records[i] for i in keep], [origins[i] for i in keep]
         text_rows = [i for i, r in enumerate(records) if "_images" not in r]
         texts = [self._render(records[i]["raw_prompt"], origins[i]) for i in text_rows]
         text_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
@@ -360,3 +369,14 @@ class RLDataset:
     def __repr__(self) -> str:
         return (f"RLDataset(files={self.files}, rows={len(self)}, filtered={self.num_filtered}, "
                 f"max_prompt_length={self.max_prompt_length})")
+
+
+def sample_rows(total: int, max_samples: int, *, shuffle: bool, seed: int | None) -> list[int] | None:
+    """The rows verl's `max_samples` keeps (None: all): `max_samples` of `total` drawn without replacement by
+    `numpy.random.default_rng(seed)` when `shuffle`, else the first `max_samples`."""
+    if max_samples <= 0 or max_samples >= total:
+        return None
+    if shuffle:
+        rng = np.random.default_rng(*((seed,) if seed is not None else ()))
+        return rng.choice(total, size=max_samples, replace=False).tolist()
+    return list(range(max_samples))

@@ -137,8 +137,10 @@ def load_datasets(cfg, tokenizer, processor=None) -> tuple[RLDataset, RLDataset 
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
               apply_chat_template_kwargs=template_kwargs, processor=processor, image_key=d.image_key)
-    train = RLDataset(d.train_files, tokenizer, split="train", **kw)
-    val = RLDataset(d.val_files, tokenizer, split="val", **kw) if d.val_files else None
+    train = RLDataset(d.train_files, tokenizer, split="train", max_samples=d.train_max_samples, shuffle=d.shuffle,
+                      seed=d.seed, **kw)
+    val = (RLDataset(d.val_files, tokenizer, split="val", max_samples=d.val_max_samples, shuffle=d.shuffle,
+                     seed=d.seed, **kw) if d.val_files else None)
     for name, ds in (("train", train), ("val", val)):
         if ds is not None and ds.num_filtered:
             log.warning("data: %d %s prompts longer than data.max_prompt_length=%d were filtered out (%d remain)",

@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
-from lathe.config import ConfigError, list_presets, load_config, to_dict, to_yaml
+from lathe.config import ConfigError, describe_preset, list_presets, load_config, to_dict, to_yaml
 
 
 def test_presets_listed():
     assert {"base", "default", "gsm8k_grpo"} <= set(list_presets())
+    for name in list_presets():                     # `lathe presets` says what each is, in one line
+        assert describe_preset(name).endswith("."), name
 
 
 @pytest.mark.parametrize("name", list_presets())

@@ -90,8 +90,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from lathe.config import list_presets
-    print("\n".join(list_presets()))
+    from lathe.config import describe_preset, list_presets
+    names = list_presets()
+    width = max(map(len, names))
+    print("\n".join(f"{name:<{width}}  {describe_preset(name)}" for name in names))
     return 0
 
 

@@ -8,7 +8,7 @@ This package is a leaf: it imports only the standard library and PyYAML (never t
 """
 
 from .errors import ConfigError
-from .loader import list_presets, load_config
+from .loader import describe_preset, list_presets, load_config
 from .plan import BatchPlan, RunPlan, batch_plan, critic_in_use, is_async, resolve_devices, run_plan
 from .schema import LatheConfig
 from .help import help_for
@@ -21,6 +21,7 @@ __all__ = [
     "RunPlan",
     "batch_plan",
     "critic_in_use",
+    "describe_preset",
     "help_for",
     "is_async",
     "list_presets",

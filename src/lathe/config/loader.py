@@ -29,6 +29,12 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
+def describe_preset(name: str) -> str:
+    """A preset's one-line summary: the first comment line of its file."""
+    first = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()[0]
+    return first.lstrip("#").strip() if first.startswith("#") else ""
+
+
 def load_config(source: str | os.PathLike | None = None, overrides: Sequence[str] = (), *,
                 device_count: int | None = None) -> LatheConfig:
     """Build, resolve and validate a config.

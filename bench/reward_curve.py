@@ -1,6 +1,12 @@
 """The built-in default run's reward curve and wall time: `lathe train` with no arguments.
 
     python bench/reward_curve.py [--out bench/results/reward_curve_cpu.json] [--plot docs/reward_curve.png]
+    python bench/reward_curve.py --steps 10 --load 1 --plot '' --out /tmp/loaded.json   # a busy machine
+    python bench/reward_curve.py --steps 10 --src /path/to/another/lathe --out /tmp/other.json
+
+`--load K` keeps K other CPU-bound processes running for the whole run (a laptop or CI box doing something else);
+`--steps` stops after that many GRPO steps; `--src` runs another checkout's lathe (its `src/`) the same way, for a
+before/after comparison in one sitting.
 
 Runs the `default` preset in a fresh run directory in a subprocess (so start-up is counted), reads its
 metrics.jsonl, prints a table, writes JSON (device, date, git sha, per-step `critic/score/mean`, wall
@@ -23,18 +29,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def git_sha() -> str:
+def git_sha(root: Path = ROOT) -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def run_default(run_dir: Path) -> float:
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "lathe", "train", f"trainer.default_local_dir={run_dir}"],
-                   check=True, cwd=ROOT)
-    return time.perf_counter() - start
+def run_default(run_dir: Path, *, steps: int | None = None, load: int = 0, src: Path = ROOT) -> float:
+    extra = [f"trainer.total_training_steps={steps}"] if steps else []
+    env = {**os.environ, "PYTHONPATH": f"{src / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
+    try:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "lathe", "train", f"trainer.default_local_dir={run_dir}", *extra],
+                       check=True, cwd=src, env=env)
+        return time.perf_counter() - start
+    finally:
+        for p in busy:
+            p.kill()
 
 
 def rolling(values: list[float], window: int) -> list[float]:
@@ -44,12 +57,18 @@ def rolling(values: list[float], window: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "bench/results/reward_curve_cpu.json"))
-    parser.add_argument("--plot", default=str(ROOT / "docs/reward_curve.png"))
+    parser.add_argument("--plot", default=str(ROOT / "docs/reward_curve.png"), help="'' for no plot")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the preset's)")
+    parser.add_argument("--load", type=int, default=0, help="other CPU-bound processes running meanwhile")
+    parser.add_argument("--src", default=str(ROOT), help="the lathe checkout to run (default: this one)")
+    parser.add_argument("--git-sha", default=None, help="the sha to record for --src (default: its git HEAD)")
     args = parser.parse_args()
+    src = Path(args.src).resolve()
     with tempfile.TemporaryDirectory() as tmp:
-        wall = run_default(Path(tmp) / "run")
+        wall = run_default(Path(tmp) / "run", steps=args.steps, load=args.load, src=src)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "critic/score/mean" in r]
+    step_s = [r["timing_s/step"] for r in train]
     steps = [r["step"] for r in train]
     score = [r["critic/score/mean"] for r in train]
     val = {r["step"]: v for r in rows for k, v in r.items() if k.startswith("val-core/")}
@@ -58,7 +77,9 @@ def main() -> None:
     result = {
         "bench": "reward_curve", "command": "lathe train", "device": f"cpu ({os.cpu_count()} cores, "
         f"{platform.processor() or platform.machine()})", "date": datetime.date.today().isoformat(),
-        "git_sha": git_sha(), "wall_seconds": round(wall, 1), "steps": steps, "score_mean": score,
+        "git_sha": args.git_sha or git_sha(src), "load": args.load, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "wall_seconds": round(wall, 1), "grpo_seconds": round(sum(step_s), 2), "step_seconds": step_s,
+        "steps": steps, "score_mean": score,
         "score_mean_rolling10": smooth, "val_greedy": val, "first_step_score": score[0],
         "final_rolling10": smooth[-1], "first_step_rolling10_ge_0.8": first_at_08,
     }
@@ -67,8 +88,10 @@ def main() -> None:
     print(f"{'step':>6} {'score':>8} {'rolling10':>10}")
     for s, v, m in list(zip(steps, score, smooth))[::10] + [(steps[-1], score[-1], smooth[-1])]:
         print(f"{s:>6} {v:>8.3f} {m:>10.3f}")
-    print(f"wall {wall:.0f} s; first step {score[0]:.3f}; rolling mean >= 0.8 from step {first_at_08}; "
-          f"final {smooth[-1]:.3f} -> {args.out}")
+    print(f"wall {wall:.0f} s (GRPO steps {sum(step_s):.1f} s, load {args.load}); first step {score[0]:.3f}; "
+          f"rolling mean >= 0.8 from step {first_at_08}; final {smooth[-1]:.3f} -> {args.out}")
+    if not args.plot:
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -26,8 +26,7 @@ def make(device: torch.device, device_count: int = WORLD):
     """A rank's worker, or with `device_count=1` the one-process reference."""
     from cluster.test_lora_ray import OVERRIDES, ProbedWorker
 
-    from helpers import plan_of
-    from lathe.config import load_config
+    from lathe.config import load_config, run_plan
     from lathe.data.builtin import builtin_tokenizer
     from lathe.models.hf import build_builtin_model
     over = [o for o in OVERRIDES if not o.startswith("trainer.device")] + [
@@ -36,7 +35,7 @@ def make(device: torch.device, device_count: int = WORLD):
     tok = builtin_tokenizer()
     cfg = load_config(None, over)
     return ProbedWorker(cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok,
-                        plan=plan_of(cfg, device_count, needs_ref=True), total_steps=10, device=device)
+                        plan=run_plan(cfg, device_count), total_steps=10, device=device)
 
 
 def share(batch, rank: int):

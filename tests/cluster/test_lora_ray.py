@@ -15,8 +15,8 @@ import torch
 
 ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
 
-from helpers import assert_close_rel, plan_of  # noqa: E402
-from lathe.config import load_config  # noqa: E402
+from helpers import assert_close_rel  # noqa: E402
+from lathe.config import load_config, run_plan  # noqa: E402
 from lathe.generation import RolloutOutput  # noqa: E402
 from lathe.rollout.base import to_batch  # noqa: E402
 from lathe.train import parallel  # noqa: E402
@@ -53,7 +53,7 @@ def make_worker(cfg, device_count: int | None = None) -> ProbedWorker:
     from lathe.models.hf import build_builtin_model
     tok = builtin_tokenizer()
     return ProbedWorker(cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok,
-                        plan=plan_of(cfg, device_count, needs_ref=True), total_steps=10, device=torch.device("cpu"))
+                        plan=run_plan(cfg, device_count), total_steps=10, device=torch.device("cpu"))
 
 
 def ppo_batch(worker, seed: int):

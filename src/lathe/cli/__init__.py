@@ -19,9 +19,12 @@ import logging
 import os
 import sys
 
+from lathe.cluster.placement import ClusterError
+
 # Mistakes a user can make and fix (ConfigError, DataError, PreprocessError, ModelLoadError and the algorithm
 # registry's errors are ValueErrors): shown as one plain message without a traceback, unless LATHE_DEBUG=1.
-_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotImplementedError)
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, NotImplementedError,
+                                                 ClusterError)
 
 
 def _split_source(items: list[str]) -> tuple[str | None, list[str]]:

@@ -237,6 +237,9 @@ def build_trainer(cfg) -> Trainer:
                       url=sb.url or None)
     plan = run_plan(cfg)
     device = resolve_device(t.device)
+    if uses_ray(plan):                  # a placement this machine's Ray cluster cannot hold fails before anything loads
+        from lathe.cluster.placement import check_local_fit
+        check_local_fit(cfg, plan, device.type, device_count(device.type) if device.type != "cpu" else 0)
     seed_everything(t.seed)
     resume_dir = find_resume_dir(t)
     run_dir = Path(t.default_local_dir).expanduser()
@@ -256,8 +259,7 @@ def build_trainer(cfg) -> Trainer:
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
     log_memory_plan(cfg, plan, model, device)
     cluster = None
-    if plan.is_async or plan.world > 1 or os.environ.get("LATHE_RAY") == "1":   # Ray workers, each loading the weights
-        # (LATHE_RAY=1: one device as a Ray worker group of one FSDP2 rank, to check that path on one GPU)
+    if uses_ray(plan):                  # Ray workers, each loading the weights
         path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
         del model
         empty_cache(device)
@@ -290,6 +292,12 @@ def build_trainer(cfg) -> Trainer:
             raise
     trainer.tracker.truncate_after(trainer.global_step)
     return trainer
+
+
+def uses_ray(plan: RunPlan) -> bool:
+    """Ray worker groups train: several devices, a rollout pool of its own, or LATHE_RAY=1 (one device as a Ray worker
+    group of one FSDP2 rank, to check that path on one GPU)."""
+    return plan.is_async or plan.world > 1 or os.environ.get("LATHE_RAY") == "1"
 
 
 def _async_steps(cfg, loader_batches: int, total_steps: int) -> int:

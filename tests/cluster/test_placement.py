@@ -1,0 +1,54 @@
+"""lathe.cluster.placement.check_local_fit: a placement a locally started Ray cluster cannot hold is refused before
+anything loads, naming the workers and what the machine has; joining a cluster defers to that cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lathe.cluster.placement import ClusterError, check_local_fit
+from lathe.config import load_config, run_plan
+
+FOUR_CPU_WORKERS = ["trainer.device=cpu", "trainer.nnodes=2", "trainer.n_gpus_per_node=2"]
+
+
+def test_more_workers_than_the_local_cluster_holds_are_refused(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cfg = load_config(None, FOUR_CPU_WORKERS)
+    with pytest.raises(ClusterError, match=r"trainer.nnodes=2 x trainer.n_gpus_per_node=2 = 4 workers, one CPU "
+                                           r"each, but .* has 2 \(this machine's CPUs\)"):
+        check_local_fit(cfg, run_plan(cfg), "cpu", 0)
+    async_cfg = load_config(None, ["trainer.device=cpu", "rollout.n_gpus_per_node=2",
+                                   "actor_rollout_ref.hybrid_engine=false"])
+    with pytest.raises(ClusterError, match=r"rollout.n_gpus_per_node=2 = 3 workers"):
+        check_local_fit(async_cfg, run_plan(async_cfg), "cpu", 0)
+    with pytest.raises(ClusterError, match=r"one GPU each, but .* has 1"):
+        check_local_fit(cfg, run_plan(cfg), "cuda", 1)
+
+
+def test_a_sized_or_joined_cluster_is_not_second_guessed(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    sized = load_config(None, FOUR_CPU_WORKERS + ["ray_kwargs.ray_init.num_cpus=4"])
+    check_local_fit(sized, run_plan(sized), "cpu", 0)
+    cfg = load_config(None, FOUR_CPU_WORKERS)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    check_local_fit(cfg, run_plan(cfg), "cpu", 0)
+
+
+def test_lathe_train_refuses_the_placement_in_seconds_with_one_paragraph(tmp_path):
+    """The issue's case: 2 nodes x 2 CPU workers on a machine with fewer CPUs than that, before the warm start."""
+    cpus = os.cpu_count() or 1
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-m", "lathe", "train", "trainer.device=cpu", "trainer.nnodes=2",
+                          f"trainer.n_gpus_per_node={cpus}", f"data.train_batch_size={2 * cpus}",
+                          f"actor_rollout_ref.actor.ppo_mini_batch_size={2 * cpus}",
+                          f"trainer.default_local_dir={tmp_path}"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert f"= {2 * cpus} workers, one CPU each" in out.stderr and "Traceback" not in out.stderr
+    assert "warm start" not in out.stderr, "refused before the model loads"

@@ -4,6 +4,9 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The suite chooses its threads (two, as above) for the runs it starts in this process and in children: lathe's own
+# choice for a small CPU model (one thread, `lathe.device.cpu_threads`) would otherwise change them mid-suite.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 # Without a GPU, Triton kernels (lathe.engine.triton_decode) run in Triton's interpreter. The switch is read
 # when triton.language is imported, so it is set here, before any test imports triton.

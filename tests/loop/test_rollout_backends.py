@@ -32,14 +32,14 @@ def _overrides(tmp_path, backend: str, steps: int) -> list[str]:
 def test_transformers_rollout_run_trains_and_validates(tmp_path):
     trainer = run(tmp_path, *_overrides(tmp_path, "hf", steps=2))
     metrics = read_metrics(tmp_path / "run")
-    assert isinstance(trainer.worker.rollout, HFRollout) and trainer.global_step == 2
+    assert isinstance(trainer.worker.rollout.backend, HFRollout) and trainer.global_step == 2
     assert metrics[2]["actor/grad_norm"] > 0 and VAL in metrics[2]
 
 
 def test_engine_run_validates_and_resumes_exactly(tmp_path, monkeypatch):
     common = _overrides(tmp_path, "lathe", steps=3)
     whole, resumed = run_crash_and_resume(tmp_path, monkeypatch, common)
-    assert isinstance(whole.worker.rollout, LatheEngine)
+    assert isinstance(whole.worker.rollout.backend, LatheEngine)
     a, b = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
     assert sorted(a) == sorted(b) == [1, 2, 3]
     assert a[3]["actor/grad_norm"] > 0 and a[3]["critic/score/max"] > a[3]["critic/score/min"], \

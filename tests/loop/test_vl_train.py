@@ -83,7 +83,7 @@ def test_grpo_on_image_prompts_runs_end_to_end(tmp_path):
                   "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
                   "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.model.warm_start.steps=0")
     metrics = read_metrics(tmp_path / "run")
-    assert isinstance(trainer.worker.rollout, LatheEngine) and trainer.worker.rollout.vl
+    assert isinstance(trainer.worker.rollout.backend, LatheEngine) and trainer.worker.rollout.backend.vl
     assert sorted(metrics) == [1, 2] and metrics[2]["actor/grad_norm"] > 0
     assert metrics[2]["critic/score/max"] > metrics[2]["critic/score/min"]
     assert any(k.startswith("val-core/colours/") for k in metrics[2])

@@ -199,9 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Idle OpenMP threads sleep instead of spinning (unless the user set a policy): a spinning pool competes with
-    # every other process on a busy machine. OpenMP reads this once, when torch loads it, so it is set before that.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO, format="lathe: %(message)s")
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)

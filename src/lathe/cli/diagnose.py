@@ -27,7 +27,8 @@ GIB = 1024 ** 3
 OPTIONAL = ("ray", "triton", "wandb", "mlflow", "hypothesis", "peft", "flash-attn", "vllm", "sglang")
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME",
             "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE",
-            "NCCL_DEBUG", "RAY_ADDRESS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_OFFLINE")
+            "NCCL_DEBUG", "RAY_ADDRESS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
+            "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_OFFLINE")
 MIN_SHM = GIB                 # NCCL and Ray's object store live in /dev/shm (Docker's default is 64 MB)
 MIN_OPEN_FILES = 65536        # Ray opens a socket per worker and connection
 
@@ -302,12 +303,12 @@ def _check_limits(f: dict) -> list[Check]:
 
 def _check_threads(f: dict) -> list[Check]:
     """CPU threads that would compete with other processes: an OpenMP pool told to spin, or a busy machine where torch
-    would start one thread per core for a large CPU model."""
+    would start one thread per core for a large CPU model (a small one trains on one thread: `device.cpu_threads`)."""
     env, cpu = f["env"], f.get("cpu") or {}
     out = []
     if env.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
         out.append(Check("cpu threads", "warn", "OMP_WAIT_POLICY=ACTIVE: idle OpenMP threads spin, taking cores from "
-                         "every other process", "unset OMP_WAIT_POLICY (lathe then lets idle threads sleep)"))
+                         "every other process", "unset OMP_WAIT_POLICY, or set it to PASSIVE on a shared machine"))
     load, cores = cpu.get("load1"), cpu.get("cores", 1)
     if load is not None and load >= 0.5 * cores and "OMP_NUM_THREADS" not in env:
         out.append(Check("cpu threads", "warn", f"this machine is busy (load {load:.1f} on {cores} cores): torch's "

@@ -80,7 +80,7 @@ class AsyncDriver:
     def __init__(self, t: Trainer):
         cfg, self.t = t.cfg, t
         self.at, self.cluster = cfg.async_training, t.cluster
-        self.step_prompts = self.at.require_batches * cfg.actor_rollout_ref.actor.ppo_mini_batch_size   # prompts
+        self.step_prompts = t.plan.actor.prompts_per_step   # require_batches x ppo_mini_batch_size (config/fill.py)
         self.per_sync = self.at.trigger_parameter_sync_step * self.step_prompts
         self.n, self.chunk = t.sampling.n, cfg.data.gen_batch_size
         self.total_prompts = cfg.rollout.total_rollout_steps or t.total_steps * self.step_prompts

@@ -108,6 +108,8 @@ class WarmStartConfig:
     steps: int = spec(0, "Supervised steps before RL; 0 disables the warm start.")
     lr: float = spec(1e-3, "Learning rate of the warm start.")
     batch_size: int = spec(64, "Examples per warm-start step.")
+    cache: bool = spec(True, "Keep the warm-started model in lathe's cache ($LATHE_CACHE_DIR, else "
+                             "~/.cache/lathe) and reuse it when the same inputs come again.")
 
 
 @dataclass

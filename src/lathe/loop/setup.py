@@ -22,6 +22,7 @@ from lathe.data import RLDataset, StatefulDataLoader
 from lathe.data.multimodal import multimodal_non_tensors
 from lathe.device import default_device_type, device_count, empty_cache, use_cpu_threads
 from lathe.generation import SamplingParams
+from lathe.loop import warm_cache
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager, load_reward_fn
 from lathe.reward.registry import scorer_for
@@ -185,30 +186,41 @@ def _given_model(cfg, tokenizer) -> tuple[str, dict]:
 
 def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: Path | None,
                 device: torch.device):
-    """The starting policy: `model.path`, warm-started when asked (saved as `run_dir/init_model`)."""
-    m = cfg.actor_rollout_ref.model
+    """The starting policy: `model.path`, warm-started when asked (saved as `run_dir/init_model`; the same warm
+    start again is read from lathe's cache, `loop/warm_cache.py`)."""
+    ws = cfg.actor_rollout_ref.model.warm_start
     init_dir = run_dir / INIT_MODEL
     if resume_dir is not None and (init_dir / "config.json").exists():
         path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
         return use_cpu_threads(load_policy(path, **kwargs), device)
     path, kwargs = _given_model(cfg, tokenizer)
+    if ws.steps <= 0:
+        return use_cpu_threads(load_policy(path, **kwargs), device)
+    examples = warm_start_examples(cfg, tokenizer, train_ds)
+    key, inputs = warm_cache.warm_start_key(path=path, load_kwargs=kwargs, examples=examples, steps=ws.steps,
+                                            lr=ws.lr, batch_size=ws.batch_size, seed=cfg.trainer.seed,
+                                            device_type=device.type)
+    if ws.cache and warm_cache.fetch(key, init_dir):
+        log.info("warm start: %d supervised steps read from the cache (%s; warm_start.cache=false trains again)",
+                 ws.steps, warm_cache.cache_root() / "warm_start" / key)
+        path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
+        return use_cpu_threads(load_policy(path, **kwargs), device)
     model = use_cpu_threads(load_policy(path, **kwargs), device)
-    if m.warm_start.steps > 0:
-        from lathe.models.vl import LatheVLForConditionalGeneration
-        if isinstance(model, LatheVLForConditionalGeneration):
-            raise NotImplementedError(f"actor_rollout_ref.model.warm_start.steps={m.warm_start.steps}: the warm start "
-                                      f"trains on text answers only, and {path} is a vision-language model. Fix: "
-                                      "set actor_rollout_ref.model.warm_start.steps=0 (name a preset other than "
-                                      "`default`, whose built-in demo warm-starts)")
-        model.to(device)
-        examples = warm_start_examples(cfg, tokenizer, train_ds)
-        losses = supervised_fit(model, examples, steps=m.warm_start.steps, lr=m.warm_start.lr,
-                                batch_size=m.warm_start.batch_size, pad_id=tokenizer.pad_token_id,
-                                seed=cfg.trainer.seed, device=device)
-        log.info("warm start: %d supervised steps on extra_info.answer, loss %.3f -> %.3f",
-                 len(losses), losses[0], losses[-1])
-        model.save_pretrained(init_dir, safe_serialization=True)
-        tokenizer.save_pretrained(init_dir)
+    from lathe.models.vl import LatheVLForConditionalGeneration
+    if isinstance(model, LatheVLForConditionalGeneration):
+        raise NotImplementedError(f"actor_rollout_ref.model.warm_start.steps={ws.steps}: the warm start trains on "
+                                  f"text answers only, and {path} is a vision-language model. Fix: set "
+                                  "actor_rollout_ref.model.warm_start.steps=0 (name a preset other than `default`, "
+                                  "whose built-in demo warm-starts)")
+    model.to(device)
+    losses = supervised_fit(model, examples, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
+                            pad_id=tokenizer.pad_token_id, seed=cfg.trainer.seed, device=device)
+    log.info("warm start: %d supervised steps on extra_info.answer, loss %.3f -> %.3f", len(losses), losses[0],
+             losses[-1])
+    model.save_pretrained(init_dir, safe_serialization=True)
+    tokenizer.save_pretrained(init_dir)
+    if ws.cache:
+        warm_cache.store(key, inputs, init_dir)
     return model
 
 

@@ -256,3 +256,23 @@ def test_max_samples_keeps_verls_subset(tok, tmp_path):
     expected = np.random.default_rng(7).choice(10, size=4, replace=False).tolist()
     assert [drawn[i]["index"] for i in range(len(drawn))] == expected
     assert len(RLDataset(str(path), tok, max_samples=-1)) == len(RLDataset(str(path), tok, max_samples=50)) == 10
+
+
+@pytest.mark.parametrize("change, match", [
+    (_drop("prompt"), r"field 'prompt': missing \(the file's columns \['ability', 'data_source', 'extra_info', "
+                      r"'reward_model'\]\). Fix: .*set data.prompt_key"),
+    (_drop("data_source"), r"field 'data_source': missing .*Fix: add \"data_source\""),
+    (_drop("reward_model"), r"field 'reward_model': missing .*Fix: add \"reward_model\""),
+    (lambda r: r.update(reward_model={"style": "rule"}),
+     r"field 'reward_model.ground_truth': missing \(reward_model has \['style'\]\)"),
+])
+def test_check_columns_names_the_file_the_key_the_columns_and_the_fix(tmp_path, change, match):
+    """What the row checks say of every row, said once from the parquet schema before any row is read."""
+    from lathe.data.dataset import check_columns
+    from lathe.data.files import peek
+    row = make_row(0)
+    change(row)
+    path = write_parquet(tmp_path / "d.parquet", [row])
+    with pytest.raises(DataError, match=rf"{path} \(data.train_files\): {match}"):
+        check_columns(peek(path), "prompt", "data.train_files")
+    check_columns(peek(write_parquet(tmp_path / "ok.parquet", [make_row(0)])), "prompt", "data.train_files")

@@ -139,3 +139,28 @@ def test_raw_gsm8k_rows_read_with_verls_default_keys():
                                                          "data.response_dict_keys=null", "data.max_length=2048"),
                     max_samples=20)
     assert len(ds) == 20 and all("####" in builtin_tokenizer().decode(e.response_ids) for e in ds)
+
+
+@pytest.mark.parametrize("row, overrides, match", [
+    ({"q": "a", "answer": "b"}, [], r"no 'prompt' column for the prompt \(the first row's keys \['answer', 'q'\]\). "
+                                    r"Fix: set data.prompt_key"),
+    ({"prompt": "a", "answer": "b"}, [], r"no 'extra_info' column for the response .*Fix: set data.response_key"),
+    ({"prompt": "a", "extra_info": {"solution": "b"}}, [], r"extra_info.answer: no 'answer' in \['solution'\]"),
+    ({"prompt": "a", "answer": "b"}, ["data.response_key=answer"], r"answer.answer: no 'answer' in a column that is "
+                                                                   r"not a struct. Fix: set data.response_dict_keys"),
+    ({"prompt": "a"}, ["data.multiturn.enable=true"], r"no 'messages' column for the messages .*data.messages_key"),
+])
+def test_check_columns_names_the_file_the_key_and_the_fix(tmp_path, row, overrides, match):
+    from lathe.data.files import peek
+    from lathe.data.sft import check_columns
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(DataError, match=rf"{path} \(data.train_files\): {match}"):
+        check_columns(peek(path), data_cfg(*overrides), "data.train_files")
+
+
+def test_check_columns_passes_the_rows_sft_reads(tmp_path):
+    from lathe.data.files import peek
+    from lathe.data.sft import check_columns
+    check_columns(peek("builtin:arithmetic"), data_cfg(), "data.train_files")
+    conversation = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
+    check_columns(peek(conversation), data_cfg(), "data.train_files")

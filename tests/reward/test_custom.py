@@ -106,9 +106,10 @@ def test_reward_kwargs_the_function_does_not_accept(tmp_path):
         load_reward_fn(str(_write(tmp_path, FLOAT_FN)), reward_kwargs={"bonus": 1.0})
 
 
-def test_import_error_in_the_file_is_reported_with_the_path(tmp_path):
-    path = _write(tmp_path, "import not_a_real_module_xyz\n")
-    with pytest.raises(ImportError, match=r"my_reward\.py.*not_a_real_module_xyz"):
+def test_import_error_in_the_file_is_reported_with_the_path_and_line(tmp_path):
+    path = _write(tmp_path, "import os\n\nimport not_a_real_module_xyz\n")
+    with pytest.raises(ImportError, match=r"my_reward\.py'.* failed at line 3 with ModuleNotFoundError: .*"
+                                          r"not_a_real_module_xyz"):
         load_reward_fn(str(path))
 
 

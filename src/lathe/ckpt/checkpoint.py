@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from lathe import device
 from lathe.ckpt import manifest
+from lathe.ckpt.resume import LATEST, resume_point, step_dir
 
-LATEST = "latest_checkpointed_iteration.txt"
 log = logging.getLogger("lathe")
 
 
@@ -49,10 +49,6 @@ def restore_rng(state: dict[str, Any]) -> None:
                          npy["gauss"]))
     torch.set_rng_state(state["torch"])
     device.set_rng_states({k: v for k, v in state.items() if k in ("cuda", "npu")})
-
-
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"global_step_{step}"
 
 
 def save_checkpoint(root: str | Path, step: int, parts: dict[str, Any], trainer_state: dict[str, Any], *,
@@ -93,31 +89,10 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def find_resume_dir(trainer_cfg) -> Path | None:
-    """The checkpoint to resume from per `trainer.resume_mode` (auto | disable | resume_path), or None; verified
-    against its manifest (`verified_for_resume`)."""
-    mode = trainer_cfg.resume_mode
-    if mode == "disable":
-        return None
-    if mode == "resume_path":
-        path = Path(trainer_cfg.resume_from_path).expanduser()
-        if not _is_checkpoint(path):
-            raise FileNotFoundError(f"trainer.resume_from_path={trainer_cfg.resume_from_path!r} is not a checkpoint "
-                                    "directory (it must hold trainer_state.pt, e.g. .../global_step_20)")
-        return verified_for_resume(path, trainer_cfg)
-    root = Path(trainer_cfg.default_local_dir).expanduser()
-    latest = root / LATEST
-    if not latest.exists():
-        return None
-    path = step_dir(root, int(latest.read_text().strip()))
-    if not _is_checkpoint(path):
-        raise FileNotFoundError(f"{latest} names {path.name}, which is missing or incomplete; delete {latest} "
-                                "to start over or set trainer.resume_mode=resume_path with another checkpoint")
-    return verified_for_resume(path, trainer_cfg)
-
-
-def _is_checkpoint(path: Path) -> bool:
-    """A step directory: its trainer state, or a manifest (which names what is missing when that is)."""
-    return (path / "trainer_state.pt").exists() or (path / manifest.MANIFEST).exists()
+    """The checkpoint to resume from per `trainer.resume_mode` (auto | disable | resume_path: `resume_point`), or
+    None; verified against its manifest (`verified_for_resume`)."""
+    path = resume_point(trainer_cfg)
+    return None if path is None else verified_for_resume(path, trainer_cfg)
 
 
 def verified_for_resume(path: Path, trainer_cfg) -> Path:

@@ -41,9 +41,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    from lathe.loop.preflight import preflight
+    checked = preflight(cfg)                # model paths, data, reward function: before torch is imported
     from lathe.loop.run import fit
     from lathe.loop.setup import build_trainer
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, checked)
     try:
         metrics = fit(trainer)
     finally:
@@ -63,8 +65,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    from lathe.loop.preflight import preflight_sft
+    preflight_sft(cfg)                      # model paths and data: before torch is imported
     from lathe.loop.sft import run_sft
-    metrics = run_sft(cfg)
+    metrics = run_sft(cfg, checked=True)
     logging.getLogger("lathe").info("done: last train/loss %s, run directory %s",
                                     f"{metrics['train/loss']:.4f}" if "train/loss" in metrics else "n/a",
                                     cfg.trainer.default_local_dir)

@@ -30,11 +30,11 @@ def did_you_mean(options: list[str]) -> str:
     return f" Did you mean {', '.join(quoted[:-1])} or {quoted[-1]}?"
 
 
-def join_problems(problems: list[str]) -> str:
-    """One problem as-is; several as a numbered list under a count line."""
+def join_problems(problems: list[str], what: str = "config problems") -> str:
+    """One problem as-is; several as a numbered list under a count line ("<n> <what>:")."""
     if len(problems) == 1:
         return problems[0]
-    lines = [f"{len(problems)} config problems:"]
+    lines = [f"{len(problems)} {what}:"]
     lines += [f"  {i}. {p}" for i, p in enumerate(problems, 1)]
     return "\n".join(lines)
 

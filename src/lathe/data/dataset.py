@@ -19,97 +19,20 @@ see lathe.data.multimodal for how they are encoded and which fields their items 
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
 
 import numpy as np
 
-from lathe.data.builtin import BUILTIN_DATASETS
 from lathe.data.errors import DataError
+from lathe.data.files import Columns, data_files, read_data_file
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
-PREPROCESS_HINT = (
-    "create it with `lathe preprocess gsm8k <raw gsm8k dir or .jsonl> <output dir>` "
-    "(see lathe.data.preprocess.PREPROCESSORS), or use files=builtin:arithmetic"
-)
-
-
-# --------------------------------------------------------------------------- reading files
-
-
-def _read_jsonl(path: str) -> list[tuple[str, Any]]:
-    """Rows of a JSON-lines file as (location, row); blank lines are skipped."""
-    rows = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            line = _utf8(raw, path, f"line {lineno}")
-            if not line.strip():
-                continue
-            try:
-                rows.append((f"line {lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path} line {lineno}: not valid JSON ({e.msg}). "
-                    "Fix: one JSON object per line (JSON lines)."
-                ) from None
-    return rows
-
-
-def _utf8(raw: bytes, path: str, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} {where}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}). Fix: "
-                        "re-encode the file as UTF-8.") from None
-
-
-def _read_json(path: str) -> list[tuple[str, Any]]:
-    """A `.json` file: a top-level JSON array of rows, or JSON lines."""
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    if not head.startswith(b"["):
-        return _read_jsonl(path)
-    with open(path, "rb") as f:
-        text = _utf8(f.read(), path, "(whole file)")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}).") from None
-    return [(f"row {i}", row) for i, row in enumerate(data)]
-
-
-def _read_parquet(path: str) -> list[tuple[str, Any]]:
-    """Rows of a parquet file as Python dicts (nested lists/structs become lists/dicts)."""
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises several types for a corrupt file
-        raise DataError(f"{path}: cannot read as parquet ({e}).") from None
-    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
-
-
-_READERS = {".parquet": _read_parquet, ".jsonl": _read_jsonl, ".json": _read_json}
-
-
-def read_data_file(path: str, split: str = "train") -> list[tuple[str, Any]]:
-    """Rows of one data source as (location, row): a builtin name, a parquet or jsonl file."""
-    if path in BUILTIN_DATASETS:
-        return [(f"row {i}", row) for i, row in enumerate(BUILTIN_DATASETS[path](split))]
-    if path.startswith("builtin:"):
-        raise DataError(f"unknown builtin data set {path!r}; available: {sorted(BUILTIN_DATASETS)}")
-    full = os.path.expanduser(path)
-    if not os.path.isfile(full):
-        raise DataError(f"data file not found: {full}. Fix: check the path, or {PREPROCESS_HINT}.")
-    ext = os.path.splitext(full)[1].lower()
-    if ext not in _READERS:
-        raise DataError(
-            f"{full}: unsupported file type {ext!r}; lathe reads {sorted(_READERS)} files "
-            "in verl's schema. Fix: convert it, e.g. with pandas.DataFrame.to_parquet."
-        )
-    return _READERS[ext](full)
+# The fix for each field a row must have (the row checks and `check_columns`).
+PROMPT_FIX = "add the prompt messages, or set data.prompt_key to the column that holds them"
+DATA_SOURCE_FIX = 'add "data_source" (e.g. "openai/gsm8k"); it selects the reward function'
+GROUND_TRUTH_FIX = 'add "reward_model": {"style": "rule", "ground_truth": <answer>}'
 
 
 # --------------------------------------------------------------------------- row schema
@@ -117,6 +40,11 @@ def read_data_file(path: str, split: str = "train") -> list[tuple[str, Any]]:
 
 def _fail(src: str, where: str, field: str, problem: str, fix: str) -> DataError:
     return DataError(f"{src} {where}: field '{field}': {problem}. Fix: {fix}")
+
+
+def missing_field(src: str, where: str, field: str, have: str, names, fix: str) -> DataError:
+    """`field` is not there: the error lists what is (`have`: "row has keys", "the file's columns")."""
+    return _fail(src, where, field, f"missing ({have} {sorted(names)})", fix)
 
 
 def _check_messages(prompt: Any, src: str, where: str, key: str) -> list[dict]:
@@ -144,12 +72,10 @@ def _check_fields(row: dict, src: str, where: str) -> tuple[str, str, Any, dict]
     """data_source, ability, ground_truth, extra_info of a row, checked against verl's schema."""
     ds = row.get("data_source")
     if not isinstance(ds, str) or not ds:
-        raise _fail(src, where, "data_source", f"expected a non-empty string, got {ds!r}",
-                    'add "data_source" (e.g. "openai/gsm8k"); it selects the reward function')
+        raise _fail(src, where, "data_source", f"expected a non-empty string, got {ds!r}", DATA_SOURCE_FIX)
     rm = row.get("reward_model")
     if not isinstance(rm, dict) or rm.get("ground_truth") is None:
-        raise _fail(src, where, "reward_model.ground_truth", f"missing (reward_model={rm!r})"[:200],
-                    'add "reward_model": {"style": "rule", "ground_truth": <answer>}')
+        raise _fail(src, where, "reward_model.ground_truth", f"missing (reward_model={rm!r})"[:200], GROUND_TRUTH_FIX)
     ability = row.get("ability", "")
     if ability is None:
         ability = ""
@@ -160,6 +86,19 @@ def _check_fields(row: dict, src: str, where: str) -> tuple[str, str, Any, dict]
         raise _fail(src, where, "extra_info", f"expected a dict, got {type(extra).__name__}",
                     "store extra_info as a JSON object / parquet struct")
     return ds, ability, rm["ground_truth"], extra
+
+
+def check_columns(cols: Columns, prompt_key: str, key: str) -> None:
+    """The fields every row needs, checked against what a file holds (`lathe.data.files.peek`: a parquet schema, a
+    first row) before its rows are read; the errors name the file, `key` (the config key that named the file), the
+    columns there are and the fix, as the row checks do."""
+    where = f"({key})"
+    for field, fix in ((prompt_key, PROMPT_FIX), ("data_source", DATA_SOURCE_FIX), ("reward_model", GROUND_TRUTH_FIX)):
+        if field not in cols.names:
+            raise missing_field(cols.src, where, field, cols.have, cols.names, fix)
+    fields = cols.names["reward_model"]
+    if fields is not None and "ground_truth" not in fields:
+        raise missing_field(cols.src, where, "reward_model.ground_truth", "reward_model has", fields, GROUND_TRUTH_FIX)
 
 
 # --------------------------------------------------------------------------- tokens
@@ -218,9 +157,7 @@ class RLDataset:
         if max_prompt_length < 1:
             raise DataError(f"data.max_prompt_length={max_prompt_length}; it must be >= 1")
         _require_chat_template(tokenizer)
-        self.files = [files] if isinstance(files, str) else list(files)
-        if not self.files:
-            raise DataError("no data files given. Fix: set data.train_files / data.val_files")
+        self.files = data_files(files)
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
         self.max_prompt_length = max_prompt_length
@@ -290,8 +227,7 @@ class RLDataset:
                 if not isinstance(row, dict):
                     raise DataError(f"{src} {where}: expected a JSON object / parquet row, got {type(row).__name__}")
                 if self.prompt_key not in row:
-                    raise _fail(src, where, self.prompt_key, f"missing (row has keys {sorted(row)})",
-                                "add the prompt messages, or set data.prompt_key to the column that holds them")
+                    raise missing_field(src, where, self.prompt_key, "row has keys", row, PROMPT_FIX)
                 prompt = row[self.prompt_key]
                 if isinstance(prompt, str):
                     n_string_prompts += 1

@@ -21,8 +21,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from lathe.data.dataset import _require_chat_template, read_data_file
+from lathe.data.dataset import _require_chat_template
 from lathe.data.errors import DataError
+from lathe.data.files import Columns, data_files, read_data_file
 
 
 @dataclass
@@ -41,9 +42,7 @@ class SFTDataset:
 
     def __init__(self, files: str | list[str], tokenizer, data_cfg, *, split: str = "train", max_samples: int = -1):
         _require_chat_template(tokenizer)
-        self.files = [files] if isinstance(files, str) else list(files)
-        if not self.files:
-            raise DataError("no data files given. Fix: set data.train_files / data.val_files")
+        self.files = data_files(files)
         self.tokenizer, self.cfg = tokenizer, data_cfg
         self.num_truncated = 0
         self.examples: list[SFTExample] = []
@@ -120,8 +119,7 @@ class SFTDataset:
         """The conversation's tokens, rendered turn by turn; assistant content (after the header) is trained."""
         d = self.cfg
         if d.messages_key not in row:
-            raise DataError(f"{origin}: no '{d.messages_key}' column (row has {sorted(row)}). Fix: set "
-                            "data.messages_key to the column holding the conversation.")
+            raise _no_column(origin, d.messages_key, "messages", f"row has {sorted(row)}")
         messages = _messages(row[d.messages_key], origin, d.messages_key, conversation=True)
         kwargs = {}
         tools = row.get(d.tools_key)
@@ -171,17 +169,46 @@ def _where(key: str, dict_keys: list[str] | None) -> str:
 def _field(row: dict, key: str, dict_keys: list[str] | None, origin: str, what: str) -> Any:
     """`row[key][k1][k2]...`, or a DataError naming the missing step and the keys there are."""
     if key not in row:
-        raise DataError(f"{origin}: no '{key}' column for the {what} (row has {sorted(row)}). Fix: set "
-                        f"data.{what}_key to the column that holds it"
-                        + (", or data.messages_key for conversations." if what == "prompt" else "."))
+        raise _no_column(origin, key, what, f"row has {sorted(row)}")
     value = row[key]
     for k in dict_keys or []:
         if not isinstance(value, dict) or k not in value:
-            have = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise DataError(f"{origin}: {_where(key, dict_keys)}: no '{k}' in {have}. Fix: set data.{what}_dict_keys "
-                            "to the path of the text inside the column.")
+            raise _no_dict_key(origin, key, dict_keys, k, what, sorted(value) if isinstance(value, dict) else
+                               type(value).__name__)
         value = value[k]
     return value
+
+
+def _no_column(origin: str, column: str, what: str, have: str) -> DataError:
+    """The column of `what` ("prompt", "response", "messages": `data.<what>_key`) is missing; `have` says what
+    there is."""
+    fix = {"prompt": "set data.prompt_key to the column that holds it, or data.messages_key for conversations",
+           "messages": "set data.messages_key to the column holding the conversation"}.get(
+        what, f"set data.{what}_key to the column that holds it")
+    return DataError(f"{origin}: no '{column}' column for the {what} ({have}). Fix: {fix}.")
+
+
+def _no_dict_key(origin: str, key: str, dict_keys: list[str], k: str, what: str, have) -> DataError:
+    return DataError(f"{origin}: {_where(key, dict_keys)}: no '{k}' in {have}. Fix: set data.{what}_dict_keys "
+                     "to the path of the text inside the column.")
+
+
+def check_columns(cols: Columns, d, key: str) -> None:
+    """The columns a row of `d` (the SFT `data` config) needs, checked against what a file holds
+    (`lathe.data.files.peek`) before its rows are read; errors as the row checks', naming `key` and the columns."""
+    origin, have = f"{cols.src} ({key})", f"{cols.have} {sorted(cols.names)}"
+    if d.multiturn.enable or (d.prompt_key not in cols.names and d.messages_key in cols.names):
+        if d.messages_key not in cols.names:
+            raise _no_column(origin, d.messages_key, "messages", have)
+        return
+    for what, column, dict_keys in (("prompt", d.prompt_key, d.prompt_dict_keys),
+                                    ("response", d.response_key, d.response_dict_keys)):
+        if column not in cols.names:
+            raise _no_column(origin, column, what, have)
+        fields = cols.names[column]
+        if dict_keys and (fields is None or dict_keys[0] not in fields):
+            raise _no_dict_key(origin, column, dict_keys, dict_keys[0], what,
+                               "a column that is not a struct" if fields is None else sorted(fields))
 
 
 def _messages(value: Any, origin: str, key: str, *, conversation: bool = False) -> list[dict]:

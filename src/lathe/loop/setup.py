@@ -1,7 +1,8 @@
 """Build everything a run needs from its config, cheapest and most error-prone checks first.
 
-Order: algorithm names, reward function, data (schema, lengths, scorers), resume point — all before
-a model loads — then model (and warm start), workers, tracker, and finally the resumed state.
+Order: the pre-flight checks (`lathe.loop.preflight`: model paths, data files and columns, scorers, the reward
+function), algorithm names, data (rows, lengths), resume point — all before a model loads — then model (and warm
+start), workers, tracker, and finally the resumed state.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from lathe.data.multimodal import multimodal_non_tensors
 from lathe.device import default_device_type, device_count, empty_cache, use_cpu_threads
 from lathe.generation import SamplingParams
 from lathe.loop import warm_cache
+from lathe.loop.preflight import Checked, preflight
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
-from lathe.reward import RewardManager, load_reward_fn
+from lathe.reward import RewardManager
 from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.agent import load_run_tools
@@ -98,14 +100,6 @@ def external_libs(cfg) -> dict[str, str | None]:
     if critic_in_use(cfg):
         libs["critic.model.external_lib"] = cfg.critic.model.external_lib
     return libs
-
-
-def load_custom_reward(reward_cfg):
-    fn_cfg = reward_cfg.custom_reward_function
-    try:
-        return load_reward_fn(fn_cfg.path, fn_cfg.name, reward_cfg.reward_kwargs)
-    except (ImportError, AttributeError, TypeError) as e:
-        raise ValueError(f"reward.custom_reward_function (path={fn_cfg.path!r}, name={fn_cfg.name!r}): {e}") from e
 
 
 def sampling_params(rollout_cfg, max_tokens: int, *, validation: bool = False) -> SamplingParams:
@@ -239,11 +233,13 @@ def warm_start_examples(cfg, tokenizer, train: RLDataset) -> list[tuple[list[int
     return examples
 
 
-def build_trainer(cfg) -> Trainer:
+def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
+    """The trainer of `cfg`; `checked`: what `preflight(cfg)` returned when the caller ran it (else it runs here)."""
     t = cfg.trainer
     arr = cfg.actor_rollout_ref
+    checked = checked or preflight(cfg)
     check_algorithm_names(cfg)
-    reward_fn = load_custom_reward(cfg.reward)
+    reward_fn = checked.reward_fn
     sb = cfg.reward_model.sandbox_fusion
     configure_sandbox(max_concurrent=sb.max_concurrent, memory_limit_mb=sb.memory_limit_mb,   # before scorers fork
                       url=sb.url or None)

@@ -26,6 +26,7 @@ from lathe.data import StatefulDataLoader
 from lathe.data.errors import DataError
 from lathe.data.sft import SFTDataset
 from lathe.device import empty_cache, use_cpu_threads
+from lathe.loop.preflight import preflight_sft
 from lathe.loop.setup import CONFIG_FILE, resolve_device
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.seeding import seed_everything
@@ -63,8 +64,11 @@ class SFTRun:
                 self.cluster.close()
 
 
-def build_sft(cfg) -> SFTRun:
+def build_sft(cfg, *, checked: bool = False) -> SFTRun:
+    """The SFT run of `cfg`; `checked`: the caller ran `preflight_sft(cfg)` (else it runs here)."""
     d, m, t = cfg.data, cfg.model, cfg.trainer
+    if not checked:
+        preflight_sft(cfg)
     device = resolve_device(t.device)
     seed_everything(t.seed)
     resume_dir = find_resume_dir(t)
@@ -157,8 +161,8 @@ def fit_sft(run: SFTRun) -> dict[str, float]:
     return last
 
 
-def run_sft(cfg) -> dict[str, float]:
-    run = build_sft(cfg)
+def run_sft(cfg, *, checked: bool = False) -> dict[str, float]:
+    run = build_sft(cfg, checked=checked)
     try:
         return fit_sft(run)
     finally:

@@ -3,15 +3,20 @@
 `load_lathe_model(path)` builds lathe's decoder from a local Hugging Face checkpoint directory, or raises
 `UnsupportedArchitecture` (a ValueError whose message names the architecture and says that the
 transformers fallback will be used); callers catch it and load with `lathe.models.hf.load_causal_lm`.
+
+Importing this package does not import torch (the loaders import it when called), so that `lathe.models.paths` can
+check a model path before anything heavy loads.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lathe.models.config import SUPPORTED_ARCHITECTURES, LatheConfig, UnsupportedArchitecture
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LatheConfig", "UnsupportedArchitecture", "load_lathe_model",
            "load_lathe_value_model", "load_lathe_vl_model", "supports"]
@@ -26,9 +31,12 @@ def supports(path: str | Path) -> tuple[bool, str]:
     return True, cfg.architecture
 
 
-def load_lathe_model(path: str | Path, dtype: torch.dtype = torch.float32, *,
+def load_lathe_model(path: str | Path, dtype: torch.dtype | None = None, *,
                      device: str | torch.device = "cpu"):
-    """A `LatheCausalLM` with the weights of the checkpoint directory `path`, in `dtype` on `device`."""
+    """A `LatheCausalLM` with the weights of the checkpoint directory `path`, in `dtype` (float32 by default) on
+    `device`."""
+    import torch
+    dtype = torch.float32 if dtype is None else dtype
     from lathe.models.decoder import LatheCausalLM
     from lathe.models.io import load_into, read_state_dict
     cfg = LatheConfig.from_pretrained(path)
@@ -41,14 +49,16 @@ def load_lathe_model(path: str | Path, dtype: torch.dtype = torch.float32, *,
     return model
 
 
-def load_lathe_value_model(path: str | Path, dtype: torch.dtype = torch.float32, *,
+def load_lathe_value_model(path: str | Path, dtype: torch.dtype | None = None, *,
                            device: str | torch.device = "cpu"):
     """A `LatheValueModel` (critic) from a causal-LM or token-classification checkpoint.
 
     From a causal LM (how verl initialises its critic from the actor) `lm_head` is dropped and the
     `score` head starts at zero, so the first values are exactly 0 (as `lathe.models.value` does for
-    transformers critics); from a token-classification checkpoint `score` is loaded.
+    transformers critics); from a token-classification checkpoint `score` is loaded. `dtype`: float32 by default.
     """
+    import torch
+    dtype = torch.float32 if dtype is None else dtype
     from lathe.models.decoder import LatheValueModel
     from lathe.models.io import load_into, read_state_dict
     cfg = LatheConfig.from_pretrained(path)
@@ -65,9 +75,11 @@ def load_lathe_value_model(path: str | Path, dtype: torch.dtype = torch.float32,
     return model
 
 
-def load_lathe_vl_model(path: str | Path, dtype: torch.dtype = torch.float32, *, device: str | torch.device = "cpu",
+def load_lathe_vl_model(path: str | Path, dtype: torch.dtype | None = None, *, device: str | torch.device = "cpu",
                         vision_attn_implementation: str = "sdpa"):
     """A `LatheVLForConditionalGeneration` (Qwen2.5-VL / Qwen3-VL) from a checkpoint directory; see
     `lathe.models.vl`. `load_lathe_model` keeps refusing VL checkpoints (its callers expect a text model)."""
+    import torch
+    dtype = torch.float32 if dtype is None else dtype
     from lathe.models.vl import load_lathe_vl_model as load
     return load(path, dtype, device=device, vision_attn_implementation=vision_attn_implementation)

@@ -13,30 +13,22 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import re
 from pathlib import Path
 
 import torch
 
+from lathe.models.paths import (
+    BUILTIN_PREFIX,
+    BUILTIN_SHAPES,
+    ModelLoadError,
+    is_builtin,
+    resolve,
+    unknown_builtin,
+)
+
 log = logging.getLogger("lathe")
 
-BUILTIN_PREFIX = "builtin:"
 IMPLS = ("auto", "lathe", "hf")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-# The built-in model: a Qwen2-shaped decoder small enough to train on two CPU cores in minutes.
-BUILTIN_SHAPES = {
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2),
-}
-
-
-class ModelLoadError(ValueError):
-    """A model or tokenizer could not be loaded; the message says why and what to do."""
-
-
-def is_builtin(path: str | None) -> bool:
-    return bool(path) and str(path).startswith(BUILTIN_PREFIX)
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False, chat_template: str | None = None):
@@ -70,7 +62,7 @@ def _tokenizer(path: str, trust_remote_code: bool):
         from lathe.data.builtin import builtin_tokenizer
         return builtin_tokenizer()
     from transformers import AutoTokenizer
-    local = _resolve(path)
+    local = resolve(path)
     try:
         tok = AutoTokenizer.from_pretrained(local, trust_remote_code=trust_remote_code,
                                             local_files_only=Path(local).is_dir())
@@ -87,7 +79,7 @@ def load_causal_lm(path: str, *, trust_remote_code: bool = False, dtype: torch.d
     if is_builtin(path):
         return build_builtin_model(path[len(BUILTIN_PREFIX):], vocab_size=vocab_size, seed=seed, dtype=dtype)
     from transformers import AutoModelForCausalLM
-    local = _resolve(path)
+    local = resolve(path)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             local, trust_remote_code=trust_remote_code, dtype=dtype, local_files_only=Path(local).is_dir(),
@@ -183,9 +175,8 @@ def build_builtin_model(shape: str, *, vocab_size: int | None, seed: int = 0, dt
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lathe.data.builtin import builtin_tokenizer
-    if shape not in BUILTIN_SHAPES:
-        raise ModelLoadError(f"unknown built-in model 'builtin:{shape}'; known: "
-                             f"{', '.join(BUILTIN_PREFIX + s for s in BUILTIN_SHAPES)}")
+    if (err := unknown_builtin(BUILTIN_PREFIX + shape)) is not None:
+        raise err
     tok = builtin_tokenizer()
     cfg = Qwen2Config(vocab_size=vocab_size or len(tok), max_position_embeddings=512, tie_word_embeddings=True,
                       rope_theta=10000.0, bos_token_id=None, eos_token_id=tok.eos_token_id,
@@ -194,19 +185,6 @@ def build_builtin_model(shape: str, *, vocab_size: int | None, seed: int = 0, dt
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
     return model.to(dtype)
-
-
-def _resolve(path: str) -> str:
-    expanded = os.path.expanduser(str(path))
-    if Path(expanded).is_dir():
-        return expanded
-    if Path(expanded).exists():
-        raise ModelLoadError(f"actor_rollout_ref.model.path={path!r} is a file; it must be a directory holding "
-                             "config.json, the weights (*.safetensors) and the tokenizer files")
-    if not _HUB_ID.match(str(path)):
-        raise ModelLoadError(f"actor_rollout_ref.model.path={path!r}: no such directory. Give a local Hugging Face "
-                             "checkpoint directory, a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or builtin:tiny")
-    return str(path)
 
 
 def _explain(path: str, what: str, err: Exception) -> str:

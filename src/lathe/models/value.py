@@ -12,21 +12,13 @@ zero, so the first values are exactly 0 whatever the seed; a saved critic keeps 
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import torch
 
 from lathe.dtypes import to_dtype
-from lathe.models.hf import (
-    BUILTIN_PREFIX,
-    ModelLoadError,
-    _explain,
-    _HUB_ID,
-    build_builtin_model,
-    is_builtin,
-    loading_problem,
-)
+from lathe.models.hf import BUILTIN_PREFIX, ModelLoadError, _explain, build_builtin_model, is_builtin, loading_problem
+from lathe.models.paths import resolve
 
 __all__ = ["VALUE_HEAD", "load_value_model", "build_builtin_value_model"]
 
@@ -45,7 +37,7 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
     if is_builtin(path):
         return build_builtin_value_model(path[len(BUILTIN_PREFIX):], vocab_size=vocab_size, seed=seed, dtype=dtype)
     from transformers import AutoConfig, AutoModelForTokenClassification
-    local = _resolve_critic_path(path)
+    local = resolve(path, "critic.model.path")
     local_only = Path(local).is_dir()
     try:
         config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=local_only)
@@ -101,14 +93,3 @@ def _zero_value_head(model) -> None:
         head.weight.zero_()
         if head.bias is not None:
             head.bias.zero_()
-
-
-def _resolve_critic_path(path: str) -> str:
-    expanded = os.path.expanduser(str(path))
-    if Path(expanded).is_dir():
-        return expanded
-    if Path(expanded).exists() or not _HUB_ID.match(str(path)):
-        raise ModelLoadError(f"critic.model.path={path!r}: no such directory. Give a local Hugging Face checkpoint "
-                             "directory (config.json + *.safetensors), a hub id, or builtin:tiny; null uses "
-                             "actor_rollout_ref.model.path")
-    return str(path)

@@ -21,6 +21,7 @@ import importlib.util
 import inspect
 import re
 import sys
+import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -51,10 +52,20 @@ def _import_file(path: Path) -> ModuleType:
     except Exception as exc:
         sys.modules.pop(name, None)
         raise ImportError(
-            f"reward.custom_reward_function.path={str(path)!r}: importing the file failed with "
+            f"reward.custom_reward_function.path={str(path)!r}: importing the file failed{_line_in(exc, path)} with "
             f"{type(exc).__name__}: {exc}; fix the file (run `python {path}` to see the full error)"
         ) from exc
     return module
+
+
+def _line_in(exc: BaseException, path: Path) -> str:
+    """' at line N': the last line of `path` the exception passed through ('' when none, e.g. a SyntaxError, whose
+    message has the line)."""
+    line = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if Path(frame.filename) == path:
+            line = frame.lineno
+    return f" at line {line}" if line is not None else ""
 
 
 def _callables_in(module: ModuleType) -> list[str]:

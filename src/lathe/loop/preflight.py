@@ -1,0 +1,137 @@
+"""What `lathe train` and `lathe sft` check before anything loads, once the config itself is valid.
+
+Everything knowable from the config and the file system without loading a model or reading a data set: the model
+and tokenizer paths (`lathe.models.paths`); each data file and the columns its rows need (a parquet file's schema, a
+JSON-lines file's first row: `lathe.data.files.peek`); a built-in scorer for every data_source (that column read
+alone from a parquet file) when no reward function is given; the checkpoint `trainer.resume_mode` names
+(`lathe.ckpt.resume`); the custom reward function (imported here, once: the run reuses it). Neither torch nor
+transformers is imported here (a reward file may import them itself), so `lathe train` runs this before importing
+them and a mistake costs about a second, not the start-up. The checks raise the errors the loaders raise when they
+meet the problem later (one source for each message); every problem found is reported, each naming its key, the file
+and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from lathe.ckpt.resume import resume_point
+from lathe.config import critic_in_use
+from lathe.config.errors import ConfigError, join_problems
+from lathe.data import dataset, sft
+from lathe.data.files import Columns, column_values, data_files, peek
+from lathe.models.paths import check_model, check_tokenizer
+from lathe.reward import load_reward_fn
+from lathe.reward.registry import scorer_for
+
+# The problems a user can fix: one is raised as it is; several become one ConfigError listing them.
+_FIXABLE = (ValueError, FileNotFoundError, NotImplementedError)
+
+
+@dataclass
+class Checked:
+    """What the checks loaded, for the run to reuse: the reward function (`load_custom_reward`)."""
+
+    reward_fn: Callable
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+
+    @contextmanager
+    def check(self) -> Iterator[None]:
+        """Record a fixable error raised in the block and go on with the next check."""
+        try:
+            yield
+        except _FIXABLE as e:
+            self.errors.append(e)
+
+    def raise_if_any(self) -> None:
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise ConfigError(join_problems([str(e) for e in self.errors], "problems found before loading anything"))
+
+
+def preflight(cfg) -> Checked:
+    """`lathe train`'s checks of `cfg` (a validated LatheConfig); raises what it finds, else returns what it loaded."""
+    problems = _Problems()
+    m, critic = cfg.actor_rollout_ref.model, cfg.critic.model
+    _check_paths(problems, [(check_model, "actor_rollout_ref.model.path", m.path),
+                            (check_tokenizer, "actor_rollout_ref.model.tokenizer_path", m.tokenizer_path),
+                            (check_model, "critic.model.path", critic.path if critic_in_use(cfg) else None)])
+    custom = bool(cfg.reward.custom_reward_function.path)
+
+    def check_file(key: str, cols: Columns) -> None:
+        dataset.check_columns(cols, cfg.data.prompt_key, key)
+        if not custom:                  # the built-in scorers: one for every data_source
+            _check_scorers(f"{cols.src} ({key})", column_values(cols, "data_source"))
+
+    _check_data(problems, cfg.data, ("train", "val"), check_file)
+    with problems.check():
+        resume_point(cfg.trainer)
+    reward_fn = None
+    with problems.check():
+        reward_fn = load_custom_reward(cfg.reward)
+    problems.raise_if_any()
+    return Checked(reward_fn=reward_fn)
+
+
+def preflight_sft(cfg) -> None:
+    """`lathe sft`'s checks of `cfg` (a validated SFT config): the model and tokenizer paths, the data files and
+    their columns, the resume point."""
+    problems = _Problems()
+    _check_paths(problems, [(check_model, "model.path", cfg.model.path),
+                            (check_tokenizer, "model.tokenizer_path", cfg.model.tokenizer_path)])
+    _check_data(problems, cfg.data, ("train", "test"), lambda key, cols: sft.check_columns(cols, cfg.data, key))
+    with problems.check():
+        resume_point(cfg.trainer)
+    problems.raise_if_any()
+
+
+def load_custom_reward(reward_cfg) -> Callable:
+    """`reward.custom_reward_function`'s function (imported from its file), or the built-in scorers; its errors
+    as one ValueError (their messages name the keys, the file and the fix)."""
+    fn_cfg = reward_cfg.custom_reward_function
+    try:
+        return load_reward_fn(fn_cfg.path, fn_cfg.name, reward_cfg.reward_kwargs)
+    except (ImportError, AttributeError, TypeError) as e:
+        raise ValueError(str(e)) from e
+
+
+def _check_paths(problems: _Problems, paths: list[tuple[Callable[[str, str], None], str, str | None]]) -> None:
+    """`check(path, key)` for each (check, key, path) whose path is set, once per check and path."""
+    seen = set()
+    for check, key, path in paths:
+        if path is not None and (check, path) not in seen:
+            seen.add((check, path))
+            with problems.check():
+                check(path, key)
+
+
+def _check_data(problems: _Problems, data_cfg, splits: tuple[str, str],
+                check: Callable[[str, Columns], None]) -> None:
+    """`check(key, what the file holds)` (see `peek`) for each file of `data.train_files` and `data.val_files` (when
+    set; a builtin's rows as `splits`), recording what it raises, and what reading the file raises."""
+    for key, files, split in (("data.train_files", data_cfg.train_files, splits[0]),
+                              ("data.val_files", data_cfg.val_files, splits[1])):
+        if not files and key == "data.val_files":     # no validation set
+            continue
+        with problems.check():
+            for path in data_files(files):
+                with problems.check():
+                    if (cols := peek(path, split, key)) is not None:
+                        check(key, cols)
+
+
+def _check_scorers(origin: str, data_sources: set[str]) -> None:
+    """Without a custom reward function every data_source needs a built-in scorer (`scorer_for`'s error, with
+    the file that holds it)."""
+    for name in sorted(data_sources):
+        try:
+            scorer_for(name)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"{origin}: {e}") from None

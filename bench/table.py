@@ -141,6 +141,11 @@ def reward_curve(path: Path):
         return None
     text = (f"`lathe train` built-in demo: critic/score/mean {doc['first_step_score']:.2f} at step 1 → "
             f"{doc['final_rolling10']:.2f} (10-step mean), {doc['wall_seconds']:.0f} s wall")
+    if doc.get("grpo_seconds_to_rolling10_ge_0.95") is not None:
+        text += f"; 10-step mean ≥ 0.95 after {doc['grpo_seconds_to_rolling10_ge_0.95']:.0f} s of GRPO steps"
+    if doc.get("one_step_run_seconds"):
+        cold, cached = doc["one_step_run_seconds"].values()
+        text += f"; a 1-step run {cold:.0f} s, {cached:.0f} s with the warm start cached"
     return ("reward_curve", doc["device"], 0, "builtin:tiny", ""), (when(doc), doc, text, path.name)
 
 

@@ -6,15 +6,23 @@ import tempfile
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
-# The suite chooses its threads (two, as above) for the runs it starts in this process and in children: lathe's own
+# Under pytest-xdist (`-n 2`, the README's command) each worker process takes one thread: two workers of one thread
+# keep two cores busy, where one process of two threads leaves them idle during every sleep, subprocess and Ray start.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(1 if XDIST_WORKER else min(2, os.cpu_count() or 1))
+# The suite chooses its threads (as above) for the runs it starts in this process and in children: lathe's own
 # choice for a small CPU model (one thread, `lathe.device.cpu_threads`) would otherwise change them mid-suite.
+if XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 # lathe's cache (warm-started models, lathe.loop.warm_cache) lives in a directory of this session: runs in the suite
 # share it, and nothing is read from or left in the user's ~/.cache/lathe.
-os.environ["LATHE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lathe-test-cache-")
-atexit.register(shutil.rmtree, os.environ["LATHE_CACHE_DIR"], ignore_errors=True)
+# (xdist's workers share the one their controller made, so a warm start is computed once for all of them.)
+if not (XDIST_WORKER and os.environ.get("LATHE_TEST_CACHE")):
+    os.environ["LATHE_TEST_CACHE"] = os.environ["LATHE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lathe-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LATHE_CACHE_DIR"], ignore_errors=True)
+os.environ["LATHE_CACHE_DIR"] = os.environ["LATHE_TEST_CACHE"]
 
 # Without a GPU, Triton kernels (lathe.engine.triton_decode) run in Triton's interpreter. The switch is read
 # when triton.language is imported, so it is set here, before any test imports triton.
@@ -22,7 +30,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Tests that start Ray clusters run one after another on one xdist worker (`--dist loadgroup`): two local clusters
+# at once would each count this machine's CPUs as their own.
+RAY_TESTS = ("tests/cluster/", "tests/test_bench_fully_async.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path.as_posix()
+        if any(f"/{p}" in path or path.endswith(p) for p in RAY_TESTS) or "ray" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -10,8 +10,11 @@ from lathe.cli import main
 
 
 @pytest.mark.slow
-def test_builtin_default_run_lifts_reward_above_0_8(tmp_path):
+def test_builtin_default_run_lifts_reward_above_0_8(tmp_path, capfd):
     assert main(["train", f"trainer.default_local_dir={tmp_path}", "trainer.logger=[console]"]) == 0
+    printed = "".join(capfd.readouterr())                  # the demo's output, redirected as into a log file
+    assert "Writing model shards" not in printed and "Loading weights" not in printed   # transformers' bars: off
+    assert "\x1b" not in printed and "\r" not in printed   # no colour codes, no redrawn live line
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     assert len(scores) == 250

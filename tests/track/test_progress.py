@@ -138,3 +138,27 @@ def test_the_step_line_carries_a_timestamp_free_eta_from_the_resumed_step():
     clock.now += 3.0
     console.log({"critic/score/mean": 0.5}, 10)        # the last step: no ETA
     assert got == ["step 4/10 | val[x] 0.5", "step 6/10 | score 0.5 | eta 12s", "step 10/10 | score 0.5"]
+
+
+def test_a_forked_child_starts_without_the_parents_live_line():
+    import os
+    import threading
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    held, done = threading.Event(), threading.Event()
+
+    def progress_thread():                            # holds the lock while the main thread forks
+        with LIVE.lock:
+            held.set()
+            done.wait(10)
+
+    with Progress("train", 5, stream=Terminal(), tick_s=None):
+        holder = threading.Thread(target=progress_thread)
+        holder.start()
+        held.wait(10)
+        pid = os.fork()
+        if pid == 0:                                  # the child: a fresh lock, no line to redraw
+            os._exit(0 if LIVE.lock.acquire(timeout=2) and not LIVE.owners else 1)
+        done.set()
+        holder.join()
+        assert os.waitpid(pid, 0)[1] == 0

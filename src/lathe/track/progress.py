@@ -19,6 +19,7 @@ which the CLI stamps ``HH:MM:SS`` (`LOG_FORMAT`). No third-party bar library: th
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import threading
@@ -87,6 +88,11 @@ class _LiveLine:
     comes back). Erasing writes spaces, not an ANSI code, so even a dumb terminal shows it right."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No line and a fresh lock: a forked child (a reward worker) must not wait on a lock its parent's progress
+        thread held at the fork."""
         self.lock = threading.RLock()
         self.owners: list[Progress] = []
         self.drawn = 0                            # characters of the line on screen now
@@ -131,6 +137,8 @@ class _LiveLine:
 
 
 LIVE = _LiveLine()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=LIVE.reset)
 
 
 def echo(line: str, stream: TextIO | None = None) -> None:

@@ -162,3 +162,16 @@ def test_a_cpu_machine_with_cuda_visible_devices_set_is_fine():
                            "cudnn": None, "nccl": None, "gpus": []}, gpus_present=0,
                     env={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert not failed(cpu) and verdicts(cpu)["torch build"][0] == "ok"
+
+
+def test_packages_lathe_does_not_need_are_not_reported_missing():
+    out = io.StringIO()
+    run(probe=FakeProbe(), out=out)                        # no wandb, mlflow, hypothesis, peft, vllm, sglang, flash-attn
+    text = out.getvalue()
+    assert "missing" not in text and "vllm" not in text and "flash-attn" not in text
+    assert "optional   not installed, lathe runs without them: wandb (trainer.logger=wandb)" in text
+    out = io.StringIO()
+    run(probe=FakeProbe(versions={"torch": "2.11.0+cu130", "vllm": "0.11.0"}), out=out)
+    text = out.getvalue()
+    assert "missing    transformers (required)" in text
+    assert "unused     vllm 0.11.0 (other frameworks': lathe does not need them)" in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def sft(run_dir, *overrides: str) -> list[dict]:
     return rows(run_dir)
 
 
-def test_the_default_learns_and_lathe_train_starts_from_its_checkpoint(tmp_path):
+def test_the_default_learns_and_lathe_train_starts_from_its_checkpoint(tmp_path, capfd):
     out = sft(tmp_path / "sft", "trainer.total_training_steps=16", "trainer.test_freq=8")
     assert [r["step"] for r in out] == list(range(1, 17))
     assert {"train/loss", "train/grad_norm", "train/lr", "train/global_tokens", "train/total_tokens(B)"} <= set(out[0])
@@ -46,6 +47,9 @@ def test_the_default_learns_and_lathe_train_starts_from_its_checkpoint(tmp_path)
                  "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                  f"trainer.default_local_dir={tmp_path / 'rl'}"]) == 0
     assert rows(tmp_path / "rl")[0]["response_length/mean"] < 8        # the answers' format, not random tokens
+    printed = "".join(capfd.readouterr())                  # the commands' output, redirected as into a log file
+    assert re.search(r"^\d\d:\d\d:\d\d step 15/16 \| loss .* \| eta \S+$", printed, re.M), printed
+    assert "\x1b" not in printed and "\r" not in printed   # no colour codes, no redrawn live line
 
 
 def test_lora_sft_starts_at_the_base_models_loss_learns_and_saves_a_peft_adapter(tmp_path):

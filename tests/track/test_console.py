@@ -1,8 +1,6 @@
-import io
-
 import torch
 
-from lathe.track.console import ProgressBar, format_step_line
+from lathe.track.console import brief, format_step_line
 
 FULL = {
     "critic/score/mean": 0.62,
@@ -45,22 +43,13 @@ def test_number_formats():
     assert "resp_len 1235" in line and "pg_loss 3.0e-07" in line and "2.5M tok/s" in line
 
 
-def test_progress_bar_off_when_not_tty_but_write_prints():
-    out = io.StringIO()
-    bar = ProgressBar(10, initial=3, file=out)
-    assert not bar.enabled
-    bar.update(4, {"critic/score/mean": 0.5})
-    bar.write("hello line")
-    bar.close()
-    assert out.getvalue() == "hello line\n"
+def test_reward_left_out_when_it_reads_as_the_score_and_eta_last():
+    same = {"critic/score/mean": 0.4, "critic/rewards/mean": 0.4000001, "timing_s/step": 2.0}
+    assert format_step_line(3, 10, same, eta_s=14.0) == "step 3/10 | score 0.4 | step 2.00s | eta 14s"
+    kl = {"critic/score/mean": 0.4, "critic/rewards/mean": 0.38}          # a KL penalty in the reward: both
+    assert format_step_line(3, 10, kl) == "step 3/10 | score 0.4 | reward 0.38"
 
 
-def test_progress_bar_forced_starts_at_resume_step_and_shows_score():
-    out = io.StringIO()
-    bar = ProgressBar(10, initial=3, file=out, force=True)
-    bar.update(5, {"critic/score/mean": torch.tensor(0.75)})
-    assert bar.bar.n == 5
-    bar.write("step 5/10 | score 0.75")
-    bar.close()
-    text = out.getvalue()
-    assert "5/10" in text and "score 0.75" in text and "step 5/10 | score 0.75\n" in text
+def test_brief_is_the_score_or_the_sft_loss():
+    assert brief({"critic/score/mean": torch.tensor(0.75), "train/loss": 1.0}) == "score 0.75"
+    assert brief({"train/loss": 1.25}) == "loss 1.25" and brief({}) == ""

@@ -1,4 +1,5 @@
 import json
+import re
 import sys
 
 import pytest
@@ -33,7 +34,8 @@ def test_resume_truncates_jsonl(tmp_path):
 def test_console_line_printed_and_routable(tmp_path, capsys):
     with make(tmp_path, ["console"], total_steps=10) as tr:
         tr.log({"critic/score/mean": 0.25, "timing_s/step": 1.0}, 2)
-    assert capsys.readouterr().out == "step 2/10 | score 0.25 | step 1.00s\n"
+    out = capsys.readouterr().out               # HH:MM:SS, the line, the ETA of the 8 steps left
+    assert re.fullmatch(r"\d\d:\d\d:\d\d step 2/10 \| score 0.25 \| step 1.00s \| eta \S+\n", out), out
     got = []
     with make(tmp_path, "console", printer=got.append) as tr:
         tr.log({"actor/pg_loss": 0.1}, 3)

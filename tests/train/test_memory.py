@@ -103,3 +103,16 @@ def test_sharded_lora_plans_shards_of_the_base_and_adapters_and_a_full_merged_en
     assert _gib(parts, "actor LoRA adapters AdamW moments, 2 x fp32, 1/2 shard") == pytest.approx(4 * 20e6 / 2**30)
     assert _gib(parts, "rollout merged weights, bf16") == pytest.approx(2 * N / 2**30)   # the engine's own copy
     assert not any("reference" in p.what for p in parts)
+
+
+def test_a_cpu_run_gets_one_line_for_a_small_model_and_the_table_from_one_gib():
+    cfg, cpu = load_config("base", ["trainer.device=cpu"]), torch.device("cpu")
+    small = memory.plan(cfg, 600_000, cpu, need_ref=False, critic_params=None, lathe_engine=True)
+    text, fits = memory.format_plan(small, cpu, 0.5)
+    assert fits and text == ("memory plan on cpu: 9.2 MiB of host memory for weights, gradients and optimizer state "
+                             "(before activations)")
+    text, fits = memory.format_plan(memory.plan(cfg, N, cpu, need_ref=False, critic_params=None, lathe_engine=True),
+                                    cpu, 0.5)
+    lines = text.splitlines()
+    assert fits and lines[0] == "memory plan on cpu: 14.90 GiB of host memory before activations:"
+    assert len(lines) == 4 and lines[1].split()[:2] == ["actor", "weights,"] and lines[1].endswith("3.73 GiB")

@@ -26,6 +26,7 @@ import torch
 from lathe import device
 from lathe.ckpt import manifest
 from lathe.ckpt.resume import LATEST, resume_point, step_dir
+from lathe.track.progress import phase
 
 log = logging.getLogger("lathe")
 
@@ -56,8 +57,14 @@ def save_checkpoint(root: str | Path, step: int, parts: dict[str, Any], trainer_
     """Write step `step`'s checkpoint: each of `parts` (`{"actor": worker, "critic": critic}`, each with
     `save_checkpoint(dir)`) under its name plus `trainer_state.pt`, all in a partial directory renamed into
     place when complete; then mark it latest, then prune old ones beyond `max_to_keep`."""
-    root = Path(root)
-    path, partial = step_dir(root, step), root / f".global_step_{step}.partial"
+    path = step_dir(Path(root), step)
+    with phase(f"saving checkpoint {path}", done=f"saved checkpoint {path}", report_s=0.0):
+        return _save(Path(root), path, step, parts, trainer_state, max_to_keep)
+
+
+def _save(root: Path, path: Path, step: int, parts: dict[str, Any], trainer_state: dict[str, Any],
+          max_to_keep: int | None) -> Path:
+    partial = root / f".global_step_{step}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     for name, worker in parts.items():

@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="lathe: %(message)s")
+    from lathe.cli.output import setup_output
+    setup_output()
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.command in ("train", "sft") and not any(r.startswith("-") for r in rest):

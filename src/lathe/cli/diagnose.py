@@ -23,8 +23,12 @@ from importlib import metadata
 from typing import Any
 
 GIB = 1024 ** 3
-# what the report lists beside lathe's own requirements (imported only to read a version when no metadata says)
-OPTIONAL = ("ray", "triton", "wandb", "mlflow", "hypothesis", "peft", "flash-attn", "vllm", "sglang")
+# what the report lists beside lathe's own requirements (imported only to read a version when no metadata says):
+# the optional packages and what each adds ...
+OPTIONAL = {"ray": "many devices, fully async", "triton": "GPU kernels", "wandb": "trainer.logger=wandb",
+            "mlflow": "trainer.logger=mlflow", "hypothesis": "the test suite", "peft": "the test suite"}
+# ... and other frameworks' packages, named only when installed: lathe has its own engine and attention kernels
+OTHERS = ("flash-attn", "vllm", "sglang")
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME",
             "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE",
             "NCCL_DEBUG", "RAY_ADDRESS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
@@ -156,7 +160,7 @@ def collect(probe: Probe, *, ray: bool = False) -> dict:
     names = [_req_name(r) for r in probe.requirements()]
     return {"python": probe.python(), "system": probe.system(), "requires_python": probe.requires_python(),
             "requirements": probe.requirements(),
-            "packages": {n: probe.version(n) for n in dict.fromkeys([*names, *OPTIONAL])},
+            "packages": {n: probe.version(n) for n in dict.fromkeys([*names, *OPTIONAL, *OTHERS])},
             "torch": probe.torch(), "gpus_present": probe.gpus_present(), "driver": probe.driver(),
             "interfaces": probe.interfaces(), "infiniband": probe.infiniband(), "shm_bytes": probe.shm_bytes(),
             "open_files": probe.open_files(), "cpu": probe.cpu(), "env": probe.env(), "ray": probe.ray(connect=ray)}
@@ -337,10 +341,7 @@ def report(facts: dict, checks: list[Check]) -> str:
              f"{s['memory_gb']:.1f} GiB RAM ({s['memory_available_gb']:.1f} free)",
              f"torch      {t['version']} (CUDA {t['cuda']}, HIP {t['hip']}, cuDNN {t['cudnn']}, NCCL {t['nccl']})"]
     lines += [f"gpu {g['index']}      {g['name']}, {g['memory_gb']:.1f} GiB, sm{g['capability']}" for g in t["gpus"]]
-    lines.append("packages   " + ", ".join(f"{k} {v}" for k, v in facts["packages"].items() if v))
-    missing = [k for k, v in facts["packages"].items() if not v]
-    if missing:
-        lines.append("missing    " + ", ".join(missing))
+    lines += _package_lines(facts["packages"])
     if facts["env"]:
         lines.append("env        " + " ".join(f"{k}={v}" for k, v in facts["env"].items()))
     lines.append("")
@@ -352,6 +353,22 @@ def report(facts: dict, checks: list[Check]) -> str:
     warned = sum(c.status == "warn" for c in checks)
     lines.append(f"\n{failed} problem(s), {warned} warning(s)")
     return "\n".join(lines)
+
+
+def _package_lines(packages: dict[str, str | None]) -> list[str]:
+    """Installed packages; the optional ones not installed, with what each would add; other frameworks' packages
+    only when installed, saying lathe does not use them. (A missing requirement is a failed check below.)"""
+    lines = ["packages   " + ", ".join(f"{k} {v}" for k, v in packages.items() if v and k not in OTHERS)]
+    required = [k for k, v in packages.items() if not v and k not in OPTIONAL and k not in OTHERS]
+    if required:
+        lines.append("missing    " + ", ".join(required) + " (required)")
+    optional = [f"{k} ({why})" for k, why in OPTIONAL.items() if not packages.get(k)]
+    if optional:
+        lines.append("optional   not installed, lathe runs without them: " + ", ".join(optional))
+    others = [f"{k} {packages[k]}" for k in OTHERS if packages.get(k)]
+    if others:
+        lines.append("unused     " + ", ".join(others) + " (other frameworks': lathe does not need them)")
+    return lines
 
 
 def run(*, as_json: bool = False, ray: bool = False, probe: Probe | None = None, out=None) -> int:

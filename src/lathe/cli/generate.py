@@ -35,7 +35,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from pathlib import Path
 from lathe.cli.generate_options import GenerateError, GenerateOptions, parse_options
 from lathe.cli.generate_rows import read_rows, tokenize_rows
 from lathe.cli.generate_tools import ToolSetup
+from lathe.track.progress import Progress
 
 log = logging.getLogger("lathe")
 
@@ -163,9 +163,9 @@ def _run(engine, tokenizer, rows, prompts, opts: GenerateOptions, output_path: P
     n = params.n
     stats = GenerateStats(prompts=len(rows), samples=len(rows) * n, tokens=0, seconds=0.0, tools=runner is not None)
     call = runner.generate if runner else lambda ps, p, lo, hi: engine.generate(ps[lo:hi], p)
-    bar = _progress(len(rows))
+    bar = Progress("generate", len(rows), unit="prompt", every_s=0)   # a live line, or a log line per engine call
     start = time.perf_counter()
-    with open(output_path, "w", encoding="utf-8") as f:
+    with open(output_path, "w", encoding="utf-8") as f, bar:
         for lo in range(0, len(rows), opts.prompts_per_call):
             hi = min(lo + opts.prompts_per_call, len(rows))
             out = call(prompts, dataclasses.replace(params, seed=_call_seed(params.seed, lo)), lo, hi)
@@ -176,7 +176,7 @@ def _run(engine, tokenizer, rows, prompts, opts: GenerateOptions, output_path: P
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             stats.seconds = time.perf_counter() - start
-            bar(hi, stats)
+            bar.update(hi, f"{stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s")
     tools = f", {stats.tool_calls} tool calls, {stats.tool_errors} tool errors" if stats.tools else ""
     log.info("generated %d prompts, %d samples, %d tokens%s in %.2f s (%.1f tok/s) -> %s", stats.prompts,
              stats.samples, stats.tokens, tools, stats.seconds, stats.tokens_per_second, output_path)
@@ -203,22 +203,3 @@ def _call_seed(seed: int | None, first_row: int) -> int | None:
     if seed is None or first_row == 0:
         return seed
     return int.from_bytes(hashlib.sha256(f"{seed}/{first_row}".encode()).digest()[:8], "little") >> 1
-
-
-def _progress(total: int):
-    """`update(done, stats)`: a tqdm bar on a terminal, else one log line per engine call."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-        bar = tqdm(total=total, unit="prompt", file=sys.stderr)
-
-        def update(done: int, stats: GenerateStats) -> None:
-            bar.update(done - bar.n)
-            bar.set_postfix_str(f"{stats.tokens_per_second:.0f} tok/s")
-            if done >= total:
-                bar.close()
-        return update
-
-    def log_line(done: int, stats: GenerateStats) -> None:
-        log.info("generate: %d/%d prompts, %d tokens, %.1f tok/s", done, total, stats.tokens,
-                 stats.tokens_per_second)
-    return log_line

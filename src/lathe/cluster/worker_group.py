@@ -38,7 +38,11 @@ class RankHost:
         self.rank, self.world_size = rank, world_size
         self.roles: dict[str, Any] = {}
         torch.set_num_threads(max(1, int(num_cpus)))
-        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+        from lathe.track.progress import TIME_FORMAT, Once
+        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(message)s",
+                            datefmt=TIME_FORMAT)     # Ray prefixes the lines with "(RankHost pid=...)"
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(Once())
         logging.getLogger("lathe").setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
     def node(self) -> dict:

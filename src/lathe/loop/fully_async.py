@@ -39,7 +39,7 @@ from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward, reward_extra_means
 from lathe.loop.validate import validate
 from lathe.rollout.base import concat_rollouts
-from lathe.track import PeakMemory, ProgressBar, Timer
+from lathe.track import PeakMemory, Progress, Timer, brief
 
 log = logging.getLogger("lathe")
 COUNTED = (*SUMMED_ROLLOUT_METRICS, "rollout/num_interrupted", "reward/num_errors", "reward/num_timeouts")
@@ -246,7 +246,7 @@ def fit_async(t: Trainer) -> dict[str, float]:
         t.tracker.log(validate(t), step=t.global_step)
     if tr.val_only:
         return {}
-    bar = ProgressBar(t.total_steps, initial=t.global_step, desc="train")
+    bar = Progress("train", t.total_steps, initial=t.global_step, every_s=None)    # a terminal's live line
     pool = ThreadPoolExecutor(1, thread_name_prefix="lathe-trainer")
     training: Future | None = None
     last: dict[str, float] = {}
@@ -289,7 +289,7 @@ def fit_async(t: Trainer) -> dict[str, float]:
                 last["rollouter/idle_ratio"] = 1 - _busy_fraction(busy_at, now, d.busy)
                 busy_at, wall, idle = (now, list(d.busy)), now, 0.0
                 t.tracker.log(last, step=t.global_step)
-                bar.update(t.global_step, last)
+                bar.update(t.global_step, brief(last))
                 if tr.save_freq > 0 and (t.global_step % tr.save_freq == 0 or done):
                     save(t, extra={"fully_async": d.state_dict()})
                 progress_at = time.monotonic()             # (a sync, validation or save is no wait for prompts)

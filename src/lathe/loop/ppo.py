@@ -26,7 +26,7 @@ from lathe.loop.steps import (
     rollout_correction_enabled,
 )
 from lathe.loop.validate import validate
-from lathe.track import PeakMemory, ProgressBar, Timer
+from lathe.track import PeakMemory, Progress, Timer, brief
 from lathe.track.collector import CollectorPauses
 from lathe.track.profile import StepProfiler
 
@@ -122,7 +122,6 @@ def fit(t: Trainer) -> dict[str, float]:
 
 def _fit(t: Trainer, first: bool) -> dict[str, float]:
     tr = t.cfg.trainer
-    bar = ProgressBar(t.total_steps, initial=t.global_step, desc="train")
     last: dict[str, float] = {}
     if first and t.val_dataset is not None and (tr.val_before_train or tr.val_only):
         t.tracker.log(validate(t), step=t.global_step)
@@ -131,19 +130,19 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
     gp = t.cfg.global_profiler                                          # global_profiler.tool=torch
     profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, remote_workers=t.cluster is not None,
                             with_stack=gp.with_stack)
-    while t.global_step < t.total_steps:
-        rows = t.next_rows()
-        t.global_step += 1
-        with profiler.step(t.global_step):
-            last = train_step(t, prompt_batch(rows, t.global_step))
-        done = t.global_step >= t.total_steps
-        if tr.test_freq > 0 and t.val_dataset is not None and (t.global_step % tr.test_freq == 0 or done):
-            last.update(validate(t))
-        t.tracker.log(last, step=t.global_step)
-        bar.update(t.global_step, last)
-        if tr.save_freq > 0 and (t.global_step % tr.save_freq == 0 or done):
-            save(t)
-    bar.close()
+    with Progress("train", t.total_steps, initial=t.global_step, every_s=None) as bar:   # a terminal's live line
+        while t.global_step < t.total_steps:
+            rows = t.next_rows()
+            t.global_step += 1
+            with profiler.step(t.global_step):
+                last = train_step(t, prompt_batch(rows, t.global_step))
+            done = t.global_step >= t.total_steps
+            if tr.test_freq > 0 and t.val_dataset is not None and (t.global_step % tr.test_freq == 0 or done):
+                last.update(validate(t))
+            t.tracker.log(last, step=t.global_step)
+            bar.update(t.global_step, brief(last))
+            if tr.save_freq > 0 and (t.global_step % tr.save_freq == 0 or done):
+                save(t)
     return last
 
 

@@ -30,7 +30,8 @@ from lathe.reward import RewardManager
 from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.agent import load_run_tools
-from lathe.track import Tracker
+from lathe.track import Progress, Tracker, phase
+from lathe.track.progress import duration
 from lathe.seeding import seed_everything
 from lathe.train.sft import supervised_fit
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -207,15 +208,29 @@ def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: 
                                   "actor_rollout_ref.model.warm_start.steps=0 (name a preset other than `default`, "
                                   "whose built-in demo warm-starts)")
     model.to(device)
-    losses = supervised_fit(model, examples, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
-                            pad_id=tokenizer.pad_token_id, seed=cfg.trainer.seed, device=device)
-    log.info("warm start: %d supervised steps on extra_info.answer, loss %.3f -> %.3f", len(losses), losses[0],
-             losses[-1])
-    model.save_pretrained(init_dir, safe_serialization=True)
-    tokenizer.save_pretrained(init_dir)
+    warm_start(cfg, model, examples, tokenizer.pad_token_id, device)
+    with phase(f"saving the warm-started model to {init_dir}", done=f"saved the warm-started model to {init_dir}"):
+        model.save_pretrained(init_dir, safe_serialization=True)
+        tokenizer.save_pretrained(init_dir)
     if ws.cache:
         warm_cache.store(key, inputs, init_dir)
     return model
+
+
+def warm_start(cfg, model, examples: list[tuple[list[int], list[int]]], pad_id: int, device: torch.device
+               ) -> list[float]:
+    """`warm_start.steps` supervised steps on `examples` (`warm_start_examples`), with their progress shown; returns
+    the losses."""
+    ws = cfg.actor_rollout_ref.model.warm_start
+    log.info("warm start: %d supervised steps on extra_info.answer (actor_rollout_ref.model.warm_start.steps=0 "
+             "skips it)", ws.steps)
+    with Progress("warm start", ws.steps) as bar:
+        losses = supervised_fit(model, examples, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, pad_id=pad_id,
+                                seed=cfg.trainer.seed, device=device,
+                                on_step=lambda i, loss: bar.update(i, f"loss {loss:.3f}"))
+    log.info("warm start: %d steps in %s, loss %.3f -> %.3f", len(losses), duration(bar.elapsed), losses[0],
+             losses[-1])
+    return losses
 
 
 def warm_start_examples(cfg, tokenizer, train: RLDataset) -> list[tuple[list[int], list[int]]]:
@@ -272,9 +287,10 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         del model
         empty_cache(device)
         from lathe.cluster import start_async_cluster, start_cluster
-        cluster = (start_async_cluster if plan.is_async else start_cluster)(
-            cfg, plan, model_path=path, load_kwargs=kwargs, tokenizer=tokenizer, total_steps=total_steps,
-            device_type=device.type)
+        with phase("starting the Ray workers", done="Ray workers ready"):
+            cluster = (start_async_cluster if plan.is_async else start_cluster)(
+                cfg, plan, model_path=path, load_kwargs=kwargs, tokenizer=tokenizer, total_steps=total_steps,
+                device_type=device.type)
         worker, critic, device = cluster.actor, cluster.critic, torch.device("cpu")   # the driver holds no model
     else:
         worker = ActorRolloutRefWorker(cfg, model, tokenizer, plan=plan, total_steps=total_steps, device=device)

@@ -30,7 +30,7 @@ from lathe.loop.preflight import preflight_sft
 from lathe.loop.setup import CONFIG_FILE, resolve_device
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.seeding import seed_everything
-from lathe.track import Tracker
+from lathe.track import Progress, Tracker, brief, phase
 from lathe.train.sft import sft_batch
 from lathe.workers.sft import SFTWorker
 
@@ -128,37 +128,49 @@ def validation_loss(run: SFTRun) -> float:
     size = d.micro_batch_size_per_gpu * run.world
     rows = len(run.val) - len(run.val) % run.world
     nll = tokens = 0.0
-    for start in range(0, rows, size):
-        examples = [run.val[i] for i in range(start, min(start + size, rows))]
-        out = run.worker.eval_loss(collate(examples, pad))
-        nll, tokens = nll + out["nll"], tokens + out["tokens"]
+    with phase(f"validating on {rows} examples", done=f"validated on {rows} examples"):
+        for start in range(0, rows, size):
+            examples = [run.val[i] for i in range(start, min(start + size, rows))]
+            out = run.worker.eval_loss(collate(examples, pad))
+            nll, tokens = nll + out["nll"], tokens + out["tokens"]
     return nll / max(tokens, 1.0)
 
 
 def fit_sft(run: SFTRun) -> dict[str, float]:
     t, pad = run.cfg.trainer, run.tokenizer.pad_token_id
     last: dict[str, float] = {}
-    while run.global_step < run.total_steps:
-        start = time.perf_counter()
-        batch = collate(run.loader.next_batch(), pad)
-        run.global_step += 1
-        metrics = run.worker.train_step(batch)
-        done = run.global_step >= run.total_steps
-        tokens = int(batch["attention_mask"].sum())
-        run.total_tokens += tokens
-        seconds = time.perf_counter() - start
-        metrics.update({"train/global_tokens": tokens, "train/total_tokens(B)": run.total_tokens / 1e9,
-                        "timing_s/step": seconds, "perf/throughput": tokens / max(seconds, 1e-9) / run.world})
-        if run.val is not None and (done or (t.test_freq > 0 and run.global_step % t.test_freq == 0)):
-            metrics["val/loss"] = validation_loss(run)
-        run.tracker.log(metrics, step=run.global_step)
-        if done or (t.save_freq > 0 and run.global_step % t.save_freq == 0):
-            path = save_checkpoint(Path(t.default_local_dir).expanduser(), run.global_step, {"actor": run.worker},
-                                   {"loader": run.loader.state_dict(), "total_tokens": run.total_tokens},
-                                   max_to_keep=t.max_ckpt_to_keep)
-            log.info("sft: saved %s (a Hugging Face model in %s)", path, path / "actor" / "huggingface")
-        last = metrics
+    with Progress("sft", run.total_steps, initial=run.global_step, every_s=None) as bar:   # a terminal's live line
+        while run.global_step < run.total_steps:
+            last = sft_step(run, pad)
+            bar.update(run.global_step, brief(last))
+            done = run.global_step >= run.total_steps
+            if done or (t.save_freq > 0 and run.global_step % t.save_freq == 0):
+                path = save_checkpoint(Path(t.default_local_dir).expanduser(), run.global_step, {"actor": run.worker},
+                                       {"loader": run.loader.state_dict(), "total_tokens": run.total_tokens},
+                                       max_to_keep=t.max_ckpt_to_keep)
+                if done:
+                    log.info("sft: %s is a Hugging Face model (lathe train's actor_rollout_ref.model.path)",
+                             path / "actor" / "huggingface")
     return last
+
+
+def sft_step(run: SFTRun, pad: int) -> dict[str, float]:
+    """One optimizer step on the next batch, validated when due; returns (and logs) its metrics."""
+    t = run.cfg.trainer
+    start = time.perf_counter()
+    batch = collate(run.loader.next_batch(), pad)
+    run.global_step += 1
+    metrics = run.worker.train_step(batch)
+    tokens = int(batch["attention_mask"].sum())
+    run.total_tokens += tokens
+    seconds = time.perf_counter() - start
+    metrics.update({"train/global_tokens": tokens, "train/total_tokens(B)": run.total_tokens / 1e9,
+                    "timing_s/step": seconds, "perf/throughput": tokens / max(seconds, 1e-9) / run.world})
+    done = run.global_step >= run.total_steps
+    if run.val is not None and (done or (t.test_freq > 0 and run.global_step % t.test_freq == 0)):
+        metrics["val/loss"] = validation_loss(run)
+    run.tracker.log(metrics, step=run.global_step)
+    return metrics
 
 
 def run_sft(cfg, *, checked: bool = False) -> dict[str, float]:

@@ -13,6 +13,7 @@ import torch
 from lathe.loop.dump import generation_rows, report_validation, wants_validation_rows
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward
+from lathe.track import phase
 
 
 def validate(t: Trainer) -> dict[str, float]:
@@ -25,7 +26,8 @@ def validate(t: Trainer) -> dict[str, float]:
     batch_size = t.cfg.data.val_batch_size or len(ds)
     scores: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), phase(f"validating on {len(ds)} prompts",
+                                                  done=f"validated on {len(ds)} prompts"):
         torch.manual_seed(t.cfg.trainer.seed)
         for start in range(0, len(ds), batch_size):
             rows = [ds[i] for i in range(start, min(start + batch_size, len(ds)))]

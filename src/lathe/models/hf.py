@@ -25,6 +25,7 @@ from lathe.models.paths import (
     resolve,
     unknown_builtin,
 )
+from lathe.track.progress import phase
 
 log = logging.getLogger("lathe")
 
@@ -117,7 +118,16 @@ def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = Fal
     config overrides); else the transformers model (`load_causal_lm`), which the trainer may still convert.
 
     Reading straight into lathe's decoder skips transformers' own copy of the weights: for a 7B model that is
-    28 GiB of host memory and a full copy's time."""
+    28 GiB of host memory and a full copy's time. A load that takes a while shows its progress
+    (`lathe.track.phase`)."""
+    with phase(f"loading the policy {path}", done=f"loaded the policy {path}"):
+        return _load_policy(path, impl=impl, needs_transformers=needs_transformers,
+                            trust_remote_code=trust_remote_code, vocab_size=vocab_size, seed=seed,
+                            override_config=override_config)
+
+
+def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote_code: bool, vocab_size: int | None,
+                 seed: int, override_config: dict | None):
     from lathe.models import supports
     if not is_builtin(path) and _is_vl(path):
         return load_vl_policy(path, impl=impl, override_config=override_config)

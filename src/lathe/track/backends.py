@@ -14,13 +14,14 @@ import enum
 import importlib
 import os
 import re
-import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from lathe.track.console import format_step_line
+from lathe.track.progress import echo, eta_seconds, stamp
 
 __all__ = ["ConsoleLogger", "TensorboardLogger", "WandbLogger", "MlflowLogger", "import_optional"]
 
@@ -72,27 +73,34 @@ def flatten_config(config: Any, sep: str = ".") -> dict[str, Any]:
 
 
 def _default_printer(line: str) -> None:
-    """Print through tqdm so an active progress bar is redrawn below the line, not torn."""
-    from tqdm import tqdm
-
-    tqdm.write(line, file=sys.stdout)
+    """``HH:MM:SS line`` on stdout, above the live progress line when there is one."""
+    echo(f"{stamp()} {line}")
 
 
 class ConsoleLogger:
-    """One ``format_step_line`` per step, to stdout or to any ``printer`` (e.g. a logging method)."""
+    """One ``format_step_line`` per step, to stdout or to any ``printer`` (e.g. a logging method), with the ETA
+    of ``total_steps`` at the mean pace since the logger opened, the step ``truncate_after`` resumed, or the
+    validation logged at that step."""
 
-    def __init__(self, total_steps: int | None = None, printer: Callable[[str], None] | None = None) -> None:
+    def __init__(self, total_steps: int | None = None, printer: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.total_steps = total_steps
         self.printer = printer or _default_printer
+        self.clock = clock
+        self.first_step, self.start = 0, clock()
 
     def log(self, metrics: Metrics, step: int) -> None:
-        self.printer(format_step_line(step, self.total_steps, metrics))
+        if step <= self.first_step:             # validation before training: the pace starts after it
+            self.start = self.clock()
+        total = None if self.total_steps is None else self.total_steps - self.first_step
+        eta = eta_seconds(step - self.first_step, total, self.clock() - self.start)
+        self.printer(format_step_line(step, self.total_steps, metrics, eta if step < (self.total_steps or 0) else None))
 
     def log_generations(self, samples: Samples, step: int) -> None:
         pass  # as in verl: sample tables go to the experiment loggers, not the step line
 
     def truncate_after(self, step: int) -> None:
-        pass
+        self.first_step, self.start = step, self.clock()
 
     def close(self) -> None:
         pass

@@ -1,23 +1,25 @@
-"""What a person watching the terminal sees: one short line per step, and an optional progress bar.
+"""What a person watching the terminal sees: one short line per step (and, on a terminal, the live line of
+`lathe.track.progress` below it).
 
 The line picks the handful of verl metrics that tell whether a run is healthy, in a fixed order,
 and skips those that are absent; every metric still goes to ``metrics.jsonl`` and the other
-loggers. Example::
+loggers. ``reward`` is left out when it reads the same as ``score`` (no KL penalty in the reward).
+Example::
 
-    step 12/60 | score 0.62 | pg_loss -0.013 | kl 0.0012 | entropy 1.23 | resp_len 4.1 | gen 0.41s | step 1.20s | 3.2k tok/s
+    step 12/60 | score 0.62 | pg_loss -0.013 | kl 0.0012 | entropy 1.23 | resp_len 4.1 | gen 0.41s | step 1.20s | 3.2k tok/s | eta 58s
 """
 
 from __future__ import annotations
 
 import math
 import re
-import sys
 from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import Any
 
 from lathe.track.metrics import to_scalar
+from lathe.track.progress import duration
 
-__all__ = ["format_step_line", "ProgressBar"]
+__all__ = ["format_step_line", "brief"]
 
 # (label, candidate keys in order of preference, kind). kinds: "num", "sec", "rate".
 _FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -84,67 +86,38 @@ def _val_parts(metrics: Mapping[str, Any]) -> list[str]:
     return parts
 
 
-def format_step_line(step: int, total: int | None, metrics: Mapping[str, Any]) -> str:
-    """One readable line: ``step s/total`` then the important metrics present, ``|``-separated."""
+def _field(metrics: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
+    return next((x for x in (_value(metrics, k) for k in keys if k in metrics) if x is not None), None)
+
+
+def format_step_line(step: int, total: int | None, metrics: Mapping[str, Any], eta_s: float | None = None) -> str:
+    """One readable line: ``step s/total``, the important metrics present, then ``eta`` when given;
+    ``|``-separated."""
     parts = [f"step {step}/{total}" if total else f"step {step}"]
+    shown: dict[str, str] = {}
     for label, keys, kind in _FIELDS:
-        v = next((x for x in (_value(metrics, k) for k in keys if k in metrics) if x is not None), None)
+        v = _field(metrics, keys)
         if v is None:
             continue
         if kind == "sec":
             parts.append(f"{label} {_sec(v)}")
         elif kind == "rate":
             parts.append(f"{_rate(v)} {label}")
+        elif label == "reward" and shown.get("score") == _num(v):
+            continue                            # the reward is the score: no KL penalty, nothing to tell apart
         else:
+            shown[label] = _num(v)
             parts.append(f"{label} {_num(v)}")
     parts.extend(_val_parts(metrics))
+    if eta_s is not None:
+        parts.append(f"eta {duration(eta_s)}")
     return " | ".join(parts)
 
 
-class ProgressBar:
-    """A tqdm bar over training steps that starts at the resumed step and shows the latest score.
-
-    Disabled (every method a no-op, ``write`` still prints) when ``file`` is not a terminal, so
-    log files and CI output stay free of carriage-return noise; ``force=True`` turns it on anyway.
-    Text printed through ``write`` goes through ``tqdm.write`` so it never tears the bar.
-    """
-
-    def __init__(
-        self,
-        total: int | None,
-        initial: int = 0,
-        *,
-        desc: str = "train",
-        force: bool = False,
-        file: TextIO | None = None,
-    ) -> None:
-        from tqdm import tqdm
-
-        self._tqdm = tqdm
-        self.file = file if file is not None else sys.stdout
-        is_tty = bool(getattr(self.file, "isatty", lambda: False)())
-        self.enabled = force or is_tty
-        self.bar = (
-            tqdm(total=total, initial=initial, desc=desc, unit="step", file=self.file, dynamic_ncols=True)
-            if self.enabled
-            else None
-        )
-
-    def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
-        """Move the bar to ``step`` (absolute, so resume and skipped steps stay right); show the score."""
-        if self.bar is None:
-            return
-        if step > self.bar.n:
-            self.bar.update(step - self.bar.n)
-        score = _value(metrics or {}, "critic/score/mean")
-        if score is not None:
-            self.bar.set_postfix_str(f"score {_num(score)}", refresh=True)
-
-    def write(self, line: str) -> None:
-        """Print ``line`` above the bar (plain print to ``file`` when the bar is off)."""
-        self._tqdm.write(line, file=self.file)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+def brief(metrics: Mapping[str, Any]) -> str:
+    """The one figure the live line shows beside the step count: the score (RL) or the loss (SFT)."""
+    for label, keys in (("score", ("critic/score/mean",)), ("loss", ("train/loss",))):
+        v = _field(metrics, keys)
+        if v is not None:
+            return f"{label} {_num(v)}"
+    return ""

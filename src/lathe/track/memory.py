@@ -12,7 +12,11 @@ counters, so the step-wide figures are the ones to read for nesting code. On a C
 
 from __future__ import annotations
 
-from lathe.device import GIB, peak_memory, reset_peak_memory
+
+def _accel():
+    """`lathe.device`, imported on first use: it imports torch, which the CLI's start (`lathe.track`) must not."""
+    from lathe import device
+    return device
 
 
 class PeakMemory:
@@ -21,13 +25,13 @@ class PeakMemory:
         self.gb: dict[str, tuple[float, float]] = {}
 
     def start(self, name: str) -> None:
-        reset_peak_memory(self.device)
+        _accel().reset_peak_memory(self.device)
 
     def stop(self, name: str) -> None:
-        peak = peak_memory(self.device)
+        peak = _accel().peak_memory(self.device)
         if peak is not None:
             old = self.gb.get(name, (0.0, 0.0))
-            self.gb[name] = (max(old[0], peak[0] / GIB), max(old[1], peak[1] / GIB))
+            self.gb[name] = (max(old[0], peak[0] / 2**30), max(old[1], peak[1] / 2**30))
 
     def metrics(self) -> dict[str, float]:
         if not self.gb:

@@ -63,7 +63,7 @@ class Tracker:
         total_steps: int | None = None,
         printer: Callable[[str], None] | None = None,
     ) -> None:
-        """``printer`` receives the console line (default: stdout via ``tqdm.write``); pass e.g.
+        """``printer`` receives the console line (default: stdout, stamped ``HH:MM:SS``); pass e.g.
         ``logging.getLogger("lathe").info`` to route it through logging. ``total_steps`` is shown
         as ``step s/total``."""
         self.names = check_logger_names(loggers)

@@ -101,16 +101,15 @@ def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization:
     `seqs` the sequences one device generates per step. Room for none of them is refused: the engine could not
     start its second step, once the optimizer's state exists (its cache is sized again at each wake-up)."""
     total = total_memory(device)
+    if not total:
+        return _host_plan(parts, device), True
     resident = sum(p.nbytes for p in parts if p.on_gpu and not p.update_only)
     update = resident + sum(p.nbytes for p in parts if p.on_gpu and p.update_only)
     host = sum(p.nbytes for p in parts if not p.on_gpu)
-    where = f"{device} ({total / GIB:.1f} GiB)" if total else f"{device}"
-    lines = [f"memory plan on {where}:"]
+    lines = [f"memory plan on {device} ({total / GIB:.1f} GiB):"]
     for p in parts:
-        place = ("GPU" if p.on_gpu else "CPU") if total else "host"
+        place = "GPU" if p.on_gpu else "CPU"
         lines.append(f"  {p.what:<58} {p.nbytes / GIB:7.2f} GiB  {place}{'  (' + p.why + ')' if p.why else ''}")
-    if not total:
-        return "\n".join(lines), True
     kv = max(0.0, gpu_memory_utilization * total - resident)
     lines.append(f"  GPU while generating: {resident / GIB:.2f} GiB + KV cache up to {kv / GIB:.2f} GiB "
                  f"(rollout.gpu_memory_utilization={gpu_memory_utilization})")
@@ -138,6 +137,18 @@ def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization:
             lines.append(f"  the step's {seqs} sequences per device need {batch / GIB:.1f} GiB of KV cache at their "
                          f"longest: the engine will preempt (slower); gpu_memory_utilization={enough} avoids it")
     return "\n".join(lines), fits
+
+
+def _host_plan(parts: list[Part], device: torch.device) -> str:
+    """A run on the CPU: everything is in host memory. One line for a small model (a table of 0.00 GiB says
+    nothing); the table, in GiB, from 1 GiB on."""
+    host = sum(p.nbytes for p in parts)
+    if host < GIB:
+        return (f"memory plan on {device}: {host / 2**20:.1f} MiB of host memory for weights, gradients and optimizer "
+                "state (before activations)")
+    lines = [f"memory plan on {device}: {host / GIB:.2f} GiB of host memory before activations:"]
+    lines += [f"  {p.what:<58} {p.nbytes / GIB:7.2f} GiB" for p in parts]
+    return "\n".join(lines)
 
 
 def count_params(model) -> int:

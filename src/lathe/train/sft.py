@@ -8,6 +8,7 @@ within minutes).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -40,8 +41,10 @@ def sft_loss(model, batch: Batch) -> torch.Tensor:
 
 
 def supervised_fit(model, examples: list[tuple[list[int], list[int]]], *, steps: int, lr: float, batch_size: int,
-                   pad_id: int, seed: int, device: torch.device, grad_clip: float = 1.0) -> list[float]:
+                   pad_id: int, seed: int, device: torch.device, grad_clip: float = 1.0,
+                   on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """`steps` AdamW steps on (prompt_ids, response_ids) pairs sampled with a private RNG; returns the losses.
+    `on_step(steps done, loss)` is called after each (progress).
 
     Uses its own random stream so the caller's RNG state (and thus RL sampling) is untouched.
     """
@@ -58,4 +61,6 @@ def supervised_fit(model, examples: list[tuple[list[int], list[int]]], *, steps:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(len(losses), losses[-1])
     return losses

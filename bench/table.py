@@ -4,7 +4,7 @@
     python bench/table.py --write    # rewrite it in README.md, between the two marker comments
     python bench/table.py --check    # exit 1 when README.md's table differs from what bench/results/ gives
 
-Figures of record: for each bench (e2e, rollout, train, sft, reward_curve), device, GPU count, model shape and load,
+Figures of record: for each bench (e2e, rollout, train, sft, reward_curve, ckpt_save), device, GPU count, model shape and load,
 the latest result. A result is a bench's own output (its `models` in the shape the bench writes, with `device`,
 `date` and `git_sha`), either a whole file or one stored inside another file (e.g. the e2e run kept in
 `rollout_close_*.json`). Left out: A/B comparisons (files named `*_ab_*`), runs whose `git_sha` is not a plain commit
@@ -149,6 +149,13 @@ def reward_curve(path: Path):
     return ("reward_curve", doc["device"], 0, "builtin:tiny", ""), (when(doc), doc, text, path.name)
 
 
+def ckpt_save(path: Path):
+    doc = json.loads(path.read_text())
+    if doc.get("bench") != "ckpt_save" or not when(doc):
+        return None
+    return ("ckpt_save", doc["device"], 1, doc["model"], ""), (when(doc), doc, doc["what"], path.name)
+
+
 def records(results: Path = RESULTS) -> dict:
     """{(bench, device, gpus, shape, load): (when, doc, text, file)}, the latest of each."""
     best: dict = {}
@@ -159,7 +166,7 @@ def records(results: Path = RESULTS) -> dict:
     for path in sorted(results.glob("*.json")):
         if "_ab_" in path.name or path.name.endswith("_ab.json"):
             continue
-        rc = reward_curve(path)
+        rc = reward_curve(path) or ckpt_save(path)
         if rc:
             offer(*rc)
             continue
@@ -173,7 +180,7 @@ def records(results: Path = RESULTS) -> dict:
 
 
 def table(results: Path = RESULTS) -> str:
-    order = {k: i for i, k in enumerate(("e2e", "sft", "rollout", "train", "reward_curve"))}
+    order = {k: i for i, k in enumerate(("e2e", "sft", "rollout", "train", "reward_curve", "ckpt_save"))}
     shapes = {k: i for i, k in enumerate(SHAPE_NAMES)}
     recs = records(results)
     lines = ["| bench | device | model | figure | date | commit | results file |", "|---|---|---|---|---|---|---|"]

@@ -32,8 +32,9 @@ def load_toolset(opts: GenerateOptions):
         return None
     from lathe.rollout.agent.tool_config import load_tools
     from lathe.rollout.agent.tools import ToolConfigError
-    path = Path(opts.tool_config_path).expanduser()
-    if not path.is_file():
+    builtin = opts.tool_config_path.startswith("builtin:")             # a tool config shipped with lathe
+    path = opts.tool_config_path if builtin else Path(opts.tool_config_path).expanduser()
+    if not builtin and not path.is_file():
         raise GenerateError(f"tool_config_path={opts.tool_config_path}: no such file. Fix: give a tool YAML file in "
                             "verl's shape (tools: [{class_name, config, tool_schema}]), e.g. with class_name: "
                             "lathe.rollout.agent.builtin_tools.CalculatorTool")

@@ -298,9 +298,10 @@ def _check_multi_turn(cfg: LatheConfig, problems: ProblemList) -> None:
         if getattr(mt, key) <= 0:
             problems.add(f"{k}.{key}={getattr(mt, key)} must be positive. Fix: raise it.")
     path = mt.tool_config_path or cfg.data.tool_config_path
-    if path and not os.path.isfile(os.path.expanduser(path)):
+    if path and not path.startswith("builtin:") and not os.path.isfile(os.path.expanduser(path)):
         problems.add(f"{k}.tool_config_path={path!r}: no such file. Fix: point it at a tool YAML file (verl's shape: "
-                     f"tools: [{{class_name, config, tool_schema}}]), or remove it to run without tools.")
+                     f"tools: [{{class_name, config, tool_schema}}]) or a built-in one (builtin:secret_lookup), or "
+                     f"remove it to run without tools.")
     path = mt.interaction_config_path
     if path and not os.path.isfile(os.path.expanduser(path)):
         problems.add(f"{k}.interaction_config_path={path!r}: no such file. Fix: point it at an interaction YAML file "

@@ -1,7 +1,8 @@
 """Built-in task and tokenizer: lets lathe train end to end with no download.
 
 `builtin_tokenizer()` is a character-level tokenizer over printable ASCII with a tiny chat
-template; `arithmetic_rows()` makes a verl-schema arithmetic data set ("12+7=" -> "19").
+template; `arithmetic_rows()` makes a verl-schema arithmetic data set ("12+7=" -> "19"), and
+`lathe.data.secret_lookup` a tool-calling one (`BUILTIN_DATASETS` names them `builtin:<task>`).
 Together with a tiny model built in code they give a task a few-million-parameter policy can
 learn in minutes on a CPU, which is what the smoke and integration tests need.
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 import random
 import string
 from typing import Any, Callable
+
+from lathe.data.secret_lookup import secret_lookup_rows
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -123,17 +126,29 @@ _EVAL_SPLITS = ("val", "validation", "test")
 BUILTIN_MAX_OPERAND = 9   # single-digit sums: learnable by RL on two CPU cores in minutes
 
 
+def _split_rows(name: str, split: str, train: Callable[[], list], evaluation: Callable[[], list]) -> list:
+    if split == "train":
+        return train()
+    if split in _EVAL_SPLITS:
+        return evaluation()
+    raise ValueError(f"{name}: unknown split {split!r}; use 'train' or one of {_EVAL_SPLITS}")
+
+
 def builtin_arithmetic(split: str) -> list[dict[str, Any]]:
     """The `builtin:arithmetic` data set: train 4096 rows (seed 0), val/test 256 rows (seed 1)."""
-    if split == "train":
-        return arithmetic_rows(4096, seed=0, split=split, max_operand=BUILTIN_MAX_OPERAND)
-    if split in _EVAL_SPLITS:
-        return arithmetic_rows(256, seed=1, split=split, max_operand=BUILTIN_MAX_OPERAND)
-    raise ValueError(
-        f"builtin:arithmetic: unknown split {split!r}; use 'train' or one of {_EVAL_SPLITS}"
-    )
+    return _split_rows("builtin:arithmetic", split,
+                       lambda: arithmetic_rows(4096, seed=0, split=split, max_operand=BUILTIN_MAX_OPERAND),
+                       lambda: arithmetic_rows(256, seed=1, split=split, max_operand=BUILTIN_MAX_OPERAND))
+
+
+def builtin_secret_lookup(split: str) -> list[dict[str, Any]]:
+    """The `builtin:secret_lookup` agent task (`lathe.data.secret_lookup`): train 512 rows (seed 0), val/test 32
+    rows (seed 1)."""
+    return _split_rows("builtin:secret_lookup", split, lambda: secret_lookup_rows(512, seed=0, split=split),
+                       lambda: secret_lookup_rows(32, seed=1, split=split))
 
 
 BUILTIN_DATASETS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
     "builtin:arithmetic": builtin_arithmetic,
+    "builtin:secret_lookup": builtin_secret_lookup,
 }

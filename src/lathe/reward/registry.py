@@ -29,7 +29,8 @@ ARITHMETIC_SOURCES = frozenset({"lathe/arithmetic"})
 
 
 def scorer_for(data_source: str) -> Callable[[str, Any], float]:
-    """Return the rule scorer ``fn(solution_str, ground_truth) -> float`` for a data source.
+    """Return the rule scorer ``fn(solution_str, ground_truth) -> float`` for a data source (the agent task's:
+    ``fn(solution_str, ground_truth, extra_info)``).
 
     Raises NotImplementedError (as verl does) naming the data source and the fix.
     """
@@ -39,11 +40,14 @@ def scorer_for(data_source: str) -> Callable[[str, Any], float]:
         return math_score.compute_score
     if data_source in ARITHMETIC_SOURCES:
         return builtin.compute_score
+    if data_source in builtin.SECRET_LOOKUP_SOURCES:
+        return builtin.tool_verdict             # fn(solution_str, ground_truth, extra_info): a tool's verdict
     if data_source in code.CODE_SOURCES:
         return code.compute_score
     if data_source in geo3k.DATA_SOURCES:
         return geo3k.compute_score
-    known = sorted(GSM8K_SOURCES | MATH_SOURCES | ARITHMETIC_SOURCES | code.CODE_SOURCES | geo3k.DATA_SOURCES)
+    known = sorted(GSM8K_SOURCES | MATH_SOURCES | ARITHMETIC_SOURCES | builtin.SECRET_LOOKUP_SOURCES
+                   | code.CODE_SOURCES | geo3k.DATA_SOURCES)
     known += [p + "*" for p in MATH_PREFIXES]
     raise NotImplementedError(
         f"no built-in reward function for data_source={data_source!r} (built-in: {', '.join(known)}); "
@@ -57,6 +61,9 @@ def default_compute_score(
 ) -> float:
     """Score one response with the built-in scorer for its ``data_source``.
 
-    ``extra_info`` is accepted for signature compatibility with custom functions and unused.
+    ``extra_info`` reaches only the scorers that read it (the agent task's tool verdict); the others ignore it.
     """
-    return float(scorer_for(data_source)(solution_str, ground_truth))
+    scorer = scorer_for(data_source)
+    if data_source in builtin.SECRET_LOOKUP_SOURCES:
+        return float(scorer(solution_str, ground_truth, extra_info))
+    return float(scorer(solution_str, ground_truth))

@@ -6,6 +6,8 @@
   scorer (the answer alone, no format part).
   Unlike verl's, both refuse a trajectory whose row has no ground truth (an error answer the model reads, naming the
   `lathe preprocess` command that writes it) instead of scoring every submission 0.
+* `SecretLookupTool` (``f``): the built-in agent task's lookup (`lathe.data.secret_lookup`); its verdict is
+  whether the trajectory looked its secret up.
 * `CalculatorTool` (``calculator``): arithmetic, evaluated from the `ast` (no names, calls or attributes) with
   the sizes of results bounded, so ``9**9**9`` is refused instead of hanging.
 * `CodeInterpreterTool` (``code_interpreter``): runs Python in lathe's sandbox (`lathe.reward.sandbox`), or on
@@ -28,12 +30,13 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+from lathe.data.secret_lookup import TOOL_NAME
 from lathe.reward.geo3k import compute_score as geo3k_score
 from lathe.reward.gsm8k import compute_score
 from lathe.reward.sandbox import RunResult, SandboxLimits, run_python, unavailable
 from lathe.rollout.agent.tools import BaseTool, ToolConfigError, ToolResponse
 
-__all__ = ["VERL_BUILTINS", "CalculatorTool", "CodeInterpreterTool", "Geo3kTool", "Gsm8kTool",
+__all__ = ["VERL_BUILTINS", "CalculatorTool", "CodeInterpreterTool", "Geo3kTool", "Gsm8kTool", "SecretLookupTool",
            "evaluate_arithmetic", "resolve_tool_class"]
 
 # verl class paths that lathe runs with its own built-ins.
@@ -137,6 +140,40 @@ class Geo3kTool(_AnswerCheckTool):
     def _score(self, response: str, ground_truth: Any) -> float:
         boxed = "\\boxed" in response or "\\fbox" in response
         return geo3k_score(response, ground_truth, use_boxed=boxed, format_score=0.0)
+
+
+class SecretLookupTool(BaseTool):
+    """``f()``, the tool of the built-in agent task (`lathe.data.secret_lookup`, tool config
+    ``builtin:secret_lookup``): answers the secret digit its trajectory was created with (``create_kwargs.secret``);
+    `calc_reward` is its verdict: 1.0 once the trajectory has looked the secret up, else 0.0."""
+
+    def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
+        super().__init__(config, tool_schema)
+        self._instances: dict[str, dict] = {}
+
+    @classmethod
+    def default_schema(cls) -> dict:
+        return {"type": "function", "function": {"name": TOOL_NAME, "description": "the secret digit of this item",
+                                                 "parameters": {"type": "object", "properties": {}, "required": []}}}
+
+    def create(self, instance_id: str | None = None, secret: str | None = None, **kwargs):
+        if secret is None:
+            raise ValueError(f"{self.name} has no secret for this trajectory: its data row lacks extra_info."
+                             f"tools_kwargs.{self.name}.create_kwargs.secret (builtin:secret_lookup rows have it)")
+        instance_id = instance_id or uuid4().hex
+        self._instances[instance_id] = {"secret": str(secret), "looked_up": False}
+        return instance_id, ToolResponse()
+
+    def execute(self, instance_id: str, parameters: dict, **kwargs):
+        state = self._instances[instance_id]
+        state["looked_up"] = True
+        return ToolResponse(text=state["secret"]), 0.0, {}
+
+    def calc_reward(self, instance_id: str, **kwargs) -> float:
+        return float(self._instances[instance_id]["looked_up"])
+
+    def release(self, instance_id: str, **kwargs) -> None:
+        self._instances.pop(instance_id, None)
 
 
 MAX_EXPRESSION_CHARS = 500

@@ -1,6 +1,7 @@
 """Loading verl's tool-config YAML (``actor_rollout_ref.rollout.multi_turn.tool_config_path``): ``tools:`` entries of
 class_name, config and tool_schema, each built into a tool (lathe's built-ins, verl's names for them, or a class of
-the user's) and checked, every problem a `ToolConfigError` naming the file and the entry."""
+the user's) and checked, every problem a `ToolConfigError` naming the file and the entry. ``builtin:<name>`` names a
+tool config that ships with lathe (`BUILTIN_TOOL_CONFIGS`) instead of a file."""
 
 from __future__ import annotations
 
@@ -12,10 +13,42 @@ import yaml
 from lathe.rollout.agent.builtin_tools import resolve_tool_class
 from lathe.rollout.agent.tools import SCHEMA_HELP, BaseTool, ToolConfigError, ToolSet, _describe, check_schema
 
+# `tool_config_path` values that name a tool config shipped with lathe instead of a file (verl's `tools:` entries)
+BUILTIN_TOOL_CONFIGS: dict[str, list[dict]] = {
+    "builtin:secret_lookup": [{"class_name": "lathe.rollout.agent.builtin_tools.SecretLookupTool",
+                               "config": {"type": "native"}}],
+}
+
 
 def load_tools(path: str | Path) -> ToolSet:
-    """The tools of verl's tool-config YAML at `path` (``tools:`` entries of class_name, config, tool_schema)."""
-    file = Path(path)
+    """The tools of verl's tool-config YAML at `path` (``tools:`` entries of class_name, config, tool_schema), or of
+    a built-in tool config (`BUILTIN_TOOL_CONFIGS`: ``builtin:<name>``)."""
+    file, entries = Path(path), _builtin_entries(str(path))
+    if entries is None:
+        entries = _file_entries(file)
+    tools, seen = [], {}
+    for index, entry in enumerate(entries):
+        tool = _load_entry(file, index, entry)
+        if tool.name in seen:
+            raise ToolConfigError(f"{file}: tools[{index}] ({tool.name}): the name is already used by "
+                                  f"tools[{seen[tool.name]}]; give each tool its own tool_schema.function.name")
+        seen[tool.name] = index
+        tools.append(tool)
+    return ToolSet(tools)
+
+
+def _builtin_entries(name: str) -> list[dict] | None:
+    """The entries of a built-in tool config; None when `name` is not ``builtin:...`` (a file path)."""
+    if not name.startswith("builtin:"):
+        return None
+    if name not in BUILTIN_TOOL_CONFIGS:
+        raise ToolConfigError(f"tool_config_path={name}: no such built-in tool config; built-in: "
+                              f"{', '.join(BUILTIN_TOOL_CONFIGS)}, or give a tool YAML file")
+    return BUILTIN_TOOL_CONFIGS[name]
+
+
+def _file_entries(file: Path) -> list:
+    """The ``tools:`` entries of a tool YAML file."""
     if not file.is_file():
         raise ToolConfigError(f"{file}: no such tool config file; fix actor_rollout_ref.rollout.multi_turn."
                               f"tool_config_path")
@@ -27,15 +60,7 @@ def load_tools(path: str | Path) -> ToolSet:
     if not isinstance(entries, list) or not entries:
         raise ToolConfigError(f"{file}: needs a top-level 'tools:' list of entries (class_name, config, "
                               f"tool_schema), as verl's tool configs have")
-    tools, seen = [], {}
-    for index, entry in enumerate(entries):
-        tool = _load_entry(file, index, entry)
-        if tool.name in seen:
-            raise ToolConfigError(f"{file}: tools[{index}] ({tool.name}): the name is already used by "
-                                  f"tools[{seen[tool.name]}]; give each tool its own tool_schema.function.name")
-        seen[tool.name] = index
-        tools.append(tool)
-    return ToolSet(tools)
+    return entries
 
 
 def _load_entry(file: Path, index: int, entry: Any) -> BaseTool:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lathe.config import load_config
-from lathe.loop import setup, warm_cache
+from lathe.loop import warm_cache, warm_start
 from lathe.loop.setup import build_model, load_datasets
 from lathe.models.hf import load_tokenizer
 
@@ -18,8 +18,8 @@ from lathe.models.hf import load_tokenizer
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LATHE_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
-    real = setup.supervised_fit
-    monkeypatch.setattr(setup, "supervised_fit", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = warm_start.supervised_fit
+    monkeypatch.setattr(warm_start, "supervised_fit", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 

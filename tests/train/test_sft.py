@@ -58,3 +58,17 @@ def test_supervised_fit_leaves_global_rng_untouched(make_model):
     assert torch.equal(torch.get_rng_state(), torch_state)
     assert random.getstate() == py_state
     assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), np_state))
+
+
+def test_supervised_fit_trains_only_the_masked_in_tokens_of_a_triple(make_model):
+    """(prompt, response, loss mask) triples, the warm start's conversations: a token with mask 0 (a tool's answer)
+    is context, never a target; a pair trains every response token."""
+    kw = dict(steps=1, lr=0.0, batch_size=1, pad_id=PAD, seed=0, device=torch.device("cpu"))
+    (p, r), mask = EXAMPLES[2], [1, 0, 0, 1]
+    model = make_model()
+    masked = sft_batch([p], [r], PAD, loss_masks=[mask])
+    with torch.no_grad():
+        expected = sft_loss(model.eval(), masked).item()
+        whole = sft_loss(model, sft_batch([p], [r], PAD)).item()
+    assert supervised_fit(model, [(p, r, mask)], **kw) == [expected] != [whole]
+    assert supervised_fit(model, [(p, r)], **kw) == [whole]

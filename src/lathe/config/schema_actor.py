@@ -103,7 +103,9 @@ class PolicyLossConfig:
 
 @dataclass
 class WarmStartConfig:
-    """lathe: supervised warm start on ``extra_info.answer`` before RL (the built-in run uses it)."""
+    """lathe: supervised warm start on ``extra_info.answer`` before RL (the built-in demos use it): the reply text,
+    or the turns that follow the prompt (a list of messages: tool calls, tool answers, the reply), trained as a
+    conversation (the assistant turns)."""
 
     steps: int = spec(0, "Supervised steps before RL; 0 disables the warm start.")
     lr: float = spec(1e-3, "Learning rate of the warm start.")

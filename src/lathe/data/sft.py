@@ -5,7 +5,9 @@ Two row shapes (verl's SFT datasets):
 - **single-turn**: ``data.prompt_key`` holds the prompt (a string, taken as one user message, or a chat list)
   and ``data.response_key`` the response (a string); ``*_dict_keys`` read into struct columns (verl's GSM8K SFT
   recipe: ``prompt_key=extra_info prompt_dict_keys=[question]``). The prompt is rendered with the chat template
-  and a generation prompt; the response's tokens and eos are trained.
+  and a generation prompt; the response's tokens and eos are trained. A response that is a list of messages
+  (``builtin:secret_lookup``'s ``extra_info.answer``: a tool call, the tool's answer, the reply) continues the
+  prompt's conversation, trained as the multi-turn rows are.
 - **multi-turn**: ``data.messages_key`` holds a conversation (``[{role, content}, ...]``, optional tool schemas
   in ``data.tools_key``). The conversation is rendered with the chat template turn by turn: each assistant
   turn's tokens after its header (its content and end-of-turn marker) are trained, nothing else.
@@ -91,13 +93,6 @@ class SFTDataset:
     def _tokens(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _render(self, messages: list[dict], origin: str, *, generation_prompt: bool, **kwargs) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                      tokenize=False, **self.cfg.apply_chat_template_kwargs, **kwargs)
-        except Exception as e:  # jinja raises TemplateError and friends
-            raise DataError(f"{origin}: the chat template failed on this row ({type(e).__name__}: {e})") from None
-
     def _single_turn(self, row: dict, origin: str) -> tuple[list[int], list[int]]:
         d = self.cfg
         prompt = _field(row, d.prompt_key, d.prompt_dict_keys, origin, "prompt")
@@ -105,13 +100,18 @@ class SFTDataset:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         messages = _messages(prompt, origin, d.prompt_key)
+        if is_turns(response):
+            return continuation_tokens(self.tokenizer, messages, response, origin, _where(d.response_key,
+                                       d.response_dict_keys), dict(d.apply_chat_template_kwargs),
+                                       ignore_mismatch=d.ignore_input_ids_mismatch)
         if isinstance(response, int | float) and not isinstance(response, bool):
             response = str(response)
         if not isinstance(response, str) or not response:
             raise DataError(f"{origin}: the response ({_where(d.response_key, d.response_dict_keys)}) must be a "
                             f"non-empty string, got {response!r}"[:300] + ". Fix: set data.response_key / "
                             "data.response_dict_keys to the column that holds the answer text.")
-        prompt_ids = self._tokens(self._render(messages, origin, generation_prompt=True))
+        prompt_ids = self._tokens(render(self.tokenizer, messages, origin, dict(d.apply_chat_template_kwargs),
+                                         generation_prompt=True))
         response_ids = self._tokens(response) + [self.tokenizer.eos_token_id]
         return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
@@ -133,33 +133,72 @@ class SFTDataset:
         thinking = row.get(d.enable_thinking_key, d.enable_thinking_default)
         if thinking not in (None, "none"):
             kwargs["enable_thinking"] = bool(thinking)
-        # cut where an assistant turn starts and ends: only there must the rendering of a prefix of the conversation
-        # be a prefix of the whole (templates may join other turns, e.g. Qwen's consecutive tool answers)
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        cuts = sorted({*turns, *(i + 1 for i in turns), len(messages)} - {0})
-        ids, mask, text, begin = [], [], "", 0
-        for end in cuts:
-            whole = self._render(messages[:end], origin, generation_prompt=False, **kwargs)
-            if not whole.startswith(text):
-                raise DataError(f"{origin}: the chat template renders turns 0..{begin - 1} differently once turns "
-                                f"{begin}..{end - 1} follow (templates that rewrite earlier turns, e.g. drop their "
-                                "<think> blocks, cannot be trained turn by turn). Fix: store the conversation as the "
-                                "template renders it, or use a template that keeps earlier turns as they are.")
-            trained = messages[begin]["role"] == "assistant"
-            header = ""
-            if trained:                      # the assistant header (the generation prompt) is not trained
-                opened = self._render(messages[:begin], origin, generation_prompt=True, **kwargs) if begin else ""
-                if opened.startswith(text) and whole.startswith(opened):
-                    header = opened[len(text):]
-            head_ids, body_ids = self._tokens(header), self._tokens(whole[len(text) + len(header):])
-            ids += head_ids + body_ids
-            mask += [0] * len(head_ids) + [int(trained)] * len(body_ids)
-            text, begin = whole, end
-        if ids != self._tokens(text) and not d.ignore_input_ids_mismatch:
-            raise DataError(f"{origin}: the conversation tokenized turn by turn differs from the whole conversation "
-                            "tokenized at once (a token spans two turns). Fix: set data.ignore_input_ids_mismatch="
-                            "true to train on the turn-by-turn tokens.")
-        return ids, mask
+        return conversation_tokens(self.tokenizer, messages, origin, {**d.apply_chat_template_kwargs, **kwargs},
+                                   ignore_mismatch=d.ignore_input_ids_mismatch)
+
+
+def render(tokenizer, messages: list[dict], origin: str, template_kwargs: dict, *, generation_prompt: bool) -> str:
+    """The chat template's text of `messages`; a DataError naming `origin` when the template fails."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                             **template_kwargs)
+    except Exception as e:  # jinja raises TemplateError and friends
+        raise DataError(f"{origin}: the chat template failed on this row ({type(e).__name__}: {e})") from None
+
+
+def is_turns(response: Any) -> bool:
+    """A response given as the turns that follow the prompt (a list of messages; a numpy array when read from
+    parquet) rather than as text."""
+    return isinstance(response, list) or getattr(response, "ndim", 0) == 1
+
+
+def continuation_tokens(tokenizer, prompt: list[dict], turns: Any, origin: str, key: str, template_kwargs: dict, *,
+                        ignore_mismatch: bool = False) -> tuple[list[int], list[int]]:
+    """`conversation_tokens` of the prompt's messages followed by `turns` (messages with an assistant turn, read
+    from `key`: a DataError names it when they are not)."""
+    turns = _messages(turns, origin, key, conversation=True)
+    return conversation_tokens(tokenizer, list(prompt) + turns, origin, template_kwargs,
+                               ignore_mismatch=ignore_mismatch)
+
+
+def conversation_tokens(tokenizer, messages: list[dict], origin: str, template_kwargs: dict, *,
+                        ignore_mismatch: bool = False) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a conversation rendered with the chat template turn by turn: 1 on each assistant
+    turn's tokens after its header (its content and end-of-turn marker), 0 elsewhere. `lathe sft`'s conversations
+    and `lathe train`'s warm start (`actor_rollout_ref.model.warm_start`) both train these."""
+    def tokens(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def rendered(upto: int, generation_prompt: bool = False) -> str:
+        return render(tokenizer, messages[:upto], origin, template_kwargs, generation_prompt=generation_prompt)
+
+    # cut where an assistant turn starts and ends: only there must the rendering of a prefix of the conversation
+    # be a prefix of the whole (templates may join other turns, e.g. Qwen's consecutive tool answers)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    cuts = sorted({*turns, *(i + 1 for i in turns), len(messages)} - {0})
+    ids, mask, text, begin = [], [], "", 0
+    for end in cuts:
+        whole = rendered(end)
+        if not whole.startswith(text):
+            raise DataError(f"{origin}: the chat template renders turns 0..{begin - 1} differently once turns "
+                            f"{begin}..{end - 1} follow (templates that rewrite earlier turns, e.g. drop their "
+                            "<think> blocks, cannot be trained turn by turn). Fix: store the conversation as the "
+                            "template renders it, or use a template that keeps earlier turns as they are.")
+        trained = messages[begin]["role"] == "assistant"
+        header = ""
+        if trained:                      # the assistant header (the generation prompt) is not trained
+            opened = rendered(begin, generation_prompt=True) if begin else ""
+            if opened.startswith(text) and whole.startswith(opened):
+                header = opened[len(text):]
+        head_ids, body_ids = tokens(header), tokens(whole[len(text) + len(header):])
+        ids += head_ids + body_ids
+        mask += [0] * len(head_ids) + [int(trained)] * len(body_ids)
+        text, begin = whole, end
+    if ids != tokens(text) and not ignore_mismatch:
+        raise DataError(f"{origin}: the conversation tokenized turn by turn differs from the whole conversation "
+                        "tokenized at once (a token spans two turns). Fix: set data.ignore_input_ids_mismatch="
+                        "true to train on the turn-by-turn tokens.")
+    return ids, mask
 
 
 def _where(key: str, dict_keys: list[str] | None) -> str:

@@ -25,15 +25,14 @@ from lathe.device import default_device_type, device_count, empty_cache, use_cpu
 from lathe.generation import SamplingParams
 from lathe.loop import warm_cache
 from lathe.loop.preflight import Checked, preflight
+from lathe.loop.warm_start import warm_start, warm_start_examples
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.reward import RewardManager
 from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.agent import load_run_tools
-from lathe.track import Progress, Tracker, phase
-from lathe.track.progress import duration
+from lathe.track import Tracker, phase
 from lathe.seeding import seed_everything
-from lathe.train.sft import supervised_fit
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 from lathe.workers.critic import CriticWorker
 
@@ -215,37 +214,6 @@ def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: 
     if ws.cache:
         warm_cache.store(key, inputs, init_dir)
     return model
-
-
-def warm_start(cfg, model, examples: list[tuple[list[int], list[int]]], pad_id: int, device: torch.device
-               ) -> list[float]:
-    """`warm_start.steps` supervised steps on `examples` (`warm_start_examples`), with their progress shown; returns
-    the losses."""
-    ws = cfg.actor_rollout_ref.model.warm_start
-    log.info("warm start: %d supervised steps on extra_info.answer (actor_rollout_ref.model.warm_start.steps=0 "
-             "skips it)", ws.steps)
-    with Progress("warm start", ws.steps) as bar:
-        losses = supervised_fit(model, examples, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, pad_id=pad_id,
-                                seed=cfg.trainer.seed, device=device,
-                                on_step=lambda i, loss: bar.update(i, f"loss {loss:.3f}"))
-    log.info("warm start: %d steps in %s, loss %.3f -> %.3f", len(losses), duration(bar.elapsed), losses[0],
-             losses[-1])
-    return losses
-
-
-def warm_start_examples(cfg, tokenizer, train: RLDataset) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + eos) for every training row, from `extra_info.answer`."""
-    examples = []
-    for i in range(len(train)):
-        row = train[i]
-        answer = (row["extra_info"] or {}).get("answer")
-        if answer is None:
-            raise ValueError(f"actor_rollout_ref.model.warm_start.steps={cfg.actor_rollout_ref.model.warm_start.steps} "
-                             f"needs extra_info.answer in every training row; row {row['index']} of "
-                             f"{cfg.data.train_files} has none. Set warm_start.steps=0 or add the answers.")
-        ids = tokenizer(str(answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        examples.append((row["prompt_ids"], ids))
-    return examples
 
 
 def build_trainer(cfg, checked: Checked | None = None) -> Trainer:

@@ -18,7 +18,6 @@ from lathe.rollout.base import to_batch
 from lathe.train.logprob import response_log_probs
 
 
-
 def sft_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
               loss_masks: list[list[int]] | None = None) -> Batch:
     """The rollout batch layout, built from given responses instead of sampled ones; `response_mask` is
@@ -40,10 +39,11 @@ def sft_loss(model, batch: Batch) -> torch.Tensor:
     return -(log_probs * mask).sum() / mask.sum().clamp(min=1)
 
 
-def supervised_fit(model, examples: list[tuple[list[int], list[int]]], *, steps: int, lr: float, batch_size: int,
+def supervised_fit(model, examples: list[tuple[list[int], ...]], *, steps: int, lr: float, batch_size: int,
                    pad_id: int, seed: int, device: torch.device, grad_clip: float = 1.0,
                    on_step: Callable[[int, float], None] | None = None) -> list[float]:
-    """`steps` AdamW steps on (prompt_ids, response_ids) pairs sampled with a private RNG; returns the losses.
+    """`steps` AdamW steps on (prompt_ids, response_ids) pairs, or (prompt_ids, response_ids, loss_mask) triples
+    (1 = trained; a pair trains every response token), sampled with a private RNG; returns the losses.
     `on_step(steps done, loss)` is called after each (progress).
 
     Uses its own random stream so the caller's RNG state (and thus RL sampling) is untouched.
@@ -54,7 +54,8 @@ def supervised_fit(model, examples: list[tuple[list[int], list[int]]], *, steps:
     losses = []
     for _ in range(steps):
         chunk = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        batch = sft_batch([p for p, _ in chunk], [r for _, r in chunk], pad_id).to(device)
+        masks = [ex[2] if len(ex) > 2 else [1] * len(ex[1]) for ex in chunk]
+        batch = sft_batch([ex[0] for ex in chunk], [ex[1] for ex in chunk], pad_id, loss_masks=masks).to(device)
         loss = sft_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

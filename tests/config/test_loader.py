@@ -32,6 +32,16 @@ def test_none_means_default_preset_with_builtin_run():
     assert cfg.trainer.default_local_dir == f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
 
 
+def test_agent_demo_preset_runs_the_builtin_tool_task_with_no_files():
+    cfg = load_config("agent_demo")
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    assert mt.enable and mt.tool_config_path == "builtin:secret_lookup"
+    assert cfg.data.train_files == cfg.data.val_files == "builtin:secret_lookup"
+    assert cfg.reward.custom_reward_function.path is None                   # the built-in scorer of its data_source
+    assert cfg.actor_rollout_ref.model.path == "builtin:tiny" and cfg.actor_rollout_ref.model.warm_start.steps > 0
+    assert cfg.trainer.device == "cpu" and cfg.trainer.experiment_name == "builtin_agent"
+
+
 def test_gsm8k_preset_mirrors_verl_example():
     cfg = load_config("gsm8k_grpo", device_count=8)
     assert cfg.data.train_files.endswith("gsm8k/train.parquet")

@@ -1,5 +1,6 @@
-"""The agent loop through `lathe train` (the task: tests/agent_task.py): a reward reachable only through a tool rises
-under GRPO on CPU, as a tiny model warm-started on example conversations learns to call the tool.
+"""The agent loop through `lathe train` (the task: the `agent_demo` preset, see tests/agent_task.py): a reward
+reachable only through a tool rises under GRPO on CPU, as a tiny model warm-started on example conversations learns
+to call the tool.
 
 (Copying the secret into the final answer is beyond the built-in tiny model in a CPU test's budget: after 400
 supervised steps it copied 13% of the time, as good as a guess; so the reward is the tool's verdict.)
@@ -15,13 +16,28 @@ from lathe.cli import main
 
 @pytest.mark.slow
 def test_the_model_learns_to_call_the_tool_and_its_reward_rises(tmp_path):
-    steps = 16
+    steps = 10
     assert main(["train", *agent_task(), f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}",
                  f"trainer.default_local_dir={tmp_path}"]) == 0
     scores, calls = metric(tmp_path), metric(tmp_path, "agent/tool_calls/mean")
-    assert len(metric(tmp_path, "val-core/secret/reward/mean@1")) == 1      # validation ran the loop too
+    assert len(metric(tmp_path, "val-core/lathe/secret_lookup/reward/mean@1")) == 1   # validation ran the loop too
     assert metric(tmp_path, "num_turns/max")[-1] == 4                      # prompt, call, answer, reply
-    first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
-    # 0.27 -> 0.47 (tool calls alike) on the machine this was written on
-    assert last >= first + 0.12, f"reward went from {first:.2f} to {last:.2f} in {steps} steps"
-    assert sum(calls[-4:]) / 4 > sum(calls[:4]) / 4 + 0.12
+    first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
+    # 0.20 -> 0.54 (tool calls alike) on the machine this was written on
+    assert last >= first + 0.15, f"reward went from {first:.2f} to {last:.2f} in {steps} steps"
+    assert sum(calls[-3:]) / 3 > sum(calls[:3]) / 3 + 0.15
+
+
+@pytest.mark.slow
+def test_lathe_train_agent_demo_runs_end_to_end(tmp_path, capsys):
+    """The preset as a user runs it (warm start in `lathe train` included), cut to a few steps."""
+    assert main(["train", "agent_demo", "trainer.total_training_steps=2", "trainer.test_freq=2",
+                 "actor_rollout_ref.model.warm_start.steps=2", "actor_rollout_ref.model.warm_start.batch_size=8",
+                 "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                 "actor_rollout_ref.rollout.n=2", "data.val_max_samples=2", "data.val_batch_size=2",
+                 "trainer.logger=[console]", f"trainer.default_local_dir={tmp_path}"]) == 0
+    assert len(metric(tmp_path, "agent/tool_calls/mean")) == 2 and len(metric(tmp_path, "num_turns/mean")) == 2
+    assert len(metric(tmp_path, "val-core/lathe/secret_lookup/reward/mean@1")) == 2     # before training, at the end
+    assert (tmp_path / "init_model" / "config.json").exists()                           # the warm-started start
+    out = capsys.readouterr().out
+    assert "step 2/2 | score" in out and "| tool_calls " in out

@@ -22,6 +22,11 @@ def test_line_matches_example():
     )
 
 
+def test_a_multi_turn_step_shows_its_tool_calls_after_the_score():
+    line = format_step_line(5, 40, {"critic/score/mean": 0.5, "agent/tool_calls/mean": 0.75, "timing_s/step": 1.5})
+    assert line == "step 5/40 | score 0.5 | tool_calls 0.75 | step 1.50s"
+
+
 def test_missing_keys_are_skipped_and_total_optional():
     line = format_step_line(3, None, {"actor/pg_loss": torch.tensor(0.5), "timing_s/step": 125.0})
     assert line == "step 3 | pg_loss 0.5 | step 125s"

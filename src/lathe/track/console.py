@@ -24,6 +24,7 @@ __all__ = ["format_step_line", "brief"]
 # (label, candidate keys in order of preference, kind). kinds: "num", "sec", "rate".
 _FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("score", ("critic/score/mean",), "num"),
+    ("tool_calls", ("agent/tool_calls/mean",), "num"),   # multi-turn: tool calls per trajectory
     ("reward", ("critic/rewards/mean",), "num"),
     ("pg_loss", ("actor/pg_loss",), "num"),
     ("vf_loss", ("critic/vf_loss",), "num"),

@@ -139,14 +139,20 @@ def reward_curve(path: Path):
     doc = json.loads(path.read_text())
     if doc.get("bench") != "reward_curve" or not when(doc):
         return None
-    text = (f"`lathe train` built-in demo: critic/score/mean {doc['first_step_score']:.2f} at step 1 → "
-            f"{doc['final_rolling10']:.2f} (10-step mean), {doc['wall_seconds']:.0f} s wall")
+    preset = doc.get("preset", "default")
+    text = (f"`{doc['command']}` built-in demo: critic/score/mean {doc['first_step_score']:.2f} at step 1 → "
+            f"{doc['final_rolling10']:.2f} (10-step mean)")
+    if "first_step_tool_calls" in doc:
+        text += (f", agent/tool_calls/mean {doc['first_step_tool_calls']:.2f} → "
+                 f"{doc['final_tool_calls_rolling10']:.2f}")
+    text += f", {doc['wall_seconds']:.0f} s wall"
     if doc.get("grpo_seconds_to_rolling10_ge_0.95") is not None:
         text += f"; 10-step mean ≥ 0.95 after {doc['grpo_seconds_to_rolling10_ge_0.95']:.0f} s of GRPO steps"
     if doc.get("one_step_run_seconds"):
         cold, cached = doc["one_step_run_seconds"].values()
         text += f"; a 1-step run {cold:.0f} s, {cached:.0f} s with the warm start cached"
-    return ("reward_curve", doc["device"], 0, "builtin:tiny", ""), (when(doc), doc, text, path.name)
+    kind = "reward_curve" if preset == "default" else f"reward_curve ({preset})"
+    return (kind, doc["device"], 0, "builtin:tiny", ""), (when(doc), doc, text, path.name)
 
 
 def ckpt_save(path: Path):
@@ -184,7 +190,7 @@ def table(results: Path = RESULTS) -> str:
     shapes = {k: i for i, k in enumerate(SHAPE_NAMES)}
     recs = records(results)
     lines = ["| bench | device | model | figure | date | commit | results file |", "|---|---|---|---|---|---|---|"]
-    for key in sorted(recs, key=lambda k: (order[k[0]], k[1], k[2], shapes.get(k[3], 9), k[4])):
+    for key in sorted(recs, key=lambda k: (order[k[0].split()[0]], k[0], k[1], k[2], shapes.get(k[3], 9), k[4])):
         kind, device, gpus, shape, load = key
         t, doc, text, name = recs[key]
         dev = f"{gpus}× {device}" if gpus and gpus > 1 else device

@@ -10,7 +10,7 @@ import pytest
 from lathe.cli.generate import _run, generate_file
 from lathe.cli.generate_options import GenerateError, GenerateOptions, parse_options
 from lathe.cli.generate_rows import read_rows, tokenize_rows
-from lathe.cli.generate_tools import ToolSetup
+from lathe.cli.generate_tools import ToolSetup, load_toolset
 
 from cli.test_generate import _write, save_tiny_model
 from helpers import qwen_style_tokenizer
@@ -83,6 +83,13 @@ def test_a_bad_tool_setup_fails_before_any_model_loads(tmp_path, problem):
         generate_file(tmp_path / "no-such-model", inp, tmp_path / "out.jsonl", options)
     assert (("max_user_turns=2 needs tool_config_path" if problem == "in-code" else str(path)) in str(e.value))
     assert problem != "bad-class" or "no.such.Tool" in str(e.value)
+
+
+def test_a_builtin_tool_config_needs_no_file_and_an_unknown_one_is_named():
+    assert [s["function"]["name"] for s in load_toolset(GenerateOptions(tool_config_path="builtin:secret_lookup"))
+            .schemas()] == ["f"]
+    with pytest.raises(GenerateError, match="builtin:nope: no such built-in tool config"):
+        load_toolset(GenerateOptions(tool_config_path="builtin:nope"))
 
 
 @pytest.mark.parametrize("extra, field", [

@@ -93,18 +93,18 @@ def needs_gpus(count: int):
 
 
 @functools.lru_cache(maxsize=None)
-def warm_started(steps: int | None = 80, preset: str = "default") -> tuple[str, ...]:
+def warm_started(steps: int = 80) -> tuple[str, ...]:
     """`lathe train` overrides that start from the built-in model already warm-started with `steps` supervised
-    steps (None: the preset's) of `preset`'s warm start, built once per test session, preset and step count. A run
-    then skips 3-9 s of warm start and is otherwise the same: the RL steps draw no random numbers the warm start
-    moved (the same metrics, checked in tests/loop/test_ppo.py)."""
+    steps (the default preset's warm start, built once per test session and step count). A run then skips
+    3-9 s of warm start and is otherwise the same: the RL steps draw no random numbers the warm start moved
+    (the same metrics, checked in tests/loop/test_ppo.py)."""
     from lathe.config import load_config
     from lathe.loop.setup import build_model, load_datasets
     from lathe.models.hf import load_tokenizer
-    root = Path(tempfile.mkdtemp(prefix=f"lathe-warm{steps}-{preset}-"))
+    root = Path(tempfile.mkdtemp(prefix=f"lathe-warm{steps}-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    steps_key = [] if steps is None else [f"actor_rollout_ref.model.warm_start.steps={steps}"]
-    cfg = load_config(preset, [*steps_key, f"trainer.default_local_dir={root}"])
+    cfg = load_config("default", [f"actor_rollout_ref.model.warm_start.steps={steps}",
+                                  f"trainer.default_local_dir={root}"])
     tokenizer = load_tokenizer("builtin:tiny")
     build_model(cfg, tokenizer, load_datasets(cfg, tokenizer)[0], root, None, torch.device("cpu"))
     return (f"actor_rollout_ref.model.path={root / 'init_model'}", "actor_rollout_ref.model.tokenizer_path=builtin:tiny",

@@ -23,7 +23,7 @@ def test_the_model_learns_to_call_the_tool_and_its_reward_rises(tmp_path):
     assert len(metric(tmp_path, "val-core/lathe/secret_lookup/reward/mean@1")) == 1   # validation ran the loop too
     assert metric(tmp_path, "num_turns/max")[-1] == 4                      # prompt, call, answer, reply
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
-    # 0.20 -> 0.54 (tool calls alike) on the machine this was written on
+    # 0.14 -> 0.46 (tool calls alike) on the machine this was written on
     assert last >= first + 0.15, f"reward went from {first:.2f} to {last:.2f} in {steps} steps"
     assert sum(calls[-3:]) / 3 > sum(calls[:3]) / 3 + 0.15
 

@@ -35,6 +35,7 @@ if not torch.cuda.is_available():
 RAY_TESTS = ("tests/cluster/", "tests/test_bench_fully_async.py")
 
 
+@pytest.hookimpl(tryfirst=True)    # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.as_posix()

@@ -108,14 +108,18 @@ def sampling_params(rollout_cfg, max_tokens: int, *, validation: bool = False) -
                           do_sample=src.do_sample, max_tokens=max_tokens, ignore_eos=rollout_cfg.ignore_eos)
 
 
+def vl_checkpoint(path: str) -> bool:
+    from lathe.models.hf import is_builtin
+    from lathe.models.vl import is_vl_checkpoint
+    return not is_builtin(path) and is_vl_checkpoint(os.path.expanduser(str(path)))
+
+
 def load_vl_processor(cfg):
     """The image processor of a vision-language policy (`lathe.data.multimodal.load_processor` of
     `model.tokenizer_path` or `model.path`), or None for a text model: image rows then fail in `RLDataset`,
     naming the column."""
-    from lathe.models.hf import is_builtin
-    from lathe.models.vl import is_vl_checkpoint
     m = cfg.actor_rollout_ref.model
-    if is_builtin(m.path) or not is_vl_checkpoint(os.path.expanduser(str(m.path))):
+    if not vl_checkpoint(m.path):
         return None
     from lathe.data.multimodal import load_processor
     return load_processor(os.path.expanduser(str(m.tokenizer_path or m.path)))
@@ -190,6 +194,11 @@ def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: 
     path, kwargs = _given_model(cfg, tokenizer)
     if ws.steps <= 0:
         return use_cpu_threads(load_policy(path, **kwargs), device)
+    if vl_checkpoint(path):
+        raise NotImplementedError(f"actor_rollout_ref.model.warm_start.steps={ws.steps}: the warm start trains on "
+                                  f"text answers only, and {path} is a vision-language model. Fix: set "
+                                  "actor_rollout_ref.model.warm_start.steps=0 (name a preset other than `default`, "
+                                  "whose built-in demo warm-starts)")
     examples = warm_start_examples(cfg, tokenizer, train_ds)
     key, inputs = warm_cache.warm_start_key(path=path, load_kwargs=kwargs, examples=examples, steps=ws.steps,
                                             lr=ws.lr, batch_size=ws.batch_size, seed=cfg.trainer.seed,
@@ -200,12 +209,6 @@ def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: 
         path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
         return use_cpu_threads(load_policy(path, **kwargs), device)
     model = use_cpu_threads(load_policy(path, **kwargs), device)
-    from lathe.models.vl import LatheVLForConditionalGeneration
-    if isinstance(model, LatheVLForConditionalGeneration):
-        raise NotImplementedError(f"actor_rollout_ref.model.warm_start.steps={ws.steps}: the warm start trains on "
-                                  f"text answers only, and {path} is a vision-language model. Fix: set "
-                                  "actor_rollout_ref.model.warm_start.steps=0 (name a preset other than `default`, "
-                                  "whose built-in demo warm-starts)")
     model.to(device)
     warm_start(cfg, model, examples, tokenizer.pad_token_id, device)
     with phase(f"saving the warm-started model to {init_dir}", done=f"saved the warm-started model to {init_dir}"):

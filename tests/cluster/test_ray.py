@@ -117,7 +117,8 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_or_stops_naming_it(ru
     from lathe.loop.setup import build_trainer
     _, _, two = runs
     run_dir = tmp_path / "run"
-    cfg = load_config(None, [f"trainer.default_local_dir={run_dir}", *STEPS, "trainer.n_gpus_per_node=2",
+    cfg = load_config(None, [f"trainer.default_local_dir={run_dir}", *STEPS, *warm_started(),
+                             "trainer.n_gpus_per_node=2",
                              "trainer.save_freq=2", f"trainer.restart_on_worker_failure={restarts}"])
     t = build_trainer(cfg)
     pid = t.cluster.group.nodes[1]["pid"]

@@ -32,15 +32,20 @@ if not torch.cuda.is_available():
 
 # Tests that start Ray clusters run one after another on one xdist worker (`--dist loadgroup`): two local clusters
 # at once would each count this machine's CPUs as their own.
-RAY_TESTS = ("tests/cluster/", "tests/test_bench_fully_async.py")
+# Tests that run code in lathe's sandbox likewise share one worker: the sandbox's tests check that no sandboxed
+# process or `lathe-sbx-*` directory outlives a run, which another worker's run at that moment would fail.
+GROUPS = {"ray": ("tests/cluster/", "tests/test_bench_fully_async.py"),
+          "sandbox": ("tests/reward/test_sandbox.py", "tests/rollout/agent/test_tools.py", "tests/test_examples.py",
+                      "tests/test_report.py")}
 
 
 @pytest.hookimpl(tryfirst=True)    # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.as_posix()
-        if any(f"/{p}" in path or path.endswith(p) for p in RAY_TESTS) or "ray" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        for group, paths in GROUPS.items():
+            if any(f"/{p}" in path or path.endswith(p) for p in paths):
+                item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

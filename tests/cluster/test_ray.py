@@ -185,11 +185,12 @@ def two_nodes():
 
 
 def test_workers_spread_over_two_nodes_and_failures_name_the_rank(two_nodes):
-    group = RayWorkerGroup(ResourcePool(2, 1, use_gpu=False, timeout_s=60), name="probe", timeout_s=5)
+    group = RayWorkerGroup(ResourcePool(2, 1, use_gpu=False, timeout_s=60), name="probe", timeout_s=60)
     try:
         assert len({node["node_id"] for node in group.nodes}) == 2       # one rank on each node
         assert group.placement().count("node ") == 2
         group.build("probe", Probe)
+        group.timeout_s = 5.0       # started (slowly on a busy machine); the calls below wait 5 s
         assert group.call("probe", "whoami") == [0, 1]
         with pytest.raises(ValueError, match="bad input on rank 1") as err:
             group.call("probe", "boom")

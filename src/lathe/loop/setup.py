@@ -26,7 +26,7 @@ from lathe.generation import SamplingParams
 from lathe.loop import warm_cache
 from lathe.loop.preflight import Checked, preflight
 from lathe.loop.warm_start import warm_start, warm_start_examples
-from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
+from lathe.models.hf import import_external_libs, is_vl_path, load_policy, load_tokenizer
 from lathe.reward import RewardManager
 from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
@@ -108,18 +108,12 @@ def sampling_params(rollout_cfg, max_tokens: int, *, validation: bool = False) -
                           do_sample=src.do_sample, max_tokens=max_tokens, ignore_eos=rollout_cfg.ignore_eos)
 
 
-def vl_checkpoint(path: str) -> bool:
-    from lathe.models.hf import is_builtin
-    from lathe.models.vl import is_vl_checkpoint
-    return not is_builtin(path) and is_vl_checkpoint(os.path.expanduser(str(path)))
-
-
 def load_vl_processor(cfg):
     """The image processor of a vision-language policy (`lathe.data.multimodal.load_processor` of
     `model.tokenizer_path` or `model.path`), or None for a text model: image rows then fail in `RLDataset`,
     naming the column."""
     m = cfg.actor_rollout_ref.model
-    if not vl_checkpoint(m.path):
+    if not is_vl_path(m.path):
         return None
     from lathe.data.multimodal import load_processor
     return load_processor(os.path.expanduser(str(m.tokenizer_path or m.path)))
@@ -194,7 +188,7 @@ def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: 
     path, kwargs = _given_model(cfg, tokenizer)
     if ws.steps <= 0:
         return use_cpu_threads(load_policy(path, **kwargs), device)
-    if vl_checkpoint(path):
+    if is_vl_path(path):
         raise NotImplementedError(f"actor_rollout_ref.model.warm_start.steps={ws.steps}: the warm start trains on "
                                   f"text answers only, and {path} is a vision-language model. Fix: set "
                                   "actor_rollout_ref.model.warm_start.steps=0 (name a preset other than `default`, "

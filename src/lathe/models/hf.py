@@ -129,7 +129,7 @@ def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = Fal
 def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote_code: bool, vocab_size: int | None,
                  seed: int, override_config: dict | None):
     from lathe.models import supports
-    if not is_builtin(path) and _is_vl(path):
+    if is_vl_path(path):
         return load_vl_policy(path, impl=impl, override_config=override_config)
     direct = (impl != "hf" and not needs_transformers and not override_config and not is_builtin(path)
               and Path(os.path.expanduser(str(path))).is_dir())
@@ -148,9 +148,10 @@ def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote
                           override_config=override_config)
 
 
-def _is_vl(path: str) -> bool:
+def is_vl_path(path: str) -> bool:
+    """Whether `path` (a checkpoint directory, `~` allowed; never a built-in model) holds a vision-language model."""
     from lathe.models.vl import is_vl_checkpoint
-    return is_vl_checkpoint(os.path.expanduser(str(path)))
+    return not is_builtin(path) and is_vl_checkpoint(os.path.expanduser(str(path)))
 
 
 def load_vl_policy(path: str, *, impl: str = "auto", override_config: dict | None = None):

@@ -5,7 +5,8 @@
 Each `examples/**/*.sh` that starts `verl.trainer.main_ppo`, `main_ppo_sync` or the fully-async trainer is run by
 bash inside bubblewrap (read-only root, no network) with `python`/`python3` replaced by a stub that writes its
 arguments, and `ray`, `uv`, `wget`, `rm` and the like replaced by no-ops, so the shell resolves the script's own
-variables, arrays and arithmetic. Unset variables the scripts require get placeholders (/data/...). A timestamp in a
+variables, arrays and arithmetic. Unset variables the scripts require get placeholders (/data/...); DEVICE=gpu
+(the scripts detect an NPU by importing torch_npu, which the stub would answer). A timestamp in a
 value becomes `_DATE`. The files written here are facts about verl's scripts (key names and values), used as test data.
 """
 
@@ -20,11 +21,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TRAINERS = re.compile(r"verl\.(trainer\.main_ppo(_sync)?|experimental\.fully_async_policy\.fully_async_main)\b")
-NOOPS = ("ray", "torchrun", "huggingface-cli", "hf", "wget", "curl", "pip", "pip3", "nvidia-smi", "npu-smi", "git",
+NOOPS = ("ray", "torchrun", "huggingface-cli", "hf", "wget", "curl", "pip", "pip3", "git",
          "modelscope", "mkdir", "ln", "rm", "cp", "mv", "tee", "sleep", "uv")
 PLACEHOLDERS = {"HOME": "/home/user", "VERL_USE_UV": "0", "HDFS_ROOT": "/data", "RAY_DATA_HOME": "/data",
                 "INFER_BACKEND": "vllm", "LORA_ADAPTER_PATH": "/data/adapter", "MODEL_PATH": "/data/model",
-                "DATA_ROOT": "/data"}
+                "DATA_ROOT": "/data", "DEVICE": "gpu"}
 STUB = """#!/bin/bash
 for a in "$@"; do case "$a" in *main_ppo*|*fully_async_main*) hit=1;; esac; done
 [ -n "$hit" ] && printf '%s\\0' "$@" > "$CAPTURE/args"

@@ -96,6 +96,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from lathe.cli.migrate import migrate
+    return migrate(args.script)
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from lathe.config import describe_preset, list_presets
     names = list_presets()
@@ -174,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("output", help="JSON lines written here, one row per input row, in input order")
     gen.add_argument("items", nargs="*", metavar="key=value", help="sampling and engine settings")
     gen.set_defaults(func=cmd_generate)
+    mig = sub.add_parser("migrate", help="read a verl launch script: what lathe does with each key, and the "
+                                         "lathe train command (exit 1 if a key is refused)")
+    mig.add_argument("script", metavar="SCRIPT.sh", help="a verl launch script (read, never run; its variables "
+                                                         "come from the script and the environment)")
+    mig.set_defaults(func=cmd_migrate)
     presets = sub.add_parser("presets", help="list the built-in config presets")
     presets.set_defaults(func=cmd_presets)
     diag = sub.add_parser("diagnose", help="check this machine for lathe: versions, GPUs, driver, NCCL, "

@@ -410,13 +410,7 @@ def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:
     arr = cfg.actor_rollout_ref
     ro, impl = arr.rollout, arr.model.impl
     r, m = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
-    if ro.name in ("vllm", "sglang"):
-        problems.add(f"{r}.name={ro.name}: lathe does not use {ro.name}. It ships its own paged engine with "
-                     f"continuous batching and prefix caching (`lathe`, for Llama/Qwen2/Qwen3 models) and "
-                     f"transformers generate (`hf`, any model). Fix: set {r}.name=lathe (or auto, which falls "
-                     f"back to hf for other architectures); the engine keys you set for {ro.name} "
-                     f"(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, ...) are used by lathe's engine.")
-    elif ro.name == "lathe" and impl == "hf":
+    if ro.name == "lathe" and impl == "hf":
         problems.add(f"{r}.name=lathe runs the policy in lathe's own decoder, but {m}.impl=hf asks for the "
                      f"transformers implementation. Fix: set {m}.impl=auto (or lathe), or set {r}.name=hf "
                      f"(or auto) to generate with transformers.")

@@ -5,6 +5,8 @@
 - `lathe`: lathe's paged engine (`lathe.engine.llm_engine.LatheEngine`) over lathe's decoder (or a VL model), in
   `rollout.dtype` (float32 on CPU). `auto` picks it whenever the actor runs lathe's decoder.
 - `hf`: transformers `generate` on a transformers module (the actor's own, or a copy of it).
+- `vllm`, `sglang`, `trtllm` (verl's backends, set by every verl launch script): as `auto`, with one notice in the
+  start-up's 'rollout:' line that lathe's engine runs in their place (their engine keys act on it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lathe.rollout.hf import HFRollout
 
 log = logging.getLogger("lathe")
 KEY = "actor_rollout_ref.rollout.name"
+VERL_BACKENDS = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 
 
 def runs_lathe(model) -> bool:
@@ -35,7 +38,9 @@ def architecture(model) -> str:
 
 
 def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
-    """`lathe` or `hf` for `rollout.name` (`auto` resolved by what the actor runs); logs which and why.
+    """`lathe` or `hf` for `rollout.name` (`auto` and verl's backends resolved by what the actor runs); logs the
+    start-up's one 'rollout:' line saying which and why (a Rollout is built once per process, and worker ranks
+    other than 0 log warnings only, so the line, and a verl backend's notice in it, appears once per run).
 
     The engine runs lathe's decoder, so it needs an actor that `select_impl` turned into one.
     """
@@ -46,16 +51,32 @@ def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
         raise ValueError(f"{KEY}=lathe: lathe's engine runs lathe's own decoder, but the actor runs transformers "
                          f"{arch} because {why}. Fix: set {KEY}=hf (or auto) to generate with transformers"
                          + (", or set actor_rollout_ref.model.impl=auto." if impl == "hf" else "."))
-    if name not in ("auto", "lathe", "hf"):
+    if name not in ("auto", "lathe", "hf", *VERL_BACKENDS):
         raise ValueError(f"{KEY}={name!r} is not a lathe rollout backend; use auto, lathe or hf")
-    if name == "auto":
-        name = "lathe" if is_lathe else "hf"
+    if name in VERL_BACKENDS:
+        why = backend_notice(name, None if is_lathe else arch)
+    elif name == "auto":
         why = (f"{KEY}=auto and lathe's decoder runs {arch}" if is_lathe
                else f"{KEY}=auto and the actor runs transformers {arch}")
     else:
         why = f"{KEY}={name}"
+    if name == "auto" or name in VERL_BACKENDS:
+        name = "lathe" if is_lathe else "hf"
     log.info("rollout: %s (%s)", "lathe engine" if name == "lathe" else "transformers generate", why)
     return name
+
+
+def backend_notice(name: str, fallback_arch: str | None = None) -> str:
+    """The notice for a verl backend name: lathe's engine runs in its place (or transformers generate, for an
+    architecture lathe's decoder does not implement: `fallback_arch`)."""
+    label = VERL_BACKENDS[name]
+    engine = (f"lathe runs its own engine, not {label}" if fallback_arch is None else
+              f"lathe does not run {label}, and lathe's decoder does not implement {fallback_arch}, so transformers "
+              f"generate runs it")
+    return (f"{KEY}={name}: {engine}; the engine keys act on lathe's engine (gpu_memory_utilization, "
+            f"max_num_seqs, max_num_batched_tokens, max_model_len, enforce_eager, free_cache_engine, "
+            f"enable_chunked_prefill, enable_prefix_caching, cudagraph_capture_sizes, and engine_kwargs.{name}'s "
+            f"entries with a lathe meaning); {KEY}=auto picks the same backend without this notice")
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
@@ -84,7 +105,8 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engin
                        max_num_seqs=rollout_cfg.max_num_seqs, max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
                        max_model_len=max_model_len, enable_prefix_caching=rollout_cfg.enable_prefix_caching,
                        enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
-                       enforce_eager=rollout_cfg.enforce_eager)
+                       enforce_eager=rollout_cfg.enforce_eager,
+                       cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes)
 
 
 def build_hf_rollout(rollout_cfg, model, eos_ids: list[int], pad_id: int, device: torch.device, *,

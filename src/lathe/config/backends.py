@@ -129,6 +129,7 @@ def engine_kwargs_verdict(value: Any, cfg: Any) -> tuple[str, str] | None:
         return "refuse", (f"`{R}.engine_kwargs`: {', '.join(refused)} is not implemented yet in lathe. Fix: remove "
                           f"{'it' if len(refused) == 1 else 'them'}.")
     if ignored:
-        return "warn", (f"`{R}.engine_kwargs` entries {', '.join(ignored)} have no effect in lathe: lathe's engine "
-                        f"has no such setting.")
+        entries = "entry" if len(ignored) == 1 else "entries"
+        return "warn", (f"`{R}.engine_kwargs` {entries} {', '.join(ignored)}: no effect in lathe, whose engine has no "
+                        f"such setting.")
     return None

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .choices import RolloutDtype, RolloutMode, SanityCheckMode, ToolCallFormat, TruncateSide
+from .choices import (LogprobsMode, RolloutDtype, RolloutMode, SanityCheckMode, SchedulingPolicy, ToolCallFormat,
+                      TruncateSide)
 from .coerce import spec
 from .schema_async import CheckpointEngineConfig
 from .schema_actor import ActorConfig, ModelConfig, RefConfig
@@ -126,11 +127,11 @@ class RolloutConfig:
     enable_chunked_prefill: bool = spec(True, "Split long prefills across engine steps.")
     enable_prefix_caching: bool = spec(True, "Share KV blocks of identical prompt prefixes.")
     load_format: str = spec("dummy", "How the engine first gets weights (verl).")
-    logprobs_mode: Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"] = spec(
+    logprobs_mode: LogprobsMode = spec(
         "processed_logprobs", "What the engine returns per token (verl/vLLM); lathe returns processed_logprobs: "
                               "log_softmax(logits / temperature) of the sampled token over the whole vocabulary.")
-    scheduling_policy: Literal["fcfs", "priority"] = spec("fcfs", "Engine request order (verl/vLLM); lathe's "
-                                                                  "engine runs first come, first served.")
+    scheduling_policy: SchedulingPolicy = spec("fcfs", "Engine request order (verl/vLLM); lathe's engine runs first "
+                                                       "come, first served.")
     layered_summon: bool = spec(False, "Gather sharded weights layer by layer for the engine (verl).")
     log_prob_micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
     log_prob_micro_batch_size_per_gpu: int | None = spec(

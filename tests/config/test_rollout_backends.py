@@ -225,3 +225,21 @@ def test_verl_scripts_fail_on_rollout_keys_only_for_named_features():
         if bad:
             unnamed[path.stem] = bad
     assert unnamed == {}
+
+
+@pytest.mark.parametrize(("override", "outcome"), [
+    ("repetition_penalty=1.1", "refuse"), ("checkpoint_manager_class=my.Manager", "refuse"),
+    ("standalone_gpu_memory_utilization=0.9", "warn"), ("enable_sleep_mode=false", "warn"),
+    ("limit_images=2", "warn"), ("server.timeout=30", "warn"), ("sglang_engine_mode=remote", "warn"),
+    ("layer_name_map={a: b}", "warn"), ("custom={x: 1}", "warn"), ("standalone_gpu_memory_utilization=1.5", "refuse"),
+])
+def test_verl_dataclass_only_fields_are_known(override, outcome):
+    """verl's RolloutConfig fields that its YAML leaves out (scripts set them with +key=...)."""
+    key = f"{R}.{override.split('=')[0]}"
+    if outcome == "refuse":
+        with pytest.raises(ConfigError, match=re.escape(key)), warnings.catch_warnings():
+            warnings.simplefilter("ignore", IgnoredKeysWarning)
+            load(f"+{R}.{override}")
+    else:
+        with pytest.warns(IgnoredKeysWarning, match=re.escape(key)):
+            load(f"+{R}.{override}")

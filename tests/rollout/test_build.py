@@ -74,3 +74,16 @@ def test_enforce_eager_and_capture_sizes_reach_the_engines_graphs(make_model):
                     f"{R}.max_num_seqs=6", device="cuda")
     assert sized.runner.graphs.buckets == [2, 4, 6]          # capped at the engine's batch
     assert _engine(make_model, device="cuda").runner.graphs.buckets[:4] == [1, 2, 4, 8]
+
+
+def test_a_rollout_pools_engine_takes_standalone_gpu_memory_utilization(make_model, monkeypatch):
+    import lathe.rollout.build as build
+    seen = []
+    monkeypatch.setattr(build, "LatheEngine", lambda model, **kw: seen.append(kw["gpu_memory_utilization"]))
+    with pytest.warns(UserWarning, match="standalone_gpu_memory_utilization"):     # colocated: no effect
+        cfg = load_config("base", [f"{R}.gpu_memory_utilization=0.4",
+                                   f"{R}.standalone_gpu_memory_utilization=0.8"]).actor_rollout_ref.rollout
+    actor = select_impl(make_model(), "auto")
+    build_engine(cfg, actor, [0])
+    build_engine(cfg, actor, [0], standalone=True)
+    assert seen == [0.4, 0.8]

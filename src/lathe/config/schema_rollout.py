@@ -69,6 +69,17 @@ class PrometheusConfig:
 
 
 @dataclass
+class ServerConfig:
+    """verl's ``rollout.server``: the HTTP client of SGLang's server mode (no effect: lathe's engine is in-process)."""
+
+    timeout: float = spec(60.0, "Seconds a request may take.")
+    max_attempts: int = spec(3, "Tries per request.")
+    retry_delay: float = spec(2.0, "Seconds between tries.")
+    max_connections: int = spec(1000, "Open connections at most.")
+    max_start_wait_time: float = spec(300.0, "Seconds the server may take to start.")
+
+
+@dataclass
 class DisaggregationConfig:
     """verl's ``rollout.disaggregation``: prefill and decode on separate engine replicas (not implemented)."""
 
@@ -97,6 +108,7 @@ class RolloutConfig:
                                              "trainer.n_gpus_per_node (lathe's pool: rollout.n_gpus_per_node).")
     full_determinism: bool = spec(False, "verl: batch-invariant, bitwise-reproducible rollouts.")
     seed: int = spec(42, "verl: the inference engine's sampling seed (lathe seeds rollouts from trainer.seed).")
+    repetition_penalty: float = spec(1.0, "verl: penalty on tokens already generated (not implemented; 1 = off).")
     n: int = spec(1, "Responses sampled per prompt (GRPO group size).")
     temperature: float = spec(1.0, "Sampling temperature (> 0).")
     top_p: float = spec(1.0, "Nucleus sampling mass, in (0, 1].")
@@ -108,6 +120,9 @@ class RolloutConfig:
     dtype: RolloutDtype = spec("bfloat16", "Engine weights and KV-cache dtype (bfloat16|float16|float32) on CUDA; "
                                   "CPU runs use float32. The hf backend shares the actor's dtype.")
     gpu_memory_utilization: float = spec(0.5, "Fraction of device memory the engine may use (weights + KV cache).")
+    standalone_gpu_memory_utilization: float | None = spec(
+        None, "The same for the engines of a rollout pool of its own (fully-async training); null = "
+              "gpu_memory_utilization.")
     tensor_model_parallel_size: int = spec(1, "Tensor-parallel degree of the engine (verl default 2).")
     data_parallel_size: int = spec(1, "Data-parallel degree of the engine (verl).")
     expert_parallel_size: int = spec(1, "Expert-parallel degree of the engine (verl).")
@@ -171,6 +186,15 @@ class RolloutConfig:
     qat: dict[str, Any] | None = spec(None, "verl: quantization-aware training's quantized rollout.")
     disaggregation: DisaggregationConfig = spec(factory=DisaggregationConfig, help="verl: prefill-decode "
                                                                                    "disaggregation.")
+    # verl's RolloutConfig fields that its YAML leaves out (set with +key=...)
+    enable_sleep_mode: bool = spec(True, "verl: let the engine release its memory between rollouts (lathe: "
+                                         "free_cache_engine).")
+    limit_images: int | None = spec(None, "verl: images per prompt the engine accepts; null = no limit.")
+    server: ServerConfig = spec(factory=ServerConfig, help="verl: SGLang server-mode client settings.")
+    custom: dict[str, Any] | None = spec(None, "verl: free-form settings of custom rollout code.")
+    checkpoint_manager_class: str | None = spec(None, "verl: a checkpoint-engine manager class of its own.")
+    layer_name_map: dict[str, Any] = spec({}, "verl: weight-name map from the trainer's to the engine's names.")
+    sglang_engine_mode: str = spec("local", "verl: how SGLang's engine is started.")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import replace
 from .backends import QUANTIZED, SPECULATIVE, engine_kwargs_verdict
 from .coerce import show
 from .plan import is_async
-from .support_base import Entry, at_most, no_entries, refuse, same_as, warn
+from .support_base import Entry, at_most, no_entries, only_on, refuse, same_as, warn
 
 R = "actor_rollout_ref.rollout"
 MODEL_PARALLEL = "lathe issue 43: model-parallel engine replicas; lathe runs one engine per device, data-parallel " \
@@ -74,6 +74,19 @@ def _backends() -> list[Entry]:
             *_pool_keys(),
             warn(f"{R}.prometheus.enable", "lathe's engine serves no Prometheus endpoint; its metrics are logged "
                  "with each step's (trainer.logger)")]
+    out += [only_on("synchronous training", warn(f"{R}.standalone_gpu_memory_utilization", (
+                "it sizes the engines of a rollout pool of its own (fully-async training); colocated, "
+                "gpu_memory_utilization does"))),
+            warn(f"{R}.enable_sleep_mode", "lathe's engine releases its KV cache between rollouts by "
+                 "free_cache_engine (set free_cache_engine=false to keep it)"),
+            warn(f"{R}.limit_images", "lathe's engine takes every image of a prompt"),
+            warn(f"{R}.sglang_engine_mode", "lathe's engine runs in the trainer's processes"),
+            warn(f"{R}.layer_name_map", "lathe's engine loads the trainer's weights by their Hugging Face names",
+                 no_entries),
+            warn(f"{R}.custom", "it is read only by custom rollout code", lambda v, cfg: not v),
+            refuse(f"{R}.checkpoint_manager_class", "a checkpoint-engine manager of its own")]
+    out += [warn(f"{R}.server.{k}", "SGLang server-mode settings; lathe's engine runs in-process")
+            for k in ("timeout", "max_attempts", "retry_delay", "max_connections", "max_start_wait_time")]
     unread = "it is read only with prometheus.enable=true, which has no effect"
     out += [warn(f"{R}.prometheus.{k}", unread) for k in ("port", "file")]
     out.append(warn(f"{R}.prometheus.served_model_name", unread, same_as("actor_rollout_ref.model.path")))
@@ -88,7 +101,8 @@ def _lacking() -> list[Entry]:
         ("expert_parallel_size", "expert-parallel generation"),
         ("pipeline_model_parallel_size", "pipeline-parallel generation"),
         ("moe_tensor_parallel_size", "tensor-parallel MoE layers"))]
-    out += [refuse(f"{R}.quantization", QUANTIZED),
+    out += [refuse(f"{R}.repetition_penalty", "a repetition penalty in sampling", ok=lambda v, cfg: v == 1),
+            refuse(f"{R}.quantization", QUANTIZED),
             warn(f"{R}.quantization_config_file", f"it is read only with {R}.quantization ({QUANTIZED})"),
             refuse(f"{R}.qat", f"quantization-aware training's {QUANTIZED}", ok=lambda v, cfg: not v),
             refuse(f"{R}.enable_rollout_routing_replay", ROUTING),

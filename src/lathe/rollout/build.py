@@ -93,15 +93,20 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return ids
 
 
-def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engine_model=None) -> LatheEngine:
+def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engine_model=None,
+                 standalone: bool = False) -> LatheEngine:
     """lathe's engine over `actor`'s weights in the rollout dtype, on the actor's device: the actor's own tensors
     when they already are in that dtype (mixed-precision training on CUDA), else a frozen copy; or over
-    `engine_model` when given (a copy made beforehand: a sharded actor's, a LoRA actor's merged layers, a replica's)."""
+    `engine_model` when given (a copy made beforehand: a sharded actor's, a LoRA actor's merged layers, a replica's).
+    `standalone`: a replica of a rollout pool of its own, sized by standalone_gpu_memory_utilization when set."""
     if engine_model is None:
         engine_model = frozen_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device), actor.device, share=True)
     max_model_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
+    utilization = rollout_cfg.gpu_memory_utilization
+    if standalone and rollout_cfg.standalone_gpu_memory_utilization is not None:
+        utilization = rollout_cfg.standalone_gpu_memory_utilization
     return LatheEngine(engine_model, eos_token_id=eos_ids,
-                       gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+                       gpu_memory_utilization=utilization,
                        max_num_seqs=rollout_cfg.max_num_seqs, max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
                        max_model_len=max_model_len, enable_prefix_caching=rollout_cfg.enable_prefix_caching,
                        enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,

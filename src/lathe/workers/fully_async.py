@@ -60,7 +60,7 @@ class RolloutWorker:
         eos = eos_token_ids(tokenizer, loaded)          # the checkpoint's generation_config (the copy has none)
         engine_model = frozen_copy(model, self.dtype, device)      # (a VL model: a deep copy, as the workers make)
         del model, loaded
-        self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model)
+        self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model, standalone=True)
         self.pad_id, self.device = tokenizer.pad_token_id, device
         self.sync: SyncGroup | None = None
         self._cv = threading.Condition()

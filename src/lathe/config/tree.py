@@ -18,12 +18,15 @@ from .coerce import coerce, dump_yaml, hints_of, parse_value, show, type_name
 from .errors import ConfigError, ProblemList, closest, did_you_mean
 from .schema import GROUP_PRESETS, LatheConfig
 
-# Old verl spellings -> lathe paths (prefix rewrite).
+# verl's other spellings -> lathe paths (prefix rewrite).
 ALIASES: dict[str, str] = {
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
     "custom_reward_function.reward_kwargs": "reward.reward_kwargs",
     "custom_reward_function.overlong_buffer": "reward_model.overlong_buffer",
+    # verl's newer spelling of the weight sync's bucket size (one setting, read where the sync is built)
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
 }
 _ALIAS_GROUPS = {"custom_reward_function"}
 
@@ -159,7 +162,7 @@ def rewrite_aliases(items: list[Assignment], problems: ProblemList) -> list[Assi
             old = previous.spelled if previous.spelled != item.path else item.spelled
             problems.add(
                 f"`{previous.spelled}`={show(previous.value)} and `{item.spelled}`={show(item.value)} are both "
-                f"set, but they are the same setting (`{old}` is verl's old spelling of `{item.path}`). "
+                f"set, but they are the same setting (`{old}` is verl's other spelling of `{item.path}`). "
                 f"Fix: keep only one of them.")
         seen[item.path] = item
     return items

@@ -5,7 +5,7 @@ estimator and policy loss, so ``ADV_ESTIMATORS`` / ``POLICY_LOSSES`` are complet
 ``lathe.algo``.
 """
 
-from lathe.algo import advantages, bypass, policy_loss, policy_loss_cov  # noqa: F401  (registration)
+from lathe.algo import advantages, bypass, gdpo, otb, policy_loss, policy_loss_cov, policy_loss_dppo  # noqa: F401
 from lathe.algo.aggregate import LOSS_AGG_MODES, agg_loss, global_batch_info
 from lathe.algo.dapo import filter_groups, overlong_reward_penalty
 from lathe.algo.kl import (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -27,9 +28,20 @@ def train(tmp_path, *overrides: str, source: str | None = None, warm: int = 30) 
     return {r["step"]: r for r in rows}
 
 
+TWO_REWARDS = Path(__file__).with_name("two_rewards.py")
+# the keys an estimator or loss cannot run without (config rules refuse it otherwise)
+NEEDS = {
+    "gdpo": [f"reward.custom_reward_function.path={TWO_REWARDS}",
+             "+algorithm.gdpo_reward_keys=[accuracy_reward,format_reward]", "algorithm.gdpo_reward_weights=[1.0,0.5]"],
+    "optimal_token_baseline": ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
+    "tir_optimal_token_baseline": ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
+    "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"],
+}
+
+
 @pytest.mark.parametrize("estimator", sorted(n for n in ADV_ESTIMATORS))
 def test_each_advantage_estimator_runs(tmp_path, estimator):
-    metrics = train(tmp_path, f"algorithm.adv_estimator={estimator}")
+    metrics = train(tmp_path, f"algorithm.adv_estimator={estimator}", *NEEDS.get(estimator, []))
     assert sorted(metrics) == [1, 2]
     assert "actor/pg_loss" in metrics[2] and "critic/advantages/mean" in metrics[2]
     if estimator == "gae":
@@ -40,7 +52,7 @@ def test_each_advantage_estimator_runs(tmp_path, estimator):
 
 @pytest.mark.parametrize("loss_mode", sorted(n for n in POLICY_LOSSES if n != "bypass_mode"))
 def test_each_policy_loss_runs(tmp_path, loss_mode):
-    metrics = train(tmp_path, f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}")
+    metrics = train(tmp_path, f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", *NEEDS.get(loss_mode, []))
     assert "actor/pg_clipfrac" in metrics[2]
 
 

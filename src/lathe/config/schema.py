@@ -286,6 +286,11 @@ class AlgorithmConfig:
     lam: float = spec(1.0, "GAE lambda.")
     adv_estimator: str = spec("gae", "gae, grpo, rloo, reinforce_plus_plus, remax, ... (checked by the algo registry).")
     norm_adv_by_std_in_grpo: bool = spec(True, "GRPO: divide by the group std (false = Dr. GRPO).")
+    gdpo_reward_keys: list[str] | None = spec(
+        None, "GDPO (adv_estimator=gdpo, required there): the reward components to normalise each within its prompt "
+              "group: keys of the dict the reward function returns (e.g. [accuracy_reward, format_reward]).")
+    gdpo_reward_weights: list[float] | None = spec(
+        None, "GDPO: one weight per gdpo_reward_keys entry for summing the normalised components; null = all 1.")
     use_kl_in_reward: bool = spec(False, "Subtract a KL penalty from the token rewards.")
     kl_penalty: KLEstimator = spec("kl", "In-reward KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "
                                          "trailing + (e.g. low_var_kl+) takes k2's gradient.")

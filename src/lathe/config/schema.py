@@ -173,8 +173,8 @@ class RewardModelConfig:
     use_dynamic_bsz: bool | None = spec(None, "null = critic's.")
     forward_max_token_len_per_gpu: int | None = spec(None, "Token budget per RM micro-batch.")
     ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")
-    reward_manager: str = spec("naive", "verl's reward manager: naive, prime, dapo (lathe's per-response scoring) "
-                                        "or batch.")
+    reward_manager: str = spec("naive", "verl's reward manager: naive, prime, dapo, gdpo (lathe's per-response "
+                                        "scoring, which keeps a dict result's numbers) or batch.")
     launch_reward_fn_async: bool = spec(False, "Score on CPU while log-probs are computed.")
     reward_kwargs: dict[str, Any] = spec({}, "Extra kwargs for verl's reward manager (e.g. max_resp_len).")
     sandbox_fusion: SandboxFusionConfig = spec(factory=SandboxFusionConfig, help="Code sandbox.")

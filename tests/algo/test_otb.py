@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lathe.algo.otb import optimal_token_baseline, tir_optimal_token_baseline
+from lathe.algo.otb import optimal_token_baseline, tir_optimal_token_baseline, variance_proxy_metrics
 
 
 def _batch(rng, sizes=(3, 4, 1, 2), width=7, holes=False):
@@ -106,3 +106,27 @@ def test_otb_without_sum_pi_squared_names_the_key(rng):
     with pytest.raises(ValueError, match="calculate_sum_pi_squared=true"):
         optimal_token_baseline(token_level_rewards=torch.tensor(rewards), response_mask=torch.tensor(mask),
                                index=index, old_log_probs=torch.tensor(old_lp))
+
+
+@pytest.mark.parametrize("with_is", [False, True])
+def test_variance_proxy_metrics_match_reference(rng, with_is):
+    index, mask, _, old_lp, sum_sq, rho = _batch(rng)
+    rho[0, 1] = 0.0                                   # a token IcePop dropped
+    adv = rng.normal(size=mask.shape) * mask
+    t = lambda x: torch.tensor(x)  # noqa: E731
+    out = variance_proxy_metrics(t(adv), t(mask), t(old_lp), t(sum_sq), t(rho) if with_is else None, grad_norm=0.3)
+    a, W, W0, r = [], [], [], []
+    for i in range(mask.shape[0]):
+        valid = [k for k in range(mask.shape[1]) if mask[i, k]]
+        w = {k: 1 - 2 * np.exp(old_lp[i, k]) + sum_sq[i, k] for k in valid}
+        a.append(sum(adv[i, k] for k in valid) / len(valid))
+        W.append(sum(w[k] * (rho[i, k] ** 2 if with_is else 1.0) for k in valid))
+        W0.append(sum(w[k] for k in valid if not with_is or rho[i, k] != 0))
+        r.append(sum(rho[i, k] for k in valid) / len(valid) if with_is else 1.0)
+    a, W, W0, r = map(np.array, (a, W, W0, r))
+    power = np.mean(r ** 2 * a ** 2 * np.maximum(W0, 0))
+    assert out["variance_proxy/proxy1_signal_strength"] == pytest.approx(0.09)
+    assert out["variance_proxy/proxy2_total_power"] == pytest.approx(power, rel=1e-12)
+    assert out["variance_proxy/proxy3_pure_noise"] == pytest.approx(max(0.0, (power - 0.09) / (len(a) - 1)))
+    assert out["variance_proxy/expected_a_squared"] == pytest.approx(np.mean(a ** 2), rel=1e-12)
+    assert out["variance_proxy/expected_w"] == pytest.approx(np.mean(W), rel=1e-12)

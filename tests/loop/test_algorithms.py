@@ -48,6 +48,10 @@ def test_each_advantage_estimator_runs(tmp_path, estimator):
         assert "critic/vf_loss" in metrics[2] and "critic/values/mean" in metrics[2]
     if estimator == "remax":
         assert "timing_s/gen_max" in metrics[2]
+    if estimator.endswith("optimal_token_baseline"):                    # verl's metrics of sum_pi_squared
+        assert metrics[2]["variance_proxy/expected_w"] > 0
+    if estimator == "gdpo":
+        assert "reward_extra/format_reward/mean" in metrics[2]
 
 
 @pytest.mark.parametrize("loss_mode", sorted(n for n in POLICY_LOSSES if n != "bypass_mode"))

@@ -16,6 +16,7 @@ from lathe.algo.kl import (
     kl_penalty,
     make_kl_controller,
 )
+from lathe.algo.otb import variance_proxy_metrics
 from lathe.algo.policy_loss import PolicyLossParams, compute_entropy_loss, compute_value_loss
 from lathe.algo.registry import (
     ADV_ESTIMATORS,
@@ -56,6 +57,7 @@ __all__ = [
     "compute_value_loss",
     "compute_entropy_loss",
     "compute_rollout_correction",
+    "variance_proxy_metrics",
     "filter_groups",
     "overlong_reward_penalty",
     "masked_sum",

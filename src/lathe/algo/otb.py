@@ -30,7 +30,7 @@ from lathe.algo.advantages import _fmask, _require
 from lathe.algo.registry import register_adv_estimator
 from lathe.algo.utils import group_ids
 
-__all__ = ["optimal_token_baseline", "tir_optimal_token_baseline", "path_energy"]
+__all__ = ["optimal_token_baseline", "tir_optimal_token_baseline", "path_energy", "variance_proxy_metrics"]
 
 
 def path_energy(old_log_probs, sum_pi_squared, response_mask, rollout_is_weights=None) -> torch.Tensor:
@@ -113,3 +113,41 @@ def tir_optimal_token_baseline(*, token_level_rewards, response_mask, index=None
     adv = torch.zeros_like(returns)
     adv[rows, cols] = c_adv[rows, rank[rows, cols]]
     return adv * mask, returns
+
+
+@torch.no_grad()
+def variance_proxy_metrics(advantages, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights=None,
+                           grad_norm: float | None = None) -> dict[str, float]:
+    """verl's ``variance_proxy/*`` metrics: the policy gradient's variance estimated from the forward pass alone.
+
+    With ``w_t = 1 - 2 pi_t + sum pi^2`` (x rho_t^2 under rollout IS) per valid token, per trajectory
+    ``a_i = mean_t A_i,t``, ``W_i = sum_t w_t``; ``||g_i||^2 ~ W_i a_i^2`` (the logit-gradient proxy):
+
+        proxy1_signal_strength = ||g||^2 = grad_norm^2                (0 without a grad norm)
+        proxy2_total_power     = mean_i a_i^2 max(W_i, 0)             (IS: mean_i rho_i^2 a_i^2 max(W0_i, 0) with
+                                                                       rho_i = mean_t rho_t, W0 the unweighted W
+                                                                       over the tokens with rho_t != 0)
+        proxy3_pure_noise      = max(0, (proxy2 - proxy1) / (N - 1))  (0 without a grad norm or with N = 1)
+        expected_a_squared     = mean_i a_i^2,   expected_w = mean_i W_i
+    """
+    mask = response_mask.bool()
+    zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
+    tokens = mask.sum(dim=-1).clamp(min=1).to(advantages.dtype)
+    a = torch.where(mask, advantages, zero).sum(dim=-1) / tokens
+    w = (1.0 - 2.0 * torch.exp(old_log_probs) + sum_pi_squared).to(advantages.dtype)
+    w0 = torch.where(mask, w, zero).sum(dim=-1)
+    if rollout_is_weights is None:
+        w_values, power = w0, (a ** 2 * w0.clamp(min=0.0)).mean()
+    else:
+        rho = rollout_is_weights.to(advantages.dtype)
+        w_values = torch.where(mask, w * rho ** 2, zero).sum(dim=-1)
+        rho_seq = torch.where(mask, rho, zero).sum(dim=-1) / tokens
+        w0 = torch.where(mask & (rho != 0), w, zero).sum(dim=-1)      # verl: w rho^2 / max(rho^2, 1e-10)
+        power = (rho_seq ** 2 * a ** 2 * w0.clamp(min=0.0)).mean()
+    signal = None if grad_norm is None else float(grad_norm) ** 2
+    n = a.shape[0]
+    noise = 0.0 if signal is None or n < 2 else max(0.0, (float(power) - signal) / (n - 1))
+    return {"variance_proxy/proxy1_signal_strength": 0.0 if signal is None else signal,
+            "variance_proxy/proxy2_total_power": float(power), "variance_proxy/proxy3_pure_noise": noise,
+            "variance_proxy/expected_a_squared": float((a ** 2).mean()),
+            "variance_proxy/expected_w": float(w_values.mean())}

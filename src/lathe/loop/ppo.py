@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from lathe.algo import rollout_probs_diff
+from lathe.algo import rollout_probs_diff, variance_proxy_metrics
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import save_checkpoint
 from lathe.loop.dump import dump_rollouts
@@ -109,8 +109,13 @@ def needs_old_forward(t: Trainer, batch: Batch) -> bool:
 
 
 def finish_metrics(t: Trainer, batch: Batch, timer: Timer, metrics: dict, step_seconds: float) -> dict[str, float]:
-    """The step's data, timing and throughput metrics added to `metrics`; the samples dumped when asked."""
+    """The step's data, timing and throughput metrics added to `metrics` (and verl's `variance_proxy/*` when the
+    old-log-prob pass computed `sum_pi_squared`); the samples dumped when asked."""
     metrics.update(compute_data_metrics(batch, max_response_length=t.cfg.data.max_response_length))
+    if "sum_pi_squared" in batch:                                        # actor.calculate_sum_pi_squared
+        metrics.update(variance_proxy_metrics(batch["advantages"], batch["response_mask"], batch["old_log_probs"],
+                                              batch["sum_pi_squared"], batch.tensors.get("rollout_is_weights"),
+                                              metrics.get("actor/grad_norm")))
     metrics.update(timer.metrics(), **{"timing_s/step": step_seconds})
     metrics.update(compute_throughput_metrics(batch, step_seconds))
     dump_rollouts(t, batch)                                              # trainer.rollout_data_dir

@@ -100,3 +100,11 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tmp_path, capsys):
                "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"])
     assert rc == 2
     assert "max_num_gen_batches" in capsys.readouterr().err
+
+
+def test_prefix_grouper_runs(tmp_path):
+    # two PPO epochs: the old-log-prob pass and the update both run grouped; the numbers equal the per-row forward's
+    # (tests/train/test_prefix_group.py)
+    metrics = train(tmp_path, "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_prefix_grouper=true",
+                    "actor_rollout_ref.actor.ppo_epochs=2")
+    assert metrics[2]["actor/grad_norm"] > 0 and "timing_s/old_log_prob" in metrics[2]

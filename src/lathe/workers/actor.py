@@ -19,6 +19,7 @@ import torch
 
 from lathe.batch import Batch
 from lathe.config.plan import BatchPlan
+from lathe.models.decoder import LatheCausalLM
 from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora, load_adapter, read_adapter
@@ -51,6 +52,10 @@ class Actor:
             raise NotImplementedError("actor_rollout_ref.model.lora_rank > 0 with a rollout pool of its own (fully "
                                       "async: the weight sync sends full weights) is not implemented yet; train "
                                       "LoRA synchronously (rollout.n_gpus_per_node=0)")
+        if arr.actor.use_prefix_grouper and not isinstance(self.model, LatheCausalLM):
+            raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, "
+                             f"Qwen2, Qwen3), but the actor runs {architecture(self.model)}. Fix: set "
+                             "use_prefix_grouper=false (or model.impl=lathe for those architectures).")
         if runs_lathe(self.model) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key=FSDP_KEY)
@@ -108,7 +113,8 @@ class Actor:
         logp, ent, sum_sq = batched_token_stats(self.model, batch.to(self.device), micro_batch_size=micro_batch_size,
                                                 temperature=temperature, calculate_entropy=True,
                                                 calculate_sum_pi_squared=sum_sq_wanted,
-                                                remove_padding=self.arr.model.use_remove_padding, **budget)
+                                                remove_padding=self.arr.model.use_remove_padding,
+                                                prefix_grouper=self.arr.actor.use_prefix_grouper, **budget)
         out = Batch({"old_log_probs": logp.cpu(), "entropys": ent.cpu()})
         if sum_sq_wanted:
             out["sum_pi_squared"] = sum_sq.cpu()

@@ -13,7 +13,10 @@ group instead of once per response. The first token of every response is predict
 state, which the group shares.
 
 lathe's decoder only (`LatheCausalLM.hidden_grouped`); a response token may not follow padding (the rollout's
-left-padded prompt, right-padded response layout).
+left-padded prompt, right-padded response layout). The attention runs with an explicit (L x L) mask per group, so
+through SDPA's masked kernels rather than flash/varlen attention: its memory grows with the square of a group's
+length (prompt + all its responses). It pays when prompts are long next to their responses; with long responses
+the per-row packed forward (`use_remove_padding`) can be the cheaper one.
 """
 
 from __future__ import annotations

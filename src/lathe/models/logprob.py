@@ -34,11 +34,12 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> 
     return (h @ weight.t()).to(_acc_dtype(h.dtype)) / temperature
 
 
-def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                   with_sum_sq: bool = False) -> tuple[torch.Tensor, ...]:
     """(logp, lse, mean_z) of one chunk of rows: lse = logsumexp(z), mean_z = E_p[z] (entropy = lse - mean_z).
     One pass for the row max, one for both sums: the two reductions a compiled chunk needs, instead of separate
-    logsumexp and softmax passes over the (rows x vocab) logits."""
+    logsumexp and softmax passes over the (rows x vocab) logits. `with_sum_sq`: also sum_v p_v^2 of each row, from
+    the same shifted exponentials (one more reduction)."""
     logits = _chunk_logits(h, weight, temperature)
     top = logits.amax(-1, keepdim=True)
     e = torch.exp(logits - top)
@@ -46,21 +47,9 @@ def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     lse = top.squeeze(-1) + torch.log(total)
     mean_z = (e * logits).sum(-1) / total
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if with_sum_sq:
+        return logp, lse, mean_z, (e * e).sum(-1) / (total * total)
     return logp, lse, mean_z
-
-
-def _chunk_forward_sum_sq(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_chunk_forward` plus sum_v p_v^2 of each row, from the same shifted exponentials (one more reduction)."""
-    logits = _chunk_logits(h, weight, temperature)
-    top = logits.amax(-1, keepdim=True)
-    e = torch.exp(logits - top)
-    total = e.sum(-1)
-    lse = top.squeeze(-1) + torch.log(total)
-    mean_z = (e * logits).sum(-1) / total
-    sum_sq = (e * e).sum(-1) / (total * total)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    return logp, lse, mean_z, sum_sq
 
 
 def _chunk_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
@@ -122,13 +111,6 @@ def _chunk_ops(compile_backend: str | None):
             torch.compile(_chunk_grad, backend=compile_backend))
 
 
-@functools.cache
-def _chunk_sum_sq_op(compile_backend: str | None):
-    """The forward chunk function that also returns sum_v p^2, eager or compiled like `_chunk_ops`."""
-    if compile_backend is None:
-        return _chunk_forward_sum_sq
-    return torch.compile(_chunk_forward_sum_sq, backend=compile_backend)
-
 
 def _rows_dynamic(compiled: bool, *tensors: torch.Tensor | None) -> None:
     """Mark dim 0 (the chunk's rows: the last chunk is shorter) dynamic, so a compiled chunk function compiles
@@ -157,14 +139,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         acc = _acc_dtype(hidden.dtype)
         chunk_forward, _ = _chunk_ops(compile_backend)
-        chunk_forward_sum_sq = _chunk_sum_sq_op(compile_backend) if with_sum_sq else None
         logp, lse, mean_z = (hidden.new_empty(n, dtype=acc) for _ in range(3))
         sum_sq = hidden.new_empty(n if with_sum_sq else 0, dtype=acc)
         for s, e in _chunk_bounds(n, chunk_size):
             h, t = hidden[s:e], targets[s:e]
             _rows_dynamic(compile_backend is not None, h, t)
             if with_sum_sq:
-                logp[s:e], lse[s:e], mean_z[s:e], sum_sq[s:e] = chunk_forward_sum_sq(h, weight, t, temperature)
+                logp[s:e], lse[s:e], mean_z[s:e], sum_sq[s:e] = chunk_forward(h, weight, t, temperature, True)
             else:
                 logp[s:e], lse[s:e], mean_z[s:e] = chunk_forward(h, weight, t, temperature)
         ctx.mark_non_differentiable(sum_sq)

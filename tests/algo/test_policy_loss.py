@@ -174,7 +174,7 @@ def test_no_gradient_reaches_masked_tokens(randn, ragged_mask, name):
     with torch.no_grad():
         lp[mask == 0] = 40.0  # garbage far outside any trust region
     old = torch.where(mask > 0, old, torch.full_like(old, -40.0))
-    params = PolicyLossParams(clip_cov_ratio=0.5, kl_cov_ratio=0.5)
+    params = PolicyLossParams(clip_cov_ratio=0.5, kl_cov_ratio=0.5, dro_beta=0.1)
     loss, metrics = POLICY_LOSSES[name](old, lp, adv, mask, params=params)
     loss.backward()
     assert torch.isfinite(loss) and torch.all(torch.isfinite(lp.grad))

@@ -40,7 +40,8 @@ REGISTERED_READ_IN_CONFIG = {
 
 # Keys read through a name the scan cannot follow; each is checked against the mechanism below.
 POLICY_LOSS = ("actor_rollout_ref.actor.{clip_ratio,clip_ratio_low,clip_ratio_high,clip_ratio_c,tau_pos,tau_neg}",
-               "actor_rollout_ref.actor.policy_loss.{clip_cov_ratio,clip_cov_lb,clip_cov_ub,kl_cov_ratio,ppo_kl_coef}")
+               "actor_rollout_ref.actor.policy_loss.{clip_cov_ratio,clip_cov_lb,clip_cov_ub,kl_cov_ratio,ppo_kl_coef,"
+               "dro_beta}")
 TORCH_COMPILE = ("actor_rollout_ref.{actor,ref}.use_torch_compile", "actor_rollout_ref.{actor,ref}.fsdp_config.use_torch_compile")
 ROLLOUT_CORRECTION = ("algorithm.rollout_correction.{loss_type,rollout_is_threshold,rollout_is_batch_normalize,"
                       "rollout_rs_threshold}",)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -27,20 +28,35 @@ def train(tmp_path, *overrides: str, source: str | None = None, warm: int = 30) 
     return {r["step"]: r for r in rows}
 
 
+TWO_REWARDS = Path(__file__).with_name("two_rewards.py")
+# the keys an estimator or loss cannot run without (config rules refuse it otherwise)
+NEEDS = {
+    "gdpo": [f"reward.custom_reward_function.path={TWO_REWARDS}",
+             "+algorithm.gdpo_reward_keys=[accuracy_reward,format_reward]", "algorithm.gdpo_reward_weights=[1.0,0.5]"],
+    "optimal_token_baseline": ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
+    "tir_optimal_token_baseline": ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
+    "dro": ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"],
+}
+
+
 @pytest.mark.parametrize("estimator", sorted(n for n in ADV_ESTIMATORS))
 def test_each_advantage_estimator_runs(tmp_path, estimator):
-    metrics = train(tmp_path, f"algorithm.adv_estimator={estimator}")
+    metrics = train(tmp_path, f"algorithm.adv_estimator={estimator}", *NEEDS.get(estimator, []))
     assert sorted(metrics) == [1, 2]
     assert "actor/pg_loss" in metrics[2] and "critic/advantages/mean" in metrics[2]
     if estimator == "gae":
         assert "critic/vf_loss" in metrics[2] and "critic/values/mean" in metrics[2]
     if estimator == "remax":
         assert "timing_s/gen_max" in metrics[2]
+    if estimator.endswith("optimal_token_baseline"):                    # verl's metrics of sum_pi_squared
+        assert metrics[2]["variance_proxy/expected_w"] > 0
+    if estimator == "gdpo":
+        assert "reward_extra/format_reward/mean" in metrics[2]
 
 
 @pytest.mark.parametrize("loss_mode", sorted(n for n in POLICY_LOSSES if n != "bypass_mode"))
 def test_each_policy_loss_runs(tmp_path, loss_mode):
-    metrics = train(tmp_path, f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}")
+    metrics = train(tmp_path, f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}", *NEEDS.get(loss_mode, []))
     assert "actor/pg_clipfrac" in metrics[2]
 
 
@@ -84,3 +100,11 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tmp_path, capsys):
                "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"])
     assert rc == 2
     assert "max_num_gen_batches" in capsys.readouterr().err
+
+
+def test_prefix_grouper_runs(tmp_path):
+    # two PPO epochs: the old-log-prob pass and the update both run grouped; the numbers equal the per-row forward's
+    # (tests/train/test_prefix_group.py)
+    metrics = train(tmp_path, "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_prefix_grouper=true",
+                    "actor_rollout_ref.actor.ppo_epochs=2")
+    assert metrics[2]["actor/grad_norm"] > 0 and "timing_s/old_log_prob" in metrics[2]

@@ -5,7 +5,7 @@ estimator and policy loss, so ``ADV_ESTIMATORS`` / ``POLICY_LOSSES`` are complet
 ``lathe.algo``.
 """
 
-from lathe.algo import advantages, bypass, policy_loss, policy_loss_cov  # noqa: F401  (registration)
+from lathe.algo import advantages, bypass, gdpo, otb, policy_loss, policy_loss_cov, policy_loss_dppo  # noqa: F401
 from lathe.algo.aggregate import LOSS_AGG_MODES, agg_loss, global_batch_info
 from lathe.algo.dapo import filter_groups, overlong_reward_penalty
 from lathe.algo.kl import (
@@ -16,6 +16,7 @@ from lathe.algo.kl import (
     kl_penalty,
     make_kl_controller,
 )
+from lathe.algo.otb import variance_proxy_metrics
 from lathe.algo.policy_loss import PolicyLossParams, compute_entropy_loss, compute_value_loss
 from lathe.algo.registry import (
     ADV_ESTIMATORS,
@@ -56,6 +57,7 @@ __all__ = [
     "compute_value_loss",
     "compute_entropy_loss",
     "compute_rollout_correction",
+    "variance_proxy_metrics",
     "filter_groups",
     "overlong_reward_penalty",
     "masked_sum",

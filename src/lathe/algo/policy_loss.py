@@ -51,6 +51,7 @@ class PolicyLossParams:
     ppo_kl_coef: float = 0.1  # KL-Cov: penalty coefficient
     tau_pos: float = 1.0  # SAPO gate temperature for A > 0
     tau_neg: float = 1.05  # SAPO gate temperature for A <= 0
+    dro_beta: float | None = None  # DRO: weight of the quadratic log-ratio penalty; required (> 0) by loss_mode=dro
     rollout_correction: dict | None = None  # bypass_mode: algorithm.rollout_correction.* keys
 
     def __post_init__(self):

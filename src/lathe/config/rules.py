@@ -79,10 +79,37 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
             _check_micro("critic", cfg.critic, batch_plan(cfg, devices.count, "critic"), arr.rollout.n, problems)
     _check_ranges(cfg, problems)
     _check_backend_and_run(cfg, problems)
+    _check_algorithm_keys(cfg, problems)
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         warnings.warn("actor_rollout_ref.actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: the KL to "
                       "the reference policy is applied twice (as a loss term and as a reward penalty). verl "
                       "allows this, but usually only one is wanted (GRPO: use_kl_loss).", UserWarning, stacklevel=3)
+
+
+OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+def _check_algorithm_keys(cfg: LatheConfig, problems: ProblemList) -> None:
+    """The keys an advantage estimator or policy loss cannot run without (GDPO, OTB, DRO)."""
+    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    a = "actor_rollout_ref.actor"
+    if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
+        problems.add("algorithm.adv_estimator=gdpo normalises each reward component separately, but "
+                     "algorithm.gdpo_reward_keys names none. Fix: list the keys of the dict your reward function "
+                     "returns, e.g. +algorithm.gdpo_reward_keys='[accuracy_reward, format_reward]'.")
+    weights = algo.gdpo_reward_weights
+    if weights is not None and len(weights) != len(algo.gdpo_reward_keys or []):
+        problems.add(f"algorithm.gdpo_reward_weights={weights} has {len(weights)} weights for "
+                     f"{len(algo.gdpo_reward_keys or [])} algorithm.gdpo_reward_keys. Fix: give one weight per key, "
+                     "or remove gdpo_reward_weights for equal weights.")
+    if algo.adv_estimator in OTB_ESTIMATORS and not actor.calculate_sum_pi_squared:
+        problems.add(f"algorithm.adv_estimator={algo.adv_estimator} weighs tokens by sum_v pi(v)^2 from the "
+                     f"old-log-prob pass, which {a}.calculate_sum_pi_squared=false does not compute. Fix: set "
+                     f"{a}.calculate_sum_pi_squared=true.")
+    beta = actor.policy_loss.dro_beta
+    if actor.policy_loss.loss_mode == "dro" and (beta is None or beta <= 0):
+        problems.add(f"{a}.policy_loss.loss_mode=dro needs {a}.policy_loss.dro_beta > 0 (the weight of its quadratic "
+                     f"log-ratio penalty), got {beta}. Fix: set it, e.g. {a}.policy_loss.dro_beta=0.1.")
 
 
 def _suggest(values: list[int], target: int) -> str:

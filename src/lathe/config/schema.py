@@ -173,8 +173,8 @@ class RewardModelConfig:
     use_dynamic_bsz: bool | None = spec(None, "null = critic's.")
     forward_max_token_len_per_gpu: int | None = spec(None, "Token budget per RM micro-batch.")
     ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")
-    reward_manager: str = spec("naive", "verl's reward manager: naive, prime, dapo (lathe's per-response scoring) "
-                                        "or batch.")
+    reward_manager: str = spec("naive", "verl's reward manager: naive, prime, dapo, gdpo (lathe's per-response "
+                                        "scoring, which keeps a dict result's numbers) or batch.")
     launch_reward_fn_async: bool = spec(False, "Score on CPU while log-probs are computed.")
     reward_kwargs: dict[str, Any] = spec({}, "Extra kwargs for verl's reward manager (e.g. max_resp_len).")
     sandbox_fusion: SandboxFusionConfig = spec(factory=SandboxFusionConfig, help="Code sandbox.")
@@ -286,6 +286,11 @@ class AlgorithmConfig:
     lam: float = spec(1.0, "GAE lambda.")
     adv_estimator: str = spec("gae", "gae, grpo, rloo, reinforce_plus_plus, remax, ... (checked by the algo registry).")
     norm_adv_by_std_in_grpo: bool = spec(True, "GRPO: divide by the group std (false = Dr. GRPO).")
+    gdpo_reward_keys: list[str] | None = spec(
+        None, "GDPO (adv_estimator=gdpo, required there): the reward components to normalise each within its prompt "
+              "group: keys of the dict the reward function returns (e.g. [accuracy_reward, format_reward]).")
+    gdpo_reward_weights: list[float] | None = spec(
+        None, "GDPO: one weight per gdpo_reward_keys entry for summing the normalised components; null = all 1.")
     use_kl_in_reward: bool = spec(False, "Subtract a KL penalty from the token rewards.")
     kl_penalty: KLEstimator = spec("kl", "In-reward KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "
                                          "trailing + (e.g. low_var_kl+) takes k2's gradient.")

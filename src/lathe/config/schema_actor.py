@@ -93,12 +93,15 @@ class PolicyLossConfig:
     """Which policy-gradient loss to use and its knobs (verl ``policy_loss``)."""
 
     loss_mode: str = spec("vanilla", "Policy loss name: vanilla (PPO clip), gspo, sapo, cispo, geo_mean, "
-                                     "gpg, clip_cov, kl_cov, ... (checked by the algo registry).")
+                                     "gpg, clip_cov, kl_cov, dppo_tv, dppo_kl, dro, ... (checked by the algo "
+                                     "registry).")
     clip_cov_ratio: float = spec(0.0002, "clip_cov: fraction of tokens whose gradient is clipped.")
     clip_cov_lb: float = spec(1.0, "clip_cov: lower bound of the covariance window.")
     clip_cov_ub: float = spec(5.0, "clip_cov: upper bound of the covariance window.")
     kl_cov_ratio: float = spec(0.0002, "kl_cov: fraction of tokens that get the KL penalty.")
     ppo_kl_coef: float = spec(0.1, "kl_cov: KL penalty coefficient.")
+    dro_beta: float | None = spec(None, "dro: weight of the quadratic log-ratio penalty; required (> 0) with "
+                                        "loss_mode=dro.")
 
 
 @dataclass
@@ -166,11 +169,13 @@ class ActorConfig:
               "null = lathe default: the whole per-device mini-batch in one pass.")
     use_dynamic_bsz: bool = spec(False, "Pack micro-batches by token count instead of sequence count.")
     ppo_max_token_len_per_gpu: int = spec(16384, "Token budget per device micro-batch when use_dynamic_bsz.")
-    clip_ratio: float = spec(0.2, "PPO clip epsilon; default for clip_ratio_low/high.")
+    clip_ratio: float = spec(0.2, "PPO clip epsilon; default for clip_ratio_low/high (loss_mode=dppo_tv/dppo_kl: "
+                                  "the TV/KL divergence threshold instead).")
     clip_ratio_low: float | None = spec(None, "Lower clip epsilon (ratio >= 1-low); null = clip_ratio.")
     clip_ratio_high: float | None = spec(None, "Upper clip epsilon (ratio <= 1+high, DAPO clip-higher); "
                                                "null = clip_ratio.")
-    clip_ratio_c: float = spec(3.0, "Dual-clip PPO constant c (> 1) bounding the loss for negative advantages.")
+    clip_ratio_c: float = spec(3.0, "Dual-clip PPO constant c (> 1) bounding the loss for negative advantages "
+                                    "(loss_mode=dppo_tv/dppo_kl: the cap of the truncated IS ratio).")
     tau_pos: float = spec(1.0, "SAPO smoothing temperature for positive advantages.")
     tau_neg: float = spec(1.05, "SAPO smoothing temperature for negative advantages.")
     policy_loss: PolicyLossConfig = spec(factory=PolicyLossConfig, help="Policy loss selection.")
@@ -179,6 +184,13 @@ class ActorConfig:
                                                     "or seq-mean-token-sum-norm.")
     loss_scale_factor: float | None = spec(None, "seq-mean-token-sum-norm divisor; null = response length.")
     entropy_coeff: float = spec(0.0, "Entropy bonus coefficient in the actor loss.")
+    use_prefix_grouper: bool = spec(False, "Rows that share a prompt run it once in the actor's forward passes (the "
+                                           "old log-probs and the update): each response sees its prompt and itself; "
+                                           "same numbers as the per-row forward. lathe's text decoder; replaces "
+                                           "use_remove_padding's packed forward for those passes.")
+    calculate_sum_pi_squared: bool = spec(False, "The old-log-prob pass also computes each token's sum over the "
+                                                 "vocabulary of pi^2 (`sum_pi_squared`), which "
+                                                 "adv_estimator=optimal_token_baseline needs.")
     use_kl_loss: bool = spec(False, "Add a KL(actor || ref) term to the loss (GRPO style).")
     kl_loss_coef: float = spec(0.001, "Coefficient of the KL loss.")
     kl_loss_type: KLEstimator = spec("low_var_kl", "KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "

@@ -143,9 +143,9 @@ def _multi_turn() -> list[Entry]:
 def _rewards() -> list[Entry]:
     out = [refuse(f"{RM}.enable", "scoring with a learned reward model", "remove it; score with the built-in "
                   "scorers or reward.custom_reward_function.path"),
-           refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo: "
-                  "per-response scoring in worker processes with timeouts)", "set it to naive",
-                  one_of("naive", "prime", "dapo")),
+           refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo/gdpo: "
+                  "per-response scoring in worker processes with timeouts, a dict result's numbers kept)",
+                  "set it to naive", one_of("naive", "prime", "dapo", "gdpo")),
            refuse(f"{RM}.reward_kwargs", "reward-manager keyword arguments", "pass scorer arguments in "
                   "reward.reward_kwargs; DAPO's overlong shaping is reward_model.overlong_buffer.{{enable,len,"
                   "penalty_factor,log}} and max_resp_len is data.max_response_length"),

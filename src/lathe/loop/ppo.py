@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from lathe.algo import rollout_probs_diff
+from lathe.algo import rollout_probs_diff, variance_proxy_metrics
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import save_checkpoint
 from lathe.loop.dump import dump_rollouts
@@ -63,6 +63,9 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, ski
     rc = t.cfg.algorithm.rollout_correction
     if old_from_rollout:                                                 # the rollout's log-probs are pi_old
         batch["old_log_probs"] = batch["rollout_log_probs"]
+        if t.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:      # the OTB estimator's input: one forward
+            with timer("old_log_prob"):
+                batch["sum_pi_squared"] = t.worker.compute_log_prob(batch)["sum_pi_squared"]
     elif not skip_on_policy or needs_old_forward(t, batch):
         with timer("old_log_prob"):
             batch.update(t.worker.compute_log_prob(batch))
@@ -96,17 +99,23 @@ def needs_old_forward(t: Trainer, batch: Batch) -> bool:
     """Whether the step needs the old policy's log-probs before the actor update. An on-policy update (one epoch,
     the whole batch one mini-batch) does not: pi_old is the policy it updates, whose log-probs its own forward
     computes (verl's dp_actor then uses them, detached, in place of the recomputed ones). So the forward is saved
-    unless something else reads `old_log_probs` first: the KL penalty in the reward, rollout correction, or an actor
-    update that does not run this step (critic warm-up)."""
-    algo = t.cfg.algorithm
-    on_policy = t.cfg.actor_rollout_ref.actor.ppo_epochs == 1 and len(batch) <= t.plan.actor.mini_batch_sequences
+    unless something else reads `old_log_probs` first: the KL penalty in the reward, rollout correction, an advantage
+    estimator that reads them with `sum_pi_squared` (`actor.calculate_sum_pi_squared`), or an actor update that does
+    not run this step (critic warm-up)."""
+    algo, actor = t.cfg.algorithm, t.cfg.actor_rollout_ref.actor
+    on_policy = actor.ppo_epochs == 1 and len(batch) <= t.plan.actor.mini_batch_sequences
     return (not on_policy or algo.use_kl_in_reward or rollout_correction_enabled(algo.rollout_correction)
-            or t.global_step < t.cfg.trainer.critic_warmup)
+            or actor.calculate_sum_pi_squared or t.global_step < t.cfg.trainer.critic_warmup)
 
 
 def finish_metrics(t: Trainer, batch: Batch, timer: Timer, metrics: dict, step_seconds: float) -> dict[str, float]:
-    """The step's data, timing and throughput metrics added to `metrics`; the samples dumped when asked."""
+    """The step's data, timing and throughput metrics added to `metrics` (and verl's `variance_proxy/*` when the
+    old-log-prob pass computed `sum_pi_squared`); the samples dumped when asked."""
     metrics.update(compute_data_metrics(batch, max_response_length=t.cfg.data.max_response_length))
+    if "sum_pi_squared" in batch:                                        # actor.calculate_sum_pi_squared
+        metrics.update(variance_proxy_metrics(batch["advantages"], batch["response_mask"], batch["old_log_probs"],
+                                              batch["sum_pi_squared"], batch.tensors.get("rollout_is_weights"),
+                                              metrics.get("actor/grad_norm")))
     metrics.update(timer.metrics(), **{"timing_s/step": step_seconds})
     metrics.update(compute_throughput_metrics(batch, step_seconds))
     dump_rollouts(t, batch)                                              # trainer.rollout_data_dir

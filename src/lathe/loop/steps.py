@@ -105,12 +105,40 @@ def compute_advantage(batch: Batch, algo_cfg, kl_ctrl=None) -> tuple[Batch, dict
     else:
         rewards = scores
     estimator = get_adv_estimator(algo_cfg.adv_estimator)
+    gdpo = algo_cfg.adv_estimator == "gdpo"
     advantages, returns = estimator(
         token_level_rewards=rewards, response_mask=batch["response_mask"], index=batch["uid"],
         values=batch.tensors.get("values"), gamma=algo_cfg.gamma, lam=algo_cfg.lam,
         norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo,
-        reward_baselines=batch.tensors.get("reward_baselines"))
+        reward_baselines=batch.tensors.get("reward_baselines"),
+        old_log_probs=batch.tensors.get("old_log_probs"), sum_pi_squared=batch.tensors.get("sum_pi_squared"),
+        rollout_is_weights=batch.tensors.get("rollout_is_weights"),
+        reward_components=reward_components(batch, algo_cfg.gdpo_reward_keys) if gdpo else None,
+        reward_weights=algo_cfg.gdpo_reward_weights)
     return Batch({"token_level_rewards": rewards, "advantages": advantages, "returns": returns}), metrics
+
+
+def reward_components(batch: Batch, keys: list[str] | None) -> torch.Tensor:
+    """(B, K) float32: column k holds each response's `keys[k]` from its reward function's dict (`reward_extra_info`),
+    GDPO's per-component scores (`algorithm.gdpo_reward_keys`). A response whose scoring failed (no extras at all:
+    the reward manager counted it and scored it 0) scores 0 on every component; a key missing from a response that
+    has extras is an error naming the key and the keys present. `score` is the score itself."""
+    extras = list(batch["reward_extra_info"]) if "reward_extra_info" in batch else []
+    present = sorted({k for extra in extras for k in extra})
+    columns = []
+    for key in keys or []:
+        if key == "score" and key not in present:           # the dict's own score (verl keeps it with the extras)
+            columns.append(batch["seq_scores"].tolist())
+            continue
+        lacking = [i for i, extra in enumerate(extras) if extra and key not in extra]
+        if lacking or key not in present:
+            raise ValueError(
+                f"algorithm.gdpo_reward_keys names {key!r}, but the reward function's results "
+                f"{'of ' + str(len(lacking)) + ' responses ' if lacking else ''}have no such key (keys present: "
+                f"{', '.join(present) or 'none: it returned plain numbers'}). Fix: return a dict with {key!r} from "
+                "the reward function (reward.custom_reward_function), or list only keys it returns.")
+        columns.append([float(extra.get(key, 0.0)) for extra in extras])
+    return torch.tensor(columns, dtype=torch.float32).t().reshape(len(extras), len(columns))
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

@@ -174,3 +174,18 @@ class PaddedAttention:
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask, enable_gqa=gqa)
         return out.transpose(1, 2)
+
+
+@dataclass
+class MaskedAttention:
+    """Attention under an explicit boolean mask (B, 1, L, L), True where a query sees a key: the prefix-grouped
+    forward (`lathe.train.prefix_group`), where a prompt is computed once and each of its responses sees the prompt
+    and its own earlier tokens. The mask must let every query see at least itself."""
+
+    mask: torch.Tensor
+    rotates: ClassVar[bool] = False       # takes q and k rotated (`AttentionFn`)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))                           # (B, H, L, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lathe.models.attention import PackedAttention, PaddedAttention, select_packed_backend
+from lathe.models.attention import MaskedAttention, PackedAttention, PaddedAttention, select_packed_backend
 from lathe.models.config import LatheConfig
 from lathe.models.packing import pack_padded, position_ids_from_mask, unpack_to_padded
 from lathe.models.rope import RotaryEmbedding, apply_rotary
@@ -234,8 +234,13 @@ class _Backbone(nn.Module):
         """(B, L, H) final hidden states of a padded batch; padding positions hold unspecified values."""
         return self._hidden_padded(input_ids, attention_mask, position_ids)
 
-    # The public entry points (forward, hidden_padded, hidden_packed) never call one another: a sharding wrapper
-    # may hook each of them (FSDP2's register_fsdp_forward_method), and hooks must not nest.
+    def hidden_grouped(self, input_ids, position_ids, attn_mask) -> torch.Tensor:
+        """(B, L, H) final hidden states under an explicit (B, 1, L, L) boolean attention mask (`MaskedAttention`):
+        the prefix-grouped rows of `lathe.train.prefix_group`."""
+        return self.model(input_ids, position_ids, MaskedAttention(attn_mask))
+
+    # The public entry points (forward, hidden_padded, hidden_packed, hidden_grouped) never call one another: a
+    # sharding wrapper may hook each of them (FSDP2's register_fsdp_forward_method), and hooks must not nest.
     def _hidden_padded(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         if attention_mask is None:
             if position_ids is None:

@@ -12,6 +12,8 @@ the weight dtype and then cast to float32 (as `model(...).logits.float()` does).
 
     log p(y_t)  = z_t[y_t] - logsumexp(z_t),          z_t = (h_t W^T) / T
     entropy_t   = logsumexp(z_t) - sum_v p_tv z_tv
+    sum_pi_sq_t = sum_v p_tv^2 = sum_v exp(z_tv - m)^2 / (sum_v exp(z_tv - m))^2     (no gradient; the optimal
+                                                                                       token baseline's input)
     d logp / dz = onehot(y_t) - p_t
     d H / dz    = -p_t * (z_t - E_p[z_t])
 """
@@ -32,11 +34,12 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> 
     return (h @ weight.t()).to(_acc_dtype(h.dtype)) / temperature
 
 
-def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                   with_sum_sq: bool = False) -> tuple[torch.Tensor, ...]:
     """(logp, lse, mean_z) of one chunk of rows: lse = logsumexp(z), mean_z = E_p[z] (entropy = lse - mean_z).
     One pass for the row max, one for both sums: the two reductions a compiled chunk needs, instead of separate
-    logsumexp and softmax passes over the (rows x vocab) logits."""
+    logsumexp and softmax passes over the (rows x vocab) logits. `with_sum_sq`: also sum_v p_v^2 of each row, from
+    the same shifted exponentials (one more reduction)."""
     logits = _chunk_logits(h, weight, temperature)
     top = logits.amax(-1, keepdim=True)
     e = torch.exp(logits - top)
@@ -44,6 +47,8 @@ def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     lse = top.squeeze(-1) + torch.log(total)
     mean_z = (e * logits).sum(-1) / total
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if with_sum_sq:
+        return logp, lse, mean_z, (e * e).sum(-1) / (total * total)
     return logp, lse, mean_z
 
 
@@ -106,6 +111,7 @@ def _chunk_ops(compile_backend: str | None):
             torch.compile(_chunk_grad, backend=compile_backend))
 
 
+
 def _rows_dynamic(compiled: bool, *tensors: torch.Tensor | None) -> None:
     """Mark dim 0 (the chunk's rows: the last chunk is shorter) dynamic, so a compiled chunk function compiles
     once for all row counts; vocabulary and hidden sizes stay static."""
@@ -128,15 +134,21 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """Autograd function behind `chunked_log_probs`; saves only inputs and per-token scalars."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, compile_backend):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, compile_backend,
+                with_sum_sq=False):
         n = hidden.shape[0]
         acc = _acc_dtype(hidden.dtype)
         chunk_forward, _ = _chunk_ops(compile_backend)
         logp, lse, mean_z = (hidden.new_empty(n, dtype=acc) for _ in range(3))
+        sum_sq = hidden.new_empty(n if with_sum_sq else 0, dtype=acc)
         for s, e in _chunk_bounds(n, chunk_size):
             h, t = hidden[s:e], targets[s:e]
             _rows_dynamic(compile_backend is not None, h, t)
-            logp[s:e], lse[s:e], mean_z[s:e] = chunk_forward(h, weight, t, temperature)
+            if with_sum_sq:
+                logp[s:e], lse[s:e], mean_z[s:e], sum_sq[s:e] = chunk_forward(h, weight, t, temperature, True)
+            else:
+                logp[s:e], lse[s:e], mean_z[s:e] = chunk_forward(h, weight, t, temperature)
+        ctx.mark_non_differentiable(sum_sq)
         ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
         # an output the loss does not use (the entropy, detached when its coefficient is 0) gets None, not a zero
         # tensor: its gradient term is then skipped instead of computed as zeros (a pass over every chunk's logits)
@@ -144,13 +156,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.compile_backend = compile_backend
         if with_entropy:
-            return logp, lse - mean_z
+            return logp, lse - mean_z, sum_sq
         empty = hidden.new_zeros(0, dtype=acc)
         ctx.mark_non_differentiable(empty)
-        return logp, empty
+        return logp, empty, sum_sq
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq):
         hidden, weight, targets, lse, mean_z = ctx.saved_tensors
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -170,7 +182,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_h[s:e] = grad_raw @ weight
             if need_w:
                 _add_weight_grad(grad_w, grad_raw, h)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -183,6 +195,17 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     `compile_backend`: run the per-chunk math under `torch.compile(backend=...)` (a compiled model's
     `model.compile_backend`); None = eager. Same values either way, up to float rounding.
     """
+    logp, entropy, _ = chunked_token_stats(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+                                           calculate_entropy=calculate_entropy, compile_backend=compile_backend)
+    return logp, entropy
+
+
+def chunked_token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                        temperature: float = 1.0, chunk_size: int = 1024, calculate_entropy: bool = False,
+                        calculate_sum_pi_squared: bool = False, compile_backend: str | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`chunked_log_probs` plus, with `calculate_sum_pi_squared`, each token's sum_v p_v^2 (shaped like `targets`,
+    no gradient), computed in the same pass over each chunk's logits; else None in its place."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 (it divides the logits)")
     if chunk_size < 1:
@@ -193,9 +216,11 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     lead = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).long()
-    logp, entropy = _ChunkedLogProbs.apply(h, weight, t, float(temperature), int(chunk_size),
-                                           bool(calculate_entropy), compile_backend)
-    return logp.view(lead), (entropy.view(lead) if calculate_entropy else None)
+    logp, entropy, sum_sq = _ChunkedLogProbs.apply(h, weight, t, float(temperature), int(chunk_size),
+                                                   bool(calculate_entropy), compile_backend,
+                                                   bool(calculate_sum_pi_squared))
+    return (logp.view(lead), (entropy.view(lead) if calculate_entropy else None),
+            (sum_sq.view(lead) if calculate_sum_pi_squared else None))
 
 
 def naive_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -218,9 +243,21 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     predict the response are those at the R positions before it. A compiled model (`compile_decoder`) also
     compiles the chunk math.
     """
+    logp, entropy, _ = response_token_stats(model, input_ids, attention_mask, position_ids, responses,
+                                            temperature=temperature, chunk_size=chunk_size,
+                                            calculate_entropy=calculate_entropy)
+    return logp, entropy
+
+
+def response_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                         responses: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = 1024,
+                         calculate_entropy: bool = False, calculate_sum_pi_squared: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`response_log_probs` plus, with `calculate_sum_pi_squared`, each position's sum_v p_v^2 (B, R), else None."""
     R = responses.shape[1]
     hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    return_hidden=True).hidden_states[:, -R - 1:-1]
-    return chunked_log_probs(hidden, model.lm_head.weight, responses, temperature=temperature,
-                             chunk_size=chunk_size, calculate_entropy=calculate_entropy,
-                             compile_backend=getattr(model, "compile_backend", None))
+    return chunked_token_stats(hidden, model.lm_head.weight, responses, temperature=temperature,
+                               chunk_size=chunk_size, calculate_entropy=calculate_entropy,
+                               calculate_sum_pi_squared=calculate_sum_pi_squared,
+                               compile_backend=getattr(model, "compile_backend", None))

@@ -107,7 +107,8 @@ class PPOActor:
         cfg = self.cfg
         mask = micro["response_mask"]
         log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
-                                               calculate_entropy=True, remove_padding=self.use_remove_padding)
+                                               calculate_entropy=True, remove_padding=self.use_remove_padding,
+                                               prefix_grouper=cfg.use_prefix_grouper)
         old = micro.tensors.get("old_log_probs")
         if old is None:                     # on-policy (see update_policy): pi_old is this very forward
             old = log_prob.detach()

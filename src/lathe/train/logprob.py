@@ -30,12 +30,13 @@ import torch
 from lathe.batch import Batch
 from lathe.device import to_device
 from lathe.models.decoder import LatheCausalLM
-from lathe.models.logprob import chunked_log_probs
-from lathe.models.logprob import response_log_probs as padded_log_probs
+from lathe.models.logprob import chunked_token_stats
+from lathe.models.logprob import response_token_stats as padded_token_stats
 from lathe.models.packing import pack_padded
 from lathe.models.vl import LatheVLForConditionalGeneration, mrope_positions
 from lathe.train import parallel
 from lathe.train.micro import HOST_MASK, in_batch_order, micro_batches
+from lathe.train.prefix_group import grouped_hidden
 
 LOGPROB_CHUNK_SIZE = 1024   # tokens per lm_head chunk: peak extra memory ~ chunk x vocab x 4 bytes (x3 in backward)
 
@@ -171,28 +172,49 @@ def scatter_response(values: torch.Tensor, valid: torch.Tensor, shape: tuple[int
 
 
 def response_log_probs(model, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
-                       remove_padding: bool = False, chunk_size: int = LOGPROB_CHUNK_SIZE
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       remove_padding: bool = False, prefix_grouper: bool = False,
+                       chunk_size: int = LOGPROB_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log_probs (B, R), entropy (B, R) or None) float32 of `batch["responses"]`.
 
     `remove_padding` and `chunk_size` apply to lathe's decoder and VL model; a transformers model always runs
-    padded.
+    padded. `prefix_grouper` (verl's `actor.use_prefix_grouper`, lathe's text decoder): rows that share a prompt
+    run it once (`lathe.train.prefix_group`).
     """
-    if isinstance(model, LatheCausalLM) and not remove_padding:
-        return padded_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                                batch["responses"], temperature=temperature, chunk_size=chunk_size,
-                                calculate_entropy=calculate_entropy)
+    logp, entropy, _ = response_token_stats(model, batch, temperature=temperature,
+                                            calculate_entropy=calculate_entropy, remove_padding=remove_padding,
+                                            prefix_grouper=prefix_grouper, chunk_size=chunk_size)
+    return logp, entropy
+
+
+def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
+                         calculate_sum_pi_squared: bool = False, remove_padding: bool = False,
+                         prefix_grouper: bool = False, chunk_size: int = LOGPROB_CHUNK_SIZE
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`response_log_probs` plus, with `calculate_sum_pi_squared` (verl's `actor.calculate_sum_pi_squared`), each
+    response token's sum over the vocabulary of p^2 (B, R) float32, no gradient, 0 at padding; else None. lathe's
+    models compute it in the log-prob pass's own chunks; a transformers model from its full logits."""
+    if prefix_grouper and not isinstance(model, LatheCausalLM):
+        raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, Qwen2, "
+                         f"Qwen3), but the actor runs {type(model).__name__}. Fix: set use_prefix_grouper=false.")
+    if isinstance(model, LatheCausalLM) and not remove_padding and not prefix_grouper:
+        return padded_token_stats(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                  batch["responses"], temperature=temperature, chunk_size=chunk_size,
+                                  calculate_entropy=calculate_entropy,
+                                  calculate_sum_pi_squared=calculate_sum_pi_squared)
     if isinstance(model, (LatheCausalLM, LatheVLForConditionalGeneration)):
-        layout = host_layout(batch) if remove_padding and isinstance(model, LatheCausalLM) else None
-        hidden, valid = response_hidden(model, batch, remove_padding=remove_padding, layout=layout)
+        packed_text = remove_padding and isinstance(model, LatheCausalLM) and not prefix_grouper
+        layout = host_layout(batch) if packed_text else None
+        if prefix_grouper:
+            hidden, valid = grouped_hidden(model, batch)
+        else:
+            hidden, valid = response_hidden(model, batch, remove_padding=remove_padding, layout=layout)
         targets = batch["responses"].flatten()[layout.flat] if layout is not None else batch["responses"][valid]
-        logp, entropy = chunked_log_probs(hidden, model.lm_head.weight, targets,
-                                          temperature=temperature, chunk_size=chunk_size,
-                                          calculate_entropy=calculate_entropy,
-                                          compile_backend=getattr(model, "compile_backend", None))
+        stats = chunked_token_stats(hidden, model.lm_head.weight, targets, temperature=temperature,
+                                    chunk_size=chunk_size, calculate_entropy=calculate_entropy,
+                                    calculate_sum_pi_squared=calculate_sum_pi_squared,
+                                    compile_backend=getattr(model, "compile_backend", None))
         where = layout.flat if layout is not None else valid
-        return scatter_response(logp, where, valid.shape), (scatter_response(entropy, where, valid.shape)
-                                                            if calculate_entropy else None)
+        return tuple(None if x is None else scatter_response(x, where, valid.shape) for x in stats)
     responses = batch["responses"]
     R = responses.shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -200,10 +222,12 @@ def response_log_probs(model, batch: Batch, *, temperature: float = 1.0, calcula
     logits = out.logits[:, -R - 1:-1].float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     log_probs = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    entropy = None
+    entropy = sum_sq = None
     if calculate_entropy:
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return log_probs, entropy
+    if calculate_sum_pi_squared:
+        sum_sq = torch.exp(torch.logsumexp(2.0 * logp_all.detach(), dim=-1))
+    return log_probs, entropy, sum_sq
 
 
 @torch.no_grad()
@@ -213,16 +237,32 @@ def batched_log_probs(model, batch: Batch, *, micro_batch_size: int, temperature
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_log_probs` over micro-batches (`micro_batch_size` sequences, or packed by `max_tokens`: see
     `lathe.train.micro`), in eval mode, without gradients; rows in the batch's order."""
+    log_probs, entropy, _ = batched_token_stats(model, batch, micro_batch_size=micro_batch_size,
+                                                temperature=temperature, calculate_entropy=calculate_entropy,
+                                                remove_padding=remove_padding, max_tokens=max_tokens,
+                                                max_tokens_key=max_tokens_key)
+    return log_probs, entropy
+
+
+@torch.no_grad()
+def batched_token_stats(model, batch: Batch, *, micro_batch_size: int, temperature: float = 1.0,
+                        calculate_entropy: bool = False, calculate_sum_pi_squared: bool = False,
+                        remove_padding: bool = False, prefix_grouper: bool = False, max_tokens: int | None = None,
+                        max_tokens_key: str = "log_prob_max_token_len_per_gpu"
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`batched_log_probs` plus the per-token sum over the vocabulary of p^2 when `calculate_sum_pi_squared`
+    (`response_token_stats`), else None in its place."""
     was_training = model.training
     model.eval()
     try:
-        parts = [(response_log_probs(model, mb, temperature=temperature, calculate_entropy=calculate_entropy,
-                                     remove_padding=remove_padding), rows)
+        parts = [(response_token_stats(model, mb, temperature=temperature, calculate_entropy=calculate_entropy,
+                                       calculate_sum_pi_squared=calculate_sum_pi_squared,
+                                       remove_padding=remove_padding, prefix_grouper=prefix_grouper), rows)
                  for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens,
                                                key=max_tokens_key)]
     finally:
         model.train(was_training)
         parallel.reshard(model)
-    log_probs = in_batch_order([(p[0], rows) for p, rows in parts])
-    entropy = in_batch_order([(p[1], rows) for p, rows in parts]) if calculate_entropy else None
-    return log_probs, entropy
+    wanted = (True, calculate_entropy, calculate_sum_pi_squared)
+    return tuple(in_batch_order([(p[i], rows) for p, rows in parts]) if want else None
+                 for i, want in enumerate(wanted))

@@ -94,7 +94,8 @@ def _comm_device() -> torch.device:
 
 
 # -- FSDP2 --------------------------------------------------------------------------------------------
-FORWARD_METHODS = ("hidden_packed", "hidden_padded")   # lathe's models compute hidden states outside forward()
+# lathe's models compute hidden states outside forward()
+FORWARD_METHODS = ("hidden_packed", "hidden_padded", "hidden_grouped")
 
 
 def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool = True,
@@ -103,8 +104,8 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
 
     `mp_policy`: FSDP2's `MixedPrecisionPolicy` (bf16 compute on fp32 shards) or None; `offload`: shards and
     optimizer state in pinned CPU memory (`CPUOffloadPolicy`). lathe's models run their decoder through
-    `hidden_packed` / `hidden_padded` as well as `forward`; those are registered as forward methods so FSDP2
-    gathers the root's weights for them too.
+    `hidden_packed` / `hidden_padded` / `hidden_grouped` as well as `forward`; those are registered as forward
+    methods so FSDP2 gathers the root's weights for them too.
 
     `reshard_after_forward` (verl's key) applies to the decoder layers."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, register_fsdp_forward_method

@@ -19,13 +19,14 @@ import torch
 
 from lathe.batch import Batch
 from lathe.config.plan import BatchPlan
+from lathe.models.decoder import LatheCausalLM
 from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora, load_adapter, read_adapter
 from lathe.rollout.build import architecture, runs_lathe
 from lathe.train import lora, parallel
 from lathe.train.actor import PPOActor
-from lathe.train.logprob import batched_log_probs
+from lathe.train.logprob import batched_token_stats
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
@@ -51,6 +52,10 @@ class Actor:
             raise NotImplementedError("actor_rollout_ref.model.lora_rank > 0 with a rollout pool of its own (fully "
                                       "async: the weight sync sends full weights) is not implemented yet; train "
                                       "LoRA synchronously (rollout.n_gpus_per_node=0)")
+        if arr.actor.use_prefix_grouper and not isinstance(self.model, LatheCausalLM):
+            raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, "
+                             f"Qwen2, Qwen3), but the actor runs {architecture(self.model)}. Fix: set "
+                             "use_prefix_grouper=false (or model.impl=lathe for those architectures).")
         if runs_lathe(self.model) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key=FSDP_KEY)
@@ -102,11 +107,18 @@ class Actor:
 
     # -- what the worker calls ------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch, *, micro_batch_size: int, temperature: float, **budget) -> Batch:
-        """The current policy's log-probs of the responses (`old_log_probs`) and their entropy."""
-        logp, ent = batched_log_probs(self.model, batch.to(self.device), micro_batch_size=micro_batch_size,
-                                      temperature=temperature, calculate_entropy=True,
-                                      remove_padding=self.arr.model.use_remove_padding, **budget)
-        return Batch({"old_log_probs": logp.cpu(), "entropys": ent.cpu()})
+        """The current policy's log-probs of the responses (`old_log_probs`) and their entropy; with
+        `actor.calculate_sum_pi_squared`, also each token's sum over the vocabulary of pi^2 (`sum_pi_squared`)."""
+        sum_sq_wanted = self.arr.actor.calculate_sum_pi_squared
+        logp, ent, sum_sq = batched_token_stats(self.model, batch.to(self.device), micro_batch_size=micro_batch_size,
+                                                temperature=temperature, calculate_entropy=True,
+                                                calculate_sum_pi_squared=sum_sq_wanted,
+                                                remove_padding=self.arr.model.use_remove_padding,
+                                                prefix_grouper=self.arr.actor.use_prefix_grouper, **budget)
+        out = Batch({"old_log_probs": logp.cpu(), "entropys": ent.cpu()})
+        if sum_sq_wanted:
+            out["sum_pi_squared"] = sum_sq.cpu()
+        return out
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One PPO update; a rank of a group adds the step's peak memory, the largest over the ranks."""

@@ -29,6 +29,7 @@ class Row:
     value: str
     verdict: str          # one of ACTS, RENAMED, NO_EFFECT, SAME, REFUSED, UNKNOWN
     why: str = ""
+    feature: str = ""     # refused: the support registry's heading of the feature lathe lacks
 
 
 @dataclass
@@ -93,6 +94,6 @@ def _judge(cfg: LatheConfig, applied: list[tuple[Row, str]]) -> None:
                 continue
             kind, message = verdict
             if kind == "refuse":
-                row.verdict, row.why = REFUSED, message
+                row.verdict, row.why, row.feature = REFUSED, message, entry.feature
             elif row.verdict != REFUSED:
                 row.verdict, row.why = NO_EFFECT, message

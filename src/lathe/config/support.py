@@ -21,6 +21,7 @@ from .coerce import show
 from .schema import LatheConfig
 from .plan import is_async, trainer_devices
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
+from .support_verl import HSDP, REWARD_MODELS, ULYSSES, judge_verl_keys, markdown_lines
 from .tree import get_path
 
 A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
@@ -51,20 +52,35 @@ def _multi_gpu() -> list[Entry]:
                            ("data_parallel_size", "a data-parallel size of the rollout's own (lathe's rollout is "
                                                   "data-parallel over all the trainer's devices)"),
                            ("expert_parallel_size", "expert-parallel generation"))]
-    out += [refuse(f"{g}.ulysses_sequence_parallel_size", f"Ulysses sequence parallelism ({NOT_YET})",
-                   "set it to 1", at_most(1)) for g in (A, REF, C)]
-    out += [refuse(f"{g}.strategy", "a training backend other than fsdp/fsdp2 (such as megatron)",
-                   "set it to fsdp2 (or fsdp): lathe trains with PyTorch FSDP2", one_of("fsdp", "fsdp2"))
-            for g in (A, REF, C)]
+    out += [refuse(f"{g}.ulysses_sequence_parallel_size", ULYSSES, "set it to 1", at_most(1)) for g in (A, REF, C)]
+    out += [replace(warn("model_engine", BACKEND), judge=_backend("model_engine"))]
+    out += [replace(warn(f"{g}.strategy", BACKEND), judge=_backend(f"{g}.strategy")) for g in (A, REF, C)]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
-    out += [refuse(f"{g}.fsdp_config.fsdp_size", "hybrid sharding (shard groups smaller than all devices, HSDP)",
-                   "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, trainer_devices(cfg)))
-            for g in TRAINED]
+    out += [refuse(f"{g}.fsdp_config.fsdp_size", HSDP, "set it to -1 (shard over all devices)",
+                   lambda v, cfg: v in (-1, 1, trainer_devices(cfg))) for g in TRAINED]
     out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
             replace(refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices without a "
                            "rollout pool (fully-asynchronous training)",
                            "set rollout.n_gpus_per_node"), judge=_hybrid_engine)]
     return out
+
+
+BACKEND_NOTE = ("the backend's keys lathe has an equivalent for are translated (offload, recomputation, dtype), "
+                "parallel sizes above 1 are refused, its kernel and fusion switches have no effect")
+BACKEND = "lathe trains every backend with its FSDP2 trainer: " + BACKEND_NOTE
+
+
+def _backend(key: str):
+    """verl's megatron/veomni/torchtitan backend: one notice for the backend a run names (model_engine first,
+    then the actor's strategy; the reference's and critic's add one only when they name another)."""
+    def judge(value, cfg) -> tuple[str, str] | None:
+        named = [cfg.model_engine] if key != "model_engine" else []
+        if key in (f"{REF}.strategy", f"{C}.strategy"):
+            named.append(cfg.actor_rollout_ref.actor.strategy)
+        if value in ("fsdp", "fsdp2", "dp") or value in named:
+            return None
+        return "warn", f"`{key}`={show(value)} runs on lathe's FSDP2 trainer: {BACKEND_NOTE}."
+    return judge
 
 
 def _hybrid_engine(value, cfg) -> tuple[str, str] | None:
@@ -158,7 +174,7 @@ def _multi_turn() -> list[Entry]:
 
 
 def _rewards() -> list[Entry]:
-    out = [refuse(f"{RM}.enable", "scoring with a learned reward model", "remove it; score with the built-in "
+    out = [refuse(f"{RM}.enable", REWARD_MODELS, "remove it; score with the built-in "
                   "scorers or reward.custom_reward_function.path"),
            refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo: "
                   "per-response scoring in worker processes with timeouts)", "set it to naive",
@@ -250,6 +266,29 @@ def _models() -> list[Entry]:
     return out
 
 
+# Megatron's CPU-optimizer settings, which verl scripts pass in override_optimizer_config
+MEGATRON_CPU_OPTIMIZER = {"optimizer_cpu_offload", "optimizer_offload_fraction", "offload_fraction",
+                          "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer"}
+
+
+def _optimizer_overrides(group: str):
+    """Megatron's CPU-optimizer keys have no effect (lathe's switch is fsdp_config.optimizer_offload); any other
+    extra optimizer argument is refused."""
+    key = f"{group}.optim.override_optimizer_config"
+
+    def judge(value, cfg) -> tuple[str, str] | None:
+        if not value:
+            return None
+        other = sorted(set(value) - MEGATRON_CPU_OPTIMIZER)
+        if other:
+            return "refuse", (f"`{key}`={show(value)}: extra optimizer arguments ({', '.join(other)}) are not "
+                              f"implemented yet in lathe. Fix: remove them (lathe's AdamW takes optim.lr, betas, "
+                              f"weight_decay).")
+        return "warn", (f"`{key}`={show(value)} has no effect in lathe: Megatron's CPU-optimizer settings; lathe "
+                        "streams the optimizer state through the device with fsdp_config.optimizer_offload=true.")
+    return judge
+
+
 PF_PPO = "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"
 
 
@@ -279,7 +318,8 @@ def _training() -> list[Entry]:
                        lambda v, cfg: v.lower() == "adamw"),
                 refuse(f"{g}.optim.optimizer_impl", "an optimizer module other than torch.optim",
                        "set it to torch.optim", one_of("torch.optim")),
-                refuse(f"{g}.optim.override_optimizer_config", "extra optimizer arguments", ok=lambda v, cfg: not v),
+                replace(refuse(f"{g}.optim.override_optimizer_config", "extra optimizer arguments"),
+                        judge=_optimizer_overrides(g)),
                 warn(f"{g}.optim.total_training_steps", "it is set at run time from trainer.total_training_steps "
                                                         "(or the epochs)")]
     return out
@@ -379,6 +419,11 @@ def check_support(cfg: LatheConfig, problems: ProblemList, *, skip: frozenset[st
             problems.add(message)
         else:
             ignored.append(message)
+    for kind, message in judge_verl_keys(cfg):
+        if kind == "refuse":
+            problems.add(message)
+        else:
+            ignored.append(message)
     if ignored:
         lines = "\n".join(f"  - {m}" for m in ignored)
         warnings.warn(f"{len(ignored)} config key(s) set here have no effect in lathe:\n{lines}",
@@ -409,5 +454,5 @@ def markdown() -> str:
             why = f"{e.text}; fix: {fix}" if e.kind == "refuse" else e.text
             lines.append(f"| `{e.key}` | `{default}` | {label[e.kind]} | {why.replace('|', '/')} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + markdown_lines())
 

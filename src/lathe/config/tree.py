@@ -17,15 +17,26 @@ from typing import Any, get_args, get_origin
 from .coerce import coerce, dump_yaml, hints_of, parse_value, show, type_name
 from .errors import ConfigError, ProblemList, closest, did_you_mean
 from .schema import GROUP_PRESETS, LatheConfig
+from .verl_keys import TARGET, is_verl_group, is_verl_key, verl_paths
+from .verl_translate import translate
 
-# Old verl spellings -> lathe paths (prefix rewrite).
+# Old (and other) verl spellings -> lathe paths (prefix rewrite; the first match wins, so longer keys go first).
 ALIASES: dict[str, str] = {
+    **{f"{g}.fsdp_config.ulysses_sequence_parallel_size": f"{g}.ulysses_sequence_parallel_size"
+       for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
+    **{f"actor_rollout_ref.actor.policy_loss.{k}": f"actor_rollout_ref.actor.{k}" for k in ("tau_pos", "tau_neg")},
+    "critic.fsdp.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+    "critic.fsdp": "critic.model.fsdp_config",             # verl's engine-config spelling of the critic's fsdp group
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.sandbox_fusion": "reward_model.sandbox_fusion",
+    "sandbox_fusion": "reward_model.sandbox_fusion",
+    "reward_model.num_workers": "reward.num_workers",
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
     "custom_reward_function.reward_kwargs": "reward.reward_kwargs",
     "custom_reward_function.overlong_buffer": "reward_model.overlong_buffer",
 }
-_ALIAS_GROUPS = {"custom_reward_function"}
+_ALIAS_GROUPS = {"custom_reward_function", "sandbox_fusion"}
 
 
 @dataclass
@@ -83,7 +94,7 @@ def field_meta(cls: type, name: str) -> dict:
 
 def unknown_key_message(path: str, origin: str, root: type = LatheConfig) -> str:
     """'Unknown key' text: fix the first unknown segment by its siblings, else find the leaf elsewhere."""
-    paths = all_paths(root)
+    paths = all_paths(root) + (tuple(sorted(verl_paths())) if root is LatheConfig else ())
     known = set(paths)
     parts = path.split(".")
     index = next(i for i in range(len(parts)) if ".".join(parts[: i + 1]) not in known)
@@ -146,14 +157,19 @@ def parse_override(text: str) -> Assignment:
     return Assignment(key, parse_value(raw), raw, key, f"override '{stripped}'")
 
 
+def lathe_spelling(path: str) -> str:
+    """``path`` with an alias prefix (ALIASES) rewritten to lathe's key."""
+    for old, new in ALIASES.items():
+        if path == old or path.startswith(old + "."):
+            return new + path[len(old):]
+    return path
+
+
 def rewrite_aliases(items: list[Assignment], problems: ProblemList) -> list[Assignment]:
     """Map old verl spellings onto lathe paths; flag a layer setting both spellings differently."""
     seen: dict[str, Assignment] = {}
     for item in items:
-        for old, new in ALIASES.items():
-            if item.path == old or item.path.startswith(old + "."):
-                item.path = new + item.path[len(old):]
-                break
+        item.path = lathe_spelling(item.path)
         previous = seen.get(item.path)
         if previous is not None and previous.spelled != item.spelled and previous.value != item.value:
             old = previous.spelled if previous.spelled != item.path else item.spelled
@@ -183,10 +199,14 @@ def assign(root: LatheConfig, item: Assignment) -> None:
     """Set one dotted path (into groups, and into free dict fields) after type checking."""
     parts = item.path.split(".")
     node: Any = root
+    if parts[-1] == TARGET:                                  # Hydra's class pointer: nothing to set
+        return
     for i, part in enumerate(parts):
         path = ".".join(parts[: i + 1])
         hints = hints_of(type(node))
         if part not in hints:
+            if isinstance(root, LatheConfig) and _assign_verl(root, item):
+                return
             raise ConfigError(unknown_key_message(item.path, item.origin, type(root)))
         tp = hints[part]
         if i == len(parts) - 1:
@@ -204,6 +224,24 @@ def assign(root: LatheConfig, item: Assignment) -> None:
             return
         raise ConfigError(f"`{path}` is a single value ({type_name(tp)}), not a group, so "
                           f"`{item.path}` cannot be set ({item.origin}). Fix: set `{path}` itself.")
+
+
+def _assign_verl(root: LatheConfig, item: Assignment) -> bool:
+    """A key of verl's schema with no field in lathe's: kept in ``verl_keys`` (a mapping for a verl group is
+    taken key by key), plus the lathe keys it translates to. False when verl has no such key either."""
+    key = item.path if is_verl_key(item.path) or is_verl_group(item.path) else item.spelled
+    if isinstance(item.value, dict) and item.value and is_verl_group(key):
+        for sub, value in item.value.items():
+            if str(sub) != TARGET:
+                assign(root, Assignment(lathe_spelling(f"{key}.{sub}"), value, None, f"{item.spelled}.{sub}",
+                                        item.origin))
+        return True
+    if not is_verl_key(key):
+        return False
+    root.verl_keys[key] = item.value
+    for path, value in translate(key, item.value):
+        assign(root, Assignment(path, value, None, item.spelled, item.origin))
+    return True
 
 
 def _set_field(root: LatheConfig, node: Any, name: str, tp: Any, item: Assignment) -> None:

@@ -254,8 +254,9 @@ def _models() -> list[Entry]:
     out = [refuse(f"{M}.hf_config_path", "reading the model config from a separate path",
                   f"remove it; keep config.json with the weights in {M}.path (single keys: {M}.override_config)",
                   lambda v, cfg: v is None or v == cfg.actor_rollout_ref.model.path),
-           refuse(f"{A}.use_remove_padding", "a packed-forward switch of the actor's own",
-                  f"set {M}.use_remove_padding instead (it switches actor and reference)"),
+           warn(f"{A}.use_remove_padding", f"lathe packs the actor's and the reference's sequences by "
+                f"{M}.use_remove_padding (set that instead)",
+                lambda v, cfg: v is True or v == cfg.actor_rollout_ref.model.use_remove_padding),
            warn(f"{M}.use_liger", "lathe's decoder is its own implementation; Liger's kernels are not used"),
            warn(f"{M}.use_fused_kernels", fused), warn(f"{M}.fused_kernel_options", fused),
            warn(f"{A}.use_fused_kernels", fused)]

@@ -17,7 +17,7 @@ from typing import Any
 
 from .plan import trainer_devices
 from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
-from .verl_keys import free_map_of, is_verl_key, verl_default
+from .verl_keys import is_verl_key, verl_default, verl_defaults
 from .verl_translate import RULES, rule_for, translate
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
@@ -106,7 +106,7 @@ def _backends() -> list[Entry]:
                 "optimizer_offload are its offload switches"),
            refuse("*.megatron.use_dist_checkpointing", "loading Megatron distributed checkpoints",
                   "convert the checkpoint to Hugging Face format and set actor_rollout_ref.model.path to it"),
-           warn("*.megatron.dist_*", "it is read only with megatron.use_dist_checkpointing (not implemented)"),
+           warn("*.megatron.dist*", "it is read only with megatron.use_dist_checkpointing (not implemented)"),
            warn("*.megatron.*mbridge", CKPT_FORMAT),
            refuse("*.veomni.load_checkpoint_path", "loading a VeOmni checkpoint",
                   "resume a lathe checkpoint with trainer.resume_mode / trainer.resume_from_path"),
@@ -274,7 +274,7 @@ def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
         if translate(key, value):
             continue                                  # set on lathe's key as it was given
         entry = entry_for(key) or Entry(key, "warn", "lathe does not read this verl key")
-        default = None if free_map_of(key) else verl_default(key)
+        default = verl_default(key) if key in verl_defaults() else None     # below a free map: nothing set
         verdict = entry.verdict(value, default, cfg)
         if verdict is not None:
             out.append(verdict)

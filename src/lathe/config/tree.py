@@ -17,7 +17,7 @@ from typing import Any, get_args, get_origin
 from .coerce import coerce, dump_yaml, hints_of, parse_value, show, type_name
 from .errors import ConfigError, ProblemList, closest, did_you_mean
 from .schema import GROUP_PRESETS, LatheConfig
-from .verl_keys import TARGET, is_verl_group, is_verl_key, verl_paths
+from .verl_keys import TARGET, is_verl_group, is_verl_key, verl_defaults, verl_paths
 from .verl_translate import translate
 
 # Old (and other) verl spellings -> lathe paths (prefix rewrite; the first match wins, so longer keys go first).
@@ -260,7 +260,17 @@ def _set_field(root: LatheConfig, node: Any, name: str, tp: Any, item: Assignmen
         _deep_merge(current, item.value)
         return
     meta = field_meta(type(node), name)
-    setattr(node, name, coerce(item.value, tp, item.path, raw=item.raw, example=current, meta=meta))
+    try:
+        setattr(node, name, coerce(item.value, tp, item.path, raw=item.raw, example=current, meta=meta))
+    except ConfigError:
+        if item.value is None and verl_null(item.spelled):
+            return                            # verl's "unset" (null by default there): lathe's default stays
+        raise
+
+
+def verl_null(key: str) -> bool:
+    """A verl key whose default is null (verl's legacy keys that mean 'take it from elsewhere')."""
+    return key in verl_defaults() and verl_defaults()[key] is None
 
 
 def _set_group_preset(root: LatheConfig, node: Any, name: str, group: type, item: Assignment) -> None:

@@ -75,15 +75,15 @@ def _role(key: str) -> tuple[str, str] | None:
 
 def rule_for(key: str) -> tuple[str, str] | None:
     """(lathe key, what it becomes) for a verl key that translates, else None."""
+    for model, leaves in (("actor_rollout_ref.model", tuple(LORA)), ("critic.model", CRITIC_LORA)):
+        leaf = key[len(model) + len(".lora."):] if key.startswith(model + ".lora.") else ""
+        if leaf in leaves:
+            return f"{model}.{LORA[leaf]}", f"{model}.{LORA[leaf]}"
     found = _role(key)
     if found is None:
         return None
     role, rest = found
     groups = dict(zip(("fsdp", "model", "optim"), ROLE[role]))
-    lora = rest[len("model.lora."):] if rest.startswith("model.lora.") else ""
-    if lora in LORA and groups["model"] and (role != "critic" or lora in CRITIC_LORA):
-        target = f"{groups['model']}.{LORA[lora]}"
-        return target, target
     if not rest.startswith(BACKEND_PREFIXES):
         return None
     for pattern, target, _, doc in RULES:
@@ -99,8 +99,8 @@ def translate(key: str, value: Any) -> list[tuple[str, Any]]:
     if found is None or value == verl_default(key):
         return []
     target, _ = found
-    rest = _role(key)[1]
-    if rest.startswith("model.lora."):
+    if ".lora." in key:
         return [(target, value)]
+    rest = _role(key)[1]
     mapped = next(m for pattern, _, m, _ in RULES if fnmatchcase(rest, pattern))(value)
     return [] if mapped is None else [(target, mapped)]

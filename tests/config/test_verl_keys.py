@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import yaml
 
 from lathe.config import ConfigError, LatheConfig, load_config, to_yaml
 from lathe.config.coerce import show
@@ -204,3 +205,33 @@ def test_a_verl_group_given_as_a_mapping_is_taken_key_by_key(tmp_path):
 def test_patterns_do_not_shadow_lathe_keys():
     """A pattern judges only keys lathe has no field for: the registry's entries stay the ones that act."""
     assert not [k for k in registry() if k in verl_defaults() and entry_for(k) is not None and k not in all_paths()]
+
+
+def verl_file(tmp_path, **changes) -> str:
+    """verl's whole schema at verl's defaults as one nested YAML file (what a verl user's full config looks like)."""
+    tree: dict = {}
+    for key, value in [*verl_items(), *changes.items()]:
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    tree["trainer"]["n_gpus_per_node"] = 1
+    path = tmp_path / "verl.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return str(path)
+
+
+def test_verls_whole_schema_loads_as_a_file_without_a_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredKeysWarning)
+        load_config(verl_file(tmp_path), device_count=1)
+
+
+def test_verls_megatron_defaults_load_with_one_notice(tmp_path):
+    megatron = {f"{g}.strategy": "megatron" for g in (A, "actor_rollout_ref.ref", "critic")}
+    megatron |= {f"{g}.optim.optimizer": "adam" for g in (A, "critic")}      # megatron's name for AdamW
+    with pytest.warns(IgnoredKeysWarning) as caught:
+        load_config(verl_file(tmp_path, **megatron), device_count=1)
+    (notice,) = [str(w.message) for w in caught if w.category is IgnoredKeysWarning]
+    assert notice.startswith("1 config key(s)") and "megatron runs on lathe's FSDP2 trainer" in notice

@@ -133,6 +133,7 @@ def _one_device() -> list[Entry]:
         ("actor_rollout_ref.nccl_timeout", "no collectives run on one device without a rollout pool"),
         ("ray_kwargs", "Ray is not used on one device without a rollout pool"),
         ("ray_init", "Ray is not used on one device without a rollout pool"))]
+    out = [replace(e, ok=no_entries) if e.key in ("ray_kwargs", "ray_init") else e for e in out]
     out += [warn("trainer.ray_wait_register_center_timeout", "lathe's workers have no register center"),
             warn("trainer.esi_redundant_time", "it is for Volcano Engine elastic instances"),
             warn(f"{R}.layered_summon", "lathe always gathers sharded weights one tensor at a time")]
@@ -290,6 +291,11 @@ def _optimizer_overrides(group: str):
     return judge
 
 
+def _megatron(cfg, group: str) -> bool:
+    """The role names verl's megatron backend (whose optimizer 'adam' is AdamW: decoupled weight decay)."""
+    return "megatron" in (cfg.model_engine, get_path(cfg, f"{group}.strategy"))
+
+
 PF_PPO = "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"
 
 
@@ -316,7 +322,7 @@ def _training() -> list[Entry]:
                   f"remove it; lathe's engine picks them ({R}.enforce_eager=true turns graphs off)")]
     for g in (A, C):
         out += [refuse(f"{g}.optim.optimizer", "an optimizer other than AdamW", "set it to AdamW",
-                       lambda v, cfg: v.lower() == "adamw"),
+                       lambda v, cfg, g=g: v.lower() == "adamw" or v == "adam" and _megatron(cfg, g)),
                 refuse(f"{g}.optim.optimizer_impl", "an optimizer module other than torch.optim",
                        "set it to torch.optim", one_of("torch.optim")),
                 replace(refuse(f"{g}.optim.override_optimizer_config", "extra optimizer arguments"),
@@ -346,10 +352,15 @@ def _checkpoints() -> list[Entry]:
     return out
 
 
+def _profiler_off(value, cfg) -> bool:
+    """verl's per-role profiler at rest: not enabled, no ranks chosen."""
+    return not any(value.get(k) for k in ("enable", "all_ranks", "ranks", "discrete"))
+
+
 def _observability() -> list[Entry]:
     per_role = ("profiling is chosen per step, not per role: global_profiler.tool=torch profiles every phase of "
                 "the listed steps (lathe.track.profile)")
-    out = [warn(f"{g}.profiler", per_role) for g in (A, REF, R, C, RM)]
+    out = [warn(f"{g}.profiler", per_role, _profiler_off) for g in (A, REF, R, C, RM)]
     out += [refuse("global_profiler.profile_continuous_steps", "one trace across consecutive profiled steps",
                    "remove it: lathe writes one trace per listed step"),
             inert("global_profiler.global_tool_config", "settings of the nsys and torch_memory tools, which lathe "

@@ -17,7 +17,7 @@ from typing import Any
 
 from .plan import trainer_devices
 from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
-from .verl_keys import is_verl_key, verl_default, verl_defaults
+from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
 from .verl_translate import RULES, rule_for, translate
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
@@ -216,6 +216,8 @@ def _rewards() -> list[Entry]:
             refuse("reward_model.reward_loop_*", "a custom reward loop", custom),
             warn("reward_model.rollout.*", "it is read only with reward_model.enable=true"),
             refuse("distillation.enabled", DISTILLATION, "set it to false"),
+            *(inert(f"distillation.teacher_models.*.inference.{k}", "verl copies the rollout's setting here")
+              for k in ("name", "prompt_length", "response_length")),
             warn("distillation.*", "it is read only with distillation.enabled=true")]
 
 
@@ -263,10 +265,21 @@ def entry_for(key: str) -> Entry | None:
     return None
 
 
+def _leaves(held: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The held keys, a mapping held for a verl group (a resolved ${...} reference to one) taken key by key."""
+    out = []
+    for key, value in held.items():
+        if isinstance(value, dict) and value and is_verl_group(key):
+            out += _leaves({f"{key}.{k}": v for k, v in flatten(value).items()})
+        else:
+            out.append((key, value))
+    return out
+
+
 def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
     """(kind, message) for each key of ``cfg.verl_keys`` that is refused or has no effect."""
     out = []
-    for key, value in cfg.verl_keys.items():
+    for key, value in _leaves(cfg.verl_keys):
         if not is_verl_key(key):
             out.append(("refuse", f"Unknown config key `{key}` in verl_keys: it is not one of verl's keys. Fix: "
                                   "remove it (verl_keys holds the verl keys lathe has no field for)."))
@@ -275,6 +288,8 @@ def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
             continue                                  # set on lathe's key as it was given
         entry = entry_for(key) or Entry(key, "warn", "lathe does not read this verl key")
         default = verl_default(key) if key in verl_defaults() else None     # below a free map: nothing set
+        if value in ({}, []) and default is None:
+            continue                                  # an empty free map (verl's default)
         verdict = entry.verdict(value, default, cfg)
         if verdict is not None:
             out.append(verdict)

@@ -171,7 +171,8 @@ def rewrite_aliases(items: list[Assignment], problems: ProblemList) -> list[Assi
     for item in items:
         item.path = lathe_spelling(item.path)
         previous = seen.get(item.path)
-        if previous is not None and previous.spelled != item.spelled and previous.value != item.value:
+        if previous is not None and previous.spelled != item.spelled and previous.value != item.value \
+                and not _defers(previous) and not _defers(item):
             old = previous.spelled if previous.spelled != item.path else item.spelled
             problems.add(
                 f"`{previous.spelled}`={show(previous.value)} and `{item.spelled}`={show(item.value)} are both "
@@ -182,6 +183,11 @@ def rewrite_aliases(items: list[Assignment], problems: ProblemList) -> list[Assi
 
 
 # ----------------------------------------------------------------------------- applying
+
+
+def _defers(item: Assignment) -> bool:
+    """A value that takes the setting from elsewhere: verl's null default, or a ${...} reference."""
+    return item.value is None and verl_null(item.spelled) or isinstance(item.value, str) and "${" in item.value
 
 
 def apply_layer(cfg: LatheConfig, items: list[Assignment], context: str) -> None:
@@ -229,7 +235,7 @@ def assign(root: LatheConfig, item: Assignment) -> None:
 def _assign_verl(root: LatheConfig, item: Assignment) -> bool:
     """A key of verl's schema with no field in lathe's: kept in ``verl_keys`` (a mapping for a verl group is
     taken key by key), plus the lathe keys it translates to. False when verl has no such key either."""
-    key = item.path if is_verl_key(item.path) or is_verl_group(item.path) else item.spelled
+    key = item.spelled if is_verl_key(item.spelled) or is_verl_group(item.spelled) else item.path
     if isinstance(item.value, dict) and item.value and is_verl_group(key):
         for sub, value in item.value.items():
             if str(sub) != TARGET:
@@ -257,7 +263,7 @@ def _set_field(root: LatheConfig, node: Any, name: str, tp: Any, item: Assignmen
         return
     current = getattr(node, name)
     if _is_dict_type(tp) and isinstance(item.value, dict) and isinstance(current, dict):
-        _deep_merge(current, item.value)
+        _deep_merge(current, _without_target(item.value))
         return
     meta = field_meta(type(node), name)
     try:
@@ -300,6 +306,11 @@ def _set_in_dict(target: dict, parts: list[str], value: Any) -> None:
             target[part] = nxt
         target = nxt
     target[parts[-1]] = value
+
+
+def _without_target(mapping: dict) -> dict:
+    """A mapping without Hydra's ``_target_`` class pointers, at any depth."""
+    return {k: _without_target(v) if isinstance(v, dict) else v for k, v in mapping.items() if k != TARGET}
 
 
 def _deep_merge(target: dict, update: dict) -> None:

@@ -303,7 +303,7 @@ GROUP_PRESETS: dict[type, tuple[dict[str, dict[str, Any]], dict[str, str]]] = {
     RolloutCorrectionConfig: (ROLLOUT_CORRECTION_PRESETS, ROLLOUT_CORRECTION_PRESET_ALIASES)}
 
 
-Logger = Literal["console", "tensorboard", "wandb", "mlflow", "jsonl"]
+Logger = Literal["console", "tensorboard", "wandb", "mlflow", "jsonl", "file"]     # file: verl's name for jsonl
 
 
 @dataclass

@@ -180,9 +180,11 @@ def _rewards() -> list[Entry]:
            refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo: "
                   "per-response scoring in worker processes with timeouts)", "set it to naive",
                   one_of("naive", "prime", "dapo")),
-           refuse(f"{RM}.reward_kwargs", "reward-manager keyword arguments", "pass scorer arguments in "
-                  "reward.reward_kwargs; DAPO's overlong shaping is reward_model.overlong_buffer.{{enable,len,"
-                  "penalty_factor,log}} and max_resp_len is data.max_response_length"),
+           replace(refuse(f"{RM}.reward_kwargs", "reward-manager keyword arguments", "pass scorer arguments in "
+                          "reward.reward_kwargs; DAPO's overlong shaping is reward_model.overlong_buffer.{{enable,len,"
+                          "penalty_factor,log}} and max_resp_len is data.max_response_length"),
+                   ok=lambda v, cfg: set(v) <= {"max_resp_len"}
+                   and v.get("max_resp_len", cfg.data.max_response_length) == cfg.data.max_response_length),
            warn(f"{RM}.launch_reward_fn_async", "scoring runs in worker processes while the step waits; the "
                                                 "scores are the same"),
            warn(f"{RM}.n_gpus_per_node", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),

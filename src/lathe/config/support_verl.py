@@ -15,8 +15,10 @@ from dataclasses import replace
 from fnmatch import fnmatchcase
 from typing import Any
 
+from .coerce import show
 from .plan import trainer_devices
 from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
+from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
 from .verl_translate import RULES, rule_for, translate
 
@@ -133,6 +135,45 @@ def _backends() -> list[Entry]:
     return out
 
 
+def _per_key(factory):
+    """A judge that needs the concrete key a pattern matched: ``entry_for`` calls ``factory(key)``."""
+    factory.per_key = True
+    return factory
+
+
+def _schedule(key: str, cfg: Any) -> tuple[str, float]:
+    """(lr_scheduler_type, lr) of the optim group ``key`` belongs to."""
+    group = key.rsplit(".", 1)[0]
+    return get_path(cfg, f"{group}.lr_scheduler_type"), get_path(cfg, f"{group}.lr")
+
+
+def _min_lr(key: str):
+    """Megatron's absolute floor: nothing under a constant schedule; under cosine, min_lr_ratio's value."""
+    def judge(value, cfg) -> tuple[str, str] | None:
+        kind, lr = _schedule(key, cfg)
+        ratio = get_path(cfg, key.rsplit(".", 1)[0] + ".min_lr_ratio") or 0.0
+        if not value or kind == "cosine" and abs(value - lr * ratio) <= 1e-12:
+            return None
+        if kind == "constant":
+            return "warn", f"`{key}`={show(value)} has no effect in lathe: the learning rate is constant."
+        return "refuse", (f"`{key}`={show(value)}: an absolute minimum learning rate is not implemented yet in "
+                          f"lathe. Fix: set {key.rsplit('.', 1)[0]}.min_lr_ratio={show(value / lr)} (its fraction "
+                          f"of lr) instead.")
+    return judge
+
+
+def _decay_steps(key: str):
+    """A decay length: nothing to decay under a constant schedule."""
+    def judge(value, cfg) -> tuple[str, str] | None:
+        if value is None:
+            return None
+        if _schedule(key, cfg)[0] == "constant":
+            return "warn", f"`{key}`={show(value)} has no effect in lathe: the learning rate is constant."
+        return "refuse", (f"`{key}`={show(value)}: a decay length other than the run's is not implemented yet in "
+                          "lathe. Fix: remove it; the cosine schedule decays over the run's training steps.")
+    return judge
+
+
 def _optim() -> list[Entry]:
     schedule = "use optim.lr_scheduler_type (constant or cosine), lr_warmup_steps(_ratio) and min_lr_ratio"
     out = [inert("actor_rollout_ref.ref.optim.*", "the reference does not train"),
@@ -140,14 +181,14 @@ def _optim() -> list[Entry]:
                   lambda v, cfg: str(v).lower() in ("adam", "adamw")),
            refuse("*.optim.eps", "an AdamW eps other than 1e-8", "remove it", one_of(1e-8)),
            refuse("*.optim.lr_decay_style", "that learning-rate schedule", schedule, one_of("constant", "cosine")),
-           refuse("*.optim.min_lr", "an absolute minimum learning rate", "set optim.min_lr_ratio (a fraction of "
-                  "lr) instead"),
-           refuse("*.optim.lr_min", "an absolute minimum learning rate", "set optim.min_lr_ratio instead"),
+           replace(refuse("*.optim.min_lr", "an absolute minimum learning rate"), judge=_per_key(_min_lr)),
+           replace(refuse("*.optim.lr_min", "an absolute minimum learning rate"), judge=_per_key(_min_lr)),
            refuse("*.optim.min_lr_factor", "a minimum learning-rate factor of this optimizer config",
                   "set optim.min_lr_ratio instead"),
            refuse("*.optim.lr_warmup_init", "a warm-up that starts above 0", schedule),
            refuse("*.optim.lr_start", "a warm-up that starts above 0", schedule),
-           refuse("*.optim.lr_decay_steps", "a decay length other than the run's", schedule),
+           replace(refuse("*.optim.lr_decay_steps", "a decay length other than the run's", schedule),
+                   judge=_per_key(_decay_steps)),
            refuse("*.optim.lr_decay_ratio", "a decay over part of the run", schedule),
            refuse("*.optim.decay_type", "a weight-decay schedule", "remove it: AdamW's weight decay is constant"),
            refuse("*.optim.weight_decay_incr_style", "a weight-decay schedule", "remove it"),
@@ -258,7 +299,8 @@ def entry_for(key: str) -> Entry | None:
     key ``verl_translate`` maps (at a value it does not map, such as verl's default); None when neither."""
     for entry in patterns():
         if fnmatchcase(key, entry.key):
-            return replace(entry, key=key)
+            judge = entry.judge(key) if getattr(entry.judge, "per_key", False) else entry.judge
+            return replace(entry, key=key, judge=judge)
     translated = rule_for(key)
     if translated is not None:
         return Entry(key, "inert", f"translated: {translated[1]}", feature="translated")

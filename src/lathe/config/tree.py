@@ -31,6 +31,10 @@ ALIASES: dict[str, str] = {
     "reward.sandbox_fusion": "reward_model.sandbox_fusion",
     "sandbox_fusion": "reward_model.sandbox_fusion",
     "reward_model.num_workers": "reward.num_workers",
+    # the DAPO reward manager's arguments (verl passes them to the manager, not the scoring function)
+    "reward_model.reward_kwargs.overlong_buffer_cfg": "reward_model.overlong_buffer",
+    "reward.reward_kwargs.overlong_buffer_cfg": "reward_model.overlong_buffer",
+    "reward.reward_kwargs.max_resp_len": "reward_model.reward_kwargs.max_resp_len",
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
     "custom_reward_function.reward_kwargs": "reward.reward_kwargs",
@@ -143,6 +147,9 @@ def flatten_mapping(mapping: dict, origin: str, root: type = LatheConfig) -> lis
 _OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][\w\-]*(?:\.[\w\-]+)*)\s*=(.*)$", re.S)
 
 
+_GROUP_CHOICE = re.compile(r"^\+{0,2}([\w\-]+@[\w.\-]+)\s*=\s*(\S+)$")
+
+
 def parse_override(text: str) -> Assignment:
     """Parse 'a.b=1', '+a.b=1' or '++a.b=1' (Hydra prefixes tolerated) into an assignment."""
     stripped = text.strip()
@@ -150,6 +157,11 @@ def parse_override(text: str) -> Assignment:
         raise ConfigError(f"Override '{text}': deleting keys (~key) is not supported. "
                           f"Fix: set the key to null instead, e.g. {stripped[1:].split('=')[0]}=null.")
     match = _OVERRIDE.match(stripped)
+    group = _GROUP_CHOICE.match(stripped)
+    if not match and group:
+        raise ConfigError(f"Override '{text}': Hydra config-group selection (`{group[1]}`: this role's keys from "
+                          f"the config file `{group[2]}` of a config package) is not implemented yet in lathe. "
+                          "Fix: remove it and set the role's keys directly (lathe knows verl's groups).")
     if not match:
         raise ConfigError(f"Override '{text}' is not of the form key=value. "
                           f"Fix: write it like actor_rollout_ref.rollout.n=8 (no spaces around '=').")

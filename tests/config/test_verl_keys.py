@@ -235,3 +235,16 @@ def test_verls_megatron_defaults_load_with_one_notice(tmp_path):
         load_config(verl_file(tmp_path, **megatron), device_count=1)
     (notice,) = [str(w.message) for w in caught if w.category is IgnoredKeysWarning]
     assert notice.startswith("1 config key(s)") and "megatron runs on lathe's FSDP2 trainer" in notice
+
+
+def test_explain_gives_verl_keys_their_verdicts():
+    from lathe.config.explain import NO_EFFECT, REFUSED, RENAMED, SAME, UNKNOWN, explain
+    rows = {r.key: r for r in explain([f"{A}.megatron.param_offload=true", f"{A}.megatron.tensor_model_parallel_size=2",
+                                       f"+{A}.megatron.override_transformer_config.apply_rope_fusion=true",
+                                       f"{A}.megatron.use_mbridge=true", f"{A}.megatron.tensor_model_paralel_size=1"]).rows}
+    assert rows[f"{A}.megatron.param_offload"].verdict == RENAMED
+    assert f"{A}.fsdp_config.param_offload" in rows[f"{A}.megatron.param_offload"].why
+    assert rows[f"{A}.megatron.tensor_model_parallel_size"].verdict == REFUSED
+    assert rows[f"{A}.megatron.override_transformer_config.apply_rope_fusion"].verdict == NO_EFFECT
+    assert rows[f"{A}.megatron.use_mbridge"].verdict == SAME                  # verl's default
+    assert rows[f"{A}.megatron.tensor_model_paralel_size"].verdict == UNKNOWN

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from .errors import ConfigError, ProblemList
 from .loader import load_config, _apply_source
 from .schema import LatheConfig
+from .coerce import show
 from .support import _defaults, registry
+from .support_verl import entry_for, verdict_for
+from .verl_translate import translate
 from .tree import assign, get_path, parse_override, rewrite_aliases
 
 ACTS, RENAMED, NO_EFFECT, SAME, REFUSED, UNKNOWN = "acts", "acts as", "no effect", "same either way", "refused", \
@@ -91,8 +94,23 @@ def _judge(cfg: LatheConfig, applied: list[tuple[Row, str]]) -> None:
                 if entry.kind == "inert" and row.verdict == ACTS:
                     row.verdict, row.why = SAME, entry.text
                 continue
-            kind, message = verdict
-            if kind == "refuse":
-                row.verdict, row.why = REFUSED, message
-            elif row.verdict != REFUSED:
-                row.verdict, row.why = NO_EFFECT, message
+            _set(row, verdict)
+    for row, path in applied:                          # verl keys lathe has no field for (support_verl.py)
+        if row.key not in cfg.verl_keys:
+            continue
+        value = cfg.verl_keys[row.key]
+        if translate(row.key, value):
+            row.verdict, row.why = RENAMED, ", ".join(f"`{k}`={show(v)}" for k, v in translate(row.key, value))
+        elif (verdict := verdict_for(row.key, value, cfg)) is not None:
+            _set(row, verdict)
+        elif (entry := entry_for(row.key)) is not None:
+            row.verdict, row.why = SAME, entry.text
+
+
+def _set(row: Row, verdict: tuple[str, str]) -> None:
+    """A refusal wins over a no-effect note."""
+    kind, message = verdict
+    if kind == "refuse":
+        row.verdict, row.why = REFUSED, message
+    elif row.verdict != REFUSED:
+        row.verdict, row.why = NO_EFFECT, message

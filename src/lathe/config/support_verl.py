@@ -326,16 +326,22 @@ def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
             out.append(("refuse", f"Unknown config key `{key}` in verl_keys: it is not one of verl's keys. Fix: "
                                   "remove it (verl_keys holds the verl keys lathe has no field for)."))
             continue
-        if translate(key, value):
-            continue                                  # set on lathe's key as it was given
-        entry = entry_for(key) or Entry(key, "warn", "lathe does not read this verl key")
-        default = verl_default(key) if key in verl_defaults() else None     # below a free map: nothing set
-        if value in ({}, []) and default is None:
-            continue                                  # an empty free map (verl's default)
-        verdict = entry.verdict(value, default, cfg)
+        verdict = verdict_for(key, value, cfg)
         if verdict is not None:
             out.append(verdict)
     return out
+
+
+def verdict_for(key: str, value: Any, cfg: Any) -> tuple[str, str] | None:
+    """(kind, message) when verl key ``key``'s value is refused or has no effect; None when it is translated
+    (set on lathe's key as it was given) or fine as it is."""
+    if translate(key, value):
+        return None
+    default = verl_default(key) if key in verl_defaults() else None     # below a free map: nothing is set
+    if value in ({}, []) and default is None:
+        return None                                                       # an empty free map (verl's default)
+    entry = entry_for(key) or Entry(key, "warn", "lathe does not read this verl key")
+    return entry.verdict(value, default, cfg)
 
 
 def markdown_lines() -> list[str]:

@@ -21,7 +21,8 @@ from .coerce import show
 from .schema import LatheConfig
 from .plan import is_async, trainer_devices
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
-from .support_verl import HSDP, REWARD_MODELS, ULYSSES, judge_verl_keys, markdown_lines
+from .support_verl import (BACKEND, HSDP, REWARD_MODELS, ULYSSES, backend_judge, judge_verl_keys, markdown_lines,
+                           megatron_role, optimizer_overrides_judge)
 from .tree import get_path
 
 A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
@@ -53,8 +54,8 @@ def _multi_gpu() -> list[Entry]:
                                                   "data-parallel over all the trainer's devices)"),
                            ("expert_parallel_size", "expert-parallel generation"))]
     out += [refuse(f"{g}.ulysses_sequence_parallel_size", ULYSSES, "set it to 1", at_most(1)) for g in (A, REF, C)]
-    out += [replace(warn("model_engine", BACKEND), judge=_backend("model_engine"))]
-    out += [replace(warn(f"{g}.strategy", BACKEND), judge=_backend(f"{g}.strategy")) for g in (A, REF, C)]
+    out += [replace(warn("model_engine", BACKEND), judge=backend_judge("model_engine"))]
+    out += [replace(warn(f"{g}.strategy", BACKEND), judge=backend_judge(f"{g}.strategy")) for g in (A, REF, C)]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
     out += [refuse(f"{g}.fsdp_config.fsdp_size", HSDP, "set it to -1 (shard over all devices)",
                    lambda v, cfg: v in (-1, 1, trainer_devices(cfg))) for g in TRAINED]
@@ -63,24 +64,6 @@ def _multi_gpu() -> list[Entry]:
                            "rollout pool (fully-asynchronous training)",
                            "set rollout.n_gpus_per_node"), judge=_hybrid_engine)]
     return out
-
-
-BACKEND_NOTE = ("the backend's keys lathe has an equivalent for are translated (offload, recomputation, dtype), "
-                "parallel sizes above 1 are refused, its kernel and fusion switches have no effect")
-BACKEND = "lathe trains every backend with its FSDP2 trainer: " + BACKEND_NOTE
-
-
-def _backend(key: str):
-    """verl's megatron/veomni/torchtitan backend: one notice for the backend a run names (model_engine first,
-    then the actor's strategy; the reference's and critic's add one only when they name another)."""
-    def judge(value, cfg) -> tuple[str, str] | None:
-        named = [cfg.model_engine] if key != "model_engine" else []
-        if key in (f"{REF}.strategy", f"{C}.strategy"):
-            named.append(cfg.actor_rollout_ref.actor.strategy)
-        if value in ("fsdp", "fsdp2", "dp") or value in named:
-            return None
-        return "warn", f"`{key}`={show(value)} runs on lathe's FSDP2 trainer: {BACKEND_NOTE}."
-    return judge
 
 
 def _hybrid_engine(value, cfg) -> tuple[str, str] | None:
@@ -270,34 +253,6 @@ def _models() -> list[Entry]:
     return out
 
 
-# Megatron's CPU-optimizer settings, which verl scripts pass in override_optimizer_config
-MEGATRON_CPU_OPTIMIZER = {"optimizer_cpu_offload", "optimizer_offload_fraction", "offload_fraction",
-                          "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer"}
-
-
-def _optimizer_overrides(group: str):
-    """Megatron's CPU-optimizer keys have no effect (lathe's switch is fsdp_config.optimizer_offload); any other
-    extra optimizer argument is refused."""
-    key = f"{group}.optim.override_optimizer_config"
-
-    def judge(value, cfg) -> tuple[str, str] | None:
-        if not value:
-            return None
-        other = sorted(set(value) - MEGATRON_CPU_OPTIMIZER)
-        if other:
-            return "refuse", (f"`{key}`={show(value)}: extra optimizer arguments ({', '.join(other)}) are not "
-                              f"implemented yet in lathe. Fix: remove them (lathe's AdamW takes optim.lr, betas, "
-                              f"weight_decay).")
-        return "warn", (f"`{key}`={show(value)} has no effect in lathe: Megatron's CPU-optimizer settings; lathe "
-                        "streams the optimizer state through the device with fsdp_config.optimizer_offload=true.")
-    return judge
-
-
-def _megatron(cfg, group: str) -> bool:
-    """The role names verl's megatron backend (whose optimizer 'adam' is AdamW: decoupled weight decay)."""
-    return "megatron" in (cfg.model_engine, get_path(cfg, f"{group}.strategy"))
-
-
 PF_PPO = "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"
 
 
@@ -324,11 +279,11 @@ def _training() -> list[Entry]:
                   f"remove it; lathe's engine picks them ({R}.enforce_eager=true turns graphs off)")]
     for g in (A, C):
         out += [refuse(f"{g}.optim.optimizer", "an optimizer other than AdamW", "set it to AdamW",
-                       lambda v, cfg, g=g: v.lower() == "adamw" or v == "adam" and _megatron(cfg, g)),
+                       lambda v, cfg, g=g: v.lower() == "adamw" or v == "adam" and megatron_role(cfg, g)),
                 refuse(f"{g}.optim.optimizer_impl", "an optimizer module other than torch.optim",
                        "set it to torch.optim", one_of("torch.optim")),
                 replace(refuse(f"{g}.optim.override_optimizer_config", "extra optimizer arguments"),
-                        judge=_optimizer_overrides(g)),
+                        judge=optimizer_overrides_judge(g)),
                 warn(f"{g}.optim.total_training_steps", "it is set at run time from trainer.total_training_steps "
                                                         "(or the epochs)")]
     return out

@@ -275,6 +275,55 @@ def _runs() -> list[Entry]:
                  "traces only")]
 
 
+# ----------------------------------------------------------------------------- judges of lathe's own keys
+# (support.py's registry uses them: verl's backend choice, and Megatron settings inside lathe's keys)
+
+BACKEND_NOTE = ("the backend's keys lathe has an equivalent for are translated (offload, recomputation, dtype), "
+                "parallel sizes above 1 are refused, its kernel and fusion switches have no effect")
+BACKEND = "lathe trains every backend with its FSDP2 trainer: " + BACKEND_NOTE
+
+
+def backend_judge(key: str):
+    """verl's megatron/veomni/torchtitan backend: one notice for the backend a run names (model_engine first,
+    then the actor's strategy; the reference's and critic's add one only when they name another)."""
+    def judge(value, cfg) -> tuple[str, str] | None:
+        named = [cfg.model_engine] if key != "model_engine" else []
+        if key in ("actor_rollout_ref.ref.strategy", "critic.strategy"):
+            named.append(cfg.actor_rollout_ref.actor.strategy)
+        if value in ("fsdp", "fsdp2", "dp") or value in named:
+            return None
+        return "warn", f"`{key}`={show(value)} runs on lathe's FSDP2 trainer: {BACKEND_NOTE}."
+    return judge
+
+
+# Megatron's CPU-optimizer settings, which verl scripts pass in override_optimizer_config
+MEGATRON_CPU_OPTIMIZER = {"optimizer_cpu_offload", "optimizer_offload_fraction", "offload_fraction",
+                          "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer"}
+
+
+def optimizer_overrides_judge(group: str):
+    """Megatron's CPU-optimizer keys have no effect (lathe's switch is fsdp_config.optimizer_offload); any other
+    extra optimizer argument is refused."""
+    key = f"{group}.optim.override_optimizer_config"
+
+    def judge(value, cfg) -> tuple[str, str] | None:
+        if not value:
+            return None
+        other = sorted(set(value) - MEGATRON_CPU_OPTIMIZER)
+        if other:
+            return "refuse", (f"`{key}`={show(value)}: extra optimizer arguments ({', '.join(other)}) are not "
+                              f"implemented yet in lathe. Fix: remove them (lathe's AdamW takes optim.lr, betas, "
+                              f"weight_decay).")
+        return "warn", (f"`{key}`={show(value)} has no effect in lathe: Megatron's CPU-optimizer settings; lathe "
+                        "streams the optimizer state through the device with fsdp_config.optimizer_offload=true.")
+    return judge
+
+
+def megatron_role(cfg, group: str) -> bool:
+    """The role names verl's megatron backend (whose optimizer 'adam' is AdamW: decoupled weight decay)."""
+    return "megatron" in (cfg.model_engine, get_path(cfg, f"{group}.strategy"))
+
+
 FEATURES = {
     "verl backends: parallel sizes (refused above 1)": _parallel,
     "verl backends: MoE, QAT and FP8": _moe_and_quantization,

@@ -248,3 +248,10 @@ def test_explain_gives_verl_keys_their_verdicts():
     assert rows[f"{A}.megatron.override_transformer_config.apply_rope_fusion"].verdict == NO_EFFECT
     assert rows[f"{A}.megatron.use_mbridge"].verdict == SAME                  # verl's default
     assert rows[f"{A}.megatron.tensor_model_paralel_size"].verdict == UNKNOWN
+
+
+def test_help_names_what_lathe_does_with_a_verl_key():
+    from lathe.config import help_for
+    assert "fsdp_config.param_offload" in help_for(f"{A}.megatron.param_offload")
+    assert "tensor parallelism (lathe issue 43" in help_for(f"{A}.megatron.tensor_model_parallel_size")
+    assert help_for(f"{A}.megatron.no_such_key") == ""

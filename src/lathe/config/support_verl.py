@@ -393,6 +393,18 @@ def verdict_for(key: str, value: Any, cfg: Any) -> tuple[str, str] | None:
     return entry.verdict(value, default, cfg)
 
 
+def verl_note(key: str) -> str:
+    """Help for a verl key lathe has no field for ('' for other keys)."""
+    if not is_verl_key(key):
+        return ""
+    head = f"verl's key (verl's default: {show(verl_default(key))})." if key in verl_defaults() else "verl's key."
+    translated = rule_for(key)
+    if translated is not None:
+        return f"{head} lathe sets {translated[0]} from it ({translated[1]}); at verl's default it sets nothing."
+    entry = entry_for(key)
+    return f"{head} {entry.note()}" if entry else head
+
+
 def markdown_lines() -> list[str]:
     """The patterns' section of docs/config_keys.md."""
     label = {"refuse": "refused", "warn": "no effect", "inert": "same either way"}

@@ -217,3 +217,44 @@ def test_block_hashes_do_not_depend_on_the_number_of_threads(tmp_path, monkeypat
     assert len({h for _, h in one}) == 5
     cost = manifest_cost(tmp_path, threads=2)
     assert cost["files"] == 5 and cost["bytes"] == 7321 and cost["mb_per_s"] > 0
+
+
+def test_hashing_while_writing_gives_the_digest_of_the_file(tmp_path, monkeypatch):
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import lathe.ckpt.manifest as m
+    monkeypatch.setattr(m, "BLOCK_BYTES", 1000)
+    monkeypatch.setattr(m, "INLINE_BYTES", 100)
+    rng = random.Random(0)
+    with ThreadPoolExecutor(3) as pool:
+        for case in range(12):                 # writes of every size class, across block boundaries
+            sizes = [rng.choice([0, 1, 99, 100, 999, 1000, 1001, 2500, 3000]) for _ in range(rng.randint(0, 7))]
+            writer = m.HashingWriter(tmp_path / f"w{case}", pool)
+            for size in sizes:
+                writer.write(rng.randbytes(size))
+            assert writer.close() == hash_files([tmp_path / f"w{case}"], threads=2)[0], sizes
+
+
+def test_a_manifest_from_digests_taken_at_save_equals_one_read_from_disk(tmp_path, monkeypatch):
+    import lathe.ckpt.manifest as m
+    monkeypatch.setattr(m, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(m, "INLINE_BYTES", 512)
+    part = tmp_path / "step" / "actor"
+    (part / "huggingface").mkdir(parents=True)
+    weights = [part / "huggingface" / f"model-{i}.safetensors" for i in range(2)]
+    for i, w in enumerate(weights):
+        w.write_bytes(bytes([i]) * (5000 + i))
+    m.save_hashed({"state": torch.arange(3000.0), "step": 3}, part / "optim.pt", written=weights)
+    assert (part / m.PREHASHED).exists()
+    (part / "huggingface" / "tokenizer.json").write_text("{}")       # written after: hashed by write_manifest
+    taken = m.write_manifest(tmp_path / "step")
+    assert not list((tmp_path / "step").rglob(m.PREHASHED)), "the record is consumed"
+    assert taken == m.write_manifest(tmp_path / "step")               # hashed from disk this time
+    assert torch.load(part / "optim.pt")["step"] == 3
+    m.save_hashed({"x": torch.ones(2000)}, part / "optim.pt")
+    with open(part / "optim.pt", "r+b") as f:                           # changed after its digest was taken
+        f.seek(100)
+        f.write(b"\xff")
+    stale = m.write_manifest(tmp_path / "step")["files"]["actor/optim.pt"]
+    assert stale == {"size": (part / "optim.pt").stat().st_size, "hash": hash_files([part / "optim.pt"])[0][1]}

@@ -18,8 +18,15 @@ from lathe.config.verl_keys import generate, verl_defaults
 from lathe.config.verl_translate import translate
 
 # Keys another branch makes known (the rollout helper's actor_rollout_ref.rollout.*); delete once merged.
-NOT_MINE = ("actor_rollout_ref.rollout.",)
+NOT_MINE: tuple[str, ...] = ()
 A, M = "actor_rollout_ref.actor", "actor_rollout_ref.model"
+R = "actor_rollout_ref.rollout"
+# verl defaults lathe refuses on purpose (or that only hold beside another key), with why
+REFUSED_AT_VERLS_DEFAULT = {
+    f"{R}.name": "???: verl's mark for a value every run must give",
+    f"{R}.tensor_model_parallel_size": "verl's default is 2; tensor-parallel generation is lathe issue 43",
+    f"{R}.n_gpus_per_node": "verl copies trainer.n_gpus_per_node here (8 only beside a trainer of 8)",
+}
 
 
 def verl_items() -> list[tuple[str, object]]:
@@ -50,7 +57,8 @@ def test_every_verl_key_is_classified():
 def test_every_verl_key_loads_at_verls_default():
     """Each key, set alone to verl's default, loads (nothing refused); one load per key would take minutes, so
     they load in groups, and a failing group is retried key by key to name the culprit."""
-    items = [(k, v) for k, v in verl_items() if k != "trainer.default_local_dir"]   # an interpolation: not alone
+    skip = {"trainer.default_local_dir", *REFUSED_AT_VERLS_DEFAULT}       # an interpolation; refused on purpose
+    items = [(k, v) for k, v in verl_items() if k not in skip]
     failures = []
     for start in range(0, len(items), 100):
         chunk = items[start:start + 100]
@@ -225,15 +233,28 @@ def verl_file(tmp_path, **changes) -> str:
             node = node.setdefault(part, {})
         node[leaf] = value
     tree["trainer"]["n_gpus_per_node"] = 1
+    rollout = tree["actor_rollout_ref"]["rollout"]
+    rollout.update(name="vllm", tensor_model_parallel_size=1, n_gpus_per_node=1)   # see REFUSED_AT_VERLS_DEFAULT
     path = tmp_path / "verl.yaml"
     path.write_text(yaml.safe_dump(tree))
     return str(path)
 
 
+# Rollout keys that warn at verl's defaults (the rollout branch's verdicts; quiet them there, then drop them here)
+WARN_AT_VERLS_DEFAULT = (f"{R}.update_weights_bucket_megabytes", f"{R}.trace", f"{R}.agent")
+
+
+def notices(caught) -> list[str]:
+    """The lines of the run's IgnoredKeysWarning, less those of WARN_AT_VERLS_DEFAULT."""
+    lines = [line for w in caught if w.category is IgnoredKeysWarning for line in str(w.message).splitlines()[1:]]
+    return [line for line in lines if not any(f"`{k}`=" in line for k in WARN_AT_VERLS_DEFAULT)]
+
+
 def test_verls_whole_schema_loads_as_a_file_without_a_warning(tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", IgnoredKeysWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         load_config(verl_file(tmp_path), device_count=1)
+    assert notices(caught) == []
 
 
 def test_verls_megatron_defaults_load_with_one_notice(tmp_path):
@@ -241,8 +262,8 @@ def test_verls_megatron_defaults_load_with_one_notice(tmp_path):
     megatron |= {f"{g}.optim.optimizer": "adam" for g in (A, "critic")}      # megatron's name for AdamW
     with pytest.warns(IgnoredKeysWarning) as caught:
         load_config(verl_file(tmp_path, **megatron), device_count=1)
-    (notice,) = [str(w.message) for w in caught if w.category is IgnoredKeysWarning]
-    assert notice.startswith("1 config key(s)") and "megatron runs on lathe's FSDP2 trainer" in notice
+    (notice,) = notices(caught)
+    assert "megatron runs on lathe's FSDP2 trainer" in notice
 
 
 def test_explain_gives_verl_keys_their_verdicts():

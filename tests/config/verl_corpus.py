@@ -16,13 +16,14 @@ import warnings
 from pathlib import Path
 
 from lathe.config import ConfigError, load_config
+from lathe.config.backends import QUANTIZED, SPECULATIVE
 from lathe.config.support import registry
 from lathe.config.support_verl import patterns
 
 SCRIPTS = Path(__file__).resolve().parent / "verl_scripts"
 ROLLOUT = "actor_rollout_ref.rollout."
 _NUMBERED = re.compile(r"^\s+\d+\. ")
-_KEY = re.compile(r"^`(?P<key>[^`]+)`=")
+_KEY = re.compile(r"^`(?P<key>[^`]+)`[=:]")
 _UNKNOWN = re.compile(r"Unknown config key `(?P<key>[^`]+)` \(override '(?P<arg>[^']+)'\)")
 _NOT_OVERRIDE = re.compile(r"^Override '(?P<arg>[^']+)'")
 _GROUP_CHOICE = "Hydra config-group selection"
@@ -33,7 +34,7 @@ _BAD_VALUE = re.compile(r"^(?P<key>[\w.]+?)(\[\d+\])?=\S* is not one of the valu
 def refused_features() -> tuple[str, ...]:
     """The feature names refusals use (the registry's and support_verl's), longest first."""
     texts = {e.text for e in registry().values() if e.kind == "refuse"}
-    texts |= {e.text for e in patterns() if e.kind == "refuse"}
+    texts |= {e.text for e in patterns() if e.kind == "refuse"} | {QUANTIZED, SPECULATIVE}
     return tuple(sorted(texts, key=len, reverse=True))
 
 
@@ -68,7 +69,7 @@ def label(message: str) -> tuple[str, str]:
     """(label, the key it is about or '')."""
     key = m["key"] if (m := _KEY.match(message)) else ""
     for feature in refused_features():
-        if f": {feature} is not implemented yet in lathe." in message:
+        if f"{feature} is not implemented yet in lathe" in message or f"({feature}) is not implemented yet" in message:
             return feature, key
     if _GROUP_CHOICE in message:
         return _GROUP_CHOICE, _NOT_OVERRIDE.match(message)["arg"]

@@ -23,6 +23,13 @@ def test_buckets_cover_every_batch_size():
     assert all(any(b >= n for b in buckets) for n in range(1, 101))
 
 
+def test_buckets_follow_the_capture_sizes_capped_at_the_batch():
+    """rollout.cudagraph_capture_sizes: those sizes only (a larger step runs eagerly), none above the engine's batch."""
+    assert batch_buckets(64, [48, 4, 12, 4]) == [4, 12, 48]
+    assert batch_buckets(8, [4, 16, 32]) == [4, 8]
+    assert batch_buckets(8, []) == batch_buckets(8) == [1, 2, 4, 8]
+
+
 def test_tables_follow_new_blocks_copy_on_write_and_reallocation():
     bm = BlockManager(16, 4, enable_prefix_caching=False)
     a, b = Sequence(list(range(6))), Sequence(list(range(10, 13)))

@@ -8,6 +8,8 @@ uninterrupted run (test_ppo checks resume with the default backend, `auto`, whic
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from lathe.engine.llm_engine import LatheEngine
@@ -49,3 +51,12 @@ def test_engine_run_validates_and_resumes_exactly(tmp_path, monkeypatch):
         assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
     for (name, p), q in zip(whole.worker.model.named_parameters(), resumed.worker.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_verl_backend_name_runs_lathes_engine_with_one_notice(tmp_path, caplog):
+    """rollout.name=vllm (every verl launch script sets it): lathe's engine runs, and says so once in the run."""
+    with caplog.at_level(logging.INFO, logger="lathe"):
+        trainer = run(tmp_path, *_overrides(tmp_path, "vllm", steps=1), "trainer.test_freq=-1", "trainer.save_freq=-1")
+    assert isinstance(trainer.worker.rollout.backend, LatheEngine) and trainer.global_step == 1
+    notices = [r.getMessage() for r in caplog.records if "lathe runs its own engine, not vLLM" in r.getMessage()]
+    assert len(notices) == 1 and notices[0].startswith("rollout: lathe engine")

@@ -13,6 +13,11 @@ digests of its consecutive `block_bytes` blocks (one block for a small file; an 
 so that the blocks of one large file (a 50 GB `optim.pt`) hash on several cores at once. sha256 runs on the
 CPU's SHA instructions where there are any (most x86 and ARM server CPUs), faster than blake2b there.
 
+A saver may hash files while it writes them (`prehash`: a file written by `HashingWriter`, or files hashed on a
+background thread while the next file is written); it records the digests in a `.prehashed.json` beside them, and
+`write_manifest` takes a digest from there when the file's size and modification time are still those recorded
+(else it hashes the file again), then deletes the record. The digests are the same either way.
+
 `verify` raises `CheckpointDamaged` naming the first file that is missing, of another size, or of other content;
 `last_verified` finds the newest earlier checkpoint of the same run directory that verifies; `check` does both
 and words the error with the fix its caller (resume, `lathe export`, `lathe model check`) gives. A checkpoint
@@ -33,11 +38,13 @@ from pathlib import Path
 log = logging.getLogger("lathe")
 
 MANIFEST = "manifest.json"
+PREHASHED = ".prehashed.json"
 FORMAT = "lathe-checkpoint-manifest"
 VERSION = 1
 HASH = "sha256-blocks"
 BLOCK_BYTES = 64 << 20          # a unit of work for one thread
 CHUNK_BYTES = 16 << 20          # one read
+INLINE_BYTES = 1 << 20          # HashingWriter: a write smaller than this is hashed on the writing thread
 
 
 class CheckpointDamaged(ValueError):
@@ -83,22 +90,144 @@ def hash_files(paths: list[Path], *, threads: int | None = None) -> list[tuple[i
     per_file: list[list[bytes]] = [[] for _ in paths]
     for (i, _, _), digest in zip(jobs, digests):
         per_file[i].append(digest)
-    return [(size, hashlib.sha256(b"".join(blocks)).hexdigest()) for size, blocks in zip(sizes, per_file)]
+    return [(size, _digest(blocks)) for size, blocks in zip(sizes, per_file)]
 
 
 def _files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                  if p.is_file() and not p.is_symlink() and p.relative_to(root).as_posix() != MANIFEST)
+                  if p.is_file() and not p.is_symlink() and p.relative_to(root).as_posix() != MANIFEST
+                  and p.name != PREHASHED)
+
+
+def _digest(blocks: list[bytes]) -> str:
+    return hashlib.sha256(b"".join(blocks)).hexdigest()
+
+
+class HashingWriter:
+    """A binary file for `torch.save` that hashes its blocks while they are written (the same digest as
+    `hash_files`): each write's whole blocks are hashed on `pool` while this thread writes the bytes, so the
+    hash costs no time of its own; `close()` returns (size, hash)."""
+
+    def __init__(self, path: Path, pool: ThreadPoolExecutor):
+        self.path, self.pool = Path(path), pool
+        self.file = open(self.path, "wb")
+        self.size, self.blocks, self.current, self.filled = 0, [], hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if n < INLINE_BYTES:                               # small writes (zip headers, scalars): inline
+            self._feed(view)
+            self.file.write(view)
+            self.size += n
+            return n
+        jobs, offset = [], 0
+        if self.filled:                                    # finish the open block first
+            head = view[:BLOCK_BYTES - self.filled]
+            jobs.append(self.pool.submit(self.current.update, head))
+            offset = len(head)
+            self.filled += len(head)
+            if self.filled == BLOCK_BYTES:
+                self.blocks.append(self.current)
+                self.current, self.filled = hashlib.sha256(), 0
+        while n - offset >= BLOCK_BYTES:
+            block = hashlib.sha256()
+            jobs.append(self.pool.submit(block.update, view[offset:offset + BLOCK_BYTES]))
+            self.blocks.append(block)
+            offset += BLOCK_BYTES
+        if offset < n:
+            jobs.append(self.pool.submit(self.current.update, view[offset:]))
+            self.filled += n - offset
+        self.file.write(view)                              # while the pool hashes the same bytes
+        for job in jobs:
+            job.result()
+        self.size += n
+        return n
+
+    def _feed(self, view: memoryview) -> None:
+        while len(view):
+            take = view[:BLOCK_BYTES - self.filled]
+            self.current.update(take)
+            self.filled += len(take)
+            view = view[len(take):]
+            if self.filled == BLOCK_BYTES:
+                self.blocks.append(self.current)
+                self.current, self.filled = hashlib.sha256(), 0
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> tuple[int, str]:
+        self.file.close()
+        blocks = self.blocks + ([self.current] if self.filled or not self.blocks else [])
+        return self.size, _digest([b.digest() for b in blocks])
+
+
+def prehash(root: Path, digests: dict[Path, tuple[int, str]]) -> None:
+    """Record the digests of files under `root` (taken while they were written) in `root/.prehashed.json`."""
+    root = Path(root)
+    record = {}
+    for path, (size, digest) in digests.items():
+        stat = Path(path).stat()
+        if stat.st_size == size:
+            record[Path(path).relative_to(root).as_posix()] = {"size": size, "mtime_ns": stat.st_mtime_ns,
+                                                              "hash": digest}
+    path = root / PREHASHED
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**old, **record}))
+
+
+def save_hashed(obj, path: Path, *, written: list[Path] = ()) -> None:
+    """`torch.save(obj, path)` with its digest taken as it is written, while the files `written` just before it
+    (a checkpoint's weights) are hashed on other threads; all recorded for `write_manifest` (`prehash`), so a
+    save does not read its files back to hash them."""
+    import torch
+    path = Path(path)
+    with ThreadPoolExecutor(1) as side, ThreadPoolExecutor(default_threads()) as pool:
+        earlier = side.submit(hash_files, list(written)) if written else None
+        writer = HashingWriter(path, pool)
+        try:
+            torch.save(obj, writer)
+        finally:
+            size, digest = writer.close()
+        digests = {path: (size, digest)}
+        if earlier is not None:
+            digests.update(zip(written, earlier.result()))
+    prehash(path.parent, {p: d for p, d in digests.items() if Path(p).is_relative_to(path.parent)})
+
+
+def _prehashed(root: Path) -> dict[str, tuple[int, str]]:
+    """The digests recorded under `root` that still describe their files (size and mtime unchanged); the records
+    are removed."""
+    out: dict[str, tuple[int, str]] = {}
+    for record in root.rglob(PREHASHED):
+        base = record.parent
+        try:
+            entries = json.loads(record.read_text())
+        except (OSError, ValueError):
+            entries = {}
+        record.unlink()
+        for name, entry in entries.items():
+            path = base / name
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            if stat.st_size == entry["size"] and stat.st_mtime_ns == entry["mtime_ns"]:
+                out[path.relative_to(root).as_posix()] = (entry["size"], entry["hash"])
+    return out
 
 
 def write_manifest(root: str | Path, *, threads: int | None = None) -> dict:
     """Hash every file under the step directory `root` into `root/manifest.json` (call it once every part is on
     disk, before the directory is renamed into place); return the manifest."""
     root = Path(root)
+    known = _prehashed(root)
     names = _files(root)
-    hashed = hash_files([root / n for n in names], threads=threads)
+    todo = [n for n in names if n not in known]
+    known.update(zip(todo, hash_files([root / n for n in todo], threads=threads)))
     manifest = {"format": FORMAT, "version": VERSION, "hash": HASH, "block_bytes": BLOCK_BYTES,
-                "files": {n: {"size": size, "hash": digest} for n, (size, digest) in zip(names, hashed)}}
+                "files": {n: {"size": known[n][0], "hash": known[n][1]} for n in names}}
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     tmp.replace(root / MANIFEST)

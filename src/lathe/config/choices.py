@@ -44,6 +44,10 @@ TruncateSide = Literal["left", "right", "middle"]
 SanityCheckMode = Literal["strict", "ignore_strippable", "disable"]
 # verl's rollout modes
 RolloutMode = Literal["sync", "async"]
+# verl's (vLLM's) rollout log-prob modes; support_rollout.py refuses all but lathe's, processed_logprobs
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"]
+# verl's (vLLM's) engine scheduling policies; lathe's engine is first come, first served
+SchedulingPolicy = Literal["fcfs", "priority"]
 # verl's worker implementation switch
 LegacyWorkerImpl = Literal["auto", "enable", "disable"]
 # verl's global_profiler tools; rules.py refuses all but torch with what each is

@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from .backends import apply_engine_kwargs
 from .coerce import load_yaml
 from .errors import ConfigError, ProblemList, closest, did_you_mean
 from .fill import fill_defaults
@@ -53,6 +54,7 @@ def load_config(source: str | os.PathLike | None = None, overrides: Sequence[str
     resolve_interpolations(cfg)
     devices = resolve_devices(cfg, device_count)
     problems = ProblemList()
+    apply_engine_kwargs(cfg, problems)      # verl's engine arguments with a lathe meaning set the rollout keys
     check_support(cfg, problems)
     if device_count is None:
         check_visible_devices(cfg, problems)

@@ -188,6 +188,9 @@ def _range_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]:
         (f"{r}.val_kwargs.n", vk.n, vk.n >= 1, "must be >= 1"),
         (f"{r}.gpu_memory_utilization", ro.gpu_memory_utilization, 0 < ro.gpu_memory_utilization <= 1,
          "must be in (0, 1] (a fraction of device memory)"),
+        (f"{r}.standalone_gpu_memory_utilization", ro.standalone_gpu_memory_utilization,
+         ro.standalone_gpu_memory_utilization is None or 0 < ro.standalone_gpu_memory_utilization <= 1,
+         "must be in (0, 1] (a fraction of device memory) or null"),
         ("data.max_prompt_length", data.max_prompt_length, data.max_prompt_length >= 1, "must be >= 1"),
         ("data.max_response_length", data.max_response_length, data.max_response_length >= 1, "must be >= 1"),
         ("data.gen_batch_size", data.gen_batch_size, data.gen_batch_size >= 1, "must be >= 1 (prompts per round)"),
@@ -410,13 +413,7 @@ def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:
     arr = cfg.actor_rollout_ref
     ro, impl = arr.rollout, arr.model.impl
     r, m = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
-    if ro.name in ("vllm", "sglang"):
-        problems.add(f"{r}.name={ro.name}: lathe does not use {ro.name}. It ships its own paged engine with "
-                     f"continuous batching and prefix caching (`lathe`, for Llama/Qwen2/Qwen3 models) and "
-                     f"transformers generate (`hf`, any model). Fix: set {r}.name=lathe (or auto, which falls "
-                     f"back to hf for other architectures); the engine keys you set for {ro.name} "
-                     f"(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, ...) are used by lathe's engine.")
-    elif ro.name == "lathe" and impl == "hf":
+    if ro.name == "lathe" and impl == "hf":
         problems.add(f"{r}.name=lathe runs the policy in lathe's own decoder, but {m}.impl=hf asks for the "
                      f"transformers implementation. Fix: set {m}.impl=auto (or lathe), or set {r}.name=hf "
                      f"(or auto) to generate with transformers.")

@@ -10,7 +10,7 @@ engine does, and these keys must stay at their defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from .coerce import spec
 
@@ -65,3 +65,6 @@ class CheckpointEngineConfig:
     backend: Literal["auto", "naive", "nccl"] = spec(
         "auto", "naive = in-process copy on the trainer's own devices (colocated); nccl = bucketed broadcast from "
                 "the trainer to a separate rollout pool (NCCL on GPUs, gloo on CPUs); auto = by placement.")
+    engine_kwargs: dict[str, Any] = spec({}, "verl: arguments of its checkpoint-engine backend.")
+    custom_backend_module: str | None = spec(None, "verl: a module registering a checkpoint-engine backend of "
+                                                   "its own.")

@@ -2,8 +2,9 @@
 
 lathe ships two rollout backends: ``lathe`` (the built-in paged engine) and ``hf`` (transformers
 ``generate``); ``auto`` (the default) picks the engine when lathe's decoder runs the actor's architecture.
-``vllm``/``sglang`` are accepted by the schema so a verl script parses, and then rejected by the
-cross-field rules with an explanation.
+verl's inference backends (``vllm``, ``sglang``, ``trtllm``) run as ``auto`` does, with one notice at start-up;
+their engine keys act on lathe's engine (``backends.py`` maps ``engine_kwargs``, ``support_rollout.py`` lists the
+keys with no effect or refused).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .choices import RolloutDtype, RolloutMode, SanityCheckMode, ToolCallFormat, TruncateSide
+from .choices import (LogprobsMode, RolloutDtype, RolloutMode, SanityCheckMode, SchedulingPolicy, ToolCallFormat,
+                      TruncateSide)
 from .coerce import spec
 from .schema_async import CheckpointEngineConfig
 from .schema_actor import ActorConfig, ModelConfig, RefConfig
@@ -49,17 +51,64 @@ class MultiTurnConfig:
                                                          "lathe never re-tokenises a conversation).")
     format: ToolCallFormat = spec("hermes", "Tool-call format of the model's text: hermes (<tool_call>{json}</tool_call>, "
                                  "Qwen2.5/Qwen3) or llama3_json (Llama 3.1+).")
+    function_tool_path: str | None = spec(None, "verl: a Python file of @function_tool functions (not implemented: "
+                                                "describe tools in tool_config_path).")
+    num_repeat_rollouts: int | None = spec(None, "verl: repeat rollouts per sample (no effect: rollout.n sets them).")
+
+
+@dataclass
+class PrometheusConfig:
+    """verl's ``rollout.prometheus``: a Prometheus endpoint of vLLM/SGLang servers (no effect in lathe)."""
+
+    enable: bool = spec(False, "Serve the engine's metrics to Prometheus (no effect: lathe logs them with the "
+                               "step's metrics).")
+    port: int = spec(9090, "Prometheus port (read only with enable).")
+    file: str = spec("/tmp/ray/session_latest/metrics/prometheus/prometheus.yml", "Prometheus config file (read "
+                                                                                  "only with enable).")
+    served_model_name: str | None = spec(None, "Model name shown in Grafana (read only with enable).")
+
+
+@dataclass
+class ServerConfig:
+    """verl's ``rollout.server``: the HTTP client of SGLang's server mode (no effect: lathe's engine is in-process)."""
+
+    timeout: float = spec(60.0, "Seconds a request may take.")
+    max_attempts: int = spec(3, "Tries per request.")
+    retry_delay: float = spec(2.0, "Seconds between tries.")
+    max_connections: int = spec(1000, "Open connections at most.")
+    max_start_wait_time: float = spec(300.0, "Seconds the server may take to start.")
+
+
+@dataclass
+class DisaggregationConfig:
+    """verl's ``rollout.disaggregation``: prefill and decode on separate engine replicas (not implemented)."""
+
+    enabled: bool = spec(False, "Prefill-decode disaggregation (not implemented in lathe).")
+    prefill_replicas: int = spec(1, "Prefill replicas (read only with enabled).")
+    decode_replicas: int = spec(1, "Decode replicas (read only with enabled).")
+    decode_tensor_model_parallel_size: int | None = spec(None, "Decode replicas' TP size (read only with enabled).")
+    transfer_backend: str = spec("nixl", "KV transfer backend (read only with enabled).")
+    bootstrap_port: int | None = spec(None, "Prefill bootstrap port (read only with enabled).")
+    ib_device: str | None = spec(None, "InfiniBand device (read only with enabled).")
 
 
 @dataclass
 class RolloutConfig:
     """Response generation for training and validation."""
 
-    name: Literal["auto", "lathe", "hf", "vllm", "sglang"] = spec(
+    name: Literal["auto", "lathe", "hf", "vllm", "sglang", "trtllm"] = spec(
         "auto", "Backend: lathe (built-in paged engine, needs lathe's decoder: Llama/Qwen2/Qwen3), hf "
                 "(transformers generate, any causal LM), or auto (lathe when the actor runs lathe's decoder, "
-                "else hf). vllm/sglang are not shipped; load_config explains the fix.")
+                "else hf). vllm/sglang/trtllm (verl's backends) run as auto does, with a notice: lathe runs "
+                "its own engine, and their engine keys act on it.")
     mode: RolloutMode = spec("sync", "verl: sync | async (server-based) generation.")
+    nnodes: int = spec(0, "verl: nodes of a standalone rollout server; 0 = colocated (lathe's rollout pool is the "
+                          "top-level rollout.nnodes).")
+    n_gpus_per_node: int | None = spec(None, "verl: devices per node of a standalone rollout server; null = "
+                                             "trainer.n_gpus_per_node (lathe's pool: rollout.n_gpus_per_node).")
+    full_determinism: bool = spec(False, "verl: batch-invariant, bitwise-reproducible rollouts.")
+    seed: int = spec(42, "verl: the inference engine's sampling seed (lathe seeds rollouts from trainer.seed).")
+    repetition_penalty: float = spec(1.0, "verl: penalty on tokens already generated (not implemented; 1 = off).")
     n: int = spec(1, "Responses sampled per prompt (GRPO group size).")
     temperature: float = spec(1.0, "Sampling temperature (> 0).")
     top_p: float = spec(1.0, "Nucleus sampling mass, in (0, 1].")
@@ -71,9 +120,14 @@ class RolloutConfig:
     dtype: RolloutDtype = spec("bfloat16", "Engine weights and KV-cache dtype (bfloat16|float16|float32) on CUDA; "
                                   "CPU runs use float32. The hf backend shares the actor's dtype.")
     gpu_memory_utilization: float = spec(0.5, "Fraction of device memory the engine may use (weights + KV cache).")
+    standalone_gpu_memory_utilization: float | None = spec(
+        None, "The same for the engines of a rollout pool of its own (fully-async training); null = "
+              "gpu_memory_utilization.")
     tensor_model_parallel_size: int = spec(1, "Tensor-parallel degree of the engine (verl default 2).")
     data_parallel_size: int = spec(1, "Data-parallel degree of the engine (verl).")
     expert_parallel_size: int = spec(1, "Expert-parallel degree of the engine (verl).")
+    pipeline_model_parallel_size: int = spec(1, "Pipeline-parallel degree of the engine (verl).")
+    moe_tensor_parallel_size: int = spec(1, "Tensor-parallel degree of MoE layers (verl, TensorRT-LLM).")
     max_num_batched_tokens: int = spec(
         16384, "Token budget of one engine step (prefill chunking). lathe's default is 16384 (verl's yaml says "
                "8192): half as many prefill steps, whose host cost bounds a small model's prefill; a step's "
@@ -81,11 +135,18 @@ class RolloutConfig:
     max_model_len: int | None = spec(None, "Max prompt+response length; null = prompt_length + response_length.")
     max_num_seqs: int = spec(1024, "Max sequences running at once in the engine.")
     enforce_eager: bool = spec(False, "Disable CUDA graphs in the engine.")
-    cudagraph_capture_sizes: list[int] | None = spec(None, "Batch sizes to capture as CUDA graphs.")
+    cudagraph_capture_sizes: list[int] | None = spec(None, "Decode batch sizes to capture as CUDA graphs (a step is "
+                                                           "padded to the next one; larger steps run eagerly); "
+                                                           "null = lathe's buckets up to max_num_seqs.")
     free_cache_engine: bool = spec(True, "Release the engine's KV cache while training (CUDA; kept on CPU).")
     enable_chunked_prefill: bool = spec(True, "Split long prefills across engine steps.")
     enable_prefix_caching: bool = spec(True, "Share KV blocks of identical prompt prefixes.")
     load_format: str = spec("dummy", "How the engine first gets weights (verl).")
+    logprobs_mode: LogprobsMode = spec(
+        "processed_logprobs", "What the engine returns per token (verl/vLLM); lathe returns processed_logprobs: "
+                              "log_softmax(logits / temperature) of the sampled token over the whole vocabulary.")
+    scheduling_policy: SchedulingPolicy = spec("fcfs", "Engine request order (verl/vLLM); lathe's engine runs first "
+                                                       "come, first served.")
     layered_summon: bool = spec(False, "Gather sharded weights layer by layer for the engine (verl).")
     log_prob_micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
     log_prob_micro_batch_size_per_gpu: int | None = spec(
@@ -104,12 +165,36 @@ class RolloutConfig:
     skip_tokenizer_init: bool = spec(True, "Engine without its own tokenizer (verl).")
     use_fire_sampling: bool = spec(False, "Old verl key.")
     chat_scheduler: str | None = spec(None, "Old verl key.")
-    engine_kwargs: dict[str, Any] = spec({"vllm": {}, "sglang": {}}, "Backend-specific engine kwargs.")
+    engine_kwargs: dict[str, Any] = spec({"vllm": {}, "sglang": {}, "trtllm": {}}, "verl's engine arguments per "
+                                         "backend; those of rollout.name's backend with a lathe meaning act "
+                                         "(config/backends.py), the others warn.")
     val_kwargs: ValKwargsConfig = spec(factory=ValKwargsConfig, help="Validation sampling.")
     multi_turn: MultiTurnConfig = spec(factory=MultiTurnConfig, help="Multi-turn / tool rollouts.")
     agent: dict[str, Any] = spec({}, "verl agent-loop settings.")
     trace: dict[str, Any] = spec({}, "verl rollout tracing.")
     profiler: dict[str, Any] = spec({}, "verl profiler settings.")
+    prometheus: PrometheusConfig = spec(factory=PrometheusConfig, help="verl: the engine servers' Prometheus "
+                                                                       "endpoint.")
+    enable_rollout_routing_replay: bool = spec(False, "verl: record MoE routing in the rollout to replay it in "
+                                                      "training.")
+    moe_load_balance_metrics_interval: int = spec(0, "verl: steps between MoE load-balance metrics from routing "
+                                                     "replay; 0 = off.")
+    quantization: str | None = spec(None, "verl: quantized rollout weights (fp8, torchao).")
+    quantization_config_file: str | None = spec(None, "verl: the quantization's settings file.")
+    mtp: dict[str, Any] | None = spec(None, "verl: multi-token-prediction settings (enable_rollout: speculative "
+                                            "decoding with the MTP heads).")
+    qat: dict[str, Any] | None = spec(None, "verl: quantization-aware training's quantized rollout.")
+    disaggregation: DisaggregationConfig = spec(factory=DisaggregationConfig, help="verl: prefill-decode "
+                                                                                   "disaggregation.")
+    # verl's RolloutConfig fields that its YAML leaves out (set with +key=...)
+    enable_sleep_mode: bool = spec(True, "verl: let the engine release its memory between rollouts (lathe: "
+                                         "free_cache_engine).")
+    limit_images: int | None = spec(None, "verl: images per prompt the engine accepts; null = no limit.")
+    server: ServerConfig = spec(factory=ServerConfig, help="verl: SGLang server-mode client settings.")
+    custom: dict[str, Any] | None = spec(None, "verl: free-form settings of custom rollout code.")
+    checkpoint_manager_class: str | None = spec(None, "verl: a checkpoint-engine manager class of its own.")
+    layer_name_map: dict[str, Any] = spec({}, "verl: weight-name map from the trainer's to the engine's names.")
+    sglang_engine_mode: str = spec("local", "verl: how SGLang's engine is started.")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .coerce import show
 from .schema import LatheConfig
 from .plan import is_async, trainer_devices
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
+from .support_rollout import ROLLOUT_FEATURES
 from .support_verl import (BACKEND, HSDP, REWARD_MODELS, ULYSSES, backend_judge, judge_verl_keys, markdown_lines,
                            megatron_role, optimizer_overrides_judge)
 from .tree import get_path
@@ -29,31 +30,14 @@ A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 R, M = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
 C, RM = "critic", "reward_model"
 TRAINED = (A, REF, f"{C}.model")                      # the fsdp_config groups of models lathe loads
-NOT_YET = "lathe shards training with FSDP2 and runs one engine per device"
 
 
 class IgnoredKeysWarning(UserWarning):
     """Config keys were set that have no effect in lathe (the message lists them and why)."""
 
 
-def _agent(value, cfg) -> tuple[str, str] | None:
-    """verl's agent loop: its worker count has no effect; anything else (custom loops) is refused."""
-    if not value:
-        return None
-    if set(value) <= {"num_workers"}:
-        return "warn", f"`{R}.agent`={show(value)} has no effect in lathe: lathe's engine needs no agent-loop workers."
-    return "refuse", (f"`{R}.agent`={show(value)}: verl's agent loop is not implemented yet in lathe (it generates "
-                      f"one response per prompt in its own engine). Fix: remove {R}.agent (num_workers alone is "
-                      f"accepted).")
-
-
 def _multi_gpu() -> list[Entry]:
-    out = [refuse(f"{R}.{k}", f"{what} ({NOT_YET})", "set it to 1", at_most(1))
-           for k, what in (("tensor_model_parallel_size", "tensor-parallel generation"),
-                           ("data_parallel_size", "a data-parallel size of the rollout's own (lathe's rollout is "
-                                                  "data-parallel over all the trainer's devices)"),
-                           ("expert_parallel_size", "expert-parallel generation"))]
-    out += [refuse(f"{g}.ulysses_sequence_parallel_size", ULYSSES, "set it to 1", at_most(1)) for g in (A, REF, C)]
+    out = [refuse(f"{g}.ulysses_sequence_parallel_size", ULYSSES, "set it to 1", at_most(1)) for g in (A, REF, C)]
     out += [replace(warn("model_engine", BACKEND), judge=backend_judge("model_engine"))]
     out += [replace(warn(f"{g}.strategy", BACKEND), judge=backend_judge(f"{g}.strategy")) for g in (A, REF, C)]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
@@ -142,8 +126,6 @@ def _multi_turn() -> list[Entry]:
     out = [only_on("a rollout pool", refuse(f"{mt}.enable", "multi-turn rollouts on a rollout pool of its own "
                                             "(fully async training)", "train multi-turn synchronously "
                                             "(rollout.n_gpus_per_node=0), or set it to false", one_of(False))),
-           replace(refuse(f"{R}.agent", "verl's agent loop (num_workers alone has no effect)",
-                          f"remove {R}.agent"), judge=_agent),
            only_on("single-turn", warn("data.tool_config_path", "tools are used only by multi-turn rollouts "
                                        "(rollout.multi_turn.enable=true)"))]
     for k in ("use_inference_chat_template", "tokenization_sanity_check_mode"):
@@ -274,9 +256,7 @@ def _training() -> list[Entry]:
            refuse(f"{R}.skip_rollout", "replaying dumped rollouts instead of generating (skip_rollout)"),
            warn(f"{R}.skip_dump_dir", f"it is read only with {R}.skip_rollout=true (not implemented yet)"),
            refuse(f"{R}.use_fire_sampling", "FIRE sampling (an old verl key)"),
-           refuse(f"{R}.chat_scheduler", "the chat scheduler (an old verl key)"),
-           refuse(f"{R}.cudagraph_capture_sizes", "choosing the CUDA-graph batch sizes",
-                  f"remove it; lathe's engine picks them ({R}.enforce_eager=true turns graphs off)")]
+           refuse(f"{R}.chat_scheduler", "the chat scheduler (an old verl key)")]
     for g in (A, C):
         out += [refuse(f"{g}.optim.optimizer", "an optimizer other than AdamW", "set it to AdamW",
                        lambda v, cfg, g=g: v.lower() == "adamw" or v == "adam" and megatron_role(cfg, g)),
@@ -324,9 +304,7 @@ def _observability() -> list[Entry]:
                   "does not run; global_profiler.tool=torch takes none"),
             warn(f"{R}.trace", "rollout tracing is not implemented yet"),
             warn(f"{R}.disable_log_stats", "lathe's engine has no periodic stats log (its time is timing_s/gen)"),
-            warn(f"{R}.multi_stage_wake_up", "lathe's engine wakes up in one stage"),
-            warn(f"{R}.engine_kwargs", "they are vLLM/SGLang arguments; lathe's engine takes the rollout.* keys",
-                 no_entries)]
+            warn(f"{R}.multi_stage_wake_up", "lathe's engine wakes up in one stage")]
     return out
 
 
@@ -353,6 +331,7 @@ FEATURES = {
     "Profiling, tracing, engine logs": _observability,
     "Distribution settings with no effect (on one device, or at all)": _one_device,
     "Accepted: lathe behaves the same either way": _same_either_way,
+    **ROLLOUT_FEATURES,
 }
 
 

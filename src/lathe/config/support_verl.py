@@ -209,8 +209,8 @@ def _models() -> list[Entry]:
     out = [refuse("*.model.lora.type", "a LoRA variant other than lora", "set it to lora", one_of("lora")),
            warn("*.model.lora.*", f"{lora}: lathe's LoRA takes model.lora_rank, lora_alpha, target_modules (Hugging "
                 "Face module names) and exclude_modules"),
-           refuse("*.model.mtp.enable*", MTP, "set it to false"),
-           warn("*.model.mtp.*", "it is read only with model.mtp.enable=true"),
+           refuse("*.mtp.enable*", MTP, "set it to false"),
+           warn("*.mtp.*", "it is read only with mtp.enable=true"),
            warn("*.model.tiled_mlp.*", "lathe does not tile the MLP (a memory saving with the same result)"),
            refuse("critic.model.hf_config_path", "reading the model config from a separate path",
                   "remove it; keep config.json with the weights in critic.model.path"),

@@ -20,7 +20,7 @@ from .schema import GROUP_PRESETS, LatheConfig
 from .verl_keys import TARGET, is_verl_group, is_verl_key, verl_defaults, verl_paths
 from .verl_translate import translate
 
-# Old (and other) verl spellings -> lathe paths (prefix rewrite; the first match wins, so longer keys go first).
+# verl's other spellings -> lathe paths (prefix rewrite; the first match wins, so longer keys go first).
 ALIASES: dict[str, str] = {
     **{f"{g}.fsdp_config.ulysses_sequence_parallel_size": f"{g}.ulysses_sequence_parallel_size"
        for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
@@ -39,6 +39,9 @@ ALIASES: dict[str, str] = {
     "custom_reward_function.name": "reward.custom_reward_function.name",
     "custom_reward_function.reward_kwargs": "reward.reward_kwargs",
     "custom_reward_function.overlong_buffer": "reward_model.overlong_buffer",
+    # verl's newer spelling of the weight sync's bucket size (one setting, read where the sync is built)
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
 }
 _ALIAS_GROUPS = {"custom_reward_function", "sandbox_fusion"}
 
@@ -188,7 +191,7 @@ def rewrite_aliases(items: list[Assignment], problems: ProblemList) -> list[Assi
             old = previous.spelled if previous.spelled != item.path else item.spelled
             problems.add(
                 f"`{previous.spelled}`={show(previous.value)} and `{item.spelled}`={show(item.value)} are both "
-                f"set, but they are the same setting (`{old}` is verl's old spelling of `{item.path}`). "
+                f"set, but they are the same setting (`{old}` is verl's other spelling of `{item.path}`). "
                 f"Fix: keep only one of them.")
         seen[item.path] = item
     return items

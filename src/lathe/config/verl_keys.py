@@ -137,6 +137,8 @@ def generate(files: list[str]) -> str:
         tree = yaml.safe_load(Path(name).read_text())
         for key, value in flatten(_resolve(tree, tree, [])).items():
             keys.setdefault(key, value)
+    groups = {key.rsplit(".", i)[0] for key in keys for i in range(1, key.count(".") + 1)}
+    keys = {k: v for k, v in keys.items() if k not in groups}     # a null in one file, a group in another
     head = ("# verl's config keys and their defaults (flattened from verl's generated trainer configs); generated "
             "by\n# `python -m lathe.config.verl_keys` (see lathe/config/verl_keys.py). Do not edit by hand.\n")
     return head + yaml.safe_dump(dict(sorted(keys.items())), sort_keys=False, width=200)

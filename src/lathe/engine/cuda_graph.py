@@ -49,15 +49,19 @@ _ONE = np.array(1.0).view(np.int64)
 PAD = np.array([0, -1, 0, 0, 1, _ONE, 0, _ONE, 0], dtype=np.int64)        # a padding row: greedy, scratch slot
 
 
-def batch_buckets(max_batch: int) -> list[int]:
+def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
+    """The decode batch sizes that get a graph (a step is padded to the next one; a larger step runs eagerly):
+    `sizes` (verl's cudagraph_capture_sizes) capped at `max_batch`, else 1, 2, 4, 8, every 16th and `max_batch`."""
+    if sizes and any(s >= 1 for s in sizes):
+        return sorted({min(s, max_batch) for s in sizes if s >= 1})
     sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int):
+    def __init__(self, runner, max_batch: int, sizes: list[int] | None = None):
         self.runner = runner
-        self.buckets = batch_buckets(max_batch)
+        self.buckets = batch_buckets(max_batch, sizes)
         self.max_batch = self.buckets[-1]
         device, width = runner.device, runner.max_blocks
         self.inputs = torch.zeros(len(PAD), self.max_batch, dtype=torch.int64, device=device)

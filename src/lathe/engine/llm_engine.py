@@ -107,7 +107,8 @@ class LatheEngine(StreamingMixin):
     """Continuous-batching generation with a `LatheCausalLM` (fp32/bf16, CPU or CUDA).
 
     On CUDA, by default: the model's layers are compiled (`compile_model`, torch.compile per layer), decode
-    steps replay CUDA graphs (`enforce_eager=False`) that also sample, decode attention is the fastest kernel
+    steps replay CUDA graphs (`enforce_eager=False`; one per decode batch size of `cudagraph_capture_sizes`, or of
+    lathe's buckets, see `cuda_graph.batch_buckets`) that also sample, decode attention is the fastest kernel
     measured at start-up (`decode_backend="auto"`: Triton paged decode or the PyTorch reference), and a small
     model's q/k/v and gate/up projections run as one matmul each (`fuse_projections`, see `_should_fuse`).
 
@@ -128,6 +129,7 @@ class LatheEngine(StreamingMixin):
                  max_num_batched_tokens: int = 16384, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, decode_backend: str = "auto", enforce_eager: bool = False,
+                 cudagraph_capture_sizes: list[int] | None = None,
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None):
         self.model = model.eval()
@@ -160,7 +162,7 @@ class LatheEngine(StreamingMixin):
                                    reserve_new_tokens=reserve_new_tokens)
         self.runner = ModelRunner(model, self.kv_cache, max_model_len=self.max_model_len,
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
-                                  max_graph_batch=min(max_num_seqs, 512))
+                                  max_graph_batch=min(max_num_seqs, 512), graph_sizes=cudagraph_capture_sizes)
         self._init_streaming()
 
     def _should_fuse(self, requested: bool | None) -> bool:

@@ -37,7 +37,7 @@ from lathe.models.vl import is_vl
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, *, max_model_len: int, decode_backend: str = "auto",
-                 cuda_graphs: bool = True, max_graph_batch: int = 512):
+                 cuda_graphs: bool = True, max_graph_batch: int = 512, graph_sizes: list[int] | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -51,7 +51,7 @@ class ModelRunner:
         self.packed_backend = select_packed_backend("auto", self.device, model.dtype)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.rope_type != "dynamic":
-            self.graphs = DecodeGraphs(self, max_graph_batch)
+            self.graphs = DecodeGraphs(self, max_graph_batch, graph_sizes)
 
     @property
     def device(self) -> torch.device:

@@ -5,6 +5,8 @@
 - `lathe`: lathe's paged engine (`lathe.engine.llm_engine.LatheEngine`) over lathe's decoder (or a VL model), in
   `rollout.dtype` (float32 on CPU). `auto` picks it whenever the actor runs lathe's decoder.
 - `hf`: transformers `generate` on a transformers module (the actor's own, or a copy of it).
+- `vllm`, `sglang`, `trtllm` (verl's backends, set by every verl launch script): as `auto`, with one notice in the
+  start-up's 'rollout:' line that lathe's engine runs in their place (their engine keys act on it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lathe.rollout.hf import HFRollout
 
 log = logging.getLogger("lathe")
 KEY = "actor_rollout_ref.rollout.name"
+VERL_BACKENDS = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 
 
 def runs_lathe(model) -> bool:
@@ -35,7 +38,9 @@ def architecture(model) -> str:
 
 
 def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
-    """`lathe` or `hf` for `rollout.name` (`auto` resolved by what the actor runs); logs which and why.
+    """`lathe` or `hf` for `rollout.name` (`auto` and verl's backends resolved by what the actor runs); logs the
+    start-up's one 'rollout:' line saying which and why (a Rollout is built once per process, and worker ranks
+    other than 0 log warnings only, so the line, and a verl backend's notice in it, appears once per run).
 
     The engine runs lathe's decoder, so it needs an actor that `select_impl` turned into one.
     """
@@ -46,16 +51,32 @@ def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
         raise ValueError(f"{KEY}=lathe: lathe's engine runs lathe's own decoder, but the actor runs transformers "
                          f"{arch} because {why}. Fix: set {KEY}=hf (or auto) to generate with transformers"
                          + (", or set actor_rollout_ref.model.impl=auto." if impl == "hf" else "."))
-    if name not in ("auto", "lathe", "hf"):
+    if name not in ("auto", "lathe", "hf", *VERL_BACKENDS):
         raise ValueError(f"{KEY}={name!r} is not a lathe rollout backend; use auto, lathe or hf")
-    if name == "auto":
-        name = "lathe" if is_lathe else "hf"
+    if name in VERL_BACKENDS:
+        why = backend_notice(name, None if is_lathe else arch)
+    elif name == "auto":
         why = (f"{KEY}=auto and lathe's decoder runs {arch}" if is_lathe
                else f"{KEY}=auto and the actor runs transformers {arch}")
     else:
         why = f"{KEY}={name}"
+    if name == "auto" or name in VERL_BACKENDS:
+        name = "lathe" if is_lathe else "hf"
     log.info("rollout: %s (%s)", "lathe engine" if name == "lathe" else "transformers generate", why)
     return name
+
+
+def backend_notice(name: str, fallback_arch: str | None = None) -> str:
+    """The notice for a verl backend name: lathe's engine runs in its place (or transformers generate, for an
+    architecture lathe's decoder does not implement: `fallback_arch`)."""
+    label = VERL_BACKENDS[name]
+    engine = (f"lathe runs its own engine, not {label}" if fallback_arch is None else
+              f"lathe does not run {label}, and lathe's decoder does not implement {fallback_arch}, so transformers "
+              f"generate runs it")
+    return (f"{KEY}={name}: {engine}; the engine keys act on lathe's engine (gpu_memory_utilization, "
+            f"max_num_seqs, max_num_batched_tokens, max_model_len, enforce_eager, free_cache_engine, "
+            f"enable_chunked_prefill, enable_prefix_caching, cudagraph_capture_sizes, and engine_kwargs.{name}'s "
+            f"entries with a lathe meaning); {KEY}=auto picks the same backend without this notice")
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
@@ -72,19 +93,25 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return ids
 
 
-def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engine_model=None) -> LatheEngine:
+def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engine_model=None,
+                 standalone: bool = False) -> LatheEngine:
     """lathe's engine over `actor`'s weights in the rollout dtype, on the actor's device: the actor's own tensors
     when they already are in that dtype (mixed-precision training on CUDA), else a frozen copy; or over
-    `engine_model` when given (a copy made beforehand: a sharded actor's, a LoRA actor's merged layers, a replica's)."""
+    `engine_model` when given (a copy made beforehand: a sharded actor's, a LoRA actor's merged layers, a replica's).
+    `standalone`: a replica of a rollout pool of its own, sized by standalone_gpu_memory_utilization when set."""
     if engine_model is None:
         engine_model = frozen_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device), actor.device, share=True)
     max_model_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
+    utilization = rollout_cfg.gpu_memory_utilization
+    if standalone and rollout_cfg.standalone_gpu_memory_utilization is not None:
+        utilization = rollout_cfg.standalone_gpu_memory_utilization
     return LatheEngine(engine_model, eos_token_id=eos_ids,
-                       gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+                       gpu_memory_utilization=utilization,
                        max_num_seqs=rollout_cfg.max_num_seqs, max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
                        max_model_len=max_model_len, enable_prefix_caching=rollout_cfg.enable_prefix_caching,
                        enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
-                       enforce_eager=rollout_cfg.enforce_eager)
+                       enforce_eager=rollout_cfg.enforce_eager,
+                       cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes)
 
 
 def build_hf_rollout(rollout_cfg, model, eos_ids: list[int], pad_id: int, device: torch.device, *,

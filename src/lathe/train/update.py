@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from lathe.batch import Batch
+from lathe.ckpt import manifest
 from lathe.train import parallel
 
 log = logging.getLogger("lathe")
@@ -111,8 +112,9 @@ def save_trainable(path: Path, model, optimizer, scheduler) -> None:
         return
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path / "huggingface", safe_serialization=True, state_dict=state)
-    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "by_name": masters is None,
-                "sharded": optim is None}, path / "optim.pt")
+    manifest.save_hashed({"optimizer": optim, "scheduler": scheduler.state_dict(), "by_name": masters is None,
+                          "sharded": optim is None}, path / "optim.pt",
+                         written=sorted((path / "huggingface").glob("*.safetensors")))
 
 
 def save_policy_checkpoint(path: Path, model, optimizer, scheduler, tokenizer, *,

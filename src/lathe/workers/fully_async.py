@@ -15,6 +15,7 @@ sync. The engine is thread-safe only through the worker's lock: every engine cal
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -29,7 +30,7 @@ from lathe.models.frozen import frozen_copy
 from lathe.models.hf import load_policy, select_impl
 from lathe.generation import SamplingParams
 from lathe.rollout.base import to_batch
-from lathe.rollout.build import build_engine, eos_token_ids, runs_lathe
+from lathe.rollout.build import VERL_BACKENDS, backend_notice, build_engine, eos_token_ids, runs_lathe
 from lathe.seeding import seed_everything
 from lathe.train import parallel
 from lathe.train.vl import check_vl
@@ -51,13 +52,15 @@ class RolloutWorker:
                              f"{type(loaded).__name__} runs on transformers here. Fix: use a Llama/Qwen2/Qwen3 or "
                              "Qwen2.5-VL/Qwen3-VL model (actor_rollout_ref.model.impl=auto), or train synchronously "
                              "(rollout.n_gpus_per_node=0).")
+        if arr.rollout.name in VERL_BACKENDS:       # (replicas other than rank 0 log warnings only: once a run)
+            logging.getLogger("lathe").info("rollout: lathe engine (%s)", backend_notice(arr.rollout.name))
         if is_vl(model):                # image prompts: each request carries its prompts' images (`submit`)
             check_vl(model, arr, rollout=True)
         self.dtype = rollout_dtype(arr.rollout.dtype, device)
         eos = eos_token_ids(tokenizer, loaded)          # the checkpoint's generation_config (the copy has none)
         engine_model = frozen_copy(model, self.dtype, device)      # (a VL model: a deep copy, as the workers make)
         del model, loaded
-        self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model)
+        self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model, standalone=True)
         self.pad_id, self.device = tokenizer.pad_token_id, device
         self.sync: SyncGroup | None = None
         self._cv = threading.Condition()

@@ -1,0 +1,245 @@
+"""verl's inference-backend keys (rollout.name=vllm|sglang|trtllm, engine_kwargs, the engine knobs) on lathe's engine.
+
+The corpus test replays verl's example launch scripts (tests/config/verl_scripts): a rollout key may fail a script
+only by asking for a feature lathe lacks, named with its issue.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lathe.config import ConfigError, load_config
+from lathe.config.coerce import hints_of
+from lathe.config.schema import LatheConfig
+from lathe.config.support import IgnoredKeysWarning
+from lathe.config.tree import ALIASES, _is_dict_type, dataclass_type
+
+R = "actor_rollout_ref.rollout"
+SCRIPTS = Path(__file__).parent / "verl_scripts"
+
+# verl's actor_rollout_ref.rollout keys (verl 1dda039b9, its generated ppo / ppo_megatron / ppo_torchtitan /
+# ppo_veomni trainer configs), group -> leaves
+VERL_ROLLOUT_KEYS = {
+    "": "calculate_log_probs cudagraph_capture_sizes data_parallel_size disable_log_stats do_sample dtype "
+        "enable_chunked_prefill enable_prefix_caching enable_rollout_routing_replay enforce_eager "
+        "expert_parallel_size free_cache_engine full_determinism gpu_memory_utilization ignore_eos layered_summon "
+        "load_format log_prob_max_token_len_per_gpu log_prob_micro_batch_size log_prob_micro_batch_size_per_gpu "
+        "log_prob_use_dynamic_bsz logprobs_mode max_model_len max_num_batched_tokens max_num_seqs mode "
+        "moe_load_balance_metrics_interval mtp multi_stage_wake_up n n_gpus_per_node name nnodes over_sample_rate "
+        "pipeline_model_parallel_size prompt_length qat quantization quantization_config_file response_length "
+        "scheduling_policy seed skip_tokenizer_init temperature tensor_model_parallel_size top_k top_p",
+    "agent": "agent_loop_config_path default_agent_loop num_workers",
+    "agent.custom_async_server": "name path",
+    "checkpoint_engine": "backend custom_backend_module engine_kwargs update_weights_bucket_megabytes",
+    "disaggregation": "bootstrap_port decode_replicas decode_tensor_model_parallel_size enabled ib_device "
+                      "prefill_replicas transfer_backend",
+    "engine_kwargs": "sglang trtllm vllm",
+    "multi_turn": "enable format function_tool_path max_assistant_turns max_parallel_calls max_tool_response_length "
+                  "max_user_turns num_repeat_rollouts tokenization_sanity_check_mode tool_config_path "
+                  "tool_response_truncate_side use_inference_chat_template",
+    "profiler": "all_ranks enable finish_hook_all_ranks finish_hook_cmd finish_hook_ranks ranks relocate_results "
+                "save_path tool",
+    "profiler.tool_config.npu": "analysis contents discrete level profile_token_end profile_token_start",
+    "profiler.tool_config.precision_debugger": "config_path stages steps strict",
+    "profiler.tool_config.torch": "contents discrete profile_token_end profile_token_start",
+    "prometheus": "enable file port served_model_name",
+    "trace": "backend experiment_name max_samples_per_step_per_worker project_name token2text",
+    "val_kwargs": "do_sample n temperature top_k top_p",
+}
+
+
+def accepted(path: str) -> bool:
+    """A key load_config takes: a field of the schema, inside a free-form dict field, or an alias."""
+    if path in ALIASES:
+        return True
+    cls = LatheConfig
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        hints = hints_of(cls)
+        if part not in hints:
+            return False
+        sub = dataclass_type(hints[part])
+        if sub is None:
+            return i == len(parts) - 1 or _is_dict_type(hints[part])
+        cls = sub
+    return True
+
+
+def load(*overrides: str, **kw):
+    return load_config("base", list(overrides), **kw)
+
+
+def test_every_verl_rollout_key_is_accepted():
+    keys = [f"{R}.{group + '.' if group else ''}{leaf}" for group, leaves in VERL_ROLLOUT_KEYS.items()
+            for leaf in leaves.split()]
+    assert len(keys) == 115
+    assert [k for k in keys if not accepted(k)] == []
+
+
+@pytest.mark.parametrize("name", ["vllm", "sglang", "trtllm"])
+def test_verl_backends_load_without_warnings(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load(f"{R}.name={name}").actor_rollout_ref.rollout.name == name
+
+
+@pytest.mark.parametrize(("entry", "key", "value"), [
+    ("vllm.max_num_seqs=64", "max_num_seqs", 64),
+    ("vllm.max_num_batched_tokens=4096", "max_num_batched_tokens", 4096),
+    ("vllm.gpu_memory_utilization=0.7", "gpu_memory_utilization", 0.7),
+    ("vllm.max_model_len=4096", "max_model_len", 4096),
+    ("vllm.enforce_eager=true", "enforce_eager", True),
+    ("vllm.compilation_config.cudagraph_mode=NONE", "enforce_eager", True),
+    ("vllm.compilation_config.cudagraph_capture_sizes=[4,8,16]", "cudagraph_capture_sizes", [4, 8, 16]),
+    ("sglang.mem_fraction_static=0.6", "gpu_memory_utilization", 0.6),
+    ("sglang.max_running_requests=32", "max_num_seqs", 32),
+    ("sglang.chunked_prefill_size=2048", "max_num_batched_tokens", 2048),
+    ("sglang.chunked_prefill_size=-1", "enable_chunked_prefill", False),
+    ("sglang.disable_radix_cache=true", "enable_prefix_caching", False),
+    ("sglang.disable_cuda_graph=true", "enforce_eager", True),
+    ("trtllm.max_batch_size=16", "max_num_seqs", 16),
+    ("trtllm.max_num_tokens=1024", "max_num_batched_tokens", 1024),
+])
+def test_engine_kwargs_of_the_named_backend_set_the_engine_keys(entry, key, value):
+    backend = entry.split(".")[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load(f"{R}.name={backend}", f"+{R}.engine_kwargs.{entry}")
+    assert getattr(cfg.actor_rollout_ref.rollout, key) == value
+
+
+def test_engine_kwargs_that_lathe_does_not_have_warn_once_naming_each():
+    with pytest.warns(IgnoredKeysWarning) as record:
+        cfg = load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.async_scheduling=true",
+                   f"+{R}.engine_kwargs.vllm.max_num_seqs=64", f"+{R}.engine_kwargs.vllm.mm_processor_cache_gb=0",
+                   f"+{R}.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL_DECODE_ONLY",
+                   f"+{R}.engine_kwargs.sglang.max_running_requests=8")
+    text = "\n".join(str(w.message) for w in record if w.category is IgnoredKeysWarning)
+    assert len([w for w in record if w.category is IgnoredKeysWarning]) == 1
+    assert "vllm.async_scheduling=true" in text and "sglang.max_running_requests=8 (read only with " \
+                                                      "rollout.name=sglang)" in text
+    assert "max_num_seqs=64" not in text and "mm_processor_cache_gb" not in text and "cudagraph_mode" not in text
+    assert cfg.actor_rollout_ref.rollout.max_num_seqs == 64       # only the named backend's entries act
+    assert cfg.actor_rollout_ref.rollout.enforce_eager is False
+
+
+def test_engine_kwargs_asking_for_a_missing_feature_are_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"vllm.kv_cache_dtype=fp8 \(quantized rollout .*issue 48\)"):
+        load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.kv_cache_dtype=fp8")
+    load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.kv_cache_dtype=auto")
+
+
+def test_engine_kwargs_and_the_rollout_key_set_differently_fail():
+    with pytest.raises(ConfigError, match=r"engine_kwargs.vllm.max_num_seqs`=64 and `actor_rollout_ref.rollout."
+                                          r"max_num_seqs`=32 are both set"):
+        load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.max_num_seqs=64", f"{R}.max_num_seqs=32")
+    cfg = load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.max_num_seqs=64", f"{R}.max_num_seqs=64")
+    assert cfg.actor_rollout_ref.rollout.max_num_seqs == 64
+    with pytest.raises(ConfigError, match=r"max_num_seqs"):
+        load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.max_num_seqs=many")
+
+
+def test_checkpoint_engine_bucket_size_is_the_same_setting():
+    with pytest.warns(IgnoredKeysWarning, match="update_weights_bucket_megabytes`=1024 has no effect"):   # colocated
+        cfg = load(f"{R}.checkpoint_engine.update_weights_bucket_megabytes=1024")
+    assert cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes == 1024
+    with pytest.raises(ConfigError, match="same setting"):
+        load(f"{R}.checkpoint_engine.update_weights_bucket_megabytes=1024", f"{R}.update_weights_bucket_megabytes=64")
+
+
+@pytest.mark.parametrize(("override", "feature"), [
+    ("tensor_model_parallel_size=2", "issue 43"), ("pipeline_model_parallel_size=2", "issue 43"),
+    ("expert_parallel_size=8", "issue 43"), ("data_parallel_size=2", "issue 43"),
+    ("moe_tensor_parallel_size=2", "issue 43"),
+    ("quantization=fp8", "issue 48"), ("qat={enable: true}", "issue 48"),
+    ("enable_rollout_routing_replay=true", "issue 44"), ("mtp={enable: true, enable_rollout: true}", "issue 44"),
+    ("disaggregation.enabled=true", "prefill-decode disaggregation"),
+    ("logprobs_mode=raw_logits", "raw log-probs or logits"),
+    ("nnodes=1", "top-level rollout.nnodes"),
+    ("multi_turn.function_tool_path=tools.py", "tool_config_path"),
+    ("agent.agent_loop_config_path=loops.yaml", "custom agent loop"),
+])
+def test_features_lathe_lacks_are_refused_naming_them(override, feature):
+    with pytest.raises(ConfigError, match=re.escape(feature)):
+        load(f"{R}.{override}")
+
+
+@pytest.mark.parametrize("override", [
+    "full_determinism=true", "seed=7", "scheduling_policy=priority", "prometheus.enable=true",
+    "moe_load_balance_metrics_interval=10", "multi_turn.num_repeat_rollouts=2", "agent.num_workers=4",
+    "checkpoint_engine.engine_kwargs={nccl: {x: 1}}"])
+def test_keys_with_no_effect_warn(override):
+    with pytest.warns(IgnoredKeysWarning, match=re.escape(override.split("=")[0].split(".")[0])):
+        load(f"{R}.{override}")
+
+
+def test_keys_at_lathes_behaviour_are_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load(f"{R}.logprobs_mode=processed_logprobs", f"{R}.nnodes=0", f"{R}.n_gpus_per_node=1",
+             f"{R}.seed=42", f"{R}.mtp={{enable: true}}", f"{R}.agent.default_agent_loop=single_turn_agent")
+
+
+def _script(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("--config")]
+
+
+def _key(problem: str) -> str:
+    match = re.match(r"\s*(?:\d+\.\s*)?(?:Unknown config key )?`?\+*([\w.\-]+)`?\s*[=(:]", problem)
+    return match.group(1) if match else ""
+
+
+def _problems(items: list[str]) -> list[str]:
+    """load_config's problems; unknown keys outside the rollout group are dropped and the script loaded again
+    (they stop load_config before its later checks)."""
+    while True:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                load_config("base", items, device_count=8)
+            return []
+        except ConfigError as err:
+            problems = [p for p in re.split(r"\n(?=\s*\d+\. )", str(err)) if p.strip()]
+        unknown = {_key(p) for p in problems if "Unknown config key" in p and not _key(p).startswith(R)}
+        if not unknown:
+            return problems
+        items = [i for i in items if i.lstrip("+").split("=")[0] not in unknown]
+
+
+# the trainer's token budget with use_dynamic_bsz (rules.py), not an engine key
+NOT_ENGINE = ("log_prob_max_token_len_per_gpu",)
+
+
+def test_verl_scripts_fail_on_rollout_keys_only_for_named_features():
+    scripts = sorted(SCRIPTS.glob("*.txt"))
+    if not scripts:
+        pytest.skip("no verl script corpus")
+    unnamed = {}
+    for path in scripts:
+        bad = [p for p in _problems(_script(path)) if _key(p).startswith(R)
+               and "lathe issue 4" not in p and not _key(p).endswith(NOT_ENGINE)]
+        if bad:
+            unnamed[path.stem] = bad
+    assert unnamed == {}
+
+
+@pytest.mark.parametrize(("override", "outcome"), [
+    ("repetition_penalty=1.1", "refuse"), ("checkpoint_manager_class=my.Manager", "refuse"),
+    ("standalone_gpu_memory_utilization=0.9", "warn"), ("enable_sleep_mode=false", "warn"),
+    ("limit_images=2", "warn"), ("server.timeout=30", "warn"), ("sglang_engine_mode=remote", "warn"),
+    ("layer_name_map={a: b}", "warn"), ("custom={x: 1}", "warn"), ("standalone_gpu_memory_utilization=1.5", "refuse"),
+])
+def test_verl_dataclass_only_fields_are_known(override, outcome):
+    """verl's RolloutConfig fields that its YAML leaves out (scripts set them with +key=...)."""
+    key = f"{R}.{override.split('=')[0]}"
+    if outcome == "refuse":
+        with pytest.raises(ConfigError, match=re.escape(key)), warnings.catch_warnings():
+            warnings.simplefilter("ignore", IgnoredKeysWarning)
+            load(f"+{R}.{override}")
+    else:
+        with pytest.warns(IgnoredKeysWarning, match=re.escape(key)):
+            load(f"+{R}.{override}")

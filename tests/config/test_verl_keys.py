@@ -164,7 +164,7 @@ def test_verl_defaults_leave_lathe_keys_alone():
     (f"{A}.fsdp_config.ulysses_sequence_parallel_size=2", "Ulysses sequence parallelism (lathe issue 43"),
     (f"{A}.torchtitan.data_parallel_replicate_size=2", "hybrid sharding (HSDP"),
     (f"{M}.mtp.enable=true", "multi-token prediction (MTP; lathe issue 44"),
-    (f"{A}.router_replay.mode=R3", "MoE routing replay (lathe issue 44"),
+    (f"{A}.router_replay.mode=R3", "MoE routing replay (R2/R3, lathe issue 44"),
     ("reward.reward_model.enable=true", "learned reward models (lathe issue 46"),
     ("reward_model.enable=true", "learned reward models (lathe issue 46"),
     ("distillation.enabled=true", "distillation from a teacher model (lathe issue 46"),

@@ -18,6 +18,7 @@ from typing import Any
 from .coerce import show
 from .plan import trainer_devices
 from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
+from .support_rollout import ROUTING
 from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
 from .verl_translate import RULES, rule_for, translate
@@ -34,7 +35,7 @@ EP = f"expert parallelism ({ISSUE_43})"
 ULYSSES = f"Ulysses sequence parallelism ({ISSUE_43})"
 HSDP = f"hybrid sharding (HSDP: shard groups smaller than all devices; {ISSUE_43})"
 MTP = f"multi-token prediction (MTP; {ISSUE_44})"
-ROUTER_REPLAY = f"MoE routing replay ({ISSUE_44})"
+ROUTER_REPLAY = ROUTING                                  # the rollout's name for the same feature
 MOE_LOSSES = f"MoE router training settings (auxiliary losses, load balancing; {ISSUE_44})"
 REWARD_MODELS = f"learned reward models ({ISSUE_46})"
 DISTILLATION = f"distillation from a teacher model ({ISSUE_46})"

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 from .errors import ConfigError, ProblemList
 from .loader import load_config, _apply_source
 from .schema import LatheConfig
+from .coerce import show
 from .support import _defaults, registry
+from .support_base import Entry
+from .support_verl import entry_for, verdict_for
+from .verl_translate import translate
 from .tree import assign, get_path, parse_override, rewrite_aliases
 
 ACTS, RENAMED, NO_EFFECT, SAME, REFUSED, UNKNOWN = "acts", "acts as", "no effect", "same either way", "refused", \
@@ -29,7 +33,7 @@ class Row:
     value: str
     verdict: str          # one of ACTS, RENAMED, NO_EFFECT, SAME, REFUSED, UNKNOWN
     why: str = ""
-    feature: str = ""     # refused: the support registry's heading of the feature lathe lacks
+    feature: str = ""     # refused: the feature lathe lacks, as the support registry names it
 
 
 @dataclass
@@ -92,8 +96,23 @@ def _judge(cfg: LatheConfig, applied: list[tuple[Row, str]]) -> None:
                 if entry.kind == "inert" and row.verdict == ACTS:
                     row.verdict, row.why = SAME, entry.text
                 continue
-            kind, message = verdict
-            if kind == "refuse":
-                row.verdict, row.why, row.feature = REFUSED, message, entry.feature
-            elif row.verdict != REFUSED:
-                row.verdict, row.why = NO_EFFECT, message
+            _set(row, verdict, entry.text)
+    for row, path in applied:                          # verl keys lathe has no field for (support_verl.py)
+        if row.key not in cfg.verl_keys:
+            continue
+        value = cfg.verl_keys[row.key]
+        if translate(row.key, value):
+            row.verdict, row.why = RENAMED, ", ".join(f"`{k}`={show(v)}" for k, v in translate(row.key, value))
+        elif (verdict := verdict_for(row.key, value, cfg)) is not None:
+            _set(row, verdict, (entry_for(row.key) or Entry(row.key, "warn", "")).text)
+        elif (entry := entry_for(row.key)) is not None:
+            row.verdict, row.why = SAME, entry.text
+
+
+def _set(row: Row, verdict: tuple[str, str], feature: str) -> None:
+    """A refusal (naming its feature) wins over a no-effect note."""
+    kind, message = verdict
+    if kind == "refuse":
+        row.verdict, row.why, row.feature = REFUSED, message, feature
+    elif row.verdict != REFUSED:
+        row.verdict, row.why = NO_EFFECT, message

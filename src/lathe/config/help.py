@@ -9,18 +9,19 @@ from typing import Any
 from .coerce import hints_of
 from .schema import LatheConfig
 from .support import support_note
+from .support_verl import verl_note
 from .tree import dataclass_type, field_meta
 
 
 def help_for(path: str) -> str:
-    """Help text of a dotted key, with what lathe does with it when it is in the support registry
-    ('' for unknown keys or keys without help)."""
+    """Help text of a dotted key, with what lathe does with it when it is in the support registry; for a verl
+    key lathe has no field for, what support_verl.py does with it ('' for unknown keys or keys without help)."""
     cls: Any = LatheConfig
     parts = path.split(".")
     for i, part in enumerate(parts):
         hints = hints_of(cls)
         if part not in hints:
-            return ""
+            return verl_note(path)
         if i == len(parts) - 1:
             return " ".join(t for t in (field_meta(cls, part).get("help", ""), support_note(path)) if t)
         cls = dataclass_type(hints[part])

@@ -2,7 +2,8 @@
 
 A value that is exactly one reference takes the referenced value with its type (then it is checked
 against the field's type); a reference inside a longer string is replaced by its text. verl's
-``${oc.env:NAME,default}`` and ``${oc.select:path,default}`` are understood too.
+``${oc.env:NAME,default}`` and ``${oc.select:path,default}`` are understood too, and OmegaConf's relative
+references (``${.save_contents}``: a key of the same group).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .coerce import coerce, hints_of, parse_value, show
 from .errors import ConfigError, ProblemList, closest, did_you_mean
 from .tree import all_paths, field_meta, get_path
 
-_REF = re.compile(r"\$\{([^{}]+)\}")
+_REF = re.compile(r"\$\{((?:[^{}]|\{\})+)\}")     # an empty {} may stand inside (a default)
 
 
 def resolve_interpolations(cfg: Any) -> None:
@@ -92,7 +93,37 @@ def _lookup(root: Any, expr: str, path: str, stack: list[str]) -> Any:
             return _lookup(root, target.strip(), path, stack)
         except ConfigError:
             return parse_value(default.strip()) if default else None
-    return _lookup_key(root, expr, path, stack)
+    return _lookup_key(root, _absolute(expr, path), path, stack)
+
+
+def _absolute(key: str, path: str) -> str:
+    """OmegaConf's relative reference: ``.x`` is a key beside ``path``, ``..x`` one level up, and so on."""
+    if not key.startswith("."):
+        return key
+    rest = key.lstrip(".")
+    up = len(key) - len(rest)
+    return ".".join(path.split(".")[:-up] + [rest])
+
+
+_MISSING = object()
+
+
+def _verl_value(root: Any, key: str) -> Any:
+    """A verl key lathe has no field for, as set (``root.verl_keys``): one key, or a group of them as a mapping."""
+    held = getattr(root, "verl_keys", None) or {}
+    if key in held:
+        return held[key]
+    below = {k[len(key) + 1:]: v for k, v in held.items() if k.startswith(key + ".")}
+    if not below:
+        return _MISSING
+    out: dict = {}
+    for sub, value in below.items():
+        *parents, leaf = sub.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 def _lookup_key(root: Any, key: str, path: str, stack: list[str]) -> Any:
@@ -104,6 +135,8 @@ def _lookup_key(root: Any, key: str, path: str, stack: list[str]) -> Any:
     try:
         target = get_path(root, key)
     except KeyError:
+        target = _verl_value(root, key)
+    if target is _MISSING:
         hint = did_you_mean(closest(key, all_paths(type(root)), n=2))
         raise ConfigError(f"{path} refers to ${{{key}}}, but `{key}` is not a config key.{hint} "
                           f"Fix: correct the reference or replace it with a value.") from None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .choices import (BypassLoss, ISLevel, KLControllerType, KLEstimator, LegacyWorkerImpl, LossAggMode,
-                      ProfilerTool, ReweightMethod, Strategy)
+                      ModelEngine, ProfilerTool, ReweightMethod, Strategy)
 from .coerce import spec
 from .schema_actor import CheckpointConfig, FSDPConfig, OptimConfig
 from .schema_async import AsyncTrainingConfig, RolloutPoolConfig
@@ -308,7 +308,7 @@ GROUP_PRESETS: dict[type, tuple[dict[str, dict[str, Any]], dict[str, str]]] = {
     RolloutCorrectionConfig: (ROLLOUT_CORRECTION_PRESETS, ROLLOUT_CORRECTION_PRESET_ALIASES)}
 
 
-Logger = Literal["console", "tensorboard", "wandb", "mlflow", "jsonl"]
+Logger = Literal["console", "tensorboard", "wandb", "mlflow", "jsonl", "file"]     # file: verl's name for jsonl
 
 
 @dataclass
@@ -395,6 +395,11 @@ class LatheConfig:
     ray_init: dict[str, Any] = spec({}, "Older verl spelling of ray_kwargs.ray_init.")
     global_profiler: GlobalProfilerConfig = spec(factory=GlobalProfilerConfig, help="Profiling of chosen steps.")
     hydra: dict[str, Any] = spec({}, "Hydra's own settings in verl scripts; ignored.")
+    model_engine: ModelEngine = spec("dp", "verl's training backend for every role (dp = fsdp, megatron, veomni, "
+                                           "torchtitan); lathe trains each with its FSDP2 trainer.")
+    verl_keys: dict[str, Any] = spec({}, "verl keys lathe has no field for (backend, profiler, QAT, ... subtrees), "
+                                         "by dotted key, as set by their own names; lathe.config.support_verl judges "
+                                         "each (translated, refused, no effect or the same either way).")
 
     @property
     def custom_reward_function(self) -> CustomRewardFunctionConfig:

@@ -207,7 +207,8 @@ class ActorConfig:
                                          "on CUDA (CPU runs eager); false, or fsdp_config.use_torch_compile=false, "
                                          "runs eager.")
     use_fused_kernels: bool = spec(False, "Fused log-prob kernels (verl).")
-    use_remove_padding: bool = spec(False, "Packed forward without padding (verl).")
+    use_remove_padding: bool = spec(True, "verl's actor switch for the packed forward (verl's default: on); lathe "
+                                          "packs actor and reference by model.use_remove_padding.")
     freeze_vision_tower: bool = spec(False, "Freeze a VLM's vision tower (verl).")
     data_loader_seed: int | None = spec(None, "Seed for mini-batch shuffling; null = trainer.seed.")
     checkpoint: CheckpointConfig = spec(factory=CheckpointConfig, help="Checkpoint contents.")

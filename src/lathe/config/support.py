@@ -20,15 +20,16 @@ from .errors import ProblemList
 from .coerce import show
 from .schema import LatheConfig
 from .plan import is_async, trainer_devices
-from .support_base import Entry, at_most, inert, one_of, only_on, refuse, same_as, warn
+from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
 from .support_rollout import ROLLOUT_FEATURES
+from .support_verl import (BACKEND, HSDP, REWARD_MODELS, ULYSSES, backend_judge, judge_verl_keys, markdown_lines,
+                           megatron_role, optimizer_overrides_judge)
 from .tree import get_path
 
 A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 R, M = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
 C, RM = "critic", "reward_model"
 TRAINED = (A, REF, f"{C}.model")                      # the fsdp_config groups of models lathe loads
-NOT_YET = "lathe shards training with FSDP2 and runs one engine per device"
 
 
 class IgnoredKeysWarning(UserWarning):
@@ -36,15 +37,12 @@ class IgnoredKeysWarning(UserWarning):
 
 
 def _multi_gpu() -> list[Entry]:
-    out = [refuse(f"{g}.ulysses_sequence_parallel_size", f"Ulysses sequence parallelism ({NOT_YET})",
-                   "set it to 1", at_most(1)) for g in (A, REF, C)]
-    out += [refuse(f"{g}.strategy", "a training backend other than fsdp/fsdp2 (such as megatron)",
-                   "set it to fsdp2 (or fsdp): lathe trains with PyTorch FSDP2", one_of("fsdp", "fsdp2"))
-            for g in (A, REF, C)]
+    out = [refuse(f"{g}.ulysses_sequence_parallel_size", ULYSSES, "set it to 1", at_most(1)) for g in (A, REF, C)]
+    out += [replace(warn("model_engine", BACKEND), judge=backend_judge("model_engine"))]
+    out += [replace(warn(f"{g}.strategy", BACKEND), judge=backend_judge(f"{g}.strategy")) for g in (A, REF, C)]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
-    out += [refuse(f"{g}.fsdp_config.fsdp_size", "hybrid sharding (shard groups smaller than all devices, HSDP)",
-                   "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, trainer_devices(cfg)))
-            for g in TRAINED]
+    out += [refuse(f"{g}.fsdp_config.fsdp_size", HSDP, "set it to -1 (shard over all devices)",
+                   lambda v, cfg: v in (-1, 1, trainer_devices(cfg))) for g in TRAINED]
     out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
             replace(refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices without a "
                            "rollout pool (fully-asynchronous training)",
@@ -102,6 +100,7 @@ def _one_device() -> list[Entry]:
         ("actor_rollout_ref.nccl_timeout", "no collectives run on one device without a rollout pool"),
         ("ray_kwargs", "Ray is not used on one device without a rollout pool"),
         ("ray_init", "Ray is not used on one device without a rollout pool"))]
+    out = [replace(e, ok=no_entries) if e.key in ("ray_kwargs", "ray_init") else e for e in out]
     out += [warn("trainer.ray_wait_register_center_timeout", "lathe's workers have no register center"),
             warn("trainer.esi_redundant_time", "it is for Volcano Engine elastic instances"),
             warn(f"{R}.layered_summon", "lathe always gathers sharded weights one tensor at a time")]
@@ -141,14 +140,16 @@ def _multi_turn() -> list[Entry]:
 
 
 def _rewards() -> list[Entry]:
-    out = [refuse(f"{RM}.enable", "scoring with a learned reward model", "remove it; score with the built-in "
+    out = [refuse(f"{RM}.enable", REWARD_MODELS, "remove it; score with the built-in "
                   "scorers or reward.custom_reward_function.path"),
            refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo/gdpo: "
                   "per-response scoring in worker processes with timeouts, a dict result's numbers kept)",
                   "set it to naive", one_of("naive", "prime", "dapo", "gdpo")),
-           refuse(f"{RM}.reward_kwargs", "reward-manager keyword arguments", "pass scorer arguments in "
-                  "reward.reward_kwargs; DAPO's overlong shaping is reward_model.overlong_buffer.{{enable,len,"
-                  "penalty_factor,log}} and max_resp_len is data.max_response_length"),
+           replace(refuse(f"{RM}.reward_kwargs", "reward-manager keyword arguments", "pass scorer arguments in "
+                          "reward.reward_kwargs; DAPO's overlong shaping is reward_model.overlong_buffer.{{enable,len,"
+                          "penalty_factor,log}} and max_resp_len is data.max_response_length"),
+                   ok=lambda v, cfg: set(v) <= {"max_resp_len"}
+                   and v.get("max_resp_len", cfg.data.max_response_length) == cfg.data.max_response_length),
            warn(f"{RM}.launch_reward_fn_async", "scoring runs in worker processes while the step waits; the "
                                                 "scores are the same"),
            warn(f"{RM}.n_gpus_per_node", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
@@ -221,8 +222,9 @@ def _models() -> list[Entry]:
     out = [refuse(f"{M}.hf_config_path", "reading the model config from a separate path",
                   f"remove it; keep config.json with the weights in {M}.path (single keys: {M}.override_config)",
                   lambda v, cfg: v is None or v == cfg.actor_rollout_ref.model.path),
-           refuse(f"{A}.use_remove_padding", "a packed-forward switch of the actor's own",
-                  f"set {M}.use_remove_padding instead (it switches actor and reference)"),
+           warn(f"{A}.use_remove_padding", f"lathe packs the actor's and the reference's sequences by "
+                f"{M}.use_remove_padding (set that instead)",
+                lambda v, cfg: v is True or v == cfg.actor_rollout_ref.model.use_remove_padding),
            warn(f"{M}.use_liger", "lathe's decoder is its own implementation; Liger's kernels are not used"),
            warn(f"{M}.use_fused_kernels", fused), warn(f"{M}.fused_kernel_options", fused),
            warn(f"{A}.use_fused_kernels", fused)]
@@ -257,10 +259,11 @@ def _training() -> list[Entry]:
            refuse(f"{R}.chat_scheduler", "the chat scheduler (an old verl key)")]
     for g in (A, C):
         out += [refuse(f"{g}.optim.optimizer", "an optimizer other than AdamW", "set it to AdamW",
-                       lambda v, cfg: v.lower() == "adamw"),
+                       lambda v, cfg, g=g: v.lower() == "adamw" or v == "adam" and megatron_role(cfg, g)),
                 refuse(f"{g}.optim.optimizer_impl", "an optimizer module other than torch.optim",
                        "set it to torch.optim", one_of("torch.optim")),
-                refuse(f"{g}.optim.override_optimizer_config", "extra optimizer arguments", ok=lambda v, cfg: not v),
+                replace(refuse(f"{g}.optim.override_optimizer_config", "extra optimizer arguments"),
+                        judge=optimizer_overrides_judge(g)),
                 warn(f"{g}.optim.total_training_steps", "it is set at run time from trainer.total_training_steps "
                                                         "(or the epochs)")]
     return out
@@ -286,10 +289,15 @@ def _checkpoints() -> list[Entry]:
     return out
 
 
+def _profiler_off(value, cfg) -> bool:
+    """verl's per-role profiler at rest: not enabled, no ranks chosen."""
+    return not any(value.get(k) for k in ("enable", "all_ranks", "ranks", "discrete"))
+
+
 def _observability() -> list[Entry]:
     per_role = ("profiling is chosen per step, not per role: global_profiler.tool=torch profiles every phase of "
                 "the listed steps (lathe.track.profile)")
-    out = [warn(f"{g}.profiler", per_role) for g in (A, REF, R, C, RM)]
+    out = [warn(f"{g}.profiler", per_role, _profiler_off) for g in (A, REF, R, C, RM)]
     out += [refuse("global_profiler.profile_continuous_steps", "one trace across consecutive profiled steps",
                    "remove it: lathe writes one trace per listed step"),
             inert("global_profiler.global_tool_config", "settings of the nsys and torch_memory tools, which lathe "
@@ -359,6 +367,11 @@ def check_support(cfg: LatheConfig, problems: ProblemList, *, skip: frozenset[st
             problems.add(message)
         else:
             ignored.append(message)
+    for kind, message in judge_verl_keys(cfg):
+        if kind == "refuse":
+            problems.add(message)
+        else:
+            ignored.append(message)
     if ignored:
         lines = "\n".join(f"  - {m}" for m in ignored)
         warnings.warn(f"{len(ignored)} config key(s) set here have no effect in lathe:\n{lines}",
@@ -389,5 +402,5 @@ def markdown() -> str:
             why = f"{e.text}; fix: {fix}" if e.kind == "refuse" else e.text
             lines.append(f"| `{e.key}` | `{default}` | {label[e.kind]} | {why.replace('|', '/')} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + markdown_lines())
 

@@ -115,9 +115,11 @@ def one_of(*values: Any) -> Check:
     return lambda v, cfg: v in values
 
 
-def no_entries(value: Any, cfg: Any) -> bool:
-    """A dict whose values (nested dicts included) are all empty."""
-    return not value or all(not v for v in value.values())
+def no_entries(value: Any, cfg: Any = None) -> bool:
+    """A dict whose values (nested dicts included, at any depth) are all empty, null or false."""
+    if isinstance(value, dict):
+        return all(no_entries(v) for v in value.values())
+    return not value
 
 
 def same_as(*sources: str) -> Check:

@@ -104,7 +104,8 @@ def _lacking() -> list[Entry]:
     out += [refuse(f"{R}.repetition_penalty", "a repetition penalty in sampling", ok=lambda v, cfg: v == 1),
             refuse(f"{R}.quantization", QUANTIZED),
             warn(f"{R}.quantization_config_file", f"it is read only with {R}.quantization ({QUANTIZED})"),
-            refuse(f"{R}.qat", f"quantization-aware training's {QUANTIZED}", ok=lambda v, cfg: not v),
+            refuse(f"{R}.qat", f"quantization-aware training's {QUANTIZED}",    # verl copies the actor's qat here
+                   ok=lambda v, cfg: not v or not v.get("enable")),
             refuse(f"{R}.enable_rollout_routing_replay", ROUTING),
             warn(f"{R}.moe_load_balance_metrics_interval", f"it reports routing-replay data ({ROUTING})"),
             refuse(f"{R}.mtp", SPECULATIVE, "remove mtp.enable_rollout (lathe decodes without draft heads)",

@@ -17,9 +17,24 @@ from typing import Any, get_args, get_origin
 from .coerce import coerce, dump_yaml, hints_of, parse_value, show, type_name
 from .errors import ConfigError, ProblemList, closest, did_you_mean
 from .schema import GROUP_PRESETS, LatheConfig
+from .verl_keys import TARGET, is_verl_group, is_verl_key, verl_defaults, verl_paths
+from .verl_translate import translate
 
-# verl's other spellings -> lathe paths (prefix rewrite).
+# verl's other spellings -> lathe paths (prefix rewrite; the first match wins, so longer keys go first).
 ALIASES: dict[str, str] = {
+    **{f"{g}.fsdp_config.ulysses_sequence_parallel_size": f"{g}.ulysses_sequence_parallel_size"
+       for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
+    **{f"actor_rollout_ref.actor.policy_loss.{k}": f"actor_rollout_ref.actor.{k}" for k in ("tau_pos", "tau_neg")},
+    "critic.fsdp.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+    "critic.fsdp": "critic.model.fsdp_config",             # verl's engine-config spelling of the critic's fsdp group
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.sandbox_fusion": "reward_model.sandbox_fusion",
+    "sandbox_fusion": "reward_model.sandbox_fusion",
+    "reward_model.num_workers": "reward.num_workers",
+    # the DAPO reward manager's arguments (verl passes them to the manager, not the scoring function)
+    "reward_model.reward_kwargs.overlong_buffer_cfg": "reward_model.overlong_buffer",
+    "reward.reward_kwargs.overlong_buffer_cfg": "reward_model.overlong_buffer",
+    "reward.reward_kwargs.max_resp_len": "reward_model.reward_kwargs.max_resp_len",
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
     "custom_reward_function.reward_kwargs": "reward.reward_kwargs",
@@ -28,7 +43,7 @@ ALIASES: dict[str, str] = {
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
         "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
 }
-_ALIAS_GROUPS = {"custom_reward_function"}
+_ALIAS_GROUPS = {"custom_reward_function", "sandbox_fusion"}
 
 
 @dataclass
@@ -86,7 +101,7 @@ def field_meta(cls: type, name: str) -> dict:
 
 def unknown_key_message(path: str, origin: str, root: type = LatheConfig) -> str:
     """'Unknown key' text: fix the first unknown segment by its siblings, else find the leaf elsewhere."""
-    paths = all_paths(root)
+    paths = all_paths(root) + (tuple(sorted(verl_paths())) if root is LatheConfig else ())
     known = set(paths)
     parts = path.split(".")
     index = next(i for i in range(len(parts)) if ".".join(parts[: i + 1]) not in known)
@@ -135,6 +150,9 @@ def flatten_mapping(mapping: dict, origin: str, root: type = LatheConfig) -> lis
 _OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][\w\-]*(?:\.[\w\-]+)*)\s*=(.*)$", re.S)
 
 
+_GROUP_CHOICE = re.compile(r"^\+{0,2}([\w\-]+@[\w.\-]+)\s*=\s*(\S+)$")
+
+
 def parse_override(text: str) -> Assignment:
     """Parse 'a.b=1', '+a.b=1' or '++a.b=1' (Hydra prefixes tolerated) into an assignment."""
     stripped = text.strip()
@@ -142,6 +160,11 @@ def parse_override(text: str) -> Assignment:
         raise ConfigError(f"Override '{text}': deleting keys (~key) is not supported. "
                           f"Fix: set the key to null instead, e.g. {stripped[1:].split('=')[0]}=null.")
     match = _OVERRIDE.match(stripped)
+    group = _GROUP_CHOICE.match(stripped)
+    if not match and group:
+        raise ConfigError(f"Override '{text}': Hydra config-group selection (`{group[1]}`: this role's keys from "
+                          f"the config file `{group[2]}` of a config package) is not implemented yet in lathe. "
+                          "Fix: remove it and set the role's keys directly (lathe knows verl's groups).")
     if not match:
         raise ConfigError(f"Override '{text}' is not of the form key=value. "
                           f"Fix: write it like actor_rollout_ref.rollout.n=8 (no spaces around '=').")
@@ -149,16 +172,22 @@ def parse_override(text: str) -> Assignment:
     return Assignment(key, parse_value(raw), raw, key, f"override '{stripped}'")
 
 
+def lathe_spelling(path: str) -> str:
+    """``path`` with an alias prefix (ALIASES) rewritten to lathe's key."""
+    for old, new in ALIASES.items():
+        if path == old or path.startswith(old + "."):
+            return new + path[len(old):]
+    return path
+
+
 def rewrite_aliases(items: list[Assignment], problems: ProblemList) -> list[Assignment]:
     """Map old verl spellings onto lathe paths; flag a layer setting both spellings differently."""
     seen: dict[str, Assignment] = {}
     for item in items:
-        for old, new in ALIASES.items():
-            if item.path == old or item.path.startswith(old + "."):
-                item.path = new + item.path[len(old):]
-                break
+        item.path = lathe_spelling(item.path)
         previous = seen.get(item.path)
-        if previous is not None and previous.spelled != item.spelled and previous.value != item.value:
+        if previous is not None and previous.spelled != item.spelled and previous.value != item.value \
+                and not _defers(previous) and not _defers(item):
             old = previous.spelled if previous.spelled != item.path else item.spelled
             problems.add(
                 f"`{previous.spelled}`={show(previous.value)} and `{item.spelled}`={show(item.value)} are both "
@@ -169,6 +198,11 @@ def rewrite_aliases(items: list[Assignment], problems: ProblemList) -> list[Assi
 
 
 # ----------------------------------------------------------------------------- applying
+
+
+def _defers(item: Assignment) -> bool:
+    """A value that takes the setting from elsewhere: verl's null default, or a ${...} reference."""
+    return item.value is None and verl_null(item.spelled) or isinstance(item.value, str) and "${" in item.value
 
 
 def apply_layer(cfg: LatheConfig, items: list[Assignment], context: str) -> None:
@@ -186,10 +220,14 @@ def assign(root: LatheConfig, item: Assignment) -> None:
     """Set one dotted path (into groups, and into free dict fields) after type checking."""
     parts = item.path.split(".")
     node: Any = root
+    if parts[-1] == TARGET:                                  # Hydra's class pointer: nothing to set
+        return
     for i, part in enumerate(parts):
         path = ".".join(parts[: i + 1])
         hints = hints_of(type(node))
         if part not in hints:
+            if isinstance(root, LatheConfig) and _assign_verl(root, item):
+                return
             raise ConfigError(unknown_key_message(item.path, item.origin, type(root)))
         tp = hints[part]
         if i == len(parts) - 1:
@@ -209,6 +247,24 @@ def assign(root: LatheConfig, item: Assignment) -> None:
                           f"`{item.path}` cannot be set ({item.origin}). Fix: set `{path}` itself.")
 
 
+def _assign_verl(root: LatheConfig, item: Assignment) -> bool:
+    """A key of verl's schema with no field in lathe's: kept in ``verl_keys`` (a mapping for a verl group is
+    taken key by key), plus the lathe keys it translates to. False when verl has no such key either."""
+    key = item.spelled if is_verl_key(item.spelled) or is_verl_group(item.spelled) else item.path
+    if isinstance(item.value, dict) and item.value and is_verl_group(key):
+        for sub, value in item.value.items():
+            if str(sub) != TARGET:
+                assign(root, Assignment(lathe_spelling(f"{key}.{sub}"), value, None, f"{item.spelled}.{sub}",
+                                        item.origin))
+        return True
+    if not is_verl_key(key):
+        return False
+    root.verl_keys[key] = item.value
+    for path, value in translate(key, item.value):
+        assign(root, Assignment(path, value, None, item.spelled, item.origin))
+    return True
+
+
 def _set_field(root: LatheConfig, node: Any, name: str, tp: Any, item: Assignment) -> None:
     """Assign a leaf field, merge a mapping into a group / dict field, or set a group from a preset name."""
     if dataclass_type(tp) in GROUP_PRESETS and isinstance(item.value, str):
@@ -222,10 +278,20 @@ def _set_field(root: LatheConfig, node: Any, name: str, tp: Any, item: Assignmen
         return
     current = getattr(node, name)
     if _is_dict_type(tp) and isinstance(item.value, dict) and isinstance(current, dict):
-        _deep_merge(current, item.value)
+        _deep_merge(current, _without_target(item.value))
         return
     meta = field_meta(type(node), name)
-    setattr(node, name, coerce(item.value, tp, item.path, raw=item.raw, example=current, meta=meta))
+    try:
+        setattr(node, name, coerce(item.value, tp, item.path, raw=item.raw, example=current, meta=meta))
+    except ConfigError:
+        if item.value is None and verl_null(item.spelled):
+            return                            # verl's "unset" (null by default there): lathe's default stays
+        raise
+
+
+def verl_null(key: str) -> bool:
+    """A verl key whose default is null (verl's legacy keys that mean 'take it from elsewhere')."""
+    return key in verl_defaults() and verl_defaults()[key] is None
 
 
 def _set_group_preset(root: LatheConfig, node: Any, name: str, group: type, item: Assignment) -> None:
@@ -255,6 +321,11 @@ def _set_in_dict(target: dict, parts: list[str], value: Any) -> None:
             target[part] = nxt
         target = nxt
     target[parts[-1]] = value
+
+
+def _without_target(mapping: dict) -> dict:
+    """A mapping without Hydra's ``_target_`` class pointers, at any depth."""
+    return {k: _without_target(v) if isinstance(v, dict) else v for k, v in mapping.items() if k != TARGET}
 
 
 def _deep_merge(target: dict, update: dict) -> None:

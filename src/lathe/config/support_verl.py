@@ -1,0 +1,426 @@
+"""What lathe does with each verl key it has no field for (the keys ``LatheConfig.verl_keys`` holds).
+
+The registry of ``support.py`` names lathe's own fields one by one; verl's backend, profiler, optimizer and
+feature subtrees are judged here by pattern (``fnmatch`` over the dotted key, ``*`` crossing dots; the first
+pattern that matches wins), with the same kinds: translated (``verl_translate.py`` set lathe's key),
+``refuse`` (a value other than verl's default fails, naming the feature and the lathe issue that builds it),
+``warn`` (no effect; one warning lists such keys) and ``inert``. ``tests/config/test_verl_keys.py`` checks that
+every key of ``verl_keys.yaml`` matches a pattern here, and ``docs/config_keys.md`` lists the patterns.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from fnmatch import fnmatchcase
+from typing import Any
+
+from .coerce import show
+from .plan import trainer_devices
+from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
+from .support_rollout import ROUTING
+from .tree import get_path
+from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
+from .verl_translate import RULES, rule_for, translate
+
+ISSUE_43 = "lathe issue 43: big models on many GPUs"
+ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
+ISSUE_46 = "lathe issue 46: reward models, judges, distillation"
+ISSUE_48 = "lathe issue 48: FP8 and quantized training"
+# the names of refused features (the corpus test groups failures by them: keep them stable)
+TP = f"tensor parallelism ({ISSUE_43})"
+PP = f"pipeline parallelism ({ISSUE_43})"
+CP = f"context parallelism ({ISSUE_43})"
+EP = f"expert parallelism ({ISSUE_43})"
+ULYSSES = f"Ulysses sequence parallelism ({ISSUE_43})"
+HSDP = f"hybrid sharding (HSDP: shard groups smaller than all devices; {ISSUE_43})"
+MTP = f"multi-token prediction (MTP; {ISSUE_44})"
+ROUTER_REPLAY = ROUTING                                  # the rollout's name for the same feature
+MOE_LOSSES = f"MoE router training settings (auxiliary losses, load balancing; {ISSUE_44})"
+REWARD_MODELS = f"learned reward models ({ISSUE_46})"
+DISTILLATION = f"distillation from a teacher model ({ISSUE_46})"
+QAT = f"quantization-aware training (QAT; {ISSUE_48})"
+FP8 = f"FP8 training ({ISSUE_48})"
+LOW_PRECISION_OPTIM = f"low-precision optimizer state ({ISSUE_48})"
+ONE = "set it to 1"
+KERNELS = "lathe's decoder has kernels of its own and reads the architecture from the checkpoint's config.json"
+ENTROPY = "lathe's decoder always computes entropy chunk by chunk and recomputes it in backward"
+CKPT_FORMAT = "lathe loads and saves Hugging Face weights (and its own checkpoints) directly"
+SAME_MATH = "it changes padding or layout, not what is computed"
+
+
+def _devices_or_all(v: Any, cfg: Any) -> bool:
+    return v is None or v in (-1, 1, trainer_devices(cfg))
+
+
+def _parallel() -> list[Entry]:
+    out = [refuse(p, what, ONE, at_most(1)) for p, what in (
+        ("*.megatron.tensor_model_parallel_size", TP), ("*.torchtitan.tensor_parallel_size", TP),
+        ("*.megatron.override_transformer_config.tensor_model_parallel_size", TP),
+        ("*.megatron.pipeline_model_parallel_size", PP), ("*.megatron.virtual_pipeline_model_parallel_size", PP),
+        ("*.torchtitan.pipeline_parallel_size", PP),
+        ("*.megatron.context_parallel_size", CP), ("*.torchtitan.context_parallel_size", CP),
+        ("*.megatron.override_transformer_config.context_parallel_size", CP),
+        ("*.megatron.expert_model_parallel_size", EP), ("*.megatron.expert_tensor_parallel_size", EP),
+        ("*.torchtitan.expert_parallel_size", EP), ("*.veomni.expert_parallel_size", EP),
+        ("*.veomni.ulysses_parallel_size", ULYSSES), ("*.torchtitan.data_parallel_replicate_size", HSDP))]
+    out += [refuse("*.megatron.dynamic_context_parallel", CP),
+            refuse("*.veomni.fsdp_size", HSDP, "set it to -1 (shard over all devices)", _devices_or_all),
+            warn("*.megatron.max_seqlen_per_dp_cp_rank", "it is read only with dynamic context parallelism"),
+            warn("*.megatron.override_transformer_config.context_parallel_algo", "it is read only with context "
+                 "parallelism"),
+            warn("*.torchtitan.data_parallel_s*", "lathe's data parallelism spans all the trainer's devices",
+                 _devices_or_all),
+            warn("*.megatron.override_transformer_config.*pipeline*", "it is read only with pipeline parallelism"),
+            warn("*.megatron.override_transformer_config.deallocate_pipeline_outputs", "it is read only with "
+                 "pipeline parallelism"),
+            inert("*.megatron.*sequence_parallel", "Megatron's sequence parallelism splits activations over a "
+                  "tensor-parallel group; without one it does nothing"),
+            inert("*.megatron.*use_distributed_optimizer", "FSDP2 always shards the optimizer state over the "
+                  "devices"),
+            inert("*.megatron.use_megatron_fsdp", "lathe always shards with FSDP2"),
+            warn("*.veomni.enable_full_shard", "lathe always shards parameters, gradients and optimizer state "
+                 "(FSDP2)")]
+    return out
+
+
+def _moe_and_quantization() -> list[Entry]:
+    out = [refuse("*.router_replay.mode", ROUTER_REPLAY, "set it to disabled", one_of("disabled")),
+           warn("*.router_replay.*", "it is read only with router_replay.mode other than disabled"),
+           refuse("*.qat.enable", QAT),
+           warn("*.qat.*", "it is read only with qat.enable=true"),
+           refuse("*.megatron.override_transformer_config.*fp8*", FP8, "remove it"),
+           refuse("*.megatron.override_transformer_config.moe_*loss*", MOE_LOSSES, "remove it (or set it to 0)"),
+           refuse("*.megatron.override_transformer_config.moe_router_load_balancing_type", MOE_LOSSES, "remove it"),
+           refuse("*.megatron.override_transformer_config.moe_router_*bias*", MOE_LOSSES, "remove it"),
+           warn("*.megatron.override_transformer_config.moe_*", "a MoE kernel or dispatch setting (grouped GEMM, "
+                "permute fusion, token dispatcher, DeepEP, router dtype); " + KERNELS)]
+    return out
+
+
+def _backends() -> list[Entry]:
+    otc = "*.megatron.override_transformer_config"
+    out = [warn(f"{otc}.recompute_*", "lathe recomputes every decoder layer whole (enable_gradient_checkpointing)"),
+           warn(f"{otc}.*", "a Megatron TransformerConfig setting (fusions, kernels, attention backend); "
+                + KERNELS),
+           warn("*.megatron.override_ddp_config*", "a Megatron DDP setting; lathe shards with FSDP2"),
+           warn("*.megatron.override_mcore_model_config*", "a Megatron model setting; " + KERNELS),
+           warn("*.megatron.grad_offload", "lathe keeps gradients only during an update; param_offload and "
+                "optimizer_offload are its offload switches"),
+           refuse("*.megatron.use_dist_checkpointing", "loading Megatron distributed checkpoints",
+                  "convert the checkpoint to Hugging Face format and set actor_rollout_ref.model.path to it"),
+           warn("*.megatron.dist*", "it is read only with megatron.use_dist_checkpointing (not implemented)"),
+           warn("*.megatron.*mbridge", CKPT_FORMAT),
+           refuse("*.veomni.load_checkpoint_path", "loading a VeOmni checkpoint",
+                  "resume a lathe checkpoint with trainer.resume_mode / trainer.resume_from_path"),
+           warn("*.veomni.ckpt_manager", CKPT_FORMAT),
+           warn("*.activation_gpu_limit", "lathe does not offload activations (activation offload is refused)"),
+           warn("*.veomni.*", "a VeOmni engine setting (kernel implementations, initialisation, prefetch, "
+                "compilation); " + KERNELS),
+           warn("*.torchtitan.*", "a torchtitan engine setting (attention type, compilation, wrapping, "
+                "prefetch); " + KERNELS),
+           warn("*.turbo_config*", "verl's Turbo FSDP engine settings; lathe shards with FSDP2 by itself"),
+           inert("*.megatron.use_remove_padding", "lathe packs sequences when model.use_remove_padding is set; "
+                 + SAME_MATH),
+           inert("*.pad_bshd_to_minibatch_max", SAME_MATH), inert("*.pad_to_length", SAME_MATH),
+           inert("*.pad_to_length_bucket", SAME_MATH),
+           inert("*.forward_only", "verl sets it for roles that only run forward; lathe knows which they are"),
+           inert("*.strategy", "lathe trains every backend with its FSDP2 trainer"),
+           warn("*.seed", "lathe seeds every worker from trainer.seed", same_as("trainer.seed")),
+           warn("*.full_determinism", "lathe does not switch torch to deterministic algorithms"),
+           warn("*.entropy_*", ENTROPY),
+           warn("*.forward_prefetch", "FSDP2 prefetches the next layer's gather by itself"),
+           warn("*.use_orig_params", "an FSDP1 setting; FSDP2 always keeps the original parameters"),
+           warn("*.wrap_policy*", "lathe shards each decoder layer and the root, whatever the policy"),
+           warn("*.reshard_after_forward", "a sharding setting of the engine lathe does not run")]
+    return out
+
+
+def _per_key(factory):
+    """A judge that needs the concrete key a pattern matched: ``entry_for`` calls ``factory(key)``."""
+    factory.per_key = True
+    return factory
+
+
+def _schedule(key: str, cfg: Any) -> tuple[str, float]:
+    """(lr_scheduler_type, lr) of the optim group ``key`` belongs to."""
+    group = key.rsplit(".", 1)[0]
+    return get_path(cfg, f"{group}.lr_scheduler_type"), get_path(cfg, f"{group}.lr")
+
+
+def _min_lr(key: str):
+    """Megatron's absolute floor: nothing under a constant schedule; under cosine, min_lr_ratio's value."""
+    def judge(value, cfg) -> tuple[str, str] | None:
+        kind, lr = _schedule(key, cfg)
+        ratio = get_path(cfg, key.rsplit(".", 1)[0] + ".min_lr_ratio") or 0.0
+        if not value or kind == "cosine" and abs(value - lr * ratio) <= 1e-12:
+            return None
+        if kind == "constant":
+            return "warn", f"`{key}`={show(value)} has no effect in lathe: the learning rate is constant."
+        return "refuse", (f"`{key}`={show(value)}: an absolute minimum learning rate is not implemented yet in "
+                          f"lathe. Fix: set {key.rsplit('.', 1)[0]}.min_lr_ratio={show(value / lr)} (its fraction "
+                          f"of lr) instead.")
+    return judge
+
+
+def _decay_steps(key: str):
+    """A decay length: nothing to decay under a constant schedule."""
+    def judge(value, cfg) -> tuple[str, str] | None:
+        if value is None:
+            return None
+        if _schedule(key, cfg)[0] == "constant":
+            return "warn", f"`{key}`={show(value)} has no effect in lathe: the learning rate is constant."
+        return "refuse", (f"`{key}`={show(value)}: a decay length other than the run's is not implemented yet in "
+                          "lathe. Fix: remove it; the cosine schedule decays over the run's training steps.")
+    return judge
+
+
+def _optim() -> list[Entry]:
+    schedule = "use optim.lr_scheduler_type (constant or cosine), lr_warmup_steps(_ratio) and min_lr_ratio"
+    out = [inert("actor_rollout_ref.ref.optim.*", "the reference does not train"),
+           refuse("*.optim.name", "an optimizer other than AdamW", "set it to adam (AdamW)",
+                  lambda v, cfg: str(v).lower() in ("adam", "adamw")),
+           refuse("*.optim.eps", "an AdamW eps other than 1e-8", "remove it", one_of(1e-8)),
+           refuse("*.optim.lr_decay_style", "that learning-rate schedule", schedule, one_of("constant", "cosine")),
+           replace(refuse("*.optim.min_lr", "an absolute minimum learning rate"), judge=_per_key(_min_lr)),
+           replace(refuse("*.optim.lr_min", "an absolute minimum learning rate"), judge=_per_key(_min_lr)),
+           refuse("*.optim.min_lr_factor", "a minimum learning-rate factor of this optimizer config",
+                  "set optim.min_lr_ratio instead"),
+           refuse("*.optim.lr_warmup_init", "a warm-up that starts above 0", schedule),
+           refuse("*.optim.lr_start", "a warm-up that starts above 0", schedule),
+           replace(refuse("*.optim.lr_decay_steps", "a decay length other than the run's", schedule),
+                   judge=_per_key(_decay_steps)),
+           refuse("*.optim.lr_decay_ratio", "a decay over part of the run", schedule),
+           refuse("*.optim.decay_type", "a weight-decay schedule", "remove it: AdamW's weight decay is constant"),
+           refuse("*.optim.weight_decay_incr_style", "a weight-decay schedule", "remove it"),
+           warn("*.optim.lr_wsd_*", "it is read only with lr_decay_style=WSD (not implemented)"),
+           refuse("*.optim.exp_avg*_dtype", LOW_PRECISION_OPTIM, "set it to fp32"),
+           refuse("*.optim.main_grads_dtype", LOW_PRECISION_OPTIM, "set it to fp32"),
+           refuse("*.optim.use_precision_aware_optimizer", LOW_PRECISION_OPTIM),
+           warn("*.optim.muon_*", "it is read only by the Muon optimizer (not in lathe)"),
+           warn("*.optim.use_checkpoint_opt_param_scheduler", "lathe always resumes the schedule from its "
+                "checkpoint"),
+           warn("*.optim.use_layer_wise_distributed_optimizer", "FSDP2 shards the optimizer state by itself"),
+           inert("*.optim.zero_indexed_step", "lathe's schedule counts steps its own way; the rates are verl's")]
+    return out
+
+
+def _models() -> list[Entry]:
+    lora = "verl's Megatron-style LoRA group"
+    out = [refuse("*.model.lora.type", "a LoRA variant other than lora", "set it to lora", one_of("lora")),
+           warn("*.model.lora.*", f"{lora}: lathe's LoRA takes model.lora_rank, lora_alpha, target_modules (Hugging "
+                "Face module names) and exclude_modules"),
+           refuse("*.mtp.enable*", MTP, "set it to false"),
+           warn("*.mtp.*", "it is read only with mtp.enable=true"),
+           warn("*.model.tiled_mlp.*", "lathe does not tile the MLP (a memory saving with the same result)"),
+           refuse("critic.model.hf_config_path", "reading the model config from a separate path",
+                  "remove it; keep config.json with the weights in critic.model.path"),
+           warn("critic.model.custom_chat_template", "the critic reads the policy's tokens"),
+           warn("critic.model.exclude_modules", "critic LoRA is not implemented"),
+           warn("critic.model.lora_adapter_path", "critic LoRA is not implemented"),
+           warn("critic.model.use_*", KERNELS), warn("critic.model.fused_kernel_options*", KERNELS)]
+    return out
+
+
+def _roles() -> list[Entry]:
+    out = [inert("*.rollout_n", "verl copies rollout.n here; lathe reads rollout.n"),
+           inert("*.calculate_entropy", "lathe's actor reports entropy whether or not it is in the loss"),
+           warn("*.calculate_sum_pi_squared", "it is read only by advantage estimators lathe does not have"),
+           warn("*.use_prefix_grouper", "lathe runs each sequence's forward whole (same result)"),
+           warn("*.policy_loss.dro_beta", "it is read only by a policy loss lathe does not have"),
+           warn("*.checkpoint.strict", "lathe always loads its checkpoints strictly"),
+           warn("*.checkpoint.mbridge_config*", CKPT_FORMAT),
+           warn("critic.data_loader_seed", "it is read only with critic.shuffle=true (not implemented yet)",
+                same_as("trainer.seed")),
+           warn("critic.loss_scale_factor", "lathe's value loss is averaged over the response tokens"),
+           warn("critic.nccl_timeout", "lathe's collectives use actor_rollout_ref.nccl_timeout")]
+    return out
+
+
+def _data() -> list[Entry]:
+    return [warn("data.image_patch_size", "lathe takes the patch size from the model's image processor"),
+            refuse("data.audio_key", "audio prompts", "remove it (or set it back to {default})"),
+            warn("data.function_tool_path", "lathe measures prompts with the tools of "
+                 "rollout.multi_turn.tool_config_path"),
+            refuse("data.mm_processor_kwargs*", "processor arguments for images and videos",
+                   "remove it; lathe calls the model's processor with its own settings")]
+
+
+def _rewards() -> list[Entry]:
+    custom = "remove it; score with reward.custom_reward_function.path (lathe's one reward manager calls it)"
+    return [refuse("reward.reward_model.enable", REWARD_MODELS, "remove it; score with the built-in scorers or "
+                   "reward.custom_reward_function.path"),
+            warn("reward.reward_model.*", "it is read only with reward.reward_model.enable=true"),
+            refuse("reward.reward_manager.source", "a reward manager loaded from a module", custom,
+                   one_of("register")),
+            refuse("reward.reward_manager.module.path", "a custom reward-manager class", custom),
+            warn("reward.reward_manager.module.*", "it is read only with reward_manager.source=importlib"),
+            refuse("reward_model.reward_loop_*", "a custom reward loop", custom),
+            warn("reward_model.rollout.*", "it is read only with reward_model.enable=true"),
+            refuse("distillation.enabled", DISTILLATION, "set it to false"),
+            *(inert(f"distillation.teacher_models.*.inference.{k}", "verl copies the rollout's setting here")
+              for k in ("name", "prompt_length", "response_length")),
+            warn("distillation.*", "it is read only with distillation.enabled=true")]
+
+
+def _runs() -> list[Entry]:
+    return [warn("trainer.use_v1", "lathe has one trainer loop (fully asynchronous with rollout.n_gpus_per_node "
+                 "> 0)"),
+            warn("trainer.v1.*", "it is read only with trainer.use_v1=true"),
+            warn("transfer_queue.*", "lathe moves batches between its workers itself"),
+            refuse("skip.*.enable", "replaying dumped rollouts instead of generating (skip_rollout)"),
+            warn("skip.*", "it is read only with skip.<stage>.enable=true"),
+            warn("algorithm.filter_groups.max_inflight_gen_batches", "lathe generates the filter_groups batches "
+                 "one after another"),
+            warn("global_profiler.*", "it is for the nsys/npu profilers' finishing hooks; lathe writes torch "
+                 "traces only")]
+
+
+# ----------------------------------------------------------------------------- judges of lathe's own keys
+# (support.py's registry uses them: verl's backend choice, and Megatron settings inside lathe's keys)
+
+BACKEND_NOTE = ("the backend's keys lathe has an equivalent for are translated (offload, recomputation, dtype), "
+                "parallel sizes above 1 are refused, its kernel and fusion switches have no effect")
+BACKEND = "lathe trains every backend with its FSDP2 trainer: " + BACKEND_NOTE
+
+
+def backend_judge(key: str):
+    """verl's megatron/veomni/torchtitan backend: one notice for the backend a run names (model_engine first,
+    then the actor's strategy; the reference's and critic's add one only when they name another)."""
+    def judge(value, cfg) -> tuple[str, str] | None:
+        named = [cfg.model_engine] if key != "model_engine" else []
+        if key in ("actor_rollout_ref.ref.strategy", "critic.strategy"):
+            named.append(cfg.actor_rollout_ref.actor.strategy)
+        if value in ("fsdp", "fsdp2", "dp") or value in named:
+            return None
+        return "warn", f"`{key}`={show(value)} runs on lathe's FSDP2 trainer: {BACKEND_NOTE}."
+    return judge
+
+
+# Megatron's CPU-optimizer settings, which verl scripts pass in override_optimizer_config
+MEGATRON_CPU_OPTIMIZER = {"optimizer_cpu_offload", "optimizer_offload_fraction", "offload_fraction",
+                          "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer"}
+
+
+def optimizer_overrides_judge(group: str):
+    """Megatron's CPU-optimizer keys have no effect (lathe's switch is fsdp_config.optimizer_offload); any other
+    extra optimizer argument is refused."""
+    key = f"{group}.optim.override_optimizer_config"
+
+    def judge(value, cfg) -> tuple[str, str] | None:
+        if not value:
+            return None
+        other = sorted(set(value) - MEGATRON_CPU_OPTIMIZER)
+        if other:
+            return "refuse", (f"`{key}`={show(value)}: extra optimizer arguments ({', '.join(other)}) are not "
+                              f"implemented yet in lathe. Fix: remove them (lathe's AdamW takes optim.lr, betas, "
+                              f"weight_decay).")
+        return "warn", (f"`{key}`={show(value)} has no effect in lathe: Megatron's CPU-optimizer settings; lathe "
+                        "streams the optimizer state through the device with fsdp_config.optimizer_offload=true.")
+    return judge
+
+
+def megatron_role(cfg, group: str) -> bool:
+    """The role names verl's megatron backend (whose optimizer 'adam' is AdamW: decoupled weight decay)."""
+    return "megatron" in (cfg.model_engine, get_path(cfg, f"{group}.strategy"))
+
+
+FEATURES = {
+    "verl backends: parallel sizes (refused above 1)": _parallel,
+    "verl backends: MoE, QAT and FP8": _moe_and_quantization,
+    "verl backends: engine settings": _backends,
+    "verl optimizer and learning-rate keys (Megatron, Muon)": _optim,
+    "verl model groups: LoRA, MTP, tiled MLP; critic model": _models,
+    "verl actor/critic options": _roles,
+    "verl data keys": _data,
+    "verl's reward group, reward loops and distillation": _rewards,
+    "verl trainer variants, data transfer, rollout replay, profiler hooks": _runs,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def patterns() -> tuple[Entry, ...]:
+    """Every pattern entry, tagged with its feature heading, in matching order."""
+    return tuple(replace(e, feature=f) for f, entries in FEATURES.items() for e in entries())
+
+
+def entry_for(key: str) -> Entry | None:
+    """The entry that judges verl key ``key`` (its own key filled in): its pattern's, else 'translated' for a
+    key ``verl_translate`` maps (at a value it does not map, such as verl's default); None when neither."""
+    for entry in patterns():
+        if fnmatchcase(key, entry.key):
+            judge = entry.judge(key) if getattr(entry.judge, "per_key", False) else entry.judge
+            return replace(entry, key=key, judge=judge)
+    translated = rule_for(key)
+    if translated is not None:
+        return Entry(key, "inert", f"translated: {translated[1]}", feature="translated")
+    return None
+
+
+def _leaves(held: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The held keys, a mapping held for a verl group (a resolved ${...} reference to one) taken key by key."""
+    out = []
+    for key, value in held.items():
+        if isinstance(value, dict) and value and is_verl_group(key):
+            out += _leaves({f"{key}.{k}": v for k, v in flatten(value).items()})
+        else:
+            out.append((key, value))
+    return out
+
+
+def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
+    """(kind, message) for each key of ``cfg.verl_keys`` that is refused or has no effect."""
+    out = []
+    for key, value in _leaves(cfg.verl_keys):
+        if not is_verl_key(key):
+            out.append(("refuse", f"Unknown config key `{key}` in verl_keys: it is not one of verl's keys. Fix: "
+                                  "remove it (verl_keys holds the verl keys lathe has no field for)."))
+            continue
+        verdict = verdict_for(key, value, cfg)
+        if verdict is not None:
+            out.append(verdict)
+    return out
+
+
+def verdict_for(key: str, value: Any, cfg: Any) -> tuple[str, str] | None:
+    """(kind, message) when verl key ``key``'s value is refused or has no effect; None when it is translated
+    (set on lathe's key as it was given) or fine as it is."""
+    if translate(key, value):
+        return None
+    default = verl_default(key) if key in verl_defaults() else None     # below a free map: nothing is set
+    if value in ({}, []) and default is None:
+        return None                                                       # an empty free map (verl's default)
+    entry = entry_for(key) or Entry(key, "warn", "lathe does not read this verl key")
+    return entry.verdict(value, default, cfg)
+
+
+def verl_note(key: str) -> str:
+    """Help for a verl key lathe has no field for ('' for other keys)."""
+    if not is_verl_key(key):
+        return ""
+    head = f"verl's key (verl's default: {show(verl_default(key))})." if key in verl_defaults() else "verl's key."
+    translated = rule_for(key)
+    if translated is not None:
+        return f"{head} lathe sets {translated[0]} from it ({translated[1]}); at verl's default it sets nothing."
+    entry = entry_for(key)
+    return f"{head} {entry.note()}" if entry else head
+
+
+def markdown_lines() -> list[str]:
+    """The patterns' section of docs/config_keys.md."""
+    label = {"refuse": "refused", "warn": "no effect", "inert": "same either way"}
+    lines = ["# verl keys lathe has no field for", "",
+             "lathe knows every key of verl's generated trainer configs (`src/lathe/config/verl_keys.yaml`). Those "
+             "without a field in lathe's tree are judged by pattern (`*` spans dots; the first match wins), "
+             "against verl's default. Translated (`src/lathe/config/verl_translate.py`): " + "; ".join(
+                 f"`{p}` -> {d}" for p, _, _, d in RULES) + "; `model.lora.{rank,alpha,dropout,adapter_path}` -> "
+             "`model.lora_*`. A translated key at verl's default sets nothing.", ""]
+    for feature in FEATURES:
+        lines += [f"## {feature}", "", "| pattern | status | why / fix |", "| --- | --- | --- |"]
+        for e in (e for e in patterns() if e.feature == feature):
+            fix = e.format(e.fix, None, None, shown="<value>").replace("null", "verl's default")
+            why = f"{e.text}; fix: {fix}" if e.kind == "refuse" else e.text
+            lines.append(f"| `{e.key}` | {label[e.kind]} | {why.replace('|', '/')} |")
+        lines.append("")
+    return lines
+

@@ -1,0 +1,106 @@
+"""verl's training-backend keys that lathe has an equivalent for, turned into lathe's keys as they are set.
+
+verl trains with FSDP, Megatron, VeOmni or torchtitan (``actor.strategy``, ``model_engine``); lathe trains
+every model with its FSDP2 trainer. A backend key whose meaning lathe has is set on lathe's key, in the same
+layer and in order, so a later ``fsdp_config`` override still wins:
+
+* ``{megatron,veomni,torchtitan}.param_offload`` / ``optimizer_offload`` -> ``fsdp_config.*`` (the role's);
+* ``veomni.enable_fsdp_offload`` -> ``fsdp_config.offload_policy``;
+* ``megatron.override_transformer_config.recompute_granularity`` full/selective, ``torchtitan.
+  activation_checkpoint`` full/none -> the model's ``enable_gradient_checkpointing`` (lathe recomputes whole
+  decoder layers);
+* ``megatron.dtype``, ``torchtitan.dtype``, ``fsdp_config.dtype`` / ``critic.fsdp.dtype`` -> ``fsdp_config.
+  mixed_precision.param_dtype``; ``veomni.mixed_precision=false`` -> param_dtype fp32;
+* verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
+
+A value equal to verl's default translates to nothing: a full verl config file lists every backend key at its
+default, and those must not undo the lathe keys set beside them. ``support_verl.py`` marks these keys as
+translated; the rest of the backend keys are judged there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+from typing import Any
+
+from .verl_keys import verl_default
+
+# role -> (its fsdp group, its model group, its optim group); the reference never trains
+ROLE = {"actor_rollout_ref.actor": ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.model",
+                                    "actor_rollout_ref.actor.optim"),
+        "actor_rollout_ref.ref": ("actor_rollout_ref.ref.fsdp_config", None, None),
+        "critic": ("critic.model.fsdp_config", "critic.model", "critic.optim")}
+DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
+
+# value -> lathe value (None: nothing to set)
+Map = Callable[[Any], Any]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _checkpointing(on: set, off: set) -> Map:
+    return lambda v: True if v in on else False if v in off else None
+
+
+# (pattern below a role, lathe key: 'fsdp.<k>' / 'model.<k>' / 'optim.<k>' in the role's group, value map, doc)
+RULES: tuple[tuple[str, str, Map, str], ...] = (
+    ("*.param_offload", "fsdp.param_offload", _same, "fsdp_config.param_offload"),
+    ("*.optimizer_offload", "fsdp.optimizer_offload", _same, "fsdp_config.optimizer_offload"),
+    ("veomni.enable_fsdp_offload", "fsdp.offload_policy", _same, "fsdp_config.offload_policy"),
+    ("megatron.override_transformer_config.recompute_granularity", "model.enable_gradient_checkpointing",
+     _checkpointing({"full", "selective"}, set()), "full/selective: model.enable_gradient_checkpointing=true"),
+    ("torchtitan.activation_checkpoint", "model.enable_gradient_checkpointing",
+     _checkpointing({"full", "selective"}, {"none"}), "full: gradient checkpointing on; none: off"),
+    ("*.dtype", "fsdp.mixed_precision.param_dtype", DTYPES.get, "fsdp_config.mixed_precision.param_dtype"),
+    ("veomni.mixed_precision", "fsdp.mixed_precision.param_dtype", lambda v: None if v else "fp32",
+     "false: fsdp_config.mixed_precision.param_dtype=fp32"),
+    ("optim.lr_decay_style", "optim.lr_scheduler_type", lambda v: v if v in ("constant", "cosine") else None,
+     "constant/cosine: optim.lr_scheduler_type"),
+)
+BACKEND_PREFIXES = ("megatron.", "veomni.", "torchtitan.", "fsdp_config.", "fsdp.", "optim.")
+LORA = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout", "adapter_path": "lora_adapter_path"}
+CRITIC_LORA = ("rank", "alpha")                       # the critic's model group has no lora_dropout/adapter path
+
+
+def _role(key: str) -> tuple[str, str] | None:
+    """(role prefix, the rest) for a key below actor/ref/critic."""
+    for role in ROLE:
+        if key.startswith(role + "."):
+            return role, key[len(role) + 1:]
+    return None
+
+
+def rule_for(key: str) -> tuple[str, str] | None:
+    """(lathe key, what it becomes) for a verl key that translates, else None."""
+    for model, leaves in (("actor_rollout_ref.model", tuple(LORA)), ("critic.model", CRITIC_LORA)):
+        leaf = key[len(model) + len(".lora."):] if key.startswith(model + ".lora.") else ""
+        if leaf in leaves:
+            return f"{model}.{LORA[leaf]}", f"{model}.{LORA[leaf]}"
+    found = _role(key)
+    if found is None:
+        return None
+    role, rest = found
+    groups = dict(zip(("fsdp", "model", "optim"), ROLE[role]))
+    if not rest.startswith(BACKEND_PREFIXES):
+        return None
+    for pattern, target, _, doc in RULES:
+        if fnmatchcase(rest, pattern) and not (rest.startswith(("fsdp_config.", "fsdp.")) and "offload" in target):
+            group, _, leaf = target.partition(".")
+            return (f"{groups[group]}.{leaf}", doc) if groups[group] else None
+    return None
+
+
+def translate(key: str, value: Any) -> list[tuple[str, Any]]:
+    """The lathe (key, value) pairs a verl key's value sets; [] when it sets none (or is verl's default)."""
+    found = rule_for(key)
+    if found is None or value == verl_default(key):
+        return []
+    target, _ = found
+    if ".lora." in key:
+        return [(target, value)]
+    rest = _role(key)[1]
+    mapped = next(m for pattern, _, m, _ in RULES if fnmatchcase(rest, pattern))(value)
+    return [] if mapped is None else [(target, mapped)]

@@ -11,7 +11,9 @@ import re
 
 import pytest
 
-from config.verl_corpus import names, problems, refused_features
+from pathlib import Path
+
+from config.verl_corpus import names, problems, refused_features, table
 
 # Known problems that are not a named refusal, with why they stay.
 KNOWN_OTHERS = {
@@ -23,8 +25,6 @@ KNOWN_OTHERS = {
         "Hydra config-group selection that brings them)",
     r"^unknown key actor_rollout_ref\.actor\.model_engine$": "not a key of verl's schema either: Hydra refuses it "
         "without a leading +",
-    r"^unknown key algorithm\.gdpo_reward_keys$": "GDPO (another branch adds the algorithm)",
-    r"^that reward manager \(": "GDPO's reward manager (another branch adds the algorithm)",
     r"^trainer\.device=npu is not one of": "Ascend NPUs: lathe runs on CUDA and CPU",
     r"^global_profiler\.tool=(npu|torch_memory)": "profilers lathe does not have (refused with their own text)",
     r"^global_profiler\.tool=torch profiles the trainer process": "lathe's torch profiler covers one process",
@@ -49,3 +49,8 @@ def test_script_loads_or_stops_on_named_features(script):
 
 def test_the_corpus_is_there():
     assert len(names()) == 92
+
+
+def test_the_readme_says_what_stops_each_script():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert table() in readme, "README's 'Moving from verl' table is stale: PYTHONPATH=src python tests/config/verl_corpus.py"

@@ -30,7 +30,7 @@ def migrate(path: str, *, env: dict[str, str] | None = None, out: TextIO = sys.s
     script = read_script(text, environment)
     flags = [a for a in script.args if a.startswith("--")]
     overrides = [a for a in script.args if not a.startswith("--") and a]
-    result = explain(overrides)
+    result = explain([_placeholders(a, script.unresolved) for a in overrides])   # ${NAME}: no config reference
 
     width = min(max((len(r.key) for r in result.rows), default=10), 72)
     print(f"{path}: {script.module} (line {script.line}), {len(result.rows)} keys", file=out)
@@ -70,9 +70,18 @@ def migrate(path: str, *, env: dict[str, str] | None = None, out: TextIO = sys.s
     return 0
 
 
+def _placeholders(text: str, names: list[str]) -> str:
+    for name in names:
+        text = text.replace("${" + name + "}", f"<{name}>")
+    return text
+
+
 def _quote(text: str) -> str:
-    """Shell-quoted; in double quotes when the value holds an unrun $(command) or an unset ${NAME}, so the user's
-    shell fills it in as the script's would have."""
-    if ("$(" in text or "${" in text) and not any(c in text for c in '"`\\'):
+    """Shell-quoted for the printed command: in double quotes when the value holds an unrun $(command) or an
+    unset ${NAME} (so the user's shell fills it in as the script's would have) or single quotes (a list of
+    files); else as `shlex.quote` does."""
+    if any(c in text for c in '"`\\') or not any(c in text for c in " '$*?[]{}()<>|&;"):
+        return shlex.quote(text)
+    if "$" not in text or "$(" in text or "${" in text:
         return f'"{text}"'
     return shlex.quote(text)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError, ProblemList
 from .loader import load_config, _apply_source
+from .plan import trainer_devices
 from .schema import LatheConfig
 from .coerce import show
 from .support import _defaults, registry
@@ -47,7 +48,8 @@ class Explanation:
 
 
 def explain(overrides: Sequence[str], source: str = "base") -> Explanation:
-    """Classify each override against ``source`` (a preset or YAML file), then try the whole config."""
+    """Classify each override against ``source`` (a preset or YAML file), then try the whole config (for the
+    devices it names: the machine this runs on is not checked)."""
     rows: list[Row] = []
     cfg = LatheConfig()
     _apply_source(cfg, source, chain=[])
@@ -77,7 +79,7 @@ def explain(overrides: Sequence[str], source: str = "base") -> Explanation:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                load_config(source, list(overrides))
+                load_config(source, list(overrides), device_count=trainer_devices(cfg))   # not this machine's
         except ConfigError as err:
             problems = [line.strip() for line in str(err).splitlines() if line.strip()]
             if len(problems) > 1 and problems[0].endswith("problems:"):

@@ -1,0 +1,74 @@
+"""`lathe migrate` on three launch scripts in verl's style (tests/cli/scripts/): the verdict of each key, the notes,
+the lathe command it prints, and its exit status."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from lathe.cli.migrate import migrate
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def run(name: str, **env: str) -> tuple[int, dict[str, str], str]:
+    out = io.StringIO()
+    code = migrate(str(SCRIPTS / name), env={"HOME": "/home/u", **env}, out=out)
+    text = out.getvalue()
+    rows = {}
+    for line in text.split("\n\n")[0].splitlines()[1:]:
+        key, _, rest = line.strip().partition(" ")
+        rows[key] = rest.strip()
+    return code, rows, text
+
+
+def command(text: str) -> list[str]:
+    block = text.split("The lathe command", 1)[1].split("\n\n")[0].splitlines()[1:]
+    return [line.strip().rstrip("\\").strip() for line in block]
+
+
+def test_an_fsdp_grpo_script_moves_over_as_it_is():
+    code, rows, text = run("grpo_fsdp.sh")
+    assert code == 0, text
+    assert rows["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"].split() == ["6144", "acts"]
+    assert rows["actor_rollout_ref.actor.fsdp_config.param_offload"].split() == ["False", "acts"]   # case gpu)
+    assert "acts as: `actor_rollout_ref.actor.ulysses_sequence_parallel_size`" in \
+        rows["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"]
+    assert "no effect" in rows["actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache"]
+    assert "$(date +%Y%m%d) is not run here" in text
+    lines = command(text)
+    assert lines[0] == "lathe train base" and len(lines) == 1 + 19
+    assert "\"data.train_files=['/home/u/data/gsm8k/train.parquet']\"" in lines
+    assert '"trainer.experiment_name=qwen3_8b_$(date +%Y%m%d)"' in lines          # the user's shell runs it
+    assert not any("engine_kwargs" in line for line in lines)
+    assert run("grpo_fsdp.sh", DEVICE="npu")[1]["actor_rollout_ref.actor.fsdp_config.param_offload"].startswith(
+        "True")
+
+
+def test_a_megatron_script_translates_its_backend_keys_and_is_refused_for_tensor_parallel_generation():
+    code, rows, text = run("ppo_megatron.sh")
+    assert code == 1 and "Not ready: 1 key(s) refused" in text
+    assert "acts as: `actor_rollout_ref.actor.fsdp_config.param_offload`=true" in \
+        rows["actor_rollout_ref.actor.megatron.param_offload"]
+    assert "acts as: `actor_rollout_ref.model.enable_gradient_checkpointing`=true" in \
+        rows["actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity"]
+    assert "runs on lathe's FSDP2 trainer" in rows["actor_rollout_ref.actor.strategy"]
+    refused = rows["actor_rollout_ref.rollout.tensor_model_parallel_size"]
+    assert refused.startswith("2") and "refused" in refused and "issue 43" in refused and "Fix: set it to 1" in refused
+    assert "--config-name=ppo_megatron_trainer.yaml: not needed" in text
+    lines = command(text)
+    assert "actor_rollout_ref.actor.megatron.param_offload=True" in lines
+    assert not any(line.startswith(("actor_rollout_ref.rollout.tensor_model_parallel_size", "2>", "tee"))
+                   for line in lines)
+
+
+def test_a_fully_async_script_and_a_variable_it_never_sets():
+    code, rows, text = run("fully_async.sh")
+    assert "fully async: lathe runs its fully-async loop" in text
+    assert "${DATA_DIR} is never set in the script" in text
+    assert code == 0 or "DATA_DIR" not in text.split("the whole config", 1)[-1]
+    assert '"data.train_files=${DATA_DIR}/train.parquet"' in command(text)
+    code, rows, text = run("fully_async.sh", DATA_DIR="/data", NGPUS_TRAIN="2")
+    assert code == 0, text
+    assert rows["trainer.n_gpus_per_node"].split() == ["2", "acts"]
+    assert all(v.split()[-1] == "acts" for v in rows.values()), rows

@@ -17,11 +17,12 @@ def scores_of(run_dir) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,steps", [
-    (["algorithm.adv_estimator=gae", "critic.optim.lr=5e-4"], 50),     # 0.40 -> 0.62 at 60 steps (0.69 at 100)
-    (["dapo"], 85),                                                    # 0.43 -> 0.68 at 100 steps (0.59 at 60)
+@pytest.mark.parametrize("args,steps,rise", [
+    (["algorithm.adv_estimator=gae", "critic.optim.lr=5e-4"], 30, 0.06),   # 10-step means 0.41 -> 0.51 (2026-11-29)
+    (["dapo"], 40, 0.05),                                                  # 0.45 -> 0.53
 ], ids=["gae-critic", "dapo"])
-def test_reward_rises(tmp_path, args, steps):
+def test_reward_rises(tmp_path, args, steps, rise):
+    """A 10-step mean of 256 samples a step varies by ~0.01, so a rise of 0.05 is the algorithm learning."""
     source, overrides = (args[:1], args[1:]) if "=" not in args[0] else ([], args)
     assert main(["train", *source, *warm_started(), *overrides, f"trainer.total_training_steps={steps}",
                  "trainer.test_freq=-1",
@@ -29,7 +30,7 @@ def test_reward_rises(tmp_path, args, steps):
                  f"trainer.default_local_dir={tmp_path}"]) == 0
     scores = scores_of(tmp_path)
     first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
-    assert last >= first + 0.15, f"reward went from {first:.2f} to {last:.2f} in {steps} steps"
+    assert last >= first + rise, f"reward went from {first:.2f} to {last:.2f} in {steps} steps"
 
 
 @pytest.mark.slow

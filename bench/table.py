@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -162,12 +164,20 @@ def ckpt_save(path: Path):
     return ("ckpt_save", doc["device"], 1, doc["model"], ""), (when(doc), doc, doc["what"], path.name)
 
 
+@functools.lru_cache(maxsize=None)
+def _committed(name: str) -> int:
+    """When results file `name` was first committed (unix seconds; later than any commit when not committed yet)."""
+    out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%ct", "--", f"bench/results/{name}"],
+                         cwd=RESULTS.parents[1], capture_output=True, text=True, check=False).stdout.split()
+    return int(out[-1]) if out else 2**62
+
+
 def records(results: Path = RESULTS) -> dict:
     """{(bench, device, gpus, shape, load): (when, doc, text, file)}, the latest of each."""
     best: dict = {}
 
-    def offer(key, value):
-        if key not in best or value[0] > best[key][0]:
+    def offer(key, value):      # the later date; on the same day, the file committed later
+        if key not in best or (value[0], _committed(value[3])) > (best[key][0], _committed(best[key][3])):
             best[key] = value
     for path in sorted(results.glob("*.json")):
         if "_ab_" in path.name or path.name.endswith("_ab.json"):

@@ -15,6 +15,7 @@ from .errors import ConfigError, ProblemList
 from .loader import load_config, _apply_source
 from .plan import trainer_devices
 from .schema import LatheConfig
+from .backends import BACKENDS, R
 from .coerce import show
 from .support import _defaults, registry
 from .support_base import Entry
@@ -66,6 +67,9 @@ def explain(overrides: Sequence[str], source: str = "base") -> Explanation:
         rewrite_aliases([item], ProblemList())
         if item.path != spelled:
             row.verdict, row.why = RENAMED, f"`{item.path}`"
+        elif item.path == f"{R}.name" and item.value in BACKENDS:
+            row.verdict, row.why = RENAMED, (f"lathe's engine in {item.value}'s place (its engine keys and "
+                                             f"engine_kwargs.{item.value}.* act where lathe's engine has them)")
         try:
             assign(cfg, item)
         except ConfigError as err:

@@ -171,7 +171,7 @@ def what(shape: str, res: dict) -> str:
         return text + "; no speed-of-light figure on this device"
     parts = ", ".join(f"{p} {r['fraction']:.1%}" for p, r in sol.items() if p not in ("step", "rates")
                       and r.get("fraction") is not None)
-    return (text + f", {sol['step']['fraction']:.1%} of its speed of light ({sol['step']['light_s']:.2f} s; "
+    return (text + f", at {sol['step']['fraction']:.1%} of its speed of light (light {sol['step']['light_s']:.2f} s; "
             f"{parts})")
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from roofline import kv_bytes_per_token  # noqa: F401  (bench/ is on the path: `common` was found there)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
@@ -68,11 +69,6 @@ def datasheet_peak(name: str) -> float | None:
 
 def hbm_bandwidth(name: str) -> float | None:
     return next((tb * 1e12 for key, tb in HBM_TBPS if key in name), None)
-
-
-def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
-    hd = shape["hidden_size"] // shape["num_attention_heads"]
-    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype_bytes
 
 
 def weight_bytes(model) -> int:

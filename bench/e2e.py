@@ -21,6 +21,13 @@ the reference model on).
 Reported per model and system: median seconds per step over the steps after `--warmup` (compilation and
 allocator warm-up excluded), per-phase seconds, tokens/s, the update phase's MFU (model FLOPs: 6 x linear
 params + causal attention per token, over the datasheet bf16 peak), peak GPU memory, and lathe/TRL speed-up.
+
+Speed of light (lathe, `lathe.speed_of_light`): per phase (gen = prefill + decode, old_log_prob, ref, update_actor,
+update_weights, those the run reports) `{"measured_s", "light_s", "fraction"}`, light_s being the least time the
+hardware needs (bench/roofline.py: FLOPs over the measured matmul rate, decode bytes over the HBM bandwidth), and
+`step`: the phases' light summed over the measured step. Decode assumes the batch (prompts x n, up to the engine's
+`max_num_seqs`) decodes together with KV room for all of it. light_s and fraction are null on a device without rates
+(CPU). Each model's `what` states the step's fraction.
 Writes JSON after every run, so a timeout keeps what finished.
 """
 
@@ -41,6 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import (REWARD_FILE, SHAPES, datasheet_peak, device_name, git_sha, lathe_row, run_child, slug,  # noqa: E402
                     train_flops, write_data, write_model, write_tokenizer)
+from roofline import step_light  # noqa: E402
 
 # Per shape: lathe's micro-batch (sequences per forward/backward), gradient checkpointing, KL/ref, offload.
 LATHE_SETTINGS = {
@@ -117,6 +125,8 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
                         **(lathe_row(steps, args.warmup, flops, peak and peak * args.gpus, args.profile_step) if steps else {})}
         if args.profile_step and summary.exists():
             res["lathe"]["profile"] = json.loads(summary.read_text())
+        if steps:
+            res["lathe"]["speed_of_light"] = speed_of_light(shape, res["lathe"], args)
     if "trl" in args.systems and shape not in args.trl_skip:
         out = paths["run"] / "trl.json"
         out.unlink(missing_ok=True)
@@ -135,18 +145,47 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
     lathe_s, trl_s = res.get("lathe", {}).get("step_s"), res.get("trl", {}).get("step_s")
     if lathe_s and trl_s:
         res["speedup_vs_trl"] = trl_s / lathe_s
+    res["what"] = what(shape, res)
     return res
 
 
+def speed_of_light(shape: str, row: dict, args) -> dict:
+    """bench/roofline.py's bound per phase beside the phases measured in `row` (a `lathe_row`)."""
+    from lathe.config.schema_rollout import RolloutConfig
+    key = "actor_rollout_ref.rollout.max_num_seqs="
+    max_seqs = next((int(e[len(key):]) for e in args.extra if e.startswith(key)), RolloutConfig().max_num_seqs)
+    return step_light(SHAPES[shape], device_name(torch.device(args.device)), prompts=args.prompts, n=args.n,
+                      prompt_len=args.prompt_len, response_len=args.response_len, measured=row.get("phases_s", {}),
+                      step_s=row.get("step_s"), checkpointing=LATHE_SETTINGS[shape]["checkpointing"], gpus=args.gpus,
+                      max_num_seqs=max_seqs)
+
+
+def what(shape: str, res: dict) -> str:
+    """One sentence: lathe's step time and its fraction of the speed of light, per phase."""
+    la = res.get("lathe", {})
+    if not la.get("step_s"):
+        return f"{shape}: no lathe step timed"
+    sol = la.get("speed_of_light", {})
+    text = f"{shape}: `lathe train` GRPO {la['step_s']:.2f} s/step"
+    if sol.get("step", {}).get("fraction") is None:
+        return text + "; no speed-of-light figure on this device"
+    parts = ", ".join(f"{p} {r['fraction']:.1%}" for p, r in sol.items() if p not in ("step", "rates")
+                      and r.get("fraction") is not None)
+    return (text + f", at {sol['step']['fraction']:.1%} of its speed of light (light {sol['step']['light_s']:.2f} s; "
+            f"{parts})")
+
+
 def print_table(results: dict) -> None:
+    """SoL: the step's speed of light over its measured time."""
     print(f"\n{'model':<6} {'lathe s/step':>12} {'gen':>6} {'old_lp':>7} {'ref':>6} {'update':>7} {'MFU upd':>8} "
-          f"{'tok/s':>9} {'peak GiB':>9} {'TRL s/step':>11} {'speed-up':>9}")
+          f"{'SoL':>6} {'tok/s':>9} {'peak GiB':>9} {'TRL s/step':>11} {'speed-up':>9}")
     for shape, r in results["models"].items():
         la, tr = r.get("lathe", {}), r.get("trl", {})
         ph = la.get("phases_s", {})
         f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"   # noqa: E731
         print(f"{shape:<6} {f(la.get('step_s'), '12.2f')} {f(ph.get('gen'), '6.2f')} {f(ph.get('old_log_prob'), '7.2f')} "
               f"{f(ph.get('ref'), '6.2f')} {f(ph.get('update_actor'), '7.2f')} {f(la.get('update_mfu'), '8.1%')} "
+              f"{f(la.get('speed_of_light', {}).get('step', {}).get('fraction'), '6.1%')} "
               f"{f(la.get('tokens_per_s'), '9.0f')} {f(la.get('max_memory_allocated_gb'), '9.1f')} "
               f"{f(tr.get('step_s'), '11.2f')} {f(r.get('speedup_vs_trl'), '8.2f')}x")
 

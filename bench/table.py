@@ -84,6 +84,9 @@ def e2e_rows(doc: dict):
         text = f"`lathe train` GRPO {la['step_s']:.2f} s/step (rollout {ph.get('gen', 0):.2f} s, update " \
                f"{ph.get('update_actor', 0):.2f} s"
         text += f", update MFU {la['update_mfu']:.1%})" if la.get("update_mfu") else ")"
+        sol = (la.get("speed_of_light") or {}).get("step", {}).get("fraction")
+        if sol is not None:     # results written before bench/roofline.py have none
+            text += f", at {sol:.1%} of speed of light"
         if trl.get("step_s") and m.get("speedup_vs_trl"):
             text += f"; TRL {trl['step_s']:.2f} s/step in the same call, {m['speedup_vs_trl']:.2f}×"
         yield (shape, la.get("gpus", w.get("gpus", 1)), "", text)

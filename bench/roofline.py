@@ -1,0 +1,170 @@
+"""Speed of light of a GRPO step: the least time the hardware needs for each phase, from the model's shape alone.
+
+Each phase's bound is its FLOPs over the device's matmul rate, its bytes over the HBM bandwidth, or (decode) the larger
+of the two per step. Assumptions, all of which make the bound lower, never higher, than what the work needs:
+- bf16 weights and KV cache (2 bytes); every matmul at the measured dense bf16 rate, attention included;
+- FLOPs count the linear layers (q/k/v/o, gate/up/down, lm_head) and causal attention (QK^T and PV); norms, rotary
+  embedding, biases, softmax and the sampler count nothing; the embedding is a lookup (one row per token);
+- the lm_head runs only where logits are needed: the last prompt token in the prefill, the response tokens in the
+  log-prob passes and the update;
+- each distinct prompt is prefilled once (its `n` samples share it);
+- the optimizer step, host work and the reward are left out.
+
+Shapes are `bench/common.py`'s SHAPES dicts (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+num_key_value_heads, vocab_size, tie_word_embeddings; head_dim = hidden / heads unless given). Self-contained, so a
+test can load it by path.
+"""
+
+from __future__ import annotations
+
+import math
+
+# (name contains, matmul FLOP/s, HBM bytes/s), first match wins; a device not listed (CPU too) gets no figure.
+# matmul: a bf16 8192^3 torch.matmul measured at about 790 TFLOP/s on H100 80GB HBM3 and on H200
+# (../shared/device/README.md, 2026-11-20). HBM: datasheet, 3.35 TB/s H100 SXM, 4.8 TB/s H200.
+DEVICE_RATES = [("H100 PCIe", None, None),   # not measured: no figure rather than a guess
+                ("H100", 790e12, 3.35e12),
+                ("H200", 790e12, 4.8e12)]
+RATES_SOURCE = ("matmul 790 TFLOP/s: bf16 8192^3 torch.matmul measured on H100 and H200 (shared/device/README.md); "
+                "HBM: datasheet (H100 3.35 TB/s, H200 4.8 TB/s)")
+BYTES = 2   # bf16
+PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")   # timing_s/* names with a bound
+
+
+def device_rates(name: str) -> tuple[float | None, float | None]:
+    """(matmul FLOP/s, HBM bytes/s) of the device called `name`, or (None, None)."""
+    return next(((f, b) for key, f, b in DEVICE_RATES if key in name), (None, None))
+
+
+def _dims(shape: dict) -> tuple[int, int, int, int, int, int, int]:
+    """(hidden, intermediate, layers, q width, kv width, vocab, head_dim)."""
+    h, heads = shape["hidden_size"], shape["num_attention_heads"]
+    hd = shape.get("head_dim") or h // heads
+    return (h, shape["intermediate_size"], shape["num_hidden_layers"], heads * hd,
+            shape["num_key_value_heads"] * hd, shape["vocab_size"], hd)
+
+
+def layer_matmul_params(shape: dict) -> int:
+    """Weights of the decoder layers' matrices: L x (h*q + 2*h*kv + q*h + 3*h*i)."""
+    h, i, n_layers, q, kv, _, _ = _dims(shape)
+    return n_layers * (h * q + 2 * h * kv + q * h + 3 * h * i)
+
+
+def param_count(shape: dict) -> int:
+    """All parameters: layer matrices, q/k/v biases (Qwen2), two norms per layer, the final norm, the embedding,
+    and the lm_head unless tied."""
+    h, _, n_layers, q, kv, v, _ = _dims(shape)
+    small = n_layers * (q + 2 * kv + 2 * h) + h
+    return layer_matmul_params(shape) + small + v * h * (1 if shape["tie_word_embeddings"] else 2)
+
+
+def decode_weight_bytes(shape: dict) -> int:
+    """Weight bytes one decode step reads: every parameter but the embedding table (looked up one row per token);
+    the lm_head is read whole, tied or not."""
+    h, v = shape["hidden_size"], shape["vocab_size"]
+    untied_embedding = 0 if shape["tie_word_embeddings"] else v * h
+    return BYTES * (param_count(shape) - untied_embedding)
+
+
+def kv_bytes_per_token(shape: dict) -> int:
+    """K and V of one token in all layers: 2 x L x kv heads x head_dim x 2 bytes."""
+    _, _, n_layers, _, kv, _, _ = _dims(shape)
+    return 2 * n_layers * kv * BYTES
+
+
+def attention_flops(shape: dict, length: int) -> int:
+    """Causal self-attention of one sequence of `length` tokens: QK^T and PV over the lower triangle,
+    2 x 2 x L x q width x length(length+1)/2."""
+    _, _, n_layers, q, _, _, _ = _dims(shape)
+    return 2 * n_layers * q * length * (length + 1)
+
+
+def forward_flops(shape: dict, lengths: list[int], logit_rows: int) -> int:
+    """One forward over sequences of `lengths`: 2 x layer matrix params per token, the lm_head (2 x V x h) on
+    `logit_rows` rows, plus causal attention."""
+    h, v = shape["hidden_size"], shape["vocab_size"]
+    return (2 * layer_matmul_params(shape) * sum(lengths) + 2 * v * h * logit_rows
+            + sum(attention_flops(shape, s) for s in lengths))
+
+
+def prefill_seconds(shape: dict, prompts: int, prompt_len: int, flops_per_s: float) -> float:
+    """Each distinct prompt once, logits on its last token: forward FLOPs over the matmul rate."""
+    return forward_flops(shape, [prompt_len] * prompts, prompts) / flops_per_s
+
+
+def decode_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, bytes_per_s: float,
+                   flops_per_s: float | None = None, max_num_seqs: int | None = None) -> float:
+    """The decode steps after the prefill (which gives each sequence its first token): `response_len - 1` steps,
+    step k (1..R-1) with context P + k per sequence. A step takes the longer of
+      bytes: decode_weight_bytes + running sequences x context x kv_bytes_per_token, over the bandwidth, and
+      FLOPs: running sequences x (2 x (layer matrix params + V x h) + 4 x L x q width x context), over the rate.
+    All sequences decode together (fixed lengths, ignore_eos); with `max_num_seqs` below `seqs` they run in
+    waves of at most `max_num_seqs`, one after another."""
+    h, _, n_layers, q, _, v, _ = _dims(shape)
+    cap = max_num_seqs or seqs
+    waves = [min(cap, seqs - start) for start in range(0, seqs, cap)]
+    wbytes, kvt, lin = decode_weight_bytes(shape), kv_bytes_per_token(shape), 2 * (layer_matmul_params(shape) + v * h)
+    total = 0.0
+    for batch in waves:
+        for k in range(1, response_len):
+            ctx = prompt_len + k
+            seconds = (wbytes + batch * ctx * kvt) / bytes_per_s
+            if flops_per_s:
+                seconds = max(seconds, batch * (lin + 4 * n_layers * q * ctx) / flops_per_s)
+            total += seconds
+    return total
+
+
+def log_prob_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, flops_per_s: float) -> float:
+    """A log-prob pass (old or reference): one forward over the whole sequences, logits on the response tokens."""
+    return forward_flops(shape, [prompt_len + response_len] * seqs, seqs * response_len) / flops_per_s
+
+
+def update_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, flops_per_s: float,
+                   checkpointing: bool = False) -> float:
+    """Forward + backward = 3 x the log-prob pass's forward FLOPs, plus with gradient checkpointing the decoder
+    layers' forward once more (lm_head not recomputed)."""
+    lengths = [prompt_len + response_len] * seqs
+    flops = 3 * forward_flops(shape, lengths, seqs * response_len)
+    if checkpointing:
+        flops += forward_flops(shape, lengths, 0)
+    return flops / flops_per_s
+
+
+def sync_seconds(shape: dict, bytes_per_s: float) -> float:
+    """Weight sync into the rollout engine on the same device: every bf16 parameter read once and written once."""
+    return 2 * BYTES * param_count(shape) / bytes_per_s
+
+
+def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: int, response_len: int,
+               measured: dict, step_s: float | None, checkpointing: bool, gpus: int = 1,
+               max_num_seqs: int | None = None) -> dict:
+    """Per phase `{"measured_s", "light_s", "fraction"}` (light / measured) for the phases in `measured` (the
+    run's `timing_s/*` medians: gen, old_log_prob, ref, update_actor, update_weights) and a `step` total: the
+    phases' light summed over the whole measured step. light_s is None on a device without rates (CPU).
+    With `gpus` > 1: the FLOPs spread over all of them, the rollout as data-parallel replicas of one GPU each
+    (the sequences split evenly), the sync a full copy on each GPU at once."""
+    flops, bw = device_rates(device)
+    seqs = prompts * n
+    light: dict = {}
+    if flops and bw:
+        pre = prefill_seconds(shape, prompts, prompt_len, gpus * flops)
+        dec = decode_seconds(shape, math.ceil(seqs / gpus), prompt_len, response_len, bw, flops, max_num_seqs)
+        light = {"gen": pre + dec,
+                 "old_log_prob": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
+                 "ref": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
+                 "update_actor": update_seconds(shape, seqs, prompt_len, response_len, gpus * flops, checkpointing),
+                 "update_weights": sync_seconds(shape, bw)}
+    out = {phase: _row(measured[phase], light.get(phase)) for phase in PHASES if measured.get(phase) is not None}
+    if "gen" in out and light:
+        out["gen"].update(prefill_light_s=pre, decode_light_s=dec)
+    total = sum(r["light_s"] for r in out.values()) if light else None
+    out["step"] = _row(step_s, total)
+    out["rates"] = {"matmul_flops_per_s": flops, "hbm_bytes_per_s": bw, "gpus": gpus,
+                    "source": RATES_SOURCE if light else "no rates for this device"}
+    return out
+
+
+def _row(measured: float | None, light: float | None) -> dict:
+    return {"measured_s": measured, "light_s": light,
+            "fraction": light / measured if light is not None and measured else None}

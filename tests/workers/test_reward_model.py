@@ -108,3 +108,10 @@ def test_keys_are_checked_before_loading(tmp_path):
     from lathe.loop.preflight import preflight
     with pytest.raises(ValueError, match="reward_model.model.path"):
         preflight(cfg)                                       # no config.json there: fails before torch loads it
+
+
+def test_image_prompts_are_refused_naming_the_key(models):
+    batch, _, _ = scored_batch(builtin_tokenizer())
+    batch["multi_modal_inputs"] = [None, {"pixel_values": torch.zeros(1, 4)}, None]
+    with pytest.raises(NotImplementedError, match="reward_model.enable=true with image prompts"):
+        worker(models[0]).compute_rm_score(batch)

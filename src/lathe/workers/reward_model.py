@@ -84,6 +84,9 @@ class RewardModelWorker:
     # -- inputs ----------------------------------------------------------------------------------------
     def rm_inputs(self, batch: Batch) -> list[list[int]]:
         """Each row's reward-model token ids (see the module docstring), cut to `max_length`."""
+        if "multi_modal_inputs" in batch and any(x is not None for x in batch["multi_modal_inputs"]):
+            raise NotImplementedError(f"{RM}.enable=true with image prompts: lathe's reward model scores text only. "
+                                      f"Fix: train on text prompts, or set {RM}.enable=false")
         ids = self._rendered(batch) if self.switch_template else self._as_is(batch)
         return [row[:self.max_length] for row in ids]
 

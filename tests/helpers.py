@@ -148,3 +148,28 @@ def plan_of(cfg, device_count: int | None = None, **changes):
 
     from lathe.config import run_plan
     return replace(run_plan(cfg, device_count), **changes)
+
+
+def tiny_reward_model(path, *, chat_template: str | None = None, seed: int = 0) -> str:
+    """A tiny random `LlamaForSequenceClassification` (one label) with the built-in tokenizer saved in `path`
+    (`chat_template` replaces the tokenizer's: a reward model that renders conversations its own way)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from lathe.data.builtin import builtin_tokenizer
+    tok = builtin_tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
+                         pad_token_id=tok.pad_token_id)
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)           # scores of order 1 (the default init gives ~0.02)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+RM_TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+               "{% if add_generation_prompt %}ASSISTANT: {% endif %}")     # a reward model's own chat rendering

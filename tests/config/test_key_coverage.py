@@ -37,6 +37,8 @@ READ_IN_CONFIG = {
 REGISTERED_READ_IN_CONFIG = {
     "async_training.require_batches": "fill.py/plan.py: a fully-async step is require_batches x ppo_mini_batch_size "
                                       "prompts (RunPlan.actor.prompts_per_step)",
+    "reward_model.micro_batch_size": "fill.py: converted to reward_model.micro_batch_size_per_gpu (no effect without "
+                                     "reward_model.enable)",
 }
 
 # Keys read through a name the scan cannot follow; each is checked against the mechanism below.

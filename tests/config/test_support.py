@@ -22,7 +22,7 @@ def refused(*overrides: str) -> str:
 
 @pytest.mark.parametrize(("override", "fix"), [
     ("critic.model.lora_rank=32", "set it to 0"),
-    ("reward_model.enable=true", "reward.custom_reward_function.path"),
+    ("reward_model.ulysses_sequence_parallel_size=2", "set it to 1"),
     ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "set it to 1"),
     ("reward_model.reward_manager=batch", "naive"),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "set it to 1"),
@@ -39,7 +39,7 @@ def test_unimplemented_value_fails_naming_key_value_and_fix(override, fix):
 
 
 def test_all_refusals_are_reported_together_with_batch_problems():
-    text = refused("critic.model.lora_rank=8", "reward_model.enable=true", "data.train_batch_size=64",
+    text = refused("critic.model.lora_rank=8", "reward_model.enable_resource_pool=true", "data.train_batch_size=64",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=48")
     assert "3 config problems" in text and "lora_rank" in text and "ppo_mini_batch_size=48" in text
 

@@ -30,6 +30,7 @@ class Cluster:
     critic: object | None          # CriticGroup
     started_ray: bool
     args: tuple = ()               # what start_cluster was given (to start the same workers again)
+    reward_model: object | None = None   # RewardModelGroup (reward_model.enable)
 
     def close(self) -> None:
         self.group.shutdown()
@@ -83,20 +84,24 @@ def start_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwar
                   device_type: str) -> Cluster:
     """One worker group over the trainer's devices (`plan.devices`): the actor/rollout/reference worker (and the
     critic) colocated on every rank."""
-    from lathe.cluster.roles import ACTOR, CRITIC, ActorRolloutRefGroup, CriticGroup
-    from lathe.workers.build import build_actor_rollout_ref, build_critic
+    from lathe.cluster.roles import ACTOR, CRITIC, REWARD_MODEL, ActorRolloutRefGroup, CriticGroup, RewardModelGroup
+    from lathe.workers.build import build_actor_rollout_ref, build_critic, build_reward_model
 
     def build(group) -> None:
         group.build(ACTOR, build_actor_rollout_ref, cfg, plan, model_path, load_kwargs, tokenizer,
                     total_steps=total_steps, device_type=device_type)
         if plan.critic is not None:
             group.build(CRITIC, build_critic, cfg, plan, tokenizer, total_steps=total_steps, device_type=device_type)
+        if cfg.reward_model.enable:             # colocated: every rank scores its share of a step's responses
+            group.build(REWARD_MODEL, build_reward_model, cfg, plan, tokenizer, device_type=device_type)
 
     group, started = _group(cfg, device_type, "actor_rollout_ref", cfg.actor_rollout_ref.nccl_timeout, build)
     actor, critic = _driver_groups(cfg, plan, group, tokenizer, ActorRolloutRefGroup, CriticGroup)
+    reward_model = RewardModelGroup(group, balance=cfg.trainer.balance_batch) if cfg.reward_model.enable else None
     return Cluster(group, actor, critic, started,
                    args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
-                                         total_steps=total_steps, device_type=device_type)))
+                                         total_steps=total_steps, device_type=device_type)),
+                   reward_model=reward_model)
 
 
 def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls, critic_cls, **actor_kwargs):

@@ -15,7 +15,7 @@ from lathe.cluster.dispatch import contiguous_shares, even_shares, in_order, upd
 from lathe.generation import SamplingParams
 from lathe.rollout.base import concat_rollouts
 
-ACTOR, CRITIC, SFT = "actor_rollout_ref", "critic", "sft"
+ACTOR, CRITIC, SFT, REWARD_MODEL = "actor_rollout_ref", "critic", "sft", "reward_model"
 SUMMED = ("rollout/num_preemptions", "rollout/graph_captures")
 
 
@@ -107,6 +107,18 @@ class CriticGroup:
 
     def load_checkpoint(self, path: Path) -> None:
         self.group.call(CRITIC, "load_checkpoint", Path(path))
+
+
+class RewardModelGroup:
+    """`RewardModelWorker`'s method over the same ranks (colocated with the actor): each rank scores an equal share."""
+
+    def __init__(self, group, *, balance: bool):
+        self.group, self.balance, self.world = group, balance, group.world_size
+
+    def compute_rm_score(self, batch: Batch) -> Batch:
+        shares = even_shares(batch, self.world, balance=self.balance)
+        outs = self.group.call_each(REWARD_MODEL, "compute_rm_score", [((batch.select(s),), {}) for s in shares])
+        return in_order(outs, shares)
 
 
 class SFTGroup:

@@ -24,6 +24,10 @@ def fill_defaults(cfg: LatheConfig, device_count: int, problems: ProblemList) ->
     critic = cfg.critic
     if critic.forward_micro_batch_size_per_gpu is None:
         critic.forward_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu
+    rm, arr = cfg.reward_model, cfg.actor_rollout_ref
+    if rm.enable and rm.micro_batch_size_per_gpu is None:      # the policy's forward-only micro-batch
+        rm.micro_batch_size_per_gpu = (arr.rollout.log_prob_micro_batch_size_per_gpu
+                                       or arr.actor.ppo_micro_batch_size_per_gpu)
 
 
 def _fill_actor(cfg: LatheConfig) -> None:

@@ -80,6 +80,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     _check_ranges(cfg, problems)
     _check_backend_and_run(cfg, problems)
     _check_algorithm_keys(cfg, problems)
+    _check_reward_model(cfg, problems)
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         warnings.warn("actor_rollout_ref.actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: the KL to "
                       "the reference policy is applied twice (as a loss term and as a reward penalty). verl "
@@ -110,6 +111,32 @@ def _check_algorithm_keys(cfg: LatheConfig, problems: ProblemList) -> None:
     if actor.policy_loss.loss_mode == "dro" and (beta is None or beta <= 0):
         problems.add(f"{a}.policy_loss.loss_mode=dro needs {a}.policy_loss.dro_beta > 0 (the weight of its quadratic "
                      f"log-ratio penalty), got {beta}. Fix: set it, e.g. {a}.policy_loss.dro_beta=0.1.")
+
+
+def _check_reward_model(cfg: LatheConfig, problems: ProblemList) -> None:
+    """A learned reward model (`reward_model.enable`) needs its checkpoint and a way to cut its forwards."""
+    rm = cfg.reward_model
+    if not rm.enable:
+        return
+    if not rm.model.path:
+        problems.add("reward_model.enable=true needs reward_model.model.path, which is not set. Fix: set it to a "
+                     "sequence-classification checkpoint (one label), or set reward_model.enable=false.")
+    if rm.max_length is not None and rm.max_length < 1:
+        problems.add(f"reward_model.max_length={rm.max_length} must be >= 1 (or null: the policy's sequence length).")
+    if rm.overlong_buffer.enable:
+        problems.add("reward_model.overlong_buffer.enable=true with reward_model.enable=true: verl's DAPO manager "
+                     "returns the reward model's scores without the overlong penalty. Fix: set one of them to false.")
+    longest = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+    if rm.use_dynamic_bsz:
+        budget = rm.forward_max_token_len_per_gpu
+        if budget is None or budget < longest:
+            problems.add(f"reward_model.forward_max_token_len_per_gpu={budget} must hold the longest reward-model "
+                         f"input, {longest} tokens (reward_model.max_length, else data.max_prompt_length + "
+                         "max_response_length) with reward_model.use_dynamic_bsz. Fix: raise it.")
+    elif rm.micro_batch_size_per_gpu is not None and rm.micro_batch_size_per_gpu < 1:
+        problems.add(f"reward_model.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu}: a reward model scores "
+                     "in micro-batches of this many rows per device. Fix: set it to 1 or more (or null: the "
+                     "policy's log-prob micro-batch).")
 
 
 def _suggest(values: list[int], target: int) -> str:

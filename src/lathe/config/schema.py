@@ -168,8 +168,11 @@ class RewardModelConfig:
     strategy: Strategy = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
     model: RewardModelModelConfig = spec(factory=RewardModelModelConfig, help="Reward model weights.")
     micro_batch_size: int | None = spec(None, "Deprecated (verl) global micro-batch; converted.")
-    micro_batch_size_per_gpu: int | None = spec(None, "Sequences per device per RM forward.")
-    max_length: int | None = spec(None, "Max RM input length.")
+    micro_batch_size_per_gpu: int | None = spec(None, "Sequences per device per RM forward (null = actor_rollout_ref."
+                                                       "rollout.log_prob_micro_batch_size_per_gpu, else the actor's "
+                                                       "micro-batch).")
+    max_length: int | None = spec(None, "Max RM input length in the RM's tokens; longer inputs keep their first "
+                                        "max_length tokens (null = data.max_prompt_length + max_response_length).")
     use_dynamic_bsz: bool | None = spec(None, "null = critic's.")
     forward_max_token_len_per_gpu: int | None = spec(None, "Token budget per RM micro-batch.")
     ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")

@@ -22,7 +22,7 @@ from .schema import LatheConfig
 from .plan import is_async, trainer_devices
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
 from .support_rollout import ROLLOUT_FEATURES
-from .support_verl import (BACKEND, HSDP, REWARD_MODELS, ULYSSES, backend_judge, judge_verl_keys, markdown_lines,
+from .support_verl import (BACKEND, HSDP, ULYSSES, backend_judge, judge_verl_keys, markdown_lines,
                            megatron_role, optimizer_overrides_judge)
 from .tree import get_path
 
@@ -140,8 +140,8 @@ def _multi_turn() -> list[Entry]:
 
 
 def _rewards() -> list[Entry]:
-    out = [refuse(f"{RM}.enable", REWARD_MODELS, "remove it; score with the built-in "
-                  "scorers or reward.custom_reward_function.path"),
+    out = [only_on("a rollout pool", refuse(f"{RM}.enable", "a learned reward model in fully-asynchronous training",
+                                            "remove it, or train synchronously (rollout.n_gpus_per_node=0)")),
            refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo/gdpo: "
                   "per-response scoring in worker processes with timeouts, a dict result's numbers kept)",
                   "set it to naive", one_of("naive", "prime", "dapo", "gdpo")),
@@ -153,19 +153,35 @@ def _rewards() -> list[Entry]:
            warn(f"{RM}.launch_reward_fn_async", "scoring runs in worker processes while the step waits; the "
                                                 "scores are the same"),
            warn(f"{RM}.n_gpus_per_node", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
-           warn(f"{RM}.nnodes", f"it is read only with {RM}.enable_resource_pool (not implemented yet)")]
-    needs = f"it is read only with {RM}.enable=true (learned reward models are not implemented yet)"
-    rm_keys = ["strategy", "micro_batch_size", "micro_batch_size_per_gpu", "max_length", "use_dynamic_bsz",
-               "forward_max_token_len_per_gpu", "ulysses_sequence_parallel_size"]
-    rm_keys += [f"model.{k}" for k in ("path", "input_tokenizer", "external_lib", "trust_remote_code", "use_shm",
-                                       "use_remove_padding", "use_fused_kernels")]
-    rm_keys += [f"model.fsdp_config.{k}" for k in (
-        "param_offload", "optimizer_offload", "offload_policy", "grad_offload", "reshard_after_forward", "fsdp_size",
-        "forward_prefetch", "model_dtype", "use_orig_params", "wrap_policy", "strategy", "use_torch_compile",
-        "mixed_precision.param_dtype", "mixed_precision.reduce_dtype", "mixed_precision.buffer_dtype")]
-    out += [warn(f"{RM}.{k}", needs) for k in rm_keys if k != "forward_max_token_len_per_gpu"]
-    out.append(warn(f"{RM}.forward_max_token_len_per_gpu", needs, same_as(f"{C}.forward_max_token_len_per_gpu",
-                                                                          f"{C}.ppo_max_token_len_per_gpu")))
+           warn(f"{RM}.nnodes", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
+           refuse(f"{RM}.ulysses_sequence_parallel_size", ULYSSES, "set it to 1", at_most(1)),
+           replace(warn(f"{RM}.strategy", BACKEND), judge=backend_judge(f"{RM}.strategy")),
+           refuse(f"{RM}.model.input_tokenizer", "decoding the responses with a tokenizer other than the policy's",
+                  f"remove it: the reward model reads the policy's responses with {M}.tokenizer_path (or {M}.path) "
+                  "and renders them with its own chat template when its tokenizer differs",
+                  lambda v, cfg: v is None or v in (cfg.actor_rollout_ref.model.tokenizer_path,
+                                                    cfg.actor_rollout_ref.model.path)),
+           warn(f"{RM}.model.use_shm", "copying the weights to shared memory only speeds up loading"),
+           warn(f"{RM}.model.use_remove_padding", "lathe's reward model pads each micro-batch (a packed forward is "
+                                                  "not implemented yet); the scores are the same"),
+           warn(f"{RM}.model.use_fused_kernels", "a reward model's forward has no fused kernels in lathe")]
+    # read by the reward model (lathe.workers.reward_model) when it is enabled; no effect otherwise
+    off = f"it is read only with {RM}.enable=true"
+    read = ["micro_batch_size", "micro_batch_size_per_gpu", "max_length", "use_dynamic_bsz", "model.path",
+            "model.external_lib", "model.trust_remote_code", "model.fsdp_config.param_offload"]
+    out += [only_on("no reward model", warn(f"{RM}.{k}", off)) for k in read]
+    out.append(only_on("no reward model", warn(f"{RM}.forward_max_token_len_per_gpu", off, same_as(
+        f"{C}.forward_max_token_len_per_gpu", f"{C}.ppo_max_token_len_per_gpu"))))
+    whole = "the reward model is a whole copy on each device (not sharded by FSDP)"
+    out += [warn(f"{RM}.model.fsdp_config.{k}", whole) for k in (
+        "offload_policy", "reshard_after_forward", "fsdp_size", "forward_prefetch", "use_orig_params", "wrap_policy",
+        "strategy")]
+    out += [warn(f"{RM}.model.fsdp_config.{k}", "a reward model has no optimizer or gradients")
+            for k in ("optimizer_offload", "grad_offload")]
+    dtypes = "lathe's reward model computes in bfloat16 on an accelerator and float32 on the CPU"
+    out += [warn(f"{RM}.model.fsdp_config.{k}", dtypes) for k in (
+        "model_dtype", "mixed_precision.param_dtype", "mixed_precision.reduce_dtype", "mixed_precision.buffer_dtype")]
+    out.append(warn(f"{RM}.model.fsdp_config.use_torch_compile", "lathe's reward model runs eagerly"))
     return out
 
 
@@ -211,7 +227,8 @@ def _data() -> list[Entry]:
     out += [warn("data.use_shm", "copying data to shared memory only speeds up loading"),
             warn("data.dataloader_num_workers", once), warn("data.filter_overlong_prompts_workers", once),
             warn("data.validation_shuffle", "validation covers the whole set; its order does not change the metrics"),
-            warn("data.return_raw_input_ids", "it is read only by learned reward models (not implemented yet)"),
+            inert("data.return_raw_input_ids", "lathe's reward model re-renders each row from its chat messages when "
+                  "its tokenizer differs from the policy's"),
             warn("data.return_full_prompt", "it is read only by reward models and agent loops (not implemented yet)"),
             inert("data.return_raw_chat", "lathe always keeps each row's chat messages")]
     return out

@@ -90,6 +90,7 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "lora_rank=0": lambda cfg: cfg.actor_rollout_ref.model.lora_rank == 0,     # full fine-tuning: no adapters
     "a rollout pool": is_async,                                              # fully asynchronous training
     "single-turn": lambda cfg: not cfg.actor_rollout_ref.rollout.multi_turn.enable,
+    "no reward model": lambda cfg: not cfg.reward_model.enable,             # reward_model.enable=false
 }
 
 

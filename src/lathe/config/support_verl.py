@@ -37,7 +37,6 @@ HSDP = f"hybrid sharding (HSDP: shard groups smaller than all devices; {ISSUE_43
 MTP = f"multi-token prediction (MTP; {ISSUE_44})"
 ROUTER_REPLAY = ROUTING                                  # the rollout's name for the same feature
 MOE_LOSSES = f"MoE router training settings (auxiliary losses, load balancing; {ISSUE_44})"
-REWARD_MODELS = f"learned reward models ({ISSUE_46})"
 DISTILLATION = f"distillation from a teacher model ({ISSUE_46})"
 QAT = f"quantization-aware training (QAT; {ISSUE_48})"
 FP8 = f"FP8 training ({ISSUE_48})"
@@ -248,15 +247,15 @@ def _data() -> list[Entry]:
 
 def _rewards() -> list[Entry]:
     custom = "remove it; score with reward.custom_reward_function.path (lathe's one reward manager calls it)"
-    return [refuse("reward.reward_model.enable", REWARD_MODELS, "remove it; score with the built-in scorers or "
-                   "reward.custom_reward_function.path"),
-            warn("reward.reward_model.*", "it is read only with reward.reward_model.enable=true"),
+    served = ("lathe's reward model is a transformers forward on the trainer's devices, not an inference server "
+              "(reward.reward_model.enable and model_path are reward_model.enable and reward_model.model.path)")
+    return [warn("reward.reward_model.*", served),
             refuse("reward.reward_manager.source", "a reward manager loaded from a module", custom,
                    one_of("register")),
             refuse("reward.reward_manager.module.path", "a custom reward-manager class", custom),
             warn("reward.reward_manager.module.*", "it is read only with reward_manager.source=importlib"),
             refuse("reward_model.reward_loop_*", "a custom reward loop", custom),
-            warn("reward_model.rollout.*", "it is read only with reward_model.enable=true"),
+            warn("reward_model.rollout.*", served),
             refuse("distillation.enabled", DISTILLATION, "set it to false"),
             *(inert(f"distillation.teacher_models.*.inference.{k}", "verl copies the rollout's setting here")
               for k in ("name", "prompt_length", "response_length")),

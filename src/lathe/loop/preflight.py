@@ -22,7 +22,7 @@ from lathe.config import critic_in_use
 from lathe.config.errors import ConfigError, join_problems
 from lathe.data import dataset, sft
 from lathe.data.files import Columns, column_values, data_files, peek
-from lathe.models.paths import check_model, check_tokenizer
+from lathe.models.paths import ModelLoadError, check_model, check_tokenizer, is_builtin
 from lathe.reward import load_reward_fn
 from lathe.reward.registry import scorer_for
 
@@ -62,7 +62,9 @@ def preflight(cfg) -> Checked:
     m, critic = cfg.actor_rollout_ref.model, cfg.critic.model
     _check_paths(problems, [(check_model, "actor_rollout_ref.model.path", m.path),
                             (check_tokenizer, "actor_rollout_ref.model.tokenizer_path", m.tokenizer_path),
-                            (check_model, "critic.model.path", critic.path if critic_in_use(cfg) else None)])
+                            (check_model, "critic.model.path", critic.path if critic_in_use(cfg) else None),
+                            (check_reward_model, "reward_model.model.path",
+                             cfg.reward_model.model.path if cfg.reward_model.enable else None)])
     custom = bool(cfg.reward.custom_reward_function.path)
 
     def check_file(key: str, cols: Columns) -> None:
@@ -78,6 +80,14 @@ def preflight(cfg) -> Checked:
         reward_fn = load_custom_reward(cfg.reward)
     problems.raise_if_any()
     return Checked(reward_fn=reward_fn)
+
+
+def check_reward_model(path: str, key: str) -> None:
+    """A reward model is a sequence-classification checkpoint: a directory with config.json, or a cached hub id."""
+    if is_builtin(path):
+        raise ModelLoadError(f"{key}={path}: a reward model is a sequence-classification checkpoint (a directory or a "
+                             "hub id), not a built-in shape. Fix: point it at such a checkpoint")
+    check_model(path, key)
 
 
 def preflight_sft(cfg) -> None:

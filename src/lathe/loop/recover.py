@@ -36,7 +36,7 @@ def run_with_restarts(t: Trainer, fit_once: Callable[[Trainer, bool], dict]) -> 
             log.warning("workers lost at step %d (%s); restart %d of %d from %s", t.global_step, e, restarts, limit,
                         path)
             t.cluster = t.cluster.restart()
-            t.worker, t.critic = t.cluster.actor, t.cluster.critic
+            t.worker, t.critic, t.reward_model = t.cluster.actor, t.cluster.critic, t.cluster.reward_model
             resume(t, path)
             t.tracker.truncate_after(t.global_step)
 

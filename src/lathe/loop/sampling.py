@@ -32,7 +32,8 @@ def generate_and_score(t: Trainer, prompts: Batch, timer, round_: int = 0) -> tu
         batch = t.worker.generate_sequences(prompts, params)
     with timer("reward"):
         scores, metrics = compute_reward(batch, t.tokenizer, t.reward, overlong=t.cfg.reward_model.overlong_buffer,
-                                         max_response_length=t.cfg.data.max_response_length)
+                                         max_response_length=t.cfg.data.max_response_length,
+                                         rm_scores=rm_scores(t, batch))
         batch.update(scores)
     metrics.update(batch.meta.pop("rollout_metrics", {}))
     if t.cfg.algorithm.adv_estimator == "remax":
@@ -50,8 +51,13 @@ def greedy_baseline(t: Trainer, prompts: Batch) -> torch.Tensor:
     """ReMax (Li et al. 2023): the reward of one greedy response per prompt, repeated for its n samples."""
     greedy = replace(t.sampling, n=1, do_sample=False)
     batch = t.worker.generate_sequences(prompts, greedy)
-    scores, _ = compute_reward(batch, t.tokenizer, t.reward)
+    scores, _ = compute_reward(batch, t.tokenizer, t.reward, rm_scores=rm_scores(t, batch))
     return scores["seq_scores"].repeat_interleave(t.sampling.n)
+
+
+def rm_scores(t: Trainer, batch: Batch) -> torch.Tensor | None:
+    """The learned reward model's score of each response (`reward_model.enable`), else None (the rule scorers)."""
+    return None if t.reward_model is None else t.reward_model.compute_rm_score(batch)["rm_scores"]
 
 
 def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[str, float]]:

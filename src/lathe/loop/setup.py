@@ -35,6 +35,7 @@ from lathe.track import Tracker, phase
 from lathe.seeding import seed_everything
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 from lathe.workers.critic import CriticWorker
+from lathe.workers.reward_model import RewardModelWorker, micro_batch_size
 
 log = logging.getLogger("lathe")
 CONFIG_FILE = "config.yaml"   # the resolved config, written into the run directory at start
@@ -57,6 +58,7 @@ class Trainer:
     total_steps: int
     device: torch.device
     critic: CriticWorker | None = None  # when a critic trains (algorithm.adv_estimator=gae); or its group
+    reward_model: RewardModelWorker | None = None   # reward_model.enable: scores the responses; or its group
     cluster: object | None = None       # the Ray worker groups behind worker/critic on many devices
     global_step: int = 0
     resumed_from: Path | None = None
@@ -257,10 +259,13 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
                 cfg, plan, model_path=path, load_kwargs=kwargs, tokenizer=tokenizer, total_steps=total_steps,
                 device_type=device.type)
         worker, critic, device = cluster.actor, cluster.critic, torch.device("cpu")   # the driver holds no model
+        reward_model = getattr(cluster, "reward_model", None)
     else:
         worker = ActorRolloutRefWorker(cfg, model, tokenizer, plan=plan, total_steps=total_steps, device=device)
         critic = (CriticWorker(cfg, tokenizer, plan=plan.critic, total_steps=total_steps, device=device)
                   if plan.critic is not None else None)
+        reward_model = (RewardModelWorker(cfg, tokenizer, device=device, micro_batch_size=micro_batch_size(cfg, plan))
+                        if cfg.reward_model.enable else None)
     trainer = Trainer(
         cfg=cfg, plan=plan, tokenizer=tokenizer, worker=worker, cluster=cluster,
         reward=RewardManager(reward_fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
@@ -272,7 +277,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         sampling=sampling_params(arr.rollout, cfg.data.max_response_length),
         val_sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=True),
         kl_ctrl=make_kl_controller(**vars(cfg.algorithm.kl_ctrl)),
-        total_steps=total_steps, device=device, critic=critic)
+        total_steps=total_steps, device=device, critic=critic, reward_model=reward_model)
     if resume_dir is not None:
         try:
             resume(trainer, resume_dir)

@@ -10,6 +10,7 @@ import torch
 from lathe.algo import ROLLOUT_CORRECTION_KEYS, apply_kl_penalty, compute_rollout_correction, get_adv_estimator, overlong_reward_penalty
 from lathe.batch import Batch
 from lathe.generation.stop import decode_texts
+from lathe.reward import ScoreResult
 
 
 def response_attention(batch: Batch) -> torch.Tensor:
@@ -31,24 +32,29 @@ def last_model_token(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), positions, 0).max(-1).values
 
 
-def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None,
-                   max_response_length: int | None = None) -> tuple[Batch, dict[str, float]]:
+def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None, max_response_length: int | None = None,
+                   rm_scores: torch.Tensor | None = None) -> tuple[Batch, dict[str, float]]:
     """Score each response; the score sits on its last valid token (`token_level_scores`, (B, R)): the model's last
     token of a multi-turn trajectory (`response_mask` is 0 on tool answers).
 
     `seq_scores` keeps the scorer's own numbers; `token_level_scores` adds DAPO's overlong penalty when
     `overlong` (verl's `reward_model.overlong_buffer`) is enabled. `reward_extra_info` holds each scorer's
-    extra numbers per sample (their means are the `reward_extra/*` metrics).
+    extra numbers per sample (their means are the `reward_extra/*` metrics). `rm_scores` (B,): a learned reward
+    model's scores, which are then the scores (verl's reward managers return `rm_scores` when the batch has them;
+    the rule scorers are not called).
     """
     texts = decode_responses(batch, tokenizer)
-    items = [{"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": extra}
-             for ds, text, gt, extra in zip(batch["data_source"], texts, batch["ground_truth"],
-                                            batch["extra_info"])]
-    results = reward_manager.score(items)
+    if rm_scores is None:
+        items = [{"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": extra}
+                 for ds, text, gt, extra in zip(batch["data_source"], texts, batch["ground_truth"],
+                                                batch["extra_info"])]
+        results = reward_manager.score(items)
+        metrics: dict[str, float] = dict(reward_manager.metrics())
+    else:
+        results, metrics = [ScoreResult(float(x)) for x in rm_scores.tolist()], {}
     mask = batch["response_mask"]
     scores = torch.tensor([r.score for r in results], dtype=torch.float32)
     shaped = scores
-    metrics: dict[str, float] = dict(reward_manager.metrics())
     if overlong is not None and overlong.enable:
         penalty = overlong_reward_penalty(response_attention(batch).sum(-1), max_response_length, overlong.len,
                                           overlong.penalty_factor)

@@ -12,6 +12,7 @@ from lathe.workers.sft import SFTWorker
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 from lathe.workers.critic import CriticWorker
 from lathe.workers.fully_async import AsyncTrainerWorker, RolloutWorker
+from lathe.workers.reward_model import RewardModelWorker, micro_batch_size
 
 
 def build_actor_rollout_ref(cfg: LatheConfig, plan: RunPlan, model_path: str, load_kwargs: dict, tokenizer, *,
@@ -41,6 +42,12 @@ def build_rollout_replica(cfg: LatheConfig, model_path: str, load_kwargs: dict, 
 def build_critic(cfg: LatheConfig, plan: RunPlan, tokenizer, *, total_steps: int, device_type: str):
     seed_everything(cfg.trainer.seed)
     return CriticWorker(cfg, tokenizer, plan=plan.critic, total_steps=total_steps, device=rank_device(device_type))
+
+
+def build_reward_model(cfg: LatheConfig, plan: RunPlan, tokenizer, *, device_type: str):
+    """The reward model of this rank (a whole copy: each rank scores its share of the responses)."""
+    return RewardModelWorker(cfg, tokenizer, device=rank_device(device_type),
+                             micro_batch_size=micro_batch_size(cfg, plan))
 
 
 def build_sft_worker(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int, device_type: str):

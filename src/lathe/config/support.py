@@ -229,7 +229,8 @@ def _data() -> list[Entry]:
             warn("data.validation_shuffle", "validation covers the whole set; its order does not change the metrics"),
             inert("data.return_raw_input_ids", "lathe's reward model re-renders each row from its chat messages when "
                   "its tokenizer differs from the policy's"),
-            warn("data.return_full_prompt", "it is read only by reward models and agent loops (not implemented yet)"),
+            warn("data.return_full_prompt", "lathe's reward model and agent loop render each row from its chat "
+                 "messages, which lathe always keeps"),
             inert("data.return_raw_chat", "lathe always keeps each row's chat messages")]
     return out
 

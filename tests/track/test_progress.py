@@ -162,3 +162,33 @@ def test_a_forked_child_starts_without_the_parents_live_line():
         done.set()
         holder.join()
         assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_prints_from_other_threads_go_above_the_live_line_and_the_streams_come_back(monkeypatch):
+    """Ray's worker-log thread and Python's warnings write to sys.stdout / sys.stderr on their own: while a live
+    line is on the terminal those writes erase it first and it is drawn again below a finished line."""
+    import sys
+    import threading
+    import warnings
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stdout", term)
+    monkeypatch.setattr(sys, "stderr", term)
+    clock = Clock()
+    with Progress("training", 10, tick_s=None, clock=clock) as bar:
+        assert sys.stdout is not term and sys.stdout.raw is term and bar.stream is term
+        bar.update(3, "score 0.5")
+        worker = threading.Thread(target=lambda: print("(RankHost pid=7) a worker's log line"))
+        worker.start()
+        worker.join()
+        sys.stderr.write(warnings.formatwarning("careful", UserWarning, "x.py", 1))   # what showwarning writes
+        sys.stdout.write("half a line ")            # an unfinished line is not drawn over
+        bar.update(4)
+        sys.stdout.write("and its end\n")
+    assert sys.stdout is term and sys.stderr is term and not LIVE.owners
+    out = term.getvalue()
+    rows = out.replace("\r", "\n").split("\n")
+    assert "(RankHost pid=7) a worker's log line" in rows
+    assert "half a line and its end" in rows
+    assert any(r.startswith("x.py:1: UserWarning: careful") for r in rows)
+    assert re.search(r"\r +\r\(RankHost pid=7\) a worker's log line\n\rtraining 3/10", out), out

@@ -96,10 +96,11 @@ class _LiveLine:
         self.lock = threading.RLock()
         self.owners: list[Progress] = []
         self.drawn = 0                            # characters of the line on screen now
+        self.partial = False                      # another writer left its line unfinished: do not draw over it
 
     def draw(self) -> None:
         with self.lock:
-            if not self.owners:
+            if not self.owners or self.partial:
                 return
             top = self.owners[-1]
             width = max(20, shutil.get_terminal_size((80, 24)).columns - 1)
@@ -129,11 +130,50 @@ class _LiveLine:
     def push(self, owner: Progress) -> None:
         with self.above():
             self.owners.append(owner)
+            _guard_streams()
 
     def pop(self, owner: Progress) -> None:
         with self.above():
             if owner in self.owners:
                 self.owners.remove(owner)
+            if not self.owners:
+                _unguard_streams()
+
+
+class _Guarded:
+    """``sys.stdout`` / ``sys.stderr`` while a live line is on a terminal: whatever else prints (Ray's worker-log
+    thread, a Python warning, a ``print``) first erases the line, and a write that ends its line draws it again
+    below, so the two never share a row. Everything but ``write`` is the stream's own."""
+
+    def __init__(self, raw: TextIO):
+        self.raw = raw
+
+    def write(self, text: str) -> int:
+        with LIVE.lock:
+            LIVE.erase()
+            n = self.raw.write(text)
+            self.raw.flush()
+            if text:
+                LIVE.partial = not text.endswith("\n")
+            LIVE.draw()
+            return n
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+
+def _guard_streams() -> None:
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, _Guarded) and is_terminal(stream):
+            setattr(sys, name, _Guarded(stream))
+
+
+def _unguard_streams() -> None:
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, _Guarded):
+            setattr(sys, name, stream.raw)
 
 
 LIVE = _LiveLine()
@@ -164,6 +204,8 @@ class Progress:
         self.info = ""
         self.every_s, self.announce_s = every_s, announce_s
         self.stream = stream if stream is not None else sys.stderr
+        if isinstance(self.stream, _Guarded):                 # the live line writes to the terminal itself
+            self.stream = self.stream.raw
         self.live = is_terminal(self.stream) if live is None else live
         self.clock = clock
         self.start = self.updated = self.logged = clock()

@@ -23,8 +23,8 @@ allocator warm-up excluded), per-phase seconds, tokens/s, the update phase's MFU
 params + causal attention per token, over the datasheet bf16 peak), peak GPU memory, and lathe/TRL speed-up.
 
 Speed of light (lathe, `lathe.speed_of_light`): per phase (gen = prefill + decode, old_log_prob, ref, update_actor,
-update_weights, those the run reports) `{"measured_s", "light_s", "fraction"}`, light_s being the least time the
-hardware needs (bench/roofline.py: FLOPs over the measured matmul rate, decode bytes over the HBM bandwidth), and
+those the run reports; not the weight sync, which has no bound) `{"measured_s", "light_s", "fraction"}`, light_s
+being the least time the hardware needs (bench/roofline.py: FLOPs over the measured matmul rate, decode bytes over the HBM bandwidth), and
 `step`: the phases' light summed over the measured step. Decode assumes the batch (prompts x n, up to the engine's
 `max_num_seqs`) decodes together with KV room for all of it. light_s and fraction are null on a device without rates
 (CPU). Each model's `what` states the step's fraction.

@@ -8,7 +8,9 @@ of the two per step. Assumptions, all of which make the bound lower, never highe
 - the lm_head runs only where logits are needed: the last prompt token in the prefill, the response tokens in the
   log-prob passes and the update;
 - each distinct prompt is prefilled once (its `n` samples share it);
-- the optimizer step, host work and the reward are left out.
+- the optimizer step, host work, the reward and the weight sync into the engine are left out (the sync's work
+  depends on what the colocated engine shares with the trainer: at 7B lathe's took less than a read + write of
+  every bf16 weight, so that is no bound).
 
 Shapes are `bench/common.py`'s SHAPES dicts (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 num_key_value_heads, vocab_size, tie_word_embeddings; head_dim = hidden / heads unless given). Self-contained, so a
@@ -28,7 +30,7 @@ DEVICE_RATES = [("H100 PCIe", None, None),   # not measured: no figure rather th
 RATES_SOURCE = ("matmul 790 TFLOP/s: bf16 8192^3 torch.matmul measured on H100 and H200 (shared/device/README.md); "
                 "HBM: datasheet (H100 3.35 TB/s, H200 4.8 TB/s)")
 BYTES = 2   # bf16
-PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")   # timing_s/* names with a bound
+PHASES = ("gen", "old_log_prob", "ref", "update_actor")   # timing_s/* names with a bound
 
 
 def device_rates(name: str) -> tuple[float | None, float | None]:
@@ -131,19 +133,14 @@ def update_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, f
     return flops / flops_per_s
 
 
-def sync_seconds(shape: dict, bytes_per_s: float) -> float:
-    """Weight sync into the rollout engine on the same device: every bf16 parameter read once and written once."""
-    return 2 * BYTES * param_count(shape) / bytes_per_s
-
-
 def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: int, response_len: int,
                measured: dict, step_s: float | None, checkpointing: bool, gpus: int = 1,
                max_num_seqs: int | None = None) -> dict:
     """Per phase `{"measured_s", "light_s", "fraction"}` (light / measured) for the phases in `measured` (the
-    run's `timing_s/*` medians: gen, old_log_prob, ref, update_actor, update_weights) and a `step` total: the
+    run's `timing_s/*` medians: gen, old_log_prob, ref, update_actor) and a `step` total: the
     phases' light summed over the whole measured step. light_s is None on a device without rates (CPU).
     With `gpus` > 1: the FLOPs spread over all of them, the rollout as data-parallel replicas of one GPU each
-    (the sequences split evenly), the sync a full copy on each GPU at once."""
+    (the sequences split evenly)."""
     flops, bw = device_rates(device)
     seqs = prompts * n
     light: dict = {}
@@ -153,8 +150,7 @@ def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: in
         light = {"gen": pre + dec,
                  "old_log_prob": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
                  "ref": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
-                 "update_actor": update_seconds(shape, seqs, prompt_len, response_len, gpus * flops, checkpointing),
-                 "update_weights": sync_seconds(shape, bw)}
+                 "update_actor": update_seconds(shape, seqs, prompt_len, response_len, gpus * flops, checkpointing)}
     out = {phase: _row(measured[phase], light.get(phase)) for phase in PHASES if measured.get(phase) is not None}
     if "gen" in out and light:
         out["gen"].update(prefill_light_s=pre, decode_light_s=dec)

@@ -21,7 +21,6 @@ from lathe.config.support import registry
 from lathe.config.support_verl import patterns
 
 SCRIPTS = Path(__file__).resolve().parent / "verl_scripts"
-ROLLOUT = "actor_rollout_ref.rollout."
 _NUMBERED = re.compile(r"^\s+\d+\. ")
 _KEY = re.compile(r"^`(?P<key>[^`]+)`[=:]")
 _UNKNOWN = re.compile(r"Unknown config key `(?P<key>[^`]+)` \(override '(?P<arg>[^']+)'\)")

@@ -18,7 +18,6 @@ from .schema import LatheConfig
 from .backends import BACKENDS, R
 from .coerce import show
 from .support import _defaults, registry
-from .support_base import Entry
 from .support_verl import entry_for, verdict_for
 from .verl_translate import translate
 from .tree import assign, get_path, parse_override, rewrite_aliases
@@ -110,7 +109,7 @@ def _judge(cfg: LatheConfig, applied: list[tuple[Row, str]]) -> None:
         if translate(row.key, value):
             row.verdict, row.why = RENAMED, ", ".join(f"`{k}`={show(v)}" for k, v in translate(row.key, value))
         elif (verdict := verdict_for(row.key, value, cfg)) is not None:
-            _set(row, verdict, (entry_for(row.key) or Entry(row.key, "warn", "")).text)
+            _set(row, verdict, getattr(entry_for(row.key), "text", ""))
         elif (entry := entry_for(row.key)) is not None:
             row.verdict, row.why = SAME, entry.text
 

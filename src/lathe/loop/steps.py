@@ -144,7 +144,7 @@ def reward_components(batch: Batch, keys: list[str] | None) -> torch.Tensor:
                 f"{', '.join(present) or 'none: it returned plain numbers'}). Fix: return a dict with {key!r} from "
                 "the reward function (reward.custom_reward_function), or list only keys it returns.")
         columns.append([float(extra.get(key, 0.0)) for extra in extras])
-    return torch.tensor(columns, dtype=torch.float32).t().reshape(len(extras), len(columns))
+    return torch.tensor(columns, dtype=torch.float32).t().reshape(len(batch), len(columns))
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

@@ -58,14 +58,17 @@ def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_p
     """One mini-batch per step: each rank takes pi_old from its update's forward (how the pieces of the engine-vs-trainer
     diff combine over ranks: tests/algo/test_rollout_correction.py). The responses are scored by a learned reward model
     (`reward_model.enable`, with a chat template of its own), each rank scoring its share with its own copy: the scores
-    (`critic/score/*`) are the one process's too (this run carries it: a Ray start costs tens of seconds here)."""
+    (`critic/score/*`) are the one process's too (this run carries it: a Ray start costs tens of seconds here). The
+    two workers generate as one tensor-parallel engine replica (`rollout.tensor_model_parallel_size=2`): its samples
+    and log-probs are the one process's engine's."""
     from helpers import RM_TEMPLATE, tiny_reward_model
     path = tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE)
     rm = ["reward_model.enable=true", f"reward_model.model.path={path}", "reward_model.micro_batch_size_per_gpu=3",
           "reward_model.max_length=256"]
     on_policy = ["actor_rollout_ref.actor.ppo_mini_batch_size=32", "trainer.total_training_steps=2", *rm]
     one = train(tmp_path / "one", *on_policy)
-    two = train(tmp_path / "two", "trainer.n_gpus_per_node=2", *on_policy)
+    two = train(tmp_path / "two", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                *on_policy)
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
         assert "timing_s/old_log_prob" not in a and "timing_s/old_log_prob" not in b

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lathe.config import ConfigError, load_config
+from lathe.config import ConfigError, load_config, run_plan
 from lathe.config.coerce import hints_of
 from lathe.config.schema import LatheConfig
 from lathe.config.support import IgnoredKeysWarning
@@ -152,7 +152,7 @@ def test_checkpoint_engine_bucket_size_is_the_same_setting():
 
 
 @pytest.mark.parametrize(("override", "feature"), [
-    ("tensor_model_parallel_size=2", "issue 43"), ("pipeline_model_parallel_size=2", "issue 43"),
+    ("pipeline_model_parallel_size=2", "issue 43"),
     ("expert_parallel_size=8", "issue 43"), ("data_parallel_size=2", "issue 43"),
     ("moe_tensor_parallel_size=2", "issue 43"),
     ("quantization=fp8", "issue 48"), ("qat={enable: true}", "issue 48"),
@@ -243,3 +243,25 @@ def test_verl_dataclass_only_fields_are_known(override, outcome):
     else:
         with pytest.warns(IgnoredKeysWarning, match=re.escape(key)):
             load(f"+{R}.{override}")
+
+
+@pytest.mark.parametrize("overrides", [
+    ("trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2"),
+    ("trainer.n_gpus_per_node=8", f"{R}.tensor_model_parallel_size=4", f"{R}.name=vllm"),
+    ("trainer.nnodes=2", "trainer.n_gpus_per_node=8", f"{R}.tensor_model_parallel_size=16"),   # whole nodes
+])
+def test_tensor_parallel_replicas_load(overrides):
+    cfg = load(*overrides)
+    assert run_plan(cfg).rollout_replicas == run_plan(cfg).world // cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (("trainer.n_gpus_per_node=4", f"{R}.tensor_model_parallel_size=3"), "spans devices of one node"),
+    (("trainer.nnodes=3", "trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=4"), "whole nodes"),
+    (("trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2", f"{R}.name=hf"), "transformers' generate"),
+    (("trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2", f"{R}.multi_turn.enable=true"), "agent loop"),
+    (("trainer.n_gpus_per_node=2", "rollout.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2"), "issue 47"),
+])
+def test_tensor_parallel_replicas_that_cannot_run_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(*overrides)

@@ -116,3 +116,13 @@ def test_a_cpu_run_gets_one_line_for_a_small_model_and_the_table_from_one_gib():
     lines = text.splitlines()
     assert fits and lines[0] == "memory plan on cpu: 14.90 GiB of host memory before activations:"
     assert len(lines) == 4 and lines[1].split()[:2] == ["actor", "weights,"] and lines[1].endswith("3.73 GiB")
+
+
+def test_a_tensor_parallel_rank_holds_its_share_of_the_rollout_weights(monkeypatch):
+    monkeypatch.setattr(memory, "total_memory", lambda device: 80 * 2**30)
+    cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4",
+                               "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=4)
+    rollout = next(p for p in parts if p.what.startswith("rollout weights"))
+    assert rollout.nbytes == 2 * N // 2 and rollout.what.endswith("1/2 of a replica")      # bf16, half a replica
+    assert _gib(parts, "actor master weights") == pytest.approx(4 * N / 4 / 2**30)          # fp32, 1/4 shard

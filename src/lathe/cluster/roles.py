@@ -20,14 +20,16 @@ SUMMED = ("rollout/num_preemptions", "rollout/graph_captures")
 
 
 # -- on the driver -------------------------------------------------------------------------------------
-def generate_over_ranks(group, role: str, prompts: Batch, params: SamplingParams, pad_id: int) -> Batch:
-    """`role.generate_sequences` over the group's ranks, the prompts in consecutive shares; each sample is seeded by
-    its place in the whole call, so the samples are those one undivided call draws; the ranks' metrics merged."""
+def generate_over_ranks(group, role: str, prompts: Batch, params: SamplingParams, pad_id: int, *,
+                        replica_size: int = 1) -> Batch:
+    """`role.generate_sequences` over the group's engine replicas (consecutive blocks of `replica_size` ranks, each
+    rank of a block given the same share), the prompts in consecutive shares; each sample is seeded by its place in
+    the whole call, so the samples are those one undivided call draws; the replicas' metrics merged."""
     if params.seed is None and not params.greedy:
         params = replace(params, seed=int(torch.randint(0, 2**62, (1,))))
-    shares = contiguous_shares(len(prompts), group.world_size)
+    shares = contiguous_shares(len(prompts), group.world_size // replica_size)
     calls = [((prompts.select(list(s)), params), {"first_index": s.start * params.n}) if len(s) else None
-             for s in shares]
+             for s in shares for _ in range(replica_size)]
     outs = [o for o in group.call_each(role, "generate_sequences", calls) if o is not None]
     batch = concat_rollouts(outs, pad_id)
     batch.meta["rollout_metrics"] = merge_rollout_metrics([o.meta.get("rollout_metrics", {}) for o in outs])
@@ -38,13 +40,14 @@ class ActorRolloutRefGroup:
     """`ActorRolloutRefWorker`'s methods over a worker group: rollout split by prompts, log-probs by balanced
     equal shares, updates mini-batch by mini-batch (see `update_shares`); answers joined in batch order."""
 
-    def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool):
+    def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool,
+                 rollout_tp: int = 1):
         self.group, self.pad_id, self.mini_batch_size, self.balance = group, pad_id, mini_batch_size, balance
-        self.has_ref = has_ref
+        self.has_ref, self.rollout_tp = has_ref, rollout_tp
         self.world = group.world_size
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
-        return generate_over_ranks(self.group, ACTOR, prompts, params, self.pad_id)
+        return generate_over_ranks(self.group, ACTOR, prompts, params, self.pad_id, replica_size=self.rollout_tp)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         return self._forward("compute_log_prob", batch)

@@ -50,6 +50,12 @@ class RunPlan:
     actor: BatchPlan
     critic: BatchPlan | None
     needs_ref: bool
+    rollout_tp: int = 1         # devices per engine replica (rollout.tensor_model_parallel_size)
+
+    @property
+    def rollout_replicas(self) -> int:
+        """Engine replicas over the trainer's devices (the synchronous hybrid loop): each generates a share."""
+        return self.world // self.rollout_tp
 
     @property
     def world(self) -> int:
@@ -120,4 +126,4 @@ def run_plan(cfg: LatheConfig, device_count: int | None = None) -> RunPlan:
     return RunPlan(devices=devices, rollout_devices=rollout_devices(cfg),
                    actor=batch_plan(cfg, devices.count, "actor"),
                    critic=batch_plan(cfg, devices.count, "critic") if critic_in_use(cfg) else None,
-                   needs_ref=needs_ref(cfg))
+                   needs_ref=needs_ref(cfg), rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)

@@ -123,7 +123,11 @@ class RolloutConfig:
     standalone_gpu_memory_utilization: float | None = spec(
         None, "The same for the engines of a rollout pool of its own (fully-async training); null = "
               "gpu_memory_utilization.")
-    tensor_model_parallel_size: int = spec(1, "Tensor-parallel degree of the engine (verl default 2).")
+    tensor_model_parallel_size: int = spec(
+        1, "Devices per engine replica (tensor parallelism: each holds 1/size of every layer's heads and MLP "
+           "columns and of the vocabulary; the trainer's devices form trainer devices / size replicas, each "
+           "generating its share of the prompts). A divisor of trainer.n_gpus_per_node, or whole nodes. verl's "
+           "default is 2, lathe's 1 (a whole model per device is fastest while it fits).")
     data_parallel_size: int = spec(1, "Data-parallel degree of the engine (verl).")
     expert_parallel_size: int = spec(1, "Expert-parallel degree of the engine (verl).")
     pipeline_model_parallel_size: int = spec(1, "Pipeline-parallel degree of the engine (verl).")

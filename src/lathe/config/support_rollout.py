@@ -17,8 +17,8 @@ from .plan import is_async
 from .support_base import Entry, at_most, no_entries, only_on, refuse, same_as, warn
 
 R = "actor_rollout_ref.rollout"
-MODEL_PARALLEL = "lathe issue 43: model-parallel engine replicas; lathe runs one engine per device, data-parallel " \
-                 "over the trainer's devices"
+MODEL_PARALLEL = "lathe issue 43: model-parallel engine replicas; lathe's replicas are tensor-parallel " \
+                 "(rollout.tensor_model_parallel_size) and data-parallel over the trainer's devices"
 ROUTING = "MoE routing replay (R2/R3, lathe issue 44)"
 POOL = ("set the top-level rollout.nnodes and rollout.n_gpus_per_node (lathe's rollout pool: fully asynchronous "
         "training), and remove {key}")
@@ -96,11 +96,14 @@ def _backends() -> list[Entry]:
 def _lacking() -> list[Entry]:
     """Features of verl's engines that lathe does not have yet: refused, with the issue that brings them."""
     out = [refuse(f"{R}.{k}", f"{what} ({MODEL_PARALLEL})", "set it to 1", at_most(1)) for k, what in (
-        ("tensor_model_parallel_size", "tensor-parallel generation"),
         ("data_parallel_size", "a data-parallel size within one engine (DP attention)"),
         ("expert_parallel_size", "expert-parallel generation"),
         ("pipeline_model_parallel_size", "pipeline-parallel generation"),
         ("moe_tensor_parallel_size", "tensor-parallel MoE layers"))]
+    out.append(only_on("a rollout pool", refuse(
+        f"{R}.tensor_model_parallel_size", "tensor-parallel replicas in the fully-async rollout pool (lathe issue 47: "
+        "its replicas are one device each for now)", "set it to 1, or train synchronously (rollout.n_gpus_per_node="
+        "0), where the trainer's devices form the replicas", at_most(1))))
     out += [refuse(f"{R}.repetition_penalty", "a repetition penalty in sampling", ok=lambda v, cfg: v == 1),
             refuse(f"{R}.quantization", QUANTIZED),
             warn(f"{R}.quantization_config_file", f"it is read only with {R}.quantization ({QUANTIZED})"),

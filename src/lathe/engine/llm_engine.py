@@ -34,6 +34,7 @@ from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
 from lathe.engine.stream import StreamingMixin
+from lathe.engine.tensor_parallel import TensorParallel, layout_of
 from lathe.generation import RolloutOutput, SamplingParams
 from lathe.generation.stop import StopStringMatcher, StopStrings
 from lathe.models.io import copy_named_tensors
@@ -133,6 +134,8 @@ class LatheEngine(StreamingMixin):
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None):
         self.model = model.eval()
+        layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
+        self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         self.vl = is_vl(model)        # a vision-language model: prompts may carry images (`multimodal.py`)
         if self._should_fuse(fuse_projections):
             decode_forms.fuse_projections(model)
@@ -143,7 +146,7 @@ class LatheEngine(StreamingMixin):
             from lathe.models.compile import compile_decoder
             compile_decoder(model)    # fuses norms, RoPE, SwiGLU; the decode graphs capture the compiled kernels
         cfg = text_config(model)
-        self.vocab_size = model.lm_head.weight.shape[0]
+        self.vocab_size = getattr(model.lm_head, "vocab_size", model.lm_head.weight.shape[0])
         self.eos_ids = [] if eos_token_id is None else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         self.tokenizer = tokenizer    # decodes outputs for SamplingParams.stop (stop strings); optional
@@ -203,7 +206,8 @@ class LatheEngine(StreamingMixin):
             allocated = accel.memory_allocated(device)
             slack = 2 * cfg.num_hidden_layers * (2 << 20) + (256 << 20)
             budget = min(free - slack, total * utilization - allocated)
-            return max(1, min(most, int(budget // per_block) - 1))      # - the scratch block
+            # a tensor-parallel replica's ranks hold the same blocks (their schedulers must agree): the fewest
+            return self.tp.min_int(max(1, min(most, int(budget // per_block) - 1)))      # - the scratch block
         return math.ceil(self.max_model_len / block_size) * min(max_num_seqs, 64)
 
     # ---- Rollout ----------------------------------------------------------------------------------
@@ -238,6 +242,8 @@ class LatheEngine(StreamingMixin):
             self.step()
         self._resolve(self._inflight)
         self._inflight = None
+        if self.tp.size > 1:
+            self._check_replica_agrees(seqs)
         return RolloutOutput(token_ids=[s.output_token_ids for s in seqs], logprobs=[list(s.logprobs) for s in seqs],
                              finish_reasons=[s.finish_reason for s in seqs],
                              metrics={"rollout/num_preemptions": self.scheduler.num_preemptions - preempted,
@@ -246,6 +252,21 @@ class LatheEngine(StreamingMixin):
                                       "rollout/graph_captures": (graphs.captures if graphs else 0) - captured[0],
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
                                       - captured[1]})
+
+    def _check_replica_agrees(self, seqs: list[Sequence]) -> None:
+        """The ranks of a tensor-parallel replica sampled the same tokens (they see the same logits and seeds; a rank
+        that drew otherwise would make its scheduler part ways with the others')."""
+        digest = hashlib.sha256(repr([s.output_token_ids for s in seqs]).encode()).digest()
+        mine = int.from_bytes(digest[:7], "little")
+        if self.tp.reduce_int(mine, "min") != self.tp.reduce_int(mine, "max"):
+            raise RuntimeError(f"engine: the {self.tp.size} ranks of a tensor-parallel replica generated different "
+                               "tokens from the same prompts; this is a bug (their logits or seeds differ)")
+
+    def _copy_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy whole weights (HF names) in place: a tensor-parallel rank takes its slice of each."""
+        layout = layout_of(self.model)
+        copy_named_tensors(self.model, named_tensors if layout is None else layout.local_items(named_tensors),
+                           who="engine's model")
 
     def _make_sequences(self, prompts: list[list[int]], params: SamplingParams, first_index: int = 0,
                         multi_modal_inputs: list[dict | None] | None = None) -> list[Sequence]:
@@ -396,7 +417,7 @@ class LatheEngine(StreamingMixin):
         through new weights take them with `load_weights`.)"""
         if not self.scheduler.is_finished():
             raise RuntimeError("LatheEngine.update_weights: sequences are still being generated")
-        copy_named_tensors(self.model, named_tensors, who="engine's model")
+        self._copy_weights(named_tensors)
         self.block_manager.reset()
 
     def sleep(self) -> None:
@@ -416,7 +437,9 @@ class LatheEngine(StreamingMixin):
         # limit everything goes back to the driver, graphs' pool included, as the trainer may need all of it.
         if device.type == "cuda":
             free, total = accel.memory_info(device)
-            self._cache_kept = total - free <= KEEP_CACHED_FRACTION * total
+            # a tensor-parallel replica's ranks keep or drop their decode graphs together (captured collectives pair
+            # up only while every rank replays the same graphs)
+            self._cache_kept = bool(self.tp.min_int(total - free <= KEEP_CACHED_FRACTION * total))
         else:
             self._cache_kept = False
         if not self._cache_kept:
@@ -451,6 +474,9 @@ class LatheEngine(StreamingMixin):
                 self.kv_cache.allocate()
             except torch.OutOfMemoryError:
                 logger.info("engine: the allocator's cached memory did not hold the KV cache; releasing it")
+        # a rank of a tensor-parallel replica that sizes its cache again makes them all do it, to the same size
+        if self.tp.size > 1 and not self.tp.min_int(int(self.kv_cache.allocated)) and self.kv_cache.allocated:
+            self.kv_cache.free()
         if not self.kv_cache.allocated:
             if kept:
                 self._release_memory()
@@ -465,7 +491,7 @@ class LatheEngine(StreamingMixin):
             self.kv_cache.allocate()
         graphs = self.runner.graphs
         if graphs is not None:
-            if self.kv_cache.address == self._kv_address:
+            if self.tp.min_int(self.kv_cache.address == self._kv_address):
                 graphs.forget_rows()         # the block manager started over: every table row is written anew
             else:
                 graphs.reset()

@@ -36,7 +36,6 @@ import torch
 from lathe.engine.multimodal import drop_embeddings
 from lathe.engine.sequence import PENDING, Sequence, SequenceStatus
 from lathe.generation import RolloutOutput, SamplingParams
-from lathe.models.io import copy_named_tensors
 
 
 class _Request:
@@ -200,7 +199,7 @@ class StreamingMixin:
                                "once no request is unfinished")
         self._resolve(self._inflight)       # tokens sampled by the old weights (all finished: nothing holds KV)
         self._inflight = None
-        copy_named_tensors(self.model, named_tensors, who="engine's model")
+        self._copy_weights(named_tensors)
         if self.block_manager.hash_to_block:        # (a sync loading bucket by bucket resets once)
             self.block_manager.reset()              # (image prompts' blocks too: the images' salt is in their key)
         drop_embeddings(sch.waiting)                # waiting image prompts encode again, with the new tower

@@ -322,6 +322,13 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
               if run.critic is not None else None)
     runs_lathe = type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None)
     lathe_engine = arr.rollout.name != "hf" and bool(runs_lathe) and arr.model.impl != "hf"
+    tp = arr.rollout.tensor_model_parallel_size if not run.is_async else 1
+    if tp > 1 and not (lathe_engine and type(model).__name__ == "LatheCausalLM"):
+        raise NotImplementedError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: tensor-parallel engine replicas run lathe's "
+            f"text decoder ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}); this run's policy is "
+            f"{type(model).__name__}{' (model.impl=hf)' if arr.model.impl == 'hf' else ''}. Fix: set it to 1 (one "
+            "engine per device), for as long as the model fits one device")
     kv_seq = 0
     if lathe_engine and not run.is_async:       # lathe's engine: its KV cache, in the rollout dtype, for one sequence of the longest length
         from lathe.engine.kv_cache import KVCache
@@ -329,9 +336,9 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         c = getattr(model.config, "text", model.config)          # a VL model: its language model's config
         length = cfg.data.max_prompt_length + cfg.data.max_response_length
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_seq = KVCache.bytes_per_block(c.num_hidden_layers, length, c.num_key_value_heads, head_dim,
+        kv_seq = KVCache.bytes_per_block(c.num_hidden_layers, length, max(1, c.num_key_value_heads // tp), head_dim,
                                          rollout_dtype(arr.rollout.dtype, torch.device(device)))
-    seqs = math.ceil(run.actor.sequences_per_step / run.world)
+    seqs = math.ceil(run.actor.sequences_per_step / (run.world // tp))     # what one engine replica generates
     lora = None
     if arr.model.lora_rank > 0:                  # (adapter parameters, parameters of the layers they adapt)
         from lathe.models.lora import target_names

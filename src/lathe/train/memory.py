@@ -90,6 +90,10 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     if world > 1:
         parts = [p if p.what.startswith("rollout ") else
                  replace(p, nbytes=p.nbytes // world, what=f"{p.what}, 1/{world} shard") for p in parts]
+    tp = arr.rollout.tensor_model_parallel_size if colocated else 1
+    if tp > 1:     # a tensor-parallel replica's rank: 1/tp of the layers and the LM head (the embeddings whole)
+        parts = [replace(p, nbytes=p.nbytes // tp, what=f"{p.what}, 1/{tp} of a replica")
+                 if p.what.startswith("rollout ") else p for p in parts]
     return parts
 
 

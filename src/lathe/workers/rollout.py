@@ -18,6 +18,7 @@ import torch
 from lathe.batch import Batch
 from lathe.device import reset_peak_memory, synchronize
 from lathe.dtypes import rollout_dtype
+from lathe.engine.tensor_parallel import TensorParallel, replica_groups, shard_copy
 from lathe.generation import SamplingParams
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import merged_weights
@@ -40,11 +41,15 @@ class Rollout:
         self.engine_model = None
         self.backend = self.agent = None
         self.free_cache_engine = False
-        if actor.sharded:       # the rollout's own full copy, before sharding, to the device tensor by tensor
+        self.tp = TensorParallel(None, 0, 1)
+        if actor.sharded:       # the rollout's own copy, before sharding, to the device tensor by tensor
             state = merged_weights(actor.model) if actor.lora else None
-            if self.name == "lathe":
-                self.engine_model = frozen_copy(actor.model, rollout_dtype(rollout_cfg.dtype, self.device),
-                                                self.device, state=state)
+            dtype = rollout_dtype(rollout_cfg.dtype, self.device)
+            if self.name == "lathe" and rollout_cfg.tensor_model_parallel_size > 1:    # this rank's slices
+                self.tp = replica_groups(rollout_cfg.tensor_model_parallel_size)
+                self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state)
+            elif self.name == "lathe":
+                self.engine_model = frozen_copy(actor.model, dtype, self.device, state=state)
             if self.name == "hf" and loaded is actor.model:      # transformers generate: a copy of its own
                 self.hf_model = (frozen_copy(actor.model, actor.policy.master_dtype, torch.device("cpu"), state=state)
                                  if actor.lora else copy.deepcopy(actor.model))
@@ -75,9 +80,10 @@ class Rollout:
         if self.free_cache_engine:
             self.backend.sleep()
 
-    def generate_sequences(self, prompts: Batch, params: SamplingParams, *, first_index: int = 0) -> Batch:
+    def generate_sequences(self, prompts: Batch, params: SamplingParams, *, first_index: int = 0) -> Batch | None:
         """Sample `params.n` responses per prompt; returns the prompt rows repeated n times plus the tensors.
-        `first_index`: where this share's first sample sits in a rollout split over ranks (seeding)."""
+        `first_index`: where this share's first sample sits in a rollout split over ranks (seeding). The ranks of a
+        tensor-parallel replica all generate (the same samples); only its first returns them, the others None."""
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
         timings = {}
         if self.actor.sharded:                 # a step starts here: its peak memory is reported by the update
@@ -100,6 +106,8 @@ class Rollout:
             if self.free_cache_engine:
                 with self._timed(timings, "timing_s/rollout_sleep"):
                     self.backend.sleep()
+        if self.tp.rank:
+            return None
         gen = to_batch(prompt_ids, out, self.tokenizer.pad_token_id, params.n)
         batch = prompts.repeat(params.n, interleave=True).update(gen)
         if self.agent is not None:

@@ -1,0 +1,217 @@
+"""Tensor-parallel engine replicas: one model over the `rollout.tensor_model_parallel_size` devices of a replica.
+
+Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053), as vLLM's engine runs it:
+- attention: each rank holds `heads / tp` query heads (q_proj's rows of them, o_proj's columns) and their key/value
+  heads (`kv_heads / tp` each; when tp exceeds the key/value heads, each is replicated on the `tp / kv_heads` ranks
+  whose query heads use it), and so a KV cache of its own heads;
+- MLP: each rank holds `intermediate / tp` columns of gate and up and the matching rows of down;
+- o_proj and down_proj are row-parallel (`RowParallelLinear`): each rank's partial product is summed over the
+  replica (one all-reduce each per layer), a bias added once after the sum;
+- the LM head is vocabulary-parallel (`VocabParallelHead`): each rank computes the logits of its rows of the
+  vocabulary and the replica gathers them, so every rank holds the same full logits and samples the same tokens;
+- embeddings and norms are whole on every rank.
+q/k/v and gate/up stay plain `nn.Linear`s over the rank's rows: the engine fuses them the same way
+(`decode_forms.fuse_projections`). The collectives are torch's functional ones, which compiled layers trace and
+CUDA graphs capture.
+
+The ranks of a replica run the same engine on the same prompts: their schedulers take the same decisions as long
+as their KV caches hold the same number of blocks (`TensorParallel.min_int`) and their samples agree (the gathered
+logits are equal on every rank; `LatheEngine.generate` checks the outputs agree).
+
+Weights arrive whole, by Hugging Face name (the trainer's gathered tensors after an update, or a checkpoint's):
+`ShardLayout.local` cuts the rank's slice of each.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from lathe.models.config import LatheConfig
+from lathe.models.decoder import LatheCausalLM
+from lathe.models.io import load_into
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its replica: the replica's process group, the rank within it and the replica's size."""
+
+    group: object               # a torch.distributed ProcessGroup (None with size 1)
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return _waited(funcol.all_reduce(x, "sum", self.group))
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., n) from every rank, concatenated in rank order along the last dimension: (..., size * n)."""
+        gathered = _waited(funcol.all_gather_single(x.contiguous(), 0, self.group))    # (size * lead, n)
+        lead, n = x.shape[:-1], x.shape[-1]
+        return gathered.view(self.size, -1, n).transpose(0, 1).reshape(*lead, self.size * n)
+
+    def reduce_int(self, value: int, op: str) -> int:
+        """`value` reduced over the replica (`op`: "min", "max" or "sum"), outside any graph."""
+        if self.size == 1:
+            return int(value)
+        t = torch.tensor([int(value)], dtype=torch.int64, device=_comm_device(self.group))
+        dist.all_reduce(t, op={"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}[op],
+                        group=self.group)
+        return int(t.item())
+
+    def min_int(self, value: int) -> int:
+        return self.reduce_int(value, "min")
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for in eager mode (traced ones are waited for by the graph)."""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _comm_device(group) -> torch.device:
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    from lathe.device import current_device
+    return current_device()
+
+
+def replica_groups(size: int) -> TensorParallel:
+    """This rank's replica among consecutive blocks of `size` ranks of the default process group (every rank must
+    call it, in the same order: creating a group is collective). Consecutive ranks share a node when `size`
+    divides the devices per node, which the config requires."""
+    if size == 1:
+        return TensorParallel(None, 0, 1)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"rollout.tensor_model_parallel_size={size}: a tensor-parallel replica spans {size} "
+                           "ranks of a process group, and this process runs alone. Fix: run on Ray "
+                           "(trainer.n_gpus_per_node >= the size), or set it to 1")
+    world = dist.get_world_size()
+    if world % size:
+        raise ValueError(f"rollout.tensor_model_parallel_size={size} does not divide the {world} ranks")
+    group, _ = dist.new_subgroups(group_size=size)
+    return TensorParallel(group, dist.get_rank() % size, size)
+
+
+# ---- which slice of each tensor a rank holds ----------------------------------------------------------------------
+
+_NAME = re.compile(r"^(?:model\.layers\.\d+\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)"
+                   r"|(?P<head>lm_head))\.(?P<part>weight|bias)$")
+
+
+class ShardLayout:
+    """The slices of a `LatheConfig`'s tensors that rank `tp.rank` of a replica of `tp.size` holds (module doc)."""
+
+    def __init__(self, cfg: LatheConfig, tp: TensorParallel):
+        rank, size = tp.rank, tp.size
+        heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+        problems = [f"{what} ({n}) are not divisible by it" for what, n in (
+            ("the attention heads", heads), ("the MLP's intermediate features", inter)) if n % size]
+        if kv % size and size % kv:
+            problems.append(f"the key/value heads ({kv}) neither divide it nor are divisible by it")
+        if problems:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: {'; '.join(problems)}. Fix: choose a "
+                             f"size that divides {heads} attention heads and {inter} intermediate features")
+        self.cfg, self.tp, self.rank, self.size = cfg, tp, rank, size
+        d = cfg.head_dim
+        self.q = (rank * heads // size * d, heads // size * d)                  # (first row, rows)
+        kv_local = max(1, kv // size)
+        first_kv = rank * kv // size if kv >= size else rank // (size // kv)
+        self.kv = (first_kv * d, kv_local * d)
+        self.inter = (rank * inter // size, inter // size)
+        self.vocab_rows = -(-cfg.vocab_size // size)                           # padded: the last rank's may be short
+        self.local_config = replace(cfg, num_attention_heads=heads // size, num_key_value_heads=kv_local,
+                                    intermediate_size=inter // size, tie_word_embeddings=False)
+
+    def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the whole tensor `name` (a view; the LM head's last slice padded with zero rows)."""
+        m = _NAME.match(name)
+        if m is None:
+            return tensor
+        attn, mlp, part = m["attn"], m["mlp"], m["part"]
+        if m["head"]:
+            start = self.rank * self.vocab_rows
+            rows = tensor[start:start + self.vocab_rows]
+            if rows.shape[0] < self.vocab_rows:
+                rows = torch.cat([rows, rows.new_zeros((self.vocab_rows - rows.shape[0],) + rows.shape[1:])])
+            return rows
+        if attn == "o" or mlp == "down":                     # row-parallel: the input features; the bias is whole
+            if part == "bias":
+                return tensor
+            start, n = self.q if attn == "o" else self.inter
+            return tensor.narrow(1, start, n)
+        start, n = self.q if attn == "q" else self.kv if attn in ("k", "v") else self.inter
+        return tensor.narrow(0, start, n)
+
+    def local_items(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each (name, whole tensor) as (name, this rank's slice); a tied model's embeddings also give the LM head."""
+        for name, tensor in named:
+            if name == "lm_head.weight" or (self.cfg.tie_word_embeddings and name == "model.embed_tokens.weight"):
+                yield "lm_head.weight", self.local("lm_head.weight", tensor)
+                if name == "lm_head.weight":
+                    continue
+            yield name, self.local(name, tensor)
+
+
+# ---- the sharded modules -------------------------------------------------------------------------------------------
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear over this rank's slice of the input features: the partial products summed over the replica, then
+    the (whole) bias added once."""
+
+    tp: TensorParallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head over this rank's rows of the vocabulary; returns the whole logits (gathered over the replica)."""
+
+    def __init__(self, rows: int, hidden: int, vocab_size: int, tp: TensorParallel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.vocab_size, self.tp = vocab_size, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last(nn.functional.linear(x, self.weight))
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
+
+
+def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, tp: TensorParallel, *,
+               state: Iterable[tuple[str, torch.Tensor]] | None = None) -> LatheCausalLM:
+    """This rank's part of `model` (lathe's text decoder) for a tensor-parallel replica, in `dtype` on `device`: each
+    tensor's slice is cut on the way (the whole model is never copied to the device). `state`: (name, tensor) pairs
+    to take instead of the model's own (a LoRA model's merged weights). The result's `tensor_parallel` is its
+    `ShardLayout`, whose `local_items` cuts whole weights for `update_weights`."""
+    if type(model) is not LatheCausalLM:
+        raise NotImplementedError(
+            f"rollout.tensor_model_parallel_size={tp.size}: tensor-parallel engine replicas run lathe's text decoder "
+            f"(Llama, Qwen2, Qwen3); this model is {type(model).__name__}. Fix: set it to 1")
+    layout = ShardLayout(model.config, tp)
+    named = state if state is not None else model.state_dict().items()
+    local = {k: v.detach().to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True).contiguous()
+             for k, v in layout.local_items(named)}
+    cfg = layout.local_config
+    with torch.device("meta"):
+        out = LatheCausalLM(cfg)
+        for layer in out.model.layers:
+            for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+                linear = getattr(owner, name)
+                linear.__class__ = RowParallelLinear
+                linear.tp = tp
+        out.lm_head = VocabParallelHead(layout.vocab_rows, cfg.hidden_size, cfg.vocab_size, tp)
+    load_into(out, local, "the actor's weights")
+    out.tensor_parallel = layout
+    return out.requires_grad_(False).eval()
+
+
+def layout_of(model) -> ShardLayout | None:
+    """The `ShardLayout` of a model made by `shard_copy`, None for a whole model."""
+    return getattr(model, "tensor_parallel", None)

@@ -1,0 +1,157 @@
+"""Tensor-parallel engine replicas (`lathe.engine.tensor_parallel`): the slices recombine to the whole weights, and
+a replica over 2 and 4 gloo ranks generates what one process generates, token for token, before and after a
+weight update."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.conftest import PROMPTS
+from lathe.engine.llm_engine import LatheEngine
+from lathe.engine.tensor_parallel import ShardLayout, TensorParallel, replica_groups, shard_copy
+from lathe.generation import SamplingParams
+from lathe.models import load_lathe_model
+from models.lathe_tiny import save_hf
+
+JOIN_S = 120
+CASES = (("qwen2", False), ("llama", True), ("qwen3", False))     # (family, tied embeddings)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def generations(model, path: str) -> list[list[list[int]]]:
+    """Greedy, sampled, and greedy again after new weights (each weight scaled, the norms shifted)."""
+    engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48)
+    out = [engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=10)).token_ids,
+           engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, top_p=0.9, max_tokens=10, seed=3)).token_ids]
+    engine.update_weights(new_weights(path))
+    out.append(engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=10)).token_ids)
+    return out
+
+
+def new_weights(path: str):
+    """Whole weights, changed: what a trainer's update sends."""
+    whole = load_lathe_model(path, torch.float32)
+    for name, t in whole.state_dict().items():
+        yield name, t * 1.1 if t.dim() == 2 else t + 0.05
+
+
+def build(path, tp: TensorParallel | None, device: torch.device = torch.device("cpu")):
+    model = load_lathe_model(path, torch.float32, device=device)
+    if tp is not None:
+        model = shard_copy(model, torch.float32, device, tp)
+    return model
+
+
+def worker(rank: int, world: int, port: int, paths: list[str], queue, device_type: str = "cpu") -> None:
+    try:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        if device_type == "cuda":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=JOIN_S))
+        tp = replica_groups(world)
+        queue.put((rank, [generations(build(p, tp, device), p) for p in paths]))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_replica(world: int, paths: list[str], device_type: str = "cpu") -> dict[int, list]:
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, paths, queue, device_type), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, result = queue.get(timeout=3 * JOIN_S)
+            assert not isinstance(result, str), f"rank {rank} failed:\n{result}"
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=JOIN_S)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-ckpt")
+    return [str(save_hf(root, family, tie=tie)[0]) for family, tie in CASES]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_slices_recombine_to_the_whole_weights(paths, size):
+    whole = load_lathe_model(paths[1], torch.float32)          # llama, tied: the LM head comes from the embeddings
+    state = whole.state_dict()
+    parts = [dict(ShardLayout(whole.config, TensorParallel(None, r, size)).local_items(state.items()))
+             for r in range(size)]
+    layer = "model.layers.0."
+    assert torch.equal(torch.cat([p[layer + "self_attn.q_proj.weight"] for p in parts]),
+                       state[layer + "self_attn.q_proj.weight"])
+    assert torch.equal(torch.cat([p[layer + "self_attn.o_proj.weight"] for p in parts], 1),
+                       state[layer + "self_attn.o_proj.weight"])
+    assert torch.equal(torch.cat([p[layer + "mlp.down_proj.weight"] for p in parts], 1),
+                       state[layer + "mlp.down_proj.weight"])
+    head = torch.cat([p["lm_head.weight"] for p in parts])
+    assert torch.equal(head[:whole.config.vocab_size], state["model.embed_tokens.weight"])
+    assert not head[whole.config.vocab_size:].any()                       # the padding rows of the last slice
+    kv = [p[layer + "self_attn.k_proj.weight"] for p in parts]            # 2 kv heads: whole or replicated
+    d, hidden = whole.config.head_dim, whole.config.hidden_size
+    heads = [k.view(-1, d, hidden) for k in kv]
+    for r in range(size):                         # each rank's kv heads are those its query heads use
+        q_heads = range(r * 4 // size, (r + 1) * 4 // size)
+        used = sorted({h // 2 for h in q_heads})
+        assert torch.equal(heads[r], state[layer + "self_attn.k_proj.weight"].view(-1, d, hidden)[used])
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused(paths):
+    cfg = load_lathe_model(paths[0], torch.float32).config
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=3: the attention heads"):
+        ShardLayout(cfg, TensorParallel(None, 0, 3))
+
+
+def test_one_process_cannot_hold_a_replica_of_two():
+    with pytest.raises(RuntimeError, match="tensor_model_parallel_size=2"):
+        replica_groups(2)
+
+
+def assert_same_generations(results: dict[int, list], want: list, world: int) -> None:
+    for rank, got in results.items():
+        for case, (g, w) in enumerate(zip(got, want)):
+            for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), g, w):
+                assert a == b, f"rank {rank} of {world}, {CASES[case]}: {what} tokens differ"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_replica_generates_what_one_process_generates(paths, world):
+    want = [generations(build(p, None), p) for p in paths]
+    assert_same_generations(run_replica(world, paths if world == 2 else paths[:1]), want, world)
+
+
+@pytest.mark.gpu
+def test_a_replica_over_two_gpus_generates_what_one_gpu_generates(paths):
+    """NCCL, CUDA graphs (the all-reduces and the LM head's gather captured) and compiled layers, in float32."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    want = [generations(build(p, None, torch.device("cuda", 0)), p) for p in paths]
+    assert_same_generations(run_replica(2, paths, "cuda"), want, 2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import shutil
+import socket
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -83,6 +84,34 @@ def _worst(actual, expected, keys, a: torch.Tensor, b: torch.Tensor) -> str:
 def local_gpus() -> int:
     """CUDA devices this process sees (verl's get_local_gpus_num): multi-GPU tests size themselves by it."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a process group's or a store's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(procs: list, queue, timeout_s: float) -> dict:
+    """Start `procs`, each of which puts one (rank, result) on `queue` (the text of its traceback when it failed), and
+    wait for every one within `timeout_s`: {rank: result}. A failed rank fails the caller with its traceback; a
+    process still alive at the end is killed, so a broken collective never hangs the suite."""
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, result = queue.get(timeout=timeout_s)
+            assert not isinstance(result, str), f"rank {rank} failed:\n{result}"
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return results
 
 
 def needs_gpus(count: int):

@@ -29,6 +29,10 @@ READ_IN_CONFIG = {
     "actor_rollout_ref.actor.ppo_mini_batch_size": "plan.py: batch_plan(role='actor'), RunPlan.actor: the actor's "
                                                    "mini-batches (and a fully-async step's prompts)",
     "verl_keys": "tree.py sets what verl_translate.py maps; support_verl.py judges the rest",
+    **{f"{g}.fsdp_config.fsdp_size": f"plan.py: mesh_plan(), RunPlan.mesh('{role}'): the mesh (plain FSDP or HSDP) "
+                                     "the model is sharded on" for g, role in (("actor_rollout_ref.actor", "actor"),
+                                                                               ("actor_rollout_ref.ref", "ref"),
+                                                                               ("critic.model", "critic"))},
     "actor_rollout_ref.rollout.checkpoint_engine.backend": "rules.py: must agree with the placement, which picks the "
                                                            "sync (nccl: a rollout pool; naive: colocated)",
 }

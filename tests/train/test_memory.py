@@ -105,6 +105,19 @@ def test_sharded_lora_plans_shards_of_the_base_and_adapters_and_a_full_merged_en
     assert not any("reference" in p.what for p in parts)
 
 
+def test_hybrid_sharding_divides_each_model_by_its_shard_group_not_the_world(monkeypatch):
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=True, critic_params=N, lathe_engine=True, world=4,
+                        shards={"actor": 2, "ref": 4, "critic": 1})    # HSDP 2 x 2; FSDP over 4; whole copies
+    assert _gib(parts, "actor master weights, fp32, 1/2 shard") == pytest.approx(4 * N / 2 / 2**30)
+    assert _gib(parts, "actor AdamW moments, 2 x fp32, 1/2 shard") == pytest.approx(8 * N / 2 / 2**30)
+    assert _gib(parts, "reference weights, bf16, 1/4 shard") == pytest.approx(2 * N / 4 / 2**30)
+    assert _gib(parts, "critic AdamW moments, 2 x fp32") == pytest.approx(8 * N / 2**30)
+    assert not any(p.what.startswith("critic") and "shard" in p.what for p in parts)
+    assert _gib(parts, "rollout weights, bf16") == pytest.approx(2 * N / 2**30)
+
+
 def test_a_cpu_run_gets_one_line_for_a_small_model_and_the_table_from_one_gib():
     cfg, cpu = load_config("base", ["trainer.device=cpu"]), torch.device("cpu")
     small = memory.plan(cfg, 600_000, cpu, need_ref=False, critic_params=None, lathe_engine=True)

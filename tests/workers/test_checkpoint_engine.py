@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import needs_gpus
+from helpers import free_port, needs_gpus, run_processes
 
 from lathe.workers.checkpoint_engine import (ALIGN, SyncGroup, TensorMeta, bucket_layout, bucket_plan, check_tensor,
                                              metas_of, receive_weights, send_weights)
@@ -19,12 +18,6 @@ from lathe.workers.checkpoint_engine import (ALIGN, SyncGroup, TensorMeta, bucke
 UPDATES = 3
 BUCKET_BYTES = 4096
 JOIN_S = 60          # every wait in these tests is bounded: a broken sync fails, it never hangs the suite
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def meta(name: str, numel: int, dtype=torch.float32) -> TensorMeta:
@@ -193,21 +186,7 @@ def run_sync(world: int, device_type: str) -> dict[int, dict]:
     port = free_port()
     procs = [ctx.Process(target=sync_worker, args=(r, world, port, free_port(), device_type, queue), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, result = queue.get(timeout=3 * JOIN_S)
-            assert not isinstance(result, str), f"rank {rank} failed:\n{result}"
-            results[rank] = result
-    finally:
-        for p in procs:
-            p.join(timeout=JOIN_S)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    return results
+    return run_processes(procs, queue, 3 * JOIN_S)
 
 
 def assert_bit_equal(results: dict[int, dict], world: int) -> None:

@@ -1,4 +1,5 @@
-"""What a config implies for the run, computed here once: the devices, the batch cut, fully async or not.
+"""What a config implies for the run, computed here once: the devices, the batch cut, each model's device mesh,
+fully async or not.
 
 `run_plan(cfg)` is the one place these facts are derived. `load_config` checks the rules against it, and
 `lathe train` passes the same `RunPlan` down to the cluster and the workers, which read their numbers from it
@@ -11,7 +12,7 @@ verl's batch semantics: ``data.train_batch_size`` = prompts per step; each promp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .schema import LatheConfig
@@ -41,6 +42,33 @@ class BatchPlan:
 
 
 @dataclass(frozen=True)
+class MeshPlan:
+    """The device mesh one model is sharded on, its dims named as torchtitan's `ParallelDims` names them:
+    dp_replicate x dp_shard = the trainer's ranks (sequence- and tensor-parallel dims join them when lathe builds
+    those). dp_replicate = 1 is plain FSDP over every rank; > 1 is HSDP (verl's `fsdp_config.fsdp_size` = N smaller
+    than the devices): each weight is sharded over a group of dp_shard ranks and replicated over dp_replicate such
+    groups, its gradients summed over all of them. Every rank is data-parallel either way: the batch is cut over
+    all of them (`BatchPlan`)."""
+
+    dp_replicate: int
+    dp_shard: int
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def hsdp(self) -> bool:
+        """Replicated shard groups (a 2-D mesh), not plain FSDP."""
+        return self.dp_replicate > 1
+
+    def describe(self) -> str:
+        if self.hsdp:
+            return f"HSDP: {self.dp_replicate} replicas x {self.dp_shard}-way shards"
+        return f"FSDP: {self.dp_shard}-way shards"
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """The run's derived facts. `critic` is None when no critic trains; `rollout_devices` is 0 when the rollout
     shares the trainer's devices (the synchronous hybrid loop)."""
@@ -50,6 +78,7 @@ class RunPlan:
     actor: BatchPlan
     critic: BatchPlan | None
     needs_ref: bool
+    meshes: dict[str, MeshPlan] = field(default_factory=dict)    # 'actor', 'ref', 'critic': see `mesh`
     rollout_tp: int = 1         # devices per engine replica (rollout.tensor_model_parallel_size)
 
     @property
@@ -61,6 +90,10 @@ class RunPlan:
     def world(self) -> int:
         """The trainer's ranks."""
         return self.devices.count
+
+    def mesh(self, role: str) -> MeshPlan:
+        """The mesh `role` ('actor', 'ref' or 'critic') is sharded on; plain FSDP over every rank unless planned."""
+        return self.meshes.get(role, MeshPlan(1, self.world))
 
     @property
     def is_async(self) -> bool:
@@ -120,10 +153,57 @@ def batch_plan(cfg: LatheConfig, device_count: int | None = None, role: str = "a
     return BatchPlan(dev, tbs, tbs * n, mini, mini * n, tbs // mini, per_device, micro, max(1, per_device // micro))
 
 
+# role -> its fsdp_config group (verl's key fsdp_size sets the role's mesh)
+FSDP_GROUPS = {"actor": "actor_rollout_ref.actor.fsdp_config", "ref": "actor_rollout_ref.ref.fsdp_config",
+               "critic": "critic.model.fsdp_config"}
+
+
+def mesh_plan(fsdp_size: int, devices: Devices, key: str) -> MeshPlan:
+    """verl's `fsdp_size` over the trainer's devices: -1 (any negative) or at least the devices: plain FSDP over all
+    of them; N dividing them: HSDP, devices / N replicas of N-way shards (N = 1: whole replicas, as DDP)."""
+    world = devices.count
+    if fsdp_size < 0 or fsdp_size >= world:
+        return MeshPlan(1, world)
+    if fsdp_size == 0 or world % fsdp_size:
+        divisors = [d for d in range(1, world) if world % d == 0]
+        raise ConfigError(f"`{key}`={fsdp_size} does not divide the trainer's {world} devices ({devices.why}): "
+                          "HSDP shards each weight over groups of fsdp_size devices, replicated across devices / "
+                          f"fsdp_size groups. Fix: set it to one of {divisors}, or to -1 (shard over all devices).")
+    return MeshPlan(world // fsdp_size, fsdp_size)
+
+
+def fsdp_sizes(cfg: LatheConfig) -> dict[str, int]:
+    """verl's `fsdp_size` of each model the trainer shards, by role: the actor's, the reference's when one is
+    computed, the critic's when one trains."""
+    sizes = {"actor": cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size}
+    if needs_ref(cfg):
+        sizes["ref"] = cfg.actor_rollout_ref.ref.fsdp_config.fsdp_size
+    if critic_in_use(cfg):
+        sizes["critic"] = cfg.critic.model.fsdp_config.fsdp_size
+    return sizes
+
+
+def role_meshes(cfg: LatheConfig, devices: Devices) -> dict[str, MeshPlan]:
+    """The mesh of each model the trainer shards (see `fsdp_sizes`, `mesh_plan`)."""
+    return {role: mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size") for role, size in fsdp_sizes(cfg).items()}
+
+
+def mesh_problems(cfg: LatheConfig, devices: Devices) -> list[str]:
+    """What `role_meshes` would refuse, every model's at once (for `load_config`'s list of problems)."""
+    out = []
+    for role, size in fsdp_sizes(cfg).items():
+        try:
+            mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size")
+        except ConfigError as e:
+            out.append(str(e))
+    return out
+
+
 def run_plan(cfg: LatheConfig, device_count: int | None = None) -> RunPlan:
     """The run's derived facts (see `RunPlan`); `device_count` plans the batch for that many trainer devices."""
     devices = resolve_devices(cfg, device_count)
     return RunPlan(devices=devices, rollout_devices=rollout_devices(cfg),
                    actor=batch_plan(cfg, devices.count, "actor"),
                    critic=batch_plan(cfg, devices.count, "critic") if critic_in_use(cfg) else None,
-                   needs_ref=needs_ref(cfg), rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+                   needs_ref=needs_ref(cfg), meshes=role_meshes(cfg, devices),
+                   rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)

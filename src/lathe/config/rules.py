@@ -12,7 +12,7 @@ import sys
 import warnings
 
 from .errors import ProblemList
-from .plan import BatchPlan, Devices, batch_plan, critic_in_use, is_async, trainer_devices
+from .plan import BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, trainer_devices
 from .schema import LatheConfig
 
 
@@ -77,6 +77,8 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
             _check_batches(cfg, "critic", cfg.critic, devices, problems)
         elif actor_ok:  # same mini-batch as the actor: only the critic's own micro-batch is new
             _check_micro("critic", cfg.critic, batch_plan(cfg, devices.count, "critic"), arr.rollout.n, problems)
+    for message in mesh_problems(cfg, devices):      # fsdp_size must divide the devices (HSDP)
+        problems.add(message)
     _check_ranges(cfg, problems)
     _check_backend_and_run(cfg, problems)
     _check_algorithm_keys(cfg, problems)

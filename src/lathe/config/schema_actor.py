@@ -44,7 +44,10 @@ class FSDPConfig:
     offload_policy: bool = spec(False, "FSDP2 CPU offload policy for param/grad/optimizer.")
     grad_offload: bool = spec(False, "Old verl key: gradient offload.")
     reshard_after_forward: bool = spec(True, "FSDP2: free gathered params after forward.")
-    fsdp_size: int = spec(-1, "Devices per FSDP shard group; -1 = all devices.")
+    fsdp_size: int = spec(-1, "Devices per FSDP shard group. -1 (or the device count): every weight sharded over all "
+                              "the trainer's devices; N dividing the devices: hybrid sharding (HSDP), shards over "
+                              "groups of N devices, replicated across devices / N groups (N = 1: a whole copy on "
+                              "each device); the batch is split over all devices either way.")
     forward_prefetch: bool = spec(False, "Prefetch the next all-gather during forward.")
     model_dtype: DtypeName = spec("fp32", "Dtype of the weights the optimizer updates (master weights): fp32 or bf16 "
                                     "(bf16 = pure bf16 training). A frozen reference holds param_dtype weights.")

@@ -16,7 +16,7 @@ from .errors import ConfigError, ProblemList
 from .interpolate import resolve_interpolations
 from .loader import _apply_overrides, _read_mapping
 from .schema_sft import SFTConfig
-from .plan import trainer_devices
+from .plan import Devices, MeshPlan, mesh_plan, trainer_devices
 from .support_base import Entry, at_most, inert, one_of, only_on, refuse, warn
 from .tree import apply_layer, flatten_mapping, get_path
 
@@ -35,8 +35,6 @@ def entries() -> list[Entry]:
         refuse("model.strategy", "a training backend other than fsdp/fsdp2", "set it to fsdp2",
                one_of("fsdp", "fsdp2")),
         inert(f"{F}.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2"),
-        refuse(f"{F}.fsdp_size", "hybrid sharding (shard groups smaller than all devices, HSDP)",
-               "set it to -1 (shard over all devices)", lambda v, cfg: v in (-1, 1, trainer_devices(cfg))),
         refuse(f"{F}.grad_offload", "gradient offload (an old verl key)"),
         only_on("one device", refuse(f"{F}.offload_policy", "FSDP2's CPU offload policy on one device",
                                      "remove it; param_offload and optimizer_offload are the switches on one device")),
@@ -88,6 +86,15 @@ def load_sft_config(source: str | os.PathLike | None = None, overrides: Sequence
     return cfg
 
 
+def sft_mesh(cfg: SFTConfig) -> MeshPlan:
+    """The mesh `lathe sft` shards its model on: `model.fsdp_config.fsdp_size` over the trainer's devices (plain
+    FSDP, or HSDP when smaller; see `lathe.config.plan.mesh_plan`)."""
+    t = cfg.trainer
+    count = trainer_devices(cfg)
+    why = f"{count} = trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}"
+    return mesh_plan(cfg.model.fsdp_config.fsdp_size, Devices(count, why), f"{F}.fsdp_size")
+
+
 def _fill(cfg: SFTConfig) -> None:
     """verl's older spellings onto the keys lathe reads."""
     d, m, o = cfg.data, cfg.model, cfg.optim
@@ -128,6 +135,11 @@ def _check(cfg: SFTConfig) -> None:
                        t.total_epochs), ("trainer.nnodes", t.nnodes), ("trainer.n_gpus_per_node", t.n_gpus_per_node)):
         if value < 1:
             problems.add(f"{key}={value}: it must be >= 1.")
+    if devices >= 1:
+        try:
+            sft_mesh(cfg)
+        except ConfigError as e:
+            problems.add(str(e))
     if devices >= 1 and d.train_batch_size % devices:
         problems.add(f"data.train_batch_size={d.train_batch_size} is not divisible by the {devices} devices "
                      "(trainer.nnodes x trainer.n_gpus_per_node). Fix: make it a multiple of the devices.")

@@ -19,10 +19,10 @@ from dataclasses import replace
 from .errors import ProblemList
 from .coerce import show
 from .schema import LatheConfig
-from .plan import is_async, trainer_devices
+from .plan import is_async
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
 from .support_rollout import ROLLOUT_FEATURES
-from .support_verl import (BACKEND, HSDP, ULYSSES, backend_judge, judge_verl_keys, markdown_lines,
+from .support_verl import (BACKEND, ULYSSES, backend_judge, judge_verl_keys, markdown_lines,
                            megatron_role, optimizer_overrides_judge)
 from .tree import get_path
 
@@ -41,8 +41,6 @@ def _multi_gpu() -> list[Entry]:
     out += [replace(warn("model_engine", BACKEND), judge=backend_judge("model_engine"))]
     out += [replace(warn(f"{g}.strategy", BACKEND), judge=backend_judge(f"{g}.strategy")) for g in (A, REF, C)]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
-    out += [refuse(f"{g}.fsdp_config.fsdp_size", HSDP, "set it to -1 (shard over all devices)",
-                   lambda v, cfg: v in (-1, 1, trainer_devices(cfg))) for g in TRAINED]
     out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
             replace(refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices without a "
                            "rollout pool (fully-asynchronous training)",

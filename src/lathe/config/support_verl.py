@@ -33,7 +33,7 @@ PP = f"pipeline parallelism ({ISSUE_43})"
 CP = f"context parallelism ({ISSUE_43})"
 EP = f"expert parallelism ({ISSUE_43})"
 ULYSSES = f"Ulysses sequence parallelism ({ISSUE_43})"
-HSDP = f"hybrid sharding (HSDP: shard groups smaller than all devices; {ISSUE_43})"
+REPLICAS = "torchtitan's replica count given directly (lathe's hybrid sharding takes the shard size)"
 MTP = f"multi-token prediction (MTP; {ISSUE_44})"
 ROUTER_REPLAY = ROUTING                                  # the rollout's name for the same feature
 MOE_LOSSES = f"MoE router training settings (auxiliary losses, load balancing; {ISSUE_44})"
@@ -62,13 +62,14 @@ def _parallel() -> list[Entry]:
         ("*.megatron.override_transformer_config.context_parallel_size", CP),
         ("*.megatron.expert_model_parallel_size", EP), ("*.megatron.expert_tensor_parallel_size", EP),
         ("*.torchtitan.expert_parallel_size", EP), ("*.veomni.expert_parallel_size", EP),
-        ("*.veomni.ulysses_parallel_size", ULYSSES), ("*.torchtitan.data_parallel_replicate_size", HSDP))]
+        ("*.veomni.ulysses_parallel_size", ULYSSES))]
     out += [refuse("*.megatron.dynamic_context_parallel", CP),
-            refuse("*.veomni.fsdp_size", HSDP, "set it to -1 (shard over all devices)", _devices_or_all),
+            refuse("*.torchtitan.data_parallel_replicate_size", REPLICAS, "remove it and set data_parallel_shard_size "
+                   "(or fsdp_config.fsdp_size) to the devices / replicas", at_most(1)),
             warn("*.megatron.max_seqlen_per_dp_cp_rank", "it is read only with dynamic context parallelism"),
             warn("*.megatron.override_transformer_config.context_parallel_algo", "it is read only with context "
                  "parallelism"),
-            warn("*.torchtitan.data_parallel_s*", "lathe's data parallelism spans all the trainer's devices",
+            warn("*.torchtitan.data_parallel_size", "lathe's data parallelism spans all the trainer's devices",
                  _devices_or_all),
             warn("*.megatron.override_transformer_config.*pipeline*", "it is read only with pipeline parallelism"),
             warn("*.megatron.override_transformer_config.deallocate_pipeline_outputs", "it is read only with "

@@ -6,6 +6,8 @@ layer and in order, so a later ``fsdp_config`` override still wins:
 
 * ``{megatron,veomni,torchtitan}.param_offload`` / ``optimizer_offload`` -> ``fsdp_config.*`` (the role's);
 * ``veomni.enable_fsdp_offload`` -> ``fsdp_config.offload_policy``;
+* ``veomni.fsdp_size``, ``torchtitan.data_parallel_shard_size`` -> ``fsdp_config.fsdp_size`` (the shard group's
+  devices: hybrid sharding when fewer than all);
 * ``megatron.override_transformer_config.recompute_granularity`` full/selective, ``torchtitan.
   activation_checkpoint`` full/none -> the model's ``enable_gradient_checkpointing`` (lathe recomputes whole
   decoder layers);
@@ -50,6 +52,8 @@ RULES: tuple[tuple[str, str, Map, str], ...] = (
     ("*.param_offload", "fsdp.param_offload", _same, "fsdp_config.param_offload"),
     ("*.optimizer_offload", "fsdp.optimizer_offload", _same, "fsdp_config.optimizer_offload"),
     ("veomni.enable_fsdp_offload", "fsdp.offload_policy", _same, "fsdp_config.offload_policy"),
+    ("veomni.fsdp_size", "fsdp.fsdp_size", _same, "fsdp_config.fsdp_size"),
+    ("torchtitan.data_parallel_shard_size", "fsdp.fsdp_size", _same, "fsdp_config.fsdp_size"),
     ("megatron.override_transformer_config.recompute_granularity", "model.enable_gradient_checkpointing",
      _checkpointing({"full", "selective"}, set()), "full/selective: model.enable_gradient_checkpointing=true"),
     ("torchtitan.activation_checkpoint", "model.enable_gradient_checkpointing",

@@ -262,7 +262,8 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         reward_model = getattr(cluster, "reward_model", None)
     else:
         worker = ActorRolloutRefWorker(cfg, model, tokenizer, plan=plan, total_steps=total_steps, device=device)
-        critic = (CriticWorker(cfg, tokenizer, plan=plan.critic, total_steps=total_steps, device=device)
+        critic = (CriticWorker(cfg, tokenizer, plan=plan.critic, total_steps=total_steps, device=device,
+                               mesh=plan.mesh("critic"))
                   if plan.critic is not None else None)
         reward_model = (RewardModelWorker(cfg, tokenizer, device=device, micro_batch_size=micro_batch_size(cfg, plan))
                         if cfg.reward_model.enable else None)
@@ -347,7 +348,8 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         lora = (sum(arr.model.lora_rank * (m.in_features + m.out_features) for m in layers),
                 sum(m.weight.numel() for m in layers))
     text, fits = format_plan(plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
-                                    world=run.world, colocated=not run.is_async, lora=lora),
+                                    world=run.world, colocated=not run.is_async, lora=lora,
+                                    shards={role: run.mesh(role).dp_shard for role in ("actor", "ref", "critic")}),
                              device, arr.rollout.gpu_memory_utilization, kv_seq_bytes=kv_seq, seqs=seqs)
     log.info("%s", text)
     if not fits:

@@ -52,16 +52,17 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
 
 
 def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_params: int | None,
-         lathe_engine: bool, world: int = 1, colocated: bool = True, lora: tuple[int, int] | None = None
-         ) -> list[Part]:
+         lathe_engine: bool, world: int = 1, colocated: bool = True, lora: tuple[int, int] | None = None,
+         shards: dict[str, int] | None = None) -> list[Part]:
     """The parts of a run on one device: actor (+ a rollout copy unless lathe's engine runs on the actor's own
     weights in the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's
-    decoder. With `world` > 1 data-parallel ranks every trained or reference part is a 1/world FSDP2 shard and
-    the engine holds its own full copy. `colocated=False`: the rollout has devices of its own (fully async).
+    decoder. With `world` > 1 data-parallel ranks every trained or reference part is an FSDP2 shard and the engine
+    holds its own full copy: 1/world, or under hybrid sharding 1/`shards[role]` ('actor', 'ref', 'critic': the
+    `dp_shard` of the role's `MeshPlan`). `colocated=False`: the rollout has devices of its own (fully async).
     `lora`: (adapter parameters, parameters of the adapted layers): the base is frozen in the compute dtype, only
     the adapters have masters, gradients and moments, the reference is the base itself, and lathe's engine holds
     merged copies of the adapted layers only (on one device: it shares the rest with the frozen base; sharded, it
-    holds a full copy of its own, the base and adapters being 1/world shards)."""
+    holds a full copy of its own, the base and adapters being shards)."""
     from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
@@ -69,32 +70,37 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     shares = lathe_engine and engine_dtype == compute and world == 1
     note = ", shared with the rollout engine" if shares else ""
     size = lambda n, dtype: n * torch.empty((), dtype=dtype).element_size()   # noqa: E731
+    shard = lambda role, parts: _shard(parts, (shards or {}).get(role, world) if world > 1 else 1)  # noqa: E731
     if lora is not None:
         adapters, adapted = lora
-        parts = [Part(f"actor base weights (frozen), {short_name(compute)}", size(n_params, compute), True),
-                 *model_parts("actor LoRA adapters", "actor_rollout_ref.actor", adapters, arr.actor.fsdp_config,
-                              device)]
+        parts = shard("actor", [Part(f"actor base weights (frozen), {short_name(compute)}", size(n_params, compute),
+                                     True), *model_parts("actor LoRA adapters", "actor_rollout_ref.actor", adapters,
+                                                         arr.actor.fsdp_config, device)])
         if colocated:
             merged = adapted if lathe_engine and engine_dtype == compute and world == 1 else n_params
             parts.append(Part(f"rollout merged weights, {short_name(engine_dtype)}", size(merged, engine_dtype), True))
     else:
-        parts = model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device,
-                            weights_note=note)
+        parts = shard("actor", model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device,
+                                           weights_note=note))
         if not shares and colocated:
             parts.append(Part(f"rollout weights, {short_name(engine_dtype)}", size(n_params, engine_dtype), True))
         if need_ref:
-            parts += model_parts("reference", "actor_rollout_ref.ref", n_params, arr.ref.fsdp_config, device,
-                                 trainable=False)
+            parts += shard("ref", model_parts("reference", "actor_rollout_ref.ref", n_params, arr.ref.fsdp_config,
+                                              device, trainable=False))
     if critic_params:
-        parts += model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config, device)
-    if world > 1:
-        parts = [p if p.what.startswith("rollout ") else
-                 replace(p, nbytes=p.nbytes // world, what=f"{p.what}, 1/{world} shard") for p in parts]
+        parts += shard("critic", model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config,
+                                             device))
     tp = arr.rollout.tensor_model_parallel_size if colocated else 1
     if tp > 1:     # a tensor-parallel replica's rank: 1/tp of the layers and the LM head (the embeddings whole)
         parts = [replace(p, nbytes=p.nbytes // tp, what=f"{p.what}, 1/{tp} of a replica")
                  if p.what.startswith("rollout ") else p for p in parts]
     return parts
+
+
+def _shard(parts: list[Part], ranks: int) -> list[Part]:
+    """Each part as the 1/`ranks` FSDP2 shard a rank holds (whole when `ranks` is 1)."""
+    return parts if ranks <= 1 else [replace(p, nbytes=p.nbytes // ranks, what=f"{p.what}, 1/{ranks} shard")
+                                     for p in parts]
 
 
 def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization: float, *,

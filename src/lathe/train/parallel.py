@@ -7,6 +7,11 @@ decoder layer plus the root) and computes on its share of each mini-batch; gradi
 ranks (`set_gradient_divide_factor(1)`), because every loss is already normalised by the counts of the whole
 mini-batch (`global_counts`). A mini-batch's update therefore does not depend on how it was cut into ranks
 and micro-batches. In one process (no group) every function here is the identity and nothing is sharded.
+
+Hybrid sharding (HSDP, verl's `fsdp_config.fsdp_size` smaller than the world): a model's `MeshPlan`
+(`lathe.config.plan`) asks for a 2-D mesh `(dp_replicate, dp_shard)`; FSDP2 shards each weight over the ranks of
+a `dp_shard` group and replicates it across the `dp_replicate` groups, reduce-scattering gradients within a group
+and all-reducing them across groups: a sum again, so the update is the same on any mesh.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ FORWARD_METHODS = ("hidden_packed", "hidden_padded", "hidden_grouped")
 
 
 def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool = True,
-                offload: bool = False, device: torch.device | None = None) -> nn.Module:
+                offload: bool = False, device: torch.device | None = None, mesh=None) -> nn.Module:
     """`fully_shard` each decoder layer, then the root (embeddings, final norm, heads), in place.
 
     `mp_policy`: FSDP2's `MixedPrecisionPolicy` (bf16 compute on fp32 shards) or None; `offload`: shards and
@@ -107,15 +112,17 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
     `hidden_packed` / `hidden_padded` / `hidden_grouped` as well as `forward`; those are registered as forward
     methods so FSDP2 gathers the root's weights for them too.
 
-    `reshard_after_forward` (verl's key) applies to the decoder layers."""
+    `reshard_after_forward` (verl's key) applies to the decoder layers. `mesh`: the model's
+    `lathe.config.plan.MeshPlan` (plain FSDP over every rank when None; HSDP when it has replicas)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, register_fsdp_forward_method
     kw: dict = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device is not None and device.type == "cuda")
-    if device is not None:
-        kw["mesh"] = _mesh(device.type)      # weights still in host memory are moved to this device, shard by shard
+    if device is not None or mesh is not None:   # host weights are moved to the mesh's device, shard by shard
+        from lathe.device import current_device
+        kw["mesh"] = device_mesh((device or current_device()).type, mesh)
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
     # the root stays gathered after forward: its heads (lm_head, score) are also used outside forward, by the
@@ -131,19 +138,42 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
     return model
 
 
-def shard(model: nn.Module, fsdp_cfg, policy, device: torch.device) -> nn.Module:
-    """`shard_model` with verl's `fsdp_config` keys (`reshard_after_forward`, `param_offload`/`offload_policy`) and
-    a `lathe.train.precision` policy (bf16 compute on fp32 shards when mixed)."""
+def shard(model: nn.Module, fsdp_cfg, policy, device: torch.device, mesh=None) -> nn.Module:
+    """`shard_model` with verl's `fsdp_config` keys (`reshard_after_forward`, `param_offload`/`offload_policy`), a
+    `lathe.train.precision` policy (bf16 compute on fp32 shards when mixed) and the model's planned `mesh` (its
+    `fsdp_size`: `RunPlan.mesh(role)`)."""
     return shard_model(model, mp_policy=policy.fsdp2_policy() if policy.mixed else None,
                        reshard_after_forward=fsdp_cfg.reshard_after_forward,
-                       offload=bool(fsdp_cfg.param_offload or fsdp_cfg.offload_policy), device=device)
+                       offload=bool(fsdp_cfg.param_offload or fsdp_cfg.offload_policy), device=device, mesh=mesh)
+
+
+def device_mesh(device_type: str, plan=None):
+    """The torch `DeviceMesh` of a `MeshPlan` on `device_type`: 1-D over every rank for plain FSDP (also when
+    `plan` is None), 2-D `(dp_replicate, dp_shard)` for HSDP. Built once per shape and reused by every model
+    sharded on it (every rank must ask for the same meshes in the same order: building one is collective)."""
+    if plan is not None and plan.world != world_size():
+        raise ValueError(f"the mesh plan {plan.dp_replicate} x {plan.dp_shard} (replicas x shards) needs "
+                         f"{plan.world} ranks, but this worker runs in a group of {world_size()}. Fix: build the "
+                         f"worker with the run plan of its own group (lathe.config.run_plan(cfg, "
+                         f"device_count={world_size()})).")
+    replicas = plan.dp_replicate if plan is not None else 1
+    return _mesh(device_type, replicas, world_size() // replicas)
+
+
+def mesh_note(plan=None) -> str:
+    """', <the mesh>' for a worker's log line on a rank of a group ('FSDP: 4-way shards', 'HSDP: 2 replicas x 2-way
+    shards'); '' in one process."""
+    if not in_group():
+        return ""
+    return f", {plan.describe()}" if plan is not None else f", FSDP: {world_size()}-way shards"
 
 
 @functools.lru_cache(maxsize=None)
-def _mesh(device_type: str):
-    """The 1-D mesh of every rank on `device_type` (one per process, reused by every sharded model)."""
+def _mesh(device_type: str, replicas: int, shards: int):
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (world_size(),))
+    if replicas == 1:
+        return init_device_mesh(device_type, (shards,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

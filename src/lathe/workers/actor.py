@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from lathe.batch import Batch
-from lathe.config.plan import BatchPlan
+from lathe.config.plan import BatchPlan, MeshPlan
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
@@ -70,19 +70,20 @@ class Actor:
         self.optimizer = self.scheduler = self.ppo = None
 
     def start_training(self, *, plan: BatchPlan, total_steps: int, temperature: float, max_response_length: int,
-                       rollout_correction: dict, nonfinite: NonFiniteGuard) -> None:
-        """Shard (a rank of a group), then the optimizer (fp32 shards; LoRA: the adapters only), its schedule and the
-        PPO update over this rank's share of each mini-batch (`plan`)."""
+                       rollout_correction: dict, nonfinite: NonFiniteGuard, mesh: MeshPlan | None = None) -> None:
+        """Shard (a rank of a group) on `mesh` (`RunPlan.mesh('actor')`; None: plain FSDP), then the optimizer (fp32
+        shards; LoRA: the adapters only), its schedule and the PPO update over this rank's share of each mini-batch
+        (`plan`)."""
         actor = self.arr.actor
         parallel.check_plan_world(plan, "actor")
         if self.sharded:
-            parallel.shard(self.model, actor.fsdp_config, self.policy, self.device)
+            parallel.shard(self.model, actor.fsdp_config, self.policy, self.device, mesh)
             self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
         else:
             self.optimizer = build_optimizer(self.model.parameters(), actor.optim, policy=self.policy,
                                              **offload_flags(actor.fsdp_config, self.device, key=FSDP_KEY))
         self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
-        log.info("actor: %s on %s", self.policy.describe(), self.device)
+        log.info("actor: %s on %s%s", self.policy.describe(), self.device, parallel.mesh_note(mesh))
         self.ppo = PPOActor(self.model, self.optimizer, self.scheduler, actor,
                             mini_batch_size=plan.mini_batch_sequences_per_device, temperature=temperature,
                             max_response_length=max_response_length, rollout_correction=rollout_correction,

@@ -33,12 +33,13 @@ class ActorRolloutRefWorker:
         arr, rc = cfg.actor_rollout_ref, cfg.algorithm.rollout_correction
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         self.actor = Actor(arr, model, device=device, seed=cfg.trainer.seed, with_rollout=rollout)
-        self.ref = Reference(arr.ref, self.actor) if plan.needs_ref else None     # from the weights as loaded
+        # the reference copies the weights as loaded, before the actor is sharded
+        self.ref = Reference(arr.ref, self.actor, plan.mesh("ref")) if plan.needs_ref else None
         self.rollout = Rollout(arr.rollout, self.actor, model, tokenizer) if rollout else None
         self.actor.start_training(plan=plan.actor, total_steps=total_steps, temperature=arr.rollout.temperature,
                                   max_response_length=cfg.data.max_response_length,
                                   rollout_correction={k: getattr(rc, k) for k in ROLLOUT_CORRECTION_KEYS},
-                                  nonfinite=nonfinite_guard(cfg, "actor"))
+                                  nonfinite=nonfinite_guard(cfg, "actor"), mesh=plan.mesh("actor"))
         if self.rollout is not None:            # last: the engine sizes its KV cache from the memory left
             agent = ((lambda engine: build_agent_loop(cfg, engine, tokenizer))
                      if arr.rollout.multi_turn.enable else None)

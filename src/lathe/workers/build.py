@@ -4,6 +4,7 @@ workers on the starting weights every rank loads alike, seeded alike."""
 from __future__ import annotations
 
 from lathe.config import LatheConfig, RunPlan
+from lathe.config.sft import sft_mesh
 from lathe.device import rank_device
 from lathe.dtypes import rollout_dtype
 from lathe.models.hf import load_policy
@@ -41,7 +42,8 @@ def build_rollout_replica(cfg: LatheConfig, model_path: str, load_kwargs: dict, 
 
 def build_critic(cfg: LatheConfig, plan: RunPlan, tokenizer, *, total_steps: int, device_type: str):
     seed_everything(cfg.trainer.seed)
-    return CriticWorker(cfg, tokenizer, plan=plan.critic, total_steps=total_steps, device=rank_device(device_type))
+    return CriticWorker(cfg, tokenizer, plan=plan.critic, total_steps=total_steps, device=rank_device(device_type),
+                        mesh=plan.mesh("critic"))
 
 
 def build_reward_model(cfg: LatheConfig, plan: RunPlan, tokenizer, *, device_type: str):
@@ -54,4 +56,4 @@ def build_sft_worker(cfg, model_path: str, load_kwargs: dict, tokenizer, *, tota
     """`lathe sft`'s worker of this rank."""
     seed_everything(cfg.trainer.seed)
     return SFTWorker(cfg, load_policy(model_path, **load_kwargs), tokenizer, total_steps=total_steps,
-                     device=rank_device(device_type))
+                     device=rank_device(device_type), mesh=sft_mesh(cfg))

@@ -10,7 +10,7 @@ import torch
 
 from lathe.batch import Batch
 from lathe.config import LatheConfig
-from lathe.config.plan import BatchPlan
+from lathe.config.plan import BatchPlan, MeshPlan
 from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
 from lathe.models.value import load_value_model
@@ -38,8 +38,9 @@ class CriticWorker:
     """
 
     def __init__(self, cfg: LatheConfig, tokenizer, *, plan: BatchPlan, total_steps: int, device: torch.device,
-                 model=None):
-        """`plan`: the critic's batch cut (`RunPlan.critic`)."""
+                 model=None, mesh: MeshPlan | None = None):
+        """`plan`: the critic's batch cut (`RunPlan.critic`); `mesh`: its mesh (`RunPlan.mesh('critic')`; None:
+        plain FSDP) on a rank of a group."""
         critic = cfg.critic
         parallel.check_plan_world(plan, "critic")
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
@@ -54,13 +55,13 @@ class CriticWorker:
             model.gradient_checkpointing_enable()
         if parallel.in_group():     # a rank of a data-parallel group: FSDP2 moves each rank's fp32 shards to the device
             self.model = model.to(dtype=self.policy.master_dtype)
-            parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device)
+            parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device, mesh)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         else:
             self.model = model.to(device=self.device, dtype=self.policy.master_dtype)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
                                              **offload_flags(critic.model.fsdp_config, self.device, key=key))
-        log.info("critic: %s on %s", self.policy.describe(), self.device)
+        log.info("critic: %s on %s%s", self.policy.describe(), self.device, parallel.mesh_note(mesh))
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
         self.critic = PPOCritic(self.model, self.optimizer, self.scheduler, critic,
                                 mini_batch_size=plan.mini_batch_sequences_per_device,

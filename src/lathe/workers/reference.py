@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import torch
 
 from lathe.batch import Batch
+from lathe.config.plan import MeshPlan
 from lathe.dtypes import short_name
 from lathe.models.compile import maybe_compile
 from lathe.models.frozen import frozen_copy
@@ -31,7 +32,8 @@ FSDP_KEY = "actor_rollout_ref.ref.fsdp_config"
 class Reference:
     """`compute_ref_log_prob` of the frozen reference; build it from the actor before `Actor.start_training`."""
 
-    def __init__(self, ref_cfg, actor: Actor):
+    def __init__(self, ref_cfg, actor: Actor, mesh: MeshPlan | None = None):
+        """`mesh`: the reference's (`RunPlan.mesh('ref')`; None: plain FSDP), when the actor is sharded."""
         self.cfg, self.device, self.remove_padding = ref_cfg, actor.device, actor.arr.model.use_remove_padding
         self.model = self.host = None
         if actor.lora:                      # the actor with its adapters off
@@ -44,9 +46,10 @@ class Reference:
                                  torch.device("cpu") if actor.sharded else self.device)
         offload = offload_flags(ref_cfg.fsdp_config, self.device, key=FSDP_KEY, frozen=True)["offload_params"]
         if actor.sharded:
-            parallel.shard(self.model, ref_cfg.fsdp_config, policy, self.device)
+            parallel.shard(self.model, ref_cfg.fsdp_config, policy, self.device, mesh)
         maybe_compile(self.model, use_torch_compile(ref_cfg), device=self.device)
-        log.info("reference: %s weights%s", short_name(policy.param_dtype), ", in CPU memory between uses" * offload)
+        log.info("reference: %s weights%s%s", short_name(policy.param_dtype), ", in CPU memory between uses" * offload,
+                 parallel.mesh_note(mesh) if actor.sharded else "")
         self.host = HostWeights(self.model, self.device) if offload and not actor.sharded else None
 
     def _on_device(self):

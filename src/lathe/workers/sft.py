@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from lathe.batch import Batch
+from lathe.config.plan import MeshPlan
 from lathe.device import reset_peak_memory
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
@@ -30,7 +31,8 @@ class SFTWorker:
     """The model, its optimizer and schedule on one device (a rank of an FSDP2 group when in one): `train_step`
     takes a batch of `sft_batch` rows (this rank's share of the step's), `eval_loss` a validation batch."""
 
-    def __init__(self, cfg, model, tokenizer, *, total_steps: int, device: torch.device):
+    def __init__(self, cfg, model, tokenizer, *, total_steps: int, device: torch.device, mesh: MeshPlan | None = None):
+        """`mesh`: the model's (`lathe.config.sft.sft_mesh`; None: plain FSDP) on a rank of a group."""
         m, d = cfg.model, cfg.data
         self.tokenizer, self.device = tokenizer, device
         self.model = select_impl(model, m.impl, role="actor", key="model.impl")
@@ -52,7 +54,7 @@ class SFTWorker:
         else:                             # sharded: fully_shard moves each rank's shards to the device
             self.model.to(device=None if self.sharded else device, dtype=self.policy.master_dtype)
         if self.sharded:
-            parallel.shard(self.model, m.fsdp_config, self.policy, device)
+            parallel.shard(self.model, m.fsdp_config, self.policy, device, mesh)
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         else:
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, policy=self.policy,
@@ -63,7 +65,7 @@ class SFTWorker:
         self.micro_batch_size = d.micro_batch_size_per_gpu
         self.max_tokens = d.max_token_len_per_gpu if d.use_dynamic_bsz else None
         self.grad_clip = cfg.optim.clip_grad if cfg.optim.clip_grad is not None else 1.0
-        log.info("sft: %s on %s", self.policy.describe(), device)
+        log.info("sft: %s on %s%s", self.policy.describe(), device, parallel.mesh_note(mesh))
 
     def _micro(self, batch: Batch):
         return micro_batches(batch, size=self.micro_batch_size, max_tokens=self.max_tokens,

@@ -1,0 +1,184 @@
+"""lathe.train.parallel's hybrid sharding (HSDP: verl's `fsdp_config.fsdp_size` smaller than the world): the actor
+on a 2 x 2 mesh of 4 gloo ranks (2 replicas of 2-way shards) updates exactly as one process does (LoRA adapters
+too), and the sharded checkpoint it writes resumes exactly in one process and on plain FSDP over 2 ranks.
+
+The ranks are forks of one forkserver that imported torch and lathe once (a spawn per rank would import them
+four times over on a small machine)."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_close_rel, free_port, run_processes
+
+from lathe.algo import ROLLOUT_CORRECTION_KEYS
+from lathe.cluster.dispatch import update_shares
+from lathe.config import load_config, run_plan
+from lathe.generation import RolloutOutput
+from lathe.models.config import LatheConfig
+from lathe.models.decoder import LatheCausalLM, init_weights
+from lathe.rollout.base import to_batch
+from lathe.train import parallel
+from lathe.train.logprob import response_log_probs
+from lathe.train.update import NonFiniteGuard
+from lathe.workers.actor import Actor
+
+from .conftest import BASE_OVERRIDES, PAD, VOCAB
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+SAVED_AFTER = 2            # the checkpoint holds the state after this many steps
+JOIN_S = 120               # every wait is bounded: a broken collective fails the test, it never hangs the suite
+# pg_clipfrac and ppo_kl are means over micro-batches (verl's), which depend on the cut into ranks: not compared
+COMPARED = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/lr")
+
+
+class NoTokenizer:
+    """The tokenizer a checkpoint saves beside the weights: none here."""
+
+    def save_pretrained(self, path) -> None:
+        pass
+
+
+def tiny_model() -> LatheCausalLM:
+    """Qwen2-shaped, 2 layers, the same weights in every process."""
+    cfg = LatheConfig.from_hf_dict({"architectures": ["Qwen2ForCausalLM"], "vocab_size": VOCAB, "hidden_size": 32,
+                                    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "max_position_embeddings": 64,
+                                    "tie_word_embeddings": False})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LatheCausalLM(cfg)
+        init_weights(model, std=0.2)
+    return model
+
+
+def ppo_batch(step: int):
+    """8 sequences of random prompts and responses, old log-probs (the starting policy's, perturbed) and advantages."""
+    g = torch.Generator().manual_seed(step)
+    ids = lambda lo, hi: [torch.randint(2, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),),  # noqa: E731
+                                        generator=g).tolist() for _ in range(8)]
+    prompts, responses = ids(2, 6), ids(1, 7)
+    batch = to_batch(prompts, RolloutOutput(responses, [[0.0] * len(r) for r in responses], ["stop"] * 8), PAD, n=1)
+    mask = batch["response_mask"].float()
+    with torch.no_grad():
+        logp, _ = response_log_probs(tiny_model().eval(), batch)
+    batch["old_log_probs"] = (logp + 0.1 * torch.randn(mask.shape, generator=g)) * mask
+    batch["advantages"] = torch.randn(mask.shape[0], 1, generator=g).expand(mask.shape) * mask
+    return batch
+
+
+def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None = None, resume: Path | None = None,
+          overrides: tuple[str, ...] = ()):
+    """The actor's updates over `steps` on this process's share (a rank of `world`, or one process): metrics, the
+    full weights at the end (on rank 0) and the mesh its weights are sharded on."""
+    cfg = load_config(None, [*BASE_OVERRIDES, "trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
+                             f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size}",
+                             "actor_rollout_ref.actor.entropy_coeff=0.01", *overrides], device_count=world)
+    plan = run_plan(cfg, world)
+    rc = cfg.algorithm.rollout_correction
+    actor = Actor(cfg.actor_rollout_ref, tiny_model(), device=torch.device("cpu"), seed=0,
+                  with_rollout=cfg.actor_rollout_ref.model.lora_rank > 0)      # LoRA trains with a colocated rollout
+    actor.start_training(plan=plan.actor, total_steps=10, temperature=1.0,
+                         max_response_length=cfg.data.max_response_length,
+                         rollout_correction={k: getattr(rc, k) for k in ROLLOUT_CORRECTION_KEYS},
+                         nonfinite=NonFiniteGuard("actor"), mesh=plan.mesh("actor"))
+    if resume is not None:
+        actor.load_checkpoint(resume)
+    metrics = []
+    for step in steps:
+        batch = ppo_batch(step)
+        shares = update_shares(batch, world, mini_batch_size=plan.actor.mini_batch_sequences, balance=False)
+        metrics.append(actor.update(batch.select(shares[parallel.rank()])))
+        if save is not None and step + 1 == SAVED_AFTER:
+            actor.save_checkpoint(save, NoTokenizer())
+    weight = next(actor.model.parameters())
+    placements = tuple("shard" if p.is_shard() else "replicate" for p in getattr(weight, "placements", ()))
+    mesh = (tuple(weight.device_mesh.shape), placements) if parallel.in_group() else None
+    return {"metrics": metrics, "weights": parallel.full_state(actor.model), "mesh": mesh}
+
+
+def rank_main(rank: int, world: int, port: int, out: Path, queue, jobs: tuple[dict, ...]) -> None:
+    """One rank of a gloo group: `train(**job)` for each job in turn, each result saved to out/job<i>_rank<rank>.pt."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=JOIN_S))
+        for i, job in enumerate(jobs):
+            torch.save(train(world, **job), out / f"job{i}_rank{rank}.pt")
+        queue.put((rank, True))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, out: Path, *jobs: dict) -> list[list[dict]]:
+    """`train(world, **job)` for each job on `world` processes (one group, the jobs in turn): each job's result on
+    each rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("forkserver")      # one server imports torch and lathe once; each rank is a fork of it
+    ctx.set_forkserver_preload([__name__, "torch.distributed.checkpoint", "torch.distributed.fsdp"])
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, out, queue, jobs), daemon=True)
+             for r in range(world)]
+    run_processes(procs, queue, JOIN_S)
+    return [[torch.load(out / f"job{i}_rank{r}.pt", weights_only=False) for r in range(world)]
+            for i in range(len(jobs))]
+
+
+LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.actor.optim.lr=1e-2")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """HSDP 2 x 2 on 4 ranks (one group): 3 updates (saving after 2), then 2 updates of LoRA adapters."""
+    root = tmp_path_factory.mktemp("hsdp")
+    full, lora = run_ranks(4, root / "hsdp", dict(fsdp_size=2, save=root / "ckpt"),
+                           dict(fsdp_size=2, steps=range(2), overrides=LORA))
+    return root, full, lora
+
+
+def assert_same_run(actual: dict, expected: dict, rel: float = 1e-5) -> None:
+    assert len(actual["metrics"]) == len(expected["metrics"])
+    for a, b in zip(actual["metrics"], expected["metrics"]):
+        assert_close_rel([a[k] for k in COMPARED], [b[k] for k in COMPARED], rel=rel, name="metrics")
+    assert_close_rel(actual["weights"], expected["weights"], rel=rel, name="weights")
+
+
+def test_hsdp_2x2_updates_as_one_process(runs):
+    _, hsdp, _ = runs
+    assert hsdp[0]["mesh"] == ((2, 2), ("replicate", "shard"))       # 2 replicas of 2-way shards
+    assert all(r["weights"] == {} for r in hsdp[1:])                 # the full state is rank 0's
+    assert_same_run(hsdp[0], train(1, -1))
+
+
+def test_hsdp_checkpoint_resumes_exactly_in_one_process_and_on_two_ranks(runs):
+    root, hsdp, _ = runs
+    last = range(SAVED_AFTER, STEPS)
+    one = train(1, -1)
+    expected = {"metrics": one["metrics"][SAVED_AFTER:], "weights": one["weights"]}
+    assert_same_run(train(1, -1, steps=last, resume=root / "ckpt"), expected)
+    [fsdp] = run_ranks(2, root / "fsdp", dict(fsdp_size=-1, steps=last, resume=root / "ckpt"))
+    assert fsdp[0]["mesh"] == ((2,), ("shard",))
+    assert_same_run(fsdp[0], expected)
+    assert_same_run(fsdp[0], {"metrics": hsdp[0]["metrics"][SAVED_AFTER:], "weights": hsdp[0]["weights"]})
+
+
+def test_hsdp_2x2_trains_lora_adapters_as_one_process(runs):
+    """The frozen base and the adapters are sharded and replicated alike; only the adapters train."""
+    _, _, hsdp = runs
+    one = train(1, -1, steps=range(2), overrides=LORA)
+    assert_same_run(hsdp[0], one)
+    start = tiny_model().state_dict()
+    assert any("lora" in k for k in one["weights"])
+    assert all(torch.equal(v, start[k]) for k, v in one["weights"].items() if "lora" not in k)   # the base is frozen

@@ -32,7 +32,7 @@ TP = f"tensor parallelism ({ISSUE_43})"
 PP = f"pipeline parallelism ({ISSUE_43})"
 CP = f"context parallelism ({ISSUE_43})"
 EP = f"expert parallelism ({ISSUE_43})"
-ULYSSES = f"Ulysses sequence parallelism ({ISSUE_43})"
+ULYSSES_RM = f"Ulysses sequence parallelism for the reward model ({ISSUE_43})"
 HSDP = f"hybrid sharding (HSDP: shard groups smaller than all devices; {ISSUE_43})"
 MTP = f"multi-token prediction (MTP; {ISSUE_44})"
 ROUTER_REPLAY = ROUTING                                  # the rollout's name for the same feature
@@ -62,7 +62,7 @@ def _parallel() -> list[Entry]:
         ("*.megatron.override_transformer_config.context_parallel_size", CP),
         ("*.megatron.expert_model_parallel_size", EP), ("*.megatron.expert_tensor_parallel_size", EP),
         ("*.torchtitan.expert_parallel_size", EP), ("*.veomni.expert_parallel_size", EP),
-        ("*.veomni.ulysses_parallel_size", ULYSSES), ("*.torchtitan.data_parallel_replicate_size", HSDP))]
+        ("*.torchtitan.data_parallel_replicate_size", HSDP))]
     out += [refuse("*.megatron.dynamic_context_parallel", CP),
             refuse("*.veomni.fsdp_size", HSDP, "set it to -1 (shard over all devices)", _devices_or_all),
             warn("*.megatron.max_seqlen_per_dp_cp_rank", "it is read only with dynamic context parallelism"),

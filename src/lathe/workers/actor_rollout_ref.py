@@ -33,7 +33,8 @@ class ActorRolloutRefWorker:
         arr, rc = cfg.actor_rollout_ref, cfg.algorithm.rollout_correction
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         self.actor = Actor(arr, model, device=device, seed=cfg.trainer.seed, with_rollout=rollout)
-        self.ref = Reference(arr.ref, self.actor) if plan.needs_ref else None     # from the weights as loaded
+        self.ref = (Reference(arr.ref, self.actor, sp_size=plan.ref_sequence_parallel_size)   # the weights as loaded
+                    if plan.needs_ref else None)
         self.rollout = Rollout(arr.rollout, self.actor, model, tokenizer) if rollout else None
         self.actor.start_training(plan=plan.actor, total_steps=total_steps, temperature=arr.rollout.temperature,
                                   max_response_length=cfg.data.max_response_length,

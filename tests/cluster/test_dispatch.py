@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from lathe.batch import Batch
-from lathe.cluster.dispatch import contiguous_shares, equal_partitions, in_order, update_shares
+from lathe.cluster.dispatch import (contiguous_shares, equal_partitions, for_groups, in_order, one_per_group,
+                                    update_shares)
 
 
 def batch_of(lengths: list[int], width: int = 12) -> Batch:
@@ -43,3 +44,10 @@ def test_in_order_restores_the_batch_order():
 def test_contiguous_shares_cover_uneven_counts():
     assert [list(r) for r in contiguous_shares(5, 2)] == [[0, 1, 2], [3, 4]]
     assert [len(r) for r in contiguous_shares(1, 3)] == [1, 0, 0]
+
+
+def test_a_sequence_parallel_group_gets_one_share_and_gives_one_answer():
+    """Ranks 2g, 2g+1 form group g (`lathe.train.ulysses`): both get share g; group g's first rank answers."""
+    assert for_groups(["a", "b"], 2) == ["a", "a", "b", "b"]
+    assert for_groups(["a", "b"], 1) == ["a", "b"]
+    assert one_per_group(["a0", "a1", "b0", "b1"], 2) == ["a0", "b0"]

@@ -28,6 +28,9 @@ READ_IN_CONFIG = {
     "critic.ppo_mini_batch_size": "plan.py: batch_plan(role='critic'), RunPlan.critic: the critic's mini-batches",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "plan.py: batch_plan(role='actor'), RunPlan.actor: the actor's "
                                                    "mini-batches (and a fully-async step's prompts)",
+    **{f"{g}.ulysses_sequence_parallel_size": f"plan.py: sequence_parallel_size(), BatchPlan.sequence_parallel_size "
+       f"and RunPlan.ref_sequence_parallel_size: each role's Ulysses groups (lathe.train.ulysses)"
+       for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")},
     "verl_keys": "tree.py sets what verl_translate.py maps; support_verl.py judges the rest",
     **{f"{g}.fsdp_config.fsdp_size": f"plan.py: mesh_plan(), RunPlan.mesh('{role}'): the mesh (plain FSDP or HSDP) "
                                      "the model is sharded on" for g, role in (("actor_rollout_ref.actor", "actor"),

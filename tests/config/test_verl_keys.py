@@ -124,6 +124,19 @@ def test_translated_keys_set_lathes_key(override, key, value):
     assert get_path(load(override), key) == value
 
 
+def test_sequence_parallel_spellings_set_the_roles_size():
+    """verl's three spellings of a role's Ulysses size (the reference's null takes the actor's)."""
+    two = ["trainer.n_gpus_per_node=2", f"{M}.use_remove_padding=true"]
+    for spelling in (f"{A}.ulysses_sequence_parallel_size", f"{A}.fsdp_config.ulysses_sequence_parallel_size",
+                     f"{A}.veomni.ulysses_parallel_size"):
+        cfg = load_config("base", [*two, f"{spelling}=2"])
+        assert (cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
+                cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size) == (2, 2), spelling
+    assert translate("actor_rollout_ref.ref.veomni.ulysses_parallel_size", 2) == [
+        ("actor_rollout_ref.ref.ulysses_sequence_parallel_size", 2)]
+    assert translate(f"{A}.veomni.ulysses_parallel_size", 1) == []
+
+
 def test_offload_policy_translation():
     """veomni's FSDP offload is FSDP2's offload policy (refused on one device, so checked on the mapping)."""
     assert translate(f"{A}.veomni.enable_fsdp_offload", True) == [(f"{A}.fsdp_config.offload_policy", True)]
@@ -161,9 +174,6 @@ def test_verl_defaults_leave_lathe_keys_alone():
     (f"{A}.megatron.pipeline_model_parallel_size=2", "pipeline parallelism (lathe issue 43"),
     (f"{A}.megatron.context_parallel_size=2", "context parallelism (lathe issue 43"),
     (f"{A}.megatron.expert_model_parallel_size=8", "expert parallelism (lathe issue 43"),
-    (f"{A}.veomni.ulysses_parallel_size=2", "Ulysses sequence parallelism (lathe issue 43"),
-    (f"{A}.ulysses_sequence_parallel_size=2", "Ulysses sequence parallelism (lathe issue 43"),
-    (f"{A}.fsdp_config.ulysses_sequence_parallel_size=2", "Ulysses sequence parallelism (lathe issue 43"),
     (f"{A}.torchtitan.data_parallel_replicate_size=2", "torchtitan's replica count"),
     (f"{M}.mtp.enable=true", "multi-token prediction (MTP; lathe issue 44"),
     (f"{A}.router_replay.mode=R3", "MoE routing replay (R2/R3, lathe issue 44"),

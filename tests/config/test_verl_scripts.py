@@ -19,8 +19,6 @@ from config.verl_corpus import names, problems, refused_features, table
 KNOWN_OTHERS = {
     r"sequences per (mini-batch|step) is not divisible by the device": "lathe's batch rules split over every "
         "device; with tensor/pipeline/context parallelism (refused: issue 43) verl splits over fewer",
-    r"_max_token_len_per_gpu=\d+ is out of range": "with Ulysses sequence parallelism (refused: issue 43) verl's "
-        "token budget is per sequence-parallel group",
     r"^unknown key actor_rollout_ref\.actor\.engine\.": "the megatron-lite package's keys (after the refused "
         "Hydra config-group selection that brings them)",
     r"^unknown key actor_rollout_ref\.actor\.model_engine$": "not a key of verl's schema either: Hydra refuses it "

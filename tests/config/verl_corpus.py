@@ -106,8 +106,6 @@ def problems(name: str) -> list[tuple[str, str]]:
 
 SHORT = [(r"not divisible by the device count", "mini-batch split over every device (verl splits over "
                                                     "data-parallel ranks)"),
-         (r"_max_token_len_per_gpu=\d+ is out of range", "token budget per device below one sequence (verl's is per "
-                                                        "Ulysses group)"),
          (r"profiles the trainer process", "profiling Ray workers"),
          (r"^[\w.]+=[^:]*: (?P<what>.*?) is not implemented yet in lathe", None)]
 

@@ -108,9 +108,11 @@ def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls,
     """The driver's handles on a group's actor and critic, each update cut into the plan's mini-batches."""
     balance = cfg.trainer.balance_batch
     actor = actor_cls(group, pad_id=tokenizer.pad_token_id, balance=balance, has_ref=plan.needs_ref,
-                      mini_batch_size=plan.actor.mini_batch_sequences, rollout_tp=plan.rollout_tp, **actor_kwargs)
-    critic = (critic_cls(group, mini_batch_size=plan.critic.mini_batch_sequences, balance=balance)
-              if plan.critic is not None else None)
+                      mini_batch_size=plan.actor.mini_batch_sequences, rollout_tp=plan.rollout_tp,
+                      actor_sp=plan.actor.sequence_parallel_size, ref_sp=plan.ref_sequence_parallel_size,
+                      **actor_kwargs)
+    critic = (critic_cls(group, mini_batch_size=plan.critic.mini_batch_sequences, balance=balance,
+                         sp=plan.critic.sequence_parallel_size) if plan.critic is not None else None)
     return actor, critic
 
 

@@ -9,6 +9,10 @@ Two cuts:
   mini-batch 0, then of mini-batch 1, ... so that when each rank cuts its share into mini-batches of
   `mini_batch_size / world` rows, the ranks' j-th mini-batches together are exactly the undivided run's
   j-th mini-batch, and an update (normalised by whole-mini-batch counts) is the same however many ranks run it.
+
+With Ulysses sequence parallelism of size S (`lathe.train.ulysses`) a batch is cut into world / S data-parallel
+shares, each share goes to the S consecutive ranks of its sequence-parallel group (`for_groups`), which compute it
+together and answer alike, and one answer per group is kept (`one_per_group`).
 """
 
 from __future__ import annotations
@@ -78,3 +82,14 @@ def in_order(parts: list[Batch], shares: list[list[int]]) -> Batch:
     joined = Batch.concat(parts)
     order = torch.argsort(torch.tensor([i for share in shares for i in share]))
     return joined.select(order)
+
+
+def for_groups(calls: list, sp: int) -> list:
+    """Each data-parallel share's call for every rank of its group of `sp` consecutive ranks (a sequence-parallel
+    group, or a tensor-parallel engine replica)."""
+    return [call for call in calls for _ in range(sp)]
+
+
+def one_per_group(answers: list, sp: int) -> list:
+    """The first answer of each group of `sp` consecutive ranks (its ranks answer alike, or only its first)."""
+    return answers[::sp]

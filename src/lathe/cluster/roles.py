@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from lathe.batch import Batch
-from lathe.cluster.dispatch import contiguous_shares, even_shares, in_order, update_shares
+from lathe.cluster.dispatch import (contiguous_shares, even_shares, for_groups, in_order, one_per_group,
+                                    update_shares)
 from lathe.generation import SamplingParams
 from lathe.rollout.base import concat_rollouts
 
@@ -29,8 +30,9 @@ def generate_over_ranks(group, role: str, prompts: Batch, params: SamplingParams
         params = replace(params, seed=int(torch.randint(0, 2**62, (1,))))
     shares = contiguous_shares(len(prompts), group.world_size // replica_size)
     calls = [((prompts.select(list(s)), params), {"first_index": s.start * params.n}) if len(s) else None
-             for s in shares for _ in range(replica_size)]
-    outs = [o for o in group.call_each(role, "generate_sequences", calls) if o is not None]
+             for s in shares]
+    answers = group.call_each(role, "generate_sequences", for_groups(calls, replica_size))
+    outs = [o for o in one_per_group(answers, replica_size) if o is not None]
     batch = concat_rollouts(outs, pad_id)
     batch.meta["rollout_metrics"] = merge_rollout_metrics([o.meta.get("rollout_metrics", {}) for o in outs])
     return batch
@@ -38,31 +40,28 @@ def generate_over_ranks(group, role: str, prompts: Batch, params: SamplingParams
 
 class ActorRolloutRefGroup:
     """`ActorRolloutRefWorker`'s methods over a worker group: rollout split by prompts, log-probs by balanced
-    equal shares, updates mini-batch by mini-batch (see `update_shares`); answers joined in batch order."""
+    equal shares, updates mini-batch by mini-batch (see `update_shares`); answers joined in batch order. With
+    Ulysses sequence parallelism (`actor_sp`: the actor's log-probs and update, `ref_sp`: the reference's), the
+    shares are one per sequence-parallel group, given to each of its ranks (`lathe.cluster.dispatch.for_groups`)."""
 
     def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool,
-                 rollout_tp: int = 1):
+                 rollout_tp: int = 1, actor_sp: int = 1, ref_sp: int = 1):
         self.group, self.pad_id, self.mini_batch_size, self.balance = group, pad_id, mini_batch_size, balance
-        self.has_ref, self.rollout_tp = has_ref, rollout_tp
+        self.has_ref, self.rollout_tp, self.actor_sp, self.ref_sp = has_ref, rollout_tp, actor_sp, ref_sp
         self.world = group.world_size
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
         return generate_over_ranks(self.group, ACTOR, prompts, params, self.pad_id, replica_size=self.rollout_tp)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
-        return self._forward("compute_log_prob", batch)
+        return forward_over_groups(self.group, ACTOR, "compute_log_prob", batch, self.actor_sp, self.balance)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        return self._forward("compute_ref_log_prob", batch)
-
-    def _forward(self, method: str, batch: Batch) -> Batch:
-        shares = even_shares(batch, self.world, balance=self.balance)
-        outs = self.group.call_each(ACTOR, method, [((batch.select(s),), {}) for s in shares])
-        return in_order(outs, shares)
+        return forward_over_groups(self.group, ACTOR, "compute_ref_log_prob", batch, self.ref_sp, self.balance)
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        shares = update_shares(batch, self.world, mini_batch_size=self.mini_batch_size, balance=self.balance)
-        return self.group.call_each(ACTOR, "update_actor", [((batch.select(s),), {}) for s in shares])[0]
+        return update_over_groups(self.group, ACTOR, "update_actor", batch, self.actor_sp, self.mini_batch_size,
+                                  self.balance)
 
     def sync_weights(self) -> None:
         self.group.call(ACTOR, "sync_weights")
@@ -90,20 +89,18 @@ class AsyncActorGroup(ActorRolloutRefGroup):
 
 
 class CriticGroup:
-    """`CriticWorker`'s methods over the same ranks (colocated with the actor)."""
+    """`CriticWorker`'s methods over the same ranks (colocated with the actor); `sp`: the critic's Ulysses size."""
 
-    def __init__(self, group, *, mini_batch_size: int, balance: bool):
-        self.group, self.mini_batch_size, self.balance = group, mini_batch_size, balance
+    def __init__(self, group, *, mini_batch_size: int, balance: bool, sp: int = 1):
+        self.group, self.mini_batch_size, self.balance, self.sp = group, mini_batch_size, balance, sp
         self.world = group.world_size
 
     def compute_values(self, batch: Batch) -> Batch:
-        shares = even_shares(batch, self.world, balance=self.balance)
-        outs = self.group.call_each(CRITIC, "compute_values", [((batch.select(s),), {}) for s in shares])
-        return in_order(outs, shares)
+        return forward_over_groups(self.group, CRITIC, "compute_values", batch, self.sp, self.balance)
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        shares = update_shares(batch, self.world, mini_batch_size=self.mini_batch_size, balance=self.balance)
-        return self.group.call_each(CRITIC, "update_critic", [((batch.select(s),), {}) for s in shares])[0]
+        return update_over_groups(self.group, CRITIC, "update_critic", batch, self.sp, self.mini_batch_size,
+                                  self.balance)
 
     def save_checkpoint(self, path: Path) -> None:
         self.group.call(CRITIC, "save_checkpoint", Path(path))
@@ -146,6 +143,21 @@ class SFTGroup:
 
     def load_checkpoint(self, path: Path) -> None:
         self.group.call(SFT, "load_checkpoint", Path(path))
+
+
+def forward_over_groups(group, role: str, method: str, batch: Batch, sp: int, balance: bool) -> Batch:
+    """`role.method` over balanced equal shares, one per data-parallel group of `sp` ranks; answers in batch order."""
+    shares = even_shares(batch, group.world_size // sp, balance=balance)
+    outs = group.call_each(role, method, for_groups([((batch.select(s),), {}) for s in shares], sp))
+    return in_order(one_per_group(outs, sp), shares)
+
+
+def update_over_groups(group, role: str, method: str, batch: Batch, sp: int, mini_batch_size: int,
+                       balance: bool) -> dict[str, float]:
+    """`role.method` (an update) over `update_shares`, one per data-parallel group of `sp` ranks; rank 0's metrics
+    (already summed over the ranks)."""
+    shares = update_shares(batch, group.world_size // sp, mini_batch_size=mini_batch_size, balance=balance)
+    return group.call_each(role, method, for_groups([((batch.select(s),), {}) for s in shares], sp))[0]
 
 
 def merge_rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -7,7 +7,10 @@ instead of recomputing them from the keys.
 
 verl's batch semantics: ``data.train_batch_size`` = prompts per step; each prompt is sampled ``rollout.n`` times;
 ``ppo_mini_batch_size`` counts PROMPTS (x n sequences, split evenly over the devices) and
-``ppo_micro_batch_size_per_gpu`` counts SEQUENCES per device per forward/backward pass.
+``ppo_micro_batch_size_per_gpu`` counts SEQUENCES per device per forward/backward pass. With Ulysses sequence
+parallelism (a role's ``ulysses_sequence_parallel_size`` S > 1) the devices form groups of S that compute each
+micro-batch together: a mini-batch is split over the devices / S data-parallel groups (``data_parallel_size``),
+every device of a group holding the group's share.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ class BatchPlan:
     mini_batch_sequences_per_device: int
     micro_batch_per_device: int
     grad_accum_steps: int
+    sequence_parallel_size: int = 1      # the role's ulysses_sequence_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The data-parallel shares a mini-batch is cut into: the devices over the sequence-parallel size."""
+        return max(1, self.device_count // self.sequence_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,7 @@ class RunPlan:
     critic: BatchPlan | None
     needs_ref: bool
     meshes: dict[str, MeshPlan] = field(default_factory=dict)    # 'actor', 'ref', 'critic': see `mesh`
+    ref_sequence_parallel_size: int = 1  # actor_rollout_ref.ref.ulysses_sequence_parallel_size (null: the actor's)
     rollout_tp: int = 1         # devices per engine replica (rollout.tensor_model_parallel_size)
 
     @property
@@ -143,14 +153,25 @@ def resolve_devices(cfg: LatheConfig, device_count: int | None = None) -> Device
     return Devices(count, f"{count} = trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}")
 
 
+def sequence_parallel_size(cfg: LatheConfig, role: str) -> int:
+    """``ulysses_sequence_parallel_size`` of ``role`` ('actor', 'ref' or 'critic'); the reference's null is the
+    actor's (verl's default)."""
+    arr = cfg.actor_rollout_ref
+    if role == "ref":
+        return arr.ref.ulysses_sequence_parallel_size or arr.actor.ulysses_sequence_parallel_size
+    return (arr.actor if role == "actor" else cfg.critic).ulysses_sequence_parallel_size
+
+
 def batch_plan(cfg: LatheConfig, device_count: int | None = None, role: str = "actor") -> BatchPlan:
     """The batch cut of a validated config for ``role`` ('actor' or 'critic')."""
     dev = resolve_devices(cfg, device_count).count
     owner = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
     n, tbs, mini = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size, owner.ppo_mini_batch_size
-    per_device = mini * n // dev
+    sp = max(1, sequence_parallel_size(cfg, role))
+    per_device = mini * n // max(1, dev // sp)
     micro = owner.ppo_micro_batch_size_per_gpu or per_device
-    return BatchPlan(dev, tbs, tbs * n, mini, mini * n, tbs // mini, per_device, micro, max(1, per_device // micro))
+    return BatchPlan(dev, tbs, tbs * n, mini, mini * n, tbs // mini, per_device, micro, max(1, per_device // micro),
+                     sequence_parallel_size=sp)
 
 
 # role -> its fsdp_config group (verl's key fsdp_size sets the role's mesh)
@@ -206,4 +227,5 @@ def run_plan(cfg: LatheConfig, device_count: int | None = None) -> RunPlan:
                    actor=batch_plan(cfg, devices.count, "actor"),
                    critic=batch_plan(cfg, devices.count, "critic") if critic_in_use(cfg) else None,
                    needs_ref=needs_ref(cfg), meshes=role_meshes(cfg, devices),
+                   ref_sequence_parallel_size=sequence_parallel_size(cfg, "ref"),
                    rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)

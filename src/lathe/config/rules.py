@@ -12,7 +12,9 @@ import sys
 import warnings
 
 from .errors import ProblemList
-from .plan import BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, trainer_devices
+from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size,
+                   trainer_devices)
+from .rules_sp import KEYS as SP_KEYS, check_sequence_parallel, data_parallel
 from .schema import LatheConfig
 
 
@@ -79,6 +81,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
             _check_micro("critic", cfg.critic, batch_plan(cfg, devices.count, "critic"), arr.rollout.n, problems)
     for message in mesh_problems(cfg, devices):      # fsdp_size must divide the devices (HSDP)
         problems.add(message)
+    check_sequence_parallel(cfg, devices, problems)
     _check_ranges(cfg, problems)
     _check_backend_and_run(cfg, problems)
     _check_algorithm_keys(cfg, problems)
@@ -155,9 +158,9 @@ def _check_batches(cfg: LatheConfig, prefix: str, owner, devices: Devices, probl
         return False
     if prefix == "actor_rollout_ref.actor":
         _check_step_split(tbs, n, devices, problems)
-    if not _check_mini(key, tbs, n, mini, devices, problems):
-        return False
     role = "actor" if prefix == "actor_rollout_ref.actor" else "critic"
+    if not _check_mini(key, tbs, n, mini, data_parallel(cfg, role, devices), problems):
+        return False
     _check_micro(prefix, owner, batch_plan(cfg, devices.count, role), n, problems)
     return True
 
@@ -213,8 +216,10 @@ def _check_micro(prefix: str, owner, plan: BatchPlan, n: int, problems: ProblemL
     if micro is None or owner.use_dynamic_bsz:
         return
     per_device, key = plan.mini_batch_sequences_per_device, f"{prefix}.ppo_micro_batch_size_per_gpu"
+    shares = (f"{plan.device_count} device(s)" if plan.sequence_parallel_size == 1 else
+              f"{plan.data_parallel_size} data-parallel group(s) of {plan.sequence_parallel_size} devices")
     where = (f"the per-device mini-batch of {per_device} sequences (ppo_mini_batch_size={plan.mini_batch_prompts} "
-             f"x rollout.n={n} / {plan.device_count} device(s))")
+             f"x rollout.n={n} / {shares})")
     divisors = [d for d in range(1, per_device + 1) if per_device % d == 0]
     if micro < 1 or micro > per_device:
         problems.add(f"{key}={micro} must be between 1 and {where}, because a micro-batch is a slice of it. "
@@ -286,22 +291,31 @@ def _range_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]:
 
 
 def _token_budget_rules(cfg: LatheConfig) -> list[tuple[str, object, bool, str]]:
-    """With use_dynamic_bsz, each token budget in force must hold the longest sequence (prompt + response)."""
+    """With use_dynamic_bsz, each token budget in force must hold the longest sequence (prompt + response); with
+    Ulysses sequence parallelism a micro-batch holds the budget x the role's ulysses_sequence_parallel_size (verl's
+    rule: the group's devices share each micro-batch)."""
     arr, critic = cfg.actor_rollout_ref, cfg.critic
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     budgets = [("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu,
-                arr.actor.use_dynamic_bsz),
+                arr.actor.use_dynamic_bsz, "actor"),
                ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", arr.rollout.log_prob_max_token_len_per_gpu,
-                arr.rollout.log_prob_use_dynamic_bsz),
+                arr.rollout.log_prob_use_dynamic_bsz, "actor"),
                ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_max_token_len_per_gpu,
-                arr.ref.log_prob_use_dynamic_bsz)]
+                arr.ref.log_prob_use_dynamic_bsz, "ref")]
     if critic_in_use(cfg):
-        budgets += [("critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, critic.use_dynamic_bsz),
+        budgets += [("critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, critic.use_dynamic_bsz,
+                     "critic"),
                     ("critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
-                     critic.use_dynamic_bsz)]
-    rule = (f"must be >= data.max_prompt_length + data.max_response_length = {longest} with use_dynamic_bsz "
-            "(a micro-batch must hold the longest sequence)")
-    return [(key, value, value is not None and value >= longest, rule) for key, value, on in budgets if on]
+                     critic.use_dynamic_bsz, "critic")]
+    out = []
+    for key, value, on, role in budgets:
+        size = max(1, sequence_parallel_size(cfg, role))
+        times = "" if size == 1 else f"times {SP_KEYS[role]}={size} "
+        rule = (f"{times}must be >= data.max_prompt_length + data.max_response_length = {longest} with "
+                "use_dynamic_bsz (a micro-batch must hold the longest sequence)")
+        if on:
+            out.append((key, value, value is not None and value * size >= longest, rule))
+    return out
 
 
 def _betas_ok(betas: list[float]) -> bool:

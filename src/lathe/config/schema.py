@@ -119,7 +119,9 @@ class CriticConfig:
     grad_clip: float = spec(1.0, "Max global gradient norm.")
     cliprange_value: float = spec(0.5, "Value clipping range around the old values.")
     loss_agg_mode: LossAggMode | None = spec(None, "null = actor's.")
-    ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")
+    ulysses_sequence_parallel_size: int = spec(
+        1, "Ulysses sequence parallelism of the critic (as actor_rollout_ref.actor.ulysses_sequence_parallel_size; "
+           "needs critic.model.use_remove_padding; its token budgets are x size per micro-batch). 1: off.")
     checkpoint: CheckpointConfig = spec(factory=CheckpointConfig, help="Checkpoint contents.")
     profiler: dict[str, Any] = spec({}, "verl profiler settings.")
 

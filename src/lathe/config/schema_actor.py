@@ -203,7 +203,12 @@ class ActorConfig:
     grad_clip: float = spec(1.0, "Max global gradient norm.")
     tis_imp_ratio_cap: float = spec(-1.0, "Truncated IS cap on old/rollout ratio; -1 disables.")
     use_token_level_loss: bool | None = spec(None, "Old verl DAPO key; loss_agg_mode=token-mean replaces it.")
-    ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")
+    ulysses_sequence_parallel_size: int = spec(
+        1, "Ulysses sequence parallelism (verl's key): groups of this many devices compute each micro-batch "
+           "together, each running every layer on 1/size of the packed tokens, with all-to-alls around attention "
+           "(lathe.train.ulysses); it must divide the devices and the model's heads, needs model.use_remove_padding, "
+           "and the token budgets (ppo_max_token_len_per_gpu, the rollout's log_prob_max_token_len_per_gpu) count "
+           "per device, so a micro-batch holds budget x size tokens. 1: off.")
     entropy_from_logits_with_chunking: bool = spec(False, "Chunk the entropy computation (verl).")
     entropy_checkpointing: bool = spec(False, "Recompute entropy in backward (verl).")
     use_torch_compile: bool = spec(True, "torch.compile lathe's decoder layers and chunked log-prob/entropy math "
@@ -231,7 +236,9 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool | None = spec(None, "Token-count micro-batches; null = actor.use_dynamic_bsz.")
     log_prob_max_token_len_per_gpu: int | None = spec(
         None, "Token budget per micro-batch; null = actor.ppo_max_token_len_per_gpu.")
-    ulysses_sequence_parallel_size: int | None = spec(None, "Sequence-parallel degree; null = actor's (verl).")
+    ulysses_sequence_parallel_size: int | None = spec(
+        None, "Ulysses sequence parallelism of the reference's log-prob pass (as actor.ulysses_sequence_parallel_size; "
+              "its budget is log_prob_max_token_len_per_gpu x size); null = the actor's (verl).")
     use_torch_compile: bool | None = spec(None, "null = actor.use_torch_compile.")
     entropy_from_logits_with_chunking: bool = spec(False, "Chunk the entropy computation (verl).")
     entropy_checkpointing: bool = spec(False, "Recompute entropy in backward (verl).")

@@ -27,7 +27,8 @@ ALWAYS_SAVED = {"model", "optimizer", "extra"}
 def entries() -> list[Entry]:
     """The SFT keys lathe accepts but does not act on (fully): refused, or warned about (see support_base)."""
     return [
-        refuse("ulysses_sequence_parallel_size", "Ulysses sequence parallelism", "set it to 1", at_most(1)),
+        refuse("ulysses_sequence_parallel_size", "Ulysses sequence parallelism in lathe sft (lathe train's actor, "
+               "reference and critic have it)", "set it to 1", at_most(1)),
         refuse("model.use_liger", "Liger kernels"),
         refuse("data.custom_cls.path", "a custom dataset class"),
         refuse("trainer.default_hdfs_dir", "copying checkpoints to HDFS"),

@@ -22,7 +22,7 @@ from .schema import LatheConfig
 from .plan import is_async
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
 from .support_rollout import ROLLOUT_FEATURES
-from .support_verl import (BACKEND, ULYSSES, backend_judge, judge_verl_keys, markdown_lines,
+from .support_verl import (BACKEND, ULYSSES_RM, backend_judge, judge_verl_keys, markdown_lines,
                            megatron_role, optimizer_overrides_judge)
 from .tree import get_path
 
@@ -37,8 +37,7 @@ class IgnoredKeysWarning(UserWarning):
 
 
 def _multi_gpu() -> list[Entry]:
-    out = [refuse(f"{g}.ulysses_sequence_parallel_size", ULYSSES, "set it to 1", at_most(1)) for g in (A, REF, C)]
-    out += [replace(warn("model_engine", BACKEND), judge=backend_judge("model_engine"))]
+    out = [replace(warn("model_engine", BACKEND), judge=backend_judge("model_engine"))]
     out += [replace(warn(f"{g}.strategy", BACKEND), judge=backend_judge(f"{g}.strategy")) for g in (A, REF, C)]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
     out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
@@ -152,7 +151,7 @@ def _rewards() -> list[Entry]:
                                                 "scores are the same"),
            warn(f"{RM}.n_gpus_per_node", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
            warn(f"{RM}.nnodes", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
-           refuse(f"{RM}.ulysses_sequence_parallel_size", ULYSSES, "set it to 1", at_most(1)),
+           refuse(f"{RM}.ulysses_sequence_parallel_size", ULYSSES_RM, "set it to 1", at_most(1)),
            replace(warn(f"{RM}.strategy", BACKEND), judge=backend_judge(f"{RM}.strategy")),
            refuse(f"{RM}.model.input_tokenizer", "decoding the responses with a tokenizer other than the policy's",
                   f"remove it: the reward model reads the policy's responses with {M}.tokenizer_path (or {M}.path) "

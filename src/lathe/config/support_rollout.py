@@ -17,8 +17,8 @@ from .plan import is_async
 from .support_base import Entry, at_most, no_entries, only_on, refuse, same_as, warn
 
 R = "actor_rollout_ref.rollout"
-MODEL_PARALLEL = "lathe issue 43: model-parallel engine replicas; lathe's replicas are tensor-parallel " \
-                 "(rollout.tensor_model_parallel_size) and data-parallel over the trainer's devices"
+MODEL_PARALLEL = "lathe issue 43: model-parallel engine replicas; lathe's are tensor-parallel and data-parallel " \
+                 "over the trainer's devices"
 ROUTING = "MoE routing replay (R2/R3, lathe issue 44)"
 POOL = ("set the top-level rollout.nnodes and rollout.n_gpus_per_node (lathe's rollout pool: fully asynchronous "
         "training), and remove {key}")

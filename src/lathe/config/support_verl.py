@@ -32,7 +32,7 @@ TP = f"tensor parallelism ({ISSUE_43})"
 PP = f"pipeline parallelism ({ISSUE_43})"
 CP = f"context parallelism ({ISSUE_43})"
 EP = f"expert parallelism ({ISSUE_43})"
-ULYSSES = f"Ulysses sequence parallelism ({ISSUE_43})"
+ULYSSES_RM = f"Ulysses sequence parallelism for the reward model ({ISSUE_43})"
 REPLICAS = "torchtitan's replica count given directly (lathe's hybrid sharding takes the shard size)"
 MTP = f"multi-token prediction (MTP; {ISSUE_44})"
 ROUTER_REPLAY = ROUTING                                  # the rollout's name for the same feature
@@ -61,8 +61,7 @@ def _parallel() -> list[Entry]:
         ("*.megatron.context_parallel_size", CP), ("*.torchtitan.context_parallel_size", CP),
         ("*.megatron.override_transformer_config.context_parallel_size", CP),
         ("*.megatron.expert_model_parallel_size", EP), ("*.megatron.expert_tensor_parallel_size", EP),
-        ("*.torchtitan.expert_parallel_size", EP), ("*.veomni.expert_parallel_size", EP),
-        ("*.veomni.ulysses_parallel_size", ULYSSES))]
+        ("*.torchtitan.expert_parallel_size", EP), ("*.veomni.expert_parallel_size", EP))]
     out += [refuse("*.megatron.dynamic_context_parallel", CP),
             refuse("*.torchtitan.data_parallel_replicate_size", REPLICAS, "remove it and set data_parallel_shard_size "
                    "(or fsdp_config.fsdp_size) to the devices / replicas", at_most(1)),

@@ -13,6 +13,7 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   decoder layers);
 * ``megatron.dtype``, ``torchtitan.dtype``, ``fsdp_config.dtype`` / ``critic.fsdp.dtype`` -> ``fsdp_config.
   mixed_precision.param_dtype``; ``veomni.mixed_precision=false`` -> param_dtype fp32;
+* ``veomni.ulysses_parallel_size`` -> the role's ``ulysses_sequence_parallel_size``;
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
 
 A value equal to verl's default translates to nothing: a full verl config file lists every backend key at its
@@ -47,8 +48,10 @@ def _checkpointing(on: set, off: set) -> Map:
     return lambda v: True if v in on else False if v in off else None
 
 
-# (pattern below a role, lathe key: 'fsdp.<k>' / 'model.<k>' / 'optim.<k>' in the role's group, value map, doc)
+# (pattern below a role, lathe key: 'fsdp.<k>' / 'model.<k>' / 'optim.<k>' in the role's group or 'role.<k>' in the
+# role itself, value map, doc)
 RULES: tuple[tuple[str, str, Map, str], ...] = (
+    ("veomni.ulysses_parallel_size", "role.ulysses_sequence_parallel_size", _same, "ulysses_sequence_parallel_size"),
     ("*.param_offload", "fsdp.param_offload", _same, "fsdp_config.param_offload"),
     ("*.optimizer_offload", "fsdp.optimizer_offload", _same, "fsdp_config.optimizer_offload"),
     ("veomni.enable_fsdp_offload", "fsdp.offload_policy", _same, "fsdp_config.offload_policy"),
@@ -87,7 +90,7 @@ def rule_for(key: str) -> tuple[str, str] | None:
     if found is None:
         return None
     role, rest = found
-    groups = dict(zip(("fsdp", "model", "optim"), ROLE[role]))
+    groups = {**dict(zip(("fsdp", "model", "optim"), ROLE[role])), "role": role}
     if not rest.startswith(BACKEND_PREFIXES):
         return None
     for pattern, target, _, doc in RULES:

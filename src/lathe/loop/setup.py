@@ -247,6 +247,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         total_steps = _async_steps(cfg, len(loader), total_steps)
 
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
+    check_sequence_parallel_model(plan, model)
     log_memory_plan(cfg, plan, model, device)
     cluster = None
     if uses_ray(plan):                  # Ray workers, each loading the weights
@@ -287,6 +288,18 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
             raise
     trainer.tracker.truncate_after(trainer.global_step)
     return trainer
+
+
+def check_sequence_parallel_model(plan: RunPlan, model) -> None:
+    """A policy loaded as lathe's model (text or vision-language) that the actor's or reference's Ulysses size cannot
+    split fails here, before the workers start (they check again, after picking their implementation)."""
+    from lathe.models.decoder import LatheCausalLM
+    from lathe.models.vl import LatheVLForConditionalGeneration
+    from lathe.train.ulysses import check_model
+    if isinstance(model, (LatheCausalLM, LatheVLForConditionalGeneration)):
+        check_model(model, plan.actor.sequence_parallel_size, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
+        if plan.needs_ref:
+            check_model(model, plan.ref_sequence_parallel_size, "actor_rollout_ref.ref.ulysses_sequence_parallel_size")
 
 
 def uses_ray(plan: RunPlan) -> bool:

@@ -234,13 +234,19 @@ class _Backbone(nn.Module):
         """(B, L, H) final hidden states of a padded batch; padding positions hold unspecified values."""
         return self._hidden_padded(input_ids, attention_mask, position_ids)
 
+    def hidden_with(self, input_ids, position_ids, attn) -> torch.Tensor:
+        """Final hidden states of tokens of any leading shape under an attention callable bound to their layout
+        (`lathe.models.attention.AttentionFn`), such as one that training builds around `PackedAttention` to split
+        a packed stream over devices (`lathe.train.ulysses`)."""
+        return self.model(input_ids, position_ids, attn)
+
     def hidden_grouped(self, input_ids, position_ids, attn_mask) -> torch.Tensor:
         """(B, L, H) final hidden states under an explicit (B, 1, L, L) boolean attention mask (`MaskedAttention`):
         the prefix-grouped rows of `lathe.train.prefix_group`."""
         return self.model(input_ids, position_ids, MaskedAttention(attn_mask))
 
-    # The public entry points (forward, hidden_padded, hidden_packed, hidden_grouped) never call one another: a
-    # sharding wrapper may hook each of them (FSDP2's register_fsdp_forward_method), and hooks must not nest.
+    # The public entry points (forward, hidden_padded, hidden_packed, hidden_with, hidden_grouped) never call one
+    # another: a sharding wrapper may hook each of them (FSDP2's register_fsdp_forward_method), and hooks must not nest.
     def _hidden_padded(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         if attention_mask is None:
             if position_ids is None:

@@ -10,6 +10,7 @@ not depend on the micro-batch size.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -20,8 +21,9 @@ from lathe.algo.rollout_correction import ProbsDiffSums
 from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.train import parallel
-from lathe.train.logprob import response_log_probs
+from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
+from lathe.train.ulysses import SequenceParallel
 from lathe.train.update import NonFiniteGuard, clipped_step, run_ppo_epochs
 
 
@@ -38,20 +40,27 @@ class PPOActor:
 
     def __init__(self, model, optimizer, scheduler, actor_cfg, *, mini_batch_size: int, temperature: float,
                  max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False,
-                 nonfinite: NonFiniteGuard | None = None):
+                 nonfinite: NonFiniteGuard | None = None, sp: SequenceParallel | None = None):
         """`mini_batch_size`: this rank's share of a mini-batch, in sequences (`BatchPlan.mini_batch_sequences_per_device`).
         `rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
         then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
         `use_remove_padding` (verl's `model.use_remove_padding`): packed forward for lathe's decoder.
         `use_torch_compile` and `fsdp_config.use_torch_compile` (verl's two spellings; either false turns it off):
-        compile lathe's decoder layers and log-prob math, on CUDA (see `lathe.models.compile`)."""
+        compile lathe's decoder layers and log-prob math, on CUDA (see `lathe.models.compile`).
+        `sp`: this rank's sequence-parallel group (`actor.ulysses_sequence_parallel_size`, `lathe.train.ulysses`),
+        whose ranks get the same shares and compute each micro-batch together; counts and metrics are summed over
+        its `data_group` (the ranks holding distinct data) and the token budget is per group."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
         self.nonfinite = nonfinite or NonFiniteGuard("actor")
         self.compiled = maybe_compile(model, use_torch_compile(actor_cfg))
         self.use_remove_padding = use_remove_padding
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = actor_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
-        self.max_token_len = actor_cfg.ppo_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None
+        self.sp = sp
+        self.data_group = sp.data_group if sp is not None else None
+        self.max_token_len, self.max_token_key = group_budget(
+            actor_cfg.ppo_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None,
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", sp)
         self.temperature = temperature
         bypass = bool(rollout_correction and rollout_correction.get("bypass_mode"))
         self.loss_params = policy_loss_params(actor_cfg, rollout_correction if bypass else None)
@@ -81,23 +90,24 @@ class PPOActor:
         the whole mini-batch's token and sequence counts, so gradients summed over ranks and micro-batches are
         those of the mini-batch, however it was cut."""
         self.optimizer.zero_grad(set_to_none=True)
-        tokens, seqs = parallel.global_counts(mini["response_mask"])
+        tokens, seqs = parallel.global_counts(mini["response_mask"], self.data_group)
         agg = dict(global_num_tokens=tokens, global_num_seqs=seqs, loss_scale_factor=self.loss_scale_factor)
         # metrics stay on the device until the mini-batch ends: a host read per micro-batch would make the host
         # wait for each backward before it could queue the next micro-batch
         sums: dict[str, float | torch.Tensor] = defaultdict(float)
         diff = ProbsDiffSums() if "old_log_probs" not in mini and "rollout_log_probs" in mini else None
         for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
-                                      key="actor_rollout_ref.actor.ppo_max_token_len_per_gpu"):
+                                      key=self.max_token_key):
             loss, parts = self._micro_batch_loss(micro, agg, diff)
             loss.backward()
             weight = len(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
                 v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
                 sums[k] = sums[k] + v * (1.0 if k in _SUMMED else weight)
-        out = parallel.sum_metrics({k: float(v) for k, v in sums.items()})
+        out = parallel.sum_metrics({k: float(v) for k, v in sums.items()}, self.data_group)
         if diff is not None:
-            out.update({f"training/rollout_probs_diff_{k}": v for k, v in diff.metrics(parallel.all_reduce).items()})
+            reduce = functools.partial(parallel.all_reduce, group=self.data_group)
+            out.update({f"training/rollout_probs_diff_{k}": v for k, v in diff.metrics(reduce).items()})
         out["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
         out["actor/skipped_updates"] = self.nonfinite.check(out["actor/grad_norm"], mini)
         return out
@@ -108,7 +118,7 @@ class PPOActor:
         mask = micro["response_mask"]
         log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
                                                calculate_entropy=True, remove_padding=self.use_remove_padding,
-                                               prefix_grouper=cfg.use_prefix_grouper)
+                                               prefix_grouper=cfg.use_prefix_grouper, sp=self.sp)
         old = micro.tensors.get("old_log_probs")
         if old is None:                     # on-policy (see update_policy): pi_old is this very forward
             old = log_prob.detach()

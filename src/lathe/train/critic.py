@@ -24,8 +24,9 @@ from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheValueModel
 from lathe.train import parallel
-from lathe.train.logprob import response_hidden, scatter_response
+from lathe.train.logprob import group_budget, response_hidden, scatter_response, sequence_parallel_response
 from lathe.train.micro import in_batch_order, micro_batches
+from lathe.train.ulysses import SequenceParallel
 from lathe.train.update import (NonFiniteGuard, clipped_step, load_trainable, run_ppo_epochs,
                                 save_trainable)
 
@@ -34,12 +35,21 @@ __all__ = ["response_values", "PPOCritic"]
 log = logging.getLogger("lathe")
 
 
-def response_values(model, batch: Batch, *, remove_padding: bool = False) -> torch.Tensor:
+def response_values(model, batch: Batch, *, remove_padding: bool = False,
+                    sp: SequenceParallel | None = None) -> torch.Tensor:
     """Values (B, R) float32 of the response positions, zero where ``response_mask`` is 0.
 
     lathe's ``LatheValueModel`` reads the head off the real response positions only, from a packed forward
     when ``remove_padding`` (verl's ``critic.model.use_remove_padding``); a transformers model runs padded.
+    ``sp``: this rank's sequence-parallel group computes the batch together (`lathe.train.ulysses`; packed).
     """
+    if sp is not None:
+        if not (isinstance(model, LatheValueModel) and remove_padding):
+            raise ValueError("Ulysses sequence parallelism runs lathe's value model packed (critic.model."
+                             f"use_remove_padding=true); got {type(model).__name__}, remove_padding={remove_padding}")
+        values, flat = sequence_parallel_response(model, batch, sp, lambda hidden, _: model.score(hidden).float())
+        values = scatter_response(values[:, 0], flat, tuple(batch["responses"].shape))
+        return values * batch["response_mask"].to(values.dtype)
     if isinstance(model, LatheValueModel):
         hidden, valid = response_hidden(model, batch, remove_padding=remove_padding)
         values = scatter_response(model.score(hidden).squeeze(-1).float(), valid)
@@ -55,7 +65,9 @@ class PPOCritic:
     """Owns the value module and its optimizer; ``update_critic`` runs one RL step's value updates."""
 
     def __init__(self, model, optimizer, scheduler, critic_cfg, *, mini_batch_size: int, max_response_length: int,
-                 use_remove_padding: bool = False, nonfinite: NonFiniteGuard | None = None):
+                 use_remove_padding: bool = False, nonfinite: NonFiniteGuard | None = None,
+                 sp: SequenceParallel | None = None):
+        """`sp`: this rank's sequence-parallel group (`critic.ulysses_sequence_parallel_size`): as `PPOActor`'s."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, critic_cfg
         self.nonfinite = nonfinite or NonFiniteGuard("critic")
         self.use_remove_padding = use_remove_padding
@@ -65,8 +77,11 @@ class PPOCritic:
         self.micro_batch_size = critic_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.forward_micro_batch_size = critic_cfg.forward_micro_batch_size_per_gpu or self.micro_batch_size
         dynamic = critic_cfg.use_dynamic_bsz        # (verl: token budgets instead of sequence counts)
-        self.max_token_len = critic_cfg.ppo_max_token_len_per_gpu if dynamic else None
-        self.forward_max_token_len = critic_cfg.forward_max_token_len_per_gpu if dynamic else None
+        self.sp, self.data_group = sp, (sp.data_group if sp is not None else None)
+        self.max_token_len, self.max_token_key = group_budget(
+            critic_cfg.ppo_max_token_len_per_gpu if dynamic else None, "critic.ppo_max_token_len_per_gpu", sp)
+        self.forward_max_token_len, self.forward_max_token_key = group_budget(
+            critic_cfg.forward_max_token_len_per_gpu if dynamic else None, "critic.forward_max_token_len_per_gpu", sp)
         self.loss_scale_factor = max_response_length
 
     @torch.no_grad()
@@ -75,10 +90,10 @@ class PPOCritic:
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = [(response_values(self.model, mb, remove_padding=self.use_remove_padding), rows)
+            parts = [(response_values(self.model, mb, remove_padding=self.use_remove_padding, sp=self.sp), rows)
                      for mb, rows in micro_batches(batch, size=self.forward_micro_batch_size,
                                                    max_tokens=self.forward_max_token_len,
-                                                   key="critic.forward_max_token_len_per_gpu")]
+                                                   key=self.forward_max_token_key)]
         finally:
             self.model.train(was_training)
             parallel.reshard(self.model)
@@ -100,27 +115,28 @@ class PPOCritic:
         self.optimizer.zero_grad(set_to_none=True)
         mask = mini["response_mask"]
         agg = global_batch_info(mask, self.loss_scale_factor)      # summed over data-parallel ranks
-        tokens, seqs = parallel.all_reduce([agg["global_num_tokens"], agg["global_num_seqs"]]).tolist()
+        tokens, seqs = parallel.all_reduce([agg["global_num_tokens"], agg["global_num_seqs"]],
+                                           group=self.data_group).tolist()
         agg.update(global_num_tokens=int(tokens), global_num_seqs=int(seqs))
         total_tokens = max(1, agg["global_num_tokens"])
         # metrics stay on the device until the mini-batch ends (as the actor's): no host wait per micro-batch
         sums: dict[str, float | torch.Tensor] = defaultdict(float)
         for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
-                                      key="critic.ppo_max_token_len_per_gpu"):
+                                      key=self.max_token_key):
             loss, parts = self._micro_batch_loss(micro, agg)
             loss.backward()
             share = micro["response_mask"].sum().double() / total_tokens   # token-weighted: exact mini-batch means
             sums["critic/vf_loss"] = sums["critic/vf_loss"] + loss.detach().double()   # global normalisation: add up
             for k, v in parts.items():
                 sums[k] = sums[k] + v * share
-        out = parallel.sum_metrics({k: float(v) for k, v in sums.items()})
+        out = parallel.sum_metrics({k: float(v) for k, v in sums.items()}, self.data_group)
         out["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
         out["critic/skipped_updates"] = self.nonfinite.check(out["critic/grad_norm"], mini)
         return out
 
     def _micro_batch_loss(self, micro: Batch, agg: dict) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro["response_mask"]
-        vpreds = response_values(self.model, micro, remove_padding=self.use_remove_padding)
+        vpreds = response_values(self.model, micro, remove_padding=self.use_remove_padding, sp=self.sp)
         loss, clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], mask, self.cfg.cliprange_value,
                                             loss_agg_mode=self.cfg.loss_agg_mode, agg_kwargs=agg)
         parts = {"critic/vf_clipfrac": torch.as_tensor(clipfrac).detach().double(),

@@ -22,6 +22,7 @@ runs the chunked log-prob/entropy math compiled, with the same backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 from lathe.batch import Batch
 from lathe.device import to_device
 from lathe.models.decoder import LatheCausalLM
+from lathe.models.attention import PackedAttention
 from lathe.models.logprob import chunked_token_stats
 from lathe.models.logprob import response_token_stats as padded_token_stats
 from lathe.models.packing import pack_padded
@@ -37,6 +39,11 @@ from lathe.models.vl import LatheVLForConditionalGeneration, mrope_positions
 from lathe.train import parallel
 from lathe.train.micro import HOST_MASK, in_batch_order, micro_batches
 from lathe.train.prefix_group import grouped_hidden
+from lathe.train.ulysses import SequenceParallel, UlyssesAttention, gather_tokens, local_slice, padded_length
+
+# (hidden states (n, H) of the positions that predict n response tokens, those tokens' places in the flattened
+# (B * R) responses) -> (n, k) values per token: what a sequence-parallel forward reads off its slice
+ReadFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 LOGPROB_CHUNK_SIZE = 1024   # tokens per lm_head chunk: peak extra memory ~ chunk x vocab x 4 bytes (x3 in backward)
 
@@ -75,10 +82,21 @@ def host_layout(batch: Batch) -> HostLayout | None:
     host = batch.tensors.get(HOST_MASK)
     if host is None or host.shape != batch["attention_mask"].shape:
         return None
+    indices, seqlens, index, flat = host_arrays(host, batch["responses"].shape[1])
+    device = batch["attention_mask"].device
+    return HostLayout(indices=_moved(indices, device),
+                      cu_seqlens=_moved(np.concatenate([[0], np.cumsum(seqlens)]), device, torch.int32),
+                      max_seqlen=int(seqlens.max()) if len(seqlens) else 0, index=_moved(index, device),
+                      flat=_moved(flat, device))
+
+
+def host_arrays(host_mask: torch.Tensor, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`HostLayout`'s facts as numpy arrays, from a (B, L) attention mask in host memory whose last R columns are
+    the responses: (indices (T,), seqlens (B,), index (N,), flat (N,)); `index` ascends (rows in order, each row's
+    response positions in order)."""
     # numpy: single-threaded (torch's CPU ops wake their thread pool per op, slow on a busy host; see to_batch)
-    mask = host.numpy().astype(bool)
+    mask = host_mask.numpy().astype(bool)
     B, L = mask.shape
-    R = batch["responses"].shape[1]
     seqlens = mask.sum(-1)
     indices = np.flatnonzero(mask)
     valid = mask[:, L - R:]
@@ -88,12 +106,12 @@ def host_layout(batch: Batch) -> HostLayout | None:
     index = where[source]
     if (index < 0).any():
         raise ValueError(BAD_LAYOUT)
-    device = batch["attention_mask"].device
+    return indices, seqlens, index, np.flatnonzero(valid)
 
-    def moved(a: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return to_device(torch.from_numpy(np.ascontiguousarray(a)).to(dtype), device)
-    return HostLayout(indices=moved(indices), cu_seqlens=moved(np.concatenate([[0], np.cumsum(seqlens)]), torch.int32),
-                      max_seqlen=int(seqlens.max()) if B else 0, index=moved(index), flat=moved(np.flatnonzero(valid)))
+
+def _moved(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host array on `device` without waiting for it."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(a)).to(dtype), device)
 
 
 BAD_LAYOUT = ("a response token follows a padding position (attention_mask 0): the batch must be a left-padded "
@@ -135,6 +153,61 @@ def response_hidden(model, batch: Batch, *, remove_padding: bool = False, layout
     return hidden[index], valid
 
 
+def group_budget(max_tokens: int | None, key: str, sp: SequenceParallel | None) -> tuple[int | None, str]:
+    """(a micro-batch's token budget, its name in errors): the per-device budget `key`, x the sequence-parallel
+    group's size (verl's rule: the group's devices compute each micro-batch together, each 1/size of its tokens)."""
+    if max_tokens is None or sp is None:
+        return max_tokens, key
+    return max_tokens * sp.size, f"{key} x ulysses_sequence_parallel_size={sp.size}"
+
+
+def sequence_parallel_response(model, batch: Batch, sp: SequenceParallel, read: ReadFn
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (N, k), flat (N,)): `read`'s k values of each of the batch's N real response tokens, computed by a
+    sequence-parallel group (`lathe.train.ulysses`), and each token's place in the flattened (B * R) responses.
+
+    The packed stream (worked out on the host, the same on every rank of the group) is padded to a multiple of the
+    group's size, the pad being a sequence of its own; this rank runs lathe's decoder (`hidden_with`) on its slice
+    under `UlyssesAttention`, calls `read(hidden (n, H), tokens (n,))` on the hidden states that predict the response
+    tokens in its slice (`tokens`: their places in the flattened responses), and the slices' values are gathered."""
+    host = batch.tensors.get(HOST_MASK)
+    if host is None or host.shape != batch["attention_mask"].shape:
+        host = batch["attention_mask"].cpu()
+    indices, seqlens, index, flat = host_arrays(host, batch["responses"].shape[1])
+    device, T = batch["input_ids"].device, len(indices)
+    total = padded_length(T, sp.size)
+    per, pad = total // sp.size, total - T
+    real = _moved(indices, device)
+    ids, pos = (local_slice(batch[k].flatten()[real], sp) for k in ("input_ids", "position_ids"))
+    bounds = np.concatenate([[0], np.cumsum(seqlens), [total] * bool(pad)])
+    attn = PackedAttention(_moved(bounds, device, torch.int32), int(max(seqlens.max(), pad)), model.packed_backend())
+    hidden = model.hidden_with(ids, pos, UlyssesAttention(attn, sp))
+    lo = sp.rank * per
+    mine = (index >= lo) & (index < lo + per)
+    rows = _moved(index[mine] - lo, device)
+    out = read(hidden[rows], _moved(flat[mine], device))
+    slab = out.new_zeros(per, out.shape[1]).index_put((rows,), out)
+    return gather_tokens(slab, sp)[_moved(index, device)], _moved(flat, device)
+
+
+def _sequence_parallel_stats(model, batch: Batch, sp: SequenceParallel, *, temperature: float, chunk_size: int,
+                             wanted: tuple[bool, bool, bool]) -> tuple[torch.Tensor | None, ...]:
+    """`response_token_stats` of a sequence-parallel group: the (log-prob, entropy, sum pi^2) asked for by `wanted`,
+    each computed on the rank's slice by `chunked_token_stats` and gathered (`sequence_parallel_response`)."""
+    targets = batch["responses"].flatten()
+
+    def read(hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        stats = chunked_token_stats(hidden, model.lm_head.weight, targets[tokens], temperature=temperature,
+                                    chunk_size=chunk_size, calculate_entropy=wanted[1],
+                                    calculate_sum_pi_squared=wanted[2],
+                                    compile_backend=getattr(model, "compile_backend", None))
+        return torch.stack([x for x in stats if x is not None], dim=-1)
+    values, flat = sequence_parallel_response(model, batch, sp, read)
+    columns = iter(values.unbind(-1))
+    return tuple(scatter_response(next(columns), flat, tuple(batch["responses"].shape)) if want else None
+                 for want in wanted)
+
+
 def image_inputs(batch: Batch, device: torch.device | str) -> dict[str, torch.Tensor]:
     """{"pixel_values" (patches, D), "image_grid_thw" (images, 3)} of the batch's rows, images in row order, on
     `device`; {} when the batch has no `multi_modal_inputs` column or no row has images. Micro-batches are
@@ -173,26 +246,36 @@ def scatter_response(values: torch.Tensor, valid: torch.Tensor, shape: tuple[int
 
 def response_log_probs(model, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
                        remove_padding: bool = False, prefix_grouper: bool = False,
-                       chunk_size: int = LOGPROB_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       chunk_size: int = LOGPROB_CHUNK_SIZE, sp: SequenceParallel | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log_probs (B, R), entropy (B, R) or None) float32 of `batch["responses"]`.
 
     `remove_padding` and `chunk_size` apply to lathe's decoder and VL model; a transformers model always runs
     padded. `prefix_grouper` (verl's `actor.use_prefix_grouper`, lathe's text decoder): rows that share a prompt
-    run it once (`lathe.train.prefix_group`).
+    run it once (`lathe.train.prefix_group`). `sp`: this rank's sequence-parallel group computes the batch together
+    (lathe's text decoder, packed: `sequence_parallel_response`); every rank of it gets the whole batch's results.
     """
     logp, entropy, _ = response_token_stats(model, batch, temperature=temperature,
                                             calculate_entropy=calculate_entropy, remove_padding=remove_padding,
-                                            prefix_grouper=prefix_grouper, chunk_size=chunk_size)
+                                            prefix_grouper=prefix_grouper, chunk_size=chunk_size, sp=sp)
     return logp, entropy
 
 
 def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
                          calculate_sum_pi_squared: bool = False, remove_padding: bool = False,
-                         prefix_grouper: bool = False, chunk_size: int = LOGPROB_CHUNK_SIZE
+                         prefix_grouper: bool = False, chunk_size: int = LOGPROB_CHUNK_SIZE,
+                         sp: SequenceParallel | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`response_log_probs` plus, with `calculate_sum_pi_squared` (verl's `actor.calculate_sum_pi_squared`), each
     response token's sum over the vocabulary of p^2 (B, R) float32, no gradient, 0 at padding; else None. lathe's
     models compute it in the log-prob pass's own chunks; a transformers model from its full logits."""
+    if sp is not None:
+        if not (isinstance(model, LatheCausalLM) and remove_padding and not prefix_grouper):
+            raise ValueError("Ulysses sequence parallelism runs lathe's text decoder packed (use_remove_padding=true) "
+                             f"without use_prefix_grouper; got {type(model).__name__}, remove_padding="
+                             f"{remove_padding}, prefix_grouper={prefix_grouper}")
+        return _sequence_parallel_stats(model, batch, sp, temperature=temperature, chunk_size=chunk_size,
+                                        wanted=(True, calculate_entropy, calculate_sum_pi_squared))
     if prefix_grouper and not isinstance(model, LatheCausalLM):
         raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, Qwen2, "
                          f"Qwen3), but the actor runs {type(model).__name__}. Fix: set use_prefix_grouper=false.")
@@ -233,14 +316,16 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
 @torch.no_grad()
 def batched_log_probs(model, batch: Batch, *, micro_batch_size: int, temperature: float = 1.0,
                       calculate_entropy: bool = False, remove_padding: bool = False,
-                      max_tokens: int | None = None, max_tokens_key: str = "log_prob_max_token_len_per_gpu"
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      max_tokens: int | None = None, max_tokens_key: str = "log_prob_max_token_len_per_gpu",
+                      sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_log_probs` over micro-batches (`micro_batch_size` sequences, or packed by `max_tokens`: see
-    `lathe.train.micro`), in eval mode, without gradients; rows in the batch's order."""
+    `lathe.train.micro`), in eval mode, without gradients; rows in the batch's order. `sp`: as
+    `response_log_probs`; a packed micro-batch then holds up to `max_tokens` x the group's size (verl's budget: per
+    device, and a group of devices computes each micro-batch)."""
     log_probs, entropy, _ = batched_token_stats(model, batch, micro_batch_size=micro_batch_size,
                                                 temperature=temperature, calculate_entropy=calculate_entropy,
                                                 remove_padding=remove_padding, max_tokens=max_tokens,
-                                                max_tokens_key=max_tokens_key)
+                                                max_tokens_key=max_tokens_key, sp=sp)
     return log_probs, entropy
 
 
@@ -248,16 +333,17 @@ def batched_log_probs(model, batch: Batch, *, micro_batch_size: int, temperature
 def batched_token_stats(model, batch: Batch, *, micro_batch_size: int, temperature: float = 1.0,
                         calculate_entropy: bool = False, calculate_sum_pi_squared: bool = False,
                         remove_padding: bool = False, prefix_grouper: bool = False, max_tokens: int | None = None,
-                        max_tokens_key: str = "log_prob_max_token_len_per_gpu"
+                        max_tokens_key: str = "log_prob_max_token_len_per_gpu", sp: SequenceParallel | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`batched_log_probs` plus the per-token sum over the vocabulary of p^2 when `calculate_sum_pi_squared`
     (`response_token_stats`), else None in its place."""
     was_training = model.training
     model.eval()
+    max_tokens, max_tokens_key = group_budget(max_tokens, max_tokens_key, sp)
     try:
         parts = [(response_token_stats(model, mb, temperature=temperature, calculate_entropy=calculate_entropy,
                                        calculate_sum_pi_squared=calculate_sum_pi_squared,
-                                       remove_padding=remove_padding, prefix_grouper=prefix_grouper), rows)
+                                       remove_padding=remove_padding, prefix_grouper=prefix_grouper, sp=sp), rows)
                  for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens,
                                                key=max_tokens_key)]
     finally:

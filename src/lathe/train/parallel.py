@@ -53,14 +53,16 @@ def distributed() -> bool:
     return world_size() > 1
 
 
-def all_reduce(values: list[float] | torch.Tensor, *, op: str = "sum") -> torch.Tensor:
-    """`values` (float64 on the CPU) summed (or `max`ed) over the ranks; unchanged in one process."""
+def all_reduce(values: list[float] | torch.Tensor, *, op: str = "sum", group=None) -> torch.Tensor:
+    """`values` (float64 on the CPU) summed (or `max`ed) over the ranks (of `group`; None: all of them); unchanged
+    in one process. Sums over the data use a sequence-parallel role's `data_group` (`lathe.train.ulysses`): the
+    ranks of a sequence-parallel group hold the same data."""
     t = torch.as_tensor(values, dtype=torch.float64).clone()
     if not distributed():
         return t
     device = _comm_device()
     out = t.to(device)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return out.cpu()
 
 
@@ -68,16 +70,18 @@ def max_over_ranks(value: int) -> int:
     return int(all_reduce([value], op="max")[0])
 
 
-def sum_metrics(values: dict[str, float]) -> dict[str, float]:
-    """Each metric summed over the ranks (the ranks report the same keys)."""
+def sum_metrics(values: dict[str, float], group=None) -> dict[str, float]:
+    """Each metric summed over the ranks (of `group`, as `all_reduce`; the ranks report the same keys)."""
     keys = sorted(values)
-    return dict(zip(keys, all_reduce([values[k] for k in keys]).tolist())) if distributed() else dict(values)
+    return (dict(zip(keys, all_reduce([values[k] for k in keys], group=group).tolist())) if distributed()
+            else dict(values))
 
 
-def global_counts(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(tokens, sequences) of the whole mini-batch whose share on this rank has `response_mask` `mask`."""
+def global_counts(mask: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:
+    """(tokens, sequences) of the whole mini-batch whose share on this rank has `response_mask` `mask` (summed over
+    `group`, as `all_reduce`)."""
     local = [float(mask.sum()), float(mask.shape[0])]
-    tokens, seqs = all_reduce(local).tolist()
+    tokens, seqs = all_reduce(local, group=group).tolist()
     return torch.tensor(tokens, device=mask.device, dtype=mask.sum().dtype).clamp(min=1), int(seqs)
 
 
@@ -100,7 +104,7 @@ def _comm_device() -> torch.device:
 
 # -- FSDP2 --------------------------------------------------------------------------------------------
 # lathe's models compute hidden states outside forward()
-FORWARD_METHODS = ("hidden_packed", "hidden_padded", "hidden_grouped")
+FORWARD_METHODS = ("hidden_packed", "hidden_padded", "hidden_grouped", "hidden_with")
 
 
 def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool = True,
@@ -109,8 +113,8 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
 
     `mp_policy`: FSDP2's `MixedPrecisionPolicy` (bf16 compute on fp32 shards) or None; `offload`: shards and
     optimizer state in pinned CPU memory (`CPUOffloadPolicy`). lathe's models run their decoder through
-    `hidden_packed` / `hidden_padded` / `hidden_grouped` as well as `forward`; those are registered as forward
-    methods so FSDP2 gathers the root's weights for them too.
+    `hidden_packed` / `hidden_padded` / `hidden_grouped` / `hidden_with` as well as `forward`; those are registered as
+    forward methods so FSDP2 gathers the root's weights for them too.
 
     `reshard_after_forward` (verl's key) applies to the decoder layers. `mesh`: the model's
     `lathe.config.plan.MeshPlan` (plain FSDP over every rank when None; HSDP when it has replicas)."""

@@ -34,7 +34,8 @@ class ActorRolloutRefWorker:
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         self.actor = Actor(arr, model, device=device, seed=cfg.trainer.seed, with_rollout=rollout)
         # the reference copies the weights as loaded, before the actor is sharded
-        self.ref = Reference(arr.ref, self.actor, plan.mesh("ref")) if plan.needs_ref else None
+        self.ref = (Reference(arr.ref, self.actor, plan.mesh("ref"), sp_size=plan.ref_sequence_parallel_size)
+                    if plan.needs_ref else None)
         self.rollout = Rollout(arr.rollout, self.actor, model, tokenizer) if rollout else None
         self.actor.start_training(plan=plan.actor, total_steps=total_steps, temperature=arr.rollout.temperature,
                                   max_response_length=cfg.data.max_response_length,

@@ -14,7 +14,7 @@ from lathe.config.plan import BatchPlan, MeshPlan
 from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
 from lathe.models.value import load_value_model
-from lathe.train import parallel
+from lathe.train import parallel, ulysses
 from lathe.train.critic import PPOCritic
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
@@ -51,6 +51,7 @@ class CriticWorker:
                                      trust_remote_code=bool(critic.model.trust_remote_code),
                                      dtype=self.policy.master_dtype, override_config=critic.model.override_config)
         model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
+        ulysses.check_model(model, plan.sequence_parallel_size, "critic.ulysses_sequence_parallel_size")
         if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if parallel.in_group():     # a rank of a data-parallel group: FSDP2 moves each rank's fp32 shards to the device
@@ -67,7 +68,9 @@ class CriticWorker:
                                 mini_batch_size=plan.mini_batch_sequences_per_device,
                                 max_response_length=cfg.data.max_response_length,
                                 use_remove_padding=critic.model.use_remove_padding,
-                                nonfinite=nonfinite_guard(cfg, "critic"))
+                                nonfinite=nonfinite_guard(cfg, "critic"),
+                                sp=ulysses.sequence_parallel(plan.sequence_parallel_size,
+                                                             "critic.ulysses_sequence_parallel_size"))
 
     def compute_values(self, batch: Batch) -> Batch:
         """``{"values": (B, R)}`` on the CPU."""

@@ -18,7 +18,7 @@ from lathe.dtypes import short_name
 from lathe.models.compile import maybe_compile
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import adapters_disabled
-from lathe.train import parallel
+from lathe.train import parallel, ulysses
 from lathe.train.actor import use_torch_compile
 from lathe.train.logprob import batched_log_probs
 from lathe.train.offload import HostWeights, offload_flags
@@ -32,10 +32,14 @@ FSDP_KEY = "actor_rollout_ref.ref.fsdp_config"
 class Reference:
     """`compute_ref_log_prob` of the frozen reference; build it from the actor before `Actor.start_training`."""
 
-    def __init__(self, ref_cfg, actor: Actor, mesh: MeshPlan | None = None):
-        """`mesh`: the reference's (`RunPlan.mesh('ref')`; None: plain FSDP), when the actor is sharded."""
+    def __init__(self, ref_cfg, actor: Actor, mesh: MeshPlan | None = None, *, sp_size: int = 1):
+        """`mesh`: the reference's (`RunPlan.mesh('ref')`; None: plain FSDP), when the actor is sharded; `sp_size`:
+        its Ulysses sequence-parallel size (`RunPlan.ref_sequence_parallel_size`)."""
         self.cfg, self.device, self.remove_padding = ref_cfg, actor.device, actor.arr.model.use_remove_padding
         self.model = self.host = None
+        key = "actor_rollout_ref.ref.ulysses_sequence_parallel_size"
+        ulysses.check_model(actor.model, sp_size, key)
+        self.sp = ulysses.sequence_parallel(sp_size, key)
         if actor.lora:                      # the actor with its adapters off
             self._actor_model = actor.model
             return
@@ -60,5 +64,6 @@ class Reference:
     def compute_ref_log_prob(self, batch: Batch, *, micro_batch_size: int, temperature: float, **budget) -> Batch:
         with self._on_device() as ref:
             logp, _ = batched_log_probs(ref, batch.to(self.device), micro_batch_size=micro_batch_size,
-                                        temperature=temperature, remove_padding=self.remove_padding, **budget)
+                                        temperature=temperature, remove_padding=self.remove_padding, sp=self.sp,
+                                        **budget)
         return Batch({"ref_log_prob": logp.cpu()})

@@ -1,0 +1,55 @@
+"""The rules of Ulysses sequence parallelism (`ulysses_sequence_parallel_size` of the actor, the reference and the
+critic; `lathe.train.ulysses` runs it), checked by ``load_config`` with the other cross-field rules.
+
+With size S the trainer's devices form groups of S that compute each micro-batch together, so S must divide the
+devices, and a mini-batch is split over the devices / S groups (`data_parallel`) rather than over every device.
+Sequence parallelism slices the packed stream of a micro-batch, so the role must run packed (verl asks the same).
+The model's heads, which must divide over S too, are checked when the model loads (`lathe.train.ulysses.check_model`).
+"""
+
+from __future__ import annotations
+
+from .errors import ProblemList
+from .plan import Devices, critic_in_use, sequence_parallel_size
+from .schema import LatheConfig
+
+ARR = "actor_rollout_ref"
+KEYS = {"actor": f"{ARR}.actor.ulysses_sequence_parallel_size", "ref": f"{ARR}.ref.ulysses_sequence_parallel_size",
+        "critic": "critic.ulysses_sequence_parallel_size"}
+
+
+def check_sequence_parallel(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> None:
+    """Each role's size is >= 1 and divides the devices; a role with size > 1 runs packed (and the actor without
+    the prefix grouper)."""
+    roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
+    packed = {"actor": (f"{ARR}.model.use_remove_padding", cfg.actor_rollout_ref.model.use_remove_padding),
+              "ref": (f"{ARR}.model.use_remove_padding", cfg.actor_rollout_ref.model.use_remove_padding),
+              "critic": ("critic.model.use_remove_padding", cfg.critic.model.use_remove_padding)}
+    for role in roles:
+        size, key = sequence_parallel_size(cfg, role), KEYS[role]
+        if size < 1:
+            problems.add(f"{key}={size} must be >= 1 (1: no sequence parallelism). Fix: set it to 1 or more.")
+            continue
+        if devices.count % size:
+            fits = [d for d in range(1, devices.count + 1) if devices.count % d == 0]
+            problems.add(f"{key}={size} does not divide the device count ({devices.why}): the devices form groups "
+                         f"of {size} that compute each micro-batch together. Fix: set {key} to a divisor of "
+                         f"{devices.count} ({', '.join(map(str, fits))}).")
+        switch, on = packed[role]
+        if size > 1 and not on:
+            problems.add(f"{key}={size} splits the packed stream of each micro-batch over {size} devices, but "
+                         f"{switch}=false runs it padded. Fix: set {switch}=true (or {key}=1).")
+    if sequence_parallel_size(cfg, "actor") > 1 and cfg.actor_rollout_ref.actor.use_prefix_grouper:
+        problems.add(f"{ARR}.actor.use_prefix_grouper=true with {KEYS['actor']}="
+                     f"{sequence_parallel_size(cfg, 'actor')}: prefix-grouped rows run under an explicit attention "
+                     f"mask, which lathe does not split over devices. Fix: set use_prefix_grouper=false (or "
+                     f"{KEYS['actor']}=1).")
+
+
+def data_parallel(cfg: LatheConfig, role: str, devices: Devices) -> Devices:
+    """The shares a mini-batch of `role` ('actor' or 'critic') is split into: one per sequence-parallel group."""
+    size = sequence_parallel_size(cfg, role)
+    if size <= 1 or devices.count % size:
+        return devices
+    groups = devices.count // size
+    return Devices(groups, f"{groups} data-parallel group(s) = {devices.why} / {KEYS[role]}={size}")

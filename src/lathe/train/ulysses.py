@@ -1,0 +1,185 @@
+"""Ulysses sequence parallelism for training's packed forward (verl's `ulysses_sequence_parallel_size`).
+
+DeepSpeed-Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme
+Long Sequence Transformer Models", arXiv:2309.14509). With size S over the W ranks of a worker group (W % S == 0),
+ranks gS .. gS+S-1 form sequence-parallel group g, and the ranks at the same place s of every group form a
+data-parallel group of W/S ranks. The driver gives every rank of a sequence-parallel group the same share of each
+batch, so they cut it into the same micro-batches; each micro-batch's packed stream of T tokens is padded to a
+multiple of S (`padded_length`) and rank s runs every layer on tokens [s T/S, (s+1) T/S) only. Attention needs all
+tokens of a sequence, so around it (`UlyssesAttention`) one all-to-all turns each rank's q, k, v from (T/S tokens,
+H heads) into (T tokens, H/S heads), attention runs over whole sequences for those heads, and a second all-to-all
+turns the output back into (T/S tokens, H heads). Activations per rank shrink by S; the weights stay sharded by
+FSDP2 over all W ranks. Positions (RoPE) are those of the whole stream, sliced with the tokens.
+
+Heads: the query heads and the key/value heads are split over the S ranks, so S must divide both; with fewer
+key/value heads than S (grouped-query attention), each key/value head is repeated S / heads times first (as verl
+does), which keeps every rank's query heads with their own key/value head when S is a multiple of the key/value
+heads (`check_model`).
+
+Gradients. Each rank computes its slice's per-token results (log-probs, entropy, values) and `gather_tokens` joins
+the group's slices, so every rank of the group holds the whole micro-batch's results and computes the same loss L
+from them (normalised by counts summed over the data-parallel group only: `data_group`). The backward of the gather
+hands each rank the gradient of L for its own slice only (not the sum over the group, which would count L S times);
+the backward of the all-to-alls routes each token's gradient to the rank that computed it. The parameter gradients
+of the S ranks therefore add up to dL/dtheta once, and FSDP2's reduce-scatter, which sums over all W ranks
+(`lathe.train.parallel`: divide factor 1), sums each micro-batch's gradient once and the data-parallel groups' micro-
+batches together: the gradient of the undivided mini-batch, exactly as without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from lathe.train import parallel
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """This rank's place in the sequence-parallel layout of one size."""
+
+    size: int              # S: ranks that compute one micro-batch together
+    rank: int              # this rank's place in its group: which slice of the tokens it computes
+    group: Any             # the S ranks of this rank's sequence-parallel group (they hold the same micro-batches)
+    data_group: Any        # the W/S ranks at this rank's place in every group: sums over distinct data go here
+
+
+def sequence_parallel(size: int, key: str = "ulysses_sequence_parallel_size") -> SequenceParallel | None:
+    """This rank's `SequenceParallel` of `size` (None for 1: no sequence parallelism). The process groups are made
+    once per size; every rank of the worker group must call this, in the same order (`dist.new_group`)."""
+    if size == 1:
+        return None
+    world = parallel.world_size()
+    if size < 1 or world % size:
+        raise ValueError(f"{key}={size} must divide the worker group's {world} rank(s): its ranks form groups of "
+                         f"{key} ranks. Fix: set {key} to a divisor of {world} (1: no sequence parallelism).")
+    return _layout(size, dist.group.WORLD)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(size: int, world_group) -> SequenceParallel:
+    """(keyed by the default group too: a process that joins a new one makes new groups)"""
+    world, me = parallel.world_size(), parallel.rank()
+    sp, _ = dist.new_subgroups_by_enumeration([list(range(g, g + size)) for g in range(0, world, size)])
+    dp, _ = dist.new_subgroups_by_enumeration([list(range(s, world, size)) for s in range(size)])
+    return SequenceParallel(size=size, rank=me % size, group=sp, data_group=dp)
+
+
+def check_model(model, size: int, key: str) -> None:
+    """Raise unless `model` can run with sequence-parallel `size`: lathe's text decoder (or value model), query
+    heads divisible by the size, key/value heads divisible by it or dividing it, positions that do not depend on
+    the forward's length."""
+    if size == 1:
+        return
+    from lathe.models.decoder import LatheCausalLM, LatheValueModel
+    if not isinstance(model, (LatheCausalLM, LatheValueModel)):
+        raise ValueError(f"{key}={size} needs lathe's text decoder (Llama, Qwen2, Qwen3 and their value models), but "
+                         f"this role runs {type(model).__name__}; a vision-language or transformers model cannot "
+                         f"run with Ulysses sequence parallelism in lathe yet. Fix: set {key}=1.")
+    c = model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    if heads % size or (kv % size and size % kv):
+        raise ValueError(f"{key}={size}: the model's {heads} query heads and {kv} key/value heads are split over the "
+                         f"{size} ranks of a group, so {size} must divide {heads} and divide {kv} or be a multiple "
+                         f"of it. Fix: set {key} to such a size, e.g. {_fitting(heads, kv)}.")
+    if c.rope.rope_type == "dynamic":
+        raise ValueError(f"{key}={size}: dynamic NTK RoPE scales the frequencies by the longest position of a "
+                         f"forward, which each rank of a group sees only a slice of. Fix: set {key}=1.")
+
+
+def _fitting(heads: int, kv: int) -> str:
+    ok = [s for s in range(1, heads + 1) if heads % s == 0 and (kv % s == 0 or s % kv == 0)]
+    return " or ".join(str(s) for s in ok[-3:])
+
+
+# -- slicing the packed stream -------------------------------------------------------------------------------------
+def padded_length(tokens: int, size: int) -> int:
+    """The packed stream's length padded to a multiple of `size` (each rank computes length / size tokens)."""
+    return -(-tokens // size) * size
+
+
+def local_slice(x: torch.Tensor, sp: SequenceParallel, fill: int = 0) -> torch.Tensor:
+    """This rank's slice of a packed (T, ...) tensor, padded with `fill` to `padded_length(T)` first."""
+    T = x.shape[0]
+    pad = padded_length(T, sp.size) - T
+    if pad:
+        x = torch.cat([x, x.new_full((pad, *x.shape[1:]), fill)])
+    per = x.shape[0] // sp.size
+    return x[sp.rank * per:(sp.rank + 1) * per]
+
+
+# -- the collectives, differentiable ------------------------------------------------------------------------------
+def _tokens_to_heads(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """(T/S, H, D) on each rank -> (T, H/S, D): every rank's tokens for this rank's heads."""
+    n, heads = x.shape[0], x.shape[1]
+    send = x.reshape(n, sp.size, heads // sp.size, *x.shape[2:]).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)                          # recv[i]: rank i's tokens of this rank's heads
+    dist.all_to_all_single(recv, send, group=sp.group)
+    return recv.reshape(sp.size * n, heads // sp.size, *x.shape[2:])
+
+
+def _heads_to_tokens(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """(T, H/S, D) -> (T/S, H, D): the inverse of `_tokens_to_heads`."""
+    send = x.reshape(sp.size, x.shape[0] // sp.size, *x.shape[1:]).contiguous()
+    recv = torch.empty_like(send)                          # recv[i]: this rank's tokens of rank i's heads
+    dist.all_to_all_single(recv, send, group=sp.group)
+    n, part = recv.shape[1], recv.shape[2]
+    return recv.transpose(0, 1).reshape(n, sp.size * part, *recv.shape[3:])
+
+
+class _AllToAll(torch.autograd.Function):
+    """`_tokens_to_heads` (or its inverse); the backward is the other one."""
+
+    @staticmethod
+    def forward(ctx, x, sp, to_heads: bool):
+        ctx.sp, ctx.to_heads = sp, to_heads
+        return _tokens_to_heads(x, sp) if to_heads else _heads_to_tokens(x, sp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        return (_heads_to_tokens(grad, ctx.sp) if ctx.to_heads else _tokens_to_heads(grad, ctx.sp)), None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Every rank's (n, ...) slice joined in rank order; the backward keeps this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, sp):
+        ctx.sp, ctx.n = sp, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(sp.size)]
+        dist.all_gather(parts, x.contiguous(), group=sp.group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank of the group computes the same loss from the joined values: the gradient of that loss for
+        # this rank's slice is its part of the output gradient (summing the group's would count the loss S times)
+        return grad[ctx.sp.rank * ctx.n:(ctx.sp.rank + 1) * ctx.n], None
+
+
+def gather_tokens(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """(T/S, ...) per rank -> (T, ...) on every rank of the group, differentiable (see the module docstring)."""
+    return _GatherTokens.apply(x, sp)
+
+
+@dataclass
+class UlyssesAttention:
+    """Attention over a sequence-parallel group's packed stream (an `AttentionFn`): this rank's q (T/S, Hq, D) and
+    k, v (T/S, Hkv, D) exchanged for all T tokens of Hq/S heads, `inner` (attention over the whole padded stream,
+    e.g. `PackedAttention` with its `cu_seqlens`) run on them, the output exchanged back to (T/S, Hq, D)."""
+
+    inner: Any
+    sp: SequenceParallel
+    rotates: ClassVar[bool] = False       # takes q and k rotated
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        size = self.sp.size
+        if k.shape[1] < size:             # fewer key/value heads than ranks: each repeated (check_model)
+            k, v = (x.repeat_interleave(size // x.shape[1], dim=1) for x in (k, v))
+        q, k, v = (_AllToAll.apply(x, self.sp, True) for x in (q, k, v))
+        return _AllToAll.apply(self.inner(q, k, v), self.sp, False)

@@ -125,10 +125,13 @@ def test_translated_keys_set_lathes_key(override, key, value):
 
 
 def test_sequence_parallel_spellings_set_the_roles_size():
-    """verl's three spellings of a role's Ulysses size (the reference's null takes the actor's)."""
+    """verl's spellings of a role's Ulysses size, Megatron's and torchtitan's context parallelism included (the
+    reference's null takes the actor's)."""
     two = ["trainer.n_gpus_per_node=2", f"{M}.use_remove_padding=true"]
     for spelling in (f"{A}.ulysses_sequence_parallel_size", f"{A}.fsdp_config.ulysses_sequence_parallel_size",
-                     f"{A}.veomni.ulysses_parallel_size"):
+                     f"{A}.veomni.ulysses_parallel_size", f"{A}.megatron.context_parallel_size",
+                     f"{A}.torchtitan.context_parallel_size",
+                     f"{A}.megatron.override_transformer_config.context_parallel_size"):
         cfg = load_config("base", [*two, f"{spelling}=2"])
         assert (cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
                 cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size) == (2, 2), spelling
@@ -172,7 +175,6 @@ def test_verl_defaults_leave_lathe_keys_alone():
 @pytest.mark.parametrize("override, feature", [
     (f"{A}.megatron.tensor_model_parallel_size=2", "tensor parallelism (lathe issue 43"),
     (f"{A}.megatron.pipeline_model_parallel_size=2", "pipeline parallelism (lathe issue 43"),
-    (f"{A}.megatron.context_parallel_size=2", "context parallelism (lathe issue 43"),
     (f"{A}.megatron.expert_model_parallel_size=8", "expert parallelism (lathe issue 43"),
     (f"{A}.torchtitan.data_parallel_replicate_size=2", "torchtitan's replica count"),
     (f"{M}.mtp.enable=true", "multi-token prediction (MTP; lathe issue 44"),

@@ -24,6 +24,9 @@ KNOWN_OTHERS = {
     r"^unknown key actor_rollout_ref\.actor\.model_engine$": "not a key of verl's schema either: Hydra refuses it "
         "without a leading +",
     r"^trainer\.device=npu is not one of": "Ascend NPUs: lathe runs on CUDA and CPU",
+    r"ulysses_sequence_parallel_size=\d+ splits the packed stream .* runs it padded": "Megatron's context "
+        "parallelism (translated to Ulysses) in a script that runs padded: lathe's sequence parallelism needs "
+        "use_remove_padding=true, the fix its message names",
     r"^global_profiler\.tool=(npu|torch_memory)": "profilers lathe does not have (refused with their own text)",
     r"^global_profiler\.tool=torch profiles the trainer process": "lathe's torch profiler covers one process",
 }

@@ -58,8 +58,6 @@ def _parallel() -> list[Entry]:
         ("*.megatron.override_transformer_config.tensor_model_parallel_size", TP),
         ("*.megatron.pipeline_model_parallel_size", PP), ("*.megatron.virtual_pipeline_model_parallel_size", PP),
         ("*.torchtitan.pipeline_parallel_size", PP),
-        ("*.megatron.context_parallel_size", CP), ("*.torchtitan.context_parallel_size", CP),
-        ("*.megatron.override_transformer_config.context_parallel_size", CP),
         ("*.megatron.expert_model_parallel_size", EP), ("*.megatron.expert_tensor_parallel_size", EP),
         ("*.torchtitan.expert_parallel_size", EP), ("*.veomni.expert_parallel_size", EP))]
     out += [refuse("*.megatron.dynamic_context_parallel", CP),

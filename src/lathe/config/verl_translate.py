@@ -13,7 +13,9 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   decoder layers);
 * ``megatron.dtype``, ``torchtitan.dtype``, ``fsdp_config.dtype`` / ``critic.fsdp.dtype`` -> ``fsdp_config.
   mixed_precision.param_dtype``; ``veomni.mixed_precision=false`` -> param_dtype fp32;
-* ``veomni.ulysses_parallel_size`` -> the role's ``ulysses_sequence_parallel_size``;
+* ``veomni.ulysses_parallel_size``, and Megatron's and torchtitan's ``context_parallel_size`` -> the role's
+  ``ulysses_sequence_parallel_size`` (context parallelism splits each sequence over the group as Ulysses does; the
+  attention's all-to-all differs from Megatron's ring, the math does not);
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
 
 A value equal to verl's default translates to nothing: a full verl config file lists every backend key at its
@@ -48,10 +50,18 @@ def _checkpointing(on: set, off: set) -> Map:
     return lambda v: True if v in on else False if v in off else None
 
 
+CP_DOC = "ulysses_sequence_parallel_size (split as Ulysses splits it: the same math)"
+
 # (pattern below a role, lathe key: 'fsdp.<k>' / 'model.<k>' / 'optim.<k>' in the role's group or 'role.<k>' in the
 # role itself, value map, doc)
 RULES: tuple[tuple[str, str, Map, str], ...] = (
     ("veomni.ulysses_parallel_size", "role.ulysses_sequence_parallel_size", _same, "ulysses_sequence_parallel_size"),
+    ("megatron.context_parallel_size", "role.ulysses_sequence_parallel_size", _same,
+     CP_DOC),
+    ("megatron.override_transformer_config.context_parallel_size", "role.ulysses_sequence_parallel_size", _same,
+     CP_DOC),
+    ("torchtitan.context_parallel_size", "role.ulysses_sequence_parallel_size", _same,
+     CP_DOC),
     ("*.param_offload", "fsdp.param_offload", _same, "fsdp_config.param_offload"),
     ("*.optimizer_offload", "fsdp.optimizer_offload", _same, "fsdp_config.optimizer_offload"),
     ("veomni.enable_fsdp_offload", "fsdp.offload_policy", _same, "fsdp_config.offload_policy"),

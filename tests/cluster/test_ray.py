@@ -60,17 +60,23 @@ def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_p
     (`reward_model.enable`, with a chat template of its own), each rank scoring its share with its own copy: the scores
     (`critic/score/*`) are the one process's too (this run carries it: a Ray start costs tens of seconds here). The
     two workers generate as one tensor-parallel engine replica (`rollout.tensor_model_parallel_size=2`): its samples
-    and log-probs are the one process's engine's."""
+    and log-probs are the one process's engine's; and they train as one Ulysses sequence-parallel group
+    (`ulysses_sequence_parallel_size=2`, the reference's too under the KL loss), each micro-batch holding twice the
+    per-device token budget (verl's rule): the same losses and gradient norms as one process."""
     from helpers import RM_TEMPLATE, tiny_reward_model
     path = tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE)
     rm = ["reward_model.enable=true", f"reward_model.model.path={path}", "reward_model.micro_batch_size_per_gpu=3",
           "reward_model.max_length=256"]
-    on_policy = ["actor_rollout_ref.actor.ppo_mini_batch_size=32", "trainer.total_training_steps=2", *rm]
-    one = train(tmp_path / "one", *on_policy)
+    a_ = "actor_rollout_ref.actor"
+    on_policy = [f"{a_}.ppo_mini_batch_size=32", "trainer.total_training_steps=2", *rm, f"{a_}.use_kl_loss=true",
+                 f"{a_}.kl_loss_coef=0.1", f"{a_}.use_dynamic_bsz=true", "actor_rollout_ref.model.use_remove_padding=true"]
+    one = train(tmp_path / "one", *on_policy, f"{a_}.ppo_max_token_len_per_gpu=4096")
     two = train(tmp_path / "two", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                *on_policy)
+                f"{a_}.ulysses_sequence_parallel_size=2", f"{a_}.ppo_max_token_len_per_gpu=2048", *on_policy)
     assert len(one) == len(two) == 2
+    assert one[-1]["actor/kl_loss"] > 0                 # the reference differs from the policy after step 1
     for a, b in zip(one, two):
+        assert abs(a["actor/kl_loss"] - b["actor/kl_loss"]) <= 1e-5 * max(a["actor/kl_loss"], 1e-3)
         assert "timing_s/old_log_prob" not in a and "timing_s/old_log_prob" not in b
         assert "reward_extra/acc/mean" not in a and a["critic/score/max"] > a["critic/score/min"]  # the RM's scores
         assert_same(a, b)

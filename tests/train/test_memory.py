@@ -139,3 +139,18 @@ def test_a_tensor_parallel_rank_holds_its_share_of_the_rollout_weights(monkeypat
     rollout = next(p for p in parts if p.what.startswith("rollout weights"))
     assert rollout.nbytes == 2 * N // 2 and rollout.what.endswith("1/2 of a replica")      # bf16, half a replica
     assert _gib(parts, "actor master weights") == pytest.approx(4 * N / 4 / 2**30)          # fp32, 1/4 shard
+
+
+def test_a_run_that_does_not_fit_names_the_layouts_that_would_hold_less(monkeypatch):
+    monkeypatch.setattr(memory, "total_memory", lambda device: 16 * 2**30)
+    cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4",
+                               "actor_rollout_ref.actor.fsdp_config.fsdp_size=2"])
+    parts = memory.plan(cfg, 4 * N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=4,
+                        shards={"actor": 2})
+    fixes = memory.mesh_fixes(parts, rollout_tp=1, world=4, per_node=4,
+                              fsdp_sizes={"actor_rollout_ref.actor.fsdp_config.fsdp_size": 2})
+    assert fixes[0].startswith("actor_rollout_ref.rollout.tensor_model_parallel_size=2 saves 3.7 GiB")
+    assert fixes[1].startswith("actor_rollout_ref.actor.fsdp_config.fsdp_size=-1 shards that model over all 4")
+    text, fits = memory.format_plan(parts, CUDA, 0.5, mesh_fixes=fixes)
+    assert not fits and "tensor_model_parallel_size=2 saves" in text and "fsdp_size=-1" in text
+    assert memory.mesh_fixes(parts, rollout_tp=4, world=4, per_node=4, fsdp_sizes={}) == []    # no wider replica

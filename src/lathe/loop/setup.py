@@ -328,7 +328,7 @@ def _async_steps(cfg, loader_batches: int, total_steps: int) -> int:
 def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device) -> None:
     """Print what will live where (GiB); refuse a run whose update cannot fit even before activations."""
     from lathe.models.config import SUPPORTED_ARCHITECTURES
-    from lathe.train.memory import count_params, format_plan, plan
+    from lathe.train.memory import count_params, format_plan, mesh_fixes, plan
     arr = cfg.actor_rollout_ref
     n = count_params(model)
     head = getattr(model, "lm_head", None)
@@ -360,10 +360,16 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
                                                                  arr.model.exclude_modules)]
         lora = (sum(arr.model.lora_rank * (m.in_features + m.out_features) for m in layers),
                 sum(m.weight.numel() for m in layers))
-    text, fits = format_plan(plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
-                                    world=run.world, colocated=not run.is_async, lora=lora,
-                                    shards={role: run.mesh(role).dp_shard for role in ("actor", "ref", "critic")}),
-                             device, arr.rollout.gpu_memory_utilization, kv_seq_bytes=kv_seq, seqs=seqs)
+    shards = {role: run.mesh(role).dp_shard for role in ("actor", "ref", "critic")}
+    parts = plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
+                 world=run.world, colocated=not run.is_async, lora=lora, shards=shards)
+    keys = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic": "critic.model.fsdp_config.fsdp_size",
+            "ref": "actor_rollout_ref.ref.fsdp_config.fsdp_size"}
+    used = {"actor": True, "ref": run.needs_ref, "critic": run.critic is not None}
+    fixes = mesh_fixes(parts, rollout_tp=tp, world=run.world, per_node=cfg.trainer.n_gpus_per_node,
+                       fsdp_sizes={keys[r]: shards[r] for r in shards if used[r]})
+    text, fits = format_plan(parts, device, arr.rollout.gpu_memory_utilization, kv_seq_bytes=kv_seq, seqs=seqs,
+                             mesh_fixes=fixes)
     log.info("%s", text)
     if not fits:
         raise ValueError(text)

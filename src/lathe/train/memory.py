@@ -104,12 +104,14 @@ def _shard(parts: list[Part], ranks: int) -> list[Part]:
 
 
 def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization: float, *,
-                kv_seq_bytes: int = 0, seqs: int = 0) -> tuple[str, bool]:
+                kv_seq_bytes: int = 0, seqs: int = 0, mesh_fixes: list[str] = ()) -> tuple[str, bool]:
     """(the plan as log lines, whether the run fits in the device's memory).
 
     `kv_seq_bytes`: the KV cache of one sequence of the longest length (lathe's engine; 0 = not checked), and
     `seqs` the sequences one device generates per step. Room for none of them is refused: the engine could not
-    start its second step, once the optimizer's state exists (its cache is sized again at each wake-up)."""
+    start its second step, once the optimizer's state exists (its cache is sized again at each wake-up).
+    `mesh_fixes`: other layouts of the same devices that would take less memory per device (`mesh_fixes`), named
+    beside the offload keys when the run does not fit."""
     total = total_memory(device)
     if not total:
         return _host_plan(parts, device), True
@@ -126,9 +128,9 @@ def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization:
     lines.append(f"  GPU during the update: {update / GIB:.2f} GiB + activations")
     if host:
         lines.append(f"  CPU (pinned): {host / GIB:.2f} GiB")
-    offload = lambda during: "; ".join(  # noqa: E731
+    offload = lambda during: "; ".join([*(  # noqa: E731
         f"{p.offload_key}=true saves {p.nbytes / GIB:.1f} GiB ({p.what})"
-        for p in parts if p.on_gpu and p.offload_key and (during == "update" or not p.update_only))
+        for p in parts if p.on_gpu and p.offload_key and (during == "update" or not p.update_only)), *mesh_fixes])
     fits = update < total
     if not fits:
         lines.append(f"  DOES NOT FIT: the update needs {update / GIB:.1f} GiB of {total / GIB:.1f} GiB before "
@@ -164,3 +166,19 @@ def _host_plan(parts: list[Part], device: torch.device) -> str:
 def count_params(model) -> int:
     """Parameters of `model`, tied tensors once."""
     return sum(p.numel() for p in model.parameters())
+
+
+def mesh_fixes(parts: list[Part], *, rollout_tp: int, world: int, per_node: int, fsdp_sizes: dict[str, int]) -> list[str]:
+    """Layouts of the same devices that hold less per device: a tensor-parallel rollout replica twice as wide (the
+    rollout's weights halve) while it still divides the node's devices, and plain FSDP over every device for a role
+    that shards over fewer (HSDP)."""
+    out = []
+    rollout = sum(p.nbytes for p in parts if p.what.startswith("rollout ") and p.on_gpu)
+    wider = 2 * rollout_tp
+    if rollout and world % wider == 0 and per_node % wider == 0:
+        out.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={wider} saves {rollout / 2 / GIB:.1f} GiB "
+                   "(each rank holds half as much of the rollout's weights)")
+    for key, size in fsdp_sizes.items():
+        if 0 < size < world:
+            out.append(f"{key}=-1 shards that model over all {world} devices instead of {size}")
+    return out

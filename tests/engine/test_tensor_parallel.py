@@ -5,7 +5,6 @@ weight update."""
 from __future__ import annotations
 
 import datetime
-import socket
 import traceback
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.conftest import PROMPTS
+from helpers import free_port, run_processes
 from lathe.engine.llm_engine import LatheEngine
 from lathe.engine.tensor_parallel import ShardLayout, TensorParallel, replica_groups, shard_copy
 from lathe.generation import SamplingParams
@@ -22,12 +22,6 @@ from models.lathe_tiny import save_hf
 
 JOIN_S = 120
 CASES = (("qwen2", False), ("llama", True), ("qwen3", False))     # (family, tied embeddings)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def generations(model, path: str) -> list[list[list[int]]]:
@@ -73,24 +67,12 @@ def worker(rank: int, world: int, port: int, paths: list[str], queue, device_typ
 
 
 def run_replica(world: int, paths: list[str], device_type: str = "cpu") -> dict[int, list]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")      # one server imports torch and lathe once; each rank is a fork of it
+    ctx.set_forkserver_preload([__name__])
     queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, paths, queue, device_type), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, result = queue.get(timeout=3 * JOIN_S)
-            assert not isinstance(result, str), f"rank {rank} failed:\n{result}"
-            results[rank] = result
-    finally:
-        for p in procs:
-            p.join(timeout=JOIN_S)
-            if p.is_alive():
-                p.kill()
-    return results
+    return run_processes(procs, queue, 3 * JOIN_S)
 
 
 @pytest.fixture(scope="module")

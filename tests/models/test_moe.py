@@ -9,7 +9,7 @@ import torch
 from lathe.models import load_lathe_model
 from lathe.models.hf import lathe_from_transformers
 from lathe.models.moe import SparseMoeBlock, collect_router_stats, experts_forward, fuse_expert_weights, \
-    split_expert_weights
+    router_aux_loss_coef, split_expert_weights
 from lathe.models.packing import pack_padded
 
 from helpers import assert_close_rel
@@ -76,6 +76,17 @@ def test_router_stats_with_gradient_checkpointing_record_each_layer_once():
     (logits.pow(2).mean() + stats.aux_loss()).backward()
     assert stats.rows == 14 and len(stats.prob_per_expert) == 1
     assert lathe.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_aux_loss_weight_follows_output_router_logits():
+    hf = hf_model(MOE)
+    assert router_aux_loss_coef(lathe_from_transformers(hf)) == 0.0          # transformers' default: off
+    hf.config.output_router_logits, hf.config.router_aux_loss_coef = True, 0.25
+    assert router_aux_loss_coef(lathe_from_transformers(hf)) == 0.25
+    assert router_aux_loss_coef(hf) == 0.0                                   # transformers' modules: not lathe's
+    dense = lathe_from_transformers(hf_model("qwen3"))
+    with collect_router_stats(dense) as stats:
+        assert stats is None and router_aux_loss_coef(dense) == 0.0
 
 
 def test_grouped_matmul_equals_the_expert_loop(monkeypatch):

@@ -162,6 +162,7 @@ class RouterStats:
     prob_per_expert: list[torch.Tensor] = field(default_factory=list)     # (E,) float32 sums, with gradient
     rows: int = 0
 
+    @torch.compiler.disable
     def record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
         with torch.no_grad():
             counts = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
@@ -179,6 +180,16 @@ class RouterStats:
         f = torch.stack(self.tokens_per_expert).sum(0) / self.rows
         p = torch.stack(self.prob_per_expert).sum(0) / self.rows
         return self.num_experts * (f * p).sum()
+
+
+def router_aux_loss_coef(model: nn.Module) -> float:
+    """The weight a trainer gives `model`'s load-balancing loss: its config's `router_aux_loss_coef` where the config
+    asks for the loss (`output_router_logits`, as transformers adds it to its loss) and the model has lathe's MoE
+    layers; else 0."""
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    if moe is None or not moe.output_router_logits:
+        return 0.0
+    return moe.router_aux_loss_coef if any(isinstance(m, SparseMoeBlock) for m in model.modules()) else 0.0
 
 
 @contextmanager

@@ -93,8 +93,8 @@ def route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t of x (T, H): the assignments sorted by
-    expert, the experts run on their contiguous rows (grouped matmul or loop, module doc), the outputs added back
-    to their tokens."""
+    expert, the experts run on their contiguous rows (grouped matmul or loop, module doc), the outputs put back in
+    token order and summed over j."""
     num_experts, top_k = gate_up.shape[0], chosen.shape[-1]
     sorted_experts, order = chosen.reshape(-1).sort(stable=True)
     ends = torch.searchsorted(sorted_experts, torch.arange(1, num_experts + 1, device=x.device))
@@ -104,8 +104,9 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
         ys = _grouped(rows, ends.to(torch.int32), gate_up, down)
     else:
         ys = _looped(rows, ends, gate_up, down)
-    ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, token, ys)
+    # back to (token, j) order, then each token's k outputs summed: no atomic adds, so the sum is deterministic
+    ys = torch.empty_like(ys).index_copy_(0, order, ys).view(*chosen.shape, -1)
+    return (ys * weights.unsqueeze(-1)).sum(1)
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -130,10 +131,15 @@ def _looped(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down:
     return torch.cat(outs) if outs else rows.new_zeros(0, down.shape[1])
 
 
-@functools.cache
+@torch.compiler.assume_constant_result     # compiled layers take the answer as it is, without tracing into it
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
     """Whether the experts run as grouped matmuls: torch's `_grouped_mm` in bfloat16 on an NVIDIA GPU of compute
     capability 9.0 or later (Hopper), with every row 16-byte aligned. Elsewhere the per-expert loop runs."""
+    return _grouped_mm_supported(device, dtype, hidden, inter)
+
+
+@functools.cache
+def _grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
     from lathe.device import nvidia_capability
     if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16 or hidden % 8 or inter % 8:
         return False

@@ -78,6 +78,26 @@ def test_router_stats_with_gradient_checkpointing_record_each_layer_once():
     assert lathe.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
 
 
+def test_router_stats_with_checkpointing_in_compiled_grouped_layers(monkeypatch):
+    """Compiled layers on the grouped matmul (no graph break of their own; bf16, as on a GPU) with gradient
+    checkpointing: the recomputed layers run the forward's graphs (the recording call's break included)."""
+    from lathe.models.compile import compile_decoder
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    monkeypatch.setattr("lathe.models.moe.grouped_mm_supported", lambda *a: True)
+    torch._dynamo.reset()
+    lathe = lathe_from_transformers(hf_model(MOE)).train().to(torch.bfloat16)
+    lathe.gradient_checkpointing_enable()
+    compile_decoder(lathe, backend="aot_eager")
+    for rows in (7, 9):
+        with collect_router_stats(lathe) as stats:
+            logits = lathe(torch.randint(0, 100, (2, rows))).logits
+        (logits.float().pow(2).mean() + stats.aux_loss()).backward()
+        assert stats.rows == 2 * rows
+    assert lathe.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+    torch._dynamo.reset()
+
+
 def test_aux_loss_weight_follows_output_router_logits():
     hf = hf_model(MOE)
     assert router_aux_loss_coef(lathe_from_transformers(hf)) == 0.0          # transformers' default: off

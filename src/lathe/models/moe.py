@@ -62,7 +62,11 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """A Qwen3-MoE layer's MLP: route each token to its top-k experts and sum their outputs, weighted."""
 
-    router_stats: RouterStats | None = None     # set by `collect_router_stats` for one forward
+    router_stats: RouterStats | None = None     # set by `collect_router_stats` for its forwards
+    # set for good by `collect_router_stats`: every later forward calls `_record` (an eager call, a graph break in a
+    # compiled layer), recording or not, so that a layer recomputed in backward (gradient checkpointing) runs the
+    # very graphs its forward ran and saves the same tensors
+    records_routing: bool = False
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
@@ -76,10 +80,16 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(flat)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = route(probs, self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
-        if self.router_stats is not None:
-            self.router_stats.record(probs, chosen)
+        if self.records_routing:
+            self._record(probs, chosen)
         out = experts_forward(flat, weights.to(x.dtype), chosen, self.experts.gate_up_proj, self.experts.down_proj)
         return out.view(*lead, h)
+
+
+    @torch.compiler.disable
+    def _record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+        if self.router_stats is not None:
+            self.router_stats.record(probs, chosen)
 
 
 def route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +178,6 @@ class RouterStats:
     prob_per_expert: list[torch.Tensor] = field(default_factory=list)     # (E,) float32 sums, with gradient
     rows: int = 0
 
-    @torch.compiler.disable
     def record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
         with torch.no_grad():
             counts = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
@@ -208,7 +217,7 @@ def collect_router_stats(model: nn.Module) -> Iterator[RouterStats | None]:
         return
     stats = RouterStats(blocks[0].moe.num_experts)
     for block in blocks:
-        block.router_stats = stats
+        block.router_stats, block.records_routing = stats, True
     try:
         yield stats
     finally:

@@ -245,6 +245,11 @@ def test_steps_with_a_qwen3_moe_checkpoint(tmp_path, aux):
     _, info = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "run" / "global_step_2" / "actor" / "huggingface",
                                                   output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]      # the checkpoint saved reads back
+    if not aux:                                                          # and lathe resumes from it
+        trainer = run(tmp_path, f"actor_rollout_ref.model.path={tmp_path / 'model'}",
+                      "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=3",
+                      "trainer.test_freq=-1", "trainer.val_before_train=false")
+        assert trainer.global_step == 3 and 3 in read_metrics(tmp_path / "run")
 
 
 def test_global_profiler_writes_the_listed_steps_phases(tmp_path):

@@ -251,6 +251,15 @@ def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def fused_names(names) -> set[str]:
+    """The module names of a checkpoint's tensor names: per-expert names become those of their fused tensors."""
+    out = set()
+    for name in names:
+        m = EXPERT_NAME.match(name)
+        out.add(name if m is None else f"{m['prefix']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}")
+    return out
+
+
 def split_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The fused expert tensors of a state dict under per-expert names (what transformers' `save_pretrained` writes
     and every Qwen3-MoE reader loads); other names pass through."""

@@ -49,7 +49,8 @@ def test_greedy_equals_transformers_generate(checkpoints, family, prefix_caching
 
 
 def test_moe_greedy_equals_transformers_generate(tmp_path):
-    """Qwen3-MoE (`lathe.models.moe`) in the engine, its dense layer's projections fused: transformers' greedy tokens."""
+    """Qwen3-MoE (`lathe.models.moe`) in the engine, its dense layer's projections fused: transformers' greedy
+    tokens."""
     from models.lathe_tiny import MOE, save_hf
     path, hf = save_hf(tmp_path, MOE)
     engine = _engine(path, fuse_projections=True)

@@ -233,8 +233,8 @@ def test_steps_with_a_qwen3_moe_checkpoint(tmp_path, aux):
     extra = ["+actor_rollout_ref.model.override_config.output_router_logits=true",
              "+actor_rollout_ref.model.override_config.router_aux_loss_coef=0.5"] if aux else []
     trainer = run(tmp_path, f"actor_rollout_ref.model.path={tmp_path / 'model'}",
-                  "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                  "trainer.val_before_train=false", *extra)
+                  "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2",
+                  "trainer.test_freq=-1", "trainer.val_before_train=false", *extra)
     from lathe.models.moe import SparseMoeBlock
     assert any(isinstance(m, SparseMoeBlock) for m in trainer.worker.model.modules())
     metrics = read_metrics(tmp_path / "run")

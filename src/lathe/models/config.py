@@ -58,7 +58,7 @@ class RopeConfig:
 class MoeConfig:
     """The mixture-of-experts keys of a Qwen3-MoE `config.json` (`lathe.models.moe` computes the layers)."""
 
-    num_experts: int                   # experts per sparse layer (`num_experts`; transformers 5 writes `num_local_experts`)
+    num_experts: int                   # per sparse layer (`num_experts`; transformers 5 writes `num_local_experts`)
     num_experts_per_tok: int           # top-k experts each token is routed to
     moe_intermediate_size: int         # each expert's SwiGLU width
     norm_topk_prob: bool = False       # renormalise the top-k routing weights to sum to 1

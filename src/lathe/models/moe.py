@@ -85,7 +85,6 @@ class SparseMoeBlock(nn.Module):
         out = experts_forward(flat, weights.to(x.dtype), chosen, self.experts.gate_up_proj, self.experts.down_proj)
         return out.view(*lead, h)
 
-
     @torch.compiler.disable
     def _record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
         if self.router_stats is not None:
@@ -243,8 +242,9 @@ def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         counts = {p: sorted(ts) for p, ts in projs.items()}
         n = len(counts.get("down_proj", []))
         if set(projs) != {"gate_proj", "up_proj", "down_proj"} or any(c != list(range(n)) for c in counts.values()):
-            raise ValueError(f"{prefix}: the checkpoint's experts are incomplete ({ {p: len(c) for p, c in counts.items()} } "
-                             "of gate_proj/up_proj/down_proj, numbered from 0); re-export or re-download it")
+            found = {p: len(c) for p, c in counts.items()}
+            raise ValueError(f"{prefix}: the checkpoint's experts are incomplete ({found} of gate_proj/up_proj/"
+                             "down_proj, numbered from 0); re-export or re-download it")
         out[f"{prefix}.gate_up_proj"] = torch.stack(
             [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)])
         out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])

@@ -106,10 +106,10 @@ def test_split_linear_keeps_a_bias_a_subclass_a_strided_weight_and_an_uneven_spl
         assert torch.equal(parts[0], lin(x))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_split_decode_form_equals_the_plain_forward(family):
     """Every layer in its split form (partials handed to the next layer, the last sum before the final norm): the
-    plain forward's hidden states, for several split pairs and batch sizes."""
+    plain forward's hidden states, for several split pairs and batch sizes (a MoE layer's experts: one partial)."""
     from lathe.engine.decode_forms import text_hidden
     model = _model(family)
     with torch.no_grad():

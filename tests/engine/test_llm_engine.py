@@ -48,6 +48,18 @@ def test_greedy_equals_transformers_generate(checkpoints, family, prefix_caching
     assert out.finish_reasons == ["length"] * len(expected)
 
 
+def test_moe_greedy_equals_transformers_generate(tmp_path):
+    """Qwen3-MoE (`lathe.models.moe`) in the engine, its dense layer's projections fused: transformers' greedy
+    tokens."""
+    from models.lathe_tiny import MOE, save_hf
+    path, hf = save_hf(tmp_path, MOE)
+    engine = _engine(path, fuse_projections=True)
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=MAX))
+    expected = [_hf_greedy(hf, p, MAX) for p in PROMPTS for _ in range(2)]
+    assert out.token_ids == expected
+    assert len({tuple(t) for t in expected}) > 2, "precondition: prompts give different continuations"
+
+
 def test_log_probs_equal_teacher_forced_forward(checkpoints):
     path, _ = checkpoints["qwen2"]
     model = load_lathe_model(path)

@@ -8,11 +8,14 @@ VOCAB = 101
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
 FAMILIES = ("llama", "qwen2", "qwen3")
+# Qwen3-MoE: 4 experts, top-2, layer 0 dense (`mlp_only_layers`), layer 1 sparse; kept out of FAMILIES (its own tests)
+MOE = "qwen3_moe"
 
 
-def hf_config(family: str, *, tie: bool = False):
-    """A tiny config: Llama with llama3 rope scaling, Qwen2 (q/k/v bias), Qwen3 (q/k norm, head_dim != H/heads)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+def hf_config(family: str, *, tie: bool = False, norm_topk_prob: bool = True):
+    """A tiny config: Llama with llama3 rope scaling, Qwen2 (q/k/v bias), Qwen3 (q/k norm, head_dim != H/heads),
+    Qwen3-MoE (`MOE`; `norm_topk_prob` for it only)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
     if family == "llama":
         return LlamaConfig(**_COMMON, tie_word_embeddings=tie, rope_theta=500000.0,
                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -21,14 +24,17 @@ def hf_config(family: str, *, tie: bool = False):
         return Qwen2Config(**_COMMON, tie_word_embeddings=tie, rope_theta=1000000.0)
     if family == "qwen3":
         return Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=tie)
+    if family == MOE:
+        return Qwen3MoeConfig(**_COMMON, head_dim=16, tie_word_embeddings=tie, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=16, mlp_only_layers=[0], norm_topk_prob=norm_topk_prob)
     raise KeyError(family)
 
 
-def hf_model(family: str, *, tie: bool = False, seed: int = 0):
+def hf_model(family: str, *, tie: bool = False, seed: int = 0, **config):
     """A random transformers causal LM (fp32, eval mode); biases and norms randomised so bugs show."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family, tie=tie), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(hf_config(family, tie=tie, **config), attn_implementation="sdpa")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -36,9 +42,9 @@ def hf_model(family: str, *, tie: bool = False, seed: int = 0):
     return model.eval()
 
 
-def save_hf(tmp_path, family: str, *, tie: bool = False, seed: int = 0, **save_kwargs):
+def save_hf(tmp_path, family: str, *, tie: bool = False, seed: int = 0, config: dict | None = None, **save_kwargs):
     """(directory, model): a random transformers model saved with `save_pretrained`."""
-    model = hf_model(family, tie=tie, seed=seed)
+    model = hf_model(family, tie=tie, seed=seed, **(config or {}))
     path = tmp_path / f"{family}-{'tied' if tie else 'untied'}"
     model.save_pretrained(path, **save_kwargs)
     return path, model

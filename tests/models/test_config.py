@@ -11,8 +11,26 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden
         "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
-def test_registry_names_the_three_families():
-    assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+def test_registry_names_the_families():
+    assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                       "Qwen3MoeForCausalLM"}
+
+
+def test_qwen3_moe_keys():
+    moe = {**BASE, "model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 4, "norm_topk_prob": True, "mlp_only_layers": [3], "router_aux_loss_coef": 0.01}
+    cfg = LatheConfig.from_hf_dict(moe)
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.qk_norm and cfg.moe.norm_topk_prob
+    assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.moe_intermediate_size) == (8, 2, 4)
+    assert cfg.moe.router_aux_loss_coef == 0.01 and not cfg.moe.output_router_logits
+    assert [cfg.is_sparse_layer(i) for i in range(4)] == [True, True, True, False]
+    # transformers 5 writes num_local_experts; decoder_sparse_step makes every other layer sparse
+    cfg = LatheConfig.from_hf_dict({k: v for k, v in moe.items() if k != "num_experts"}
+                                   | {"num_local_experts": 8, "decoder_sparse_step": 2, "mlp_only_layers": []})
+    assert cfg.moe.num_experts == 8 and [cfg.is_sparse_layer(i) for i in range(4)] == [False, True, False, True]
+    assert LatheConfig.from_hf_dict(BASE | {"model_type": "qwen3"}).moe is None
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        LatheConfig.from_hf_dict(moe | {"num_experts_per_tok": 9})
 
 
 def test_transformers4_layout_with_rope_scaling_and_type_key():

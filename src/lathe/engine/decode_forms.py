@@ -70,22 +70,24 @@ def fuse_projections(model: nn.Module) -> None:
     """One matmul for each layer's q/k/v projections and one for gate/up (see the module docstring), in place: each
     fused module's class becomes `FusedAttention` / `FusedMLP` (as FSDP2's `fully_shard` swaps a module's class), so
     the layers' forward, compiled or not, runs the fused matmul. Groups holding a subclass of `nn.Linear` (LoRA
-    layers) are left as they are: their own forward must run. The fused tensors are new memory; the layers' old
+    layers) are left as they are: their own forward must run; so are a MoE model's sparse MLPs, whose experts'
+    gate and up are one stacked tensor already (`lathe.models.moe`). The fused tensors are new memory; the layers' old
     tensors are freed unless something else (a trainer sharing them) still holds them."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for owner, name, linears, fused in (
-                (attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), FusedAttention),
-                (mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), FusedMLP)):
+        groups = [(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), FusedAttention)]
+        if isinstance(mlp, MLP):
+            groups.append((mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), FusedMLP))
+        for owner, name, linears, fused in groups:
             if all(type(lin) is nn.Linear for lin in linears):
                 _fuse(owner, name, linears)
                 owner.__class__ = fused
 
 
 def projection_bytes(model: nn.Module) -> int:
-    """Bytes of the weights `fuse_projections` concatenates (q, k, v, gate, up of every layer)."""
+    """Bytes of the weights `fuse_projections` concatenates (q, k, v of every layer, gate and up of its dense MLPs)."""
     parts = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.model.layers]
-    parts += [(layer.mlp, ("gate_proj", "up_proj")) for layer in model.model.layers]
+    parts += [(layer.mlp, ("gate_proj", "up_proj")) for layer in model.model.layers if isinstance(layer.mlp, MLP)]
     return sum(getattr(owner, name).weight.nbytes for owner, names in parts for name in names)
 
 
@@ -131,7 +133,10 @@ def split_layer(layer: DecoderLayer, x: torch.Tensor, part: torch.Tensor | None,
     q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin, rotate=not rotates)
     out = attend(attn, q, k, v, torch.compiler.is_compiling(), (cos, sin) if rotates else None)
     x = add_partials(x, split_linear(out, layer.self_attn.o_proj, splits[0]))
-    return x, split_linear(layer.mlp.hidden(layer.post_attention_layernorm(x)), layer.mlp.down_proj, splits[1])
+    h = layer.post_attention_layernorm(x)
+    if not isinstance(layer.mlp, MLP):              # a mixture of experts (`lathe.models.moe`): one partial
+        return x, layer.mlp(h).unsqueeze(0)
+    return x, split_linear(layer.mlp.hidden(h), layer.mlp.down_proj, splits[1])
 
 
 def split_final(norm: RMSNorm, x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:

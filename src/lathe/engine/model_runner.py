@@ -13,7 +13,9 @@ Prefill sorts its sequences into three groups, each with the cheapest correct at
 - several new tokens over a cached prefix (a prefix shared across prompts, a chunk of a long prompt, the agent
   loop's next turn): one masked SDPA over the group's gathered contexts (`CachedPrefill`).
 Decode runs every sequence's last token; on CUDA it replays a CUDA graph captured for the smallest
-batch bucket that holds the batch (`cuda_graph.py`).
+batch bucket that holds the batch (`cuda_graph.py`), unless the model's MoE layers read per-expert counts on the
+host (their expert loop, where the grouped matmul is not available: `lathe.models.moe.graph_capturable`), which a
+capture cannot hold: those models decode eagerly.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lathe.engine.paged_attention import choose_decode_backend
 from lathe.engine.sequence import PENDING, Sequence
 from lathe.engine.step_attention import DecodeAttention, PrefillAttention
 from lathe.models.attention import PackedAttention, select_packed_backend
+from lathe.models.moe import graph_capturable
 from lathe.models.vl import is_vl
 
 
@@ -50,7 +53,7 @@ class ModelRunner:
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, block_size=self.block_size)
         self.packed_backend = select_packed_backend("auto", self.device, model.dtype)
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda" and cfg.rope.rope_type != "dynamic":
+        if cuda_graphs and self.device.type == "cuda" and cfg.rope.rope_type != "dynamic" and graph_capturable(model):
             self.graphs = DecodeGraphs(self, max_graph_batch, graph_sizes)
 
     @property

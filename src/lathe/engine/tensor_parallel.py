@@ -108,6 +108,10 @@ class ShardLayout:
 
     def __init__(self, cfg: LatheConfig, tp: TensorParallel):
         rank, size = tp.rank, tp.size
+        if cfg.moe is not None:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: {cfg.architecture} is a mixture-of-experts "
+                             "model, and lathe's tensor-parallel replicas shard dense MLPs only (expert parallelism "
+                             "is lathe issue 44's next piece). Fix: set it to 1 (a replica on one device each)")
         heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
         problems = [f"{what} ({n}) are not divisible by it" for what, n in (
             ("the attention heads", heads), ("the MLP's intermediate features", inter)) if n % size]

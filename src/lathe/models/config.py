@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 # The token-classification (critic) heads over the same backbones load too.
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
-                       "Qwen3ForTokenClassification"}
+                       "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 
 
@@ -53,6 +55,41 @@ class RopeConfig:
 
 
 @dataclass
+class MoeConfig:
+    """The mixture-of-experts keys of a Qwen3-MoE `config.json` (`lathe.models.moe` computes the layers)."""
+
+    num_experts: int                   # per sparse layer (`num_experts`; transformers 5 writes `num_local_experts`)
+    num_experts_per_tok: int           # top-k experts each token is routed to
+    moe_intermediate_size: int         # each expert's SwiGLU width
+    norm_topk_prob: bool = False       # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1       # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()   # ... and i is not listed here (those keep a dense MLP)
+    router_aux_loss_coef: float = 0.001     # weight of the load-balancing loss (`LatheCausalLM.router_aux_loss`)
+    output_router_logits: bool = False      # transformers adds the weighted aux loss to its loss when true
+
+    def is_sparse(self, index: int) -> bool:
+        return (index not in self.mlp_only_layers and self.num_experts > 0
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "MoeConfig":
+        experts = d.get("num_experts", d.get("num_local_experts"))
+        top_k = int(d.get("num_experts_per_tok") or 0)
+        if experts is None or not d.get("moe_intermediate_size") or top_k < 1 or top_k > int(experts):
+            raise ValueError(f"a Qwen3-MoE config needs num_experts (or num_local_experts), num_experts_per_tok "
+                             f"(1 .. num_experts) and moe_intermediate_size; got num_experts={experts}, "
+                             f"num_experts_per_tok={d.get('num_experts_per_tok')}, moe_intermediate_size="
+                             f"{d.get('moe_intermediate_size')}. Fix the checkpoint's config.json")
+        return cls(num_experts=int(experts), num_experts_per_tok=top_k,
+                   moe_intermediate_size=int(d["moe_intermediate_size"]),
+                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                   decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+                   router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+                   output_router_logits=bool(d.get("output_router_logits", False)))
+
+
+@dataclass
 class LatheConfig:
     """Everything the decoder math needs; `hf_config` keeps the original JSON for saving back."""
 
@@ -71,6 +108,7 @@ class LatheConfig:
     o_bias: bool = False          # bias on o_proj (Llama/Qwen3 `attention_bias`)
     mlp_bias: bool = False        # Llama `mlp_bias`
     qk_norm: bool = False         # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    moe: MoeConfig | None = None  # Qwen3-MoE: the sparse layers' experts and router; None for a dense model
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -78,6 +116,10 @@ class LatheConfig:
     @property
     def family(self) -> str:
         return self.architecture.replace("ForCausalLM", "").replace("ForTokenClassification", "").lower()
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` is a mixture-of-experts layer (else a dense MLP of `intermediate_size`)."""
+        return self.moe is not None and self.moe.is_sparse(index)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "LatheConfig":
@@ -108,7 +150,8 @@ class LatheConfig:
             qkv_bias=True if family == "Qwen2" else attention_bias,
             o_bias=False if family == "Qwen2" else attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if family == "Llama" else False,
-            qk_norm=family == "Qwen3",
+            qk_norm=family in ("Qwen3", "Qwen3Moe"),
+            moe=MoeConfig.from_hf_dict(d) if family == "Qwen3Moe" else None,
             rope=read_rope(d, source),
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             hf_config=dict(d),
@@ -119,9 +162,8 @@ def _architecture(d: dict[str, Any], source: str) -> str:
     archs = d.get("architectures") or []
     if not archs:
         model_type = d.get("model_type")
-        guess = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-        if model_type in guess:
-            return guess[model_type]
+        if model_type in MODEL_TYPES:
+            return MODEL_TYPES[model_type]
         raise UnsupportedArchitecture(f"{source}: no 'architectures' entry and model_type={model_type!r}; lathe's "
                                       "decoder cannot tell what this is, so the transformers fallback will be used")
     arch = archs[0]

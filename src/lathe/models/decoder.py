@@ -1,4 +1,5 @@
-"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm) in one module tree.
+"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm) and Qwen3-MoE (Qwen3 with mixture-of-experts
+MLPs, `lathe.models.moe`) in one module tree.
 
 Module and parameter names are those of the Hugging Face checkpoints (`model.embed_tokens.weight`,
 `model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`), so a state dict moves between the
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lathe.models.attention import MaskedAttention, PackedAttention, PaddedAttention, select_packed_backend
 from lathe.models.config import LatheConfig
+from lathe.models.moe import SparseMoeBlock
 from lathe.models.packing import pack_padded, position_ids_from_mask, unpack_to_padded
 from lathe.models.rope import RotaryEmbedding, apply_rotary
 
@@ -126,12 +128,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)); the MLP is a mixture of experts in the sparse
+    layers of a MoE model (`index`: the layer's place in the stack)."""
 
-    def __init__(self, cfg: LatheConfig):
+    def __init__(self, cfg: LatheConfig, index: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_sparse_layer(index) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -153,7 +156,7 @@ class LatheDecoderModel(nn.Module):
     def __init__(self, cfg: LatheConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.gradient_checkpointing = False
@@ -331,3 +334,6 @@ def init_weights(model: nn.Module, std: float = 0.02) -> None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, SparseMoeBlock):
+            for p in (module.gate.weight, module.experts.gate_up_proj, module.experts.down_proj):
+                nn.init.normal_(p, mean=0.0, std=std)

@@ -3,6 +3,8 @@
 Parameter names already match the checkpoints, so loading is a plain safetensors read (one file, or
 shards listed in `model.safetensors.index.json`; `pytorch_model.bin` as a last resort) and saving is a
 plain safetensors write plus `config.json`, which `transformers.AutoModelFor*.from_pretrained` reads back.
+The one layout that differs is a MoE model's experts: one tensor per expert and projection on disk, stacked in the
+modules (`lathe.models.moe.fuse_expert_weights` on load, `split_expert_weights` on save).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from lathe.models.config import LatheConfig, UnsupportedArchitecture
+from lathe.models.moe import fuse_expert_weights, split_expert_weights
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -60,7 +63,9 @@ def read_state_dict(path: str | Path, *, dtype: torch.dtype | None = None,
 
 def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
               optional: tuple[str, ...] = ()) -> list[str]:
-    """Assign `state` to a (meta-device) model; names in `optional` may be missing. Returns those missing."""
+    """Assign `state` (checkpoint names: per-expert MoE weights are fused here) to a (meta-device) model; names in
+    `optional` may be missing. Returns those missing."""
+    state = fuse_expert_weights(state)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -131,6 +136,7 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
+    state = split_expert_weights(state)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     shards = _shard(state, parse_size(max_shard_size))

@@ -6,12 +6,18 @@ mini-batch into micro-batches of `ppo_micro_batch_size_per_gpu` sequences whose 
 `use_dynamic_bsz`, micro-batches packed to `ppo_max_token_len_per_gpu` tokens: `lathe.train.micro`).
 Losses are normalised by the token and sequence counts of the whole mini-batch, so the update does
 not depend on the micro-batch size.
+
+A mixture-of-experts policy whose config asks for it (`output_router_logits`, as transformers adds its aux loss;
+set by `actor_rollout_ref.model.override_config.output_router_logits=true`) adds `router_aux_loss_coef` times the
+routers' load-balancing loss of each micro-batch (`lathe.models.moe`), weighted by its share of the mini-batch's
+sequences, and reports it as `actor/router_aux_loss`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from contextlib import nullcontext
 
 import torch
 
@@ -20,6 +26,7 @@ from lathe.algo.policy_loss import PolicyLossParams
 from lathe.algo.rollout_correction import ProbsDiffSums
 from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
+from lathe.models.moe import collect_router_stats, router_aux_loss_coef
 from lathe.train import parallel
 from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
@@ -66,6 +73,7 @@ class PPOActor:
         self.loss_params = policy_loss_params(actor_cfg, rollout_correction if bypass else None)
         self.policy_loss = get_policy_loss("bypass_mode" if bypass else actor_cfg.policy_loss.loss_mode)
         self.loss_scale_factor = actor_cfg.loss_scale_factor or max_response_length   # seq-mean-token-sum-norm's divisor
+        self.router_aux_coef = router_aux_loss_coef(model)     # 0 unless a MoE policy's config asks (module doc)
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches; returns verl's `actor/*` metrics averaged over mini-batches.
@@ -116,9 +124,10 @@ class PPOActor:
                           ) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         mask = micro["response_mask"]
-        log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
-                                               calculate_entropy=True, remove_padding=self.use_remove_padding,
-                                               prefix_grouper=cfg.use_prefix_grouper, sp=self.sp)
+        with collect_router_stats(self.model) if self.router_aux_coef else nullcontext() as router:
+            log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
+                                                   calculate_entropy=True, remove_padding=self.use_remove_padding,
+                                                   prefix_grouper=cfg.use_prefix_grouper, sp=self.sp)
         old = micro.tensors.get("old_log_probs")
         if old is None:                     # on-policy (see update_policy): pi_old is this very forward
             old = log_prob.detach()
@@ -139,6 +148,10 @@ class PPOActor:
             loss = loss + cfg.kl_loss_coef * kl_loss
             parts["actor/kl_loss"] = kl_loss.detach()
             parts["actor/kl_coef"] = cfg.kl_loss_coef
+        if router is not None:
+            aux = router.aux_loss()
+            loss = loss + self.router_aux_coef * aux * (len(micro) / agg["global_num_seqs"])
+            parts["actor/router_aux_loss"] = aux.detach()
         return loss, parts
 
 

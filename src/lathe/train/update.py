@@ -149,6 +149,8 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     Sharded models: every rank calls this with the same path."""
     from safetensors import safe_open
     from safetensors.torch import load_file
+
+    from lathe.models.moe import fuse_expert_weights, fused_names
     files = sorted((path / "huggingface").glob("*.safetensors"))
     if not files or not (path / "optim.pt").exists():
         raise FileNotFoundError(f"{what} checkpoint {path} is incomplete: expected huggingface/*.safetensors and "
@@ -157,6 +159,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     for f in files:                              # names from the headers: the tensors are read only when used
         with safe_open(f, framework="pt") as handle:
             saved.update(handle.keys())
+    saved = fused_names(saved)                   # a MoE model's experts: one tensor per expert on disk
     names = set(model.state_dict().keys())
     missing = [m for m in sorted(names - saved) if not ignore_missing(m)]
     unexpected = sorted(saved - names)
@@ -172,6 +175,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     state = {}
     for f in files:
         state.update(load_file(f))
+    state = fuse_expert_weights(state)
     if load_masters is not None:
         if opt.get("by_name"):
             raise RuntimeError(f"{what} checkpoint {path} was written by a run without fp32 master weights (CPU or "

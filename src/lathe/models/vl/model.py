@@ -37,7 +37,7 @@ class LatheVLTextModel(nn.Module):
         super().__init__()
         t = cfg.text
         self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(t) for _ in range(t.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(t, i) for i in range(t.num_hidden_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(t.rope, t.head_dim, t.max_position_embeddings, cfg.mrope_section,
                                            cfg.mrope_interleaved)

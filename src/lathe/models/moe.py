@@ -1,0 +1,280 @@
+"""Qwen3-MoE's sparse layers: a top-k router over SwiGLU experts, and the routers' load-balancing loss.
+
+Parameter names and layouts are transformers 5's (`Qwen3MoeSparseMoeBlock`), so a state dict moves between the two
+with no renaming:
+- `mlp.gate.weight` (E, H): the router;
+- `mlp.experts.gate_up_proj` (E, 2I, H): each expert's gate rows then up rows; `mlp.experts.down_proj` (E, H, I).
+Checkpoints on disk (the Hub's, and what transformers' `save_pretrained` writes) name each expert's matrices
+(`mlp.experts.<e>.gate_proj.weight`, `up_proj`, `down_proj`): `fuse_expert_weights` reads that layout into the fused
+one and `split_expert_weights` writes it back.
+
+Routing (as transformers): p = softmax(x G^T) in float32; each token takes its top-k experts with weights p_topk,
+renormalised to sum to 1 when `norm_topk_prob`. The token-expert assignments are sorted by expert, so each expert's
+tokens are one contiguous run of rows; the experts then run as
+- one grouped matmul per projection (`torch._grouped_mm`) where the device has it: fixed shapes and no host sync, so
+  a decode step of a MoE model can be captured in a CUDA graph (`grouped_mm_supported`);
+- else a loop over the experts that received tokens (the CPU path and the reference), which reads the per-expert
+  counts on the host.
+
+The load-balancing loss (Switch Transformer, Fedus et al. 2021, eqs. 4-6, as transformers' `load_balancing_loss_func`
+computes it over all sparse layers together) is collected on request: `with collect_router_stats(model) as stats:`
+around a forward, then `stats.aux_loss()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lathe.models.config import LatheConfig, MoeConfig
+
+EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class TopKRouter(nn.Module):
+    """`mlp.gate`: the router's (E, H) weight. Not an `nn.Linear`, as in transformers, so LoRA's `all-linear` (PEFT's
+    matching) leaves it alone."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """`mlp.experts`: every expert's SwiGLU weights, stacked (module doc)."""
+
+    def __init__(self, cfg: MoeConfig, hidden: int):
+        super().__init__()
+        e, i = cfg.num_experts, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
+
+
+class SparseMoeBlock(nn.Module):
+    """A Qwen3-MoE layer's MLP: route each token to its top-k experts and sum their outputs, weighted."""
+
+    router_stats: RouterStats | None = None     # set by `collect_router_stats` for its forwards
+    # set for good by `collect_router_stats`: every later forward calls `_record` (an eager call, a graph break in a
+    # compiled layer), recording or not, so that a layer recomputed in backward (gradient checkpointing) runs the
+    # very graphs its forward ran and saves the same tensors
+    records_routing: bool = False
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__()
+        self.moe = cfg.moe
+        self.gate = TopKRouter(cfg.hidden_size, cfg.moe.num_experts)
+        self.experts = Experts(cfg.moe, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, h = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, h)
+        logits = self.gate(flat)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = route(probs, self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
+        if self.records_routing:
+            self._record(probs, chosen)
+        out = experts_forward(flat, weights.to(x.dtype), chosen, self.experts.gate_up_proj, self.experts.down_proj)
+        return out.view(*lead, h)
+
+    @torch.compiler.disable
+    def _record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+        if self.router_stats is not None:
+            self.router_stats.record(probs, chosen)
+
+
+def route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, k) float32, experts (T, k)) from the routing probabilities (T, E)."""
+    weights, chosen = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
+def experts_forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t of x (T, H): the assignments sorted by
+    expert, the experts run on their contiguous rows (grouped matmul or loop, module doc), the outputs put back in
+    token order and summed over j."""
+    num_experts, top_k = gate_up.shape[0], chosen.shape[-1]
+    sorted_experts, order = chosen.reshape(-1).sort(stable=True)
+    ends = torch.searchsorted(sorted_experts, torch.arange(1, num_experts + 1, device=x.device))
+    token = order // top_k
+    rows = x.index_select(0, token)
+    if grouped_mm_supported(x.device, x.dtype, x.shape[-1], down.shape[-1]):
+        ys = _grouped(rows, ends.to(torch.int32), gate_up, down)
+    else:
+        ys = _looped(rows, ends, gate_up, down)
+    # back to (token, j) order, then each token's k outputs summed: no atomic adds, so the sum is deterministic
+    ys = torch.empty_like(ys).index_copy_(0, order, ys).view(*chosen.shape, -1)
+    return (ys * weights.unsqueeze(-1)).sum(1)
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+def _grouped(rows: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The experts over their runs of `rows` with one grouped matmul per projection (`offsets`: each run's end)."""
+    hidden = _swiglu(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets))
+    return torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+
+
+def _looped(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The experts over their runs of `rows`, one expert at a time (experts without tokens skipped)."""
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    outs = []
+    for e, part in enumerate(rows.split(counts)):
+        if counts[e]:
+            hidden = _swiglu(nn.functional.linear(part, gate_up[e]))
+            outs.append(nn.functional.linear(hidden, down[e]))
+    return torch.cat(outs) if outs else rows.new_zeros(0, down.shape[1])
+
+
+@torch.compiler.assume_constant_result     # compiled layers take the answer as it is, without tracing into it
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
+    """Whether the experts run as grouped matmuls: torch's `_grouped_mm` in bfloat16 on an NVIDIA GPU of compute
+    capability 9.0 or later (Hopper), with every row 16-byte aligned. Elsewhere the per-expert loop runs."""
+    return _grouped_mm_supported(device, dtype, hidden, inter)
+
+
+@functools.cache
+def _grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
+    from lathe.device import nvidia_capability
+    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16 or hidden % 8 or inter % 8:
+        return False
+    capability = nvidia_capability(device)
+    return capability is not None and capability >= (9, 0)
+
+
+def graph_capturable(model: nn.Module) -> bool:
+    """Whether `model`'s forward has no host sync in its MoE layers (none, or all on the grouped matmul), which a
+    CUDA graph's capture needs."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    return all(grouped_mm_supported(b.experts.down_proj.device, b.experts.down_proj.dtype,
+                                    b.experts.down_proj.shape[1], b.experts.down_proj.shape[2]) for b in blocks)
+
+
+# ---- the load-balancing loss -------------------------------------------------------------------------------------
+
+
+@dataclass
+class RouterStats:
+    """What the sparse layers of one forward routed: per layer, the top-k assignments per expert and the routing
+    probabilities summed over the tokens."""
+
+    num_experts: int
+    tokens_per_expert: list[torch.Tensor] = field(default_factory=list)   # (E,) float32 counts, no gradient
+    prob_per_expert: list[torch.Tensor] = field(default_factory=list)     # (E,) float32 sums, with gradient
+    rows: int = 0
+
+    def record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+        with torch.no_grad():
+            counts = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
+            counts.index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device))
+        self.tokens_per_expert.append(counts)
+        self.prob_per_expert.append(probs.sum(0))
+        self.rows += probs.shape[0]
+
+    def aux_loss(self) -> torch.Tensor:
+        """E * sum_e f_e P_e, with f_e the share of top-k assignments to expert e and P_e its mean routing
+        probability, both over every token of every sparse layer (transformers' `load_balancing_loss_func`, whose
+        f_e sums to k). Without a sparse layer run (no tokens), 0."""
+        if not self.rows:
+            return torch.zeros(())
+        f = torch.stack(self.tokens_per_expert).sum(0) / self.rows
+        p = torch.stack(self.prob_per_expert).sum(0) / self.rows
+        return self.num_experts * (f * p).sum()
+
+
+def router_aux_loss_coef(model: nn.Module) -> float:
+    """The weight a trainer gives `model`'s load-balancing loss: its config's `router_aux_loss_coef` where the config
+    asks for the loss (`output_router_logits`, as transformers adds it to its loss) and the model has lathe's MoE
+    layers; else 0."""
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    if moe is None or not moe.output_router_logits:
+        return 0.0
+    return moe.router_aux_loss_coef if any(isinstance(m, SparseMoeBlock) for m in model.modules()) else 0.0
+
+
+@contextmanager
+def collect_router_stats(model: nn.Module) -> Iterator[RouterStats | None]:
+    """Record the routing of the forwards run inside the block (`RouterStats`); None for a model without sparse
+    layers. Recomputed layers (gradient checkpointing, in backward) record nothing."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        yield None
+        return
+    stats = RouterStats(blocks[0].moe.num_experts)
+    for block in blocks:
+        block.router_stats, block.records_routing = stats, True
+    try:
+        yield stats
+    finally:
+        for block in blocks:
+            block.router_stats = None
+
+
+# ---- checkpoint layouts ------------------------------------------------------------------------------------------
+
+
+def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with per-expert names (`...mlp.experts.<e>.gate_proj.weight`, the Hub's layout) in the fused
+    layout lathe's and transformers 5's modules hold; other names pass through. Experts must be numbered 0..E-1."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, t in state.items():
+        m = EXPERT_NAME.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            groups.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["e"])] = t
+    for prefix, projs in groups.items():
+        counts = {p: sorted(ts) for p, ts in projs.items()}
+        n = len(counts.get("down_proj", []))
+        if set(projs) != {"gate_proj", "up_proj", "down_proj"} or any(c != list(range(n)) for c in counts.values()):
+            found = {p: len(c) for p, c in counts.items()}
+            raise ValueError(f"{prefix}: the checkpoint's experts are incomplete ({found} of gate_proj/up_proj/"
+                             "down_proj, numbered from 0); re-export or re-download it")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
+    return out
+
+
+def fused_names(names) -> set[str]:
+    """The module names of a checkpoint's tensor names: per-expert names become those of their fused tensors."""
+    out = set()
+    for name in names:
+        m = EXPERT_NAME.match(name)
+        out.add(name if m is None else f"{m['prefix']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}")
+    return out
+
+
+def split_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fused expert tensors of a state dict under per-expert names (what transformers' `save_pretrained` writes
+    and every Qwen3-MoE reader loads); other names pass through."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[:-len(".gate_up_proj")]
+            gates, ups = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gates[e].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = ups[e].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[:-len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out

@@ -1,0 +1,158 @@
+"""Qwen3-MoE in lathe's decoder against transformers' `Qwen3MoeForCausalLM`: logits (padded and packed, norm_topk_prob
+on and off), gradients, the load-balancing loss, checkpoint layouts, and the grouped-matmul path against the loop."""
+
+import json
+
+import pytest
+import torch
+
+from lathe.models import load_lathe_model
+from lathe.models.hf import lathe_from_transformers
+from lathe.models.moe import SparseMoeBlock, collect_router_stats, experts_forward, fuse_expert_weights, \
+    router_aux_loss_coef, split_expert_weights
+from lathe.models.packing import pack_padded
+
+from helpers import assert_close_rel
+
+from .lathe_tiny import MOE, hf_model, ragged_batch, save_hf
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=lambda n: f"norm_topk_prob={n}")
+def pair(request):
+    hf = hf_model(MOE, norm_topk_prob=request.param)
+    return hf, lathe_from_transformers(hf).eval()
+
+
+def test_padded_and_packed_logits_equal_transformers(pair):
+    hf, lathe = pair
+    assert isinstance(lathe.model.layers[1].mlp, SparseMoeBlock) and not isinstance(lathe.model.layers[0].mlp,
+                                                                                     SparseMoeBlock)
+    ids, mask, pos = ragged_batch(0)
+    real = mask.bool()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        for mode in ("mask", "unpad"):
+            lathe.padded_attention = mode
+            assert_close_rel(lathe(ids, mask, pos).logits[real], ref[real], name=f"padded logits ({mode})")
+        packed = pack_padded(ids, mask, pos)
+        out = lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
+                                   return_hidden=False)
+    assert_close_rel(out, ref[real], name="packed logits")
+
+
+def _loss(logits, aux):
+    return logits.float().pow(2).mean() + 10.0 * aux
+
+
+def test_aux_loss_and_gradients_equal_transformers(pair):
+    hf, lathe = pair
+    ids, mask, pos = ragged_batch(1)
+    real = mask.bool()
+    hf.zero_grad()
+    out = hf(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
+    _loss(out.logits[real], out.aux_loss).backward()
+    packed = pack_padded(ids, mask, pos)
+    lathe.zero_grad()
+    with collect_router_stats(lathe) as stats:
+        logits = lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
+                                      return_hidden=False)
+    assert stats.rows == int(real.sum())                 # one sparse layer, the real tokens only
+    aux = stats.aux_loss()
+    assert_close_rel(aux, out.aux_loss, name="load-balancing loss")
+    _loss(logits, aux).backward()
+    grads = {n: p.grad for n, p in lathe.named_parameters() if ".mlp." in n}
+    ref = {n: p.grad for n, p in hf.named_parameters() if n in grads}
+    assert set(ref) == set(grads) and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    assert "model.layers.1.mlp.gate.weight" in grads and "model.layers.1.mlp.experts.gate_up_proj" in grads
+    assert_close_rel(grads, ref, rel=1e-4, name="gradients of the MLPs, router and experts")
+
+
+def test_router_stats_with_gradient_checkpointing_record_each_layer_once():
+    lathe = lathe_from_transformers(hf_model(MOE)).train()
+    lathe.gradient_checkpointing_enable()
+    ids = torch.randint(0, 100, (2, 7))
+    with collect_router_stats(lathe) as stats:
+        logits = lathe(ids).logits
+    (logits.pow(2).mean() + stats.aux_loss()).backward()
+    assert stats.rows == 14 and len(stats.prob_per_expert) == 1
+    assert lathe.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_router_stats_with_checkpointing_in_compiled_grouped_layers(monkeypatch):
+    """Compiled layers on the grouped matmul (no graph break of their own; bf16, as on a GPU) with gradient
+    checkpointing: the recomputed layers run the forward's graphs (the recording call's break included)."""
+    from lathe.models.compile import compile_decoder
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    monkeypatch.setattr("lathe.models.moe.grouped_mm_supported", lambda *a: True)
+    torch._dynamo.reset()
+    lathe = lathe_from_transformers(hf_model(MOE)).train().to(torch.bfloat16)
+    lathe.gradient_checkpointing_enable()
+    compile_decoder(lathe, backend="aot_eager")
+    for rows in (7, 9):
+        with collect_router_stats(lathe) as stats:
+            logits = lathe(torch.randint(0, 100, (2, rows))).logits
+        (logits.float().pow(2).mean() + stats.aux_loss()).backward()
+        assert stats.rows == 2 * rows
+    assert lathe.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+    torch._dynamo.reset()
+
+
+def test_aux_loss_weight_follows_output_router_logits():
+    hf = hf_model(MOE)
+    assert router_aux_loss_coef(lathe_from_transformers(hf)) == 0.0          # transformers' default: off
+    hf.config.output_router_logits, hf.config.router_aux_loss_coef = True, 0.25
+    assert router_aux_loss_coef(lathe_from_transformers(hf)) == 0.25
+    assert router_aux_loss_coef(hf) == 0.0                                   # transformers' modules: not lathe's
+    dense = lathe_from_transformers(hf_model("qwen3"))
+    with collect_router_stats(dense) as stats:
+        assert stats is None and router_aux_loss_coef(dense) == 0.0
+
+
+def test_grouped_matmul_equals_the_expert_loop(monkeypatch):
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    gen = torch.Generator().manual_seed(0)
+    x, gate_up, down = torch.randn(11, 32, generator=gen), torch.randn(4, 32, 32, generator=gen), \
+        torch.randn(4, 32, 16, generator=gen)
+    weights, chosen = torch.rand(11, 2, generator=gen), torch.randint(0, 3, (11, 2), generator=gen)  # expert 3 idle
+    loop = experts_forward(x, weights, chosen, gate_up, down)
+    monkeypatch.setattr("lathe.models.moe.grouped_mm_supported", lambda *a: True)
+    try:
+        grouped = experts_forward(x, weights, chosen, gate_up, down)
+    except RuntimeError as e:         # a torch without the CPU fallback of the grouped matmul
+        pytest.skip(f"torch._grouped_mm does not run on this CPU: {e}")
+    assert_close_rel(grouped, loop, name="grouped experts")
+
+
+def test_checkpoint_round_trip_through_transformers(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    path, hf = save_hf(tmp_path, MOE)
+    lathe = load_lathe_model(path).eval()
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert_close_rel(lathe(ids).logits, ref, name="logits after loading transformers' save")
+    lathe.save_pretrained(tmp_path / "lathe")
+    with safe_open(str(tmp_path / "lathe" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
+    assert not any(n.endswith("gate_up_proj") for n in names)
+    assert json.loads((tmp_path / "lathe" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "lathe").eval()
+    with torch.no_grad():
+        assert_close_rel(back(ids).logits, ref, name="transformers' logits after loading lathe's save")
+
+
+def test_expert_layouts_convert_both_ways():
+    hf = hf_model(MOE)
+    fused = hf.state_dict()
+    per_expert = split_expert_weights(fused)
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in per_expert
+    assert per_expert["model.layers.1.mlp.experts.2.up_proj.weight"].shape == (16, 32)
+    back = fuse_expert_weights(per_expert)
+    assert back.keys() == fused.keys() and all(torch.equal(back[k], fused[k]) for k in fused)
+    del per_expert["model.layers.1.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(ValueError, match="incomplete"):
+        fuse_expert_weights(per_expert)

@@ -18,7 +18,9 @@ from config.verl_corpus import names, problems, refused_features, table
 # Known problems that are not a named refusal, with why they stay.
 KNOWN_OTHERS = {
     r"sequences per (mini-batch|step) is not divisible by the device": "lathe's batch rules split over every "
-        "device; with tensor/pipeline/context parallelism (refused: issue 43) verl splits over fewer",
+        "device; with pipeline/context parallelism (refused: issue 43) verl splits over fewer",
+    r"LoRA with tensor parallelism is not implemented yet": "a cross-field rule (config/rules_sp.py): the adapters "
+        "are not cut over a tensor-parallel group yet",
     r"^unknown key actor_rollout_ref\.actor\.engine\.": "the megatron-lite package's keys (after the refused "
         "Hydra config-group selection that brings them)",
     r"^unknown key actor_rollout_ref\.actor\.model_engine$": "not a key of verl's schema either: Hydra refuses it "

@@ -10,7 +10,9 @@ verl's batch semantics: ``data.train_batch_size`` = prompts per step; each promp
 ``ppo_micro_batch_size_per_gpu`` counts SEQUENCES per device per forward/backward pass. With Ulysses sequence
 parallelism (a role's ``ulysses_sequence_parallel_size`` S > 1) the devices form groups of S that compute each
 micro-batch together: a mini-batch is split over the devices / S data-parallel groups (``data_parallel_size``),
-every device of a group holding the group's share.
+every device of a group holding the group's share. Tensor parallelism (a role's ``fsdp_config.tensor_parallel_size``
+T > 1) groups devices the same way: the T devices of a group hold slices of every layer and compute each micro-batch
+together, so a mini-batch is split over devices / T groups.
 """
 
 from __future__ import annotations
@@ -43,27 +45,41 @@ class BatchPlan:
     micro_batch_per_device: int
     grad_accum_steps: int
     sequence_parallel_size: int = 1      # the role's ulysses_sequence_parallel_size
+    tensor_parallel_size: int = 1        # the role's fsdp_config.tensor_parallel_size
+
+    @property
+    def group_size(self) -> int:
+        """Consecutive devices that hold the same data and compute each micro-batch together (a sequence- or
+        tensor-parallel group; 1 without either)."""
+        return self.sequence_parallel_size * self.tensor_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
-        """The data-parallel shares a mini-batch is cut into: the devices over the sequence-parallel size."""
-        return max(1, self.device_count // self.sequence_parallel_size)
+        """The data-parallel shares a mini-batch is cut into: the devices over the group size."""
+        return max(1, self.device_count // self.group_size)
 
 
 @dataclass(frozen=True)
 class MeshPlan:
     """The device mesh one model is sharded on, its dims named as torchtitan's `ParallelDims` names them:
-    dp_replicate x dp_shard = the trainer's ranks (sequence- and tensor-parallel dims join them when lathe builds
-    those). dp_replicate = 1 is plain FSDP over every rank; > 1 is HSDP (verl's `fsdp_config.fsdp_size` = N smaller
+    dp_replicate x dp_shard x tp = the trainer's ranks (tp innermost: the ranks of a tensor-parallel group are
+    consecutive, within a node). dp_replicate = 1 is plain FSDP over every rank; > 1 is HSDP (verl's `fsdp_config.fsdp_size` = N smaller
     than the devices): each weight is sharded over a group of dp_shard ranks and replicated over dp_replicate such
-    groups, its gradients summed over all of them. Every rank is data-parallel either way: the batch is cut over
-    all of them (`BatchPlan`)."""
+    groups, its gradients summed over all of them. tp > 1 (`fsdp_config.tensor_parallel_size`): each weight is first
+    cut over the tp ranks of a group (`lathe.train.tensor_parallel`) and FSDP2 shards those slices over the data-
+    parallel dims; the tp ranks of a group hold the same data (`BatchPlan.tensor_parallel_size`)."""
 
     dp_replicate: int
     dp_shard: int
+    tp: int = 1
 
     @property
     def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel ranks: the world over the tensor-parallel size."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -72,9 +88,10 @@ class MeshPlan:
         return self.dp_replicate > 1
 
     def describe(self) -> str:
+        tp = f" x TP {self.tp}" if self.tp > 1 else ""
         if self.hsdp:
-            return f"HSDP: {self.dp_replicate} replicas x {self.dp_shard}-way shards"
-        return f"FSDP: {self.dp_shard}-way shards"
+            return f"HSDP: {self.dp_replicate} replicas x {self.dp_shard}-way shards{tp}"
+        return f"FSDP: {self.dp_shard}-way shards{tp}"
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,7 @@ class RunPlan:
     needs_ref: bool
     meshes: dict[str, MeshPlan] = field(default_factory=dict)    # 'actor', 'ref', 'critic': see `mesh`
     ref_sequence_parallel_size: int = 1  # actor_rollout_ref.ref.ulysses_sequence_parallel_size (null: the actor's)
+    ref_tensor_parallel_size: int = 1    # actor_rollout_ref.ref.fsdp_config.tensor_parallel_size
     rollout_tp: int = 1         # devices per engine replica (rollout.tensor_model_parallel_size)
 
     @property
@@ -162,16 +180,22 @@ def sequence_parallel_size(cfg: LatheConfig, role: str) -> int:
     return (arr.actor if role == "actor" else cfg.critic).ulysses_sequence_parallel_size
 
 
+def tensor_parallel_size(cfg: LatheConfig, role: str) -> int:
+    """``fsdp_config.tensor_parallel_size`` of ``role`` ('actor', 'ref' or 'critic')."""
+    arr = cfg.actor_rollout_ref
+    return {"actor": arr.actor, "ref": arr.ref, "critic": cfg.critic.model}[role].fsdp_config.tensor_parallel_size
+
+
 def batch_plan(cfg: LatheConfig, device_count: int | None = None, role: str = "actor") -> BatchPlan:
     """The batch cut of a validated config for ``role`` ('actor' or 'critic')."""
     dev = resolve_devices(cfg, device_count).count
     owner = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
     n, tbs, mini = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size, owner.ppo_mini_batch_size
-    sp = max(1, sequence_parallel_size(cfg, role))
-    per_device = mini * n // max(1, dev // sp)
+    sp, tp = max(1, sequence_parallel_size(cfg, role)), max(1, tensor_parallel_size(cfg, role))
+    per_device = mini * n // max(1, dev // (sp * tp))
     micro = owner.ppo_micro_batch_size_per_gpu or per_device
     return BatchPlan(dev, tbs, tbs * n, mini, mini * n, tbs // mini, per_device, micro, max(1, per_device // micro),
-                     sequence_parallel_size=sp)
+                     sequence_parallel_size=sp, tensor_parallel_size=tp)
 
 
 # role -> its fsdp_config group (verl's key fsdp_size sets the role's mesh)
@@ -179,18 +203,21 @@ FSDP_GROUPS = {"actor": "actor_rollout_ref.actor.fsdp_config", "ref": "actor_rol
                "critic": "critic.model.fsdp_config"}
 
 
-def mesh_plan(fsdp_size: int, devices: Devices, key: str) -> MeshPlan:
-    """verl's `fsdp_size` over the trainer's devices: -1 (any negative) or at least the devices: plain FSDP over all
-    of them; N dividing them: HSDP, devices / N replicas of N-way shards (N = 1: whole replicas, as DDP)."""
-    world = devices.count
+def mesh_plan(fsdp_size: int, devices: Devices, key: str, tp: int = 1) -> MeshPlan:
+    """verl's `fsdp_size` over the trainer's data-parallel ranks (the devices / `tp`): -1 (any negative) or at least
+    those: plain FSDP over all of them; N dividing them: HSDP, ranks / N replicas of N-way shards (N = 1: whole
+    replicas, as DDP). `tp` (checked by `tensor_parallel_problem`) is the innermost dim."""
+    world = devices.count // tp
     if fsdp_size < 0 or fsdp_size >= world:
-        return MeshPlan(1, world)
+        return MeshPlan(1, world, tp)
     if fsdp_size == 0 or world % fsdp_size:
         divisors = [d for d in range(1, world) if world % d == 0]
-        raise ConfigError(f"`{key}`={fsdp_size} does not divide the trainer's {world} devices ({devices.why}): "
+        ranks = (f"{world} data-parallel ranks ({devices.why}, / tensor_parallel_size={tp})" if tp > 1 else
+                 f"{world} devices ({devices.why})")
+        raise ConfigError(f"`{key}`={fsdp_size} does not divide the trainer's {ranks}: "
                           "HSDP shards each weight over groups of fsdp_size devices, replicated across devices / "
                           f"fsdp_size groups. Fix: set it to one of {divisors}, or to -1 (shard over all devices).")
-    return MeshPlan(world // fsdp_size, fsdp_size)
+    return MeshPlan(world // fsdp_size, fsdp_size, tp)
 
 
 def fsdp_sizes(cfg: LatheConfig) -> dict[str, int]:
@@ -206,15 +233,35 @@ def fsdp_sizes(cfg: LatheConfig) -> dict[str, int]:
 
 def role_meshes(cfg: LatheConfig, devices: Devices) -> dict[str, MeshPlan]:
     """The mesh of each model the trainer shards (see `fsdp_sizes`, `mesh_plan`)."""
-    return {role: mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size") for role, size in fsdp_sizes(cfg).items()}
+    return {role: mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size", tensor_parallel_size(cfg, role))
+            for role, size in fsdp_sizes(cfg).items()}
+
+
+def tensor_parallel_problem(cfg: LatheConfig, devices: Devices, role: str) -> str | None:
+    """Why `role`'s tensor_parallel_size cannot make its mesh (None when it can): >= 1, dividing the devices, and
+    within a node (dividing trainer.n_gpus_per_node when there are several nodes: a group's collectives run
+    several times per layer)."""
+    size, key = tensor_parallel_size(cfg, role), f"{FSDP_GROUPS[role]}.tensor_parallel_size"
+    per_node = cfg.trainer.n_gpus_per_node if cfg.trainer.nnodes > 1 else devices.count
+    if size < 1:
+        return f"`{key}`={size} must be >= 1 (1: no tensor parallelism). Fix: set it to 1 or more."
+    if devices.count % size or per_node % size:
+        fits = [d for d in range(1, per_node + 1) if per_node % d == 0 and devices.count % d == 0]
+        return (f"`{key}`={size} does not divide the devices of a node ({devices.why}): a tensor-parallel group is "
+                f"{size} consecutive devices of one node. Fix: set it to one of {fits}.")
+    return None
 
 
 def mesh_problems(cfg: LatheConfig, devices: Devices) -> list[str]:
     """What `role_meshes` would refuse, every model's at once (for `load_config`'s list of problems)."""
     out = []
     for role, size in fsdp_sizes(cfg).items():
+        problem = tensor_parallel_problem(cfg, devices, role)
+        if problem is not None:
+            out.append(problem)
+            continue
         try:
-            mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size")
+            mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size", tensor_parallel_size(cfg, role))
         except ConfigError as e:
             out.append(str(e))
     return out
@@ -228,4 +275,5 @@ def run_plan(cfg: LatheConfig, device_count: int | None = None) -> RunPlan:
                    critic=batch_plan(cfg, devices.count, "critic") if critic_in_use(cfg) else None,
                    needs_ref=needs_ref(cfg), meshes=role_meshes(cfg, devices),
                    ref_sequence_parallel_size=sequence_parallel_size(cfg, "ref"),
+                   ref_tensor_parallel_size=tensor_parallel_size(cfg, "ref"),
                    rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)

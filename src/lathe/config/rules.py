@@ -14,7 +14,7 @@ import warnings
 from .errors import ProblemList
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size,
                    trainer_devices)
-from .rules_sp import KEYS as SP_KEYS, check_sequence_parallel, data_parallel
+from .rules_sp import KEYS as SP_KEYS, check_sequence_parallel, check_tensor_parallel, data_parallel
 from .schema import LatheConfig
 
 
@@ -82,6 +82,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     for message in mesh_problems(cfg, devices):      # fsdp_size must divide the devices (HSDP)
         problems.add(message)
     check_sequence_parallel(cfg, devices, problems)
+    check_tensor_parallel(cfg, problems)
     _check_ranges(cfg, problems)
     _check_backend_and_run(cfg, problems)
     _check_algorithm_keys(cfg, problems)
@@ -216,8 +217,8 @@ def _check_micro(prefix: str, owner, plan: BatchPlan, n: int, problems: ProblemL
     if micro is None or owner.use_dynamic_bsz:
         return
     per_device, key = plan.mini_batch_sequences_per_device, f"{prefix}.ppo_micro_batch_size_per_gpu"
-    shares = (f"{plan.device_count} device(s)" if plan.sequence_parallel_size == 1 else
-              f"{plan.data_parallel_size} data-parallel group(s) of {plan.sequence_parallel_size} devices")
+    shares = (f"{plan.device_count} device(s)" if plan.group_size == 1 else
+              f"{plan.data_parallel_size} data-parallel group(s) of {plan.group_size} devices")
     where = (f"the per-device mini-batch of {per_device} sequences (ppo_mini_batch_size={plan.mini_batch_prompts} "
              f"x rollout.n={n} / {shares})")
     divisors = [d for d in range(1, per_device + 1) if per_device % d == 0]

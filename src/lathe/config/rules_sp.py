@@ -5,12 +5,16 @@ With size S the trainer's devices form groups of S that compute each micro-batch
 devices, and a mini-batch is split over the devices / S groups (`data_parallel`) rather than over every device.
 Sequence parallelism slices the packed stream of a micro-batch, so the role must run packed (verl asks the same).
 The model's heads, which must divide over S too, are checked when the model loads (`lathe.train.ulysses.check_model`).
+
+Tensor parallelism (a role's `fsdp_config.tensor_parallel_size` T; `lathe.train.tensor_parallel`) groups devices the
+same way, so a mini-batch is split over devices / T groups too; its sizes are checked with the meshes
+(`plan.mesh_problems`), and here what it does not combine with yet: Ulysses in the same role, and LoRA.
 """
 
 from __future__ import annotations
 
 from .errors import ProblemList
-from .plan import Devices, critic_in_use, sequence_parallel_size
+from .plan import FSDP_GROUPS, Devices, critic_in_use, sequence_parallel_size, tensor_parallel_size
 from .schema import LatheConfig
 
 ARR = "actor_rollout_ref"
@@ -46,10 +50,28 @@ def check_sequence_parallel(cfg: LatheConfig, devices: Devices, problems: Proble
                      f"{KEYS['actor']}=1).")
 
 
+def check_tensor_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
+    """A role with tensor_parallel_size > 1 runs without Ulysses (in that role) and without LoRA (not built yet)."""
+    roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
+    for role in roles:
+        tp, sp = tensor_parallel_size(cfg, role), sequence_parallel_size(cfg, role)
+        key = f"{FSDP_GROUPS[role]}.tensor_parallel_size"
+        if tp > 1 and sp > 1:
+            problems.add(f"{key}={tp} with {KEYS[role]}={sp}: tensor and Ulysses sequence parallelism in one model "
+                         f"is not implemented yet in lathe. Fix: set one of them to 1.")
+        if tp > 1 and role != "critic" and cfg.actor_rollout_ref.model.lora_rank > 0:
+            problems.add(f"{key}={tp} with {ARR}.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank}: LoRA "
+                         f"with tensor parallelism is not implemented yet in lathe (the adapters are not cut over a "
+                         f"tensor-parallel group). Fix: set {key}=1 (or lora_rank=0).")
+
+
 def data_parallel(cfg: LatheConfig, role: str, devices: Devices) -> Devices:
-    """The shares a mini-batch of `role` ('actor' or 'critic') is split into: one per sequence-parallel group."""
-    size = sequence_parallel_size(cfg, role)
+    """The shares a mini-batch of `role` ('actor' or 'critic') is split into: one per sequence- or tensor-parallel
+    group."""
+    sp, tp = sequence_parallel_size(cfg, role), tensor_parallel_size(cfg, role)
+    size = max(1, sp) * max(1, tp)
     if size <= 1 or devices.count % size:
         return devices
     groups = devices.count // size
-    return Devices(groups, f"{groups} data-parallel group(s) = {devices.why} / {KEYS[role]}={size}")
+    keys = [f"{KEYS[role]}={sp}"] * (sp > 1) + [f"{FSDP_GROUPS[role]}.tensor_parallel_size={tp}"] * (tp > 1)
+    return Devices(groups, f"{groups} data-parallel group(s) = {devices.why} / {' x '.join(keys)}")

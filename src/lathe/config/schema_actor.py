@@ -48,6 +48,15 @@ class FSDPConfig:
                               "the trainer's devices; N dividing the devices: hybrid sharding (HSDP), shards over "
                               "groups of N devices, replicated across devices / N groups (N = 1: a whole copy on "
                               "each device); the batch is split over all devices either way.")
+    tensor_parallel_size: int = spec(1, "lathe (torchtitan's name; verl's megatron.tensor_model_parallel_size and "
+                                        "torchtitan.tensor_parallel_size set it): groups of this many consecutive "
+                                        "devices of a node hold 1/size of each decoder layer (column-parallel q/k/v, "
+                                        "gate/up; row-parallel o/down), of the embeddings and of the lm_head's "
+                                        "vocabulary, and compute each micro-batch together (lathe.train."
+                                        "tensor_parallel); FSDP2 shards over the devices / size data-parallel "
+                                        "ranks (fsdp_size counts those). It must divide the devices of a node and "
+                                        "the model's heads, key/value heads, intermediate size and vocabulary. "
+                                        "1: off.")
     forward_prefetch: bool = spec(False, "Prefetch the next all-gather during forward.")
     model_dtype: DtypeName = spec("fp32", "Dtype of the weights the optimizer updates (master weights): fp32 or bf16 "
                                     "(bf16 = pure bf16 training). A frozen reference holds param_dtype weights.")

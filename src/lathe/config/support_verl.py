@@ -28,7 +28,6 @@ ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
 ISSUE_46 = "lathe issue 46: reward models, judges, distillation"
 ISSUE_48 = "lathe issue 48: FP8 and quantized training"
 # the names of refused features (the corpus test groups failures by them: keep them stable)
-TP = f"tensor parallelism ({ISSUE_43})"
 PP = f"pipeline parallelism ({ISSUE_43})"
 CP = f"context parallelism ({ISSUE_43})"
 EP = f"expert parallelism ({ISSUE_43})"
@@ -54,8 +53,6 @@ def _devices_or_all(v: Any, cfg: Any) -> bool:
 
 def _parallel() -> list[Entry]:
     out = [refuse(p, what, ONE, at_most(1)) for p, what in (
-        ("*.megatron.tensor_model_parallel_size", TP), ("*.torchtitan.tensor_parallel_size", TP),
-        ("*.megatron.override_transformer_config.tensor_model_parallel_size", TP),
         ("*.megatron.pipeline_model_parallel_size", PP), ("*.megatron.virtual_pipeline_model_parallel_size", PP),
         ("*.torchtitan.pipeline_parallel_size", PP),
         ("*.megatron.expert_model_parallel_size", EP), ("*.megatron.expert_tensor_parallel_size", EP),
@@ -71,8 +68,9 @@ def _parallel() -> list[Entry]:
             warn("*.megatron.override_transformer_config.*pipeline*", "it is read only with pipeline parallelism"),
             warn("*.megatron.override_transformer_config.deallocate_pipeline_outputs", "it is read only with "
                  "pipeline parallelism"),
-            inert("*.megatron.*sequence_parallel", "Megatron's sequence parallelism splits activations over a "
-                  "tensor-parallel group; without one it does nothing"),
+            inert("*.megatron.*sequence_parallel", "Megatron's sequence parallelism splits the norms' activations "
+                  "over a tensor-parallel group; lathe's keeps them whole on each rank of the group (more memory, "
+                  "the same numbers)"),
             inert("*.megatron.*use_distributed_optimizer", "FSDP2 always shards the optimizer state over the "
                   "devices"),
             inert("*.megatron.use_megatron_fsdp", "lathe always shards with FSDP2"),

@@ -16,6 +16,8 @@ layer and in order, so a later ``fsdp_config`` override still wins:
 * ``veomni.ulysses_parallel_size``, and Megatron's and torchtitan's ``context_parallel_size`` -> the role's
   ``ulysses_sequence_parallel_size`` (context parallelism splits each sequence over the group as Ulysses does; the
   attention's all-to-all differs from Megatron's ring, the math does not);
+* ``megatron.tensor_model_parallel_size`` (also under ``megatron.override_transformer_config``),
+  ``torchtitan.tensor_parallel_size`` -> ``fsdp_config.tensor_parallel_size`` (lathe's tensor parallelism);
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
 
 A value equal to verl's default translates to nothing: a full verl config file lists every backend key at its
@@ -55,6 +57,10 @@ CP_DOC = "ulysses_sequence_parallel_size (split as Ulysses splits it: the same m
 # (pattern below a role, lathe key: 'fsdp.<k>' / 'model.<k>' / 'optim.<k>' in the role's group or 'role.<k>' in the
 # role itself, value map, doc)
 RULES: tuple[tuple[str, str, Map, str], ...] = (
+    ("megatron.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same, "fsdp_config.tensor_parallel_size"),
+    ("megatron.override_transformer_config.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same,
+     "fsdp_config.tensor_parallel_size"),
+    ("torchtitan.tensor_parallel_size", "fsdp.tensor_parallel_size", _same, "fsdp_config.tensor_parallel_size"),
     ("veomni.ulysses_parallel_size", "role.ulysses_sequence_parallel_size", _same, "ulysses_sequence_parallel_size"),
     ("megatron.context_parallel_size", "role.ulysses_sequence_parallel_size", _same,
      CP_DOC),

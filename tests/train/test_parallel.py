@@ -76,9 +76,10 @@ def ppo_batch(step: int):
 
 
 def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None = None, resume: Path | None = None,
-          overrides: tuple[str, ...] = ()):
-    """The actor's updates over `steps` on this process's share (a rank of `world`, or one process): metrics, the
-    full weights at the end (on rank 0) and the mesh its weights are sharded on."""
+          overrides: tuple[str, ...] = (), tp: int = 1, engine: bool = False):
+    """The actor's updates over `steps` on this process's share (a rank of `world`, or one process; with tensor-
+    parallel groups of `tp` ranks, its group's share): metrics, the full weights at the end (on rank 0), the mesh its
+    weights are sharded on and, with `engine`, the weights a rollout engine would load."""
     cfg = load_config(None, [*BASE_OVERRIDES, "trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
                              f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size}",
                              "actor_rollout_ref.actor.entropy_coeff=0.01", *overrides], device_count=world)
@@ -95,24 +96,28 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
     metrics = []
     for step in steps:
         batch = ppo_batch(step)
-        shares = update_shares(batch, world, mini_batch_size=plan.actor.mini_batch_sequences, balance=False)
-        metrics.append(actor.update(batch.select(shares[parallel.rank()])))
+        shares = update_shares(batch, world // tp, mini_batch_size=plan.actor.mini_batch_sequences, balance=False)
+        metrics.append(actor.update(batch.select(shares[parallel.rank() // tp])))
         if save is not None and step + 1 == SAVED_AFTER:
             actor.save_checkpoint(save, NoTokenizer())
     weight = next(actor.model.parameters())
     placements = tuple("shard" if p.is_shard() else "replicate" for p in getattr(weight, "placements", ()))
     mesh = (tuple(weight.device_mesh.shape), placements) if parallel.in_group() else None
-    return {"metrics": metrics, "weights": parallel.full_state(actor.model), "mesh": mesh}
+    out = {"metrics": metrics, "weights": parallel.full_state(actor.model), "mesh": mesh}
+    if engine:
+        out["engine"] = {k: v.clone() for k, v in actor.weights()}
+    return out
 
 
-def rank_main(rank: int, world: int, port: int, out: Path, queue, jobs: tuple[dict, ...]) -> None:
-    """One rank of a gloo group: `train(**job)` for each job in turn, each result saved to out/job<i>_rank<rank>.pt."""
+def rank_main(rank: int, world: int, port: int, out: Path, queue, jobs: tuple[dict, ...], fn=None) -> None:
+    """One rank of a gloo group: `fn(world, **job)` (`train` by default) for each job in turn, each result saved to
+    out/job<i>_rank<rank>.pt."""
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=JOIN_S))
         for i, job in enumerate(jobs):
-            torch.save(train(world, **job), out / f"job{i}_rank{rank}.pt")
+            torch.save((fn or train)(world, **job), out / f"job{i}_rank{rank}.pt")
         queue.put((rank, True))
     except BaseException:
         queue.put((rank, traceback.format_exc()))
@@ -121,14 +126,15 @@ def rank_main(rank: int, world: int, port: int, out: Path, queue, jobs: tuple[di
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, out: Path, *jobs: dict) -> list[list[dict]]:
-    """`train(world, **job)` for each job on `world` processes (one group, the jobs in turn): each job's result on
-    each rank."""
+def run_ranks(world: int, out: Path, *jobs: dict, fn=None) -> list[list[dict]]:
+    """`fn(world, **job)` (`train` by default; a module-level function) for each job on `world` processes (one group,
+    the jobs in turn): each job's result on each rank."""
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")      # one server imports torch and lathe once; each rank is a fork of it
-    ctx.set_forkserver_preload([__name__, "torch.distributed.checkpoint", "torch.distributed.fsdp"])
+    preload = [__name__] + ([fn.__module__] if fn is not None else [])
+    ctx.set_forkserver_preload([*preload, "torch.distributed.checkpoint", "torch.distributed.fsdp"])
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, out, queue, jobs), daemon=True)
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, out, queue, jobs, fn), daemon=True)
              for r in range(world)]
     run_processes(procs, queue, JOIN_S)
     return [[torch.load(out / f"job{i}_rank{r}.pt", weights_only=False) for r in range(world)]

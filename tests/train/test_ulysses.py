@@ -93,25 +93,27 @@ def ppo_batches(policy, critic) -> list[Batch]:
     return out
 
 
-def learners(cfg, plan, sp=None, device_count: int = 1):
+def learners(cfg, plan, sp=None, device_count: int = 1, *, tp=None, mesh=None):
     """(PPOActor, PPOCritic) on fresh tiny models with SGD at a constant lr (an update is then its gradient, scale
-    included); sharded with FSDP2 in a rank of a group."""
-    from lathe.train import parallel
+    included); sharded with FSDP2 in a rank of a group (on `mesh`, a `MeshPlan`, after cutting the models over the
+    tensor-parallel group `tp`)."""
+    from lathe.train import parallel, tensor_parallel
     from lathe.train.actor import PPOActor
     from lathe.train.critic import PPOCritic
     out = []
     for model, group, make in ((tiny(0), cfg.actor_rollout_ref.actor, PPOActor), (tiny(1, value=True), cfg.critic,
                                                                                    PPOCritic)):
         if parallel.in_group():
-            parallel.shard_model(model, device=torch.device("cpu"))
+            tensor_parallel.parallelize(model, tp)
+            parallel.shard_model(model, device=torch.device("cpu"), mesh=mesh)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         if make is PPOActor:
             out.append(PPOActor(model, opt, sched, group, mini_batch_size=plan.actor.mini_batch_sequences_per_device,
-                                temperature=0.7, max_response_length=6, use_remove_padding=True, sp=sp))
+                                temperature=0.7, max_response_length=6, use_remove_padding=True, sp=sp, tp=tp))
         else:
             out.append(PPOCritic(model, opt, sched, group, mini_batch_size=plan.critic.mini_batch_sequences_per_device,
-                                 max_response_length=6, use_remove_padding=True, sp=sp))
+                                 max_response_length=6, use_remove_padding=True, sp=sp, tp=tp))
     return out
 
 

@@ -109,10 +109,11 @@ def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls,
     balance = cfg.trainer.balance_batch
     actor = actor_cls(group, pad_id=tokenizer.pad_token_id, balance=balance, has_ref=plan.needs_ref,
                       mini_batch_size=plan.actor.mini_batch_sequences, rollout_tp=plan.rollout_tp,
-                      actor_sp=plan.actor.sequence_parallel_size, ref_sp=plan.ref_sequence_parallel_size,
+                      actor_sp=plan.actor.group_size,
+                      ref_sp=plan.ref_sequence_parallel_size * plan.ref_tensor_parallel_size,
                       **actor_kwargs)
     critic = (critic_cls(group, mini_batch_size=plan.critic.mini_batch_sequences, balance=balance,
-                         sp=plan.critic.sequence_parallel_size) if plan.critic is not None else None)
+                         sp=plan.critic.group_size) if plan.critic is not None else None)
     return actor, critic
 
 

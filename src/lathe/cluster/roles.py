@@ -41,8 +41,9 @@ def generate_over_ranks(group, role: str, prompts: Batch, params: SamplingParams
 class ActorRolloutRefGroup:
     """`ActorRolloutRefWorker`'s methods over a worker group: rollout split by prompts, log-probs by balanced
     equal shares, updates mini-batch by mini-batch (see `update_shares`); answers joined in batch order. With
-    Ulysses sequence parallelism (`actor_sp`: the actor's log-probs and update, `ref_sp`: the reference's), the
-    shares are one per sequence-parallel group, given to each of its ranks (`lathe.cluster.dispatch.for_groups`)."""
+    Ulysses sequence or tensor parallelism (`actor_sp`: the actor's group size for its log-probs and update, `ref_sp`:
+    the reference's), the shares are one per such group, given to each of its ranks (`lathe.cluster.dispatch.
+    for_groups`)."""
 
     def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool,
                  rollout_tp: int = 1, actor_sp: int = 1, ref_sp: int = 1):

@@ -247,7 +247,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         total_steps = _async_steps(cfg, len(loader), total_steps)
 
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
-    check_sequence_parallel_model(plan, model)
+    check_parallel_model(plan, model)
     log_memory_plan(cfg, plan, model, device)
     cluster = None
     if uses_ray(plan):                  # Ray workers, each loading the weights
@@ -290,9 +290,10 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
     return trainer
 
 
-def check_sequence_parallel_model(plan: RunPlan, model) -> None:
-    """A policy loaded as lathe's model (text or vision-language) that the actor's or reference's Ulysses size cannot
-    split fails here, before the workers start (they check again, after picking their implementation)."""
+def check_parallel_model(plan: RunPlan, model) -> None:
+    """A policy that the actor's or reference's Ulysses size cannot split (lathe's text or vision-language model), or
+    their tensor-parallel size cannot cut (any but lathe's text decoder, or heads that do not divide), fails here,
+    before the workers start (they check again, after picking their implementation)."""
     from lathe.models.decoder import LatheCausalLM
     from lathe.models.vl import LatheVLForConditionalGeneration
     from lathe.train.ulysses import check_model
@@ -300,6 +301,13 @@ def check_sequence_parallel_model(plan: RunPlan, model) -> None:
         check_model(model, plan.actor.sequence_parallel_size, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
         if plan.needs_ref:
             check_model(model, plan.ref_sequence_parallel_size, "actor_rollout_ref.ref.ulysses_sequence_parallel_size")
+    # tensor parallelism: any other model (VL, a transformers fallback) is refused too, by the same check
+    from lathe.train import tensor_parallel
+    tensor_parallel.check_model(model, plan.actor.tensor_parallel_size,
+                                "actor_rollout_ref.actor.fsdp_config.tensor_parallel_size")
+    if plan.needs_ref:
+        tensor_parallel.check_model(model, plan.ref_tensor_parallel_size,
+                                    "actor_rollout_ref.ref.fsdp_config.tensor_parallel_size")
 
 
 def uses_ray(plan: RunPlan) -> bool:
@@ -360,7 +368,8 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
                                                                  arr.model.exclude_modules)]
         lora = (sum(arr.model.lora_rank * (m.in_features + m.out_features) for m in layers),
                 sum(m.weight.numel() for m in layers))
-    shards = {role: run.mesh(role).dp_shard for role in ("actor", "ref", "critic")}
+    # each model's state per device: 1/(dp_shard x tp) (tensor parallelism cuts it before FSDP2 shards the slices)
+    shards = {role: run.mesh(role).dp_shard * run.mesh(role).tp for role in ("actor", "ref", "critic")}
     parts = plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
                  world=run.world, colocated=not run.is_async, lora=lora, shards=shards)
     keys = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic": "critic.model.fsdp_config.fsdp_size",

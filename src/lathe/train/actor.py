@@ -47,7 +47,7 @@ class PPOActor:
 
     def __init__(self, model, optimizer, scheduler, actor_cfg, *, mini_batch_size: int, temperature: float,
                  max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False,
-                 nonfinite: NonFiniteGuard | None = None, sp: SequenceParallel | None = None):
+                 nonfinite: NonFiniteGuard | None = None, sp: SequenceParallel | None = None, tp=None):
         """`mini_batch_size`: this rank's share of a mini-batch, in sequences (`BatchPlan.mini_batch_sequences_per_device`).
         `rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
         then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
@@ -56,15 +56,17 @@ class PPOActor:
         compile lathe's decoder layers and log-prob math, on CUDA (see `lathe.models.compile`).
         `sp`: this rank's sequence-parallel group (`actor.ulysses_sequence_parallel_size`, `lathe.train.ulysses`),
         whose ranks get the same shares and compute each micro-batch together; counts and metrics are summed over
-        its `data_group` (the ranks holding distinct data) and the token budget is per group."""
+        its `data_group` (the ranks holding distinct data) and the token budget is per group. `tp`: this rank's
+        tensor-parallel group (`lathe.train.tensor_parallel.TensorParallel`): its ranks get the same shares too, so
+        counts and metrics are summed over its `data_group`; the model then runs eager."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
         self.nonfinite = nonfinite or NonFiniteGuard("actor")
-        self.compiled = maybe_compile(model, use_torch_compile(actor_cfg))
+        self.compiled = maybe_compile(model, use_torch_compile(actor_cfg) and tp is None)
         self.use_remove_padding = use_remove_padding
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = actor_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.sp = sp
-        self.data_group = sp.data_group if sp is not None else None
+        self.data_group = parallel.data_group(sp, tp)
         self.max_token_len, self.max_token_key = group_budget(
             actor_cfg.ppo_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None,
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", sp)

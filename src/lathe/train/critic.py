@@ -66,18 +66,19 @@ class PPOCritic:
 
     def __init__(self, model, optimizer, scheduler, critic_cfg, *, mini_batch_size: int, max_response_length: int,
                  use_remove_padding: bool = False, nonfinite: NonFiniteGuard | None = None,
-                 sp: SequenceParallel | None = None):
-        """`sp`: this rank's sequence-parallel group (`critic.ulysses_sequence_parallel_size`): as `PPOActor`'s."""
+                 sp: SequenceParallel | None = None, tp=None):
+        """`sp`: this rank's sequence-parallel group (`critic.ulysses_sequence_parallel_size`), `tp`: its tensor-
+        parallel group (`critic.model.fsdp_config.tensor_parallel_size`): as `PPOActor`'s."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, critic_cfg
         self.nonfinite = nonfinite or NonFiniteGuard("critic")
         self.use_remove_padding = use_remove_padding
         # verl's critic.model.fsdp_config.use_torch_compile: compile the value model's decoder layers, on CUDA
-        self.compiled = maybe_compile(model, critic_cfg.model.fsdp_config.use_torch_compile)
+        self.compiled = maybe_compile(model, critic_cfg.model.fsdp_config.use_torch_compile and tp is None)
         self.mini_batch_size = mini_batch_size        # this rank's share, in sequences (BatchPlan)
         self.micro_batch_size = critic_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.forward_micro_batch_size = critic_cfg.forward_micro_batch_size_per_gpu or self.micro_batch_size
         dynamic = critic_cfg.use_dynamic_bsz        # (verl: token budgets instead of sequence counts)
-        self.sp, self.data_group = sp, (sp.data_group if sp is not None else None)
+        self.sp, self.data_group = sp, parallel.data_group(sp, tp)
         self.max_token_len, self.max_token_key = group_budget(
             critic_cfg.ppo_max_token_len_per_gpu if dynamic else None, "critic.ppo_max_token_len_per_gpu", sp)
         self.forward_max_token_len, self.forward_max_token_key = group_budget(

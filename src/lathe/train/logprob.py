@@ -32,7 +32,6 @@ from lathe.batch import Batch
 from lathe.device import to_device
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.attention import PackedAttention
-from lathe.models.logprob import chunked_token_stats
 from lathe.models.logprob import response_token_stats as padded_token_stats
 from lathe.models.packing import pack_padded
 from lathe.models.vl import LatheVLForConditionalGeneration, mrope_positions
@@ -40,6 +39,7 @@ from lathe.train import parallel
 from lathe.train.micro import HOST_MASK, in_batch_order, micro_batches
 from lathe.train.prefix_group import grouped_hidden
 from lathe.train.ulysses import SequenceParallel, UlyssesAttention, gather_tokens, local_slice, padded_length
+from lathe.train.vocab_parallel import token_stats, vocab_sharded
 
 # (hidden states (n, H) of the positions that predict n response tokens, those tokens' places in the flattened
 # (B * R) responses) -> (n, k) values per token: what a sequence-parallel forward reads off its slice
@@ -197,10 +197,9 @@ def _sequence_parallel_stats(model, batch: Batch, sp: SequenceParallel, *, tempe
     targets = batch["responses"].flatten()
 
     def read(hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        stats = chunked_token_stats(hidden, model.lm_head.weight, targets[tokens], temperature=temperature,
-                                    chunk_size=chunk_size, calculate_entropy=wanted[1],
-                                    calculate_sum_pi_squared=wanted[2],
-                                    compile_backend=getattr(model, "compile_backend", None))
+        stats = token_stats(hidden, model.lm_head.weight, targets[tokens], temperature=temperature,
+                            chunk_size=chunk_size, calculate_entropy=wanted[1], calculate_sum_pi_squared=wanted[2],
+                            compile_backend=getattr(model, "compile_backend", None))
         return torch.stack([x for x in stats if x is not None], dim=-1)
     values, flat = sequence_parallel_response(model, batch, sp, read)
     columns = iter(values.unbind(-1))
@@ -279,6 +278,13 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
     if prefix_grouper and not isinstance(model, LatheCausalLM):
         raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, Qwen2, "
                          f"Qwen3), but the actor runs {type(model).__name__}. Fix: set use_prefix_grouper=false.")
+    if isinstance(model, LatheCausalLM) and not remove_padding and not prefix_grouper and vocab_sharded(
+            model.lm_head.weight):      # tensor-parallel: the hidden states of every (B, R) position, as below
+        R = batch["responses"].shape[1]
+        hidden = model.hidden_padded(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+        return token_stats(hidden[:, -R - 1:-1], model.lm_head.weight, batch["responses"], temperature=temperature,
+                           chunk_size=chunk_size, calculate_entropy=calculate_entropy,
+                           calculate_sum_pi_squared=calculate_sum_pi_squared)
     if isinstance(model, LatheCausalLM) and not remove_padding and not prefix_grouper:
         return padded_token_stats(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
                                   batch["responses"], temperature=temperature, chunk_size=chunk_size,
@@ -292,10 +298,9 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
         else:
             hidden, valid = response_hidden(model, batch, remove_padding=remove_padding, layout=layout)
         targets = batch["responses"].flatten()[layout.flat] if layout is not None else batch["responses"][valid]
-        stats = chunked_token_stats(hidden, model.lm_head.weight, targets, temperature=temperature,
-                                    chunk_size=chunk_size, calculate_entropy=calculate_entropy,
-                                    calculate_sum_pi_squared=calculate_sum_pi_squared,
-                                    compile_backend=getattr(model, "compile_backend", None))
+        stats = token_stats(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size,
+                            calculate_entropy=calculate_entropy, calculate_sum_pi_squared=calculate_sum_pi_squared,
+                            compile_backend=getattr(model, "compile_backend", None))
         where = layout.flat if layout is not None else valid
         return tuple(None if x is None else scatter_response(x, where, valid.shape) for x in stats)
     responses = batch["responses"]

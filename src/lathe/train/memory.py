@@ -58,7 +58,8 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     weights in the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's
     decoder. With `world` > 1 data-parallel ranks every trained or reference part is an FSDP2 shard and the engine
     holds its own full copy: 1/world, or under hybrid sharding 1/`shards[role]` ('actor', 'ref', 'critic': the
-    `dp_shard` of the role's `MeshPlan`). `colocated=False`: the rollout has devices of its own (fully async).
+    `dp_shard` x `tp` of the role's `MeshPlan`: tensor parallelism cuts each weight over its group before FSDP2
+    shards the slices; norms and biases that stay whole are too small to count). `colocated=False`: the rollout has devices of its own (fully async).
     `lora`: (adapter parameters, parameters of the adapted layers): the base is frozen in the compute dtype, only
     the adapters have masters, gradients and moments, the reference is the base itself, and lathe's engine holds
     merged copies of the adapted layers only (on one device: it shares the rest with the frozen base; sharded, it

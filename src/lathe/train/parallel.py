@@ -12,6 +12,10 @@ Hybrid sharding (HSDP, verl's `fsdp_config.fsdp_size` smaller than the world): a
 (`lathe.config.plan`) asks for a 2-D mesh `(dp_replicate, dp_shard)`; FSDP2 shards each weight over the ranks of
 a `dp_shard` group and replicates it across the `dp_replicate` groups, reduce-scattering gradients within a group
 and all-reducing them across groups: a sum again, so the update is the same on any mesh.
+
+Tensor parallelism (a `MeshPlan` with `tp` > 1): the world mesh is `(dp_replicate, dp_shard, tp)`, tp innermost;
+`lathe.train.tensor_parallel` cuts the layers over the `tp` dim first, then FSDP2 shards over the data-parallel dims
+(`device_mesh`). Whole tensors (`full_tensors`, `full_state`) gather both.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ def all_reduce(values: list[float] | torch.Tensor, *, op: str = "sum", group=Non
     out = t.to(device)
     dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return out.cpu()
+
+
+def data_group(*layouts):
+    """The process group over which sums of distinct data run: the `data_group` of the first sequence- or tensor-
+    parallel layout given (their groups' ranks hold the same data), or None (every rank) when all are None."""
+    return next((layout.data_group for layout in layouts if layout is not None), None)
 
 
 def max_over_ranks(value: int) -> int:
@@ -152,16 +162,25 @@ def shard(model: nn.Module, fsdp_cfg, policy, device: torch.device, mesh=None) -
 
 
 def device_mesh(device_type: str, plan=None):
-    """The torch `DeviceMesh` of a `MeshPlan` on `device_type`: 1-D over every rank for plain FSDP (also when
-    `plan` is None), 2-D `(dp_replicate, dp_shard)` for HSDP. Built once per shape and reused by every model
-    sharded on it (every rank must ask for the same meshes in the same order: building one is collective)."""
+    """The torch `DeviceMesh` FSDP2 shards a `MeshPlan`'s model over on `device_type`: 1-D over every data-parallel
+    rank for plain FSDP (also when `plan` is None), 2-D `(dp_replicate, dp_shard)` for HSDP; with tensor parallelism,
+    those dims of the world mesh (`world_mesh`). Built once per shape and reused by every model sharded on it (every
+    rank must ask for the same meshes in the same order: building one is collective)."""
+    mesh = world_mesh(device_type, plan)
+    if plan is None or plan.tp == 1:
+        return mesh
+    return mesh["dp_replicate", "dp_shard"] if plan.hsdp else mesh["dp_shard"]
+
+
+def world_mesh(device_type: str, plan=None):
+    """The whole `DeviceMesh` of a `MeshPlan`: `device_mesh`'s dims, plus the innermost `tp` dim when it has one."""
     if plan is not None and plan.world != world_size():
         raise ValueError(f"the mesh plan {plan.dp_replicate} x {plan.dp_shard} (replicas x shards) needs "
                          f"{plan.world} ranks, but this worker runs in a group of {world_size()}. Fix: build the "
                          f"worker with the run plan of its own group (lathe.config.run_plan(cfg, "
                          f"device_count={world_size()})).")
-    replicas = plan.dp_replicate if plan is not None else 1
-    return _mesh(device_type, replicas, world_size() // replicas)
+    replicas, tp = (plan.dp_replicate, plan.tp) if plan is not None else (1, 1)
+    return _mesh(device_type, replicas, world_size() // (replicas * tp), tp)
 
 
 def mesh_note(plan=None) -> str:
@@ -173,11 +192,10 @@ def mesh_note(plan=None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _mesh(device_type: str, replicas: int, shards: int):
+def _mesh(device_type: str, replicas: int, shards: int, tp: int = 1):
     from torch.distributed.device_mesh import init_device_mesh
-    if replicas == 1:
-        return init_device_mesh(device_type, (shards,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device_type, (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
+    dims = [("dp_replicate", replicas)] * (replicas > 1) + [("dp_shard", shards)] + [("tp", tp)] * (tp > 1)
+    return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -206,7 +224,7 @@ def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     and freed before the next; the root's (embeddings, norm, heads) last. Every rank must iterate all of it."""
     for _, own in gathered_groups(model):
         for name, p in own():                # read after unshard: the gathered tensors, not the DTensor shards
-            yield name, p.detach()
+            yield name, to_local(p.detach())     # tensor-parallel: a DTensor on the tp mesh, gathered whole
 
 
 def gathered_groups(model: nn.Module) -> Iterator[tuple[nn.Module, Callable[[], list[tuple[str, nn.Parameter]]]]]:
@@ -242,6 +260,28 @@ def _groups_in_order(model: nn.Module) -> list[tuple[nn.Module, Callable[[], lis
         return [(name, p) for name, p in module.named_parameters(prefix=prefixes[id(module)], remove_duplicate=False)
                 if not (module is model and name.startswith(nested))]      # a layer's: in its own group
     return [(m, functools.partial(own, m)) for m in groups]
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over parameters sharded on several meshes: a tensor-parallel model's sliced
+    weights are DTensors on the (data-parallel, tp) mesh, its whole ones (norms, a value head) on the data-parallel
+    mesh only, and DTensors of different meshes do not combine. Each mesh's norm is reduced over its own ranks
+    first (a whole weight's gradient, the same on every tp rank, counts once), then the norms are joined. One mesh
+    (or none): torch's own function."""
+    from torch.distributed.tensor import DTensor
+    params = [p for p in parameters if p.grad is not None]
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    if len(by_mesh) <= 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = [to_local(torch.nn.utils.get_total_norm(grads, 2.0)).float() for grads in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return total
 
 
 def to_local(value):

@@ -57,6 +57,12 @@ def sequence_parallel(size: int, key: str = "ulysses_sequence_parallel_size") ->
     if size < 1 or world % size:
         raise ValueError(f"{key}={size} must divide the worker group's {world} rank(s): its ranks form groups of "
                          f"{key} ranks. Fix: set {key} to a divisor of {world} (1: no sequence parallelism).")
+    return consecutive_groups(size)
+
+
+def consecutive_groups(size: int) -> SequenceParallel:
+    """The layout of groups of `size` consecutive ranks over the worker group, with the strided data-parallel groups
+    across them (a tensor-parallel group has the same); made once per size. Collective (`dist.new_group`)."""
     return _layout(size, dist.group.WORLD)
 
 

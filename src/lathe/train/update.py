@@ -79,7 +79,7 @@ def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_
     would otherwise stay through the next rollout (a full fp32 copy of the model: 28 GiB at 7B, taken from the
     engine's KV cache)."""
     own = getattr(optimizer, "clip_grad_norm_", None)
-    grad_norm = own(grad_clip) if own is not None else torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = own(grad_clip) if own is not None else parallel.clip_grad_norm_(model.parameters(), grad_clip)
     grad_norm = parallel.to_local(grad_norm)          # sharded parameters: the norm over all shards
     if torch.isfinite(grad_norm):
         optimizer.step()

@@ -24,7 +24,7 @@ from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora, load_adapter, read_adapter
 from lathe.rollout.build import architecture, runs_lathe
-from lathe.train import lora, parallel, ulysses
+from lathe.train import lora, parallel, tensor_parallel, ulysses
 from lathe.train.actor import PPOActor
 from lathe.train.logprob import batched_token_stats
 from lathe.train.offload import offload_flags
@@ -67,7 +67,7 @@ class Actor:
             self.model.to(device=None if self.sharded else device, dtype=self.policy.master_dtype)
         if arr.actor.freeze_vision_tower:
             freeze_vision_tower(self.model, self.policy.param_dtype, sharded=self.sharded)
-        self.optimizer = self.scheduler = self.ppo = self.sp = None
+        self.optimizer = self.scheduler = self.ppo = self.sp = self.tp = None
 
     def start_training(self, *, plan: BatchPlan, total_steps: int, temperature: float, max_response_length: int,
                        rollout_correction: dict, nonfinite: NonFiniteGuard, mesh: MeshPlan | None = None) -> None:
@@ -79,7 +79,10 @@ class Actor:
         key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
         ulysses.check_model(self.model, plan.sequence_parallel_size, key)
         self.sp = ulysses.sequence_parallel(plan.sequence_parallel_size, key)
+        tensor_parallel.check_model(self.model, plan.tensor_parallel_size, f"{FSDP_KEY}.tensor_parallel_size")
         if self.sharded:
+            self.tp = tensor_parallel.tensor_parallel(mesh, self.device)
+            tensor_parallel.parallelize(self.model, self.tp)
             parallel.shard(self.model, actor.fsdp_config, self.policy, self.device, mesh)
             self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
         else:
@@ -90,7 +93,8 @@ class Actor:
         self.ppo = PPOActor(self.model, self.optimizer, self.scheduler, actor,
                             mini_batch_size=plan.mini_batch_sequences_per_device, temperature=temperature,
                             max_response_length=max_response_length, rollout_correction=rollout_correction,
-                            use_remove_padding=self.arr.model.use_remove_padding, nonfinite=nonfinite, sp=self.sp)
+                            use_remove_padding=self.arr.model.use_remove_padding, nonfinite=nonfinite, sp=self.sp,
+                            tp=self.tp)
 
     def _apply_lora(self, seed: int) -> bool:
         """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""

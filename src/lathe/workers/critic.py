@@ -14,7 +14,7 @@ from lathe.config.plan import BatchPlan, MeshPlan
 from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
 from lathe.models.value import load_value_model
-from lathe.train import parallel, ulysses
+from lathe.train import parallel, tensor_parallel, ulysses
 from lathe.train.critic import PPOCritic
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
@@ -52,10 +52,14 @@ class CriticWorker:
                                      dtype=self.policy.master_dtype, override_config=critic.model.override_config)
         model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
         ulysses.check_model(model, plan.sequence_parallel_size, "critic.ulysses_sequence_parallel_size")
+        tensor_parallel.check_model(model, plan.tensor_parallel_size, f"{key}.tensor_parallel_size")
+        tp = None
         if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if parallel.in_group():     # a rank of a data-parallel group: FSDP2 moves each rank's fp32 shards to the device
             self.model = model.to(dtype=self.policy.master_dtype)
+            tp = tensor_parallel.tensor_parallel(mesh, self.device)
+            tensor_parallel.parallelize(self.model, tp)
             parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device, mesh)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         else:
@@ -70,7 +74,7 @@ class CriticWorker:
                                 use_remove_padding=critic.model.use_remove_padding,
                                 nonfinite=nonfinite_guard(cfg, "critic"),
                                 sp=ulysses.sequence_parallel(plan.sequence_parallel_size,
-                                                             "critic.ulysses_sequence_parallel_size"))
+                                                             "critic.ulysses_sequence_parallel_size"), tp=tp)
 
     def compute_values(self, batch: Batch) -> Batch:
         """``{"values": (B, R)}`` on the CPU."""

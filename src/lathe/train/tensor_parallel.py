@@ -1,0 +1,105 @@
+"""Tensor parallelism in training (a role's `fsdp_config.tensor_parallel_size`; verl's `megatron.
+tensor_model_parallel_size`), torchtitan's way: PyTorch's DTensor plans applied to lathe's decoder from here, the
+model itself knowing nothing of them.
+
+With size T over the W ranks of a worker group, ranks gT .. gT+T-1 form tensor-parallel group g (`MeshPlan.tp`, the
+innermost dim of the world mesh `(dp_replicate, dp_shard, tp)`), and the ranks at the same place of every group a
+data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053):
+
+- q/k/v, gate and up projections are column-parallel (each rank holds 1/T of the heads, 1/T of the MLP's columns),
+  o and down projections row-parallel (their partial outputs all-reduced): one all-reduce after attention and one
+  after the MLP per layer. Each rank's attention module is told its local head counts (`n_heads`, `n_kv`), as
+  torchtitan sets them, so the decoder's `.view`s split its own heads;
+- the embeddings are cut over the vocabulary (row-parallel: each rank looks up its rows, the sum joins them) and so
+  is the lm_head (column-parallel; tied to the embeddings when the checkpoint ties them): its full logits are never
+  formed: `lathe.train.vocab_parallel` computes log-probs and entropy from each rank's slice of the vocabulary;
+- norms, RoPE and a value head stay whole on every rank of the group; the activations between layers are whole too
+  (no sequence-parallel norms yet: more activation memory, the same numbers).
+
+Every rank of a group holds the same data (the driver gives each group one share, as to a Ulysses group) and
+computes the same loss; the DTensor collectives' backwards route the gradients (a whole activation's gradient is the
+same on every rank of the group), so each rank's gradients are those of its slices, and FSDP2 (applied after, over
+the data-parallel dims only: `lathe.train.parallel.device_mesh`) sums them over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lathe.train import parallel, ulysses
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in the tensor-parallel layout of a model's mesh."""
+
+    size: int              # T: ranks that hold slices of every layer and compute each micro-batch together
+    rank: int              # this rank's place in its group
+    mesh: Any              # the tp dim of the world mesh (a 1-D DeviceMesh over this rank's group)
+    group: Any             # its process group
+    data_group: Any        # the ranks at this rank's place in every group: sums over distinct data go here
+
+
+def tensor_parallel(plan, device: torch.device) -> TensorParallel | None:
+    """This rank's `TensorParallel` for a model's `MeshPlan` (None without tensor parallelism). Collective: every
+    rank of the worker group calls it, in the same order."""
+    if plan is None or plan.tp == 1:
+        return None
+    mesh = parallel.world_mesh(device.type, plan)["tp"]
+    groups = ulysses.consecutive_groups(plan.tp)      # the same layout: T consecutive ranks, strided data groups
+    return TensorParallel(size=plan.tp, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group(),
+                          data_group=groups.data_group)
+
+
+def check_model(model, size: int, key: str) -> None:
+    """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model whose query heads,
+    key/value heads, intermediate size and vocabulary divide by the size."""
+    if size == 1:
+        return
+    from lathe.models.decoder import LatheCausalLM, LatheValueModel
+    from lathe.models.lora import has_lora
+    if not isinstance(model, (LatheCausalLM, LatheValueModel)):
+        raise ValueError(f"{key}={size} needs lathe's text decoder (Llama, Qwen2, Qwen3 and their value models), but "
+                         f"this role runs {type(model).__name__}; a vision-language or transformers model cannot "
+                         f"be cut over a tensor-parallel group in lathe yet. Fix: set {key}=1.")
+    if has_lora(model):
+        raise ValueError(f"{key}={size} with LoRA adapters: not built yet. Fix: set {key}=1 (or lora_rank=0).")
+    c = model.config
+    sizes = {"query heads (num_attention_heads)": c.num_attention_heads,
+             "key/value heads (num_key_value_heads)": c.num_key_value_heads,
+             "intermediate_size": c.intermediate_size, "vocabulary (vocab_size)": c.vocab_size}
+    bad = {name: n for name, n in sizes.items() if n % size}
+    if bad:
+        what = ", ".join(f"{n} {name}" for name, n in bad.items())
+        fits = [t for t in range(1, c.num_key_value_heads + 1) if all(n % t == 0 for n in sizes.values())]
+        raise ValueError(f"{key}={size}: each rank of a tensor-parallel group holds 1/{size} of the model's heads, "
+                         f"MLP columns and vocabulary, but the model has {what}, which {size} does not divide "
+                         f"(key/value heads are not repeated over a group yet). Fix: set {key} to one of {fits}.")
+
+
+def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
+    """Cut `model` (lathe's decoder or value model, checked by `check_model`) over `tp`'s group, in place: call it
+    before FSDP2 shards the model (`lathe.train.parallel.shard`). None: the model as it is."""
+    if tp is None:
+        return model
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    layer_plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                  "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                  "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                  "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, tp.mesh, layer_plan)
+        attn = layer.self_attn
+        attn.n_heads, attn.n_kv = attn.n_heads // tp.size, attn.n_kv // tp.size     # this rank's heads
+    root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    if hasattr(model, "lm_head"):           # its forward (full logits) gathers them; training reads its weight only
+        root["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, tp.mesh, root)
+    if hasattr(model, "tie_weights"):       # the embeddings and lm_head are both cut over the vocabulary (dim 0)
+        model.tie_weights()
+    return model

@@ -55,7 +55,7 @@ class FSDPConfig:
                                         "vocabulary, and compute each micro-batch together (lathe.train."
                                         "tensor_parallel); FSDP2 shards over the devices / size data-parallel "
                                         "ranks (fsdp_size counts those). It must divide the devices of a node and "
-                                        "the model's heads, key/value heads, intermediate size and vocabulary. "
+                                        "the model's heads, key/value heads and intermediate size. "
                                         "1: off.")
     forward_prefetch: bool = spec(False, "Prefetch the next all-gather during forward.")
     model_dtype: DtypeName = spec("fp32", "Dtype of the weights the optimizer updates (master weights): fp32 or bf16 "

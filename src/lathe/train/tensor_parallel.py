@@ -57,7 +57,8 @@ def tensor_parallel(plan, device: torch.device) -> TensorParallel | None:
 
 def check_model(model, size: int, key: str) -> None:
     """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model whose query heads,
-    key/value heads, intermediate size and vocabulary divide by the size."""
+    key/value heads and intermediate size divide by the size (the vocabulary need not: its slices are torch.chunk's,
+    the last ones shorter)."""
     if size == 1:
         return
     from lathe.models.decoder import LatheCausalLM, LatheValueModel
@@ -71,13 +72,13 @@ def check_model(model, size: int, key: str) -> None:
     c = model.config
     sizes = {"query heads (num_attention_heads)": c.num_attention_heads,
              "key/value heads (num_key_value_heads)": c.num_key_value_heads,
-             "intermediate_size": c.intermediate_size, "vocabulary (vocab_size)": c.vocab_size}
+             "intermediate_size": c.intermediate_size}
     bad = {name: n for name, n in sizes.items() if n % size}
     if bad:
         what = ", ".join(f"{n} {name}" for name, n in bad.items())
         fits = [t for t in range(1, c.num_key_value_heads + 1) if all(n % t == 0 for n in sizes.values())]
-        raise ValueError(f"{key}={size}: each rank of a tensor-parallel group holds 1/{size} of the model's heads, "
-                         f"MLP columns and vocabulary, but the model has {what}, which {size} does not divide "
+        raise ValueError(f"{key}={size}: each rank of a tensor-parallel group holds 1/{size} of the model's heads "
+                         f"and MLP columns, but the model has {what}, which {size} does not divide "
                          f"(key/value heads are not repeated over a group yet). Fix: set {key} to one of {fits}.")
 
 

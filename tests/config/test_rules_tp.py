@@ -63,7 +63,8 @@ def test_bad_sizes_are_refused_up_front_naming_the_key():
 def test_combinations_not_built_yet_are_refused():
     text = fails(*GAE, f"{TP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2",
                  "actor_rollout_ref.model.use_remove_padding=true")
-    assert f"{TP['actor']}=2 with {A}.ulysses_sequence_parallel_size=2" in text and "set one of them to 1" in text
+    assert f"{TP['actor']}=2 with {A}.ulysses_sequence_parallel_size=2: tensor parallelism with Ulysses" in text
+    assert "set one of them to 1" in text
     text = fails(f"{TP['actor']}=2", "actor_rollout_ref.model.lora_rank=8")
     assert "LoRA with tensor parallelism is not implemented yet in lathe" in text and f"set {TP['actor']}=1" in text
     assert "tensor parallelism for the reward model" in fails("reward_model.model.fsdp_config.tensor_parallel_size=2")

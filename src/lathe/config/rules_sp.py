@@ -57,8 +57,9 @@ def check_tensor_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
         tp, sp = tensor_parallel_size(cfg, role), sequence_parallel_size(cfg, role)
         key = f"{FSDP_GROUPS[role]}.tensor_parallel_size"
         if tp > 1 and sp > 1:
-            problems.add(f"{key}={tp} with {KEYS[role]}={sp}: tensor and Ulysses sequence parallelism in one model "
-                         f"is not implemented yet in lathe. Fix: set one of them to 1.")
+            problems.add(f"{key}={tp} with {KEYS[role]}={sp}: tensor parallelism with Ulysses is not implemented "
+                         f"yet in lathe (in one model; verl's context_parallel_size sets the Ulysses size). Fix: set "
+                         f"one of them to 1.")
         if tp > 1 and role != "critic" and cfg.actor_rollout_ref.model.lora_rank > 0:
             problems.add(f"{key}={tp} with {ARR}.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank}: LoRA "
                          f"with tensor parallelism is not implemented yet in lathe (the adapters are not cut over a "

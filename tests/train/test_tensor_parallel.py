@@ -8,7 +8,8 @@ seconds here):
   process (`test_ulysses`'s reference run);
 - 4 ranks: the same with 2 groups of 2 (FSDP2 over 2 data-parallel ranks x TP 2), and the actor worker (AdamW, clipped
   gradients, gradient checkpointing) over 3 updates, saving its DCP checkpoint after 2, which then resumes in one
-  process exactly.
+  process exactly (and a one-process checkpoint resumes under FSDP 2 x TP 2); the actor on HSDP x TP (2 replicas x
+  1-way shards x TP 2, a 3-D mesh).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def tp_job(world: int, *, root: str, ckpt: str | None = None, resume: str | None
         out["actor"] = train_actor(world, save=Path(ckpt))
     if resume is not None:
         out["resumed"] = train_actor(world, steps=range(SAVED_AFTER, STEPS), resume=Path(resume))
+        # HSDP x TP: a 3-D mesh of 2 replicas x 1-way shards x TP 2
+        out["hsdp"] = train_one(world, 1, steps=range(SAVED_AFTER), tp=T, overrides=(f"{TP_KEYS[0]}={T}",))
     return out
 
 
@@ -162,6 +165,14 @@ def test_actor_worker_fsdp_2_x_tp_2_updates_as_one_process(four_ranks):
     for rank in ranks:                      # every rank hands the engine the whole tensors
         assert_close_rel({k: rank["actor"]["engine"][k] for k in one["weights"]}, one["weights"], rel=1e-5,
                          name="engine weights")
+
+
+def test_hsdp_x_tp_updates_as_one_process(four_ranks):
+    got, one = four_ranks[0][0]["hsdp"], train_one(1, -1, steps=range(SAVED_AFTER))
+    assert got["mesh"][0] == (2, 1, 2)                    # dp_replicate x dp_shard x tp
+    for a, b in zip(got["metrics"], one["metrics"], strict=True):
+        assert_close_rel([a[k] for k in COMPARED], [b[k] for k in COMPARED], rel=1e-5, name="metrics")
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
 
 
 def test_tp_checkpoint_resumes_exactly_in_one_process_and_back(four_ranks):

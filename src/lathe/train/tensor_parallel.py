@@ -61,12 +61,8 @@ def check_model(model, size: int, key: str) -> None:
     the last ones shorter)."""
     if size == 1:
         return
-    from lathe.models.decoder import LatheCausalLM, LatheValueModel
     from lathe.models.lora import has_lora
-    if not isinstance(model, (LatheCausalLM, LatheValueModel)):
-        raise ValueError(f"{key}={size} needs lathe's text decoder (Llama, Qwen2, Qwen3 and their value models), but "
-                         f"this role runs {type(model).__name__}; a vision-language or transformers model cannot "
-                         f"be cut over a tensor-parallel group in lathe yet. Fix: set {key}=1.")
+    ulysses.require_text_decoder(model, size, key, "be cut over a tensor-parallel group")
     if has_lora(model):
         raise ValueError(f"{key}={size} with LoRA adapters: not built yet. Fix: set {key}=1 (or lora_rank=0).")
     c = model.config

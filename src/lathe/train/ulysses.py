@@ -81,11 +81,7 @@ def check_model(model, size: int, key: str) -> None:
     the forward's length."""
     if size == 1:
         return
-    from lathe.models.decoder import LatheCausalLM, LatheValueModel
-    if not isinstance(model, (LatheCausalLM, LatheValueModel)):
-        raise ValueError(f"{key}={size} needs lathe's text decoder (Llama, Qwen2, Qwen3 and their value models), but "
-                         f"this role runs {type(model).__name__}; a vision-language or transformers model cannot "
-                         f"run with Ulysses sequence parallelism in lathe yet. Fix: set {key}=1.")
+    require_text_decoder(model, size, key, "run with Ulysses sequence parallelism")
     c = model.config
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     if heads % size or (kv % size and size % kv):
@@ -95,6 +91,16 @@ def check_model(model, size: int, key: str) -> None:
     if c.rope.rope_type == "dynamic":
         raise ValueError(f"{key}={size}: dynamic NTK RoPE scales the frequencies by the longest position of a "
                          f"forward, which each rank of a group sees only a slice of. Fix: set {key}=1.")
+
+
+def require_text_decoder(model, size: int, key: str, what: str) -> None:
+    """Raise unless `model` is lathe's text decoder or value model: the only ones a parallelism `key` of `size` can
+    split (`what` it does to them, for the message)."""
+    from lathe.models.decoder import LatheCausalLM, LatheValueModel
+    if not isinstance(model, (LatheCausalLM, LatheValueModel)):
+        raise ValueError(f"{key}={size} needs lathe's text decoder (Llama, Qwen2, Qwen3 and their value models), but "
+                         f"this role runs {type(model).__name__}; a vision-language or transformers model cannot "
+                         f"{what} in lathe yet. Fix: set {key}=1.")
 
 
 def _fitting(heads: int, kv: int) -> str:

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from helpers import assert_close_rel
 
+from lathe.models.decoder import LatheCausalLM
+
 from .test_parallel import COMPARED, SAVED_AFTER, STEPS, run_ranks, tiny_model
 from .test_parallel import train as train_one
 from .test_ulysses import COMMON, assert_same_run, learners, reference  # noqa: F401, F811  (a fixture)
@@ -193,7 +195,6 @@ def test_tp_checkpoint_resumes_exactly_in_one_process_and_back(four_ranks):
 def test_models_that_cannot_be_cut_are_refused(changes, needle):
     import dataclasses
 
-    from lathe.models.decoder import LatheCausalLM
     from lathe.train.tensor_parallel import check_model
     model = LatheCausalLM(dataclasses.replace(tiny_model().config, **changes))
     with pytest.raises(ValueError, match=needle) as err:
@@ -203,3 +204,13 @@ def test_models_that_cannot_be_cut_are_refused(changes, needle):
     check_model(LatheCausalLM(dataclasses.replace(tiny_model().config, vocab_size=41)), 2, "k")   # cut unevenly
     with pytest.raises(ValueError, match="lathe's text decoder"):
         check_model(torch.nn.Linear(2, 2), 2, "k")
+
+
+def test_mixture_of_experts_models_are_refused():
+    from models.lathe_tiny import MOE, hf_config
+
+    from lathe.models.config import LatheConfig
+    from lathe.train.tensor_parallel import check_model
+    model = LatheCausalLM(LatheConfig.from_hf_dict(hf_config(MOE).to_dict()))
+    with pytest.raises(ValueError, match="mixture-of-experts layers .* Fix: set k=1"):
+        check_model(model, 2, "k")

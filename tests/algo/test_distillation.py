@@ -148,3 +148,10 @@ def test_forward_kl_topk_truncates_clamps_and_floors_at_zero():
         assert float(losses[0, i]) == pytest.approx(want, rel=1e-6, abs=1e-12)
         assert float(s_mass[0, i]) == pytest.approx(sum(math.exp(float(student[0, i, v])) for v in ids))
         assert float(t_mass[0, i]) == pytest.approx(sum(math.exp(float(teacher[0, i, v])) for v in ids))
+
+
+def test_a_batch_without_valid_tokens_gives_neutral_extremes():
+    s, t, mask = _case(6)
+    loss, metrics = distillation_loss(s, s, t, torch.zeros_like(mask), DistillationParams())
+    assert float(loss) == 0.0 and float(metrics["distillation/abs_loss"]) == 0.0
+    assert metrics["distillation/loss_min"] == math.inf and metrics["distillation/loss_max"] == -math.inf

@@ -29,6 +29,7 @@ lathe's actor does not yet run it (it needs the student's full-vocabulary log-pr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +90,10 @@ def distillation_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, teache
     valid = response_mask.bool()
     losses = distillation_token_losses(log_prob, teacher_log_prob, params.loss_mode)
     seen = losses.detach()[valid]
-    metrics = {"distillation/abs_loss": seen.abs().mean() if seen.numel() else seen.new_zeros(()),
-               "distillation/loss_min": seen.min() if seen.numel() else seen.new_zeros(()),
-               "distillation/loss_max": seen.max() if seen.numel() else seen.new_zeros(())}
+    empty = seen.numel() == 0                  # no valid token: extremes that any other micro-batch's replace
+    metrics = {"distillation/abs_loss": seen.new_zeros(()) if empty else seen.abs().mean(),
+               "distillation/loss_min": seen.new_full((), math.inf) if empty else seen.min(),
+               "distillation/loss_max": seen.new_full((), -math.inf) if empty else seen.max()}
     if params.loss_max_clamp is not None:                     # the min side bounds k1, which can be negative
         losses = losses.clamp(min=-params.loss_max_clamp, max=params.loss_max_clamp)
     if not params.use_policy_gradient:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lathe.algo.distillation import (DistillationParams, combine_losses, distillation_loss, distillation_token_losses,
-                                     forward_kl_topk)
+                                     forward_kl_topk, topk_losses)
 
 
 def _case(seed: int = 0, B: int = 3, T: int = 5):
@@ -114,7 +114,9 @@ def test_combine_losses_weights_or_replaces_the_task_loss():
 def test_k1_without_policy_gradient_and_unknown_modes_are_refused():
     with pytest.raises(ValueError, match="use_policy_gradient=true"):
         DistillationParams(loss_mode="k1", use_policy_gradient=False)
-    with pytest.raises(ValueError, match="loss_mode='forward_kl_topk'"):
+    with pytest.raises(ValueError, match="loss_mode='k7'"):
+        DistillationParams(loss_mode="k7")
+    with pytest.raises(ValueError, match="topk=None"):
         DistillationParams(loss_mode="forward_kl_topk")
 
 
@@ -127,27 +129,35 @@ def test_forward_kl_topk_with_the_whole_vocabulary_is_the_forward_kl():
     B, T, V = 2, 3, 7
     student, teacher = _log_softmax(0, (B, T, V)), _log_softmax(1, (B, T, V))
     ids = torch.argsort(teacher, dim=-1, descending=True)
-    losses, s_mass, t_mass = forward_kl_topk(student, teacher.gather(-1, ids), ids)
+    losses = forward_kl_topk(student.gather(-1, ids), teacher.gather(-1, ids))
     want = torch.tensor([[sum(math.exp(teacher[b, i, v]) * (teacher[b, i, v] - student[b, i, v]) for v in range(V))
                           for i in range(T)] for b in range(B)], dtype=torch.float64)
     torch.testing.assert_close(losses.double(), want)
-    torch.testing.assert_close(s_mass.double(), torch.ones(B, T, dtype=torch.float64))
-    torch.testing.assert_close(t_mass.double(), torch.ones(B, T, dtype=torch.float64))
+    _, metrics = topk_losses(student.gather(-1, ids), teacher.gather(-1, ids), ids, ids, torch.ones(B, T),
+                             DistillationParams(loss_mode="forward_kl_topk", topk=V))
+    assert float(metrics["distillation/student_mass"]) == pytest.approx(1.0)
+    assert float(metrics["distillation/teacher_mass_min"]) == pytest.approx(1.0)
+    assert float(metrics["distillation/overlap_ratio"]) == 1.0
 
 
 def test_forward_kl_topk_truncates_clamps_and_floors_at_zero():
     V, k, floor = 9, 3, -2.0
     student, teacher = _log_softmax(2, (1, 4, V)), _log_softmax(3, (1, 4, V))
     top = torch.topk(teacher, k, dim=-1)
-    losses, s_mass, t_mass = forward_kl_topk(student, top.values, top.indices, log_prob_min_clamp=floor)
+    mine = torch.topk(student, k, dim=-1).indices
+    losses, metrics = topk_losses(student.gather(-1, top.indices), top.values, top.indices, mine, torch.ones(1, 4),
+                                  DistillationParams(loss_mode="forward_kl_topk", topk=k, log_prob_min_clamp=floor))
+    shared = [len(set(top.indices[0, i].tolist()) & set(mine[0, i].tolist())) for i in range(4)]
+    assert float(metrics["distillation/overlap_ratio"]) == pytest.approx(sum(shared) / 4 / k)
     for i in range(4):
         ids = top.indices[0, i].tolist()
         q = [max(float(teacher[0, i, v]), floor) for v in ids]
         p = [max(float(student[0, i, v]), floor) for v in ids]
         want = max(0.0, sum(math.exp(a) * (a - b) for a, b in zip(q, p)))
         assert float(losses[0, i]) == pytest.approx(want, rel=1e-6, abs=1e-12)
-        assert float(s_mass[0, i]) == pytest.approx(sum(math.exp(float(student[0, i, v])) for v in ids))
-        assert float(t_mass[0, i]) == pytest.approx(sum(math.exp(float(teacher[0, i, v])) for v in ids))
+    s_mass = [sum(math.exp(float(student[0, i, v])) for v in top.indices[0, i].tolist()) for i in range(4)]
+    assert float(metrics["distillation/student_mass"]) == pytest.approx(sum(s_mass) / 4)
+    assert float(metrics["distillation/student_mass_max"]) == pytest.approx(max(s_mass))
 
 
 def test_a_batch_without_valid_tokens_gives_neutral_extremes():

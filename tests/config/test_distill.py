@@ -53,7 +53,10 @@ def test_a_dropped_default_teacher_with_a_checkpoint_warns():
     (ON, "teacher_models.teacher_model.model_path is not set"),
     (ONE + [f"{D}.distillation_loss.loss_mode=k1"], "use_policy_gradient=true"),
     (ONE + [f"{D}.distillation_loss.loss_mode=k7"], "is not a distillation loss"),
-    (ONE + [f"{D}.distillation_loss.loss_mode=forward_kl_topk"], "the top-k forward-KL distillation loss"),
+    (ONE + [f"{D}.distillation_loss.loss_mode=forward_kl_topk", f"{D}.distillation_loss.topk=0"], "topk=0"),
+    (ONE + [f"{D}.distillation_loss.loss_mode=forward_kl_topk", "actor_rollout_ref.model.use_remove_padding=true",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2",
+            "trainer.device=cpu"], "without sequence parallelism"),
     (ONE + [f"{D}.distillation_loss.policy_loss_mode=gspo"], "PPO's vanilla clipped loss"),
     (ONE + [f"{D}.distillation_loss.loss_max_clamp=0"], "loss_max_clamp=0.0"),
     (ONE + [f"+{D}.teacher_models.teacher_model.inference.max_model_len=100"], "max_model_len=100 is shorter"),
@@ -66,8 +69,8 @@ def test_settings_lathe_cannot_run_are_refused_naming_key_and_fix(overrides, wor
     assert words in message and "Fix" in message
 
 
-def test_forward_kl_topk_is_refused_only_when_distillation_runs():
-    load(f"{D}.distillation_loss.loss_mode=forward_kl_topk")
+def test_the_top_k_forward_kl_loads():
+    assert load(*ONE, f"{D}.distillation_loss.loss_mode=forward_kl_topk").distillation.distillation_loss.topk == 32
 
 
 def test_teacher_pool_and_engine_keys_are_named_once():
@@ -84,3 +87,8 @@ def test_teacher_pool_and_engine_keys_are_named_once():
     assert "num_replicas=2" in placement[0] and "inference.tensor_model_parallel_size" in placement[0]
     assert "max_model_len" not in placement[0] and "inference.name" not in placement[0]
     assert "`distillation.nnodes`=1" in ignored and "`distillation.n_gpus_per_node`=4" in ignored
+
+
+def test_the_top_k_loss_as_a_reward_warns_as_verl_does():
+    with pytest.warns(UserWarning, match="moves only the sampled token's log-prob"):
+        load(*ONE, f"{D}.distillation_loss.loss_mode=forward_kl_topk", f"{D}.distillation_loss.use_policy_gradient=true")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from lathe.cli import main
@@ -25,20 +26,32 @@ def train(tmp_path, *overrides: str) -> dict[int, dict]:
     return {r["step"]: r for r in rows}
 
 
-def test_a_teacher_equal_to_the_student_adds_nothing_at_the_first_step(tmp_path):
+LOSSES = {"k1-reward": (["loss_mode=k1", "use_policy_gradient=true", "loss_max_clamp=10.0"],
+                        ["distillation/pg_clipfrac", "distillation/ppo_kl", "distillation/pg_clipfrac_lower"]),
+          "topk": (["loss_mode=forward_kl_topk", "topk=8", "log_prob_min_clamp=-10.0"],
+                   ["distillation/student_mass", "distillation/teacher_mass_min", "distillation/overlap_ratio",
+                    "distillation/overlap_token_advantage"])}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_a_teacher_equal_to_the_student_adds_nothing(tmp_path, loss):
     # the built-in model is built from trainer.seed: the same weights as the student's
+    keys, names = LOSSES[loss]
     metrics = train(tmp_path, "trainer.total_training_steps=2",
                     "distillation.teacher_models.teacher_model.model_path=builtin:tiny",
-                    "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=true",
-                    "distillation.distillation_loss.loss_max_clamp=10.0")
+                    *(f"distillation.distillation_loss.{k}" for k in keys))
     first, second = metrics[1], metrics[2]
     for name in ("distillation/loss", "distillation/loss_min", "distillation/loss_max", "distillation/abs_loss",
-                 "distillation/pg_clipfrac", "distillation/ppo_kl", "distillation/pg_clipfrac_lower", "timing_s/teacher"):
+                 "timing_s/teacher", *names):
         assert name in first, name
-    # without a warm start every reward is 0, so neither the task nor the teacher moves the student
-    for step in (first, second):
-        assert abs(step["distillation/abs_loss"]) < 1e-5 and abs(step["distillation/loss"]) < 1e-5
-        assert step["actor/grad_norm"] < 1e-4
+    if loss == "topk":                                             # the same distribution: the same top k
+        assert first["distillation/overlap_ratio"] == 1.0
+    assert abs(first["distillation/abs_loss"]) < 1e-5 and abs(first["distillation/loss"]) < 1e-5
+    if loss == "k1-reward":
+        # without a warm start every reward is 0, so neither the task nor the teacher moves the student (the
+        # truncated top-k KL has a gradient even at p = q: sum over k tokens of q grad log p is not 0)
+        assert abs(second["distillation/loss"]) < 1e-5
+        assert first["actor/grad_norm"] < 1e-4 and second["actor/grad_norm"] < 1e-4
 
 
 def test_distillation_alone_pulls_the_student_towards_the_teacher(tmp_path):

@@ -3,7 +3,7 @@
 verl's rules, kept: the default entry ``teacher_model`` serves alone, or is dropped when other entries are given
 (verl drops it silently; lathe warns when it had a model_path); with one teacher every row goes to it whatever its
 key; with several, each needs a distinct ``key`` and a row goes to the teacher whose key is its ``teacher_key``
-column's value. ``loss_mode=k1`` needs ``use_policy_gradient=true``; a teacher's
+column's value. ``loss_mode=k1`` needs ``use_policy_gradient=true``, ``forward_kl_topk`` a ``topk``; a teacher's
 ``inference.max_model_len`` must hold the student's prompt, response and one more token.
 
 lathe's placement: every teacher runs on the trainer's devices (colocated, like the reference: a forward pass over
@@ -63,7 +63,7 @@ def check_distillation(cfg, problems: ProblemList) -> None:
     d = cfg.distillation
     if not d.enabled:
         return
-    _check_loss(d.distillation_loss, problems)
+    _check_loss(cfg, d.distillation_loss, problems)
     given = entries(cfg)
     dropped = cfg.distillation.teacher_models.get(DEFAULT_ENTRY) or {}
     if DEFAULT_ENTRY not in given and dropped.get("model_path"):
@@ -87,11 +87,11 @@ def check_distillation(cfg, problems: ProblemList) -> None:
     _warn_placement(cfg, given)
 
 
-def _check_loss(loss, problems: ProblemList) -> None:
+def _check_loss(cfg, loss, problems: ProblemList) -> None:
     key = f"{D}.distillation_loss"
     if loss.loss_mode in TOPK:
-        return                           # refused by name in support.py (the top-k loss is not run yet)
-    if loss.loss_mode not in ESTIMATORS:
+        _check_topk(cfg, loss, problems)
+    elif loss.loss_mode not in ESTIMATORS:
         problems.add(f"{key}.loss_mode={loss.loss_mode!r} is not a distillation loss. Fix: one of "
                      f"{', '.join(ESTIMATORS + TOPK)}.")
     elif loss.loss_mode in ("k1", "kl") and not loss.use_policy_gradient:
@@ -104,6 +104,24 @@ def _check_loss(loss, problems: ProblemList) -> None:
     if loss.loss_max_clamp is not None and loss.loss_max_clamp <= 0:
         problems.add(f"{key}.loss_max_clamp={loss.loss_max_clamp} clamps every token's loss to 0. Fix: set it > 0 "
                      "(e.g. 10.0), or null for no clamp.")
+
+
+def _check_topk(cfg, loss, problems: ProblemList) -> None:
+    """The top-k forward KL reads the student's top-k log-probs in a second pass over each micro-batch."""
+    key = f"{D}.distillation_loss"
+    if loss.topk is None or loss.topk < 1:
+        problems.add(f"{key}.topk={loss.topk}: loss_mode=forward_kl_topk needs the number of the teacher's most "
+                     "likely tokens it compares. Fix: set it >= 1 (e.g. 32, verl's default).")
+    if loss.use_policy_gradient:
+        warnings.warn(f"{key}.loss_mode=forward_kl_topk with use_policy_gradient=true: the update then moves only the "
+                      "sampled token's log-prob (the top-k loss is its advantage), so how the other top-k tokens should "
+                      "move is lost; verl warns the same. use_policy_gradient=false back-propagates the top-k KL "
+                      "itself.", UserWarning, stacklevel=5)
+    sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    if sp > 1:
+        problems.add(f"{key}.loss_mode=forward_kl_topk with actor_rollout_ref.actor.ulysses_sequence_parallel_size="
+                     f"{sp}: lathe reads the student's top-k log-probs without sequence parallelism. Fix: set the "
+                     "actor's ulysses_sequence_parallel_size=1, or use loss_mode=k3 / k1.")
 
 
 def _check_length(cfg, name: str, entry: dict, problems: ProblemList) -> None:

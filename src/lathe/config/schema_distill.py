@@ -1,8 +1,8 @@
 """verl's ``distillation`` group: on-policy distillation from one or several frozen teacher models.
 
 The student (``actor_rollout_ref``) samples as usual; each sample's response is scored by a teacher (chosen by the
-row's ``teacher_key`` column when there are several), and the per-token reverse KL to the teacher enters the
-actor's loss (``lathe.algo.distillation``). lathe computes a teacher's log-probs with one forward pass over the
+row's ``teacher_key`` column when there are several), and the per-token reverse KL to the teacher (or the forward
+KL over the teacher's top-k tokens) enters the actor's loss (``lathe.algo.distillation``). lathe computes a teacher's log-probs with one forward pass over the
 student's tokens on the trainer's own devices (colocated, as the reference is), so a teacher's ``inference.*``
 engine settings and the separate teacher pool (``nnodes``, ``n_gpus_per_node``, ``num_replicas``) have no effect;
 ``lathe.config.distill`` names them in a warning and checks the rest.
@@ -21,9 +21,9 @@ class DistillationLossConfig:
     """verl ``distillation.distillation_loss``: how the teacher's signal enters the actor's loss."""
 
     loss_mode: str = spec("k3", "Per-token divergence: k1|kl, k3|low_var_kl, k2|mse, abs (single-sample estimators "
-                                "of the reverse KL(student || teacher) at the sampled tokens). forward_kl_topk "
-                                "(top-k forward KL) is refused: lathe's actor does not run it yet.")
-    topk: int | None = spec(32, "k of the top-k losses (forward_kl_topk only).")
+                                "of the reverse KL(student || teacher) at the sampled tokens), or forward_kl_topk "
+                                "(the forward KL over the teacher's top-k tokens; use_policy_gradient=false).")
+    topk: int | None = spec(32, "k of forward_kl_topk: the teacher's most likely tokens compared at each position.")
     use_task_rewards: bool = spec(True, "true: the actor's loss is the task (PPO) loss + distillation_loss_coef x "
                                         "the distillation loss; false: the distillation loss alone (rewards are "
                                         "still computed and logged).")

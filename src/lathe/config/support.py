@@ -188,15 +188,9 @@ def _distillation() -> list[Entry]:
     d, loss = "distillation", "distillation.distillation_loss"
     pool = ("lathe runs the teachers on the trainer's own devices (colocated, like the reference: one forward pass "
             "over the student's tokens), not on a pool of their own; the losses are the same")
-    topk = "it is read only by loss_mode=forward_kl_topk (as in verl), which lathe does not run yet"
     return [warn(f"{d}.nnodes", pool), warn(f"{d}.n_gpus_per_node", pool),
             refuse(f"{loss}.policy_loss_mode", "a distillation surrogate other than PPO's vanilla clipped loss "
-                   "(verl implements only vanilla)", "set it to vanilla", one_of("vanilla")),
-            only_on("distillation", refuse(
-                f"{loss}.loss_mode", "the top-k forward-KL distillation loss (forward_kl_topk: the student's "
-                "full-vocabulary log-probs in the actor's training forward)", "use loss_mode=k3 "
-                "(use_policy_gradient=false) or k1 (use_policy_gradient=true)", lambda v, cfg: v != "forward_kl_topk")),
-            inert(f"{loss}.topk", topk), inert(f"{loss}.log_prob_min_clamp", topk)]
+                   "(verl implements only vanilla)", "set it to vanilla", one_of("vanilla"))]
 
 
 def _memory() -> list[Entry]:

@@ -91,7 +91,6 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "a rollout pool": is_async,                                              # fully asynchronous training
     "single-turn": lambda cfg: not cfg.actor_rollout_ref.rollout.multi_turn.enable,
     "no reward model": lambda cfg: not cfg.reward_model.enable,             # reward_model.enable=false
-    "distillation": lambda cfg: cfg.distillation.enabled,                   # distillation.enabled=true
 }
 
 

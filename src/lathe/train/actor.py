@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from lathe.algo import agg_loss, get_policy_loss, kl_penalty
-from lathe.algo.distillation import DistillationParams, combine_losses, distillation_loss
+from lathe.algo.distillation import DistillationParams, combine_losses, distillation_loss, topk_losses
 from lathe.algo.policy_loss import PolicyLossParams
 from lathe.algo.rollout_correction import ProbsDiffSums
 from lathe.batch import Batch
@@ -31,6 +31,7 @@ from lathe.models.moe import collect_router_stats, router_aux_loss_coef
 from lathe.train import parallel
 from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
+from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel
 from lathe.train.update import NonFiniteGuard, clipped_step, run_ppo_epochs
 
@@ -165,12 +166,22 @@ class PPOActor:
             loss = loss + self.router_aux_coef * aux * (len(micro) / agg["global_num_seqs"])
             parts["actor/router_aux_loss"] = aux.detach()
         if self.distillation is not None:
+            token_losses, topk_metrics = self._topk_losses(micro) if self.distillation.use_topk else (None, {})
             distill, distill_metrics = distillation_loss(
-                log_prob, old, micro["teacher_log_probs"], mask, self.distillation, loss_agg_mode=cfg.loss_agg_mode,
-                agg_kwargs=agg, rollout_is_weights=micro.tensors.get("rollout_is_weights"))
+                log_prob, old, micro.tensors.get("teacher_log_probs"), mask, self.distillation,
+                loss_agg_mode=cfg.loss_agg_mode, agg_kwargs=agg,
+                rollout_is_weights=micro.tensors.get("rollout_is_weights"), token_losses=token_losses)
             loss = combine_losses(loss, distill, self.distillation)
-            parts.update(distill_metrics, **{"distillation/loss": distill.detach()})
+            parts.update(distill_metrics, **topk_metrics, **{"distillation/loss": distill.detach()})
         return loss, parts
+
+    def _topk_losses(self, micro: Batch) -> tuple[torch.Tensor, dict]:
+        """The top-k forward KL per token: the student's log-probs of the teacher's top-k tokens (a second pass over
+        the micro-batch's final hidden states, `lathe.train.topk`) against the teacher's."""
+        student, own = student_topk_log_probs(self.model, micro, micro["teacher_topk_ids"], temperature=self.temperature,
+                                              remove_padding=self.use_remove_padding)
+        return topk_losses(student, micro["teacher_topk_log_probs"], micro["teacher_topk_ids"], own,
+                           micro["response_mask"], self.distillation)
 
 
 def use_torch_compile(cfg) -> bool:
@@ -184,7 +195,8 @@ def use_torch_compile(cfg) -> bool:
 # Losses normalised by global mini-batch counts add up over micro-batches; every other metric is averaged.
 _SUMMED = {"actor/pg_loss", "actor/entropy", "actor/kl_loss", "distillation/loss"}
 # verl's per-token extremes: the smallest / largest over every micro-batch and rank
-_EXTREMES = {"distillation/loss_min": torch.minimum, "distillation/loss_max": torch.maximum}
+_EXTREMES = {f"distillation/{k}_{m}": f for k in ("loss", "student_mass", "teacher_mass")
+             for m, f in (("min", torch.minimum), ("max", torch.maximum))}
 
 
 def _over_ranks(extremes: dict[str, torch.Tensor], group) -> dict[str, float]:

@@ -2,10 +2,11 @@
 (or metrics).
 
 This is the unit a cluster places: in one process it is a plain object; on Ray it becomes a worker group behind
-the same methods (`lathe.cluster.roles`). It composes three parts built from their own config groups:
+the same methods (`lathe.cluster.roles`). It composes parts built from their own config groups:
 `Actor` (`actor_rollout_ref.{model, actor}`: the policy, its optimizer and update), `Reference`
 (`actor_rollout_ref.ref`), `Rollout` (`actor_rollout_ref.rollout`: lathe's engine or transformers' generate,
-and the agent loop over it) and, with `distillation.enabled`, `Teacher` (the frozen teacher model(s)). Fully-async training's trainer ranks run it without a rollout.
+and the agent loop over it) and, with `distillation.enabled`, `Teacher` (the frozen teacher model(s)).
+Fully-async training's trainer ranks run it without a rollout.
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ class ActorRolloutRefWorker:
         # the reference copies the weights as loaded, before the actor is sharded
         self.ref = (Reference(arr.ref, self.actor, plan.mesh("ref"), sp_size=plan.ref_sequence_parallel_size)
                     if plan.needs_ref else None)
+        distill = distillation_params(cfg.distillation)
         self.teacher = (Teacher(teachers(cfg), arr, tokenizer, device=device, sharded=self.actor.sharded,
-                                mesh=plan.mesh("ref"), seed=cfg.trainer.seed) if cfg.distillation.enabled else None)
+                                mesh=plan.mesh("ref"), seed=cfg.trainer.seed,
+                                topk=distill.topk if distill.use_topk else None) if distill is not None else None)
         self.rollout = Rollout(arr.rollout, self.actor, model, tokenizer) if rollout else None
         self.actor.start_training(plan=plan.actor, total_steps=total_steps, temperature=arr.rollout.temperature,
                                   max_response_length=cfg.data.max_response_length,
                                   rollout_correction={k: getattr(rc, k) for k in ROLLOUT_CORRECTION_KEYS},
                                   nonfinite=nonfinite_guard(cfg, "actor"), mesh=plan.mesh("actor"),
-                                  distillation=distillation_params(cfg.distillation))
+                                  distillation=distill)
         if self.rollout is not None:            # last: the engine sizes its KV cache from the memory left
             agent = ((lambda engine: build_agent_loop(cfg, engine, tokenizer))
                      if arr.rollout.multi_turn.enable else None)

@@ -5,7 +5,8 @@ architecture, else transformers; a vision-language teacher sees the rows' images
 reference (`actor_rollout_ref.ref.fsdp_config`: its compute dtype, FSDP2 sharding over the trainer's ranks when the
 actor is sharded, pinned CPU memory between uses with `param_offload`). `compute_teacher_log_prob` scores the
 student's sampled responses with one forward pass (`lathe.train.logprob.batched_log_probs`, the reference's code):
-`teacher_log_probs` (B, R), at temperature 1 (verl: the teacher's prompt log-probs ignore the sampling temperature).
+`teacher_log_probs` (B, R), at temperature 1 (verl: the teacher's prompt log-probs ignore the sampling temperature);
+with `loss_mode=forward_kl_topk` its k most likely tokens and their log-probs instead (`lathe.train.topk`).
 
 Several teachers: a row goes to the teacher whose `key` is its `data_source`. Unsharded, each teacher scores only
 its rows; sharded, every rank runs every teacher over its whole share (FSDP2's gathers are collective, and the
@@ -34,6 +35,7 @@ from lathe.train import parallel
 from lathe.train.logprob import batched_log_probs
 from lathe.train.offload import HostWeights, offload_flags
 from lathe.train.precision import resolve_policy
+from lathe.train.topk import batched_teacher_topk
 
 log = logging.getLogger("lathe")
 FSDP_KEY = "actor_rollout_ref.ref.fsdp_config"
@@ -48,7 +50,8 @@ def distillation_params(distillation_cfg) -> DistillationParams | None:
     return DistillationParams(
         loss_mode=loss.loss_mode, use_policy_gradient=loss.use_policy_gradient, use_task_rewards=loss.use_task_rewards,
         distillation_loss_coef=loss.distillation_loss_coef, loss_max_clamp=loss.loss_max_clamp,
-        clip_ratio=loss.clip_ratio, clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high)
+        clip_ratio=loss.clip_ratio, clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high,
+        topk=loss.topk, log_prob_min_clamp=loss.log_prob_min_clamp)
 
 
 def check_vocabulary(spec: TeacherSpec, teacher_tokenizer, student_tokenizer, output_rows: int) -> None:
@@ -98,19 +101,27 @@ class TeacherModel:
     def on_device(self):
         return self.host.on_device() if self.host is not None else nullcontext(self.model)
 
-    def log_probs(self, batch: Batch, *, remove_padding: bool, **budget) -> torch.Tensor:
+    def log_probs(self, batch: Batch, *, remove_padding: bool, topk: int | None = None, **budget) -> dict:
+        """{"teacher_log_probs": (B, R)} of the sampled tokens, or with `topk` {"teacher_topk_log_probs",
+        "teacher_topk_ids": (B, R, k)} of the teacher's k most likely tokens."""
         with self.on_device() as model:
+            if topk:
+                values, ids = batched_teacher_topk(model, batch.to(self.device), k=topk,
+                                                   remove_padding=remove_padding, **budget)
+                return {"teacher_topk_log_probs": values.cpu(), "teacher_topk_ids": ids.cpu()}
             logp, _ = batched_log_probs(model, batch.to(self.device), temperature=1.0, remove_padding=remove_padding,
                                         **budget)
-        return logp.cpu()
+        return {"teacher_log_probs": logp.cpu()}
 
 
 class Teacher:
     """`compute_teacher_log_prob` of the run's teacher(s), routed per row by `data_source`."""
 
     def __init__(self, specs: list[TeacherSpec], arr, student_tokenizer, *, device: torch.device, sharded: bool,
-                 mesh: MeshPlan | None = None, seed: int = 0):
-        self.sharded, self.remove_padding = sharded, arr.model.use_remove_padding
+                 mesh: MeshPlan | None = None, seed: int = 0, topk: int | None = None):
+        """`topk`: give the teacher's top-k tokens and log-probs (loss_mode=forward_kl_topk), else the sampled
+        tokens' log-probs."""
+        self.sharded, self.remove_padding, self.topk = sharded, arr.model.use_remove_padding, topk
         self.models = [TeacherModel(s, arr, student_tokenizer, device=device, sharded=sharded, mesh=mesh, seed=seed)
                        for s in specs]
 
@@ -127,13 +138,19 @@ class Teacher:
         return [np.flatnonzero(sources == k) for k in keys]
 
     def compute_teacher_log_prob(self, batch: Batch, *, micro_batch_size: int, **budget) -> Batch:
-        out = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        """`teacher_log_probs` (B, R), or with `topk` `teacher_topk_log_probs` / `teacher_topk_ids` (B, R, k); each
+        row its own teacher's."""
+        B, R = batch["responses"].shape
+        shapes = ({"teacher_topk_log_probs": (torch.float32, (B, R, self.topk)),
+                   "teacher_topk_ids": (torch.long, (B, R, self.topk))} if self.topk
+                  else {"teacher_log_probs": (torch.float32, (B, R))})
+        out = {k: torch.zeros(shape, dtype=dtype) for k, (dtype, shape) in shapes.items()}
+        kw = dict(micro_batch_size=micro_batch_size, remove_padding=self.remove_padding, topk=self.topk, **budget)
         for teacher, rows in zip(self.models, self.routes(batch)):
             if self.sharded:            # every rank runs every teacher (collective gathers); keep its own rows
-                logp = teacher.log_probs(batch, micro_batch_size=micro_batch_size,
-                                         remove_padding=self.remove_padding, **budget)
-                out[rows] = logp[rows]
+                for k, v in teacher.log_probs(batch, **kw).items():
+                    out[k][rows] = v[rows]
             elif len(rows):
-                out[rows] = teacher.log_probs(batch.select(rows.tolist()), micro_batch_size=micro_batch_size,
-                                              remove_padding=self.remove_padding, **budget)
-        return Batch({"teacher_log_probs": out})
+                for k, v in teacher.log_probs(batch.select(rows.tolist()), **kw).items():
+                    out[k][rows] = v
+        return Batch(out)

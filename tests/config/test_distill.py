@@ -61,6 +61,8 @@ def test_a_dropped_default_teacher_with_a_checkpoint_warns():
     (ONE + [f"{D}.distillation_loss.loss_max_clamp=0"], "loss_max_clamp=0.0"),
     (ONE + [f"+{D}.teacher_models.teacher_model.inference.max_model_len=100"], "max_model_len=100 is shorter"),
     (TWO + [f"{D}.teacher_key=task"], "teacher_key='task'"),
+    (ONE + ["actor_rollout_ref.actor.fsdp_config.tensor_parallel_size=2", "trainer.n_gpus_per_node=2",
+            "trainer.device=cpu"], "distillation with tensor parallelism is not implemented yet"),
     (TWO + [f"+{D}.teacher_models.geo.key=openai/gsm8k"], "also the key of teacher gsm8k"),
     (ON + [f"+{D}.teacher_models.a.model_path=/x", f"+{D}.teacher_models.b.model_path=/y"], "teacher_models.a.key"),
 ])

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ProblemList
-from .plan import is_async
+from .plan import is_async, tensor_parallel_size
 
 D = "distillation"
 ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")      # lathe.algo.distillation.ESTIMATOR_MODES
@@ -80,6 +80,13 @@ def check_distillation(cfg, problems: ProblemList) -> None:
         _check_length(cfg, name, entry, problems)
     if len(given) > 1:
         _check_routing(cfg, given, problems)
+    tp = {r: tensor_parallel_size(cfg, r) for r in ("actor", "ref")}
+    if max(tp.values()) > 1:
+        role = "actor" if tp["actor"] > 1 else "ref"
+        problems.add(f"distillation with tensor parallelism is not implemented yet: {D}.enabled=true with "
+                     f"actor_rollout_ref.{role}.fsdp_config.tensor_parallel_size={tp[role]} (lathe's teachers are "
+                     "sharded with FSDP only, each rank scoring rows of its own). Fix: set tensor_parallel_size=1 for "
+                     "the actor and the reference, or distillation.enabled=false.")
     if is_async(cfg):
         problems.add(f"{D}.enabled=true with a rollout pool of its own (fully asynchronous training): lathe runs "
                      "the teachers in the synchronous loop only. Fix: set rollout.n_gpus_per_node=0, or "

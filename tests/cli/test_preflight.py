@@ -131,3 +131,17 @@ def test_a_resume_path_that_is_no_checkpoint_fails_first(tmp_path, capsys):
     for command in ("train", "sft"):
         err = error_of(capsys, command, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}")
         assert f"trainer.resume_from_path='{tmp_path}' is not a checkpoint directory (it must hold trainer_state.pt" in err
+
+
+def test_teachers_are_checked_before_anything_loads(tmp_path, capsys):
+    data = parquet(tmp_path / "d.parquet", [ROW, {**ROW, "data_source": "math/other"}])
+    teacher, reward = "distillation.teacher_models", tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    err = error_of(capsys, "train", f"data.train_files={data}", "data.val_files=null", "trainer.test_freq=-1",
+                   f"reward.custom_reward_function.path={reward}",
+                   "distillation.enabled=true", f"+{teacher}.gsm8k.key=openai/gsm8k",
+                   f"+{teacher}.gsm8k.model_path=builtin:tiny", f"+{teacher}.geo.key=hiyouga/geometry3k",
+                   f"+{teacher}.geo.model_path={tmp_path / 'nowhere'}")
+    assert f"{teacher}.geo.model_path" in err and str(tmp_path / "nowhere") in err
+    assert (f"{data} (data.train_files): rows with data_source ['math/other'] have no teacher" in err
+            and "Fix: add a teacher per data_source" in err)

@@ -248,3 +248,36 @@ def test_update_without_old_log_probs_must_be_on_policy(make_model, rollout_batc
                       []):                                             # 2 epochs; 2 mini-batches
         with pytest.raises(ValueError, match="no old_log_probs"):
             _actor(model, load_cfg(*overrides)).update_policy(batch)
+
+
+@pytest.mark.parametrize("params", [dict(loss_mode="k3", use_task_rewards=True, distillation_loss_coef=0.5),
+                                    dict(loss_mode="k1", use_policy_gradient=True, use_task_rewards=False,
+                                         loss_max_clamp=1.0),
+                                    dict(loss_mode="forward_kl_topk", topk=4, use_task_rewards=False,
+                                         log_prob_min_clamp=-5.0)], ids=["k3-with-task", "k1-pg-alone", "topk"])
+def test_distillation_update_does_not_depend_on_micro_batch_size(make_model, rollout_batch, load_cfg, params):
+    from lathe.algo.distillation import DistillationParams
+    start = _params(make_model())
+    results = {}
+    for micro in ("null", 1):
+        cfg = load_cfg(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", "actor_rollout_ref.actor.grad_clip=1000.0")
+        model = make_model()
+        arr = cfg.actor_rollout_ref
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        actor = PPOActor(model, optimizer, build_scheduler(optimizer, arr.actor.optim, total_steps=10), arr.actor,
+                         mini_batch_size=batch_plan(cfg).mini_batch_sequences_per_device, temperature=1.0,
+                         max_response_length=cfg.data.max_response_length, distillation=DistillationParams(**params))
+        batch = _ppo_batch(model, rollout_batch, temperature=1.0)
+        batch["teacher_log_probs"] = (batch["ref_log_prob"] - 0.7) * batch["response_mask"]
+        g = torch.Generator().manual_seed(9)
+        top = torch.log_softmax(torch.randn(*batch["response_mask"].shape, 40, generator=g) * 3, -1).topk(4, dim=-1)
+        batch["teacher_topk_log_probs"], batch["teacher_topk_ids"] = top.values, top.indices
+        metrics = actor.update_policy(batch)
+        results[micro] = (_params(model), metrics)
+    (whole, whole_metrics), (params_1, metrics_1) = results["null"], results[1]
+    assert _max_diff(whole, start) > 1e-4
+    assert_close_rel(_update(params_1, start), _update(whole, start), UPDATE_REL, name="distillation update")
+    extremes = [k for k in whole_metrics if k.startswith("distillation/") and k.endswith(("_min", "_max"))]
+    for key in ("distillation/loss", "actor/grad_norm", *extremes):
+        assert metrics_1[key] == pytest.approx(whole_metrics[key], rel=1e-5, abs=1e-7), key
+    assert whole_metrics["distillation/loss_min"] < whole_metrics["distillation/loss_max"]

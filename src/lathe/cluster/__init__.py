@@ -108,6 +108,7 @@ def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls,
     """The driver's handles on a group's actor and critic, each update cut into the plan's mini-batches."""
     balance = cfg.trainer.balance_batch
     actor = actor_cls(group, pad_id=tokenizer.pad_token_id, balance=balance, has_ref=plan.needs_ref,
+                      has_teacher=cfg.distillation.enabled,
                       mini_batch_size=plan.actor.mini_batch_sequences, rollout_tp=plan.rollout_tp,
                       actor_sp=plan.actor.group_size,
                       ref_sp=plan.ref_sequence_parallel_size * plan.ref_tensor_parallel_size,

@@ -46,9 +46,10 @@ class ActorRolloutRefGroup:
     for_groups`)."""
 
     def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool,
-                 rollout_tp: int = 1, actor_sp: int = 1, ref_sp: int = 1):
+                 rollout_tp: int = 1, actor_sp: int = 1, ref_sp: int = 1, has_teacher: bool = False):
         self.group, self.pad_id, self.mini_batch_size, self.balance = group, pad_id, mini_batch_size, balance
         self.has_ref, self.rollout_tp, self.actor_sp, self.ref_sp = has_ref, rollout_tp, actor_sp, ref_sp
+        self.has_teacher = has_teacher
         self.world = group.world_size
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -59,6 +60,10 @@ class ActorRolloutRefGroup:
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         return forward_over_groups(self.group, ACTOR, "compute_ref_log_prob", batch, self.ref_sp, self.balance)
+
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """The colocated teachers on every rank, each given its own share (teachers have no sequence parallelism)."""
+        return forward_over_groups(self.group, ACTOR, "compute_teacher_log_prob", batch, 1, self.balance)
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         return update_over_groups(self.group, ACTOR, "update_actor", batch, self.actor_sp, self.mini_batch_size,

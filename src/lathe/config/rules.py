@@ -11,6 +11,7 @@ import re
 import sys
 import warnings
 
+from .distill import check_distillation
 from .errors import ProblemList
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size,
                    trainer_devices)
@@ -87,6 +88,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     _check_backend_and_run(cfg, problems)
     _check_algorithm_keys(cfg, problems)
     _check_reward_model(cfg, problems)
+    check_distillation(cfg, problems)
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         warnings.warn("actor_rollout_ref.actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: the KL to "
                       "the reference policy is applied twice (as a loss term and as a reward penalty). verl "

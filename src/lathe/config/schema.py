@@ -14,6 +14,7 @@ from .choices import (BypassLoss, ISLevel, KLControllerType, KLEstimator, Legacy
 from .coerce import spec
 from .schema_actor import CheckpointConfig, FSDPConfig, OptimConfig
 from .schema_async import AsyncTrainingConfig, RolloutPoolConfig
+from .schema_distill import DistillationConfig
 from .schema_rollout import ActorRolloutRefConfig
 
 
@@ -396,6 +397,8 @@ class LatheConfig:
     rollout: RolloutPoolConfig = spec(factory=RolloutPoolConfig, help="The rollout's own device pool (fully "
                                                                       "asynchronous training).")
     async_training: AsyncTrainingConfig = spec(factory=AsyncTrainingConfig, help="Fully asynchronous training.")
+    distillation: DistillationConfig = spec(factory=DistillationConfig, help="On-policy distillation from teacher "
+                                                                           "models (verl).")
     ray_kwargs: dict[str, Any] = spec({}, "Ray settings (e.g. ray_init.num_cpus) for multi-node runs.")
     ray_init: dict[str, Any] = spec({}, "Older verl spelling of ray_kwargs.ray_init.")
     global_profiler: GlobalProfilerConfig = spec(factory=GlobalProfilerConfig, help="Profiling of chosen steps.")

@@ -184,6 +184,15 @@ def _rewards() -> list[Entry]:
     return out
 
 
+def _distillation() -> list[Entry]:
+    d, loss = "distillation", "distillation.distillation_loss"
+    pool = ("lathe runs the teachers on the trainer's own devices (colocated, like the reference: one forward pass "
+            "over the student's tokens), not on a pool of their own; the losses are the same")
+    return [warn(f"{d}.nnodes", pool), warn(f"{d}.n_gpus_per_node", pool),
+            refuse(f"{loss}.policy_loss_mode", "a distillation surrogate other than PPO's vanilla clipped loss "
+                   "(verl implements only vanilla)", "set it to vanilla", one_of("vanilla"))]
+
+
 def _memory() -> list[Entry]:
     out = [refuse(f"{m}.enable_activation_offload", "activation offload",
                   "remove it; lathe's decoder saves activation memory with enable_gradient_checkpointing")
@@ -340,6 +349,7 @@ FEATURES = {
     "LoRA": _lora,
     "Multi-turn rollouts and tools": _multi_turn,
     "Reward models, reward managers, code sandbox": _rewards,
+    "On-policy distillation": _distillation,
     "Memory offload": _memory,
     "Data pipeline and multimodal data": _data,
     "Model loading and kernels": _models,

@@ -36,7 +36,6 @@ REPLICAS = "torchtitan's replica count given directly (lathe's hybrid sharding t
 MTP = f"multi-token prediction (MTP; {ISSUE_44})"
 ROUTER_REPLAY = ROUTING                                  # the rollout's name for the same feature
 MOE_LOSSES = f"MoE router training settings (auxiliary losses, load balancing; {ISSUE_44})"
-DISTILLATION = f"distillation from a teacher model ({ISSUE_46})"
 QAT = f"quantization-aware training (QAT; {ISSUE_48})"
 FP8 = f"FP8 training ({ISSUE_48})"
 LOW_PRECISION_OPTIM = f"low-precision optimizer state ({ISSUE_48})"
@@ -251,11 +250,7 @@ def _rewards() -> list[Entry]:
             refuse("reward.reward_manager.module.path", "a custom reward-manager class", custom),
             warn("reward.reward_manager.module.*", "it is read only with reward_manager.source=importlib"),
             refuse("reward_model.reward_loop_*", "a custom reward loop", custom),
-            warn("reward_model.rollout.*", served),
-            refuse("distillation.enabled", DISTILLATION, "set it to false"),
-            *(inert(f"distillation.teacher_models.*.inference.{k}", "verl copies the rollout's setting here")
-              for k in ("name", "prompt_length", "response_length")),
-            warn("distillation.*", "it is read only with distillation.enabled=true")]
+            warn("reward_model.rollout.*", served)]
 
 
 def _runs() -> list[Entry]:
@@ -328,7 +323,7 @@ FEATURES = {
     "verl model groups: LoRA, MTP, tiled MLP; critic model": _models,
     "verl actor/critic options": _roles,
     "verl data keys": _data,
-    "verl's reward group, reward loops and distillation": _rewards,
+    "verl's reward group and reward loops": _rewards,
     "verl trainer variants, data transfer, rollout replay, profiler hooks": _runs,
 }
 

@@ -2,7 +2,7 @@
 
 lathe declares the keys it acts on in ``schema*.py``. verl's schema also holds whole subtrees lathe will not
 build as fields (the megatron / veomni / torchtitan engine groups, per-role profilers, megatron's optimizer and
-learning-rate keys, QAT, MTP, distillation, the v1 trainer, ...). Rather than a dataclass field for each of
+learning-rate keys, QAT, MTP, the v1 trainer, ...). Rather than a dataclass field for each of
 those ~900 keys, lathe keeps verl's list in ``verl_keys.yaml`` (dotted key -> verl's default) and:
 
 * a key of that list with no field in lathe's tree is stored, as given, in ``LatheConfig.verl_keys``;
@@ -38,7 +38,7 @@ BACKENDS = ("megatron", "veomni", "torchtitan")
 FREE_MAPS = (
     "*.megatron.override_transformer_config", "*.megatron.override_ddp_config",
     "*.megatron.override_mcore_model_config", "*.turbo_config", "*.checkpoint.mbridge_config",
-    "distillation.teacher_models", "data.mm_processor_kwargs", "*.engine_kwargs",
+    "data.mm_processor_kwargs", "*.engine_kwargs",
     "reward.reward_model.rollout.*", "reward_model.rollout.*",
 )
 

@@ -11,6 +11,9 @@ PHASE_KEYS = {
     "old_log_prob": [f"{R}.log_prob_micro_batch_size_per_gpu",
                      f"{R}.log_prob_max_token_len_per_gpu (with {R}.log_prob_use_dynamic_bsz=true)"],
     "ref": [f"{REF}.log_prob_micro_batch_size_per_gpu", f"{REF}.fsdp_config.param_offload=true"],
+    "teacher": [f"{REF}.log_prob_micro_batch_size_per_gpu (the teachers' micro-batches are the reference's)",
+                f"{REF}.fsdp_config.param_offload=true (the teachers are placed like the reference)",
+                "distillation.distillation_loss.topk (with loss_mode=forward_kl_topk)"],
     "values": [f"{C}.forward_micro_batch_size_per_gpu", f"{C}.forward_max_token_len_per_gpu (with "
                f"{C}.use_dynamic_bsz=true)"],
     "update_critic": [f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_max_token_len_per_gpu (with "

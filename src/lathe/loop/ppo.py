@@ -1,6 +1,7 @@
 """The synchronous PPO-family driver: one screen, top to bottom, only named steps.
 
-    prompts -> rollout -> reward -> old log-probs -> (rollout correction) -> (ref log-probs) -> (values)
+    prompts -> rollout -> reward -> old log-probs -> (rollout correction) -> (ref log-probs) -> (teacher log-probs)
+            -> (values)
             -> advantages -> (critic update) -> actor update -> weights into the rollout
 """
 
@@ -56,7 +57,7 @@ def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:
 def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, skip_on_policy: bool = True
           ) -> dict[str, float]:
     """Everything a step does with its scored samples: old (or the rollout's) log-probs, rollout correction,
-    reference log-probs, values, advantages, critic and actor updates. `batch` gains the tensors on the way.
+    reference log-probs, the teachers' log-probs (on-policy distillation), values, advantages, critic and actor updates. `batch` gains the tensors on the way.
     `skip_on_policy`: leave the old-policy forward to the actor update when the step is on-policy
     (`needs_old_forward`); a caller that reads `old_log_probs` afterwards passes False."""
     metrics = {}
@@ -79,6 +80,9 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, ski
     if t.worker.has_ref:
         with timer("ref"):
             batch.update(t.worker.compute_ref_log_prob(batch))
+    if t.worker.has_teacher:                                             # distillation.enabled
+        with timer("teacher"):
+            batch.update(t.worker.compute_teacher_log_prob(batch))
     if t.critic is not None:
         with timer("values"):
             batch.update(t.critic.compute_values(batch))

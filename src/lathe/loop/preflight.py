@@ -3,7 +3,8 @@
 Everything knowable from the config and the file system without loading a model or reading a data set: the model
 and tokenizer paths (`lathe.models.paths`); each data file and the columns its rows need (a parquet file's schema, a
 JSON-lines file's first row: `lathe.data.files.peek`); a built-in scorer for every data_source (that column read
-alone from a parquet file) when no reward function is given; the checkpoint `trainer.resume_mode` names
+alone from a parquet file) when no reward function is given; the teachers' checkpoints and tokenizers, and with
+several teachers one for every training data_source (on-policy distillation); the checkpoint `trainer.resume_mode` names
 (`lathe.ckpt.resume`); the custom reward function (imported here, once: the run reuses it). Neither torch nor
 transformers is imported here (a reward file may import them itself), so `lathe train` runs this before importing
 them and a mistake costs about a second, not the start-up. The checks raise the errors the loaders raise when they
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from lathe.ckpt.resume import resume_point
 from lathe.config import critic_in_use
+from lathe.config.distill import teachers
 from lathe.config.errors import ConfigError, join_problems
 from lathe.data import dataset, sft
 from lathe.data.files import Columns, column_values, data_files, peek
@@ -65,12 +67,17 @@ def preflight(cfg) -> Checked:
                             (check_model, "critic.model.path", critic.path if critic_in_use(cfg) else None),
                             (check_reward_model, "reward_model.model.path",
                              cfg.reward_model.model.path if cfg.reward_model.enable else None)])
+    teacher_list = teachers(cfg) if cfg.distillation.enabled else []
+    _check_paths(problems, [(check, f"distillation.teacher_models.{t.name}.model_path", t.model_path)
+                            for t in teacher_list for check in (check_model, check_tokenizer)])
     custom = bool(cfg.reward.custom_reward_function.path)
 
     def check_file(key: str, cols: Columns) -> None:
         dataset.check_columns(cols, cfg.data.prompt_key, key)
         if not custom:                  # the built-in scorers: one for every data_source
             _check_scorers(f"{cols.src} ({key})", column_values(cols, "data_source"))
+        if len(teacher_list) > 1 and key == "data.train_files":       # each training row needs its teacher
+            _check_teachers(f"{cols.src} ({key})", column_values(cols, "data_source"), teacher_list)
 
     _check_data(problems, cfg.data, ("train", "val"), check_file)
     with problems.check():
@@ -135,6 +142,16 @@ def _check_data(problems: _Problems, data_cfg, splits: tuple[str, str],
                 with problems.check():
                     if (cols := peek(path, split, key)) is not None:
                         check(key, cols)
+
+
+def _check_teachers(origin: str, data_sources: set[str], teacher_list) -> None:
+    """With several teachers every data_source of the training rows is some teacher's key."""
+    keys = sorted(t.key for t in teacher_list)
+    missing = sorted(str(s) for s in data_sources if str(s) not in keys)
+    if missing:
+        raise ValueError(f"{origin}: rows with data_source {missing} have no teacher (distillation.teacher_models "
+                         f"keys: {keys}). Fix: add a teacher per data_source (+distillation.teacher_models.<name>."
+                         "{key,model_path}), or use one teacher for every row.")
 
 
 def _check_scorers(origin: str, data_sources: set[str]) -> None:

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from lathe.algo import agg_loss, get_policy_loss, kl_penalty
+from lathe.algo.distillation import DistillationParams, combine_losses, distillation_loss, topk_losses
 from lathe.algo.policy_loss import PolicyLossParams
 from lathe.algo.rollout_correction import ProbsDiffSums
 from lathe.batch import Batch
@@ -30,6 +31,7 @@ from lathe.models.moe import collect_router_stats, router_aux_loss_coef
 from lathe.train import parallel
 from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
+from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel
 from lathe.train.update import NonFiniteGuard, clipped_step, run_ppo_epochs
 
@@ -47,7 +49,8 @@ class PPOActor:
 
     def __init__(self, model, optimizer, scheduler, actor_cfg, *, mini_batch_size: int, temperature: float,
                  max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False,
-                 nonfinite: NonFiniteGuard | None = None, sp: SequenceParallel | None = None, tp=None):
+                 nonfinite: NonFiniteGuard | None = None, sp: SequenceParallel | None = None, tp=None,
+                 distillation: DistillationParams | None = None):
         """`mini_batch_size`: this rank's share of a mini-batch, in sequences (`BatchPlan.mini_batch_sequences_per_device`).
         `rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
         then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
@@ -58,7 +61,9 @@ class PPOActor:
         whose ranks get the same shares and compute each micro-batch together; counts and metrics are summed over
         its `data_group` (the ranks holding distinct data) and the token budget is per group. `tp`: this rank's
         tensor-parallel group (`lathe.train.tensor_parallel.TensorParallel`): its ranks get the same shares too, so
-        counts and metrics are summed over its `data_group`; the model then runs eager."""
+        counts and metrics are summed over its `data_group`; the model then runs eager.
+        `distillation` (verl's `distillation.distillation_loss`): the batch carries `teacher_log_probs` and the
+        distillation loss joins the task loss (`lathe.algo.distillation`), with verl's `distillation/*` metrics."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
         self.nonfinite = nonfinite or NonFiniteGuard("actor")
         self.compiled = maybe_compile(model, use_torch_compile(actor_cfg) and tp is None)
@@ -76,6 +81,7 @@ class PPOActor:
         self.policy_loss = get_policy_loss("bypass_mode" if bypass else actor_cfg.policy_loss.loss_mode)
         self.loss_scale_factor = actor_cfg.loss_scale_factor or max_response_length   # seq-mean-token-sum-norm's divisor
         self.router_aux_coef = router_aux_loss_coef(model)     # 0 unless a MoE policy's config asks (module doc)
+        self.distillation = distillation
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches; returns verl's `actor/*` metrics averaged over mini-batches.
@@ -105,6 +111,7 @@ class PPOActor:
         # metrics stay on the device until the mini-batch ends: a host read per micro-batch would make the host
         # wait for each backward before it could queue the next micro-batch
         sums: dict[str, float | torch.Tensor] = defaultdict(float)
+        extremes: dict[str, torch.Tensor] = {}
         diff = ProbsDiffSums() if "old_log_probs" not in mini and "rollout_log_probs" in mini else None
         for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                       key=self.max_token_key):
@@ -113,8 +120,12 @@ class PPOActor:
             weight = len(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
                 v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
-                sums[k] = sums[k] + v * (1.0 if k in _SUMMED else weight)
+                if k in _EXTREMES:
+                    extremes[k] = v if k not in extremes else _EXTREMES[k](extremes[k], v)
+                else:
+                    sums[k] = sums[k] + v * (1.0 if k in _SUMMED else weight)
         out = parallel.sum_metrics({k: float(v) for k, v in sums.items()}, self.data_group)
+        out.update(_over_ranks(extremes, self.data_group))
         if diff is not None:
             reduce = functools.partial(parallel.all_reduce, group=self.data_group)
             out.update({f"training/rollout_probs_diff_{k}": v for k, v in diff.metrics(reduce).items()})
@@ -154,7 +165,23 @@ class PPOActor:
             aux = router.aux_loss()
             loss = loss + self.router_aux_coef * aux * (len(micro) / agg["global_num_seqs"])
             parts["actor/router_aux_loss"] = aux.detach()
+        if self.distillation is not None:
+            token_losses, topk_metrics = self._topk_losses(micro) if self.distillation.use_topk else (None, {})
+            distill, distill_metrics = distillation_loss(
+                log_prob, old, micro.tensors.get("teacher_log_probs"), mask, self.distillation,
+                loss_agg_mode=cfg.loss_agg_mode, agg_kwargs=agg,
+                rollout_is_weights=micro.tensors.get("rollout_is_weights"), token_losses=token_losses)
+            loss = combine_losses(loss, distill, self.distillation)
+            parts.update(distill_metrics, **topk_metrics, **{"distillation/loss": distill.detach()})
         return loss, parts
+
+    def _topk_losses(self, micro: Batch) -> tuple[torch.Tensor, dict]:
+        """The top-k forward KL per token: the student's log-probs of the teacher's top-k tokens (a second pass over
+        the micro-batch's final hidden states, `lathe.train.topk`) against the teacher's."""
+        student, own = student_topk_log_probs(self.model, micro, micro["teacher_topk_ids"], temperature=self.temperature,
+                                              remove_padding=self.use_remove_padding)
+        return topk_losses(student, micro["teacher_topk_log_probs"], micro["teacher_topk_ids"], own,
+                           micro["response_mask"], self.distillation)
 
 
 def use_torch_compile(cfg) -> bool:
@@ -166,4 +193,17 @@ def use_torch_compile(cfg) -> bool:
 
 
 # Losses normalised by global mini-batch counts add up over micro-batches; every other metric is averaged.
-_SUMMED = {"actor/pg_loss", "actor/entropy", "actor/kl_loss"}
+_SUMMED = {"actor/pg_loss", "actor/entropy", "actor/kl_loss", "distillation/loss"}
+# verl's per-token extremes: the smallest / largest over every micro-batch and rank
+_EXTREMES = {f"distillation/{k}_{m}": f for k in ("loss", "student_mass", "teacher_mass")
+             for m, f in (("min", torch.minimum), ("max", torch.maximum))}
+
+
+def _over_ranks(extremes: dict[str, torch.Tensor], group) -> dict[str, float]:
+    """`_EXTREMES` metrics over the data-parallel ranks (a minimum as the negated maximum)."""
+    if not extremes:
+        return {}
+    keys = sorted(extremes)
+    signs = [-1.0 if _EXTREMES[k] is torch.minimum else 1.0 for k in keys]
+    values = parallel.all_reduce([s * float(extremes[k]) for k, s in zip(keys, signs)], op="max", group=group)
+    return {k: s * float(v) for k, s, v in zip(keys, signs, values.tolist())}

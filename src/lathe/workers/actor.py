@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from lathe.algo.distillation import DistillationParams
 from lathe.batch import Batch
 from lathe.config.plan import BatchPlan, MeshPlan
 from lathe.models.decoder import LatheCausalLM
@@ -70,10 +71,11 @@ class Actor:
         self.optimizer = self.scheduler = self.ppo = self.sp = self.tp = None
 
     def start_training(self, *, plan: BatchPlan, total_steps: int, temperature: float, max_response_length: int,
-                       rollout_correction: dict, nonfinite: NonFiniteGuard, mesh: MeshPlan | None = None) -> None:
+                       rollout_correction: dict, nonfinite: NonFiniteGuard, mesh: MeshPlan | None = None,
+                       distillation: DistillationParams | None = None) -> None:
         """Shard (a rank of a group) on `mesh` (`RunPlan.mesh('actor')`; None: plain FSDP), then the optimizer (fp32
         shards; LoRA: the adapters only), its schedule and the PPO update over this rank's share of each mini-batch
-        (`plan`)."""
+        (`plan`); `distillation`: the distillation loss joins the actor's (`lathe.algo.distillation`)."""
         actor = self.arr.actor
         parallel.check_plan_world(plan, "actor")
         key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
@@ -94,7 +96,7 @@ class Actor:
                             mini_batch_size=plan.mini_batch_sequences_per_device, temperature=temperature,
                             max_response_length=max_response_length, rollout_correction=rollout_correction,
                             use_remove_padding=self.arr.model.use_remove_padding, nonfinite=nonfinite, sp=self.sp,
-                            tp=self.tp)
+                            tp=self.tp, distillation=distillation)
 
     def _apply_lora(self, seed: int) -> bool:
         """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""

@@ -2,10 +2,11 @@
 (or metrics).
 
 This is the unit a cluster places: in one process it is a plain object; on Ray it becomes a worker group behind
-the same methods (`lathe.cluster.roles`). It composes three parts built from their own config groups:
+the same methods (`lathe.cluster.roles`). It composes parts built from their own config groups:
 `Actor` (`actor_rollout_ref.{model, actor}`: the policy, its optimizer and update), `Reference`
-(`actor_rollout_ref.ref`) and `Rollout` (`actor_rollout_ref.rollout`: lathe's engine or transformers' generate,
-and the agent loop over it). Fully-async training's trainer ranks run it without a rollout.
+(`actor_rollout_ref.ref`), `Rollout` (`actor_rollout_ref.rollout`: lathe's engine or transformers' generate,
+and the agent loop over it) and, with `distillation.enabled`, `Teacher` (the frozen teacher model(s)).
+Fully-async training's trainer ranks run it without a rollout.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import torch
 from lathe.algo import ROLLOUT_CORRECTION_KEYS
 from lathe.batch import Batch
 from lathe.config import LatheConfig, RunPlan
+from lathe.config.distill import teachers
 from lathe.generation import SamplingParams
 from lathe.rollout.agent import build_agent_loop
 from lathe.train.update import nonfinite_guard
 from lathe.workers.actor import Actor
 from lathe.workers.reference import Reference
 from lathe.workers.rollout import Rollout
+from lathe.workers.teacher import Teacher, distillation_params
 
 
 class ActorRolloutRefWorker:
@@ -36,11 +39,16 @@ class ActorRolloutRefWorker:
         # the reference copies the weights as loaded, before the actor is sharded
         self.ref = (Reference(arr.ref, self.actor, plan.mesh("ref"), sp_size=plan.ref_sequence_parallel_size)
                     if plan.needs_ref else None)
+        distill = distillation_params(cfg.distillation)
+        self.teacher = (Teacher(teachers(cfg), arr, tokenizer, device=device, sharded=self.actor.sharded,
+                                mesh=plan.mesh("ref"), seed=cfg.trainer.seed,
+                                topk=distill.topk if distill.use_topk else None) if distill is not None else None)
         self.rollout = Rollout(arr.rollout, self.actor, model, tokenizer) if rollout else None
         self.actor.start_training(plan=plan.actor, total_steps=total_steps, temperature=arr.rollout.temperature,
                                   max_response_length=cfg.data.max_response_length,
                                   rollout_correction={k: getattr(rc, k) for k in ROLLOUT_CORRECTION_KEYS},
-                                  nonfinite=nonfinite_guard(cfg, "actor"), mesh=plan.mesh("actor"))
+                                  nonfinite=nonfinite_guard(cfg, "actor"), mesh=plan.mesh("actor"),
+                                  distillation=distill)
         if self.rollout is not None:            # last: the engine sizes its KV cache from the memory left
             agent = ((lambda engine: build_agent_loop(cfg, engine, tokenizer))
                      if arr.rollout.multi_turn.enable else None)
@@ -71,6 +79,17 @@ class ActorRolloutRefWorker:
         return self.ref.compute_ref_log_prob(
             batch, micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu or self.log_prob_micro_batch_size,
             temperature=arr.rollout.temperature, **_token_budget(arr.ref, "ref"))
+
+    @property
+    def has_teacher(self) -> bool:
+        return self.teacher is not None
+
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """The teachers' log-probs of the responses (`teacher_log_probs`), each row by its own teacher."""
+        arr = self.cfg.actor_rollout_ref
+        return self.teacher.compute_teacher_log_prob(
+            batch, micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu or self.log_prob_micro_batch_size,
+            **_token_budget(arr.ref, "ref"))
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """One PPO update of the actor; the rollout keeps the old weights until `sync_weights`."""

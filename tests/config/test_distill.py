@@ -1,0 +1,96 @@
+"""lathe.config.distill: verl's distillation.* keys resolved into teachers and checked before any model loads."""
+
+import warnings
+
+import pytest
+
+from lathe.config import ConfigError, load_config
+from lathe.config.distill import DistillationPlacementWarning, teachers
+from lathe.config.support import IgnoredKeysWarning
+
+D = "distillation"
+ON = [f"{D}.enabled=true"]
+ONE = ON + [f"{D}.teacher_models.teacher_model.model_path=/ckpt/teacher"]
+TWO = ON + [f"+{D}.teacher_models.gsm8k.key=openai/gsm8k", f"+{D}.teacher_models.gsm8k.model_path=/ckpt/a",
+            f"+{D}.teacher_models.geo.key=hiyouga/geometry3k", f"+{D}.teacher_models.geo.model_path=/ckpt/b"]
+
+
+def load(*overrides: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IgnoredKeysWarning)
+        warnings.simplefilter("ignore", DistillationPlacementWarning)
+        return load_config("base", list(overrides), device_count=1)
+
+
+def refused(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        load(*overrides)
+    return str(err.value)
+
+
+def test_the_default_entry_is_the_one_teacher_and_takes_every_row():
+    cfg = load(*ONE)
+    (t,) = teachers(cfg)
+    assert (t.name, t.key, t.model_path) == ("teacher_model", None, "/ckpt/teacher")
+
+
+def test_other_entries_drop_the_default_and_route_by_key():
+    cfg = load(*TWO)
+    assert {(t.name, t.key, t.model_path) for t in teachers(cfg)} == {
+        ("gsm8k", "openai/gsm8k", "/ckpt/a"), ("geo", "hiyouga/geometry3k", "/ckpt/b")}
+    # verl's 0.6b script: one named entry beside the default is the only teacher, whatever its key
+    (t,) = teachers(load(*ON, f"+{D}.teacher_models.gsm8k.key=openai/gsm8k",
+                         f"+{D}.teacher_models.gsm8k.model_path=/ckpt/a"))
+    assert (t.name, t.key) == ("gsm8k", None)
+
+
+def test_a_dropped_default_teacher_with_a_checkpoint_warns():
+    with pytest.warns(UserWarning, match="teacher_model.model_path=/ckpt/teacher is dropped"):
+        load(*ONE, f"+{D}.teacher_models.gsm8k.model_path=/ckpt/a")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (ON, "teacher_models.teacher_model.model_path is not set"),
+    (ONE + [f"{D}.distillation_loss.loss_mode=k1"], "use_policy_gradient=true"),
+    (ONE + [f"{D}.distillation_loss.loss_mode=k7"], "is not a distillation loss"),
+    (ONE + [f"{D}.distillation_loss.loss_mode=forward_kl_topk", f"{D}.distillation_loss.topk=0"], "topk=0"),
+    (ONE + [f"{D}.distillation_loss.loss_mode=forward_kl_topk", "actor_rollout_ref.model.use_remove_padding=true",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2",
+            "trainer.device=cpu"], "without sequence parallelism"),
+    (ONE + [f"{D}.distillation_loss.policy_loss_mode=gspo"], "PPO's vanilla clipped loss"),
+    (ONE + [f"{D}.distillation_loss.loss_max_clamp=0"], "loss_max_clamp=0.0"),
+    (ONE + [f"+{D}.teacher_models.teacher_model.inference.max_model_len=100"], "max_model_len=100 is shorter"),
+    (TWO + [f"{D}.teacher_key=task"], "teacher_key='task'"),
+    (ONE + ["actor_rollout_ref.actor.fsdp_config.tensor_parallel_size=2", "trainer.n_gpus_per_node=2",
+            "trainer.device=cpu"], "distillation with tensor parallelism is not implemented yet"),
+    (TWO + [f"+{D}.teacher_models.geo.key=openai/gsm8k"], "also the key of teacher gsm8k"),
+    (ON + [f"+{D}.teacher_models.a.model_path=/x", f"+{D}.teacher_models.b.model_path=/y"], "teacher_models.a.key"),
+])
+def test_settings_lathe_cannot_run_are_refused_naming_key_and_fix(overrides, words):
+    message = refused(*overrides)
+    assert words in message and "Fix" in message
+
+
+def test_the_top_k_forward_kl_loads():
+    assert load(*ONE, f"{D}.distillation_loss.loss_mode=forward_kl_topk").distillation.distillation_loss.topk == 32
+
+
+def test_teacher_pool_and_engine_keys_are_named_once():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config("base", [*ONE, f"{D}.nnodes=1", f"{D}.n_gpus_per_node=4",
+                             f"+{D}.teacher_models.teacher_model.num_replicas=2",
+                             f"+{D}.teacher_models.teacher_model.inference.tensor_model_parallel_size=2",
+                             f"+{D}.teacher_models.teacher_model.inference.max_model_len=4096",
+                             f"+{D}.teacher_models.teacher_model.inference.name=vllm"], device_count=1)
+    placement = [str(w.message) for w in caught if issubclass(w.category, DistillationPlacementWarning)]
+    ignored = "".join(str(w.message) for w in caught if issubclass(w.category, IgnoredKeysWarning))
+    assert len(placement) == 1
+    assert "num_replicas=2" in placement[0] and "inference.tensor_model_parallel_size" in placement[0]
+    assert "max_model_len" not in placement[0] and "inference.name" not in placement[0]
+    assert "`distillation.nnodes`=1" in ignored and "`distillation.n_gpus_per_node`=4" in ignored
+
+
+def test_the_top_k_loss_as_a_reward_warns_as_verl_does():
+    with pytest.warns(UserWarning, match="moves only the sampled token's log-prob"):
+        load(*ONE, f"{D}.distillation_loss.loss_mode=forward_kl_topk", f"{D}.distillation_loss.use_policy_gradient=true")

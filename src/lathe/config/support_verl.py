@@ -269,8 +269,9 @@ def _runs() -> list[Entry]:
 # ----------------------------------------------------------------------------- judges of lathe's own keys
 # (support.py's registry uses them: verl's backend choice, and Megatron settings inside lathe's keys)
 
-BACKEND_NOTE = ("the backend's keys lathe has an equivalent for are translated (offload, recomputation, dtype), "
-                "parallel sizes above 1 are refused, its kernel and fusion switches have no effect")
+BACKEND_NOTE = ("the backend's keys lathe has an equivalent for are translated (offload, recomputation, dtype, "
+                "tensor- and context-parallel sizes), pipeline and expert parallelism are not there yet (sizes above 1 "
+                "fail), its kernel and fusion switches have no effect")
 BACKEND = "lathe trains every backend with its FSDP2 trainer: " + BACKEND_NOTE
 
 

@@ -40,7 +40,10 @@ def test_a_file_or_a_directory_without_config_json_is_not_a_checkpoint(tmp_path)
     (hf / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match=rf"Fix: use {hf} "):
         check_model(str(tmp_path), KEY)
-    check_tokenizer(str(tmp_path), "actor_rollout_ref.model.tokenizer_path")    # a tokenizer directory: it exists
+    with pytest.raises(ModelLoadError, match=r"tokenizer_path=.*: the directory has no tokenizer files"):
+        check_tokenizer(str(tmp_path), "actor_rollout_ref.model.tokenizer_path")  # transformers would make an empty one
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    check_tokenizer(str(tmp_path), "actor_rollout_ref.model.tokenizer_path")    # a tokenizer directory
 
 
 def test_a_hub_id_is_left_to_the_loader_online_and_checked_in_the_cache_offline(tmp_path, monkeypatch):

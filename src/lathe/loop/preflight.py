@@ -63,7 +63,9 @@ def preflight(cfg) -> Checked:
     problems = _Problems()
     m, critic = cfg.actor_rollout_ref.model, cfg.critic.model
     _check_paths(problems, [(check_model, "actor_rollout_ref.model.path", m.path),
-                            (check_tokenizer, "actor_rollout_ref.model.tokenizer_path", m.tokenizer_path),
+                            (check_tokenizer, "actor_rollout_ref.model.tokenizer_path" if m.tokenizer_path else
+                             "actor_rollout_ref.model.path (its tokenizer: model.tokenizer_path is unset)",
+                             m.tokenizer_path or m.path),
                             (check_model, "critic.model.path", critic.path if critic_in_use(cfg) else None),
                             (check_reward_model, "reward_model.model.path",
                              cfg.reward_model.model.path if cfg.reward_model.enable else None)])

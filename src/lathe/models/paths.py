@@ -77,6 +77,9 @@ def check_model(path: str, key: str) -> None:
     _check_hub_cache(local, key, "config.json")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def check_tokenizer(path: str, key: str) -> None:
     """A tokenizer path that cannot load fails here: a missing directory, or a hub id not cached while offline
     (any `builtin:` name means the built-in tokenizer)."""
@@ -85,6 +88,11 @@ def check_tokenizer(path: str, key: str) -> None:
     local = resolve(path, key)
     if not Path(local).is_dir():
         _check_hub_cache(local, key, "tokenizer_config.json")
+    elif not any((Path(local) / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer of the config's model_type from it, without a word
+        raise ModelLoadError(f"{key}={path}: the directory has no tokenizer files ({', '.join(TOKENIZER_FILES)}). "
+                                "Fix: save the tokenizer there (tokenizer.save_pretrained(dir)), or name a directory "
+                                "that holds one.")
 
 
 def _checkpoint_hint(directory: Path) -> str:

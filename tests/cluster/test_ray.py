@@ -54,6 +54,27 @@ def test_two_workers_train_exactly_as_one_process(runs):
         assert_same(a, b)
 
 
+DISTILLATION = ["distillation.enabled=true", "distillation.distillation_loss.loss_mode=k3",
+                "distillation.distillation_loss.distillation_loss_coef=0.5"]
+# the losses and the extremes; not the means of micro-batch means (abs_loss), which follow the micro-batch cut
+DISTILLED = ("distillation/loss", "distillation/loss_min", "distillation/loss_max")
+
+
+def distillation_teacher(path):
+    """A teacher for on-policy distillation: the built-in tiny model's shape with other weights, the same tokenizer."""
+    import torch
+
+    from lathe.data.builtin import builtin_tokenizer
+    from lathe.models.hf import build_builtin_model
+    tok = builtin_tokenizer()
+    model = build_builtin_model("tiny", vocab_size=len(tok), seed=7)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4.0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_path):
     """One mini-batch per step: each rank takes pi_old from its update's forward (how the pieces of the engine-vs-trainer
     diff combine over ranks: tests/algo/test_rollout_correction.py). The responses are scored by a learned reward model
@@ -62,20 +83,26 @@ def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_p
     two workers generate as one tensor-parallel engine replica (`rollout.tensor_model_parallel_size=2`): its samples
     and log-probs are the one process's engine's; and they train as one Ulysses sequence-parallel group
     (`ulysses_sequence_parallel_size=2`, the reference's too under the KL loss), each micro-batch holding twice the
-    per-device token budget (verl's rule): the same losses and gradient norms as one process."""
+    per-device token budget (verl's rule): the same losses and gradient norms as one process. A teacher distils into
+    the policy (on-policy distillation, k3 reverse KL), sharded on the trainer's ranks like the reference."""
     from helpers import RM_TEMPLATE, tiny_reward_model
     path = tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE)
+    teacher = distillation_teacher(tmp_path / "teacher")
     rm = ["reward_model.enable=true", f"reward_model.model.path={path}", "reward_model.micro_batch_size_per_gpu=3",
           "reward_model.max_length=256"]
     a_ = "actor_rollout_ref.actor"
     on_policy = [f"{a_}.ppo_mini_batch_size=32", "trainer.total_training_steps=2", *rm, f"{a_}.use_kl_loss=true",
-                 f"{a_}.kl_loss_coef=0.1", f"{a_}.use_dynamic_bsz=true", "actor_rollout_ref.model.use_remove_padding=true"]
+                 f"{a_}.kl_loss_coef=0.1", f"{a_}.use_dynamic_bsz=true", "actor_rollout_ref.model.use_remove_padding=true",
+                 *DISTILLATION, f"distillation.teacher_models.teacher_model.model_path={teacher}"]
     one = train(tmp_path / "one", *on_policy, f"{a_}.ppo_max_token_len_per_gpu=4096")
     two = train(tmp_path / "two", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                 f"{a_}.ulysses_sequence_parallel_size=2", f"{a_}.ppo_max_token_len_per_gpu=2048", *on_policy)
     assert len(one) == len(two) == 2
     assert one[-1]["actor/kl_loss"] > 0                 # the reference differs from the policy after step 1
     for a, b in zip(one, two):
+        assert a["distillation/loss"] > 0.01
+        for key in DISTILLED:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
         assert abs(a["actor/kl_loss"] - b["actor/kl_loss"]) <= 1e-5 * max(a["actor/kl_loss"], 1e-3)
         assert "timing_s/old_log_prob" not in a and "timing_s/old_log_prob" not in b
         assert "reward_extra/acc/mean" not in a and a["critic/score/max"] > a["critic/score/min"]  # the RM's scores

@@ -19,9 +19,9 @@ from config.verl_corpus import names, problems, refused_features, table
 KNOWN_OTHERS = {
     r"sequences per (mini-batch|step) is not divisible by the device": "lathe's batch rules split over every "
         "device; with pipeline/context parallelism (refused: issue 43) verl splits over fewer",
-    r"LoRA with tensor parallelism is not implemented yet": "a cross-field rule (config/rules_sp.py): the adapters "
+    r"LoRA with tensor parallelism is not implemented yet": "a cross-field rule (config/rules_parallel.py): the adapters "
         "are not cut over a tensor-parallel group yet",
-    r"tensor parallelism with Ulysses is not implemented yet": "a cross-field rule (config/rules_sp.py): Megatron scripts set TP and CP "
+    r"tensor parallelism with Ulysses is not implemented yet": "a cross-field rule (config/rules_parallel.py): Megatron scripts set TP and CP "
         "together, and CP translates to Ulysses, which does not combine with TP in one model yet",
     r"distillation with tensor parallelism is not implemented yet": "a cross-field rule (config/distill.py): the "
         "teachers are sharded with FSDP only, each rank scoring its own rows",

@@ -15,7 +15,8 @@ from .distill import check_distillation
 from .errors import ProblemList
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size,
                    trainer_devices)
-from .rules_sp import KEYS as SP_KEYS, check_sequence_parallel, check_tensor_parallel, data_parallel
+from .rules_parallel import (KEYS as SP_KEYS, check_rollout_tp, check_sequence_parallel, check_tensor_parallel,
+                             data_parallel)
 from .schema import LatheConfig
 
 
@@ -344,7 +345,7 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
     """Rules 9-11: rollout backend shipped and runnable, resume path present, validation data present."""
     t = cfg.trainer
     _check_rollout_backend(cfg, problems)
-    _check_rollout_tp(cfg, problems)
+    check_rollout_tp(cfg, problems)
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         problems.add("trainer.resume_mode=resume_path needs trainer.resume_from_path, which is not set. Fix: set "
                      "trainer.resume_from_path=<checkpoint dir>, or use trainer.resume_mode=auto.")
@@ -496,28 +497,3 @@ def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:
                      f"{r}.response_length={ro.response_length} = {ro.prompt_length + ro.response_length} tokens, so "
                      f"long prompts could not get their full response. Fix: raise max_model_len to at least "
                      f"{ro.prompt_length + ro.response_length}, or leave it null (= prompt_length + response_length).")
-
-
-def _check_rollout_tp(cfg: LatheConfig, problems: ProblemList) -> None:
-    """rollout.tensor_model_parallel_size: replicas of whole ranks of one node, in the synchronous hybrid loop."""
-    ro, t, key = cfg.actor_rollout_ref.rollout, cfg.trainer, "actor_rollout_ref.rollout.tensor_model_parallel_size"
-    tp = ro.tensor_model_parallel_size
-    if tp == 1:
-        return
-    if tp < 1:
-        problems.add(f"{key}={tp} must be >= 1 (the devices of one engine replica). Fix: set it to 1 or more.")
-        return
-    within_node = t.n_gpus_per_node % tp == 0
-    whole_nodes = tp % t.n_gpus_per_node == 0 and (t.nnodes * t.n_gpus_per_node) % tp == 0
-    if not is_async(cfg) and not (within_node or whole_nodes):
-        problems.add(f"{key}={tp}: an engine replica spans devices of one node (a divisor of trainer.n_gpus_per_node="
-                     f"{t.n_gpus_per_node}) or whole nodes (a multiple of it that divides the {t.nnodes} node(s)' "
-                     f"{t.nnodes * t.n_gpus_per_node} devices). Fix: choose such a size.")
-    if ro.name == "hf":
-        problems.add(f"{key}={tp}: transformers' generate (actor_rollout_ref.rollout.name=hf) runs a whole model "
-                     "per device. Fix: use lathe's engine (rollout.name=lathe, or vllm/sglang, which run it), or "
-                     "set it to 1.")
-    if ro.multi_turn.enable:
-        problems.add(f"{key}={tp} with multi_turn.enable=true: the agent loop runs its tools on every rank of a "
-                     "replica, and tensor-parallel ranks must see the same tool results; not implemented yet. Fix: "
-                     "set it to 1 for multi-turn runs.")

@@ -1,5 +1,7 @@
-"""The rules of Ulysses sequence parallelism (`ulysses_sequence_parallel_size` of the actor, the reference and the
-critic; `lathe.train.ulysses` runs it), checked by ``load_config`` with the other cross-field rules.
+"""The rules of the parallel layouts, checked by ``load_config`` with the other cross-field rules.
+
+Ulysses sequence parallelism (`ulysses_sequence_parallel_size` of the actor, the reference and the
+critic; `lathe.train.ulysses` runs it).
 
 With size S the trainer's devices form groups of S that compute each micro-batch together, so S must divide the
 devices, and a mini-batch is split over the devices / S groups (`data_parallel`) rather than over every device.
@@ -9,12 +11,15 @@ The model's heads, which must divide over S too, are checked when the model load
 Tensor parallelism (a role's `fsdp_config.tensor_parallel_size` T; `lathe.train.tensor_parallel`) groups devices the
 same way, so a mini-batch is split over devices / T groups too; its sizes are checked with the meshes
 (`plan.mesh_problems`), and here what it does not combine with yet: Ulysses in the same role, and LoRA.
+
+The rollout's tensor-parallel replicas (`rollout.tensor_model_parallel_size`; `lathe.engine.tensor_parallel`) span
+devices of one node or whole nodes, in the synchronous hybrid loop, with lathe's engine and a single-turn rollout.
 """
 
 from __future__ import annotations
 
 from .errors import ProblemList
-from .plan import FSDP_GROUPS, Devices, critic_in_use, sequence_parallel_size, tensor_parallel_size
+from .plan import FSDP_GROUPS, Devices, critic_in_use, is_async, sequence_parallel_size, tensor_parallel_size
 from .schema import LatheConfig
 
 ARR = "actor_rollout_ref"
@@ -76,3 +81,28 @@ def data_parallel(cfg: LatheConfig, role: str, devices: Devices) -> Devices:
     groups = devices.count // size
     keys = [f"{KEYS[role]}={sp}"] * (sp > 1) + [f"{FSDP_GROUPS[role]}.tensor_parallel_size={tp}"] * (tp > 1)
     return Devices(groups, f"{groups} data-parallel group(s) = {devices.why} / {' x '.join(keys)}")
+
+
+def check_rollout_tp(cfg: LatheConfig, problems: ProblemList) -> None:
+    """rollout.tensor_model_parallel_size: replicas of whole ranks of one node, in the synchronous hybrid loop."""
+    ro, t, key = cfg.actor_rollout_ref.rollout, cfg.trainer, "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    tp = ro.tensor_model_parallel_size
+    if tp == 1:
+        return
+    if tp < 1:
+        problems.add(f"{key}={tp} must be >= 1 (the devices of one engine replica). Fix: set it to 1 or more.")
+        return
+    within_node = t.n_gpus_per_node % tp == 0
+    whole_nodes = tp % t.n_gpus_per_node == 0 and (t.nnodes * t.n_gpus_per_node) % tp == 0
+    if not is_async(cfg) and not (within_node or whole_nodes):
+        problems.add(f"{key}={tp}: an engine replica spans devices of one node (a divisor of trainer.n_gpus_per_node="
+                     f"{t.n_gpus_per_node}) or whole nodes (a multiple of it that divides the {t.nnodes} node(s)' "
+                     f"{t.nnodes * t.n_gpus_per_node} devices). Fix: choose such a size.")
+    if ro.name == "hf":
+        problems.add(f"{key}={tp}: transformers' generate (actor_rollout_ref.rollout.name=hf) runs a whole model "
+                     "per device. Fix: use lathe's engine (rollout.name=lathe, or vllm/sglang, which run it), or "
+                     "set it to 1.")
+    if ro.multi_turn.enable:
+        problems.add(f"{key}={tp} with multi_turn.enable=true: the agent loop runs its tools on every rank of a "
+                     "replica, and tensor-parallel ranks must see the same tool results; not implemented yet. Fix: "
+                     "set it to 1 for multi-turn runs.")

@@ -1,4 +1,4 @@
-"""Tests for lathe.config.rules_sp and the plan's sequence-parallel facts: sizes that divide the devices, packed
+"""Tests for lathe.config.rules_parallel and the plan's sequence-parallel facts: sizes that divide the devices, packed
 forwards, mini-batches split over data-parallel groups, token budgets per group."""
 
 import pytest

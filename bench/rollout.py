@@ -284,6 +284,25 @@ def bench_model(name: str, device, args) -> dict:
         engine.sleep()
         result["profile_eager_decode"] = engine_profile(lathe, prompts, params, device)
     engine.sleep()
+    if "fp8" in args.quantizations:       # the same model and loads with FP8 projections, after the bf16 rows
+        del engine
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        engine = LatheEngine(lathe, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
+                             gpu_memory_utilization=args.gpu_memory_utilization,
+                             reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,
+                             quantization="fp8", **batched_tokens(args))
+        result["engine_fp8"] = {"kv_blocks": engine.kv_cache.num_blocks}
+        for load in args.loads:
+            prompts, params, _ = loads[load]
+            row = result["loads"][load]
+            row["lathe_fp8"] = run_lathe(engine, prompts, params, device)
+            row["lathe_fp8"].pop("out_lens")
+            row["fp8_speedup"] = row["lathe_fp8"]["tok_s"] / row["lathe"]["tok_s"]
+            print(f"{name} {load}: fp8 {row['lathe_fp8']['tok_s']:.0f} tok/s, {row['fp8_speedup']:.2f}x bf16",
+                  flush=True)
+            if args.partial_out:
+                args.partial_out(result)
+        engine.sleep()
     del engine, lathe, hf
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return result
@@ -331,6 +350,9 @@ def main() -> None:
     ap.add_argument("--step-by-step", action="store_true",
                     help="resolve each step's tokens before scheduling the next (no overlap of host and device)")
     ap.add_argument("--profile", action="store_true", help="add an eager decode profile per model")
+    ap.add_argument("--quantizations", type=csv, default=["none"],
+                    help="none,fp8: after the bf16 rows, the same loads with rollout.quantization=fp8 (lathe_fp8, "
+                         "fp8_speedup; its KV cache gets what the FP8 copies leave)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -24,6 +24,7 @@ READ_IN_CONFIG = {
     "actor_rollout_ref.actor.optim.clip_grad": "fill.py: copied to actor.grad_clip",
     "critic.optim.clip_grad": "fill.py: copied to critic.grad_clip",
     "algorithm.rollout_correction.use_policy_gradient": "fill.py: converted to loss_type=reinforce",
+    "actor_rollout_ref.rollout.quantization_correction": "fill.py: an FP8 rollout turns token-level TIS on",
     "critic.enable": "plan.py: critic_in_use(), which run_plan (the plan the workers are built from) calls",
     "critic.ppo_mini_batch_size": "plan.py: batch_plan(role='critic'), RunPlan.critic: the critic's mini-batches",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "plan.py: batch_plan(role='actor'), RunPlan.actor: the actor's "

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from lathe.engine import fp8
 from lathe.engine.llm_engine import LatheEngine
 from lathe.rollout.hf import HFRollout
 
@@ -54,9 +55,17 @@ def test_engine_run_validates_and_resumes_exactly(tmp_path, monkeypatch):
 
 
 def test_verl_backend_name_runs_lathes_engine_with_one_notice(tmp_path, caplog):
-    """rollout.name=vllm (every verl launch script sets it): lathe's engine runs, and says so once in the run."""
+    """rollout.name=vllm (every verl launch script sets it): lathe's engine runs, and says so once in the run. Its
+    `engine_kwargs.vllm.quantization=fp8` acts: the engine's projections run in FP8 (`lathe.engine.fp8`), token-level
+    TIS turns on, and the old-log-prob pass reports the gap between the FP8 rollout and the trainer."""
     with caplog.at_level(logging.INFO, logger="lathe"):
-        trainer = run(tmp_path, *_overrides(tmp_path, "vllm", steps=1), "trainer.test_freq=-1", "trainer.save_freq=-1")
-    assert isinstance(trainer.worker.rollout.backend, LatheEngine) and trainer.global_step == 1
+        trainer = run(tmp_path, *_overrides(tmp_path, "vllm", steps=1), "trainer.test_freq=-1", "trainer.save_freq=-1",
+                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=fp8")
+    engine = trainer.worker.rollout.backend
+    assert isinstance(engine, LatheEngine) and trainer.global_step == 1
     notices = [r.getMessage() for r in caplog.records if "lathe runs its own engine, not vLLM" in r.getMessage()]
     assert len(notices) == 1 and notices[0].startswith("rollout: lathe engine")
+    assert engine.quantization == "fp8" and fp8.is_quantized(engine.model)
+    metrics = read_metrics(tmp_path / "run")[1]
+    assert 0 < metrics["training/rollout_probs_diff_mean"] < 0.1, metrics["training/rollout_probs_diff_mean"]
+    assert any(k.startswith("rollout_corr/") for k in metrics), sorted(metrics)

@@ -19,7 +19,8 @@ from .tree import Assignment, assign, get_path
 
 R = "actor_rollout_ref.rollout"
 BACKENDS = ("vllm", "sglang", "trtllm")
-QUANTIZED = "quantized rollout (FP8/torchao weights or KV cache, lathe issue 48)"
+QUANTIZED = ("quantized rollout other than FP8 weights (torchao schemes, block scales, an FP8 KV cache: lathe issue "
+             "48)")
 SPECULATIVE = "speculative decoding (MTP/EAGLE draft heads, lathe issue 44)"
 
 
@@ -48,7 +49,8 @@ ACTS: dict[str, dict[str, Callable[[Any], dict[str, Any]]]] = {
              "compilation_config.cudagraph_capture_sizes": _to("cudagraph_capture_sizes"),
              "compilation_config.cudagraph_mode": _vllm_cudagraph_mode,
              "mm_processor_cache_gb": lambda v: {},           # lathe keeps no processor cache: any size is fine
-             "kv_cache_dtype": lambda v: {}},                 # "auto" only (fp8 is refused below)
+             "kv_cache_dtype": lambda v: {},                  # "auto" only (fp8 is refused below)
+             "quantization": _to("quantization")},            # fp8 only (others are refused below)
     "sglang": {"mem_fraction_static": _to("gpu_memory_utilization"),
                "max_running_requests": _to("max_num_seqs"),
                "chunked_prefill_size": _sglang_chunked_prefill,
@@ -56,7 +58,8 @@ ACTS: dict[str, dict[str, Callable[[Any], dict[str, Any]]]] = {
                "disable_radix_cache": _to("enable_prefix_caching", lambda v: not v),
                "disable_cuda_graph": _to("enforce_eager"),
                "cuda_graph_bs": _to("cudagraph_capture_sizes"),
-               "kv_cache_dtype": lambda v: {}},
+               "kv_cache_dtype": lambda v: {},
+               "quantization": _to("quantization")},
     "trtllm": {"max_batch_size": _to("max_num_seqs"),
                "max_num_tokens": _to("max_num_batched_tokens"),
                "max_seq_len": _to("max_model_len"),
@@ -66,7 +69,7 @@ ACTS: dict[str, dict[str, Callable[[Any], dict[str, Any]]]] = {
 # entry -> (fine(value), the feature lathe lacks): a value that is not fine is refused
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_cache_dtype": (lambda v: v in (None, "auto"), QUANTIZED),
-    "quantization": (lambda v: not v, QUANTIZED),
+    "quantization": (lambda v: not v or v == "fp8", QUANTIZED),
     "speculative_config": (lambda v: not v, SPECULATIVE),
     "speculative_algorithm": (lambda v: not v, SPECULATIVE),
 }

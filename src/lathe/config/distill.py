@@ -75,8 +75,9 @@ def check_distillation(cfg, problems: ProblemList) -> None:
                      f"{D}.teacher_models.{DEFAULT_ENTRY}.model_path=<teacher checkpoint>.")
     for name, entry in given.items():
         if not entry.get("model_path"):
-            problems.add(f"{D}.teacher_models.{name}.model_path is not set: a teacher needs its checkpoint. Fix: set "
-                         f"it (the teacher must use the student's tokenizer).")
+            problems.add(f"{D}.enabled=true, but {D}.teacher_models.{name}.model_path is not set: a teacher needs "
+                         f"its checkpoint. Fix: set it (the teacher must use the student's tokenizer), or set "
+                         f"{D}.enabled=false.")
         _check_length(cfg, name, entry, problems)
     if len(given) > 1:
         _check_routing(cfg, given, problems)

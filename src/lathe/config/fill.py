@@ -68,6 +68,10 @@ def _fill_rollout_ref(cfg: LatheConfig) -> None:
         ref.ulysses_sequence_parallel_size = actor.ulysses_sequence_parallel_size
     if ref.use_torch_compile is None:
         ref.use_torch_compile = actor.use_torch_compile
+    rc = cfg.algorithm.rollout_correction
+    if (rollout.quantization and rollout.quantization_correction and rc.rollout_is is None and rc.rollout_rs is None
+            and not rc.bypass_mode):      # an FP8 rollout samples from another policy than the trainer's
+        rc.rollout_is = "token"           # (truncated at rollout_is_threshold, 2 by default: verl's token TIS)
 
 
 def _fill_critic(cfg: LatheConfig) -> None:

@@ -492,6 +492,17 @@ def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:
         problems.add(f"{r}.name=lathe runs the policy in lathe's own decoder, but {m}.impl=hf asks for the "
                      f"transformers implementation. Fix: set {m}.impl=auto (or lathe), or set {r}.name=hf "
                      f"(or auto) to generate with transformers.")
+    if ro.quantization not in (None, "fp8"):
+        problems.add(f"{r}.quantization={ro.quantization!r}: lathe's engine quantises to fp8 only (other schemes, "
+                     "torchao's, block scales and an FP8 KV cache are lathe issue 48). Fix: set it to fp8 or null.")
+    if ro.quantization and (ro.name == "hf" or impl == "hf"):
+        problems.add(f"{r}.quantization={ro.quantization} quantises lathe's engine, but the rollout runs "
+                     f"transformers generate ({r}.name={ro.name}, {m}.impl={impl}). Fix: set {r}.quantization=null, "
+                     f"or use lathe's engine ({r}.name=lathe and {m}.impl=auto).")
+    if ro.quantization and ro.tensor_model_parallel_size > 1:
+        problems.add(f"{r}.quantization={ro.quantization} with {r}.tensor_model_parallel_size="
+                     f"{ro.tensor_model_parallel_size}: FP8 tensor-parallel replicas are not implemented yet. Fix: set "
+                     f"{r}.quantization=null, or tensor_model_parallel_size=1.")
     if ro.prompt_length >= 1 and ro.response_length >= 1 and ro.max_model_len < ro.prompt_length + ro.response_length:
         problems.add(f"{r}.max_model_len={ro.max_model_len} is shorter than {r}.prompt_length={ro.prompt_length} + "
                      f"{r}.response_length={ro.response_length} = {ro.prompt_length + ro.response_length} tokens, so "

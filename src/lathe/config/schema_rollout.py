@@ -183,7 +183,12 @@ class RolloutConfig:
                                                       "training.")
     moe_load_balance_metrics_interval: int = spec(0, "verl: steps between MoE load-balance metrics from routing "
                                                      "replay; 0 = off.")
-    quantization: str | None = spec(None, "verl: quantized rollout weights (fp8, torchao).")
+    quantization: str | None = spec(None, "verl: quantized rollout weights. fp8: the decoder layers' projections in "
+                                          "FP8 (per-channel weights, per-token activations; lathe.engine.fp8), "
+                                          "re-quantised at each weight sync; null: the rollout dtype.")
+    quantization_correction: bool = spec(True, "lathe: with quantization set and no algorithm.rollout_correction "
+                                               "configured, correct the FP8 rollout's log-prob gap by token-level "
+                                               "truncated IS (rollout_is=token, threshold 2); false: leave it off.")
     quantization_config_file: str | None = spec(None, "verl: the quantization's settings file.")
     mtp: dict[str, Any] | None = spec(None, "verl: multi-token-prediction settings (enable_rollout: speculative "
                                             "decoding with the MTP heads).")

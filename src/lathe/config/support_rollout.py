@@ -105,7 +105,6 @@ def _lacking() -> list[Entry]:
         "its replicas are one device each for now)", "set it to 1, or train synchronously (rollout.n_gpus_per_node="
         "0), where the trainer's devices form the replicas", at_most(1))))
     out += [refuse(f"{R}.repetition_penalty", "a repetition penalty in sampling", ok=lambda v, cfg: v == 1),
-            refuse(f"{R}.quantization", QUANTIZED),
             warn(f"{R}.quantization_config_file", f"it is read only with {R}.quantization ({QUANTIZED})"),
             refuse(f"{R}.qat", f"quantization-aware training's {QUANTIZED}",    # verl copies the actor's qat here
                    ok=lambda v, cfg: not v or not v.get("enable")),

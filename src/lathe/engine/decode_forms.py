@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lathe.device import multiprocessor_count
+from lathe.engine.fp8 import project
 from lathe.models.decoder import MLP, Attention, DecoderLayer, LatheDecoderModel, RMSNorm, attend, \
     mark_token_dims_dynamic
 
@@ -32,12 +33,12 @@ from lathe.models.decoder import MLP, Attention, DecoderLayer, LatheDecoderModel
 
 
 class FusedAttention(Attention):
-    """`Attention` whose q/k/v come from one matmul over `qkv_weight` (and `qkv_bias`), set by `fuse_projections`."""
+    """`Attention` whose q/k/v come from one matmul over `qkv_weight` (and `qkv_bias`), set by `fuse_projections`
+    (in FP8 with `lathe.engine.fp8`)."""
 
     def qkv(self, x: torch.Tensor):
         lead, kv = x.shape[:-1], self.n_kv * self.head_dim
-        q, k, v = nn.functional.linear(x, self.qkv_weight, self.qkv_bias).split(
-            [self.n_heads * self.head_dim, kv, kv], dim=-1)
+        q, k, v = project(self, "qkv", x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
         return tuple(t.reshape(*lead, -1, self.head_dim) for t in (q, k, v))
 
 
@@ -45,7 +46,7 @@ class FusedMLP(MLP):
     """`MLP` whose gate and up come from one matmul over `gate_up_weight` (and `gate_up_bias`)."""
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        gate, up = project(self, "gate_up", x).chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
 
 

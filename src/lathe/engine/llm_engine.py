@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from lathe import device as accel
-from lathe.engine import decode_forms
+from lathe.engine import decode_forms, fp8
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.model_runner import ModelRunner
@@ -104,6 +104,13 @@ class _InFlight:
         return self.host.tolist()
 
 
+def _recording(items: Iterable[tuple[str, torch.Tensor]], names: set[str]):
+    """`items` passed through, their names added to `names`."""
+    for name, tensor in items:
+        names.add(name)
+        yield name, tensor
+
+
 class LatheEngine(StreamingMixin):
     """Continuous-batching generation with a `LatheCausalLM` (fp32/bf16, CPU or CUDA).
 
@@ -132,13 +139,15 @@ class LatheEngine(StreamingMixin):
                  enable_prefix_caching: bool = True, decode_backend: str = "auto", enforce_eager: bool = False,
                  cudagraph_capture_sizes: list[int] | None = None,
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
-                 async_scheduling: bool | None = None, fuse_projections: bool | None = None):
+                 async_scheduling: bool | None = None, fuse_projections: bool | None = None,
+                 quantization: str | None = None):
         self.model = model.eval()
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         self.vl = is_vl(model)        # a vision-language model: prompts may carry images (`multimodal.py`)
         if self._should_fuse(fuse_projections):
             decode_forms.fuse_projections(model)
+        self.quantization = self._quantize(quantization)
         # overlap needs a device that runs behind the host; on the CPU it would only run stopped rows once more
         self.async_scheduling = model.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _InFlight | None = None
@@ -167,6 +176,18 @@ class LatheEngine(StreamingMixin):
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
                                   max_graph_batch=min(max_num_seqs, 512), graph_sizes=cudagraph_capture_sizes)
         self._init_streaming()
+
+    def _quantize(self, scheme: str | None) -> str | None:
+        """FP8 copies of the decoder layers' projections (`lathe.engine.fp8`), for `quantization="fp8"`."""
+        if scheme is None:
+            return None
+        if scheme not in fp8.SCHEMES:
+            raise ValueError(f"quantization={scheme!r}: lathe's engine quantises to {', '.join(fp8.SCHEMES)} only")
+        if self.vl or self.tp.size > 1:
+            raise ValueError(f"quantization={scheme!r}: not implemented for "
+                             + ("vision-language models" if self.vl else "tensor-parallel replicas"))
+        fp8.quantize_model(self.model)
+        return scheme
 
     def _should_fuse(self, requested: bool | None) -> bool:
         """Fused q/k/v and gate/up matmuls (`decode_forms.fuse_projections`): asked for, or by default on CUDA
@@ -265,8 +286,13 @@ class LatheEngine(StreamingMixin):
     def _copy_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy whole weights (HF names) in place: a tensor-parallel rank takes its slice of each."""
         layout = layout_of(self.model)
-        copy_named_tensors(self.model, named_tensors if layout is None else layout.local_items(named_tensors),
-                           who="engine's model")
+        items = named_tensors if layout is None else layout.local_items(named_tensors)
+        if self.quantization is None:
+            copy_named_tensors(self.model, items, who="engine's model")
+            return
+        names: set[str] = set()           # the FP8 copies follow the new weights (also when shared: no copy)
+        copy_named_tensors(self.model, _recording(items, names), who="engine's model")
+        fp8.requantize(self.model, names)
 
     def _make_sequences(self, prompts: list[list[int]], params: SamplingParams, first_index: int = 0,
                         multi_modal_inputs: list[dict | None] | None = None) -> list[Sequence]:

@@ -105,13 +105,19 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engin
     utilization = rollout_cfg.gpu_memory_utilization
     if standalone and rollout_cfg.standalone_gpu_memory_utilization is not None:
         utilization = rollout_cfg.standalone_gpu_memory_utilization
+    if rollout_cfg.quantization:
+        log.info("rollout: %s projections in the engine (actor_rollout_ref.rollout.quantization=%s); the gap to "
+                 "the trainer's log-probs is reported as training/rollout_probs_diff_* whenever the old-log-prob "
+                 "pass runs (with algorithm.rollout_correction on: token-level TIS unless it is configured, or "
+                 "rollout.quantization_correction=false)", rollout_cfg.quantization.upper(), rollout_cfg.quantization)
     return LatheEngine(engine_model, eos_token_id=eos_ids,
                        gpu_memory_utilization=utilization,
                        max_num_seqs=rollout_cfg.max_num_seqs, max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
                        max_model_len=max_model_len, enable_prefix_caching=rollout_cfg.enable_prefix_caching,
                        enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
                        enforce_eager=rollout_cfg.enforce_eager,
-                       cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes)
+                       cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes,
+                       quantization=rollout_cfg.quantization)
 
 
 def build_hf_rollout(rollout_cfg, model, eos_ids: list[int], pad_id: int, device: torch.device, *,

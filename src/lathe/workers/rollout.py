@@ -36,6 +36,10 @@ class Rollout:
         """`loaded`: the policy as loaded (a transformers module when `select_impl` converted it)."""
         self.cfg, self.actor, self.tokenizer, self.device = rollout_cfg, actor, tokenizer, actor.device
         self.name = resolve_rollout_name(rollout_cfg.name, actor.model, impl=actor.arr.model.impl)
+        if rollout_cfg.quantization and self.name != "lathe":
+            raise ValueError(f"actor_rollout_ref.rollout.quantization={rollout_cfg.quantization} quantises lathe's "
+                             f"engine, but this policy generates with transformers (see the 'rollout:' log line). "
+                             "Fix: set actor_rollout_ref.rollout.quantization=null.")
         self.eos_ids = eos_token_ids(tokenizer, loaded)
         self.hf_model = None if self.name == "lathe" else loaded    # lathe's engine: the transformers module is dropped
         self.engine_model = None

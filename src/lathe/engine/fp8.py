@@ -1,0 +1,142 @@
+"""FP8 rollout: the engine's decoder projections in float8 (`actor_rollout_ref.rollout.quantization=fp8`).
+
+A decode step of a policy at a few hundred sequences reads every weight once; in bf16 the projections' weights are
+most of those bytes. Here each projection of the decoder layers (q/k/v/o, gate/up/down, fused or not) also keeps an
+FP8 copy, and the engine's forms multiply with it:
+
+    w8[n, :] = w[n, :] / s_w[n],      s_w[n] = max_k |w[n, k]| / 448       (per output channel, E4M3)
+    x8[t, :] = x[t, :] / s_x[t],      s_x[t] = max_k |x[t, k]| / 448       (per token, at run time)
+    y[t, n]  = s_x[t] * s_w[n] * sum_k x8[t, k] w8[n, k]  (+ bias[n])      (`torch._scaled_mm`, row-wise scales)
+
+The vLLM/SGLang "fp8" scheme (dynamic per-token activations, per-channel weights). What stays in the model's dtype:
+embeddings, norms, the lm_head (the sampler's logits), attention and its KV cache, a mixture of experts' layers and
+LoRA layers (their own forward runs), and a projection whose features are not a multiple of 16 (the FP8 GEMM's
+alignment).
+
+The bf16 weights stay where they are (the trainer's own tensors on one device, or the engine's copy that weight syncs
+write): the FP8 copies are extra memory of half their size, made when the engine is built and re-quantised in place
+after every weight update (`requantize`), so captured CUDA graphs keep reading the same addresses. The rollout's
+log-probs then come from the FP8 model: they differ from the trainer's, which the trainer reports
+(`training/rollout_probs_diff_*`) and corrects (rollout correction, on by default with FP8: `lathe.config.rules`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lathe.models.decoder import MLP
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0            # largest finite E4M3 value
+ALIGN = 16                 # `_scaled_mm` wants both matrix dimensions a multiple of 16
+SCHEMES = ("fp8",)
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}   # `fuse_projections`' groups
+
+
+def quantize_rows(w: torch.Tensor, out: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w8, s) with w ≈ w8 * s[:, None]: E4M3 rows scaled by each row's largest magnitude. With `out` / `scale`,
+    written into them in place (the engine's re-quantisation keeps its tensors' addresses)."""
+    wf = w.detach().float()
+    s = wf.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    q = (wf / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    if out is None:
+        return q, s
+    out.copy_(q)
+    scale.copy_(s)
+    return out, scale
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear(x, w8 * w_scale[:, None], bias)` with x quantised per token: one FP8 GEMM with row-wise scales, the
+    output in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x8, x_scale = quantize_rows(x.reshape(-1, k))
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.unsqueeze(-1), scale_b=w_scale.unsqueeze(0),
+                         out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, w8.shape[0])
+
+
+class Fp8Linear(nn.Linear):
+    """An `nn.Linear` of the engine's decoder layers that multiplies with its FP8 copy (`weight_fp8`,
+    `weight_scale`, non-persistent buffers: the state dict keeps the bf16 weight under its Hugging Face name)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
+
+
+def project(owner: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The fused projection `<name>_weight` of `owner` (`decode_forms.fuse_projections`) applied to x: with its FP8
+    copy when `quantize_model` made one, else in the weights' dtype."""
+    w8 = getattr(owner, f"{name}_fp8", None)
+    bias = getattr(owner, f"{name}_bias")
+    if w8 is not None:
+        return fp8_linear(x, w8, getattr(owner, f"{name}_scale"), bias)
+    return nn.functional.linear(x, getattr(owner, f"{name}_weight"), bias)
+
+
+def _aligned(w: torch.Tensor) -> bool:
+    return w.dim() == 2 and w.shape[0] % ALIGN == 0 and w.shape[1] % ALIGN == 0
+
+
+def _targets(model: nn.Module):
+    """(owner, kind, name) of every projection to quantise: ("fused", "qkv"/"gate_up") for a fused one, ("linear",
+    attribute) for a plain `nn.Linear` of a layer's attention or dense MLP."""
+    for layer in model.model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            if block is layer.mlp and not isinstance(block, MLP):
+                continue                       # a mixture of experts: its own grouped forward, left in bf16
+            fused = set()
+            for name, parts in FUSED.items():
+                if isinstance(getattr(block, f"{name}_weight", None), torch.Tensor):
+                    fused.update(parts)
+                    yield block, "fused", name
+            for attr, child in block.named_children():
+                if type(child) in (nn.Linear, Fp8Linear) and attr not in fused:
+                    yield child, "linear", attr
+
+
+def quantize_model(model: nn.Module) -> int:
+    """Give every projection of `model`'s decoder layers an FP8 copy that its forward uses (see the module
+    docstring); returns the bytes added. Call `fuse_projections` first when the engine fuses."""
+    added = 0
+    for owner, kind, name in _targets(model):
+        w = owner.weight if kind == "linear" else getattr(owner, f"{name}_weight")
+        if not _aligned(w):
+            continue
+        w8, s = quantize_rows(w)
+        prefix = "weight" if kind == "linear" else name
+        owner.register_buffer(f"{prefix}_fp8", w8, persistent=False)
+        owner.register_buffer(f"{prefix}_scale", s, persistent=False)
+        if kind == "linear":
+            owner.__class__ = Fp8Linear
+        added += w8.nbytes + s.nbytes
+    return added
+
+
+@torch.no_grad()
+def requantize(model: nn.Module, names: set[str] | None = None) -> None:
+    """Quantise the current weights into the FP8 copies again, in place (after a weight update); with `names` (the
+    Hugging Face names of the tensors updated), only the projections they touch."""
+    paths = {id(m): p for p, m in model.named_modules()} if names is not None else {}
+    for owner, kind, name in _targets(model):
+        prefix = "weight" if kind == "linear" else name
+        w8 = getattr(owner, f"{prefix}_fp8", None)
+        if w8 is None:
+            continue
+        if names is not None:
+            path = paths[id(owner)]
+            sources = ([f"{path}.weight"] if kind == "linear"
+                       else [f"{path}.{part}.weight" for part in FUSED[name]])
+            if not names.intersection(sources):
+                continue
+        w = owner.weight if kind == "linear" else getattr(owner, f"{name}_weight")
+        quantize_rows(w, out=w8, scale=getattr(owner, f"{prefix}_scale"))
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(getattr(owner, "weight_fp8" if kind == "linear" else f"{name}_fp8", None) is not None
+               for owner, kind, name in _targets(model))

@@ -284,9 +284,10 @@ def bench_model(name: str, device, args) -> dict:
         engine.sleep()
         result["profile_eager_decode"] = engine_profile(lathe, prompts, params, device)
     engine.sleep()
-    if "fp8" in args.quantizations:       # the same model and loads with FP8 projections, after the bf16 rows
-        del engine
+    if "fp8" in args.quantizations:       # the same shape and loads with FP8 projections, after the bf16 rows
+        del engine, lathe                 # (a model of its own, random like the first, as `lathe train` builds one)
         torch.cuda.empty_cache() if device.type == "cuda" else None
+        lathe = lathe_from_transformers(build_hf(name, device, torch.bfloat16)).eval()
         engine = LatheEngine(lathe, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
                              gpu_memory_utilization=args.gpu_memory_utilization,
                              reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,

@@ -130,3 +130,27 @@ def test_cuda_fp8_engine_with_graphs_samples_its_own_model(checkpoints, family):
         for i, (response, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
             own = _forced_cuda(model, PROMPTS[i // 2], response)
             assert rel_error(torch.tensor(logprobs, dtype=torch.float64), own) < 3e-2, (update, i)
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_fp8_and_plain_instances_keep_their_own_kernels(checkpoints):
+    """The trainer's model and the FP8 engine's copy run the same compiled code objects (`DecoderLayer.forward`, the
+    split forms): each instance must keep its own variant, whichever ran first."""
+    from lathe.models.compile import compile_decoder
+    path, _ = checkpoints["qwen2"]
+    ids = torch.tensor([PROMPTS[0]], device="cuda")
+
+    def pair(quantise_first):
+        models = [load_lathe_model(path, torch.bfloat16, device="cuda") for _ in range(2)]
+        fp8.quantize_model(models[0])
+        eager = [m(ids).logits.float() for m in models]
+        for m in models:
+            compile_decoder(m)
+        order = (0, 1) if quantise_first else (1, 0)
+        compiled = {i: models[i](ids).logits.float() for i in order}
+        return eager, compiled
+    with torch.no_grad():
+        for first in (True, False):
+            eager, compiled = pair(first)
+            assert rel_error(compiled[0], eager[0]) < 1e-2 and rel_error(compiled[1], eager[1]) < 1e-2, first
+            assert rel_error(eager[0], eager[1]) > 3 * rel_error(compiled[1], eager[1]), "precondition: FP8 differs"

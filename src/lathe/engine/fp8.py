@@ -53,8 +53,11 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: t
     output in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     x8, x_scale = quantize_rows(x.reshape(-1, k))
-    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.unsqueeze(-1), scale_b=w_scale.unsqueeze(0),
-                         out_dtype=x.dtype)
+    if x.device.type == "cuda":
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.unsqueeze(-1), scale_b=w_scale.unsqueeze(0),
+                             out_dtype=x.dtype)
+    else:   # the same product in float32 (CPU `_scaled_mm` takes row-wise scales only from torch 2.13)
+        y = ((x8.float() * x_scale.unsqueeze(-1)) @ (w8.float() * w_scale.unsqueeze(-1)).t()).to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*lead, w8.shape[0])

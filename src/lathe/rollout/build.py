@@ -94,11 +94,12 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 
 
 def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engine_model=None,
-                 standalone: bool = False) -> LatheEngine:
+                 standalone: bool = False, **engine_kwargs) -> LatheEngine:
     """lathe's engine over `actor`'s weights in the rollout dtype, on the actor's device: the actor's own tensors
     when they already are in that dtype (mixed-precision training on CUDA), else a frozen copy; or over
     `engine_model` when given (a copy made beforehand: a sharded actor's, a LoRA actor's merged layers, a replica's).
-    `standalone`: a replica of a rollout pool of its own, sized by standalone_gpu_memory_utilization when set."""
+    `standalone`: a replica of a rollout pool of its own, sized by standalone_gpu_memory_utilization when set.
+    `engine_kwargs`: further `LatheEngine` arguments (the judge's eager, unfused engine over offloaded weights)."""
     if engine_model is None:
         engine_model = frozen_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device), actor.device, share=True)
     max_model_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
@@ -111,7 +112,7 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engin
                        max_model_len=max_model_len, enable_prefix_caching=rollout_cfg.enable_prefix_caching,
                        enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
                        enforce_eager=rollout_cfg.enforce_eager,
-                       cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes)
+                       cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes, **engine_kwargs)
 
 
 def build_hf_rollout(rollout_cfg, model, eos_ids: list[int], pad_id: int, device: torch.device, *,

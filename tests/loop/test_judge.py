@@ -120,6 +120,10 @@ def test_judge_engine_equals_transformers_generate(tmp_path):
             out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
                               eos_token_id=worker.tokenizer.eos_token_id, pad_token_id=0)[0, len(ids):].tolist()
         assert answer == out
+    sampled = load_config(None, judge_overrides(path, "reward_model.rollout.response_length=12",
+                                                "reward_model.rollout.do_sample=true", "reward_model.rollout.seed=7"))
+    first, again = (JudgeWorker(sampled, None, device=torch.device("cpu"))._generate(prompts) for _ in range(2))
+    assert first == again and first != answers                  # sampled, seeded by rollout.seed and the call
 
 
 def test_two_steps_score_with_the_judge(tmp_path):
@@ -212,3 +216,49 @@ def test_bad_judge_checkpoints_are_refused(tmp_path):
     raw = load_config(None, judge_overrides(no_template, "reward_model.judge.apply_chat_template=false"))
     worker = JudgeWorker(raw, None, device=torch.device("cpu"))
     assert worker.judge_prompt_ids("1+1") == worker.tokenizer("1+1", add_special_tokens=False)["input_ids"]
+
+
+def test_verdicts_join_the_rule_scores():
+    """combine=sum/product: the rule scorers run too; their extras (acc) stay; combine=judge: they are not called."""
+    from lathe.batch import Batch
+    from lathe.data.builtin import builtin_tokenizer
+    from lathe.loop.steps import compute_reward
+    from lathe.reward import ScoreResult
+
+    class Rules:
+        calls = 0
+
+        def score(self, items):
+            self.calls += 1
+            return [ScoreResult(float(i), {"acc": float(i)}) for i in range(len(items))]
+
+        def metrics(self):
+            return {}
+
+    batch = Batch({"responses": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 5, dtype=torch.long),
+                   "response_mask": torch.ones(2, 3, dtype=torch.long)},
+                  {"data_source": ["a", "a"], "ground_truth": ["1", "2"], "extra_info": [{}, {}]})
+    tok, rules, verdicts = builtin_tokenizer(), Rules(), torch.tensor([0.5, 0.25])
+    for mode, expected in (("sum", [1.0, 1.5]), ("product", [0.0, 0.25])):
+        out, _ = compute_reward(batch, tok, rules, rm_scores=verdicts, combine=(mode, 2.0 if mode == "sum" else 1.0))
+        assert out["seq_scores"].tolist() == expected and out["acc"].tolist() == [0.0, 1.0]
+        assert out["token_level_scores"][:, -1].tolist() == expected
+    out, _ = compute_reward(batch, tok, rules, rm_scores=verdicts, combine=("judge", 1.0))
+    assert out["seq_scores"].tolist() == [0.5, 0.25] and rules.calls == 2
+
+
+@pytest.mark.gpu
+def test_cuda_judge_sleeps_and_waits_in_host_memory_between_calls(tmp_path):
+    """On a GPU (not run on CPU machines): the judge's KV cache is freed and its weights are in host memory between
+    calls, and its greedy float32 verdicts equal the CPU judge's."""
+    path = tiny_judge(tmp_path / "judge")
+    extra = ("reward_model.rollout.dtype=float32", "reward_model.rollout.response_length=12",
+             "reward_model.model.fsdp_config.param_offload=true")
+    cfg = load_config(None, judge_overrides(path, *extra))
+    gpu = JudgeWorker(cfg, None, device=torch.device("cuda"))
+    cpu = JudgeWorker(cfg, None, device=torch.device("cpu"))
+    prompts = [cpu.judge_prompt_ids(t) for t in ("Q: 1+2? A: 3", "Q: 7+8? A: 15")]
+    for _ in range(2):
+        assert gpu._generate(prompts) == cpu._generate(prompts)
+        assert not gpu.engine.kv_cache.allocated
+        assert all(p.device.type == "cpu" for p in gpu.engine.model.parameters())

@@ -80,4 +80,4 @@ class JudgeRolloutConfig:
     prompt_length: int = spec(2048, "Longest judge prompt in the judge's tokens; a longer one is not judged "
                                     "(default_score, counted as reward_judge/prompt_overflow_rate).")
     response_length: int = spec(2048, "Most tokens of a verdict.")
-    seed: int = spec(42, "Seed of a sampled judge (mixed with the step's count of judge calls).")
+    seed: int = spec(42, "Seed of a sampled judge (mixed with a hash of the call's judge prompts).")

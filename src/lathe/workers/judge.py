@@ -18,8 +18,8 @@ Placement (colocated, the synchronous loop): every rank holds a whole judge and 
 GPU with `rollout.free_cache_engine` the judge's KV cache exists only while judging (`LatheEngine.sleep`/`wake_up`,
 as the rollout's), and with `reward_model.model.fsdp_config.param_offload` its weights wait in pinned host memory
 between calls (`HostWeights`, as the teacher's), so training has the device to itself. A sampled judge draws with
-the seed `(rollout.seed, the number of calls so far)`, so a rank split of the rows samples otherwise than one
-process would; a greedy judge gives the same verdicts either way.
+a seed made of `rollout.seed` and the call's judge prompts: a rank's share of the rows samples otherwise than one
+process would (a greedy judge gives the same verdicts either way); a resumed run judges as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -99,7 +99,6 @@ class JudgeWorker:
         if self.free_cache:
             self.engine.sleep()
         self.host = HostWeights(model, self.device) if self.offload else None
-        self.calls = 0
         log.info("judge: %s (%s parameters, %s) on %s, %s verdicts read as %s%s", path,
                  f"{sum(p.numel() for p in model.parameters()):,}", short_name(dtype), self.device,
                  "greedy" if judge_sampling(rm.rollout, 0).greedy else "sampled", rm.judge.parser,
@@ -160,11 +159,10 @@ class JudgeWorker:
 
     def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
         """The engine's answers to `prompts` (token ids without the prompt), the judge woken for the call."""
-        self.calls += 1
         if not prompts:
             return []
-        seed = int.from_bytes(hashlib.sha256(f"{self.rollout_cfg.seed}/{self.calls}".encode()).digest()[:8],
-                              "little") >> 2
+        digest = hashlib.sha256(f"{self.rollout_cfg.seed}/{prompts}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "little") >> 2
         with self.host.on_device() if self.host is not None else nullcontext():
             if self.free_cache:
                 self.engine.wake_up()

@@ -183,6 +183,36 @@ def test_prompts_too_long_and_failures_score_the_default(tmp_path):
     assert metrics["reward_judge/response_tokens"] == len(out["judge_texts"][0]) and out["judge_texts"][1] == ""
 
 
+def test_ranks_shares_judge_as_one_process(tmp_path):
+    """The Ray path's dispatch (`RewardModelGroup`: equal shares, answers put back in order) over judges built as a
+    rank builds them gives one process's greedy verdicts (the ranks run in this process: no Ray is started)."""
+    from lathe.batch import Batch
+    from lathe.cluster.roles import RewardModelGroup
+    from lathe.data.builtin import builtin_tokenizer
+    from lathe.workers.build import build_reward_model
+    cfg = load_config(None, judge_overrides(tiny_judge(tmp_path / "judge")))
+    tok = builtin_tokenizer()
+    responses = [tok.encode(t, add_special_tokens=False) for t in ("12", "7", "a longer one", "3+4=7")]
+    width = max(map(len, responses))
+    batch = Batch({"responses": torch.tensor([r + [0] * (width - len(r)) for r in responses]),
+                   "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in responses])},
+                  {"raw_prompt": [[{"role": "user", "content": f"{i}+1="}] for i in range(4)],
+                   "ground_truth": [str(i + 1) for i in range(4)]})
+    ranks = [build_reward_model(cfg, None, tok, device_type="cpu") for _ in range(2)]
+
+    class Group:                        # a worker group's call_each, run here
+        world_size = 2
+
+        def call_each(self, role, method, calls):
+            return [getattr(w, method)(*args, **kw) for w, (args, kw) in zip(ranks, calls)]
+
+    joined = RewardModelGroup(Group(), balance=True).compute_rm_score(batch)
+    alone = ranks[0].compute_rm_score(batch)
+    assert list(joined["judge_texts"]) == list(alone["judge_texts"])
+    for key in ("judge_scores", "judge_parsed", "judge_prompt_tokens", "judge_response_tokens"):
+        assert torch.equal(joined[key], alone[key]), key
+
+
 # -- refused up front ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, key", [
     (["reward_model.judge.prompt_template='Rate: {question}'"], "reward_model.judge.prompt_template"),

@@ -158,7 +158,16 @@ def test_two_steps_score_with_the_judge(tmp_path):
     response = trainer.tokenizer.decode(batch["responses"][0].tolist()[:int(batch["attention_mask"][0, -4:].sum())],
                                         skip_special_tokens=True)
     text = TEMPLATE.replace("{question}", batch["raw_prompt"][0][-1]["content"]).replace("{response}", response)
-    assert trainer.reward_model.judge_texts(batch)[0] == text.replace("{ground_truth}", str(batch["ground_truth"][0]))
+    text = text.replace("{ground_truth}", str(batch["ground_truth"][0]))
+    assert trainer.reward_model.judge_texts(batch)[0] == text
+    from transformers import LlamaForCausalLM                          # and its verdict is transformers' greedy one
+    judge = trainer.reward_model
+    ids = judge.judge_prompt_ids(text)
+    with torch.no_grad():
+        greedy = LlamaForCausalLM.from_pretrained(path).eval().generate(
+            torch.tensor([ids]), max_new_tokens=3, do_sample=False, eos_token_id=judge.tokenizer.eos_token_id,
+            pad_token_id=0)[0, len(ids):]
+    assert out["judge_texts"][0] == judge.tokenizer.decode(greedy, skip_special_tokens=True)
 
 
 def test_prompts_too_long_and_failures_score_the_default(tmp_path):

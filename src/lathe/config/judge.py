@@ -44,8 +44,8 @@ def check_judge(cfg, problems: ProblemList) -> None:
                      "raise it (or null: their sum).")
     if rm.model.fsdp_config.param_offload and not ro.enforce_eager:
         problems.add(f"reward_model.model.fsdp_config.param_offload=true with {RO}.enforce_eager=false: the judge's "
-                     "weights move to host memory between calls, which the CUDA graphs and compiled layers of a "
-                     f"non-eager engine cannot follow. Fix: set {RO}.enforce_eager=true, or param_offload=false.")
+                     "weights move to host memory between calls, which the CUDA graphs of a non-eager engine "
+                     f"(captured at the weights' device addresses) cannot follow. Fix: set {RO}.enforce_eager=true, or param_offload=false.")
 
 
 def _check_verdict(judge, problems: ProblemList) -> None:

@@ -63,7 +63,7 @@ class JudgeRolloutConfig:
     dtype: RolloutDtype = spec("bfloat16", "Judge weights and KV-cache dtype on CUDA; CPU runs use float32.")
     gpu_memory_utilization: float = spec(0.5, "Share of the device's memory the judge's KV cache may bring the "
                                               "total to.")
-    enforce_eager: bool = spec(True, "true = no CUDA graphs and no compiled layers for the judge.")
+    enforce_eager: bool = spec(True, "true = the judge's decode steps run without CUDA graphs.")
     cudagraph_capture_sizes: list[int] | None = spec(None, "Decode batch sizes captured as CUDA graphs.")
     free_cache_engine: bool = spec(True, "Free the judge's KV cache between uses (CUDA; training takes the memory).")
     tensor_model_parallel_size: int = spec(1, "Ranks per judge replica; lathe's judge is a whole copy per rank (1).")

@@ -38,7 +38,7 @@ class JudgeConfig:
                                                   "absent) are replaced; other braces stay as written.")
     apply_chat_template: bool = spec(True, "lathe: send the rendered prompt as one user message through the judge "
                                            "tokenizer's chat template (with the generation prompt); false = the "
-                                           "raw text.")
+                                           "raw text, tokenized without special tokens.")
     parser: JudgeParser = spec("score", "lathe: how the verdict is read: score (the last number of the answer), "
                                         "boxed (the last \\boxed{...}: a number, or one of labels) or label (the "
                                         "last of labels' words in the answer, whole word, any case).")

@@ -229,6 +229,7 @@ def test_ranks_shares_judge_as_one_process(tmp_path):
     (["reward_model.rollout.n=2"], "reward_model.rollout.n"),
     (["reward_model.rollout.tensor_model_parallel_size=2"], "reward_model.rollout.tensor_model_parallel_size"),
     (["reward_model.judge.score_range=[5,5]"], "reward_model.judge.score_range"),
+    (["reward_model.judge.weight=0.5"], "reward_model.judge.weight"),               # combine=judge reads no weight
     (["reward_model.model.fsdp_config.param_offload=true", "reward_model.rollout.enforce_eager=false"],
      "reward_model.rollout.enforce_eager"),
 ])

@@ -28,6 +28,9 @@ def check_judge(cfg, problems: ProblemList) -> None:
         problems.add(f"{J}.prompt_template has no {{response}}: the judge would never see the response it scores. "
                      "Fix: put {response} in the template (also available: {question}, {ground_truth}).")
     _check_verdict(judge, problems)
+    if judge.weight != 1.0 and judge.combine != "sum":
+        problems.add(f"{J}.weight={judge.weight} with {J}.combine={judge.combine}: the weight is read only by "
+                     f"combine=sum (rule + weight x verdict). Fix: set {J}.combine=sum, or remove {J}.weight.")
     if ro.n != 1:
         problems.add(f"{RO}.n={ro.n}: several verdicts per response (averaged) are not implemented yet in lathe's "
                      f"judge. Fix: set {RO}.n=1.")

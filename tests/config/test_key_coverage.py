@@ -52,7 +52,7 @@ REGISTERED_READ_IN_CONFIG = {
     "async_training.require_batches": "fill.py/plan.py: a fully-async step is require_batches x ppo_mini_batch_size "
                                       "prompts (RunPlan.actor.prompts_per_step)",
     "reward_model.micro_batch_size": "fill.py: converted to reward_model.micro_batch_size_per_gpu (no effect without "
-                                     "reward_model.enable)",
+                                     "a sequence-classification reward model)",
 }
 
 # Keys read through a name the scan cannot follow; each is checked against the mechanism below.
@@ -143,7 +143,8 @@ def test_scan_matches_generic_names_on_their_group_only():
         "    src = rollout_cfg.val_kwargs if fg else rollout_cfg\n"
         "    return src.top_k, getattr(cfg.data, 'seed')\n", "snippet.py")
     assert set(scan.reads) == {"algorithm.filter_groups.enable", "trainer.device", "data.seed",
-                               "actor_rollout_ref.rollout.top_k", "actor_rollout_ref.rollout.val_kwargs.top_k"}
+                               "actor_rollout_ref.rollout.top_k", "actor_rollout_ref.rollout.val_kwargs.top_k",
+                               "reward_model.rollout.top_k"}      # the judge's engine group is a `rollout` too
 
 
 def test_docs_list_is_generated_from_the_registry():

@@ -13,6 +13,7 @@ import warnings
 
 from .distill import check_distillation
 from .errors import ProblemList
+from .judge import check_judge
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size,
                    trainer_devices)
 from .rules_parallel import (KEYS as SP_KEYS, check_rollout_tp, check_sequence_parallel, check_tensor_parallel,
@@ -125,7 +126,8 @@ def _check_algorithm_keys(cfg: LatheConfig, problems: ProblemList) -> None:
 def _check_reward_model(cfg: LatheConfig, problems: ProblemList) -> None:
     """A learned reward model (`reward_model.enable`) needs its checkpoint and a way to cut its forwards."""
     rm = cfg.reward_model
-    if not rm.enable:
+    check_judge(cfg, problems)
+    if not rm.enable or rm.judge.enable:
         return
     if not rm.model.path:
         problems.add("reward_model.enable=true needs reward_model.model.path, which is not set. Fix: set it to a "

@@ -15,6 +15,7 @@ from .coerce import spec
 from .schema_actor import CheckpointConfig, FSDPConfig, OptimConfig
 from .schema_async import AsyncTrainingConfig, RolloutPoolConfig
 from .schema_distill import DistillationConfig
+from .schema_judge import JudgeConfig, JudgeRolloutConfig
 from .schema_rollout import ActorRolloutRefConfig
 
 
@@ -186,6 +187,8 @@ class RewardModelConfig:
     sandbox_fusion: SandboxFusionConfig = spec(factory=SandboxFusionConfig, help="Code sandbox.")
     overlong_buffer: OverlongBufferConfig = spec(factory=OverlongBufferConfig, help="DAPO overlong penalty.")
     profiler: dict[str, Any] = spec({}, "verl profiler settings.")
+    judge: JudgeConfig = spec(factory=JudgeConfig, help="lathe: a generative reward model (an LLM judge).")
+    rollout: JudgeRolloutConfig = spec(factory=JudgeRolloutConfig, help="The judge's engine and sampling (verl).")
 
 
 @dataclass

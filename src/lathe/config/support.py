@@ -166,10 +166,13 @@ def _rewards() -> list[Entry]:
            warn(f"{RM}.model.use_fused_kernels", "a reward model's forward has no fused kernels in lathe")]
     # read by the reward model (lathe.workers.reward_model) when it is enabled; no effect otherwise
     off = f"it is read only with {RM}.enable=true"
-    read = ["micro_batch_size", "micro_batch_size_per_gpu", "max_length", "use_dynamic_bsz", "model.path",
-            "model.external_lib", "model.trust_remote_code", "model.fsdp_config.param_offload"]
+    read = ["model.path", "model.external_lib", "model.trust_remote_code", "model.fsdp_config.param_offload"]
     out += [only_on("no reward model", warn(f"{RM}.{k}", off)) for k in read]
-    out.append(only_on("no reward model", warn(f"{RM}.forward_max_token_len_per_gpu", off, same_as(
+    # the sequence-classification model's micro-batching; a generative judge batches on its engine
+    off = f"it is read only by a sequence-classification reward model ({RM}.enable=true, {RM}.judge.enable=false)"
+    out += [only_on("no classifier reward model", warn(f"{RM}.{k}", off))
+            for k in ("micro_batch_size", "micro_batch_size_per_gpu", "max_length", "use_dynamic_bsz")]
+    out.append(only_on("no classifier reward model", warn(f"{RM}.forward_max_token_len_per_gpu", off, same_as(
         f"{C}.forward_max_token_len_per_gpu", f"{C}.ppo_max_token_len_per_gpu"))))
     whole = "the reward model is a whole copy on each device (not sharded by FSDP)"
     out += [warn(f"{RM}.model.fsdp_config.{k}", whole) for k in (

@@ -91,6 +91,8 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "a rollout pool": is_async,                                              # fully asynchronous training
     "single-turn": lambda cfg: not cfg.actor_rollout_ref.rollout.multi_turn.enable,
     "no reward model": lambda cfg: not cfg.reward_model.enable,             # reward_model.enable=false
+    # no sequence-classification reward model: none, or a generative judge (reward_model.judge.enable)
+    "no classifier reward model": lambda cfg: not cfg.reward_model.enable or cfg.reward_model.judge.enable,
 }
 
 

@@ -242,15 +242,20 @@ def _data() -> list[Entry]:
 
 def _rewards() -> list[Entry]:
     custom = "remove it; score with reward.custom_reward_function.path (lathe's one reward manager calls it)"
-    served = ("lathe's reward model is a transformers forward on the trainer's devices, not an inference server "
+    served = ("lathe's reward model (a transformers forward, or a judge on lathe's engine) runs on the trainer's "
+              "devices, not on an inference server of its own "
               "(reward.reward_model.enable and model_path are reward_model.enable and reward_model.model.path)")
-    return [warn("reward.reward_model.*", served),
+    judge_engine = ("a generative judge (reward_model.judge.enable) runs on lathe's engine, set by the fields of "
+                    "reward_model.rollout (sampling, lengths, memory, graphs, caching; reward.reward_model.rollout is "
+                    "the same group); lathe's engine has no counterpart for this one, and a sequence-classification "
+                    "reward model does not read the group")
+    return [warn("reward.reward_model.rollout.*", judge_engine), warn("reward.reward_model.*", served),
             refuse("reward.reward_manager.source", "a reward manager loaded from a module", custom,
                    one_of("register")),
             refuse("reward.reward_manager.module.path", "a custom reward-manager class", custom),
             warn("reward.reward_manager.module.*", "it is read only with reward_manager.source=importlib"),
             refuse("reward_model.reward_loop_*", "a custom reward loop", custom),
-            warn("reward_model.rollout.*", served)]
+            warn("reward_model.rollout.*", judge_engine)]
 
 
 def _runs() -> list[Entry]:

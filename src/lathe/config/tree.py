@@ -27,9 +27,10 @@ ALIASES: dict[str, str] = {
     **{f"actor_rollout_ref.actor.policy_loss.{k}": f"actor_rollout_ref.actor.{k}" for k in ("tau_pos", "tau_neg")},
     "critic.fsdp.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
     "critic.fsdp": "critic.model.fsdp_config",             # verl's engine-config spelling of the critic's fsdp group
-    # verl's newer spellings of the reward model's switch, checkpoint and pool (its pool's sizes and rollout.* stay
-    # verl keys: they size an inference server lathe does not start)
+    # verl's newer spellings of the reward model's switch, checkpoint and pool (its pool's sizes stay verl keys:
+    # lathe starts no reward-model pool)
     "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_model.rollout": "reward_model.rollout",      # the generative judge's engine (schema_judge.py)
     "reward.reward_model.enable": "reward_model.enable",
     "reward.reward_model.enable_resource_pool": "reward_model.enable_resource_pool",
     "reward.reward_manager.name": "reward_model.reward_manager",

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from lathe.ckpt.resume import resume_point
 from lathe.config import critic_in_use
@@ -24,7 +25,8 @@ from lathe.config.distill import teachers
 from lathe.config.errors import ConfigError, join_problems
 from lathe.data import dataset, sft
 from lathe.data.files import Columns, column_values, data_files, peek
-from lathe.models.paths import ModelLoadError, check_model, check_tokenizer, is_builtin
+from lathe.models import supports
+from lathe.models.paths import ModelLoadError, check_model, check_tokenizer, is_builtin, resolve
 from lathe.reward import load_reward_fn
 from lathe.reward.registry import scorer_for
 
@@ -67,8 +69,9 @@ def preflight(cfg) -> Checked:
                              "actor_rollout_ref.model.path (its tokenizer: model.tokenizer_path is unset)",
                              m.tokenizer_path or m.path),
                             (check_model, "critic.model.path", critic.path if critic_in_use(cfg) else None),
-                            (check_reward_model, "reward_model.model.path",
-                             cfg.reward_model.model.path if cfg.reward_model.enable else None)])
+                            (check_judge_model if cfg.reward_model.judge.enable else check_reward_model,
+                             "reward_model.model.path", cfg.reward_model.model.path if cfg.reward_model.enable
+                             else None)])
     teacher_list = teachers(cfg) if cfg.distillation.enabled else []
     _check_paths(problems, [(check, f"distillation.teacher_models.{t.name}.model_path", t.model_path)
                             for t in teacher_list for check in (check_model, check_tokenizer)])
@@ -97,6 +100,23 @@ def check_reward_model(path: str, key: str) -> None:
         raise ModelLoadError(f"{key}={path}: a reward model is a sequence-classification checkpoint (a directory or a "
                              "hub id), not a built-in shape. Fix: point it at such a checkpoint")
     check_model(path, key)
+
+
+def check_judge_model(path: str, key: str) -> None:
+    """A generative judge is a causal-LM checkpoint lathe's decoder runs, with its tokenizer."""
+    if is_builtin(path):
+        raise ModelLoadError(f"{key}={path}: a judge (reward_model.judge.enable) is a causal-LM checkpoint (a "
+                             "directory or a hub id) with its own tokenizer, not a built-in shape. Fix: point it at "
+                             "such a checkpoint")
+    check_model(path, key)
+    check_tokenizer(path, key)
+    local = resolve(path, key)
+    if Path(local).is_dir():
+        ok, why = supports(local)
+        if not ok:
+            raise ModelLoadError(f"{key}={path}: the judge runs on lathe's engine, which runs lathe's decoder only "
+                                 f"({why}). Fix: use a causal LM lathe implements (Llama, Qwen2/2.5, Qwen3, "
+                                 "Qwen3-MoE) as the judge")
 
 
 def preflight_sft(cfg) -> None:

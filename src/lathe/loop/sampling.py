@@ -12,6 +12,7 @@ from lathe.batch import Batch
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward
 from lathe.rollout.base import concat_rollouts
+from lathe.workers.judge import timed_judge
 
 SUMMED_ROLLOUT_METRICS = ("rollout/num_preemptions", "rollout/graph_captures", "timing_s/rollout_wake_up",
                           "timing_s/rollout_sleep", "timing_s/graph_capture")
@@ -31,9 +32,7 @@ def generate_and_score(t: Trainer, prompts: Batch, timer, round_: int = 0) -> tu
     with timer("gen"):
         batch = t.worker.generate_sequences(prompts, params)
     with timer("reward"):
-        scores, metrics = compute_reward(batch, t.tokenizer, t.reward, overlong=t.cfg.reward_model.overlong_buffer,
-                                         max_response_length=t.cfg.data.max_response_length,
-                                         rm_scores=rm_scores(t, batch))
+        scores, metrics = score_batch(t, batch)
         batch.update(scores)
     metrics.update(batch.meta.pop("rollout_metrics", {}))
     if t.cfg.algorithm.adv_estimator == "remax":
@@ -51,13 +50,25 @@ def greedy_baseline(t: Trainer, prompts: Batch) -> torch.Tensor:
     """ReMax (Li et al. 2023): the reward of one greedy response per prompt, repeated for its n samples."""
     greedy = replace(t.sampling, n=1, do_sample=False)
     batch = t.worker.generate_sequences(prompts, greedy)
-    scores, _ = compute_reward(batch, t.tokenizer, t.reward, rm_scores=rm_scores(t, batch))
+    scores, _ = score_batch(t, batch, overlong=False)
     return scores["seq_scores"].repeat_interleave(t.sampling.n)
 
 
-def rm_scores(t: Trainer, batch: Batch) -> torch.Tensor | None:
-    """The learned reward model's score of each response (`reward_model.enable`), else None (the rule scorers)."""
-    return None if t.reward_model is None else t.reward_model.compute_rm_score(batch)["rm_scores"]
+def score_batch(t: Trainer, batch: Batch, *, overlong: bool = True) -> tuple[Batch, dict[str, float]]:
+    """Each response's reward: the rule scorers', a learned reward model's (`reward_model.enable`), or a generative
+    judge's (`reward_model.judge.enable`) alone or joined with the rule's (`judge.combine`); with the judge's
+    metrics (`reward_judge/*`, `timing_s/reward_judge`). `overlong`: DAPO's overlong shaping as configured."""
+    rm, kw, judge_metrics = t.reward_model, {}, {}
+    if overlong:
+        kw = dict(overlong=t.cfg.reward_model.overlong_buffer, max_response_length=t.cfg.data.max_response_length)
+    if rm is not None and t.cfg.reward_model.judge.enable:
+        judge = t.cfg.reward_model.judge
+        out, judge_metrics = timed_judge(rm, batch, t.device)
+        kw.update(rm_scores=out["judge_scores"], combine=(judge.combine, judge.weight))
+    elif rm is not None:
+        kw.update(rm_scores=rm.compute_rm_score(batch)["rm_scores"])
+    scores, metrics = compute_reward(batch, t.tokenizer, t.reward, **kw)
+    return scores, {**metrics, **judge_metrics}
 
 
 def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[str, float]]:

@@ -35,7 +35,9 @@ from lathe.track import Tracker, phase
 from lathe.seeding import seed_everything
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 from lathe.workers.critic import CriticWorker
-from lathe.workers.reward_model import RewardModelWorker, micro_batch_size
+from lathe.workers.build import build_reward_model
+from lathe.workers.judge import JudgeWorker
+from lathe.workers.reward_model import RewardModelWorker
 
 log = logging.getLogger("lathe")
 CONFIG_FILE = "config.yaml"   # the resolved config, written into the run directory at start
@@ -58,7 +60,8 @@ class Trainer:
     total_steps: int
     device: torch.device
     critic: CriticWorker | None = None  # when a critic trains (algorithm.adv_estimator=gae); or its group
-    reward_model: RewardModelWorker | None = None   # reward_model.enable: scores the responses; or its group
+    # reward_model.enable: scores the responses (a classifier or a generative judge); or its Ray group
+    reward_model: RewardModelWorker | JudgeWorker | None = None
     cluster: object | None = None       # the Ray worker groups behind worker/critic on many devices
     global_step: int = 0
     resumed_from: Path | None = None
@@ -266,8 +269,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         critic = (CriticWorker(cfg, tokenizer, plan=plan.critic, total_steps=total_steps, device=device,
                                mesh=plan.mesh("critic"))
                   if plan.critic is not None else None)
-        reward_model = (RewardModelWorker(cfg, tokenizer, device=device, micro_batch_size=micro_batch_size(cfg, plan))
-                        if cfg.reward_model.enable else None)
+        reward_model = build_reward_model(cfg, plan, tokenizer, device=device) if cfg.reward_model.enable else None
     trainer = Trainer(
         cfg=cfg, plan=plan, tokenizer=tokenizer, worker=worker, cluster=cluster,
         reward=RewardManager(reward_fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -11,6 +12,7 @@ from lathe.algo import ROLLOUT_CORRECTION_KEYS, apply_kl_penalty, compute_rollou
 from lathe.batch import Batch
 from lathe.generation.stop import decode_texts
 from lathe.reward import ScoreResult
+from lathe.reward.judge import combine_scores
 
 
 def response_attention(batch: Batch) -> torch.Tensor:
@@ -33,7 +35,8 @@ def last_model_token(mask: torch.Tensor) -> torch.Tensor:
 
 
 def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None, max_response_length: int | None = None,
-                   rm_scores: torch.Tensor | None = None) -> tuple[Batch, dict[str, float]]:
+                   rm_scores: torch.Tensor | None = None,
+                   combine: tuple[str, float] | None = None) -> tuple[Batch, dict[str, float]]:
     """Score each response; the score sits on its last valid token (`token_level_scores`, (B, R)): the model's last
     token of a multi-turn trajectory (`response_mask` is 0 on tool answers).
 
@@ -41,17 +44,24 @@ def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None, ma
     `overlong` (verl's `reward_model.overlong_buffer`) is enabled. `reward_extra_info` holds each scorer's
     extra numbers per sample (their means are the `reward_extra/*` metrics). `rm_scores` (B,): a learned reward
     model's scores, which are then the scores (verl's reward managers return `rm_scores` when the batch has them;
-    the rule scorers are not called).
+    the rule scorers are not called). `combine` (a generative judge's `reward_model.judge.{combine, weight}`):
+    with `sum` or `product` the rule scorers run too and each score is the rule's joined with `rm_scores`
+    (`lathe.reward.judge.combine_scores`; the rule's extras, such as `acc`, are kept).
     """
     texts = decode_responses(batch, tokenizer)
-    if rm_scores is None:
+    mode, weight = combine or ("judge", 1.0)
+    metrics: dict[str, float] = {}
+    if rm_scores is None or mode != "judge":
         items = [{"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": extra}
                  for ds, text, gt, extra in zip(batch["data_source"], texts, batch["ground_truth"],
                                                 batch["extra_info"])]
         results = reward_manager.score(items)
-        metrics: dict[str, float] = dict(reward_manager.metrics())
+        metrics.update(reward_manager.metrics())
+        if rm_scores is not None:
+            joined = combine_scores([r.score for r in results], rm_scores.tolist(), mode, weight)
+            results = [replace(r, score=float(x)) for r, x in zip(results, joined)]
     else:
-        results, metrics = [ScoreResult(float(x)) for x in rm_scores.tolist()], {}
+        results = [ScoreResult(float(x)) for x in rm_scores.tolist()]
     mask = batch["response_mask"]
     scores = torch.tensor([r.score for r in results], dtype=torch.float32)
     shaped = scores

@@ -94,22 +94,24 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 
 
 def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engine_model=None,
-                 standalone: bool = False) -> LatheEngine:
+                 standalone: bool = False, **engine_kwargs) -> LatheEngine:
     """lathe's engine over `actor`'s weights in the rollout dtype, on the actor's device: the actor's own tensors
     when they already are in that dtype (mixed-precision training on CUDA), else a frozen copy; or over
     `engine_model` when given (a copy made beforehand: a sharded actor's, a LoRA actor's merged layers, a replica's).
-    `standalone`: a replica of a rollout pool of its own, sized by standalone_gpu_memory_utilization when set."""
+    `standalone`: a replica of a rollout pool of its own, sized by standalone_gpu_memory_utilization when set.
+    `engine_kwargs`: further `LatheEngine` arguments (the judge's eager, unfused engine over offloaded weights)."""
     if engine_model is None:
         engine_model = frozen_copy(actor, rollout_dtype(rollout_cfg.dtype, actor.device), actor.device, share=True)
     max_model_len = rollout_cfg.max_model_len or rollout_cfg.prompt_length + rollout_cfg.response_length
     utilization = rollout_cfg.gpu_memory_utilization
     if standalone and rollout_cfg.standalone_gpu_memory_utilization is not None:
         utilization = rollout_cfg.standalone_gpu_memory_utilization
-    if rollout_cfg.quantization:
+    quantization = getattr(rollout_cfg, "quantization", None)      # (a judge's rollout group has none)
+    if quantization:
         log.info("rollout: %s projections in the engine (actor_rollout_ref.rollout.quantization=%s); the gap to "
                  "the trainer's log-probs is reported as training/rollout_probs_diff_* whenever the old-log-prob "
                  "pass runs (with algorithm.rollout_correction on: token-level TIS unless it is configured, or "
-                 "rollout.quantization_correction=false)", rollout_cfg.quantization.upper(), rollout_cfg.quantization)
+                 "rollout.quantization_correction=false)", quantization.upper(), quantization)
     return LatheEngine(engine_model, eos_token_id=eos_ids,
                        gpu_memory_utilization=utilization,
                        max_num_seqs=rollout_cfg.max_num_seqs, max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
@@ -117,7 +119,7 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engin
                        enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
                        enforce_eager=rollout_cfg.enforce_eager,
                        cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes,
-                       quantization=rollout_cfg.quantization)
+                       quantization=quantization, **engine_kwargs)
 
 
 def build_hf_rollout(rollout_cfg, model, eos_ids: list[int], pad_id: int, device: torch.device, *,

@@ -13,6 +13,7 @@ from lathe.workers.sft import SFTWorker
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 from lathe.workers.critic import CriticWorker
 from lathe.workers.fully_async import AsyncTrainerWorker, RolloutWorker
+from lathe.workers.judge import JudgeWorker
 from lathe.workers.reward_model import RewardModelWorker, micro_batch_size
 
 
@@ -46,10 +47,15 @@ def build_critic(cfg: LatheConfig, plan: RunPlan, tokenizer, *, total_steps: int
                         mesh=plan.mesh("critic"))
 
 
-def build_reward_model(cfg: LatheConfig, plan: RunPlan, tokenizer, *, device_type: str):
-    """The reward model of this rank (a whole copy: each rank scores its share of the responses)."""
-    return RewardModelWorker(cfg, tokenizer, device=rank_device(device_type),
-                             micro_batch_size=micro_batch_size(cfg, plan))
+def build_reward_model(cfg: LatheConfig, plan: RunPlan, tokenizer, *, device_type: str | None = None,
+                       device=None):
+    """The reward model of this rank (a whole copy: each rank scores its share of the responses): the generative
+    judge with `reward_model.judge.enable`, else the sequence-classification model. `device`: one process's device
+    (else this rank's device of `device_type`)."""
+    device = device if device is not None else rank_device(device_type)
+    if cfg.reward_model.judge.enable:
+        return JudgeWorker(cfg, tokenizer, device=device)
+    return RewardModelWorker(cfg, tokenizer, device=device, micro_batch_size=micro_batch_size(cfg, plan))
 
 
 def build_sft_worker(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int, device_type: str):

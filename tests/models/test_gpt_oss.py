@@ -1,0 +1,89 @@
+"""GPT-OSS in lathe's decoder against transformers' `GptOssForCausalLM`: config reading and refusals, logits (padded
+and packed ragged batches longer than the sliding window), gradients and the load-balancing loss, checkpoints both
+ways (the experts fused on disk, as transformers writes them)."""
+
+import pytest
+import torch
+
+from lathe.models.config import LatheConfig, UnsupportedArchitecture
+from lathe.models.gpt_oss import GptOssMoeBlock, clamped_swiglu
+from lathe.models.hf import lathe_from_transformers
+from lathe.models.moe import router_aux_loss_coef
+
+from helpers import assert_close_rel
+
+from .gpt_oss_tiny import gpt_oss_config, gpt_oss_model
+from .moe_reference import assert_logits_equal_transformers, aux_and_gradients, round_trip
+
+
+@pytest.fixture(scope="module")
+def pair():
+    hf = gpt_oss_model()
+    return hf, lathe_from_transformers(hf).eval()
+
+
+def _hf_dict(**overrides) -> dict:
+    d = gpt_oss_config(**overrides).to_dict()
+    d["architectures"] = ["GptOssForCausalLM"]
+    return d
+
+
+def test_config_reads_the_gpt_oss_shape():
+    cfg = LatheConfig.from_hf_dict(_hf_dict())
+    assert cfg.attention_sinks and cfg.qkv_bias and cfg.o_bias and cfg.moe.fused_on_disk
+    assert (cfg.window_of(0), cfg.window_of(1)) == (4, None)
+    assert cfg.moe.num_experts == 4 and cfg.moe.moe_intermediate_size == 16 and cfg.moe.swiglu_limit == 0.5
+    assert cfg.rope.rope_type == "yarn" and not cfg.rope.truncate
+    assert all(cfg.is_sparse_layer(i) for i in range(2))
+
+
+def test_config_refuses_what_the_decoder_lacks():
+    d = _hf_dict()
+    d["quantization_config"] = {"quant_method": "mxfp4"}
+    with pytest.raises(UnsupportedArchitecture, match=r"mxfp4.*Mxfp4Config\(dequantize=True\)"):
+        LatheConfig.from_hf_dict(d)
+    with pytest.raises(UnsupportedArchitecture, match="layer_types"):
+        LatheConfig.from_hf_dict(_hf_dict(layer_types=["chunked_attention", "full_attention"]))
+
+
+def test_padded_and_packed_logits_equal_transformers(pair):
+    hf, lathe = pair
+    assert all(isinstance(layer.mlp, GptOssMoeBlock) for layer in lathe.model.layers)
+    assert_logits_equal_transformers(hf, lathe)                 # ragged rows of up to 20 tokens
+
+
+def test_the_clamps_act_on_this_model(pair):
+    _, lathe = pair
+    layer = lathe.model.layers[0]
+    x = layer.post_attention_layernorm(lathe.model.embed_tokens(torch.arange(50)))
+    h = x @ layer.mlp.experts.gate_up_proj[0] + layer.mlp.experts.gate_up_proj_bias[0]
+    assert (h.abs() > 0.5).any()              # the limit clips some of the tiny model's activations
+    assert not torch.allclose(clamped_swiglu(h, 1.702, 0.5), clamped_swiglu(h, 1.702, 1e9))
+
+
+def test_aux_loss_and_gradients_equal_transformers(pair):
+    hf, lathe = pair
+    stats, aux, ref_aux, grads, ref, tokens = aux_and_gradients(hf, lathe)
+    assert stats.rows == 2 * tokens                      # two sparse layers, the real tokens only
+    assert_close_rel(aux, ref_aux, name="load-balancing loss")
+    assert set(ref) == set(grads) == {n for n, _ in hf.named_parameters()}
+    for name in ("model.layers.0.self_attn.sinks", "model.layers.1.mlp.router.bias",
+                 "model.layers.0.mlp.experts.gate_up_proj_bias"):
+        assert grads[name].abs().sum() > 0, name
+    assert_close_rel(grads, ref, rel=1e-4, name="gradients")
+
+
+def test_aux_loss_weight_follows_output_router_logits():
+    assert router_aux_loss_coef(lathe_from_transformers(gpt_oss_model())) == 0.0
+    hf = gpt_oss_model(output_router_logits=True, router_aux_loss_coef=0.25)
+    assert router_aux_loss_coef(lathe_from_transformers(hf)) == 0.25
+
+
+def test_checkpoint_round_trip_through_transformers(tmp_path):
+    from safetensors import safe_open
+    gpt_oss_model(seed=1).save_pretrained(tmp_path / "hf")
+    names, arch = round_trip(tmp_path / "hf", tmp_path / "lathe", 101, attn_implementation="eager")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert names == set(f.keys())                    # the experts fused on disk, under the same names
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.sinks" in names
+    assert arch == "GptOssForCausalLM"

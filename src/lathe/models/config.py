@@ -130,6 +130,12 @@ class LatheConfig:
         """Whether decoder layer `index` is a mixture-of-experts layer (else a dense MLP of `intermediate_size`)."""
         return self.moe is not None and self.moe.is_sparse(index)
 
+    @property
+    def sinks_or_windows(self) -> bool:
+        """Whether some layer hands its attention sinks or a sliding window (GPT-OSS), which only some of lathe's
+        attentions implement (`lathe.models.attention`)."""
+        return self.attention_sinks or any(self.window_of(i) is not None for i in range(self.num_hidden_layers))
+
     def window_of(self, index: int) -> int | None:
         """The sliding window of layer `index` (a query sees itself and the window - 1 tokens before it), or None."""
         if self.layer_types and self.layer_types[index] == "sliding_attention":

@@ -87,3 +87,15 @@ def test_checkpoint_round_trip_through_transformers(tmp_path):
         assert names == set(f.keys())                    # the experts fused on disk, under the same names
     assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.0.self_attn.sinks" in names
     assert arch == "GptOssForCausalLM"
+
+
+def test_attentions_without_sinks_refuse_these_layers(pair):
+    """The prefix-grouped forward's masked attention and Ulysses have no sinks or windows: refused, named."""
+    from lathe.train.ulysses import check_model
+    _, lathe = pair
+    key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    with pytest.raises(ValueError, match=f"{key}=2: GptOssForCausalLM has attention sinks"):
+        check_model(lathe, 2, key)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="MaskedAttention does not implement attention sinks"):
+        lathe.hidden_grouped(torch.arange(5)[None], torch.arange(5)[None], mask)

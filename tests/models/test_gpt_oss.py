@@ -37,6 +37,34 @@ def test_config_reads_the_gpt_oss_shape():
     assert all(cfg.is_sparse_layer(i) for i in range(2))
 
 
+def test_config_reads_the_hub_layout():
+    """gpt-oss-20b's config.json (transformers 4 layout: rope_theta + rope_scaling), its MXFP4 block removed; without
+    any RoPE keys, transformers' defaults."""
+    d = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "experts_per_token": 4, "head_dim": 64,
+         "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880, "max_position_embeddings": 131072,
+         "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+         "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+         "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                          "rope_type": "yarn", "truncate": False},
+         "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0, "vocab_size": 201088,
+         "layer_types": ["sliding_attention", "full_attention"] * 12}
+    cfg = LatheConfig.from_hf_dict(d)
+    assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.moe_intermediate_size) == (32, 4, 2880)
+    assert cfg.rope.rope_theta == 150000 and cfg.rope.factor == 32 and cfg.window_of(22) == 128
+    bare = LatheConfig.from_hf_dict({k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling")})
+    assert bare.rope == cfg.rope
+
+
+def test_value_model_equals_transformers_token_classification():
+    from transformers import GptOssForTokenClassification
+    torch.manual_seed(0)
+    hf = GptOssForTokenClassification(gpt_oss_config(num_labels=1)).eval()
+    value = lathe_from_transformers(hf)
+    ids = torch.randint(0, 101, (2, 9))
+    with torch.no_grad():
+        assert_close_rel(value(ids).logits, hf(ids).logits, name="values")
+
+
 def test_config_refuses_what_the_decoder_lacks():
     d = _hf_dict()
     d["quantization_config"] = {"quant_method": "mxfp4"}
@@ -99,3 +127,18 @@ def test_attentions_without_sinks_refuse_these_layers(pair):
     mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match="MaskedAttention does not implement attention sinks"):
         lathe.hidden_grouped(torch.arange(5)[None], torch.arange(5)[None], mask)
+
+
+def test_sink_attention_in_query_slices_equals_whole():
+    """Slices of the queries (recomputed in backward) give the whole computation's output and gradients."""
+    from lathe.models.attention import sink_attention, window_mask
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 13, 8, generator=gen, requires_grad=True) for heads in (4, 2, 2))
+    sinks = torch.randn(4, generator=gen, requires_grad=True)
+    mask = window_mask(torch.arange(13), torch.arange(13), 5)
+    results = []
+    for max_elements in (1 << 27, 2 * 4 * 13 * 3):         # whole; slices of 3 queries
+        out = sink_attention(q, k, v, mask, sinks, max_elements=max_elements)
+        results.append([out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, sinks))])
+    for a, b in zip(*results):
+        assert_close_rel(a, b, name="sliced sink attention")

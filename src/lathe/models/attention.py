@@ -16,8 +16,9 @@ Backends for packed batches:
 Per-layer options (GPT-OSS): a layer may hand its attention `sinks` (Hq,), a learned logit per head that joins each
 query's softmax denominator (its probability mass goes to no value), and `window`, a sliding window (a query sees
 itself and the window - 1 tokens before it). The callables that implement them say so (`layer_options`); they run
-them as one explicit softmax per sequence (`sink_attention`), on any backend: correct, not fused (memory grows with
-heads x length^2 per sequence, and the flash kernel is not used for these layers).
+them as one explicit softmax per sequence (`sink_attention`, in query slices of bounded size, each recomputed in
+backward), on any backend: correct, not fused (the flash kernel is not used for these layers: more time and traffic
+than flash attention, which has no sinks here).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 PACKED_BACKENDS = ("auto", "varlen", "sdpa")
 
@@ -47,14 +49,32 @@ class AttentionFn(Protocol):
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, scale: float | None = None,
+                   max_elements: int = 1 << 27) -> torch.Tensor:
     """softmax([q k^T * scale, sink]) without the sink's column, times v: q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D),
     `mask` boolean, broadcastable to (B, Hq, Lq, Lk), True where a query sees a key; `sinks` (Hq,) or None (plain
     masked attention). Computed in float32 (logits max-subtracted), returned in q's dtype. A query that sees no key
-    gets a zero output (only the sink, or nothing)."""
+    gets a zero output (only the sink, or nothing). The queries go in slices whose float32 logits stay under
+    `max_elements`; with gradients, each slice is recomputed in backward rather than kept (activation checkpointing),
+    so memory holds one slice's logits at a time, not heads x Lq x Lk."""
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    lq, per_query = q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]
+    step = max(1, max_elements // max(per_query, 1))
+    if step >= lq:
+        return _sink_slice(q, k, v, mask, sinks, scale)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    outs = []
+    for lo in range(0, lq, step):
+        part = mask if mask.shape[-2] == 1 else mask[..., lo:lo + step, :]
+        args = (q[:, :, lo:lo + step], k, v, part, sinks, scale)
+        outs.append(checkpoint(_sink_slice, *args, use_reentrant=False) if grads else _sink_slice(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _sink_slice(q, k, v, mask, sinks, scale) -> torch.Tensor:
+    """`sink_attention` of a slice of the queries, k and v at the query heads."""
     logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     logits = logits.masked_fill(~mask, float("-inf"))
     if sinks is not None:

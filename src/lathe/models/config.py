@@ -158,7 +158,7 @@ class LatheConfig:
         attention_bias = bool(d.get("attention_bias", False))
         if family == "GptOss":
             from lathe.models.gpt_oss_config import gpt_oss_fields
-            return cls(architecture=arch, **gpt_oss_fields(d, source), rope=read_rope(d, source), hf_config=dict(d))
+            return cls(architecture=arch, **gpt_oss_fields(d, source), hf_config=dict(d))
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),

@@ -15,6 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 FALLBACK = "; the transformers fallback will be used"
+# transformers' `GptOssConfig` defaults, for a config.json that leaves RoPE out
+DEFAULT_THETA = 150000.0
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 
 
 def refuse_quantized(d: dict[str, Any], arch: str, source: str) -> None:
@@ -30,8 +34,8 @@ def refuse_quantized(d: dict[str, Any], arch: str, source: str) -> None:
 
 
 def gpt_oss_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
-    """The `LatheConfig` keyword arguments of a GPT-OSS config (all but architecture, rope and hf_config)."""
-    from lathe.models.config import MoeConfig, UnsupportedArchitecture
+    """The `LatheConfig` keyword arguments of a GPT-OSS config (all but architecture and hf_config)."""
+    from lathe.models.config import MoeConfig, UnsupportedArchitecture, read_rope
     heads, layers = int(d["num_attention_heads"]), int(d["num_hidden_layers"])
     experts = d.get("num_local_experts", d.get("num_experts"))
     top_k = int(d.get("num_experts_per_tok") or 0)
@@ -63,4 +67,11 @@ def gpt_oss_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 qkv_bias=bias, o_bias=bias, moe=moe, attention_sinks=True,
                 sliding_window=int(window) if window else None, layer_types=layer_types,
-                torch_dtype=d.get("dtype") or d.get("torch_dtype"))
+                torch_dtype=d.get("dtype") or d.get("torch_dtype"), rope=read_rope(_rope_defaults(d), source))
+
+
+def _rope_defaults(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with transformers' GPT-OSS RoPE defaults where it has none (YaRN, theta 150000)."""
+    params = d.get("rope_parameters") or d.get("rope_scaling")
+    theta = (params or {}).get("rope_theta", d.get("rope_theta", DEFAULT_THETA))
+    return {**d, "rope_parameters": {**(params or DEFAULT_ROPE), "rope_theta": theta}}

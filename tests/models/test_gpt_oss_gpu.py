@@ -1,7 +1,7 @@
 """GPT-OSS's CUDA path (not run on the CPU machines): the MoE block's grouped matmul with the experts' biases and the
 clamped SwiGLU against its expert loop, forward and backward; packed bf16 logits against transformers'; the engine
-on CUDA (compiled layers, PyTorch paged attention for the sinks, no decode graphs) against the teacher-forced
-forward."""
+on CUDA (compiled layers, the PyTorch or Triton decode attention with sinks and windows, no decode graphs) against the
+teacher-forced forward."""
 
 import pytest
 import torch
@@ -43,14 +43,15 @@ def test_bf16_logits_on_cuda_equal_transformers():
     assert_logits_equal_transformers(hf, lathe, rel=3e-2)       # both in bf16, rounded in different orders
 
 
-def test_engine_on_cuda_equals_the_teacher_forced_forward(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_engine_on_cuda_equals_the_teacher_forced_forward(tmp_path, backend):
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
     gpt_oss_model(seed=2).save_pretrained(tmp_path / "ckpt")
     model = load_lathe_model(tmp_path / "ckpt", torch.bfloat16, device=CUDA).eval()
-    engine = LatheEngine(model, eos_token_id=None, block_size=16, num_kv_blocks=64)
-    assert engine.runner.decode_backend == "torch" and engine.runner.graphs is None
+    engine = LatheEngine(model, eos_token_id=None, block_size=16, num_kv_blocks=64, decode_backend=backend)
+    assert engine.runner.decode_backend == backend and engine.runner.graphs is None     # no decode graphs yet
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 8]]
     out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10))
     ref = load_lathe_model(tmp_path / "ckpt").eval()

@@ -6,8 +6,8 @@ whose prefix blocks another sequence of the same batch is writing sees them. GQA
 
 GPT-OSS's layers add a learned sink logit per head (`sinks`) and, in its sliding layers, a window (`window`: a query
 sees itself and the window - 1 positions before it); with either, the attention is the explicit softmax of
-`lathe.models.attention.sink_attention` over the same gathered context and mask. The Triton decode kernel has neither:
-`decode_with` refuses them there, and the engine runs such models on the PyTorch path (`model_runner`).
+`lathe.models.attention.sink_attention` over the same gathered context and mask; the Triton decode kernel has both
+(`triton_decode.paged_decode`).
 """
 
 from __future__ import annotations
@@ -150,14 +150,11 @@ def decode_with(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                 window: int | None = None) -> torch.Tensor:
     """Decode attention by a resolved backend name ("triton" or "torch"); same contract as `decode_attention`.
     `counters`: the Triton kernel's zeroed merge counters (`paged_decode`), shared by a step's layers. `sinks`,
-    `window` (module doc): the PyTorch path only."""
-    if backend == "triton" and (sinks is not None or window is not None):
-        raise ValueError("the Triton decode kernel has no attention sinks or sliding windows (GPT-OSS); the engine "
-                         "runs such a model with decode_backend='torch'")
+    `window`: module doc."""
     if backend == "triton":
         from lathe.engine.triton_decode import paged_decode
         return paged_decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits,
-                            counters=counters)
+                            counters=counters, sinks=sinks, window=window)
     return decode_attention(q, k_cache, v_cache, block_tables, context_lens, sinks=sinks, window=window)
 
 

@@ -5,7 +5,7 @@ decoder: `split_k` (the layers' split form, or None: their plain forward) and `r
 None: computed from the positions).
 
 Both take a layer's `sinks` and sliding `window` (GPT-OSS, `lathe.models.attention`): the new K/V are stored as
-always, the attention over the cache is `paged_attention`'s PyTorch path with them (the Triton kernels have neither).
+always, and the attention over the cache applies them (`paged_attention`, `triton_decode`).
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ class DecodeAttention:
         layer = self.layer
         self.layer += 1
         in_launch = cos is not None and triton_store.can_rope_store(q, k, v, cos, sin)
-        if in_launch and self.backend == "triton" and sinks is None and window is None:
+        if in_launch and self.backend == "triton":
             from lathe.engine.triton_decode import paged_decode      # RoPE, store and attention in one launch
             return paged_decode(q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
                                 self.context_lens, num_splits=self.num_splits, counters=self.counters,
-                                new_kv=(k, v, cos, sin, self.slot_mapping), pdl=self.pdl)
+                                new_kv=(k, v, cos, sin, self.slot_mapping), pdl=self.pdl, sinks=sinks, window=window)
         if in_launch:
             q = triton_store.rope_store_kv(q, k, v, cos, sin, self.kv_cache.k[layer], self.kv_cache.v[layer],
                                            self.slot_mapping)

@@ -1,7 +1,7 @@
 """GPT-OSS (attention sinks, a sliding window of 4, its MoE) in lathe's engine on the CPU: greedy tokens equal
-transformers' `generate` with prefix sharing, chunked prefill and preemption in the runs, and the engine's
-log-probs equal the teacher-forced forward; the Triton decode kernel (Triton's CPU interpreter) with sinks and
-windows against the PyTorch reference, and in the engine."""
+transformers' `generate` with prefix sharing, fused projections, chunked prefill and preemption in the runs, and the
+engine's log-probs equal the teacher-forced forward; the Triton decode kernel (Triton's CPU interpreter) with sinks
+and windows against the PyTorch reference, and in the engine."""
 
 import pytest
 import torch
@@ -44,7 +44,8 @@ def test_greedy_equals_transformers_generate(checkpoint):
     expected = [t for t in map(lambda p: _hf_greedy(hf, p), PROMPTS) for _ in range(2)]
     assert len({tuple(t) for t in expected}) > 2, "precondition: prompts give different continuations"
     params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
-    assert _engine(path).generate(PROMPTS, params).token_ids == expected            # prefix sharing on
+    fused = _engine(path, fuse_projections=True)            # prefix sharing on; q/k/v (with biases) one matmul
+    assert fused.generate(PROMPTS, params).token_ids == expected
     chunked = _engine(path, max_num_batched_tokens=6, enable_prefix_caching=False)   # prompts cut in chunks
     assert chunked.generate(PROMPTS, params).token_ids == expected
     small = _engine(path, num_kv_blocks=10, reserve_new_tokens=False)

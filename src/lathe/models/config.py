@@ -57,7 +57,8 @@ class RopeConfig:
 
 @dataclass
 class MoeConfig:
-    """The mixture-of-experts keys of a Qwen3-MoE `config.json` (`lathe.models.moe` computes the layers)."""
+    """The mixture-of-experts keys of a Qwen3-MoE `config.json` (`lathe.models.moe` computes the layers); a GPT-OSS
+    config's are read into it by `lathe.models.gpt_oss_config` (`lathe.models.gpt_oss` computes those layers)."""
 
     num_experts: int                   # per sparse layer (`num_experts`; transformers 5 writes `num_local_experts`)
     num_experts_per_tok: int           # top-k experts each token is routed to

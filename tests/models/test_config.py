@@ -13,7 +13,7 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden
 
 def test_registry_names_the_families():
     assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                       "Qwen3MoeForCausalLM"}
+                                       "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
 
 
 def test_qwen3_moe_keys():

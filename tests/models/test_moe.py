@@ -1,20 +1,17 @@
 """Qwen3-MoE in lathe's decoder against transformers' `Qwen3MoeForCausalLM`: logits (padded and packed, norm_topk_prob
 on and off), gradients, the load-balancing loss, checkpoint layouts, and the grouped-matmul path against the loop."""
 
-import json
-
 import pytest
 import torch
 
-from lathe.models import load_lathe_model
 from lathe.models.hf import lathe_from_transformers
 from lathe.models.moe import SparseMoeBlock, collect_router_stats, experts_forward, fuse_expert_weights, \
     router_aux_loss_coef, split_expert_weights
-from lathe.models.packing import pack_padded
 
 from helpers import assert_close_rel
 
-from .lathe_tiny import MOE, hf_model, ragged_batch, save_hf
+from .lathe_tiny import MOE, hf_model, save_hf
+from .moe_reference import assert_logits_equal_transformers, aux_and_gradients, round_trip
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=lambda n: f"norm_topk_prob={n}")
@@ -27,41 +24,16 @@ def test_padded_and_packed_logits_equal_transformers(pair):
     hf, lathe = pair
     assert isinstance(lathe.model.layers[1].mlp, SparseMoeBlock) and not isinstance(lathe.model.layers[0].mlp,
                                                                                      SparseMoeBlock)
-    ids, mask, pos = ragged_batch(0)
-    real = mask.bool()
-    with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        for mode in ("mask", "unpad"):
-            lathe.padded_attention = mode
-            assert_close_rel(lathe(ids, mask, pos).logits[real], ref[real], name=f"padded logits ({mode})")
-        packed = pack_padded(ids, mask, pos)
-        out = lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
-                                   return_hidden=False)
-    assert_close_rel(out, ref[real], name="packed logits")
-
-
-def _loss(logits, aux):
-    return logits.float().pow(2).mean() + 10.0 * aux
+    assert_logits_equal_transformers(hf, lathe)                 # ragged rows of up to 20 tokens
 
 
 def test_aux_loss_and_gradients_equal_transformers(pair):
     hf, lathe = pair
-    ids, mask, pos = ragged_batch(1)
-    real = mask.bool()
-    hf.zero_grad()
-    out = hf(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
-    _loss(out.logits[real], out.aux_loss).backward()
-    packed = pack_padded(ids, mask, pos)
-    lathe.zero_grad()
-    with collect_router_stats(lathe) as stats:
-        logits = lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
-                                      return_hidden=False)
-    assert stats.rows == int(real.sum())                 # one sparse layer, the real tokens only
-    aux = stats.aux_loss()
-    assert_close_rel(aux, out.aux_loss, name="load-balancing loss")
-    _loss(logits, aux).backward()
-    grads = {n: p.grad for n, p in lathe.named_parameters() if ".mlp." in n}
-    ref = {n: p.grad for n, p in hf.named_parameters() if n in grads}
+    stats, aux, ref_aux, grads, ref, tokens = aux_and_gradients(hf, lathe)
+    assert stats.rows == tokens                          # one sparse layer, the real tokens only
+    assert_close_rel(aux, ref_aux, name="load-balancing loss")
+    grads = {n: g for n, g in grads.items() if ".mlp." in n}
+    ref = {n: g for n, g in ref.items() if n in grads}
     assert set(ref) == set(grads) and all(g is not None and g.abs().sum() > 0 for g in grads.values())
     assert "model.layers.1.mlp.gate.weight" in grads and "model.layers.1.mlp.experts.gate_up_proj" in grads
     assert_close_rel(grads, ref, rel=1e-4, name="gradients of the MLPs, router and experts")
@@ -126,23 +98,11 @@ def test_grouped_matmul_equals_the_expert_loop(monkeypatch):
 
 
 def test_checkpoint_round_trip_through_transformers(tmp_path):
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-    path, hf = save_hf(tmp_path, MOE)
-    lathe = load_lathe_model(path).eval()
-    ids = torch.randint(0, 100, (2, 9))
-    with torch.no_grad():
-        ref = hf(ids).logits
-        assert_close_rel(lathe(ids).logits, ref, name="logits after loading transformers' save")
-    lathe.save_pretrained(tmp_path / "lathe")
-    with safe_open(str(tmp_path / "lathe" / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
+    path, _ = save_hf(tmp_path, MOE)
+    names, arch = round_trip(path, tmp_path / "lathe", 100)
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
     assert not any(n.endswith("gate_up_proj") for n in names)
-    assert json.loads((tmp_path / "lathe" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "lathe").eval()
-    with torch.no_grad():
-        assert_close_rel(back(ids).logits, ref, name="transformers' logits after loading lathe's save")
+    assert arch == "Qwen3MoeForCausalLM"
 
 
 def test_expert_layouts_convert_both_ways():

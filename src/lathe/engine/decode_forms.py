@@ -132,7 +132,8 @@ def split_layer(layer: DecoderLayer, x: torch.Tensor, part: torch.Tensor | None,
         x = add_partials(x, part)
     rotates = attn.rotates
     q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin, rotate=not rotates)
-    out = attend(attn, q, k, v, torch.compiler.is_compiling(), (cos, sin) if rotates else None)
+    out = attend(attn, q, k, v, torch.compiler.is_compiling(), (cos, sin) if rotates else None,
+                 layer.self_attn.options())
     x = add_partials(x, split_linear(out, layer.self_attn.o_proj, splits[0]))
     h = layer.post_attention_layernorm(x)
     if not isinstance(layer.mlp, MLP):              # a mixture of experts (`lathe.models.moe`): one partial

@@ -3,6 +3,11 @@
 Both functions read every key from the cache (the new tokens' K/V are stored first), so a sequence
 whose prefix blocks another sequence of the same batch is writing sees them. GQA is handled by SDPA's
 `enable_gqa`. Faster kernels (FlexAttention, Triton paged decode) must agree with these.
+
+GPT-OSS's layers add a learned sink logit per head (`sinks`) and, in its sliding layers, a window (`window`: a query
+sees itself and the window - 1 positions before it); with either, the attention is the explicit softmax of
+`lathe.models.attention.sink_attention` over the same gathered context and mask; the Triton decode kernel has both
+(`triton_decode.paged_decode`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe import device as accel
+from lathe.models.attention import sink_attention
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +32,8 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: list[int], context_lens: list[int], block_tables: list[list[int]],
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, sinks: torch.Tensor | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """Causal attention of ragged new tokens over their whole context.
 
     q: (T, Hq, D), sequences laid end to end by `cu_seqlens_q`; sequence i's new tokens are the last
@@ -42,6 +49,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qs = q[start:end].transpose(0, 1)[None]                        # (1, Hq, n, D)
         qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
         mask = torch.arange(ctx, device=q.device)[None, :] <= qpos       # (n, ctx)
+        if window is not None:
+            mask = mask & (torch.arange(ctx, device=q.device)[None, :] > qpos - window)
+        if sinks is not None or window is not None:
+            outs.append(sink_attention(qs, k.to(q.dtype), v.to(q.dtype), mask, sinks, scale)[0].transpose(0, 1))
+            continue
         out = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
                                              enable_gqa=qs.shape[1] != k.shape[1])
         outs.append(out[0].transpose(0, 1))
@@ -70,11 +82,23 @@ class CachedPrefill:
         keys = torch.arange(self.max_ctx, device=device)[None, None, :]
         self.mask = ((keys <= qpos) & (keys < ctx))[:, None]        # (B, 1, max_new, max_ctx)
         self.mask[..., 0] = True            # padded query rows see one key: finite outputs, dropped below
+        self.window_masks: dict[int, torch.Tensor] = {}             # the sliding layers' masks, by window
+        self.qpos, self.keys = qpos, keys
+
+    def _mask(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            self.window_masks[window] = self.mask & (self.keys > self.qpos - window)[:, None]
+        return self.window_masks[window]
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scale: float | None = None, max_elements: int = 1 << 26) -> torch.Tensor:
+                 scale: float | None = None, max_elements: int = 1 << 26, sinks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
         """q: (T, Hq, D) packed new tokens -> (T, Hq, D). Sequences go through SDPA in slices whose repeated K (and
-        V) stay under `max_elements` each."""
+        V) stay under `max_elements` each; with `sinks` or a `window` (module doc), the explicit softmax."""
+        mask = self._mask(window)
+        explicit = sinks is not None or window is not None
         hq, d = q.shape[1], q.shape[2]
         padded = q.new_zeros(self.batch * self.max_new, hq, d).index_copy_(0, self.rows, q)
         padded = padded.view(self.batch, self.max_new, hq, d).transpose(1, 2)          # (B, Hq, max_new, D)
@@ -88,19 +112,28 @@ class CachedPrefill:
             if k.shape[1] != hq:            # repeat the KV heads: SDPA's fast masked kernels have no GQA
                 k = k.repeat_interleave(hq // k.shape[1], dim=1)
                 v = v.repeat_interleave(hq // v.shape[1], dim=1)
-            out[lo:hi] = F.scaled_dot_product_attention(padded[lo:hi], k, v, attn_mask=self.mask[lo:hi], scale=scale)
+            if explicit:
+                out[lo:hi] = sink_attention(padded[lo:hi], k, v, mask[lo:hi], sinks, scale)
+            else:
+                out[lo:hi] = F.scaled_dot_product_attention(padded[lo:hi], k, v, attn_mask=mask[lo:hi], scale=scale)
         return out.transpose(1, 2).reshape(self.batch * self.max_new, hq, d).index_select(0, self.rows)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, sinks: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """One new token per sequence: q (B, Hq, D); block_tables (B, max_blocks) padded with any valid id;
-    context_lens (B,) tokens of each sequence, the new one included. Returns (B, Hq, D)."""
+    context_lens (B,) tokens of each sequence, the new one included. Returns (B, Hq, D). `sinks`, `window`: module
+    doc."""
     k = gather_kv(k_cache, block_tables).transpose(1, 2)              # (B, Hkv, L, D)
     v = gather_kv(v_cache, block_tables).transpose(1, 2)
     L = k.shape[2]
     mask = (torch.arange(L, device=q.device)[None, :] < context_lens[:, None])[:, None, None, :]  # (B,1,1,L)
+    if window is not None:
+        mask = mask & (torch.arange(L, device=q.device)[None, :] >= context_lens[:, None] - window)[:, None, None, :]
+    if sinks is not None or window is not None:
+        return sink_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), mask, sinks, scale)[:, :, 0, :]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[:, :, 0, :]
@@ -113,14 +146,16 @@ _logged_failures: set[tuple[str, str]] = set()     # (candidate, error) pairs al
 
 def decode_with(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, num_splits: int = 1,
-                counters: torch.Tensor | None = None) -> torch.Tensor:
+                counters: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
     """Decode attention by a resolved backend name ("triton" or "torch"); same contract as `decode_attention`.
-    `counters`: the Triton kernel's zeroed merge counters (`paged_decode`), shared by a step's layers."""
+    `counters`: the Triton kernel's zeroed merge counters (`paged_decode`), shared by a step's layers. `sinks`,
+    `window`: module doc."""
     if backend == "triton":
         from lathe.engine.triton_decode import paged_decode
         return paged_decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits,
-                            counters=counters)
-    return decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+                            counters=counters, sinks=sinks, window=window)
+    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, sinks=sinks, window=window)
 
 
 def _time_backend(backend: str, args: tuple, repeats: int = 5) -> float:

@@ -3,6 +3,9 @@ layout over the paged KV cache, called once per layer, in order, and counts the 
 and read. Besides attending, each tells the engine's forward (`decode_forms.text_hidden`) how the step runs the
 decoder: `split_k` (the layers' split form, or None: their plain forward) and `rope` (the step's RoPE rows, or
 None: computed from the positions).
+
+Both take a layer's `sinks` and sliding `window` (GPT-OSS, `lathe.models.attention`): the new K/V are stored as
+always, and the attention over the cache applies them (`paged_attention`, `triton_decode`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class DecodeAttention:
     # only where the context lengths, slots and RoPE rows were written at the step's start (`step_inputs`), not by
     # the launch right before the attention
     pdl: bool = False
+    layer_options: ClassVar[bool] = True       # takes `sinks` and `window` (`AttentionFn`)
 
     def __post_init__(self):
         if self.rotates is None:
@@ -55,7 +59,8 @@ class DecodeAttention:
             self.counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=self.block_tables.device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None = None,
-                 sin: torch.Tensor | None = None) -> torch.Tensor:
+                 sin: torch.Tensor | None = None, *, sinks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
         layer = self.layer
         self.layer += 1
         in_launch = cos is not None and triton_store.can_rope_store(q, k, v, cos, sin)
@@ -63,7 +68,7 @@ class DecodeAttention:
             from lathe.engine.triton_decode import paged_decode      # RoPE, store and attention in one launch
             return paged_decode(q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
                                 self.context_lens, num_splits=self.num_splits, counters=self.counters,
-                                new_kv=(k, v, cos, sin, self.slot_mapping), pdl=self.pdl)
+                                new_kv=(k, v, cos, sin, self.slot_mapping), pdl=self.pdl, sinks=sinks, window=window)
         if in_launch:
             q = triton_store.rope_store_kv(q, k, v, cos, sin, self.kv_cache.k[layer], self.kv_cache.v[layer],
                                            self.slot_mapping)
@@ -72,7 +77,7 @@ class DecodeAttention:
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             self.kv_cache.store_unchecked(layer, k, v, self.slot_mapping)
         return decode_with(self.backend, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
-                           self.context_lens, self.num_splits, self.counters)
+                           self.context_lens, self.num_splits, self.counters, sinks=sinks, window=window)
 
 
 @dataclass
@@ -90,12 +95,14 @@ class PrefillAttention:
     split_k: tuple[int, int] | None = None     # the layers' split form (`step_split_k`), or None: their plain forward
     rotates: ClassVar[bool] = False            # takes q and k rotated (`AttentionFn`)
     rope: ClassVar[None] = None                # RoPE from the positions (`decode_forms.text_hidden`)
+    layer_options: ClassVar[bool] = True       # takes `sinks` and `window` (`AttentionFn`)
 
     def __post_init__(self):
         self.layer = 0
         self._cached = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
         layer = self.layer
         self.layer += 1
         if self.store_rows is None:
@@ -108,12 +115,12 @@ class PrefillAttention:
         b = a + (0 if self.single is None else self.single[1].shape[0])
         outs = []
         if self.fresh is not None:
-            outs.append(self.fresh(q[:a], k[:a], v[:a]))
+            outs.append(self.fresh(q[:a], k[:a], v[:a], sinks=sinks, window=window))
         if self.single is not None:
-            outs.append(decode_with(self.decode_backend, q[a:b], kc, vc, *self.single))
+            outs.append(decode_with(self.decode_backend, q[a:b], kc, vc, *self.single, sinks=sinks, window=window))
         cu, ctx, tables = self.rest
         if ctx:
             if self._cached is None:                # built once, used by every layer
                 self._cached = CachedPrefill(cu, ctx, tables, q.device)
-            outs.append(self._cached(q[b:], kc, vc))
+            outs.append(self._cached(q[b:], kc, vc, sinks=sinks, window=window))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

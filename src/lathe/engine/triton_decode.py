@@ -8,6 +8,10 @@ and the split that finishes last for its (sequence, KV head), told by a counter,
 the same launch (flash-decoding without a second kernel). The caller picks `num_splits` once per batch shape,
 so the launch is CUDA-graph safe: nothing here reads a tensor on the host.
 
+GPT-OSS's layers: a sliding `window` starts each sequence's walk at its first position inside the window (the splits
+share what is left), and `sinks` (a logit per query head) join the softmax's denominator once, where the output is
+normalised (the last split's merge when there are several).
+
 `paged_decode` is the public entry; `lathe.engine.paged_attention.decode_attention` is the PyTorch
 reference it must match (tests run this kernel in Triton's interpreter on CPU).
 """
@@ -39,19 +43,20 @@ def interpreted() -> bool:
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt", "stride_kn", "stride_vn", "stride_cos"])   # vary: one compile
-    def _decode_kernel(Q, K, V, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS,
+    def _decode_kernel(Q, K, V, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS, SINKS, window,
                        stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms, stride_outb, stride_outh,
                        stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos,
                        scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       NEW_KV: tl.constexpr, PDL: tl.constexpr):
+                       NEW_KV: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
         ctx = tl.load(LENS + b)
-        per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = s * per_split
+        first = tl.maximum(ctx - window, 0)             # the window's first position (0 without a window)
+        per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = first + s * per_split
         end = tl.minimum(start + per_split, ctx)
 
         g = tl.arange(0, GROUP_PAD)
@@ -120,8 +125,15 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
 
+        if HAS_SINKS:
+            sink = tl.load(SINKS + h * GROUP + g, mask=g_ok, other=0.0).to(tl.float32)
         o_ptr = O + b * stride_ob + s * stride_os + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
         if NUM_SPLITS == 1:
+            if HAS_SINKS:        # the sink's exp(sink) joins the denominator, on the running max's scale
+                m_fin = tl.maximum(m_i, sink)
+                alpha = tl.exp(m_i - m_fin)
+                l_i = l_i * alpha + tl.exp(sink - m_fin)
+                acc = acc * alpha[:, None]
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         else:
@@ -139,9 +151,13 @@ if triton is not None:
                 for t in tl.static_range(NUM_SPLITS):
                     m_max = tl.maximum(m_max, tl.load(m_row + t * stride_ms, mask=g_ok, other=float("-inf"),
                                                       cache_modifier=".cg"))
+                if HAS_SINKS:
+                    m_max = tl.maximum(m_max, sink)
                 m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
                 num = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
                 den = tl.zeros([GROUP_PAD], tl.float32)
+                if HAS_SINKS:
+                    den += tl.exp(sink - m_max)
                 o_row = O + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
                 for t in tl.static_range(NUM_SPLITS):
                     w = tl.exp(tl.load(m_row + t * stride_ms, mask=g_ok, other=float("-inf"),
@@ -159,7 +175,8 @@ if triton is not None:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float | None = None, num_splits: int = 1,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
-                 counters: torch.Tensor | None = None, new_kv: tuple | None = None, pdl: bool = False) -> torch.Tensor:
+                 counters: torch.Tensor | None = None, new_kv: tuple | None = None, pdl: bool = False,
+                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D), any strides with the last dimension contiguous (a
     head-major cache passes as a permuted view); k and v strided alike; block_tables (B, max_blocks) int32/int64;
     context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference.
@@ -174,7 +191,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     `pdl`: launch as a programmatic dependent of the launch before it (Hopper and newer, `pdl_available`), so that the
     programs start while that one drains: only for a caller whose previous launch does not write context_lens or
-    new_kv's cos/sin/slots (the decode step: the q/k/v projection writes q, k and v only)."""
+    new_kv's cos/sin/slots (the decode step: the q/k/v projection writes q, k and v only).
+
+    `sinks` (Hq,): a logit per query head in each softmax's denominator; `window`: the sliding window (a query sees
+    itself and the window - 1 positions before it); both as `decode_attention` takes them (GPT-OSS)."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
     B, hq, dim = q.shape
@@ -209,13 +229,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         count = counters if counters is not None else torch.zeros(B * hkv, dtype=torch.int32, device=q.device)
         if count.numel() < B * hkv or count.dtype != torch.int32:
             raise ValueError(f"paged_decode: counters must be int32 with at least {B * hkv} elements")
+    if sinks is not None and (sinks.shape != (hq,) or sinks.stride(0) != 1):
+        raise ValueError(f"paged_decode: sinks must be ({hq},) and contiguous, got {tuple(sinks.shape)}")
     _decode_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, o, m, l, out, count, kn, vn, cos, sin, slots,
+        q if sinks is None else sinks, window or (1 << 30),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), *nb, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        NEW_KV=new_kv is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        NEW_KV=new_kv is not None, PDL=pdl, HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}))
     return out
 

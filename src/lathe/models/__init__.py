@@ -1,4 +1,4 @@
-"""Models: lathe's own decoder (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE) and the transformers loader used as fallback.
+"""Models: lathe's own decoder (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, GPT-OSS) and the transformers fallback loader.
 
 `load_lathe_model(path)` builds lathe's decoder from a local Hugging Face checkpoint directory, or raises
 `UnsupportedArchitecture` (a ValueError whose message names the architecture and says that the

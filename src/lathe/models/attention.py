@@ -12,6 +12,13 @@ Backends for packed batches:
   the signature is probed once. Grouped-query K/V go in at their own head count where the kernel takes them
   (`varlen_takes_gqa`), else repeated to the query heads.
 - "sdpa": one `scaled_dot_product_attention(is_causal=True)` per sequence; runs anywhere, the reference.
+
+Per-layer options (GPT-OSS): a layer may hand its attention `sinks` (Hq,), a learned logit per head that joins each
+query's softmax denominator (its probability mass goes to no value), and `window`, a sliding window (a query sees
+itself and the window - 1 tokens before it). The callables that implement them say so (`layer_options`); they run
+them as one explicit softmax per sequence (`sink_attention`, in query slices of bounded size, each recomputed in
+backward), on any backend: correct, not fused (the flash kernel is not used for these layers: more time and traffic
+than flash attention, which has no sinks here).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 PACKED_BACKENDS = ("auto", "varlen", "sdpa")
 
@@ -35,8 +43,66 @@ class AttentionFn(Protocol):
     rotates and stores in one launch)."""
 
     rotates: bool
+    layer_options: bool     # takes `sinks=` and `window=` keywords (module doc); absent: it does not
 
-    def __call__(self, q, k, v, *rope): ...
+    def __call__(self, q, k, v, *rope, **options): ...
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   sinks: torch.Tensor | None = None, scale: float | None = None,
+                   max_elements: int = 1 << 27) -> torch.Tensor:
+    """softmax([q k^T * scale, sink]) without the sink's column, times v: q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D),
+    `mask` boolean, broadcastable to (B, Hq, Lq, Lk), True where a query sees a key; `sinks` (Hq,) or None (plain
+    masked attention). Computed in float32 (logits max-subtracted), returned in q's dtype. A query that sees no key
+    gets a zero output (only the sink, or nothing). The queries go in slices whose float32 logits stay under
+    `max_elements`; with gradients, each slice is recomputed in backward rather than kept (activation checkpointing),
+    so memory holds one slice's logits at a time, not heads x Lq x Lk."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    lq, per_query = q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]
+    step = max(1, max_elements // max(per_query, 1))
+    if step >= lq:
+        return _sink_slice(q, k, v, mask, sinks, scale)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    outs = []
+    for lo in range(0, lq, step):
+        part = mask if mask.shape[-2] == 1 else mask[..., lo:lo + step, :]
+        args = (q[:, :, lo:lo + step], k, v, part, sinks, scale)
+        outs.append(checkpoint(_sink_slice, *args, use_reentrant=False) if grads else _sink_slice(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _sink_slice(q, k, v, mask, sinks, scale) -> torch.Tensor:
+    """`sink_attention` of a slice of the queries, k and v at the query heads."""
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        logits = torch.cat([logits, sink], dim=-1)
+    top = logits.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min).detach()
+    probs = torch.exp(logits - top)
+    probs = probs / probs.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(Lq, Lk) True where query position `q_pos[i]` sees key position `k_pos[j]`: causal, and within the window."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = diff >= 0
+    return mask if window is None else mask & (diff < window)
+
+
+def refuse_layer_options(attn, options: dict) -> None:
+    """Raise when a layer hands per-layer options (sinks, a sliding window) to an attention that lacks them."""
+    if options and not getattr(attn, "layer_options", False):
+        names = " and ".join(f"{k}={'(learned)' if k == 'sinks' else v}" for k, v in options.items())
+        raise ValueError(f"{type(attn).__name__} does not implement attention sinks or sliding windows (this "
+                         f"model's layers need {names}: GPT-OSS). lathe runs these layers on its packed, padded and "
+                         "engine attentions only (no Ulysses sequence parallelism, no prefix-grouped forward). Fix: "
+                         "turn the feature that built this attention off for this model")
 
 
 @functools.cache
@@ -106,11 +172,15 @@ class PackedAttention:
     max_seqlen: int
     backend: str = "sdpa"
     rotates: ClassVar[bool] = False     # takes q and k rotated (`AttentionFn`)
+    layer_options: ClassVar[bool] = True
 
     def __post_init__(self):
         self._bounds = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
+        if sinks is not None or window is not None:
+            return self._explicit(q, k, v, sinks, window)
         if self.backend == "varlen":
             return self._varlen(q, k, v)
         return self._sdpa(q, k, v)
@@ -126,6 +196,19 @@ class PackedAttention:
             qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=groups > 1)
             outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+
+    def _explicit(self, q, k, v, sinks, window) -> torch.Tensor:
+        """Per sequence, the explicit softmax with sinks and a window (`sink_attention`)."""
+        if self._bounds is None:
+            self._bounds = self.cu_seqlens.tolist()
+        outs = []
+        for start, end in zip(self._bounds[:-1], self._bounds[1:]):
+            if end == start:
+                continue
+            qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            pos = torch.arange(end - start, device=q.device)
+            outs.append(sink_attention(qs, ks, vs, window_mask(pos, pos, window), sinks)[0].transpose(0, 1))
         return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
     def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -155,6 +238,7 @@ class PaddedAttention:
 
     attention_mask: torch.Tensor | None   # (B, L), 1 for real tokens; None = no padding
     rotates: ClassVar[bool] = False       # takes q and k rotated (`AttentionFn`)
+    layer_options: ClassVar[bool] = True
 
     def __post_init__(self):
         self._mask = None
@@ -166,9 +250,15 @@ class PaddedAttention:
             diag = torch.eye(L, dtype=torch.bool, device=device)
             self._mask = causal & (keys | diag)                                     # (B, 1, L, L)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))                           # (B, H, L, D)
         gqa = q.shape[1] != k.shape[1]
+        if sinks is not None or window is not None:     # window by index: padding lies outside every real row
+            pos = torch.arange(q.shape[2], device=q.device)
+            mask = window_mask(pos, pos, window) if self._mask is None else \
+                self._mask & window_mask(pos, pos, window)
+            return sink_attention(q, k, v, mask, sinks).transpose(1, 2)
         if self._mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "GptOssForCausalLM"}
 # The token-classification (critic) heads over the same backbones load too.
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
-                       "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification"}
+                       "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 
 
@@ -56,7 +57,8 @@ class RopeConfig:
 
 @dataclass
 class MoeConfig:
-    """The mixture-of-experts keys of a Qwen3-MoE `config.json` (`lathe.models.moe` computes the layers)."""
+    """The mixture-of-experts keys of a Qwen3-MoE `config.json` (`lathe.models.moe` computes the layers); a GPT-OSS
+    config's are read into it by `lathe.models.gpt_oss_config` (`lathe.models.gpt_oss` computes those layers)."""
 
     num_experts: int                   # per sparse layer (`num_experts`; transformers 5 writes `num_local_experts`)
     num_experts_per_tok: int           # top-k experts each token is routed to
@@ -66,6 +68,11 @@ class MoeConfig:
     mlp_only_layers: tuple[int, ...] = ()   # ... and i is not listed here (those keep a dense MLP)
     router_aux_loss_coef: float = 0.001     # weight of the load-balancing loss (`LatheCausalLM.router_aux_loss`)
     output_router_logits: bool = False      # transformers adds the weighted aux loss to its loss when true
+    # GPT-OSS (`lathe.models.gpt_oss`): router and experts with biases, the clamped SwiGLU (alpha, limit), the
+    # experts' tensors stored fused on disk too (Qwen3-MoE: one tensor per expert and projection)
+    swiglu_alpha: float | None = None       # None: the plain SwiGLU of Qwen3-MoE
+    swiglu_limit: float | None = None
+    fused_on_disk: bool = False
 
     def is_sparse(self, index: int) -> bool:
         return (index not in self.mlp_only_layers and self.num_experts > 0
@@ -109,6 +116,9 @@ class LatheConfig:
     mlp_bias: bool = False        # Llama `mlp_bias`
     qk_norm: bool = False         # Qwen3: RMSNorm over head_dim on q and k before RoPE
     moe: MoeConfig | None = None  # Qwen3-MoE: the sparse layers' experts and router; None for a dense model
+    attention_sinks: bool = False            # GPT-OSS: a learned logit per head in each softmax's denominator
+    sliding_window: int | None = None        # the window of the layers `layer_types` names "sliding_attention"
+    layer_types: tuple[str, ...] = ()        # per layer: "full_attention" or "sliding_attention"; () = all full
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -120,6 +130,18 @@ class LatheConfig:
     def is_sparse_layer(self, index: int) -> bool:
         """Whether decoder layer `index` is a mixture-of-experts layer (else a dense MLP of `intermediate_size`)."""
         return self.moe is not None and self.moe.is_sparse(index)
+
+    @property
+    def sinks_or_windows(self) -> bool:
+        """Whether some layer hands its attention sinks or a sliding window (GPT-OSS), which only some of lathe's
+        attentions implement (`lathe.models.attention`)."""
+        return self.attention_sinks or any(self.window_of(i) is not None for i in range(self.num_hidden_layers))
+
+    def window_of(self, index: int) -> int | None:
+        """The sliding window of layer `index` (a query sees itself and the window - 1 tokens before it), or None."""
+        if self.layer_types and self.layer_types[index] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "LatheConfig":
@@ -135,6 +157,9 @@ class LatheConfig:
         _check_features(d, arch, source)
         heads = int(d["num_attention_heads"])
         attention_bias = bool(d.get("attention_bias", False))
+        if family == "GptOss":
+            from lathe.models.gpt_oss_config import gpt_oss_fields
+            return cls(architecture=arch, **gpt_oss_fields(d, source), hf_config=dict(d))
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -177,6 +202,9 @@ def _architecture(d: dict[str, Any], source: str) -> str:
 def _check_features(d: dict[str, Any], arch: str, source: str) -> None:
     """Refuse configs whose math lathe's decoder does not reproduce."""
     fallback = "; the transformers fallback will be used"
+    if d.get("quantization_config"):
+        from lathe.models.gpt_oss_config import refuse_quantized
+        refuse_quantized(d, arch, source)
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitecture(f"{source}: {arch} with hidden_act={act!r} (lathe implements silu){fallback}")
@@ -184,8 +212,10 @@ def _check_features(d: dict[str, Any], arch: str, source: str) -> None:
         raise UnsupportedArchitecture(f"{source}: {arch} with use_sliding_window=true (lathe implements full "
                                       f"attention only){fallback}")
     layer_types = d.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise UnsupportedArchitecture(f"{source}: {arch} with layer_types other than full_attention{fallback}")
+    allowed = {"full_attention", "sliding_attention"} if arch.startswith("GptOss") else {"full_attention"}
+    if any(t not in allowed for t in layer_types):
+        raise UnsupportedArchitecture(f"{source}: {arch} with layer_types other than {' or '.join(sorted(allowed))}"
+                                      f"{fallback}")
     prf = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
     if prf not in (None, 1, 1.0):
         raise UnsupportedArchitecture(f"{source}: {arch} with partial_rotary_factor={prf}{fallback}")

@@ -1,5 +1,6 @@
-"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm) and Qwen3-MoE (Qwen3 with mixture-of-experts
-MLPs, `lathe.models.moe`) in one module tree.
+"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts
+MLPs, `lathe.models.moe`) and GPT-OSS (attention sinks, sliding-window layers, its own MoE: `lathe.models.gpt_oss`)
+in one module tree.
 
 Module and parameter names are those of the Hugging Face checkpoints (`model.embed_tokens.weight`,
 `model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`), so a state dict moves between the
@@ -28,8 +29,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lathe.models.attention import MaskedAttention, PackedAttention, PaddedAttention, select_packed_backend
+from lathe.models.attention import MaskedAttention, PackedAttention, PaddedAttention, refuse_layer_options, \
+    select_packed_backend
 from lathe.models.config import LatheConfig
+from lathe.models.gpt_oss import GptOssMoeBlock
 from lathe.models.moe import SparseMoeBlock
 from lathe.models.packing import pack_padded, position_ids_from_mask, unpack_to_padded
 from lathe.models.rope import RotaryEmbedding, apply_rotary
@@ -37,14 +40,16 @@ from lathe.models.rope import RotaryEmbedding, apply_rotary
 
 @torch.compiler.disable
 def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mark_dynamic: bool = False,
-            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None, options: dict | None = None) -> torch.Tensor:
     """`attn(q, k, v)` with the heads flattened, (..., Hq * D), always run eager: the attention callables hold
     per-batch Python state (sequence bounds, a KV cache, a layer counter) that would make a compiled layer
     recompile for every batch. Eager callers pay well under a microsecond for the wrapper. From a compiled
     layer (`mark_dynamic`), the output's token dims are marked dynamic like the layer's inputs, so the graph
     after attention also compiles once for all lengths. `rope`: (cos, sin) for an attention that rotates q and
-    k itself (`attn.rotates`)."""
-    out = (attn(q, k, v) if rope is None else attn(q, k, v, *rope)).flatten(-2)
+    k itself (`attn.rotates`). `options`: the layer's sinks and sliding window (`Attention.options`), or None."""
+    options = options or {}
+    refuse_layer_options(attn, options)
+    out = (attn(q, k, v, **options) if rope is None else attn(q, k, v, *rope, **options)).flatten(-2)
     if mark_dynamic:
         mark_token_dims_dynamic(out)
     return out
@@ -92,9 +97,10 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE; the batch layout is the `attn` callable's business."""
+    """Grouped-query self-attention with RoPE; the batch layout is the `attn` callable's business. GPT-OSS: a learned
+    sink logit per head (`sinks`) and, in its sliding layers, a window (`options`)."""
 
-    def __init__(self, cfg: LatheConfig):
+    def __init__(self, cfg: LatheConfig, index: int = 0):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = cfg.hidden_size
@@ -106,6 +112,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.window = cfg.window_of(index)
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.n_heads))
+
+    def options(self) -> dict | None:
+        """What this layer hands its attention callable besides q, k, v: `sinks` and `window`, or None."""
+        sinks = getattr(self, "sinks", None)
+        if sinks is None and self.window is None:
+            return None
+        return {"sinks": sinks, "window": self.window}
 
     def qkv(self, x: torch.Tensor):
         """The projections (q, k, v), each (..., heads, head_dim)."""
@@ -124,7 +140,7 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-        return self.o_proj(attend(attn, *self.project(x, cos, sin)))
+        return self.o_proj(attend(attn, *self.project(x, cos, sin), options=self.options()))
 
 
 class DecoderLayer(nn.Module):
@@ -133,8 +149,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: LatheConfig, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = SparseMoeBlock(cfg) if cfg.is_sparse_layer(index) else MLP(cfg)
+        self.self_attn = Attention(cfg, index)
+        self.mlp = sparse_block(cfg)(cfg) if cfg.is_sparse_layer(index) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -144,8 +160,15 @@ class DecoderLayer(nn.Module):
         rotates = attn.rotates      # the attention applies RoPE itself
         q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin, rotate=not rotates)
         x = x + self.self_attn.o_proj(attend(attn, q, k, v, torch.compiler.is_compiling(),
-                                             (cos, sin) if rotates else None))
+                                             (cos, sin) if rotates else None, self.self_attn.options()))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def sparse_block(cfg: LatheConfig) -> type[SparseMoeBlock]:
+    """The module class of the family's sparse MLP: GPT-OSS's (clamped SwiGLU, biases) or Qwen3-MoE's."""
+    if cfg.moe.swiglu_limit is not None:
+        return GptOssMoeBlock
+    return SparseMoeBlock
 
 
 class LatheDecoderModel(nn.Module):
@@ -334,6 +357,10 @@ def init_weights(model: nn.Module, std: float = 0.02) -> None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, Attention) and getattr(module, "sinks", None) is not None:
+            nn.init.normal_(module.sinks, mean=0.0, std=std)
+        if isinstance(module, GptOssMoeBlock):
+            module.init_weights(std)
         elif isinstance(module, SparseMoeBlock):
             for p in (module.gate.weight, module.experts.gate_up_proj, module.experts.down_proj):
                 nn.init.normal_(p, mean=0.0, std=std)

@@ -3,8 +3,9 @@
 Parameter names already match the checkpoints, so loading is a plain safetensors read (one file, or
 shards listed in `model.safetensors.index.json`; `pytorch_model.bin` as a last resort) and saving is a
 plain safetensors write plus `config.json`, which `transformers.AutoModelFor*.from_pretrained` reads back.
-The one layout that differs is a MoE model's experts: one tensor per expert and projection on disk, stacked in the
-modules (`lathe.models.moe.fuse_expert_weights` on load, `split_expert_weights` on save).
+The one layout that differs is a Qwen3-MoE model's experts: one tensor per expert and projection on disk, stacked in
+the modules (`lathe.models.moe.fuse_expert_weights` on load, `split_expert_weights` on save); GPT-OSS's checkpoints
+hold the stacked tensors themselves.
 """
 
 from __future__ import annotations
@@ -136,7 +137,9 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
-    state = split_expert_weights(state)
+    moe = getattr(model.config, "moe", None)
+    if moe is not None and not moe.fused_on_disk:      # GPT-OSS's checkpoints keep the fused tensors
+        state = split_expert_weights(state)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     shards = _shard(state, parse_size(max_shard_size))

@@ -70,7 +70,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
-        self.moe = cfg.moe
+        self.moe, self.moe_hidden = cfg.moe, cfg.hidden_size
         self.gate = TopKRouter(cfg.hidden_size, cfg.moe.num_experts)
         self.experts = Experts(cfg.moe, cfg.hidden_size)
 
@@ -100,19 +100,23 @@ def route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.
 
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
+                    down: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    act=None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t of x (T, H): the assignments sorted by
     expert, the experts run on their contiguous rows (grouped matmul or loop, module doc), the outputs put back in
-    token order and summed over j."""
+    token order and summed over j. `gate_up` (E, 2I, H) and `down` (E, H, I) as `nn.Linear` weights (views of
+    transposed tensors welcome); `biases`: the experts' (gate_up (E, 2I), down (E, H)) biases, or None; `act`: the
+    activation from the gate_up output (T, 2I) to the down projection's input (default: SwiGLU, gate rows then up)."""
     num_experts, top_k = gate_up.shape[0], chosen.shape[-1]
+    act = _swiglu if act is None else act
     sorted_experts, order = chosen.reshape(-1).sort(stable=True)
     ends = torch.searchsorted(sorted_experts, torch.arange(1, num_experts + 1, device=x.device))
     token = order // top_k
     rows = x.index_select(0, token)
     if grouped_mm_supported(x.device, x.dtype, x.shape[-1], down.shape[-1]):
-        ys = _grouped(rows, ends.to(torch.int32), gate_up, down)
+        ys = _grouped(rows, ends.to(torch.int32), gate_up, down, act, biases, sorted_experts)
     else:
-        ys = _looped(rows, ends, gate_up, down)
+        ys = _looped(rows, ends, gate_up, down, act, biases)
     # back to (token, j) order, then each token's k outputs summed: no atomic adds, so the sum is deterministic
     ys = torch.empty_like(ys).index_copy_(0, order, ys).view(*chosen.shape, -1)
     return (ys * weights.unsqueeze(-1)).sum(1)
@@ -123,20 +127,27 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-def _grouped(rows: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The experts over their runs of `rows` with one grouped matmul per projection (`offsets`: each run's end)."""
-    hidden = _swiglu(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets))
-    return torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+def _grouped(rows: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act,
+             biases, experts: torch.Tensor) -> torch.Tensor:
+    """The experts over their runs of `rows` with one grouped matmul per projection (`offsets`: each run's end;
+    `experts`: each row's expert, for the biases)."""
+    h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
+    if biases is not None:
+        h = h + biases[0].index_select(0, experts)
+    out = torch._grouped_mm(act(h), down.transpose(1, 2), offs=offsets)
+    return out if biases is None else out + biases[1].index_select(0, experts)
 
 
-def _looped(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def _looped(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act,
+            biases) -> torch.Tensor:
     """The experts over their runs of `rows`, one expert at a time (experts without tokens skipped)."""
     counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     outs = []
     for e, part in enumerate(rows.split(counts)):
         if counts[e]:
-            hidden = _swiglu(nn.functional.linear(part, gate_up[e]))
-            outs.append(nn.functional.linear(hidden, down[e]))
+            b_gate_up, b_down = (None, None) if biases is None else (biases[0][e], biases[1][e])
+            hidden = act(nn.functional.linear(part, gate_up[e], b_gate_up))
+            outs.append(nn.functional.linear(hidden, down[e], b_down))
     return torch.cat(outs) if outs else rows.new_zeros(0, down.shape[1])
 
 
@@ -160,8 +171,8 @@ def graph_capturable(model: nn.Module) -> bool:
     """Whether `model`'s forward has no host sync in its MoE layers (none, or all on the grouped matmul), which a
     CUDA graph's capture needs."""
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    return all(grouped_mm_supported(b.experts.down_proj.device, b.experts.down_proj.dtype,
-                                    b.experts.down_proj.shape[1], b.experts.down_proj.shape[2]) for b in blocks)
+    return all(grouped_mm_supported(b.experts.down_proj.device, b.experts.down_proj.dtype, b.moe_hidden,
+                                    b.moe.moe_intermediate_size) for b in blocks)
 
 
 # ---- the load-balancing loss -------------------------------------------------------------------------------------

@@ -88,6 +88,9 @@ def check_model(model, size: int, key: str) -> None:
         raise ValueError(f"{key}={size}: the model's {heads} query heads and {kv} key/value heads are split over the "
                          f"{size} ranks of a group, so {size} must divide {heads} and divide {kv} or be a multiple "
                          f"of it. Fix: set {key} to such a size, e.g. {_fitting(heads, kv)}.")
+    if getattr(c, "sinks_or_windows", False):
+        raise ValueError(f"{key}={size}: {c.architecture} has attention sinks / sliding-window layers (GPT-OSS), which "
+                         f"lathe's Ulysses attention does not split over devices yet. Fix: set {key}=1.")
     if c.rope.rope_type == "dynamic":
         raise ValueError(f"{key}={size}: dynamic NTK RoPE scales the frequencies by the longest position of a "
                          f"forward, which each rank of a group sees only a slice of. Fix: set {key}=1.")

@@ -57,6 +57,11 @@ class Actor:
             raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, "
                              f"Qwen2, Qwen3), but the actor runs {architecture(self.model)}. Fix: set "
                              "use_prefix_grouper=false (or model.impl=lathe for those architectures).")
+        if arr.actor.use_prefix_grouper and getattr(self.model.config, "sinks_or_windows", False):
+            raise ValueError(f"actor_rollout_ref.actor.use_prefix_grouper=true: {architecture(self.model)} has "
+                             "attention sinks / sliding-window layers (GPT-OSS), which the prefix-grouped forward "
+                             "does not implement. Fix: set use_prefix_grouper=false (the same result, each row's "
+                             "forward whole)")
         if runs_lathe(self.model) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key=FSDP_KEY)

@@ -1,0 +1,79 @@
+"""The MoE families' shared checks against transformers (test helper, not a test): logits of a ragged batch, padded
+and packed; one ragged batch through both models with the load-balancing loss on, a loss over logits and aux loss
+backpropagated on each side; a checkpoint saved by transformers, loaded and saved by lathe, loaded by transformers."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from lathe.models.moe import collect_router_stats
+from lathe.models.packing import pack_padded
+
+from helpers import assert_close_rel
+
+from .lathe_tiny import ragged_batch
+
+
+def assert_logits_equal_transformers(hf, lathe, seed: int = 0, rel: float = 1e-5) -> None:
+    """lathe's logits of a ragged batch (padded under both padded modes, and packed) equal transformers' (padded),
+    within `rel` (norm-relative)."""
+    ids, mask, pos = (t.to(lathe.device) for t in ragged_batch(seed))
+    real = mask.bool()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        for mode in ("mask", "unpad"):
+            lathe.padded_attention = mode
+            assert_close_rel(lathe(ids, mask, pos).logits[real], ref[real], rel=rel, name=f"padded logits ({mode})")
+        packed = pack_padded(ids, mask, pos)
+        out = lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
+                                   return_hidden=False)
+    assert_close_rel(out, ref[real], rel=rel, name="packed logits")
+
+
+def _loss(logits, aux):
+    return logits.float().pow(2).mean() + 10.0 * aux
+
+
+def aux_and_gradients(hf, lathe, seed: int = 1):
+    """(lathe's RouterStats, its aux loss, transformers' aux loss, lathe's gradients by name, transformers' for the
+    same names, the number of real tokens) after one backward of the same loss on each side (lathe packed,
+    transformers padded)."""
+    ids, mask, pos = ragged_batch(seed)
+    real = mask.bool()
+    hf.zero_grad()
+    out = hf(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
+    _loss(out.logits[real], out.aux_loss).backward()
+    packed = pack_padded(ids, mask, pos)
+    lathe.zero_grad()
+    with collect_router_stats(lathe) as stats:
+        logits = lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
+                                      return_hidden=False)
+    aux = stats.aux_loss()
+    _loss(logits, aux).backward()
+    grads = {n: p.grad for n, p in lathe.named_parameters()}
+    ref = {n: p.grad for n, p in hf.named_parameters() if n in grads}
+    return stats, aux, out.aux_loss, grads, ref, int(real.sum())
+
+
+def round_trip(hf_dir, out_dir, vocab: int, **load_kwargs) -> tuple[set[str], str]:
+    """Load transformers' save `hf_dir` into lathe, save it to `out_dir`, load that with transformers: logits equal at
+    each step. Returns (the tensor names lathe wrote, the architecture its config.json names)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from lathe.models import load_lathe_model
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, **load_kwargs).eval()
+    lathe = load_lathe_model(hf_dir).eval()
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert_close_rel(lathe(ids).logits, ref, name="logits after loading transformers' save")
+    lathe.save_pretrained(out_dir)
+    with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    back = AutoModelForCausalLM.from_pretrained(out_dir, **load_kwargs).eval()
+    with torch.no_grad():
+        assert_close_rel(back(ids).logits, ref, name="transformers' logits after loading lathe's save")
+    return names, json.loads((out_dir / "config.json").read_text())["architectures"][0]

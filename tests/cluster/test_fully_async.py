@@ -231,7 +231,7 @@ def test_a_resumed_driver_takes_the_checkpoints_version_counts_and_prompt_positi
 def test_a_trainer_waiting_for_prompts_that_cannot_come_fails_saying_why():
     d = AsyncDriver.__new__(AsyncDriver)              # only the fields check_waiting reads
     d.t = SimpleNamespace(cfg=load_config("default", POOLS))
-    d.in_flight, d.queue, d.n, d.step_prompts, d.total_prompts = {}, deque(), 8, 16, 64
+    d.in_flight, d.queue, d.n, d.step_prompts, d.total_prompts, d.dapo = {}, deque(), 8, 16, 64, None
     d.ledger = Ledger(issued=64)
     with pytest.raises(RuntimeError, match="issued all 64 .* nothing more can come"):
         d.check_waiting(since=time.monotonic())

@@ -463,9 +463,6 @@ def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:
     if ce == "naive":
         problems.add("actor_rollout_ref.rollout.checkpoint_engine.backend=naive copies weights in-process, but the "
                      "rollout has devices of its own (rollout.n_gpus_per_node > 0). Fix: use backend=nccl or auto.")
-    if cfg.algorithm.filter_groups.enable:
-        problems.add("algorithm.filter_groups.enable=true (DAPO's dynamic sampling) is not implemented in fully-async "
-                     "mode yet. Fix: disable it, or train synchronously (rollout.n_gpus_per_node=0).")
     if cfg.trainer.restart_on_worker_failure:
         problems.add(f"trainer.restart_on_worker_failure={cfg.trainer.restart_on_worker_failure} is not implemented "
                      "for fully-async training yet (two pools to restart). Fix: set it to 0, and resume from the last "

@@ -475,9 +475,6 @@ def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:
                      "compute_prox_log_prob takes the rollout's as PPO's old log-probs: nothing would be corrected. "
                      "Fix: set async_training.compute_prox_log_prob=true, or use a bypass preset "
                      "(algorithm.rollout_correction.bypass_mode=true).")
-    if cfg.algorithm.adv_estimator == "remax":
-        problems.add("algorithm.adv_estimator=remax needs a greedy rollout per step, which fully-async mode does not "
-                     "run yet. Fix: use grpo/rloo/reinforce_plus_plus..., or train synchronously.")
 
 
 def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:

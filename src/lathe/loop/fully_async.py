@@ -32,6 +32,7 @@ import torch
 
 from lathe.algo import rollout_probs_diff
 from lathe.batch import Batch
+from lathe.cluster.roles import ACTOR
 from lathe.workers.fully_async import request_images
 from lathe.loop.fully_async_dapo import DynamicSampling
 from lathe.loop.ppo import finish_metrics, learn, save
@@ -102,6 +103,7 @@ class AsyncDriver:
                      if fg.enable else None)
         self.remax = cfg.algorithm.adv_estimator == "remax"   # each request's greedy twin, its reward the baseline
         self.arrived: dict[int, dict[str, Batch]] = {}    # first issue index -> what came of its requests so far
+        self.full_bytes: int | None = None
 
     # -- the Rollouter's side ------------------------------------------------------------------------------
     def _budget(self, stale: int) -> int:
@@ -262,6 +264,8 @@ class AsyncDriver:
         interrupted = self.cluster.rollout.pause(partial=self.at.partial_rollout)
         self.poll(0.0)                                     # what finished while pausing
         stats = self.cluster.sync(self.version + 1)
+        if self.full_bytes is None:              # what a sync of every weight would send (LoRA sends less)
+            self.full_bytes = self.cluster.trainer_group.call(ACTOR, "full_weight_bytes")[0]
         self.version += 1
         self.syncs += 1
         self.cluster.rollout.resume()
@@ -269,6 +273,7 @@ class AsyncDriver:
         seconds = time.perf_counter() - start
         return {"timing_s/param_sync": seconds, "fully_async/sync/interrupted": interrupted,
                 "fully_async/sync/gb": stats.get("bytes", 0) / 2**30,
+                "fully_async/sync/fraction_of_full": stats.get("bytes", 0) / max(1, self.full_bytes),
                 "fully_async/sync/send_s": stats.get("seconds", 0.0)}
 
     def state_dict(self) -> dict:
@@ -292,8 +297,9 @@ def fit_async(t: Trainer) -> dict[str, float]:
     resumed = (t.resume_state or {}).get("fully_async")
     if resumed is not None:
         d.load_state_dict(resumed)
-        t.cluster.rollout.pause(partial=True)
-        t.cluster.sync(d.version)                         # the replicas start from the checkpoint's weights
+    if resumed is not None or t.cfg.actor_rollout_ref.model.lora_adapter_path:
+        t.cluster.rollout.pause(partial=True)             # the replicas start from the checkpoint's weights (or
+        t.cluster.sync(d.version)                         # the given adapters merged: they load the base model)
         t.cluster.rollout.resume()
     if t.val_dataset is not None and (tr.val_before_train or tr.val_only) and resumed is None:
         t.tracker.log(validate(t), step=t.global_step)

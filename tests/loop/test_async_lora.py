@@ -1,0 +1,29 @@
+"""LoRA in fully-async mode: the weight sync sends only the adapted layers' merged weights (`W + s B A`, what the
+synchronous path loads into its engine), and the replica loads them over its base model (both pools in this
+process: tests/loop/test_async_inprocess.py). On-policy it is the synchronous loop's LoRA run."""
+
+from __future__ import annotations
+
+from helpers import warm_started
+from lathe.models.hf import load_policy
+from loop.test_async_inprocess import ON_POLICY, assert_same_steps, in_process_pools, train  # noqa: F401
+
+LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]", "actor_rollout_ref.actor.optim.lr=2e-2"]
+
+
+def test_on_policy_lora_syncs_only_the_adapted_layers_and_is_the_synchronous_loop(tmp_path, in_process_pools):
+    sync = train(tmp_path / "sync", *LORA)
+    on_policy = train(tmp_path / "async", *LORA, *ON_POLICY, "data.gen_batch_size=4")
+    assert_same_steps(sync, on_policy)
+    # the replica samples with the trainer's updated weights: the engine's log-probs are the trainer's at step 2
+    for row in on_policy:
+        assert row["fully_async/rollout_probs_diff_current_max"] < 1e-4, row
+    # a sync sends the q and v projections only, in the rollout dtype (float32 on the CPU)
+    model = load_policy(warm_started(30)[0].split("=", 1)[1])
+    state = model.state_dict()
+    adapted = sum(t.numel() for name, t in state.items() if name.endswith(("q_proj.weight", "v_proj.weight")))
+    fraction = adapted / sum(t.numel() for t in state.values())
+    for row in on_policy:
+        assert abs(row["fully_async/sync/fraction_of_full"] - fraction) < 1e-9, (row, fraction)
+        assert abs(row["fully_async/sync/gb"] * 2**30 - 4 * adapted) < 1, row

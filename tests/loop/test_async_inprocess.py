@@ -2,9 +2,8 @@
 trainer worker and the weight sync (a gloo `SyncGroup` between two threads) are the real ones; only the worker
 groups are in-process stand-ins of `RayWorkerGroup` (one rank each). `in_process_pools` puts them under
 `lathe train`, so a test compares an async run with a synchronous one in a few seconds
-(tests/loop/test_async_*.py); tests/cluster/test_fully_async.py runs the same over Ray.
-
-Here: the plain on-policy case (staleness 0, one update per sync) equals the synchronous loop, as over Ray."""
+(tests/loop/test_async_*.py); tests/cluster/test_fully_async.py runs the plain cases over Ray (an FSDP2 trainer rank,
+the replica in a process of its own). The trainer here is one unsharded process."""
 
 from __future__ import annotations
 
@@ -100,9 +99,3 @@ def assert_same_steps(sync: list[dict], on_policy: list[dict], keys=COMPARED) ->
             assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
         assert b["fully_async/staleness/max"] == 0
 
-
-def test_on_policy_async_in_process_is_the_synchronous_loop(tmp_path, in_process_pools):
-    sync = train(tmp_path / "sync")
-    on_policy = train(tmp_path / "async", *ON_POLICY, "data.gen_batch_size=4")
-    assert_same_steps(sync, on_policy)
-    assert on_policy[0]["fully_async/rollout_probs_diff_current_max"] < 1e-4

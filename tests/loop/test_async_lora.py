@@ -27,3 +27,27 @@ def test_on_policy_lora_syncs_only_the_adapted_layers_and_is_the_synchronous_loo
     for row in on_policy:
         assert abs(row["fully_async/sync/fraction_of_full"] - fraction) < 1e-9, (row, fraction)
         assert abs(row["fully_async/sync/gb"] * 2**30 - 4 * adapted) < 1, row
+
+
+def test_a_sharded_trainer_lists_the_merged_layers_it_sends_without_gathering(tmp_path):
+    """A trainer rank of a process group (FSDP2; one rank here) lists the sync's tensors from the shards' full shapes,
+    in the order `Actor.weights()` gathers and merges them: the adapted layers only."""
+    import torch.distributed as dist
+
+    from helpers import free_port
+    from lathe.config import load_config
+    from lathe.config.plan import run_plan
+    from lathe.models.hf import load_tokenizer
+    from lathe.workers.build import build_async_trainer
+    path = warm_started(30)[0].split("=", 1)[1]
+    cfg = load_config("default", [*warm_started(30), *LORA, *ON_POLICY, f"trainer.default_local_dir={tmp_path}"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        trainer = build_async_trainer(cfg, run_plan(cfg), path, {}, load_tokenizer("builtin:tiny"), total_steps=2,
+                                      device_type="cpu")
+        assert trainer.worker.actor.sharded
+        sent = [(name, tuple(t.shape)) for name, t in trainer.worker.actor.weights()]
+        assert [(m.name, m.shape) for m in trainer.weight_metas()] == sent
+        assert sent and all(name.endswith(("q_proj.weight", "v_proj.weight")) for name, _ in sent)
+    finally:
+        dist.destroy_process_group()

@@ -148,14 +148,15 @@ def test_on_policy_async_with_image_prompts_is_the_synchronous_loop(tmp_path, mo
     common = [*keys, f"data.val_files={data}", "trainer.test_freq=2", "data.max_response_length=3",
               "trainer.total_training_steps=2"]
     sync = train(tmp_path / "sync", *common, "data.train_batch_size=4", warm=False)
-    trained = []
+    taken = []                                        # take: (the batch, how it was gathered)
     take = fully_async.AsyncDriver.take
-    monkeypatch.setattr(fully_async.AsyncDriver, "take", lambda d: trained.append(take(d)) or trained[-1])
+    monkeypatch.setattr(fully_async.AsyncDriver, "take", lambda d: taken.append(take(d)) or taken[-1])
     on_policy = train(tmp_path / "async", *common, *POOLS, "data.train_batch_size=0",
                       "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
                       "async_training.require_batches=1", "async_training.partial_rollout=false",
                       "data.gen_batch_size=4", warm=False)
-    assert len(sync) == len(on_policy) == 2 and len(trained) == 2
+    assert len(sync) == len(on_policy) == 2 and len(taken) == 2
+    trained = [batch for batch, _ in taken]
     for a, b in zip(sync, on_policy):
         assert all(math.isfinite(b[k]) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"))
         for key in (*COMPARED, "actor/entropy", *(k for k in a if k.startswith("val-core/"))):

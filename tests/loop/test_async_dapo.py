@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from lathe.batch import Batch
+from lathe.cli import main
 from lathe.loop.fully_async_dapo import DynamicSampling
 from lathe.loop.sampling import DynamicSamplingExhausted
-from loop.test_async_inprocess import ON_POLICY, assert_same_steps, in_process_pools, train  # noqa: F401
+from loop.test_async_inprocess import FAST, ON_POLICY, assert_same_steps, in_process_pools, train  # noqa: F401
 
 DAPO = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "data.gen_batch_size=4"]
 
@@ -62,3 +63,11 @@ def test_rounds_go_to_the_oldest_short_step_and_a_filled_step_discards_what_is_l
     ds.arrived(12, _round(12, [[1, 1], [1, 1]]))
     with pytest.raises(DynamicSamplingExhausted, match="after 3 generation rounds .* for step 3"):
         ds.label()
+
+
+def test_async_dynamic_sampling_gives_up_with_the_synchronous_loops_message(tmp_path, in_process_pools, capsys):
+    # no warm start: every sample scores 0, so no group ever has variance
+    rc = main(["train", *FAST, f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.warm_start.steps=0",
+               *DAPO, *ON_POLICY, "algorithm.filter_groups.max_num_gen_batches=2"])
+    assert rc == 2
+    assert "after 2 generation rounds (max_num_gen_batches=2) for step 1" in capsys.readouterr().err

@@ -51,3 +51,21 @@ def test_a_sharded_trainer_lists_the_merged_layers_it_sends_without_gathering(tm
         assert sent and all(name.endswith(("q_proj.weight", "v_proj.weight")) for name, _ in sent)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_replicas_start_from_a_given_adapter(tmp_path, in_process_pools):
+    """With `lora_adapter_path` the replicas load the base model, then take the merged adapters before generating:
+    the first step's tokens have the log-probs the trainer (base + adapters) computes."""
+    import torch
+
+    from lathe.models.lora import apply_lora, save_adapter
+    model = load_policy(warm_started(30)[0].split("=", 1)[1])
+    apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    save_adapter(model, tmp_path / "adapter")
+    rows = train(tmp_path / "async", *LORA, *ON_POLICY, "data.gen_batch_size=4", "trainer.total_training_steps=1",
+                 f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}")
+    assert rows[0]["fully_async/rollout_probs_diff_current_max"] < 1e-4, rows[0]

@@ -71,3 +71,9 @@ def test_async_dynamic_sampling_gives_up_with_the_synchronous_loops_message(tmp_
                *DAPO, *ON_POLICY, "algorithm.filter_groups.max_num_gen_batches=2"])
     assert rc == 2
     assert "after 2 generation rounds (max_num_gen_batches=2) for step 1" in capsys.readouterr().err
+
+
+def test_a_round_larger_than_a_step_is_refused_naming_dynamic_sampling():
+    from lathe.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="gen_batch_size=48 .* must divide .* a request is one generation round"):
+        load_config("default", [*DAPO, *ON_POLICY, "data.gen_batch_size=48"])

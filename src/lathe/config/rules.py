@@ -459,7 +459,10 @@ def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:
     if cfg.data.gen_batch_size >= 1 and step % cfg.data.gen_batch_size:
         problems.add(f"data.gen_batch_size={cfg.data.gen_batch_size} prompts per rollout request must divide a "
                      f"training step of async_training.require_batches x ppo_mini_batch_size = {step} prompts. "
-                     "Fix: set data.gen_batch_size=1 (verl's streaming default) or a divisor of that.")
+                     "Fix: set data.gen_batch_size=1 (verl's streaming default) or a divisor of that"
+                     + (" (with algorithm.filter_groups.enable=true a request is one generation round, so a DAPO "
+                        "script's gen_batch_size larger than a step does not fit)"
+                        if cfg.algorithm.filter_groups.enable else "") + ".")
     if ce == "naive":
         problems.add("actor_rollout_ref.rollout.checkpoint_engine.backend=naive copies weights in-process, but the "
                      "rollout has devices of its own (rollout.n_gpus_per_node > 0). Fix: use backend=nccl or auto.")

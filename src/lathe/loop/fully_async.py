@@ -14,6 +14,10 @@ is on-policy (the synchronous loop on two pools: same samples, same updates); `s
 per sync is verl's one-step-off policy. Every sample carries the weight version(s) it was sampled with; a trained
 batch reports its lag behind the trainer's version.
 
+DAPO's dynamic sampling filters each request's groups as it arrives and asks for more rounds for a step short of
+kept prompts (`lathe.loop.fully_async_dapo`); ReMax sends each request with a greedy twin whose reward is the
+baseline; with LoRA the sync sends only the adapted layers, merged (`AsyncTrainerWorker`).
+
 Every prompt gets an issue index when it is sent; its samples are seeded by it exactly as the synchronous loop
 seeds the same prompt of the same step, and a checkpoint records which issued prompts were trained, so a resumed run
 re-issues the untrained ones (none lost, none trained twice).

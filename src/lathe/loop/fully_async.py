@@ -222,7 +222,8 @@ class AsyncDriver:
         metrics: dict[str, float] = {}
         if self.dapo:
             batch, never, metrics = self.dapo.take(self.t.tokenizer.pad_token_id)
-            self.ledger.trained.update(never)
+            self.ledger.trained.update(never)             # kept groups beyond the step: done with, as dropped ones
+            self.budget += len(never)
             trained = batch.meta["indices"]
         else:
             groups, have = [], 0

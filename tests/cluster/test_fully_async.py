@@ -148,14 +148,15 @@ def test_on_policy_async_with_image_prompts_is_the_synchronous_loop(tmp_path, mo
     common = [*keys, f"data.val_files={data}", "trainer.test_freq=2", "data.max_response_length=3",
               "trainer.total_training_steps=2"]
     sync = train(tmp_path / "sync", *common, "data.train_batch_size=4", warm=False)
-    trained = []
+    taken = []                                        # take: (the batch, how it was gathered)
     take = fully_async.AsyncDriver.take
-    monkeypatch.setattr(fully_async.AsyncDriver, "take", lambda d: trained.append(take(d)) or trained[-1])
+    monkeypatch.setattr(fully_async.AsyncDriver, "take", lambda d: taken.append(take(d)) or taken[-1])
     on_policy = train(tmp_path / "async", *common, *POOLS, "data.train_batch_size=0",
                       "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
                       "async_training.require_batches=1", "async_training.partial_rollout=false",
                       "data.gen_batch_size=4", warm=False)
-    assert len(sync) == len(on_policy) == 2 and len(trained) == 2
+    assert len(sync) == len(on_policy) == 2 and len(taken) == 2
+    trained = [batch for batch, _ in taken]
     for a, b in zip(sync, on_policy):
         assert all(math.isfinite(b[k]) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"))
         for key in (*COMPARED, "actor/entropy", *(k for k in a if k.startswith("val-core/"))):
@@ -231,7 +232,7 @@ def test_a_resumed_driver_takes_the_checkpoints_version_counts_and_prompt_positi
 def test_a_trainer_waiting_for_prompts_that_cannot_come_fails_saying_why():
     d = AsyncDriver.__new__(AsyncDriver)              # only the fields check_waiting reads
     d.t = SimpleNamespace(cfg=load_config("default", POOLS))
-    d.in_flight, d.queue, d.n, d.step_prompts, d.total_prompts = {}, deque(), 8, 16, 64
+    d.in_flight, d.queue, d.n, d.step_prompts, d.total_prompts, d.dapo = {}, deque(), 8, 16, 64, None
     d.ledger = Ledger(issued=64)
     with pytest.raises(RuntimeError, match="issued all 64 .* nothing more can come"):
         d.check_waiting(since=time.monotonic())

@@ -461,13 +461,13 @@ def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:
     if cfg.data.gen_batch_size >= 1 and step % cfg.data.gen_batch_size:
         problems.add(f"data.gen_batch_size={cfg.data.gen_batch_size} prompts per rollout request must divide a "
                      f"training step of async_training.require_batches x ppo_mini_batch_size = {step} prompts. "
-                     "Fix: set data.gen_batch_size=1 (verl's streaming default) or a divisor of that.")
+                     "Fix: set data.gen_batch_size=1 (verl's streaming default) or a divisor of that"
+                     + (" (with algorithm.filter_groups.enable=true a request is one generation round, so a DAPO "
+                        "script's gen_batch_size larger than a step does not fit)"
+                        if cfg.algorithm.filter_groups.enable else "") + ".")
     if ce == "naive":
         problems.add("actor_rollout_ref.rollout.checkpoint_engine.backend=naive copies weights in-process, but the "
                      "rollout has devices of its own (rollout.n_gpus_per_node > 0). Fix: use backend=nccl or auto.")
-    if cfg.algorithm.filter_groups.enable:
-        problems.add("algorithm.filter_groups.enable=true (DAPO's dynamic sampling) is not implemented in fully-async "
-                     "mode yet. Fix: disable it, or train synchronously (rollout.n_gpus_per_node=0).")
     if cfg.trainer.restart_on_worker_failure:
         problems.add(f"trainer.restart_on_worker_failure={cfg.trainer.restart_on_worker_failure} is not implemented "
                      "for fully-async training yet (two pools to restart). Fix: set it to 0, and resume from the last "
@@ -480,9 +480,6 @@ def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:
                      "compute_prox_log_prob takes the rollout's as PPO's old log-probs: nothing would be corrected. "
                      "Fix: set async_training.compute_prox_log_prob=true, or use a bypass preset "
                      "(algorithm.rollout_correction.bypass_mode=true).")
-    if cfg.algorithm.adv_estimator == "remax":
-        problems.add("algorithm.adv_estimator=remax needs a greedy rollout per step, which fully-async mode does not "
-                     "run yet. Fix: use grpo/rloo/reinforce_plus_plus..., or train synchronously.")
 
 
 def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:

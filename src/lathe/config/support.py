@@ -105,11 +105,7 @@ def _one_device() -> list[Entry]:
 
 
 def _lora() -> list[Entry]:
-    out = [only_on("a rollout pool", refuse(
-               f"{M}.lora_rank", "LoRA with a rollout pool of its own (fully async training: its weight sync sends "
-               "full weights)", "train LoRA synchronously (rollout.n_gpus_per_node=0, on one device or several), "
-               "or set lora_rank=0", at_most(0))),
-           refuse(f"{C}.model.lora_rank", "LoRA for the critic", "remove it (or set it to 0): the critic trains all "
+    out = [refuse(f"{C}.model.lora_rank", "LoRA for the critic", "remove it (or set it to 0): the critic trains all "
                   "weights", at_most(0))]
     out += [warn(f"{C}.model.{k}", "it is read only with critic.model.lora_rank > 0 (not implemented yet)")
             for k in ("lora_alpha", "target_modules")]

@@ -14,6 +14,10 @@ is on-policy (the synchronous loop on two pools: same samples, same updates); `s
 per sync is verl's one-step-off policy. Every sample carries the weight version(s) it was sampled with; a trained
 batch reports its lag behind the trainer's version.
 
+DAPO's dynamic sampling filters each request's groups as it arrives and asks for more rounds for a step short of
+kept prompts (`lathe.loop.fully_async_dapo`); ReMax sends each request with a greedy twin whose reward is the
+baseline; with LoRA the sync sends only the adapted layers, merged (`AsyncTrainerWorker`).
+
 Every prompt gets an issue index when it is sent; its samples are seeded by it exactly as the synchronous loop
 seeds the same prompt of the same step, and a checkpoint records which issued prompts were trained, so a resumed run
 re-issues the untrained ones (none lost, none trained twice).
@@ -32,7 +36,9 @@ import torch
 
 from lathe.algo import rollout_probs_diff
 from lathe.batch import Batch
+from lathe.cluster.roles import ACTOR
 from lathe.workers.fully_async import request_images
+from lathe.loop.fully_async_dapo import DynamicSampling
 from lathe.loop.ppo import finish_metrics, learn, save
 from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed
 from lathe.loop.setup import Trainer, prompt_batch
@@ -83,7 +89,10 @@ class AsyncDriver:
         self.step_prompts = t.plan.actor.prompts_per_step   # require_batches x ppo_mini_batch_size (config/fill.py)
         self.per_sync = self.at.trigger_parameter_sync_step * self.step_prompts
         self.n, self.chunk = t.sampling.n, cfg.data.gen_batch_size
-        self.total_prompts = cfg.rollout.total_rollout_steps or t.total_steps * self.step_prompts
+        # (dynamic sampling needs more prompts than it trains: as many as its dropped groups, each step at most
+        # `max_num_gen_batches` rounds)
+        self.total_prompts = cfg.rollout.total_rollout_steps or (
+            math.inf if cfg.algorithm.filter_groups.enable else t.total_steps * self.step_prompts)
         self.version, self.syncs, self.updates_since_sync = 0, 0, 0
         self.ledger = Ledger()
         self.in_flight: dict[int, tuple[int, Batch]] = {}        # first issue index -> (replica, prompt rows)
@@ -93,6 +102,12 @@ class AsyncDriver:
         self.busy = [0.0] * self.cluster.rollout.world
         self.counters = dict.fromkeys(("stale_samples", "stale_trajectories"), 0)
         self.counted: dict[str, float] = {}               # request metrics since the last trained step
+        fg = cfg.algorithm.filter_groups                  # DAPO's dynamic sampling: lathe.loop.fully_async_dapo
+        self.dapo = (DynamicSampling(fg, step_prompts=self.step_prompts, n=self.n, first_step=t.global_step + 1)
+                     if fg.enable else None)
+        self.remax = cfg.algorithm.adv_estimator == "remax"   # each request's greedy twin, its reward the baseline
+        self.arrived: dict[int, dict[str, Batch]] = {}    # first issue index -> what came of its requests so far
+        self.full_bytes: int | None = None
 
     # -- the Rollouter's side ------------------------------------------------------------------------------
     def _budget(self, stale: int) -> int:
@@ -101,7 +116,8 @@ class AsyncDriver:
     def fill(self) -> None:
         """Send chunks of prompts to the replicas (round robin) while the interval's budget lasts."""
         requests: dict[int, list] = {}
-        while self.budget >= self.chunk and self.ledger.issued < self.total_prompts:
+        while self.ledger.issued < self.total_prompts and (self.budget > 0 if self.dapo else self.budget >= self.chunk):
+            label = self.dapo.label() if self.dapo else None      # (step, round) of a dynamic-sampling round
             first, state = self.ledger.issued, self.t.loader.state_dict()
             rows = self.t.next_rows()
             self.ledger.issued += len(rows)
@@ -109,17 +125,23 @@ class AsyncDriver:
                 continue                                                   # trained before the resume
             self.ledger.chunk_states[first] = state
             self.budget -= len(rows)
+            if self.dapo:
+                self.dapo.issued(first, label, len(rows))
             prompts = prompt_batch(rows, step=0)
             prompts = Batch(non_tensors={**prompts.non_tensors, "uid": [f"p{first + i}" for i in range(len(rows))]})
-            # seeded as the synchronous loop seeds prompt i of its step s (same samples when on-policy)
+            # seeded as the synchronous loop seeds prompt i of its step s (same samples when on-policy); a dynamic-
+            # sampling round as it seeds round r of step s
             step, i = divmod(first, self.step_prompts)
+            step, round_, i = (*label, 0) if label else (step + 1, 0, i)
             params = replace(self.t.sampling, seed=self.t.sampling.seed if self.t.sampling.seed is not None
-                             else rollout_seed(self.t.cfg.trainer.seed, step + 1, 0))
+                             else rollout_seed(self.t.cfg.trainer.seed, step, round_))
             replica = self.next_replica
             self.next_replica = (replica + 1) % self.cluster.rollout.world
             self.in_flight[first] = (replica, prompts)
-            requests.setdefault(replica, []).append((first, [list(p) for p in prompts["prompt_ids"]], params,
-                                                     i * self.n, request_images(prompts)))
+            ids, images = [list(p) for p in prompts["prompt_ids"]], request_images(prompts)
+            requests.setdefault(replica, []).append((first, ids, params, i * self.n, images))
+            if self.remax:        # ReMax's greedy response of each prompt, generated beside (and with) the samples
+                requests[replica].append((("greedy", first), ids, replace(params, n=1, do_sample=False), 0, images))
         if requests:
             self.cluster.rollout.submit(requests)
 
@@ -127,21 +149,43 @@ class AsyncDriver:
         """Finished requests from the replicas: scored and queued. Returns how many came."""
         done, busy = self.cluster.rollout.collect(wait_s)
         self.busy = busy
-        for first, gen in done:
-            _, prompts = self.in_flight.pop(first)
-            batch = prompts.repeat(self.n, interleave=True).update(gen)
-            scores, metrics = compute_reward(batch, self.t.tokenizer, self.t.reward,
-                                             overlong=self.t.cfg.reward_model.overlong_buffer,
-                                             max_response_length=self.t.cfg.data.max_response_length)
-            batch.update(scores)
-            batch.meta["first"] = first
+        finished = 0
+        for request_id, gen in done:
+            kind, first = request_id if isinstance(request_id, tuple) else ("samples", request_id)
+            parts = self.arrived.setdefault(first, {})
+            parts[kind] = gen
+            if self.remax and len(parts) < 2:
+                continue                                  # the samples wait for their greedy twin, or it for them
+            del self.arrived[first]
+            finished += 1
+            self._score(first, parts)
+        return finished
+
+    def _score(self, first: int, parts: dict[str, Batch]) -> None:
+        """A finished request's groups scored (ReMax: with their greedy baselines), filtered (dynamic sampling) and
+        queued."""
+        _, prompts = self.in_flight.pop(first)
+        batch = prompts.repeat(self.n, interleave=True).update(parts["samples"])
+        scores, metrics = compute_reward(batch, self.t.tokenizer, self.t.reward,
+                                         overlong=self.t.cfg.reward_model.overlong_buffer,
+                                         max_response_length=self.t.cfg.data.max_response_length)
+        batch.update(scores)
+        if "greedy" in parts:                 # as `lathe.loop.sampling.greedy_baseline` scores it
+            greedy = prompts.repeat(1).update(parts["greedy"])
+            greedy_scores, _ = compute_reward(greedy, self.t.tokenizer, self.t.reward)
+            batch["reward_baselines"] = greedy_scores["seq_scores"].repeat_interleave(self.n)
+        for key, value in {**metrics, **batch.meta.pop("rollout_metrics", {})}.items():
+            if key in COUNTED:                        # per request: summed over the step
+                self.counted[key] = self.counted.get(key, 0) + value
+            elif not key.startswith("reward_extra/"):    # (those are over the trained batch: step_metrics)
+                self.counted[key] = value
+        batch.meta.update(first=first, indices=list(range(first, first + len(prompts))))
+        if self.dapo:
+            never = self.dapo.arrived(first, batch)          # dropped groups: their prompts are done with
+            self.ledger.trained.update(never)
+            self.budget += len(never)
+        else:
             self.queue.append(batch)
-            for key, value in {**metrics, **batch.meta.pop("rollout_metrics", {})}.items():
-                if key in COUNTED:                    # per request: summed over the step
-                    self.counted[key] = self.counted.get(key, 0) + value
-                elif not key.startswith("reward_extra/"):    # (those are over the trained batch: step_metrics)
-                    self.counted[key] = value
-        return len(done)
 
     def check_waiting(self, since: float) -> None:
         """The trainer waits for prompts: fail, saying why, when none can come or none came for the timeout."""
@@ -165,20 +209,38 @@ class AsyncDriver:
         return {**out, **reward_extra_means(batch["reward_extra_info"] if "reward_extra_info" in batch else [])}
 
     def queued_prompts(self) -> int:
-        return sum(len(b) for b in self.queue) // self.n
+        """Finished prompts waiting to be trained (kept ones, with dynamic sampling)."""
+        return self.dapo.queued_prompts() if self.dapo else sum(len(b) for b in self.queue) // self.n
 
-    def take(self) -> Batch:
-        """The next training batch: the oldest finished groups, `step_prompts` prompts, ordered by issue index."""
-        groups, have = [], 0
-        while have < self.step_prompts:
-            groups.append(self.queue.popleft())
-            have += len(groups[-1]) // self.n
-        groups.sort(key=lambda b: b.meta["first"])
-        for b in groups:
-            self.ledger.trained.update(range(b.meta["first"], b.meta["first"] + len(b) // self.n))
-        self.ledger.forget_before(min([*self.in_flight, *(b.meta["first"] for b in self.queue)],
-                                      default=self.ledger.issued))
-        return concat_rollouts(groups, self.t.tokenizer.pad_token_id)
+    def ready(self) -> bool:
+        """A training step's prompts have finished (dynamic sampling: its rounds' kept groups fill it)."""
+        return self.dapo.ready() if self.dapo else self.queued_prompts() >= self.step_prompts
+
+    def take(self) -> tuple[Batch, dict[str, float]]:
+        """The next training batch, `step_prompts` prompts ordered by issue index (the oldest finished groups, or
+        the next step's kept groups with dynamic sampling), and the metrics of how it was gathered."""
+        metrics: dict[str, float] = {}
+        if self.dapo:
+            batch, never, metrics = self.dapo.take(self.t.tokenizer.pad_token_id)
+            self.ledger.trained.update(never)             # kept groups beyond the step: done with, as dropped ones
+            self.budget += len(never)
+            trained = batch.meta["indices"]
+        else:
+            groups, have = [], 0
+            while have < self.step_prompts:
+                groups.append(self.queue.popleft())
+                have += len(groups[-1]) // self.n
+            groups.sort(key=lambda b: b.meta["first"])
+            trained = [i for b in groups for i in b.meta["indices"]]
+            batch = concat_rollouts(groups, self.t.tokenizer.pad_token_id)
+        self.ledger.trained.update(trained)
+        self.ledger.forget_before(min(self.pending(), default=self.ledger.issued))
+        return batch, metrics
+
+    def pending(self) -> set[int]:
+        """Issued prompts not yet trained (nor dropped): running, or finished and waiting."""
+        out = {i for first, (_, p) in self.in_flight.items() for i in range(first, first + len(p))}
+        return out | (self.dapo.pending() if self.dapo else {i for b in self.queue for i in b.meta["indices"]})
 
     def staleness_metrics(self, batch: Batch) -> dict[str, float]:
         """How far the trained responses lag behind the rollout's weights (in syncs, from each response's first
@@ -207,6 +269,8 @@ class AsyncDriver:
         interrupted = self.cluster.rollout.pause(partial=self.at.partial_rollout)
         self.poll(0.0)                                     # what finished while pausing
         stats = self.cluster.sync(self.version + 1)
+        if self.full_bytes is None:              # what a sync of every weight would send (LoRA sends less)
+            self.full_bytes = self.cluster.trainer_group.call(ACTOR, "full_weight_bytes")[0]
         self.version += 1
         self.syncs += 1
         self.cluster.rollout.resume()
@@ -214,12 +278,11 @@ class AsyncDriver:
         seconds = time.perf_counter() - start
         return {"timing_s/param_sync": seconds, "fully_async/sync/interrupted": interrupted,
                 "fully_async/sync/gb": stats.get("bytes", 0) / 2**30,
+                "fully_async/sync/fraction_of_full": stats.get("bytes", 0) / max(1, self.full_bytes),
                 "fully_async/sync/send_s": stats.get("seconds", 0.0)}
 
     def state_dict(self) -> dict:
-        pending = {i for first, (_, p) in self.in_flight.items() for i in range(first, first + len(p))}
-        pending |= {i for b in self.queue for i in range(b.meta["first"], b.meta["first"] + len(b) // self.n)}
-        return {**self.ledger.state_dict(pending, self.t.loader.state_dict()), "version": self.version,
+        return {**self.ledger.state_dict(self.pending(), self.t.loader.state_dict()), "version": self.version,
                 "syncs": self.syncs, "updates_since_sync": self.updates_since_sync, "counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -239,8 +302,9 @@ def fit_async(t: Trainer) -> dict[str, float]:
     resumed = (t.resume_state or {}).get("fully_async")
     if resumed is not None:
         d.load_state_dict(resumed)
-        t.cluster.rollout.pause(partial=True)
-        t.cluster.sync(d.version)                         # the replicas start from the checkpoint's weights
+    if resumed is not None or t.cfg.actor_rollout_ref.model.lora_adapter_path:
+        t.cluster.rollout.pause(partial=True)             # the replicas start from the checkpoint's weights (or
+        t.cluster.sync(d.version)                         # the given adapters merged: they load the base model)
         t.cluster.rollout.resume()
     if t.val_dataset is not None and (tr.val_before_train or tr.val_only) and resumed is None:
         t.tracker.log(validate(t), step=t.global_step)
@@ -259,15 +323,15 @@ def fit_async(t: Trainer) -> dict[str, float]:
             d.fill()
             if d.poll(wait_s=0.0 if training is not None and training[0].done() else 0.05) or training is not None:
                 progress_at = time.monotonic()
-            elif d.queued_prompts() < d.step_prompts:
+            elif not d.ready():
                 d.check_waiting(since=progress_at)
-            if training is None and t.global_step < t.total_steps and d.queued_prompts() >= d.step_prompts:
+            if training is None and t.global_step < t.total_steps and d.ready():
                 idle += time.perf_counter() - idle_since
-                batch = d.take()
+                batch, gathered = d.take()
                 current = d.version if d.updates_since_sync == 0 else None   # the trainer holds the rollout's weights
                 t.global_step += 1                        # the step in training, counted as the synchronous loop does
                 training = (pool.submit(_learn, t, batch, current),
-                            {**d.staleness_metrics(batch), **d.step_metrics(batch)})
+                            {**d.staleness_metrics(batch), **d.step_metrics(batch), **gathered})
             if training is not None and training[0].done():
                 last = {**training[1], **training[0].result()}
                 training, idle_since = None, time.perf_counter()

@@ -49,10 +49,6 @@ class Actor:
         if is_vl(self.model):
             check_vl(self.model, arr, rollout=with_rollout)
         self.lora = arr.model.lora_rank > 0 and self._apply_lora(seed)
-        if self.lora and not with_rollout:
-            raise NotImplementedError("actor_rollout_ref.model.lora_rank > 0 with a rollout pool of its own (fully "
-                                      "async: the weight sync sends full weights) is not implemented yet; train "
-                                      "LoRA synchronously (rollout.n_gpus_per_node=0)")
         if arr.actor.use_prefix_grouper and not isinstance(self.model, LatheCausalLM):
             raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, "
                              f"Qwen2, Qwen3), but the actor runs {architecture(self.model)}. Fix: set "

@@ -27,6 +27,7 @@ from lathe.device import rank_device
 from lathe.dtypes import rollout_dtype
 from lathe.models.vl import is_vl
 from lathe.models.frozen import frozen_copy
+from lathe.models.lora import is_adapter
 from lathe.models.hf import load_policy, select_impl
 from lathe.generation import SamplingParams
 from lathe.rollout.base import to_batch
@@ -212,9 +213,28 @@ class AsyncTrainerWorker:
         return getattr(self.worker, name)
 
     def weight_metas(self) -> list[TensorMeta]:
-        """(name, full shape, rollout dtype) of every tensor the sync sends, in the order it sends them."""
+        """(name, full shape, rollout dtype) of every tensor the sync sends, in the order it sends them: every
+        parameter, or with LoRA only the adapted layers' merged weights (`W + s B A`; the base never changes, and
+        the replicas hold it from the start). A rank of a group lists them without gathering anything."""
+        actor = self.worker.actor
+        if not actor.sharded:                      # one process (no group): the tensors themselves are at hand
+            shapes = [(name, t.shape, t.dtype) for name, t in actor.weights()]
+        else:
+            shapes = parallel.full_shapes(actor.model)
+            if actor.lora:
+                adapted = {f"{name[:-len('.lora_A')]}.weight" for name, _ in actor.model.named_parameters()
+                           if name.endswith(".lora_A")}
+                shapes = [s for s in shapes if s[0] in adapted]
         return [TensorMeta(name, tuple(shape), self.rollout_dtype if dtype.is_floating_point else dtype)
-                for name, shape, dtype in parallel.full_shapes(self.worker.model)]
+                for name, shape, dtype in shapes]
+
+    def full_weight_bytes(self) -> int:
+        """What a sync of every parameter would send, in the rollout dtype (a LoRA sync's yardstick)."""
+        actor = self.worker.actor
+        shapes = (parallel.full_shapes(actor.model) if actor.sharded
+                  else [(name, t.shape, t.dtype) for name, t in actor.model.state_dict().items()])
+        return sum(TensorMeta(name, tuple(shape), self.rollout_dtype if dtype.is_floating_point else dtype).nbytes
+                   for name, shape, dtype in shapes if not is_adapter(name))
 
     def join_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         if parallel.rank() == 0:              # the trainer's rank 0 sends; its other ranks only help gather
@@ -227,8 +247,9 @@ class AsyncTrainerWorker:
             self.sync = None
 
     def send_weights(self, metas: list[TensorMeta], bucket_bytes: int) -> dict:
-        """Every trainer rank gathers the sharded weights layer by layer; rank 0 broadcasts them in buckets."""
-        tensors = parallel.full_tensors(self.worker.model)
+        """Every trainer rank gathers the sharded weights layer by layer (`Actor.weights`: with LoRA, the adapted
+        layers merged); rank 0 broadcasts them in buckets."""
+        tensors = self.worker.actor.weights()
         if self.sync is None:
             for _ in tensors:
                 pass

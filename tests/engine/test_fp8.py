@@ -134,11 +134,13 @@ def test_cuda_fp8_engine_with_graphs_samples_its_own_model(checkpoints, family):
 
 @pytest.mark.gpu
 def test_cuda_compiled_fp8_and_plain_instances_keep_their_own_kernels(checkpoints):
-    """The trainer's model and the FP8 engine's copy run the same compiled code objects (`DecoderLayer.forward`, the
-    split forms): each instance must keep its own variant, whichever ran first."""
+    """The trainer's model and the FP8 engine's copy run the same compiled code objects (`DecoderLayer.forward`):
+    each instance must keep its own variant, whichever ran first. The plain one must equal its eager forward to
+    bf16 rounding (an FP8 variant would be off by the quantisation's error); the FP8 one is reported against its
+    eager forward (inductor's quantisation may round differently) and must be nearer to it than to the plain model."""
     from lathe.models.compile import compile_decoder
     path, _ = checkpoints["qwen2"]
-    ids = torch.tensor([PROMPTS[0]], device="cuda")
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2]], device="cuda")
 
     def pair(quantise_first):
         models = [load_lathe_model(path, torch.bfloat16, device="cuda") for _ in range(2)]
@@ -152,5 +154,7 @@ def test_cuda_compiled_fp8_and_plain_instances_keep_their_own_kernels(checkpoint
     with torch.no_grad():
         for first in (True, False):
             eager, compiled = pair(first)
-            assert rel_error(compiled[0], eager[0]) < 1e-2 and rel_error(compiled[1], eager[1]) < 1e-2, first
-            assert rel_error(eager[0], eager[1]) > 3 * rel_error(compiled[1], eager[1]), "precondition: FP8 differs"
+            errors = {"plain": rel_error(compiled[1], eager[1]), "fp8": rel_error(compiled[0], eager[0]),
+                      "fp8_vs_plain": rel_error(compiled[0], eager[1]), "gap": rel_error(eager[0], eager[1])}
+            print("fp8 first" if first else "plain first", errors)
+            assert errors["plain"] < 1e-2 and errors["fp8"] < errors["fp8_vs_plain"], (first, errors)

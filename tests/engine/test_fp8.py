@@ -136,7 +136,7 @@ def test_cuda_fp8_engine_with_graphs_samples_its_own_model(checkpoints, family):
 def test_cuda_compiled_fp8_and_plain_instances_keep_their_own_kernels(checkpoints):
     """The trainer's model and the FP8 engine's copy run the same compiled code objects (`DecoderLayer.forward`):
     each instance must keep its own variant, whichever ran first. The plain one must equal its eager forward to
-    bf16 rounding (an FP8 variant would be off by the quantisation's error); the FP8 one is reported against its
+    bf16 rounding (an FP8 variant would be off by the quantisation's error, `gap`); the FP8 one is reported against its
     eager forward (inductor's quantisation may round differently) and must be nearer to it than to the plain model."""
     from lathe.models.compile import compile_decoder
     path, _ = checkpoints["qwen2"]
@@ -157,4 +157,5 @@ def test_cuda_compiled_fp8_and_plain_instances_keep_their_own_kernels(checkpoint
             errors = {"plain": rel_error(compiled[1], eager[1]), "fp8": rel_error(compiled[0], eager[0]),
                       "fp8_vs_plain": rel_error(compiled[0], eager[1]), "gap": rel_error(eager[0], eager[1])}
             print("fp8 first" if first else "plain first", errors)
-            assert errors["plain"] < 1e-2 and errors["fp8"] < errors["fp8_vs_plain"], (first, errors)
+            # measured on an H200: plain 0.011 (bf16 compiled vs eager), fp8 0.064, fp8_vs_plain 0.090, gap 0.089
+            assert errors["plain"] < errors["gap"] / 3 and errors["fp8"] < errors["fp8_vs_plain"], (first, errors)

@@ -1,0 +1,74 @@
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next (hybrid gated-DeltaNet / gated full attention) in lathe's decoder against
+transformers: logits on a ragged batch (padded and packed), gradients, the load-balancing loss, and checkpoints
+both ways."""
+
+import pytest
+import torch
+
+from lathe.models.config import LatheConfig, UnsupportedArchitecture
+from lathe.models.hf import lathe_from_transformers
+from lathe.models.moe import collect_router_stats
+from lathe.models.packing import pack_padded
+
+from helpers import assert_close_rel
+
+from .lathe_tiny import HYBRIDS, VOCAB, hf_model, ragged_batch
+from .moe_reference import assert_logits_equal_transformers, round_trip
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def pair(request):
+    hf = hf_model(request.param)
+    return hf, lathe_from_transformers(hf).eval()
+
+
+def test_padded_and_packed_logits_equal_transformers(pair):
+    hf, lathe = pair
+    assert [hasattr(layer, "linear_attn") for layer in lathe.model.layers] == [True, False]
+    assert_logits_equal_transformers(hf, lathe)
+
+
+def test_gradients_and_aux_loss_equal_transformers(pair):
+    hf, lathe = pair
+    ids, mask, pos = ragged_batch(1)
+    real = mask.bool()
+    moe = lathe.config.moe is not None
+    hf.zero_grad()
+    out = hf(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=moe)
+    ref_aux = out.aux_loss if moe else torch.zeros(())
+    (out.logits[real].pow(2).mean() + 10.0 * ref_aux).backward()
+    packed = pack_padded(ids, mask, pos)
+    lathe.zero_grad()
+    with collect_router_stats(lathe) as stats:
+        logits = lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
+                                      return_hidden=False)
+    aux = stats.aux_loss() if moe else torch.zeros(())
+    assert_close_rel(aux, ref_aux, name="load-balancing loss")
+    (logits.pow(2).mean() + 10.0 * aux).backward()
+    grads = {n: p.grad for n, p in lathe.named_parameters()}
+    ref = {n: p.grad for n, p in hf.named_parameters() if n in grads}
+    assert set(ref) == set(grads) and all(g is not None for g in grads.values())
+    for name in ("A_log", "dt_bias", "conv1d.weight", "norm.weight"):
+        assert grads[f"model.layers.0.linear_attn.{name}"].abs().sum() > 0
+    assert_close_rel(grads, ref, rel=1e-4, name="gradients")
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_checkpoint_round_trip_through_transformers(tmp_path, family):
+    from safetensors import safe_open
+    hf = hf_model(family, seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    names, arch = round_trip(tmp_path / "hf", tmp_path / "lathe", VOCAB)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert names == set(f.keys())                    # the same tensor names (and expert layout) as transformers
+    assert arch == type(hf).__name__
+
+
+def test_configs_outside_the_hybrid_layers_fall_back():
+    d = hf_model("qwen3_5_text").config.to_dict()
+    d["architectures"] = ["Qwen3_5ForCausalLM"]
+    assert LatheConfig.from_hf_dict(d).linear_attention.rotary_dim(16) == 4
+    for key, value, words in (("layer_types", ["linear_attention", "sliding_attention"], "layer_types"),
+                              ("hidden_act", "gelu", "hidden_act")):
+        with pytest.raises((UnsupportedArchitecture, ValueError), match=words):
+            LatheConfig.from_hf_dict({**d, key: value})

@@ -141,6 +141,10 @@ class LatheEngine(StreamingMixin):
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
                  quantization: str | None = None):
+        if getattr(model.config, "linear_attention", None) is not None:
+            raise NotImplementedError(f"lathe's engine does not run {model.config.architecture} yet: its linear-attention "
+                                      "layers need a per-sequence recurrent and convolution state beside the paged KV "
+                                      "cache. Generate with transformers (rollout.name=hf, or auto)")
         self.model = model.eval()
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)

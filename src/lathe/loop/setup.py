@@ -344,7 +344,8 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
     head = getattr(model, "lm_head", None)
     critic = (n - (0 if head is None or getattr(model.config, "tie_word_embeddings", False) else head.weight.numel())
               if run.critic is not None else None)
-    runs_lathe = type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None)
+    runs_lathe = ((type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None))
+                  and getattr(model.config, "linear_attention", None) is None)    # (hybrids: transformers generate)
     lathe_engine = arr.rollout.name != "hf" and bool(runs_lathe) and arr.model.impl != "hf"
     tp = arr.rollout.tensor_model_parallel_size if not run.is_async else 1
     if tp > 1 and not (lathe_engine and type(model).__name__ == "LatheCausalLM"):

@@ -63,9 +63,6 @@ def check_model_dir(model_dir: str | Path):
         raise GenerateError(f"{reason}. {hint}") from None
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:
         raise GenerateError(f"{path}: {cfg.architecture} is not a causal LM (nothing to generate with). {hint}")
-    if cfg.linear_attention is not None:
-        raise GenerateError(f"{path}: {cfg.architecture} has linear-attention layers, which lathe's engine does not "
-                            f"run yet (lathe trains it; its rollout falls back to transformers generate). {hint}")
     return cfg
 
 

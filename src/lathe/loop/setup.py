@@ -344,8 +344,7 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
     head = getattr(model, "lm_head", None)
     critic = (n - (0 if head is None or getattr(model.config, "tie_word_embeddings", False) else head.weight.numel())
               if run.critic is not None else None)
-    runs_lathe = ((type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None))
-                  and getattr(model.config, "linear_attention", None) is None)    # (hybrids: transformers generate)
+    runs_lathe = type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None)
     lathe_engine = arr.rollout.name != "hf" and bool(runs_lathe) and arr.model.impl != "hf"
     tp = arr.rollout.tensor_model_parallel_size if not run.is_async else 1
     if tp > 1 and not (lathe_engine and type(model).__name__ == "LatheCausalLM"):
@@ -361,7 +360,8 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         c = getattr(model.config, "text", model.config)          # a VL model: its language model's config
         length = cfg.data.max_prompt_length + cfg.data.max_response_length
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_seq = KVCache.bytes_per_block(c.num_hidden_layers, length, max(1, c.num_key_value_heads // tp), head_dim,
+        from lathe.engine.linear_state import kv_layers            # (a hybrid model: its full-attention layers)
+        kv_seq = KVCache.bytes_per_block(kv_layers(c), length, max(1, c.num_key_value_heads // tp), head_dim,
                                          rollout_dtype(arr.rollout.dtype, torch.device(device)))
     seqs = math.ceil(run.actor.sequences_per_step / (run.world // tp))     # what one engine replica generates
     lora = None

@@ -129,13 +129,11 @@ def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = Fal
 def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote_code: bool, vocab_size: int | None,
                  seed: int, override_config: dict | None):
     from lathe.models import supports
-    from lathe.models.hybrid_config import HYBRID_ARCHITECTURES
     if is_vl_path(path):
         return load_vl_policy(path, impl=impl, override_config=override_config)
     direct = (impl != "hf" and not needs_transformers and not override_config and not is_builtin(path)
               and Path(os.path.expanduser(str(path))).is_dir())
-    # (the hybrid linear-attention families load through transformers: its generate is their rollout, `engine_runs`)
-    if direct and (found := supports(os.path.expanduser(str(path))))[0] and found[1] not in HYBRID_ARCHITECTURES:
+    if direct and supports(os.path.expanduser(str(path)))[0]:
         from lathe.models import load_lathe_model
         from lathe.models.config import UnsupportedArchitecture
         local = os.path.expanduser(str(path))

@@ -62,7 +62,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
         if initial is not None:        # positions before the sequence start read the carried inputs
             seq = torch.searchsorted(cu_seqlens.long()[1:], torch.arange(total, device=x.device), right=True)
             back = pos - j                                 # < 0: -1 is the last carried input
-            carried = initial[seq, :, (kernel - 1 + back).clamp(min=0)]
+            carried = initial[seq, :, (kernel - 1 + back).clamp(0, kernel - 2)]
             part = part + carried * (back < 0).unsqueeze(-1).to(x.dtype)
         out = out + part * w[:, kernel - 1 - j]
     return F.silu(out)

@@ -15,7 +15,9 @@ What differs from Qwen3 (as transformers' `modeling_qwen3_next` / `modeling_qwen
 
 Parameter names are the checkpoints' own. The linear-attention layers see each packed sequence (or each row of a
 padded batch, padding zeroed as transformers does) from a zero state; attention layouts that cut sequences in other
-ways (prefix grouping, Ulysses) are refused by the layer.
+ways (prefix grouping, Ulysses) are refused by the layer. An attention callable that carries `linear_states` (the
+engine's step: `cu_seqlens`, `max_seqlen`, and `read()` / `write(conv, recurrent)` of the next linear layer's
+per-sequence states, called in layer order) has each sequence continue from its own states instead.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from torch import nn
 from lathe.models.attention import PackedAttention, PaddedAttention
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import MLP, RMSNorm, attend
-from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule
+from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, \
+    recurrent_gated_delta_rule
 from lathe.models.moe import SparseMoeBlock
 from lathe.models.rope import RotaryEmbedding, rotate_half
 
@@ -127,18 +130,27 @@ class GatedDeltaNet(nn.Module):
         return (mixed, z.reshape(*lead, la.num_value_heads, la.value_head_dim), b.reshape(*lead, -1),
                 a.reshape(*lead, -1))
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        """A packed stream x (T, H) of sequences delimited by `cu_seqlens`, each from a zero state."""
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, state=None):
+        """A packed stream x (T, H) of sequences delimited by `cu_seqlens`, each from a zero state; or, given
+        `state` = (convolution inputs (S, conv_dim, K-1), recurrent states (S, Hv, Dk, Dv)), each continuing from its
+        own, and then returns (output, the final states in the same form): an inference step's form."""
         la = self.la
         mixed, z, b, a = self.project(x)
-        mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), cu_seqlens)
+        conv = None if state is None else conv_state(mixed, cu_seqlens, la.conv_kernel, state[0])
+        mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state[0])
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (t.unflatten(-1, (la.num_key_heads, la.key_head_dim)) for t in (q, k))
         v = v.unflatten(-1, (la.num_value_heads, la.value_head_dim))
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, max_seqlen)
-        return self.out_proj(self.norm(o, z).flatten(-2))
+        if state is not None and max_seqlen == 1:         # one token per sequence: the recurrence
+            o, final = recurrent_gated_delta_rule(*(t.unsqueeze(1) for t in (q, k, v, g, beta)), state[1])
+            o = o.squeeze(1)
+        else:
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, max_seqlen,
+                                              initial_state=None if state is None else state[1])
+        out = self.out_proj(self.norm(o, z).flatten(-2))
+        return out if state is None else (out, (conv, final))
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -177,6 +189,11 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _linear(self, h: torch.Tensor, attn) -> torch.Tensor:
+        states = getattr(attn, "linear_states", None)
+        if states is not None:      # an inference step: each sequence continues from its own states
+            out, new = self.linear_attn(h, states.cu_seqlens, states.max_seqlen, states.read())
+            states.write(*new)
+            return out
         if isinstance(attn, PackedAttention):
             return self.linear_attn(h, attn.cu_seqlens, attn.max_seqlen)
         if isinstance(attn, PaddedAttention):

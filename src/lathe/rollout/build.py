@@ -32,13 +32,6 @@ def runs_lathe(model) -> bool:
     return isinstance(model, LatheCausalLM) or is_vl(model)
 
 
-def engine_runs(model) -> bool:
-    """Whether lathe's engine generates with `model`: lathe's decoder or VL model, except the hybrid linear-attention
-    families (Qwen3.5, Qwen3-Next), whose recurrent state the engine does not keep yet (transformers generate runs
-    them)."""
-    return runs_lathe(model) and getattr(getattr(model, "config", None), "linear_attention", None) is None
-
-
 def architecture(model) -> str:
     config = getattr(model, "config", None)
     return getattr(config, "architecture", None) or type(model).__name__
@@ -51,11 +44,7 @@ def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
 
     The engine runs lathe's decoder, so it needs an actor that `select_impl` turned into one.
     """
-    arch, is_lathe = architecture(actor), engine_runs(actor)
-    if name == "lathe" and runs_lathe(actor) and not is_lathe:
-        raise ValueError(f"{KEY}=lathe: lathe's engine does not run {arch} yet: its linear-attention layers need a "
-                         "per-sequence recurrent and convolution state beside the paged KV cache, which the engine "
-                         f"does not keep yet. Fix: set {KEY}=auto (or hf): transformers generate runs it, much slower.")
+    arch, is_lathe = architecture(actor), runs_lathe(actor)
     if name == "lathe" and not is_lathe:
         why = ("actor_rollout_ref.model.impl=hf" if impl == "hf"
                else f"lathe's decoder does not implement {arch} (see the 'actor:' log line)")
@@ -65,11 +54,9 @@ def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
     if name not in ("auto", "lathe", "hf", *VERL_BACKENDS):
         raise ValueError(f"{KEY}={name!r} is not a lathe rollout backend; use auto, lathe or hf")
     if name in VERL_BACKENDS:
-        why = backend_notice(name, None if is_lathe else arch, hybrid=runs_lathe(actor))
+        why = backend_notice(name, None if is_lathe else arch)
     elif name == "auto":
         why = (f"{KEY}=auto and lathe's decoder runs {arch}" if is_lathe
-               else f"{KEY}=auto and lathe's engine does not run {arch}'s linear-attention layers yet (lathe's decoder "
-               "trains it; transformers generate is several times slower)" if runs_lathe(actor)
                else f"{KEY}=auto and the actor runs transformers {arch}")
     else:
         why = f"{KEY}={name}"
@@ -79,14 +66,13 @@ def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
     return name
 
 
-def backend_notice(name: str, fallback_arch: str | None = None, *, hybrid: bool = False) -> str:
+def backend_notice(name: str, fallback_arch: str | None = None) -> str:
     """The notice for a verl backend name: lathe's engine runs in its place (or transformers generate, for an
-    architecture lathe's decoder does not implement or its engine does not run: `fallback_arch`, `hybrid`)."""
+    architecture lathe's decoder does not implement: `fallback_arch`)."""
     label = VERL_BACKENDS[name]
-    missing = "lathe's engine does not run its linear-attention layers yet" if hybrid else \
-        "lathe's decoder does not implement it"
     engine = (f"lathe runs its own engine, not {label}" if fallback_arch is None else
-              f"lathe does not run {label}, and {missing} ({fallback_arch}), so transformers generate runs it")
+              f"lathe does not run {label}, and lathe's decoder does not implement {fallback_arch}, so transformers "
+              f"generate runs it")
     return (f"{KEY}={name}: {engine}; the engine keys act on lathe's engine (gpu_memory_utilization, "
             f"max_num_seqs, max_num_batched_tokens, max_model_len, enforce_eager, free_cache_engine, "
             f"enable_chunked_prefill, enable_prefix_caching, cudagraph_capture_sizes, and engine_kwargs.{name}'s "

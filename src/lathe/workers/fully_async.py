@@ -31,7 +31,7 @@ from lathe.models.lora import is_adapter
 from lathe.models.hf import load_policy, select_impl
 from lathe.generation import SamplingParams
 from lathe.rollout.base import to_batch
-from lathe.rollout.build import VERL_BACKENDS, backend_notice, build_engine, engine_runs, eos_token_ids, runs_lathe
+from lathe.rollout.build import VERL_BACKENDS, backend_notice, build_engine, eos_token_ids, runs_lathe
 from lathe.seeding import seed_everything
 from lathe.train import parallel
 from lathe.train.vl import check_vl
@@ -53,10 +53,6 @@ class RolloutWorker:
                              f"{type(loaded).__name__} runs on transformers here. Fix: use a Llama/Qwen2/Qwen3 or "
                              "Qwen2.5-VL/Qwen3-VL model (actor_rollout_ref.model.impl=auto), or train synchronously "
                              "(rollout.n_gpus_per_node=0).")
-        if not engine_runs(model):
-            raise ValueError(f"fully-async training generates with lathe's engine, which does not run "
-                             f"{model.config.architecture}'s linear-attention layers yet (Qwen3.5 / Qwen3-Next). Fix: "
-                             "train synchronously (rollout.n_gpus_per_node=0), where transformers generate runs it.")
         if arr.rollout.name in VERL_BACKENDS:       # (replicas other than rank 0 log warnings only: once a run)
             logging.getLogger("lathe").info("rollout: lathe engine (%s)", backend_notice(arr.rollout.name))
         if is_vl(model):                # image prompts: each request carries its prompts' images (`submit`)

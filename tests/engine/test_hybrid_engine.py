@@ -70,3 +70,15 @@ def test_an_interrupted_partial_rollout_continues_with_the_same_tokens(tmp_path)
         engine.step()
     (_, out), = engine.pop_finished()
     assert out.token_ids == ref
+
+
+def test_sleep_drops_the_states_and_wake_up_brings_them_back(tmp_path):
+    from models.lathe_tiny import save_hf
+    path, _ = save_hf(tmp_path, "qwen3_next")
+    engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ref = engine.generate(PROMPTS, params).token_ids
+    engine.sleep()
+    assert engine.states.conv is None
+    engine.wake_up()
+    assert engine.generate(PROMPTS, params).token_ids == ref

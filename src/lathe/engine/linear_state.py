@@ -31,15 +31,23 @@ class LinearStateCache:
         la = cfg.linear_attention
         layers = sum(t == "linear_attention" for t in la.layer_types)
         conv_dim = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
-        self.conv = torch.zeros(layers, num_slots, conv_dim, la.conv_kernel - 1, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(layers, num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim,
-                                     dtype=torch.float32, device=device)
-        self.free = list(range(num_slots - 1, -1, -1))
+        self.shapes = ((layers, num_slots, conv_dim, la.conv_kernel - 1),
+                       (layers, num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim))
+        self.dtype, self.device = dtype, device
+        self.conv = self.recurrent = None
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create the states, every slot free (the engine's `wake_up`)."""
+        if self.conv is None:
+            self.conv = torch.zeros(self.shapes[0], dtype=self.dtype, device=self.device)
+            self.recurrent = torch.zeros(self.shapes[1], dtype=torch.float32, device=self.device)
+        self.free = list(range(self.shapes[0][1] - 1, -1, -1))
         self.slot: dict[Sequence, int] = {}
 
-    @property
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.recurrent.nbytes
+    def free_memory(self) -> None:
+        """Drop the states (the engine's `sleep`: no sequence holds a slot then)."""
+        self.conv = self.recurrent = None
 
     def slots(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's slot, a zeroed one for a sequence that has none."""

@@ -469,6 +469,8 @@ class LatheEngine(StreamingMixin):
         self.block_manager.reset()
         self._kv_address = self.kv_cache.address
         self.kv_cache.free()
+        if self.states is not None:             # a hybrid model's linear-attention states go too
+            self.states.free_memory()
         device = self.model.device
         # With room to spare, the freed cache stays with the allocator (the trainer may use it; `wake_up` takes it
         # back, at the same address if nothing split it, and the decode graphs stay valid). Near the device's
@@ -506,6 +508,8 @@ class LatheEngine(StreamingMixin):
         captured decode graphs are kept, else they are captured again."""
         if self.kv_cache.allocated:
             return
+        if self.states is not None:
+            self.states.allocate()
         kept, self._cache_kept = self._cache_kept, False
         if kept and (self._auto_size is None or self._blocks_within_utilization() >= self.kv_cache.num_blocks):
             try:

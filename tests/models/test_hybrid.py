@@ -72,3 +72,21 @@ def test_configs_outside_the_hybrid_layers_fall_back():
                               ("hidden_act", "gelu", "hidden_act")):
         with pytest.raises((UnsupportedArchitecture, ValueError), match=words):
             LatheConfig.from_hf_dict({**d, key: value})
+
+
+def test_what_cuts_sequences_is_refused_by_name():
+    """Ulysses and tensor parallelism in training, prefix-grouped rows, tensor-parallel engine replicas: refused for
+    the linear-attention layers, whose state runs along whole sequences."""
+    from lathe.engine.tensor_parallel import shard_copy
+    from lathe.train import tensor_parallel, ulysses
+    lathe = lathe_from_transformers(hf_model("qwen3_5_text"))
+    key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    with pytest.raises(ValueError, match=f"{key}=2 with Qwen3_5ForCausalLM: its linear-attention layers"):
+        ulysses.check_model(lathe, 2, key)
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        tensor_parallel.check_model(lathe, 2, "fsdp_config.tensor_parallel_size")
+    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2: the linear-attention layers"):
+        shard_copy(lathe, torch.float32, torch.device("cpu"), type("TP", (), {"size": 2})())
+    ids = torch.randint(0, 100, (1, 5))
+    with pytest.raises(NotImplementedError, match="use_prefix_grouper"):
+        lathe.hidden_grouped(ids, torch.arange(5)[None], torch.ones(1, 1, 5, 5, dtype=torch.bool).tril())

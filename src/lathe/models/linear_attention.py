@@ -70,14 +70,19 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
 
 def conv_state(x: torch.Tensor, cu_seqlens: torch.Tensor, kernel: int,
                initial: torch.Tensor | None = None) -> torch.Tensor:
-    """(S, C, K-1): each sequence's last K-1 inputs (zero-filled, or continued from `initial`, when shorter)."""
-    bounds = cu_seqlens.tolist()
-    states = []
-    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        prev = initial[s] if initial is not None else x.new_zeros(x.shape[1], kernel - 1)
-        hist = torch.cat([prev, x[start:end].transpose(0, 1)], dim=1)
-        states.append(hist[:, hist.shape[1] - (kernel - 1):])
-    return torch.stack(states)
+    """(S, C, K-1): each sequence's last K-1 inputs (zero-filled, or continued from `initial`, when shorter);
+    gathered at once, without a host sync."""
+    cu = cu_seqlens.long()
+    starts, ends = cu[:-1], cu[1:]
+    pos = ends[:, None] - (kernel - 1) + torch.arange(kernel - 1, device=x.device)       # (S, K-1)
+    inside = (pos >= starts[:, None]).unsqueeze(-1)
+    own = x[pos.clamp(min=0)]                                                              # (S, K-1, C)
+    if initial is None:
+        earlier = torch.zeros_like(own)
+    else:                               # before the sequence's first new token: its carried inputs
+        back = (kernel - 1 + pos - starts[:, None]).clamp(0, kernel - 2)
+        earlier = initial[torch.arange(len(starts), device=x.device)[:, None], :, back].to(x.dtype)
+    return torch.where(inside, own, earlier).transpose(1, 2)
 
 
 def _to_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

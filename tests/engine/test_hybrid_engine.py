@@ -82,3 +82,10 @@ def test_sleep_drops_the_states_and_wake_up_brings_them_back(tmp_path):
     assert engine.states.conv is None
     engine.wake_up()
     assert engine.generate(PROMPTS, params).token_ids == ref
+
+
+def test_fp8_rollout_is_refused_by_name(tmp_path):
+    from models.lathe_tiny import save_hf
+    path, _ = save_hf(tmp_path, "qwen3_5_text")
+    with pytest.raises(ValueError, match=r"rollout.quantization.*Qwen3_5ForCausalLM"):
+        LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=8, quantization="fp8")

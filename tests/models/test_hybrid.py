@@ -90,3 +90,23 @@ def test_what_cuts_sequences_is_refused_by_name():
     ids = torch.randint(0, 100, (1, 5))
     with pytest.raises(NotImplementedError, match="use_prefix_grouper"):
         lathe.hidden_grouped(ids, torch.arange(5)[None], torch.ones(1, 1, 5, 5, dtype=torch.bool).tril())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_bf16_packed_forward_and_gradients_on_cuda_follow_the_cpu_reference(family):
+    """On CUDA (fla's kernels when installed, varlen attention), bf16: logits and gradients near the fp32 CPU path."""
+    hf = hf_model(family)
+    cpu = lathe_from_transformers(hf)
+    gpu = lathe_from_transformers(hf).to("cuda", torch.bfloat16)
+    ids, mask, pos = ragged_batch(2)
+    packed = pack_padded(ids, mask, pos)
+    outs = []
+    for model in (cpu, gpu):
+        dev = model.device
+        logits = model.forward_packed(packed.input_ids.to(dev), packed.position_ids.to(dev), packed.cu_seqlens.to(dev),
+                                      packed.max_seqlen, return_hidden=False)
+        logits.float().pow(2).mean().backward()
+        outs.append((logits, {n: p.grad for n, p in model.named_parameters()}))
+    assert_close_rel(outs[1][0], outs[0][0], rel=3e-2, name="bf16 logits")
+    assert_close_rel(outs[1][1], outs[0][1], rel=1e-1, name="bf16 gradients")

@@ -4,7 +4,6 @@ interrupted partial rollout continues with the same tokens, and the state slots 
 (`lathe.engine.linear_state`)."""
 
 import pytest
-import torch
 
 from lathe.engine.llm_engine import LatheEngine
 from lathe.generation import SamplingParams

@@ -24,6 +24,8 @@ def hf_config(family: str, *, tie: bool = False, norm_topk_prob: bool = True):
         return Qwen2Config(**_COMMON, tie_word_embeddings=tie, rope_theta=1000000.0)
     if family == "qwen3":
         return Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=tie)
+    if family in HYBRIDS:
+        return hybrid_config(family, tie=tie)
     if family == MOE:
         return Qwen3MoeConfig(**_COMMON, head_dim=16, tie_word_embeddings=tie, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=16, mlp_only_layers=[0], norm_topk_prob=norm_topk_prob)
@@ -31,13 +33,14 @@ def hf_config(family: str, *, tie: bool = False, norm_topk_prob: bool = True):
 
 
 def hf_model(family: str, *, tie: bool = False, seed: int = 0, **config):
-    """A random transformers causal LM (fp32, eval mode); biases and norms randomised so bugs show."""
+    """A random transformers causal LM (fp32, eval mode); biases, norms (and a hybrid's A_log, dt_bias) randomised so
+    bugs show."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(family, tie=tie, **config), attn_implementation="sdpa")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith(("bias", "A_log")) or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
 
@@ -64,3 +67,28 @@ def ragged_batch(seed: int = 0, batch_size: int = 4, max_len: int = 20):
             mask[b, max_len - right:] = 0
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids, mask, position_ids
+
+
+# Hybrid linear attention (`lathe.models.qwen3_5`): Qwen3.5, Qwen3.5-MoE, Qwen3-Next; layer 0 gated DeltaNet, layer 1
+# gated full attention with partial RoPE; kept out of FAMILIES (their own tests)
+HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+_HYBRID = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, max_position_embeddings=64, initializer_range=0.1,
+               layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+_HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+
+def hybrid_config(family: str, *, tie: bool = False, **overrides):
+    """A tiny Qwen3.5 (`qwen3_5_text`), Qwen3.5-MoE (`qwen3_5_moe_text`) or Qwen3-Next (`qwen3_next`; layer 0 dense
+    by `mlp_only_layers`) text config."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+    kw = dict(_HYBRID, tie_word_embeddings=tie, **overrides)
+    if family == "qwen3_5_text":
+        return Qwen3_5TextConfig(**kw, intermediate_size=64)
+    if family == "qwen3_5_moe_text":
+        return Qwen3_5MoeTextConfig(**kw, **_HYBRID_MOE)
+    if family == "qwen3_next":
+        return Qwen3NextConfig(**kw, **_HYBRID_MOE, intermediate_size=64, mlp_only_layers=[0], norm_topk_prob=True)
+    raise KeyError(family)

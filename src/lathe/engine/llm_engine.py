@@ -27,6 +27,7 @@ from lathe import device as accel
 from lathe.engine import decode_forms, fp8
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
+from lathe.engine.linear_state import LinearStateCache, StateBlockManager, hybrid_settings, kv_layers, state_slots
 from lathe.engine.model_runner import ModelRunner
 from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensure_embeddings, prepare_prompt,
                                      text_config)
@@ -141,6 +142,11 @@ class LatheEngine(StreamingMixin):
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
                  quantization: str | None = None):
+        hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
+        if hybrid:
+            enable_prefix_caching, enforce_eager, fuse_projections = hybrid_settings(
+                model, enable_prefix_caching, enforce_eager, fuse_projections, quantization)
+            max_num_seqs = state_slots(model.config, max_num_seqs, model.dtype, model.device)
         self.model = model.eval()
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
@@ -163,18 +169,24 @@ class LatheEngine(StreamingMixin):
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self._auto_size = None if num_kv_blocks is not None else (block_size, gpu_memory_utilization, max_num_seqs)
         self._cache_kept, self._kv_address = False, None        # what `sleep` left for `wake_up`
+        self.states = (LinearStateCache(cfg, max_num_seqs, dtype=model.dtype, device=model.device) if hybrid
+                       else None)          # the linear-attention layers' per-sequence states (before sizing the KV)
         if num_kv_blocks is None:
             num_kv_blocks = self._default_num_blocks(block_size, gpu_memory_utilization, max_num_seqs)
-        self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
+        self.kv_cache = KVCache(kv_layers(cfg), num_kv_blocks, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, dtype=model.dtype, device=model.device)
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.block_manager = (BlockManager(num_kv_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+                              if self.states is None else StateBlockManager(num_kv_blocks, block_size,
+                                                                            enable_prefix_caching=False,
+                                                                            states=self.states))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill,
                                    reserve_new_tokens=reserve_new_tokens)
         self.runner = ModelRunner(model, self.kv_cache, max_model_len=self.max_model_len,
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
-                                  max_graph_batch=min(max_num_seqs, 512), graph_sizes=cudagraph_capture_sizes)
+                                  max_graph_batch=min(max_num_seqs, 512), graph_sizes=cudagraph_capture_sizes,
+                                  states=self.states)
         self._init_streaming()
 
     def _quantize(self, scheme: str | None) -> str | None:
@@ -211,7 +223,7 @@ class LatheEngine(StreamingMixin):
 
     def _default_num_blocks(self, block_size: int, utilization: float, max_num_seqs: int) -> int:
         cfg, device = text_config(self.model), self.model.device
-        per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
+        per_block = KVCache.bytes_per_block(kv_layers(cfg), block_size, cfg.num_key_value_heads,
                                             cfg.head_dim, self.model.dtype)
         # the most blocks the running sequences can ever hold: max_num_seqs sequences of max_model_len tokens
         # (more only keep finished prefixes, which every weight update forgets). Without this cap a small
@@ -457,6 +469,8 @@ class LatheEngine(StreamingMixin):
         self.block_manager.reset()
         self._kv_address = self.kv_cache.address
         self.kv_cache.free()
+        if self.states is not None:             # a hybrid model's linear-attention states go too
+            self.states.free_memory()
         device = self.model.device
         # With room to spare, the freed cache stays with the allocator (the trainer may use it; `wake_up` takes it
         # back, at the same address if nothing split it, and the decode graphs stay valid). Near the device's
@@ -494,6 +508,8 @@ class LatheEngine(StreamingMixin):
         captured decode graphs are kept, else they are captured again."""
         if self.kv_cache.allocated:
             return
+        if self.states is not None:
+            self.states.allocate()
         kept, self._cache_kept = self._cache_kept, False
         if kept and (self._auto_size is None or self._blocks_within_utilization() >= self.kv_cache.num_blocks):
             try:

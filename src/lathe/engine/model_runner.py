@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, *, max_model_len: int, decode_backend: str = "auto",
-                 cuda_graphs: bool = True, max_graph_batch: int = 512, graph_sizes: list[int] | None = None):
+                 cuda_graphs: bool = True, max_graph_batch: int = 512, graph_sizes: list[int] | None = None,
+                 states=None):
         self.model = model
+        self.states = states        # a hybrid model's linear-attention states (`linear_state.py`), or None
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.max_model_len = max_model_len
@@ -186,6 +188,8 @@ class ModelRunner:
         if num_new is None:
             num_new = [len(s) - s.num_cached_tokens for s in seqs]
         ids, positions, attn, last, order, visual = self.prepare_prefill(seqs, num_new)
+        if self.states is not None:
+            attn.linear_states = self.states.step([seqs[i] for i in order], [num_new[i] for i in order])
         hidden = hidden_states(self.model, ids, positions, attn, visual)[last]
         inverse = [0] * len(order)
         for j, i in enumerate(order):
@@ -204,7 +208,10 @@ class ModelRunner:
         ids, positions, slots, lens = self.decode_inputs(seqs)
         attn = DecodeAttention(self.kv_cache, self._tensor(slots), to_device(self._tables(seqs), self.device),
                                self._tensor(lens, torch.int32), self.decode_backend,
-                               split_k=decode_forms.step_split_k(self.model, len(seqs)))
+                               split_k=decode_forms.step_split_k(self.model, len(seqs)),
+                               rotates=False if self.states is not None else None)
+        if self.states is not None:         # (partial RoPE: the hybrid layers rotate q and k themselves)
+            attn.linear_states = self.states.step(seqs, [1] * len(seqs))
         ids = self._tensor(ids)
         self.take_pending(ids, pending)
         rope = positions if not self.vl else [p + rope_delta(s) for s, p in zip(seqs, positions)]

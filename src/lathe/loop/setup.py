@@ -360,7 +360,8 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         c = getattr(model.config, "text", model.config)          # a VL model: its language model's config
         length = cfg.data.max_prompt_length + cfg.data.max_response_length
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_seq = KVCache.bytes_per_block(c.num_hidden_layers, length, max(1, c.num_key_value_heads // tp), head_dim,
+        from lathe.engine.linear_state import kv_layers            # (a hybrid model: its full-attention layers)
+        kv_seq = KVCache.bytes_per_block(kv_layers(c), length, max(1, c.num_key_value_heads // tp), head_dim,
                                          rollout_dtype(arr.rollout.dtype, torch.device(device)))
     seqs = math.ceil(run.actor.sequences_per_step / (run.world // tp))     # what one engine replica generates
     lora = None

@@ -32,6 +32,9 @@ of seconds) costs more than it saves for the models a CPU trains; `compile_decod
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 COMPILE_DEVICE_TYPES = ("cuda",)   # devices on which use_torch_compile=true compiles; elsewhere it runs eager
@@ -60,11 +63,21 @@ def compile_decoder(model, *, backend: str = DEFAULT_BACKEND, mode: str | None =
                         f"{type(model).__name__}; transformers models are not compiled by lathe")
     if decoder.compile_backend is not None:
         return model
+    if model.config.linear_attention is not None:
+        _eager_notice(model.config.architecture)
+        return model
     allow_variants()
     for layer in decoder.layers:
         layer.compile(backend=backend, mode=mode)   # dynamic=None: token dims are marked dynamic by the decoder
     decoder.compile_backend = backend
     return model
+
+
+@functools.cache
+def _eager_notice(architecture: str) -> None:
+    logging.getLogger("lathe").info(
+        "use_torch_compile: %s runs eager: its linear-attention layers (fla's kernels, the packed state reset) are "
+        "not compiled by lathe yet", architecture)
 
 
 def is_compiled(model) -> bool:

@@ -13,13 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lathe.models.hybrid_config import HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES, LinearAttentionConfig, \
+    check_hybrid_features
+
+# the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are in HYBRID_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "GptOssForCausalLM"}
+                           "GptOssForCausalLM", *HYBRID_ARCHITECTURES}
 # The token-classification (critic) heads over the same backbones load too.
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
                        "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", **HYBRID_MODEL_TYPES}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 
 
@@ -119,6 +123,7 @@ class LatheConfig:
     attention_sinks: bool = False            # GPT-OSS: a learned logit per head in each softmax's denominator
     sliding_window: int | None = None        # the window of the layers `layer_types` names "sliding_attention"
     layer_types: tuple[str, ...] = ()        # per layer: "full_attention" or "sliding_attention"; () = all full
+    linear_attention: LinearAttentionConfig | None = None   # Qwen3.5 / Qwen3-Next hybrids; None otherwise
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -154,7 +159,11 @@ class LatheConfig:
         """Build from a Hugging Face config dictionary; raise `UnsupportedArchitecture` for what lathe lacks."""
         arch = _architecture(d, source)
         family = arch.replace("ForCausalLM", "").replace("ForTokenClassification", "")
-        _check_features(d, arch, source)
+        hybrid = arch in HYBRID_ARCHITECTURES
+        if hybrid:
+            check_hybrid_features(d, arch, source)
+        else:
+            _check_features(d, arch, source)
         heads = int(d["num_attention_heads"])
         attention_bias = bool(d.get("attention_bias", False))
         if family == "GptOss":
@@ -164,7 +173,7 @@ class LatheConfig:
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
+            intermediate_size=int(d.get("intermediate_size") or d["moe_intermediate_size"]),   # (Qwen3.5-MoE: none)
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
@@ -175,12 +184,19 @@ class LatheConfig:
             qkv_bias=True if family == "Qwen2" else attention_bias,
             o_bias=False if family == "Qwen2" else attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if family == "Llama" else False,
-            qk_norm=family in ("Qwen3", "Qwen3Moe"),
-            moe=MoeConfig.from_hf_dict(d) if family == "Qwen3Moe" else None,
+            qk_norm=family in ("Qwen3", "Qwen3Moe") or hybrid,
+            moe=MoeConfig.from_hf_dict(_hybrid_moe_dict(d, arch)) if family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next")
+            else None,
+            linear_attention=LinearAttentionConfig.from_hf_dict(d, arch, source) if hybrid else None,
             rope=read_rope(d, source),
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             hf_config=dict(d),
         )
+
+
+def _hybrid_moe_dict(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Qwen3.5-MoE's router always renormalises its top-k weights, and all its layers are sparse (no such keys)."""
+    return {**d, "norm_topk_prob": True} if arch == "Qwen3_5MoeForCausalLM" else d
 
 
 def _architecture(d: dict[str, Any], source: str) -> str:

@@ -1,6 +1,7 @@
 """lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts
 MLPs, `lathe.models.moe`) and GPT-OSS (attention sinks, sliding-window layers, its own MoE: `lathe.models.gpt_oss`)
-in one module tree.
+in one module tree; the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) bring their own layers
+(`lathe.models.qwen3_5`).
 
 Module and parameter names are those of the Hugging Face checkpoints (`model.embed_tokens.weight`,
 `model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`), so a state dict moves between the
@@ -179,9 +180,13 @@ class LatheDecoderModel(nn.Module):
     def __init__(self, cfg: LatheConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        if cfg.linear_attention is not None:        # Qwen3.5 / Qwen3-Next hybrids: `lathe.models.qwen3_5`
+            from lathe.models.qwen3_5 import hybrid_parts
+            self.layers, self.norm, self.rotary_emb = hybrid_parts(cfg)
+        else:
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:
@@ -364,3 +369,6 @@ def init_weights(model: nn.Module, std: float = 0.02) -> None:
         elif isinstance(module, SparseMoeBlock):
             for p in (module.gate.weight, module.experts.gate_up_proj, module.experts.down_proj):
                 nn.init.normal_(p, mean=0.0, std=std)
+    if getattr(getattr(model, "config", None), "linear_attention", None) is not None:
+        from lathe.models.qwen3_5 import init_hybrid_weights
+        init_hybrid_weights(model)

@@ -104,6 +104,10 @@ def require_text_decoder(model, size: int, key: str, what: str) -> None:
         raise ValueError(f"{key}={size} needs lathe's text decoder (Llama, Qwen2, Qwen3 and their value models), but "
                          f"this role runs {type(model).__name__}; a vision-language or transformers model cannot "
                          f"{what} in lathe yet. Fix: set {key}=1.")
+    if getattr(model.config, "linear_attention", None) is not None:
+        raise ValueError(f"{key}={size} with {model.config.architecture}: its linear-attention layers (gated DeltaNet) "
+                         f"carry a state along each whole sequence, which cannot {what} in lathe yet. Fix: set "
+                         f"{key}=1.")
 
 
 def _fitting(heads: int, kv: int) -> str:

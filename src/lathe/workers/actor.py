@@ -49,9 +49,11 @@ class Actor:
         if is_vl(self.model):
             check_vl(self.model, arr, rollout=with_rollout)
         self.lora = arr.model.lora_rank > 0 and self._apply_lora(seed)
-        if arr.actor.use_prefix_grouper and not isinstance(self.model, LatheCausalLM):
+        if arr.actor.use_prefix_grouper and (not isinstance(self.model, LatheCausalLM)
+                                             or self.model.config.linear_attention is not None):
             raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, "
-                             f"Qwen2, Qwen3), but the actor runs {architecture(self.model)}. Fix: set "
+                             f"Qwen2, Qwen3; not the linear-attention layers of Qwen3.5 / Qwen3-Next, whose state runs "
+                             f"along whole sequences), but the actor runs {architecture(self.model)}. Fix: set "
                              "use_prefix_grouper=false (or model.impl=lathe for those architectures).")
         if arr.actor.use_prefix_grouper and getattr(self.model.config, "sinks_or_windows", False):
             raise ValueError(f"actor_rollout_ref.actor.use_prefix_grouper=true: {architecture(self.model)} has "

@@ -1,0 +1,152 @@
+"""The per-sequence states of the linear-attention layers of a hybrid model (Qwen3.5, Qwen3-Next:
+`lathe.models.qwen3_5`), kept beside the paged KV cache of its full-attention layers.
+
+Each running sequence holds one slot of `LinearStateCache`: per linear layer, its last K-1 convolution inputs and
+its recurrent state (float32). A slot is taken, zeroed, the first time a step runs the sequence, and given back
+whenever the block manager frees the sequence's blocks (finish, preemption, a weight sync's interruption):
+a preempted sequence is recomputed from its tokens, from a zero state, like its KV. Prefix caching is off for these
+models (a cached prefix has KV but no state to continue from: state snapshots at block boundaries are not built),
+and so are CUDA graphs (the step's host-side bookkeeping is not capturable yet).
+
+A step's `LinearStep` rides on the step's attention callable (`attn.linear_states`): the layers read and write the
+states of the step's sequences, one linear layer after the other.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lathe.engine.block_manager import BlockManager
+from lathe.engine.sequence import Sequence
+
+log = logging.getLogger("lathe")
+
+
+class LinearStateCache:
+    """Convolution and recurrent states of `num_slots` sequences for every linear-attention layer of `cfg`."""
+
+    def __init__(self, cfg, num_slots: int, *, dtype: torch.dtype, device: torch.device):
+        la = cfg.linear_attention
+        layers = sum(t == "linear_attention" for t in la.layer_types)
+        conv_dim = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+        self.shapes = ((layers, num_slots, conv_dim, la.conv_kernel - 1),
+                       (layers, num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim))
+        self.dtype, self.device = dtype, device
+        self.conv = self.recurrent = None
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create the states, every slot free (the engine's `wake_up`)."""
+        if self.conv is None:
+            self.conv = torch.zeros(self.shapes[0], dtype=self.dtype, device=self.device)
+            self.recurrent = torch.zeros(self.shapes[1], dtype=torch.float32, device=self.device)
+        self.free = list(range(self.shapes[0][1] - 1, -1, -1))
+        self.slot: dict[Sequence, int] = {}
+
+    def free_memory(self) -> None:
+        """Drop the states (the engine's `sleep`: no sequence holds a slot then)."""
+        self.conv = self.recurrent = None
+
+    def slots(self, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's slot, a zeroed one for a sequence that has none."""
+        out = []
+        for seq in seqs:
+            if seq not in self.slot:
+                if not self.free:
+                    raise RuntimeError("linear-attention states: more running sequences than slots (max_num_seqs); "
+                                       "this is a bug")
+                slot = self.slot[seq] = self.free.pop()
+                self.conv[:, slot].zero_()
+                self.recurrent[:, slot].zero_()
+            out.append(self.slot[seq])
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        slot = self.slot.pop(seq, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def step(self, seqs: list[Sequence], lengths: list[int]) -> "LinearStep":
+        """The states of a step that runs `lengths[i]` new tokens of `seqs[i]`, packed in that order."""
+        device = self.conv.device
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        index = torch.tensor(self.slots(seqs), dtype=torch.long, device=device)
+        return LinearStep(self, index, cu, max(lengths))
+
+
+class LinearStep:
+    """One step's view of the cache: what `lathe.models.qwen3_5.HybridDecoderLayer` reads and writes."""
+
+    def __init__(self, cache: LinearStateCache, index: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
+        self.cache, self.index, self.cu_seqlens, self.max_seqlen = cache, index, cu_seqlens, max_seqlen
+        self.layer = 0
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(convolution inputs, recurrent states) of the step's sequences at the next linear layer."""
+        c = self.cache
+        return c.conv[self.layer].index_select(0, self.index), c.recurrent[self.layer].index_select(0, self.index)
+
+    def write(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        c = self.cache
+        c.conv[self.layer].index_copy_(0, self.index, conv.to(c.conv.dtype))
+        c.recurrent[self.layer].index_copy_(0, self.index, recurrent.float())
+        self.layer += 1
+
+
+class StateBlockManager(BlockManager):
+    """The block manager of a hybrid model: freeing a sequence's blocks gives its state slot back too."""
+
+    def __init__(self, *args, states: LinearStateCache, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.states = states
+
+    def deallocate(self, seq: Sequence) -> None:
+        super().deallocate(seq)
+        self.states.release(seq)
+
+
+STATE_SHARE = 0.3     # at most this share of a GPU's free memory goes to the linear-attention states
+
+
+def state_slots(cfg, max_num_seqs: int, dtype: torch.dtype, device: torch.device) -> int:
+    """How many sequences may run at once: `max_num_seqs`, fewer on a GPU where their states would take more than
+    `STATE_SHARE` of the free memory (with a notice: each slot holds every linear layer's recurrent state)."""
+    if device.type != "cuda":
+        return max_num_seqs
+    from lathe import device as accel
+    la = cfg.linear_attention
+    layers = sum(t == "linear_attention" for t in la.layer_types)
+    conv = (2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim) * (la.conv_kernel - 1)
+    per_slot = layers * (conv * torch.empty(0, dtype=dtype).element_size()
+                         + 4 * la.num_value_heads * la.key_head_dim * la.value_head_dim)
+    fits = max(1, int(STATE_SHARE * accel.memory_info(device)[0] // per_slot))
+    if fits < max_num_seqs:
+        log.info("engine: %s runs at most %d sequences at once (max_num_seqs=%d): each one's linear-attention states "
+                 "take %.1f MiB", cfg.architecture, fits, max_num_seqs, per_slot / 2**20)
+    return min(fits, max_num_seqs)
+
+
+def kv_layers(cfg) -> int:
+    """How many layers keep paged KV: the full-attention ones of a hybrid model, else all."""
+    la = getattr(cfg, "linear_attention", None)
+    return cfg.num_hidden_layers if la is None else sum(t == "full_attention" for t in la.layer_types)
+
+
+def hybrid_settings(model, enable_prefix_caching: bool, enforce_eager: bool, fuse_projections: bool | None,
+                    quantization: str | None = None):
+    """(enable_prefix_caching, enforce_eager, fuse_projections) for a hybrid model: all three off (module doc; fused
+    projections are not built for its layers), with a notice for what was asked and does not act; FP8 refused."""
+    arch = model.config.architecture
+    if quantization is not None:
+        raise ValueError(f"quantization={quantization!r} (rollout.quantization): lathe's FP8 engine layers are not "
+                         f"built for {arch}'s hybrid layers yet. Fix: leave rollout.quantization unset")
+    if enable_prefix_caching:
+        log.info("engine: prefix caching is off for %s (its linear-attention states are not cached at block "
+                 "boundaries yet; rollout.enable_prefix_caching has no effect for it)", arch)
+    if not enforce_eager and model.device.type == "cuda":
+        log.info("engine: %s decodes without CUDA graphs (its linear-attention steps are not captured yet)", arch)
+    if fuse_projections:
+        raise ValueError(f"fuse_projections=True: not implemented for {arch}'s hybrid layers")
+    return False, True, False

@@ -1,0 +1,212 @@
+"""The gated delta rule (Yang, Kautz and Hatamizadeh, "Gated Delta Networks", 2024) and the short causal
+convolution before it: the token mixer of the linear-attention layers of Qwen3.5 and Qwen3-Next.
+
+Per head, with q and k L2-normalised and q scaled by 1/sqrt(d_k), a state S (d_k, d_v) runs over the tokens of one
+sequence, starting at zero (or at a given state):
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,        o_t = S_t^T q_t
+
+with g_t <= 0 the log decay and beta_t in (0, 1) the write strength. Each key head serves
+`value heads / key heads` consecutive value heads.
+
+Two torch forms, the CPU path and the reference:
+- `chunk_gated_delta_rule`: the chunked (WY / UT-transform) form: within a chunk of C tokens, with gamma the chunk's
+  cumulative log decay, A = I + strict_lower(beta_i k_i.k_j exp(gamma_i - gamma_j)), U = A^-1 (beta v) and
+  W = A^-1 (beta k exp(gamma)); then per chunk v' = U - W S, o = (q exp(gamma)) S + causal(q_i.k_j exp(gamma_i -
+  gamma_j)) v', S <- exp(gamma_C) S + (k exp(gamma_C - gamma))^T v'. Packed sequences (`cu_seqlens`) are laid out
+  as rows of one padded batch, so every sequence starts from its own state; padded steps have g = 0, beta = 0, k = 0
+  and change nothing.
+- `recurrent_gated_delta_rule`: token by token (a decode step is one token).
+
+On CUDA, when `fla` (the `flash-linear-attention` wheel, lathe's `hybrid` extra) imports, its Triton kernels
+(`chunk_gated_delta_rule` for sequences, `fused_recurrent_gated_delta_rule` for single steps) run instead, with the
+same arguments; without it the torch form runs there too, with a one-time notice.
+
+`causal_conv1d`: the depthwise causal convolution over each packed sequence (zero history), then SiLU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("lathe")
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dimension (as fla and transformers compute it)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def positions_in_sequence(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(T,) each token's index within its packed sequence."""
+    cu = cu_seqlens.long()
+    seq = torch.searchsorted(cu[1:], torch.arange(total, device=cu.device), right=True)
+    return torch.arange(total, device=cu.device) - cu[seq]
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+                  initial: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(depthwise causal conv) of a packed stream x (T, C) with `weight` (C, K); each sequence sees only its own
+    earlier tokens (and `initial` (S, C, K-1), the last K-1 inputs before it, when given; else zeros)."""
+    total, kernel = x.shape[0], weight.shape[-1]
+    pos = positions_in_sequence(cu_seqlens, total)
+    w = weight.to(x.dtype)
+    out = x * w[:, kernel - 1]
+    for j in range(1, kernel):         # the input j steps back, where it is in the same sequence
+        shifted = F.pad(x, (0, 0, j, 0))[:total]
+        part = shifted * (pos >= j).unsqueeze(-1).to(x.dtype)
+        if initial is not None:        # positions before the sequence start read the carried inputs
+            seq = torch.searchsorted(cu_seqlens.long()[1:], torch.arange(total, device=x.device), right=True)
+            back = pos - j                                 # < 0: -1 is the last carried input
+            carried = initial[seq, :, (kernel - 1 + back).clamp(0, kernel - 2)]
+            part = part + carried * (back < 0).unsqueeze(-1).to(x.dtype)
+        out = out + part * w[:, kernel - 1 - j]
+    return F.silu(out)
+
+
+def conv_state(x: torch.Tensor, cu_seqlens: torch.Tensor, kernel: int,
+               initial: torch.Tensor | None = None) -> torch.Tensor:
+    """(S, C, K-1): each sequence's last K-1 inputs (zero-filled, or continued from `initial`, when shorter);
+    gathered at once, without a host sync."""
+    cu = cu_seqlens.long()
+    starts, ends = cu[:-1], cu[1:]
+    pos = ends[:, None] - (kernel - 1) + torch.arange(kernel - 1, device=x.device)       # (S, K-1)
+    inside = (pos >= starts[:, None]).unsqueeze(-1)
+    own = x[pos.clamp(min=0)]                                                              # (S, K-1, C)
+    if initial is None:
+        earlier = torch.zeros_like(own)
+    else:                               # before the sequence's first new token: its carried inputs
+        back = (kernel - 1 + pos - starts[:, None]).clamp(0, kernel - 2)
+        earlier = initial[torch.arange(len(starts), device=x.device)[:, None], :, back].to(x.dtype)
+    return torch.where(inside, own, earlier).transpose(1, 2)
+
+
+def _to_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, length, ...) rows of a packed (T, ...) tensor, zero-padded at the end, and the (T,) flat row indices."""
+    pos = positions_in_sequence(cu_seqlens, x.shape[0])
+    seq = torch.searchsorted(cu_seqlens.long()[1:], torch.arange(x.shape[0], device=x.device), right=True)
+    index = seq * length + pos
+    rows = x.new_zeros(((cu_seqlens.numel() - 1) * length, *x.shape[1:])).index_copy(0, index, x)
+    return rows.view(cu_seqlens.numel() - 1, length, *x.shape[1:]), index
+
+
+def _prepare(q, k, v, g, beta):
+    """Float32 (float64 stays) copies, q/k L2-normed with their heads repeated to the value heads, q scaled."""
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    groups = v.shape[-2] // k.shape[-2]
+    q, k = (l2norm(x.to(dtype)).repeat_interleave(groups, dim=-2) for x in (q, k))
+    return q * q.shape[-1] ** -0.5, k, v.to(dtype), g.to(dtype), beta.to(dtype)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                           initial_state: torch.Tensor | None = None, chunk_size: int = 64):
+    """(o (T, Hv, Dv) in v's dtype, final states (S, Hv, Dk, Dv) float32) for a packed stream: q, k (T, Hk, Dk)
+    before normalisation, v (T, Hv, Dv), g and beta (T, Hv); `initial_state` (S, Hv, Dk, Dv) or zeros."""
+    if _fla_runs(q):
+        return _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state)
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    length = -(-max(int(max_seqlen), 1) // chunk_size) * chunk_size
+    (q, k, v, g, beta), index = zip(*(_to_rows(x, cu_seqlens, length) for x in (q, k, v, g, beta)))
+    index = index[0]
+    n, c = length // chunk_size, chunk_size
+    # (S, H, chunks, C, D) and (S, H, chunks, C)
+    q, k, v = (x.transpose(1, 2).reshape(x.shape[0], x.shape[2], n, c, x.shape[3]) for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).reshape(x.shape[0], x.shape[2], n, c) for x in (g, beta))
+    gamma = g.cumsum(-1)
+    diff = gamma.unsqueeze(-1) - gamma.unsqueeze(-2)                          # gamma_i - gamma_j
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = diff.masked_fill(~causal, float("-inf")).exp()                     # 0 above the diagonal
+    k_beta = k * beta.unsqueeze(-1)
+    a = (k_beta @ k.transpose(-1, -2)) * decay
+    a = a.masked_fill(causal.logical_not().logical_or(torch.eye(c, dtype=torch.bool, device=q.device)), 0)
+    system = a + torch.eye(c, dtype=a.dtype, device=a.device)
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * gamma.exp().unsqueeze(-1)
+    k_decayed = k * (gamma[..., -1:] - gamma).exp().unsqueeze(-1)
+    state = (q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1]) if initial_state is None
+             else initial_state.to(q.dtype))
+    outs = []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new)
+        state = state * gamma[:, :, i, -1].exp()[..., None, None] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(q.shape[0], q.shape[1], length, -1).transpose(1, 2)   # (S, L, H, Dv)
+    o = o.reshape(-1, *o.shape[2:]).index_select(0, index)
+    return o.to(out_dtype), state.float() if state.dtype != torch.float64 else state
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
+    """Token by token over a batch of rows: q, k (B, L, Hk, Dk), v (B, L, Hv, Dv), g and beta (B, L, Hv), `state`
+    (B, Hv, Dk, Dv) or zeros. Returns (o (B, L, Hv, Dv) in v's dtype, the final state)."""
+    if _fla_runs(q):
+        return _fla_recurrent(q, k, v, g, beta, state)
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    if state is None:
+        state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    state = state.to(q.dtype)
+    outs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        read = (state * k[:, t].unsqueeze(-1)).sum(-2)                             # S^T k
+        delta = (v[:, t] - read) * beta[:, t].unsqueeze(-1)
+        state = state + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append((state * q[:, t].unsqueeze(-1)).sum(-2))
+    return torch.stack(outs, dim=1).to(out_dtype), state
+
+
+# ---- flash-linear-attention on CUDA ----------------------------------------------------------------------------
+
+
+@functools.cache
+def fla_ops():
+    """fla's (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule), or None when it does not import."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
+    except ImportError:
+        return None
+    return chunk, recurrent
+
+
+def _fla_runs(x: torch.Tensor) -> bool:
+    if x.device.type != "cuda":
+        return False
+    if fla_ops() is None:
+        _notice_no_fla()
+        return False
+    return True
+
+
+@functools.cache
+def _notice_no_fla() -> None:
+    log.warning("linear attention: flash-linear-attention is not installed, so the gated delta rule runs in torch on "
+                "the GPU (much slower); install it with `pip install 'lathe[hybrid]'` (or flash-linear-attention)")
+
+
+def _fla_inputs(q, k, v):
+    groups = v.shape[-2] // k.shape[-2]
+    return q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+
+
+def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
+    chunk, _ = fla_ops()
+    q, k = _fla_inputs(q, k, v)
+    o, state = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0),
+                     initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens.long(),
+                     use_qk_l2norm_in_kernel=True)
+    return o[0], state
+
+
+def _fla_recurrent(q, k, v, g, beta, state):
+    _, recurrent = fla_ops()
+    q, k = _fla_inputs(q, k, v)
+    return recurrent(q, k, v, g.float(), beta, initial_state=state, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)

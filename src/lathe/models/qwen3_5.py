@@ -1,0 +1,228 @@
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next in lathe's decoder: hybrid stacks of gated-DeltaNet layers and gated full
+attention (`LatheConfig.linear_attention`, `lathe.models.hybrid_config`).
+
+What differs from Qwen3 (as transformers' `modeling_qwen3_next` / `modeling_qwen3_5` compute it):
+- the decoder layers' norms, the final norm and q/k norms are zero-centred: x / rms(x) * (1 + w), in float32;
+- full attention (`self_attn`): `q_proj` gives each head's query and an output gate side by side (2 * head_dim);
+  the heads' outputs are multiplied by sigmoid(gate) before `o_proj`; RoPE turns the first `rotary_dim` features;
+- linear attention (`linear_attn`): projections to q, k, v (through a short causal depthwise convolution and SiLU),
+  z (the output gate), b (beta = sigmoid(b)) and a (g = -exp(A_log) * softplus(a + dt_bias)); the gated delta rule
+  (`lathe.models.linear_attention`); an RMSNorm over each value head gated by silu(z); `out_proj`.
+  Qwen3.5 names its projections `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`; Qwen3-Next fuses them into
+  `in_proj_qkvz` and `in_proj_ba`, laid out per key head ([q, k, v-group, z-group] and [b-group, a-group]);
+- MoE layers (Qwen3.5-MoE, Qwen3-Next): `lathe.models.moe`'s routed experts plus a shared SwiGLU expert scaled by
+  sigmoid(`shared_expert_gate`(x)).
+
+Parameter names are the checkpoints' own. The linear-attention layers see each packed sequence (or each row of a
+padded batch, padding zeroed as transformers does) from a zero state; attention layouts that cut sequences in other
+ways (prefix grouping, Ulysses) are refused by the layer. An attention callable that carries `linear_states` (the
+engine's step: `cu_seqlens`, `max_seqlen`, and `read()` / `write(conv, recurrent)` of the next linear layer's
+per-sequence states, called in layer order) has each sequence continue from its own states instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from lathe.models.attention import PackedAttention, PaddedAttention
+from lathe.models.config import LatheConfig
+from lathe.models.decoder import MLP, RMSNorm, attend
+from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, \
+    recurrent_gated_delta_rule
+from lathe.models.moe import SparseMoeBlock
+from lathe.models.rope import RotaryEmbedding, rotate_half
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in float32, cast back (weight starts at zero)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm over the last dimension, then times silu(gate) in float32 (`linear_attn.norm`)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (super().forward(x) * nn.functional.silu(gate.float())).to(x.dtype)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] features of each head of x (..., heads, head_dim); the rest pass."""
+    dim = cos.shape[-1]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    turned, kept = x[..., :dim], x[..., dim:]
+    return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate, zero-centred q/k norms and partial RoPE (`self_attn`)."""
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim * 2, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        if attn.rotates:
+            raise NotImplementedError("lathe's hybrid layers take q and k rotated; an attention that rotates them "
+                                      "itself (the engine's decode step) does not run Qwen3.5 / Qwen3-Next")
+        lead = x.shape[:-1]
+        q, gate = self.q_proj(x).view(*lead, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_partial_rotary(self.q_norm(q), cos, sin)
+        k = apply_partial_rotary(self.k_norm(self.k_proj(x).view(*lead, self.n_kv, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        out = attend(attn, q, k, v, torch.compiler.is_compiling())
+        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention token mixer (`linear_attn`); module doc."""
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__()
+        la, h = cfg.linear_attention, cfg.hidden_size
+        self.la = la
+        self.key_dim, self.value_dim = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, la.conv_kernel, groups=conv_dim, bias=False,
+                                padding=la.conv_kernel - 1)
+        if la.projections == "split":
+            self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(h, la.num_value_heads, bias=False)
+            self.in_proj_a = nn.Linear(h, la.num_value_heads, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * la.num_value_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(la.num_value_heads))
+        self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def project(self, x: torch.Tensor):
+        """(mixed q|k|v before the convolution (..., conv_dim), z (..., Hv, Dv), b and a (..., Hv))."""
+        la = self.la
+        if la.projections == "split":
+            z = self.in_proj_z(x).unflatten(-1, (la.num_value_heads, la.value_head_dim))
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        lead, r = x.shape[:-1], la.num_value_heads // la.num_key_heads
+        qkvz = self.in_proj_qkvz(x).view(*lead, la.num_key_heads, -1)
+        q, k, v, z = qkvz.split([la.key_head_dim, la.key_head_dim, r * la.value_head_dim, r * la.value_head_dim], -1)
+        b, a = self.in_proj_ba(x).view(*lead, la.num_key_heads, 2 * r).split([r, r], -1)
+        mixed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
+        return (mixed, z.reshape(*lead, la.num_value_heads, la.value_head_dim), b.reshape(*lead, -1),
+                a.reshape(*lead, -1))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, state=None):
+        """A packed stream x (T, H) of sequences delimited by `cu_seqlens`, each from a zero state; or, given
+        `state` = (convolution inputs (S, conv_dim, K-1), recurrent states (S, Hv, Dk, Dv)), each continuing from its
+        own, and then returns (output, the final states in the same form): an inference step's form."""
+        la = self.la
+        mixed, z, b, a = self.project(x)
+        conv = None if state is None else conv_state(mixed, cu_seqlens, la.conv_kernel, state[0])
+        mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state[0])
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = (t.unflatten(-1, (la.num_key_heads, la.key_head_dim)) for t in (q, k))
+        v = v.unflatten(-1, (la.num_value_heads, la.value_head_dim))
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
+        if state is not None and max_seqlen == 1:         # one token per sequence: the recurrence
+            o, final = recurrent_gated_delta_rule(*(t.unsqueeze(1) for t in (q, k, v, g, beta)), state[1])
+            o = o.squeeze(1)
+        else:
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, max_seqlen,
+                                              initial_state=None if state is None else state[1])
+        out = self.out_proj(self.norm(o, z).flatten(-2))
+        return out if state is None else (out, (conv, final))
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """`lathe.models.moe`'s routed experts plus sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__(cfg)
+        self.shared_expert = MLP(replace(cfg, intermediate_size=cfg.linear_attention.shared_expert_intermediate_size))
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm residual block whose token mixer is `linear_attn` or `self_attn` (`layer_types`)."""
+
+    def __init__(self, cfg: LatheConfig, index: int):
+        super().__init__()
+        self.linear = cfg.linear_attention.layer_types[index] == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        if cfg.is_sparse_layer(index):
+            self.mlp = SharedExpertMoeBlock(cfg) if cfg.linear_attention.shared_expert_intermediate_size else \
+                SparseMoeBlock(cfg)
+        else:
+            self.mlp = MLP(cfg)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + (self._linear(h, attn) if self.linear else self.self_attn(h, cos, sin, attn))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _linear(self, h: torch.Tensor, attn) -> torch.Tensor:
+        states = getattr(attn, "linear_states", None)
+        if states is not None:      # an inference step: each sequence continues from its own states
+            out, new = self.linear_attn(h, states.cu_seqlens, states.max_seqlen, states.read())
+            states.write(*new)
+            return out
+        if isinstance(attn, PackedAttention):
+            return self.linear_attn(h, attn.cu_seqlens, attn.max_seqlen)
+        if isinstance(attn, PaddedAttention):
+            b, length = h.shape[:2]
+            if attn.attention_mask is not None:      # padding zeroed: it leaves the state untouched (as transformers)
+                h = h * attn.attention_mask.unsqueeze(-1).to(h.dtype)
+            cu = torch.arange(0, (b + 1) * length, length, dtype=torch.int32, device=h.device)
+            return self.linear_attn(h.reshape(b * length, -1), cu, length).view_as(h)
+        raise NotImplementedError(
+            f"lathe's Qwen3.5 / Qwen3-Next linear-attention layers run packed or padded batches; {type(attn).__name__} "
+            "cuts the sequences another way (actor.use_prefix_grouper, Ulysses sequence parallelism), which these "
+            "layers do not implement. Fix: turn that feature off for this model")
+
+
+def hybrid_parts(cfg: LatheConfig) -> tuple[nn.ModuleList, nn.Module, RotaryEmbedding]:
+    """(layers, final norm, rotary embedding over the rotated features) of a hybrid `LatheDecoderModel`."""
+    layers = nn.ModuleList(HybridDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+    rotary = RotaryEmbedding(cfg.rope, cfg.linear_attention.rotary_dim(cfg.head_dim), cfg.max_position_embeddings)
+    return layers, ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), rotary
+
+
+def init_hybrid_weights(model: nn.Module) -> None:
+    """The initialisation transformers gives the hybrid-only parameters: zero-centred norms at 0, dt_bias at 1,
+    A_log = log(uniform(0.01, 16)), gated norms at 1 (`lathe.models.decoder.init_weights` does the rest)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, ZeroCenteredRMSNorm):
+                m.weight.zero_()
+            elif isinstance(m, GatedDeltaNet):
+                m.dt_bias.fill_(1.0)
+                m.A_log.copy_(torch.empty_like(m.A_log).uniform_(0.01, 16).log())
+                m.norm.weight.fill_(1.0)

@@ -1,0 +1,95 @@
+"""The gated delta rule and the short causal convolution of `lathe.models.linear_attention`: the chunked form
+against the token-by-token recurrence (float64, several chunks, packed sequences of ragged lengths, grouped value
+heads, carried states), and the packed convolution against one conv1d per sequence."""
+
+import pytest
+import torch
+
+from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, \
+    recurrent_gated_delta_rule
+
+from helpers import assert_close_rel
+
+LENGTHS = [5, 1, 13, 8]
+
+
+def _inputs(seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(LENGTHS)
+    q, k = (torch.randn(t, 2, 8, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(t, 4, 6, generator=gen, dtype=dtype)
+    g = -torch.rand(t, 4, generator=gen, dtype=dtype) * 2
+    beta = torch.rand(t, 4, generator=gen, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, g, beta, cu
+
+
+def _recurrent_per_sequence(q, k, v, g, beta, cu, states=None):
+    outs, finals = [], []
+    bounds = cu.tolist()
+    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        o, state = recurrent_gated_delta_rule(*(x[a:b].unsqueeze(0) for x in (q, k, v, g, beta)),
+                                              None if states is None else states[s:s + 1])
+        outs.append(o[0])
+        finals.append(state[0])
+    return torch.cat(outs), torch.stack(finals)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 64])
+def test_chunked_form_equals_the_recurrence_per_sequence(chunk_size):
+    q, k, v, g, beta, cu = _inputs()
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, cu, max(LENGTHS), chunk_size=chunk_size)
+    ref_out, ref_final = _recurrent_per_sequence(q, k, v, g, beta, cu)
+    assert out.dtype == torch.float64
+    assert_close_rel(out, ref_out, rel=1e-10, name="outputs")
+    assert_close_rel(final, ref_final, rel=1e-10, name="final states")
+
+
+def test_a_carried_state_continues_the_sequence():
+    """Prefill in two pieces (the second from the first's states) equals the whole: what a decode or a chunked
+    prefill relies on."""
+    q, k, v, g, beta, cu = _inputs(1)
+    whole, whole_final = _recurrent_per_sequence(q, k, v, g, beta, cu)
+    head_len = torch.tensor([min(2, n) for n in LENGTHS])
+    head_cu = torch.nn.functional.pad(head_len.cumsum(0), (1, 0)).to(torch.int32)
+    tail_cu = torch.nn.functional.pad((torch.tensor(LENGTHS) - head_len).cumsum(0), (1, 0)).to(torch.int32)
+    starts = cu[:-1].long()
+    head_idx = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), head_len.tolist())])
+    tail_idx = torch.cat([torch.arange(s + n, s + m) for s, n, m in zip(starts.tolist(), head_len.tolist(), LENGTHS)])
+    parts = [(x[head_idx], x[tail_idx]) for x in (q, k, v, g, beta)]
+    head_out, states = chunk_gated_delta_rule(*(p[0] for p in parts), head_cu, 2, chunk_size=4)
+    tail_out, final = chunk_gated_delta_rule(*(p[1] for p in parts), tail_cu, max(LENGTHS), chunk_size=4,
+                                             initial_state=states)
+    assert_close_rel(head_out, whole[head_idx], rel=1e-10, name="first piece")
+    assert_close_rel(tail_out, whole[tail_idx], rel=1e-10, name="second piece")
+    assert_close_rel(final, whole_final, rel=1e-10, name="final states")
+
+
+def test_packed_convolution_equals_one_conv_per_sequence_and_carries_its_state():
+    gen = torch.Generator().manual_seed(2)
+    _, _, _, _, _, cu = _inputs()
+    x = torch.randn(int(cu[-1]), 6, generator=gen, dtype=torch.float64)
+    w = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    out = causal_conv1d(x, w, cu)
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        ref = torch.nn.functional.conv1d(x[a:b].T.unsqueeze(0), w.unsqueeze(1), padding=3, groups=6)[0, :, :b - a]
+        assert_close_rel(out[a:b], torch.nn.functional.silu(ref.T), rel=1e-12, name="convolution")
+    # one more token per sequence, from the carried last K-1 inputs, equals the whole sequence's next output
+    step = torch.randn(len(LENGTHS), 6, generator=gen, dtype=torch.float64)
+    one = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
+    nxt = causal_conv1d(step, w, one, initial=conv_state(x, cu, 4))
+    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        longer = torch.cat([x[a:b], step[s:s + 1]])
+        whole = causal_conv1d(longer, w, torch.tensor([0, len(longer)], dtype=torch.int32))
+        assert_close_rel(nxt[s], whole[-1], rel=1e-12, name="carried convolution")
+
+
+@pytest.mark.gpu
+def test_fla_kernels_equal_the_torch_form_on_cuda():
+    pytest.importorskip("fla")
+    q, k, v, g, beta, cu = (x.cuda() for x in _inputs(dtype=torch.float32))
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, cu, max(LENGTHS))
+    ref_out, ref_final = _recurrent_per_sequence(*(x.cpu().double() for x in (q, k, v, g, beta)), cu.cpu())
+    assert_close_rel(out, ref_out, rel=1e-3, name="fla outputs")
+    assert_close_rel(final, ref_final, rel=1e-3, name="fla final states")

@@ -44,6 +44,8 @@ def test_log_probs_equal_teacher_forced_forward(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(reason="first run on an H200 (2026-11-29): 'Pointer argument (at 0) cannot be accessed from Triton "
+                          "(cpu tensor?)'; the rollout refuses these models on CUDA until it is fixed", strict=False)
 def test_greedy_on_cuda_equals_transformers_generate(tmp_path):
     from models.lathe_tiny import save_hf
     path, hf = save_hf(tmp_path, "qwen3_5_text")

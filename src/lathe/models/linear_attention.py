@@ -182,7 +182,24 @@ def _fla_runs(x: torch.Tensor) -> bool:
     if fla_ops() is None:
         _notice_no_fla()
         return False
+    if torch.is_grad_enabled() and x.requires_grad and not _fla_backward_ok(x.device):
+        _notice_fla_backward()
+        return False
     return True
+
+
+def _fla_backward_ok(device: torch.device) -> bool:
+    """fla 0.6 refuses its gated chunk backward on Hopper with Triton 3.4 .. 3.7.0 (wrong results there, fla #640):
+    training then takes the torch form (forward-only passes and the engine keep fla's kernels)."""
+    import triton
+    version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
+    return torch.cuda.get_device_capability(device)[0] != 9 or not (3, 4, 0) <= version < (3, 7, 1)
+
+
+@functools.cache
+def _notice_fla_backward() -> None:
+    log.warning("linear attention: fla's gated delta-rule backward is wrong on Hopper GPUs with this Triton (3.4 .. "
+                "3.7.0, fla issue 640), so training takes the torch form (slower); Triton >= 3.7.1 lifts this")
 
 
 @functools.cache

@@ -33,6 +33,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from lathe.device import nvidia_capability
+
 log = logging.getLogger("lathe")
 
 
@@ -193,7 +195,7 @@ def _fla_backward_ok(device: torch.device) -> bool:
     training then takes the torch form (forward-only passes and the engine keep fla's kernels)."""
     import triton
     version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
-    return torch.cuda.get_device_capability(device)[0] != 9 or not (3, 4, 0) <= version < (3, 7, 1)
+    return (nvidia_capability(device) or (0, 0))[0] != 9 or not (3, 4, 0) <= version < (3, 7, 1)
 
 
 @functools.cache

@@ -44,14 +44,23 @@ def test_log_probs_equal_teacher_forced_forward(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="first run on an H200 (2026-11-29): 'Pointer argument (at 0) cannot be accessed from Triton "
-                          "(cpu tensor?)'; the rollout refuses these models on CUDA until it is fixed", strict=False)
-def test_greedy_on_cuda_equals_transformers_generate(tmp_path):
+@pytest.mark.xfail(reason="H200, 2026-11-29: the CUDA engine's tokens leave the CPU engine's at the second decode step "
+                          "(prefill and first decode agree): fla's recurrent step or its state write-back is suspect; "
+                          "the rollout refuses these models on CUDA until it passes", strict=False)
+def test_greedy_on_cuda_equals_the_cpu_engine(tmp_path):
+    """fla's kernels in the engine (chunked prefill, recurrent decode; fp32 on CUDA) give the CPU engine's greedy
+    tokens (the CPU engine equals transformers' generate above; transformers itself is no reference here: with fla
+    installed it calls fla's Triton kernels on CPU tensors too), and log-probs near its teacher-forced ones."""
+    pytest.importorskip("fla")
     from models.lathe_tiny import save_hf
-    path, hf = save_hf(tmp_path, "qwen3_5_text")
-    expected = [_hf_greedy(hf, p, MAX) for p in PROMPTS]
+    path, _ = save_hf(tmp_path, "qwen3_5_text")
+    cpu = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)
+    expected = cpu.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX))
     engine = LatheEngine.from_pretrained(path, eos_token_id=None, device="cuda", block_size=4, num_kv_blocks=64)
-    assert engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX)).token_ids == expected
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX))
+    assert out.token_ids == expected.token_ids
+    for got, want in zip(out.logprobs, expected.logprobs):
+        assert_close_rel(got, want, rel=1e-2, name="CUDA vs CPU engine log-probs")     # fla's TF32 products
 
 
 def test_an_interrupted_partial_rollout_continues_with_the_same_tokens(tmp_path):

@@ -37,27 +37,28 @@ def test_grouped_matmul_equals_the_loop_with_biases(monkeypatch):
     assert_close_rel(results[0], results[1], rel=2e-2, name="grouped vs loop")
 
 
-@pytest.mark.xfail(reason="first run on an H200 (2026-11-29): 0.099 norm-relative against transformers on CUDA in bf16 "
-                          "(3e-2 asked; 0.0056 between the two on the CPU in bf16): one of the two CUDA paths differs",
-                   strict=False)
+@pytest.mark.xfail(reason="H200 image, 2026-11-29: 0.099 norm-relative against its transformers (5.17), also in fp32 "
+                          "and against transformers' CPU path, while lathe on CUDA equals lathe on the CPU and lathe "
+                          "equals transformers 5.24 to 1e-6 (CPU tests): the two transformers versions compute this "
+                          "tiny GPT-OSS differently; which matches OpenAI's reference is not settled", strict=False)
 def test_bf16_logits_on_cuda_equal_transformers():
     hf = gpt_oss_model().to(CUDA, torch.bfloat16)
     lathe = lathe_from_transformers(hf).eval()
     assert_logits_equal_transformers(hf, lathe, rel=3e-2)       # both in bf16, rounded in different orders
 
 
-def test_bf16_logits_on_cuda_equal_transformers_fp32_on_the_cpu():
-    """lathe's CUDA path (grouped expert matmuls, sink attention) in bf16 against transformers in float32 on the CPU
-    (its CPU path: the expert loop), which the CPU tests check lathe against exactly."""
+def test_bf16_logits_on_cuda_equal_lathes_fp32_cpu_forward():
+    """lathe's CUDA path (grouped expert matmuls, sink attention) in bf16 against its own float32 CPU forward, which
+    the CPU tests check against transformers."""
     from .lathe_tiny import ragged_batch
-    hf = gpt_oss_model()
+    cpu = lathe_from_transformers(gpt_oss_model()).eval()
     lathe = lathe_from_transformers(gpt_oss_model()).to(CUDA, torch.bfloat16).eval()
     ids, mask, pos = ragged_batch(0)
     real = mask.bool()
     with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits[real]
         for mode in ("mask", "unpad"):
-            lathe.padded_attention = mode
+            cpu.padded_attention = lathe.padded_attention = mode
+            ref = cpu(ids, mask, pos).logits[real]
             got = lathe(ids.to(CUDA), mask.to(CUDA), pos.to(CUDA)).logits[real.to(CUDA)].float().cpu()
             assert_close_rel(got, ref, rel=3e-2, name=f"padded logits ({mode})")
 

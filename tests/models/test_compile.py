@@ -102,6 +102,7 @@ def test_compiled_step_equals_eager_and_new_lengths_do_not_recompile(backend):
 
 
 def test_recompiles_stay_bounded_across_lengths_modes_and_layouts():
+    start = _graphs()           # dynamo's counter is per process: earlier tests' graphs are not this test's
     model = compile_decoder(_tiny(), backend="aot_eager")
     kinds = {
         "train": lambda s: _step(model, s),
@@ -115,7 +116,8 @@ def test_recompiles_stay_bounded_across_lengths_modes_and_layouts():
         for seed, lengths in enumerate([[2, 11], [8, 8, 4, 7]]):
             run(_stream(lengths, seed=seed + 1))
         assert _graphs() == first, f"{name}: {_graphs() - first} recompile(s) for new lengths"
-    assert _graphs() <= 24, f"{_graphs()} graphs for 4 kinds of call: something recompiles per layer or per call"
+    assert _graphs() - start <= 24, (f"{_graphs() - start} graphs for 4 kinds of call: something recompiles per layer "
+                                     "or per call")
 
 
 def test_an_engine_and_a_lora_trainer_fit_in_the_variant_limit():

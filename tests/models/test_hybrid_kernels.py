@@ -94,3 +94,12 @@ def test_fla_kernels_equal_the_torch_form_on_cuda():
     # fla's Triton products run in TF32 (measured on an H200: 1.6e-3 on the outputs)
     assert_close_rel(out, ref_out, rel=5e-3, name="fla outputs")
     assert_close_rel(final, ref_final, rel=5e-3, name="fla final states")
+    # the recurrent step (the engine's decode) from those states, one token per sequence, against the torch form
+    gen = torch.Generator().manual_seed(5)
+    step = [torch.randn(len(LENGTHS), 1, *t.shape[1:], generator=gen) for t in (q, k, v)]
+    g1, b1 = -torch.rand(len(LENGTHS), 1, g.shape[-1], generator=gen), torch.rand(len(LENGTHS), 1, g.shape[-1],
+                                                                                   generator=gen)
+    got, got_state = recurrent_gated_delta_rule(*(t.cuda() for t in (*step, g1, b1)), final)
+    want, want_state = recurrent_gated_delta_rule(*(t.double() for t in (*step, g1, b1)), ref_final)
+    assert_close_rel(got, want, rel=5e-3, name="fla recurrent outputs")
+    assert_close_rel(got_state, want_state, rel=5e-3, name="fla recurrent states")

@@ -218,7 +218,7 @@ def _fla_inputs(q, k, v):
 def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
     chunk, _ = fla_ops()
     q, k = _fla_inputs(q, k, v)
-    o, state = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0),
+    o, state = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0).float(), beta=beta.unsqueeze(0),
                      initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens.long(),
                      use_qk_l2norm_in_kernel=True)
     return o[0], state
@@ -227,5 +227,6 @@ def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
 def _fla_recurrent(q, k, v, g, beta, state):
     _, recurrent = fla_ops()
     q, k = _fla_inputs(q, k, v)
-    return recurrent(q, k, v, g.float(), beta, initial_state=state, output_final_state=True,
+    # by keyword: fla's recurrent takes (q, k, v, g, gk, gv, beta, ...), its chunk (q, k, v, g, beta, ...)
+    return recurrent(q, k, v, g=g.float(), beta=beta, initial_state=state, output_final_state=True,
                      use_qk_l2norm_in_kernel=True)

@@ -96,6 +96,10 @@ def test_config_fills_token_tis_and_refuses_what_it_cannot_quantise():
     own = load_config(None, ["actor_rollout_ref.rollout.quantization=fp8",
                              "algorithm.rollout_correction.rollout_is=sequence"])
     assert own.algorithm.rollout_correction.rollout_is == "sequence"
+    # fully async taking the rollout's log-probs as PPO's old ones: the FP8 policy is the behaviour policy already
+    pool = load_config(None, ["actor_rollout_ref.rollout.quantization=fp8", "rollout.n_gpus_per_node=1",
+                              "trainer.n_gpus_per_node=1", "trainer.device=cpu", "data.train_batch_size=0"])
+    assert pool.algorithm.rollout_correction.rollout_is is None
     for bad, words in ((["actor_rollout_ref.rollout.quantization=int4"], "quantization"),
                        (["actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.name=hf"],
                         "transformers generate")):

@@ -68,9 +68,12 @@ def _fill_rollout_ref(cfg: LatheConfig) -> None:
         ref.ulysses_sequence_parallel_size = actor.ulysses_sequence_parallel_size
     if ref.use_torch_compile is None:
         ref.use_torch_compile = actor.use_torch_compile
-    rc = cfg.algorithm.rollout_correction
+    rc, at = cfg.algorithm.rollout_correction, cfg.async_training
+    # fully async with the rollout's log-probs as PPO's old ones (no proximal pass) already takes the FP8 policy as
+    # the behaviour policy: nothing to correct against, and rules refuse a correction there
+    behaviour_is_rollout = is_async(cfg) and at.use_rollout_log_probs and not at.compute_prox_log_prob
     if (rollout.quantization and rollout.quantization_correction and rc.rollout_is is None and rc.rollout_rs is None
-            and not rc.bypass_mode):      # an FP8 rollout samples from another policy than the trainer's
+            and not rc.bypass_mode and not behaviour_is_rollout):   # an FP8 rollout samples another policy
         rc.rollout_is = "token"           # (truncated at rollout_is_threshold, 2 by default: verl's token TIS)
 
 

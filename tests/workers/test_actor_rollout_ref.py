@@ -94,7 +94,8 @@ def test_unsupported_architecture_falls_back_or_fails_when_lathe_is_required(loa
     assert torch.isfinite(logp).all()
     with pytest.raises(ValueError, match="actor_rollout_ref.model.impl=lathe"):
         _worker(load_cfg, "actor_rollout_ref.model.impl=lathe", model=_gelu_model(), need_ref=False)
-    with pytest.raises(ValueError, match=r"rollout.name=lathe: .* not implement Qwen2ForCausalLM.*rollout.name=hf"):
+    with pytest.raises(ValueError, match=r"rollout.name=lathe: .*covers .*GptOssForCausalLM.*Qwen3_5ForCausalLM.* not "
+                                         r"implement Qwen2ForCausalLM.*rollout.name=hf"):   # the covered families named
         _worker(load_cfg, "actor_rollout_ref.rollout.name=lathe", model=_gelu_model(), need_ref=False)
 
 

@@ -18,6 +18,7 @@ import torch
 from lathe.dtypes import rollout_dtype
 from lathe.engine.llm_engine import LatheEngine
 from lathe.models.vl import is_vl
+from lathe.models.config import SUPPORTED_ARCHITECTURES
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.frozen import frozen_copy
 from lathe.rollout.hf import HFRollout
@@ -62,8 +63,9 @@ def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
     if name == "lathe" and not is_lathe:
         why = ("actor_rollout_ref.model.impl=hf" if impl == "hf"
                else f"lathe's decoder does not implement {arch} (see the 'actor:' log line)")
-        raise ValueError(f"{KEY}=lathe: lathe's engine runs lathe's own decoder, but the actor runs transformers "
-                         f"{arch} because {why}. Fix: set {KEY}=hf (or auto) to generate with transformers"
+        raise ValueError(f"{KEY}=lathe: lathe's engine runs lathe's own decoder (it covers "
+                         f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} and the VL models), but the actor runs "
+                         f"transformers {arch} because {why}. Fix: set {KEY}=hf (or auto) to generate with transformers"
                          + (", or set actor_rollout_ref.model.impl=auto." if impl == "hf" else "."))
     if name not in ("auto", "lathe", "hf", *VERL_BACKENDS):
         raise ValueError(f"{KEY}={name!r} is not a lathe rollout backend; use auto, lathe or hf")

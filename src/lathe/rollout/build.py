@@ -34,8 +34,8 @@ def runs_lathe(model) -> bool:
 
 
 HYBRID_ON_CUDA = ("lathe's engine does not run the hybrid linear-attention families (Qwen3.5, Qwen3-Next) on CUDA "
-                  "yet: on an H200 its greedy tokens left the CPU engine's at the second decode step (a fix is not yet checked on a "
-                  "GPU; lathe issue 44)")
+                  "yet: on an H200 its greedy tokens left the CPU engine's at the second decode step (a fix is not "
+                  "yet checked on a GPU; lathe issue 44)")
 
 
 def hybrid_on_cuda(model) -> bool:

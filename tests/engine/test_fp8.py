@@ -163,3 +163,11 @@ def test_cuda_compiled_fp8_and_plain_instances_keep_their_own_kernels(checkpoint
             print("fp8 first" if first else "plain first", errors)
             # measured on an H200: plain 0.011 (bf16 compiled vs eager), fp8 0.064, fp8_vs_plain 0.090, gap 0.089
             assert errors["plain"] < errors["gap"] / 3 and errors["fp8"] < errors["fp8_vs_plain"], (first, errors)
+
+
+def test_cuda_without_fp8_products_is_refused_naming_the_key():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: its capability decides")
+    with pytest.raises(ValueError, match="compute capability 8.9.*rollout.quantization=null"):
+        fp8.check_device(torch.device("cuda"), torch.bfloat16)
+    fp8.check_device(torch.device("cpu"), torch.float32)        # the CPU emulates the product in any dtype

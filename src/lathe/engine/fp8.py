@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lathe.device import nvidia_capability
 from lathe.models.decoder import MLP
 
 FP8 = torch.float8_e4m3fn
@@ -138,6 +139,22 @@ def requantize(model: nn.Module, names: set[str] | None = None) -> None:
                 continue
         w = owner.weight if kind == "linear" else getattr(owner, f"{name}_weight")
         quantize_rows(w, out=w8, scale=getattr(owner, f"{prefix}_scale"))
+
+
+def check_device(device: torch.device, dtype: torch.dtype) -> None:
+    """FP8 GEMMs on CUDA need an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper) and bf16 outputs (the
+    row-wise scaled product's only output type); the CPU takes any dtype (its product is emulated in float32)."""
+    if device.type != "cuda":
+        return
+    capability = nvidia_capability(device)
+    if capability is None or capability < (8, 9):
+        raise ValueError(f"rollout.quantization=fp8 needs an NVIDIA GPU of compute capability 8.9 or later (Ada, "
+                         f"Hopper) for FP8 matrix products; this one reports {capability}. Fix: set "
+                         "actor_rollout_ref.rollout.quantization=null")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"rollout.quantization=fp8 on CUDA computes in bfloat16 (the FP8 product's output type), "
+                         f"but the engine's model is {dtype}. Fix: set actor_rollout_ref.rollout.dtype=bfloat16, or "
+                         "quantization=null")
 
 
 def is_quantized(model: nn.Module) -> bool:

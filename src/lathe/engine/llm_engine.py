@@ -198,6 +198,7 @@ class LatheEngine(StreamingMixin):
         if self.vl or self.tp.size > 1:
             raise ValueError(f"quantization={scheme!r}: not implemented for "
                              + ("vision-language models" if self.vl else "tensor-parallel replicas"))
+        fp8.check_device(self.model.device, self.model.dtype)
         fp8.quantize_model(self.model)
         return scheme
 

@@ -225,10 +225,13 @@ def bench_model(name: str, device, args) -> dict:
     max_seqs = max(args.prompts, args.grpo_prompts * args.grpo_n)
     if args.overcommit is not None:      # an A/B of the admission rule (1 = reserve for every response in full)
         scheduler.OVERCOMMIT = args.overcommit
-    engine = LatheEngine(lathe, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
-                         gpu_memory_utilization=args.gpu_memory_utilization,
-                         reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,
-                         **batched_tokens(args))
+
+    def new_engine(model, quantization=None):
+        return LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,
+                           quantization=quantization, **batched_tokens(args))
+    engine = new_engine(lathe)
     result["engine"] = {"max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                         "reserve_new_tokens": not args.no_reserve, "overcommit": scheduler.OVERCOMMIT,
                         "async_scheduling": not args.step_by_step, "kv_blocks": engine.kv_cache.num_blocks,
@@ -288,10 +291,7 @@ def bench_model(name: str, device, args) -> dict:
         del engine, lathe                 # (a model of its own, random like the first, as `lathe train` builds one)
         torch.cuda.empty_cache() if device.type == "cuda" else None
         lathe = lathe_from_transformers(build_hf(name, device, torch.bfloat16)).eval()
-        engine = LatheEngine(lathe, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
-                             gpu_memory_utilization=args.gpu_memory_utilization,
-                             reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,
-                             quantization="fp8", **batched_tokens(args))
+        engine = new_engine(lathe, "fp8")
         result["engine_fp8"] = {"kv_blocks": engine.kv_cache.num_blocks}
         for load in args.loads:
             prompts, params, _ = loads[load]

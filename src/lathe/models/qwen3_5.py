@@ -36,18 +36,15 @@ from lathe.models.moe import SparseMoeBlock
 from lathe.models.rope import RotaryEmbedding, rotate_half
 
 
-class ZeroCenteredRMSNorm(nn.Module):
+class ZeroCenteredRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight), all in float32, cast back (weight starts at zero)."""
 
     def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return (self.normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):

@@ -44,10 +44,6 @@ def test_log_probs_equal_teacher_forced_forward(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="H200, 2026-11-29: the CUDA engine's tokens leave the CPU engine's at the second decode step "
-                          "(prefill and first decode agree). Found after: fla's recurrent step took beta as "
-                          "its gk argument (positional; fixed, by keyword), not re-run on a GPU yet; the rollout "
-                          "refuses these models on CUDA until it passes (strict: a pass reports, to lift both)", strict=True)
 def test_greedy_on_cuda_equals_the_cpu_engine(tmp_path):
     """fla's kernels in the engine (chunked prefill, recurrent decode; fp32 on CUDA) give the CPU engine's greedy
     tokens (the CPU engine equals transformers' generate above; transformers itself is no reference here: with fla

@@ -33,17 +33,6 @@ def runs_lathe(model) -> bool:
     return isinstance(model, LatheCausalLM) or is_vl(model)
 
 
-HYBRID_ON_CUDA = ("lathe's engine does not run the hybrid linear-attention families (Qwen3.5, Qwen3-Next) on CUDA "
-                  "yet: on an H200 its greedy tokens left the CPU engine's at the second decode step (a fix is not "
-                  "yet checked on a GPU; lathe issue 44)")
-
-
-def hybrid_on_cuda(model) -> bool:
-    config = getattr(model, "config", None)
-    return (isinstance(model, LatheCausalLM) and getattr(config, "linear_attention", None) is not None
-            and model.device.type == "cuda")
-
-
 def architecture(model) -> str:
     config = getattr(model, "config", None)
     return getattr(config, "architecture", None) or type(model).__name__
@@ -57,9 +46,6 @@ def resolve_rollout_name(name: str, actor, *, impl: str) -> str:
     The engine runs lathe's decoder, so it needs an actor that `select_impl` turned into one.
     """
     arch, is_lathe = architecture(actor), runs_lathe(actor)
-    if hybrid_on_cuda(actor) and name != "hf":
-        raise ValueError(f"{KEY}={name}: {HYBRID_ON_CUDA}. Fix: set actor_rollout_ref.model.impl=hf and {KEY}=hf "
-                         "(transformers runs and generates with the model), or train on the CPU (trainer.device=cpu)")
     if name == "lathe" and not is_lathe:
         why = ("actor_rollout_ref.model.impl=hf" if impl == "hf"
                else f"lathe's decoder does not implement {arch} (see the 'actor:' log line)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from common import REWARD_FILE, SHAPES, device_name, git_sha, write_data, write_model, write_tokenizer  # noqa: E402
 from e2e import lathe_command  # noqa: E402
 
+MODES = {"lathe": "as lathe saves (hashed while written)", "after": "hashing after the write",
+         "none": "without hashing"}
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -37,6 +41,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny shape)")
     p.add_argument("--workdir", default="/tmp/lathe-ckpt")
     p.add_argument("--git-sha", default=None)
+    p.add_argument("--modes", default="lathe,after,none", help="which of lathe,after,none to time (none is needed)")
+    p.add_argument("--delete-previous", action="store_true",
+                   help="remove the step's checkpoint before each save (at 7B two copies do not fit a 128 GB disk)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     run_args = argparse.Namespace(prompts=8, n=4, prompt_len=64, response_len=64, gpu_memory_utilization=0.3,
@@ -71,6 +78,7 @@ def main() -> None:
 
     modes = {"lathe": (real_saved, real_hash), "after": (plain_save, real_hash),
              "none": (plain_save, lambda paths, **kw: [(p.stat().st_size, "0") for p in paths])}
+    modes = {m: modes[m] for m in args.modes.split(",")}
     checkpoint.manifest.write_manifest = timed
     trainer = build_trainer(load_config("base", overrides))
     save_s: dict[str, list[float]] = {m: [] for m in modes}
@@ -80,6 +88,9 @@ def main() -> None:
         for _ in range(args.saves):
             for mode, (saver, hasher) in modes.items():
                 update.manifest.save_hashed, manifest.hash_files = saver, hasher
+                step = checkpoint.step_dir(Path(trainer.cfg.trainer.default_local_dir), trainer.global_step)
+                if args.delete_previous and step.exists():
+                    shutil.rmtree(step)
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -92,16 +103,15 @@ def main() -> None:
         update.manifest.save_hashed, manifest.hash_files = real_saved, real_hash
         trainer.close()
     median = {m: statistics.median(v) for m, v in save_s.items()}
-    share = {m: round((median[m] - median["none"]) / median[m], 4) for m in ("lathe", "after")}
+    share = {m: round((median[m] - median["none"]) / median[m], 4) for m in median if m != "none"}
     result = {"bench": "ckpt_save", "device": device_name(torch.device(args.device)),
               "date": datetime.date.today().isoformat(), "git_sha": args.git_sha or git_sha(), "model": args.model,
               "checkpoint_bytes": nbytes, "save_seconds": {m: [round(s, 2) for s in v] for m, v in save_s.items()},
               "write_manifest_seconds": {m: [round(s, 2) for s in v] for m, v in inside.items()},
               "median_save_seconds": {m: round(v, 2) for m, v in median.items()}, "hash_share": share,
-              "what": f"{args.model}: a checkpoint of {nbytes / 1e9:.1f} GB; median save {median['lathe']:.1f} s as "
-                      f"lathe saves (hashed while written), {median['after']:.1f} s hashing after, "
-                      f"{median['none']:.1f} s without hashing: the hash costs {100 * share['lathe']:.1f}% of a "
-                      f"save (hashing after: {100 * share['after']:.1f}%)"}
+              "what": f"{args.model}: a checkpoint of {nbytes / 1e9:.1f} GB; median save "
+                      + ", ".join(f"{median[m]:.1f} s {MODES[m]}" for m in median) + "; the hash costs "
+                      + ", ".join(f"{100 * v:.1f}% of a save {MODES[m]}" for m, v in share.items())}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--model", default="1.5b", choices=sorted(SHAPES))
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny shape)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="7b: 0.6 (its weights take 57 GiB)")
     p.add_argument("--workdir", default="/tmp/lathe-ckpt")
     p.add_argument("--git-sha", default=None)
     p.add_argument("--modes", default="lathe,after,none", help="which of lathe,after,none to time (none is needed)")
@@ -46,7 +47,7 @@ def main() -> None:
                    help="remove the step's checkpoint before each save (at 7B two copies do not fit a 128 GB disk)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    run_args = argparse.Namespace(prompts=8, n=4, prompt_len=64, response_len=64, gpu_memory_utilization=0.3,
+    run_args = argparse.Namespace(prompts=8, n=4, prompt_len=64, response_len=64, gpu_memory_utilization=args.gpu_memory_utilization,
                                   steps=1, device=args.device, gpus=1, extra=[], profile_step=0, profile_stack=False)
     where = Path(args.workdir)
     where.mkdir(parents=True, exist_ok=True)

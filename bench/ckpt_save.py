@@ -47,7 +47,8 @@ def main() -> None:
                    help="remove the step's checkpoint before each save (at 7B two copies do not fit a 128 GB disk)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    run_args = argparse.Namespace(prompts=8, n=4, prompt_len=64, response_len=64, gpu_memory_utilization=args.gpu_memory_utilization,
+    run_args = argparse.Namespace(prompts=8, n=4, prompt_len=64, response_len=64,
+                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                   steps=1, device=args.device, gpus=1, extra=[], profile_step=0, profile_stack=False)
     where = Path(args.workdir)
     where.mkdir(parents=True, exist_ok=True)

@@ -185,6 +185,9 @@ class LatheDecoderModel(nn.Module):
         if cfg.linear_attention is not None:        # Qwen3.5 / Qwen3-Next hybrids: `lathe.models.qwen3_5`
             from lathe.models.qwen3_5 import hybrid_parts
             self.layers, self.norm, self.rotary_emb = hybrid_parts(cfg)
+        elif cfg.mla is not None:                   # DeepSeek-V3 family: `lathe.models.deepseek`
+            from lathe.models.deepseek import deepseek_parts
+            self.layers, self.norm, self.rotary_emb = deepseek_parts(cfg)
         else:
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

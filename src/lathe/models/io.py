@@ -67,6 +67,9 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
     """Assign `state` (checkpoint names: per-expert MoE weights are fused here) to a (meta-device) model; names in
     `optional` may be missing. Returns those missing."""
     state = fuse_expert_weights(state)
+    if getattr(model.config, "mla", None) is not None:      # DeepSeek-V3's multi-token-prediction layers: unused
+        from lathe.models.deepseek_config import drop_mtp_weights
+        state = drop_mtp_weights(state, model.config.num_hidden_layers)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}

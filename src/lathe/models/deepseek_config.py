@@ -107,7 +107,8 @@ def deepseek_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
     q_lora = _get(d, "q_lora_rank")
     rope_params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     mla = MlaConfig(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(_get(d, "kv_lora_rank")),
-                    qk_nope_head_dim=int(_get(d, "qk_nope_head_dim")), qk_rope_head_dim=int(_get(d, "qk_rope_head_dim")),
+                    qk_nope_head_dim=int(_get(d, "qk_nope_head_dim")),
+                    qk_rope_head_dim=int(_get(d, "qk_rope_head_dim")),
                     v_head_dim=int(_get(d, "v_head_dim")), rope_interleave=bool(_get(d, "rope_interleave")),
                     softmax_scale=0.0, n_group=int(d.get("n_group", DEFAULTS["n_group"]) or 1),
                     topk_group=int(d.get("topk_group", DEFAULTS["topk_group"]) or 1),

@@ -142,9 +142,9 @@ def test_checkpoint_round_trip_through_transformers(tmp_path):
     assert arch == "DeepseekV3ForCausalLM"
 
 
-def test_multi_token_prediction_layers_are_dropped_on_load(tmp_path):
+def test_mtp_layers_are_dropped_and_the_selection_bias_stays_float32(tmp_path):
     """DeepSeek-V3's checkpoints carry an MTP layer after the last decoder layer; lathe (like transformers) does not
-    run it and loads the rest."""
+    run it and loads the rest. The expert-selection bias is read, and kept through casts, in float32."""
     from safetensors.torch import load_file, save_file
 
     from lathe.models import load_lathe_model
@@ -153,4 +153,10 @@ def test_multi_token_prediction_layers_are_dropped_on_load(tmp_path):
     state.update({"model.layers.3.eh_proj.weight": torch.zeros(32, 64),
                   "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(88, 16)})
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    assert len(load_lathe_model(tmp_path).model.layers) == 3
+    model = load_lathe_model(tmp_path, torch.bfloat16)
+    assert len(model.model.layers) == 3
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and torch.equal(bias, state["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.bfloat16
+    model.to(torch.float16)
+    assert model.model.layers[2].mlp.gate.e_score_correction_bias.dtype == torch.float32

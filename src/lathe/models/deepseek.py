@@ -23,8 +23,8 @@ free balancing bias, a buffer), restricted to the `topk_group` of `n_group` expe
 their two best biased scores; the chosen experts' weights are the unbiased s, renormalised when `norm_topk_prob`, times
 `routed_scaling_factor`. The routed experts are `lathe.models.moe`'s (stacked tensors, per-expert names on disk); a
 shared SwiGLU expert (`shared_experts`, width moe_intermediate_size * n_shared_experts) adds to every token.
-transformers' DeepseekV3 keeps the router weight and bias in float32 in a bfloat16 model; lathe casts them with the
-model (the router's arithmetic is float32 either way).
+transformers' DeepseekV3 keeps the router weight and bias in float32 in a bfloat16 model; lathe keeps the bias in
+float32 (`DeepseekRouter`) and casts the weight with the model (the router's arithmetic is float32 either way).
 """
 
 from __future__ import annotations
@@ -102,11 +102,21 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 
 class DeepseekRouter(TopKRouter):
     """`mlp.gate`: the router's (E, H) weight and the selection bias `e_score_correction_bias` (E,), a buffer as in
-    transformers (saved, never trained)."""
+    transformers (saved, never trained). The bias stays float32 when the model is cast (`model.to(bfloat16)`) and when
+    a checkpoint is read in another dtype (`lathe.models.io.read_state_dict`), as transformers keeps it: rounded to
+    bfloat16 it would change which experts some tokens pick."""
 
     def __init__(self, hidden: int, num_experts: int):
         super().__init__(hidden, num_experts)
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+    def _apply(self, fn, recurse=True):
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        moved = self.e_score_correction_bias
+        if bias.dtype == torch.float32 and moved.dtype != torch.float32:
+            self.e_score_correction_bias = bias.to(moved.device)
+        return self
 
 
 def group_limited_route(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,

@@ -25,6 +25,9 @@ SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 # Buffers some older checkpoints carry; lathe recomputes them from the config.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Tensors read in their stored dtype whatever `dtype` asks: DeepSeek-V3's expert-selection bias (float32, as
+# transformers keeps it; `lathe.models.deepseek.DeepseekRouter`)
+_KEPT_DTYPE = re.compile(r"\.mlp\.gate\.e_score_correction_bias$")
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -58,7 +61,8 @@ def read_state_dict(path: str | Path, *, dtype: torch.dtype | None = None,
         for name, t in part.items():
             if _IGNORED.search(name):
                 continue
-            state[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            cast = dtype is not None and t.is_floating_point() and not _KEPT_DTYPE.search(name)
+            state[name] = t.to(dtype) if cast else t
     return state
 
 

@@ -160,3 +160,10 @@ def test_mtp_layers_are_dropped_and_the_selection_bias_stays_float32(tmp_path):
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.bfloat16
     model.to(torch.float16)
     assert model.model.layers[2].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_training_tensor_parallel_refuses_the_latent_attention(pair):
+    from lathe.train.tensor_parallel import check_model
+    key = "actor_rollout_ref.actor.fsdp_config.tensor_parallel_size"
+    with pytest.raises(ValueError, match=f"{key}=2: the latent attention of DeepseekV3ForCausalLM"):
+        check_model(pair[1], 2, key)

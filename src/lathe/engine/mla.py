@@ -4,7 +4,10 @@ The latent attention hands the engine's step attentions per-head q, k and v like
 part rotated by the layer itself, v zero-padded to k's width), so the paged KV cache holds each head's decompressed K
 and padded V: `num_key_value_heads` = the query heads, `head_dim` = max(qk_nope + qk_rope, v) (`MlaConfig.attn_dim`).
 Not done: the compressed-latent cache of absorbed MLA (kv_lora_rank + qk_rope_head_dim values per token and layer,
-queries absorbed through kv_b_proj), which takes far less memory per token at DeepSeek-V3's sizes.
+queries absorbed through kv_b_proj), which takes far less memory per token: per layer and token the decompressed
+cache holds 2 * heads * width values, the latent one kv_lora_rank + qk_rope_head_dim (Moonlight: 16 heads of width
+192, 6144 against 576; DeepSeek-V3: 128 heads, 49152 against 576). So the engine's cache suits the family's small
+members; the large ones need the latent cache first.
 
 What the engine leaves off for it (`mla_settings`): CUDA graphs (its decode step has not been checked under a
 capture), fused projections (its projections are not q/k/v), FP8 (its projections are not quantised); tensor-parallel

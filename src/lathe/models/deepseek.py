@@ -67,7 +67,8 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.n_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * m.v_head_dim, h, bias=cfg.o_bias)
-        self.q_scale = m.softmax_scale * self.width ** 0.5          # 1 unless YaRN's mscale or padding changes it
+        q_scale = m.softmax_scale * self.width ** 0.5          # 1 unless YaRN's mscale or padding changes it
+        self.q_scale = 1.0 if abs(q_scale - 1.0) < 1e-12 else q_scale
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q, k, v), each (..., heads, width): q and k rotated, padded and q scaled (module doc)."""

@@ -72,3 +72,15 @@ def test_what_the_engine_leaves_off_is_refused(checkpoint):
         _engine(path, quantization="fp8")
     with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2: the latent attention"):
         shard_copy(load_lathe_model(path), torch.float32, torch.device("cpu"), TensorParallel(None, 0, 2))
+
+
+def test_engine_on_the_triton_kernel_equals_torch(triton_interpreter, checkpoint):
+    """The Triton decode kernel (Triton's CPU interpreter) over the latent attention's heads of width 20 (padded in
+    the kernel to its block) gives the PyTorch decode's tokens and log-probs."""
+    path, _ = checkpoint
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=3)
+    engines = {b: _engine(path, decode_backend=b) for b in ("torch", "triton")}
+    assert engines["triton"].runner.decode_backend == "triton"
+    outs = {b: engine.generate(PROMPTS[:1], params) for b, engine in engines.items()}
+    assert outs["triton"].token_ids == outs["torch"].token_ids
+    assert_close_rel(sum(outs["triton"].logprobs, []), sum(outs["torch"].logprobs, []), name="log-probs")

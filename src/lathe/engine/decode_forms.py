@@ -193,7 +193,8 @@ def step_split_k(model, rows: int, prefill: bool = False) -> tuple[int, int] | N
     cache, a small admission) would compile one of its own the first time it met it, which costs far more than the
     split saves on a few percent of one step's layers."""
     decoder = model.model
-    if not isinstance(decoder, LatheDecoderModel) or decoder.compile_backend is None or model.dtype == torch.float32:
+    if not isinstance(decoder, LatheDecoderModel) or decoder.compile_backend is None or model.dtype == torch.float32 \
+            or getattr(model.config, "mla", None) is not None:      # DeepSeek-V3's latent layers: no split form
         return None
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda":

@@ -28,6 +28,7 @@ from lathe.engine import decode_forms, fp8
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.linear_state import LinearStateCache, StateBlockManager, hybrid_settings, kv_layers, state_slots
+from lathe.engine.mla import is_mla, mla_settings
 from lathe.engine.model_runner import ModelRunner
 from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensure_embeddings, prepare_prompt,
                                      text_config)
@@ -147,6 +148,8 @@ class LatheEngine(StreamingMixin):
             enable_prefix_caching, enforce_eager, fuse_projections = hybrid_settings(
                 model, enable_prefix_caching, enforce_eager, fuse_projections, quantization)
             max_num_seqs = state_slots(model.config, max_num_seqs, model.dtype, model.device)
+        if is_mla(model):           # DeepSeek-V3 family: no CUDA graphs, fused projections or FP8 (`mla.py`)
+            enforce_eager, fuse_projections = mla_settings(model, enforce_eager, fuse_projections, quantization)
         self.model = model.eval()
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)

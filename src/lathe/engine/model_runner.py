@@ -17,7 +17,7 @@ batch bucket that holds the batch (`cuda_graph.py`), unless the model's MoE laye
 host (their expert loop, where the grouped matmul is not available: `lathe.models.moe.graph_capturable`), which a
 capture cannot hold: those models decode eagerly. So do models whose layers have attention sinks or sliding windows
 (GPT-OSS): their decode attention (PyTorch or Triton, both with sinks and windows) has not been checked under a CUDA
-graph's capture yet, so none is captured for them.
+graph's capture yet, so none is captured for them; nor for the DeepSeek-V3 family's latent attention (`mla.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lathe.device import to_device
 from lathe.engine import decode_forms
 from lathe.engine.cuda_graph import DecodeGraphs
 from lathe.engine.kv_cache import KVCache
+from lathe.engine.mla import is_mla
 from lathe.engine.multimodal import StepInputs, hidden_states, rope_delta, text_config
 from lathe.engine.paged_attention import choose_decode_backend
 from lathe.engine.sequence import PENDING, Sequence
@@ -66,7 +67,7 @@ class ModelRunner:
         self.packed_backend = select_packed_backend("auto", self.device, model.dtype)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.rope_type != "dynamic" and graph_capturable(model) \
-                and not sinks:
+                and not sinks and not is_mla(model):
             self.graphs = DecodeGraphs(self, max_graph_batch, graph_sizes)
 
     @property
@@ -209,8 +210,8 @@ class ModelRunner:
         attn = DecodeAttention(self.kv_cache, self._tensor(slots), to_device(self._tables(seqs), self.device),
                                self._tensor(lens, torch.int32), self.decode_backend,
                                split_k=decode_forms.step_split_k(self.model, len(seqs)),
-                               rotates=False if self.states is not None else None)
-        if self.states is not None:         # (partial RoPE: the hybrid layers rotate q and k themselves)
+                               rotates=False if self.states is not None or is_mla(self.model) else None)
+        if self.states is not None:         # (partial RoPE: the hybrid and MLA layers rotate q and k themselves)
             attn.linear_states = self.states.step(seqs, [1] * len(seqs))
         ids = self._tensor(ids)
         self.take_pending(ids, pending)

@@ -202,6 +202,10 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
         raise NotImplementedError(
             f"rollout.tensor_model_parallel_size={tp.size}: the linear-attention layers of {model.config.architecture} "
             "are not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
+    if model.config.mla is not None:
+        raise NotImplementedError(
+            f"rollout.tensor_model_parallel_size={tp.size}: the latent attention and MoE of "
+            f"{model.config.architecture} are not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
     layout = ShardLayout(model.config, tp)
     named = state if state is not None else model.state_dict().items()
     local = {k: v.detach().to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True).contiguous()

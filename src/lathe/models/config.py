@@ -13,17 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lathe.models.deepseek_config import MlaConfig
 from lathe.models.hybrid_config import HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES, LinearAttentionConfig, \
     check_hybrid_features
 
 # the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are in HYBRID_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "GptOssForCausalLM", *HYBRID_ARCHITECTURES}
+                           "GptOssForCausalLM", "DeepseekV3ForCausalLM", *HYBRID_ARCHITECTURES}
 # The token-classification (critic) heads over the same backbones load too.
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
-                       "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification"}
+                       "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification",
+                       "DeepseekV3ForTokenClassification"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", **HYBRID_MODEL_TYPES}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM", **HYBRID_MODEL_TYPES}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 
 
@@ -124,6 +127,7 @@ class LatheConfig:
     sliding_window: int | None = None        # the window of the layers `layer_types` names "sliding_attention"
     layer_types: tuple[str, ...] = ()        # per layer: "full_attention" or "sliding_attention"; () = all full
     linear_attention: LinearAttentionConfig | None = None   # Qwen3.5 / Qwen3-Next hybrids; None otherwise
+    mla: MlaConfig | None = None             # DeepSeek-V3 family: latent attention, its router; None otherwise
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -162,13 +166,16 @@ class LatheConfig:
         hybrid = arch in HYBRID_ARCHITECTURES
         if hybrid:
             check_hybrid_features(d, arch, source)
-        else:
+        elif not arch.startswith("DeepseekV3"):     # its own checks: `deepseek_config.refuse_deepseek_features`
             _check_features(d, arch, source)
         heads = int(d["num_attention_heads"])
         attention_bias = bool(d.get("attention_bias", False))
         if family == "GptOss":
             from lathe.models.gpt_oss_config import gpt_oss_fields
             return cls(architecture=arch, **gpt_oss_fields(d, source), hf_config=dict(d))
+        if family == "DeepseekV3":
+            from lathe.models.deepseek_config import deepseek_fields
+            return cls(architecture=arch, **deepseek_fields(d, source), hf_config=dict(d))
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),

@@ -1,7 +1,7 @@
 """lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts
 MLPs, `lathe.models.moe`) and GPT-OSS (attention sinks, sliding-window layers, its own MoE: `lathe.models.gpt_oss`)
 in one module tree; the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) bring their own layers
-(`lathe.models.qwen3_5`).
+(`lathe.models.qwen3_5`), and so does the DeepSeek-V3 family (latent attention, its MoE: `lathe.models.deepseek`).
 
 Module and parameter names are those of the Hugging Face checkpoints (`model.embed_tokens.weight`,
 `model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`), so a state dict moves between the
@@ -185,6 +185,9 @@ class LatheDecoderModel(nn.Module):
         if cfg.linear_attention is not None:        # Qwen3.5 / Qwen3-Next hybrids: `lathe.models.qwen3_5`
             from lathe.models.qwen3_5 import hybrid_parts
             self.layers, self.norm, self.rotary_emb = hybrid_parts(cfg)
+        elif cfg.mla is not None:                   # DeepSeek-V3 family: `lathe.models.deepseek`
+            from lathe.models.deepseek import deepseek_parts
+            self.layers, self.norm, self.rotary_emb = deepseek_parts(cfg)
         else:
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -25,6 +25,9 @@ SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 # Buffers some older checkpoints carry; lathe recomputes them from the config.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Tensors read in their stored dtype whatever `dtype` asks: DeepSeek-V3's expert-selection bias (float32, as
+# transformers keeps it; `lathe.models.deepseek.DeepseekRouter`)
+_KEPT_DTYPE = re.compile(r"\.mlp\.gate\.e_score_correction_bias$")
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -58,7 +61,8 @@ def read_state_dict(path: str | Path, *, dtype: torch.dtype | None = None,
         for name, t in part.items():
             if _IGNORED.search(name):
                 continue
-            state[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            cast = dtype is not None and t.is_floating_point() and not _KEPT_DTYPE.search(name)
+            state[name] = t.to(dtype) if cast else t
     return state
 
 
@@ -67,6 +71,9 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
     """Assign `state` (checkpoint names: per-expert MoE weights are fused here) to a (meta-device) model; names in
     `optional` may be missing. Returns those missing."""
     state = fuse_expert_weights(state)
+    if getattr(model.config, "mla", None) is not None:      # DeepSeek-V3's multi-token-prediction layers: unused
+        from lathe.models.deepseek_config import drop_mtp_weights
+        state = drop_mtp_weights(state, model.config.num_hidden_layers)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}

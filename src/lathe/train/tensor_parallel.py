@@ -65,6 +65,9 @@ def check_model(model, size: int, key: str) -> None:
     ulysses.require_text_decoder(model, size, key, "be cut over a tensor-parallel group")
     if has_lora(model):
         raise ValueError(f"{key}={size} with LoRA adapters: not built yet. Fix: set {key}=1 (or lora_rank=0).")
+    if getattr(model.config, "mla", None) is not None:
+        raise ValueError(f"{key}={size}: the latent attention of {model.config.architecture} (DeepSeek-V3 family) is "
+                         f"not cut over a tensor-parallel group yet. Fix: set {key}=1.")
     if not all(hasattr(layer.mlp, "gate_proj") for layer in model.model.layers):
         raise ValueError(f"{key}={size} with mixture-of-experts layers ({model.config.architecture}): their experts are "
                          f"not cut over a tensor-parallel group yet (expert parallelism is issue 43's). Fix: set "

@@ -1,0 +1,144 @@
+"""Reading a DeepSeek-V3 family `config.json` (`model_type: deepseek_v3`: DeepSeek-V3, Moonlight, Kimi-K2) into the
+fields of `LatheConfig`; `lathe.models.deepseek` computes its layers.
+
+The keys (transformers' `DeepseekV3Config`, whose defaults a config.json that leaves a key out gets):
+- multi-head latent attention: `q_lora_rank` (null: a plain `q_proj`), `kv_lora_rank`, `qk_nope_head_dim`,
+  `qk_rope_head_dim`, `v_head_dim`, `rope_interleave`, `attention_bias`;
+- its MoE: `n_routed_experts` top `num_experts_per_tok` of width `moe_intermediate_size`, `n_shared_experts`,
+  `n_group` / `topk_group` (group-limited routing), `norm_topk_prob`, `routed_scaling_factor`, and dense layers
+  (`intermediate_size`) before `first_k_dense_replace`.
+
+In `LatheConfig` the attention looks like plain multi-head attention to the rest of lathe (the engine's paged KV
+cache, the attention callables): `num_key_value_heads` = the query heads and `head_dim` = the padded per-head width
+max(qk_nope_head_dim + qk_rope_head_dim, v_head_dim) the attention callables see (`MlaConfig.attn_dim`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+ARCHITECTURE = "DeepseekV3ForCausalLM"
+FALLBACK = "; the transformers fallback will be used"
+# transformers' `DeepseekV3Config` defaults, for keys a config.json leaves out
+DEFAULTS = {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+            "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6, "rope_interleave": True, "attention_bias": False}
+
+
+@dataclass
+class MlaConfig:
+    """The DeepSeek-V3 family's own keys (module doc): the latent attention's shape and the router's variant."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float            # qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    n_shared_experts: int
+    first_k_dense_replace: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attn_dim(self) -> int:
+        """The per-head width of q, k and v as the attention callables and the KV cache see them (the shorter of
+        q/k and v zero-padded to the longer)."""
+        return max(self.qk_head_dim, self.v_head_dim)
+
+
+def _get(d: dict[str, Any], key: str):
+    return d[key] if key in d else DEFAULTS[key]
+
+
+def refuse_deepseek_features(d: dict[str, Any], source: str) -> None:
+    """Raise `UnsupportedArchitecture` for what lathe's DeepSeek-V3 layers do not compute."""
+    from lathe.models.config import UnsupportedArchitecture
+    if d.get("quantization_config"):
+        method = (d.get("quantization_config") or {}).get("quant_method", "?")
+        raise UnsupportedArchitecture(
+            f"{source}: {ARCHITECTURE} is quantised (quantization_config.quant_method={method!r}, e.g. DeepSeek-V3's "
+            "and Kimi-K2's FP8 block weights); lathe's decoder trains and serves unquantised weights only. Fix: point "
+            f"the model path at a bfloat16 (dequantised) checkpoint{FALLBACK}")
+    checks = {"hidden_act": ("silu", d.get("hidden_act", "silu")),
+              "scoring_func": ("sigmoid", d.get("scoring_func", "sigmoid")),
+              "topk_method": ("noaux_tc", d.get("topk_method", "noaux_tc"))}
+    for key, (want, got) in checks.items():
+        if got != want:
+            raise UnsupportedArchitecture(f"{source}: {ARCHITECTURE} with {key}={got!r} (lathe implements "
+                                          f"{want!r}, as transformers' DeepseekV3 does){FALLBACK}")
+    heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
+    if kv is not None and heads is not None and int(kv) != int(heads):
+        raise UnsupportedArchitecture(f"{source}: {ARCHITECTURE} with num_key_value_heads={kv} != num_attention_heads="
+                                      f"{heads} (the latent attention expands K/V to every query head){FALLBACK}")
+    groups, experts = d.get("n_group", DEFAULTS["n_group"]) or 1, _get(d, "n_routed_experts")
+    if experts % groups or experts // groups < 2 or (d.get("topk_group") or 1) > groups:
+        raise ValueError(f"{source}: n_routed_experts={experts} must split into n_group={groups} groups of 2 or more "
+                         f"experts, and topk_group={d.get('topk_group')} must be at most n_group. Fix config.json")
+
+
+def softmax_scale(qk_head_dim: int, rope: dict[str, Any]) -> float:
+    """transformers' DeepseekV3 softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 (YaRN's
+    0.1 * m * ln(factor) + 1) when the RoPE is scaled and `mscale_all_dim` is set."""
+    scale = qk_head_dim ** -0.5
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
+        factor = float(rope["factor"])
+        m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale = scale * m * m
+    return scale
+
+
+def deepseek_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """The `LatheConfig` keyword arguments of a DeepSeek-V3 config (all but architecture and hf_config)."""
+    from lathe.models.config import MoeConfig, read_rope
+    refuse_deepseek_features(d, source)
+    heads, layers = int(_get(d, "num_attention_heads")), int(_get(d, "num_hidden_layers"))
+    q_lora = _get(d, "q_lora_rank")
+    rope_params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    mla = MlaConfig(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(_get(d, "kv_lora_rank")),
+                    qk_nope_head_dim=int(_get(d, "qk_nope_head_dim")),
+                    qk_rope_head_dim=int(_get(d, "qk_rope_head_dim")),
+                    v_head_dim=int(_get(d, "v_head_dim")), rope_interleave=bool(_get(d, "rope_interleave")),
+                    softmax_scale=0.0, n_group=int(d.get("n_group", DEFAULTS["n_group"]) or 1),
+                    topk_group=int(d.get("topk_group", DEFAULTS["topk_group"]) or 1),
+                    routed_scaling_factor=float(_get(d, "routed_scaling_factor")),
+                    n_shared_experts=int(d.get("n_shared_experts", DEFAULTS["n_shared_experts"]) or 0),
+                    first_k_dense_replace=int(d.get("first_k_dense_replace", 3) or 0))
+    mla.softmax_scale = softmax_scale(mla.qk_head_dim, rope_params)
+    experts, top_k = int(_get(d, "n_routed_experts")), int(_get(d, "num_experts_per_tok"))
+    # transformers' DeepseekV3 adds no load-balancing loss (the aux-free bias balances the experts), so neither does
+    # lathe: output_router_logits is read as off
+    moe = MoeConfig(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(_get(d, "moe_intermediate_size")),
+                    norm_topk_prob=bool(_get(d, "norm_topk_prob")),
+                    mlp_only_layers=tuple(range(min(mla.first_k_dense_replace, layers))))
+    bias = bool(_get(d, "attention_bias"))
+    return dict(vocab_size=int(_get(d, "vocab_size")), hidden_size=int(_get(d, "hidden_size")),
+                intermediate_size=int(_get(d, "intermediate_size")), num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=heads, head_dim=mla.attn_dim,
+                max_position_embeddings=int(_get(d, "max_position_embeddings")),
+                rms_norm_eps=float(_get(d, "rms_norm_eps")), tie_word_embeddings=bool(d.get("tie_word_embeddings")),
+                qkv_bias=bias, o_bias=bias, moe=moe, mla=mla, rope=read_rope(d, source),
+                torch_dtype=d.get("dtype") or d.get("torch_dtype"))
+
+
+def drop_mtp_weights(state: dict, num_hidden_layers: int) -> dict:
+    """`state` without the multi-token-prediction layers' tensors (`model.layers.<n>.` for n >= the config's
+    `num_hidden_layers`, DeepSeek-V3's layer 61): lathe's decoder, like transformers', does not run them."""
+    def layer_of(name: str) -> int | None:
+        if not name.startswith("model.layers."):
+            return None
+        index = name.split(".", 3)[2]
+        return int(index) if index.isdigit() else None
+    return {k: v for k, v in state.items() if (layer_of(k) or 0) < num_hidden_layers}

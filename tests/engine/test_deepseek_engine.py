@@ -1,0 +1,86 @@
+"""The DeepSeek-V3 family (latent attention with the decompressed per-head K/V in the paged cache, its MoE) in
+lathe's engine on the CPU: greedy tokens equal transformers' `generate` with prefix sharing, chunked prefill and
+preemption in the runs; the engine's log-probs equal the teacher-forced forward; what the engine leaves off for it is
+refused by name."""
+
+import pytest
+import torch
+
+from lathe.engine.llm_engine import LatheEngine
+from lathe.generation import SamplingParams
+from lathe.models import load_lathe_model
+
+from helpers import assert_close_rel
+from models.deepseek_tiny import deepseek_model
+
+from .conftest import PROMPTS
+
+MAX = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek") / "ckpt"
+    hf = deepseek_model(seed=2)
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def _engine(path, **kw):
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_kv_blocks", 64)
+    return LatheEngine.from_pretrained(path, eos_token_id=None, **kw)
+
+
+@torch.no_grad()
+def _hf_greedy(hf, prompt):
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      do_sample=False, max_new_tokens=MAX, min_new_tokens=MAX, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_equals_transformers_generate(checkpoint):
+    path, hf = checkpoint
+    expected = [t for t in map(lambda p: _hf_greedy(hf, p), PROMPTS) for _ in range(2)]
+    assert len({tuple(t) for t in expected}) > 2, "precondition: prompts give different continuations"
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
+    # one run with prefix sharing, prompts cut in chunks of 6 tokens, and a cache small enough to preempt
+    engine = _engine(path, num_kv_blocks=10, reserve_new_tokens=False, max_num_batched_tokens=6)
+    assert engine.kv_cache.shape[2:] == (4, 20)              # every head's K (12 + 8) and V (10, padded to 20)
+    assert engine.generate(PROMPTS, params).token_ids == expected
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_log_probs_equal_teacher_forced_forward(checkpoint):
+    path, _ = checkpoint
+    model = load_lathe_model(path)
+    params = SamplingParams(n=2, temperature=0.7, top_k=20, max_tokens=MAX, seed=1)
+    out = _engine(path).generate(PROMPTS, params)
+    for prompt, ids, lps in zip([p for p in PROMPTS for _ in range(2)], out.token_ids, out.logprobs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].double() / 0.7
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        assert_close_rel(lps, ref, name="log-probs")
+
+
+def test_what_the_engine_leaves_off_is_refused(checkpoint):
+    from lathe.engine.tensor_parallel import TensorParallel, shard_copy
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match="fuse_projections=True: not implemented for DeepseekV3ForCausalLM"):
+        _engine(path, fuse_projections=True)
+    with pytest.raises(ValueError, match="quantization='fp8'.*latent attention"):
+        _engine(path, quantization="fp8")
+    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2: the latent attention"):
+        shard_copy(load_lathe_model(path), torch.float32, torch.device("cpu"), TensorParallel(None, 0, 2))
+
+
+def test_engine_on_the_triton_kernel_equals_torch(triton_interpreter, checkpoint):
+    """The Triton decode kernel (Triton's CPU interpreter) over the latent attention's heads of width 20 (padded in
+    the kernel to its block) gives the PyTorch decode's tokens and log-probs."""
+    path, _ = checkpoint
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=3)
+    engines = {b: _engine(path, decode_backend=b) for b in ("torch", "triton")}
+    assert engines["triton"].runner.decode_backend == "triton"
+    outs = {b: engine.generate(PROMPTS[:1], params) for b, engine in engines.items()}
+    assert outs["triton"].token_ids == outs["torch"].token_ids
+    assert_close_rel(sum(outs["triton"].logprobs, []), sum(outs["torch"].logprobs, []), name="log-probs")

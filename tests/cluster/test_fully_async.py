@@ -23,12 +23,6 @@ from lathe.loop.fully_async import AsyncDriver, Ledger  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shared_ray():
-    """One local Ray for the module's runs (each `lathe train` joins it instead of starting its own)."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
 BASE = ["trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.logger=[console]"]
 POOLS = ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false"]
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean")

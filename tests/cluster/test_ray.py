@@ -227,6 +227,7 @@ def two_nodes():
     cluster.shutdown()
 
 
+@pytest.mark.own_ray
 def test_workers_spread_over_two_nodes_and_failures_name_the_rank(two_nodes):
     group = RayWorkerGroup(ResourcePool(2, 1, use_gpu=False, timeout_s=60), name="probe", timeout_s=60)
     try:

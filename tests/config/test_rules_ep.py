@@ -41,3 +41,9 @@ def test_bad_sizes_and_combinations_are_refused_up_front_naming_the_key():
         assert f"{EP['actor']}=2 with actor_rollout_ref.{'' if 'model.' in other else 'actor.'}{other}" in text
     assert "expert parallelism for the reward model" in fails("reward_model.model.fsdp_config.expert_parallel_size=2",
                                                               "reward_model.enable=true")
+
+
+def test_expert_parallel_models_run_eager():
+    from lathe.train.actor import use_torch_compile
+    cfg = load(f"{EP['actor']}=2")
+    assert not use_torch_compile(cfg.actor_rollout_ref.actor) and use_torch_compile(cfg.actor_rollout_ref.ref)

@@ -174,7 +174,7 @@ def test_verl_defaults_leave_lathe_keys_alone():
 
 @pytest.mark.parametrize("override, feature", [
     (f"{A}.megatron.pipeline_model_parallel_size=2", "pipeline parallelism (lathe issue 43"),
-    (f"{A}.megatron.expert_model_parallel_size=8", "expert parallelism (lathe issue 43"),
+    (f"{A}.megatron.expert_tensor_parallel_size=2", "expert tensor parallelism (lathe issue 43"),
     (f"{A}.torchtitan.data_parallel_replicate_size=2", "torchtitan's replica count"),
     (f"{M}.mtp.enable=true", "multi-token prediction (MTP; lathe issue 44"),
     (f"{A}.router_replay.mode=R3", "MoE routing replay (R2/R3, lathe issue 44"),

@@ -76,16 +76,17 @@ def ppo_batch(step: int):
 
 
 def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None = None, resume: Path | None = None,
-          overrides: tuple[str, ...] = (), tp: int = 1, engine: bool = False):
+          overrides: tuple[str, ...] = (), tp: int = 1, engine: bool = False, model_fn=None):
     """The actor's updates over `steps` on this process's share (a rank of `world`, or one process; with tensor-
     parallel groups of `tp` ranks, its group's share): metrics, the full weights at the end (on rank 0), the mesh its
-    weights are sharded on and, with `engine`, the weights a rollout engine would load."""
+    weights are sharded on and, with `engine`, the weights a rollout engine would load; `model_fn`: the policy
+    (`tiny_model` by default)."""
     cfg = load_config(None, [*BASE_OVERRIDES, "trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
                              f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size}",
                              "actor_rollout_ref.actor.entropy_coeff=0.01", *overrides], device_count=world)
     plan = run_plan(cfg, world)
     rc = cfg.algorithm.rollout_correction
-    actor = Actor(cfg.actor_rollout_ref, tiny_model(), device=torch.device("cpu"), seed=0,
+    actor = Actor(cfg.actor_rollout_ref, (model_fn or tiny_model)(), device=torch.device("cpu"), seed=0,
                   with_rollout=cfg.actor_rollout_ref.model.lora_rank > 0)      # LoRA trains with a colocated rollout
     actor.start_training(plan=plan.actor, total_steps=10, temperature=1.0,
                          max_response_length=cfg.data.max_response_length,
@@ -104,6 +105,9 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
     placements = tuple("shard" if p.is_shard() else "replicate" for p in getattr(weight, "placements", ()))
     mesh = (tuple(weight.device_mesh.shape), placements) if parallel.in_group() else None
     out = {"metrics": metrics, "weights": parallel.full_state(actor.model), "mesh": mesh}
+    experts = [p for n, p in actor.model.named_parameters() if ".experts." in n]
+    if experts and parallel.in_group():            # a MoE policy: the mesh its experts are sharded on
+        out["experts_mesh"] = (experts[0].device_mesh.mesh_dim_names, tuple(experts[0].device_mesh.shape))
     if engine:
         out["engine"] = {k: v.clone() for k, v in actor.weights()}
     return out

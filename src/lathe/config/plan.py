@@ -67,11 +67,16 @@ class MeshPlan:
     than the devices): each weight is sharded over a group of dp_shard ranks and replicated over dp_replicate such
     groups, its gradients summed over all of them. tp > 1 (`fsdp_config.tensor_parallel_size`): each weight is first
     cut over the tp ranks of a group (`lathe.train.tensor_parallel`) and FSDP2 shards those slices over the data-
-    parallel dims; the tp ranks of a group hold the same data (`BatchPlan.tensor_parallel_size`)."""
+    parallel dims; the tp ranks of a group hold the same data (`BatchPlan.tensor_parallel_size`). ep > 1
+    (`fsdp_config.expert_parallel_size`): the dp_shard dim is split into (dp_shard / ep, ep), ep innermost; each
+    group of ep consecutive ranks holds every expert once, num_experts / ep whole experts per rank
+    (`lathe.train.expert_parallel`), which FSDP2 shards over the other data-parallel dims only; every rank holds
+    data of its own."""
 
     dp_replicate: int
     dp_shard: int
     tp: int = 1
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -88,7 +93,7 @@ class MeshPlan:
         return self.dp_replicate > 1
 
     def describe(self) -> str:
-        tp = f" x TP {self.tp}" if self.tp > 1 else ""
+        tp = f" x TP {self.tp}" if self.tp > 1 else f", EP {self.ep}" if self.ep > 1 else ""
         if self.hsdp:
             return f"HSDP: {self.dp_replicate} replicas x {self.dp_shard}-way shards{tp}"
         return f"FSDP: {self.dp_shard}-way shards{tp}"
@@ -186,6 +191,12 @@ def tensor_parallel_size(cfg: LatheConfig, role: str) -> int:
     return {"actor": arr.actor, "ref": arr.ref, "critic": cfg.critic.model}[role].fsdp_config.tensor_parallel_size
 
 
+def expert_parallel_size(cfg: LatheConfig, role: str) -> int:
+    """``fsdp_config.expert_parallel_size`` of ``role`` ('actor', 'ref' or 'critic')."""
+    arr = cfg.actor_rollout_ref
+    return {"actor": arr.actor, "ref": arr.ref, "critic": cfg.critic.model}[role].fsdp_config.expert_parallel_size
+
+
 def batch_plan(cfg: LatheConfig, device_count: int | None = None, role: str = "actor") -> BatchPlan:
     """The batch cut of a validated config for ``role`` ('actor' or 'critic')."""
     dev = resolve_devices(cfg, device_count).count
@@ -203,13 +214,14 @@ FSDP_GROUPS = {"actor": "actor_rollout_ref.actor.fsdp_config", "ref": "actor_rol
                "critic": "critic.model.fsdp_config"}
 
 
-def mesh_plan(fsdp_size: int, devices: Devices, key: str, tp: int = 1) -> MeshPlan:
+def mesh_plan(fsdp_size: int, devices: Devices, key: str, tp: int = 1, ep: int = 1) -> MeshPlan:
     """verl's `fsdp_size` over the trainer's data-parallel ranks (the devices / `tp`): -1 (any negative) or at least
     those: plain FSDP over all of them; N dividing them: HSDP, ranks / N replicas of N-way shards (N = 1: whole
-    replicas, as DDP). `tp` (checked by `tensor_parallel_problem`) is the innermost dim."""
+    replicas, as DDP). `tp` (checked by `tensor_parallel_problem`) is the innermost dim; `ep` (checked by
+    `expert_parallel_problem`) splits the shard dim."""
     world = devices.count // tp
     if fsdp_size < 0 or fsdp_size >= world:
-        return MeshPlan(1, world, tp)
+        return MeshPlan(1, world, tp, ep)
     if fsdp_size == 0 or world % fsdp_size:
         divisors = [d for d in range(1, world) if world % d == 0]
         ranks = (f"{world} data-parallel ranks ({devices.why}, / tensor_parallel_size={tp})" if tp > 1 else
@@ -217,7 +229,7 @@ def mesh_plan(fsdp_size: int, devices: Devices, key: str, tp: int = 1) -> MeshPl
         raise ConfigError(f"`{key}`={fsdp_size} does not divide the trainer's {ranks}: "
                           "HSDP shards each weight over groups of fsdp_size devices, replicated across devices / "
                           f"fsdp_size groups. Fix: set it to one of {divisors}, or to -1 (shard over all devices).")
-    return MeshPlan(world // fsdp_size, fsdp_size, tp)
+    return MeshPlan(world // fsdp_size, fsdp_size, tp, ep)
 
 
 def fsdp_sizes(cfg: LatheConfig) -> dict[str, int]:
@@ -233,8 +245,8 @@ def fsdp_sizes(cfg: LatheConfig) -> dict[str, int]:
 
 def role_meshes(cfg: LatheConfig, devices: Devices) -> dict[str, MeshPlan]:
     """The mesh of each model the trainer shards (see `fsdp_sizes`, `mesh_plan`)."""
-    return {role: mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size", tensor_parallel_size(cfg, role))
-            for role, size in fsdp_sizes(cfg).items()}
+    return {role: mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size", tensor_parallel_size(cfg, role),
+                            max(1, expert_parallel_size(cfg, role))) for role, size in fsdp_sizes(cfg).items()}
 
 
 def tensor_parallel_problem(cfg: LatheConfig, devices: Devices, role: str) -> str | None:
@@ -252,6 +264,19 @@ def tensor_parallel_problem(cfg: LatheConfig, devices: Devices, role: str) -> st
     return None
 
 
+def expert_parallel_problem(mesh: MeshPlan, size: int, key: str) -> str | None:
+    """Why an expert-parallel `size` cannot split `mesh`'s shard dim (None when it can): >= 1, and dividing the shard
+    group (every rank of an expert-parallel group is also one of a shard group; the replicas repeat it)."""
+    if size < 1:
+        return f"`{key}`={size} must be >= 1 (1: no expert parallelism). Fix: set it to 1 or more."
+    if mesh.dp_shard % size:
+        fits = [d for d in range(1, mesh.dp_shard + 1) if mesh.dp_shard % d == 0]
+        return (f"`{key}`={size} does not divide the FSDP shard group of {mesh.dp_shard} device(s) ({mesh.describe()}"
+                f"): an expert-parallel group is {size} consecutive devices of one shard group. Fix: set it to one "
+                f"of {fits} (or raise fsdp_size).")
+    return None
+
+
 def mesh_problems(cfg: LatheConfig, devices: Devices) -> list[str]:
     """What `role_meshes` would refuse, every model's at once (for `load_config`'s list of problems)."""
     out = []
@@ -261,9 +286,14 @@ def mesh_problems(cfg: LatheConfig, devices: Devices) -> list[str]:
             out.append(problem)
             continue
         try:
-            mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size", tensor_parallel_size(cfg, role))
+            mesh = mesh_plan(size, devices, f"{FSDP_GROUPS[role]}.fsdp_size", tensor_parallel_size(cfg, role))
         except ConfigError as e:
             out.append(str(e))
+            continue
+        problem = expert_parallel_problem(mesh, expert_parallel_size(cfg, role),
+                                          f"{FSDP_GROUPS[role]}.expert_parallel_size")
+        if problem is not None:
+            out.append(problem)
     return out
 
 

@@ -19,7 +19,8 @@ devices of one node or whole nodes, in the synchronous hybrid loop, with lathe's
 from __future__ import annotations
 
 from .errors import ProblemList
-from .plan import FSDP_GROUPS, Devices, critic_in_use, is_async, sequence_parallel_size, tensor_parallel_size
+from .plan import (FSDP_GROUPS, Devices, critic_in_use, expert_parallel_size, is_async, sequence_parallel_size,
+                   tensor_parallel_size)
 from .schema import LatheConfig
 
 ARR = "actor_rollout_ref"
@@ -69,6 +70,26 @@ def check_tensor_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
             problems.add(f"{key}={tp} with {ARR}.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank}: LoRA "
                          f"with tensor parallelism is not implemented yet in lathe (the adapters are not cut over a "
                          f"tensor-parallel group). Fix: set {key}=1 (or lora_rank=0).")
+
+
+def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
+    """A role with expert_parallel_size > 1 runs without tensor parallelism, Ulysses (in that role) and LoRA (not built
+    yet); its sizes are checked with the meshes (`plan.mesh_problems`), the model's experts when it loads
+    (`lathe.train.expert_parallel.check_model`)."""
+    roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
+    for role in roles:
+        ep, key = expert_parallel_size(cfg, role), f"{FSDP_GROUPS[role]}.expert_parallel_size"
+        if ep <= 1:
+            continue
+        others = {f"{FSDP_GROUPS[role]}.tensor_parallel_size": tensor_parallel_size(cfg, role),
+                  KEYS[role]: sequence_parallel_size(cfg, role)}
+        if role != "critic":
+            others[f"{ARR}.model.lora_rank"] = cfg.actor_rollout_ref.model.lora_rank
+        for other, value in others.items():
+            if value > 1 or other.endswith("lora_rank") and value > 0:
+                problems.add(f"{key}={ep} with {other}={value}: expert parallelism with "
+                             f"{other.rsplit('.', 1)[-1]} in one model is not implemented yet in lathe. Fix: set "
+                             f"{key}=1, or {other}={0 if other.endswith('lora_rank') else 1}.")
 
 
 def data_parallel(cfg: LatheConfig, role: str, devices: Devices) -> Devices:

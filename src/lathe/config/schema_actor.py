@@ -57,6 +57,14 @@ class FSDPConfig:
                                         "ranks (fsdp_size counts those). It must divide the devices of a node and "
                                         "the model's heads, key/value heads and intermediate size. "
                                         "1: off.")
+    expert_parallel_size: int = spec(1, "lathe (torchtitan's name; verl's megatron.expert_model_parallel_size, "
+                                        "torchtitan.expert_parallel_size and veomni.expert_parallel_size set it): "
+                                        "groups of this many consecutive data-parallel devices each hold "
+                                        "num_experts / size whole experts of every mixture-of-experts layer, tokens "
+                                        "dispatched to their experts' owners by all-to-all (lathe.train."
+                                        "expert_parallel); FSDP2 shards the experts over the devices / size groups "
+                                        "only. It must divide the FSDP shard group (fsdp_size) and the model's "
+                                        "num_experts; not with tensor parallelism, Ulysses or LoRA. 1: off.")
     forward_prefetch: bool = spec(False, "Prefetch the next all-gather during forward.")
     model_dtype: DtypeName = spec("fp32", "Dtype of the weights the optimizer updates (master weights): fp32 or bf16 "
                                     "(bf16 = pure bf16 training). A frozen reference holds param_dtype weights.")

@@ -31,6 +31,8 @@ def entries() -> list[Entry]:
                "reference and critic have it)", "set it to 1", at_most(1)),
         refuse(f"{F}.tensor_parallel_size", "tensor parallelism in lathe sft (lathe train's actor, reference and "
                "critic have it)", "set it to 1", at_most(1)),
+        refuse(f"{F}.expert_parallel_size", "expert parallelism in lathe sft (lathe train's actor, reference and "
+               "critic have it)", "set it to 1", at_most(1)),
         refuse("model.use_liger", "Liger kernels"),
         refuse("data.custom_cls.path", "a custom dataset class"),
         refuse("trainer.default_hdfs_dir", "copying checkpoints to HDFS"),

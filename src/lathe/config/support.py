@@ -150,6 +150,8 @@ def _rewards() -> list[Entry]:
            refuse(f"{RM}.ulysses_sequence_parallel_size", ULYSSES_RM, "set it to 1", at_most(1)),
            refuse(f"{RM}.model.fsdp_config.tensor_parallel_size", "tensor parallelism for the reward model (a whole "
                   "copy on each device)", "set it to 1", at_most(1)),
+           refuse(f"{RM}.model.fsdp_config.expert_parallel_size", "expert parallelism for the reward model (a whole "
+                  "copy on each device)", "set it to 1", at_most(1)),
            replace(warn(f"{RM}.strategy", BACKEND), judge=backend_judge(f"{RM}.strategy")),
            refuse(f"{RM}.model.input_tokenizer", "decoding the responses with a tokenizer other than the policy's",
                   f"remove it: the reward model reads the policy's responses with {M}.tokenizer_path (or {M}.path) "

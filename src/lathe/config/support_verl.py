@@ -30,7 +30,7 @@ ISSUE_48 = "lathe issue 48: FP8 and quantized training"
 # the names of refused features (the corpus test groups failures by them: keep them stable)
 PP = f"pipeline parallelism ({ISSUE_43})"
 CP = f"context parallelism ({ISSUE_43})"
-EP = f"expert parallelism ({ISSUE_43})"
+ETP = f"expert tensor parallelism ({ISSUE_43})"     # expert parallelism itself: fsdp_config.expert_parallel_size
 ULYSSES_RM = f"Ulysses sequence parallelism for the reward model ({ISSUE_43})"
 REPLICAS = "torchtitan's replica count given directly (lathe's hybrid sharding takes the shard size)"
 MTP = f"multi-token prediction (MTP; {ISSUE_44})"
@@ -54,8 +54,7 @@ def _parallel() -> list[Entry]:
     out = [refuse(p, what, ONE, at_most(1)) for p, what in (
         ("*.megatron.pipeline_model_parallel_size", PP), ("*.megatron.virtual_pipeline_model_parallel_size", PP),
         ("*.torchtitan.pipeline_parallel_size", PP),
-        ("*.megatron.expert_model_parallel_size", EP), ("*.megatron.expert_tensor_parallel_size", EP),
-        ("*.torchtitan.expert_parallel_size", EP), ("*.veomni.expert_parallel_size", EP))]
+        ("*.megatron.expert_tensor_parallel_size", ETP))]
     out += [refuse("*.megatron.dynamic_context_parallel", CP),
             refuse("*.torchtitan.data_parallel_replicate_size", REPLICAS, "remove it and set data_parallel_shard_size "
                    "(or fsdp_config.fsdp_size) to the devices / replicas", at_most(1)),
@@ -275,7 +274,7 @@ def _runs() -> list[Entry]:
 # (support.py's registry uses them: verl's backend choice, and Megatron settings inside lathe's keys)
 
 BACKEND_NOTE = ("the backend's keys lathe has an equivalent for are translated (offload, recomputation, dtype, "
-                "tensor- and context-parallel sizes), pipeline and expert parallelism are not there yet (sizes above 1 "
+                "tensor-, context- and expert-parallel sizes), pipeline parallelism is not there yet (sizes above 1 "
                 "fail), its kernel and fusion switches have no effect")
 BACKEND = "lathe trains every backend with its FSDP2 trainer: " + BACKEND_NOTE
 

@@ -18,6 +18,8 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   attention's all-to-all differs from Megatron's ring, the math does not);
 * ``megatron.tensor_model_parallel_size`` (also under ``megatron.override_transformer_config``),
   ``torchtitan.tensor_parallel_size`` -> ``fsdp_config.tensor_parallel_size`` (lathe's tensor parallelism);
+* ``megatron.expert_model_parallel_size``, ``torchtitan.expert_parallel_size``, ``veomni.expert_parallel_size`` ->
+  ``fsdp_config.expert_parallel_size`` (lathe's expert parallelism);
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
 
 A value equal to verl's default translates to nothing: a full verl config file lists every backend key at its
@@ -61,6 +63,9 @@ RULES: tuple[tuple[str, str, Map, str], ...] = (
     ("megatron.override_transformer_config.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same,
      "fsdp_config.tensor_parallel_size"),
     ("torchtitan.tensor_parallel_size", "fsdp.tensor_parallel_size", _same, "fsdp_config.tensor_parallel_size"),
+    ("megatron.expert_model_parallel_size", "fsdp.expert_parallel_size", _same, "fsdp_config.expert_parallel_size"),
+    ("torchtitan.expert_parallel_size", "fsdp.expert_parallel_size", _same, "fsdp_config.expert_parallel_size"),
+    ("veomni.expert_parallel_size", "fsdp.expert_parallel_size", _same, "fsdp_config.expert_parallel_size"),
     ("veomni.ulysses_parallel_size", "role.ulysses_sequence_parallel_size", _same, "ulysses_sequence_parallel_size"),
     ("megatron.context_parallel_size", "role.ulysses_sequence_parallel_size", _same,
      CP_DOC),

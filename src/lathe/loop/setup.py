@@ -294,7 +294,8 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
 
 def check_parallel_model(plan: RunPlan, model) -> None:
     """A policy that the actor's or reference's Ulysses size cannot split (lathe's text or vision-language model), or
-    their tensor-parallel size cannot cut (any but lathe's text decoder, or heads that do not divide), fails here,
+    their tensor-parallel size cannot cut (any but lathe's text decoder, or heads that do not divide), or their
+    expert-parallel size cannot place (no experts of lathe's, or experts that do not divide), fails here,
     before the workers start (they check again, after picking their implementation)."""
     from lathe.models.decoder import LatheCausalLM
     from lathe.models.vl import LatheVLForConditionalGeneration
@@ -310,6 +311,11 @@ def check_parallel_model(plan: RunPlan, model) -> None:
     if plan.needs_ref:
         tensor_parallel.check_model(model, plan.ref_tensor_parallel_size,
                                     "actor_rollout_ref.ref.fsdp_config.tensor_parallel_size")
+    # expert parallelism: a dense model, or experts the size does not divide, are refused the same way
+    from lathe.train import expert_parallel
+    for role in ("actor", "ref")[:1 + plan.needs_ref]:
+        expert_parallel.check_model(model, plan.mesh(role).ep,
+                                    f"actor_rollout_ref.{role}.fsdp_config.expert_parallel_size")
 
 
 def uses_ray(plan: RunPlan) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lathe.models.config import LatheConfig
-from lathe.models.moe import SparseMoeBlock, experts_forward, route
+from lathe.models.moe import SparseMoeBlock, route, run_experts, sorted_forward
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -55,6 +55,12 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+        self.act = functools.partial(clamped_swiglu, alpha=cfg.moe.swiglu_alpha, limit=cfg.moe.swiglu_limit)
+
+    def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each row of `rows` (N, H) through its expert, `experts` (N,) ascending (as `Experts.forward`)."""
+        return run_experts(rows, experts, self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2),
+                           self.act, (self.gate_up_proj_bias, self.down_proj_bias))
 
 
 class GptOssMoeBlock(SparseMoeBlock):
@@ -66,7 +72,6 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.moe, self.moe_hidden = cfg.moe, cfg.hidden_size
         self.router = GptOssRouter(cfg.hidden_size, cfg.moe.num_experts)
         self.experts = GptOssExperts(cfg)
-        self.act = functools.partial(clamped_swiglu, alpha=cfg.moe.swiglu_alpha, limit=cfg.moe.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, h = x.shape[:-1], x.shape[-1]
@@ -75,10 +80,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         weights, chosen = route(probs, self.moe.num_experts_per_tok, True)
         if self.records_routing:
             self._record(probs, chosen)
-        ex = self.experts
-        out = experts_forward(flat, weights.to(x.dtype), chosen, ex.gate_up_proj.transpose(1, 2),
-                              ex.down_proj.transpose(1, 2), (ex.gate_up_proj_bias, ex.down_proj_bias), self.act)
-        return out.view(*lead, h)
+        return sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)
 
     def init_weights(self, std: float) -> None:
         """Random weights as transformers initialises them: normal matrices and router bias, zero expert biases."""

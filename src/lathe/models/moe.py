@@ -58,6 +58,11 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
 
+    def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each row of `rows` (N, H) through its expert, `experts` (N,) ascending (`run_experts`). A module call, so
+        that a wrapper (FSDP2's gathers, `lathe.train.expert_parallel`'s dispatch) sees the experts run."""
+        return run_experts(rows, experts, self.gate_up_proj, self.down_proj)
+
 
 class SparseMoeBlock(nn.Module):
     """A Qwen3-MoE layer's MLP: route each token to its top-k experts and sum their outputs, weighted."""
@@ -82,8 +87,7 @@ class SparseMoeBlock(nn.Module):
         weights, chosen = route(probs, self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
         if self.records_routing:
             self._record(probs, chosen)
-        out = experts_forward(flat, weights.to(x.dtype), chosen, self.experts.gate_up_proj, self.experts.down_proj)
-        return out.view(*lead, h)
+        return sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)
 
     @torch.compiler.disable
     def _record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
@@ -102,24 +106,35 @@ def route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
                     act=None) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t of x (T, H): the assignments sorted by
-    expert, the experts run on their contiguous rows (grouped matmul or loop, module doc), the outputs put back in
-    token order and summed over j. `gate_up` (E, 2I, H) and `down` (E, H, I) as `nn.Linear` weights (views of
-    transposed tensors welcome); `biases`: the experts' (gate_up (E, 2I), down (E, H)) biases, or None; `act`: the
-    activation from the gate_up output (T, 2I) to the down projection's input (default: SwiGLU, gate rows then up)."""
-    num_experts, top_k = gate_up.shape[0], chosen.shape[-1]
-    act = _swiglu if act is None else act
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t of x (T, H) (`sorted_forward` over
+    `run_experts`). `gate_up` (E, 2I, H) and `down` (E, H, I) as `nn.Linear` weights (views of transposed tensors
+    welcome); `biases`: the experts' (gate_up (E, 2I), down (E, H)) biases, or None; `act`: the activation from the
+    gate_up output (T, 2I) to the down projection's input (default: SwiGLU, gate rows then up)."""
+    return sorted_forward(x, weights, chosen, functools.partial(run_experts, gate_up=gate_up, down=down, act=act,
+                                                                biases=biases))
+
+
+def sorted_forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, run) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]): the (T, k) assignments sorted by expert (stable: in token
+    order within an expert), `run(rows, experts)` over the sorted rows, the outputs put back in (token, j) order and
+    summed over j."""
+    top_k = chosen.shape[-1]
     sorted_experts, order = chosen.reshape(-1).sort(stable=True)
-    ends = torch.searchsorted(sorted_experts, torch.arange(1, num_experts + 1, device=x.device))
-    token = order // top_k
-    rows = x.index_select(0, token)
-    if grouped_mm_supported(x.device, x.dtype, x.shape[-1], down.shape[-1]):
-        ys = _grouped(rows, ends.to(torch.int32), gate_up, down, act, biases, sorted_experts)
-    else:
-        ys = _looped(rows, ends, gate_up, down, act, biases)
+    ys = run(x.index_select(0, order // top_k), sorted_experts)
     # back to (token, j) order, then each token's k outputs summed: no atomic adds, so the sum is deterministic
     ys = torch.empty_like(ys).index_copy_(0, order, ys).view(*chosen.shape, -1)
     return (ys * weights.unsqueeze(-1)).sum(1)
+
+
+def run_experts(rows: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act=None,
+                biases=None) -> torch.Tensor:
+    """Each row of `rows` (N, H) through its expert, `experts` (N,) ascending, so each expert's rows are one
+    contiguous run (grouped matmul or loop, module doc); weights as `experts_forward`'s."""
+    act = _swiglu if act is None else act
+    ends = torch.searchsorted(experts, torch.arange(1, gate_up.shape[0] + 1, device=rows.device))
+    if grouped_mm_supported(rows.device, rows.dtype, rows.shape[-1], down.shape[-1]):
+        return _grouped(rows, ends.to(torch.int32), gate_up, down, act, biases, experts)
+    return _looped(rows, ends, gate_up, down, act, biases)
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:

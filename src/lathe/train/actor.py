@@ -186,10 +186,12 @@ class PPOActor:
 
 def use_torch_compile(cfg) -> bool:
     """verl's switch for an actor/ref/critic(.model) group: its own `use_torch_compile` (the legacy dp workers'
-    key) and its `fsdp_config.use_torch_compile` (the engine workers' key); absent keys count as on."""
+    key) and its `fsdp_config.use_torch_compile` (the engine workers' key); absent keys count as on. Under expert
+    parallelism (`fsdp_config.expert_parallel_size` > 1) the model runs eager, as under tensor parallelism."""
     own = getattr(cfg, "use_torch_compile", True)
     fsdp = getattr(getattr(cfg, "fsdp_config", None), "use_torch_compile", True)
-    return (True if own is None else bool(own)) and (True if fsdp is None else bool(fsdp))
+    ep = getattr(getattr(cfg, "fsdp_config", None), "expert_parallel_size", 1)
+    return (True if own is None else bool(own)) and (True if fsdp is None else bool(fsdp)) and ep <= 1
 
 
 # Losses normalised by global mini-batch counts add up over micro-batches; every other metric is averaged.

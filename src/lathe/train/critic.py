@@ -73,7 +73,8 @@ class PPOCritic:
         self.nonfinite = nonfinite or NonFiniteGuard("critic")
         self.use_remove_padding = use_remove_padding
         # verl's critic.model.fsdp_config.use_torch_compile: compile the value model's decoder layers, on CUDA
-        self.compiled = maybe_compile(model, critic_cfg.model.fsdp_config.use_torch_compile and tp is None)
+        fsdp = critic_cfg.model.fsdp_config          # tensor or expert parallelism: eager
+        self.compiled = maybe_compile(model, fsdp.use_torch_compile and tp is None and fsdp.expert_parallel_size <= 1)
         self.mini_batch_size = mini_batch_size        # this rank's share, in sequences (BatchPlan)
         self.micro_batch_size = critic_cfg.ppo_micro_batch_size_per_gpu or self.mini_batch_size
         self.forward_micro_batch_size = critic_cfg.forward_micro_batch_size_per_gpu or self.micro_batch_size

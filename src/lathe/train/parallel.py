@@ -16,6 +16,11 @@ and all-reducing them across groups: a sum again, so the update is the same on a
 Tensor parallelism (a `MeshPlan` with `tp` > 1): the world mesh is `(dp_replicate, dp_shard, tp)`, tp innermost;
 `lathe.train.tensor_parallel` cuts the layers over the `tp` dim first, then FSDP2 shards over the data-parallel dims
 (`device_mesh`). Whole tensors (`full_tensors`, `full_state`) gather both.
+
+Expert parallelism (a `MeshPlan` with `ep` > 1): the shard dim is split into `(dp_shard_mod_ep, ep)`, ep innermost,
+and flattened back into `dp_shard` for the other weights; `lathe.train.expert_parallel` cuts the experts over the
+`ep` dim, and each experts module becomes an FSDP2 group of its own over the remaining data-parallel dims
+(`expert_mesh`), torchtitan's layout.
 """
 
 from __future__ import annotations
@@ -134,10 +139,17 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
         kw["mp_policy"] = mp_policy
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device is not None and device.type == "cuda")
+    experts_kw = kw
     if device is not None or mesh is not None:   # host weights are moved to the mesh's device, shard by shard
         from lathe.device import current_device
-        kw["mesh"] = device_mesh((device or current_device()).type, mesh)
+        device_type = (device or current_device()).type
+        kw["mesh"] = device_mesh(device_type, mesh)
+        if mesh is not None and mesh.ep > 1:
+            experts_kw = {**kw, "mesh": expert_mesh(device_type, mesh)}
     for layer in decoder_layers(model):
+        for module in layer.modules():       # experts cut over an expert-parallel group: a group of their own
+            if getattr(module, "expert_parallel", None) is not None:
+                fully_shard(module, **experts_kw)
         fully_shard(layer, **kw)
     # the root stays gathered after forward: its heads (lm_head, score) are also used outside forward, by the
     # chunked log-prob and the value read-out; `reshard` frees it after passes without backward
@@ -167,9 +179,17 @@ def device_mesh(device_type: str, plan=None):
     those dims of the world mesh (`world_mesh`). Built once per shape and reused by every model sharded on it (every
     rank must ask for the same meshes in the same order: building one is collective)."""
     mesh = world_mesh(device_type, plan)
-    if plan is None or plan.tp == 1:
+    if plan is None or plan.tp == 1 and plan.ep == 1:
         return mesh
     return mesh["dp_replicate", "dp_shard"] if plan.hsdp else mesh["dp_shard"]
+
+
+def expert_mesh(device_type: str, plan):
+    """The `DeviceMesh` FSDP2 shards expert-parallel experts over: the data-parallel dims outside the `ep` dim
+    (`dp_shard_mod_ep`, and `dp_replicate` for HSDP); each rank's experts are sharded over the ranks at its place in
+    the other expert-parallel groups."""
+    mesh = world_mesh(device_type, plan)
+    return mesh["dp_replicate", "dp_shard_mod_ep"] if plan.hsdp else mesh["dp_shard_mod_ep"]
 
 
 def world_mesh(device_type: str, plan=None):
@@ -179,8 +199,8 @@ def world_mesh(device_type: str, plan=None):
                          f"{plan.world} ranks, but this worker runs in a group of {world_size()}. Fix: build the "
                          f"worker with the run plan of its own group (lathe.config.run_plan(cfg, "
                          f"device_count={world_size()})).")
-    replicas, tp = (plan.dp_replicate, plan.tp) if plan is not None else (1, 1)
-    return _mesh(device_type, replicas, world_size() // (replicas * tp), tp)
+    replicas, tp, ep = (plan.dp_replicate, plan.tp, plan.ep) if plan is not None else (1, 1, 1)
+    return _mesh(device_type, replicas, world_size() // (replicas * tp), tp, ep)
 
 
 def mesh_note(plan=None) -> str:
@@ -192,10 +212,14 @@ def mesh_note(plan=None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _mesh(device_type: str, replicas: int, shards: int, tp: int = 1):
+def _mesh(device_type: str, replicas: int, shards: int, tp: int = 1, ep: int = 1):
     from torch.distributed.device_mesh import init_device_mesh
-    dims = [("dp_replicate", replicas)] * (replicas > 1) + [("dp_shard", shards)] + [("tp", tp)] * (tp > 1)
-    return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+    shard_dims = [("dp_shard_mod_ep", shards // ep), ("ep", ep)] if ep > 1 else [("dp_shard", shards)]
+    dims = [("dp_replicate", replicas)] * (replicas > 1) + shard_dims + [("tp", tp)] * (tp > 1)
+    mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+    if ep > 1:              # the other weights shard over both: one flattened dim
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    return mesh
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -257,8 +281,10 @@ def _groups_in_order(model: nn.Module) -> list[tuple[nn.Module, Callable[[], lis
     nested = tuple(prefixes[id(m)] + "." for m in groups if m is not model)
 
     def own(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        mine = prefixes[id(module)] + "." if module is not model else ""
+        inner = tuple(n for n in nested if n.startswith(mine) and n != mine)     # a nested group's: in its own
         return [(name, p) for name, p in module.named_parameters(prefix=prefixes[id(module)], remove_duplicate=False)
-                if not (module is model and name.startswith(nested))]      # a layer's: in its own group
+                if not name.startswith(inner)]
     return [(m, functools.partial(own, m)) for m in groups]
 
 

@@ -25,7 +25,7 @@ from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora, load_adapter, read_adapter
 from lathe.rollout.build import architecture, runs_lathe
-from lathe.train import lora, parallel, tensor_parallel, ulysses
+from lathe.train import expert_parallel, lora, parallel, tensor_parallel, ulysses
 from lathe.train.actor import PPOActor
 from lathe.train.logprob import batched_token_stats
 from lathe.train.offload import offload_flags
@@ -85,9 +85,11 @@ class Actor:
         ulysses.check_model(self.model, plan.sequence_parallel_size, key)
         self.sp = ulysses.sequence_parallel(plan.sequence_parallel_size, key)
         tensor_parallel.check_model(self.model, plan.tensor_parallel_size, f"{FSDP_KEY}.tensor_parallel_size")
+        expert_parallel.check_model(self.model, mesh.ep if mesh else 1, f"{FSDP_KEY}.expert_parallel_size")
         if self.sharded:
             self.tp = tensor_parallel.tensor_parallel(mesh, self.device)
             tensor_parallel.parallelize(self.model, self.tp)
+            expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
             parallel.shard(self.model, actor.fsdp_config, self.policy, self.device, mesh)
             self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
         else:

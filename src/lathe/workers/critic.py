@@ -14,7 +14,7 @@ from lathe.config.plan import BatchPlan, MeshPlan
 from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
 from lathe.models.value import load_value_model
-from lathe.train import parallel, tensor_parallel, ulysses
+from lathe.train import expert_parallel, parallel, tensor_parallel, ulysses
 from lathe.train.critic import PPOCritic
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
@@ -53,6 +53,7 @@ class CriticWorker:
         model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
         ulysses.check_model(model, plan.sequence_parallel_size, "critic.ulysses_sequence_parallel_size")
         tensor_parallel.check_model(model, plan.tensor_parallel_size, f"{key}.tensor_parallel_size")
+        expert_parallel.check_model(model, mesh.ep if mesh else 1, f"{key}.expert_parallel_size")
         tp = None
         if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -60,6 +61,7 @@ class CriticWorker:
             self.model = model.to(dtype=self.policy.master_dtype)
             tp = tensor_parallel.tensor_parallel(mesh, self.device)
             tensor_parallel.parallelize(self.model, tp)
+            expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
             parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device, mesh)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         else:

@@ -18,7 +18,7 @@ from lathe.dtypes import short_name
 from lathe.models.compile import maybe_compile
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import adapters_disabled
-from lathe.train import parallel, tensor_parallel, ulysses
+from lathe.train import expert_parallel, parallel, tensor_parallel, ulysses
 from lathe.train.actor import use_torch_compile
 from lathe.train.logprob import batched_log_probs
 from lathe.train.offload import HostWeights, offload_flags
@@ -42,6 +42,7 @@ class Reference:
         self.sp = ulysses.sequence_parallel(sp_size, key)
         tp_size = mesh.tp if mesh is not None else 1
         tensor_parallel.check_model(actor.model, tp_size, f"{FSDP_KEY}.tensor_parallel_size")
+        expert_parallel.check_model(actor.model, mesh.ep if mesh else 1, f"{FSDP_KEY}.expert_parallel_size")
         if actor.lora:                      # the actor with its adapters off
             self._actor_model = actor.model
             return
@@ -53,6 +54,7 @@ class Reference:
         offload = offload_flags(ref_cfg.fsdp_config, self.device, key=FSDP_KEY, frozen=True)["offload_params"]
         if actor.sharded:
             tensor_parallel.parallelize(self.model, tensor_parallel.tensor_parallel(mesh, self.device))
+            expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
             parallel.shard(self.model, ref_cfg.fsdp_config, policy, self.device, mesh)
         maybe_compile(self.model, use_torch_compile(ref_cfg) and tp_size == 1, device=self.device)
         log.info("reference: %s weights%s%s", short_name(policy.param_dtype), ", in CPU memory between uses" * offload,

@@ -1,0 +1,145 @@
+"""Expert parallelism in training (a role's `fsdp_config.expert_parallel_size`; verl's `megatron.
+expert_model_parallel_size`, `torchtitan.expert_parallel_size`, `veomni.expert_parallel_size`), torchtitan's way:
+the experts' weights become DTensors cut over the `ep` dim of the model's mesh, the model itself knowing nothing of
+it (`lathe.models.moe` runs its experts as a module call over rows sorted by expert; this module wraps that call).
+
+With size P, the W data-parallel ranks form groups of P consecutive ranks (`MeshPlan.ep`, the innermost part of
+the shard dim); rank r of a group holds experts [r E/P, (r+1) E/P) of every sparse layer whole (Lepikhin et al.
+2020, "GShard", arXiv:2006.16668; Fedus et al. 2021, "Switch Transformer"). Every rank keeps its own data; in each
+sparse layer:
+
+- the router and the sorting of the (token, choice) assignments by expert run on the rank's own tokens, as in one
+  process (`lathe.models.moe.sorted_forward`): the rows bound for each owner are then one contiguous run;
+- the per-expert row counts are exchanged (an all-to-all of E counts), then the rows (an all-to-all with those
+  split sizes); the owner orders what it received by local expert (source rank order within an expert) and runs
+  its experts on their contiguous runs, with the model's own code;
+- the outputs go back by the reverse all-to-all, in the sender's sorted order, and the model puts them back in token
+  order and sums each token's k outputs, as in one process.
+
+The all-to-alls are autograd functions (`torch.distributed._functional_collectives.all_to_all_single_autograd`), so
+the gradients of the rows return to their tokens' ranks, and each owner's expert gradients sum over the tokens of
+its whole group; FSDP2 (each experts module a group of its own over the data-parallel dims outside `ep`:
+`lathe.train.parallel.expert_mesh`) sums them over the other groups. The load-balancing loss is each rank's own
+tokens', as without expert parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lathe.models.moe import SparseMoeBlock
+from lathe.train import parallel
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This rank's place in the expert-parallel layout of a model's mesh."""
+
+    size: int              # P: ranks that hold the experts of every sparse layer between them
+    rank: int              # this rank's place in its group: it holds experts [rank E/P, (rank+1) E/P)
+    mesh: Any              # the ep dim of the world mesh (a 1-D DeviceMesh over this rank's group)
+    group: Any             # its process group
+
+
+def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
+    """This rank's `ExpertParallel` for a model's `MeshPlan` (None without expert parallelism). Collective: every
+    rank of the worker group calls it, in the same order."""
+    if plan is None or plan.ep == 1:
+        return None
+    mesh = parallel.world_mesh(device.type, plan)["ep"]
+    return ExpertParallel(size=plan.ep, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group())
+
+
+def sparse_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def check_model(model: nn.Module, size: int, key: str) -> None:
+    """Raise unless `model`'s experts can be cut over `size` ranks: lathe's mixture-of-experts layers (Qwen3-MoE,
+    Qwen3.5-MoE, GPT-OSS), `num_experts` divisible by the size, no LoRA adapters."""
+    if size == 1:
+        return
+    from lathe.models.lora import has_lora
+    blocks = sparse_blocks(model)
+    arch = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
+    if not blocks:
+        raise ValueError(f"{key}={size}: the model ({arch}) has no mixture-of-experts layers of lathe's (Qwen3-MoE, "
+                         f"Qwen3.5-MoE, GPT-OSS, with model.impl=lathe), so there are no experts to place. Fix: set "
+                         f"{key}=1.")
+    n = blocks[0].moe.num_experts
+    if n % size:
+        fits = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(f"{key}={size}: each rank of an expert-parallel group holds num_experts / {size} whole "
+                         f"experts, but the model has {n} experts, which {size} does not divide. Fix: set {key} to "
+                         f"one of {fits} that divides the FSDP shard group.")
+    if has_lora(model):
+        raise ValueError(f"{key}={size} with LoRA adapters: not built yet. Fix: set {key}=1 (or lora_rank=0).")
+
+
+def parallelize(model: nn.Module, ep: ExpertParallel | None) -> nn.Module:
+    """Cut the experts of `model` (checked by `check_model`) over `ep`'s group, in place: each experts module's
+    weights become DTensors sharded on the expert dim (this rank's experts whole), and its call dispatches the
+    rows (module doc). Call it before FSDP2 shards the model (`lathe.train.parallel.shard`). None: as it is."""
+    if ep is None:
+        return model
+    from torch.distributed.tensor import Shard, distribute_tensor
+    for block in sparse_blocks(model):
+        experts = block.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            local = distribute_tensor(p.detach(), ep.mesh, [Shard(0)], src_data_rank=None)   # no copy between ranks
+            experts.register_parameter(name, nn.Parameter(local, requires_grad=p.requires_grad))
+        experts.__class__ = _dispatching(type(experts))
+        experts.expert_parallel = ep
+    return model
+
+
+class _Dispatch:
+    """The all-to-all around an experts module's run (mixed into its class by `parallelize`)."""
+
+    expert_parallel: ExpertParallel
+
+    @torch.compiler.disable          # host-side split sizes and collectives
+    def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        ep = self.expert_parallel
+        total = next(iter(self._parameters.values())).shape[0]        # the DTensor's global expert count
+        local = total // ep.size
+        counts = torch.bincount(experts, minlength=total)             # rows for each expert, in expert order
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=ep.group)      # [source rank, local expert] counts
+        received = received.view(ep.size, local)
+        send, recv = counts.view(ep.size, local).sum(1).tolist(), received.sum(1).tolist()
+        got = all_to_all_single_autograd(rows, recv, send, ep.group)
+        # the received rows run source by source, each source's by expert: regroup them by expert (stable)
+        ids = torch.arange(local, device=rows.device).repeat(ep.size).repeat_interleave(received.flatten())
+        ids, order = ids.sort(stable=True)
+        with _local_weights(self):
+            ys = super().forward(got.index_select(0, order), ids)
+        ys = torch.empty_like(ys).index_copy_(0, order, ys)
+        return all_to_all_single_autograd(ys, send, recv, ep.group)
+
+
+@functools.cache
+def _dispatching(cls: type) -> type:
+    return type(f"ExpertParallel{cls.__name__}", (_Dispatch, cls), {})
+
+
+@contextmanager
+def _local_weights(module: nn.Module):
+    """The module's DTensor weights swapped for this rank's experts (`to_local`, with autograd) while it runs."""
+    from torch.distributed.tensor import DTensor
+    saved = dict(module._parameters)
+    try:
+        for name, p in saved.items():
+            if isinstance(p, DTensor):
+                module._parameters[name] = p.to_local()
+        yield
+    finally:
+        module._parameters.update(saved)

@@ -1,0 +1,49 @@
+"""Expert parallelism in the config (`fsdp_config.expert_parallel_size` of the actor, reference and critic): verl's
+megatron/torchtitan/veomni keys set it, each model's mesh gets an `ep` split of its shard dim, and sizes or
+combinations lathe cannot run are refused up front, naming the key."""
+
+import pytest
+
+from lathe.config import run_plan
+from lathe.config.plan import MeshPlan
+from lathe.config.tree import get_path
+
+from .test_rules_tp import GAE, fails, load
+
+A, REF, C = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model"
+EP = {"actor": f"{A}.fsdp_config.expert_parallel_size", "ref": f"{REF}.fsdp_config.expert_parallel_size",
+      "critic": f"{C}.fsdp_config.expert_parallel_size"}
+
+
+@pytest.mark.parametrize("spelling", ["megatron.expert_model_parallel_size", "torchtitan.expert_parallel_size",
+                                      "veomni.expert_parallel_size"])
+def test_verl_spellings_set_each_roles_size(spelling):
+    cfg = load(*GAE, *(f"+{role}.{spelling}=2" for role in (A, REF, "critic")))
+    assert {role: get_path(cfg, key) for role, key in EP.items()} == dict.fromkeys(EP, 2)
+
+
+def test_each_model_gets_an_ep_split_of_its_shard_dim():
+    run = run_plan(load(*GAE, f"{EP['actor']}=2", f"{A}.fsdp_config.fsdp_size=2", f"{EP['critic']}=4"))
+    assert run.mesh("actor") == MeshPlan(2, 2, 1, 2) and run.mesh("actor").describe() == \
+        "HSDP: 2 replicas x 2-way shards, EP 2"
+    assert run.mesh("ref") == MeshPlan(1, 4) and run.mesh("critic") == MeshPlan(1, 4, 1, 4)
+    assert run.actor.data_parallel_size == 4          # every rank keeps data of its own
+
+
+def test_bad_sizes_and_combinations_are_refused_up_front_naming_the_key():
+    text = fails(*GAE, f"{EP['actor']}=3", f"{EP['ref']}=0", f"{EP['critic']}=2", f"{C}.fsdp_config.fsdp_size=1")
+    assert f"`{EP['actor']}`=3 does not divide the FSDP shard group of 4 device(s)" in text
+    assert "Fix: set it to one of [1, 2, 4]" in text and f"`{EP['ref']}`=0 must be >= 1" in text
+    assert f"`{EP['critic']}`=2 does not divide the FSDP shard group of 1 device(s)" in text
+    text = fails(f"{EP['actor']}=2", f"{A}.fsdp_config.tensor_parallel_size=2", f"{A}.ulysses_sequence_parallel_size=2",
+                 "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.lora_rank=4")
+    for other in ("fsdp_config.tensor_parallel_size=2", "ulysses_sequence_parallel_size=2", "model.lora_rank=4"):
+        assert f"{EP['actor']}=2 with actor_rollout_ref.{'' if 'model.' in other else 'actor.'}{other}" in text
+    assert "expert parallelism for the reward model" in fails("reward_model.model.fsdp_config.expert_parallel_size=2",
+                                                              "reward_model.enable=true")
+
+
+def test_expert_parallel_models_run_eager():
+    from lathe.train.actor import use_torch_compile
+    cfg = load(f"{EP['actor']}=2")
+    assert not use_torch_compile(cfg.actor_rollout_ref.actor) and use_torch_compile(cfg.actor_rollout_ref.ref)

@@ -1,0 +1,179 @@
+"""lathe.train.expert_parallel: expert parallelism equals the one-process computation.
+
+One group of 4 gloo ranks (forks of one forkserver, as `test_parallel`'s), all checks in it:
+- a Qwen3-MoE sparse layer in float64 with its 4 experts over 4 ranks (one expert each): each rank's output and
+  input gradient are its rows of the one-process layer's, and the weight gradients (the router's summed over the
+  ranks, each rank's expert whole) the one-process ones;
+- the same for a GPT-OSS sparse layer (router and expert biases, clamped SwiGLU);
+- the actor worker (AdamW, clipped gradients) on a tiny Qwen3-MoE, 3 updates, on FSDP over 4 ranks x EP 2 (each
+  rank 2 experts whole, sharded over the 2 groups) saving its checkpoint after 2 and handing the engine whole
+  tensors; on HSDP 2 replicas x EP 2 (two EP=2 groups, the experts not sharded further); and resuming a one-process
+  checkpoint on FSDP 4 x EP 2: metrics and weights equal the one-process run, and the EP checkpoint resumes exactly
+  in one process, with the experts under their per-expert Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_close_rel
+from safetensors import safe_open
+
+from lathe.config.plan import MeshPlan
+from lathe.models.config import LatheConfig
+from lathe.models.decoder import LatheCausalLM, init_weights
+
+from .conftest import VOCAB
+from .test_parallel import COMPARED, SAVED_AFTER, STEPS, run_ranks, train
+
+pytestmark = pytest.mark.slow
+
+EP_KEY = "actor_rollout_ref.actor.fsdp_config.expert_parallel_size"
+TOKENS, HIDDEN = 24, 16
+FAMILIES = ("qwen3_moe", "gpt_oss")
+ROUTERS = ("gate.weight", "router.weight", "router.bias")
+
+
+def moe_config(**changes) -> LatheConfig:
+    """Qwen3-MoE, 2 sparse layers of 4 experts, top-2."""
+    return LatheConfig.from_hf_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": VOCAB, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 64, "tie_word_embeddings": False, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [], "norm_topk_prob": True,
+        "decoder_sparse_step": 1, **changes})
+
+
+def tiny_moe() -> LatheCausalLM:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LatheCausalLM(moe_config())
+        init_weights(model, std=0.2)
+    return model
+
+
+def moe_block(family: str):
+    """A float64 sparse layer of `family` (qwen3_moe, gpt_oss) and its inputs: tokens, output weights."""
+    from models.gpt_oss_tiny import gpt_oss_config
+
+    from lathe.models.gpt_oss import GptOssMoeBlock
+    from lathe.models.moe import SparseMoeBlock
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        block = (SparseMoeBlock(moe_config(hidden_size=HIDDEN)) if family == "qwen3_moe" else
+                 GptOssMoeBlock(LatheConfig.from_hf_dict(gpt_oss_config(hidden_size=HIDDEN).to_dict()))).double()
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        return block, torch.randn(TOKENS, HIDDEN, dtype=torch.float64), torch.randn(TOKENS, HIDDEN,
+                                                                                   dtype=torch.float64)
+
+
+def block_grads(block, x, w) -> dict:
+    x = x.clone().requires_grad_()
+    out = block(x)
+    (out * w).sum().backward()
+    return {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
+
+
+def rank_block(world: int, family: str) -> dict:
+    """This rank's rows of the sparse layer with its experts over all `world` ranks (one expert each)."""
+    from lathe.train import expert_parallel
+    block, x, w = moe_block(family)
+    ep = expert_parallel.expert_parallel(MeshPlan(1, world, ep=world), torch.device("cpu"))
+    expert_parallel.parallelize(block, ep)
+    rows = slice(ep.rank * TOKENS // world, (ep.rank + 1) * TOKENS // world)
+    got = block_grads(block, x[rows], w[rows])
+    for name in ROUTERS:                                 # the router's gradient: a sum over every rank's tokens
+        if name in got:
+            dist.all_reduce(got[name])
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in got.items()}
+
+
+def ep_job(world: int, *, ckpt: str, one: str) -> dict:
+    """Everything one rank checks (see the module docstring)."""
+    ep = (f"{EP_KEY}=2",)
+    return {"block": {family: rank_block(world, family) for family in FAMILIES},
+            "fsdp": train(world, -1, save=ckpt, model_fn=tiny_moe, engine=True, overrides=ep),
+            "hsdp": train(world, 2, model_fn=tiny_moe, overrides=ep),
+            "resumed": train(world, -1, steps=range(SAVED_AFTER, STEPS), resume=one, model_fn=tiny_moe, overrides=ep)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    one = train(1, -1, model_fn=tiny_moe)
+    train(1, -1, steps=range(SAVED_AFTER), save=root / "one", model_fn=tiny_moe)     # resumed under FSDP x EP
+    [ranks] = run_ranks(4, root / "ranks", dict(ckpt=root / "ep", one=root / "one"), fn=ep_job)
+    return root, one, ranks
+
+
+def assert_same(got: dict, expected: dict, steps=range(STEPS)) -> None:
+    assert len(got["metrics"]) == len(steps)
+    for a, b in zip(got["metrics"], [expected["metrics"][s] for s in steps]):
+        assert_close_rel([a[k] for k in COMPARED], [b[k] for k in COMPARED], rel=1e-5, name="metrics")
+    assert_close_rel(got["weights"], expected["weights"], rel=1e-5, name="weights")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sparse_layer_over_four_ranks_equals_one_process(runs, family):
+    _, _, ranks = runs
+    block, x, w = moe_block(family)
+    expected = block_grads(block, x, w)
+    got = [r["block"][family] for r in ranks]
+    for name in ("out", "x"):
+        assert_close_rel(torch.cat([r[name] for r in got]), expected[name], 1e-12, name=name)
+    for name in expected:
+        if name in ROUTERS:
+            assert_close_rel(got[0][name], expected[name], 1e-12, name=f"router gradient {name}")
+        elif name.startswith("experts."):                            # rank r holds expert r
+            assert_close_rel(torch.cat([r[name] for r in got]), expected[name], 1e-12, name=name)
+
+
+def test_fsdp_4_x_ep_2_updates_as_one_process(runs):
+    _, one, ranks = runs
+    got = ranks[0]["fsdp"]
+    assert got["mesh"][0] == (4,)                     # the other weights: FSDP over all 4 ranks
+    assert got["experts_mesh"] == (("dp_shard_mod_ep", "ep"), (2, 2))     # experts: over 2 groups x EP 2
+    assert_same(got, one)
+    assert any(".mlp.experts." in k for k in one["weights"])
+    for rank in ranks:                                # every rank hands the engine the whole tensors
+        assert_close_rel({k: rank["fsdp"]["engine"][k] for k in one["weights"]}, one["weights"], rel=1e-5,
+                         name="engine weights")
+
+
+def test_hsdp_2_x_ep_2_updates_as_one_process(runs):
+    """Each replica is one EP=2 group: its 2 ranks hold 2 experts each, whole."""
+    _, one, ranks = runs
+    assert ranks[0]["hsdp"]["experts_mesh"] == (("dp_replicate", "dp_shard_mod_ep", "ep"), (2, 1, 2))
+    assert_same(ranks[0]["hsdp"], one)
+
+
+def test_ep_checkpoints_resume_in_one_process_and_back(runs):
+    root, one, ranks = runs
+    assert_same(ranks[0]["resumed"], one, steps=range(SAVED_AFTER, STEPS))   # one process -> FSDP 4 x EP 2
+    resumed = train(1, -1, steps=range(SAVED_AFTER, STEPS), resume=root / "ep", model_fn=tiny_moe)
+    assert_same(resumed, one, steps=range(SAVED_AFTER, STEPS))               # FSDP 4 x EP 2 -> one process
+    names = set()
+    for f in (root / "ep" / "huggingface").glob("*.safetensors"):
+        with safe_open(f, framework="pt") as handle:
+            names.update(handle.keys())
+    assert {f"model.layers.1.mlp.experts.{e}.{p}.weight" for e in range(4)
+            for p in ("gate_proj", "up_proj", "down_proj")} <= names
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in names)
+
+
+def test_models_whose_experts_cannot_be_placed_are_refused():
+    from lathe.models.lora import apply_lora
+    from lathe.train.expert_parallel import check_model
+
+    from .test_parallel import tiny_model
+    check_model(tiny_moe(), 4, "k")                                      # 4 experts: 1 per rank
+    with pytest.raises(ValueError, match=r"no mixture-of-experts layers .* Fix: set k=1"):
+        check_model(tiny_model(), 2, "k")                                # a dense model
+    with pytest.raises(ValueError, match=r"4 experts, which 3 does not divide. Fix: set k to one of \[1, 2, 4\]"):
+        check_model(tiny_moe(), 3, "k")
+    lora = tiny_moe()
+    apply_lora(lora, rank=2, alpha=4, target_modules="all-linear", exclude_modules=None, dropout=0.0, seed=0)
+    with pytest.raises(ValueError, match="with LoRA adapters: not built yet"):
+        check_model(lora, 2, "k")

@@ -42,7 +42,7 @@ READ_IN_CONFIG = {
        for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")},
     **{f"{g}.fsdp_config.expert_parallel_size": f"plan.py: expert_parallel_size(), MeshPlan.ep: the model's "
        f"expert-parallel groups (lathe.train.expert_parallel)"
-       for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")},
+       for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
     "distillation.teacher_models": "distill.py: teachers(), the TeacherSpec list the teacher part loads "
                                    "(lathe.workers.teacher)",
     "distillation.teacher_key": "distill.py: check_distillation() (rows route by data_source, the column lathe keeps)",

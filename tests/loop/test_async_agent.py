@@ -4,7 +4,7 @@ The task is the `agent_demo` preset's (`builtin:secret_lookup`: the tool `f` kno
 its verdict) on the untrained tiny model, whose text never holds a well-formed call: the tests' parser calls `f` from
 every turn whose text has an even number of characters, so some trajectories call it (once or twice) and some do
 not, and their rewards differ. A replica's trajectory keeps its turns' tokens, log-probs and weight versions across
-a sync that comes while its tool call runs."""
+a sync that comes while its tool call runs, and across one that interrupts a turn."""
 
 from __future__ import annotations
 
@@ -80,9 +80,10 @@ def test_off_policy_multi_turn_stays_within_the_staleness_bound_and_resumes_each
     assert len(trained) == 4 * 2 * 4 and all(trained.count(u) == 4 for u in set(trained)), trained
 
 
-def test_a_sync_while_a_tool_call_runs_keeps_its_answer_and_each_tokens_version(tmp_path, monkeypatch):
-    """One trajectory: turn 0, then a call of `f` held until the replica has paused and loaded weights version 1;
-    the answer is appended and turn 1 samples under version 1 (its log-probs the new weights')."""
+def test_syncs_during_a_tool_call_and_during_a_turn_keep_the_answer_and_each_tokens_version(tmp_path, monkeypatch):
+    """One trajectory on a replica: turn 0; a call of `f` held until the replica has paused and loaded weights
+    version 1; the answer appended; turn 1 interrupted a few tokens in by a second sync (version 2) and continued.
+    Every token carries the version that sampled it and that version's log-prob."""
     from lathe.config import load_config
     from lathe.generation import SamplingParams
     from lathe.loop.setup import _given_model
@@ -91,7 +92,7 @@ def test_a_sync_while_a_tool_call_runs_keeps_its_answer_and_each_tokens_version(
     from lathe.workers.fully_async import RolloutWorker, request_agent
 
     monkeypatch.setattr(parser, "get_parser", lambda fmt: lambda text: ParsedTurn(text, [ToolCall("f", {})]))
-    started, release = threading.Event(), threading.Event()
+    started, release, mid_turn = threading.Event(), threading.Event(), threading.Event()
     execute = builtin_tools.SecretLookupTool.execute
 
     def held(self, *args, **kwargs):
@@ -107,18 +108,36 @@ def test_a_sync_while_a_tool_call_runs_keeps_its_answer_and_each_tokens_version(
     path, kwargs = _given_model(cfg, tokenizer)
     model = load_policy(path, **kwargs).double()
     model.save_pretrained(tmp_path / "model")
-    new = {name: t * 1.5 if name == "lm_head.weight" else t for name, t in model.state_dict().items()}
+    weights = [{name: t * scale if name == "lm_head.weight" else t for name, t in model.state_dict().items()}
+               for scale in (1.0, 1.5, 0.7)]                                   # versions 0, 1, 2
     worker = RolloutWorker(cfg, str(tmp_path / "model"), {"impl": "auto"}, tokenizer, device_type="cpu")
+    step, turn_1_steps = worker.engine.step, [0]
+
+    def step_then_hold():        # the 4th engine step of turn 1 waits for the driver's pause: it comes mid-turn
+        out = step()
+        if worker.engine.weight_version == 1:
+            turn_1_steps[0] += 1
+            if turn_1_steps[0] == 4:
+                mid_turn.set()
+                while not worker._hold:
+                    time.sleep(0.005)
+        return out
+
+    worker.engine.step = step_then_hold
     try:
         prompts = Batch(non_tensors={"prompt_ids": [tokenizer.encode("item 3")],
                                      "raw_prompt": [[{"role": "user", "content": "item 3"}]],
                                      "extra_info": [{"tools_kwargs": {"f": {"create_kwargs": {"secret": "7"}}}}]})
-        params = SamplingParams(n=1, temperature=1.0, max_tokens=24, seed=5)
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=96, seed=5)
         worker.submit([("r", [list(prompts["prompt_ids"][0])], params, 0, None, request_agent(prompts))])
         assert started.wait(60), "turn 0 called the tool"
         assert worker.pause(partial=True, timeout_s=60) == 0           # no turn in progress: the tool call runs
-        worker.engine.load_weights([(k, v.float()) for k, v in new.items()], version=1)
+        worker.engine.load_weights([(k, v.float()) for k, v in weights[1].items()], version=1)
         release.set()
+        worker.resume()
+        assert mid_turn.wait(60), "turn 1 ran 4 engine steps"
+        assert worker.pause(partial=True, timeout_s=60) == 1           # turn 1 interrupted
+        worker.engine.load_weights([(k, v.float()) for k, v in weights[2].items()], version=2)
         worker.resume()
         got = {}
         deadline = time.monotonic() + 60
@@ -128,23 +147,25 @@ def test_a_sync_while_a_tool_call_runs_keeps_its_answer_and_each_tokens_version(
     finally:
         release.set()
         worker.shutdown()
-    mask, versions = out["response_mask"][0].bool(), out["rollout_versions"][0]
     length = int(out["attention_mask"][0].sum()) - out["prompts"].shape[1]
-    mask, versions, ids = mask[:length], versions[:length], out["responses"][0, :length]
-    first_tool = int((~mask).nonzero()[0])
-    second_turn = first_tool + int(mask[first_tool:].nonzero()[0])
+    mask, versions = out["response_mask"][0, :length].bool(), out["rollout_versions"][0, :length]
+    ids = out["responses"][0, :length]
+    tool = int((~mask).nonzero()[0])                            # the first appended token
+    turn_1 = tool + int(mask[tool:].nonzero()[0])
     assert out["num_turns"] == [4] and out["tool_calls"] == [1]          # prompt, turn 0, the answer, turn 1
     assert out["extra_info"][0]["tool_rewards"] == {"f": 1.0}             # the call ran and was kept
-    assert "7" in tokenizer.decode(ids[first_tool:second_turn].tolist())  # its answer is in the trajectory
-    assert mask[second_turn:].all() and not mask[first_tool:second_turn].any()
-    assert (versions[:second_turn] == 0).all() and (versions[second_turn:] == 1).all()
-    # turn 1's log-probs are the new weights', turn 0's the old ones' (teacher-forced, float64)
-    seq = torch.cat([out["prompts"][0][out["attention_mask"][0, :out["prompts"].shape[1]].bool()], ids])[None]
-    for weights, span in ((None, slice(0, first_tool)), (new, slice(second_turn, length))):
-        if weights is not None:
-            model.load_state_dict(weights)
+    assert "7" in tokenizer.decode(ids[tool:turn_1].tolist())             # its answer is in the trajectory
+    assert mask[turn_1:].all() and not mask[tool:turn_1].any()
+    assert (versions[:turn_1] == 0).all() and versions[turn_1] == 1 and versions[-1] == 2
+    assert (versions[turn_1:].diff() >= 0).all()
+    # each token's log-prob is its version's (teacher-forced, float64)
+    prompt = out["prompts"][0][out["attention_mask"][0, :out["prompts"].shape[1]].bool()]
+    seq = torch.cat([prompt, ids])[None]
+    for version in (0, 1, 2):
+        model.load_state_dict(weights[version])
         with torch.no_grad():
-            logits = model(input_ids=seq).logits[0, seq.shape[1] - length - 1:-1].double()
-        want = logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)[span]
-        got_lp = out["rollout_log_probs"][0, :length][span].double()
-        assert (want - got_lp).norm() <= 1e-4 * want.norm(), (weights is None, want, got_lp)
+            logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1]
+        want = logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+        mine = mask & (versions == version)
+        got_lp = out["rollout_log_probs"][0, :length].double()
+        assert mine.any() and (want - got_lp)[mine].norm() <= 1e-4 * want[mine].norm(), (version, want, got_lp)

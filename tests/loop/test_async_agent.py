@@ -22,7 +22,7 @@ from lathe.cli import main
 from lathe.rollout.agent.parser import ParsedTurn, ToolCall
 
 AGENT = ["agent_demo", "actor_rollout_ref.model.warm_start.steps=0", "data.train_batch_size=2",
-         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
+         "data.max_response_length=64", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
          "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "trainer.total_training_steps=2",
          "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[console]"]
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean", "agent/tool_calls/mean",

@@ -16,7 +16,8 @@ batch reports its lag behind the trainer's version.
 
 DAPO's dynamic sampling filters each request's groups as it arrives and asks for more rounds for a step short of
 kept prompts (`lathe.loop.fully_async_dapo`); ReMax sends each request with a greedy twin whose reward is the
-baseline; with LoRA the sync sends only the adapted layers, merged (`AsyncTrainerWorker`).
+baseline; with LoRA the sync sends only the adapted layers, merged (`AsyncTrainerWorker`); multi-turn requests
+carry their rows' tool kwargs and messages, and the replica runs their trajectories (`lathe.rollout.agent.stream`).
 
 Every prompt gets an issue index when it is sent; its samples are seeded by it exactly as the synchronous loop
 seeds the same prompt of the same step, and a checkpoint records which issued prompts were trained, so a resumed run

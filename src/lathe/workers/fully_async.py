@@ -7,7 +7,9 @@ finished requests wait in an outbox (`collect`). At a weight sync the driver `pa
 rollout the unfinished responses are interrupted (they keep their tokens and log-probs, and continue on the new
 weights, their images encoded again by the new vision tower), without it the replica first finishes them — then
 the trainer's rank 0 broadcasts the weights in buckets over a process group of its own
-(`lathe.workers.checkpoint_engine`) and the replicas load them bucket by bucket, then `resume`.
+(`lathe.workers.checkpoint_engine`) and the replicas load them bucket by bucket, then `resume`. With multi-turn
+agent loops the engine thread also runs the requests' trajectories (`AgentStream`): tool calls run in its thread
+pool, through a pause too, and wake the thread when they answer; a request is finished when all its trajectories are.
 
 `AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
 sync. The engine is thread-safe only through the worker's lock: every engine call is made under it.

@@ -46,12 +46,14 @@ def train(run_dir, *overrides: str) -> list[dict]:
 
 
 def test_on_policy_async_multi_turn_equals_the_synchronous_loop(tmp_path, in_process_pools, forced_calls):
-    sync = train(tmp_path / "sync")
-    on_policy = train(tmp_path / "async", *ON_POLICY)
+    val = ["trainer.test_freq=2", "data.val_max_samples=4", "data.val_batch_size=4"]     # (the replica's, in async)
+    sync = train(tmp_path / "sync", *val)
+    on_policy = train(tmp_path / "async", *ON_POLICY, *val)
     assert len(sync) == len(on_policy) == 2
     assert 0 < sync[0]["agent/tool_calls/mean"] and 0 < sync[0]["critic/score/mean"] < 1, "precondition: a mixture"
+    assert "val-core/lathe/secret_lookup/reward/mean@1" in on_policy[-1]
     for a, b in zip(sync, on_policy):
-        for key in COMPARED:
+        for key in (*COMPARED, *(k for k in a if k.startswith("val-"))):
             assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
         assert b["fully_async/staleness/max"] == 0
 

@@ -3,6 +3,7 @@
     python bench/fully_async.py [--shape 0.5b] [--steps 12] [--git-sha SHA] [--out bench/results/fully_async_<device>.json]
     python bench/fully_async.py --device cpu --shape tiny --steps 4 --warmup 1 --prompts 8 --n 2 --prompt-len 8 \
         --median-response-len 4 --max-response-len 32 --out /tmp/fully_async_smoke.json                # CPU smoke
+    python bench/fully_async.py --workload tool [--turns 4 --tool-latency 0.5 --tool-answer-len 32]    # multi-turn
 
 Two GPUs (or two CPU workers), two `lathe train` runs in child processes, exactly as a user runs them:
 
@@ -24,6 +25,15 @@ Reported per run: the median and total wall seconds per trained step after `--wa
 whole step in the synchronous loop; the time between two finished updates in the asynchronous one), tokens/s, the
 response lengths, and for async the staleness, idle ratios, partial rollouts and weight-sync time. The speed-up is
 sync seconds / async seconds over the timed steps.
+
+`--workload tool` (issue 47's multi-turn tool workload): the same model, data and lengths, each response a
+trajectory of the agent loop (`rollout.multi_turn`) of up to `--turns` model turns, each but the last followed by a
+tool call that sleeps `--tool-latency` seconds in the loop's thread pool and answers `--tool-answer-len` words.
+Random weights never write a tool call, so the harness shapes the trajectories, as bench/agent_rollout.py does: the
+tool's module, written beside the data and loaded by every worker with the tool config, makes the `hermes` format's
+parser find one call in every model turn. `--max-response-len` is the whole trajectory's budget (turns and answers);
+a turn still ends at the stop ids (`--median-response-len`). Reported besides: the tool calls and turns per
+trajectory.
 """
 
 from __future__ import annotations
@@ -55,12 +65,59 @@ def long_tail_model(shape: str, where: Path, device: str, median: int) -> tuple[
     return base, k
 
 
+TOOL_MODULE = '''"""bench/fully_async.py --workload tool: a tool that sleeps and answers (written by the bench).
+Importing it makes the `hermes` parser find one call in every model turn (random weights never write one)."""
+import time
+
+from lathe.rollout.agent import parser
+from lathe.rollout.agent.tools import BaseTool
+
+LATENCY_S, ANSWER = {latency}, {answer!r}
+
+
+def every_turn_calls(text):
+    return parser.ParsedTurn(text, [parser.ToolCall("sleep", {{}})])
+
+
+parser.PARSERS["hermes"] = every_turn_calls
+
+
+class SleepTool(BaseTool):
+    def execute(self, instance_id, parameters, **kwargs):
+        time.sleep(LATENCY_S)
+        return ANSWER
+'''
+
+
+def write_tool(where: Path, args) -> Path:
+    """The tool workload's tool module and verl-shaped tool config (see the module docstring); the config's path."""
+    module = where / "bench_sleep_tool.py"
+    answer = " ".join(f"w{2 + i % 97}" for i in range(args.tool_answer_len))
+    module.write_text(TOOL_MODULE.format(latency=args.tool_latency, answer=answer))
+    schema = {"type": "function", "function": {"name": "sleep", "description": "sleeps, then answers",
+                                               "parameters": {"type": "object", "properties": {}, "required": []}}}
+    config = where / "bench_sleep_tool.json"        # (YAML is a superset of JSON)
+    config.write_text(json.dumps({"tools": [{"class_name": f"{module}:SleepTool", "config": {"type": "native"},
+                                             "tool_schema": schema}]}))
+    return config
+
+
+def workload_keys(paths: dict, args) -> list[str]:
+    """The `lathe train` keys of `--workload` (none for the geometric single-turn one)."""
+    if args.workload != "tool":
+        return []
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    return [f"{mt}.enable=true", f"{mt}.format=hermes", f"{mt}.tool_config_path={paths['tool']}",
+            f"{mt}.max_assistant_turns={args.turns}", f"{mt}.tool_timeout={max(30.0, 4 * args.tool_latency)}"]
+
+
 def commands(paths: dict, args) -> dict[str, list[str]]:
     """The two `lathe train` command lines: e2e's (same model, data, reward, batch) with EOS honoured, then each
     mode's placement (later overrides win)."""
     args.response_len, args.gpus = args.max_response_len, 2
     args.profile_step, args.profile_stack = 0, False      # e2e's profiler knobs, which this bench does not offer
-    base = [*lathe_command(args.shape, paths, args), "actor_rollout_ref.rollout.ignore_eos=false"]
+    base = [*lathe_command(args.shape, paths, args), "actor_rollout_ref.rollout.ignore_eos=false",
+            *workload_keys(paths, args)]
     run = paths["run"]
     sync = [*base, "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={run / 'sync'}"]
     asyn = [*base, "trainer.n_gpus_per_node=1", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
@@ -77,7 +134,8 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     keys = ("response_length/mean", "response_length/max", "response_length/clip_ratio", "perf/throughput",
             "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "timing_s/param_sync",
             "trainer/idle_ratio", "rollouter/idle_ratio", "fully_async/staleness/mean", "fully_async/staleness/max",
-            "fully_async/partial/partial_ratio", "fully_async/sync/send_s", "fully_async/sync/interrupted")
+            "fully_async/partial/partial_ratio", "fully_async/sync/send_s", "fully_async/sync/interrupted",
+            "agent/tool_calls/mean", "num_turns/mean", "timing_s/agent_loop")
     return {"steps_timed": len(timed), "step_wall_s_median": statistics.median(walls), "timed_wall_s": sum(walls),
             "step_wall_s_all": [s.get("perf/time_per_step") for s in steps],
             "medians": {k: statistics.median(s[k] for s in timed) for k in keys if all(k in s for s in timed)},
@@ -98,6 +156,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trigger", type=int, default=2, help="async_training.trigger_parameter_sync_step")
     p.add_argument("--staleness", type=float, default=1.0, help="async_training.staleness_threshold")
     p.add_argument("--modes", default="sync,async")
+    p.add_argument("--workload", default="geometric", choices=("geometric", "tool"),
+                   help="geometric: single-turn long tail; tool: multi-turn trajectories with tool calls")
+    p.add_argument("--turns", type=int, default=4, help="tool workload: model turns per trajectory (at most)")
+    p.add_argument("--tool-latency", type=float, default=0.5, help="tool workload: seconds a tool call sleeps")
+    p.add_argument("--tool-answer-len", type=int, default=32, help="tool workload: words of a tool answer")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--workdir", default="/tmp/lathe-fully-async")
@@ -117,14 +180,20 @@ def main() -> None:
     parquet, _ = write_data(where, rows=args.prompts * (args.steps + 4), prompt_len=args.prompt_len, vocab_size=vocab)
     (where / "reward.py").write_text(REWARD_FILE)
     paths = {"model": model, "tokenizer": write_tokenizer(vocab, where), "parquet": parquet,
-             "reward": where / "reward.py", "run": where / f"run-{args.shape}"}
+             "reward": where / "reward.py", "run": where / f"run-{args.shape}-{args.workload}"}
+    if args.workload == "tool":
+        paths["tool"] = write_tool(where, args)
     name = device_name(torch.device(args.device))
-    out = Path(args.out or ROOT / "bench" / "results" / f"fully_async_{slug(name)}.json")
+    kind = "" if args.workload == "geometric" else f"{args.workload}_"
+    out = Path(args.out or ROOT / "bench" / "results" / f"fully_async_{kind}{slug(name)}.json")
     result = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "workload": {**{k_: getattr(args, k_) for k_ in ("shape", "prompts", "n", "prompt_len", "steps", "warmup",
                                                                "median_response_len", "max_response_len", "trigger",
-                                                               "staleness")}, "stop_ids": k, "vocab": vocab},
+                                                               "staleness", "workload")}, "stop_ids": k,
+                           "vocab": vocab, **({k_: getattr(args, k_) for k_ in ("turns", "tool_latency",
+                                                                                "tool_answer_len")}
+                                              if args.workload == "tool" else {})},
               "runs": {}}
     for mode, cmd in commands(paths, args).items():
         if mode not in args.modes.split(","):

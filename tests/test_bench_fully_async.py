@@ -17,7 +17,14 @@ import fully_async
 args = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--trigger", "3",
                                "--extra", "actor_rollout_ref.nccl_timeout=120"])
 paths = {key: Path(sys.argv[2]) / key for key in ("model", "tokenizer", "parquet", "reward", "run")}
-print(json.dumps(fully_async.commands(paths, args)))
+tool = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--workload", "tool", "--turns", "3"])
+tool_paths = {**paths, "tool": fully_async.write_tool(Path(sys.argv[2]), tool)}
+sys.path.insert(0, sys.argv[2])
+import bench_sleep_tool
+from lathe.rollout.agent.parser import get_parser
+calls = get_parser("hermes")("any text").calls
+print(json.dumps({"plain": fully_async.commands(paths, args), "tool": fully_async.commands(tool_paths, tool),
+                  "calls": [c.name for c in calls]}))
 """
 
 
@@ -25,7 +32,8 @@ def test_fully_async_builds_both_command_lines(tmp_path):
     done = subprocess.run([sys.executable, "-c", BUILD, str(ROOT / "bench"), str(tmp_path)], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    cmds = json.loads(done.stdout.strip().splitlines()[-1])
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    cmds = built["plain"]
     assert set(cmds) == {"sync", "async"}
     for cmd in cmds.values():
         assert cmd[1:4] == ["-m", "lathe", "train"]
@@ -35,3 +43,9 @@ def test_fully_async_builds_both_command_lines(tmp_path):
     assert cmds["sync"][-2:] == ["trainer.n_gpus_per_node=2", f"trainer.default_local_dir={tmp_path / 'run' / 'sync'}"]
     assert {"trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1",
             "async_training.trigger_parameter_sync_step=3"} <= set(cmds["async"])
+    # --workload tool: both runs multi-turn with the bench's tool, whose module makes every turn call it
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    for cmd in built["tool"].values():
+        assert {f"{mt}.enable=true", f"{mt}.max_assistant_turns=3",
+                f"{mt}.tool_config_path={tmp_path / 'bench_sleep_tool.json'}"} <= set(cmd)
+    assert not any(c.startswith(f"{mt}.") for c in cmds["async"]) and built["calls"] == ["sleep"]

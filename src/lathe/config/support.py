@@ -116,10 +116,7 @@ def _lora() -> list[Entry]:
 
 def _multi_turn() -> list[Entry]:
     mt = f"{R}.multi_turn"
-    out = [only_on("a rollout pool", refuse(f"{mt}.enable", "multi-turn rollouts on a rollout pool of its own "
-                                            "(fully async training)", "train multi-turn synchronously "
-                                            "(rollout.n_gpus_per_node=0), or set it to false", one_of(False))),
-           only_on("single-turn", warn("data.tool_config_path", "tools are used only by multi-turn rollouts "
+    out = [only_on("single-turn", warn("data.tool_config_path", "tools are used only by multi-turn rollouts "
                                        "(rollout.multi_turn.enable=true)"))]
     for k in ("use_inference_chat_template", "tokenization_sanity_check_mode"):
         out.append(warn(f"{mt}.{k}", "lathe never re-tokenises a conversation: the model's turns stay as sampled "

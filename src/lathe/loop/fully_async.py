@@ -16,7 +16,8 @@ batch reports its lag behind the trainer's version.
 
 DAPO's dynamic sampling filters each request's groups as it arrives and asks for more rounds for a step short of
 kept prompts (`lathe.loop.fully_async_dapo`); ReMax sends each request with a greedy twin whose reward is the
-baseline; with LoRA the sync sends only the adapted layers, merged (`AsyncTrainerWorker`).
+baseline; with LoRA the sync sends only the adapted layers, merged (`AsyncTrainerWorker`); multi-turn requests
+carry their rows' tool kwargs and messages, and the replica runs their trajectories (`lathe.rollout.agent.stream`).
 
 Every prompt gets an issue index when it is sent; its samples are seeded by it exactly as the synchronous loop
 seeds the same prompt of the same step, and a checkpoint records which issued prompts were trained, so a resumed run
@@ -37,7 +38,7 @@ import torch
 from lathe.algo import rollout_probs_diff
 from lathe.batch import Batch
 from lathe.cluster.roles import ACTOR
-from lathe.workers.fully_async import request_images
+from lathe.workers.fully_async import request_agent, request_images
 from lathe.loop.fully_async_dapo import DynamicSampling
 from lathe.loop.ppo import finish_metrics, learn, save
 from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed
@@ -106,6 +107,7 @@ class AsyncDriver:
         self.dapo = (DynamicSampling(fg, step_prompts=self.step_prompts, n=self.n, first_step=t.global_step + 1)
                      if fg.enable else None)
         self.remax = cfg.algorithm.adv_estimator == "remax"   # each request's greedy twin, its reward the baseline
+        self.multi_turn = cfg.actor_rollout_ref.rollout.multi_turn.enable    # requests carry tools' kwargs, messages
         self.arrived: dict[int, dict[str, Batch]] = {}    # first issue index -> what came of its requests so far
         self.full_bytes: int | None = None
 
@@ -139,9 +141,11 @@ class AsyncDriver:
             self.next_replica = (replica + 1) % self.cluster.rollout.world
             self.in_flight[first] = (replica, prompts)
             ids, images = [list(p) for p in prompts["prompt_ids"]], request_images(prompts)
-            requests.setdefault(replica, []).append((first, ids, params, i * self.n, images))
+            agent = request_agent(prompts) if self.multi_turn else None
+            requests.setdefault(replica, []).append((first, ids, params, i * self.n, images, agent))
             if self.remax:        # ReMax's greedy response of each prompt, generated beside (and with) the samples
-                requests[replica].append((("greedy", first), ids, replace(params, n=1, do_sample=False), 0, images))
+                requests[replica].append((("greedy", first), ids, replace(params, n=1, do_sample=False), 0, images,
+                                          agent))
         if requests:
             self.cluster.rollout.submit(requests)
 

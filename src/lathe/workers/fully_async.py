@@ -7,7 +7,9 @@ finished requests wait in an outbox (`collect`). At a weight sync the driver `pa
 rollout the unfinished responses are interrupted (they keep their tokens and log-probs, and continue on the new
 weights, their images encoded again by the new vision tower), without it the replica first finishes them — then
 the trainer's rank 0 broadcasts the weights in buckets over a process group of its own
-(`lathe.workers.checkpoint_engine`) and the replicas load them bucket by bucket, then `resume`.
+(`lathe.workers.checkpoint_engine`) and the replicas load them bucket by bucket, then `resume`. With multi-turn
+agent loops the engine thread also runs the requests' trajectories (`AgentStream`): tool calls run in its thread
+pool, through a pause too, and wake the thread when they answer; a request is finished when all its trajectories are.
 
 `AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
 sync. The engine is thread-safe only through the worker's lock: every engine call is made under it.
@@ -30,6 +32,8 @@ from lathe.models.frozen import frozen_copy
 from lathe.models.lora import is_adapter
 from lathe.models.hf import load_policy, select_impl
 from lathe.generation import SamplingParams
+from lathe.rollout.agent import agent_columns, agent_kwargs, build_agent_loop
+from lathe.rollout.agent.stream import AgentStream
 from lathe.rollout.base import to_batch
 from lathe.rollout.build import VERL_BACKENDS, backend_notice, build_engine, eos_token_ids, runs_lathe
 from lathe.seeding import seed_everything
@@ -57,20 +61,31 @@ class RolloutWorker:
             logging.getLogger("lathe").info("rollout: lathe engine (%s)", backend_notice(arr.rollout.name))
         if is_vl(model):                # image prompts: each request carries its prompts' images (`submit`)
             check_vl(model, arr, rollout=True)
+            if arr.rollout.multi_turn.enable:
+                raise NotImplementedError(
+                    "actor_rollout_ref.rollout.multi_turn.enable=true with a vision-language model on a rollout pool "
+                    "of its own: a trajectory's later turns reuse its images' embeddings, which a weight sync would "
+                    "leave encoded by the old vision tower (not implemented). Fix: train it synchronously "
+                    "(rollout.n_gpus_per_node=0), or set multi_turn.enable=false.")
         self.dtype = rollout_dtype(arr.rollout.dtype, device)
         eos = eos_token_ids(tokenizer, loaded)          # the checkpoint's generation_config (the copy has none)
         engine_model = frozen_copy(model, self.dtype, device)      # (a VL model: a deep copy, as the workers make)
         del model, loaded
         self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model, standalone=True)
         self.pad_id, self.device = tokenizer.pad_token_id, device
-        self.sync: SyncGroup | None = None
         self._cv = threading.Condition()
+        # multi-turn (`rollout.multi_turn.enable`): each request's trajectories alternate model turns in this engine
+        # and tool calls in the stream's threads, whose answers wake the engine's thread
+        self.agent = (AgentStream(build_agent_loop(cfg, self.engine, tokenizer), self._wake)
+                      if arr.rollout.multi_turn.enable else None)
+        self.sync: SyncGroup | None = None
         self._inbox: list[tuple] = []
-        self._prompts: dict = {}            # request id -> (prompt token ids, n) until it is collected
+        self._prompts: dict = {}            # request id -> (prompt token ids, n, extra_info) until it is collected
         self._outbox: list[tuple] = []
         self._hold = self._stop = False
         self._paused = False
-        self._unfinished = False            # the engine has work (as of the loop's last step)
+        self._unfinished = False            # the engine has work, or a trajectory its tools (as of the last step)
+        self._stepping = False              # the engine has work (as of the loop's last step)
         self._error: BaseException | None = None
         self._busy_s = 0.0
         self._thread = threading.Thread(target=self._loop, name="lathe-rollout", daemon=True)
@@ -85,7 +100,7 @@ class RolloutWorker:
         try:
             while True:
                 with self._cv:
-                    while not self._stop and (self._hold or not (self._inbox or self._unfinished)):
+                    while not self._stop and (self._hold or not self._has_work()):
                         self._paused = self._hold
                         self._cv.notify_all()
                         self._cv.wait()
@@ -94,15 +109,18 @@ class RolloutWorker:
                         return
                     requests, self._inbox = self._inbox, []
                 start = time.perf_counter()
-                for request_id, prompt_ids, params, first_index, images in requests:
-                    self.engine.add_request(request_id, prompt_ids, params, first_index=first_index,
-                                            multi_modal_inputs=images)
-                self.engine.step()
-                done = self.engine.pop_finished()
-                unfinished = self.engine.has_unfinished_requests()
+                if self.agent is not None:
+                    done, unfinished = self._agent_step(requests)
+                else:
+                    for request_id, prompt_ids, params, first_index, images, _ in requests:
+                        self.engine.add_request(request_id, prompt_ids, params, first_index=first_index,
+                                                multi_modal_inputs=images)
+                    self.engine.step()
+                    done = self.engine.pop_finished()
+                    unfinished = self.engine.has_unfinished_requests()
                 with self._cv:
                     self._busy_s += time.perf_counter() - start
-                    self._unfinished = unfinished
+                    self._unfinished, self._stepping = unfinished, self.engine.has_unfinished_requests()
                     self._outbox.extend(done)
                     if done or not unfinished:
                         self._cv.notify_all()
@@ -111,22 +129,51 @@ class RolloutWorker:
                 self._error = e
                 self._cv.notify_all()
 
+    def _has_work(self) -> bool:
+        """(Under the lock.) Requests to add, an engine with work, or a trajectory whose tool answers are in."""
+        if self.agent is None:
+            return bool(self._inbox or self._unfinished)
+        return bool(self._inbox or self._stepping or self.agent.ready())
+
+    def _agent_step(self, requests: list[tuple]) -> tuple[list, bool]:
+        """Multi-turn: new requests' trajectories and answered ones' next turns queued, one engine step, finished
+        turns appended (`AgentStream`). Returns the finished requests and whether any trajectory is not done."""
+        for request_id, prompt_ids, params, first_index, _, agent in requests:
+            self.agent.add(request_id, prompt_ids, params, first_index=first_index,
+                           agent={k: v for k, v in agent.items() if k != "extra_info"})
+        done = self.agent.advance()
+        if self.engine.has_unfinished_requests():
+            self.engine.step()
+        done += self.agent.on_finished(self.engine.pop_finished())
+        return done, self.agent.busy()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
     def _check(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"rollout replica: the engine failed: {self._error!r}") from self._error
 
     # -- called by the driver -------------------------------------------------------------------------------
     def submit(self, requests: list[tuple]) -> None:
-        """Queue `(request_id, prompt token ids, params, first_index[, multi_modal_inputs])` requests; the engine
-        takes them all before its next step (so requests submitted together are batched as one call would be).
-        `multi_modal_inputs` (VL models): one entry per prompt, `{"pixel_values", "image_grid_thw"}` (CPU tensors)
-        or None for a text prompt, as `LatheEngine.generate` takes them."""
-        requests = [tuple(r) if len(r) == 5 else (*r, None) for r in requests]
+        """Queue `(request_id, prompt token ids, params, first_index[, multi_modal_inputs[, agent]])` requests; the
+        engine takes them all before its next step (so requests submitted together are batched as one call would
+        be). `multi_modal_inputs` (VL models): one entry per prompt, `{"pixel_values", "image_grid_thw"}` (CPU
+        tensors) or None for a text prompt, as `LatheEngine.generate` takes them. `agent` (multi-turn):
+        `request_agent` of the prompt rows."""
+        requests = [(*r, *[None] * (6 - len(r))) for r in requests]
         with self._cv:
             self._check()
+            if self.agent is None and any(r[5] is not None for r in requests):
+                raise ValueError("rollout replica: a multi-turn request, but this replica was built without "
+                                 "actor_rollout_ref.rollout.multi_turn.enable")
+            for request_id, prompt_ids, params, _, _, agent in requests:
+                if self.agent is not None and agent is None:
+                    raise ValueError(f"rollout replica: request {request_id!r} has no `agent` part (request_agent "
+                                     "of its prompt rows) and this replica runs multi-turn trajectories")
+                self._prompts[request_id] = (prompt_ids, params.n, agent and agent["extra_info"])
             self._inbox.extend(requests)
-            for request_id, prompt_ids, params, _, _ in requests:
-                self._prompts[request_id] = (prompt_ids, params.n)
             self._cv.notify_all()
 
     def collect(self, wait_s: float = 0.0) -> dict:
@@ -141,8 +188,10 @@ class RolloutWorker:
         return {"done": [(rid, self._to_batch(rid, out)) for rid, out in done], "busy_s": busy}
 
     def _to_batch(self, request_id, out) -> Batch:
-        prompt_ids, n = self._prompts.pop(request_id)
+        prompt_ids, n, extra_info = self._prompts.pop(request_id)
         batch = to_batch(prompt_ids, out, self.pad_id, n)
+        if extra_info is not None:              # multi-turn: the sync loop's columns (tool counts, enriched extra_info)
+            batch.update(agent_columns(out, [x for x in extra_info for _ in range(n)]))
         spans = out.versions or [[(self.engine.weight_version, 0)] for _ in out.token_ids]
         batch["rollout_versions"] = token_versions(spans, batch["responses"].shape[1])
         batch.meta["rollout_metrics"] = dict(out.metrics)
@@ -185,7 +234,8 @@ class RolloutWorker:
         """A blocking generation (validation): submitted as one request, waited for."""
         key = ("blocking", time.monotonic_ns())
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
-        self.submit([(key, prompt_ids, params, first_index, request_images(prompts))])
+        self.submit([(key, prompt_ids, params, first_index, request_images(prompts),
+                      request_agent(prompts) if self.agent is not None else None)])
         with self._cv:
             self._cv.wait_for(lambda: self._error is not None or any(rid == key for rid, _ in self._outbox))
             self._check()
@@ -198,6 +248,8 @@ class RolloutWorker:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=30)
+        if self.agent is not None:
+            self.agent.close()
         if self.sync is not None:
             self.sync.close()
 
@@ -261,6 +313,12 @@ def request_images(prompts: Batch) -> list | None:
     """The prompt rows' images as a request carries them (`multi_modal_inputs`, one entry per row, None for a text
     row), or None when no row has images."""
     return list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts else None
+
+
+def request_agent(prompts: Batch) -> dict:
+    """What a multi-turn request carries of its prompt rows besides their tokens: `agent_kwargs` (tools, simulated
+    users, messages) and the rows' `extra_info` (which the replica returns with the loop's additions)."""
+    return {**agent_kwargs(prompts), "extra_info": list(prompts["extra_info"])}
 
 
 def token_versions(spans: list[list[tuple[int, int]]], width: int) -> torch.Tensor:

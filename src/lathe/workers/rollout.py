@@ -22,7 +22,7 @@ from lathe.engine.tensor_parallel import TensorParallel, replica_groups, shard_c
 from lathe.generation import SamplingParams
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import merged_weights
-from lathe.rollout.agent import agent_columns
+from lathe.rollout.agent import agent_columns, agent_kwargs
 from lathe.rollout.base import to_batch
 from lathe.rollout.build import build_engine, build_hf_rollout, eos_token_ids, resolve_rollout_name
 from lathe.workers.actor import Actor
@@ -99,11 +99,8 @@ class Rollout:
         images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
         try:
             if self.agent is not None:
-                extra = prompts["extra_info"]
-                out = self.agent.generate(prompt_ids, params, first_index=first_index,
-                                          tools_kwargs=[(x or {}).get("tools_kwargs") for x in extra],
-                                          interaction_kwargs=[(x or {}).get("interaction_kwargs") for x in extra],
-                                          messages=list(prompts["raw_prompt"]), **images)
+                out = self.agent.generate(prompt_ids, params, first_index=first_index, **agent_kwargs(prompts),
+                                          **images)
             else:
                 out = self.backend.generate(prompt_ids, params, first_index=first_index, **images)
         finally:

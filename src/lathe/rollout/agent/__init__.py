@@ -41,6 +41,16 @@ def build_agent_loop(cfg, engine, tokenizer):
                      interactions=interactions)
 
 
+def agent_kwargs(prompts: Batch) -> dict:
+    """What `AgentLoop.generate` reads of the prompt rows besides their tokens: each row's tools' `create_kwargs`
+    (verl's `extra_info["tools_kwargs"]`), its simulated user's (`extra_info["interaction_kwargs"]`) and its chat
+    messages (`raw_prompt`)."""
+    extra = prompts["extra_info"]
+    return {"tools_kwargs": [(x or {}).get("tools_kwargs") for x in extra],
+            "interaction_kwargs": [(x or {}).get("interaction_kwargs") for x in extra],
+            "messages": list(prompts["raw_prompt"])}
+
+
 def agent_columns(out, extra_info: list) -> Batch:
     """Per-sample columns of a multi-turn rollout: verl's `num_turns`, tool calls/errors/seconds, and each sample's
     `extra_info` gaining `num_turns`, `tool_rewards` (each tool's `calc_reward`) and `turn_scores` (the simulated

@@ -79,10 +79,26 @@ class AgentOutput(RolloutOutput):
 
 
 @dataclass(eq=False)
+class AgentCall:
+    """One `generate` call's trajectories (or one streamed request's, `lathe.rollout.agent.stream`) and what their
+    turns share: sampling parameters (n=1), turn 0's seed, the first sample's index, the request ids' prefix."""
+
+    params: SamplingParams
+    base: int
+    first: int
+    prefix: str
+    trajs: list["Trajectory"] = field(default_factory=list)
+    preemptions: int = 0
+    resumed: list[int] = field(default_factory=lambda: [0, 0])   # later turns' prefix-cache hits, prompt tokens
+    start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
 class Trajectory:
     index: int                                  # prompt-major sample index
     prompt: list[int]
     session: object | None                      # the trajectory's ToolSession (None: no tools)
+    call: AgentCall | None = None               # (set by `AgentLoop.open`)
     images: object | None = None                # its prompt's images, as the engine prepared them (VL models)
     user: object | None = None                  # its InteractionSession (None: no simulated user)
     messages: list[dict] = field(default_factory=list)   # the conversation, for the simulated user
@@ -91,6 +107,7 @@ class Trajectory:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)   # per token: the weights that sampled it (appended: the last)
     last_turn: list[int] = field(default_factory=list)
     assistant_turns: int = 0
     user_turns: int = 0
@@ -141,26 +158,9 @@ class AgentLoop:
         `multi_modal_inputs[i]` (VL models) its images, as `LatheEngine.generate` takes them: encoded once
         (`LatheEngine.prepare_images`) and carried by every turn of its trajectories, whose tokens after the prompt
         are text."""
-        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        self._params = replace(params, n=1, stop_token_ids=sorted(set(params.stop_token_ids) |
-                                                                  set(self.renderer.stop_ids())))
-        self._calls += 1                                   # trajectory and request ids unique across calls
-        self._base, self._first, self._prefix = base, first_index, f"{request_prefix}{self._calls}"
-        self._preemptions, self._resumed = 0, [0, 0]
-        images = self._images(prompts, multi_modal_inputs)
-        trajs = []
-        for i, prompt in enumerate(prompts):
-            kwargs = tools_kwargs[i] if tools_kwargs else None
-            user_kwargs = interaction_kwargs[i] if interaction_kwargs else None
-            conversation = messages[i] if messages else []
-            for j in range(params.n):
-                index = i * params.n + j
-                tid = f"{self._prefix}-{first_index + index}"
-                session = self.tools.open(tid, kwargs) if self.tools else None
-                user = self.interactions.open(tid, user_kwargs) if self.interactions else None
-                trajs.append(Trajectory(index, list(prompt), session, images[i], user,
-                                        [dict(m) for m in conversation]))
-        start = time.perf_counter()
+        call = self.open(prompts, params, first_index=first_index, tools_kwargs=tools_kwargs,
+                         interaction_kwargs=interaction_kwargs, messages=messages,
+                         multi_modal_inputs=multi_modal_inputs, request_prefix=request_prefix)
         scheduler = getattr(self.engine, "scheduler", None)
         interval = getattr(scheduler, "prefill_interval", None)
         if interval is not None:                # next turns arrive one by one: batch their prefills
@@ -169,13 +169,37 @@ class AgentLoop:
                                 thread_name_prefix="lathe-tool") as pool:
             self._pool = pool
             try:
-                self._run(trajs)
+                self._run(call.trajs)
             finally:
                 if interval is not None:
                     scheduler.prefill_interval = interval
-                for t in trajs:
+                for t in call.trajs:
                     self._close(t)
-        return self._output(trajs, time.perf_counter() - start)
+        return self.output(call)
+
+    def open(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int = 0,
+             tools_kwargs: list[dict | None] | None = None, interaction_kwargs: list[dict | None] | None = None,
+             messages: list[list[dict]] | None = None, multi_modal_inputs: list[dict | None] | None = None,
+             request_prefix: str = "agent") -> AgentCall:
+        """The trajectories of a `generate` call (arguments as there), their tool sessions open, no turn submitted."""
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        self._calls += 1                                   # trajectory and request ids unique across calls
+        call = AgentCall(replace(params, n=1, stop_token_ids=sorted(set(params.stop_token_ids) |
+                                                                    set(self.renderer.stop_ids()))),
+                         base, first_index, f"{request_prefix}{self._calls}")
+        images = self._images(prompts, multi_modal_inputs)
+        for i, prompt in enumerate(prompts):
+            kwargs = tools_kwargs[i] if tools_kwargs else None
+            user_kwargs = interaction_kwargs[i] if interaction_kwargs else None
+            conversation = messages[i] if messages else []
+            for j in range(params.n):
+                index = i * params.n + j
+                tid = f"{call.prefix}-{first_index + index}"
+                session = self.tools.open(tid, kwargs) if self.tools else None
+                user = self.interactions.open(tid, user_kwargs) if self.interactions else None
+                call.trajs.append(Trajectory(index, list(prompt), session, call, images[i], user,
+                                             [dict(m) for m in conversation]))
+        return call
 
     def _images(self, prompts: list[list[int]], multi_modal_inputs: list[dict | None] | None) -> list:
         """Each prompt's images prepared by the engine (None for a text prompt): every turn reuses them."""
@@ -200,12 +224,8 @@ class AgentLoop:
                 wait([f for t in waiting for f in t.pending], timeout=self.settings.tool_timeout_s + 5,
                      return_when=FIRST_COMPLETED)
             for key, out in self.engine.pop_finished():
-                self._preemptions += out.metrics.get("rollout/num_preemptions", 0)
                 t = live[key[1]]
-                if key[2] > 0:                     # a later turn: how much of the conversation the cache held
-                    self._resumed[0] += out.metrics.get("rollout/prefix_hit_tokens", 0)
-                    self._resumed[1] += len(t.prompt) + len(t.ids)
-                if not self._on_turn(t, out):
+                if not self._on_turn(t, out, turn=key[2]):
                     del live[t.index]
                 elif t.pending or t.parse_errors:
                     waiting.add(t)
@@ -218,16 +238,23 @@ class AgentLoop:
                                    "(an internal error: please report it)")
 
     def _submit(self, t: Trajectory) -> None:
-        turn = t.assistant_turns
-        seed = self._base if turn == 0 else sequence_seed(self._base, -turn)
-        params = replace(self._params, seed=seed, max_tokens=self.settings.response_length - len(t.ids))
+        turn, call = t.assistant_turns, t.call
+        seed = call.base if turn == 0 else sequence_seed(call.base, -turn)
+        params = replace(call.params, seed=seed, max_tokens=self.settings.response_length - len(t.ids))
         images = {} if t.images is None else {"multi_modal_inputs": [t.images]}
-        self.engine.add_request((self._prefix, t.index, turn), [t.prompt + t.ids], params,
-                                first_index=self._first + t.index, **images)
+        self.engine.add_request((call.prefix, t.index, turn), [t.prompt + t.ids], params,
+                                first_index=call.first + t.index, **images)
 
-    def _on_turn(self, t: Trajectory, out: RolloutOutput) -> bool:
-        """A model turn finished: append it; start its tool calls. False when the trajectory is done."""
-        ids, logprobs = out.token_ids[0], out.logprobs[0]
+    def _on_turn(self, t: Trajectory, out: RolloutOutput, turn: int) -> bool:
+        """A model turn finished: append it (its tokens, log-probs and weight versions); start its tool calls.
+        False when the trajectory is done."""
+        ids, logprobs, call = out.token_ids[0], out.logprobs[0], t.call
+        call.preemptions += out.metrics.get("rollout/num_preemptions", 0)
+        if turn > 0:                        # a later turn: how much of the conversation the cache held
+            call.resumed[0] += out.metrics.get("rollout/prefix_hit_tokens", 0)
+            call.resumed[1] += len(t.prompt) + len(t.ids)
+        t.versions += per_token_versions(out.versions[0] if out.versions else None, len(ids),
+                                     getattr(self.engine, "weight_version", 0))
         t.ids += ids
         t.logprobs += logprobs
         t.mask += [1] * len(ids)
@@ -290,6 +317,7 @@ class AgentLoop:
         t.ids += delta
         t.logprobs += [0.0] * len(delta)
         t.mask += [0] * len(delta)
+        t.versions += t.versions[-1:] * len(delta)        # (sampled by none: the last model token's version)
         t.user_turns += 1
         self._submit(t)
         return True
@@ -308,14 +336,34 @@ class AgentLoop:
             t.user.close()
             t.user = None
 
-    def _output(self, trajs: list[Trajectory], seconds: float) -> AgentOutput:
-        metrics = {"timing_s/agent_loop": seconds, "rollout/num_preemptions": self._preemptions}
-        if self._resumed[1]:     # share of later turns' prompts (the conversation so far) found in the prefix cache
-            metrics["agent/prefix_hit_rate"] = self._resumed[0] / self._resumed[1]
+    def output(self, call: AgentCall) -> AgentOutput:
+        """The call's trajectories as `generate` returns them (each one finished)."""
+        trajs = call.trajs
+        metrics = {"timing_s/agent_loop": time.perf_counter() - call.start, "rollout/num_preemptions": call.preemptions}
+        if call.resumed[1]:     # share of later turns' prompts (the conversation so far) found in the prefix cache
+            metrics["agent/prefix_hit_rate"] = call.resumed[0] / call.resumed[1]
+        version = getattr(self.engine, "weight_version", 0)
         return AgentOutput(
             token_ids=[t.ids for t in trajs], logprobs=[t.logprobs for t in trajs],
             finish_reasons=[t.finish_reason or "stop" for t in trajs], metrics=metrics,
+            versions=[version_spans(t.versions, version) for t in trajs],
             loss_masks=[t.mask for t in trajs], num_turns=[1 + t.assistant_turns + t.user_turns for t in trajs],
             tool_calls=[t.calls for t in trajs], tool_errors=[t.errors for t in trajs],
             tool_seconds=[t.tool_seconds for t in trajs], turn_scores=[t.turn_scores for t in trajs],
             tool_rewards=[t.rewards for t in trajs])
+
+
+def per_token_versions(spans: list[tuple[int, int]] | None, length: int, current: int) -> list[int]:
+    """Per token, the weight version that sampled it, from one sample's `RolloutOutput.versions` spans ((version,
+    first token index), ascending); None: `current` throughout."""
+    spans = spans or [(current, 0)]
+    out = []
+    for k, (version, start) in enumerate(spans):
+        end = spans[k + 1][1] if k + 1 < len(spans) else length
+        out += [version] * (min(end, length) - start)
+    return out
+
+
+def version_spans(versions: list[int], current: int) -> list[tuple[int, int]]:
+    """Per-token versions back to spans (an empty response: `current` from its start)."""
+    return [(v, i) for i, v in enumerate(versions) if i == 0 or versions[i - 1] != v] or [(current, 0)]

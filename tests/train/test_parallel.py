@@ -76,7 +76,7 @@ def ppo_batch(step: int):
 
 
 def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None = None, resume: Path | None = None,
-          overrides: tuple[str, ...] = (), tp: int = 1, engine: bool = False, model_fn=None):
+          overrides: tuple[str, ...] = (), tp: int = 1, engine: bool = False, model_fn=None, log_probs: bool = False):
     """The actor's updates over `steps` on this process's share (a rank of `world`, or one process; with tensor-
     parallel groups of `tp` ranks, its group's share): metrics, the full weights at the end (on rank 0), the mesh its
     weights are sharded on and, with `engine`, the weights a rollout engine would load; `model_fn`: the policy
@@ -101,10 +101,15 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
         metrics.append(actor.update(batch.select(shares[parallel.rank() // tp])))
         if save is not None and step + 1 == SAVED_AFTER:
             actor.save_checkpoint(save, NoTokenizer())
+    if log_probs:      # a forward-only pass over this rank's share, one sequence a micro-batch, after the updates
+        batch = ppo_batch(STEPS).select(update_shares(ppo_batch(STEPS), world // tp, mini_batch_size=8,
+                                                      balance=False)[parallel.rank() // tp])
+        metrics.append(actor.compute_log_prob(batch, micro_batch_size=1, temperature=1.0).tensors)
     weight = next(actor.model.parameters())
     placements = tuple("shard" if p.is_shard() else "replicate" for p in getattr(weight, "placements", ()))
     mesh = (tuple(weight.device_mesh.shape), placements) if parallel.in_group() else None
-    out = {"metrics": metrics, "weights": parallel.full_state(actor.model), "mesh": mesh}
+    out = {"metrics": metrics, "weights": parallel.full_state(actor.model), "mesh": mesh,
+           "kept_gathered": getattr(actor.model, "_lathe_keep_gathered", None)}
     experts = [p for n, p in actor.model.named_parameters() if ".experts." in n]
     if experts and parallel.in_group():            # a MoE policy: the mesh its experts are sharded on
         out["experts_mesh"] = (experts[0].device_mesh.mesh_dim_names, tuple(experts[0].device_mesh.shape))
@@ -147,15 +152,20 @@ def run_ranks(world: int, out: Path, *jobs: dict, fn=None) -> list[list[dict]]:
 
 LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
         "actor_rollout_ref.actor.optim.lr=1e-2")
+# 8 sequences a mini-batch, 2 a rank, 1 a micro-batch: 2 micro-batches per optimizer step
+KEPT = ("actor_rollout_ref.actor.fsdp_config.keep_gathered=true", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """HSDP 2 x 2 on 4 ranks (one group): 3 updates (saving after 2), then 2 updates of LoRA adapters."""
+    """HSDP 2 x 2 on 4 ranks (one group): 3 updates (saving after 2), 2 updates of LoRA adapters, then 2 updates and
+    a log-prob pass with the weights kept gathered across 2 micro-batches."""
     root = tmp_path_factory.mktemp("hsdp")
-    full, lora = run_ranks(4, root / "hsdp", dict(fsdp_size=2, save=root / "ckpt"),
-                           dict(fsdp_size=2, steps=range(2), overrides=LORA))
-    return root, full, lora
+    full, lora, kept = run_ranks(4, root / "hsdp", dict(fsdp_size=2, save=root / "ckpt"),
+                                 dict(fsdp_size=2, steps=range(2), overrides=LORA),
+                                 dict(fsdp_size=2, steps=range(2), overrides=KEPT, log_probs=True))
+    return root, full, lora, kept
 
 
 def assert_same_run(actual: dict, expected: dict, rel: float = 1e-5) -> None:
@@ -166,14 +176,14 @@ def assert_same_run(actual: dict, expected: dict, rel: float = 1e-5) -> None:
 
 
 def test_hsdp_2x2_updates_as_one_process(runs):
-    _, hsdp, _ = runs
+    _, hsdp, _, _ = runs
     assert hsdp[0]["mesh"] == ((2, 2), ("replicate", "shard"))       # 2 replicas of 2-way shards
     assert all(r["weights"] == {} for r in hsdp[1:])                 # the full state is rank 0's
     assert_same_run(hsdp[0], train(1, -1))
 
 
 def test_hsdp_checkpoint_resumes_exactly_in_one_process_and_on_two_ranks(runs):
-    root, hsdp, _ = runs
+    root, hsdp, _, _ = runs
     last = range(SAVED_AFTER, STEPS)
     one = train(1, -1)
     expected = {"metrics": one["metrics"][SAVED_AFTER:], "weights": one["weights"]}
@@ -186,9 +196,21 @@ def test_hsdp_checkpoint_resumes_exactly_in_one_process_and_on_two_ranks(runs):
 
 def test_hsdp_2x2_trains_lora_adapters_as_one_process(runs):
     """The frozen base and the adapters are sharded and replicated alike; only the adapters train."""
-    _, _, hsdp = runs
+    _, _, hsdp, _ = runs
     one = train(1, -1, steps=range(2), overrides=LORA)
     assert_same_run(hsdp[0], one)
     start = tiny_model().state_dict()
     assert any("lora" in k for k in one["weights"])
     assert all(torch.equal(v, start[k]) for k, v in one["weights"].items() if "lora" not in k)   # the base is frozen
+
+
+def test_weights_kept_gathered_across_micro_batches_update_as_one_process(runs):
+    """lathe.train.gathered: one all-gather and one reduce-scatter a mini-batch (gradients accumulated unsharded
+    over 2 micro-batches) and one gather for a forward-only pass: the same updates and log-probs as one process."""
+    _, _, _, kept = runs
+    assert [r["kept_gathered"] for r in kept] == [True] * 4
+    one = train(1, -1, steps=range(2), overrides=KEPT, log_probs=True)
+    got, want = kept[0]["metrics"], one["metrics"]
+    assert_same_run({**kept[0], "metrics": got[:2]}, {**one, "metrics": want[:2]})
+    whole = torch.cat([r["metrics"][2]["old_log_probs"].flatten() for r in kept])     # ranks' shares in order
+    assert_close_rel(whole, want[2]["old_log_probs"].flatten(), rel=1e-5, name="log-probs")

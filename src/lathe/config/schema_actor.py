@@ -44,6 +44,13 @@ class FSDPConfig:
     offload_policy: bool = spec(False, "FSDP2 CPU offload policy for param/grad/optimizer.")
     grad_offload: bool = spec(False, "Old verl key: gradient offload.")
     reshard_after_forward: bool = spec(True, "FSDP2: free gathered params after forward.")
+    keep_gathered: bool | None = spec(
+        None, "lathe: keep each layer's FSDP2-gathered weights across the micro-batches of a mini-batch (and of a "
+              "forward-only pass) and accumulate the gradients unsharded, so a mini-batch gathers the weights once "
+              "and reduce-scatters the gradients once instead of once per micro-batch (lathe.train.gathered); costs "
+              "the whole weights + gradients on each device during the update (6 bytes a parameter in bf16 mixed "
+              "precision). null: on with CUDA when that is at most 15% of the device's memory and the weights are "
+              "not offloaded; true/false: always/never. Acts only with several devices.")
     fsdp_size: int = spec(-1, "Devices per FSDP shard group. -1 (or the device count): every weight sharded over all "
                               "the trainer's devices; N dividing the devices: hybrid sharding (HSDP), shards over "
                               "groups of N devices, replicated across devices / N groups (N = 1: a whole copy on "

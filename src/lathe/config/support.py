@@ -147,6 +147,8 @@ def _rewards() -> list[Entry]:
            refuse(f"{RM}.ulysses_sequence_parallel_size", ULYSSES_RM, "set it to 1", at_most(1)),
            refuse(f"{RM}.model.fsdp_config.tensor_parallel_size", "tensor parallelism for the reward model (a whole "
                   "copy on each device)", "set it to 1", at_most(1)),
+           warn(f"{RM}.model.fsdp_config.keep_gathered", "the reward model is a whole copy on each device (no "
+                "FSDP2 gathers to keep)", lambda v, cfg: v is None),
            refuse(f"{RM}.model.fsdp_config.expert_parallel_size", "expert parallelism for the reward model (a whole "
                   "copy on each device)", "set it to 1", at_most(1)),
            replace(warn(f"{RM}.strategy", BACKEND), judge=backend_judge(f"{RM}.strategy")),

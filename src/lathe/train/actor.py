@@ -29,6 +29,7 @@ from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.models.moe import collect_router_stats, router_aux_loss_coef
 from lathe.train import parallel
+from lathe.train.gathered import accumulating
 from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
 from lathe.train.topk import student_topk_log_probs
@@ -113,8 +114,9 @@ class PPOActor:
         sums: dict[str, float | torch.Tensor] = defaultdict(float)
         extremes: dict[str, torch.Tensor] = {}
         diff = ProbsDiffSums() if "old_log_probs" not in mini and "rollout_log_probs" in mini else None
-        for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
-                                      key=self.max_token_key):
+        micros = [m for m, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
+                                              key=self.max_token_key)]
+        for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
             loss, parts = self._micro_batch_loss(micro, agg, diff)
             loss.backward()
             weight = len(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows

@@ -24,6 +24,7 @@ from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheValueModel
 from lathe.train import parallel
+from lathe.train.gathered import accumulating, kept_gathered
 from lathe.train.logprob import group_budget, response_hidden, scatter_response, sequence_parallel_response
 from lathe.train.micro import in_batch_order, micro_batches
 from lathe.train.ulysses import SequenceParallel
@@ -92,10 +93,11 @@ class PPOCritic:
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = [(response_values(self.model, mb, remove_padding=self.use_remove_padding, sp=self.sp), rows)
-                     for mb, rows in micro_batches(batch, size=self.forward_micro_batch_size,
-                                                   max_tokens=self.forward_max_token_len,
-                                                   key=self.forward_max_token_key)]
+            with kept_gathered(self.model):     # one FSDP2 gather for the pass where it fits
+                parts = [(response_values(self.model, mb, remove_padding=self.use_remove_padding, sp=self.sp), rows)
+                         for mb, rows in micro_batches(batch, size=self.forward_micro_batch_size,
+                                                       max_tokens=self.forward_max_token_len,
+                                                       key=self.forward_max_token_key)]
         finally:
             self.model.train(was_training)
             parallel.reshard(self.model)
@@ -123,8 +125,9 @@ class PPOCritic:
         total_tokens = max(1, agg["global_num_tokens"])
         # metrics stay on the device until the mini-batch ends (as the actor's): no host wait per micro-batch
         sums: dict[str, float | torch.Tensor] = defaultdict(float)
-        for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
-                                      key=self.max_token_key):
+        micros = [m for m, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
+                                              key=self.max_token_key)]
+        for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
             loss, parts = self._micro_batch_loss(micro, agg)
             loss.backward()
             share = micro["response_mask"].sum().double() / total_tokens   # token-weighted: exact mini-batch means

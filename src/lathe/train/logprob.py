@@ -36,6 +36,7 @@ from lathe.models.logprob import response_token_stats as padded_token_stats
 from lathe.models.packing import pack_padded
 from lathe.models.vl import LatheVLForConditionalGeneration, mrope_positions
 from lathe.train import parallel
+from lathe.train.gathered import kept_gathered
 from lathe.train.micro import HOST_MASK, in_batch_order, micro_batches
 from lathe.train.prefix_group import grouped_hidden
 from lathe.train.ulysses import SequenceParallel, UlyssesAttention, gather_tokens, local_slice, padded_length
@@ -346,11 +347,13 @@ def batched_token_stats(model, batch: Batch, *, micro_batch_size: int, temperatu
     model.eval()
     max_tokens, max_tokens_key = group_budget(max_tokens, max_tokens_key, sp)
     try:
-        parts = [(response_token_stats(model, mb, temperature=temperature, calculate_entropy=calculate_entropy,
-                                       calculate_sum_pi_squared=calculate_sum_pi_squared,
-                                       remove_padding=remove_padding, prefix_grouper=prefix_grouper, sp=sp), rows)
-                 for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens,
-                                               key=max_tokens_key)]
+        with kept_gathered(model):          # one FSDP2 gather for the pass where it fits (lathe.train.gathered)
+            parts = [(response_token_stats(model, mb, temperature=temperature, calculate_entropy=calculate_entropy,
+                                           calculate_sum_pi_squared=calculate_sum_pi_squared,
+                                           remove_padding=remove_padding, prefix_grouper=prefix_grouper, sp=sp),
+                      rows)
+                     for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens,
+                                                   key=max_tokens_key)]
     finally:
         model.train(was_training)
         parallel.reshard(model)

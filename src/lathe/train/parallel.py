@@ -165,12 +165,17 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
 
 
 def shard(model: nn.Module, fsdp_cfg, policy, device: torch.device, mesh=None) -> nn.Module:
-    """`shard_model` with verl's `fsdp_config` keys (`reshard_after_forward`, `param_offload`/`offload_policy`), a
+    """`shard_model` with verl's `fsdp_config` keys (`reshard_after_forward`, `param_offload`/`offload_policy`, lathe's
+    `keep_gathered`: `lathe.train.gathered`), a
     `lathe.train.precision` policy (bf16 compute on fp32 shards when mixed) and the model's planned `mesh` (its
     `fsdp_size`: `RunPlan.mesh(role)`)."""
-    return shard_model(model, mp_policy=policy.fsdp2_policy() if policy.mixed else None,
-                       reshard_after_forward=fsdp_cfg.reshard_after_forward,
-                       offload=bool(fsdp_cfg.param_offload or fsdp_cfg.offload_policy), device=device, mesh=mesh)
+    from lathe.train import gathered
+    offload = bool(fsdp_cfg.param_offload or fsdp_cfg.offload_policy)
+    shard_model(model, mp_policy=policy.fsdp2_policy() if policy.mixed else None, offload=offload, device=device,
+                reshard_after_forward=fsdp_cfg.reshard_after_forward, mesh=mesh)
+    gathered.mark(model, fsdp_cfg.keep_gathered, device, reshard_after_forward=fsdp_cfg.reshard_after_forward,
+                  offloaded=offload, tp=mesh.tp if mesh is not None else 1)
+    return model
 
 
 def device_mesh(device_type: str, plan=None):

@@ -16,6 +16,7 @@ from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora
 from lathe.train import lora, parallel
+from lathe.train.gathered import accumulating
 from lathe.train.actor import use_torch_compile
 from lathe.train.logprob import response_log_probs
 from lathe.train.micro import micro_batches
@@ -85,7 +86,7 @@ class SFTWorker:
         batch = batch.to(self.device)
         tokens, _ = parallel.global_counts(batch["response_mask"])
         total = 0.0
-        for micro, _ in self._micro(batch):
+        for micro in accumulating(self.model, [m for m, _ in self._micro(batch)]):   # lathe.train.gathered
             loss = self._nll(micro) / tokens
             loss.backward()
             total += float(loss.detach())

@@ -31,6 +31,7 @@ from lathe.models.moe import collect_router_stats, router_aux_loss_coef
 from lathe.train import parallel
 from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
+from lathe.train.routing import replay_or_nothing
 from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel
 from lathe.train.update import NonFiniteGuard, clipped_step, run_ppo_epochs
@@ -115,8 +116,9 @@ class PPOActor:
         diff = ProbsDiffSums() if "old_log_probs" not in mini and "rollout_log_probs" in mini else None
         for micro, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                       key=self.max_token_key):
-            loss, parts = self._micro_batch_loss(micro, agg, diff)
-            loss.backward()
+            with replay_or_nothing(self.model, micro, self.use_remove_padding):    # routing replay (R2/R3)
+                loss, parts = self._micro_batch_loss(micro, agg, diff)
+                loss.backward()
             weight = len(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
                 v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)

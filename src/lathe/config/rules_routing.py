@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .errors import ProblemList
 from .plan import is_async, sequence_parallel_size
+from .support_rollout import ROUTING
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
@@ -22,14 +23,10 @@ def check_routing_replay(cfg, problems: ProblemList) -> None:
     if enable and mode != "R3":
         problems.add(f"{ENABLE}=true records the rollout's routing for {MODE}=R3 only (verl: it conflicts with R2), "
                      f"but {MODE}={mode}. Fix: set {MODE}=R3, or {ENABLE}=false.")
-    for key in ("record_file", "replay_file"):
-        if getattr(arr.actor.router_replay, key):
-            problems.add(f"{A}.router_replay.{key}: routing replay through files (verl's Megatron) is not "
-                         f"implemented yet in lathe. Fix: remove it ({MODE} replays within each step).")
     if mode == "disabled":
         return
     unsupported = [
-        (is_async(cfg), f"{R}.n_gpus_per_node > 0 (fully-async training)", "train synchronously"),
+        (is_async(cfg), "rollout.n_gpus_per_node > 0 (fully-async training)", "train synchronously"),
         (sequence_parallel_size(cfg, "actor") > 1, f"{A}.ulysses_sequence_parallel_size > 1",
          "set it to 1"),
         (arr.actor.use_prefix_grouper, f"{A}.use_prefix_grouper=true", "set it to false"),
@@ -44,5 +41,5 @@ def check_routing_replay(cfg, problems: ProblemList) -> None:
          f"use {MODE}=R3, or bypass_mode=false")]
     for bad, what, fix in unsupported:
         if bad:
-            problems.add(f"{MODE}={mode} with {what}: routing replay is not implemented there yet in lathe. "
+            problems.add(f"{MODE}={mode} with {what}: {ROUTING} is not implemented yet in lathe beside it. "
                          f"Fix: {fix}, or {MODE}=disabled.")

@@ -1,5 +1,6 @@
 """Routing replay's engine side (`lathe.engine.routing`): the MoE choices the engine records for each token are the
-ones a teacher-forced forward of the same tokens makes (prefix sharing, copied blocks and chunked prefill included),
+ones a teacher-forced forward of the same tokens makes (prefix sharing, copied blocks, chunked prefill and
+preemption included),
 and replaying them makes a perturbed router route as the engine did."""
 
 import copy
@@ -18,9 +19,11 @@ PROMPTS = [[5, 9, 2, 33, 7, 1, 8], [4, 4, 61, 12], [5, 9, 2, 33, 7, 1, 8, 90, 3,
 
 
 def _rollout(model, **kw):
-    engine = LatheEngine(copy.deepcopy(model), eos_token_id=None, block_size=4, num_kv_blocks=64,
-                         record_routing=True, **kw)
-    return engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=3))
+    kw.setdefault("num_kv_blocks", 64)
+    engine = LatheEngine(copy.deepcopy(model), eos_token_id=None, block_size=4, record_routing=True, **kw)
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=3))
+    assert (engine.scheduler.num_preemptions > 0) == (kw["num_kv_blocks"] < 64)
+    return out
 
 
 @torch.no_grad()
@@ -48,7 +51,8 @@ def _same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_recorded_routing_equals_the_forward_of_the_same_tokens():
     model = lathe_from_transformers(hf_model(MOE)).eval()
-    for kw in ({}, {"enable_prefix_caching": False, "max_num_batched_tokens": 8}):    # shared prefixes; chunks
+    for kw in ({}, {"enable_prefix_caching": False, "max_num_batched_tokens": 8,     # shared prefixes; chunks,
+                    "num_kv_blocks": 8, "reserve_new_tokens": False}):               # preempted and recomputed
         out = _rollout(model, **kw)
         prompts = [p for p in PROMPTS for _ in range(2)]
         assert len(out.routed_experts) == len(prompts)

@@ -4,6 +4,7 @@ by count and by tokens); with R2 the update routes as the old-log-prob pass reco
 the router; without replay the routing would differ."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,13 +14,14 @@ from lathe.engine.llm_engine import LatheEngine
 from lathe.generation import SamplingParams
 from lathe.models import routing as model_routing
 from lathe.models.hf import lathe_from_transformers
-from lathe.rollout.base import ROUTED, to_batch
+from lathe.rollout.base import ROUTED, concat_rollouts, to_batch
 from lathe.train.logprob import batched_token_stats
 from lathe.train.routing import LogProbRouting, check_replay_model, replaying
 
 from models.lathe_tiny import MOE, hf_model
 
 PROMPTS = [[5, 9, 2, 33, 7, 1, 8], [4, 4, 61, 12], [5, 9, 2, 33, 7, 1, 8, 90, 3, 17]]
+PER_SAMPLE = ("token_ids", "logprobs", "finish_reasons", "routed_experts")
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,14 @@ def rollout():
     model = lathe_from_transformers(hf_model(MOE)).eval()
     engine = LatheEngine(copy.deepcopy(model), eos_token_id=[3, 7, 11, 19, 23, 40, 50, 60, 70], block_size=4, num_kv_blocks=64, record_routing=True)
     out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5))
-    return model, to_batch(PROMPTS, out, pad_id=0, n=2)
+    batch = to_batch(PROMPTS, out, pad_id=0, n=2)
+    # joined from two rollouts of other widths (a data-parallel rollout, dynamic sampling): the same layout
+    halves = [to_batch(PROMPTS[a:b], replace(out, **{k: getattr(out, k)[2 * a:2 * b] for k in PER_SAMPLE}), 0, 2)
+              for a, b in ((0, 2), (2, 3))]
+    joined = concat_rollouts(halves, pad_id=0)
+    assert halves[0][ROUTED].shape[1] < joined[ROUTED].shape[1]
+    assert all(torch.equal(joined[k], batch[k]) for k in (ROUTED, "input_ids", "attention_mask"))
+    return model, batch
 
 
 def _perturbed(model):

@@ -52,9 +52,11 @@ class RoutingRecorder:
         view[:, dst] = view[:, src]
 
     def take(self, seq) -> torch.Tensor:
-        """(len(seq), layers, k) int16 on the device: the choices at each of `seq`'s positions, the last one -1."""
+        """(len(seq), layers, k) int16 on the device: the choices at each of `seq`'s positions, the last one -1 (and
+        every position whose blocks it no longer holds)."""
         n, bs = len(seq.token_ids), self.block_size
-        pos = np.arange(max(0, n - 1), dtype=np.int64)
+        # (a sequence preempted while its last token was on the device ends holding no blocks: nothing to take)
+        pos = np.arange(min(max(0, n - 1), len(seq.block_table) * bs), dtype=np.int64)
         slots = np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
         out = self.buffer.index_select(1, to_device(torch.from_numpy(slots), self.buffer.device))
         out = torch.cat([out, out.new_full((out.shape[0], n - len(pos), out.shape[2]), -1)], dim=1)

@@ -28,7 +28,8 @@ PER_SAMPLE = ("token_ids", "logprobs", "finish_reasons", "routed_experts")
 def rollout():
     """(policy, batch): a rollout of the tiny MoE policy with its routing recorded, laid out by `to_batch`."""
     model = lathe_from_transformers(hf_model(MOE)).eval()
-    engine = LatheEngine(copy.deepcopy(model), eos_token_id=[3, 7, 11, 19, 23, 40, 50, 60, 70], block_size=4, num_kv_blocks=64, record_routing=True)
+    engine = LatheEngine(copy.deepcopy(model), eos_token_id=[3, 7, 11, 19, 23, 40, 50, 60, 70], block_size=4,
+                         num_kv_blocks=64, record_routing=True)
     out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5))
     batch = to_batch(PROMPTS, out, pad_id=0, n=2)
     # joined from two rollouts of other widths (a data-parallel rollout, dynamic sampling): the same layout

@@ -37,11 +37,11 @@ class RoutingRecorder:
         self.buffer = torch.full((len(self.blocks), slots, top_k), -1, dtype=DTYPE, device=kv_cache.device)
         self.attn = None
         for i, block in enumerate(self.blocks):
-            block.routing = _SlotWriter(self, i)
+            block.set_routing(_SlotWriter(self, i))
 
     def detach(self) -> None:
         for block in self.blocks:
-            block.routing = None
+            block.set_routing(None)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst (the KV cache's copy-on-write)."""

@@ -74,8 +74,11 @@ class SparseMoeBlock(nn.Module):
     # compiled layer), recording or not, so that a layer recomputed in backward (gradient checkpointing) runs the
     # very graphs its forward ran and saves the same tensors
     records_routing: bool = False
-    # routing replay's hook (module doc): (probs (T, E), top_k, norm_topk_prob) -> (weights, experts), or None
+    # routing replay's hook (module doc): (probs (T, E), top_k, norm_topk_prob) -> (weights, experts), or None; set
+    # with `set_routing`, which also sets the flag a compiled layer checks (a bool: the hook object itself, which
+    # changes per batch, is read only behind the graph break, so it costs no recompilation)
     routing = None
+    hooks_routing: bool = False
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
@@ -96,9 +99,13 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, probs: torch.Tensor, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`route` over this block's top-k, or its `routing` hook's choice (routing replay, module doc)."""
-        if self.routing is None:
+        if not self.hooks_routing:
             return route(probs, self.moe.num_experts_per_tok, norm_topk_prob)
         return self._hooked(probs, norm_topk_prob)
+
+    def set_routing(self, hook) -> None:
+        """Install routing replay's hook (None: route by the block's own top-k again)."""
+        self.routing, self.hooks_routing = hook, hook is not None
 
     @torch.compiler.disable
     def _hooked(self, probs: torch.Tensor, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

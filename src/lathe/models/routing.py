@@ -44,12 +44,12 @@ def replay_routing(model: nn.Module, given: torch.Tensor) -> Iterator[None]:
     if given.shape[1] != len(blocks):
         raise ValueError(f"routing replay: routing of {given.shape[1]} MoE layers for a model with {len(blocks)}")
     for i, block in enumerate(blocks):
-        block.routing = _Replay(given[:, i])
+        block.set_routing(_Replay(given[:, i]))
     try:
         yield
     finally:
         for block in blocks:
-            block.routing = None
+            block.set_routing(None)
 
 
 @contextmanager
@@ -59,9 +59,9 @@ def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
     blocks = sparse_blocks(model)
     hooks = [_Record() for _ in blocks]
     for block, hook in zip(blocks, hooks):
-        block.routing = hook
+        block.set_routing(hook)
     try:
         yield [h.chosen for h in hooks]
     finally:
         for block in blocks:
-            block.routing = None
+            block.set_routing(None)

@@ -1,6 +1,7 @@
 """Routing replay end to end: a tiny Qwen3-MoE trains two GRPO steps with `actor.router_replay.mode` R3 (the engine
 records, the old-log-prob and update forwards replay) and R2 (the old-log-prob forward records, the update replays),
-every trainer forward replaying a full batch of routing; `training/rollout_probs_diff_*` is reported either way."""
+every trainer forward replaying a full batch of routing; `training/rollout_probs_diff_*` is reported either way, and
+`actor/routing_replay_changed` says how much routing replay overrode."""
 
 import pytest
 import torch
@@ -30,9 +31,9 @@ def test_two_steps_replay_the_routing(tmp_path, monkeypatch, mode):
     replayed = []
     real = routing.replay_routing
 
-    def spy(model, given):
+    def spy(model, given, *args):
         replayed.append(given)
-        return real(model, given)
+        return real(model, given, *args)
     monkeypatch.setattr(routing, "replay_routing", spy)
     replay = [f"actor_rollout_ref.actor.router_replay.mode={mode}"]
     if mode == "R3":
@@ -44,6 +45,7 @@ def test_two_steps_replay_the_routing(tmp_path, monkeypatch, mode):
     metrics = read_metrics(tmp_path / "run")
     assert trainer.global_step == 2 and torch.isfinite(torch.tensor(metrics[2]["actor/pg_loss"]))
     assert "training/rollout_probs_diff_mean" in metrics[2]
+    assert 0 <= metrics[2]["actor/routing_replay_changed"] < 0.5
     assert replayed and all(g.dim() == 3 and g.shape[1:] == (1, 2) for g in replayed)
     # the packed forwards replay a choice for every real token but each response's last (R3: never fed)
     assert all((g >= 0).float().mean() > 0.8 for g in replayed)

@@ -14,6 +14,7 @@ from lathe.engine.llm_engine import LatheEngine
 from lathe.generation import SamplingParams
 from lathe.models import routing as model_routing
 from lathe.models.hf import lathe_from_transformers
+from lathe.models.routing import ReplayStats
 from lathe.rollout.base import ROUTED, concat_rollouts, to_batch
 from lathe.train.logprob import batched_token_stats
 from lathe.train.routing import LogProbRouting, check_replay_model, replaying
@@ -120,13 +121,16 @@ def test_r2_update_routes_as_the_old_log_prob_pass_recorded(rollout, monkeypatch
     moved.gradient_checkpointing_enable()                  # recomputed layers replay too
     seen = _spy(monkeypatch)
     update = Batch({**batch.tensors, ROUTED: recorded}).select([4, 1, 0])
-    with replaying(moved, update, remove_padding):
+    stats = ReplayStats()
+    with replaying(moved, update, remove_padding, stats):
         from lathe.train.logprob import response_log_probs
         logp, _ = response_log_probs(moved, update, remove_padding=remove_padding)
         logp.sum().backward()
     assert len(seen) == 2                                  # forward and its recomputation in backward
     _assert_replayed(seen[:1], update[ROUTED])
     assert torch.equal(seen[0][1], seen[1][1])
+    given = int(_given(update[ROUTED]).sum())
+    assert int(stats.given) == 2 * given and 0 < int(stats.changed) < int(stats.given)   # what the replay changed
 
 
 def test_dense_and_transformers_policies_are_refused():

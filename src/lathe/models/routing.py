@@ -15,15 +15,33 @@ from torch import nn
 from lathe.models.moe import replay_route, route, sparse_blocks
 
 
+class ReplayStats:
+    """How often replay overrode the router: (token, layer) pairs given a choice, and those among them whose given
+    experts are not the router's own top-k, summed over the forwards (device tensors: no host sync)."""
+
+    def __init__(self):
+        self.changed = self.given = 0
+
+    @torch.no_grad()
+    def add(self, probs: torch.Tensor, chosen: torch.Tensor, given: torch.Tensor) -> None:
+        valid = (given >= 0).all(-1).to(probs.device)
+        own = torch.topk(probs, chosen.shape[-1], dim=-1).indices.sort(-1).values
+        changed = (own != chosen.sort(-1).values).any(-1) & valid
+        self.changed, self.given = self.changed + changed.sum(), self.given + valid.sum()
+
+
 class _Replay:
-    def __init__(self, given: torch.Tensor):
-        self.given = given
+    def __init__(self, given: torch.Tensor, stats: ReplayStats | None):
+        self.given, self.stats = given, stats
 
     def __call__(self, probs, top_k, norm_topk_prob):
         if self.given.shape != (probs.shape[0], top_k):
             raise ValueError(f"routing replay: {tuple(self.given.shape)} given experts for {probs.shape[0]} tokens "
                              f"of top-{top_k}; the replayed routing must line up with the forward's tokens")
-        return replay_route(probs, top_k, norm_topk_prob, self.given)
+        weights, chosen = replay_route(probs, top_k, norm_topk_prob, self.given)
+        if self.stats is not None:
+            self.stats.add(probs, chosen, self.given)
+        return weights, chosen
 
 
 class _Record:
@@ -37,14 +55,15 @@ class _Record:
 
 
 @contextmanager
-def replay_routing(model: nn.Module, given: torch.Tensor) -> Iterator[None]:
+def replay_routing(model: nn.Module, given: torch.Tensor, stats: ReplayStats | None = None) -> Iterator[None]:
     """The forwards (and backward recomputations) inside the block route token t of MoE layer l to experts
-    `given[t, l]` ((T, layers, k), in the forward's token order; -1 rows route by their own top-k)."""
+    `given[t, l]` ((T, layers, k), in the forward's token order; -1 rows route by their own top-k); `stats`
+    counts what replay changed."""
     blocks = sparse_blocks(model)
     if given.shape[1] != len(blocks):
         raise ValueError(f"routing replay: routing of {given.shape[1]} MoE layers for a model with {len(blocks)}")
     for i, block in enumerate(blocks):
-        block.set_routing(_Replay(given[:, i]))
+        block.set_routing(_Replay(given[:, i], stats))
     try:
         yield
     finally:

@@ -1,6 +1,8 @@
 """Routing replay in the actor's forwards (verl's `actor.router_replay.mode`): the batch's `routed_experts`
 (B, L, MoE layers, top-k) int16, aligned with `input_ids` (-1: no choice given, the token routes by its own top-k),
-replayed in a forward over the batch; or the forward's own choices recorded into that layout.
+replayed in a forward over the batch; or the forward's own choices recorded into that layout. The update reports
+`actor/routing_replay_changed`: the share of replayed (token, MoE layer) choices that differ from its router's own
+top-k (what replay changed; `training/rollout_probs_diff_*` shows the log-probs' side).
 
 - R3: the rollout engine recorded each token's choices (`lathe.engine.routing`, `rollout.base.to_batch` lays them
   out); the old-log-prob and update forwards replay them, so every token routes as it was sampled.
@@ -23,7 +25,7 @@ import torch
 from lathe.batch import Batch
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.moe import sparse_blocks
-from lathe.models.routing import record_routing, replay_routing
+from lathe.models.routing import ReplayStats, record_routing, replay_routing
 from lathe.rollout.base import ROUTED
 from lathe.train.logprob import host_layout
 from lathe.train.micro import in_batch_order
@@ -41,8 +43,9 @@ def forward_order(batch: Batch, remove_padding: bool) -> torch.Tensor | None:
 
 
 @contextmanager
-def replaying(model, batch: Batch, remove_padding: bool) -> Iterator[None]:
-    """Forwards (and backwards) over `batch` inside the block replay its `routed_experts`; without them, as usual."""
+def replaying(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None) -> Iterator[None]:
+    """Forwards (and backwards) over `batch` inside the block replay its `routed_experts` (`stats` counts what
+    replay changed); without them, as usual."""
     routed = batch.tensors.get(ROUTED)
     if routed is None:
         yield
@@ -51,7 +54,7 @@ def replaying(model, batch: Batch, remove_padding: bool) -> Iterator[None]:
     order = forward_order(batch, remove_padding)
     if order is not None:
         given = given.index_select(0, order.to(given.device))
-    with replay_routing(model, given):
+    with replay_routing(model, given, stats):
         yield
 
 
@@ -103,9 +106,9 @@ class LogProbRouting:
         return in_batch_order(self.parts) if self.parts else None
 
 
-def replay_or_nothing(model, batch: Batch, remove_padding: bool):
+def replay_or_nothing(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None):
     """`replaying` when the batch carries routing, else a null context."""
-    return replaying(model, batch, remove_padding) if ROUTED in batch else nullcontext()
+    return replaying(model, batch, remove_padding, stats) if ROUTED in batch else nullcontext()
 
 
 def check_replay_model(model, mode: str) -> None:

@@ -29,9 +29,9 @@ from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache
 from lathe.engine.linear_state import LinearStateCache, StateBlockManager, hybrid_settings, kv_layers, state_slots
 from lathe.engine.model_runner import ModelRunner
-from lathe.engine.routing import RoutingRecorder
 from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensure_embeddings, prepare_prompt,
                                      text_config)
+from lathe.engine.routing import RoutingRecorder
 from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
@@ -301,8 +301,9 @@ class LatheEngine(StreamingMixin):
         if self.routing is None:
             return None
         per = [getattr(s, "routed_experts", None) for s in seqs]
-        per = [self.routing.buffer.new_full((len(s.token_ids), *self.routing.buffer.shape[::2]), -1)
-               if p is None else p for s, p in zip(seqs, per)]
+        layers, _, top_k = self.routing.buffer.shape
+        per = [self.routing.buffer.new_full((len(s.token_ids), layers, top_k), -1) if p is None else p
+               for s, p in zip(seqs, per)]
         for s in seqs:
             s.routed_experts = None
         return list(torch.cat(per).cpu().split([len(p) for p in per]))

@@ -39,10 +39,6 @@ class RoutingRecorder:
         for i, block in enumerate(self.blocks):
             block.set_routing(_SlotWriter(self, i))
 
-    def detach(self) -> None:
-        for block in self.blocks:
-            block.set_routing(None)
-
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst (the KV cache's copy-on-write)."""
         if not pairs:

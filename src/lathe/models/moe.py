@@ -18,10 +18,9 @@ tokens are one contiguous run of rows; the experts then run as
 
 Routing replay (verl's `router_replay`, R2/R3): a block's `routing` hook, when set, takes `route`'s place. The engine
 records each token's choices through one (`lathe.engine.routing`); the trainer replays given choices or records its
-own (`lathe.models.routing`). A replayed token's weights are the router's softmax
-probabilities of the given experts, renormalised as the family does (verl's Megatron patch and slime gather the
-scores at the replayed indices the same way); a token without given choices (-1: padding, or one the engine never
-fed) routes by its own top-k.
+own (`lathe.models.routing`). A replayed token's weights are the router's softmax probabilities of the given
+experts, renormalised as the family does (verl's Megatron patch and slime gather the scores at the replayed
+indices the same way); a token without given choices (-1: padding, or one the engine never fed) routes by its own top-k.
 
 The load-balancing loss (Switch Transformer, Fedus et al. 2021, eqs. 4-6, as transformers' `load_balancing_loss_func`
 computes it over all sparse layers together) is collected on request: `with collect_router_stats(model) as stats:`

@@ -28,11 +28,11 @@ from lathe.algo.rollout_correction import ProbsDiffSums
 from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.models.moe import collect_router_stats, router_aux_loss_coef
+from lathe.models.routing import ReplayStats
+from lathe.rollout.base import ROUTED
 from lathe.train import parallel
 from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
-from lathe.models.routing import ReplayStats
-from lathe.rollout.base import ROUTED
 from lathe.train.routing import replay_or_nothing
 from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel

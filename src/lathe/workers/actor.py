@@ -24,6 +24,7 @@ from lathe.models.decoder import LatheCausalLM
 from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora, load_adapter, read_adapter
+from lathe.rollout.base import ROUTED
 from lathe.rollout.build import architecture, runs_lathe
 from lathe.train import lora, parallel, tensor_parallel, ulysses
 from lathe.train.actor import PPOActor
@@ -32,7 +33,6 @@ from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
 from lathe.train.routing import LogProbRouting, check_replay_model
-from lathe.rollout.base import ROUTED
 from lathe.train.update import NonFiniteGuard, load_policy_checkpoint, save_policy_checkpoint
 from lathe.train.vl import check_vl, freeze_vision_tower
 

@@ -16,6 +16,7 @@ from .errors import ProblemList
 from .judge import check_judge
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size,
                    trainer_devices)
+from .rules_routing import check_routing_replay
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_rollout_tp, check_sequence_parallel,
                              check_tensor_parallel, data_parallel)
 from .schema import LatheConfig
@@ -92,6 +93,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     _check_algorithm_keys(cfg, problems)
     _check_reward_model(cfg, problems)
     check_distillation(cfg, problems)
+    check_routing_replay(cfg, problems)
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         warnings.warn("actor_rollout_ref.actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: the KL to "
                       "the reference policy is applied twice (as a loss term and as a reward penalty). verl "

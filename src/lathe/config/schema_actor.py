@@ -132,6 +132,18 @@ class PolicyLossConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """MoE routing replay (verl ``actor.router_replay``; lathe.train.routing)."""
+
+    mode: Literal["disabled", "R2", "R3"] = spec(
+        "disabled", "R3: the old-log-prob and update forwards route each token to the experts the rollout engine "
+                    "chose for it (needs rollout.enable_rollout_routing_replay=true); R2: the old-log-prob forward "
+                    "records its routing and the update forwards replay it; disabled: every forward routes itself.")
+    record_file: str | None = spec(None, "verl (Megatron): a file to save the recorded routing to.")
+    replay_file: str | None = spec(None, "verl (Megatron): a file to replay routing from.")
+
+
+@dataclass
 class WarmStartConfig:
     """lathe: supervised warm start on ``extra_info.answer`` before RL (the built-in demos use it): the reply text,
     or the turns that follow the prompt (a list of messages: tool calls, tool answers, the reply), trained as a
@@ -218,6 +230,7 @@ class ActorConfig:
     calculate_sum_pi_squared: bool = spec(False, "The old-log-prob pass also computes each token's sum over the "
                                                  "vocabulary of pi^2 (`sum_pi_squared`), which "
                                                  "adv_estimator=optimal_token_baseline needs.")
+    router_replay: RouterReplayConfig = spec(factory=RouterReplayConfig, help="MoE routing replay (R2/R3).")
     use_kl_loss: bool = spec(False, "Add a KL(actor || ref) term to the loss (GRPO style).")
     kl_loss_coef: float = spec(0.001, "Coefficient of the KL loss.")
     kl_loss_type: KLEstimator = spec("low_var_kl", "KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "

@@ -108,8 +108,10 @@ def _lacking() -> list[Entry]:
             warn(f"{R}.quantization_config_file", f"it is read only with {R}.quantization ({QUANTIZED})"),
             refuse(f"{R}.qat", f"quantization-aware training's {QUANTIZED}",    # verl copies the actor's qat here
                    ok=lambda v, cfg: not v or not v.get("enable")),
-            refuse(f"{R}.enable_rollout_routing_replay", ROUTING),
-            warn(f"{R}.moe_load_balance_metrics_interval", f"it reports routing-replay data ({ROUTING})"),
+            *[refuse(f"actor_rollout_ref.actor.router_replay.{k}", "routing replay through files (verl's Megatron)",
+                     "remove it; router_replay.mode replays within each step") for k in ("record_file", "replay_file")],
+            warn(f"{R}.moe_load_balance_metrics_interval", f"lathe does not report the rollout's MoE load-balance "
+                 f"metrics yet ({ROUTING})"),
             refuse(f"{R}.mtp", SPECULATIVE, "remove mtp.enable_rollout (lathe decodes without draft heads)",
                    lambda v, cfg: not v or not v.get("enable_rollout")),
             refuse(f"{R}.disaggregation.enabled", "prefill-decode disaggregation (prefill and decode on separate "

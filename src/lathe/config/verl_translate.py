@@ -20,6 +20,7 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   ``torchtitan.tensor_parallel_size`` -> ``fsdp_config.tensor_parallel_size`` (lathe's tensor parallelism);
 * ``megatron.expert_model_parallel_size``, ``torchtitan.expert_parallel_size``, ``veomni.expert_parallel_size`` ->
   ``fsdp_config.expert_parallel_size`` (lathe's expert parallelism);
+* the actor's ``{megatron,veomni}.router_replay.mode`` -> ``actor.router_replay.mode`` (routing replay, R2/R3);
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
 
 A value equal to verl's default translates to nothing: a full verl config file lists every backend key at its
@@ -85,6 +86,8 @@ RULES: tuple[tuple[str, str, Map, str], ...] = (
     ("*.dtype", "fsdp.mixed_precision.param_dtype", DTYPES.get, "fsdp_config.mixed_precision.param_dtype"),
     ("veomni.mixed_precision", "fsdp.mixed_precision.param_dtype", lambda v: None if v else "fp32",
      "false: fsdp_config.mixed_precision.param_dtype=fp32"),
+    ("megatron.router_replay.mode", "actor.router_replay.mode", _same, "router_replay.mode (the actor's)"),
+    ("veomni.router_replay.mode", "actor.router_replay.mode", _same, "router_replay.mode (the actor's)"),
     ("optim.lr_decay_style", "optim.lr_scheduler_type", lambda v: v if v in ("constant", "cosine") else None,
      "constant/cosine: optim.lr_scheduler_type"),
 )
@@ -111,7 +114,8 @@ def rule_for(key: str) -> tuple[str, str] | None:
     if found is None:
         return None
     role, rest = found
-    groups = {**dict(zip(("fsdp", "model", "optim"), ROLE[role])), "role": role}
+    groups = {**dict(zip(("fsdp", "model", "optim"), ROLE[role])), "role": role,
+              "actor": role if role == "actor_rollout_ref.actor" else None}
     if not rest.startswith(BACKEND_PREFIXES):
         return None
     for pattern, target, _, doc in RULES:

@@ -32,6 +32,7 @@ from lathe.engine.mla import is_mla, mla_settings
 from lathe.engine.model_runner import ModelRunner
 from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensure_embeddings, prepare_prompt,
                                      text_config)
+from lathe.engine.routing import RoutingRecorder
 from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
@@ -142,7 +143,7 @@ class LatheEngine(StreamingMixin):
                  cudagraph_capture_sizes: list[int] | None = None,
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, record_routing: bool = False):
         hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
         if hybrid:
             enable_prefix_caching, enforce_eager, fuse_projections = hybrid_settings(
@@ -190,6 +191,10 @@ class LatheEngine(StreamingMixin):
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
                                   max_graph_batch=min(max_num_seqs, 512), graph_sizes=cudagraph_capture_sizes,
                                   states=self.states)
+        self.routing = None         # routing replay: each token's MoE choices, per KV slot (`routing.py`)
+        if record_routing:
+            self.routing = model.routing_recorder = RoutingRecorder(model, self.kv_cache)
+            self.scheduler.on_release = self._take_routing
         self._init_streaming()
 
     def _quantize(self, scheme: str | None) -> str | None:
@@ -282,6 +287,7 @@ class LatheEngine(StreamingMixin):
         if self.tp.size > 1:
             self._check_replica_agrees(seqs)
         return RolloutOutput(token_ids=[s.output_token_ids for s in seqs], logprobs=[list(s.logprobs) for s in seqs],
+                             routed_experts=self._routed(seqs),
                              finish_reasons=[s.finish_reason for s in seqs],
                              metrics={"rollout/num_preemptions": self.scheduler.num_preemptions - preempted,
                                       "rollout/kv_cache_blocks": self.kv_cache.num_blocks,
@@ -289,6 +295,21 @@ class LatheEngine(StreamingMixin):
                                       "rollout/graph_captures": (graphs.captures if graphs else 0) - captured[0],
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
                                       - captured[1]})
+
+    def _take_routing(self, seq: Sequence) -> None:
+        seq.routed_experts = self.routing.take(seq)
+
+    def _routed(self, seqs: list[Sequence]) -> list[torch.Tensor] | None:
+        """Each sequence's recorded routing (`routing.py`), in host memory (one copy), or None when not recorded."""
+        if self.routing is None:
+            return None
+        per = [getattr(s, "routed_experts", None) for s in seqs]
+        layers, _, top_k = self.routing.buffer.shape
+        per = [self.routing.buffer.new_full((len(s.token_ids), layers, top_k), -1) if p is None else p
+               for s, p in zip(seqs, per)]
+        for s in seqs:
+            s.routed_experts = None
+        return list(torch.cat(per).cpu().split([len(p) for p in per]))
 
     def _check_replica_agrees(self, seqs: list[Sequence]) -> None:
         """The ranks of a tensor-parallel replica sampled the same tokens (they see the same logits and seeds; a rank
@@ -379,6 +400,8 @@ class LatheEngine(StreamingMixin):
             raise RuntimeError("LatheEngine.step: the engine is asleep (KV cache freed); call wake_up() first")
         seqs, is_prefill, copies = self.scheduler.schedule()
         self.kv_cache.copy_blocks(copies)
+        if self.routing is not None:
+            self.routing.copy_blocks(copies)
         last = self._inflight
         if is_prefill:
             if self.vl:                         # images whose embeddings a weight load dropped: the new tower's

@@ -189,6 +189,9 @@ def hidden_states(model, ids: torch.Tensor, positions: torch.Tensor, attn, visua
     """Final hidden states of `ids` (T,) through the decoder: a text model at `positions` (T,); a VL model at 3D
     `positions` (3, T) (or (T,), the same on every axis), with `visual` = (mask (T,), embeddings, deepstack) spliced
     at the image placeholders."""
+    recorder = getattr(model, "routing_recorder", None)     # routing replay: the step's KV slots (`routing.py`)
+    if recorder is not None:
+        recorder.attn = attn
     if not is_vl(model):
         return text_hidden(model.model, ids, positions, attn)
     from lathe.models.vl.vision import merge_image_embeddings

@@ -66,6 +66,7 @@ class Scheduler:
         self.boost = 0.0                            # raised by preemptions; both reset by `new_call`
         self.plan_pending = False                   # `new_call` asks the first admission to size the whole load
         self.on_finish: Callable[[Sequence], None] | None = None     # told of each sequence `finish` ends
+        self.on_release: Callable[[Sequence], None] | None = None    # ... before its blocks are freed
         self.prefill_interval = 1                   # decode steps between admissions while sequences run
         self.decodes_since_prefill = 0
         self.num_steps = {"prefill": 0, "decode": 0}     # steps scheduled, for benchmarks
@@ -238,6 +239,8 @@ class Scheduler:
         seq.finish_reason = reason
         fraction = min(1.0, seq.num_output_tokens / max(1, seq.params.max_tokens))
         self.length_fraction += LENGTH_EMA * (fraction - self.length_fraction)
+        if self.on_release is not None:
+            self.on_release(seq)
         self.block_manager.deallocate(seq)
         if self.on_finish is not None:
             self.on_finish(seq)

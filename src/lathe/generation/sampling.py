@@ -56,3 +56,6 @@ class RolloutOutput:
     # sampled with it), ascending; a partial rollout continued after a weight sync has several. None: not tracked
     # (one version throughout, as `generate`)
     versions: list[list[tuple[int, int]]] | None = None
+    # per sample, routing replay's record (`lathe.engine.routing`): (prompt + response length, MoE layers, top-k)
+    # int16 experts of each token, -1 where none was computed (the last token); None: not recorded
+    routed_experts: list | None = None

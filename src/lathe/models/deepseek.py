@@ -36,7 +36,7 @@ from torch import nn
 
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import MLP, RMSNorm, attend
-from lathe.models.moe import Experts, SparseMoeBlock, TopKRouter, experts_forward
+from lathe.models.moe import Experts, SparseMoeBlock, TopKRouter, sorted_forward
 from lathe.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -157,8 +157,7 @@ class DeepseekMoeBlock(SparseMoeBlock):
         weights, chosen = group_limited_route(scores, self.gate.e_score_correction_bias, self.moe.num_experts_per_tok,
                                               m.n_group, m.topk_group, self.moe.norm_topk_prob,
                                               m.routed_scaling_factor)
-        out = experts_forward(flat, weights.to(x.dtype), chosen, self.experts.gate_up_proj, self.experts.down_proj)
-        out = out.view(*lead, h)
+        out = sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)   # EP wraps experts
         return out + self.shared_experts(x) if m.n_shared_experts else out
 
 

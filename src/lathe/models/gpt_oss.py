@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lathe.models.config import LatheConfig
-from lathe.models.moe import SparseMoeBlock, route, run_experts, sorted_forward
+from lathe.models.moe import SparseMoeBlock, run_experts, sorted_forward
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -77,7 +77,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         lead, h = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, h)
         probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)
-        weights, chosen = route(probs, self.moe.num_experts_per_tok, True)
+        weights, chosen = self.route(probs, True)
         if self.records_routing:
             self._record(probs, chosen)
         return sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)

@@ -16,6 +16,12 @@ tokens are one contiguous run of rows; the experts then run as
 - else a loop over the experts that received tokens (the CPU path and the reference), which reads the per-expert
   counts on the host.
 
+Routing replay (verl's `router_replay`, R2/R3): a block's `routing` hook, when set, takes `route`'s place. The engine
+records each token's choices through one (`lathe.engine.routing`); the trainer replays given choices or records its
+own (`lathe.models.routing`). A replayed token's weights are the router's softmax probabilities of the given
+experts, renormalised as the family does (verl's Megatron patch and slime gather the scores at the replayed
+indices the same way); a token without given choices (-1: padding, or one the engine never fed) routes by its own top-k.
+
 The load-balancing loss (Switch Transformer, Fedus et al. 2021, eqs. 4-6, as transformers' `load_balancing_loss_func`
 computes it over all sparse layers together) is collected on request: `with collect_router_stats(model) as stats:`
 around a forward, then `stats.aux_loss()`.
@@ -72,6 +78,11 @@ class SparseMoeBlock(nn.Module):
     # compiled layer), recording or not, so that a layer recomputed in backward (gradient checkpointing) runs the
     # very graphs its forward ran and saves the same tensors
     records_routing: bool = False
+    # routing replay's hook (module doc): (probs (T, E), top_k, norm_topk_prob) -> (weights, experts), or None; set
+    # with `set_routing`, which also sets the flag a compiled layer checks (a bool: the hook object itself, which
+    # changes per batch, is read only behind the graph break, so it costs no recompilation)
+    routing = None
+    hooks_routing: bool = False
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
@@ -84,10 +95,24 @@ class SparseMoeBlock(nn.Module):
         flat = x.reshape(-1, h)
         logits = self.gate(flat)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = route(probs, self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
+        weights, chosen = self.route(probs, self.moe.norm_topk_prob)
         if self.records_routing:
             self._record(probs, chosen)
         return sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)
+
+    def route(self, probs: torch.Tensor, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` over this block's top-k, or its `routing` hook's choice (routing replay, module doc)."""
+        if not self.hooks_routing:
+            return route(probs, self.moe.num_experts_per_tok, norm_topk_prob)
+        return self._hooked(probs, norm_topk_prob)
+
+    def set_routing(self, hook) -> None:
+        """Install routing replay's hook (None: route by the block's own top-k again)."""
+        self.routing, self.hooks_routing = hook, hook is not None
+
+    @torch.compiler.disable
+    def _hooked(self, probs: torch.Tensor, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.routing(probs, self.moe.num_experts_per_tok, norm_topk_prob)
 
     @torch.compiler.disable
     def _record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
@@ -101,6 +126,24 @@ def route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, chosen
+
+
+def replay_route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, given: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` with the experts `given` (T, k) (any integer type; a row holding -1 takes its own top-k): the
+    weights are the probabilities of the given experts, renormalised when `norm_topk_prob`."""
+    _, own = torch.topk(probs, top_k, dim=-1)
+    given = given.to(device=probs.device, dtype=own.dtype)
+    chosen = torch.where((given < 0).any(-1, keepdim=True), own, given)
+    weights = probs.gather(-1, chosen)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
+def sparse_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """The model's MoE layers in order (routing replay's layer index)."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,

@@ -17,6 +17,8 @@ import torch
 from lathe.batch import Batch
 from lathe.generation import RolloutOutput, SamplingParams
 
+ROUTED = "routed_experts"       # routing replay's per-token experts (lathe.train.routing)
+
 
 class Rollout(Protocol):
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *, first_index: int = 0
@@ -54,8 +56,9 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
     logp, _ = _padded(out.logprobs, R, 0.0, np.float32)
     attention_mask = np.concatenate([prompt_mask, resp_mask], axis=1).astype(np.int64)
     resp_mask = torch.from_numpy(resp_mask.astype(np.int64))
+    routed = {} if out.routed_experts is None else {ROUTED: _padded_routing(prompts, out, P, R)}
     return Batch(
-        tensors={
+        tensors={**routed,
             "prompts": torch.from_numpy(prompt_ids),
             "responses": torch.from_numpy(resp_ids),
             "input_ids": torch.from_numpy(np.concatenate([prompt_ids, resp_ids], axis=1)),
@@ -66,6 +69,19 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
         },
         non_tensors={"finish_reason": list(out.finish_reasons)},
     )
+
+
+def _padded_routing(prompts: list[list[int]], out: RolloutOutput, P: int, R: int) -> torch.Tensor:
+    """(B, P + R, layers, k) int16: each sample's recorded routing (`RolloutOutput.routed_experts`, one row per
+    prompt and response token) laid out as `input_ids` (left-padded prompt, right-padded response), -1 elsewhere."""
+    first = out.routed_experts[0]
+    full = torch.full((len(prompts), P + R, *first.shape[1:]), -1, dtype=first.dtype)
+    for i, (prompt, resp, rec) in enumerate(zip(prompts, out.token_ids, out.routed_experts)):
+        if len(rec) != len(prompt) + len(resp):
+            raise ValueError(f"rollout output: routed_experts of sample {i} has {len(rec)} rows for "
+                             f"{len(prompt)} prompt + {len(resp)} response tokens")
+        full[i, P - len(prompt):P + len(resp)] = rec
+    return full
 
 
 def _padded(rows: list, width: int, fill, dtype, *, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -103,6 +119,8 @@ def concat_rollouts(batches: list[Batch], pad_id: int) -> Batch:
 def _repad(batch: Batch, P: int, R: int, pad_id: int) -> Batch:
     p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
     out = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
+    if ROUTED in batch:                                 # (B, P + R, layers, k), laid out as input_ids
+        out.tensors[ROUTED] = torch.nn.functional.pad(batch[ROUTED], (0, 0, 0, 0, P - p, R - r), value=-1)
     for key, t in batch.tensors.items():
         if t.dim() != 2:
             continue

@@ -121,7 +121,9 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engin
                        enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
                        enforce_eager=rollout_cfg.enforce_eager,
                        cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes,
-                       quantization=quantization, **engine_kwargs)
+                       quantization=quantization,
+                       record_routing=bool(getattr(rollout_cfg, "enable_rollout_routing_replay", False)),
+                       **engine_kwargs)
 
 
 def build_hf_rollout(rollout_cfg, model, eos_ids: list[int], pad_id: int, device: torch.device, *,

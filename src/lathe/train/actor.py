@@ -28,10 +28,13 @@ from lathe.algo.rollout_correction import ProbsDiffSums
 from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
 from lathe.models.moe import collect_router_stats, router_aux_loss_coef
+from lathe.models.routing import ReplayStats
+from lathe.rollout.base import ROUTED
 from lathe.train import parallel
 from lathe.train.gathered import accumulating
 from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
+from lathe.train.routing import replay_or_nothing
 from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel
 from lathe.train.update import NonFiniteGuard, clipped_step, run_ppo_epochs
@@ -114,11 +117,13 @@ class PPOActor:
         sums: dict[str, float | torch.Tensor] = defaultdict(float)
         extremes: dict[str, torch.Tensor] = {}
         diff = ProbsDiffSums() if "old_log_probs" not in mini and "rollout_log_probs" in mini else None
+        replay = ReplayStats() if ROUTED in mini else None                   # routing replay (R2/R3)
         micros = [m for m, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                               key=self.max_token_key)]
         for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
-            loss, parts = self._micro_batch_loss(micro, agg, diff)
-            loss.backward()
+            with replay_or_nothing(self.model, micro, self.use_remove_padding, replay):
+                loss, parts = self._micro_batch_loss(micro, agg, diff)
+                loss.backward()
             weight = len(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
                 v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
@@ -131,6 +136,10 @@ class PPOActor:
         if diff is not None:
             reduce = functools.partial(parallel.all_reduce, group=self.data_group)
             out.update({f"training/rollout_probs_diff_{k}": v for k, v in diff.metrics(reduce).items()})
+        if replay is not None:
+            counts = parallel.sum_metrics({"changed": float(replay.changed), "given": float(replay.given)},
+                                          self.data_group)
+            out["actor/routing_replay_changed"] = counts["changed"] / max(1.0, counts["given"])
         out["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
         out["actor/skipped_updates"] = self.nonfinite.check(out["actor/grad_norm"], mini)
         return out

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lathe.models.moe import SparseMoeBlock
+from lathe.models.moe import SparseMoeBlock, sparse_blocks
 from lathe.train import parallel
 
 
@@ -55,10 +55,6 @@ def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
         return None
     mesh = parallel.world_mesh(device.type, plan)["ep"]
     return ExpertParallel(size=plan.ep, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group())
-
-
-def sparse_blocks(model: nn.Module) -> list[SparseMoeBlock]:
-    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
 def check_model(model: nn.Module, size: int, key: str) -> None:

@@ -23,6 +23,7 @@ runs the chunked log-prob/entropy math compiled, with the same backend.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -339,21 +340,24 @@ def batched_log_probs(model, batch: Batch, *, micro_batch_size: int, temperature
 def batched_token_stats(model, batch: Batch, *, micro_batch_size: int, temperature: float = 1.0,
                         calculate_entropy: bool = False, calculate_sum_pi_squared: bool = False,
                         remove_padding: bool = False, prefix_grouper: bool = False, max_tokens: int | None = None,
-                        max_tokens_key: str = "log_prob_max_token_len_per_gpu", sp: SequenceParallel | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                        max_tokens_key: str = "log_prob_max_token_len_per_gpu", sp: SequenceParallel | None = None,
+                        around=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`batched_log_probs` plus the per-token sum over the vocabulary of p^2 when `calculate_sum_pi_squared`
-    (`response_token_stats`), else None in its place."""
+    (`response_token_stats`), else None in its place. `around(micro_batch, its rows)`: a context each micro-batch's
+    forward runs in (routing replay, `lathe.train.routing.LogProbRouting`)."""
     was_training = model.training
     model.eval()
     max_tokens, max_tokens_key = group_budget(max_tokens, max_tokens_key, sp)
     try:
+        parts = []
         with kept_gathered(model):          # one FSDP2 gather for the pass where it fits (lathe.train.gathered)
-            parts = [(response_token_stats(model, mb, temperature=temperature, calculate_entropy=calculate_entropy,
-                                           calculate_sum_pi_squared=calculate_sum_pi_squared,
-                                           remove_padding=remove_padding, prefix_grouper=prefix_grouper, sp=sp),
-                      rows)
-                     for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens,
-                                                   key=max_tokens_key)]
+            for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens, key=max_tokens_key):
+                with around(mb, rows) if around is not None else nullcontext():
+                    parts.append((response_token_stats(model, mb, temperature=temperature,
+                                                       calculate_entropy=calculate_entropy,
+                                                       calculate_sum_pi_squared=calculate_sum_pi_squared,
+                                                       remove_padding=remove_padding, prefix_grouper=prefix_grouper,
+                                                       sp=sp), rows))
     finally:
         model.train(was_training)
         parallel.reshard(model)

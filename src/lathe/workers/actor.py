@@ -24,6 +24,7 @@ from lathe.models.decoder import LatheCausalLM
 from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora, load_adapter, read_adapter
+from lathe.rollout.base import ROUTED
 from lathe.rollout.build import architecture, runs_lathe
 from lathe.train import expert_parallel, lora, parallel, tensor_parallel, ulysses
 from lathe.train.actor import PPOActor
@@ -31,6 +32,7 @@ from lathe.train.logprob import batched_token_stats
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
+from lathe.train.routing import LogProbRouting, check_replay_model
 from lathe.train.update import NonFiniteGuard, load_policy_checkpoint, save_policy_checkpoint
 from lathe.train.vl import check_vl, freeze_vision_tower
 
@@ -60,6 +62,8 @@ class Actor:
                              "attention sinks / sliding-window layers (GPT-OSS), which the prefix-grouped forward "
                              "does not implement. Fix: set use_prefix_grouper=false (the same result, each row's "
                              "forward whole)")
+        if arr.actor.router_replay.mode != "disabled":
+            check_replay_model(self.model, arr.actor.router_replay.mode)
         if runs_lathe(self.model) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key=FSDP_KEY)
@@ -123,15 +127,21 @@ class Actor:
     # -- what the worker calls ------------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch, *, micro_batch_size: int, temperature: float, **budget) -> Batch:
         """The current policy's log-probs of the responses (`old_log_probs`) and their entropy; with
-        `actor.calculate_sum_pi_squared`, also each token's sum over the vocabulary of pi^2 (`sum_pi_squared`)."""
+        `actor.calculate_sum_pi_squared`, also each token's sum over the vocabulary of pi^2 (`sum_pi_squared`).
+        Routing replay (`actor.router_replay.mode`, `lathe.train.routing`): R3 replays the rollout's routing; R2
+        records this pass's as `routed_experts`."""
         sum_sq_wanted = self.arr.actor.calculate_sum_pi_squared
+        mode = self.arr.actor.router_replay.mode
+        routing = LogProbRouting(mode, self.model, self.arr.model.use_remove_padding) if mode != "disabled" else None
         logp, ent, sum_sq = batched_token_stats(self.model, batch.to(self.device), micro_batch_size=micro_batch_size,
                                                 temperature=temperature, calculate_entropy=True,
                                                 calculate_sum_pi_squared=sum_sq_wanted,
                                                 remove_padding=self.arr.model.use_remove_padding,
                                                 prefix_grouper=self.arr.actor.use_prefix_grouper, sp=self.sp,
-                                                **budget)
+                                                around=routing, **budget)
         out = Batch({"old_log_probs": logp.cpu(), "entropys": ent.cpu()})
+        if mode == "R2":                    # the update forwards replay this pass's routing
+            out[ROUTED] = routing.result().cpu()
         if sum_sq_wanted:
             out["sum_pi_squared"] = sum_sq.cpu()
         return out

@@ -1,0 +1,128 @@
+"""Routing replay in the actor's forwards (verl's `actor.router_replay.mode`): the batch's `routed_experts`
+(B, L, MoE layers, top-k) int16, aligned with `input_ids` (-1: no choice given, the token routes by its own top-k),
+replayed in a forward over the batch; or the forward's own choices recorded into that layout. The update reports
+`actor/routing_replay_changed`: the share of replayed (token, MoE layer) choices that differ from its router's own
+top-k (what replay changed; `training/rollout_probs_diff_*` shows the log-probs' side).
+
+- R3: the rollout engine recorded each token's choices (`lathe.engine.routing`, `rollout.base.to_batch` lays them
+  out); the old-log-prob and update forwards replay them, so every token routes as it was sampled.
+- R2: the old-log-prob forward records its choices (`recording`, returned as `routed_experts` beside
+  `old_log_probs`); the update forwards replay them, so the policy ratio compares the same experts.
+
+A forward runs either padded (every (B, L) position, row-major: the order its MoE layers see the tokens) or packed
+(the real tokens, row-major: `pack_padded`'s and `host_layout`'s order); `forward_order` gives the rows of the
+flattened batch the forward takes, in its order. The replay wraps forward and backward, so that layers recomputed
+in backward (gradient checkpointing) route as their forward did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from lathe.batch import Batch
+from lathe.models.decoder import LatheCausalLM
+from lathe.models.moe import sparse_blocks
+from lathe.models.routing import ReplayStats, record_routing, replay_routing
+from lathe.rollout.base import ROUTED
+from lathe.train.logprob import host_layout
+from lathe.train.micro import in_batch_order
+
+
+
+def forward_order(batch: Batch, remove_padding: bool) -> torch.Tensor | None:
+    """Rows of the flattened (B * L) batch that a forward takes, in its order; None: all of them (padded)."""
+    if not remove_padding:
+        return None
+    layout = host_layout(batch)
+    if layout is not None:
+        return layout.indices
+    return batch["attention_mask"].flatten().nonzero(as_tuple=True)[0]
+
+
+@contextmanager
+def replaying(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None) -> Iterator[None]:
+    """Forwards (and backwards) over `batch` inside the block replay its `routed_experts` (`stats` counts what
+    replay changed); without them, as usual."""
+    routed = batch.tensors.get(ROUTED)
+    if routed is None:
+        yield
+        return
+    given = routed.flatten(0, 1)
+    order = forward_order(batch, remove_padding)
+    if order is not None:
+        given = given.index_select(0, order.to(given.device))
+    with replay_routing(model, given, stats):
+        yield
+
+
+class Recorded:
+    """The choices of one forward over a batch, laid out as `routed_experts` (`recording`)."""
+
+    value: torch.Tensor | None = None
+
+
+@contextmanager
+def recording(model, batch: Batch, remove_padding: bool) -> Iterator[Recorded]:
+    """Record the choices of the one forward over `batch` inside the block; after it, `.value` holds them
+    (B, L, layers, k) int16, -1 at the positions the forward skipped (padding, when packed)."""
+    out = Recorded()
+    with record_routing(model) as layers:
+        yield out
+    if not layers or len(layers[0]) != 1:
+        raise RuntimeError(f"routing replay (R2): expected one forward's routing, got {len(layers[0])} per layer")
+    chosen = torch.stack([layer[0] for layer in layers], dim=1).to(torch.int16)     # (T, layers, k)
+    B, L = batch["attention_mask"].shape
+    order = forward_order(batch, remove_padding)
+    if order is None:
+        out.value = chosen.view(B, L, *chosen.shape[1:])
+        return
+    full = chosen.new_full((B * L, *chosen.shape[1:]), -1)
+    out.value = full.index_copy_(0, order.to(full.device), chosen).view(B, L, *chosen.shape[1:])
+
+
+class LogProbRouting:
+    """The old-log-prob pass's routing (`batched_token_stats`'s `around`, called per micro-batch with its rows):
+    R3 replays the rollout's choices; R2 records its own, which `result` gives in the batch's row order."""
+
+    def __init__(self, mode: str, model, remove_padding: bool):
+        self.mode, self.model, self.remove_padding = mode, model, remove_padding
+        self.parts: list[tuple[torch.Tensor, list[int] | None]] = []
+
+    @contextmanager
+    def __call__(self, micro: Batch, rows: list[int] | None) -> Iterator[None]:
+        if self.mode != "R2":
+            with replay_or_nothing(self.model, micro, self.remove_padding):
+                yield
+            return
+        with recording(self.model, micro, self.remove_padding) as rec:
+            yield
+        self.parts.append((rec.value, rows))
+
+    def result(self) -> torch.Tensor | None:
+        """R2: the recorded (B, L, layers, k) int16 choices; else None."""
+        return in_batch_order(self.parts) if self.parts else None
+
+
+def replay_or_nothing(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None):
+    """`replaying` when the batch carries routing, else a null context."""
+    return replaying(model, batch, remove_padding, stats) if ROUTED in batch else nullcontext()
+
+
+def check_replay_model(model, mode: str) -> None:
+    """Refuse, naming the key, a policy whose MoE layers routing replay cannot drive: no MoE layers (a dense model),
+    transformers' implementation, or a vision-language model."""
+    key = f"actor_rollout_ref.actor.router_replay.mode={mode}"
+    if not isinstance(model, LatheCausalLM):
+        raise ValueError(f"{key}: routing replay drives lathe's MoE text decoder (Qwen3-MoE, GPT-OSS, the Qwen3.5 / "
+                         f"Qwen3-Next MoE layers), but the actor runs {type(model).__name__}. Fix: set "
+                         "router_replay.mode=disabled, or actor_rollout_ref.model.impl=auto.")
+    if any(type(b).__name__ == "DeepseekMoeBlock" for b in sparse_blocks(model)):
+        raise ValueError(f"{key}: routing replay of DeepSeek-V3's group-limited sigmoid router is not implemented "
+                         "yet. Fix: set router_replay.mode=disabled (and rollout.enable_rollout_routing_replay=false).")
+    if not sparse_blocks(model):
+        raise ValueError(f"{key}: {model.config.architecture} is a dense model (no mixture-of-experts layers to "
+                         "replay). Fix: set router_replay.mode=disabled (and rollout.enable_rollout_routing_replay="
+                         "false).")

@@ -1,0 +1,48 @@
+"""Routing replay's config (`actor.router_replay.mode`, `rollout.enable_rollout_routing_replay`): the modes load,
+and every combination lathe does not replay in is refused up front, naming the key and the fix."""
+
+import pytest
+
+from lathe.config import ConfigError, load_config
+
+GRPO = ["algorithm.adv_estimator=grpo", "trainer.test_freq=-1"]
+MODE = "actor_rollout_ref.actor.router_replay.mode"
+ENABLE = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+R3 = [f"{MODE}=R3", f"{ENABLE}=true"]
+
+
+def fails(overrides, device_count=1):
+    with pytest.raises(ConfigError) as err:
+        load_config("base", GRPO + overrides, device_count=device_count)
+    return str(err.value)
+
+
+def test_modes_load():
+    assert load_config("base", GRPO + R3).actor_rollout_ref.actor.router_replay.mode == "R3"
+    cfg = load_config("base", GRPO + [f"{MODE}=R2"])
+    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R2"
+    assert not cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ([f"{MODE}=R3"], f"{ENABLE}=false does not record"),
+    ([f"{MODE}=R2", f"{ENABLE}=true"], "conflicts with R2"),
+    ([f"{ENABLE}=true"], f"but {MODE}=disabled"),
+    ([f"{MODE}=R4"], MODE),
+    ([*R3, "actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt"], "routing replay through files"),
+    ([*R3, "actor_rollout_ref.rollout.name=hf"], "rollout.name=hf"),
+    ([*R3, "actor_rollout_ref.model.impl=hf"], "model.impl=hf"),
+    ([*R3, "actor_rollout_ref.actor.use_prefix_grouper=true"], "use_prefix_grouper=true"),
+    ([*R3, "actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=true"),
+    ([f"{MODE}=R2", "algorithm.rollout_correction.bypass_mode=true"], "bypass_mode=true"),
+    ([*R3, "rollout.n_gpus_per_node=1", "rollout.nnodes=1"], "fully-async"),
+])
+def test_unsupported_combinations_are_refused(overrides, needle):
+    assert needle in fails(overrides)
+
+
+def test_sequence_and_engine_tensor_parallel_are_refused():
+    assert "ulysses_sequence_parallel_size > 1" in fails(
+        [*R3, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], 2)
+    assert "tensor_model_parallel_size > 1" in fails(
+        [*R3, "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 2)

@@ -1,0 +1,78 @@
+"""Routing replay's engine side (`lathe.engine.routing`): the MoE choices the engine records for each token are the
+ones a teacher-forced forward of the same tokens makes (prefix sharing, copied blocks, chunked prefill and
+preemption included),
+and replaying them makes a perturbed router route as the engine did."""
+
+import copy
+
+import torch
+
+from lathe.engine.llm_engine import LatheEngine
+from lathe.generation import SamplingParams
+from lathe.models.hf import lathe_from_transformers
+from lathe.models.moe import sparse_blocks
+from lathe.models.routing import record_routing, replay_routing
+
+from models.lathe_tiny import MOE, hf_model
+
+PROMPTS = [[5, 9, 2, 33, 7, 1, 8], [4, 4, 61, 12], [5, 9, 2, 33, 7, 1, 8, 90, 3, 17]]
+
+
+def _rollout(model, **kw):
+    kw.setdefault("num_kv_blocks", 64)
+    engine = LatheEngine(copy.deepcopy(model), eos_token_id=None, block_size=4, record_routing=True, **kw)
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=3))
+    assert (engine.scheduler.num_preemptions > 0) == (kw["num_kv_blocks"] < 64)
+    return out
+
+
+@torch.no_grad()
+def _forward_routing(model, ids: list[int]) -> torch.Tensor:
+    with record_routing(model) as rec:
+        model(torch.tensor([ids]))
+    return torch.stack([layer[0] for layer in rec], dim=1)          # (T, layers, k)
+
+
+@torch.no_grad()
+def _replayed(model, ids: list[int], given: torch.Tensor) -> torch.Tensor:
+    """The experts the (one) MoE layer routed to under `replay_routing(given)`."""
+    seen = []
+    with replay_routing(model, given):
+        block = sparse_blocks(model)[0]
+        hook = block.routing
+        block.routing = lambda *a: seen.append(hook(*a)) or seen[-1]
+        model(torch.tensor([ids]))
+    return seen[0][1]
+
+
+def _same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.sort(-1).values.long(), b.sort(-1).values.long())
+
+
+def test_recorded_routing_equals_the_forward_of_the_same_tokens():
+    model = lathe_from_transformers(hf_model(MOE)).eval()
+    for kw in ({}, {"enable_prefix_caching": False, "max_num_batched_tokens": 8,     # shared prefixes; chunks,
+                    "num_kv_blocks": 8, "reserve_new_tokens": False}):               # preempted and recomputed
+        out = _rollout(model, **kw)
+        prompts = [p for p in PROMPTS for _ in range(2)]
+        assert len(out.routed_experts) == len(prompts)
+        for prompt, resp, rec in zip(prompts, out.token_ids, out.routed_experts):
+            ids = prompt + resp
+            assert rec.dtype == torch.int16 and rec.shape == (len(ids), 1, 2)
+            assert (rec[-1] == -1).all() and (rec[:-1] >= 0).all()       # the last token is never fed
+            assert _same_sets(rec[:-1], _forward_routing(model, ids)[:-1])
+
+
+def test_replay_routes_a_perturbed_router_as_the_engine_did():
+    model = lathe_from_transformers(hf_model(MOE)).eval()
+    out = _rollout(model)
+    trainer = copy.deepcopy(model)
+    gate = trainer.model.layers[1].mlp.gate.weight
+    with torch.no_grad():
+        gate.add_(0.5 * gate.std() * torch.randn_like(gate, generator=torch.Generator().manual_seed(0)))
+    differ = 0
+    for prompt, resp, rec in zip([p for p in PROMPTS for _ in range(2)], out.token_ids, out.routed_experts):
+        ids = prompt + resp
+        differ += int(not _same_sets(rec[:-1], _forward_routing(trainer, ids)[:-1]))
+        assert _same_sets(rec[:-1, 0], _replayed(trainer, ids, rec)[:-1])
+    assert differ, "precondition: the perturbed router routes some token otherwise"

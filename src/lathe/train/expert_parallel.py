@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lathe.models.moe import SparseMoeBlock, sparse_blocks
+from lathe.models.moe import sparse_blocks
 from lathe.train import parallel
 
 

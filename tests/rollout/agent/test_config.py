@@ -37,7 +37,6 @@ def test_the_agent_loop_keys_load_without_warnings(tmp_path):
     ("actor_rollout_ref.rollout.name=hf", "not implemented for transformers generate"),
     (f"{MT}.tool_config_path=/nonexistent/tools.yaml", "no such file"),
     (f"{MT}.interaction_config_path=users.yaml", "interaction_config_path='users.yaml': no such file"),
-    ("rollout.n_gpus_per_node=1", "multi-turn rollouts on a rollout pool"),
 ])
 def test_mistakes_fail_at_load_naming_the_key(override, text):
     assert text in problems(override)

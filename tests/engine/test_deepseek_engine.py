@@ -46,7 +46,7 @@ def test_greedy_equals_transformers_generate(checkpoint):
     params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
     # one run with prefix sharing, prompts cut in chunks of 6 tokens, and a cache small enough to preempt
     engine = _engine(path, num_kv_blocks=10, reserve_new_tokens=False, max_num_batched_tokens=6)
-    assert engine.kv_cache.shape[2:] == (4, 20)              # every head's K (12 + 8) and V (10, padded to 20)
+    assert engine.kv_cache.shape[2:] == (4, 24)     # every head's K (12 + 8) and V (10), padded to a multiple of 8
     assert engine.generate(PROMPTS, params).token_ids == expected
     assert engine.scheduler.num_preemptions > 0
 

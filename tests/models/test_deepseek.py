@@ -38,7 +38,7 @@ def _hf_dict(**overrides) -> dict:
 def test_config_reads_the_deepseek_shape():
     cfg = LatheConfig.from_hf_dict(_hf_dict())
     m = cfg.mla
-    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.v_head_dim, cfg.head_dim) == (24, 16, 20, 10, 20)
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.v_head_dim, cfg.head_dim) == (24, 16, 20, 10, 24)
     assert cfg.num_key_value_heads == cfg.num_attention_heads == 4
     assert [cfg.is_sparse_layer(i) for i in range(3)] == [False, True, True]
     assert (m.n_group, m.topk_group, m.routed_scaling_factor, cfg.moe.num_experts) == (4, 2, 2.5, 8)

@@ -11,8 +11,8 @@ Multi-head latent attention (`self_attn`), per token:
   [even | odd], on q and k alike, which the dot products do not see);
 - softmax(q k^T * scale) v with scale = qk_head_dim^-0.5 times YaRN's mscale^2 (`MlaConfig.softmax_scale`).
 The attention callables of lathe (packed, padded, the engine's paged steps) take q, k, v of one head width and scale
-by its inverse square root: the shorter of k and v is zero-padded to the longer (zeros add nothing to q k^T; v's zero
-columns are sliced off the output), and q is multiplied by softmax_scale * sqrt(width) when that is not 1. The
+by its inverse square root: the shorter of k and v is zero-padded to the longer, both up to a multiple of 8 (zeros
+add nothing to q k^T; v's zero columns are sliced off the output), and q is multiplied by softmax_scale * sqrt(width) when that is not 1. The
 engine's paged KV cache so holds each head's decompressed K and (padded) V, like any multi-head attention: the
 compressed-latent cache of absorbed MLA is not done (it would cache kv_lora_rank + qk_rope_head_dim values per token
 instead of heads * 2 * width).

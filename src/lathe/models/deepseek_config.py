@@ -54,8 +54,9 @@ class MlaConfig:
     @property
     def attn_dim(self) -> int:
         """The per-head width of q, k and v as the attention callables and the KV cache see them (the shorter of
-        q/k and v zero-padded to the longer)."""
-        return max(self.qk_head_dim, self.v_head_dim)
+        q/k and v zero-padded to the longer, and both up to a multiple of 8: flash attention's kernels take no
+        other head size; DeepSeek-V3's and Moonlight's 192 already is one)."""
+        return -(-max(self.qk_head_dim, self.v_head_dim) // 8) * 8
 
 
 def _get(d: dict[str, Any], key: str):

@@ -154,3 +154,17 @@ def test_a_run_that_does_not_fit_names_the_layouts_that_would_hold_less(monkeypa
     text, fits = memory.format_plan(parts, CUDA, 0.5, mesh_fixes=fixes)
     assert not fits and "tensor_model_parallel_size=2 saves" in text and "fsdp_size=-1" in text
     assert memory.mesh_fixes(parts, rollout_tp=4, world=4, per_node=4, fsdp_sizes={}) == []    # no wider replica
+
+
+def test_weights_kept_gathered_across_micro_batches_are_planned_where_auto_turns_them_on(monkeypatch):
+    """fsdp_config.keep_gathered (lathe.train.gathered): on 2 ranks the whole bf16 weights + fp32 gradients (6 bytes a
+    parameter) join the update where auto turns it on (at most 15% of the device), never when it is off."""
+    for gib, on in ((80.0, True), (24.0, False)):           # 5.6 GiB: 7% of 80 GiB, 23% of 24 GiB
+        monkeypatch.setattr(memory, "total_memory", lambda device, gib=gib: int(gib * 2**30))
+        for setting, want in (("null", on), ("false", False), ("true", True)):
+            cfg = load_config("base", ["trainer.device=cpu",
+                                       f"actor_rollout_ref.actor.fsdp_config.keep_gathered={setting}"])
+            parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=2)
+            kept = [p for p in parts if "keep_gathered" in p.what]
+            assert bool(kept) == want, (gib, setting)
+            assert not kept or (kept[0].nbytes == 6 * N and kept[0].update_only)

@@ -28,16 +28,14 @@ RESHARD = "_lathe_reshard_after_forward"   # each FSDP2 module's own setting, to
 T = TypeVar("T")
 
 
-def decide(setting: bool | None, model: nn.Module, device: torch.device, *, offloaded: bool, tp: int = 1) -> bool:
-    """`fsdp_config.keep_gathered`: True/False as set; None (auto): on a CUDA device, when the whole weights and
-    gradients (6 bytes a parameter, over the tensor-parallel size) take at most AUTO_SHARE of its memory and the
-    weights are not offloaded; off elsewhere (CPU runs have no collectives worth saving and no known budget)."""
+def decide(setting: bool | None, n_params: int, memory: int | None, *, offloaded: bool, tp: int = 1) -> bool:
+    """`fsdp_config.keep_gathered`: True/False as set; None (auto): when the whole weights and gradients of
+    `n_params` parameters (6 bytes each, over the tensor-parallel size) take at most AUTO_SHARE of the device's
+    `memory` (bytes; None: a CPU, whose runs have no collectives worth saving and no known budget) and the weights are
+    not offloaded. The memory plan (`lathe.train.memory`) asks the same question before anything loads."""
     if setting is not None:
         return bool(setting)
-    from lathe.device import total_memory
-    memory = None if offloaded or device.type != "cuda" else total_memory(device)
-    params = sum(p.numel() for p in model.parameters()) / tp
-    return memory is not None and 6 * params <= AUTO_SHARE * memory
+    return memory is not None and not offloaded and 6 * n_params / tp <= AUTO_SHARE * memory
 
 
 def mark(model: nn.Module, setting: bool | None, device: torch.device, *, reshard_after_forward: bool,
@@ -46,7 +44,10 @@ def mark(model: nn.Module, setting: bool | None, device: torch.device, *, reshar
     root's False, the others' as configured) and whether its micro-batches keep the weights gathered (`decide`)."""
     for m in _fsdp_modules(model):
         setattr(m, RESHARD, m is not model and reshard_after_forward)
-    setattr(model, ATTR, decide(setting, model, device, offloaded=offloaded, tp=tp))
+    from lathe.device import total_memory
+    n_params = sum(p.numel() for p in model.parameters())
+    memory = total_memory(device) if device.type == "cuda" else None
+    setattr(model, ATTR, decide(setting, n_params, memory, offloaded=offloaded, tp=tp))
 
 
 def _fsdp_modules(model: nn.Module) -> list:

@@ -88,6 +88,8 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
         if need_ref:
             parts += shard("ref", model_parts("reference", "actor_rollout_ref.ref", n_params, arr.ref.fsdp_config,
                                               device, trainable=False))
+    if world > 1 and lora is None:
+        parts += kept_gathered_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device)
     if critic_params:
         parts += shard("critic", model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config,
                                              device))
@@ -96,6 +98,21 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
         parts = [replace(p, nbytes=p.nbytes // tp, what=f"{p.what}, 1/{tp} of a replica")
                  if p.what.startswith("rollout ") else p for p in parts]
     return parts
+
+
+def kept_gathered_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device) -> list[Part]:
+    """The whole weights (compute dtype) and gradients (reduce dtype) a rank holds through a mini-batch's micro-batches
+    when `fsdp_config.keep_gathered` is (or auto turns) on (`lathe.train.gathered`); none otherwise."""
+    from lathe.train import gathered
+    tp = fsdp_cfg.tensor_parallel_size
+    device = torch.device(device)
+    if not gathered.decide(fsdp_cfg.keep_gathered, n_params, total_memory(device) if device.type == "cuda" else None,
+                           tp=tp, offloaded=bool(fsdp_cfg.param_offload or fsdp_cfg.offload_policy)):
+        return []
+    policy = resolve_policy(fsdp_cfg, device, key=f"{prefix}.fsdp_config")
+    each = sum(torch.empty((), dtype=d).element_size() for d in (policy.param_dtype, policy.reduce_dtype))
+    return [Part(f"{role} whole weights + gradients across micro-batches ({prefix}.fsdp_config.keep_gathered)",
+                 n_params * each // tp, True, update_only=True)]
 
 
 def _shard(parts: list[Part], ranks: int) -> list[Part]:

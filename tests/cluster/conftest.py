@@ -1,7 +1,8 @@
 """One local Ray for the cluster tests of this xdist worker (they all run on one: tests/conftest.py GROUPS): each
 `lathe train` joins it instead of starting its own, which saves a Ray start (~15 s on 2 busy cores) per run. A test
 that needs a cluster of its own (simulated nodes) is marked `own_ray`: the shared one is stopped for it and started
-again for the next. A test that leaves workers or placement groups behind gets a fresh cluster after it."""
+again for the next. A module that leaves workers or placement groups behind (after its fixtures are torn down) gets
+a fresh cluster after it."""
 
 from __future__ import annotations
 
@@ -22,23 +23,36 @@ def _start() -> None:
         ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, logging_level="WARNING")
 
 
-@pytest.fixture(autouse=True)
-def shared_ray(request):
-    if request.node.get_closest_marker("own_ray"):
-        if ray.is_initialized():
-            ray.shutdown()
-        yield
-        return
+def _all_free(wait_s: float = 10) -> bool:
+    """Whether every CPU slot is free again (released slots show up in Ray's resource view shortly after)."""
+    deadline = time.monotonic() + wait_s
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_ray():
+    """Started before the module's own fixtures (which may train on it); after them, a cluster whose slots are
+    still held (a leak) is stopped rather than handed to the next module."""
     _start()
     yield
-    if not ray.is_initialized():          # the test (or lathe, on a failure) shut it down
+    if ray.is_initialized() and not _all_free():
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _own_ray(request):
+    """An `own_ray` test gets no shared cluster; the next test starts it again."""
+    if not request.node.get_closest_marker("own_ray"):
+        _start()
+        yield
         return
-    deadline = time.monotonic() + 10       # released slots show up in the resource view shortly after
-    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
-        if time.monotonic() > deadline:   # something still holds CPU slots: do not hand it to the next test
-            ray.shutdown()
-            return
-        time.sleep(0.2)
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -47,3 +47,12 @@ def test_expert_parallel_models_run_eager():
     from lathe.train.actor import use_torch_compile
     cfg = load(f"{EP['actor']}=2")
     assert not use_torch_compile(cfg.actor_rollout_ref.actor) and use_torch_compile(cfg.actor_rollout_ref.ref)
+
+
+def test_weights_kept_gathered_with_offloaded_weights_are_refused():
+    from lathe.config import ConfigError, load_config
+    for key in ("param_offload", "offload_policy"):
+        with pytest.raises(ConfigError, match=rf"keep_gathered=true with actor_rollout_ref.actor.fsdp_config.{key}"):
+            load_config("base", ["actor_rollout_ref.actor.fsdp_config.keep_gathered=true",
+                                 f"actor_rollout_ref.actor.fsdp_config.{key}=true"])
+    load_config("base", ["actor_rollout_ref.actor.fsdp_config.param_offload=true"])     # auto: off, no problem

@@ -17,8 +17,8 @@ from .judge import check_judge
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size,
                    trainer_devices)
 from .rules_routing import check_routing_replay
-from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_rollout_tp, check_sequence_parallel,
-                             check_tensor_parallel, data_parallel)
+from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
+                             check_sequence_parallel, check_tensor_parallel, data_parallel)
 from .schema import LatheConfig
 
 
@@ -88,6 +88,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     check_sequence_parallel(cfg, devices, problems)
     check_tensor_parallel(cfg, problems)
     check_expert_parallel(cfg, problems)
+    check_keep_gathered(cfg, problems)
     _check_ranges(cfg, problems)
     _check_backend_and_run(cfg, problems)
     _check_algorithm_keys(cfg, problems)

@@ -92,6 +92,19 @@ def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
                              f"{key}=1, or {other}={0 if other.endswith('lora_rank') else 1}.")
 
 
+def check_keep_gathered(cfg: LatheConfig, problems: ProblemList) -> None:
+    """fsdp_config.keep_gathered=true (lathe.train.gathered) keeps whole weights on the device through a mini-batch:
+    not with weights offloaded to the host (auto leaves it off there)."""
+    arr = cfg.actor_rollout_ref
+    for role, fsdp in (("actor", arr.actor.fsdp_config), ("ref", arr.ref.fsdp_config),
+                       ("critic", cfg.critic.model.fsdp_config)):
+        offload = "param_offload" if fsdp.param_offload else "offload_policy" if fsdp.offload_policy else None
+        if fsdp.keep_gathered and offload:
+            problems.add(f"{FSDP_GROUPS[role]}.keep_gathered=true with {FSDP_GROUPS[role]}.{offload}=true: the "
+                         "weights kept gathered through a mini-batch would stay on the device the offload moves them "
+                         "off. Fix: set keep_gathered=null (auto: off with offload) or false, or drop the offload.")
+
+
 def data_parallel(cfg: LatheConfig, role: str, devices: Devices) -> Devices:
     """The shares a mini-batch of `role` ('actor' or 'critic') is split into: one per sequence- or tensor-parallel
     group."""

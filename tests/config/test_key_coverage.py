@@ -37,9 +37,6 @@ READ_IN_CONFIG = {
                                      "the model is sharded on" for g, role in (("actor_rollout_ref.actor", "actor"),
                                                                                ("actor_rollout_ref.ref", "ref"),
                                                                                ("critic.model", "critic"))},
-    **{f"{g}.fsdp_config.tensor_parallel_size": f"plan.py: tensor_parallel_size(), MeshPlan.tp and BatchPlan."
-       f"tensor_parallel_size: the model's tensor-parallel groups (lathe.train.tensor_parallel)"
-       for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")},
     **{f"{g}.fsdp_config.expert_parallel_size": f"plan.py: expert_parallel_size(), MeshPlan.ep: the model's "
        f"expert-parallel groups (lathe.train.expert_parallel)"
        for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},

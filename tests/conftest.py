@@ -39,6 +39,13 @@ GROUPS = {"ray": ("tests/cluster/", "tests/test_bench_fully_async.py"),
                       "tests/test_report.py")}
 
 
+# Modules whose module-scoped fixture spawns ranks or trains runs: each module's tests on one worker, so that the
+# fixture runs once (xdist hands tests out one by one, and each worker that gets one of them builds the fixture).
+ONE_WORKER = ("tests/train/test_expert_parallel.py", "tests/train/test_tensor_parallel.py",
+              "tests/train/test_parallel.py", "tests/train/test_ulysses.py", "tests/engine/test_tensor_parallel.py",
+              "tests/loop/test_sft.py", "tests/engine/test_deepseek_engine.py", "tests/models/test_deepseek.py")
+
+
 @pytest.hookimpl(tryfirst=True)    # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -46,6 +53,8 @@ def pytest_collection_modifyitems(config, items):
         for group, paths in GROUPS.items():
             if any(f"/{p}" in path or path.endswith(p) for p in paths):
                 item.add_marker(pytest.mark.xdist_group(group))
+        if path.endswith(ONE_WORKER):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

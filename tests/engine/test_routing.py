@@ -40,7 +40,7 @@ def _replayed(model, ids: list[int], given: torch.Tensor) -> torch.Tensor:
     with replay_routing(model, given):
         block = sparse_blocks(model)[0]
         hook = block.routing
-        block.routing = lambda *a: seen.append(hook(*a)) or seen[-1]
+        block.routing = lambda *a, **kw: seen.append(hook(*a, **kw)) or seen[-1]
         model(torch.tensor([ids]))
     return seen[0][1]
 
@@ -73,6 +73,30 @@ def test_replay_routes_a_perturbed_router_as_the_engine_did():
     differ = 0
     for prompt, resp, rec in zip([p for p in PROMPTS for _ in range(2)], out.token_ids, out.routed_experts):
         ids = prompt + resp
+        differ += int(not _same_sets(rec[:-1], _forward_routing(trainer, ids)[:-1]))
+        assert _same_sets(rec[:-1, 0], _replayed(trainer, ids, rec)[:-1])
+    assert differ, "precondition: the perturbed router routes some token otherwise"
+
+
+def test_deepseek_records_and_replays_its_group_limited_choice(tmp_path):
+    """DeepSeek-V3's router chooses within groups of experts with a selection bias and weighs by its sigmoid scores
+    (`DeepseekMoeBlock.choose` / `weigh`): the engine records that choice for every token, and replay makes a
+    perturbed router take it."""
+    from models.deepseek_tiny import deepseek_model
+
+    from lathe.models import load_lathe_model
+    deepseek_model(seed=2).save_pretrained(tmp_path / "ckpt")
+    model = load_lathe_model(tmp_path / "ckpt").eval()
+    out = _rollout(model)
+    trainer = copy.deepcopy(model)
+    gate = sparse_blocks(trainer)[0].gate.weight
+    with torch.no_grad():
+        gate.add_(0.5 * gate.std() * torch.randn_like(gate, generator=torch.Generator().manual_seed(0)))
+    differ = 0
+    for prompt, resp, rec in zip([p for p in PROMPTS for _ in range(2)], out.token_ids, out.routed_experts):
+        ids = prompt + resp
+        assert rec.shape == (len(ids), 2, 3)                              # 2 sparse layers, top-3
+        assert _same_sets(rec[:-1], _forward_routing(model, ids)[:-1])
         differ += int(not _same_sets(rec[:-1], _forward_routing(trainer, ids)[:-1]))
         assert _same_sets(rec[:-1, 0], _replayed(trainer, ids, rec)[:-1])
     assert differ, "precondition: the perturbed router routes some token otherwise"

@@ -18,7 +18,7 @@ def test_replay_in_compiled_checkpointed_layers_does_not_recompile(monkeypatch):
         pytest.skip("this torch has no torch._grouped_mm")
     monkeypatch.setattr("lathe.models.moe.grouped_mm_supported", lambda *a: True)
     seen, real = [], routing.replay_route
-    monkeypatch.setattr(routing, "replay_route", lambda *a: seen.append(real(*a)[1]) or real(*a))
+    monkeypatch.setattr(routing, "replay_route", lambda *a, **kw: seen.append(real(*a, **kw)[1]) or real(*a, **kw))
     torch._dynamo.reset()
     model = lathe_from_transformers(hf_model(MOE)).train().to(torch.bfloat16)
     model.gradient_checkpointing_enable()

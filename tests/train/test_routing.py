@@ -60,8 +60,8 @@ def _spy(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
     seen = []
     real = model_routing.replay_route
 
-    def spy(probs, top_k, norm, given):
-        weights, chosen = real(probs, top_k, norm, given)
+    def spy(probs, top_k, norm, given, **router):
+        weights, chosen = real(probs, top_k, norm, given, **router)
         seen.append((given, chosen))
         return weights, chosen
     monkeypatch.setattr(model_routing, "replay_route", spy)

@@ -65,8 +65,8 @@ class _SlotWriter:
     def __init__(self, recorder: RoutingRecorder, layer: int):
         self.recorder, self.layer = recorder, layer
 
-    def __call__(self, probs: torch.Tensor, top_k: int, norm_topk_prob: bool):
-        weights, chosen = route(probs, top_k, norm_topk_prob)
+    def __call__(self, probs: torch.Tensor, top_k: int, norm_topk_prob: bool, own=None, weigh=None):
+        weights, chosen = own(probs) if own is not None else route(probs, top_k, norm_topk_prob)
         attn = self.recorder.attn
         if attn is not None:
             rows = getattr(attn, "store_rows", None)

@@ -153,12 +153,25 @@ class DeepseekMoeBlock(SparseMoeBlock):
         lead, h = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, h)
         scores = torch.sigmoid(nn.functional.linear(flat.float(), self.gate.weight.float()))
-        m = self.m
-        weights, chosen = group_limited_route(scores, self.gate.e_score_correction_bias, self.moe.num_experts_per_tok,
-                                              m.n_group, m.topk_group, self.moe.norm_topk_prob,
-                                              m.routed_scaling_factor)
+        if self.hooks_routing:                # routing replay: recorded or given experts (lathe.models.routing)
+            weights, chosen = self._hooked(scores, self.moe.norm_topk_prob, own=self.choose, weigh=self.weigh)
+        else:
+            weights, chosen = self.choose(scores)
         out = sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)   # EP wraps experts
-        return out + self.shared_experts(x) if m.n_shared_experts else out
+        return out + self.shared_experts(x) if self.m.n_shared_experts else out
+
+    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) of the group-limited choice over the sigmoid `scores` (module doc)."""
+        m = self.m
+        return group_limited_route(scores, self.gate.e_score_correction_bias, self.moe.num_experts_per_tok,
+                                   m.n_group, m.topk_group, self.moe.norm_topk_prob, m.routed_scaling_factor)
+
+    def weigh(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The weights of given experts: their scores (no bias), normalised when the family does, routed-scaled."""
+        weights = scores.gather(1, chosen)
+        if self.moe.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.m.routed_scaling_factor
 
 
 class MlaDecoderLayer(nn.Module):

@@ -111,8 +111,10 @@ class SparseMoeBlock(nn.Module):
         self.routing, self.hooks_routing = hook, hook is not None
 
     @torch.compiler.disable
-    def _hooked(self, probs: torch.Tensor, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.routing(probs, self.moe.num_experts_per_tok, norm_topk_prob)
+    def _hooked(self, probs: torch.Tensor, norm_topk_prob: bool, **router) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hook's (weights, experts); `router` (`own`, `weigh`): a family whose router is not a top-k over
+        `probs` (DeepSeek-V3's group-limited choice) says how it chooses and weighs (`replay_route`)."""
+        return self.routing(probs, self.moe.num_experts_per_tok, norm_topk_prob, **router)
 
     @torch.compiler.disable
     def _record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
@@ -128,13 +130,16 @@ def route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.
     return weights, chosen
 
 
-def replay_route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, given: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` with the experts `given` (T, k) (any integer type; a row holding -1 takes its own top-k): the
-    weights are the probabilities of the given experts, renormalised when `norm_topk_prob`."""
-    _, own = torch.topk(probs, top_k, dim=-1)
-    given = given.to(device=probs.device, dtype=own.dtype)
-    chosen = torch.where((given < 0).any(-1, keepdim=True), own, given)
+def replay_route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, given: torch.Tensor, *, own=None,
+                 weigh=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` with the experts `given` (T, k) (any integer type; a row holding -1 takes its own choice): the
+    weights are the probabilities of the given experts, renormalised when `norm_topk_prob`. A family with a router
+    of its own passes `own(probs) -> (weights, experts)` (its choice) and `weigh(probs, experts) -> weights`."""
+    mine = own(probs)[1] if own is not None else torch.topk(probs, top_k, dim=-1).indices
+    given = given.to(device=probs.device, dtype=mine.dtype)
+    chosen = torch.where((given < 0).any(-1, keepdim=True), mine, given)
+    if weigh is not None:
+        return weigh(probs, chosen), chosen
     weights = probs.gather(-1, chosen)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)

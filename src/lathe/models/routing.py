@@ -23,9 +23,10 @@ class ReplayStats:
         self.changed = self.given = 0
 
     @torch.no_grad()
-    def add(self, probs: torch.Tensor, chosen: torch.Tensor, given: torch.Tensor) -> None:
+    def add(self, probs: torch.Tensor, chosen: torch.Tensor, given: torch.Tensor, own=None) -> None:
         valid = (given >= 0).all(-1).to(probs.device)
-        own = torch.topk(probs, chosen.shape[-1], dim=-1).indices.sort(-1).values
+        own = (own(probs)[1] if own is not None else torch.topk(probs, chosen.shape[-1], dim=-1).indices
+               ).sort(-1).values
         changed = (own != chosen.sort(-1).values).any(-1) & valid
         self.changed, self.given = self.changed + changed.sum(), self.given + valid.sum()
 
@@ -34,13 +35,13 @@ class _Replay:
     def __init__(self, given: torch.Tensor, stats: ReplayStats | None):
         self.given, self.stats = given, stats
 
-    def __call__(self, probs, top_k, norm_topk_prob):
+    def __call__(self, probs, top_k, norm_topk_prob, own=None, weigh=None):
         if self.given.shape != (probs.shape[0], top_k):
             raise ValueError(f"routing replay: {tuple(self.given.shape)} given experts for {probs.shape[0]} tokens "
                              f"of top-{top_k}; the replayed routing must line up with the forward's tokens")
-        weights, chosen = replay_route(probs, top_k, norm_topk_prob, self.given)
+        weights, chosen = replay_route(probs, top_k, norm_topk_prob, self.given, own=own, weigh=weigh)
         if self.stats is not None:
-            self.stats.add(probs, chosen, self.given)
+            self.stats.add(probs, chosen, self.given, own)
         return weights, chosen
 
 
@@ -48,8 +49,8 @@ class _Record:
     def __init__(self):
         self.chosen: list[torch.Tensor] = []
 
-    def __call__(self, probs, top_k, norm_topk_prob):
-        weights, chosen = route(probs, top_k, norm_topk_prob)
+    def __call__(self, probs, top_k, norm_topk_prob, own=None, weigh=None):
+        weights, chosen = own(probs) if own is not None else route(probs, top_k, norm_topk_prob)
         self.chosen.append(chosen.detach())
         return weights, chosen
 

@@ -116,12 +116,9 @@ def check_replay_model(model, mode: str) -> None:
     transformers' implementation, or a vision-language model."""
     key = f"actor_rollout_ref.actor.router_replay.mode={mode}"
     if not isinstance(model, LatheCausalLM):
-        raise ValueError(f"{key}: routing replay drives lathe's MoE text decoder (Qwen3-MoE, GPT-OSS, the Qwen3.5 / "
-                         f"Qwen3-Next MoE layers), but the actor runs {type(model).__name__}. Fix: set "
+        raise ValueError(f"{key}: routing replay drives lathe's MoE text decoder (Qwen3-MoE, GPT-OSS, DeepSeek-V3, "
+                         f"the Qwen3.5 / Qwen3-Next MoE layers), but the actor runs {type(model).__name__}. Fix: set "
                          "router_replay.mode=disabled, or actor_rollout_ref.model.impl=auto.")
-    if any(type(b).__name__ == "DeepseekMoeBlock" for b in sparse_blocks(model)):
-        raise ValueError(f"{key}: routing replay of DeepSeek-V3's group-limited sigmoid router is not implemented "
-                         "yet. Fix: set router_replay.mode=disabled (and rollout.enable_rollout_routing_replay=false).")
     if not sparse_blocks(model):
         raise ValueError(f"{key}: {model.config.architecture} is a dense model (no mixture-of-experts layers to "
                          "replay). Fix: set router_replay.mode=disabled (and rollout.enable_rollout_routing_replay="

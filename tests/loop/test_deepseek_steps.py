@@ -1,5 +1,6 @@
-"""A tiny DeepSeek-V3 checkpoint trains for two GRPO steps on lathe's decoder and engine; the checkpoint it saves reads
-back into transformers' `DeepseekV3ForCausalLM` with every tensor (the per-expert names, the selection bias)."""
+"""A tiny DeepSeek-V3 checkpoint trains for two GRPO steps on lathe's decoder and engine, with routing replay R3 (the
+engine records its group-limited choices, the trainer's forwards replay them); the checkpoint it saves reads back into
+transformers' `DeepseekV3ForCausalLM` with every tensor (the per-expert names, the selection bias)."""
 
 import torch
 
@@ -20,11 +21,14 @@ def test_two_steps_with_a_deepseek_checkpoint(tmp_path):
     tok.save_pretrained(tmp_path / "model")
     trainer = run(tmp_path, f"actor_rollout_ref.model.path={tmp_path / 'model'}",
                   "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2",
-                  "trainer.test_freq=-1", "trainer.val_before_train=false")
+                  "trainer.test_freq=-1", "trainer.val_before_train=false",
+                  "actor_rollout_ref.actor.router_replay.mode=R3",
+                  "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
     assert any(isinstance(m, DeepseekMoeBlock) for m in trainer.worker.model.modules())
     assert trainer.worker.rollout.name == "lathe"                  # rollout.name=auto: lathe's engine runs it
     metrics = read_metrics(tmp_path / "run")
     assert trainer.global_step == 2 and torch.isfinite(torch.tensor(metrics[2]["actor/pg_loss"]))
+    assert 0 <= metrics[2]["actor/routing_replay_changed"] <= 1      # replayed: the share it overrode is reported
     _, info = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "run" / "global_step_2" / "actor" / "huggingface",
                                                     output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -6,7 +6,7 @@ import tempfile
 import pytest
 import torch
 
-# Under pytest-xdist (`-n 3`, the README's command) each worker process takes one thread: workers of one thread
+# Under pytest-xdist (`-n 2`, the README's command) each worker process takes one thread: two workers of one thread
 # keep two cores busy, where one process of two threads leaves them idle during every sleep, subprocess and Ray start.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 torch.set_num_threads(1 if XDIST_WORKER else min(2, os.cpu_count() or 1))

@@ -6,7 +6,6 @@ refused by name."""
 import pytest
 import torch
 
-from lathe.engine.llm_engine import LatheEngine
 from lathe.generation import SamplingParams
 from lathe.models import load_lathe_model
 
@@ -14,6 +13,7 @@ from helpers import assert_close_rel
 from models.deepseek_tiny import deepseek_model
 
 from .conftest import PROMPTS
+from .test_llm_engine import _engine, _hf_greedy
 
 MAX = 8
 
@@ -26,22 +26,9 @@ def checkpoint(tmp_path_factory):
     return path, hf
 
 
-def _engine(path, **kw):
-    kw.setdefault("block_size", 4)
-    kw.setdefault("num_kv_blocks", 64)
-    return LatheEngine.from_pretrained(path, eos_token_id=None, **kw)
-
-
-@torch.no_grad()
-def _hf_greedy(hf, prompt):
-    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      do_sample=False, max_new_tokens=MAX, min_new_tokens=MAX, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def test_greedy_equals_transformers_generate(checkpoint):
     path, hf = checkpoint
-    expected = [t for t in map(lambda p: _hf_greedy(hf, p), PROMPTS) for _ in range(2)]
+    expected = [t for t in map(lambda p: _hf_greedy(hf, p, MAX), PROMPTS) for _ in range(2)]
     assert len({tuple(t) for t in expected}) > 2, "precondition: prompts give different continuations"
     params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
     # one run with prefix sharing, prompts cut in chunks of 6 tokens, and a cache small enough to preempt

@@ -4,7 +4,7 @@ reads back into transformers' `GptOssForCausalLM` with every tensor."""
 
 import torch
 
-from .test_ppo import read_metrics, run
+from .test_ppo import reads_back, save_with_builtin_tokenizer, steps_from
 
 
 def test_two_steps_with_a_gpt_oss_checkpoint(tmp_path):
@@ -15,20 +15,13 @@ def test_two_steps_with_a_gpt_oss_checkpoint(tmp_path):
 
     from models.gpt_oss_tiny import gpt_oss_model
     tok = builtin_tokenizer()
-    model = gpt_oss_model(vocab_size=len(tok), num_attention_heads=2, num_key_value_heads=1,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    trainer = run(tmp_path, f"actor_rollout_ref.model.path={tmp_path / 'model'}",
-                  "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2",
-                  "trainer.test_freq=-1", "trainer.val_before_train=false",
-                  "+actor_rollout_ref.model.override_config.output_router_logits=true",
-                  "+actor_rollout_ref.model.override_config.router_aux_loss_coef=0.5")
+    model = save_with_builtin_tokenizer(gpt_oss_model(vocab_size=len(tok), num_attention_heads=2,
+                                                      num_key_value_heads=1, eos_token_id=tok.eos_token_id,
+                                                      pad_token_id=tok.pad_token_id), tmp_path / "model")
+    trainer, metrics = steps_from(tmp_path, model, "+actor_rollout_ref.model.override_config.output_router_logits=true",
+                                  "+actor_rollout_ref.model.override_config.router_aux_loss_coef=0.5")
     assert any(isinstance(m, GptOssMoeBlock) for m in trainer.worker.model.modules())
     assert trainer.worker.rollout.name == "lathe"                  # rollout.name=auto: lathe's engine runs it
-    metrics = read_metrics(tmp_path / "run")
     assert trainer.global_step == 2 and torch.isfinite(torch.tensor(metrics[2]["actor/pg_loss"]))
     assert 1.0 <= metrics[2]["actor/router_aux_loss"] < 4.0        # E * sum f P: 2 = k when balanced
-    _, info = GptOssForCausalLM.from_pretrained(tmp_path / "run" / "global_step_2" / "actor" / "huggingface",
-                                                output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert reads_back(GptOssForCausalLM, tmp_path / "run")

@@ -48,6 +48,43 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows}
 
 
+def save_with_builtin_tokenizer(model, path: Path) -> Path:
+    """`model` (a transformers causal LM over the built-in tokenizer's vocabulary) and that tokenizer, saved at
+    `path`: a checkpoint `lathe train` starts from."""
+    from lathe.data.builtin import builtin_tokenizer
+    model.save_pretrained(path)
+    builtin_tokenizer().save_pretrained(path)
+    return path
+
+
+def qwen3_moe_checkpoint(path: Path) -> Path:
+    """A tiny random Qwen3-MoE (2 layers, the second sparse: 4 experts, top-2) with the built-in tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lathe.data.builtin import builtin_tokenizer
+    tok = builtin_tokenizer()
+    torch.manual_seed(0)
+    return save_with_builtin_tokenizer(Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)), path)
+
+
+def steps_from(tmp_path: Path, model_path: Path, *overrides: str, steps: int = 2):
+    """`lathe train` from the checkpoint at `model_path` for `steps` steps (no warm start, no validation), into
+    tmp_path/run: (trainer, metrics by step)."""
+    trainer = run(tmp_path, f"actor_rollout_ref.model.path={model_path}", "actor_rollout_ref.model.warm_start.steps=0",
+                  f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                  *overrides)
+    return trainer, read_metrics(tmp_path / "run")
+
+
+def reads_back(cls, run_dir: Path, step: int = 2) -> bool:
+    """Whether transformers' `cls` loads the step's saved Hugging Face copy with no missing or unexpected key."""
+    _, info = cls.from_pretrained(run_dir / f"global_step_{step}" / "actor" / "huggingface", output_loading_info=True)
+    return not info["missing_keys"] and not info["unexpected_keys"]
+
+
 def deterministic(metrics: dict) -> dict:
     """Everything but wall-clock figures."""
     return {k: v for k, v in metrics.items() if not k.startswith(("timing", "perf/"))}
@@ -219,37 +256,22 @@ def test_gsm8k_steps_with_a_transformers_checkpoint(tmp_path):
 def test_steps_with_a_qwen3_moe_checkpoint(tmp_path, aux):
     """A tiny Qwen3-MoE checkpoint trains on lathe's decoder and engine; `output_router_logits` (through
     override_config) adds the routers' load-balancing loss, reported as actor/router_aux_loss."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    from lathe.data.builtin import builtin_tokenizer
-    tok = builtin_tokenizer()
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
+    from lathe.models.moe import SparseMoeBlock
+    model = qwen3_moe_checkpoint(tmp_path / "model")
     extra = ["+actor_rollout_ref.model.override_config.output_router_logits=true",
              "+actor_rollout_ref.model.override_config.router_aux_loss_coef=0.5"] if aux else []
-    trainer = run(tmp_path, f"actor_rollout_ref.model.path={tmp_path / 'model'}",
-                  "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2",
-                  "trainer.test_freq=-1", "trainer.val_before_train=false", *extra)
-    from lathe.models.moe import SparseMoeBlock
+    trainer, metrics = steps_from(tmp_path, model, *extra)
     assert any(isinstance(m, SparseMoeBlock) for m in trainer.worker.model.modules())
-    metrics = read_metrics(tmp_path / "run")
     assert trainer.global_step == 2 and torch.isfinite(torch.tensor(metrics[2]["actor/pg_loss"]))
     assert ("actor/router_aux_loss" in metrics[2]) == aux
     if aux:
         assert 1.0 <= metrics[2]["actor/router_aux_loss"] < 4.0     # E * sum f P: 2 = k when balanced, at most k E / 2
-    _, info = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "run" / "global_step_2" / "actor" / "huggingface",
-                                                  output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]      # the checkpoint saved reads back
+    assert reads_back(Qwen3MoeForCausalLM, tmp_path / "run")            # the checkpoint saved reads back
     if not aux:                                                          # and lathe resumes from it
-        trainer = run(tmp_path, f"actor_rollout_ref.model.path={tmp_path / 'model'}",
-                      "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=3",
-                      "trainer.test_freq=-1", "trainer.val_before_train=false")
-        assert trainer.global_step == 3 and 3 in read_metrics(tmp_path / "run")
+        trainer, metrics = steps_from(tmp_path, model, steps=3)
+        assert trainer.global_step == 3 and 3 in metrics
 
 
 def test_global_profiler_writes_the_listed_steps_phases(tmp_path):

@@ -51,7 +51,7 @@ class TensorParallel:
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """(..., n) from every rank, concatenated in rank order along the last dimension: (..., size * n)."""
-        gathered = _waited(funcol.all_gather_single(x.contiguous(), 0, self.group))    # (size * lead, n)
+        gathered = _waited(funcol.all_gather_tensor(x.contiguous(), 0, self.group))    # (size * lead, n)
         lead, n = x.shape[:-1], x.shape[-1]
         return gathered.view(self.size, -1, n).transpose(0, 1).reshape(*lead, self.size * n)
 

@@ -179,22 +179,28 @@ def plan_of(cfg, device_count: int | None = None, **changes):
     return replace(run_plan(cfg, device_count), **changes)
 
 
-def tiny_reward_model(path, *, chat_template: str | None = None, seed: int = 0) -> str:
-    """A tiny random `LlamaForSequenceClassification` (one label) with the built-in tokenizer saved in `path`
-    (`chat_template` replaces the tokenizer's: a reward model that renders conversations its own way)."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+def tiny_reward_model(path, *, chat_template: str | None = None, seed: int = 0, family: str = "llama") -> str:
+    """A tiny random `LlamaForSequenceClassification` (`family="qwen2"`: `Qwen2ForSequenceClassification`, its q/k/v
+    biases and norms randomised) with one label and the built-in tokenizer saved in `path` (`chat_template` replaces
+    the tokenizer's: a reward model that renders conversations its own way)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
 
     from lathe.data.builtin import builtin_tokenizer
     tok = builtin_tokenizer()
     if chat_template is not None:
         tok.chat_template = chat_template
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
-                         pad_token_id=tok.pad_token_id)
-    model = LlamaForSequenceClassification(config)
+    config, cls = {"llama": (LlamaConfig, LlamaForSequenceClassification),
+                   "qwen2": (Qwen2Config, Qwen2ForSequenceClassification)}[family]
+    model = cls(config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
+                       pad_token_id=tok.pad_token_id))
     with torch.no_grad():
         model.score.weight.normal_(0, 1.0)           # scores of order 1 (the default init gives ~0.02)
+        if family != "llama":
+            for name, p in model.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)

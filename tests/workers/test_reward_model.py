@@ -31,11 +31,11 @@ def scored_batch(tok):
     return batch, prompt_ids, responses
 
 
-def worker(path, *overrides):
+def worker(path, *overrides, impl: str = "auto"):
     cfg = load_config("default", ["reward_model.enable=true", f"reward_model.model.path={path}",
                                   "reward_model.micro_batch_size_per_gpu=2", "reward_model.max_length=512", *overrides])
     return RewardModelWorker(cfg, builtin_tokenizer(), device=torch.device("cpu"),
-                             micro_batch_size=cfg.reward_model.micro_batch_size_per_gpu)
+                             micro_batch_size=cfg.reward_model.micro_batch_size_per_gpu, impl=impl)
 
 
 def hf_scores(path, inputs: list[list[int]]) -> torch.Tensor:

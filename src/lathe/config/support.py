@@ -158,8 +158,9 @@ def _rewards() -> list[Entry]:
                   lambda v, cfg: v is None or v in (cfg.actor_rollout_ref.model.tokenizer_path,
                                                     cfg.actor_rollout_ref.model.path)),
            warn(f"{RM}.model.use_shm", "copying the weights to shared memory only speeds up loading"),
-           warn(f"{RM}.model.use_remove_padding", "lathe's reward model pads each micro-batch (a packed forward is "
-                                                  "not implemented yet); the scores are the same"),
+           warn(f"{RM}.model.use_remove_padding", "lathe's reward model scores packed micro-batches (no padding) "
+                "whenever lathe's decoder runs its architecture, padded ones on transformers' fallback; the scores "
+                "are the same"),
            warn(f"{RM}.model.use_fused_kernels", "a reward model's forward has no fused kernels in lathe")]
     # read by the reward model (lathe.workers.reward_model) when it is enabled; no effect otherwise
     off = f"it is read only with {RM}.enable=true"

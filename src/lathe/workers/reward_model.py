@@ -14,10 +14,17 @@ real token of its input:
 Inputs longer than `reward_model.max_length` (default: `data.max_prompt_length + max_response_length`; verl's is
 the batch's padded width, which depends on the other rows) keep their first `max_length` tokens (verl's default
 right truncation). Rows are scored in micro-batches of `micro_batch_size_per_gpu` rows, or of at most
-`forward_max_token_len_per_gpu` tokens with `use_dynamic_bsz`, each padded on the right to its longest row (a
-packed forward without padding is a later optimisation). With `model.fsdp_config.param_offload` the weights stay
-in host memory between calls and visit the device only while scoring. Every rank holds a whole copy (the reward
-model is not sharded).
+`forward_max_token_len_per_gpu` tokens with `use_dynamic_bsz`:
+
+* where lathe's decoder implements the architecture (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, GPT-OSS, DeepSeek-V3; one
+  label, a `score` head without bias: `lathe.models.reward`), the checkpoint's tensors move into lathe's decoder
+  and each micro-batch is one packed forward, the rows laid end to end with no padding (`cu_seqlens`, as the
+  actor's log-prob pass), the head applied to each row's last hidden state;
+* otherwise transformers' model runs, each micro-batch padded on the right to its longest row.
+
+Which of the two runs is logged once, at start-up. With `model.fsdp_config.param_offload` the weights stay in host
+memory between calls and visit the device only while scoring. Every rank holds a whole copy (the reward model is not
+sharded).
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ import logging
 import torch
 
 from lathe.batch import Batch
+from lathe.models.config import UnsupportedArchitecture
 from lathe.models.hf import import_external_libs, load_tokenizer, resolve
+from lathe.models.reward import lathe_reward_model, packed_scores
 from lathe.train.micro import token_balanced_partitions
 
 log = logging.getLogger("lathe")
 RM = "reward_model"
+IMPLS = ("auto", "lathe", "hf")
 
 
 def same_tokenizer(a, b) -> bool:
@@ -55,11 +65,40 @@ def micro_batch_size(cfg, plan) -> int:
     return cfg.reward_model.micro_batch_size_per_gpu or plan.actor.micro_batch_per_device
 
 
+def select_reward_impl(model, impl: str = "auto"):
+    """(the module that scores, whether it is lathe's decoder (packed), what runs in words) for a loaded transformers
+    reward model: lathe's decoder where it implements the architecture (`impl="auto"`; `"lathe"`: that or an
+    error), else `model` itself (`"hf"`: always)."""
+    if impl not in IMPLS:
+        raise ValueError(f"reward model impl={impl!r} is unknown; use one of {', '.join(IMPLS)}")
+    name = type(model).__name__
+    if impl == "hf":
+        return model, False, f"transformers {name} (impl=hf), padded micro-batches"
+    try:
+        lathe = lathe_reward_model(model)
+    except UnsupportedArchitecture as e:
+        if impl == "lathe":
+            raise
+        return model, False, f"transformers {name}, padded micro-batches ({e})"
+    return lathe, True, f"lathe decoder ({name}, {lathe.config.num_hidden_layers} layers), packed micro-batches"
+
+
+def rm_micro_batches(lengths: list[int], rm_cfg, micro_batch_size: int) -> list[list[int]]:
+    """Row indices of each forward: by token budget (`reward_model.forward_max_token_len_per_gpu`) with
+    `reward_model.use_dynamic_bsz`, else runs of `micro_batch_size` rows."""
+    if rm_cfg.use_dynamic_bsz:
+        return token_balanced_partitions(lengths, rm_cfg.forward_max_token_len_per_gpu,
+                                         key=f"{RM}.forward_max_token_len_per_gpu")
+    size = micro_batch_size
+    return [list(range(s, min(s + size, len(lengths)))) for s in range(0, len(lengths), size)]
+
+
 class RewardModelWorker:
-    def __init__(self, cfg, policy_tokenizer, *, device: torch.device, micro_batch_size: int):
+    def __init__(self, cfg, policy_tokenizer, *, device: torch.device, micro_batch_size: int, impl: str = "auto"):
         """`cfg`: the whole config (`reward_model.*` is read); `policy_tokenizer`: the tokenizer of the responses;
         `micro_batch_size`: rows per forward without `use_dynamic_bsz` (`reward_model.micro_batch_size_per_gpu`,
-        else the actor's micro-batch: `micro_batch_size`)."""
+        else the actor's micro-batch: `micro_batch_size`); `impl`: `select_reward_impl`'s (tests and bench/rm.py
+        set "hf" to run transformers' forward whatever the architecture)."""
         rm = cfg.reward_model
         self.cfg, self.device, self.policy_tokenizer = rm, torch.device(device), policy_tokenizer
         self.micro_batch_size = micro_batch_size
@@ -68,7 +107,8 @@ class RewardModelWorker:
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         import_external_libs({f"{RM}.model.external_lib": rm.model.external_lib})
         self.tokenizer = load_tokenizer(rm.model.path, trust_remote_code=rm.model.trust_remote_code)
-        self.model = load_reward_model(rm.model.path, dtype=dtype, trust_remote_code=rm.model.trust_remote_code)
+        self.model, self.packed, self.impl = select_reward_impl(
+            load_reward_model(rm.model.path, dtype=dtype, trust_remote_code=rm.model.trust_remote_code), impl)
         if not self.offload:
             self.model.to(self.device)
         self.switch_template = not same_tokenizer(self.tokenizer, policy_tokenizer)
@@ -77,8 +117,8 @@ class RewardModelWorker:
                              "chat template to render the conversations with. Fix: use a reward model whose "
                              "tokenizer has a chat template (or the policy's tokenizer)")
         self._printed = False
-        log.info("reward model: %s (%s parameters) on %s, %s", rm.model.path,
-                 f"{sum(x.numel() for x in self.model.parameters()):,}", self.device,
+        log.info("reward model: %s (%s parameters) on %s: %s; %s", rm.model.path,
+                 f"{sum(x.numel() for x in self.model.parameters()):,}", self.device, self.impl,
                  "rendering each chat with its own template" if self.switch_template else "reading the policy's tokens")
 
     # -- inputs ----------------------------------------------------------------------------------------
@@ -116,12 +156,8 @@ class RewardModelWorker:
 
     # -- scoring ---------------------------------------------------------------------------------------
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:
-        """Row indices of each forward: by token budget with `use_dynamic_bsz`, else fixed-size runs."""
-        if self.cfg.use_dynamic_bsz:
-            return token_balanced_partitions(lengths, self.cfg.forward_max_token_len_per_gpu,
-                                             key=f"{RM}.forward_max_token_len_per_gpu")
-        size = self.micro_batch_size
-        return [list(range(s, min(s + size, len(lengths)))) for s in range(0, len(lengths), size)]
+        """Row indices of each forward (`rm_micro_batches`)."""
+        return rm_micro_batches(lengths, self.cfg, self.micro_batch_size)
 
     @torch.no_grad()
     def compute_rm_score(self, batch: Batch) -> Batch:
@@ -139,18 +175,27 @@ class RewardModelWorker:
         return Batch({"rm_scores": scores})
 
     def _forward(self, rows: list[list[int]]) -> torch.Tensor:
-        """The logit at the last real token of each row (rows padded on the right)."""
-        width, pad = max(len(r) for r in rows), self.tokenizer.pad_token_id or 0
-        ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self.device)
-        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.device)
-        last = torch.tensor([len(r) - 1 for r in rows], device=self.device)
-        backbone = getattr(self.model, self.model.base_model_prefix, None)
-        head = getattr(self.model, "score", None)
-        if backbone is None or head is None:               # an unusual head: one row at a time, no padding to find
-            return torch.stack([self.model(input_ids=ids[i:i + 1, :n + 1]).logits[0, 0].float()
-                                for i, n in enumerate(last.tolist())]).cpu()
-        hidden = backbone(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        return head(hidden[torch.arange(len(rows), device=self.device), last])[:, 0].float().cpu()
+        return forward_scores(self.model, self.packed, rows, self.device, self.tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def forward_scores(model, packed: bool, rows: list[list[int]], device: torch.device, pad_id: int | None
+                   ) -> torch.Tensor:
+    """(len(rows),) float32: the logit at the last real token of each row, from one forward of `model`
+    (`select_reward_impl`'s): packed on lathe's decoder, else padded on the right with `pad_id`."""
+    if packed:
+        return packed_scores(model, rows, device)
+    width, pad = max(len(r) for r in rows), pad_id or 0
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    last = torch.tensor([len(r) - 1 for r in rows], device=device)
+    backbone = getattr(model, model.base_model_prefix, None)
+    head = getattr(model, "score", None)
+    if backbone is None or head is None:                   # an unusual head: one row at a time, no padding to find
+        return torch.stack([model(input_ids=ids[i:i + 1, :n + 1]).logits[0, 0].float()
+                            for i, n in enumerate(last.tolist())]).cpu()
+    hidden = backbone(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    return head(hidden[torch.arange(len(rows), device=device), last])[:, 0].float().cpu()
 
 
 def _messages(batch: Batch, i: int) -> list[dict]:

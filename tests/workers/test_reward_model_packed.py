@@ -1,0 +1,84 @@
+"""The reward model on lathe's decoder: packed micro-batches score as transformers' sequence-classification forward."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from helpers import RM_TEMPLATE, assert_close_rel, tiny_reward_model
+from lathe.data.builtin import builtin_tokenizer
+from lathe.generation import RolloutOutput
+from lathe.models.config import UnsupportedArchitecture
+from lathe.models.decoder import LatheValueModel
+from lathe.models.reward import lathe_reward_model
+from lathe.rollout.base import to_batch
+from lathe.workers.reward_model import select_reward_impl
+from workers.test_reward_model import hf_scores, worker
+
+CHATS = [[{"role": "user", "content": "Hi"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to twenty in words."}],
+         [{"role": "user", "content": "2+2?"}],
+         [{"role": "user", "content": "Say why, at length."}]]
+RESPONSES = ["4", "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen", "",
+             "Because " + "it is so, and it was so, " * 5]
+
+
+def ragged_batch(tok):
+    """Rows of very different lengths (an empty response, one of ~150 tokens), responses ending in EOS."""
+    prompt_ids = [tok(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)["input_ids"] for c in CHATS]
+    responses = [tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in RESPONSES]
+    out = RolloutOutput(responses, [[0.0] * len(r) for r in responses], ["stop"] * len(responses))
+    batch = to_batch(prompt_ids, out, tok.pad_token_id, n=1)
+    batch["raw_prompt"] = CHATS
+    return batch
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_scores_equal_transformers_forward(tmp_path, family, caplog):
+    """The reward model's own chat template (not the policy's): each conversation is re-rendered, then scored in
+    packed micro-batches by token budget, several rows to a forward; transformers scores each text alone."""
+    path = tiny_reward_model(tmp_path / family, chat_template=RM_TEMPLATE, seed=2, family=family)
+    batch = ragged_batch(builtin_tokenizer())
+    with caplog.at_level(logging.INFO, logger="lathe"):
+        rm = worker(path, "reward_model.use_dynamic_bsz=true", "reward_model.forward_max_token_len_per_gpu=256",
+                    "reward_model.max_length=256")
+    assert rm.switch_template and rm.packed and isinstance(rm.model, LatheValueModel)
+    assert "lathe decoder" in caplog.text and "packed micro-batches" in caplog.text
+    inputs = rm.rm_inputs(batch)
+    lengths = [len(x) for x in inputs]
+    assert max(lengths) > 6 * min(lengths) and max(lengths) < 256         # (not cut)
+    assert any(len(rows) > 1 for rows in rm.micro_batches(lengths))         # rows do share a packed forward
+    scores = rm.compute_rm_score(batch)["rm_scores"]
+    expected = hf_scores(path, inputs)
+    assert_close_rel(scores, expected, rel=1e-5)
+    assert scores.std() > 0.01
+    padded = worker(path, "reward_model.micro_batch_size_per_gpu=4").compute_rm_score(batch)["rm_scores"]
+    assert_close_rel(padded, expected, rel=1e-5)                              # fixed-size packed micro-batches
+
+
+def test_the_transformers_path_stays_for_what_lathe_does_not_run(tmp_path):
+    from transformers import MistralConfig, MistralForSequenceClassification
+    path = tiny_reward_model(tmp_path / "llama")
+    rm = worker(path, impl="hf")
+    assert not rm.packed and "impl=hf" in rm.impl
+    batch = ragged_batch(builtin_tokenizer())
+    assert_close_rel(rm.compute_rm_score(batch)["rm_scores"], hf_scores(path, rm.rm_inputs(batch)), rel=1e-5)
+
+    mistral = MistralForSequenceClassification(MistralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1)).eval()
+    model, packed, why = select_reward_impl(mistral)
+    assert model is mistral and not packed and "does not implement MistralForSequenceClassification" in why
+    with pytest.raises(UnsupportedArchitecture):
+        select_reward_impl(mistral, "lathe")
+
+
+def test_a_head_lathe_does_not_read_is_refused(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model(tmp_path / "rm"), num_labels=1)
+    model.score = torch.nn.Linear(model.config.hidden_size, 1, bias=True)
+    with pytest.raises(UnsupportedArchitecture, match="with a bias"):
+        lathe_reward_model(model)

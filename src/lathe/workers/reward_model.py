@@ -97,8 +97,8 @@ class RewardModelWorker:
     def __init__(self, cfg, policy_tokenizer, *, device: torch.device, micro_batch_size: int, impl: str = "auto"):
         """`cfg`: the whole config (`reward_model.*` is read); `policy_tokenizer`: the tokenizer of the responses;
         `micro_batch_size`: rows per forward without `use_dynamic_bsz` (`reward_model.micro_batch_size_per_gpu`,
-        else the actor's micro-batch: `micro_batch_size`); `impl`: `select_reward_impl`'s (tests and bench/rm.py
-        set "hf" to run transformers' forward whatever the architecture)."""
+        else the actor's micro-batch: `micro_batch_size`); `impl`: `select_reward_impl`'s (tests set "hf" to run
+        transformers' forward whatever the architecture; no config key chooses: both give the same scores)."""
         rm = cfg.reward_model
         self.cfg, self.device, self.policy_tokenizer = rm, torch.device(device), policy_tokenizer
         self.micro_batch_size = micro_batch_size

@@ -31,10 +31,10 @@ def scored_batch(tok):
     return batch, prompt_ids, responses
 
 
-def worker(path, *overrides, impl: str = "auto"):
+def worker(path, *overrides, impl: str = "auto", device=torch.device("cpu")):
     cfg = load_config("default", ["reward_model.enable=true", f"reward_model.model.path={path}",
                                   "reward_model.micro_batch_size_per_gpu=2", "reward_model.max_length=512", *overrides])
-    return RewardModelWorker(cfg, builtin_tokenizer(), device=torch.device("cpu"),
+    return RewardModelWorker(cfg, builtin_tokenizer(), device=device,
                              micro_batch_size=cfg.reward_model.micro_batch_size_per_gpu, impl=impl)
 
 

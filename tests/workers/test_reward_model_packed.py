@@ -82,3 +82,21 @@ def test_a_head_lathe_does_not_read_is_refused(tmp_path):
     model.score = torch.nn.Linear(model.config.hidden_size, 1, bias=True)
     with pytest.raises(UnsupportedArchitecture, match="with a bias"):
         lathe_reward_model(model)
+
+
+@pytest.mark.gpu
+def test_cuda_scores_packed_in_bf16_with_varlen_attention(tmp_path):
+    """On a GPU: bf16 weights, flash-attention varlen over the packed rows; the scores are transformers' padded bf16
+    forward's and the float32 forward's up to bf16 rounding."""
+    path = tiny_reward_model(tmp_path / "qwen2", chat_template=RM_TEMPLATE, seed=2, family="qwen2")
+    batch = ragged_batch(builtin_tokenizer())
+    cuda = torch.device("cuda")
+    rm = worker(path, "reward_model.use_dynamic_bsz=true", "reward_model.forward_max_token_len_per_gpu=256",
+                "reward_model.max_length=256", device=cuda)
+    assert rm.packed and rm.model.dtype == torch.bfloat16 and rm.model.packed_backend() == "varlen"
+    scores = rm.compute_rm_score(batch)["rm_scores"]
+    expected = hf_scores(path, rm.rm_inputs(batch))
+    assert_close_rel(scores, expected, rel=3e-2)
+    hf = worker(path, "reward_model.use_dynamic_bsz=true", "reward_model.forward_max_token_len_per_gpu=256",
+                "reward_model.max_length=256", device=cuda, impl="hf")
+    assert_close_rel(scores, hf.compute_rm_score(batch)["rm_scores"], rel=3e-2)

@@ -37,8 +37,12 @@ def test_bad_sizes_and_combinations_are_refused_up_front_naming_the_key():
     assert f"`{EP['critic']}`=2 does not divide the FSDP shard group of 1 device(s)" in text
     text = fails(f"{EP['actor']}=2", f"{A}.fsdp_config.tensor_parallel_size=2", f"{A}.ulysses_sequence_parallel_size=2",
                  "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.lora_rank=4")
-    for other in ("fsdp_config.tensor_parallel_size=2", "ulysses_sequence_parallel_size=2", "model.lora_rank=4"):
+    for other in ("fsdp_config.tensor_parallel_size=2", "model.lora_rank=4"):
         assert f"{EP['actor']}=2 with actor_rollout_ref.{'' if 'model.' in other else 'actor.'}{other}" in text
+    assert f"{EP['actor']}=2 with {A}.ulysses_sequence_parallel_size" not in text     # Ulysses composes
+    run = run_plan(load(f"{EP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2",
+                        "actor_rollout_ref.model.use_remove_padding=true"))
+    assert run.mesh("actor") == MeshPlan(1, 4, 1, 2) and run.actor.data_parallel_size == 2
     assert "expert parallelism for the reward model" in fails("reward_model.model.fsdp_config.expert_parallel_size=2",
                                                               "reward_model.enable=true")
 

@@ -21,7 +21,7 @@ from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
 from .support_rollout import ROUTING
 from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
-from .verl_translate import RULES, rule_for, translate
+from .verl_translate import RULES, rule_for, tp_beside_ep_notice, translate
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
 ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
@@ -374,7 +374,8 @@ def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
         verdict = verdict_for(key, value, cfg)
         if verdict is not None:
             out.append(verdict)
-    return out
+    notice = tp_beside_ep_notice(cfg)         # once for every role whose Megatron TP beside EP was dropped
+    return out + [("warn", notice)] * (notice is not None)
 
 
 def verdict_for(key: str, value: Any, cfg: Any) -> tuple[str, str] | None:

@@ -37,8 +37,12 @@ def test_bad_sizes_and_combinations_are_refused_up_front_naming_the_key():
     assert f"`{EP['critic']}`=2 does not divide the FSDP shard group of 1 device(s)" in text
     text = fails(f"{EP['actor']}=2", f"{A}.fsdp_config.tensor_parallel_size=2", f"{A}.ulysses_sequence_parallel_size=2",
                  "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.lora_rank=4")
-    for other in ("fsdp_config.tensor_parallel_size=2", "ulysses_sequence_parallel_size=2", "model.lora_rank=4"):
+    for other in ("fsdp_config.tensor_parallel_size=2", "model.lora_rank=4"):
         assert f"{EP['actor']}=2 with actor_rollout_ref.{'' if 'model.' in other else 'actor.'}{other}" in text
+    assert f"{EP['actor']}=2 with {A}.ulysses_sequence_parallel_size" not in text     # Ulysses composes
+    run = run_plan(load(f"{EP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2",
+                        "actor_rollout_ref.model.use_remove_padding=true"))
+    assert run.mesh("actor") == MeshPlan(1, 4, 1, 2) and run.actor.data_parallel_size == 2
     assert "expert parallelism for the reward model" in fails("reward_model.model.fsdp_config.expert_parallel_size=2",
                                                               "reward_model.enable=true")
 
@@ -56,3 +60,24 @@ def test_weights_kept_gathered_with_offloaded_weights_are_refused():
             load_config("base", ["actor_rollout_ref.actor.fsdp_config.keep_gathered=true",
                                  f"actor_rollout_ref.actor.fsdp_config.{key}=true"])
     load_config("base", ["actor_rollout_ref.actor.fsdp_config.param_offload=true"])     # auto: off, no problem
+
+
+@pytest.mark.parametrize("tp_key", ["megatron.tensor_model_parallel_size", "torchtitan.tensor_parallel_size",
+                                    "megatron.override_transformer_config.tensor_model_parallel_size"])
+def test_megatron_tp_beside_ep_becomes_fsdp_sharding_with_one_notice(tp_key):
+    """Megatron cuts the dense layers over TP and the experts over DP x TP: lathe shards the dense layers with FSDP over
+    those devices instead (no TP x EP in one model); TP without EP stays TP, and lathe's own TP key stays refused."""
+    import warnings
+    roles = (A, REF)
+    ep = [f"+{role}.megatron.expert_model_parallel_size=4" for role in roles]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load(*GAE, *ep, *(f"+{role}.{tp_key}=2" for role in roles), devices=8)
+    run = run_plan(cfg)
+    assert run.mesh("actor") == MeshPlan(1, 8, 1, 4) and run.mesh("ref") == MeshPlan(1, 8, 1, 4)
+    assert run.actor.data_parallel_size == 8                 # the mini-batch is split over every device
+    notices = [line for w in caught for line in str(w.message).splitlines() if "beside expert parallelism" in line]
+    assert len(notices) == 1 and f"{A}: TP 2 beside EP 4" in notices[0] and f"{REF}: TP 2 beside EP 4" in notices[0]
+    assert run_plan(load(f"+{A}.{tp_key}=2", devices=8)).mesh("actor").tp == 2        # no EP: TP as before
+    text = fails(*ep[:1], f"{A}.fsdp_config.tensor_parallel_size=2", devices=8)
+    assert f"{EP['actor']}=4 with {A}.fsdp_config.tensor_parallel_size=2" in text

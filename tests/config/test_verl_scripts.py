@@ -19,15 +19,11 @@ from config.verl_corpus import names, problems, refused_features, table
 KNOWN_OTHERS = {
     r"sequences per (mini-batch|step) is not divisible by the device": "lathe's batch rules split over every "
         "device; with pipeline/context parallelism (refused: issue 43) verl splits over fewer",
-    r"LoRA with tensor parallelism is not implemented yet": "a cross-field rule (config/rules_parallel.py): the adapters "
-        "are not cut over a tensor-parallel group yet",
     r"tensor parallelism with Ulysses is not implemented yet": "a cross-field rule (config/rules_parallel.py): Megatron scripts set TP and CP "
         "together, and CP translates to Ulysses, which does not combine with TP in one model yet",
-    r"expert_parallel_size`=\d+ does not divide the FSDP shard group": "Megatron lays its expert layers out on "
-        "their own (EP over the data- and tensor-parallel ranks together); lathe's expert-parallel groups come from "
-        "the FSDP shard group, and EP with TP in one model is not implemented yet (issue 43)",
-    r"expert parallelism with \w+ in one model is not": "a cross-field rule (config/rules_parallel.py): Megatron MoE scripts set EP with TP or CP, which do "
-        "not combine with EP in one model yet",
+    r"expert parallelism with lora_rank in one model is not": "a cross-field rule (config/rules_parallel.py): a "
+        "Megatron MoE script trains LoRA adapters beside EP, which lathe does not combine in one model yet (its "
+        "Megatron TP beside EP translates to FSDP sharding, its CP to Ulysses, which composes with EP)",
     r"distillation with tensor parallelism is not implemented yet": "a cross-field rule (config/distill.py): the "
         "teachers are sharded with FSDP only, each rank scoring its own rows",
     r"^unknown key actor_rollout_ref\.actor\.engine\.": "the megatron-lite package's keys (after the refused "

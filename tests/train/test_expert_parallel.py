@@ -9,7 +9,9 @@ One group of 4 gloo ranks (forks of one forkserver, as `test_parallel`'s), all c
   rank 2 experts whole, sharded over the 2 groups) saving its checkpoint after 2 and handing the engine whole
   tensors; on HSDP 2 replicas x EP 2 (two EP=2 groups, the experts not sharded further); and resuming a one-process
   checkpoint on FSDP 4 x EP 2: metrics and weights equal the one-process run, and the EP checkpoint resumes exactly
-  in one process, with the experts under their per-expert Hugging Face names.
+  in one process, with the experts under their per-expert Hugging Face names;
+- the same actor with its load-balancing loss on, on EP 2 x Ulysses 2: metrics (the aux loss too), the last step's
+  gradients, the weights and the log-probs of a forward after the updates equal the one-process run's.
 """
 
 from __future__ import annotations
@@ -45,12 +47,23 @@ def moe_config(**changes) -> LatheConfig:
         "decoder_sparse_step": 1, **changes})
 
 
-def tiny_moe() -> LatheCausalLM:
+def tiny_moe(**changes) -> LatheCausalLM:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = LatheCausalLM(moe_config())
+        model = LatheCausalLM(moe_config(**changes))
         init_weights(model, std=0.2)
     return model
+
+
+def aux_moe() -> LatheCausalLM:
+    """`tiny_moe` whose update adds the routers' load-balancing loss, weighted to show in the gradients."""
+    return tiny_moe(output_router_logits=True, router_aux_loss_coef=0.5)
+
+
+# EP 2 x Ulysses 2 on 4 ranks: 2 sequence-parallel groups of 2, each group's 2 ranks one EP group too. The load-
+# balancing loss is each micro-batch's (as transformers' per forward): the one-process twin cuts the same micro-batches
+PACKED = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+SP = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", *PACKED)
 
 
 def moe_block(family: str):
@@ -103,7 +116,8 @@ def ep_job(world: int, *, ckpt: str, one: str) -> dict:
     return {"block": {family: rank_block(world, family) for family in FAMILIES},
             "fsdp": train(world, -1, save=ckpt, model_fn=tiny_moe, engine=True, overrides=ep),
             "hsdp": train(world, 2, model_fn=tiny_moe, overrides=ep),
-            "resumed": train(world, -1, steps=range(SAVED_AFTER, STEPS), resume=one, model_fn=tiny_moe, overrides=ep)}
+            "resumed": train(world, -1, steps=range(SAVED_AFTER, STEPS), resume=one, model_fn=tiny_moe, overrides=ep),
+            "sp": train(world, -1, model_fn=aux_moe, overrides=(*ep, *SP), tp=2, log_probs=True, grads=True)}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +127,12 @@ def runs(tmp_path_factory):
     train(1, -1, steps=range(SAVED_AFTER), save=root / "one", model_fn=tiny_moe)     # resumed under FSDP x EP
     [ranks] = run_ranks(4, root / "ranks", dict(ckpt=root / "ep", one=root / "one"), fn=ep_job)
     return root, one, ranks
+
+
+@pytest.fixture(scope="module")
+def one_with_aux():
+    """The EP x Ulysses run's one-process twin: packed, the load-balancing loss on."""
+    return train(1, -1, model_fn=aux_moe, overrides=PACKED, log_probs=True, grads=True)
 
 
 def assert_same(got: dict, expected: dict, steps=range(STEPS)) -> None:
@@ -155,6 +175,22 @@ def test_hsdp_2_x_ep_2_updates_as_one_process(runs):
     _, one, ranks = runs
     assert ranks[0]["hsdp"]["experts_mesh"] == (("dp_replicate", "dp_shard_mod_ep", "ep"), (2, 1, 2))
     assert_same(ranks[0]["hsdp"], one)
+
+
+def test_ep_2_x_ulysses_2_updates_as_one_process(runs, one_with_aux):
+    """Each rank dispatches the tokens of its slice of the packed stream; the load-balancing loss is the whole
+    micro-batch's (its statistics summed over the sequence-parallel group, the padding left out)."""
+    _, _, ranks = runs
+    got, one = ranks[0]["sp"], one_with_aux
+    assert got["experts_mesh"] == (("dp_shard_mod_ep", "ep"), (2, 2))
+    compared = (*COMPARED, "actor/router_aux_loss")
+    for a, b in zip(got["metrics"][:STEPS], one["metrics"][:STEPS]):
+        assert_close_rel([a[k] for k in compared], [b[k] for k in compared], rel=1e-5, name="metrics")
+    assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
+    for name in ("old_log_probs", "entropys"):         # each rank's share of a forward after the updates
+        mine = torch.cat([r["sp"]["metrics"][STEPS][name] for r in ranks[::2]])
+        assert_close_rel(mine, one["metrics"][STEPS][name], rel=1e-5, name=name)
 
 
 def test_ep_checkpoints_resume_in_one_process_and_back(runs):

@@ -76,11 +76,12 @@ def ppo_batch(step: int):
 
 
 def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None = None, resume: Path | None = None,
-          overrides: tuple[str, ...] = (), tp: int = 1, engine: bool = False, model_fn=None, log_probs: bool = False):
-    """The actor's updates over `steps` on this process's share (a rank of `world`, or one process; with tensor-
-    parallel groups of `tp` ranks, its group's share): metrics, the full weights at the end (on rank 0), the mesh its
-    weights are sharded on and, with `engine`, the weights a rollout engine would load; `model_fn`: the policy
-    (`tiny_model` by default)."""
+          overrides: tuple[str, ...] = (), tp: int = 1, engine: bool = False, model_fn=None, log_probs: bool = False,
+          grads: bool = False):
+    """The actor's updates over `steps` on this process's share (a rank of `world`, or one process; with tensor- or
+    sequence-parallel groups of `tp` ranks, its group's share): metrics, the full weights at the end (on rank 0), the
+    mesh its weights are sharded on and, with `engine`, the weights a rollout engine would load; with `grads`, the
+    last optimizer step's (clipped) full gradients; `model_fn`: the policy (`tiny_model` by default)."""
     cfg = load_config(None, [*BASE_OVERRIDES, "trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
                              f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size}",
                              "actor_rollout_ref.actor.entropy_coeff=0.01", *overrides], device_count=world)
@@ -94,6 +95,10 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
                          nonfinite=NonFiniteGuard("actor"), mesh=plan.mesh("actor"))
     if resume is not None:
         actor.load_checkpoint(resume)
+    last_grads: dict = {}
+    if grads:               # the full gradients each optimizer step takes (clipped): the last step's kept
+        actor.optimizer.register_step_pre_hook(lambda *_: last_grads.update(
+            {n: parallel.to_local(p.grad).clone() for n, p in actor.model.named_parameters()}))
     metrics = []
     for step in steps:
         batch = ppo_batch(step)
@@ -115,6 +120,8 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
         out["experts_mesh"] = (experts[0].device_mesh.mesh_dim_names, tuple(experts[0].device_mesh.shape))
     if engine:
         out["engine"] = {k: v.clone() for k, v in actor.weights()}
+    if grads:
+        out["grads"] = last_grads
     return out
 
 

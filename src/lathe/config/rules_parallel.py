@@ -73,16 +73,15 @@ def check_tensor_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
 
 
 def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
-    """A role with expert_parallel_size > 1 runs without tensor parallelism, Ulysses (in that role) and LoRA (not built
-    yet); its sizes are checked with the meshes (`plan.mesh_problems`), the model's experts when it loads
-    (`lathe.train.expert_parallel.check_model`)."""
+    """A role with expert_parallel_size > 1 runs without tensor parallelism and LoRA (not built yet; Ulysses composes:
+    each rank dispatches the tokens of its slice, `lathe.train.expert_parallel`); its sizes are checked with the
+    meshes (`plan.mesh_problems`), the model's experts when it loads (`lathe.train.expert_parallel.check_model`)."""
     roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
     for role in roles:
         ep, key = expert_parallel_size(cfg, role), f"{FSDP_GROUPS[role]}.expert_parallel_size"
         if ep <= 1:
             continue
-        others = {f"{FSDP_GROUPS[role]}.tensor_parallel_size": tensor_parallel_size(cfg, role),
-                  KEYS[role]: sequence_parallel_size(cfg, role)}
+        others = {f"{FSDP_GROUPS[role]}.tensor_parallel_size": tensor_parallel_size(cfg, role)}
         if role != "critic":
             others[f"{ARR}.model.lora_rank"] = cfg.actor_rollout_ref.model.lora_rank
         for other, value in others.items():

@@ -21,7 +21,7 @@ from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
 from .support_rollout import ROUTING
 from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
-from .verl_translate import RULES, rule_for, translate
+from .verl_translate import RULES, rule_for, tp_beside_ep_notice, translate
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
 ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
@@ -83,12 +83,51 @@ def _moe_and_quantization() -> list[Entry]:
            refuse("*.qat.enable", QAT),
            warn("*.qat.*", "it is read only with qat.enable=true"),
            refuse("*.megatron.override_transformer_config.*fp8*", FP8, "remove it"),
-           refuse("*.megatron.override_transformer_config.moe_*loss*", MOE_LOSSES, "remove it (or set it to 0)"),
-           refuse("*.megatron.override_transformer_config.moe_router_load_balancing_type", MOE_LOSSES, "remove it"),
-           refuse("*.megatron.override_transformer_config.moe_router_*bias*", MOE_LOSSES, "remove it"),
+           *_moe_router(),
            warn("*.megatron.override_transformer_config.moe_*", "a MoE kernel or dispatch setting (grouped GEMM, "
                 "permute fusion, token dispatcher, DeepEP, router dtype); " + KERNELS)]
     return out
+
+
+OTC = "*.megatron.override_transformer_config"
+AUX_ON = "actor_rollout_ref.model.override_config.output_router_logits"
+
+
+def _aux_on(cfg: Any) -> bool:
+    """lathe's load-balancing loss is on (transformers' switch, `lathe.models.moe`)."""
+    return bool(cfg.actor_rollout_ref.model.override_config.get("output_router_logits"))
+
+
+def _bias_frozen(cfg: Any) -> bool:
+    """Every role that sets Megatron's expert-bias update rate sets it to 0 (and one does)."""
+    rates = [v for k, v in _leaves(cfg.verl_keys) if k.endswith(".moe_router_bias_update_rate")]
+    return bool(rates) and all(r == 0 for r in rates)
+
+
+def _moe_router() -> list[Entry]:
+    """Megatron's router training settings: what lathe's MoE layers compute the same, and what they do not have."""
+    return [
+        refuse(f"{OTC}.moe_aux_loss_coeff", MOE_LOSSES, "remove it (or set it to 0). Megatron adds a Switch load-"
+               "balancing loss per sparse layer (its f_i normalised by the top-k), summed over the layers; lathe's is "
+               f"transformers' over every layer's tokens pooled, a different loss: {AUX_ON}=true with "
+               "router_aux_loss_coef (the model's config) turns that one on"),
+        refuse(f"{OTC}.moe_z_loss_coeff", MOE_LOSSES, "remove it (or set it to 0): lathe's MoE layers have no router "
+               "z-loss (the mean squared logsumexp of the router logits)"),
+        refuse(f"{OTC}.moe_*loss*", MOE_LOSSES, "remove it (or set it to 0)"),
+        # 'none': no load-balancing loss, as lathe trains unless its own loss is turned on
+        refuse(f"{OTC}.moe_router_load_balancing_type", MOE_LOSSES, f"remove it, or set it to none (no load-"
+               f"balancing loss: lathe's default, with {AUX_ON} unset); Megatron's aux_loss, seq_aux_loss, "
+               "global_aux_loss and sinkhorn balancing are not lathe's",
+               ok=lambda v, cfg: v is None or (v == "none" and not _aux_on(cfg))),
+        # an expert bias that never updates is the router's bias as loaded (DeepSeek-V3's e_score_correction_bias)
+        # or none: what lathe's MoE layers compute
+        refuse(f"{OTC}.moe_router_enable_expert_bias", MOE_LOSSES, "remove it, or set moe_router_bias_update_rate=0 "
+               "beside it (the bias then stays as the checkpoint has it, as lathe's layers use it): lathe does not "
+               "update an expert bias from the routing counts (aux-loss-free balancing)",
+               ok=lambda v, cfg: not v or _bias_frozen(cfg)),
+        refuse(f"{OTC}.moe_router_bias_update_rate", MOE_LOSSES, "set it to 0, or remove it: lathe does not update an "
+               "expert bias from the routing counts (aux-loss-free balancing)", ok=lambda v, cfg: v in (None, 0)),
+        refuse(f"{OTC}.moe_router_*bias*", MOE_LOSSES, "remove it")]
 
 
 def _backends() -> list[Entry]:
@@ -374,7 +413,8 @@ def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
         verdict = verdict_for(key, value, cfg)
         if verdict is not None:
             out.append(verdict)
-    return out
+    notice = tp_beside_ep_notice(cfg)         # once for every role whose Megatron TP beside EP was dropped
+    return out + [("warn", notice)] * (notice is not None)
 
 
 def verdict_for(key: str, value: Any, cfg: Any) -> tuple[str, str] | None:

@@ -19,7 +19,12 @@ layer and in order, so a later ``fsdp_config`` override still wins:
 * ``megatron.tensor_model_parallel_size`` (also under ``megatron.override_transformer_config``),
   ``torchtitan.tensor_parallel_size`` -> ``fsdp_config.tensor_parallel_size`` (lathe's tensor parallelism);
 * ``megatron.expert_model_parallel_size``, ``torchtitan.expert_parallel_size``, ``veomni.expert_parallel_size`` ->
-  ``fsdp_config.expert_parallel_size`` (lathe's expert parallelism);
+  ``fsdp_config.expert_parallel_size`` (lathe's expert parallelism). Beside an expert-parallel size above 1, a role's
+  Megatron or torchtitan tensor-parallel size translates to nothing once every key is set (`drop_tp_beside_ep`):
+  Megatron cuts the dense layers over its TP ranks and the experts over the data- x tensor-parallel ranks, lathe has
+  no TP x EP in one model, so the dense layers are FSDP-sharded over those devices instead (the same computation,
+  another memory layout; a mini-batch is then split over every device); one notice says so (`tp_beside_ep_notice`).
+  lathe's own ``fsdp_config.tensor_parallel_size`` set to another value beside EP stays refused;
 * the actor's ``{megatron,veomni}.router_replay.mode`` -> ``actor.router_replay.mode`` (routing replay, R2/R3);
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
 
@@ -59,11 +64,11 @@ CP_DOC = "ulysses_sequence_parallel_size (split as Ulysses splits it: the same m
 
 # (pattern below a role, lathe key: 'fsdp.<k>' / 'model.<k>' / 'optim.<k>' in the role's group or 'role.<k>' in the
 # role itself, value map, doc)
+TP_DOC = "fsdp_config.tensor_parallel_size (beside expert parallelism: nothing, FSDP over those devices)"
 RULES: tuple[tuple[str, str, Map, str], ...] = (
-    ("megatron.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same, "fsdp_config.tensor_parallel_size"),
-    ("megatron.override_transformer_config.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same,
-     "fsdp_config.tensor_parallel_size"),
-    ("torchtitan.tensor_parallel_size", "fsdp.tensor_parallel_size", _same, "fsdp_config.tensor_parallel_size"),
+    ("megatron.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same, TP_DOC),
+    ("megatron.override_transformer_config.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same, TP_DOC),
+    ("torchtitan.tensor_parallel_size", "fsdp.tensor_parallel_size", _same, TP_DOC),
     ("megatron.expert_model_parallel_size", "fsdp.expert_parallel_size", _same, "fsdp_config.expert_parallel_size"),
     ("torchtitan.expert_parallel_size", "fsdp.expert_parallel_size", _same, "fsdp_config.expert_parallel_size"),
     ("veomni.expert_parallel_size", "fsdp.expert_parallel_size", _same, "fsdp_config.expert_parallel_size"),
@@ -136,3 +141,45 @@ def translate(key: str, value: Any) -> list[tuple[str, Any]]:
     rest = _role(key)[1]
     mapped = next(m for pattern, _, m, _ in RULES if fnmatchcase(rest, pattern))(value)
     return [] if mapped is None else [(target, mapped)]
+
+
+# the verl spellings of a role's tensor-parallel size (see RULES)
+TP_SPELLINGS = ("megatron.tensor_model_parallel_size",
+                "megatron.override_transformer_config.tensor_model_parallel_size", "torchtitan.tensor_parallel_size")
+
+
+def _fsdp(cfg: Any, role: str) -> Any:
+    node = cfg
+    for part in ROLE[role][0].split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _verl_tp(cfg: Any, role: str) -> set[int]:
+    """The tensor-parallel sizes above 1 that `role`'s Megatron / torchtitan keys give."""
+    given = (cfg.verl_keys.get(f"{role}.{spelling}") for spelling in TP_SPELLINGS)
+    return {v for v in given if isinstance(v, int) and v > 1}
+
+
+def drop_tp_beside_ep(cfg: Any) -> None:
+    """Each role whose tensor-parallel size is the one its Megatron / torchtitan key gave, beside an expert-parallel
+    size above 1, runs without tensor parallelism (module doc); called once every layer of keys is set."""
+    for role in ROLE:
+        fsdp = _fsdp(cfg, role)
+        if fsdp.expert_parallel_size > 1 and fsdp.tensor_parallel_size in _verl_tp(cfg, role):
+            fsdp.tensor_parallel_size = 1
+
+
+def tp_beside_ep_notice(cfg: Any) -> str | None:
+    """The one notice for the roles whose Megatron / torchtitan tensor-parallel size `drop_tp_beside_ep` dropped."""
+    roles = [role for role in ROLE if _fsdp(cfg, role).expert_parallel_size > 1
+             and _fsdp(cfg, role).tensor_parallel_size == 1 and _verl_tp(cfg, role)]
+    if not roles:
+        return None
+    sizes = ", ".join(f"{role}: TP {max(_verl_tp(cfg, role))} beside EP {_fsdp(cfg, role).expert_parallel_size}"
+                      for role in roles)
+    return (f"Megatron's/torchtitan's tensor-parallel size beside expert parallelism ({sizes}) translates to "
+            "nothing: Megatron cuts the dense layers over its TP ranks and the experts over the data- x tensor-"
+            "parallel ranks, and lathe has no TP x EP in one model, so the dense layers are FSDP-sharded over those "
+            "devices instead (the same computation, another memory layout) and a mini-batch is split over every "
+            "device.")

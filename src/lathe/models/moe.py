@@ -250,8 +250,11 @@ class RouterStats:
     tokens_per_expert: list[torch.Tensor] = field(default_factory=list)   # (E,) float32 counts, no gradient
     prob_per_expert: list[torch.Tensor] = field(default_factory=list)     # (E,) float32 sums, with gradient
     rows: int = 0
+    keep_rows: int | None = None      # record only each forward's first rows (a sequence-parallel slice's real ones)
 
     def record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+        if self.keep_rows is not None:
+            probs, chosen = probs[:self.keep_rows], chosen[:self.keep_rows]
         with torch.no_grad():
             counts = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
             counts.index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device))
@@ -259,15 +262,22 @@ class RouterStats:
         self.prob_per_expert.append(probs.sum(0))
         self.rows += probs.shape[0]
 
-    def aux_loss(self) -> torch.Tensor:
+    def totals(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(top-k assignments per expert (E,), routing probabilities summed per expert (E,), rows), over every
+        recorded forward and sparse layer."""
+        if not self.tokens_per_expert:
+            return torch.zeros(self.num_experts), torch.zeros(self.num_experts), 0
+        return torch.stack(self.tokens_per_expert).sum(0), torch.stack(self.prob_per_expert).sum(0), self.rows
+
+    def aux_loss(self, totals: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
         """E * sum_e f_e P_e, with f_e the share of top-k assignments to expert e and P_e its mean routing
         probability, both over every token of every sparse layer (transformers' `load_balancing_loss_func`, whose
-        f_e sums to k). Without a sparse layer run (no tokens), 0."""
-        if not self.rows:
+        f_e sums to k). `totals`: `totals()` summed over the ranks that share the tokens (None: this one's). Without
+        a sparse layer run (no tokens), 0."""
+        counts, probs, rows = self.totals() if totals is None else totals
+        if not rows:
             return torch.zeros(())
-        f = torch.stack(self.tokens_per_expert).sum(0) / self.rows
-        p = torch.stack(self.prob_per_expert).sum(0) / self.rows
-        return self.num_experts * (f * p).sum()
+        return self.num_experts * (counts / rows * (probs / rows)).sum()
 
 
 def router_aux_loss_coef(model: nn.Module) -> float:

@@ -30,10 +30,10 @@ from lathe.models.compile import maybe_compile
 from lathe.models.moe import collect_router_stats, router_aux_loss_coef
 from lathe.models.routing import ReplayStats
 from lathe.rollout.base import ROUTED
-from lathe.train import parallel
+from lathe.train import parallel, ulysses
 from lathe.train.gathered import accumulating
 from lathe.train.logprob import group_budget, response_log_probs
-from lathe.train.micro import micro_batches
+from lathe.train.micro import HOST_MASK, micro_batches
 from lathe.train.routing import replay_or_nothing
 from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel
@@ -149,6 +149,8 @@ class PPOActor:
         cfg = self.cfg
         mask = micro["response_mask"]
         with collect_router_stats(self.model) if self.router_aux_coef else nullcontext() as router:
+            if router is not None and self.sp is not None:       # this rank's slice of the packed stream
+                router.keep_rows = ulysses.real_rows(packed_tokens(micro), self.sp)
             log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
                                                    calculate_entropy=True, remove_padding=self.use_remove_padding,
                                                    prefix_grouper=cfg.use_prefix_grouper, sp=self.sp)
@@ -173,7 +175,7 @@ class PPOActor:
             parts["actor/kl_loss"] = kl_loss.detach()
             parts["actor/kl_coef"] = cfg.kl_loss_coef
         if router is not None:
-            aux = router.aux_loss()
+            aux = router.aux_loss(None if self.sp is None else ulysses.router_totals(router, self.sp))
             loss = loss + self.router_aux_coef * aux * (len(micro) / agg["global_num_seqs"])
             parts["actor/router_aux_loss"] = aux.detach()
         if self.distillation is not None:
@@ -220,3 +222,9 @@ def _over_ranks(extremes: dict[str, torch.Tensor], group) -> dict[str, float]:
     signs = [-1.0 if _EXTREMES[k] is torch.minimum else 1.0 for k in keys]
     values = parallel.all_reduce([s * float(extremes[k]) for k, s in zip(keys, signs)], op="max", group=group)
     return {k: s * float(v) for k, s, v in zip(keys, signs, values.tolist())}
+
+
+def packed_tokens(batch: Batch) -> int:
+    """The real tokens of a micro-batch (its packed stream's length), read from its host mask where it has one."""
+    host = batch.tensors.get(HOST_MASK)
+    return int((host if host is not None else batch["attention_mask"]).sum())

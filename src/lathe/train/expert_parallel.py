@@ -21,6 +21,15 @@ the gradients of the rows return to their tokens' ranks, and each owner's expert
 its whole group; FSDP2 (each experts module a group of its own over the data-parallel dims outside `ep`:
 `lathe.train.parallel.expert_mesh`) sums them over the other groups. The load-balancing loss is each rank's own
 tokens', as without expert parallelism.
+
+With Ulysses sequence parallelism (`lathe.train.ulysses`, size S) the mesh is the same: FSDP2 shards the dense
+weights over every rank, the `ep` groups are P consecutive ranks as above, so they hold whole sequence-parallel
+groups of S consecutive ranks when S divides P, or lie inside one when P divides S (torchtitan's EP borrows its
+context-parallel ranks the same way); any other pair of sizes computes the same too. Outside attention each rank
+holds its own slice of the micro-batch's packed stream, so a sparse layer dispatches the tokens of that slice (the
+padding that makes the stream divisible by S included, its outputs unread): which rank holds a token does not change
+what its experts compute, nor where its gradient returns. The load-balancing loss is then the whole micro-batch's,
+its statistics summed over the sequence-parallel group (`lathe.train.ulysses.router_totals`), as in one process.
 """
 
 from __future__ import annotations

@@ -202,3 +202,36 @@ class UlyssesAttention:
             k, v = (x.repeat_interleave(size // x.shape[1], dim=1) for x in (k, v))
         q, k, v = (_AllToAll.apply(x, self.sp, True) for x in (q, k, v))
         return _AllToAll.apply(self.inner(q, k, v), self.sp, False)
+
+
+# -- the routers' load-balancing loss ------------------------------------------------------------------------------
+def real_rows(tokens: int, sp: SequenceParallel) -> int:
+    """How many of this rank's rows of a packed stream of `tokens` real tokens are real: the padding to a multiple
+    of the group's size is the stream's end (`local_slice`)."""
+    per = padded_length(tokens, sp.size) // sp.size
+    return max(0, min(per, tokens - sp.rank * per))
+
+
+def router_totals(stats, sp: SequenceParallel) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`lathe.models.moe.RouterStats.totals` of the group's whole micro-batch, each rank having recorded its slice's
+    real tokens (`real_rows`): summed over the group, so that every rank computes the load-balancing loss of the
+    whole micro-batch, as one process does. The probabilities' sum hands back to each rank the gradient for its own
+    (every rank computes the same loss from the sums: as `gather_tokens`)."""
+    counts, probs, rows = stats.totals()
+    both = torch.cat([counts.to(probs.device), torch.tensor([float(rows)], device=probs.device)])
+    dist.all_reduce(both, group=sp.group)
+    return both[:-1], _SumOverGroup.apply(probs, sp), int(both[-1])
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The group's sum of a tensor; the backward keeps this rank's gradient (see `router_totals`)."""
+
+    @staticmethod
+    def forward(ctx, x, sp):
+        out = x.clone()
+        dist.all_reduce(out, group=sp.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

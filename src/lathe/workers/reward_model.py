@@ -83,11 +83,11 @@ def select_reward_impl(model, impl: str = "auto"):
     return lathe, True, f"lathe decoder ({name}, {lathe.config.num_hidden_layers} layers), packed micro-batches"
 
 
-def rm_micro_batches(lengths: list[int], rm_cfg, micro_batch_size: int) -> list[list[int]]:
+def rm_micro_batches(lengths: list[int], reward_model_cfg, micro_batch_size: int) -> list[list[int]]:
     """Row indices of each forward: by token budget (`reward_model.forward_max_token_len_per_gpu`) with
     `reward_model.use_dynamic_bsz`, else runs of `micro_batch_size` rows."""
-    if rm_cfg.use_dynamic_bsz:
-        return token_balanced_partitions(lengths, rm_cfg.forward_max_token_len_per_gpu,
+    if reward_model_cfg.use_dynamic_bsz:
+        return token_balanced_partitions(lengths, reward_model_cfg.forward_max_token_len_per_gpu,
                                          key=f"{RM}.forward_max_token_len_per_gpu")
     size = micro_batch_size
     return [list(range(s, min(s + size, len(lengths)))) for s in range(0, len(lengths), size)]

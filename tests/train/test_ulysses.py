@@ -10,16 +10,15 @@ against the same in one process. Each spawn runs all its checks at once (a proce
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import socket
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from helpers import assert_close_rel
+from helpers import assert_close_rel, free_port, run_processes
 
 from lathe.batch import Batch
 from lathe.models.attention import PackedAttention
@@ -186,7 +185,7 @@ def rank_main(rank: int, world: int, port: int, root: str, queue) -> None:
         for size in (S, world) if world > S else (S,):
             res[size] = rank_run(rank, world, size, batches)
         torch.save(res, Path(root) / f"rank{rank}.pt")
-        queue.put((rank, "ok"))
+        queue.put((rank, True))
     except BaseException:
         queue.put((rank, traceback.format_exc()))
     finally:
@@ -194,32 +193,14 @@ def rank_main(rank: int, world: int, port: int, root: str, queue) -> None:
             dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(world: int, root: Path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
+    ctx = mp.get_context("forkserver")      # one server imports torch and lathe once; each rank is a fork of it
+    ctx.set_forkserver_preload([__name__, "lathe.config", "lathe.train.actor", "lathe.train.critic",
+                                "lathe.cluster.dispatch", "torch.distributed.fsdp"])
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=rank_main, args=(r, world, port, str(root), queue), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        failures = []
-        for _ in range(world):
-            rank, status = queue.get(timeout=JOIN_S)
-            if status != "ok":
-                failures.append(f"rank {rank}:\n{status}")
-        assert not failures, "\n".join(failures)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    run_processes(procs, queue, JOIN_S)
     return [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -181,7 +181,8 @@ def failing_update(group: SyncGroup, metas: list[TensorMeta], model: dict, devic
 
 
 def run_sync(world: int, device_type: str) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")      # one server imports torch and lathe once; each rank is a fork of it
+    ctx.set_forkserver_preload([__name__])
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=sync_worker, args=(r, world, port, free_port(), device_type, queue), daemon=True)

@@ -75,6 +75,7 @@ def run(args) -> dict:
     start = time.perf_counter()
     hf = build_rm(args.shape, device, dtype)
     lathe, packed, impl = select_reward_impl(hf, "lathe")
+    lathe.attn_backend = args.lathe_attention
     built_s = time.perf_counter() - start
     prompts = random_prompts(args.rows, args.prompt_len, args.prompt_len, SHAPES[args.shape]["vocab_size"], 0)
     responses = random_prompts(args.rows, 0, args.max_response, SHAPES[args.shape]["vocab_size"], 1)
@@ -126,6 +127,8 @@ def main() -> None:
     p.add_argument("--fp32-rows", type=int, default=128,
                    help="in bf16: score this many rows with transformers in float32 too, and judge the agreement by "
                         "each path's distance from those (lathe's at most twice transformers', or --rel)")
+    p.add_argument("--lathe-attention", default="auto", choices=("auto", "varlen", "sdpa"),
+                   help="lathe's packed attention kernel (auto: flash-attention varlen on CUDA in bf16)")
     p.add_argument("--rel", type=float, default=None,
                    help="the scores' allowed norm-relative difference (default 0.05 in bf16, 1e-4 in float32)")
     p.add_argument("--git-sha", default=None,
@@ -141,7 +144,7 @@ def main() -> None:
                "git_sha": args.git_sha or git_sha(), "torch": torch.__version__,
                "transformers_version": transformers.__version__, "command": " ".join(sys.argv),
                "workload": {k: getattr(args, k) for k in ("shape", "rows", "prompt_len", "max_response", "max_tokens",
-                                                          "micro_batch", "repeats")}}
+                                                          "micro_batch", "repeats", "lathe_attention")}}
     results.update(run(args))
     out = Path(args.out or ROOT / "bench" / "results" / f"rm_{slug(name)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

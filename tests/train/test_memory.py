@@ -234,3 +234,17 @@ def test_a_model_whose_config_cannot_be_built_is_named_with_its_size_unknown(tmp
     (tmp_path / "config.json").write_text('{"model_type": "no_such_model"}')
     (rm,) = _other(["reward_model.enable=true", f"reward_model.model.path={tmp_path}"], monkeypatch)
     assert rm.nbytes == 0 and f"size not known up front (reward_model.model.path={tmp_path}: " in rm.what
+
+
+def test_a_vision_language_teacher_counts_its_vision_tower(tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText
+
+    from models.vl_tiny import hf_config
+    config = hf_config("qwen2_5_vl")
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):                     # the reference: transformers' own model of that config
+        want = memory.count_params(AutoModelForImageTextToText.from_config(config))
+    (teacher,) = _other(["distillation.enabled=true",
+                         f"distillation.teacher_models.teacher_model.model_path={tmp_path}"], monkeypatch)
+    assert teacher.nbytes == 2 * want and "not known" not in teacher.what

@@ -168,3 +168,83 @@ def test_weights_kept_gathered_across_micro_batches_are_planned_where_auto_turns
             kept = [p for p in parts if "keep_gathered" in p.what]
             assert bool(kept) == want, (gib, setting)
             assert not kept or (kept[0].nbytes == 6 * N and kept[0].update_only)
+
+
+# -- the other models: reward model, judge, distillation teachers (sized from config.json alone) ----------------
+H, I, L, V = 32, 64, 2, 100                   # tiny Llama: 4 heads of 8, 2 KV heads (KV width 16), untied head
+LAYER = H * H + 2 * H * 16 + H * H + 3 * H * I + 2 * H          # q, k, v, o, gate/up/down, two norms
+CAUSAL = V * H + L * LAYER + H + V * H                           # embeddings, layers, final norm, lm_head: 24,992
+CLASSIFIER = CAUSAL - V * H + H                                  # the lm_head replaced by a one-label score row
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A tiny Llama checkpoint directory holding config.json only (the plan reads no weight)."""
+    from transformers import LlamaConfig
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(path)
+    return str(path)
+
+
+def _other(overrides, monkeypatch, *, world=1, shards=None):
+    monkeypatch.setattr(memory, "total_memory", lambda device: 80 * 2**30)
+    cfg = load_config("base", ["trainer.device=cpu", *overrides])
+    parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=world,
+                        shards=shards)
+    return [p for p in parts if p.what.startswith(("reward model", "judge", "teacher"))]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_reward_model_is_a_whole_bf16_copy_on_the_device_or_in_host_memory(tiny_ckpt, monkeypatch, offload):
+    key = "reward_model.model.fsdp_config.param_offload"
+    (rm,) = _other(["reward_model.enable=true", f"reward_model.model.path={tiny_ckpt}", f"{key}={offload}"],
+                   monkeypatch, world=2)
+    assert rm.what == "reward model weights, bf16, whole on each rank" and rm.nbytes == 2 * CLASSIFIER
+    assert rm.on_gpu is not offload and rm.offload_key == key and (key in rm.why) is offload
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_judge_plans_its_weights_and_says_its_kv_cache_is_sized_at_start_up(tiny_ckpt, monkeypatch, offload):
+    key = "reward_model.model.fsdp_config.param_offload"
+    weights, cache = _other(["reward_model.enable=true", f"reward_model.model.path={tiny_ckpt}",
+                             "reward_model.judge.enable=true", "reward_model.rollout.enforce_eager=true",
+                             f"{key}={offload}"], monkeypatch)
+    assert weights.what == "judge weights, bf16, whole on each rank" and weights.nbytes == 2 * CAUSAL
+    assert weights.on_gpu is not offload and weights.offload_key == key and (key in weights.why) is offload
+    assert cache.nbytes == 0 and "not known up front" in cache.what and "free_cache_engine=true" in cache.why
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_each_teacher_is_placed_like_the_reference(tiny_ckpt, monkeypatch, offload):
+    key = "actor_rollout_ref.ref.fsdp_config.param_offload"
+    d = "distillation.teacher_models"
+    two = ["distillation.enabled=true", f"+{d}.a.key=x", f"+{d}.a.model_path={tiny_ckpt}", f"+{d}.b.key=y",
+           f"+{d}.b.model_path={tiny_ckpt}", f"{key}={offload}"]
+    a, b = _other(two, monkeypatch)
+    assert (a.what, b.what) == ("teacher a weights, bf16", "teacher b weights, bf16")
+    assert a.nbytes == b.nbytes == 2 * CAUSAL and a.on_gpu is not offload and a.offload_key == key
+    (sharded,) = _other(["distillation.enabled=true", f"{d}.teacher_model.model_path={tiny_ckpt}",
+                         f"{key}={offload}"], monkeypatch, world=4, shards={"ref": 2})
+    assert sharded.what == "teacher teacher_model weights, bf16, 1/2 shard" and sharded.nbytes == CAUSAL
+    assert sharded.on_gpu is not offload
+
+
+def test_a_model_whose_config_cannot_be_built_is_named_with_its_size_unknown(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_model"}')
+    (rm,) = _other(["reward_model.enable=true", f"reward_model.model.path={tmp_path}"], monkeypatch)
+    assert rm.nbytes == 0 and f"size not known up front (reward_model.model.path={tmp_path}: " in rm.what
+
+
+def test_a_vision_language_teacher_counts_its_vision_tower(tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText
+
+    from models.vl_tiny import hf_config
+    config = hf_config("qwen2_5_vl")
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):                     # the reference: transformers' own model of that config
+        want = memory.count_params(AutoModelForImageTextToText.from_config(config))
+    (teacher,) = _other(["distillation.enabled=true",
+                         f"distillation.teacher_models.teacher_model.model_path={tmp_path}"], monkeypatch)
+    assert teacher.nbytes == 2 * want and "not known" not in teacher.what

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import lathe.train.memory as memory
+from lathe.train.memory_models import other_model_parts
 from lathe.config import load_config
 
 N = 1_000_000_000           # 1B parameters: bf16 = 1.86 GiB, fp32 = 3.73 GiB
@@ -190,9 +191,9 @@ def tiny_ckpt(tmp_path_factory):
 def _other(overrides, monkeypatch, *, world=1, shards=None):
     monkeypatch.setattr(memory, "total_memory", lambda device: 80 * 2**30)
     cfg = load_config("base", ["trainer.device=cpu", *overrides])
-    parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=world,
-                        shards=shards)
-    return [p for p in parts if p.what.startswith(("reward model", "judge", "teacher"))]
+    parts = other_model_parts(cfg, CUDA, world=world, shards=shards)
+    assert all(p.what.startswith(("reward model", "judge", "teacher")) for p in parts)
+    return parts
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -345,6 +345,7 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
     """Print what will live where (GiB); refuse a run whose update cannot fit even before activations."""
     from lathe.models.config import SUPPORTED_ARCHITECTURES
     from lathe.train.memory import count_params, format_plan, mesh_fixes, plan
+    from lathe.train.memory_models import other_model_parts
     arr = cfg.actor_rollout_ref
     n = count_params(model)
     head = getattr(model, "lm_head", None)
@@ -381,6 +382,7 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
     shards = {role: run.mesh(role).dp_shard * run.mesh(role).tp for role in ("actor", "ref", "critic")}
     parts = plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
                  world=run.world, colocated=not run.is_async, lora=lora, shards=shards)
+    parts += other_model_parts(cfg, device, world=run.world, shards=shards)    # reward model/judge, teachers
     keys = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic": "critic.model.fsdp_config.fsdp_size",
             "ref": "actor_rollout_ref.ref.fsdp_config.fsdp_size"}
     used = {"actor": True, "ref": run.needs_ref, "critic": run.critic is not None}

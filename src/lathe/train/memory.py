@@ -64,7 +64,8 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     the adapters have masters, gradients and moments, the reference is the base itself, and lathe's engine holds
     merged copies of the adapted layers only (on one device: it shares the rest with the frozen base; sharded, it
     holds a full copy of its own, the base and adapters being shards). The reward model or judge and the
-    distillation teachers join as `lathe.train.memory_models` says (sized from their config.json)."""
+    distillation teachers are `lathe.train.memory_models.other_model_parts` (sized from their config.json), which
+    the caller adds."""
     from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
@@ -94,8 +95,6 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     if critic_params:
         parts += shard("critic", model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config,
                                              device))
-    from lathe.train.memory_models import other_model_parts      # reward model, judge, distillation teachers
-    parts += other_model_parts(cfg, device, world=world, shards=shards)
     tp = arr.rollout.tensor_model_parallel_size if colocated else 1
     if tp > 1:     # a tensor-parallel replica's rank: 1/tp of the layers and the LM head (the embeddings whole)
         parts = [replace(p, nbytes=p.nbytes // tp, what=f"{p.what}, 1/{tp} of a replica")

@@ -30,15 +30,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Tests that start Ray clusters run one after another within a group (`--dist loadgroup`), each group on one xdist
-# worker with one local cluster per module (tests/cluster/conftest.py). The fully-async tests are a group of their
-# own: with one group the Ray tests were the suite's critical path (940 of its 964 s under load, 2026-11-29; the
-# other worker idled the last 200 s). Two clusters at once each count this machine's CPUs as their own, which only
-# oversubscribes what the two xdist workers oversubscribe anyway. A test takes the first group that matches.
+# Tests that start Ray clusters run one after another on one xdist worker (`--dist loadgroup`): two local clusters
+# at once would each count this machine's CPUs as their own.
 # Tests that run code in lathe's sandbox likewise share one worker: the sandbox's tests check that no sandboxed
 # process or `lathe-sbx-*` directory outlives a run, which another worker's run at that moment would fail.
-GROUPS = {"ray_async": ("tests/cluster/test_fully_async.py", "tests/test_bench_fully_async.py"),
-          "ray": ("tests/cluster/",),
+GROUPS = {"ray": ("tests/cluster/", "tests/test_bench_fully_async.py"),
           "sandbox": ("tests/reward/test_sandbox.py", "tests/rollout/agent/test_tools.py", "tests/test_examples.py",
                       "tests/test_report.py")}
 
@@ -57,7 +53,6 @@ def pytest_collection_modifyitems(config, items):
         for group, paths in GROUPS.items():
             if any(f"/{p}" in path or path.endswith(p) for p in paths):
                 item.add_marker(pytest.mark.xdist_group(group))
-                break
         if path.endswith(ONE_WORKER):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
     if torch.cuda.is_available():

@@ -163,19 +163,25 @@ class RewardModelWorker:
     def compute_rm_score(self, batch: Batch) -> Batch:
         """`rm_scores` (B,) float32: the reward model's score of each row's prompt and response."""
         inputs = self.rm_inputs(batch)
-        scores = torch.zeros(len(inputs), dtype=torch.float32)
         if self.offload:
             self.model.to(self.device)
         try:
-            for rows in self.micro_batches([len(x) for x in inputs]):
-                scores[rows] = self._forward([inputs[i] for i in rows])
+            scores = score_rows(self.model, self.packed, inputs, self.micro_batches([len(x) for x in inputs]),
+                                self.device, self.tokenizer.pad_token_id)
         finally:
             if self.offload:
                 self.model.to("cpu")
         return Batch({"rm_scores": scores})
 
-    def _forward(self, rows: list[list[int]]) -> torch.Tensor:
-        return forward_scores(self.model, self.packed, rows, self.device, self.tokenizer.pad_token_id)
+
+
+def score_rows(model, packed: bool, rows: list[list[int]], parts: list[list[int]], device: torch.device,
+               pad_id: int | None) -> torch.Tensor:
+    """(len(rows),) float32: each row's score, one `forward_scores` per micro-batch of `parts` (row indices)."""
+    scores = torch.zeros(len(rows), dtype=torch.float32)
+    for part in parts:
+        scores[part] = forward_scores(model, packed, [rows[i] for i in part], device, pad_id)
+    return scores
 
 
 @torch.no_grad()

@@ -40,10 +40,12 @@ def assert_same(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The built-in run for 4 steps on one process and on 2 Ray workers (both save at steps 2 and 4)."""
+    """The built-in run for 4 steps on one process and on 2 Ray workers (both save at steps 2 and 4; the Ray run
+    profiles step 3)."""
     root = tmp_path_factory.mktemp("runs")
     one = train(root / "one", "trainer.save_freq=2")
-    two = train(root / "two", "trainer.n_gpus_per_node=2", "trainer.save_freq=2")
+    two = train(root / "two", "trainer.n_gpus_per_node=2", "trainer.save_freq=2", "global_profiler.tool=torch",
+                "global_profiler.steps=[3]", f"global_profiler.save_path={root / 'profile'}")
     return root, one, two
 
 
@@ -52,6 +54,20 @@ def test_two_workers_train_exactly_as_one_process(runs):
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):
         assert_same(a, b)
+
+
+def test_a_profiled_step_covers_every_rank(runs):
+    """global_profiler on a Ray run: the driver's phases and each rank's, the worker calls as its phases."""
+    root, _, _ = runs
+    step = root / "profile" / "step_3"
+    summary = json.loads((step / "summary.json").read_text())
+    assert "gen" in summary["phases"] and "update_actor" in summary["phases"]      # the driver's timed phases
+    assert sorted(summary["ranks"]) == ["actor_rollout_ref_rank0", "actor_rollout_ref_rank1"]
+    for name, rank in summary["ranks"].items():
+        assert (step / name / "trace.json.gz").stat().st_size > 0
+        assert json.loads((step / name / "summary.json").read_text())["rank"] == rank["rank"]
+        assert {"actor_rollout_ref.generate_sequences", "actor_rollout_ref.update_actor"} <= set(rank["phases"])
+        assert rank["phases"]["actor_rollout_ref.update_actor"]["top_host_ops"]
 
 
 DISTILLATION = ["distillation.enabled=true", "distillation.distillation_loss.loss_mode=k3",

@@ -106,7 +106,7 @@ def problems(name: str) -> list[tuple[str, str]]:
 
 SHORT = [(r"not divisible by the device count", "mini-batch split over every device (verl splits over "
                                                     "data-parallel ranks)"),
-         (r"profiles the trainer process", "profiling Ray workers"),
+         (r"^global_profiler.tool=torch profiles the steps of the synchronous loop", "profiling the fully-async loop"),
          (r"^distillation with tensor parallelism is not implemented yet", "on-policy distillation with tensor "
                                                                           "parallelism"),
          (r"splits the packed stream of each micro-batch .* runs it padded", "sequence parallelism of padded "

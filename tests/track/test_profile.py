@@ -73,10 +73,45 @@ def test_the_timer_opens_a_range_only_while_the_profiler_records(monkeypatch):
     assert timer_module._profiler_range("gen") is None
 
 
-def test_remote_workers_are_refused_at_run_time(tmp_path):
-    with pytest.raises(ValueError, match="Ray workers"):
-        StepProfiler("torch", [1], tmp_path, torch.device("cpu"), remote_workers=True)
-    StepProfiler(None, None, tmp_path, torch.device("cpu"), remote_workers=True)      # off: nothing to refuse
+def test_a_worker_rank_profiles_the_calls_made_meanwhile(tmp_path):
+    """A Ray rank (`RankHost`, called here in this process) between profile_start and profile_stop: each call the
+    driver makes is a phase of its summary, written under `<step dir>/<group>_rank<R>/`."""
+    from lathe.cluster.worker_group import RankHost
+
+    class Role:
+        def work(self, n):
+            return (torch.randn(n, n) @ torch.randn(n, n)).sum().item()
+
+    host = RankHost(1, 2, 1, group_name="actor_rollout_ref")
+    host.build("actor_rollout_ref", Role, (), {})
+    host.profile_start(False)
+    host.call("actor_rollout_ref", "work", (32,), {})
+    summary = host.profile_stop(str(tmp_path))
+    assert host.profiler is None and host.call("actor_rollout_ref", "work", (4,), {}) is not None
+    assert summary["rank"] == 1 and summary["phases"]["actor_rollout_ref.work"]["top_host_ops"]
+    written = tmp_path / "actor_rollout_ref_rank1"
+    assert json.loads((written / "summary.json").read_text()) == summary and (written / "trace.json.gz").exists()
+
+
+def test_the_driver_starts_and_stops_every_rank_for_the_listed_steps(tmp_path):
+    calls = []
+
+    class Group:                  # RayWorkerGroup's face: a RankHost method on every rank, answers in rank order
+        name = "actor_rollout_ref"
+
+        def host_call(self, method, *args):
+            calls.append((method, args))
+            return [None, None] if method == "profile_start" else [{"rank": 0}, {"rank": 1}]
+
+    profiler = StepProfiler("torch", [2], tmp_path, torch.device("cpu"), workers=[Group()])
+    timer = Timer()
+    for step in (1, 2):
+        with profiler.step(step):
+            fake_step(timer)
+    assert calls == [("profile_start", (False,)), ("profile_stop", (str(tmp_path / "step_2"),))]
+    summary = json.loads((tmp_path / "step_2" / "summary.json").read_text())
+    assert summary["ranks"] == {"actor_rollout_ref_rank0": {"rank": 0}, "actor_rollout_ref_rank1": {"rank": 1}}
+    assert "gen" in summary["phases"]
 
 
 def test_device_kernels_count_for_the_phase_that_launched_them():
@@ -98,6 +133,9 @@ def test_device_kernels_count_for_the_phase_that_launched_them():
         launch(1, 850, 3), kernel(860, 10, 3, "gemm_small"),
         launch(2, 2500, 4), kernel(2600, 200, 4, "flash_bwd_kernel"),          # autograd's thread
         launch(1, 1500, 5), kernel(1510, 40, 5, "memset"),                       # between the phases
+        {"cat": "cpu_op", "name": "aten::mm", "ph": "X", "tid": 1, "ts": 2010, "dur": 100},
+        {"cat": "cpu_op", "name": "aten::item", "ph": "X", "tid": 1, "ts": 2200, "dur": 300},
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ph": "X", "tid": 1, "ts": 2210, "dur": 250},
     ]}
     phases = device_phases(trace)
     gen = phases["gen"]
@@ -108,6 +146,9 @@ def test_device_kernels_count_for_the_phase_that_launched_them():
     assert phases["update_actor"]["kinds"]["attention"] == pytest.approx(200e-6)
     assert phases["update_actor"]["device_busy_fraction"] == pytest.approx(0.2)
     assert phases[NO_PHASE]["device_s"] == pytest.approx(40e-6) and phases[NO_PHASE]["wall_s"] is None
+    host = {row["name"]: row["self_s"] for row in phases["update_actor"]["host_top"]}     # own time, children out
+    assert host == pytest.approx({"cudaStreamSynchronize": 250e-6, "aten::mm": 100e-6, "aten::item": 50e-6,
+                                  "cudaLaunchKernel": 5e-6})
 
 
 def test_kernel_kinds():
@@ -126,17 +167,18 @@ def test_kernel_kinds():
     (["global_profiler.tool=torch", "global_profiler.steps=[0]"], "not step numbers"),
     (["global_profiler.tool=torch", "global_profiler.steps=[1]", "global_profiler.profile_continuous_steps=true"],
      "one trace across consecutive profiled steps"),
-    (["global_profiler.tool=torch", "global_profiler.steps=[1]", "trainer.n_gpus_per_node=2"], "Ray"),
+    (["global_profiler.tool=torch", "global_profiler.steps=[1]", "rollout.nnodes=1", "rollout.n_gpus_per_node=1"],
+     "fully asynchronous"),
 ])
 def test_profiler_settings_lathe_cannot_honour_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("base", overrides)
 
 
-def test_one_device_through_ray_is_refused_too(monkeypatch):
+def test_ray_runs_may_be_profiled(monkeypatch):
+    load_config("base", ["global_profiler.tool=torch", "global_profiler.steps=[1]", "trainer.n_gpus_per_node=2"])
     monkeypatch.setenv("LATHE_RAY", "1")
-    with pytest.raises(ConfigError, match="LATHE_RAY=1 \\(set\\)"):
-        load_config("base", ["global_profiler.tool=torch", "global_profiler.steps=[1]"])
+    load_config("base", ["global_profiler.tool=torch", "global_profiler.steps=[1]"])
 
 
 def test_verl_profiler_defaults_load_silently():

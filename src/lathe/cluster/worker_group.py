@@ -33,10 +33,12 @@ class WorkerGroupError(RuntimeError):
 class RankHost:
     """One rank of a worker group (a Ray actor): joins the process group, then builds and runs role workers."""
 
-    def __init__(self, rank: int, world_size: int, num_cpus: float):
+    def __init__(self, rank: int, world_size: int, num_cpus: float, *, group_name: str = "", use_gpu: bool = False):
         import torch
         self.rank, self.world_size = rank, world_size
+        self.group_name, self.use_gpu = group_name, use_gpu
         self.roles: dict[str, Any] = {}
+        self.profiler = None            # a running torch profiler (`profile_start`), else None
         torch.set_num_threads(max(1, int(num_cpus)))
         from lathe.track.progress import TIME_FORMAT, Once
         logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(message)s",
@@ -72,7 +74,32 @@ class RankHost:
         self.roles[role] = factory(*args, **kwargs)
 
     def call(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.roles[role], method)(*args, **kwargs)
+        if self.profiler is None:
+            return getattr(self.roles[role], method)(*args, **kwargs)
+        from torch.autograd.profiler import record_function
+
+        from lathe.track.profile import PHASE_PREFIX
+        with record_function(f"{PHASE_PREFIX}{role}.{method}"):     # a phase of this rank's profile summary
+            return getattr(self.roles[role], method)(*args, **kwargs)
+
+    def profile_start(self, with_stack: bool) -> None:
+        """Profile this rank until `profile_stop` (`global_profiler.tool=torch` on a step of a Ray run)."""
+        from lathe.track.profile import start
+        self.profiler = start(self._device(), with_stack=with_stack)
+
+    def profile_stop(self, step_dir: str) -> dict:
+        """Stop the profiler; write this rank's trace and summary under `step_dir/<group>_rank<R>/`; return the
+        summary (its phases are the calls the driver made meanwhile)."""
+        from pathlib import Path
+
+        from lathe.track.profile import finish
+        prof, self.profiler = self.profiler, None
+        return finish(prof, self._device(), Path(step_dir) / f"{self.group_name}_rank{self.rank}", rank=self.rank,
+                      host=socket.gethostname(), pid=os.getpid())
+
+    def _device(self):
+        from lathe.device import rank_device
+        return rank_device("cuda" if self.use_gpu else "cpu")
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -94,7 +121,8 @@ class RayWorkerGroup:
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
             self.hosts.append(actor.options(num_cpus=pool.cpus_per_worker, num_gpus=1 if pool.use_gpu else 0,
                                             scheduling_strategy=strategy, max_concurrency=max_concurrency)
-                              .remote(rank, self.world_size, pool.cpus_per_worker))
+                              .remote(rank, self.world_size, pool.cpus_per_worker, group_name=name,
+                                                    use_gpu=pool.use_gpu))
         self.last_done = ["(started)"] * self.world_size
         self.nodes = self._gather([h.node.remote() for h in self.hosts], "node")
         address, port = self.nodes[0]["ip"], self.free_port()
@@ -115,6 +143,10 @@ class RayWorkerGroup:
         for rank, node in enumerate(self.nodes):
             by_node.setdefault(f"node {node['ip']} ({node['node_id'][:8]})", []).append(rank)
         return "; ".join(f"{host}: ranks {','.join(map(str, ranks))}" for host, ranks in by_node.items())
+
+    def host_call(self, method: str, *args) -> list:
+        """A `RankHost` method (not a role's) on every rank; the answers in rank order."""
+        return self._gather([getattr(h, method).remote(*args) for h in self.hosts], method)
 
     def build(self, role: str, factory: Callable, *args, **kwargs) -> None:
         """`factory(*args, **kwargs)` on every rank (after the process group exists) becomes `role`."""

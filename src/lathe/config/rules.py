@@ -14,8 +14,7 @@ import warnings
 from .distill import check_distillation
 from .errors import ProblemList
 from .judge import check_judge
-from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size,
-                   trainer_devices)
+from .plan import BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size
 from .rules_routing import check_routing_replay
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
                              check_sequence_parallel, check_tensor_parallel, data_parallel)
@@ -414,7 +413,7 @@ PROFILER_TOOLS = {"nsys": "profiling with NVIDIA Nsight Systems", "npu": "profil
 
 
 def _check_profiler(cfg: LatheConfig, problems: ProblemList) -> None:
-    """`global_profiler`: tool torch (or off), with steps; the trainer process only (lathe.track.profile)."""
+    """`global_profiler`: tool torch (or off), with steps; synchronous runs only (lathe.track.profile)."""
     p = cfg.global_profiler
     if p.tool is not None and p.tool != "torch":
         problems.add(f"global_profiler.tool={p.tool}: {PROFILER_TOOLS[p.tool]} is not implemented yet in lathe. Fix: use "
@@ -433,15 +432,12 @@ def _check_profiler(cfg: LatheConfig, problems: ProblemList) -> None:
     if bad:
         problems.add(f"global_profiler.steps={steps}: {bad} are not step numbers (the first step is 1). Fix: list "
                      f"steps >= 1.")
-    world = trainer_devices(cfg)
-    ray_one = os.environ.get("LATHE_RAY") == "1"
-    if p.tool == "torch" and steps and (world > 1 or is_async(cfg) or ray_one):
-        problems.add("global_profiler.tool=torch profiles the trainer process, but with "
-                     f"{world} devices (trainer.nnodes x trainer.n_gpus_per_node), a rollout pool "
-                     f"(rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}) or LATHE_RAY=1 "
-                     f"({'set' if ray_one else 'not set'}) training and rollout run in Ray workers it does not reach; "
-                     "profiling them is not implemented yet. Fix: profile a one-device run without LATHE_RAY, or "
-                     "remove global_profiler.tool.")
+    if p.tool == "torch" and steps and is_async(cfg):
+        problems.add("global_profiler.tool=torch profiles the steps of the synchronous loop (the driver and every Ray "
+                     "rank for the same step), but this run is fully asynchronous (a rollout pool of "
+                     f"rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}), whose pools run freely with no "
+                     "common step to profile; that is not implemented yet. Fix: profile a synchronous run, or remove "
+                     "global_profiler.tool.")
 
 
 def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:

@@ -13,10 +13,13 @@ writes, for each listed step N (verl's step numbers: the first step is 1),
   those seconds by kind (matmul, attention, other) and the top kernels; on a CPU run, the top operators by their
   own host time.
 
-The profiler covers the trainer process: on one device, the whole step. Ray workers (several devices, a rollout
-pool of its own, `LATHE_RAY=1`) run in other processes, which it does not reach; `config.rules` refuses the
-combination up front and `StepProfiler` again at run time. A profiled step is slower than the others (the profiler
-records every operator and kernel): its `timing_s/*` metrics say so, not the steps around it.
+On one device the trainer process runs the whole step. With Ray workers (several devices, `LATHE_RAY=1`) each
+rank is profiled too, in its own process, for the same step: `<save_path>/step_N/<group>_rank<R>/` holds that
+rank's trace and summary, its phases the worker calls the driver made (`actor_rollout_ref.update_actor`, ...), and
+`step_N/summary.json` lists every rank's phases beside the driver's. The fully-async loop (two pools running
+freely, no step boundary in the rollout pool) is not profiled; `config.rules` refuses it. A profiled step is slower
+than the others (the profiler records every operator and kernel): its `timing_s/*` metrics say so, not the steps
+around it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from lathe import device as accel
 
-__all__ = ["PHASE_PREFIX", "StepProfiler", "device_phases", "host_phases", "kernel_kind"]
+__all__ = ["PHASE_PREFIX", "StepProfiler", "device_phases", "finish", "host_phases", "kernel_kind", "start"]
 
 PHASE_PREFIX = "timing/"      # the profiler range of a timed phase: `timing/<phase>` (lathe.track.timer)
 TOP = 15                      # kernels (or host operators) listed per phase
@@ -89,12 +92,14 @@ NO_PHASE = "(outside the timed phases)"
 
 
 def device_phases(trace: dict) -> dict[str, dict]:
-    """{phase: {wall_s, device_s, device_busy_fraction, kinds, top}} from a Chrome trace of a CUDA run.
+    """{phase: {wall_s, device_s, device_busy_fraction, kinds, top, host_top}} from a Chrome trace of a CUDA run.
 
     A device kernel (or copy) belongs to the phase during which the host launched it, on whichever thread: the
     backward pass launches from autograd's own thread, a CUDA graph replay launches all the graph's kernels at once,
     and kernels run after the launching code returned. A launch inside nested phases counts for the innermost;
-    one outside every phase goes to "(outside the timed phases)"."""
+    one outside every phase goes to "(outside the timed phases)". `host_top`: the host operators and CUDA API calls
+    that started in the phase, by their own time (their callees' taken out), on any thread: where the host spends a
+    phase the device waits through (a `cudaStreamSynchronize` is a sync point, an `aten::` op's own time dispatch)."""
     events = trace.get("traceEvents", [])
     windows = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e["name"][len(PHASE_PREFIX):]) for e in events
                       if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(PHASE_PREFIX)),
@@ -113,6 +118,13 @@ def device_phases(trace: dict) -> dict[str, dict]:
         row = tallies.setdefault(phase, {}).setdefault(e.get("name", "?"), [0.0, 0])
         row[0] += e.get("dur", 0) / 1e6
         row[1] += 1
+    host: dict[str, dict[str, list[float]]] = {}
+    for ts, op, own in _host_self_times(events):
+        phase = next((name for start, end, name in windows if start <= ts <= end), None)
+        if phase is not None:
+            row = host.setdefault(phase, {}).setdefault(op, [0.0, 0])
+            row[0] += own / 1e6
+            row[1] += 1
     out = {}
     for name, tally in tallies.items():
         total = sum(s for s, _ in tally.values())
@@ -121,59 +133,109 @@ def device_phases(trace: dict) -> dict[str, dict]:
             kinds[kernel_kind(kernel)] += s
         wall = walls.get(name)
         out[name] = {"wall_s": wall, "device_s": total, "device_busy_fraction": total / wall if wall else None,
-                     "kinds": kinds, "top": _top(tally, "s")}
+                     "kinds": kinds, "top": _top(tally, "s"), "host_top": _top(host.get(name, {}), "self_s")}
     return out
+
+
+HOST_CATEGORIES = ("cpu_op", "python_function", *LAUNCH_CATEGORIES)
+
+
+def _host_self_times(events: list[dict]) -> Iterator[tuple[float, str, float]]:
+    """(start, name, own microseconds) of each host event: its duration less its children's on the same thread."""
+    by_thread: dict = {}
+    for e in events:
+        if e.get("cat") in HOST_CATEGORIES and e.get("ph") == "X":
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        stack: list[list] = []              # [end, start, name, own] of the open events
+        for e in thread:
+            start, dur = e["ts"], e.get("dur", 0)
+            while stack and stack[-1][0] <= start:
+                _, t, n, own = stack.pop()
+                yield t, n, own
+            if stack:
+                stack[-1][3] -= dur
+            stack.append([start + dur, start, e["name"], dur])
+        while stack:
+            _, t, n, own = stack.pop()
+            yield t, n, own
+
+
+def start(device: torch.device, *, with_stack: bool = False):
+    """A started torch profiler of this process (CPU operators, and the device's kernels on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=activities, with_stack=with_stack)
+    prof.start()
+    return prof
+
+
+def finish(prof, device: torch.device, out: Path, *, wall: float | None = None, **extra) -> dict:
+    """Stop `prof` (after the device's queued work), write `out/trace.json.gz` and `out/summary.json` (the phases:
+    `device_phases` on CUDA, `host_phases` on a CPU, plus `extra`) and return the summary."""
+    accel.synchronize(device)
+    prof.stop()
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.json.gz"
+    prof.export_chrome_trace(str(trace))
+    cuda = device.type == "cuda"
+    phases = device_phases(json.loads(gzip.decompress(trace.read_bytes()))) if cuda else host_phases(prof.events())
+    summary = {"device": _device_name(device), "wall_s": wall, "phases": phases, **extra}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else accel.current_device("cuda").index
+    return accel.properties(index, "cuda")["name"]
 
 
 class StepProfiler:
     """Profiles the steps in `steps` (a `with profiler.step(n):` around each training step) and writes their trace
-    and summary under `save_path`. `tool`: None (off) or "torch"."""
+    and summary under `save_path`. `tool`: None (off) or "torch". `workers`: the Ray worker groups whose ranks are
+    profiled for the same steps (each a `lathe.cluster.worker_group.RayWorkerGroup`)."""
 
     def __init__(self, tool: str | None, steps: list[int] | None, save_path: str | Path,
-                 device: torch.device, *, remote_workers: bool = False, with_stack: bool = False):
+                 device: torch.device, *, workers: list | tuple = (), with_stack: bool = False):
         self.steps = set(steps or []) if tool == "torch" else set()
         if tool not in (None, "torch"):
             raise ValueError(f"global_profiler.tool={tool!r}: lathe profiles with tool=torch only")
-        if self.steps and remote_workers:
-            raise ValueError("global_profiler.tool=torch profiles the trainer process, but this run's training and "
-                             "rollout happen in Ray workers (several devices, a rollout pool, or LATHE_RAY=1) that it "
-                             "does not reach. Fix: profile a one-device run, or remove global_profiler.tool")
         self.save_path = Path(save_path)
         self.device = torch.device(device)
+        self.workers = list(workers)
         self.with_stack = with_stack            # Python frames too (`python_function` events in the trace)
         self.written: list[Path] = []
-
-    def _device_name(self) -> str:
-        if self.device.type != "cuda":
-            return self.device.type
-        index = self.device.index if self.device.index is not None else accel.current_device("cuda").index
-        return accel.properties(index, "cuda")["name"]
 
     def enabled(self, step: int) -> bool:
         return step in self.steps
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
-        """Profile the `with` body when `step` is listed; on exit write `step_<step>/{trace.json.gz,summary.json}`."""
+        """Profile the `with` body when `step` is listed (and every worker rank for the same step); on exit write
+        `step_<step>/{trace.json.gz,summary.json}` (and each rank's under `step_<step>/<group>_rank<R>/`)."""
         if not self.enabled(step):
             yield
             return
-        from torch.profiler import ProfilerActivity, profile
-        device = self.device.type == "cuda"
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])
-        start = time.perf_counter()
-        with profile(activities=activities, with_stack=self.with_stack) as prof:
-            yield
-            accel.synchronize(self.device)
-        wall = time.perf_counter() - start
         out = self.save_path / f"step_{step}"
-        out.mkdir(parents=True, exist_ok=True)
-        trace = out / "trace.json.gz"
-        prof.export_chrome_trace(str(trace))
-        phases = device_phases(json.loads(gzip.decompress(trace.read_bytes()))) if device else host_phases(prof.events())
-        summary = {"step": step, "device": self._device_name(),
-                   "wall_s": wall, "phases": phases,
-                   "note": "a profiled step runs slower than an unprofiled one; compare phases within it"}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        for group in self.workers:
+            group.host_call("profile_start", self.with_stack)
+        start_time = time.perf_counter()
+        prof = start(self.device, with_stack=self.with_stack)
+        try:
+            yield
+        except BaseException:
+            prof.stop()                 # the run is failing: no summary (the ranks' profilers end with them)
+            raise
+        wall = time.perf_counter() - start_time
+        ranks = {}
+        for group in self.workers:              # each rank writes its own files; the summaries come back
+            answers = group.host_call("profile_stop", str(out))
+            ranks.update({f"{group.name}_rank{r}": a for r, a in enumerate(answers)})
+        finish(prof, self.device, out, wall=wall, step=step, ranks=ranks,
+               note="a profiled step runs slower than an unprofiled one; compare phases within it")
         self.written.append(out)
-        print(f"lathe: profile of step {step} written to {out} (trace.json.gz, summary.json)", flush=True)
+        where = f", and each rank's under {out}/<group>_rank<R>" if ranks else ""
+        print(f"lathe: profile of step {step} written to {out} (trace.json.gz, summary.json{where})", flush=True)

@@ -48,22 +48,25 @@ def new_weights(path: str):
         yield name, t * 1.1 if t.dim() == 2 else t + 0.05
 
 
-def build(path: str, tp: TensorParallel | None):
-    model = load_lathe_model(path, torch.float32)
+def build(path: str, tp: TensorParallel | None, device: torch.device = torch.device("cpu")):
+    model = load_lathe_model(path, torch.float32, device=device)
     if tp is None:
         return model
     # the Hub's per-expert names (Qwen3-MoE's checkpoints) for one family, the fused module names for the other
     state = split_expert_weights(model.state_dict()).items() if "qwen3" in path else None
-    return shard_copy(model, torch.float32, torch.device("cpu"), tp, state=state, expert_parallel_size=tp.size)
+    return shard_copy(model, torch.float32, device, tp, state=state, expert_parallel_size=tp.size)
 
 
-def worker(rank: int, world: int, port: int, paths: list[str], queue) -> None:
+def worker(rank: int, world: int, port: int, paths: list[str], queue, device_type: str = "cpu") -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=JOIN_S))
+        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        if device_type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=JOIN_S))
         tp = replica_groups(world)
-        queue.put((rank, [generations(build(p, tp), p) for p in paths]))
+        queue.put((rank, [generations(build(p, tp, device), p) for p in paths]))
     except BaseException:
         queue.put((rank, traceback.format_exc()))
     finally:
@@ -79,12 +82,13 @@ def paths(tmp_path_factory):
     return [str(save_hf(root, MOE)[0]), str(oss)]
 
 
-def test_a_replica_of_two_generates_what_one_process_generates(paths):
-    want = [generations(build(p, None), p) for p in paths]
+def test_a_replica_of_two_generates_what_one_process_generates(paths, device_type="cpu"):
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    want = [generations(build(p, None, device), p) for p in paths]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, paths, queue), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, port, paths, queue, device_type), daemon=True) for r in range(2)]
     results = run_processes(procs, queue, 3 * JOIN_S)
     for rank, got in results.items():
         for path, g_runs, w_runs in zip(paths, got, want):
@@ -96,6 +100,14 @@ def test_a_replica_of_two_generates_what_one_process_generates(paths):
                                  name=f"{where}: log-probs")
                 assert routed == w_routed, f"{where}: routing differs"
                 assert all(min(min(map(min, r[:-1]))) >= 0 for r in routed)      # every fed token routed
+
+
+@pytest.mark.gpu
+def test_a_replica_over_two_gpus_generates_what_one_gpu_generates(paths):
+    """NCCL and compiled layers in float32 (the experts' loop: no CUDA graphs; bf16 grouped matmuls would capture)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    test_a_replica_of_two_generates_what_one_process_generates(paths, "cuda")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

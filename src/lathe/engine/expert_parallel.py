@@ -2,8 +2,8 @@
 `rollout.tensor_model_parallel_size`, as vLLM's `enable_expert_parallel` runs a replica).
 
 Each of the replica's T ranks holds `num_experts / T` whole experts of every sparse layer, rank r experts
-[r E/T, (r+1) E/T) (the block training's expert parallelism gives it, `lathe.train.expert_parallel`); the router is
-whole on every rank.
+[r E/T, (r+1) E/T) (the block training's expert parallelism gives rank r, `lathe.train.expert_parallel`); the router
+is whole on every rank.
 
 Why no all-to-all: attention is tensor-parallel (`lathe.engine.tensor_parallel`), so after o_proj's all-reduce
 every rank of the replica holds the same whole hidden states of every token. Each rank therefore routes every token
@@ -16,13 +16,16 @@ dense layer. A layout where each rank holds *different* tokens (vLLM/SGLang's da
 back (two all-to-alls with per-expert counts, as training's expert parallelism does) or all-gather the tokens first.
 
 Shared experts (Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) would be cut like a dense MLP (columns of gate/up, rows of
-down) and their partial added before the same all-reduce; no family that has them runs in a tensor-parallel
-replica yet (their linear or latent attention is not cut), so `ExpertSlice.place` refuses any other block type.
+down) and their partial added before the same all-reduce: a whole copy on every rank would be counted T times by
+that sum, and the cut splits its weights and work T ways for no extra collective. No family that has them runs in a
+tensor-parallel replica yet (their linear or latent attention is not cut), so `ExpertSlice.place` refuses any other
+block type.
 
 The local experts run with the model's own code (`Experts.forward` / `GptOssExperts.forward`: grouped matmul or
 loop) over rows sorted by expert, as in one process; `LocalExperts.forward` picks the rows:
-- eagerly it takes the contiguous run of rows whose expert is local (two bounds read on the host, the same kind of
-  sync the expert loop already makes) and runs only those: each rank computes 1/T of the expert work;
+- eagerly it takes the contiguous run of rows whose expert is local (two bounds read on the host: one sync per
+  layer, which the expert loop makes anyway and an eager prefill step affords) and runs only those, so each rank
+  computes 1/T of the expert work;
 - inside a CUDA graph's capture (decode steps, only where the experts run as grouped matmuls: `graph_capturable`)
   nothing may be read on the host, so every row runs, the rows of other ranks' experts clamped onto the first or
   last local expert, and their outputs are masked to zero: the same result, at the price of running the other

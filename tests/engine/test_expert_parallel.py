@@ -110,37 +110,49 @@ def test_a_replica_over_two_gpus_generates_what_one_gpu_generates(paths):
     test_a_replica_of_two_generates_what_one_process_generates(paths, "cuda")
 
 
+def _cpu_grouped_mm() -> bool:
+    """Whether this torch runs `torch._grouped_mm` on the CPU in float32 (2.13 does), to run the grouped path here."""
+    try:
+        torch._grouped_mm(torch.ones(2, 8), torch.ones(1, 8, 8), offs=torch.tensor([2], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_the_ranks_experts_sum_to_the_whole_layer(family):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_ranks_experts_sum_to_the_whole_layer(family, grouped):
     """Each rank's `LocalExperts` (eager: only its rows; under a graph capture: every row, others masked) over the
-    same sorted rows; the partial outputs of the 4 ranks sum to the whole layer's."""
+    same sorted rows, with the experts' loop (float64) or their grouped matmuls (float32); the partial outputs of 4
+    ranks, one expert each, sum to the whole layer's."""
+    from lathe.models import moe
     from lathe.models.hf import lathe_from_transformers
     from models.lathe_tiny import hf_model
-    hf = hf_model(MOE) if family == MOE else gpt_oss_model(seed=2)
-    model = lathe_from_transformers(hf).eval()
-    block = sparse_blocks(model)[0]
+    if grouped and not _cpu_grouped_mm():
+        pytest.skip("torch._grouped_mm does not run on this CPU build")
+    dtype, rel = (torch.float32, 1e-5) if grouped else (torch.float64, 1e-12)
+    model = lathe_from_transformers(hf_model(MOE) if family == MOE else gpt_oss_model(seed=2)).eval().to(dtype)
+    prefix = f"model.layers.{1 if family == MOE else 0}.mlp.experts."        # Qwen3-MoE's layer 0 is dense
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(9, model.config.hidden_size, generator=g, dtype=torch.float64)
+    x = torch.randn(9, model.config.hidden_size, generator=g, dtype=dtype)
     weights, chosen = route(torch.softmax(torch.randn(9, 4, generator=g), -1), 2, True)
-    block.experts.double()
-    want = sorted_forward(x, weights.double(), chosen, block.experts)
-    size = 4                                         # one expert per rank: some ranks get no rows of some tokens
-    layout = ShardLayout(model.config, TensorParallel(None, 0, size), size)
-    assert layout.experts.count == 1
-    for capturing in (False, True):
-        total = torch.zeros_like(want)
-        for rank in range(size):
-            local = copy.deepcopy(model)
-            layout = ShardLayout(model.config, TensorParallel(None, rank, size), size)
-            state = dict(layout.local_items(model.state_dict().items()))
-            layout.experts.place(local, TensorParallel(None, rank, size))
-            experts = sparse_blocks(local)[0].experts
-            prefix = "model.layers.1.mlp.experts." if family == MOE else "model.layers.0.mlp.experts."
-            for name, _ in list(experts.named_parameters()):
-                experts.register_parameter(name, torch.nn.Parameter(state[prefix + name].double()))
-            with mock.patch.object(expert_parallel, "capturing", lambda device: capturing):
-                total += sorted_forward(x, weights.double(), chosen, experts)
-        assert_close_rel(total, want, rel=1e-12, name=f"{family}, capturing={capturing}")
+    with mock.patch.object(moe, "grouped_mm_supported", lambda *a: grouped):
+        want = sorted_forward(x, weights.to(dtype), chosen, sparse_blocks(model)[0].experts)
+        for capturing in (False, True):
+            total = torch.zeros_like(want)
+            for rank in range(4):
+                tp = TensorParallel(None, rank, 4)
+                layout = ShardLayout(model.config, tp, 4)
+                state = dict(layout.local_items(model.state_dict().items()))
+                local = copy.deepcopy(model)
+                layout.experts.place(local, tp)
+                experts = sparse_blocks(local)[0].experts
+                for name, _ in list(experts.named_parameters()):
+                    experts.register_parameter(name, torch.nn.Parameter(state[prefix + name]))
+                assert experts.gate_up_proj.shape[0] == 1
+                with mock.patch.object(expert_parallel, "capturing", lambda device: capturing):
+                    total += sorted_forward(x, weights.to(dtype), chosen, experts)
+            assert_close_rel(total, want, rel=rel, name=f"{family}, grouped={grouped}, capturing={capturing}")
 
 
 def test_sizes_are_checked():

@@ -268,6 +268,12 @@ def capture(graph, device: torch.device | str, pool=None):
     return _api(device).graph(graph, pool=pool)
 
 
+def capturing(device: torch.device | str) -> bool:
+    """Whether a graph is being captured on `device`'s current stream (nothing may be read on the host then)."""
+    api = _api(device)
+    return api is not None and bool(getattr(api, "is_current_stream_capturing", lambda: False)())
+
+
 # -- random state (checkpoints) ----------------------------------------------------------------------------
 def rng_states() -> dict[str, list[torch.Tensor]]:
     """Every accelerator's random-generator state, by torch device type ({} on the CPU)."""

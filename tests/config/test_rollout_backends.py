@@ -168,6 +168,16 @@ def test_features_lathe_lacks_are_refused_naming_them(override, feature):
         load(f"{R}.{override}")
 
 
+def test_expert_parallel_size_is_the_size_of_a_tensor_parallel_replica():
+    """verl's EP = TP x data_parallel_size, with lathe's data-parallel part 1: the MoE layers of a replica run
+    expert-parallel over its ranks (`lathe.engine.expert_parallel`); any other size is refused."""
+    two = ["trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2"]
+    assert load(*two, f"{R}.expert_parallel_size=2", device_count=2).actor_rollout_ref.rollout.expert_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"expert_parallel_size`=4: .* Fix: set it to "
+                                          r"actor_rollout_ref.rollout.tensor_model_parallel_size"):
+        load(*two, f"{R}.expert_parallel_size=4", device_count=2)
+
+
 @pytest.mark.parametrize("override", [
     "full_determinism=true", "seed=7", "scheduling_policy=priority", "prometheus.enable=true",
     "moe_load_balance_metrics_interval=10", "multi_turn.num_repeat_rollouts=2", "agent.num_workers=4",

@@ -18,7 +18,6 @@ from lathe.engine.llm_engine import LatheEngine
 from lathe.engine.tensor_parallel import ShardLayout, TensorParallel, replica_groups, shard_copy
 from lathe.generation import SamplingParams
 from lathe.models import load_lathe_model
-from lathe.models.config import LatheConfig
 from models.lathe_tiny import save_hf
 
 JOIN_S = 120
@@ -111,13 +110,6 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(paths):
     cfg = load_lathe_model(paths[0], torch.float32).config
     with pytest.raises(ValueError, match="tensor_model_parallel_size=3: the attention heads"):
         ShardLayout(cfg, TensorParallel(None, 0, 3))
-
-
-def test_a_mixture_of_experts_model_is_refused():
-    from models.lathe_tiny import MOE, hf_config
-    cfg = LatheConfig.from_hf_dict(hf_config(MOE).to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]})
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=2: Qwen3MoeForCausalLM is a mixture-of-experts"):
-        ShardLayout(cfg, TensorParallel(None, 0, 2))
 
 
 def test_one_process_cannot_hold_a_replica_of_two():

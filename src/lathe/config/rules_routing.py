@@ -34,8 +34,6 @@ def check_routing_replay(cfg, problems: ProblemList) -> None:
         (arr.rollout.name == "hf", f"{R}.name=hf (transformers generate records no routing)", f"set {R}.name=lathe"),
         (arr.model.impl == "hf", "actor_rollout_ref.model.impl=hf (transformers' MoE layers)",
          "set it to auto or lathe"),
-        (mode == "R3" and arr.rollout.tensor_model_parallel_size > 1, f"{R}.tensor_model_parallel_size > 1",
-         "set it to 1"),
         (mode == "R2" and cfg.algorithm.rollout_correction.bypass_mode,
          "algorithm.rollout_correction.bypass_mode=true (no old-log-prob pass records the routing)",
          f"use {MODE}=R3, or bypass_mode=false")]

@@ -9,7 +9,12 @@ Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053), as vLLM's engine r
   replica (one all-reduce each per layer), a bias added once after the sum;
 - the LM head is vocabulary-parallel (`VocabParallelHead`): each rank computes the logits of its rows of the
   vocabulary and the replica gathers them, so every rank holds the same full logits and samples the same tokens;
-- embeddings and norms are whole on every rank.
+- embeddings and norms are whole on every rank (a GPT-OSS layer's sink logits, one per query head, go with their
+  heads);
+- a mixture-of-experts layer runs expert-parallel (`rollout.expert_parallel_size` = the replica's size): each rank
+  holds `num_experts / tp` whole experts and the whole router, and the block's partial output is summed by one
+  all-reduce, like a row-parallel down_proj's (`lathe.engine.expert_parallel`, which says why no all-to-all is
+  needed).
 q/k/v and gate/up stay plain `nn.Linear`s over the rank's rows: the engine fuses them the same way
 (`decode_forms.fuse_projections`). The collectives are torch's functional ones, which compiled layers trace and
 CUDA graphs capture.
@@ -33,9 +38,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from lathe.engine.expert_parallel import ExpertSlice, check_sizes
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.io import load_into
+from lathe.models.moe import SparseMoeBlock
 
 
 @dataclass(frozen=True)
@@ -101,20 +108,20 @@ def replica_groups(size: int) -> TensorParallel:
 
 _NAME = re.compile(r"^(?:model\.layers\.\d+\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)"
                    r"|(?P<head>lm_head))\.(?P<part>weight|bias)$")
+_SINKS = re.compile(r"^model\.layers\.\d+\.self_attn\.sinks$")       # GPT-OSS: one logit per query head
 
 
 class ShardLayout:
     """The slices of a `LatheConfig`'s tensors that rank `tp.rank` of a replica of `tp.size` holds (module doc)."""
 
-    def __init__(self, cfg: LatheConfig, tp: TensorParallel):
+    def __init__(self, cfg: LatheConfig, tp: TensorParallel, expert_parallel_size: int = 1):
+        """`expert_parallel_size`: `rollout.expert_parallel_size` (a MoE model's must be the replica's size)."""
         rank, size = tp.rank, tp.size
-        if cfg.moe is not None:
-            raise ValueError(f"rollout.tensor_model_parallel_size={size}: {cfg.architecture} is a mixture-of-experts "
-                             "model, and lathe's tensor-parallel replicas shard dense MLPs only (expert parallelism "
-                             "is lathe issue 44's next piece). Fix: set it to 1 (a replica on one device each)")
+        check_sizes(cfg, size, expert_parallel_size)
         heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+        dense = any(not cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))   # layers with a dense MLP
         problems = [f"{what} ({n}) are not divisible by it" for what, n in (
-            ("the attention heads", heads), ("the MLP's intermediate features", inter)) if n % size]
+            ("the attention heads", heads), ("the MLP's intermediate features", inter if dense else 0)) if n % size]
         if kv % size and size % kv:
             problems.append(f"the key/value heads ({kv}) neither divide it nor are divisible by it")
         if problems:
@@ -122,20 +129,22 @@ class ShardLayout:
                              f"size that divides {heads} attention heads and {inter} intermediate features")
         self.cfg, self.tp, self.rank, self.size = cfg, tp, rank, size
         d = cfg.head_dim
-        self.q = (rank * heads // size * d, heads // size * d)                  # (first row, rows)
+        self.heads = (rank * heads // size, heads // size)                     # (first query head, heads)
+        self.q = (self.heads[0] * d, self.heads[1] * d)                         # (first row, rows)
         kv_local = max(1, kv // size)
         first_kv = rank * kv // size if kv >= size else rank // (size // kv)
         self.kv = (first_kv * d, kv_local * d)
-        self.inter = (rank * inter // size, inter // size)
+        self.inter = (rank * inter // size, inter // size) if dense else (0, inter)
+        self.experts = ExpertSlice(cfg.moe.num_experts, rank, size) if cfg.moe is not None else None
         self.vocab_rows = -(-cfg.vocab_size // size)                           # padded: the last rank's may be short
         self.local_config = replace(cfg, num_attention_heads=heads // size, num_key_value_heads=kv_local,
-                                    intermediate_size=inter // size, tie_word_embeddings=False)
+                                    intermediate_size=self.inter[1], tie_word_embeddings=False)
 
     def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the whole tensor `name` (a view; the LM head's last slice padded with zero rows)."""
         m = _NAME.match(name)
         if m is None:
-            return tensor
+            return tensor.narrow(0, *self.heads) if _SINKS.match(name) else tensor
         attn, mlp, part = m["attn"], m["mlp"], m["part"]
         if m["head"]:
             start = self.rank * self.vocab_rows
@@ -152,8 +161,13 @@ class ShardLayout:
         return tensor.narrow(0, start, n)
 
     def local_items(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each (name, whole tensor) as (name, this rank's slice); a tied model's embeddings also give the LM head."""
+        """Each (name, whole tensor) as (name, this rank's slice); a tied model's embeddings also give the LM head,
+        and of a MoE model's experts only this rank's come (per-expert checkpoint names renumbered from 0)."""
         for name, tensor in named:
+            experts = self.experts.local(name, tensor) if self.experts is not None else None
+            if experts is not None:
+                yield from experts
+                continue
             if name == "lm_head.weight" or (self.cfg.tie_word_embeddings and name == "model.embed_tokens.weight"):
                 yield "lm_head.weight", self.local("lm_head.weight", tensor)
                 if name == "lm_head.weight":
@@ -189,24 +203,26 @@ class VocabParallelHead(nn.Module):
 
 
 def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, tp: TensorParallel, *,
-               state: Iterable[tuple[str, torch.Tensor]] | None = None) -> LatheCausalLM:
+               state: Iterable[tuple[str, torch.Tensor]] | None = None,
+               expert_parallel_size: int = 1) -> LatheCausalLM:
     """This rank's part of `model` (lathe's text decoder) for a tensor-parallel replica, in `dtype` on `device`: each
     tensor's slice is cut on the way (the whole model is never copied to the device). `state`: (name, tensor) pairs
-    to take instead of the model's own (a LoRA model's merged weights). The result's `tensor_parallel` is its
-    `ShardLayout`, whose `local_items` cuts whole weights for `update_weights`."""
+    to take instead of the model's own (a LoRA model's merged weights). `expert_parallel_size`:
+    `rollout.expert_parallel_size` (a MoE model's experts are placed over the replica when it is `tp.size`). The
+    result's `tensor_parallel` is its `ShardLayout`, whose `local_items` cuts whole weights for `update_weights`."""
     if type(model) is not LatheCausalLM:
         raise NotImplementedError(
             f"rollout.tensor_model_parallel_size={tp.size}: tensor-parallel engine replicas run lathe's text decoder "
-            f"(Llama, Qwen2, Qwen3); this model is {type(model).__name__}. Fix: set it to 1")
+            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS); this model is {type(model).__name__}. Fix: set it to 1")
     if model.config.linear_attention is not None:
         raise NotImplementedError(
             f"rollout.tensor_model_parallel_size={tp.size}: the linear-attention layers of {model.config.architecture} "
             "are not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
     if model.config.mla is not None:
         raise NotImplementedError(
-            f"rollout.tensor_model_parallel_size={tp.size}: the latent attention and MoE of "
-            f"{model.config.architecture} are not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
-    layout = ShardLayout(model.config, tp)
+            f"rollout.tensor_model_parallel_size={tp.size}: the latent attention of "
+            f"{model.config.architecture} is not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
+    layout = ShardLayout(model.config, tp, expert_parallel_size)
     named = state if state is not None else model.state_dict().items()
     local = {k: v.detach().to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True).contiguous()
              for k, v in layout.local_items(named)}
@@ -214,11 +230,15 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
     with torch.device("meta"):
         out = LatheCausalLM(cfg)
         for layer in out.model.layers:
-            for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
-                linear = getattr(owner, name)
+            row_parallel = [layer.self_attn.o_proj]
+            if not isinstance(layer.mlp, SparseMoeBlock):         # sparse blocks: `ExpertSlice.place` below
+                row_parallel.append(layer.mlp.down_proj)
+            for linear in row_parallel:
                 linear.__class__ = RowParallelLinear
                 linear.tp = tp
         out.lm_head = VocabParallelHead(layout.vocab_rows, cfg.hidden_size, cfg.vocab_size, tp)
+        if layout.experts is not None:
+            layout.experts.place(out, tp)
     load_into(out, local, "the actor's weights")
     out.tensor_parallel = layout
     return out.requires_grad_(False).eval()

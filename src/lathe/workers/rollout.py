@@ -51,7 +51,8 @@ class Rollout:
             dtype = rollout_dtype(rollout_cfg.dtype, self.device)
             if self.name == "lathe" and rollout_cfg.tensor_model_parallel_size > 1:    # this rank's slices
                 self.tp = replica_groups(rollout_cfg.tensor_model_parallel_size)
-                self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state)
+                self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state,
+                                               expert_parallel_size=rollout_cfg.expert_parallel_size)
             elif self.name == "lathe":
                 self.engine_model = frozen_copy(actor.model, dtype, self.device, state=state)
             if self.name == "hf" and loaded is actor.model:      # transformers generate: a copy of its own

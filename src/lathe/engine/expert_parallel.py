@@ -1,0 +1,151 @@
+"""Expert-parallel MoE layers in a tensor-parallel engine replica (`rollout.expert_parallel_size` equal to
+`rollout.tensor_model_parallel_size`, as vLLM's `enable_expert_parallel` runs a replica).
+
+Each of the replica's T ranks holds `num_experts / T` whole experts of every sparse layer, rank r experts
+[r E/T, (r+1) E/T) (the block training's expert parallelism gives rank r, `lathe.train.expert_parallel`); the router
+is whole on every rank.
+
+Why no all-to-all: attention is tensor-parallel (`lathe.engine.tensor_parallel`), so after o_proj's all-reduce
+every rank of the replica holds the same whole hidden states of every token. Each rank therefore routes every token
+itself with the whole router (the same choice everywhere, which is also what routing replay records), runs the
+(token, choice) rows whose expert it holds through those experts, leaves the other rows at zero, and weights and
+sums each token's k outputs as one process does (`lathe.models.moe.sorted_forward`): a partial sum of the layer's
+output. One all-reduce over the replica adds the partials, the same collective a row-parallel down_proj costs a
+dense layer. A layout where each rank holds *different* tokens (vLLM/SGLang's data-parallel attention,
+`rollout.data_parallel_size` > 1, refused) would instead have to send each row to its expert's owner and the outputs
+back (two all-to-alls with per-expert counts, as training's expert parallelism does) or all-gather the tokens first.
+
+Shared experts (Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) would be cut like a dense MLP (columns of gate/up, rows of
+down) and their partial added before the same all-reduce: a whole copy on every rank would be counted T times by
+that sum, and the cut splits its weights and work T ways for no extra collective. No family that has them runs in a
+tensor-parallel replica yet (their linear or latent attention is not cut), so `ExpertSlice.place` refuses any other
+block type.
+
+The local experts run with the model's own code (`Experts.forward` / `GptOssExperts.forward`: grouped matmul or
+loop) over rows sorted by expert, as in one process; `LocalExperts.forward` picks the rows:
+- eagerly it takes the contiguous run of rows whose expert is local (two bounds read on the host: one sync per
+  layer, which the expert loop makes anyway and an eager prefill step affords) and runs only those, so each rank
+  computes 1/T of the expert work;
+- inside a CUDA graph's capture (decode steps, only where the experts run as grouped matmuls: `graph_capturable`)
+  nothing may be read on the host, so every row runs, the rows of other ranks' experts clamped onto the first or
+  last local expert, and their outputs are masked to zero: the same result, at the price of running the other
+  ranks' rows too (a decode step's rows are few; a grouped matmul that skipped rows past its last offset would
+  save it).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lathe.device import capturing
+from lathe.models.moe import EXPERT_NAME, SparseMoeBlock, sparse_blocks
+
+if TYPE_CHECKING:
+    from lathe.engine.tensor_parallel import TensorParallel
+
+# the stacked experts' tensors (Qwen3-MoE: gate_up_proj, down_proj; GPT-OSS also their biases), expert dim first
+FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
+KEY = "rollout.expert_parallel_size"
+
+
+def check_sizes(cfg, tp_size: int, ep_size: int) -> None:
+    """Raise unless the experts of `cfg`'s model can be placed over a replica of `tp_size` ranks with `ep_size`
+    (module doc): a MoE model needs ep_size == tp_size and whole experts per rank; a dense model ep_size == 1."""
+    tp_key = f"rollout.tensor_model_parallel_size={tp_size}"
+    if cfg.moe is None:
+        if ep_size != 1:
+            raise ValueError(f"{KEY}={ep_size}: {cfg.architecture} has no mixture-of-experts layers, so there are no "
+                             f"experts to place. Fix: set {KEY}=1")
+        return
+    if ep_size != tp_size:
+        raise ValueError(f"{tp_key} with {KEY}={ep_size}: {cfg.architecture} is a mixture-of-experts model, whose "
+                         f"experts lathe places whole over the replica's ranks (expert parallelism; tensor-parallel "
+                         f"experts are not implemented). Fix: set {KEY}={tp_size} (or "
+                         f"rollout.tensor_model_parallel_size=1)")
+    n = cfg.moe.num_experts
+    if n % tp_size:
+        raise ValueError(f"{tp_key}: each rank holds num_experts / {tp_size} whole experts, and {cfg.architecture} "
+                         f"has {n} experts. Fix: choose a size that divides {n}")
+
+
+class ExpertSlice:
+    """The experts [first, first + count) that rank `rank` of a replica of `size` holds, and their tensors' slices."""
+
+    def __init__(self, num_experts: int, rank: int, size: int):
+        self.count = num_experts // size
+        self.first = rank * self.count
+
+    def local(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """[(name, this rank's slice)] of an experts tensor (fused: the expert dim cut; per-expert checkpoint
+        names: kept under their local number when local, else dropped); None for any other tensor."""
+        if FUSED.match(name):
+            return [(name, tensor.narrow(0, self.first, self.count))]
+        m = EXPERT_NAME.match(name)
+        if m is None:
+            return None
+        e = int(m["e"]) - self.first
+        return [(f"{m['prefix']}.{e}.{m['proj']}.weight", tensor)] if 0 <= e < self.count else []
+
+    def place(self, model: nn.Module, tp: TensorParallel) -> None:
+        """Make the sparse layers of `model` (on the meta device, before its weights are loaded) expert-parallel:
+        each experts module holds `count` experts and runs only theirs, each block all-reduces its output."""
+        from lathe.models.gpt_oss import GptOssMoeBlock
+        blocks = sparse_blocks(model)
+        odd = sorted({type(b).__name__ for b in blocks if type(b) not in (SparseMoeBlock, GptOssMoeBlock)})
+        if odd:
+            raise NotImplementedError(f"rollout.tensor_model_parallel_size={tp.size}: the MoE layers {odd} of "
+                                      f"{model.config.architecture} (shared experts) are not placed over tensor-"
+                                      "parallel engine replicas yet. Fix: set it to 1")
+        for block in blocks:
+            experts = block.experts
+            for name, p in list(experts.named_parameters(recurse=False)):
+                experts.register_parameter(name, nn.Parameter(p.new_empty((self.count,) + p.shape[1:]),
+                                                              requires_grad=False))
+            experts.__class__ = _subclass(LocalExperts, type(experts))
+            experts.first, experts.count = self.first, self.count
+            block.__class__ = _subclass(ExpertParallelBlock, type(block))
+            block.tp = tp
+
+
+class ExpertParallelBlock:
+    """A sparse block whose experts hold this rank's share (`LocalExperts`): its output summed over the replica."""
+
+    tp: TensorParallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+
+class LocalExperts:
+    """An experts module holding experts [first, first + count): the rows of other experts come out zero."""
+
+    first: int
+    count: int
+
+    @torch.compiler.disable          # host-read bounds in eager runs (module doc)
+    def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        local = experts - self.first
+        if capturing(rows.device):
+            mine = (local >= 0) & (local < self.count)
+            out = super().forward(rows, local.clamp(0, self.count - 1))
+            return torch.where(mine.unsqueeze(-1), out, out.new_zeros(()))
+        bounds = torch.tensor([self.first, self.first + self.count], device=experts.device, dtype=experts.dtype)
+        start, end = torch.searchsorted(experts, bounds).tolist()
+        out = rows.new_zeros(rows.shape)                  # an expert's output has the input's width
+        if end > start:
+            out[start:end] = super().forward(rows[start:end], local[start:end])
+        return out
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _subclass(mixin: type, cls: type) -> type:
+    """`cls` with `mixin`'s forward in front (one class per pair, so compiled code sees one type)."""
+    if (mixin, cls) not in _CLASSES:
+        _CLASSES[mixin, cls] = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+    return _CLASSES[mixin, cls]

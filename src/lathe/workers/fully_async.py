@@ -50,7 +50,6 @@ from lathe.workers.checkpoint_engine import SyncGroup, TensorMeta, receive_weigh
 from lathe.workers.lockstep import Lockstep, control_groups
 
 ROLLOUT = "rollout"         # the role name of a replica in its worker group
-HEARTBEAT_S = 30.0          # an idle tensor-parallel leader tells its followers it lives (at most this often)
 
 
 class RolloutWorker:
@@ -88,7 +87,6 @@ class RolloutWorker:
         self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model, standalone=True)
         # the replica's ranks run the same engine steps: its leader (first rank) decides, its followers follow
         self.replica = Lockstep(self.engine, tp, control_groups(size, arr.nccl_timeout), timeout_s=arr.nccl_timeout)
-        self._beat_s = None if size == 1 else min(HEARTBEAT_S, arr.nccl_timeout / 4)
         self.pad_id, self.device = tokenizer.pad_token_id, device
         self._cv = threading.Condition()
         # multi-turn (`rollout.multi_turn.enable`): each request's trajectories alternate model turns in this engine
@@ -118,18 +116,20 @@ class RolloutWorker:
         try:
             while True:
                 with self._cv:
-                    beat = False            # a tensor-parallel leader idle for `_beat_s`: tell its followers
+                    beat = False            # a tensor-parallel leader idle for a while: tell its followers
                     while not self._stop and (self._hold or not self._has_work()):
                         self._paused = self._hold
                         self._cv.notify_all()
-                        if not self._cv.wait(self._beat_s) and not (self._hold or self._stop or self._has_work()):
+                        due = None if self._hold else self.replica.heartbeat_in()   # (held: the driver's turn)
+                        if due is not None and due <= 0:
                             beat = True
                             break
+                        self._cv.wait(due)
                     self._paused = False
                     if self._stop:
                         return
-                    requests, self._inbox = ([], self._inbox) if beat else (self._inbox, [])
-                if beat:
+                    requests, self._inbox = self._inbox, []
+                if beat:                    # (no requests: it had no work)
                     self.replica.idle()
                     continue
                 start = time.perf_counter()

@@ -22,6 +22,7 @@ follower that hears nothing names its leader.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -29,6 +30,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lathe.engine.tensor_parallel import TensorParallel
+
+HEARTBEAT_S = 30.0          # an idle leader tells its followers it lives at least this often (or timeout / 4)
 
 
 def control_groups(size: int, timeout_s: float):
@@ -52,6 +55,14 @@ class Lockstep:
         self.who = (f"rank {rank} (rank {tp.rank} of the tensor-parallel rollout replica of ranks "
                     f"{self.leader_rank}..{self.leader_rank + tp.size - 1})")
         self.digest = b""                            # of every output popped so far
+        self.heartbeat_s = min(HEARTBEAT_S, timeout_s / 4)
+        self.sent_at = time.monotonic()
+
+    def heartbeat_in(self) -> float | None:
+        """(The leader.) Seconds until an idle leader owes its followers a heartbeat (`idle`); None: it never does."""
+        if self.group is None:
+            return None
+        return self.heartbeat_s - (time.monotonic() - self.sent_at)
 
     # -- the leader ------------------------------------------------------------------------------------------------
     def step(self, requests: list[tuple]) -> list[tuple[Any, Any]]:
@@ -82,6 +93,7 @@ class Lockstep:
             raise RuntimeError(f"{self.who}: a follower acts only on its leader's messages (this is a bug)")
         if self.group is None:
             return
+        self.sent_at = time.monotonic()
         try:
             dist.broadcast_object_list([(kind, payload, self.digest)], src=self.leader_rank, group=self.group)
         except Exception as e:       # noqa: BLE001 - a gloo timeout or a closed connection: say who

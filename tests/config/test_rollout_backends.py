@@ -173,8 +173,8 @@ def test_expert_parallel_size_is_the_size_of_a_tensor_parallel_replica():
     expert-parallel over its ranks (`lathe.engine.expert_parallel`); any other size is refused."""
     two = ["trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2"]
     assert load(*two, f"{R}.expert_parallel_size=2", device_count=2).actor_rollout_ref.rollout.expert_parallel_size == 2
-    with pytest.raises(ConfigError, match=r"expert_parallel_size`=4: .* Fix: set it to "
-                                          r"actor_rollout_ref.rollout.tensor_model_parallel_size"):
+    with pytest.raises(ConfigError, match=r"expert_parallel_size=4: .* Fix: set it to "
+                                          r"tensor_model_parallel_size=2, or 1"):
         load(*two, f"{R}.expert_parallel_size=4", device_count=2)
 
 
@@ -259,6 +259,7 @@ def test_verl_dataclass_only_fields_are_known(override, outcome):
     ("trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2"),
     ("trainer.n_gpus_per_node=8", f"{R}.tensor_model_parallel_size=4", f"{R}.name=vllm"),
     ("trainer.nnodes=2", "trainer.n_gpus_per_node=8", f"{R}.tensor_model_parallel_size=16"),   # whole nodes
+    ("trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2"),   # fully async
 ])
 def test_tensor_parallel_replicas_load(overrides):
     cfg = load(*overrides)
@@ -270,7 +271,10 @@ def test_tensor_parallel_replicas_load(overrides):
     (("trainer.nnodes=3", "trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=4"), "whole nodes"),
     (("trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2", f"{R}.name=hf"), "transformers' generate"),
     (("trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2", f"{R}.multi_turn.enable=true"), "agent loop"),
-    (("trainer.n_gpus_per_node=2", "rollout.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2"), "issue 47"),
+    (("trainer.n_gpus_per_node=4", "rollout.n_gpus_per_node=3", f"{R}.tensor_model_parallel_size=2"),
+     "rollout.n_gpus_per_node=3"),          # fully async: the rollout pool's devices form the replicas
+    (("rollout.nnodes=3", "rollout.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=4"), "rollout.nnodes"),
+    (("rollout.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2", f"{R}.multi_turn.enable=true"), "agent loop"),
 ])
 def test_tensor_parallel_replicas_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

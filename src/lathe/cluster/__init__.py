@@ -137,9 +137,8 @@ class AsyncCluster:
         what = "weight sync"
         sends = self.trainer_group.submit_each("actor_rollout_ref", "send_weights",
                                                [((self.metas, self.bucket_bytes), {})] * self.trainer_group.world_size)
-        receives = self.rollout_group.submit_each("rollout", "receive_weights",
-                                                  [((self.metas, self.bucket_bytes, version), {})]
-                                                  * self.rollout_group.world_size)
+        receives = self.rollout_group.submit_each("rollout", "receive_weights", self.rollout.leaders(
+            [((self.metas, self.bucket_bytes, version), {})] * self.rollout.world))   # (their followers too)
         stats = self.trainer_group.gather(sends, what)[0]
         self.rollout_group.gather(receives, what)
         return stats
@@ -202,7 +201,8 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
         with ThreadPoolExecutor(2, thread_name_prefix="lathe-pool") as starting:   # both pools load at once
             futures = [starting.submit(trainer_pool), starting.submit(rollout_pool)]
             trainer, rollout = (f.result() for f in futures)
-        replicas = RolloutGroup(rollout, pad_id=tokenizer.pad_token_id, timeout_s=timeout)
+        replicas = RolloutGroup(rollout, pad_id=tokenizer.pad_token_id, timeout_s=timeout,
+                                tp=arr.rollout.tensor_model_parallel_size)
         actor, critic_group = _driver_groups(cfg, plan, trainer, tokenizer, AsyncActorGroup, CriticGroup,
                                              replicas=replicas)
         metas = trainer.call(ACTOR, "weight_metas")[0]
@@ -211,7 +211,7 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
         bucket_bytes = megabytes << 20 if ce.enable else 1          # enable=false: every tensor a bucket of its own
         _join_sync_group(trainer, rollout, trainer.nodes[0]["ip"], trainer.free_port(), timeout)
         log.info("fully async: %d trainer rank(s), %d rollout replica(s); weight sync of %.2f GB in %s",
-                 trainer.world_size, rollout.world_size, sum(m.nbytes for m in metas) / 1e9,
+                 trainer.world_size, replicas.world, sum(m.nbytes for m in metas) / 1e9,
                  f"buckets of {megabytes} MB" if ce.enable else "one bucket per tensor")
     except BaseException:
         for g in groups:

@@ -13,7 +13,8 @@ same way, so a mini-batch is split over devices / T groups too; its sizes are ch
 (`plan.mesh_problems`), and here what it does not combine with yet: Ulysses in the same role, and LoRA.
 
 The rollout's tensor-parallel replicas (`rollout.tensor_model_parallel_size`; `lathe.engine.tensor_parallel`) span
-devices of one node or whole nodes, in the synchronous hybrid loop, with lathe's engine and a single-turn rollout.
+devices of one node or whole nodes (the trainer's in the synchronous hybrid loop, the rollout pool's in fully-async
+training: `lathe.workers.lockstep`), with lathe's engine and a single-turn rollout.
 """
 
 from __future__ import annotations
@@ -117,20 +118,30 @@ def data_parallel(cfg: LatheConfig, role: str, devices: Devices) -> Devices:
 
 
 def check_rollout_tp(cfg: LatheConfig, problems: ProblemList) -> None:
-    """rollout.tensor_model_parallel_size: replicas of whole ranks of one node, in the synchronous hybrid loop."""
+    """rollout.tensor_model_parallel_size: replicas of whole ranks of one node, or of whole nodes."""
     ro, t, key = cfg.actor_rollout_ref.rollout, cfg.trainer, "actor_rollout_ref.rollout.tensor_model_parallel_size"
-    tp = ro.tensor_model_parallel_size
+    tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size
+    if ep not in (None, 1, tp):
+        problems.add(f"actor_rollout_ref.rollout.expert_parallel_size={ep}: expert-parallel generation over other "
+                     f"than one tensor-parallel replica's ranks is not implemented yet in lathe (lathe issue 43: a "
+                     f"mixture-of-experts model's experts are placed over the {tp} rank(s) of a replica; verl's wider "
+                     f"sizes need data-parallel attention). Fix: set it to {key.rsplit('.', 1)[1]}={tp}, or 1.")
     if tp == 1:
         return
     if tp < 1:
         problems.add(f"{key}={tp} must be >= 1 (the devices of one engine replica). Fix: set it to 1 or more.")
         return
-    within_node = t.n_gpus_per_node % tp == 0
-    whole_nodes = tp % t.n_gpus_per_node == 0 and (t.nnodes * t.n_gpus_per_node) % tp == 0
-    if not is_async(cfg) and not (within_node or whole_nodes):
-        problems.add(f"{key}={tp}: an engine replica spans devices of one node (a divisor of trainer.n_gpus_per_node="
-                     f"{t.n_gpus_per_node}) or whole nodes (a multiple of it that divides the {t.nnodes} node(s)' "
-                     f"{t.nnodes * t.n_gpus_per_node} devices). Fix: choose such a size.")
+    # the replicas are blocks of consecutive ranks of the trainer's devices, or of the rollout pool's (fully async)
+    pool = "rollout" if is_async(cfg) else "trainer"
+    nodes, per_node = (cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node) if is_async(cfg) else (t.nnodes,
+                                                                                             t.n_gpus_per_node)
+    within_node = per_node % tp == 0
+    whole_nodes = tp % per_node == 0 and (nodes * per_node) % tp == 0
+    if not (within_node or whole_nodes):
+        problems.add(f"{key}={tp}: an engine replica spans devices of one node (a divisor of {pool}.n_gpus_per_node="
+                     f"{per_node}) or whole nodes (a multiple of it that divides the {nodes} node(s)' "
+                     f"{nodes * per_node} devices of {pool}.nnodes x {pool}.n_gpus_per_node). Fix: choose such a "
+                     "size.")
     if ro.name == "hf":
         problems.add(f"{key}={tp}: transformers' generate (actor_rollout_ref.rollout.name=hf) runs a whole model "
                      "per device. Fix: use lathe's engine (rollout.name=lathe, or vllm/sglang, which run it), or "

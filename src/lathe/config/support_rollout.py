@@ -99,14 +99,6 @@ def _lacking() -> list[Entry]:
         ("data_parallel_size", "a data-parallel size within one engine (DP attention)"),
         ("pipeline_model_parallel_size", "pipeline-parallel generation"),
         ("moe_tensor_parallel_size", "tensor-parallel MoE layers"))]
-    out.append(refuse(f"{R}.expert_parallel_size", f"expert-parallel generation over other than one tensor-parallel "
-                      f"replica's ranks ({MODEL_PARALLEL})", f"set it to {R}.tensor_model_parallel_size (a "
-                      "mixture-of-experts model's experts are placed over a replica's ranks), or 1",
-                      lambda v, cfg: v in (None, 1, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)))
-    out.append(only_on("a rollout pool", refuse(
-        f"{R}.tensor_model_parallel_size", "tensor-parallel replicas in the fully-async rollout pool (lathe issue 47: "
-        "its replicas are one device each for now)", "set it to 1, or train synchronously (rollout.n_gpus_per_node="
-        "0), where the trainer's devices form the replicas", at_most(1))))
     out += [refuse(f"{R}.repetition_penalty", "a repetition penalty in sampling", ok=lambda v, cfg: v == 1),
             warn(f"{R}.quantization_config_file", f"it is read only with {R}.quantization ({QUANTIZED})"),
             refuse(f"{R}.qat", f"quantization-aware training's {QUANTIZED}",    # verl copies the actor's qat here

@@ -36,7 +36,7 @@ loop) over rows sorted by expert, as in one process; `LocalExperts.forward` pick
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,8 +44,7 @@ from torch import nn
 from lathe.device import capturing
 from lathe.models.moe import EXPERT_NAME, SparseMoeBlock, sparse_blocks
 
-if TYPE_CHECKING:
-    from lathe.engine.tensor_parallel import TensorParallel
+TensorParallel = Any      # lathe.engine.tensor_parallel's (which imports this module)
 
 # the stacked experts' tensors (Qwen3-MoE: gate_up_proj, down_proj; GPT-OSS also their biases), expert dim first
 FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")

@@ -11,6 +11,12 @@ the trainer's rank 0 broadcasts the weights in buckets over a process group of i
 agent loops the engine thread also runs the requests' trajectories (`AgentStream`): tool calls run in its thread
 pool, through a pause too, and wake the thread when they answer; a request is finished when all its trajectories are.
 
+With `rollout.tensor_model_parallel_size` = tp > 1 a replica is tp consecutive ranks of the pool, each holding a
+slice of the model (`lathe.engine.tensor_parallel`). The driver talks to each replica's leader (its first rank)
+only; the leader's engine thread tells its followers each engine action before it takes it (`lathe.workers.
+lockstep`): the requests it adds, a step, an interrupt, a weight sync. At a sync every rank receives the trainer's
+whole tensors and keeps its slices (tp x the bytes a resharding sync would send). A follower's thread only follows.
+
 `AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
 sync. The engine is thread-safe only through the worker's lock: every engine call is made under it.
 """
@@ -27,6 +33,7 @@ from lathe.batch import Batch
 from lathe.config import LatheConfig
 from lathe.device import rank_device
 from lathe.dtypes import rollout_dtype
+from lathe.engine.tensor_parallel import replica_groups, shard_copy
 from lathe.models.vl import is_vl
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import is_adapter
@@ -40,6 +47,7 @@ from lathe.seeding import seed_everything
 from lathe.train import parallel
 from lathe.train.vl import check_vl
 from lathe.workers.checkpoint_engine import SyncGroup, TensorMeta, receive_weights, send_weights
+from lathe.workers.lockstep import Lockstep, control_groups
 
 ROLLOUT = "rollout"         # the role name of a replica in its worker group
 
@@ -69,9 +77,17 @@ class RolloutWorker:
                     "(rollout.n_gpus_per_node=0), or set multi_turn.enable=false.")
         self.dtype = rollout_dtype(arr.rollout.dtype, device)
         eos = eos_token_ids(tokenizer, loaded)          # the checkpoint's generation_config (the copy has none)
-        engine_model = frozen_copy(model, self.dtype, device)      # (a VL model: a deep copy, as the workers make)
+        size = arr.rollout.tensor_model_parallel_size
+        tp = replica_groups(size)                       # (collective: every rank of the pool builds at once)
+        if size > 1:            # a tensor-parallel replica of `size` consecutive ranks: this rank's slices
+            engine_model = shard_copy(model, self.dtype, device, tp,
+                                      expert_parallel_size=arr.rollout.expert_parallel_size)
+        else:
+            engine_model = frozen_copy(model, self.dtype, device)      # (a VL model: a deep copy, as the workers make)
         del model, loaded
         self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model, standalone=True)
+        # the replica's ranks run the same engine steps: its leader (first rank) decides, its followers follow
+        self.replica = Lockstep(self.engine, tp, control_groups(size, arr.nccl_timeout), timeout_s=arr.nccl_timeout)
         self.pad_id, self.device = tokenizer.pad_token_id, device
         self._cv = threading.Condition()
         # multi-turn (`rollout.multi_turn.enable`): each request's trajectories alternate model turns in this engine
@@ -88,7 +104,8 @@ class RolloutWorker:
         self._stepping = False              # the engine has work (as of the loop's last step)
         self._error: BaseException | None = None
         self._busy_s = 0.0
-        self._thread = threading.Thread(target=self._loop, name="lathe-rollout", daemon=True)
+        self._thread = threading.Thread(target=self._loop if self.replica.leader else self._follow,
+                                        name="lathe-rollout", daemon=True)
         self._thread.start()
 
     # -- the engine's thread --------------------------------------------------------------------------------
@@ -100,23 +117,27 @@ class RolloutWorker:
         try:
             while True:
                 with self._cv:
+                    beat = False            # a tensor-parallel leader idle for a while: tell its followers
                     while not self._stop and (self._hold or not self._has_work()):
                         self._paused = self._hold
                         self._cv.notify_all()
-                        self._cv.wait()
+                        due = None if self._hold else self.replica.heartbeat_in()   # (held: the driver's turn)
+                        if due is not None and due <= 0:
+                            beat = True
+                            break
+                        self._cv.wait(due)
                     self._paused = False
                     if self._stop:
                         return
                     requests, self._inbox = self._inbox, []
+                if beat:                    # (no requests: it had no work)
+                    self.replica.idle()
+                    continue
                 start = time.perf_counter()
                 if self.agent is not None:
                     done, unfinished = self._agent_step(requests)
                 else:
-                    for request_id, prompt_ids, params, first_index, images, _ in requests:
-                        self.engine.add_request(request_id, prompt_ids, params, first_index=first_index,
-                                                multi_modal_inputs=images)
-                    self.engine.step()
-                    done = self.engine.pop_finished()
+                    done = self.replica.step(requests)
                     unfinished = self.engine.has_unfinished_requests()
                 with self._cv:
                     self._busy_s += time.perf_counter() - start
@@ -125,6 +146,16 @@ class RolloutWorker:
                     if done or not unfinished:
                         self._cv.notify_all()
         except BaseException as e:      # noqa: BLE001 - handed to the driver by the next call
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _follow(self) -> None:
+        """A follower's thread: the leader's engine actions, as it sends them (`Lockstep.follow`)."""
+        try:
+            self.replica.follow(self._receive)
+        except BaseException as e:      # noqa: BLE001 - handed to the driver by the next collect
+            logging.getLogger("lathe").error("rollout replica %s failed: %r", self.replica.who, e, exc_info=e)
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
@@ -155,6 +186,11 @@ class RolloutWorker:
         if self._error is not None:
             raise RuntimeError(f"rollout replica: the engine failed: {self._error!r}") from self._error
 
+    def _leader_only(self, what: str) -> None:
+        if not self.replica.leader:
+            raise RuntimeError(f"{self.replica.who}: {what} goes to the replica's leader only (the driver's "
+                               "RolloutGroup dispatches to leaders; this is a bug)")
+
     # -- called by the driver -------------------------------------------------------------------------------
     def submit(self, requests: list[tuple]) -> None:
         """Queue `(request_id, prompt token ids, params, first_index[, multi_modal_inputs[, agent]])` requests; the
@@ -162,6 +198,7 @@ class RolloutWorker:
         be). `multi_modal_inputs` (VL models): one entry per prompt, `{"pixel_values", "image_grid_thw"}` (CPU
         tensors) or None for a text prompt, as `LatheEngine.generate` takes them. `agent` (multi-turn):
         `request_agent` of the prompt rows."""
+        self._leader_only("submit")
         requests = [(*r, *[None] * (6 - len(r))) for r in requests]
         with self._cv:
             self._check()
@@ -178,7 +215,11 @@ class RolloutWorker:
 
     def collect(self, wait_s: float = 0.0) -> dict:
         """Finished requests as `(request_id, Batch)` (the response tensors of `to_batch` plus the weight versions
-        each response was sampled with), waiting up to `wait_s` for one; and the engine's busy seconds so far."""
+        each response was sampled with), waiting up to `wait_s` for one; and the engine's busy seconds so far. A
+        follower of a tensor-parallel replica answers at once, with nothing (its leader returns the outputs), or
+        raises what failed its thread."""
+        if not self.replica.leader:
+            wait_s = 0.0
         with self._cv:
             if not self._outbox and wait_s > 0:
                 self._cv.wait_for(lambda: self._outbox or self._error is not None, timeout=wait_s)
@@ -199,7 +240,9 @@ class RolloutWorker:
 
     def pause(self, partial: bool, timeout_s: float) -> int:
         """Stop between two engine steps. `partial`: interrupt the unfinished responses (returns how many); else
-        first let every submitted request finish (nothing new is submitted meanwhile)."""
+        first let every submitted request finish (nothing new is submitted meanwhile). (A leader: its followers
+        interrupt with it.)"""
+        self._leader_only("pause")
         with self._cv:
             self._check()
             if not partial:
@@ -212,7 +255,7 @@ class RolloutWorker:
             if not self._cv.wait_for(lambda: self._paused or self._error is not None, timeout=timeout_s):
                 raise TimeoutError(f"rollout replica: the engine did not pause within {timeout_s:.0f} s")
             self._check()
-            return self.engine.interrupt() if partial else 0
+            return self.replica.interrupt() if partial else 0
 
     def resume(self) -> None:
         with self._cv:
@@ -223,15 +266,25 @@ class RolloutWorker:
         self.sync = SyncGroup(host, port, rank, world_size, device=self.device, timeout_s=timeout_s)
 
     def receive_weights(self, metas: list[TensorMeta], bucket_bytes: int, version: int) -> dict:
-        """Load the trainer's broadcast weights bucket by bucket (paused: no sequence holds KV)."""
+        """Load the trainer's broadcast weights bucket by bucket (paused: no sequence holds KV). A leader's followers
+        receive them at once (told by the leader), each keeping its slices of the whole tensors."""
+        self._leader_only("receive_weights")
         with self._cv:
             if not self._paused:
                 raise RuntimeError("rollout replica: receive_weights needs pause() first")
-            return receive_weights(self.sync, metas, bucket_bytes=bucket_bytes,
-                                   consume=lambda named: self.engine.load_weights(named, version=version))
+            return self.replica.load({"metas": metas, "bucket_bytes": bucket_bytes, "version": version},
+                                     self._receive)
+
+    def _receive(self, args: dict) -> dict:
+        """This rank's side of a weight sync (`Lockstep.load`): whole tensors in, the engine copies its slices."""
+        return receive_weights(self.sync, args["metas"], bucket_bytes=args["bucket_bytes"],
+                               consume=lambda named: self.engine.load_weights(named, version=args["version"]))
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams, *, first_index: int = 0) -> Batch:
-        """A blocking generation (validation): submitted as one request, waited for."""
+        """A blocking generation (validation): submitted as one request, waited for. A follower of a
+        tensor-parallel replica returns None: its leader submits the share and returns the samples."""
+        if not self.replica.leader:
+            return None
         key = ("blocking", time.monotonic_ns())
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
         self.submit([(key, prompt_ids, params, first_index, request_images(prompts),
@@ -248,6 +301,9 @@ class RolloutWorker:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=30)
+        if self.replica.leader and self.replica.group is not None and self._error is None \
+                and not self._thread.is_alive():
+            self.replica.stop()             # (its followers' threads end)
         if self.agent is not None:
             self.agent.close()
         if self.sync is not None:

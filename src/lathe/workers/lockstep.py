@@ -1,0 +1,145 @@
+"""A tensor-parallel rollout replica's ranks in lockstep (fully-async training, `lathe.workers.fully_async`).
+
+The `tp` ranks of a replica each hold a slice of the model (`lathe.engine.tensor_parallel`), so every engine step
+runs on all of them at once, on the same sequences: their schedulers must take the same decisions. Only the
+replica's leader (its first rank) hears from the driver; before each engine action it tells its followers what to do,
+one small pickled message over a gloo group of the replica's ranks, and every rank then does it:
+
+    leader:    step(new requests)  interrupt()  load(args)  idle()  stop()
+    follower:  follow() ... the same actions, in the same order, until "stop"
+
+A "step" carries the requests the leader adds before the step (ids, prompts, sampling params with their seeds,
+first indices), so each rank adds the same sequences and samples the same tokens (the logits are gathered whole on
+every rank). "load" carries what the ranks need to receive a weight sync (each rank then receives the trainer's
+broadcast of whole tensors and keeps its slice). "idle" is a heartbeat the idle leader sends so that a waiting
+follower can tell a quiet leader from a dead one.
+
+Every message also carries a digest of all the outputs the leader's engine returned so far; a follower compares it
+with its own, so ranks that drifted apart fail at once, naming themselves. Every wait has the group's timeout; a
+follower that hears nothing names its leader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lathe.engine.tensor_parallel import TensorParallel
+
+HEARTBEAT_S = 30.0          # an idle leader tells its followers it lives at least this often (or timeout / 4)
+
+
+def control_groups(size: int, timeout_s: float):
+    """The gloo group of this rank's replica (consecutive blocks of `size` ranks of the default group; every rank
+    calls it, in the same order), or None with `size` 1."""
+    if size == 1:
+        return None
+    group, _ = dist.new_subgroups(group_size=size, backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return group
+
+
+class Lockstep:
+    """One rank's side of its replica's lockstep over `engine` (see the module docstring). With `tp.size` 1 (no
+    `group`) the leader's actions run the engine alone."""
+
+    def __init__(self, engine, tp: TensorParallel, group, *, timeout_s: float):
+        self.engine, self.tp, self.group, self.timeout_s = engine, tp, group, timeout_s
+        self.leader = tp.rank == 0
+        rank = dist.get_rank() if group is not None else 0
+        self.leader_rank = rank - tp.rank            # (global rank of the leader: the broadcasts' source)
+        self.who = (f"rank {rank} (rank {tp.rank} of the tensor-parallel rollout replica of ranks "
+                    f"{self.leader_rank}..{self.leader_rank + tp.size - 1})")
+        self.digest = b""                            # of every output popped so far
+        self.heartbeat_s = min(HEARTBEAT_S, timeout_s / 4)
+        self.sent_at = time.monotonic()
+
+    def heartbeat_in(self) -> float | None:
+        """(The leader.) Seconds until an idle leader owes its followers a heartbeat (`idle`); None: it never does."""
+        if self.group is None:
+            return None
+        return self.heartbeat_s - (time.monotonic() - self.sent_at)
+
+    # -- the leader ------------------------------------------------------------------------------------------------
+    def step(self, requests: list[tuple]) -> list[tuple[Any, Any]]:
+        """Add `(request_id, prompt ids, params, first_index, multi_modal_inputs, ...)` requests, run one engine
+        step, and return the finished `(request_id, output)` pairs, on every rank of the replica."""
+        self._send("step", [r[:5] for r in requests])
+        return self._step(requests)
+
+    def interrupt(self) -> int:
+        """Partial rollout at a weight sync: every rank preempts its unfinished sequences (`engine.interrupt`)."""
+        self._send("interrupt")
+        return self.engine.interrupt()
+
+    def load(self, args: dict, receive: Callable[[dict], Any]) -> Any:
+        """A weight sync: every rank calls `receive(args)` (which loads the weights into its engine)."""
+        self._send("load", args)
+        return receive(args)
+
+    def idle(self) -> None:
+        """A heartbeat: the leader is alive and has nothing to run."""
+        self._send("idle")
+
+    def stop(self) -> None:
+        self._send("stop")
+
+    def _send(self, kind: str, payload: Any = None) -> None:
+        if not self.leader:
+            raise RuntimeError(f"{self.who}: a follower acts only on its leader's messages (this is a bug)")
+        if self.group is None:
+            return
+        self.sent_at = time.monotonic()
+        try:
+            dist.broadcast_object_list([(kind, payload, self.digest)], src=self.leader_rank, group=self.group)
+        except Exception as e:       # noqa: BLE001 - a gloo timeout or a closed connection: say who
+            raise RuntimeError(f"{self.who}: its followers did not take the leader's {kind!r} message within "
+                               f"{self.timeout_s:.0f} s (actor_rollout_ref.nccl_timeout; a follower that failed "
+                               f"logs why): {e}") from e
+
+    def _step(self, requests: list[tuple]) -> list[tuple[Any, Any]]:
+        for request_id, prompt_ids, params, first_index, images, *_ in requests:
+            self.engine.add_request(request_id, prompt_ids, params, first_index=first_index,
+                                    multi_modal_inputs=images)
+        self.engine.step()
+        done = self.engine.pop_finished()
+        if done and self.group is not None:
+            self.digest = hashlib.sha256(self.digest + repr([(rid, out.token_ids) for rid, out in done])
+                                         .encode()).digest()
+        return done
+
+    # -- a follower ------------------------------------------------------------------------------------------------
+    def follow(self, receive: Callable[[dict], Any]) -> None:
+        """Run the leader's actions until it says "stop" (`receive`: a "load"'s weight sync on this rank)."""
+        if self.leader:
+            raise RuntimeError(f"{self.who}: the leader takes its actions from the driver (this is a bug)")
+        while True:
+            kind, payload, digest = self._receive()
+            if digest != self.digest:
+                raise RuntimeError(f"{self.who}: its engine returned other tokens than its leader's (rank "
+                                   f"{self.leader_rank}) from the same requests; this is a bug (their logits or "
+                                   "seeds differ)")
+            if kind == "stop":
+                return
+            if kind == "step":
+                self._step(payload)
+            elif kind == "interrupt":
+                self.engine.interrupt()
+            elif kind == "load":
+                receive(payload)
+            elif kind != "idle":
+                raise RuntimeError(f"{self.who}: an unknown message {kind!r} from its leader (this is a bug)")
+
+    def _receive(self) -> tuple[str, Any, bytes]:
+        box = [None]
+        try:
+            dist.broadcast_object_list(box, src=self.leader_rank, group=self.group)
+        except Exception as e:       # noqa: BLE001 - a gloo timeout or a closed connection: say who
+            raise TimeoutError(f"{self.who}: no message from its leader, rank {self.leader_rank}, within "
+                               f"{self.timeout_s:.0f} s (actor_rollout_ref.nccl_timeout): it failed or stopped "
+                               f"answering ({e})") from e
+        return box[0]

@@ -1,0 +1,256 @@
+"""A tensor-parallel rollout replica of fully-async training in lockstep (`lathe.workers.lockstep`): a leader and a
+follower over gloo (two processes) stream requests, are interrupted at a weight sync (partial rollout), receive the
+new whole weights from a sender over the checkpoint engine's `SyncGroup` (each keeping its slices), and resume; the
+tokens, log-prob count and weight versions equal those of one unsharded engine fed the same requests in the same
+steps. A follower that hears nothing from its leader names it."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.conftest import PROMPTS
+from engine.test_tensor_parallel import new_weights
+from helpers import free_port, run_processes
+from lathe.engine.llm_engine import LatheEngine
+from lathe.engine.tensor_parallel import replica_groups, shard_copy
+from lathe.generation import SamplingParams
+from lathe.models import load_lathe_model
+from lathe.workers.checkpoint_engine import SyncGroup, metas_of, receive_weights, send_weights
+from lathe.workers.lockstep import Lockstep, control_groups
+
+JOIN_S = 120
+SAMPLED = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=12, seed=3)
+GREEDY = SamplingParams(n=1, temperature=0, max_tokens=12)
+# (steps before the action, action): requests added at a step, then the sync, then more requests
+SCRIPT = [(0, ("add", [("a", PROMPTS[:2], SAMPLED, 0), ("b", PROMPTS[2:3], GREEDY, 0)])),
+          (3, ("add", [("c", PROMPTS[3:], SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=5), 4)])),
+          (2, ("sync", 1)),
+          (0, ("add", [("d", PROMPTS[1:3], SAMPLED, 0)]))]
+
+
+def engine_of(model) -> LatheEngine:
+    return LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48)
+
+
+def play(step, sync) -> dict:
+    """Run SCRIPT: `step(new requests)` returns finished (id, output) pairs; `sync(version)` interrupts and loads
+    the new weights. Returns {request id: (tokens, number of log-probs, versions)}."""
+    done, new = {}, []
+
+    def take(outputs):
+        done.update({rid: (out.token_ids, [len(x) for x in out.logprobs], out.versions) for rid, out in outputs})
+
+    for steps, (kind, arg) in SCRIPT:
+        for _ in range(steps):
+            take(step(new))
+            new = []
+        if kind == "add":
+            new += [(rid, prompts, params, first, None) for rid, prompts, params, first in arg]
+        else:
+            sync(arg)
+    while len(done) < 4:
+        take(step(new))
+        new = []
+    return done
+
+
+def reference(path: str) -> dict:
+    engine = engine_of(load_lathe_model(path, torch.float32))
+    replica = Lockstep(engine, replica_groups(1), None, timeout_s=JOIN_S)       # (one rank: the engine alone)
+
+    def sync(version):
+        assert replica.interrupt() > 0                    # in-flight samples: the partial rollout is exercised
+        engine.load_weights(new_weights(path), version=version)
+
+    return play(replica.step, sync)
+
+
+def run_ranks(body, path: str):
+    """`body(rank, sync_port, path)` on the 2 gloo ranks of a replica (forkserver processes; the sync's sender, the
+    trainer's rank 0, is a thread of rank 0's process): rank 0's result."""
+    ctx = mp.get_context("forkserver")      # one server imports torch and lathe once; each rank is a fork of it
+    ctx.set_forkserver_preload([__name__])
+    queue, port, sync_port = ctx.Queue(), free_port(), free_port()
+    procs = [ctx.Process(target=rank_main, args=(body, r, port, sync_port, path, queue), daemon=True)
+             for r in range(2)]
+    return run_processes(procs, queue, 3 * JOIN_S)[0]
+
+
+def rank_main(body, rank: int, port: int, sync_port: int, path: str, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=JOIN_S))
+        sender = threading.Thread(target=send, args=(sync_port, path)) if rank == 0 else None
+        if sender is not None:
+            sender.start()                               # the trainer's rank 0, sending over the SyncGroup
+        result = body(rank, sync_port, path)
+        if sender is not None:
+            sender.join(timeout=JOIN_S)
+        queue.put((rank, result))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def lockstep_rank(rank: int, sync_port: int, path: str):
+    tp = replica_groups(2)
+    control = control_groups(2, JOIN_S)
+    quick = control_groups(2, 0.5)                   # (for the silent leader at the end)
+    engine = engine_of(shard_copy(load_lathe_model(path, torch.float32), torch.float32, torch.device("cpu"), tp))
+    replica = Lockstep(engine, tp, control, timeout_s=JOIN_S)
+    group = SyncGroup("127.0.0.1", sync_port, 1 + rank, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
+
+    def receive(args):
+        return receive_weights(group, args["metas"], bucket_bytes=args["bucket_bytes"],
+                               consume=lambda named: engine.load_weights(named, version=args["version"]))
+
+    metas = metas_of(load_lathe_model(path, torch.float32).state_dict().items(), torch.float32)
+    result = None
+    if rank == 0:
+        def sync(version):
+            assert replica.interrupt() > 0
+            replica.load({"metas": metas, "bucket_bytes": 1 << 14, "version": version}, receive)
+
+        result = play(replica.step, sync)
+        replica.stop()
+        time.sleep(1.5)                              # silent: the follower's quick group times out
+    else:
+        replica.follow(receive)
+        with pytest.raises(TimeoutError, match="rank 1 .* no message from its leader, rank 0"):
+            Lockstep(engine, tp, quick, timeout_s=0.5).follow(receive)
+    group.close()
+    return result
+
+
+def send(port: int, path: str) -> None:
+    group = SyncGroup("127.0.0.1", port, 0, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
+    named = list(new_weights(path))
+    send_weights(group, named, metas_of(named, torch.float32), bucket_bytes=1 << 14)
+    group.close()
+
+
+def test_a_tensor_parallel_replica_streams_what_one_engine_streams(tmp_path):
+    from models.lathe_tiny import save_hf
+    path = str(save_hf(tmp_path, "llama", tie=True)[0])      # tied: the LM head's slices come from the embeddings
+    want = reference(path)
+    assert any(len({v for v, _ in spans}) > 1 for _, _, versions in want.values() for spans in versions)
+    assert run_ranks(lockstep_rank, path) == want
+
+
+# -- the rollout worker of a tensor-parallel replica (its engine thread, the driver's calls to the leader) -----------
+
+LONG = SamplingParams(n=2, temperature=1.0, max_tokens=24, ignore_eos=True, seed=7)
+
+
+def responses(batch) -> list[list[int]]:
+    return [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
+
+
+def worker_rank(rank: int, sync_port: int, path: str):
+    """Rank 0 drives its replica as the driver does (and sends the weights, as the trainer's rank 0 would)."""
+    from types import SimpleNamespace
+
+    from lathe.batch import Batch
+    from lathe.config import load_config
+    from lathe.workers.fully_async import RolloutWorker
+    from workers.test_fully_async import _collect_until
+    cfg = load_config("default", ["rollout.n_gpus_per_node=2", "actor_rollout_ref.hybrid_engine=false",
+                                  "data.train_batch_size=0", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                                  "actor_rollout_ref.nccl_timeout=4", "data.max_response_length=24"])
+    worker = RolloutWorker(cfg, path, {"impl": "auto"}, SimpleNamespace(pad_token_id=0, eos_token_id=2),
+                           device_type="cpu")
+    worker.join_sync_group("127.0.0.1", sync_port, 1 + rank, 3, JOIN_S)
+    result = None
+    if rank == 0:
+        beats = []
+        idle = worker.replica.idle
+        worker.replica.idle = lambda: (beats.append(1), idle())
+        worker.submit([("a", PROMPTS[:2], LONG, 0)])
+        got = _collect_until(worker, {"a"})
+        metas = metas_of(load_lathe_model(path, torch.float32).state_dict().items(), torch.float32)
+        time.sleep(1.5)                               # idle: a heartbeat every nccl_timeout / 4 = 1 s
+        assert worker.pause(partial=True, timeout_s=JOIN_S) == 0
+        worker.receive_weights(metas, 1 << 14, 1)
+        worker.resume()
+        worker.submit([("b", PROMPTS[2:], LONG, 4)])
+        got.update(_collect_until(worker, {"b"}))
+        worker.submit([("c", PROMPTS[1:2], LONG, 0)])
+        worker.pause(partial=True, timeout_s=JOIN_S)     # (maybe mid-way: continues on the same weights)
+        worker.resume()
+        got.update(_collect_until(worker, {"c"}))
+        validation = worker.generate_sequences(Batch(non_tensors={"prompt_ids": PROMPTS[3:]}), LONG)
+        result = ({k: (responses(b), b["rollout_versions"].unique().tolist()) for k, b in got.items()},
+                  responses(validation), len(beats))
+    else:
+        assert worker.generate_sequences(Batch(non_tensors={"prompt_ids": PROMPTS[3:]}), LONG) is None
+        with pytest.raises(RuntimeError, match="goes to the replica's leader only"):
+            worker.submit([("x", PROMPTS[:1], LONG, 0)])
+    worker.shutdown()                               # (the leader's tells its follower's thread to end)
+    assert not worker._thread.is_alive() and worker.collect()["done"] == []
+    return result
+
+
+def test_a_tensor_parallel_rollout_worker_follows_its_leader_through_a_sync(tmp_path):
+    """The driver's calls go to the leader only; requests before the sync sample what one engine samples with the
+    old weights, after it with the new ones; the idle leader sends heartbeats; shutdown ends the follower too."""
+    from models.lathe_tiny import save_hf
+    path = str(save_hf(tmp_path, "llama", tie=True)[0])
+    engine = engine_of(load_lathe_model(path, torch.float32))
+    want_a = engine.generate(PROMPTS[:2], LONG).token_ids
+    engine.update_weights(new_weights(path))
+    want_b = engine.generate(PROMPTS[2:], LONG, first_index=4).token_ids
+    want_val = engine.generate(PROMPTS[3:], LONG).token_ids
+    got, validation, beats = run_ranks(worker_rank, path)
+    assert got["a"] == (want_a, [0]) and got["b"] == (want_b, [1])
+    # c may have been interrupted mid-way (timing): recomputed KV may move its later tokens by the last bits
+    assert [len(t) for t in got["c"][0]] == [24, 24] and got["c"][1] == [1]
+    assert validation == want_val and beats >= 1
+
+
+class FakeGroup:
+    """`RayWorkerGroup`'s calls, recorded: each rank answers (method, its rank)."""
+
+    def __init__(self, world_size: int):
+        self.world_size, self.calls = world_size, []
+
+    def call(self, role, method, *args, **kwargs):
+        return self.call_each(role, method, [(args, kwargs)] * self.world_size)
+
+    def call_each(self, role, method, per_rank):
+        return self.gather(self.submit_each(role, method, per_rank), method)
+
+    def submit_each(self, role, method, per_rank):
+        self.calls.append((method, [r for r, a in enumerate(per_rank) if a is not None]))
+        answers = {"collect": lambda r: {"done": [(r, None)] * (r % 2 == 0), "busy_s": float(r)}, "pause": lambda r: 1}
+        return [None if a is None else answers.get(method, lambda r: r)(r) for r, a in enumerate(per_rank)]
+
+    def gather(self, refs, what):
+        return refs
+
+
+def test_the_driver_talks_to_the_leaders_of_the_replicas():
+    from lathe.cluster import AsyncCluster
+    from lathe.cluster.async_roles import RolloutGroup
+    ranks = FakeGroup(6)
+    replicas = RolloutGroup(ranks, pad_id=0, timeout_s=1, tp=2)
+    assert replicas.world == 3
+    replicas.submit({1: ["request"]})
+    assert replicas.collect(0.0) == ([(0, None), (2, None), (4, None)], [0.0, 2.0, 4.0])   # busy: the leaders'
+    assert replicas.pause(partial=True) == 3
+    replicas.resume()
+    AsyncCluster(FakeGroup(1), ranks, None, None, replicas, False, [], 1).sync(1)
+    assert ranks.calls == [("submit", [2]), ("collect", [0, 1, 2, 3, 4, 5]), ("pause", [0, 2, 4]),
+                           ("resume", [0, 2, 4]), ("receive_weights", [0, 2, 4])]   # (followers: told by leaders)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=4 does not divide the rollout pool's 6 ranks"):
+        RolloutGroup(ranks, pad_id=0, timeout_s=1, tp=4)

@@ -24,6 +24,7 @@ says `agree`; the command exits non-zero when they do not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -49,6 +50,16 @@ def build_rm(shape: str, device: torch.device, dtype: torch.dtype):
         model = Qwen2ForSequenceClassification(cfg)
         torch.nn.init.normal_(model.score.weight, std=cfg.hidden_size ** -0.5)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def sdpa_kernels(names: str | None):
+    """`torch.nn.attention.sdpa_kernel` over the named backends (None: PyTorch's own choice)."""
+    if not names:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    table = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([table[n] for n in names.split(",")])
 
 
 def timed(fn, device, repeats: int) -> tuple[float, torch.Tensor]:
@@ -83,7 +94,8 @@ def run(args) -> dict:
     scores = {}
     for name, model, is_packed in (("lathe", lathe, packed), ("transformers", hf, False)):
         run_once = lambda: score_rows(model, is_packed, rows, parts, device, 0)       # noqa: E731
-        seconds, scores[name] = timed(run_once, device, args.repeats)
+        with sdpa_kernels(args.sdpa_kernels):
+            seconds, scores[name] = timed(run_once, device, args.repeats)
         result[name] = {"seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
         if device.type == "cuda":
             result[name]["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
@@ -124,6 +136,10 @@ def main() -> None:
                         "each path's distance from those (lathe's at most twice transformers', or --rel)")
     p.add_argument("--lathe-attention", default="auto", choices=("auto", "varlen", "sdpa"),
                    help="lathe's packed attention kernel (auto: flash-attention varlen on CUDA in bf16)")
+    p.add_argument("--sdpa-kernels", default=None,
+                   help="comma list of SDPA backends (flash, efficient, cudnn, math) both paths may use, e.g. math: "
+                        "lathe's `--lathe-attention sdpa` otherwise takes flash (no mask) where transformers' padded "
+                        "forward, with its mask, takes another kernel")
     p.add_argument("--rel", type=float, default=None,
                    help="the scores' allowed norm-relative difference (default 0.05 in bf16, 1e-4 in float32)")
     p.add_argument("--git-sha", default=None,
@@ -139,7 +155,7 @@ def main() -> None:
                "git_sha": args.git_sha or git_sha(), "torch": torch.__version__,
                "transformers_version": transformers.__version__, "command": " ".join(sys.argv),
                "workload": {k: getattr(args, k) for k in ("shape", "rows", "prompt_len", "max_response", "max_tokens",
-                                                          "micro_batch", "repeats", "lathe_attention")}}
+                                                          "micro_batch", "repeats", "lathe_attention", "sdpa_kernels")}}
     results.update(run(args))
     out = Path(args.out or ROOT / "bench" / "results" / f"rm_{slug(name)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from roofline import kv_bytes_per_token  # noqa: F401  (bench/ is on the path: `common` was found there)
+from roofline import forward_flops, kv_bytes_per_token  # noqa: F401  (bench/ is on the path: `common` was found there)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
@@ -33,7 +33,29 @@ SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, v
                  num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
+# Mixture-of-experts shapes (issue 44's figures), with the transformers model type that builds them (`hf_config`):
+# Qwen3-30B-A3B, the same with 12 of its 48 layers (7.7B: GRPO on 2 GPUs), GPT-OSS-20B (its alternating 128-token
+# sliding windows, attention sinks and MXFP4-free bf16 experts), and a tiny Qwen3-MoE for CPU smoke runs.
+_QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                      num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                      num_key_value_heads=4, head_dim=128, vocab_size=QWEN_VOCAB, tie_word_embeddings=False)
+SHAPES.update({
+    "30b-a3b": _QWEN3_30B_A3B,
+    "30b-a3b-12l": {**_QWEN3_30B_A3B, "num_hidden_layers": 12},
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_experts=32,
+                        num_experts_per_tok=4, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, vocab_size=201088, tie_word_embeddings=False, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=True),
+})
+DENSE_SHAPES = sorted(k for k, v in SHAPES.items() if "model_type" not in v)   # Qwen2.5: what Qwen2Config builds
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]   # dense datasheet
 HBM_TBPS = [("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8), ("A100", 2.0)]   # datasheet TB/s
 
@@ -93,24 +115,40 @@ def roofline_tok_s(shape: dict, wbytes: int, prompt_lens: list[int], out_lens: l
 
 
 def train_flops(shape: dict, lengths: list[int]) -> float:
-    """Model FLOPs of forward + backward (3x forward): linear layers incl. lm_head, plus causal attention."""
-    h, i, n_layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    hd = h // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
-    macs_per_token = n_layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + shape["vocab_size"] * h
-    attn_macs = n_layers * sum(2 * q * s * (s + 1) / 2 for s in lengths)   # QK^T and PV over the causal half
-    return 3 * 2 * (sum(lengths) * macs_per_token + attn_macs)
+    """Model FLOPs of forward + backward (3x forward): linear layers incl. lm_head on every token (a MoE shape: its
+    active experts and router), plus causal attention (`roofline.forward_flops`)."""
+    return 3 * forward_flops(shape, lengths, sum(lengths))
 
 
 # -- random-weight models and workloads -------------------------------------------------------------------------------
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+
+
+def hf_config(shape_name: str, **overrides) -> dict:
+    """The transformers config dict of a SHAPES entry (transformers' own defaults for what the entry does not set:
+    a Qwen2.5 shape with rope_theta 1e6; GPT-OSS's YaRN rope), with `architectures` set."""
+    from transformers import AutoConfig
+    shape = dict(SHAPES[shape_name])
+    model_type = shape.pop("model_type", "qwen2")
+    if model_type == "qwen2":
+        shape.update(rope_theta=1e6, rms_norm_eps=1e-6)
+    if "num_experts" in shape and model_type == "gpt_oss":
+        shape["num_local_experts"] = shape.pop("num_experts")
+    elif "num_experts" in shape:
+        shape["num_local_experts"] = shape["num_experts"]      # transformers 5.24's name; 5.17 reads num_experts
+    d = AutoConfig.for_model(model_type, **{**shape, **overrides}).to_dict()
+    d["architectures"] = [ARCHITECTURES[model_type]]
+    return d
+
+
 def build_hf(shape_name: str, device, dtype):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(**SHAPES[shape_name], max_position_embeddings=32768, rope_theta=1000000.0,
-                      rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                      attn_implementation="sdpa")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    d = hf_config(shape_name, max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = AutoConfig.for_model(**{k: v for k, v in d.items() if k != "architectures"})
+    cfg._attn_implementation = "sdpa" if "sliding_window" not in SHAPES[shape_name] else "eager"
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
     return model.to(dtype).train()
 
 
@@ -190,16 +228,12 @@ REWARD_FILE = '''def compute_score(data_source, solution_str, ground_truth, extr
 
 def write_model(shape: str, where: Path, device: str) -> Path:
     """A random-weight checkpoint of `shape` (bf16 safetensors + config.json), written once."""
-    from transformers import Qwen2Config
-
     from lathe.models.config import LatheConfig
     from lathe.models.decoder import LatheCausalLM, init_weights
     out = where / f"model-{shape}"
     if (out / "config.json").exists():
         return out
-    hf = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, eos_token_id=0, pad_token_id=0,
-                     bos_token_id=None, rope_theta=1e6).to_dict()
-    hf["architectures"] = ["Qwen2ForCausalLM"]
+    hf = hf_config(shape, max_position_embeddings=4096, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     cfg = LatheConfig.from_hf_dict(hf, source=f"bench shape {shape}")
     with torch.device(device):
         model = LatheCausalLM(cfg).to(torch.bfloat16)

@@ -57,6 +57,13 @@ LATHE_SETTINGS = {
     "1.5b": dict(micro=16, checkpointing=False, kl=False, extra=[]),
     "7b": dict(micro=16, checkpointing=True, kl=True,
                extra=["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]),
+    # larger and mixture-of-experts shapes (issues 43/44): several GPUs; the memory plan names what else they need
+    "14b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    "32b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    "30b-a3b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    "30b-a3b-12l": dict(micro=16, checkpointing=True, kl=True, extra=[]),
+    "gpt-oss-20b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    "tiny-moe": dict(micro=8, checkpointing=False, kl=False, extra=[]),
 }
 # One GPU needs the 7B optimizer state in host memory; sharded over several GPUs it fits (and lathe refuses
 # optimizer offload without parameter offload there), so these settings are dropped when --gpus > 1.
@@ -133,7 +140,7 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
         cmd = [sys.executable, str(ROOT / "bench" / "e2e_trl.py"), "--model", str(paths["model"]),
                "--tokenizer", str(paths["tokenizer"]), "--prompts-file", str(paths["jsonl"]), "--n", str(args.n),
                "--prompts", str(args.prompts), "--response-len", str(args.response_len), "--steps", str(args.trl_steps),
-               "--micro", str(min(TRL_MICRO[shape], seqs)), "--out", str(out), "--beta",
+               "--micro", str(min(TRL_MICRO.get(shape, 4), seqs)), "--out", str(out), "--beta",
                "0.001" if LATHE_SETTINGS[shape]["kl"] else "0.0"]
         rc, wall = run_child(cmd, Path(args.logs) / f"trl-{shape}.log", args.timeout)
         trl = json.loads(out.read_text()) if out.exists() else {}

@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, SHAPES, device_name, git_sha, random_prompts, slug, sync  # noqa: E402
+from common import DENSE_SHAPES, ROOT, SHAPES, device_name, git_sha, random_prompts, slug, sync  # noqa: E402
 
 from lathe.workers.reward_model import rm_micro_batches, score_rows, select_reward_impl  # noqa: E402
 
@@ -121,7 +121,7 @@ def run(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="1.5b", choices=DENSE_SHAPES)
     p.add_argument("--device", default="cuda")
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=256)

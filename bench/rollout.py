@@ -45,18 +45,25 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import (SHAPES, batched_tokens, build_hf, datasheet_peak, device_name, git_sha, hbm_bandwidth,  # noqa: E402
                     kv_bytes_per_token, profile_summary, random_prompts, roofline_tok_s, slug, sync, weight_bytes)
+from roofline import decode_weight_bytes, layer_matmul_params  # noqa: E402
 
 from lathe.engine import scheduler  # noqa: E402
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
 from lathe.generation import SamplingParams  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
 
-def prefill_seconds_at_peak(shape: dict, wbytes: int, prompt_lens: list[int], peak_flops: float) -> float:
-    """The prefill's least time: 2 FLOPs per weight of the decoder layers per prompt token (the embedding is a
-    lookup; the lm_head runs on one row per prompt) at the device's dense bf16 peak. Attention's own FLOPs are left
-    out, which makes it lower still."""
-    layer_weights = wbytes / 2 - shape["vocab_size"] * shape["hidden_size"] * (1 if shape["tie_word_embeddings"] else 2)
-    return 2 * layer_weights * sum(prompt_lens) / peak_flops
+def prefill_seconds_at_peak(shape: dict, prompt_lens: list[int], peak_flops: float) -> float:
+    """The prefill's least time: 2 FLOPs per weight of the decoder layers a token runs through (a MoE shape: its
+    active experts) per prompt token (the embedding is a lookup; the lm_head runs on one row per prompt) at the
+    device's dense bf16 peak. Attention's own FLOPs are left out, which makes it lower still."""
+    return 2 * layer_matmul_params(shape) * sum(prompt_lens) / peak_flops
+
+
+def roofline_weight_bytes(shape: dict, model) -> int:
+    """The weight bytes a decode step reads in the roofline: the model's own (every parameter, embedding included,
+    as measured so far for dense shapes); a MoE shape's active parameters (`roofline.decode_weight_bytes`: issue 44
+    defines its roofline so)."""
+    return decode_weight_bytes(shape) if shape.get("num_experts") else weight_bytes(model)
 
 
 # -- backends ---------------------------------------------------------------------------------------------
@@ -205,8 +212,9 @@ def bench_model(name: str, device, args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     bandwidth = hbm_bandwidth(device_name(device)) if device.type == "cuda" else None
-    wbytes = weight_bytes(lathe)
-    result = {"shape": shape, "weight_bytes": wbytes, "kv_bytes_per_token": kv_bytes_per_token(shape), "loads": {}}
+    wbytes = roofline_weight_bytes(shape, lathe)
+    result = {"shape": shape, "weight_bytes": weight_bytes(lathe), "roofline_weight_bytes": wbytes,
+              "kv_bytes_per_token": kv_bytes_per_token(shape), "loads": {}}
     grpo_prompts = random_prompts(args.grpo_prompts, min(64, args.prompt_len), max(64, 2 * args.prompt_len),
                                   shape["vocab_size"], 1)
     loads = {
@@ -251,7 +259,7 @@ def bench_model(name: str, device, args) -> dict:
             row["lathe"]["roofline_fraction"] = row["lathe"]["tok_s"] / roof
             peak = (datasheet_peak(device_name(device)) or 0) * 1e12 or None
             if peak:   # the decode roofline leaves the prefill out; with it at the compute peak (prompts once each)
-                least = row["lathe"]["tokens"] / roof + prefill_seconds_at_peak(shape, wbytes, [len(p) for p in prompts], peak)
+                least = row["lathe"]["tokens"] / roof + prefill_seconds_at_peak(shape, [len(p) for p in prompts], peak)
                 row["roofline_with_prefill_tok_s"] = row["lathe"]["tokens"] / least
                 row["lathe"]["roofline_with_prefill_fraction"] = row["lathe"]["tok_s"] * least / row["lathe"]["tokens"]
         hf_models = args.hf_models if load == "fixed" else args.hf_grpo_models

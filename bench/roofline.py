@@ -13,8 +13,13 @@ of the two per step. Assumptions, all of which make the bound lower, never highe
   every bf16 weight, so that is no bound).
 
 Shapes are `bench/common.py`'s SHAPES dicts (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-num_key_value_heads, vocab_size, tie_word_embeddings; head_dim = hidden / heads unless given). Self-contained, so a
-test can load it by path.
+num_key_value_heads, vocab_size, tie_word_embeddings; head_dim = hidden / heads unless given). A mixture-of-experts
+shape adds `num_experts` (E), `num_experts_per_tok` (k) and `moe_intermediate_size` (each expert's width; GPT-OSS's
+experts are `intermediate_size` wide and carry biases): its FLOPs count the k active experts and the router per token,
+its parameter count all E, and a decode step reads, as issue 44 defines its roofline, the *active* parameters (the
+non-expert weights and k experts a layer) — a floor: a batch of many rows touches most experts each step. A shape with
+`sliding_window` and `layer_types` (GPT-OSS) attends, in its sliding layers, to at most that many keys a query, and its
+decode reads at most that many tokens' K and V there. Self-contained, so a test can load it by path.
 """
 
 from __future__ import annotations
@@ -46,26 +51,53 @@ def _dims(shape: dict) -> tuple[int, int, int, int, int, int, int]:
             shape["num_key_value_heads"] * hd, shape["vocab_size"], hd)
 
 
+def _expert_width(shape: dict) -> int:
+    return shape.get("moe_intermediate_size") or shape["intermediate_size"]
+
+
+def _mlp_params(shape: dict, experts: int) -> int:
+    """One layer's MLP matrices with `experts` experts (a MoE shape; their router too), else the dense SwiGLU."""
+    h = shape["hidden_size"]
+    if not shape.get("num_experts"):
+        return 3 * h * shape["intermediate_size"]
+    return experts * 3 * h * _expert_width(shape) + h * shape["num_experts"]
+
+
 def layer_matmul_params(shape: dict) -> int:
-    """Weights of the decoder layers' matrices: L x (h*q + 2*h*kv + q*h + 3*h*i)."""
-    h, i, n_layers, q, kv, _, _ = _dims(shape)
-    return n_layers * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    """Weights of the decoder layers' matrices one token runs through: L x (h*q + 2*h*kv + q*h + its MLP: 3*h*i
+    dense, or k experts' 3*h*i_e plus the router's h*E)."""
+    h, _, n_layers, q, kv, _, _ = _dims(shape)
+    return n_layers * (h * q + 2 * h * kv + q * h + _mlp_params(shape, shape.get("num_experts_per_tok", 0)))
 
 
 def param_count(shape: dict) -> int:
-    """All parameters: layer matrices, q/k/v biases (Qwen2), two norms per layer, the final norm, the embedding,
-    and the lm_head unless tied."""
-    h, _, n_layers, q, kv, v, _ = _dims(shape)
-    small = n_layers * (q + 2 * kv + 2 * h) + h
-    return layer_matmul_params(shape) + small + v * h * (1 if shape["tie_word_embeddings"] else 2)
+    """All parameters: layer matrices (every expert), q/k/v biases (Qwen2; a MoE shape's attention: none but its
+    per-head q/k norms), two norms per layer, the final norm, the embedding, and the lm_head unless tied (GPT-OSS's
+    attention biases, sinks and expert biases are left out: under 0.1%)."""
+    h, _, n_layers, q, kv, v, hd = _dims(shape)
+    attn = h * q + 2 * h * kv + q * h
+    mlp = _mlp_params(shape, shape.get("num_experts", 0))
+    small = (2 * hd if shape.get("num_experts") else q + 2 * kv) + 2 * h
+    return n_layers * (attn + mlp + small) + h + v * h * (1 if shape["tie_word_embeddings"] else 2)
 
 
 def decode_weight_bytes(shape: dict) -> int:
-    """Weight bytes one decode step reads: every parameter but the embedding table (looked up one row per token);
-    the lm_head is read whole, tied or not."""
+    """Weight bytes one decode step reads: every parameter but the embedding table (looked up one row per token)
+    and, in a MoE shape, the experts no token of the step is routed to — counted as only k a layer (the active
+    parameters: a floor); the lm_head is read whole, tied or not."""
     h, v = shape["hidden_size"], shape["vocab_size"]
     untied_embedding = 0 if shape["tie_word_embeddings"] else v * h
-    return BYTES * (param_count(shape) - untied_embedding)
+    idle = 0
+    if shape.get("num_experts"):
+        idle = shape["num_hidden_layers"] * (shape["num_experts"] - shape["num_experts_per_tok"]) * 3 * h * \
+            _expert_width(shape)
+    return BYTES * (param_count(shape) - untied_embedding - idle)
+
+
+def _windows(shape: dict) -> list[int | None]:
+    """Each layer's attention window (None: the whole causal context)."""
+    kinds = shape.get("layer_types") or ["full_attention"] * shape["num_hidden_layers"]
+    return [shape.get("sliding_window") if k == "sliding_attention" else None for k in kinds]
 
 
 def kv_bytes_per_token(shape: dict) -> int:
@@ -74,11 +106,23 @@ def kv_bytes_per_token(shape: dict) -> int:
     return 2 * n_layers * kv * BYTES
 
 
+def _kv_bytes_read(shape: dict, context: int) -> int:
+    """K and V bytes one decode step reads for one sequence of `context` tokens (a sliding layer: its window)."""
+    _, _, _, _, kv, _, _ = _dims(shape)
+    return sum(2 * kv * BYTES * (context if w is None else min(context, w)) for w in _windows(shape))
+
+
 def attention_flops(shape: dict, length: int) -> int:
     """Causal self-attention of one sequence of `length` tokens: QK^T and PV over the lower triangle,
-    2 x 2 x L x q width x length(length+1)/2."""
-    _, _, n_layers, q, _, _, _ = _dims(shape)
-    return 2 * n_layers * q * length * (length + 1)
+    2 x 2 x L x q width x length(length+1)/2 (a sliding layer: each query over at most its window of keys)."""
+    _, _, _, q, _, _, _ = _dims(shape)
+    total = 0
+    for w in _windows(shape):
+        pairs = length * (length + 1) // 2
+        if w is not None and length > w:          # queries past the window see w keys each
+            pairs = w * (w + 1) // 2 + (length - w) * w
+        total += 4 * q * pairs
+    return total
 
 
 def forward_flops(shape: dict, lengths: list[int], logit_rows: int) -> int:
@@ -102,17 +146,19 @@ def decode_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, b
       FLOPs: running sequences x (2 x (layer matrix params + V x h) + 4 x L x q width x context), over the rate.
     All sequences decode together (fixed lengths, ignore_eos); with `max_num_seqs` below `seqs` they run in
     waves of at most `max_num_seqs`, one after another."""
-    h, _, n_layers, q, _, v, _ = _dims(shape)
+    h, _, _, q, _, v, _ = _dims(shape)
     cap = max_num_seqs or seqs
     waves = [min(cap, seqs - start) for start in range(0, seqs, cap)]
-    wbytes, kvt, lin = decode_weight_bytes(shape), kv_bytes_per_token(shape), 2 * (layer_matmul_params(shape) + v * h)
+    wbytes, lin = decode_weight_bytes(shape), 2 * (layer_matmul_params(shape) + v * h)
+    windows = _windows(shape)
     total = 0.0
     for batch in waves:
         for k in range(1, response_len):
             ctx = prompt_len + k
-            seconds = (wbytes + batch * ctx * kvt) / bytes_per_s
+            seconds = (wbytes + batch * _kv_bytes_read(shape, ctx)) / bytes_per_s
             if flops_per_s:
-                seconds = max(seconds, batch * (lin + 4 * n_layers * q * ctx) / flops_per_s)
+                keys = sum(ctx if w is None else min(ctx, w) for w in windows)
+                seconds = max(seconds, batch * (lin + 4 * q * keys) / flops_per_s)
             total += seconds
     return total
 

@@ -32,6 +32,39 @@ def test_parameter_and_byte_counts():
     assert roofline.kv_bytes_per_token(SHAPE) == 256           # K,V x 2 layers x 32 x 2 bytes
 
 
+# A made-up MoE shape: 2 layers, hidden 64, q width 64 (4 heads of 16), kv width 32, 8 experts of width 16, top 2.
+MOE = {**SHAPE, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 16}
+
+
+def test_moe_counts_the_active_experts_for_flops_and_decode_and_all_for_parameters():
+    # per layer, a token: attention 12288 + 2 experts x 3*64*16 + router 64*8 = 12288 + 6144 + 512 = 18944
+    assert roofline.layer_matmul_params(MOE) == 2 * 18944
+    # all 8 experts 24576 + router 512 + q/k norms 2*16 + two norms 128, per layer; final norm 64, embedding 64000
+    assert roofline.param_count(MOE) == 2 * (12288 + 24576 + 512 + 32 + 128) + 64 + 64000
+    assert roofline.decode_weight_bytes(MOE) == 2 * (roofline.param_count(MOE) - 2 * 6 * 3 * 64 * 16)
+
+
+def test_the_bench_shapes_count_what_lathe_builds():
+    """bench/common.py's larger and MoE shapes: roofline.param_count against lathe's decoder on the meta device."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import common
+    from lathe.models.config import LatheConfig
+    from lathe.models.decoder import LatheCausalLM
+    for name, rel in (("14b", 0), ("30b-a3b", 0), ("tiny-moe", 0), ("gpt-oss-20b", 1e-3)):   # GPT-OSS: biases out
+        with torch.device("meta"):
+            model = LatheCausalLM(LatheConfig.from_hf_dict(common.hf_config(name), source=name))
+        real = sum(p.numel() for p in model.parameters())
+        assert abs(roofline.param_count(common.SHAPES[name]) - real) <= rel * real, name
+
+
+def test_sliding_layers_attend_to_their_window():
+    slid = {**SHAPE, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+    # the full layer: 2*2*64*16*17/2; the sliding one: 4*5/2 + 12*4 = 58 query-key pairs, x 4 x 64
+    assert roofline.attention_flops(slid, 16) == 4 * 64 * 136 + 4 * 64 * 58
+
+
 def test_flop_counts():
     assert roofline.attention_flops(SHAPE, 16) == 69632        # 2 x 2 x 2 layers x 64 x 16*17/2
     # prefill of 4 prompts of 16: 2*73728*64 + lm_head 2*64000*4 + 4*69632

@@ -23,7 +23,7 @@ def refused(*overrides: str) -> str:
 @pytest.mark.parametrize(("override", "fix"), [
     ("critic.model.lora_rank=32", "set it to 0"),
     ("reward_model.ulysses_sequence_parallel_size=2", "set it to 1"),
-    ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "set it to 1"),
+    ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2", "set it to 1"),
     ("reward_model.reward_manager=batch", "naive"),
     ("actor_rollout_ref.rollout.data_parallel_size=2", "set it to 1"),
     ("actor_rollout_ref.model.enable_activation_offload=true", "enable_gradient_checkpointing"),

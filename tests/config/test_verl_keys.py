@@ -173,7 +173,6 @@ def test_verl_defaults_leave_lathe_keys_alone():
 
 
 @pytest.mark.parametrize("override, feature", [
-    (f"{A}.megatron.pipeline_model_parallel_size=2", "pipeline parallelism (lathe issue 43"),
     (f"{A}.megatron.expert_tensor_parallel_size=2", "expert tensor parallelism (lathe issue 43"),
     (f"{A}.torchtitan.data_parallel_replicate_size=2", "torchtitan's replica count"),
     (f"{M}.mtp.enable=true", "multi-token prediction (MTP; lathe issue 44"),
@@ -279,13 +278,13 @@ def test_verls_megatron_defaults_load_with_one_notice(tmp_path):
 
 def test_explain_gives_verl_keys_their_verdicts():
     from lathe.config.explain import NO_EFFECT, REFUSED, RENAMED, SAME, UNKNOWN, explain
-    rows = {r.key: r for r in explain([f"{A}.megatron.param_offload=true", f"{A}.megatron.pipeline_model_parallel_size=2",
+    rows = {r.key: r for r in explain([f"{A}.megatron.param_offload=true", f"{A}.megatron.expert_tensor_parallel_size=2",
                                        f"{A}.megatron.tensor_model_parallel_size=2",
                                        f"+{A}.megatron.override_transformer_config.apply_rope_fusion=true",
                                        f"{A}.megatron.use_mbridge=true", f"{A}.megatron.tensor_model_paralel_size=1"]).rows}
     assert rows[f"{A}.megatron.param_offload"].verdict == RENAMED
     assert f"{A}.fsdp_config.param_offload" in rows[f"{A}.megatron.param_offload"].why
-    assert rows[f"{A}.megatron.pipeline_model_parallel_size"].verdict == REFUSED
+    assert rows[f"{A}.megatron.expert_tensor_parallel_size"].verdict == REFUSED
     assert rows[f"{A}.megatron.tensor_model_parallel_size"].verdict == RENAMED
     assert f"{A}.fsdp_config.tensor_parallel_size" in rows[f"{A}.megatron.tensor_model_parallel_size"].why
     assert rows[f"{A}.megatron.override_transformer_config.apply_rope_fusion"].verdict == NO_EFFECT
@@ -296,6 +295,6 @@ def test_explain_gives_verl_keys_their_verdicts():
 def test_help_names_what_lathe_does_with_a_verl_key():
     from lathe.config import help_for
     assert "fsdp_config.param_offload" in help_for(f"{A}.megatron.param_offload")
-    assert "pipeline parallelism (lathe issue 43" in help_for(f"{A}.megatron.pipeline_model_parallel_size")
+    assert "FSDP sharding over those devices" in help_for(f"{A}.megatron.pipeline_model_parallel_size")
     assert "fsdp_config.tensor_parallel_size" in help_for(f"{A}.megatron.tensor_model_parallel_size")
     assert help_for(f"{A}.megatron.no_such_key") == ""

@@ -17,8 +17,9 @@ from config.verl_corpus import names, problems, refused_features, table
 
 # Known problems that are not a named refusal, with why they stay.
 KNOWN_OTHERS = {
-    r"sequences per (mini-batch|step) is not divisible by the device": "lathe's batch rules split over every "
-        "device; with pipeline/context parallelism (refused: issue 43) verl splits over fewer",
+    r"sequences per (mini-batch|step) is not divisible by the device": "lathe's batch rules split over its "
+        "data-parallel ranks, world / (TP x Ulysses); verl's over world / (TP x PP x CP), fewer once Megatron's PP "
+        "runs as FSDP sharding (and its TP beside EP is dropped); an uneven split needs ragged shares (see issue 45)",
     r"tensor parallelism with Ulysses is not implemented yet": "a cross-field rule (config/rules_parallel.py): Megatron scripts set TP and CP "
         "together, and CP translates to Ulysses, which does not combine with TP in one model yet",
     r"expert parallelism with lora_rank in one model is not": "a cross-field rule (config/rules_parallel.py): a "

@@ -21,14 +21,13 @@ from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
 from .support_rollout import ROUTING
 from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
-from .verl_translate import RULES, rule_for, tp_beside_ep_notice, translate
+from .verl_translate import RULES, pipeline_notice, rule_for, tp_beside_ep_notice, translate
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
 ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
 ISSUE_46 = "lathe issue 46: reward models, judges, distillation"
 ISSUE_48 = "lathe issue 48: FP8 and quantized training"
 # the names of refused features (the corpus test groups failures by them: keep them stable)
-PP = f"pipeline parallelism ({ISSUE_43})"
 CP = f"context parallelism ({ISSUE_43})"
 ETP = f"expert tensor parallelism ({ISSUE_43})"     # expert parallelism itself: fsdp_config.expert_parallel_size
 ULYSSES_RM = f"Ulysses sequence parallelism for the reward model ({ISSUE_43})"
@@ -46,15 +45,21 @@ CKPT_FORMAT = "lathe loads and saves Hugging Face weights (and its own checkpoin
 SAME_MATH = "it changes padding or layout, not what is computed"
 
 
+# Megatron's / torchtitan's pipeline-parallel sizes (verl_translate.pipeline_notice: one notice names them)
+PIPELINE = ("translated: FSDP sharding over those devices (pipeline stages compute the same loss and gradients as the "
+            "whole model: a layout, not another computation); a mini-batch is then split over those devices too")
+STAGES = "a pipeline-stage layout setting; lathe runs no stages (a pipeline-parallel size runs as FSDP sharding)"
+
+
 def _devices_or_all(v: Any, cfg: Any) -> bool:
     return v is None or v in (-1, 1, trainer_devices(cfg))
 
 
 def _parallel() -> list[Entry]:
-    out = [refuse(p, what, ONE, at_most(1)) for p, what in (
-        ("*.megatron.pipeline_model_parallel_size", PP), ("*.megatron.virtual_pipeline_model_parallel_size", PP),
-        ("*.torchtitan.pipeline_parallel_size", PP),
-        ("*.megatron.expert_tensor_parallel_size", ETP))]
+    out = [inert(p, PIPELINE) for p in ("*.megatron.pipeline_model_parallel_size",
+                                        "*.megatron.virtual_pipeline_model_parallel_size",
+                                        "*.torchtitan.pipeline_parallel_size")]
+    out += [refuse("*.megatron.expert_tensor_parallel_size", ETP, ONE, at_most(1))]
     out += [refuse("*.megatron.dynamic_context_parallel", CP),
             refuse("*.torchtitan.data_parallel_replicate_size", REPLICAS, "remove it and set data_parallel_shard_size "
                    "(or fsdp_config.fsdp_size) to the devices / replicas", at_most(1)),
@@ -63,9 +68,7 @@ def _parallel() -> list[Entry]:
                  "parallelism"),
             warn("*.torchtitan.data_parallel_size", "lathe's data parallelism spans all the trainer's devices",
                  _devices_or_all),
-            warn("*.megatron.override_transformer_config.*pipeline*", "it is read only with pipeline parallelism"),
-            warn("*.megatron.override_transformer_config.deallocate_pipeline_outputs", "it is read only with "
-                 "pipeline parallelism"),
+            warn("*.megatron.override_transformer_config.*pipeline*", STAGES),
             inert("*.megatron.*sequence_parallel", "Megatron's sequence parallelism splits the norms' activations "
                   "over a tensor-parallel group; lathe's keeps them whole on each rank of the group (more memory, "
                   "the same numbers)"),
@@ -313,8 +316,8 @@ def _runs() -> list[Entry]:
 # (support.py's registry uses them: verl's backend choice, and Megatron settings inside lathe's keys)
 
 BACKEND_NOTE = ("the backend's keys lathe has an equivalent for are translated (offload, recomputation, dtype, "
-                "tensor-, context- and expert-parallel sizes), pipeline parallelism is not there yet (sizes above 1 "
-                "fail), its kernel and fusion switches have no effect")
+                "tensor-, context- and expert-parallel sizes; pipeline-parallel sizes run as FSDP sharding over those "
+                "devices), its kernel and fusion switches have no effect")
 BACKEND = "lathe trains every backend with its FSDP2 trainer: " + BACKEND_NOTE
 
 
@@ -360,7 +363,7 @@ def megatron_role(cfg, group: str) -> bool:
 
 
 FEATURES = {
-    "verl backends: parallel sizes (refused above 1)": _parallel,
+    "verl backends: parallel sizes": _parallel,
     "verl backends: MoE, QAT and FP8": _moe_and_quantization,
     "verl backends: engine settings": _backends,
     "verl optimizer and learning-rate keys (Megatron, Muon)": _optim,
@@ -413,8 +416,9 @@ def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
         verdict = verdict_for(key, value, cfg)
         if verdict is not None:
             out.append(verdict)
-    notice = tp_beside_ep_notice(cfg)         # once for every role whose Megatron TP beside EP was dropped
-    return out + [("warn", notice)] * (notice is not None)
+    notices = (tp_beside_ep_notice(cfg),       # once for every role whose Megatron TP beside EP was dropped
+               pipeline_notice(cfg))          # once for every role whose pipeline-parallel size was set
+    return out + [("warn", notice) for notice in notices if notice is not None]
 
 
 def verdict_for(key: str, value: Any, cfg: Any) -> tuple[str, str] | None:

@@ -25,6 +25,11 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   no TP x EP in one model, so the dense layers are FSDP-sharded over those devices instead (the same computation,
   another memory layout; a mini-batch is then split over every device); one notice says so (`tp_beside_ep_notice`).
   lathe's own ``fsdp_config.tensor_parallel_size`` set to another value beside EP stays refused;
+* Megatron's ``pipeline_model_parallel_size`` / ``virtual_pipeline_model_parallel_size`` and torchtitan's
+  ``pipeline_parallel_size`` set no lathe key: pipeline stages compute the same loss and gradients as the whole
+  model (a layout, not another computation), so lathe FSDP-shards each layer over those devices instead of cutting
+  the model into stages; those devices then hold data of their own (a mini-batch is split over world / (TP x
+  Ulysses) data-parallel groups, verl's over world / (TP x PP x CP)); one notice says so (`pipeline_notice`);
 * the actor's ``{megatron,veomni}.router_replay.mode`` -> ``actor.router_replay.mode`` (routing replay, R2/R3);
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
 
@@ -183,3 +188,30 @@ def tp_beside_ep_notice(cfg: Any) -> str | None:
             "parallel ranks, and lathe has no TP x EP in one model, so the dense layers are FSDP-sharded over those "
             "devices instead (the same computation, another memory layout) and a mini-batch is split over every "
             "device.")
+
+
+# the verl spellings of a role's pipeline-parallel sizes (stages; virtual stages per device)
+PP_SPELLINGS = ("megatron.pipeline_model_parallel_size", "megatron.virtual_pipeline_model_parallel_size",
+                "torchtitan.pipeline_parallel_size")
+
+
+def _verl_pp(cfg: Any, role: str) -> list[str]:
+    """'PP 2', 'virtual PP 2' for the pipeline-parallel sizes above 1 that `role`'s Megatron / torchtitan keys give."""
+    out = []
+    for spelling in PP_SPELLINGS:
+        value = cfg.verl_keys.get(f"{role}.{spelling}")
+        if isinstance(value, int) and value > 1:
+            out.append(f"{'virtual ' * spelling.startswith('megatron.virtual')}PP {value}")
+    return out
+
+
+def pipeline_notice(cfg: Any) -> str | None:
+    """The one notice for the roles whose Megatron / torchtitan pipeline-parallel size runs as FSDP sharding."""
+    sizes = ", ".join(f"{role}: {' and '.join(_verl_pp(cfg, role))}" for role in ROLE if _verl_pp(cfg, role))
+    if not sizes:
+        return None
+    return (f"Megatron's/torchtitan's pipeline-parallel size ({sizes}) runs as FSDP sharding over those devices: "
+            "pipeline stages compute the same loss and gradients as the whole model (a layout, not another "
+            "computation), so lathe shards each layer over the stages' devices instead of cutting the model into "
+            "stages; those devices then hold data of their own, and a mini-batch is split over world / (TP x Ulysses)"
+            " data-parallel groups where verl splits it over world / (TP x PP x CP).")

@@ -170,3 +170,22 @@ def test_sizes_are_checked():
     dense = LatheConfig.from_hf_dict(hf_config("qwen3").to_dict() | {"architectures": ["Qwen3ForCausalLM"]})
     with pytest.raises(ValueError, match="expert_parallel_size=2: Qwen3ForCausalLM has no mixture-of-experts"):
         ShardLayout(dense, TensorParallel(None, 0, 2), 2)
+
+
+def test_a_replica_is_checked_before_any_process_group_exists():
+    """`check_replica`, which `lathe train` runs before its workers start: the sizes, and the families a replica
+    does not cut (linear attention)."""
+    from lathe.engine.tensor_parallel import check_replica
+    from lathe.models.config import LatheConfig
+    from lathe.models.decoder import LatheCausalLM
+    from models.lathe_tiny import hf_config, hybrid_config
+    with torch.device("meta"):
+        moe = LatheCausalLM(LatheConfig.from_hf_dict(hf_config(MOE).to_dict()
+                                                     | {"architectures": ["Qwen3MoeForCausalLM"]}))
+        hybrid = LatheCausalLM(LatheConfig.from_hf_dict(hybrid_config("qwen3_5_text").to_dict()
+                                                        | {"architectures": ["Qwen3_5ForCausalLM"]}))
+    check_replica(moe, 2, 2)
+    with pytest.raises(ValueError, match="Fix: set rollout.expert_parallel_size=2"):
+        check_replica(moe, 2, 1)
+    with pytest.raises(NotImplementedError, match="linear-attention layers"):
+        check_replica(hybrid, 2)

@@ -202,6 +202,25 @@ class VocabParallelHead(nn.Module):
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
 
 
+def check_replica(model, size: int, expert_parallel_size: int = 1) -> None:
+    """Raise unless `model` can be cut over a tensor-parallel replica of `size` ranks (lathe's text decoder, no
+    linear or latent attention, heads/features/experts that divide): what `shard_copy` checks, without a process
+    group, so a run can refuse before its workers start."""
+    if type(model) is not LatheCausalLM:
+        raise NotImplementedError(
+            f"rollout.tensor_model_parallel_size={size}: tensor-parallel engine replicas run lathe's text decoder "
+            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS); this model is {type(model).__name__}. Fix: set it to 1")
+    if model.config.linear_attention is not None:
+        raise NotImplementedError(
+            f"rollout.tensor_model_parallel_size={size}: the linear-attention layers of {model.config.architecture} "
+            "are not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
+    if model.config.mla is not None:
+        raise NotImplementedError(
+            f"rollout.tensor_model_parallel_size={size}: the latent attention of "
+            f"{model.config.architecture} is not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
+    ShardLayout(model.config, TensorParallel(None, 0, size), expert_parallel_size)     # its size checks
+
+
 def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, tp: TensorParallel, *,
                state: Iterable[tuple[str, torch.Tensor]] | None = None,
                expert_parallel_size: int = 1) -> LatheCausalLM:
@@ -210,18 +229,7 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
     to take instead of the model's own (a LoRA model's merged weights). `expert_parallel_size`:
     `rollout.expert_parallel_size` (a MoE model's experts are placed over the replica when it is `tp.size`). The
     result's `tensor_parallel` is its `ShardLayout`, whose `local_items` cuts whole weights for `update_weights`."""
-    if type(model) is not LatheCausalLM:
-        raise NotImplementedError(
-            f"rollout.tensor_model_parallel_size={tp.size}: tensor-parallel engine replicas run lathe's text decoder "
-            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS); this model is {type(model).__name__}. Fix: set it to 1")
-    if model.config.linear_attention is not None:
-        raise NotImplementedError(
-            f"rollout.tensor_model_parallel_size={tp.size}: the linear-attention layers of {model.config.architecture} "
-            "are not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
-    if model.config.mla is not None:
-        raise NotImplementedError(
-            f"rollout.tensor_model_parallel_size={tp.size}: the latent attention of "
-            f"{model.config.architecture} is not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
+    check_replica(model, tp.size, expert_parallel_size)
     layout = ShardLayout(model.config, tp, expert_parallel_size)
     named = state if state is not None else model.state_dict().items()
     local = {k: v.detach().to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True).contiguous()

@@ -353,13 +353,17 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
               if run.critic is not None else None)
     runs_lathe = type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None)
     lathe_engine = arr.rollout.name != "hf" and bool(runs_lathe) and arr.model.impl != "hf"
-    tp = arr.rollout.tensor_model_parallel_size if not run.is_async else 1
-    if tp > 1 and not (lathe_engine and type(model).__name__ == "LatheCausalLM"):
+    replica = arr.rollout.tensor_model_parallel_size
+    if replica > 1 and not (lathe_engine and type(model).__name__ == "LatheCausalLM"):
         raise NotImplementedError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: tensor-parallel engine replicas run lathe's "
-            f"text decoder ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}); this run's policy is "
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={replica}: tensor-parallel engine replicas run "
+            f"lathe's text decoder ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}); this run's policy is "
             f"{type(model).__name__}{' (model.impl=hf)' if arr.model.impl == 'hf' else ''}. Fix: set it to 1 (one "
             "engine per device), for as long as the model fits one device")
+    if replica > 1:                 # refused here, before any worker starts, rather than when a replica is cut
+        from lathe.engine.tensor_parallel import check_replica
+        check_replica(model, replica, arr.rollout.expert_parallel_size)
+    tp = replica if not run.is_async else 1         # (the async pool's replicas hold no trainer state)
     kv_seq = 0
     if lathe_engine and not run.is_async:       # lathe's engine: its KV cache, in the rollout dtype, for one sequence of the longest length
         from lathe.engine.kv_cache import KVCache

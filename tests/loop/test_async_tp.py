@@ -107,6 +107,7 @@ def lockstep_rank(rank: int, sync_port: int, path: str):
     tp = replica_groups(2)
     control = control_groups(2, JOIN_S)
     quick = control_groups(2, 0.5)                   # (for the silent leader at the end)
+    failing = control_groups(2, JOIN_S)              # (for the leader that fails, last)
     engine = engine_of(shard_copy(load_lathe_model(path, torch.float32), torch.float32, torch.device("cpu"), tp))
     replica = Lockstep(engine, tp, control, timeout_s=JOIN_S)
     group = SyncGroup("127.0.0.1", sync_port, 1 + rank, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
@@ -125,10 +126,15 @@ def lockstep_rank(rank: int, sync_port: int, path: str):
         result = play(replica.step, sync)
         replica.stop()
         time.sleep(1.5)                              # silent: the follower's quick group times out
+        Lockstep(engine, tp, failing, timeout_s=JOIN_S).abort(ValueError("the engine broke"))
     else:
         replica.follow(receive)
         with pytest.raises(TimeoutError, match="rank 1 .* no message from its leader, rank 0"):
             Lockstep(engine, tp, quick, timeout_s=0.5).follow(receive)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="its leader, rank 0, failed: ValueError: the engine broke"):
+            Lockstep(engine, tp, failing, timeout_s=JOIN_S).follow(receive)
+        assert time.monotonic() - start < JOIN_S / 2      # at once, not at the timeout
     group.close()
     return result
 

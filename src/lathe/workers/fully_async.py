@@ -149,6 +149,7 @@ class RolloutWorker:
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
+            self.replica.abort(e)           # a tensor-parallel leader's followers stop now, with its error
 
     def _follow(self) -> None:
         """A follower's thread: the leader's engine actions, as it sends them (`Lockstep.follow`)."""

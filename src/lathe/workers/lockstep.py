@@ -5,8 +5,9 @@ runs on all of them at once, on the same sequences: their schedulers must take t
 replica's leader (its first rank) hears from the driver; before each engine action it tells its followers what to do,
 one small pickled message over a gloo group of the replica's ranks, and every rank then does it:
 
-    leader:    step(new requests)  interrupt()  load(args)  idle()  stop()
-    follower:  follow() ... the same actions, in the same order, until "stop"
+    leader:    step(new requests)  interrupt()  load(args)  idle()  stop()  abort(error)
+    follower:  follow() ... the same actions, in the same order, until "stop" (or "abort": it raises the
+               leader's error, naming the leader, instead of waiting out its timeout)
 
 A "step" carries the requests the leader adds before the step (ids, prompts, sampling params with their seeds,
 first indices), so each rank adds the same sequences and samples the same tokens (the logits are gathered whole on
@@ -88,6 +89,16 @@ class Lockstep:
     def stop(self) -> None:
         self._send("stop")
 
+    def abort(self, error: BaseException) -> None:
+        """(The leader, failing.) Tell the followers why, so they stop now rather than at their timeout; best
+        effort: a follower that is gone already, or the broadcast that failed, is not waited for again."""
+        if self.group is None:
+            return
+        try:
+            self._send("abort", f"{type(error).__name__}: {error}")
+        except Exception:      # noqa: BLE001 - failing already: the followers will time out instead
+            pass
+
     def _send(self, kind: str, payload: Any = None) -> None:
         if not self.leader:
             raise RuntimeError(f"{self.who}: a follower acts only on its leader's messages (this is a bug)")
@@ -125,6 +136,8 @@ class Lockstep:
                                    "seeds differ)")
             if kind == "stop":
                 return
+            if kind == "abort":
+                raise RuntimeError(f"{self.who}: its leader, rank {self.leader_rank}, failed: {payload}")
             if kind == "step":
                 self._step(payload)
             elif kind == "interrupt":

@@ -144,3 +144,27 @@ def test_dynamic_sampling_and_a_rollout_pool_score_in_the_foreground_with_a_note
     notes = [str(w.message) for w in caught if issubclass(w.category, IgnoredKeysWarning)]
     assert len(notes) == 1 and "launch_reward_fn_async" in notes[0] and "dynamic sampling" in notes[0]
     assert not overlaps_reward(dapo) and overlaps_reward(plain)
+
+
+def test_a_judge_scores_in_the_foreground_and_its_rule_part_in_the_background(tmp_path):
+    """An LLM judge shares the device with the actor's passes: it runs before them, as in the foreground path; the
+    rule scores joined with its scores (judge.combine=sum) come from the background, the same as the foreground's."""
+    from loop.test_judge import RUN, judge_overrides, tiny_judge
+    path, rows = tiny_judge(tmp_path / "judge"), {}
+    for name, extra in (("sync", []), ("async", [ASYNC])):
+        cfg = load_config(None, [*RUN, *judge_overrides(path, "reward_model.judge.combine=sum"),
+                                 "trainer.total_training_steps=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                                 f"trainer.default_local_dir={tmp_path / name}", *extra])
+        trainer, order = build_trainer(cfg), []
+        for part, method in ((trainer.reward_model, "compute_rm_score"), (trainer.worker, "compute_log_prob")):
+            real = getattr(part, method)
+            setattr(part, method, lambda batch, real=real, method=method: order.append(method) or real(batch))
+        try:
+            ppo.fit(trainer)
+        finally:
+            trainer.close()
+        assert order == ["compute_rm_score", "compute_log_prob"]
+        rows[name] = read_metrics(tmp_path / name)[1]
+    keys = ["critic/score/mean", "critic/score/max", "reward_judge/score/mean", "actor/pg_loss", "actor/grad_norm"]
+    assert_close_rel([rows["async"][k] for k in keys], [rows["sync"][k] for k in keys], rel=1e-6)
+    assert "timing_s/reward_wait" in rows["async"] and rows["async"]["timing_s/reward_judge"] > 0

@@ -140,8 +140,11 @@ def _rewards() -> list[Entry]:
                           "penalty_factor,log}} and max_resp_len is data.max_response_length"),
                    ok=lambda v, cfg: set(v) <= {"max_resp_len"}
                    and v.get("max_resp_len", cfg.data.max_response_length) == cfg.data.max_response_length),
-           warn(f"{RM}.launch_reward_fn_async", "scoring runs in worker processes while the step waits; the "
-                                                "scores are the same"),
+           only_on("a rollout pool or filter_groups", warn(
+               f"{RM}.launch_reward_fn_async", "with a rollout pool the driver already scores each request as it "
+               "arrives while the trainer pool trains; with algorithm.filter_groups.enable DAPO's dynamic sampling "
+               "chooses the step's samples by their scores before any log-prob pass, so they are scored in the "
+               "foreground (as verl's DAPO trainer does); the scores are the same")),
            warn(f"{RM}.n_gpus_per_node", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
            warn(f"{RM}.nnodes", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
            refuse(f"{RM}.ulysses_sequence_parallel_size", ULYSSES_RM, "set it to 1", at_most(1)),

@@ -89,6 +89,8 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "synchronous training": lambda cfg: not is_async(cfg),                   # no rollout pool of its own
     "lora_rank=0": lambda cfg: cfg.actor_rollout_ref.model.lora_rank == 0,     # full fine-tuning: no adapters
     "a rollout pool": is_async,                                              # fully asynchronous training
+    # where the reward scores before the step goes on anyway: a rollout pool, or DAPO's dynamic sampling
+    "a rollout pool or filter_groups": lambda cfg: is_async(cfg) or cfg.algorithm.filter_groups.enable,
     "single-turn": lambda cfg: not cfg.actor_rollout_ref.rollout.multi_turn.enable,
     "no reward model": lambda cfg: not cfg.reward_model.enable,             # reward_model.enable=false
     # no sequence-classification reward model: none, or a generative judge (reward_model.judge.enable)

@@ -17,6 +17,7 @@ from lathe.ckpt.checkpoint import save_checkpoint
 from lathe.loop.dump import dump_rollouts
 from lathe.loop.oom import explain as explain_oom
 from lathe.loop.recover import run_with_restarts
+from lathe.loop.reward_async import BackgroundScoring, overlaps_reward
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.sampling import sample_step_batch
 from lathe.loop.steps import (
@@ -46,20 +47,28 @@ def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
 
 def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:
     start = time.perf_counter()
-    batch, sample_metrics = sample_step_batch(t, prompts, timer)         # rollout + reward (+ DAPO, ReMax)
-    metrics = learn(t, batch, timer, old_from_rollout=t.cfg.algorithm.rollout_correction.bypass_mode)
+    pending = BackgroundScoring() if overlaps_reward(t.cfg) else None  # reward_model.launch_reward_fn_async
+    try:
+        batch, sample_metrics = sample_step_batch(t, prompts, timer, pending)   # rollout + reward (+ DAPO, ReMax)
+        metrics = learn(t, batch, timer, old_from_rollout=t.cfg.algorithm.rollout_correction.bypass_mode,
+                        pending=pending)
+    finally:
+        if pending is not None:
+            pending.close()
     if t.global_step >= t.cfg.trainer.critic_warmup:
         with timer("update_weights"):                        # into the rollout, for the next step
             t.worker.sync_weights()
     return finish_metrics(t, batch, timer, {**sample_metrics, **metrics}, time.perf_counter() - start)
 
 
-def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, skip_on_policy: bool = True
-          ) -> dict[str, float]:
+def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, skip_on_policy: bool = True,
+          pending: BackgroundScoring | None = None) -> dict[str, float]:
     """Everything a step does with its scored samples: old (or the rollout's) log-probs, rollout correction,
-    reference log-probs, the teachers' log-probs (on-policy distillation), values, advantages, critic and actor updates. `batch` gains the tensors on the way.
+    reference log-probs, the teachers' log-probs (on-policy distillation), values, advantages, critic and actor
+    updates. `batch` gains the tensors on the way.
     `skip_on_policy`: leave the old-policy forward to the actor update when the step is on-policy
-    (`needs_old_forward`); a caller that reads `old_log_probs` afterwards passes False."""
+    (`needs_old_forward`); a caller that reads `old_log_probs` afterwards passes False.
+    `pending`: scoring still running in the background (`lathe.loop.reward_async`), joined before the advantages."""
     metrics = {}
     rc = t.cfg.algorithm.rollout_correction
     if old_from_rollout:                                                 # the rollout's log-probs are pi_old
@@ -86,6 +95,8 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, ski
     if t.critic is not None:
         with timer("values"):
             batch.update(t.critic.compute_values(batch))
+    if pending is not None:                                              # the scores, from the background
+        metrics.update(pending.join(timer))
     with timer("adv"):
         advantages, adv_metrics = compute_advantage(batch, t.cfg.algorithm, t.kl_ctrl)
         batch.update(advantages)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from lathe.algo import filter_groups
 from lathe.batch import Batch
+from lathe.loop.reward_async import BackgroundScoring, snapshot
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward
 from lathe.rollout.base import concat_rollouts
@@ -22,22 +24,23 @@ class DynamicSamplingExhausted(ValueError):
     """DAPO's dynamic sampling used `max_num_gen_batches` generation rounds without filling the batch."""
 
 
-def generate_and_score(t: Trainer, prompts: Batch, timer, round_: int = 0) -> tuple[Batch, dict[str, float]]:
+def generate_and_score(t: Trainer, prompts: Batch, timer, round_: int = 0, pending: BackgroundScoring | None = None
+                       ) -> tuple[Batch, dict[str, float]]:
     """`rollout.n` responses per prompt with their rewards (and ReMax baselines when that estimator is used).
 
     The samples are seeded by (trainer.seed, step, generation round): the same on one device or many, and after
-    a resume."""
+    a resume. With `pending` (`reward_model.launch_reward_fn_async`: `lathe.loop.reward_async`) the CPU scoring is
+    submitted to it and the scores join the batch at its join, before the advantages."""
     params = t.sampling if t.sampling.seed is not None else replace(
         t.sampling, seed=rollout_seed(t.cfg.trainer.seed, t.global_step, round_))
     with timer("gen"):
         batch = t.worker.generate_sequences(prompts, params)
     with timer("reward"):
-        scores, metrics = score_batch(t, batch)
-        batch.update(scores)
+        metrics = score_into(t, batch, pending, lambda scores: batch.update(scores))
     metrics.update(batch.meta.pop("rollout_metrics", {}))
     if t.cfg.algorithm.adv_estimator == "remax":
         with timer("gen_max"):
-            batch["reward_baselines"] = greedy_baseline(t, prompts)
+            greedy_baseline(t, prompts, batch, pending)
     return batch, metrics
 
 
@@ -46,18 +49,49 @@ def rollout_seed(seed: int, step: int, round_: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{round_}".encode()).digest()[:8], "little") >> 2
 
 
-def greedy_baseline(t: Trainer, prompts: Batch) -> torch.Tensor:
-    """ReMax (Li et al. 2023): the reward of one greedy response per prompt, repeated for its n samples."""
-    greedy = replace(t.sampling, n=1, do_sample=False)
-    batch = t.worker.generate_sequences(prompts, greedy)
-    scores, _ = score_batch(t, batch, overlong=False)
-    return scores["seq_scores"].repeat_interleave(t.sampling.n)
+def greedy_baseline(t: Trainer, prompts: Batch, batch: Batch, pending: BackgroundScoring | None = None) -> None:
+    """ReMax (Li et al. 2023): the reward of one greedy response per prompt, repeated for its n samples, into
+    `batch["reward_baselines"]`."""
+    greedy = t.worker.generate_sequences(prompts, replace(t.sampling, n=1, do_sample=False))
+
+    def baselines(scores: Batch) -> None:
+        batch["reward_baselines"] = scores["seq_scores"].repeat_interleave(t.sampling.n)
+    score_into(t, greedy, pending, baselines, overlong=False, phase="gen_max")
+
+
+def score_into(t: Trainer, batch: Batch, pending: BackgroundScoring | None, use: Callable[[Batch], object], *,
+               overlong: bool = True, phase: str = "reward") -> dict[str, float]:
+    """Score `batch` (`score_batch`) and hand the scores to `use`; returns the metrics. With `pending` only a
+    reward model's or judge's device pass runs now: the CPU scoring (of a snapshot of the batch) is submitted to
+    `pending` (its seconds to `phase`), `use` runs at its join and the scoring's metrics come with the join's."""
+    if pending is None:
+        scores, metrics = score_batch(t, batch, overlong=overlong)
+        use(scores)
+        return metrics
+    kw, metrics = model_scores(t, batch, overlong=overlong)
+    t.reward.start()                             # fork its workers from this thread, not the background one
+    fields = snapshot(batch)
+
+    def apply(result: tuple[Batch, dict[str, float]]) -> dict[str, float]:
+        use(result[0])
+        return result[1] if phase == "reward" else {}       # as the foreground path keeps them
+    pending.submit(phase, lambda: compute_reward(fields, t.tokenizer, t.reward, **kw), apply, manager=t.reward,
+                   num_samples=len(batch))
+    return metrics
 
 
 def score_batch(t: Trainer, batch: Batch, *, overlong: bool = True) -> tuple[Batch, dict[str, float]]:
     """Each response's reward: the rule scorers', a learned reward model's (`reward_model.enable`), or a generative
     judge's (`reward_model.judge.enable`) alone or joined with the rule's (`judge.combine`); with the judge's
     metrics (`reward_judge/*`, `timing_s/reward_judge`). `overlong`: DAPO's overlong shaping as configured."""
+    kw, judge_metrics = model_scores(t, batch, overlong=overlong)
+    scores, metrics = compute_reward(batch, t.tokenizer, t.reward, **kw)
+    return scores, {**metrics, **judge_metrics}
+
+
+def model_scores(t: Trainer, batch: Batch, *, overlong: bool = True) -> tuple[dict, dict[str, float]]:
+    """The device part of `score_batch`: (`compute_reward`'s keyword arguments, the judge's metrics), with a reward
+    model's or judge's scores when one is enabled."""
     rm, kw, judge_metrics = t.reward_model, {}, {}
     if overlong:
         kw = dict(overlong=t.cfg.reward_model.overlong_buffer, max_response_length=t.cfg.data.max_response_length)
@@ -67,12 +101,13 @@ def score_batch(t: Trainer, batch: Batch, *, overlong: bool = True) -> tuple[Bat
         kw.update(rm_scores=out["judge_scores"], combine=(judge.combine, judge.weight))
     elif rm is not None:
         kw.update(rm_scores=rm.compute_rm_score(batch)["rm_scores"])
-    scores, metrics = compute_reward(batch, t.tokenizer, t.reward, **kw)
-    return scores, {**metrics, **judge_metrics}
+    return kw, judge_metrics
 
 
-def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[str, float]]:
-    """The step's batch; with `algorithm.filter_groups.enable`, DAPO's dynamic sampling.
+def sample_step_batch(t: Trainer, prompts: Batch, timer, pending: BackgroundScoring | None = None
+                      ) -> tuple[Batch, dict[str, float]]:
+    """The step's batch; with `algorithm.filter_groups.enable`, DAPO's dynamic sampling (which reads the scores:
+    it takes no `pending`). With `pending`, the scores join the batch at its join (`generate_and_score`).
 
     Each generation round takes one dataloader batch of `data.gen_batch_size` prompts (verl's DAPO recipe;
     = train_batch_size unless set). Groups whose `filter_groups.metric` has zero variance (all right or all
@@ -80,7 +115,9 @@ def sample_step_batch(t: Trainer, prompts: Batch, timer) -> tuple[Batch, dict[st
     at most `max_num_gen_batches` rounds (0 = no limit); the first `train_batch_size` kept groups train.
     """
     fg = t.cfg.algorithm.filter_groups
-    batch, metrics = generate_and_score(t, prompts, timer)
+    if pending is not None and fg.enable:
+        raise ValueError("sample_step_batch: DAPO's dynamic sampling reads the scores, which cannot wait for a join")
+    batch, metrics = generate_and_score(t, prompts, timer, pending=pending)
     if not fg.enable:
         return batch, metrics
     want = t.cfg.data.train_batch_size * t.sampling.n

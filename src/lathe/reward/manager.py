@@ -128,6 +128,18 @@ class RewardManager:
                 f"rewards. First failing call: {self._failing[0]}\nFix the function (or raise "
                 f"reward.max_failure_fraction / reward.max_failing_calls; 0 calls = never stop).")
 
+    @property
+    def name(self) -> str:
+        """The reward function's short name (for messages)."""
+        return self._fn_desc
+
+    def start(self) -> None:
+        """Fork the worker processes now (they start on the first ``score()`` otherwise): from the driver's thread,
+        before a background thread scores with them."""
+        with self._lock:
+            while self.timeout_s > 0 and len(self._workers) < self.num_workers:
+                self._workers.append(Worker(self.compute_score, self._fn_desc))
+
     def metrics(self) -> dict[str, int]:
         """Error and timeout counts since the previous call, then reset."""
         out = dict(self._counts)

@@ -87,6 +87,10 @@ class Timer:
             out.update(self.memory.metrics())
         return out
 
+    def add(self, name: str, seconds: float) -> None:
+        """Add `seconds` timed elsewhere (another thread's work) to phase `name`."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
     def reset(self) -> None:
         """Forget the accumulated seconds (call once per step, after logging)."""
         self.seconds.clear()

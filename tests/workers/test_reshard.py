@@ -128,3 +128,62 @@ def test_a_position_group_names_its_missing_rank():
     with pytest.raises(TimeoutError, match=r"position 1 of 2\): receiver rank\(s\) \[1\] \(rollout replicas \[0\]"):
         SyncGroup("127.0.0.1", free_port(), 0, 2, device=torch.device("cpu"), timeout_s=1,
                   label="tensor-parallel position 1 of 2")
+
+
+class Recorder:
+    """A worker group that records each rank's call arguments (`RayWorkerGroup.submit_each`) and answers {}."""
+
+    def __init__(self, world_size: int):
+        self.world_size, self.args = world_size, {}
+
+    def submit_each(self, role, method, per_rank):
+        self.args[method] = [None if a is None else a[0] for a in per_rank]
+        return per_rank
+
+    def gather(self, refs, what):
+        return [{} for _ in refs]
+
+
+def test_the_cluster_joins_each_rollout_rank_to_the_group_of_its_position():
+    from lathe.cluster import AsyncCluster, _join_sync_group
+    from lathe.cluster.async_roles import RolloutGroup
+    trainer, rollout = Recorder(2), Recorder(4)               # 2 replicas of TP=2: ranks (0, 1) and (2, 3)
+    _join_sync_group(trainer, rollout, "h", [11, 12], 5.0, expert_parallel_size=2)
+    assert trainer.args["join_sync_group"] == [("h", [11, 12], 0, 3, 5.0, 2)] * 2     # (rank 0 joins; others skip)
+    assert rollout.args["join_sync_group"] == [("h", 11, 1, 3, 5.0), ("h", 12, 1, 3, 5.0),
+                                               ("h", 11, 2, 3, 5.0), ("h", 12, 2, 3, 5.0)]
+    cluster = AsyncCluster(trainer, rollout, None, None, RolloutGroup(rollout, pad_id=0, timeout_s=1, tp=2), False,
+                           ["whole"], 7, [["slices 0"], ["slices 1"]])
+    cluster.sync(3)
+    told = (["whole"], 7, 3, [["slices 0"], ["slices 1"]])   # (the leaders pass the slices' metas to followers)
+    assert rollout.args["receive_weights"] == [told, None, told, None]
+    assert trainer.args["send_weights"] == [(["whole"], 7)] * 2
+
+
+def test_a_failed_send_fails_the_receivers_of_every_position(tmp_path):
+    """A tensor that does not match the plan (here the last one, misnamed): the sender raises naming it, and the
+    ranks of both positions raise its error instead of waiting out the timeout."""
+    from models.lathe_tiny import save_hf
+    model = load_lathe_model(str(save_hf(tmp_path, "llama")[0]), torch.float32)
+    whole = list(model.state_dict().items())
+    metas = metas_of(whole, DTYPE)
+    layouts = position_layouts(model.config, SIZE)
+    at = ports(SIZE)
+
+    def receiver(p: int):
+        group = SyncGroup("127.0.0.1", at[p], 1, 2, device=torch.device("cpu"), timeout_s=JOIN_S)
+        try:
+            with pytest.raises(RuntimeError, match="the weight sync failed: .*'wrong' but the plan expects"):
+                receive_weights(group, sliced_metas(layouts[p], metas), bucket_bytes=1 << 20, consume=lambda _: None)
+        finally:
+            group.close()
+
+    with ThreadPoolExecutor(SIZE) as pool:
+        futures = [pool.submit(receiver, p) for p in range(SIZE)]
+        groups = [SyncGroup("127.0.0.1", port, 0, 2, device=torch.device("cpu"), timeout_s=JOIN_S) for port in at]
+        with pytest.raises(ValueError, match="'wrong' but the plan expects 'lm_head.weight'"):
+            send_resharded(groups, layouts, whole[:-1] + [("wrong", whole[-1][1])], metas, bucket_bytes=1 << 20)
+        for f in futures:
+            f.result(timeout=JOIN_S)
+    for group in groups:
+        group.close()

@@ -14,8 +14,8 @@ from helpers import free_port
 from lathe.engine.tensor_parallel import TensorParallel, shard_copy
 from lathe.models import load_lathe_model
 from lathe.models.io import copy_named_tensors
-from lathe.workers.checkpoint_engine import SyncGroup, metas_of, receive_weights
-from lathe.workers.reshard import position_layouts, send_resharded, sliced_metas
+from lathe.workers.checkpoint_engine import SyncGroup, TensorMeta, metas_of, receive_weights, send_weights
+from lathe.workers.reshard import position_label, position_layouts, send_resharded, sliced_metas
 
 JOIN_S = 60
 SIZE, REPLICAS = 2, 2
@@ -187,3 +187,24 @@ def test_a_failed_send_fails_the_receivers_of_every_position(tmp_path):
             f.result(timeout=JOIN_S)
     for group in groups:
         group.close()
+
+
+@pytest.mark.parametrize("silent", [0, 1])
+def test_a_broadcast_that_times_out_names_the_rank_that_did_not_reach_it(silent):
+    """A rank joins its group, then never sends (rank 0) or never receives (rank 1): the other one's wait for a
+    bucket times out naming it (each rank marks in the store the bucket it posts)."""
+    metas = [TensorMeta(f"t{i}", (1000,), torch.float32) for i in range(8)]      # 4 kB each: 8 buckets
+    port, label = free_port(), position_label(1, 2)
+    with ThreadPoolExecutor(1) as pool:
+        idle = pool.submit(lambda: SyncGroup("127.0.0.1", port, silent, 2, device=torch.device("cpu"), timeout_s=9,
+                                             label=label))
+        group = SyncGroup("127.0.0.1", port, 1 - silent, 2, device=torch.device("cpu"), timeout_s=1, label=label)
+        who = (r"the sender \(rank 0, the trainer's rank 0\)" if silent == 0
+               else r"receiver rank\(s\) \[1\] \(rollout replicas \[0\]\)")
+        with pytest.raises(TimeoutError, match=rf"position 1 of 2\): {who} did not reach bucket 0 of weight sync #1"):
+            if silent == 0:
+                receive_weights(group, metas, bucket_bytes=4096, consume=lambda _: None)
+            else:
+                send_weights(group, [(m.name, torch.ones(1000)) for m in metas], metas, bucket_bytes=4096)
+        group.close()
+        idle.result(timeout=JOIN_S).close()

@@ -17,7 +17,8 @@ never computed on, so the weights arrive bit-equal (to the sender's values cast 
 
 Both sides double-buffer: two buffers alternate, so packing (sender) or consuming (receiver) bucket k overlaps
 the asynchronous broadcast of its neighbour; a buffer's previous broadcast is waited on before it is reused.
-Every wait has a deadline (`timeout_s`), and a side that fails (a tensor that does not match the plan, a
+Every wait has a deadline (`timeout_s`) past which it names the ranks that did not reach the bucket (each rank
+marks in the store the bucket it posts), and a side that fails (a tensor that does not match the plan, a
 `consume` that raises) posts its error in the store, so the others raise it within a second instead of hanging.
 """
 
@@ -126,6 +127,7 @@ class SyncGroup:
         self.timeout_s = float(timeout_s)
         self._failed = False
         self._sync = 0          # send/receive_weights calls so far
+        self._buckets: dict[int, int | None] = {}      # id of a pending broadcast's Work -> its bucket
         self._where = f"SyncGroup at {host}:{port} (rank {rank}, world size {world_size}{', ' * bool(label)}{label})"
         timeout = timedelta(seconds=timeout_s)
         self._store = self._connect(timeout)
@@ -169,25 +171,32 @@ class SyncGroup:
                                f"build a SyncGroup with host {self.host!r}, port {self.port} and world size "
                                f"{self.world_size}") from e
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0):
-        """Broadcast `tensor` (contiguous, on `device`) from rank `src`, asynchronously: returns the Work."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, bucket: int | None = None):
+        """Broadcast `tensor` (contiguous, on `device`) from rank `src`, asynchronously: returns the Work. `bucket`:
+        its index in this sync, marked in the store first (a rank whose wait for it times out names the ranks that
+        never reached it)."""
+        if bucket is not None:
+            self.store.set(f"at/{self.rank}", f"{self._sync} {bucket}")
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        return self.backend.broadcast([tensor], opts)
+        work = self.backend.broadcast([tensor], opts)
+        self._buckets[id(work)] = bucket
+        return work
 
     def wait(self, work) -> None:
         """Block until `work` is done (then order the current stream after it), at most `timeout_s`; raise another
         rank's posted error as soon as it appears."""
         start = now = time.monotonic()
         next_check, delay = start + _ERROR_CHECK_S, 1e-5
+        bucket = self._buckets.pop(id(work), None)
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_check:
                 self.raise_if_failed()
                 next_check = now + _ERROR_CHECK_S
             if now - start > self.timeout_s:
-                raise TimeoutError(f"{self._where}: a broadcast did not finish within {self.timeout_s:g} s: a rank "
-                                   f"stopped taking part (it died, or is not calling send/receive_weights)")
+                raise TimeoutError(f"{self._where}: {self._laggards(bucket)} within {self.timeout_s:g} s (it died, "
+                                   f"or is not calling send/receive_weights)")
             time.sleep(delay)
             delay = min(2 * delay, _POLL_MAX_S)
         try:
@@ -195,6 +204,22 @@ class SyncGroup:
         except Exception:
             self.raise_if_failed()   # a peer's own error says more than the broken connection it left behind
             raise
+
+    def _laggards(self, bucket: int | None) -> str:
+        """Who did not reach `bucket` of this sync, by the ranks' marks in the store."""
+        what = f"bucket {bucket} of weight sync #{self._sync}" if bucket is not None else "a broadcast"
+        try:
+            marks = [self.store.get(f"at/{r}").decode() if self.store.check([f"at/{r}"]) else "0 -1"
+                     for r in range(self.world_size)]
+        except Exception:       # the store (rank 0) is gone
+            marks = None
+        if bucket is None or marks is None:
+            return f"{what} did not finish: a rank stopped taking part"
+        behind = [r for r, m in enumerate(marks) if tuple(map(int, m.split())) < (self._sync, bucket)]
+        late = [r for r in behind if r]
+        who = ["the sender (rank 0, the trainer's rank 0)"] * (0 in behind) + [
+            f"receiver rank(s) {late} (rollout replicas {[r - 1 for r in late]})"] * bool(late)
+        return f"{' and '.join(who) or 'no rank (every one posted it)'} did not reach {what}"
 
     def synchronize(self) -> None:
         accel.synchronize(self.device)
@@ -291,7 +316,7 @@ class BucketSender:
             self.count += 1
             self.slot += 1
             if self.slot == len(bucket):
-                self.pending[k % 2] = self.group.broadcast(buffer[:self.layouts[k][1]], src=0)
+                self.pending[k % 2] = self.group.broadcast(buffer[:self.layouts[k][1]], src=0, bucket=k)
                 self.bucket, self.slot = k + 1, 0
         except BaseException as e:
             self.fail(e)
@@ -367,7 +392,7 @@ def receive_weights(group: SyncGroup, metas: list[TensorMeta], *, bucket_bytes: 
         buffers = _buffers(group, plan) if plan else []
 
         def post(k: int) -> None:
-            pending[k % 2] = group.broadcast(buffers[k % 2][:layouts[k][1]], src=0)
+            pending[k % 2] = group.broadcast(buffers[k % 2][:layouts[k][1]], src=0, bucket=k)
 
         if plan:
             post(0)

@@ -6,6 +6,7 @@ whole weights in bf16, and received only those bytes: half of each cut tensor, n
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lathe.engine.tensor_parallel import TensorParallel, shard_copy
 from lathe.models import load_lathe_model
 from lathe.models.io import copy_named_tensors
 from lathe.workers.checkpoint_engine import SyncGroup, TensorMeta, metas_of, receive_weights, send_weights
+from lathe.workers.fully_async import AsyncTrainerWorker
 from lathe.workers.reshard import position_label, position_layouts, send_resharded, sliced_metas
 
 JOIN_S = 60
@@ -39,7 +41,7 @@ def ports(n: int) -> list[int]:
 
 
 def sync(path: str, ep: int = 1) -> tuple[dict, dict, dict, list]:
-    """One resharding sync from a sender to REPLICAS replicas of SIZE ranks: (the sender's stats, {(replica,
+    """One resharding sync from the trainer's rank 0 to REPLICAS replicas of SIZE ranks: (the sender's stats, {(replica,
     position): received stats}, {(replica, position): the rank's state after it}, the whole weights sent)."""
     base = load_lathe_model(path, torch.float32)
     whole = changed(base)
@@ -59,12 +61,14 @@ def sync(path: str, ep: int = 1) -> tuple[dict, dict, dict, list]:
 
     with ThreadPoolExecutor(len(models)) as pool:
         futures = {key: pool.submit(receiver, *key) for key in models}
-        groups = [SyncGroup("127.0.0.1", port, 0, 1 + REPLICAS, device=torch.device("cpu"), timeout_s=JOIN_S)
-                  for port in at]
-        sent = send_resharded(groups, layouts, iter(whole), metas, bucket_bytes=4096)
+        # the trainer's rank 0 (`AsyncTrainerWorker` over a stand-in of the actor worker: its model and weights)
+        actor = SimpleNamespace(model=base, weights=lambda: iter(whole))
+        trainer = AsyncTrainerWorker(SimpleNamespace(actor=actor, device=torch.device("cpu")), DTYPE)
+        trainer.join_sync_group("127.0.0.1", at, 0, 1 + REPLICAS, JOIN_S, expert_parallel_size=ep)
+        assert trainer.position_metas(metas) == [sliced_metas(layout, metas) for layout in layouts]
+        sent = trainer.send_weights(metas, 4096)
         received = {key: f.result(timeout=JOIN_S) for key, f in futures.items()}
-    for group in groups:
-        group.close()
+    trainer.close_sync()
     return sent, received, {key: m.state_dict() for key, m in models.items()}, whole
 
 

@@ -33,6 +33,15 @@ def changed(model) -> list[tuple[str, torch.Tensor]]:
     return [(n, new[t.data_ptr()]) for n, t in model.state_dict().items()]
 
 
+def freeing(named):
+    """Each tensor a fresh copy whose storage is freed once the next one is asked for (as FSDP2's gathered layers
+    are): a sender that looks ahead before it packs a tensor fails."""
+    for name, t in named:
+        copy = t.clone()
+        yield name, copy
+        copy.untyped_storage().resize_(0)
+
+
 def ports(n: int) -> list[int]:
     out: set[int] = set()
     while len(out) < n:
@@ -62,7 +71,7 @@ def sync(path: str, ep: int = 1) -> tuple[dict, dict, dict, list]:
     with ThreadPoolExecutor(len(models)) as pool:
         futures = {key: pool.submit(receiver, *key) for key in models}
         # the trainer's rank 0 (`AsyncTrainerWorker` over a stand-in of the actor worker: its model and weights)
-        actor = SimpleNamespace(model=base, weights=lambda: iter(whole))
+        actor = SimpleNamespace(model=base, weights=lambda: freeing(whole))
         trainer = AsyncTrainerWorker(SimpleNamespace(actor=actor, device=torch.device("cpu")), DTYPE)
         trainer.join_sync_group("127.0.0.1", at, 0, 1 + REPLICAS, JOIN_S, expert_parallel_size=ep)
         assert trainer.position_metas(metas) == [sliced_metas(layout, metas) for layout in layouts]
@@ -212,3 +221,11 @@ def test_a_broadcast_that_times_out_names_the_rank_that_did_not_reach_it(silent)
                 send_weights(group, [(m.name, torch.ones(1000)) for m in metas], metas, bucket_bytes=4096)
         group.close()
         idle.result(timeout=JOIN_S).close()
+
+
+def test_the_plain_sync_packs_each_tensor_before_asking_for_the_next():
+    metas = [TensorMeta(f"t{i}", (1000,), torch.float32) for i in range(8)]
+    group = SyncGroup("127.0.0.1", free_port(), 0, 1, device=torch.device("cpu"), timeout_s=JOIN_S)
+    assert send_weights(group, freeing((m.name, torch.ones(1000)) for m in metas), metas,
+                        bucket_bytes=4096)["buckets"] == 8
+    group.close()

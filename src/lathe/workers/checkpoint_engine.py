@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -284,8 +284,9 @@ def _stats(metas: list[TensorMeta], start: float, plan: list) -> dict[str, float
 class BucketSender:
     """Rank 0's side of one sync, fed one tensor at a time (`push`): each tensor is cast and copied into the
     current bucket's buffer, and a full bucket is broadcast asynchronously while the next one is packed into the
-    other buffer. Several senders (one per group) can be fed in turn: their broadcasts overlap. `finish` waits for
-    every broadcast and returns the stats."""
+    other buffer. Several senders (one per group) can be fed in turn: their broadcasts overlap. The plan's last
+    bucket goes at `finish` (once the weights ran out: a tensor too many fails the sync before the receivers hold
+    it all), which then waits for every broadcast and returns the stats."""
 
     def __init__(self, group: SyncGroup, metas: list[TensorMeta], bucket_bytes: int):
         if group.rank != 0:
@@ -301,9 +302,10 @@ class BucketSender:
         self.count = 0                      # tensors pushed so far
 
     def push(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy the next tensor of the plan (cast to its planned dtype); broadcast its bucket once it is full."""
+        """Copy the next tensor of the plan (cast to its planned dtype); broadcast its bucket once it is full (the
+        last one: at `finish`)."""
         try:
-            if self.bucket == len(self.plan):
+            if self.count == len(self.metas):
                 raise one_more(name, len(self.metas))
             k, bucket = self.bucket, self.plan[self.bucket]
             meta, offset = bucket[self.slot], self.layouts[k][0][self.slot]
@@ -315,9 +317,8 @@ class BucketSender:
             buffer[offset:offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(tensor.detach())
             self.count += 1
             self.slot += 1
-            if self.slot == len(bucket):
-                self.pending[k % 2] = self.group.broadcast(buffer[:self.layouts[k][1]], src=0, bucket=k)
-                self.bucket, self.slot = k + 1, 0
+            if self.slot == len(bucket) and k + 1 < len(self.plan):
+                self._broadcast()
         except BaseException as e:
             self.fail(e)
             raise
@@ -325,10 +326,12 @@ class BucketSender:
     def finish(self) -> dict[str, float]:
         """Wait for every broadcast (ValueError when the plan expected more tensors); the stats."""
         try:
-            if self.bucket < len(self.plan):
+            if self.count < len(self.metas):
                 meta = self.plan[self.bucket][self.slot]
                 raise ValueError(f"send_weights: the weights ran out before {meta.name!r} (tensor #{self.count} of "
                                  f"the plan): the iterator must yield every tensor of the metas")
+            if self.plan:
+                self._broadcast()
             for work in self.pending:
                 if work is not None:
                     self.group.wait(work)
@@ -337,6 +340,11 @@ class BucketSender:
             self.fail(e)
             raise
         return _stats(self.metas, self.start, self.plan)
+
+    def _broadcast(self) -> None:
+        k = self.bucket
+        self.pending[k % 2] = self.group.broadcast(self.buffers[k % 2][:self.layouts[k][1]], src=0, bucket=k)
+        self.bucket, self.slot = k + 1, 0
 
     def fail(self, e: BaseException) -> None:
         self.group.fail(f"{type(e).__name__}: {e}")
@@ -350,22 +358,13 @@ def send_weights(group: SyncGroup, named_tensors: Iterable[tuple[str, torch.Tens
     dtype. Returns {"bytes": payload bytes, "seconds": wall time until every broadcast is done, "buckets"}.
     """
     sender = BucketSender(group, metas, bucket_bytes)
-    tensors = iter(named_tensors)
     try:
-        for name, tensor in tensors:
-            if sender.count == len(metas) - 1:      # the last one: nothing may follow (checked before it goes)
-                check_exhausted(tensors, len(metas))
+        for name, tensor in named_tensors:
             sender.push(name, tensor)
     except BaseException as e:          # the iterator's own error too (push posts its own)
         sender.fail(e)
         raise
     return sender.finish()
-
-
-def check_exhausted(tensors: Iterator, count: int) -> None:
-    extra = next(tensors, None)
-    if extra is not None:
-        raise one_more(extra[0], count)
 
 
 def one_more(name: str, count: int) -> ValueError:

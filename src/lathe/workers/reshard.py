@@ -23,8 +23,7 @@ import torch
 
 from lathe.engine.tensor_parallel import ShardLayout, TensorParallel
 from lathe.models.config import LatheConfig
-from lathe.workers.checkpoint_engine import (BucketSender, SyncGroup, TensorMeta, check_exhausted, check_tensor,
-                                             one_more)
+from lathe.workers.checkpoint_engine import BucketSender, SyncGroup, TensorMeta, check_tensor, one_more
 
 
 def position_layouts(cfg: LatheConfig, size: int, expert_parallel_size: int = 1) -> list[ShardLayout]:
@@ -81,8 +80,9 @@ def _slices(layout: ShardLayout, name: str, tensor: torch.Tensor, seen: set[str]
 def send_resharded(groups: list[SyncGroup], layouts: list[ShardLayout],
                    named_tensors: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta], *,
                    bucket_bytes: int) -> dict[str, float]:
-    """The trainer's rank 0: each whole tensor of `named_tensors` (consumed lazily, in the order of `metas`) cut
-    by every position's layout, position p's slices broadcast over `groups[p]` (module doc).
+    """The trainer's rank 0: each whole tensor of `named_tensors` (consumed lazily, in the order of `metas`; each cut
+    before the next is asked for, which may free it: FSDP2's gathered layers) by every position's layout, position
+    p's slices broadcast over `groups[p]` (module doc).
 
     Returns {"bytes": what rank 0 sent over all groups, "rank_bytes": the most one rollout rank received,
     "seconds", "buckets", "positions"}."""
@@ -99,8 +99,6 @@ def send_resharded(groups: list[SyncGroup], layouts: list[ShardLayout],
                 raise one_more(name, len(metas))
             check_tensor(metas[count], name, tensor, count)
             count += 1
-            if count == len(metas):
-                check_exhausted(tensors, len(metas))
             for layout, sender, sent in zip(layouts, senders, seen):
                 for local_name, piece in _slices(layout, name, tensor, sent):
                     sender.push(local_name, piece)

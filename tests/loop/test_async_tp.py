@@ -2,7 +2,8 @@
 follower over gloo (two processes) stream requests, are interrupted at a weight sync (partial rollout), receive the
 new whole weights from a sender over the checkpoint engine's `SyncGroup` (each keeping its slices), and resume; the
 tokens, log-prob count and weight versions equal those of one unsharded engine fed the same requests in the same
-steps. A follower that hears nothing from its leader names it."""
+steps. A follower that hears nothing from its leader names it. The rollout worker's ranks take the resharding sync
+(each receives only its slices, over the group of its tensor-parallel position)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from lathe.generation import SamplingParams
 from lathe.models import load_lathe_model
 from lathe.workers.checkpoint_engine import SyncGroup, metas_of, receive_weights, send_weights
 from lathe.workers.lockstep import Lockstep, control_groups
+from lathe.workers.reshard import position_layouts, send_resharded, sliced_metas
 
 JOIN_S = 120
 SAMPLED = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=12, seed=3)
@@ -73,28 +75,28 @@ def reference(path: str) -> dict:
     return play(replica.step, sync)
 
 
-def run_ranks(body, path: str):
-    """`body(rank, sync_port, path)` on the 2 gloo ranks of a replica (forkserver processes; the sync's sender, the
-    trainer's rank 0, is a thread of rank 0's process): rank 0's result."""
+def run_ranks(body, path: str, sender=None):
+    """`body(rank, sync_ports, path)` on the 2 gloo ranks of a replica (forkserver processes; the sync's sender, the
+    trainer's rank 0, `sender(sync_ports, path)`, is a thread of rank 0's process): rank 0's result."""
     ctx = mp.get_context("forkserver")      # one server imports torch and lathe once; each rank is a fork of it
     ctx.set_forkserver_preload([__name__])
-    queue, port, sync_port = ctx.Queue(), free_port(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(body, r, port, sync_port, path, queue), daemon=True)
+    queue, port, sync_ports = ctx.Queue(), free_port(), (free_port(), free_port())
+    procs = [ctx.Process(target=rank_main, args=(body, sender or send, r, port, sync_ports, path, queue), daemon=True)
              for r in range(2)]
     return run_processes(procs, queue, 3 * JOIN_S)[0]
 
 
-def rank_main(body, rank: int, port: int, sync_port: int, path: str, queue) -> None:
+def rank_main(body, sender, rank: int, port: int, sync_ports, path: str, queue) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=JOIN_S))
-        sender = threading.Thread(target=send, args=(sync_port, path)) if rank == 0 else None
-        if sender is not None:
-            sender.start()                               # the trainer's rank 0, sending over the SyncGroup
-        result = body(rank, sync_port, path)
-        if sender is not None:
-            sender.join(timeout=JOIN_S)
+        thread = threading.Thread(target=sender, args=(sync_ports, path)) if rank == 0 else None
+        if thread is not None:
+            thread.start()                               # the trainer's rank 0, sending over the SyncGroup(s)
+        result = body(rank, sync_ports, path)
+        if thread is not None:
+            thread.join(timeout=JOIN_S)
         queue.put((rank, result))
     except BaseException:
         queue.put((rank, traceback.format_exc()))
@@ -103,14 +105,14 @@ def rank_main(body, rank: int, port: int, sync_port: int, path: str, queue) -> N
             dist.destroy_process_group()
 
 
-def lockstep_rank(rank: int, sync_port: int, path: str):
+def lockstep_rank(rank: int, sync_ports, path: str):
     tp = replica_groups(2)
     control = control_groups(2, JOIN_S)
     quick = control_groups(2, 0.5)                   # (for the silent leader at the end)
     failing = control_groups(2, JOIN_S)              # (for the leader that fails, last)
     engine = engine_of(shard_copy(load_lathe_model(path, torch.float32), torch.float32, torch.device("cpu"), tp))
     replica = Lockstep(engine, tp, control, timeout_s=JOIN_S)
-    group = SyncGroup("127.0.0.1", sync_port, 1 + rank, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
+    group = SyncGroup("127.0.0.1", sync_ports[0], 1 + rank, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
 
     def receive(args):
         return receive_weights(group, args["metas"], bucket_bytes=args["bucket_bytes"],
@@ -139,11 +141,25 @@ def lockstep_rank(rank: int, sync_port: int, path: str):
     return result
 
 
-def send(port: int, path: str) -> None:
-    group = SyncGroup("127.0.0.1", port, 0, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
+def send(ports, path: str) -> None:
+    """Whole tensors to both ranks over one group (each rank cuts its slices)."""
+    group = SyncGroup("127.0.0.1", ports[0], 0, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
     named = list(new_weights(path))
     send_weights(group, named, metas_of(named, torch.float32), bucket_bytes=1 << 14)
     group.close()
+
+
+def send_sliced(ports, path: str) -> None:
+    """The resharding sync (`lathe.workers.reshard`): each position's slices over its own group."""
+    groups = [SyncGroup("127.0.0.1", port, 0, 2, device=torch.device("cpu"), timeout_s=JOIN_S) for port in ports]
+    named = list(new_weights(path))
+    send_resharded(groups, layouts(path), named, metas_of(named, torch.float32), bucket_bytes=1 << 14)
+    for group in groups:
+        group.close()
+
+
+def layouts(path: str):
+    return position_layouts(load_lathe_model(path, torch.float32).config, 2)
 
 
 def test_a_tensor_parallel_replica_streams_what_one_engine_streams(tmp_path):
@@ -163,7 +179,7 @@ def responses(batch) -> list[list[int]]:
     return [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
 
 
-def worker_rank(rank: int, sync_port: int, path: str):
+def worker_rank(rank: int, sync_ports, path: str):
     """Rank 0 drives its replica as the driver does (and sends the weights, as the trainer's rank 0 would)."""
     from types import SimpleNamespace
 
@@ -176,7 +192,7 @@ def worker_rank(rank: int, sync_port: int, path: str):
                                   "actor_rollout_ref.nccl_timeout=4", "data.max_response_length=24"])
     worker = RolloutWorker(cfg, path, {"impl": "auto"}, SimpleNamespace(pad_token_id=0, eos_token_id=2),
                            device_type="cpu")
-    worker.join_sync_group("127.0.0.1", sync_port, 1 + rank, 3, JOIN_S)
+    worker.join_sync_group("127.0.0.1", sync_ports[rank], 1, 2, JOIN_S)     # (the group of its position)
     result = None
     if rank == 0:
         beats = []
@@ -187,7 +203,7 @@ def worker_rank(rank: int, sync_port: int, path: str):
         metas = metas_of(load_lathe_model(path, torch.float32).state_dict().items(), torch.float32)
         time.sleep(1.5)                               # idle: a heartbeat every nccl_timeout / 4 = 1 s
         assert worker.pause(partial=True, timeout_s=JOIN_S) == 0
-        worker.receive_weights(metas, 1 << 14, 1)
+        worker.receive_weights(metas, 1 << 14, 1, [sliced_metas(layout, metas) for layout in layouts(path)])
         worker.resume()
         worker.submit([("b", PROMPTS[2:], LONG, 4)])
         got.update(_collect_until(worker, {"b"}))
@@ -209,7 +225,8 @@ def worker_rank(rank: int, sync_port: int, path: str):
 
 def test_a_tensor_parallel_rollout_worker_follows_its_leader_through_a_sync(tmp_path):
     """The driver's calls go to the leader only; requests before the sync sample what one engine samples with the
-    old weights, after it with the new ones; the idle leader sends heartbeats; shutdown ends the follower too."""
+    old weights, after it with the new ones (received as each rank's slices: a resharding sync); the idle leader
+    sends heartbeats; shutdown ends the follower too."""
     from models.lathe_tiny import save_hf
     path = str(save_hf(tmp_path, "llama", tie=True)[0])
     engine = engine_of(load_lathe_model(path, torch.float32))
@@ -217,7 +234,7 @@ def test_a_tensor_parallel_rollout_worker_follows_its_leader_through_a_sync(tmp_
     engine.update_weights(new_weights(path))
     want_b = engine.generate(PROMPTS[2:], LONG, first_index=4).token_ids
     want_val = engine.generate(PROMPTS[3:], LONG).token_ids
-    got, validation, beats = run_ranks(worker_rank, path)
+    got, validation, beats = run_ranks(worker_rank, path, send_sliced)
     assert got["a"] == (want_a, [0]) and got["b"] == (want_b, [1])
     # c may have been interrupted mid-way (timing): recomputed KV may move its later tokens by the last bits
     assert [len(t) for t in got["c"][0]] == [24, 24] and got["c"][1] == [1]

@@ -131,6 +131,7 @@ class AsyncCluster:
     started_ray: bool
     metas: list
     bucket_bytes: int
+    position_metas: list | None = None   # tensor-parallel replicas: each position's slices (a resharding sync)
 
     def sync(self, version: int) -> dict:
         """Broadcast the trainer's weights to every (paused) replica; they take `version`."""
@@ -138,7 +139,8 @@ class AsyncCluster:
         sends = self.trainer_group.submit_each("actor_rollout_ref", "send_weights",
                                                [((self.metas, self.bucket_bytes), {})] * self.trainer_group.world_size)
         receives = self.rollout_group.submit_each("rollout", "receive_weights", self.rollout.leaders(
-            [((self.metas, self.bucket_bytes, version), {})] * self.rollout.world))   # (their followers too)
+            [((self.metas, self.bucket_bytes, version, self.position_metas), {})] * self.rollout.world))
+        # (their followers too)
         stats = self.trainer_group.gather(sends, what)[0]
         self.rollout_group.gather(receives, what)
         return stats
@@ -209,10 +211,18 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
         ce = cfg.async_training.checkpoint_engine
         megabytes = ce.device_buffer_size_M or arr.rollout.update_weights_bucket_megabytes
         bucket_bytes = megabytes << 20 if ce.enable else 1          # enable=false: every tensor a bucket of its own
-        _join_sync_group(trainer, rollout, trainer.nodes[0]["ip"], trainer.free_port(), timeout)
-        log.info("fully async: %d trainer rank(s), %d rollout replica(s); weight sync of %.2f GB in %s",
+        tp = arr.rollout.tensor_model_parallel_size
+        ports: set[int] = set()
+        while len(ports) < tp:              # one group per tensor-parallel position (`lathe.workers.reshard`)
+            ports.add(trainer.free_port())
+        _join_sync_group(trainer, rollout, trainer.nodes[0]["ip"], sorted(ports), timeout,
+                         expert_parallel_size=arr.rollout.expert_parallel_size)
+        position_metas = trainer.call(ACTOR, "position_metas", metas)[0] if tp > 1 else None
+        log.info("fully async: %d trainer rank(s), %d rollout replica(s); weight sync of %.2f GB in %s%s",
                  trainer.world_size, replicas.world, sum(m.nbytes for m in metas) / 1e9,
-                 f"buckets of {megabytes} MB" if ce.enable else "one bucket per tensor")
+                 f"buckets of {megabytes} MB" if ce.enable else "one bucket per tensor",
+                 "" if position_metas is None else ", %.2f GB to each rollout rank" % (
+                     max(sum(m.nbytes for m in p) for p in position_metas) / 1e9))
     except BaseException:
         for g in groups:
             g.shutdown()
@@ -220,14 +230,20 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
             import ray
             ray.shutdown()
         raise
-    return AsyncCluster(trainer, rollout, actor, critic_group, replicas, started, metas, bucket_bytes)
+    return AsyncCluster(trainer, rollout, actor, critic_group, replicas, started, metas, bucket_bytes, position_metas)
 
 
-def _join_sync_group(trainer, rollout, host: str, port: int, timeout_s: float) -> None:
-    world = 1 + rollout.world_size
+def _join_sync_group(trainer, rollout, host: str, port: int | list[int], timeout_s: float,
+                     expert_parallel_size: int = 1) -> None:
+    """The trainer's rank 0 and every rollout rank join the weight sync: one group of all (one port), or with
+    tensor-parallel replicas of T ranks (T ports) T groups, group p of the rank 0 and the ranks at position p of
+    every replica (rank 1 + i: replica i)."""
+    ports = port if isinstance(port, list) else [port]
+    tp = len(ports)
+    world = 1 + rollout.world_size // tp
     a = trainer.submit_each("actor_rollout_ref", "join_sync_group",
-                            [((host, port, 0, world, timeout_s), {})] * trainer.world_size)
-    b = rollout.submit_each("rollout", "join_sync_group",
-                            [((host, port, 1 + r, world, timeout_s), {}) for r in range(rollout.world_size)])
+                            [((host, port, 0, world, timeout_s, expert_parallel_size), {})] * trainer.world_size)
+    b = rollout.submit_each("rollout", "join_sync_group", [((host, ports[r % tp], 1 + r // tp, world, timeout_s), {})
+                                                           for r in range(rollout.world_size)])
     trainer.gather(a, "join_sync_group")
     rollout.gather(b, "join_sync_group")

@@ -320,10 +320,11 @@ class LatheEngine(StreamingMixin):
             raise RuntimeError(f"engine: the {self.tp.size} ranks of a tensor-parallel replica generated different "
                                "tokens from the same prompts; this is a bug (their logits or seeds differ)")
 
-    def _copy_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy whole weights (HF names) in place: a tensor-parallel rank takes its slice of each."""
+    def _copy_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], local: bool = False) -> None:
+        """Copy whole weights (HF names) in place: a tensor-parallel rank takes its slice of each (`local`: they are
+        its slices already)."""
         layout = layout_of(self.model)
-        items = named_tensors if layout is None else layout.local_items(named_tensors)
+        items = named_tensors if layout is None or local else layout.local_items(named_tensors)
         if self.quantization is None:
             copy_named_tensors(self.model, items, who="engine's model")
             return

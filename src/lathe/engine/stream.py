@@ -185,12 +185,14 @@ class StreamingMixin:
             self._requests.interrupted(seq)
         return len(seqs)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                     local: bool = False) -> None:
         """Copy new weights in place (HF names) while requests are unfinished, provided no sequence holds KV
         computed by the old ones (after `interrupt()`, or when idle); drop every cached prefix and the waiting
         image prompts' embeddings (their next prefill encodes them with the new vision tower); the unfinished
         sequences sample their next tokens with weights `version` (recorded in their `versions`). A sync may load
-        its tensors in several calls (buckets) with the same `version`."""
+        its tensors in several calls (buckets) with the same `version`. `local`: a tensor-parallel rank's tensors
+        are its slices already (a resharding sync), copied as they are."""
         sch = self.scheduler
         holding = len(sch.running) + (sch.prefilling is not None)
         if holding:
@@ -199,7 +201,7 @@ class StreamingMixin:
                                "once no request is unfinished")
         self._resolve(self._inflight)       # tokens sampled by the old weights (all finished: nothing holds KV)
         self._inflight = None
-        self._copy_weights(named_tensors)
+        self._copy_weights(named_tensors, local=local)
         if self.block_manager.hash_to_block:        # (a sync loading bucket by bucket resets once)
             self.block_manager.reset()              # (image prompts' blocks too: the images' salt is in their key)
         drop_embeddings(sch.waiting)                # waiting image prompts encode again, with the new tower

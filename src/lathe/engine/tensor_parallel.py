@@ -24,7 +24,8 @@ as their KV caches hold the same number of blocks (`TensorParallel.min_int`) and
 logits are equal on every rank; `LatheEngine.generate` checks the outputs agree).
 
 Weights arrive whole, by Hugging Face name (the trainer's gathered tensors after an update, or a checkpoint's):
-`ShardLayout.local` cuts the rank's slice of each.
+`ShardLayout.local` cuts the rank's slice of each. A layout needs only the model's config and the rank's place, so
+the trainer of fully-async training cuts each position's slices before sending them (`lathe.workers.reshard`).
 """
 
 from __future__ import annotations

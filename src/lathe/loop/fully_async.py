@@ -281,7 +281,8 @@ class AsyncDriver:
         self.budget = self._budget(stale=self.queued_prompts() + sum(len(p) for _, p in self.in_flight.values()))
         seconds = time.perf_counter() - start
         return {"timing_s/param_sync": seconds, "fully_async/sync/interrupted": interrupted,
-                "fully_async/sync/gb": stats.get("bytes", 0) / 2**30,
+                "fully_async/sync/gb": stats.get("bytes", 0) / 2**30,   # sent by the trainer's rank 0, all groups
+                "fully_async/sync/gb_per_rollout_rank": stats.get("rank_bytes", stats.get("bytes", 0)) / 2**30,
                 "fully_async/sync/fraction_of_full": stats.get("bytes", 0) / max(1, self.full_bytes),
                 "fully_async/sync/send_s": stats.get("seconds", 0.0)}
 

@@ -5,7 +5,8 @@ default process group) push each update to rollout ranks that run an inference e
 their own default process group or none. The two pools share no process group, so the sync builds its own
 communicator straight from a `TCPStore` and a backend object (`ProcessGroupNCCL` on CUDA, `ProcessGroupGloo` on
 CPU): a `SyncGroup`, which never touches `torch.distributed`'s default group. Rank 0 of it is the sender (the
-trainer's rank 0), ranks 1..R the receivers (one per rollout replica).
+trainer's rank 0), ranks 1..R the receivers (one per rollout replica; with tensor-parallel replicas one group per
+tensor-parallel position, each sending that position's slices: `lathe.workers.reshard`).
 
 Both sides derive the same plan from the same `TensorMeta` list (`metas_of` on the trainer, sent once to the
 replicas, e.g. through Ray): consecutive tensors packed into buckets of at most `bucket_bytes` (a larger tensor
@@ -16,7 +17,8 @@ never computed on, so the weights arrive bit-equal (to the sender's values cast 
 
 Both sides double-buffer: two buffers alternate, so packing (sender) or consuming (receiver) bucket k overlaps
 the asynchronous broadcast of its neighbour; a buffer's previous broadcast is waited on before it is reused.
-Every wait has a deadline (`timeout_s`), and a side that fails (a tensor that does not match the plan, a
+Every wait has a deadline (`timeout_s`) past which it names the ranks that did not reach the bucket (each rank
+marks in the store the bucket it posts), and a side that fails (a tensor that does not match the plan, a
 `consume` that raises) posts its error in the store, so the others raise it within a second instead of hanging.
 """
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -108,11 +110,11 @@ class SyncGroup:
 
     Rank 0 (the sender) hosts the TCPStore at host:port; every rank must build its SyncGroup with the same host,
     port and world size within `timeout_s`. The backend follows `device`: NCCL on CUDA (one device per process),
-    Gloo on CPU.
+    Gloo on CPU. `label` (e.g. the tensor-parallel position of a resharding sync's group) goes into its errors.
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, *, device: torch.device,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, label: str = ""):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"SyncGroup: rank={rank}, world_size={world_size}: the rank must be in "
                              f"[0, world_size) (rank 0 is the sender, 1..world_size-1 the receivers)")
@@ -125,7 +127,8 @@ class SyncGroup:
         self.timeout_s = float(timeout_s)
         self._failed = False
         self._sync = 0          # send/receive_weights calls so far
-        self._where = f"SyncGroup at {host}:{port} (rank {rank}, world size {world_size})"
+        self._buckets: dict[int, int | None] = {}      # id of a pending broadcast's Work -> its bucket
+        self._where = f"SyncGroup at {host}:{port} (rank {rank}, world size {world_size}{', ' * bool(label)}{label})"
         timeout = timedelta(seconds=timeout_s)
         self._store = self._connect(timeout)
         self.store = dist.PrefixStore("lathe_sync/", self._store)
@@ -163,30 +166,37 @@ class SyncGroup:
         except (RuntimeError, TimeoutError) as e:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             side = ("the sender (rank 0, on the trainer)" if missing == [0]
-                    else f"receiver rank(s) {missing} (rollout replicas)")
+                    else f"receiver rank(s) {missing} (rollout replicas {[r - 1 for r in missing]})")
             raise TimeoutError(f"{self._where}: {side} did not join within {self.timeout_s:g} s; every rank must "
                                f"build a SyncGroup with host {self.host!r}, port {self.port} and world size "
                                f"{self.world_size}") from e
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0):
-        """Broadcast `tensor` (contiguous, on `device`) from rank `src`, asynchronously: returns the Work."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, bucket: int | None = None):
+        """Broadcast `tensor` (contiguous, on `device`) from rank `src`, asynchronously: returns the Work. `bucket`:
+        its index in this sync, marked in the store first (a rank whose wait for it times out names the ranks that
+        never reached it)."""
+        if bucket is not None:
+            self.store.set(f"at/{self.rank}", f"{self._sync} {bucket}")
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        return self.backend.broadcast([tensor], opts)
+        work = self.backend.broadcast([tensor], opts)
+        self._buckets[id(work)] = bucket
+        return work
 
     def wait(self, work) -> None:
         """Block until `work` is done (then order the current stream after it), at most `timeout_s`; raise another
         rank's posted error as soon as it appears."""
         start = now = time.monotonic()
         next_check, delay = start + _ERROR_CHECK_S, 1e-5
+        bucket = self._buckets.pop(id(work), None)
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_check:
                 self.raise_if_failed()
                 next_check = now + _ERROR_CHECK_S
             if now - start > self.timeout_s:
-                raise TimeoutError(f"{self._where}: a broadcast did not finish within {self.timeout_s:g} s: a rank "
-                                   f"stopped taking part (it died, or is not calling send/receive_weights)")
+                raise TimeoutError(f"{self._where}: {self._laggards(bucket)} within {self.timeout_s:g} s (it died, "
+                                   f"or is not calling send/receive_weights)")
             time.sleep(delay)
             delay = min(2 * delay, _POLL_MAX_S)
         try:
@@ -194,6 +204,22 @@ class SyncGroup:
         except Exception:
             self.raise_if_failed()   # a peer's own error says more than the broken connection it left behind
             raise
+
+    def _laggards(self, bucket: int | None) -> str:
+        """Who did not reach `bucket` of this sync, by the ranks' marks in the store."""
+        what = f"bucket {bucket} of weight sync #{self._sync}" if bucket is not None else "a broadcast"
+        try:
+            marks = [self.store.get(f"at/{r}").decode() if self.store.check([f"at/{r}"]) else "0 -1"
+                     for r in range(self.world_size)]
+        except Exception:       # the store (rank 0) is gone
+            marks = None
+        if bucket is None or marks is None:
+            return f"{what} did not finish: a rank stopped taking part"
+        behind = [r for r, m in enumerate(marks) if tuple(map(int, m.split())) < (self._sync, bucket)]
+        late = [r for r in behind if r]
+        who = ["the sender (rank 0, the trainer's rank 0)"] * (0 in behind) + [
+            f"receiver rank(s) {late} (rollout replicas {[r - 1 for r in late]})"] * bool(late)
+        return f"{' and '.join(who) or 'no rank (every one posted it)'} did not reach {what}"
 
     def synchronize(self) -> None:
         accel.synchronize(self.device)
@@ -255,65 +281,95 @@ def _stats(metas: list[TensorMeta], start: float, plan: list) -> dict[str, float
             "buckets": float(len(plan))}
 
 
-def _pack(buffer: torch.Tensor, bucket: list[TensorMeta], tensors: Iterator, first: int) -> int:
-    """Copy the next len(bucket) tensors, cast to their planned dtype, into `buffer`; return the bytes used."""
-    offsets, size = bucket_layout(bucket)
-    for i, (meta, offset) in enumerate(zip(bucket, offsets)):
+class BucketSender:
+    """Rank 0's side of one sync, fed one tensor at a time (`push`): each tensor is cast and copied into the
+    current bucket's buffer, and a full bucket is broadcast asynchronously while the next one is packed into the
+    other buffer. Several senders (one per group) can be fed in turn: their broadcasts overlap. The plan's last
+    bucket goes at `finish` (once the weights ran out: a tensor too many fails the sync before the receivers hold
+    it all), which then waits for every broadcast and returns the stats."""
+
+    def __init__(self, group: SyncGroup, metas: list[TensorMeta], bucket_bytes: int):
+        if group.rank != 0:
+            raise ValueError(f"send_weights on rank {group.rank}: only rank 0 (the trainer's rank 0) sends; "
+                             f"receivers call receive_weights")
+        group.begin_sync()
+        self.group, self.metas, self.start = group, metas, time.perf_counter()
+        self.plan = bucket_plan(metas, bucket_bytes)
+        self.layouts = [bucket_layout(b) for b in self.plan]
+        self.buffers = _buffers(group, self.plan) if self.plan else []
+        self.pending: list = [None, None]
+        self.bucket = self.slot = 0         # the bucket being packed, its place in it
+        self.count = 0                      # tensors pushed so far
+
+    def push(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy the next tensor of the plan (cast to its planned dtype); broadcast its bucket once it is full (the
+        last one: at `finish`)."""
         try:
-            name, tensor = next(tensors)
-        except StopIteration:
-            raise ValueError(f"send_weights: the weights ran out before {meta.name!r} (tensor #{first + i} of the "
-                             f"plan): the iterator must yield every tensor of the metas") from None
-        check_tensor(meta, name, tensor, first + i)
-        buffer[offset:offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(tensor.detach())
-    return size
+            if self.count == len(self.metas):
+                raise one_more(name, len(self.metas))
+            k, bucket = self.bucket, self.plan[self.bucket]
+            meta, offset = bucket[self.slot], self.layouts[k][0][self.slot]
+            check_tensor(meta, name, tensor, self.count)
+            buffer = self.buffers[k % 2]
+            if self.slot == 0 and self.pending[k % 2] is not None:     # the buffer's previous broadcast
+                self.group.wait(self.pending[k % 2])
+                self.pending[k % 2] = None
+            buffer[offset:offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(tensor.detach())
+            self.count += 1
+            self.slot += 1
+            if self.slot == len(bucket) and k + 1 < len(self.plan):
+                self._broadcast()
+        except BaseException as e:
+            self.fail(e)
+            raise
+
+    def finish(self) -> dict[str, float]:
+        """Wait for every broadcast (ValueError when the plan expected more tensors); the stats."""
+        try:
+            if self.count < len(self.metas):
+                meta = self.plan[self.bucket][self.slot]
+                raise ValueError(f"send_weights: the weights ran out before {meta.name!r} (tensor #{self.count} of "
+                                 f"the plan): the iterator must yield every tensor of the metas")
+            if self.plan:
+                self._broadcast()
+            for work in self.pending:
+                if work is not None:
+                    self.group.wait(work)
+            self.group.synchronize()
+        except BaseException as e:
+            self.fail(e)
+            raise
+        return _stats(self.metas, self.start, self.plan)
+
+    def _broadcast(self) -> None:
+        k = self.bucket
+        self.pending[k % 2] = self.group.broadcast(self.buffers[k % 2][:self.layouts[k][1]], src=0, bucket=k)
+        self.bucket, self.slot = k + 1, 0
+
+    def fail(self, e: BaseException) -> None:
+        self.group.fail(f"{type(e).__name__}: {e}")
 
 
 def send_weights(group: SyncGroup, named_tensors: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta],
                  *, bucket_bytes: int) -> dict[str, float]:
-    """Rank 0: broadcast `named_tensors` (consumed lazily, one bucket's worth at a time) per the plan of `metas`.
+    """Rank 0: broadcast `named_tensors` (consumed lazily, one tensor at a time) per the plan of `metas`.
 
     Each tensor must match its meta's name and shape (ValueError naming it otherwise); it is cast to the meta's
     dtype. Returns {"bytes": payload bytes, "seconds": wall time until every broadcast is done, "buckets"}.
     """
-    if group.rank != 0:
-        raise ValueError(f"send_weights on rank {group.rank}: only rank 0 (the trainer's rank 0) sends; "
-                         f"receivers call receive_weights")
-    group.begin_sync()
-    start = time.perf_counter()
-    plan = bucket_plan(metas, bucket_bytes)
-    tensors = iter(named_tensors)
-    pending: list = [None, None]
+    sender = BucketSender(group, metas, bucket_bytes)
     try:
-        buffers = _buffers(group, plan) if plan else []
-        first = 0
-        for k, bucket in enumerate(plan):
-            slot = k % 2
-            if pending[slot] is not None:
-                group.wait(pending[slot])
-                pending[slot] = None
-            size = _pack(buffers[slot], bucket, tensors, first)
-            first += len(bucket)
-            if k == len(plan) - 1:
-                _check_exhausted(tensors, len(metas))
-            pending[slot] = group.broadcast(buffers[slot][:size], src=0)
-        if not plan:
-            _check_exhausted(tensors, 0)
-        for work in pending:
-            if work is not None:
-                group.wait(work)
-        group.synchronize()
-    except BaseException as e:
-        group.fail(f"{type(e).__name__}: {e}")
+        for name, tensor in named_tensors:
+            sender.push(name, tensor)
+    except BaseException as e:          # the iterator's own error too (push posts its own)
+        sender.fail(e)
         raise
-    return _stats(metas, start, plan)
+    return sender.finish()
 
 
-def _check_exhausted(tensors: Iterator, count: int) -> None:
-    extra = next(tensors, None)
-    if extra is not None:
-        raise ValueError(f"send_weights: {extra[0]!r} is one tensor more than the {count} of the plan; compute "
-                         f"the metas (metas_of) from the same model and send them to the receivers again")
+def one_more(name: str, count: int) -> ValueError:
+    return ValueError(f"send_weights: {name!r} is one tensor more than the {count} of the plan; compute the metas "
+                      f"(metas_of) from the same model and send them to the receivers again")
 
 
 def receive_weights(group: SyncGroup, metas: list[TensorMeta], *, bucket_bytes: int,
@@ -335,7 +391,7 @@ def receive_weights(group: SyncGroup, metas: list[TensorMeta], *, bucket_bytes: 
         buffers = _buffers(group, plan) if plan else []
 
         def post(k: int) -> None:
-            pending[k % 2] = group.broadcast(buffers[k % 2][:layouts[k][1]], src=0)
+            pending[k % 2] = group.broadcast(buffers[k % 2][:layouts[k][1]], src=0, bucket=k)
 
         if plan:
             post(0)

@@ -14,8 +14,8 @@ pool, through a pause too, and wake the thread when they answer; a request is fi
 With `rollout.tensor_model_parallel_size` = tp > 1 a replica is tp consecutive ranks of the pool, each holding a
 slice of the model (`lathe.engine.tensor_parallel`). The driver talks to each replica's leader (its first rank)
 only; the leader's engine thread tells its followers each engine action before it takes it (`lathe.workers.
-lockstep`): the requests it adds, a step, an interrupt, a weight sync. At a sync every rank receives the trainer's
-whole tensors and keeps its slices (tp x the bytes a resharding sync would send). A follower's thread only follows.
+lockstep`): the requests it adds, a step, an interrupt, a weight sync. At a sync each rank receives only its slices,
+over the group of its tensor-parallel position (`lathe.workers.reshard`). A follower's thread only follows.
 
 `AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
 sync. The engine is thread-safe only through the worker's lock: every engine call is made under it.
@@ -48,6 +48,7 @@ from lathe.train import parallel
 from lathe.train.vl import check_vl
 from lathe.workers.checkpoint_engine import SyncGroup, TensorMeta, receive_weights, send_weights
 from lathe.workers.lockstep import Lockstep, control_groups
+from lathe.workers.reshard import check_slices, join_as_sender, position_label, send_resharded, sliced_metas
 
 ROLLOUT = "rollout"         # the role name of a replica in its worker group
 
@@ -264,22 +265,32 @@ class RolloutWorker:
             self._cv.notify_all()
 
     def join_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        self.sync = SyncGroup(host, port, rank, world_size, device=self.device, timeout_s=timeout_s)
+        """Join the sync's group (with tensor-parallel replicas: the group of this rank's position)."""
+        tp = self.replica.tp
+        self.sync = SyncGroup(host, port, rank, world_size, device=self.device, timeout_s=timeout_s,
+                              label=position_label(tp.rank, tp.size))
 
-    def receive_weights(self, metas: list[TensorMeta], bucket_bytes: int, version: int) -> dict:
+    def receive_weights(self, metas: list[TensorMeta], bucket_bytes: int, version: int,
+                        position_metas: list[list[TensorMeta]] | None = None) -> dict:
         """Load the trainer's broadcast weights bucket by bucket (paused: no sequence holds KV). A leader's followers
-        receive them at once (told by the leader), each keeping its slices of the whole tensors."""
+        receive them at once (told by the leader): the whole tensors of `metas`, each rank keeping its slices, or
+        with `position_metas` (a resharding sync, `lathe.workers.reshard`) the slices of each rank's position."""
         self._leader_only("receive_weights")
         with self._cv:
             if not self._paused:
                 raise RuntimeError("rollout replica: receive_weights needs pause() first")
-            return self.replica.load({"metas": metas, "bucket_bytes": bucket_bytes, "version": version},
-                                     self._receive)
+            return self.replica.load({"metas": metas, "bucket_bytes": bucket_bytes, "version": version,
+                                      "position_metas": position_metas}, self._receive)
 
     def _receive(self, args: dict) -> dict:
-        """This rank's side of a weight sync (`Lockstep.load`): whole tensors in, the engine copies its slices."""
-        return receive_weights(self.sync, args["metas"], bucket_bytes=args["bucket_bytes"],
-                               consume=lambda named: self.engine.load_weights(named, version=args["version"]))
+        """This rank's side of a weight sync (`Lockstep.load`): whole tensors in (the engine copies its slices), or
+        this position's slices (copied as they are)."""
+        version, sliced = args["version"], args.get("position_metas")
+        metas = args["metas"] if sliced is None else sliced[self.replica.tp.rank]
+        if sliced is not None:
+            check_slices(self.engine.model, metas, self.replica.who)
+        return receive_weights(self.sync, metas, bucket_bytes=args["bucket_bytes"], consume=lambda named:
+                               self.engine.load_weights(named, version=version, local=sliced is not None))
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams, *, first_index: int = 0) -> Batch:
         """A blocking generation (validation): submitted as one request, waited for. A follower of a
@@ -316,7 +327,8 @@ class AsyncTrainerWorker:
 
     def __init__(self, worker, rollout_dtype: torch.dtype):
         self.worker, self.rollout_dtype = worker, rollout_dtype
-        self.sync: SyncGroup | None = None
+        self.syncs: list[SyncGroup] = []        # rank 0's: one group, or one per tensor-parallel position of the
+        self.layouts: list | None = None        # replicas, with their `ShardLayout`s (a resharding sync)
 
     def __getattr__(self, name: str):
         return getattr(self.worker, name)
@@ -345,25 +357,36 @@ class AsyncTrainerWorker:
         return sum(TensorMeta(name, tuple(shape), self.rollout_dtype if dtype.is_floating_point else dtype).nbytes
                    for name, shape, dtype in shapes if not is_adapter(name))
 
-    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    def join_sync_group(self, host: str, port: int | list[int], rank: int, world_size: int, timeout_s: float,
+                        expert_parallel_size: int = 1) -> None:
+        """Rank 0 joins the sync's group, or with T ports the T groups of a resharding sync (`join_as_sender`)."""
         if parallel.rank() == 0:              # the trainer's rank 0 sends; its other ranks only help gather
-            self.sync = SyncGroup(host, port, rank, world_size, device=self.worker.device, timeout_s=timeout_s)
+            self.syncs, self.layouts = join_as_sender(self.worker.actor.model, host, port, rank, world_size,
+                                                      device=self.worker.device, timeout_s=timeout_s,
+                                                      expert_parallel_size=expert_parallel_size)
+
+    def position_metas(self, metas: list[TensorMeta]) -> list[list[TensorMeta]] | None:
+        """(Rank 0, after joining.) The metas of each position's slices of a resharding sync; None without one."""
+        return None if self.layouts is None else [sliced_metas(layout, metas) for layout in self.layouts]
 
     def close_sync(self) -> None:
         """Close the sending side of the weight sync (rank 0's; `AsyncCluster.close`, beside the replicas')."""
-        if self.sync is not None:
-            self.sync.close()
-            self.sync = None
+        for group in self.syncs:
+            group.close()
+        self.syncs = []
 
     def send_weights(self, metas: list[TensorMeta], bucket_bytes: int) -> dict:
         """Every trainer rank gathers the sharded weights layer by layer (`Actor.weights`: with LoRA, the adapted
         layers merged); rank 0 broadcasts them in buckets."""
         tensors = self.worker.actor.weights()
-        if self.sync is None:
+        if not self.syncs:
             for _ in tensors:
                 pass
             return {}
-        return send_weights(self.sync, tensors, metas, bucket_bytes=bucket_bytes)
+        if self.layouts is not None:        # tensor-parallel replicas: each position's slices over its own group
+            return send_resharded(self.syncs, self.layouts, tensors, metas, bucket_bytes=bucket_bytes)
+        stats = send_weights(self.syncs[0], tensors, metas, bucket_bytes=bucket_bytes)
+        return {**stats, "rank_bytes": stats["bytes"]}
 
 
 def request_images(prompts: Batch) -> list | None:

@@ -11,9 +11,9 @@ one small pickled message over a gloo group of the replica's ranks, and every ra
 
 A "step" carries the requests the leader adds before the step (ids, prompts, sampling params with their seeds,
 first indices), so each rank adds the same sequences and samples the same tokens (the logits are gathered whole on
-every rank). "load" carries what the ranks need to receive a weight sync (each rank then receives the trainer's
-broadcast of whole tensors and keeps its slice). "idle" is a heartbeat the idle leader sends so that a waiting
-follower can tell a quiet leader from a dead one.
+every rank). "load" carries what the ranks need to receive a weight sync (each rank then receives its slices over
+the group of its tensor-parallel position, `lathe.workers.reshard`). "idle" is a heartbeat the idle leader sends so
+that a waiting follower can tell a quiet leader from a dead one.
 
 Every message also carries a digest of all the outputs the leader's engine returned so far; a follower compares it
 with its own, so ranks that drifted apart fail at once, naming themselves. Every wait has the group's timeout; a

@@ -233,8 +233,8 @@ def _coerce_scalar(value: Any, tp: Any, key: str, raw: str | None, example: Any)
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d+\s*", value):
-            return int(value)
+        if isinstance(value, str) and re.fullmatch(r"[-+]?[0-9]+", value.strip()):    # (strip: as int() would)
+            return int(value.strip())
         raise _fail(key, value, tp, example, " A whole number is required.")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

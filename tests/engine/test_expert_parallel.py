@@ -6,27 +6,22 @@ log-probs and the same recorded routing, before and after a weight update."""
 from __future__ import annotations
 
 import copy
-import datetime
-import traceback
 from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine.conftest import PROMPTS
-from helpers import assert_close_rel, free_port, run_processes
+from engine.test_tensor_parallel import run_replica
+from helpers import assert_close_rel
 from lathe.engine import expert_parallel
 from lathe.engine.llm_engine import LatheEngine
-from lathe.engine.tensor_parallel import ShardLayout, TensorParallel, replica_groups, shard_copy
+from lathe.engine.tensor_parallel import ShardLayout, TensorParallel, shard_copy
 from lathe.generation import SamplingParams
 from lathe.models import load_lathe_model
 from lathe.models.moe import route, sorted_forward, sparse_blocks, split_expert_weights
 from models.gpt_oss_tiny import gpt_oss_model
 from models.lathe_tiny import MOE, save_hf
-
-JOIN_S = 120
 
 
 def generations(model, path: str) -> list[tuple]:
@@ -57,23 +52,6 @@ def build(path: str, tp: TensorParallel | None, device: torch.device = torch.dev
     return shard_copy(model, torch.float32, device, tp, state=state, expert_parallel_size=tp.size)
 
 
-def worker(rank: int, world: int, port: int, paths: list[str], queue, device_type: str = "cpu") -> None:
-    try:
-        torch.set_num_threads(1)
-        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-        if device_type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=JOIN_S))
-        tp = replica_groups(world)
-        queue.put((rank, [generations(build(p, tp, device), p) for p in paths]))
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep-ckpt")
@@ -85,12 +63,7 @@ def paths(tmp_path_factory):
 def test_a_replica_of_two_generates_what_one_process_generates(paths, device_type="cpu"):
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     want = [generations(build(p, None, device), p) for p in paths]
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, paths, queue, device_type), daemon=True) for r in range(2)]
-    results = run_processes(procs, queue, 3 * JOIN_S)
-    for rank, got in results.items():
+    for rank, got in run_replica(2, paths, device_type, build, generations).items():
         for path, g_runs, w_runs in zip(paths, got, want):
             for what, (tokens, lps, routed), (w_tokens, w_lps, w_routed) in zip(
                     ("greedy", "sampled", "greedy after new weights"), g_runs, w_runs):

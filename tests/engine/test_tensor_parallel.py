@@ -48,7 +48,11 @@ def build(path, tp: TensorParallel | None, device: torch.device = torch.device("
     return model
 
 
-def worker(rank: int, world: int, port: int, paths: list[str], queue, device_type: str = "cpu") -> None:
+def worker(rank: int, world: int, port: int, paths: list[str], queue, device_type: str = "cpu", make=None,
+           generate=None) -> None:
+    """Rank `rank` of a replica: `generate(make(path, tp, device), path)` per path (by default this module's
+    `build` and `generations`) to the queue."""
+    make, generate = make or build, generate or generations
     try:
         torch.set_num_threads(1)
         device = torch.device("cpu")
@@ -58,7 +62,7 @@ def worker(rank: int, world: int, port: int, paths: list[str], queue, device_typ
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world, timeout=datetime.timedelta(seconds=JOIN_S))
         tp = replica_groups(world)
-        queue.put((rank, [generations(build(p, tp, device), p) for p in paths]))
+        queue.put((rank, [generate(make(p, tp, device), p) for p in paths]))
     except BaseException:
         queue.put((rank, traceback.format_exc()))
     finally:
@@ -66,11 +70,13 @@ def worker(rank: int, world: int, port: int, paths: list[str], queue, device_typ
             dist.destroy_process_group()
 
 
-def run_replica(world: int, paths: list[str], device_type: str = "cpu") -> dict[int, list]:
-    ctx = mp.get_context("forkserver")      # one server imports torch and lathe once; each rank is a fork of it
-    ctx.set_forkserver_preload([__name__])
+def run_replica(world: int, paths: list[str], device_type: str = "cpu", make=None, generate=None) -> dict[int, list]:
+    """Each rank's `worker` results, the ranks forks of one forkserver (it imports torch, lathe and the modules of
+    `make`/`generate` once)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(sorted({__name__, *(f.__module__ for f in (make, generate) if f is not None)}))
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, paths, queue, device_type), daemon=True)
+    procs = [ctx.Process(target=worker, args=(r, world, port, paths, queue, device_type, make, generate), daemon=True)
              for r in range(world)]
     return run_processes(procs, queue, 3 * JOIN_S)
 

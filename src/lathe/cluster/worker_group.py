@@ -122,7 +122,7 @@ class RayWorkerGroup:
             self.hosts.append(actor.options(num_cpus=pool.cpus_per_worker, num_gpus=1 if pool.use_gpu else 0,
                                             scheduling_strategy=strategy, max_concurrency=max_concurrency)
                               .remote(rank, self.world_size, pool.cpus_per_worker, group_name=name,
-                                                    use_gpu=pool.use_gpu))
+                                      use_gpu=pool.use_gpu))
         self.last_done = ["(started)"] * self.world_size
         self.nodes = self._gather([h.node.remote() for h in self.hosts], "node")
         address, port = self.nodes[0]["ip"], self.free_port()

@@ -1,7 +1,8 @@
 """The families and engine features that landed after the last GPU run, on CUDA in bf16 against lathe's own fp32
 CPU forward of the same tokens: DeepSeek-V3's latent attention (v padded to q/k's width in the varlen kernel, its
-decode on the torch and Triton backends) and routing replay's record of each token's experts written from CUDA
-graphs. (CPU tests check each against transformers.)"""
+decode on the torch and Triton backends), GPT-OSS's decode steps (sinks, sliding windows) replayed from CUDA graphs,
+and routing replay's record of each token's experts written from CUDA graphs. (CPU tests check each against
+transformers.)"""
 
 import pytest
 import torch
@@ -79,3 +80,29 @@ def test_routing_recorded_under_cuda_graphs_is_the_forwards(tmp_path):
         same = (rec[:-1].long().sort(-1).values == forward[:-1].long().sort(-1).values).all(-1)
         agree, total = agree + int(same.sum()), total + same.numel()
     assert agree >= 0.95 * total, f"{agree} of {total} recorded choices are the forward's"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpt_oss_decode_graphs_equal_eager_decode(tmp_path, backend):
+    """Sinks and sliding windows (a window of 4, shorter than the prompts) under CUDA graphs: the same tokens as the
+    eager steps, and log-probs of the fp32 forward's."""
+    from models.gpt_oss_tiny import gpt_oss_model
+
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
+    from lathe.models import load_lathe_model
+    gpt_oss_model(seed=2).save_pretrained(tmp_path / "ckpt")
+    model = load_lathe_model(tmp_path / "ckpt", torch.bfloat16, device=CUDA).eval()
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)
+    outs = {}
+    for eager in (True, False):
+        engine = LatheEngine(model, eos_token_id=None, block_size=16, num_kv_blocks=64, decode_backend=backend,
+                             enforce_eager=eager)
+        assert (engine.runner.graphs is None) == eager
+        outs[eager] = engine.generate(PROMPTS, params)
+        if not eager:
+            assert engine.runner.graphs.captures > 0, "no decode graph was captured"
+    assert outs[False].token_ids == outs[True].token_ids
+    ref = load_lathe_model(tmp_path / "ckpt").eval()
+    for prompt, ids, lps in zip([p for p in PROMPTS for _ in range(2)], outs[False].token_ids, outs[False].logprobs):
+        assert_close_rel(lps, _teacher_log_probs(ref, prompt, ids), rel=5e-2, name="graph decode (bf16) vs fp32")

@@ -15,9 +15,9 @@ Prefill sorts its sequences into three groups, each with the cheapest correct at
 Decode runs every sequence's last token; on CUDA it replays a CUDA graph captured for the smallest
 batch bucket that holds the batch (`cuda_graph.py`), unless the model's MoE layers read per-expert counts on the
 host (their expert loop, where the grouped matmul is not available: `lathe.models.moe.graph_capturable`), which a
-capture cannot hold: those models decode eagerly. So do models whose layers have attention sinks or sliding windows
-(GPT-OSS): their decode attention (PyTorch or Triton, both with sinks and windows) has not been checked under a CUDA
-graph's capture yet, so none is captured for them; nor for the DeepSeek-V3 family's latent attention (`mla.py`).
+capture cannot hold: those models decode eagerly, and so does the DeepSeek-V3 family's latent attention (`mla.py`).
+Attention sinks and sliding windows (GPT-OSS) are captured like the rest: each layer's window is a constant of the
+capture and its sink logits a parameter, read at replay (checked on CUDA: `tests/engine/test_new_families_gpu.py`).
 """
 
 from __future__ import annotations
@@ -56,18 +56,13 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // self.block_size)
         cfg = text_config(model)
         self.vl = is_vl(model)                      # image prompts: 3D positions, image rows spliced at prefill
-        sinks = getattr(cfg, "sinks_or_windows", False)
-        if sinks and cuda_graphs and self.device.type == "cuda":
-            log.warning("engine: %s has attention sinks / sliding-window layers, whose decode steps are not captured "
-                        "in CUDA graphs yet (not checked under capture): they run eagerly, slower than the dense "
-                        "families' rollout", cfg.architecture)
         self.decode_backend, self.backend_times = choose_decode_backend(
             decode_backend, self.device, model.dtype, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, block_size=self.block_size)
         self.packed_backend = select_packed_backend("auto", self.device, model.dtype)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.rope_type != "dynamic" and graph_capturable(model) \
-                and not sinks and not is_mla(model):
+                and not is_mla(model):
             self.graphs = DecodeGraphs(self, max_graph_batch, graph_sizes)
 
     @property

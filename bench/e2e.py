@@ -69,11 +69,12 @@ LATHE_SETTINGS = {
     "30b-a3b-12l": dict(micro=16, checkpointing=True, kl=True, extra=[]),
     "gpt-oss-20b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "tiny-moe": dict(micro=8, checkpointing=False, kl=False, extra=[]),
-    # Qwen3.5 hybrids (issue 44): the 2B on one GPU, the 35B-A3B's layer cuts on 2 (its 40 layers: more)
+    # Qwen3.5 hybrids (issue 44): the 2B on one GPU, the 35B-A3B's layer cuts on 2 (its 40 layers: more); micro 8 in
+    # the cuts: their 248k-token vocabulary's logits, beside 11B parameters' training state
     "qwen3.5-2b": dict(micro=16, checkpointing=True, kl=False, extra=[]),
     "qwen3.5-35b-a3b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
-    "qwen3.5-35b-a3b-12l": dict(micro=16, checkpointing=True, kl=True, extra=[]),
-    "qwen3.5-35b-a3b-8l": dict(micro=16, checkpointing=True, kl=True, extra=[]),
+    "qwen3.5-35b-a3b-12l": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    "qwen3.5-35b-a3b-8l": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "tiny-qwen3.5": dict(micro=8, checkpointing=False, kl=False, extra=[]),
 }
 # One GPU needs the 7B optimizer state in host memory; sharded over several GPUs it fits (and lathe refuses

@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 import torch
-from roofline import forward_flops, kv_bytes_per_token  # noqa: F401  (bench/ is on the path: `common` was found there)
+# bench/ is on the path (`common` was found there); kv_bytes_per_token is also the benches' through `common`
+from roofline import (decode_weight_bytes, forward_flops, kv_bytes_per_token, linear_state_bytes,  # noqa: F401
+                      touched_weight_bytes)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
@@ -54,6 +56,49 @@ SHAPES.update({
     "tiny-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                      num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=True),
+})
+
+
+def hybrid_layers(n: int, interval: int = 4) -> list[str]:
+    """Qwen3.5's layer pattern: every `interval`-th layer full attention, the others gated DeltaNet (transformers'
+    `full_attention_interval` default, 4; written out so that bench/roofline.py, which reads only the shape, sees it)."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+
+
+# Qwen3.5 hybrids (transformers' text-only `qwen3_5_text` / `qwen3_5_moe_text`, which Qwen3_5ForCausalLM and
+# Qwen3_5MoeForCausalLM build): gated-DeltaNet layers with gated full attention every 4th layer (head_dim 256, a
+# query and an output gate per head, RoPE on a quarter of each head), vocabulary 248320.
+# - Qwen3.5-35B-A3B: every figure is transformers' Qwen3_5MoeTextConfig default (its docstring: "Qwen3.5-35B-A3B
+#   style") and matches slime's scripts/models/qwen3.5-35B-A3B.sh: 40 layers, hidden 2048, 16 heads / 2 KV heads,
+#   256 experts of 512 top-8 plus a shared expert of 512, linear attention 16 key / 32 value heads of 128, untied.
+# - Qwen3.5-2B: layers 24, hidden 2048, intermediate 6144, 8 heads / 2 KV heads of 256, tied embeddings (no
+#   untie flag) from slime-derived scripts/models/qwen3.5-2B.sh (YuancongLiang/slime-mopd, williammtan/miles).
+#   GUESSED: its linear-attention heads (16 key and 16 value heads of 128): those scripts do not give them, and
+#   transformers' defaults (16 / 32) are the 9B's.
+# - the 35B-A3B cut to 12 of its 40 layers (9 linear, 3 full: the same pattern; 11.1B parameters), for GRPO on 2
+#   GPUs; and to 8 (7.9B, about the size of 30b-a3b-12l, which fits 2 H200s) should 12 not fit.
+# The rope (theta 1e7, partial factor 0.25) is the published models'; it changes no speed.
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+_QWEN35_35B_A3B = dict(model_type="qwen3_5_moe_text", hidden_size=2048, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+                       num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                       linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, layer_types=hybrid_layers(40),
+                       vocab_size=248320, tie_word_embeddings=False)
+SHAPES.update({
+    "qwen3.5-2b": dict(model_type="qwen3_5_text", hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_conv_kernel_dim=4, layer_types=hybrid_layers(24), vocab_size=248320,
+                       tie_word_embeddings=True),
+    "qwen3.5-35b-a3b": _QWEN35_35B_A3B,
+    "qwen3.5-35b-a3b-12l": {**_QWEN35_35B_A3B, "num_hidden_layers": 12, "layer_types": hybrid_layers(12)},
+    "qwen3.5-35b-a3b-8l": {**_QWEN35_35B_A3B, "num_hidden_layers": 8, "layer_types": hybrid_layers(8)},
+    "tiny-qwen3.5": dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4, layer_types=hybrid_layers(4), vocab_size=1000,
+                         tie_word_embeddings=True),
 })
 DENSE_SHAPES = sorted(k for k, v in SHAPES.items() if "model_type" not in v)   # Qwen2.5: what Qwen2Config builds
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]   # dense datasheet
@@ -102,15 +147,20 @@ def weight_bytes(model) -> int:
     return total
 
 
-def roofline_tok_s(shape: dict, wbytes: int, prompt_lens: list[int], out_lens: list[int], bandwidth: float) -> float:
-    """Generated tokens over the minimum decode time: each step reads the weights and every running
-    sequence's KV once (the sequences run together from the start, as they do in both loads)."""
-    kvt = kv_bytes_per_token(shape)
+def roofline_tok_s(shape: dict, wbytes: int, prompt_lens: list[int], out_lens: list[int], bandwidth: float,
+                   touched: bool = False) -> float:
+    """Generated tokens over the minimum decode time: each step reads the weights (`wbytes`), every running
+    sequence's KV once and its linear-attention states (a hybrid's, read and written back: `linear_state_bytes`);
+    the sequences run together from the start, as they do in both loads. `touched`: a MoE shape's step also reads
+    the experts beyond the active ones that its running rows are expected to touch (`roofline.touched_weight_bytes`
+    over `decode_weight_bytes`); no change for a dense shape."""
+    kvt, state = kv_bytes_per_token(shape), linear_state_bytes(shape)
     steps = max(out_lens)
     seconds = 0.0
     for t in range(steps):
-        ctx = sum(p + t for p, o in zip(prompt_lens, out_lens) if t < o)
-        seconds += (wbytes + ctx * kvt) / bandwidth
+        running = [p + t for p, o in zip(prompt_lens, out_lens) if t < o]
+        extra = touched_weight_bytes(shape, len(running)) - decode_weight_bytes(shape) if touched else 0
+        seconds += (wbytes + extra + sum(running) * kvt + len(running) * state) / bandwidth
     return sum(out_lens) / seconds
 
 
@@ -121,17 +171,21 @@ def train_flops(shape: dict, lengths: list[int]) -> float:
 
 
 # -- random-weight models and workloads -------------------------------------------------------------------------------
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 def hf_config(shape_name: str, **overrides) -> dict:
     """The transformers config dict of a SHAPES entry (transformers' own defaults for what the entry does not set:
-    a Qwen2.5 shape with rope_theta 1e6; GPT-OSS's YaRN rope), with `architectures` set."""
+    a Qwen2.5 shape with rope_theta 1e6; a Qwen3.5 shape with the published rope; GPT-OSS's YaRN rope), with
+    `architectures` set."""
     from transformers import AutoConfig
     shape = dict(SHAPES[shape_name])
     model_type = shape.pop("model_type", "qwen2")
     if model_type == "qwen2":
         shape.update(rope_theta=1e6, rms_norm_eps=1e-6)
+    if model_type.startswith("qwen3_5"):
+        shape["rope_parameters"] = dict(_QWEN35_ROPE)
     if "num_experts" in shape and model_type == "gpt_oss":
         shape["num_local_experts"] = shape.pop("num_experts")
     elif "num_experts" in shape:

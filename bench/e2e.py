@@ -6,7 +6,8 @@
     python bench/e2e.py --device cpu --models tiny --systems lathe --steps 2 --prompts 4 --n 2 \
         --prompt-len 16 --response-len 8 --out /tmp/e2e_smoke.json                                   # CPU smoke test
 
-The workload (the one that issue 9 measured): random-weight Qwen2.5 shapes, `--prompts` prompts x `--n` samples
+The workload (the one that issue 9 measured): random-weight Qwen2.5 shapes (or another of bench/common.py's
+SHAPES: Qwen3-MoE, GPT-OSS, Qwen3.5 — `--models tiny-qwen3.5` for a CPU smoke run), `--prompts` prompts x `--n` samples
 per step, prompts of exactly `--prompt-len` tokens (synthetic words of a synthetic word-level tokenizer with
 the model's vocabulary size), exactly `--response-len` new tokens (lathe: `rollout.ignore_eos=true`; TRL:
 `min_new_tokens`), a cheap custom reward, one optimizer step per RL step, no KL (7B: `use_kl_loss=true` in lathe,
@@ -26,8 +27,12 @@ Speed of light (lathe, `lathe.speed_of_light`): per phase (gen = prefill + decod
 those the run reports; not the weight sync, which has no bound) `{"measured_s", "light_s", "fraction"}`, light_s
 being the least time the hardware needs (bench/roofline.py: FLOPs over the measured matmul rate, decode bytes over the HBM bandwidth), and
 `step`: the phases' light summed over the measured step. Decode assumes the batch (prompts x n, up to the engine's
-`max_num_seqs`) decodes together with KV room for all of it. light_s and fraction are null on a device without rates
-(CPU). Each model's `what` states the step's fraction.
+`max_num_seqs`) decodes together with KV room for all of it. A mixture-of-experts shape's decode bound is issue 44's,
+the *active* parameters; gen and step also carry `touched_light_s` / `touched_fraction`, the bound with the experts
+that a step's rows are expected to touch (nearly all of them at a GRPO batch: what the step physically reads), and
+gen `active_fraction_ceiling`, the most of the active bound reachable at that batch (bench/roofline.py's docstring).
+A Qwen3.5 shape's decode also reads and writes back each sequence's linear-attention states. light_s and fraction are
+null on a device without rates (CPU). Each model's `what` states the step's fraction.
 Writes JSON after every run, so a timeout keeps what finished.
 """
 
@@ -64,6 +69,13 @@ LATHE_SETTINGS = {
     "30b-a3b-12l": dict(micro=16, checkpointing=True, kl=True, extra=[]),
     "gpt-oss-20b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "tiny-moe": dict(micro=8, checkpointing=False, kl=False, extra=[]),
+    # Qwen3.5 hybrids (issue 44): the 2B on one GPU, the 35B-A3B's layer cuts on 2 (its 40 layers: more); micro 8 in
+    # the cuts: their 248k-token vocabulary's logits, beside 11B parameters' training state
+    "qwen3.5-2b": dict(micro=16, checkpointing=True, kl=False, extra=[]),
+    "qwen3.5-35b-a3b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    "qwen3.5-35b-a3b-12l": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    "qwen3.5-35b-a3b-8l": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    "tiny-qwen3.5": dict(micro=8, checkpointing=False, kl=False, extra=[]),
 }
 # One GPU needs the 7B optimizer state in host memory; sharded over several GPUs it fits (and lathe refuses
 # optimizer offload without parameter offload there), so these settings are dropped when --gpus > 1.
@@ -178,8 +190,11 @@ def what(shape: str, res: dict) -> str:
         return text + "; no speed-of-light figure on this device"
     parts = ", ".join(f"{p} {r['fraction']:.1%}" for p, r in sol.items() if p not in ("step", "rates")
                       and r.get("fraction") is not None)
+    gen = sol.get("gen", {})
+    touched = (f"; reading the experts its batch touches, gen {gen['touched_fraction']:.1%}, step "
+               f"{sol['step']['touched_fraction']:.1%}" if gen.get("touched_light_s", 0) > gen.get("light_s", 0) else "")
     return (text + f", at {sol['step']['fraction']:.1%} of its speed of light (light {sol['step']['light_s']:.2f} s; "
-            f"{parts})")
+            f"{parts}{touched})")
 
 
 def print_table(results: dict) -> None:

@@ -3,9 +3,14 @@
     python bench/rollout.py [--models 0.5b,1.5b,7b] [--loads fixed,grpo] [--hf-models 0.5b,1.5b,7b]
                             [--hf-grpo-models 0.5b] [--out bench/results/rollout_<device>.json]
     python bench/rollout.py --device cpu --models tiny --prompts 4 --grpo-prompts 2 --new-tokens 8   # smoke test
+    python bench/rollout.py --models qwen3.5-2b --hf-models qwen3.5-2b --hf-grpo-models "" --loads fixed \
+        --baselines generate                  # Qwen3.5 (transformers' generate_batch refuses linear attention)
+    python bench/rollout.py --device cpu --models tiny-qwen3.5 --hf-models tiny-qwen3.5 --loads fixed --prompts 4 \
+        --new-tokens 8 --baselines generate --out /tmp/x.json                                        # its smoke test
 
-Random-weight Qwen2.5 shapes in bf16, the same weights in every backend (lathe's model is converted from
-transformers' by state dict). Three loads (`--loads`, fixed and grpo by default):
+Random-weight shapes of bench/common.py's SHAPES in bf16 (Qwen2.5 by default; any other, e.g. `--models qwen3.5-2b
+--hf-models qwen3.5-2b`, also against the baselines), the same weights in every backend (lathe's model is converted
+from transformers' by state dict). Three loads (`--loads`, fixed and grpo by default):
 - fixed: `--prompts` random prompts of `--prompt-len` tokens, `--new-tokens` forced new tokens each
   (ignore_eos / min_new_tokens), sampling at temperature 1 (no top-k/top-p);
 - grpo: `--grpo-prompts` prompts of random lengths in [64, 512], n=`--grpo-n` samples each, responses of
@@ -17,8 +22,17 @@ Reported: generated tokens/s (wall time of the whole call, prefill included; the
 each starting with an empty prefix cache as after a weight sync; the first's time and graph-capture seconds beside
 it, and a third call's that finds the prompts cached), the prefill and decode steps of each call (counts, host wall
 seconds, prefilled tokens), and the fraction of the decode
-roofline: per step, the weights' bytes plus the KV bytes of every running sequence's context, over the
-HBM bandwidth; the roofline rate is the batch over that time, averaged over the run's decode steps.
+roofline: per step, the weights' bytes plus the KV bytes of every running sequence's context (a hybrid's attention
+layers only) and its linear-attention states (read and written back), over the HBM bandwidth; the roofline rate is
+the batch over that time, averaged over the run's decode steps. A mixture-of-experts shape has two:
+- `roofline_fraction`: issue 44's definition, the *active* parameters (non-expert weights and top-k experts a
+  layer) as a step's weight bytes;
+- `roofline_touched_fraction`: the experts a step's rows are expected to touch (E(1 - (1 - k/E)^B) a layer for B
+  rows routed at random, `roofline.touched_weight_bytes`): what a step physically reads. At 256 rows x top-8 of 128
+  (Qwen3-30B-A3B) that is nearly every expert, ten times the active bytes;
+and `roofline_fraction_ceiling` (the touched roofline over the active one): the most `roofline_fraction` can reach
+at that batch while every touched expert is read. Random weights route near uniformly; a trained router touches
+fewer. For a dense shape the two rooflines are one.
 A torch.profiler summary of the engine's decode (eager, same batch) says where the time goes.
 Writes JSON after each model, so a timeout keeps what finished.
 
@@ -44,7 +58,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import (SHAPES, batched_tokens, build_hf, datasheet_peak, device_name, git_sha, hbm_bandwidth,  # noqa: E402
-                    kv_bytes_per_token, profile_summary, random_prompts, roofline_tok_s, slug, sync, weight_bytes)
+                    kv_bytes_per_token, linear_state_bytes, profile_summary, random_prompts, roofline_tok_s, slug, sync,
+                    weight_bytes)
 from roofline import decode_weight_bytes, layer_matmul_params  # noqa: E402
 
 from lathe.engine import scheduler  # noqa: E402
@@ -214,7 +229,8 @@ def bench_model(name: str, device, args) -> dict:
     bandwidth = hbm_bandwidth(device_name(device)) if device.type == "cuda" else None
     wbytes = roofline_weight_bytes(shape, lathe)
     result = {"shape": shape, "weight_bytes": weight_bytes(lathe), "roofline_weight_bytes": wbytes,
-              "kv_bytes_per_token": kv_bytes_per_token(shape), "loads": {}}
+              "kv_bytes_per_token": kv_bytes_per_token(shape), "linear_state_bytes_per_seq": linear_state_bytes(shape),
+              "loads": {}}
     grpo_prompts = random_prompts(args.grpo_prompts, min(64, args.prompt_len), max(64, 2 * args.prompt_len),
                                   shape["vocab_size"], 1)
     loads = {
@@ -255,8 +271,10 @@ def bench_model(name: str, device, args) -> dict:
         if bandwidth:
             prompt_lens = [len(p) for p in prompts for _ in range(params.n)]
             roof = roofline_tok_s(shape, wbytes, prompt_lens, out_lens, bandwidth)
-            row["roofline_tok_s"] = roof
+            touched = roofline_tok_s(shape, wbytes, prompt_lens, out_lens, bandwidth, touched=True)
+            row.update(roofline_tok_s=roof, roofline_touched_tok_s=touched, roofline_fraction_ceiling=touched / roof)
             row["lathe"]["roofline_fraction"] = row["lathe"]["tok_s"] / roof
+            row["lathe"]["roofline_touched_fraction"] = row["lathe"]["tok_s"] / touched
             peak = (datasheet_peak(device_name(device)) or 0) * 1e12 or None
             if peak:   # the decode roofline leaves the prefill out; with it at the compute peak (prompts once each)
                 least = row["lathe"]["tokens"] / roof + prefill_seconds_at_peak(shape, [len(p) for p in prompts], peak)
@@ -320,10 +338,14 @@ def bench_model(name: str, device, args) -> dict:
 def goals(results: dict) -> dict:
     fixed = results.get("models", {}).get("0.5b", {}).get("loads", {}).get("fixed", {})
     speed = fixed.get("speedup_vs_hf_generate")
-    roofs = {m: r["loads"][ld]["lathe"].get("roofline_fraction") for m, r in results.get("models", {}).items()
-             if "loads" in r for ld in r["loads"] if ld == "fixed"}
+    fixed_rows = {m: r["loads"]["fixed"] for m, r in results.get("models", {}).items() if "fixed" in r.get("loads", {})}
+    roofs = {m: row["lathe"].get("roofline_fraction") for m, row in fixed_rows.items()}
     return {"speedup_0.5b_batch256_vs_generate": speed, "goal_15x_met": speed is not None and speed >= 15,
+            "speedup_vs_generate_fixed": {m: row["speedup_vs_hf_generate"] for m, row in fixed_rows.items()
+                                          if "speedup_vs_hf_generate" in row},
             "roofline_fraction_fixed": roofs,
+            "roofline_touched_fraction_fixed": {m: row["lathe"].get("roofline_touched_fraction")
+                                                for m, row in fixed_rows.items()},
             "goal_40pct_roofline_met": {m: f is not None and f >= 0.4 for m, f in roofs.items()}}
 
 

@@ -19,7 +19,22 @@ experts are `intermediate_size` wide and carry biases): its FLOPs count the k ac
 its parameter count all E, and a decode step reads, as issue 44 defines its roofline, the *active* parameters (the
 non-expert weights and k experts a layer) — a floor: a batch of many rows touches most experts each step. A shape with
 `sliding_window` and `layer_types` (GPT-OSS) attends, in its sliding layers, to at most that many keys a query, and its
-decode reads at most that many tokens' K and V there. Self-contained, so a test can load it by path.
+decode reads at most that many tokens' K and V there.
+
+The *touched* decode bound (`touched_weight_bytes`) is what a MoE step physically reads: the non-expert weights and,
+in each layer, the experts that some row of the step is routed to — for B rows each choosing k of E experts at
+random, E(1 - (1 - k/E)^B) of them on average (k at B = 1, nearly E at 256 rows x top-8 of 128). Random weights
+route near uniformly; a trained router is skewed, touches fewer, and lies between the two bounds. The active bound
+over the touched one is the most of the active roofline a step at that batch can reach. A dense shape's two are one.
+
+A hybrid shape (Qwen3.5: `linear_num_key_heads`, `linear_num_value_heads`, `linear_key_head_dim`,
+`linear_value_head_dim`, `linear_conv_kernel_dim` and `layer_types` with `linear_attention` entries) has, in its
+linear-attention (gated DeltaNet) layers, projections to q|k|v (through a depthwise convolution), z, b and a and an
+output projection, and no KV cache: a decode step reads and writes back each sequence's recurrent state (value heads
+x key dim x value dim, float32 as lathe's engine keeps it) and convolution inputs (q|k|v width x (kernel - 1)). Its
+full-attention layers' q_proj is twice as wide (a query and an output gate per head); a MoE hybrid adds a shared
+expert (`shared_expert_intermediate_size`) and its one-column gate. Only the attention layers hold KV.
+Self-contained, so a test can load it by path.
 """
 
 from __future__ import annotations
@@ -44,11 +59,66 @@ def device_rates(name: str) -> tuple[float | None, float | None]:
 
 
 def _dims(shape: dict) -> tuple[int, int, int, int, int, int, int]:
-    """(hidden, intermediate, layers, q width, kv width, vocab, head_dim)."""
+    """(hidden, intermediate (0 where every layer is MoE and none is given), layers, q width, kv width, vocab,
+    head_dim)."""
     h, heads = shape["hidden_size"], shape["num_attention_heads"]
     hd = shape.get("head_dim") or h // heads
-    return (h, shape["intermediate_size"], shape["num_hidden_layers"], heads * hd,
+    return (h, shape.get("intermediate_size", 0), shape["num_hidden_layers"], heads * hd,
             shape["num_key_value_heads"] * hd, shape["vocab_size"], hd)
+
+
+def _kinds(shape: dict) -> list[str]:
+    """Each layer's token mixer: full_attention, sliding_attention or linear_attention."""
+    return shape.get("layer_types") or ["full_attention"] * shape["num_hidden_layers"]
+
+
+def _linear_dims(shape: dict) -> tuple[int, int, int, int]:
+    """A hybrid's linear-attention (conv width = q|k|v, value width, value heads, key head dim)."""
+    key = shape["linear_num_key_heads"] * shape["linear_key_head_dim"]
+    value = shape["linear_num_value_heads"] * shape["linear_value_head_dim"]
+    return 2 * key + value, value, shape["linear_num_value_heads"], shape["linear_key_head_dim"]
+
+
+def _mixer_params(shape: dict, kind: str) -> int:
+    """The matrices of one layer's token mixer: attention h*q (twice that in a hybrid: the output gate) + 2*h*kv +
+    q*h; linear attention h*(conv width + value width + 2 x value heads) + value width*h."""
+    h, _, _, q, kv, _, _ = _dims(shape)
+    if kind == "linear_attention":
+        conv, value, v_heads, _ = _linear_dims(shape)
+        return h * (conv + value + 2 * v_heads) + value * h
+    return (2 if "linear_num_value_heads" in shape else 1) * h * q + 2 * h * kv + q * h
+
+
+def _small_params(shape: dict, kind: str) -> int:
+    """One layer's vectors: two norms; an attention layer's q/k/v biases (Qwen2) or q/k norms (Qwen3-MoE, hybrids);
+    a linear layer's convolution (conv width x kernel), dt_bias, A_log and gated norm."""
+    h, _, _, q, kv, _, hd = _dims(shape)
+    if kind == "linear_attention":
+        conv, _, v_heads, _ = _linear_dims(shape)
+        return conv * shape.get("linear_conv_kernel_dim", 4) + 2 * v_heads + shape["linear_value_head_dim"] + 2 * h
+    qk_norms = shape.get("num_experts") or "linear_num_value_heads" in shape
+    return (2 * hd if qk_norms else q + 2 * kv) + 2 * h
+
+
+def linear_state_bytes(shape: dict) -> int:
+    """Bytes of one sequence's linear-attention states that a decode step reads and writes back: per linear layer
+    the recurrent state (value heads x key dim x value dim, float32) and the convolution inputs (conv width x
+    (kernel - 1), bf16). 0 without linear layers."""
+    layers = _kinds(shape).count("linear_attention")
+    if not layers:
+        return 0
+    conv, value, _, key_dim = _linear_dims(shape)
+    return 2 * layers * (value * key_dim * 4 + conv * (shape.get("linear_conv_kernel_dim", 4) - 1) * BYTES)
+
+
+def _linear_state_flops(shape: dict) -> int:
+    """The gated delta rule's work per token, all linear layers: about four passes over each value head's Dk x Dv
+    state (decay, S^T k, the rank-one update, S^T q) of 2 FLOPs an element (the chunked form does about as much)."""
+    layers = _kinds(shape).count("linear_attention")
+    if not layers:
+        return 0
+    _, value, _, key_dim = _linear_dims(shape)
+    return layers * 8 * value * key_dim
 
 
 def _expert_width(shape: dict) -> int:
@@ -56,29 +126,31 @@ def _expert_width(shape: dict) -> int:
 
 
 def _mlp_params(shape: dict, experts: int) -> int:
-    """One layer's MLP matrices with `experts` experts (a MoE shape; their router too), else the dense SwiGLU."""
+    """One layer's MLP matrices with `experts` experts (a MoE shape; their router, and a hybrid's shared expert and
+    its gate, too), else the dense SwiGLU."""
     h = shape["hidden_size"]
     if not shape.get("num_experts"):
         return 3 * h * shape["intermediate_size"]
-    return experts * 3 * h * _expert_width(shape) + h * shape["num_experts"]
+    shared = shape.get("shared_expert_intermediate_size") or 0
+    return experts * 3 * h * _expert_width(shape) + h * shape["num_experts"] + (3 * h * shared + h if shared else 0)
 
 
 def layer_matmul_params(shape: dict) -> int:
-    """Weights of the decoder layers' matrices one token runs through: L x (h*q + 2*h*kv + q*h + its MLP: 3*h*i
-    dense, or k experts' 3*h*i_e plus the router's h*E)."""
-    h, _, n_layers, q, kv, _, _ = _dims(shape)
-    return n_layers * (h * q + 2 * h * kv + q * h + _mlp_params(shape, shape.get("num_experts_per_tok", 0)))
+    """Weights of the decoder layers' matrices one token runs through: per layer its token mixer's (`_mixer_params`)
+    + its MLP: 3*h*i dense, or k experts' 3*h*i_e plus the router's h*E (and a shared expert)."""
+    mlp = _mlp_params(shape, shape.get("num_experts_per_tok", 0))
+    return sum(_mixer_params(shape, kind) + mlp for kind in _kinds(shape))
 
 
 def param_count(shape: dict) -> int:
-    """All parameters: layer matrices (every expert), q/k/v biases (Qwen2; a MoE shape's attention: none but its
-    per-head q/k norms), two norms per layer, the final norm, the embedding, and the lm_head unless tied (GPT-OSS's
-    attention biases, sinks and expert biases are left out: under 0.1%)."""
-    h, _, n_layers, q, kv, v, hd = _dims(shape)
-    attn = h * q + 2 * h * kv + q * h
+    """All parameters: layer matrices (every expert), q/k/v biases (Qwen2; a MoE or hybrid shape's attention: none
+    but its per-head q/k norms), a linear layer's convolution and vectors, two norms per layer, the final norm, the
+    embedding, and the lm_head unless tied (GPT-OSS's attention biases, sinks and expert biases are left out: under
+    0.1%)."""
+    h, _, _, _, _, v, _ = _dims(shape)
     mlp = _mlp_params(shape, shape.get("num_experts", 0))
-    small = (2 * hd if shape.get("num_experts") else q + 2 * kv) + 2 * h
-    return n_layers * (attn + mlp + small) + h + v * h * (1 if shape["tie_word_embeddings"] else 2)
+    layers = sum(_mixer_params(shape, kind) + mlp + _small_params(shape, kind) for kind in _kinds(shape))
+    return layers + h + v * h * (1 if shape["tie_word_embeddings"] else 2)
 
 
 def decode_weight_bytes(shape: dict) -> int:
@@ -94,16 +166,35 @@ def decode_weight_bytes(shape: dict) -> int:
     return BYTES * (param_count(shape) - untied_embedding - idle)
 
 
+def expected_distinct_experts(experts: int, top_k: int, rows: int) -> float:
+    """The experts that `rows` rows, each routed to `top_k` of `experts` at random, touch on average:
+    E (1 - (1 - k/E)^B) (one row misses a given expert with probability 1 - k/E)."""
+    return experts * (1 - (1 - top_k / experts) ** rows)
+
+
+def touched_weight_bytes(shape: dict, rows: int) -> float:
+    """The weight bytes a decode step of `rows` (>= 1) rows physically reads: `decode_weight_bytes` plus, in each MoE
+    layer, the experts beyond k that the rows are expected to touch (`expected_distinct_experts`). A dense shape:
+    `decode_weight_bytes`."""
+    if not shape.get("num_experts"):
+        return decode_weight_bytes(shape)
+    experts, k = shape["num_experts"], shape["num_experts_per_tok"]
+    extra = expected_distinct_experts(experts, k, rows) - k
+    return decode_weight_bytes(shape) + BYTES * shape["num_hidden_layers"] * extra * 3 * shape["hidden_size"] * \
+        _expert_width(shape)
+
+
 def _windows(shape: dict) -> list[int | None]:
-    """Each layer's attention window (None: the whole causal context)."""
-    kinds = shape.get("layer_types") or ["full_attention"] * shape["num_hidden_layers"]
-    return [shape.get("sliding_window") if k == "sliding_attention" else None for k in kinds]
+    """Each attention layer's window (None: the whole causal context); linear-attention layers have none."""
+    return [shape.get("sliding_window") if k == "sliding_attention" else None
+            for k in _kinds(shape) if k != "linear_attention"]
 
 
 def kv_bytes_per_token(shape: dict) -> int:
-    """K and V of one token in all layers: 2 x L x kv heads x head_dim x 2 bytes."""
-    _, _, n_layers, _, kv, _, _ = _dims(shape)
-    return 2 * n_layers * kv * BYTES
+    """K and V of one token in all attention layers (not the linear ones): 2 x layers x kv heads x head_dim x 2
+    bytes."""
+    _, _, _, _, kv, _, _ = _dims(shape)
+    return 2 * len(_windows(shape)) * kv * BYTES
 
 
 def _kv_bytes_read(shape: dict, context: int) -> int:
@@ -114,9 +205,10 @@ def _kv_bytes_read(shape: dict, context: int) -> int:
 
 def attention_flops(shape: dict, length: int) -> int:
     """Causal self-attention of one sequence of `length` tokens: QK^T and PV over the lower triangle,
-    2 x 2 x L x q width x length(length+1)/2 (a sliding layer: each query over at most its window of keys)."""
+    2 x 2 x attention layers x q width x length(length+1)/2 (a sliding layer: each query over at most its window of
+    keys); a hybrid's linear layers: their state work (`_linear_state_flops`) per token."""
     _, _, _, q, _, _, _ = _dims(shape)
-    total = 0
+    total = _linear_state_flops(shape) * length
     for w in _windows(shape):
         pairs = length * (length + 1) // 2
         if w is not None and length > w:          # queries past the window see w keys each
@@ -139,23 +231,26 @@ def prefill_seconds(shape: dict, prompts: int, prompt_len: int, flops_per_s: flo
 
 
 def decode_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, bytes_per_s: float,
-                   flops_per_s: float | None = None, max_num_seqs: int | None = None) -> float:
+                   flops_per_s: float | None = None, max_num_seqs: int | None = None, touched: bool = False) -> float:
     """The decode steps after the prefill (which gives each sequence its first token): `response_len - 1` steps,
     step k (1..R-1) with context P + k per sequence. A step takes the longer of
-      bytes: decode_weight_bytes + running sequences x context x kv_bytes_per_token, over the bandwidth, and
-      FLOPs: running sequences x (2 x (layer matrix params + V x h) + 4 x L x q width x context), over the rate.
+      bytes: decode_weight_bytes (`touched`: touched_weight_bytes at the step's batch) + running sequences x
+        (context x kv_bytes_per_token + linear_state_bytes), over the bandwidth, and
+      FLOPs: running sequences x (2 x (layer matrix params + V x h) + 4 x attention layers x q width x context
+        + the linear layers' state work), over the rate.
     All sequences decode together (fixed lengths, ignore_eos); with `max_num_seqs` below `seqs` they run in
     waves of at most `max_num_seqs`, one after another."""
     h, _, _, q, _, v, _ = _dims(shape)
     cap = max_num_seqs or seqs
     waves = [min(cap, seqs - start) for start in range(0, seqs, cap)]
-    wbytes, lin = decode_weight_bytes(shape), 2 * (layer_matmul_params(shape) + v * h)
-    windows = _windows(shape)
+    lin = 2 * (layer_matmul_params(shape) + v * h) + _linear_state_flops(shape)
+    windows, state = _windows(shape), linear_state_bytes(shape)
     total = 0.0
     for batch in waves:
+        wbytes = touched_weight_bytes(shape, batch) if touched else decode_weight_bytes(shape)
         for k in range(1, response_len):
             ctx = prompt_len + k
-            seconds = (wbytes + batch * _kv_bytes_read(shape, ctx)) / bytes_per_s
+            seconds = (wbytes + batch * (_kv_bytes_read(shape, ctx) + state)) / bytes_per_s
             if flops_per_s:
                 keys = sum(ctx if w is None else min(ctx, w) for w in windows)
                 seconds = max(seconds, batch * (lin + 4 * q * keys) / flops_per_s)
@@ -185,6 +280,9 @@ def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: in
     """Per phase `{"measured_s", "light_s", "fraction"}` (light / measured) for the phases in `measured` (the
     run's `timing_s/*` medians: gen, old_log_prob, ref, update_actor) and a `step` total: the
     phases' light summed over the whole measured step. light_s is None on a device without rates (CPU).
+    gen and step also carry the touched bound (`touched_light_s`, `touched_fraction`: the decode reading the
+    experts a step's batch touches), and gen `active_fraction_ceiling` (light_s / touched_light_s: the most of the
+    active bound that reading them allows); the same as the active figures for a dense shape.
     With `gpus` > 1: the FLOPs spread over all of them, the rollout as data-parallel replicas of one GPU each
     (the sequences split evenly)."""
     flops, bw = device_rates(device)
@@ -193,15 +291,23 @@ def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: in
     if flops and bw:
         pre = prefill_seconds(shape, prompts, prompt_len, gpus * flops)
         dec = decode_seconds(shape, math.ceil(seqs / gpus), prompt_len, response_len, bw, flops, max_num_seqs)
+        dec_touched = decode_seconds(shape, math.ceil(seqs / gpus), prompt_len, response_len, bw, flops,
+                                     max_num_seqs, touched=True)
         light = {"gen": pre + dec,
                  "old_log_prob": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
                  "ref": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
                  "update_actor": update_seconds(shape, seqs, prompt_len, response_len, gpus * flops, checkpointing)}
     out = {phase: _row(measured[phase], light.get(phase)) for phase in PHASES if measured.get(phase) is not None}
     if "gen" in out and light:
-        out["gen"].update(prefill_light_s=pre, decode_light_s=dec)
+        touched = _row(out["gen"]["measured_s"], pre + dec_touched)
+        out["gen"].update(prefill_light_s=pre, decode_light_s=dec, decode_touched_light_s=dec_touched,
+                          touched_light_s=touched["light_s"], touched_fraction=touched["fraction"],
+                          active_fraction_ceiling=(pre + dec) / (pre + dec_touched))
     total = sum(r["light_s"] for r in out.values()) if light else None
     out["step"] = _row(step_s, total)
+    if "gen" in out and light:
+        touched = _row(step_s, total - out["gen"]["light_s"] + out["gen"]["touched_light_s"])
+        out["step"].update(touched_light_s=touched["light_s"], touched_fraction=touched["fraction"])
     out["rates"] = {"matmul_flops_per_s": flops, "hbm_bytes_per_s": bw, "gpus": gpus,
                     "source": RATES_SOURCE if light else "no rates for this device"}
     return out

@@ -52,11 +52,82 @@ def test_the_bench_shapes_count_what_lathe_builds():
     import common
     from lathe.models.config import LatheConfig
     from lathe.models.decoder import LatheCausalLM
-    for name, rel in (("14b", 0), ("30b-a3b", 0), ("tiny-moe", 0), ("gpt-oss-20b", 1e-3)):   # GPT-OSS: biases out
+    for name, rel in (("14b", 0), ("30b-a3b", 0), ("tiny-moe", 0), ("gpt-oss-20b", 1e-3),   # GPT-OSS: biases out
+                      ("qwen3.5-2b", 0), ("qwen3.5-35b-a3b", 0), ("qwen3.5-35b-a3b-12l", 0), ("tiny-qwen3.5", 0)):
         with torch.device("meta"):
             model = LatheCausalLM(LatheConfig.from_hf_dict(common.hf_config(name), source=name))
         real = sum(p.numel() for p in model.parameters())
         assert abs(roofline.param_count(common.SHAPES[name]) - real) <= rel * real, name
+
+
+# A made-up hybrid: layers linear, full; hidden 64, 4 heads of 16 (q 64), 2 kv heads (kv 32); linear attention 2 key
+# heads and 4 value heads of 8 (key width 16, value width 32, conv width 2*16+32 = 64), kernel 4; vocab 1000, tied.
+HYBRID = {**SHAPE, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+          "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}
+
+
+def test_hybrid_layers_count_their_projections_states_and_only_the_full_layers_kv():
+    # linear: h*(conv 64 + value 32 + 2*4) + 32*h = 6656 + 2048; full: gated q 2*64*64 + 2*64*32 + 64*64 = 16384;
+    # each + MLP 24576
+    assert roofline.layer_matmul_params(HYBRID) == 8704 + 16384 + 2 * 24576
+    # + conv 64*4, dt_bias and A_log 2*4, gated norm 8 (linear); q/k norms 2*16 (full); norms 2*64 each; final 64
+    assert roofline.param_count(HYBRID) == 8704 + 16384 + 2 * 24576 + 256 + 8 + 8 + 32 + 2 * 128 + 64 + 64000
+    assert roofline.kv_bytes_per_token(HYBRID) == 2 * 32 * 2          # the full layer's K, V only
+    # the linear layer's state, read and written: 4 value heads x 8 x 8 float32 + conv 64 x 3 bf16
+    assert roofline.linear_state_bytes(HYBRID) == 2 * (4 * 8 * 8 * 4 + 64 * 3 * 2)
+    assert roofline.linear_state_bytes(SHAPE) == 0
+    # decode at context 17: weights + 8 sequences x (17 tokens' K,V in one layer + their states)
+    one_step = roofline.decode_weight_bytes(HYBRID) + 8 * (17 * 128 + roofline.linear_state_bytes(HYBRID))
+    assert roofline.decode_seconds(HYBRID, 8, 16, 2, 1e9) == pytest.approx(one_step * 1e-9)
+
+
+def test_expected_distinct_experts():
+    import itertools
+    assert roofline.expected_distinct_experts(128, 8, 1) == pytest.approx(8)
+    assert roofline.expected_distinct_experts(128, 8, 256) == pytest.approx(128, rel=1e-6)
+    # 2 rows choosing 2 of 4: the mean over every pair of choices
+    choices = list(itertools.combinations(range(4), 2))
+    mean = sum(len(set(a) | set(b)) for a in choices for b in choices) / len(choices) ** 2
+    assert roofline.expected_distinct_experts(4, 2, 2) == pytest.approx(mean) == pytest.approx(3.0)
+
+
+def test_touched_bytes_lie_between_the_active_and_all_experts_and_equal_a_dense_shapes():
+    assert roofline.touched_weight_bytes(MOE, 1) == roofline.decode_weight_bytes(MOE)
+    every_expert = 2 * roofline.param_count(MOE)        # every parameter (the tied embedding: read as the lm_head)
+    assert roofline.touched_weight_bytes(MOE, 10_000) == pytest.approx(every_expert)
+    assert roofline.decode_weight_bytes(MOE) < roofline.touched_weight_bytes(MOE, 3) < every_expert
+    for rows in (1, 256):
+        assert roofline.touched_weight_bytes(SHAPE, rows) == roofline.decode_weight_bytes(SHAPE)
+    assert roofline.decode_seconds(SHAPE, 8, 16, 3, 1e9, touched=True) == roofline.decode_seconds(SHAPE, 8, 16, 3, 1e9)
+
+
+def test_rollout_roofline_touched_equals_active_for_a_dense_shape_and_reads_the_linear_states():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import common
+    lens = dict(prompt_lens=[16] * 8, out_lens=[4] * 8, bandwidth=1e9)
+    dense = common.roofline_tok_s(SHAPE, 276608, **lens)
+    assert common.roofline_tok_s(SHAPE, 276608, touched=True, **lens) == dense
+    # 4 steps of 8 rows at contexts 16..19: weights + K,V (256 bytes a token) + nothing else
+    assert dense == pytest.approx(32 / ((4 * 276608 + 8 * (16 + 17 + 18 + 19) * 256) * 1e-9))
+    moe_w = roofline.decode_weight_bytes(MOE)
+    assert common.roofline_tok_s(MOE, moe_w, touched=True, **lens) < common.roofline_tok_s(MOE, moe_w, **lens)
+    hybrid_w = roofline.decode_weight_bytes(HYBRID)
+    state = 4 * 8 * roofline.linear_state_bytes(HYBRID)                 # 4 steps x 8 rows
+    assert common.roofline_tok_s(HYBRID, hybrid_w, **lens) == pytest.approx(
+        32 / ((4 * hybrid_w + 8 * 70 * 128 + state) * 1e-9))
+
+
+def test_step_light_reports_the_touched_bound_and_the_active_ceiling():
+    measured = {"gen": 2.0, "update_actor": 4.0}
+    kw = dict(prompts=4, n=64, prompt_len=16, response_len=8, measured=measured, step_s=8.0, checkpointing=False)
+    dense = roofline.step_light(SHAPE, "NVIDIA H200", **kw)
+    assert dense["gen"]["touched_light_s"] == dense["gen"]["light_s"]
+    assert dense["gen"]["active_fraction_ceiling"] == 1.0
+    assert dense["step"]["touched_fraction"] == dense["step"]["fraction"]
+    moe = roofline.step_light(MOE, "NVIDIA H200", **kw)["gen"]
+    assert moe["touched_light_s"] > moe["light_s"]
+    assert moe["active_fraction_ceiling"] == pytest.approx(moe["light_s"] / moe["touched_light_s"])
+    assert moe["touched_fraction"] == pytest.approx(moe["touched_light_s"] / 2.0)
 
 
 def test_sliding_layers_attend_to_their_window():

@@ -252,22 +252,29 @@ def test_gsm8k_steps_with_a_transformers_checkpoint(tmp_path):
     assert metrics[2]["prompt_length/max"] <= 300
 
 
-@pytest.mark.parametrize("aux", [False, True], ids=["plain", "router_aux_loss"])
+@pytest.mark.parametrize("aux", ["", "transformers", "megatron"], ids=["plain", "router_aux_loss", "megatron"])
 def test_steps_with_a_qwen3_moe_checkpoint(tmp_path, aux):
     """A tiny Qwen3-MoE checkpoint trains on lathe's decoder and engine; `output_router_logits` (through
-    override_config) adds the routers' load-balancing loss, reported as actor/router_aux_loss."""
+    override_config) adds the routers' load-balancing loss, reported as actor/router_aux_loss; Megatron's
+    coefficients (verl's keys) add its switch loss and z-loss, reported as actor/load_balancing_loss and
+    actor/z_loss."""
     from transformers import Qwen3MoeForCausalLM
 
     from lathe.models.moe import SparseMoeBlock
     model = qwen3_moe_checkpoint(tmp_path / "model")
-    extra = ["+actor_rollout_ref.model.override_config.output_router_logits=true",
-             "+actor_rollout_ref.model.override_config.router_aux_loss_coef=0.5"] if aux else []
+    otc = "+actor_rollout_ref.actor.megatron.override_transformer_config"
+    extra = {"": [], "transformers": ["+actor_rollout_ref.model.override_config.output_router_logits=true",
+                                      "+actor_rollout_ref.model.override_config.router_aux_loss_coef=0.5"],
+             "megatron": [f"{otc}.moe_aux_loss_coeff=0.5", f"{otc}.moe_z_loss_coeff=0.01"]}[aux]
     trainer, metrics = steps_from(tmp_path, model, *extra)
     assert any(isinstance(m, SparseMoeBlock) for m in trainer.worker.model.modules())
     assert trainer.global_step == 2 and torch.isfinite(torch.tensor(metrics[2]["actor/pg_loss"]))
-    assert ("actor/router_aux_loss" in metrics[2]) == aux
-    if aux:
+    assert ("actor/router_aux_loss" in metrics[2]) == (aux == "transformers")
+    assert ("actor/load_balancing_loss" in metrics[2]) == ("actor/z_loss" in metrics[2]) == (aux == "megatron")
+    if aux == "transformers":
         assert 1.0 <= metrics[2]["actor/router_aux_loss"] < 4.0     # E * sum f P: 2 = k when balanced, at most k E / 2
+    if aux == "megatron":                                            # f normalised by k: 1 when balanced, at most E / k
+        assert 0.5 <= metrics[2]["actor/load_balancing_loss"] <= 2.0 and metrics[2]["actor/z_loss"] > 0
     assert reads_back(Qwen3MoeForCausalLM, tmp_path / "run")            # the checkpoint saved reads back
     if not aux:                                                          # and lathe resumes from it
         trainer, metrics = steps_from(tmp_path, model, steps=3)

@@ -6,7 +6,7 @@ import torch
 
 from lathe.models.hf import lathe_from_transformers
 from lathe.models.moe import SparseMoeBlock, collect_router_stats, experts_forward, fuse_expert_weights, \
-    router_aux_loss_coef, split_expert_weights
+    megatron_router_coefs, router_aux_loss_coef, split_expert_weights
 
 from helpers import assert_close_rel
 
@@ -43,9 +43,9 @@ def test_router_stats_with_gradient_checkpointing_record_each_layer_once():
     lathe = lathe_from_transformers(hf_model(MOE)).train()
     lathe.gradient_checkpointing_enable()
     ids = torch.randint(0, 100, (2, 7))
-    with collect_router_stats(lathe) as stats:
+    with collect_router_stats(lathe, keep_logits=True) as stats:
         logits = lathe(ids).logits
-    (logits.pow(2).mean() + stats.aux_loss()).backward()
+    (logits.pow(2).mean() + stats.aux_loss() + sum(stats.megatron_losses())).backward()
     assert stats.rows == 14 and len(stats.prob_per_expert) == 1
     assert lathe.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
 
@@ -79,6 +79,45 @@ def test_aux_loss_weight_follows_output_router_logits():
     dense = lathe_from_transformers(hf_model("qwen3"))
     with collect_router_stats(dense) as stats:
         assert stats is None and router_aux_loss_coef(dense) == 0.0
+
+
+def test_megatron_router_losses_equal_their_formula_per_layer():
+    """Megatron's switch loss and z-loss, written here from their formulas over each sparse layer's router logits
+    (captured by hooks), summed over the layers: values and the routers' gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from .lathe_tiny import hf_config
+    cfg = hf_config(MOE)
+    cfg.mlp_only_layers = []                                   # every layer sparse: the sum over layers matters
+    torch.manual_seed(0)
+    lathe = lathe_from_transformers(AutoModelForCausalLM.from_config(cfg)).train()
+    blocks = [m for m in lathe.modules() if isinstance(m, SparseMoeBlock)]
+    assert len(blocks) == cfg.num_hidden_layers >= 2
+    seen = []
+    hooks = [b.gate.register_forward_hook(lambda mod, args, out: seen.append(out)) for b in blocks]
+    with collect_router_stats(lathe, keep_logits=True) as stats:
+        lathe(torch.randint(0, 100, (2, 9)))
+    for h in hooks:
+        h.remove()
+    aux, z = stats.megatron_losses()
+    e, k = lathe.config.moe.num_experts, lathe.config.moe.num_experts_per_tok
+    want_aux = want_z = 0
+    for logits in seen:
+        t = logits.shape[0]
+        probs = torch.softmax(logits.double(), -1)
+        counts = torch.nn.functional.one_hot(probs.topk(k, -1).indices, e).sum((0, 1)).double()
+        want_aux = want_aux + e / (k * t * t) * (probs.sum(0) * counts).sum()
+        want_z = want_z + torch.logsumexp(logits.double(), -1).square().mean()
+    assert_close_rel(aux, want_aux.float(), rel=1e-5, name="switch load-balancing loss")
+    assert_close_rel(z, want_z.float(), rel=1e-5, name="z-loss")
+    gates = [b.gate.weight for b in blocks]
+    got = torch.autograd.grad(aux + 0.1 * z, gates, retain_graph=True)
+    want = torch.autograd.grad((want_aux + 0.1 * want_z).float(), gates)
+    assert_close_rel(torch.cat([g.flatten() for g in got]), torch.cat([g.flatten() for g in want]), rel=1e-4,
+                     name="router gradients")
+    assert megatron_router_coefs(lathe, 0.01, 0.0) == (0.01, 0.0) and megatron_router_coefs(lathe, 0, 0) is None
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        megatron_router_coefs(lathe_from_transformers(hf_model("qwen3")), 0.01, 0.001)
 
 
 def test_grouped_matmul_equals_the_expert_loop(monkeypatch):

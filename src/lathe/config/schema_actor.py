@@ -231,6 +231,15 @@ class ActorConfig:
                                                  "vocabulary of pi^2 (`sum_pi_squared`), which "
                                                  "adv_estimator=optimal_token_baseline needs.")
     router_replay: RouterReplayConfig = spec(factory=RouterReplayConfig, help="MoE routing replay (R2/R3).")
+    moe_aux_loss_coeff: float = spec(
+        0.0, "Megatron's switch load-balancing loss for a MoE policy (verl's megatron.override_transformer_config."
+             "moe_aux_loss_coeff sets it): per sparse layer E * sum_e f_e P_e (f_e: the layer's share of the top-k "
+             "assignments going to expert e; P_e: its mean routing probability), summed over the layers, times this. "
+             "0: off.")
+    moe_z_loss_coeff: float = spec(
+        0.0, "Megatron's router z-loss for a MoE policy (megatron.override_transformer_config.moe_z_loss_coeff sets "
+             "it): per sparse layer the mean over tokens of logsumexp(router logits)^2, summed over the layers, times "
+             "this. 0: off.")
     use_kl_loss: bool = spec(False, "Add a KL(actor || ref) term to the loss (GRPO style).")
     kl_loss_coef: float = spec(0.001, "Coefficient of the KL loss.")
     kl_loss_type: KLEstimator = spec("low_var_kl", "KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "

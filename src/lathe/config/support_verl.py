@@ -21,7 +21,8 @@ from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
 from .support_rollout import ROUTING
 from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
-from .verl_translate import RULES, pipeline_notice, rule_for, tp_beside_ep_notice, translate
+from .verl_translate import (RULES, context_parallel_notice, pipeline_notice, rule_for, tp_beside_ep_notice,
+                             translate)
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
 ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
@@ -97,8 +98,16 @@ AUX_ON = "actor_rollout_ref.model.override_config.output_router_logits"
 
 
 def _aux_on(cfg: Any) -> bool:
-    """lathe's load-balancing loss is on (transformers' switch, `lathe.models.moe`)."""
+    """transformers' load-balancing loss is on (`lathe.models.moe`)."""
     return bool(cfg.actor_rollout_ref.model.override_config.get("output_router_logits"))
+
+
+def _balancing_type_ok(value: Any, cfg: Any) -> bool:
+    """Megatron's default `aux_loss` is the switch loss `moe_aux_loss_coeff` weighs (translated to the actor's);
+    `none` asks for no load-balancing loss, so neither that coefficient nor transformers' loss may be on."""
+    if value in (None, "aux_loss"):
+        return True
+    return value == "none" and not _aux_on(cfg) and not cfg.actor_rollout_ref.actor.moe_aux_loss_coeff
 
 
 def _bias_frozen(cfg: Any) -> bool:
@@ -110,18 +119,17 @@ def _bias_frozen(cfg: Any) -> bool:
 def _moe_router() -> list[Entry]:
     """Megatron's router training settings: what lathe's MoE layers compute the same, and what they do not have."""
     return [
-        refuse(f"{OTC}.moe_aux_loss_coeff", MOE_LOSSES, "remove it (or set it to 0). Megatron adds a Switch load-"
-               "balancing loss per sparse layer (its f_i normalised by the top-k), summed over the layers; lathe's is "
-               f"transformers' over every layer's tokens pooled, a different loss: {AUX_ON}=true with "
-               "router_aux_loss_coef (the model's config) turns that one on"),
-        refuse(f"{OTC}.moe_z_loss_coeff", MOE_LOSSES, "remove it (or set it to 0): lathe's MoE layers have no router "
-               "z-loss (the mean squared logsumexp of the router logits)"),
+        # the actor's are translated (verl_translate: actor.moe_aux_loss_coeff / moe_z_loss_coeff); the reference
+        # trains nothing and a critic's router losses are not built
+        refuse(f"{OTC}.moe_aux_loss_coeff", MOE_LOSSES, "remove it (or set it to 0): only the actor's router losses "
+               "are built (the reference has no loss)"),
+        refuse(f"{OTC}.moe_z_loss_coeff", MOE_LOSSES, "remove it (or set it to 0): only the actor's router losses "
+               "are built"),
         refuse(f"{OTC}.moe_*loss*", MOE_LOSSES, "remove it (or set it to 0)"),
-        # 'none': no load-balancing loss, as lathe trains unless its own loss is turned on
-        refuse(f"{OTC}.moe_router_load_balancing_type", MOE_LOSSES, f"remove it, or set it to none (no load-"
-               f"balancing loss: lathe's default, with {AUX_ON} unset); Megatron's aux_loss, seq_aux_loss, "
-               "global_aux_loss and sinkhorn balancing are not lathe's",
-               ok=lambda v, cfg: v is None or (v == "none" and not _aux_on(cfg))),
+        refuse(f"{OTC}.moe_router_load_balancing_type", MOE_LOSSES, "set it to aux_loss (Megatron's default: the "
+               "switch loss per sparse layer that moe_aux_loss_coeff weighs) or none (then with no moe_aux_loss_coeff "
+               f"and {AUX_ON} unset); Megatron's seq_aux_loss, global_aux_loss and sinkhorn balancing are not "
+               "lathe's", ok=_balancing_type_ok),
         # an expert bias that never updates is the router's bias as loaded (DeepSeek-V3's e_score_correction_bias)
         # or none: what lathe's MoE layers compute
         refuse(f"{OTC}.moe_router_enable_expert_bias", MOE_LOSSES, "remove it, or set moe_router_bias_update_rate=0 "
@@ -417,7 +425,8 @@ def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
         if verdict is not None:
             out.append(verdict)
     notices = (tp_beside_ep_notice(cfg),       # once for every role whose Megatron TP beside EP was dropped
-               pipeline_notice(cfg))          # once for every role whose pipeline-parallel size was set
+               pipeline_notice(cfg),          # once for every role whose pipeline-parallel size was set
+               context_parallel_notice(cfg))  # once for the padded forwards a context-parallel size packs
     return out + [("warn", notice) for notice in notices if notice is not None]
 
 

@@ -30,7 +30,13 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   model (a layout, not another computation), so lathe FSDP-shards each layer over those devices instead of cutting
   the model into stages; those devices then hold data of their own (a mini-batch is split over world / (TP x
   Ulysses) data-parallel groups, verl's over world / (TP x PP x CP)); one notice says so (`pipeline_notice`);
+* a role whose Ulysses size is the one its Megatron / torchtitan context-parallel size gave runs packed: where
+  ``use_remove_padding`` is false there, it becomes true once every key is set (`pack_for_context_parallel`; padding
+  or packing changes the layout, not what is computed; Megatron's CP splits padded micro-batches itself, lathe's
+  Ulysses splits the packed stream); one notice says so (`context_parallel_notice`);
 * the actor's ``{megatron,veomni}.router_replay.mode`` -> ``actor.router_replay.mode`` (routing replay, R2/R3);
+* the actor's ``megatron.override_transformer_config.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` ->
+  ``actor.moe_aux_loss_coeff`` / ``actor.moe_z_loss_coeff`` (Megatron's router losses, `lathe.models.moe`);
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
 
 A value equal to verl's default translates to nothing: a full verl config file lists every backend key at its
@@ -97,6 +103,10 @@ RULES: tuple[tuple[str, str, Map, str], ...] = (
     ("veomni.mixed_precision", "fsdp.mixed_precision.param_dtype", lambda v: None if v else "fp32",
      "false: fsdp_config.mixed_precision.param_dtype=fp32"),
     ("megatron.router_replay.mode", "actor.router_replay.mode", _same, "router_replay.mode (the actor's)"),
+    ("megatron.override_transformer_config.moe_aux_loss_coeff", "actor.moe_aux_loss_coeff", _same,
+     "the actor's moe_aux_loss_coeff (Megatron's switch loss per sparse layer, summed over the layers)"),
+    ("megatron.override_transformer_config.moe_z_loss_coeff", "actor.moe_z_loss_coeff", _same,
+     "the actor's moe_z_loss_coeff (Megatron's router z-loss)"),
     ("veomni.router_replay.mode", "actor.router_replay.mode", _same, "router_replay.mode (the actor's)"),
     ("optim.lr_decay_style", "optim.lr_scheduler_type", lambda v: v if v in ("constant", "cosine") else None,
      "constant/cosine: optim.lr_scheduler_type"),
@@ -215,3 +225,51 @@ def pipeline_notice(cfg: Any) -> str | None:
             "computation), so lathe shards each layer over the stages' devices instead of cutting the model into "
             "stages; those devices then hold data of their own, and a mini-batch is split over world / (TP x Ulysses)"
             " data-parallel groups where verl splits it over world / (TP x PP x CP).")
+
+
+# the verl spellings of a role's context-parallel size (see RULES: each sets the role's Ulysses size)
+CP_SPELLINGS = ("megatron.context_parallel_size", "megatron.override_transformer_config.context_parallel_size",
+                "torchtitan.context_parallel_size")
+PACKED = {"actor_rollout_ref.actor": "actor_rollout_ref.model", "actor_rollout_ref.ref": "actor_rollout_ref.model",
+          "critic": "critic.model"}       # the group whose use_remove_padding packs the role's forwards
+
+
+def _node(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _cp_roles(cfg: Any) -> list[tuple[str, int]]:
+    """(role, size) for each role whose Ulysses size above 1 is the one its context-parallel key gave."""
+    out = []
+    for role in ROLE:
+        given = {cfg.verl_keys.get(f"{role}.{spelling}") for spelling in CP_SPELLINGS}
+        size = _node(cfg, role).ulysses_sequence_parallel_size
+        if isinstance(size, int) and size > 1 and size in given:
+            out.append((role, size))
+    return out
+
+
+def _unpacked_cp(cfg: Any) -> list[str]:
+    """The packed-forward switches that are off for a role whose Ulysses size came from a context-parallel key."""
+    return sorted({f"{PACKED[role]}.use_remove_padding" for role, _ in _cp_roles(cfg)
+                   if not _node(cfg, PACKED[role]).use_remove_padding})
+
+
+def pack_for_context_parallel(cfg: Any) -> None:
+    """Turn on the packed forward (use_remove_padding) of each role whose Ulysses size came from a context-parallel
+    key (module doc); called after the keys are judged (`context_parallel_notice` names what it turns on)."""
+    for switch in _unpacked_cp(cfg):
+        _node(cfg, switch.rpartition(".")[0]).use_remove_padding = True
+
+
+def context_parallel_notice(cfg: Any) -> str | None:
+    """The one notice for the packed-forward switches `pack_for_context_parallel` is about to turn on."""
+    switches = _unpacked_cp(cfg)
+    if not switches:
+        return None
+    sizes = ", ".join(f"{role}: CP {size}" for role, size in _cp_roles(cfg))
+    return (f"Megatron's/torchtitan's context-parallel size ({sizes}) runs as Ulysses sequence parallelism over each "
+            f"micro-batch's packed stream, so {' and '.join(switches)}=false becomes true (padding or packing changes "
+            "the layout, not what is computed).")

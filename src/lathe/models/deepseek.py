@@ -140,6 +140,8 @@ class DeepseekMoeBlock(SparseMoeBlock):
     """A DeepSeek-V3 sparse layer's MLP: routed experts (module doc) plus the shared expert. It adds no
     load-balancing loss (transformers' DeepseekV3 has none): `collect_router_stats` records nothing for it."""
 
+    balance_losses = False
+
     def __init__(self, cfg: LatheConfig):
         nn.Module.__init__(self)
         self.moe, self.moe_hidden, self.m = cfg.moe, cfg.hidden_size, cfg.mla

@@ -76,10 +76,11 @@ class GptOssMoeBlock(SparseMoeBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, h = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, h)
-        probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)
+        logits = self.router(flat)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = self.route(probs, True)
         if self.records_routing:
-            self._record(probs, chosen)
+            self._record(probs, chosen, logits)
         return sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)
 
     def init_weights(self, std: float) -> None:

@@ -83,6 +83,7 @@ class SparseMoeBlock(nn.Module):
     # changes per batch, is read only behind the graph break, so it costs no recompilation)
     routing = None
     hooks_routing: bool = False
+    balance_losses: bool = True       # records its routing for the load-balancing losses (`collect_router_stats`)
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
@@ -97,7 +98,7 @@ class SparseMoeBlock(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = self.route(probs, self.moe.norm_topk_prob)
         if self.records_routing:
-            self._record(probs, chosen)
+            self._record(probs, chosen, logits)
         return sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)
 
     def route(self, probs: torch.Tensor, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +118,9 @@ class SparseMoeBlock(nn.Module):
         return self.routing(probs, self.moe.num_experts_per_tok, norm_topk_prob, **router)
 
     @torch.compiler.disable
-    def _record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+    def _record(self, probs: torch.Tensor, chosen: torch.Tensor, logits: torch.Tensor) -> None:
         if self.router_stats is not None:
-            self.router_stats.record(probs, chosen)
+            self.router_stats.record(probs, chosen, logits)
 
 
 def route(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,20 +248,55 @@ class RouterStats:
     probabilities summed over the tokens."""
 
     num_experts: int
+    top_k: int = 1
     tokens_per_expert: list[torch.Tensor] = field(default_factory=list)   # (E,) float32 counts, no gradient
     prob_per_expert: list[torch.Tensor] = field(default_factory=list)     # (E,) float32 sums, with gradient
+    # each layer call's router logits (T, E), kept only for the z-loss (`keep_logits`): it is formed from them after
+    # the forward, so that a layer recomputed in backward (gradient checkpointing) saves what its forward saved
+    logits: list[torch.Tensor] = field(default_factory=list)
+    layer_rows: list[int] = field(default_factory=list)        # the tokens each recorded layer call routed
     rows: int = 0
     keep_rows: int | None = None      # record only each forward's first rows (a sequence-parallel slice's real ones)
+    keep_logits: bool = False
 
-    def record(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+    def record(self, probs: torch.Tensor, chosen: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         if self.keep_rows is not None:
             probs, chosen = probs[:self.keep_rows], chosen[:self.keep_rows]
+            logits = None if logits is None else logits[:self.keep_rows]
         with torch.no_grad():
             counts = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
             counts.index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device))
         self.tokens_per_expert.append(counts)
         self.prob_per_expert.append(probs.sum(0))
+        if self.keep_logits:
+            self.logits.append(logits)
+        self.layer_rows.append(probs.shape[0])
         self.rows += probs.shape[0]
+
+    def per_layer(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(assignments per expert (L, E), routing probabilities summed per expert (L, E), z sums (L,), tokens
+        (L,)) of each recorded sparse-layer call in order, or None when none ran."""
+        if not self.tokens_per_expert:
+            return None
+        probs = torch.stack(self.prob_per_expert)
+        z = (torch.stack([torch.logsumexp(x.float(), dim=-1).square().sum() for x in self.logits]) if self.keep_logits
+             else probs.new_zeros(len(probs)))
+        return (torch.stack(self.tokens_per_expert).to(probs.device), probs, z,
+                torch.tensor(self.layer_rows, dtype=torch.float32, device=probs.device))
+
+    def megatron_losses(self, layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Megatron's router losses, each summed over the sparse layers: the switch load-balancing loss
+        E * sum_e f_e P_e with f_e the layer's share of top-k assignments to expert e (normalised by k: the f_e sum
+        to 1) and P_e its mean routing probability, and the z-loss, the mean over tokens of logsumexp(router
+        logits)^2 (0 unless recorded with `keep_logits`). `layers`: `per_layer()` summed over the ranks that share
+        the tokens (None: this rank's). Zeros when no sparse layer ran."""
+        layers = self.per_layer() if layers is None else layers
+        if layers is None:
+            return torch.zeros(()), torch.zeros(())
+        counts, probs, z, rows = layers
+        rows = rows.clamp(min=1)[:, None]
+        aux = self.num_experts * (counts / (self.top_k * rows) * (probs / rows)).sum()
+        return aux, (z / rows[:, 0]).sum()
 
     def totals(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(top-k assignments per expert (E,), routing probabilities summed per expert (E,), rows), over every
@@ -290,15 +326,34 @@ def router_aux_loss_coef(model: nn.Module) -> float:
     return moe.router_aux_loss_coef if any(isinstance(m, SparseMoeBlock) for m in model.modules()) else 0.0
 
 
+def megatron_router_coefs(model: nn.Module, aux: float, z: float) -> tuple[float, float] | None:
+    """(aux, z) coefficients of Megatron's router losses for `model` (the actor's `moe_aux_loss_coeff`,
+    `moe_z_loss_coeff`), or None when both are 0. Raises for a model whose routing lathe does not record: a dense
+    model (nothing to balance) or the DeepSeek-V3 family (sigmoid scores; not built)."""
+    if not aux and not z:
+        return None
+    keys = "actor_rollout_ref.actor.moe_aux_loss_coeff / moe_z_loss_coeff (Megatron's override_transformer_config)"
+    blocks = sparse_blocks(model)
+    arch = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
+    if not blocks:
+        raise ValueError(f"{keys} = {aux} / {z}: {arch} has no mixture-of-experts layers, so there is no router "
+                         "loss to add. Fix: remove these keys for a dense model.")
+    if any(not b.balance_losses for b in blocks):
+        raise ValueError(f"{keys} = {aux} / {z}: Megatron's router losses are not built for {arch}'s sparse layers "
+                         "(its sigmoid router's scores). Fix: set both to 0.")
+    return aux, z
+
+
 @contextmanager
-def collect_router_stats(model: nn.Module) -> Iterator[RouterStats | None]:
-    """Record the routing of the forwards run inside the block (`RouterStats`); None for a model without sparse
-    layers. Recomputed layers (gradient checkpointing, in backward) record nothing."""
+def collect_router_stats(model: nn.Module, keep_logits: bool = False) -> Iterator[RouterStats | None]:
+    """Record the routing of the forwards run inside the block (`RouterStats`; `keep_logits`: the router logits
+    too, for the z-loss); None for a model without sparse layers. Recomputed layers (gradient checkpointing, in
+    backward) record nothing."""
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     if not blocks:
         yield None
         return
-    stats = RouterStats(blocks[0].moe.num_experts)
+    stats = RouterStats(blocks[0].moe.num_experts, blocks[0].moe.num_experts_per_tok, keep_logits=keep_logits)
     for block in blocks:
         block.router_stats, block.records_routing = stats, True
     try:

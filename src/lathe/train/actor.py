@@ -10,7 +10,10 @@ not depend on the micro-batch size.
 A mixture-of-experts policy whose config asks for it (`output_router_logits`, as transformers adds its aux loss;
 set by `actor_rollout_ref.model.override_config.output_router_logits=true`) adds `router_aux_loss_coef` times the
 routers' load-balancing loss of each micro-batch (`lathe.models.moe`), weighted by its share of the mini-batch's
-sequences, and reports it as `actor/router_aux_loss`.
+sequences, and reports it as `actor/router_aux_loss`. Megatron's router losses (`moe_aux_loss_coeff`,
+`moe_z_loss_coeff`, which verl's Megatron scripts set) are formed per sparse layer and summed over the layers
+(`RouterStats.megatron_losses`), weighted the same way, and reported unscaled and averaged over the layers as Megatron
+logs them: `actor/load_balancing_loss`, `actor/z_loss`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from lathe.algo.policy_loss import PolicyLossParams
 from lathe.algo.rollout_correction import ProbsDiffSums
 from lathe.batch import Batch
 from lathe.models.compile import maybe_compile
-from lathe.models.moe import collect_router_stats, router_aux_loss_coef
+from lathe.models.moe import collect_router_stats, megatron_router_coefs, router_aux_loss_coef
 from lathe.models.routing import ReplayStats
 from lathe.rollout.base import ROUTED
 from lathe.train import parallel, ulysses
@@ -85,6 +88,8 @@ class PPOActor:
         self.policy_loss = get_policy_loss("bypass_mode" if bypass else actor_cfg.policy_loss.loss_mode)
         self.loss_scale_factor = actor_cfg.loss_scale_factor or max_response_length   # seq-mean-token-sum-norm's divisor
         self.router_aux_coef = router_aux_loss_coef(model)     # 0 unless a MoE policy's config asks (module doc)
+        self.megatron_router = megatron_router_coefs(model, actor_cfg.moe_aux_loss_coeff,   # None: both 0
+                                                     actor_cfg.moe_z_loss_coeff)
         self.distillation = distillation
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
@@ -148,7 +153,9 @@ class PPOActor:
                           ) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         mask = micro["response_mask"]
-        with collect_router_stats(self.model) if self.router_aux_coef else nullcontext() as router:
+        z_loss = bool(self.megatron_router and self.megatron_router[1])
+        with collect_router_stats(self.model, keep_logits=z_loss) if self.router_aux_coef or self.megatron_router \
+                else nullcontext() as router:
             if router is not None and self.sp is not None:       # this rank's slice of the packed stream
                 router.keep_rows = ulysses.real_rows(packed_tokens(micro), self.sp)
             log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
@@ -174,10 +181,16 @@ class PPOActor:
             loss = loss + cfg.kl_loss_coef * kl_loss
             parts["actor/kl_loss"] = kl_loss.detach()
             parts["actor/kl_coef"] = cfg.kl_loss_coef
-        if router is not None:
+        if router is not None and self.router_aux_coef:
             aux = router.aux_loss(None if self.sp is None else ulysses.router_totals(router, self.sp))
             loss = loss + self.router_aux_coef * aux * (len(micro) / agg["global_num_seqs"])
             parts["actor/router_aux_loss"] = aux.detach()
+        if router is not None and self.megatron_router:
+            layers = None if self.sp is None else ulysses.router_layer_totals(router, self.sp)
+            balance, z = router.megatron_losses(layers)
+            (c_aux, c_z), layers = self.megatron_router, max(1, len(router.layer_rows))
+            loss = loss + (c_aux * balance + c_z * z) * (len(micro) / agg["global_num_seqs"])
+            parts.update({"actor/load_balancing_loss": balance.detach() / layers, "actor/z_loss": z.detach() / layers})
         if self.distillation is not None:
             token_losses, topk_metrics = self._topk_losses(micro) if self.distillation.use_topk else (None, {})
             distill, distill_metrics = distillation_loss(

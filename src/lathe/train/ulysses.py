@@ -223,6 +223,18 @@ def router_totals(stats, sp: SequenceParallel) -> tuple[torch.Tensor, torch.Tens
     return both[:-1], _SumOverGroup.apply(probs, sp), int(both[-1])
 
 
+def router_layer_totals(stats, sp: SequenceParallel):
+    """`lathe.models.moe.RouterStats.per_layer` of the group's whole micro-batch (as `router_totals`, layer by
+    layer): every rank computes Megatron's router losses of the whole micro-batch; None when no sparse layer ran."""
+    layers = stats.per_layer()
+    if layers is None:
+        return None
+    counts, probs, z, rows = layers
+    plain = torch.cat([counts, rows[:, None]], dim=1)
+    dist.all_reduce(plain, group=sp.group)
+    return plain[:, :-1], _SumOverGroup.apply(probs, sp), _SumOverGroup.apply(z, sp), plain[:, -1]
+
+
 class _SumOverGroup(torch.autograd.Function):
     """The group's sum of a tensor; the backward keeps this rank's gradient (see `router_totals`)."""
 

@@ -142,8 +142,8 @@ def test_graph_decode_step_on_cpu_equals_the_eager_engine(tmp_path, family, trit
     """The CUDA-graph decode step's own work run eagerly on the CPU (`test_cuda_graph`'s stand-in for a replay, after
     the capture's warm-up run): the linear layers take their rows' state slots from the graph's static input buffer,
     padding rows (6 and then fewer sequences in buckets of 4 and 8, preemptions) read and write the scratch slot, and
-    the seeded samples and log-probs equal the plain engine's; after a sleep and wake-up (new states: graphs
-    captured again) too."""
+    the seeded samples and log-probs (overlapped scheduling: input ids still on the device) equal the plain engine's;
+    after a sleep and wake-up (new states: graphs captured again) too."""
     import torch
 
     import lathe.engine.llm_engine as llm
@@ -171,7 +171,7 @@ def test_graph_decode_step_on_cpu_equals_the_eager_engine(tmp_path, family, trit
     outs = []
     for graphs in (False, True):
         engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=14,
-                                             reserve_new_tokens=False, max_num_seqs=6)
+                                             reserve_new_tokens=False, max_num_seqs=6, async_scheduling=graphs)
         if graphs:
             engine.runner.graphs = DecodeGraphs(engine.runner, 8)
         outs.append(engine.generate(PROMPTS[:3], params))

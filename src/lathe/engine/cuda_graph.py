@@ -10,11 +10,11 @@ Inputs go through one static (10, max batch) int64 buffer, written by one host-t
 page-locked buffers kept for it, as the block tables' mirror is: `lathe.device.Staging`): token
 ids, positions, the sampler's seeds, output positions, greedy flags, temperatures and top-p (float64 bit
 patterns) and top-k, an image prompt's rope delta (VL models), and a hybrid model's linear-attention state slot
-(Qwen3.5, Qwen3-Next: `linear_state.py`; padding rows take the states' scratch slot). Inside the graph, each row's KV slot and
-context length come from its position and block table, and a text model's RoPE rows from a [cos | sin] table of
-every position below max_model_len that the model's RotaryEmbedding computed once (`triton_step`: one launch for
-all three; max_model_len x 2 x head_dim values, 16 MB at 32k positions and head_dim 128). A batch runs in the
-smallest bucket that holds it (a bucket has up to four graphs: with and without the sampler's top-k and top-p
+(Qwen3.5, Qwen3-Next: `linear_state.py`; padding rows take the states' scratch slot). Inside the graph, each row's
+KV slot and context length come from its position and block table, and a text model's RoPE rows from a [cos | sin]
+table of every position below max_model_len that the model's RotaryEmbedding computed once (`triton_step`: one
+launch for all three; max_model_len x 2 x head_dim values, 16 MB at 32k positions and head_dim 128). A batch runs
+in the smallest bucket that holds it (a bucket has up to four graphs: with and without the sampler's top-k and top-p
 searches, which only batches that use them pay for); its padding rows (position -1) write their K/V to the
 cache's scratch slot and attend over one token, and their outputs are dropped. The block tables live on
 the device between steps; a step rewrites only the rows whose sequence changed or gained a block. A

@@ -60,6 +60,52 @@ def test_greedy_on_cuda_equals_the_cpu_engine(tmp_path):
         assert_close_rel(got, want, rel=1e-2, name="CUDA vs CPU engine log-probs")     # fla's TF32 products
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_cuda_graph_decode_equals_eager_decode(tmp_path, family):
+    """Decode steps replayed from CUDA graphs give the eager engine's greedy tokens, with preemptions (batches of 6
+    and fewer: padding rows on the scratch slot): Qwen3.5 in fp32, Qwen3.5-MoE in bf16 (its experts are capturable
+    only as grouped matmuls, bf16 on Hopper). After a sleep, the graphs are captured again exactly when the states
+    or the cache came back elsewhere, and give the same tokens."""
+    pytest.importorskip("fla")
+    import torch
+
+    from models.lathe_tiny import save_hf
+    path, _ = save_hf(tmp_path, family)
+    bf16 = family == "qwen3_5_moe_text"
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
+    outs = {}
+    for eager in (True, False):
+        engine = LatheEngine.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32, device="cuda",
+                                             eos_token_id=None, block_size=4, num_kv_blocks=14,
+                                             reserve_new_tokens=False, enforce_eager=eager)
+        assert (engine.runner.graphs is None) == eager
+        outs[eager] = engine.generate(PROMPTS[:3], params)
+    assert outs[True].metrics["rollout/num_preemptions"] > 0
+    assert outs[False].metrics["rollout/graph_captures"] > 0
+    _assert_same_greedy(outs[False], outs[True], exact=not bf16)
+    before = engine._addresses()
+    engine.sleep()
+    held = torch.empty(engine.states.shapes[0], dtype=engine.states.dtype, device="cuda")   # may take their block
+    engine.wake_up()
+    again = engine.generate(PROMPTS[:3], params)
+    del held
+    assert (again.metrics["rollout/graph_captures"] > 0) == (engine._addresses() != before)
+    _assert_same_greedy(again, outs[True], exact=not bf16)
+
+
+def _assert_same_greedy(got, want, exact: bool) -> None:
+    """Equal greedy tokens and near log-probs; where not `exact` (bf16: the graph's padded batch and split decode
+    attention round otherwise than the eager step), a sequence may part from the other at a near-tie only."""
+    if exact:
+        assert got.token_ids == want.token_ids
+    for tokens, ref, lps, ref_lps in zip(got.token_ids, want.token_ids, got.logprobs, want.logprobs):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(ref))
+        assert same == len(ref) or abs(lps[same] - ref_lps[same]) < 0.05, \
+            f"greedy tokens part at {same} where the eager step's choice is not a near-tie"
+        assert_close_rel(lps[:same], ref_lps[:same], rel=1e-2 if exact else 5e-2, name="greedy log-probs")
+
+
 def test_an_interrupted_partial_rollout_continues_with_the_same_tokens(tmp_path):
     """Partial rollout (fully async): interrupted mid-decode, the sequences give their state slots back and continue
     (recomputed from their tokens) with the tokens of an uninterrupted run."""
@@ -89,6 +135,58 @@ def test_sleep_drops_the_states_and_wake_up_brings_them_back(tmp_path):
     assert engine.states.conv is None
     engine.wake_up()
     assert engine.generate(PROMPTS, params).token_ids == ref
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_graph_decode_step_on_cpu_equals_the_eager_engine(tmp_path, family, triton_interpreter, monkeypatch):
+    """The CUDA-graph decode step's own work run eagerly on the CPU (`test_cuda_graph`'s stand-in for a replay, after
+    the capture's warm-up run): the linear layers take their rows' state slots from the graph's static input buffer,
+    padding rows (6 and then fewer sequences in buckets of 4 and 8, preemptions) read and write the scratch slot, and
+    the seeded samples and log-probs (overlapped scheduling: input ids still on the device) equal the plain engine's;
+    after a sleep and wake-up (new states: graphs captured again) too."""
+    import torch
+
+    import lathe.engine.llm_engine as llm
+    from lathe.engine.cuda_graph import DecodeGraphs
+    from lathe.engine.linear_state import LinearStateCache
+    from lathe.engine.sampler import fused_settings
+    from models.lathe_tiny import save_hf
+    from .test_cuda_graph import _Replay
+
+    path, _ = save_hf(tmp_path, family)
+    monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
+    monkeypatch.setattr("lathe.engine.triton_step.available", lambda device: True)
+    monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
+        torch.device("cuda"), vocab, seqs))                    # the CPU stands in for CUDA here
+
+    def capture(self, key):         # the capture's warm-up run (which must not advance the rows' states), then a
+        self._warm_up(key)          # stand-in that runs the step at each replay
+        self.graphs[key] = _Replay(self, key)
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    indices = []
+    decode_step = LinearStateCache.decode_step
+    monkeypatch.setattr(LinearStateCache, "decode_step", lambda self, index: indices.append(index) or
+                        decode_step(self, index))
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=MAX, seed=2)
+    outs = []
+    for graphs in (False, True):
+        engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=14,
+                                             reserve_new_tokens=False, max_num_seqs=6, async_scheduling=graphs)
+        if graphs:
+            engine.runner.graphs = DecodeGraphs(engine.runner, 8)
+        outs.append(engine.generate(PROMPTS[:3], params))
+        if graphs:
+            inputs = engine.runner.graphs.inputs
+            assert indices and all(i.untyped_storage().data_ptr() == inputs.untyped_storage().data_ptr()
+                                   for i in indices), "a graph step's slots are not its static input row"
+            engine.sleep()
+            engine.wake_up()
+            assert not engine.runner.graphs.graphs      # the states were freed: nothing captured against them stays
+            outs.append(engine.generate(PROMPTS[:3], params))
+    assert outs[0].metrics["rollout/num_preemptions"] > 0
+    for out in outs[1:]:
+        assert out.token_ids == outs[0].token_ids
+        assert_close_rel(sum(out.logprobs, []), sum(outs[0].logprobs, []), name="log-probs")
 
 
 def test_fp8_rollout_is_refused_by_name(tmp_path):

@@ -5,7 +5,7 @@ heads, carried states), and the packed convolution against one conv1d per sequen
 import pytest
 import torch
 
-from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, \
+from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, conv_step, \
     recurrent_gated_delta_rule
 
 from helpers import assert_close_rel
@@ -75,14 +75,18 @@ def test_packed_convolution_equals_one_conv_per_sequence_and_carries_its_state()
     for a, b in zip(bounds[:-1], bounds[1:]):
         ref = torch.nn.functional.conv1d(x[a:b].T.unsqueeze(0), w.unsqueeze(1), padding=3, groups=6)[0, :, :b - a]
         assert_close_rel(out[a:b], torch.nn.functional.silu(ref.T), rel=1e-12, name="convolution")
-    # one more token per sequence, from the carried last K-1 inputs, equals the whole sequence's next output
+    # one more token per sequence, from the carried last K-1 inputs, equals the whole sequence's next output; so does
+    # the decode step's single-token form, which also carries the inputs on as the longer sequence's `conv_state`
     step = torch.randn(len(LENGTHS), 6, generator=gen, dtype=torch.float64)
     one = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
     nxt = causal_conv1d(step, w, one, initial=conv_state(x, cu, 4))
+    single, carried = conv_step(step, w, conv_state(x, cu, 4))
     for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         longer = torch.cat([x[a:b], step[s:s + 1]])
         whole = causal_conv1d(longer, w, torch.tensor([0, len(longer)], dtype=torch.int32))
         assert_close_rel(nxt[s], whole[-1], rel=1e-12, name="carried convolution")
+        assert_close_rel(single[s], whole[-1], rel=1e-12, name="single-token convolution")
+        assert torch.equal(carried[s], conv_state(longer, torch.tensor([0, len(longer)], dtype=torch.int32), 4)[0])
 
 
 @pytest.mark.gpu

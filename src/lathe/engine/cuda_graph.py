@@ -6,14 +6,15 @@ records the whole step once per bucket and replays it with one launch: the forwa
 fused sampler (`triton_sample.py`), so that a step's sampled tokens and log-probs come out of the graph and
 nothing else is launched per step but the input copy.
 
-Inputs go through one static (9, max batch) int64 buffer, written by one host-to-device copy per step (from
+Inputs go through one static (10, max batch) int64 buffer, written by one host-to-device copy per step (from
 page-locked buffers kept for it, as the block tables' mirror is: `lathe.device.Staging`): token
 ids, positions, the sampler's seeds, output positions, greedy flags, temperatures and top-p (float64 bit
-patterns) and top-k, and an image prompt's rope delta (VL models). Inside the graph, each row's KV slot and
-context length come from its position and block table, and a text model's RoPE rows from a [cos | sin] table of
-every position below max_model_len that the model's RotaryEmbedding computed once (`triton_step`: one launch for
-all three; max_model_len x 2 x head_dim values, 16 MB at 32k positions and head_dim 128). A batch runs in the
-smallest bucket that holds it (a bucket has up to four graphs: with and without the sampler's top-k and top-p
+patterns) and top-k, an image prompt's rope delta (VL models), and a hybrid model's linear-attention state slot
+(Qwen3.5, Qwen3-Next: `linear_state.py`; padding rows take the states' scratch slot). Inside the graph, each row's
+KV slot and context length come from its position and block table, and a text model's RoPE rows from a [cos | sin]
+table of every position below max_model_len that the model's RotaryEmbedding computed once (`triton_step`: one
+launch for all three; max_model_len x 2 x head_dim values, 16 MB at 32k positions and head_dim 128). A batch runs
+in the smallest bucket that holds it (a bucket has up to four graphs: with and without the sampler's top-k and top-p
 searches, which only batches that use them pay for); its padding rows (position -1) write their K/V to the
 cache's scratch slot and attend over one token, and their outputs are dropped. The block tables live on
 the device between steps; a step rewrites only the rows whose sequence changed or gained a block. A
@@ -21,9 +22,9 @@ bucket is captured the first time it is needed, after one eager warm-up run, int
 buckets share. A batch the fused sampler cannot take (a min_tokens ban in force) uses the graph's
 logits and the PyTorch sampler instead.
 
-The graphs hold the KV cache's and the weights' addresses: `update_weights` copies in place (graphs
-stay valid); after a `sleep()` the engine keeps them when `wake_up()` finds the cache at its old address (the
-allocator kept the block), else it calls `reset()` and buckets are captured again.
+The graphs hold the KV cache's (and a hybrid model's states') and the weights' addresses: `update_weights` copies
+in place (graphs stay valid); after a `sleep()` the engine keeps them when `wake_up()` finds the cache and the states
+at their old addresses (the allocator kept the blocks), else it calls `reset()` and buckets are captured again.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ from lathe.engine.step_attention import DecodeAttention
 from lathe.engine.triton_decode import choose_num_splits, pdl_available
 from lathe.models.rope import RotaryEmbedding
 
-IDS, POS, SEED, OUT_POS, GREEDY, TEMP, TOP_K, TOP_P, DELTA = range(9)   # static input rows (SEED:DELTA: fused_rows)
+# static input rows (SEED:DELTA: fused_rows; STATE: a hybrid model's linear-attention state slot)
+IDS, POS, SEED, OUT_POS, GREEDY, TEMP, TOP_K, TOP_P, DELTA, STATE = range(10)
 assert DELTA - SEED == FUSED_ROWS
 _ONE = np.array(1.0).view(np.int64)
-PAD = np.array([0, -1, 0, 0, 1, _ONE, 0, _ONE, 0], dtype=np.int64)        # a padding row: greedy, scratch slot
+PAD = np.array([0, -1, 0, 0, 1, _ONE, 0, _ONE, 0, 0], dtype=np.int64)     # a padding row: greedy, scratch slot
 
 
 def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
@@ -123,15 +125,31 @@ class DecodeGraphs:
         splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms)
         attn = DecodeAttention(runner.kv_cache, slots, tables, lens, runner.decode_backend,
                                splits if runner.decode_backend == "triton" else 1,
-                               split_k=decode_forms.step_split_k(runner.model, bucket), rope=rope, pdl=self.pdl)
+                               split_k=decode_forms.step_split_k(runner.model, bucket), rope=rope, pdl=self.pdl,
+                               rotates=runner.rotates)
+        if runner.states is not None:
+            attn.linear_states = runner.states.decode_step(inp[STATE])
         logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], positions, attn))
         if self.samples:
             sample_rows(logits, inp[SEED:DELTA], out=self.sampled, use_k=use_k, use_p=use_p)
         return logits
 
+    def _warm_up(self, key: tuple) -> None:
+        """The step run once eagerly before its capture (kernels compiled, workspaces allocated; the capture only
+        records, and the replay that follows runs the step). A hybrid model's rows run it on the states' scratch slot:
+        what it writes to their KV slots the replay writes again, but a state it advanced would be advanced twice."""
+        states = self.runner.states
+        if states is None:
+            self._forward(key)
+            return
+        slots = self.inputs[STATE].clone()
+        self.inputs[STATE].fill_(states.scratch_slot)
+        self._forward(key)
+        self.inputs[STATE].copy_(slots)
+
     def _capture(self, key: tuple) -> None:
         start = time.perf_counter()
-        self._forward(key)                          # warm-up: kernels compiled, workspaces allocated
+        self._warm_up(key)
         device = self.runner.device
         accel.synchronize(device)
         graph = accel.new_graph(device)
@@ -199,6 +217,10 @@ class DecodeGraphs:
             stage[SEED:DELTA, :batch] = PAD[SEED:DELTA, None]
         stage[DELTA, :batch] = [rope_delta(s) for s in seqs] if self.runner.vl else 0
         stage[:, batch:bucket] = PAD[:, None]
+        states = self.runner.states
+        if states is not None:
+            stage[STATE, :batch] = states.slots(seqs)
+            stage[STATE, batch:bucket] = states.scratch_slot
         staging.copy_to(self.inputs[:, :bucket], host)
         self.runner.take_pending(self.inputs[IDS], pending)
         self._sync_tables(seqs)        # padding rows keep whatever table they hold: they write the scratch slot

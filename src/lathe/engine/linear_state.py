@@ -5,11 +5,23 @@ Each running sequence holds one slot of `LinearStateCache`: per linear layer, it
 its recurrent state (float32). A slot is taken, zeroed, the first time a step runs the sequence, and given back
 whenever the block manager frees the sequence's blocks (finish, preemption, a weight sync's interruption):
 a preempted sequence is recomputed from its tokens, from a zero state, like its KV. Prefix caching is off for these
-models (a cached prefix has KV but no state to continue from: state snapshots at block boundaries are not built),
-and so are CUDA graphs (the step's host-side bookkeeping is not capturable yet).
+models (a cached prefix has KV but no state to continue from: state snapshots at block boundaries are not built).
 
 A step's `LinearStep` rides on the step's attention callable (`attn.linear_states`): the layers read and write the
-states of the step's sequences, one linear layer after the other.
+states of the step's sequences, one linear layer after the other (gathered by slot with `index_select`, written back
+with `index_copy_`).
+
+Decode steps replay CUDA graphs as the other families' do (`cuda_graph.py`): a decode step's layers take one token
+per sequence (`GatedDeltaNet`'s single-token form: no host sync), and the graph's `LinearStep` reads the rows' slots
+from a static row of its input buffer, written before each replay, with `cu_seqlens` fixed by the bucket. The
+Python-side layer counter only runs while a graph is captured: each layer's captured gather and scatter address its
+own layer's states. A bucket's padding rows point at one extra slot past `num_slots` that no sequence is given (the
+scratch slot, as the KV cache's scratch block): what they read and write there is never read by a real row. So do
+all rows in the eager warm-up run before a bucket's capture, which would otherwise advance their states once more
+than the replay that follows (`DecodeGraphs._warm_up`). The graphs hold the states' addresses, like the KV cache's:
+`sleep` frees the states (they may take a large share of the device, which training needs; kept at a fixed address
+they would not be freed), and `wake_up` keeps the graphs only when the states and the cache come back where they were
+(the allocator kept their blocks), else captures them again.
 """
 
 from __future__ import annotations
@@ -31,18 +43,29 @@ class LinearStateCache:
         la = cfg.linear_attention
         layers = sum(t == "linear_attention" for t in la.layer_types)
         conv_dim = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
-        self.shapes = ((layers, num_slots, conv_dim, la.conv_kernel - 1),
-                       (layers, num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim))
+        self.num_slots = num_slots          # + the scratch slot (`scratch_slot`), never given to a sequence
+        self.shapes = ((layers, num_slots + 1, conv_dim, la.conv_kernel - 1),
+                       (layers, num_slots + 1, la.num_value_heads, la.key_head_dim, la.value_head_dim))
         self.dtype, self.device = dtype, device
         self.conv = self.recurrent = None
         self.allocate()
+
+    @property
+    def scratch_slot(self) -> int:
+        """The slot a decode graph's padding rows read and write (module doc)."""
+        return self.num_slots
+
+    @property
+    def address(self) -> tuple[int, int] | None:
+        """Where the states live, or None when freed: a decode graph captured against one address runs only there."""
+        return None if self.conv is None else (self.conv.data_ptr(), self.recurrent.data_ptr())
 
     def allocate(self) -> None:
         """(Re)create the states, every slot free (the engine's `wake_up`)."""
         if self.conv is None:
             self.conv = torch.zeros(self.shapes[0], dtype=self.dtype, device=self.device)
             self.recurrent = torch.zeros(self.shapes[1], dtype=torch.float32, device=self.device)
-        self.free = list(range(self.shapes[0][1] - 1, -1, -1))
+        self.free = list(range(self.num_slots - 1, -1, -1))
         self.slot: dict[Sequence, int] = {}
 
     def free_memory(self) -> None:
@@ -75,9 +98,16 @@ class LinearStateCache:
         index = torch.tensor(self.slots(seqs), dtype=torch.long, device=device)
         return LinearStep(self, index, cu, max(lengths))
 
+    def decode_step(self, index: torch.Tensor) -> "LinearStep":
+        """The states of a decode graph's step: one token per row, `index` (B,) int64 the rows' slots, a static
+        buffer on the device (padding rows at `scratch_slot`). Nothing in it is read on the host."""
+        cu = torch.arange(index.shape[0] + 1, dtype=torch.int32, device=index.device)
+        return LinearStep(self, index, cu, 1)
+
 
 class LinearStep:
-    """One step's view of the cache: what `lathe.models.qwen3_5.HybridDecoderLayer` reads and writes."""
+    """One step's view of the cache: what `lathe.models.qwen3_5.HybridDecoderLayer` reads and writes. `layer`
+    counts the linear layers as they run (in a decode graph, only while it is captured: module doc)."""
 
     def __init__(self, cache: LinearStateCache, index: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
         self.cache, self.index, self.cu_seqlens, self.max_seqlen = cache, index, cu_seqlens, max_seqlen
@@ -121,7 +151,7 @@ def state_slots(cfg, max_num_seqs: int, dtype: torch.dtype, device: torch.device
     conv = (2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim) * (la.conv_kernel - 1)
     per_slot = layers * (conv * torch.empty(0, dtype=dtype).element_size()
                          + 4 * la.num_value_heads * la.key_head_dim * la.value_head_dim)
-    fits = max(1, int(STATE_SHARE * accel.memory_info(device)[0] // per_slot))
+    fits = max(1, int(STATE_SHARE * accel.memory_info(device)[0] // per_slot) - 1)     # - the scratch slot
     if fits < max_num_seqs:
         log.info("engine: %s runs at most %d sequences at once (max_num_seqs=%d): each one's linear-attention states "
                  "take %.1f MiB", cfg.architecture, fits, max_num_seqs, per_slot / 2**20)
@@ -134,10 +164,10 @@ def kv_layers(cfg) -> int:
     return cfg.num_hidden_layers if la is None else sum(t == "full_attention" for t in la.layer_types)
 
 
-def hybrid_settings(model, enable_prefix_caching: bool, enforce_eager: bool, fuse_projections: bool | None,
-                    quantization: str | None = None):
-    """(enable_prefix_caching, enforce_eager, fuse_projections) for a hybrid model: all three off (module doc; fused
-    projections are not built for its layers), with a notice for what was asked and does not act; FP8 refused."""
+def hybrid_settings(model, enable_prefix_caching: bool, fuse_projections: bool | None,
+                    quantization: str | None = None) -> tuple[bool, bool]:
+    """(enable_prefix_caching, fuse_projections) for a hybrid model: both off (module doc; fused projections are not
+    built for its layers), with a notice for prefix caching asked for; fused projections and FP8 refused."""
     arch = model.config.architecture
     if quantization is not None:
         raise ValueError(f"quantization={quantization!r} (rollout.quantization): lathe's FP8 engine layers are not "
@@ -145,8 +175,6 @@ def hybrid_settings(model, enable_prefix_caching: bool, enforce_eager: bool, fus
     if enable_prefix_caching:
         log.info("engine: prefix caching is off for %s (its linear-attention states are not cached at block "
                  "boundaries yet; rollout.enable_prefix_caching has no effect for it)", arch)
-    if not enforce_eager and model.device.type == "cuda":
-        log.info("engine: %s decodes without CUDA graphs (its linear-attention steps are not captured yet)", arch)
     if fuse_projections:
         raise ValueError(f"fuse_projections=True: not implemented for {arch}'s hybrid layers")
-    return False, True, False
+    return False, False

@@ -146,8 +146,8 @@ class LatheEngine(StreamingMixin):
                  quantization: str | None = None, record_routing: bool = False):
         hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
         if hybrid:
-            enable_prefix_caching, enforce_eager, fuse_projections = hybrid_settings(
-                model, enable_prefix_caching, enforce_eager, fuse_projections, quantization)
+            enable_prefix_caching, fuse_projections = hybrid_settings(model, enable_prefix_caching, fuse_projections,
+                                                                      quantization)
             max_num_seqs = state_slots(model.config, max_num_seqs, model.dtype, model.device)
         if is_mla(model):           # DeepSeek-V3 family: no CUDA graphs, fused projections or FP8 (`mla.py`)
             enforce_eager, fuse_projections = mla_settings(model, enforce_eager, fuse_projections, quantization)
@@ -495,7 +495,7 @@ class LatheEngine(StreamingMixin):
         self._resolve(self._inflight)
         self._inflight = None
         self.block_manager.reset()
-        self._kv_address = self.kv_cache.address
+        self._kv_address = self._addresses()
         self.kv_cache.free()
         if self.states is not None:             # a hybrid model's linear-attention states go too
             self.states.free_memory()
@@ -512,6 +512,11 @@ class LatheEngine(StreamingMixin):
             self._cache_kept = False
         if not self._cache_kept:
             self._release_memory()
+
+    def _addresses(self) -> tuple:
+        """Where the decode graphs' device memory lives: the KV cache and a hybrid model's linear-attention states
+        (graphs captured against them are kept across a sleep only when both come back there)."""
+        return self.kv_cache.address, None if self.states is None else self.states.address
 
     def _release_memory(self) -> None:
         if self.runner.graphs is not None:
@@ -532,8 +537,9 @@ class LatheEngine(StreamingMixin):
         (optimizer states appear at the first step), so the cache shrinks, with a warning, rather than
         running the device out of memory. It never grows past its first size. When `sleep` kept the allocator's
         cached memory and the budget still holds the cache, it is taken from there (on an out-of-memory error,
-        everything cached goes back to the driver and the cache is sized as above); when it lands where it was, the
-        captured decode graphs are kept, else they are captured again."""
+        everything cached goes back to the driver and the cache is sized as above); when it (and a hybrid model's
+        linear-attention states) lands where it was, the captured decode graphs are kept, else they are captured
+        again."""
         if self.kv_cache.allocated:
             return
         if self.states is not None:
@@ -561,7 +567,7 @@ class LatheEngine(StreamingMixin):
             self.kv_cache.allocate()
         graphs = self.runner.graphs
         if graphs is not None:
-            if self.tp.min_int(self.kv_cache.address == self._kv_address):
+            if self.tp.min_int(self._addresses() == self._kv_address):
                 graphs.forget_rows()         # the block manager started over: every table row is written anew
             else:
                 graphs.reset()

@@ -18,6 +18,8 @@ host (their expert loop, where the grouped matmul is not available: `lathe.model
 capture cannot hold: those models decode eagerly, and so does the DeepSeek-V3 family's latent attention (`mla.py`).
 Attention sinks and sliding windows (GPT-OSS) are captured like the rest: each layer's window is a constant of the
 capture and its sink logits a parameter, read at replay (checked on CUDA: `tests/engine/test_new_families_gpu.py`).
+The hybrid families' decode steps are captured too: their linear-attention layers read and write the sequences'
+states by a slot index that the graph's step takes from its static inputs (`linear_state.py`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class ModelRunner:
                  states=None):
         self.model = model
         self.states = states        # a hybrid model's linear-attention states (`linear_state.py`), or None
+        # whether a decode step's attention rotates q and k (`DecodeAttention.rotates`): not for the hybrid and MLA
+        # layers, which rotate them themselves (partial RoPE)
+        self.rotates = False if states is not None or is_mla(model) else None
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.max_model_len = max_model_len
@@ -204,9 +209,8 @@ class ModelRunner:
         ids, positions, slots, lens = self.decode_inputs(seqs)
         attn = DecodeAttention(self.kv_cache, self._tensor(slots), to_device(self._tables(seqs), self.device),
                                self._tensor(lens, torch.int32), self.decode_backend,
-                               split_k=decode_forms.step_split_k(self.model, len(seqs)),
-                               rotates=False if self.states is not None or is_mla(self.model) else None)
-        if self.states is not None:         # (partial RoPE: the hybrid and MLA layers rotate q and k themselves)
+                               split_k=decode_forms.step_split_k(self.model, len(seqs)), rotates=self.rotates)
+        if self.states is not None:
             attn.linear_states = self.states.step(seqs, [1] * len(seqs))
         ids = self._tensor(ids)
         self.take_pending(ids, pending)

@@ -22,7 +22,9 @@ On CUDA, when `fla` (the `flash-linear-attention` wheel, lathe's `hybrid` extra)
 (`chunk_gated_delta_rule` for sequences, `fused_recurrent_gated_delta_rule` for single steps) run instead, with the
 same arguments; without it the torch form runs there too, with a one-time notice.
 
-`causal_conv1d`: the depthwise causal convolution over each packed sequence (zero history), then SiLU.
+`causal_conv1d`: the depthwise causal convolution over each packed sequence (zero history), then SiLU;
+`conv_step`: the same for one new token per sequence after its carried inputs (a decode step: one cat and one
+product, no search over the packed bounds).
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
             part = part + carried * (back < 0).unsqueeze(-1).to(x.dtype)
         out = out + part * w[:, kernel - 1 - j]
     return F.silu(out)
+
+
+def conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv1d` and `conv_state` of one new token per sequence: x (S, C), `weight` (C, K), `state`
+    (S, C, K-1) each sequence's last K-1 inputs. Returns (silu(conv) (S, C), the new last K-1 inputs (S, C, K-1))."""
+    window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)          # (S, C, K), oldest input first
+    return F.silu((window * weight.to(x.dtype)).sum(-1)), window[..., 1:]
 
 
 def conv_state(x: torch.Tensor, cu_seqlens: torch.Tensor, kernel: int,

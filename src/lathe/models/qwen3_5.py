@@ -30,7 +30,7 @@ from torch import nn
 from lathe.models.attention import PackedAttention, PaddedAttention
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import MLP, RMSNorm, attend
-from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, \
+from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, conv_step, \
     recurrent_gated_delta_rule
 from lathe.models.moe import SparseMoeBlock
 from lathe.models.rope import RotaryEmbedding, rotate_half
@@ -133,14 +133,19 @@ class GatedDeltaNet(nn.Module):
         own, and then returns (output, the final states in the same form): an inference step's form."""
         la = self.la
         mixed, z, b, a = self.project(x)
-        conv = None if state is None else conv_state(mixed, cu_seqlens, la.conv_kernel, state[0])
-        mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state[0])
+        weight = self.conv1d.weight.squeeze(1)
+        step = state is not None and max_seqlen == 1      # one token per sequence (a decode step): the recurrence
+        if step:        # no host sync and no search over `cu_seqlens`: a CUDA graph captures it (`cuda_graph.py`)
+            mixed, conv = conv_step(mixed, weight, state[0])
+        else:
+            conv = None if state is None else conv_state(mixed, cu_seqlens, la.conv_kernel, state[0])
+            mixed = causal_conv1d(mixed, weight, cu_seqlens, None if state is None else state[0])
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (t.unflatten(-1, (la.num_key_heads, la.key_head_dim)) for t in (q, k))
         v = v.unflatten(-1, (la.num_value_heads, la.value_head_dim))
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
-        if state is not None and max_seqlen == 1:         # one token per sequence: the recurrence
+        if step:
             o, final = recurrent_gated_delta_rule(*(t.unsqueeze(1) for t in (q, k, v, g, beta)), state[1])
             o = o.squeeze(1)
         else:

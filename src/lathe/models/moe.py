@@ -83,6 +83,9 @@ class SparseMoeBlock(nn.Module):
     # changes per batch, is read only behind the graph break, so it costs no recompilation)
     routing = None
     hooks_routing: bool = False
+    # the engine's path for the experts in its decode steps (`lathe.engine.triton_moe.fused_experts`), or None:
+    # `experts_forward`'s arguments and result (plain SwiGLU, no biases); set on the engine's own model only
+    decode_experts = None
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
@@ -98,6 +101,9 @@ class SparseMoeBlock(nn.Module):
         weights, chosen = self.route(probs, self.moe.norm_topk_prob)
         if self.records_routing:
             self._record(probs, chosen)
+        if self.decode_experts is not None:
+            return self.decode_experts(flat, weights.to(x.dtype), chosen, self.experts.gate_up_proj,
+                                       self.experts.down_proj).view(*lead, h)
         return sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)
 
     def route(self, probs: torch.Tensor, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

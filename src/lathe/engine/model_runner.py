@@ -40,7 +40,7 @@ from lathe.engine.multimodal import StepInputs, hidden_states, rope_delta, text_
 from lathe.engine.paged_attention import choose_decode_backend
 from lathe.engine.sequence import PENDING, Sequence
 from lathe.engine.step_attention import DecodeAttention, PrefillAttention
-from lathe.engine.triton_moe import choose_moe_backend, set_decode_experts
+from lathe.engine.triton_moe import choose_moe_backend, fusable_blocks, set_decode_experts
 from lathe.models.attention import PackedAttention, select_packed_backend
 from lathe.models.moe import graph_capturable
 from lathe.models.vl import is_vl
@@ -67,11 +67,11 @@ class ModelRunner:
         # the MoE layers' experts in decode steps: the fused Triton kernels or `experts_forward`, the faster on a
         # probe (`triton_moe.choose_moe_backend`); prefill steps run `experts_forward` (`prefill`)
         self.moe_backend, self.moe_times = choose_moe_backend(model, max_graph_batch)
-        self.fused_moe = self.moe_backend == "triton_fused"
-        set_decode_experts(model, self.fused_moe)
+        self.fused_blocks = fusable_blocks(model) if self.moe_backend == "triton_fused" else []
+        set_decode_experts(self.fused_blocks, True)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and cfg.rope.rope_type != "dynamic" \
-                and (graph_capturable(model) or self.fused_moe) and not is_mla(model):
+                and (graph_capturable(model) or self.fused_blocks) and not is_mla(model):
             self.graphs = DecodeGraphs(self, max_graph_batch, graph_sizes)
 
     @property
@@ -195,13 +195,11 @@ class ModelRunner:
         ids, positions, attn, last, order, visual = self.prepare_prefill(seqs, num_new)
         if self.states is not None:
             attn.linear_states = self.states.step([seqs[i] for i in order], [num_new[i] for i in order])
-        if self.fused_moe:          # the fused experts are for decode sizes (and tuned for them)
-            set_decode_experts(self.model, False)
+        set_decode_experts(self.fused_blocks, False)     # the fused experts are for decode sizes (tuned for them)
         try:
             hidden = hidden_states(self.model, ids, positions, attn, visual)[last]
         finally:
-            if self.fused_moe:
-                set_decode_experts(self.model, True)
+            set_decode_experts(self.fused_blocks, True)
         inverse = [0] * len(order)
         for j, i in enumerate(order):
             inverse[i] = j

@@ -239,10 +239,10 @@ def fusable_blocks(model: nn.Module) -> list[SparseMoeBlock]:
     return [b for b in sparse_blocks(model) if type(b.experts) is Experts and not isinstance(b, DeepseekMoeBlock)]
 
 
-def set_decode_experts(model: nn.Module, on: bool) -> None:
-    """Route the fusable sparse layers' experts (`fusable_blocks`) through `fused_experts` (on) or back to
-    `experts_forward`: the engine turns it on for its decode steps and off around a prefill."""
-    for block in fusable_blocks(model):
+def set_decode_experts(blocks: list[SparseMoeBlock], on: bool) -> None:
+    """Route `blocks`' experts (from `fusable_blocks`) through `fused_experts` (on) or back to `experts_forward`:
+    the engine turns it on for its decode steps and off around a prefill."""
+    for block in blocks:
         block.decode_experts = fused_experts if on else None
 
 
@@ -258,16 +258,18 @@ def _time(fn, device: torch.device, repeats: int = 5) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def choose_moe_backend(model: nn.Module, max_rows: int) -> tuple[str, dict[str, float]]:
+def choose_moe_backend(model: nn.Module, max_rows: int) -> tuple[str | None, dict[str, float]]:
     """The experts' decode path of `model` by measurement: on CUDA with Triton, for a model whose sparse layers
     are all fusable (`fusable_blocks`), `fused_experts` and `experts_forward` are timed on the first layer's own
     weights at a decode batch of min(`PROBE_ROWS`, `max_rows`) tokens with random routing, and the faster is kept
     (logged, as `pick_fastest` logs). Before that, the fused kernels are tuned at every row bucket up to `max_rows`
     (the engine's largest decode batch), so that no tuning runs during a decode graph's capture. Returns
     ("triton_fused" or "experts_forward", {candidate: ms per call}); "experts_forward" and no times where there is
-    no choice."""
+    no choice; (None, {}) for a model without sparse layers."""
     blocks, all_blocks = fusable_blocks(model), sparse_blocks(model)
-    if not blocks or len(blocks) != len(all_blocks):
+    if not all_blocks:
+        return None, {}
+    if len(blocks) != len(all_blocks):
         return "experts_forward", {}
     experts = blocks[0].experts
     gate_up, down = experts.gate_up_proj, experts.down_proj

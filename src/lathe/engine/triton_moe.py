@@ -28,8 +28,6 @@ too. Under Triton's CPU interpreter (the tests) one fixed small configuration ru
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -43,8 +41,6 @@ try:
     import triton.language as tl
 except ImportError:          # CPU-only installs: the experts run as `experts_forward`
     triton = None
-
-log = logging.getLogger(__name__)
 
 MOE_CANDIDATES = ("triton_fused", "experts_forward")      # what the engine times on CUDA, in this order
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}

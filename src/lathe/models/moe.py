@@ -84,7 +84,8 @@ class SparseMoeBlock(nn.Module):
     routing = None
     hooks_routing: bool = False
     # the engine's path for the experts in its decode steps (`lathe.engine.triton_moe.fused_experts`), or None:
-    # `experts_forward`'s arguments and result (plain SwiGLU, no biases); set on the engine's own model only
+    # `experts_forward`'s arguments and result (plain SwiGLU, no biases); set on the engine's own model only, and
+    # unset around its prefill steps (a compiled layer keeps one variant with it and one without)
     decode_experts = None
 
     def __init__(self, cfg: LatheConfig):

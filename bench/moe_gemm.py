@@ -10,8 +10,12 @@ CUDA events over `--iters` calls after a warm-up, each variant on the same rows 
   nn.Linear stores it, both projections;
 - `grouped_kn_weights`: the same product with the weights stored (E, in, out) contiguous;
 - `experts_forward`: lathe's whole expert path (`lathe.models.moe.experts_forward`: sort by expert, gather, the two
-  grouped matmuls with SwiGLU, scatter back, weighted sum over k).
-The figure is the touched experts' weight bytes over the time (TB/s), against the HBM datasheet bandwidth.
+  grouped matmuls with SwiGLU, scatter back, weighted sum over k);
+- `triton_fused`: the engine's decode path for the same sum (`lathe.engine.triton_moe.fused_experts`: a small sort,
+  then two Triton launches that gather rows by index, apply SwiGLU and the routing weights inside, and a sum over k),
+  autotuned in its warm-up calls.
+The figure is the touched experts' weight bytes over the time (TB/s), against the HBM datasheet bandwidth;
+`triton_fused` also records its norm-relative difference from `experts_forward` (bfloat16 rounding: ~1e-2 or less).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import SHAPES, device_name, git_sha, hbm_bandwidth, slug  # noqa: E402
 
+from lathe.engine.triton_moe import fused_experts, last_configs  # noqa: E402
 from lathe.models.moe import experts_forward  # noqa: E402
 
 
@@ -84,17 +89,25 @@ def run(args) -> dict:
         def whole():
             return experts_forward(x, weights, chosen, gate_up, down)
 
+        def fused():
+            return fused_experts(x, weights, chosen, gate_up, down)
+
         row = {"rows": rows, "touched_experts": touched,
                "expected_touched": e * (1 - (1 - k / e) ** rows), "touched_bytes": touched * expert_bytes}
-        for name, fn in (("grouped_nn_weights", nn_layout), ("grouped_kn_weights", kn_layout),
-                         ("experts_forward", whole)):
+        variants = (("grouped_nn_weights", nn_layout), ("grouped_kn_weights", kn_layout),
+                    ("experts_forward", whole), ("triton_fused", fused))
+        for name, fn in variants:
             sec = timed(fn, args.iters)
             row[name] = {"us": sec * 1e6, "tb_s": touched * expert_bytes / sec / 1e12,
                          "hbm_fraction": touched * expert_bytes / sec / bw}
+        ref = whole().float()
+        row["triton_fused"]["rel_error"] = float((fused().float() - ref).norm() / ref.norm())   # vs experts_forward
+        row["triton_fused"]["configs"] = last_configs()
         out.append(row)
-        print(f"rows {rows:4d}: {touched:3d} experts; " + "; ".join(
-            f"{n} {row[n]['us']:.0f} us {row[n]['tb_s']:.2f} TB/s" for n in
-            ("grouped_nn_weights", "grouped_kn_weights", "experts_forward")), flush=True)
+        times = "; ".join(f"{n} {row[n]['us']:.0f} us {row[n]['tb_s']:.2f} TB/s" for n, _ in variants)
+        fused_row = row["triton_fused"]
+        print(f"rows {rows:4d}: {touched:3d} experts; {times}; fused rel. error {fused_row['rel_error']:.1e}, "
+              f"tiles {fused_row['configs']}", flush=True)
     return {"shape": args.shape, "expert_bytes": expert_bytes, "hbm_bytes_per_s": bw, "results": out}
 
 

@@ -262,6 +262,8 @@ def bench_model(name: str, device, args) -> dict:
                         "block_size": engine.kv_cache.block_size,
                         "decode_backend": engine.runner.decode_backend,
                         "decode_backend_probe_ms": engine.runner.backend_times,
+                        "moe_backend": engine.runner.moe_backend,
+                        "moe_backend_probe_ms": engine.runner.moe_times,
                         "cuda_graphs": engine.runner.graphs is not None}
     for load in args.loads:
         prompts, params, forced = loads[load]

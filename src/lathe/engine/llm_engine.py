@@ -120,8 +120,10 @@ class LatheEngine(StreamingMixin):
     On CUDA, by default: the model's layers are compiled (`compile_model`, torch.compile per layer), decode
     steps replay CUDA graphs (`enforce_eager=False`; one per decode batch size of `cudagraph_capture_sizes`, or of
     lathe's buckets, see `cuda_graph.batch_buckets`) that also sample, decode attention is the fastest kernel
-    measured at start-up (`decode_backend="auto"`: Triton paged decode or the PyTorch reference), and a small
-    model's q/k/v and gate/up projections run as one matmul each (`fuse_projections`, see `_should_fuse`).
+    measured at start-up (`decode_backend="auto"`: Triton paged decode or the PyTorch reference), so are a MoE
+    model's experts in decode steps (fused Triton kernels or `experts_forward`: `triton_moe.choose_moe_backend`,
+    reported as `runner.moe_backend`), and a small model's q/k/v and gate/up projections run as one matmul each
+    (`fuse_projections`, see `_should_fuse`).
 
     KV memory: `num_kv_blocks` blocks of `block_size` tokens; when not given it is sized from
     `gpu_memory_utilization` of the device's free memory (CUDA) or to hold `max_num_seqs` sequences of

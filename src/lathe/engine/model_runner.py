@@ -14,8 +14,11 @@ Prefill sorts its sequences into three groups, each with the cheapest correct at
   loop's next turn): one masked SDPA over the group's gathered contexts (`CachedPrefill`).
 Decode runs every sequence's last token; on CUDA it replays a CUDA graph captured for the smallest
 batch bucket that holds the batch (`cuda_graph.py`), unless the model's MoE layers read per-expert counts on the
-host (their expert loop, where the grouped matmul is not available: `lathe.models.moe.graph_capturable`), which a
-capture cannot hold: those models decode eagerly, and so does the DeepSeek-V3 family's latent attention (`mla.py`).
+host (their expert loop, where the grouped matmul is not available: `lathe.models.moe.graph_capturable`, and the
+fused decode experts below are not chosen), which a capture cannot hold: those models decode eagerly, and so does
+the DeepSeek-V3 family's latent attention (`mla.py`). A MoE model's experts run in decode steps as two fused Triton
+launches per layer (`triton_moe.py`) where a probe at start-up finds them faster than `experts_forward`; prefill
+keeps `experts_forward`.
 Attention sinks and sliding windows (GPT-OSS) are captured like the rest: each layer's window is a constant of the
 capture and its sink logits a parameter, read at replay (checked on CUDA: `tests/engine/test_new_families_gpu.py`).
 The hybrid families' decode steps are captured too: their linear-attention layers read and write the sequences'
@@ -39,6 +42,7 @@ from lathe.engine.multimodal import StepInputs, hidden_states, rope_delta, text_
 from lathe.engine.paged_attention import choose_decode_backend
 from lathe.engine.sequence import PENDING, Sequence
 from lathe.engine.step_attention import DecodeAttention, PrefillAttention
+from lathe.engine.triton_moe import choose_moe_backend, fusable_blocks, set_decode_experts
 from lathe.models.attention import PackedAttention, select_packed_backend
 from lathe.models.moe import graph_capturable
 from lathe.models.vl import is_vl
@@ -65,9 +69,14 @@ class ModelRunner:
             decode_backend, self.device, model.dtype, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, block_size=self.block_size)
         self.packed_backend = select_packed_backend("auto", self.device, model.dtype)
+        # the MoE layers' experts in decode steps: the fused Triton kernels or `experts_forward`, the faster on a
+        # probe (`triton_moe.choose_moe_backend`); prefill steps run `experts_forward` (`prefill`)
+        self.moe_backend, self.moe_times = choose_moe_backend(model, max_graph_batch)
+        self.fused_blocks = fusable_blocks(model) if self.moe_backend == "triton_fused" else []
+        set_decode_experts(self.fused_blocks, True)
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda" and cfg.rope.rope_type != "dynamic" and graph_capturable(model) \
-                and not is_mla(model):
+        if cuda_graphs and self.device.type == "cuda" and cfg.rope.rope_type != "dynamic" \
+                and (graph_capturable(model) or self.fused_blocks) and not is_mla(model):
             self.graphs = DecodeGraphs(self, max_graph_batch, graph_sizes)
 
     @property
@@ -191,7 +200,11 @@ class ModelRunner:
         ids, positions, attn, last, order, visual = self.prepare_prefill(seqs, num_new)
         if self.states is not None:
             attn.linear_states = self.states.step([seqs[i] for i in order], [num_new[i] for i in order])
-        hidden = hidden_states(self.model, ids, positions, attn, visual)[last]
+        set_decode_experts(self.fused_blocks, False)     # the fused experts are for decode sizes (tuned for them)
+        try:
+            hidden = hidden_states(self.model, ids, positions, attn, visual)[last]
+        finally:
+            set_decode_experts(self.fused_blocks, True)
         inverse = [0] * len(order)
         for j, i in enumerate(order):
             inverse[i] = j

@@ -84,6 +84,10 @@ class SparseMoeBlock(nn.Module):
     routing = None
     hooks_routing: bool = False
     balance_losses: bool = True       # records its routing for the load-balancing losses (`collect_router_stats`)
+    # the engine's path for the experts in its decode steps (`lathe.engine.triton_moe.fused_experts`), or None:
+    # `experts_forward`'s arguments and result (plain SwiGLU, no biases); set on the engine's own model only, and
+    # unset around its prefill steps (a compiled layer keeps one variant with it and one without)
+    decode_experts = None
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()
@@ -99,6 +103,9 @@ class SparseMoeBlock(nn.Module):
         weights, chosen = self.route(probs, self.moe.norm_topk_prob)
         if self.records_routing:
             self._record(probs, chosen, logits)
+        if self.decode_experts is not None:
+            return self.decode_experts(flat, weights.to(x.dtype), chosen, self.experts.gate_up_proj,
+                                       self.experts.down_proj).view(*lead, h)
         return sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)
 
     def route(self, probs: torch.Tensor, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,160 @@
+"""The fused MoE decode kernels (`lathe.engine.triton_moe`), run in Triton's CPU interpreter, against
+`experts_forward`; on a GPU, at Qwen3-30B-A3B's layer shape."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from lathe.models.moe import experts_forward  # noqa: E402
+from helpers import assert_close_rel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def moe(triton_interpreter):
+    """lathe.engine.triton_moe, its kernels run by Triton's CPU interpreter."""
+    from lathe.engine import triton_moe
+    return triton_moe
+
+
+def layer(e, h, i, dtype, seed, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    gate_up = (torch.randn(e, 2 * i, h, generator=g, device=device) * h ** -0.5).to(dtype)
+    down = (torch.randn(e, h, i, generator=g, device=device) * i ** -0.5).to(dtype)
+    return gate_up, down, g
+
+
+def routing(tokens, e, k, g, only=None, device="cpu"):
+    """Random top-k choices (over the experts `only`, when given: the others get no rows) and weights."""
+    pool = torch.arange(e, device=device) if only is None else torch.tensor(only, device=device)
+    scores = torch.rand(tokens, len(pool), generator=g, device=device)
+    chosen = pool[scores.topk(k, dim=-1).indices]
+    weights = torch.rand(tokens, k, generator=g, device=device).softmax(-1)
+    return weights, chosen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,e,k,h,i,only", [
+    (1, 8, 2, 32, 24, None),            # one token: two experts of one row each; I not a multiple of the tile
+    (20, 6, 2, 48, 16, [1, 4]),         # four experts without rows; two of 20 rows: a block of 16 and one of 4
+])
+def test_fused_equals_experts_forward(moe, dtype, tokens, e, k, h, i, only):
+    gate_up, down, g = layer(e, h, i, dtype, seed=tokens + e)
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    weights, chosen = routing(tokens, e, k, g, only)
+    weights = weights.to(dtype)
+    out = moe.fused_experts(x, weights, chosen, gate_up, down)
+    ref = experts_forward(x.float(), weights.float(), chosen, gate_up.float(), down.float())
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close_rel(out.float(), ref, rel=1e-5 if dtype == torch.float32 else 2e-2, name=f"fused experts {dtype}")
+
+
+def test_sparse_block_uses_the_hook_and_routing_is_recorded_first(moe):
+    """A block with `decode_experts` set computes its experts there, after the router (replay's recording is the
+    router's): the same output as without."""
+    from lathe.models.config import MoeConfig
+    from lathe.models.moe import SparseMoeBlock
+
+    class Cfg:
+        hidden_size = 32
+        moe = MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(Cfg())
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(3, 32)
+    seen = []
+    block.set_routing(lambda probs, k, norm: seen.append(probs) or torch.topk(probs, k, dim=-1))
+    ref = block(x)
+    block.decode_experts = moe.fused_experts
+    out = block(x)
+    assert len(seen) == 2
+    assert_close_rel(out, ref, rel=1e-5, name="block with the fused experts")
+
+
+def test_rows_bucket_and_prune(moe):
+    assert [moe.rows_bucket(r) for r in (1, 8, 9, 32, 33, 2048, 2049)] == [8, 8, 32, 32, 128, 2048, 8192]
+    # T=1 of top-8 over 128 experts: only the 16-row blocks; 512 tokens: every BLOCK_M
+    assert {c.kwargs["BLOCK_M"] for c in moe._prune(moe.CONFIGS, {"rows_key": 8, "num_experts": 128})} == {16}
+    assert {c.kwargs["BLOCK_M"] for c in moe._prune(moe.CONFIGS, {"rows_key": 8192, "num_experts": 128})} == {16, 32,
+                                                                                                               64}
+
+
+def test_engine_decode_steps_use_the_fused_experts_and_prefill_does_not(moe, tmp_path, monkeypatch):
+    """The engine's wiring on CPU (the kernels interpreted), the fused path forced: decode steps call it, prefill
+    steps do not, and the greedy tokens are transformers'."""
+    from lathe.engine import model_runner
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
+    from models.lathe_tiny import MOE, save_hf
+    from .conftest import PROMPTS
+    from .test_llm_engine import _hf_greedy
+
+    path, hf = save_hf(tmp_path, MOE)
+    rows, fused = [], moe.fused_experts
+
+    def spy(x, *args):
+        rows.append(x.shape[0])
+        return fused(x, *args)
+    monkeypatch.setattr(model_runner, "choose_moe_backend", lambda model, max_rows: ("triton_fused", {}))
+    monkeypatch.setattr(moe, "fused_experts", spy)
+    engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64,
+                                         enable_prefix_caching=False)
+    prompts = PROMPTS[:2]
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=3))
+    assert out.token_ids == [_hf_greedy(hf, p, 3) for p in prompts]
+    assert rows == [2, 2], "one call per decode step (the first token comes from prefill), none from prefill"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_fused_equals_experts_forward_cuda_30b_a3b(tokens):
+    """Qwen3-30B-A3B's layer (128 experts of 2048 x 768, top-8) in bfloat16: the autotuned kernels against
+    `experts_forward` (torch's grouped matmuls), both against the float32 loop."""
+    from lathe.engine.triton_moe import fused_experts
+    gate_up, down, g = layer(128, 2048, 768, torch.bfloat16, seed=tokens, device="cuda")
+    x = torch.randn(tokens, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    weights, chosen = routing(tokens, 128, 8, g, device="cuda")
+    weights = weights.to(torch.bfloat16)
+    out = fused_experts(x, weights, chosen, gate_up, down)
+    grouped = experts_forward(x, weights, chosen, gate_up, down)
+    exact = experts_forward(x.float(), weights.float(), chosen, gate_up.float(), down.float())
+    assert_close_rel(out.float(), exact, rel=1e-2, name="fused vs float32")
+    assert_close_rel(grouped.float(), exact, rel=1e-2, name="grouped vs float32")
+    assert_close_rel(out.float(), grouped.float(), rel=2e-2, name="fused vs grouped")
+    torch.testing.assert_close(fused_experts(x, weights, chosen, gate_up, down), out, rtol=0, atol=0)  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton_fused", "experts_forward"])
+def test_cuda_engine_decodes_with_the_fused_experts_in_graphs(tmp_path, monkeypatch, backend):
+    """A tiny Qwen3-MoE engine in bfloat16 on CUDA, its decode steps' experts fused (replayed from CUDA graphs) or
+    not: the log-probs of its greedy tokens equal the float32 forward's, teacher-forced; prefill keeps
+    `experts_forward`. The probe itself runs (and tunes) on the model, whatever it picks."""
+    from lathe.engine import model_runner, triton_moe
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
+    from lathe.models import load_lathe_model
+    from models.lathe_tiny import MOE, save_hf
+    from .conftest import PROMPTS
+    from .test_llm_engine import _teacher_forced
+
+    path, _ = save_hf(tmp_path, MOE)
+    probed = []
+
+    def choose(model, rows):
+        probed.append(triton_moe.choose_moe_backend(model, rows))
+        return backend, {}
+    monkeypatch.setattr(model_runner, "choose_moe_backend", choose)
+    engine = LatheEngine.from_pretrained(path, dtype=torch.bfloat16, device="cuda", eos_token_id=None, block_size=4,
+                                         num_kv_blocks=128, max_num_seqs=16)     # (few buckets to tune)
+    assert probed[0][0] in triton_moe.MOE_CANDIDATES and set(probed[0][1]) == set(triton_moe.MOE_CANDIDATES)
+    assert engine.runner.graphs is not None and engine.runner.moe_backend == backend
+    blocks = triton_moe.fusable_blocks(engine.model)
+    assert blocks and all((b.decode_experts is not None) == (backend == "triton_fused") for b in blocks)
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=12))
+    assert engine.runner.graphs.captures > 0
+    model = load_lathe_model(path)
+    for i, (ids, lps) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert_close_rel(lps, _teacher_forced(model, PROMPTS[i // 2], ids, 1.0), rel=5e-2, name=f"log-probs {i}")

@@ -203,7 +203,21 @@ def build_hf(shape_name: str, device, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg)
-    return model.to(dtype).train()
+    return cast_keeping_rope(model, dtype).train()
+
+
+def cast_keeping_rope(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model.to(dtype)` with its RoPE frequency buffers (`inv_freq`, `original_inv_freq`) kept in float32, as
+    `from_pretrained(dtype=...)` leaves them and as lathe's decoder keeps its own. Cast to bf16 they round by up to
+    2^-9 relative, which turns position p's angles by up to p * 2^-9 radians: another model than the checkpoint's,
+    and `.float()` does not undo it (a float32 reference made so would share the rounded frequencies)."""
+    kept = {name: buf for name, buf in model.named_buffers()
+            if name.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq")}
+    model.to(dtype)
+    for name, buf in kept.items():
+        owner, attr = name.rsplit(".", 1)
+        setattr(model.get_submodule(owner), attr, buf)
+    return model
 
 
 def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ from lathe.models.config import UnsupportedArchitecture
 from lathe.models.decoder import LatheValueModel
 from lathe.models.reward import lathe_reward_model
 from lathe.rollout.base import to_batch
-from lathe.workers.reward_model import select_reward_impl
+from lathe.workers.reward_model import load_reward_model, score_rows, select_reward_impl
 from workers.test_reward_model import hf_scores, worker
 
 CHATS = [[{"role": "user", "content": "Hi"}],
@@ -82,6 +82,53 @@ def test_a_head_lathe_does_not_read_is_refused(tmp_path):
     model.score = torch.nn.Linear(model.config.hidden_size, 1, bias=True)
     with pytest.raises(UnsupportedArchitecture, match="with a bias"):
         lathe_reward_model(model)
+
+
+def peaked_reward_model(path) -> str:
+    """A small random `Qwen2ForSequenceClassification` saved in `path`, its q/k projections 10x the default init so
+    that attention is peaked and RoPE's angles decide the scores (at the default init a small model's attention
+    logits are ~0: softmax uniform, any rotation error invisible)."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=1024, num_labels=1, pad_token_id=0))
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.normal_(0, 0.2)
+            layer.self_attn.k_proj.weight.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_bf16_scores_lie_as_near_float32_as_transformers_bf16(tmp_path):
+    """Issue 46: in bf16, lathe's packed scores are no further from the float32 forward's than transformers' bf16
+    padded forward's, both loaded as the worker loads them (`from_pretrained(dtype=bfloat16)`: RoPE frequencies
+    float32). The 4x gap the bench measured on a GPU came from its model instead: `.to(bfloat16)` rounds
+    transformers' RoPE frequency buffers, `.float()` keeps them rounded, so its bf16 forward and the float32
+    reference made from it shared a model that lathe's decoder (float32 frequencies) is not; measured so, lathe's
+    scores look several times further than transformers', as here."""
+    path = peaked_reward_model(tmp_path / "rm")
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (120, 380, 250, 300)]
+    parts, cpu = [[0, 1], [2, 3]], torch.device("cpu")
+    scores = lambda model, packed=False: score_rows(model, packed, rows, parts, cpu, 0).double()  # noqa: E731
+    rel = lambda got, ref: ((got - ref).norm() / ref.norm()).item()                          # noqa: E731
+
+    exact = scores(load_reward_model(path, dtype=torch.float32))
+    hf = load_reward_model(path, dtype=torch.bfloat16)
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
+    hf_bf16 = scores(hf)
+    lathe_bf16 = scores(*select_reward_impl(hf, "lathe")[:2])
+    assert 1e-3 < rel(hf_bf16, exact) < 0.2
+    assert rel(lathe_bf16, exact) <= 1.5 * rel(hf_bf16, exact)
+
+    rounded = load_reward_model(path, dtype=torch.float32).to(torch.bfloat16)      # the bench's model until then
+    assert rounded.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    rounded_bf16 = scores(rounded)
+    rounded_ref = scores(rounded.float())
+    assert rel(lathe_bf16, rounded_ref) > 2 * rel(rounded_bf16, rounded_ref)
 
 
 @pytest.mark.gpu

@@ -104,6 +104,9 @@ def rollout_rows(doc: dict):
             text = f"engine {fmt_k(la['tok_s'])} tok/s"
             if la.get("roofline_fraction"):
                 text += f", {la['roofline_fraction']:.1%} of the decode roofline"
+            touched = la.get("roofline_touched_fraction")
+            if touched and abs(touched - la.get("roofline_fraction", 0)) > 1e-3:     # a MoE: the experts it reads
+                text += f" ({touched:.1%} counting every expert a step touches)"
             if la.get("preemptions"):
                 text += f", {la['preemptions']} preemptions"
             yield (shape, 1, load, text)

@@ -197,6 +197,10 @@ def test_kernel_switches_and_backends_warn_once():
     text = "\n".join(str(w.message) for w in caught if w.category is IgnoredKeysWarning)
     assert text.count("runs on lathe's FSDP2 trainer") == 1
     assert "use_mbridge" in text and "apply_rope_fusion" in text
+    with pytest.warns(IgnoredKeysWarning) as caught:        # verl's examples README's spelling of model_engine
+        load_config("base", [f"{A}.model_engine=megatron", f"{A}.strategy=megatron"], device_count=1)
+    text = "\n".join(str(w.message) for w in caught if w.category is IgnoredKeysWarning)
+    assert text.count("runs on lathe's FSDP2 trainer") == 1 and f"`{A}.model_engine`=megatron" in text
 
 
 def test_verl_keys_round_trip(tmp_path):

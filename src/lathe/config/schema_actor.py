@@ -200,6 +200,8 @@ class ActorConfig:
     """
 
     strategy: Strategy = spec("fsdp", "Training backend (verl: fsdp|fsdp2|megatron).")
+    model_engine: str | None = spec(None, "verl's examples README's spelling of the top-level model_engine (dp, "
+                                          "megatron, veomni, torchtitan): lathe trains each on its FSDP2 trainer.")
     ppo_mini_batch_size: int = spec(256, "Prompts per PPO mini-batch (one optimizer step); x rollout.n sequences.")
     ppo_micro_batch_size: int | None = spec(None, "Deprecated (verl): global micro-batch in sequences; "
                                                   "converted to ppo_micro_batch_size_per_gpu.")

@@ -39,6 +39,7 @@ class IgnoredKeysWarning(UserWarning):
 def _multi_gpu() -> list[Entry]:
     out = [replace(warn("model_engine", BACKEND), judge=backend_judge("model_engine"))]
     out += [replace(warn(f"{g}.strategy", BACKEND), judge=backend_judge(f"{g}.strategy")) for g in (A, REF, C)]
+    out += [replace(warn(f"{A}.model_engine", BACKEND), judge=backend_judge(f"{A}.model_engine"))]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
     out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
             replace(refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices without a "

@@ -334,9 +334,11 @@ def backend_judge(key: str):
     then the actor's strategy; the reference's and critic's add one only when they name another)."""
     def judge(value, cfg) -> tuple[str, str] | None:
         named = [cfg.model_engine] if key != "model_engine" else []
+        if key == "actor_rollout_ref.actor.strategy":       # one notice when the actor's model_engine names it too
+            named.append(cfg.actor_rollout_ref.actor.model_engine)
         if key in ("actor_rollout_ref.ref.strategy", "critic.strategy"):
             named.append(cfg.actor_rollout_ref.actor.strategy)
-        if value in ("fsdp", "fsdp2", "dp") or value in named:
+        if value in (None, "fsdp", "fsdp2", "dp") or value in named:
             return None
         return "warn", f"`{key}`={show(value)} runs on lathe's FSDP2 trainer: {BACKEND_NOTE}."
     return judge

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
+from lathe.models.rope import cast_keeping_rope  # noqa: E402,F401  (bench/rm.py's too, through `common`)
+
 QWEN_VOCAB = 151936
 SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -204,20 +206,6 @@ def build_hf(shape_name: str, device, dtype):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg)
     return cast_keeping_rope(model, dtype).train()
-
-
-def cast_keeping_rope(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`model.to(dtype)` with its RoPE frequency buffers (`inv_freq`, `original_inv_freq`) kept in float32, as
-    `from_pretrained(dtype=...)` leaves them and as lathe's decoder keeps its own. Cast to bf16 they round by up to
-    2^-9 relative, which turns position p's angles by up to p * 2^-9 radians: another model than the checkpoint's,
-    and `.float()` does not undo it (a float32 reference made so would share the rounded frequencies)."""
-    kept = {name: buf for name, buf in model.named_buffers()
-            if name.rsplit(".", 1)[-1] in ("inv_freq", "original_inv_freq")}
-    model.to(dtype)
-    for name, buf in kept.items():
-        owner, attr = name.rsplit(".", 1)
-        setattr(model.get_submodule(owner), attr, buf)
-    return model
 
 
 def random_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:

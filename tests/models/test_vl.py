@@ -201,3 +201,19 @@ def test_flat_legacy_qwen2_5_vl_config_and_names():
         names = set(LatheVLForConditionalGeneration(cfg).state_dict())
     legacy = {n.replace("model.visual.", "visual.").replace("model.language_model.", "model."): None for n in names}
     assert set(rename_legacy_keys(legacy)) == names
+
+
+def test_bf16_frozen_copy_keeps_the_vision_towers_rope_frequencies(pair):
+    """The reference's and rollout's bf16 copy of a VL model (`frozen_copy`) keeps transformers' vision rotary
+    frequencies in float32, as the trainer's model and `from_pretrained(dtype=bfloat16)` have them (rounded, every
+    patch position's angle would turn by up to p * 2^-9 radians: another model than the trainer's)."""
+    from lathe.models.frozen import frozen_copy
+    from lathe.models.rope import ROPE_BUFFERS
+    _, lathe, _ = pair
+    copy = frozen_copy(lathe, torch.bfloat16, torch.device("cpu"))
+    freqs = {n: b for n, b in lathe.named_buffers() if n.rpartition(".")[2] in ROPE_BUFFERS}
+    assert freqs, "precondition: the vision tower keeps its frequencies in buffers"
+    got = dict(copy.named_buffers())
+    for name, want in freqs.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], want), name
+    assert copy.get_input_embeddings().weight.dtype == torch.bfloat16

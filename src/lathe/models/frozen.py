@@ -9,6 +9,7 @@ import torch
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.io import load_into
 from lathe.models.lora import merge_and_unload
+from lathe.models.rope import cast_keeping_rope
 
 
 def frozen_copy(model, dtype: torch.dtype, device: torch.device, *, share: bool = False, state=None):
@@ -18,7 +19,7 @@ def frozen_copy(model, dtype: torch.dtype, device: torch.device, *, share: bool 
     or from `state` ((name, tensor) pairs: a LoRA model's merged weights); with `share`, tensors already in `dtype`
     on `device` are the very same storage (updates show through). A transformers module is deep-copied."""
     if not isinstance(model, LatheCausalLM):    # transformers, or a VL model: a copy (its LoRA layers merged)
-        return merge_and_unload(copy.deepcopy(model)).to(device=device, dtype=dtype).requires_grad_(False).eval()
+        return cast_keeping_rope(merge_and_unload(copy.deepcopy(model)), dtype, device).requires_grad_(False).eval()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state = {k: _as(v.detach(), dtype if v.is_floating_point() else v.dtype, device, share)
              for k, v in (state if state is not None else model.state_dict().items())

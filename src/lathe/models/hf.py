@@ -25,6 +25,7 @@ from lathe.models.paths import (
     resolve,
     unknown_builtin,
 )
+from lathe.models.rope import cast_keeping_rope
 from lathe.track.progress import phase
 
 log = logging.getLogger("lathe")
@@ -195,7 +196,7 @@ def build_builtin_model(shape: str, *, vocab_size: int | None, seed: int = 0, dt
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
-    return model.to(dtype)
+    return cast_keeping_rope(model, dtype)
 
 
 def _explain(path: str, what: str, err: Exception) -> str:

@@ -2,7 +2,9 @@
 
 The inverse frequencies are computed in float32 with the same operations, in the same order, as
 transformers' `modeling_rope_utils`, so that cos/sin agree with it bit for bit in fp32. They live
-in a plain attribute (not a buffer), so `model.to(torch.bfloat16)` never rounds them.
+in a plain attribute (not a buffer), so `model.to(torch.bfloat16)` never rounds them. transformers' modules keep
+theirs in buffers (`inv_freq`), which `.to(bfloat16)` does round: `cast_keeping_rope` casts such a module (a
+vision tower, a fallback model) as `from_pretrained(dtype=...)` leaves it, frequencies in float32.
 
 Formulas: RoFormer (Su et al., 2021) for the base; linear position interpolation (Chen et al.,
 2023); dynamic NTK scaling (bloc97/emozilla, 2023); YaRN (Peng et al., 2023); the Llama 3.1
@@ -16,6 +18,24 @@ import math
 import torch
 
 from lathe.models.config import RopeConfig
+
+ROPE_BUFFERS = ("inv_freq", "original_inv_freq")     # transformers' rotary modules' frequency buffers
+
+
+def cast_keeping_rope(module: torch.nn.Module, dtype: torch.dtype | None = None,
+                      device: torch.device | str | None = None) -> torch.nn.Module:
+    """`module.to(device, dtype)` with transformers' RoPE frequency buffers (`ROPE_BUFFERS`) left in their dtype
+    (float32), as `from_pretrained(dtype=...)` leaves them. Cast to bf16 they round by up to 2^-9 relative, which
+    turns position p's angles by up to p * 2^-9 radians: another model than the checkpoint's (a bf16 reference or
+    rollout copy of a vision tower would then differ from the trainer's float32 one), and `.float()` does not undo
+    it."""
+    kept = {name: buf for name, buf in module.named_buffers() if name.rpartition(".")[2] in ROPE_BUFFERS}
+    module.to(device=device, dtype=dtype)
+    for name, buf in kept.items():
+        owner, _, attr = name.rpartition(".")
+        sub = module.get_submodule(owner)
+        setattr(sub, attr, buf.to(device=getattr(sub, attr).device))
+    return module
 
 
 def default_inv_freq(base: float, dim: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from lathe.dtypes import to_dtype
 from lathe.models.hf import BUILTIN_PREFIX, ModelLoadError, _explain, build_builtin_model, is_builtin, loading_problem
 from lathe.models.paths import resolve
+from lathe.models.rope import cast_keeping_rope
 
 __all__ = ["VALUE_HEAD", "load_value_model", "build_builtin_value_model"]
 
@@ -80,7 +81,7 @@ def build_builtin_value_model(shape: str, *, vocab_size: int | None, seed: int =
         raise RuntimeError(f"builtin:{shape} value model: backbone mismatch, missing {missing}, "
                            f"unexpected {unexpected}")
     _zero_value_head(model)
-    return model.to(dtype)
+    return cast_keeping_rope(model, dtype)
 
 
 def _zero_value_head(model) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from lathe.dtypes import rollout_dtype
 from lathe.engine.llm_engine import LatheEngine
+from lathe.models.rope import cast_keeping_rope
 from lathe.models.vl import is_vl
 from lathe.models.config import SUPPORTED_ARCHITECTURES
 from lathe.models.decoder import LatheCausalLM
@@ -132,5 +133,5 @@ def build_hf_rollout(rollout_cfg, model, eos_ids: list[int], pad_id: int, device
     syncs), moved to the device in the rollout dtype and frozen."""
     if own_copy:
         model.requires_grad_(False)
-        model.to(device=device, dtype=rollout_dtype(rollout_cfg.dtype, device))
+        cast_keeping_rope(model, rollout_dtype(rollout_cfg.dtype, device), device)
     return HFRollout(model, eos_token_id=eos_ids, pad_token_id=pad_id, max_num_seqs=rollout_cfg.max_num_seqs or 1024)

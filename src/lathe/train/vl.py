@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from lathe.models.rope import cast_keeping_rope
 from lathe.models.vl import is_vl
 
 
@@ -16,7 +17,7 @@ def freeze_vision_tower(model, dtype: torch.dtype, *, sharded: bool) -> None:
                          "vision tower. Fix: remove the key (or set it to false).")
     model.model.visual.requires_grad_(False)
     if not sharded:
-        model.model.visual.to(dtype)
+        cast_keeping_rope(model.model.visual, dtype)
 
 
 def check_vl(actor, arr, *, rollout: bool) -> None:

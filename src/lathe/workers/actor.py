@@ -21,6 +21,7 @@ from lathe.algo.distillation import DistillationParams
 from lathe.batch import Batch
 from lathe.config.plan import BatchPlan, MeshPlan
 from lathe.models.decoder import LatheCausalLM
+from lathe.models.rope import cast_keeping_rope
 from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora, load_adapter, read_adapter
@@ -72,7 +73,7 @@ class Actor:
         if self.lora:            # the frozen base computes in param_dtype (bf16 on a GPU); only the adapters train
             lora.place(self.model, self.policy, device, sharded=self.sharded)
         else:
-            self.model.to(device=None if self.sharded else device, dtype=self.policy.master_dtype)
+            cast_keeping_rope(self.model, self.policy.master_dtype, None if self.sharded else device)
         if arr.actor.freeze_vision_tower:
             freeze_vision_tower(self.model, self.policy.param_dtype, sharded=self.sharded)
         self.optimizer = self.scheduler = self.ppo = self.sp = self.tp = None

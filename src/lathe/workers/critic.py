@@ -13,6 +13,7 @@ from lathe.config import LatheConfig
 from lathe.config.plan import BatchPlan, MeshPlan
 from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
+from lathe.models.rope import cast_keeping_rope
 from lathe.models.value import load_value_model
 from lathe.train import expert_parallel, parallel, tensor_parallel, ulysses
 from lathe.train.critic import PPOCritic
@@ -58,14 +59,14 @@ class CriticWorker:
         if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if parallel.in_group():     # a rank of a data-parallel group: FSDP2 moves each rank's fp32 shards to the device
-            self.model = model.to(dtype=self.policy.master_dtype)
+            self.model = cast_keeping_rope(model, self.policy.master_dtype)
             tp = tensor_parallel.tensor_parallel(mesh, self.device)
             tensor_parallel.parallelize(self.model, tp)
             expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
             parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device, mesh)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         else:
-            self.model = model.to(device=self.device, dtype=self.policy.master_dtype)
+            self.model = cast_keeping_rope(model, self.policy.master_dtype, self.device)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
                                              **offload_flags(critic.model.fsdp_config, self.device, key=key))
         log.info("critic: %s on %s%s", self.policy.describe(), self.device, parallel.mesh_note(mesh))

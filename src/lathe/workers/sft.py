@@ -15,6 +15,7 @@ from lathe.models.compile import maybe_compile
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora
+from lathe.models.rope import cast_keeping_rope
 from lathe.train import lora, parallel
 from lathe.train.gathered import accumulating
 from lathe.train.actor import use_torch_compile
@@ -53,7 +54,7 @@ class SFTWorker:
         if self.lora:                     # the frozen base in the compute dtype; only the adapters train
             lora.place(self.model, self.policy, device, sharded=self.sharded)
         else:                             # sharded: fully_shard moves each rank's shards to the device
-            self.model.to(device=None if self.sharded else device, dtype=self.policy.master_dtype)
+            cast_keeping_rope(self.model, self.policy.master_dtype, None if self.sharded else device)
         if self.sharded:
             parallel.shard(self.model, m.fsdp_config, self.policy, device, mesh)
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)

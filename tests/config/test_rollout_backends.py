@@ -279,3 +279,27 @@ def test_tensor_parallel_replicas_load(overrides):
 def test_tensor_parallel_replicas_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load(*overrides)
+
+
+@pytest.mark.parametrize(("devices", "overrides", "ep"), [
+    (8, ["data_parallel_size=8", "expert_parallel_size=8"], 1),                          # verl's EP = TP x DP
+    (4, ["data_parallel_size=2", "tensor_model_parallel_size=2", "expert_parallel_size=4"], 2),
+    (4, ["moe_tensor_parallel_size=2", "tensor_model_parallel_size=4", "expert_parallel_size=2"], 4),
+])
+def test_verl_engine_layouts_run_as_replicas_of_tp_ranks(devices, overrides, ep):
+    """Data-parallel attention (one engine of DP x TP ranks) runs as DP replicas of TP ranks, and TensorRT-LLM's
+    moe_tensor_parallel_size x EP = TP as whole experts over the TP ranks: the same samples, another layout, one
+    notice each; expert_parallel_size becomes the replica's."""
+    with pytest.warns(IgnoredKeysWarning, match="runs as|places whole experts"):
+        cfg = load_config("base", [f"trainer.n_gpus_per_node={devices}", *(f"{R}.{o}" for o in overrides)],
+                          device_count=devices)
+    assert cfg.actor_rollout_ref.rollout.expert_parallel_size == ep
+
+
+def test_engine_layouts_that_do_not_fit_are_refused():
+    with pytest.raises(ConfigError, match=r"data_parallel_size`=3 .* needs 3 to divide the 4 rollout devices"):
+        load_config("base", ["trainer.n_gpus_per_node=4", f"{R}.data_parallel_size=3"], device_count=4)
+    with pytest.raises(ConfigError, match=r"moe_tensor_parallel_size`=2 with expert_parallel_size=1"):
+        load_config("base", ["trainer.n_gpus_per_node=4", f"{R}.tensor_model_parallel_size=4",
+                             f"{R}.moe_tensor_parallel_size=2"], device_count=4)
+

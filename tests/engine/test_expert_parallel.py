@@ -128,16 +128,20 @@ def test_the_ranks_experts_sum_to_the_whole_layer(family, grouped):
             assert_close_rel(total, want, rel=rel, name=f"{family}, grouped={grouped}, capturing={capturing}")
 
 
-def test_sizes_are_checked():
-    """A MoE model in a replica needs rollout.expert_parallel_size = the replica's size and whole experts per rank;
-    a dense model takes no expert-parallel size."""
+def test_sizes_are_checked(caplog):
+    """A MoE model in a replica needs rollout.expert_parallel_size = the replica's size (1, vLLM's tensor-parallel
+    experts, places them the same way, with a notice) and whole experts per rank; a dense model takes no
+    expert-parallel size."""
     from lathe.models.config import LatheConfig
     from models.lathe_tiny import hf_config
     moe = LatheConfig.from_hf_dict(hf_config(MOE).to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]})
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 with rollout.expert_parallel_size=1: "
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=4 with rollout.expert_parallel_size=2: "
                                          r"Qwen3MoeForCausalLM is a mixture-of-experts .* Fix: set "
-                                         r"rollout.expert_parallel_size=2"):
-        ShardLayout(moe, TensorParallel(None, 0, 2))
+                                         r"rollout.expert_parallel_size=4"):
+        ShardLayout(moe, TensorParallel(None, 0, 4), 2)
+    with caplog.at_level("INFO", logger="lathe"):
+        ShardLayout(moe, TensorParallel(None, 0, 2), 1)
+    assert "experts run expert-parallel over each replica's 2 ranks" in caplog.text
     with pytest.raises(ValueError, match=r"num_experts / 8 whole experts, and Qwen3MoeForCausalLM has 4"):
         ShardLayout(moe, TensorParallel(None, 0, 8), 8)
     dense = LatheConfig.from_hf_dict(hf_config("qwen3").to_dict() | {"architectures": ["Qwen3ForCausalLM"]})
@@ -158,7 +162,8 @@ def test_a_replica_is_checked_before_any_process_group_exists():
         hybrid = LatheCausalLM(LatheConfig.from_hf_dict(hybrid_config("qwen3_5_text").to_dict()
                                                         | {"architectures": ["Qwen3_5ForCausalLM"]}))
     check_replica(moe, 2, 2)
-    with pytest.raises(ValueError, match="Fix: set rollout.expert_parallel_size=2"):
-        check_replica(moe, 2, 1)
+    check_replica(moe, 2, 1)                  # vLLM's tensor-parallel experts: placed whole, as with 2
+    with pytest.raises(ValueError, match="Fix: set rollout.expert_parallel_size=4"):
+        check_replica(moe, 4, 2)
     with pytest.raises(NotImplementedError, match="linear-attention layers"):
         check_replica(hybrid, 2)

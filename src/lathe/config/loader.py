@@ -20,7 +20,7 @@ from .rules import check_config, check_visible_devices
 from .schema import LatheConfig
 from .support import check_support
 from .tree import apply_layer, flatten_mapping, parse_override
-from .verl_translate import drop_tp_beside_ep, pack_for_context_parallel
+from .verl_translate import drop_tp_beside_ep, engine_data_parallel, pack_for_context_parallel
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 DEFAULT_PRESET = "default"
@@ -59,6 +59,7 @@ def load_config(source: str | os.PathLike | None = None, overrides: Sequence[str
     apply_engine_kwargs(cfg, problems)      # verl's engine arguments with a lathe meaning set the rollout keys
     check_support(cfg, problems)
     pack_for_context_parallel(cfg)          # verl's context parallelism over padded micro-batches: Ulysses, packed
+    engine_data_parallel(cfg)               # verl's data-parallel attention: replicas of TP ranks
     if device_count is None:
         check_visible_devices(cfg, problems)
     filled = ProblemList()

@@ -121,11 +121,14 @@ def check_rollout_tp(cfg: LatheConfig, problems: ProblemList) -> None:
     """rollout.tensor_model_parallel_size: replicas of whole ranks of one node, or of whole nodes."""
     ro, t, key = cfg.actor_rollout_ref.rollout, cfg.trainer, "actor_rollout_ref.rollout.tensor_model_parallel_size"
     tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size
-    if ep not in (None, 1, tp):
+    # verl's EP = TP x DP, or TP / moe_tensor_parallel_size (support_rollout's judges; engine_data_parallel)
+    if ep not in (None, 1, tp, tp * max(1, ro.data_parallel_size)) and ep * max(1, ro.moe_tensor_parallel_size) != tp:
         problems.add(f"actor_rollout_ref.rollout.expert_parallel_size={ep}: expert-parallel generation over other "
                      f"than one tensor-parallel replica's ranks is not implemented yet in lathe (lathe issue 43: a "
                      f"mixture-of-experts model's experts are placed over the {tp} rank(s) of a replica; verl's wider "
-                     f"sizes need data-parallel attention). Fix: set it to {key.rsplit('.', 1)[1]}={tp}, or 1.")
+                     f"sizes need data-parallel attention, rollout.data_parallel_size = EP / TP, as verl's own "
+                     f"config requires EP = TP x data_parallel_size). Fix: set it to {key.rsplit('.', 1)[1]}={tp}, "
+                     "or 1.")
     if tp == 1:
         return
     if tp < 1:

@@ -93,12 +93,57 @@ def _backends() -> list[Entry]:
     return out
 
 
+def _engine_data_parallel(value, cfg) -> tuple[str, str] | None:
+    """verl's rollout.data_parallel_size D (vLLM/SGLang's data-parallel attention: one engine of D x TP ranks, each
+    data-parallel rank with sequences of its own, the experts over all D x TP) runs as D of lathe's replicas of TP ranks
+    (`engine_data_parallel` translates its expert-parallel size D x TP to TP): the same samples, each seeded by its
+    place in the batch; each rank holds num_experts / TP experts instead of num_experts / (D x TP)."""
+    if value in (None, 1):
+        return None
+    ro = cfg.actor_rollout_ref.rollout
+    tp, ep, key = ro.tensor_model_parallel_size, ro.expert_parallel_size, f"{R}.data_parallel_size"
+    devices = (cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node if is_async(cfg)
+               else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
+    if value < 1 or devices % (value * tp) or ep not in (None, 1, tp, value * tp):
+        return "refuse", (f"`{key}`={show(value)} with tensor_model_parallel_size={tp} and expert_parallel_size="
+                          f"{ep}: data-parallel attention within one engine ({MODEL_PARALLEL}) is not implemented yet; "
+                          f"lathe runs verl's engine of data_parallel_size x tensor_model_parallel_size = {value * tp} "
+                          f"ranks as {value} replicas of {tp} rank(s), which needs {value * tp} to divide the "
+                          f"{devices} rollout devices and expert_parallel_size to be 1, {tp} or {value * tp} (verl's "
+                          f"EP = TP x DP). Fix: set data_parallel_size to 1 (or such a size).")
+    return "warn", (f"`{key}`={value} (data-parallel attention: one engine of {value * tp} ranks) runs as {value} of "
+                    f"lathe's engine replicas of {tp} rank(s) each: the same samples; a mixture-of-experts model's "
+                    f"experts are placed over each replica's {tp} rank(s) (expert_parallel_size {ep} runs as {tp}), "
+                    f"so each rank holds {value} times the experts it would in verl's engine.")
+
+
+def _moe_tensor_parallel(value, cfg) -> tuple[str, str] | None:
+    """verl's (TensorRT-LLM's) rollout.moe_tensor_parallel_size M with expert_parallel_size EP, M x EP = TP: each
+    expert cut over M ranks and the experts over EP groups of them; lathe places whole experts over the replica's TP
+    ranks instead (`engine_data_parallel` sets EP = TP): the same computation, another layout."""
+    if value in (None, 1):
+        return None
+    ro, key = cfg.actor_rollout_ref.rollout, f"{R}.moe_tensor_parallel_size"
+    tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size or 1
+    if value * ep != tp:
+        return "refuse", (f"`{key}`={show(value)} with expert_parallel_size={ep}: tensor-parallel MoE layers "
+                          f"({MODEL_PARALLEL}) are not lathe's; it places whole experts over a replica's "
+                          f"tensor_model_parallel_size={tp} ranks, which stands in for moe_tensor_parallel_size x "
+                          f"expert_parallel_size = tensor_model_parallel_size only. Fix: set it to 1 (or to "
+                          f"{tp} / expert_parallel_size).")
+    return "warn", (f"`{key}`={value} x expert_parallel_size={ep}: lathe places whole experts over each replica's "
+                    f"{tp} ranks instead of cutting each expert over {value} of them (the same computation, another "
+                    "layout).")
+
+
 def _lacking() -> list[Entry]:
     """Features of verl's engines that lathe does not have yet: refused, with the issue that brings them."""
-    out = [refuse(f"{R}.{k}", f"{what} ({MODEL_PARALLEL})", "set it to 1", at_most(1)) for k, what in (
-        ("data_parallel_size", "a data-parallel size within one engine (DP attention)"),
-        ("pipeline_model_parallel_size", "pipeline-parallel generation"),
-        ("moe_tensor_parallel_size", "tensor-parallel MoE layers"))]
+    out = [replace(refuse(f"{R}.data_parallel_size", f"a data-parallel size within one engine (DP attention; "
+                          f"{MODEL_PARALLEL})"), judge=_engine_data_parallel)]
+    out += [refuse(f"{R}.pipeline_model_parallel_size", f"pipeline-parallel generation ({MODEL_PARALLEL})",
+                   "set it to 1", at_most(1))]
+    out += [replace(refuse(f"{R}.moe_tensor_parallel_size", f"tensor-parallel MoE layers ({MODEL_PARALLEL})"),
+                    judge=_moe_tensor_parallel)]
     out += [refuse(f"{R}.repetition_penalty", "a repetition penalty in sampling", ok=lambda v, cfg: v == 1),
             warn(f"{R}.quantization_config_file", f"it is read only with {R}.quantization ({QUANTIZED})"),
             refuse(f"{R}.qat", f"quantization-aware training's {QUANTIZED}",    # verl copies the actor's qat here

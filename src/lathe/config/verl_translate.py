@@ -34,6 +34,10 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   ``use_remove_padding`` is false there, it becomes true once every key is set (`pack_for_context_parallel`; padding
   or packing changes the layout, not what is computed; Megatron's CP splits padded micro-batches itself, lathe's
   Ulysses splits the packed stream); one notice says so (`context_parallel_notice`);
+* ``rollout.data_parallel_size`` D (data-parallel attention in one engine of D x TP ranks) runs as D of lathe's
+  engine replicas of TP ranks, and verl's expert-parallel size D x TP as each replica's TP (`engine_data_parallel`;
+  the same samples, each rank holding D times verl's experts; support_rollout gives the notice); so does
+  ``rollout.moe_tensor_parallel_size`` M with M x EP = TP (whole experts over the TP ranks instead of each cut over M);
 * the actor's ``{megatron,veomni}.router_replay.mode`` -> ``actor.router_replay.mode`` (routing replay, R2/R3);
 * the actor's ``megatron.override_transformer_config.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` ->
   ``actor.moe_aux_loss_coeff`` / ``actor.moe_z_loss_coeff`` (Megatron's router losses, `lathe.models.moe`);
@@ -273,3 +277,15 @@ def context_parallel_notice(cfg: Any) -> str | None:
     return (f"Megatron's/torchtitan's context-parallel size ({sizes}) runs as Ulysses sequence parallelism over each "
             f"micro-batch's packed stream, so {' and '.join(switches)}=false becomes true (padding or packing changes "
             "the layout, not what is computed).")
+
+
+def engine_data_parallel(cfg: Any) -> None:
+    """verl's rollout.data_parallel_size D > 1 runs as D replicas of tensor_model_parallel_size ranks, and its
+    moe_tensor_parallel_size M x expert_parallel_size = TP as whole experts over a replica (support_rollout judges
+    both and gives the notices): the expert-parallel size D x TP, or TP / M, becomes each replica's TP. Called after
+    the keys are judged."""
+    ro = cfg.actor_rollout_ref.rollout
+    tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size
+    if (ro.data_parallel_size > 1 and ep == ro.data_parallel_size * tp) or \
+            (ro.moe_tensor_parallel_size > 1 and ep * ro.moe_tensor_parallel_size == tp):
+        ro.expert_parallel_size = tp

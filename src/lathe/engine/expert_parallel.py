@@ -35,6 +35,8 @@ loop) over rows sorted by expert, as in one process; `LocalExperts.forward` pick
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 from typing import Any
 
@@ -49,26 +51,36 @@ TensorParallel = Any      # lathe.engine.tensor_parallel's (which imports this m
 # the stacked experts' tensors (Qwen3-MoE: gate_up_proj, down_proj; GPT-OSS also their biases), expert dim first
 FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
 KEY = "rollout.expert_parallel_size"
+log = logging.getLogger("lathe")
 
 
 def check_sizes(cfg, tp_size: int, ep_size: int) -> None:
     """Raise unless the experts of `cfg`'s model can be placed over a replica of `tp_size` ranks with `ep_size`
-    (module doc): a MoE model needs ep_size == tp_size and whole experts per rank; a dense model ep_size == 1."""
+    (module doc): a MoE model needs ep_size == tp_size (or 1, which places them the same way, with a notice: lathe
+    has no tensor-parallel experts) and whole experts per rank; a dense model ep_size == 1."""
     tp_key = f"rollout.tensor_model_parallel_size={tp_size}"
     if cfg.moe is None:
         if ep_size != 1:
             raise ValueError(f"{KEY}={ep_size}: {cfg.architecture} has no mixture-of-experts layers, so there are no "
                              f"experts to place. Fix: set {KEY}=1")
         return
-    if ep_size != tp_size:
+    if ep_size not in (1, tp_size):
         raise ValueError(f"{tp_key} with {KEY}={ep_size}: {cfg.architecture} is a mixture-of-experts model, whose "
-                         f"experts lathe places whole over the replica's ranks (expert parallelism; tensor-parallel "
-                         f"experts are not implemented). Fix: set {KEY}={tp_size} (or "
-                         f"rollout.tensor_model_parallel_size=1)")
+                         f"experts lathe places whole over the replica's ranks (expert parallelism). Fix: set "
+                         f"{KEY}={tp_size} (or 1, which runs the same way)")
+    if ep_size == 1 and tp_size > 1:
+        _notice_tensor_parallel_experts(cfg.architecture, tp_size)
     n = cfg.moe.num_experts
     if n % tp_size:
         raise ValueError(f"{tp_key}: each rank holds num_experts / {tp_size} whole experts, and {cfg.architecture} "
                          f"has {n} experts. Fix: choose a size that divides {n}")
+
+
+@functools.cache
+def _notice_tensor_parallel_experts(arch: str, tp_size: int) -> None:
+    log.info("engine: %s's experts run expert-parallel over each replica's %d ranks (%s=1 asks for tensor-parallel "
+             "experts, vLLM's default, which lathe does not cut: each rank holds whole experts instead; the same "
+             "computation, another layout)", arch, tp_size, KEY)
 
 
 class ExpertSlice:

@@ -12,8 +12,9 @@ itself with the whole router (the same choice everywhere, which is also what rou
 sums each token's k outputs as one process does (`lathe.models.moe.sorted_forward`): a partial sum of the layer's
 output. One all-reduce over the replica adds the partials, the same collective a row-parallel down_proj costs a
 dense layer. A layout where each rank holds *different* tokens (vLLM/SGLang's data-parallel attention,
-`rollout.data_parallel_size` > 1, which lathe runs as replicas of TP ranks instead) would instead have to send each row to its expert's owner and the outputs
-back (two all-to-alls with per-expert counts, as training's expert parallelism does) or all-gather the tokens first.
+`rollout.data_parallel_size` > 1, which lathe runs as replicas of TP ranks instead) would have to send each row to
+its expert's owner and the outputs back (two all-to-alls with per-expert counts, as training's expert parallelism
+does) or all-gather the tokens first.
 
 Shared experts (Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) would be cut like a dense MLP (columns of gate/up, rows of
 down) and their partial added before the same all-reduce: a whole copy on every rank would be counted T times by

@@ -30,15 +30,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Tests that start Ray clusters run one after another on one xdist worker per group (`--dist loadgroup`), each
-# group on a local cluster of its own (tests/cluster/conftest.py starts it with address="local", so it never joins
-# the other group's): the fully-async runs in one group, the other cluster tests (the simulated nodes among them) in
-# the other, so that the two long chains of Ray runs, mostly waiting on process starts and rendezvous, overlap.
+# Tests that start Ray clusters run one after another on one xdist worker (`--dist loadgroup`): two local clusters
+# at once would each count this machine's CPUs as their own.
 # Tests that run code in lathe's sandbox likewise share one worker: the sandbox's tests check that no sandboxed
 # process or `lathe-sbx-*` directory outlives a run, which another worker's run at that moment would fail.
-# The first group a path matches is its group.
-GROUPS = {"ray_async": ("tests/cluster/test_fully_async.py",),
-          "ray": ("tests/cluster/", "tests/test_bench_fully_async.py"),
+GROUPS = {"ray": ("tests/cluster/", "tests/test_bench_fully_async.py"),
           "sandbox": ("tests/reward/test_sandbox.py", "tests/rollout/agent/test_tools.py", "tests/test_examples.py",
                       "tests/test_report.py")}
 
@@ -54,10 +50,9 @@ ONE_WORKER = ("tests/train/test_expert_parallel.py", "tests/train/test_tensor_pa
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.as_posix()
-        group = next((g for g, paths in GROUPS.items() if any(f"/{p}" in path or path.endswith(p) for p in paths)),
-                     None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        for group, paths in GROUPS.items():
+            if any(f"/{p}" in path or path.endswith(p) for p in paths):
+                item.add_marker(pytest.mark.xdist_group(group))
         if path.endswith(ONE_WORKER):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
     if torch.cuda.is_available():

@@ -20,9 +20,7 @@ def pytest_configure(config):
 
 def _start() -> None:
     if not ray.is_initialized():
-        # "local": a cluster of this process's own, never another xdist worker's (tests/conftest.py GROUPS)
-        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
-                 logging_level="WARNING")
+        ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, logging_level="WARNING")
 
 
 def _all_free(wait_s: float = 10) -> bool:

@@ -10,7 +10,8 @@ One group of 4 gloo ranks (forks of one forkserver, as `test_parallel`'s), all c
   tensors; on HSDP 2 replicas x EP 2 (two EP=2 groups, the experts not sharded further); and resuming a one-process
   checkpoint on FSDP 4 x EP 2: metrics and weights equal the one-process run, and the EP checkpoint resumes exactly
   in one process, with the experts under their per-expert Hugging Face names;
-- the same actor with its load-balancing loss on, on EP 2 x Ulysses 2: metrics (the aux loss too), the last step's
+- the same actor with its load-balancing losses on (transformers' and Megatron's, z-loss included), on EP 2 x
+  Ulysses 2: metrics (the losses too), the last step's
   gradients, the weights and the log-probs of a forward after the updates equal the one-process run's.
 """
 
@@ -64,6 +65,9 @@ def aux_moe() -> LatheCausalLM:
 # balancing loss is each micro-batch's (as transformers' per forward): the one-process twin cuts the same micro-batches
 PACKED = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
 SP = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", *PACKED)
+# Megatron's router losses beside transformers' in the EP x Ulysses run and its twin: their per-layer statistics are
+# summed over the sequence-parallel group too (`ulysses.router_layer_totals`)
+MEGATRON_LOSSES = ("actor_rollout_ref.actor.moe_aux_loss_coeff=0.3", "actor_rollout_ref.actor.moe_z_loss_coeff=0.01")
 
 
 def moe_block(family: str):
@@ -117,7 +121,8 @@ def ep_job(world: int, *, ckpt: str, one: str) -> dict:
             "fsdp": train(world, -1, save=ckpt, model_fn=tiny_moe, engine=True, overrides=ep),
             "hsdp": train(world, 2, model_fn=tiny_moe, overrides=ep),
             "resumed": train(world, -1, steps=range(SAVED_AFTER, STEPS), resume=one, model_fn=tiny_moe, overrides=ep),
-            "sp": train(world, -1, model_fn=aux_moe, overrides=(*ep, *SP), tp=2, log_probs=True, grads=True)}
+            "sp": train(world, -1, model_fn=aux_moe, overrides=(*ep, *SP, *MEGATRON_LOSSES), tp=2, log_probs=True,
+                        grads=True)}
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +137,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_with_aux():
     """The EP x Ulysses run's one-process twin: packed, the load-balancing loss on."""
-    return train(1, -1, model_fn=aux_moe, overrides=PACKED, log_probs=True, grads=True)
+    return train(1, -1, model_fn=aux_moe, overrides=(*PACKED, *MEGATRON_LOSSES), log_probs=True, grads=True)
 
 
 def assert_same(got: dict, expected: dict, steps=range(STEPS)) -> None:
@@ -178,12 +183,13 @@ def test_hsdp_2_x_ep_2_updates_as_one_process(runs):
 
 
 def test_ep_2_x_ulysses_2_updates_as_one_process(runs, one_with_aux):
-    """Each rank dispatches the tokens of its slice of the packed stream; the load-balancing loss is the whole
-    micro-batch's (its statistics summed over the sequence-parallel group, the padding left out)."""
+    """Each rank dispatches the tokens of its slice of the packed stream; the load-balancing losses (transformers'
+    and Megatron's, with its z-loss) are the whole micro-batch's (their statistics summed over the sequence-parallel
+    group, the padding left out)."""
     _, _, ranks = runs
     got, one = ranks[0]["sp"], one_with_aux
     assert got["experts_mesh"] == (("dp_shard_mod_ep", "ep"), (2, 2))
-    compared = (*COMPARED, "actor/router_aux_loss")
+    compared = (*COMPARED, "actor/router_aux_loss", "actor/load_balancing_loss", "actor/z_loss")
     for a, b in zip(got["metrics"][:STEPS], one["metrics"][:STEPS]):
         assert_close_rel([a[k] for k in compared], [b[k] for k in compared], rel=1e-5, name="metrics")
     assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from lathe.models.rope import cast_keeping_rope  # noqa: E402,F401  (bench/rm.py's too, through `common`)
+from lathe.models.rope import cast_keeping_rope  # noqa: E402  (build_hf's; bench/rm.py's too, through `common`)
 
 QWEN_VOCAB = 151936
 SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)

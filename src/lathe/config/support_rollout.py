@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from .backends import QUANTIZED, SPECULATIVE, engine_kwargs_verdict
 from .coerce import show
-from .plan import is_async
+from .plan import is_async, rollout_devices, trainer_devices
 from .support_base import Entry, at_most, no_entries, only_on, refuse, same_as, warn
 
 R = "actor_rollout_ref.rollout"
@@ -102,8 +102,7 @@ def _engine_data_parallel(value, cfg) -> tuple[str, str] | None:
         return None
     ro = cfg.actor_rollout_ref.rollout
     tp, ep, key = ro.tensor_model_parallel_size, ro.expert_parallel_size, f"{R}.data_parallel_size"
-    devices = (cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node if is_async(cfg)
-               else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
+    devices = rollout_devices(cfg) or trainer_devices(cfg)         # a rollout pool's own, else the trainer's
     if value < 1 or devices % (value * tp) or ep not in (None, 1, tp, value * tp):
         return "refuse", (f"`{key}`={show(value)} with tensor_model_parallel_size={tp} and expert_parallel_size="
                           f"{ep}: data-parallel attention within one engine ({MODEL_PARALLEL}) is not implemented yet; "
@@ -124,7 +123,7 @@ def _moe_tensor_parallel(value, cfg) -> tuple[str, str] | None:
     if value in (None, 1):
         return None
     ro, key = cfg.actor_rollout_ref.rollout, f"{R}.moe_tensor_parallel_size"
-    tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size or 1
+    tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size
     if value * ep != tp:
         return "refuse", (f"`{key}`={show(value)} with expert_parallel_size={ep}: tensor-parallel MoE layers "
                           f"({MODEL_PARALLEL}) are not lathe's; it places whole experts over a replica's "

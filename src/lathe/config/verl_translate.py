@@ -285,7 +285,6 @@ def engine_data_parallel(cfg: Any) -> None:
     both and gives the notices): the expert-parallel size D x TP, or TP / M, becomes each replica's TP. Called after
     the keys are judged."""
     ro = cfg.actor_rollout_ref.rollout
-    tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size
-    if (ro.data_parallel_size > 1 and ep == ro.data_parallel_size * tp) or \
-            (ro.moe_tensor_parallel_size > 1 and ep * ro.moe_tensor_parallel_size == tp):
+    tp, ep, moe_tp = ro.tensor_model_parallel_size, ro.expert_parallel_size, ro.moe_tensor_parallel_size
+    if (ro.data_parallel_size > 1 and ep == ro.data_parallel_size * tp) or (moe_tp > 1 and ep * moe_tp == tp):
         ro.expert_parallel_size = tp

@@ -58,6 +58,16 @@ def rows_bucket(rows: int) -> int:
 
 if triton is not None:
     @triton.jit
+    def _tile(BOUNDS, num_experts, N, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(expert, row offsets, row mask, column offsets, column mask) of this program's tile: row block
+        program_id // (column tiles), column tile program_id % (column tiles) of N (`_block_rows`)."""
+        pid = tl.program_id(0)
+        tiles = tl.cdiv(N, BLOCK_N)
+        e, rows, row_ok = _block_rows(BOUNDS, pid // tiles, num_experts, E_PAD, BLOCK_M)
+        n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return e, rows, row_ok, n, n < N
+
+    @triton.jit
     def _block_rows(BOUNDS, b, num_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
         """(expert, row offsets, row mask) of block `b`: each expert's run of sorted rows (BOUNDS[e]..BOUNDS[e+1])
         cut into blocks of BLOCK_M, the experts' blocks end to end; expert >= num_experts past the last block."""
@@ -88,14 +98,10 @@ if triton is not None:
                         TOP_K: tl.constexpr, E_PAD: tl.constexpr, F32: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """INTER[r, n] = silu(x[t] . W[e, n]) * (x[t] . W[e, N + n]) for each sorted row r of expert e, token t."""
-        pid = tl.program_id(0)
-        tiles = tl.cdiv(N, BLOCK_N)
-        e, rows, row_ok = _block_rows(BOUNDS, pid // tiles, num_experts, E_PAD, BLOCK_M)
+        e, rows, row_ok, n, n_ok = _tile(BOUNDS, num_experts, N, E_PAD, BLOCK_M, BLOCK_N)
         if e >= num_experts:
             return
         tokens = tl.load(ORDER + rows, mask=row_ok, other=0) // TOP_K
-        n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
         kk = tl.arange(0, BLOCK_K)
         x_ptr = X + tokens[:, None].to(tl.int64) * stride_xt + kk[None, :] * stride_xk
         g_ptr = W + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk
@@ -121,14 +127,10 @@ if triton is not None:
                      E_PAD: tl.constexpr, F32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """OUT[s, n] = RW[s] * (INTER[r] . W[e, n]) for each sorted row r of expert e, s its (token, choice) index."""
-        pid = tl.program_id(0)
-        tiles = tl.cdiv(N, BLOCK_N)
-        e, rows, row_ok = _block_rows(BOUNDS, pid // tiles, num_experts, E_PAD, BLOCK_M)
+        e, rows, row_ok, n, n_ok = _tile(BOUNDS, num_experts, N, E_PAD, BLOCK_M, BLOCK_N)
         if e >= num_experts:
             return
         slots = tl.load(ORDER + rows, mask=row_ok, other=0)
-        n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
         kk = tl.arange(0, BLOCK_K)
         a_ptr = INTER + rows[:, None].to(tl.int64) * stride_it + kk[None, :]
         w_ptr = W + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk

@@ -9,7 +9,9 @@ models (a cached prefix has KV but no state to continue from: state snapshots at
 
 A step's `LinearStep` rides on the step's attention callable (`attn.linear_states`): the layers read and write the
 states of the step's sequences, one linear layer after the other (gathered by slot with `index_select`, written back
-with `index_copy_`).
+with `index_copy_`). A step of one token per sequence (every decode step) instead hands each layer's inputs to the
+`LinearStep`, which advances the states where they lie: on CUDA the recurrent state in one Triton launch per layer
+that reads and writes each row's slot (`triton_gdn`: a third of the gather / kernel / scatter traffic).
 
 Decode steps replay CUDA graphs as the other families' do (`cuda_graph.py`): a decode step's layers take one token
 per sequence (`GatedDeltaNet`'s single-token form: no host sync), and the graph's `LinearStep` reads the rows' slots
@@ -30,8 +32,10 @@ import logging
 
 import torch
 
+from lathe.engine import triton_gdn
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.sequence import Sequence
+from lathe.models.linear_attention import conv_step, recurrent_gated_delta_rule
 
 log = logging.getLogger("lathe")
 
@@ -123,6 +127,30 @@ class LinearStep:
         c.conv[self.layer].index_copy_(0, self.index, conv.to(c.conv.dtype))
         c.recurrent[self.layer].index_copy_(0, self.index, recurrent.float())
         self.layer += 1
+
+    # A step of one token per sequence (`GatedDeltaNet.step`): the layer hands over its inputs, the states advance
+    # in their slots.
+
+    def conv_step(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """silu(conv) (B, C) of each row's new input x after its slot's last K-1 inputs, which move on by one."""
+        conv = self.cache.conv[self.layer]
+        out, window = conv_step(x, weight, conv.index_select(0, self.index))
+        conv.index_copy_(0, self.index, window.to(conv.dtype))
+        return out
+
+    def recurrent_step(self, q, k, v, g, beta) -> torch.Tensor:
+        """o (B, Hv, Dv) of each row's token, its recurrent state advanced in its slot (on CUDA in place, one launch:
+        `triton_gdn`); then on to the next linear layer."""
+        states = self.cache.recurrent[self.layer]
+        if triton_gdn.available(q.device):
+            o = triton_gdn.gated_delta_step_(q, k, v, g, beta, states, self.index)
+        else:
+            o, final = recurrent_gated_delta_rule(*(t.unsqueeze(1) for t in (q, k, v, g, beta)),
+                                                  states.index_select(0, self.index))
+            states.index_copy_(0, self.index, final.float())
+            o = o.squeeze(1)
+        self.layer += 1
+        return o
 
 
 class StateBlockManager(BlockManager):

@@ -17,7 +17,8 @@ Parameter names are the checkpoints' own. The linear-attention layers see each p
 padded batch, padding zeroed as transformers does) from a zero state; attention layouts that cut sequences in other
 ways (prefix grouping, Ulysses) are refused by the layer. An attention callable that carries `linear_states` (the
 engine's step: `cu_seqlens`, `max_seqlen`, and `read()` / `write(conv, recurrent)` of the next linear layer's
-per-sequence states, called in layer order) has each sequence continue from its own states instead.
+per-sequence states, called in layer order) has each sequence continue from its own states instead; a step of one
+token per sequence hands the state updates to it (`GatedDeltaNet.step`), which advances them in place.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ from torch import nn
 from lathe.models.attention import PackedAttention, PaddedAttention
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import MLP, RMSNorm, attend
-from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, conv_step, \
-    recurrent_gated_delta_rule
+from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state
 from lathe.models.moe import SparseMoeBlock
 from lathe.models.rope import RotaryEmbedding, rotate_half
 
@@ -133,26 +133,32 @@ class GatedDeltaNet(nn.Module):
         own, and then returns (output, the final states in the same form): an inference step's form."""
         la = self.la
         mixed, z, b, a = self.project(x)
-        weight = self.conv1d.weight.squeeze(1)
-        step = state is not None and max_seqlen == 1      # one token per sequence (a decode step): the recurrence
-        if step:        # no host sync and no search over `cu_seqlens`: a CUDA graph captures it (`cuda_graph.py`)
-            mixed, conv = conv_step(mixed, weight, state[0])
-        else:
-            conv = None if state is None else conv_state(mixed, cu_seqlens, la.conv_kernel, state[0])
-            mixed = causal_conv1d(mixed, weight, cu_seqlens, None if state is None else state[0])
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = (t.unflatten(-1, (la.num_key_heads, la.key_head_dim)) for t in (q, k))
-        v = v.unflatten(-1, (la.num_value_heads, la.value_head_dim))
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
-        if step:
-            o, final = recurrent_gated_delta_rule(*(t.unsqueeze(1) for t in (q, k, v, g, beta)), state[1])
-            o = o.squeeze(1)
-        else:
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, max_seqlen,
-                                              initial_state=None if state is None else state[1])
+        conv = None if state is None else conv_state(mixed, cu_seqlens, la.conv_kernel, state[0])
+        mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state[0])
+        o, final = chunk_gated_delta_rule(*self._qkv(mixed), *self._gates(b, a), cu_seqlens, max_seqlen,
+                                          initial_state=None if state is None else state[1])
         out = self.out_proj(self.norm(o, z).flatten(-2))
         return out if state is None else (out, (conv, final))
+
+    def step(self, x: torch.Tensor, states) -> torch.Tensor:
+        """One new token per sequence, x (S, H), each continuing from its own states, which `states` (the engine's
+        `LinearStep`) advances where they lie: `conv_step(mixed, weight)` and `recurrent_step(q, k, v, g, beta)`.
+        No host sync and no search over packed bounds: a CUDA graph captures it (`lathe.engine.cuda_graph`)."""
+        mixed, z, b, a = self.project(x)
+        mixed = states.conv_step(mixed, self.conv1d.weight.squeeze(1))
+        o = states.recurrent_step(*self._qkv(mixed), *self._gates(b, a))
+        return self.out_proj(self.norm(o, z).flatten(-2))
+
+    def _qkv(self, mixed: torch.Tensor):
+        """q, k (..., Hk, Dk) and v (..., Hv, Dv) of the convolved projections."""
+        la = self.la
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = (t.unflatten(-1, (la.num_key_heads, la.key_head_dim)) for t in (q, k))
+        return q, k, v.unflatten(-1, (la.num_value_heads, la.value_head_dim))
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor):
+        """(g, beta): the decay's log, -exp(A_log) softplus(a + dt_bias) in float32, and sigmoid(b)."""
+        return -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias), torch.sigmoid(b)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -192,6 +198,8 @@ class HybridDecoderLayer(nn.Module):
 
     def _linear(self, h: torch.Tensor, attn) -> torch.Tensor:
         states = getattr(attn, "linear_states", None)
+        if states is not None and states.max_seqlen == 1:     # a decode step: the states advance where they lie
+            return self.linear_attn.step(h, states)
         if states is not None:      # an inference step: each sequence continues from its own states
             out, new = self.linear_attn(h, states.cu_seqlens, states.max_seqlen, states.read())
             states.write(*new)

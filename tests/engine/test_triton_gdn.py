@@ -1,11 +1,12 @@
 """The in-place decode step of the gated delta rule (`lathe.engine.triton_gdn`) against the token-by-token torch form
-on gathered states (float64): outputs, each row's slot advanced, every other slot untouched."""
+on gathered states (float64), and its short convolution against `conv_step`: outputs, each row's slot advanced, every
+other slot untouched."""
 
 import pytest
 import torch
 
 from lathe.engine import triton_gdn
-from lathe.models.linear_attention import recurrent_gated_delta_rule
+from lathe.models.linear_attention import conv_step, recurrent_gated_delta_rule
 
 from helpers import assert_close_rel
 
@@ -51,3 +52,33 @@ def test_in_place_step_on_cuda_and_through_the_linear_step():
     q, k, v, g, beta, states, index = _case("cuda", rows=5, hk=4, hv=8, dk=128, dv=128)
     q, k, v = (t.bfloat16() for t in (q, k, v))
     _check(q, k, v, g, beta, states, index, rel=1e-2)
+
+
+def _conv_case(device, rows=5, channels=40, kernel=4, slots=9, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, channels + 8, generator=gen)[:, :channels]          # a view: row stride wider than C
+    weight = torch.randn(channels, kernel, generator=gen)
+    states = torch.randn(slots, channels, kernel - 1, generator=gen)
+    index = torch.tensor([3, 0, 6, slots - 1, slots - 1][:rows])
+    return [t.to(device) for t in (x, weight, states, index)]
+
+
+def _check_conv(x, weight, states, index, rel):
+    before = states.clone()
+    want, want_states = conv_step(x.double(), weight.double(), before.double()[index])
+    got = triton_gdn.conv_step_(x, weight, states, index)
+    real = index[:-2]
+    assert_close_rel(got[:-2], want[:-2], rel=rel, name="convolved inputs")
+    assert torch.equal(states[real], want_states[:-2].to(states.dtype))      # the window moved on by one, exactly
+    untouched = [s for s in range(states.shape[0]) if s not in index.tolist()]
+    assert torch.equal(states[untouched], before[untouched])
+
+
+def test_in_place_conv_step_equals_the_torch_step_on_gathered_inputs(triton_interpreter):
+    _check_conv(*_conv_case("cpu"), rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_in_place_conv_step_on_cuda():
+    x, weight, states, index = _conv_case("cuda", channels=6144)
+    _check_conv(x.bfloat16(), weight.bfloat16(), states.bfloat16(), index, rel=1e-2)

@@ -10,8 +10,9 @@ models (a cached prefix has KV but no state to continue from: state snapshots at
 A step's `LinearStep` rides on the step's attention callable (`attn.linear_states`): the layers read and write the
 states of the step's sequences, one linear layer after the other (gathered by slot with `index_select`, written back
 with `index_copy_`). A step of one token per sequence (every decode step) instead hands each layer's inputs to the
-`LinearStep`, which advances the states where they lie: on CUDA the recurrent state in one Triton launch per layer
-that reads and writes each row's slot (`triton_gdn`: a third of the gather / kernel / scatter traffic).
+`LinearStep`, which advances the states where they lie: on CUDA the convolution inputs and the recurrent state in
+one Triton launch each per layer that reads and writes each row's slot (`triton_gdn`: a third of the gather /
+kernel / scatter traffic).
 
 Decode steps replay CUDA graphs as the other families' do (`cuda_graph.py`): a decode step's layers take one token
 per sequence (`GatedDeltaNet`'s single-token form: no host sync), and the graph's `LinearStep` reads the rows' slots
@@ -134,6 +135,8 @@ class LinearStep:
     def conv_step(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """silu(conv) (B, C) of each row's new input x after its slot's last K-1 inputs, which move on by one."""
         conv = self.cache.conv[self.layer]
+        if triton_gdn.available(x.device):
+            return triton_gdn.conv_step_(x, weight, conv, self.index)
         out, window = conv_step(x, weight, conv.index_select(0, self.index))
         conv.index_copy_(0, self.index, window.to(conv.dtype))
         return out

@@ -387,13 +387,14 @@ def main() -> None:
                     help="none,fp8: after the bf16 rows, the same loads with rollout.quantization=fp8 (lathe_fp8, "
                          "fp8_speedup; its KV cache gets what the FP8 copies leave)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--git-sha", default=None, help="the tree's sha where .git is stale (the device copy)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     name = device_name(device)
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"rollout_{slug(name)}.json"
     results = {"bench": "rollout", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "git_sha": git_sha(), "torch": torch.__version__, "args": dict(vars(args)), "models": {}}
+               "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "args": dict(vars(args)), "models": {}}
     def save_partial(model):
         def write(result):
             results["models"][model] = result

@@ -2,13 +2,16 @@
 transformers: logits on a ragged batch (padded and packed), gradients, the load-balancing loss, and checkpoints
 both ways."""
 
+import contextlib
+
 import pytest
 import torch
 
 from lathe.models.config import LatheConfig, UnsupportedArchitecture
 from lathe.models.hf import lathe_from_transformers
-from lathe.models.moe import collect_router_stats
+from lathe.models.moe import collect_router_stats, sparse_blocks
 from lathe.models.packing import pack_padded
+from lathe.models.routing import record_routing, replay_routing
 
 from helpers import assert_close_rel
 
@@ -95,17 +98,32 @@ def test_what_cuts_sequences_is_refused_by_name():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_bf16_packed_forward_and_gradients_on_cuda_follow_the_cpu_reference(family):
-    """On CUDA (fla's kernels when installed, varlen attention), bf16: logits and gradients near the fp32 CPU path."""
+    """On CUDA (fla's kernels when installed, varlen attention), bf16: logits and gradients near the fp32 CPU path.
+    The MoE family's bf16 forward replays the reference's expert choices: in a tiny random model some tokens' top-k
+    are near ties that bf16 rounding flips (5.7% logits error on an H200, the same before the decode kernels), a
+    discrete change the tolerance is not about."""
+    bf16_follows_the_reference(family, torch.device("cuda"))
+
+
+def bf16_follows_the_reference(family: str, device: torch.device) -> None:
     hf = hf_model(family)
     cpu = lathe_from_transformers(hf)
-    gpu = lathe_from_transformers(hf).to("cuda", torch.bfloat16)
+    low = lathe_from_transformers(hf).to(device, torch.bfloat16)
     ids, mask, pos = ragged_batch(2)
     packed = pack_padded(ids, mask, pos)
-    outs = []
-    for model in (cpu, gpu):
+    outs, seen = [], []
+    for model in (cpu, low):
         dev = model.device
-        logits = model.forward_packed(packed.input_ids.to(dev), packed.position_ids.to(dev), packed.cu_seqlens.to(dev),
-                                      packed.max_seqlen, return_hidden=False)
+        if not sparse_blocks(model):
+            routing = contextlib.nullcontext()
+        elif model is cpu:
+            routing = record_routing(model)
+        else:
+            routing = replay_routing(model, torch.stack([layer[0] for layer in seen], dim=1).to(dev))
+        with routing as recorded:
+            logits = model.forward_packed(packed.input_ids.to(dev), packed.position_ids.to(dev),
+                                          packed.cu_seqlens.to(dev), packed.max_seqlen, return_hidden=False)
+        seen = recorded or []
         logits.float().pow(2).mean().backward()
         outs.append((logits, {n: p.grad for n, p in model.named_parameters()}))
     assert_close_rel(outs[1][0], outs[0][0], rel=3e-2, name="bf16 logits")

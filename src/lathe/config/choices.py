@@ -18,7 +18,7 @@ DtypeName = Literal["fp32", "float32", "32", "bf16", "bfloat16", "fp16", "float1
 # lathe.dtypes.rollout_dtype: the engine's weights and KV-cache dtype on CUDA (float32 on CPU)
 RolloutDtype = Literal["bfloat16", "float16", "float32"]
 # verl's training backends; lathe trains every one of them with its FSDP2 trainer (support.py says so once)
-Strategy = Literal["fsdp", "fsdp2", "fsdp_turbo", "megatron", "veomni", "torchtitan"]
+Strategy = Literal["fsdp", "fsdp2", "fsdp_turbo", "megatron", "megatron_lite", "veomni", "torchtitan"]
 # verl's `model_engine` (the Hydra group that picks the backend's config groups); dp = fsdp
 ModelEngine = Literal["dp", "fsdp", "megatron", "veomni", "torchtitan"]
 # verl's fsdp_config.strategy (an engine override within FSDP)

@@ -59,8 +59,8 @@ def _devices_or_all(v: Any, cfg: Any) -> bool:
 def _parallel() -> list[Entry]:
     out = [inert(p, PIPELINE) for p in ("*.megatron.pipeline_model_parallel_size",
                                         "*.megatron.virtual_pipeline_model_parallel_size",
-                                        "*.torchtitan.pipeline_parallel_size")]
-    out += [refuse("*.megatron.expert_tensor_parallel_size", ETP, ONE, at_most(1))]
+                                        "*.torchtitan.pipeline_parallel_size", "*.engine.pp", "*.engine.vpp")]
+    out += [refuse(p, ETP, ONE, at_most(1)) for p in ("*.megatron.expert_tensor_parallel_size", "*.engine.etp")]
     out += [refuse("*.megatron.dynamic_context_parallel", CP),
             refuse("*.torchtitan.data_parallel_replicate_size", REPLICAS, "remove it and set data_parallel_shard_size "
                    "(or fsdp_config.fsdp_size) to the devices / replicas", at_most(1)),
@@ -150,6 +150,16 @@ def _backends() -> list[Entry]:
            warn("*.megatron.override_mcore_model_config*", "a Megatron model setting; " + KERNELS),
            warn("*.megatron.grad_offload", "lathe keeps gradients only during an update; param_offload and "
                 "optimizer_offload are its offload switches"),
+           # Megatron Lite's engine group (verl_keys.MLITE_ENGINE; its sizes, offload and recompute translate)
+           warn("*.engine.grad_offload", "lathe keeps gradients only during an update; param_offload and "
+                "optimizer_offload are its offload switches"),
+           warn("*.engine.attention_backend_override", "an attention-kernel choice; " + KERNELS),
+           inert("*.engine.impl_cfg.use_thd", "lathe packs sequences (the THD layout) when model.use_remove_padding "
+                 "is set; " + SAME_MATH),
+           warn("*.engine.impl_cfg.optimizer", "Megatron Lite's optimizer wrapper (fsdp2 or dist_opt); lathe runs "
+                "its AdamW over FSDP2 shards, the same update"),
+           inert("actor_rollout_ref.ref.engine.impl_cfg.recompute", "the reference runs forward only"),
+           warn("*.engine.impl_cfg*", "a Megatron Lite engine setting (kernels, fusions, overlap); " + KERNELS),
            refuse("*.megatron.use_dist_checkpointing", "loading Megatron distributed checkpoints",
                   "convert the checkpoint to Hugging Face format and set actor_rollout_ref.model.path to it"),
            warn("*.megatron.dist*", "it is read only with megatron.use_dist_checkpointing (not implemented)"),

@@ -159,6 +159,19 @@ _OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][\w\-]*(?:\.[\w\-]+)*)\s*=(.*)$", r
 _GROUP_CHOICE = re.compile(r"^\+{0,2}([\w\-]+@[\w.\-]+)\s*=\s*(\S+)$")
 
 
+# Megatron Lite's config package (`verl_mlite`, outside verl) selects a role's config as `<group>@<role>=mlite_<...>`:
+# the role then trains with Megatron Lite, whose `engine` group lathe translates (verl_keys.MLITE_ENGINE), so the
+# selection stands for `<role>.strategy=megatron_lite` (support_verl's backend notice says lathe's FSDP2 trains it).
+_MLITE_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+
+
+def _mlite_role(group: str, choice: str) -> str | None:
+    """The role a Megatron Lite config-group selection (`actor@actor_rollout_ref.actor=mlite_actor`) picks, else
+    None."""
+    role = group.partition("@")[2]
+    return role if role in _MLITE_ROLES and choice.startswith("mlite_") else None
+
+
 def parse_override(text: str) -> Assignment:
     """Parse 'a.b=1', '+a.b=1' or '++a.b=1' (Hydra prefixes tolerated) into an assignment."""
     stripped = text.strip()
@@ -167,6 +180,9 @@ def parse_override(text: str) -> Assignment:
                           f"Fix: set the key to null instead, e.g. {stripped[1:].split('=')[0]}=null.")
     match = _OVERRIDE.match(stripped)
     group = _GROUP_CHOICE.match(stripped)
+    if not match and group and _mlite_role(group[1], group[2]):
+        return Assignment(f"{_mlite_role(group[1], group[2])}.strategy", "megatron_lite", None,
+                          f"{_mlite_role(group[1], group[2])}.strategy", f"override '{stripped}'")
     if not match and group:
         raise ConfigError(f"Override '{text}': Hydra config-group selection (`{group[1]}`: this role's keys from "
                           f"the config file `{group[2]}` of a config package) is not implemented yet in lathe. "

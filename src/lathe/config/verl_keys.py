@@ -43,10 +43,22 @@ FREE_MAPS = (
 )
 
 
+# Megatron Lite (verl's `megatron_lite` backend, docs/advance/megatron_lite_backend.rst): its config package
+# (`verl_mlite`, outside verl's tree: a script selects it as `actor@actor_rollout_ref.actor=mlite_actor`) gives each
+# role an `engine` group. Its leaves as verl's scripts set them, default unknown (None: any value given is taken as
+# set); `engine.impl_cfg` is an open map of the engine's implementation switches.
+MLITE_ENGINE = ("tp", "pp", "vpp", "ep", "cp", "etp", "param_offload", "optimizer_offload", "grad_offload",
+                "attention_backend_override")
+
+
 @functools.lru_cache(maxsize=1)
 def verl_defaults() -> dict[str, Any]:
-    """Every leaf key of verl's generated configs -> verl's default (the committed ``verl_keys.yaml``)."""
-    return yaml.safe_load(DATA.read_text()) or {}
+    """Every leaf key of verl's generated configs -> verl's default (the committed ``verl_keys.yaml``), and
+    Megatron Lite's engine group (`MLITE_ENGINE`) for each role."""
+    keys = yaml.safe_load(DATA.read_text()) or {}
+    keys.update({f"{role}.engine.{leaf}": None for role in GROUPS for leaf in MLITE_ENGINE})
+    keys.update({f"{role}.engine.impl_cfg": {} for role in GROUPS})
+    return keys
 
 
 @functools.lru_cache(maxsize=1)

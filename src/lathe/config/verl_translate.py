@@ -38,6 +38,10 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   engine replicas of TP ranks, and verl's expert-parallel size D x TP as each replica's TP (`engine_data_parallel`;
   the same samples, each rank holding D times verl's experts; support_rollout gives the notice); so does
   ``rollout.moe_tensor_parallel_size`` M with M x EP = TP (whole experts over the TP ranks instead of each cut over M);
+* Megatron Lite's ``engine`` group (verl's ``megatron_lite`` backend; `verl_keys.MLITE_ENGINE`) as Megatron's:
+  ``engine.tp`` / ``ep`` / ``cp`` as the tensor-, expert- and context-parallel sizes above, ``engine.pp`` / ``vpp`` as
+  pipeline stages, ``engine.{param,optimizer}_offload`` as offload, ``engine.impl_cfg.recompute`` ([full] or
+  [selective]) -> ``enable_gradient_checkpointing``;
 * the actor's ``{megatron,veomni}.router_replay.mode`` -> ``actor.router_replay.mode`` (routing replay, R2/R3);
 * the actor's ``megatron.override_transformer_config.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` ->
   ``actor.moe_aux_loss_coeff`` / ``actor.moe_z_loss_coeff`` (Megatron's router losses, `lathe.models.moe`);
@@ -75,6 +79,12 @@ def _checkpointing(on: set, off: set) -> Map:
     return lambda v: True if v in on else False if v in off else None
 
 
+def _recompute(value: Any) -> Any:
+    """Megatron Lite's `impl_cfg.recompute`, a list of what it recomputes ([full], [selective], ...): any -> on."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return True if any(v in ("full", "selective") for v in items) else None
+
+
 CP_DOC = "ulysses_sequence_parallel_size (split as Ulysses splits it: the same math)"
 
 # (pattern below a role, lathe key: 'fsdp.<k>' / 'model.<k>' / 'optim.<k>' in the role's group or 'role.<k>' in the
@@ -82,6 +92,11 @@ CP_DOC = "ulysses_sequence_parallel_size (split as Ulysses splits it: the same m
 TP_DOC = "fsdp_config.tensor_parallel_size (beside expert parallelism: nothing, FSDP over those devices)"
 RULES: tuple[tuple[str, str, Map, str], ...] = (
     ("megatron.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same, TP_DOC),
+    ("engine.tp", "fsdp.tensor_parallel_size", _same, TP_DOC),
+    ("engine.ep", "fsdp.expert_parallel_size", _same, "fsdp_config.expert_parallel_size"),
+    ("engine.cp", "role.ulysses_sequence_parallel_size", _same, CP_DOC),
+    ("engine.impl_cfg.recompute", "model.enable_gradient_checkpointing", _recompute,
+     "full/selective among them: model.enable_gradient_checkpointing=true"),
     ("megatron.override_transformer_config.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same, TP_DOC),
     ("torchtitan.tensor_parallel_size", "fsdp.tensor_parallel_size", _same, TP_DOC),
     ("megatron.expert_model_parallel_size", "fsdp.expert_parallel_size", _same, "fsdp_config.expert_parallel_size"),
@@ -115,7 +130,7 @@ RULES: tuple[tuple[str, str, Map, str], ...] = (
     ("optim.lr_decay_style", "optim.lr_scheduler_type", lambda v: v if v in ("constant", "cosine") else None,
      "constant/cosine: optim.lr_scheduler_type"),
 )
-BACKEND_PREFIXES = ("megatron.", "veomni.", "torchtitan.", "fsdp_config.", "fsdp.", "optim.")
+BACKEND_PREFIXES = ("megatron.", "veomni.", "torchtitan.", "engine.", "fsdp_config.", "fsdp.", "optim.")
 LORA = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout", "adapter_path": "lora_adapter_path"}
 CRITIC_LORA = ("rank", "alpha")                       # the critic's model group has no lora_dropout/adapter path
 
@@ -164,7 +179,8 @@ def translate(key: str, value: Any) -> list[tuple[str, Any]]:
 
 # the verl spellings of a role's tensor-parallel size (see RULES)
 TP_SPELLINGS = ("megatron.tensor_model_parallel_size",
-                "megatron.override_transformer_config.tensor_model_parallel_size", "torchtitan.tensor_parallel_size")
+                "megatron.override_transformer_config.tensor_model_parallel_size", "torchtitan.tensor_parallel_size",
+                "engine.tp")
 
 
 def _fsdp(cfg: Any, role: str) -> Any:
@@ -206,7 +222,7 @@ def tp_beside_ep_notice(cfg: Any) -> str | None:
 
 # the verl spellings of a role's pipeline-parallel sizes (stages; virtual stages per device)
 PP_SPELLINGS = ("megatron.pipeline_model_parallel_size", "megatron.virtual_pipeline_model_parallel_size",
-                "torchtitan.pipeline_parallel_size")
+                "torchtitan.pipeline_parallel_size", "engine.pp", "engine.vpp")
 
 
 def _verl_pp(cfg: Any, role: str) -> list[str]:
@@ -215,7 +231,8 @@ def _verl_pp(cfg: Any, role: str) -> list[str]:
     for spelling in PP_SPELLINGS:
         value = cfg.verl_keys.get(f"{role}.{spelling}")
         if isinstance(value, int) and value > 1:
-            out.append(f"{'virtual ' * spelling.startswith('megatron.virtual')}PP {value}")
+            out.append(f"{'virtual ' * spelling.endswith(('.virtual_pipeline_model_parallel_size', '.vpp'))}PP "
+                       f"{value}")
     return out
 
 
@@ -233,7 +250,7 @@ def pipeline_notice(cfg: Any) -> str | None:
 
 # the verl spellings of a role's context-parallel size (see RULES: each sets the role's Ulysses size)
 CP_SPELLINGS = ("megatron.context_parallel_size", "megatron.override_transformer_config.context_parallel_size",
-                "torchtitan.context_parallel_size")
+                "torchtitan.context_parallel_size", "engine.cp")
 PACKED = {"actor_rollout_ref.actor": "actor_rollout_ref.model", "actor_rollout_ref.ref": "actor_rollout_ref.model",
           "critic": "critic.model"}       # the group whose use_remove_padding packs the role's forwards
 

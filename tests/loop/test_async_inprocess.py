@@ -75,7 +75,9 @@ def start_in_process(cfg, plan, *, model_path: str, load_kwargs: dict, tokenizer
     actor, critic = _driver_groups(cfg, plan, trainer, tokenizer, AsyncActorGroup, CriticGroup, replicas=replicas)
     _join_sync_group(trainer, rollout, "127.0.0.1", free_port(), 120)
     return AsyncCluster(trainer, rollout, actor, critic, replicas, False, trainer.call(ACTOR, "weight_metas")[0],
-                        1 << 20)
+                        1 << 20, args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs,
+                                                       tokenizer=tokenizer, total_steps=total_steps,
+                                                       device_type=device_type)))
 
 
 @pytest.fixture

@@ -132,6 +132,16 @@ class AsyncCluster:
     metas: list
     bucket_bytes: int
     position_metas: list | None = None   # tensor-parallel replicas: each position's slices (a resharding sync)
+    args: tuple | None = None            # (cfg, plan, start_async_cluster's keywords): what `restart` starts again
+    reward_model = None                  # (the synchronous cluster's colocated reward model: refused in async mode)
+
+    def restart(self) -> AsyncCluster:
+        """Stop both pools (the dead rank included) and start them afresh on their starting weights; the caller then
+        loads a checkpoint into the trainer, and the replicas take its weights at the first sync."""
+        self.close()
+        cfg, plan, kwargs = self.args
+        import lathe.cluster
+        return lathe.cluster.start_async_cluster(cfg, plan, **kwargs)
 
     def sync(self, version: int) -> dict:
         """Broadcast the trainer's weights to every (paused) replica; they take `version`."""
@@ -230,7 +240,9 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
             import ray
             ray.shutdown()
         raise
-    return AsyncCluster(trainer, rollout, actor, critic_group, replicas, started, metas, bucket_bytes, position_metas)
+    return AsyncCluster(trainer, rollout, actor, critic_group, replicas, started, metas, bucket_bytes, position_metas,
+                        args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
+                                              total_steps=total_steps, device_type=device_type)))
 
 
 def _join_sync_group(trainer, rollout, host: str, port: int | list[int], timeout_s: float,

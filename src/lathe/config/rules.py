@@ -468,10 +468,6 @@ def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:
     if ce == "naive":
         problems.add("actor_rollout_ref.rollout.checkpoint_engine.backend=naive copies weights in-process, but the "
                      "rollout has devices of its own (rollout.n_gpus_per_node > 0). Fix: use backend=nccl or auto.")
-    if cfg.trainer.restart_on_worker_failure:
-        problems.add(f"trainer.restart_on_worker_failure={cfg.trainer.restart_on_worker_failure} is not implemented "
-                     "for fully-async training yet (two pools to restart). Fix: set it to 0, and resume from the last "
-                     "checkpoint after a failure (trainer.resume_mode=auto).")
     rc = cfg.algorithm.rollout_correction
     if ((rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode
             and at.use_rollout_log_probs and not at.compute_prox_log_prob):

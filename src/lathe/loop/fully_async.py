@@ -41,6 +41,7 @@ from lathe.cluster.roles import ACTOR
 from lathe.workers.fully_async import request_agent, request_images
 from lathe.loop.fully_async_dapo import DynamicSampling
 from lathe.loop.ppo import finish_metrics, learn, save
+from lathe.loop.recover import run_with_restarts
 from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward, reward_extra_means
@@ -302,7 +303,13 @@ class AsyncDriver:
 
 
 def fit_async(t: Trainer) -> dict[str, float]:
-    """Train until `t.total_steps` local updates (see the module docstring)."""
+    """Train until `t.total_steps` local updates (see the module docstring), restarting both pools from the last
+    checkpoint after a lost rank when `trainer.restart_on_worker_failure` allows (`lathe.loop.recover`: the driver
+    continues from the checkpoint's state, so each prompt is still trained once)."""
+    return run_with_restarts(t, _fit_async)
+
+
+def _fit_async(t: Trainer, first: bool) -> dict[str, float]:
     d, tr = AsyncDriver(t), t.cfg.trainer
     resumed = (t.resume_state or {}).get("fully_async")
     if resumed is not None:

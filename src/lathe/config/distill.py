@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ProblemList
-from .plan import is_async, tensor_parallel_size
+from .plan import tensor_parallel_size
 
 D = "distillation"
 ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")      # lathe.algo.distillation.ESTIMATOR_MODES
@@ -88,10 +88,6 @@ def check_distillation(cfg, problems: ProblemList) -> None:
                      f"actor_rollout_ref.{role}.fsdp_config.tensor_parallel_size={tp[role]} (lathe's teachers are "
                      "sharded with FSDP only, each rank scoring rows of its own). Fix: set tensor_parallel_size=1 for "
                      "the actor and the reference, or distillation.enabled=false.")
-    if is_async(cfg):
-        problems.add(f"{D}.enabled=true with a rollout pool of its own (fully asynchronous training): lathe runs "
-                     "the teachers in the synchronous loop only. Fix: set rollout.n_gpus_per_node=0, or "
-                     f"{D}.enabled=false.")
     _warn_placement(cfg, given)
 
 

@@ -68,6 +68,7 @@ class GptOssExperts(nn.Module):
         return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
 
     def biases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up bias (E, 2I), down bias (E, H)): `experts_forward`'s `biases`."""
         return self.gate_up_proj_bias, self.down_proj_bias
 
 

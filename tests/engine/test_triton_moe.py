@@ -1,5 +1,8 @@
 """The fused MoE decode kernels (`lathe.engine.triton_moe`), run in Triton's CPU interpreter, against
-`experts_forward`; on a GPU, at Qwen3-30B-A3B's layer shape."""
+`experts_forward` (Qwen3-MoE's plain SwiGLU experts) and GPT-OSS's own experts (biases, input-major interleaved
+gate/up, the clamped SwiGLU); on a GPU, at Qwen3-30B-A3B's and GPT-OSS-20B's layer shapes."""
+
+import copy
 
 import pytest
 import torch
@@ -49,6 +52,71 @@ def test_fused_equals_experts_forward(moe, dtype, tokens, e, k, h, i, only):
     assert_close_rel(out.float(), ref, rel=1e-5 if dtype == torch.float32 else 2e-2, name=f"fused experts {dtype}")
 
 
+def gpt_oss_cfg(e, h, i, limit):
+    from lathe.models.config import MoeConfig
+
+    class Cfg:
+        hidden_size = h
+        moe = MoeConfig(num_experts=e, num_experts_per_tok=2, moe_intermediate_size=i, swiglu_alpha=1.702,
+                        swiglu_limit=limit)
+    return Cfg()
+
+
+def gpt_oss_random(module, g, h, i, device="cpu"):
+    """Random weights and non-zero biases in `module`'s GPT-OSS experts (and router), in place."""
+    scales = {"gate_up_proj": h ** -0.5, "down_proj": i ** -0.5}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g, device=device) * scales.get(name.split(".")[-1], 0.5))
+    return module
+
+
+def gpt_oss_experts(e, h, i, dtype, seed, limit, device="cpu"):
+    """A `GptOssExperts` with random weights and non-zero biases, and its generator."""
+    from lathe.models.gpt_oss import GptOssExperts
+    g = torch.Generator(device=device).manual_seed(seed)
+    experts = gpt_oss_random(GptOssExperts(gpt_oss_cfg(e, h, i, limit)).to(device), g, h, i, device)
+    return experts.to(dtype), g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,e,k,h,i,only", [
+    (1, 8, 2, 32, 24, None),            # one token; I not a multiple of the tile (the interleaved tile's edge)
+    (20, 6, 4, 48, 16, [0, 2, 3, 5]),   # two experts without rows; rows across a block boundary
+])
+def test_fused_gpt_oss_equals_its_experts(moe, dtype, tokens, e, k, h, i, only):
+    """GPT-OSS's experts (input-major weights, interleaved gate/up, biases, clamped SwiGLU) through the fused kernels
+    as the engine passes them (`experts_args`): the sum of `GptOssExperts.forward` (its block's path), in float32."""
+    from lathe.models.moe import sorted_forward
+    experts, g = gpt_oss_experts(e, h, i, dtype, seed=tokens + e, limit=0.5)
+    x = (torch.randn(tokens, h, generator=g) * 2).to(dtype)
+    weights, chosen = routing(tokens, e, k, g, only)
+    weights = weights.to(dtype)
+    out = moe.fused_experts(x, weights, chosen, *moe.experts_args(experts))
+    reference = copy.deepcopy(experts).float()
+    with torch.no_grad():
+        ref = sorted_forward(x.float(), weights.float(), chosen, reference)
+        pre = torch.einsum("th,tjhn->tjn", x.float(), reference.gate_up_proj[chosen]) + \
+            reference.gate_up_proj_bias[chosen]
+    assert (pre[..., ::2] > 0.5).float().mean() > 0.2 and (pre[..., 1::2].abs() > 0.5).float().mean() > 0.2, \
+        "precondition: the clamps act on many gate and up values"
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close_rel(out.float(), ref, rel=1e-5 if dtype == torch.float32 else 2e-2, name=f"fused GPT-OSS {dtype}")
+
+
+def test_gpt_oss_block_uses_the_hook(moe):
+    """GPT-OSS's sparse block with `decode_experts` set computes its experts there (`fusable_blocks` serves it):
+    the same output as without (router bias, non-zero expert biases, the clamps acting)."""
+    from lathe.models.gpt_oss import GptOssMoeBlock
+    block = gpt_oss_random(GptOssMoeBlock(gpt_oss_cfg(4, 32, 16, 0.5)), torch.Generator().manual_seed(0), 32, 16)
+    assert moe.fusable_blocks(block) == [block]
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1)) * 2
+    ref = block(x)
+    moe.set_decode_experts([block], True)
+    out = block(x)
+    assert_close_rel(out, ref, rel=1e-5, name="GPT-OSS block with the fused experts")
+
+
 def test_sparse_block_uses_the_hook_and_routing_is_recorded_first(moe):
     """A block with `decode_experts` set computes its experts there, after the router (replay's recording is the
     router's): the same output as without."""
@@ -81,17 +149,23 @@ def test_rows_bucket_and_prune(moe):
                                                                                                                64}
 
 
-def test_engine_decode_steps_use_the_fused_experts_and_prefill_does_not(moe, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_engine_decode_steps_use_the_fused_experts_and_prefill_does_not(moe, tmp_path, monkeypatch, family):
     """The engine's wiring on CPU (the kernels interpreted), the fused path forced: decode steps call it, prefill
-    steps do not, and the greedy tokens are transformers'."""
+    steps do not, and the greedy tokens are transformers' (Qwen3-MoE; GPT-OSS with its biases, clamps and sinks)."""
     from lathe.engine import model_runner
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
+    from models.gpt_oss_tiny import gpt_oss_model
     from models.lathe_tiny import MOE, save_hf
     from .conftest import PROMPTS
     from .test_llm_engine import _hf_greedy
 
-    path, hf = save_hf(tmp_path, MOE)
+    if family == MOE:
+        path, hf = save_hf(tmp_path, MOE)
+    else:
+        path, hf = tmp_path / "gpt-oss", gpt_oss_model(seed=2)
+        hf.save_pretrained(path)
     rows, fused = [], moe.fused_experts
 
     def spy(x, *args):
@@ -104,7 +178,9 @@ def test_engine_decode_steps_use_the_fused_experts_and_prefill_does_not(moe, tmp
     prompts = PROMPTS[:2]
     out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=3))
     assert out.token_ids == [_hf_greedy(hf, p, 3) for p in prompts]
-    assert rows == [2, 2], "one call per decode step (the first token comes from prefill), none from prefill"
+    sparse = 1 if family == MOE else 2          # the tiny Qwen3-MoE's layer 0 is dense
+    assert rows == [2] * 2 * sparse, "one call per sparse layer and decode step (the first token comes from " \
+                                     "prefill), none from prefill"
 
 
 @pytest.mark.gpu
@@ -127,20 +203,49 @@ def test_fused_equals_experts_forward_cuda_30b_a3b(tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_fused_equals_gpt_oss_experts_cuda_20b(tokens):
+    """GPT-OSS-20B's layer (32 experts of 2880 x 2880, top-4, alpha 1.702, limit 7; inputs scaled so the clamps
+    act) in bfloat16: the autotuned kernels against `experts_forward` as `GptOssExperts` runs it (torch's grouped
+    matmuls over the transposed tensors), both against the float32 loop."""
+    from lathe.engine.triton_moe import experts_args, fused_experts
+    from lathe.models.moe import experts_forward
+    experts, g = gpt_oss_experts(32, 2880, 2880, torch.bfloat16, seed=tokens, limit=7.0, device="cuda")
+    x = (torch.randn(tokens, 2880, generator=g, device="cuda") * 4).to(torch.bfloat16)
+    weights, chosen = routing(tokens, 32, 4, g, device="cuda")
+    weights = weights.to(torch.bfloat16)
+    args = experts_args(experts)
+    out = fused_experts(x, weights, chosen, *args)
+    grouped = experts_forward(x, weights, chosen, *args[:3], experts.act)
+    exact = experts_forward(x.float(), weights.float(), chosen, *experts_args(copy.deepcopy(experts).float())[:3],
+                            experts.act)
+    assert_close_rel(out.float(), exact, rel=1e-2, name="fused vs float32")
+    assert_close_rel(grouped.float(), exact, rel=1e-2, name="grouped vs float32")
+    assert_close_rel(out.float(), grouped.float(), rel=2e-2, name="fused vs grouped")
+    torch.testing.assert_close(fused_experts(x, weights, chosen, *args), out, rtol=0, atol=0)  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("backend", ["triton_fused", "experts_forward"])
-def test_cuda_engine_decodes_with_the_fused_experts_in_graphs(tmp_path, monkeypatch, backend):
-    """A tiny Qwen3-MoE engine in bfloat16 on CUDA, its decode steps' experts fused (replayed from CUDA graphs) or
-    not: the log-probs of its greedy tokens equal the float32 forward's, teacher-forced; prefill keeps
+def test_cuda_engine_decodes_with_the_fused_experts_in_graphs(tmp_path, monkeypatch, family, backend):
+    """A tiny Qwen3-MoE or GPT-OSS engine in bfloat16 on CUDA, its decode steps' experts fused (replayed from CUDA
+    graphs) or not: the log-probs of its greedy tokens equal the float32 forward's, teacher-forced; prefill keeps
     `experts_forward`. The probe itself runs (and tunes) on the model, whatever it picks."""
     from lathe.engine import model_runner, triton_moe
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
+    from models.gpt_oss_tiny import gpt_oss_model
     from models.lathe_tiny import MOE, save_hf
     from .conftest import PROMPTS
     from .test_llm_engine import _teacher_forced
 
-    path, _ = save_hf(tmp_path, MOE)
+    if family == MOE:
+        path, _ = save_hf(tmp_path, MOE)
+    else:
+        path = tmp_path / "gpt-oss"
+        gpt_oss_model(seed=2).save_pretrained(path)
     probed = []
 
     def choose(model, rows):

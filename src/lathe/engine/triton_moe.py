@@ -1,6 +1,8 @@
 """A MoE layer's experts at decode sizes in two Triton launches: the engine's decode path for the experts
 (`lathe.models.moe.SparseMoeBlock.decode_experts`), the same sum as `lathe.models.moe.experts_forward` for the plain
-SwiGLU experts without biases (Qwen3-MoE, Qwen3.5-MoE).
+SwiGLU experts without biases (Qwen3-MoE, Qwen3.5-MoE) and for GPT-OSS's (`lathe.models.gpt_oss`: biases, the
+clamped SwiGLU, input-major weights; its decode layer reads all its experts' weights like the others', and the
+engine's probe keeps the fused path only where it measures it faster).
 
 Why: at a decode step of a few hundred rows every expert is touched, so the layer is bound by reading all the
 experts' weights once. `experts_forward` sorts the (token, choice) rows by expert, gathers them, runs one grouped
@@ -14,11 +16,18 @@ fused_moe, written anew):
   BLOCK_M) blocks, laid end to end in expert order), so BLOCK_M is a free tuning parameter and the grid is static:
   at most ceil(T*k / BLOCK_M) + min(E, T*k) blocks, and programs past the real count exit at once;
 - `_gate_up_kernel` gathers its rows of x by token index inside the kernel, multiplies them by the expert's gate
-  and up rows of its tile (each weight tile read once per block) and writes SiLU(gate) * up, (T*k, I) in sorted
-  order;
+  and up rows of its tile (each weight tile read once per block) and writes SiLU(gate) * up (GPT-OSS: below),
+  (T*k, I) in sorted order;
 - `_down_kernel` multiplies each block's intermediate rows by the expert's down projection and by each row's routing
   weight and writes the result at the row's (token, choice) place, (T*k, H); torch sums each token's k rows. No
   atomic adds anywhere: the result is the same on every run.
+
+GPT-OSS's experts run in the same kernels, switched by constexprs (one compiled variant each; the Qwen variant's
+code is what it was): the weights are read through strides, so its input-major tensors ((E, H, 2I), (E, I, H)) go
+in as the transposed views `experts_forward` takes, without a copy; `CLAMPED` reads gate and up interleaved (even
+and odd columns) as one tile of 2 BLOCK_N adjacent columns (contiguous loads, one `tl.dot`) split after the sum over
+K, and applies the clamped SwiGLU (`clamped_swiglu`); `HAS_BIAS` adds the gate/up bias before the activation and
+the down bias before the routing weight, as `experts_forward` does (a token's output is sum_j w_j (down_j h + b_j)).
 
 Tile sizes are autotuned (`triton.autotune`) per bucket of T*k rows and per expert shape: the first call at a new
 bucket times the candidate configurations, which must not happen inside a CUDA graph's capture. The engine's probe
@@ -28,12 +37,15 @@ too. Under Triton's CPU interpreter (the tests) one fixed small configuration ru
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from lathe import device as accel
 from lathe.engine import triton_decode
 from lathe.engine.paged_attention import pick_fastest
+from lathe.models.gpt_oss import GptOssExperts
 from lathe.models.moe import Experts, SparseMoeBlock, experts_forward, sparse_blocks
 
 try:
@@ -93,40 +105,66 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _gate_up_kernel(X, W, BOUNDS, ORDER, INTER, num_experts, rows_key, N, K,
-                        stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_it,
-                        TOP_K: tl.constexpr, E_PAD: tl.constexpr, F32: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """INTER[r, n] = silu(x[t] . W[e, n]) * (x[t] . W[e, N + n]) for each sorted row r of expert e, token t."""
+    def _gate_up_kernel(X, W, B, BOUNDS, ORDER, INTER, num_experts, rows_key, N, K, alpha, limit,
+                        stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_it,
+                        TOP_K: tl.constexpr, E_PAD: tl.constexpr, F32: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        CLAMPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """INTER[r, n] = act(gate, up) for each sorted row r of expert e, token t, with gate = x[t] . W[e, n] and
+        up = x[t] . W[e, N + n] (+ B[e, n], B[e, N + n] when HAS_BIAS), act = silu(gate) * up; CLAMPED: GPT-OSS's
+        experts, gate = x[t] . W[e, 2n] and up = x[t] . W[e, 2n + 1] (interleaved, + bias), act its clamped SwiGLU
+        (`lathe.models.gpt_oss.clamped_swiglu`). W[e, j, k] at W + e stride_we + j stride_wn + k stride_wk."""
         e, rows, row_ok, n, n_ok = _tile(BOUNDS, num_experts, N, E_PAD, BLOCK_M, BLOCK_N)
         if e >= num_experts:
             return
         tokens = tl.load(ORDER + rows, mask=row_ok, other=0) // TOP_K
         kk = tl.arange(0, BLOCK_K)
         x_ptr = X + tokens[:, None].to(tl.int64) * stride_xt + kk[None, :] * stride_xk
-        g_ptr = W + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk
-        u_ptr = g_ptr + N * stride_wn
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = kk < K - k0
-            xs = tl.load(x_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_ok = k_ok[:, None] & n_ok[None, :]
-            gate = _dot(xs, tl.load(g_ptr, mask=w_ok, other=0.0), gate, F32)
-            up = _dot(xs, tl.load(u_ptr, mask=w_ok, other=0.0), up, F32)
-            x_ptr += BLOCK_K * stride_xk
-            g_ptr += BLOCK_K * stride_wk
-            u_ptr += BLOCK_K * stride_wk
-        h = gate * tl.sigmoid(gate) * up
+        if CLAMPED:     # one tile of 2 BLOCK_N adjacent columns (gate, up, gate, ...), split after the sum over K
+            c = (tl.program_id(0) % tl.cdiv(N, BLOCK_N)) * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+            c_ok = c < 2 * N
+            w_ptr = W + e.to(tl.int64) * stride_we + c[None, :] * stride_wn + kk[:, None] * stride_wk
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = kk < K - k0
+                xs = tl.load(x_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                acc = _dot(xs, tl.load(w_ptr, mask=k_ok[:, None] & c_ok[None, :], other=0.0), acc, F32)
+                x_ptr += BLOCK_K * stride_xk
+                w_ptr += BLOCK_K * stride_wk
+            if HAS_BIAS:
+                acc += tl.load(B + e.to(tl.int64) * stride_be + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            h = (up + 1) * gate * tl.sigmoid(alpha * gate)
+        else:
+            g_ptr = W + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk
+            u_ptr = g_ptr + N * stride_wn
+            gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = kk < K - k0
+                xs = tl.load(x_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w_ok = k_ok[:, None] & n_ok[None, :]
+                gate = _dot(xs, tl.load(g_ptr, mask=w_ok, other=0.0), gate, F32)
+                up = _dot(xs, tl.load(u_ptr, mask=w_ok, other=0.0), up, F32)
+                x_ptr += BLOCK_K * stride_xk
+                g_ptr += BLOCK_K * stride_wk
+                u_ptr += BLOCK_K * stride_wk
+            if HAS_BIAS:
+                b_ptr = B + e.to(tl.int64) * stride_be + n
+                gate += tl.load(b_ptr, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                up += tl.load(b_ptr + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            h = gate * tl.sigmoid(gate) * up
         tl.store(INTER + rows[:, None].to(tl.int64) * stride_it + n[None, :], h.to(INTER.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _down_kernel(INTER, W, BOUNDS, ORDER, RW, OUT, num_experts, rows_key, N, K,
-                     stride_it, stride_we, stride_wn, stride_wk, stride_ot,
-                     E_PAD: tl.constexpr, F32: tl.constexpr,
+    def _down_kernel(INTER, W, B, BOUNDS, ORDER, RW, OUT, num_experts, rows_key, N, K,
+                     stride_it, stride_we, stride_wn, stride_wk, stride_be, stride_ot,
+                     E_PAD: tl.constexpr, F32: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """OUT[s, n] = RW[s] * (INTER[r] . W[e, n]) for each sorted row r of expert e, s its (token, choice) index."""
+        """OUT[s, n] = RW[s] * (INTER[r] . W[e, n] (+ B[e, n] when HAS_BIAS)) for each sorted row r of expert e, s
+        its (token, choice) index: the bias inside the routing weight, as `experts_forward` adds it."""
         e, rows, row_ok, n, n_ok = _tile(BOUNDS, num_experts, N, E_PAD, BLOCK_M, BLOCK_N)
         if e >= num_experts:
             return
@@ -141,6 +179,8 @@ if triton is not None:
             acc = _dot(a, tl.load(w_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc, F32)
             a_ptr += BLOCK_K
             w_ptr += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            acc += tl.load(B + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc * tl.load(RW + slots, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(OUT + slots[:, None].to(tl.int64) * stride_ot + n[None, :], acc.to(OUT.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
@@ -157,7 +197,7 @@ if triton is not None:
     _TILES = ((64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3))
     CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                for m in (16, 32, 64) for n, k, w, s in _TILES]
-    _tune = triton.autotune(CONFIGS, key=["rows_key", "N", "K"], prune_configs_by={"early_config_prune": _prune})
+    _tune = triton.autotune(CONFIGS, key=["rows_key", "N", "K", "HAS_BIAS"], prune_configs_by={"early_config_prune": _prune})
     _gate_up_tuned, _down_tuned = _tune(_gate_up_kernel), _tune(_down_kernel)
 
 
@@ -167,7 +207,8 @@ def _blocks(rows: int, num_experts: int, block_m: int) -> int:
 
 
 def _launch(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor, config: dict | None) -> torch.Tensor:
+            down: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None, clamp: tuple[float, float] | None,
+            config: dict | None) -> torch.Tensor:
     tokens, top_k = chosen.shape
     e, inter, hidden = gate_up.shape[0], down.shape[2], down.shape[1]
     rows = tokens * top_k
@@ -182,14 +223,17 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_u
     if config is None and interpreted:
         config = INTERPRETER_CONFIG
     gate_up_kernel, down_kernel = (_gate_up_tuned, _down_tuned) if config is None else (_gate_up_kernel, _down_kernel)
-    meta = config or {}
+    meta = {**(config or {}), "E_PAD": e_pad, "F32": interpreted, "HAS_BIAS": biases is not None}
+    b_gate_up, b_down = (gate_up, down) if biases is None else biases       # (not read without biases)
+    alpha, limit = clamp or (1.0, 0.0)
 
     def grid(n):
         return lambda m: (_blocks(rows, e, m["BLOCK_M"]) * triton.cdiv(n, m["BLOCK_N"]),)
-    gate_up_kernel[grid(inter)](x, gate_up, bounds, order, mid, e, key, inter, hidden, x.stride(0), x.stride(1),
-                                *gate_up.stride(), mid.stride(0), TOP_K=top_k, E_PAD=e_pad, F32=interpreted, **meta)
-    down_kernel[grid(hidden)](mid, down, bounds, order, weights.reshape(-1).contiguous(), ys, e, key, hidden, inter,
-                              mid.stride(0), *down.stride(), ys.stride(0), E_PAD=e_pad, F32=interpreted, **meta)
+    gate_up_kernel[grid(inter)](x, gate_up, b_gate_up, bounds, order, mid, e, key, inter, hidden, alpha, limit,
+                                x.stride(0), x.stride(1), *gate_up.stride(), b_gate_up.stride(0), mid.stride(0),
+                                TOP_K=top_k, CLAMPED=clamp is not None, **meta)
+    down_kernel[grid(hidden)](mid, down, b_down, bounds, order, weights.reshape(-1).contiguous(), ys, e, key, hidden,
+                              inter, mid.stride(0), *down.stride(), b_down.stride(0), ys.stride(0), **meta)
     return ys.view(tokens, top_k, hidden).sum(1)
 
 
@@ -198,23 +242,30 @@ if triton is not None:
     # tracing the launches (the fake gives the output's shape).
     @torch.library.custom_op("lathe::moe_fused_experts", mutates_args=())
     def _fused_op(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
-        return _launch(x, weights, chosen, gate_up, down, None)
+                  down: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+                  clamped: bool, alpha: float, limit: float) -> torch.Tensor:
+        biases = None if gate_up_bias is None else (gate_up_bias, down_bias)
+        return _launch(x, weights, chosen, gate_up, down, biases, (alpha, limit) if clamped else None, None)
 
     @_fused_op.register_fake
-    def _(x, weights, chosen, gate_up, down):
+    def _(x, weights, chosen, gate_up, down, gate_up_bias, down_bias, clamped, alpha, limit):
         return torch.empty_like(x)
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """`experts_forward(x, weights, chosen, gate_up, down)` (plain SwiGLU, no biases) in two Triton launches
-    (module doc): x (T, H), weights (T, k) (any float type), chosen (T, k) expert ids, gate_up (E, 2I, H) with
-    gate rows first, down (E, H, I). `config` ({BLOCK_M, BLOCK_N, BLOCK_K}): fixed tiles instead of the autotuned
-    ones (tests)."""
+                  down: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  clamp: tuple[float, float] | None = None, config: dict | None = None) -> torch.Tensor:
+    """`experts_forward(x, weights, chosen, gate_up, down, biases, act)` in two Triton launches (module doc): x (T,
+    H), weights (T, k) (any float type), chosen (T, k) expert ids, gate_up (E, 2I, H) and down (E, H, I) as
+    `experts_forward` takes them (any strides: GPT-OSS's transposed input-major tensors as they are), `biases` (E,
+    2I), (E, H) or None. `clamp`: None for SwiGLU over gate rows then up rows; GPT-OSS's (alpha, limit) for its
+    clamped SwiGLU over interleaved gate and up rows (act = `lathe.models.gpt_oss.clamped_swiglu`). `config`
+    ({BLOCK_M, BLOCK_N, BLOCK_K}): fixed tiles instead of the autotuned ones (tests)."""
     if config is not None:
-        return _launch(x, weights, chosen, gate_up, down, config)
-    return _fused_op(x, weights, chosen, gate_up, down)
+        return _launch(x, weights, chosen, gate_up, down, biases, clamp, config)
+    gate_up_bias, down_bias = (None, None) if biases is None else biases
+    alpha, limit = clamp or (1.0, 0.0)
+    return _fused_op(x, weights, chosen, gate_up, down, gate_up_bias, down_bias, clamp is not None, alpha, limit)
 
 
 def last_configs() -> dict[str, str]:
@@ -230,11 +281,20 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def fusable_blocks(model: nn.Module) -> list[SparseMoeBlock]:
-    """The sparse layers whose experts the fused kernels compute: plain SwiGLU experts without biases (`Experts`,
-    not GPT-OSS's or an expert-parallel slice) in a block whose forward reads `decode_experts` (Qwen3-MoE's,
-    Qwen3.5-MoE's; DeepSeek-V3's forward is its own)."""
+    """The sparse layers whose experts the fused kernels compute: the plain SwiGLU experts without biases
+    (`Experts`: Qwen3-MoE's, Qwen3.5-MoE's) and GPT-OSS's (`GptOssExperts`), not an expert-parallel slice, in a
+    block whose forward reads `decode_experts` (DeepSeek-V3's forward is its own)."""
     from lathe.models.deepseek import DeepseekMoeBlock
-    return [b for b in sparse_blocks(model) if type(b.experts) is Experts and not isinstance(b, DeepseekMoeBlock)]
+    return [b for b in sparse_blocks(model)
+            if type(b.experts) in (Experts, GptOssExperts) and not isinstance(b, DeepseekMoeBlock)]
+
+
+def experts_args(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, tuple | None, tuple[float, float] | None]:
+    """(gate_up, down, biases, clamp): the arguments after (x, weights, chosen) with which `fused_experts` computes
+    `experts`' sum (a fusable block's), as its block's forward passes them."""
+    if isinstance(experts, GptOssExperts):
+        return *experts.linear(), experts.biases(), (experts.alpha, experts.limit)
+    return experts.gate_up_proj, experts.down_proj, None, None
 
 
 def set_decode_experts(blocks: list[SparseMoeBlock], on: bool) -> None:
@@ -270,7 +330,7 @@ def choose_moe_backend(model: nn.Module, max_rows: int) -> tuple[str | None, dic
     if len(blocks) != len(all_blocks):
         return "experts_forward", {}
     experts = blocks[0].experts
-    gate_up, down = experts.gate_up_proj, experts.down_proj
+    gate_up, down, biases, clamp = experts_args(experts)
     if not usable(gate_up.device, gate_up.dtype):
         return "experts_forward", {}
     e, h, k = gate_up.shape[0], gate_up.shape[2], blocks[0].moe.num_experts_per_tok
@@ -285,14 +345,15 @@ def choose_moe_backend(model: nn.Module, max_rows: int) -> tuple[str | None, dic
     def tune():                     # every bucket a decode batch of up to max_rows tokens meets
         tokens = 1
         while True:
-            fused_experts(*inputs(tokens), gate_up, down)
+            fused_experts(*inputs(tokens), gate_up, down, biases, clamp)
             if rows_bucket(tokens * k) >= rows_bucket(max_rows * k):
                 return
             tokens = rows_bucket(tokens * k) * 4 // k
 
     probe = inputs(min(PROBE_ROWS, max_rows))
-    runs = {"triton_fused": lambda: fused_experts(*probe, gate_up, down),
-            "experts_forward": lambda: experts_forward(*probe, gate_up, down)}
+    act = None if clamp is None else experts.act
+    runs = {"triton_fused": lambda: fused_experts(*probe, gate_up, down, biases, clamp),
+            "experts_forward": lambda: experts_forward(*probe, gate_up, down, biases, act)}
 
     def time_one(name):
         if name == "triton_fused":

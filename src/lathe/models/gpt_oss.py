@@ -55,12 +55,21 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
-        self.act = functools.partial(clamped_swiglu, alpha=cfg.moe.swiglu_alpha, limit=cfg.moe.swiglu_limit)
+        self.alpha, self.limit = cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit
+        self.act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
 
     def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each row of `rows` (N, H) through its expert, `experts` (N,) ascending (as `Experts.forward`)."""
-        return run_experts(rows, experts, self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2),
-                           self.act, (self.gate_up_proj_bias, self.down_proj_bias))
+        return run_experts(rows, experts, *self.linear(), self.act, self.biases())
+
+    def linear(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up (E, 2I, H), down (E, H, I)): the matrices as `experts_forward` takes them (`nn.Linear` weights;
+        transposed views, no copy)."""
+        return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up bias (E, 2I), down bias (E, H)): `experts_forward`'s `biases`."""
+        return self.gate_up_proj_bias, self.down_proj_bias
 
 
 class GptOssMoeBlock(SparseMoeBlock):
@@ -81,6 +90,9 @@ class GptOssMoeBlock(SparseMoeBlock):
         weights, chosen = self.route(probs, True)
         if self.records_routing:
             self._record(probs, chosen, logits)
+        if self.decode_experts is not None:     # the engine's decode steps (`SparseMoeBlock.decode_experts`)
+            return self.decode_experts(flat, weights.to(x.dtype), chosen, *self.experts.linear(),
+                                       self.experts.biases(), (self.experts.alpha, self.experts.limit)).view(*lead, h)
         return sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)
 
     def init_weights(self, std: float) -> None:

@@ -85,8 +85,9 @@ class SparseMoeBlock(nn.Module):
     hooks_routing: bool = False
     balance_losses: bool = True       # records its routing for the load-balancing losses (`collect_router_stats`)
     # the engine's path for the experts in its decode steps (`lathe.engine.triton_moe.fused_experts`), or None:
-    # `experts_forward`'s arguments and result (plain SwiGLU, no biases); set on the engine's own model only, and
-    # unset around its prefill steps (a compiled layer keeps one variant with it and one without)
+    # `experts_forward`'s arguments and result (plain SwiGLU, no biases; GPT-OSS's block adds its biases and its
+    # activation's (alpha, limit)); set on the engine's own model only, and unset around its prefill steps (a
+    # compiled layer keeps one variant with it and one without)
     decode_experts = None
 
     def __init__(self, cfg: LatheConfig):

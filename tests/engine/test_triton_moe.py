@@ -117,6 +117,22 @@ def test_gpt_oss_block_uses_the_hook(moe):
     assert_close_rel(out, ref, rel=1e-5, name="GPT-OSS block with the fused experts")
 
 
+def test_the_probe_never_chooses_a_fused_path_that_computes_another_sum(moe, monkeypatch):
+    """The engine's probe (`choose_moe_backend`) keeps the fused experts only where their outputs agree with
+    `experts_forward`'s: a fused path that is faster but wrong is skipped (here forced onto the CPU, the fused kernels
+    in the interpreter, the timing faked in the fused path's favour)."""
+    from lathe.models.gpt_oss import GptOssMoeBlock
+    block = gpt_oss_random(GptOssMoeBlock(gpt_oss_cfg(4, 32, 16, 0.5)), torch.Generator().manual_seed(0), 32, 16)
+    monkeypatch.setattr(moe, "usable", lambda device, dtype: True)
+    times = iter([1.0, 2.0])
+    monkeypatch.setattr(moe, "_time", lambda run, device: (run(), next(times))[1])     # fused first: faster
+    assert moe.choose_moe_backend(block, 4)[0] == "triton_fused"
+    right = moe.fused_experts
+    monkeypatch.setattr(moe, "fused_experts", lambda *a, **k: right(*a, **k) * 1.1)
+    times = iter([2.0])                                               # only experts_forward is timed
+    assert moe.choose_moe_backend(block, 4) == ("experts_forward", {"experts_forward": 2.0})
+
+
 def test_sparse_block_uses_the_hook_and_routing_is_recorded_first(moe):
     """A block with `decode_experts` set computes its experts there, after the router (replay's recording is the
     router's): the same output as without."""

@@ -55,6 +55,7 @@ except ImportError:          # CPU-only installs: the experts run as `experts_fo
     triton = None
 
 MOE_CANDIDATES = ("triton_fused", "experts_forward")      # what the engine times on CUDA, in this order
+PROBE_AGREEMENT = 2e-2      # the fused outputs' largest norm-relative distance from experts_forward's at the probe
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 PROBE_ROWS = 256        # the decode batch the engine's probe times the candidates at
 
@@ -320,8 +321,10 @@ def choose_moe_backend(model: nn.Module, max_rows: int) -> tuple[str | None, dic
     """The experts' decode path of `model` by measurement: on CUDA with Triton, for a model whose sparse layers
     are all fusable (`fusable_blocks`), `fused_experts` and `experts_forward` are timed on the first layer's own
     weights at a decode batch of min(`PROBE_ROWS`, `max_rows`) tokens with random routing, and the faster is kept
-    (logged, as `pick_fastest` logs). Before that, the fused kernels are tuned at every row bucket up to `max_rows`
-    (the engine's largest decode batch), so that no tuning runs during a decode graph's capture. Returns
+    (logged, as `pick_fastest` logs); the fused path is not chosen when its outputs there differ from
+    `experts_forward`'s by more than `PROBE_AGREEMENT` (a kernel the tests ran only under Triton's interpreter, or a
+    GPU where it builds but computes wrongly, cannot slip in). Before that, the fused kernels are tuned at every row
+    bucket up to `max_rows` (the engine's largest decode batch), so that no tuning runs during a decode graph's capture. Returns
     ("triton_fused" or "experts_forward", {candidate: ms per call}); "experts_forward" and no times where there is
     no choice; (None, {}) for a model without sparse layers."""
     blocks, all_blocks = fusable_blocks(model), sparse_blocks(model)
@@ -358,7 +361,14 @@ def choose_moe_backend(model: nn.Module, max_rows: int) -> tuple[str | None, dic
     def time_one(name):
         if name == "triton_fused":
             tune()
+            agree(runs[name](), runs["experts_forward"]())
         return _time(runs[name], gate_up.device)
+
+    def agree(fused, reference):    # a kernel that builds but computes another sum is never chosen
+        err = float((fused.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-12))
+        if not err <= PROBE_AGREEMENT:
+            raise RuntimeError(f"its outputs differ from experts_forward's by {err:.3g} (norm-relative, more than "
+                               f"{PROBE_AGREEMENT})")
     with torch.inference_mode():
         return pick_fastest(MOE_CANDIDATES, time_one, f"MoE experts at decode on {gate_up.device} ({gate_up.dtype}, "
                                                       f"{e} experts of {h}x{down.shape[2]}, top-{k})")

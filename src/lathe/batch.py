@@ -30,6 +30,15 @@ def _as_object_array(values: Sequence[Any]) -> np.ndarray:
     return out
 
 
+# (B,) bool: a ghost row pads a data-parallel rank's share and counts for nothing (`lathe.cluster.dispatch`)
+GHOST = "ghost_row"
+
+
+def real_rows(batch: "Batch") -> int:
+    """The rows of `batch` that are not ghost rows (`GHOST`)."""
+    return len(batch) - (int(batch[GHOST].sum()) if GHOST in batch else 0)
+
+
 @dataclass
 class Batch:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)

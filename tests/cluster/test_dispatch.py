@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lathe.batch import Batch
+from lathe.batch import GHOST, Batch, real_rows
 from lathe.cluster.dispatch import (contiguous_shares, equal_partitions, for_groups, in_order, one_per_group,
-                                    update_shares)
+                                    select_share, update_shares)
 
 
 def batch_of(lengths: list[int], width: int = 12) -> Batch:
@@ -39,6 +39,28 @@ def test_in_order_restores_the_batch_order():
     shares = equal_partitions([5, 9, 2, 7, 3, 8], 3, balance=True)
     parts = [b.select(s) for s in shares]
     assert in_order(parts, shares)["row"].tolist() == list(range(6))
+
+
+def test_ghost_rows_pad_uneven_cuts_add_nothing_and_are_dropped_from_the_answers():
+    """6 rows of mini-batches of 3 over 2 ranks: each rank's share of each mini-batch padded to 2 (a ghost row: the
+    shortest row, no response tokens, marked); the answers in batch order without the ghosts."""
+    lengths = [5, 9, 2, 7, 3, 8]
+    b = batch_of(lengths)
+    b["response_mask"] = b["attention_mask"].clone()
+    shares = update_shares(b, 2, mini_batch_size=3, balance=True, ghosts=True)
+    assert [len(s) for s in shares] == [4, 4] and sum(i < 0 for s in shares for i in s) == 2
+    for j in range(2):       # each mini-batch's real rows, once, in the ranks' j-th parts
+        rows = [i for s in shares for i in s[2 * j:2 * j + 2] if i >= 0]
+        assert sorted(rows) == [3 * j, 3 * j + 1, 3 * j + 2]
+    parts = [select_share(b, s) for s in shares]
+    for part, share in zip(parts, shares):
+        ghost = torch.tensor([i < 0 for i in share])
+        marked = part[GHOST] if GHOST in part else torch.zeros(len(part), dtype=torch.bool)   # (none: unmarked)
+        assert torch.equal(marked, ghost) and real_rows(part) == int((~ghost).sum())
+        assert part["response_mask"][ghost].sum() == 0 and (part["attention_mask"][ghost].sum(-1) == 2).all()
+    assert in_order(parts, shares)["row"].tolist() == list(range(6))
+    assert equal_partitions([4, 1, 6], 2, balance=False, ghosts=True) == [[0, 1], [2, -1]]
+    assert GHOST not in select_share(b, [0, 1]) and real_rows(b) == 6        # an even cut is left as it was
 
 
 def test_contiguous_shares_cover_uneven_counts():

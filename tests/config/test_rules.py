@@ -47,17 +47,25 @@ def test_rule2_mini_must_divide_step_example_message():
     assert "384 sequences" in text and "e.g. 32 or 64" in text
 
 
-def test_rule3_mini_sequences_divisible_by_devices():
-    text = fails(batch(30, 3, 1), device_count=2)
-    assert "ppo_mini_batch_size=3" in text and "rollout.n=1" in text and "3 sequences per mini-batch" in text
-    assert "device_count=2" in text
+def test_rule3_mini_sequences_that_do_not_divide_over_devices_are_padded_with_ghost_rows():
+    """A mini-batch that does not divide over the data-parallel ranks runs with ghost rows (lathe.cluster.dispatch)
+    padding each rank's share, with one notice; beside a MoE router loss (whose statistics would count the ghost rows'
+    tokens) it is refused."""
+    with pytest.warns(UserWarning, match=r"3 sequences per mini-batch do not divide over the 2 data-parallel ranks "
+                                         r"\(device_count=2 given to load_config\): each rank gets 2, 1 of them ghost"):
+        cfg = load_config("base", GRPO + batch(30, 3, 1), device_count=2)
+    assert batch_plan(cfg, 2).mini_batch_sequences_per_device == 2
+    text = fails(batch(30, 3, 1) + ["actor_rollout_ref.actor.moe_aux_loss_coeff=0.01"], device_count=2)
+    assert "router statistics" in text and "moe_aux_loss_coeff=0.01" in text and "e.g. 2 or 6" in text
 
 
 def test_rule4_micro_divides_per_device_mini():
     text = fails(batch(64, 16, 5, micro=7), device_count=2)
     assert "ppo_micro_batch_size_per_gpu=7" in text and "40 sequences" in text
-    text = fails(batch(64, 16, 5, micro=80), device_count=2)
-    assert "ppo_micro_batch_size_per_gpu=80" in text and "between 1 and" in text
+    with pytest.warns(UserWarning, match="ppo_micro_batch_size_per_gpu=80 is more than the per-device mini-batch of "
+                                         "40 sequences"):          # verl's cut: the share as one micro-batch
+        cfg = load_config("base", GRPO + batch(64, 16, 5, micro=80), device_count=2)
+    assert batch_plan(cfg, 2).micro_batch_per_device == 40
 
 
 def test_dynamic_bsz_skips_the_micro_rule_and_its_budgets_must_hold_the_longest_sequence():
@@ -69,11 +77,6 @@ def test_dynamic_bsz_skips_the_micro_rule_and_its_budgets_must_hold_the_longest_
     # the log-prob budgets follow the actor's (verl's interpolation), so they are named too
     assert "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu" in text
     load_config("base", GRPO + batch(64, 16, 5, micro=7) + dyn, device_count=2)   # default budget 16384: fine
-
-
-def test_rule5_step_sequences_divisible_by_devices():
-    text = fails(batch(10, 5, 3), device_count=4)
-    assert "data.train_batch_size=10" in text and "30 sequences per step" in text
 
 
 def test_rule6_critic_rules_apply_for_gae_only():
@@ -179,8 +182,8 @@ def test_device_count_resolution(monkeypatch):
 def test_several_devices_are_planned_and_checked():
     cfg = load_config("base", GRPO + ["trainer.device=cpu", "trainer.n_gpus_per_node=2"] + batch(8, 4, 2))
     assert batch_plan(cfg).mini_batch_sequences_per_device == 4 * cfg.actor_rollout_ref.rollout.n // 2
-    text = fails(["trainer.device=cpu", "trainer.nnodes=3"] + batch(8, 4, 1), device_count=None)
-    assert "not divisible by the device count (3 = trainer.nnodes=3" in text
+    with pytest.warns(UserWarning, match=r"over the 3 data-parallel ranks \(3 = trainer.nnodes=3"):
+        load_config("base", GRPO + ["trainer.device=cpu", "trainer.nnodes=3"] + batch(8, 4, 1), device_count=None)
 
 
 def test_distribution_keys_act_on_several_devices_only():

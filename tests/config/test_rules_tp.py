@@ -38,7 +38,8 @@ def test_verl_spellings_set_each_roles_size(spelling):
 def test_each_model_gets_a_tp_dim_and_mini_batches_split_over_data_parallel_groups():
     sizes = ["data.train_batch_size=4", f"{A}.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=1",
              "critic.ppo_mini_batch_size=2"]
-    assert "not divisible by the device count" in fails(*GAE, *sizes)
+    with pytest.warns(UserWarning, match="ghost rows"):           # 2 sequences over 4 ranks: padded
+        load(*GAE, *sizes)
     run = run_plan(load(*GAE, *sizes, f"{TP['actor']}=2", f"{A}.fsdp_config.fsdp_size=1", f"{TP['critic']}=4"))
     assert run.mesh("actor") == MeshPlan(2, 1, 2) and run.mesh("actor").describe() == \
         "HSDP: 2 replicas x 1-way shards x TP 2"

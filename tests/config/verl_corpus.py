@@ -104,8 +104,8 @@ def problems(name: str) -> list[tuple[str, str]]:
     return found
 
 
-SHORT = [(r"not divisible by the device count", "mini-batch split over every device (verl splits over "
-                                                    "data-parallel ranks)"),
+SHORT = [(r"ghost rows would pad the ranks' shares", "a mini-batch that does not divide over the data-parallel "
+                                                      "ranks beside MoE router losses (ghost rows)"),
          (r"^global_profiler.tool=torch profiles the steps of the synchronous loop", "profiling the fully-async loop"),
          (r"^distillation with tensor parallelism is not implemented yet", "on-policy distillation with tensor "
                                                                           "parallelism"),

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from helpers import assert_close_rel, free_port, run_processes
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS
-from lathe.cluster.dispatch import update_shares
+from lathe.cluster.dispatch import select_share, update_shares
 from lathe.config import load_config, run_plan
 from lathe.generation import RolloutOutput
 from lathe.models.config import LatheConfig
@@ -60,13 +60,15 @@ def tiny_model() -> LatheCausalLM:
     return model
 
 
-def ppo_batch(step: int):
-    """8 sequences of random prompts and responses, old log-probs (the starting policy's, perturbed) and advantages."""
+def ppo_batch(step: int, rows: int = 8):
+    """`rows` sequences of random prompts and responses, old log-probs (the starting policy's, perturbed) and
+    advantages."""
     g = torch.Generator().manual_seed(step)
     ids = lambda lo, hi: [torch.randint(2, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),),  # noqa: E731
-                                        generator=g).tolist() for _ in range(8)]
+                                        generator=g).tolist() for _ in range(rows)]
     prompts, responses = ids(2, 6), ids(1, 7)
-    batch = to_batch(prompts, RolloutOutput(responses, [[0.0] * len(r) for r in responses], ["stop"] * 8), PAD, n=1)
+    batch = to_batch(prompts, RolloutOutput(responses, [[0.0] * len(r) for r in responses], ["stop"] * rows), PAD,
+                     n=1)
     mask = batch["response_mask"].float()
     with torch.no_grad():
         logp, _ = response_log_probs(tiny_model().eval(), batch)
@@ -101,9 +103,10 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
             {n: parallel.to_local(p.grad).clone() for n, p in actor.model.named_parameters()}))
     metrics = []
     for step in steps:
-        batch = ppo_batch(step)
-        shares = update_shares(batch, world // tp, mini_batch_size=plan.actor.mini_batch_sequences, balance=False)
-        metrics.append(actor.update(batch.select(shares[parallel.rank() // tp])))
+        batch = ppo_batch(step, plan.actor.sequences_per_step)
+        shares = update_shares(batch, world // tp, mini_batch_size=plan.actor.mini_batch_sequences, balance=False,
+                               ghosts=True)
+        metrics.append(actor.update(select_share(batch, shares[parallel.rank() // tp])))
         if save is not None and step + 1 == SAVED_AFTER:
             actor.save_checkpoint(save, NoTokenizer())
     if log_probs:      # a forward-only pass over this rank's share, one sequence a micro-batch, after the updates
@@ -162,6 +165,9 @@ LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alp
 # 8 sequences a mini-batch, 2 a rank, 1 a micro-batch: 2 micro-batches per optimizer step
 KEPT = ("actor_rollout_ref.actor.fsdp_config.keep_gathered=true", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
+# 4 prompts x n=3: mini-batches of 6 sequences over 4 ranks, each rank's share padded to 2 with ghost rows (no loss,
+# counted nowhere: lathe.cluster.dispatch); seq-mean-token-mean normalises by the sequences, which ghosts must not add
+GHOSTS = ("actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +175,11 @@ def runs(tmp_path_factory):
     """HSDP 2 x 2 on 4 ranks (one group): 3 updates (saving after 2), 2 updates of LoRA adapters, then 2 updates and
     a log-prob pass with the weights kept gathered across 2 micro-batches."""
     root = tmp_path_factory.mktemp("hsdp")
-    full, lora, kept = run_ranks(4, root / "hsdp", dict(fsdp_size=2, save=root / "ckpt"),
-                                 dict(fsdp_size=2, steps=range(2), overrides=LORA),
-                                 dict(fsdp_size=2, steps=range(2), overrides=KEPT, log_probs=True))
-    return root, full, lora, kept
+    full, lora, kept, ghosts = run_ranks(4, root / "hsdp", dict(fsdp_size=2, save=root / "ckpt"),
+                                         dict(fsdp_size=2, steps=range(2), overrides=LORA),
+                                         dict(fsdp_size=2, steps=range(2), overrides=KEPT, log_probs=True),
+                                         dict(fsdp_size=-1, steps=range(2), overrides=GHOSTS))
+    return root, full, lora, kept, ghosts
 
 
 def assert_same_run(actual: dict, expected: dict, rel: float = 1e-5) -> None:
@@ -183,14 +190,14 @@ def assert_same_run(actual: dict, expected: dict, rel: float = 1e-5) -> None:
 
 
 def test_hsdp_2x2_updates_as_one_process(runs):
-    _, hsdp, _, _ = runs
+    _, hsdp, _, _, _ = runs
     assert hsdp[0]["mesh"] == ((2, 2), ("replicate", "shard"))       # 2 replicas of 2-way shards
     assert all(r["weights"] == {} for r in hsdp[1:])                 # the full state is rank 0's
     assert_same_run(hsdp[0], train(1, -1))
 
 
 def test_hsdp_checkpoint_resumes_exactly_in_one_process_and_on_two_ranks(runs):
-    root, hsdp, _, _ = runs
+    root, hsdp, _, _, _ = runs
     last = range(SAVED_AFTER, STEPS)
     one = train(1, -1)
     expected = {"metrics": one["metrics"][SAVED_AFTER:], "weights": one["weights"]}
@@ -203,7 +210,7 @@ def test_hsdp_checkpoint_resumes_exactly_in_one_process_and_on_two_ranks(runs):
 
 def test_hsdp_2x2_trains_lora_adapters_as_one_process(runs):
     """The frozen base and the adapters are sharded and replicated alike; only the adapters train."""
-    _, _, hsdp, _ = runs
+    _, _, hsdp, _, _ = runs
     one = train(1, -1, steps=range(2), overrides=LORA)
     assert_same_run(hsdp[0], one)
     start = tiny_model().state_dict()
@@ -214,10 +221,17 @@ def test_hsdp_2x2_trains_lora_adapters_as_one_process(runs):
 def test_weights_kept_gathered_across_micro_batches_update_as_one_process(runs):
     """lathe.train.gathered: one all-gather and one reduce-scatter a mini-batch (gradients accumulated unsharded
     over 2 micro-batches) and one gather for a forward-only pass: the same updates and log-probs as one process."""
-    _, _, _, kept = runs
+    _, _, _, kept, _ = runs
     assert [r["kept_gathered"] for r in kept] == [True] * 4
     one = train(1, -1, steps=range(2), overrides=KEPT, log_probs=True)
     got, want = kept[0]["metrics"], one["metrics"]
     assert_same_run({**kept[0], "metrics": got[:2]}, {**one, "metrics": want[:2]})
     whole = torch.cat([r["metrics"][2]["old_log_probs"].flatten() for r in kept])     # ranks' shares in order
     assert_close_rel(whole, want[2]["old_log_probs"].flatten(), rel=1e-5, name="log-probs")
+
+
+def test_ghost_rows_pad_an_uneven_split_and_update_as_one_process(runs):
+    """Mini-batches of 6 sequences over 4 ranks (2 ghost rows each): the same updates as one process."""
+    *_, ghosts = runs
+    one = train(1, -1, steps=range(2), overrides=GHOSTS)
+    assert_same_run(ghosts[0], one)

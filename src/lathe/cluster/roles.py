@@ -12,7 +12,7 @@ import torch
 
 from lathe.batch import Batch
 from lathe.cluster.dispatch import (contiguous_shares, even_shares, for_groups, in_order, one_per_group,
-                                    update_shares)
+                                    select_share, update_shares)
 from lathe.generation import SamplingParams
 from lathe.rollout.base import concat_rollouts
 
@@ -122,8 +122,9 @@ class RewardModelGroup:
         self.group, self.balance, self.world = group, balance, group.world_size
 
     def compute_rm_score(self, batch: Batch) -> Batch:
-        shares = even_shares(batch, self.world, balance=self.balance)
-        outs = self.group.call_each(REWARD_MODEL, "compute_rm_score", [((batch.select(s),), {}) for s in shares])
+        shares = even_shares(batch, self.world, balance=self.balance, ghosts=True)
+        outs = self.group.call_each(REWARD_MODEL, "compute_rm_score", [((select_share(batch, s),), {})
+                                                                       for s in shares])
         return in_order(outs, shares)
 
 
@@ -152,9 +153,10 @@ class SFTGroup:
 
 
 def forward_over_groups(group, role: str, method: str, batch: Batch, sp: int, balance: bool) -> Batch:
-    """`role.method` over balanced equal shares, one per data-parallel group of `sp` ranks; answers in batch order."""
-    shares = even_shares(batch, group.world_size // sp, balance=balance)
-    outs = group.call_each(role, method, for_groups([((batch.select(s),), {}) for s in shares], sp))
+    """`role.method` over balanced equal shares (ghost rows padding them where the rows do not divide: `lathe.cluster.
+    dispatch`), one per data-parallel group of `sp` ranks; answers in batch order."""
+    shares = even_shares(batch, group.world_size // sp, balance=balance, ghosts=True)
+    outs = group.call_each(role, method, for_groups([((select_share(batch, s),), {}) for s in shares], sp))
     return in_order(one_per_group(outs, sp), shares)
 
 
@@ -162,8 +164,9 @@ def update_over_groups(group, role: str, method: str, batch: Batch, sp: int, min
                        balance: bool) -> dict[str, float]:
     """`role.method` (an update) over `update_shares`, one per data-parallel group of `sp` ranks; rank 0's metrics
     (already summed over the ranks)."""
-    shares = update_shares(batch, group.world_size // sp, mini_batch_size=mini_batch_size, balance=balance)
-    return group.call_each(role, method, for_groups([((batch.select(s),), {}) for s in shares], sp))[0]
+    shares = update_shares(batch, group.world_size // sp, mini_batch_size=mini_batch_size, balance=balance,
+                           ghosts=True)
+    return group.call_each(role, method, for_groups([((select_share(batch, s),), {}) for s in shares], sp))[0]
 
 
 def merge_rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

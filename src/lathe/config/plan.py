@@ -203,8 +203,8 @@ def batch_plan(cfg: LatheConfig, device_count: int | None = None, role: str = "a
     owner = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
     n, tbs, mini = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size, owner.ppo_mini_batch_size
     sp, tp = max(1, sequence_parallel_size(cfg, role)), max(1, tensor_parallel_size(cfg, role))
-    per_device = mini * n // max(1, dev // (sp * tp))
-    micro = owner.ppo_micro_batch_size_per_gpu or per_device
+    per_device = -(-mini * n // max(1, dev // (sp * tp)))       # ghost rows pad an uneven split (cluster.dispatch)
+    micro = min(owner.ppo_micro_batch_size_per_gpu or per_device, per_device)     # more: one micro-batch (rules)
     return BatchPlan(dev, tbs, tbs * n, mini, mini * n, tbs // mini, per_device, micro, max(1, per_device // micro),
                      sequence_parallel_size=sp, tensor_parallel_size=tp)
 

@@ -160,15 +160,13 @@ def _suggest(values: list[int], target: int) -> str:
 
 
 def _check_batches(cfg: LatheConfig, prefix: str, owner, devices: Devices, problems: ProblemList) -> bool:
-    """Rules 1-5 for one role; returns whether the mini-batch rules held (micro is checked only then)."""
+    """Rules 1-4 for one role; returns whether the mini-batch rules held (micro is checked only then)."""
     tbs, n, mini = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, owner.ppo_mini_batch_size
     key = f"{prefix}.ppo_mini_batch_size"
     if not _positive([("data.train_batch_size", tbs), ("actor_rollout_ref.rollout.n", n), (key, mini)], problems):
         return False
-    if prefix == "actor_rollout_ref.actor":
-        _check_step_split(tbs, n, devices, problems)
     role = "actor" if prefix == "actor_rollout_ref.actor" else "critic"
-    if not _check_mini(key, tbs, n, mini, data_parallel(cfg, role, devices), problems):
+    if not _check_mini(cfg, key, tbs, n, mini, data_parallel(cfg, role, devices), problems):
         return False
     _check_micro(prefix, owner, batch_plan(cfg, devices.count, role), n, problems)
     return True
@@ -183,19 +181,11 @@ def _positive(items: list[tuple[str, int]], problems: ProblemList) -> bool:
     return not bad
 
 
-def _check_step_split(tbs: int, n: int, devices: Devices, problems: ProblemList) -> None:
-    """Rule 5: a step's train_batch_size x n sequences split evenly over the devices."""
-    if (tbs * n) % devices.count == 0:
-        return
-    ok = [t for t in range(1, 2 * tbs + 1) if (t * n) % devices.count == 0]
-    problems.add(f"data.train_batch_size={tbs} x actor_rollout_ref.rollout.n={n} = {tbs * n} sequences per "
-                 f"step is not divisible by the device count ({devices.why}); each step's sequences are "
-                 f"split evenly across devices. Fix: set data.train_batch_size so the product divides, "
-                 f"{_suggest(ok, tbs)}.")
-
-
-def _check_mini(key: str, tbs: int, n: int, mini: int, devices: Devices, problems: ProblemList) -> bool:
-    """Rules 2-3: the mini-batch fits in and divides the step, and its sequences divide over devices."""
+def _check_mini(cfg: LatheConfig, key: str, tbs: int, n: int, mini: int, devices: Devices,
+                problems: ProblemList) -> bool:
+    """Rules 2-3: the mini-batch fits in and divides the step; where its sequences do not divide over the
+    data-parallel ranks, ghost rows pad each rank's share (`lathe.cluster.dispatch`), with a notice, except beside
+    MoE router losses (the ghost rows' tokens would enter the router statistics)."""
     divisors = [d for d in range(1, tbs + 1) if tbs % d == 0]
     if mini > tbs:
         problems.add(f"{key}={mini} is larger than data.train_batch_size={tbs}. A PPO mini-batch is a slice of "
@@ -210,13 +200,37 @@ def _check_mini(key: str, tbs: int, n: int, mini: int, devices: Devices, problem
                      f"the PPO updates, so {tbs} must be a multiple of {mini}. Fix: set ppo_mini_batch_size to "
                      f"a divisor of {tbs}, {_suggest(divisors, mini)}.")
     if (mini * n) % devices.count:
-        ok = False
         fits = [d for d in divisors if (d * n) % devices.count == 0]
-        problems.add(f"{key}={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} sequences per mini-batch is "
-                     f"not divisible by the device count ({devices.why}); each mini-batch is split evenly "
-                     f"across devices. Fix: set ppo_mini_batch_size so that ppo_mini_batch_size x n is a "
-                     f"multiple of {devices.count}, {_suggest(fits, mini)}.")
+        router = _router_losses(cfg) if key.startswith("actor_rollout_ref.") else None
+        if router:
+            ok = False
+            problems.add(f"{key}={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} sequences per mini-batch is "
+                         f"not divisible by the device count ({devices.why}), so ghost rows would pad the ranks' "
+                         f"shares, and with {router} their tokens would enter the router statistics. Fix: set "
+                         f"ppo_mini_batch_size so that ppo_mini_batch_size x n is a multiple of {devices.count}, "
+                         f"{_suggest(fits, mini)}, or turn the router loss off.")
+        else:
+            per_rank = -(-mini * n // devices.count)
+            warnings.warn(f"{key}={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} sequences per mini-batch do "
+                          f"not divide over the {devices.count} data-parallel ranks ({devices.why}): each rank gets "
+                          f"{per_rank}, {per_rank * devices.count - mini * n} of them ghost rows (copies of the "
+                          "shortest sequence that add no loss and count for nothing; their forward and backward are "
+                          "wasted work). " + (f"ppo_mini_batch_size {_suggest(fits, mini)} divides evenly." if fits
+                                              else "No divisor of data.train_batch_size divides evenly."),
+                          UserWarning, stacklevel=4)
     return ok
+
+
+def _router_losses(cfg: LatheConfig) -> str | None:
+    """The actor's MoE router loss that is on (its key), else None."""
+    actor = cfg.actor_rollout_ref.actor
+    if cfg.actor_rollout_ref.model.override_config.get("output_router_logits"):
+        return "actor_rollout_ref.model.override_config.output_router_logits=true"
+    if actor.moe_aux_loss_coeff:
+        return f"actor_rollout_ref.actor.moe_aux_loss_coeff={actor.moe_aux_loss_coeff}"
+    if actor.moe_z_loss_coeff:
+        return f"actor_rollout_ref.actor.moe_z_loss_coeff={actor.moe_z_loss_coeff}"
+    return None
 
 
 def _check_micro(prefix: str, owner, plan: BatchPlan, n: int, problems: ProblemList) -> None:
@@ -230,10 +244,13 @@ def _check_micro(prefix: str, owner, plan: BatchPlan, n: int, problems: ProblemL
     where = (f"the per-device mini-batch of {per_device} sequences (ppo_mini_batch_size={plan.mini_batch_prompts} "
              f"x rollout.n={n} / {shares})")
     divisors = [d for d in range(1, per_device + 1) if per_device % d == 0]
-    if micro < 1 or micro > per_device:
+    if micro < 1:
         problems.add(f"{key}={micro} must be between 1 and {where}, because a micro-batch is a slice of it. "
                      f"Fix: set it to a divisor of {per_device}, {_suggest(divisors, micro)}, or leave it null "
                      f"(one pass over the whole per-device mini-batch).")
+    elif micro > per_device:        # verl too cuts a rank's share into one micro-batch then
+        warnings.warn(f"{key}={micro} is more than {where}: each device runs its share as one micro-batch of "
+                      f"{per_device}.", UserWarning, stacklevel=4)
     elif per_device % micro:
         problems.add(f"{key}={micro} does not divide {where}; gradient accumulation needs equal micro-batches. "
                      f"Fix: set it to a divisor of {per_device}, {_suggest(divisors, micro)}.")

@@ -28,7 +28,7 @@ from lathe.algo import agg_loss, get_policy_loss, kl_penalty
 from lathe.algo.distillation import DistillationParams, combine_losses, distillation_loss, topk_losses
 from lathe.algo.policy_loss import PolicyLossParams
 from lathe.algo.rollout_correction import ProbsDiffSums
-from lathe.batch import Batch
+from lathe.batch import Batch, real_rows
 from lathe.models.compile import maybe_compile
 from lathe.models.moe import collect_router_stats, megatron_router_coefs, router_aux_loss_coef
 from lathe.models.routing import ReplayStats
@@ -115,7 +115,7 @@ class PPOActor:
         the whole mini-batch's token and sequence counts, so gradients summed over ranks and micro-batches are
         those of the mini-batch, however it was cut."""
         self.optimizer.zero_grad(set_to_none=True)
-        tokens, seqs = parallel.global_counts(mini["response_mask"], self.data_group)
+        tokens, seqs = parallel.global_counts(mini["response_mask"], self.data_group, rows=real_rows(mini))
         agg = dict(global_num_tokens=tokens, global_num_seqs=seqs, loss_scale_factor=self.loss_scale_factor)
         # metrics stay on the device until the mini-batch ends: a host read per micro-batch would make the host
         # wait for each backward before it could queue the next micro-batch
@@ -129,7 +129,7 @@ class PPOActor:
             with replay_or_nothing(self.model, micro, self.use_remove_padding, replay):
                 loss, parts = self._micro_batch_loss(micro, agg, diff)
                 loss.backward()
-            weight = len(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
+            weight = real_rows(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
                 v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
                 if k in _EXTREMES:
@@ -183,13 +183,13 @@ class PPOActor:
             parts["actor/kl_coef"] = cfg.kl_loss_coef
         if router is not None and self.router_aux_coef:
             aux = router.aux_loss(None if self.sp is None else ulysses.router_totals(router, self.sp))
-            loss = loss + self.router_aux_coef * aux * (len(micro) / agg["global_num_seqs"])
+            loss = loss + self.router_aux_coef * aux * (real_rows(micro) / agg["global_num_seqs"])
             parts["actor/router_aux_loss"] = aux.detach()
         if router is not None and self.megatron_router:
             layers = None if self.sp is None else ulysses.router_layer_totals(router, self.sp)
             balance, z = router.megatron_losses(layers)
             (c_aux, c_z), layers = self.megatron_router, max(1, len(router.layer_rows))
-            loss = loss + (c_aux * balance + c_z * z) * (len(micro) / agg["global_num_seqs"])
+            loss = loss + (c_aux * balance + c_z * z) * (real_rows(micro) / agg["global_num_seqs"])
             parts.update({"actor/load_balancing_loss": balance.detach() / layers, "actor/z_loss": z.detach() / layers})
         if self.distillation is not None:
             token_losses, topk_metrics = self._topk_losses(micro) if self.distillation.use_topk else (None, {})

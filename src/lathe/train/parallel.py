@@ -92,10 +92,11 @@ def sum_metrics(values: dict[str, float], group=None) -> dict[str, float]:
             else dict(values))
 
 
-def global_counts(mask: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:
-    """(tokens, sequences) of the whole mini-batch whose share on this rank has `response_mask` `mask` (summed over
-    `group`, as `all_reduce`)."""
-    local = [float(mask.sum()), float(mask.shape[0])]
+def global_counts(mask: torch.Tensor, group=None, rows: int | None = None) -> tuple[torch.Tensor, int]:
+    """(tokens, sequences) of the whole mini-batch whose share on this rank has `response_mask` `mask` and `rows`
+    sequences (default: all of mask's rows; fewer where ghost rows pad the share: `lathe.batch.GHOST`), summed over
+    `group`, as `all_reduce`."""
+    local = [float(mask.sum()), float(mask.shape[0] if rows is None else rows)]
     tokens, seqs = all_reduce(local, group=group).tolist()
     return torch.tensor(tokens, device=mask.device, dtype=mask.sum().dtype).clamp(min=1), int(seqs)
 

@@ -5,8 +5,11 @@ update. On-policy it is the synchronous loop's reward-model training: the same s
 from __future__ import annotations
 
 from helpers import RM_TEMPLATE, tiny_reward_model
-from loop.test_async_inprocess import ON_POLICY, assert_same_steps, in_process_pools, train  # noqa: F401
+from loop import test_async_inprocess as harness
+from loop.test_async_inprocess import ON_POLICY, assert_same_steps, train
 from loop.test_reward_model import rm_overrides
+
+in_process_pools = harness.in_process_pools          # the fixture (both pools in this process)
 
 KEYS = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "critic/score/max", "critic/score/min",
         "critic/advantages/mean", "critic/advantages/max", "response_length/mean")

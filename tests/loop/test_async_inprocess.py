@@ -1,9 +1,9 @@
 """Fully-async training with both pools in this process (no Ray): the driver, the replica's engine thread, the
 trainer worker and the weight sync (a gloo `SyncGroup` between two threads) are the real ones; only the worker
 groups are in-process stand-ins of `RayWorkerGroup` (one rank each). `in_process_pools` puts them under
-`lathe train`, so a test compares an async run with a synchronous one in a few seconds
-(tests/loop/test_async_*.py); tests/cluster/test_fully_async.py runs the plain cases over Ray (an FSDP2 trainer rank,
-the replica in a process of its own). The trainer here is one unsharded process."""
+`lathe train`, so a test compares an async run with a synchronous one in a few seconds (tests/loop/test_async_*.py);
+tests/cluster/test_fully_async.py runs the plain cases over Ray (an FSDP2 trainer rank, the replica in a process of
+its own). The trainer here is one unsharded process (with the reward model beside it when `reward_model.enable`)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class LocalGroup:
 def start_in_process(cfg, plan, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int,
                      device_type: str):
     """`lathe.cluster.start_async_cluster` with both pools in this process."""
-    from lathe.cluster import AsyncCluster, _driver_groups, _join_sync_group
+    from lathe.cluster import AsyncCluster, _driver_groups, _join_sync_group, build_reward_model_on, reward_model_group
     from lathe.cluster.async_roles import RolloutGroup
     from lathe.cluster.roles import ACTOR, CRITIC, AsyncActorGroup, CriticGroup
     from lathe.workers.build import build_async_trainer, build_critic, build_rollout_replica
@@ -70,6 +70,7 @@ def start_in_process(cfg, plan, *, model_path: str, load_kwargs: dict, tokenizer
                   device_type=device_type)
     if plan.critic is not None:
         trainer.build(CRITIC, build_critic, cfg, plan, tokenizer, total_steps=total_steps, device_type=device_type)
+    build_reward_model_on(trainer, cfg, plan, tokenizer, device_type)
     rollout.build(ROLLOUT, build_rollout_replica, cfg, model_path, load_kwargs, tokenizer, device_type=device_type)
     replicas = RolloutGroup(rollout, pad_id=tokenizer.pad_token_id, timeout_s=120)
     actor, critic = _driver_groups(cfg, plan, trainer, tokenizer, AsyncActorGroup, CriticGroup, replicas=replicas)
@@ -77,7 +78,8 @@ def start_in_process(cfg, plan, *, model_path: str, load_kwargs: dict, tokenizer
     return AsyncCluster(trainer, rollout, actor, critic, replicas, False, trainer.call(ACTOR, "weight_metas")[0],
                         1 << 20, args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs,
                                                        tokenizer=tokenizer, total_steps=total_steps,
-                                                       device_type=device_type)))
+                                                       device_type=device_type)),
+                        reward_model=reward_model_group(cfg, trainer))
 
 
 @pytest.fixture

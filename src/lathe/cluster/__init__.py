@@ -9,7 +9,9 @@ loop calls exactly as it calls the in-process workers.
 
 `start_async_cluster` is its fully-asynchronous counterpart (`RunPlan.is_async`): two pools, the trainer's ranks
 without engines and the rollout replicas (`lathe.workers.fully_async`, driven through `cluster/async_roles.py`),
-joined by the checkpoint engine's process group (`lathe.workers.checkpoint_engine`) for the weight sync.
+joined by the checkpoint engine's process group (`lathe.workers.checkpoint_engine`) for the weight sync. A learned
+reward model lives on the trainer's ranks, colocated with the actor as in the synchronous cluster: the trainer
+thread scores each batch with it just before the update (`lathe.loop.fully_async._learn`).
 """
 
 from __future__ import annotations
@@ -84,24 +86,37 @@ def start_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwar
                   device_type: str) -> Cluster:
     """One worker group over the trainer's devices (`plan.devices`): the actor/rollout/reference worker (and the
     critic) colocated on every rank."""
-    from lathe.cluster.roles import ACTOR, CRITIC, REWARD_MODEL, ActorRolloutRefGroup, CriticGroup, RewardModelGroup
-    from lathe.workers.build import build_actor_rollout_ref, build_critic, build_reward_model
+    from lathe.cluster.roles import ACTOR, CRITIC, ActorRolloutRefGroup, CriticGroup
+    from lathe.workers.build import build_actor_rollout_ref, build_critic
 
     def build(group) -> None:
         group.build(ACTOR, build_actor_rollout_ref, cfg, plan, model_path, load_kwargs, tokenizer,
                     total_steps=total_steps, device_type=device_type)
         if plan.critic is not None:
             group.build(CRITIC, build_critic, cfg, plan, tokenizer, total_steps=total_steps, device_type=device_type)
-        if cfg.reward_model.enable:             # colocated: every rank scores its share of a step's responses
-            group.build(REWARD_MODEL, build_reward_model, cfg, plan, tokenizer, device_type=device_type)
+        build_reward_model_on(group, cfg, plan, tokenizer, device_type)
 
     group, started = _group(cfg, device_type, "actor_rollout_ref", cfg.actor_rollout_ref.nccl_timeout, build)
     actor, critic = _driver_groups(cfg, plan, group, tokenizer, ActorRolloutRefGroup, CriticGroup)
-    reward_model = RewardModelGroup(group, balance=cfg.trainer.balance_batch) if cfg.reward_model.enable else None
     return Cluster(group, actor, critic, started,
                    args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
                                          total_steps=total_steps, device_type=device_type)),
-                   reward_model=reward_model)
+                   reward_model=reward_model_group(cfg, group))
+
+
+def build_reward_model_on(group, cfg: LatheConfig, plan: RunPlan, tokenizer, device_type: str) -> None:
+    """With `reward_model.enable`, the reward model on every rank of `group` (colocated with the actor: each rank
+    scores its share of a step's responses)."""
+    from lathe.cluster.roles import REWARD_MODEL
+    from lathe.workers.build import build_reward_model
+    if cfg.reward_model.enable:
+        group.build(REWARD_MODEL, build_reward_model, cfg, plan, tokenizer, device_type=device_type)
+
+
+def reward_model_group(cfg: LatheConfig, group):
+    """The driver's handle on `build_reward_model_on`'s reward models (None without `reward_model.enable`)."""
+    from lathe.cluster.roles import RewardModelGroup
+    return RewardModelGroup(group, balance=cfg.trainer.balance_batch) if cfg.reward_model.enable else None
 
 
 def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls, critic_cls, **actor_kwargs):
@@ -133,7 +148,7 @@ class AsyncCluster:
     bucket_bytes: int
     position_metas: list | None = None   # tensor-parallel replicas: each position's slices (a resharding sync)
     args: tuple | None = None            # (cfg, plan, start_async_cluster's keywords): what `restart` starts again
-    reward_model = None                  # (the synchronous cluster's colocated reward model: refused in async mode)
+    reward_model: object | None = None   # RewardModelGroup over the trainer's ranks (reward_model.enable)
 
     def restart(self) -> AsyncCluster:
         """Stop both pools (the dead rank included) and start them afresh on their starting weights; the caller then
@@ -177,8 +192,9 @@ class AsyncCluster:
 
 def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwargs: dict, tokenizer,
                         total_steps: int, device_type: str) -> AsyncCluster:
-    """The trainer pool (`trainer.nnodes x n_gpus_per_node`, FSDP2, no engine) and the rollout pool
-    (`rollout.nnodes x n_gpus_per_node` replicas of lathe's engine), joined for the weight sync."""
+    """The trainer pool (`trainer.nnodes x n_gpus_per_node`, FSDP2, no engine; the reward model colocated on every
+    rank with `reward_model.enable`) and the rollout pool (`rollout.nnodes x n_gpus_per_node` replicas of lathe's
+    engine), joined for the weight sync."""
     from lathe.cluster.async_roles import RolloutGroup
     from lathe.cluster.placement import ResourcePool, start_ray
     from lathe.cluster.roles import ACTOR, CRITIC, AsyncActorGroup, CriticGroup
@@ -202,6 +218,7 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
                     total_steps=total_steps, device_type=device_type)
         if plan.critic is not None:
             group.build(CRITIC, build_critic, cfg, plan, tokenizer, total_steps=total_steps, device_type=device_type)
+        build_reward_model_on(group, cfg, plan, tokenizer, device_type)
         return group
 
     def rollout_pool() -> RayWorkerGroup:
@@ -242,7 +259,8 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
         raise
     return AsyncCluster(trainer, rollout, actor, critic_group, replicas, started, metas, bucket_bytes, position_metas,
                         args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
-                                              total_steps=total_steps, device_type=device_type)))
+                                              total_steps=total_steps, device_type=device_type)),
+                        reward_model=reward_model_group(cfg, trainer))
 
 
 def _join_sync_group(trainer, rollout, host: str, port: int | list[int], timeout_s: float,

@@ -130,9 +130,39 @@ def _multi_turn() -> list[Entry]:
     return out
 
 
+def _async_reward_model(value, cfg) -> tuple[str, str] | None:
+    """reward_model.enable with a rollout pool: the trainer pool's ranks score each batch with the reward model just
+    before its update (`lathe.loop.fully_async._learn`). What would need those scores earlier, on the driver as each
+    request arrives, is refused rather than computed from other scores."""
+    if not value:
+        return None
+    fix = ("or remove reward_model.enable, or train synchronously (rollout.n_gpus_per_node=0), where the reward "
+           "model scores each step's samples before anything reads them")
+    clashes = []
+    if cfg.reward_model.judge.enable:
+        clashes.append(f"`{RM}.judge.enable`=true: a generative judge in fully-asynchronous training is not "
+                       "implemented yet in lathe (the sequence-classification reward model is). Fix: set "
+                       f"{RM}.judge.enable=false, {fix}.")
+    if cfg.algorithm.filter_groups.enable:
+        clashes.append(f"`algorithm.filter_groups.enable`=true with `{RM}.enable`=true in fully-asynchronous "
+                       "training: DAPO's dynamic sampling filters each request's groups by their scores on the driver "
+                       "as they arrive, but the reward model scores a batch on the trainer pool just before its "
+                       f"update. Fix: set algorithm.filter_groups.enable=false, {fix}.")
+    if cfg.algorithm.adv_estimator == "remax":
+        clashes.append(f"`algorithm.adv_estimator`=remax with `{RM}.enable`=true in fully-asynchronous training: "
+                       "ReMax's baseline is the score of each request's greedy response, taken on the driver as the "
+                       "request arrives, but the reward model scores on the trainer pool just before an update. "
+                       f"Fix: use another estimator (grpo, rloo, ...), {fix}.")
+    return ("refuse", " ".join(clashes)) if clashes else None
+
+
 def _rewards() -> list[Entry]:
-    out = [only_on("a rollout pool", refuse(f"{RM}.enable", "a learned reward model in fully-asynchronous training",
-                                            "remove it, or train synchronously (rollout.n_gpus_per_node=0)")),
+    out = [only_on("a rollout pool", replace(refuse(
+               f"{RM}.enable", "a learned reward model in fully-asynchronous training with a generative judge "
+               f"({RM}.judge.enable), DAPO's dynamic sampling (algorithm.filter_groups.enable) or ReMax "
+               "(algorithm.adv_estimator=remax); the sequence-classification model alone runs (the trainer pool "
+               "scores each batch before its update)", "remove that key, or train synchronously "
+               "(rollout.n_gpus_per_node=0)"), judge=_async_reward_model)),
            refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo/gdpo: "
                   "per-response scoring in worker processes with timeouts, a dict result's numbers kept)",
                   "set it to naive", one_of("naive", "prime", "dapo", "gdpo")),
@@ -143,7 +173,8 @@ def _rewards() -> list[Entry]:
                    and v.get("max_resp_len", cfg.data.max_response_length) == cfg.data.max_response_length),
            only_on("a rollout pool or filter_groups", warn(
                f"{RM}.launch_reward_fn_async", "with a rollout pool the driver already scores each request as it "
-               "arrives while the trainer pool trains; with algorithm.filter_groups.enable DAPO's dynamic sampling "
+               "arrives while the trainer pool trains (a reward model's scores: the trainer pool, just before each "
+               "update); with algorithm.filter_groups.enable DAPO's dynamic sampling "
                "chooses the step's samples by their scores before any log-prob pass, so they are scored in the "
                "foreground (as verl's DAPO trainer does); the scores are the same")),
            warn(f"{RM}.n_gpus_per_node", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),

@@ -19,6 +19,12 @@ kept prompts (`lathe.loop.fully_async_dapo`); ReMax sends each request with a gr
 baseline; with LoRA the sync sends only the adapted layers, merged (`AsyncTrainerWorker`); multi-turn requests
 carry their rows' tool kwargs and messages, and the replica runs their trajectories (`lathe.rollout.agent.stream`).
 
+A learned reward model (`reward_model.enable`, the sequence-classification model) lives on the trainer pool's ranks,
+colocated with the actor as in the synchronous loop: the driver leaves the requests unscored and the trainer thread
+scores each training batch with it just before the update (`_learn`, through `score_batch`, so the scores are the
+synchronous loop's). What reads scores on the driver before that (dynamic sampling's filter, ReMax's greedy baseline)
+is refused with a reward model at config load (`lathe.config.support`); a generative judge is refused too.
+
 Every prompt gets an issue index when it is sent; its samples are seeded by it exactly as the synchronous loop
 seeds the same prompt of the same step, and a checkpoint records which issued prompts were trained, so a resumed run
 re-issues the untrained ones (none lost, none trained twice).
@@ -42,7 +48,7 @@ from lathe.workers.fully_async import request_agent, request_images
 from lathe.loop.fully_async_dapo import DynamicSampling
 from lathe.loop.ppo import finish_metrics, learn, save
 from lathe.loop.recover import run_with_restarts
-from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed
+from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed, score_batch
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward, reward_extra_means
 from lathe.loop.validate import validate
@@ -168,13 +174,15 @@ class AsyncDriver:
 
     def _score(self, first: int, parts: dict[str, Batch]) -> None:
         """A finished request's groups scored (ReMax: with their greedy baselines), filtered (dynamic sampling) and
-        queued."""
+        queued. With a reward model they are queued unscored: the trainer thread scores them (`_learn`)."""
         _, prompts = self.in_flight.pop(first)
         batch = prompts.repeat(self.n, interleave=True).update(parts["samples"])
-        scores, metrics = compute_reward(batch, self.t.tokenizer, self.t.reward,
-                                         overlong=self.t.cfg.reward_model.overlong_buffer,
-                                         max_response_length=self.t.cfg.data.max_response_length)
-        batch.update(scores)
+        metrics: dict[str, float] = {}
+        if self.t.reward_model is None:
+            scores, metrics = compute_reward(batch, self.t.tokenizer, self.t.reward,
+                                             overlong=self.t.cfg.reward_model.overlong_buffer,
+                                             max_response_length=self.t.cfg.data.max_response_length)
+            batch.update(scores)
         if "greedy" in parts:                 # as `lathe.loop.sampling.greedy_baseline` scores it
             greedy = prompts.repeat(1).update(parts["greedy"])
             greedy_scores, _ = compute_reward(greedy, self.t.tokenizer, self.t.reward)
@@ -380,11 +388,19 @@ def _fit_async(t: Trainer, first: bool) -> dict[str, float]:
 def _learn(t: Trainer, batch: Batch, current: int | None) -> dict[str, float]:
     """One local update on a batch of finished groups (run in the trainer thread). `current`: the rollout's weight
     version when the trainer holds exactly those weights (the first update after a sync), else None; the tokens
-    sampled with it must then have the log-probs the trainer recomputes (`rollout_probs_diff_current_*`)."""
+    sampled with it must then have the log-probs the trainer recomputes (`rollout_probs_diff_current_*`).
+    With a reward model (`reward_model.enable`) the batch comes unscored and is scored here first, on the trainer
+    pool's ranks, as the synchronous loop scores its step (`score_batch`: the same scores and metrics)."""
     timer = Timer(memory=PeakMemory(t.device))
     start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    if t.reward_model is not None:
+        with timer("reward"):
+            scores, metrics = score_batch(t, batch)
+        batch.update(scores)
     old_from_rollout = old_log_probs_from_rollout(t.cfg)
-    metrics = learn(t, batch, timer, old_from_rollout=old_from_rollout, skip_on_policy=False)  # the diff below reads them
+    metrics.update(learn(t, batch, timer, old_from_rollout=old_from_rollout,
+                         skip_on_policy=False))                           # the diff below reads the old log-probs
     if current is not None and not old_from_rollout:
         same = batch["response_mask"].bool() & (batch["rollout_versions"] == current)
         metrics.update({f"fully_async/rollout_probs_diff_current_{k}": v for k, v in rollout_probs_diff(

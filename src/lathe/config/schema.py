@@ -87,7 +87,8 @@ class CriticModelConfig:
     trust_remote_code: bool | None = spec(None, "null = actor_rollout_ref.model.trust_remote_code.")
     use_shm: bool = spec(False, "Copy the files to shared memory first (verl).")
     enable_gradient_checkpointing: bool = spec(True, "Recompute each decoder layer in backward (lathe's decoder).")
-    enable_activation_offload: bool = spec(False, "Offload activations to CPU (verl).")
+    enable_activation_offload: bool = spec(False, "Keep what a training forward saves for its backward "
+                                                       "in pinned host memory (CUDA; lathe.train.offload).")
     use_remove_padding: bool = spec(False, "Packed (varlen) critic forward without pad tokens (lathe's decoder).")
     lora_rank: int = spec(0, "LoRA rank; 0 = full fine-tuning.")
     lora_alpha: int = spec(16, "LoRA alpha.")

@@ -174,7 +174,8 @@ class ModelConfig:
                 "architectures; lathe = lathe's decoder or an error; hf = transformers always.")
     enable_gradient_checkpointing: bool = spec(True, "Recompute each decoder layer's activations in backward to "
                                                      "save memory (lathe's decoder; not yet for transformers).")
-    enable_activation_offload: bool = spec(False, "Offload activations to CPU (verl).")
+    enable_activation_offload: bool = spec(False, "Keep what a training forward saves for its backward "
+                                                       "in pinned host memory (CUDA; lathe.train.offload).")
     use_remove_padding: bool = spec(False, "Packed (varlen) forward of actor and reference without pad tokens "
                                            "(lathe's decoder; transformers models run padded).")
     use_liger: bool = spec(False, "Liger kernels (verl).")

@@ -230,10 +230,7 @@ def _distillation() -> list[Entry]:
 
 
 def _memory() -> list[Entry]:
-    out = [refuse(f"{m}.enable_activation_offload", "activation offload",
-                  "remove it; lathe's decoder saves activation memory with enable_gradient_checkpointing")
-           for m in (M, f"{C}.model")]
-    out += [only_on("one device", refuse(f"{g}.fsdp_config.offload_policy", "FSDP2's CPU offload policy on one "
+    out = [only_on("one device", refuse(f"{g}.fsdp_config.offload_policy", "FSDP2's CPU offload policy on one "
                                          "device", "remove it; fsdp_config.param_offload and optimizer_offload are "
                                          "the offload switches on one device")) for g in TRAINED]
     out += [only_on("several devices", refuse(

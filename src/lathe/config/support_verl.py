@@ -167,7 +167,8 @@ def _backends() -> list[Entry]:
            refuse("*.veomni.load_checkpoint_path", "loading a VeOmni checkpoint",
                   "resume a lathe checkpoint with trainer.resume_mode / trainer.resume_from_path"),
            warn("*.veomni.ckpt_manager", CKPT_FORMAT),
-           warn("*.activation_gpu_limit", "lathe does not offload activations (activation offload is refused)"),
+           warn("*.activation_gpu_limit", "lathe's activation offload (model.enable_activation_offload) moves every "
+                "saved activation of at least 1 MiB, with no device budget"),
            warn("*.veomni.*", "a VeOmni engine setting (kernel implementations, initialisation, prefetch, "
                 "compilation); " + KERNELS),
            warn("*.torchtitan.*", "a torchtitan engine setting (attention type, compilation, wrapping, "

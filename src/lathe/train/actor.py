@@ -37,6 +37,7 @@ from lathe.train import parallel, ulysses
 from lathe.train.gathered import accumulating
 from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import HOST_MASK, micro_batches
+from lathe.train.offload import activations_on_host
 from lathe.train.routing import replay_or_nothing
 from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel
@@ -57,7 +58,7 @@ class PPOActor:
     def __init__(self, model, optimizer, scheduler, actor_cfg, *, mini_batch_size: int, temperature: float,
                  max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False,
                  nonfinite: NonFiniteGuard | None = None, sp: SequenceParallel | None = None, tp=None,
-                 distillation: DistillationParams | None = None):
+                 distillation: DistillationParams | None = None, offload_activations: bool = False):
         """`mini_batch_size`: this rank's share of a mini-batch, in sequences (`BatchPlan.mini_batch_sequences_per_device`).
         `rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
         then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
@@ -70,7 +71,9 @@ class PPOActor:
         tensor-parallel group (`lathe.train.tensor_parallel.TensorParallel`): its ranks get the same shares too, so
         counts and metrics are summed over its `data_group`; the model then runs eager.
         `distillation` (verl's `distillation.distillation_loss`): the batch carries `teacher_log_probs` and the
-        distillation loss joins the task loss (`lathe.algo.distillation`), with verl's `distillation/*` metrics."""
+        distillation loss joins the task loss (`lathe.algo.distillation`), with verl's `distillation/*` metrics.
+        `offload_activations` (verl's `model.enable_activation_offload`): the update's saved activations wait in host
+        memory (`lathe.train.offload.activations_on_host`)."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
         self.nonfinite = nonfinite or NonFiniteGuard("actor")
         self.compiled = maybe_compile(model, use_torch_compile(actor_cfg) and tp is None)
@@ -91,6 +94,7 @@ class PPOActor:
         self.megatron_router = megatron_router_coefs(model, actor_cfg.moe_aux_loss_coeff,   # None: both 0
                                                      actor_cfg.moe_z_loss_coeff)
         self.distillation = distillation
+        self.offload_activations = offload_activations
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches; returns verl's `actor/*` metrics averaged over mini-batches.
@@ -127,7 +131,8 @@ class PPOActor:
                                               key=self.max_token_key)]
         for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
             with replay_or_nothing(self.model, micro, self.use_remove_padding, replay):
-                loss, parts = self._micro_batch_loss(micro, agg, diff)
+                with activations_on_host(self.offload_activations):
+                    loss, parts = self._micro_batch_loss(micro, agg, diff)
                 loss.backward()
             weight = real_rows(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():

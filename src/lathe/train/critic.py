@@ -27,6 +27,7 @@ from lathe.train import parallel
 from lathe.train.gathered import accumulating, kept_gathered
 from lathe.train.logprob import group_budget, response_hidden, scatter_response, sequence_parallel_response
 from lathe.train.micro import in_batch_order, micro_batches
+from lathe.train.offload import activations_on_host
 from lathe.train.ulysses import SequenceParallel
 from lathe.train.update import (NonFiniteGuard, clipped_step, load_trainable, run_ppo_epochs,
                                 save_trainable)
@@ -67,9 +68,11 @@ class PPOCritic:
 
     def __init__(self, model, optimizer, scheduler, critic_cfg, *, mini_batch_size: int, max_response_length: int,
                  use_remove_padding: bool = False, nonfinite: NonFiniteGuard | None = None,
-                 sp: SequenceParallel | None = None, tp=None):
+                 sp: SequenceParallel | None = None, tp=None, offload_activations: bool = False):
         """`sp`: this rank's sequence-parallel group (`critic.ulysses_sequence_parallel_size`), `tp`: its tensor-
-        parallel group (`critic.model.fsdp_config.tensor_parallel_size`): as `PPOActor`'s."""
+        parallel group (`critic.model.fsdp_config.tensor_parallel_size`), `offload_activations`
+        (`critic.model.enable_activation_offload`): as `PPOActor`'s."""
+        self.offload_activations = offload_activations
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, critic_cfg
         self.nonfinite = nonfinite or NonFiniteGuard("critic")
         self.use_remove_padding = use_remove_padding
@@ -128,7 +131,8 @@ class PPOCritic:
         micros = [m for m, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                               key=self.max_token_key)]
         for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
-            loss, parts = self._micro_batch_loss(micro, agg)
+            with activations_on_host(self.offload_activations):
+                loss, parts = self._micro_batch_loss(micro, agg)
             loss.backward()
             share = micro["response_mask"].sum().double() / total_tokens   # token-weighted: exact mini-batch means
             sums["critic/vf_loss"] = sums["critic/vf_loss"] + loss.detach().double()   # global normalisation: add up

@@ -1,5 +1,6 @@
-"""CPU offload: verl's `fsdp_config.param_offload` / `optimizer_offload` switches, and frozen weights kept in CPU
-memory between uses (the reference's `param_offload`)."""
+"""CPU offload: verl's `fsdp_config.param_offload` / `optimizer_offload` switches, frozen weights kept in CPU
+memory between uses (the reference's `param_offload`), and the activations a training forward saves for its backward
+(`model.enable_activation_offload`: `activations_on_host`)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,49 @@ class HostWeights:
         finally:
             for p, host in self._host.items():
                 p.data = host
+
+
+OFFLOAD_MIN_BYTES = 1 << 20     # a saved tensor smaller than this stays on the device: its copy would cost more
+
+
+def activation_offload(enabled: bool, device: torch.device, *, key: str) -> bool:
+    """verl's `model.enable_activation_offload` for a model trained on `device`: on CUDA only (a CPU run keeps
+    everything in host memory already: said once)."""
+    if enabled and device.type != "cuda":
+        log.warning("%s has no effect on a %s run (the activations are in host memory already)", key, device.type)
+    return enabled and device.type == "cuda"
+
+
+@contextmanager
+def activations_on_host(enabled: bool, device_type: str = "cuda") -> Iterator[dict[str, int]]:
+    """The tensors autograd saves, in the forwards inside the block, for their backward wait in pinned host memory
+    until the backward reads them back (verl's `enable_activation_offload`). With gradient checkpointing these are
+    each decoder layer's input (torch's non-reentrant checkpoint saves it outside the region it recomputes: the
+    largest share, layers x tokens x hidden) and the log-prob pass's hidden states; without it, every activation.
+    Parameters (and views of them), tensors off `device_type` (CUDA; the tests offload CPU tensors to other CPU
+    memory) and tensors under `OFFLOAD_MIN_BYTES` stay where they are. The copies are in the compute stream's order
+    (verl's offload overlaps them on a stream of their own): memory for time. Yields {"tensors", "bytes"} moved."""
+    moved = {"tensors": 0, "bytes": 0}
+    if not enabled:
+        yield moved
+        return
+
+    def pack(t: torch.Tensor):
+        base = t if t._base is None else t._base
+        size = t.numel() * t.element_size()
+        if t.device.type != device_type or isinstance(base, nn.Parameter) or size < OFFLOAD_MIN_BYTES:
+            return t
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=device_type == "cuda")
+        host.copy_(t)
+        moved["tensors"] += 1
+        moved["bytes"] += size
+        return t.device, host
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield moved

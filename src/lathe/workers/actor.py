@@ -30,7 +30,7 @@ from lathe.rollout.build import architecture, runs_lathe
 from lathe.train import expert_parallel, lora, parallel, tensor_parallel, ulysses
 from lathe.train.actor import PPOActor
 from lathe.train.logprob import batched_token_stats
-from lathe.train.offload import offload_flags
+from lathe.train.offload import activation_offload, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
 from lathe.train.routing import LogProbRouting, check_replay_model
@@ -106,7 +106,9 @@ class Actor:
                             mini_batch_size=plan.mini_batch_sequences_per_device, temperature=temperature,
                             max_response_length=max_response_length, rollout_correction=rollout_correction,
                             use_remove_padding=self.arr.model.use_remove_padding, nonfinite=nonfinite, sp=self.sp,
-                            tp=self.tp, distillation=distillation)
+                            tp=self.tp, distillation=distillation, offload_activations=activation_offload(
+                                self.arr.model.enable_activation_offload, self.device,
+                                key="actor_rollout_ref.model.enable_activation_offload"))
 
     def _apply_lora(self, seed: int) -> bool:
         """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""

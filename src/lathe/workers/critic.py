@@ -17,7 +17,7 @@ from lathe.models.rope import cast_keeping_rope
 from lathe.models.value import load_value_model
 from lathe.train import expert_parallel, parallel, tensor_parallel, ulysses
 from lathe.train.critic import PPOCritic
-from lathe.train.offload import offload_flags
+from lathe.train.offload import activation_offload, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
 from lathe.train.update import nonfinite_guard
@@ -77,7 +77,10 @@ class CriticWorker:
                                 use_remove_padding=critic.model.use_remove_padding,
                                 nonfinite=nonfinite_guard(cfg, "critic"),
                                 sp=ulysses.sequence_parallel(plan.sequence_parallel_size,
-                                                             "critic.ulysses_sequence_parallel_size"), tp=tp)
+                                                             "critic.ulysses_sequence_parallel_size"), tp=tp,
+                                offload_activations=activation_offload(critic.model.enable_activation_offload,
+                                                                       self.device,
+                                                                       key="critic.model.enable_activation_offload"))
 
     def compute_values(self, batch: Batch) -> Batch:
         """``{"values": (B, R)}`` on the CPU."""

@@ -1,0 +1,68 @@
+"""verl's `model.enable_activation_offload` (`lathe.train.offload.activations_on_host`): what a training forward
+saves for its backward waits in host memory and comes back for the backward; the gradients are the same."""
+
+import pytest
+import torch
+
+from lathe.generation import RolloutOutput
+from lathe.rollout.base import to_batch
+from lathe.train import offload
+from lathe.train.logprob import response_log_probs
+
+from .conftest import PAD, VOCAB
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (5, 3, 6)]
+    responses = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (4, 6, 2)]
+    return to_batch(prompts, RolloutOutput(responses, [[0.0] * len(r) for r in responses], ["stop"] * 3), PAD, n=1)
+
+
+def _grads(model, batch, offloaded: bool, device_type: str):
+    model.zero_grad(set_to_none=True)
+    with offload.activations_on_host(offloaded, device_type) as moved:
+        logp, _ = response_log_probs(model, batch)
+    (logp * batch["response_mask"]).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, moved
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_offloaded_activations_give_the_same_gradients(make_lathe, monkeypatch, checkpointing):
+    """On the CPU, 'offloaded' to other host memory (every saved tensor: no size floor): the same gradients, bit for
+    bit; with gradient checkpointing the saved tensors include each decoder layer's input, never a parameter."""
+    monkeypatch.setattr(offload, "OFFLOAD_MIN_BYTES", 0)
+    model, batch = make_lathe(), _batch()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    want, _ = _grads(model, batch, False, "cpu")
+    got, moved = _grads(model, batch, True, "cpu")
+    assert moved["tensors"] >= model.config.num_hidden_layers and moved["bytes"] > 0
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert moved["bytes"] < params or not checkpointing     # no parameter copied (checkpointing keeps the rest small)
+
+
+def test_off_cuda_it_has_nothing_to_move(make_lathe, caplog):
+    assert offload.activation_offload(True, torch.device("cpu"), key="k") is False
+    assert "k has no effect on a cpu run" in caplog.text
+    _, moved = _grads(make_lathe().train(), _batch(), True, "cuda")        # CPU tensors: none moved
+    assert moved == {"tensors": 0, "bytes": 0}
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_backward_peak_is_lower_and_the_gradients_equal(make_lathe, monkeypatch):
+    monkeypatch.setattr(offload, "OFFLOAD_MIN_BYTES", 0)
+    model, batch = make_lathe().cuda(), _batch().to("cuda")
+    model.gradient_checkpointing_enable()
+    model.train()
+    peaks, grads = [], []
+    for offloaded in (False, True):
+        torch.cuda.reset_peak_memory_stats()
+        g, moved = _grads(model, batch, offloaded, "cuda")
+        peaks.append(torch.cuda.max_memory_allocated())
+        grads.append(g)
+    assert moved["tensors"] >= model.config.num_hidden_layers
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    assert peaks[1] <= peaks[0]

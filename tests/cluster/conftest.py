@@ -1,8 +1,9 @@
 """One local Ray for the cluster tests of this xdist worker (they all run on one: tests/conftest.py GROUPS): each
 `lathe train` joins it instead of starting its own, which saves a Ray start (~15 s on 2 busy cores) per run. A test
-that needs a cluster of its own (simulated nodes) is marked `own_ray`: the shared one is stopped for it and started
-again for the next. A module that leaves workers or placement groups behind (after its fixtures are torn down) gets
-a fresh cluster after it."""
+that needs a cluster of its own (simulated nodes) is marked `own_ray`: such tests run after all the others, so that
+the shared cluster is stopped for them once and never started again. A module that leaves workers or placement
+groups behind (after its fixtures are torn down) gets a fresh cluster after it. A module marked `no_ray` (pure
+functions, a refusal before Ray starts) gets none, and runs on either xdist worker."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip ins
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_ray: the test starts a Ray cluster of its own")
+    config.addinivalue_line("markers", "no_ray: the test starts no Ray and needs none (not in the xdist group 'ray')")
+
+
+@pytest.hookimpl(trylast=True)      # after tests/conftest.py has grouped them
+def pytest_collection_modifyitems(config, items):
+    """The `own_ray` tests last (a stable sort: every other order is kept)."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
 
 
 def _start() -> None:
@@ -33,10 +41,18 @@ def _all_free(wait_s: float = 10) -> bool:
     return True
 
 
+def _shared(node) -> bool:
+    """Whether `node` (a module or a test) runs on the shared cluster."""
+    return not (node.get_closest_marker("own_ray") or node.get_closest_marker("no_ray"))
+
+
 @pytest.fixture(scope="module", autouse=True)
-def shared_ray():
+def shared_ray(request):
     """Started before the module's own fixtures (which may train on it); after them, a cluster whose slots are
     still held (a leak) is stopped rather than handed to the next module."""
+    if not _shared(request.node):
+        yield
+        return
     _start()
     yield
     if ray.is_initialized() and not _all_free():
@@ -46,6 +62,9 @@ def shared_ray():
 @pytest.fixture(autouse=True)
 def _own_ray(request):
     """An `own_ray` test gets no shared cluster; the next test starts it again."""
+    if request.node.get_closest_marker("no_ray"):
+        yield
+        return
     if not request.node.get_closest_marker("own_ray"):
         _start()
         yield

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lathe.batch import GHOST, Batch, real_rows
 from lathe.cluster.dispatch import (contiguous_shares, equal_partitions, for_groups, in_order, one_per_group,
                                     select_share, update_shares)
+
+pytestmark = pytest.mark.no_ray             # pure functions: either xdist worker (tests/cluster/conftest.py)
 
 
 def batch_of(lengths: list[int], width: int = 12) -> Batch:

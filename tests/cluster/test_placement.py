@@ -12,6 +12,7 @@ import pytest
 from lathe.cluster.placement import ClusterError, check_local_fit
 from lathe.config import load_config, run_plan
 
+pytestmark = pytest.mark.no_ray     # refusals before any Ray starts: either xdist worker (tests/cluster/conftest.py)
 FOUR_CPU_WORKERS = ["trainer.device=cpu", "trainer.nnodes=2", "trainer.n_gpus_per_node=2"]
 
 

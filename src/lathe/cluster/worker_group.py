@@ -10,7 +10,9 @@ called by name; several roles share a rank (colocated, as verl's hybrid engine d
 Nothing waits forever. Every call the controller waits on has a deadline; when it passes, the error names the
 group, the method, the ranks that did not answer (with their hosts) and the last call each rank finished. A
 rank that raises ends the call at once with its rank and host added to the error, and a rank whose process
-dies (killed, out of memory) ends it with the exit cause Ray reports — the other ranks are not waited for.
+dies (killed, out of memory) ends it with the exit cause Ray reports — the other ranks are not waited for. Those
+ranks may be left inside a collective that waits for the lost one (for `actor_rollout_ref.nccl_timeout`): `shutdown`
+kills them without asking them to leave the process group first, a request they could only take after that call.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class RayWorkerGroup:
                               .remote(rank, self.world_size, pool.cpus_per_worker, group_name=name,
                                       use_gpu=pool.use_gpu))
         self.last_done = ["(started)"] * self.world_size
+        self.unanswered: dict[int, object] = {}     # rank -> its call left running when a gather failed
         self.nodes = self._gather([h.node.remote() for h in self.hosts], "node")
         address, port = self.nodes[0]["ip"], self.free_port()
         from lathe.device import backend_for
@@ -179,15 +182,18 @@ class RayWorkerGroup:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
+                self._left_running(pending, rank_of)
                 raise WorkerGroupError(self._silent(sorted(rank_of[p] for p in pending), what))
             ref = ready[0]
             r = rank_of[ref]
             try:
                 out[r] = ray.get(ref)
             except RayActorError as e:
+                self._left_running(pending, rank_of)
                 raise WorkerGroupError(f"{self.name}: rank {r}{self._where(r)} died during {what}: "
                                        f"{_actor_death(e)}. The run cannot continue without it.") from None
             except RayTaskError as e:
+                self._left_running(pending, rank_of)
                 cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
                 cause.add_note(f"(raised by {self.name} rank {r}{self._where(r)} in {what}; the rank's traceback:\n"
                                f"{_remote_traceback(e)})")
@@ -197,6 +203,10 @@ class RayWorkerGroup:
                 continue
             self.last_done[r] = what
         return out
+
+    def _left_running(self, pending: list, rank_of: dict) -> None:
+        """Remember the calls a failed gather leaves running (for `shutdown`)."""
+        self.unanswered.update({rank_of[ref]: ref for ref in pending})
 
     def _where(self, rank: int) -> str:
         nodes = getattr(self, "nodes", None)
@@ -210,10 +220,16 @@ class RayWorkerGroup:
                 "only slow, raise actor_rollout_ref.nccl_timeout (seconds).")
 
     def shutdown(self) -> None:
-        """Leave the process group and stop every rank (best effort: dead ranks are skipped)."""
+        """Leave the process group and stop every rank (best effort: dead ranks are skipped). A rank still inside a
+        call that a failed gather left running is killed without the request to leave: it would take it only after
+        that call, which may be a collective waiting for a lost rank (the request's 10 s went by at each such stop)."""
         import ray
         try:
-            ray.wait([h.shutdown.remote() for h in self.hosts], num_returns=len(self.hosts), timeout=10)
+            left = getattr(self, "unanswered", {})
+            done, _ = ray.wait(list(left.values()), num_returns=len(left), timeout=0) if left else ([], [])
+            asked = [h.shutdown.remote() for r, h in enumerate(self.hosts) if r not in left or left[r] in done]
+            if asked:
+                ray.wait(asked, num_returns=len(asked), timeout=10)
         except Exception:      # noqa: BLE001 - shutting down after a failure: nothing more to report
             pass
         for h in self.hosts:

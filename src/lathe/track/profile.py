@@ -65,22 +65,26 @@ def _top(tally: dict[str, list[float]], key: str) -> list[dict]:
     return [{"name": n[:160], key: s, "calls": c} for n, (s, c) in rows]
 
 
-def host_phases(events) -> dict[str, dict]:
-    """{phase: {wall_s, top_host_ops}} from a finished CPU-only profiler's `events()`: the operators run inside each
-    `timing/<phase>` range, by their own host time. A phase timed twice in the step (DAPO's rounds) adds up."""
+def host_phases(trace: dict) -> dict[str, dict]:
+    """{phase: {wall_s, top_host_ops}} from a Chrome trace of a CPU run: the operators run inside each
+    `timing/<phase>` range on its thread, by their own host time (their callees' taken out), and the named ranges
+    inside it (`Optimizer.step#AdamW.step`) by theirs. A phase timed twice in the step (DAPO's rounds) adds up; an
+    operator inside nested phases counts for each. (Read from the trace, as
+    `device_phases` is: the profiler's own event tree, `prof.events()`, took 5 s to build for a step of a tiny model.)"""
+    events = trace.get("traceEvents", [])
+    windows = [((e.get("pid"), e.get("tid")), e["ts"], e["ts"] + e.get("dur", 0), e["name"][len(PHASE_PREFIX):])
+               for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(PHASE_PREFIX)]
     phases: dict[str, dict] = {}
     tallies: dict[str, dict[str, list[float]]] = {}
-    for event in events:
-        if not event.name.startswith(PHASE_PREFIX):
-            continue
-        name = event.name[len(PHASE_PREFIX):]
-        entry = phases.setdefault(name, {"wall_s": 0.0})
-        entry["wall_s"] += event.time_range.elapsed_us() / 1e6
-        tally = tallies.setdefault(name, {})
-        for e in _descendants(event):
-            row = tally.setdefault(e.name, [0.0, 0])
-            row[0] += e.self_cpu_time_total / 1e6
-            row[1] += 1
+    for _, start, end, name in windows:
+        phases.setdefault(name, {"wall_s": 0.0})["wall_s"] += (end - start) / 1e6
+        tallies.setdefault(name, {})
+    for thread, ts, op, own in _host_self_times(events, (*HOST_CATEGORIES, "user_annotation")):
+        for where, start, end, name in windows:
+            if where == thread and start <= ts <= end and not op.startswith(PHASE_PREFIX):
+                row = tallies[name].setdefault(op, [0.0, 0])
+                row[0] += own / 1e6
+                row[1] += 1
     for name, entry in phases.items():
         entry["top_host_ops"] = _top(tallies[name], "self_s")
     return phases
@@ -119,7 +123,7 @@ def device_phases(trace: dict) -> dict[str, dict]:
         row[0] += e.get("dur", 0) / 1e6
         row[1] += 1
     host: dict[str, dict[str, list[float]]] = {}
-    for ts, op, own in _host_self_times(events):
+    for _, ts, op, own in _host_self_times(events):
         phase = next((name for start, end, name in windows if start <= ts <= end), None)
         if phase is not None:
             row = host.setdefault(phase, {}).setdefault(op, [0.0, 0])
@@ -140,26 +144,37 @@ def device_phases(trace: dict) -> dict[str, dict]:
 HOST_CATEGORIES = ("cpu_op", "python_function", *LAUNCH_CATEGORIES)
 
 
-def _host_self_times(events: list[dict]) -> Iterator[tuple[float, str, float]]:
-    """(start, name, own microseconds) of each host event: its duration less its children's on the same thread."""
+def _host_self_times(events: list[dict], categories: tuple = HOST_CATEGORIES) -> Iterator[tuple[tuple, float, str,
+                                                                                                float]]:
+    """((pid, tid), start, name, own microseconds) of each host event of `categories`: its duration less its
+    children's on the same thread. An event directly inside one of its own name (an operator redispatched to
+    itself) is one call with it, as in torch's `prof.events()`."""
     by_thread: dict = {}
     for e in events:
-        if e.get("cat") in HOST_CATEGORIES and e.get("ph") == "X":
+        if e.get("cat") in categories and e.get("ph") == "X":
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    for thread in by_thread.values():
+    for key, thread in by_thread.items():
         thread.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
-        stack: list[list] = []              # [end, start, name, own] of the open events
+        stack: list[list] = []              # [end, start, name, own, duration, merged] of the open events
         for e in thread:
-            start, dur = e["ts"], e.get("dur", 0)
+            start, dur, name = e["ts"], e.get("dur", 0), e["name"]
             while stack and stack[-1][0] <= start:
-                _, t, n, own = stack.pop()
-                yield t, n, own
-            if stack:
+                yield from _close(key, stack)
+            merged = bool(stack) and stack[-1][2] == name
+            if stack and not merged:
                 stack[-1][3] -= dur
-            stack.append([start + dur, start, e["name"], dur])
+            stack.append([start + dur, start, name, dur, dur, merged])
         while stack:
-            _, t, n, own = stack.pop()
-            yield t, n, own
+            yield from _close(key, stack)
+
+
+def _close(key: tuple, stack: list[list]) -> Iterator[tuple[tuple, float, str, float]]:
+    """Pop the innermost open event: yield it, or (merged into its parent) take its children's time off the parent."""
+    _, start, name, own, dur, merged = stack.pop()
+    if merged:
+        stack[-1][3] -= dur - own
+    else:
+        yield key, start, name, own
 
 
 def start(device: torch.device, *, with_stack: bool = False):
@@ -177,10 +192,14 @@ def finish(prof, device: torch.device, out: Path, *, wall: float | None = None, 
     accel.synchronize(device)
     prof.stop()
     out.mkdir(parents=True, exist_ok=True)
-    trace = out / "trace.json.gz"
-    prof.export_chrome_trace(str(trace))
-    cuda = device.type == "cuda"
-    phases = device_phases(json.loads(gzip.decompress(trace.read_bytes()))) if cuda else host_phases(prof.events())
+    raw = out / "trace.json"
+    prof.export_chrome_trace(str(raw))        # written by the profiler itself (torch's own .gz path writes it line by
+    text = raw.read_bytes()                   # line through Python's gzip at level 9: a second a step on a CPU)
+    with gzip.open(out / "trace.json.gz", "wb", compresslevel=6) as f:
+        f.write(text)
+    raw.unlink()
+    trace = json.loads(text)
+    phases = device_phases(trace) if device.type == "cuda" else host_phases(trace)
     summary = {"device": _device_name(device), "wall_s": wall, "phases": phases, **extra}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

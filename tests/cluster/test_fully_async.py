@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import threading
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -53,6 +56,42 @@ def test_on_policy_async_is_the_synchronous_loop(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
         assert b["fully_async/staleness/max"] == 0 and b["fully_async/partial/total_partial_num"] == 0
         assert b["fully_async/rollout_probs_diff_current_max"] == b["training/rollout_probs_diff_max"] < 1e-4
+
+
+def test_a_killed_rollout_replica_restarts_both_pools_from_the_last_checkpoint(tmp_path):
+    """trainer.restart_on_worker_failure=1: the rollout replica SIGKILLed right after the step-2 checkpoint; both pools
+    start afresh, the trainer loads step 2, the new replica takes its weights, and steps 3 and 4 run once each, each
+    prompt trained once (tests/loop/test_async_restart.py checks the metrics against an uninterrupted run)."""
+    from lathe.ckpt.checkpoint import LATEST
+    from lathe.loop.run import fit
+    from lathe.loop.setup import build_trainer
+    run_dir, dumps = tmp_path / "run", tmp_path / "dumps"
+    cfg = load_config(None, [f"trainer.default_local_dir={run_dir}", *BASE, *warm_started(), *POOLS,
+                             "trainer.total_training_steps=4", "trainer.save_freq=2",
+                             "trainer.restart_on_worker_failure=1", f"trainer.rollout_data_dir={dumps}",
+                             "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
+                             "async_training.require_batches=1", "async_training.partial_rollout=false",
+                             "data.train_batch_size=0", "data.gen_batch_size=16", "rollout.total_rollout_steps=64"])
+    t = build_trainer(cfg)
+    pid = t.cluster.rollout_group.nodes[0]["pid"]
+
+    def kill_after_step_2():
+        while not ((run_dir / LATEST).exists() and (run_dir / LATEST).read_text() == "2"):
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_after_step_2, daemon=True).start()
+    try:
+        fit(t)
+    finally:
+        t.close()
+    assert t.cluster.rollout_group.nodes[0]["pid"] != pid                # a new replica
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    trained = [json.loads(line)["uid"] for step in range(1, 5)
+               for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+    n = cfg.actor_rollout_ref.rollout.n
+    assert len(trained) == len(set(trained)) * n                         # each prompt's n samples trained once
 
 
 OFF_POLICY = ["trainer.total_training_steps=4", *POOLS, "actor_rollout_ref.model.warm_start.steps=0",

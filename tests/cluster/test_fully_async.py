@@ -94,6 +94,23 @@ def test_a_killed_rollout_replica_restarts_both_pools_from_the_last_checkpoint(t
     assert len(trained) == len(set(trained)) * n                         # each prompt's n samples trained once
 
 
+def test_a_reward_model_and_a_teacher_on_the_trainer_pool_over_ray(tmp_path):
+    """The trainer pool's ranks (Ray workers) hold a learned reward model and a distillation teacher: the driver
+    leaves the requests unscored, the trainer thread scores each batch with the reward model and the teacher's
+    log-probs join the loss (both checked against the synchronous loop in process: tests/loop/test_async_reward_model.py,
+    test_async_distillation.py)."""
+    from helpers import RM_TEMPLATE, tiny_reward_model
+    from loop.test_reward_model import rm_overrides
+    rm = rm_overrides(tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE))
+    rows = train(tmp_path / "run", *rm, *POOLS, "trainer.total_training_steps=2", "async_training.require_batches=1",
+                 "data.train_batch_size=0", "data.gen_batch_size=16", "distillation.enabled=true",
+                 "distillation.teacher_models.teacher_model.model_path=builtin:tiny")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["timing_s/reward"] > 0 and "reward_extra/acc/mean" not in r          # the reward model scored
+        assert math.isfinite(r["distillation/loss"]) and r["distillation/abs_loss"] > 0 and r["timing_s/teacher"] > 0
+
+
 OFF_POLICY = ["trainer.total_training_steps=4", *POOLS, "actor_rollout_ref.model.warm_start.steps=0",
               "data.max_response_length=12", "actor_rollout_ref.rollout.max_num_seqs=1", "actor_rollout_ref.rollout.n=4",
               "actor_rollout_ref.actor.optim.lr=1e-3", "reward.timeout_s=0",

@@ -57,12 +57,12 @@ def test_lora_is_accepted_on_several_devices_and_with_a_rollout_pool_and_refused
 ASYNC = ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false"]
 
 
-def test_a_reward_model_runs_in_fully_async_mode_and_what_reads_its_scores_early_is_refused(tmp_path):
+def test_a_reward_model_or_judge_runs_in_fully_async_mode_and_what_reads_its_scores_early_is_refused(tmp_path):
     rm = ["reward_model.enable=true", f"reward_model.model.path={tmp_path}"]
     assert load_config("base", GRPO + ASYNC + rm).reward_model.enable      # scored on the trainer pool (_learn)
     load_config("base", GRPO + rm + ["algorithm.filter_groups.enable=true"])              # synchronous: scored first
+    assert load_config("base", GRPO + ASYNC + rm + ["reward_model.judge.enable=true"]).reward_model.judge.enable
     for extra, keys, fix in (
-            (["reward_model.judge.enable=true"], ["`reward_model.judge.enable`=true"], "judge.enable=false"),
             (["algorithm.filter_groups.enable=true"], ["`algorithm.filter_groups.enable`=true", "`reward_model.enable`"],
              "filter_groups.enable=false"),
             (["algorithm.adv_estimator=remax"], ["`algorithm.adv_estimator`=remax", "`reward_model.enable`"],

@@ -139,10 +139,6 @@ def _async_reward_model(value, cfg) -> tuple[str, str] | None:
     fix = ("or remove reward_model.enable, or train synchronously (rollout.n_gpus_per_node=0), where the reward "
            "model scores each step's samples before anything reads them")
     clashes = []
-    if cfg.reward_model.judge.enable:
-        clashes.append(f"`{RM}.judge.enable`=true: a generative judge in fully-asynchronous training is not "
-                       "implemented yet in lathe (the sequence-classification reward model is). Fix: set "
-                       f"{RM}.judge.enable=false, {fix}.")
     if cfg.algorithm.filter_groups.enable:
         clashes.append(f"`algorithm.filter_groups.enable`=true with `{RM}.enable`=true in fully-asynchronous "
                        "training: DAPO's dynamic sampling filters each request's groups by their scores on the driver "

@@ -23,7 +23,8 @@ A learned reward model (`reward_model.enable`, the sequence-classification model
 colocated with the actor as in the synchronous loop: the driver leaves the requests unscored and the trainer thread
 scores each training batch with it just before the update (`_learn`, through `score_batch`, so the scores are the
 synchronous loop's). What reads scores on the driver before that (dynamic sampling's filter, ReMax's greedy baseline)
-is refused with a reward model at config load (`lathe.config.support`); a generative judge is refused too.
+is refused with a reward model at config load (`lathe.config.support`). A generative judge (`reward_model.judge`)
+scores the same way, its engine on the trainer's ranks.
 
 Every prompt gets an issue index when it is sent; its samples are seeded by it exactly as the synchronous loop
 seeds the same prompt of the same step, and a checkpoint records which issued prompts were trained, so a resumed run

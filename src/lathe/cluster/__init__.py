@@ -11,7 +11,7 @@ loop calls exactly as it calls the in-process workers.
 without engines and the rollout replicas (`lathe.workers.fully_async`, driven through `cluster/async_roles.py`),
 joined by the checkpoint engine's process group (`lathe.workers.checkpoint_engine`) for the weight sync. A learned
 reward model lives on the trainer's ranks, colocated with the actor as in the synchronous cluster: the trainer
-thread scores each batch with it just before the update (`lathe.loop.fully_async._learn`).
+thread scores each batch with it just before the update (`lathe.loop.fully_async_learn.learn_batch`).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def _multi_turn() -> list[Entry]:
 
 def _async_reward_model(value, cfg) -> tuple[str, str] | None:
     """reward_model.enable with a rollout pool: the trainer pool's ranks score each batch with the reward model just
-    before its update (`lathe.loop.fully_async._learn`). What would need those scores earlier, on the driver as each
+    before its update (`lathe.loop.fully_async_learn.learn_batch`). What would need those scores earlier, on the driver as each
     request arrives, is refused rather than computed from other scores."""
     if not value:
         return None

@@ -21,10 +21,10 @@ carry their rows' tool kwargs and messages, and the replica runs their trajector
 
 A learned reward model (`reward_model.enable`, the sequence-classification model) lives on the trainer pool's ranks,
 colocated with the actor as in the synchronous loop: the driver leaves the requests unscored and the trainer thread
-scores each training batch with it just before the update (`_learn`, through `score_batch`, so the scores are the
-synchronous loop's). What reads scores on the driver before that (dynamic sampling's filter, ReMax's greedy baseline)
-is refused with a reward model at config load (`lathe.config.support`). A generative judge (`reward_model.judge`)
-scores the same way, its engine on the trainer's ranks.
+scores each training batch with it just before the update (`lathe.loop.fully_async_learn`, through `score_batch`,
+so the scores are the synchronous loop's). What reads scores on the driver before that (dynamic sampling's filter,
+ReMax's greedy baseline) is refused with a reward model at config load (`lathe.config.support`). A generative judge
+(`reward_model.judge`) scores the same way, its engine on the trainer's ranks.
 
 Every prompt gets an issue index when it is sent; its samples are seeded by it exactly as the synchronous loop
 seeds the same prompt of the same step, and a checkpoint records which issued prompts were trained, so a resumed run
@@ -42,19 +42,19 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lathe.algo import rollout_probs_diff
 from lathe.batch import Batch
 from lathe.cluster.roles import ACTOR
 from lathe.workers.fully_async import request_agent, request_images
 from lathe.loop.fully_async_dapo import DynamicSampling
-from lathe.loop.ppo import finish_metrics, learn, save
+from lathe.loop.fully_async_learn import learn_batch
+from lathe.loop.ppo import save
 from lathe.loop.recover import run_with_restarts
-from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed, score_batch
+from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward, reward_extra_means
 from lathe.loop.validate import validate
 from lathe.rollout.base import concat_rollouts
-from lathe.track import PeakMemory, Progress, Timer, brief
+from lathe.track import Progress, brief
 
 log = logging.getLogger("lathe")
 COUNTED = (*SUMMED_ROLLOUT_METRICS, "rollout/num_interrupted", "reward/num_errors", "reward/num_timeouts")
@@ -175,7 +175,7 @@ class AsyncDriver:
 
     def _score(self, first: int, parts: dict[str, Batch]) -> None:
         """A finished request's groups scored (ReMax: with their greedy baselines), filtered (dynamic sampling) and
-        queued. With a reward model they are queued unscored: the trainer thread scores them (`_learn`)."""
+        queued. With a reward model they are queued unscored: the trainer thread scores them (`fully_async_learn.learn_batch`)."""
         _, prompts = self.in_flight.pop(first)
         batch = prompts.repeat(self.n, interleave=True).update(parts["samples"])
         metrics: dict[str, float] = {}
@@ -351,7 +351,7 @@ def _fit_async(t: Trainer, first: bool) -> dict[str, float]:
                 batch, gathered = d.take()
                 current = d.version if d.updates_since_sync == 0 else None   # the trainer holds the rollout's weights
                 t.global_step += 1                        # the step in training, counted as the synchronous loop does
-                training = (pool.submit(_learn, t, batch, current),
+                training = (pool.submit(learn_batch, t, batch, current),
                             {**d.staleness_metrics(batch), **d.step_metrics(batch), **gathered})
             if training is not None and training[0].done():
                 last = {**training[1], **training[0].result()}
@@ -384,36 +384,6 @@ def _fit_async(t: Trainer, first: bool) -> dict[str, float]:
         pool.shutdown(wait=True)
         bar.close()
     return last
-
-
-def _learn(t: Trainer, batch: Batch, current: int | None) -> dict[str, float]:
-    """One local update on a batch of finished groups (run in the trainer thread). `current`: the rollout's weight
-    version when the trainer holds exactly those weights (the first update after a sync), else None; the tokens
-    sampled with it must then have the log-probs the trainer recomputes (`rollout_probs_diff_current_*`).
-    With a reward model (`reward_model.enable`) the batch comes unscored and is scored here first, on the trainer
-    pool's ranks, as the synchronous loop scores its step (`score_batch`: the same scores and metrics)."""
-    timer = Timer(memory=PeakMemory(t.device))
-    start = time.perf_counter()
-    metrics: dict[str, float] = {}
-    if t.reward_model is not None:
-        with timer("reward"):
-            scores, metrics = score_batch(t, batch)
-        batch.update(scores)
-    old_from_rollout = old_log_probs_from_rollout(t.cfg)
-    metrics.update(learn(t, batch, timer, old_from_rollout=old_from_rollout,
-                         skip_on_policy=False))                           # the diff below reads the old log-probs
-    if current is not None and not old_from_rollout:
-        same = batch["response_mask"].bool() & (batch["rollout_versions"] == current)
-        metrics.update({f"fully_async/rollout_probs_diff_current_{k}": v for k, v in rollout_probs_diff(
-            batch["old_log_probs"], batch["rollout_log_probs"], same).items()})
-    return finish_metrics(t, batch, timer, metrics, time.perf_counter() - start)
-
-
-def old_log_probs_from_rollout(cfg) -> bool:
-    """PPO's old log-probs are the engine's (verl: use_rollout_log_probs without compute_prox_log_prob, or the
-    rollout correction's bypass mode); else the trainer recomputes them (the proximal policy of decoupled PPO)."""
-    at = cfg.async_training
-    return cfg.algorithm.rollout_correction.bypass_mode or (at.use_rollout_log_probs and not at.compute_prox_log_prob)
 
 
 def _busy_fraction(since: tuple[float, list[float]], now: float, busy: list[float]) -> float:

@@ -145,6 +145,25 @@ def test_a_reward_model_on_a_pool_of_its_own_scores_as_the_colocated_one(tmp_pat
         assert_same(a, b, keys)
 
 
+def test_a_reward_pool_that_fails_to_start_releases_the_trainers_workers(tmp_path, monkeypatch):
+    """The reward model's group fails as it builds (after the trainer's group is up): the error goes on, and every CPU
+    slot of the (shared) Ray cluster is free again."""
+    import lathe.cluster
+    from helpers import tiny_reward_model
+    path = tiny_reward_model(tmp_path / "rm")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("reward pool could not start")
+    monkeypatch.setattr(lathe.cluster, "reward_pool", broken)
+    with pytest.raises(RuntimeError, match="reward pool could not start"):
+        train(tmp_path / "run", "reward_model.enable=true", f"reward_model.model.path={path}",
+              "reward_model.enable_resource_pool=true", "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1")
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        assert time.monotonic() < deadline, "the trainer's workers were left running"
+        time.sleep(0.2)
+
+
 def test_one_ray_worker_runs_the_sharded_path_exactly_as_one_process(runs, tmp_path, monkeypatch):
     """LATHE_RAY=1: one device as a worker group of one FSDP2 rank (how the distributed path is checked on one GPU)."""
     monkeypatch.setenv("LATHE_RAY", "1")

@@ -29,6 +29,13 @@ def test_more_workers_than_the_local_cluster_holds_are_refused(monkeypatch):
         check_local_fit(async_cfg, run_plan(async_cfg), "cpu", 0)
     with pytest.raises(ClusterError, match=r"one GPU each, but .* has 1"):
         check_local_fit(cfg, run_plan(cfg), "cuda", 1)
+    rm_pool = load_config(None, ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "reward_model.enable=true",
+                                 "reward_model.model.path=rm", "reward_model.enable_resource_pool=true",
+                                 "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1"])
+    with pytest.raises(ClusterError, match=r"reward_model.nnodes=1 x reward_model.n_gpus_per_node=1 = 3 workers.*"
+                                           r"Fix: lower trainer.n_gpus_per_node / trainer.nnodes / "
+                                           r"reward_model.n_gpus_per_node"):
+        check_local_fit(rm_pool, run_plan(rm_pool), "cpu", 0)
 
 
 def test_a_sized_or_joined_cluster_is_not_second_guessed(monkeypatch):

@@ -125,6 +125,45 @@ def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_p
             assert 0 <= a[key] < 1e-4 and 0 <= b[key] < 1e-4, (key, a[key], b[key])    # fp32 rounding on both sides
 
 
+def test_a_reward_model_on_a_pool_of_its_own_scores_as_the_colocated_one(tmp_path, caplog):
+    """`reward_model.enable_resource_pool`: one trainer worker and the reward model on a worker group of its own (one
+    rank), a Ray run even with one trainer device; the scores and the update are the colocated one-process run's."""
+    from helpers import RM_TEMPLATE, tiny_reward_model
+    path = tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE)
+    rm = ["reward_model.enable=true", f"reward_model.model.path={path}", "reward_model.micro_batch_size_per_gpu=3",
+          "reward_model.max_length=256", "trainer.total_training_steps=2"]
+    one = train(tmp_path / "one", *rm)
+    with caplog.at_level("INFO", logger="lathe"):
+        pooled = train(tmp_path / "pooled", *rm, "reward_model.enable_resource_pool=true", "reward_model.nnodes=1",
+                       "reward_model.n_gpus_per_node=1")
+    started = [r.getMessage() for r in caplog.records if " workers over " in r.getMessage()]
+    assert [m.split(":")[0] for m in started] == ["actor_rollout_ref", "reward_model"], started   # two groups, 1 each
+    assert len(one) == len(pooled) == 2
+    keys = ("critic/score/mean", "critic/score/max", "critic/score/min", "actor/pg_loss", "actor/grad_norm")
+    for a, b in zip(one, pooled):
+        assert a["critic/score/max"] > a["critic/score/min"]            # the reward model's scores
+        assert_same(a, b, keys)
+
+
+def test_a_reward_pool_that_fails_to_start_releases_the_trainers_workers(tmp_path, monkeypatch):
+    """The reward model's group fails as it builds (after the trainer's group is up): the error goes on, and every CPU
+    slot of the (shared) Ray cluster is free again."""
+    import lathe.cluster
+    from helpers import tiny_reward_model
+    path = tiny_reward_model(tmp_path / "rm")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("reward pool could not start")
+    monkeypatch.setattr(lathe.cluster, "reward_pool", broken)
+    with pytest.raises(RuntimeError, match="reward pool could not start"):
+        train(tmp_path / "run", "reward_model.enable=true", f"reward_model.model.path={path}",
+              "reward_model.enable_resource_pool=true", "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1")
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        assert time.monotonic() < deadline, "the trainer's workers were left running"
+        time.sleep(0.2)
+
+
 def test_one_ray_worker_runs_the_sharded_path_exactly_as_one_process(runs, tmp_path, monkeypatch):
     """LATHE_RAY=1: one device as a worker group of one FSDP2 rank (how the distributed path is checked on one GPU)."""
     monkeypatch.setenv("LATHE_RAY", "1")

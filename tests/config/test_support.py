@@ -38,7 +38,7 @@ def test_unimplemented_value_fails_naming_key_value_and_fix(override, fix):
 
 
 def test_all_refusals_are_reported_together_with_batch_problems():
-    text = refused("critic.model.lora_rank=8", "reward_model.enable_resource_pool=true", "data.train_batch_size=64",
+    text = refused("critic.model.lora_rank=8", "critic.model.fsdp_config.grad_offload=true", "data.train_batch_size=64",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=48")
     assert "3 config problems" in text and "lora_rank" in text and "ppo_mini_batch_size=48" in text
 
@@ -70,6 +70,51 @@ def test_a_reward_model_or_judge_runs_in_fully_async_mode_and_what_reads_its_sco
         text = refused(*ASYNC, *rm, *extra)
         assert all(k in text for k in keys) and fix in text, text
         assert "rollout.n_gpus_per_node=0" in text and "remove reward_model.enable" in text
+
+
+RM_POOL = ["reward_model.enable_resource_pool=true", "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1"]
+
+
+def test_a_reward_model_pool_of_its_own_runs_synchronously_over_ray_and_is_refused_in_fully_async_mode(tmp_path):
+    from lathe.config import run_plan
+    from lathe.loop.setup import uses_ray
+    rm = ["reward_model.enable=true", f"reward_model.model.path={tmp_path}"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # nnodes / n_gpus_per_node act now: no warning
+        cfg = load_config("base", GRPO + rm + RM_POOL)
+        judge = load_config("base", GRPO + rm + RM_POOL + ["reward_model.judge.enable=true"])
+    plan = run_plan(cfg)
+    assert plan.world == 1 and plan.reward_devices == 1 and uses_ray(plan)      # one trainer device: Ray all the same
+    assert run_plan(judge).reward_devices == 1
+    assert run_plan(load_config("base", GRPO + rm)).reward_devices == 0
+    text = refused(*ASYNC, *rm, *RM_POOL)
+    assert "`reward_model.enable_resource_pool`=true" in text and "fully-asynchronous" in text
+    assert "Fix:" in text and "rollout.n_gpus_per_node=0" in text
+    with pytest.warns(IgnoredKeysWarning, match="reward_model.enable_resource_pool`=true has no effect"):
+        load_config("base", GRPO + RM_POOL)                                   # no reward model: nothing to place
+    with pytest.warns(IgnoredKeysWarning, match="reward_model.n_gpus_per_node`=2 has no effect"):
+        load_config("base", GRPO + rm + ["reward_model.n_gpus_per_node=2"])   # no pool: its size is not read
+
+
+@pytest.mark.parametrize("key", ["n_gpus_per_node", "nnodes"])
+def test_a_reward_model_pool_needs_devices(tmp_path, key):
+    rm = ["reward_model.enable=true", f"reward_model.model.path={tmp_path}"]
+    text = refused(*rm, *RM_POOL, f"reward_model.{key}=0")
+    assert f"reward_model.{key}=0 with reward_model.enable_resource_pool=true" in text
+    assert "must be >= 1" in text and f"Fix: set reward_model.{key} to 1 or more" in text
+
+
+def test_a_reward_model_pool_needs_its_gpus_visible_beside_the_trainers(tmp_path, monkeypatch):
+    rm = ["reward_model.enable=true", f"reward_model.model.path={tmp_path}", "trainer.device=cuda"]
+    monkeypatch.setattr("lathe.config.rules.visible_cuda_devices", lambda: 2)
+    text = refused(*rm, *RM_POOL, "trainer.n_gpus_per_node=2")
+    assert "trainer.n_gpus_per_node=2 + reward_model.n_gpus_per_node=1 GPUs on this one node, but this process " \
+           "sees 2" in text and "trainer.nnodes/reward_model.nnodes" in text
+    load_config("base", GRPO + rm + RM_POOL)                                  # 1 + 1 of 2
+    load_config("base", GRPO + rm + RM_POOL + ["trainer.n_gpus_per_node=2", "reward_model.nnodes=2"])   # 2 nodes
+    text = refused("trainer.device=cuda", "rollout.n_gpus_per_node=2", "actor_rollout_ref.hybrid_engine=false")
+    assert "trainer.n_gpus_per_node=1 + rollout.n_gpus_per_node=2 GPUs on this one node" in text     # as before
+    assert "the trainer and the rollout each need devices of their own" in text
 
 
 def test_accepted_values_pass():

@@ -177,7 +177,6 @@ def test_verl_defaults_leave_lathe_keys_alone():
     (f"{A}.torchtitan.data_parallel_replicate_size=2", "torchtitan's replica count"),
     (f"{M}.mtp.enable=true", "multi-token prediction (MTP; lathe issue 44"),
     ("actor_rollout_ref.ref.router_replay.mode=R3", "MoE routing replay (R2/R3, lathe issue 44"),
-    ("reward.reward_model.enable_resource_pool=true", "a separate device pool for the reward model"),
     (f"{A}.fsdp_config.qat.enable=true", "quantization-aware training (QAT; lathe issue 48"),
     (f"+{A}.megatron.override_transformer_config.fp8=e4m3", "FP8 training (lathe issue 48"),
     (f"{A}.optim.lr_decay_style=WSD", "that learning-rate schedule"),

@@ -205,6 +205,13 @@ def test_the_reward_model_is_a_whole_bf16_copy_on_the_device_or_in_host_memory(t
     assert rm.on_gpu is not offload and rm.offload_key == key and (key in rm.why) is offload
 
 
+def test_a_reward_model_on_a_pool_of_its_own_is_not_on_the_trainers_devices(tiny_ckpt, monkeypatch):
+    for judge in ("false", "true"):
+        assert _other(["reward_model.enable=true", f"reward_model.model.path={tiny_ckpt}",
+                       f"reward_model.judge.enable={judge}", "reward_model.enable_resource_pool=true",
+                       "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1"], monkeypatch) == []
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_the_judge_plans_its_weights_and_says_its_kv_cache_is_sized_at_start_up(tiny_ckpt, monkeypatch, offload):
     key = "reward_model.model.fsdp_config.param_offload"

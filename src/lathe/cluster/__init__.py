@@ -3,7 +3,10 @@
 `start_cluster` is what `lathe train` calls when `trainer.nnodes x trainer.n_gpus_per_node > 1`: it starts (or
 joins) Ray, reserves one bundle per device, starts one rank per bundle in one process group, builds the
 actor/rollout/reference worker (and the critic) on every rank, and returns the driver-side groups that the
-loop calls exactly as it calls the in-process workers.
+loop calls exactly as it calls the in-process workers. A learned reward model or judge (`reward_model.enable`) is
+colocated with the actor on those ranks, or, with `reward_model.enable_resource_pool`, placed on a pool of its own
+(`reward_model.nnodes x reward_model.n_gpus_per_node` devices, one whole copy on each: verl's reward pool), which
+scores each step's responses while the trainer's devices hold only the actor's models.
 
 `start_sft_cluster` is `lathe sft`'s: the same ranks running `SFTWorker`s.
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from lathe.config import LatheConfig, RunPlan
 
 log = logging.getLogger("lathe")
+REWARD_POOL = "reward_model"           # the reward model's own pool and group (its keys' prefix too)
 
 
 @dataclass
@@ -33,9 +37,16 @@ class Cluster:
     started_ray: bool
     args: tuple = ()               # what start_cluster was given (to start the same workers again)
     reward_model: object | None = None   # RewardModelGroup (reward_model.enable)
+    reward_group: object | None = None   # RayWorkerGroup of the reward model's own pool (enable_resource_pool)
+
+    @property
+    def groups(self) -> list:
+        """Every worker group of the run (the profiler covers each one's ranks)."""
+        return [self.group] + ([self.reward_group] if self.reward_group is not None else [])
 
     def close(self) -> None:
-        self.group.shutdown()
+        for group in reversed(self.groups):
+            group.shutdown()
         if self.started_ray:
             import ray
             ray.shutdown()
@@ -85,7 +96,7 @@ def start_sft_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, tot
 def start_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int,
                   device_type: str) -> Cluster:
     """One worker group over the trainer's devices (`plan.devices`): the actor/rollout/reference worker (and the
-    critic) colocated on every rank."""
+    critic) colocated on every rank; the reward model there too, or on a group of its own (`reward_pool`)."""
     from lathe.cluster.roles import ACTOR, CRITIC, ActorRolloutRefGroup, CriticGroup
     from lathe.workers.build import build_actor_rollout_ref, build_critic
 
@@ -94,19 +105,59 @@ def start_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwar
                     total_steps=total_steps, device_type=device_type)
         if plan.critic is not None:
             group.build(CRITIC, build_critic, cfg, plan, tokenizer, total_steps=total_steps, device_type=device_type)
-        build_reward_model_on(group, cfg, plan, tokenizer, device_type)
+        if not own_pool:
+            build_reward_model_on(group, cfg, plan, tokenizer, device_type)
 
-    group, started = _group(cfg, device_type, "actor_rollout_ref", cfg.actor_rollout_ref.nccl_timeout, build)
-    actor, critic = _driver_groups(cfg, plan, group, tokenizer, ActorRolloutRefGroup, CriticGroup)
+    own_pool = has_reward_pool(cfg)
+    timeout = cfg.actor_rollout_ref.nccl_timeout
+    group, started = _group(cfg, device_type, "actor_rollout_ref", timeout, build)
+    try:
+        rm_group = reward_pool(cfg, plan, tokenizer, device_type, timeout) if own_pool else None
+        actor, critic = _driver_groups(cfg, plan, group, tokenizer, ActorRolloutRefGroup, CriticGroup)
+    except BaseException:
+        group.shutdown()
+        if started:
+            import ray
+            ray.shutdown()
+        raise
     return Cluster(group, actor, critic, started,
                    args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
                                          total_steps=total_steps, device_type=device_type)),
-                   reward_model=reward_model_group(cfg, group))
+                   reward_model=reward_model_group(cfg, rm_group or group), reward_group=rm_group)
+
+
+def has_reward_pool(cfg: LatheConfig) -> bool:
+    """The reward model (or judge) runs on devices of its own (`reward_model.enable_resource_pool`), not on the
+    trainer's."""
+    rm = cfg.reward_model
+    return bool(rm.enable and rm.enable_resource_pool)
+
+
+def reward_pool(cfg: LatheConfig, plan: RunPlan, tokenizer, device_type: str, timeout_s: float):
+    """The reward model's own worker group: `reward_model.nnodes x reward_model.n_gpus_per_node` ranks (Ray must be
+    up), a whole reward model (or judge) on each, every wait bounded by `timeout_s`; on failure whatever it placed is
+    released before the error goes on."""
+    from lathe.cluster.placement import ResourcePool
+    from lathe.cluster.worker_group import RayWorkerGroup
+    rm = cfg.reward_model
+    pool = group = None
+    try:
+        pool = ResourcePool(rm.nnodes, rm.n_gpus_per_node, use_gpu=device_type == "cuda", timeout_s=timeout_s,
+                            name=REWARD_POOL)
+        group = RayWorkerGroup(pool, name=REWARD_POOL, timeout_s=timeout_s)
+        build_reward_model_on(group, cfg, plan, tokenizer, device_type)
+    except BaseException:
+        if group is not None:
+            group.shutdown()
+        elif pool is not None:
+            pool.release()
+        raise
+    return group
 
 
 def build_reward_model_on(group, cfg: LatheConfig, plan: RunPlan, tokenizer, device_type: str) -> None:
-    """With `reward_model.enable`, the reward model on every rank of `group` (colocated with the actor: each rank
-    scores its share of a step's responses)."""
+    """With `reward_model.enable`, the reward model on every rank of `group` (colocated with the actor, or the
+    reward model's own pool: each rank scores its share of a step's responses)."""
     from lathe.cluster.roles import REWARD_MODEL
     from lathe.workers.build import build_reward_model
     if cfg.reward_model.enable:

@@ -113,6 +113,7 @@ class RunPlan:
     ref_sequence_parallel_size: int = 1  # actor_rollout_ref.ref.ulysses_sequence_parallel_size (null: the actor's)
     ref_tensor_parallel_size: int = 1    # actor_rollout_ref.ref.fsdp_config.tensor_parallel_size
     rollout_tp: int = 1         # devices per engine replica (rollout.tensor_model_parallel_size)
+    reward_devices: int = 0     # the reward model's own pool (reward_model.enable_resource_pool); 0: on the trainer's
 
     @property
     def rollout_replicas(self) -> int:
@@ -142,6 +143,13 @@ def trainer_devices(cfg: LatheConfig) -> int:
 def rollout_devices(cfg: LatheConfig) -> int:
     """The rollout pool's devices, rollout.nnodes x rollout.n_gpus_per_node; 0 when the rollout is colocated."""
     return cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node if cfg.rollout.n_gpus_per_node > 0 else 0
+
+
+def reward_devices(cfg: LatheConfig) -> int:
+    """The reward model's own pool, reward_model.nnodes x reward_model.n_gpus_per_node with reward_model.enable and
+    enable_resource_pool; 0 when the reward model (if any) is colocated with the actor."""
+    rm = cfg.reward_model
+    return rm.nnodes * rm.n_gpus_per_node if rm.enable and rm.enable_resource_pool else 0
 
 
 def is_async(cfg: LatheConfig) -> bool:
@@ -306,4 +314,5 @@ def run_plan(cfg: LatheConfig, device_count: int | None = None) -> RunPlan:
                    needs_ref=needs_ref(cfg), meshes=role_meshes(cfg, devices),
                    ref_sequence_parallel_size=sequence_parallel_size(cfg, "ref"),
                    ref_tensor_parallel_size=tensor_parallel_size(cfg, "ref"),
-                   rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+                   rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
+                   reward_devices=reward_devices(cfg))

@@ -14,7 +14,8 @@ import warnings
 from .distill import check_distillation
 from .errors import ProblemList
 from .judge import check_judge
-from .plan import BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, sequence_parallel_size
+from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, reward_devices,
+                   sequence_parallel_size)
 from .rules_routing import check_routing_replay
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
                              check_sequence_parallel, check_tensor_parallel, data_parallel)
@@ -55,16 +56,25 @@ def _gpus_present() -> int:
 
 
 def check_visible_devices(cfg: LatheConfig, problems: ProblemList) -> None:
-    """A GPU run may not ask for more GPUs per node than this process can see."""
-    t, pool = cfg.trainer, cfg.rollout
+    """A GPU run may not ask for more GPUs per node than this process can see: on one node, the trainer's, the
+    rollout pool's (fully async) and the reward model's pool's (`reward_model.enable_resource_pool`) together."""
+    t, rm = cfg.trainer, cfg.reward_model
     visible = visible_cuda_devices()
-    if (is_async(cfg) and t.nnodes == pool.nnodes == 1 and t.device != "cpu"
-            and t.n_gpus_per_node + pool.n_gpus_per_node > visible and not (t.device == "auto" and visible == 0)):
-        problems.add(f"trainer.n_gpus_per_node={t.n_gpus_per_node} + rollout.n_gpus_per_node={pool.n_gpus_per_node} "
-                     f"GPUs on this one node, but this process sees {visible}. Fix: lower one of them (the trainer "
-                     "and the rollout each need devices of their own), or add nodes (trainer.nnodes/rollout.nnodes).")
+    if t.device == "cpu" or (t.device == "auto" and visible == 0):
         return
-    if t.device == "cpu" or (t.device == "auto" and visible == 0) or t.n_gpus_per_node <= visible:
+    pools = [("trainer", "the trainer", t.nnodes, t.n_gpus_per_node)]
+    if is_async(cfg):
+        pools.append(("rollout", "the rollout", cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node))
+    if reward_devices(cfg):
+        pools.append(("reward_model", "the reward model", rm.nnodes, rm.n_gpus_per_node))
+    if len(pools) > 1 and all(nodes == 1 for _, _, nodes, _ in pools) and sum(p[3] for p in pools) > visible:
+        asked = " + ".join(f"{key}.n_gpus_per_node={n}" for key, _, _, n in pools)
+        owners = " and ".join([", ".join(p[1] for p in pools[:-1]), pools[-1][1]])
+        problems.add(f"{asked} GPUs on this one node, but this process sees {visible}. Fix: lower one of them "
+                     f"({owners} each need devices of their own), or add nodes "
+                     f"({'/'.join(f'{key}.nnodes' for key, _, _, _ in pools)}).")
+        return
+    if t.n_gpus_per_node <= visible:
         return
     shown = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else ""
@@ -130,6 +140,13 @@ def _check_reward_model(cfg: LatheConfig, problems: ProblemList) -> None:
     """A learned reward model (`reward_model.enable`) needs its checkpoint and a way to cut its forwards."""
     rm = cfg.reward_model
     check_judge(cfg, problems)
+    if rm.enable and rm.enable_resource_pool and not is_async(cfg):     # (with a rollout pool: refused in support.py)
+        for key, value in (("n_gpus_per_node", rm.n_gpus_per_node), ("nnodes", rm.nnodes)):
+            if value < 1:
+                problems.add(f"reward_model.{key}={value} with reward_model.enable_resource_pool=true: the reward "
+                             f"model's own pool is reward_model.nnodes x reward_model.n_gpus_per_node devices (one "
+                             f"whole copy on each), so both must be >= 1. Fix: set reward_model.{key} to 1 or more, "
+                             "or remove enable_resource_pool (the reward model then shares the trainer's devices).")
     if not rm.enable or rm.judge.enable:
         return
     if not rm.model.path:

@@ -41,11 +41,30 @@ def _multi_gpu() -> list[Entry]:
     out += [replace(warn(f"{g}.strategy", BACKEND), judge=backend_judge(f"{g}.strategy")) for g in (A, REF, C)]
     out += [replace(warn(f"{A}.model_engine", BACKEND), judge=backend_judge(f"{A}.model_engine"))]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
-    out += [refuse(f"{RM}.enable_resource_pool", "a separate device pool for the reward model"),
+    out += [only_on("a rollout pool or no reward model", replace(refuse(
+                f"{RM}.enable_resource_pool", "a separate device pool for the reward model in fully-asynchronous "
+                "training (it runs in the synchronous loop)", "remove it (the reward model then scores on the trainer "
+                "pool's ranks), or train synchronously (rollout.n_gpus_per_node=0)"), judge=_reward_pool)),
             replace(refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices without a "
                            "rollout pool (fully-asynchronous training)",
                            "set rollout.n_gpus_per_node"), judge=_hybrid_engine)]
     return out
+
+
+def _reward_pool(value, cfg) -> tuple[str, str] | None:
+    """reward_model.enable_resource_pool: the reward model's own devices in the synchronous loop (`lathe.cluster.
+    reward_pool`); with a rollout pool the trainer pool's ranks score each batch just before its update
+    (`lathe.loop.fully_async._learn`), and a third pool is not placed. Without a reward model it acts on nothing."""
+    if not value:
+        return None
+    key = f"`{RM}.enable_resource_pool`=true"
+    if not cfg.reward_model.enable:
+        return "warn", f"{key} has no effect in lathe: it is read only with {RM}.enable=true."
+    return "refuse", (f"{key}: a separate device pool for the reward model in fully-asynchronous training "
+                      f"(rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}) is not implemented yet in lathe: there "
+                      "the reward model scores each batch on the trainer pool's ranks just before its update. Fix: "
+                      f"remove {RM}.enable_resource_pool, or train synchronously (rollout.n_gpus_per_node=0), where "
+                      f"the reward model runs on {RM}.nnodes x {RM}.n_gpus_per_node devices of its own.")
 
 
 def _hybrid_engine(value, cfg) -> tuple[str, str] | None:
@@ -173,8 +192,9 @@ def _rewards() -> list[Entry]:
                "update); with algorithm.filter_groups.enable DAPO's dynamic sampling "
                "chooses the step's samples by their scores before any log-prob pass, so they are scored in the "
                "foreground (as verl's DAPO trainer does); the scores are the same")),
-           warn(f"{RM}.n_gpus_per_node", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
-           warn(f"{RM}.nnodes", f"it is read only with {RM}.enable_resource_pool (not implemented yet)"),
+           *[only_on("no reward pool", warn(f"{RM}.{k}", f"it is read only with {RM}.enable=true and "
+                                                         f"{RM}.enable_resource_pool=true (the reward model's own pool)"))
+             for k in ("n_gpus_per_node", "nnodes")],
            refuse(f"{RM}.ulysses_sequence_parallel_size", ULYSSES_RM, "set it to 1", at_most(1)),
            refuse(f"{RM}.model.fsdp_config.tensor_parallel_size", "tensor parallelism for the reward model (a whole "
                   "copy on each device)", "set it to 1", at_most(1)),

@@ -93,6 +93,10 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "a rollout pool or filter_groups": lambda cfg: is_async(cfg) or cfg.algorithm.filter_groups.enable,
     "single-turn": lambda cfg: not cfg.actor_rollout_ref.rollout.multi_turn.enable,
     "no reward model": lambda cfg: not cfg.reward_model.enable,             # reward_model.enable=false
+    # the reward model has no pool of its own: none, or colocated (reward_model.enable_resource_pool=false)
+    "no reward pool": lambda cfg: not (cfg.reward_model.enable and cfg.reward_model.enable_resource_pool),
+    # where reward_model.enable_resource_pool cannot act: fully-async training, or no reward model
+    "a rollout pool or no reward model": lambda cfg: is_async(cfg) or not cfg.reward_model.enable,
     # no sequence-classification reward model: none, or a generative judge (reward_model.judge.enable)
     "no classifier reward model": lambda cfg: not cfg.reward_model.enable or cfg.reward_model.judge.enable,
 }

@@ -303,8 +303,10 @@ def _data() -> list[Entry]:
 def _rewards() -> list[Entry]:
     custom = "remove it; score with reward.custom_reward_function.path (lathe's one reward manager calls it)"
     served = ("lathe's reward model (a transformers forward, or a judge on lathe's engine) runs on the trainer's "
-              "devices, not on an inference server of its own "
-              "(reward.reward_model.enable and model_path are reward_model.enable and reward_model.model.path)")
+              "devices, or on reward_model.nnodes x reward_model.n_gpus_per_node devices of its own with "
+              "enable_resource_pool, not on an inference server of its own (reward.reward_model.enable, model_path "
+              "and enable_resource_pool are reward_model.enable, reward_model.model.path and "
+              "reward_model.enable_resource_pool)")
     judge_engine = ("a generative judge (reward_model.judge.enable) runs on lathe's engine, set by the fields of "
                     "reward_model.rollout (sampling, lengths, memory, graphs, caching; reward.reward_model.rollout is "
                     "the same group); lathe's engine has no counterpart for this one, and a sequence-classification "

@@ -27,8 +27,9 @@ ALIASES: dict[str, str] = {
     **{f"actor_rollout_ref.actor.policy_loss.{k}": f"actor_rollout_ref.actor.{k}" for k in ("tau_pos", "tau_neg")},
     "critic.fsdp.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
     "critic.fsdp": "critic.model.fsdp_config",             # verl's engine-config spelling of the critic's fsdp group
-    # verl's newer spellings of the reward model's switch, checkpoint and pool (its pool's sizes stay verl keys:
-    # lathe starts no reward-model pool)
+    # verl's newer spellings of the reward model's switch, checkpoint and pool switch (the pool's sizes stay verl
+    # keys: translated, verl's default of 8 devices per node would warn in every whole verl config; lathe's pool is
+    # reward_model.nnodes x reward_model.n_gpus_per_node)
     "reward.reward_model.model_path": "reward_model.model.path",
     "reward.reward_model.rollout": "reward_model.rollout",      # the generative judge's engine (schema_judge.py)
     "reward.reward_model.enable": "reward_model.enable",

@@ -152,7 +152,7 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
     if tr.val_only:
         return {}
     gp = t.cfg.global_profiler                                          # global_profiler.tool=torch
-    profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, workers=[t.cluster.group] if t.cluster else [],
+    profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, workers=t.cluster.groups if t.cluster else [],
                             with_stack=gp.with_stack)
     with Progress("train", t.total_steps, initial=t.global_step, every_s=None) as bar:   # a terminal's live line
         while t.global_step < t.total_steps:

@@ -1,7 +1,8 @@
 """The memory plan's other models: the reward model, the LLM judge and the distillation teachers.
 
 Each is counted from its checkpoint's config.json (the model built on the meta device, no weight read, counted as
-the actor is: `count_params`), in the dtype and at the place its worker really holds it:
+the actor is: `count_params`), in the dtype and at the place its worker really holds it (the reward model or judge
+only when it is colocated with the actor: with `reward_model.enable_resource_pool` it has devices of its own):
 
 * reward model (`lathe.workers.reward_model`): a whole copy on every rank (not sharded), bf16 on an accelerator
   (fp32 on the CPU); `reward_model.model.fsdp_config.param_offload` keeps it in host memory between calls;
@@ -63,12 +64,13 @@ def _count(path: str, key: str, **kw) -> tuple[int, str]:
 
 
 def other_model_parts(cfg, device, *, world: int = 1, shards: dict[str, int] | None = None) -> list[Part]:
-    """The parts of the reward model or judge (`reward_model.enable`) and of each distillation teacher on one
-    device. `world`, `shards`: as `memory.plan` (the teachers shard like the reference)."""
+    """The parts of the reward model or judge (`reward_model.enable`) and of each distillation teacher on one of the
+    trainer's devices. `world`, `shards`: as `memory.plan` (the teachers shard like the reference). A reward model on
+    a pool of its own (`reward_model.enable_resource_pool`) is not on the trainer's devices: not counted."""
     device = torch.device(device)
     parts = []
     rm = cfg.reward_model
-    if rm.enable:
+    if rm.enable and not rm.enable_resource_pool:
         parts += judge_parts(cfg, device) if rm.judge.enable else reward_model_parts(cfg, device)
     if cfg.distillation.enabled:
         parts += teacher_parts(cfg, device, ranks=(shards or {}).get("ref", world) if world > 1 else 1)

@@ -36,6 +36,13 @@ def test_more_workers_than_the_local_cluster_holds_are_refused(monkeypatch):
                                            r"Fix: lower trainer.n_gpus_per_node / trainer.nnodes / "
                                            r"reward_model.n_gpus_per_node"):
         check_local_fit(rm_pool, run_plan(rm_pool), "cpu", 0)
+    teachers = load_config(None, ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "distillation.enabled=true",
+                                  "distillation.teacher_models.teacher_model.model_path=t", "distillation.nnodes=1",
+                                  "distillation.n_gpus_per_node=1"])
+    with pytest.raises(ClusterError, match=r"distillation.nnodes=1 x distillation.n_gpus_per_node=1 = 3 workers.*"
+                                           r"Fix: lower trainer.n_gpus_per_node / trainer.nnodes / "
+                                           r"distillation.n_gpus_per_node"):
+        check_local_fit(teachers, run_plan(teachers), "cpu", 0)
 
 
 def test_a_sized_or_joined_cluster_is_not_second_guessed(monkeypatch):

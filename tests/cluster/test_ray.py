@@ -145,6 +145,24 @@ def test_a_reward_model_on_a_pool_of_its_own_scores_as_the_colocated_one(tmp_pat
         assert_same(a, b, keys)
 
 
+def test_teachers_on_a_pool_of_their_own_distil_as_the_colocated_ones(tmp_path, caplog):
+    """`distillation.nnodes` x `n_gpus_per_node`: one trainer worker and the teacher on a worker group of its own (one
+    rank, a whole copy), a Ray run even with one trainer device; the distillation loss and the update are the
+    colocated one-process run's."""
+    teacher = distillation_teacher(tmp_path / "teacher")
+    distil = [*DISTILLATION, f"distillation.teacher_models.teacher_model.model_path={teacher}",
+              "trainer.total_training_steps=2"]
+    one = train(tmp_path / "one", *distil)
+    with caplog.at_level("INFO", logger="lathe"):
+        pooled = train(tmp_path / "pooled", *distil, "distillation.nnodes=1", "distillation.n_gpus_per_node=1")
+    started = [r.getMessage() for r in caplog.records if " workers over " in r.getMessage()]
+    assert [m.split(":")[0] for m in started] == ["actor_rollout_ref", "teacher"], started     # two groups, 1 each
+    assert len(one) == len(pooled) == 2
+    for a, b in zip(one, pooled):
+        assert a["distillation/loss"] > 0.01
+        assert_same(a, b, (*DISTILLED, "actor/pg_loss", "actor/grad_norm"))
+
+
 def test_a_reward_pool_that_fails_to_start_releases_the_trainers_workers(tmp_path, monkeypatch):
     """The reward model's group fails as it builds (after the trainer's group is up): the error goes on, and every CPU
     slot of the (shared) Ray cluster is free again."""

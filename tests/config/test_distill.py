@@ -75,11 +75,12 @@ def test_the_top_k_forward_kl_loads():
     assert load(*ONE, f"{D}.distillation_loss.loss_mode=forward_kl_topk").distillation.distillation_loss.topk == 32
 
 
-def test_teacher_pool_and_engine_keys_are_named_once():
+@pytest.mark.parametrize("pool", [False, True])
+def test_teacher_replica_and_engine_keys_are_named_once(pool):
+    sizes = [f"{D}.nnodes=1", f"{D}.n_gpus_per_node=4"] if pool else []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_config("base", [*ONE, f"{D}.nnodes=1", f"{D}.n_gpus_per_node=4",
-                             f"+{D}.teacher_models.teacher_model.num_replicas=2",
+        load_config("base", [*ONE, *sizes, f"+{D}.teacher_models.teacher_model.num_replicas=2",
                              f"+{D}.teacher_models.teacher_model.inference.tensor_model_parallel_size=2",
                              f"+{D}.teacher_models.teacher_model.inference.max_model_len=4096",
                              f"+{D}.teacher_models.teacher_model.inference.name=vllm"], device_count=1)
@@ -88,7 +89,52 @@ def test_teacher_pool_and_engine_keys_are_named_once():
     assert len(placement) == 1
     assert "num_replicas=2" in placement[0] and "inference.tensor_model_parallel_size" in placement[0]
     assert "max_model_len" not in placement[0] and "inference.name" not in placement[0]
-    assert "`distillation.nnodes`=1" in ignored and "`distillation.n_gpus_per_node`=4" in ignored
+    assert ("on its own pool" in placement[0]) is pool and ("on the trainer's own devices" in placement[0]) is not pool
+    assert "distillation.nnodes" not in ignored                          # the pool's sizes act (pool) or are default
+
+
+POOL = [f"{D}.nnodes=1", f"{D}.n_gpus_per_node=1"]
+
+
+def test_a_teacher_pool_of_their_own_runs_over_ray_only_when_asked_for():
+    from lathe.config import run_plan
+    from lathe.loop.setup import uses_ray
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # nnodes / n_gpus_per_node act: no warning
+        plan = run_plan(load_config("base", [*ONE, *POOL], device_count=1))
+    assert plan.world == 1 and plan.teacher_devices == 1 and uses_ray(plan)      # one trainer device: Ray all the same
+    two = run_plan(load(*TWO, f"{D}.nnodes=2", f"{D}.n_gpus_per_node=3"))
+    assert two.teacher_devices == 6
+    # verl's defaults (nnodes=0, n_gpus_per_node=8) move no teacher; a single size leaves them too
+    for sizes in ([], [f"{D}.nnodes=0", f"{D}.n_gpus_per_node=8"], [f"{D}.n_gpus_per_node=2"]):
+        plan = run_plan(load(*ONE, *sizes))
+        assert plan.teacher_devices == 0 and not uses_ray(plan), sizes
+    with pytest.warns(IgnoredKeysWarning, match="`distillation.nnodes`=1 has no effect"):
+        load_config("base", POOL, device_count=1)                      # no distillation: nothing to place
+    with pytest.warns(IgnoredKeysWarning, match="`distillation.n_gpus_per_node`=2 has no effect"):
+        load_config("base", [*ONE, f"{D}.n_gpus_per_node=2"], device_count=1)   # no pool: its size is not read
+
+
+def test_a_teacher_pool_needs_devices_and_the_synchronous_loop():
+    from lathe.config import run_plan
+    with pytest.warns(IgnoredKeysWarning, match="`distillation.nnodes`=1 has no effect"):
+        cfg = load_config("base", [*ONE, f"{D}.nnodes=1", f"{D}.n_gpus_per_node=0"], device_count=1)
+    assert run_plan(cfg).teacher_devices == 0                          # no GPUs per node: no pool, said so
+    text = refused(*ONE, *POOL, "rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false")
+    assert f"{D}.nnodes=1 x {D}.n_gpus_per_node=1: a device pool of the teachers' own in fully-asynchronous" in text
+    assert f"Fix: set {D}.nnodes=0" in text and "rollout.n_gpus_per_node=0" in text
+
+
+def test_a_teacher_pool_needs_its_gpus_visible_beside_the_trainers(monkeypatch):
+    monkeypatch.setattr("lathe.config.rules.visible_cuda_devices", lambda: 2)
+    cuda = [*ONE, *POOL, "trainer.device=cuda"]
+    with pytest.raises(ConfigError) as err:                 # (device_count unset: the devices this process sees)
+        load_config("base", [*cuda, "trainer.n_gpus_per_node=2"])
+    text = str(err.value)
+    assert f"trainer.n_gpus_per_node=2 + {D}.n_gpus_per_node=1 GPUs on this one node, but this process sees 2" in text
+    assert "the trainer and the teachers each need devices of their own" in text
+    load_config("base", cuda)                                                                 # 1 + 1 of 2
+    load_config("base", [*cuda, "trainer.n_gpus_per_node=2", f"{D}.nnodes=2"])                # 2 nodes
 
 
 def test_the_top_k_loss_as_a_reward_warns_as_verl_does():

@@ -238,6 +238,11 @@ def test_each_teacher_is_placed_like_the_reference(tiny_ckpt, monkeypatch, offlo
     assert sharded.on_gpu is not offload
 
 
+def test_teachers_on_a_pool_of_their_own_are_not_on_the_trainers_devices(tiny_ckpt, monkeypatch):
+    assert _other(["distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={tiny_ckpt}",
+                   "distillation.nnodes=1", "distillation.n_gpus_per_node=1"], monkeypatch) == []
+
+
 def test_a_model_whose_config_cannot_be_built_is_named_with_its_size_unknown(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text('{"model_type": "no_such_model"}')
     (rm,) = _other(["reward_model.enable=true", f"reward_model.model.path={tmp_path}"], monkeypatch)

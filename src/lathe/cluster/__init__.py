@@ -6,7 +6,9 @@ actor/rollout/reference worker (and the critic) on every rank, and returns the d
 loop calls exactly as it calls the in-process workers. A learned reward model or judge (`reward_model.enable`) is
 colocated with the actor on those ranks, or, with `reward_model.enable_resource_pool`, placed on a pool of its own
 (`reward_model.nnodes x reward_model.n_gpus_per_node` devices, one whole copy on each: verl's reward pool), which
-scores each step's responses while the trainer's devices hold only the actor's models.
+scores each step's responses while the trainer's devices hold only the actor's models. The distillation teachers
+likewise: on the trainer's ranks like the reference, or, with `distillation.nnodes` and `n_gpus_per_node` >= 1, on a
+group of their own (`teacher_pool`, one whole copy of every teacher per rank: verl's teacher pool).
 
 `start_sft_cluster` is `lathe sft`'s: the same ranks running `SFTWorker`s.
 
@@ -27,6 +29,7 @@ from lathe.config import LatheConfig, RunPlan
 
 log = logging.getLogger("lathe")
 REWARD_POOL = "reward_model"           # the reward model's own pool and group (its keys' prefix too)
+TEACHER_POOL = "teacher"               # the distillation teachers' own pool and group
 
 
 @dataclass
@@ -38,11 +41,12 @@ class Cluster:
     args: tuple = ()               # what start_cluster was given (to start the same workers again)
     reward_model: object | None = None   # RewardModelGroup (reward_model.enable)
     reward_group: object | None = None   # RayWorkerGroup of the reward model's own pool (enable_resource_pool)
+    teacher_group: object | None = None  # RayWorkerGroup of the teachers' own pool (distillation.nnodes)
 
     @property
     def groups(self) -> list:
         """Every worker group of the run (the profiler covers each one's ranks)."""
-        return [self.group] + ([self.reward_group] if self.reward_group is not None else [])
+        return [self.group] + [g for g in (self.reward_group, self.teacher_group) if g is not None]
 
     def close(self) -> None:
         for group in reversed(self.groups):
@@ -96,7 +100,8 @@ def start_sft_cluster(cfg, *, model_path: str, load_kwargs: dict, tokenizer, tot
 def start_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwargs: dict, tokenizer, total_steps: int,
                   device_type: str) -> Cluster:
     """One worker group over the trainer's devices (`plan.devices`): the actor/rollout/reference worker (and the
-    critic) colocated on every rank; the reward model there too, or on a group of its own (`reward_pool`)."""
+    critic) colocated on every rank; the reward model and the teachers there too, or each on a group of its own
+    (`reward_pool`, `teacher_pool`)."""
     from lathe.cluster.roles import ACTOR, CRITIC, ActorRolloutRefGroup, CriticGroup
     from lathe.workers.build import build_actor_rollout_ref, build_critic
 
@@ -111,10 +116,15 @@ def start_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwar
     own_pool = has_reward_pool(cfg)
     timeout = cfg.actor_rollout_ref.nccl_timeout
     group, started = _group(cfg, device_type, "actor_rollout_ref", timeout, build)
+    rm_group = None
     try:
         rm_group = reward_pool(cfg, plan, tokenizer, device_type, timeout) if own_pool else None
-        actor, critic = _driver_groups(cfg, plan, group, tokenizer, ActorRolloutRefGroup, CriticGroup)
+        teachers = teacher_pool(cfg, plan, tokenizer, device_type, timeout) if plan.teacher_devices else None
+        actor, critic = _driver_groups(cfg, plan, group, tokenizer, ActorRolloutRefGroup, CriticGroup,
+                                       teacher_group=teachers)
     except BaseException:
+        if rm_group is not None:
+            rm_group.shutdown()
         group.shutdown()
         if started:
             import ray
@@ -123,7 +133,8 @@ def start_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwar
     return Cluster(group, actor, critic, started,
                    args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
                                          total_steps=total_steps, device_type=device_type)),
-                   reward_model=reward_model_group(cfg, rm_group or group), reward_group=rm_group)
+                   reward_model=reward_model_group(cfg, rm_group or group), reward_group=rm_group,
+                   teacher_group=teachers)
 
 
 def has_reward_pool(cfg: LatheConfig) -> bool:
@@ -137,15 +148,32 @@ def reward_pool(cfg: LatheConfig, plan: RunPlan, tokenizer, device_type: str, ti
     """The reward model's own worker group: `reward_model.nnodes x reward_model.n_gpus_per_node` ranks (Ray must be
     up), a whole reward model (or judge) on each, every wait bounded by `timeout_s`; on failure whatever it placed is
     released before the error goes on."""
+    rm = cfg.reward_model
+    return _own_pool(REWARD_POOL, rm.nnodes, rm.n_gpus_per_node, device_type, timeout_s,
+                     lambda group: build_reward_model_on(group, cfg, plan, tokenizer, device_type))
+
+
+def teacher_pool(cfg: LatheConfig, plan: RunPlan, tokenizer, device_type: str, timeout_s: float):
+    """The distillation teachers' own worker group: `distillation.nnodes x distillation.n_gpus_per_node` ranks (Ray
+    must be up), a whole copy of every teacher on each (`TeacherWorker`), every wait bounded by `timeout_s`; on
+    failure whatever it placed is released before the error goes on."""
+    from lathe.workers.build import build_teacher
+    d = cfg.distillation
+    return _own_pool(TEACHER_POOL, d.nnodes, d.n_gpus_per_node, device_type, timeout_s,
+                     lambda group: group.build(TEACHER_POOL, build_teacher, cfg, plan, tokenizer,
+                                               device_type=device_type))
+
+
+def _own_pool(name: str, nnodes: int, per_node: int, device_type: str, timeout_s: float, build):
+    """A worker group `name` over a pool of its own (`nnodes` x `per_node` bundles), its workers made by
+    `build(group)`; on failure the group (or the bare pool) is released before the error goes on."""
     from lathe.cluster.placement import ResourcePool
     from lathe.cluster.worker_group import RayWorkerGroup
-    rm = cfg.reward_model
     pool = group = None
     try:
-        pool = ResourcePool(rm.nnodes, rm.n_gpus_per_node, use_gpu=device_type == "cuda", timeout_s=timeout_s,
-                            name=REWARD_POOL)
-        group = RayWorkerGroup(pool, name=REWARD_POOL, timeout_s=timeout_s)
-        build_reward_model_on(group, cfg, plan, tokenizer, device_type)
+        pool = ResourcePool(nnodes, per_node, use_gpu=device_type == "cuda", timeout_s=timeout_s, name=name)
+        group = RayWorkerGroup(pool, name=name, timeout_s=timeout_s)
+        build(group)
     except BaseException:
         if group is not None:
             group.shutdown()

@@ -55,13 +55,13 @@ def start_ray(cfg) -> bool:
 
 def check_local_fit(cfg, plan, device_type: str, visible_gpus: int) -> None:
     """Refuse, before anything loads, workers that a Ray cluster started here could never place: the trainer's, the
-    rollout pool's and the reward model's pool's ranks, one CPU slot each on a CPU run (`ray_kwargs.ray_init.num_cpus`,
-    else this machine's CPUs) or one GPU each. Joining a cluster (`ray_init.address` or RAY_ADDRESS) is checked when
+    rollout pool's, the reward model's pool's and the teachers' pool's ranks, one CPU slot each on a CPU run
+    (`ray_kwargs.ray_init.num_cpus`, else this machine's CPUs) or one GPU each. Joining a cluster (`ray_init.address` or RAY_ADDRESS) is checked when
     the pools are placed, against what that cluster holds."""
     kwargs = ray_init_kwargs(cfg)
     if kwargs.get("address") or os.environ.get("RAY_ADDRESS"):
         return
-    workers = plan.world + plan.rollout_devices + plan.reward_devices
+    workers = plan.world + plan.rollout_devices + plan.reward_devices + plan.teacher_devices
     kind, have = (("CPU", int(kwargs.get("num_cpus") or os.cpu_count() or 1)) if device_type == "cpu"
                   else ("GPU", int(kwargs.get("num_gpus") or visible_gpus)))
     if workers <= have:
@@ -72,11 +72,15 @@ def check_local_fit(cfg, plan, device_type: str, visible_gpus: int) -> None:
     rm = cfg.reward_model
     reward = (f" + reward_model.nnodes={rm.nnodes} x reward_model.n_gpus_per_node={rm.n_gpus_per_node}"
               if plan.reward_devices else "")
-    lower = "".join(f" / {k}.n_gpus_per_node" for k, on in (("rollout", rollout), ("reward_model", reward)) if on)
+    d = cfg.distillation
+    teacher = (f" + distillation.nnodes={d.nnodes} x distillation.n_gpus_per_node={d.n_gpus_per_node}"
+               if plan.teacher_devices else "")
+    lower = "".join(f" / {k}.n_gpus_per_node" for k, on in (("rollout", rollout), ("reward_model", reward),
+                                                             ("distillation", teacher)) if on)
     source = f"ray_kwargs.ray_init.{key}={have}" if kwargs.get(key) else f"this machine's {kind}s"
     raise ClusterError(
-        f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}{rollout}{reward} = {workers} "
-        f"workers, one {kind} each, but the Ray cluster lathe starts on this machine has {have} ({source}). Fix: lower "
+        f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}{rollout}{reward}{teacher} = "
+        f"{workers} workers, one {kind} each, but the Ray cluster lathe starts on this machine has {have} ({source}). Fix: lower "
         f"trainer.n_gpus_per_node / trainer.nnodes{lower}, or join a cluster that holds them (set RAY_ADDRESS or "
         "ray_kwargs.ray_init.address).")
 

@@ -16,7 +16,7 @@ from lathe.cluster.dispatch import (contiguous_shares, even_shares, for_groups, 
 from lathe.generation import SamplingParams
 from lathe.rollout.base import concat_rollouts
 
-ACTOR, CRITIC, SFT, REWARD_MODEL = "actor_rollout_ref", "critic", "sft", "reward_model"
+ACTOR, CRITIC, SFT, REWARD_MODEL, TEACHER = "actor_rollout_ref", "critic", "sft", "reward_model", "teacher"
 SUMMED = ("rollout/num_preemptions", "rollout/graph_captures")
 
 
@@ -43,13 +43,15 @@ class ActorRolloutRefGroup:
     equal shares, updates mini-batch by mini-batch (see `update_shares`); answers joined in batch order. With
     Ulysses sequence or tensor parallelism (`actor_sp`: the actor's group size for its log-probs and update, `ref_sp`:
     the reference's), the shares are one per such group, given to each of its ranks (`lathe.cluster.dispatch.
-    for_groups`)."""
+    for_groups`). `teacher_group`: the teachers' own pool (`lathe.cluster.teacher_pool`), where the teachers' log-probs
+    are computed instead of on the actor's ranks."""
 
     def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool,
-                 rollout_tp: int = 1, actor_sp: int = 1, ref_sp: int = 1, has_teacher: bool = False):
+                 rollout_tp: int = 1, actor_sp: int = 1, ref_sp: int = 1, has_teacher: bool = False,
+                 teacher_group=None):
         self.group, self.pad_id, self.mini_batch_size, self.balance = group, pad_id, mini_batch_size, balance
         self.has_ref, self.rollout_tp, self.actor_sp, self.ref_sp = has_ref, rollout_tp, actor_sp, ref_sp
-        self.has_teacher = has_teacher
+        self.has_teacher, self.teacher_group = has_teacher, teacher_group
         self.world = group.world_size
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -62,7 +64,11 @@ class ActorRolloutRefGroup:
         return forward_over_groups(self.group, ACTOR, "compute_ref_log_prob", batch, self.ref_sp, self.balance)
 
     def compute_teacher_log_prob(self, batch: Batch) -> Batch:
-        """The colocated teachers on every rank, each given its own share (teachers have no sequence parallelism)."""
+        """The teachers on every rank of their own pool, or colocated on every rank of the actor's, each rank given its
+        own share (teachers have no sequence parallelism)."""
+        if self.teacher_group is not None:
+            return forward_over_groups(self.teacher_group, TEACHER, "compute_teacher_log_prob", batch, 1,
+                                       self.balance)
         return forward_over_groups(self.group, ACTOR, "compute_teacher_log_prob", batch, 1, self.balance)
 
     def update_actor(self, batch: Batch) -> dict[str, float]:

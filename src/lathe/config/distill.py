@@ -6,9 +6,11 @@ key; with several, each needs a distinct ``key`` and a row goes to the teacher w
 column's value. ``loss_mode=k1`` needs ``use_policy_gradient=true``, ``forward_kl_topk`` a ``topk``; a teacher's
 ``inference.max_model_len`` must hold the student's prompt, response and one more token.
 
-lathe's placement: every teacher runs on the trainer's devices (colocated, like the reference: a forward pass over
-the student's tokens, no generation), so a teacher's ``num_replicas`` and engine settings (``inference.*``) are named once in a
-warning and otherwise left (the pool's ``nnodes`` / ``n_gpus_per_node`` and ``policy_loss_mode``: ``support.py``).
+lathe's placement: every teacher runs a forward pass over the student's tokens (no generation), on the trainer's
+devices (colocated, like the reference), or, with ``nnodes`` and ``n_gpus_per_node`` both >= 1 (verl's teacher pool;
+verl's defaults, nnodes=0, ask for none), on a worker group of its own in the synchronous loop, a whole copy of every
+teacher on each of its ranks (``lathe.cluster.teacher_pool``). A teacher's ``num_replicas`` and engine settings
+(``inference.*``) are named once in a warning and otherwise left (``policy_loss_mode``: ``support.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ProblemList
-from .plan import tensor_parallel_size
+from .plan import is_async, teacher_devices, tensor_parallel_size
 
 D = "distillation"
 ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")      # lathe.algo.distillation.ESTIMATOR_MODES
@@ -81,6 +83,7 @@ def check_distillation(cfg, problems: ProblemList) -> None:
         _check_length(cfg, name, entry, problems)
     if len(given) > 1:
         _check_routing(cfg, given, problems)
+    _check_pool(cfg, problems)
     tp = {r: tensor_parallel_size(cfg, r) for r in ("actor", "ref")}
     if max(tp.values()) > 1:
         role = "actor" if tp["actor"] > 1 else "ref"
@@ -89,6 +92,18 @@ def check_distillation(cfg, problems: ProblemList) -> None:
                      "sharded with FSDP only, each rank scoring rows of its own). Fix: set tensor_parallel_size=1 for "
                      "the actor and the reference, or distillation.enabled=false.")
     _warn_placement(cfg, given)
+
+
+def _check_pool(cfg, problems: ProblemList) -> None:
+    """The teachers' own pool (`nnodes` x `n_gpus_per_node`, both >= 1; either at 0 asks for none, and the size keys
+    then warn as read by nothing: `support.py`) runs in the synchronous loop only."""
+    d = cfg.distillation
+    if teacher_devices(cfg) and is_async(cfg):
+        problems.add(f"{D}.nnodes={d.nnodes} x {D}.n_gpus_per_node={d.n_gpus_per_node}: a device pool of the "
+                     f"teachers' own in fully-asynchronous training (rollout.n_gpus_per_node="
+                     f"{cfg.rollout.n_gpus_per_node}) is not implemented yet in lathe: there the teachers run on the "
+                     f"trainer pool's ranks. Fix: set {D}.nnodes=0 (the teachers then share the trainer's devices), or "
+                     "train synchronously (rollout.n_gpus_per_node=0), where the teachers run on a pool of their own.")
 
 
 def _check_loss(cfg, loss, problems: ProblemList) -> None:
@@ -167,7 +182,9 @@ def _warn_placement(cfg, given: dict[str, dict]) -> None:
         named += [f"{D}.teacher_models.{name}.inference.{k}" for k in (entry.get("inference") or {})
                   if k not in QUIET_INFERENCE]
     if named:
-        warnings.warn("lathe runs each teacher on the trainer's own devices, one forward pass over the student's "
-                      "tokens (like the reference; actor_rollout_ref.ref.fsdp_config places it), so these teacher "
-                      f"pool and engine settings have no effect: {', '.join(named)}",
+        where = ("on its own pool (distillation.nnodes x n_gpus_per_node, a whole copy on each device)"
+                 if teacher_devices(cfg) else "on the trainer's own devices (like the reference; "
+                 "actor_rollout_ref.ref.fsdp_config places it)")
+        warnings.warn(f"lathe runs each teacher {where}, one forward pass over the student's tokens, so these "
+                      f"teacher replica and engine settings have no effect: {', '.join(named)}",
                       DistillationPlacementWarning, stacklevel=4)

@@ -114,6 +114,7 @@ class RunPlan:
     ref_tensor_parallel_size: int = 1    # actor_rollout_ref.ref.fsdp_config.tensor_parallel_size
     rollout_tp: int = 1         # devices per engine replica (rollout.tensor_model_parallel_size)
     reward_devices: int = 0     # the reward model's own pool (reward_model.enable_resource_pool); 0: on the trainer's
+    teacher_devices: int = 0    # the teachers' own pool (distillation.nnodes x n_gpus_per_node); 0: on the trainer's
 
     @property
     def rollout_replicas(self) -> int:
@@ -150,6 +151,14 @@ def reward_devices(cfg: LatheConfig) -> int:
     enable_resource_pool; 0 when the reward model (if any) is colocated with the actor."""
     rm = cfg.reward_model
     return rm.nnodes * rm.n_gpus_per_node if rm.enable and rm.enable_resource_pool else 0
+
+
+def teacher_devices(cfg: LatheConfig) -> int:
+    """The distillation teachers' own pool, distillation.nnodes x distillation.n_gpus_per_node when distillation is
+    on and both are >= 1 (verl's defaults, nnodes=0 and 8 GPUs per node, ask for none: the teachers then share the
+    trainer's devices); 0 when the teachers (if any) are colocated with the actor."""
+    d = cfg.distillation
+    return d.nnodes * d.n_gpus_per_node if d.enabled and d.nnodes >= 1 and d.n_gpus_per_node >= 1 else 0
 
 
 def is_async(cfg: LatheConfig) -> bool:
@@ -315,4 +324,4 @@ def run_plan(cfg: LatheConfig, device_count: int | None = None) -> RunPlan:
                    ref_sequence_parallel_size=sequence_parallel_size(cfg, "ref"),
                    ref_tensor_parallel_size=tensor_parallel_size(cfg, "ref"),
                    rollout_tp=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
-                   reward_devices=reward_devices(cfg))
+                   reward_devices=reward_devices(cfg), teacher_devices=teacher_devices(cfg))

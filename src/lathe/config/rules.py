@@ -15,7 +15,7 @@ from .distill import check_distillation
 from .errors import ProblemList
 from .judge import check_judge
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, reward_devices,
-                   sequence_parallel_size)
+                   sequence_parallel_size, teacher_devices)
 from .rules_routing import check_routing_replay
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
                              check_sequence_parallel, check_tensor_parallel, data_parallel)
@@ -57,8 +57,9 @@ def _gpus_present() -> int:
 
 def check_visible_devices(cfg: LatheConfig, problems: ProblemList) -> None:
     """A GPU run may not ask for more GPUs per node than this process can see: on one node, the trainer's, the
-    rollout pool's (fully async) and the reward model's pool's (`reward_model.enable_resource_pool`) together."""
-    t, rm = cfg.trainer, cfg.reward_model
+    rollout pool's (fully async), the reward model's pool's (`reward_model.enable_resource_pool`) and the teachers'
+    pool's (`distillation.nnodes` x `n_gpus_per_node`) together."""
+    t, rm, d = cfg.trainer, cfg.reward_model, cfg.distillation
     visible = visible_cuda_devices()
     if t.device == "cpu" or (t.device == "auto" and visible == 0):
         return
@@ -67,6 +68,8 @@ def check_visible_devices(cfg: LatheConfig, problems: ProblemList) -> None:
         pools.append(("rollout", "the rollout", cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node))
     if reward_devices(cfg):
         pools.append(("reward_model", "the reward model", rm.nnodes, rm.n_gpus_per_node))
+    if teacher_devices(cfg):
+        pools.append(("distillation", "the teachers", d.nnodes, d.n_gpus_per_node))
     if len(pools) > 1 and all(nodes == 1 for _, _, nodes, _ in pools) and sum(p[3] for p in pools) > visible:
         asked = " + ".join(f"{key}.n_gpus_per_node={n}" for key, _, _, n in pools)
         owners = " and ".join([", ".join(p[1] for p in pools[:-1]), pools[-1][1]])

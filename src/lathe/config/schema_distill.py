@@ -2,10 +2,11 @@
 
 The student (``actor_rollout_ref``) samples as usual; each sample's response is scored by a teacher (chosen by the
 row's ``teacher_key`` column when there are several), and the per-token reverse KL to the teacher (or the forward
-KL over the teacher's top-k tokens) enters the actor's loss (``lathe.algo.distillation``). lathe computes a teacher's log-probs with one forward pass over the
-student's tokens on the trainer's own devices (colocated, as the reference is), so a teacher's ``inference.*``
-engine settings and the separate teacher pool (``nnodes``, ``n_gpus_per_node``, ``num_replicas``) have no effect;
-``lathe.config.distill`` names them in a warning and checks the rest.
+KL over the teacher's top-k tokens) enters the actor's loss (``lathe.algo.distillation``). lathe computes a teacher's
+log-probs with one forward pass over the student's tokens, on the trainer's own devices (colocated, as the reference
+is), or with ``nnodes`` and ``n_gpus_per_node`` both >= 1 on a pool of the teachers' own (synchronous training; a
+whole copy of every teacher per device); a teacher's ``inference.*`` engine settings and ``num_replicas`` have no
+effect, and ``lathe.config.distill`` names them in a warning and checks the rest.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class DistillationConfig:
     teacher_key: str = spec("data_source", "Column choosing each row's teacher when there are several (lathe: "
                                            "data_source, the column lathe keeps per row).")
     distillation_loss: DistillationLossConfig = spec(factory=DistillationLossConfig, help="The loss.")
-    n_gpus_per_node: int = spec(8, "verl: GPUs per node of the teachers' own pool; lathe runs the teachers on the "
-                                   "trainer's devices (no effect).")
-    nnodes: int = spec(0, "verl: nodes of the teachers' own pool; lathe runs the teachers on the trainer's devices "
-                          "(no effect).")
+    n_gpus_per_node: int = spec(8, "GPUs per node of the teachers' own pool (with nnodes >= 1; one whole copy of "
+                                   "every teacher per device, synchronous training only).")
+    nnodes: int = spec(0, "Nodes of the teachers' own pool; 0 (verl's default): the teachers run on the trainer's "
+                          "devices, placed like the reference.")

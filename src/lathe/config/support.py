@@ -238,9 +238,10 @@ def _rewards() -> list[Entry]:
 
 def _distillation() -> list[Entry]:
     d, loss = "distillation", "distillation.distillation_loss"
-    pool = ("lathe runs the teachers on the trainer's own devices (colocated, like the reference: one forward pass "
-            "over the student's tokens), not on a pool of their own; the losses are the same")
-    return [warn(f"{d}.nnodes", pool), warn(f"{d}.n_gpus_per_node", pool),
+    pool = (f"it is read only with {d}.enabled=true and both {d}.nnodes and {d}.n_gpus_per_node >= 1 (the teachers' "
+            "own pool, one whole copy of each teacher per device; else they share the trainer's devices, like the "
+            "reference)")
+    return [only_on("no teacher pool", warn(f"{d}.{k}", pool)) for k in ("nnodes", "n_gpus_per_node")] + [
             refuse(f"{loss}.policy_loss_mode", "a distillation surrogate other than PPO's vanilla clipped loss "
                    "(verl implements only vanilla)", "set it to vanilla", one_of("vanilla"))]
 

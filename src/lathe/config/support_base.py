@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .coerce import show
-from .plan import is_async, trainer_devices
+from .plan import is_async, teacher_devices, trainer_devices
 from .tree import get_path
 
 Check = Callable[[Any, Any], bool]
@@ -95,6 +95,8 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "no reward model": lambda cfg: not cfg.reward_model.enable,             # reward_model.enable=false
     # the reward model has no pool of its own: none, or colocated (reward_model.enable_resource_pool=false)
     "no reward pool": lambda cfg: not (cfg.reward_model.enable and cfg.reward_model.enable_resource_pool),
+    # the teachers have no pool of their own (distillation.nnodes x n_gpus_per_node, both >= 1, with distillation on)
+    "no teacher pool": lambda cfg: not teacher_devices(cfg),
     # where reward_model.enable_resource_pool cannot act: fully-async training, or no reward model
     "a rollout pool or no reward model": lambda cfg: is_async(cfg) or not cfg.reward_model.enable,
     # no sequence-classification reward model: none, or a generative judge (reward_model.judge.enable)

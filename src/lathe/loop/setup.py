@@ -319,10 +319,11 @@ def check_parallel_model(plan: RunPlan, model) -> None:
 
 
 def uses_ray(plan: RunPlan) -> bool:
-    """Ray worker groups train: several devices, a rollout pool of its own, a reward model's pool of its own
-    (`reward_model.enable_resource_pool`: even beside one trainer device), or LATHE_RAY=1 (one device as a Ray worker
-    group of one FSDP2 rank, to check that path on one GPU)."""
-    return plan.is_async or plan.world > 1 or plan.reward_devices > 0 or os.environ.get("LATHE_RAY") == "1"
+    """Ray worker groups train: several devices, a rollout pool of its own, a reward model's or the distillation
+    teachers' pool of its own (`reward_model.enable_resource_pool`, `distillation.nnodes`: even beside one trainer
+    device), or LATHE_RAY=1 (one device as a Ray worker group of one FSDP2 rank, to check that path on one GPU)."""
+    return (plan.is_async or plan.world > 1 or plan.reward_devices > 0 or plan.teacher_devices > 0
+            or os.environ.get("LATHE_RAY") == "1")
 
 
 def _async_steps(cfg, loader_batches: int, total_steps: int) -> int:

@@ -1,8 +1,9 @@
 """The memory plan's other models: the reward model, the LLM judge and the distillation teachers.
 
 Each is counted from its checkpoint's config.json (the model built on the meta device, no weight read, counted as
-the actor is: `count_params`), in the dtype and at the place its worker really holds it (the reward model or judge
-only when it is colocated with the actor: with `reward_model.enable_resource_pool` it has devices of its own):
+the actor is: `count_params`), in the dtype and at the place its worker really holds it (each only when it is
+colocated with the actor: with `reward_model.enable_resource_pool` the reward model or judge, with
+`distillation.nnodes` x `n_gpus_per_node` the teachers have devices of their own):
 
 * reward model (`lathe.workers.reward_model`): a whole copy on every rank (not sharded), bf16 on an accelerator
   (fp32 on the CPU); `reward_model.model.fsdp_config.param_offload` keeps it in host memory between calls;
@@ -19,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from lathe.config.plan import teacher_devices
 from lathe.dtypes import rollout_dtype, short_name
 from lathe.train.memory import Part, _shard, count_params, model_parts
 
@@ -66,13 +68,14 @@ def _count(path: str, key: str, **kw) -> tuple[int, str]:
 def other_model_parts(cfg, device, *, world: int = 1, shards: dict[str, int] | None = None) -> list[Part]:
     """The parts of the reward model or judge (`reward_model.enable`) and of each distillation teacher on one of the
     trainer's devices. `world`, `shards`: as `memory.plan` (the teachers shard like the reference). A reward model on
-    a pool of its own (`reward_model.enable_resource_pool`) is not on the trainer's devices: not counted."""
+    a pool of its own (`reward_model.enable_resource_pool`), or teachers on theirs (`distillation.nnodes` x
+    `n_gpus_per_node`), are not on the trainer's devices: not counted."""
     device = torch.device(device)
     parts = []
     rm = cfg.reward_model
     if rm.enable and not rm.enable_resource_pool:
         parts += judge_parts(cfg, device) if rm.judge.enable else reward_model_parts(cfg, device)
-    if cfg.distillation.enabled:
+    if cfg.distillation.enabled and not teacher_devices(cfg):
         parts += teacher_parts(cfg, device, ranks=(shards or {}).get("ref", world) if world > 1 else 1)
     return parts
 

@@ -40,9 +40,11 @@ class ActorRolloutRefWorker:
         self.ref = (Reference(arr.ref, self.actor, plan.mesh("ref"), sp_size=plan.ref_sequence_parallel_size)
                     if plan.needs_ref else None)
         distill = distillation_params(cfg.distillation)
+        # the teachers here, placed like the reference, unless they have a pool of their own (`TeacherWorker`)
         self.teacher = (Teacher(teachers(cfg), arr, tokenizer, device=device, sharded=self.actor.sharded,
                                 mesh=plan.mesh("ref"), seed=cfg.trainer.seed,
-                                topk=distill.topk if distill.use_topk else None) if distill is not None else None)
+                                topk=distill.topk if distill.use_topk else None)
+                        if distill is not None and not plan.teacher_devices else None)
         self.rollout = Rollout(arr.rollout, self.actor, model, tokenizer) if rollout else None
         self.actor.start_training(plan=plan.actor, total_steps=total_steps, temperature=arr.rollout.temperature,
                                   max_response_length=cfg.data.max_response_length,
@@ -106,6 +108,26 @@ class ActorRolloutRefWorker:
     def load_checkpoint(self, path: Path) -> None:
         self.actor.load_checkpoint(path)
         self.sync_weights()
+
+
+class TeacherWorker:
+    """A rank of the teachers' own pool (`distillation.nnodes` x `distillation.n_gpus_per_node`, the synchronous
+    loop's): a whole copy of every teacher on this rank's device (no FSDP across the pool: each rank scores its own
+    share of a step's rows), placed otherwise like the reference (its compute dtype, `param_offload`), with the
+    micro-batches and token budget the colocated teachers use."""
+
+    def __init__(self, cfg: LatheConfig, tokenizer, *, plan: RunPlan, device: torch.device):
+        arr = cfg.actor_rollout_ref
+        distill = distillation_params(cfg.distillation)
+        self.teacher = Teacher(teachers(cfg), arr, tokenizer, device=device, sharded=False, seed=cfg.trainer.seed,
+                               topk=distill.topk if distill.use_topk else None)
+        self.micro_batch_size = (arr.ref.log_prob_micro_batch_size_per_gpu
+                                 or arr.rollout.log_prob_micro_batch_size_per_gpu or plan.actor.micro_batch_per_device)
+        self.budget = _token_budget(arr.ref, "ref")
+
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """As `ActorRolloutRefWorker.compute_teacher_log_prob`, over this rank's share."""
+        return self.teacher.compute_teacher_log_prob(batch, micro_batch_size=self.micro_batch_size, **self.budget)
 
 
 def _token_budget(log_prob_cfg, name: str) -> dict:

@@ -10,7 +10,7 @@ from lathe.dtypes import rollout_dtype
 from lathe.models.hf import load_policy
 from lathe.seeding import seed_everything
 from lathe.workers.sft import SFTWorker
-from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker, TeacherWorker
 from lathe.workers.critic import CriticWorker
 from lathe.workers.fully_async import AsyncTrainerWorker, RolloutWorker
 from lathe.workers.judge import JudgeWorker
@@ -56,6 +56,12 @@ def build_reward_model(cfg: LatheConfig, plan: RunPlan, tokenizer, *, device_typ
     if cfg.reward_model.judge.enable:
         return JudgeWorker(cfg, tokenizer, device=device)
     return RewardModelWorker(cfg, tokenizer, device=device, micro_batch_size=micro_batch_size(cfg, plan))
+
+
+def build_teacher(cfg: LatheConfig, plan: RunPlan, tokenizer, *, device_type: str):
+    """A rank of the distillation teachers' own pool: every teacher, a whole copy on this rank's device."""
+    seed_everything(cfg.trainer.seed)
+    return TeacherWorker(cfg, tokenizer, plan=plan, device=rank_device(device_type))
 
 
 def build_sft_worker(cfg, model_path: str, load_kwargs: dict, tokenizer, *, total_steps: int, device_type: str):

@@ -66,3 +66,35 @@ def test_on_cuda_the_backward_peak_is_lower_and_the_gradients_equal(make_lathe, 
     assert moved["tensors"] >= model.config.num_hidden_layers
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
     assert peaks[1] <= peaks[0]
+
+
+def test_an_actor_update_with_offload_updates_the_same_and_reports_what_it_moved(make_lathe, rollout_batch, load_cfg,
+                                                                                  monkeypatch):
+    """The actor's update with `offload_activations` (its tensors 'offloaded' to other CPU memory here): the same
+    weights, and `perf/activation_offload_gb` says how much waited in host memory per optimizer step."""
+    import functools
+
+    from lathe.config import batch_plan
+    from lathe.train import actor as actor_module
+    from lathe.train.optim import build_optimizer, build_scheduler
+    monkeypatch.setattr(offload, "OFFLOAD_MIN_BYTES", 0)
+    monkeypatch.setattr(actor_module, "activations_on_host",
+                        functools.partial(offload.activations_on_host, device_type="cpu"))
+    cfg = load_cfg("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    arr, batch = cfg.actor_rollout_ref, rollout_batch(rows=8)
+    batch["old_log_probs"] = torch.zeros(batch["response_mask"].shape)
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(1))
+    results = []
+    for offloaded in (False, True):
+        model = make_lathe()
+        model.gradient_checkpointing_enable()
+        optimizer = build_optimizer(model.parameters(), arr.actor.optim)
+        ppo = actor_module.PPOActor(model, optimizer, build_scheduler(optimizer, arr.actor.optim, total_steps=10),
+                                    arr.actor, mini_batch_size=batch_plan(cfg).mini_batch_sequences_per_device,
+                                    temperature=1.0, max_response_length=cfg.data.max_response_length,
+                                    offload_activations=offloaded)
+        metrics = ppo.update_policy(batch)
+        results.append(({k: v.detach().clone() for k, v in model.named_parameters()}, metrics))
+    (plain, plain_metrics), (moved, moved_metrics) = results
+    assert all(torch.equal(plain[k], moved[k]) for k in plain)
+    assert "perf/activation_offload_gb" not in plain_metrics and moved_metrics["perf/activation_offload_gb"] > 0

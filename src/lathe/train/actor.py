@@ -131,9 +131,11 @@ class PPOActor:
                                               key=self.max_token_key)]
         for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
             with replay_or_nothing(self.model, micro, self.use_remove_padding, replay):
-                with activations_on_host(self.offload_activations):
+                with activations_on_host(self.offload_activations) as moved:
                     loss, parts = self._micro_batch_loss(micro, agg, diff)
                 loss.backward()
+            if self.offload_activations:       # what waited in host memory, summed over micro-batches and ranks
+                parts[OFFLOADED] = moved["bytes"] / 2**30
             weight = real_rows(micro) / seqs   # per-micro metrics (fractions, means) weighted by rows
             for k, v in parts.items():
                 v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
@@ -226,7 +228,8 @@ def use_torch_compile(cfg) -> bool:
 
 
 # Losses normalised by global mini-batch counts add up over micro-batches; every other metric is averaged.
-_SUMMED = {"actor/pg_loss", "actor/entropy", "actor/kl_loss", "distillation/loss"}
+OFFLOADED = "perf/activation_offload_gb"      # model.enable_activation_offload: GiB an optimizer step offloaded
+_SUMMED = {"actor/pg_loss", "actor/entropy", "actor/kl_loss", "distillation/loss", OFFLOADED}
 # verl's per-token extremes: the smallest / largest over every micro-batch and rank
 _EXTREMES = {f"distillation/{k}_{m}": f for k in ("loss", "student_mass", "teacher_mass")
              for m, f in (("min", torch.minimum), ("max", torch.maximum))}

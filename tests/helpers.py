@@ -208,3 +208,22 @@ def tiny_reward_model(path, *, chat_template: str | None = None, seed: int = 0, 
 
 RM_TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
                "{% if add_generation_prompt %}ASSISTANT: {% endif %}")     # a reward model's own chat rendering
+
+
+def kill_after_checkpoint(run_dir, pid: int, step: int = 2) -> None:
+    """SIGKILL process `pid` (a worker rank) as soon as the run in `run_dir` has written its step-`step` checkpoint;
+    the wait runs in a daemon thread of its own."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from lathe.ckpt.checkpoint import LATEST
+    latest = Path(run_dir) / LATEST
+
+    def kill() -> None:
+        while not (latest.exists() and latest.read_text() == str(step)):
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import threading
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -18,7 +15,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
 
-from helpers import warm_started  # noqa: E402
+from helpers import kill_after_checkpoint, warm_started  # noqa: E402
 from lathe.cli import main  # noqa: E402
 from lathe.config import ConfigError, load_config  # noqa: E402
 from lathe.loop.fully_async import AsyncDriver, Ledger  # noqa: E402
@@ -62,7 +59,6 @@ def test_a_killed_rollout_replica_restarts_both_pools_from_the_last_checkpoint(t
     """trainer.restart_on_worker_failure=1: the rollout replica SIGKILLed right after the step-2 checkpoint; both pools
     start afresh, the trainer loads step 2, the new replica takes its weights, and steps 3 and 4 run once each, each
     prompt trained once (tests/loop/test_async_restart.py checks the metrics against an uninterrupted run)."""
-    from lathe.ckpt.checkpoint import LATEST
     from lathe.loop.run import fit
     from lathe.loop.setup import build_trainer
     run_dir, dumps = tmp_path / "run", tmp_path / "dumps"
@@ -74,13 +70,7 @@ def test_a_killed_rollout_replica_restarts_both_pools_from_the_last_checkpoint(t
                              "data.train_batch_size=0", "data.gen_batch_size=16", "rollout.total_rollout_steps=64"])
     t = build_trainer(cfg)
     pid = t.cluster.rollout_group.nodes[0]["pid"]
-
-    def kill_after_step_2():
-        while not ((run_dir / LATEST).exists() and (run_dir / LATEST).read_text() == "2"):
-            time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
-
-    threading.Thread(target=kill_after_step_2, daemon=True).start()
+    kill_after_checkpoint(run_dir, pid, step=2)
     try:
         fit(t)
     finally:

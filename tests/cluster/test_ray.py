@@ -5,17 +5,14 @@ the worker group's own failures: test_worker_group.py.)"""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import threading
 import time
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
 
-from helpers import assert_close_rel, warm_started  # noqa: E402
+from helpers import assert_close_rel, kill_after_checkpoint, warm_started  # noqa: E402
 from lathe.cli import main  # noqa: E402
 from lathe.cluster.worker_group import WorkerGroupError  # noqa: E402
 
@@ -225,7 +222,6 @@ def test_export_gives_transformers_the_same_model_from_full_and_sharded_checkpoi
 def test_a_killed_worker_restarts_from_the_last_checkpoint_or_stops_naming_it(runs, tmp_path, restarts):
     """SIGKILL rank 1 right after the step-2 checkpoint: with restarts allowed the run reloads step 2 on fresh
     workers and ends exactly as the uninterrupted run; without, it stops naming the rank."""
-    from lathe.ckpt.checkpoint import LATEST
     from lathe.config import load_config
     from lathe.loop.ppo import fit
     from lathe.loop.setup import build_trainer
@@ -236,13 +232,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint_or_stops_naming_it(ru
                              "trainer.save_freq=2", f"trainer.restart_on_worker_failure={restarts}"])
     t = build_trainer(cfg)
     pid = t.cluster.group.nodes[1]["pid"]
-
-    def kill_after_step_2():
-        while not ((run_dir / LATEST).exists() and (run_dir / LATEST).read_text() == "2"):
-            time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
-
-    threading.Thread(target=kill_after_step_2, daemon=True).start()
+    kill_after_checkpoint(run_dir, pid, step=2)
     try:
         if restarts:
             fit(t)

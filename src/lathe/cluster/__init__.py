@@ -64,22 +64,14 @@ class Cluster:
 
 
 def _group(cfg, device_type: str, name: str, timeout_s: float, build) -> tuple[object, bool]:
-    """Ray joined or started, one bundle per device, a worker group built by `build(group)`; on failure
+    """Ray joined or started, one bundle per trainer device, a worker group built by `build(group)`; on failure
     everything started is released before the error goes on."""
-    from lathe.cluster.placement import ResourcePool, start_ray
-    from lathe.cluster.worker_group import RayWorkerGroup
+    from lathe.cluster.placement import start_ray
     t = cfg.trainer
     started = start_ray(cfg)
-    pool = group = None
     try:
-        pool = ResourcePool(t.nnodes, t.n_gpus_per_node, use_gpu=device_type == "cuda")
-        group = RayWorkerGroup(pool, name=name, timeout_s=timeout_s)
-        build(group)
+        group = _own_pool(name, t.nnodes, t.n_gpus_per_node, device_type, timeout_s, build, pool_key="trainer")
     except BaseException:
-        if group is not None:
-            group.shutdown()
-        elif pool is not None:
-            pool.release()
         if started:
             import ray
             ray.shutdown()
@@ -164,14 +156,18 @@ def teacher_pool(cfg: LatheConfig, plan: RunPlan, tokenizer, device_type: str, t
                                                device_type=device_type))
 
 
-def _own_pool(name: str, nnodes: int, per_node: int, device_type: str, timeout_s: float, build):
+def _own_pool(name: str, nnodes: int, per_node: int, device_type: str, timeout_s: float, build, *,
+              pool_key: str | None = None):
     """A worker group `name` over a pool of its own (`nnodes` x `per_node` bundles), its workers made by
-    `build(group)`; on failure the group (or the bare pool) is released before the error goes on."""
+    `build(group)`; on failure the group (or the bare pool) is released before the error goes on. `pool_key`: the
+    config group whose nnodes / n_gpus_per_node size the pool (its placement then waits `ResourcePool`'s own
+    deadline), else `name` (waiting `timeout_s`)."""
     from lathe.cluster.placement import ResourcePool
     from lathe.cluster.worker_group import RayWorkerGroup
+    placement = {"name": pool_key} if pool_key else {"name": name, "timeout_s": timeout_s}
     pool = group = None
     try:
-        pool = ResourcePool(nnodes, per_node, use_gpu=device_type == "cuda", timeout_s=timeout_s, name=name)
+        pool = ResourcePool(nnodes, per_node, use_gpu=device_type == "cuda", **placement)
         group = RayWorkerGroup(pool, name=name, timeout_s=timeout_s)
         build(group)
     except BaseException:

@@ -282,20 +282,26 @@ REWARD_FILE = '''def compute_score(data_source, solution_str, ground_truth, extr
 '''
 
 
-def write_model(shape: str, where: Path, device: str) -> Path:
-    """A random-weight checkpoint of `shape` (bf16 safetensors + config.json), written once."""
+def write_model(shape: str, where: Path, device: str, *, name: str = "model", seed: int = 0,
+                tokenizer: Path | None = None) -> Path:
+    """A random-weight checkpoint of `shape` (bf16 safetensors + config.json) in `where/<name>-<shape>`, written
+    once; `tokenizer`: a `write_tokenizer` directory whose files are copied beside it (a distillation teacher loads
+    its tokenizer from its own directory)."""
+    import shutil
     from lathe.models.config import LatheConfig
     from lathe.models.decoder import LatheCausalLM, init_weights
-    out = where / f"model-{shape}"
+    out = where / f"{name}-{shape}"
     if (out / "config.json").exists():
         return out
     hf = hf_config(shape, max_position_embeddings=4096, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     cfg = LatheConfig.from_hf_dict(hf, source=f"bench shape {shape}")
     with torch.device(device):
         model = LatheCausalLM(cfg).to(torch.bfloat16)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     init_weights(model)
     model.save_pretrained(out)
+    for f in (tokenizer.iterdir() if tokenizer else ()):
+        shutil.copy(f, out / f.name)
     del model           # the trainers run in child processes: this one must not keep the GPU's memory
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -3,6 +3,8 @@
     python bench/e2e.py [--models 0.5b,1.5b,7b] [--systems lathe,trl] [--steps 5] [--out bench/results/e2e_<device>.json]
     python bench/e2e.py --systems lathe --models 1.5b --gpus 2          # Ray workers + FSDP2 on 2 GPUs
     python bench/e2e.py --systems lathe --models 0.5b --ray             # one GPU through the distributed path
+    python bench/e2e.py --systems lathe --models 1.5b --gpus 2 --teacher 7b \
+        --extra distillation.distillation_loss.loss_mode=k3                # on-policy distillation from a 7B teacher
     python bench/e2e.py --device cpu --models tiny --systems lathe --steps 2 --prompts 4 --n 2 \
         --prompt-len 16 --response-len 8 --out /tmp/e2e_smoke.json                                   # CPU smoke test
 
@@ -105,7 +107,15 @@ def lathe_command(shape: str, paths: dict, args) -> list[str]:
             f"reward.custom_reward_function.path={paths['reward']}",
             f"trainer.total_training_steps={args.steps}", "trainer.logger=[console]", "trainer.save_freq=-1",
             "trainer.resume_mode=disable", f"trainer.device={args.device}", f"trainer.n_gpus_per_node={args.gpus}",
-            f"trainer.default_local_dir={paths['run'] / 'lathe'}", *profile_keys(paths, args), *args.extra]
+            f"trainer.default_local_dir={paths['run'] / 'lathe'}", *profile_keys(paths, args),
+            *teacher_keys(paths), *args.extra]
+
+
+def teacher_keys(paths: dict) -> list[str]:
+    """--teacher: the distillation keys naming the written teacher (the loss keys come through --extra)."""
+    if "teacher" not in paths:
+        return []
+    return ["distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={paths['teacher']}"]
 
 
 def profile_keys(paths: dict, args) -> list[str]:
@@ -126,9 +136,12 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
     (where / "reward.py").write_text(REWARD_FILE)
     paths = {"model": write_model(shape, where, args.device), "tokenizer": write_tokenizer(vocab, where),
              "parquet": parquet, "jsonl": jsonl, "reward": where / "reward.py", "run": where / f"run-{shape}"}
+    if args.teacher:
+        paths["teacher"] = write_model(args.teacher, where, args.device, name="teacher", seed=1,
+                                       tokenizer=paths["tokenizer"])
     seqs = args.prompts * args.n
     flops = train_flops(SHAPES[shape], [args.prompt_len + args.response_len] * seqs)
-    res = {"shape": shape, "sequences_per_step": seqs, "tokens_per_step": seqs * (args.prompt_len + args.response_len),
+    res = {"shape": shape, "teacher": args.teacher, "sequences_per_step": seqs, "tokens_per_step": seqs * (args.prompt_len + args.response_len),
            "update_model_flops": flops, "lathe_settings": LATHE_SETTINGS[shape]}
     if "lathe" in args.systems:
         cmd = lathe_command(shape, paths, args)
@@ -176,7 +189,7 @@ def speed_of_light(shape: str, row: dict, args) -> dict:
     return step_light(SHAPES[shape], device_name(torch.device(args.device)), prompts=args.prompts, n=args.n,
                       prompt_len=args.prompt_len, response_len=args.response_len, measured=row.get("phases_s", {}),
                       step_s=row.get("step_s"), checkpointing=LATHE_SETTINGS[shape]["checkpointing"], gpus=args.gpus,
-                      max_num_seqs=max_seqs)
+                      max_num_seqs=max_seqs, teacher=SHAPES[args.teacher] if args.teacher else None)
 
 
 def what(shape: str, res: dict) -> str:
@@ -237,6 +250,10 @@ def main() -> None:
     p.add_argument("--git-sha", default=None,
                    help="the commit measured, as your checkout names it (the GPU copy of the tree may lack .git or "
                         "carry a stale one: do not compute it there)")
+    p.add_argument("--teacher", default=None, metavar="SHAPE",
+                   help="on-policy distillation from a random-weight teacher of this shape (written beside the model, "
+                        "with the student's tokenizer): distillation.enabled=true and its model_path; the loss keys "
+                        "through --extra; its forward reported as the phase `teacher`")
     p.add_argument("--extra", nargs="*", default=[], metavar="key=value",
                    help="lathe: more keys after the bench's own (e.g. actor_rollout_ref.model.lora_rank=64)")
     p.add_argument("--profile-step", type=int, default=0,
@@ -258,7 +275,7 @@ def main() -> None:
     out = Path(args.out or ROOT / "bench" / "results" / f"e2e_{slug(name)}.json")
     results = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
-               "workload": {k: getattr(args, k) for k in ("prompts", "n", "prompt_len", "response_len", "steps",
+               "workload": {k: getattr(args, k) for k in ("prompts", "n", "prompt_len", "response_len", "steps", "teacher",
                                                           "warmup", "trl_steps", "trl_warmup", "gpus", "ray", "extra",
                                                           "profile_step", "profile_stack")},
                "peak_bf16_tflops_datasheet": datasheet_peak(name), "models": {}}

@@ -50,7 +50,7 @@ DEVICE_RATES = [("H100 PCIe", None, None),   # not measured: no figure rather th
 RATES_SOURCE = ("matmul 790 TFLOP/s: bf16 8192^3 torch.matmul measured on H100 and H200 (shared/device/README.md); "
                 "HBM: datasheet (H100 3.35 TB/s, H200 4.8 TB/s)")
 BYTES = 2   # bf16
-PHASES = ("gen", "old_log_prob", "ref", "update_actor")   # timing_s/* names with a bound
+PHASES = ("gen", "old_log_prob", "ref", "teacher", "update_actor")   # timing_s/* names with a bound
 
 
 def device_rates(name: str) -> tuple[float | None, float | None]:
@@ -276,9 +276,10 @@ def update_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, f
 
 def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: int, response_len: int,
                measured: dict, step_s: float | None, checkpointing: bool, gpus: int = 1,
-               max_num_seqs: int | None = None) -> dict:
+               max_num_seqs: int | None = None, teacher: dict | None = None) -> dict:
     """Per phase `{"measured_s", "light_s", "fraction"}` (light / measured) for the phases in `measured` (the
-    run's `timing_s/*` medians: gen, old_log_prob, ref, update_actor) and a `step` total: the
+    run's `timing_s/*` medians: gen, old_log_prob, ref, update_actor, and teacher: the forward of a distillation
+    teacher of shape `teacher` over the same tokens) and a `step` total: the
     phases' light summed over the whole measured step. light_s is None on a device without rates (CPU).
     gen and step also carry the touched bound (`touched_light_s`, `touched_fraction`: the decode reading the
     experts a step's batch touches), and gen `active_fraction_ceiling` (light_s / touched_light_s: the most of the
@@ -297,6 +298,8 @@ def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: in
                  "old_log_prob": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
                  "ref": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
                  "update_actor": update_seconds(shape, seqs, prompt_len, response_len, gpus * flops, checkpointing)}
+        if teacher is not None:
+            light["teacher"] = log_prob_seconds(teacher, seqs, prompt_len, response_len, gpus * flops)
     out = {phase: _row(measured[phase], light.get(phase)) for phase in PHASES if measured.get(phase) is not None}
     if "gen" in out and light:
         touched = _row(out["gen"]["measured_s"], pre + dec_touched)

@@ -194,8 +194,9 @@ def step_split_k(model, rows: int, prefill: bool = False) -> tuple[int, int] | N
     split saves on a few percent of one step's layers."""
     decoder = model.model
     if not isinstance(decoder, LatheDecoderModel) or decoder.compile_backend is None or model.dtype == torch.float32 \
-            or getattr(model.config, "mla", None) is not None:      # DeepSeek-V3's latent layers: no split form
-        return None
+            or getattr(model.config, "mla", None) is not None \
+            or getattr(model.config, "linear_attention", None) is not None:   # DeepSeek-V3's, the hybrids' layers
+        return None                                                            # have no split form
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda":
         return None

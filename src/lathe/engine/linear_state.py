@@ -118,11 +118,13 @@ class LinearStep:
         self.cache, self.index, self.cu_seqlens, self.max_seqlen = cache, index, cu_seqlens, max_seqlen
         self.layer = 0
 
+    @torch.compiler.disable
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(convolution inputs, recurrent states) of the step's sequences at the next linear layer."""
         c = self.cache
         return c.conv[self.layer].index_select(0, self.index), c.recurrent[self.layer].index_select(0, self.index)
 
+    @torch.compiler.disable
     def write(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         c = self.cache
         c.conv[self.layer].index_copy_(0, self.index, conv.to(c.conv.dtype))
@@ -132,6 +134,7 @@ class LinearStep:
     # A step of one token per sequence (`GatedDeltaNet.step`): the layer hands over its inputs, the states advance
     # in their slots.
 
+    @torch.compiler.disable
     def conv_step(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """silu(conv) (B, C) of each row's new input x after its slot's last K-1 inputs, which move on by one."""
         conv = self.cache.conv[self.layer]
@@ -141,6 +144,7 @@ class LinearStep:
         conv.index_copy_(0, self.index, window.to(conv.dtype))
         return out
 
+    @torch.compiler.disable
     def recurrent_step(self, q, k, v, g, beta) -> torch.Tensor:
         """o (B, Hv, Dv) of each row's token, its recurrent state advanced in its slot (on CUDA in place, one launch:
         `triton_gdn`); then on to the next linear layer."""

@@ -8,6 +8,10 @@ log-probs. Compiling fuses them. What is compiled:
   residuals. The attention call itself stays eager (`decoder.attend` is `torch.compiler.disable`d), so
   varlen flash attention on CUDA and per-sequence SDPA on CPU run unchanged, and a layer compiles into a
   few graphs (before and after attention) shared by all layers of the model;
+- the hybrid families' layers (Qwen3.5, Qwen3-Next: `lathe.models.qwen3_5`) the same way: their norms (zero-centred,
+  gated), gates, projections, RoPE, MLP and residuals compile; what touches the linear-attention states stays eager
+  like attention (`lathe.models.linear_attention`'s convolution and delta-rule functions, fla's kernels among them,
+  and the engine's `LinearStep`, whose layer counter must run on every call: all `torch.compiler.disable`d);
 - the per-chunk math of `lathe.models.logprob.chunked_log_probs` (logits -> log-prob, entropy, and the
   recomputing backward's gradient), when the caller passes the model's `compile_backend`.
 The rollout engine compiles its own forms of the layers with the same backend (`lathe.engine.decode_forms`).
@@ -31,9 +35,6 @@ of seconds) costs more than it saves for the models a CPU trains; `compile_decod
 """
 
 from __future__ import annotations
-
-import functools
-import logging
 
 import torch
 
@@ -63,21 +64,11 @@ def compile_decoder(model, *, backend: str = DEFAULT_BACKEND, mode: str | None =
                         f"{type(model).__name__}; transformers models are not compiled by lathe")
     if decoder.compile_backend is not None:
         return model
-    if model.config.linear_attention is not None:
-        _eager_notice(model.config.architecture)
-        return model
     allow_variants()
     for layer in decoder.layers:
         layer.compile(backend=backend, mode=mode)   # dynamic=None: token dims are marked dynamic by the decoder
     decoder.compile_backend = backend
     return model
-
-
-@functools.cache
-def _eager_notice(architecture: str) -> None:
-    logging.getLogger("lathe").info(
-        "use_torch_compile: %s runs eager: its linear-attention layers (fla's kernels, the packed state reset) are "
-        "not compiled by lathe yet", architecture)
 
 
 def is_compiled(model) -> bool:

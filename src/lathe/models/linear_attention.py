@@ -52,6 +52,7 @@ def positions_in_sequence(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=cu.device) - cu[seq]
 
 
+@torch.compiler.disable
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                   initial: torch.Tensor | None = None) -> torch.Tensor:
     """silu(depthwise causal conv) of a packed stream x (T, C) with `weight` (C, K); each sequence sees only its own
@@ -79,6 +80,7 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tup
     return F.silu((window * weight.to(x.dtype)).sum(-1)), window[..., 1:]
 
 
+@torch.compiler.disable
 def conv_state(x: torch.Tensor, cu_seqlens: torch.Tensor, kernel: int,
                initial: torch.Tensor | None = None) -> torch.Tensor:
     """(S, C, K-1): each sequence's last K-1 inputs (zero-filled, or continued from `initial`, when shorter);
@@ -113,6 +115,7 @@ def _prepare(q, k, v, g, beta):
     return q * q.shape[-1] ** -0.5, k, v.to(dtype), g.to(dtype), beta.to(dtype)
 
 
+@torch.compiler.disable
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, max_seqlen: int, *,
                            initial_state: torch.Tensor | None = None, chunk_size: int = 64):
     """(o (T, Hv, Dv) in v's dtype, final states (S, Hv, Dk, Dv) float32) for a packed stream: q, k (T, Hk, Dk)
@@ -153,6 +156,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, max_seqle
     return o.to(out_dtype), state.float() if state.dtype != torch.float64 else state
 
 
+@torch.compiler.disable
 def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
     """Token by token over a batch of rows: q, k (B, L, Hk, Dk), v (B, L, Hv, Dv), g and beta (B, L, Hv), `state`
     (B, Hv, Dk, Dv) or zeros. Returns (o (B, L, Hv, Dv) in v's dtype, the final state)."""

@@ -86,6 +86,9 @@ def test_each_loss_aggregation_runs(tmp_path, agg):
 def test_rollout_correction_modes(tmp_path, overrides):
     metrics = train(tmp_path, *overrides)
     assert any(k.startswith("rollout_corr/") for k in metrics[2]), sorted(metrics[2])
+    bypass = "algorithm.rollout_correction.bypass_mode=true" in overrides      # pi_old := the engine's log-probs
+    assert metrics[2]["training/old_log_prob_from_rollout"] == float(bypass)
+    assert metrics[2]["training/old_log_prob_forward"] == float(not bypass)
 
 
 def test_dapo_preset_filters_groups_and_shapes_overlong(tmp_path):

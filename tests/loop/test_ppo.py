@@ -214,6 +214,8 @@ def test_the_old_policy_forward_runs_only_when_something_reads_it(tmp_path, monk
     metrics = read_metrics(tmp_path)
     assert len(calls) == (2 if forward else 0)
     assert all(("timing_s/old_log_prob" in m) == forward for m in metrics.values())
+    assert all(m["training/old_log_prob_forward"] == float(forward) and m["training/old_log_prob_from_rollout"] == 0
+               for m in metrics.values())                                  # the metrics say which happened
     # the engine-vs-trainer check is there either way (the update computes it when it takes pi_old's log-probs)
     assert all(0 <= m["training/rollout_probs_diff_max"] < 0.05 for m in metrics.values()), metrics
 

@@ -65,18 +65,25 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, ski
           pending: BackgroundScoring | None = None) -> dict[str, float]:
     """Everything a step does with its scored samples: old (or the rollout's) log-probs, rollout correction,
     reference log-probs, the teachers' log-probs (on-policy distillation), values, advantages, critic and actor
-    updates. `batch` gains the tensors on the way.
+    updates. `batch` gains the tensors on the way. The metrics say where pi_old came from:
+    `training/old_log_prob_forward` 1 when a forward pass of its own computed it (`timing_s/old_log_prob`),
+    `training/old_log_prob_from_rollout` 1 when the engine's log-probs serve; both 0: the on-policy update's own
+    forward (the pass skipped).
     `skip_on_policy`: leave the old-policy forward to the actor update when the step is on-policy
     (`needs_old_forward`); a caller that reads `old_log_probs` afterwards passes False.
     `pending`: scoring still running in the background (`lathe.loop.reward_async`), joined before the advantages."""
-    metrics = {}
     rc = t.cfg.algorithm.rollout_correction
+    forward = not old_from_rollout and (not skip_on_policy or needs_old_forward(t, batch))
+    # which pi_old the update uses (issue 48): a forward pass of its own, the engine's log-probs, or neither of
+    # them set: the on-policy update's own forward (no separate pass; `needs_old_forward`)
+    metrics = {"training/old_log_prob_forward": float(forward), "training/old_log_prob_from_rollout":
+               float(old_from_rollout)}
     if old_from_rollout:                                                 # the rollout's log-probs are pi_old
         batch["old_log_probs"] = batch["rollout_log_probs"]
         if t.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:      # the OTB estimator's input: one forward
             with timer("old_log_prob"):
                 batch["sum_pi_squared"] = t.worker.compute_log_prob(batch)["sum_pi_squared"]
-    elif not skip_on_policy or needs_old_forward(t, batch):
+    elif forward:
         with timer("old_log_prob"):
             batch.update(t.worker.compute_log_prob(batch))
         if "rollout_log_probs" in batch:                                 # verl's engine-vs-trainer check

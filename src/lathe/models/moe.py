@@ -349,7 +349,8 @@ class _SumRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_zeros(ctx.rows, grad.shape[0])
-        return out.index_copy_(0, ctx.index, grad.expand(len(ctx.index), -1)), None
+        out[ctx.index] = grad
+        return out, None
 
 
 def _kept(logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -49,14 +49,18 @@ def test_rule2_mini_must_divide_step_example_message():
 
 def test_rule3_mini_sequences_that_do_not_divide_over_devices_are_padded_with_ghost_rows():
     """A mini-batch that does not divide over the data-parallel ranks runs with ghost rows (lathe.cluster.dispatch)
-    padding each rank's share, with one notice; beside a MoE router loss (whose statistics would count the ghost rows'
-    tokens) it is refused."""
+    padding each rank's share, with one notice; beside a MoE router loss too (its statistics leave the ghost rows'
+    tokens out: lathe.train.router_tokens), but not beside the prefix grouper, whose forward shares their prompts."""
     with pytest.warns(UserWarning, match=r"3 sequences per mini-batch do not divide over the 2 data-parallel ranks "
                                          r"\(device_count=2 given to load_config\): each rank gets 2, 1 of them ghost"):
         cfg = load_config("base", GRPO + batch(30, 3, 1), device_count=2)
     assert batch_plan(cfg, 2).mini_batch_sequences_per_device == 2
-    text = fails(batch(30, 3, 1) + ["actor_rollout_ref.actor.moe_aux_loss_coeff=0.01"], device_count=2)
+    router = ["actor_rollout_ref.actor.moe_aux_loss_coeff=0.01", "actor_rollout_ref.actor.moe_z_loss_coeff=0.001"]
+    with pytest.warns(UserWarning, match="1 of them ghost"):
+        load_config("base", GRPO + batch(30, 3, 1) + router, device_count=2)
+    text = fails(batch(30, 3, 1) + router + ["actor_rollout_ref.actor.use_prefix_grouper=true"], device_count=2)
     assert "router statistics" in text and "moe_aux_loss_coeff=0.01" in text and "e.g. 2 or 6" in text
+    assert "use_prefix_grouper=false" in text
 
 
 def test_rule4_micro_divides_per_device_mini():

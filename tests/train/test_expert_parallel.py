@@ -12,7 +12,9 @@ One group of 4 gloo ranks (forks of one forkserver, as `test_parallel`'s), all c
   in one process, with the experts under their per-expert Hugging Face names;
 - the same actor with its load-balancing losses on (transformers' and Megatron's, z-loss included), on EP 2 x
   Ulysses 2: metrics (the losses too), the last step's
-  gradients, the weights and the log-probs of a forward after the updates equal the one-process run's.
+  gradients, the weights and the log-probs of a forward after the updates equal the one-process run's;
+- the same losses on mini-batches of 5 sequences over the 4 ranks, padded with ghost rows (packed under EP 2, padded,
+  packed under EP 2 x Ulysses 2): the one-process run that cuts the same micro-batches without ghost rows.
 """
 
 from __future__ import annotations
@@ -68,6 +70,17 @@ SP = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", *PACKED)
 # Megatron's router losses beside transformers' in the EP x Ulysses run and its twin: their per-layer statistics are
 # summed over the sequence-parallel group too (`ulysses.router_layer_totals`)
 MEGATRON_LOSSES = ("actor_rollout_ref.actor.moe_aux_loss_coeff=0.3", "actor_rollout_ref.actor.moe_z_loss_coeff=0.01")
+# 2 prompts x n=5 a step, mini-batches of 5 sequences over 4 ranks: shares [0, 1], [2, 3], [4, ghost], [ghost, ghost]
+# (lathe.cluster.dispatch), one micro-batch each; over 2 sequence-parallel groups [0, 1, 2], [3, 4, ghost]. The router
+# losses leave the ghost rows' tokens out (lathe.train.router_tokens): the one-process twins cut 2 + 2 + 1 (3 + 2)
+GHOST_MOE = ("data.train_batch_size=2", "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+             *MEGATRON_LOSSES)
+REMOVE_PADDING = "actor_rollout_ref.model.use_remove_padding=true"
+GHOST_RUNS = {"ghosts_packed_ep": (dict(overrides=(f"{EP_KEY}=2", *GHOST_MOE, REMOVE_PADDING)), 2),
+              "ghosts_padded": (dict(overrides=GHOST_MOE), 2),
+              "ghosts_ep_x_ulysses": (dict(overrides=(f"{EP_KEY}=2", *GHOST_MOE, REMOVE_PADDING,
+                                                      "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"),
+                                           tp=2), 3)}
 
 
 def moe_block(family: str):
@@ -122,7 +135,9 @@ def ep_job(world: int, *, ckpt: str, one: str) -> dict:
             "hsdp": train(world, 2, model_fn=tiny_moe, overrides=ep),
             "resumed": train(world, -1, steps=range(SAVED_AFTER, STEPS), resume=one, model_fn=tiny_moe, overrides=ep),
             "sp": train(world, -1, model_fn=aux_moe, overrides=(*ep, *SP, *MEGATRON_LOSSES), tp=2, log_probs=True,
-                        grads=True)}
+                        grads=True),
+            **{name: train(world, -1, model_fn=aux_moe, steps=range(2), grads=True, **job)
+               for name, (job, _) in GHOST_RUNS.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +153,24 @@ def runs(tmp_path_factory):
 def one_with_aux():
     """The EP x Ulysses run's one-process twin: packed, the load-balancing loss on."""
     return train(1, -1, model_fn=aux_moe, overrides=(*PACKED, *MEGATRON_LOSSES), log_probs=True, grads=True)
+
+
+@pytest.mark.parametrize("name", list(GHOST_RUNS))
+def test_ghost_rows_beside_router_losses_update_as_one_process(runs, name):
+    """Mini-batches of 5 over 4 ranks (ghost rows on two of them, one beside a real row) with the load-balancing
+    losses on (transformers', Megatron's and its z-loss): the metrics, the last step's gradients and the weights of
+    the one-process run that cuts the same micro-batches without ghost rows; packed under EP 2, padded, and packed
+    under EP 2 x Ulysses 2."""
+    _, _, ranks = runs
+    job, micro = GHOST_RUNS[name]
+    one = train(1, -1, model_fn=aux_moe, steps=range(2), grads=True, micro=micro,
+                overrides=tuple(o for o in job["overrides"] if "parallel_size" not in o))
+    compared = (*COMPARED, "actor/router_aux_loss", "actor/load_balancing_loss", "actor/z_loss")
+    got = ranks[0][name]
+    for a, b in zip(got["metrics"], one["metrics"], strict=True):
+        assert_close_rel([a[k] for k in compared], [b[k] for k in compared], rel=1e-5, name="metrics")
+    assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
 
 
 def assert_same(got: dict, expected: dict, steps=range(STEPS)) -> None:

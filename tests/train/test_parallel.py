@@ -79,14 +79,18 @@ def ppo_batch(step: int, rows: int = 8):
 
 def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None = None, resume: Path | None = None,
           overrides: tuple[str, ...] = (), tp: int = 1, engine: bool = False, model_fn=None, log_probs: bool = False,
-          grads: bool = False):
+          grads: bool = False, micro: int | None = None):
     """The actor's updates over `steps` on this process's share (a rank of `world`, or one process; with tensor- or
     sequence-parallel groups of `tp` ranks, its group's share): metrics, the full weights at the end (on rank 0), the
     mesh its weights are sharded on and, with `engine`, the weights a rollout engine would load; with `grads`, the
-    last optimizer step's (clipped) full gradients; `model_fn`: the policy (`tiny_model` by default)."""
+    last optimizer step's (clipped) full gradients; `model_fn`: the policy (`tiny_model` by default); `micro`: the
+    micro-batch size, set past the config rules (a one-process twin cutting its micro-batches as ranks with ghost rows
+    cut theirs: 5 sequences into 2 + 2 + 1, which the rules refuse for one device)."""
     cfg = load_config(None, [*BASE_OVERRIDES, "trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
                              f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size}",
                              "actor_rollout_ref.actor.entropy_coeff=0.01", *overrides], device_count=world)
+    if micro is not None:
+        cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = micro
     plan = run_plan(cfg, world)
     rc = cfg.algorithm.rollout_correction
     actor = Actor(cfg.actor_rollout_ref, (model_fn or tiny_model)(), device=torch.device("cpu"), seed=0,

@@ -204,8 +204,9 @@ def _positive(items: list[tuple[str, int]], problems: ProblemList) -> bool:
 def _check_mini(cfg: LatheConfig, key: str, tbs: int, n: int, mini: int, devices: Devices,
                 problems: ProblemList) -> bool:
     """Rules 2-3: the mini-batch fits in and divides the step; where its sequences do not divide over the
-    data-parallel ranks, ghost rows pad each rank's share (`lathe.cluster.dispatch`), with a notice, except beside
-    MoE router losses (the ghost rows' tokens would enter the router statistics)."""
+    data-parallel ranks, ghost rows pad each rank's share (`lathe.cluster.dispatch`), with a notice; beside MoE router
+    losses their tokens are left out of the router statistics (`lathe.train.router_tokens`), except under the prefix
+    grouper, whose shared-prompt forward does not tell them apart."""
     divisors = [d for d in range(1, tbs + 1) if tbs % d == 0]
     if mini > tbs:
         problems.add(f"{key}={mini} is larger than data.train_batch_size={tbs}. A PPO mini-batch is a slice of "
@@ -222,13 +223,14 @@ def _check_mini(cfg: LatheConfig, key: str, tbs: int, n: int, mini: int, devices
     if (mini * n) % devices.count:
         fits = [d for d in divisors if (d * n) % devices.count == 0]
         router = _router_losses(cfg) if key.startswith("actor_rollout_ref.") else None
-        if router:
+        if router and cfg.actor_rollout_ref.actor.use_prefix_grouper:
             ok = False
             problems.add(f"{key}={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} sequences per mini-batch is "
                          f"not divisible by the device count ({devices.why}), so ghost rows would pad the ranks' "
-                         f"shares, and with {router} their tokens would enter the router statistics. Fix: set "
-                         f"ppo_mini_batch_size so that ppo_mini_batch_size x n is a multiple of {devices.count}, "
-                         f"{_suggest(fits, mini)}, or turn the router loss off.")
+                         f"shares, and with {router} and actor_rollout_ref.actor.use_prefix_grouper=true their "
+                         "tokens would enter the router statistics (the prefix-grouped forward shares a ghost row's "
+                         "prompt with its real twin). Fix: set use_prefix_grouper=false, or ppo_mini_batch_size so "
+                         f"that ppo_mini_batch_size x n is a multiple of {devices.count}, {_suggest(fits, mini)}.")
         else:
             per_rank = -(-mini * n // devices.count)
             warnings.warn(f"{key}={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} sequences per mini-batch do "

@@ -259,27 +259,40 @@ class RouterStats:
     top_k: int = 1
     tokens_per_expert: list[torch.Tensor] = field(default_factory=list)   # (E,) float32 counts, no gradient
     prob_per_expert: list[torch.Tensor] = field(default_factory=list)     # (E,) float32 sums, with gradient
-    # each layer call's router logits (T, E), kept only for the z-loss (`keep_logits`): it is formed from them after
-    # the forward, so that a layer recomputed in backward (gradient checkpointing) saves what its forward saved
-    logits: list[torch.Tensor] = field(default_factory=list)
+    # each layer call's router logits (T, E) (with the index of the tokens that count, where `token_index` is set),
+    # kept only for the z-loss (`keep_logits`): it is formed from them after the forward, so that a layer recomputed
+    # in backward (gradient checkpointing) saves what its forward saved
+    logits: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     layer_rows: list[int] = field(default_factory=list)        # the tokens each recorded layer call routed
     rows: int = 0
-    keep_rows: int | None = None      # record only each forward's first rows (a sequence-parallel slice's real ones)
+    # the tokens that count, by the length of the stream a sparse layer routes: {T: (n,) indices into its T rows},
+    # or None (all count). The trainer sets it per micro-batch (`lathe.train.router_tokens`): a padded forward's
+    # padding, a sequence-parallel slice's padding and ghost rows' tokens (`lathe.batch.GHOST`) are left out, so
+    # the statistics are those of the real tokens alone, as if the rest were not there
+    token_index: dict[int, torch.Tensor] | None = None
     keep_logits: bool = False
 
     def record(self, probs: torch.Tensor, chosen: torch.Tensor, logits: torch.Tensor | None = None) -> None:
-        if self.keep_rows is not None:
-            probs, chosen = probs[:self.keep_rows], chosen[:self.keep_rows]
-            logits = None if logits is None else logits[:self.keep_rows]
+        # nothing recorded here may be saved for backward (a checkpointed layer's recomputation, which records
+        # nothing, must save what its forward saved): the kept rows' sum is `_SumRows`'s, and the logits are kept
+        # whole with their index, the z-loss selecting after the forward (`per_layer`)
+        index = None
+        if self.token_index is not None:
+            index = self.token_index.get(probs.shape[0])
+            if index is None:
+                raise ValueError(f"router statistics: a sparse layer routed {probs.shape[0]} tokens, but the tokens "
+                                 f"that count are known for streams of {sorted(self.token_index)} only (the "
+                                 "micro-batch's padded and packed layouts); this forward's layout is not one of them")
         with torch.no_grad():
+            chosen = chosen if index is None else chosen.index_select(0, index)
             counts = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
             counts.index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device))
         self.tokens_per_expert.append(counts)
-        self.prob_per_expert.append(probs.sum(0))
+        self.prob_per_expert.append(probs.sum(0) if index is None else _SumRows.apply(probs, index))
         if self.keep_logits:
-            self.logits.append(logits)
-        self.layer_rows.append(probs.shape[0])
-        self.rows += probs.shape[0]
+            self.logits.append(logits if index is None else (logits, index))
+        self.layer_rows.append(chosen.shape[0])
+        self.rows += chosen.shape[0]
 
     def per_layer(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(assignments per expert (L, E), routing probabilities summed per expert (L, E), z sums (L,), tokens
@@ -287,8 +300,8 @@ class RouterStats:
         if not self.tokens_per_expert:
             return None
         probs = torch.stack(self.prob_per_expert)
-        z = (torch.stack([torch.logsumexp(x.float(), dim=-1).square().sum() for x in self.logits]) if self.keep_logits
-             else probs.new_zeros(len(probs)))
+        z = (torch.stack([torch.logsumexp(_kept(x).float(), dim=-1).square().sum() for x in self.logits])
+             if self.keep_logits else probs.new_zeros(len(probs)))
         return (torch.stack(self.tokens_per_expert).to(probs.device), probs, z,
                 torch.tensor(self.layer_rows, dtype=torch.float32, device=probs.device))
 
@@ -322,6 +335,27 @@ class RouterStats:
         if not rows:
             return torch.zeros(())
         return self.num_experts * (counts / rows * (probs / rows)).sum()
+
+
+class _SumRows(torch.autograd.Function):
+    """The sum over dim 0 of the rows `index` of a (T, E) tensor, its backward the sum's gradient on those rows and 0
+    elsewhere, with no tensor saved for backward (`RouterStats.record`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.rows, ctx.index = x.shape[0], index          # an attribute, not a saved tensor (see above)
+        return x.index_select(0, index).sum(0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_zeros(ctx.rows, grad.shape[0])
+        out[ctx.index] = grad
+        return out, None
+
+
+def _kept(logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A recorded layer call's router logits of the tokens that count (`RouterStats.record`)."""
+    return logits if isinstance(logits, torch.Tensor) else logits[0].index_select(0, logits[1])
 
 
 def router_aux_loss_coef(model: nn.Module) -> float:

@@ -13,7 +13,9 @@ routers' load-balancing loss of each micro-batch (`lathe.models.moe`), weighted 
 sequences, and reports it as `actor/router_aux_loss`. Megatron's router losses (`moe_aux_loss_coeff`,
 `moe_z_loss_coeff`, which verl's Megatron scripts set) are formed per sparse layer and summed over the layers
 (`RouterStats.megatron_losses`), weighted the same way, and reported unscaled and averaged over the layers as Megatron
-logs them: `actor/load_balancing_loss`, `actor/z_loss`.
+logs them: `actor/load_balancing_loss`, `actor/z_loss`. The routers' statistics are those of the micro-batch's
+real tokens (`lathe.train.router_tokens`: no padding, no ghost row's tokens) and its weight its real rows' share, so
+a mini-batch padded with ghost rows balances its experts exactly as it would without them.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from lathe.rollout.base import ROUTED
 from lathe.train import parallel, ulysses
 from lathe.train.gathered import accumulating
 from lathe.train.logprob import group_budget, response_log_probs
-from lathe.train.micro import HOST_MASK, micro_batches
+from lathe.train.micro import micro_batches
 from lathe.train.offload import activations_on_host
+from lathe.train.router_tokens import router_tokens
 from lathe.train.routing import replay_or_nothing
 from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel
@@ -163,8 +166,8 @@ class PPOActor:
         z_loss = bool(self.megatron_router and self.megatron_router[1])
         with collect_router_stats(self.model, keep_logits=z_loss) if self.router_aux_coef or self.megatron_router \
                 else nullcontext() as router:
-            if router is not None and self.sp is not None:       # this rank's slice of the packed stream
-                router.keep_rows = ulysses.real_rows(packed_tokens(micro), self.sp)
+            if router is not None and not cfg.use_prefix_grouper:      # real tokens of real rows (module doc)
+                router.token_index = router_tokens(micro, self.sp)
             log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
                                                    calculate_entropy=True, remove_padding=self.use_remove_padding,
                                                    prefix_grouper=cfg.use_prefix_grouper, sp=self.sp)
@@ -244,8 +247,3 @@ def _over_ranks(extremes: dict[str, torch.Tensor], group) -> dict[str, float]:
     values = parallel.all_reduce([s * float(extremes[k]) for k, s in zip(keys, signs)], op="max", group=group)
     return {k: s * float(v) for k, s, v in zip(keys, signs, values.tolist())}
 
-
-def packed_tokens(batch: Batch) -> int:
-    """The real tokens of a micro-batch (its packed stream's length), read from its host mask where it has one."""
-    host = batch.tensors.get(HOST_MASK)
-    return int((host if host is not None else batch["attention_mask"]).sum())

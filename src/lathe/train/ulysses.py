@@ -205,17 +205,10 @@ class UlyssesAttention:
 
 
 # -- the routers' load-balancing loss ------------------------------------------------------------------------------
-def real_rows(tokens: int, sp: SequenceParallel) -> int:
-    """How many of this rank's rows of a packed stream of `tokens` real tokens are real: the padding to a multiple
-    of the group's size is the stream's end (`local_slice`)."""
-    per = padded_length(tokens, sp.size) // sp.size
-    return max(0, min(per, tokens - sp.rank * per))
-
-
 def router_totals(stats, sp: SequenceParallel) -> tuple[torch.Tensor, torch.Tensor, int]:
     """`lathe.models.moe.RouterStats.totals` of the group's whole micro-batch, each rank having recorded its slice's
-    real tokens (`real_rows`): summed over the group, so that every rank computes the load-balancing loss of the
-    whole micro-batch, as one process does. The probabilities' sum hands back to each rank the gradient for its own
+    real tokens (`lathe.train.router_tokens`): summed over the group, so that every rank computes the load-balancing
+    loss of the whole micro-batch, as one process does. The probabilities' sum hands back to each rank the gradient for its own
     (every rank computes the same loss from the sums: as `gather_tokens`)."""
     counts, probs, rows = stats.totals()
     both = torch.cat([counts.to(probs.device), torch.tensor([float(rows)], device=probs.device)])

@@ -52,20 +52,25 @@ def test_off_cuda_it_has_nothing_to_move(make_lathe, caplog):
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_backward_peak_is_lower_and_the_gradients_equal(make_lathe, monkeypatch):
+def test_on_cuda_what_waits_for_the_backward_leaves_the_device_and_the_gradients_equal(make_lathe, monkeypatch):
+    """Between the forward and the backward the device holds less by about what moved (the backward's own peak
+    may not drop on a tiny model: there the logits' chunk, not the saved layer inputs, sets it)."""
     monkeypatch.setattr(offload, "OFFLOAD_MIN_BYTES", 0)
     model, batch = make_lathe().cuda(), _batch().to("cuda")
     model.gradient_checkpointing_enable()
     model.train()
-    peaks, grads = [], []
+    held, grads = [], []
     for offloaded in (False, True):
-        torch.cuda.reset_peak_memory_stats()
-        g, moved = _grads(model, batch, offloaded, "cuda")
-        peaks.append(torch.cuda.max_memory_allocated())
-        grads.append(g)
+        model.zero_grad(set_to_none=True)
+        with offload.activations_on_host(offloaded, "cuda") as moved:
+            logp, _ = response_log_probs(model, batch)
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+        (logp * batch["response_mask"]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert moved["tensors"] >= model.config.num_hidden_layers
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
-    assert peaks[1] <= peaks[0]
+    assert held[0] - held[1] >= 0.5 * moved["bytes"] > 0, (held, moved)
 
 
 def test_an_actor_update_with_offload_updates_the_same_and_reports_what_it_moved(make_lathe, rollout_batch, load_cfg,

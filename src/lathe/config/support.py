@@ -371,13 +371,11 @@ def _profiler_off(value, cfg) -> bool:
 
 
 def _observability() -> list[Entry]:
-    per_role = ("profiling is chosen per step, not per role: global_profiler.tool=torch profiles every phase of "
-                "the listed steps (lathe.track.profile)")
+    per_role = ("profiling is chosen per step, not per role: global_profiler.tool=torch (or torch_memory) covers "
+                "every phase and rank of the listed steps (lathe.track.profile)")
     out = [warn(f"{g}.profiler", per_role, _profiler_off) for g in (A, REF, R, C, RM)]
     out += [refuse("global_profiler.profile_continuous_steps", "one trace across consecutive profiled steps",
                    "remove it: lathe writes one trace per listed step"),
-            inert("global_profiler.global_tool_config", "settings of the nsys and torch_memory tools, which lathe "
-                  "does not run; global_profiler.tool=torch takes none"),
             warn(f"{R}.trace", "rollout tracing is not implemented yet"),
             warn(f"{R}.disable_log_stats", "lathe's engine has no periodic stats log (its time is timing_s/gen)"),
             warn(f"{R}.multi_stage_wake_up", "lathe's engine wakes up in one stage")]

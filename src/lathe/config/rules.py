@@ -396,10 +396,20 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
     _check_async(cfg, problems)
     _check_multi_turn(cfg, problems)
     check_profiler(cfg, problems)
+    _check_custom_dataset(cfg, problems)
     if t.test_freq > 0 and not cfg.data.val_files:
         problems.add(f"trainer.test_freq={t.test_freq} asks for validation every {t.test_freq} steps, but "
                      f"data.val_files is not set. Fix: set data.val_files=<parquet/jsonl file> (or "
                      f"builtin:arithmetic), or set trainer.test_freq=-1.")
+
+
+def _check_custom_dataset(cfg: LatheConfig, problems: ProblemList) -> None:
+    """`data.custom_cls`: a file and a class name, both or neither (lathe.data.custom)."""
+    c = cfg.data.custom_cls
+    if bool(c.path) != bool(c.name):
+        given, unset = ("path", "name") if c.path else ("name", "path")
+        problems.add(f"data.custom_cls.{given}={getattr(c, given)} is set but data.custom_cls.{unset} is not: a custom "
+                     "dataset class is found by its file (path) and its class name (name). Fix: set both, or neither.")
 
 
 def _check_multi_turn(cfg: LatheConfig, problems: ProblemList) -> None:

@@ -278,7 +278,6 @@ def _data() -> list[Entry]:
                 "processor outputs (pixel_values, image_grid_thw)")]
     out += [refuse(f"data.{group}.{k}", what, "remove it; write the data as verl-schema parquet/jsonl "
                    "(see `lathe preprocess`)") for group, what, keys in (
-        ("custom_cls", "a custom dataset class", ("path", "name")),
         ("sampler", "a custom (curriculum) sampler", ("class_path", "class_name")),
         ("datagen", "dynamic data generation", ("path", "name"))) for k in keys]
     once = "lathe reads and tokenizes the data once at start-up, in the trainer process"

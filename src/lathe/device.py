@@ -193,6 +193,29 @@ def peak_memory(device: torch.device | str) -> tuple[int, int] | None:
     return api.max_memory_allocated(device), api.max_memory_reserved(device)
 
 
+def record_memory_history(device: torch.device | str, *, max_entries: int, context: str = "all",
+                          stacks: str = "all", **extra) -> None:
+    """Start recording `device`'s allocator events (each allocation and free with its stack; the last
+    `max_entries` kept) for `dump_memory_snapshot` (`global_profiler.tool=torch_memory`). CUDA only: the CPU has no
+    caching allocator to record."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"memory-allocation history needs a CUDA device, not {torch.device(device).type}")
+    torch.cuda.memory._record_memory_history(enabled="all", context=context, stacks=stacks,
+                                             max_entries=max_entries, device=torch.device(device), **extra)
+
+
+def stop_memory_history(device: torch.device | str) -> None:
+    """Stop recording (and drop the recorded events): `record_memory_history` undone."""
+    torch.cuda.memory._record_memory_history(enabled=None, device=torch.device(device))
+
+
+def dump_memory_snapshot(device: torch.device | str, path: str) -> None:
+    """Write the allocator's snapshot (its segments and blocks now, and the recorded events) as a pickle to `path`,
+    after `device`'s queued work; pytorch.org/memory_viz draws it."""
+    synchronize(device)
+    torch.cuda.memory._dump_snapshot(path)
+
+
 def empty_cache(device: torch.device | str) -> None:
     """Return the allocator's cached blocks to the device (nothing to do on the CPU)."""
     api = _api(device)

@@ -26,7 +26,7 @@ def refused(*overrides: str) -> str:
     ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2", "set it to 1"),
     ("reward_model.reward_manager=batch", "naive"),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size=2", "set it to 1"),
-    ("data.custom_cls.path=my_dataset.py", "verl-schema parquet"),
+    ("data.sampler.class_path=my_sampler.py", "verl-schema parquet"),
     ("actor_rollout_ref.actor.tis_imp_ratio_cap=2.0", "rollout_is_threshold=2.0"),
     ("trainer.default_hdfs_dir=hdfs://ckpt", "set it back to null"),
 ])

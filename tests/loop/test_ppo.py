@@ -293,3 +293,21 @@ def test_global_profiler_writes_the_listed_steps_phases(tmp_path):
     update = summary["phases"]["update_actor"]
     assert update["wall_s"] > 0 and any(op["name"].startswith("aten::") for op in update["top_host_ops"])
     assert (prof / "step_2" / "trace.json.gz").stat().st_size > 0
+
+
+@pytest.mark.gpu
+def test_torch_memory_writes_a_snapshot_of_the_listed_step(tmp_path):
+    """verl's torch_memory profiler on a GPU: the listed steps' allocator history as pickles that load, with each
+    step's allocation events (the policy's update allocates) and its segments; step 1 records through the engine's
+    start (its graph capture) too, and step 2, unlisted, writes nothing."""
+    import pickle
+    prof = tmp_path / "mem"
+    run(tmp_path, "trainer.device=cuda", "trainer.total_training_steps=3", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "global_profiler.tool=torch_memory", "global_profiler.steps=[1,3]",
+        f"global_profiler.save_path={prof}", "+global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries=20000")
+    assert sorted(p.name for p in prof.iterdir()) == ["step_1", "step_3"]
+    for step in (1, 3):
+        assert [p.name for p in (prof / f"step_{step}").iterdir()] == ["torch_memory_rank0.pickle"]
+        snapshot = pickle.loads((prof / f"step_{step}" / "torch_memory_rank0.pickle").read_bytes())
+        trace = [e for device in snapshot["device_traces"] for e in device]
+        assert snapshot["segments"] and any(e["action"] == "alloc" for e in trace) and len(trace) <= 20000

@@ -41,6 +41,7 @@ class RankHost:
         self.group_name, self.use_gpu = group_name, use_gpu
         self.roles: dict[str, Any] = {}
         self.profiler = None            # a running torch profiler (`profile_start`), else None
+        self.memory_history = None      # a recording allocator history (`memory_history_start`), else None
         torch.set_num_threads(max(1, int(num_cpus)))
         from lathe.track.progress import TIME_FORMAT, Once
         logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(message)s",
@@ -98,6 +99,20 @@ class RankHost:
         prof, self.profiler = self.profiler, None
         return finish(prof, self._device(), Path(step_dir) / f"{self.group_name}_rank{self.rank}", rank=self.rank,
                       host=socket.gethostname(), pid=os.getpid())
+
+    def memory_history_start(self, settings: dict) -> None:
+        """Record this rank's allocator history until `memory_history_dump` (`global_profiler.tool=torch_memory`)."""
+        from lathe.track.memory_history import MemoryHistory
+        self.memory_history = MemoryHistory(self._device(), settings)
+        self.memory_history.start()
+
+    def memory_history_dump(self, step_dir: str) -> str:
+        """Write this rank's snapshot as `step_dir/torch_memory_<group>_rank<R>.pickle`, stop recording; its path."""
+        from pathlib import Path
+
+        from lathe.track.memory_history import snapshot_name
+        history, self.memory_history = self.memory_history, None
+        return str(history.dump(Path(step_dir) / snapshot_name(self.rank, self.group_name)))
 
     def _device(self):
         from lathe.device import rank_device

@@ -16,6 +16,7 @@ from .errors import ProblemList
 from .judge import check_judge
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, reward_devices,
                    sequence_parallel_size, teacher_devices)
+from .profiler import check_profiler
 from .rules_routing import check_routing_replay
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
                              check_sequence_parallel, check_tensor_parallel, data_parallel)
@@ -396,11 +397,21 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
     _check_lengths_and_rounds(cfg, problems)
     _check_async(cfg, problems)
     _check_multi_turn(cfg, problems)
-    _check_profiler(cfg, problems)
+    check_profiler(cfg, problems)
+    _check_custom_dataset(cfg, problems)
     if t.test_freq > 0 and not cfg.data.val_files:
         problems.add(f"trainer.test_freq={t.test_freq} asks for validation every {t.test_freq} steps, but "
                      f"data.val_files is not set. Fix: set data.val_files=<parquet/jsonl file> (or "
                      f"builtin:arithmetic), or set trainer.test_freq=-1.")
+
+
+def _check_custom_dataset(cfg: LatheConfig, problems: ProblemList) -> None:
+    """`data.custom_cls`: a file and a class name, both or neither (lathe.data.custom)."""
+    c = cfg.data.custom_cls
+    if bool(c.path) != bool(c.name):
+        given, unset = ("path", "name") if c.path else ("name", "path")
+        problems.add(f"data.custom_cls.{given}={getattr(c, given)} is set but data.custom_cls.{unset} is not: a custom "
+                     "dataset class is found by its file (path) and its class name (name). Fix: set both, or neither.")
 
 
 def _check_multi_turn(cfg: LatheConfig, problems: ProblemList) -> None:
@@ -445,38 +456,6 @@ def _check_lengths_and_rounds(cfg: LatheConfig, problems: ProblemList) -> None:
                      "but gen_batch_size is read only by DAPO's dynamic sampling (prompts per generation round, with "
                      "algorithm.filter_groups.enable=true). Fix: remove data.gen_batch_size, or set "
                      "algorithm.filter_groups.enable=true.")
-
-
-PROFILER_TOOLS = {"nsys": "profiling with NVIDIA Nsight Systems", "npu": "profiling on Ascend NPUs",
-                  "torch_memory": "the CUDA memory-allocation history profiler"}
-
-
-def _check_profiler(cfg: LatheConfig, problems: ProblemList) -> None:
-    """`global_profiler`: tool torch (or off), with steps; synchronous runs only (lathe.track.profile)."""
-    p = cfg.global_profiler
-    if p.tool is not None and p.tool != "torch":
-        problems.add(f"global_profiler.tool={p.tool}: {PROFILER_TOOLS[p.tool]} is not implemented yet in lathe. Fix: use "
-                     f"global_profiler.tool=torch (a PyTorch profiler trace and a per-phase summary of each listed "
-                     f"step), or remove it.")
-        return
-    steps = p.steps or []
-    if p.tool == "torch" and not steps:
-        problems.add("global_profiler.tool=torch but global_profiler.steps lists no step, so nothing would be "
-                     "profiled. Fix: set global_profiler.steps=[N,...] (the first step is 1), or remove the tool.")
-    for key, value in (("steps", steps), ("with_stack", p.with_stack)):
-        if p.tool is None and value:
-            problems.add(f"global_profiler.{key}={value} but global_profiler.tool is not set, so nothing would be "
-                         f"profiled. Fix: set global_profiler.tool=torch, or remove global_profiler.{key}.")
-    bad = [s for s in steps if s < 1]
-    if bad:
-        problems.add(f"global_profiler.steps={steps}: {bad} are not step numbers (the first step is 1). Fix: list "
-                     f"steps >= 1.")
-    if p.tool == "torch" and steps and is_async(cfg):
-        problems.add("global_profiler.tool=torch profiles the steps of the synchronous loop (the driver and every Ray "
-                     "rank for the same step), but this run is fully asynchronous (a rollout pool of "
-                     f"rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}), whose pools run freely with no "
-                     "common step to profile; that is not implemented yet. Fix: profile a synchronous run, or remove "
-                     "global_profiler.tool.")
 
 
 def _check_async(cfg: LatheConfig, problems: ProblemList) -> None:

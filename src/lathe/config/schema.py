@@ -376,14 +376,18 @@ class GlobalProfilerConfig:
     """verl ``global_profiler``: which steps to profile, with which tool, into which directory."""
 
     tool: ProfilerTool | None = spec(None, "Profiler: torch = a PyTorch profiler trace and a per-phase summary of each listed "
-                                  "step (lathe.track.profile); null = off. nsys/npu/torch_memory are not implemented.")
-    steps: list[int] | None = spec(None, "Steps to profile (the first step is 1); null = none.")
+                                  "step (lathe.track.profile); torch_memory = a CUDA memory snapshot (allocator "
+                                  "history) of each listed step, per rank (lathe.track.memory_history); null = off. "
+                                  "nsys/npu are not implemented.")
+    steps: list[int] | None = spec(None, "Steps to profile (the first step is 1); null = none (torch_memory: step 1).")
     profile_continuous_steps: bool = spec(False, "One trace across consecutive listed steps (not implemented: lathe "
                                                  "writes one trace per step).")
-    save_path: str = spec("outputs/profile", "Directory of the traces: <save_path>/step_<N>/.")
+    save_path: str = spec("outputs/profile", "Directory of the traces and snapshots: <save_path>/step_<N>/.")
     with_stack: bool = spec(False, "lathe: also record Python frames (torch.profiler with_stack): the trace then shows "
                                    "which Python functions the host's time went to; the step runs slower.")
-    global_tool_config: dict[str, Any] = spec({}, "Settings of the nsys and torch_memory tools (not used by torch).")
+    global_tool_config: dict[str, Any] = spec({}, "Settings per tool: torch_memory.{trace_alloc_max_entries, context, "
+                                                  "stacks, kw_args} (torch's _record_memory_history; stack_depth is "
+                                                  "accepted but torch takes none); the nsys/npu tools' are unread.")
 
 
 @dataclass

@@ -278,7 +278,6 @@ def _data() -> list[Entry]:
                 "processor outputs (pixel_values, image_grid_thw)")]
     out += [refuse(f"data.{group}.{k}", what, "remove it; write the data as verl-schema parquet/jsonl "
                    "(see `lathe preprocess`)") for group, what, keys in (
-        ("custom_cls", "a custom dataset class", ("path", "name")),
         ("sampler", "a custom (curriculum) sampler", ("class_path", "class_name")),
         ("datagen", "dynamic data generation", ("path", "name"))) for k in keys]
     once = "lathe reads and tokenizes the data once at start-up, in the trainer process"
@@ -371,13 +370,11 @@ def _profiler_off(value, cfg) -> bool:
 
 
 def _observability() -> list[Entry]:
-    per_role = ("profiling is chosen per step, not per role: global_profiler.tool=torch profiles every phase of "
-                "the listed steps (lathe.track.profile)")
+    per_role = ("profiling is chosen per step, not per role: global_profiler.tool=torch (or torch_memory) covers "
+                "every phase and rank of the listed steps (lathe.track.profile)")
     out = [warn(f"{g}.profiler", per_role, _profiler_off) for g in (A, REF, R, C, RM)]
     out += [refuse("global_profiler.profile_continuous_steps", "one trace across consecutive profiled steps",
                    "remove it: lathe writes one trace per listed step"),
-            inert("global_profiler.global_tool_config", "settings of the nsys and torch_memory tools, which lathe "
-                  "does not run; global_profiler.tool=torch takes none"),
             warn(f"{R}.trace", "rollout tracing is not implemented yet"),
             warn(f"{R}.disable_log_stats", "lathe's engine has no periodic stats log (its time is timing_s/gen)"),
             warn(f"{R}.multi_stage_wake_up", "lathe's engine wakes up in one stage")]

@@ -330,7 +330,7 @@ def _runs() -> list[Entry]:
             warn("algorithm.filter_groups.max_inflight_gen_batches", "lathe generates the filter_groups batches "
                  "one after another"),
             warn("global_profiler.*", "it is for the nsys/npu profilers' finishing hooks; lathe writes torch "
-                 "traces only")]
+                 "traces and memory snapshots only")]
 
 
 # ----------------------------------------------------------------------------- judges of lathe's own keys

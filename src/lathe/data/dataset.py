@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -149,9 +150,12 @@ class RLDataset:
                  truncation: str = "error", apply_chat_template_kwargs: dict | None = None,
                  split: str = "train", processor=None, image_key: str = "images",
                  min_pixels: int | None = None, max_pixels: int | None = None, max_samples: int = -1,
-                 shuffle: bool = False, seed: int | None = None):
+                 shuffle: bool = False, seed: int | None = None,
+                 rows: tuple[str, Iterable[tuple[str, dict]]] | None = None):
         """`max_samples` > 0 keeps that many rows (verl's `data.train_max_samples` / `val_max_samples`): a random
-        subset drawn with `seed` when `shuffle`, else the first ones; before long prompts are filtered."""
+        subset drawn with `seed` when `shuffle`, else the first ones; before long prompts are filtered. `rows`:
+        (their name, (where, row) pairs) read instead of `files` (a custom dataset class's items:
+        lathe.data.custom), checked and tokenized as a file's rows are."""
         if truncation not in TRUNCATION_MODES:
             raise DataError(f"data.truncation={truncation!r} is not supported; use one of {TRUNCATION_MODES}")
         if max_prompt_length < 1:
@@ -169,6 +173,7 @@ class RLDataset:
         self.image_key = image_key
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.max_samples, self.shuffle, self.seed = max_samples, shuffle, seed
+        self.rows = rows
         self.num_filtered = 0
         self.num_truncated = 0
         self._items: list[dict[str, Any]] = []
@@ -221,9 +226,10 @@ class RLDataset:
     def _validated_records(self) -> tuple[list[dict], list[str]]:
         """All rows of all files, schema-checked, in file order; plus "file location" origins."""
         records, origins, n_string_prompts = [], [], 0
-        for path in self.files:
-            src = os.path.expanduser(path)
-            for where, row in read_data_file(path, self.split):
+        sources = [self.rows] if self.rows is not None else [
+            (os.path.expanduser(path), read_data_file(path, self.split)) for path in self.files]
+        for src, rows in sources:
+            for where, row in rows:
                 if not isinstance(row, dict):
                     raise DataError(f"{src} {where}: expected a JSON object / parquet row, got {type(row).__name__}")
                 if self.prompt_key not in row:

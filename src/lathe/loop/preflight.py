@@ -5,8 +5,9 @@ and tokenizer paths (`lathe.models.paths`); each data file and the columns its r
 JSON-lines file's first row: `lathe.data.files.peek`); a built-in scorer for every data_source (that column read
 alone from a parquet file) when no reward function is given; the teachers' checkpoints and tokenizers, and with
 several teachers one for every training data_source (on-policy distillation); the checkpoint `trainer.resume_mode` names
-(`lathe.ckpt.resume`); the custom reward function (imported here, once: the run reuses it). Neither torch nor
-transformers is imported here (a reward file may import them itself), so `lathe train` runs this before importing
+(`lathe.ckpt.resume`); the custom reward function (imported here, once: the run reuses it); a custom dataset class
+(`data.custom_cls`: its file imported and the class found; the files it reads are its own business, so they are not
+peeked at). Neither torch nor transformers is imported here (a reward or dataset file may import them itself), so `lathe train` runs this before importing
 them and a mistake costs about a second, not the start-up. The checks raise the errors the loaders raise when they
 meet the problem later (one source for each message); every problem found is reported, each naming its key, the file
 and the fix.
@@ -24,6 +25,7 @@ from lathe.config import critic_in_use
 from lathe.config.distill import teachers
 from lathe.config.errors import ConfigError, join_problems
 from lathe.data import dataset, sft
+from lathe.data.custom import load_dataset_class
 from lathe.data.files import Columns, column_values, data_files, peek
 from lathe.models import supports
 from lathe.models.paths import ModelLoadError, check_model, check_tokenizer, is_builtin, resolve
@@ -84,7 +86,11 @@ def preflight(cfg) -> Checked:
         if len(teacher_list) > 1 and key == "data.train_files":       # each training row needs its teacher
             _check_teachers(f"{cols.src} ({key})", column_values(cols, "data_source"), teacher_list)
 
-    _check_data(problems, cfg.data, ("train", "val"), check_file)
+    if cfg.data.custom_cls.path:        # a user's dataset class reads the files in its own schema: import it here
+        with problems.check():
+            load_dataset_class(cfg.data.custom_cls.path, cfg.data.custom_cls.name)
+    else:
+        _check_data(problems, cfg.data, ("train", "val"), check_file)
     with problems.check():
         resume_point(cfg.trainer)
     reward_fn = None

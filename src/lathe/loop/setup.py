@@ -20,6 +20,7 @@ from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
 from lathe.config import LatheConfig, RunPlan, critic_in_use, run_plan, to_dict, to_yaml
 from lathe.data import RLDataset, StatefulDataLoader
+from lathe.data.custom import custom_source
 from lathe.data.multimodal import multimodal_non_tensors
 from lathe.device import default_device_type, device_count, empty_cache, use_cpu_threads
 from lathe.generation import SamplingParams
@@ -135,10 +136,15 @@ def load_datasets(cfg, tokenizer, processor=None) -> tuple[RLDataset, RLDataset 
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
               apply_chat_template_kwargs=template_kwargs, processor=processor, image_key=d.image_key)
-    train = RLDataset(d.train_files, tokenizer, split="train", max_samples=d.train_max_samples, shuffle=d.shuffle,
-                      seed=d.seed, **kw)
-    val = (RLDataset(d.val_files, tokenizer, split="val", max_samples=d.val_max_samples, shuffle=d.shuffle,
-                     seed=d.seed, **kw) if d.val_files else None)
+    def split(files, name: str, max_samples: int) -> RLDataset:
+        rows = None
+        if d.custom_cls.path:               # a user's dataset class reads the files; its items are the rows
+            rows = custom_source(d.custom_cls.path, d.custom_cls.name, files, tokenizer, processor, d, max_samples)
+        return RLDataset(files, tokenizer, split=name, max_samples=max_samples, shuffle=d.shuffle, seed=d.seed,
+                         rows=rows, **kw)
+
+    train = split(d.train_files, "train", d.train_max_samples)
+    val = split(d.val_files, "val", d.val_max_samples) if d.val_files else None
     for name, ds in (("train", train), ("val", val)):
         if ds is not None and ds.num_filtered:
             log.warning("data: %d %s prompts longer than data.max_prompt_length=%d were filtered out (%d remain)",

@@ -19,13 +19,16 @@ rank's trace and summary, its phases the worker calls the driver made (`actor_ro
 `step_N/summary.json` lists every rank's phases beside the driver's. The fully-async loop (two pools running
 freely, no step boundary in the rollout pool) is not profiled; `config.rules` refuses it. A profiled step is slower
 than the others (the profiler records every operator and kernel): its `timing_s/*` metrics say so, not the steps
-around it.
+around it. `tool=torch_memory` (a CUDA memory snapshot of each listed step, per rank) runs through the same
+`StepProfiler`; lathe.track.memory_history says what it writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
+import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +37,10 @@ from typing import Iterator
 import torch
 
 from lathe import device as accel
+from lathe.config.profiler import MemoryHistorySettings
+from lathe.track.memory_history import MemoryHistory, snapshot_name
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PHASE_PREFIX", "StepProfiler", "device_phases", "finish", "host_phases", "kernel_kind", "start"]
 
@@ -213,20 +220,36 @@ def _device_name(device: torch.device) -> str:
 
 
 class StepProfiler:
-    """Profiles the steps in `steps` (a `with profiler.step(n):` around each training step) and writes their trace
-    and summary under `save_path`. `tool`: None (off) or "torch". `workers`: the Ray worker groups whose ranks are
+    """Profiles the steps in `steps` (a `with profiler.step(n):` around each training step) and writes their files
+    under `save_path`. `tool`: None (off), "torch" (a trace and summary) or "torch_memory" (a CUDA memory snapshot per
+    rank, `memory`: its settings; lathe.track.memory_history). `workers`: the Ray worker groups whose ranks are
     profiled for the same steps (each a `lathe.cluster.worker_group.RayWorkerGroup`)."""
 
     def __init__(self, tool: str | None, steps: list[int] | None, save_path: str | Path,
-                 device: torch.device, *, workers: list | tuple = (), with_stack: bool = False):
-        self.steps = set(steps or []) if tool == "torch" else set()
-        if tool not in (None, "torch"):
-            raise ValueError(f"global_profiler.tool={tool!r}: lathe profiles with tool=torch only")
-        self.save_path = Path(save_path)
+                 device: torch.device, *, workers: list | tuple = (), with_stack: bool = False,
+                 memory: MemoryHistorySettings | None = None):
+        if tool not in (None, "torch", "torch_memory"):
+            raise ValueError(f"global_profiler.tool={tool!r}: lathe profiles with tool=torch or torch_memory only")
+        self.tool = tool
         self.device = torch.device(device)
+        self.steps = set(steps or []) if tool else set()
+        if tool == "torch_memory":
+            self.steps = self._memory_steps(steps)
+        self.save_path = Path(save_path)
         self.workers = list(workers)
         self.with_stack = with_stack            # Python frames too (`python_function` events in the trace)
+        self.memory = memory or MemoryHistorySettings()
         self.written: list[Path] = []
+
+    def _memory_steps(self, steps: list[int] | None) -> set[int]:
+        if self.device.type != "cuda":
+            log.warning("global_profiler.tool=torch_memory records the CUDA allocator's history, but this run trains "
+                        "on %s (trainer.device=auto found no GPU): no memory snapshot is written", self.device.type)
+            return set()
+        if not steps:
+            log.warning("global_profiler.tool=torch_memory with no global_profiler.steps: the memory of step 1 is "
+                        "recorded (set global_profiler.steps=[N,...] to choose)")
+        return set(steps or [1])
 
     def enabled(self, step: int) -> bool:
         return step in self.steps
@@ -234,11 +257,16 @@ class StepProfiler:
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Profile the `with` body when `step` is listed (and every worker rank for the same step); on exit write
-        `step_<step>/{trace.json.gz,summary.json}` (and each rank's under `step_<step>/<group>_rank<R>/`)."""
+        `step_<step>/{trace.json.gz,summary.json}` (and each rank's under `step_<step>/<group>_rank<R>/`), or with
+        torch_memory each rank's snapshot in `step_<step>/`."""
         if not self.enabled(step):
             yield
             return
         out = self.save_path / f"step_{step}"
+        if self.tool == "torch_memory":
+            with self._memory_step(step, out):
+                yield
+            return
         for group in self.workers:
             group.host_call("profile_start", self.with_stack)
         start_time = time.perf_counter()
@@ -258,3 +286,26 @@ class StepProfiler:
         self.written.append(out)
         where = f", and each rank's under {out}/<group>_rank<R>" if ranks else ""
         print(f"lathe: profile of step {step} written to {out} (trace.json.gz, summary.json{where})", flush=True)
+
+    @contextmanager
+    def _memory_step(self, step: int, out: Path) -> Iterator[None]:
+        """Record the allocator's history on every trainer rank (the Ray ranks, else this process) through the body;
+        each rank then writes its snapshot into `out` and stops recording."""
+        settings = dataclasses.asdict(self.memory)
+        own = None if self.workers else MemoryHistory(self.device, self.memory)
+        for group in self.workers:
+            group.host_call("memory_history_start", settings)
+        if own is not None:
+            own.start()
+        try:
+            yield
+        except BaseException:
+            if own is not None:
+                own.stop()              # the run is failing: no snapshot (the ranks' recording ends with them)
+            raise
+        paths = [own.dump(out / snapshot_name(0))] if own is not None else []
+        for group in self.workers:
+            paths += [Path(p) for p in group.host_call("memory_history_dump", str(out))]
+        self.written.append(out)
+        print(f"lathe: memory snapshot of step {step} written to {out} ({', '.join(p.name for p in paths)}; "
+              f"open in https://pytorch.org/memory_viz)", flush=True)

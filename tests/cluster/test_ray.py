@@ -160,6 +160,19 @@ def test_teachers_on_a_pool_of_their_own_distil_as_the_colocated_ones(tmp_path, 
         assert_same(a, b, (*DISTILLED, "actor/pg_loss", "actor/grad_norm"))
 
 
+def test_a_teacher_pool_that_cannot_be_placed_names_the_distillation_keys():
+    """The teachers' group is named 'teacher', its sizes are distillation.*: a placement that times out says so."""
+    from lathe.cluster import teacher_pool
+    from lathe.cluster.placement import ClusterError
+    from lathe.config import load_config, run_plan
+    cfg = load_config(None, ["trainer.device=cpu", "distillation.enabled=true", "distillation.nnodes=1",
+                             "distillation.n_gpus_per_node=64",
+                             "distillation.teacher_models.teacher_model.model_path=builtin:tiny"])
+    with pytest.raises(ClusterError, match=r"distillation.nnodes=1 x distillation.n_gpus_per_node=64: could not place "
+                                           r".*Fix: lower distillation.n_gpus_per_node / nnodes"):
+        teacher_pool(cfg, run_plan(cfg), None, "cpu", timeout_s=1)
+
+
 @pytest.mark.parametrize("rollout_pool", [(), ("rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
                                                  "data.train_batch_size=0", "ray_kwargs.ray_init.num_cpus=4")],
                          ids=["sync", "fully_async"])

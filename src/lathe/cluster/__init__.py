@@ -155,18 +155,19 @@ def teacher_pool(cfg: LatheConfig, plan: RunPlan, tokenizer, device_type: str, t
     d = cfg.distillation
     return _own_pool(TEACHER_POOL, d.nnodes, d.n_gpus_per_node, device_type, timeout_s,
                      lambda group: group.build(TEACHER_POOL, build_teacher, cfg, plan, tokenizer,
-                                               device_type=device_type))
+                                               device_type=device_type), sizes_key="distillation")
 
 
 def _own_pool(name: str, nnodes: int, per_node: int, device_type: str, timeout_s: float, build, *,
-              pool_key: str | None = None, **group_kwargs):
+              pool_key: str | None = None, sizes_key: str | None = None, **group_kwargs):
     """A worker group `name` over a pool of its own (`nnodes` x `per_node` bundles), its workers made by
     `build(group)`; on failure the group (or the bare pool) is released before the error goes on. `pool_key`: the
     config group whose nnodes / n_gpus_per_node size the pool (its placement then waits `ResourcePool`'s own
-    deadline), else `name` (waiting `timeout_s`). `group_kwargs`: `RayWorkerGroup`'s."""
+    deadline), else `name` (waiting `timeout_s`; `sizes_key`: the config group that a placement failure names, where
+    it is not `name`). `group_kwargs`: `RayWorkerGroup`'s."""
     from lathe.cluster.placement import ResourcePool
     from lathe.cluster.worker_group import RayWorkerGroup
-    placement = {"name": pool_key} if pool_key else {"name": name, "timeout_s": timeout_s}
+    placement = {"name": pool_key} if pool_key else {"name": name, "timeout_s": timeout_s, "key": sizes_key}
     pool = group = None
     try:
         pool = ResourcePool(nnodes, per_node, use_gpu=device_type == "cuda", **placement)

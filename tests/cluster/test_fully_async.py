@@ -55,27 +55,36 @@ def test_on_policy_async_is_the_synchronous_loop(tmp_path):
         assert b["fully_async/rollout_probs_diff_current_max"] == b["training/rollout_probs_diff_max"] < 1e-4
 
 
-def test_a_killed_rollout_replica_restarts_both_pools_from_the_last_checkpoint(tmp_path):
-    """trainer.restart_on_worker_failure=1: the rollout replica SIGKILLed right after the step-2 checkpoint; both pools
-    start afresh, the trainer loads step 2, the new replica takes its weights, and steps 3 and 4 run once each, each
-    prompt trained once (tests/loop/test_async_restart.py checks the metrics against an uninterrupted run)."""
+@pytest.mark.parametrize("killed", ["rollout", "reward_model"])
+def test_a_killed_rank_restarts_every_pool_from_the_last_checkpoint(tmp_path, killed):
+    """trainer.restart_on_worker_failure=1: the rollout replica (or, beside it, the reward model's own pool's rank)
+    SIGKILLed right after the step-2 checkpoint; every pool starts afresh, the trainer loads step 2, the new replica
+    takes its weights, and steps 3 and 4 run once each, each prompt trained once (tests/loop/test_async_restart.py
+    checks the metrics against an uninterrupted run)."""
     from lathe.loop.run import fit
     from lathe.loop.setup import build_trainer
     run_dir, dumps = tmp_path / "run", tmp_path / "dumps"
-    cfg = load_config(None, [f"trainer.default_local_dir={run_dir}", *BASE, *warm_started(), *POOLS,
+    rm = []
+    if killed == "reward_model":          # the lost rank is found by the trainer thread's scoring call
+        from helpers import tiny_reward_model
+        from loop.test_reward_model import rm_overrides
+        rm = [*rm_overrides(tiny_reward_model(tmp_path / "rm")), "reward_model.enable_resource_pool=true",
+              "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1", "ray_kwargs.ray_init.num_cpus=4"]
+    cfg = load_config(None, [f"trainer.default_local_dir={run_dir}", *BASE, *warm_started(), *POOLS, *rm,
                              "trainer.total_training_steps=4", "trainer.save_freq=2",
                              "trainer.restart_on_worker_failure=1", f"trainer.rollout_data_dir={dumps}",
                              "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
                              "async_training.require_batches=1", "async_training.partial_rollout=false",
                              "data.train_batch_size=0", "data.gen_batch_size=16", "rollout.total_rollout_steps=64"])
     t = build_trainer(cfg)
-    pid = t.cluster.rollout_group.nodes[0]["pid"]
+    group = lambda: t.cluster.rollout_group if killed == "rollout" else t.cluster.reward_group   # noqa: E731
+    pid = group().nodes[0]["pid"]
     kill_after_checkpoint(run_dir, pid, step=2)
     try:
         fit(t)
     finally:
         t.close()
-    assert t.cluster.rollout_group.nodes[0]["pid"] != pid                # a new replica
+    assert group().nodes[0]["pid"] != pid                                # a new rank
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     trained = [json.loads(line)["uid"] for step in range(1, 5)
@@ -84,21 +93,37 @@ def test_a_killed_rollout_replica_restarts_both_pools_from_the_last_checkpoint(t
     assert len(trained) == len(set(trained)) * n                         # each prompt's n samples trained once
 
 
-def test_a_reward_model_and_a_teacher_on_the_trainer_pool_over_ray(tmp_path):
-    """The trainer pool's ranks (Ray workers) hold a learned reward model and a distillation teacher: the driver
-    leaves the requests unscored, the trainer thread scores each batch with the reward model and the teacher's
+def test_a_reward_model_and_a_teacher_on_pools_of_their_own_train_as_on_the_trainer_pool(tmp_path, caplog):
+    """On-policy, a learned reward model and a distillation teacher on the trainer pool's ranks (Ray workers): the
+    driver leaves the requests unscored, the trainer thread scores each batch with the reward model and the teacher's
     log-probs join the loss (both checked against the synchronous loop in process: tests/loop/test_async_reward_model.py,
-    test_async_distillation.py)."""
+    test_async_distillation.py). The same run with each on a pool of its own (`reward_model.enable_resource_pool`,
+    `distillation.nnodes` x `n_gpus_per_node`: four groups of one rank, started at once) scores and distils the same
+    samples alike: the same scores, losses and updates (norm-relative 1e-5)."""
+    from cluster.test_ray import DISTILLATION, DISTILLED, assert_same, distillation_teacher
     from helpers import RM_TEMPLATE, tiny_reward_model
     from loop.test_reward_model import rm_overrides
     rm = rm_overrides(tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE))
-    rows = train(tmp_path / "run", *rm, *POOLS, "trainer.total_training_steps=2", "async_training.require_batches=1",
-                 "data.train_batch_size=0", "data.gen_batch_size=16", "distillation.enabled=true",
-                 "distillation.teacher_models.teacher_model.model_path=builtin:tiny")
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["timing_s/reward"] > 0 and "reward_extra/acc/mean" not in r          # the reward model scored
-        assert math.isfinite(r["distillation/loss"]) and r["distillation/abs_loss"] > 0 and r["timing_s/teacher"] > 0
+    teacher = distillation_teacher(tmp_path / "teacher")
+    run = [*rm, *POOLS, *DISTILLATION, f"distillation.teacher_models.teacher_model.model_path={teacher}",
+           "trainer.total_training_steps=2", "async_training.staleness_threshold=0",
+           "async_training.trigger_parameter_sync_step=1", "async_training.require_batches=1",
+           "async_training.partial_rollout=false", "data.train_batch_size=0", "data.gen_batch_size=16",
+           "ray_kwargs.ray_init.num_cpus=4"]      # (four one-slot workers: the shared cluster's logical CPUs)
+    colocated = train(tmp_path / "colocated", *run)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lathe"):
+        pooled = train(tmp_path / "pooled", *run, "reward_model.enable_resource_pool=true", "reward_model.nnodes=1",
+                       "reward_model.n_gpus_per_node=1", "distillation.nnodes=1", "distillation.n_gpus_per_node=1")
+    started = [r.getMessage().split(":")[0] for r in caplog.records if " workers over " in r.getMessage()]
+    assert sorted(started) == ["reward_model", "rollout", "teacher", "trainer"], started
+    assert [r["step"] for r in colocated] == [r["step"] for r in pooled] == [1, 2]
+    for a, b in zip(colocated, pooled):
+        assert a["timing_s/reward"] > 0 and "reward_extra/acc/mean" not in a          # the reward model scored
+        assert a["critic/score/max"] > a["critic/score/min"] and a["distillation/loss"] > 0.01
+        assert b["timing_s/teacher"] > 0 and b["fully_async/staleness/max"] == 0
+        assert_same(a, b, (*DISTILLED, "critic/score/mean", "critic/score/max", "critic/score/min", "actor/pg_loss",
+                           "actor/grad_norm", "response_length/mean"))
 
 
 OFF_POLICY = ["trainer.total_training_steps=4", *POOLS, "actor_rollout_ref.model.warm_start.steps=0",
@@ -304,7 +329,8 @@ def test_a_step_is_require_batches_mini_batches_of_prompts():
 
 def test_close_shuts_both_ends_of_the_weight_sync_before_waiting_for_either():
     """Closing an NCCL communicator waits for its other ranks to close it too: the driver asks the replicas and the
-    trainer at once, then waits (asking the replicas alone waited out nccl_timeout at every run's end on GPUs)."""
+    trainer at once, then waits (asking the replicas alone waited out nccl_timeout at every run's end on GPUs); then
+    every group stops, the reward model's and the teachers' own pools included (`restart` starts them again)."""
     from lathe.cluster import AsyncCluster
     log = []
 
@@ -328,3 +354,7 @@ def test_close_shuts_both_ends_of_the_weight_sync_before_waiting_for_either():
     assert log[:2] == [("submit", "rollout", "shutdown"), ("submit", "trainer", "close_sync")]
     assert {entry[1] for entry in log[2:4]} == {"rollout", "trainer"} and all(e[0] == "gather" for e in log[2:4])
     assert log[4:] == [("shutdown", "rollout"), ("shutdown", "trainer")]
+    log.clear()                     # the reward model's and the teachers' own pools go too (first: started last)
+    AsyncCluster(Group("trainer"), Group("rollout"), None, None, None, False, [], 0, reward_group=Group("rm"),
+                 teacher_group=Group("teacher")).close()
+    assert log[4:] == [("shutdown", n) for n in ("teacher", "rm", "rollout", "trainer")]

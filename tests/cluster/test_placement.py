@@ -43,6 +43,19 @@ def test_more_workers_than_the_local_cluster_holds_are_refused(monkeypatch):
                                            r"Fix: lower trainer.n_gpus_per_node / trainer.nnodes / "
                                            r"distillation.n_gpus_per_node"):
         check_local_fit(teachers, run_plan(teachers), "cpu", 0)
+    both = load_config(None, ["trainer.device=cpu", "rollout.n_gpus_per_node=1",
+                              "actor_rollout_ref.hybrid_engine=false", "reward_model.enable=true",
+                              "reward_model.model.path=rm", "reward_model.enable_resource_pool=true",
+                              "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1", "distillation.enabled=true",
+                              "distillation.teacher_models.teacher_model.model_path=t", "distillation.nnodes=1",
+                              "distillation.n_gpus_per_node=1"])         # fully async: four pools of one each
+    with pytest.raises(ClusterError, match=r"trainer.n_gpus_per_node=1 \+ rollout.nnodes=1 x rollout.n_gpus_per_node=1"
+                                           r" \+ reward_model.nnodes=1 x reward_model.n_gpus_per_node=1 \+ "
+                                           r"distillation.nnodes=1 x distillation.n_gpus_per_node=1 = 4 workers.*Fix: "
+                                           r"lower trainer.n_gpus_per_node / trainer.nnodes / "
+                                           r"rollout.n_gpus_per_node / reward_model.n_gpus_per_node / "
+                                           r"distillation.n_gpus_per_node"):
+        check_local_fit(both, run_plan(both), "cpu", 0)
 
 
 def test_a_sized_or_joined_cluster_is_not_second_guessed(monkeypatch):

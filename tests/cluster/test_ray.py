@@ -160,9 +160,26 @@ def test_teachers_on_a_pool_of_their_own_distil_as_the_colocated_ones(tmp_path, 
         assert_same(a, b, (*DISTILLED, "actor/pg_loss", "actor/grad_norm"))
 
 
-def test_a_reward_pool_that_fails_to_start_releases_the_trainers_workers(tmp_path, monkeypatch):
-    """The reward model's group fails as it builds (after the trainer's group is up): the error goes on, and every CPU
-    slot of the (shared) Ray cluster is free again."""
+def test_a_teacher_pool_that_cannot_be_placed_names_the_distillation_keys():
+    """The teachers' group is named 'teacher', its sizes are distillation.*: a placement that times out says so."""
+    from lathe.cluster import teacher_pool
+    from lathe.cluster.placement import ClusterError
+    from lathe.config import load_config, run_plan
+    cfg = load_config(None, ["trainer.device=cpu", "distillation.enabled=true", "distillation.nnodes=1",
+                             "distillation.n_gpus_per_node=64",
+                             "distillation.teacher_models.teacher_model.model_path=builtin:tiny"])
+    with pytest.raises(ClusterError, match=r"distillation.nnodes=1 x distillation.n_gpus_per_node=64: could not place "
+                                           r".*Fix: lower distillation.n_gpus_per_node / nnodes"):
+        teacher_pool(cfg, run_plan(cfg), None, "cpu", timeout_s=1)
+
+
+@pytest.mark.parametrize("rollout_pool", [(), ("rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
+                                                 "data.train_batch_size=0", "ray_kwargs.ray_init.num_cpus=4")],
+                         ids=["sync", "fully_async"])
+def test_a_reward_pool_that_fails_to_start_releases_the_trainers_workers(tmp_path, monkeypatch, rollout_pool):
+    """The reward model's group fails as it builds (the synchronous loop: after the trainer's group is up; fully
+    async: while the trainer's and the rollout's start beside it): the error goes on, and every CPU slot of the
+    (shared) Ray cluster is free again."""
     import lathe.cluster
     from helpers import tiny_reward_model
     path = tiny_reward_model(tmp_path / "rm")
@@ -172,7 +189,8 @@ def test_a_reward_pool_that_fails_to_start_releases_the_trainers_workers(tmp_pat
     monkeypatch.setattr(lathe.cluster, "reward_pool", broken)
     with pytest.raises(RuntimeError, match="reward pool could not start"):
         train(tmp_path / "run", "reward_model.enable=true", f"reward_model.model.path={path}",
-              "reward_model.enable_resource_pool=true", "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1")
+              "reward_model.enable_resource_pool=true", "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1",
+              *rollout_pool)
     deadline = time.monotonic() + 10
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
         assert time.monotonic() < deadline, "the trainer's workers were left running"

@@ -115,14 +115,18 @@ def test_a_teacher_pool_of_their_own_runs_over_ray_only_when_asked_for():
         load_config("base", [*ONE, f"{D}.n_gpus_per_node=2"], device_count=1)   # no pool: its size is not read
 
 
-def test_a_teacher_pool_needs_devices_and_the_synchronous_loop():
+ASYNC = ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false"]
+
+
+def test_a_teacher_pool_needs_devices_and_runs_in_both_loops():
     from lathe.config import run_plan
     with pytest.warns(IgnoredKeysWarning, match="`distillation.nnodes`=1 has no effect"):
         cfg = load_config("base", [*ONE, f"{D}.nnodes=1", f"{D}.n_gpus_per_node=0"], device_count=1)
     assert run_plan(cfg).teacher_devices == 0                          # no GPUs per node: no pool, said so
-    text = refused(*ONE, *POOL, "rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false")
-    assert f"{D}.nnodes=1 x {D}.n_gpus_per_node=1: a device pool of the teachers' own in fully-asynchronous" in text
-    assert f"Fix: set {D}.nnodes=0" in text and "rollout.n_gpus_per_node=0" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # fully async: the pool's sizes act too (was refused)
+        plan = run_plan(load_config("base", [*ONE, *POOL, *ASYNC], device_count=1))
+    assert plan.is_async and (plan.world, plan.rollout_devices, plan.teacher_devices) == (1, 1, 1)
 
 
 def test_a_teacher_pool_needs_its_gpus_visible_beside_the_trainers(monkeypatch):
@@ -135,6 +139,18 @@ def test_a_teacher_pool_needs_its_gpus_visible_beside_the_trainers(monkeypatch):
     assert "the trainer and the teachers each need devices of their own" in text
     load_config("base", cuda)                                                                 # 1 + 1 of 2
     load_config("base", [*cuda, "trainer.n_gpus_per_node=2", f"{D}.nnodes=2"])                # 2 nodes
+    # fully async: trainer + rollout + the reward model's + the teachers' pools, all counted on the one node
+    rm = ["reward_model.enable=true", "reward_model.model.path=/ckpt/rm", "reward_model.enable_resource_pool=true",
+          "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1"]
+    monkeypatch.setattr("lathe.config.rules.visible_cuda_devices", lambda: 3)
+    with pytest.raises(ConfigError) as err:
+        load_config("base", [*cuda, *ASYNC, *rm])
+    text = str(err.value)
+    assert (f"trainer.n_gpus_per_node=1 + rollout.n_gpus_per_node=1 + reward_model.n_gpus_per_node=1 + "
+            f"{D}.n_gpus_per_node=1 GPUs on this one node, but this process sees 3") in text
+    assert "the trainer, the rollout, the reward model and the teachers each need devices of their own" in text
+    assert f"trainer.nnodes/rollout.nnodes/reward_model.nnodes/{D}.nnodes" in text
+    load_config("base", [*cuda, *ASYNC])                                                      # 1 + 1 + 1 of 3
 
 
 def test_the_top_k_loss_as_a_reward_warns_as_verl_does():

@@ -75,7 +75,7 @@ def test_a_reward_model_or_judge_runs_in_fully_async_mode_and_what_reads_its_sco
 RM_POOL = ["reward_model.enable_resource_pool=true", "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1"]
 
 
-def test_a_reward_model_pool_of_its_own_runs_synchronously_over_ray_and_is_refused_in_fully_async_mode(tmp_path):
+def test_a_reward_model_pool_of_its_own_runs_over_ray_in_both_loops(tmp_path):
     from lathe.config import run_plan
     from lathe.loop.setup import uses_ray
     rm = ["reward_model.enable=true", f"reward_model.model.path={tmp_path}"]
@@ -83,13 +83,18 @@ def test_a_reward_model_pool_of_its_own_runs_synchronously_over_ray_and_is_refus
         warnings.simplefilter("error")              # nnodes / n_gpus_per_node act now: no warning
         cfg = load_config("base", GRPO + rm + RM_POOL)
         judge = load_config("base", GRPO + rm + RM_POOL + ["reward_model.judge.enable=true"])
+        fully_async = load_config("base", GRPO + ASYNC + rm + RM_POOL)     # a third pool beside trainer and rollout
+        async_judge = load_config("base", GRPO + ASYNC + rm + RM_POOL + ["reward_model.judge.enable=true"])
     plan = run_plan(cfg)
     assert plan.world == 1 and plan.reward_devices == 1 and uses_ray(plan)      # one trainer device: Ray all the same
     assert run_plan(judge).reward_devices == 1
     assert run_plan(load_config("base", GRPO + rm)).reward_devices == 0
-    text = refused(*ASYNC, *rm, *RM_POOL)
-    assert "`reward_model.enable_resource_pool`=true" in text and "fully-asynchronous" in text
-    assert "Fix:" in text and "rollout.n_gpus_per_node=0" in text
+    plan = run_plan(fully_async)
+    assert (plan.world, plan.rollout_devices, plan.reward_devices) == (1, 1, 1) and plan.is_async
+    assert run_plan(async_judge).reward_devices == 1
+    # what reads the scores on the driver stays refused: the own pool too scores in the trainer thread
+    text = refused(*ASYNC, *rm, *RM_POOL, "algorithm.filter_groups.enable=true")
+    assert "`algorithm.filter_groups.enable`=true" in text and "(on the trainer pool, or its own pool)" in text
     with pytest.warns(IgnoredKeysWarning, match="reward_model.enable_resource_pool`=true has no effect"):
         load_config("base", GRPO + RM_POOL)                                   # no reward model: nothing to place
     with pytest.warns(IgnoredKeysWarning, match="reward_model.n_gpus_per_node`=2 has no effect"):
@@ -115,6 +120,13 @@ def test_a_reward_model_pool_needs_its_gpus_visible_beside_the_trainers(tmp_path
     text = refused("trainer.device=cuda", "rollout.n_gpus_per_node=2", "actor_rollout_ref.hybrid_engine=false")
     assert "trainer.n_gpus_per_node=1 + rollout.n_gpus_per_node=2 GPUs on this one node" in text     # as before
     assert "the trainer and the rollout each need devices of their own" in text
+    # fully async: trainer + rollout + the reward model's pool, all on one node
+    text = refused(*rm, *RM_POOL, *ASYNC)
+    assert "trainer.n_gpus_per_node=1 + rollout.n_gpus_per_node=1 + reward_model.n_gpus_per_node=1 GPUs on this one " \
+           "node, but this process sees 2" in text
+    assert "the trainer, the rollout and the reward model each need devices of their own" in text
+    assert "trainer.nnodes/rollout.nnodes/reward_model.nnodes" in text
+    load_config("base", GRPO + rm + RM_POOL + ASYNC + ["reward_model.nnodes=2"])     # its pool on 2 other nodes
 
 
 def test_accepted_values_pass():

@@ -205,11 +205,16 @@ def test_the_reward_model_is_a_whole_bf16_copy_on_the_device_or_in_host_memory(t
     assert rm.on_gpu is not offload and rm.offload_key == key and (key in rm.why) is offload
 
 
-def test_a_reward_model_on_a_pool_of_its_own_is_not_on_the_trainers_devices(tiny_ckpt, monkeypatch):
+# a rollout pool of its own (fully-async training): the reward model's and the teachers' pools beside it
+ROLLOUT_POOL = ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false", "data.train_batch_size=0"]
+
+
+@pytest.mark.parametrize("rollout_pool", [[], ROLLOUT_POOL], ids=["sync", "fully_async"])
+def test_a_reward_model_on_a_pool_of_its_own_is_not_on_the_trainers_devices(tiny_ckpt, monkeypatch, rollout_pool):
     for judge in ("false", "true"):
         assert _other(["reward_model.enable=true", f"reward_model.model.path={tiny_ckpt}",
                        f"reward_model.judge.enable={judge}", "reward_model.enable_resource_pool=true",
-                       "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1"], monkeypatch) == []
+                       "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1", *rollout_pool], monkeypatch) == []
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -238,9 +243,10 @@ def test_each_teacher_is_placed_like_the_reference(tiny_ckpt, monkeypatch, offlo
     assert sharded.on_gpu is not offload
 
 
-def test_teachers_on_a_pool_of_their_own_are_not_on_the_trainers_devices(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("rollout_pool", [[], ROLLOUT_POOL], ids=["sync", "fully_async"])
+def test_teachers_on_a_pool_of_their_own_are_not_on_the_trainers_devices(tiny_ckpt, monkeypatch, rollout_pool):
     assert _other(["distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={tiny_ckpt}",
-                   "distillation.nnodes=1", "distillation.n_gpus_per_node=1"], monkeypatch) == []
+                   "distillation.nnodes=1", "distillation.n_gpus_per_node=1", *rollout_pool], monkeypatch) == []
 
 
 def test_a_model_whose_config_cannot_be_built_is_named_with_its_size_unknown(tmp_path, monkeypatch):

@@ -15,8 +15,10 @@ group of their own (`teacher_pool`, one whole copy of every teacher per rank: ve
 `start_async_cluster` is its fully-asynchronous counterpart (`RunPlan.is_async`): two pools, the trainer's ranks
 without engines and the rollout replicas (`lathe.workers.fully_async`, driven through `cluster/async_roles.py`),
 joined by the checkpoint engine's process group (`lathe.workers.checkpoint_engine`) for the weight sync. A learned
-reward model lives on the trainer's ranks, colocated with the actor as in the synchronous cluster: the trainer
-thread scores each batch with it just before the update (`lathe.loop.fully_async_learn.learn_batch`).
+reward model (or judge) and the distillation teachers live on the trainer's ranks, colocated with the actor, or each
+on a third (fourth) group of its own as in the synchronous cluster (`reward_pool`, `teacher_pool`), started beside
+the other two: either way the trainer thread scores each batch just before the update
+(`lathe.loop.fully_async_learn.learn_batch`), and the trainer's ranks then hold only the actor's models.
 """
 
 from __future__ import annotations
@@ -153,22 +155,23 @@ def teacher_pool(cfg: LatheConfig, plan: RunPlan, tokenizer, device_type: str, t
     d = cfg.distillation
     return _own_pool(TEACHER_POOL, d.nnodes, d.n_gpus_per_node, device_type, timeout_s,
                      lambda group: group.build(TEACHER_POOL, build_teacher, cfg, plan, tokenizer,
-                                               device_type=device_type))
+                                               device_type=device_type), sizes_key="distillation")
 
 
 def _own_pool(name: str, nnodes: int, per_node: int, device_type: str, timeout_s: float, build, *,
-              pool_key: str | None = None):
+              pool_key: str | None = None, sizes_key: str | None = None, **group_kwargs):
     """A worker group `name` over a pool of its own (`nnodes` x `per_node` bundles), its workers made by
     `build(group)`; on failure the group (or the bare pool) is released before the error goes on. `pool_key`: the
     config group whose nnodes / n_gpus_per_node size the pool (its placement then waits `ResourcePool`'s own
-    deadline), else `name` (waiting `timeout_s`)."""
+    deadline), else `name` (waiting `timeout_s`; `sizes_key`: the config group that a placement failure names, where
+    it is not `name`). `group_kwargs`: `RayWorkerGroup`'s."""
     from lathe.cluster.placement import ResourcePool
     from lathe.cluster.worker_group import RayWorkerGroup
-    placement = {"name": pool_key} if pool_key else {"name": name, "timeout_s": timeout_s}
+    placement = {"name": pool_key} if pool_key else {"name": name, "timeout_s": timeout_s, "key": sizes_key}
     pool = group = None
     try:
         pool = ResourcePool(nnodes, per_node, use_gpu=device_type == "cuda", **placement)
-        group = RayWorkerGroup(pool, name=name, timeout_s=timeout_s)
+        group = RayWorkerGroup(pool, name=name, timeout_s=timeout_s, **group_kwargs)
         build(group)
     except BaseException:
         if group is not None:
@@ -210,8 +213,9 @@ def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls,
 
 @dataclass
 class AsyncCluster:
-    """Fully-async training's two pools: the trainer's worker group and the rollout replicas, and the weight sync
-    between them (a process group of the trainer's rank 0 and every replica)."""
+    """Fully-async training's pools: the trainer's worker group and the rollout replicas, the weight sync between
+    them (a process group of the trainer's rank 0 and every replica), and the reward model's and the teachers' own
+    groups where they have one."""
 
     trainer_group: object          # RayWorkerGroup (AsyncTrainerWorker on every rank)
     rollout_group: object          # RayWorkerGroup (RolloutWorker on every rank)
@@ -223,10 +227,18 @@ class AsyncCluster:
     bucket_bytes: int
     position_metas: list | None = None   # tensor-parallel replicas: each position's slices (a resharding sync)
     args: tuple | None = None            # (cfg, plan, start_async_cluster's keywords): what `restart` starts again
-    reward_model: object | None = None   # RewardModelGroup over the trainer's ranks (reward_model.enable)
+    reward_model: object | None = None   # RewardModelGroup over its own pool, else the trainer's ranks
+    reward_group: object | None = None   # RayWorkerGroup of the reward model's own pool (enable_resource_pool)
+    teacher_group: object | None = None  # RayWorkerGroup of the teachers' own pool (distillation.nnodes)
+
+    @property
+    def groups(self) -> list:
+        """Every worker group of the run."""
+        return [self.trainer_group, self.rollout_group] + [g for g in (self.reward_group, self.teacher_group)
+                                                           if g is not None]
 
     def restart(self) -> AsyncCluster:
-        """Stop both pools (the dead rank included) and start them afresh on their starting weights; the caller then
+        """Stop every pool (the dead rank included) and start them afresh on their starting weights; the caller then
         loads a checkpoint into the trainer, and the replicas take its weights at the first sync."""
         self.close()
         cfg, plan, kwargs = self.args
@@ -258,8 +270,8 @@ class AsyncCluster:
             self.trainer_group.gather(sender, "close_sync")
         except Exception:      # noqa: BLE001 - shutting down (maybe after a failure): the groups are stopped next
             pass
-        self.rollout_group.shutdown()
-        self.trainer_group.shutdown()
+        for group in reversed(self.groups):
+            group.shutdown()
         if self.started_ray:
             import ray
             ray.shutdown()
@@ -267,48 +279,53 @@ class AsyncCluster:
 
 def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, load_kwargs: dict, tokenizer,
                         total_steps: int, device_type: str) -> AsyncCluster:
-    """The trainer pool (`trainer.nnodes x n_gpus_per_node`, FSDP2, no engine; the reward model colocated on every
-    rank with `reward_model.enable`) and the rollout pool (`rollout.nnodes x n_gpus_per_node` replicas of lathe's
-    engine), joined for the weight sync."""
+    """The trainer pool (`trainer.nnodes x n_gpus_per_node`, FSDP2, no engine; the reward model and the teachers
+    colocated on every rank unless they have a pool of their own) and the rollout pool (`rollout.nnodes x
+    n_gpus_per_node` replicas of lathe's engine), joined for the weight sync; the reward model's (`reward_pool`) and
+    the teachers' (`teacher_pool`) own groups where asked. Every pool loads at once; when one fails, the others are
+    stopped before the error goes on."""
     from lathe.cluster.async_roles import RolloutGroup
-    from lathe.cluster.placement import ResourcePool, start_ray
+    from lathe.cluster.placement import start_ray
     from lathe.cluster.roles import ACTOR, CRITIC, AsyncActorGroup, CriticGroup
-    from lathe.cluster.worker_group import RayWorkerGroup
     from lathe.workers.build import build_async_trainer, build_critic, build_rollout_replica
     from lathe.workers.fully_async import ROLLOUT
     t, arr = cfg.trainer, cfg.actor_rollout_ref
-    use_gpu, timeout = device_type == "cuda", arr.nccl_timeout
-    started = start_ray(cfg)
-    groups: list = []
+    timeout, own_rm = arr.nccl_timeout, has_reward_pool(cfg)
 
-    def pool(name: str, nnodes: int, per_node: int, **kwargs) -> RayWorkerGroup:
-        group = RayWorkerGroup(ResourcePool(nnodes, per_node, use_gpu=use_gpu, name=name), name=name,
-                               timeout_s=timeout, **kwargs)
-        groups.append(group)
-        return group
-
-    def trainer_pool() -> RayWorkerGroup:
-        group = pool("trainer", t.nnodes, t.n_gpus_per_node)
+    def build_trainer(group) -> None:
         group.build(ACTOR, build_async_trainer, cfg, plan, model_path, load_kwargs, tokenizer,
-                    total_steps=total_steps, device_type=device_type)
+                    total_steps=total_steps, device_type=device_type)       # (no teacher with a teacher pool)
         if plan.critic is not None:
             group.build(CRITIC, build_critic, cfg, plan, tokenizer, total_steps=total_steps, device_type=device_type)
-        build_reward_model_on(group, cfg, plan, tokenizer, device_type)
-        return group
+        if not own_rm:
+            build_reward_model_on(group, cfg, plan, tokenizer, device_type)
 
-    def rollout_pool() -> RayWorkerGroup:
-        group = pool("rollout", cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node, max_concurrency=4)
+    def build_replicas(group) -> None:
         group.build(ROLLOUT, build_rollout_replica, cfg, model_path, load_kwargs, tokenizer, device_type=device_type)
-        return group
 
+    r = cfg.rollout
+    starts = {"trainer": lambda: _own_pool("trainer", t.nnodes, t.n_gpus_per_node, device_type, timeout,
+                                           build_trainer, pool_key="trainer"),
+              "rollout": lambda: _own_pool("rollout", r.nnodes, r.n_gpus_per_node, device_type, timeout,
+                                           build_replicas, pool_key="rollout", max_concurrency=4)}
+    if own_rm:
+        starts[REWARD_POOL] = lambda: reward_pool(cfg, plan, tokenizer, device_type, timeout)
+    if plan.teacher_devices:
+        starts[TEACHER_POOL] = lambda: teacher_pool(cfg, plan, tokenizer, device_type, timeout)
+    started = start_ray(cfg)
+    with ThreadPoolExecutor(len(starts), thread_name_prefix="lathe-pool") as starting:   # all pools load at once
+        futures = {name: starting.submit(start) for name, start in starts.items()}
+    groups = {name: f.result() for name, f in futures.items() if f.exception() is None}
     try:
-        with ThreadPoolExecutor(2, thread_name_prefix="lathe-pool") as starting:   # both pools load at once
-            futures = [starting.submit(trainer_pool), starting.submit(rollout_pool)]
-            trainer, rollout = (f.result() for f in futures)
+        for f in futures.values():
+            if f.exception() is not None:
+                raise f.exception()      # (each failed pool released itself: `_own_pool`)
+        trainer, rollout = groups["trainer"], groups["rollout"]
+        rm_group, teachers = groups.get(REWARD_POOL), groups.get(TEACHER_POOL)
         replicas = RolloutGroup(rollout, pad_id=tokenizer.pad_token_id, timeout_s=timeout,
                                 tp=arr.rollout.tensor_model_parallel_size)
         actor, critic_group = _driver_groups(cfg, plan, trainer, tokenizer, AsyncActorGroup, CriticGroup,
-                                             replicas=replicas)
+                                             replicas=replicas, teacher_group=teachers)
         metas = trainer.call(ACTOR, "weight_metas")[0]
         ce = cfg.async_training.checkpoint_engine
         megabytes = ce.device_buffer_size_M or arr.rollout.update_weights_bucket_megabytes
@@ -326,7 +343,7 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
                  "" if position_metas is None else ", %.2f GB to each rollout rank" % (
                      max(sum(m.nbytes for m in p) for p in position_metas) / 1e9))
     except BaseException:
-        for g in groups:
+        for g in reversed(list(groups.values())):
             g.shutdown()
         if started:
             import ray
@@ -335,7 +352,8 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
     return AsyncCluster(trainer, rollout, actor, critic_group, replicas, started, metas, bucket_bytes, position_metas,
                         args=(cfg, plan, dict(model_path=model_path, load_kwargs=load_kwargs, tokenizer=tokenizer,
                                               total_steps=total_steps, device_type=device_type)),
-                        reward_model=reward_model_group(cfg, trainer))
+                        reward_model=reward_model_group(cfg, rm_group or trainer), reward_group=rm_group,
+                        teacher_group=teachers)
 
 
 def _join_sync_group(trainer, rollout, host: str, port: int | list[int], timeout_s: float,

@@ -86,12 +86,14 @@ def check_local_fit(cfg, plan, device_type: str, visible_gpus: int) -> None:
 
 
 class ResourcePool:
-    """`nnodes` placement groups of `per_node` single-device bundles; `bundles()` in rank order."""
+    """`nnodes` placement groups of `per_node` single-device bundles; `bundles()` in rank order. `key`: the config
+    group whose nnodes / n_gpus_per_node the pool is (its error names them), else `name`."""
 
     def __init__(self, nnodes: int, per_node: int, *, use_gpu: bool, cpus_per_worker: float = 1,
-                 timeout_s: float = 300, name: str = "trainer"):
+                 timeout_s: float = 300, name: str = "trainer", key: str | None = None):
         ray = require_ray()
         from ray.util.placement_group import placement_group
+        key = key or name
         self.nnodes, self.per_node, self.use_gpu, self.cpus_per_worker = nnodes, per_node, use_gpu, cpus_per_worker
         bundle = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
         self.groups = [placement_group([dict(bundle) for _ in range(per_node)], strategy="STRICT_PACK",
@@ -101,10 +103,10 @@ class ResourcePool:
             self.release()
             have = ray.available_resources()
             raise ClusterError(
-                f"{name}.nnodes={nnodes} x {name}.n_gpus_per_node={per_node}: could not place {nnodes} node(s) of "
+                f"{key}.nnodes={nnodes} x {key}.n_gpus_per_node={per_node}: could not place {nnodes} node(s) of "
                 f"{per_node} x {bundle} within {timeout_s:.0f} s; the cluster has "
                 f"{_show(ray.cluster_resources())} in total and {_show(have)} free. Each node must hold "
-                f"n_gpus_per_node {'GPUs' if use_gpu else 'CPU slots'}. Fix: lower {name}.n_gpus_per_node / nnodes, "
+                f"n_gpus_per_node {'GPUs' if use_gpu else 'CPU slots'}. Fix: lower {key}.n_gpus_per_node / nnodes, "
                 f"or add nodes (ray start --address=... --num-gpus=...).")
 
     @property

@@ -8,8 +8,9 @@ column's value. ``loss_mode=k1`` needs ``use_policy_gradient=true``, ``forward_k
 
 lathe's placement: every teacher runs a forward pass over the student's tokens (no generation), on the trainer's
 devices (colocated, like the reference), or, with ``nnodes`` and ``n_gpus_per_node`` both >= 1 (verl's teacher pool;
-verl's defaults, nnodes=0, ask for none), on a worker group of its own in the synchronous loop, a whole copy of every
-teacher on each of its ranks (``lathe.cluster.teacher_pool``). A teacher's ``num_replicas`` and engine settings
+verl's defaults, nnodes=0, ask for none), on a worker group of its own (in the synchronous loop and beside the trainer
+and rollout pools of fully-asynchronous training), a whole copy of every teacher on each of its ranks
+(``lathe.cluster.teacher_pool``). A teacher's ``num_replicas`` and engine settings
 (``inference.*``) are named once in a warning and otherwise left (``policy_loss_mode``: ``support.py``).
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ProblemList
-from .plan import is_async, teacher_devices, tensor_parallel_size
+from .plan import teacher_devices, tensor_parallel_size
 
 D = "distillation"
 ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")      # lathe.algo.distillation.ESTIMATOR_MODES
@@ -83,7 +84,6 @@ def check_distillation(cfg, problems: ProblemList) -> None:
         _check_length(cfg, name, entry, problems)
     if len(given) > 1:
         _check_routing(cfg, given, problems)
-    _check_pool(cfg, problems)
     tp = {r: tensor_parallel_size(cfg, r) for r in ("actor", "ref")}
     if max(tp.values()) > 1:
         role = "actor" if tp["actor"] > 1 else "ref"
@@ -92,18 +92,6 @@ def check_distillation(cfg, problems: ProblemList) -> None:
                      "sharded with FSDP only, each rank scoring rows of its own). Fix: set tensor_parallel_size=1 for "
                      "the actor and the reference, or distillation.enabled=false.")
     _warn_placement(cfg, given)
-
-
-def _check_pool(cfg, problems: ProblemList) -> None:
-    """The teachers' own pool (`nnodes` x `n_gpus_per_node`, both >= 1; either at 0 asks for none, and the size keys
-    then warn as read by nothing: `support.py`) runs in the synchronous loop only."""
-    d = cfg.distillation
-    if teacher_devices(cfg) and is_async(cfg):
-        problems.add(f"{D}.nnodes={d.nnodes} x {D}.n_gpus_per_node={d.n_gpus_per_node}: a device pool of the "
-                     f"teachers' own in fully-asynchronous training (rollout.n_gpus_per_node="
-                     f"{cfg.rollout.n_gpus_per_node}) is not implemented yet in lathe: there the teachers run on the "
-                     f"trainer pool's ranks. Fix: set {D}.nnodes=0 (the teachers then share the trainer's devices), or "
-                     "train synchronously (rollout.n_gpus_per_node=0), where the teachers run on a pool of their own.")
 
 
 def _check_loss(cfg, loss, problems: ProblemList) -> None:

@@ -144,7 +144,7 @@ def _check_reward_model(cfg: LatheConfig, problems: ProblemList) -> None:
     """A learned reward model (`reward_model.enable`) needs its checkpoint and a way to cut its forwards."""
     rm = cfg.reward_model
     check_judge(cfg, problems)
-    if rm.enable and rm.enable_resource_pool and not is_async(cfg):     # (with a rollout pool: refused in support.py)
+    if rm.enable and rm.enable_resource_pool:
         for key, value in (("n_gpus_per_node", rm.n_gpus_per_node), ("nnodes", rm.nnodes)):
             if value < 1:
                 problems.add(f"reward_model.{key}={value} with reward_model.enable_resource_pool=true: the reward "

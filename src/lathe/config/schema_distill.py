@@ -4,9 +4,9 @@ The student (``actor_rollout_ref``) samples as usual; each sample's response is 
 row's ``teacher_key`` column when there are several), and the per-token reverse KL to the teacher (or the forward
 KL over the teacher's top-k tokens) enters the actor's loss (``lathe.algo.distillation``). lathe computes a teacher's
 log-probs with one forward pass over the student's tokens, on the trainer's own devices (colocated, as the reference
-is), or with ``nnodes`` and ``n_gpus_per_node`` both >= 1 on a pool of the teachers' own (synchronous training; a
-whole copy of every teacher per device); a teacher's ``inference.*`` engine settings and ``num_replicas`` have no
-effect, and ``lathe.config.distill`` names them in a warning and checks the rest.
+is), or with ``nnodes`` and ``n_gpus_per_node`` both >= 1 on a pool of the teachers' own (synchronous or fully-async
+training; a whole copy of every teacher per device); a teacher's ``inference.*`` engine settings and ``num_replicas``
+have no effect, and ``lathe.config.distill`` names them in a warning and checks the rest.
 """
 
 from __future__ import annotations
@@ -59,6 +59,6 @@ class DistillationConfig:
                                            "data_source, the column lathe keeps per row).")
     distillation_loss: DistillationLossConfig = spec(factory=DistillationLossConfig, help="The loss.")
     n_gpus_per_node: int = spec(8, "GPUs per node of the teachers' own pool (with nnodes >= 1; one whole copy of "
-                                   "every teacher per device, synchronous training only).")
+                                   "every teacher per device; synchronous or fully-async training).")
     nnodes: int = spec(0, "Nodes of the teachers' own pool; 0 (verl's default): the teachers run on the trainer's "
                           "devices, placed like the reference.")

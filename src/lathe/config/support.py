@@ -41,30 +41,10 @@ def _multi_gpu() -> list[Entry]:
     out += [replace(warn(f"{g}.strategy", BACKEND), judge=backend_judge(f"{g}.strategy")) for g in (A, REF, C)]
     out += [replace(warn(f"{A}.model_engine", BACKEND), judge=backend_judge(f"{A}.model_engine"))]
     out += [inert(f"{g}.fsdp_config.strategy", "fsdp and fsdp2 both train with PyTorch FSDP2") for g in TRAINED]
-    out += [only_on("a rollout pool or no reward model", replace(refuse(
-                f"{RM}.enable_resource_pool", "a separate device pool for the reward model in fully-asynchronous "
-                "training (it runs in the synchronous loop)", "remove it (the reward model then scores on the trainer "
-                "pool's ranks), or train synchronously (rollout.n_gpus_per_node=0)"), judge=_reward_pool)),
-            replace(refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices without a "
+    out += [replace(refuse("actor_rollout_ref.hybrid_engine", "actor and rollout on separate devices without a "
                            "rollout pool (fully-asynchronous training)",
                            "set rollout.n_gpus_per_node"), judge=_hybrid_engine)]
     return out
-
-
-def _reward_pool(value, cfg) -> tuple[str, str] | None:
-    """reward_model.enable_resource_pool: the reward model's own devices in the synchronous loop (`lathe.cluster.
-    reward_pool`); with a rollout pool the trainer pool's ranks score each batch just before its update
-    (`lathe.loop.fully_async._learn`), and a third pool is not placed. Without a reward model it acts on nothing."""
-    if not value:
-        return None
-    key = f"`{RM}.enable_resource_pool`=true"
-    if not cfg.reward_model.enable:
-        return "warn", f"{key} has no effect in lathe: it is read only with {RM}.enable=true."
-    return "refuse", (f"{key}: a separate device pool for the reward model in fully-asynchronous training "
-                      f"(rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}) is not implemented yet in lathe: there "
-                      "the reward model scores each batch on the trainer pool's ranks just before its update. Fix: "
-                      f"remove {RM}.enable_resource_pool, or train synchronously (rollout.n_gpus_per_node=0), where "
-                      f"the reward model runs on {RM}.nnodes x {RM}.n_gpus_per_node devices of its own.")
 
 
 def _hybrid_engine(value, cfg) -> tuple[str, str] | None:
@@ -150,9 +130,11 @@ def _multi_turn() -> list[Entry]:
 
 
 def _async_reward_model(value, cfg) -> tuple[str, str] | None:
-    """reward_model.enable with a rollout pool: the trainer pool's ranks score each batch with the reward model just
-    before its update (`lathe.loop.fully_async_learn.learn_batch`). What would need those scores earlier, on the driver as each
-    request arrives, is refused rather than computed from other scores."""
+    """reward_model.enable with a rollout pool: the trainer thread scores each batch with the reward model just before
+    its update (`lathe.loop.fully_async_learn.learn_batch`), on the trainer pool's ranks or on the reward model's own
+    pool (`enable_resource_pool`). What would need those scores earlier, on the driver as each request arrives, is
+    refused rather than computed from other scores (an own pool changes nothing there: it too scores in the trainer
+    thread)."""
     if not value:
         return None
     fix = ("or remove reward_model.enable, or train synchronously (rollout.n_gpus_per_node=0), where the reward "
@@ -161,23 +143,24 @@ def _async_reward_model(value, cfg) -> tuple[str, str] | None:
     if cfg.algorithm.filter_groups.enable:
         clashes.append(f"`algorithm.filter_groups.enable`=true with `{RM}.enable`=true in fully-asynchronous "
                        "training: DAPO's dynamic sampling filters each request's groups by their scores on the driver "
-                       "as they arrive, but the reward model scores a batch on the trainer pool just before its "
-                       f"update. Fix: set algorithm.filter_groups.enable=false, {fix}.")
+                       "as they arrive, but the reward model scores a batch (on the trainer pool, or its own pool) "
+                       f"just before its update. Fix: set algorithm.filter_groups.enable=false, {fix}.")
     if cfg.algorithm.adv_estimator == "remax":
         clashes.append(f"`algorithm.adv_estimator`=remax with `{RM}.enable`=true in fully-asynchronous training: "
                        "ReMax's baseline is the score of each request's greedy response, taken on the driver as the "
-                       "request arrives, but the reward model scores on the trainer pool just before an update. "
+                       "request arrives, but the reward model scores (on the trainer pool, or its own pool) just "
+                       "before an update. "
                        f"Fix: use another estimator (grpo, rloo, ...), {fix}.")
     return ("refuse", " ".join(clashes)) if clashes else None
 
 
 def _rewards() -> list[Entry]:
     out = [only_on("a rollout pool", replace(refuse(
-               f"{RM}.enable", "a learned reward model in fully-asynchronous training with a generative judge "
-               f"({RM}.judge.enable), DAPO's dynamic sampling (algorithm.filter_groups.enable) or ReMax "
-               "(algorithm.adv_estimator=remax); the sequence-classification model alone runs (the trainer pool "
-               "scores each batch before its update)", "remove that key, or train synchronously "
-               "(rollout.n_gpus_per_node=0)"), judge=_async_reward_model)),
+               f"{RM}.enable", "a learned reward model or judge in fully-asynchronous training with DAPO's "
+               "dynamic sampling (algorithm.filter_groups.enable) or ReMax (algorithm.adv_estimator=remax), which "
+               "read scores on the driver as each request arrives; otherwise it runs: the trainer thread scores each "
+               f"batch before its update, on the trainer pool's ranks or its own pool ({RM}.enable_resource_pool)",
+               "remove that key, or train synchronously (rollout.n_gpus_per_node=0)"), judge=_async_reward_model)),
            refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo/gdpo: "
                   "per-response scoring in worker processes with timeouts, a dict result's numbers kept)",
                   "set it to naive", one_of("naive", "prime", "dapo", "gdpo")),
@@ -192,6 +175,7 @@ def _rewards() -> list[Entry]:
                "update); with algorithm.filter_groups.enable DAPO's dynamic sampling "
                "chooses the step's samples by their scores before any log-prob pass, so they are scored in the "
                "foreground (as verl's DAPO trainer does); the scores are the same")),
+           only_on("no reward model", warn(f"{RM}.enable_resource_pool", f"it is read only with {RM}.enable=true")),
            *[only_on("no reward pool", warn(f"{RM}.{k}", f"it is read only with {RM}.enable=true and "
                                                          f"{RM}.enable_resource_pool=true (the reward model's own pool)"))
              for k in ("n_gpus_per_node", "nnodes")],

@@ -97,8 +97,6 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "no reward pool": lambda cfg: not (cfg.reward_model.enable and cfg.reward_model.enable_resource_pool),
     # the teachers have no pool of their own (distillation.nnodes x n_gpus_per_node, both >= 1, with distillation on)
     "no teacher pool": lambda cfg: not teacher_devices(cfg),
-    # where reward_model.enable_resource_pool cannot act: fully-async training, or no reward model
-    "a rollout pool or no reward model": lambda cfg: is_async(cfg) or not cfg.reward_model.enable,
     # no sequence-classification reward model: none, or a generative judge (reward_model.judge.enable)
     "no classifier reward model": lambda cfg: not cfg.reward_model.enable or cfg.reward_model.judge.enable,
 }

@@ -20,10 +20,12 @@ baseline; with LoRA the sync sends only the adapted layers, merged (`AsyncTraine
 carry their rows' tool kwargs and messages, and the replica runs their trajectories (`lathe.rollout.agent.stream`).
 
 A learned reward model (`reward_model.enable`, the sequence-classification model) lives on the trainer pool's ranks,
-colocated with the actor as in the synchronous loop: the driver leaves the requests unscored and the trainer thread
-scores each training batch with it just before the update (`lathe.loop.fully_async_learn`, through `score_batch`,
-so the scores are the synchronous loop's). What reads scores on the driver before that (dynamic sampling's filter,
-ReMax's greedy baseline) is refused with a reward model at config load (`lathe.config.support`). A generative judge
+colocated with the actor, or with `reward_model.enable_resource_pool` on a pool of its own beside the other two, as in
+the synchronous loop: the driver leaves the requests unscored and the trainer thread scores each training batch with
+it just before the update (`lathe.loop.fully_async_learn`, through `score_batch`, so the scores are the synchronous
+loop's). The distillation teachers likewise: on the trainer's ranks, or on their own pool (`distillation.nnodes`).
+What reads scores on the driver before that (dynamic sampling's filter, ReMax's greedy baseline) is refused with a
+reward model at config load (`lathe.config.support`). A generative judge
 (`reward_model.judge`) scores the same way, its engine on the trainer's ranks.
 
 Every prompt gets an issue index when it is sent; its samples are seeded by it exactly as the synchronous loop

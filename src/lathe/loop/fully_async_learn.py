@@ -18,7 +18,8 @@ def learn_batch(t: Trainer, batch: Batch, current: int | None) -> dict[str, floa
     version when the trainer holds exactly those weights (the first update after a sync), else None; the tokens
     sampled with it must then have the log-probs the trainer recomputes (`rollout_probs_diff_current_*`).
     With a reward model (`reward_model.enable`) the batch comes unscored and is scored here first, on the trainer
-    pool's ranks, as the synchronous loop scores its step (`score_batch`: the same scores and metrics)."""
+    pool's ranks or the reward model's own pool (`t.reward_model` goes to either), as the synchronous loop scores its
+    step (`score_batch`: the same scores and metrics); the teachers' log-probs likewise (`learn`)."""
     timer = Timer(memory=PeakMemory(t.device))
     start = time.perf_counter()
     metrics: dict[str, float] = {}

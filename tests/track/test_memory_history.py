@@ -63,12 +63,26 @@ def test_settings_lathe_cannot_honour_are_refused(overrides, message):
         load_config("base", [*GPU, "global_profiler.tool=torch_memory", *overrides])
 
 
+def test_under_gradient_checkpointing_context_all_records_as_alloc_and_says_so():
+    """torch 2.11 failed in a checkpointed backward on an H200 while frees' stacks were recorded (context=all)."""
+    on = [*GPU, "global_profiler.tool=torch_memory", "actor_rollout_ref.model.enable_gradient_checkpointing=true"]
+    with pytest.warns(UserWarning, match="context=all .* records as context=alloc"):
+        cfg = load_config("base", on)
+    assert torch_memory_settings(cfg.global_profiler.global_tool_config, checkpointing=True).context == "alloc"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config("base", [*on, f"+{MEMORY}.context=state"])               # asked for another: kept, no notice
+    assert torch_memory_settings({"torch_memory": {"context": "state"}}, checkpointing=True).context == "state"
+
+
 def test_a_stack_depth_torch_cannot_take_warns():
     with pytest.warns(UserWarning, match="stack_depth=8 has no effect"):
         load_config("base", [*GPU, "global_profiler.tool=torch_memory", f"+{MEMORY}.stack_depth=8"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_config("base", [*GPU, "global_profiler.tool=torch_memory", f"+{MEMORY}.stack_depth=32"])
+        load_config("base", [*GPU, "global_profiler.tool=torch_memory", f"+{MEMORY}.stack_depth=32",
+                             "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+                             "critic.model.enable_gradient_checkpointing=false"])
 
 
 def test_a_listed_step_writes_one_snapshot_and_stops_recording(tmp_path, fake_cuda):

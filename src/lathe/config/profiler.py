@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ProblemList
-from .plan import is_async
+from .plan import critic_in_use, is_async
 
 PROFILER_TOOLS = {"nsys": "profiling with NVIDIA Nsight Systems", "npu": "profiling on Ascend NPUs"}
 STEP_TOOLS = ("torch", "torch_memory")          # what lathe runs; both write files per listed step
@@ -39,12 +39,32 @@ class MemoryHistorySettings:
     kw_args: dict[str, Any] = field(default_factory=dict)
 
 
-def torch_memory_settings(global_tool_config: dict) -> MemoryHistorySettings:
+def torch_memory_settings(global_tool_config: dict, *, checkpointing: bool = False) -> MemoryHistorySettings:
     """The torch_memory settings of `global_profiler.global_tool_config` (verl's defaults where unset); the values are
-    checked by `check_profiler`."""
+    checked by `check_profiler`. `checkpointing` (gradient checkpointing in a trained model): context `all` records
+    as `alloc` (`CHECKPOINTED_CONTEXT`)."""
     t = dict((global_tool_config or {}).get("torch_memory") or {})
-    return MemoryHistorySettings(max_entries=t.get("trace_alloc_max_entries", 100_000), context=t.get("context", "all"),
+    context = t.get("context", "all")
+    return MemoryHistorySettings(max_entries=t.get("trace_alloc_max_entries", 100_000),
+                                 context="alloc" if checkpointing and context == "all" else context,
                                  stacks=t.get("stacks", "all"), kw_args=dict(t.get("kw_args") or {}))
+
+
+# On an H200 with torch 2.11, recording with context=all (verl's default: allocations' and frees' stacks) made the
+# backward of a gradient-checkpointed update fail inside autograd (SystemError: "returned NULL without setting an
+# exception" where the checkpoint recomputes a layer); context=alloc, or no checkpointing, ran. So under checkpointing
+# lathe records context=alloc and says so once at load.
+CHECKPOINTED_CONTEXT = (f"{MEMORY}.context=all (the default) records as context=alloc in this run (the allocations' "
+                        "stacks, not the frees'): with gradient checkpointing on, torch 2.11 fails in the backward "
+                        "while frees' stacks are recorded. Fix for the frees' stacks too: "
+                        "actor_rollout_ref.model.enable_gradient_checkpointing=false (and the critic's) for the "
+                        "profiled run.")
+
+
+def trains_checkpointed(cfg) -> bool:
+    """Whether a trained model of the run uses gradient checkpointing (the actor's, or a critic's)."""
+    return bool(cfg.actor_rollout_ref.model.enable_gradient_checkpointing
+                or (critic_in_use(cfg) and cfg.critic.model.enable_gradient_checkpointing))
 
 
 def check_profiler(cfg, problems: ProblemList) -> None:
@@ -92,6 +112,8 @@ def _check_torch_memory(cfg, problems: ProblemList) -> None:
         problems.add(f"{MEMORY}.{key}={raw[key]!r} is not a torch_memory setting. Fix: remove it (the settings are "
                      f"{', '.join(sorted(known - {'name', '_target_'}))}).")
     s = torch_memory_settings(cfg.global_profiler.global_tool_config)
+    if s.context == "all" and trains_checkpointed(cfg):
+        warnings.warn(CHECKPOINTED_CONTEXT, UserWarning, stacklevel=4)
     for key, value in (("trace_alloc_max_entries", s.max_entries), ("stack_depth", raw.get("stack_depth", 1))):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             problems.add(f"{MEMORY}.{key}={value!r}: expected a whole number >= 1. Fix: e.g. "

@@ -14,7 +14,7 @@ import torch
 from lathe.algo import rollout_probs_diff, variance_proxy_metrics
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import save_checkpoint
-from lathe.config.profiler import torch_memory_settings
+from lathe.config.profiler import torch_memory_settings, trains_checkpointed
 from lathe.loop.dump import dump_rollouts
 from lathe.loop.oom import explain as explain_oom
 from lathe.loop.recover import run_with_restarts
@@ -160,8 +160,9 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
     if tr.val_only:
         return {}
     gp = t.cfg.global_profiler                                          # global_profiler.tool=torch / torch_memory
+    memory = torch_memory_settings(gp.global_tool_config, checkpointing=trains_checkpointed(t.cfg))
     profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, workers=t.cluster.groups if t.cluster else [],
-                            with_stack=gp.with_stack, memory=torch_memory_settings(gp.global_tool_config))
+                            with_stack=gp.with_stack, memory=memory)
     with Progress("train", t.total_steps, initial=t.global_step, every_s=None) as bar:   # a terminal's live line
         while t.global_step < t.total_steps:
             rows = t.next_rows()

@@ -62,10 +62,12 @@ def test_on_cuda_what_waits_for_the_backward_leaves_the_device_and_the_gradients
     held, grads = [], []
     for offloaded in (False, True):
         model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()          # the earlier pass's gradient copies are held: not counted
         with offload.activations_on_host(offloaded, "cuda") as moved:
             logp, _ = response_log_probs(model, batch)
         torch.cuda.synchronize()
-        held.append(torch.cuda.memory_allocated())
+        held.append(torch.cuda.memory_allocated() - before)
         (logp * batch["response_mask"]).sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert moved["tensors"] >= model.config.num_hidden_layers

@@ -124,7 +124,9 @@ def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_p
 
 def test_a_reward_model_on_a_pool_of_its_own_scores_as_the_colocated_one(tmp_path, caplog):
     """`reward_model.enable_resource_pool`: one trainer worker and the reward model on a worker group of its own (one
-    rank), a Ray run even with one trainer device; the scores and the update are the colocated one-process run's."""
+    rank), a Ray run even with one trainer device; the scores and the update are the colocated one-process run's. The
+    pooled run scores in the background (`launch_reward_fn_async`): the reward model's pass overlaps the step's
+    log-prob passes and joins before the advantages."""
     from helpers import RM_TEMPLATE, tiny_reward_model
     path = tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE)
     rm = ["reward_model.enable=true", f"reward_model.model.path={path}", "reward_model.micro_batch_size_per_gpu=3",
@@ -132,7 +134,7 @@ def test_a_reward_model_on_a_pool_of_its_own_scores_as_the_colocated_one(tmp_pat
     one = train(tmp_path / "one", *rm)
     with caplog.at_level("INFO", logger="lathe"):
         pooled = train(tmp_path / "pooled", *rm, "reward_model.enable_resource_pool=true", "reward_model.nnodes=1",
-                       "reward_model.n_gpus_per_node=1")
+                       "reward_model.n_gpus_per_node=1", "reward_model.launch_reward_fn_async=true")
     started = [r.getMessage() for r in caplog.records if " workers over " in r.getMessage()]
     assert [m.split(":")[0] for m in started] == ["actor_rollout_ref", "reward_model"], started   # two groups, 1 each
     assert len(one) == len(pooled) == 2
@@ -140,6 +142,7 @@ def test_a_reward_model_on_a_pool_of_its_own_scores_as_the_colocated_one(tmp_pat
     for a, b in zip(one, pooled):
         assert a["critic/score/max"] > a["critic/score/min"]            # the reward model's scores
         assert_same(a, b, keys)
+        assert "timing_s/reward_wait" in b and "timing_s/reward_wait" not in a     # joined from the background
 
 
 def test_teachers_on_a_pool_of_their_own_distil_as_the_colocated_ones(tmp_path, caplog):

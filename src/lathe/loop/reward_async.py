@@ -3,9 +3,11 @@ with its old-log-prob, reference, teacher and value passes; the step joins the s
 
 What runs in the background is the reward manager's work: the rule scorers, a custom reward function (in the
 manager's worker processes, or in this thread with `reward.timeout_s=0`) and the code sandbox it calls. A learned
-reward model or an LLM judge (`reward_model.enable`, `reward_model.judge.enable`) computes its scores on the
-devices, which the actor's passes use too: it stays in the foreground, right after generation as in the
-synchronous step, and only the rule scoring joined with its scores (`judge.combine`) moves to the background.
+reward model or an LLM judge (`reward_model.enable`, `reward_model.judge.enable`) colocated with the actor computes
+its scores on the devices the actor's passes use too: it stays in the foreground, right after generation as in the
+synchronous step, and only the rule scoring joined with its scores (`judge.combine`) moves to the background. On
+devices of its own (`reward_model.enable_resource_pool`) its pass is part of the background job: the reward model's
+pool scores while the trainer's devices run the old-log-prob, reference, teacher and value passes.
 Teachers (on-policy distillation) are log-prob passes of their own and stay where they are.
 
 The scores are the same as the foreground path's: the job scores a snapshot of the batch's fields taken when it is
@@ -94,9 +96,12 @@ class BackgroundScoring:
         self._thread: threading.Thread | None = None
 
     def submit(self, phase: str, run: Callable[[], object], apply: Callable[[object], dict], *, manager,
-               num_samples: int) -> None:
-        """Start `run()` after the jobs already submitted; its bound comes from `manager` (the reward manager)."""
+               num_samples: int, extra_bound_s: float = 0.0) -> None:
+        """Start `run()` after the jobs already submitted; its bound comes from `manager` (the reward manager), plus
+        `extra_bound_s` (a reward model's pool's own deadline when its pass is part of the job)."""
         bound, why = scoring_bound_s(manager, num_samples)
+        if extra_bound_s:
+            bound, why = bound + extra_bound_s, f"{why}, plus the reward model's pool's {extra_bound_s:.0f} s"
         start = max([self._clock()] + [j.deadline for j in self._jobs])       # it may wait for the ones before it
         job = _Job(phase, manager.name, num_samples, bound, why, run, apply, deadline=start + bound)
         self._jobs.append(job)

@@ -61,22 +61,30 @@ def greedy_baseline(t: Trainer, prompts: Batch, batch: Batch, pending: Backgroun
 
 def score_into(t: Trainer, batch: Batch, pending: BackgroundScoring | None, use: Callable[[Batch], object], *,
                overlong: bool = True, phase: str = "reward") -> dict[str, float]:
-    """Score `batch` (`score_batch`) and hand the scores to `use`; returns the metrics. With `pending` only a
-    reward model's or judge's device pass runs now: the CPU scoring (of a snapshot of the batch) is submitted to
-    `pending` (its seconds to `phase`), `use` runs at its join and the scoring's metrics come with the join's."""
+    """Score `batch` (`score_batch`) and hand the scores to `use`; returns the metrics. With `pending` the CPU
+    scoring (of a snapshot of the batch) is submitted to `pending` (its seconds to `phase`), `use` runs at its join
+    and the scoring's metrics come with the join's; a reward model's or judge's device pass runs now, before it,
+    unless the model has devices of its own (`reward_model.enable_resource_pool`): then the pass is part of the
+    background job and overlaps the step's log-prob passes on the actor's devices."""
     if pending is None:
         scores, metrics = score_batch(t, batch, overlong=overlong)
         use(scores)
         return metrics
-    kw, metrics = model_scores(t, batch, overlong=overlong)
     t.reward.start()                             # fork its workers from this thread, not the background one
     fields = snapshot(batch)
+    pool = getattr(t.cluster, "reward_group", None)
+    if pool is not None:                         # the model's devices are its own: its pass goes to the background too
+        metrics, model_bound_s = {}, pool.timeout_s
+        run = lambda: score_batch(t, fields, overlong=overlong)   # noqa: E731
+    else:                                        # on the actor's devices: now, between the step's device passes
+        kw, metrics = model_scores(t, batch, overlong=overlong)
+        model_bound_s = 0.0
+        run = lambda: compute_reward(fields, t.tokenizer, t.reward, **kw)   # noqa: E731
 
     def apply(result: tuple[Batch, dict[str, float]]) -> dict[str, float]:
         use(result[0])
         return result[1] if phase == "reward" else {}       # as the foreground path keeps them
-    pending.submit(phase, lambda: compute_reward(fields, t.tokenizer, t.reward, **kw), apply, manager=t.reward,
-                   num_samples=len(batch))
+    pending.submit(phase, run, apply, manager=t.reward, num_samples=len(batch), extra_bound_s=model_bound_s)
     return metrics
 
 

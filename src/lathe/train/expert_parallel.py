@@ -68,10 +68,11 @@ def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
 
 def check_model(model: nn.Module, size: int, key: str) -> None:
     """Raise unless `model`'s experts can be cut over `size` ranks: lathe's mixture-of-experts layers (Qwen3-MoE,
-    Qwen3.5-MoE, GPT-OSS), `num_experts` divisible by the size, no LoRA adapters."""
+    Qwen3.5-MoE, GPT-OSS), `num_experts` divisible by the size. LoRA adapters may sit beside them: they are on
+    linear layers, never on the routed experts' grouped weights (`lathe.models.lora.target_names`), so the experts
+    cut here stay frozen and whole per rank."""
     if size == 1:
         return
-    from lathe.models.lora import has_lora
     blocks = sparse_blocks(model)
     arch = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
     if not blocks:
@@ -84,8 +85,6 @@ def check_model(model: nn.Module, size: int, key: str) -> None:
         raise ValueError(f"{key}={size}: each rank of an expert-parallel group holds num_experts / {size} whole "
                          f"experts, but the model has {n} experts, which {size} does not divide. Fix: set {key} to "
                          f"one of {fits} that divides the FSDP shard group.")
-    if has_lora(model):
-        raise ValueError(f"{key}={size} with LoRA adapters: not built yet. Fix: set {key}=1 (or lora_rank=0).")
 
 
 def parallelize(model: nn.Module, ep: ExpertParallel | None) -> nn.Module:

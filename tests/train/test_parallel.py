@@ -117,9 +117,9 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
         metrics.append(actor.update(select_share(batch, shares[parallel.rank() // tp])))
         if save is not None and step + 1 == SAVED_AFTER:
             actor.save_checkpoint(save, NoTokenizer())
-    # forward-only passes over this rank's share, one sequence a micro-batch, after the updates
-    batch = ppo_batch(STEPS).select(update_shares(ppo_batch(STEPS), world // tp, mini_batch_size=8,
-                                                  balance=False)[parallel.rank() // tp])
+    if log_probs or ref:    # forward-only passes over this rank's share, one sequence a micro-batch, after the updates
+        batch = ppo_batch(STEPS).select(update_shares(ppo_batch(STEPS), world // tp, mini_batch_size=8,
+                                                      balance=False)[parallel.rank() // tp])
     if log_probs:
         metrics.append(actor.compute_log_prob(batch, micro_batch_size=1, temperature=1.0).tensors)
     weight = next(actor.model.parameters())

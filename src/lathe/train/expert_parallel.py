@@ -30,6 +30,11 @@ holds its own slice of the micro-batch's packed stream, so a sparse layer dispat
 padding that makes the stream divisible by S included, its outputs unread): which rank holds a token does not change
 what its experts compute, nor where its gradient returns. The load-balancing loss is then the whole micro-batch's,
 its statistics summed over the sequence-parallel group (`lathe.train.ulysses.router_totals`), as in one process.
+
+LoRA (`lathe.models.lora`) composes too: its adapters sit on linear layers (attention, dense MLPs, shared experts),
+never on the grouped expert weights, so the experts cut here stay frozen (their DTensors keep `requires_grad=False`,
+and the rows' gradients still return through the all-to-alls to the adapters before them); the reference is this
+model with its adapters off, and the engine's sync sends the merged adapted layers only.
 """
 
 from __future__ import annotations

@@ -37,9 +37,10 @@ def test_bad_sizes_and_combinations_are_refused_up_front_naming_the_key():
     assert f"`{EP['critic']}`=2 does not divide the FSDP shard group of 1 device(s)" in text
     text = fails(f"{EP['actor']}=2", f"{A}.fsdp_config.tensor_parallel_size=2", f"{A}.ulysses_sequence_parallel_size=2",
                  "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.lora_rank=4")
-    for other in ("fsdp_config.tensor_parallel_size=2", "model.lora_rank=4"):
-        assert f"{EP['actor']}=2 with actor_rollout_ref.{'' if 'model.' in other else 'actor.'}{other}" in text
+    assert f"{EP['actor']}=2 with {A}.fsdp_config.tensor_parallel_size=2" in text
     assert f"{EP['actor']}=2 with {A}.ulysses_sequence_parallel_size" not in text     # Ulysses composes
+    assert f"{EP['actor']}=2 with actor_rollout_ref.model.lora_rank" not in text       # so does LoRA
+    load(f"{EP['actor']}=2", f"{EP['ref']}=2", "actor_rollout_ref.model.lora_rank=4")
     run = run_plan(load(f"{EP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2",
                         "actor_rollout_ref.model.use_remove_padding=true"))
     assert run.mesh("actor") == MeshPlan(1, 4, 1, 2) and run.actor.data_parallel_size == 2
@@ -81,3 +82,18 @@ def test_megatron_tp_beside_ep_becomes_fsdp_sharding_with_one_notice(tp_key):
     assert run_plan(load(f"+{A}.{tp_key}=2", devices=8)).mesh("actor").tp == 2        # no EP: TP as before
     text = fails(*ep[:1], f"{A}.fsdp_config.tensor_parallel_size=2", devices=8)
     assert f"{EP['actor']}=4 with {A}.fsdp_config.tensor_parallel_size=2" in text
+
+
+def test_megatron_lora_beside_ep_loads_with_one_notice_that_the_routed_experts_stay_frozen():
+    """verl's Megatron LoRA adapts each routed expert's linear_fc1/fc2 too; lathe's adapts the linear layers only
+    (the experts are grouped weights, cut over the EP ranks and frozen): the run loads, and says so once."""
+    import warnings
+    ep = [f"+{role}.megatron.expert_model_parallel_size=2" for role in (A, REF)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load(*ep, "+actor_rollout_ref.model.lora.rank=8", "+actor_rollout_ref.model.lora.alpha=16")
+    assert cfg.actor_rollout_ref.model.lora_rank == 8 and cfg.actor_rollout_ref.actor.fsdp_config.\
+        expert_parallel_size == 2
+    notices = [line for w in caught for line in str(w.message).splitlines() if "routed expert" in line]
+    assert len(notices) == 1 and "lora.rank=8 beside expert parallelism" in notices[0]
+    assert "leaves the routed experts frozen" in notices[0]

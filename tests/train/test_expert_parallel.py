@@ -247,6 +247,7 @@ def test_ep_checkpoints_resume_in_one_process_and_back(runs):
 
 
 def test_models_whose_experts_cannot_be_placed_are_refused():
+    """Experts that cannot be cut are refused; LoRA beside them is not, but a LoRA target on them is."""
     from lathe.models.lora import apply_lora
     from lathe.train.expert_parallel import check_model
 
@@ -256,7 +257,10 @@ def test_models_whose_experts_cannot_be_placed_are_refused():
         check_model(tiny_model(), 2, "k")                                # a dense model
     with pytest.raises(ValueError, match=r"4 experts, which 3 does not divide. Fix: set k to one of \[1, 2, 4\]"):
         check_model(tiny_moe(), 3, "k")
-    lora = tiny_moe()
+    lora = tiny_moe()            # adapters on the attention only: the routed experts stay frozen and can be cut
     apply_lora(lora, rank=2, alpha=4, target_modules="all-linear", exclude_modules=None, dropout=0.0, seed=0)
-    with pytest.raises(ValueError, match="with LoRA adapters: not built yet"):
-        check_model(lora, 2, "k")
+    check_model(lora, 2, "k")
+    with pytest.raises(ValueError, match=r"\['experts'\] name\(s\) the routed experts' grouped weights.* Fix: "):
+        apply_lora(tiny_moe(), rank=2, alpha=4, target_modules=["q_proj", "experts"])
+    with pytest.raises(ValueError, match=r"\['gate_up_proj'\] name\(s\) the routed experts"):
+        apply_lora(tiny_moe(), rank=2, alpha=4, target_modules="gate_up_proj")

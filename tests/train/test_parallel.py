@@ -28,6 +28,7 @@ from lathe.train import parallel
 from lathe.train.logprob import response_log_probs
 from lathe.train.update import NonFiniteGuard
 from lathe.workers.actor import Actor
+from lathe.workers.reference import Reference
 
 from .conftest import BASE_OVERRIDES, PAD, VOCAB
 
@@ -79,13 +80,14 @@ def ppo_batch(step: int, rows: int = 8):
 
 def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None = None, resume: Path | None = None,
           overrides: tuple[str, ...] = (), tp: int = 1, engine: bool = False, model_fn=None, log_probs: bool = False,
-          grads: bool = False, micro: int | None = None):
+          grads: bool = False, micro: int | None = None, ref: bool = False):
     """The actor's updates over `steps` on this process's share (a rank of `world`, or one process; with tensor- or
     sequence-parallel groups of `tp` ranks, its group's share): metrics, the full weights at the end (on rank 0), the
     mesh its weights are sharded on and, with `engine`, the weights a rollout engine would load; with `grads`, the
     last optimizer step's (clipped) full gradients; `model_fn`: the policy (`tiny_model` by default); `micro`: the
     micro-batch size, set past the config rules (a one-process twin cutting its micro-batches as ranks with ghost rows
-    cut theirs: 5 sequences into 2 + 2 + 1, which the rules refuse for one device)."""
+    cut theirs: 5 sequences into 2 + 2 + 1, which the rules refuse for one device); `ref`: the reference's log-probs
+    of this process's share of a batch after the updates."""
     cfg = load_config(None, [*BASE_OVERRIDES, "trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
                              f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size}",
                              "actor_rollout_ref.actor.entropy_coeff=0.01", *overrides], device_count=world)
@@ -95,6 +97,8 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
     rc = cfg.algorithm.rollout_correction
     actor = Actor(cfg.actor_rollout_ref, (model_fn or tiny_model)(), device=torch.device("cpu"), seed=0,
                   with_rollout=cfg.actor_rollout_ref.model.lora_rank > 0)      # LoRA trains with a colocated rollout
+    reference = Reference(cfg.actor_rollout_ref.ref, actor, plan.mesh("ref") if parallel.in_group() else None) \
+        if ref else None
     actor.start_training(plan=plan.actor, total_steps=10, temperature=1.0,
                          max_response_length=cfg.data.max_response_length,
                          rollout_correction={k: getattr(rc, k) for k in ROLLOUT_CORRECTION_KEYS},
@@ -104,7 +108,7 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
     last_grads: dict = {}
     if grads:               # the full gradients each optimizer step takes (clipped): the last step's kept
         actor.optimizer.register_step_pre_hook(lambda *_: last_grads.update(
-            {n: parallel.to_local(p.grad).clone() for n, p in actor.model.named_parameters()}))
+            {n: parallel.to_local(p.grad).clone() for n, p in actor.model.named_parameters() if p.grad is not None}))
     metrics = []
     for step in steps:
         batch = ppo_batch(step, plan.actor.sequences_per_step)
@@ -113,9 +117,10 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
         metrics.append(actor.update(select_share(batch, shares[parallel.rank() // tp])))
         if save is not None and step + 1 == SAVED_AFTER:
             actor.save_checkpoint(save, NoTokenizer())
-    if log_probs:      # a forward-only pass over this rank's share, one sequence a micro-batch, after the updates
+    if log_probs or ref:    # forward-only passes over this rank's share, one sequence a micro-batch, after the updates
         batch = ppo_batch(STEPS).select(update_shares(ppo_batch(STEPS), world // tp, mini_batch_size=8,
                                                       balance=False)[parallel.rank() // tp])
+    if log_probs:
         metrics.append(actor.compute_log_prob(batch, micro_batch_size=1, temperature=1.0).tensors)
     weight = next(actor.model.parameters())
     placements = tuple("shard" if p.is_shard() else "replicate" for p in getattr(weight, "placements", ()))
@@ -129,6 +134,9 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
         out["engine"] = {k: v.clone() for k, v in actor.weights()}
     if grads:
         out["grads"] = last_grads
+    if reference is not None:
+        out["ref_log_prob"] = reference.compute_ref_log_prob(batch, micro_batch_size=1,
+                                                             temperature=1.0)["ref_log_prob"]
     return out
 
 

@@ -21,8 +21,8 @@ from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
 from .support_rollout import ROUTING
 from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
-from .verl_translate import (RULES, context_parallel_notice, pipeline_notice, rule_for, tp_beside_ep_notice,
-                             translate)
+from .verl_translate import (RULES, context_parallel_notice, lora_experts_notice, pipeline_notice, rule_for,
+                             tp_beside_ep_notice, translate)
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
 ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
@@ -441,7 +441,8 @@ def judge_verl_keys(cfg: Any) -> list[tuple[str, str]]:
             out.append(verdict)
     notices = (tp_beside_ep_notice(cfg),       # once for every role whose Megatron TP beside EP was dropped
                pipeline_notice(cfg),          # once for every role whose pipeline-parallel size was set
-               context_parallel_notice(cfg))  # once for the padded forwards a context-parallel size packs
+               context_parallel_notice(cfg),  # once for the padded forwards a context-parallel size packs
+               lora_experts_notice(cfg))      # once for Megatron LoRA beside EP (the routed experts stay frozen)
     return out + [("warn", notice) for notice in notices if notice is not None]
 
 

@@ -45,7 +45,9 @@ layer and in order, so a later ``fsdp_config`` override still wins:
 * the actor's ``{megatron,veomni}.router_replay.mode`` -> ``actor.router_replay.mode`` (routing replay, R2/R3);
 * the actor's ``megatron.override_transformer_config.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` ->
   ``actor.moe_aux_loss_coeff`` / ``actor.moe_z_loss_coeff`` (Megatron's router losses, `lathe.models.moe`);
-* verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``.
+* verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``;
+  beside expert parallelism one notice says that verl's Megatron LoRA adapts the routed experts too and lathe's
+  leaves them frozen (`lora_experts_notice`).
 
 A value equal to verl's default translates to nothing: a full verl config file lists every backend key at its
 default, and those must not undo the lathe keys set beside them. ``support_verl.py`` marks these keys as
@@ -294,6 +296,22 @@ def context_parallel_notice(cfg: Any) -> str | None:
     return (f"Megatron's/torchtitan's context-parallel size ({sizes}) runs as Ulysses sequence parallelism over each "
             f"micro-batch's packed stream, so {' and '.join(switches)}=false becomes true (padding or packing changes "
             "the layout, not what is computed).")
+
+
+def lora_experts_notice(cfg: Any) -> str | None:
+    """The one notice for verl's Megatron-style LoRA group beside expert parallelism: Megatron-Bridge's LoRA (verl's
+    default `model.lora.target_modules`: linear_qkv, linear_proj, linear_fc1, linear_fc2) adapts each routed
+    expert's linear_fc1/linear_fc2 too; lathe's leaves the routed experts frozen (`lathe.models.lora`)."""
+    rank = cfg.verl_keys.get("actor_rollout_ref.model.lora.rank")
+    eps = {_fsdp(cfg, role).expert_parallel_size for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")}
+    if not isinstance(rank, int) or rank <= 0 or max(eps) <= 1:
+        return None
+    return (f"actor_rollout_ref.model.lora.rank={rank} beside expert parallelism: verl's Megatron LoRA (its "
+            "model.lora.target_modules, by default linear_qkv, linear_proj, linear_fc1, linear_fc2) also adapts each "
+            "routed expert's linear_fc1/linear_fc2; lathe's LoRA adapts the linear layers actor_rollout_ref.model."
+            f"target_modules={cfg.actor_rollout_ref.model.target_modules!r} names (attention, dense MLPs, shared "
+            "experts) and leaves the routed experts frozen, cut over the expert-parallel ranks (fewer trainable "
+            "parameters than verl's run).")
 
 
 def engine_data_parallel(cfg: Any) -> None:

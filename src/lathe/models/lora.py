@@ -8,7 +8,10 @@ names as without LoRA.
 
 - ``apply_lora``: turn the targeted ``nn.Linear`` layers into ``LoRALinear`` in place (no copy of the weights);
   only the adapters are trainable. Targets follow PEFT: ``all-linear`` is every linear layer of the decoder
-  (not ``lm_head``), a name matches a module whose path ends with it; ``exclude_modules`` likewise.
+  (not ``lm_head``), a name matches a module whose path ends with it; ``exclude_modules`` likewise. The routed
+  experts of a mixture-of-experts layer (`lathe.models.moe`: one grouped tensor per projection) are not linear
+  layers, so they stay frozen (a target naming them is refused); with expert parallelism they are cut over the
+  ranks (`lathe.train.expert_parallel`) beside adapters on the attention, dense-MLP and shared-expert layers.
 - ``adapters_disabled``: the base model (the reference policy: no second copy of the weights).
 - ``merged_weights``: ``W + s B A`` of each adapted layer, for the rollout engine and for a Hugging Face export
   (``merged_state``: the same from a full state dict, what a sharded model's ranks gather; ``merge_and_unload``:
@@ -65,6 +68,8 @@ def target_names(model: nn.Module, target_modules: str | list[str], exclude_modu
         return any(path == n or path.endswith("." + n) for n in names)
 
     linear = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith(DECODER_PREFIXES)]
+    if target_modules != "all-linear":
+        _refuse_routed_experts(model, target_modules, linear, matches)
     chosen = linear if target_modules == "all-linear" else [p for p in linear if matches(p, target_modules)]
     chosen = [p for p in chosen if not matches(p, exclude_modules)]
     if not chosen:
@@ -73,6 +78,26 @@ def target_names(model: nn.Module, target_modules: str | list[str], exclude_modu
                          f"{exclude_modules!r}) matches no linear layer of the decoder. Fix: name some of {have}, "
                          "or use all-linear.")
     return chosen
+
+
+def _refuse_routed_experts(model: nn.Module, target_modules: str | list[str], linear: list[str], matches) -> None:
+    """Raise for a target that names the routed experts of a mixture-of-experts layer: their module (``experts``),
+    or one of their grouped weights (``gate_up_proj``) where it names no linear layer. Those weights are one
+    (experts, out, in) tensor per projection, not linear layers, so LoRA leaves them frozen, as PEFT's target_modules
+    does (verl's Megatron LoRA adapts each expert's linear_fc1/linear_fc2; lathe does not)."""
+    from lathe.models.moe import sparse_blocks
+    paths = {id(m): p for p, m in model.named_modules()}
+    experts = {paths[id(b.experts)]: [n for n, _ in b.experts.named_parameters()] for b in sparse_blocks(model)}
+    named = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
+    routed = [n for n in named if any(matches(p, [n]) for p in experts)
+              or not any(matches(p, [n]) for p in linear)
+              and any(matches(f"{p}.{leaf}", [n]) for p, leaves in experts.items() for leaf in leaves)]
+    if routed:
+        raise ValueError(f"actor_rollout_ref.model.target_modules={target_modules!r}: {routed} name(s) the routed "
+                         "experts' grouped weights, which lathe's LoRA does not adapt (they are one tensor per "
+                         "projection over all experts, not linear layers; with expert parallelism they are cut over "
+                         "the ranks and stay frozen). Fix: leave them out of target_modules; all-linear adapts the "
+                         "attention, dense-MLP and shared-expert layers.")
 
 
 def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: str | list[str] = "all-linear",

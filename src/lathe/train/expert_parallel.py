@@ -30,6 +30,11 @@ holds its own slice of the micro-batch's packed stream, so a sparse layer dispat
 padding that makes the stream divisible by S included, its outputs unread): which rank holds a token does not change
 what its experts compute, nor where its gradient returns. The load-balancing loss is then the whole micro-batch's,
 its statistics summed over the sequence-parallel group (`lathe.train.ulysses.router_totals`), as in one process.
+
+LoRA (`lathe.models.lora`) composes too: its adapters sit on linear layers (attention, dense MLPs, shared experts),
+never on the grouped expert weights, so the experts cut here stay frozen (their DTensors keep `requires_grad=False`,
+and the rows' gradients still return through the all-to-alls to the adapters before them); the reference is this
+model with its adapters off, and the engine's sync sends the merged adapted layers only.
 """
 
 from __future__ import annotations
@@ -68,10 +73,11 @@ def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
 
 def check_model(model: nn.Module, size: int, key: str) -> None:
     """Raise unless `model`'s experts can be cut over `size` ranks: lathe's mixture-of-experts layers (Qwen3-MoE,
-    Qwen3.5-MoE, GPT-OSS), `num_experts` divisible by the size, no LoRA adapters."""
+    Qwen3.5-MoE, GPT-OSS), `num_experts` divisible by the size. LoRA adapters may sit beside them: they are on
+    linear layers, never on the routed experts' grouped weights (`lathe.models.lora.target_names`), so the experts
+    cut here stay frozen and whole per rank."""
     if size == 1:
         return
-    from lathe.models.lora import has_lora
     blocks = sparse_blocks(model)
     arch = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
     if not blocks:
@@ -84,8 +90,6 @@ def check_model(model: nn.Module, size: int, key: str) -> None:
         raise ValueError(f"{key}={size}: each rank of an expert-parallel group holds num_experts / {size} whole "
                          f"experts, but the model has {n} experts, which {size} does not divide. Fix: set {key} to "
                          f"one of {fits} that divides the FSDP shard group.")
-    if has_lora(model):
-        raise ValueError(f"{key}={size} with LoRA adapters: not built yet. Fix: set {key}=1 (or lora_rank=0).")
 
 
 def parallelize(model: nn.Module, ep: ExpertParallel | None) -> nn.Module:

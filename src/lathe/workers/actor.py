@@ -25,6 +25,7 @@ from lathe.models.rope import cast_keeping_rope
 from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora, load_adapter, read_adapter
+from lathe.models.moe import sparse_blocks
 from lathe.rollout.base import ROUTED
 from lathe.rollout.build import architecture, runs_lathe
 from lathe.train import expert_parallel, lora, parallel, tensor_parallel, ulysses
@@ -123,8 +124,10 @@ class Actor:
             _, tensors = read_adapter(m.lora_adapter_path)
             load_adapter(self.model, tensors, f"actor_rollout_ref.model.lora_adapter_path={m.lora_adapter_path}")
         trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        log.info("actor: LoRA rank %d on %d layers: %.2fM trainable parameters of %.1fM", m.lora_rank, len(names),
-                 trained / 1e6, sum(p.numel() for p in self.model.parameters()) / 1e6)
+        experts = sum(p.numel() for block in sparse_blocks(self.model) for p in block.experts.parameters())
+        log.info("actor: LoRA rank %d on %d layers: %.2fM trainable parameters of %.1fM%s", m.lora_rank, len(names),
+                 trained / 1e6, sum(p.numel() for p in self.model.parameters()) / 1e6,
+                 f" (the routed experts' {experts / 1e6:.1f}M frozen)" if experts else "")
         return True
 
     # -- what the worker calls ------------------------------------------------------------------------

@@ -6,10 +6,9 @@ both) replay MoE routing as one process does, in float64 on a tiny Qwen3-MoE (2 
   of a policy whose routers moved since replays it: metrics (`actor/routing_replay_changed`: real tokens over the
   group), and the weights after SGD (the gradients, scale included) equal one process's. The same update with the
   experts shifted equals one process's too, and differs from it: the replayed routing is used.
-- R3: routing given in the rollout's layout (a differently perturbed router's choices, standing in for the engine's
-  recorded routing: the trainer's side is the same) makes the old-log-prob pass's log-probs one process's, which
-  differ from the unreplayed ones.
-The engine's recording itself is tests/engine/test_routing.py's; replay without Ulysses tests/train/test_routing.py's.
+- R3: the routing lathe's engine recorded when it sampled the batch (`rollout.base.to_batch`'s layout), before the
+  routers moved, makes the old-log-prob pass's log-probs one process's, which differ from the unreplayed ones.
+Replay without Ulysses is tests/train/test_routing.py's.
 """
 
 from __future__ import annotations
@@ -29,11 +28,12 @@ from lathe.batch import Batch
 from lathe.rollout.base import ROUTED
 
 from .test_expert_parallel import tiny_moe
-from .test_ulysses import COMMON, rollout_batch
+from .test_ulysses import COMMON
 
 S, JOIN_S = 2, 120
 REL = 1e-10                              # float64: the same sums in another order
 CHANGED = "actor/routing_replay_changed"
+PROMPTS = [[5, 9, 2, 33, 8], [4, 4, 12], [5, 9, 2, 17], [30, 21]]
 
 
 def perturbed(model, seed: int):
@@ -48,20 +48,18 @@ def perturbed(model, seed: int):
 
 
 def inputs() -> dict:
-    """The step's batch, the policy, and the R3 routing (-1 at padding) in the rollout's layout."""
-    from lathe.models.routing import record_routing
-    policy = tiny_moe().double()
-    batch = rollout_batch(8, seed=3)
+    """The step's batch from lathe's engine (tiny_moe in fp32, its routing recorded: R3's), the float64 policy."""
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
+    from lathe.rollout.base import to_batch
+    engine = LatheEngine(tiny_moe(), eos_token_id=[3, 7], block_size=4, num_kv_blocks=64, record_routing=True)
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5))
+    batch = to_batch(PROMPTS, out, pad_id=0, n=2)
     g = torch.Generator().manual_seed(7)
     mask = batch["response_mask"].double()
     batch["advantages"] = torch.randn(mask.shape[0], 1, generator=g, dtype=torch.float64).expand(mask.shape) * mask
     batch["ref_log_prob"] = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * mask
-    engine = perturbed(policy, seed=11).eval()
-    with torch.no_grad(), record_routing(engine) as layers:
-        engine(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
-    routed = torch.stack([layer[0] for layer in layers], dim=1).view(*mask.shape[:1], -1, len(layers), 2)
-    routed = routed.masked_fill(~batch["attention_mask"].bool()[..., None, None], -1).to(torch.int16)
-    return {"batch": batch, "policy": policy, "r3": routed}
+    return {"batch": batch, "policy": perturbed(tiny_moe().double(), seed=11)}    # routers moved since the rollout
 
 
 def run(policy, batch: Batch, sp=None) -> dict:
@@ -105,8 +103,7 @@ def rank_main(rank: int, port: int, root: str, queue) -> None:
         torch.set_num_threads(1)
         from lathe.train.ulysses import sequence_parallel
         given = torch.load(Path(root) / "inputs.pt", weights_only=False)
-        batch = Batch({**given["batch"].tensors, ROUTED: given["r3"]})
-        torch.save(run(given["policy"], batch, sequence_parallel(S)), Path(root) / f"rank{rank}.pt")
+        torch.save(run(given["policy"], given["batch"], sequence_parallel(S)), Path(root) / f"rank{rank}.pt")
         queue.put((rank, True))
     except BaseException:
         queue.put((rank, traceback.format_exc()))
@@ -124,7 +121,7 @@ def runs(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)            # tiny matmuls: a second thread only waits (seconds on a busy machine)
     try:
-        one = run(copy.deepcopy(given["policy"]), Batch({**given["batch"].tensors, ROUTED: given["r3"]}))
+        one = run(copy.deepcopy(given["policy"]), given["batch"])
     finally:
         torch.set_num_threads(threads)
     ctx = mp.get_context("forkserver")

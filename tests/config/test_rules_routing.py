@@ -41,11 +41,15 @@ def test_unsupported_combinations_are_refused(overrides, needle):
     assert needle in fails(overrides)
 
 
-def test_sequence_parallel_is_refused_and_engine_tensor_parallel_loads():
-    """R3 beside expert-parallel engine replicas: every rank records the same routing (the whole router runs on each;
+def test_sequence_parallel_and_engine_tensor_parallel_load():
+    """R2/R3 beside Ulysses (each rank replays its slice: tests/train/test_routing_ulysses.py); R3 beside expert-
+    parallel engine replicas: every rank records the same routing (the whole router runs on each;
     tests/engine/test_expert_parallel.py), and the replica's first rank returns it."""
-    assert "ulysses_sequence_parallel_size > 1" in fails(
-        [*R3, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], 2)
+    sp = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
+          "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+    for mode in (R3, [f"{MODE}=R2"]):
+        cfg = load_config("base", GRPO + mode + sp, device_count=2)
+        assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
     ro = "actor_rollout_ref.rollout"
     cfg = load_config("base", GRPO + R3 + ["trainer.n_gpus_per_node=2", f"{ro}.tensor_model_parallel_size=2",
                                            f"{ro}.expert_parallel_size=2"], device_count=2)

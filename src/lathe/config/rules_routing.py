@@ -5,7 +5,7 @@ loaded (`lathe.workers.actor`)."""
 from __future__ import annotations
 
 from .errors import ProblemList
-from .plan import is_async, sequence_parallel_size
+from .plan import is_async
 from .support_rollout import ROUTING
 
 A = "actor_rollout_ref.actor"
@@ -27,8 +27,6 @@ def check_routing_replay(cfg, problems: ProblemList) -> None:
         return
     unsupported = [
         (is_async(cfg), "rollout.n_gpus_per_node > 0 (fully-async training)", "train synchronously"),
-        (sequence_parallel_size(cfg, "actor") > 1, f"{A}.ulysses_sequence_parallel_size > 1",
-         "set it to 1"),
         (arr.actor.use_prefix_grouper, f"{A}.use_prefix_grouper=true", "set it to false"),
         (arr.rollout.multi_turn.enable, f"{R}.multi_turn.enable=true (the agent loop)", "set it to false"),
         (arr.rollout.name == "hf", f"{R}.name=hf (transformers generate records no routing)", f"set {R}.name=lathe"),

@@ -41,7 +41,7 @@ from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
 from lathe.train.offload import activations_on_host
 from lathe.train.router_tokens import router_tokens
-from lathe.train.routing import replay_or_nothing
+from lathe.train.routing import replay_counts, replay_or_nothing
 from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel
 from lathe.train.update import NonFiniteGuard, clipped_step, run_ppo_epochs
@@ -133,7 +133,7 @@ class PPOActor:
         micros = [m for m, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                               key=self.max_token_key)]
         for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
-            with replay_or_nothing(self.model, micro, self.use_remove_padding, replay):
+            with replay_or_nothing(self.model, micro, self.use_remove_padding, replay, self.sp):
                 with activations_on_host(self.offload_activations) as moved:
                     loss, parts = self._micro_batch_loss(micro, agg, diff)
                 loss.backward()
@@ -152,8 +152,7 @@ class PPOActor:
             reduce = functools.partial(parallel.all_reduce, group=self.data_group)
             out.update({f"training/rollout_probs_diff_{k}": v for k, v in diff.metrics(reduce).items()})
         if replay is not None:
-            counts = parallel.sum_metrics({"changed": float(replay.changed), "given": float(replay.given)},
-                                          self.data_group)
+            counts = parallel.sum_metrics(replay_counts(replay, self.sp), self.data_group)
             out["actor/routing_replay_changed"] = counts["changed"] / max(1.0, counts["given"])
         out["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip)
         out["actor/skipped_updates"] = self.nonfinite.check(out["actor/grad_norm"], mini)

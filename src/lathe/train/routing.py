@@ -13,6 +13,13 @@ A forward runs either padded (every (B, L) position, row-major: the order its Mo
 (the real tokens, row-major: `pack_padded`'s and `host_layout`'s order); `forward_order` gives the rows of the
 flattened batch the forward takes, in its order. The replay wraps forward and backward, so that layers recomputed
 in backward (gradient checkpointing) route as their forward did.
+
+Under Ulysses sequence parallelism (`sp`, `lathe.train.ulysses`) a forward is packed and each rank of a group runs
+its MoE layers on its slice of the stream, padded to divide by the group's size: replay hands each rank its slice of
+the given choices (-1 at the padding: it routes by its own top-k, uncounted), and recording gathers the group's
+slices back into the whole stream's choices (the padding's dropped), so every rank of the group holds the same
+`routed_experts`, in the batch's layout, that one process records. A rank's `ReplayStats` count its slice's real
+tokens; `replay_counts` sums them over the group (then the data-parallel sum counts each token once).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from lathe.models.routing import ReplayStats, record_routing, replay_routing
 from lathe.rollout.base import ROUTED
 from lathe.train.logprob import host_layout
 from lathe.train.micro import in_batch_order
-
+from lathe.train.parallel import all_reduce
+from lathe.train.ulysses import SequenceParallel, gather_tokens, local_slice
 
 
 def forward_order(batch: Batch, remove_padding: bool) -> torch.Tensor | None:
@@ -42,18 +50,29 @@ def forward_order(batch: Batch, remove_padding: bool) -> torch.Tensor | None:
     return batch["attention_mask"].flatten().nonzero(as_tuple=True)[0]
 
 
+def _packed_order(batch: Batch, remove_padding: bool, sp: SequenceParallel | None) -> torch.Tensor | None:
+    """`forward_order`; refused under sequence parallelism unless packed (its forward always is)."""
+    if sp is not None and not remove_padding:
+        raise ValueError("routing replay with Ulysses sequence parallelism runs packed forwards "
+                         "(actor_rollout_ref.model.use_remove_padding=true), got remove_padding=false")
+    return forward_order(batch, remove_padding)
+
+
 @contextmanager
-def replaying(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None) -> Iterator[None]:
+def replaying(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None,
+              sp: SequenceParallel | None = None) -> Iterator[None]:
     """Forwards (and backwards) over `batch` inside the block replay its `routed_experts` (`stats` counts what
-    replay changed); without them, as usual."""
+    replay changed); without them, as usual. `sp`: this rank's sequence-parallel group; it replays its slice."""
     routed = batch.tensors.get(ROUTED)
     if routed is None:
         yield
         return
     given = routed.flatten(0, 1)
-    order = forward_order(batch, remove_padding)
+    order = _packed_order(batch, remove_padding, sp)
     if order is not None:
         given = given.index_select(0, order.to(given.device))
+    if sp is not None:                  # this rank's slice of the stream, -1 at the padding that makes it divide
+        given = local_slice(given, sp, fill=-1)
     with replay_routing(model, given, stats):
         yield
 
@@ -65,17 +84,21 @@ class Recorded:
 
 
 @contextmanager
-def recording(model, batch: Batch, remove_padding: bool) -> Iterator[Recorded]:
+def recording(model, batch: Batch, remove_padding: bool, sp: SequenceParallel | None = None) -> Iterator[Recorded]:
     """Record the choices of the one forward over `batch` inside the block; after it, `.value` holds them
-    (B, L, layers, k) int16, -1 at the positions the forward skipped (padding, when packed)."""
+    (B, L, layers, k) int16, -1 at the positions the forward skipped (padding, when packed). `sp`: this rank's
+    sequence-parallel group, whose ranks each record their slice: the whole stream's choices, on every rank."""
     out = Recorded()
     with record_routing(model) as layers:
         yield out
     if not layers or len(layers[0]) != 1:
         raise RuntimeError(f"routing replay (R2): expected one forward's routing, got {len(layers[0])} per layer")
-    chosen = torch.stack([layer[0] for layer in layers], dim=1).to(torch.int16)     # (T, layers, k)
+    chosen = torch.stack([layer[0] for layer in layers], dim=1)                     # (T, layers, k)
     B, L = batch["attention_mask"].shape
-    order = forward_order(batch, remove_padding)
+    order = _packed_order(batch, remove_padding, sp)
+    if sp is not None:                  # the group's slices joined, the padding that made the stream divide dropped
+        chosen = gather_tokens(chosen.long(), sp)[:len(order)]
+    chosen = chosen.to(torch.int16)
     if order is None:
         out.value = chosen.view(B, L, *chosen.shape[1:])
         return
@@ -87,17 +110,17 @@ class LogProbRouting:
     """The old-log-prob pass's routing (`batched_token_stats`'s `around`, called per micro-batch with its rows):
     R3 replays the rollout's choices; R2 records its own, which `result` gives in the batch's row order."""
 
-    def __init__(self, mode: str, model, remove_padding: bool):
-        self.mode, self.model, self.remove_padding = mode, model, remove_padding
+    def __init__(self, mode: str, model, remove_padding: bool, sp: SequenceParallel | None = None):
+        self.mode, self.model, self.remove_padding, self.sp = mode, model, remove_padding, sp
         self.parts: list[tuple[torch.Tensor, list[int] | None]] = []
 
     @contextmanager
     def __call__(self, micro: Batch, rows: list[int] | None) -> Iterator[None]:
         if self.mode != "R2":
-            with replay_or_nothing(self.model, micro, self.remove_padding):
+            with replay_or_nothing(self.model, micro, self.remove_padding, sp=self.sp):
                 yield
             return
-        with recording(self.model, micro, self.remove_padding) as rec:
+        with recording(self.model, micro, self.remove_padding, self.sp) as rec:
             yield
         self.parts.append((rec.value, rows))
 
@@ -106,9 +129,19 @@ class LogProbRouting:
         return in_batch_order(self.parts) if self.parts else None
 
 
-def replay_or_nothing(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None):
+def replay_or_nothing(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None,
+                      sp: SequenceParallel | None = None):
     """`replaying` when the batch carries routing, else a null context."""
-    return replaying(model, batch, remove_padding, stats) if ROUTED in batch else nullcontext()
+    return replaying(model, batch, remove_padding, stats, sp) if ROUTED in batch else nullcontext()
+
+
+def replay_counts(stats: ReplayStats, sp: SequenceParallel | None = None) -> dict[str, float]:
+    """{changed, given}: `stats`' counts, summed over this rank's sequence-parallel group (each rank counted its
+    slice's tokens), so that a sum over the data-parallel ranks counts every token once."""
+    counts = [float(stats.changed), float(stats.given)]
+    if sp is not None:
+        counts = all_reduce(counts, group=sp.group).tolist()
+    return dict(zip(("changed", "given"), counts))
 
 
 def check_replay_model(model, mode: str) -> None:

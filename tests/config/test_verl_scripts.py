@@ -25,8 +25,6 @@ KNOWN_OTHERS = {
     r"expert parallelism with lora_rank in one model is not": "a cross-field rule (config/rules_parallel.py): a "
         "Megatron MoE script trains LoRA adapters beside EP, which lathe does not combine in one model yet (its "
         "Megatron TP beside EP translates to FSDP sharding, its CP to Ulysses, which composes with EP)",
-    r"distillation with tensor parallelism is not implemented yet": "a cross-field rule (config/distill.py): the "
-        "teachers are sharded with FSDP only, each rank scoring its own rows",
     r"^unknown key actor_rollout_ref\.actor\.engine\.": "the megatron-lite package's keys (after the refused "
         "Hydra config-group selection that brings them)",
     r"^unknown key actor_rollout_ref\.actor\.model_engine$": "not a key of verl's schema either: Hydra refuses it "

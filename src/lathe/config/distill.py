@@ -14,7 +14,8 @@ and rollout pools of fully-asynchronous training), a whole copy of every teacher
 ``fsdp_config.tensor_parallel_size``) a colocated teacher is not cut: FSDP2 shards it over the ranks the reference's
 slices are sharded over, each rank scoring rows of its own (``lathe.workers.teacher``), and the student's top-k
 log-probs come from its vocabulary-parallel lm_head (``lathe.train.vocab_parallel``). A teacher's ``num_replicas``
-and engine settings (``inference.*``) are named once in a warning and otherwise left (``policy_loss_mode``: ``support.py``).
+and engine settings (``inference.*``) are named once in a warning and otherwise left (``policy_loss_mode``:
+``support.py``).
 """
 
 from __future__ import annotations

@@ -164,7 +164,8 @@ def vocab_parallel_topk_log_probs(hidden: torch.Tensor, local_weight: torch.Tens
     where = torch.zeros(z.shape[0], k, dtype=torch.long, device=z.device)
     local = z.detach().topk(min(k, z.shape[-1]), dim=-1)
     values[:, :local.values.shape[-1]], where[:, :local.values.shape[-1]] = local.values, local.indices + lo
-    all_values, all_ids = [torch.empty_like(values) for _ in range(size)], [torch.empty_like(where) for _ in range(size)]
+    all_values = [torch.empty_like(values) for _ in range(size)]
+    all_ids = [torch.empty_like(where) for _ in range(size)]
     dist.all_gather(all_values, values, group=group)
     dist.all_gather(all_ids, where, group=group)
     best = torch.cat(all_values, -1).topk(k, dim=-1).indices

@@ -20,7 +20,19 @@ import torch
 import torch.distributed as dist
 from helpers import assert_close_rel
 
+from lathe.algo.distillation import DistillationParams
 from lathe.batch import Batch
+from lathe.cluster.dispatch import even_shares
+from lathe.config import load_config, run_plan
+from lathe.config.distill import TeacherSpec
+from lathe.data.builtin import builtin_tokenizer
+from lathe.models.hf import build_builtin_model
+from lathe.train import parallel
+from lathe.train.actor import PPOActor
+from lathe.train.tensor_parallel import parallelize, tensor_parallel
+from lathe.train.ulysses import consecutive_groups
+from lathe.train.vocab_parallel import vocab_parallel_topk_log_probs
+from lathe.workers.teacher import Teacher
 
 from .test_parallel import run_ranks
 from .test_ulysses import COMMON, REL, ppo_batches, tiny
@@ -42,16 +54,12 @@ def vocab_inputs():
 
 
 def config(world: int = 1):
-    from lathe.config import load_config, run_plan
     cfg = load_config(None, [*COMMON, *(TP if world > 1 else ()), f"trainer.n_gpus_per_node={world}"])
     return cfg, run_plan(cfg)
 
 
 def teacher_numbers(path: str, batch, *, mesh=None) -> dict:
     """The teacher's `teacher_log_probs` and top k of `batch`'s rows (sharded over the group's ranks with `mesh`)."""
-    from lathe.config.distill import TeacherSpec
-    from lathe.data.builtin import builtin_tokenizer
-    from lathe.workers.teacher import Teacher
     cfg, _ = config()
     teacher = Teacher([TeacherSpec("teacher_model", None, path)], cfg.actor_rollout_ref, builtin_tokenizer(),
                       device=torch.device("cpu"), sharded=mesh is not None, mesh=mesh)
@@ -62,10 +70,6 @@ def teacher_numbers(path: str, batch, *, mesh=None) -> dict:
 
 def student_run(batch, *, remove_padding: bool, world: int = 1) -> dict:
     """Two SGD steps of the actor (PPO + the top-k forward KL) over `batch`, cut over the TP group in a rank."""
-    from lathe.algo.distillation import DistillationParams
-    from lathe.train import parallel
-    from lathe.train.actor import PPOActor
-    from lathe.train.tensor_parallel import parallelize, tensor_parallel
     cfg, plan = config(world)
     tp = tensor_parallel(plan.mesh("actor"), torch.device("cpu")) if world > 1 else None
     model = tiny(0)
@@ -85,7 +89,6 @@ def student_run(batch, *, remove_padding: bool, world: int = 1) -> dict:
 
 # -- what each rank runs -------------------------------------------------------------------------------------------
 def rank_vocab(group) -> dict:
-    from lathe.train.vocab_parallel import vocab_parallel_topk_log_probs
     hidden, weight, ids, w = vocab_inputs()
     h, local = hidden.clone().requires_grad_(), weight.chunk(T)[dist.get_rank(group)].clone().requires_grad_()
     logp, own = vocab_parallel_topk_log_probs(h, local, ids, group, vocab_size=VOCAB, temperature=0.7)
@@ -94,9 +97,6 @@ def rank_vocab(group) -> dict:
 
 
 def rank_job(world: int, *, root: str, teacher: str) -> dict:
-    from lathe.cluster.dispatch import even_shares
-    from lathe.train import parallel
-    from lathe.train.ulysses import consecutive_groups
     batch = torch.load(Path(root) / "batch.pt", weights_only=False)
     rows = even_shares(batch, world, balance=True)[parallel.rank()]       # the teachers' shares: one per rank
     _, plan = config(world)
@@ -109,8 +109,6 @@ def rank_job(world: int, *, root: str, teacher: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The inputs, the one-process teacher, and the two ranks' results."""
-    from lathe.data.builtin import builtin_tokenizer
-    from lathe.models.hf import build_builtin_model
     root = tmp_path_factory.mktemp("distill_tp")
     tok, path = builtin_tokenizer(), root / "teacher"
     build_builtin_model("tiny", vocab_size=len(tok), seed=5).save_pretrained(path)

@@ -7,7 +7,9 @@
   scoring rows of its own): their log-probs and top k equal the unsharded teacher's;
 - the student cut over the group (the actor's TP 2) takes two SGD steps of PPO with the top-k forward KL against that
   teacher's top k, packed and padded: its distillation loss, metrics and weights (so its gradients) equal one
-  process's.
+  process's;
+- the worker (`ActorRolloutRefWorker`: reference cut over the group, teacher sharded over both ranks, the cut actor's
+  AdamW update) gives one process's teacher numbers, reference log-probs and update metrics.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lathe.train.actor import PPOActor
 from lathe.train.tensor_parallel import parallelize, tensor_parallel
 from lathe.train.ulysses import consecutive_groups
 from lathe.train.vocab_parallel import vocab_parallel_topk_log_probs
+from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 from lathe.workers.teacher import Teacher
 
 from .test_parallel import run_ranks
@@ -87,6 +90,27 @@ def student_run(batch, *, remove_padding: bool, world: int = 1) -> dict:
     return {"metrics": metrics, "weights": {k: t.clone() for k, t in weights}}
 
 
+def worker_run(batch, teacher: str, world: int = 1) -> dict:
+    """The actor/reference/teacher worker as the driver calls it (the actor's and reference's TP 2 over the ranks):
+    the teacher's numbers of this rank's own rows, the reference's log-probs and one step's update of the TP group's
+    share (the whole batch)."""
+    cfg = load_config(None, [*COMMON, *(TP if world > 1 else ()), f"trainer.n_gpus_per_node={world}",
+                             "actor_rollout_ref.model.path=builtin:tiny", "distillation.enabled=true",
+                             f"distillation.teacher_models.teacher_model.model_path={teacher}",
+                             "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                             f"distillation.distillation_loss.topk={K}"])
+    tok = builtin_tokenizer()
+    worker = ActorRolloutRefWorker(cfg, build_builtin_model("tiny", vocab_size=len(tok), seed=0), tok,
+                                   plan=run_plan(cfg), total_steps=10, device=torch.device("cpu"), rollout=False)
+    rows = even_shares(batch, world, balance=True)[parallel.rank()] if world > 1 else list(range(len(batch)))
+    out = {"rows": rows, "teacher": worker.compute_teacher_log_prob(batch.select(rows)).tensors,
+           "ref": worker.compute_ref_log_prob(batch)["ref_log_prob"]}
+    batch = Batch(dict(batch.tensors), dict(batch.non_tensors))
+    batch["ref_log_prob"] = out["ref"]
+    out["metrics"] = worker.update_actor(batch)
+    return out
+
+
 # -- what each rank runs -------------------------------------------------------------------------------------------
 def rank_vocab(group) -> dict:
     hidden, weight, ids, w = vocab_inputs()
@@ -103,7 +127,8 @@ def rank_job(world: int, *, root: str, teacher: str) -> dict:
     assert plan.mesh("ref").tp == T
     return {"vocab": rank_vocab(consecutive_groups(T).group), "rows": rows,
             "teacher": teacher_numbers(teacher, batch.select(rows), mesh=plan.mesh("ref")),
-            "student": {rp: student_run(batch, remove_padding=rp, world=world) for rp in (True, False)}}
+            "student": {rp: student_run(batch, remove_padding=rp, world=world) for rp in (True, False)},
+            "worker": worker_run(batch, teacher, world)}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +144,7 @@ def runs(tmp_path_factory):
     batch["teacher_topk_ids"] = one["teacher_topk_ids"] % tiny(0).config.vocab_size   # the student's smaller vocabulary
     torch.save(batch, root / "batch.pt")
     ranks = run_ranks(T, root / "ranks", dict(root=str(root), teacher=str(path)), fn=rank_job)[0]
-    return batch, one, ranks
+    return batch, one, ranks, path
 
 
 # -- the checks ----------------------------------------------------------------------------------------------------
@@ -138,7 +163,7 @@ def test_vocab_parallel_top_k_equals_the_whole_vocabulary(runs):
 
 
 def test_teachers_beside_tensor_parallelism_score_as_one_process(runs):
-    batch, one, ranks = runs
+    batch, one, ranks, _ = runs
     assert sorted(np.concatenate([r["rows"] for r in ranks]).tolist()) == list(range(len(batch)))
     mask = batch["response_mask"].bool()
     for key in ("teacher_log_probs", "teacher_topk_log_probs", "teacher_topk_ids"):
@@ -153,7 +178,7 @@ def test_teachers_beside_tensor_parallelism_score_as_one_process(runs):
 
 @pytest.mark.parametrize("remove_padding", [True, False])
 def test_a_tensor_parallel_student_distils_as_one_process(runs, remove_padding):
-    batch, _, ranks = runs
+    batch, _, ranks, _ = runs
     want = student_run(batch, remove_padding=remove_padding)
     for r in ranks:
         got = r["student"][remove_padding]
@@ -162,3 +187,20 @@ def test_a_tensor_parallel_student_distils_as_one_process(runs, remove_padding):
         # the tied lm_head is the embeddings: one name in one process
         assert_close_rel({k: got["weights"][k] for k in want["weights"]}, want["weights"], REL,
                          name="weights after two steps")
+
+
+def test_the_worker_distils_beside_tensor_parallelism_as_one_process(runs):
+    """`ActorRolloutRefWorker` builds the reference cut over the group and the teacher sharded over both ranks (their
+    meshes in that order on every rank) and updates the cut actor: the same numbers as one process's worker."""
+    batch, _, ranks, path = runs
+    want = worker_run(batch, str(path))
+    mask = batch["response_mask"].bool()
+    for key in ("teacher_topk_log_probs", "teacher_topk_ids"):
+        got = torch.zeros_like(want["teacher"][key])
+        for r in ranks:
+            got[r["worker"]["rows"]] = r["worker"]["teacher"][key]
+        assert_close_rel(got[mask].double(), want["teacher"][key][mask].double(), REL, name=key)
+    for r in ranks:
+        assert_close_rel(r["worker"]["ref"], want["ref"], REL, name="reference log-probs")
+        assert_close_rel([r["worker"]["metrics"][k] for k in DISTILLED], [want["metrics"][k] for k in DISTILLED], REL,
+                         name="the worker's update")

@@ -15,11 +15,11 @@ TWO = ON + [f"+{D}.teacher_models.gsm8k.key=openai/gsm8k", f"+{D}.teacher_models
             f"+{D}.teacher_models.geo.key=hiyouga/geometry3k", f"+{D}.teacher_models.geo.model_path=/ckpt/b"]
 
 
-def load(*overrides: str):
+def load(*overrides: str, devices: int = 1):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IgnoredKeysWarning)
         warnings.simplefilter("ignore", DistillationPlacementWarning)
-        return load_config("base", list(overrides), device_count=1)
+        return load_config("base", list(overrides), device_count=devices)
 
 
 def refused(*overrides: str) -> str:
@@ -61,14 +61,23 @@ def test_a_dropped_default_teacher_with_a_checkpoint_warns():
     (ONE + [f"{D}.distillation_loss.loss_max_clamp=0"], "loss_max_clamp=0.0"),
     (ONE + [f"+{D}.teacher_models.teacher_model.inference.max_model_len=100"], "max_model_len=100 is shorter"),
     (TWO + [f"{D}.teacher_key=task"], "teacher_key='task'"),
-    (ONE + ["actor_rollout_ref.actor.fsdp_config.tensor_parallel_size=2", "trainer.n_gpus_per_node=2",
-            "trainer.device=cpu"], "distillation with tensor parallelism is not implemented yet"),
     (TWO + [f"+{D}.teacher_models.geo.key=openai/gsm8k"], "also the key of teacher gsm8k"),
     (ON + [f"+{D}.teacher_models.a.model_path=/x", f"+{D}.teacher_models.b.model_path=/y"], "teacher_models.a.key"),
 ])
 def test_settings_lathe_cannot_run_are_refused_naming_key_and_fix(overrides, words):
     message = refused(*overrides)
     assert words in message and "Fix" in message
+
+
+def test_distillation_beside_tensor_parallelism_loads():
+    """The teachers are not cut (FSDP2 over the reference's ranks); the student's top k come from its vocabulary
+    slices: the actor's and the reference's tensor parallelism load with either loss."""
+    tp = ["actor_rollout_ref.actor.fsdp_config.tensor_parallel_size=2", "trainer.n_gpus_per_node=2",
+          "trainer.device=cpu", "actor_rollout_ref.actor.use_kl_loss=true",
+          "actor_rollout_ref.ref.fsdp_config.tensor_parallel_size=2"]
+    assert load(*ONE, *tp, devices=2).distillation.enabled
+    topk = load(*ONE, *tp, f"{D}.distillation_loss.loss_mode=forward_kl_topk", devices=2)
+    assert topk.distillation.distillation_loss.topk == 32
 
 
 def test_the_top_k_forward_kl_loads():

@@ -107,8 +107,6 @@ def problems(name: str) -> list[tuple[str, str]]:
 SHORT = [(r"ghost rows would pad the ranks' shares", "a mini-batch that does not divide over the data-parallel "
                                                       "ranks beside MoE router losses (ghost rows)"),
          (r"^global_profiler.tool=torch profiles the steps of the synchronous loop", "profiling the fully-async loop"),
-         (r"^distillation with tensor parallelism is not implemented yet", "on-policy distillation with tensor "
-                                                                          "parallelism"),
          (r"splits the packed stream of each micro-batch .* runs it padded", "sequence parallelism of padded "
                                                                           "micro-batches (use_remove_padding=false)"),
          (r"^[\w.]+=[^:]*: (?P<what>.*?) is not implemented yet in lathe", None)]

@@ -10,8 +10,12 @@ lathe's placement: every teacher runs a forward pass over the student's tokens (
 devices (colocated, like the reference), or, with ``nnodes`` and ``n_gpus_per_node`` both >= 1 (verl's teacher pool;
 verl's defaults, nnodes=0, ask for none), on a worker group of its own (in the synchronous loop and beside the trainer
 and rollout pools of fully-asynchronous training), a whole copy of every teacher on each of its ranks
-(``lathe.cluster.teacher_pool``). A teacher's ``num_replicas`` and engine settings
-(``inference.*``) are named once in a warning and otherwise left (``policy_loss_mode``: ``support.py``).
+(``lathe.cluster.teacher_pool``). Beside tensor parallelism (the actor's or the reference's
+``fsdp_config.tensor_parallel_size``) a colocated teacher is not cut: FSDP2 shards it over the ranks the reference's
+slices are sharded over, each rank scoring rows of its own (``lathe.workers.teacher``), and the student's top-k
+log-probs come from its vocabulary-parallel lm_head (``lathe.train.vocab_parallel``). A teacher's ``num_replicas``
+and engine settings (``inference.*``) are named once in a warning and otherwise left (``policy_loss_mode``:
+``support.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ProblemList
-from .plan import teacher_devices, tensor_parallel_size
+from .plan import teacher_devices
 
 D = "distillation"
 ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")      # lathe.algo.distillation.ESTIMATOR_MODES
@@ -84,13 +88,6 @@ def check_distillation(cfg, problems: ProblemList) -> None:
         _check_length(cfg, name, entry, problems)
     if len(given) > 1:
         _check_routing(cfg, given, problems)
-    tp = {r: tensor_parallel_size(cfg, r) for r in ("actor", "ref")}
-    if max(tp.values()) > 1:
-        role = "actor" if tp["actor"] > 1 else "ref"
-        problems.add(f"distillation with tensor parallelism is not implemented yet: {D}.enabled=true with "
-                     f"actor_rollout_ref.{role}.fsdp_config.tensor_parallel_size={tp[role]} (lathe's teachers are "
-                     "sharded with FSDP only, each rank scoring rows of its own). Fix: set tensor_parallel_size=1 for "
-                     "the actor and the reference, or distillation.enabled=false.")
     _warn_placement(cfg, given)
 
 

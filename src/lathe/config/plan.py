@@ -17,7 +17,7 @@ together, so a mini-batch is split over devices / T groups.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import ConfigError
 from .schema import LatheConfig
@@ -91,6 +91,12 @@ class MeshPlan:
     def hsdp(self) -> bool:
         """Replicated shard groups (a 2-D mesh), not plain FSDP."""
         return self.dp_replicate > 1
+
+    def without_tensor_parallel(self) -> MeshPlan:
+        """This mesh's ranks with the tp dim folded into the shard dim: a model no tensor-parallel group cuts (a
+        distillation teacher placed like the reference) sharded by FSDP2 over as many ranks as this mesh's model's
+        slices are (the same memory per rank), each rank computing on data of its own."""
+        return replace(self, dp_shard=self.dp_shard * self.tp, tp=1)
 
     def describe(self) -> str:
         tp = f" x TP {self.tp}" if self.tp > 1 else f", EP {self.ep}" if self.ep > 1 else ""

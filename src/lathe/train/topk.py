@@ -7,7 +7,8 @@ actor's training forward (`student_topk_log_probs`). Both read the final hidden 
 the response tokens (`lathe.train.logprob.response_hidden`: packed or padded, lathe's decoder or VL model) through the
 output layer chunk by chunk, so at most `chunk_size x vocab` logits exist at once (the student's chunks are
 recomputed in backward); a transformers model gives its full (B, R, V) logits. Padding positions hold 0 (log-probs)
-and token 0 (ids).
+and token 0 (ids). A student cut by tensor parallelism (its lm_head over the vocabulary) reads the given tokens and
+its own top k from each rank's slice of the vocabulary (`lathe.train.vocab_parallel.vocab_parallel_topk_log_probs`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lathe.models.vl import LatheVLForConditionalGeneration
 from lathe.train import parallel
 from lathe.train.logprob import LOGPROB_CHUNK_SIZE, response_hidden
 from lathe.train.micro import in_batch_order, micro_batches
+from lathe.train.vocab_parallel import vocab_parallel_topk_log_probs, vocab_sharded
 
 
 def _lathe(model) -> bool:
@@ -89,6 +91,9 @@ def student_topk_log_probs(model, batch: Batch, ids: torch.Tensor, *, temperatur
     weight = model.lm_head.weight
 
     def gather(h: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if vocab_sharded(weight):       # tensor parallelism: this rank's rows of the lm_head
+            return vocab_parallel_topk_log_probs(h, weight.to_local(), idx, weight.device_mesh.get_group(),
+                                                 vocab_size=weight.shape[0], temperature=temperature)
         logp = _chunk_log_softmax(h, weight, temperature)
         return logp.gather(-1, idx), logp.detach().topk(k, dim=-1).indices
 

@@ -18,6 +18,11 @@ the same loss, so each needs the whole gradient. This is Megatron's vocab-parall
 entropy and the temperature; DTensor's `loss_parallel` covers only the cross-entropy of a DTensor of logits, which
 would mean a (tokens x vocab/T) logits tensor for the whole micro-batch and its softmax saved for backward, instead
 of one chunk at a time.
+
+The top-k forward KL of distillation reads the student's log-probs of k given tokens per position (the teacher's top
+k) and the student's own top k (`vocab_parallel_topk_log_probs`): the same max and sums, each rank picking the given
+ids it holds, differentiable through two group operations (Megatron's "f" and "g": a sum over the group whose
+backward keeps this rank's gradient, and an identity whose backward sums the ranks' gradients).
 """
 
 from __future__ import annotations
@@ -137,3 +142,62 @@ class _VocabParallelStats(torch.autograd.Function):
             dist.all_reduce(grad_h, group=ctx.group)     # the whole vocabulary's part: every rank's columns
         grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def vocab_parallel_topk_log_probs(hidden: torch.Tensor, local_weight: torch.Tensor, ids: torch.Tensor, group, *,
+                                  vocab_size: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs (n, k) of the token ids `ids` (n, k) under softmax(hidden (n, H) @ W^T / temperature),
+    differentiable in `hidden` and `local_weight`; the group's k most likely token ids (n, k), no gradient), where
+    this rank of `group` holds `local_weight` (rows as in `vocab_parallel_token_stats`). One chunk of tokens: this
+    rank forms its (n, V / size) logits; the caller recomputes them in backward (`torch.utils.checkpoint`)."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    lo, k = min(me * -(-vocab_size // size), vocab_size), ids.shape[-1]
+    z = _logits(_SumGradients.apply(hidden, group), local_weight, temperature)
+    top = z.detach().amax(-1) if z.shape[-1] else z.new_full(z.shape[:1], -torch.inf)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    mine, col = _local_target(z, ids, lo)
+    picked = torch.where(mine, z.gather(-1, col) if z.shape[-1] else 0.0, 0.0)
+    sums = _GroupSum.apply(torch.cat([torch.exp(z - top.unsqueeze(-1)).sum(-1, keepdim=True), picked], -1), group)
+    logp = sums[:, 1:] - (top + torch.log(sums[:, 0])).unsqueeze(-1)
+    # the group's top k: each rank's own top k (padded to k with -inf when it holds fewer columns), then the best k
+    values = z.detach().new_full((z.shape[0], k), -torch.inf)
+    where = torch.zeros(z.shape[0], k, dtype=torch.long, device=z.device)
+    local = z.detach().topk(min(k, z.shape[-1]), dim=-1)
+    values[:, :local.values.shape[-1]], where[:, :local.values.shape[-1]] = local.values, local.indices + lo
+    all_values = [torch.empty_like(values) for _ in range(size)]
+    all_ids = [torch.empty_like(where) for _ in range(size)]
+    dist.all_gather(all_values, values, group=group)
+    dist.all_gather(all_ids, where, group=group)
+    best = torch.cat(all_values, -1).topk(k, dim=-1).indices
+    return logp, torch.cat(all_ids, -1).gather(-1, best)
+
+
+class _GroupSum(torch.autograd.Function):
+    """The group's sum of a tensor every rank computed from its own slice; the backward keeps this rank's gradient
+    (every rank computes the same loss from the sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumGradients(torch.autograd.Function):
+    """The identity on an input every rank of the group holds whole; the backward sums the ranks' gradients (each
+    rank's covers its own slice of the vocabulary)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

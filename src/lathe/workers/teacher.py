@@ -3,7 +3,11 @@
 Each teacher (`lathe.config.distill.teachers`) is loaded with the policy's loader (lathe's decoder when it runs the
 architecture, else transformers; a vision-language teacher sees the rows' images), frozen, and placed like the
 reference (`actor_rollout_ref.ref.fsdp_config`: its compute dtype, FSDP2 sharding over the trainer's ranks when the
-actor is sharded, pinned CPU memory between uses with `param_offload`). `compute_teacher_log_prob` scores the
+actor is sharded, pinned CPU memory between uses with `param_offload`). Tensor parallelism does not cut a teacher:
+where the reference's mesh has a tp dim (its or the actor's `tensor_parallel_size`), the teacher is sharded by FSDP2
+alone over the same ranks (`MeshPlan.without_tensor_parallel`: the same memory per rank as the reference's slices),
+each rank scoring rows of its own, so any model the teacher loads as runs (no head or vocabulary split to check),
+and its numbers are the unsharded teacher's. `compute_teacher_log_prob` scores the
 student's sampled responses with one forward pass (`lathe.train.logprob.batched_log_probs`, the reference's code):
 `teacher_log_probs` (B, R), at temperature 1 (verl: the teacher's prompt log-probs ignore the sampling temperature);
 with `loss_mode=forward_kl_topk` its k most likely tokens and their log-probs instead (`lathe.train.topk`).
@@ -92,7 +96,8 @@ class TeacherModel:
         self.model = frozen_copy(loaded, policy.param_dtype, torch.device("cpu") if sharded else device)
         del loaded
         offload = offload_flags(fsdp_cfg, device, key=FSDP_KEY, frozen=True)["offload_params"]
-        if sharded:
+        if sharded:         # FSDP2 only, over the ranks of the reference's mesh (its tp dim folded in)
+            mesh = mesh.without_tensor_parallel() if mesh is not None else None
             parallel.shard(self.model, fsdp_cfg, policy, device, mesh)
         self.host = HostWeights(self.model, device) if offload and not sharded else None
         log.info("teacher %s: %s, %s weights%s%s", spec.name, spec.model_path, short_name(policy.param_dtype),

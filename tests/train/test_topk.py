@@ -30,6 +30,23 @@ def test_the_teachers_top_k_is_the_full_log_softmax_top_k(make_model, make_lathe
         assert float(got_v[~valid].abs().max()) == 0.0 and int(got_i[~valid].abs().max()) == 0
 
 
+def test_the_teachers_top_k_keeps_to_the_students_ids(make_model, make_lathe, rollout_batch):
+    """A teacher with more output rows than the student's vocabulary: the k come from the student's ids, with the
+    teacher's own log-probs of them (its full softmax), on both paths."""
+    batch = rollout_batch(rows=4, seed=5)
+    valid = batch["response_mask"].bool()
+    with torch.no_grad():
+        full = _full(make_model(3), batch)
+        vocab = full.shape[-1] - 7
+        assert not bool((full.topk(K, dim=-1).indices[valid] < vocab).all()), "precondition: a top id past vocab"
+        want = full[..., :vocab].topk(K, dim=-1)
+        got = [batched_teacher_topk(make_lathe(3), batch, k=K, micro_batch_size=4, vocab=vocab),
+               teacher_topk(make_model(3), batch, k=K, vocab=vocab)]
+    for values, ids in got:
+        torch.testing.assert_close(values[valid], want.values[valid], rtol=1e-5, atol=1e-5)
+        assert torch.equal(ids[valid], want.indices[valid]) and int(ids.max()) < vocab
+
+
 @pytest.mark.parametrize("remove_padding", [False, True])
 def test_the_students_log_probs_of_given_tokens_and_their_gradient(make_model, make_lathe, rollout_batch,
                                                                    remove_padding):

@@ -41,17 +41,20 @@ def _chunk_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, temperature: 
     return torch.log_softmax((hidden @ weight.t()).float() / temperature, dim=-1)
 
 
-def teacher_topk(model, batch: Batch, *, k: int, remove_padding: bool = False,
+def teacher_topk(model, batch: Batch, *, k: int, remove_padding: bool = False, vocab: int | None = None,
                  chunk_size: int = LOGPROB_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs (B, R, k) float32, token ids (B, R, k) long) of the k most likely tokens at each response position,
-    at temperature 1 (the teacher's raw distribution)."""
+    at temperature 1 (the teacher's raw distribution). `vocab`: the k are chosen among the first `vocab` ids only
+    (the student's tokens: a teacher's output layer may have more rows, e.g. Qwen2.5-7B's 152064 beside a 1.5B's
+    151936, and an id past the student's is one it cannot score); their log-probs stay the teacher's own."""
     B, R = batch["responses"].shape
     if not _lathe(model):
         valid = batch["attention_mask"][:, -R:].bool()
-        values, ids = _full_log_softmax(model, batch, 1.0).topk(k, dim=-1)
+        values, ids = _full_log_softmax(model, batch, 1.0)[..., :vocab].topk(k, dim=-1)
         return values * valid.unsqueeze(-1), ids * valid.unsqueeze(-1)
     hidden, valid = response_hidden(model, batch, remove_padding=remove_padding)
-    parts = [_chunk_log_softmax(h, model.lm_head.weight, 1.0).topk(k, dim=-1) for h in hidden.split(chunk_size)]
+    parts = [_chunk_log_softmax(h, model.lm_head.weight, 1.0)[:, :vocab].topk(k, dim=-1)
+             for h in hidden.split(chunk_size)]
     values = torch.zeros(B, R, k, dtype=torch.float32, device=hidden.device)
     ids = torch.zeros(B, R, k, dtype=torch.long, device=hidden.device)
     if parts:
@@ -62,14 +65,14 @@ def teacher_topk(model, batch: Batch, *, k: int, remove_padding: bool = False,
 
 @torch.no_grad()
 def batched_teacher_topk(model, batch: Batch, *, k: int, micro_batch_size: int, remove_padding: bool = False,
-                         max_tokens: int | None = None, max_tokens_key: str = "log_prob_max_token_len_per_gpu"
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         vocab: int | None = None, max_tokens: int | None = None,
+                         max_tokens_key: str = "log_prob_max_token_len_per_gpu") -> tuple[torch.Tensor, torch.Tensor]:
     """`teacher_topk` over micro-batches (as `lathe.train.logprob.batched_log_probs` cuts them), in eval mode; rows in
     the batch's order."""
     was_training = model.training
     model.eval()
     try:
-        parts = [(teacher_topk(model, mb, k=k, remove_padding=remove_padding), rows)
+        parts = [(teacher_topk(model, mb, k=k, remove_padding=remove_padding, vocab=vocab), rows)
                  for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens, key=max_tokens_key)]
     finally:
         model.train(was_training)

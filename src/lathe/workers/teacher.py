@@ -86,7 +86,7 @@ class TeacherModel:
 
     def __init__(self, spec: TeacherSpec, arr, student_tokenizer, *, device: torch.device, sharded: bool,
                  mesh: MeshPlan | None, seed: int):
-        self.spec, self.device = spec, device
+        self.spec, self.device, self.vocab = spec, device, len(student_tokenizer)   # top-k among the student's ids
         m, fsdp_cfg = arr.model, arr.ref.fsdp_config
         tokenizer = load_tokenizer(spec.model_path, trust_remote_code=m.trust_remote_code)
         loaded = select_impl(load_policy(spec.model_path, impl=m.impl, trust_remote_code=m.trust_remote_code,
@@ -111,7 +111,7 @@ class TeacherModel:
         "teacher_topk_ids": (B, R, k)} of the teacher's k most likely tokens."""
         with self.on_device() as model:
             if topk:
-                values, ids = batched_teacher_topk(model, batch.to(self.device), k=topk,
+                values, ids = batched_teacher_topk(model, batch.to(self.device), k=topk, vocab=self.vocab,
                                                    remove_padding=remove_padding, **budget)
                 return {"teacher_topk_log_probs": values.cpu(), "teacher_topk_ids": ids.cpu()}
             logp, _ = batched_log_probs(model, batch.to(self.device), temperature=1.0, remove_padding=remove_padding,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 # bench/ is on the path (`common` was found there); kv_bytes_per_token is also the benches' through `common`
 from roofline import (decode_weight_bytes, forward_flops, kv_bytes_per_token, linear_state_bytes,  # noqa: F401
-                      touched_weight_bytes)
+                      param_count, touched_weight_bytes)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
@@ -198,13 +198,20 @@ def hf_config(shape_name: str, **overrides) -> dict:
 
 
 def build_hf(shape_name: str, device, dtype):
+    """A random-weight transformers model of a bench shape, in `dtype` (RoPE frequencies kept in float32). Built in
+    float32 and cast, unless its float32 weights would take more than half the device's memory (Qwen3.5-35B-A3B's
+    40 layers: 140 GB): then built in `dtype` directly (the same initialisation, rounded at each draw instead of
+    once)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     d = hf_config(shape_name, max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     cfg = AutoConfig.for_model(**{k: v for k, v in d.items() if k != "architectures"})
     cfg._attn_implementation = "sdpa" if "sliding_window" not in SHAPES[shape_name] else "eager"
+    device = torch.device(device)
+    large = device.type == "cuda" and 4 * param_count(SHAPES[shape_name]) > torch.cuda.get_device_properties(
+        device).total_memory / 2
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = AutoModelForCausalLM.from_config(cfg, **({"dtype": dtype} if large else {}))
     return cast_keeping_rope(model, dtype).train()
 
 

@@ -69,7 +69,12 @@ LATHE_SETTINGS = {
     "32b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "30b-a3b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "30b-a3b-12l": dict(micro=16, checkpointing=True, kl=True, extra=[]),
-    "gpt-oss-20b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    # GPT-OSS-20B on one H200 (issue 44): bf16 master weights and AdamW moments in host memory (the memory plan: 117
+    # GiB on the device during the update, 78 GiB pinned on the host; fp32 masters would need 234 GiB); run it with
+    # --gpu-memory-utilization 0.7 (the resident 78 GiB leave no KV cache at 0.5)
+    "gpt-oss-20b": dict(micro=8, checkpointing=True, kl=True,
+                        extra=["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+                               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]),
     "tiny-moe": dict(micro=8, checkpointing=False, kl=False, extra=[]),
     # Qwen3.5 hybrids (issue 44): the 2B on one GPU, the 35B-A3B's layer cuts on 2 (its 40 layers: more); micro 8 in
     # the cuts: their 248k-token vocabulary's logits, beside 11B parameters' training state
@@ -81,7 +86,8 @@ LATHE_SETTINGS = {
 }
 # One GPU needs the 7B optimizer state in host memory; sharded over several GPUs it fits (and lathe refuses
 # optimizer offload without parameter offload there), so these settings are dropped when --gpus > 1.
-SINGLE_GPU_ONLY = ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",)
+SINGLE_GPU_ONLY = ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                   "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16")
 TRL_MICRO = {"tiny": 8, "0.5b": 32, "1.5b": 16, "7b": 8}
 
 # -- the workload on disk ----------------------------------------------------------------------------------

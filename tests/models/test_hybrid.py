@@ -78,14 +78,12 @@ def test_configs_outside_the_hybrid_layers_fall_back():
 
 
 def test_what_cuts_sequences_is_refused_by_name():
-    """Ulysses and tensor parallelism in training, prefix-grouped rows, tensor-parallel engine replicas: refused for
-    the linear-attention layers, whose state runs along whole sequences."""
+    """Tensor parallelism in training, prefix-grouped rows, tensor-parallel engine replicas: refused for the
+    linear-attention layers, whose state runs along whole sequences (Ulysses splits them: tests/train/
+    test_ulysses_hybrid.py)."""
     from lathe.engine.tensor_parallel import shard_copy
-    from lathe.train import tensor_parallel, ulysses
+    from lathe.train import tensor_parallel
     lathe = lathe_from_transformers(hf_model("qwen3_5_text"))
-    key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
-    with pytest.raises(ValueError, match=f"{key}=2 with Qwen3_5ForCausalLM: its linear-attention layers"):
-        ulysses.check_model(lathe, 2, key)
     with pytest.raises(ValueError, match="linear-attention layers"):
         tensor_parallel.check_model(lathe, 2, "fsdp_config.tensor_parallel_size")
     with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2: the linear-attention layers"):

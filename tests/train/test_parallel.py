@@ -7,15 +7,12 @@ four times over on a small machine)."""
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import assert_close_rel, free_port, run_processes
+from helpers import assert_close_rel, free_port, gloo_rank, run_processes
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS
 from lathe.cluster.dispatch import select_share, update_shares
@@ -143,18 +140,10 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
 def rank_main(rank: int, world: int, port: int, out: Path, queue, jobs: tuple[dict, ...], fn=None) -> None:
     """One rank of a gloo group: `fn(world, **job)` (`train` by default) for each job in turn, each result saved to
     out/job<i>_rank<rank>.pt."""
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=JOIN_S))
+    def work():
         for i, job in enumerate(jobs):
             torch.save((fn or train)(world, **job), out / f"job{i}_rank{rank}.pt")
-        queue.put((rank, True))
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    gloo_rank(rank, world, port, queue, work, JOIN_S)
 
 
 def run_ranks(world: int, out: Path, *jobs: dict, fn=None) -> list[list[dict]]:

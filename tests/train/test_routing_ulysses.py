@@ -14,15 +14,12 @@ Replay without Ulysses is tests/train/test_routing.py's.
 from __future__ import annotations
 
 import copy
-import datetime
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import assert_close_rel, free_port, run_processes
+from helpers import assert_close_rel, free_port, gloo_rank, run_processes
 
 from lathe.batch import Batch
 from lathe.rollout.base import ROUTED
@@ -97,19 +94,11 @@ def run(policy, batch: Batch, sp=None) -> dict:
 
 
 def rank_main(rank: int, port: int, root: str, queue) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=S,
-                                timeout=datetime.timedelta(seconds=JOIN_S))
-        torch.set_num_threads(1)
+    def work():
         from lathe.train.ulysses import sequence_parallel
         given = torch.load(Path(root) / "inputs.pt", weights_only=False)
         torch.save(run(given["policy"], given["batch"], sequence_parallel(S)), Path(root) / f"rank{rank}.pt")
-        queue.put((rank, True))
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    gloo_rank(rank, S, port, queue, work, JOIN_S)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,13 @@ against the same in one process. Each spawn runs all its checks at once (a proce
 
 from __future__ import annotations
 
-import datetime
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import assert_close_rel, free_port, run_processes
+from helpers import assert_close_rel, free_port, gloo_rank, run_processes
 
 from lathe.batch import Batch
 from lathe.models.attention import PackedAttention
@@ -175,22 +172,14 @@ def rank_run(rank: int, world: int, size: int, batches: list[Batch]) -> dict:
 def rank_main(rank: int, world: int, port: int, root: str, queue) -> None:
     """2 ranks: the attention, and one group of 2; 4 ranks: 2 groups of 2, and one group of 4 (key/value heads
     repeated in the model)."""
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=JOIN_S))
-        torch.set_num_threads(1)
+    def work():
         from lathe.train.ulysses import sequence_parallel
         res = {"attention": rank_attention(sequence_parallel(S))} if world == S else {}
         batches = torch.load(Path(root) / "batches.pt", weights_only=False)
         for size in (S, world) if world > S else (S,):
             res[size] = rank_run(rank, world, size, batches)
         torch.save(res, Path(root) / f"rank{rank}.pt")
-        queue.put((rank, True))
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    gloo_rank(rank, world, port, queue, work, JOIN_S)
 
 
 def spawn(world: int, root: Path) -> list[dict]:

@@ -14,8 +14,12 @@ What differs from Qwen3 (as transformers' `modeling_qwen3_next` / `modeling_qwen
   sigmoid(`shared_expert_gate`(x)).
 
 Parameter names are the checkpoints' own. The linear-attention layers see each packed sequence (or each row of a
-padded batch, padding zeroed as transformers does) from a zero state; attention layouts that cut sequences in other
-ways (prefix grouping, Ulysses) are refused by the layer. An attention callable that carries `linear_states` (the
+padded batch, padding zeroed as transformers does) from a zero state. Under Ulysses sequence parallelism (an attention
+callable with `to_heads` / `to_tokens` around a `PackedAttention`: `lathe.train.ulysses.UlyssesAttention`) each rank
+projects its slice of the tokens, and an all-to-all hands it the whole stream for a share of the key heads (each with
+its r = Hv / Hk value heads: the convolution is per channel and the delta rule per head, so heads are independent);
+the outputs go back to the slice before the gated norm (`GatedDeltaNet.head_parallel`). Prefix grouping, which cuts
+sequences another way, is refused by the layer. An attention callable that carries `linear_states` (the
 engine's step: `cu_seqlens`, `max_seqlen`, and `read()` / `write(conv, recurrent)` of the next linear layer's
 per-sequence states, called in layer order) has each sequence continue from its own states instead; a step of one
 token per sequence hands the state updates to it (`GatedDeltaNet.step`), which advances them in place.
@@ -140,6 +144,33 @@ class GatedDeltaNet(nn.Module):
         out = self.out_proj(self.norm(o, z).flatten(-2))
         return out if state is None else (out, (conv, final))
 
+    def head_parallel(self, x: torch.Tensor, split) -> torch.Tensor:
+        """Ulysses: this rank's slice x (T/S, H) of a packed stream whose every sequence starts from a zero state.
+        `split` (`UlyssesAttention`) exchanges (T/S tokens, Hk heads, ...) for (T tokens, Hk/S heads, ...) and back
+        (`to_heads`, `to_tokens`), its `inner` holds the whole padded stream's `cu_seqlens`. Each key head's q, k,
+        its value heads' v and b, a travel together (one all-to-all), so rank s runs the convolution and the delta
+        rule over every token for key heads [s Hk/S, (s+1) Hk/S) and their value heads, with those channels'
+        convolution weights and those heads' A_log, dt_bias. The outputs return to the token slice, where the
+        gated norm (per token and value head) meets z, which never leaves the rank."""
+        la, n, size, rank = self.la, x.shape[0], split.sp.size, split.sp.rank
+        hk, r, dk, dv = la.num_key_heads, la.num_value_heads // la.num_key_heads, la.key_head_dim, la.value_head_dim
+        mixed, z, b, a = self.project(x)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        grouped = torch.cat([q.view(n, hk, dk), k.view(n, hk, dk), v.reshape(n, hk, r * dv), b.view(n, hk, r),
+                             a.view(n, hk, r)], dim=-1)
+        q, k, v, b, a = split.to_heads(grouped).split([dk, dk, r * dv, r, r], dim=-1)
+        mine = hk // size
+        keys, values = slice(rank * mine * dk, (rank + 1) * mine * dk), slice(rank * mine * r, (rank + 1) * mine * r)
+        w = self.conv1d.weight.squeeze(1)
+        weight = torch.cat([w[keys], w[self.key_dim:][keys], w[2 * self.key_dim:][values.start * dv:values.stop * dv]])
+        cu, longest = split.inner.cu_seqlens, split.inner.max_seqlen
+        mixed = causal_conv1d(torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1), weight, cu)
+        q, k, v = mixed.split([mine * dk, mine * dk, mine * r * dv], dim=-1)
+        g, beta = self._gates(b.flatten(-2), a.flatten(-2), values)
+        o, _ = chunk_gated_delta_rule(q.unflatten(-1, (mine, dk)), k.unflatten(-1, (mine, dk)),
+                                      v.unflatten(-1, (mine * r, dv)), g, beta, cu, longest)
+        return self.out_proj(self.norm(split.to_tokens(o), z).flatten(-2))
+
     def step(self, x: torch.Tensor, states) -> torch.Tensor:
         """One new token per sequence, x (S, H), each continuing from its own states, which `states` (the engine's
         `LinearStep`) advances where they lie: `conv_step(mixed, weight)` and `recurrent_step(q, k, v, g, beta)`.
@@ -156,9 +187,11 @@ class GatedDeltaNet(nn.Module):
         q, k = (t.unflatten(-1, (la.num_key_heads, la.key_head_dim)) for t in (q, k))
         return q, k, v.unflatten(-1, (la.num_value_heads, la.value_head_dim))
 
-    def _gates(self, b: torch.Tensor, a: torch.Tensor):
-        """(g, beta): the decay's log, -exp(A_log) softplus(a + dt_bias) in float32, and sigmoid(b)."""
-        return -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias), torch.sigmoid(b)
+    def _gates(self, b: torch.Tensor, a: torch.Tensor, heads: slice = slice(None)):
+        """(g, beta): the decay's log, -exp(A_log) softplus(a + dt_bias) in float32, and sigmoid(b); b, a of the
+        value `heads` only (a rank's share under Ulysses)."""
+        return (-self.A_log[heads].float().exp() * nn.functional.softplus(a.float() + self.dt_bias[heads]),
+                torch.sigmoid(b))
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -206,6 +239,8 @@ class HybridDecoderLayer(nn.Module):
             return out
         if isinstance(attn, PackedAttention):
             return self.linear_attn(h, attn.cu_seqlens, attn.max_seqlen)
+        if hasattr(attn, "to_heads") and isinstance(attn.inner, PackedAttention):    # Ulysses (module doc)
+            return self.linear_attn.head_parallel(h, attn)
         if isinstance(attn, PaddedAttention):
             b, length = h.shape[:2]
             if attn.attention_mask is not None:      # padding zeroed: it leaves the state untouched (as transformers)
@@ -214,8 +249,8 @@ class HybridDecoderLayer(nn.Module):
             return self.linear_attn(h.reshape(b * length, -1), cu, length).view_as(h)
         raise NotImplementedError(
             f"lathe's Qwen3.5 / Qwen3-Next linear-attention layers run packed or padded batches; {type(attn).__name__} "
-            "cuts the sequences another way (actor.use_prefix_grouper, Ulysses sequence parallelism), which these "
-            "layers do not implement. Fix: turn that feature off for this model")
+            "cuts the sequences another way (actor.use_prefix_grouper), which these layers do not implement. Fix: "
+            "turn that feature off for this model")
 
 
 def hybrid_parts(cfg: LatheConfig) -> tuple[nn.ModuleList, nn.Module, RotaryEmbedding]:

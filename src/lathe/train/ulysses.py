@@ -16,6 +16,12 @@ key/value heads than S (grouped-query attention), each key/value head is repeate
 does), which keeps every rank's query heads with their own key/value head when S is a multiple of the key/value
 heads (`check_model`).
 
+Linear attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next's gated-DeltaNet layers) carries a state along each whole
+sequence, so it is split the same way: each rank projects its slice, one all-to-all hands it all T tokens of Hk/S
+key heads with their value heads (the short convolution is per channel, the gated delta rule per head), and a second
+one brings the outputs back (`lathe.models.qwen3_5.GatedDeltaNet.head_parallel`, through `UlyssesAttention.to_heads`
+and `to_tokens`); S must divide the linear layers' key heads (`check_model`).
+
 Gradients. Each rank computes its slice's per-token results (log-probs, entropy, values) and `gather_tokens` joins
 the group's slices, so every rank of the group holds the whole micro-batch's results and computes the same loss L
 from them (normalised by counts summed over the data-parallel group only: `data_group`). The backward of the gather
@@ -81,8 +87,15 @@ def check_model(model, size: int, key: str) -> None:
     the forward's length."""
     if size == 1:
         return
-    require_text_decoder(model, size, key, "run with Ulysses sequence parallelism")
+    require_text_decoder(model, size, key, "run with Ulysses sequence parallelism", linear_attention=True)
     c = model.config
+    la = getattr(c, "linear_attention", None)
+    if la is not None and la.num_key_heads % size:
+        ok = [s for s in range(1, la.num_key_heads + 1) if la.num_key_heads % s == 0]
+        raise ValueError(f"{key}={size}: {c.architecture}'s linear-attention layers have {la.num_key_heads} key heads "
+                         f"({la.num_value_heads} value heads), which are split over the {size} ranks of a group "
+                         f"with their value heads, so {size} must divide {la.num_key_heads}. Fix: set {key} to "
+                         f"{' or '.join(map(str, ok[-3:]))}.")
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     if heads % size or (kv % size and size % kv):
         raise ValueError(f"{key}={size}: the model's {heads} query heads and {kv} key/value heads are split over the "
@@ -96,15 +109,16 @@ def check_model(model, size: int, key: str) -> None:
                          f"forward, which each rank of a group sees only a slice of. Fix: set {key}=1.")
 
 
-def require_text_decoder(model, size: int, key: str, what: str) -> None:
+def require_text_decoder(model, size: int, key: str, what: str, linear_attention: bool = False) -> None:
     """Raise unless `model` is lathe's text decoder or value model: the only ones a parallelism `key` of `size` can
-    split (`what` it does to them, for the message)."""
+    split (`what` it does to them, for the message); a hybrid with linear-attention layers only where the caller
+    splits those too (`linear_attention`: Ulysses does)."""
     from lathe.models.decoder import LatheCausalLM, LatheValueModel
     if not isinstance(model, (LatheCausalLM, LatheValueModel)):
         raise ValueError(f"{key}={size} needs lathe's text decoder (Llama, Qwen2, Qwen3 and their value models), but "
                          f"this role runs {type(model).__name__}; a vision-language or transformers model cannot "
                          f"{what} in lathe yet. Fix: set {key}=1.")
-    if getattr(model.config, "linear_attention", None) is not None:
+    if not linear_attention and getattr(model.config, "linear_attention", None) is not None:
         raise ValueError(f"{key}={size} with {model.config.architecture}: its linear-attention layers (gated DeltaNet) "
                          f"carry a state along each whole sequence, which cannot {what} in lathe yet. Fix: set "
                          f"{key}=1.")
@@ -190,7 +204,9 @@ def gather_tokens(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
 class UlyssesAttention:
     """Attention over a sequence-parallel group's packed stream (an `AttentionFn`): this rank's q (T/S, Hq, D) and
     k, v (T/S, Hkv, D) exchanged for all T tokens of Hq/S heads, `inner` (attention over the whole padded stream,
-    e.g. `PackedAttention` with its `cu_seqlens`) run on them, the output exchanged back to (T/S, Hq, D)."""
+    e.g. `PackedAttention` with its `cu_seqlens`) run on them, the output exchanged back to (T/S, Hq, D).
+    `to_heads` and `to_tokens` are the two exchanges, for layers that split other per-head work the same way
+    (linear attention: module doc)."""
 
     inner: Any
     sp: SequenceParallel
@@ -200,8 +216,18 @@ class UlyssesAttention:
         size = self.sp.size
         if k.shape[1] < size:             # fewer key/value heads than ranks: each repeated (check_model)
             k, v = (x.repeat_interleave(size // x.shape[1], dim=1) for x in (k, v))
-        q, k, v = (_AllToAll.apply(x, self.sp, True) for x in (q, k, v))
-        return _AllToAll.apply(self.inner(q, k, v), self.sp, False)
+        return self.to_tokens(self.inner(*(self.to_heads(x) for x in (q, k, v))))
+
+    @torch.compiler.disable
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(T/S tokens, H heads, ...) on each rank -> (T tokens, H/S heads, ...): this rank's share, heads
+        [rank H/S, (rank+1) H/S); differentiable; eager in a compiled layer (as `decoder.attend`)."""
+        return _AllToAll.apply(x, self.sp, True)
+
+    @torch.compiler.disable
+    def to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of `to_heads`: (T, H/S, ...) -> (T/S, H, ...)."""
+        return _AllToAll.apply(x, self.sp, False)
 
 
 # -- the routers' load-balancing loss ------------------------------------------------------------------------------

@@ -44,7 +44,9 @@ GROUPS = {"ray": ("tests/cluster/",),
 # fixture runs once (xdist hands tests out one by one, and each worker that gets one of them builds the fixture).
 ONE_WORKER = ("tests/train/test_expert_parallel.py", "tests/train/test_tensor_parallel.py",
               "tests/train/test_parallel.py", "tests/train/test_ulysses.py", "tests/engine/test_tensor_parallel.py",
-              "tests/loop/test_sft.py", "tests/engine/test_deepseek_engine.py", "tests/models/test_deepseek.py")
+              "tests/loop/test_sft.py", "tests/engine/test_deepseek_engine.py", "tests/models/test_deepseek.py",
+              "tests/train/test_ulysses_hybrid.py", "tests/train/test_routing_ulysses.py",
+              "tests/train/test_distillation_tp.py", "tests/train/test_expert_parallel_lora.py")
 
 
 @pytest.hookimpl(tryfirst=True)    # before xdist's own hook reads the groups

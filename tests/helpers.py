@@ -116,7 +116,8 @@ def run_processes(procs: list, queue, timeout_s: float) -> dict:
 
 def gloo_rank(rank: int, world: int, port: int, queue, work, timeout_s: float = 120) -> None:
     """The body of a `run_processes` rank: join a gloo group of `world` on `port` (one torch thread), run `work()`,
-    put (rank, True) on `queue`, or the traceback's text when anything failed; leave the group."""
+    put (rank, its result, or True when it returns None) on `queue`, or the traceback's text when anything failed;
+    leave the group."""
     import datetime
     import traceback
 
@@ -125,8 +126,8 @@ def gloo_rank(rank: int, world: int, port: int, queue, work, timeout_s: float = 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         torch.set_num_threads(1)
-        work()
-        queue.put((rank, True))
+        result = work()
+        queue.put((rank, True if result is None else result))
     except BaseException:
         queue.put((rank, traceback.format_exc()))
     finally:

@@ -7,19 +7,16 @@ steps. A follower that hears nothing from its leader names it. The rollout worke
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.conftest import PROMPTS
 from engine.test_tensor_parallel import new_weights
-from helpers import free_port, run_processes
+from helpers import free_port, gloo_rank, run_processes
 from lathe.engine.llm_engine import LatheEngine
 from lathe.engine.tensor_parallel import replica_groups, shard_copy
 from lathe.generation import SamplingParams
@@ -87,22 +84,15 @@ def run_ranks(body, path: str, sender=None):
 
 
 def rank_main(body, sender, rank: int, port: int, sync_ports, path: str, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=JOIN_S))
+    def work():
         thread = threading.Thread(target=sender, args=(sync_ports, path)) if rank == 0 else None
         if thread is not None:
             thread.start()                               # the trainer's rank 0, sending over the SyncGroup(s)
         result = body(rank, sync_ports, path)
         if thread is not None:
             thread.join(timeout=JOIN_S)
-        queue.put((rank, result))
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return result
+    gloo_rank(rank, 2, port, queue, work, JOIN_S)
 
 
 def lockstep_rank(rank: int, sync_ports, path: str):

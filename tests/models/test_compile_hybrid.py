@@ -72,11 +72,14 @@ def test_engine_with_compiled_hybrid_layers_equals_the_eager_engine():
     compiled = compile_decoder(copy.deepcopy(eager), backend="aot_eager")
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15]]
     params = SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=2)
-    outs = []
+    outs, graphs = [], []
     for model in (eager, compiled):
         engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=10, reserve_new_tokens=False,
                              max_num_batched_tokens=4, compile_model=False)
+        graphs.append(counters["stats"]["unique_graphs"])
         outs.append(engine.generate(prompts, params))
+    graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0] < graphs[2], f"precondition: only the compiled engine compiles ({graphs})"
     assert outs[0].metrics["rollout/num_preemptions"] > 0, "precondition: preemptions in the run"
     assert outs[1].token_ids == outs[0].token_ids
     for got, want in zip(outs[1].logprobs, outs[0].logprobs):

@@ -58,8 +58,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import (SHAPES, batched_tokens, build_hf, datasheet_peak, device_name, git_sha, hbm_bandwidth,  # noqa: E402
-                    kv_bytes_per_token, linear_state_bytes, profile_summary, random_prompts, roofline_tok_s, slug, sync,
-                    weight_bytes)
+                    kv_bytes_per_token, linear_state_bytes, param_count, profile_summary, random_prompts, roofline_tok_s,
+                    slug, sync, weight_bytes)
 from roofline import decode_weight_bytes, layer_matmul_params  # noqa: E402
 
 from lathe.engine import scheduler  # noqa: E402
@@ -219,16 +219,21 @@ def engine_profile(model, prompts, params, device) -> dict:
 def bench_model(name: str, device, args) -> dict:
     shape = SHAPES[name]
     hf = build_hf(name, device, torch.bfloat16).eval()
-    lathe = lathe_from_transformers(hf).eval()
+    # a model whose bf16 weights take over a third of the device (the full Qwen3.5-35B-A3B: 70 GB) has one copy:
+    # lathe's decoder shares the transformers model's tensors, which then stays on the device (the host could not
+    # hold it either)
+    shared = (device.type == "cuda"
+              and 2 * param_count(shape) > torch.cuda.get_device_properties(device).total_memory / 3)
+    lathe = lathe_from_transformers(hf, clone=not shared).eval()
     # the transformers copy is only the baselines' model: on the device it would take the KV cache's room (a 7B
     # copy is 15 GB, half of what gpu_memory_utilization=0.5 leaves the cache), so it waits on the host meanwhile
     baselines = name in args.hf_models or name in args.hf_grpo_models
-    hf = hf.to("cpu") if baselines else None
+    hf = (hf if shared else hf.to("cpu")) if baselines else None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     bandwidth = hbm_bandwidth(device_name(device)) if device.type == "cuda" else None
     wbytes = roofline_weight_bytes(shape, lathe)
-    result = {"shape": shape, "weight_bytes": weight_bytes(lathe), "roofline_weight_bytes": wbytes,
+    result = {"shape": shape, "weight_bytes": weight_bytes(lathe), "one_shared_copy": shared, "roofline_weight_bytes": wbytes,
               "kv_bytes_per_token": kv_bytes_per_token(shape), "linear_state_bytes_per_seq": linear_state_bytes(shape),
               "loads": {}}
     grpo_prompts = random_prompts(args.grpo_prompts, min(64, args.prompt_len), max(64, 2 * args.prompt_len),
@@ -285,7 +290,7 @@ def bench_model(name: str, device, args) -> dict:
         hf_models = args.hf_models if load == "fixed" else args.hf_grpo_models
         if name in hf_models:
             engine.sleep()                      # the KV cache's memory goes to the baselines meanwhile
-            hf.to(device)
+            hf.to(device) if not shared else None
             for base in ("hf_generate", "hf_generate_batch"):
                 if base.removeprefix("hf_") not in args.baselines:
                     continue
@@ -301,7 +306,7 @@ def bench_model(name: str, device, args) -> dict:
                 except Exception as e:            # a baseline that fails is reported, not fatal
                     row[base] = {"error": f"{type(e).__name__}: {e}"[:400]}
                     traceback.print_exc()
-            hf.to("cpu")
+            hf.to("cpu") if not shared else None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             engine.wake_up()

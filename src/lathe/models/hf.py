@@ -210,12 +210,14 @@ def _explain(path: str, what: str, err: Exception) -> str:
     return msg
 
 
-def lathe_from_transformers(model):
+def lathe_from_transformers(model, *, clone: bool = True):
     """lathe's decoder holding a copy of the weights of a transformers model, or `UnsupportedArchitecture`.
 
     A `*ForCausalLM` becomes a `LatheCausalLM`, a `*ForTokenClassification` (the critic) a `LatheValueModel`.
     Parameter names are the same on both sides, so this is a state-dict copy (cloned, not shared: the
     transformers module stays usable, e.g. as the rollout's copy) and the seeded initialisation is kept.
+    `clone=False` shares the tensors instead (one copy of a model too large for two on its device; training either
+    one then changes both).
     """
     from lathe.models.config import LatheConfig, UnsupportedArchitecture
     from lathe.models.decoder import LatheCausalLM, LatheValueModel
@@ -230,7 +232,7 @@ def lathe_from_transformers(model):
             raise UnsupportedArchitecture(f"{source}: {key}={d[key]} (lathe's decoder has no dropout); the "
                                           "transformers fallback will be used")
     is_value = name.endswith("ForTokenClassification")
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() if clone else v.detach() for k, v in model.state_dict().items()}
     if is_value:
         if getattr(model.config, "num_labels", 1) != 1:
             raise UnsupportedArchitecture(f"{source}: num_labels={model.config.num_labels}; a critic has one "

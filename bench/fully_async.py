@@ -24,7 +24,10 @@ for the longest of its responses). The measured length distribution is in the JS
 Reported per run: the median and total wall seconds per trained step after `--warmup` (`perf/time_per_step`: the
 whole step in the synchronous loop; the time between two finished updates in the asynchronous one), tokens/s, the
 response lengths, and for async the staleness, idle ratios, partial rollouts and weight-sync time. The speed-up is
-sync seconds / async seconds over the timed steps.
+sync seconds / async seconds over the timed steps. Beside it, its ceiling at this split: sync seconds over the async
+trainer's busy seconds (each step less its idle share). With one trainer device the update takes about twice the
+synchronous loop's (two devices), so a workload whose synchronous step is mostly update cannot reach 2.5x at 1+1
+whatever the rollout side does: the ceiling says how far a run is from that bound and which side to work on.
 
 `--workload tool` (issue 47's multi-turn tool workload): the same model, data and lengths, each response a
 trajectory of the agent loop (`rollout.multi_turn`) of up to `--turns` model turns, each but the last followed by a
@@ -136,7 +139,12 @@ def summarize(steps: list[dict], warmup: int) -> dict:
             "trainer/idle_ratio", "rollouter/idle_ratio", "fully_async/staleness/mean", "fully_async/staleness/max",
             "fully_async/partial/partial_ratio", "fully_async/sync/send_s", "fully_async/sync/interrupted",
             "agent/tool_calls/mean", "num_turns/mean", "timing_s/agent_loop")
+    # the trainer's busy seconds (async: the step less its idle share): no schedule of the rollout side can make the
+    # timed steps shorter than this, so sync seconds over it bound the speed-up at this split
+    busy = (sum(s["perf/time_per_step"] * (1 - s["trainer/idle_ratio"]) for s in timed)
+            if all("trainer/idle_ratio" in s for s in timed) else None)
     return {"steps_timed": len(timed), "step_wall_s_median": statistics.median(walls), "timed_wall_s": sum(walls),
+            "trainer_busy_s": busy,
             "step_wall_s_all": [s.get("perf/time_per_step") for s in steps],
             "medians": {k: statistics.median(s[k] for s in timed) for k in keys if all(k in s for s in timed)},
             "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps), default=None)}
@@ -209,13 +217,18 @@ def main() -> None:
     s, a = (result["runs"].get(m, {}).get("timed_wall_s") for m in ("sync", "async"))
     if s and a:
         result["speedup_async_vs_sync"] = s / a
+    busy = result["runs"].get("async", {}).get("trainer_busy_s")
+    if s and busy:      # the trainer-bound ceiling: its update on one device against the whole synchronous step
+        result["speedup_ceiling_trainer_bound"] = s / busy
     out.write_text(json.dumps(result, indent=2))
     for mode, r in result["runs"].items():
         print(f"{mode:>5}: rc {r['returncode']}, {r.get('step_wall_s_median', float('nan')):.2f} s/step (median), "
               f"{r.get('timed_wall_s', float('nan')):.1f} s over {r.get('steps_timed', 0)} steps, "
               f"response length {r.get('medians', {}).get('response_length/mean', float('nan')):.0f} mean")
     if "speedup_async_vs_sync" in result:
-        print(f"speed-up (async / sync): {result['speedup_async_vs_sync']:.2f}x")
+        print(f"speed-up (async / sync): {result['speedup_async_vs_sync']:.2f}x"
+              + (f" (trainer-bound ceiling {result['speedup_ceiling_trainer_bound']:.2f}x)"
+                 if "speedup_ceiling_trainer_bound" in result else ""))
     print(f"wrote {out}")
 
 

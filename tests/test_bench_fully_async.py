@@ -23,8 +23,10 @@ sys.path.insert(0, sys.argv[2])
 import bench_sleep_tool
 from lathe.rollout.agent.parser import get_parser
 calls = get_parser("hermes")("any text").calls
+steps = [{"perf/time_per_step": 9.0, "trainer/idle_ratio": 0.5}, {"perf/time_per_step": 2.0, "trainer/idle_ratio": 0.25},
+         {"perf/time_per_step": 4.0, "trainer/idle_ratio": 0.5}]
 print(json.dumps({"plain": fully_async.commands(paths, args), "tool": fully_async.commands(tool_paths, tool),
-                  "calls": [c.name for c in calls]}))
+                  "calls": [c.name for c in calls], "busy": fully_async.summarize(steps, 1)["trainer_busy_s"]}))
 """
 
 
@@ -49,3 +51,4 @@ def test_fully_async_builds_both_command_lines(tmp_path):
         assert {f"{mt}.enable=true", f"{mt}.max_assistant_turns=3",
                 f"{mt}.tool_config_path={tmp_path / 'bench_sleep_tool.json'}"} <= set(cmd)
     assert not any(c.startswith(f"{mt}.") for c in cmds["async"]) and built["calls"] == ["sleep"]
+    assert abs(built["busy"] - (2.0 * 0.75 + 4.0 * 0.5)) < 1e-9     # the timed steps' trainer-busy seconds

@@ -36,9 +36,9 @@ def tiny_family_checkpoint(family: str, where):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_text"])
 def test_grpo_lifts_the_reward(tmp_path, family):
-    """80 warm-start steps leave the score near 0.55; 30 GRPO steps lift the 10-step mean by 0.07-0.09
-    (2026-11-30: Qwen3-MoE 0.58 -> 0.65, Qwen3.5 0.50 -> 0.60; 20-50 s each on this machine). A 10-step mean of 256 samples a step varies by ~0.01,
-    so 0.04 is learning, with room for another machine's summation order."""
+    """80 warm-start steps leave the score near 0.55; 30 GRPO steps lift the 10-step mean by 0.07-0.09 (2026-11-30:
+    Qwen3-MoE 0.58 -> 0.65, Qwen3.5 0.50 -> 0.60; 20-50 s each on this machine). A 10-step mean of 256 samples a
+    step varies by ~0.01, so 0.04 is learning, with room for another machine's summation order."""
     path = tiny_family_checkpoint(family, tmp_path / "model")
     assert main(["train", f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.model.tokenizer_path=builtin:tiny",
                  "actor_rollout_ref.model.warm_start.steps=80", "actor_rollout_ref.model.warm_start.cache=false",

@@ -116,10 +116,13 @@ def megatron_state(model, *, stacked: bool = False, experts: str = "stacked", pa
         out["output_layer.weight"] = torch.cat([sd["lm_head.weight"], torch.zeros(pad, emb.shape[1])])
     out["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
     layers = [_number_experts(layer_tensors(sd, i, hf), experts) for i in range(hf.num_hidden_layers)]
-    if stacked:
-        names = set(layers[0])
-        assert all(set(layer) == names for layer in layers), "stacked layers need the same tensors in every layer"
-        out.update({f"decoder.layers.{n}": torch.stack([layer[n] for layer in layers]) for n in names})
+    if stacked:       # a tensor some layers lack (dense vs MoE): one `<key>@<i>` per layer, merged by `save_megatron`
+        for n in sorted({n for layer in layers for n in layer}):
+            have = [i for i, layer in enumerate(layers) if n in layer]
+            if len(have) == len(layers):
+                out[f"decoder.layers.{n}"] = torch.stack([layer[n] for layer in layers])
+            else:
+                out.update({f"decoder.layers.{n}@{i}": layers[i][n][None] for i in have})
     else:
         out.update({f"decoder.layers.{i}.{n}": t for i, layer in enumerate(layers) for n, t in layer.items()})
     out.update(extra or {})
@@ -139,6 +142,36 @@ def save_megatron(model, path: Path, prefix: str = "", **layout) -> Path:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    _merge_layer_chunks(path, model.config.num_hidden_layers)
     (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                     "common_backend": "torch", "common_backend_version": 1}))
     return path
+
+
+def _merge_layer_chunks(path: Path, num_layers: int) -> None:
+    """Rewrite the DCP index so that each `<key>@<i>` entry (one layer, a leading axis of 1) becomes layer i's chunk of
+    `<key>` (global leading axis `num_layers`): what Megatron's homogeneous layout saves for a tensor only some layers
+    have (a stacked tensor whose chunks cover those layers only; mcore before 0.11 for mixed dense/MoE models)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    parts = sorted(k for k in md.state_dict_metadata if "@" in k)
+    if not parts:
+        return
+    for part in parts:
+        key, i = part.split("@")[0], int(part.split("@")[1])
+        one = md.state_dict_metadata.pop(part)
+        size = torch.Size([num_layers, *one.size[1:]])
+        chunk = ChunkStorageMetadata(offsets=torch.Size([i] + [0] * (len(size) - 1)), sizes=one.size)
+        merged = md.state_dict_metadata.setdefault(key, TensorStorageMetadata(one.properties, size, []))
+        merged.chunks.append(chunk)
+        (index, info), = [(m, s) for m, s in md.storage_data.items() if m.fqn == part]
+        del md.storage_data[index]
+        md.storage_data[MetadataIndex(key, chunk.offsets)] = info
+        if md.planner_data is not None:
+            md.planner_data.pop(part, None)
+            md.planner_data[key] = (key,)
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)

@@ -27,6 +27,8 @@ CASES = {   # name: (model builder, layout)
     "qwen3 q/k norms, tied": (lambda: hf_model("qwen3", tie=True), dict()),
     "llama numbered layers": (lambda: hf_model("llama"), dict()),
     "qwen3-moe stacked layers and experts": (lambda: _all_sparse_moe(), dict(stacked=True, experts="stacked")),
+    "qwen3-moe dense layer 0, stacked layers whose chunks cover some": (lambda: hf_model(MOE, seed=4),
+                                                                       dict(stacked=True)),
     "qwen3-moe dense layer 0, numbered experts split gate/up": (lambda: hf_model(MOE, seed=2),
                                                                   dict(experts="numbered")),
     "deepseek-v3 MLA, shared experts, TE experts": (lambda: deepseek_model(seed=1), dict(experts="te")),

@@ -16,13 +16,13 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from .coerce import show
-from .plan import trainer_devices
+from .plan import needs_ref, trainer_devices
 from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
 from .support_rollout import ROUTING
 from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
-from .verl_translate import (RULES, context_parallel_notice, lora_experts_notice, pipeline_notice, rule_for,
-                             tp_beside_ep_notice, translate)
+from .verl_translate import (DIST_USE, RULES, context_parallel_notice, dist_checkpoint, dist_checkpoint_prefix,
+                             lora_experts_notice, pipeline_notice, rule_for, tp_beside_ep_notice, translate)
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
 ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
@@ -160,9 +160,7 @@ def _backends() -> list[Entry]:
                 "its AdamW over FSDP2 shards, the same update"),
            inert("actor_rollout_ref.ref.engine.impl_cfg.recompute", "the reference runs forward only"),
            warn("*.engine.impl_cfg*", "a Megatron Lite engine setting (kernels, fusions, overlap); " + KERNELS),
-           refuse("*.megatron.use_dist_checkpointing", "loading Megatron distributed checkpoints",
-                  "convert the checkpoint to Hugging Face format and set actor_rollout_ref.model.path to it"),
-           warn("*.megatron.dist*", "it is read only with megatron.use_dist_checkpointing (not implemented)"),
+           *_dist_checkpointing(),
            warn("*.megatron.*mbridge", CKPT_FORMAT),
            refuse("*.veomni.load_checkpoint_path", "loading a VeOmni checkpoint",
                   "resume a lathe checkpoint with trainer.resume_mode / trainer.resume_from_path"),
@@ -194,6 +192,56 @@ def _per_key(factory):
     """A judge that needs the concrete key a pattern matched: ``entry_for`` calls ``factory(key)``."""
     factory.per_key = True
     return factory
+
+
+REF_START = "a reference model that starts from other weights than the actor"
+SAME_START = ("give actor_rollout_ref.ref.megatron the actor's use_dist_checkpointing, dist_checkpointing_path and "
+              "dist_checkpointing_prefix: lathe's reference copies the actor's starting weights")
+
+
+def _same_start(value: Any, cfg: Any) -> bool:
+    """The reference (when one is computed) starts from the actor's weights, as lathe's reference copies them as
+    loaded: both read the same Megatron checkpoint, or neither does."""
+    given = {(None, "") if dist_checkpoint(cfg, role) is None else
+             (dist_checkpoint(cfg, role).rstrip("/"), dist_checkpoint_prefix(cfg, role))
+             for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")}
+    return not needs_ref(cfg) or len(given) == 1
+
+
+@_per_key
+def _dist_judge(key: str):
+    """The actor's and the reference's switches act when they agree (`_same_start`); the actor's is judged only while
+    the reference's is unset (verl's reference would then start from model.path's Hugging Face weights)."""
+    def judge(value: Any, cfg: Any) -> tuple[str, str] | None:
+        if _same_start(value, cfg) or (key.startswith("actor_rollout_ref.actor.")
+                                       and "actor_rollout_ref.ref.megatron.use_dist_checkpointing" in cfg.verl_keys):
+            return None
+        return "refuse", f"`{key}`={show(value)}: {REF_START} is not implemented yet in lathe. Fix: {SAME_START}."
+    return judge
+
+
+def _dist_checkpointing() -> list[Entry]:
+    """verl's megatron.use_dist_checkpointing / dist_checkpointing_{path,prefix}: the actor's act
+    (`lathe.models.megatron_ckpt` reads the checkpoint into lathe's decoder, `verl_translate.dist_checkpoint`); the
+    reference's must agree with them; the critic's stay refused."""
+    actor, ref = "actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron"
+    acts = ("acts: with dist_checkpointing_path, the actor's (and the reference's) starting weights are read from "
+            "that Megatron distributed checkpoint, the architecture from actor_rollout_ref.model.path's config.json; "
+            "the reference's keys must say the same as the actor's (it copies the actor's starting weights)")
+    return [replace(inert(f"{actor}.use_dist_checkpointing", acts), judge=_dist_judge),
+            replace(inert(f"{ref}.use_dist_checkpointing", acts), judge=_dist_judge),
+            warn(f"{actor}.dist_checkpointing_p*", "it is read only with actor_rollout_ref.actor.megatron."
+                 "use_dist_checkpointing=true, as in verl",
+                 ok=lambda v, cfg: v in (None, "") or dist_checkpoint(cfg) is not None),
+            warn(f"{ref}.dist_checkpointing_p*", "it is read only with actor_rollout_ref.ref.megatron."
+                 "use_dist_checkpointing=true, as in verl",
+                 ok=lambda v, cfg: v in (None, "") or dist_checkpoint(cfg, "actor_rollout_ref.ref") is not None),
+            refuse("*.megatron.use_dist_checkpointing", "loading a Megatron distributed checkpoint into the critic",
+                   "convert the checkpoint to Hugging Face format and set critic.model.path to it"),
+            warn("critic.megatron.dist_checkpointing_p*", "it is read only with critic.megatron.use_dist_checkpointing"
+                 "=true (refused)",
+                 ok=lambda v, cfg: v in (None, "") or cfg.verl_keys.get(f"critic.{DIST_USE}") is True),
+            warn("*.megatron.dist*", "it is read only with megatron.use_dist_checkpointing")]
 
 
 def _schedule(key: str, cfg: Any) -> tuple[str, float]:

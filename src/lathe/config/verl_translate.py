@@ -323,3 +323,26 @@ def engine_data_parallel(cfg: Any) -> None:
     tp, ep, moe_tp = ro.tensor_model_parallel_size, ro.expert_parallel_size, ro.moe_tensor_parallel_size
     if (ro.data_parallel_size > 1 and ep == ro.data_parallel_size * tp) or (moe_tp > 1 and ep * moe_tp == tp):
         ro.expert_parallel_size = tp
+
+
+# verl's Megatron distributed-checkpoint keys (engine/megatron.yaml); the path is read only with the switch on, as
+# verl's `transformer_impl.py` reads it (`load_mcore_dist_weights(module, engine_config.dist_checkpointing_path)`)
+DIST_USE, DIST_PATH = "megatron.use_dist_checkpointing", "megatron.dist_checkpointing_path"
+DIST_KEY = f"actor_rollout_ref.actor.{DIST_PATH}"
+
+
+def dist_checkpoint(cfg: Any, role: str = "actor_rollout_ref.actor") -> str | None:
+    """The Megatron distributed checkpoint `role` starts from: its `dist_checkpointing_path` ('' when unset, which the
+    start-up checks refuse) when its `use_dist_checkpointing` is true, else None (the Hugging Face weights of
+    model.path). The actor's is the policy's (`lathe.models.megatron_ckpt` reads it); the reference copies the actor's
+    weights as loaded, so support_verl requires the reference's to be the same."""
+    if cfg.verl_keys.get(f"{role}.{DIST_USE}") is not True:
+        return None
+    path = cfg.verl_keys.get(f"{role}.{DIST_PATH}")
+    return "" if path is None else str(path)
+
+
+def dist_checkpoint_prefix(cfg: Any, role: str = "actor_rollout_ref.actor") -> str:
+    """What the checkpoint's saver put before every model key (verl's `megatron.dist_checkpointing_prefix`, e.g. NeMo
+    2's 'module.'; verl passes it to `sharded_state_dict(prefix=...)`)."""
+    return str(cfg.verl_keys.get(f"{role}.megatron.dist_checkpointing_prefix") or "")

@@ -28,6 +28,8 @@ from lathe.data import dataset, sft
 from lathe.data.custom import load_dataset_class
 from lathe.data.files import Columns, column_values, data_files, peek
 from lathe.models import supports
+from lathe.models.megatron_ckpt import check_dist_checkpoint
+from lathe.config.verl_translate import DIST_KEY, dist_checkpoint
 from lathe.models.paths import ModelLoadError, check_model, check_tokenizer, is_builtin, resolve
 from lathe.reward import load_reward_fn
 from lathe.reward.registry import scorer_for
@@ -74,6 +76,9 @@ def preflight(cfg) -> Checked:
                             (check_judge_model if cfg.reward_model.judge.enable else check_reward_model,
                              "reward_model.model.path", cfg.reward_model.model.path if cfg.reward_model.enable
                              else None)])
+    if (dist := dist_checkpoint(cfg)) is not None:   # verl's megatron.use_dist_checkpointing: the starting weights
+        with problems.check():
+            check_dist_checkpoint(dist, f"{DIST_KEY} (with use_dist_checkpointing=true)")
     teacher_list = teachers(cfg) if cfg.distillation.enabled else []
     _check_paths(problems, [(check, f"distillation.teacher_models.{t.name}.model_path", t.model_path)
                             for t in teacher_list for check in (check_model, check_tokenizer)])

@@ -19,6 +19,7 @@ from lathe.algo import KL_PENALTIES, get_adv_estimator, get_policy_loss, make_kl
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import find_resume_dir, load_trainer_state, restore_rng
 from lathe.config import LatheConfig, RunPlan, critic_in_use, run_plan, to_dict, to_yaml
+from lathe.config.verl_translate import dist_checkpoint, dist_checkpoint_prefix
 from lathe.data import RLDataset, StatefulDataLoader
 from lathe.data.custom import custom_source
 from lathe.data.multimodal import multimodal_non_tensors
@@ -184,7 +185,8 @@ def _given_model(cfg, tokenizer) -> tuple[str, dict]:
     m = cfg.actor_rollout_ref.model
     return m.path, dict(impl=m.impl, needs_transformers=cfg.actor_rollout_ref.rollout.name == "hf",
                         trust_remote_code=m.trust_remote_code, vocab_size=len(tokenizer), seed=cfg.trainer.seed,
-                        override_config=m.override_config)
+                        override_config=m.override_config, dist_checkpoint=dist_checkpoint(cfg),
+                        dist_checkpoint_prefix=dist_checkpoint_prefix(cfg))
 
 
 def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: Path | None,

@@ -51,8 +51,13 @@ def _model_identity(path: str, load_kwargs: dict) -> dict:
     if local.is_dir():
         files = sorted((p.relative_to(local).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
                        for p in local.rglob("*") if p.is_file())
-        return {"dir": str(local.resolve()), "files": files}
-    return {"name": path, **{k: load_kwargs.get(k) for k in ("vocab_size", "seed", "override_config", "impl")}}
+        ident = {"dir": str(local.resolve()), "files": files}
+    else:
+        ident = {"name": path, **{k: load_kwargs.get(k) for k in ("vocab_size", "seed", "override_config", "impl")}}
+    if load_kwargs.get("dist_checkpoint") is not None:      # the weights come from a Megatron checkpoint instead
+        ident["dist_checkpoint"] = _model_identity(load_kwargs["dist_checkpoint"], {})
+        ident["dist_checkpoint_prefix"] = load_kwargs.get("dist_checkpoint_prefix", "")
+    return ident
 
 
 def warm_start_key(*, path: str, load_kwargs: dict, examples: list[tuple[list[int], list[int]]], steps: int,

@@ -33,9 +33,11 @@ def supports(path: str | Path) -> tuple[bool, str]:
 
 
 def load_lathe_model(path: str | Path, dtype: torch.dtype | None = None, *,
-                     device: str | torch.device = "cpu"):
+                     device: str | torch.device = "cpu", dist_checkpoint: str | Path | None = None,
+                     dist_checkpoint_prefix: str = ""):
     """A `LatheCausalLM` with the weights of the checkpoint directory `path`, in `dtype` (float32 by default) on
-    `device`."""
+    `device`. `dist_checkpoint`: a Megatron distributed checkpoint whose weights replace `path`'s (`path` then gives
+    only config.json; `lathe.models.megatron_ckpt`), `dist_checkpoint_prefix` the prefix of its keys."""
     import torch
     dtype = torch.float32 if dtype is None else dtype
     from lathe.models.decoder import LatheCausalLM
@@ -46,7 +48,13 @@ def load_lathe_model(path: str | Path, dtype: torch.dtype | None = None, *,
                                       "load it with load_lathe_value_model")
     with torch.device("meta"):
         model = LatheCausalLM(cfg)
-    load_into(model, read_state_dict(path, dtype=dtype, device=device), str(path))
+    if dist_checkpoint is not None:
+        from lathe.models.megatron_ckpt import read_megatron_state_dict
+        state = {k: v.to(device) for k, v in read_megatron_state_dict(dist_checkpoint, cfg, dtype=dtype,
+                                                                     prefix=dist_checkpoint_prefix).items()}
+        load_into(model, state, f"{dist_checkpoint} (the Megatron checkpoint, with {path}'s config.json)")
+    else:
+        load_into(model, read_state_dict(path, dtype=dtype, device=device), str(path))
     return model
 
 

@@ -113,14 +113,21 @@ def loading_problem(info: dict, architecture: str) -> str | None:
 
 
 def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = False, trust_remote_code: bool = False,
-                vocab_size: int | None = None, seed: int = 0, override_config: dict | None = None):
+                vocab_size: int | None = None, seed: int = 0, override_config: dict | None = None,
+                dist_checkpoint: str | None = None, dist_checkpoint_prefix: str = ""):
     """The policy to train, in float32 on the CPU: lathe's decoder read straight from the checkpoint when it runs
     the architecture and nothing needs the transformers module (`impl` not `hf`, no transformers rollout, no
     config overrides); else the transformers model (`load_causal_lm`), which the trainer may still convert.
 
     Reading straight into lathe's decoder skips transformers' own copy of the weights: for a 7B model that is
     28 GiB of host memory and a full copy's time. A load that takes a while shows its progress
-    (`lathe.track.phase`)."""
+    (`lathe.track.phase`). `dist_checkpoint`: a Megatron distributed checkpoint holding the weights (verl's
+    `megatron.use_dist_checkpointing`), read into lathe's decoder with `path`'s config.json (`load_dist_policy`)."""
+    if dist_checkpoint is not None:
+        with phase(f"loading the policy from the Megatron checkpoint {dist_checkpoint}",
+                   done=f"loaded the policy from {dist_checkpoint}"):
+            return load_dist_policy(path, dist_checkpoint, prefix=dist_checkpoint_prefix, impl=impl,
+                                    needs_transformers=needs_transformers, override_config=override_config)
     with phase(f"loading the policy {path}", done=f"loaded the policy {path}"):
         return _load_policy(path, impl=impl, needs_transformers=needs_transformers,
                             trust_remote_code=trust_remote_code, vocab_size=vocab_size, seed=seed,
@@ -147,6 +154,43 @@ def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote
             return model
     return load_causal_lm(path, trust_remote_code=trust_remote_code, vocab_size=vocab_size, seed=seed,
                           override_config=override_config)
+
+
+def load_dist_policy(path: str, dist_checkpoint: str, *, prefix: str = "", impl: str = "auto",
+                     needs_transformers: bool = False, override_config: dict | None = None):
+    """lathe's decoder (float32, CPU) with the weights of the Megatron distributed checkpoint `dist_checkpoint` (keys
+    after `prefix`) and the architecture of `path`'s config.json (`lathe.models.megatron_ckpt`); the weights then flow
+    as Hugging Face ones do (the reference copies them, the rollout gets them by the usual sync). Only lathe's decoder
+    reads them: anything that needs the transformers module fails here, naming the key to change."""
+    key = "actor_rollout_ref.actor.megatron.dist_checkpointing_path"
+    blocker = ("actor_rollout_ref.model.impl=hf" if impl == "hf" else
+               "actor_rollout_ref.rollout.name=hf" if needs_transformers else
+               f"actor_rollout_ref.model.override_config={override_config!r}" if override_config else None)
+    if blocker is not None:
+        raise ModelLoadError(f"{key}={dist_checkpoint!r}: a Megatron checkpoint loads into lathe's own decoder only, "
+                             f"and {blocker} needs the transformers model. Fix: remove {blocker.partition('=')[0]}, "
+                             "or convert the checkpoint to Hugging Face format and set actor_rollout_ref.model.path")
+    from lathe.models.megatron_ckpt import MegatronCheckpointError
+    from lathe.models import load_lathe_model
+    from lathe.models.config import UnsupportedArchitecture
+    local = _local_config_dir(path)
+    try:
+        model = load_lathe_model(local, torch.float32, dist_checkpoint=os.path.expanduser(str(dist_checkpoint)),
+                                 dist_checkpoint_prefix=prefix)
+    except (UnsupportedArchitecture, MegatronCheckpointError) as e:
+        raise ModelLoadError(f"{key}={dist_checkpoint!r}: {e}".replace("; the transformers fallback will be used",
+                                                                      "")) from None
+    model.generation_config = _generation_config(local)
+    return model
+
+
+def _local_config_dir(path: str) -> str:
+    """The local directory holding `path`'s config.json: `path` itself, or a hub id's copy in the local cache."""
+    local = os.path.expanduser(str(path))
+    if Path(local).is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+    return snapshot_download(str(path), allow_patterns=["*.json", "*.py", "*.model", "*.tiktoken", "*.txt"])
 
 
 def is_vl_path(path: str) -> bool:

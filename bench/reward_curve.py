@@ -41,8 +41,8 @@ def git_sha(root: Path = ROOT) -> str:
 
 
 def run_preset(run_dir: Path, preset: str = "default", *, steps: int | None = None, load: int = 0,
-               src: Path = ROOT, cache: Path | None = None) -> float:
-    extra = [f"trainer.total_training_steps={steps}"] if steps else []
+               src: Path = ROOT, cache: Path | None = None, overrides: tuple[str, ...] = ()) -> float:
+    extra = [*([f"trainer.total_training_steps={steps}"] if steps else []), *overrides]
     env = {**os.environ, "PYTHONPATH": f"{src / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
     if cache is not None:
         env["LATHE_CACHE_DIR"] = str(cache)

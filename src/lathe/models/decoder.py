@@ -192,6 +192,9 @@ class LatheDecoderModel(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        if cfg.num_mtp_layers:                      # MiMo: run by training only (`lathe.models.mtp.mtp_stream`)
+            from lathe.models.mtp import mtp_layers
+            self.mtp_layers = mtp_layers(cfg)
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 from .errors import ProblemList
-from .plan import sequence_parallel_size, tensor_parallel_size
+from .plan import sequence_parallel_size
 
 A, M = "actor_rollout_ref.actor", "actor_rollout_ref.model"
 KEY = f"{M}.mtp"
@@ -22,12 +22,10 @@ def check_mtp(cfg, problems: ProblemList) -> None:
                       f"are loaded and saved but not trained. Set {KEY}.enable=true to train them.", stacklevel=2)
     if not (mtp.enable and mtp.enable_train):
         return
-    sp, tp = sequence_parallel_size(cfg, "actor"), tensor_parallel_size(cfg, "actor")
+    sp = sequence_parallel_size(cfg, "actor")
     unsupported = [
         (sp > 1, f"{A}.ulysses_sequence_parallel_size={sp} (or verl's megatron.context_parallel_size)",
          "set it to 1"),
-        (tp > 1, f"{A}.fsdp_config.tensor_parallel_size={tp} (or verl's megatron.tensor_model_parallel_size)",
-         "set it to 1: FSDP2 then shards the model over all the trainer's devices"),
         (arr.model.lora_rank > 0, f"{M}.lora_rank={arr.model.lora_rank}", "set it to 0"),
         (arr.actor.use_prefix_grouper, f"{A}.use_prefix_grouper=true", "set it to false"),
         (arr.model.impl == "hf", f"{M}.impl=hf (transformers' module)", "set it to auto or lathe")]

@@ -22,7 +22,8 @@ def test_a_grpo_step_trains_and_saves_the_mtp_layers(tmp_path):
     trainer = run(tmp_path, f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.model.warm_start.steps=0",
                   "actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true",
                   "actor_rollout_ref.model.mtp.detach_encoder=true",
-                  "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.2", "actor_rollout_ref.model.use_remove_padding=true",
+                  "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.2",
+                  "actor_rollout_ref.model.use_remove_padding=true",
                   "trainer.total_training_steps=1", "trainer.save_freq=1", "trainer.test_freq=-1",
                   "trainer.val_before_train=false")
     assert has_mtp(trainer.worker.model)
@@ -40,7 +41,8 @@ def test_with_mtp_off_the_mtp_layers_are_saved_untouched(tmp_path):
     tok = builtin_tokenizer()
     path, _ = save_mimo(tmp_path / "model", vocab_size=len(tok), tokenizer=tok)
     run(tmp_path, f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.model.warm_start.steps=0",
-        "trainer.total_training_steps=1", "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false")
+        "trainer.total_training_steps=1", "trainer.save_freq=1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false")
     metrics = read_metrics(tmp_path / "run")[1]
     assert not any(k.startswith("actor/mtp_losses/") for k in metrics)
     start = read_state_dict(path)

@@ -1,4 +1,4 @@
-"""Models: lathe's own decoder (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, GPT-OSS, the DeepSeek-V3 family; the hybrid
+"""Models: lathe's own decoder (Llama, Qwen2/2.5, MiMo, Qwen3, Qwen3-MoE, GPT-OSS, the DeepSeek-V3 family; the hybrid
 Qwen3.5, Qwen3.5-MoE, Qwen3-Next) and the transformers fallback loader.
 
 `load_lathe_model(path)` builds lathe's decoder from a local Hugging Face checkpoint directory, or raises

@@ -1,4 +1,5 @@
-"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts
+"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias; MiMo is Qwen2 plus multi-token-prediction layers,
+`lathe.models.mtp`), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts
 MLPs, `lathe.models.moe`) and GPT-OSS (attention sinks, sliding-window layers, its own MoE: `lathe.models.gpt_oss`)
 in one module tree; the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) bring their own layers
 (`lathe.models.qwen3_5`), and so does the DeepSeek-V3 family (latent attention, its MoE: `lathe.models.deepseek`).

@@ -5,7 +5,9 @@ shards listed in `model.safetensors.index.json`; `pytorch_model.bin` as a last r
 plain safetensors write plus `config.json`, which `transformers.AutoModelFor*.from_pretrained` reads back.
 The one layout that differs is a Qwen3-MoE model's experts: one tensor per expert and projection on disk, stacked in
 the modules (`lathe.models.moe.fuse_expert_weights` on load, `split_expert_weights` on save); GPT-OSS's checkpoints
-hold the stacked tensors themselves.
+hold the stacked tensors themselves. A MiMo checkpoint's multi-token-prediction layers (`model.mtp_layers.*`,
+`lathe.models.mtp`) load and save under their own names like every other tensor; DeepSeek-V3's are dropped on load,
+with a warning.
 """
 
 from __future__ import annotations

@@ -133,6 +133,20 @@ def test_mtp_loss_equals_a_float64_reference(mimo, rollout_batch, layers):
         assert abs(float(parts[f"actor/mtp_losses/mtp_{k + 1}_loss"]) - ce) / ce < 1e-6
 
 
+def test_the_host_layout_path_gives_the_same_loss(mimo, rollout_batch):
+    from lathe.train.micro import with_host_mask
+    model = load_lathe_model(mimo(2))
+    batch = masked_batch(rollout_batch)
+    mtp = MtpTraining(FACTOR, False, 2)
+    losses = []
+    for b in (batch, with_host_mask(batch)):        # packed on the device, or from the host mask's layout
+        stream = []
+        with torch.no_grad():
+            response_log_probs(model, b, keep=stream, remove_padding=True)
+            losses.append(float(mtp_loss(model, b, stream[0], token_counts(b, mtp), mtp)[0]))
+    assert abs(losses[0] - losses[1]) / losses[0] < 1e-6
+
+
 @pytest.mark.parametrize("detach", [True, False])
 def test_detach_encoder_keeps_the_mtp_gradient_in_the_mtp_layers(mimo, rollout_batch, detach):
     model = load_lathe_model(mimo())

@@ -22,6 +22,9 @@ KNOWN_OTHERS = {
         "runs as FSDP sharding (and its TP beside EP is dropped); an uneven split needs ragged shares (see issue 45)",
     r"tensor parallelism with Ulysses is not implemented yet": "a cross-field rule (config/rules_parallel.py): Megatron scripts set TP and CP "
         "together, and CP translates to Ulysses, which does not combine with TP in one model yet",
+    r"^actor_rollout_ref\.model\.mtp\.enable_train=true with .*: training the MTP layers beside it is not": "a "
+        "cross-field rule (config/rules_mtp.py): a verl MiMo script trains the MTP layers under Megatron's context "
+        "parallelism (translated to Ulysses), which lathe's MTP update does not combine with yet",
     r"^unknown key actor_rollout_ref\.actor\.engine\.": "the megatron-lite package's keys (after the refused "
         "Hydra config-group selection that brings them)",
     r"^unknown key actor_rollout_ref\.actor\.model_engine$": "not a key of verl's schema either: Hydra refuses it "

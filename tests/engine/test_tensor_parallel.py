@@ -143,3 +143,13 @@ def test_a_replica_over_two_gpus_generates_what_one_gpu_generates(paths):
         pytest.skip("needs 2 GPUs")
     want = [generations(build(p, None, torch.device("cuda", 0)), p) for p in paths]
     assert_same_generations(run_replica(2, paths, "cuda"), want, 2)
+
+
+def test_a_mimo_replica_leaves_the_mtp_layers_out(tmp_path):
+    from models.mimo_tiny import save_mimo
+    model = load_lathe_model(save_mimo(tmp_path / "mimo")[0])
+    tp = TensorParallel(None, 0, 2)
+    replica = shard_copy(model, torch.float32, torch.device("cpu"), tp)
+    assert not hasattr(replica.model, "mtp_layers")
+    assert not any(n.startswith("model.mtp_layers.") for n, _ in replica.tensor_parallel.local_items(
+        model.state_dict().items()))

@@ -14,7 +14,7 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden
 def test_registry_names_the_families():
     assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                        "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
-                                       "Qwen3_5ForCausalLM",
+                                       "MiMoForCausalLM", "Qwen3_5ForCausalLM",
                                        "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
 
 

@@ -144,6 +144,30 @@ class RouterReplayConfig:
 
 
 @dataclass
+class MtpConfig:
+    """Multi-token prediction (verl ``actor_rollout_ref.model.mtp``): a policy's MTP layers (MiMo's
+    ``model.mtp_layers``, lathe.models.mtp) are loaded and saved with the checkpoint whatever these say."""
+
+    enable: bool = spec(False, "verl: use the checkpoint's MTP layers (lathe keeps and saves them either way; "
+                               "enable_train and enable_rollout need it).")
+    enable_train: bool = spec(False, "verl: train the MTP layers beside the RL loss: their next-next-token "
+                                     "cross-entropy over the response tokens, times mtp_loss_scaling_factor "
+                                     "(lathe.train.mtp; logged as actor/mtp_losses/mtp_<k>_loss).")
+    enable_rollout: bool = spec(False, "verl: speculative decoding with the MTP layers in the rollout (not in "
+                                       "lathe's engine).")
+    detach_encoder: bool = spec(False, "verl: the MTP loss trains the MTP layers only (no gradient into the main "
+                                       "model's hidden states or the token embeddings).")
+    mtp_loss_scaling_factor: float = spec(0.1, "verl: the MTP loss's weight (divided over the MTP layers).")
+    speculative_algorithm: str = spec("EAGLE", "verl (SGLang): the speculative-decoding algorithm of "
+                                               "enable_rollout.")
+    speculative_num_steps: int = spec(3, "verl (SGLang): draft steps of enable_rollout.")
+    speculative_eagle_topk: int = spec(1, "verl (SGLang): draft branching of enable_rollout.")
+    speculative_num_draft_tokens: int = spec(4, "verl (SGLang): draft tokens of enable_rollout.")
+    method: str = spec("mtp", "verl (vLLM): the speculative method of enable_rollout.")
+    num_speculative_tokens: int = spec(1, "verl (vLLM): draft tokens of enable_rollout.")
+
+
+@dataclass
 class WarmStartConfig:
     """lathe: supervised warm start on ``extra_info.answer`` before RL (the built-in demos use it): the reply text,
     or the turns that follow the prompt (a list of messages: tool calls, tool answers, the reply), trained as a
@@ -190,6 +214,7 @@ class ModelConfig:
                                                "adapter_model.safetensors) the adapters start from.")
     lora_dropout: float = spec(0.0, "lathe: dropout on the LoRA branch's input while training.")
     warm_start: WarmStartConfig = spec(factory=WarmStartConfig, help="lathe: supervised warm start before RL.")
+    mtp: MtpConfig = spec(factory=MtpConfig, help="verl: multi-token-prediction layers (lathe.train.mtp).")
 
 
 @dataclass

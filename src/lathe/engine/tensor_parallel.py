@@ -43,6 +43,7 @@ from lathe.engine.expert_parallel import ExpertSlice, check_sizes
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.io import load_into
+from lathe.models.mtp import MTP_PREFIX
 from lathe.models.moe import SparseMoeBlock
 
 
@@ -139,7 +140,8 @@ class ShardLayout:
         self.experts = ExpertSlice(cfg.moe.num_experts, rank, size) if cfg.moe is not None else None
         self.vocab_rows = -(-cfg.vocab_size // size)                           # padded: the last rank's may be short
         self.local_config = replace(cfg, num_attention_heads=heads // size, num_key_value_heads=kv_local,
-                                    intermediate_size=self.inter[1], tie_word_embeddings=False)
+                                    intermediate_size=self.inter[1], tie_word_embeddings=False,
+                                    num_mtp_layers=0)      # MiMo's MTP layers: training only, left out of replicas
 
     def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the whole tensor `name` (a view; the LM head's last slice padded with zero rows)."""
@@ -163,8 +165,11 @@ class ShardLayout:
 
     def local_items(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each (name, whole tensor) as (name, this rank's slice); a tied model's embeddings also give the LM head,
-        and of a MoE model's experts only this rank's come (per-expert checkpoint names renumbered from 0)."""
+        and of a MoE model's experts only this rank's come (per-expert checkpoint names renumbered from 0); a MiMo
+        model's MTP layers none."""
         for name, tensor in named:
+            if name.startswith(MTP_PREFIX):          # not in a replica (`local_config`)
+                continue
             experts = self.experts.local(name, tensor) if self.experts is not None else None
             if experts is not None:
                 yield from experts

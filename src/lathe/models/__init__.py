@@ -1,4 +1,4 @@
-"""Models: lathe's own decoder (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, GPT-OSS, the DeepSeek-V3 family; the hybrid
+"""Models: lathe's own decoder (Llama, Qwen2/2.5, MiMo, Qwen3, Qwen3-MoE, GPT-OSS, the DeepSeek-V3 family; the hybrid
 Qwen3.5, Qwen3.5-MoE, Qwen3-Next) and the transformers fallback loader.
 
 `load_lathe_model(path)` builds lathe's decoder from a local Hugging Face checkpoint directory, or raises
@@ -72,6 +72,10 @@ def load_lathe_value_model(path: str | Path, dtype: torch.dtype | None = None, *
     from lathe.models.io import load_into, read_state_dict
     cfg = LatheConfig.from_pretrained(path)
     state = {k: v for k, v in read_state_dict(path, dtype=dtype, device=device).items() if k != "lm_head.weight"}
+    if cfg.num_mtp_layers:          # a critic predicts values, not tokens: a policy's MTP layers have no use there
+        from lathe.models.mtp import MTP_PREFIX
+        state = {k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}
+        cfg.num_mtp_layers = 0
     score_bias = "score.bias" in state or "score.weight" not in state
     cfg.tie_word_embeddings = False   # a critic has no lm_head to tie
     with torch.device("meta"):

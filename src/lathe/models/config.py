@@ -19,15 +19,17 @@ from lathe.models.hybrid_config import HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES,
 
 # the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are in HYBRID_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "GptOssForCausalLM", "DeepseekV3ForCausalLM", *HYBRID_ARCHITECTURES}
+                           "GptOssForCausalLM", "DeepseekV3ForCausalLM", "MiMoForCausalLM", *HYBRID_ARCHITECTURES}
 # The token-classification (critic) heads over the same backbones load too.
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
                        "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification",
                        "DeepseekV3ForTokenClassification"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", **HYBRID_MODEL_TYPES}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "mimo": "MiMoForCausalLM", **HYBRID_MODEL_TYPES}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
+# Families whose main model is exactly Qwen2's (q/k/v bias, no o bias): MiMo is Qwen2 plus its MTP layers
+QWEN2_BODIES = ("Qwen2", "MiMo")
 
 
 def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -128,6 +130,8 @@ class LatheConfig:
     layer_types: tuple[str, ...] = ()        # per layer: "full_attention" or "sliding_attention"; () = all full
     linear_attention: LinearAttentionConfig | None = None   # Qwen3.5 / Qwen3-Next hybrids; None otherwise
     mla: MlaConfig | None = None             # DeepSeek-V3 family: latent attention, its router; None otherwise
+    num_mtp_layers: int = 0                  # MiMo: multi-token-prediction layers (`lathe.models.mtp`), HF's
+                                             # `num_nextn_predict_layers`; 0 = none
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -188,13 +192,14 @@ class LatheConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=True if family == "Qwen2" else attention_bias,
-            o_bias=False if family == "Qwen2" else attention_bias,
+            qkv_bias=True if family in QWEN2_BODIES else attention_bias,
+            o_bias=False if family in QWEN2_BODIES else attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if family == "Llama" else False,
             qk_norm=family in ("Qwen3", "Qwen3Moe") or hybrid,
             moe=MoeConfig.from_hf_dict(_hybrid_moe_dict(d, arch)) if family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next")
             else None,
             linear_attention=LinearAttentionConfig.from_hf_dict(d, arch, source) if hybrid else None,
+            num_mtp_layers=int(d.get("num_nextn_predict_layers") or 0) if family == "MiMo" else 0,
             rope=read_rope(d, source),
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             hf_config=dict(d),

@@ -1,4 +1,5 @@
-"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts
+"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias; MiMo is Qwen2 plus multi-token-prediction layers,
+`lathe.models.mtp`), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts
 MLPs, `lathe.models.moe`) and GPT-OSS (attention sinks, sliding-window layers, its own MoE: `lathe.models.gpt_oss`)
 in one module tree; the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) bring their own layers
 (`lathe.models.qwen3_5`), and so does the DeepSeek-V3 family (latent attention, its MoE: `lathe.models.deepseek`).
@@ -192,6 +193,9 @@ class LatheDecoderModel(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        if cfg.num_mtp_layers:                      # MiMo: run by training only (`lathe.models.mtp.mtp_stream`)
+            from lathe.models.mtp import mtp_layers
+            self.mtp_layers = mtp_layers(cfg)
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:

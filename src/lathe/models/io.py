@@ -5,12 +5,15 @@ shards listed in `model.safetensors.index.json`; `pytorch_model.bin` as a last r
 plain safetensors write plus `config.json`, which `transformers.AutoModelFor*.from_pretrained` reads back.
 The one layout that differs is a Qwen3-MoE model's experts: one tensor per expert and projection on disk, stacked in
 the modules (`lathe.models.moe.fuse_expert_weights` on load, `split_expert_weights` on save); GPT-OSS's checkpoints
-hold the stacked tensors themselves.
+hold the stacked tensors themselves. A MiMo checkpoint's multi-token-prediction layers (`model.mtp_layers.*`,
+`lathe.models.mtp`) load and save under their own names like every other tensor; DeepSeek-V3's are dropped on load,
+with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +23,8 @@ from torch import nn
 
 from lathe.models.config import LatheConfig, UnsupportedArchitecture
 from lathe.models.moe import fuse_expert_weights, split_expert_weights
+
+log = logging.getLogger("lathe")
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -73,7 +78,13 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
     state = fuse_expert_weights(state)
     if getattr(model.config, "mla", None) is not None:      # DeepSeek-V3's multi-token-prediction layers: unused
         from lathe.models.deepseek_config import drop_mtp_weights
-        state = drop_mtp_weights(state, model.config.num_hidden_layers)
+        kept = drop_mtp_weights(state, model.config.num_hidden_layers)
+        if len(kept) < len(state):
+            log.warning("%s: %d tensors of DeepSeek-V3's multi-token-prediction layers (model.layers.%d and on) are "
+                        "not loaded: lathe's decoder does not run them, and checkpoints it saves leave them out",
+                        source, len(state) - len(kept), model.config.num_hidden_layers)
+        state = kept
+    _drop_absent_mtp(model, state, source)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -92,6 +103,20 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return missing
+
+
+def _drop_absent_mtp(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """A config that declares MTP layers (MiMo's `num_nextn_predict_layers`) over a checkpoint holding none of their
+    tensors (saved without them): the model loses the empty layers (`config.num_mtp_layers` = 0), with a log line,
+    so that the main model still loads; training them (`mtp.enable_train`) then fails, naming the model."""
+    from lathe.models.mtp import MTP_PREFIX, has_mtp
+    if not has_mtp(model) or any(k.startswith(MTP_PREFIX) for k in state):
+        return
+    log.warning("%s: config.json declares %d multi-token-prediction layer(s) (num_nextn_predict_layers) but the "
+                "checkpoint holds no %s* tensors; the model is loaded without them", source,
+                model.config.num_mtp_layers, MTP_PREFIX)
+    del model.model.mtp_layers
+    model.config.num_mtp_layers = 0
 
 
 def copy_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *, who: str) -> None:

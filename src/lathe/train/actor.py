@@ -39,6 +39,7 @@ from lathe.train import parallel, ulysses
 from lathe.train.gathered import accumulating
 from lathe.train.logprob import group_budget, response_log_probs
 from lathe.train.micro import micro_batches
+from lathe.train.mtp import METRIC_PREFIX as MTP_METRICS, MtpTraining, mtp_loss, token_counts
 from lathe.train.offload import activations_on_host
 from lathe.train.router_tokens import router_tokens
 from lathe.train.routing import replay_counts, replay_or_nothing
@@ -61,7 +62,8 @@ class PPOActor:
     def __init__(self, model, optimizer, scheduler, actor_cfg, *, mini_batch_size: int, temperature: float,
                  max_response_length: int, rollout_correction: dict | None = None, use_remove_padding: bool = False,
                  nonfinite: NonFiniteGuard | None = None, sp: SequenceParallel | None = None, tp=None,
-                 distillation: DistillationParams | None = None, offload_activations: bool = False):
+                 distillation: DistillationParams | None = None, offload_activations: bool = False,
+                 mtp: MtpTraining | None = None):
         """`mini_batch_size`: this rank's share of a mini-batch, in sequences (`BatchPlan.mini_batch_sequences_per_device`).
         `rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
         then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
@@ -76,7 +78,8 @@ class PPOActor:
         `distillation` (verl's `distillation.distillation_loss`): the batch carries `teacher_log_probs` and the
         distillation loss joins the task loss (`lathe.algo.distillation`), with verl's `distillation/*` metrics.
         `offload_activations` (verl's `model.enable_activation_offload`): the update's saved activations wait in host
-        memory (`lathe.train.offload.activations_on_host`)."""
+        memory (`lathe.train.offload.activations_on_host`). `mtp` (verl's `model.mtp.enable_train`): the policy's
+        multi-token-prediction layers learn beside the RL loss (`lathe.train.mtp`; the forward then runs packed)."""
         self.model, self.optimizer, self.scheduler, self.cfg = model, optimizer, scheduler, actor_cfg
         self.nonfinite = nonfinite or NonFiniteGuard("actor")
         self.compiled = maybe_compile(model, use_torch_compile(actor_cfg) and tp is None)
@@ -98,6 +101,8 @@ class PPOActor:
                                                      actor_cfg.moe_z_loss_coeff)
         self.distillation = distillation
         self.offload_activations = offload_activations
+        self.mtp = mtp
+        self._mtp_counts: torch.Tensor | None = None      # the mini-batch's MTP-loss tokens per layer
 
     def update_policy(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches; returns verl's `actor/*` metrics averaged over mini-batches.
@@ -124,6 +129,8 @@ class PPOActor:
         self.optimizer.zero_grad(set_to_none=True)
         tokens, seqs = parallel.global_counts(mini["response_mask"], self.data_group, rows=real_rows(mini))
         agg = dict(global_num_tokens=tokens, global_num_seqs=seqs, loss_scale_factor=self.loss_scale_factor)
+        if self.mtp is not None:
+            self._mtp_counts = token_counts(mini, self.mtp, self.data_group)
         # metrics stay on the device until the mini-batch ends: a host read per micro-batch would make the host
         # wait for each backward before it could queue the next micro-batch
         sums: dict[str, float | torch.Tensor] = defaultdict(float)
@@ -145,7 +152,7 @@ class PPOActor:
                 if k in _EXTREMES:
                     extremes[k] = v if k not in extremes else _EXTREMES[k](extremes[k], v)
                 else:
-                    sums[k] = sums[k] + v * (1.0 if k in _SUMMED else weight)
+                    sums[k] = sums[k] + v * (1.0 if k in _SUMMED or k.startswith(MTP_METRICS) else weight)
         out = parallel.sum_metrics({k: float(v) for k, v in sums.items()}, self.data_group)
         out.update(_over_ranks(extremes, self.data_group))
         if diff is not None:
@@ -167,9 +174,10 @@ class PPOActor:
                 else nullcontext() as router:
             if router is not None and not cfg.use_prefix_grouper:      # real tokens of real rows (module doc)
                 router.token_index = router_tokens(micro, self.sp)
+            stream = [] if self.mtp is not None else None      # the packed forward, for the MTP loss
             log_prob, entropy = response_log_probs(self.model, micro, temperature=self.temperature,
                                                    calculate_entropy=True, remove_padding=self.use_remove_padding,
-                                                   prefix_grouper=cfg.use_prefix_grouper, sp=self.sp)
+                                                   prefix_grouper=cfg.use_prefix_grouper, sp=self.sp, keep=stream)
         old = micro.tensors.get("old_log_probs")
         if old is None:                     # on-policy (see update_policy): pi_old is this very forward
             old = log_prob.detach()
@@ -200,6 +208,10 @@ class PPOActor:
             (c_aux, c_z), layers = self.megatron_router, max(1, len(router.layer_rows))
             loss = loss + (c_aux * balance + c_z * z) * (real_rows(micro) / agg["global_num_seqs"])
             parts.update({"actor/load_balancing_loss": balance.detach() / layers, "actor/z_loss": z.detach() / layers})
+        if self.mtp is not None:
+            extra, mtp_parts = mtp_loss(self.model, micro, stream[0], self._mtp_counts, self.mtp)
+            loss = loss + extra
+            parts.update(mtp_parts)
         if self.distillation is not None:
             token_losses, topk_metrics = self._topk_losses(micro) if self.distillation.use_topk else (None, {})
             distill, distill_metrics = distillation_loss(

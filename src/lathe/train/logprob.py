@@ -120,20 +120,38 @@ BAD_LAYOUT = ("a response token follows a padding position (attention_mask 0): t
               "prompt followed by a right-padded response, as rollout.base.to_batch builds it")
 
 
-def response_hidden(model, batch: Batch, *, remove_padding: bool = False, layout: HostLayout | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class PackedStream:
+    """A text model's whole packed forward, kept for a second read-out (`lathe.train.mtp`): the final hidden states
+    of all T real tokens, their ids and positions, the sequence bounds, and each token's index in the flattened
+    (B * L) batch."""
+    hidden: torch.Tensor         # (T, H)
+    input_ids: torch.Tensor      # (T,)
+    position_ids: torch.Tensor   # (T,)
+    cu_seqlens: torch.Tensor     # (B+1,) int32
+    max_seqlen: int
+    indices: torch.Tensor        # (T,)
+
+
+def response_hidden(model, batch: Batch, *, remove_padding: bool = False, layout: HostLayout | None = None,
+                    keep: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden (N, H), valid (B, R)): final hidden states predicting the N real response tokens of a lathe model
     (`LatheCausalLM`, `LatheValueModel`, or `LatheVLForConditionalGeneration` with the rows' images), from a packed
     forward when `remove_padding`, else a padded one. A text model's packed forward takes its positions from
-    `layout` (or the batch's `host_layout`) when there is one: no host sync."""
+    `layout` (or the batch's `host_layout`) when there is one: no host sync. `keep`: a text model's packed forward
+    appends its `PackedStream` to it."""
     ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     vl = isinstance(model, LatheVLForConditionalGeneration)
     if remove_padding and not vl:
         layout = layout or host_layout(batch)
         if layout is not None:
-            hidden = model.hidden_packed(ids.flatten()[layout.indices], pos.flatten()[layout.indices],
-                                         layout.cu_seqlens, layout.max_seqlen)
-            return hidden[layout.index], response_valid(batch)
+            stream = PackedStream(None, ids.flatten()[layout.indices], pos.flatten()[layout.indices],
+                                  layout.cu_seqlens, layout.max_seqlen, layout.indices)
+            stream.hidden = model.hidden_packed(stream.input_ids, stream.position_ids, layout.cu_seqlens,
+                                                layout.max_seqlen)
+            if keep is not None:
+                keep.append(stream)
+            return stream.hidden[layout.index], response_valid(batch)
     valid, source = response_positions(batch)
     images = image_inputs(batch, model.device) if vl else {}
     if vl:                      # 3D positions and the prompts' placeholders, as the engine saw them
@@ -147,6 +165,9 @@ def response_hidden(model, batch: Batch, *, remove_padding: bool = False, layout
         positions = pos3.reshape(3, -1)[:, packed.indices]
         images["image_mask"] = images["image_mask"].reshape(-1)[packed.indices]
     hidden = model.hidden_packed(packed.input_ids, positions, packed.cu_seqlens, packed.max_seqlen, **images)
+    if keep is not None and not vl:
+        keep.append(PackedStream(hidden, packed.input_ids, positions, packed.cu_seqlens, packed.max_seqlen,
+                                 packed.indices))
     where = torch.full((ids.numel(),), -1, dtype=torch.long, device=ids.device)
     where[packed.indices] = torch.arange(len(packed.indices), device=ids.device)
     index = where[source]
@@ -247,29 +268,37 @@ def scatter_response(values: torch.Tensor, valid: torch.Tensor, shape: tuple[int
 
 def response_log_probs(model, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
                        remove_padding: bool = False, prefix_grouper: bool = False,
-                       chunk_size: int = LOGPROB_CHUNK_SIZE, sp: SequenceParallel | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       chunk_size: int = LOGPROB_CHUNK_SIZE, sp: SequenceParallel | None = None,
+                       keep: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log_probs (B, R), entropy (B, R) or None) float32 of `batch["responses"]`.
 
     `remove_padding` and `chunk_size` apply to lathe's decoder and VL model; a transformers model always runs
     padded. `prefix_grouper` (verl's `actor.use_prefix_grouper`, lathe's text decoder): rows that share a prompt
     run it once (`lathe.train.prefix_group`). `sp`: this rank's sequence-parallel group computes the batch together
     (lathe's text decoder, packed: `sequence_parallel_response`); every rank of it gets the whole batch's results.
+    `keep`: see `response_token_stats`.
     """
     logp, entropy, _ = response_token_stats(model, batch, temperature=temperature,
                                             calculate_entropy=calculate_entropy, remove_padding=remove_padding,
-                                            prefix_grouper=prefix_grouper, chunk_size=chunk_size, sp=sp)
+                                            prefix_grouper=prefix_grouper, chunk_size=chunk_size, sp=sp, keep=keep)
     return logp, entropy
 
 
 def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calculate_entropy: bool = False,
                          calculate_sum_pi_squared: bool = False, remove_padding: bool = False,
                          prefix_grouper: bool = False, chunk_size: int = LOGPROB_CHUNK_SIZE,
-                         sp: SequenceParallel | None = None
+                         sp: SequenceParallel | None = None, keep: list | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`response_log_probs` plus, with `calculate_sum_pi_squared` (verl's `actor.calculate_sum_pi_squared`), each
     response token's sum over the vocabulary of p^2 (B, R) float32, no gradient, 0 at padding; else None. lathe's
-    models compute it in the log-prob pass's own chunks; a transformers model from its full logits."""
+    models compute it in the log-prob pass's own chunks; a transformers model from its full logits. `keep`: lathe's
+    text decoder runs packed (the same numbers at real tokens as a padded forward) and appends its `PackedStream`
+    (`response_hidden`), for the MTP loss (`lathe.train.mtp`)."""
+    if keep is not None:
+        if not isinstance(model, LatheCausalLM) or prefix_grouper or sp is not None:
+            raise ValueError("the packed stream (multi-token prediction) needs lathe's text decoder without "
+                             f"use_prefix_grouper or Ulysses; got {type(model).__name__}")
+        remove_padding = True
     if sp is not None:
         if not (isinstance(model, LatheCausalLM) and remove_padding and not prefix_grouper):
             raise ValueError("Ulysses sequence parallelism runs lathe's text decoder packed (use_remove_padding=true) "
@@ -298,7 +327,7 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
         if prefix_grouper:
             hidden, valid = grouped_hidden(model, batch)
         else:
-            hidden, valid = response_hidden(model, batch, remove_padding=remove_padding, layout=layout)
+            hidden, valid = response_hidden(model, batch, remove_padding=remove_padding, layout=layout, keep=keep)
         targets = batch["responses"].flatten()[layout.flat] if layout is not None else batch["responses"][valid]
         stats = token_stats(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size,
                             calculate_entropy=calculate_entropy, calculate_sum_pi_squared=calculate_sum_pi_squared,

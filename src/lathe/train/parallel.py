@@ -229,15 +229,17 @@ def _mesh(device_type: str, replicas: int, shards: int, tp: int = 1, ep: int = 1
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a decoder (lathe's or a transformers model): the longest `ModuleList`; a vision-language
-    model's vision blocks and language-model layers both."""
+    """The repeated blocks of a decoder (lathe's or a transformers model): the longest `ModuleList`, then a MiMo
+    model's multi-token-prediction layers (`model.mtp_layers`); a vision-language model's vision blocks and
+    language-model layers both."""
     from lathe.models.vl import LatheVLForConditionalGeneration
     if isinstance(model, LatheVLForConditionalGeneration):
         return [*model.model.visual.blocks, *model.model.language_model.layers]
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise ValueError(f"{type(model).__name__}: no decoder layers (nn.ModuleList) to shard")
-    return list(max(lists, key=len))
+    mtp = list(getattr(getattr(model, "model", None), "mtp_layers", None) or ())   # MiMo: groups of their own too
+    return list(max(lists, key=len)) + mtp
 
 
 def reshard(model: nn.Module) -> None:

@@ -96,7 +96,8 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
                   "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
                   "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                   "mlp.down_proj": RowwiseParallel()}
-    for layer in model.model.layers:
+    mtp = list(getattr(model.model, "mtp_layers", None) or ())   # MiMo: Qwen2 layers too; their extra norms and
+    for layer in [*model.model.layers, *mtp]:                     # input projection stay whole, as the norms do
         parallelize_module(layer, tp.mesh, layer_plan)
         attn = layer.self_attn
         attn.n_heads, attn.n_kv = attn.n_heads // tp.size, attn.n_kv // tp.size     # this rank's heads

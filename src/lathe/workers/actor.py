@@ -31,6 +31,7 @@ from lathe.rollout.build import architecture, runs_lathe
 from lathe.train import expert_parallel, lora, parallel, tensor_parallel, ulysses
 from lathe.train.actor import PPOActor
 from lathe.train.logprob import batched_token_stats
+from lathe.train.mtp import mtp_training
 from lathe.train.offload import activation_offload, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
@@ -66,6 +67,7 @@ class Actor:
                              "forward whole)")
         if arr.actor.router_replay.mode != "disabled":
             check_replay_model(self.model, arr.actor.router_replay.mode)
+        self.mtp = mtp_training(arr.model.mtp, self.model, f"{architecture(self.model)} ({arr.model.path})")
         if runs_lathe(self.model) and arr.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key=FSDP_KEY)
@@ -109,7 +111,7 @@ class Actor:
                             use_remove_padding=self.arr.model.use_remove_padding, nonfinite=nonfinite, sp=self.sp,
                             tp=self.tp, distillation=distillation, offload_activations=activation_offload(
                                 self.arr.model.enable_activation_offload, self.device,
-                                key="actor_rollout_ref.model.enable_activation_offload"))
+                                key="actor_rollout_ref.model.enable_activation_offload"), mtp=self.mtp)
 
     def _apply_lora(self, seed: int) -> bool:
         """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""

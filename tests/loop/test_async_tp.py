@@ -276,35 +276,15 @@ AGENT_TURNS = SamplingParams(n=3, temperature=1.0, max_tokens=64, seed=5)
 
 
 def agent_worker(cfg_overrides: list[str], path: str, patch=setattr):
-    """A rollout worker of the `agent_demo` task (its tool `f` called from every turn of even length, after a random
-    sleep: another on every rank), its request, and a list of the tool's calls in this process (`patch`: how the
-    parser and the tool are replaced: pytest's monkeypatch.setattr in the test's process)."""
-    import random
-
-    from lathe.batch import Batch
+    """A rollout worker of the `agent_demo` task as `workers.test_lockstep_agent.agent_demo` runs it, its request
+    (the two prompts, AGENT_TURNS), and the list of the tool's calls in this process."""
     from lathe.config import load_config
-    from lathe.models.hf import load_tokenizer
-    from lathe.rollout.agent import builtin_tools, parser
     from lathe.workers.fully_async import RolloutWorker, request_agent
-    from loop.test_async_agent import even_calls
-    calls, execute = [], builtin_tools.SecretLookupTool.execute
-
-    def sleepy(self, *args, **kwargs):
-        calls.append(1)
-        time.sleep(random.uniform(0.0, 0.05))
-        return execute(self, *args, **kwargs)
-
-    patch(parser, "get_parser", lambda fmt: even_calls)
-    patch(builtin_tools.SecretLookupTool, "execute", sleepy)
+    from workers.test_lockstep_agent import agent_demo
+    tokenizer, prompts, calls = agent_demo(patch)
     cfg = load_config("agent_demo", ["actor_rollout_ref.hybrid_engine=false", "data.train_batch_size=0",
                                      "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", *cfg_overrides])
-    tokenizer = load_tokenizer("builtin:tiny")
     worker = RolloutWorker(cfg, path, {"impl": "auto"}, tokenizer, device_type="cpu")
-    items = ("item 3", "item 5")
-    prompts = Batch(non_tensors={"prompt_ids": [tokenizer.encode(x) for x in items],
-                                 "raw_prompt": [[{"role": "user", "content": x}] for x in items],
-                                 "extra_info": [{"tools_kwargs": {"f": {"create_kwargs": {"secret": x[-1]}}}}
-                                                for x in items]})
     request = ("r", [list(p) for p in prompts["prompt_ids"]], AGENT_TURNS, 0, None, request_agent(prompts))
     return worker, request, calls
 

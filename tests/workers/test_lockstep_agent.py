@@ -3,7 +3,8 @@ a leader and a follower over gloo (two processes) run trajectories of tool calls
 leader's output is the one-process run's, token for token, tool call for tool call, turn for turn, greedy and seeded;
 the tools sleep a random time and run on the leader only, a tool that raises or times out gives the same answers
 and trajectories, and both ranks' engines take the same requests at the same steps. A leader whose loop fails stops
-its follower at once, with its error."""
+its follower at once, with its error. The synchronous loop's `Rollout` of a TP=2 replica (the `agent_demo` task)
+returns one process's samples from its first rank."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ from lathe.workers.lockstep import Lockstep, ReplicaEngine, control_groups
 from rollout.agent.test_render import TOOLS, rendered
 
 JOIN_S = 60
+R = "actor_rollout_ref.rollout"
+TOOL_TIMEOUT_S = 1.0                # (a loaded machine may hold a 50 ms call's thread for a few hundred ms)
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 QUESTIONS = ("What is 6*7?", "1+2=", "hi")
 SAMPLINGS = {"greedy": dict(do_sample=False), "seeded": dict(temperature=1.0, seed=11)}
-CASES = [("sleepy", "greedy"), ("sleepy", "seeded"), ("failing", "seeded")]
+CASES = [("sleepy", "greedy"), ("failing", "seeded")]
 CALLS: list[str] = []               # this process's tool calls
 
 
@@ -49,7 +52,7 @@ class Calculator(BaseTool):
         if self.failing and total % 3 == 0:
             raise ValueError(f"no {expr}")
         if self.failing and total % 3 == 1:
-            time.sleep(1.0)                              # (past the 0.3 s timeout)
+            time.sleep(5.0)                              # (past the tool timeout)
         return ToolResponse(text=str(total)), 0.0, {}
 
 
@@ -77,7 +80,7 @@ def engine_of(model, tok) -> LatheEngine:
 
 def run_case(engine, tok, tools: str, sampling: str):
     """The case's agent-loop call on `engine` (a `LatheEngine` or a leader's `ReplicaEngine`): its output's record."""
-    loop = AgentLoop(engine, tok, AgentSettings(response_length=200, max_assistant_turns=3, tool_timeout_s=0.3),
+    loop = AgentLoop(engine, tok, AgentSettings(response_length=200, max_assistant_turns=3, tool_timeout_s=TOOL_TIMEOUT_S),
                      tools=ToolSet([Calculator(failing=tools == "failing")]), parse=parse)
     prompts = [rendered(tok, [{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
     out = loop.generate(prompts, SamplingParams(n=3, max_tokens=200, stop_token_ids=list(range(7, 107, 3)),
@@ -105,6 +108,64 @@ def recorded(engine) -> list:
     return log
 
 
+def even_calls(text: str):
+    """The `agent_demo` tool `f` called from every turn whose text has an even number of characters."""
+    from lathe.rollout.agent.parser import ParsedTurn, ToolCall
+    return ParsedTurn(text, [ToolCall("f", {})] if len(text) % 2 == 0 else [])
+
+
+def agent_demo(patch=setattr):
+    """The `agent_demo` task as these tests run it: its tool `f` called from every turn of even length (`even_calls`)
+    after a random sleep (another on every rank and call). Returns the tokenizer, two prompts' rows (tokens, chat
+    messages, each its secret for `f`) and the list of `f`'s calls in this process. `patch`: how the parser and the
+    tool are replaced (pytest's monkeypatch.setattr in the test's process)."""
+    from lathe.batch import Batch
+    from lathe.models.hf import load_tokenizer
+    from lathe.rollout.agent import builtin_tools, parser
+    calls, execute = [], builtin_tools.SecretLookupTool.execute
+
+    def sleepy(self, *args, **kwargs):
+        calls.append(1)
+        time.sleep(random.uniform(0.0, 0.05))
+        return execute(self, *args, **kwargs)
+
+    patch(parser, "get_parser", lambda fmt: even_calls)
+    patch(builtin_tools.SecretLookupTool, "execute", sleepy)
+    tok, items = load_tokenizer("builtin:tiny"), ("item 3", "item 5")
+    prompts = Batch(non_tensors={"prompt_ids": [tok.encode(x) for x in items],
+                                 "raw_prompt": [[{"role": "user", "content": x}] for x in items],
+                                 "extra_info": [{"tools_kwargs": {"f": {"create_kwargs": {"secret": x[-1]}}}}
+                                                for x in items]})
+    return tok, prompts, calls
+
+
+def sync_rollout(tp: int, patch=setattr):
+    """The synchronous loop's `Rollout` (`lathe.workers.rollout`) of `agent_demo` on a tensor-parallel replica of
+    `tp` ranks, beside a stand-in of a sharded actor (the built-in tiny policy): its samples' responses, tool calls
+    and turns (None on a follower), and this process's tool calls."""
+    from types import SimpleNamespace
+
+    from lathe.config import load_config
+    from lathe.loop.setup import _given_model
+    from lathe.models.hf import load_policy, select_impl
+    from lathe.rollout.agent import build_agent_loop
+    from lathe.workers.rollout import Rollout
+    tok, prompts, calls = agent_demo(patch)
+    cfg = load_config("agent_demo", [f"trainer.n_gpus_per_node={tp}", f"{R}.tensor_model_parallel_size={tp}",
+                                     f"{R}.multi_turn.max_assistant_turns=3", "data.max_response_length=64"])
+    path, kwargs = _given_model(cfg, tok)
+    loaded = load_policy(path, **kwargs)
+    actor = SimpleNamespace(device=torch.device("cpu"), model=select_impl(loaded, "auto", role="rollout"),
+                            sharded=True, lora=False, arr=cfg.actor_rollout_ref)
+    rollout = Rollout(cfg.actor_rollout_ref.rollout, actor, loaded, tok)
+    rollout.start(lambda engine: build_agent_loop(cfg, engine, tok))
+    batch = rollout.generate_sequences(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=64, seed=5))
+    if batch is None:
+        return None, len(calls)
+    rows = [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
+    return (rows, list(batch["tool_calls"]), list(batch["num_turns"])), len(calls)
+
+
 def rank_body(rank: int):
     tok = qwen_style_tokenizer()
     tp = replica_groups(2)
@@ -124,7 +185,7 @@ def rank_body(rank: int):
         replica.run(lambda: 1 / 0)
     except (ZeroDivisionError, RuntimeError) as e:
         failed = (type(e).__name__, str(e), time.monotonic() - start)
-    return {"results": results, "log": log, "failed": failed}
+    return {"results": results, "log": log, "failed": failed, "rollout": sync_rollout(2)}
 
 
 def rank_main(rank: int, port: int, queue) -> None:
@@ -167,3 +228,9 @@ def test_a_failing_leader_stops_its_follower_with_its_error(ranks):
     kind, message, seconds = ranks[1]["failed"]
     assert kind == "RuntimeError" and "its leader, rank 0, failed: ZeroDivisionError" in message
     assert seconds < JOIN_S / 2                                    # at once, not at the timeout
+
+
+def test_the_synchronous_rollout_of_a_replica_returns_one_process_samples(ranks, monkeypatch):
+    want, calls = sync_rollout(1, monkeypatch.setattr)
+    assert sum(want[1]) > 0 and calls == sum(want[1]) and max(want[2]) > 3          # several tool turns
+    assert ranks[0]["rollout"] == (want, calls) and ranks[1]["rollout"] == (None, 0)

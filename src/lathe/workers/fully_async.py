@@ -15,7 +15,9 @@ With `rollout.tensor_model_parallel_size` = tp > 1 a replica is tp consecutive r
 slice of the model (`lathe.engine.tensor_parallel`). The driver talks to each replica's leader (its first rank)
 only; the leader's engine thread tells its followers each engine action before it takes it (`lathe.workers.
 lockstep`): the requests it adds, a step, an interrupt, a weight sync. At a sync each rank receives only its slices,
-over the group of its tensor-parallel position (`lathe.workers.reshard`). A follower's thread only follows.
+over the group of its tensor-parallel position (`lathe.workers.reshard`). A follower's thread only follows: with
+multi-turn agent loops the trajectories and their tools are the leader's alone, and their turns reach the followers
+as the requests of the step that takes them (`ReplicaEngine`).
 
 `AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
 sync. The engine is thread-safe only through the worker's lock: every engine call is made under it.

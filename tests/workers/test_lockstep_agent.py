@@ -80,8 +80,8 @@ def engine_of(model, tok) -> LatheEngine:
 
 def run_case(engine, tok, tools: str, sampling: str):
     """The case's agent-loop call on `engine` (a `LatheEngine` or a leader's `ReplicaEngine`): its output's record."""
-    loop = AgentLoop(engine, tok, AgentSettings(response_length=200, max_assistant_turns=3, tool_timeout_s=TOOL_TIMEOUT_S),
-                     tools=ToolSet([Calculator(failing=tools == "failing")]), parse=parse)
+    settings = AgentSettings(response_length=200, max_assistant_turns=3, tool_timeout_s=TOOL_TIMEOUT_S)
+    loop = AgentLoop(engine, tok, settings, tools=ToolSet([Calculator(failing=tools == "failing")]), parse=parse)
     prompts = [rendered(tok, [{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
     out = loop.generate(prompts, SamplingParams(n=3, max_tokens=200, stop_token_ids=list(range(7, 107, 3)),
                                                 **SAMPLINGS[sampling]), first_index=4)
@@ -185,7 +185,9 @@ def rank_body(rank: int):
         replica.run(lambda: 1 / 0)
     except (ZeroDivisionError, RuntimeError) as e:
         failed = (type(e).__name__, str(e), time.monotonic() - start)
-    return {"results": results, "log": log, "failed": failed, "rollout": sync_rollout(2)}
+    interval = engine.scheduler.prefill_interval     # (restored: the leader's loop and the follower's run)
+    plain = engine.generate([[5, 6, 7]], SamplingParams(n=2, temperature=0, max_tokens=6)).token_ids
+    return {"results": results, "log": log, "failed": failed, "after": (interval, plain), "rollout": sync_rollout(2)}
 
 
 def rank_main(rank: int, port: int, queue) -> None:
@@ -221,6 +223,7 @@ def test_the_replica_runs_the_trajectories_one_process_runs(ranks, tools, sampli
 
 def test_both_ranks_take_the_same_requests_at_the_same_steps(ranks):
     assert len(ranks[0]["log"]) > 30 and ranks[0]["log"] == ranks[1]["log"]
+    assert ranks[0]["after"][0] == ranks[1]["after"][0] == 1 and ranks[0]["after"] == ranks[1]["after"]
 
 
 def test_a_failing_leader_stops_its_follower_with_its_error(ranks):

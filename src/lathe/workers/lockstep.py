@@ -84,9 +84,15 @@ class Lockstep:
     def run(self, work: Callable[[], Any], receive: Callable[[dict], Any] | None = None) -> Any:
         """Every rank of the replica at once: the leader returns `work()` (whose engine is `ReplicaEngine(self)`)
         and then tells its followers to stop (or, failing, why); a follower follows the leader's actions meanwhile
-        (`receive`: a weight sync's, as in `follow`) and returns None."""
+        (`receive`: a weight sync's, as in `follow`) and returns None, its scheduler's prefill interval as before (the
+        leader's loop restores its own; later calls that are not in lockstep must admit alike)."""
         if not self.leader:
-            self.follow(receive or self._no_load)
+            interval = self._prefill_interval()
+            try:
+                self.follow(receive or self._no_load)
+            finally:
+                if interval is not None:
+                    self.engine.scheduler.prefill_interval = interval
             return None
         try:
             out = work()

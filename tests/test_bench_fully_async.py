@@ -18,12 +18,14 @@ args = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--trigger"
                                "--extra", "actor_rollout_ref.nccl_timeout=120"])
 paths = {key: Path(sys.argv[2]) / key for key in ("model", "tokenizer", "parquet", "reward", "run")}
 tool = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--workload", "tool", "--turns", "3"])
+tp = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--workload", "tool", "--rollout-tp", "2"])
 tool_paths = {**paths, "tool": fully_async.write_tool(Path(sys.argv[2]), tool)}
 sys.path.insert(0, sys.argv[2])
 import bench_sleep_tool
 from lathe.rollout.agent.parser import get_parser
 calls = get_parser("hermes")("any text").calls
 print(json.dumps({"plain": fully_async.commands(paths, args), "tool": fully_async.commands(tool_paths, tool),
+                  "tp": fully_async.commands(tool_paths, tp),
                   "calls": [c.name for c in calls]}))
 """
 
@@ -49,3 +51,7 @@ def test_fully_async_builds_both_command_lines(tmp_path):
         assert {f"{mt}.enable=true", f"{mt}.max_assistant_turns=3",
                 f"{mt}.tool_config_path={tmp_path / 'bench_sleep_tool.json'}"} <= set(cmd)
     assert not any(c.startswith(f"{mt}.") for c in cmds["async"]) and built["calls"] == ["sleep"]
+    # --rollout-tp 2: tensor-parallel replicas (sync: one of the 2 GPUs; async: a pool of 2 beside the trainer's)
+    tp = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    assert not any(c.startswith(tp) for cmd in built["tool"].values() for c in cmd)
+    assert f"{tp}=2" in built["tp"]["sync"] and {f"{tp}=2", "rollout.n_gpus_per_node=2"} <= set(built["tp"]["async"])

@@ -4,6 +4,7 @@
     python bench/fully_async.py --device cpu --shape tiny --steps 4 --warmup 1 --prompts 8 --n 2 --prompt-len 8 \
         --median-response-len 4 --max-response-len 32 --out /tmp/fully_async_smoke.json                # CPU smoke
     python bench/fully_async.py --workload tool [--turns 4 --tool-latency 0.5 --tool-answer-len 32]    # multi-turn
+    python bench/fully_async.py --workload tool --rollout-tp 2 [--modes sync]     # on tensor-parallel replicas
 
 Two GPUs (or two CPU workers), two `lathe train` runs in child processes, exactly as a user runs them:
 
@@ -11,6 +12,9 @@ Two GPUs (or two CPU workers), two `lathe train` runs in child processes, exactl
   rollout, the weights synced into the engines after every update), one optimizer step per RL step;
 - async: `trainer.n_gpus_per_node=1 rollout.n_gpus_per_node=1`, the trainer on one GPU and lathe's engine on the
   other, weights broadcast between them (`--trigger` updates per sync, `--staleness`, partial rollout).
+
+`--rollout-tp T` makes the engine replicas tensor-parallel (`rollout.tensor_model_parallel_size=T`): sync, one
+replica of the 2 GPUs (T=2); async, a rollout pool of T GPUs beside the trainer's one (1 + T GPUs).
 
 Both train the same `--steps` x `--prompts` prompts (`--n` samples each; async: `require_batches=1`,
 `ppo_mini_batch_size=--prompts`, so the same optimizer steps on the same batch size).
@@ -122,8 +126,9 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
     base = [*lathe_command(args.shape, paths, args), "actor_rollout_ref.rollout.ignore_eos=false",
             *workload_keys(paths, args)]
     run = paths["run"]
-    sync = [*base, "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={run / 'sync'}"]
-    asyn = [*base, "trainer.n_gpus_per_node=1", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+    tp = [f"actor_rollout_ref.rollout.tensor_model_parallel_size={args.rollout_tp}"] if args.rollout_tp > 1 else []
+    sync = [*base, *tp, "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={run / 'sync'}"]
+    asyn = [*base, *tp, "trainer.n_gpus_per_node=1", "rollout.nnodes=1", f"rollout.n_gpus_per_node={args.rollout_tp}",
             "actor_rollout_ref.hybrid_engine=false", "data.train_batch_size=0", "data.gen_batch_size=1",
             "async_training.require_batches=1", f"async_training.trigger_parameter_sync_step={args.trigger}",
             f"async_training.staleness_threshold={args.staleness}", "async_training.partial_rollout=true",
@@ -169,6 +174,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=4, help="tool workload: model turns per trajectory (at most)")
     p.add_argument("--tool-latency", type=float, default=0.5, help="tool workload: seconds a tool call sleeps")
     p.add_argument("--tool-answer-len", type=int, default=32, help="tool workload: words of a tool answer")
+    p.add_argument("--rollout-tp", type=int, default=1, choices=(1, 2),
+                   help="rollout.tensor_model_parallel_size (sync: one replica of the 2 GPUs; async: 1 + it GPUs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--workdir", default="/tmp/lathe-fully-async")
@@ -192,13 +199,15 @@ def main() -> None:
     if args.workload == "tool":
         paths["tool"] = write_tool(where, args)
     name = device_name(torch.device(args.device))
-    kind = "" if args.workload == "geometric" else f"{args.workload}_"
+    kind = ("" if args.workload == "geometric" else f"{args.workload}_") + (f"tp{args.rollout_tp}_"
+                                                                            if args.rollout_tp > 1 else "")
     out = Path(args.out or ROOT / "bench" / "results" / f"fully_async_{kind}{slug(name)}.json")
     result = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "workload": {**{k_: getattr(args, k_) for k_ in ("shape", "prompts", "n", "prompt_len", "steps", "warmup",
                                                                "median_response_len", "max_response_len", "trigger",
-                                                               "staleness", "workload")}, "stop_ids": k,
+                                                               "staleness", "workload", "rollout_tp")},
+                           "stop_ids": k,
                            "vocab": vocab, **({k_: getattr(args, k_) for k_ in ("turns", "tool_latency",
                                                                                 "tool_answer_len")}
                                               if args.workload == "tool" else {})},

@@ -18,6 +18,7 @@ args = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--trigger"
                                "--extra", "actor_rollout_ref.nccl_timeout=120"])
 paths = {key: Path(sys.argv[2]) / key for key in ("model", "tokenizer", "parquet", "reward", "run")}
 tool = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--workload", "tool", "--turns", "3"])
+tp = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--workload", "tool", "--rollout-tp", "2"])
 tool_paths = {**paths, "tool": fully_async.write_tool(Path(sys.argv[2]), tool)}
 sys.path.insert(0, sys.argv[2])
 import bench_sleep_tool
@@ -26,6 +27,7 @@ calls = get_parser("hermes")("any text").calls
 steps = [{"perf/time_per_step": 9.0, "trainer/idle_ratio": 0.5}, {"perf/time_per_step": 2.0, "trainer/idle_ratio": 0.25},
          {"perf/time_per_step": 4.0, "trainer/idle_ratio": 0.5}]
 print(json.dumps({"plain": fully_async.commands(paths, args), "tool": fully_async.commands(tool_paths, tool),
+                  "tp": fully_async.commands(tool_paths, tp),
                   "calls": [c.name for c in calls], "busy": fully_async.summarize(steps, 1)["trainer_busy_s"]}))
 """
 
@@ -52,3 +54,7 @@ def test_fully_async_builds_both_command_lines(tmp_path):
                 f"{mt}.tool_config_path={tmp_path / 'bench_sleep_tool.json'}"} <= set(cmd)
     assert not any(c.startswith(f"{mt}.") for c in cmds["async"]) and built["calls"] == ["sleep"]
     assert abs(built["busy"] - (2.0 * 0.75 + 4.0 * 0.5)) < 1e-9     # the timed steps' trainer-busy seconds
+    # --rollout-tp 2: tensor-parallel replicas (sync: one of the 2 GPUs; async: a pool of 2 beside the trainer's)
+    tp = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    assert not any(c.startswith(tp) for cmd in built["tool"].values() for c in cmd)
+    assert f"{tp}=2" in built["tp"]["sync"] and {f"{tp}=2", "rollout.n_gpus_per_node=2"} <= set(built["tp"]["async"])

@@ -260,6 +260,9 @@ def test_verl_dataclass_only_fields_are_known(override, outcome):
     ("trainer.n_gpus_per_node=8", f"{R}.tensor_model_parallel_size=4", f"{R}.name=vllm"),
     ("trainer.nnodes=2", "trainer.n_gpus_per_node=8", f"{R}.tensor_model_parallel_size=16"),   # whole nodes
     ("trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2"),   # fully async
+    ("trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2", f"{R}.multi_turn.enable=true"),   # agent loop
+    ("trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2",
+     f"{R}.multi_turn.enable=true"),
 ])
 def test_tensor_parallel_replicas_load(overrides):
     cfg = load(*overrides)
@@ -270,11 +273,9 @@ def test_tensor_parallel_replicas_load(overrides):
     (("trainer.n_gpus_per_node=4", f"{R}.tensor_model_parallel_size=3"), "spans devices of one node"),
     (("trainer.nnodes=3", "trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=4"), "whole nodes"),
     (("trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2", f"{R}.name=hf"), "transformers' generate"),
-    (("trainer.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2", f"{R}.multi_turn.enable=true"), "agent loop"),
     (("trainer.n_gpus_per_node=4", "rollout.n_gpus_per_node=3", f"{R}.tensor_model_parallel_size=2"),
      "rollout.n_gpus_per_node=3"),          # fully async: the rollout pool's devices form the replicas
     (("rollout.nnodes=3", "rollout.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=4"), "rollout.nnodes"),
-    (("rollout.n_gpus_per_node=2", f"{R}.tensor_model_parallel_size=2", f"{R}.multi_turn.enable=true"), "agent loop"),
 ])
 def test_tensor_parallel_replicas_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -3,7 +3,8 @@ follower over gloo (two processes) stream requests, are interrupted at a weight 
 new whole weights from a sender over the checkpoint engine's `SyncGroup` (each keeping its slices), and resume; the
 tokens, log-prob count and weight versions equal those of one unsharded engine fed the same requests in the same
 steps. A follower that hears nothing from its leader names it. The rollout worker's ranks take the resharding sync
-(each receives only its slices, over the group of its tensor-parallel position)."""
+(each receives only its slices, over the group of its tensor-parallel position), and run multi-turn trajectories
+with the tools on its leader alone, as one worker runs them."""
 
 from __future__ import annotations
 
@@ -267,3 +268,70 @@ def test_the_driver_talks_to_the_leaders_of_the_replicas():
                            ("resume", [0, 2, 4]), ("receive_weights", [0, 2, 4])]   # (followers: told by leaders)
     with pytest.raises(ValueError, match="tensor_model_parallel_size=4 does not divide the rollout pool's 6 ranks"):
         RolloutGroup(ranks, pad_id=0, timeout_s=1, tp=4)
+
+
+# -- multi-turn trajectories on a tensor-parallel rollout worker (`ReplicaEngine`: the agent stream on the leader) ----
+
+AGENT_TURNS = SamplingParams(n=3, temperature=1.0, max_tokens=64, seed=5)
+
+
+def agent_worker(cfg_overrides: list[str], path: str, patch=setattr):
+    """A rollout worker of the `agent_demo` task as `workers.test_lockstep_agent.agent_demo` runs it, its request
+    (the two prompts, AGENT_TURNS), and the list of the tool's calls in this process."""
+    from lathe.config import load_config
+    from lathe.workers.fully_async import RolloutWorker, request_agent
+    from workers.test_lockstep_agent import agent_demo
+    tokenizer, prompts, calls = agent_demo(patch)
+    cfg = load_config("agent_demo", ["actor_rollout_ref.hybrid_engine=false", "data.train_batch_size=0",
+                                     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", *cfg_overrides])
+    worker = RolloutWorker(cfg, path, {"impl": "auto"}, tokenizer, device_type="cpu")
+    request = ("r", [list(p) for p in prompts["prompt_ids"]], AGENT_TURNS, 0, None, request_agent(prompts))
+    return worker, request, calls
+
+
+def agent_record(batch) -> tuple:
+    return responses(batch), list(batch["tool_calls"]), list(batch["num_turns"])
+
+
+def agent_rank(rank: int, path: str):
+    import random
+
+    from workers.test_fully_async import _collect_until
+    random.seed(rank)
+    worker, request, calls = agent_worker(["rollout.n_gpus_per_node=2",
+                                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], path)
+    result = None
+    if rank == 0:
+        worker.submit([request])
+        result = (agent_record(_collect_until(worker, {"r"})["r"]), len(calls))
+    worker.shutdown()
+    return result if rank == 0 else len(calls)
+
+
+def agent_rank_main(rank: int, port: int, path: str, queue) -> None:
+    gloo_rank(rank, 2, port, queue, lambda: agent_rank(rank, path), JOIN_S)
+
+
+def test_a_tensor_parallel_rollout_worker_runs_multi_turn_trajectories_once_on_its_leader(tmp_path, monkeypatch):
+    """The leader's agent stream runs the tools (the follower none) and its turns reach the follower's engine with
+    each step: the trajectories are one worker's, token for token, tool call for tool call."""
+    from lathe.config import load_config
+    from lathe.loop.setup import _given_model
+    from lathe.models.hf import load_policy, load_tokenizer
+    from workers.test_fully_async import _collect_until
+    cfg = load_config("agent_demo", ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
+                                     "data.train_batch_size=0"])
+    path, kwargs = _given_model(cfg, load_tokenizer("builtin:tiny"))
+    load_policy(path, **kwargs).save_pretrained(tmp_path / "model")
+    path = str(tmp_path / "model")
+    worker, request, calls = agent_worker(["rollout.n_gpus_per_node=1"], path, monkeypatch.setattr)
+    worker.submit([request])
+    want = agent_record(_collect_until(worker, {"r"})["r"])
+    worker.shutdown()
+    assert 0 < sum(want[1]) and len(calls) == sum(want[1]) and max(want[2]) > 3     # several tool turns
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=agent_rank_main, args=(r, port, path, queue), daemon=True) for r in range(2)]
+    got = run_processes(procs, queue, 3 * JOIN_S)
+    assert got[0] == (want, sum(want[1])) and got[1] == 0

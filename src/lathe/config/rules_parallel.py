@@ -145,7 +145,3 @@ def check_rollout_tp(cfg: LatheConfig, problems: ProblemList) -> None:
         problems.add(f"{key}={tp}: transformers' generate (actor_rollout_ref.rollout.name=hf) runs a whole model "
                      "per device. Fix: use lathe's engine (rollout.name=lathe, or vllm/sglang, which run it), or "
                      "set it to 1.")
-    if ro.multi_turn.enable:
-        problems.add(f"{key}={tp} with multi_turn.enable=true: the agent loop runs its tools on every rank of a "
-                     "replica, and tensor-parallel ranks must see the same tool results; not implemented yet. Fix: "
-                     "set it to 1 for multi-turn runs.")

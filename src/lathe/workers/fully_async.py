@@ -15,7 +15,9 @@ With `rollout.tensor_model_parallel_size` = tp > 1 a replica is tp consecutive r
 slice of the model (`lathe.engine.tensor_parallel`). The driver talks to each replica's leader (its first rank)
 only; the leader's engine thread tells its followers each engine action before it takes it (`lathe.workers.
 lockstep`): the requests it adds, a step, an interrupt, a weight sync. At a sync each rank receives only its slices,
-over the group of its tensor-parallel position (`lathe.workers.reshard`). A follower's thread only follows.
+over the group of its tensor-parallel position (`lathe.workers.reshard`). A follower's thread only follows: with
+multi-turn agent loops the trajectories and their tools are the leader's alone, and their turns reach the followers
+as the requests of the step that takes them (`ReplicaEngine`).
 
 `AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
 sync. The engine is thread-safe only through the worker's lock: every engine call is made under it.
@@ -47,7 +49,7 @@ from lathe.seeding import seed_everything
 from lathe.train import parallel
 from lathe.train.vl import check_vl
 from lathe.workers.checkpoint_engine import SyncGroup, TensorMeta, receive_weights, send_weights
-from lathe.workers.lockstep import Lockstep, control_groups
+from lathe.workers.lockstep import Lockstep, ReplicaEngine, control_groups
 from lathe.workers.reshard import check_slices, join_as_sender, position_label, send_resharded, sliced_metas
 
 ROLLOUT = "rollout"         # the role name of a replica in its worker group
@@ -92,9 +94,12 @@ class RolloutWorker:
         self.pad_id, self.device = tokenizer.pad_token_id, device
         self._cv = threading.Condition()
         # multi-turn (`rollout.multi_turn.enable`): each request's trajectories alternate model turns in this engine
-        # and tool calls in the stream's threads, whose answers wake the engine's thread
-        self.agent = (AgentStream(build_agent_loop(cfg, self.engine, tokenizer), self._wake)
-                      if arr.rollout.multi_turn.enable else None)
+        # and tool calls in the stream's threads, whose answers wake the engine's thread. The leader's alone: its
+        # turns reach the engine through the lockstep (`ReplicaEngine`), so a follower adds them at the same step
+        # and never runs a tool
+        self.agent_engine = ReplicaEngine(self.replica) if self.replica.leader else None
+        self.agent = (AgentStream(build_agent_loop(cfg, self.agent_engine, tokenizer), self._wake)
+                      if arr.rollout.multi_turn.enable and self.replica.leader else None)
         self.sync: SyncGroup | None = None
         self._inbox: list[tuple] = []
         self._prompts: dict = {}            # request id -> (prompt token ids, n, extra_info) until it is collected
@@ -175,9 +180,9 @@ class RolloutWorker:
             self.agent.add(request_id, prompt_ids, params, first_index=first_index,
                            agent={k: v for k, v in agent.items() if k != "extra_info"})
         done = self.agent.advance()
-        if self.engine.has_unfinished_requests():
-            self.engine.step()
-        done += self.agent.on_finished(self.engine.pop_finished())
+        if self.agent_engine.has_unfinished_requests():        # (the followers take the new turns with the step)
+            self.agent_engine.step()
+        done += self.agent.on_finished(self.agent_engine.pop_finished())
         return done, self.agent.busy()
 
     def _wake(self) -> None:

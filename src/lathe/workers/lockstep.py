@@ -10,10 +10,19 @@ one small pickled message over a gloo group of the replica's ranks, and every ra
                leader's error, naming the leader, instead of waiting out its timeout)
 
 A "step" carries the requests the leader adds before the step (ids, prompts, sampling params with their seeds,
-first indices), so each rank adds the same sequences and samples the same tokens (the logits are gathered whole on
+first indices) and the leader scheduler's prefill interval (the agent loop sets it for its calls), so each rank adds
+the same sequences, admits them at the same step and samples the same tokens (the logits are gathered whole on
 every rank). "load" carries what the ranks need to receive a weight sync (each rank then receives its slices over
 the group of its tensor-parallel position, `lathe.workers.reshard`). "idle" is a heartbeat the idle leader sends so
 that a waiting follower can tell a quiet leader from a dead one.
+
+A loop that adds its own requests between steps (the multi-turn agent loop, `lathe.rollout.agent`) runs on the
+leader alone, over `ReplicaEngine`: the engine seen through the lockstep, whose `add_request` queues for the next
+"step" message. Its tool calls and simulated users therefore run once per replica, on the leader, and when a
+trajectory's answers are in is decided there; a follower never sees a tool, only the requests that follow from its
+answers, in the leader's order, at the leader's step (as vLLM's driver worker broadcasts its scheduler's inputs).
+`Lockstep.run` is a synchronous call of such a loop on every rank: the leader runs it, then says "stop"; a follower
+follows until then.
 
 Every message also carries a digest of all the outputs the leader's engine returned so far; a follower compares it
 with its own, so ranks that drifted apart fail at once, naming themselves. Every wait has the group's timeout; a
@@ -69,8 +78,32 @@ class Lockstep:
     def step(self, requests: list[tuple]) -> list[tuple[Any, Any]]:
         """Add `(request_id, prompt ids, params, first_index, multi_modal_inputs, ...)` requests, run one engine
         step, and return the finished `(request_id, output)` pairs, on every rank of the replica."""
-        self._send("step", [r[:5] for r in requests])
+        self._send("step", ([r[:5] for r in requests], self._prefill_interval()))
         return self._step(requests)
+
+    def run(self, work: Callable[[], Any], receive: Callable[[dict], Any] | None = None) -> Any:
+        """Every rank of the replica at once: the leader returns `work()` (whose engine is `ReplicaEngine(self)`)
+        and then tells its followers to stop (or, failing, why); a follower follows the leader's actions meanwhile
+        (`receive`: a weight sync's, as in `follow`) and returns None, its scheduler's prefill interval as before (the
+        leader's loop restores its own; later calls that are not in lockstep must admit alike)."""
+        if not self.leader:
+            interval = self._prefill_interval()
+            try:
+                self.follow(receive or self._no_load)
+            finally:
+                if interval is not None:
+                    self.engine.scheduler.prefill_interval = interval
+            return None
+        try:
+            out = work()
+        except BaseException as e:
+            self.abort(e)
+            raise
+        self.stop()
+        return out
+
+    def _no_load(self, args: dict) -> None:
+        raise RuntimeError(f"{self.who}: a weight sync from its leader in the middle of a call (this is a bug)")
 
     def interrupt(self) -> int:
         """Partial rollout at a weight sync: every rank preempts its unfinished sequences (`engine.interrupt`)."""
@@ -112,6 +145,9 @@ class Lockstep:
                                f"{self.timeout_s:.0f} s (actor_rollout_ref.nccl_timeout; a follower that failed "
                                f"logs why): {e}") from e
 
+    def _prefill_interval(self) -> int | None:
+        return getattr(getattr(self.engine, "scheduler", None), "prefill_interval", None)
+
     def _step(self, requests: list[tuple]) -> list[tuple[Any, Any]]:
         for request_id, prompt_ids, params, first_index, images, *_ in requests:
             self.engine.add_request(request_id, prompt_ids, params, first_index=first_index,
@@ -139,7 +175,10 @@ class Lockstep:
             if kind == "abort":
                 raise RuntimeError(f"{self.who}: its leader, rank {self.leader_rank}, failed: {payload}")
             if kind == "step":
-                self._step(payload)
+                requests, interval = payload
+                if interval is not None:            # the leader's scheduler admits as this one must
+                    self.engine.scheduler.prefill_interval = interval
+                self._step(requests)
             elif kind == "interrupt":
                 self.engine.interrupt()
             elif kind == "load":
@@ -156,3 +195,52 @@ class Lockstep:
                                f"{self.timeout_s:.0f} s (actor_rollout_ref.nccl_timeout): it failed or stopped "
                                f"answering ({e})") from e
         return box[0]
+
+
+class ReplicaEngine:
+    """The streaming interface of the leader's engine (`LatheEngine.add_request`, `step`, `has_unfinished_requests`,
+    `pop_finished`) through its replica's lockstep, for a loop that adds requests between steps (the agent loop):
+    requests wait for the next `step`, which sends them to the followers before the leader's engine takes them. An
+    idle leader (its loop waiting for tools) sends a heartbeat when one is due, from `pop_finished` (which such a
+    loop calls on every turn of its own loop). Only what such a loop reads besides is passed through."""
+
+    def __init__(self, replica: Lockstep):
+        if not replica.leader:
+            raise RuntimeError(f"{replica.who}: only a replica's leader runs the loop (this is a bug)")
+        self.replica, self.engine = replica, replica.engine
+        self._queued: list[tuple] = []
+        self._finished: list[tuple] = []
+
+    def add_request(self, request_id, prompt_ids: list[list[int]], params, *, first_index: int = 0,
+                    multi_modal_inputs=None) -> None:
+        self._queued.append((request_id, prompt_ids, params, first_index, multi_modal_inputs))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._queued) or self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        requests, self._queued = self._queued, []
+        self._finished += self.replica.step(requests)
+
+    def pop_finished(self) -> list[tuple]:
+        due = self.replica.heartbeat_in()
+        if due is not None and due <= 0 and not self._finished:
+            self.replica.idle()
+        out, self._finished = self._finished, []
+        return out
+
+    @property
+    def scheduler(self):
+        """(Its `prefill_interval` reaches the followers with each step.)"""
+        return self.engine.scheduler
+
+    @property
+    def eos_ids(self):
+        return self.engine.eos_ids
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def prepare_images(self, *args, **kwargs):
+        return self.engine.prepare_images(*args, **kwargs)

@@ -4,6 +4,13 @@ The backend (`lathe.rollout.build`) is lathe's engine over the actor's own tenso
 dtype (mixed precision on CUDA: one copy of the weights serves training and rollout), else over a copy of its own;
 or transformers' `generate`, sharing the actor's module when the actor runs transformers on one device. Either way
 it receives the actor's weights (same names) after every update and checkpoint load (`update_weights`).
+
+A tensor-parallel replica (`rollout.tensor_model_parallel_size` > 1) generates on all its ranks at once. Single-turn
+generation is the same call on each (their schedulers agree: the same prompts, seeds and cache size). The multi-turn
+agent loop adds each trajectory's next turn when its tools answer, which is not at the same moment on two ranks: it
+runs on the replica's first rank alone, over the engine seen through the replica's lockstep (`lathe.workers.lockstep`,
+as fully-async replicas run), so each tool call runs once per replica and every rank takes the same requests at the
+same step; the other ranks follow.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from lathe.rollout.agent import agent_columns, agent_kwargs
 from lathe.rollout.base import to_batch
 from lathe.rollout.build import build_engine, build_hf_rollout, eos_token_ids, resolve_rollout_name
 from lathe.workers.actor import Actor
+from lathe.workers.lockstep import Lockstep, ReplicaEngine, control_groups
 
 
 class Rollout:
@@ -46,6 +54,8 @@ class Rollout:
         self.backend = self.agent = None
         self.free_cache_engine = False
         self.tp = TensorParallel(None, 0, 1)
+        self.replica: Lockstep | None = None        # a tensor-parallel replica's agent loop: its ranks in lockstep
+        self._control = None
         if actor.sharded:       # the rollout's own copy, before sharding, to the device tensor by tensor
             state = merged_weights(actor.model) if actor.lora else None
             dtype = rollout_dtype(rollout_cfg.dtype, self.device)
@@ -53,6 +63,8 @@ class Rollout:
                 self.tp = replica_groups(rollout_cfg.tensor_model_parallel_size)
                 self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state,
                                                expert_parallel_size=rollout_cfg.expert_parallel_size)
+                if rollout_cfg.multi_turn.enable:     # (collective: every rank builds its replica's group at once)
+                    self._control = control_groups(self.tp.size, lockstep_timeout(actor.arr))
             elif self.name == "lathe":
                 self.engine_model = frozen_copy(actor.model, dtype, self.device, state=state)
             if self.name == "hf" and loaded is actor.model:      # transformers generate: a copy of its own
@@ -81,7 +93,12 @@ class Rollout:
                     "actor_rollout_ref.rollout.multi_turn.enable=true needs lathe's engine (rollout.name=lathe), "
                     f"which streams each turn; this run generates with {self.name} (see the 'rollout:' log line), "
                     "for which the agent loop is not implemented")
-            self.agent = agent(self.backend)
+            if self._control is not None:           # the leader's loop drives its followers' engines
+                self.replica = Lockstep(self.backend, self.tp, self._control,
+                                        timeout_s=lockstep_timeout(self.actor.arr))
+                self.agent = agent(ReplicaEngine(self.replica)) if self.replica.leader else None
+            else:
+                self.agent = agent(self.backend)
         if self.free_cache_engine:
             self.backend.sleep()
 
@@ -99,7 +116,10 @@ class Rollout:
         # image prompts (VL): each prompt's {pixel_values, image_grid_thw}, None for text prompts
         images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
         try:
-            if self.agent is not None:
+            if self.replica is not None:           # (a follower returns None, having followed the leader's loop)
+                out = self.replica.run(lambda: self.agent.generate(prompt_ids, params, first_index=first_index,
+                                                                   **agent_kwargs(prompts), **images))
+            elif self.agent is not None:
                 out = self.agent.generate(prompt_ids, params, first_index=first_index, **agent_kwargs(prompts),
                                           **images)
             else:
@@ -129,3 +149,10 @@ class Rollout:
         yield
         synchronize(self.device)
         into[key] = time.perf_counter() - start
+
+
+def lockstep_timeout(arr) -> float:
+    """Seconds a rank of a tensor-parallel replica waits for the others' lockstep messages: `nccl_timeout`, and
+    beyond a tool call's limit (an idle leader waits for its tools up to `multi_turn.tool_timeout` + 5 s between
+    two messages)."""
+    return max(float(arr.nccl_timeout), arr.rollout.multi_turn.tool_timeout + 60.0)

@@ -229,7 +229,7 @@ class AgentLoop:
                     del live[t.index]
                 elif t.pending or t.parse_errors:
                     waiting.add(t)
-            for t in [t for t in waiting if all(f.done() for f in t.pending)]:
+            for t in sorted((t for t in waiting if all(f.done() for f in t.pending)), key=lambda t: t.index):
                 waiting.discard(t)
                 if not self._on_answers(t):
                     del live[t.index]

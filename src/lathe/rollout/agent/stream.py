@@ -69,7 +69,8 @@ class AgentStream:
 
     def advance(self) -> list[tuple[object, AgentOutput]]:
         """Trajectories whose answers are in: appended, their next turn queued."""
-        for t in [t for t in self.waiting if all(f.done() for f in t.pending)]:
+        for t in sorted((t for t in self.waiting if all(f.done() for f in t.pending)),
+                        key=lambda t: (t.call.prefix, t.index)):
             self.waiting.discard(t)
             if not self.loop._on_answers(t):
                 self._finish(t)

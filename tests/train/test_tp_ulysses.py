@@ -25,7 +25,7 @@ from lathe.models.decoder import LatheCausalLM
 from . import test_ulysses
 from .test_parallel import COMPARED, run_ranks
 from .test_parallel import train as train_one
-from .test_ulysses import COMMON, SP, assert_same_run, forwards, learners, model_config
+from .test_ulysses import COMMON, SP, assert_same_run, learners, model_config, share_run
 
 reference = test_ulysses.reference          # the inputs and the one-process run (a module-scoped fixture)
 
@@ -44,7 +44,6 @@ WORKER_STEPS = range(1)      # (the learners above take two steps)
 
 def rank_learners(world: int, batches) -> dict:
     """Log-probs, values and two updates of each learner cut over TP T x SP S (test_ulysses' `rank_run`)."""
-    from lathe.cluster.dispatch import even_shares, update_shares
     from lathe.config import run_plan
     from lathe.train import parallel
     from lathe.train.tensor_parallel import tensor_parallel
@@ -57,15 +56,8 @@ def rank_learners(world: int, batches) -> dict:
     tp = tensor_parallel(plan.mesh("actor"), torch.device("cpu"))
     sp = sequence_parallel(S, SP[0], tp=T)
     actor, critic = learners(cfg, plan, sp, tp=tp, mesh=plan.mesh("actor"))
-    res = {"sp_rank": rank % group, "places": (tp.rank, sp.rank),
-           "forward_rows": even_shares(batches[0], dp, balance=True)[rank // group]}
-    res["forwards"] = forwards(actor, critic, batches[0].select(res["forward_rows"]), sp)
-    rows = [update_shares(b, dp, mini_batch_size=4, balance=False)[rank // group] for b in batches]
-    res["updates"] = [(actor.update_policy(b.select(r)), critic.update_critic(b.select(r)))
-                      for b, r in zip(batches, rows)]
-    res["weights"] = {name: {k: t.clone() for k, t in parallel.full_tensors(m.model)}
-                      for name, m in (("actor", actor), ("critic", critic))}
-    return res
+    return {"sp_rank": rank % group, "places": (tp.rank, sp.rank),
+            **share_run(actor, critic, batches, dp, rank // group, sp)}
 
 
 def tp_sp_job(world: int, *, root: str) -> dict:

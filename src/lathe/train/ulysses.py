@@ -123,8 +123,8 @@ def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_con
         raise ValueError(f"{key}={size} with {tp_key}={tp}: each rank of a tensor-parallel group holds 1/{tp} of the "
                          f"model's {heads} query heads and {kv} key/value heads, and the Ulysses all-to-all splits "
                          f"those again over the {size} ranks of a sequence-parallel group, so {tp} x {size} must "
-                         f"divide {heads}, {tp} must divide {kv}, and {size} must divide the {kv}/{tp} key/value "
-                         f"heads of a rank or be a multiple of them. Fix: set ({tp_key}, {key}) to such sizes, e.g. "
+                         f"divide {heads}, {tp} must divide {kv}, and {size} must divide the key/value heads of a "
+                         f"rank ({kv}/{tp}) or be a multiple of them. Fix: set ({tp_key}, {key}) to such sizes, e.g. "
                          f"{_fitting_pairs(heads, kv, tp * size)}.")
     if tp == 1 and (heads % size or (kv % size and size % kv)):
         raise ValueError(f"{key}={size}: the model's {heads} query heads and {kv} key/value heads are split over the "

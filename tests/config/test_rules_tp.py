@@ -61,11 +61,25 @@ def test_bad_sizes_are_refused_up_front_naming_the_key():
         f"{TP['actor']}=2", f"{A}.fsdp_config.fsdp_size=3", devices=8)
 
 
-def test_combinations_not_built_yet_are_refused():
-    text = fails(*GAE, f"{TP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2",
+def test_megatron_tp_with_cp_runs_as_tp_x_ulysses():
+    """verl's Megatron scripts for long responses set both: TP x Ulysses in one model, a mini-batch split over the
+    devices / (TP x CP) blocks (`lathe.train.ulysses`); sizes whose product does not divide the devices are refused."""
+    roles = (A, REF, "critic")
+    with pytest.warns(UserWarning, match="context-parallel size .* runs as Ulysses"):
+        cfg = load(*GAE, *(f"+{role}.megatron.{key}=2" for role in roles
+                           for key in ("tensor_model_parallel_size", "context_parallel_size")), devices=8)
+    plan = run_plan(cfg)
+    for role in (plan.actor, plan.critic):
+        assert (role.tensor_parallel_size, role.sequence_parallel_size, role.data_parallel_size) == (2, 2, 2)
+    assert (plan.ref_tensor_parallel_size, plan.ref_sequence_parallel_size, plan.mesh("ref").dp_shard) == (2, 2, 4)
+    assert cfg.actor_rollout_ref.model.use_remove_padding and cfg.critic.model.use_remove_padding   # CP packs
+    text = fails(*GAE, f"{TP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=4",
                  "actor_rollout_ref.model.use_remove_padding=true")
-    assert f"{TP['actor']}=2 with {A}.ulysses_sequence_parallel_size=2: tensor parallelism with Ulysses" in text
-    assert "set one of them to 1" in text
+    assert f"{TP['actor']}=2 with {A}.ulysses_sequence_parallel_size=4: a tensor-parallel group's 2" in text
+    assert "blocks of 8 devices" in text and "whose product divides 4" in text
+
+
+def test_combinations_not_built_yet_are_refused():
     text = fails(f"{TP['actor']}=2", "actor_rollout_ref.model.lora_rank=8")
     assert "LoRA with tensor parallelism is not implemented yet in lathe" in text and f"set {TP['actor']}=1" in text
     assert "tensor parallelism for the reward model" in fails("reward_model.model.fsdp_config.tensor_parallel_size=2")

@@ -20,8 +20,6 @@ KNOWN_OTHERS = {
     r"sequences per (mini-batch|step) is not divisible by the device": "lathe's batch rules split over its "
         "data-parallel ranks, world / (TP x Ulysses); verl's over world / (TP x PP x CP), fewer once Megatron's PP "
         "runs as FSDP sharding (and its TP beside EP is dropped); an uneven split needs ragged shares (see issue 45)",
-    r"tensor parallelism with Ulysses is not implemented yet": "a cross-field rule (config/rules_parallel.py): Megatron scripts set TP and CP "
-        "together, and CP translates to Ulysses, which does not combine with TP in one model yet",
     r"^actor_rollout_ref\.model\.mtp\.enable_train=true with .*: training the MTP layers beside it is not": "a "
         "cross-field rule (config/rules_mtp.py): a verl MiMo script trains the MTP layers under Megatron's context "
         "parallelism (translated to Ulysses), which lathe's MTP update does not combine with yet",

@@ -94,8 +94,8 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
     rc = cfg.algorithm.rollout_correction
     actor = Actor(cfg.actor_rollout_ref, (model_fn or tiny_model)(), device=torch.device("cpu"), seed=0,
                   with_rollout=cfg.actor_rollout_ref.model.lora_rank > 0)      # LoRA trains with a colocated rollout
-    reference = Reference(cfg.actor_rollout_ref.ref, actor, plan.mesh("ref") if parallel.in_group() else None) \
-        if ref else None
+    reference = Reference(cfg.actor_rollout_ref.ref, actor, plan.mesh("ref") if parallel.in_group() else None,
+                          sp_size=plan.ref_sequence_parallel_size if parallel.in_group() else 1) if ref else None
     actor.start_training(plan=plan.actor, total_steps=10, temperature=1.0,
                          max_response_length=cfg.data.max_response_length,
                          rollout_correction={k: getattr(rc, k) for k in ROLLOUT_CORRECTION_KEYS},
@@ -134,6 +134,8 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
     if reference is not None:
         out["ref_log_prob"] = reference.compute_ref_log_prob(batch, micro_batch_size=1,
                                                              temperature=1.0)["ref_log_prob"]
+        if parallel.in_group() and reference.model is not None:     # the mesh the reference's weights are on
+            out["ref_mesh"] = tuple(next(reference.model.parameters()).device_mesh.shape)
     return out
 
 

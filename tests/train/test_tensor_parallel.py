@@ -25,7 +25,7 @@ from lathe.models.decoder import LatheCausalLM
 
 from .test_parallel import COMPARED, SAVED_AFTER, STEPS, run_ranks, tiny_model
 from .test_parallel import train as train_one
-from .test_ulysses import COMMON, assert_same_run, learners, reference  # noqa: F401, F811  (a fixture)
+from .test_ulysses import COMMON, assert_same_run, learners, reference, share_run  # noqa: F401, F811  (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,6 @@ def rank_vocab(group) -> dict:
 
 def rank_learners(world: int, batches) -> dict:
     """Log-probs, values and two updates of each learner cut over groups of T (test_ulysses' `rank_run`)."""
-    from lathe.cluster.dispatch import even_shares, update_shares
     from lathe.config import load_config, run_plan
     from lathe.train import parallel
     from lathe.train.logprob import batched_token_stats
@@ -71,20 +70,12 @@ def rank_learners(world: int, batches) -> dict:
     assert (plan.actor.tensor_parallel_size, plan.actor.data_parallel_size, plan.mesh("critic").tp) == (T, dp, T)
     tp = tensor_parallel(plan.mesh("actor"), torch.device("cpu"))
     actor, critic = learners(cfg, plan, tp=tp, mesh=plan.mesh("actor"))
-    res = {"sp_rank": tp.rank, "forward_rows": even_shares(batches[0], dp, balance=True)[rank // T]}
-    batch = batches[0].select(res["forward_rows"])
-    stats = batched_token_stats(actor.model, batch, micro_batch_size=2, temperature=0.7, calculate_entropy=True,
-                                calculate_sum_pi_squared=True, remove_padding=True, max_tokens=16)
-    res["forwards"] = {"stats": stats, "values": critic.compute_values(batch)["values"]}
-    if world == T:                          # the padded forward's hidden states through the same vocabulary split
-        res["padded"] = batched_token_stats(actor.model, batch, micro_batch_size=3, temperature=0.7,
-                                            calculate_entropy=True, calculate_sum_pi_squared=True)
-    rows = [update_shares(b, dp, mini_batch_size=4, balance=False)[rank // T] for b in batches]
-    res["updates"] = [(actor.update_policy(b.select(r)), critic.update_critic(b.select(r)))
-                      for b, r in zip(batches, rows)]
-    res["weights"] = {name: {k: t.clone() for k, t in parallel.full_tensors(m.model)}
-                      for name, m in (("actor", actor), ("critic", critic))}
-    return res
+
+    def padded(batch) -> dict:              # the padded forward's hidden states through the same vocabulary split
+        return {"padded": batched_token_stats(actor.model, batch, micro_batch_size=3, temperature=0.7,
+                                              calculate_entropy=True, calculate_sum_pi_squared=True)}
+    return {"sp_rank": tp.rank, **share_run(actor, critic, batches, dp, rank // T, max_tokens=16,
+                                            before_updates=padded if world == T else None)}
 
 
 def train_actor(world: int, *, steps=range(STEPS), save: Path | None = None, resume: Path | None = None) -> dict:

@@ -113,11 +113,11 @@ def learners(cfg, plan, sp=None, device_count: int = 1, *, tp=None, mesh=None):
     return out
 
 
-def forwards(actor, critic, batch: Batch, sp=None) -> dict:
+def forwards(actor, critic, batch: Batch, sp=None, max_tokens: int = 8) -> dict:
     """Log-probs, entropy and sum pi^2 (micro-batches packed by a token budget), and the critic's values."""
     from lathe.train.logprob import batched_token_stats
     stats = batched_token_stats(actor.model, batch, micro_batch_size=2, temperature=0.7, calculate_entropy=True,
-                                calculate_sum_pi_squared=True, remove_padding=True, max_tokens=8, sp=sp)
+                                calculate_sum_pi_squared=True, remove_padding=True, max_tokens=max_tokens, sp=sp)
     return {"stats": stats, "values": critic.compute_values(batch)["values"]}
 
 
@@ -148,25 +148,35 @@ def rank_attention(sp) -> dict:
     return out
 
 
+def share_run(actor, critic, batches: list[Batch], dp: int, share: int, sp=None, *, max_tokens: int = 8,
+              before_updates=None) -> dict:
+    """What `assert_same_run` compares, for the data-parallel `share` of `dp` this rank's group holds: the rows of
+    the first batch it runs forward, their log-probs, entropy, sum pi^2 and values (`forwards`), the two updates'
+    metrics and the full weights after them. `before_updates(batch)`: more results on that share, taken first."""
+    from lathe.cluster.dispatch import even_shares, update_shares
+    from lathe.train import parallel
+    res = {"forward_rows": even_shares(batches[0], dp, balance=True)[share]}
+    batch = batches[0].select(res["forward_rows"])
+    res["forwards"] = forwards(actor, critic, batch, sp, max_tokens=max_tokens)
+    res.update(before_updates(batch) if before_updates is not None else {})
+    rows = [update_shares(b, dp, mini_batch_size=4, balance=False)[share] for b in batches]
+    res["updates"] = [(actor.update_policy(b.select(r)), critic.update_critic(b.select(r)))
+                      for b, r in zip(batches, rows)]
+    res["weights"] = {name: {k: t.clone() for k, t in parallel.full_tensors(m.model)}
+                      for name, m in (("actor", actor), ("critic", critic))}
+    return res
+
+
 def rank_run(rank: int, world: int, size: int, batches: list[Batch]) -> dict:
     """Log-probs, values and two updates of each learner with sequence-parallel `size` over this `world`."""
-    from lathe.cluster.dispatch import even_shares, update_shares
     from lathe.config import load_config, run_plan
-    from lathe.train import parallel
     from lathe.train.ulysses import sequence_parallel
     sp, dp = sequence_parallel(size), world // size
     cfg = load_config(None, [*COMMON, *(f"{k}={size}" for k in SP), f"trainer.n_gpus_per_node={world}"])
     plan = run_plan(cfg)
     assert (plan.actor.sequence_parallel_size, plan.actor.data_parallel_size) == (size, dp)
     actor, critic = learners(cfg, plan, sp)
-    res = {"sp_rank": sp.rank, "forward_rows": even_shares(batches[0], dp, balance=True)[rank // size]}
-    res["forwards"] = forwards(actor, critic, batches[0].select(res["forward_rows"]), sp)
-    rows = [update_shares(b, dp, mini_batch_size=4, balance=False)[rank // size] for b in batches]
-    res["updates"] = [(actor.update_policy(b.select(r)), critic.update_critic(b.select(r)))
-                      for b, r in zip(batches, rows)]
-    res["weights"] = {name: {k: t.clone() for k, t in parallel.full_tensors(m.model)}
-                      for name, m in (("actor", actor), ("critic", critic))}
-    return res
+    return {"sp_rank": sp.rank, **share_run(actor, critic, batches, dp, rank // size, sp)}
 
 
 def rank_main(rank: int, world: int, port: int, root: str, queue) -> None:

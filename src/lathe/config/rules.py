@@ -100,7 +100,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     for message in mesh_problems(cfg, devices):      # fsdp_size must divide the devices (HSDP)
         problems.add(message)
     check_sequence_parallel(cfg, devices, problems)
-    check_tensor_parallel(cfg, problems)
+    check_tensor_parallel(cfg, devices, problems)
     check_expert_parallel(cfg, problems)
     check_keep_gathered(cfg, problems)
     _check_ranges(cfg, problems)

@@ -10,7 +10,12 @@ The model's heads, which must divide over S too, are checked when the model load
 
 Tensor parallelism (a role's `fsdp_config.tensor_parallel_size` T; `lathe.train.tensor_parallel`) groups devices the
 same way, so a mini-batch is split over devices / T groups too; its sizes are checked with the meshes
-(`plan.mesh_problems`), and here what it does not combine with yet: Ulysses in the same role, and LoRA.
+(`plan.mesh_problems`), and here what it does not combine with yet: LoRA. With Ulysses in the same role (verl's
+Megatron scripts' tensor_model_parallel_size with context_parallel_size) the S x T devices of a block hold one share
+(devices / (S x T) data-parallel groups), the T of a tensor-parallel group consecutive and the S of a sequence-
+parallel group strided by T (`lathe.train.ulysses`: the all-to-all splits each rank's heads/T heads again over S), so
+S x T must divide the devices; the heads (T x S must divide the query heads) are checked when the model loads, and so
+are the models tensor parallelism does not cut yet (mixture-of-experts, linear-attention hybrids, latent attention).
 
 The rollout's tensor-parallel replicas (`rollout.tensor_model_parallel_size`; `lathe.engine.tensor_parallel`) span
 devices of one node or whole nodes (the trainer's in the synchronous hybrid loop, the rollout pool's in fully-async
@@ -57,16 +62,18 @@ def check_sequence_parallel(cfg: LatheConfig, devices: Devices, problems: Proble
                      f"{KEYS['actor']}=1).")
 
 
-def check_tensor_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
-    """A role with tensor_parallel_size > 1 runs without Ulysses (in that role) and without LoRA (not built yet)."""
+def check_tensor_parallel(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> None:
+    """A role with tensor_parallel_size T > 1 and Ulysses size S > 1 has S x T dividing the devices (module doc); a
+    role with T > 1 runs without LoRA (not built yet)."""
     roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
     for role in roles:
         tp, sp = tensor_parallel_size(cfg, role), sequence_parallel_size(cfg, role)
         key = f"{FSDP_GROUPS[role]}.tensor_parallel_size"
-        if tp > 1 and sp > 1:
-            problems.add(f"{key}={tp} with {KEYS[role]}={sp}: tensor parallelism with Ulysses is not implemented "
-                         f"yet in lathe (in one model; verl's context_parallel_size sets the Ulysses size). Fix: set "
-                         f"one of them to 1.")
+        if tp > 1 and sp > 1 and devices.count % tp == 0 and devices.count % sp == 0 and devices.count % (tp * sp):
+            problems.add(f"{key}={tp} with {KEYS[role]}={sp}: a tensor-parallel group's {tp} devices and a "
+                         f"sequence-parallel group's {sp} make blocks of {tp * sp} devices that hold the same data, "
+                         f"which do not divide the device count ({devices.why}). Fix: choose sizes whose product "
+                         f"divides {devices.count}.")
         if tp > 1 and role != "critic" and cfg.actor_rollout_ref.model.lora_rank > 0:
             problems.add(f"{key}={tp} with {ARR}.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank}: LoRA "
                          f"with tensor parallelism is not implemented yet in lathe (the adapters are not cut over a "

@@ -17,7 +17,10 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   ``ulysses_sequence_parallel_size`` (context parallelism splits each sequence over the group as Ulysses does; the
   attention's all-to-all differs from Megatron's ring, the math does not);
 * ``megatron.tensor_model_parallel_size`` (also under ``megatron.override_transformer_config``),
-  ``torchtitan.tensor_parallel_size`` -> ``fsdp_config.tensor_parallel_size`` (lathe's tensor parallelism);
+  ``torchtitan.tensor_parallel_size`` -> ``fsdp_config.tensor_parallel_size`` (lathe's tensor parallelism); set
+  beside a context-parallel size (verl's Megatron scripts for large models and long responses), the two run as
+  tensor parallelism x Ulysses in one model (`lathe.train.ulysses`: the all-to-all splits each tensor-parallel rank's
+  heads again), a mini-batch split over world / (TP x CP) data-parallel groups as verl splits it;
 * ``megatron.expert_model_parallel_size``, ``torchtitan.expert_parallel_size``, ``veomni.expert_parallel_size`` ->
   ``fsdp_config.expert_parallel_size`` (lathe's expert parallelism). Beside an expert-parallel size above 1, a role's
   Megatron or torchtitan tensor-parallel size translates to nothing once every key is set (`drop_tp_beside_ep`):

@@ -307,18 +307,16 @@ def check_parallel_model(plan: RunPlan, model) -> None:
     before the workers start (they check again, after picking their implementation)."""
     from lathe.models.decoder import LatheCausalLM
     from lathe.models.vl import LatheVLForConditionalGeneration
-    from lathe.train.ulysses import check_model
-    if isinstance(model, (LatheCausalLM, LatheVLForConditionalGeneration)):
-        check_model(model, plan.actor.sequence_parallel_size, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
-        if plan.needs_ref:
-            check_model(model, plan.ref_sequence_parallel_size, "actor_rollout_ref.ref.ulysses_sequence_parallel_size")
-    # tensor parallelism: any other model (VL, a transformers fallback) is refused too, by the same check
     from lathe.train import tensor_parallel
-    tensor_parallel.check_model(model, plan.actor.tensor_parallel_size,
-                                "actor_rollout_ref.actor.fsdp_config.tensor_parallel_size")
-    if plan.needs_ref:
-        tensor_parallel.check_model(model, plan.ref_tensor_parallel_size,
-                                    "actor_rollout_ref.ref.fsdp_config.tensor_parallel_size")
+    from lathe.train.ulysses import check_model
+    roles = [("actor", plan.actor.sequence_parallel_size, plan.actor.tensor_parallel_size),
+             ("ref", plan.ref_sequence_parallel_size, plan.ref_tensor_parallel_size)][:1 + plan.needs_ref]
+    for role, sp, tp in roles:
+        tp_key = f"actor_rollout_ref.{role}.fsdp_config.tensor_parallel_size"
+        # tensor parallelism: any other model (VL, a transformers fallback) is refused too, by the same check
+        tensor_parallel.check_model(model, tp, tp_key)
+        if isinstance(model, (LatheCausalLM, LatheVLForConditionalGeneration)):     # beside TP: a rank's heads
+            check_model(model, sp, f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size", tp, tp_key)
     # expert parallelism: a dense model, or experts the size does not divide, are refused the same way
     from lathe.train import expert_parallel
     for role in ("actor", "ref")[:1 + plan.needs_ref]:

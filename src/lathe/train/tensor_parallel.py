@@ -20,6 +20,13 @@ Every rank of a group holds the same data (the driver gives each group one share
 computes the same loss; the DTensor collectives' backwards route the gradients (a whole activation's gradient is the
 same on every rank of the group), so each rank's gradients are those of its slices, and FSDP2 (applied after, over
 the data-parallel dims only: `lathe.train.parallel.device_mesh`) sums them over the data-parallel ranks.
+
+With Ulysses in the same model (size S: `lathe.train.ulysses`, torchtitan's (dp, sp, tp) layout) a block of S x T
+consecutive ranks holds one share; its tensor-parallel groups are cut as above, each computing one slice of the packed
+stream, and the Ulysses all-to-all runs over the S ranks at the same place of the block's groups, on each rank's H/T
+local heads. The sequence-parallel layout's `data_group` (ranks S x T apart) is then the one for sums over distinct
+data (`lathe.train.parallel.data_group(sp, tp)` takes it first), and FSDP2's shard dim (world / T ranks) holds the
+sequence-parallel ranks, whose partial gradients it sums.
 """
 
 from __future__ import annotations

@@ -16,6 +16,18 @@ key/value heads than S (grouped-query attention), each key/value head is repeate
 does), which keeps every rank's query heads with their own key/value head when S is a multiple of the key/value
 heads (`check_model`).
 
+With tensor parallelism T in the same model (`lathe.train.tensor_parallel`; torchtitan's and Megatron's layout,
+the world mesh read as (dp, sp, tp), tp innermost): a block of S x T consecutive ranks holds one share of the data;
+within it, the T ranks of a tensor-parallel group are consecutive and compute the same token slice, and the S ranks
+at the same place of the block's tensor-parallel groups (strided by T) form a sequence-parallel group
+(`sequence_parallel(size, tp=T)`). A rank's attention holds its H/T local heads (the column-parallel q/k/v), and the
+all-to-all splits those again over the S ranks: each rank runs attention on whole sequences for H/(T S) heads, and
+the key/value heads are checked (and repeated) as above on the H_kv/T local ones. Norms, RoPE and the row-parallel
+all-reduces work on the rank's slice of tokens; the vocabulary-parallel log-probs (`lathe.train.vocab_parallel`) are
+computed on the slice over the tensor-parallel group and then gathered over the sequence-parallel one. Sums over
+distinct data run over the ranks strided by S x T (`data_group`); FSDP2 shards over the world / T ranks of the mesh's
+shard dim, which holds the sequence-parallel ranks too, so their partial gradients add up as above.
+
 Linear attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next's gated-DeltaNet layers) carries a state along each whole
 sequence, so it is split the same way: each rank projects its slice, one all-to-all hands it all T tokens of Hk/S
 key heads with their value heads (the short convolution is per channel, the gated delta rule per head), and a second
@@ -54,16 +66,21 @@ class SequenceParallel:
     data_group: Any        # the W/S ranks at this rank's place in every group: sums over distinct data go here
 
 
-def sequence_parallel(size: int, key: str = "ulysses_sequence_parallel_size") -> SequenceParallel | None:
-    """This rank's `SequenceParallel` of `size` (None for 1: no sequence parallelism). The process groups are made
-    once per size; every rank of the worker group must call this, in the same order (`dist.new_group`)."""
+def sequence_parallel(size: int, key: str = "ulysses_sequence_parallel_size", tp: int = 1
+                      ) -> SequenceParallel | None:
+    """This rank's `SequenceParallel` of `size` (None for 1: no sequence parallelism), beside the model's tensor-
+    parallel size `tp` (its groups of `tp` consecutive ranks: the sequence-parallel groups then stride over them,
+    module doc). The process groups are made once per layout; every rank of the worker group must call this, in the
+    same order (`dist.new_group`)."""
     if size == 1:
         return None
     world = parallel.world_size()
-    if size < 1 or world % size:
-        raise ValueError(f"{key}={size} must divide the worker group's {world} rank(s): its ranks form groups of "
-                         f"{key} ranks. Fix: set {key} to a divisor of {world} (1: no sequence parallelism).")
-    return consecutive_groups(size)
+    if size < 1 or world % (size * tp):
+        beside = f" x the tensor-parallel size {tp}" if tp > 1 else ""
+        raise ValueError(f"{key}={size}{beside} must divide the worker group's {world} rank(s): its ranks form "
+                         f"groups of {size * tp} that hold the same data. Fix: set {key} so that it does (1: no "
+                         f"sequence parallelism).")
+    return _layout(size, dist.group.WORLD, tp)
 
 
 def consecutive_groups(size: int) -> SequenceParallel:
@@ -73,18 +90,23 @@ def consecutive_groups(size: int) -> SequenceParallel:
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(size: int, world_group) -> SequenceParallel:
-    """(keyed by the default group too: a process that joins a new one makes new groups)"""
-    world, me = parallel.world_size(), parallel.rank()
-    sp, _ = dist.new_subgroups_by_enumeration([list(range(g, g + size)) for g in range(0, world, size)])
-    dp, _ = dist.new_subgroups_by_enumeration([list(range(s, world, size)) for s in range(size)])
-    return SequenceParallel(size=size, rank=me % size, group=sp, data_group=dp)
+def _layout(size: int, world_group, stride: int = 1) -> SequenceParallel:
+    """Groups of `size` ranks `stride` apart within blocks of size x stride consecutive ranks (stride: the tensor-
+    parallel size; 1: consecutive ranks), and the data groups of the ranks at the same place of every block. (Keyed
+    by the default group too: a process that joins a new one makes new groups.)"""
+    world, me, block = parallel.world_size(), parallel.rank(), size * stride
+    sp, _ = dist.new_subgroups_by_enumeration([[b + t + s * stride for s in range(size)]
+                                               for b in range(0, world, block) for t in range(stride)])
+    dp, _ = dist.new_subgroups_by_enumeration([list(range(j, world, block)) for j in range(block)])
+    return SequenceParallel(size=size, rank=(me // stride) % size, group=sp, data_group=dp)
 
 
-def check_model(model, size: int, key: str) -> None:
+def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_config.tensor_parallel_size") -> None:
     """Raise unless `model` can run with sequence-parallel `size`: lathe's text decoder (or value model), query
     heads divisible by the size, key/value heads divisible by it or dividing it, positions that do not depend on
-    the forward's length."""
+    the forward's length. Beside tensor parallelism `tp` (its key `tp_key`) the heads are those of one tensor-
+    parallel rank (module doc): tp x size must divide the query heads, tp the key/value heads, and size divide the
+    rank's key/value heads or be a multiple of them."""
     if size == 1:
         return
     require_text_decoder(model, size, key, "run with Ulysses sequence parallelism", linear_attention=True)
@@ -97,7 +119,14 @@ def check_model(model, size: int, key: str) -> None:
                          f"with their value heads, so {size} must divide {la.num_key_heads}. Fix: set {key} to "
                          f"{' or '.join(map(str, ok[-3:]))}.")
     heads, kv = c.num_attention_heads, c.num_key_value_heads
-    if heads % size or (kv % size and size % kv):
+    if tp > 1 and (heads % (tp * size) or kv % tp or (kv // tp % size and size % (kv // tp))):
+        raise ValueError(f"{key}={size} with {tp_key}={tp}: each rank of a tensor-parallel group holds 1/{tp} of the "
+                         f"model's {heads} query heads and {kv} key/value heads, and the Ulysses all-to-all splits "
+                         f"those again over the {size} ranks of a sequence-parallel group, so {tp} x {size} must "
+                         f"divide {heads}, {tp} must divide {kv}, and {size} must divide the key/value heads of a "
+                         f"rank ({kv}/{tp}) or be a multiple of them. Fix: set ({tp_key}, {key}) to such sizes, e.g. "
+                         f"{_fitting_pairs(heads, kv, tp * size)}.")
+    if tp == 1 and (heads % size or (kv % size and size % kv)):
         raise ValueError(f"{key}={size}: the model's {heads} query heads and {kv} key/value heads are split over the "
                          f"{size} ranks of a group, so {size} must divide {heads} and divide {kv} or be a multiple "
                          f"of it. Fix: set {key} to such a size, e.g. {_fitting(heads, kv)}.")
@@ -122,6 +151,16 @@ def require_text_decoder(model, size: int, key: str, what: str, linear_attention
         raise ValueError(f"{key}={size} with {model.config.architecture}: its linear-attention layers (gated DeltaNet) "
                          f"carry a state along each whole sequence, which cannot {what} in lathe yet. Fix: set "
                          f"{key}=1.")
+
+
+def _fitting_pairs(heads: int, kv: int, most: int) -> str:
+    """'(tp, sp)' pairs of sizes whose product is at most `most` that split `heads` and `kv` (`check_model`), the
+    largest products first."""
+    ok = [(t, s) for t in range(2, kv + 1) if kv % t == 0 and heads % t == 0
+          for s in range(2, heads // t + 1) if t * s <= most and heads // t % s == 0
+          and (kv // t % s == 0 or s % (kv // t) == 0)]
+    ok.sort(key=lambda pair: -pair[0] * pair[1])
+    return " or ".join(f"({t}, {s})" for t, s in ok[:3]) or "none with both above 1 (set one of them to 1)"
 
 
 def _fitting(heads: int, kv: int) -> str:

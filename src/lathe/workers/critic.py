@@ -52,8 +52,9 @@ class CriticWorker:
                                      trust_remote_code=bool(critic.model.trust_remote_code),
                                      dtype=self.policy.master_dtype, override_config=critic.model.override_config)
         model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
-        ulysses.check_model(model, plan.sequence_parallel_size, "critic.ulysses_sequence_parallel_size")
         tensor_parallel.check_model(model, plan.tensor_parallel_size, f"{key}.tensor_parallel_size")
+        ulysses.check_model(model, plan.sequence_parallel_size, "critic.ulysses_sequence_parallel_size",
+                            plan.tensor_parallel_size, f"{key}.tensor_parallel_size")
         expert_parallel.check_model(model, mesh.ep if mesh else 1, f"{key}.expert_parallel_size")
         tp = None
         if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
@@ -77,7 +78,8 @@ class CriticWorker:
                                 use_remove_padding=critic.model.use_remove_padding,
                                 nonfinite=nonfinite_guard(cfg, "critic"),
                                 sp=ulysses.sequence_parallel(plan.sequence_parallel_size,
-                                                             "critic.ulysses_sequence_parallel_size"), tp=tp,
+                                                             "critic.ulysses_sequence_parallel_size",
+                                                             plan.tensor_parallel_size), tp=tp,
                                 offload_activations=activation_offload(critic.model.enable_activation_offload,
                                                                        self.device,
                                                                        key="critic.model.enable_activation_offload"))

@@ -37,11 +37,11 @@ class Reference:
         its Ulysses sequence-parallel size (`RunPlan.ref_sequence_parallel_size`)."""
         self.cfg, self.device, self.remove_padding = ref_cfg, actor.device, actor.arr.model.use_remove_padding
         self.model = self.host = None
-        key = "actor_rollout_ref.ref.ulysses_sequence_parallel_size"
-        ulysses.check_model(actor.model, sp_size, key)
-        self.sp = ulysses.sequence_parallel(sp_size, key)
+        key, tp_key = "actor_rollout_ref.ref.ulysses_sequence_parallel_size", f"{FSDP_KEY}.tensor_parallel_size"
         tp_size = mesh.tp if mesh is not None else 1
-        tensor_parallel.check_model(actor.model, tp_size, f"{FSDP_KEY}.tensor_parallel_size")
+        tensor_parallel.check_model(actor.model, tp_size, tp_key)
+        ulysses.check_model(actor.model, sp_size, key, tp_size, tp_key)
+        self.sp = ulysses.sequence_parallel(sp_size, key, tp_size)
         expert_parallel.check_model(actor.model, mesh.ep if mesh else 1, f"{FSDP_KEY}.expert_parallel_size")
         if actor.lora:                      # the actor with its adapters off
             self._actor_model = actor.model

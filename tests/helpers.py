@@ -11,6 +11,7 @@ difference against the whole tensor's scale, so the same tolerance holds on any 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import shutil
 import socket
@@ -133,6 +134,30 @@ def gloo_rank(rank: int, world: int, port: int, queue, work, timeout_s: float = 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def spawn_saving_ranks(rank_main, world: int, root: Path, preload: list[str], timeout_s: float = 120) -> list:
+    """Run `rank_main(rank, port, str(root), queue)` (a `gloo_rank` body that saves its results as
+    `root/rank<r>.pt`) in `world` processes forked from one forkserver that imports `preload` once (a process start
+    costs seconds here), and load each rank's results, in rank order."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)
+    queue, port = ctx.Queue(), free_port()
+    run_processes([ctx.Process(target=rank_main, args=(r, port, str(root), queue), daemon=True) for r in range(world)],
+                  queue, timeout_s)
+    return [torch.load(Path(root) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for the block (tiny matmuls: a second thread only waits, seconds on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def needs_gpus(count: int):

@@ -234,7 +234,6 @@ def test_enable_train_on_a_model_without_mtp_layers_fails_naming_the_model_and_t
 
 
 @pytest.mark.parametrize("override, named", [
-    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2"),
     ("actor_rollout_ref.model.lora_rank=4", "lora_rank=4"),
     ("actor_rollout_ref.actor.use_prefix_grouper=true", "use_prefix_grouper=true"),
     ("actor_rollout_ref.model.impl=hf", "impl=hf"),
@@ -244,6 +243,16 @@ def test_what_mtp_training_does_not_combine_with_is_refused_up_front(load_cfg, o
         load_cfg("actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true",
                  "actor_rollout_ref.model.use_remove_padding=true", "trainer.n_gpus_per_node=2", override)
     assert named in str(err.value) and "mtp.enable_train=false" in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                                      "actor_rollout_ref.actor.megatron.context_parallel_size=2"])
+def test_mtp_training_beside_ulysses_loads(load_cfg, override):
+    """(lathe.train.mtp under Ulysses: tests/train/test_mtp_ulysses.py)"""
+    cfg = load_cfg("actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true",
+                   "actor_rollout_ref.model.use_remove_padding=true", "trainer.n_gpus_per_node=2", override)
+    assert cfg.actor_rollout_ref.model.mtp.enable_train
+    assert batch_plan(cfg).sequence_parallel_size == 2
 
 
 def test_speculative_decoding_with_the_mtp_layers_stays_refused(load_cfg):

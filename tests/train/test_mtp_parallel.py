@@ -22,12 +22,13 @@ MTP = ("actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.e
 METRIC = "actor/mtp_losses/mtp_1_loss"
 
 
-def mimo_model() -> LatheCausalLM:
-    """MiMo-shaped (Qwen2 body, 2 layers, 1 MTP layer), the same weights in every process."""
+def mimo_model(layers: int = 1) -> LatheCausalLM:
+    """MiMo-shaped (Qwen2 body, 2 layers, 4 query / 2 key-value heads, `layers` MTP layers), the same weights in
+    every process."""
     cfg = LatheConfig.from_hf_dict({"architectures": ["MiMoForCausalLM"], "vocab_size": VOCAB, "hidden_size": 32,
                                     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                                     "num_key_value_heads": 2, "max_position_embeddings": 64,
-                                    "tie_word_embeddings": False, "num_nextn_predict_layers": 1})
+                                    "tie_word_embeddings": False, "num_nextn_predict_layers": layers})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LatheCausalLM(cfg)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import assert_close_rel, free_port, gloo_rank, run_processes
+from helpers import assert_close_rel, gloo_rank, one_thread, spawn_saving_ranks
 
 from lathe.batch import Batch
 from lathe.rollout.base import ROUTED
@@ -107,18 +106,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("routing_ulysses")
     given = inputs()
     torch.save(given, root / "inputs.pt")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)            # tiny matmuls: a second thread only waits (seconds on a busy machine)
-    try:
+    with one_thread():
         one = run(copy.deepcopy(given["policy"]), given["batch"])
-    finally:
-        torch.set_num_threads(threads)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "lathe.config", "lathe.train.actor", "torch.distributed.fsdp"])
-    queue, port = ctx.Queue(), free_port()
-    run_processes([ctx.Process(target=rank_main, args=(r, port, str(root), queue), daemon=True) for r in range(S)],
-                  queue, JOIN_S)
-    return one, [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(S)]
+    return one, spawn_saving_ranks(rank_main, S, root, [__name__, "lathe.config", "lathe.train.actor",
+                                                        "torch.distributed.fsdp"], JOIN_S)
 
 
 def test_r2_records_the_routing_one_process_records(runs):

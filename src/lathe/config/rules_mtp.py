@@ -6,7 +6,6 @@ from __future__ import annotations
 import warnings
 
 from .errors import ProblemList
-from .plan import sequence_parallel_size
 
 A, M = "actor_rollout_ref.actor", "actor_rollout_ref.model"
 KEY = f"{M}.mtp"
@@ -22,10 +21,7 @@ def check_mtp(cfg, problems: ProblemList) -> None:
                       f"are loaded and saved but not trained. Set {KEY}.enable=true to train them.", stacklevel=2)
     if not (mtp.enable and mtp.enable_train):
         return
-    sp = sequence_parallel_size(cfg, "actor")
-    unsupported = [
-        (sp > 1, f"{A}.ulysses_sequence_parallel_size={sp} (or verl's megatron.context_parallel_size)",
-         "set it to 1"),
+    unsupported = [       # Ulysses composes (each rank trains the MTP layers on its slice: lathe.train.mtp)
         (arr.model.lora_rank > 0, f"{M}.lora_rank={arr.model.lora_rank}", "set it to 0"),
         (arr.actor.use_prefix_grouper, f"{A}.use_prefix_grouper=true", "set it to false"),
         (arr.model.impl == "hf", f"{M}.impl=hf (transformers' module)", "set it to auto or lathe")]

@@ -23,6 +23,8 @@ built here: lathe's DeepSeek-V3 decoder drops them on load with a warning (`lath
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -43,18 +45,22 @@ def roll_packed(ids: torch.Tensor, cu_seqlens: torch.Tensor, fill: int | float =
 
 
 def mtp_stream(model, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-               cu_seqlens: torch.Tensor, attn, *, detach_encoder: bool = False) -> list[torch.Tensor]:
-    """The MTP layers' outputs [(T, H)] * num_mtp_layers over a packed stream: `hidden` (T, H) the main model's final
-    hidden states, `input_ids`/`position_ids` (T,) the stream's tokens and positions, `cu_seqlens` its sequence
-    bounds, `attn` the packed attention of the main forward (the same sequences). `detach_encoder` (verl's
-    `mtp.detach_encoder`): no gradient flows from the MTP layers into the main model's hidden states or the token
-    embeddings (only the MTP layers learn from the MTP loss)."""
+               cu_seqlens: torch.Tensor, attn, *, detach_encoder: bool = False,
+               local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The MTP layers' outputs [(n, H)] * num_mtp_layers over a packed stream of T tokens: `input_ids` (T,) the
+    stream's tokens, `cu_seqlens` its sequence bounds; `hidden` (n, H) the main model's final hidden states and
+    `position_ids` (n,) the positions of the n tokens this process computes, `attn` the attention of the main forward
+    (the same sequences and layout). `local` maps a whole-stream (T, ...) tensor to those n tokens (default: all of
+    them); the ids are shifted over the whole stream before it, so a token shifted in from past the slice's end is
+    there (a sequence-parallel rank's slice: `lathe.train.ulysses`, whose `attn` exchanges the heads).
+    `detach_encoder` (verl's `mtp.detach_encoder`): no gradient flows from the MTP layers into the main model's hidden
+    states or the token embeddings (only the MTP layers learn from the MTP loss)."""
     inner = model.model
     cos, sin = inner.rotary_emb(position_ids, hidden.dtype)
     ids, out = input_ids, []
     for layer in inner.mtp_layers:
         ids = roll_packed(ids, cu_seqlens)
-        embeds = inner.embed_tokens(ids)
+        embeds = inner.embed_tokens(ids if local is None else local(ids))
         if detach_encoder:
             hidden, embeds = hidden.detach(), embeds.detach()
         if inner.gradient_checkpointing and inner.training and torch.is_grad_enabled():

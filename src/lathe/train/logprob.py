@@ -123,14 +123,21 @@ BAD_LAYOUT = ("a response token follows a padding position (attention_mask 0): t
 @dataclass
 class PackedStream:
     """A text model's whole packed forward, kept for a second read-out (`lathe.train.mtp`): the final hidden states
-    of all T real tokens, their ids and positions, the sequence bounds, and each token's index in the flattened
-    (B * L) batch."""
-    hidden: torch.Tensor         # (T, H)
+    and positions of the tokens this process computed (all T real tokens; a sequence-parallel rank's slice of the
+    padded stream, `sp`), the ids of all T, the sequence bounds, each token's index in the flattened (B * L) batch,
+    and, under sequence parallelism, the forward's attention (`UlyssesAttention`) and the group."""
+    hidden: torch.Tensor         # (n, H): n = T, or this rank's padded_length(T) / S
     input_ids: torch.Tensor      # (T,)
-    position_ids: torch.Tensor   # (T,)
-    cu_seqlens: torch.Tensor     # (B+1,) int32
+    position_ids: torch.Tensor   # (n,)
+    cu_seqlens: torch.Tensor     # (B+1,) int32, over the T real tokens
     max_seqlen: int
     indices: torch.Tensor        # (T,)
+    attn: UlyssesAttention | None = None
+    sp: SequenceParallel | None = None
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This process's tokens of a whole-stream (T, ...) tensor (zeros past the stream: the group's padding)."""
+        return x if self.sp is None else local_slice(x, self.sp)
 
 
 def response_hidden(model, batch: Batch, *, remove_padding: bool = False, layout: HostLayout | None = None,
@@ -184,7 +191,7 @@ def group_budget(max_tokens: int | None, key: str, sp: SequenceParallel | None) 
     return max_tokens * sp.size, f"{key} x ulysses_sequence_parallel_size={sp.size}"
 
 
-def sequence_parallel_response(model, batch: Batch, sp: SequenceParallel, read: ReadFn
+def sequence_parallel_response(model, batch: Batch, sp: SequenceParallel, read: ReadFn, keep: list | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values (N, k), flat (N,)): `read`'s k values of each of the batch's N real response tokens, computed by a
     sequence-parallel group (`lathe.train.ulysses`), and each token's place in the flattened (B * R) responses.
@@ -192,7 +199,8 @@ def sequence_parallel_response(model, batch: Batch, sp: SequenceParallel, read: 
     The packed stream (worked out on the host, the same on every rank of the group) is padded to a multiple of the
     group's size, the pad being a sequence of its own; this rank runs lathe's decoder (`hidden_with`) on its slice
     under `UlyssesAttention`, calls `read(hidden (n, H), tokens (n,))` on the hidden states that predict the response
-    tokens in its slice (`tokens`: their places in the flattened responses), and the slices' values are gathered."""
+    tokens in its slice (`tokens`: their places in the flattened responses), and the slices' values are gathered.
+    `keep`: the rank's `PackedStream` is appended to it (the MTP loss, `lathe.train.mtp`)."""
     host = batch.tensors.get(HOST_MASK)
     if host is None or host.shape != batch["attention_mask"].shape:
         host = batch["attention_mask"].cpu()
@@ -201,10 +209,15 @@ def sequence_parallel_response(model, batch: Batch, sp: SequenceParallel, read: 
     total = padded_length(T, sp.size)
     per, pad = total // sp.size, total - T
     real = _moved(indices, device)
-    ids, pos = (local_slice(batch[k].flatten()[real], sp) for k in ("input_ids", "position_ids"))
+    whole_ids = batch["input_ids"].flatten()[real]
+    ids, pos = local_slice(whole_ids, sp), local_slice(batch["position_ids"].flatten()[real], sp)
     bounds = np.concatenate([[0], np.cumsum(seqlens), [total] * bool(pad)])
-    attn = PackedAttention(_moved(bounds, device, torch.int32), int(max(seqlens.max(), pad)), model.packed_backend())
-    hidden = model.hidden_with(ids, pos, UlyssesAttention(attn, sp))
+    attn = UlyssesAttention(PackedAttention(_moved(bounds, device, torch.int32), int(max(seqlens.max(), pad)),
+                                            model.packed_backend()), sp)
+    hidden = model.hidden_with(ids, pos, attn)
+    if keep is not None:
+        keep.append(PackedStream(hidden, whole_ids, pos, _moved(bounds[:len(seqlens) + 1], device, torch.int32),
+                                 int(seqlens.max()), real, attn, sp))
     lo = sp.rank * per
     mine = (index >= lo) & (index < lo + per)
     rows = _moved(index[mine] - lo, device)
@@ -214,7 +227,8 @@ def sequence_parallel_response(model, batch: Batch, sp: SequenceParallel, read: 
 
 
 def _sequence_parallel_stats(model, batch: Batch, sp: SequenceParallel, *, temperature: float, chunk_size: int,
-                             wanted: tuple[bool, bool, bool]) -> tuple[torch.Tensor | None, ...]:
+                             wanted: tuple[bool, bool, bool], keep: list | None = None
+                             ) -> tuple[torch.Tensor | None, ...]:
     """`response_token_stats` of a sequence-parallel group: the (log-prob, entropy, sum pi^2) asked for by `wanted`,
     each computed on the rank's slice by `chunked_token_stats` and gathered (`sequence_parallel_response`)."""
     targets = batch["responses"].flatten()
@@ -224,7 +238,7 @@ def _sequence_parallel_stats(model, batch: Batch, sp: SequenceParallel, *, tempe
                             chunk_size=chunk_size, calculate_entropy=wanted[1], calculate_sum_pi_squared=wanted[2],
                             compile_backend=getattr(model, "compile_backend", None))
         return torch.stack([x for x in stats if x is not None], dim=-1)
-    values, flat = sequence_parallel_response(model, batch, sp, read)
+    values, flat = sequence_parallel_response(model, batch, sp, read, keep)
     columns = iter(values.unbind(-1))
     return tuple(scatter_response(next(columns), flat, tuple(batch["responses"].shape)) if want else None
                  for want in wanted)
@@ -293,11 +307,12 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
     response token's sum over the vocabulary of p^2 (B, R) float32, no gradient, 0 at padding; else None. lathe's
     models compute it in the log-prob pass's own chunks; a transformers model from its full logits. `keep`: lathe's
     text decoder runs packed (the same numbers at real tokens as a padded forward) and appends its `PackedStream`
-    (`response_hidden`), for the MTP loss (`lathe.train.mtp`)."""
+    (`response_hidden`; under `sp`, the rank's slice: `sequence_parallel_response`), for the MTP loss
+    (`lathe.train.mtp`)."""
     if keep is not None:
-        if not isinstance(model, LatheCausalLM) or prefix_grouper or sp is not None:
+        if not isinstance(model, LatheCausalLM) or prefix_grouper:
             raise ValueError("the packed stream (multi-token prediction) needs lathe's text decoder without "
-                             f"use_prefix_grouper or Ulysses; got {type(model).__name__}")
+                             f"use_prefix_grouper; got {type(model).__name__}")
         remove_padding = True
     if sp is not None:
         if not (isinstance(model, LatheCausalLM) and remove_padding and not prefix_grouper):
@@ -305,7 +320,7 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
                              f"without use_prefix_grouper; got {type(model).__name__}, remove_padding="
                              f"{remove_padding}, prefix_grouper={prefix_grouper}")
         return _sequence_parallel_stats(model, batch, sp, temperature=temperature, chunk_size=chunk_size,
-                                        wanted=(True, calculate_entropy, calculate_sum_pi_squared))
+                                        wanted=(True, calculate_entropy, calculate_sum_pi_squared), keep=keep)
     if prefix_grouper and not isinstance(model, LatheCausalLM):
         raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, Qwen2, "
                          f"Qwen3), but the actor runs {type(model).__name__}. Fix: set use_prefix_grouper=false.")

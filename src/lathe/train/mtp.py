@@ -14,6 +14,15 @@ counted over the whole mini-batch (every micro-batch and data-parallel rank: Meg
 gradient accumulation does not change it. `detach_encoder=true`: no gradient from the MTP loss reaches the main
 model's hidden states or the token embeddings (only the MTP layers learn from it). CE_k is logged unscaled as verl
 logs Megatron's tracker: `actor/mtp_losses/mtp_<k+1>_loss`. The reference and old-log-prob passes never run MTP.
+
+Under Ulysses sequence parallelism (`lathe.train.ulysses`; verl's Megatron context parallelism) each rank of a group
+runs the MTP layers on its slice of the packed stream, their attention under the main forward's `UlyssesAttention`
+(an MTP layer is a decoder layer of the main model's heads). The ids, targets and loss mask are shifted over the whole
+stream (every rank of the group holds the micro-batch) before the rank's slice is taken, so a slice's last positions
+read the tokens of the next rank's slice, and never a next sequence's. Each rank's loss is the sum over its slice's
+tokens (divided by the mini-batch's count, summed over the data-parallel ranks only: each token counted once), so the
+group's losses add up to the micro-batch's, and so do its gradients (as FSDP2 sums them); the logged CE_k is summed
+over the group.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from lathe.batch import Batch
 from lathe.models.attention import PackedAttention
@@ -77,24 +87,31 @@ def token_counts(mini: Batch, mtp: MtpTraining, group=None) -> torch.Tensor:
 def mtp_loss(model, micro: Batch, stream: PackedStream, counts: torch.Tensor, mtp: MtpTraining
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the micro-batch's share of the scaled MTP loss, {`actor/mtp_losses/mtp_<k>_loss`: its share of CE_k}) from the
-    main forward's `stream` (`lathe.train.logprob.PackedStream`); `counts` from `token_counts` (module doc)."""
+    main forward's `stream` (`lathe.train.logprob.PackedStream`); `counts` from `token_counts` (module doc). Under
+    Ulysses the loss is the share of this rank's slice, the metrics the group's whole micro-batch's."""
     cu = stream.cu_seqlens
-    attn = PackedAttention(cu, int(stream.max_seqlen), model.packed_backend())
+    attn = stream.attn or PackedAttention(cu, int(stream.max_seqlen), model.packed_backend())
     outs = mtp_stream(model, stream.hidden, stream.input_ids, stream.position_ids, cu, attn,
-                      detach_encoder=mtp.detach_encoder)
-    targets = roll_packed(stream.input_ids, cu)
+                      detach_encoder=mtp.detach_encoder, local=stream.local)
+    targets = roll_packed(stream.input_ids, cu)   # shifted over the whole stream, then this rank's slice taken
     weights = roll_packed(full_response_mask(micro).flatten()[stream.indices], cu)
     head = model.lm_head.weight.detach()          # verl: the MTP loss does not train lm_head
     total, parts = None, {}
     for k, hidden in enumerate(outs):
         targets, weights = roll_packed(targets, cu), roll_packed(weights, cu)      # token t + k + 2
-        chosen = weights > 0
+        mine = stream.local(weights)
+        chosen = mine > 0
         if bool(chosen.any()):
-            logp = token_stats(hidden[chosen], head, targets[chosen], temperature=1.0, chunk_size=LOGPROB_CHUNK_SIZE,
+            logp = token_stats(hidden[chosen], head, stream.local(targets)[chosen], temperature=1.0,
+                               chunk_size=LOGPROB_CHUNK_SIZE,
                                compile_backend=getattr(model, "compile_backend", None))[0]
-            ce = -(logp * weights[chosen].to(logp.dtype)).sum() / counts[k].clamp(min=1.0).to(logp.dtype)
+            ce = -(logp * mine[chosen].to(logp.dtype)).sum() / counts[k].clamp(min=1.0).to(logp.dtype)
         else:                                      # keep the layer in the graph: every rank reduces its gradients
             ce = hidden.sum() * 0.0
         parts[f"{METRIC_PREFIX}mtp_{k + 1}_loss"] = ce.detach()
         total = ce if total is None else total + ce
+    if stream.sp is not None:                      # each rank's CE_k is its slice's share: the metric is the group's
+        shares = torch.stack(list(parts.values()))
+        dist.all_reduce(shares, group=stream.sp.group)
+        parts = dict(zip(parts, shares.unbind()))
     return total * (mtp.scaling_factor / mtp.num_layers), parts

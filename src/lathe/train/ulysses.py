@@ -14,7 +14,8 @@ FSDP2 over all W ranks. Positions (RoPE) are those of the whole stream, sliced w
 Heads: the query heads and the key/value heads are split over the S ranks, so S must divide both; with fewer
 key/value heads than S (grouped-query attention), each key/value head is repeated S / heads times first (as verl
 does), which keeps every rank's query heads with their own key/value head when S is a multiple of the key/value
-heads (`check_model`).
+heads (`check_model`). MiMo's multi-token-prediction layers are decoder layers of the same heads: training runs them
+on the rank's slice under the main forward's `UlyssesAttention` (`lathe.train.mtp`).
 
 With tensor parallelism T in the same model (`lathe.train.tensor_parallel`; torchtitan's and Megatron's layout,
 the world mesh read as (dp, sp, tp), tp innermost): a block of S x T consecutive ranks holds one share of the data;

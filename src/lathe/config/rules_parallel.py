@@ -10,7 +10,8 @@ The model's heads, which must divide over S too, are checked when the model load
 
 Tensor parallelism (a role's `fsdp_config.tensor_parallel_size` T; `lathe.train.tensor_parallel`) groups devices the
 same way, so a mini-batch is split over devices / T groups too; its sizes are checked with the meshes
-(`plan.mesh_problems`), and here what it does not combine with yet: Ulysses in the same role, and LoRA.
+(`plan.mesh_problems`), and here what it does not combine with yet: Ulysses in the same role, and LoRA dropout
+(LoRA itself composes). Expert parallelism beside it is refused by `check_expert_parallel`, with LoRA or without.
 
 The rollout's tensor-parallel replicas (`rollout.tensor_model_parallel_size`; `lathe.engine.tensor_parallel`) span
 devices of one node or whole nodes (the trainer's in the synchronous hybrid loop, the rollout pool's in fully-async
@@ -58,7 +59,8 @@ def check_sequence_parallel(cfg: LatheConfig, devices: Devices, problems: Proble
 
 
 def check_tensor_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
-    """A role with tensor_parallel_size > 1 runs without Ulysses (in that role) and without LoRA (not built yet)."""
+    """A role with tensor_parallel_size > 1 runs without Ulysses (in that role); LoRA composes (the adapters are cut
+    beside their projections: `lathe.train.tensor_parallel`), but not its dropout (not built yet)."""
     roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
     for role in roles:
         tp, sp = tensor_parallel_size(cfg, role), sequence_parallel_size(cfg, role)
@@ -67,10 +69,16 @@ def check_tensor_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
             problems.add(f"{key}={tp} with {KEYS[role]}={sp}: tensor parallelism with Ulysses is not implemented "
                          f"yet in lathe (in one model; verl's context_parallel_size sets the Ulysses size). Fix: set "
                          f"one of them to 1.")
-        if tp > 1 and role != "critic" and cfg.actor_rollout_ref.model.lora_rank > 0:
-            problems.add(f"{key}={tp} with {ARR}.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank}: LoRA "
-                         f"with tensor parallelism is not implemented yet in lathe (the adapters are not cut over a "
-                         f"tensor-parallel group). Fix: set {key}=1 (or lora_rank=0).")
+        model, own = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.ref.fsdp_config.tensor_parallel_size
+        if role == "ref" and model.lora_rank > 0 and own not in (1, tp):
+            problems.add(f"{key}={own} with {ARR}.model.lora_rank={model.lora_rank}: under LoRA the reference is the "
+                         f"actor's model with its adapters off, cut over the actor's tensor-parallel groups "
+                         f"({FSDP_GROUPS['actor']}.tensor_parallel_size={tp}). Fix: set {key}={tp} (or leave it 1).")
+        if tp > 1 and role != "critic" and model.lora_rank > 0 and model.lora_dropout > 0:
+            problems.add(f"{key}={tp} with {ARR}.model.lora_dropout={model.lora_dropout}: LoRA dropout with tensor "
+                         f"parallelism is not implemented yet in lathe (a column-parallel projection's whole input "
+                         f"would need the same dropout mask on every rank of the group). Fix: set "
+                         f"{ARR}.model.lora_dropout=0 (or {key}=1).")
 
 
 def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:

@@ -47,7 +47,7 @@ ONE_WORKER = ("tests/train/test_expert_parallel.py", "tests/train/test_tensor_pa
               "tests/loop/test_sft.py", "tests/engine/test_deepseek_engine.py", "tests/models/test_deepseek.py",
               "tests/train/test_ulysses_hybrid.py", "tests/train/test_routing_ulysses.py",
               "tests/train/test_distillation_tp.py", "tests/train/test_expert_parallel_lora.py",
-              "tests/workers/test_lockstep_agent.py")
+              "tests/workers/test_lockstep_agent.py", "tests/train/test_tensor_parallel_lora.py")
 
 
 @pytest.hookimpl(tryfirst=True)    # before xdist's own hook reads the groups

@@ -4,7 +4,8 @@ linear layer (all-linear) updates exactly as one process does over 2 AdamW steps
 adapter's gradient is not a partial sum), the adapters after the updates and the log-probs after them. The base
 weights stay frozen; the reference (the adapters off) is the base model; the rollout engine receives the whole
 merged layers; the checkpoint written under TP 2 holds
-the one-process adapter (PEFT's layout, whole tensors) and resumes exactly in one process.
+the one-process adapter (PEFT's layout, whole tensors) and resumes exactly in one process. On 4 ranks (FSDP 2 x TP 2:
+the adapters 2-D DTensors) the updates equal one process's too.
 """
 
 from __future__ import annotations
@@ -78,6 +79,22 @@ def test_tp_2_with_lora_updates_as_one_process(runs):
         a, b = (layout[f"model.layers.0.{path}.{leaf}"] for leaf in ("lora_A", "lora_B"))
         assert a == ((("S0", "R"),) * 2 if column else (("S0", "S1"),) * 2)
         assert b == ((("S0", "S0"),) * 2 if column else (("S0", "R"),) * 2)
+
+
+def test_fsdp_2_x_tp_2_with_lora_updates_as_one_process(runs, tmp_path):
+    """4 ranks: the adapters are 2-D DTensors (FSDP's shard over the data-parallel ranks x the tp placement)."""
+    _, one, *_ = runs
+    [ranks] = run_ranks(2 * T, tmp_path, dict(), fn=lora_job)
+    got = ranks[0]
+    assert got["mesh"][0] == (2, 2)
+    assert got["grad_layout"]["model.layers.0.self_attn.q_proj.lora_A"] == (("S0", "R"),) * 2
+    assert got["grad_layout"]["model.layers.0.mlp.down_proj.lora_A"] == (("S0", "S1"),) * 2
+    for a, b in zip(got["metrics"][:-1], one["metrics"][:-1], strict=True):
+        assert_close_rel([a[k] for k in COMPARED], [b[k] for k in COMPARED], rel=1e-5, name="metrics")
+    for rank in ranks:
+        assert_close_rel(rank["grads"], one["grads"], rel=1e-5, name="last step's adapter gradients")
+        assert_close_rel(rank["engine"], one["engine"], rel=1e-5, name="engine weights")
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
 
 
 def test_tp_2_with_lora_updates_a_tied_qwen3_as_one_process(runs):

@@ -79,9 +79,32 @@ def test_megatron_tp_with_cp_runs_as_tp_x_ulysses():
     assert "blocks of 8 devices" in text and "whose product divides 4" in text
 
 
+def test_lora_with_tensor_parallelism_loads():
+    """verl's Megatron LoRA scripts set tensor_model_parallel_size beside lora_rank: the adapters are cut beside their
+    projections (`lathe.train.tensor_parallel`), the reference is the actor with them off."""
+    cfg = load(f"+{A}.megatron.tensor_model_parallel_size=2", f"{TP['ref']}=2", "actor_rollout_ref.model.lora_rank=32",
+               "actor_rollout_ref.model.lora_alpha=32", "actor_rollout_ref.model.target_modules=all-linear")
+    run = run_plan(cfg)
+    assert cfg.actor_rollout_ref.model.lora_rank == 32 and run.mesh("actor").tp == 2
+    assert (run.actor.tensor_parallel_size, run.actor.data_parallel_size) == (2, 2)
+    # the reference is the actor's model with its adapters off: the actor's groups, whatever its own size (1 here)
+    run = run_plan(load(*GAE, f"{TP['actor']}=2", "actor_rollout_ref.model.lora_rank=8"))
+    assert run.needs_ref and run.ref_tensor_parallel_size == 2 and run.mesh("ref").tp == 2
+    text = fails(*GAE, f"{TP['actor']}=2", f"{TP['ref']}=4", "actor_rollout_ref.model.lora_rank=8")
+    assert f"{TP['ref']}=4 with actor_rollout_ref.model.lora_rank=8: under LoRA the reference" in text
+    assert f"Fix: set {TP['ref']}=2 (or leave it 1)" in text
+
+
 def test_combinations_not_built_yet_are_refused():
-    text = fails(f"{TP['actor']}=2", "actor_rollout_ref.model.lora_rank=8")
-    assert "LoRA with tensor parallelism is not implemented yet in lathe" in text and f"set {TP['actor']}=1" in text
+    text = fails(*GAE, f"{TP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.lora_rank=8",
+                 "actor_rollout_ref.model.use_remove_padding=true")
+    assert f"{TP['actor']}=2 with {A}.ulysses_sequence_parallel_size=2 and actor_rollout_ref.model.lora_rank=8" in text
+    assert "LoRA beside tensor parallelism and Ulysses together is not implemented yet" in text
+    text = fails(f"{TP['actor']}=2", "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_dropout=0.1")
+    assert "LoRA dropout with tensor parallelism is not implemented yet in lathe" in text
+    assert "Fix: set actor_rollout_ref.model.lora_dropout=0" in text
+    text = fails(f"{TP['actor']}=2", f"{A}.fsdp_config.expert_parallel_size=2", "actor_rollout_ref.model.lora_rank=8")
+    assert "expert parallelism with tensor_parallel_size in one model is not implemented yet" in text
     assert "tensor parallelism for the reward model" in fails("reward_model.model.fsdp_config.tensor_parallel_size=2")
     with pytest.raises(ConfigError, match="tensor parallelism in lathe sft"):
         load_sft_config(None, ["trainer.n_gpus_per_node=2", "model.fsdp_config.tensor_parallel_size=2"])

@@ -45,14 +45,14 @@ class NoTokenizer:
         pass
 
 
-def tiny_model() -> LatheCausalLM:
-    """Qwen2-shaped, 2 layers, the same weights in every process."""
+def tiny_model(seed: int = 0, **config) -> LatheCausalLM:
+    """Qwen2-shaped, 2 layers, the same weights in every process; `config`: Hugging Face config keys changed."""
     cfg = LatheConfig.from_hf_dict({"architectures": ["Qwen2ForCausalLM"], "vocab_size": VOCAB, "hidden_size": 32,
                                     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                                     "num_key_value_heads": 2, "max_position_embeddings": 64,
-                                    "tie_word_embeddings": False})
+                                    "tie_word_embeddings": False, **config})
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = LatheCausalLM(cfg)
         init_weights(model, std=0.2)
     return model
@@ -103,9 +103,13 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
     if resume is not None:
         actor.load_checkpoint(resume)
     last_grads: dict = {}
+    grad_layout: dict = {}      # a sharded model's: {name: (the parameter's placements, its gradient's)}
     if grads:               # the full gradients each optimizer step takes (clipped): the last step's kept
-        actor.optimizer.register_step_pre_hook(lambda *_: last_grads.update(
-            {n: parallel.to_local(p.grad).clone() for n, p in actor.model.named_parameters() if p.grad is not None}))
+        def keep(*_) -> None:
+            with_grads = [(n, p) for n, p in actor.model.named_parameters() if p.grad is not None]
+            last_grads.update({n: parallel.to_local(p.grad).clone() for n, p in with_grads})
+            grad_layout.update({n: (_placements(p), _placements(p.grad)) for n, p in with_grads})
+        actor.optimizer.register_step_pre_hook(keep)
     metrics = []
     for step in steps:
         batch = ppo_batch(step, plan.actor.sequences_per_step)
@@ -130,13 +134,19 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
     if engine:
         out["engine"] = {k: v.clone() for k, v in actor.weights()}
     if grads:
-        out["grads"] = last_grads
+        out["grads"], out["grad_layout"] = last_grads, grad_layout
     if reference is not None:
         out["ref_log_prob"] = reference.compute_ref_log_prob(batch, micro_batch_size=1,
                                                              temperature=1.0)["ref_log_prob"]
         if parallel.in_group() and reference.model is not None:     # the mesh the reference's weights are on
             out["ref_mesh"] = tuple(next(reference.model.parameters()).device_mesh.shape)
     return out
+
+
+def _placements(t) -> tuple[str, ...]:
+    """A DTensor's placements as "R", "P" or "S<dim>" (the same on each torch version); () for a plain tensor."""
+    return tuple("R" if p.is_replicate() else "P" if p.is_partial() else f"S{p.dim}"
+                 for p in getattr(t, "placements", ()))
 
 
 def rank_main(rank: int, world: int, port: int, out: Path, queue, jobs: tuple[dict, ...], fn=None) -> None:

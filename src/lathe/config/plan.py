@@ -117,7 +117,7 @@ class RunPlan:
     needs_ref: bool
     meshes: dict[str, MeshPlan] = field(default_factory=dict)    # 'actor', 'ref', 'critic': see `mesh`
     ref_sequence_parallel_size: int = 1  # actor_rollout_ref.ref.ulysses_sequence_parallel_size (null: the actor's)
-    ref_tensor_parallel_size: int = 1    # actor_rollout_ref.ref.fsdp_config.tensor_parallel_size
+    ref_tensor_parallel_size: int = 1    # actor_rollout_ref.ref.fsdp_config.tensor_parallel_size (LoRA: actor's)
     rollout_tp: int = 1         # devices per engine replica (rollout.tensor_model_parallel_size)
     reward_devices: int = 0     # the reward model's own pool (reward_model.enable_resource_pool); 0: on the trainer's
     teacher_devices: int = 0    # the teachers' own pool (distillation.nnodes x n_gpus_per_node); 0: on the trainer's
@@ -209,8 +209,12 @@ def sequence_parallel_size(cfg: LatheConfig, role: str) -> int:
 
 
 def tensor_parallel_size(cfg: LatheConfig, role: str) -> int:
-    """``fsdp_config.tensor_parallel_size`` of ``role`` ('actor', 'ref' or 'critic')."""
+    """``fsdp_config.tensor_parallel_size`` of ``role`` ('actor', 'ref' or 'critic'); under LoRA the reference's is
+    the actor's: the reference is the actor's model with its adapters off, cut over the actor's groups (a reference
+    size of its own other than 1 is refused by `rules_parallel.check_tensor_parallel`)."""
     arr = cfg.actor_rollout_ref
+    if role == "ref" and arr.model.lora_rank > 0:
+        role = "actor"
     return {"actor": arr.actor, "ref": arr.ref, "critic": cfg.critic.model}[role].fsdp_config.tensor_parallel_size
 
 

@@ -10,12 +10,14 @@ The model's heads, which must divide over S too, are checked when the model load
 
 Tensor parallelism (a role's `fsdp_config.tensor_parallel_size` T; `lathe.train.tensor_parallel`) groups devices the
 same way, so a mini-batch is split over devices / T groups too; its sizes are checked with the meshes
-(`plan.mesh_problems`), and here what it does not combine with yet: LoRA. With Ulysses in the same role (verl's
+(`plan.mesh_problems`), and here what it does not combine with yet: LoRA dropout, and LoRA when Ulysses is on in the
+same role too (LoRA itself composes: the adapters are cut beside their projections). With Ulysses in the same role (verl's
 Megatron scripts' tensor_model_parallel_size with context_parallel_size) the S x T devices of a block hold one share
 (devices / (S x T) data-parallel groups), the T of a tensor-parallel group consecutive and the S of a sequence-
 parallel group strided by T (`lathe.train.ulysses`: the all-to-all splits each rank's heads/T heads again over S), so
 S x T must divide the devices; the heads (T x S must divide the query heads) are checked when the model loads, and so
 are the models tensor parallelism does not cut yet (mixture-of-experts, linear-attention hybrids, latent attention).
+Expert parallelism beside it is refused by `check_expert_parallel`, with LoRA or without.
 
 The rollout's tensor-parallel replicas (`rollout.tensor_model_parallel_size`; `lathe.engine.tensor_parallel`) span
 devices of one node or whole nodes (the trainer's in the synchronous hybrid loop, the rollout pool's in fully-async
@@ -63,8 +65,9 @@ def check_sequence_parallel(cfg: LatheConfig, devices: Devices, problems: Proble
 
 
 def check_tensor_parallel(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> None:
-    """A role with tensor_parallel_size T > 1 and Ulysses size S > 1 has S x T dividing the devices (module doc); a
-    role with T > 1 runs without LoRA (not built yet)."""
+    """A role with tensor_parallel_size T > 1 and Ulysses size S > 1 has S x T dividing the devices (module doc); LoRA
+    composes with T > 1 (the adapters are cut beside their projections: `lathe.train.tensor_parallel`), but not its
+    dropout, nor T x S beside it (not tested yet)."""
     roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
     for role in roles:
         tp, sp = tensor_parallel_size(cfg, role), sequence_parallel_size(cfg, role)
@@ -74,10 +77,20 @@ def check_tensor_parallel(cfg: LatheConfig, devices: Devices, problems: ProblemL
                          f"sequence-parallel group's {sp} make blocks of {tp * sp} devices that hold the same data, "
                          f"which do not divide the device count ({devices.why}). Fix: choose sizes whose product "
                          f"divides {devices.count}.")
-        if tp > 1 and role != "critic" and cfg.actor_rollout_ref.model.lora_rank > 0:
-            problems.add(f"{key}={tp} with {ARR}.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank}: LoRA "
-                         f"with tensor parallelism is not implemented yet in lathe (the adapters are not cut over a "
-                         f"tensor-parallel group). Fix: set {key}=1 (or lora_rank=0).")
+        model, own = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.ref.fsdp_config.tensor_parallel_size
+        if tp > 1 and sp > 1 and role != "critic" and model.lora_rank > 0:
+            problems.add(f"{key}={tp} with {KEYS[role]}={sp} and {ARR}.model.lora_rank={model.lora_rank}: LoRA "
+                         f"beside tensor parallelism and Ulysses together is not implemented yet in lathe (each pair "
+                         f"composes; the three are not tested together). Fix: set {KEYS[role]}=1 or {key}=1.")
+        if role == "ref" and model.lora_rank > 0 and own not in (1, tp):
+            problems.add(f"{key}={own} with {ARR}.model.lora_rank={model.lora_rank}: under LoRA the reference is the "
+                         f"actor's model with its adapters off, cut over the actor's tensor-parallel groups "
+                         f"({FSDP_GROUPS['actor']}.tensor_parallel_size={tp}). Fix: set {key}={tp} (or leave it 1).")
+        if tp > 1 and role != "critic" and model.lora_rank > 0 and model.lora_dropout > 0:
+            problems.add(f"{key}={tp} with {ARR}.model.lora_dropout={model.lora_dropout}: LoRA dropout with tensor "
+                         f"parallelism is not implemented yet in lathe (a column-parallel projection's whole input "
+                         f"would need the same dropout mask on every rank of the group). Fix: set "
+                         f"{ARR}.model.lora_dropout=0 (or {key}=1).")
 
 
 def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:

@@ -50,11 +50,12 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     with torch.no_grad():
         for _, own in parallel.gathered_groups(model):
             params = dict(own())
-            for name, a in params.items():
-                if name.endswith(".lora_A"):
+            for name in params:
+                if name.endswith(".lora_A"):       # tensor-parallel: DTensors on the tp mesh, gathered whole
                     path = name[:-len(".lora_A")]
-                    yield f"{path}.weight", merge(params[f"{path}.weight"].detach(), a.detach(),
-                                                  params[f"{path}.lora_B"].detach(), model.get_submodule(path).scaling)
+                    w, a, b = (parallel.to_local(params[f"{path}.{leaf}"].detach())
+                               for leaf in ("weight", "lora_A", "lora_B"))
+                    yield f"{path}.weight", merge(w, a, b, model.get_submodule(path).scaling)
 
 
 def save_lora(path: Path, model: nn.Module, optimizer, scheduler, *, base_model: str | None) -> None:

@@ -68,10 +68,12 @@ def check_model(model, size: int, key: str) -> None:
     the last ones shorter)."""
     if size == 1:
         return
-    from lathe.models.lora import has_lora
+    from lathe.models.lora import lora_layers
     ulysses.require_text_decoder(model, size, key, "be cut over a tensor-parallel group")
-    if has_lora(model):
-        raise ValueError(f"{key}={size} with LoRA adapters: not built yet. Fix: set {key}=1 (or lora_rank=0).")
+    if any(m.lora_dropout for _, m in lora_layers(model)):
+        raise ValueError(f"{key}={size} with LoRA dropout (actor_rollout_ref.model.lora_dropout > 0): the dropout "
+                         "mask on a column-parallel projection's whole input must be the same on every rank of the "
+                         f"group, which lathe does not arrange yet. Fix: set lora_dropout=0 (or {key}=1).")
     if getattr(model.config, "mla", None) is not None:
         raise ValueError(f"{key}={size}: the latent attention of {model.config.architecture} (DeepSeek-V3 family) is "
                          f"not cut over a tensor-parallel group yet. Fix: set {key}=1.")
@@ -105,7 +107,9 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
                   "mlp.down_proj": RowwiseParallel()}
     mtp = list(getattr(model.model, "mtp_layers", None) or ())   # MiMo: Qwen2 layers too; their extra norms and
     for layer in [*model.model.layers, *mtp]:                     # input projection stay whole, as the norms do
+        adapters = _take_adapters(layer, layer_plan)
         parallelize_module(layer, tp.mesh, layer_plan)
+        _place_adapters(layer, adapters, layer_plan, tp.mesh)
         attn = layer.self_attn
         attn.n_heads, attn.n_kv = attn.n_heads // tp.size, attn.n_kv // tp.size     # this rank's heads
     root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
@@ -115,3 +119,35 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
     if hasattr(model, "tie_weights"):       # the embeddings and lm_head are both cut over the vocabulary (dim 0)
         model.tie_weights()
     return model
+
+
+def _take_adapters(layer: nn.Module, layer_plan: dict) -> dict[str, dict[str, nn.Parameter]]:
+    """The LoRA adapters (`lathe.models.lora`) of the planned projections of `layer`, removed from their modules so
+    that torch's styles cut only the base weight and bias (ColwiseParallel would cut every parameter by rows, the
+    rank dim of ``lora_A`` too)."""
+    out = {}
+    for path in layer_plan:
+        module = layer.get_submodule(path)
+        if hasattr(module, "lora_A"):
+            out[path] = {leaf: module._parameters.pop(leaf) for leaf in ("lora_A", "lora_B")}
+    return out
+
+
+def _place_adapters(layer: nn.Module, adapters: dict, layer_plan: dict, mesh) -> None:
+    """The adapters back on their (now tensor-parallel) projections as DTensors on the tp mesh, Megatron's layout:
+    beside a column-parallel base (output features cut) ``lora_A`` (r x in) stays whole and ``lora_B`` (out x r) is
+    cut by rows as the base weight; beside a row-parallel base (input features cut) ``lora_A`` is cut by columns
+    and ``lora_B`` stays whole. The layer's forward (``x A^T B^T``) then runs on DTensors: a column-parallel branch
+    yields this rank's output columns, a row-parallel one a partial sum that DTensor reduces (its rank-r product
+    first, a small all-reduce, then the sum with the base's). A whole adapter's gradient comes back replicated, the
+    same on every rank of the group, so the optimizer and the gradient norm count it once (`parallel.
+    clip_grad_norm_`); FSDP2 shards the DTensors further over the data-parallel ranks."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    for path, params in adapters.items():
+        column = isinstance(layer_plan[path], ColwiseParallel)
+        placements = {"lora_A": Replicate() if column else Shard(1), "lora_B": Shard(0) if column else Replicate()}
+        module = layer.get_submodule(path)
+        for leaf, param in params.items():
+            module.register_parameter(leaf, nn.Parameter(distribute_tensor(param.data, mesh, [placements[leaf]]),
+                                                         requires_grad=param.requires_grad))

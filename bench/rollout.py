@@ -260,8 +260,12 @@ def bench_model(name: str, device, args) -> dict:
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,
                            quantization=quantization, **batched_tokens(args))
+    if args.compile_mode and device.type == "cuda":   # issue 48's A/B: the layers compiled in another inductor mode
+        from lathe.models.compile import compile_decoder
+        compile_decoder(lathe, mode=args.compile_mode)   # (the engine's own compile_decoder call is then a no-op)
     engine = new_engine(lathe)
     result["engine"] = {"max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+                        "compile_mode": args.compile_mode if device.type == "cuda" else None,
                         "reserve_new_tokens": not args.no_reserve, "overcommit": scheduler.OVERCOMMIT,
                         "async_scheduling": not args.step_by_step, "kv_blocks": engine.kv_cache.num_blocks,
                         "block_size": engine.kv_cache.block_size,
@@ -388,6 +392,9 @@ def main() -> None:
     ap.add_argument("--step-by-step", action="store_true",
                     help="resolve each step's tokens before scheduling the next (no overlap of host and device)")
     ap.add_argument("--profile", action="store_true", help="add an eager decode profile per model")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode of the engine's decoder layers (default: inductor's default; e.g. "
+                         "max-autotune-no-cudagraphs, under lathe's own CUDA graphs)")
     ap.add_argument("--quantizations", type=csv, default=["none"],
                     help="none,fp8: after the bf16 rows, the same loads with rollout.quantization=fp8 (lathe_fp8, "
                          "fp8_speedup; its KV cache gets what the FP8 copies leave)")

@@ -81,7 +81,7 @@ def test_megatron_tp_with_cp_runs_as_tp_x_ulysses():
 
 def test_lora_with_tensor_parallelism_loads():
     """verl's Megatron LoRA scripts set tensor_model_parallel_size beside lora_rank: the adapters are cut beside their
-    projections (`lathe.train.tensor_parallel`), the reference is the actor with them off."""
+    projections (`lathe.train.tensor_parallel`), the reference is the actor with them off; Ulysses beside both too."""
     cfg = load(f"+{A}.megatron.tensor_model_parallel_size=2", f"{TP['ref']}=2", "actor_rollout_ref.model.lora_rank=32",
                "actor_rollout_ref.model.lora_alpha=32", "actor_rollout_ref.model.target_modules=all-linear")
     run = run_plan(cfg)
@@ -93,13 +93,13 @@ def test_lora_with_tensor_parallelism_loads():
     text = fails(*GAE, f"{TP['actor']}=2", f"{TP['ref']}=4", "actor_rollout_ref.model.lora_rank=8")
     assert f"{TP['ref']}=4 with actor_rollout_ref.model.lora_rank=8: under LoRA the reference" in text
     assert f"Fix: set {TP['ref']}=2 (or leave it 1)" in text
+    # and with Ulysses in the same role (tests/train/test_tp_ulysses_lora_mtp.py): blocks of TP x SP devices
+    run = run_plan(load(*GAE, f"{TP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2",
+                        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.use_remove_padding=true"))
+    assert (run.actor.tensor_parallel_size, run.actor.sequence_parallel_size, run.actor.data_parallel_size) == (2, 2, 1)
 
 
 def test_combinations_not_built_yet_are_refused():
-    text = fails(*GAE, f"{TP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.lora_rank=8",
-                 "actor_rollout_ref.model.use_remove_padding=true")
-    assert f"{TP['actor']}=2 with {A}.ulysses_sequence_parallel_size=2 and actor_rollout_ref.model.lora_rank=8" in text
-    assert "LoRA beside tensor parallelism and Ulysses together is not implemented yet" in text
     text = fails(f"{TP['actor']}=2", "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_dropout=0.1")
     assert "LoRA dropout with tensor parallelism is not implemented yet in lathe" in text
     assert "Fix: set actor_rollout_ref.model.lora_dropout=0" in text

@@ -80,8 +80,9 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
           grads: bool = False, micro: int | None = None, ref: bool = False):
     """The actor's updates over `steps` on this process's share (a rank of `world`, or one process; with tensor- or
     sequence-parallel groups of `tp` ranks, its group's share): metrics, the full weights at the end (on rank 0), the
-    mesh its weights are sharded on and, with `engine`, the weights a rollout engine would load; with `grads`, the
-    last optimizer step's (clipped) full gradients; `model_fn`: the policy (`tiny_model` by default); `micro`: the
+    mesh its weights are sharded on, its (tensor-parallel, sequence-parallel) ranks ("places"; None where off) and,
+    with `engine`, the weights a rollout engine would load; with `grads`, the last optimizer step's (clipped) full
+    gradients; `model_fn`: the policy (`tiny_model` by default); `micro`: the
     micro-batch size, set past the config rules (a one-process twin cutting its micro-batches as ranks with ghost rows
     cut theirs: 5 sequences into 2 + 2 + 1, which the rules refuse for one device); `ref`: the reference's log-probs
     of this process's share of a batch after the updates."""
@@ -127,7 +128,8 @@ def train(world: int, fsdp_size: int, *, steps=range(STEPS), save: Path | None =
     placements = tuple("shard" if p.is_shard() else "replicate" for p in getattr(weight, "placements", ()))
     mesh = (tuple(weight.device_mesh.shape), placements) if parallel.in_group() else None
     out = {"metrics": metrics, "weights": parallel.full_state(actor.model), "mesh": mesh,
-           "kept_gathered": getattr(actor.model, "_lathe_keep_gathered", None)}
+           "kept_gathered": getattr(actor.model, "_lathe_keep_gathered", None),
+           "places": tuple(None if g is None else g.rank for g in (actor.tp, actor.sp))}   # (tp rank, sp rank)
     experts = [p for n, p in actor.model.named_parameters() if ".experts." in n]
     if experts and parallel.in_group():            # a MoE policy: the mesh its experts are sharded on
         out["experts_mesh"] = (experts[0].device_mesh.mesh_dim_names, tuple(experts[0].device_mesh.shape))

@@ -21,7 +21,8 @@ def check_mtp(cfg, problems: ProblemList) -> None:
                       f"are loaded and saved but not trained. Set {KEY}.enable=true to train them.", stacklevel=2)
     if not (mtp.enable and mtp.enable_train):
         return
-    unsupported = [       # Ulysses composes (each rank trains the MTP layers on its slice: lathe.train.mtp)
+    # Ulysses composes, with tensor parallelism too (each rank trains the MTP layers on its slice: lathe.train.mtp)
+    unsupported = [
         (arr.model.lora_rank > 0, f"{M}.lora_rank={arr.model.lora_rank}", "set it to 0"),
         (arr.actor.use_prefix_grouper, f"{A}.use_prefix_grouper=true", "set it to false"),
         (arr.model.impl == "hf", f"{M}.impl=hf (transformers' module)", "set it to auto or lathe")]

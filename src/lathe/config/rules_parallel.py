@@ -10,8 +10,8 @@ The model's heads, which must divide over S too, are checked when the model load
 
 Tensor parallelism (a role's `fsdp_config.tensor_parallel_size` T; `lathe.train.tensor_parallel`) groups devices the
 same way, so a mini-batch is split over devices / T groups too; its sizes are checked with the meshes
-(`plan.mesh_problems`), and here what it does not combine with yet: LoRA dropout, and LoRA when Ulysses is on in the
-same role too (LoRA itself composes: the adapters are cut beside their projections). With Ulysses in the same role (verl's
+(`plan.mesh_problems`), and here what it does not combine with yet: LoRA dropout (LoRA itself composes, with Ulysses in
+the same role too: the adapters are cut beside their projections). With Ulysses in the same role (verl's
 Megatron scripts' tensor_model_parallel_size with context_parallel_size) the S x T devices of a block hold one share
 (devices / (S x T) data-parallel groups), the T of a tensor-parallel group consecutive and the S of a sequence-
 parallel group strided by T (`lathe.train.ulysses`: the all-to-all splits each rank's heads/T heads again over S), so
@@ -66,8 +66,8 @@ def check_sequence_parallel(cfg: LatheConfig, devices: Devices, problems: Proble
 
 def check_tensor_parallel(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> None:
     """A role with tensor_parallel_size T > 1 and Ulysses size S > 1 has S x T dividing the devices (module doc); LoRA
-    composes with T > 1 (the adapters are cut beside their projections: `lathe.train.tensor_parallel`), but not its
-    dropout, nor T x S beside it (not tested yet)."""
+    composes with T > 1, and with T x S (the adapters are cut beside their projections: `lathe.train.tensor_parallel`;
+    tests/train/test_tp_ulysses_lora_mtp.py), but not its dropout."""
     roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
     for role in roles:
         tp, sp = tensor_parallel_size(cfg, role), sequence_parallel_size(cfg, role)
@@ -78,10 +78,6 @@ def check_tensor_parallel(cfg: LatheConfig, devices: Devices, problems: ProblemL
                          f"which do not divide the device count ({devices.why}). Fix: choose sizes whose product "
                          f"divides {devices.count}.")
         model, own = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.ref.fsdp_config.tensor_parallel_size
-        if tp > 1 and sp > 1 and role != "critic" and model.lora_rank > 0:
-            problems.add(f"{key}={tp} with {KEYS[role]}={sp} and {ARR}.model.lora_rank={model.lora_rank}: LoRA "
-                         f"beside tensor parallelism and Ulysses together is not implemented yet in lathe (each pair "
-                         f"composes; the three are not tested together). Fix: set {KEYS[role]}=1 or {key}=1.")
         if role == "ref" and model.lora_rank > 0 and own not in (1, tp):
             problems.add(f"{key}={own} with {ARR}.model.lora_rank={model.lora_rank}: under LoRA the reference is the "
                          f"actor's model with its adapters off, cut over the actor's tensor-parallel groups "

@@ -14,7 +14,9 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   is the lm_head (column-parallel; tied to the embeddings when the checkpoint ties them): its full logits are never
   formed: `lathe.train.vocab_parallel` computes log-probs and entropy from each rank's slice of the vocabulary;
 - norms, RoPE and a value head stay whole on every rank of the group; the activations between layers are whole too
-  (no sequence-parallel norms yet: more activation memory, the same numbers).
+  (no sequence-parallel norms yet: more activation memory, the same numbers). Qwen3's per-head q/k norms see only
+  this rank's heads, so their weights enter through `copy_to_group` (identity forward, the gradient summed over the
+  group in backward: Megatron's "copy to the tensor-parallel region"), whole and the same on every rank again.
 
 Every rank of a group holds the same data (the driver gives each group one share, as to a Ulysses group) and
 computes the same loss; the DTensor collectives' backwards route the gradients (a whole activation's gradient is the
@@ -31,6 +33,7 @@ sequence-parallel ranks, whose partial gradients it sums.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +115,10 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
         _place_adapters(layer, adapters, layer_plan, tp.mesh)
         attn = layer.self_attn
         attn.n_heads, attn.n_kv = attn.n_heads // tp.size, attn.n_kv // tp.size     # this rank's heads
+        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            if norm is not None:                # per head, on this rank's heads: its gradient a partial sum
+                norm.__class__ = _local_heads(type(norm))
+                norm.tp_group = tp.group
     root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
     if hasattr(model, "lm_head"):           # its forward (full logits) gathers them; training reads its weight only
         root["lm_head"] = ColwiseParallel(output_layouts=Replicate())
@@ -119,6 +126,61 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
     if hasattr(model, "tie_weights"):       # the embeddings and lm_head are both cut over the vocabulary (dim 0)
         model.tie_weights()
     return model
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` as it is, its gradient summed over `group` in backward: a whole tensor (the same on every rank) that each
+    rank uses for its own part of a computation (its heads, its experts), so that each rank's gradient is partial."""
+    return _CopyToGroup.apply(x, group)
+
+
+def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` summed over `group` (each rank's partial result); backward passes the gradient of the sum, whole and the
+    same on every rank, through (a row-parallel projection's reduction)."""
+    return _SumOverGroup.apply(x, group)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from torch.distributed._functional_collectives import all_reduce, wait_tensor
+        return wait_tensor(all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_reduce, wait_tensor
+        return wait_tensor(all_reduce(x.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _LocalHeadsNorm:
+    """A per-head norm (Qwen3's q/k norms) on this rank's heads: its weight enters through `copy_to_group` (mixed into
+    its class by `parallelize`)."""
+
+    tp_group: Any
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._parameters["weight"]
+        try:
+            self._parameters["weight"] = copy_to_group(weight, self.tp_group)
+            return super().forward(x)
+        finally:
+            self._parameters["weight"] = weight
+
+
+@functools.cache
+def _local_heads(cls: type) -> type:
+    return type(f"TensorParallel{cls.__name__}", (_LocalHeadsNorm, cls), {})
 
 
 def _take_adapters(layer: nn.Module, layer_plan: dict) -> dict[str, dict[str, nn.Parameter]]:

@@ -1,7 +1,7 @@
 """lathe.train.expert_parallel beside lathe.train.tensor_parallel: a Qwen3-MoE model with its experts placed over the
 ranks of its tensor-parallel group (expert_parallel_size == tensor_parallel_size) equals the one-process computation.
 
-One group of 2 gloo ranks (forks of one forkserver, as `test_parallel`'s), all checks in it:
+One group of 2 gloo ranks (forks of one forkserver, as `test_parallel`'s), all checks in it, and one of 4:
 - a float64 Qwen3-MoE sparse layer, its 4 experts over the 2 ranks (2 each), every rank given all the tokens (as a
   tensor-parallel group is): each rank's output and input gradient are the whole one-process layer's, the router's
   gradient the same on both ranks and the one-process one, each rank's experts' gradients its rows of it;
@@ -10,6 +10,9 @@ One group of 2 gloo ranks (forks of one forkserver, as `test_parallel`'s), all c
   step's gradients (Qwen3's q/k norms' too, summed over their heads on both ranks), the weights, the log-probs of a forward after the updates and the whole tensors the engine is
   handed (the experts gathered whole) equal the one-process run's; its DCP checkpoint after 2 updates resumes in one
   process exactly;
+- 4 ranks: FSDP 2 x TP 2 x EP 2 (each rank's 2 experts sharded further over the 2 data-parallel ranks), 3 updates
+  without the router losses (each data-parallel rank's would be its own micro-batches', as under plain FSDP):
+  metrics, the last step's gradients, the weights and the engine's whole tensors equal one process;
 - a dense Qwen3 decoder (per-head q/k norms) under TP 2, 2 updates: its gradients, the q/k norms' by name (each
   rank's norm sees its own heads: their gradients are summed over the group, `tensor_parallel.copy_to_group`).
 """
@@ -22,7 +25,7 @@ from helpers import assert_close_rel
 
 from lathe.config.plan import MeshPlan
 
-from .test_expert_parallel import MEGATRON_LOSSES, aux_moe, block_grads, moe_block
+from .test_expert_parallel import MEGATRON_LOSSES, aux_moe, block_grads, moe_block, tiny_moe
 from .test_parallel import COMPARED, SAVED_AFTER, STEPS, run_ranks, train
 from .test_tensor_parallel_lora import tiny_qwen3
 
@@ -49,6 +52,10 @@ def tp_ep_job(world: int, *, ckpt: str) -> dict:
             "actor": train(world, -1, model_fn=aux_moe, overrides=(*KEYS, *MEGATRON_LOSSES), tp=T, log_probs=True,
                            grads=True, engine=True, save=ckpt),
             "dense": train(world, -1, steps=range(2), model_fn=tiny_qwen3, overrides=KEYS[:1], tp=T, grads=True)}
+
+
+def fsdp_job(world: int) -> dict:
+    return train(world, -1, model_fn=tiny_moe, overrides=KEYS, tp=T, grads=True, engine=True)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +123,17 @@ def test_dense_qwen3_q_k_norm_gradients_under_tp_2_equal_one_process(ranks):
         assert_close_rel(got["grads"][name], one["grads"][name], rel=1e-5, name=name)
     assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
     assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
+
+
+def test_fsdp_2_x_tp_2_x_ep_2_updates_as_one_process(tmp_path_factory):
+    ranks = run_ranks(2 * T, tmp_path_factory.mktemp("fsdp_tp_ep"), {}, fn=fsdp_job)[0]
+    one = train(1, -1, model_fn=tiny_moe, grads=True)
+    got = ranks[0]
+    assert got["experts_mesh"] == (("dp_shard", "tp"), (2, T))    # experts over tp, sharded over 2 dp ranks
+    for a, b in zip(got["metrics"], one["metrics"], strict=True):
+        assert_close_rel([a[k] for k in COMPARED], [b[k] for k in COMPARED], rel=1e-5, name="metrics")
+    assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
+    for rank in ranks:
+        assert_close_rel({k: rank["engine"][k] for k in one["weights"]}, one["weights"], rel=1e-5,
+                         name="engine weights")

@@ -70,9 +70,6 @@ def test_the_moonlight_script_loads(capsys):
     from lathe.cli import main
     lines = (SCRIPTS / "grpo_trainer_run_moonlight_16b_a3b_megatron.txt").read_text().splitlines()
     args = [line.strip() for line in lines if line.strip() and not line.startswith("--")]
-    # TP 4 x EP 4 with PP 3 as FSDP: 6 data-parallel groups of 54 sequences a mini-batch (verl: 2 of 160), which
-    # verl's micro-batch of 16 does not divide (test_verl_scripts' KNOWN_OTHERS)
-    args.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=9")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert main(["train", "--print-config", *args]) == 0

@@ -37,9 +37,7 @@ def test_bad_sizes_and_combinations_are_refused_up_front_naming_the_key():
     assert f"`{EP['critic']}`=2 does not divide the FSDP shard group of 1 device(s)" in text
     text = fails(f"{EP['actor']}=2", f"{A}.fsdp_config.tensor_parallel_size=2", f"{A}.ulysses_sequence_parallel_size=2",
                  "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.lora_rank=4")
-    assert f"{EP['actor']}=2 with {A}.fsdp_config.tensor_parallel_size=2 and {A}.ulysses_sequence_parallel_size=2" \
-        in text and f"{EP['actor']}=2 with {A}.fsdp_config.tensor_parallel_size=2 and actor_rollout_ref.model." \
-        "lora_rank=4" in text                             # TP x EP: not beside Ulysses or LoRA yet
+    assert f"{EP['actor']}=2 with {A}.fsdp_config.tensor_parallel_size=2" in text
     assert f"{EP['actor']}=2 with {A}.ulysses_sequence_parallel_size" not in text     # Ulysses composes
     assert f"{EP['actor']}=2 with actor_rollout_ref.model.lora_rank" not in text       # so does LoRA
     load(f"{EP['actor']}=2", f"{EP['ref']}=2", "actor_rollout_ref.model.lora_rank=4")
@@ -65,26 +63,11 @@ def test_weights_kept_gathered_with_offloaded_weights_are_refused():
     load_config("base", ["actor_rollout_ref.actor.fsdp_config.param_offload=true"])     # auto: off, no problem
 
 
-def test_ep_equal_to_tp_loads_over_the_tensor_parallel_groups_and_other_sizes_are_refused():
-    """EP == TP places the experts over each tensor-parallel group's ranks (no ep split of the shard dim); a wider EP
-    beside TP is refused naming both keys."""
-    tp_ep = (f"{A}.fsdp_config.tensor_parallel_size=2", f"{EP['actor']}=2")
-    run = run_plan(load(*tp_ep, devices=8))
-    mesh = run.mesh("actor")
-    assert mesh == MeshPlan(1, 4, 2, 2) and mesh.experts_over_tp and run.actor.data_parallel_size == 4
-    assert mesh.describe() == "FSDP: 4-way shards x TP 2 (EP 2 over its ranks)"
-    text = fails(f"{A}.fsdp_config.tensor_parallel_size=2", f"{EP['actor']}=4", devices=8)
-    assert f"{EP['actor']}=4 with {A}.fsdp_config.tensor_parallel_size=2: beside tensor parallelism" in text
-    assert f"Fix: set {EP['actor']}=2, or {EP['actor']}=1" in text
-
-
 @pytest.mark.parametrize("tp_key", ["megatron.tensor_model_parallel_size", "torchtitan.tensor_parallel_size",
                                     "megatron.override_transformer_config.tensor_model_parallel_size"])
 def test_megatron_tp_beside_ep_becomes_fsdp_sharding_with_one_notice(tp_key):
-    """Megatron cuts the dense layers over TP and the experts over DP x TP: beside an EP size other than TP lathe
-    shards the dense layers with FSDP over those devices instead (its TP x EP places the experts over the TP ranks
-    only); TP without EP stays TP, TP beside an equal EP runs as TP x EP, and lathe's own TP key beside another EP
-    stays refused."""
+    """Megatron cuts the dense layers over TP and the experts over DP x TP: lathe shards the dense layers with FSDP over
+    those devices instead (no TP x EP in one model); TP without EP stays TP, and lathe's own TP key stays refused."""
     import warnings
     roles = (A, REF)
     ep = [f"+{role}.megatron.expert_model_parallel_size=4" for role in roles]
@@ -97,12 +80,6 @@ def test_megatron_tp_beside_ep_becomes_fsdp_sharding_with_one_notice(tp_key):
     notices = [line for w in caught for line in str(w.message).splitlines() if "beside expert parallelism" in line]
     assert len(notices) == 1 and f"{A}: TP 2 beside EP 4" in notices[0] and f"{REF}: TP 2 beside EP 4" in notices[0]
     assert run_plan(load(f"+{A}.{tp_key}=2", devices=8)).mesh("actor").tp == 2        # no EP: TP as before
-    with warnings.catch_warnings(record=True) as caught:      # EP == TP: TP x EP, no notice
-        warnings.simplefilter("always")
-        run = run_plan(load(*(f"+{role}.megatron.expert_model_parallel_size=2" for role in roles),
-                            *(f"+{role}.{tp_key}=2" for role in roles), devices=8))
-    assert run.mesh("actor") == MeshPlan(1, 4, 2, 2) and run.actor.data_parallel_size == 4
-    assert not [w for w in caught if "beside expert parallelism" in str(w.message)]
     text = fails(*ep[:1], f"{A}.fsdp_config.tensor_parallel_size=2", devices=8)
     assert f"{EP['actor']}=4 with {A}.fsdp_config.tensor_parallel_size=2" in text
 

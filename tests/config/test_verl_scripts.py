@@ -31,10 +31,6 @@ KNOWN_OTHERS = {
     r"ulysses_sequence_parallel_size=\d+ splits the packed stream .* runs it padded": "Megatron's context "
         "parallelism (translated to Ulysses) in a script that runs padded: lathe's sequence parallelism needs "
         "use_remove_padding=true, the fix its message names",
-    r"ppo_micro_batch_size_per_gpu=\d+ does not divide the per-device mini-batch": "verl's per-GPU micro-batch "
-        "against lathe's per-device mini-batch: lathe splits a mini-batch over world / (TP x Ulysses) data-parallel "
-        "groups, verl over world / (TP x PP x CP), more groups once Megatron's PP runs as FSDP sharding (Moonlight: "
-        "TP 4 x EP 4 x PP 3 on 24 GPUs, 6 groups where verl has 2); the fix its message names",
     r"^global_profiler\.tool=npu": "a profiler lathe does not have (refused with its own text)",
     r"^global_profiler\.tool=torch profiles the steps of the synchronous": "lathe's torch profiler covers synchronous "
         "runs",

@@ -22,15 +22,12 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   tensor parallelism x Ulysses in one model (`lathe.train.ulysses`: the all-to-all splits each tensor-parallel rank's
   heads again), a mini-batch split over world / (TP x CP) data-parallel groups as verl splits it;
 * ``megatron.expert_model_parallel_size``, ``torchtitan.expert_parallel_size``, ``veomni.expert_parallel_size`` ->
-  ``fsdp_config.expert_parallel_size`` (lathe's expert parallelism). A Megatron or torchtitan tensor-parallel size
-  equal to the expert-parallel size runs as TP x EP (the experts over each tensor-parallel group's ranks:
-  `lathe.train.expert_parallel`; not beside a context-parallel size or LoRA). Beside another expert-parallel size
-  above 1 (or beside those), it translates to nothing once every key is set (`drop_tp_beside_ep`): Megatron cuts the
-  dense layers over its TP ranks and the experts over the data- x tensor-parallel ranks, lathe places experts over
-  tensor-parallel ranks only, so the dense layers are FSDP-sharded over those devices instead (the same
-  computation, another memory layout; a mini-batch is then split over every device); one notice says so
-  (`tp_beside_ep_notice`). lathe's own ``fsdp_config.tensor_parallel_size`` set to another value beside EP stays
-  refused;
+  ``fsdp_config.expert_parallel_size`` (lathe's expert parallelism). Beside an expert-parallel size above 1, a role's
+  Megatron or torchtitan tensor-parallel size translates to nothing once every key is set (`drop_tp_beside_ep`):
+  Megatron cuts the dense layers over its TP ranks and the experts over the data- x tensor-parallel ranks, lathe has
+  no TP x EP in one model, so the dense layers are FSDP-sharded over those devices instead (the same computation,
+  another memory layout; a mini-batch is then split over every device); one notice says so (`tp_beside_ep_notice`).
+  lathe's own ``fsdp_config.tensor_parallel_size`` set to another value beside EP stays refused;
 * Megatron's ``pipeline_model_parallel_size`` / ``virtual_pipeline_model_parallel_size`` and torchtitan's
   ``pipeline_parallel_size`` set no lathe key: pipeline stages compute the same loss and gradients as the whole
   model (a layout, not another computation), so lathe FSDP-shards each layer over those devices instead of cutting
@@ -97,8 +94,7 @@ CP_DOC = "ulysses_sequence_parallel_size (split as Ulysses splits it: the same m
 
 # (pattern below a role, lathe key: 'fsdp.<k>' / 'model.<k>' / 'optim.<k>' in the role's group or 'role.<k>' in the
 # role itself, value map, doc)
-TP_DOC = ("fsdp_config.tensor_parallel_size (beside expert parallelism of the same size: TP x EP; beside another: "
-          "nothing, FSDP over those devices)")
+TP_DOC = "fsdp_config.tensor_parallel_size (beside expert parallelism: nothing, FSDP over those devices)"
 RULES: tuple[tuple[str, str, Map, str], ...] = (
     ("megatron.tensor_model_parallel_size", "fsdp.tensor_parallel_size", _same, TP_DOC),
     ("engine.tp", "fsdp.tensor_parallel_size", _same, TP_DOC),
@@ -207,25 +203,11 @@ def _verl_tp(cfg: Any, role: str) -> set[int]:
 
 def drop_tp_beside_ep(cfg: Any) -> None:
     """Each role whose tensor-parallel size is the one its Megatron / torchtitan key gave, beside an expert-parallel
-    size above 1, runs without tensor parallelism (module doc) unless the two run as TP x EP (`_tp_x_ep`); called
-    once every layer of keys is set."""
+    size above 1, runs without tensor parallelism (module doc); called once every layer of keys is set."""
     for role in ROLE:
         fsdp = _fsdp(cfg, role)
-        if (fsdp.expert_parallel_size > 1 and fsdp.tensor_parallel_size in _verl_tp(cfg, role)
-                and not _tp_x_ep(cfg, role)):
+        if fsdp.expert_parallel_size > 1 and fsdp.tensor_parallel_size in _verl_tp(cfg, role):
             fsdp.tensor_parallel_size = 1
-
-
-def _tp_x_ep(cfg: Any, role: str) -> bool:
-    """`role`'s tensor- and expert-parallel sizes run together in lathe: equal (the experts over each tensor-parallel
-    group's ranks, `lathe.train.expert_parallel`), without Ulysses and, for the actor and reference, without LoRA
-    (`rules_parallel.check_expert_parallel` refuses those three together)."""
-    fsdp, arr = _fsdp(cfg, role), cfg.actor_rollout_ref
-    sp = {"actor_rollout_ref.actor": arr.actor.ulysses_sequence_parallel_size,
-          "actor_rollout_ref.ref": arr.ref.ulysses_sequence_parallel_size or arr.actor.ulysses_sequence_parallel_size,
-          "critic": cfg.critic.ulysses_sequence_parallel_size}[role]
-    lora = role != "critic" and arr.model.lora_rank > 0
-    return fsdp.expert_parallel_size == fsdp.tensor_parallel_size and (sp or 1) <= 1 and not lora
 
 
 def tp_beside_ep_notice(cfg: Any) -> str | None:
@@ -238,9 +220,9 @@ def tp_beside_ep_notice(cfg: Any) -> str | None:
                       for role in roles)
     return (f"Megatron's/torchtitan's tensor-parallel size beside expert parallelism ({sizes}) translates to "
             "nothing: Megatron cuts the dense layers over its TP ranks and the experts over the data- x tensor-"
-            "parallel ranks, and lathe's TP x EP in one model places the experts over the TP ranks only (EP equal to "
-            "TP, without Ulysses or LoRA), so the dense layers are FSDP-sharded over those devices instead (the same "
-            "computation, another memory layout) and a mini-batch is split over every device.")
+            "parallel ranks, and lathe has no TP x EP in one model, so the dense layers are FSDP-sharded over those "
+            "devices instead (the same computation, another memory layout) and a mini-batch is split over every "
+            "device.")
 
 
 # the verl spellings of a role's pipeline-parallel sizes (stages; virtual stages per device)

@@ -197,11 +197,20 @@ def test_models_that_cannot_be_cut_are_refused(changes, needle):
         check_model(torch.nn.Linear(2, 2), 2, "k")
 
 
-def test_mixture_of_experts_models_are_refused():
+def test_mixture_of_experts_models_are_refused_without_expert_parallelism_of_the_same_size():
     from models.lathe_tiny import MOE, hf_config
 
     from lathe.models.config import LatheConfig
     from lathe.train.tensor_parallel import check_model
     model = LatheCausalLM(LatheConfig.from_hf_dict(hf_config(MOE).to_dict()))
-    with pytest.raises(ValueError, match="mixture-of-experts layers .* Fix: set k=1"):
-        check_model(model, 2, "k")
+    key = "actor_rollout_ref.actor.fsdp_config.tensor_parallel_size"
+    ep_key = "actor_rollout_ref.actor.fsdp_config.expert_parallel_size"
+    for ep in (1, 4):
+        with pytest.raises(ValueError, match=rf"mixture-of-experts layers .*\({ep_key}={ep}\)\. Fix: set {ep_key}=2, "
+                                             rf"or {key}=1"):
+            check_model(model, 2, key, ep)
+    check_model(model, 2, key, 2)                      # TP x EP: the experts over the group
+    from models.gpt_oss_tiny import gpt_oss_config
+    gpt_oss = LatheCausalLM(LatheConfig.from_hf_dict(gpt_oss_config().to_dict()))
+    with pytest.raises(ValueError, match="only Qwen3-MoE's .* are cut over a tensor-parallel group yet"):
+        check_model(gpt_oss, 2, key, 2)

@@ -71,7 +71,8 @@ class MeshPlan:
     (`fsdp_config.expert_parallel_size`): the dp_shard dim is split into (dp_shard / ep, ep), ep innermost; each
     group of ep consecutive ranks holds every expert once, num_experts / ep whole experts per rank
     (`lathe.train.expert_parallel`), which FSDP2 shards over the other data-parallel dims only; every rank holds
-    data of its own."""
+    data of its own. ep == tp > 1 (`experts_over_tp`): the experts are placed over the ranks of each tensor-parallel
+    group instead (they hold the same tokens: no dispatch, one all-reduce), the shard dim not split."""
 
     dp_replicate: int
     dp_shard: int
@@ -88,6 +89,11 @@ class MeshPlan:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def experts_over_tp(self) -> bool:
+        """Expert parallelism over the tensor-parallel groups' own ranks (ep == tp > 1), not over data-parallel ones."""
+        return self.tp > 1 and self.ep == self.tp
+
+    @property
     def hsdp(self) -> bool:
         """Replicated shard groups (a 2-D mesh), not plain FSDP."""
         return self.dp_replicate > 1
@@ -99,7 +105,8 @@ class MeshPlan:
         return replace(self, dp_shard=self.dp_shard * self.tp, tp=1)
 
     def describe(self) -> str:
-        tp = f" x TP {self.tp}" if self.tp > 1 else f", EP {self.ep}" if self.ep > 1 else ""
+        tp = (f" x TP {self.tp}" + f" (EP {self.ep} over its ranks)" * self.experts_over_tp if self.tp > 1 else
+              f", EP {self.ep}" if self.ep > 1 else "")
         if self.hsdp:
             return f"HSDP: {self.dp_replicate} replicas x {self.dp_shard}-way shards{tp}"
         return f"FSDP: {self.dp_shard}-way shards{tp}"
@@ -293,9 +300,13 @@ def tensor_parallel_problem(cfg: LatheConfig, devices: Devices, role: str) -> st
 
 def expert_parallel_problem(mesh: MeshPlan, size: int, key: str) -> str | None:
     """Why an expert-parallel `size` cannot split `mesh`'s shard dim (None when it can): >= 1, and dividing the shard
-    group (every rank of an expert-parallel group is also one of a shard group; the replicas repeat it)."""
+    group (every rank of an expert-parallel group is also one of a shard group; the replicas repeat it). Beside
+    tensor parallelism it is the tensor-parallel size (the experts placed over a tensor-parallel group's ranks: any
+    other size is refused by `rules_parallel.check_expert_parallel`)."""
     if size < 1:
         return f"`{key}`={size} must be >= 1 (1: no expert parallelism). Fix: set it to 1 or more."
+    if mesh.tp > 1:
+        return None
     if mesh.dp_shard % size:
         fits = [d for d in range(1, mesh.dp_shard + 1) if mesh.dp_shard % d == 0]
         return (f"`{key}`={size} does not divide the FSDP shard group of {mesh.dp_shard} device(s) ({mesh.describe()}"

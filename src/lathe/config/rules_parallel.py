@@ -17,7 +17,8 @@ Megatron scripts' tensor_model_parallel_size with context_parallel_size) the S x
 parallel group strided by T (`lathe.train.ulysses`: the all-to-all splits each rank's heads/T heads again over S), so
 S x T must divide the devices; the heads (T x S must divide the query heads) are checked when the model loads, and so
 are the models tensor parallelism does not cut yet (mixture-of-experts, linear-attention hybrids, latent attention).
-Expert parallelism beside it is refused by `check_expert_parallel`, with LoRA or without.
+Expert parallelism beside it places the experts over the ranks of each tensor-parallel group (its size equal to
+the tensor-parallel size; others, and the pair beside Ulysses or LoRA, are refused by `check_expert_parallel`).
 
 The rollout's tensor-parallel replicas (`rollout.tensor_model_parallel_size`; `lathe.engine.tensor_parallel`) span
 devices of one node or whole nodes (the trainer's in the synchronous hybrid loop, the rollout pool's in fully-async
@@ -90,18 +91,37 @@ def check_tensor_parallel(cfg: LatheConfig, devices: Devices, problems: ProblemL
 
 
 def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
-    """A role with expert_parallel_size > 1 runs without tensor parallelism (not built yet; Ulysses composes: each
-    rank dispatches the tokens of its slice, `lathe.train.expert_parallel`; so does LoRA, whose adapters sit on the
-    attention, dense-MLP and shared-expert layers while the routed experts, cut over the group, stay frozen:
-    `lathe.models.lora`); its sizes are checked with the meshes (`plan.mesh_problems`), the model's experts when it
-    loads (`lathe.train.expert_parallel.check_model`)."""
+    """A role with expert_parallel_size P > 1 beside tensor_parallel_size T > 1 has P == T: the experts are placed
+    over the ranks of each tensor-parallel group, which hold the same tokens (`lathe.train.expert_parallel`: no
+    dispatch, one all-reduce per sparse layer); a wider expert-parallel group (over data-parallel ranks too) beside
+    tensor parallelism is not built, nor is TP x EP beside Ulysses or LoRA (each pair composes; not tested
+    together). Without tensor parallelism, Ulysses composes (each rank dispatches the tokens of its slice), and so
+    does LoRA, whose adapters sit on the attention, dense-MLP and shared-expert layers while the routed experts,
+    cut over the group, stay frozen (`lathe.models.lora`). The sizes are checked with the meshes
+    (`plan.mesh_problems`), the model's experts when it loads (`lathe.train.expert_parallel.check_model`)."""
     roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
+    model = cfg.actor_rollout_ref.model
     for role in roles:
         ep, key = expert_parallel_size(cfg, role), f"{FSDP_GROUPS[role]}.expert_parallel_size"
         tp_key, tp = f"{FSDP_GROUPS[role]}.tensor_parallel_size", tensor_parallel_size(cfg, role)
-        if ep > 1 and tp > 1:
-            problems.add(f"{key}={ep} with {tp_key}={tp}: expert parallelism with tensor_parallel_size in one model "
-                         f"is not implemented yet in lathe. Fix: set {key}=1, or {tp_key}=1.")
+        if ep <= 1 or tp <= 1:
+            continue
+        if ep != tp:
+            problems.add(f"{key}={ep} with {tp_key}={tp}: beside tensor parallelism lathe places the experts over "
+                         f"the {tp} ranks of each tensor-parallel group (expert_parallel_size equal to "
+                         f"tensor_parallel_size); a different expert-parallel size (over data-parallel ranks too) "
+                         f"beside it is not implemented yet. Fix: set {key}={tp}, or {key}=1 (the experts whole on "
+                         f"every rank, sharded by FSDP), or {tp_key}=1.")
+            continue
+        sp = sequence_parallel_size(cfg, role)
+        if sp > 1:
+            problems.add(f"{key}={ep} with {tp_key}={tp} and {KEYS[role]}={sp}: expert parallelism over the "
+                         f"tensor-parallel groups beside Ulysses is not implemented yet in lathe (each pair composes; "
+                         f"the three are not tested together). Fix: set {KEYS[role]}=1, or {key}=1.")
+        if role != "critic" and model.lora_rank > 0:
+            problems.add(f"{key}={ep} with {tp_key}={tp} and {ARR}.model.lora_rank={model.lora_rank}: LoRA beside "
+                         f"expert parallelism over the tensor-parallel groups is not implemented yet in lathe (each "
+                         f"pair composes; the three are not tested together). Fix: set {key}=1 or {tp_key}=1.")
 
 
 def check_keep_gathered(cfg: LatheConfig, problems: ProblemList) -> None:

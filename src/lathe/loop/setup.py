@@ -314,7 +314,7 @@ def check_parallel_model(plan: RunPlan, model) -> None:
     for role, sp, tp in roles:
         tp_key = f"actor_rollout_ref.{role}.fsdp_config.tensor_parallel_size"
         # tensor parallelism: any other model (VL, a transformers fallback) is refused too, by the same check
-        tensor_parallel.check_model(model, tp, tp_key)
+        tensor_parallel.check_model(model, tp, tp_key, plan.mesh(role).ep)
         if isinstance(model, (LatheCausalLM, LatheVLForConditionalGeneration)):     # beside TP: a rank's heads
             check_model(model, sp, f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size", tp, tp_key)
     # expert parallelism: a dense model, or experts the size does not divide, are refused the same way

@@ -35,6 +35,21 @@ LoRA (`lathe.models.lora`) composes too: its adapters sit on linear layers (atte
 never on the grouped expert weights, so the experts cut here stay frozen (their DTensors keep `requires_grad=False`,
 and the rows' gradients still return through the all-to-alls to the adapters before them); the reference is this
 model with its adapters off, and the engine's sync sends the merged adapted layers only.
+
+Beside tensor parallelism (size T, `lathe.train.tensor_parallel`) the size is T and the group is the tensor-parallel
+group itself (`MeshPlan.experts_over_tp`; the layout of lathe's engine inside a tensor-parallel replica,
+`lathe.engine.expert_parallel`; Megatron's expert_model_parallel_size equal to its tensor_model_parallel_size). The
+ranks of a tensor-parallel group hold the same tokens (no sequence-parallel norms), so nothing is dispatched: every
+rank runs the router (its weight whole on every rank of the group, as the norms are) and the sort on all of them, as
+in one process, runs its E/T experts on their contiguous run of the sorted rows, and the group sums its partial
+outputs, zero outside each rank's run (one all-reduce per sparse layer, as after a row-parallel projection; its
+backward passes the output's gradient, whole and the same on every rank, through). The rows enter the experts
+through the reverse (identity forward, all-reduce backward: Megatron's "copy to the tensor-parallel region"), so
+the input's gradient is whole again. The router's gradient is the same on every rank of the group, each rank's
+experts' its own over all the tokens; FSDP2 shards both over the data-parallel dims, as the other tensor-parallel
+weights. The routers' statistics and load-balancing losses are the whole micro-batch's on every rank, counted once
+(the loss is the group's common loss, not a sum over it). Whole tensors (checkpoints, the engine's sync) gather the
+experts over both dims as any tensor-parallel weight (`lathe.train.parallel.full_tensors`).
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ from torch import nn
 
 from lathe.models.moe import sparse_blocks
 from lathe.train import parallel
+from lathe.train.tensor_parallel import copy_to_group, sum_over_group
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,7 @@ class ExpertParallel:
     rank: int              # this rank's place in its group: it holds experts [rank E/P, (rank+1) E/P)
     mesh: Any              # the ep dim of the world mesh (a 1-D DeviceMesh over this rank's group)
     group: Any             # its process group
+    same_tokens: bool = False   # the group is a tensor-parallel group: every rank holds its tokens (module doc)
 
 
 def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
@@ -67,8 +84,9 @@ def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
     rank of the worker group calls it, in the same order."""
     if plan is None or plan.ep == 1:
         return None
-    mesh = parallel.world_mesh(device.type, plan)["ep"]
-    return ExpertParallel(size=plan.ep, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group())
+    mesh = parallel.world_mesh(device.type, plan)["tp" if plan.experts_over_tp else "ep"]
+    return ExpertParallel(size=plan.ep, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group(),
+                          same_tokens=plan.experts_over_tp)
 
 
 def check_model(model: nn.Module, size: int, key: str) -> None:
@@ -120,6 +138,8 @@ class _Dispatch:
         ep = self.expert_parallel
         total = next(iter(self._parameters.values())).shape[0]        # the DTensor's global expert count
         local = total // ep.size
+        if ep.same_tokens:
+            return self._group_sum(rows, experts, local)
         counts = torch.bincount(experts, minlength=total)             # rows for each expert, in expert order
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=ep.group)      # [source rank, local expert] counts
@@ -133,6 +153,20 @@ class _Dispatch:
             ys = super().forward(got.index_select(0, order), ids)
         ys = torch.empty_like(ys).index_copy_(0, order, ys)
         return all_to_all_single_autograd(ys, send, recv, ep.group)
+
+
+    def _group_sum(self, rows: torch.Tensor, experts: torch.Tensor, local: int) -> torch.Tensor:
+        """Every row's output over a tensor-parallel group that holds them all (module doc): this rank's experts'
+        contiguous run computed here, zeros elsewhere, summed over the group."""
+        ep = self.expert_parallel
+        first = ep.rank * local
+        bounds = torch.searchsorted(experts, torch.tensor([first, first + local], device=experts.device)).tolist()
+        start, end = bounds
+        mine = copy_to_group(rows, ep.group)[start:end]
+        with _local_weights(self):
+            ys = super().forward(mine, experts[start:end] - first)
+        out = torch.cat([ys.new_zeros(start, ys.shape[-1]), ys, ys.new_zeros(len(rows) - end, ys.shape[-1])])
+        return sum_over_group(out, ep.group)
 
 
 @functools.cache

@@ -20,7 +20,9 @@ Tensor parallelism (a `MeshPlan` with `tp` > 1): the world mesh is `(dp_replicat
 Expert parallelism (a `MeshPlan` with `ep` > 1): the shard dim is split into `(dp_shard_mod_ep, ep)`, ep innermost,
 and flattened back into `dp_shard` for the other weights; `lathe.train.expert_parallel` cuts the experts over the
 `ep` dim, and each experts module becomes an FSDP2 group of its own over the remaining data-parallel dims
-(`expert_mesh`), torchtitan's layout.
+(`expert_mesh`), torchtitan's layout. Beside tensor parallelism (`ep` == `tp`: `MeshPlan.experts_over_tp`) the
+experts are cut over the `tp` dim instead, the shard dim not split, and FSDP2 shards them over the data-parallel
+dims as every other tensor-parallel weight.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
         from lathe.device import current_device
         device_type = (device or current_device()).type
         kw["mesh"] = device_mesh(device_type, mesh)
-        if mesh is not None and mesh.ep > 1:
+        if mesh is not None and mesh.ep > 1 and not mesh.experts_over_tp:
             experts_kw = {**kw, "mesh": expert_mesh(device_type, mesh)}
     for layer in decoder_layers(model):
         for module in layer.modules():       # experts cut over an expert-parallel group: a group of their own
@@ -206,6 +208,8 @@ def world_mesh(device_type: str, plan=None):
                          f"worker with the run plan of its own group (lathe.config.run_plan(cfg, "
                          f"device_count={world_size()})).")
     replicas, tp, ep = (plan.dp_replicate, plan.tp, plan.ep) if plan is not None else (1, 1, 1)
+    if plan is not None and plan.experts_over_tp:     # the experts over the tp dim: no ep dim of their own
+        ep = 1
     return _mesh(device_type, replicas, world_size() // (replicas * tp), tp, ep)
 
 

@@ -14,7 +14,12 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   is the lm_head (column-parallel; tied to the embeddings when the checkpoint ties them): its full logits are never
   formed: `lathe.train.vocab_parallel` computes log-probs and entropy from each rank's slice of the vocabulary;
 - norms, RoPE and a value head stay whole on every rank of the group; the activations between layers are whole too
-  (no sequence-parallel norms yet: more activation memory, the same numbers).
+  (no sequence-parallel norms yet: more activation memory, the same numbers). Qwen3's per-head q/k norms see only
+  this rank's heads, so their weights enter through `copy_to_group` (identity forward, the gradient summed over the
+  group in backward: Megatron's "copy to the tensor-parallel region"), whole and the same on every rank again;
+- a mixture-of-experts layer (Qwen3-MoE's) keeps its router whole and places its routed experts over the group,
+  E/T whole experts per rank, expert parallelism of the same size (`lathe.train.expert_parallel`): each rank runs
+  its experts on the tokens routed there and the group sums their outputs, one all-reduce, as after the MLP.
 
 Every rank of a group holds the same data (the driver gives each group one share, as to a Ulysses group) and
 computes the same loss; the DTensor collectives' backwards route the gradients (a whole activation's gradient is the
@@ -31,6 +36,7 @@ sequence-parallel ranks, whose partial gradients it sums.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,13 +68,16 @@ def tensor_parallel(plan, device: torch.device) -> TensorParallel | None:
                           data_group=groups.data_group)
 
 
-def check_model(model, size: int, key: str) -> None:
+def check_model(model, size: int, key: str, experts: int = 1) -> None:
     """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model whose query heads,
     key/value heads and intermediate size divide by the size (the vocabulary need not: its slices are torch.chunk's,
-    the last ones shorter)."""
+    the last ones shorter). Mixture-of-experts layers only with `experts` (the expert-parallel size) equal to the
+    size, Qwen3-MoE's (`lathe.train.expert_parallel` places their experts over the group; the size must divide
+    them, `expert_parallel.check_model`)."""
     if size == 1:
         return
     from lathe.models.lora import lora_layers
+    from lathe.models.moe import SparseMoeBlock
     ulysses.require_text_decoder(model, size, key, "be cut over a tensor-parallel group")
     if any(m.lora_dropout for _, m in lora_layers(model)):
         raise ValueError(f"{key}={size} with LoRA dropout (actor_rollout_ref.model.lora_dropout > 0): the dropout "
@@ -77,10 +86,17 @@ def check_model(model, size: int, key: str) -> None:
     if getattr(model.config, "mla", None) is not None:
         raise ValueError(f"{key}={size}: the latent attention of {model.config.architecture} (DeepSeek-V3 family) is "
                          f"not cut over a tensor-parallel group yet. Fix: set {key}=1.")
-    if not all(hasattr(layer.mlp, "gate_proj") for layer in model.model.layers):
-        raise ValueError(f"{key}={size} with mixture-of-experts layers ({model.config.architecture}): their experts are "
-                         f"not cut over a tensor-parallel group yet (expert parallelism is issue 43's). Fix: set "
-                         f"{key}=1.")
+    sparse = [layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "gate_proj")]
+    ep_key = f"{key.rpartition('.')[0]}.expert_parallel_size".lstrip(".")
+    if sparse and experts != size:
+        raise ValueError(f"{key}={size} with mixture-of-experts layers ({model.config.architecture}): their experts "
+                         f"are placed over a tensor-parallel group's ranks by expert parallelism of the same size "
+                         f"({ep_key}={experts}). Fix: set {ep_key}={size}, or {key}=1.")
+    if any(type(mlp) is not SparseMoeBlock for mlp in sparse):
+        raise ValueError(f"{key}={size} with the mixture-of-experts layers of {model.config.architecture}: only "
+                         f"Qwen3-MoE's (a router and routed experts, no shared experts, no attention sinks) are cut "
+                         f"over a tensor-parallel group yet. Fix: set {key}=1 (and {ep_key} as without tensor "
+                         f"parallelism).")
     c = model.config
     sizes = {"query heads (num_attention_heads)": c.num_attention_heads,
              "key/value heads (num_key_value_heads)": c.num_key_value_heads,
@@ -107,11 +123,17 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
                   "mlp.down_proj": RowwiseParallel()}
     mtp = list(getattr(model.model, "mtp_layers", None) or ())   # MiMo: Qwen2 layers too; their extra norms and
     for layer in [*model.model.layers, *mtp]:                     # input projection stay whole, as the norms do
-        adapters = _take_adapters(layer, layer_plan)
-        parallelize_module(layer, tp.mesh, layer_plan)
-        _place_adapters(layer, adapters, layer_plan, tp.mesh)
+        # a sparse layer's MLP: its router whole, its experts over the group (`lathe.train.expert_parallel`)
+        plan = {k: v for k, v in layer_plan.items() if not k.startswith("mlp.") or hasattr(layer.mlp, "gate_proj")}
+        adapters = _take_adapters(layer, plan)
+        parallelize_module(layer, tp.mesh, plan)
+        _place_adapters(layer, adapters, plan, tp.mesh)
         attn = layer.self_attn
         attn.n_heads, attn.n_kv = attn.n_heads // tp.size, attn.n_kv // tp.size     # this rank's heads
+        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            if norm is not None:                # per head, on this rank's heads: its gradient a partial sum
+                norm.__class__ = _local_heads(type(norm))
+                norm.tp_group = tp.group
     root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
     if hasattr(model, "lm_head"):           # its forward (full logits) gathers them; training reads its weight only
         root["lm_head"] = ColwiseParallel(output_layouts=Replicate())
@@ -119,6 +141,61 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
     if hasattr(model, "tie_weights"):       # the embeddings and lm_head are both cut over the vocabulary (dim 0)
         model.tie_weights()
     return model
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` as it is, its gradient summed over `group` in backward: a whole tensor (the same on every rank) that each
+    rank uses for its own part of a computation (its heads, its experts), so that each rank's gradient is partial."""
+    return _CopyToGroup.apply(x, group)
+
+
+def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` summed over `group` (each rank's partial result); backward passes the gradient of the sum, whole and the
+    same on every rank, through (a row-parallel projection's reduction)."""
+    return _SumOverGroup.apply(x, group)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from torch.distributed._functional_collectives import all_reduce, wait_tensor
+        return wait_tensor(all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_reduce, wait_tensor
+        return wait_tensor(all_reduce(x.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _LocalHeadsNorm:
+    """A per-head norm (Qwen3's q/k norms) on this rank's heads: its weight enters through `copy_to_group` (mixed into
+    its class by `parallelize`)."""
+
+    tp_group: Any
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._parameters["weight"]
+        try:
+            self._parameters["weight"] = copy_to_group(weight, self.tp_group)
+            return super().forward(x)
+        finally:
+            self._parameters["weight"] = weight
+
+
+@functools.cache
+def _local_heads(cls: type) -> type:
+    return type(f"TensorParallel{cls.__name__}", (_LocalHeadsNorm, cls), {})
 
 
 def _take_adapters(layer: nn.Module, layer_plan: dict) -> dict[str, dict[str, nn.Parameter]]:

@@ -90,7 +90,7 @@ class Actor:
         actor = self.arr.actor
         parallel.check_plan_world(plan, "actor")
         key, tp_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size", f"{FSDP_KEY}.tensor_parallel_size"
-        tensor_parallel.check_model(self.model, plan.tensor_parallel_size, tp_key)
+        tensor_parallel.check_model(self.model, plan.tensor_parallel_size, tp_key, mesh.ep if mesh else 1)
         ulysses.check_model(self.model, plan.sequence_parallel_size, key, plan.tensor_parallel_size, tp_key)
         self.sp = ulysses.sequence_parallel(plan.sequence_parallel_size, key, plan.tensor_parallel_size)
         expert_parallel.check_model(self.model, mesh.ep if mesh else 1, f"{FSDP_KEY}.expert_parallel_size")

@@ -52,7 +52,8 @@ class CriticWorker:
                                      trust_remote_code=bool(critic.model.trust_remote_code),
                                      dtype=self.policy.master_dtype, override_config=critic.model.override_config)
         model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
-        tensor_parallel.check_model(model, plan.tensor_parallel_size, f"{key}.tensor_parallel_size")
+        tensor_parallel.check_model(model, plan.tensor_parallel_size, f"{key}.tensor_parallel_size",
+                                    mesh.ep if mesh else 1)
         ulysses.check_model(model, plan.sequence_parallel_size, "critic.ulysses_sequence_parallel_size",
                             plan.tensor_parallel_size, f"{key}.tensor_parallel_size")
         expert_parallel.check_model(model, mesh.ep if mesh else 1, f"{key}.expert_parallel_size")

@@ -39,7 +39,7 @@ class Reference:
         self.model = self.host = None
         key, tp_key = "actor_rollout_ref.ref.ulysses_sequence_parallel_size", f"{FSDP_KEY}.tensor_parallel_size"
         tp_size = mesh.tp if mesh is not None else 1
-        tensor_parallel.check_model(actor.model, tp_size, tp_key)
+        tensor_parallel.check_model(actor.model, tp_size, tp_key, mesh.ep if mesh else 1)
         ulysses.check_model(actor.model, sp_size, key, tp_size, tp_key)
         self.sp = ulysses.sequence_parallel(sp_size, key, tp_size)
         expert_parallel.check_model(actor.model, mesh.ep if mesh else 1, f"{FSDP_KEY}.expert_parallel_size")

@@ -1,0 +1,139 @@
+"""lathe.train.expert_parallel beside lathe.train.tensor_parallel: a Qwen3-MoE model with its experts placed over the
+ranks of its tensor-parallel group (expert_parallel_size == tensor_parallel_size) equals the one-process computation.
+
+One group of 2 gloo ranks (forks of one forkserver, as `test_parallel`'s), all checks in it, and one of 4:
+- a float64 Qwen3-MoE sparse layer, its 4 experts over the 2 ranks (2 each), every rank given all the tokens (as a
+  tensor-parallel group is): each rank's output and input gradient are the whole one-process layer's, the router's
+  gradient the same on both ranks and the one-process one, each rank's experts' gradients its rows of it;
+- the actor worker (AdamW, clipped gradients) on a tiny Qwen3-MoE under TP 2 x EP 2, its load-balancing losses on
+  (transformers' and Megatron's, z-loss included), 3 updates: metrics (the losses counted once, not twice), the last
+  step's gradients (Qwen3's q/k norms' too, summed over their heads on both ranks), the weights, the log-probs of a forward after the updates and the whole tensors the engine is
+  handed (the experts gathered whole) equal the one-process run's; its DCP checkpoint after 2 updates resumes in one
+  process exactly;
+- 4 ranks: FSDP 2 x TP 2 x EP 2 (each rank's 2 experts sharded further over the 2 data-parallel ranks), 3 updates
+  without the router losses (each data-parallel rank's would be its own micro-batches', as under plain FSDP):
+  metrics, the last step's gradients, the weights and the engine's whole tensors equal one process;
+- a dense Qwen3 decoder (per-head q/k norms) under TP 2, 2 updates: its gradients, the q/k norms' by name (each
+  rank's norm sees its own heads: their gradients are summed over the group, `tensor_parallel.copy_to_group`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close_rel
+
+from lathe.config.plan import MeshPlan
+
+from .test_expert_parallel import MEGATRON_LOSSES, aux_moe, block_grads, moe_block, tiny_moe
+from .test_parallel import COMPARED, SAVED_AFTER, STEPS, run_ranks, train
+from .test_tensor_parallel_lora import tiny_qwen3
+
+pytestmark = pytest.mark.slow
+
+T = 2
+KEYS = tuple(f"actor_rollout_ref.actor.fsdp_config.{k}_parallel_size={T}" for k in ("tensor", "expert"))
+ROUTER_LOSSES = ("actor/router_aux_loss", "actor/load_balancing_loss", "actor/z_loss")
+
+
+def rank_block() -> dict:
+    """The float64 sparse layer with its experts over the group, every rank computing all the tokens."""
+    from lathe.train import expert_parallel
+    block, x, w = moe_block("qwen3_moe")
+    ep = expert_parallel.expert_parallel(MeshPlan(1, 1, tp=T, ep=T), torch.device("cpu"))
+    assert ep.same_tokens and ep.size == T
+    expert_parallel.parallelize(block, ep)
+    got = block_grads(block, x, w)
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in got.items()}
+
+
+def tp_ep_job(world: int, *, ckpt: str) -> dict:
+    return {"block": rank_block(),
+            "actor": train(world, -1, model_fn=aux_moe, overrides=(*KEYS, *MEGATRON_LOSSES), tp=T, log_probs=True,
+                           grads=True, engine=True, save=ckpt),
+            "dense": train(world, -1, steps=range(2), model_fn=tiny_qwen3, overrides=KEYS[:1], tp=T, grads=True)}
+
+
+def fsdp_job(world: int) -> dict:
+    return train(world, -1, model_fn=tiny_moe, overrides=KEYS, tp=T, grads=True, engine=True)
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_ep")
+    return run_ranks(T, root / "ranks", dict(ckpt=root / "ckpt"), fn=tp_ep_job)[0], root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpointed):
+    return checkpointed[0]
+
+
+@pytest.fixture(scope="module")
+def one():
+    return train(1, -1, model_fn=aux_moe, overrides=MEGATRON_LOSSES, log_probs=True, grads=True)
+
+
+def test_sparse_layer_over_a_tensor_parallel_group_equals_one_process(ranks):
+    block, x, w = moe_block("qwen3_moe")
+    expected = block_grads(block, x, w)
+    for r, got in enumerate(ranks):
+        for name in ("out", "x", "gate.weight"):          # whole on every rank of the group
+            assert_close_rel(got["block"][name], expected[name], 1e-12, name=f"rank {r}: {name}")
+    for name in ("experts.gate_up_proj", "experts.down_proj"):     # rank r holds experts 2r, 2r + 1
+        assert_close_rel(torch.cat([got["block"][name] for got in ranks]), expected[name], 1e-12, name=name)
+
+
+def test_actor_tp_2_x_ep_2_updates_as_one_process(ranks, one):
+    """3 updates with the load-balancing losses on: metrics, the last step's gradients, the weights, the log-probs
+    after the updates and the engine's whole tensors; the experts are DTensors on the tp dim."""
+    got = ranks[0]["actor"]
+    assert got["experts_mesh"] == (("dp_shard", "tp"), (1, T))
+    compared = (*COMPARED, *ROUTER_LOSSES)
+    for a, b in zip(got["metrics"][:STEPS], one["metrics"][:STEPS], strict=True):
+        assert a["actor/load_balancing_loss"] > 0
+        assert_close_rel([a[k] for k in compared], [b[k] for k in compared], rel=1e-5, name="metrics")
+    assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
+    for name in one["grads"]:           # Qwen3's per-head q/k norms: each rank's heads' partial gradients summed
+        if "_norm." in name and "self_attn" in name:
+            assert_close_rel(got["grads"][name], one["grads"][name], rel=1e-5, name=name)
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
+    for name in ("old_log_probs", "entropys"):
+        assert_close_rel(got["metrics"][STEPS][name], one["metrics"][STEPS][name], rel=1e-5, name=name)
+    assert any(".mlp.experts." in k for k in one["weights"])
+    for rank in ranks:                                # every rank hands the engine the whole tensors
+        assert_close_rel({k: rank["actor"]["engine"][k] for k in one["weights"]}, one["weights"], rel=1e-5,
+                         name="engine weights")
+
+
+def test_tp_x_ep_checkpoint_resumes_in_one_process(checkpointed, one):
+    """The checkpoint after 2 updates (experts gathered whole, under their per-expert names) resumes in one process:
+    its last update ends at the one-process run's weights."""
+    _, ckpt = checkpointed
+    resumed = train(1, -1, steps=range(SAVED_AFTER, STEPS), resume=ckpt, model_fn=aux_moe, overrides=MEGATRON_LOSSES)
+    assert_close_rel(resumed["weights"], one["weights"], rel=1e-5, name="resumed weights")
+
+
+def test_dense_qwen3_q_k_norm_gradients_under_tp_2_equal_one_process(ranks):
+    one = train(1, -1, steps=range(2), model_fn=tiny_qwen3, grads=True)
+    got = ranks[0]["dense"]
+    norms = [n for n in one["grads"] if "q_norm" in n or "k_norm" in n]
+    assert norms
+    for name in norms:
+        assert_close_rel(got["grads"][name], one["grads"][name], rel=1e-5, name=name)
+    assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
+
+
+def test_fsdp_2_x_tp_2_x_ep_2_updates_as_one_process(tmp_path_factory):
+    ranks = run_ranks(2 * T, tmp_path_factory.mktemp("fsdp_tp_ep"), {}, fn=fsdp_job)[0]
+    one = train(1, -1, model_fn=tiny_moe, grads=True)
+    got = ranks[0]
+    assert got["experts_mesh"] == (("dp_shard", "tp"), (2, T))    # experts over tp, sharded over 2 dp ranks
+    for a, b in zip(got["metrics"], one["metrics"], strict=True):
+        assert_close_rel([a[k] for k in COMPARED], [b[k] for k in COMPARED], rel=1e-5, name="metrics")
+    assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
+    for rank in ranks:
+        assert_close_rel({k: rank["engine"][k] for k in one["weights"]}, one["weights"], rel=1e-5,
+                         name="engine weights")

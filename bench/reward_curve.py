@@ -118,14 +118,8 @@ def main() -> None:
           f"step {score[0]:.3f}; rolling mean >= 0.95 from step {first_at_095} ({seconds_to_095} s of GRPO steps); "
           f"final {smooth[-1]:.3f}; a 1-step run: {start_cold:.1f} s with an empty cache, {start_cached:.1f} s cached "
           f"-> {out}")
-    if not plot:
-        return
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot() if plot else None
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
     ax.plot(steps, score, color="#bbb", lw=1, label="critic/score/mean")
@@ -136,10 +130,26 @@ def main() -> None:
     ax.set(xlabel="step", ylabel="reward", ylim=(0, 1.02),
            title=f"lathe train{'' if default else ' ' + args.preset} (built-in GRPO, CPU): {wall:.0f} s wall")
     ax.legend(loc="lower right", fontsize=8)
+    save_figure(fig, plot)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (said once) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    return plt
+
+
+def save_figure(fig, where: str) -> None:
     fig.tight_layout()
-    Path(plot).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(plot)
-    print(f"plot -> {plot}")
+    Path(where).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(where)
+    print(f"plot -> {where}")
 
 
 if __name__ == "__main__":

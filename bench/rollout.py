@@ -294,7 +294,8 @@ def bench_model(name: str, device, args) -> dict:
         hf_models = args.hf_models if load == "fixed" else args.hf_grpo_models
         if name in hf_models:
             engine.sleep()                      # the KV cache's memory goes to the baselines meanwhile
-            hf.to(device) if not shared else None
+            if not shared:
+                hf.to(device)
             for base in ("hf_generate", "hf_generate_batch"):
                 if base.removeprefix("hf_") not in args.baselines:
                     continue
@@ -310,7 +311,8 @@ def bench_model(name: str, device, args) -> dict:
                 except Exception as e:            # a baseline that fails is reported, not fatal
                     row[base] = {"error": f"{type(e).__name__}: {e}"[:400]}
                     traceback.print_exc()
-            hf.to("cpu") if not shared else None
+            if not shared:
+                hf.to("cpu")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             engine.wake_up()

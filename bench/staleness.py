@@ -21,7 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from reward_curve import ROOT, git_sha, rolling, run_preset
+from reward_curve import ROOT, git_sha, pyplot, rolling, run_preset, save_figure
 
 # (name, preset, overrides): the synchronous loop, the on-policy pipeline, then more staleness at 2 updates a sync
 RUNS = [
@@ -75,12 +75,8 @@ def main() -> None:
 
 
 def plot(result: dict, where: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=120)
     for name, run in result["runs"].items():
@@ -90,11 +86,7 @@ def plot(result: dict, where: str) -> None:
     ax.set(xlabel="step (32 prompts x 8 samples)", ylabel="reward (10-step rolling mean)",
            title="Built-in GRPO task on the CPU: reward against staleness")
     ax.legend(loc="lower right", fontsize=7)
-    fig.tight_layout()
-    Path(where).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(where)
-    print(f"plot -> {where}")
-
+    save_figure(fig, where)
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,7 @@ from lathe.rollout.agent.loop import AgentLoop, AgentSettings
 from lathe.rollout.agent.parser import get_parser
 from lathe.rollout.agent.tools import BaseTool, ToolResponse, ToolSet
 from lathe.workers.lockstep import Lockstep, ReplicaEngine, control_groups
+from rollout.agent.test_loop import tiny_model
 from rollout.agent.test_render import TOOLS, rendered
 
 JOIN_S = 60
@@ -59,19 +60,6 @@ class Calculator(BaseTool):
 def parse(text: str):
     """Every model turn calls the calculator on an expression made of its text (random tokens from the model)."""
     return get_parser("hermes")(CALL % f"{len(text)}+{sum(map(ord, text)) % 89}")
-
-
-def tiny_model(tok):
-    from lathe.models.config import LatheConfig
-    from lathe.models.decoder import LatheCausalLM, init_weights
-    cfg = LatheConfig(architecture="Qwen2ForCausalLM", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      max_position_embeddings=512, qkv_bias=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LatheCausalLM(cfg)
-        init_weights(model, std=0.3)
-    return model.eval()
 
 
 def engine_of(model, tok) -> LatheEngine:

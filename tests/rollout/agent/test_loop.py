@@ -203,7 +203,8 @@ def test_long_tool_answers_are_cut_on_the_chosen_side(side, expected):
 
 
 # -- on lathe's engine ---------------------------------------------------------------------------------------------
-def tiny_engine(tok, **kw):
+def tiny_model(tok):
+    """A tiny random Qwen2-shaped lathe decoder over `tok`'s vocabulary (seeded; the global RNG left as it was)."""
     from lathe.models.config import LatheConfig
     from lathe.models.decoder import LatheCausalLM, init_weights
     cfg = LatheConfig(architecture="Qwen2ForCausalLM", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
@@ -213,7 +214,11 @@ def tiny_engine(tok, **kw):
         torch.manual_seed(0)
         model = LatheCausalLM(cfg)
         init_weights(model, std=0.3)
-    return LatheEngine(model.eval(), eos_token_id=tok.eos_token_id, block_size=4, num_kv_blocks=512,
+    return model.eval()
+
+
+def tiny_engine(tok, **kw):
+    return LatheEngine(tiny_model(tok), eos_token_id=tok.eos_token_id, block_size=4, num_kv_blocks=512,
                        max_model_len=512, **kw)
 
 

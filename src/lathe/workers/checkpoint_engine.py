@@ -195,15 +195,20 @@ class SyncGroup:
                 self.raise_if_failed()
                 next_check = now + _ERROR_CHECK_S
             if now - start > self.timeout_s:
-                raise TimeoutError(f"{self._where}: {self._laggards(bucket)} within {self.timeout_s:g} s (it died, "
-                                   f"or is not calling send/receive_weights)")
+                raise self._timed_out(bucket)
             time.sleep(delay)
             delay = min(2 * delay, _POLL_MAX_S)
         try:
             work.wait()
-        except Exception:
+        except Exception as e:
             self.raise_if_failed()   # a peer's own error says more than the broken connection it left behind
+            if "timeout" in str(e).lower():     # the backend's own timeout fired first ("Application timeout
+                raise self._timed_out(bucket) from e    # caused pair closure"): say who did not answer all the same
             raise
+
+    def _timed_out(self, bucket: int | None) -> TimeoutError:
+        return TimeoutError(f"{self._where}: {self._laggards(bucket)} within {self.timeout_s:g} s (it died, or is "
+                            f"not calling send/receive_weights)")
 
     def _laggards(self, bucket: int | None) -> str:
         """Who did not reach `bucket` of this sync, by the ranks' marks in the store."""

@@ -120,18 +120,20 @@ def plant_two_modes(model, long_fraction: float, kappa: float = KAPPA) -> None:
     but for the lr-sized drift of the embeddings and norms.
 
     Hidden dimension 0 carries the mode: +a in the long half's embeddings, -a in the short half's; dimension 1 is +a
-    on every row but the specials' (0, 1: -a); the rest of every row is rescaled to the init's mean norm (= a), so
-    every row has the same RMS. The final norm's weight is zero but for dimensions 0 and 1 (kappa * rms / a^2): the
-    logits from a half's token are 2 kappa on its own half, 0 on the other, -kappa on the specials (lm_head rows =
-    the embeddings, tied or copied), uniform within each half. `pick`'s dimension 0 is the b that puts its logits at
-    about kappa +- x with P(long half) = `long_fraction`. Stop ids, being short-half ids, are reached only from the
-    short half (their count sets the median: `two_mode_stops`)."""
+    on every row but the specials' (0, 1: -a); dimension 2 is a on `pick`'s row, 0 elsewhere; the rest of every row
+    is rescaled to the init's mean norm (= a), so every half's row has the same RMS. The final norm's weight is zero
+    but for dimensions 0 and 1 (kappa * rms / a^2) and 2 (-2 kappa * rms / a^2): the logits from a half's token are
+    2 kappa on its own half, 0 on the other, -kappa on the specials and about kappa on `pick` (lm_head rows = the
+    embeddings, tied or copied), uniform within each half. `pick`'s dimension 0 is the b that puts its logits at
+    about kappa +- x with P(long half) = `long_fraction`; dimension 2 puts its own at about -kappa (a row's logit
+    on itself is the sum of g_d e_d^2: only a negative weight lowers it). Stop ids, being short-half ids, are reached
+    only from the short half (their count sets the median: `two_mode_stops`)."""
     if not 0 < long_fraction < 1:
         raise ValueError(f"--long-fraction={long_fraction}: must lie strictly between 0 and 1")
     emb = model.model.embed_tokens.weight
     vocab, hidden = emb.shape
     ids = two_mode_ids(vocab)
-    rest = emb[:, 2:].double()
+    rest = emb[:, 3:].double()
     a = rest.norm(dim=1).mean()
     rest = rest / rest.norm(dim=1, keepdim=True) * a
     rms = (3 * a ** 2 / hidden).sqrt()
@@ -140,17 +142,19 @@ def plant_two_modes(model, long_fraction: float, kappa: float = KAPPA) -> None:
     y = x / (g * a)                             # b / rms(pick's row)
     if y ** 2 >= hidden:
         raise ValueError(f"--long-fraction={long_fraction}: too close to 0 or 1 for hidden size {hidden}")
-    mode, bias = torch.zeros(vocab, dtype=torch.float64), torch.full((vocab,), a.item(), dtype=torch.float64)
-    mode[ids["short"].start:ids["short"].stop] = -a
-    mode[ids["long"].start:ids["long"].stop] = a
-    mode[ids["pick"]] = y * (2 * a ** 2 / (hidden - y ** 2)).sqrt()
-    bias[:2] = -a
-    rows = torch.cat([mode[:, None], bias[:, None], rest], dim=1)
+    planted = torch.zeros(vocab, 3, dtype=torch.float64)
+    planted[ids["short"].start:ids["short"].stop, 0] = -a
+    planted[ids["long"].start:ids["long"].stop, 0] = a
+    planted[ids["pick"], 0] = y * (3 * a ** 2 / (hidden - y ** 2)).sqrt()
+    planted[:, 1] = a
+    planted[:2, 1] = -a
+    planted[ids["pick"], 2] = a
+    rows = torch.cat([planted, rest], dim=1)
     emb.copy_(rows)
     if model.lm_head.weight is not emb:
         model.lm_head.weight.copy_(rows)
     model.model.norm.weight.zero_()
-    model.model.norm.weight[:2] = g
+    model.model.norm.weight[:3] = torch.tensor([g, g, -2 * g])
     for name, p in model.named_parameters():
         if name.endswith(("v_proj.weight", "v_proj.bias", "o_proj.weight", "up_proj.weight", "down_proj.weight")):
             p.zero_()
@@ -159,8 +163,8 @@ def plant_two_modes(model, long_fraction: float, kappa: float = KAPPA) -> None:
 def chain_probabilities(model, stops: int, rows: int = 32) -> dict:
     """The planted chain's transition probabilities, computed from `model`'s weights (float32): P(long half) after
     `pick`; per token, P(stop) and P(leave the half) from short-half tokens (non-stop) and from long-half tokens
-    (means over `rows` ids of each), and at most the specials' (0, 1) from either half. Exact while the layers add
-    nothing to the residual stream (see `plant_two_modes`)."""
+    (means over `rows` ids of each); P(0, 1 or `pick`) after `pick`, and its largest from either half's tokens.
+    Exact while the layers add nothing to the residual stream (see `plant_two_modes`)."""
     emb = model.model.embed_tokens.weight.float()
     out, g = model.lm_head.weight.float(), model.model.norm.weight.float()
     ids = two_mode_ids(emb.shape[0])
@@ -173,12 +177,13 @@ def chain_probabilities(model, stops: int, rows: int = 32) -> dict:
     from_short = probs(torch.linspace(2 + stops, short.stop - 1, rows).long().tolist())
     from_long = probs(torch.linspace(long.start, long.stop - 1, rows).long().tolist())
     first = probs([ids["pick"]])[0]
-    return {"first_long": first[long.start:long.stop].sum().item(), "first_special": first[:2].sum().item(),
+    special = [0, 1, ids["pick"]]
+    return {"first_long": first[long.start:long.stop].sum().item(), "first_special": first[special].sum().item(),
             "short_stop": from_short[:, 2:2 + stops].sum(-1).mean().item(),
             "short_to_long": from_short[:, long.start:long.stop].sum(-1).mean().item(),
             "long_stop": from_long[:, 2:2 + stops].sum(-1).mean().item(),
             "long_to_short": from_long[:, short.start:short.stop].sum(-1).mean().item(),
-            "special": torch.cat([from_short, from_long])[:, :2].sum(-1).max().item()}
+            "special": torch.cat([from_short, from_long])[:, special].sum(-1).max().item()}
 
 
 def two_mode_model(shape: str, where: Path, device: str, median: int, long_fraction: float) -> tuple[Path, int]:

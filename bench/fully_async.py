@@ -134,18 +134,18 @@ def plant_two_modes(model, long_fraction: float, kappa: float = KAPPA) -> None:
     vocab, hidden = emb.shape
     ids = two_mode_ids(vocab)
     rest = emb[:, 3:].double()
-    a = rest.norm(dim=1).mean()
+    a = rest.norm(dim=1).mean().item()
     rest = rest / rest.norm(dim=1, keepdim=True) * a
-    rms = (3 * a ** 2 / hidden).sqrt()
+    rms = (3 * a ** 2 / hidden) ** 0.5
     g = kappa * rms / a ** 2
     x = 0.5 * math.log(long_fraction * len(ids["short"]) / ((1 - long_fraction) * len(ids["long"])))
     y = x / (g * a)                             # b / rms(pick's row)
     if y ** 2 >= hidden:
         raise ValueError(f"--long-fraction={long_fraction}: too close to 0 or 1 for hidden size {hidden}")
-    planted = torch.zeros(vocab, 3, dtype=torch.float64)
+    planted = torch.zeros(vocab, 3, dtype=torch.float64, device=emb.device)
     planted[ids["short"].start:ids["short"].stop, 0] = -a
     planted[ids["long"].start:ids["long"].stop, 0] = a
-    planted[ids["pick"], 0] = y * (3 * a ** 2 / (hidden - y ** 2)).sqrt()
+    planted[ids["pick"], 0] = y * (3 * a ** 2 / (hidden - y ** 2)) ** 0.5
     planted[:, 1] = a
     planted[:2, 1] = -a
     planted[ids["pick"], 2] = a
@@ -154,7 +154,7 @@ def plant_two_modes(model, long_fraction: float, kappa: float = KAPPA) -> None:
     if model.lm_head.weight is not emb:
         model.lm_head.weight.copy_(rows)
     model.model.norm.weight.zero_()
-    model.model.norm.weight[:3] = torch.tensor([g, g, -2 * g])
+    model.model.norm.weight[:3] = torch.tensor([g, g, -2 * g], device=emb.device)
     for name, p in model.named_parameters():
         if name.endswith(("v_proj.weight", "v_proj.bias", "o_proj.weight", "up_proj.weight", "down_proj.weight")):
             p.zero_()

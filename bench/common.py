@@ -290,10 +290,12 @@ REWARD_FILE = '''def compute_score(data_source, solution_str, ground_truth, extr
 
 
 def write_model(shape: str, where: Path, device: str, *, name: str = "model", seed: int = 0,
-                tokenizer: Path | None = None) -> Path:
+                tokenizer: Path | None = None, edit=None) -> Path:
     """A random-weight checkpoint of `shape` (bf16 safetensors + config.json) in `where/<name>-<shape>`, written
     once; `tokenizer`: a `write_tokenizer` directory whose files are copied beside it (a distillation teacher loads
-    its tokenizer from its own directory)."""
+    its tokenizer from its own directory); `edit`: called on the initialised `LatheCausalLM` before it is saved
+    (bench/fully_async.py plants its two-mode chain so), under no_grad. The directory is the cache key: a caller whose
+    edit has parameters names them in `name`."""
     import shutil
     from lathe.models.config import LatheConfig
     from lathe.models.decoder import LatheCausalLM, init_weights
@@ -306,6 +308,9 @@ def write_model(shape: str, where: Path, device: str, *, name: str = "model", se
         model = LatheCausalLM(cfg).to(torch.bfloat16)
     torch.manual_seed(seed)
     init_weights(model)
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
     model.save_pretrained(out)
     for f in (tokenizer.iterdir() if tokenizer else ()):
         shutil.copy(f, out / f.name)
@@ -333,13 +338,18 @@ def write_tokenizer(vocab_size: int, where: Path) -> Path:
     return out
 
 
-def write_data(where: Path, *, rows: int, prompt_len: int, vocab_size: int) -> tuple[Path, Path]:
-    """verl-schema parquet (chat prompts, for lathe) and JSON lines of the same prompts as text (for TRL)."""
+def write_data(where: Path, *, rows: int, prompt_len: int, vocab_size: int,
+               last_word: int | None = None) -> tuple[Path, Path]:
+    """verl-schema parquet (chat prompts, for lathe) and JSON lines of the same prompts as text (for TRL).
+    `last_word`: every prompt's last token is this id instead (the same random draws before it; bench/fully_async.py's
+    two-mode workload picks each response's mode through it)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     g = torch.Generator().manual_seed(0)
     texts = [" ".join(f"w{int(i)}" for i in torch.randint(2, vocab_size, (prompt_len,), generator=g))
              for _ in range(rows)]
+    if last_word is not None:
+        texts = [t.rsplit(" ", 1)[0] + f" w{last_word}" if prompt_len > 1 else f"w{last_word}" for t in texts]
     parquet, jsonl = where / f"train-{prompt_len}.parquet", where / f"train-{prompt_len}.jsonl"
     pq.write_table(pa.Table.from_pylist([
         {"data_source": "e2e", "prompt": [{"role": "user", "content": t}], "ability": "bench",

@@ -5,6 +5,7 @@
         --median-response-len 4 --max-response-len 32 --out /tmp/fully_async_smoke.json                # CPU smoke
     python bench/fully_async.py --workload tool [--turns 4 --tool-latency 0.5 --tool-answer-len 32]    # multi-turn
     python bench/fully_async.py --workload tool --rollout-tp 2 [--modes sync]     # on tensor-parallel replicas
+    python bench/fully_async.py --workload two-mode [--long-fraction 0.1]  # most short, some to the cap (reasoning RL)
 
 Two GPUs (or two CPU workers), two `lathe train` runs in child processes, exactly as a user runs them:
 
@@ -24,6 +25,22 @@ generation_config lists `k = round(V ln 2 / median)` of the vocabulary's ids as 
 stops at each token with probability about k/V: lengths are geometric with median `--median-response-len`, capped at
 `--max-response-len` (default 8x the median: about 1 response in 256 reaches the cap, and every synchronous step waits
 for the longest of its responses). The measured length distribution is in the JSON.
+
+`--workload two-mode` (issue 47's mixture): most responses short, `--long-fraction` of them running to
+`--max-response-len`, the shape of reasoning RL, where a minority of responses reach max_response_length and every
+synchronous step waits for them. Random weights have no per-sequence mode, so the checkpoint carries a planted
+two-state chain (`plant_two_modes`): the layers' value, up and output projections are zero (the layers still
+compute, and training keeps them at zero), so each next token depends on the current one only, through its
+embedding; the vocabulary is split into a short half and a long half, and a token's successor is uniform over its
+own half (leaving it: about e^-20 per token). The k stop ids (generation_config) lie in the short half, k set so that
+a short-mode response's length is geometric with median `--median-response-len`; the long half holds none, so a
+long-mode response runs to the cap. Every prompt ends with one designated id whose successor is in the long half
+with probability `--long-fraction`: the mode is drawn per response (each of the `--n` samples of a prompt on its
+own). The bench's reward function keeps the same score and reads each response's mode (its first token's half) and
+length from its text: the JSON's `length_modes` (per run, over all its steps) gives the long-mode share, the share at
+the cap, each mode's mean length and the short mode's share within the median (about 1/2; the workload entry has the
+expected short-mode mean). Qwen2.5 shapes only. CPU smoke: the geometric smoke's arguments with `--workload
+two-mode --long-fraction 0.25`.
 
 Reported per run: the median and total wall seconds per trained step after `--warmup` (`perf/time_per_step`: the
 whole step in the synchronous loop; the time between two finished updates in the asynchronous one), tokens/s, the
@@ -58,8 +75,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import (REWARD_FILE, SHAPES, device_name, git_sha, run_child, slug, write_data, write_model,  # noqa: E402
-                    write_tokenizer)
+from common import (DENSE_SHAPES, REWARD_FILE, SHAPES, device_name, git_sha, run_child, slug,  # noqa: E402
+                    write_data, write_model, write_tokenizer)
 from e2e import lathe_command  # noqa: E402
 
 
@@ -70,6 +87,132 @@ def long_tail_model(shape: str, where: Path, device: str, median: int) -> tuple[
     k = max(1, round(vocab * math.log(2) / median))
     (base / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(1, k + 1))}))
     return base, k
+
+
+# -- the two-mode workload (see the module docstring) ------------------------------------------------------------------
+KAPPA = 10.0        # the half-keeping logit: a token's successor leaves its half with probability about e^(-2 KAPPA)
+
+
+def two_mode_ids(vocab: int) -> dict:
+    """The two-mode split of the ids: the short half [2, V/2) (its first ids are the stop ids), the long half
+    [V/2, V-1), and outside both the tokenizer's specials 0 and 1 and `pick`, V-1: every prompt's last token, whose
+    successor draws the response's mode."""
+    half = vocab // 2
+    return {"short": range(2, half), "long": range(half, vocab - 1), "pick": vocab - 1}
+
+
+def two_mode_stops(vocab: int, median: int) -> int:
+    """k, the stop ids (2 .. k+1) that make a short-mode response's length geometric with median `median`: each
+    short-mode token stops with probability p = k / |short half| = 1 - 2^(-1/(median - 1/2)), so that P(length <=
+    median - 1/2) = 1/2 (the median of a discrete length: about 0.55 of the responses within `median` at median 4,
+    0.45 within median - 1)."""
+    short = len(two_mode_ids(vocab)["short"])
+    return min(short - 1, max(1, round(short * (1 - 2 ** (-1 / (median - 0.5))))))
+
+
+def plant_two_modes(model, long_fraction: float, kappa: float = KAPPA) -> None:
+    """Plant the two-state chain in a random-weight Qwen2.5-shaped `LatheCausalLM` (in place, under no_grad).
+
+    Each layer's value, up and output projections (v_proj, o_proj, up_proj, down_proj) are zeroed, so the final
+    hidden state is the final norm of the current token's embedding whatever came before; the layers still compute
+    all they did (q, k and the gate stay random). Each of those projections then has a zero gradient (its input or
+    its output passes through a zero matrix), so training leaves them at zero: the chain survives the run's updates
+    but for the lr-sized drift of the embeddings and norms.
+
+    Hidden dimension 0 carries the mode: +a in the long half's embeddings, -a in the short half's; dimension 1 is +a
+    on every row but the specials' (0, 1: -a); dimension 2 is a on `pick`'s row, 0 elsewhere; the rest of every row
+    is rescaled to the init's mean norm (= a), so every half's row has the same RMS. The final norm's weight is zero
+    but for dimensions 0 and 1 (kappa * rms / a^2) and 2 (-2 kappa * rms / a^2): the logits from a half's token are
+    2 kappa on its own half, 0 on the other, -kappa on the specials and about kappa on `pick` (lm_head rows = the
+    embeddings, tied or copied), uniform within each half. `pick`'s dimension 0 is the b that puts its logits at
+    about kappa +- x with P(long half) = `long_fraction`; dimension 2 puts its own at about -kappa (a row's logit
+    on itself is the sum of g_d e_d^2: only a negative weight lowers it). Stop ids, being short-half ids, are reached
+    only from the short half (their count sets the median: `two_mode_stops`)."""
+    if not 0 < long_fraction < 1:
+        raise ValueError(f"--long-fraction={long_fraction}: must lie strictly between 0 and 1")
+    emb = model.model.embed_tokens.weight
+    vocab, hidden = emb.shape
+    ids = two_mode_ids(vocab)
+    rest = emb[:, 3:].double()
+    a = rest.norm(dim=1).mean().item()
+    rest = rest / rest.norm(dim=1, keepdim=True) * a
+    rms = (3 * a ** 2 / hidden) ** 0.5
+    g = kappa * rms / a ** 2
+    x = 0.5 * math.log(long_fraction * len(ids["short"]) / ((1 - long_fraction) * len(ids["long"])))
+    y = x / (g * a)                             # b / rms(pick's row)
+    if y ** 2 >= hidden:
+        raise ValueError(f"--long-fraction={long_fraction}: too close to 0 or 1 for hidden size {hidden}")
+    planted = torch.zeros(vocab, 3, dtype=torch.float64, device=emb.device)
+    planted[ids["short"].start:ids["short"].stop, 0] = -a
+    planted[ids["long"].start:ids["long"].stop, 0] = a
+    planted[ids["pick"], 0] = y * (3 * a ** 2 / (hidden - y ** 2)) ** 0.5
+    planted[:, 1] = a
+    planted[:2, 1] = -a
+    planted[ids["pick"], 2] = a
+    rows = torch.cat([planted, rest], dim=1)
+    emb.copy_(rows)
+    if model.lm_head.weight is not emb:
+        model.lm_head.weight.copy_(rows)
+    model.model.norm.weight.zero_()
+    model.model.norm.weight[:3] = torch.tensor([g, g, -2 * g], device=emb.device)
+    for name, p in model.named_parameters():
+        if name.endswith(("v_proj.weight", "v_proj.bias", "o_proj.weight", "up_proj.weight", "down_proj.weight")):
+            p.zero_()
+
+
+def chain_probabilities(model, stops: int, rows: int = 32) -> dict:
+    """The planted chain's transition probabilities, computed from `model`'s weights (float32): P(long half) after
+    `pick`; per token, P(stop) and P(leave the half) from short-half tokens (non-stop) and from long-half tokens
+    (means over `rows` ids of each); P(0, 1 or `pick`) after `pick`, and its largest from either half's tokens.
+    Exact while the layers add nothing to the residual stream (see `plant_two_modes`)."""
+    emb = model.model.embed_tokens.weight.float()
+    out, g = model.lm_head.weight.float(), model.model.norm.weight.float()
+    ids = two_mode_ids(emb.shape[0])
+    eps = model.config.rms_norm_eps
+
+    def probs(tokens) -> torch.Tensor:
+        e = emb[list(tokens)]
+        return torch.softmax((e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + eps) * g) @ out.T, dim=-1)
+    short, long = ids["short"], ids["long"]
+    from_short = probs(torch.linspace(2 + stops, short.stop - 1, rows).long().tolist())
+    from_long = probs(torch.linspace(long.start, long.stop - 1, rows).long().tolist())
+    first = probs([ids["pick"]])[0]
+    special = [0, 1, ids["pick"]]
+    return {"first_long": first[long.start:long.stop].sum().item(), "first_special": first[special].sum().item(),
+            "short_stop": from_short[:, 2:2 + stops].sum(-1).mean().item(),
+            "short_to_long": from_short[:, long.start:long.stop].sum(-1).mean().item(),
+            "long_stop": from_long[:, 2:2 + stops].sum(-1).mean().item(),
+            "long_to_short": from_long[:, short.start:short.stop].sum(-1).mean().item(),
+            "special": torch.cat([from_short, from_long])[:, special].sum(-1).max().item()}
+
+
+def two_mode_model(shape: str, where: Path, device: str, median: int, long_fraction: float) -> tuple[Path, int]:
+    """write_model's random-weight checkpoint of `shape` with the two-mode chain planted, and a generation_config.json
+    listing the k stop ids 2 .. k+1 (`two_mode_stops`)."""
+    if shape not in DENSE_SHAPES:
+        raise ValueError(f"--workload two-mode --shape {shape}: the chain is planted in Qwen2.5 shapes only "
+                         f"({', '.join(DENSE_SHAPES)})")
+    base = write_model(shape, where, device, name=f"two-mode-f{long_fraction:g}",
+                       edit=lambda model: plant_two_modes(model, long_fraction))
+    k = two_mode_stops(SHAPES[shape]["vocab_size"], median)
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(2, k + 2))}))
+    return base, k
+
+
+TWO_MODE_REWARD = '''LONG_FROM, MEDIAN = {long_from}, {median}
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """common.REWARD_FILE's score (the length in characters, folded into [0, 1)), plus the length split
+    (bench/fully_async.py --workload two-mode): every token is a word `w<id>` (the stop ids too), and a response's
+    mode is its first token's half."""
+    words = solution_str.split()
+    mode = "long" if words and int(words[0][1:]) >= LONG_FROM else "short"
+    split = {{"long_mode": float(mode == "long"), f"{{mode}}_len": float(len(words))}}
+    if mode == "short":
+        split["short_within_median"] = float(len(words) <= MEDIAN)
+    return {{"score": (len(solution_str) % 97) / 97.0, **split}}
+'''
 
 
 TOOL_MODULE = '''"""bench/fully_async.py --workload tool: a tool that sleeps and answers (written by the bench).
@@ -136,6 +279,44 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
     return {"sync": sync, "async": asyn}
 
 
+def write_workload(where: Path, args) -> tuple[dict, dict]:
+    """`--workload`'s model, data, reward (and tool) files: the `paths` the command lines name, and what the JSON's
+    workload entry adds (the stop ids; the tool's or the two modes' settings)."""
+    vocab = SHAPES[args.shape]["vocab_size"]
+    rows, reward, last = args.prompts * (args.steps + 4), REWARD_FILE, None
+    if args.workload == "two-mode":
+        model, k = two_mode_model(args.shape, where, args.device, args.median_response_len, args.long_fraction)
+        ids = two_mode_ids(vocab)
+        reward = TWO_MODE_REWARD.format(long_from=ids["long"].start, median=args.median_response_len)
+        last, p = ids["pick"], k / len(ids["short"])
+        described = {"stop_ids": k, "long_fraction": args.long_fraction, "kappa": KAPPA, "short_stop_prob": p,
+                     "short_len_mean_expected": (1 - (1 - p) ** args.max_response_len) / p}
+    else:
+        model, k = long_tail_model(args.shape, where, args.device, args.median_response_len)
+        described = {"stop_ids": k, **({k_: getattr(args, k_) for k_ in ("turns", "tool_latency", "tool_answer_len")}
+                                       if args.workload == "tool" else {})}
+    parquet, _ = write_data(where, rows=rows, prompt_len=args.prompt_len, vocab_size=vocab, last_word=last)
+    (where / "reward.py").write_text(reward)
+    paths = {"model": model, "tokenizer": write_tokenizer(vocab, where), "parquet": parquet,
+             "reward": where / "reward.py", "run": where / f"run-{args.shape}-{args.workload}"}
+    if args.workload == "tool":
+        paths["tool"] = write_tool(where, args)
+    return paths, described
+
+
+def length_modes(steps: list[dict]) -> dict:
+    """The two-mode workload's measured split over all the run's steps (means of the steps' figures; none for the
+    other workloads): the long-mode share (by each response's first token), the share at the cap, each mode's mean
+    length, and the short mode's share within `--median-response-len` (about 1/2 when its median is the target)."""
+    figures = {"long_fraction": "reward_extra/long_mode/mean", "clip_ratio": "response_length/clip_ratio",
+               "long_len_mean": "reward_extra/long_len/mean", "short_len_mean": "reward_extra/short_len/mean",
+               "short_within_median": "reward_extra/short_within_median/mean"}
+    if not any(figures["long_fraction"] in s for s in steps):
+        return {}
+    return {"length_modes": {name: statistics.mean(s[key] for s in steps if key in s)
+                             for name, key in figures.items() if any(key in s for s in steps)}}
+
+
 def summarize(steps: list[dict], warmup: int) -> dict:
     timed = steps[warmup:] or steps[-1:]
     walls = [s["perf/time_per_step"] for s in timed]
@@ -169,8 +350,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trigger", type=int, default=2, help="async_training.trigger_parameter_sync_step")
     p.add_argument("--staleness", type=float, default=1.0, help="async_training.staleness_threshold")
     p.add_argument("--modes", default="sync,async")
-    p.add_argument("--workload", default="geometric", choices=("geometric", "tool"),
-                   help="geometric: single-turn long tail; tool: multi-turn trajectories with tool calls")
+    p.add_argument("--workload", default="geometric", choices=("geometric", "tool", "two-mode"),
+                   help="geometric: single-turn long tail; tool: multi-turn trajectories with tool calls; two-mode: "
+                        "most responses short (geometric), --long-fraction of them to --max-response-len")
+    p.add_argument("--long-fraction", type=float, default=0.1, help="two-mode workload: the long mode's share")
     p.add_argument("--turns", type=int, default=4, help="tool workload: model turns per trajectory (at most)")
     p.add_argument("--tool-latency", type=float, default=0.5, help="tool workload: seconds a tool call sleeps")
     p.add_argument("--tool-answer-len", type=int, default=32, help="tool workload: words of a tool answer")
@@ -191,26 +374,17 @@ def main() -> None:
     where = Path(args.workdir)
     (where / "logs").mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.shape]["vocab_size"]
-    model, k = long_tail_model(args.shape, where, args.device, args.median_response_len)
-    parquet, _ = write_data(where, rows=args.prompts * (args.steps + 4), prompt_len=args.prompt_len, vocab_size=vocab)
-    (where / "reward.py").write_text(REWARD_FILE)
-    paths = {"model": model, "tokenizer": write_tokenizer(vocab, where), "parquet": parquet,
-             "reward": where / "reward.py", "run": where / f"run-{args.shape}-{args.workload}"}
-    if args.workload == "tool":
-        paths["tool"] = write_tool(where, args)
+    paths, described = write_workload(where, args)
     name = device_name(torch.device(args.device))
-    kind = ("" if args.workload == "geometric" else f"{args.workload}_") + (f"tp{args.rollout_tp}_"
-                                                                            if args.rollout_tp > 1 else "")
+    kind = ("" if args.workload == "geometric" else f"{args.workload.replace('-', '_')}_") + (
+        f"tp{args.rollout_tp}_" if args.rollout_tp > 1 else "")
     out = Path(args.out or ROOT / "bench" / "results" / f"fully_async_{kind}{slug(name)}.json")
     result = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "workload": {**{k_: getattr(args, k_) for k_ in ("shape", "prompts", "n", "prompt_len", "steps", "warmup",
                                                                "median_response_len", "max_response_len", "trigger",
                                                                "staleness", "workload", "rollout_tp")},
-                           "stop_ids": k,
-                           "vocab": vocab, **({k_: getattr(args, k_) for k_ in ("turns", "tool_latency",
-                                                                                "tool_answer_len")}
-                                              if args.workload == "tool" else {})},
+                           "stop_ids": described.pop("stop_ids"), "vocab": vocab, **described},
               "runs": {}}
     for mode, cmd in commands(paths, args).items():
         if mode not in args.modes.split(","):
@@ -220,7 +394,7 @@ def main() -> None:
         rc, wall = run_child(cmd, where / "logs" / f"{mode}.log", args.timeout)
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         result["runs"][mode] = {"command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall,
-                                **(summarize(steps, args.warmup) if steps else {})}
+                                **(summarize(steps, args.warmup) if steps else {}), **length_modes(steps)}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
     s, a = (result["runs"].get(m, {}).get("timed_wall_s") for m in ("sync", "async"))
@@ -234,6 +408,8 @@ def main() -> None:
         print(f"{mode:>5}: rc {r['returncode']}, {r.get('step_wall_s_median', float('nan')):.2f} s/step (median), "
               f"{r.get('timed_wall_s', float('nan')):.1f} s over {r.get('steps_timed', 0)} steps, "
               f"response length {r.get('medians', {}).get('response_length/mean', float('nan')):.0f} mean")
+        if "length_modes" in r:
+            print("       " + ", ".join(f"{key} {value:.3g}" for key, value in r["length_modes"].items()))
     if "speedup_async_vs_sync" in result:
         print(f"speed-up (async / sync): {result['speedup_async_vs_sync']:.2f}x"
               + (f" (trainer-bound ceiling {result['speedup_ceiling_trainer_bound']:.2f}x)"

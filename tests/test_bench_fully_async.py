@@ -3,6 +3,7 @@
 process, with bench/ on its path as when it runs, so nothing imported by the suite stands in for its modules."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,84 @@ def test_fully_async_builds_both_command_lines(tmp_path):
     tp = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     assert not any(c.startswith(tp) for cmd in built["tool"].values() for c in cmd)
     assert f"{tp}=2" in built["tp"]["sync"] and {f"{tp}=2", "rollout.n_gpus_per_node=2"} <= set(built["tp"]["async"])
+
+
+TWO_MODE = """
+import importlib.util, json, statistics, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import fully_async
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from lathe.data.dataset import RLDataset
+from lathe.engine.llm_engine import LatheEngine
+from lathe.generation import SamplingParams
+from lathe.models.hf import load_policy
+from lathe.rollout.build import eos_token_ids
+where = Path(sys.argv[2])
+args = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--workload", "two-mode",
+                               "--long-fraction", "0.25", "--median-response-len", "4", "--max-response-len", "24",
+                               "--prompts", "4", "--steps", "1", "--prompt-len", "6"])
+paths, described = fully_async.write_workload(where, args)
+tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
+prompts = [item["prompt_ids"] for item in RLDataset(str(paths["parquet"]), tok, max_prompt_length=6)]
+model = load_policy(str(paths["model"]))          # as the trainer loads it (lathe's decoder, its generation_config)
+engine = LatheEngine(model, eos_token_id=eos_token_ids(tok, model), block_size=8, num_kv_blocks=2048)
+out = engine.generate(prompts, SamplingParams(n=32, temperature=1.0, max_tokens=24, seed=0))
+spec = importlib.util.spec_from_file_location("reward", paths["reward"])
+reward = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reward)
+scores = [reward.compute_score("e2e", tok.decode(ids, skip_special_tokens=True), "0") for ids in out.token_ids]
+hf = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
+with torch.no_grad():
+    first_hf = torch.softmax(hf(torch.tensor([prompts[0]])).logits[0, -1].double(), -1)
+    first_lathe = torch.softmax(model.forward(torch.tensor([prompts[0]])).logits[0, -1].double(), -1)
+chain = fully_async.chain_probabilities(model, described["stop_ids"])
+opt = torch.optim.AdamW(model.train().parameters(), lr=1e-4)     # a hundred times the bench's lr (e2e's 1e-6)
+batch = torch.tensor([prompts[0] + t[:5] for t in out.token_ids if len(t) >= 5][:16])
+for advantages in torch.randn(3, len(batch), 1, generator=torch.Generator().manual_seed(0)):
+    logits = model.forward(batch).logits[:, :-1]
+    loss = -(torch.log_softmax(logits, -1).gather(-1, batch[:, 1:, None])[..., 0] * advantages).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+zeroed = ("v_proj.weight", "v_proj.bias", "o_proj.weight", "up_proj.weight", "down_proj.weight")
+ids = fully_async.two_mode_ids(1000)
+print(json.dumps({"last": sorted({p[-1] for p in prompts}), "pick": ids["pick"], "long_from": ids["long"].start,
+                  "described": described, "lengths": [len(t) for t in out.token_ids],
+                  "tokens": out.token_ids, "scores": scores,
+                  "hf_long": first_hf[ids["long"].start:ids["long"].stop].sum().item(),
+                  "hf_vs_lathe": ((first_hf - first_lathe).norm() / first_lathe.norm()).item(),
+                  "chain": chain, "trained": fully_async.chain_probabilities(model, described["stop_ids"]),
+                  "zeroed_max": max(p.abs().max().item() for n, p in model.named_parameters() if n.endswith(zeroed))}))
+"""
+
+
+def test_two_mode_workload_lengths(tmp_path):
+    """--workload two-mode: the planted chain, run by lathe's engine on the written checkpoint, data and stop ids,
+    gives two modes: a response's first token picks its half with P(long) = --long-fraction, long-mode responses run
+    to the cap, short-mode ones stop with the target median; transformers reads the same distribution from the
+    checkpoint, a few optimizer steps keep it, and the bench's reward function finds each response's mode and length
+    from its text."""
+    done = subprocess.run([sys.executable, "-c", TWO_MODE, str(ROOT / "bench"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["last"] == [got["pick"]]                       # every prompt ends with the mode-picking token
+    chain = got["chain"]
+    assert abs(chain["first_long"] - 0.25) < 2e-3 and abs(got["hf_long"] - 0.25) < 2e-3 and got["hf_vs_lathe"] < 1e-4
+    assert max(chain[key] for key in ("short_to_long", "long_to_short", "long_stop", "special", "first_special")) < 1e-6
+    assert abs(chain["short_stop"] - got["described"]["short_stop_prob"]) < 1e-3
+    long = [t[0] >= got["long_from"] for t in got["tokens"]]
+    lengths = got["lengths"]
+    assert len(lengths) == 20 * 32
+    assert 0.18 < sum(long) / len(long) < 0.32                                   # --long-fraction 0.25
+    assert all(n == 24 for n, is_long in zip(lengths, long) if is_long)          # the long mode runs to the cap
+    assert all((t >= got["long_from"]) == is_long for ts, is_long in zip(got["tokens"], long) for t in ts)
+    short = [n for n, is_long in zip(lengths, long) if not is_long]
+    assert 3 <= statistics.median(short) <= 5                                    # --median-response-len 4
+    assert sum(n == 24 for n in short) < 0.05 * len(short)
+    # training leaves the zeroed projections at zero (their gradients are zero), so the chain holds through a run
+    assert got["zeroed_max"] == 0.0 and abs(got["trained"]["first_long"] - 0.25) < 0.02
+    for s, n, is_long in zip(got["scores"], lengths, long):
+        assert s["long_mode"] == float(is_long) and s["long_len" if is_long else "short_len"] == n

@@ -74,6 +74,7 @@ def test_an_fp8_update_stays_close_to_the_full_precision_one(load_cfg, rollout_b
     within a few percent of the fp32 one (e4m3 keeps 3 mantissa bits: ~3% per element, averaged over products)."""
     ref_worker = _worker(load_cfg)
     batch = _ppo_batch(ref_worker, rollout_batch)
+    start = {k: t.clone() for k, t in ref_worker.model.state_dict().items()}
     ref = ref_worker.update_actor(batch)
     with fp8.emulated():
         worker = _worker(load_cfg, f"{KEY}={recipe}")
@@ -81,7 +82,7 @@ def test_an_fp8_update_stays_close_to_the_full_precision_one(load_cfg, rollout_b
         out = worker.update_actor(batch)
     assert _rel(out["actor/pg_loss"], ref["actor/pg_loss"]) < 0.05, (out["actor/pg_loss"], ref["actor/pg_loss"])
     assert _rel(out["actor/grad_norm"], ref["actor/grad_norm"]) < 0.05, (out["actor/grad_norm"], ref["actor/grad_norm"])
-    start = _worker(load_cfg).model.state_dict()      # the whole update, as one vector: the same direction
+    # the whole update, as one vector, in about the same direction
     fp8_step, ref_step = ([(t.detach() - start[k]).flatten() for k, t in w.model.state_dict().items()]
                           for w in (worker, ref_worker))
     fp8_step, ref_step = torch.cat(fp8_step), torch.cat(ref_step)
@@ -104,6 +105,21 @@ def test_a_checkpoint_saved_under_fp8_loads_without_it_and_the_rollout_gets_plai
     assert all(torch.equal(t, plain.model.state_dict()[k]) for k, t in worker.model.state_dict().items())
 
 
+def test_a_frozen_copy_of_a_transformers_module_computes_with_plain_linear_layers(make_model):
+    from lathe.models.frozen import frozen_copy
+    model = make_model()
+    with fp8.emulated():
+        fp8.convert(model, "tensorwise")
+    copy = frozen_copy(model, torch.float32, torch.device("cpu"))
+    assert fp8.is_converted(model) and not fp8.is_converted(copy)
+    assert all(torch.equal(t, copy.state_dict()[k]) for k, t in model.state_dict().items())
+
+
+def test_transformers_generate_on_the_actors_own_module_is_refused(load_cfg):
+    with fp8.emulated(), pytest.raises(ValueError, match=f"{KEY}=tensorwise: transformers' generate would share"):
+        _worker(load_cfg, f"{KEY}=tensorwise", "actor_rollout_ref.model.impl=hf", "actor_rollout_ref.rollout.name=hf")
+
+
 def fp8_train(world: int, **job):
     """`test_parallel.train` with FP8 training emulated (a rank's module-level body)."""
     with fp8.emulated():
@@ -121,13 +137,16 @@ def hf_init_model() -> torch.nn.Module:
 
 
 @pytest.mark.slow
-def test_fsdp2_on_two_gloo_ranks_trains_close_to_one_process_and_gathers_plain_weights(tmp_path):
+def test_fsdp2_on_two_gloo_ranks_trains_close_to_one_process_and_saves_plain_weights(tmp_path):
     """FSDP2 gathers the fp32 (bf16 on a GPU) shards and each forward casts them (no float8 all-gather): 2 ranks
-    under FP8 update close to one process without it, and the full state and the rollout's weights are plain
-    tensors."""
-    (sharded, _), = run_ranks(2, tmp_path, dict(fsdp_size=-1, steps=range(2), engine=True, overrides=(FP8,),
-                                                model_fn=hf_init_model), fn=fp8_train)
+    under FP8 update close to one process without it, the full state and the rollout's weights are plain tensors,
+    and the sharded checkpoint they write resumes in one process without FP8 (or torchao)."""
+    (sharded, _), = run_ranks(2, tmp_path / "ranks", dict(fsdp_size=-1, steps=range(2), engine=True, overrides=(FP8,),
+                                                          model_fn=hf_init_model, save=tmp_path / "ckpt"),
+                              fn=fp8_train)
     one = train(1, -1, steps=range(2), model_fn=hf_init_model)
+    resumed = train(1, -1, steps=range(0), model_fn=hf_init_model, resume=tmp_path / "ckpt")
+    assert all(torch.equal(t, resumed["weights"][k]) for k, t in sharded["weights"].items())
     for got, want in zip(sharded["metrics"], one["metrics"]):
         for key in ("actor/pg_loss", "actor/grad_norm"):
             assert _rel(got[key], want[key]) < 0.05, (key, got[key], want[key])
@@ -179,14 +198,20 @@ def test_config_refusals_name_the_key():
 
 @pytest.mark.gpu
 def test_fp8_update_on_a_gpu(load_cfg, rollout_batch):
-    """The real FP8 products (torch._scaled_mm) on an FP8 GPU, bf16 mixed precision: close to the bf16 update."""
+    """The real FP8 products (torch._scaled_mm, the decoder layers compiled) on an FP8 GPU under bf16 mixed
+    precision: close to the bf16 update, and the engine receives the plain bf16 weights."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs an NVIDIA GPU of compute capability 8.9 or later")
-    ref_worker = _worker(load_cfg, "actor_rollout_ref.actor.use_torch_compile=false", device="cuda")
+    gpu = ("actor_rollout_ref.rollout.gpu_memory_utilization=0.2", "data.max_prompt_length=24",
+           "data.max_response_length=12")
+    ref_worker = _worker(load_cfg, *gpu, device="cuda")
     batch = _ppo_batch(ref_worker, rollout_batch)
     ref = ref_worker.update_actor(batch)
-    worker = _worker(load_cfg, f"{KEY}=tensorwise", device="cuda")
-    assert fp8.is_converted(worker.model)
+    worker = _worker(load_cfg, *gpu, f"{KEY}=tensorwise", device="cuda")
+    assert fp8.is_converted(worker.model) and not fp8.is_converted(worker.rollout.backend.model)
     out = worker.update_actor(batch)
     assert _rel(out["actor/pg_loss"], ref["actor/pg_loss"]) < 0.1, (out["actor/pg_loss"], ref["actor/pg_loss"])
     assert _rel(out["actor/grad_norm"], ref["actor/grad_norm"]) < 0.1, (out["actor/grad_norm"], ref["actor/grad_norm"])
+    worker.sync_weights()
+    engine = worker.rollout.backend.model.state_dict()
+    assert all(torch.equal(t, engine[k]) for k, t in worker.model.state_dict().items() if k in engine)

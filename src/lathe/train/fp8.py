@@ -11,6 +11,9 @@ fp32 master weights). Recipes (`torchao.float8.Float8LinearRecipeName`):
   `fp8_recipe=tensorwise`); the fastest;
 - `rowwise`: one scale per row, e4m3 throughout, scales rounded down to powers of two; more accurate, slower.
 
+Every product pads its inner dim to a multiple of 16 (`float8_config`): the weight gradient's runs over the tokens of
+a packed micro-batch, whose count is arbitrary.
+
 What stays in bf16: the embeddings, the lm_head (its log-softmax is where precision matters most), the routers and
 the routed experts of a mixture of experts (stacked 3-D weights run by grouped GEMMs, not `nn.Linear`), norms, and
 any layer whose two dims are not multiples of 16 (`_scaled_mm`'s rule). The parameters are the very tensors they
@@ -85,13 +88,13 @@ def _torchao(key: str):
 
 
 def float8_config(recipe: str):
-    """torchao's `Float8LinearConfig` of `recipe` (emulated inside `emulated()`)."""
+    """torchao's `Float8LinearConfig` of `recipe` (emulated inside `emulated()`), with `pad_inner_dim`: the weight
+    gradient's product runs over the tokens, and `torch._scaled_mm` needs its inner dim a multiple of 16, which a
+    packed micro-batch's token count seldom is (torchao pads the FP8 operands with zeros, which add nothing)."""
+    import dataclasses
     float8 = _torchao(KEY)
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
-    if _emulate:
-        import dataclasses
-        config = dataclasses.replace(config, emulate=True)
-    return config
+    return dataclasses.replace(config, pad_inner_dim=True, emulate=_emulate)
 
 
 def targets(model: nn.Module) -> list[str]:

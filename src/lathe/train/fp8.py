@@ -66,16 +66,14 @@ def check_device(recipe: str | None, device: torch.device, key: str = KEY) -> No
         return
     if recipe not in RECIPES:
         raise ValueError(f"{key}={recipe!r}: the recipes are {', '.join(RECIPES)} (null: bf16). Fix: set one of them.")
-    _torchao(key)
-    if _emulate:
-        return
     from lathe.device import nvidia_capability
     capability = nvidia_capability(device)
-    if capability is None or capability < (8, 9):
+    if not _emulate and (capability is None or capability < (8, 9)):
         where = f"compute capability {capability[0]}.{capability[1]}" if capability else f"a {device.type} device"
         raise ValueError(f"{key}={recipe}: FP8 training needs an NVIDIA GPU of compute capability 8.9 or later (Ada, "
                          f"Hopper, Blackwell) for its FP8 matrix products, but the actor runs on {where}. Fix: "
                          f"remove {key} (bf16 training) or run on such a GPU.")
+    _torchao(key)          # (after the device: on a CPU torchao's import logs its GPU libraries failing to load)
 
 
 def _torchao(key: str):

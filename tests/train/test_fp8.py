@@ -28,11 +28,11 @@ OTC = "+actor_rollout_ref.actor.megatron.override_transformer_config"
 FP8 = f"{KEY}=tensorwise"
 
 
-def _worker(load_cfg, *overrides, device="cpu"):
+def _worker(load_cfg, *overrides, device="cpu", model=None):
     cfg = load_cfg("actor_rollout_ref.model.path=builtin:tiny", "actor_rollout_ref.model.use_remove_padding=true",
                    "actor_rollout_ref.rollout.name=lathe", *overrides)
     tok = builtin_tokenizer()
-    model = build_builtin_model("tiny", vocab_size=len(tok), seed=0)
+    model = model() if model is not None else build_builtin_model("tiny", vocab_size=len(tok), seed=0)
     return ActorRolloutRefWorker(cfg, model, tok, plan=plan_of(cfg, needs_ref=True), total_steps=10,
                                  device=torch.device(device))
 
@@ -54,12 +54,13 @@ def _rel(a: float, b: float) -> float:
 
 def test_the_decoder_projections_convert_and_the_rest_stays(make_lathe):
     model = make_lathe()
-    names = fp8.targets(model)
-    assert len(names) == 2 * 7 and all(n.startswith("model.layers.") for n in names)   # q/k/v/o, gate/up/down
-    model.model.layers[0].mlp.down_proj = nn.Linear(64, 24, bias=False)    # 24: not a multiple of 16
-    assert "model.layers.0.mlp.down_proj" not in fp8.targets(model)
-    before = {k: v for k, v in model.state_dict().items()}
+    assert fp8.targets(model) == []           # too small for FP8 to pay (torchao's thresholds), but emulated: every size
     with fp8.emulated():
+        names = fp8.targets(model)
+        assert len(names) == 2 * 7 and all(n.startswith("model.layers.") for n in names)   # q/k/v/o, gate/up/down
+        model.model.layers[0].mlp.down_proj = nn.Linear(64, 24, bias=False)    # 24: not a multiple of 16
+        assert "model.layers.0.mlp.down_proj" not in fp8.targets(model)
+        before = {k: v for k, v in model.state_dict().items()}
         fp8.convert(model, "tensorwise")
     assert type(model.model.layers[1].self_attn.q_proj).__name__ == "Float8Linear"
     assert type(model.lm_head) is nn.Linear and type(model.model.layers[0].mlp.down_proj) is nn.Linear
@@ -154,6 +155,13 @@ def test_fsdp2_on_two_gloo_ranks_trains_close_to_one_process_and_saves_plain_wei
     assert all(type(t) is torch.Tensor for t in [*sharded["weights"].values(), *sharded["engine"].values()])
 
 
+def test_fp8_pays_from_torchaos_sizes_on():
+    """Qwen2.5-7B (hidden 3584, k/v 512, MLP 18944) under tensorwise scaling: all but the k/v projections."""
+    assert fp8.pays("tensorwise", 3584, 3584) and fp8.pays("tensorwise", 18944, 3584)
+    assert not fp8.pays("tensorwise", 512, 3584) and fp8.pays("tensorwise", 3584, 18944)
+    assert not fp8.pays("rowwise", 1536, 8960) and fp8.pays("rowwise", 8960, 1536)
+
+
 def test_the_device_check_fails_up_front_outside_emulation():
     with pytest.raises(ValueError, match=f"{KEY}=tensorwise: FP8 training needs an NVIDIA GPU of compute capability "
                                          "8.9"):
@@ -196,6 +204,19 @@ def test_config_refusals_name_the_key():
         "trainer.n_gpus_per_node=2")
 
 
+def _wide_model():
+    """Two Qwen2 layers wide enough for FP8 to pay (`fp8.pays`) in all but the k/v projections."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = builtin_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=2048, intermediate_size=5632, num_hidden_layers=2,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(cfg)
+
+
 @pytest.mark.gpu
 def test_fp8_update_on_a_gpu(load_cfg, rollout_batch):
     """The real FP8 products (torch._scaled_mm, the decoder layers compiled) on an FP8 GPU under bf16 mixed
@@ -204,11 +225,12 @@ def test_fp8_update_on_a_gpu(load_cfg, rollout_batch):
         pytest.skip("needs an NVIDIA GPU of compute capability 8.9 or later")
     gpu = ("actor_rollout_ref.rollout.gpu_memory_utilization=0.2", "data.max_prompt_length=24",
            "data.max_response_length=12")
-    ref_worker = _worker(load_cfg, *gpu, device="cuda")
+    ref_worker = _worker(load_cfg, *gpu, device="cuda", model=_wide_model)
     batch = _ppo_batch(ref_worker, rollout_batch)
     ref = ref_worker.update_actor(batch)
-    worker = _worker(load_cfg, *gpu, f"{KEY}=tensorwise", device="cuda")
+    worker = _worker(load_cfg, *gpu, f"{KEY}=tensorwise", device="cuda", model=_wide_model)
     assert fp8.is_converted(worker.model) and not fp8.is_converted(worker.rollout.backend.model)
+    assert len(fp8.targets(worker.ref.model)) == 2 * 5     # q, o, gate, up, down (k/v too small to pay)
     out = worker.update_actor(batch)
     assert _rel(out["actor/pg_loss"], ref["actor/pg_loss"]) < 0.1, (out["actor/pg_loss"], ref["actor/pg_loss"])
     assert _rel(out["actor/grad_norm"], ref["actor/grad_norm"]) < 0.1, (out["actor/grad_norm"], ref["actor/grad_norm"])

@@ -15,8 +15,9 @@ Every product pads its inner dim to a multiple of 16 (`float8_config`): the weig
 a packed micro-batch, whose count is arbitrary.
 
 What stays in bf16: the embeddings, the lm_head (its log-softmax is where precision matters most), the routers and
-the routed experts of a mixture of experts (stacked 3-D weights run by grouped GEMMs, not `nn.Linear`), norms, and
-any layer whose two dims are not multiples of 16 (`_scaled_mm`'s rule). The parameters are the very tensors they
+the routed experts of a mixture of experts (stacked 3-D weights run by grouped GEMMs, not `nn.Linear`), norms, any
+layer whose two dims are not multiples of 16 (`_scaled_mm`'s rule), and layers too small for FP8 to pay (`pays`,
+torchao's measured thresholds: at tensorwise, out <= 1024 with in <= 4096, such as the k/v projections of Qwen2.5). The parameters are the very tensors they
 were (a `Float8Linear` is an `nn.Linear` holding the same `weight` and `bias`), so the state dict, checkpoints and
 the weights the rollout engine receives are plain tensors under the usual names: a checkpoint written with FP8
 training loads in a run without it. The reference policy and the rollout take their copies before `convert` runs,
@@ -95,9 +96,21 @@ def float8_config(recipe: str):
     return dataclasses.replace(config, pad_inner_dim=True, emulate=_emulate)
 
 
-def targets(model: nn.Module) -> list[str]:
+def pays(recipe: str, out_features: int, in_features: int) -> bool:
+    """torchao's measured rule (H100) for where FP8 beats bf16 (`torchao.float8._auto_filter_for_recipe`): below these
+    sizes the casts cost more than the FP8 product saves. Emulated (tests): every size, so tiny models convert."""
+    n, k = out_features, in_features
+    if _emulate:
+        return True
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+
+
+def targets(model: nn.Module, recipe: str = "tensorwise") -> list[str]:
     """Names of the linear layers `convert` swaps: plain `nn.Linear`s inside the language model's decoder layers
-    (not the vision tower's, not MTP layers'), routers excluded, both dims multiples of 16."""
+    (not the vision tower's, not MTP layers'), routers excluded, both dims multiples of 16, large enough that FP8
+    `pays`."""
     from lathe.models.vl import LatheVLForConditionalGeneration
     if isinstance(model, LatheVLForConditionalGeneration):
         layers = model.model.language_model.layers
@@ -108,7 +121,7 @@ def targets(model: nn.Module) -> list[str]:
     inside = {id(m) for layer in layers for m in layer.modules()}
     return [name for name, m in model.named_modules()
             if type(m) is nn.Linear and id(m) in inside and name.rsplit(".", 1)[-1] not in ROUTER_NAMES
-            and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+            and m.in_features % 16 == 0 and m.out_features % 16 == 0 and pays(recipe, m.out_features, m.in_features)]
 
 
 def convert(model: nn.Module, recipe: str | None) -> list[str]:
@@ -116,10 +129,11 @@ def convert(model: nn.Module, recipe: str | None) -> list[str]:
     Call it before sharding, compiling and building the optimizer (the parameters stay the same tensors)."""
     if recipe is None:
         return []
-    names = set(targets(model))
+    names = set(targets(model, recipe))
     if not names:
         raise ValueError(f"{KEY}={recipe}: {type(model).__name__} has no linear layer FP8 training applies to "
-                         "(nn.Linear inside the decoder layers, both dims multiples of 16). Fix: remove the key.")
+                         "(nn.Linear inside the decoder layers, both dims multiples of 16, large enough for FP8 to "
+                         "pay: lathe.train.fp8.pays). Fix: remove the key.")
     float8 = _torchao(KEY)
     float8.convert_to_float8_training(model, config=float8_config(recipe),
                                       module_filter_fn=lambda m, fqn: fqn in names)

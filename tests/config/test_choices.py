@@ -57,8 +57,10 @@ def test_the_sets_agree_with_the_tables_they_mirror():
     from lathe.rollout.agent.loop import TRUNCATE_SIDES
     from lathe.rollout.agent.parser import PARSERS
     from lathe.dtypes import rollout_dtype
+    from lathe.train.fp8 import RECIPES
 
     assert set(get_args(choices.LossAggMode)) == set(LOSS_AGG_MODES)
+    assert set(get_args(choices.Fp8Recipe)) == set(RECIPES)
     assert set(get_args(choices.KLEstimator)) == set(KL_PENALTIES)
     assert set(get_args(choices.DtypeName)) == set(DTYPES)
     assert set(get_args(choices.TruncateSide)) == set(TRUNCATE_SIDES)

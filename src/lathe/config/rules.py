@@ -17,6 +17,7 @@ from .judge import check_judge
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, reward_devices,
                    sequence_parallel_size, teacher_devices)
 from .profiler import check_profiler
+from .rules_fp8 import check_fp8_training
 from .rules_mtp import check_mtp
 from .rules_routing import check_routing_replay
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
@@ -110,6 +111,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     check_distillation(cfg, problems)
     check_routing_replay(cfg, problems)
     check_mtp(cfg, problems)
+    check_fp8_training(cfg, problems)
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         warnings.warn("actor_rollout_ref.actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: the KL to "
                       "the reference policy is applied twice (as a loss term and as a reward penalty). verl "

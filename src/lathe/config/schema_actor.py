@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .choices import CheckpointPart, DtypeName, FSDPStrategy, KLEstimator, LossAggMode, Strategy
+from .choices import CheckpointPart, DtypeName, Fp8Recipe, FSDPStrategy, KLEstimator, LossAggMode, Strategy
 from .coerce import spec
 
 
@@ -82,6 +82,23 @@ class FSDPConfig:
     strategy: FSDPStrategy | None = spec(None, "Engine strategy override (verl: fsdp|fsdp2).")
     use_torch_compile: bool = spec(True, "verl's engine-worker switch: false runs this model eager. On CUDA, "
                                          "lathe compiles its decoder layers (and the actor's log-prob math).")
+
+
+@dataclass
+class ActorFSDPConfig(FSDPConfig):
+    """The actor's ``fsdp_config``: the shared switches, plus what only the trained policy has."""
+
+    fp8_training: Fp8Recipe | None = spec(
+        None, "lathe (verl's megatron.override_transformer_config.fp8=hybrid with fp8_recipe=tensorwise sets it to "
+              "tensorwise): train the policy's decoder-layer projections in FP8 through torchao's float8 "
+              "(lathe.train.fp8; pip install 'lathe[fp8]'). tensorwise: one dynamic scale per tensor, e4m3 forward "
+              "and e5m2 gradients, the fastest; rowwise: a scale per row, e4m3 throughout, more accurate. The "
+              "embeddings, lm_head, routers, routed experts and layers too small for FP8 to pay (torchao's thresholds) "
+              "stay bf16, and so do the weights, optimizer and checkpoints; the reference, rollout and critic compute in bf16. Needs an NVIDIA GPU of compute "
+              "capability 8.9 or later (Ada, Hopper); not with LoRA or tensor parallelism. With it the rollout's "
+              "log-probs differ more from the trainer's: token-level TIS turns on unless "
+              "algorithm.rollout_correction is configured (rollout.quantization_correction=false: off). null: "
+              "bf16.")
 
 
 @dataclass
@@ -295,7 +312,7 @@ class ActorConfig:
     data_loader_seed: int | None = spec(None, "Seed for mini-batch shuffling; null = trainer.seed.")
     checkpoint: CheckpointConfig = spec(factory=CheckpointConfig, help="Checkpoint contents.")
     optim: OptimConfig = spec(factory=OptimConfig, help="Actor optimizer.")
-    fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="Actor sharding/offload.")
+    fsdp_config: ActorFSDPConfig = spec(factory=ActorFSDPConfig, help="Actor sharding/offload (and FP8 training).")
     profiler: dict[str, Any] = spec({}, "verl profiler settings.")
 
 

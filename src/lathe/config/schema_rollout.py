@@ -190,11 +190,12 @@ class RolloutConfig:
     quantization: str | None = spec(None, "verl: quantized rollout weights. fp8: the decoder layers' projections in "
                                           "FP8 (per-channel weights, per-token activations; lathe.engine.fp8), "
                                           "re-quantised at each weight sync; null: the rollout dtype.")
-    quantization_correction: bool = spec(True, "lathe: with quantization set and no algorithm.rollout_correction "
-                                               "configured, correct the FP8 rollout's log-prob gap by token-level "
-                                               "truncated IS (rollout_is=token, threshold 2; not in fully-async mode "
-                                               "when the rollout's log-probs are PPO's old ones); false: leave it "
-                                               "off.")
+    quantization_correction: bool = spec(True, "lathe: with quantization set (or the actor's fsdp_config."
+                                               "fp8_training) and no algorithm.rollout_correction configured, "
+                                               "correct the log-prob gap between the rollout and the trainer (their "
+                                               "precisions differ) by token-level truncated IS (rollout_is=token, "
+                                               "threshold 2; not in fully-async mode when the rollout's log-probs "
+                                               "are PPO's old ones); false: leave it off.")
     quantization_config_file: str | None = spec(None, "verl: the quantization's settings file.")
     mtp: dict[str, Any] | None = spec(None, "verl: multi-token-prediction settings (enable_rollout: speculative "
                                             "decoding with the MTP heads).")

@@ -86,6 +86,7 @@ def _moe_and_quantization() -> list[Entry]:
            warn("*.router_replay.*", "it is read only with router_replay.mode other than disabled"),
            refuse("*.qat.enable", QAT),
            warn("*.qat.*", "it is read only with qat.enable=true"),
+           *_fp8(),
            refuse("*.megatron.override_transformer_config.*fp8*", FP8, "remove it"),
            *_moe_router(),
            warn("*.megatron.override_transformer_config.moe_*", "a MoE kernel or dispatch setting (grouped GEMM, "
@@ -94,6 +95,37 @@ def _moe_and_quantization() -> list[Entry]:
 
 
 OTC = "*.megatron.override_transformer_config"
+A_OTC = "actor_rollout_ref.actor.megatron.override_transformer_config"
+FP8_KEY = "actor_rollout_ref.actor.fsdp_config.fp8_training"
+
+
+def _fp8() -> list[Entry]:
+    """Megatron's FP8 training keys (Transformer Engine): the actor's fp8=hybrid translates to lathe's torchao path
+    (verl_translate); what that path has no equivalent for is refused with the reason."""
+    return [
+        refuse(f"{A_OTC}.fp8", f"{FP8} with e4m3 gradients (torchao's per-tensor recipe keeps gradients in "
+               "e5m2, as Megatron's hybrid does)", f"set it to hybrid (translated: {FP8_KEY}=tensorwise), or remove "
+               f"it and set {FP8_KEY}=rowwise (e4m3 throughout, a scale per row)",
+               one_of(None, False, "hybrid")),
+        warn("actor_rollout_ref.ref.megatron.override_transformer_config.*fp8*", "the reference runs forward only, "
+             f"in bf16 (lathe trains only the actor's linear layers in FP8: {FP8_KEY})"),
+        refuse(f"{A_OTC}.fp8_recipe", f"{FP8} with Megatron's blockwise / MXFP8 recipes (lathe's is torchao's "
+               "float8, with scales per tensor or per row)", f"set it to tensorwise (or remove it: Megatron's "
+               f"delayed also runs as torchao's per-tensor dynamic scaling), or set {FP8_KEY}=rowwise instead",
+               one_of(None, "tensorwise", "delayed")),
+        inert(f"{A_OTC}.fp8_amax_*", "delayed scaling's amax-history settings; lathe's FP8 training scales each "
+              "tensor by its current amax"),
+        inert(f"{A_OTC}.fp8_margin", "delayed scaling's margin; lathe's FP8 training scales each tensor by its "
+              "current amax"),
+        inert(f"{A_OTC}.fp8_interval", "delayed scaling's update interval; lathe's FP8 training scales each tensor "
+              "by its current amax"),
+        refuse(f"{A_OTC}.fp8_wgrad", f"{FP8} with high-precision weight gradients (Megatron's "
+               "fp8_wgrad=false)", f"remove it, or set {FP8_KEY}=rowwise (the more accurate recipe)",
+               one_of(None, True)),
+        refuse(f"{A_OTC}.fp8_param*", f"{FP8} with FP8 parameters (weights stored and gathered in FP8)", "remove it: lathe "
+               "keeps the weights in bf16/fp32 and casts them at each forward")]
+
+
 AUX_ON = "actor_rollout_ref.model.override_config.output_router_logits"
 
 

@@ -46,6 +46,10 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   pipeline stages, ``engine.{param,optimizer}_offload`` as offload, ``engine.impl_cfg.recompute`` ([full] or
   [selective]) -> ``enable_gradient_checkpointing``;
 * the actor's ``{megatron,veomni}.router_replay.mode`` -> ``actor.router_replay.mode`` (routing replay, R2/R3);
+* the actor's ``megatron.override_transformer_config.fp8=hybrid`` (Transformer Engine's FP8 linear layers, e4m3
+  forward and e5m2 gradients) -> ``actor.fsdp_config.fp8_training=tensorwise`` (torchao's float8 with one dynamic
+  scale per tensor, `lathe.train.fp8`); ``fp8_recipe`` tensorwise and delayed (an amax history instead of the
+  current amax: the same per-tensor scales, estimated) both run so, the other recipes are refused (support_verl);
 * the actor's ``megatron.override_transformer_config.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` ->
   ``actor.moe_aux_loss_coeff`` / ``actor.moe_z_loss_coeff`` (Megatron's router losses, `lathe.models.moe`);
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``;
@@ -91,6 +95,14 @@ def _recompute(value: Any) -> Any:
 
 
 CP_DOC = "ulysses_sequence_parallel_size (split as Ulysses splits it: the same math)"
+FP8_DOC = ("hybrid (the actor's): fsdp_config.fp8_training=tensorwise (torchao's per-tensor dynamic scaling, e4m3 "
+           "forward and e5m2 gradients; Megatron's fp8_recipe tensorwise or delayed)")
+
+
+def _fp8(value: Any) -> Any:
+    """Megatron's `fp8` format: hybrid (e4m3 forward, e5m2 gradients) is torchao's tensorwise recipe; e4m3 gradients
+    are not a lathe recipe (support_verl refuses them)."""
+    return "tensorwise" if value == "hybrid" else None
 
 # (pattern below a role, lathe key: 'fsdp.<k>' / 'model.<k>' / 'optim.<k>' in the role's group or 'role.<k>' in the
 # role itself, value map, doc)
@@ -123,6 +135,7 @@ RULES: tuple[tuple[str, str, Map, str], ...] = (
      _checkpointing({"full", "selective"}, set()), "full/selective: model.enable_gradient_checkpointing=true"),
     ("torchtitan.activation_checkpoint", "model.enable_gradient_checkpointing",
      _checkpointing({"full", "selective"}, {"none"}), "full: gradient checkpointing on; none: off"),
+    ("megatron.override_transformer_config.fp8", "actor.fsdp_config.fp8_training", _fp8, FP8_DOC),
     ("*.dtype", "fsdp.mixed_precision.param_dtype", DTYPES.get, "fsdp_config.mixed_precision.param_dtype"),
     ("veomni.mixed_precision", "fsdp.mixed_precision.param_dtype", lambda v: None if v else "fp32",
      "false: fsdp_config.mixed_precision.param_dtype=fp32"),

@@ -34,6 +34,7 @@ from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.agent import load_run_tools
 from lathe.track import Tracker, phase
+from lathe.train.fp8 import check_device as check_fp8_device
 from lathe.seeding import seed_everything
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 from lathe.workers.critic import CriticWorker
@@ -238,6 +239,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
                       url=sb.url or None)
     plan = run_plan(cfg)
     device = resolve_device(t.device)
+    check_fp8_device(arr.actor.fsdp_config.fp8_training, device)     # torchao and an FP8 GPU, before a model loads
     if uses_ray(plan):                  # a placement this machine's Ray cluster cannot hold fails before anything loads
         from lathe.cluster.placement import check_local_fit
         check_local_fit(cfg, plan, device.type, device_count(device.type) if device.type != "cpu" else 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
 
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.io import load_into
@@ -17,9 +18,14 @@ def frozen_copy(model, dtype: torch.dtype, device: torch.device, *, share: bool 
 
     lathe's decoder is rebuilt from its state dict tensor by tensor (no second full-precision copy on the way),
     or from `state` ((name, tensor) pairs: a LoRA model's merged weights); with `share`, tensors already in `dtype`
-    on `device` are the very same storage (updates show through). A transformers module is deep-copied."""
+    on `device` are the very same storage (updates show through). A transformers module is deep-copied, its linear
+    layers plain `nn.Linear`s (an FP8-trained actor's `Float8Linear`s too: a copy computes in `dtype`)."""
     if not isinstance(model, LatheCausalLM):    # transformers, or a VL model: a copy (its LoRA layers merged)
-        return cast_keeping_rope(merge_and_unload(copy.deepcopy(model)), dtype, device).requires_grad_(False).eval()
+        out = merge_and_unload(copy.deepcopy(model))
+        for m in out.modules():
+            if isinstance(m, nn.Linear) and type(m) is not nn.Linear:
+                m.__class__ = nn.Linear      # the same weight and bias; nn.Linear's forward
+        return cast_keeping_rope(out, dtype, device).requires_grad_(False).eval()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state = {k: _as(v.detach(), dtype if v.is_floating_point() else v.dtype, device, share)
              for k, v in (state if state is not None else model.state_dict().items())

@@ -7,7 +7,9 @@ the schedule and the PPO update. The reference and the rollout take their copies
 weights as loaded, before any sharding.
 
 Precision (`lathe.train.precision`, verl's `fsdp_config.{model_dtype, mixed_precision}`): on CUDA the actor
-computes in bf16 on fp32 master weights kept by its optimizer (`MasterAdamW`); CPU runs train in fp32.
+computes in bf16 on fp32 master weights kept by its optimizer (`MasterAdamW`); CPU runs train in fp32. With
+`fsdp_config.fp8_training` the decoder layers' projections run their products in FP8 (`lathe.train.fp8`), swapped in
+by `start_training`, so the reference and the rollout copy the weights as loaded.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from lathe.models.lora import apply_lora, load_adapter, read_adapter
 from lathe.models.moe import sparse_blocks
 from lathe.rollout.base import ROUTED
 from lathe.rollout.build import architecture, runs_lathe
-from lathe.train import expert_parallel, lora, parallel, tensor_parallel, ulysses
+from lathe.train import expert_parallel, fp8, lora, parallel, tensor_parallel, ulysses
 from lathe.train.actor import PPOActor
 from lathe.train.logprob import batched_token_stats
 from lathe.train.mtp import mtp_training
@@ -50,6 +52,7 @@ class Actor:
         """`arr`: the `actor_rollout_ref` group; `model`: the policy as loaded (lathe's decoder or a transformers
         module, any dtype and device); `with_rollout`: a rollout engine is colocated (fully async: none)."""
         self.arr, self.device = arr, device
+        fp8.check_device(arr.actor.fsdp_config.fp8_training, device)
         self.model = select_impl(model, arr.model.impl, role="actor")
         if is_vl(self.model):
             check_vl(self.model, arr, rollout=with_rollout)
@@ -94,6 +97,8 @@ class Actor:
         ulysses.check_model(self.model, plan.sequence_parallel_size, key, plan.tensor_parallel_size, tp_key)
         self.sp = ulysses.sequence_parallel(plan.sequence_parallel_size, key, plan.tensor_parallel_size)
         expert_parallel.check_model(self.model, mesh.ep if mesh else 1, f"{FSDP_KEY}.expert_parallel_size")
+        # after the reference and the rollout took their copies, before sharding, compiling and the optimizer
+        fp8.convert(self.model, actor.fsdp_config.fp8_training)
         if self.sharded:
             self.tp = tensor_parallel.tensor_parallel(mesh, self.device)
             tensor_parallel.parallelize(self.model, self.tp)

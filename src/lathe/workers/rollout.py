@@ -50,6 +50,12 @@ class Rollout:
                              "Fix: set actor_rollout_ref.rollout.quantization=null.")
         self.eos_ids = eos_token_ids(tokenizer, loaded)
         self.hf_model = None if self.name == "lathe" else loaded    # lathe's engine: the transformers module is dropped
+        fp8 = actor.arr.actor.fsdp_config.fp8_training
+        if fp8 and self.name == "hf" and loaded is actor.model and not actor.sharded:
+            raise ValueError(f"actor_rollout_ref.actor.fsdp_config.fp8_training={fp8}: transformers' generate would "
+                             "share the actor's module and so sample through its FP8 layers. Fix: use lathe's engine "
+                             "(rollout.name=lathe, model.impl=lathe: an architecture lathe's decoder implements), or "
+                             "remove fp8_training.")
         self.engine_model = None
         self.backend = self.agent = None
         self.free_cache_engine = False

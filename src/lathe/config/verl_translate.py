@@ -330,6 +330,31 @@ def lora_experts_notice(cfg: Any) -> str | None:
             "parameters than verl's run).")
 
 
+def wide_expert_parallel(cfg: Any) -> None:
+    """An expert-parallel size E wider than the tensor-parallel size T with no data-parallel size beside it (verl's
+    Qwen3-235B script: EP 64 over TP 8): verl asserts EP = TP x data_parallel_size and stops there, but the intent is
+    plain, the experts spread over E / T engines' ranks (data-parallel attention); lathe reads it as
+    data_parallel_size = E / T, with a notice, when E / T x T ranks divide the rollout devices (else the rules refuse
+    it, naming the sizes)."""
+    import warnings
+    from .plan import rollout_devices, trainer_devices
+    from .support import IgnoredKeysWarning
+    ro = cfg.actor_rollout_ref.rollout
+    tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size
+    devices = rollout_devices(cfg) or trainer_devices(cfg)
+    if (ro.data_parallel_size > 1 or tp < 1 or not ep or ep <= tp or ep % tp or devices % ep
+            or ro.moe_tensor_parallel_size > 1):
+        return
+    ro.data_parallel_size = ep // tp
+    warnings.warn(f"actor_rollout_ref.rollout.expert_parallel_size={ep} with tensor_model_parallel_size={tp} and no "
+                  f"data_parallel_size: verl requires EP = TP x data_parallel_size and stops here; lathe reads it as "
+                  f"data_parallel_size={ep // tp} (data-parallel attention over {ep} ranks), which it runs as "
+                  f"{ep // tp} engine replicas of {tp} rank(s) each: the same samples; a mixture-of-experts model's "
+                  f"experts are placed over each replica's {tp} rank(s), so each rank holds {ep // tp} times the "
+                  "experts it would in verl's engine. Set rollout.data_parallel_size to say so yourself.",
+                  IgnoredKeysWarning, stacklevel=2)
+
+
 def engine_data_parallel(cfg: Any) -> None:
     """verl's rollout.data_parallel_size D > 1 runs as D replicas of tensor_model_parallel_size ranks, and its
     moe_tensor_parallel_size M x expert_parallel_size = TP as whole experts over a replica (support_rollout judges
@@ -337,6 +362,7 @@ def engine_data_parallel(cfg: Any) -> None:
     the keys are judged."""
     ro = cfg.actor_rollout_ref.rollout
     tp, ep, moe_tp = ro.tensor_model_parallel_size, ro.expert_parallel_size, ro.moe_tensor_parallel_size
+    wide_expert_parallel(cfg)
     if (ro.data_parallel_size > 1 and ep == ro.data_parallel_size * tp) or (moe_tp > 1 and ep * moe_tp == tp):
         ro.expert_parallel_size = tp
 

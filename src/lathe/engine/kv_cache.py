@@ -46,6 +46,12 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as uint8 (the same bytes: PyTorch's index_copy_ and indexing have no FP8 kernels), others as
+    they are."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
 def dequantize(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """values (..., head_dim) times their scales (...) in float32, in `dtype`; without scales, values in `dtype`."""
     if scale is None:
@@ -142,7 +148,7 @@ class KVCache:
             if self.quantized:
                 x, scale = quantize(x)
                 scales[layer].view(-1, self.shape[2]).index_copy_(0, slot_mapping, scale)
-            cache[layer].view(flat).index_copy_(0, slot_mapping, x.to(self.dtype))
+            as_bytes(cache[layer]).view(flat).index_copy_(0, slot_mapping, as_bytes(x.to(self.dtype)))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of shared partial blocks)."""
@@ -150,4 +156,5 @@ class KVCache:
             return
         src, dst = to_device(torch.tensor(pairs).T.contiguous(), self.device)
         for cache in self.k + self.v + self.k_scale + self.v_scale:
+            cache = as_bytes(cache)
             cache[dst] = cache[src]

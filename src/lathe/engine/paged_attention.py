@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe import device as accel
-from lathe.engine.kv_cache import dequantize, quantize
+from lathe.engine.kv_cache import as_bytes, dequantize, quantize
 from lathe.models.attention import sink_attention
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """(B, max_blocks) block ids -> (B, max_blocks * block_size, kv_heads, head_dim) contiguous context."""
     b, nb = block_tables.shape
-    g = cache[block_tables]                                   # (B, nb, bs, Hkv, D)
+    g = as_bytes(cache)[block_tables].view(cache.dtype)       # (B, nb, bs, Hkv, D)
     return g.reshape(b, nb * cache.shape[1], *cache.shape[2:])
 
 

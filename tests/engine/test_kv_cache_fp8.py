@@ -272,3 +272,46 @@ def test_fp8_cache_preemption_and_prefix_reuse_stay_right(checkpoints):
     again = cached.generate(PROMPTS, params)
     assert hits[0] >= 8 and hits[2] >= 8, f"prompts 0 and 2 reuse cached blocks: {hits}"
     assert again.token_ids == ref.token_ids and _gap(model, again, PROMPTS) < 0.05
+
+
+def test_hybrid_and_latent_attention_models_take_the_fp8_cache(tmp_path):
+    """Qwen3.5 (gated DeltaNet + full attention): its full-attention layers' K/V in FP8, its linear-attention states
+    in the model's dtype. DeepSeek-V3 (latent attention): the decompressed per-head K and zero-padded V in FP8 (a
+    zero row's scale stays finite). Greedy log-probs within the FP8 bound of the teacher-forced forward."""
+    from models.deepseek_tiny import deepseek_model
+    from models.lathe_tiny import save_hf
+    hybrid, _ = save_hf(tmp_path, "qwen3_5_text")
+    latent = tmp_path / "deepseek"
+    deepseek_model(seed=2).save_pretrained(latent)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    for path in (hybrid, latent):
+        engine = _engine(path, kv_cache_dtype="fp8")
+        assert engine.kv_cache.dtype is FP8
+        if engine.states is not None:
+            assert engine.states.conv.dtype == engine.states.recurrent.dtype == torch.float32
+        out = engine.generate(PROMPTS, params)
+        assert _gap(load_lathe_model(path), out, prompts) < 0.02, path.name
+
+
+def _fp8_generations(model, path: str):
+    """Greedy tokens and log-probs of an FP8-cache engine (a tensor-parallel rank's, or the whole model's)."""
+    engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48,
+                         kv_cache_dtype="fp8")
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX))
+    return out.token_ids, out.logprobs, tuple(engine.kv_cache.k_scale[0].shape)
+
+
+def test_a_tensor_parallel_replica_shards_the_fp8_cache_by_head(tmp_path):
+    """A replica of two ranks: each holds its KV heads' values and scales (half the whole model's), and generates
+    what one process with the FP8 cache generates (log-probs within rounding: the ranks quantise the same K/V up to
+    the all-reduce's summation order)."""
+    from models.lathe_tiny import save_hf
+    from .test_tensor_parallel import build, run_replica
+    path = str(save_hf(tmp_path, "qwen2")[0])
+    tokens, logprobs, shape = _fp8_generations(build(path, None), path)
+    results = run_replica(2, [path], generate=_fp8_generations)
+    for rank, [(got_tokens, got_logprobs, got_shape)] in results.items():
+        assert got_shape == shape[:2] + (shape[2] // 2,), f"rank {rank}: its heads' scales"
+        assert got_tokens == tokens, f"rank {rank}"
+        assert_close_rel(sum(got_logprobs, []), sum(logprobs, []), rel=1e-3, name=f"rank {rank} log-probs")

@@ -20,7 +20,8 @@ from .tree import Assignment, assign, get_path
 
 R = "actor_rollout_ref.rollout"
 BACKENDS = ("vllm", "sglang", "trtllm")
-QUANTIZED = "quantized rollout other than FP8 weights and an FP8 KV cache (torchao schemes, block scales: lathe issue 48)"
+QUANTIZED = ("quantized rollout other than FP8 weights and an FP8 KV cache (torchao schemes, block scales: lathe "
+             "issue 48)")
 KV_CACHE_DTYPES = get_args(KVCacheDtype)
 KV_CACHE = (f"a KV cache dtype other than {', '.join(KV_CACHE_DTYPES)} (lathe's FP8 cache is e4m3 with a scale per "
             "token and KV head; fp8_e5m2 and fp8_inc are not implemented: lathe issue 48)")

@@ -271,7 +271,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ks.stride(0) if scales is not None else 0, ks.stride(1) if scales is not None else 0, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        NEW_KV=new_kv is not None, PDL=pdl, HAS_SINKS=sinks is not None, KV_FP8=scales is not None, num_warps=num_warps, num_stages=num_stages,
+        NEW_KV=new_kv is not None, PDL=pdl, HAS_SINKS=sinks is not None, KV_FP8=scales is not None,
+        num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}))
     return out
 

@@ -39,10 +39,11 @@ def kv_storage_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype) -> to
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., head_dim) -> (e4m3 values (..., head_dim), float32 scales (...)): scale = max|x| / 448 over the
-    last dimension (at least 1e-12 / 448, so that a zero row divides safely), values = x / scale."""
+    """x (..., head_dim) -> (e4m3 values (..., head_dim), float32 scales (...)): scale = max|x| x (1 / 448) over the
+    last dimension (at least 1e-12 / 448, so that a zero row divides safely), values = x / scale. (A product by the
+    reciprocal, as PyTorch divides a CUDA tensor by a scalar anyway: the Triton stores compute the same.)"""
     x = x.float()
-    scale = x.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    scale = x.abs().amax(-1).clamp_min(1e-12) * (1.0 / FP8_MAX)
     return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

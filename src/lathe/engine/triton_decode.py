@@ -108,10 +108,10 @@ if triton is not None:
                 s_at = (slot // PAGE) * stride_sblock + (slot % PAGE) * stride_stok + h
                 ours = (start <= ctx - 1) & (ctx - 1 < end)
                 v_new = v_new.to(tl.float32)
-                k_s = tl.maximum(tl.max(tl.abs(k_new), 0), 1e-12) / 448.0
-                v_s = tl.maximum(tl.max(tl.abs(v_new), 0), 1e-12) / 448.0
-                k_new = tl.clamp(k_new / k_s, -448.0, 448.0)
-                v_new = tl.clamp(v_new / v_s, -448.0, 448.0)
+                k_s = tl.maximum(tl.max(tl.abs(k_new), 0), 1e-12) * (1.0 / 448.0)
+                v_s = tl.maximum(tl.max(tl.abs(v_new), 0), 1e-12) * (1.0 / 448.0)
+                k_new = tl.clamp(tl.div_rn(k_new, k_s), -448.0, 448.0)
+                v_new = tl.clamp(tl.div_rn(v_new, v_s), -448.0, 448.0)
                 tl.store(KS + s_at, k_s, mask=ours)
                 tl.store(VS + s_at, v_s, mask=ours)
             tl.store(K + at, k_new.to(K.dtype.element_ty), mask=new_ok)

@@ -29,14 +29,16 @@ if triton is not None:
     @triton.jit
     def _fp8_row_scales(x1, x2):
         """Per-row (axis 1) scales of a head's values given as two float32 halves (either may be all zeros):
-        max|x| / 448, at least 1e-12 / 448."""
+        max|x| x (1 / 448), at least 1e-12 / 448: a product, as `kv_cache.quantize` computes it (PyTorch divides a
+        CUDA tensor by a scalar as a product by its reciprocal); the values' division rounds as IEEE's (`div_rn`:
+        Triton's `/` is approximate), so the bytes equal the PyTorch path's."""
         amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
-        return tl.maximum(amax, 1e-12) / 448.0
+        return tl.maximum(amax, 1e-12) * (1.0 / 448.0)
 
     @triton.jit
     def _fp8_values(x, scale, dtype: tl.constexpr):
         """x (rows, cols) float32 / its rows' scales (rows,), clamped to e4m3's range, in `dtype`."""
-        return tl.clamp(x / scale[:, None], -448.0, 448.0).to(dtype)
+        return tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0).to(dtype)
 
     @triton.jit
     def _store_fp8_halves(x1, x2, C, S, slot, H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, ok):

@@ -103,9 +103,9 @@ class KVCache:
         return bool(self.k)
 
     @property
-    def address(self) -> tuple[int, tuple[int, ...]] | None:
-        """Where the cache lives and its shape, or None when freed: equal addresses mean kernels captured against
-        the one can run on the other."""
+    def address(self) -> tuple[int, tuple[int, ...], int | None] | None:
+        """Where the cache lives (an FP8 cache's scales too) and its shape, or None when freed: equal addresses mean
+        kernels captured against the one can run on the other."""
         if self.buffer is None:
             return None
         return self.buffer.data_ptr(), self.shape, None if self.scales is None else self.scales.data_ptr()

@@ -72,6 +72,18 @@ def test_kv_cache_dtype_names():
         kv_storage_dtype("fp8_e5m2", torch.bfloat16)
 
 
+def test_fp8_cache_on_a_gpu_without_e4m3_conversions_is_refused(monkeypatch):
+    from lathe.engine import kv_cache
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kv_cache, "nvidia_capability", lambda device: (8, 0))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=fp8: .*compute capability 8.9.*reports \(8, 0\).*"
+                                         r"kv_cache_dtype=auto"):
+        kv_storage_dtype("fp8", torch.bfloat16, cuda)
+    assert kv_storage_dtype("auto", torch.bfloat16, cuda) is torch.bfloat16
+    monkeypatch.setattr(kv_cache, "nvidia_capability", lambda device: (9, 0))
+    assert kv_storage_dtype("fp8", torch.bfloat16, cuda) is FP8
+
+
 def test_bytes_per_block_counts_the_scales_and_holds_about_twice_the_tokens():
     bf16 = KVCache.bytes_per_block(28, 16, 4, 128, torch.bfloat16)
     fp8 = KVCache.bytes_per_block(28, 16, 4, 128, FP8)

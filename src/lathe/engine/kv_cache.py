@@ -21,20 +21,29 @@ from __future__ import annotations
 
 import torch
 
-from lathe.device import to_device
+from lathe.device import nvidia_capability, to_device
 from lathe.engine.triton_store import FP8_MAX, can_store, store_kv
 
 FP8 = torch.float8_e4m3fn
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}    # kv_cache_dtype -> the cache's storage dtype
 
 
-def kv_storage_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's storage dtype for `kv_cache_dtype` (vLLM's name: auto = the model's dtype; fp8 = fp8_e4m3)."""
+def kv_storage_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype,
+                     device: torch.device | None = None) -> torch.dtype:
+    """The cache's storage dtype for `kv_cache_dtype` (vLLM's name: auto = the model's dtype; fp8 = fp8_e4m3). FP8 on
+    CUDA needs an NVIDIA GPU of compute capability 8.9 or later: the Triton kernels' e4m3 type (fp8e4nv) has no
+    conversions below it."""
     name = kv_cache_dtype or "auto"
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={name!r}: lathe's engine stores its KV cache as "
                          f"{', '.join(KV_CACHE_DTYPES)} (fp8 = fp8_e4m3 with a scale per token and KV head; fp8_e5m2 "
                          "is not implemented). Fix: use one of those")
+    if KV_CACHE_DTYPES[name] is not None and device is not None and device.type == "cuda":
+        capability = nvidia_capability(device)
+        if capability is None or capability < (8, 9):
+            raise ValueError(f"kv_cache_dtype={name}: the FP8 KV cache's kernels need an NVIDIA GPU of compute "
+                             f"capability 8.9 or later (Ada, Hopper); this one reports {capability}. Fix: set "
+                             "actor_rollout_ref.rollout.kv_cache_dtype=auto (and no engine_kwargs kv_cache_dtype)")
     return KV_CACHE_DTYPES[name] or model_dtype
 
 

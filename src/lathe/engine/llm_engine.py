@@ -158,7 +158,7 @@ class LatheEngine(StreamingMixin):
             enforce_eager, fuse_projections = mla_settings(model, enforce_eager, fuse_projections, quantization)
         self.model = model.eval()
         # the paged cache's storage: the model's dtype ("auto"), or FP8 with a scale per token and KV head (`kv_cache`)
-        self.kv_dtype = kv_storage_dtype(kv_cache_dtype, model.dtype)
+        self.kv_dtype = kv_storage_dtype(kv_cache_dtype, model.dtype, model.device)
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         self.vl = is_vl(model)        # a vision-language model: prompts may carry images (`multimodal.py`)

@@ -352,3 +352,21 @@ def test_a_tensor_parallel_replica_shards_the_fp8_cache_by_head(tmp_path):
         assert got_shape == shape[:2] + (shape[2] // 2,), f"rank {rank}: its heads' scales"
         assert got_tokens == tokens, f"rank {rank}"
         assert_close_rel(sum(got_logprobs, []), sum(logprobs, []), rel=1e-3, name=f"rank {rank} log-probs")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_engine_rotating_and_storing_in_the_kernels_equals_the_plain_fp8_engine(checkpoints, fp8_interpreter,
+                                                                               monkeypatch, backend):
+    """Decode steps as on CUDA (q and k handed over before RoPE): rope_store_kv then PyTorch attention ("torch"), or
+    one paged_decode launch that rotates, quantises, stores and attends ("triton"), both by the interpreter, into an
+    FP8 cache: the plain FP8 engine's tokens and log-probs (which quantises in PyTorch), greedy and seeded."""
+    from lathe.engine import triton_decode, triton_store
+    from .test_triton_store import _rotating_engine_equals_plain
+    module, name = (triton_store, "rope_store_kv") if backend == "torch" else (triton_decode, "paged_decode")
+    kernel = getattr(module, name)
+
+    def spy(calls):
+        monkeypatch.setattr(module, name, lambda *a, **k: calls.append(k.get("scales", a[-1]) is not None)
+                            or kernel(*a, **k))
+    assert any(_rotating_engine_equals_plain(checkpoints, monkeypatch, "qwen2", spy, decode_backend=backend,
+                                             kv_cache_dtype="fp8"))

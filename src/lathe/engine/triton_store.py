@@ -37,8 +37,9 @@ if triton is not None:
 
     @triton.jit
     def _fp8_values(x, scale, dtype: tl.constexpr):
-        """x (rows, cols) float32 / its rows' scales (rows,), clamped to e4m3's range, in `dtype`."""
-        return tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0).to(dtype)
+        """x (rows, cols) float32 / its rows' scales (rows,), clamped to e4m3's range, in `dtype` (`div_rn` does not
+        broadcast: the scales are broadcast first)."""
+        return tl.clamp(tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -448.0, 448.0).to(dtype)
 
     @triton.jit
     def _store_fp8_halves(x1, x2, C, S, slot, H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, ok):

@@ -370,3 +370,60 @@ def test_engine_rotating_and_storing_in_the_kernels_equals_the_plain_fp8_engine(
                             or kernel(*a, **k))
     assert any(_rotating_engine_equals_plain(checkpoints, monkeypatch, "qwen2", spy, decode_backend=backend,
                                              kv_cache_dtype="fp8"))
+
+
+def test_fp8_kernels_compile_for_hopper():
+    """The FP8 variants of the store, RoPE-store and decode kernels (the step's own token, split merge, sinks) compile
+    for sm_90 without a GPU (Triton's frontend, MLIR passes and ptxas; in a process of its own, as the tests run
+    Triton's interpreter): the interpreter above runs their arithmetic but not Triton's type and shape checks."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton", reason="triton is not installed")
+    pytest.importorskip("triton.backends.nvidia", reason="triton has no CUDA backend here")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([f"{root}/src", f"{root}/tests"])}
+    done = subprocess.run([sys.executable, "-c", "from engine.test_kv_cache_fp8 import compile_fp8_kernels as c; "
+                           "print(c())"], env=env, capture_output=True, text=True, timeout=600)
+    if "SKIP" in done.stdout:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def compile_fp8_kernels() -> str:
+    """Compile the FP8 kernels for sm_90 (`test_fp8_kernels_compile_for_hopper`'s child process); the PTX must convert
+    with cvt.rn.satfinite to e4m3 and divide with div.rn."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from lathe.engine import triton_decode, triton_store
+    target = GPUTarget("cuda", 90, 32)
+
+    def compile_(fn, signature, constexprs):
+        signature = {**signature, **{n: "constexpr" for n in constexprs}}
+        return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
+    fp8, scale = "*fp8e4nv", "*fp32"
+    try:
+        store = compile_(triton_store._store_fp8_kernel,
+                         {"K": "*bf16", "V": "*bf16", "KC": fp8, "VC": fp8, "KS": scale, "VS": scale,
+                          "SLOTS": "*i64", "stride_k": "i32", "stride_v": "i32"},
+                         {"H": 4, "D": 128, "H_PAD": 4, "D_PAD": 128})
+    except (RuntimeError, FileNotFoundError) as e:          # no ptxas in this triton
+        if "ptxas" in str(e):
+            return f"SKIP: triton cannot compile for sm_90 here: {e}"
+        raise
+    assert "cvt.rn.satfinite.e4m3x2.f32" in store.asm["ptx"] and "div.rn.f32" in store.asm["ptx"]
+    compile_(triton_store._rope_store_kernel,
+             {**{n: "*bf16" for n in ("Q", "K", "V", "COS", "SIN", "QO")}, "KC": fp8, "VC": fp8, "KS": scale,
+              "VS": scale, "SLOTS": "*i64",
+              **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                                    "stride_cos")}},
+             {"HQ": 28, "HKV": 4, "HQ_PAD": 32, "HKV_PAD": 4, "HALF": 64, "HALF_PAD": 64, "FP8": True})
+    types = {**{n: "*bf16" for n in ("Q", "OUT", "KN", "VN", "COS", "SIN", "SINKS")}, "K": fp8, "V": fp8,
+             **{n: scale for n in ("KS", "VS", "O", "M", "L")}, **{n: "*i32" for n in ("BT", "LENS", "COUNT")},
+             "SLOTS": "*i64", "scale": "fp32"}
+    constexprs = {"GROUP": 7, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
+                  "NUM_SPLITS": 3, "NEW_KV": True, "PDL": False, "HAS_SINKS": True, "KV_FP8": True}
+    names = [n for n in triton_decode._decode_kernel.arg_names if n not in constexprs]
+    compile_(triton_decode._decode_kernel, {n: types.get(n, "i32") for n in names}, constexprs)
+    return "compiled"

@@ -7,6 +7,8 @@
         --baselines generate                  # Qwen3.5 (transformers' generate_batch refuses linear attention)
     python bench/rollout.py --device cpu --models tiny-qwen3.5 --hf-models tiny-qwen3.5 --loads fixed --prompts 4 \
         --new-tokens 8 --baselines generate --out /tmp/x.json                                        # its smoke test
+    python bench/rollout.py --models 1.5b,7b --hf-models "" --hf-grpo-models "" --kv-cache-dtype auto,fp8
+                              # the FP8 KV cache's A/B: the bf16 cache's rows, then lathe_kv_fp8 beside them
 
 Random-weight shapes of bench/common.py's SHAPES in bf16 (Qwen2.5 by default; any other, e.g. `--models qwen3.5-2b
 --hf-models qwen3.5-2b`, also against the baselines), the same weights in every backend (lathe's model is converted
@@ -255,11 +257,11 @@ def bench_model(name: str, device, args) -> dict:
     if args.overcommit is not None:      # an A/B of the admission rule (1 = reserve for every response in full)
         scheduler.OVERCOMMIT = args.overcommit
 
-    def new_engine(model, quantization=None):
+    def new_engine(model, quantization=None, kv_cache_dtype=args.kv_cache_dtype[0]):
         return LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,
-                           quantization=quantization, **batched_tokens(args))
+                           quantization=quantization, kv_cache_dtype=kv_cache_dtype, **batched_tokens(args))
     if args.compile_mode and device.type == "cuda":   # issue 48's A/B: the layers compiled in another inductor mode
         from lathe.models.compile import compile_decoder
         compile_decoder(lathe, mode=args.compile_mode)   # (the engine's own compile_decoder call is then a no-op)
@@ -268,7 +270,8 @@ def bench_model(name: str, device, args) -> dict:
                         "compile_mode": args.compile_mode if device.type == "cuda" else None,
                         "reserve_new_tokens": not args.no_reserve, "overcommit": scheduler.OVERCOMMIT,
                         "async_scheduling": not args.step_by_step, "kv_blocks": engine.kv_cache.num_blocks,
-                        "block_size": engine.kv_cache.block_size,
+                        "block_size": engine.kv_cache.block_size, "kv_cache_dtype": args.kv_cache_dtype[0],
+                        "kv_cache_gb": engine.kv_cache.nbytes / 2**30,
                         "decode_backend": engine.runner.decode_backend,
                         "decode_backend_probe_ms": engine.runner.backend_times,
                         "moe_backend": engine.runner.moe_backend,
@@ -326,6 +329,25 @@ def bench_model(name: str, device, args) -> dict:
         engine.sleep()
         result["profile_eager_decode"] = engine_profile(lathe, prompts, params, device)
     engine.sleep()
+    for kv_dtype in args.kv_cache_dtype[1:]:    # the same model and loads with another KV cache (issue 48's A/B)
+        del engine
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        engine = new_engine(lathe, kv_cache_dtype=kv_dtype)
+        result[f"engine_kv_{kv_dtype}"] = {"kv_blocks": engine.kv_cache.num_blocks,
+                                           "kv_cache_gb": engine.kv_cache.nbytes / 2**30,
+                                           "decode_backend": engine.runner.decode_backend,
+                                           "decode_backend_probe_ms": engine.runner.backend_times}
+        for load in args.loads:
+            prompts, params, _ = loads[load]
+            row = result["loads"][load]
+            row[f"lathe_kv_{kv_dtype}"] = run_lathe(engine, prompts, params, device)
+            row[f"lathe_kv_{kv_dtype}"].pop("out_lens")
+            row[f"kv_{kv_dtype}_speedup"] = row[f"lathe_kv_{kv_dtype}"]["tok_s"] / row["lathe"]["tok_s"]
+            print(f"{name} {load}: kv_cache_dtype={kv_dtype} {row[f'lathe_kv_{kv_dtype}']['tok_s']:.0f} tok/s, "
+                  f"{row[f'kv_{kv_dtype}_speedup']:.2f}x kv_cache_dtype={args.kv_cache_dtype[0]}", flush=True)
+            if args.partial_out:
+                args.partial_out(result)
+        engine.sleep()
     if "fp8" in args.quantizations:       # the same shape and loads with FP8 projections, after the bf16 rows
         del engine, lathe                 # (a model of its own, random like the first, as `lathe train` builds one)
         torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -400,6 +422,10 @@ def main() -> None:
     ap.add_argument("--quantizations", type=csv, default=["none"],
                     help="none,fp8: after the bf16 rows, the same loads with rollout.quantization=fp8 (lathe_fp8, "
                          "fp8_speedup; its KV cache gets what the FP8 copies leave)")
+    ap.add_argument("--kv-cache-dtype", type=csv, default=["auto"],
+                    help="the engine's KV cache (auto: bf16; fp8: e4m3 with a scale per token and KV head), recorded "
+                         "in the engine block; more than one (auto,fp8): the rows with the first, then the same loads "
+                         "with each other (lathe_kv_fp8, kv_fp8_speedup; engine_kv_fp8: its blocks and GB)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--git-sha", default=None, help="the tree's sha where .git is stale (the device copy)")
     ap.add_argument("--out", default=None)

@@ -128,9 +128,34 @@ def test_engine_kwargs_that_lathe_does_not_have_warn_once_naming_each():
 
 
 def test_engine_kwargs_asking_for_a_missing_feature_are_refused_naming_it():
-    with pytest.raises(ConfigError, match=r"vllm.kv_cache_dtype=fp8 \(quantized rollout .*issue 48\)"):
-        load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.kv_cache_dtype=fp8")
-    load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.kv_cache_dtype=auto")
+    with pytest.raises(ConfigError, match=r"vllm.kv_cache_dtype=fp8_e5m2 \(a KV cache dtype other than auto, fp8, "
+                                          r"fp8_e4m3 .*issue 48\)"):
+        load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.kv_cache_dtype=fp8_e5m2")
+    with pytest.raises(ConfigError, match=r"sglang.kv_cache_dtype=fp8_e5m2 \(a KV cache dtype other than"):
+        load(f"{R}.name=sglang", f"+{R}.engine_kwargs.sglang.kv_cache_dtype=fp8_e5m2")
+    with pytest.raises(ConfigError, match=r"quantization=int8 \(quantized rollout .*issue 48\)"):
+        load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.quantization=int8")
+    assert load(f"{R}.name=vllm", f"+{R}.engine_kwargs.vllm.kv_cache_dtype=auto").actor_rollout_ref.rollout.\
+        kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3"])
+def test_engine_kwargs_fp8_kv_cache_acts(backend, dtype):
+    """verl's `engine_kwargs.<backend>.kv_cache_dtype=fp8` (DeepSeek-V4's scripts) sets lathe's FP8 KV cache."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load(f"{R}.name={backend}", f"+{R}.engine_kwargs.{backend}.kv_cache_dtype={dtype}")
+    assert cfg.actor_rollout_ref.rollout.kv_cache_dtype == dtype
+
+
+def test_kv_cache_dtype_key_refuses_other_dtypes_and_the_transformers_rollout():
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype.*fp8_e5m2.*auto.*fp8.*fp8_e4m3"):
+        load(f"{R}.kv_cache_dtype=fp8_e5m2")
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype=fp8 is lathe's engine's FP8 KV cache, but the rollout "
+                                          r"runs transformers generate"):
+        load(f"{R}.name=hf", f"{R}.kv_cache_dtype=fp8")
+    assert load(f"{R}.kv_cache_dtype=fp8_e4m3").actor_rollout_ref.rollout.kv_cache_dtype == "fp8_e4m3"
 
 
 def test_engine_kwargs_and_the_rollout_key_set_differently_fail():

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from lathe.config import ConfigError, load_config
-from lathe.config.backends import QUANTIZED, SPECULATIVE
+from lathe.config.backends import KV_CACHE, QUANTIZED, SPECULATIVE
 from lathe.config.support import registry
 from lathe.config.support_verl import patterns
 
@@ -33,7 +33,7 @@ _BAD_VALUE = re.compile(r"^(?P<key>[\w.]+?)(\[\d+\])?=\S* is not one of the valu
 def refused_features() -> tuple[str, ...]:
     """The feature names refusals use (the registry's and support_verl's), longest first."""
     texts = {e.text for e in registry().values() if e.kind == "refuse"}
-    texts |= {e.text for e in patterns() if e.kind == "refuse"} | {QUANTIZED, SPECULATIVE}
+    texts |= {e.text for e in patterns() if e.kind == "refuse"} | {KV_CACHE, QUANTIZED, SPECULATIVE}
     return tuple(sorted(texts, key=len, reverse=True))
 
 

@@ -63,6 +63,14 @@ def test_engine_keys_and_engine_kwargs_reach_the_engine(make_model):
     assert engine.max_model_len == engine.runner.max_model_len == 100
 
 
+@pytest.mark.parametrize("override", [f"+{R}.engine_kwargs.vllm.kv_cache_dtype=fp8", f"{R}.kv_cache_dtype=fp8_e4m3"])
+def test_an_fp8_kv_cache_reaches_the_engine(make_model, override):
+    from lathe.engine.kv_cache import FP8
+    engine = _engine(make_model, override)
+    assert engine.kv_cache.dtype is FP8 and engine.kv_cache.scales is not None
+    assert _engine(make_model).kv_cache.dtype is not FP8
+
+
 @pytest.mark.gpu
 def test_enforce_eager_and_capture_sizes_reach_the_engines_graphs(make_model):
     if not torch.cuda.is_available():

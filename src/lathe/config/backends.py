@@ -11,16 +11,20 @@ no effect, in the run's one warning. The other backends' entries are not read (a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, get_args
 
+from .choices import KVCacheDtype
 from .coerce import show
 from .errors import ConfigError, ProblemList
 from .tree import Assignment, assign, get_path
 
 R = "actor_rollout_ref.rollout"
 BACKENDS = ("vllm", "sglang", "trtllm")
-QUANTIZED = ("quantized rollout other than FP8 weights (torchao schemes, block scales, an FP8 KV cache: lathe issue "
-             "48)")
+QUANTIZED = ("quantized rollout other than FP8 weights and an FP8 KV cache (torchao schemes, block scales: lathe "
+             "issue 48)")
+KV_CACHE_DTYPES = get_args(KVCacheDtype)
+KV_CACHE = (f"a KV cache dtype other than {', '.join(KV_CACHE_DTYPES)} (lathe's FP8 cache is e4m3 with a scale per "
+            "token and KV head; fp8_e5m2 and fp8_inc are not implemented: lathe issue 48)")
 SPECULATIVE = "speculative decoding (MTP/EAGLE draft heads, lathe issue 44)"
 
 
@@ -49,7 +53,7 @@ ACTS: dict[str, dict[str, Callable[[Any], dict[str, Any]]]] = {
              "compilation_config.cudagraph_capture_sizes": _to("cudagraph_capture_sizes"),
              "compilation_config.cudagraph_mode": _vllm_cudagraph_mode,
              "mm_processor_cache_gb": lambda v: {},           # lathe keeps no processor cache: any size is fine
-             "kv_cache_dtype": lambda v: {},                  # "auto" only (fp8 is refused below)
+             "kv_cache_dtype": _to("kv_cache_dtype"),          # auto, fp8, fp8_e4m3 (others are refused below)
              "quantization": _to("quantization")},            # fp8 only (others are refused below)
     "sglang": {"mem_fraction_static": _to("gpu_memory_utilization"),
                "max_running_requests": _to("max_num_seqs"),
@@ -58,7 +62,7 @@ ACTS: dict[str, dict[str, Callable[[Any], dict[str, Any]]]] = {
                "disable_radix_cache": _to("enable_prefix_caching", lambda v: not v),
                "disable_cuda_graph": _to("enforce_eager"),
                "cuda_graph_bs": _to("cudagraph_capture_sizes"),
-               "kv_cache_dtype": lambda v: {},
+               "kv_cache_dtype": _to("kv_cache_dtype"),
                "quantization": _to("quantization")},
     "trtllm": {"max_batch_size": _to("max_num_seqs"),
                "max_num_tokens": _to("max_num_batched_tokens"),
@@ -68,7 +72,7 @@ ACTS: dict[str, dict[str, Callable[[Any], dict[str, Any]]]] = {
 
 # entry -> (fine(value), the feature lathe lacks): a value that is not fine is refused
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "kv_cache_dtype": (lambda v: v in (None, "auto"), QUANTIZED),
+    "kv_cache_dtype": (lambda v: v is None or v in KV_CACHE_DTYPES, KV_CACHE),
     "quantization": (lambda v: not v or v == "fp8", QUANTIZED),
     "speculative_config": (lambda v: not v, SPECULATIVE),
     "speculative_algorithm": (lambda v: not v, SPECULATIVE),

@@ -17,6 +17,8 @@ from typing import Literal
 DtypeName = Literal["fp32", "float32", "32", "bf16", "bfloat16", "fp16", "float16", "16"]
 # lathe.dtypes.rollout_dtype: the engine's weights and KV-cache dtype on CUDA (float32 on CPU)
 RolloutDtype = Literal["bfloat16", "float16", "float32"]
+# lathe.engine.kv_cache.KV_CACHE_DTYPES: the engine's KV-cache storage (vLLM's names; auto = the rollout dtype)
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 # verl's training backends; lathe trains every one of them with its FSDP2 trainer (support.py says so once)
 Strategy = Literal["fsdp", "fsdp2", "fsdp_turbo", "megatron", "megatron_lite", "veomni", "torchtitan"]
 # verl's `model_engine` (the Hydra group that picks the backend's config groups); dp = fsdp

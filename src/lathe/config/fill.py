@@ -72,9 +72,9 @@ def _fill_rollout_ref(cfg: LatheConfig) -> None:
     # fully async with the rollout's log-probs as PPO's old ones (no proximal pass) already takes the FP8 policy as
     # the behaviour policy: nothing to correct against, and rules refuse a correction there
     behaviour_is_rollout = is_async(cfg) and at.use_rollout_log_probs and not at.compute_prox_log_prob
-    # an FP8 rollout samples another policy than the bf16 trainer's, and an FP8-trained actor (fsdp_config.
-    # fp8_training) computes its log-probs in another precision than the rollout samples in
-    precisions_differ = bool(rollout.quantization or actor.fsdp_config.fp8_training)
+    # an FP8 rollout (weights, or its KV cache) samples another policy than the bf16 trainer's, and an FP8-trained
+    # actor (fsdp_config.fp8_training) computes its log-probs in another precision than the rollout samples in
+    precisions_differ = bool(rollout.quantization or rollout.kv_cache_dtype != "auto" or actor.fsdp_config.fp8_training)
     if (precisions_differ and rollout.quantization_correction and rc.rollout_is is None and rc.rollout_rs is None
             and not rc.bypass_mode and not behaviour_is_rollout):
         rc.rollout_is = "token"           # (truncated at rollout_is_threshold, 2 by default: verl's token TIS)

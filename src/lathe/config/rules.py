@@ -511,7 +511,12 @@ def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:
                      f"(or auto) to generate with transformers.")
     if ro.quantization not in (None, "fp8"):
         problems.add(f"{r}.quantization={ro.quantization!r}: lathe's engine quantises to fp8 only (other schemes, "
-                     "torchao's, block scales and an FP8 KV cache are lathe issue 48). Fix: set it to fp8 or null.")
+                     "torchao's and block scales are lathe issue 48). Fix: set it to fp8 or null.")
+    if ro.kv_cache_dtype != "auto" and (ro.name == "hf" or impl == "hf"):
+        problems.add(f"{r}.kv_cache_dtype={ro.kv_cache_dtype} is lathe's engine's FP8 KV cache, but the rollout runs "
+                     f"transformers generate ({r}.name={ro.name}, {m}.impl={impl}). Fix: set {r}.kv_cache_dtype=auto "
+                     f"(and no engine_kwargs kv_cache_dtype), or use lathe's engine ({r}.name=lathe and "
+                     f"{m}.impl=auto).")
     if ro.quantization and (ro.name == "hf" or impl == "hf"):
         problems.add(f"{r}.quantization={ro.quantization} quantises lathe's engine, but the rollout runs "
                      f"transformers generate ({r}.name={ro.name}, {m}.impl={impl}). Fix: set {r}.quantization=null, "

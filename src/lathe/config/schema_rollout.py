@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .choices import (LogprobsMode, RolloutDtype, RolloutMode, SanityCheckMode, SchedulingPolicy, ToolCallFormat,
-                      TruncateSide)
+from .choices import (KVCacheDtype, LogprobsMode, RolloutDtype, RolloutMode, SanityCheckMode, SchedulingPolicy,
+                      ToolCallFormat, TruncateSide)
 from .coerce import spec
 from .schema_async import CheckpointEngineConfig
 from .schema_actor import ActorConfig, ModelConfig, RefConfig
@@ -190,9 +190,15 @@ class RolloutConfig:
     quantization: str | None = spec(None, "verl: quantized rollout weights. fp8: the decoder layers' projections in "
                                           "FP8 (per-channel weights, per-token activations; lathe.engine.fp8), "
                                           "re-quantised at each weight sync; null: the rollout dtype.")
-    quantization_correction: bool = spec(True, "lathe: with quantization set (or the actor's fsdp_config."
-                                               "fp8_training) and no algorithm.rollout_correction configured, "
-                                               "correct the log-prob gap between the rollout and the trainer (their "
+    kv_cache_dtype: KVCacheDtype = spec("auto", "lathe (engine_kwargs.vllm/sglang.kv_cache_dtype set it): the "
+                                                "engine's paged KV cache. auto: the rollout dtype; fp8 (= "
+                                                "fp8_e4m3): float8_e4m3fn K/V with a float32 scale per token and "
+                                                "KV head (max|x|/448, set when the token is stored), ~1.9x the "
+                                                "tokens in the same memory, attention in the rollout dtype after "
+                                                "dequantising (lathe.engine.kv_cache).")
+    quantization_correction: bool = spec(True, "lathe: with quantization set (or kv_cache_dtype=fp8, or the "
+                                               "actor's fsdp_config.fp8_training) and no algorithm."
+                                               "rollout_correction configured, correct the log-prob gap between the rollout and the trainer (their "
                                                "precisions differ) by token-level truncated IS (rollout_is=token, "
                                                "threshold 2; not in fully-async mode when the rollout's log-probs "
                                                "are PPO's old ones); false: leave it off.")

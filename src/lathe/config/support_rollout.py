@@ -57,8 +57,10 @@ def _backends() -> list[Entry]:
     out = [replace(warn(f"{R}.engine_kwargs", "verl's engine arguments: those of rollout.name's backend with a "
                          "lathe meaning act (vLLM's max_num_seqs, gpu_memory_utilization, compilation_config."
                          "cudagraph_capture_sizes...; SGLang's mem_fraction_static, chunked_prefill_size...; "
-                         "TensorRT-LLM's max_batch_size, max_num_tokens...), quantized KV cache and speculative "
-                         "decoding are refused, the rest have no effect", no_entries), judge=engine_kwargs_verdict),
+                         "TensorRT-LLM's max_batch_size, max_num_tokens...; vLLM's and SGLang's kv_cache_dtype=fp8 "
+                         "or fp8_e4m3: lathe's FP8 KV cache, rollout.kv_cache_dtype), a KV cache of another dtype "
+                         "(fp8_e5m2...) and speculative decoding are refused, the rest have no effect", no_entries),
+                   judge=engine_kwargs_verdict),
             refuse(f"{R}.logprobs_mode", "returning raw log-probs or logits from the rollout",
                    "remove it: lathe's engine returns processed_logprobs, log_softmax(logits / temperature) of the "
                    "sampled token over the whole vocabulary",

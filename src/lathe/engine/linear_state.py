@@ -6,6 +6,8 @@ its recurrent state (float32). A slot is taken, zeroed, the first time a step ru
 whenever the block manager frees the sequence's blocks (finish, preemption, a weight sync's interruption):
 a preempted sequence is recomputed from its tokens, from a zero state, like its KV. Prefix caching is off for these
 models (a cached prefix has KV but no state to continue from: state snapshots at block boundaries are not built).
+With `kv_cache_dtype="fp8"` only the full-attention layers' K/V are FP8 (`kv_cache`); these states keep their dtypes
+(a recurrent state is updated in place every token: quantising it would compound the rounding).
 
 A step's `LinearStep` rides on the step's attention callable (`attn.linear_states`): the layers read and write the
 states of the step's sequences, one linear layer after the other (gathered by slot with `index_select`, written back

@@ -26,7 +26,7 @@ import torch
 from lathe import device as accel
 from lathe.engine import decode_forms, fp8
 from lathe.engine.block_manager import BlockManager
-from lathe.engine.kv_cache import KVCache
+from lathe.engine.kv_cache import KVCache, kv_storage_dtype
 from lathe.engine.linear_state import LinearStateCache, StateBlockManager, hybrid_settings, kv_layers, state_slots
 from lathe.engine.mla import is_mla, mla_settings
 from lathe.engine.model_runner import ModelRunner
@@ -127,7 +127,10 @@ class LatheEngine(StreamingMixin):
 
     KV memory: `num_kv_blocks` blocks of `block_size` tokens; when not given it is sized from
     `gpu_memory_utilization` of the device's free memory (CUDA) or to hold `max_num_seqs` sequences of
-    `max_model_len` tokens (capped at 64 sequences on CPU).
+    `max_model_len` tokens (capped at 64 sequences on CPU). `kv_cache_dtype` (vLLM's name): "auto" (None) stores K/V in
+    the model's dtype; "fp8" (= "fp8_e4m3") in float8_e4m3fn with a float32 scale per token and KV head (`kv_cache`),
+    ~1.94x the tokens at head_dim 128 in the same memory; attention still runs in the model's dtype. The hybrids'
+    linear-attention states stay in the model's dtype (only their full-attention layers' K/V are FP8).
 
     Admission reserves KV room for the responses still to come (`reserve_new_tokens`, see
     `lathe.engine.scheduler`), so that a large GRPO load queues instead of preempting; `generate`'s output
@@ -145,7 +148,7 @@ class LatheEngine(StreamingMixin):
                  cudagraph_capture_sizes: list[int] | None = None,
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
-                 quantization: str | None = None, record_routing: bool = False):
+                 quantization: str | None = None, record_routing: bool = False, kv_cache_dtype: str | None = None):
         hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
         if hybrid:
             enable_prefix_caching, fuse_projections = hybrid_settings(model, enable_prefix_caching, fuse_projections,
@@ -154,6 +157,8 @@ class LatheEngine(StreamingMixin):
         if is_mla(model):           # DeepSeek-V3 family: no CUDA graphs, fused projections or FP8 (`mla.py`)
             enforce_eager, fuse_projections = mla_settings(model, enforce_eager, fuse_projections, quantization)
         self.model = model.eval()
+        # the paged cache's storage: the model's dtype ("auto"), or FP8 with a scale per token and KV head (`kv_cache`)
+        self.kv_dtype = kv_storage_dtype(kv_cache_dtype, model.dtype, model.device)
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         self.vl = is_vl(model)        # a vision-language model: prompts may carry images (`multimodal.py`)
@@ -180,7 +185,7 @@ class LatheEngine(StreamingMixin):
         if num_kv_blocks is None:
             num_kv_blocks = self._default_num_blocks(block_size, gpu_memory_utilization, max_num_seqs)
         self.kv_cache = KVCache(kv_layers(cfg), num_kv_blocks, block_size, cfg.num_key_value_heads,
-                                cfg.head_dim, dtype=model.dtype, device=model.device)
+                                cfg.head_dim, dtype=self.kv_dtype, device=model.device)
         self.block_manager = (BlockManager(num_kv_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
                               if self.states is None else StateBlockManager(num_kv_blocks, block_size,
                                                                             enable_prefix_caching=False,
@@ -235,7 +240,7 @@ class LatheEngine(StreamingMixin):
     def _default_num_blocks(self, block_size: int, utilization: float, max_num_seqs: int) -> int:
         cfg, device = text_config(self.model), self.model.device
         per_block = KVCache.bytes_per_block(kv_layers(cfg), block_size, cfg.num_key_value_heads,
-                                            cfg.head_dim, self.model.dtype)
+                                            cfg.head_dim, self.kv_dtype)
         # the most blocks the running sequences can ever hold: max_num_seqs sequences of max_model_len tokens
         # (more only keep finished prefixes, which every weight update forgets). Without this cap a small
         # model on a large GPU gets millions of blocks, and the block manager's Python bookkeeping minutes.

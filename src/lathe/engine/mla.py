@@ -7,7 +7,8 @@ Not done: the compressed-latent cache of absorbed MLA (kv_lora_rank + qk_rope_he
 queries absorbed through kv_b_proj), which takes far less memory per token: per layer and token the decompressed
 cache holds 2 * heads * width values, the latent one kv_lora_rank + qk_rope_head_dim (Moonlight: 16 heads of width
 192, 6144 against 576; DeepSeek-V3: 128 heads, 49152 against 576). So the engine's cache suits the family's small
-members; the large ones need the latent cache first.
+members; the large ones need the latent cache first. The FP8 KV cache (`kv_cache_dtype="fp8"`, `kv_cache`) takes the
+decompressed K/V like any other (V's zero padding quantises to zeros with a finite scale).
 
 What the engine leaves off for it (`mla_settings`): CUDA graphs (its decode step has not been checked under a
 capture), fused projections (its projections are not q/k/v), FP8 (its projections are not quantised); tensor-parallel

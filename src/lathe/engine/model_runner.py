@@ -67,7 +67,8 @@ class ModelRunner:
         self.vl = is_vl(model)                      # image prompts: 3D positions, image rows spliced at prefill
         self.decode_backend, self.backend_times = choose_decode_backend(
             decode_backend, self.device, model.dtype, num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, block_size=self.block_size)
+            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, block_size=self.block_size,
+            kv_dtype=kv_cache.dtype)
         self.packed_backend = select_packed_backend("auto", self.device, model.dtype)
         # the MoE layers' experts in decode steps: the fused Triton kernels or `experts_forward`, the faster on a
         # probe (`triton_moe.choose_moe_backend`); prefill steps run `experts_forward` (`prefill`)

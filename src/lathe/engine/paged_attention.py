@@ -8,6 +8,9 @@ GPT-OSS's layers add a learned sink logit per head (`sinks`) and, in its sliding
 sees itself and the window - 1 positions before it); with either, the attention is the explicit softmax of
 `lathe.models.attention.sink_attention` over the same gathered context and mask; the Triton decode kernel has both
 (`triton_decode.paged_decode`).
+
+An FP8 cache (`kv_cache`'s module doc) comes with `scales` = (k_scale, v_scale): the gathered context is dequantised
+into q's dtype (`gathered`) and attended as before.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe import device as accel
+from lathe.engine.kv_cache import as_bytes, dequantize, quantize
 from lathe.models.attention import sink_attention
 
 log = logging.getLogger(__name__)
@@ -26,14 +30,22 @@ log = logging.getLogger(__name__)
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """(B, max_blocks) block ids -> (B, max_blocks * block_size, kv_heads, head_dim) contiguous context."""
     b, nb = block_tables.shape
-    g = cache[block_tables]                                   # (B, nb, bs, Hkv, D)
+    g = as_bytes(cache)[block_tables].view(cache.dtype)       # (B, nb, bs, Hkv, D)
     return g.reshape(b, nb * cache.shape[1], *cache.shape[2:])
+
+
+def gathered(cache: torch.Tensor, scale: torch.Tensor | None, block_tables: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
+    """`gather_kv` in `dtype`: dequantised by the cache's per-token, per-head `scale` when it is FP8."""
+    g = gather_kv(cache, block_tables)
+    return g.to(dtype) if scale is None else dequantize(g, gather_kv(scale, block_tables), dtype)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: list[int], context_lens: list[int], block_tables: list[list[int]],
                       scale: float | None = None, sinks: torch.Tensor | None = None,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
     """Causal attention of ragged new tokens over their whole context.
 
     q: (T, Hq, D), sequences laid end to end by `cu_seqlens_q`; sequence i's new tokens are the last
@@ -44,17 +56,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
         n = end - start
         table = torch.tensor(block_tables[i], device=q.device)[None]
-        k = gather_kv(k_cache, table)[0, :ctx].transpose(0, 1)[None]   # (1, Hkv, ctx, D)
-        v = gather_kv(v_cache, table)[0, :ctx].transpose(0, 1)[None]
+        ks, vs = scales or (None, None)
+        k = gathered(k_cache, ks, table, q.dtype)[0, :ctx].transpose(0, 1)[None]   # (1, Hkv, ctx, D)
+        v = gathered(v_cache, vs, table, q.dtype)[0, :ctx].transpose(0, 1)[None]
         qs = q[start:end].transpose(0, 1)[None]                        # (1, Hq, n, D)
         qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
         mask = torch.arange(ctx, device=q.device)[None, :] <= qpos       # (n, ctx)
         if window is not None:
             mask = mask & (torch.arange(ctx, device=q.device)[None, :] > qpos - window)
         if sinks is not None or window is not None:
-            outs.append(sink_attention(qs, k.to(q.dtype), v.to(q.dtype), mask, sinks, scale)[0].transpose(0, 1))
+            outs.append(sink_attention(qs, k, v, mask, sinks, scale)[0].transpose(0, 1))
             continue
-        out = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+        out = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=qs.shape[1] != k.shape[1])
         outs.append(out[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
@@ -94,7 +107,7 @@ class CachedPrefill:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scale: float | None = None, max_elements: int = 1 << 26, sinks: torch.Tensor | None = None,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q: (T, Hq, D) packed new tokens -> (T, Hq, D). Sequences go through SDPA in slices whose repeated K (and
         V) stay under `max_elements` each; with `sinks` or a `window` (module doc), the explicit softmax."""
         mask = self._mask(window)
@@ -107,8 +120,9 @@ class CachedPrefill:
         for lo in range(0, self.batch, step):
             hi = min(self.batch, lo + step)
             tables = self.tables[lo:hi]
-            k = gather_kv(k_cache, tables)[:, :self.max_ctx].transpose(1, 2).to(q.dtype)   # (b, Hkv, ctx, D)
-            v = gather_kv(v_cache, tables)[:, :self.max_ctx].transpose(1, 2).to(q.dtype)
+            ks, vs = scales or (None, None)
+            k = gathered(k_cache, ks, tables, q.dtype)[:, :self.max_ctx].transpose(1, 2)   # (b, Hkv, ctx, D)
+            v = gathered(v_cache, vs, tables, q.dtype)[:, :self.max_ctx].transpose(1, 2)
             if k.shape[1] != hq:            # repeat the KV heads: SDPA's fast masked kernels have no GQA
                 k = k.repeat_interleave(hq // k.shape[1], dim=1)
                 v = v.repeat_interleave(hq // v.shape[1], dim=1)
@@ -122,19 +136,21 @@ class CachedPrefill:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      scale: float | None = None, sinks: torch.Tensor | None = None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
     """One new token per sequence: q (B, Hq, D); block_tables (B, max_blocks) padded with any valid id;
-    context_lens (B,) tokens of each sequence, the new one included. Returns (B, Hq, D). `sinks`, `window`: module
-    doc."""
-    k = gather_kv(k_cache, block_tables).transpose(1, 2)              # (B, Hkv, L, D)
-    v = gather_kv(v_cache, block_tables).transpose(1, 2)
+    context_lens (B,) tokens of each sequence, the new one included. Returns (B, Hq, D). `sinks`, `window`,
+    `scales`: module doc."""
+    ks, vs = scales or (None, None)
+    k = gathered(k_cache, ks, block_tables, q.dtype).transpose(1, 2)              # (B, Hkv, L, D)
+    v = gathered(v_cache, vs, block_tables, q.dtype).transpose(1, 2)
     L = k.shape[2]
     mask = (torch.arange(L, device=q.device)[None, :] < context_lens[:, None])[:, None, None, :]  # (B,1,1,L)
     if window is not None:
         mask = mask & (torch.arange(L, device=q.device)[None, :] >= context_lens[:, None] - window)[:, None, None, :]
     if sinks is not None or window is not None:
-        return sink_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), mask, sinks, scale)[:, :, 0, :]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+        return sink_attention(q[:, :, None, :], k, v, mask, sinks, scale)[:, :, 0, :]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[:, :, 0, :]
 
@@ -147,34 +163,37 @@ _logged_failures: set[tuple[str, str]] = set()     # (candidate, error) pairs al
 def decode_with(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, num_splits: int = 1,
                 counters: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention by a resolved backend name ("triton" or "torch"); same contract as `decode_attention`.
     `counters`: the Triton kernel's zeroed merge counters (`paged_decode`), shared by a step's layers. `sinks`,
-    `window`: module doc."""
+    `window`, `scales`: module doc."""
     if backend == "triton":
         from lathe.engine.triton_decode import paged_decode
         return paged_decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits,
-                            counters=counters, sinks=sinks, window=window)
-    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, sinks=sinks, window=window)
+                            counters=counters, sinks=sinks, window=window, scales=scales)
+    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, sinks=sinks, window=window,
+                            scales=scales)
 
 
-def _time_backend(backend: str, args: tuple, repeats: int = 5) -> float:
-    decode_with(backend, *args)                      # compile / warm up
+def _time_backend(backend: str, args: tuple, scales=None, repeats: int = 5) -> float:
+    decode_with(backend, *args, scales=scales)                      # compile / warm up
     device = args[0].device
     accel.synchronize(device)
     start, end = accel.new_event(device, timing=True), accel.new_event(device, timing=True)
     start.record()
     for _ in range(repeats):
-        decode_with(backend, *args)
+        decode_with(backend, *args, scales=scales)
     end.record()
     accel.synchronize(device)
     return start.elapsed_time(end) / repeats
 
 
 def choose_decode_backend(requested: str, device: torch.device, dtype: torch.dtype, *, num_heads: int,
-                          num_kv_heads: int, head_dim: int, block_size: int) -> tuple[str, dict[str, float]]:
-    """Resolve "auto" by measuring: on CUDA, time each available kernel on a batch-64, 1024-token probe and
-    keep the fastest; elsewhere the PyTorch reference. Returns (backend, {backend: ms per call}).
+                          num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype | None = None
+                          ) -> tuple[str, dict[str, float]]:
+    """Resolve "auto" by measuring: on CUDA, time each available kernel on a batch-64, 1024-token probe (over a cache
+    of `kv_dtype`, by default `dtype`; FP8 with its scales) and keep the fastest; elsewhere the PyTorch reference.
+    Returns (backend, {backend: ms per call}).
 
     A candidate that raises while it is timed is not chosen; its error is logged (once per process for the same
     error), and the choice is logged with every candidate tried. When none runs, the error lists each with its
@@ -194,10 +213,14 @@ def choose_decode_backend(requested: str, device: torch.device, dtype: torch.dty
     g = torch.Generator(device=device).manual_seed(0)
     kc = torch.randn(blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype, generator=g)
     vc = torch.randn_like(kc)
+    scales = None
+    if kv_dtype is not None and kv_dtype != dtype:          # an FP8 cache (`kv_cache`'s module doc)
+        (kc, ks), (vc, vs) = quantize(kc), quantize(vc)
+        scales = (ks, vs)
     tables = torch.arange(blocks, device=device, dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
     q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype, generator=g)
-    return pick_fastest(DECODE_CANDIDATES, lambda name: _time_backend(name, (q, kc, vc, tables, lens)),
+    return pick_fastest(DECODE_CANDIDATES, lambda name: _time_backend(name, (q, kc, vc, tables, lens), scales),
                         f"decode attention on {device} ({dtype}, {num_heads}/{num_kv_heads} heads of {head_dim})")
 
 

@@ -6,6 +6,10 @@ None: computed from the positions).
 
 Both take a layer's `sinks` and sliding `window` (GPT-OSS, `lathe.models.attention`): the new K/V are stored as
 always, and the attention over the cache applies them (`paged_attention`, `triton_decode`).
+
+An FP8 cache's scales (`KVCache.layer_scales`) go with its K/V to every store and read. A prefill's fresh sequences
+attend over their own K/V as the projections gave them (`fresh`, no cache read), as before; the quantised copies
+serve the later steps.
 """
 
 from __future__ import annotations
@@ -63,21 +67,24 @@ class DecodeAttention:
                  window: int | None = None) -> torch.Tensor:
         layer = self.layer
         self.layer += 1
+        scales = self.kv_cache.layer_scales(layer)
         in_launch = cos is not None and triton_store.can_rope_store(q, k, v, cos, sin)
         if in_launch and self.backend == "triton":
             from lathe.engine.triton_decode import paged_decode      # RoPE, store and attention in one launch
             return paged_decode(q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
                                 self.context_lens, num_splits=self.num_splits, counters=self.counters,
-                                new_kv=(k, v, cos, sin, self.slot_mapping), pdl=self.pdl, sinks=sinks, window=window)
+                                new_kv=(k, v, cos, sin, self.slot_mapping), pdl=self.pdl, sinks=sinks, window=window,
+                                scales=scales)
         if in_launch:
             q = triton_store.rope_store_kv(q, k, v, cos, sin, self.kv_cache.k[layer], self.kv_cache.v[layer],
-                                           self.slot_mapping)
+                                           self.slot_mapping, scales)
         else:
             if cos is not None:
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             self.kv_cache.store_unchecked(layer, k, v, self.slot_mapping)
         return decode_with(self.backend, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
-                           self.context_lens, self.num_splits, self.counters, sinks=sinks, window=window)
+                           self.context_lens, self.num_splits, self.counters, sinks=sinks, window=window,
+                           scales=scales)
 
 
 @dataclass
@@ -110,17 +117,18 @@ class PrefillAttention:
         else:       # picked by rows known on the host: a boolean mask would make the host wait for the device
             self.kv_cache.store_unchecked(layer, k.index_select(0, self.store_rows),
                                           v.index_select(0, self.store_rows), self.slot_mapping)
-        kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        kc, vc, scales = self.kv_cache.k[layer], self.kv_cache.v[layer], self.kv_cache.layer_scales(layer)
         a = self.num_fresh_tokens
         b = a + (0 if self.single is None else self.single[1].shape[0])
         outs = []
         if self.fresh is not None:
             outs.append(self.fresh(q[:a], k[:a], v[:a], sinks=sinks, window=window))
         if self.single is not None:
-            outs.append(decode_with(self.decode_backend, q[a:b], kc, vc, *self.single, sinks=sinks, window=window))
+            outs.append(decode_with(self.decode_backend, q[a:b], kc, vc, *self.single, sinks=sinks, window=window,
+                                    scales=scales))
         cu, ctx, tables = self.rest
         if ctx:
             if self._cached is None:                # built once, used by every layer
                 self._cached = CachedPrefill(cu, ctx, tables, q.device)
-            outs.append(self._cached(q[b:], kc, vc, sinks=sinks, window=window))
+            outs.append(self._cached(q[b:], kc, vc, sinks=sinks, window=window, scales=scales))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -12,6 +12,11 @@ GPT-OSS's layers: a sliding `window` starts each sequence's walk at its first po
 share what is left), and `sinks` (a logit per query head) join the softmax's denominator once, where the output is
 normalised (the last split's merge when there are several).
 
+An FP8 cache (`kv_cache`'s module doc; `scales` = its per-token, per-head float32 scales): each tile's K and V load
+as e4m3, convert exactly to q's dtype, and their scales multiply the tile's scores (K) and probabilities (V) in
+float32 before the products: q . (s_k k) = s_k (q . k) and sum p s_v v = sum (p s_v) v. The step's own token (`new_kv`)
+is quantised as `triton_store` quantises it.
+
 `paged_decode` is the public entry; `lathe.engine.paged_attention.decode_attention` is the PyTorch
 reference it must match (tests run this kernel in Triton's interpreter on CPU).
 """
@@ -43,13 +48,13 @@ def interpreted() -> bool:
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt", "stride_kn", "stride_vn", "stride_cos"])   # vary: one compile
-    def _decode_kernel(Q, K, V, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS, SINKS, window,
+    def _decode_kernel(Q, K, V, KS, VS, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS, SINKS, window,
                        stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms, stride_outb, stride_outh,
-                       stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos,
+                       stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos, stride_sblock, stride_stok,
                        scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       NEW_KV: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr):
+                       NEW_KV: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -96,11 +101,21 @@ if triton is not None:
             k_row = KN + b * stride_kn + h * stride_knh
             k_new = tl.load(k_row + d, mask=new_ok, other=0.0).to(tl.float32)
             k_rot = tl.load(k_row + d_rot, mask=new_ok, other=0.0).to(tl.float32)
-            k_new = (k_new * cos + sign * k_rot * sin).to(K.dtype.element_ty)
-            v_new = tl.load(VN + b * stride_vn + h * stride_vnh + d, mask=new_ok, other=0.0).to(V.dtype.element_ty)
+            k_new = k_new * cos + sign * k_rot * sin
+            v_new = tl.load(VN + b * stride_vn + h * stride_vnh + d, mask=new_ok, other=0.0)
             at = (slot // PAGE) * stride_kblock + (slot % PAGE) * stride_ktok + h * stride_kh + d
-            tl.store(K + at, k_new, mask=new_ok)
-            tl.store(V + at, v_new, mask=new_ok)
+            if KV_FP8:      # max|x| / 448 over the head's row (masked lanes load 0), as `triton_store` quantises
+                s_at = (slot // PAGE) * stride_sblock + (slot % PAGE) * stride_stok + h
+                ours = (start <= ctx - 1) & (ctx - 1 < end)
+                v_new = v_new.to(tl.float32)
+                k_new_s = tl.maximum(tl.max(tl.abs(k_new), 0), 1e-12) * (1.0 / 448.0)
+                v_new_s = tl.maximum(tl.max(tl.abs(v_new), 0), 1e-12) * (1.0 / 448.0)
+                k_new = tl.clamp(tl.div_rn(k_new, tl.broadcast_to(k_new_s, k_new.shape)), -448.0, 448.0)
+                v_new = tl.clamp(tl.div_rn(v_new, tl.broadcast_to(v_new_s, v_new.shape)), -448.0, 448.0)
+                tl.store(KS + s_at, k_new_s, mask=ours)
+                tl.store(VS + s_at, v_new_s, mask=ours)
+            tl.store(K + at, k_new.to(K.dtype.element_ty), mask=new_ok)
+            tl.store(V + at, v_new.to(V.dtype.element_ty), mask=new_ok)
             tl.debug_barrier()
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -114,7 +129,12 @@ if triton is not None:
             kv_off = tok[:, None] + h * stride_kh + d[None, :]
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            if KV_FP8:      # e4m3 -> q's dtype is exact; the scales multiply the scores (module doc)
+                s_off = block.to(tl.int64) * stride_sblock + (n % PAGE) * stride_stok + h
+                k_s = tl.load(KS + s_off, mask=n_ok, other=0.0)
+                scores = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty))).to(tl.float32) * (k_s * scale)[None, :]
+            else:
+                scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             scores = tl.where(n_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -122,7 +142,12 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            if KV_FP8:
+                v_s = tl.load(VS + s_off, mask=n_ok, other=0.0)
+                pv = tl.dot((p * v_s[None, :]).to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
             m_i = m_new
 
         if HAS_SINKS:
@@ -176,7 +201,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  context_lens: torch.Tensor, scale: float | None = None, num_splits: int = 1,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                  counters: torch.Tensor | None = None, new_kv: tuple | None = None, pdl: bool = False,
-                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, window: int | None = None,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D), any strides with the last dimension contiguous (a
     head-major cache passes as a permuted view); k and v strided alike; block_tables (B, max_blocks) int32/int64;
     context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference.
@@ -194,7 +220,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     new_kv's cos/sin/slots (the decode step: the q/k/v projection writes q, k and v only).
 
     `sinks` (Hq,): a logit per query head in each softmax's denominator; `window`: the sliding window (a query sees
-    itself and the window - 1 positions before it); both as `decode_attention` takes them (GPT-OSS)."""
+    itself and the window - 1 positions before it); both as `decode_attention` takes them (GPT-OSS).
+
+    `scales` = (k_scale, v_scale), each (num_blocks, block_size, Hkv) float32 with the caches' leading strides in
+    elements of their own: an FP8 cache's (module doc)."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
     B, hq, dim = q.shape
@@ -229,16 +258,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         count = counters if counters is not None else torch.zeros(B * hkv, dtype=torch.int32, device=q.device)
         if count.numel() < B * hkv or count.dtype != torch.int32:
             raise ValueError(f"paged_decode: counters must be int32 with at least {B * hkv} elements")
+    ks, vs = scales if scales is not None else (k_cache, v_cache)        # unused without FP8
+    if scales is not None and (ks.stride() != vs.stride() or ks.stride(2) != 1):
+        raise ValueError("paged_decode: k/v scales need the same strides and a contiguous head dimension")
     if sinks is not None and (sinks.shape != (hq,) or sinks.stride(0) != 1):
         raise ValueError(f"paged_decode: sinks must be ({hq},) and contiguous, got {tuple(sinks.shape)}")
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o, m, l, out, count, kn, vn, cos, sin, slots,
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, o, m, l, out, count, kn, vn, cos, sin, slots,
         q if sinks is None else sinks, window or (1 << 30),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), *nb, scale,
+        o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), *nb,
+        ks.stride(0) if scales is not None else 0, ks.stride(1) if scales is not None else 0, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        NEW_KV=new_kv is not None, PDL=pdl, HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
+        NEW_KV=new_kv is not None, PDL=pdl, HAS_SINKS=sinks is not None, KV_FP8=scales is not None,
+        num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}))
     return out
 

@@ -376,14 +376,15 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
     tp = replica if not run.is_async else 1         # (the async pool's replicas hold no trainer state)
     kv_seq = 0
     if lathe_engine and not run.is_async:       # lathe's engine: its KV cache, in the rollout dtype, for one sequence of the longest length
-        from lathe.engine.kv_cache import KVCache
+        from lathe.engine.kv_cache import KVCache, kv_storage_dtype     # (FP8 with its scales: rollout.kv_cache_dtype)
         from lathe.dtypes import rollout_dtype
         c = getattr(model.config, "text", model.config)          # a VL model: its language model's config
         length = cfg.data.max_prompt_length + cfg.data.max_response_length
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         from lathe.engine.linear_state import kv_layers            # (a hybrid model: its full-attention layers)
         kv_seq = KVCache.bytes_per_block(kv_layers(c), length, max(1, c.num_key_value_heads // tp), head_dim,
-                                         rollout_dtype(arr.rollout.dtype, torch.device(device)))
+                                         kv_storage_dtype(arr.rollout.kv_cache_dtype,
+                                                          rollout_dtype(arr.rollout.dtype, torch.device(device))))
     seqs = math.ceil(run.actor.sequences_per_step / (run.world // tp))     # what one engine replica generates
     lora = None
     if arr.model.lora_rank > 0:                  # (adapter parameters, parameters of the layers they adapt)

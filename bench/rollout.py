@@ -352,19 +352,24 @@ def bench_model(name: str, device, args) -> dict:
         del engine, lathe                 # (a model of its own, random like the first, as `lathe train` builds one)
         torch.cuda.empty_cache() if device.type == "cuda" else None
         lathe = lathe_from_transformers(build_hf(name, device, torch.bfloat16)).eval()
-        engine = new_engine(lathe, "fp8")
-        result["engine_fp8"] = {"kv_blocks": engine.kv_cache.num_blocks}
-        for load in args.loads:
-            prompts, params, _ = loads[load]
-            row = result["loads"][load]
-            row["lathe_fp8"] = run_lathe(engine, prompts, params, device)
-            row["lathe_fp8"].pop("out_lens")
-            row["fp8_speedup"] = row["lathe_fp8"]["tok_s"] / row["lathe"]["tok_s"]
-            print(f"{name} {load}: fp8 {row['lathe_fp8']['tok_s']:.0f} tok/s, {row['fp8_speedup']:.2f}x bf16",
-                  flush=True)
-            if args.partial_out:
-                args.partial_out(result)
-        engine.sleep()
+        for i, kv_dtype in enumerate(args.kv_cache_dtype):   # FP8 projections, then with each other KV cache too
+            suffix = "" if i == 0 else f"_kv_{kv_dtype}"
+            if i:
+                del engine
+                torch.cuda.empty_cache() if device.type == "cuda" else None
+            engine = new_engine(lathe, "fp8", kv_cache_dtype=kv_dtype)
+            result[f"engine_fp8{suffix}"] = {"kv_blocks": engine.kv_cache.num_blocks}
+            for load in args.loads:
+                prompts, params, _ = loads[load]
+                row = result["loads"][load]
+                row[f"lathe_fp8{suffix}"] = run_lathe(engine, prompts, params, device)
+                row[f"lathe_fp8{suffix}"].pop("out_lens")
+                row[f"fp8{suffix}_speedup"] = row[f"lathe_fp8{suffix}"]["tok_s"] / row["lathe"]["tok_s"]
+                print(f"{name} {load}: fp8{suffix} {row[f'lathe_fp8{suffix}']['tok_s']:.0f} tok/s, "
+                      f"{row[f'fp8{suffix}_speedup']:.2f}x bf16", flush=True)
+                if args.partial_out:
+                    args.partial_out(result)
+            engine.sleep()
     del engine, lathe, hf
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return result

@@ -269,3 +269,36 @@ def test_first_drafts_are_the_mtp_layers_prediction(mimo, setting):
         mtp = mtp_stream(model, hidden, ids, pos, cu, PackedAttention(cu, n, model.packed_backend()))[0]
         assert int(model.lm_head(mtp[n - 2]).argmax()) == first
     assert len(seen) > 20
+
+
+# ---- tensor-parallel replicas --------------------------------------------------------------------------------------
+
+
+def _replica_model(path, tp, device):
+    from lathe.engine.tensor_parallel import shard_copy
+    model = load_lathe_model(path, torch.float32, device=device)
+    return model if tp is None else shard_copy(model, torch.float32, device, tp, keep_mtp=True)
+
+
+def _replica_generations(model, path):
+    """Greedy and sampled speculative generations, and greedy again after new weights (the MTP layers' changed too:
+    their drafts, and so the steps, change with them)."""
+    engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48,
+                         num_speculative_tokens=2)
+    out = [engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=10)).token_ids,
+           engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=10, seed=3)).token_ids]
+    whole = load_lathe_model(path, torch.float32)
+    engine.update_weights((n, t * 1.1 if t.dim() == 2 else t + 0.05) for n, t in whole.state_dict().items())
+    out.append(engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=10)).token_ids)
+    return out
+
+
+def test_a_tensor_parallel_replica_drafts_and_verifies_as_one_process(mimo):
+    """Two gloo ranks, the MTP layer whole on each (`shard_copy(keep_mtp=True)`), weights updated by whole HF names:
+    the tokens one process generates."""
+    from engine.test_tensor_parallel import run_replica
+    path = str(mimo[0])
+    want = _replica_generations(_replica_model(path, None, torch.device("cpu")), path)
+    results = run_replica(2, [path], make=_replica_model, generate=_replica_generations)
+    for rank, (got,) in results.items():
+        assert got == want, f"rank {rank}"

@@ -21,7 +21,8 @@ R = "actor_rollout_ref.rollout"
 BACKENDS = ("vllm", "sglang", "trtllm")
 QUANTIZED = ("quantized rollout other than FP8 weights (torchao schemes, block scales, an FP8 KV cache: lathe issue "
              "48)")
-SPECULATIVE = "speculative decoding (MTP/EAGLE draft heads, lathe issue 44)"
+SPECULATIVE = ("speculative decoding configured through the engine's own keys (separate draft models, EAGLE3, "
+               "n-gram; lathe drafts with the checkpoint's MTP layers: actor_rollout_ref.model.mtp.enable_rollout)")
 
 
 def _to(key: str, convert: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], dict[str, Any]]:

@@ -249,7 +249,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         per_block = KVCache.bytes_per_block(kv_layers(cfg), block_size, cfg.num_key_value_heads,
                                             cfg.head_dim, self.model.dtype)
         if self.num_speculative_tokens:        # the draft layer's cache (`mtp_draft.py`)
-            per_block += MtpDrafter.bytes_per_block(cfg, block_size, self.model.dtype)
+            per_block += MtpDrafter.bytes_per_block(self.model, block_size)
         # the most blocks the running sequences can ever hold: max_num_seqs sequences of max_model_len tokens
         # (more only keep finished prefixes, which every weight update forgets). Without this cap a small
         # model on a large GPU gets millions of blocks, and the block manager's Python bookkeeping minutes.

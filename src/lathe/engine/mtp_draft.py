@@ -24,7 +24,6 @@ import torch
 
 from lathe.device import to_device
 from lathe.engine.kv_cache import KVCache
-from lathe.engine.multimodal import text_config
 from lathe.engine.paged_attention import CachedPrefill
 from lathe.engine.sequence import Sequence
 
@@ -62,13 +61,14 @@ class MtpDrafter:
 
     def __init__(self, model, num_blocks: int, block_size: int):
         self.model, self.layer = model, model.model.mtp_layers[0]
-        cfg = text_config(model)
-        self.cache = KVCache(1, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                             dtype=model.dtype, device=model.device)
+        attn = self.layer.self_attn         # (a tensor-parallel replica's MTP layer is whole: all the heads)
+        self.cache = KVCache(1, num_blocks, block_size, attn.n_kv, attn.head_dim, dtype=model.dtype,
+                             device=model.device)
 
     @staticmethod
-    def bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-        return KVCache.bytes_per_block(1, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    def bytes_per_block(model, block_size: int) -> int:
+        attn = model.model.mtp_layers[0].self_attn
+        return KVCache.bytes_per_block(1, block_size, attn.n_kv, attn.head_dim, model.dtype)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], starts: list[int], hidden: torch.Tensor, tokens: list[list[int]]

@@ -53,8 +53,7 @@ def refuse_speculative(engine, k: int, *, vl: bool, hybrid: bool, mla: bool, qua
                          "checkpoint with MTP layers.")
     unsupported = [(vl, "a vision-language model"), (hybrid, "linear-attention layers"), (mla, "latent attention"),
                    (quantization is not None, f"actor_rollout_ref.rollout.quantization={quantization}"),
-                   (record_routing, "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"),
-                   (engine.tp.size > 1, f"actor_rollout_ref.rollout.tensor_model_parallel_size={engine.tp.size}")]
+                   (record_routing, "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"{KEY}.enable_rollout=true with {what}: speculative decoding beside it is not "

@@ -302,3 +302,19 @@ def test_a_tensor_parallel_replica_drafts_and_verifies_as_one_process(mimo):
     results = run_replica(2, [path], make=_replica_model, generate=_replica_generations)
     for rank, (got,) in results.items():
         assert got == want, f"rank {rank}"
+
+
+def test_acceptance_metrics_merge_per_response():
+    """Two replicas' (or rounds', requests') metrics: totals summed, per-response means weighted by responses."""
+    from lathe.cluster.roles import merge_rollout_metrics
+    from lathe.engine.speculative import SAMPLES
+    a = {"rollout/spec_accept_rate": 0.5, "rollout/spec_accept_length": 2.0, "rollout/spec_verify_steps": 10.0,
+         "rollout/spec_draft_tokens": 30.0, "rollout/spec_accepted_tokens": 15.0, SAMPLES: 2.0,
+         "rollout/num_preemptions": 1}
+    b = {"rollout/spec_accept_rate": 0.2, "rollout/spec_accept_length": 1.4, "rollout/spec_verify_steps": 5.0,
+         "rollout/spec_draft_tokens": 15.0, "rollout/spec_accepted_tokens": 3.0, SAMPLES: 6.0,
+         "rollout/num_preemptions": 2}
+    out = merge_rollout_metrics([a, b])
+    assert out["rollout/spec_accept_rate"] == pytest.approx((0.5 * 2 + 0.2 * 6) / 8)
+    assert out["rollout/spec_accept_length"] == pytest.approx((2.0 * 2 + 1.4 * 6) / 8)
+    assert out["rollout/spec_verify_steps"] == 15 and out[SAMPLES] == 8 and out["rollout/num_preemptions"] == 3

@@ -127,4 +127,23 @@ def spec_metrics(seqs: list[Sequence]) -> dict[str, float]:
             "rollout/spec_accept_length": sum(1 + a / v if v else 0.0 for a, v in zip(accepted, verifies)) / n,
             "rollout/spec_verify_steps": float(sum(verifies)),
             "rollout/spec_draft_tokens": float(sum(drafts)),
-            "rollout/spec_accepted_tokens": float(sum(accepted))}
+            "rollout/spec_accepted_tokens": float(sum(accepted)),
+            SAMPLES: float(n)}
+
+
+SAMPLES = "rollout/spec_samples"        # the responses the per-response means are over (for merging)
+SPEC_TOTALS = ("rollout/spec_verify_steps", "rollout/spec_draft_tokens", "rollout/spec_accepted_tokens", SAMPLES)
+SPEC_MEANS = ("rollout/spec_accept_rate", "rollout/spec_accept_length")
+
+
+def merge_spec_metrics(into: dict[str, float], more: dict[str, float]) -> None:
+    """Fold `more`'s speculative-decoding metrics into `into` (another rollout of the same step: a replica, a
+    generation round, a request): totals summed, the per-response means weighted by their responses. Other keys are
+    left to the caller."""
+    if SAMPLES not in more:
+        return
+    old, new = into.get(SAMPLES, 0.0), more[SAMPLES]
+    for key in SPEC_MEANS:
+        into[key] = (into.get(key, 0.0) * old + more[key] * new) / max(old + new, 1.0)
+    for key in SPEC_TOTALS:
+        into[key] = into.get(key, 0.0) + more[key]

@@ -39,7 +39,7 @@ def test_enable_rollout_without_enable_warns_and_does_nothing():
     ((f"{R}.name=vllm", f"{M}.method=eagle"), "method='eagle' (rollout.name=vllm)"),
     ((f"{R}.name=hf",), "name=hf (transformers generate)"),
     ((f"{R}.quantization=fp8",), "quantization=fp8"),
-    ((f"actor_rollout_ref.model.lora_rank=8",), "lora_rank=8"),
+    (("actor_rollout_ref.model.lora_rank=8",), "lora_rank=8"),
 ])
 def test_unsupported_variants_are_refused_naming_the_value(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

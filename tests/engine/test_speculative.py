@@ -318,3 +318,31 @@ def test_acceptance_metrics_merge_per_response():
     assert out["rollout/spec_accept_rate"] == pytest.approx((0.5 * 2 + 0.2 * 6) / 8)
     assert out["rollout/spec_accept_length"] == pytest.approx((2.0 * 2 + 1.4 * 6) / 8)
     assert out["rollout/spec_verify_steps"] == 15 and out[SAMPLES] == 8 and out["rollout/num_preemptions"] == 3
+
+
+@pytest.mark.gpu
+def test_on_cuda_greedy_equals_the_plain_engine_with_graphs_and_a_sleep(mimo):
+    """CUDA, fp32: the speculative engine (compiled main layers, fused projections, eager steps, the fused sampler at
+    prefill) gives the greedy tokens of the plain engine with its decode graphs and overlapped scheduling; again after
+    a sleep and wake-up (both caches freed and taken back); sampled log-probs stay the target's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path, hf = mimo
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)
+    plain = LatheEngine.from_pretrained(path, eos_token_id=None, device="cuda", block_size=4, num_kv_blocks=64)
+    want = plain.generate(PROMPTS, params)
+    engine = LatheEngine.from_pretrained(path, eos_token_id=None, device="cuda", block_size=4, num_kv_blocks=64,
+                                         num_speculative_tokens=3)
+    assert engine.generate(PROMPTS, params).token_ids == want.token_ids
+    engine.sleep()
+    engine.wake_up()
+    assert engine.generate(PROMPTS, params).token_ids == want.token_ids
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.9, top_p=0.9, max_tokens=9, seed=1))
+    got, ref = [], []
+    with torch.no_grad():
+        for i, (ids, lps) in enumerate(zip(out.token_ids, out.logprobs)):
+            prompt = PROMPTS[i // 2]
+            logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].double() / 0.9
+            ref.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0])
+            got.append(torch.tensor(lps, dtype=torch.float64))
+    assert_close_rel(torch.cat(got), torch.cat(ref), 1e-4, "log-probs")

@@ -150,6 +150,27 @@ def test_stop_ids_and_max_tokens_cut_accepted_drafts_exactly(mimo):
     assert "stop" in base.finish_reasons and "length" in base.finish_reasons
 
 
+def test_stop_strings_cut_accepted_drafts_exactly(tmp_path):
+    """Stop strings (decoded text) inside a perfect draft's accepted runs: the plain engine's output, token for
+    token."""
+    from lathe.data.builtin import builtin_tokenizer
+    from models.mimo_tiny import save_mimo
+    tok = builtin_tokenizer()
+    path, _ = save_mimo(tmp_path / "m", vocab_size=len(tok), tokenizer=tok)
+    model = _perfect_draft(path)
+    plain = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, tokenizer=tok)
+    spec = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, tokenizer=tok,
+                       num_speculative_tokens=3)
+    free = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+    texts = [tok.decode(ids, skip_special_tokens=True) for ids in free.token_ids]
+    stops = [t[5:7] for t in texts if len(t) > 8][:2]
+    assert stops, "precondition: some output text"
+    params = SamplingParams(temperature=0, max_tokens=16, stop=stops)
+    want, got = plain.generate(PROMPTS, params), spec.generate(PROMPTS, params)
+    assert got.token_ids == want.token_ids and got.finish_reasons == want.finish_reasons
+    assert "stop" in want.finish_reasons
+
+
 def test_perfect_draft_takes_fewer_target_forwards_than_tokens(mimo):
     path, _ = mimo
     model = _perfect_draft(path)

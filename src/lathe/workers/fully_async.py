@@ -366,13 +366,14 @@ class AsyncTrainerWorker:
                    for name, shape, dtype in shapes if not is_adapter(name))
 
     def join_sync_group(self, host: str, port: int | list[int], rank: int, world_size: int, timeout_s: float,
-                        expert_parallel_size: int = 1) -> None:
-        """Rank 0 joins the sync's group, or with T ports the T groups of a resharding sync (`join_as_sender`)."""
+                        expert_parallel_size: int = 1, keep_mtp: bool = False) -> None:
+        """Rank 0 joins the sync's group, or with T ports the T groups of a resharding sync (`join_as_sender`;
+        `keep_mtp`: the replicas hold the MTP layers whole)."""
         if parallel.rank() == 0:              # the trainer's rank 0 sends; its other ranks only help gather
             self.syncs, self.layouts = join_as_sender(self.worker.actor.model, host, port, rank, world_size,
                                                       device=self.worker.device, timeout_s=timeout_s,
                                                       expert_parallel_size=expert_parallel_size,
-                                                      keep_mtp=speculative_tokens(self.worker.actor.arr) > 0)
+                                                      keep_mtp=keep_mtp)
 
     def position_metas(self, metas: list[TensorMeta]) -> list[list[TensorMeta]] | None:
         """(Rank 0, after joining.) The metas of each position's slices of a resharding sync; None without one."""

@@ -45,6 +45,10 @@ READ_IN_CONFIG = {
     "distillation.teacher_key": "distill.py: check_distillation() (rows route by data_source, the column lathe keeps)",
     "actor_rollout_ref.rollout.checkpoint_engine.backend": "rules.py: must agree with the placement, which picks the "
                                                            "sync (nccl: a rollout pool; naive: colocated)",
+    **{f"actor_rollout_ref.model.mtp.{k}": "rules_mtp.py: speculative_tokens(), the engine's num_speculative_tokens "
+       "(workers/rollout.py, workers/fully_async.py), and check_mtp's rules on the other keys"
+       for k in ("enable_rollout", "method", "num_speculative_tokens", "speculative_algorithm",
+                 "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_num_steps")},
 }
 
 # Keys the registry says act only in some set-ups (``when``) whose effect is decided inside config/.

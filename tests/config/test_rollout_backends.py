@@ -181,7 +181,6 @@ def test_checkpoint_engine_bucket_size_is_the_same_setting():
     ("expert_parallel_size=8", "issue 43"), ("data_parallel_size=2", "issue 43"),
     ("moe_tensor_parallel_size=2", "issue 43"),
     ("quantization=int8", "issue 48"), ("qat={enable: true}", "issue 48"),
-    ("mtp={enable: true, enable_rollout: true}", "issue 44"),
     ("disaggregation.enabled=true", "prefill-decode disaggregation"),
     ("logprobs_mode=raw_logits", "raw log-probs or logits"),
     ("nnodes=1", "top-level rollout.nnodes"),

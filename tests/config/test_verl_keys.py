@@ -175,7 +175,6 @@ def test_verl_defaults_leave_lathe_keys_alone():
 @pytest.mark.parametrize("override, feature", [
     (f"{A}.megatron.expert_tensor_parallel_size=2", "expert tensor parallelism (lathe issue 43"),
     (f"{A}.torchtitan.data_parallel_replicate_size=2", "torchtitan's replica count"),
-    (f"{M}.mtp.enable_rollout=true", "speculative decoding (MTP/EAGLE draft heads"),
     ("critic.model.mtp.enable=true", "multi-token prediction (MTP; lathe issue 44"),
     ("actor_rollout_ref.ref.router_replay.mode=R3", "MoE routing replay (R2/R3, lathe issue 44"),
     (f"{A}.fsdp_config.qat.enable=true", "quantization-aware training (QAT; lathe issue 48"),

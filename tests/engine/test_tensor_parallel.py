@@ -153,3 +153,8 @@ def test_a_mimo_replica_leaves_the_mtp_layers_out(tmp_path):
     assert not hasattr(replica.model, "mtp_layers")
     assert not any(n.startswith("model.mtp_layers.") for n, _ in replica.tensor_parallel.local_items(
         model.state_dict().items()))
+    kept = shard_copy(model, torch.float32, torch.device("cpu"), tp, keep_mtp=True)     # speculative decoding
+    whole = {n: t for n, t in model.state_dict().items() if n.startswith("model.mtp_layers.")}
+    assert {n: t for n, t in kept.state_dict().items() if n.startswith("model.mtp_layers.")}.keys() == whole.keys()
+    assert all(torch.equal(kept.state_dict()[n], t) for n, t in whole.items())
+    assert dict(kept.tensor_parallel.local_items(whole.items())).keys() == whole.keys()

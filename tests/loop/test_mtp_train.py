@@ -50,3 +50,28 @@ def test_with_mtp_off_the_mtp_layers_are_saved_untouched(tmp_path):
     mtp = [k for k in start if k.startswith("model.mtp_layers.")]
     assert mtp and all(torch.equal(saved[k], start[k]) for k in mtp)
     assert not torch.equal(saved["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_grpo_steps_decode_speculatively_with_the_trained_mtp_layers(tmp_path):
+    """`mtp.enable_rollout=true`: the rollout drafts with the MTP layer (verl's acceptance metrics logged at every
+    step) and, after the update, the engine's MTP layer holds the trained weights (the sync carries them)."""
+    from lathe.data.builtin import builtin_tokenizer
+    tok = builtin_tokenizer()
+    path, _ = save_mimo(tmp_path / "model", vocab_size=len(tok), tokenizer=tok)
+    trainer = run(tmp_path, f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.model.warm_start.steps=0",
+                  "actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true",
+                  "actor_rollout_ref.model.mtp.enable_rollout=true", "actor_rollout_ref.rollout.name=sglang",
+                  "actor_rollout_ref.model.mtp.speculative_num_steps=2",
+                  "actor_rollout_ref.model.mtp.speculative_num_draft_tokens=3",
+                  "actor_rollout_ref.model.use_remove_padding=true",
+                  "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false")
+    metrics = read_metrics(tmp_path / "run")
+    for step in (1, 2):
+        assert 0 <= metrics[step]["rollout/spec_accept_rate"] <= 1
+        assert metrics[step]["rollout/spec_draft_tokens"] > 0
+    engine = trainer.worker.rollout.backend
+    assert engine.num_speculative_tokens == 2
+    actor = dict(trainer.worker.model.state_dict())
+    for name, t in engine.model.state_dict().items():
+        if name.startswith("model.mtp_layers."):
+            assert torch.equal(t.float(), actor[name].float()), name

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lathe.config import LatheConfig, RunPlan
+from lathe.config.rules_mtp import speculative_tokens
 
 log = logging.getLogger("lathe")
 REWARD_POOL = "reward_model"           # the reward model's own pool and group (its keys' prefix too)
@@ -335,7 +336,8 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
         while len(ports) < tp:              # one group per tensor-parallel position (`lathe.workers.reshard`)
             ports.add(trainer.free_port())
         _join_sync_group(trainer, rollout, trainer.nodes[0]["ip"], sorted(ports), timeout,
-                         expert_parallel_size=arr.rollout.expert_parallel_size)
+                         expert_parallel_size=arr.rollout.expert_parallel_size,
+                         keep_mtp=speculative_tokens(arr) > 0)
         position_metas = trainer.call(ACTOR, "position_metas", metas)[0] if tp > 1 else None
         log.info("fully async: %d trainer rank(s), %d rollout replica(s); weight sync of %.2f GB in %s%s",
                  trainer.world_size, replicas.world, sum(m.nbytes for m in metas) / 1e9,
@@ -357,15 +359,17 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
 
 
 def _join_sync_group(trainer, rollout, host: str, port: int | list[int], timeout_s: float,
-                     expert_parallel_size: int = 1) -> None:
+                     expert_parallel_size: int = 1, keep_mtp: bool = False) -> None:
     """The trainer's rank 0 and every rollout rank join the weight sync: one group of all (one port), or with
     tensor-parallel replicas of T ranks (T ports) T groups, group p of the rank 0 and the ranks at position p of
-    every replica (rank 1 + i: replica i)."""
+    every replica (rank 1 + i: replica i). `keep_mtp`: the replicas hold the MTP layers whole (speculative
+    decoding), so the resharding sync sends them whole."""
     ports = port if isinstance(port, list) else [port]
     tp = len(ports)
     world = 1 + rollout.world_size // tp
     a = trainer.submit_each("actor_rollout_ref", "join_sync_group",
-                            [((host, port, 0, world, timeout_s, expert_parallel_size), {})] * trainer.world_size)
+                            [((host, port, 0, world, timeout_s, expert_parallel_size), {"keep_mtp": keep_mtp})]
+                            * trainer.world_size)
     b = rollout.submit_each("rollout", "join_sync_group", [((host, ports[r % tp], 1 + r // tp, world, timeout_s), {})
                                                            for r in range(rollout.world_size)])
     trainer.gather(a, "join_sync_group")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from lathe.batch import Batch
+from lathe.engine.speculative import SPEC_MEANS, SPEC_TOTALS, merge_spec_metrics
 from lathe.cluster.dispatch import (contiguous_shares, even_shares, for_groups, in_order, one_per_group,
                                     select_share, update_shares)
 from lathe.generation import SamplingParams
@@ -176,9 +177,14 @@ def update_over_groups(group, role: str, method: str, batch: Batch, sp: int, min
 
 
 def merge_rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """The ranks' engine metrics as one step's: counts summed, seconds the slowest rank's, sizes rank 0's."""
+    """The replicas' engine metrics as one step's: counts summed, seconds the slowest replica's, sizes the first's,
+    speculative decoding's acceptance merged (`merge_spec_metrics`)."""
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for p in parts for k in p):
+        if key in SPEC_TOTALS or key in SPEC_MEANS:
+            continue
         values = [p[key] for p in parts if key in p]
         out[key] = sum(values) if key in SUMMED else max(values) if key.startswith("timing_s/") else values[0]
+    for p in parts:                 # speculative decoding's acceptance (`lathe.engine.speculative`)
+        merge_spec_metrics(out, p)
     return out

@@ -25,7 +25,8 @@ QUANTIZED = ("quantized rollout other than FP8 weights and an FP8 KV cache (torc
 KV_CACHE_DTYPES = get_args(KVCacheDtype)
 KV_CACHE = (f"a KV cache dtype other than {', '.join(KV_CACHE_DTYPES)} (lathe's FP8 cache is e4m3 with a scale per "
             "token and KV head; fp8_e5m2 and fp8_inc are not implemented: lathe issue 48)")
-SPECULATIVE = "speculative decoding (MTP/EAGLE draft heads, lathe issue 44)"
+SPECULATIVE = ("speculative decoding configured through the engine's own keys (separate draft models, EAGLE3, "
+               "n-gram; lathe drafts with the checkpoint's MTP layers: actor_rollout_ref.model.mtp.enable_rollout)")
 
 
 def _to(key: str, convert: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], dict[str, Any]]:

@@ -170,18 +170,28 @@ class MtpConfig:
     enable_train: bool = spec(False, "verl: train the MTP layers beside the RL loss: their next-next-token "
                                      "cross-entropy over the response tokens, times mtp_loss_scaling_factor "
                                      "(lathe.train.mtp; logged as actor/mtp_losses/mtp_<k>_loss).")
-    enable_rollout: bool = spec(False, "verl: speculative decoding with the MTP layers in the rollout (not in "
-                                       "lathe's engine).")
+    enable_rollout: bool = spec(False, "verl: speculative decoding in the rollout (with enable): the first MTP layer "
+                                       "drafts a chain of tokens, one forward of the policy verifies them, and exact "
+                                       "speculative sampling keeps the output distribution and log-probs the "
+                                       "policy's (lathe.engine.spec_step; rollout/spec_accept_rate and "
+                                       "rollout/spec_accept_length report the drafts' acceptance). Drafts per step: "
+                                       "num_speculative_tokens with rollout.name=vllm, else speculative_num_steps.")
     detach_encoder: bool = spec(False, "verl: the MTP loss trains the MTP layers only (no gradient into the main "
                                        "model's hidden states or the token embeddings).")
     mtp_loss_scaling_factor: float = spec(0.1, "verl: the MTP loss's weight (divided over the MTP layers).")
-    speculative_algorithm: str = spec("EAGLE", "verl (SGLang): the speculative-decoding algorithm of "
-                                               "enable_rollout.")
-    speculative_num_steps: int = spec(3, "verl (SGLang): draft steps of enable_rollout.")
-    speculative_eagle_topk: int = spec(1, "verl (SGLang): draft branching of enable_rollout.")
-    speculative_num_draft_tokens: int = spec(4, "verl (SGLang): draft tokens of enable_rollout.")
-    method: str = spec("mtp", "verl (vLLM): the speculative method of enable_rollout.")
-    num_speculative_tokens: int = spec(1, "verl (vLLM): draft tokens of enable_rollout.")
+    speculative_algorithm: str = spec("EAGLE", "verl (SGLang): the speculative-decoding algorithm of enable_rollout, "
+                                               "read unless rollout.name=vllm: EAGLE or NEXTN (drafting with the MTP "
+                                               "layers); others are refused.")
+    speculative_num_steps: int = spec(3, "verl (SGLang): draft tokens per verify step of enable_rollout, read unless "
+                                         "rollout.name=vllm.")
+    speculative_eagle_topk: int = spec(1, "verl (SGLang): draft candidates per step of enable_rollout; lathe verifies "
+                                          "one chain: 1 (tree drafts are refused).")
+    speculative_num_draft_tokens: int = spec(4, "verl (SGLang): tokens a verify step scores (the last token and the "
+                                                "drafts): speculative_num_steps + 1 with topk 1.")
+    method: str = spec("mtp", "verl (vLLM): the speculative method of enable_rollout, read with rollout.name=vllm: "
+                              "mtp (others are refused).")
+    num_speculative_tokens: int = spec(1, "verl (vLLM): draft tokens per verify step of enable_rollout, read with "
+                                          "rollout.name=vllm.")
 
 
 @dataclass

@@ -21,7 +21,6 @@ from .coerce import show
 from .schema import LatheConfig
 from .plan import is_async
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
-from .backends import SPECULATIVE
 from .support_rollout import ROLLOUT_FEATURES
 from .support_verl import (BACKEND, ULYSSES_RM, backend_judge, judge_verl_keys, markdown_lines,
                            megatron_role, optimizer_overrides_judge)
@@ -292,13 +291,7 @@ def _models() -> list[Entry]:
             for m in (M, f"{C}.model")]
     out += [warn(f"{g}.{k}", "lathe's decoder always computes entropy chunk by chunk and recomputes it in backward")
             for g in (A, REF) for k in ("entropy_from_logits_with_chunking", "entropy_checkpointing")]
-    mtp = f"{M}.mtp"
-    out += [refuse(f"{mtp}.enable_rollout", SPECULATIVE, "set it to false (lathe's engine decodes without draft "
-                   "heads; mtp.enable_train trains the MTP layers all the same)")]
-    out += [warn(f"{mtp}.{k}", "it is read only with mtp.enable_rollout=true (speculative decoding: not in lathe)")
-            for k in ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
-                      "speculative_num_draft_tokens", "method", "num_speculative_tokens")]
-    return out
+    return out     # (model.mtp.enable_rollout and its speculative keys act: config/rules_mtp.py checks them)
 
 
 PF_PPO = "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .backends import QUANTIZED, SPECULATIVE, engine_kwargs_verdict
+from .backends import QUANTIZED, engine_kwargs_verdict
 from .coerce import show
 from .plan import is_async, rollout_devices, trainer_devices
 from .support_base import Entry, at_most, no_entries, only_on, refuse, same_as, warn
@@ -153,8 +153,9 @@ def _lacking() -> list[Entry]:
                      "remove it; router_replay.mode replays within each step") for k in ("record_file", "replay_file")],
             warn(f"{R}.moe_load_balance_metrics_interval", f"lathe does not report the rollout's MoE load-balance "
                  f"metrics yet ({ROUTING})"),
-            refuse(f"{R}.mtp", SPECULATIVE, "remove mtp.enable_rollout (lathe decodes without draft heads)",
-                   lambda v, cfg: not v or not v.get("enable_rollout")),
+            warn(f"{R}.mtp", "lathe's engine reads actor_rollout_ref.model.mtp (verl copies it here); set "
+                 "model.mtp.enable=true and model.mtp.enable_rollout=true for speculative decoding",
+                 lambda v, cfg: not v or not v.get("enable_rollout") or cfg.actor_rollout_ref.model.mtp.enable_rollout),
             refuse(f"{R}.disaggregation.enabled", "prefill-decode disaggregation (prefill and decode on separate "
                    "engine replicas)")]
     out += [warn(f"{R}.disaggregation.{k}", "it is read only with disaggregation.enabled=true (not implemented)")

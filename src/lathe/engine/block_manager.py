@@ -47,6 +47,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.share_partial = share_partial and enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
+        # cached tokens a prefix hit recomputes all the same (their KV is not written again): 1 for speculative
+        # decoding, whose draft layer needs the main model's hidden state at the last cached position (`mtp_draft`)
+        self.hit_overlap = 0
         self.reset()
 
     # ---- bookkeeping -------------------------------------------------------------------------------
@@ -143,7 +146,7 @@ class BlockManager:
             prefix = key
             seq.block_table.append(block.block_id)
         seq.num_kv_cached = cached
-        seq.num_cached_tokens = min(cached, len(seq) - 1)
+        seq.num_cached_tokens = min(max(0, cached - self.hit_overlap), len(seq) - 1)
         if seq.num_deallocations == 0:          # its first allocation: how much of its prompt the cache held
             seq.num_prefix_hit_tokens = seq.num_cached_tokens
         seq.tail_private = False
@@ -195,6 +198,25 @@ class BlockManager:
             self.register_full(seq, len(table) - 1)
         seq.tail_private = True     # until the next token starts a block, nothing here needs doing again
         return copies
+
+    def _blocks_short(self, seq: Sequence, extra: int) -> int:
+        return max(0, -(-(len(seq.token_ids) + extra) // self.block_size) - len(seq.block_table))
+
+    def can_append_slots(self, seq: Sequence, extra: int) -> bool:
+        """Whether slots for `seq`'s last token and `extra` tokens after it can be provided (speculative decoding's
+        verify step: the drafts' slots)."""
+        return self.num_free_blocks >= self._blocks_short(seq, extra)
+
+    def append_slots(self, seq: Sequence, extra: int) -> None:
+        """Give `seq` the blocks for its last token and `extra` after it. Speculative decoding only: partial blocks
+        are never shared there (`share_partial=False`) and a keyed full block is never written again (its tokens'
+        KV is computed), so the slots written are always in private blocks, and nothing is copied or unkeyed."""
+        for _ in range(self._blocks_short(seq, extra)):
+            seq.block_table.append(self._take_free().block_id)
+        last = (len(seq.token_ids) - 1) // self.block_size
+        if self.blocks[seq.block_table[last]].ref_count > 1:
+            raise RuntimeError(f"sequence {seq.seq_id}: the block of its next token is shared; this is a bug "
+                               "(speculative decoding runs without shared partial blocks)")
 
     def register_full(self, seq: Sequence, i: int) -> None:
         """Key `seq`'s full block `i` so later prompts can reuse it (when the blocks before it are keyed)."""

@@ -35,7 +35,10 @@ from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensur
 from lathe.engine.routing import RoutingRecorder
 from lathe.engine.sampler import fused_settings, sample_on_device
 from lathe.engine.scheduler import Scheduler
+from lathe.engine.mtp_draft import MtpDrafter
 from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceStatus
+from lathe.engine.spec_step import SpeculativeMixin, refuse_speculative
+from lathe.engine.speculative import spec_metrics
 from lathe.engine.stream import StreamingMixin
 from lathe.engine.tensor_parallel import TensorParallel, layout_of
 from lathe.generation import RolloutOutput, SamplingParams
@@ -114,7 +117,7 @@ def _recording(items: Iterable[tuple[str, torch.Tensor]], names: set[str]):
         yield name, tensor
 
 
-class LatheEngine(StreamingMixin):
+class LatheEngine(StreamingMixin, SpeculativeMixin):
     """Continuous-batching generation with a `LatheCausalLM` (fp32/bf16, CPU or CUDA).
 
     On CUDA, by default: the model's layers are compiled (`compile_model`, torch.compile per layer), decode
@@ -138,6 +141,10 @@ class LatheEngine(StreamingMixin):
     force preemption).
 
     Scheduling overlaps the device (`async_scheduling`, on by default on CUDA): see `step`.
+
+    `num_speculative_tokens=k > 0`: speculative decoding with the model's first MTP layer drafting k tokens per decode
+    step, verified in one forward with exact acceptance (`lathe.engine.spec_step`); its steps run eagerly, without
+    the overlap. A model without MTP layers is refused.
     """
 
     def __init__(self, model, *, eos_token_id: int | list[int] | None, block_size: int = 16,
@@ -148,7 +155,8 @@ class LatheEngine(StreamingMixin):
                  cudagraph_capture_sizes: list[int] | None = None,
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
-                 quantization: str | None = None, record_routing: bool = False, kv_cache_dtype: str | None = None):
+                 quantization: str | None = None, record_routing: bool = False, kv_cache_dtype: str | None = None,
+                 num_speculative_tokens: int = 0):
         hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
         if hybrid:
             enable_prefix_caching, fuse_projections = hybrid_settings(model, enable_prefix_caching, fuse_projections,
@@ -162,6 +170,11 @@ class LatheEngine(StreamingMixin):
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         self.vl = is_vl(model)        # a vision-language model: prompts may carry images (`multimodal.py`)
+        if num_speculative_tokens:
+            refuse_speculative(self, num_speculative_tokens, vl=self.vl, hybrid=hybrid, mla=is_mla(model),
+                               quantization=quantization, record_routing=record_routing,
+                               kv_cache_dtype=kv_cache_dtype)
+        self.num_speculative_tokens = num_speculative_tokens
         if self._should_fuse(fuse_projections):
             decode_forms.fuse_projections(model)
         self.quantization = self._quantize(quantization)
@@ -203,6 +216,7 @@ class LatheEngine(StreamingMixin):
             self.routing = model.routing_recorder = RoutingRecorder(model, self.kv_cache)
             self.scheduler.on_release = self._take_routing
         self._init_streaming()
+        self._init_speculative(num_speculative_tokens)
 
     def _quantize(self, scheme: str | None) -> str | None:
         """FP8 copies of the decoder layers' projections (`lathe.engine.fp8`), for `quantization="fp8"`."""
@@ -241,6 +255,8 @@ class LatheEngine(StreamingMixin):
         cfg, device = text_config(self.model), self.model.device
         per_block = KVCache.bytes_per_block(kv_layers(cfg), block_size, cfg.num_key_value_heads,
                                             cfg.head_dim, self.kv_dtype)
+        if self.num_speculative_tokens:        # the draft layer's cache (`mtp_draft.py`)
+            per_block += MtpDrafter.bytes_per_block(self.model, block_size)
         # the most blocks the running sequences can ever hold: max_num_seqs sequences of max_model_len tokens
         # (more only keep finished prefixes, which every weight update forgets). Without this cap a small
         # model on a large GPU gets millions of blocks, and the block manager's Python bookkeeping minutes.
@@ -301,7 +317,8 @@ class LatheEngine(StreamingMixin):
                                       "rollout/kv_cache_gb": self.kv_cache.nbytes / 2**30,
                                       "rollout/graph_captures": (graphs.captures if graphs else 0) - captured[0],
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
-                                      - captured[1]})
+                                      - captured[1],
+                                      **(spec_metrics(seqs) if self.drafter is not None else {})})
 
     def _take_routing(self, seq: Sequence) -> None:
         seq.routed_experts = self.routing.take(seq)
@@ -406,6 +423,8 @@ class LatheEngine(StreamingMixin):
             return 0
         if not self.kv_cache.allocated:
             raise RuntimeError("LatheEngine.step: the engine is asleep (KV cache freed); call wake_up() first")
+        if self.drafter is not None:
+            return self._speculative_step()
         seqs, is_prefill, copies = self.scheduler.schedule()
         self.kv_cache.copy_blocks(copies)
         if self.routing is not None:
@@ -504,6 +523,8 @@ class LatheEngine(StreamingMixin):
         self.block_manager.reset()
         self._kv_address = self._addresses()
         self.kv_cache.free()
+        if self.drafter is not None:
+            self.drafter.cache.free()
         if self.states is not None:             # a hybrid model's linear-attention states go too
             self.states.free_memory()
         device = self.model.device
@@ -572,6 +593,9 @@ class LatheEngine(StreamingMixin):
                     self.kv_cache.shape = (blocks + 1,) + self.kv_cache.shape[1:]
                     self.block_manager.resize(blocks)
             self.kv_cache.allocate()
+        if self.drafter is not None:            # the draft layer's cache: as many blocks as the main one
+            self.drafter.cache.shape = self.kv_cache.shape[:1] + self.drafter.cache.shape[1:]
+            self.drafter.cache.allocate()
         graphs = self.runner.graphs
         if graphs is not None:
             if self.tp.min_int(self._addresses() == self._kv_address):

@@ -198,18 +198,32 @@ class ModelRunner:
         computing `num_new[i]` tokens of sequence i (all its uncached tokens by default)."""
         if num_new is None:
             num_new = [len(s) - s.num_cached_tokens for s in seqs]
+        hidden, last, order = self._prefill_forward(seqs, num_new)
+        inverse = [0] * len(order)
+        for j, i in enumerate(order):
+            inverse[i] = j
+        return self.model.lm_head(hidden[last][self._tensor(inverse)])
+
+    def _prefill_forward(self, seqs: list[Sequence], num_new: list[int]):
+        """(hidden states (T, H) of every new token in group order, `last`, `order`: see `prepare_prefill`)."""
         ids, positions, attn, last, order, visual = self.prepare_prefill(seqs, num_new)
         if self.states is not None:
             attn.linear_states = self.states.step([seqs[i] for i in order], [num_new[i] for i in order])
         set_decode_experts(self.fused_blocks, False)     # the fused experts are for decode sizes (tuned for them)
         try:
-            hidden = hidden_states(self.model, ids, positions, attn, visual)[last]
+            return hidden_states(self.model, ids, positions, attn, visual), last, order
         finally:
             set_decode_experts(self.fused_blocks, True)
-        inverse = [0] * len(order)
-        for j, i in enumerate(order):
-            inverse[i] = j
-        return self.model.lm_head(hidden[self._tensor(inverse)])
+
+    @torch.inference_mode()
+    def prefill_hidden(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+        """Final hidden states (T, H) of every new token (a prefill step's or a speculative verify step's: sequence
+        i's `num_new[i]` tokens from its `num_cached_tokens`), sequence i's rows after those of sequences 0..i-1."""
+        hidden, _, order = self._prefill_forward(seqs, num_new)
+        starts = np.cumsum([0] + [num_new[i] for i in order])
+        where = {i: j for j, i in enumerate(order)}
+        rows = np.concatenate([np.arange(starts[where[i]], starts[where[i] + 1]) for i in range(len(seqs))])
+        return hidden[self._tensor(rows)]
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], pending: tuple | None = None, sampling=None

@@ -70,6 +70,9 @@ class Scheduler:
         self.prefill_interval = 1                   # decode steps between admissions while sequences run
         self.decodes_since_prefill = 0
         self.num_steps = {"prefill": 0, "decode": 0}     # steps scheduled, for benchmarks
+        # speculative decoding: draft tokens a decode step verifies after each sequence's last token; the step
+        # reserves their slots too (`Sequence.lookahead`: fewer near the length limit)
+        self.num_lookahead_slots = 0
 
     def new_call(self) -> None:
         """A `generate` call starts: forget the last call's lengths and preemptions."""
@@ -191,6 +194,8 @@ class Scheduler:
         self.decodes_since_prefill += 1
         self.num_steps["decode"] += 1
         scheduled, copies, bs = [], [], self.block_manager.block_size
+        if self.num_lookahead_slots:
+            return self._schedule_verify()
         while self.running:
             seq = self.running.popleft()
             if seq.tail_private and (len(seq.token_ids) - 1) % bs:     # its slot is in its own last block
@@ -207,6 +212,25 @@ class Scheduler:
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         return scheduled, False, copies
+
+    def _schedule_verify(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
+        """A speculative decode step: each running sequence gets the slots of its last token and its drafts,
+        preempting the most recently admitted ones (as `_schedule_decode`) while they cannot be had."""
+        scheduled, bm = [], self.block_manager
+        while self.running:
+            seq = self.running.popleft()
+            extra = seq.lookahead(self.num_lookahead_slots)
+            while not bm.can_append_slots(seq, extra):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                bm.append_slots(seq, extra)
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled, False, []
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and put it first in line; it is recomputed from its tokens when readmitted."""

@@ -73,6 +73,13 @@ class Sequence:
     length_limit: int = 1 << 62           # len(token_ids) at which it ends (max_tokens, max_model_len)
     finish_reason: str | None = None
     mm: object | None = None              # `multimodal.MultiModalPrompt` of an image prompt (shared by its samples)
+    # speculative decoding (`spec_step.py`): the main model's hidden states at the positions whose MTP entries wait
+    # for their next token (the last committed tokens), the leading blocks keyed so far, and the draft statistics
+    spec_hidden: object | None = None
+    spec_keyed: int = 0
+    spec_drafts: int = 0
+    spec_accepted: int = 0
+    spec_verifies: int = 0
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -98,6 +105,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def lookahead(self, num_drafts: int) -> int:
+        """Draft tokens a speculative step may propose: at most `num_drafts`, and none that could take the
+        sequence past its length limit (its last emitted token may be the limit's)."""
+        return max(0, min(num_drafts, self.length_limit - len(self.token_ids) - 1))
 
     def num_blocks(self, block_size: int) -> int:
         return (len(self.token_ids) + block_size - 1) // block_size

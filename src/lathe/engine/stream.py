@@ -35,6 +35,7 @@ import torch
 
 from lathe.engine.multimodal import drop_embeddings
 from lathe.engine.sequence import PENDING, Sequence, SequenceStatus
+from lathe.engine.speculative import spec_metrics
 from lathe.generation import RolloutOutput, SamplingParams
 
 
@@ -57,7 +58,8 @@ class _Request:
             finish_reasons=[s.finish_reason for s in self.seqs],
             metrics={"rollout/num_preemptions": sum(s.num_preemptions for s in self.seqs),
                      "rollout/num_interrupted": self.num_interrupted,
-                     "rollout/prefix_hit_tokens": sum(s.num_prefix_hit_tokens for s in self.seqs)},
+                     "rollout/prefix_hit_tokens": sum(s.num_prefix_hit_tokens for s in self.seqs),
+                     **(spec_metrics(self.seqs) if any(s.spec_verifies for s in self.seqs) else {})},
             versions=[list(v) for v in self.versions])
 
 

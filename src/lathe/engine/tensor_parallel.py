@@ -43,7 +43,7 @@ from lathe.engine.expert_parallel import ExpertSlice, check_sizes
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.io import load_into
-from lathe.models.mtp import MTP_PREFIX
+from lathe.models.mtp import MTP_PREFIX, mtp_layers
 from lathe.models.moe import SparseMoeBlock
 
 
@@ -116,8 +116,10 @@ _SINKS = re.compile(r"^model\.layers\.\d+\.self_attn\.sinks$")       # GPT-OSS: 
 class ShardLayout:
     """The slices of a `LatheConfig`'s tensors that rank `tp.rank` of a replica of `tp.size` holds (module doc)."""
 
-    def __init__(self, cfg: LatheConfig, tp: TensorParallel, expert_parallel_size: int = 1):
-        """`expert_parallel_size`: `rollout.expert_parallel_size` (a MoE model's must be the replica's size)."""
+    def __init__(self, cfg: LatheConfig, tp: TensorParallel, expert_parallel_size: int = 1, keep_mtp: bool = False):
+        """`expert_parallel_size`: `rollout.expert_parallel_size` (a MoE model's must be the replica's size);
+        `keep_mtp`: a MiMo model's MTP layers are kept whole on every rank (speculative decoding drafts with them,
+        `lathe.engine.mtp_draft`), else left out."""
         rank, size = tp.rank, tp.size
         check_sizes(cfg, size, expert_parallel_size)
         heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
@@ -130,6 +132,7 @@ class ShardLayout:
             raise ValueError(f"rollout.tensor_model_parallel_size={size}: {'; '.join(problems)}. Fix: choose a "
                              f"size that divides {heads} attention heads and {inter} intermediate features")
         self.cfg, self.tp, self.rank, self.size = cfg, tp, rank, size
+        self.keep_mtp = keep_mtp and cfg.num_mtp_layers > 0
         d = cfg.head_dim
         self.heads = (rank * heads // size, heads // size)                     # (first query head, heads)
         self.q = (self.heads[0] * d, self.heads[1] * d)                         # (first row, rows)
@@ -166,9 +169,11 @@ class ShardLayout:
     def local_items(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each (name, whole tensor) as (name, this rank's slice); a tied model's embeddings also give the LM head,
         and of a MoE model's experts only this rank's come (per-expert checkpoint names renumbered from 0); a MiMo
-        model's MTP layers none."""
+        model's MTP layers whole with `keep_mtp`, else none."""
         for name, tensor in named:
-            if name.startswith(MTP_PREFIX):          # not in a replica (`local_config`)
+            if name.startswith(MTP_PREFIX):          # whole on every rank, or not in the replica (`local_config`)
+                if self.keep_mtp:
+                    yield name, tensor
                 continue
             experts = self.experts.local(name, tensor) if self.experts is not None else None
             if experts is not None:
@@ -229,14 +234,15 @@ def check_replica(model, size: int, expert_parallel_size: int = 1) -> None:
 
 def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, tp: TensorParallel, *,
                state: Iterable[tuple[str, torch.Tensor]] | None = None,
-               expert_parallel_size: int = 1) -> LatheCausalLM:
+               expert_parallel_size: int = 1, keep_mtp: bool = False) -> LatheCausalLM:
     """This rank's part of `model` (lathe's text decoder) for a tensor-parallel replica, in `dtype` on `device`: each
     tensor's slice is cut on the way (the whole model is never copied to the device). `state`: (name, tensor) pairs
     to take instead of the model's own (a LoRA model's merged weights). `expert_parallel_size`:
     `rollout.expert_parallel_size` (a MoE model's experts are placed over the replica when it is `tp.size`). The
-    result's `tensor_parallel` is its `ShardLayout`, whose `local_items` cuts whole weights for `update_weights`."""
+    result's `tensor_parallel` is its `ShardLayout`, whose `local_items` cuts whole weights for `update_weights`.
+    `keep_mtp`: a MiMo model's MTP layers come whole (speculative decoding; see `ShardLayout`)."""
     check_replica(model, tp.size, expert_parallel_size)
-    layout = ShardLayout(model.config, tp, expert_parallel_size)
+    layout = ShardLayout(model.config, tp, expert_parallel_size, keep_mtp=keep_mtp)
     named = state if state is not None else model.state_dict().items()
     local = {k: v.detach().to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True).contiguous()
              for k, v in layout.local_items(named)}
@@ -251,6 +257,8 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
                 linear.__class__ = RowParallelLinear
                 linear.tp = tp
         out.lm_head = VocabParallelHead(layout.vocab_rows, cfg.hidden_size, cfg.vocab_size, tp)
+        if layout.keep_mtp:         # whole layers of the whole model's shapes (plain linears: no collective)
+            out.model.mtp_layers = mtp_layers(model.config)
         if layout.experts is not None:
             layout.experts.place(out, tp)
     load_into(out, local, "the actor's weights")

@@ -51,6 +51,7 @@ from lathe.loop.fully_async_dapo import DynamicSampling
 from lathe.loop.fully_async_learn import learn_batch
 from lathe.loop.ppo import save
 from lathe.loop.recover import run_with_restarts
+from lathe.engine.speculative import SPEC_MEANS, SPEC_TOTALS, merge_spec_metrics
 from lathe.loop.sampling import SUMMED_ROLLOUT_METRICS, rollout_seed
 from lathe.loop.setup import Trainer, prompt_batch
 from lathe.loop.steps import compute_reward, reward_extra_means
@@ -190,7 +191,11 @@ class AsyncDriver:
             greedy = prompts.repeat(1).update(parts["greedy"])
             greedy_scores, _ = compute_reward(greedy, self.t.tokenizer, self.t.reward)
             batch["reward_baselines"] = greedy_scores["seq_scores"].repeat_interleave(self.n)
-        for key, value in {**metrics, **batch.meta.pop("rollout_metrics", {})}.items():
+        rollout_metrics = batch.meta.pop("rollout_metrics", {})
+        merge_spec_metrics(self.counted, rollout_metrics)     # speculative decoding's acceptance, over the step
+        for key, value in {**metrics, **rollout_metrics}.items():
+            if key in SPEC_TOTALS or key in SPEC_MEANS:
+                continue
             if key in COUNTED:                        # per request: summed over the step
                 self.counted[key] = self.counted.get(key, 0) + value
             elif not key.startswith("reward_extra/"):    # (those are over the trained batch: step_metrics)

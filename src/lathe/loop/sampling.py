@@ -12,6 +12,7 @@ from lathe.algo import filter_groups
 from lathe.batch import Batch
 from lathe.loop.reward_async import BackgroundScoring, snapshot
 from lathe.loop.setup import Trainer, prompt_batch
+from lathe.engine.speculative import SPEC_MEANS, SPEC_TOTALS, merge_spec_metrics
 from lathe.loop.steps import compute_reward
 from lathe.rollout.base import concat_rollouts
 from lathe.workers.judge import timed_judge
@@ -149,7 +150,8 @@ def sample_step_batch(t: Trainer, prompts: Batch, timer, pending: BackgroundScor
         for key in more:                            # counts and seconds are summed over all rounds
             if key in SUMMED_ROLLOUT_METRICS:
                 more[key] += metrics.get(key, 0)
-        metrics.update(more)
+        merge_spec_metrics(metrics, more)           # (speculative decoding's acceptance: over all rounds)
+        metrics.update({k: v for k, v in more.items() if k not in SPEC_TOTALS and k not in SPEC_MEANS})
     metrics["train/num_gen_batches"] = rounds
     return concat_rollouts(kept, t.tokenizer.pad_token_id).select(slice(0, want)), metrics
 

@@ -115,6 +115,10 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engin
                  "the trainer's log-probs is reported as training/rollout_probs_diff_* whenever the old-log-prob "
                  "pass runs (with algorithm.rollout_correction on: token-level TIS unless it is configured, or "
                  "rollout.quantization_correction=false)", quantization.upper(), quantization)
+    if engine_kwargs.get("num_speculative_tokens"):
+        log.info("rollout: speculative decoding, %d drafts per step from the policy's first MTP layer "
+                 "(actor_rollout_ref.model.mtp.enable_rollout=true; eager steps; acceptance in rollout/spec_*)",
+                 engine_kwargs["num_speculative_tokens"])
     return LatheEngine(engine_model, eos_token_id=eos_ids,
                        gpu_memory_utilization=utilization,
                        max_num_seqs=rollout_cfg.max_num_seqs, max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,

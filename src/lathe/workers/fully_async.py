@@ -33,6 +33,7 @@ import torch
 
 from lathe.batch import Batch
 from lathe.config import LatheConfig
+from lathe.config.rules_mtp import speculative_tokens
 from lathe.device import rank_device
 from lathe.dtypes import rollout_dtype
 from lathe.engine.tensor_parallel import replica_groups, shard_copy
@@ -84,11 +85,13 @@ class RolloutWorker:
         tp = replica_groups(size)                       # (collective: every rank of the pool builds at once)
         if size > 1:            # a tensor-parallel replica of `size` consecutive ranks: this rank's slices
             engine_model = shard_copy(model, self.dtype, device, tp,
-                                      expert_parallel_size=arr.rollout.expert_parallel_size)
+                                      expert_parallel_size=arr.rollout.expert_parallel_size,
+                                      keep_mtp=speculative_tokens(arr) > 0)
         else:
             engine_model = frozen_copy(model, self.dtype, device)      # (a VL model: a deep copy, as the workers make)
         del model, loaded
-        self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model, standalone=True)
+        self.engine = build_engine(arr.rollout, engine_model, eos, engine_model=engine_model, standalone=True,
+                                   num_speculative_tokens=speculative_tokens(arr))
         # the replica's ranks run the same engine steps: its leader (first rank) decides, its followers follow
         self.replica = Lockstep(self.engine, tp, control_groups(size, arr.nccl_timeout), timeout_s=arr.nccl_timeout)
         self.pad_id, self.device = tokenizer.pad_token_id, device
@@ -363,12 +366,14 @@ class AsyncTrainerWorker:
                    for name, shape, dtype in shapes if not is_adapter(name))
 
     def join_sync_group(self, host: str, port: int | list[int], rank: int, world_size: int, timeout_s: float,
-                        expert_parallel_size: int = 1) -> None:
-        """Rank 0 joins the sync's group, or with T ports the T groups of a resharding sync (`join_as_sender`)."""
+                        expert_parallel_size: int = 1, keep_mtp: bool = False) -> None:
+        """Rank 0 joins the sync's group, or with T ports the T groups of a resharding sync (`join_as_sender`;
+        `keep_mtp`: the replicas hold the MTP layers whole)."""
         if parallel.rank() == 0:              # the trainer's rank 0 sends; its other ranks only help gather
             self.syncs, self.layouts = join_as_sender(self.worker.actor.model, host, port, rank, world_size,
                                                       device=self.worker.device, timeout_s=timeout_s,
-                                                      expert_parallel_size=expert_parallel_size)
+                                                      expert_parallel_size=expert_parallel_size,
+                                                      keep_mtp=keep_mtp)
 
     def position_metas(self, metas: list[TensorMeta]) -> list[list[TensorMeta]] | None:
         """(Rank 0, after joining.) The metas of each position's slices of a resharding sync; None without one."""

@@ -26,10 +26,12 @@ from lathe.models.config import LatheConfig
 from lathe.workers.checkpoint_engine import BucketSender, SyncGroup, TensorMeta, check_tensor, one_more
 
 
-def position_layouts(cfg: LatheConfig, size: int, expert_parallel_size: int = 1) -> list[ShardLayout]:
+def position_layouts(cfg: LatheConfig, size: int, expert_parallel_size: int = 1,
+                     keep_mtp: bool = False) -> list[ShardLayout]:
     """The `ShardLayout` of each position of a replica of `size` ranks, from the model's config alone (the
-    trainer's side: no engine model, no process group)."""
-    return [ShardLayout(cfg, TensorParallel(None, p, size), expert_parallel_size) for p in range(size)]
+    trainer's side: no engine model, no process group); `keep_mtp`: the replicas hold the MTP layers whole
+    (speculative decoding), so they are sent whole to each."""
+    return [ShardLayout(cfg, TensorParallel(None, p, size), expert_parallel_size, keep_mtp) for p in range(size)]
 
 
 def position_label(position: int, size: int) -> str:
@@ -38,12 +40,14 @@ def position_label(position: int, size: int) -> str:
 
 
 def join_as_sender(model, host: str, port: int | list[int], rank: int, world_size: int, *, device: torch.device,
-                   timeout_s: float, expert_parallel_size: int = 1) -> tuple[list[SyncGroup], list | None]:
+                   timeout_s: float, expert_parallel_size: int = 1, keep_mtp: bool = False
+                   ) -> tuple[list[SyncGroup], list | None]:
     """The trainer's rank 0 joins the sync: one group (one port), or a resharding sync's T groups (T ports, in
     position order) and the T positions' layouts (from the config of the trainer's `model`)."""
     ports = port if isinstance(port, list) else [port]
     size = len(ports)
-    layouts = position_layouts(replica_config(model, size), size, expert_parallel_size) if size > 1 else None
+    layouts = (position_layouts(replica_config(model, size), size, expert_parallel_size, keep_mtp) if size > 1
+               else None)
     groups = [SyncGroup(host, each, rank, world_size, device=device, timeout_s=timeout_s,
                         label=position_label(p, size)) for p, each in enumerate(ports)]
     return groups, layouts

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from lathe.batch import Batch
+from lathe.config.rules_mtp import speculative_tokens
 from lathe.device import reset_peak_memory, synchronize
 from lathe.dtypes import rollout_dtype
 from lathe.engine.tensor_parallel import TensorParallel, replica_groups, shard_copy
@@ -68,7 +69,8 @@ class Rollout:
             if self.name == "lathe" and rollout_cfg.tensor_model_parallel_size > 1:    # this rank's slices
                 self.tp = replica_groups(rollout_cfg.tensor_model_parallel_size)
                 self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state,
-                                               expert_parallel_size=rollout_cfg.expert_parallel_size)
+                                               expert_parallel_size=rollout_cfg.expert_parallel_size,
+                                               keep_mtp=speculative_tokens(actor.arr) > 0)
                 if rollout_cfg.multi_turn.enable:     # (collective: every rank builds its replica's group at once)
                     self._control = control_groups(self.tp.size, lockstep_timeout(actor.arr))
             elif self.name == "lathe":
@@ -85,7 +87,8 @@ class Rollout:
             if actor.lora and not actor.sharded:
                 self.engine_model = frozen_copy(actor.model, rollout_dtype(cfg.dtype, self.device), self.device,
                                                 share=True, state=merged_weights(actor.model))
-            self.backend = build_engine(cfg, actor.model, self.eos_ids, engine_model=self.engine_model)
+            self.backend = build_engine(cfg, actor.model, self.eos_ids, engine_model=self.engine_model,
+                                        num_speculative_tokens=speculative_tokens(actor.arr))
         else:
             self.backend = build_hf_rollout(cfg, self.hf_model, self.eos_ids, self.tokenizer.pad_token_id,
                                             self.device, own_copy=self.hf_model is not actor.model)

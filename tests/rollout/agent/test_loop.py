@@ -287,3 +287,29 @@ def test_the_scheduler_holds_a_few_arrivals_for_the_interval(qwen_tok, interval,
     while engine.scheduler.waiting:
         engine.step()
     assert engine.scheduler.num_steps["decode"] - decodes == held
+
+
+def test_the_loop_over_a_speculative_engine_gives_the_plain_engines_greedy_turns(qwen_tok):
+    """The agent loop streams its turns into an engine decoding speculatively (a tiny MiMo's MTP layer drafting):
+    the greedy trajectories and log-probs of the plain engine, and the acceptance metrics in the output."""
+    from dataclasses import replace as with_fields
+    from lathe.models.decoder import LatheCausalLM, init_weights
+    base = tiny_model(qwen_tok)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = LatheCausalLM(with_fields(base.config, architecture="MiMoForCausalLM", num_mtp_layers=1))
+        init_weights(model, std=0.3)
+    model.load_state_dict(base.state_dict(), strict=False)       # the main model's weights; the MTP layer random
+    prompts = [prompt_of(qwen_tok, q) for q in ("1+2=", "What is 6*7?", "hi")]
+    params = SamplingParams(n=2, max_tokens=24, do_sample=False)
+    outs = []
+    for k in (0, 2):
+        engine = LatheEngine(model.eval(), eos_token_id=qwen_tok.eos_token_id, block_size=4, num_kv_blocks=512,
+                             max_model_len=512, num_speculative_tokens=k)
+        loop = AgentLoop(engine, qwen_tok, AgentSettings(response_length=24), tools=FakeTools(),
+                         parse=get_parser("hermes"))
+        outs.append(loop.generate(prompts, params))
+    plain, spec = outs
+    assert spec.token_ids == plain.token_ids and spec.finish_reasons == plain.finish_reasons
+    assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5) for a, b in zip(spec.logprobs, plain.logprobs))
+    assert "rollout/spec_accept_rate" in spec.metrics and "rollout/spec_accept_rate" not in plain.metrics

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lathe.engine.llm_engine import sequence_seed
+from lathe.engine.speculative import merge_spec_metrics
 from lathe.generation import RolloutOutput, SamplingParams
 from lathe.rollout.agent.parser import ParsedTurn
 from lathe.rollout.agent.render import ConversationRenderer
@@ -90,6 +91,7 @@ class AgentCall:
     trajs: list["Trajectory"] = field(default_factory=list)
     preemptions: int = 0
     resumed: list[int] = field(default_factory=lambda: [0, 0])   # later turns' prefix-cache hits, prompt tokens
+    spec: dict[str, float] = field(default_factory=dict)       # speculative decoding's acceptance, over the turns
     start: float = field(default_factory=time.perf_counter)
 
 
@@ -250,6 +252,7 @@ class AgentLoop:
         False when the trajectory is done."""
         ids, logprobs, call = out.token_ids[0], out.logprobs[0], t.call
         call.preemptions += out.metrics.get("rollout/num_preemptions", 0)
+        merge_spec_metrics(call.spec, out.metrics)
         if turn > 0:                        # a later turn: how much of the conversation the cache held
             call.resumed[0] += out.metrics.get("rollout/prefix_hit_tokens", 0)
             call.resumed[1] += len(t.prompt) + len(t.ids)
@@ -342,6 +345,7 @@ class AgentLoop:
         metrics = {"timing_s/agent_loop": time.perf_counter() - call.start, "rollout/num_preemptions": call.preemptions}
         if call.resumed[1]:     # share of later turns' prompts (the conversation so far) found in the prefix cache
             metrics["agent/prefix_hit_rate"] = call.resumed[0] / call.resumed[1]
+        metrics.update(call.spec)
         version = getattr(self.engine, "weight_version", 0)
         return AgentOutput(
             token_ids=[t.ids for t in trajs], logprobs=[t.logprobs for t in trajs],

@@ -1,0 +1,149 @@
+"""Speculative decoding's exact parts: the target's processed distribution, the acceptance rule and its metrics.
+
+A verify step scores a sequence's last token and its `k` draft tokens d_1..d_k (`mtp_draft.py`) in one forward: row
+j of its logits is the target's distribution p_j of the token after d_j (row 0: after the last committed token). The
+draft is deterministic (the MTP head's argmax: SGLang's EAGLE with `speculative_eagle_topk=1`, vLLM's `method=mtp`),
+so standard speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318) with
+a one-point draft distribution reads:
+
+    for j = 1..k:  accept d_j with probability p_{j-1}(d_j)            (u_j < p_{j-1}(d_j), u_j uniform)
+                   else emit a token from  r(x) = p_{j-1}(x) [x != d_j] / (1 - p_{j-1}(d_j))  and stop
+    all k accepted: emit a token from p_k (the "bonus" token)
+
+Each emitted token is distributed exactly as p at its position: P(x) = [x = d] p(d) + (1 - p(d)) r(x) = p(x). The p
+here is what lathe's sampler draws from (`sampler.sample_torch`): the stop ids banned before `min_tokens`, the logits
+divided by the temperature, top-k then top-p, softmax; greedy rows (temperature 0) are one-hot at the argmax, so a
+draft is accepted exactly when it is the greedy token and the emitted token is always the greedy one: greedy output
+equals non-speculative greedy output token for token. The emitted token is drawn by inverse CDF from the uniform
+`uniforms(seed, t)` of its output position t, as the non-speculative sampler draws (the acceptance tests take a
+second stream, `uniforms(seed ^ ACCEPT_SALT, t)`), so a sequence's samples depend only on its seed, its tokens and
+the drafts, never on its batch.
+
+The log-prob returned with each token is the non-speculative sampler's: `log_softmax(logits / T)` of the verify
+forward's row for that position, over the full vocabulary (T = 1 for greedy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lathe.device import to_device
+from lathe.engine.sampler import apply_top_k_top_p, uniforms
+from lathe.engine.sequence import Sequence, SequenceParams
+
+ACCEPT_SALT = 0x5DEECE66D      # the acceptance tests' uniform stream: uniforms(seed ^ ACCEPT_SALT, t)
+
+
+def accept_drafts(probs: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, u_accept: torch.Tensor,
+                  u_sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted (B,), token (B,)): how many leading drafts each row accepts, and the token it emits after them.
+
+    `probs` (B, K+1, V): the target's processed distributions p_0..p_K (row j: of the token after draft j); `drafts`
+    (B, K) int64 (entries past `num_drafts[b]` ignored); `num_drafts` (B,) in 0..K; `u_accept` (B, K) and `u_sample`
+    (B, K+1) uniforms in [0, 1): draft j+1 is accepted when u_accept[:, j] < p_j(d_{j+1}); the emitted token at
+    position n = num_accepted is drawn by inverse CDF with u_sample[:, n] from p_n, with the rejected draft's mass
+    removed when n < num_drafts (module doc). A residual that is empty in floating point (p_n(d) rounds to all of the
+    mass) gives the draft itself."""
+    b, k1, v = probs.shape
+    k = k1 - 1
+    rows = torch.arange(b, device=probs.device)
+    if k:
+        chosen = drafts.clamp(min=0)
+        p_draft = probs[:, :k].gather(-1, chosen[..., None])[..., 0]
+        live = torch.arange(k, device=probs.device)[None, :] < num_drafts[:, None]
+        accepted = (u_accept.to(p_draft.dtype) < p_draft) & live
+        n = accepted.long().cumprod(-1).sum(-1)
+    else:
+        n = torch.zeros(b, dtype=torch.long, device=probs.device)
+    dist = probs[rows, n]                                               # (B, V)
+    rejected = n < num_drafts
+    draft = torch.zeros_like(n)
+    if k:
+        draft = drafts.gather(1, n.clamp(max=k - 1)[:, None])[:, 0].clamp(min=0)
+        dist = dist.clone()
+        dist[rows[rejected], draft[rejected]] = 0
+    cdf = dist.cumsum(-1)
+    total = cdf[:, -1]
+    u = u_sample.gather(1, n[:, None])[:, 0].to(cdf.dtype)
+    token = torch.searchsorted(cdf, (u * total)[:, None], right=True)[:, 0].clamp_(max=v - 1)
+    token = torch.where(rejected & (total <= 0), draft, token)
+    return n, token
+
+
+def target_probs(logits: torch.Tensor, params: list[SequenceParams], banned: list[tuple[int, int]]) -> torch.Tensor:
+    """(T, V) float32: each row's processed distribution as `sampler.sample_torch` samples it (module doc): row i has
+    settings `params[i]`; `banned` the (row, token) pairs masked before min_tokens."""
+    logits = logits.float()
+    device = logits.device
+    masked = logits
+    if banned:
+        r, t = to_device(torch.tensor(banned), device).T
+        masked = logits.index_put((r, t), torch.tensor(float("-inf"), device=device))
+    probs = torch.zeros_like(masked)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        g = to_device(torch.tensor(greedy), device)
+        probs[g, masked[g].argmax(-1)] = 1.0
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        s = to_device(torch.tensor(sampled), device)
+        x = masked[s] / to_device(torch.tensor([params[i].temperature for i in sampled]), device)[:, None]
+        top_k, top_p = [params[i].top_k for i in sampled], [params[i].top_p for i in sampled]
+        v = x.shape[-1]
+        effective_k = [kk if 0 < kk < v else v for kk in top_k]
+        use_k, use_p = min(effective_k) < v, any(p < 1 for p in top_p)
+        if use_k or use_p:
+            x = apply_top_k_top_p(x, to_device(torch.tensor(top_k), device), to_device(torch.tensor(top_p), device),
+                                  use_k=use_k, k_max=max(effective_k), use_p=use_p)
+        probs[s] = x.softmax(-1)
+    return probs
+
+
+def verify_uniforms(seqs: list[Sequence], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """((B, K) acceptance uniforms, (B, K+1) sampling uniforms) of a verify step whose rows start at each sequence's
+    next output position (module doc)."""
+    seeds = np.repeat([s.seed or 0 for s in seqs], k + 1)
+    first = np.array([s.num_output_tokens for s in seqs], dtype=np.int64)
+    positions = (first[:, None] + np.arange(k + 1)[None, :]).reshape(-1)
+    salted = [int(x) ^ ACCEPT_SALT for x in seeds]
+    u_sample = uniforms(list(seeds), list(positions)).reshape(len(seqs), k + 1)
+    u_accept = uniforms(salted, list(positions)).reshape(len(seqs), k + 1)[:, :k]
+    return u_accept, u_sample
+
+
+def spec_metrics(seqs: list[Sequence]) -> dict[str, float]:
+    """The rollout's draft acceptance, per sample then averaged (verl's `compute_spec_decode_metrics`: each response
+    weighs the same): `rollout/spec_accept_rate` (accepted / proposed drafts) and `rollout/spec_accept_length`
+    (tokens a verify step emits: 1 + accepted / verify steps), plus the totals `rollout/spec_verify_steps`,
+    `rollout/spec_draft_tokens` and `rollout/spec_accepted_tokens`."""
+    if not seqs:
+        return {}
+    drafts = [s.spec_drafts for s in seqs]
+    accepted = [s.spec_accepted for s in seqs]
+    verifies = [s.spec_verifies for s in seqs]
+    n = len(seqs)
+    return {"rollout/spec_accept_rate": sum(a / d if d else 0.0 for a, d in zip(accepted, drafts)) / n,
+            "rollout/spec_accept_length": sum(1 + a / v if v else 0.0 for a, v in zip(accepted, verifies)) / n,
+            "rollout/spec_verify_steps": float(sum(verifies)),
+            "rollout/spec_draft_tokens": float(sum(drafts)),
+            "rollout/spec_accepted_tokens": float(sum(accepted)),
+            SAMPLES: float(n)}
+
+
+SAMPLES = "rollout/spec_samples"        # the responses the per-response means are over (for merging)
+SPEC_TOTALS = ("rollout/spec_verify_steps", "rollout/spec_draft_tokens", "rollout/spec_accepted_tokens", SAMPLES)
+SPEC_MEANS = ("rollout/spec_accept_rate", "rollout/spec_accept_length")
+
+
+def merge_spec_metrics(into: dict[str, float], more: dict[str, float]) -> None:
+    """Fold `more`'s speculative-decoding metrics into `into` (another rollout of the same step: a replica, a
+    generation round, a request): totals summed, the per-response means weighted by their responses. Other keys are
+    left to the caller."""
+    if SAMPLES not in more:
+        return
+    old, new = into.get(SAMPLES, 0.0), more[SAMPLES]
+    for key in SPEC_MEANS:
+        into[key] = (into.get(key, 0.0) * old + more[key] * new) / max(old + new, 1.0)
+    for key in SPEC_TOTALS:
+        into[key] = into.get(key, 0.0) + more[key]

@@ -39,6 +39,7 @@ def test_enable_rollout_without_enable_warns_and_does_nothing():
     ((f"{R}.name=vllm", f"{M}.method=eagle"), "method='eagle' (rollout.name=vllm)"),
     ((f"{R}.name=hf",), "name=hf (transformers generate)"),
     ((f"{R}.quantization=fp8",), "quantization=fp8"),
+    ((f"{R}.kv_cache_dtype=fp8",), "kv_cache_dtype=fp8 (an FP8 KV cache)"),
     (("actor_rollout_ref.model.lora_rank=8",), "lora_rank=8"),
 ])
 def test_unsupported_variants_are_refused_naming_the_value(overrides, message):

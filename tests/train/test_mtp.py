@@ -254,7 +254,3 @@ def test_mtp_training_beside_ulysses_loads(load_cfg, override):
     assert cfg.actor_rollout_ref.model.mtp.enable_train
     assert batch_plan(cfg).sequence_parallel_size == 2
 
-
-def test_speculative_decoding_with_the_mtp_layers_stays_refused(load_cfg):
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        load_cfg("actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_rollout=true")

@@ -56,3 +56,8 @@ class ProblemList:
             return
         text = join_problems(self.problems)
         raise ConfigError(f"{context}{text}" if context else text)
+
+
+class IgnoredKeysWarning(UserWarning):
+    """Config keys were set that have no effect in lathe, or that lathe reads otherwise than verl (the message lists
+    them and why). Defined here, below the support registry, so translations can warn with it too."""

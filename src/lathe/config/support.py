@@ -16,7 +16,7 @@ import functools
 import warnings
 from dataclasses import replace
 
-from .errors import ProblemList
+from .errors import IgnoredKeysWarning, ProblemList
 from .coerce import show
 from .schema import LatheConfig
 from .plan import is_async
@@ -30,10 +30,6 @@ A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 R, M = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
 C, RM = "critic", "reward_model"
 TRAINED = (A, REF, f"{C}.model")                      # the fsdp_config groups of models lathe loads
-
-
-class IgnoredKeysWarning(UserWarning):
-    """Config keys were set that have no effect in lathe (the message lists them and why)."""
 
 
 def _multi_gpu() -> list[Entry]:

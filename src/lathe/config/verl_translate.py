@@ -338,7 +338,7 @@ def wide_expert_parallel(cfg: Any) -> None:
     it, naming the sizes)."""
     import warnings
     from .plan import rollout_devices, trainer_devices
-    from .support import IgnoredKeysWarning
+    from .errors import IgnoredKeysWarning
     ro = cfg.actor_rollout_ref.rollout
     tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size
     devices = rollout_devices(cfg) or trainer_devices(cfg)

@@ -129,6 +129,27 @@ def test_copy_blocks_copies_the_scales():
         assert scales[1][1].gt(0).all() and scales[0].eq(0).all()
 
 
+def test_an_allocation_that_fails_on_the_scales_leaves_the_cache_freed(monkeypatch):
+    """`wake_up` catches an out-of-memory error from `allocate` (the allocator's cached memory did not hold the cache)
+    and allocates again after releasing it: an FP8 cache whose values were allocated but not their scales must not
+    count as allocated, or the engine would run on with no scales (`layer_scales` of an empty list)."""
+    cache = KVCache(2, 4, 4, 2, 8, dtype=FP8)
+    cache.free()
+    zeros = torch.zeros
+
+    def scales_out_of_memory(*shape, dtype=None, **kw):
+        if dtype == torch.float32:
+            raise torch.OutOfMemoryError("no room for the scales")
+        return zeros(*shape, dtype=dtype, **kw)
+    monkeypatch.setattr(torch, "zeros", scales_out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.allocate()
+    monkeypatch.undo()
+    assert not cache.allocated and cache.buffer is None and cache.address is None
+    cache.allocate()
+    assert cache.allocated and cache.layer_scales(1)[0].shape == (5, 4, 2)
+
+
 def _paged(g, blocks=24, page=4, hkv=2, dim=24, batch=3):
     """A random FP8 cache (k, v, scales) with large and tiny heads, tables of distinct blocks, ragged lengths."""
     (kc, ks), (vc, vs) = (quantize(_heads(g, blocks * page, hkv, dim).view(blocks, page, hkv, dim)) for _ in "kv")

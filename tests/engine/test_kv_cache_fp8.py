@@ -224,6 +224,25 @@ def test_decode_kernel_reads_the_fp8_cache(fp8_interpreter, splits):
     assert_close_rel(out, decode_attention(q.double(), k64, v64, tables, lens), rel=1e-5, name="paged decode")
 
 
+@pytest.mark.parametrize("v_size", [1e-3, 1e-4])
+def test_decode_kernel_in_float16_keeps_small_values(fp8_interpreter, v_size):
+    """A float16 model (rollout.dtype=float16) over an FP8 cache of small V rows (max|v| of 1e-3 gives scales of
+    ~2e-6): p x s_v lies below float16's smallest normal (6e-5), where a probability keeps a few bits or none, so
+    the kernel scales V instead (as the PyTorch path dequantises it); both stay within float16's rounding of the
+    float64 attention (measured ~3e-4; p x s_v in float16 gave 4.5e-3 at 1e-3, 0.04 at 1e-4)."""
+    from lathe.engine.triton_decode import paged_decode
+    g = torch.Generator().manual_seed(9)
+    kc, _, (ks, _), tables, lens = _paged(g)
+    vc, vs = quantize(torch.randn(kc.shape, generator=g) * v_size)
+    q = torch.randn(3, 6, 24, generator=g)
+    want = decode_attention(q.double(), dequantize(kc, ks, torch.float64), dequantize(vc, vs, torch.float64),
+                            tables, lens)
+    torch_path = decode_attention(q.half(), kc, vc, tables, lens, scales=(ks, vs))
+    out = paged_decode(q.half(), kc, vc, tables.int(), lens.int(), block_n=16, scales=(ks, vs))
+    assert_close_rel(torch_path, want, rel=1e-3, name="torch path")
+    assert_close_rel(out, want, rel=1e-3, name="paged decode")
+
+
 def test_decode_kernel_with_the_new_token_into_the_fp8_cache(fp8_interpreter):
     """`new_kv` with an FP8 cache: the launch quantises the step's rotated k and v like rope_store_kv and attends over
     the cache like the plain kernel."""
@@ -447,4 +466,6 @@ def compile_fp8_kernels() -> str:
                   "NUM_SPLITS": 3, "NEW_KV": True, "PDL": False, "HAS_SINKS": True, "KV_FP8": True}
     names = [n for n in triton_decode._decode_kernel.arg_names if n not in constexprs]
     compile_(triton_decode._decode_kernel, {n: types.get(n, "i32") for n in names}, constexprs)
+    half = {**types, **{n: "*fp16" for n in ("Q", "OUT", "KN", "VN", "COS", "SIN", "SINKS")}}    # V scaled in float16
+    compile_(triton_decode._decode_kernel, {n: half.get(n, "i32") for n in names}, constexprs)
     return "compiled"

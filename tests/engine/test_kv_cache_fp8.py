@@ -129,6 +129,27 @@ def test_copy_blocks_copies_the_scales():
         assert scales[1][1].gt(0).all() and scales[0].eq(0).all()
 
 
+def test_an_allocation_that_fails_on_the_scales_leaves_the_cache_freed(monkeypatch):
+    """`wake_up` catches an out-of-memory error from `allocate` (the allocator's cached memory did not hold the cache)
+    and allocates again after releasing it: an FP8 cache whose values were allocated but not their scales must not
+    count as allocated, or the engine would run on with no scales (`layer_scales` of an empty list)."""
+    cache = KVCache(2, 4, 4, 2, 8, dtype=FP8)
+    cache.free()
+    zeros = torch.zeros
+
+    def scales_out_of_memory(*shape, dtype=None, **kw):
+        if dtype == torch.float32:
+            raise torch.OutOfMemoryError("no room for the scales")
+        return zeros(*shape, dtype=dtype, **kw)
+    monkeypatch.setattr(torch, "zeros", scales_out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.allocate()
+    monkeypatch.undo()
+    assert not cache.allocated and cache.buffer is None and cache.address is None
+    cache.allocate()
+    assert cache.allocated and cache.layer_scales(1)[0].shape == (5, 4, 2)
+
+
 def _paged(g, blocks=24, page=4, hkv=2, dim=24, batch=3):
     """A random FP8 cache (k, v, scales) with large and tiny heads, tables of distinct blocks, ragged lengths."""
     (kc, ks), (vc, vs) = (quantize(_heads(g, blocks * page, hkv, dim).view(blocks, page, hkv, dim)) for _ in "kv")
@@ -201,6 +222,25 @@ def test_decode_kernel_reads_the_fp8_cache(fp8_interpreter, splits):
     out = paged_decode(q, kc, vc, tables.int(), lens.int(), num_splits=splits, block_n=16, scales=scales)
     k64, v64 = dequantize(kc, scales[0], torch.float64), dequantize(vc, scales[1], torch.float64)
     assert_close_rel(out, decode_attention(q.double(), k64, v64, tables, lens), rel=1e-5, name="paged decode")
+
+
+@pytest.mark.parametrize("v_size", [1e-3, 1e-4])
+def test_decode_kernel_in_float16_keeps_small_values(fp8_interpreter, v_size):
+    """A float16 model (rollout.dtype=float16) over an FP8 cache of small V rows (max|v| of 1e-3 gives scales of
+    ~2e-6): p x s_v lies below float16's smallest normal (6e-5), where a probability keeps a few bits or none, so
+    the kernel scales V instead (as the PyTorch path dequantises it); both stay within float16's rounding of the
+    float64 attention (measured ~3e-4; p x s_v in float16 gave 4.5e-3 at 1e-3, 0.04 at 1e-4)."""
+    from lathe.engine.triton_decode import paged_decode
+    g = torch.Generator().manual_seed(9)
+    kc, _, (ks, _), tables, lens = _paged(g)
+    vc, vs = quantize(torch.randn(kc.shape, generator=g) * v_size)
+    q = torch.randn(3, 6, 24, generator=g)
+    want = decode_attention(q.double(), dequantize(kc, ks, torch.float64), dequantize(vc, vs, torch.float64),
+                            tables, lens)
+    torch_path = decode_attention(q.half(), kc, vc, tables, lens, scales=(ks, vs))
+    out = paged_decode(q.half(), kc, vc, tables.int(), lens.int(), block_n=16, scales=(ks, vs))
+    assert_close_rel(torch_path, want, rel=1e-3, name="torch path")
+    assert_close_rel(out, want, rel=1e-3, name="paged decode")
 
 
 def test_decode_kernel_with_the_new_token_into_the_fp8_cache(fp8_interpreter):
@@ -426,4 +466,6 @@ def compile_fp8_kernels() -> str:
                   "NUM_SPLITS": 3, "NEW_KV": True, "PDL": False, "HAS_SINKS": True, "KV_FP8": True}
     names = [n for n in triton_decode._decode_kernel.arg_names if n not in constexprs]
     compile_(triton_decode._decode_kernel, {n: types.get(n, "i32") for n in names}, constexprs)
+    half = {**types, **{n: "*fp16" for n in ("Q", "OUT", "KN", "VN", "COS", "SIN", "SINKS")}}    # V scaled in float16
+    compile_(triton_decode._decode_kernel, {n: half.get(n, "i32") for n in names}, constexprs)
     return "compiled"

@@ -83,6 +83,25 @@ def test_decode_kernel_on_cuda_reads_the_fp8_cache(batch, hq, hkv, dim, splits):
     print(f"fp8-kv paged_decode {batch}x{hq}/{hkv}x{dim} splits={splits}: {err:.3g}")
 
 
+@pytest.mark.parametrize("v_size", [1.0, 1e-3, 1e-4])
+def test_decode_kernel_on_cuda_in_float16_keeps_small_values(v_size):
+    """float16 q over an FP8 cache of small V rows: the kernel scales V's tile (p x s_v would lie in float16's
+    subnormals), so its error stays the PyTorch path's (float16 rounding) whatever V's size."""
+    from lathe.engine.triton_decode import paged_decode
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kc, _, (ks, _) = _paged(g, 300, 16, 4, 128)
+    vc, vs = quantize(torch.randn(kc.shape, device="cuda", generator=g) * v_size)
+    lens = torch.randint(1, 700, (5,), device="cuda", generator=g).int()
+    tables = torch.randint(0, 300, (5, 44), device="cuda", generator=g).int()
+    q = torch.randn(5, 28, 128, device="cuda", dtype=torch.float16, generator=g)
+    want = decode_attention(q.double(), dequantize(kc, ks, torch.float64), dequantize(vc, vs, torch.float64),
+                            tables.long(), lens.long())
+    torch_err = rel_error(decode_attention(q, kc, vc, tables.long(), lens.long(), scales=(ks, vs)), want)
+    err = assert_close_rel(paged_decode(q, kc, vc, tables, lens, num_splits=3, scales=(ks, vs)), want,
+                           rel=max(2e-3, 3 * torch_err), name="paged decode (fp8, float16)")
+    print(f"fp8-kv paged_decode float16 max|v|~{v_size:g}: {err:.3g} (torch path {torch_err:.3g})")
+
+
 def test_decode_kernel_with_the_new_token_on_cuda_equals_rope_store_then_decode():
     """`new_kv` into an FP8 cache: the bytes and scales rope_store_kv writes, and the output of the plain kernel after
     rope_store_kv (the same arithmetic up to the rotation's fused products), over three splits."""

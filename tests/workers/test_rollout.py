@@ -136,3 +136,24 @@ def test_cuda_engine_runs_in_the_rollout_dtype_and_sleeps_while_training(load_cf
     worker.update_actor(_ppo_batch(worker, rollout_batch))
     worker.sync_weights()
     assert worker.generate_sequences(_prompts(), GREEDY)["responses"].shape[0] == len(PROMPT_IDS) * 2
+
+
+def _gpt2():
+    """A tiny random GPT-2: an architecture lathe's decoder does not implement (the actor trains transformers' module
+    and `rollout.name=auto` generates with transformers)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    tok = builtin_tokenizer()
+    cfg = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                     bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("key", ["quantization=fp8", "kv_cache_dtype=fp8"])
+def test_an_fp8_engine_setting_on_a_transformers_rollout_is_refused(load_cfg, key):
+    """`rollout.name=auto` (or a verl backend's name) over an architecture lathe's decoder does not implement resolves
+    to transformers generate, which has neither FP8 weights nor an FP8 KV cache: the setting is refused naming it
+    (silently dropped, the rollout would run unquantised while token TIS, turned on for it, corrects nothing)."""
+    with pytest.raises(ValueError, match=f"actor_rollout_ref.rollout.{key}.*generates with transformers"):
+        _worker(load_cfg, "auto", f"actor_rollout_ref.rollout.{key}", model=_gpt2())

@@ -122,11 +122,15 @@ class KVCache:
     def allocate(self) -> None:
         if self.allocated:
             return
-        self.buffer = torch.zeros((2, self.num_layers) + self.shape, dtype=self.dtype, device=self.device)
-        self.k, self.v = list(self.buffer[0].unbind(0)), list(self.buffer[1].unbind(0))
-        if self.quantized:
-            self.scales = torch.zeros((2, self.num_layers) + self.shape[:-1], dtype=torch.float32, device=self.device)
-            self.k_scale, self.v_scale = list(self.scales[0].unbind(0)), list(self.scales[1].unbind(0))
+        # both allocations before either is kept: `wake_up` retries an out-of-memory error, which must not leave values
+        # without their scales
+        buffer = torch.zeros((2, self.num_layers) + self.shape, dtype=self.dtype, device=self.device)
+        scales = (torch.zeros((2, self.num_layers) + self.shape[:-1], dtype=torch.float32, device=self.device)
+                  if self.quantized else None)
+        self.buffer, self.scales = buffer, scales
+        self.k, self.v = list(buffer[0].unbind(0)), list(buffer[1].unbind(0))
+        if scales is not None:
+            self.k_scale, self.v_scale = list(scales[0].unbind(0)), list(scales[1].unbind(0))
 
     def free(self) -> None:
         self.k, self.v, self.buffer = [], [], None

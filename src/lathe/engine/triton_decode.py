@@ -14,8 +14,10 @@ normalised (the last split's merge when there are several).
 
 An FP8 cache (`kv_cache`'s module doc; `scales` = its per-token, per-head float32 scales): each tile's K and V load
 as e4m3, convert exactly to q's dtype, and their scales multiply the tile's scores (K) and probabilities (V) in
-float32 before the products: q . (s_k k) = s_k (q . k) and sum p s_v v = sum (p s_v) v. The step's own token (`new_kv`)
-is quantised as `triton_store` quantises it.
+float32 before the products: q . (s_k k) = s_k (q . k) and sum p s_v v = sum (p s_v) v. In float16 V's tile takes its
+scales instead (s_v v, as `paged_attention` dequantises): p s_v of a small V row (scales of 1e-6 and less) would lie
+in float16's subnormals, which keep a few bits of a probability or none. The step's own token (`new_kv`) is
+quantised as `triton_store` quantises it.
 
 `paged_decode` is the public entry; `lathe.engine.paged_attention.decode_attention` is the PyTorch
 reference it must match (tests run this kernel in Triton's interpreter on CPU).
@@ -144,7 +146,10 @@ if triton is not None:
             v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
             if KV_FP8:
                 v_s = tl.load(VS + s_off, mask=n_ok, other=0.0)
-                pv = tl.dot((p * v_s[None, :]).to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
+                if Q.dtype.element_ty == tl.float16:    # p x s_v would fall into float16's subnormals: scale V
+                    pv = tl.dot(p.to(tl.float16), (v.to(tl.float32) * v_s[:, None]).to(tl.float16))
+                else:
+                    pv = tl.dot((p * v_s[None, :]).to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv.to(tl.float32)

@@ -49,6 +49,11 @@ class Rollout:
             raise ValueError(f"actor_rollout_ref.rollout.quantization={rollout_cfg.quantization} quantises lathe's "
                              f"engine, but this policy generates with transformers (see the 'rollout:' log line). "
                              "Fix: set actor_rollout_ref.rollout.quantization=null.")
+        kv_dtype = getattr(rollout_cfg, "kv_cache_dtype", "auto")
+        if kv_dtype != "auto" and self.name != "lathe":
+            raise ValueError(f"actor_rollout_ref.rollout.kv_cache_dtype={kv_dtype} is lathe's engine's FP8 KV cache, "
+                             "but this policy generates with transformers (see the 'rollout:' log line). Fix: set "
+                             "actor_rollout_ref.rollout.kv_cache_dtype=auto (and no engine_kwargs kv_cache_dtype).")
         self.eos_ids = eos_token_ids(tokenizer, loaded)
         self.hf_model = None if self.name == "lathe" else loaded    # lathe's engine: the transformers module is dropped
         fp8 = actor.arr.actor.fsdp_config.fp8_training

@@ -292,6 +292,27 @@ def test_first_drafts_are_the_mtp_layers_prediction(mimo, setting):
     assert len(seen) > 20
 
 
+def test_wake_up_budget_counts_the_draft_cache(mimo, monkeypatch):
+    """`wake_up` takes the kept cache back only while `gpu_memory_utilization` holds it (`_blocks_within_utilization`):
+    the blocks it allows, each with its main and its draft-layer entries (the scratch block too), fit the budget; and
+    rollout/kv_cache_gb reports both caches."""
+    from lathe.engine import llm_engine
+    from lathe.engine.kv_cache import KVCache
+    from lathe.engine.mtp_draft import MtpDrafter
+    engine = _engine(mimo[0], 2)
+    total, allocated, utilization = 1 << 30, 100 << 20, 0.5
+    monkeypatch.setattr(llm_engine.accel, "total_memory", lambda device: total)
+    monkeypatch.setattr(llm_engine.accel, "memory_allocated", lambda device: allocated)
+    engine._auto_size = (4, utilization, 8)
+    blocks = engine._blocks_within_utilization()
+    per_block = engine.kv_cache.nbytes // engine.kv_cache.shape[0] + MtpDrafter.bytes_per_block(engine.model, 4)
+    assert per_block > engine.kv_cache.nbytes // engine.kv_cache.shape[0] == KVCache.bytes_per_block(
+        engine.kv_cache.num_layers, 4, *engine.kv_cache.shape[2:], engine.kv_dtype)
+    assert (blocks + 1) * per_block <= total * utilization - allocated < (blocks + 2) * per_block
+    out = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1))       # (the draft cache too)
+    assert out.metrics["rollout/kv_cache_gb"] * 2**30 == engine.kv_cache.nbytes + engine.drafter.cache.nbytes
+
+
 # ---- tensor-parallel replicas --------------------------------------------------------------------------------------
 
 

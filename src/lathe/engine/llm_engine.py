@@ -314,7 +314,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                              finish_reasons=[s.finish_reason for s in seqs],
                              metrics={"rollout/num_preemptions": self.scheduler.num_preemptions - preempted,
                                       "rollout/kv_cache_blocks": self.kv_cache.num_blocks,
-                                      "rollout/kv_cache_gb": self.kv_cache.nbytes / 2**30,
+                                      "rollout/kv_cache_gb": (self.kv_cache.nbytes + (
+                                          self.drafter.cache.nbytes if self.drafter is not None else 0)) / 2**30,
                                       "rollout/graph_captures": (graphs.captures if graphs else 0) - captured[0],
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
                                       - captured[1],
@@ -553,9 +554,12 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
 
     def _blocks_within_utilization(self) -> int:
         """The blocks `gpu_memory_utilization` leaves room for beside the memory allocated now (the allocator's
-        accounting alone; `_default_num_blocks` also asks the driver, after emptying the allocator's cache)."""
+        accounting alone; `_default_num_blocks` also asks the driver, after emptying the allocator's cache). A block
+        of a speculative engine also takes the draft layer's entries (its cache has as many blocks)."""
         device, utilization = self.model.device, self._auto_size[1]
         per_block = self.kv_cache.nbytes // self.kv_cache.shape[0]
+        if self.drafter is not None:
+            per_block += self.drafter.cache.nbytes // self.drafter.cache.shape[0]
         return int((accel.total_memory(device) * utilization - accel.memory_allocated(device)) // per_block) - 1
 
     def wake_up(self) -> None:

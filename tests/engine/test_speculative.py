@@ -63,9 +63,9 @@ def _cells(points):
 
 def test_accept_drafts_output_distribution_is_the_targets_exactly():
     """Two drafts over a 5-token vocabulary, a sampled row and a greedy (one-hot) row: the probability of each
-    outcome (accepted drafts, emitted token) integrated exactly over the uniforms (accept_drafts is piecewise
-    constant in them: the cells between its thresholds) equals the formula's, in float64 (module doc of
-    lathe.engine.speculative); so does each emitted position's marginal, the target's p."""
+    outcome (accepted drafts, emitted token) integrated exactly over the three positions' uniforms (accept_drafts is
+    piecewise constant in them: the cells between each position's CDF values) equals standard speculative sampling's,
+    in float64 (module doc of lathe.engine.speculative); so does each emitted position's marginal, the target's p."""
     gen = torch.Generator().manual_seed(0)
     v, k = 5, 2
     sampled = torch.softmax(torch.randn(k + 1, v, generator=gen, dtype=torch.float64) * 1.5, -1)
@@ -75,20 +75,15 @@ def test_accept_drafts_output_distribution_is_the_targets_exactly():
                           (greedy, [3, 2]), (greedy, [3, 1])]:
         p = probs.numpy()
         d = drafts
-        cuts = [p[0, d[0]], p[1, d[1]]]
-        residual_cdfs = [np.cumsum(np.where(np.arange(v) == d[j], 0, p[j])) / max(1e-300, 1 - p[j, d[j]])
-                         for j in range(k)] + [np.cumsum(p[k])]
-        ua, wa = _cells(cuts)
-        us, ws = _cells(np.concatenate(residual_cdfs))
-        grid = np.array(list(itertools.product(range(len(ua)), range(len(ua)), range(len(us)))))
-        weight = wa[grid[:, 0]] * wa[grid[:, 1]] * ws[grid[:, 2]]
+        cells = [_cells(np.cumsum(p[j])) for j in range(k + 1)]
+        grid = np.array(list(itertools.product(*(range(len(c[0])) for c in cells))))
+        weight = np.prod([cells[j][1][grid[:, j]] for j in range(k + 1)], axis=0)
         b = len(grid)
         n, tok = accept_drafts(probs.expand(b, k + 1, v), torch.tensor([d] * b), torch.full((b,), k),
-                               torch.tensor(np.stack([ua[grid[:, 0]], ua[grid[:, 1]]], 1)),
-                               torch.tensor(us[grid[:, 2]])[:, None].expand(b, k + 1))
+                               torch.tensor(np.stack([cells[j][0][grid[:, j]] for j in range(k + 1)], 1)))
         got = np.zeros((k + 1, v))
         np.add.at(got, (n.numpy(), tok.numpy()), weight)
-        want = np.zeros((k + 1, v))         # P(n accepted, token x) from the formula
+        want = np.zeros((k + 1, v))         # P(n accepted, token x): accept d with p(d), else the residual
         reach = 1.0
         for j in range(k):
             rest = 1 - p[j, d[j]]
@@ -103,16 +98,17 @@ def test_accept_drafts_output_distribution_is_the_targets_exactly():
         assert_close_rel(first, p[0], 1e-12, "first token's marginal")
 
 
-def test_accept_drafts_respects_num_drafts_and_an_empty_residual():
+def test_accept_drafts_respects_num_drafts_and_draws_as_the_sampler():
     probs = torch.tensor([[[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]]])
     # no draft: the token is drawn from p_0 (inverse CDF at 0.5 -> token 1)
-    n, tok = accept_drafts(probs, torch.tensor([[-1]]), torch.tensor([0]), torch.tensor([[0.0]]),
-                           torch.tensor([[0.5, 0.5]]))
+    n, tok = accept_drafts(probs, torch.tensor([[-1]]), torch.tensor([0]), torch.tensor([[0.5, 0.5]]))
     assert n.tolist() == [0] and tok.tolist() == [1]
     # p_0(d) = 1: always accepted, then the bonus from p_1
-    n, tok = accept_drafts(probs, torch.tensor([[1]]), torch.tensor([1]), torch.tensor([[0.999]]),
-                           torch.tensor([[0.0, 0.9]]))
+    n, tok = accept_drafts(probs, torch.tensor([[1]]), torch.tensor([1]), torch.tensor([[0.999, 0.9]]))
     assert n.tolist() == [1] and tok.tolist() == [2]
+    # a rejected draft: the emitted token is the position's own draw (what the plain sampler draws there)
+    n, tok = accept_drafts(probs[:, [1, 1]], torch.tensor([[2]]), torch.tensor([1]), torch.tensor([[0.3, 0.9]]))
+    assert n.tolist() == [0] and tok.tolist() == [1]
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------------
@@ -212,6 +208,25 @@ def test_sampling_with_a_perfect_draft_is_reproducible_and_accepts(mimo):
     alone = _engine(path, 3, model=model).generate(PROMPTS[2:3], params, first_index=4)
     assert alone.token_ids == both.token_ids[4:6]
     assert both.metrics["rollout/spec_accepted_tokens"] > 0
+
+
+def test_sampled_tokens_do_not_depend_on_preemption_or_drafts(mimo):
+    """Sampling with a sharpened perfect draft (most drafts accepted, runs of accepted drafts and bonus tokens): the
+    same seed samples the same tokens with a roomy cache, with a cache small enough to preempt (a readmitted sequence
+    resumes mid-response), and in the non-speculative engine (each emitted token is its position's inverse-CDF draw,
+    whatever the drafts: `accept_drafts`)."""
+    path, _ = mimo
+    model = _perfect_draft(path)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_tokens=14, seed=7)
+    plain = _engine(path, 0, model=model).generate(PROMPTS, params)
+    roomy = _engine(path, 2, model=model).generate(PROMPTS, params)
+    tight = _engine(path, 2, model=model, num_kv_blocks=14, reserve_new_tokens=False).generate(PROMPTS, params)
+    assert tight.metrics["rollout/num_preemptions"] > 0 and roomy.metrics["rollout/spec_accept_rate"] > 0.2
+    assert tight.token_ids == roomy.token_ids
+    assert roomy.token_ids == plain.token_ids
+    assert_close_rel(roomy.logprobs, plain.logprobs, 1e-5, "log-probs")
 
 
 def test_preemption_recomputes_and_matches(mimo):

@@ -328,6 +328,29 @@ def test_wake_up_budget_counts_the_draft_cache(mimo, monkeypatch):
     assert out.metrics["rollout/kv_cache_gb"] * 2**30 == engine.kv_cache.nbytes + engine.drafter.cache.nbytes
 
 
+def test_wake_up_recovers_when_the_kept_memory_does_not_hold_the_draft_cache(mimo):
+    """`sleep` kept the allocator's memory (`_cache_kept`) and the main cache fits back there, the draft layer's cache
+    does not (out of memory): as when the main cache does not fit, both are released and taken again, and the engine
+    generates."""
+    engine = _engine(mimo[0], 2)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = engine.generate(PROMPTS, params).token_ids
+    engine.sleep()
+    engine._cache_kept = True
+    cache, calls = engine.drafter.cache, []
+    allocate = cache.allocate
+
+    def once_out_of_memory():
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("test: the allocator's cached memory is spent")
+        allocate()
+    cache.allocate = once_out_of_memory
+    engine.wake_up()
+    assert len(calls) == 2 and cache.allocated and cache.shape[0] == engine.kv_cache.shape[0]
+    assert engine.generate(PROMPTS, params).token_ids == want
+
+
 # ---- tensor-parallel replicas --------------------------------------------------------------------------------------
 
 

@@ -523,9 +523,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._inflight = None
         self.block_manager.reset()
         self._kv_address = self._addresses()
-        self.kv_cache.free()
-        if self.drafter is not None:
-            self.drafter.cache.free()
+        self._free_kv()
         if self.states is not None:             # a hybrid model's linear-attention states go too
             self.states.free_memory()
         device = self.model.device
@@ -541,6 +539,12 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
             self._cache_kept = False
         if not self._cache_kept:
             self._release_memory()
+
+    def _free_kv(self) -> None:
+        """Free the KV cache and a speculative engine's draft-layer cache."""
+        self.kv_cache.free()
+        if self.drafter is not None:
+            self.drafter.cache.free()
 
     def _addresses(self) -> tuple:
         """Where the decode graphs' device memory lives: the KV cache and a hybrid model's linear-attention states
@@ -580,11 +584,14 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if kept and (self._auto_size is None or self._blocks_within_utilization() >= self.kv_cache.num_blocks):
             try:
                 self.kv_cache.allocate()
+                if self.drafter is not None:        # (the draft layer's cache too, or both are sized again)
+                    self.drafter.cache.allocate()
             except torch.OutOfMemoryError:
+                self._free_kv()
                 logger.info("engine: the allocator's cached memory did not hold the KV cache; releasing it")
         # a rank of a tensor-parallel replica that sizes its cache again makes them all do it, to the same size
         if self.tp.size > 1 and not self.tp.min_int(int(self.kv_cache.allocated)) and self.kv_cache.allocated:
-            self.kv_cache.free()
+            self._free_kv()
         if not self.kv_cache.allocated:
             if kept:
                 self._release_memory()

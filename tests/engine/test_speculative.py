@@ -263,6 +263,23 @@ def test_streamed_requests_with_an_interrupt_and_weight_load(mimo):
     assert "rollout/spec_accept_rate" in done["r"].metrics
 
 
+def test_prefix_hit_tokens_count_the_cached_prompt_tokens(mimo):
+    """A prompt streamed twice: the second finds its two full blocks in the prefix cache, and
+    rollout/prefix_hit_tokens (the agent loop's agent/prefix_hit_rate) counts them as the plain engine does, though the
+    speculative engine recomputes the last one's hidden state (`BlockManager.hit_overlap`)."""
+    path, _ = mimo
+    model = load_lathe_model(path, torch.float32)
+    for k in (0, 2):
+        engine = _engine(path, k, model=model)
+        for request in range(2):
+            engine.add_request(request, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4))
+            done = {}
+            while engine.has_unfinished_requests():
+                engine.step()
+                done.update(engine.pop_finished())
+        assert done[1].metrics["rollout/prefix_hit_tokens"] == 8, k
+
+
 def test_refusals(mimo, tmp_path):
     from models.lathe_tiny import save_hf
     path, _ = save_hf(tmp_path, "qwen2")

@@ -63,9 +63,9 @@ def _cells(points):
 
 def test_accept_drafts_output_distribution_is_the_targets_exactly():
     """Two drafts over a 5-token vocabulary, a sampled row and a greedy (one-hot) row: the probability of each
-    outcome (accepted drafts, emitted token) integrated exactly over the uniforms (accept_drafts is piecewise
-    constant in them: the cells between its thresholds) equals the formula's, in float64 (module doc of
-    lathe.engine.speculative); so does each emitted position's marginal, the target's p."""
+    outcome (accepted drafts, emitted token) integrated exactly over the three positions' uniforms (accept_drafts is
+    piecewise constant in them: the cells between each position's CDF values) equals standard speculative sampling's,
+    in float64 (module doc of lathe.engine.speculative); so does each emitted position's marginal, the target's p."""
     gen = torch.Generator().manual_seed(0)
     v, k = 5, 2
     sampled = torch.softmax(torch.randn(k + 1, v, generator=gen, dtype=torch.float64) * 1.5, -1)
@@ -75,20 +75,15 @@ def test_accept_drafts_output_distribution_is_the_targets_exactly():
                           (greedy, [3, 2]), (greedy, [3, 1])]:
         p = probs.numpy()
         d = drafts
-        cuts = [p[0, d[0]], p[1, d[1]]]
-        residual_cdfs = [np.cumsum(np.where(np.arange(v) == d[j], 0, p[j])) / max(1e-300, 1 - p[j, d[j]])
-                         for j in range(k)] + [np.cumsum(p[k])]
-        ua, wa = _cells(cuts)
-        us, ws = _cells(np.concatenate(residual_cdfs))
-        grid = np.array(list(itertools.product(range(len(ua)), range(len(ua)), range(len(us)))))
-        weight = wa[grid[:, 0]] * wa[grid[:, 1]] * ws[grid[:, 2]]
+        cells = [_cells(np.cumsum(p[j])) for j in range(k + 1)]
+        grid = np.array(list(itertools.product(*(range(len(c[0])) for c in cells))))
+        weight = np.prod([cells[j][1][grid[:, j]] for j in range(k + 1)], axis=0)
         b = len(grid)
         n, tok = accept_drafts(probs.expand(b, k + 1, v), torch.tensor([d] * b), torch.full((b,), k),
-                               torch.tensor(np.stack([ua[grid[:, 0]], ua[grid[:, 1]]], 1)),
-                               torch.tensor(us[grid[:, 2]])[:, None].expand(b, k + 1))
+                               torch.tensor(np.stack([cells[j][0][grid[:, j]] for j in range(k + 1)], 1)))
         got = np.zeros((k + 1, v))
         np.add.at(got, (n.numpy(), tok.numpy()), weight)
-        want = np.zeros((k + 1, v))         # P(n accepted, token x) from the formula
+        want = np.zeros((k + 1, v))         # P(n accepted, token x): accept d with p(d), else the residual
         reach = 1.0
         for j in range(k):
             rest = 1 - p[j, d[j]]
@@ -103,16 +98,17 @@ def test_accept_drafts_output_distribution_is_the_targets_exactly():
         assert_close_rel(first, p[0], 1e-12, "first token's marginal")
 
 
-def test_accept_drafts_respects_num_drafts_and_an_empty_residual():
+def test_accept_drafts_respects_num_drafts_and_draws_as_the_sampler():
     probs = torch.tensor([[[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]]])
     # no draft: the token is drawn from p_0 (inverse CDF at 0.5 -> token 1)
-    n, tok = accept_drafts(probs, torch.tensor([[-1]]), torch.tensor([0]), torch.tensor([[0.0]]),
-                           torch.tensor([[0.5, 0.5]]))
+    n, tok = accept_drafts(probs, torch.tensor([[-1]]), torch.tensor([0]), torch.tensor([[0.5, 0.5]]))
     assert n.tolist() == [0] and tok.tolist() == [1]
     # p_0(d) = 1: always accepted, then the bonus from p_1
-    n, tok = accept_drafts(probs, torch.tensor([[1]]), torch.tensor([1]), torch.tensor([[0.999]]),
-                           torch.tensor([[0.0, 0.9]]))
+    n, tok = accept_drafts(probs, torch.tensor([[1]]), torch.tensor([1]), torch.tensor([[0.999, 0.9]]))
     assert n.tolist() == [1] and tok.tolist() == [2]
+    # a rejected draft: the emitted token is the position's own draw (what the plain sampler draws there)
+    n, tok = accept_drafts(probs[:, [1, 1]], torch.tensor([[2]]), torch.tensor([1]), torch.tensor([[0.3, 0.9]]))
+    assert n.tolist() == [0] and tok.tolist() == [1]
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------------
@@ -214,6 +210,25 @@ def test_sampling_with_a_perfect_draft_is_reproducible_and_accepts(mimo):
     assert both.metrics["rollout/spec_accepted_tokens"] > 0
 
 
+def test_sampled_tokens_do_not_depend_on_preemption_or_drafts(mimo):
+    """Sampling with a sharpened perfect draft (most drafts accepted, runs of accepted drafts and bonus tokens): the
+    same seed samples the same tokens with a roomy cache, with a cache small enough to preempt (a readmitted sequence
+    resumes mid-response), and in the non-speculative engine (each emitted token is its position's inverse-CDF draw,
+    whatever the drafts: `accept_drafts`)."""
+    path, _ = mimo
+    model = _perfect_draft(path)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_tokens=14, seed=7)
+    plain = _engine(path, 0, model=model).generate(PROMPTS, params)
+    roomy = _engine(path, 2, model=model).generate(PROMPTS, params)
+    tight = _engine(path, 2, model=model, num_kv_blocks=14, reserve_new_tokens=False).generate(PROMPTS, params)
+    assert tight.metrics["rollout/num_preemptions"] > 0 and roomy.metrics["rollout/spec_accept_rate"] > 0.2
+    assert tight.token_ids == roomy.token_ids
+    assert roomy.token_ids == plain.token_ids
+    assert_close_rel(roomy.logprobs, plain.logprobs, 1e-5, "log-probs")
+
+
 def test_preemption_recomputes_and_matches(mimo):
     path, _ = mimo
     params = SamplingParams(n=2, temperature=0, max_tokens=14)
@@ -246,6 +261,23 @@ def test_streamed_requests_with_an_interrupt_and_weight_load(mimo):
     done.update(engine.pop_finished())
     assert done["r"].token_ids == base.token_ids
     assert "rollout/spec_accept_rate" in done["r"].metrics
+
+
+def test_prefix_hit_tokens_count_the_cached_prompt_tokens(mimo):
+    """A prompt streamed twice: the second finds its two full blocks in the prefix cache, and
+    rollout/prefix_hit_tokens (the agent loop's agent/prefix_hit_rate) counts them as the plain engine does, though the
+    speculative engine recomputes the last one's hidden state (`BlockManager.hit_overlap`)."""
+    path, _ = mimo
+    model = load_lathe_model(path, torch.float32)
+    for k in (0, 2):
+        engine = _engine(path, k, model=model)
+        for request in range(2):
+            engine.add_request(request, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4))
+            done = {}
+            while engine.has_unfinished_requests():
+                engine.step()
+                done.update(engine.pop_finished())
+        assert done[1].metrics["rollout/prefix_hit_tokens"] == 8, k
 
 
 def test_refusals(mimo, tmp_path):
@@ -290,6 +322,50 @@ def test_first_drafts_are_the_mtp_layers_prediction(mimo, setting):
         mtp = mtp_stream(model, hidden, ids, pos, cu, PackedAttention(cu, n, model.packed_backend()))[0]
         assert int(model.lm_head(mtp[n - 2]).argmax()) == first
     assert len(seen) > 20
+
+
+def test_wake_up_budget_counts_the_draft_cache(mimo, monkeypatch):
+    """`wake_up` takes the kept cache back only while `gpu_memory_utilization` holds it (`_blocks_within_utilization`):
+    the blocks it allows, each with its main and its draft-layer entries (the scratch block too), fit the budget; and
+    rollout/kv_cache_gb reports both caches."""
+    from lathe.engine import llm_engine
+    from lathe.engine.kv_cache import KVCache
+    from lathe.engine.mtp_draft import MtpDrafter
+    engine = _engine(mimo[0], 2)
+    total, allocated, utilization = 1 << 30, 100 << 20, 0.5
+    monkeypatch.setattr(llm_engine.accel, "total_memory", lambda device: total)
+    monkeypatch.setattr(llm_engine.accel, "memory_allocated", lambda device: allocated)
+    engine._auto_size = (4, utilization, 8)
+    blocks = engine._blocks_within_utilization()
+    per_block = engine.kv_cache.nbytes // engine.kv_cache.shape[0] + MtpDrafter.bytes_per_block(engine.model, 4)
+    assert per_block > engine.kv_cache.nbytes // engine.kv_cache.shape[0] == KVCache.bytes_per_block(
+        engine.kv_cache.num_layers, 4, *engine.kv_cache.shape[2:], engine.kv_dtype)
+    assert (blocks + 1) * per_block <= total * utilization - allocated < (blocks + 2) * per_block
+    out = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1))       # (the draft cache too)
+    assert out.metrics["rollout/kv_cache_gb"] * 2**30 == engine.kv_cache.nbytes + engine.drafter.cache.nbytes
+
+
+def test_wake_up_recovers_when_the_kept_memory_does_not_hold_the_draft_cache(mimo):
+    """`sleep` kept the allocator's memory (`_cache_kept`) and the main cache fits back there, the draft layer's cache
+    does not (out of memory): as when the main cache does not fit, both are released and taken again, and the engine
+    generates."""
+    engine = _engine(mimo[0], 2)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = engine.generate(PROMPTS, params).token_ids
+    engine.sleep()
+    engine._cache_kept = True
+    cache, calls = engine.drafter.cache, []
+    allocate = cache.allocate
+
+    def once_out_of_memory():
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("test: the allocator's cached memory is spent")
+        allocate()
+    cache.allocate = once_out_of_memory
+    engine.wake_up()
+    assert len(calls) == 2 and cache.allocated and cache.shape[0] == engine.kv_cache.shape[0]
+    assert engine.generate(PROMPTS, params).token_ids == want
 
 
 # ---- tensor-parallel replicas --------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ class BlockManager:
         seq.num_kv_cached = cached
         seq.num_cached_tokens = min(max(0, cached - self.hit_overlap), len(seq) - 1)
         if seq.num_deallocations == 0:          # its first allocation: how much of its prompt the cache held
-            seq.num_prefix_hit_tokens = seq.num_cached_tokens
+            seq.num_prefix_hit_tokens = min(cached, len(seq) - 1)      # (recomputed overlap included)
         seq.tail_private = False
 
     def deallocate(self, seq: Sequence) -> None:

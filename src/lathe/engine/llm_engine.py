@@ -314,7 +314,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                              finish_reasons=[s.finish_reason for s in seqs],
                              metrics={"rollout/num_preemptions": self.scheduler.num_preemptions - preempted,
                                       "rollout/kv_cache_blocks": self.kv_cache.num_blocks,
-                                      "rollout/kv_cache_gb": self.kv_cache.nbytes / 2**30,
+                                      "rollout/kv_cache_gb": (self.kv_cache.nbytes + (
+                                          self.drafter.cache.nbytes if self.drafter is not None else 0)) / 2**30,
                                       "rollout/graph_captures": (graphs.captures if graphs else 0) - captured[0],
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
                                       - captured[1],
@@ -522,9 +523,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._inflight = None
         self.block_manager.reset()
         self._kv_address = self._addresses()
-        self.kv_cache.free()
-        if self.drafter is not None:
-            self.drafter.cache.free()
+        self._free_kv()
         if self.states is not None:             # a hybrid model's linear-attention states go too
             self.states.free_memory()
         device = self.model.device
@@ -541,6 +540,12 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if not self._cache_kept:
             self._release_memory()
 
+    def _free_kv(self) -> None:
+        """Free the KV cache and a speculative engine's draft-layer cache."""
+        self.kv_cache.free()
+        if self.drafter is not None:
+            self.drafter.cache.free()
+
     def _addresses(self) -> tuple:
         """Where the decode graphs' device memory lives: the KV cache and a hybrid model's linear-attention states
         (graphs captured against them are kept across a sleep only when both come back there)."""
@@ -553,9 +558,12 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
 
     def _blocks_within_utilization(self) -> int:
         """The blocks `gpu_memory_utilization` leaves room for beside the memory allocated now (the allocator's
-        accounting alone; `_default_num_blocks` also asks the driver, after emptying the allocator's cache)."""
+        accounting alone; `_default_num_blocks` also asks the driver, after emptying the allocator's cache). A block
+        of a speculative engine also takes the draft layer's entries (its cache has as many blocks)."""
         device, utilization = self.model.device, self._auto_size[1]
         per_block = self.kv_cache.nbytes // self.kv_cache.shape[0]
+        if self.drafter is not None:
+            per_block += self.drafter.cache.nbytes // self.drafter.cache.shape[0]
         return int((accel.total_memory(device) * utilization - accel.memory_allocated(device)) // per_block) - 1
 
     def wake_up(self) -> None:
@@ -576,11 +584,14 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if kept and (self._auto_size is None or self._blocks_within_utilization() >= self.kv_cache.num_blocks):
             try:
                 self.kv_cache.allocate()
+                if self.drafter is not None:        # (the draft layer's cache too, or both are sized again)
+                    self.drafter.cache.allocate()
             except torch.OutOfMemoryError:
+                self._free_kv()
                 logger.info("engine: the allocator's cached memory did not hold the KV cache; releasing it")
         # a rank of a tensor-parallel replica that sizes its cache again makes them all do it, to the same size
         if self.tp.size > 1 and not self.tp.min_int(int(self.kv_cache.allocated)) and self.kv_cache.allocated:
-            self.kv_cache.free()
+            self._free_kv()
         if not self.kv_cache.allocated:
             if kept:
                 self._release_memory()

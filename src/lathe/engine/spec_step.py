@@ -190,10 +190,8 @@ class SpeculativeMixin:
         device = logits.device
         padded = probs[to_device(torch.tensor(index), device)].view(len(seqs), k + 1, -1)
         draft_ids = torch.tensor([d + [-1] * (k - len(d)) for d in drafts], dtype=torch.int64).view(len(seqs), k)
-        u_accept, u_sample = verify_uniforms(seqs, k)
         n, token = accept_drafts(padded, to_device(draft_ids, device), to_device(torch.tensor(ks), device),
-                                 to_device(torch.from_numpy(u_accept), device),
-                                 to_device(torch.from_numpy(u_sample), device))
+                                 to_device(torch.from_numpy(verify_uniforms(seqs, k)), device))
         n, token = n.tolist(), token.tolist()
         temps = to_device(torch.tensor([p.logprob_temperature for p in params]), device)[:, None]
         chosen, start = [], 0

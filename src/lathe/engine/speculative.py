@@ -3,21 +3,23 @@
 A verify step scores a sequence's last token and its `k` draft tokens d_1..d_k (`mtp_draft.py`) in one forward: row
 j of its logits is the target's distribution p_j of the token after d_j (row 0: after the last committed token). The
 draft is deterministic (the MTP head's argmax: SGLang's EAGLE with `speculative_eagle_topk=1`, vLLM's `method=mtp`),
-so standard speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318) with
-a one-point draft distribution reads:
+so speculative sampling with a one-point draft distribution (Leviathan et al. 2023, arXiv:2211.17192; Chen et al.
+2023, arXiv:2302.01318) accepts d_j with probability p_{j-1}(d_j), and at the first rejection emits a token from p_{j-1}
+with d_j's mass removed. lathe draws that by coupling: at each position j it draws x_j from p_j by inverse CDF with
+the uniform `uniforms(seed, t_j)` of its output position t_j, exactly as the non-speculative sampler draws there, and
 
-    for j = 1..k:  accept d_j with probability p_{j-1}(d_j)            (u_j < p_{j-1}(d_j), u_j uniform)
-                   else emit a token from  r(x) = p_{j-1}(x) [x != d_j] / (1 - p_{j-1}(d_j))  and stop
-    all k accepted: emit a token from p_k (the "bonus" token)
+    for j = 1..k:  accept d_j when x_{j-1} = d_j  (probability p_{j-1}(d_j)), else emit x_{j-1} and stop
+    all k accepted: emit x_k (the "bonus" token)
 
-Each emitted token is distributed exactly as p at its position: P(x) = [x = d] p(d) + (1 - p(d)) r(x) = p(x). The p
-here is what lathe's sampler draws from (`sampler.sample_torch`): the stop ids banned before `min_tokens`, the logits
-divided by the temperature, top-k then top-p, softmax; greedy rows (temperature 0) are one-hot at the argmax, so a
-draft is accepted exactly when it is the greedy token and the emitted token is always the greedy one: greedy output
-equals non-speculative greedy output token for token. The emitted token is drawn by inverse CDF from the uniform
-`uniforms(seed, t)` of its output position t, as the non-speculative sampler draws (the acceptance tests take a
-second stream, `uniforms(seed ^ ACCEPT_SALT, t)`), so a sequence's samples depend only on its seed, its tokens and
-the drafts, never on its batch.
+Given a rejection, x_{j-1} is distributed as p_{j-1} restricted to x != d_j and renormalised: the standard rule's
+residual, so the outcomes (accepted drafts, emitted token) have the standard rule's distribution, and each emitted
+token is distributed exactly as p at its position. The p here is what lathe's sampler draws from
+(`sampler.sample_torch`): the stop ids banned before `min_tokens`, the logits divided by the temperature, top-k then
+top-p, softmax; greedy rows (temperature 0) are one-hot at the argmax, so a draft is accepted exactly when it is the
+greedy token and the emitted token is always the greedy one. Since every token is its position's own inverse-CDF draw,
+whatever the drafts were, a sequence samples the tokens the non-speculative engine samples with the same seed (up to
+the last bits of the logits, which the verify forward computes in another form), independently of its batch, of
+preemption and of the draft layer: the drafts only decide how many tokens a step emits.
 
 The log-prob returned with each token is the non-speculative sampler's: `log_softmax(logits / T)` of the verify
 forward's row for that position, over the full vocabulary (T = 1 for greedy).
@@ -32,43 +34,26 @@ from lathe.device import to_device
 from lathe.engine.sampler import apply_top_k_top_p, uniforms
 from lathe.engine.sequence import Sequence, SequenceParams
 
-ACCEPT_SALT = 0x5DEECE66D      # the acceptance tests' uniform stream: uniforms(seed ^ ACCEPT_SALT, t)
 
-
-def accept_drafts(probs: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, u_accept: torch.Tensor,
-                  u_sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_drafts(probs: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, u_sample: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_accepted (B,), token (B,)): how many leading drafts each row accepts, and the token it emits after them.
 
     `probs` (B, K+1, V): the target's processed distributions p_0..p_K (row j: of the token after draft j); `drafts`
-    (B, K) int64 (entries past `num_drafts[b]` ignored); `num_drafts` (B,) in 0..K; `u_accept` (B, K) and `u_sample`
-    (B, K+1) uniforms in [0, 1): draft j+1 is accepted when u_accept[:, j] < p_j(d_{j+1}); the emitted token at
-    position n = num_accepted is drawn by inverse CDF with u_sample[:, n] from p_n, with the rejected draft's mass
-    removed when n < num_drafts (module doc). A residual that is empty in floating point (p_n(d) rounds to all of the
-    mass) gives the draft itself."""
+    (B, K) int64 (entries past `num_drafts[b]` ignored); `num_drafts` (B,) in 0..K; `u_sample` (B, K+1) uniforms in
+    [0, 1), one per position: x_j is drawn from p_j by inverse CDF with u_sample[:, j] (as `sampler.sample_torch`
+    draws), draft j+1 is accepted when x_j is it, and the token emitted at n = num_accepted is x_n (module doc)."""
     b, k1, v = probs.shape
     k = k1 - 1
-    rows = torch.arange(b, device=probs.device)
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u_sample.to(cdf.dtype) * cdf[..., -1])[..., None], right=True)[..., 0]
+    drawn = drawn.clamp_(max=v - 1)                                     # (B, K+1): x_0..x_K
     if k:
-        chosen = drafts.clamp(min=0)
-        p_draft = probs[:, :k].gather(-1, chosen[..., None])[..., 0]
         live = torch.arange(k, device=probs.device)[None, :] < num_drafts[:, None]
-        accepted = (u_accept.to(p_draft.dtype) < p_draft) & live
-        n = accepted.long().cumprod(-1).sum(-1)
+        n = ((drawn[:, :k] == drafts) & live).long().cumprod(-1).sum(-1)
     else:
         n = torch.zeros(b, dtype=torch.long, device=probs.device)
-    dist = probs[rows, n]                                               # (B, V)
-    rejected = n < num_drafts
-    draft = torch.zeros_like(n)
-    if k:
-        draft = drafts.gather(1, n.clamp(max=k - 1)[:, None])[:, 0].clamp(min=0)
-        dist = dist.clone()
-        dist[rows[rejected], draft[rejected]] = 0
-    cdf = dist.cumsum(-1)
-    total = cdf[:, -1]
-    u = u_sample.gather(1, n[:, None])[:, 0].to(cdf.dtype)
-    token = torch.searchsorted(cdf, (u * total)[:, None], right=True)[:, 0].clamp_(max=v - 1)
-    token = torch.where(rejected & (total <= 0), draft, token)
-    return n, token
+    return n, drawn.gather(1, n[:, None])[:, 0]
 
 
 def target_probs(logits: torch.Tensor, params: list[SequenceParams], banned: list[tuple[int, int]]) -> torch.Tensor:
@@ -100,16 +85,13 @@ def target_probs(logits: torch.Tensor, params: list[SequenceParams], banned: lis
     return probs
 
 
-def verify_uniforms(seqs: list[Sequence], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """((B, K) acceptance uniforms, (B, K+1) sampling uniforms) of a verify step whose rows start at each sequence's
-    next output position (module doc)."""
+def verify_uniforms(seqs: list[Sequence], k: int) -> np.ndarray:
+    """(B, K+1) sampling uniforms of a verify step whose rows start at each sequence's next output position: the
+    non-speculative sampler's `uniforms(seed, t)` (module doc)."""
     seeds = np.repeat([s.seed or 0 for s in seqs], k + 1)
     first = np.array([s.num_output_tokens for s in seqs], dtype=np.int64)
     positions = (first[:, None] + np.arange(k + 1)[None, :]).reshape(-1)
-    salted = [int(x) ^ ACCEPT_SALT for x in seeds]
-    u_sample = uniforms(list(seeds), list(positions)).reshape(len(seqs), k + 1)
-    u_accept = uniforms(salted, list(positions)).reshape(len(seqs), k + 1)[:, :k]
-    return u_accept, u_sample
+    return uniforms(list(seeds), list(positions)).reshape(len(seqs), k + 1)
 
 
 def spec_metrics(seqs: list[Sequence]) -> dict[str, float]:

@@ -386,6 +386,9 @@ def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float |
                                                  for k in steps[-1] if k.startswith("perf/max_memory_allocated_gb/")}}
     row["rollout"] = {k.split("/", 1)[1]: med(k) for k in sorted({k for s in timed for k in s
                                                                    if k.startswith("rollout/")})}
+    # the rollout/trainer log-prob gap and rollout correction's statistics (FP8 rollout or training: issue 48)
+    row["consistency"] = {k: med(k) for k in sorted({k for s in timed for k in s
+                                                     if k.startswith(("training/rollout_probs_diff", "rollout_corr/"))})}
     wake, gb = row["phases_s"].get("rollout_wake_up"), row["rollout"].get("kv_cache_gb")
     if wake is not None and gb:
         row["rollout"]["wake_up_ms_per_gb"] = 1000 * wake / gb

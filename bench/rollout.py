@@ -329,6 +329,21 @@ def bench_model(name: str, device, args) -> dict:
         engine.sleep()
         result["profile_eager_decode"] = engine_profile(lathe, prompts, params, device)
     engine.sleep()
+
+    def arm(engine, key: str, against: str) -> None:
+        """Each load on `engine` as `lathe_<key>` beside the first engine's row, its speed-up as `<key>_speedup`."""
+        for load in args.loads:
+            prompts, params, _ = loads[load]
+            row = result["loads"][load]
+            row[f"lathe_{key}"] = run_lathe(engine, prompts, params, device)
+            row[f"lathe_{key}"].pop("out_lens")
+            row[f"{key}_speedup"] = row[f"lathe_{key}"]["tok_s"] / row["lathe"]["tok_s"]
+            print(f"{name} {load}: {key} {row[f'lathe_{key}']['tok_s']:.0f} tok/s, {row[f'{key}_speedup']:.2f}x "
+                  f"{against}", flush=True)
+            if args.partial_out:
+                args.partial_out(result)
+        engine.sleep()
+
     for kv_dtype in args.kv_cache_dtype[1:]:    # the same model and loads with another KV cache (issue 48's A/B)
         del engine
         torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -337,17 +352,7 @@ def bench_model(name: str, device, args) -> dict:
                                            "kv_cache_gb": engine.kv_cache.nbytes / 2**30,
                                            "decode_backend": engine.runner.decode_backend,
                                            "decode_backend_probe_ms": engine.runner.backend_times}
-        for load in args.loads:
-            prompts, params, _ = loads[load]
-            row = result["loads"][load]
-            row[f"lathe_kv_{kv_dtype}"] = run_lathe(engine, prompts, params, device)
-            row[f"lathe_kv_{kv_dtype}"].pop("out_lens")
-            row[f"kv_{kv_dtype}_speedup"] = row[f"lathe_kv_{kv_dtype}"]["tok_s"] / row["lathe"]["tok_s"]
-            print(f"{name} {load}: kv_cache_dtype={kv_dtype} {row[f'lathe_kv_{kv_dtype}']['tok_s']:.0f} tok/s, "
-                  f"{row[f'kv_{kv_dtype}_speedup']:.2f}x kv_cache_dtype={args.kv_cache_dtype[0]}", flush=True)
-            if args.partial_out:
-                args.partial_out(result)
-        engine.sleep()
+        arm(engine, f"kv_{kv_dtype}", f"kv_cache_dtype={args.kv_cache_dtype[0]}")
     if "fp8" in args.quantizations:       # the same shape and loads with FP8 projections, after the bf16 rows
         del engine, lathe                 # (a model of its own, random like the first, as `lathe train` builds one)
         torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -359,17 +364,7 @@ def bench_model(name: str, device, args) -> dict:
                 torch.cuda.empty_cache() if device.type == "cuda" else None
             engine = new_engine(lathe, "fp8", kv_cache_dtype=kv_dtype)
             result[f"engine_fp8{suffix}"] = {"kv_blocks": engine.kv_cache.num_blocks}
-            for load in args.loads:
-                prompts, params, _ = loads[load]
-                row = result["loads"][load]
-                row[f"lathe_fp8{suffix}"] = run_lathe(engine, prompts, params, device)
-                row[f"lathe_fp8{suffix}"].pop("out_lens")
-                row[f"fp8{suffix}_speedup"] = row[f"lathe_fp8{suffix}"]["tok_s"] / row["lathe"]["tok_s"]
-                print(f"{name} {load}: fp8{suffix} {row[f'lathe_fp8{suffix}']['tok_s']:.0f} tok/s, "
-                      f"{row[f'fp8{suffix}_speedup']:.2f}x bf16", flush=True)
-                if args.partial_out:
-                    args.partial_out(result)
-            engine.sleep()
+            arm(engine, f"fp8{suffix}", "bf16")
     del engine, lathe, hf
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return result

@@ -215,6 +215,19 @@ def qwen_style_tokenizer():
     return tok
 
 
+def worker_ppo_batch(worker, rollout_batch):
+    """A PPO batch for an `ActorRolloutRefWorker`: `rollout_batch`'s 8 rows with old log-probs off the worker's own
+    by noise (so the ratio is not 1), random advantages and the worker's reference log-probs."""
+    batch = rollout_batch(rows=8, seed=1)
+    g = torch.Generator().manual_seed(2)
+    logp = worker.compute_log_prob(batch)["old_log_probs"]
+    mask = batch["response_mask"].float()
+    batch["old_log_probs"] = (logp + 0.3 * torch.randn(mask.shape, generator=g)) * mask
+    batch["advantages"] = torch.randn(mask.shape[0], 1, generator=g).expand(mask.shape) * mask
+    batch["ref_log_prob"] = worker.compute_ref_log_prob(batch)["ref_log_prob"]
+    return batch
+
+
 def plan_of(cfg, device_count: int | None = None, **changes):
     """`lathe.config.run_plan(cfg, device_count)` with some facts replaced: a test that wants a reference (or none)
     whatever the config's KL keys say passes `needs_ref`; one that builds a one-process worker beside the ranks of a

@@ -17,7 +17,7 @@ from lathe.models.hf import build_builtin_model
 from lathe.train import fp8
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-from helpers import plan_of
+from helpers import plan_of, worker_ppo_batch
 
 from .test_parallel import run_ranks, tiny_model, train
 
@@ -35,17 +35,6 @@ def _worker(load_cfg, *overrides, device="cpu", model=None):
     model = model() if model is not None else build_builtin_model("tiny", vocab_size=len(tok), seed=0)
     return ActorRolloutRefWorker(cfg, model, tok, plan=plan_of(cfg, needs_ref=True), total_steps=10,
                                  device=torch.device(device))
-
-
-def _ppo_batch(worker, rollout_batch):
-    batch = rollout_batch(rows=8, seed=1)
-    g = torch.Generator().manual_seed(2)
-    logp = worker.compute_log_prob(batch)["old_log_probs"]
-    mask = batch["response_mask"].float()
-    batch["old_log_probs"] = (logp + 0.3 * torch.randn(mask.shape, generator=g)) * mask
-    batch["advantages"] = torch.randn(mask.shape[0], 1, generator=g).expand(mask.shape) * mask
-    batch["ref_log_prob"] = worker.compute_ref_log_prob(batch)["ref_log_prob"]
-    return batch
 
 
 def _rel(a: float, b: float) -> float:
@@ -76,7 +65,7 @@ def test_an_fp8_update_stays_close_to_the_full_precision_one(load_cfg, rollout_b
     within a few percent of the fp32 one (e4m3 keeps 3 mantissa bits: ~3% per element, averaged over products);
     gradient checkpointing recomputes the FP8 layers alike."""
     ref_worker = _worker(load_cfg)
-    batch = _ppo_batch(ref_worker, rollout_batch)
+    batch = worker_ppo_batch(ref_worker, rollout_batch)
     start = {k: t.clone() for k, t in ref_worker.model.state_dict().items()}
     ref = ref_worker.update_actor(batch)
     with fp8.emulated():
@@ -97,7 +86,7 @@ def test_a_checkpoint_saved_under_fp8_loads_without_it_and_the_rollout_gets_plai
                                                                                         tmp_path):
     with fp8.emulated():
         worker = _worker(load_cfg, f"{KEY}=tensorwise")
-        worker.update_actor(_ppo_batch(worker, rollout_batch))
+        worker.update_actor(worker_ppo_batch(worker, rollout_batch))
         worker.sync_weights()
         worker.save_checkpoint(tmp_path / "actor")
     engine = worker.rollout.backend.model
@@ -228,7 +217,7 @@ def test_fp8_update_on_a_gpu(load_cfg, rollout_batch):
     gpu = ("actor_rollout_ref.rollout.gpu_memory_utilization=0.2", "data.max_prompt_length=24",
            "data.max_response_length=12")
     ref_worker = _worker(load_cfg, *gpu, device="cuda", model=_wide_model)
-    batch = _ppo_batch(ref_worker, rollout_batch)
+    batch = worker_ppo_batch(ref_worker, rollout_batch)
     ref = ref_worker.update_actor(batch)
     worker = _worker(load_cfg, *gpu, f"{KEY}=tensorwise", device="cuda", model=_wide_model)
     assert fp8.is_converted(worker.model) and not fp8.is_converted(worker.rollout.backend.model)

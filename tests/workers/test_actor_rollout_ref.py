@@ -9,10 +9,9 @@ from lathe.data.builtin import builtin_tokenizer
 from lathe.generation import SamplingParams
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import build_builtin_model
-from lathe.generation import SamplingParams
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-from helpers import assert_close_rel, plan_of
+from helpers import assert_close_rel, plan_of, worker_ppo_batch
 
 
 def _worker(load_cfg, *overrides, model=None, need_ref=True):
@@ -22,17 +21,6 @@ def _worker(load_cfg, *overrides, model=None, need_ref=True):
     model = model if model is not None else build_builtin_model("tiny", vocab_size=len(tok), seed=0)
     return ActorRolloutRefWorker(cfg, model, tok, plan=plan_of(cfg, needs_ref=need_ref), total_steps=10,
                                  device=torch.device("cpu"))
-
-
-def _ppo_batch(worker, rollout_batch):
-    batch = rollout_batch(rows=8, seed=1)
-    g = torch.Generator().manual_seed(2)
-    logp = worker.compute_log_prob(batch)["old_log_probs"]
-    mask = batch["response_mask"].float()
-    batch["old_log_probs"] = (logp + 0.3 * torch.randn(mask.shape, generator=g)) * mask
-    batch["advantages"] = torch.randn(mask.shape[0], 1, generator=g).expand(mask.shape) * mask
-    batch["ref_log_prob"] = worker.compute_ref_log_prob(batch)["ref_log_prob"]
-    return batch
 
 
 def _same_weights(lathe, hf) -> bool:
@@ -61,7 +49,7 @@ def test_builtin_actor_runs_lathe_with_a_synced_transformers_rollout(load_cfg, r
     assert_close_rel(logp[mask], gen["rollout_log_probs"][mask], name="trainer log-probs vs the rollout's")
 
     before = {k: v.clone() for k, v in rollout_model.state_dict().items()}
-    metrics = worker.update_actor(_ppo_batch(worker, rollout_batch))
+    metrics = worker.update_actor(worker_ppo_batch(worker, rollout_batch))
     assert metrics["actor/grad_norm"] > 0
     worker.sync_weights()
     assert not torch.equal(before["model.embed_tokens.weight"], rollout_model.state_dict()["model.embed_tokens.weight"])
@@ -103,7 +91,7 @@ def test_unsupported_architecture_falls_back_or_fails_when_lathe_is_required(loa
 def test_checkpoint_round_trip_resyncs_the_rollout(load_cfg, rollout_batch, tmp_path, rollout):
     name = f"actor_rollout_ref.rollout.name={rollout}"
     worker = _worker(load_cfg, name)
-    worker.update_actor(_ppo_batch(worker, rollout_batch))
+    worker.update_actor(worker_ppo_batch(worker, rollout_batch))
     worker.save_checkpoint(tmp_path / "actor")
     restored = _worker(load_cfg, name)
     assert not _same_weights(worker.model, restored.rollout.backend.model)

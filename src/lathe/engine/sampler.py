@@ -153,6 +153,35 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return sample_torch(logits, seqs)
 
 
+def ban(logits: torch.Tensor, banned: list[tuple[int, int]]) -> torch.Tensor:
+    """`logits` with the (row, token) pairs `banned` (stop ids before min_tokens) at -inf (a copy when any)."""
+    if not banned:
+        return logits
+    rows, toks = to_device(torch.tensor(banned), logits.device).T
+    return logits.index_put((rows, toks), torch.tensor(float("-inf"), device=logits.device))
+
+
+def top_k_top_p(x: torch.Tensor, params: list) -> torch.Tensor:
+    """Row i of `x` (temperature-scaled logits) filtered by `params[i]`'s top-k then top-p, as lathe samples (only
+    when some row asks for it)."""
+    top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
+    v = x.shape[-1]
+    effective_k = [k if 0 < k < v else v for k in top_k]
+    use_k, use_p = min(effective_k) < v, any(p < 1 for p in top_p)
+    if not (use_k or use_p):
+        return x
+    return apply_top_k_top_p(x, to_device(torch.tensor(top_k), x.device), to_device(torch.tensor(top_p), x.device),
+                             use_k=use_k, k_max=max(effective_k), use_p=use_p)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids (...) drawn from `probs` (..., V) with the uniforms `u` (...): the first id whose cumulative mass
+    exceeds u x the total (the total as summed, so rounding cannot run past the last id)."""
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[..., -1])[..., None], right=True)[..., 0]
+    return drawn.clamp_(max=probs.shape[-1] - 1)
+
+
 def sample_torch(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """`sample_on_device` in PyTorch operations (a sort for top-p, `topk` for top-k): the path for the CPU and for
     rows with a min_tokens ban in force, and the fused sampler's reference."""
@@ -162,29 +191,16 @@ def sample_torch(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     temps = to_device(torch.tensor([p.logprob_temperature for p in params]), device)[:, None]
     banned = [(row, tok) for row, (s, p) in enumerate(zip(seqs, params))
               if s.num_output_tokens < p.min_tokens for tok in p.stop_token_ids]
-    masked = logits
-    if banned:
-        rows, toks = to_device(torch.tensor(banned), device).T
-        masked = logits.index_put((rows, toks), torch.tensor(float("-inf"), device=device))
+    masked = ban(logits, banned)
     tokens = masked.argmax(-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         rows = to_device(torch.tensor(sampled), device) if len(sampled) < len(seqs) else None
         x = masked if rows is None else masked[rows]
-        x = x / (temps if rows is None else temps[rows])
-        top_k = [params[i].top_k for i in sampled]
-        top_p = [params[i].top_p for i in sampled]
-        v = x.shape[-1]
-        effective_k = [k if 0 < k < v else v for k in top_k]
-        use_k, use_p = min(effective_k) < v, any(p < 1 for p in top_p)
-        if use_k or use_p:
-            x = apply_top_k_top_p(x, to_device(torch.tensor(top_k), device), to_device(torch.tensor(top_p), device),
-                                  use_k=use_k, k_max=max(effective_k), use_p=use_p)
-        cdf = x.softmax(-1).cumsum(-1)
+        x = top_k_top_p(x / (temps if rows is None else temps[rows]), [params[i] for i in sampled])
         u = to_device(torch.from_numpy(uniforms([seqs[i].seed or 0 for i in sampled],
                                                 [seqs[i].num_output_tokens for i in sampled])), device)
-        drawn = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)[:, 0]
-        drawn = drawn.clamp_(max=x.shape[-1] - 1)
+        drawn = inverse_cdf(x.softmax(-1), u)
         if rows is None:
             tokens = drawn
         else:

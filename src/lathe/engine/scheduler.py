@@ -201,13 +201,7 @@ class Scheduler:
             if seq.tail_private and (len(seq.token_ids) - 1) % bs:     # its slot is in its own last block
                 scheduled.append(seq)
                 continue
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
-                    break
-            else:
+            if self._make_room(seq, self.block_manager.can_append, seq):
                 copies.extend(self.block_manager.may_append(seq))
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
@@ -220,17 +214,21 @@ class Scheduler:
         while self.running:
             seq = self.running.popleft()
             extra = seq.lookahead(self.num_lookahead_slots)
-            while not bm.can_append_slots(seq, extra):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
-                    break
-            else:
+            if self._make_room(seq, bm.can_append_slots, seq, extra):
                 bm.append_slots(seq, extra)
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         return scheduled, False, []
+
+    def _make_room(self, seq: Sequence, fits, *args) -> bool:
+        """Preempt the most recently admitted running sequences until `fits(*args)`; when none is left, preempt `seq`
+        itself and return False (it waits to be recomputed)."""
+        while not fits(*args):
+            if not self.running:
+                self.preempt(seq)
+                return False
+            self.preempt(self.running.pop())
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and put it first in line; it is recomputed from its tokens when readmitted."""

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from lathe.device import to_device
-from lathe.engine.sampler import apply_top_k_top_p, uniforms
+from lathe.engine.sampler import ban, inverse_cdf, top_k_top_p, uniforms
 from lathe.engine.sequence import Sequence, SequenceParams
 
 
@@ -43,11 +43,8 @@ def accept_drafts(probs: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.T
     (B, K) int64 (entries past `num_drafts[b]` ignored); `num_drafts` (B,) in 0..K; `u_sample` (B, K+1) uniforms in
     [0, 1), one per position: x_j is drawn from p_j by inverse CDF with u_sample[:, j] (as `sampler.sample_torch`
     draws), draft j+1 is accepted when x_j is it, and the token emitted at n = num_accepted is x_n (module doc)."""
-    b, k1, v = probs.shape
-    k = k1 - 1
-    cdf = probs.cumsum(-1)
-    drawn = torch.searchsorted(cdf, (u_sample.to(cdf.dtype) * cdf[..., -1])[..., None], right=True)[..., 0]
-    drawn = drawn.clamp_(max=v - 1)                                     # (B, K+1): x_0..x_K
+    b, k = probs.shape[0], probs.shape[1] - 1
+    drawn = inverse_cdf(probs, u_sample)                                # (B, K+1): x_0..x_K
     if k:
         live = torch.arange(k, device=probs.device)[None, :] < num_drafts[:, None]
         n = ((drawn[:, :k] == drafts) & live).long().cumprod(-1).sum(-1)
@@ -61,10 +58,7 @@ def target_probs(logits: torch.Tensor, params: list[SequenceParams], banned: lis
     settings `params[i]`; `banned` the (row, token) pairs masked before min_tokens."""
     logits = logits.float()
     device = logits.device
-    masked = logits
-    if banned:
-        r, t = to_device(torch.tensor(banned), device).T
-        masked = logits.index_put((r, t), torch.tensor(float("-inf"), device=device))
+    masked = ban(logits, banned)
     probs = torch.zeros_like(masked)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -74,14 +68,7 @@ def target_probs(logits: torch.Tensor, params: list[SequenceParams], banned: lis
     if sampled:
         s = to_device(torch.tensor(sampled), device)
         x = masked[s] / to_device(torch.tensor([params[i].temperature for i in sampled]), device)[:, None]
-        top_k, top_p = [params[i].top_k for i in sampled], [params[i].top_p for i in sampled]
-        v = x.shape[-1]
-        effective_k = [kk if 0 < kk < v else v for kk in top_k]
-        use_k, use_p = min(effective_k) < v, any(p < 1 for p in top_p)
-        if use_k or use_p:
-            x = apply_top_k_top_p(x, to_device(torch.tensor(top_k), device), to_device(torch.tensor(top_p), device),
-                                  use_k=use_k, k_max=max(effective_k), use_p=use_p)
-        probs[s] = x.softmax(-1)
+        probs[s] = top_k_top_p(x, [params[i] for i in sampled]).softmax(-1)
     return probs
 
 

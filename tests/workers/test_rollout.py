@@ -15,9 +15,9 @@ from lathe.rollout.hf import HFRollout
 from lathe.rollout.build import build_engine, eos_token_ids
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-from helpers import assert_close_rel, plan_of
+from helpers import assert_close_rel, plan_of, worker_ppo_batch
 
-from .test_actor_rollout_ref import _ppo_batch, _same_weights
+from .test_actor_rollout_ref import _same_weights
 
 # Ragged prompts; the first two share a 17-token prefix (more than one 16-token KV block) for prefix caching.
 PROMPT_IDS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
@@ -99,7 +99,7 @@ def test_engine_follows_actor_updates_and_equals_a_fresh_engine(load_cfg, rollou
     worker = _worker(load_cfg, "lathe")
     sampled = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3)
     before = worker.rollout.backend.generate(PROMPT_IDS, sampled)   # fills the prefix cache with the old weights' KV
-    worker.update_actor(_ppo_batch(worker, rollout_batch))
+    worker.update_actor(worker_ppo_batch(worker, rollout_batch))
     worker.sync_weights()                                   # the engine forgets the old weights' prefixes
     assert _same_weights(worker.model, worker.rollout.backend.model)
     fresh = build_engine(worker.cfg.actor_rollout_ref.rollout, worker.model, [1, SECOND_EOS])
@@ -133,7 +133,7 @@ def test_cuda_engine_runs_in_the_rollout_dtype_and_sleeps_while_training(load_cf
     assert worker.rollout.free_cache_engine and not worker.rollout.backend.kv_cache.allocated
     out = worker.generate_sequences(_prompts(), GREEDY)
     assert out["responses"].shape[0] == len(PROMPT_IDS) * 2 and not worker.rollout.backend.kv_cache.allocated
-    worker.update_actor(_ppo_batch(worker, rollout_batch))
+    worker.update_actor(worker_ppo_batch(worker, rollout_batch))
     worker.sync_weights()
     assert worker.generate_sequences(_prompts(), GREEDY)["responses"].shape[0] == len(PROMPT_IDS) * 2
 

@@ -11,10 +11,9 @@ from lathe.train.master import MasterAdamW
 from lathe.rollout.build import build_engine
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-from helpers import plan_of
+from helpers import plan_of, worker_ppo_batch
 
 from train.test_critic import CRITIC, _critic_batch, _value_model
-from .test_actor_rollout_ref import _ppo_batch
 from .test_rollout import GREEDY, PROMPT_IDS, SECOND_EOS, _prompts, _qwen2
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +43,7 @@ def test_actor_computes_in_bf16_on_fp32_masters_and_the_engine_runs_on_its_tenso
     assert own == ({n for n in actor if any(p in n for p in projections)} if fused else set()), \
         "one copy of every weight but the fused projections (which sync_weights copies)"
     before = [m.clone() for m in masters]
-    worker.update_actor(_ppo_batch(worker, rollout_batch))
+    worker.update_actor(worker_ppo_batch(worker, rollout_batch))
     worker.sync_weights()
     assert any(not torch.equal(a, b) for a, b in zip(masters, before)), "the masters moved"
     assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(worker.model.parameters(), masters))
@@ -65,7 +64,7 @@ def test_offloaded_reference_and_optimizer_give_the_same_numbers(load_cfg, rollo
                        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
                        "actor_rollout_ref.actor.fsdp_config.param_offload=true")
     assert all(p.device.type == "cpu" and p.is_pinned() for p in off.ref.parameters()), "ref waits in host memory"
-    batch = _ppo_batch(plain, rollout_batch)
+    batch = worker_ppo_batch(plain, rollout_batch)
     assert torch.equal(off.compute_ref_log_prob(batch)["ref_log_prob"], batch["ref_log_prob"])
     plain.update_actor(batch)
     off.update_actor(batch)

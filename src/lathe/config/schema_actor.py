@@ -230,7 +230,8 @@ class ModelConfig:
               "recompute_method=block, recompute_num_layers=N; the first layers' activations live longest), the "
               "others keep their activations and skip the second forward, so a model whose activations almost fit "
               "recomputes only what it must. null = every layer; 0 = none; more than the model has = every layer. "
-              "Needs enable_gradient_checkpointing=true; lathe's decoder only (a transformers model refuses it).")
+              "MiMo's MTP layers count after the main stack's. Needs enable_gradient_checkpointing=true; lathe's "
+              "decoder only (a transformers model refuses it).")
     enable_activation_offload: bool = spec(False, "Keep what a training forward saves for its backward "
                                                        "in pinned host memory (CUDA; lathe.train.offload).")
     use_remove_padding: bool = spec(False, "Packed (varlen) forward of actor and reference without pad tokens "

@@ -176,7 +176,9 @@ def _moe_router() -> list[Entry]:
 
 def _backends() -> list[Entry]:
     otc = "*.megatron.override_transformer_config"
-    out = [replace(inert(f"{otc}.recompute_method", RECOMPUTE_DOC), judge=_per_key(_recompute_judge)),
+    out = [inert("actor_rollout_ref.ref.megatron.override_transformer_config.recompute_*", "the reference runs "
+                 "forward only"),
+           replace(inert(f"{otc}.recompute_method", RECOMPUTE_DOC), judge=_per_key(_recompute_judge)),
            replace(inert(f"{otc}.recompute_num_layers", RECOMPUTE_DOC), judge=_per_key(_recompute_judge)),
            warn(f"{otc}.recompute_*", "lathe recomputes whole decoder layers (enable_gradient_checkpointing, "
                 "gradient_checkpointing_layers), never parts of one"),
@@ -240,12 +242,12 @@ def _recompute_judge(key: str):
     """Megatron's recompute_method / recompute_num_layers: translated beside recompute_granularity=full (block, and
     uniform of one layer: every layer, lathe's whole recompute); uniform chunks of several layers recompute every
     layer too, one at a time (each layer's input kept, where Megatron keeps each chunk's); without full granularity
-    Megatron does not read them (the reference's: it runs forward only)."""
+    Megatron does not read them."""
     role = key.split(".megatron.")[0]
 
     def judge(value, cfg) -> tuple[str, str] | None:
         given = megatron_recompute(cfg, role)
-        if value is None or role == "actor_rollout_ref.ref":
+        if value is None:
             return None
         if given["granularity"] != "full":
             return "warn", (f"`{key}`={show(value)} has no effect in lathe: Megatron reads it only beside "
@@ -590,10 +592,7 @@ def markdown_lines() -> list[str]:
              "without a field in lathe's tree are judged by pattern (`*` spans dots; the first match wins), "
              "against verl's default. Translated (`src/lathe/config/verl_translate.py`): " + "; ".join(
                  f"`{p}` -> {d}" for p, _, _, d in RULES) + "; `model.lora.{rank,alpha,dropout,adapter_path}` -> "
-             "`model.lora_*`; `megatron.override_transformer_config.recompute_method=block` with `recompute_num_layers"
-             "=N` beside `recompute_granularity=full` -> model.gradient_checkpointing_layers=N x the pipeline stages "
-             "(the first layers recompute, the rest keep their activations; `uniform` recomputes every layer, as "
-             "enable_gradient_checkpointing does). A translated key at verl's default sets nothing.", ""]
+             "`model.lora_*`. A translated key at verl's default sets nothing.", ""]
     for feature in FEATURES:
         lines += [f"## {feature}", "", "| pattern | status | why / fix |", "| --- | --- | --- |"]
         for e in (e for e in patterns() if e.feature == feature):

@@ -141,6 +141,13 @@ RULES: tuple[tuple[str, str, Map, str], ...] = (
      _checkpointing({"full", "selective"}, set()), "full/selective: model.enable_gradient_checkpointing=true"),
     ("torchtitan.activation_checkpoint", "model.enable_gradient_checkpointing",
      _checkpointing({"full", "selective"}, {"none"}), "full: gradient checkpointing on; none: off"),
+    # set once every key is (`block_recompute`: it reads granularity, method and count together)
+    ("megatron.override_transformer_config.recompute_method", "model.gradient_checkpointing_layers", lambda v: None,
+     "block beside recompute_granularity=full: model.gradient_checkpointing_layers = recompute_num_layers x the "
+     "pipeline stages (the first layers recompute, the rest keep their activations); uniform: every layer recomputed "
+     "(enable_gradient_checkpointing)"),
+    ("megatron.override_transformer_config.recompute_num_layers", "model.gradient_checkpointing_layers",
+     lambda v: None, "with recompute_method=block (see recompute_method)"),
     ("megatron.override_transformer_config.fp8", "actor.fsdp_config.fp8_training", _fp8, FP8_DOC),
     ("*.dtype", "fsdp.mixed_precision.param_dtype", DTYPES.get, "fsdp_config.mixed_precision.param_dtype"),
     ("veomni.mixed_precision", "fsdp.mixed_precision.param_dtype", lambda v: None if v else "fp32",

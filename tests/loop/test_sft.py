@@ -113,6 +113,18 @@ def test_the_loss_is_transformers_mean_nll_over_trained_tokens_whatever_the_micr
         assert_close_rel(weights, after, rel=3e-5, name=f"weights {cut}")
 
 
+def test_recomputing_only_the_first_layer_gives_the_same_step(setup):
+    tok, cfg, examples, model = setup
+    whole, after = updated(setup, "micro_batch_size_per_gpu=6")
+    cfg = copy.deepcopy(cfg)
+    cfg.data.micro_batch_size_per_gpu, cfg.model.gradient_checkpointing_layers = 6, 1
+    worker = SFTWorker(cfg, copy.deepcopy(model), tok, total_steps=4, device=torch.device("cpu"))
+    assert worker.model.model.gradient_checkpointing_layers == 1
+    loss = worker.train_step(collate(examples, tok.pad_token_id))["train/loss"]
+    assert_close_rel(loss, whole, rel=1e-6, name="loss")
+    assert_close_rel({k: v.detach() for k, v in worker.model.state_dict().items()}, after, rel=3e-5, name="weights")
+
+
 def test_verls_older_spellings_act_and_unimplemented_keys_fail_up_front():
     cfg = load_sft_config(None, ["model.partial_pretrain=/m", "optim.warmup_steps_ratio=0.3",
                                  "optim.lr_scheduler=constant", "data.multiturn.messages_key=conv",

@@ -72,6 +72,8 @@ def test_under_gradient_checkpointing_context_all_records_as_alloc_and_says_so()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config("base", [*on, f"+{MEMORY}.context=state"])               # asked for another: kept, no notice
+        load_config("base", [*on, "actor_rollout_ref.model.gradient_checkpointing_layers=0",     # none recomputes
+                             "critic.model.gradient_checkpointing_layers=0"])
     assert torch_memory_settings({"torch_memory": {"context": "state"}}, checkpointing=True).context == "state"
 
 

@@ -87,6 +87,18 @@ def test_unsupported_architecture_falls_back_or_fails_when_lathe_is_required(loa
         _worker(load_cfg, "actor_rollout_ref.rollout.name=lathe", model=_gelu_model(), need_ref=False)
 
 
+def test_the_actor_recomputes_the_first_n_layers_and_a_transformers_fallback_refuses_a_count(load_cfg, caplog):
+    with caplog.at_level(logging.INFO, logger="lathe"):
+        worker = _worker(load_cfg, "actor_rollout_ref.model.gradient_checkpointing_layers=1", need_ref=False)
+    stack = worker.model.model
+    assert stack.gradient_checkpointing and stack.gradient_checkpointing_layers == 1
+    assert f"the first 1 of {len(stack.layers)} decoder layers recompute" in caplog.text
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.gradient_checkpointing_layers=1: only lathe's "
+                                         r"decoder .*actor_rollout_ref\.model\.impl=hf"):
+        _worker(load_cfg, "actor_rollout_ref.model.gradient_checkpointing_layers=1", model=_gelu_model(),
+                need_ref=False)
+
+
 @pytest.mark.parametrize("rollout", ["hf", "lathe"])
 def test_checkpoint_round_trip_resyncs_the_rollout(load_cfg, rollout_batch, tmp_path, rollout):
     name = f"actor_rollout_ref.rollout.name={rollout}"

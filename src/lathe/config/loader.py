@@ -20,7 +20,7 @@ from .rules import check_config, check_visible_devices
 from .schema import LatheConfig
 from .support import check_support
 from .tree import apply_layer, flatten_mapping, parse_override
-from .verl_translate import drop_tp_beside_ep, engine_data_parallel, pack_for_context_parallel
+from .verl_translate import block_recompute, drop_tp_beside_ep, engine_data_parallel, pack_for_context_parallel
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 DEFAULT_PRESET = "default"
@@ -54,6 +54,7 @@ def load_config(source: str | os.PathLike | None = None, overrides: Sequence[str
     _apply_overrides(cfg, overrides)
     resolve_interpolations(cfg)
     drop_tp_beside_ep(cfg)                  # verl's Megatron/torchtitan TP beside EP: FSDP over those devices
+    block_recompute(cfg)                    # Megatron's block recompute: the first N layers recompute
     devices = resolve_devices(cfg, device_count)
     problems = ProblemList()
     apply_engine_kwargs(cfg, problems)      # verl's engine arguments with a lathe meaning set the rollout keys

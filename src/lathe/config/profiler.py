@@ -57,14 +57,16 @@ def torch_memory_settings(global_tool_config: dict, *, checkpointing: bool = Fal
 CHECKPOINTED_CONTEXT = (f"{MEMORY}.context=all (the default) records as context=alloc in this run (the allocations' "
                         "stacks, not the frees'): with gradient checkpointing on, torch 2.11 fails in the backward "
                         "while frees' stacks are recorded. Fix for the frees' stacks too: "
-                        "actor_rollout_ref.model.enable_gradient_checkpointing=false (and the critic's) for the "
-                        "profiled run.")
+                        "actor_rollout_ref.model.enable_gradient_checkpointing=false, or gradient_checkpointing_"
+                        "layers=0 (and the critic's) for the profiled run.")
 
 
 def trains_checkpointed(cfg) -> bool:
-    """Whether a trained model of the run uses gradient checkpointing (the actor's, or a critic's)."""
-    return bool(cfg.actor_rollout_ref.model.enable_gradient_checkpointing
-                or (critic_in_use(cfg) and cfg.critic.model.enable_gradient_checkpointing))
+    """Whether a trained model of the run recomputes layers in backward (the actor's, or a critic's: gradient
+    checkpointing on, and not with gradient_checkpointing_layers=0)."""
+    def recomputes(model) -> bool:
+        return bool(model.enable_gradient_checkpointing) and model.gradient_checkpointing_layers != 0
+    return recomputes(cfg.actor_rollout_ref.model) or (critic_in_use(cfg) and recomputes(cfg.critic.model))
 
 
 def check_profiler(cfg, problems: ProblemList) -> None:

@@ -87,6 +87,12 @@ class CriticModelConfig:
     trust_remote_code: bool | None = spec(None, "null = actor_rollout_ref.model.trust_remote_code.")
     use_shm: bool = spec(False, "Copy the files to shared memory first (verl).")
     enable_gradient_checkpointing: bool = spec(True, "Recompute each decoder layer in backward (lathe's decoder).")
+    gradient_checkpointing_layers: int | None = spec(
+        None, "lathe: how many decoder layers recompute under enable_gradient_checkpointing: the first N (Megatron's "
+              "recompute_method=block, recompute_num_layers=N; the first layers' activations live longest), the "
+              "others keep their activations and skip the second forward, so a model whose activations almost fit "
+              "recomputes only what it must. null = every layer; 0 = none; more than the model has = every layer. "
+              "Needs enable_gradient_checkpointing=true; lathe's decoder only (a transformers model refuses it).")
     enable_activation_offload: bool = spec(False, "Keep what a training forward saves for its backward "
                                                        "in pinned host memory (CUDA; lathe.train.offload).")
     use_remove_padding: bool = spec(False, "Packed (varlen) critic forward without pad tokens (lathe's decoder).")

@@ -17,6 +17,7 @@ from .interpolate import resolve_interpolations
 from .loader import _apply_overrides, _read_mapping
 from .schema_sft import SFTConfig
 from .plan import Devices, MeshPlan, mesh_plan, trainer_devices
+from .rules_recompute import recompute_problems
 from .support_base import Entry, at_most, inert, one_of, only_on, refuse, warn
 from .tree import apply_layer, flatten_mapping, get_path
 
@@ -154,6 +155,8 @@ def _check(cfg: SFTConfig) -> None:
         problems.add(f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                      f"{d.max_length}: a long example would not fit a micro-batch. Fix: raise max_token_len_per_gpu "
                      "to at least max_length.")
+    for message in recompute_problems(cfg.model, "model", cfg.model.impl, "model.impl"):
+        problems.add(message)
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         problems.add("trainer.resume_mode=resume_path needs trainer.resume_from_path (a .../global_step_N directory).")
     problems.raise_if_any()

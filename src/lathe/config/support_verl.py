@@ -21,8 +21,9 @@ from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
 from .support_rollout import ROUTING
 from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
-from .verl_translate import (DIST_USE, RULES, context_parallel_notice, dist_checkpoint, dist_checkpoint_prefix,
-                             lora_experts_notice, pipeline_notice, rule_for, tp_beside_ep_notice, translate)
+from .verl_translate import (DIST_USE, RECOMPUTE, RULES, context_parallel_notice, dist_checkpoint,
+                             dist_checkpoint_prefix, lora_experts_notice, megatron_recompute, pipeline_notice, rule_for,
+                             tp_beside_ep_notice, translate)
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
 ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
@@ -175,7 +176,12 @@ def _moe_router() -> list[Entry]:
 
 def _backends() -> list[Entry]:
     otc = "*.megatron.override_transformer_config"
-    out = [warn(f"{otc}.recompute_*", "lathe recomputes every decoder layer whole (enable_gradient_checkpointing)"),
+    out = [inert("actor_rollout_ref.ref.megatron.override_transformer_config.recompute_*", "the reference runs "
+                 "forward only"),
+           replace(inert(f"{otc}.recompute_method", RECOMPUTE_DOC), judge=_per_key(_recompute_judge)),
+           replace(inert(f"{otc}.recompute_num_layers", RECOMPUTE_DOC), judge=_per_key(_recompute_judge)),
+           warn(f"{otc}.recompute_*", "lathe recomputes whole decoder layers (enable_gradient_checkpointing, "
+                "gradient_checkpointing_layers), never parts of one"),
            warn(f"{otc}.*", "a Megatron TransformerConfig setting (fusions, kernels, attention backend); "
                 + KERNELS),
            warn("*.megatron.override_ddp_config*", "a Megatron DDP setting; lathe shards with FSDP2"),
@@ -224,6 +230,34 @@ def _per_key(factory):
     """A judge that needs the concrete key a pattern matched: ``entry_for`` calls ``factory(key)``."""
     factory.per_key = True
     return factory
+
+
+RECOMPUTE_DOC = ("translated beside recompute_granularity=full: block -> the model's gradient_checkpointing_layers = "
+                 "recompute_num_layers x the pipeline stages (the first layers recompute, the rest keep their "
+                 "activations); uniform -> every layer recomputed (enable_gradient_checkpointing), one layer at a "
+                 "time")
+
+
+def _recompute_judge(key: str):
+    """Megatron's recompute_method / recompute_num_layers: translated beside recompute_granularity=full (block, and
+    uniform of one layer: every layer, lathe's whole recompute); uniform chunks of several layers recompute every
+    layer too, one at a time (each layer's input kept, where Megatron keeps each chunk's); without full granularity
+    Megatron does not read them."""
+    role = key.split(".megatron.")[0]
+
+    def judge(value, cfg) -> tuple[str, str] | None:
+        given = megatron_recompute(cfg, role)
+        if value is None:
+            return None
+        if given["granularity"] != "full":
+            return "warn", (f"`{key}`={show(value)} has no effect in lathe: Megatron reads it only beside "
+                            f"{role}.{RECOMPUTE}granularity=full.")
+        if given["method"] == "uniform" and key.endswith("num_layers") and given["num_layers"] != 1:
+            return "warn", (f"`{key}`={show(value)} with recompute_method=uniform: Megatron's recompute of chunks of "
+                            f"{show(value)} layers runs as lathe's recompute of every layer, one layer at a time (the "
+                            "same forwards; each layer's input is kept where Megatron keeps each chunk's).")
+        return None
+    return judge
 
 
 REF_START = "a reference model that starts from other weights than the actor"

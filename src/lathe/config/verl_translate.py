@@ -10,7 +10,13 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   devices: hybrid sharding when fewer than all);
 * ``megatron.override_transformer_config.recompute_granularity`` full/selective, ``torchtitan.
   activation_checkpoint`` full/none -> the model's ``enable_gradient_checkpointing`` (lathe recomputes whole
-  decoder layers);
+  decoder layers); beside ``recompute_granularity=full``, ``recompute_method=block`` with ``recompute_num_layers=N``
+  (the first N layers of each pipeline stage recompute, the rest keep their activations) -> the model's
+  ``gradient_checkpointing_layers`` = N x the pipeline stages (x the virtual stages): the same share of the layers,
+  counted over lathe's one stack (`block_recompute`, once every key is set; a count set on lathe's key wins), while
+  ``recompute_method=uniform`` (chunks of N layers, each chunk recomputed) recomputes every layer, as
+  ``enable_gradient_checkpointing`` alone does. torchtitan's layer choice (``selective_ac_option``) is not a verl
+  key: verl's ``torchtitan.activation_checkpoint`` names the mode only;
 * ``megatron.dtype``, ``torchtitan.dtype``, ``fsdp_config.dtype`` / ``critic.fsdp.dtype`` -> ``fsdp_config.
   mixed_precision.param_dtype``; ``veomni.mixed_precision=false`` -> param_dtype fp32;
 * ``veomni.ulysses_parallel_size``, and Megatron's and torchtitan's ``context_parallel_size`` -> the role's
@@ -135,6 +141,13 @@ RULES: tuple[tuple[str, str, Map, str], ...] = (
      _checkpointing({"full", "selective"}, set()), "full/selective: model.enable_gradient_checkpointing=true"),
     ("torchtitan.activation_checkpoint", "model.enable_gradient_checkpointing",
      _checkpointing({"full", "selective"}, {"none"}), "full: gradient checkpointing on; none: off"),
+    # set once every key is (`block_recompute`: it reads granularity, method and count together)
+    ("megatron.override_transformer_config.recompute_method", "model.gradient_checkpointing_layers", lambda v: None,
+     "block beside recompute_granularity=full: model.gradient_checkpointing_layers = recompute_num_layers x the "
+     "pipeline stages (the first layers recompute, the rest keep their activations); uniform: every layer recomputed "
+     "(enable_gradient_checkpointing)"),
+    ("megatron.override_transformer_config.recompute_num_layers", "model.gradient_checkpointing_layers",
+     lambda v: None, "with recompute_method=block (see recompute_method)"),
     ("megatron.override_transformer_config.fp8", "actor.fsdp_config.fp8_training", _fp8, FP8_DOC),
     ("*.dtype", "fsdp.mixed_precision.param_dtype", DTYPES.get, "fsdp_config.mixed_precision.param_dtype"),
     ("veomni.mixed_precision", "fsdp.mixed_precision.param_dtype", lambda v: None if v else "fp32",
@@ -236,6 +249,40 @@ def tp_beside_ep_notice(cfg: Any) -> str | None:
             "parallel ranks, and lathe has no TP x EP in one model, so the dense layers are FSDP-sharded over those "
             "devices instead (the same computation, another memory layout) and a mini-batch is split over every "
             "device.")
+
+
+RECOMPUTE = "megatron.override_transformer_config.recompute_"
+TRAINED_MODEL = {"actor_rollout_ref.actor": "actor_rollout_ref.model", "critic": "critic.model"}
+
+
+def megatron_recompute(cfg: Any, role: str) -> dict[str, Any]:
+    """`role`'s Megatron recompute_{granularity,method,num_layers} as given (None where unset), by leaf."""
+    return {leaf: cfg.verl_keys.get(f"{role}.{RECOMPUTE}{leaf}") for leaf in ("granularity", "method", "num_layers")}
+
+
+def block_recompute_layers(cfg: Any, role: str) -> int | None:
+    """The layers `role`'s Megatron keys recompute over lathe's whole stack when they name the block method
+    (recompute_granularity=full, recompute_method=block, recompute_num_layers=N >= 0): N per pipeline stage, times
+    the stages and virtual stages (module doc); None for any other combination (uniform, selective, unset)."""
+    given = megatron_recompute(cfg, role)
+    n = given["num_layers"]
+    if (given["granularity"], given["method"]) != ("full", "block") or isinstance(n, bool) or not isinstance(n, int) \
+            or n < 0:
+        return None
+    for leaf in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"):
+        stages = cfg.verl_keys.get(f"{role}.megatron.{leaf}")
+        n *= stages if isinstance(stages, int) and stages > 1 else 1
+    return n
+
+
+def block_recompute(cfg: Any) -> None:
+    """Set each trained model's `gradient_checkpointing_layers` from its role's Megatron block recompute (module
+    doc), called once every layer of keys is set: where lathe's key is unset (a count given there wins) and gradient
+    checkpointing is on (a later enable_gradient_checkpointing=false turns all recomputation off)."""
+    for role, group in TRAINED_MODEL.items():
+        n, model = block_recompute_layers(cfg, role), _node(cfg, group)
+        if n is not None and model.enable_gradient_checkpointing and model.gradient_checkpointing_layers is None:
+            model.gradient_checkpointing_layers = n
 
 
 # the verl spellings of a role's pipeline-parallel sizes (stages; virtual stages per device)

@@ -17,10 +17,12 @@ PHASE_KEYS = {
     "values": [f"{C}.forward_micro_batch_size_per_gpu", f"{C}.forward_max_token_len_per_gpu (with "
                f"{C}.use_dynamic_bsz=true)"],
     "update_critic": [f"{C}.ppo_micro_batch_size_per_gpu", f"{C}.ppo_max_token_len_per_gpu (with "
-                      f"{C}.use_dynamic_bsz=true)", f"{C}.model.enable_gradient_checkpointing=true",
+                      f"{C}.use_dynamic_bsz=true)", f"{C}.model.enable_gradient_checkpointing=true (with "
+                      f"{C}.model.gradient_checkpointing_layers set: raise it, or null for every layer)",
                       f"{C}.model.fsdp_config.param_offload=true / optimizer_offload=true"],
     "update_actor": [f"{A}.ppo_micro_batch_size_per_gpu", f"{A}.ppo_max_token_len_per_gpu (with {A}.use_dynamic_bsz=true)",
-                     "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                     "actor_rollout_ref.model.enable_gradient_checkpointing=true (with actor_rollout_ref.model."
+                     "gradient_checkpointing_layers set: raise it, or null for every layer)",
                      f"{A}.fsdp_config.param_offload=true / optimizer_offload=true"],
     "update_weights": [f"{A}.fsdp_config.param_offload=true", f"{R}.gpu_memory_utilization (lower)"],
 }

@@ -197,6 +197,7 @@ class LatheDecoderModel(nn.Module):
             from lathe.models.mtp import mtp_layers
             self.mtp_layers = mtp_layers(cfg)
         self.gradient_checkpointing = False
+        self.gradient_checkpointing_layers: int | None = None     # see `recomputes`
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:
         """Final-norm hidden states for tokens of any leading shape, attention given by `attn`."""
@@ -204,12 +205,32 @@ class LatheDecoderModel(nn.Module):
         cos, sin = self.rotary_emb(position_ids, x.dtype)
         if self.compile_backend is not None:
             mark_token_dims_dynamic(x, cos, sin)
-        for layer in self.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        for i, layer in enumerate(self.layers):
+            if recomputes(self, i):
                 x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attn)
         return self.norm(x)
+
+
+def recomputes(stack: nn.Module, index: int) -> bool:
+    """Whether layer `index` of `stack` (a decoder stack: `LatheDecoderModel`, the VL language model; MTP layers
+    numbered after the stack's own, `lathe.models.mtp`) recomputes its activations in this backward: gradient
+    checkpointing on, a training forward under autograd, and `index` among the first `gradient_checkpointing_layers`
+    (None: every layer). Megatron's `recompute_method=block` picks layers the same way: the first layers' activations
+    live longest (saved first, freed last in backward), so recomputing those lowers the peak most per layer; the
+    later ones keep their activations and skip the second forward. A count past the layers recomputes every one."""
+    if not (stack.gradient_checkpointing and stack.training and torch.is_grad_enabled()):
+        return False
+    return stack.gradient_checkpointing_layers is None or index < stack.gradient_checkpointing_layers
+
+
+def set_checkpointing(stack: nn.Module, on: bool, layers: int | None) -> None:
+    """Set a decoder stack's switches (`recomputes`); `layers` must be None or >= 0."""
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
+        raise ValueError(f"gradient checkpointing layers={layers!r}: give a count of layers >= 0, or None (every "
+                         "layer)")
+    stack.gradient_checkpointing, stack.gradient_checkpointing_layers = on, layers if on else None
 
 
 @dataclass
@@ -247,12 +268,14 @@ class _Backbone(nn.Module):
     def packed_backend(self) -> str:
         return select_packed_backend(self.attn_backend, self.device, self.dtype)
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """Recompute each decoder layer in backward (same name as transformers' switch)."""
-        self.model.gradient_checkpointing = True
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, *,
+                                      layers: int | None = None) -> None:
+        """Recompute decoder layers in backward (same name as transformers' switch): every layer, or with `layers`
+        the first `layers` only (`recomputes`)."""
+        set_checkpointing(self.model, True, layers)
 
     def gradient_checkpointing_disable(self) -> None:
-        self.model.gradient_checkpointing = False
+        set_checkpointing(self.model, False, None)
 
     def save_pretrained(self, path, *, max_shard_size: int | str = "5GB", safe_serialization: bool = True,
                         state_dict: dict[str, torch.Tensor] | None = None) -> None:

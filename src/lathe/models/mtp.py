@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lathe.models.config import LatheConfig
-from lathe.models.decoder import DecoderLayer, RMSNorm
+from lathe.models.decoder import DecoderLayer, RMSNorm, recomputes
 
 MTP_PREFIX = "model.mtp_layers."
 
@@ -54,16 +54,18 @@ def mtp_stream(model, hidden: torch.Tensor, input_ids: torch.Tensor, position_id
     them); the ids are shifted over the whole stream before it, so a token shifted in from past the slice's end is
     there (a sequence-parallel rank's slice: `lathe.train.ulysses`, whose `attn` exchanges the heads).
     `detach_encoder` (verl's `mtp.detach_encoder`): no gradient flows from the MTP layers into the main model's hidden
-    states or the token embeddings (only the MTP layers learn from the MTP loss)."""
+    states or the token embeddings (only the MTP layers learn from the MTP loss). Under gradient checkpointing, MTP
+    layer k is layer num_hidden_layers + k of `lathe.models.decoder.recomputes`: a count of recomputed layers that
+    ends within the main stack leaves the MTP layers their activations (as Megatron's block method does)."""
     inner = model.model
     cos, sin = inner.rotary_emb(position_ids, hidden.dtype)
     ids, out = input_ids, []
-    for layer in inner.mtp_layers:
+    for k, layer in enumerate(inner.mtp_layers):
         ids = roll_packed(ids, cu_seqlens)
         embeds = inner.embed_tokens(ids if local is None else local(ids))
         if detach_encoder:
             hidden, embeds = hidden.detach(), embeds.detach()
-        if inner.gradient_checkpointing and inner.training and torch.is_grad_enabled():
+        if recomputes(inner, len(inner.layers) + k):      # numbered after the main stack's layers
             hidden = checkpoint(layer, hidden, embeds, cos, sin, attn, use_reentrant=False)
         else:
             hidden = layer(hidden, embeds, cos, sin, attn)

@@ -37,6 +37,7 @@ from lathe.train.mtp import mtp_training
 from lathe.train.offload import activation_offload, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
+from lathe.train.recompute import enable_recompute
 from lathe.train.routing import LogProbRouting, check_replay_model
 from lathe.train.update import NonFiniteGuard, load_policy_checkpoint, save_policy_checkpoint
 from lathe.train.vl import check_vl, freeze_vision_tower
@@ -71,8 +72,8 @@ class Actor:
         if arr.actor.router_replay.mode != "disabled":
             check_replay_model(self.model, arr.actor.router_replay.mode)
         self.mtp = mtp_training(arr.model.mtp, self.model, f"{architecture(self.model)} ({arr.model.path})")
-        if runs_lathe(self.model) and arr.model.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        enable_recompute(self.model, arr.model.enable_gradient_checkpointing, arr.model.gradient_checkpointing_layers,
+                         "actor_rollout_ref.model", lathe=runs_lathe(self.model), impl_key="actor_rollout_ref.model.impl")
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key=FSDP_KEY)
         self.sharded = parallel.in_group()             # a rank of a data-parallel group: FSDP2
         # sharded: the weights stay in host memory until fully_shard moves each layer's shard to the device

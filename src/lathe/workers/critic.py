@@ -20,6 +20,7 @@ from lathe.train.critic import PPOCritic
 from lathe.train.offload import activation_offload, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
+from lathe.train.recompute import enable_recompute
 from lathe.train.update import nonfinite_guard
 
 log = logging.getLogger("lathe")
@@ -58,8 +59,8 @@ class CriticWorker:
                             plan.tensor_parallel_size, f"{key}.tensor_parallel_size")
         expert_parallel.check_model(model, mesh.ep if mesh else 1, f"{key}.expert_parallel_size")
         tp = None
-        if isinstance(model, LatheValueModel) and critic.model.enable_gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        enable_recompute(model, critic.model.enable_gradient_checkpointing, critic.model.gradient_checkpointing_layers,
+                         "critic.model", lathe=isinstance(model, LatheValueModel), impl_key="actor_rollout_ref.model.impl")
         if parallel.in_group():     # a rank of a data-parallel group: FSDP2 moves each rank's fp32 shards to the device
             self.model = cast_keeping_rope(model, self.policy.master_dtype)
             tp = tensor_parallel.tensor_parallel(mesh, self.device)

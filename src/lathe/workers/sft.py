@@ -24,6 +24,7 @@ from lathe.train.micro import micro_batches
 from lathe.train.offload import offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
+from lathe.train.recompute import enable_recompute
 from lathe.train.update import clipped_step, load_policy_checkpoint, save_policy_checkpoint
 
 log = logging.getLogger("lathe")
@@ -46,8 +47,8 @@ class SFTWorker:
             apply_lora(self.model, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules,
                        seed=cfg.trainer.seed)
         self.base_model = m.path
-        if isinstance(self.model, LatheCausalLM) and m.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        enable_recompute(self.model, m.enable_gradient_checkpointing, m.gradient_checkpointing_layers, "model",
+                         lathe=isinstance(self.model, LatheCausalLM), impl_key="model.impl")
         key = "model.fsdp_config"
         self.policy = resolve_policy(m.fsdp_config, device, key=key)
         self.sharded = parallel.in_group()

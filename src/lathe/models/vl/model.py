@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lathe.models.attention import PackedAttention, PaddedAttention, select_packed_backend
-from lathe.models.decoder import CausalLMOutput, DecoderLayer, RMSNorm
+from lathe.models.decoder import CausalLMOutput, DecoderLayer, RMSNorm, recomputes, set_checkpointing
 from lathe.models.vl.config import VLConfig
 from lathe.models.vl.io import save_vl_pretrained
 from lathe.models.vl.rope import MRotaryEmbedding, mrope_positions
@@ -42,6 +42,7 @@ class LatheVLTextModel(nn.Module):
         self.rotary_emb = MRotaryEmbedding(t.rope, t.head_dim, t.max_position_embeddings, cfg.mrope_section,
                                            cfg.mrope_interleaved)
         self.gradient_checkpointing = False
+        self.gradient_checkpointing_layers: int | None = None     # `lathe.models.decoder.recomputes`
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attn,
                 visual_mask: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -51,7 +52,7 @@ class LatheVLTextModel(nn.Module):
         cos, sin = self.rotary_emb(position_ids, x.dtype)
         deepstack = deepstack or []
         for i, layer in enumerate(self.layers):
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if recomputes(self, i):
                 x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attn)
@@ -101,12 +102,14 @@ class LatheVLForConditionalGeneration(nn.Module):
     def packed_backend(self) -> str:
         return select_packed_backend(self.attn_backend, self.device, self.dtype)
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """Recompute each decoder layer in backward (the vision tower keeps transformers' own switch)."""
-        self.model.language_model.gradient_checkpointing = True
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, *,
+                                      layers: int | None = None) -> None:
+        """Recompute the language model's decoder layers in backward: every layer, or with `layers` the first
+        `layers` only (`lathe.models.decoder.recomputes`); the vision tower keeps transformers' own switch."""
+        set_checkpointing(self.model.language_model, True, layers)
 
     def gradient_checkpointing_disable(self) -> None:
-        self.model.language_model.gradient_checkpointing = False
+        set_checkpointing(self.model.language_model, False, None)
 
     def save_pretrained(self, path, *, max_shard_size: int | str = "5GB", safe_serialization: bool = True,
                         state_dict: dict[str, torch.Tensor] | None = None) -> None:

@@ -6,6 +6,7 @@
     python bench/fully_async.py --workload tool [--turns 4 --tool-latency 0.5 --tool-answer-len 32]    # multi-turn
     python bench/fully_async.py --workload tool --rollout-tp 2 [--modes sync]     # on tensor-parallel replicas
     python bench/fully_async.py --workload two-mode [--long-fraction 0.1]  # most short, some to the cap (reasoning RL)
+    python bench/fully_async.py --staleness 1,2      # the async run once per staleness_threshold (async, async_s2)
 
 Two GPUs (or two CPU workers), two `lathe train` runs in child processes, exactly as a user runs them:
 
@@ -271,12 +272,22 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
     run = paths["run"]
     tp = [f"actor_rollout_ref.rollout.tensor_model_parallel_size={args.rollout_tp}"] if args.rollout_tp > 1 else []
     sync = [*base, *tp, "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={run / 'sync'}"]
-    asyn = [*base, *tp, "trainer.n_gpus_per_node=1", "rollout.nnodes=1", f"rollout.n_gpus_per_node={args.rollout_tp}",
-            "actor_rollout_ref.hybrid_engine=false", "data.train_batch_size=0", "data.gen_batch_size=1",
-            "async_training.require_batches=1", f"async_training.trigger_parameter_sync_step={args.trigger}",
-            f"async_training.staleness_threshold={args.staleness}", "async_training.partial_rollout=true",
-            f"trainer.default_local_dir={run / 'async'}"]
-    return {"sync": sync, "async": asyn}
+    out = {"sync": sync}
+    for mode, staleness in async_modes(args.staleness).items():
+        out[mode] = [*base, *tp, "trainer.n_gpus_per_node=1", "rollout.nnodes=1",
+                     f"rollout.n_gpus_per_node={args.rollout_tp}", "actor_rollout_ref.hybrid_engine=false",
+                     "data.train_batch_size=0", "data.gen_batch_size=1", "async_training.require_batches=1",
+                     f"async_training.trigger_parameter_sync_step={args.trigger}",
+                     f"async_training.staleness_threshold={staleness}", "async_training.partial_rollout=true",
+                     f"trainer.default_local_dir={run / mode}"]
+    return out
+
+
+def async_modes(staleness: str) -> dict[str, float]:
+    """`--staleness` (one value or a comma list) as async runs: the first is `async`, each other `async_s<value>`
+    (one call measures the pipeline depth's trade-off against the same synchronous run)."""
+    values = [float(v) for v in str(staleness).split(",")]
+    return {("async" if i == 0 else f"async_s{v:g}"): v for i, v in enumerate(values)}
 
 
 def write_workload(where: Path, args) -> tuple[dict, dict]:
@@ -332,6 +343,7 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     return {"steps_timed": len(timed), "step_wall_s_median": statistics.median(walls), "timed_wall_s": sum(walls),
             "trainer_busy_s": busy,
             "step_wall_s_all": [s.get("perf/time_per_step") for s in steps],
+            "trainer_idle_all": [s.get("trainer/idle_ratio") for s in steps],       # a stalled step shows here
             "medians": {k: statistics.median(s[k] for s in timed) for k in keys if all(k in s for s in timed)},
             "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps), default=None)}
 
@@ -348,7 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2, help="steps left out (compilation, the async pipeline filling)")
     p.add_argument("--trigger", type=int, default=2, help="async_training.trigger_parameter_sync_step")
-    p.add_argument("--staleness", type=float, default=1.0, help="async_training.staleness_threshold")
+    p.add_argument("--staleness", default="1", help="async_training.staleness_threshold; a comma list (1,2) runs the "
+                   "async mode once per value (async, async_s2, ...) against the same synchronous run")
     p.add_argument("--modes", default="sync,async")
     p.add_argument("--workload", default="geometric", choices=("geometric", "tool", "two-mode"),
                    help="geometric: single-turn long tail; tool: multi-turn trajectories with tool calls; two-mode: "
@@ -387,7 +400,7 @@ def main() -> None:
                            "stop_ids": described.pop("stop_ids"), "vocab": vocab, **described},
               "runs": {}}
     for mode, cmd in commands(paths, args).items():
-        if mode not in args.modes.split(","):
+        if mode.split("_s")[0] not in args.modes.split(","):      # `async` selects every staleness run
             continue
         metrics = paths["run"] / mode / "metrics.jsonl"
         metrics.unlink(missing_ok=True)
@@ -397,23 +410,26 @@ def main() -> None:
                                 **(summarize(steps, args.warmup) if steps else {}), **length_modes(steps)}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
-    s, a = (result["runs"].get(m, {}).get("timed_wall_s") for m in ("sync", "async"))
-    if s and a:
-        result["speedup_async_vs_sync"] = s / a
-    busy = result["runs"].get("async", {}).get("trainer_busy_s")
-    if s and busy:      # the trainer-bound ceiling: its update on one device against the whole synchronous step
-        result["speedup_ceiling_trainer_bound"] = s / busy
+    s = result["runs"].get("sync", {}).get("timed_wall_s")
+    for mode in [m for m in result["runs"] if m.startswith("async")]:
+        a, busy = (result["runs"][mode].get(k) for k in ("timed_wall_s", "trainer_busy_s"))
+        suffix = mode[len("async"):]                                  # "" for the first staleness, "_s2", ...
+        if s and a:
+            result[f"speedup_async_vs_sync{suffix}"] = s / a
+        if s and busy:  # the trainer-bound ceiling: its update on one device against the whole synchronous step
+            result[f"speedup_ceiling_trainer_bound{suffix}"] = s / busy
     out.write_text(json.dumps(result, indent=2))
     for mode, r in result["runs"].items():
-        print(f"{mode:>5}: rc {r['returncode']}, {r.get('step_wall_s_median', float('nan')):.2f} s/step (median), "
+        print(f"{mode:>8}: rc {r['returncode']}, {r.get('step_wall_s_median', float('nan')):.2f} s/step (median), "
               f"{r.get('timed_wall_s', float('nan')):.1f} s over {r.get('steps_timed', 0)} steps, "
               f"response length {r.get('medians', {}).get('response_length/mean', float('nan')):.0f} mean")
         if "length_modes" in r:
             print("       " + ", ".join(f"{key} {value:.3g}" for key, value in r["length_modes"].items()))
-    if "speedup_async_vs_sync" in result:
-        print(f"speed-up (async / sync): {result['speedup_async_vs_sync']:.2f}x"
-              + (f" (trainer-bound ceiling {result['speedup_ceiling_trainer_bound']:.2f}x)"
-                 if "speedup_ceiling_trainer_bound" in result else ""))
+    for key in [k for k in result if k.startswith("speedup_async_vs_sync")]:
+        suffix = key[len("speedup_async_vs_sync"):]
+        ceiling = result.get(f"speedup_ceiling_trainer_bound{suffix}")
+        print(f"speed-up (async{suffix} / sync): {result[key]:.2f}x"
+              + (f" (trainer-bound ceiling {ceiling:.2f}x)" if ceiling else ""))
     print(f"wrote {out}")
 
 

@@ -140,3 +140,20 @@ def test_two_mode_workload_lengths(tmp_path):
     assert got["zeroed_max"] == 0.0 and abs(got["trained"]["first_long"] - 0.25) < 0.02
     for s, n, is_long in zip(got["scores"], lengths, long):
         assert s["long_mode"] == float(is_long) and s["long_len" if is_long else "short_len"] == n
+
+
+STALENESS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import fully_async as fa
+print(json.dumps(fa.async_modes("1,2,0.5")))
+"""
+
+
+def test_a_staleness_list_runs_async_once_per_value():
+    """`--staleness 1,2`: one async run per value (async, async_s2) against the same synchronous run, so a single call
+    measures what a deeper pipeline buys."""
+    done = subprocess.run([sys.executable, "-c", STALENESS, str(ROOT / "bench")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"async": 1.0, "async_s2": 2.0, "async_s0.5": 0.5}

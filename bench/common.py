@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -359,15 +361,56 @@ def write_data(where: Path, *, rows: int, prompt_len: int, vocab_size: int,
     return parquet, jsonl
 
 
+class _Terminated(Exception):
+    """The bench got SIGTERM (an outer `timeout`) while a child ran."""
+
+
+_TERMINATED = False          # set once: later `run_child` calls return at once
+
+
+def _on_term(signum, frame):
+    raise _Terminated
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the child (its Ray workers and process groups close), SIGKILL after 15 s."""
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
+    """Run one `lathe train` (or baseline) child, its output into `log`: (return code, seconds); 124 past `timeout`.
+
+    A SIGTERM to the bench while the child runs (a GPU call's outer `timeout`) stops the child and returns 143, so
+    the caller still writes the JSON of what the child's metrics.jsonl holds (a 7B A/B was lost once to a kill that
+    came as its child exited); later calls then return 143 at once without starting anything."""
+    global _TERMINATED
+    if _TERMINATED:
+        return 143, 0.0
     start = time.perf_counter()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
-                                     **(env or {})}).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_term) if main else None
+    try:
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
+                                         **(env or {})})
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+                rc = 124
+            except _Terminated:
+                _TERMINATED = True
+                _stop(proc)
+                rc = 143
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     return rc, time.perf_counter() - start
 
 

@@ -1,0 +1,43 @@
+"""bench/common.run_child under an outer `timeout`: a SIGTERM to the bench stops its child and lets the bench write
+its JSON (a 7B A/B on the GPU machine was lost to a kill that came while its finished child exited)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BENCH = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import common
+out = Path(sys.argv[2])
+(out.parent / "ready").write_text("")
+rc, wall = common.run_child([sys.executable, "-c", "import time; time.sleep(120)"], out.parent / "child.log", 300)
+again = time.perf_counter()
+rc2, _ = common.run_child([sys.executable, "-c", "import time; time.sleep(120)"], out.parent / "child2.log", 300)
+out.write_text(json.dumps({"rc": rc, "wall": wall, "rc2": rc2, "second_s": time.perf_counter() - again}))
+"""
+
+
+def test_a_sigterm_stops_the_child_and_the_bench_still_writes(tmp_path):
+    out = tmp_path / "result.json"
+    bench = subprocess.Popen([sys.executable, "-c", BENCH, str(ROOT / "bench"), str(out)], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists() and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)                                          # the child is running
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        bench.kill()
+    assert bench.returncode == 0, err
+    got = json.loads(out.read_text())
+    assert got["rc"] == 143 and got["wall"] < 60                 # stopped, not waited out
+    assert got["rc2"] == 143 and got["second_s"] < 1.0            # nothing more started after the SIGTERM

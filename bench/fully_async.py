@@ -340,7 +340,12 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     # timed steps shorter than this, so sync seconds over it bound the speed-up at this split
     busy = (sum(s["perf/time_per_step"] * (1 - s["trainer/idle_ratio"]) for s in timed)
             if all("trainer/idle_ratio" in s for s in timed) else None)
+    # tokens (prompt + response) over the timed wall: a long tail's responses reach the async trainer later than the
+    # synchronous loop's, so the two timed windows hold different token counts and per-step times alone mislead
+    tokens = (sum(s["perf/total_num_tokens"] for s in timed) if all("perf/total_num_tokens" in s for s in timed)
+              else None)
     return {"steps_timed": len(timed), "step_wall_s_median": statistics.median(walls), "timed_wall_s": sum(walls),
+            "timed_tokens": tokens, "timed_tokens_per_s": tokens / sum(walls) if tokens else None,
             "trainer_busy_s": busy,
             "step_wall_s_all": [s.get("perf/time_per_step") for s in steps],
             "trainer_idle_all": [s.get("trainer/idle_ratio") for s in steps],       # a stalled step shows here
@@ -416,6 +421,9 @@ def main() -> None:
         suffix = mode[len("async"):]                                  # "" for the first staleness, "_s2", ...
         if s and a:
             result[f"speedup_async_vs_sync{suffix}"] = s / a
+        rates = [result["runs"][m].get("timed_tokens_per_s") for m in ("sync", mode)]
+        if all(rates):           # the same ratio per token: fair when the timed windows hold different lengths
+            result[f"speedup_tokens_per_s{suffix}"] = rates[1] / rates[0]
         if s and busy:  # the trainer-bound ceiling: its update on one device against the whole synchronous step
             result[f"speedup_ceiling_trainer_bound{suffix}"] = s / busy
     out.write_text(json.dumps(result, indent=2))
@@ -428,7 +436,9 @@ def main() -> None:
     for key in [k for k in result if k.startswith("speedup_async_vs_sync")]:
         suffix = key[len("speedup_async_vs_sync"):]
         ceiling = result.get(f"speedup_ceiling_trainer_bound{suffix}")
+        per_token = result.get(f"speedup_tokens_per_s{suffix}")
         print(f"speed-up (async{suffix} / sync): {result[key]:.2f}x"
+              + (f", {per_token:.2f}x in tokens/s" if per_token else "")
               + (f" (trainer-bound ceiling {ceiling:.2f}x)" if ceiling else ""))
     print(f"wrote {out}")
 

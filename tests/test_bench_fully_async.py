@@ -25,11 +25,13 @@ sys.path.insert(0, sys.argv[2])
 import bench_sleep_tool
 from lathe.rollout.agent.parser import get_parser
 calls = get_parser("hermes")("any text").calls
-steps = [{"perf/time_per_step": 9.0, "trainer/idle_ratio": 0.5}, {"perf/time_per_step": 2.0, "trainer/idle_ratio": 0.25},
-         {"perf/time_per_step": 4.0, "trainer/idle_ratio": 0.5}]
+steps = [{"perf/time_per_step": 9.0, "trainer/idle_ratio": 0.5, "perf/total_num_tokens": 50},
+         {"perf/time_per_step": 2.0, "trainer/idle_ratio": 0.25, "perf/total_num_tokens": 300},
+         {"perf/time_per_step": 4.0, "trainer/idle_ratio": 0.5, "perf/total_num_tokens": 900}]
 print(json.dumps({"plain": fully_async.commands(paths, args), "tool": fully_async.commands(tool_paths, tool),
                   "tp": fully_async.commands(tool_paths, tp),
-                  "calls": [c.name for c in calls], "busy": fully_async.summarize(steps, 1)["trainer_busy_s"]}))
+                  "calls": [c.name for c in calls], "busy": fully_async.summarize(steps, 1)["trainer_busy_s"],
+                  "rate": fully_async.summarize(steps, 1)["timed_tokens_per_s"]}))
 """
 
 
@@ -55,6 +57,7 @@ def test_fully_async_builds_both_command_lines(tmp_path):
                 f"{mt}.tool_config_path={tmp_path / 'bench_sleep_tool.json'}"} <= set(cmd)
     assert not any(c.startswith(f"{mt}.") for c in cmds["async"]) and built["calls"] == ["sleep"]
     assert abs(built["busy"] - (2.0 * 0.75 + 4.0 * 0.5)) < 1e-9     # the timed steps' trainer-busy seconds
+    assert abs(built["rate"] - (300 + 900) / (2.0 + 4.0)) < 1e-9       # the timed steps' tokens over their wall
     # --rollout-tp 2: tensor-parallel replicas (sync: one of the 2 GPUs; async: a pool of 2 beside the trainer's)
     tp = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     assert not any(c.startswith(tp) for cmd in built["tool"].values() for c in cmd)

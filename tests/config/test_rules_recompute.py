@@ -103,3 +103,12 @@ def test_lathes_own_count_wins_and_checkpointing_off_drops_the_block_count():
     cfg = load(*megatron(A_OTC, "block", 3), f"{M}.enable_gradient_checkpointing=false")
     assert not cfg.actor_rollout_ref.model.enable_gradient_checkpointing
     assert cfg.actor_rollout_ref.model.gradient_checkpointing_layers is None
+
+
+def test_block_recompute_under_transformers_has_no_effect_instead_of_failing():
+    """impl=hf trains without recomputation: Megatron's block keys set no count there (a count would be refused,
+    naming a key the script never set); they say they have no effect."""
+    said: list[str] = []
+    cfg = load(*megatron(A_OTC, "block", 2), f"{M}.impl=hf", record=said)
+    assert cfg.actor_rollout_ref.model.gradient_checkpointing_layers is None
+    assert any("recompute_num_layers`=2 has no effect" in m and f"{M}.impl=hf" in m for m in said), said

@@ -242,7 +242,7 @@ def _recompute_judge(key: str):
     """Megatron's recompute_method / recompute_num_layers: translated beside recompute_granularity=full (block, and
     uniform of one layer: every layer, lathe's whole recompute); uniform chunks of several layers recompute every
     layer too, one at a time (each layer's input kept, where Megatron keeps each chunk's); without full granularity
-    Megatron does not read them."""
+    Megatron does not read them, and with actor_rollout_ref.model.impl=hf lathe recomputes no layer."""
     role = key.split(".megatron.")[0]
 
     def judge(value, cfg) -> tuple[str, str] | None:
@@ -252,6 +252,9 @@ def _recompute_judge(key: str):
         if given["granularity"] != "full":
             return "warn", (f"`{key}`={show(value)} has no effect in lathe: Megatron reads it only beside "
                             f"{role}.{RECOMPUTE}granularity=full.")
+        if cfg.actor_rollout_ref.model.impl == "hf":
+            return "warn", (f"`{key}`={show(value)} has no effect in lathe: actor_rollout_ref.model.impl=hf trains "
+                            "through transformers, which lathe runs without recomputing layers.")
         if given["method"] == "uniform" and key.endswith("num_layers") and given["num_layers"] != 1:
             return "warn", (f"`{key}`={show(value)} with recompute_method=uniform: Megatron's recompute of chunks of "
                             f"{show(value)} layers runs as lathe's recompute of every layer, one layer at a time (the "

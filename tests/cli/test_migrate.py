@@ -7,6 +7,7 @@ import io
 from pathlib import Path
 
 from lathe.cli.migrate import migrate
+from lathe.config import load_config
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -73,3 +74,22 @@ def test_a_fully_async_script_and_a_variable_it_never_sets():
     assert rows["actor_rollout_ref.rollout.name"].startswith("vllm") and "lathe's engine in vllm's place" in \
         rows["actor_rollout_ref.rollout.name"]
     assert all(v.split()[-1] == "acts" for k, v in rows.items() if k != "actor_rollout_ref.rollout.name"), rows
+
+
+def test_megatron_block_recompute_moves_over_as_lathes_count(tmp_path):
+    """The block method's keys act together, through the pipeline stages (whose key has no effect of its own and is
+    left out): the command carries the count they give, and loads with it."""
+    otc = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    script = tmp_path / "block.sh"
+    script.write_text("python3 -m verl.trainer.main_ppo \\\n    actor_rollout_ref.actor.megatron.pipeline_model_"
+                      f"parallel_size=2 \\\n    +{otc}.recompute_granularity=full \\\n    +{otc}.recompute_method=block"
+                      f" \\\n    +{otc}.recompute_num_layers=4 \\\n    trainer.n_gpus_per_node=2\n")
+    out = io.StringIO()
+    assert migrate(str(script), env={}, out=out) == 0, out.getvalue()
+    text = out.getvalue()
+    rows = {line.split()[0]: line for line in text.split("\n\n")[0].splitlines()[1:]}
+    assert "acts as: `actor_rollout_ref.model.gradient_checkpointing_layers`=8" in rows[f"{otc}.recompute_num_layers"]
+    assert "acts as" in rows[f"{otc}.recompute_method"]
+    lines = command(text)
+    assert "actor_rollout_ref.model.gradient_checkpointing_layers=8" in lines
+    assert load_config("base", lines[1:], device_count=2).actor_rollout_ref.model.gradient_checkpointing_layers == 8

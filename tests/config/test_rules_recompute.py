@@ -103,3 +103,26 @@ def test_lathes_own_count_wins_and_checkpointing_off_drops_the_block_count():
     cfg = load(*megatron(A_OTC, "block", 3), f"{M}.enable_gradient_checkpointing=false")
     assert not cfg.actor_rollout_ref.model.enable_gradient_checkpointing
     assert cfg.actor_rollout_ref.model.gradient_checkpointing_layers is None
+
+
+def test_block_recompute_under_transformers_has_no_effect_instead_of_failing():
+    """impl=hf trains without recomputation: Megatron's block keys set no count there (a count would be refused,
+    naming a key the script never set); they say they have no effect."""
+    said: list[str] = []
+    cfg = load(*megatron(A_OTC, "block", 2), f"{M}.impl=hf", record=said)
+    assert cfg.actor_rollout_ref.model.gradient_checkpointing_layers is None
+    assert any("recompute_num_layers`=2 has no effect" in m and f"{M}.impl=hf" in m for m in said), said
+
+
+@pytest.mark.parametrize("method", ["block", "uniform"])
+def test_megatron_keys_that_lathes_own_count_overrules_say_so(method):
+    """lathe's count wins in any order (a saved config.yaml holds the translated one): Megatron keys that would give
+    another count (block: N x stages; uniform: every layer) warn that they have no effect, naming lathe's key."""
+    said: list[str] = []
+    cfg = load(f"{M}.gradient_checkpointing_layers=5", *megatron(A_OTC, method, 3), record=said)
+    assert cfg.actor_rollout_ref.model.gradient_checkpointing_layers == 5
+    assert any("recompute_num_layers`=3 has no effect" in m and f"{M}.gradient_checkpointing_layers=5" in m
+               for m in said), said
+    said.clear()
+    load(f"{M}.gradient_checkpointing_layers=3", *megatron(A_OTC, "block", 3), record=said)
+    assert not [m for m in said if "recompute_" in m], "the same count: nothing to say"

@@ -125,6 +125,21 @@ def test_recomputing_only_the_first_layer_gives_the_same_step(setup):
     assert_close_rel({k: v.detach() for k, v in worker.model.state_dict().items()}, after, rel=3e-5, name="weights")
 
 
+def test_a_vision_language_model_recomputes_as_its_keys_say(setup):
+    """lathe's VL model is lathe's decoder too (its language model's layers recompute), not a transformers model."""
+    pytest.importorskip("transformers")
+    from lathe.models.vl.config import VLConfig
+    from lathe.models.vl.model import LatheVLForConditionalGeneration
+    from models.vl_tiny import hf_config
+    tok, cfg, _, _ = setup
+    cfg = copy.deepcopy(cfg)
+    cfg.model.gradient_checkpointing_layers = 1
+    model = LatheVLForConditionalGeneration(VLConfig.from_hf_dict(hf_config("qwen3_vl").to_dict()))
+    worker = SFTWorker(cfg, model, tok, total_steps=4, device=torch.device("cpu"))
+    stack = worker.model.model.language_model
+    assert stack.gradient_checkpointing and stack.gradient_checkpointing_layers == 1
+
+
 def test_verls_older_spellings_act_and_unimplemented_keys_fail_up_front():
     cfg = load_sft_config(None, ["model.partial_pretrain=/m", "optim.warmup_steps_ratio=0.3",
                                  "optim.lr_scheduler=constant", "data.multiturn.messages_key=conv",

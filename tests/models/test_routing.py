@@ -36,3 +36,24 @@ def test_replay_in_compiled_checkpointed_layers_does_not_recompile(monkeypatch):
         assert all(torch.equal(chosen[keep], given[keep, 0]) for chosen in seen)
         assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layers", [0, 1, None])
+def test_replay_counts_each_choice_once_however_many_layers_recompute(layers):
+    """A layer recomputed in backward replays its choices again, uncounted: `actor/routing_replay_changed` stays the
+    share over (token, MoE layer) pairs when only the first layers recompute (`gradient_checkpointing_layers`)."""
+    from lathe.models.config import LatheConfig
+    from lathe.models.decoder import LatheCausalLM
+    torch.manual_seed(0)
+    model = LatheCausalLM(LatheConfig.from_hf_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 11, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 4, "mlp_only_layers": []})).train()
+    model.gradient_checkpointing_enable(layers=layers)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 11, (2, 5), generator=gen)
+    given = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(20)]).view(10, 2, 2)
+    stats = routing.ReplayStats()
+    with routing.replay_routing(model, given, stats):
+        model(ids).logits.pow(2).mean().backward()
+    assert int(stats.given) == 10 * 2

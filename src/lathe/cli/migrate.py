@@ -58,7 +58,8 @@ def migrate(path: str, *, env: dict[str, str] | None = None, out: TextIO = sys.s
         for note in notes:
             print(f"  - {note}", file=out)
 
-    kept = [text for text, row in zip(overrides, result.rows) if row.verdict in (ACTS, RENAMED)]
+    kept = [text if row.command is None else row.command for text, row in zip(overrides, result.rows)
+            if row.verdict in (ACTS, RENAMED) and row.command != ""]
     left = sum(row.verdict in (NO_EFFECT, SAME) for row in result.rows)
     print(f"\nThe lathe command ({len(kept)} keys; {left} with no effect in lathe left out):", file=out)
     print(" \\\n    ".join(["lathe train base"] + [_quote(k) for k in kept]), file=out)

@@ -19,7 +19,7 @@ from .backends import BACKENDS, R
 from .coerce import show
 from .support import _defaults, registry
 from .support_verl import entry_for, verdict_for
-from .verl_translate import translate
+from .verl_translate import RECOMPUTE, block_recompute_counts, translate
 from .tree import assign, get_path, parse_override, rewrite_aliases
 
 ACTS, RENAMED, NO_EFFECT, SAME, REFUSED, UNKNOWN = "acts", "acts as", "no effect", "same either way", "refused", \
@@ -35,6 +35,7 @@ class Row:
     verdict: str          # one of ACTS, RENAMED, NO_EFFECT, SAME, REFUSED, UNKNOWN
     why: str = ""
     feature: str = ""     # refused: the feature lathe lacks, as the support registry names it
+    command: str | None = None   # what `lathe migrate` prints for it in lathe's command: None = as written, "" = none
 
 
 @dataclass
@@ -112,6 +113,20 @@ def _judge(cfg: LatheConfig, applied: list[tuple[Row, str]]) -> None:
             _set(row, verdict, getattr(entry_for(row.key), "text", ""))
         elif (entry := entry_for(row.key)) is not None:
             row.verdict, row.why = SAME, entry.text
+    _block_recompute(cfg, applied)
+
+
+def _block_recompute(cfg: LatheConfig, applied: list[tuple[Row, str]]) -> None:
+    """Megatron's block recompute acts through the count its keys give together, times the pipeline stages (whose
+    keys have no effect of their own: `verl_translate.block_recompute`): recompute_num_layers' row carries lathe's
+    count (the command sets it), recompute_method's row points to it."""
+    for role, (group, n) in block_recompute_counts(cfg).items():
+        key = f"`{group}.gradient_checkpointing_layers`={n}"
+        for row, _ in applied:
+            if row.key == f"{role}.{RECOMPUTE}num_layers":
+                row.verdict, row.why, row.command = RENAMED, key, f"{group}.gradient_checkpointing_layers={n}"
+            elif row.key == f"{role}.{RECOMPUTE}method":
+                row.verdict, row.why, row.command = RENAMED, f"{key} (with recompute_num_layers)", ""
 
 
 def _set(row: Row, verdict: tuple[str, str], feature: str) -> None:

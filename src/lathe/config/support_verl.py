@@ -21,9 +21,9 @@ from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
 from .support_rollout import ROUTING
 from .tree import get_path
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
-from .verl_translate import (DIST_USE, RECOMPUTE, RULES, context_parallel_notice, dist_checkpoint,
-                             dist_checkpoint_prefix, lora_experts_notice, megatron_recompute, pipeline_notice, rule_for,
-                             tp_beside_ep_notice, translate)
+from .verl_translate import (DIST_USE, RECOMPUTE, RULES, TRAINED_MODEL, block_recompute_layers,
+                             context_parallel_notice, dist_checkpoint, dist_checkpoint_prefix, lora_experts_notice,
+                             megatron_recompute, pipeline_notice, rule_for, tp_beside_ep_notice, translate)
 
 ISSUE_43 = "lathe issue 43: big models on many GPUs"
 ISSUE_44 = "lathe issue 44: MoE, MTP, routing replay"
@@ -242,7 +242,8 @@ def _recompute_judge(key: str):
     """Megatron's recompute_method / recompute_num_layers: translated beside recompute_granularity=full (block, and
     uniform of one layer: every layer, lathe's whole recompute); uniform chunks of several layers recompute every
     layer too, one at a time (each layer's input kept, where Megatron keeps each chunk's); without full granularity
-    Megatron does not read them."""
+    Megatron does not read them, with actor_rollout_ref.model.impl=hf lathe recomputes no layer, and a count set on
+    lathe's key (a saved config.yaml holds the translated one) wins over another that they would give."""
     role = key.split(".megatron.")[0]
 
     def judge(value, cfg) -> tuple[str, str] | None:
@@ -252,6 +253,16 @@ def _recompute_judge(key: str):
         if given["granularity"] != "full":
             return "warn", (f"`{key}`={show(value)} has no effect in lathe: Megatron reads it only beside "
                             f"{role}.{RECOMPUTE}granularity=full.")
+        if cfg.actor_rollout_ref.model.impl == "hf":
+            return "warn", (f"`{key}`={show(value)} has no effect in lathe: actor_rollout_ref.model.impl=hf trains "
+                            "through transformers, which lathe runs without recomputing layers.")
+        group = TRAINED_MODEL.get(role)
+        count = get_path(cfg, f"{group}.gradient_checkpointing_layers") if group else None
+        megatron = block_recompute_layers(cfg, role) if given["method"] == "block" else None
+        if count is not None and count != megatron:
+            return "warn", (f"`{key}`={show(value)} has no effect in lathe: {group}.gradient_checkpointing_layers="
+                            f"{count} is set, and lathe's own count wins over Megatron's recompute keys. Fix: remove "
+                            "one of them.")
         if given["method"] == "uniform" and key.endswith("num_layers") and given["num_layers"] != 1:
             return "warn", (f"`{key}`={show(value)} with recompute_method=uniform: Megatron's recompute of chunks of "
                             f"{show(value)} layers runs as lathe's recompute of every layer, one layer at a time (the "

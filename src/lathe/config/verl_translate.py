@@ -275,14 +275,27 @@ def block_recompute_layers(cfg: Any, role: str) -> int | None:
     return n
 
 
-def block_recompute(cfg: Any) -> None:
-    """Set each trained model's `gradient_checkpointing_layers` from its role's Megatron block recompute (module
-    doc), called once every layer of keys is set: where lathe's key is unset (a count given there wins) and gradient
-    checkpointing is on (a later enable_gradient_checkpointing=false turns all recomputation off)."""
+def block_recompute_counts(cfg: Any) -> dict[str, tuple[str, int]]:
+    """role -> (its model group, the count `block_recompute` sets there) for each trained role whose Megatron keys
+    name the block method, where lathe's key is unset (a count given there wins), gradient checkpointing is on (a
+    later enable_gradient_checkpointing=false turns all recomputation off) and the models run lathe's decoder (with
+    actor_rollout_ref.model.impl=hf, the critic's too, transformers trains them without recomputation, and a count
+    would be refused)."""
+    out = {}
+    if cfg.actor_rollout_ref.model.impl == "hf":
+        return out
     for role, group in TRAINED_MODEL.items():
         n, model = block_recompute_layers(cfg, role), _node(cfg, group)
         if n is not None and model.enable_gradient_checkpointing and model.gradient_checkpointing_layers is None:
-            model.gradient_checkpointing_layers = n
+            out[role] = group, n
+    return out
+
+
+def block_recompute(cfg: Any) -> None:
+    """Set each trained model's `gradient_checkpointing_layers` from its role's Megatron block recompute (module
+    doc, `block_recompute_counts`), called once every layer of keys is set."""
+    for group, n in block_recompute_counts(cfg).values():
+        _node(cfg, group).gradient_checkpointing_layers = n
 
 
 # the verl spellings of a role's pipeline-parallel sizes (stages; virtual stages per device)

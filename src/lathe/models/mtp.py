@@ -56,7 +56,9 @@ def mtp_stream(model, hidden: torch.Tensor, input_ids: torch.Tensor, position_id
     `detach_encoder` (verl's `mtp.detach_encoder`): no gradient flows from the MTP layers into the main model's hidden
     states or the token embeddings (only the MTP layers learn from the MTP loss). Under gradient checkpointing, MTP
     layer k is layer num_hidden_layers + k of `lathe.models.decoder.recomputes`: a count of recomputed layers that
-    ends within the main stack leaves the MTP layers their activations (as Megatron's block method does)."""
+    ends within the main stack leaves the MTP layers their activations (the last forward, freed first in backward).
+    Megatron differs here: its MTP layers recompute under recompute_granularity=full whatever recompute_method says,
+    so a count translated from its block method recomputes fewer layers than Megatron did."""
     inner = model.model
     cos, sin = inner.rotary_emb(position_ids, hidden.dtype)
     ids, out = input_ids, []

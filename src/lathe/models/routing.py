@@ -40,7 +40,9 @@ class _Replay:
             raise ValueError(f"routing replay: {tuple(self.given.shape)} given experts for {probs.shape[0]} tokens "
                              f"of top-{top_k}; the replayed routing must line up with the forward's tokens")
         weights, chosen = replay_route(probs, top_k, norm_topk_prob, self.given, own=own, weigh=weigh)
-        if self.stats is not None:
+        # counted in the forward only: a layer recomputed in backward (gradient checkpointing, which may recompute
+        # only the first layers: `decoder.recomputes`) replays the same choices, uncounted
+        if self.stats is not None and torch._C._current_graph_task_id() == -1:
             self.stats.add(probs, chosen, self.given, own)
         return weights, chosen
 

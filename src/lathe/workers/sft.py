@@ -16,6 +16,7 @@ from lathe.models.decoder import LatheCausalLM
 from lathe.models.hf import select_impl
 from lathe.models.lora import apply_lora
 from lathe.models.rope import cast_keeping_rope
+from lathe.models.vl import is_vl
 from lathe.train import lora, parallel
 from lathe.train.gathered import accumulating
 from lathe.train.actor import use_torch_compile
@@ -48,7 +49,7 @@ class SFTWorker:
                        seed=cfg.trainer.seed)
         self.base_model = m.path
         enable_recompute(self.model, m.enable_gradient_checkpointing, m.gradient_checkpointing_layers, "model",
-                         lathe=isinstance(self.model, LatheCausalLM), impl_key="model.impl")
+                         lathe=isinstance(self.model, LatheCausalLM) or is_vl(self.model), impl_key="model.impl")
         key = "model.fsdp_config"
         self.policy = resolve_policy(m.fsdp_config, device, key=key)
         self.sharded = parallel.in_group()

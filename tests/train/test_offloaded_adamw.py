@@ -100,6 +100,19 @@ def test_build_optimizer_picks_it_on_the_sharded_path_only_for_state_offload():
         is torch.optim.AdamW
 
 
+def test_offload_flags_on_the_sharded_path_count_fsdp2s_offload_policy_as_param_offload():
+    from types import SimpleNamespace
+
+    from lathe.train.offload import offload_flags
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    fsdp = lambda **kw: SimpleNamespace(**{"param_offload": False, "optimizer_offload": True,  # noqa: E731
+                                           "offload_policy": False, **kw})
+    assert offload_flags(fsdp(), cuda, key="k", sharded=True) == {"offload_params": False, "offload_state": True}
+    assert offload_flags(fsdp(offload_policy=True), cuda, key="k", sharded=True)["offload_params"]
+    assert not offload_flags(fsdp(offload_policy=True), cuda, key="k")["offload_params"]   # one device: no FSDP2
+    assert offload_flags(fsdp(), cpu, key="k", sharded=True) == {"offload_params": False, "offload_state": False}
+
+
 # -- FSDP2 shards on 2 gloo ranks -------------------------------------------------------------------------------
 def _sharded_net():
     """Linear layers of odd sizes (uneven shards over 2 ranks), the same weights on every rank, FSDP2-sharded."""
@@ -142,6 +155,26 @@ def _full(net, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def _by_name_round_trip(off_net, off, ref_net, ref) -> tuple[dict, dict]:
+    """Each optimizer's full state by name (every rank gathers it), loaded into a fresh optimizer of the other kind:
+    the state each ends with, as whole tensors (before, after)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    full = StateDictOptions(full_state_dict=True)
+    into_off_net, into_ref_net = _sharded_net(), _sharded_net()
+    into_off = OffloadedAdamW(into_off_net.parameters(), chunk_numel=CHUNK, **HPARAMS)
+    into_ref = torch.optim.AdamW(into_ref_net.parameters(), **HPARAMS)
+    set_optimizer_state_dict(into_off_net, into_off, get_optimizer_state_dict(ref_net, ref, options=full),
+                             options=full)
+    set_optimizer_state_dict(into_ref_net, into_ref, get_optimizer_state_dict(off_net, off, options=full),
+                             options=full)
+    moments = lambda net, opt: {f"{name}.{k}": opt.state[p][k].full_tensor()  # noqa: E731
+                                for name, p in net.named_parameters() for k in MOMENTS}
+    on_host = all(s[k].to_local().device.type == "cpu" for s in into_off.state.values() for k in MOMENTS)
+    return ({"off": moments(off_net, off), "ref": moments(ref_net, ref)},
+            {"off": moments(into_ref_net, into_ref), "ref": moments(into_off_net, into_off), "on_host": on_host})
+
+
 def _rank_work(root: Path) -> dict:
     from torch.distributed import get_rank
 
@@ -162,6 +195,8 @@ def _rank_work(root: Path) -> dict:
     parallel.load_sharded(root / "off", to_ref_net, to_ref)
     parallel.load_sharded(root / "ref", to_off_net, to_off)
     out["loaded"] = (_full(to_ref_net, to_ref), _full(to_off_net, to_off))
+    # the full (by name) form a one-device checkpoint and a LoRA run's optim.pt hold: gathered, then loaded
+    out["full_same"] = _by_name_round_trip(off_net, off, ref_net, ref)
     for net, opt in ((off_net, off), (ref_net, ref), (to_ref_net, to_ref), (to_off_net, to_off)):
         _train(net, opt, range(3, 5))
     out["continued"] = [_full(net, opt) for net, opt in ((off_net, off), (ref_net, ref), (to_ref_net, to_ref),
@@ -201,6 +236,13 @@ def test_sharded_checkpoints_resume_across_offloaded_and_resident(sharded):
     assert_close_rel(to_ref_c, off_c, REL, "resident, resumed from offloaded, two more steps")
     assert_close_rel(to_off_c, ref_c, REL, "offloaded, resumed from resident, two more steps")
     assert sharded["steps"] == [5.0]
+
+
+def test_full_state_by_name_loads_across_offloaded_and_resident(sharded):
+    before, after = sharded["full_same"]
+    assert after.pop("on_host")
+    assert_close_rel(after["off"], before["off"], REL, "offloaded's full state -> resident")
+    assert_close_rel(after["ref"], before["ref"], REL, "resident's full state -> offloaded")
 
 
 # -- CUDA ---------------------------------------------------------------------------------------------------------

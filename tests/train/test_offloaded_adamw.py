@@ -53,23 +53,26 @@ def _assert_same(opt, params, ref_opt, ref_params) -> None:
     assert [float(opt.state[p]["step"]) for p in params] == [float(ref_opt.state[p]["step"]) for p in ref_params]
 
 
-def test_step_equals_torch_adamw_with_tensors_cut_across_chunks():
-    params, ref_params = _params(), _params()
+def _pair(steps: int, device: str = "cpu"):
+    """An offloaded and a resident optimizer over the same tensors, `steps` steps each: (params, offloaded,
+    reference params, reference)."""
+    params, ref_params = _params(device=device), _params(device=device)
     opt = OffloadedAdamW(params, chunk_numel=CHUNK, **HPARAMS)
     ref = torch.optim.AdamW(ref_params, **HPARAMS)
-    _run(opt, params, range(4))
-    _run(ref, ref_params, range(4))
+    _run(opt, params, range(steps))
+    _run(ref, ref_params, range(steps))
+    return params, opt, ref_params, ref
+
+
+def test_step_equals_torch_adamw_with_tensors_cut_across_chunks():
+    params, opt, ref_params, ref = _pair(4)
     _assert_same(opt, params, ref, ref_params)
     assert all(opt.state[p][k] is not p and opt.state[p][k].device.type == "cpu" for p in params for k in MOMENTS)
 
 
 def test_state_dict_round_trips_with_torch_adamw_both_ways():
     """The layouts are the same: either optimizer resumes the other's state and goes on as if never stopped."""
-    params, ref_params = _params(), _params()
-    opt = OffloadedAdamW(params, chunk_numel=CHUNK, **HPARAMS)
-    ref = torch.optim.AdamW(ref_params, **HPARAMS)
-    _run(opt, params, range(2))
-    _run(ref, ref_params, range(2))
+    params, opt, ref_params, ref = _pair(2)
     saved, ref_saved = copy.deepcopy(opt.state_dict()), copy.deepcopy(ref.state_dict())   # as a checkpoint holds them
     assert saved["param_groups"] == ref_saved["param_groups"]
     assert {i: sorted(s) for i, s in saved["state"].items()} == {i: sorted(s) for i, s in ref_saved["state"].items()}
@@ -248,11 +251,7 @@ def test_full_state_by_name_loads_across_offloaded_and_resident(sharded):
 # -- CUDA ---------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_offloaded_step_on_cuda_equals_adamw_with_pinned_host_moments():
-    params, ref_params = _params(device="cuda"), _params(device="cuda")
-    opt = OffloadedAdamW(params, chunk_numel=CHUNK, **HPARAMS)
-    ref = torch.optim.AdamW(ref_params, **HPARAMS)
-    _run(opt, params, range(4))
-    _run(ref, ref_params, range(4))
+    params, opt, ref_params, ref = _pair(4, "cuda")
     saved = opt.state_dict()                   # waits for the copies back to host memory
     _assert_same(opt, params, ref, ref_params)
     assert all(opt.state[p][k].device.type == "cpu" and opt.state[p][k].is_pinned() for p in params for k in MOMENTS)
@@ -292,8 +291,9 @@ def test_offloaded_fsdp2_shards_on_cuda_save_and_load_with_dcp(tmp_path):
         assert local.device_mesh.device_type == "cuda" and local.to_local().is_pinned()
         parallel.save_sharded(tmp_path / "off", nets[0], off)
         parallel.load_sharded(tmp_path / "off", nets[1], ref)      # offloaded -> resident
-        assert_close_rel(torch.cat([s["exp_avg"].full_tensor().flatten() for s in ref.state.values()]),
-                         torch.cat([s["exp_avg"].full_tensor().flatten() for s in off.state.values()]), REL, "exp_avg")
+        whole = lambda opt: torch.cat([s["exp_avg"].to("cuda").full_tensor().flatten()  # noqa: E731
+                                       for s in opt.state.values()])    # NCCL gathers device tensors only
+        assert_close_rel(whole(ref), whole(off), REL, "exp_avg")
         parallel.load_sharded(tmp_path / "off", nets[0], off)      # into itself: stays pinned host memory
         assert all(s[k].to_local().is_pinned() for s in off.state.values() for k in MOMENTS)
     finally:

@@ -66,7 +66,8 @@ class OffloadedAdamW(torch.optim.AdamW):
         states = [self._init_state(p) for p, _, _ in pieces]
         params = [_piece(_local(p), start, stop) for p, start, stop in pieces]
         grads = [_piece(_local(p.grad), start, stop) for p, start, stop in pieces]
-        moments = [{k: _piece(_local(s[k]), start, stop) for k in MOMENTS} for s, (_, start, stop) in zip(states, pieces)]
+        moments = [{k: _piece(_local(s[k]), start, stop) for k in MOMENTS}
+                   for s, (_, start, stop) in zip(states, pieces)]
         device = params[0].device
         steps = [torch.full((), float(s["step"]), dtype=torch.float32, device=device) for s in states]
         adam_streamed(group, params, grads, moments, steps, device, stream_params=False, stream_moments=True)

@@ -298,3 +298,49 @@ def test_offloaded_fsdp2_shards_on_cuda_save_and_load_with_dcp(tmp_path):
         assert all(s[k].to_local().is_pinned() for s in off.state.values() for k in MOMENTS)
     finally:
         dist.destroy_process_group()
+
+
+# -- the actor on 2 gloo ranks: the sharded path builds OffloadedAdamW; its checkpoints resume both ways -------------
+def actor_job(world: int, offloaded: bool, **job) -> dict:
+    """`test_parallel.train` on this rank with `optimizer_offload` acting as on CUDA when `offloaded` (offload_flags
+    ignores it on a CPU); the optimizer classes the actor built join the result."""
+    from unittest import mock
+
+    import lathe.workers.actor as actor_module
+
+    from .test_parallel import train
+    built = []
+
+    def flags(fsdp_cfg, device, *, key, frozen=False, sharded=False):
+        return {"offload_params": False, "offload_state": offloaded}
+
+    def build(*args, **kwargs):
+        opt = build_optimizer(*args, **kwargs)
+        built.append(type(opt).__name__)
+        return opt
+    with mock.patch.object(actor_module, "offload_flags", flags), \
+            mock.patch.object(actor_module, "build_optimizer", build):
+        return {**train(world, -1, **job), "built": built}
+
+
+@pytest.fixture(scope="module")
+def actor_runs(tmp_path_factory):
+    """Resident and offloaded: 3 updates each (saving after 2), then the last update resumed from the other's
+    checkpoint."""
+    from .test_parallel import SAVED_AFTER, STEPS, run_ranks
+    root = tmp_path_factory.mktemp("actor_offload")
+    last = range(SAVED_AFTER, STEPS)
+    return run_ranks(2, root / "ranks", dict(offloaded=False, save=root / "resident"),
+                     dict(offloaded=True, save=root / "offloaded"),
+                     dict(offloaded=True, steps=last, resume=root / "resident"),
+                     dict(offloaded=False, steps=last, resume=root / "offloaded"), fn=actor_job)
+
+
+def test_the_sharded_actor_updates_with_offloaded_moments_as_with_resident_ones(actor_runs):
+    from .test_parallel import SAVED_AFTER, assert_same_run
+    resident, offloaded, off_resumed, res_resumed = (run[0] for run in actor_runs)
+    assert resident["built"] == ["AdamW"] and offloaded["built"] == ["OffloadedAdamW"]
+    assert_same_run(offloaded, resident, rel=REL)
+    tail = lambda run: {"metrics": run["metrics"][SAVED_AFTER:], "weights": run["weights"]}  # noqa: E731
+    assert_same_run(off_resumed, tail(resident), rel=REL)      # offloaded, from the resident run's checkpoint
+    assert_same_run(res_resumed, tail(offloaded), rel=REL)     # resident, from the offloaded run's checkpoint

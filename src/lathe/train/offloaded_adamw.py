@@ -7,7 +7,8 @@ moments -- twice the fp32 shards, the largest part of a trainer's memory -- into
 its own shards' moments, and `step()` streams them through the device in chunks of at most `chunk_numel` elements
 (a shard larger than that is cut across chunks), running torch's own AdamW kernel on the local tensors of the
 parameters, gradients and moments: `lathe.train.master.adam_streamed`, the streaming `MasterAdamW` does on one
-device.
+device. The host memory is taken once, at construction (one buffer per moment: `_host_moments`), and checkpoints load
+into it.
 
 It is a `torch.optim.AdamW` (the same parameter-group defaults) whose state has the same layout: per parameter,
 `step` (a float32 CPU scalar) and `exp_avg` / `exp_avg_sq` placed like the parameter (DTensors for FSDP2 shards, their
@@ -39,6 +40,7 @@ class OffloadedAdamW(torch.optim.AdamW):
                  eps: float = 1e-8, weight_decay: float = 1e-2, chunk_numel: int = 1 << 28):
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.chunk_numel = chunk_numel
+        self._host = _host_moments([p for g in self.param_groups for p in g["params"]])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -77,7 +79,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             for k in MOMENTS:
-                state[k] = _on_host(p)
+                state[k] = _wrap(p, self._host[p][k].zero_())
         return state
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
@@ -87,9 +89,9 @@ class OffloadedAdamW(torch.optim.AdamW):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, except that the moments go straight to host memory (torch's would first put every moment on
-        its parameter's device: the memory offload saves); a host tensor of the right kind is taken as it is
-        (`torch.distributed.checkpoint` loads into this optimizer's own state)."""
+        """torch's, except that the moments go straight into this optimizer's host memory (torch's would first put
+        every moment on its parameter's device: the memory offload saves); `torch.distributed.checkpoint` loads into
+        that memory itself, which is then kept as it is."""
         self._wait_for_copies()
         saved = state_dict["state"]
         super().load_state_dict({**state_dict, "state": {i: {k: v for k, v in s.items() if k not in MOMENTS}
@@ -105,7 +107,17 @@ class OffloadedAdamW(torch.optim.AdamW):
                 state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device="cpu")
             for k in MOMENTS:
                 if k in s:
-                    state[k] = _on_host(p, s[k])
+                    state[k] = _wrap(p, self._load_moment(p, k, s[k]))
+
+    def _load_moment(self, p: torch.Tensor, k: str, value: torch.Tensor) -> torch.Tensor:
+        host, src = self._host[p][k], _local(value)
+        if src.shape != host.shape:
+            raise ValueError(f"OffloadedAdamW.load_state_dict: {k} has shape {tuple(src.shape)} where this rank's "
+                             f"shard of its parameter has {tuple(host.shape)} (a state dict of another sharding: load "
+                             "it through torch.distributed.checkpoint, which reshards)")
+        if src.device != host.device or src.data_ptr() != host.data_ptr():
+            host.copy_(src)
+        return host
 
     def _wait_for_copies(self) -> None:
         devices = {_local(p).device for g in self.param_groups for p in g["params"]}
@@ -123,19 +135,27 @@ def _piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return t if start == 0 and stop == t.numel() else t.view(-1)[start:stop]
 
 
-def _on_host(p: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
-    """A tensor laid out like `p` (a DTensor with `p`'s placements for a DTensor) whose local tensor is in host
-    memory, page-locked when `p` is on CUDA: zeros, or `value`'s local tensor (taken as it is when it already is such
-    a host tensor)."""
-    local = _local(p)
-    pin = local.device.type == "cuda"
-    src = None if value is None else _local(value)
-    if src is not None and src.device.type == "cpu" and src.dtype == local.dtype and src.shape == local.shape \
-            and (src.is_pinned() or not pin):
-        host = src
-    else:
-        host = torch.zeros(local.shape, dtype=local.dtype, pin_memory=pin)
-        if src is not None:
-            host.copy_(src)
-    # DTensor.from_local would move the tensor to the mesh's device; FSDP2 builds its offloaded shards this way too
+def _host_moments(params: list[torch.Tensor]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    """Host memory for each parameter's moments, shaped like its local tensor, page-locked when the parameters are on
+    CUDA: views of one buffer per moment and dtype rather than a tensor each, because torch's caching host allocator
+    rounds every pinned allocation up to a power of two (up to twice the memory, per tensor) and keeps what is freed."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(_local(p).dtype, []).append(p)
+    out: dict = {p: {} for p in params}
+    for dtype, group in by_dtype.items():
+        local = [_local(p) for p in group]
+        pin = any(t.device.type == "cuda" for t in local)
+        for k in MOMENTS:
+            flat = torch.empty(sum(t.numel() for t in local), dtype=dtype, pin_memory=pin)
+            offset = 0
+            for p, t in zip(group, local):
+                out[p][k] = flat[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
+    return out
+
+
+def _wrap(p: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """`host` (this rank's part) laid out as `p`: a DTensor with `p`'s mesh and placements for a DTensor `p`.
+    DTensor.from_local would move it to the mesh's device; FSDP2 builds its offloaded shards this way too."""
     return DTensor(host, p._spec, requires_grad=False) if isinstance(p, DTensor) else host

@@ -42,6 +42,11 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.chunk_numel = chunk_numel
         self._host = _host_moments([p for g in self.param_groups for p in g["params"]])
 
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_host"):         # after construction: host memory for the new group's moments
+            self._host.update(_host_moments(self.param_groups[-1]["params"]))
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

@@ -224,11 +224,11 @@ def adam_streamed(group: dict, params: list[torch.Tensor], grads: list[torch.Ten
         foreach=False if device.type == "cpu" else None, fused=True if device.type == "cuda" else None,
         decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-    for j, state in enumerate(states):
-        if stream_params:
-            params[j].copy_(on_device[j], non_blocking=True)
-        if stream_moments:
-            for k in MOMENTS:
+    for j, state in enumerate(states):     # back where each lives: streamed, or elsewhere than `device` (with
+        if stream_params or params[j].device != device:     # offload_params alone MasterAdamW's moments are host
+            params[j].copy_(on_device[j], non_blocking=True)  # tensors too: `_init_state` puts them by the master)
+        for k in MOMENTS:
+            if stream_moments or state[k].device != device:
                 state[k].copy_(moments[k][j], non_blocking=True)
     return on_device
 

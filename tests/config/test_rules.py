@@ -203,9 +203,9 @@ def test_distribution_keys_act_on_several_devices_only():
         load_config("base", GRPO + keys + ["ray_kwargs.ray_init.num_cpus=8", "rollout.n_gpus_per_node=1",
                                            "actor_rollout_ref.hybrid_engine=false"])
     assert not any("nccl_timeout" in str(w.message) or "ray_kwargs" in str(w.message) for w in record)
-    text = fails(["trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config."
-                  "optimizer_offload=true"] + batch(8, 4, 2), device_count=None)
-    assert "set param_offload=true too" in text
+    # optimizer_offload without param_offload on several devices: OffloadedAdamW (lathe.train.offloaded_adamw)
+    load_config("base", GRPO + ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor."
+                                "fsdp_config.optimizer_offload=true"] + batch(8, 4, 2), device_count=None)
 
 
 def test_planned_device_count_skips_the_device_rule():

@@ -176,11 +176,13 @@ def test_save_and_load_trainable_keep_the_fp32_masters(tmp_path, make_lathe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("offload_params", [False, True])
-def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offload_params):
+@pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
+def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offload_params, offload_state):
+    """(True, False): param_offload alone keeps the moments by the host masters too, and the step must write them
+    back (the streaming's first shared form did not)."""
     resident, offloaded = _net(device="cuda"), _net(device="cuda")
     a = MasterAdamW(resident.parameters(), policy=MIXED, **HPARAMS)
-    b = MasterAdamW(offloaded.parameters(), policy=MIXED, offload_params=offload_params, offload_state=True,
+    b = MasterAdamW(offloaded.parameters(), policy=MIXED, offload_params=offload_params, offload_state=offload_state,
                     chunk_numel=700, **HPARAMS)
     assert all(m.device.type == ("cpu" if offload_params else "cuda") for m in b.param_groups[0]["params"])
     for tokens in _batches(3):

@@ -106,6 +106,19 @@ def test_sharded_lora_plans_shards_of_the_base_and_adapters_and_a_full_merged_en
     assert not any("reference" in p.what for p in parts)
 
 
+def test_sharded_optimizer_offload_alone_puts_each_ranks_moments_in_host_memory(monkeypatch):
+    """FSDP2 with optimizer_offload and not param_offload (OffloadedAdamW): the moments' shards count as host memory,
+    the masters' shards stay on the device."""
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=2",
+                               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=2)
+    moments = next(p for p in parts if p.what.startswith("actor AdamW moments"))
+    assert moments.what.endswith("1/2 shard") and moments.nbytes == 4 * N
+    assert not moments.on_gpu and moments.why == "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"
+    assert next(p for p in parts if p.what.startswith("actor master weights")).on_gpu
+
+
 def test_hybrid_sharding_divides_each_model_by_its_shard_group_not_the_world(monkeypatch):
     monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
     cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4"])

@@ -39,8 +39,10 @@ class FSDPConfig:
     param_offload: bool = spec(False, "Keep parameters on CPU between uses: the actor's/critic's fp32 master weights "
                                       "(streamed through the GPU by the optimizer step); the reference's weights "
                                       "(moved in for each log-prob pass). Needs CUDA and mixed precision.")
-    optimizer_offload: bool = spec(False, "Keep the optimizer state (AdamW moments) in CPU memory; the step "
-                                          "streams it through the GPU. Needs CUDA and mixed precision.")
+    optimizer_offload: bool = spec(False, "Keep the optimizer state (AdamW moments) in pinned CPU memory; the step "
+                                          "streams it through the GPU in chunks. On several devices (FSDP2) each rank "
+                                          "keeps its own shards' moments there, the shards and gradients staying on "
+                                          "the GPU (with param_offload, FSDP2 offloads all three). Needs CUDA.")
     offload_policy: bool = spec(False, "FSDP2 CPU offload policy for param/grad/optimizer.")
     grad_offload: bool = spec(False, "Old verl key: gradient offload.")
     reshard_after_forward: bool = spec(True, "FSDP2: free gathered params after forward.")

@@ -44,10 +44,6 @@ def entries() -> list[Entry]:
         refuse(f"{F}.grad_offload", "gradient offload (an old verl key)"),
         only_on("one device", refuse(f"{F}.offload_policy", "FSDP2's CPU offload policy on one device",
                                      "remove it; param_offload and optimizer_offload are the switches on one device")),
-        only_on("several devices", refuse(
-            f"{F}.optimizer_offload", "offloading optimizer state without the parameters on several devices",
-            "set param_offload=true too (or offload_policy=true)",
-            lambda v, cfg: not v or cfg.model.fsdp_config.param_offload or cfg.model.fsdp_config.offload_policy)),
         only_on("one device", warn(f"{F}.reshard_after_forward", "a sharding setting, with nothing to shard")),
         *(warn(f"{F}.{k}", why) for k, why in (
             ("forward_prefetch", "FSDP2 prefetches the next layer's gather by itself"),

@@ -230,12 +230,6 @@ def _memory() -> list[Entry]:
     out = [only_on("one device", refuse(f"{g}.fsdp_config.offload_policy", "FSDP2's CPU offload policy on one "
                                          "device", "remove it; fsdp_config.param_offload and optimizer_offload are "
                                          "the offload switches on one device")) for g in TRAINED]
-    out += [only_on("several devices", refuse(
-        f"{g}.fsdp_config.optimizer_offload", "offloading optimizer state without the parameters on several "
-        "devices (FSDP2 offloads shards, gradients and optimizer state together)",
-        "set param_offload=true too (or offload_policy=true)",
-        lambda v, cfg, g=g: not v or bool(get_path(cfg, f"{g}.fsdp_config.param_offload"))
-        or bool(get_path(cfg, f"{g}.fsdp_config.offload_policy")))) for g in (A, f"{C}.model")]
     out += [refuse(f"{g}.fsdp_config.grad_offload", "gradient offload (an old verl key)") for g in TRAINED]
     return out
 

@@ -12,7 +12,8 @@ This is mixed precision as FSDP2 does it (see `lathe.train.precision`), without 
 - `step()` runs torch's own AdamW kernel (`torch.optim.adam.adam` with decoupled weight decay: fused on CUDA)
   and casts the updated masters back into the module's parameters. With `offload_params` / `offload_state`
   (AdamW's moments in pinned CPU memory) it streams the offloaded tensors through the device in chunks of
-  `chunk_numel` elements, so the device never holds them all at once.
+  `chunk_numel` elements, so the device never holds them all at once (`numel_chunks`, `adam_streamed`: shared
+  with `lathe.train.offloaded_adamw`, the same streaming over FSDP2 shards).
 
 The state (`step`, `exp_avg`, `exp_avg_sq` per master) has `torch.optim.AdamW`'s layout, so `state_dict()`
 checkpoints are interchangeable between offloaded and resident runs; `torch.optim.lr_scheduler` works on it.
@@ -60,7 +61,7 @@ class MasterAdamW(torch.optim.Optimizer):
         """The master for `p` (its current tensor, in master dtype, where it lives); `p` becomes param_dtype."""
         master = p.detach().to(self.policy.master_dtype)
         if self.offload_params:
-            master = _pinned_copy(master)
+            master = pinned_copy(master)
         p.data = p.data.to(self.policy.param_dtype)
         return master
 
@@ -146,21 +147,15 @@ class MasterAdamW(torch.optim.Optimizer):
         """All at once when everything is on the device; else groups of about `chunk_numel` elements."""
         if not (self.offload_params or self.offload_state):
             return [masters] if masters else []
-        chunks, size = [[]], 0
-        for m in masters:
-            if chunks[-1] and size + m.numel() > self.chunk_numel:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(m)
-            size += m.numel()
-        return chunks if chunks[0] else []
+        return [[masters[i] for i, _, _ in chunk] for chunk in numel_chunks([m.numel() for m in masters],
+                                                                             self.chunk_numel)]
 
     def _init_state(self, master: torch.Tensor) -> dict:
         state = self.state[master]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
             where = "cpu" if self.offload_state else master.device
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in MOMENTS:
                 state[key] = (torch.zeros(master.shape, dtype=master.dtype, pin_memory=True) if where == "cpu"
                               and self.device.type == "cuda" else torch.zeros_like(master, device=where))
         return state
@@ -168,33 +163,77 @@ class MasterAdamW(torch.optim.Optimizer):
     def _place_state(self, state: dict) -> None:
         """After loading a checkpoint: step on the device, moments where this optimizer keeps them."""
         state["step"] = state["step"].to(device=self.device, dtype=torch.float32)
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key] = _pinned_copy(state[key]) if self.offload_state else state[key].to(self.device)
+        for key in MOMENTS:
+            state[key] = pinned_copy(state[key]) if self.offload_state else state[key].to(self.device)
 
     def _step_chunk(self, group: dict, masters: list[torch.Tensor]) -> None:
-        dev = self.device
         indices = [self._index[id(m)] for m in masters]
         states = [self._init_state(m) for m in masters]
-        params = [m.to(dev, non_blocking=True) for m in masters]
-        moments = {k: [s[k].to(dev, non_blocking=True) for s in states] for k in ("exp_avg", "exp_avg_sq")}
-        grads = [self.grads[i] if self.grads[i].dtype == p.dtype else self.grads[i].to(p.dtype)
-                 for i, p in zip(indices, params)]
-        beta1, beta2 = group["betas"]
-        adam(
-            params, grads, moments["exp_avg"], moments["exp_avg_sq"], [], [s["step"] for s in states],
-            foreach=False if dev.type == "cpu" else None, fused=True if dev.type == "cuda" else None,
-            decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-        for j, (i, master, state) in enumerate(zip(indices, masters, states)):
-            if master.device != dev:
-                master.copy_(params[j], non_blocking=True)
-            for k in ("exp_avg", "exp_avg_sq"):
-                if state[k].device != dev:
-                    state[k].copy_(moments[k][j], non_blocking=True)
-            self.module_params[i].copy_(params[j])
+        params = adam_streamed(group, masters, [self.grads[i] for i in indices], states, [s["step"] for s in states],
+                               self.device, stream_params=self.offload_params, stream_moments=self.offload_state)
+        for i, p in zip(indices, params):
+            self.module_params[i].copy_(p)
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+# -- streaming pieces, shared with `lathe.train.offloaded_adamw` ---------------------------------------------------
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def numel_chunks(numels: list[int], chunk_numel: int, *, split: bool = False) -> list[list[tuple[int, int, int]]]:
+    """Tensors of `numels` elements, in order, cut into groups of at most about `chunk_numel` elements: what one
+    streamed step brings onto the device at once. Each group lists `(index, start, stop)`: the elements
+    `[start, stop)` of tensor `index` (flattened). With `split`, a tensor that does not fit in the rest of a group is
+    cut across groups (every group but the last holds `chunk_numel` exactly); without, whole tensors only (a larger
+    one is a group of its own)."""
+    chunks: list[list[tuple[int, int, int]]] = [[]]
+    room = chunk_numel
+    for i, n in enumerate(numels):
+        start = 0
+        while True:
+            if chunks[-1] and (room <= 0 or not split and n - start > room):
+                chunks.append([])
+                room = chunk_numel
+            stop = n if not split else min(n, start + room)
+            chunks[-1].append((i, start, stop))
+            room -= stop - start
+            start = stop
+            if start >= n:
+                break
+    return chunks if chunks[0] else []
+
+
+def adam_streamed(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                  steps: list[torch.Tensor], device: torch.device, *, stream_params: bool,
+                  stream_moments: bool) -> list[torch.Tensor]:
+    """One chunk of AdamW: torch's own kernel (`adam` with decoupled weight decay; fused on CUDA) on `device`, with
+    `group`'s hyperparameters, over `params` and their `states`' moments. Streamed tensors (`stream_params`,
+    `stream_moments`: those kept in host memory) are copied in (asynchronously from pinned memory), updated there
+    and copied back (asynchronously: wait before the host reads them); the others are updated in place. A streamed
+    tensor already on `device` (a CPU test) is copied all the same, so the streaming runs wherever it is tested.
+    `steps` are the kernel's step counters, on `device`; it increments them. Gradients are cast to the parameters'
+    dtype where they differ. Returns the updated parameters on `device`."""
+    def fetch(t: torch.Tensor, streamed: bool) -> torch.Tensor:
+        return t.to(device, non_blocking=True, copy=streamed)
+
+    on_device = [fetch(p, stream_params) for p in params]
+    moments = {k: [fetch(s[k], stream_moments) for s in states] for k in MOMENTS}
+    grads = [g.to(device=device, dtype=p.dtype) for g, p in zip(grads, on_device)]
+    beta1, beta2 = group["betas"]
+    adam(
+        on_device, grads, moments["exp_avg"], moments["exp_avg_sq"], [], steps,
+        foreach=False if device.type == "cpu" else None, fused=True if device.type == "cuda" else None,
+        decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+    for j, state in enumerate(states):     # back where each lives: streamed, or elsewhere than `device` (with
+        if stream_params or params[j].device != device:     # offload_params alone MasterAdamW's moments are host
+            params[j].copy_(on_device[j], non_blocking=True)  # tensors too: `_init_state` puts them by the master)
+        for k in MOMENTS:
+            if stream_moments or state[k].device != device:
+                state[k].copy_(moments[k][j], non_blocking=True)
+    return on_device
+
+
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of `t` in pinned (page-locked) CPU memory: device<->host copies from it run asynchronously."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin_memory_available())
     out.copy_(t)

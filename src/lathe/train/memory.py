@@ -29,7 +29,8 @@ class Part:
 
 def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trainable: bool = True,
                 weights_note: str = "") -> list[Part]:
-    """The parts one model contributes: compute weights, master weights, gradients and AdamW moments."""
+    """The parts one model contributes: compute weights, master weights, gradients and AdamW moments (in host memory
+    with `optimizer_offload`: `MasterAdamW` on one device, `OffloadedAdamW` on FSDP2 shards)."""
     policy = resolve_policy(fsdp_cfg, device, key=f"{prefix}.fsdp_config", trainable=trainable)
     size = lambda dtype: n_params * torch.empty((), dtype=dtype).element_size()   # noqa: E731
     key = f"{prefix}.fsdp_config"

@@ -14,15 +14,18 @@ from torch import nn
 log = logging.getLogger("lathe")
 
 
-def offload_flags(fsdp_cfg, device: torch.device, *, key: str, frozen: bool = False) -> dict[str, bool]:
+def offload_flags(fsdp_cfg, device: torch.device, *, key: str, frozen: bool = False,
+                  sharded: bool = False) -> dict[str, bool]:
     """verl's `param_offload` / `optimizer_offload` for one model, as `build_optimizer` takes them.
 
     They act on CUDA only: a CPU run has nothing to offload to, which is said once and ignored. A frozen model
-    (the reference) has no optimizer state, so its `optimizer_offload` is said to have no effect."""
+    (the reference) has no optimizer state, so its `optimizer_offload` is said to have no effect. `sharded` (FSDP2,
+    `build_optimizer(sharded=True)`): the parameters count as offloaded with `offload_policy` too (FSDP2's offload of
+    shards and optimizer state together, which `lathe.train.parallel.shard` applies)."""
     if frozen and fsdp_cfg.optimizer_offload:
         log.warning("%s.optimizer_offload has no effect: a frozen model has no optimizer state (param_offload "
                     "is the reference's offload switch)", key)
-    asked = {"offload_params": bool(fsdp_cfg.param_offload),
+    asked = {"offload_params": bool(fsdp_cfg.param_offload or sharded and getattr(fsdp_cfg, "offload_policy", False)),
              "offload_state": bool(fsdp_cfg.optimizer_offload) and not frozen}
     if any(asked.values()) and device.type != "cuda":
         log.warning("%s: param_offload/optimizer_offload have no effect on a %s run (everything is in host "

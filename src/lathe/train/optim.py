@@ -7,18 +7,25 @@ import math
 import torch
 
 from lathe.train.master import MasterAdamW
+from lathe.train.offloaded_adamw import OffloadedAdamW
 from lathe.train.precision import FP32, PrecisionPolicy
 
 
 def build_optimizer(params, optim_cfg, *, policy: PrecisionPolicy = FP32, offload_params: bool = False,
-                    offload_state: bool = False) -> torch.optim.Optimizer:
+                    offload_state: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
     """AdamW with `optim.{lr, betas, weight_decay}`.
 
-    With a mixed `policy` (bf16 compute, fp32 master weights) or CPU offload, `MasterAdamW`, which casts the
-    parameters to `policy.param_dtype` in place and keeps the masters; else `torch.optim.AdamW` on `params`.
+    One device: with a mixed `policy` (bf16 compute, fp32 master weights) or CPU offload, `MasterAdamW`, which casts
+    the parameters to `policy.param_dtype` in place and keeps the masters; else `torch.optim.AdamW` on `params`.
+    `sharded` (FSDP2 shards, whose mixed precision and `param_offload` FSDP2 does): `torch.optim.AdamW`, or with
+    `offload_state` alone `OffloadedAdamW` (the moments in host memory; with `offload_params` FSDP2's offload policy
+    keeps the shards and so AdamW's state there already).
     """
     params = [p for p in params if p.requires_grad]
     kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay)
+    if sharded:
+        return (OffloadedAdamW(params, **kwargs) if offload_state and not offload_params
+                else torch.optim.AdamW(params, **kwargs))
     if policy.mixed or offload_params or offload_state:
         return MasterAdamW(params, policy=policy, offload_params=offload_params, offload_state=offload_state,
                            **kwargs)

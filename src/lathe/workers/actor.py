@@ -105,7 +105,8 @@ class Actor:
             tensor_parallel.parallelize(self.model, self.tp)
             expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
             parallel.shard(self.model, actor.fsdp_config, self.policy, self.device, mesh)
-            self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
+            self.optimizer = build_optimizer(self.model.parameters(), actor.optim, sharded=True, **offload_flags(
+                actor.fsdp_config, self.device, key=FSDP_KEY, sharded=True))
         else:
             self.optimizer = build_optimizer(self.model.parameters(), actor.optim, policy=self.policy,
                                              **offload_flags(actor.fsdp_config, self.device, key=FSDP_KEY))

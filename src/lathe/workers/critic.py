@@ -67,7 +67,8 @@ class CriticWorker:
             tensor_parallel.parallelize(self.model, tp)
             expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
             parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device, mesh)
-            self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
+            self.optimizer = build_optimizer(self.model.parameters(), critic.optim, sharded=True, **offload_flags(
+                critic.model.fsdp_config, self.device, key=key, sharded=True))
         else:
             self.model = cast_keeping_rope(model, self.policy.master_dtype, self.device)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,

@@ -59,7 +59,8 @@ class SFTWorker:
             cast_keeping_rope(self.model, self.policy.master_dtype, None if self.sharded else device)
         if self.sharded:
             parallel.shard(self.model, m.fsdp_config, self.policy, device, mesh)
-            self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+            self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, sharded=True,
+                                             **offload_flags(m.fsdp_config, device, key=key, sharded=True))
         else:
             self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, policy=self.policy,
                                              **offload_flags(m.fsdp_config, device, key=key))

@@ -1,0 +1,37 @@
+"""bench/parallel.py: one-GPU bench commands side by side, one GPU each (an A/B from one device call)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_each_arm_gets_its_gpu_and_the_worst_return_code_comes_back(tmp_path):
+    arm = f"{sys.executable} -c \"import os, sys; print('gpu', os.environ['CUDA_VISIBLE_DEVICES']); sys.exit({{}})\""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "parallel.py"), "--logs", str(tmp_path), "--gpus",
+                           "3,5", arm.format(0), arm.format(2)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (tmp_path / "arm0.log").read_text().strip() == "gpu 3"
+    assert (tmp_path / "arm1.log").read_text().strip() == "gpu 5"
+
+
+def test_a_sigterm_reaches_every_arm(tmp_path):
+    """The call's own limit (SIGTERM) is passed on, so each arm's bench can still write what it measured."""
+    import signal
+    import time
+    arm = (f"{sys.executable} -c \"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: "
+           f"(open(sys.argv[1], 'w').write('wrote'), sys.exit(0))); time.sleep(60)\" {tmp_path}/{{}}.txt")
+    runner = subprocess.Popen([sys.executable, str(ROOT / "bench" / "parallel.py"), "--logs", str(tmp_path),
+                               arm.format("a"), arm.format("b")], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while runner.stdout.readline().startswith("arm0") is False and time.monotonic() < deadline:
+            pass
+        time.sleep(1.5)                                  # both arms are sleeping
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(timeout=30)
+    finally:
+        runner.kill()
+    assert runner.returncode == 143
+    assert (tmp_path / "a.txt").read_text() == "wrote" and (tmp_path / "b.txt").read_text() == "wrote"

@@ -33,6 +33,9 @@ from loop.test_ppo import qwen3_moe_checkpoint  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_gpus(2)]
 
 A = "actor_rollout_ref.actor"
+# test_lora_ray's adapter keys, not its model (builtin:tiny not warm-started: scores, advantages and gradients all 0) or
+# its batch and device keys
+LORA_KEYS = ("lora_rank", "lora_alpha", "target_modules", "use_kl_loss", "lr")
 TP = f"{A}.fsdp_config.tensor_parallel_size=2"
 TWO = "trainer.n_gpus_per_node=2"
 STEPS = "trainer.total_training_steps=2"
@@ -58,7 +61,7 @@ def assert_synced(one: list[dict], many: list[dict]) -> None:
     for a, b in zip(one, many):
         bad = [k for k, v in b.items() if isinstance(v, float) and not math.isfinite(v)]
         assert not bad, f"step {b.get('step')}: not finite: {bad}"
-        key = "training/rollout_probs_diff_max"
+        key = "training/rollout_probs_diff_mean"            # the mean: the max of bf16 noise is itself noisy
         assert b[key] <= 2 * a[key] + 1e-3, (b.get("step"), a[key], b[key])
 
 
@@ -100,7 +103,7 @@ def lora_tensor_parallel(root, device: str) -> None:
     """LoRA adapters (tests/cluster/test_lora_ray.py's: q/v column-parallel, down row-parallel; the KL loss against
     the base model with the adapters off) under tensor parallelism 2, the engines handed the whole merged layers;
     against one device's LoRA."""
-    base = tuple(o for o in LORA if not o.startswith("trainer."))
+    base = tuple(o for o in LORA if any(f".{key}=" in o for key in LORA_KEYS))
     trainer_layout(root, device, (TP,), base)
 
 

@@ -26,6 +26,11 @@ pytestmark = pytest.mark.slow
 BASE = ["trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.logger=[console]"]
 POOLS = ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false"]
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean")
+# fully async on-policy: no staleness, a weight sync after every update, steps of 2 mini-batches (the synchronous
+# loop's 32 prompts), no partial rollouts, the trainer's own log-probs (tests/cluster/test_mesh_gpu.py: on GPUs)
+ON_POLICY = ("async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
+             "async_training.require_batches=2", "async_training.partial_rollout=false",
+             "async_training.use_rollout_log_probs=false", "data.gen_batch_size=32")
 
 
 def train(run_dir, *overrides: str, warm: bool = True) -> list[dict]:
@@ -43,10 +48,7 @@ def test_on_policy_async_is_the_synchronous_loop(tmp_path):
     trainer's recomputed log-probs are the engine's (it holds the rollout's weights at every update)."""
     steps = ["trainer.total_training_steps=2"]
     sync = train(tmp_path / "sync", *steps)
-    on_policy = train(tmp_path / "async", *steps, *POOLS, "async_training.staleness_threshold=0",
-                      "async_training.trigger_parameter_sync_step=1", "async_training.require_batches=2",
-                      "async_training.partial_rollout=false", "async_training.use_rollout_log_probs=false",
-                      "data.gen_batch_size=32")
+    on_policy = train(tmp_path / "async", *steps, *POOLS, *ON_POLICY)
     assert len(sync) == len(on_policy) == 2
     for a, b in zip(sync, on_policy):
         for key in COMPARED:

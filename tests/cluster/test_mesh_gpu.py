@@ -1,0 +1,152 @@
+"""The trainer's and the engine's parallel layouts on 2 GPUs over NCCL (lathe issue 43), each against the one-GPU run of
+the same tiny model and data, bf16 compute on fp32 masters: tensor parallelism, Ulysses sequence parallelism, expert
+parallelism (a tiny Qwen3-MoE), LoRA under tensor parallelism, a tensor-parallel rollout replica in the synchronous
+loop, and the fully asynchronous loop on 1 trainer GPU + 1 rollout GPU against the synchronous loop.
+
+Their CPU twins (gloo, fp32, within 1e-5) are tests/train/test_tensor_parallel.py, test_ulysses.py,
+test_expert_parallel.py, test_tensor_parallel_lora.py, tests/cluster/test_ray.py (the replica) and
+test_fully_async.py; plain FSDP over 2 GPUs is test_ray_gpu.py and LoRA under plain FSDP2 test_lora_fsdp2_gpu.py.
+On GPUs the two sides reduce bf16 sums in other orders, so the update's metrics agree to ~1e-2 (test_ray_gpu.py's
+tolerances and floors), not 1e-5; where the layout leaves the rollout alone (a trainer layout: each GPU's engine
+samples its share) the step-1 samples are the same and so are their scores. Each case is a function of the device type
+(`trainer.device`): on CPU the same functions run over gloo on 2 Ray workers (how this module was checked on a machine
+without GPUs); here they run on CUDA. Run on a host of 2+ GPUs:
+
+    PYTHONPATH=src:tests python -m pytest -q -m gpu tests/cluster/test_mesh_gpu.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from helpers import needs_gpus
+
+pytest.importorskip("ray", reason="the Ray extra is not installed (pip install 'lathe[ray]')")
+
+from cluster.test_fully_async import ON_POLICY, POOLS  # noqa: E402
+from cluster.test_lora_ray import OVERRIDES as LORA  # noqa: E402
+from cluster.test_ray import train  # noqa: E402
+from loop.test_ppo import qwen3_moe_checkpoint  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_gpus(2)]
+
+A = "actor_rollout_ref.actor"
+# test_lora_ray's adapter keys, not its model (builtin:tiny not warm-started: scores, advantages and gradients all 0) or
+# its batch and device keys
+LORA_KEYS = ("lora_rank", "lora_alpha", "target_modules", "use_kl_loss", "lr")
+TP = f"{A}.fsdp_config.tensor_parallel_size=2"
+TWO = "trainer.n_gpus_per_node=2"
+STEPS = "trainer.total_training_steps=2"
+UPDATE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy")
+REL = 2e-2      # bf16 reductions in another order (test_ray_gpu.py, test_lora_fsdp2_gpu.py: within ~1e-2)
+# pg_loss averages unit-scale advantages times ratios near 1 and is itself near 0: its bf16 noise is absolute
+FLOORS = {"actor/pg_loss": 0.25}
+
+
+def assert_near(one: dict, many: dict, keys=UPDATE) -> None:
+    """Each of `keys` of `many`'s step within REL of `one`'s, relative to max(|one's|, its floor: 1e-2 unless FLOORS
+    says)."""
+    for key in keys:
+        tol = REL * max(abs(one[key]), FLOORS.get(key, 1e-2))
+        assert abs(many[key] - one[key]) <= tol, (key, one[key], many[key])
+
+
+def assert_synced(one: list[dict], many: list[dict]) -> None:
+    """Both runs trained 2 steps, every metric finite; `many`'s engine held its trainer's weights at each step: the
+    trainer's log-probs of the engine's samples within bf16 noise of them, as near as one device's are (a sync that
+    lost or mis-cut a tensor shows as a difference of order 1)."""
+    assert len(one) == len(many) == 2
+    for a, b in zip(one, many):
+        bad = [k for k, v in b.items() if isinstance(v, float) and not math.isfinite(v)]
+        assert not bad, f"step {b.get('step')}: not finite: {bad}"
+        key = "training/rollout_probs_diff_mean"            # the mean: the max of bf16 noise is itself noisy
+        assert b[key] <= 2 * a[key] + 1e-3, (b.get("step"), a[key], b[key])
+
+
+def trainer_layout(root, device: str, layout: tuple[str, ...], base: tuple[str, ...] = ()) -> None:
+    """`base` on one device and on 2 with the trainer's `layout` (the rollout unchanged: one engine per device): the
+    same samples at step 1 and the same update within bf16 noise; the engines synced at both steps."""
+    one = train(root / "one", f"trainer.device={device}", STEPS, *base)
+    many = train(root / "many", f"trainer.device={device}", STEPS, TWO, *base, *layout)
+    assert many[0]["critic/score/mean"] == one[0]["critic/score/mean"]       # the same samples at step 1
+    assert many[0]["response_length/mean"] == one[0]["response_length/mean"]
+    assert_near(one[0], many[0])
+    assert_synced(one, many)
+
+
+def tensor_parallel(root, device: str) -> None:
+    """The actor's decoder layers, embeddings and vocabulary cut over the 2 devices (`fsdp_config.tensor_parallel_size`:
+    column/row-parallel projections, vocabulary-parallel log-probs and entropy)."""
+    trainer_layout(root, device, (TP,))
+
+
+def ulysses(root, device: str) -> None:
+    """One Ulysses group of 2 (`ulysses_sequence_parallel_size`): each device holds half of each packed micro-batch's
+    tokens and all-to-alls them into half of the heads for attention."""
+    trainer_layout(root, device, (f"{A}.ulysses_sequence_parallel_size=2",),
+                   ("actor_rollout_ref.model.use_remove_padding=true",))
+
+
+def expert_parallel(root, device: str) -> None:
+    """A tiny Qwen3-MoE (tests/loop/test_ppo.py's: 4 experts, top-2, its second layer sparse), warm-started so that its
+    scores and advantages are not all 0, with 2 whole experts on each device (`fsdp_config.expert_parallel_size`:
+    tokens dispatched by all-to-all)."""
+    model = qwen3_moe_checkpoint(root / "moe")
+    trainer_layout(root, device, (f"{A}.fsdp_config.expert_parallel_size=2",),
+                   (f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.tokenizer_path=builtin:tiny",
+                    "actor_rollout_ref.model.warm_start.steps=80"))
+
+
+def lora_tensor_parallel(root, device: str) -> None:
+    """LoRA adapters (tests/cluster/test_lora_ray.py's: q/v column-parallel, down row-parallel; the KL loss against
+    the base model with the adapters off) under tensor parallelism 2, the engines handed the whole merged layers;
+    against one device's LoRA."""
+    base = tuple(o for o in LORA if any(f".{key}=" in o for key in LORA_KEYS))
+    trainer_layout(root, device, (TP,), base)
+
+
+def rollout_replica(root, device: str) -> None:
+    """The 2 devices train as plain FSDP and generate as one tensor-parallel engine replica
+    (`rollout.tensor_model_parallel_size`), synced from the trainer's whole weights. The replica's bf16 logits are
+    its own sums' (rounded apart from one device's), so a sample may differ where two tokens' odds are near even:
+    the step-1 samples are compared as the one device's when they are the same and by their statistics when not;
+    the engine's log-probs of its samples are the trainer's within bf16 noise either way."""
+    one = train(root / "one", f"trainer.device={device}", STEPS)
+    many = train(root / "many", f"trainer.device={device}", STEPS, TWO,
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    a, b = one[0], many[0]
+    if (b["critic/score/mean"], b["response_length/mean"]) == (a["critic/score/mean"], a["response_length/mean"]):
+        assert_near(a, b)
+    else:
+        assert abs(b["critic/score/mean"] - a["critic/score/mean"]) <= 0.05, (a["critic/score/mean"],
+                                                                               b["critic/score/mean"])
+        assert abs(b["response_length/mean"] - a["response_length/mean"]) <= 0.05 * a["response_length/mean"]
+    assert_synced(one, many)
+
+
+def fully_async(root, device: str) -> None:
+    """Fully async on-policy (tests/cluster/test_fully_async.py's keys: staleness 0, a sync after every update) with
+    the trainer on one device and the rollout replica on another, the new weights sent over the checkpoint engine
+    (NCCL between the two GPUs), against the synchronous loop on one device: the same samples at step 1 and the same
+    update within bf16 noise; no sample stale or partial, and the engine's log-probs the trainer's within bf16 noise
+    at each step (the weights arrived). A tensor-parallel replica (the resharding sync) needs 2 rollout devices
+    beside the trainer's: not on 2 GPUs."""
+    sync = train(root / "sync", f"trainer.device={device}", STEPS)
+    on_policy = train(root / "async", f"trainer.device={device}", STEPS, *POOLS, *ON_POLICY)
+    assert on_policy[0]["critic/score/mean"] == sync[0]["critic/score/mean"]
+    assert_near(sync[0], on_policy[0], ("actor/pg_loss", "actor/grad_norm"))
+    assert_synced(sync, on_policy)
+    for b in on_policy:
+        assert b["fully_async/staleness/max"] == 0 and b["fully_async/partial/total_partial_num"] == 0
+        assert b["fully_async/rollout_probs_diff_current_max"] == b["training/rollout_probs_diff_max"]
+
+
+CASES = {f.__name__: f for f in (tensor_parallel, ulysses, expert_parallel, lora_tensor_parallel, rollout_replica,
+                                 fully_async)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_layout_on_two_gpus_trains_as_one_gpu(tmp_path, case):
+    CASES[case](tmp_path, "cuda")

@@ -214,3 +214,18 @@ def test_mixture_of_experts_models_are_refused_without_expert_parallelism_of_the
     gpt_oss = LatheCausalLM(LatheConfig.from_hf_dict(gpt_oss_config().to_dict()))
     with pytest.raises(ValueError, match="only Qwen3-MoE's .* are cut over a tensor-parallel group yet"):
         check_model(gpt_oss, 2, key, 2)
+
+
+def test_the_driver_checks_the_decoder_the_workers_will_run():
+    """A built-in model (or one loaded with model.override_config) reaches the driver as a transformers module that
+    the workers turn into lathe's decoder (impl=auto); the driver's check takes it as that decoder, and refuses it
+    only where the workers would keep transformers (impl=hf). It once refused every TP run of a built-in model."""
+    from lathe.config import load_config, run_plan
+    from lathe.data.builtin import builtin_tokenizer
+    from lathe.loop.setup import check_parallel_model
+    from lathe.models.hf import build_builtin_model
+    cfg = load_config(None, ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.tensor_parallel_size=2"])
+    plan, model = run_plan(cfg, 2), build_builtin_model("tiny", vocab_size=len(builtin_tokenizer()))
+    check_parallel_model(plan, model)
+    with pytest.raises(ValueError, match="lathe's text decoder .* runs Qwen2ForCausalLM"):
+        check_parallel_model(plan, model, impl="hf")

@@ -260,7 +260,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         total_steps = _async_steps(cfg, len(loader), total_steps)
 
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
-    check_parallel_model(plan, model)
+    check_parallel_model(plan, model, impl=arr.model.impl)
     log_memory_plan(cfg, plan, model, device)
     cluster = None
     if uses_ray(plan):                  # Ray workers, each loading the weights
@@ -302,15 +302,18 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
     return trainer
 
 
-def check_parallel_model(plan: RunPlan, model) -> None:
+def check_parallel_model(plan: RunPlan, model, impl: str = "auto") -> None:
     """A policy that the actor's or reference's Ulysses size cannot split (lathe's text or vision-language model), or
     their tensor-parallel size cannot cut (any but lathe's text decoder, or heads that do not divide), or their
     expert-parallel size cannot place (no experts of lathe's, or experts that do not divide), fails here,
-    before the workers start (they check again, after picking their implementation)."""
+    before the workers start (they check again, after picking their implementation). `model` as the driver loaded
+    it: a transformers module (a built-in model, `model.override_config`) that the workers will turn into lathe's
+    decoder (`impl` not hf: `select_impl`) is checked as that decoder, sharing its tensors."""
     from lathe.models.decoder import LatheCausalLM
     from lathe.models.vl import LatheVLForConditionalGeneration
     from lathe.train import tensor_parallel
     from lathe.train.ulysses import check_model
+    model = _as_workers_run_it(model, impl)
     roles = [("actor", plan.actor.sequence_parallel_size, plan.actor.tensor_parallel_size),
              ("ref", plan.ref_sequence_parallel_size, plan.ref_tensor_parallel_size)][:1 + plan.needs_ref]
     for role, sp, tp in roles:
@@ -324,6 +327,22 @@ def check_parallel_model(plan: RunPlan, model) -> None:
     for role in ("actor", "ref")[:1 + plan.needs_ref]:
         expert_parallel.check_model(model, plan.mesh(role).ep,
                                     f"actor_rollout_ref.{role}.fsdp_config.expert_parallel_size")
+
+
+def _as_workers_run_it(model, impl: str):
+    """`model`, or the lathe decoder `select_impl` makes of a transformers module for the workers (its tensors
+    shared, nothing copied); the transformers module itself where lathe's decoder does not implement it or
+    `impl` is hf."""
+    from lathe.models.config import UnsupportedArchitecture
+    from lathe.models.decoder import LatheCausalLM, LatheValueModel
+    from lathe.models.hf import lathe_from_transformers
+    from lathe.models.vl import LatheVLForConditionalGeneration
+    if impl == "hf" or isinstance(model, (LatheCausalLM, LatheValueModel, LatheVLForConditionalGeneration)):
+        return model
+    try:
+        return lathe_from_transformers(model, clone=False)
+    except UnsupportedArchitecture:
+        return model
 
 
 def uses_ray(plan: RunPlan) -> bool:

@@ -63,6 +63,25 @@ def test_only_rays_notice_that_token_authentication_is_on_is_dropped(env):
     assert ray_auth.filter(record("Token authentication is disabled for this Ray cluster. Anyone with network ..."))
 
 
+def test_torchaos_import_notices_are_dropped_on_a_machine_without_cuda(env, monkeypatch):
+    """transformers imports torchao when it is installed (lathe's fp8 extra): its CUDA libraries failing to load on
+    a CPU machine, and torch's Enum-constant deprecation at its import, are not the user's to act on."""
+    quiet_libraries()
+    quiet_libraries()
+    record = lambda name, text: logging.LogRecord(name, logging.WARNING, "x.py", 1, text, None, None)  # noqa: E731
+    ao, tree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    assert len(ao.filters) == 1 and len(tree.filters) == 1
+    missing = "Failed to load /x/torchao/_C_mxfp8.so: Could not load this library: /x/torchao/_C_mxfp8.so"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert not ao.filter(record("torchao", missing))
+    assert ao.filter(record("torchao", "Float8Linear: something else"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert ao.filter(record("torchao", missing))                      # with CUDA a failed library is worth seeing
+    assert not tree.filter(record("torch.utils._pytree", "<enum 'KernelPreference'> is an Enum subclass and is now "
+                                  "natively supported by torch.compile as an opaque value type."))
+    assert tree.filter(record("torch.utils._pytree", "something else"))
+
+
 def test_log_lines_are_stamped_and_a_repeated_warning_prints_once(monkeypatch):
     err = io.StringIO()
     monkeypatch.setattr("sys.stderr", err)

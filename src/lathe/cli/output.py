@@ -4,8 +4,9 @@ Every line lathe logs is stamped ``HH:MM:SS lathe: ...`` and goes above the live
 (`lathe.track.progress`); a warning repeated word for word (by each role, rank or step) prints once. The libraries
 lathe drives are quietened for the command only (importing lathe changes nothing): transformers' and
 huggingface_hub's progress bars ("Loading weights", "Writing model shards") are off, Ray's worker-log prefixes
-carry no colour codes unless both streams are terminals (and ``NO_COLOR`` is unset), and Ray's notice that
-token authentication is on for the local cluster it starts is not shown (authentication stays on).
+carry no colour codes unless both streams are terminals (and ``NO_COLOR`` is unset), Ray's notice that
+token authentication is on for the local cluster it starts is not shown (authentication stays on), nor are torchao's
+import-time notices (its CUDA libraries on a machine without CUDA, torch's Enum-constant deprecation).
 A variable the user set wins over all of these.
 """
 
@@ -52,11 +53,31 @@ def quiet_libraries() -> None:
             transformers_logging.disable_progress_bar()
     if os.environ.get("NO_COLOR") or not (is_terminal(sys.stdout) and is_terminal(sys.stderr)):
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-    ray_auth = logging.getLogger(RAY_AUTH_LOGGER)
-    if not any(isinstance(f, _DropRayAuthOn) for f in ray_auth.filters):
-        ray_auth.addFilter(_DropRayAuthOn())
+    for name, drop in ((RAY_AUTH_LOGGER, _DropRayAuthOn), ("torchao", _DropTorchaoCudaLibs),
+                       ("torch.utils._pytree", _DropEnumConstantNotice)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, drop) for f in logger.filters):
+            logger.addFilter(drop())
 
 
 class _DropRayAuthOn(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(RAY_AUTH_ON)
+
+
+class _DropTorchaoCudaLibs(logging.Filter):
+    """torchao (which transformers imports whenever it is installed: lathe's `fp8` extra) warns that its CUDA-only
+    kernel libraries failed to load on a machine without CUDA; the import goes on without them, and nothing on such
+    a machine uses them. Kept where CUDA is there (a broken install is worth seeing)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import torch
+        return not ("Could not load this library" in record.getMessage() and not torch.cuda.is_available())
+
+
+class _DropEnumConstantNotice(logging.Filter):
+    """torch's deprecation notice, at torchao's import, that registering Enum subclasses as pytree constants is no
+    longer needed: torchao's to act on, not the user's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()

@@ -121,6 +121,18 @@ def test_host_memory_is_taken_in_power_of_two_buffers(monkeypatch):
         assert [host[p][k].shape for p in params] == [p.shape for p in params]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_equals_torch_adamw_with_the_moments_in_several_buffers(monkeypatch, device):
+    """The moments in two host buffers (a 64-byte smallest buffer: 64 and 13 elements) update as torch's do."""
+    import lathe.train.offloaded_adamw as mod
+    monkeypatch.setattr(mod, "MIN_BUFFER_BYTES", 64)
+    params, opt, ref_params, ref = _pair(4, device)
+    opt.state_dict()                                # waits for the copies back to host memory
+    _assert_same(opt, params, ref, ref_params)
+    storages = {opt.state[p]["exp_avg"].untyped_storage().data_ptr() for p in params}
+    assert len(storages) == 2
+
+
 def test_build_optimizer_picks_it_on_the_sharded_path_only_for_state_offload():
     from lathe.config import load_config
     cfg = load_config(None).actor_rollout_ref.actor.optim

@@ -196,6 +196,26 @@ def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offl
     assert all(torch.equal(x, y) for x, y in zip(resident.parameters(), offloaded.parameters()))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
+def test_offloaded_moments_are_pinned_host_memory_fresh_and_resumed(offload_params, offload_state):
+    """With either switch the moments live in pinned host memory (param_offload alone: by the host masters), and a
+    loaded checkpoint puts them there again. Before, param_offload alone made pageable moments (a torch.device was
+    compared with the string "cpu") and a resume moved them to the GPU."""
+    def moments(opt):
+        return [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+
+    nets = [_net(device="cuda") for _ in range(2)]
+    opts = [MasterAdamW(net.parameters(), policy=MIXED, offload_params=offload_params, offload_state=offload_state,
+                        chunk_numel=700, **HPARAMS) for net in nets]
+    opts[0].zero_grad()
+    _loss(nets[0], _batches(1)[0].cuda()).backward()
+    opts[0].step()
+    opts[1].load_state_dict(copy.deepcopy(opts[0].state_dict()))
+    for opt in opts:
+        assert moments(opt) and all(t.device.type == "cpu" and t.is_pinned() for t in moments(opt))
+
+
 def _optim_cfg():
     from lathe.config import load_config
     return load_config(None).actor_rollout_ref.actor.optim

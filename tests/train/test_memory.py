@@ -119,6 +119,23 @@ def test_sharded_optimizer_offload_alone_puts_each_ranks_moments_in_host_memory(
     assert next(p for p in parts if p.what.startswith("actor master weights")).on_gpu
 
 
+@pytest.mark.parametrize("world,key", [(1, "param_offload"), (2, "param_offload"), (2, "offload_policy")])
+def test_parameter_offload_puts_the_moments_in_host_memory_too(monkeypatch, world, key):
+    """The moments follow the offloaded parameters: MasterAdamW keeps them by its host masters (one device), FSDP2's
+    offload policy keeps every shard's optimizer state with the shard (several). Counted on the GPU, a run that fits
+    was refused, with optimizer_offload=true (which changes nothing then) named as the fix."""
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
+                               f"actor_rollout_ref.actor.fsdp_config.{key}=true"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=world)
+    why = f"actor_rollout_ref.actor.fsdp_config.{key}=true"
+    for what in ("actor master weights", "actor AdamW moments"):
+        part = next(p for p in parts if p.what.startswith(what))
+        assert not part.on_gpu and part.why == why, what
+    text, _ = memory.format_plan(parts, CUDA, 0.5)
+    assert "optimizer_offload=true saves" not in text
+
+
 def test_hybrid_sharding_divides_each_model_by_its_shard_group_not_the_world(monkeypatch):
     monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
     cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4"])

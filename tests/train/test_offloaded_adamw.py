@@ -93,6 +93,46 @@ def test_state_dict_round_trips_with_torch_adamw_both_ways():
     _assert_same(to_off, to_off_params, ref, ref_params)
 
 
+def test_host_memory_is_taken_in_power_of_two_buffers(monkeypatch):
+    """torch's caching host allocator rounds every pinned allocation up to a power of two: one buffer of all the
+    moments (2^21 + 1072 elements here) would take twice their size (2^22). The buffers are powers of two, except a
+    last one under `MIN_BUFFER_BYTES`, and hold the moments, each whole, none overlapping, with little to spare."""
+    import lathe.train.offloaded_adamw as mod
+    sizes = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        sizes.append(t.numel() * t.element_size())
+        return t
+    monkeypatch.setattr(mod.torch, "empty", empty)
+    monkeypatch.setattr(mod, "MIN_BUFFER_BYTES", 1 << 12, raising=False)
+    shapes = [(1 << 20,), (1 << 18, 2), (2, 1 << 18), (5, 7), (13,), (0, 4), (1 << 10,)]
+    params = [nn.Parameter(real_empty(s)) for s in shapes]
+    host = mod._host_moments(params)
+    monkeypatch.undo()
+    need = sum(p.numel() * 4 for p in params)
+    small = [n for n in sizes if n & (n - 1)]            # not a power of two
+    assert len(small) <= 2 and all(n < 1 << 12 for n in small), sizes     # at most one per moment, under the min
+    assert sum(sizes) <= 1.01 * 2 * need, (sum(sizes), 2 * need)
+    for k in MOMENTS:
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (host[p][k] for p in params) if t.numel())
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "views overlap"
+        assert [host[p][k].shape for p in params] == [p.shape for p in params]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_equals_torch_adamw_with_the_moments_in_several_buffers(monkeypatch, device):
+    """The moments in two host buffers (a 64-byte smallest buffer: 64 and 13 elements) update as torch's do."""
+    import lathe.train.offloaded_adamw as mod
+    monkeypatch.setattr(mod, "MIN_BUFFER_BYTES", 64)
+    params, opt, ref_params, ref = _pair(4, device)
+    opt.state_dict()                                # waits for the copies back to host memory
+    _assert_same(opt, params, ref, ref_params)
+    storages = {opt.state[p]["exp_avg"].untyped_storage().data_ptr() for p in params}
+    assert len(storages) == 2
+
+
 def test_build_optimizer_picks_it_on_the_sharded_path_only_for_state_offload():
     from lathe.config import load_config
     cfg = load_config(None).actor_rollout_ref.actor.optim

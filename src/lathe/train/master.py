@@ -154,17 +154,23 @@ class MasterAdamW(torch.optim.Optimizer):
         state = self.state[master]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
-            where = "cpu" if self.offload_state else master.device
             for key in MOMENTS:
-                state[key] = (torch.zeros(master.shape, dtype=master.dtype, pin_memory=True) if where == "cpu"
-                              and self.device.type == "cuda" else torch.zeros_like(master, device=where))
+                state[key] = (torch.zeros(master.shape, dtype=master.dtype, pin_memory=True) if self._moments_on_host
+                              else torch.zeros_like(master))
         return state
+
+    @property
+    def _moments_on_host(self) -> bool:
+        """The moments live in pinned host memory with `offload_state`, and with `offload_params` alone too (by the
+        host masters), in a fresh run and a resumed one alike. Pinned: the write-backs to pageable memory would
+        each be synchronous."""
+        return self.offload_state or self.offload_params
 
     def _place_state(self, state: dict) -> None:
         """After loading a checkpoint: step on the device, moments where this optimizer keeps them."""
         state["step"] = state["step"].to(device=self.device, dtype=torch.float32)
         for key in MOMENTS:
-            state[key] = pinned_copy(state[key]) if self.offload_state else state[key].to(self.device)
+            state[key] = pinned_copy(state[key]) if self._moments_on_host else state[key].to(self.device)
 
     def _step_chunk(self, group: dict, masters: list[torch.Tensor]) -> None:
         indices = [self._index[id(m)] for m in masters]

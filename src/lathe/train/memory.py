@@ -39,16 +39,18 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
         return [Part(f"{role} weights, {short_name(policy.param_dtype)}", size(policy.param_dtype), not off,
                      why=f"{key}.param_offload=true" if off else "", offload_key=f"{key}.param_offload")]
     parts = [Part(f"{role} weights, {short_name(policy.param_dtype)}{weights_note}", size(policy.param_dtype), True)]
+    # the moments follow offloaded parameters (MasterAdamW keeps them by its host masters; FSDP2's offload policy,
+    # param_offload or offload_policy on several devices, keeps each shard's optimizer state with the shard)
+    params_off = next((f"{key}.{k}=true" for k in ("param_offload", "offload_policy") if getattr(fsdp_cfg, k, False)),
+                      "")
     if policy.mixed:
-        off = bool(fsdp_cfg.param_offload)
         parts.append(Part(f"{role} master weights, {short_name(policy.master_dtype)}", size(policy.master_dtype),
-                          not off, why=f"{key}.param_offload=true" if off else "", offload_key=f"{key}.param_offload"))
+                          not params_off, why=params_off, offload_key=f"{key}.param_offload"))
     parts.append(Part(f"{role} gradients, {short_name(policy.reduce_dtype)} (during the update)",
                       size(policy.reduce_dtype), True, update_only=True))
-    off = bool(fsdp_cfg.optimizer_offload)
+    why = f"{key}.optimizer_offload=true" if fsdp_cfg.optimizer_offload else params_off
     parts.append(Part(f"{role} AdamW moments, 2 x {short_name(policy.master_dtype)}", 2 * size(policy.master_dtype),
-                      not off, why=f"{key}.optimizer_offload=true" if off else "",
-                      offload_key=f"{key}.optimizer_offload"))
+                      not why, why=why, offload_key=f"{key}.optimizer_offload"))
     return parts
 
 

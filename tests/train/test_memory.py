@@ -136,6 +136,23 @@ def test_parameter_offload_puts_the_moments_in_host_memory_too(monkeypatch, worl
     assert "optimizer_offload=true saves" not in text
 
 
+@pytest.mark.parametrize("world,key", [(1, "param_offload"), (2, "param_offload"), (2, "offload_policy")])
+def test_fsdp2s_offload_policy_keeps_the_gradient_shards_and_the_references_in_host_memory(monkeypatch, world, key):
+    """On several devices param_offload / offload_policy is FSDP2's offload policy: gradient shards (and a frozen
+    reference's shards) live in host memory too; on one device MasterAdamW accumulates the gradients on the GPU."""
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
+                               f"actor_rollout_ref.actor.fsdp_config.{key}=true",
+                               f"actor_rollout_ref.ref.fsdp_config.{key}=true"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=True, critic_params=None, lathe_engine=True, world=world)
+    grads = next(p for p in parts if p.what.startswith("actor gradients"))
+    ref = next(p for p in parts if p.what.startswith("reference weights"))
+    assert grads.on_gpu == (world == 1)
+    assert not ref.on_gpu and ref.why == f"actor_rollout_ref.ref.fsdp_config.{key}=true"
+    if world > 1:
+        assert grads.why == f"actor_rollout_ref.actor.fsdp_config.{key}=true"
+
+
 def test_hybrid_sharding_divides_each_model_by_its_shard_group_not_the_world(monkeypatch):
     monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
     cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4"])

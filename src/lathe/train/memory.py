@@ -28,26 +28,29 @@ class Part:
 
 
 def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trainable: bool = True,
-                weights_note: str = "") -> list[Part]:
+                weights_note: str = "", sharded: bool = False) -> list[Part]:
     """The parts one model contributes: compute weights, master weights, gradients and AdamW moments (in host memory
-    with `optimizer_offload`: `MasterAdamW` on one device, `OffloadedAdamW` on FSDP2 shards)."""
+    with `optimizer_offload`: `MasterAdamW` on one device, `OffloadedAdamW` on FSDP2 shards). `sharded`: FSDP2
+    shards over several devices, where `param_offload` / `offload_policy` is FSDP2's offload policy, which keeps the
+    gradient shards in host memory too (and a frozen model's shards); on one device `MasterAdamW` accumulates the
+    gradients on the device whatever is offloaded."""
     policy = resolve_policy(fsdp_cfg, device, key=f"{prefix}.fsdp_config", trainable=trainable)
     size = lambda dtype: n_params * torch.empty((), dtype=dtype).element_size()   # noqa: E731
     key = f"{prefix}.fsdp_config"
-    if not trainable:
-        off = bool(fsdp_cfg.param_offload)
-        return [Part(f"{role} weights, {short_name(policy.param_dtype)}", size(policy.param_dtype), not off,
-                     why=f"{key}.param_offload=true" if off else "", offload_key=f"{key}.param_offload")]
-    parts = [Part(f"{role} weights, {short_name(policy.param_dtype)}{weights_note}", size(policy.param_dtype), True)]
     # the moments follow offloaded parameters (MasterAdamW keeps them by its host masters; FSDP2's offload policy,
     # param_offload or offload_policy on several devices, keeps each shard's optimizer state with the shard)
-    params_off = next((f"{key}.{k}=true" for k in ("param_offload", "offload_policy") if getattr(fsdp_cfg, k, False)),
-                      "")
+    params_off = next((f"{key}.{k}=true" for k in ("param_offload", "offload_policy")[:1 + sharded]
+                       if getattr(fsdp_cfg, k, False)), "")
+    if not trainable:
+        return [Part(f"{role} weights, {short_name(policy.param_dtype)}", size(policy.param_dtype), not params_off,
+                     why=params_off, offload_key=f"{key}.param_offload")]
+    parts = [Part(f"{role} weights, {short_name(policy.param_dtype)}{weights_note}", size(policy.param_dtype), True)]
     if policy.mixed:
         parts.append(Part(f"{role} master weights, {short_name(policy.master_dtype)}", size(policy.master_dtype),
                           not params_off, why=params_off, offload_key=f"{key}.param_offload"))
+    grads_off = params_off if sharded else ""
     parts.append(Part(f"{role} gradients, {short_name(policy.reduce_dtype)} (during the update)",
-                      size(policy.reduce_dtype), True, update_only=True))
+                      size(policy.reduce_dtype), not grads_off, update_only=True, why=grads_off))
     why = f"{key}.optimizer_offload=true" if fsdp_cfg.optimizer_offload else params_off
     parts.append(Part(f"{role} AdamW moments, 2 x {short_name(policy.master_dtype)}", 2 * size(policy.master_dtype),
                       not why, why=why, offload_key=f"{key}.optimizer_offload"))
@@ -87,12 +90,12 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
             parts.append(Part(f"rollout merged weights, {short_name(engine_dtype)}", size(merged, engine_dtype), True))
     else:
         parts = shard("actor", model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device,
-                                           weights_note=note))
+                                           weights_note=note, sharded=world > 1))
         if not shares and colocated:
             parts.append(Part(f"rollout weights, {short_name(engine_dtype)}", size(n_params, engine_dtype), True))
         if need_ref:
             parts += shard("ref", model_parts("reference", "actor_rollout_ref.ref", n_params, arr.ref.fsdp_config,
-                                              device, trainable=False))
+                                              device, trainable=False, sharded=world > 1))
     if world > 1 and lora is None:
         parts += kept_gathered_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device)
     if critic_params:

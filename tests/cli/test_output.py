@@ -72,10 +72,10 @@ def test_torchaos_import_notices_are_dropped_on_a_machine_without_cuda(env, monk
     ao, tree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
     assert len(ao.filters) == 1 and len(tree.filters) == 1
     missing = "Failed to load /x/torchao/_C_mxfp8.so: Could not load this library: /x/torchao/_C_mxfp8.so"
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("lathe.device.device_count", lambda device_type=None: 0)
     assert not ao.filter(record("torchao", missing))
     assert ao.filter(record("torchao", "Float8Linear: something else"))
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("lathe.device.device_count", lambda device_type=None: 1)
     assert ao.filter(record("torchao", missing))                      # with CUDA a failed library is worth seeing
     assert not tree.filter(record("torch.utils._pytree", "<enum 'KernelPreference'> is an Enum subclass and is now "
                                   "natively supported by torch.compile as an opaque value type."))

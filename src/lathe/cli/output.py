@@ -71,8 +71,8 @@ class _DropTorchaoCudaLibs(logging.Filter):
     a machine uses them. Kept where CUDA is there (a broken install is worth seeing)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        import torch
-        return not ("Could not load this library" in record.getMessage() and not torch.cuda.is_available())
+        from lathe import device
+        return not ("Could not load this library" in record.getMessage() and device.device_count("cuda") == 0)
 
 
 class _DropEnumConstantNotice(logging.Filter):

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from .choices import (BypassLoss, ISLevel, KLControllerType, KLEstimator, LegacyWorkerImpl, LossAggMode,
                       ModelEngine, ProfilerTool, ReweightMethod, Strategy)
 from .coerce import spec
-from .schema_actor import CheckpointConfig, FSDPConfig, OptimConfig
+from .schema_actor import RECOMPUTE_LAYERS_HELP, CheckpointConfig, FSDPConfig, OptimConfig
 from .schema_async import AsyncTrainingConfig, RolloutPoolConfig
 from .schema_distill import DistillationConfig
 from .schema_judge import JudgeConfig, JudgeRolloutConfig
@@ -87,12 +87,7 @@ class CriticModelConfig:
     trust_remote_code: bool | None = spec(None, "null = actor_rollout_ref.model.trust_remote_code.")
     use_shm: bool = spec(False, "Copy the files to shared memory first (verl).")
     enable_gradient_checkpointing: bool = spec(True, "Recompute each decoder layer in backward (lathe's decoder).")
-    gradient_checkpointing_layers: int | None = spec(
-        None, "lathe: how many decoder layers recompute under enable_gradient_checkpointing: the first N (Megatron's "
-              "recompute_method=block, recompute_num_layers=N; the first layers' activations live longest), the "
-              "others keep their activations and skip the second forward, so a model whose activations almost fit "
-              "recomputes only what it must. null = every layer; 0 = none; more than the model has = every layer. "
-              "Needs enable_gradient_checkpointing=true; lathe's decoder only (a transformers model refuses it).")
+    gradient_checkpointing_layers: int | None = spec(None, RECOMPUTE_LAYERS_HELP)
     enable_activation_offload: bool = spec(False, "Keep what a training forward saves for its backward "
                                                        "in pinned host memory (CUDA; lathe.train.offload).")
     use_remove_padding: bool = spec(False, "Packed (varlen) critic forward without pad tokens (lathe's decoder).")

@@ -14,6 +14,15 @@ from .choices import CheckpointPart, DtypeName, Fp8Recipe, FSDPStrategy, KLEstim
 from .coerce import spec
 
 
+# a model group's gradient_checkpointing_layers (the actor's, the critic's, lathe sft's)
+RECOMPUTE_LAYERS_HELP = (
+    "lathe: how many decoder layers recompute under enable_gradient_checkpointing: the first N (Megatron's "
+    "recompute_method=block, recompute_num_layers=N; the first layers' activations live longest), the others keep "
+    "their activations and skip the second forward, so a model whose activations almost fit recomputes only what it "
+    "must. null = every layer; 0 = none; more than the model has = every layer. Needs "
+    "enable_gradient_checkpointing=true; lathe's decoder only (a transformers model refuses it).")
+
+
 @dataclass
 class MixedPrecisionConfig:
     """verl's ``fsdp_config.mixed_precision``: FSDP2 ``MixedPrecisionPolicy`` semantics (on CUDA; CPU runs fp32)."""
@@ -227,13 +236,8 @@ class ModelConfig:
                 "architectures; lathe = lathe's decoder or an error; hf = transformers always.")
     enable_gradient_checkpointing: bool = spec(True, "Recompute each decoder layer's activations in backward to "
                                                      "save memory (lathe's decoder; not yet for transformers).")
-    gradient_checkpointing_layers: int | None = spec(
-        None, "lathe: how many decoder layers recompute under enable_gradient_checkpointing: the first N (Megatron's "
-              "recompute_method=block, recompute_num_layers=N; the first layers' activations live longest), the "
-              "others keep their activations and skip the second forward, so a model whose activations almost fit "
-              "recomputes only what it must. null = every layer; 0 = none; more than the model has = every layer. "
-              "MiMo's MTP layers count after the main stack's. Needs enable_gradient_checkpointing=true; lathe's "
-              "decoder only (a transformers model refuses it).")
+    gradient_checkpointing_layers: int | None = spec(None, RECOMPUTE_LAYERS_HELP + " MiMo's MTP layers count after "
+                                                           "the main stack's.")
     enable_activation_offload: bool = spec(False, "Keep what a training forward saves for its backward "
                                                        "in pinned host memory (CUDA; lathe.train.offload).")
     use_remove_padding: bool = spec(False, "Packed (varlen) forward of actor and reference without pad tokens "

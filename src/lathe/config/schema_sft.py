@@ -15,7 +15,7 @@ from typing import Any, Literal
 from .choices import CheckpointPart, Strategy
 from .coerce import spec
 from .schema import Logger, PathNameConfig
-from .schema_actor import FSDPConfig, OptimConfig
+from .schema_actor import RECOMPUTE_LAYERS_HELP, FSDPConfig, OptimConfig
 
 
 @dataclass
@@ -88,12 +88,7 @@ class SFTModelConfig:
     impl: Literal["auto", "lathe", "hf"] = spec("auto", "lathe: auto = lathe's decoder for Llama/Qwen2/Qwen3 (packed "
                                                         "forward), transformers otherwise.")
     enable_gradient_checkpointing: bool = spec(True, "Recompute each decoder layer in backward (lathe's decoder).")
-    gradient_checkpointing_layers: int | None = spec(
-        None, "lathe: how many decoder layers recompute under enable_gradient_checkpointing: the first N (Megatron's "
-              "recompute_method=block, recompute_num_layers=N; the first layers' activations live longest), the "
-              "others keep their activations and skip the second forward, so a model whose activations almost fit "
-              "recomputes only what it must. null = every layer; 0 = none; more than the model has = every layer. "
-              "Needs enable_gradient_checkpointing=true; lathe's decoder only (a transformers model refuses it).")
+    gradient_checkpointing_layers: int | None = spec(None, RECOMPUTE_LAYERS_HELP)
     use_remove_padding: bool | None = spec(None, "Packed forward (lathe's decoder always packs in SFT).")
     use_shm: bool = spec(False, "Copy the model to shared memory first (verl).")
     fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="Precision, sharding and offload.")

@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import REWARD_FILE, SHAPES, device_name, git_sha, write_data, write_model, write_tokenizer  # noqa: E402
+from common import (REWARD_FILE, SHAPES, claim_workdir, default_workdir, device_name, git_sha, write_data,  # noqa: E402
+                    write_model, write_tokenizer)
 from e2e import lathe_command  # noqa: E402
 
 MODES = {"lathe": "as lathe saves (hashed while written)", "after": "hashing after the write",
@@ -40,7 +41,7 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny shape)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="7b: 0.6 (its weights take 57 GiB)")
-    p.add_argument("--workdir", default="/tmp/lathe-ckpt")
+    p.add_argument("--workdir", default=default_workdir("lathe-ckpt"))
     p.add_argument("--git-sha", default=None)
     p.add_argument("--modes", default="lathe,after,none", help="which of lathe,after,none to time (none is needed)")
     p.add_argument("--delete-previous", action="store_true",
@@ -50,7 +51,7 @@ def main() -> None:
     run_args = argparse.Namespace(prompts=8, n=4, prompt_len=64, response_len=64,
                                   gpu_memory_utilization=args.gpu_memory_utilization,
                                   steps=1, device=args.device, gpus=1, extra=[], profile_step=0, profile_stack=False)
-    where = Path(args.workdir)
+    where = claim_workdir(Path(args.workdir))
     where.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.model]["vocab_size"]
     parquet, _ = write_data(where, rows=64, prompt_len=run_args.prompt_len, vocab_size=vocab)

@@ -7,6 +7,7 @@ Each bench does `sys.path.insert(0, bench/)` and `from common import ...`.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -118,6 +120,31 @@ def git_sha() -> str:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def default_workdir(name: str) -> str:
+    """`<temp dir>/<name>`, a bench's default `--workdir`. The temp dir is `$TMPDIR`'s, which `bench/parallel.py` sets
+    apart for each arm: two arms side by side once shared /tmp/lathe-e2e, and each read the other's metrics (a 7B A/B
+    came back as two copies of one run)."""
+    return str(Path(tempfile.gettempdir()) / name)
+
+
+_WORKDIR_LOCKS: list = []            # held open (so locked) for the bench's life
+
+
+def claim_workdir(where: Path) -> Path:
+    """Create `where` and lock it for this process's life; a second bench given the same workdir (run side by side)
+    stops at once, naming it, rather than writing over the first one's model, data and metrics."""
+    where.mkdir(parents=True, exist_ok=True)
+    lock = open(where / ".bench.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        sys.exit(f"{where} is in use by another bench running now (it holds {where / '.bench.lock'}): give this one "
+                 "a --workdir of its own (bench/parallel.py gives each arm its own temp dir)")
+    _WORKDIR_LOCKS.append(lock)
+    return where
 
 
 def device_name(device: torch.device) -> str:

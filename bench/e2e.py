@@ -53,8 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import (REWARD_FILE, SHAPES, datasheet_peak, device_name, git_sha, lathe_row, run_child, slug,  # noqa: E402
-                    train_flops, write_data, write_model, write_tokenizer)
+from common import (REWARD_FILE, SHAPES, claim_workdir, datasheet_peak, default_workdir, device_name, git_sha,  # noqa: E402
+                    lathe_row, run_child, slug, train_flops, write_data, write_model, write_tokenizer)
 from roofline import step_light  # noqa: E402
 
 # Per shape: lathe's micro-batch (sequences per forward/backward), gradient checkpointing, KL/ref, offload.
@@ -134,7 +134,7 @@ def profile_keys(paths: dict, args) -> list[str]:
 
 
 def bench_model(shape: str, args, peak: float | None) -> dict:
-    where = Path(args.workdir)
+    where = claim_workdir(Path(args.workdir))
     where.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[shape]["vocab_size"]
     parquet, jsonl = write_data(where, rows=args.prompts * (args.steps + 1), prompt_len=args.prompt_len,
@@ -251,7 +251,7 @@ def main() -> None:
     p.add_argument("--trl-skip", default="7b", help="shapes TRL is not run on (comma list)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--workdir", default="/tmp/lathe-e2e")
+    p.add_argument("--workdir", default=default_workdir("lathe-e2e"))
     p.add_argument("--logs", default=None, help="child logs directory (default: <workdir>/logs)")
     p.add_argument("--git-sha", default=None,
                    help="the commit measured, as your checkout names it (the GPU copy of the tree may lack .git or "

@@ -76,8 +76,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import (DENSE_SHAPES, REWARD_FILE, SHAPES, device_name, git_sha, run_child, slug,  # noqa: E402
-                    write_data, write_model, write_tokenizer)
+from common import (DENSE_SHAPES, REWARD_FILE, SHAPES, claim_workdir, default_workdir, device_name, git_sha,  # noqa: E402
+                    run_child, slug, write_data, write_model, write_tokenizer)
 from e2e import lathe_command  # noqa: E402
 
 
@@ -379,7 +379,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rollout.tensor_model_parallel_size (sync: one replica of the 2 GPUs; async: 1 + it GPUs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--timeout", type=float, default=1200)
-    p.add_argument("--workdir", default="/tmp/lathe-fully-async")
+    p.add_argument("--workdir", default=default_workdir("lathe-fully-async"))
     p.add_argument("--git-sha", default=None, help="the commit measured, as your checkout names it")
     p.add_argument("--extra", nargs="*", default=[], metavar="key=value",
                    help="more lathe train keys for both runs (e.g. actor_rollout_ref.nccl_timeout=120)")
@@ -389,7 +389,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    where = Path(args.workdir)
+    where = claim_workdir(Path(args.workdir))
     (where / "logs").mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     paths, described = write_workload(where, args)

@@ -4,7 +4,9 @@
         "python bench/e2e.py --systems lathe --models 7b --out $OUT/a.json" \
         "python bench/e2e.py --systems lathe --models 7b --extra k=v --out $OUT/b.json"
 
-Command i runs with CUDA_VISIBLE_DEVICES=i (or the i-th of `--gpus`), its output in `--logs`/arm<i>.log; this waits
+Command i runs with CUDA_VISIBLE_DEVICES=i (or the i-th of `--gpus`) and a temp dir of its own (`TMPDIR`, under which
+the benches put their default `--workdir`: arms that shared /tmp/lathe-e2e read one run's metrics twice and lost a 7B
+A/B; a bench also refuses a workdir another one holds), its output in `--logs`/arm<i>.log; this waits
 for all of them (no `pgrep` loop, no outer `timeout` cut shorter than a bench's own: both lost a 7B A/B once) and
 returns the worst return code. A SIGTERM to it (the call's own limit) is passed on to every arm, whose benches
 (`bench/common.run_child`) stop their children and still write their JSON; it then waits up to `--grace` seconds.
@@ -18,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     arms = []
     for i, (cmd, gpu) in enumerate(zip(args.commands, gpus)):
         log = open(logs / f"arm{i}.log", "w")
+        tmp = Path(tempfile.gettempdir()) / f"bench-arm{i}"
+        tmp.mkdir(parents=True, exist_ok=True)
         arms.append(subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}))
+                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "TMPDIR": str(tmp)}))
         print(f"arm{i} on GPU {gpu}: {cmd}", flush=True)
 
     stopped: list[float] = []                       # when a SIGTERM came (the handler only forwards it)

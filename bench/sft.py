@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import (SHAPES, datasheet_peak, device_name, git_sha, run_child, slug, train_flops,  # noqa: E402
-                    write_model, write_tokenizer)
+from common import (SHAPES, claim_workdir, datasheet_peak, default_workdir, device_name, git_sha, run_child, slug,  # noqa: E402
+                    train_flops, write_model, write_tokenizer)
 
 
 def span(text: str) -> tuple[int, int]:
@@ -71,7 +71,7 @@ def lathe_command(paths: dict, args) -> list[str]:
 
 
 def bench_model(shape: str, args, peak: float | None) -> dict:
-    where = Path(args.workdir)
+    where = claim_workdir(Path(args.workdir))
     where.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[shape]["vocab_size"]
     rows = args.batch * max(args.steps, args.trl_steps)
@@ -140,7 +140,7 @@ def main() -> None:
     p.add_argument("--trl-steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median (compilation, allocator)")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--workdir", default="/tmp/lathe-sft")
+    p.add_argument("--workdir", default=default_workdir("lathe-sft"))
     p.add_argument("--logs", default=None)
     p.add_argument("--git-sha", default=None, help="the commit measured, as your checkout names it")
     p.add_argument("--out", default=None)

@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import (REWARD_FILE, device_name, git_sha, hbm_bandwidth, lathe_row, roofline_tok_s, run_child,  # noqa: E402
-                    slug, sync, weight_bytes)
+from common import (REWARD_FILE, claim_workdir, default_workdir, device_name, git_sha, hbm_bandwidth, lathe_row,  # noqa: E402
+                    roofline_tok_s, run_child, slug, sync, weight_bytes)
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 
@@ -316,13 +316,13 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=8, help="sequences per forward/backward in the update")
     p.add_argument("--lora-rank", type=int, default=64, help="0: full fine-tuning")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--workdir", default="/tmp/lathe-vl")
+    p.add_argument("--workdir", default=default_workdir("lathe-vl"))
     p.add_argument("--logs", default=None)
     p.add_argument("--git-sha", default=None, help="the commit measured, as your checkout names it")
     p.add_argument("--extra", nargs="*", default=[], metavar="key=value")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    where = Path(args.workdir)
+    where = claim_workdir(Path(args.workdir))
     where.mkdir(parents=True, exist_ok=True)
     args.logs = args.logs or str(where / "logs")
     Path(args.logs).mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """bench/parallel.py: one-GPU bench commands side by side, one GPU each (an A/B from one device call)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,30 @@ def test_each_arm_gets_its_gpu_and_the_worst_return_code_comes_back(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert (tmp_path / "arm0.log").read_text().strip() == "gpu 3"
     assert (tmp_path / "arm1.log").read_text().strip() == "gpu 5"
+
+
+def test_arms_never_share_a_bench_workdir(tmp_path):
+    """Each arm has a temp dir of its own, so benches' default workdirs differ (a shared /tmp/lathe-e2e made two arms
+    read one run's metrics); a bench given a workdir another one holds stops at once and names it."""
+    arm = (f"{sys.executable} -c \"import sys; sys.path.insert(0, '{ROOT / 'bench'}'); import common; "
+           "print(common.default_workdir('lathe-e2e'))\"")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "parallel.py"), "--logs", str(tmp_path), arm, arm],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    dirs = [(tmp_path / f"arm{i}.log").read_text().strip().splitlines()[-1] for i in (0, 1)]
+    assert dirs == [str(tmp_path / f"bench-arm{i}" / "lathe-e2e") for i in (0, 1)]
+
+    hold = (f"{sys.executable} -c \"import sys, time; sys.path.insert(0, '{ROOT / 'bench'}'); import common; "
+            f"from pathlib import Path; common.claim_workdir(Path('{tmp_path / 'w'}')); print('held', flush=True); "
+            "time.sleep(60)\"")
+    holder = subprocess.Popen(hold, shell=True, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = subprocess.run(hold, shell=True, capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0 and "in use by another bench" in second.stderr, second.stderr
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_sigterm_reaches_every_arm(tmp_path):

@@ -178,6 +178,22 @@ def test_compilation_is_per_instance():
     _assert_close(_step(model, s), want)
 
 
+def test_the_engine_split_decode_forms_take_the_decoders_mode(monkeypatch):
+    """`compile_decoder(mode=...)` reaches the engine's split decode forms too (they compiled without it once: an A/B
+    of inductor modes then measured the decode steps in the default mode on both sides)."""
+    from lathe.engine import decode_forms
+    seen = []
+    monkeypatch.setattr(decode_forms.torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    decode_forms._compiled_split_forms.cache_clear()
+    model = compile_decoder(_tiny(), backend="aot_eager", mode="max-autotune-no-cudagraphs")
+    decoder = model.model
+    assert (decoder.compile_backend, decoder.compile_mode) == ("aot_eager", "max-autotune-no-cudagraphs")
+    seen.clear()                                   # (the layers' own compiles)
+    decode_forms._compiled_split_forms(decoder.compile_backend, decoder.compile_mode)
+    assert seen == [dict(backend="aot_eager", mode="max-autotune-no-cudagraphs")] * 2
+    decode_forms._compiled_split_forms.cache_clear()
+
+
 def test_compile_decoder_rejects_other_models():
     with pytest.raises(TypeError, match="LatheCausalLM or LatheValueModel"):
         compile_decoder(torch.nn.Linear(2, 2))

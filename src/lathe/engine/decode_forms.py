@@ -147,17 +147,18 @@ def split_final(norm: RMSNorm, x: torch.Tensor, part: torch.Tensor) -> torch.Ten
 
 
 @functools.cache
-def _compiled_split_forms(backend: str):
-    """`split_layer` and `split_final` compiled with `backend`: one code object each for every layer of every model,
-    so a model's layers share their compiled variants."""
-    return torch.compile(split_layer, backend=backend), torch.compile(split_final, backend=backend)
+def _compiled_split_forms(backend: str, mode: str | None = None):
+    """`split_layer` and `split_final` compiled with `backend` in inductor's `mode` (the decoder's, `compile_decoder`):
+    one code object each for every layer of every model, so a model's layers share their compiled variants."""
+    return (torch.compile(split_layer, backend=backend, mode=mode),
+            torch.compile(split_final, backend=backend, mode=mode))
 
 
 def text_hidden(decoder: LatheDecoderModel, input_ids: torch.Tensor, position_ids: torch.Tensor, step) -> torch.Tensor:
     """Final-norm hidden states of an engine step through lathe's text decoder: `step` is the step's attention
     (`step_attention`), whose `rope` (the step's (cos, sin) rows, or None: computed from `position_ids`) and `split_k`
     (the layers' split form, or None: their plain forward) say how the layers run. The decoder's compiled layers
-    (`compile_decoder`) run compiled here too, and so does the split form, with the same backend."""
+    (`compile_decoder`) run compiled here too, and so does the split form, with the same backend and mode."""
     x = decoder.embed_tokens(input_ids)
     cos, sin = step.rope if step.rope is not None else decoder.rotary_emb(position_ids, x.dtype)
     compiled = decoder.compile_backend is not None
@@ -167,8 +168,8 @@ def text_hidden(decoder: LatheDecoderModel, input_ids: torch.Tensor, position_id
         for layer in decoder.layers:
             x = layer(x, cos, sin, step)
         return decoder.norm(x)
-    layer_form, final_form = _compiled_split_forms(decoder.compile_backend) if compiled else (split_layer,
-                                                                                             split_final)
+    layer_form, final_form = (_compiled_split_forms(decoder.compile_backend, decoder.compile_mode) if compiled
+                              else (split_layer, split_final))
     part = None
     for layer in decoder.layers:
         x, part = layer_form(layer, x, part, cos, sin, step, step.split_k)

@@ -67,7 +67,7 @@ def compile_decoder(model, *, backend: str = DEFAULT_BACKEND, mode: str | None =
     allow_variants()
     for layer in decoder.layers:
         layer.compile(backend=backend, mode=mode)   # dynamic=None: token dims are marked dynamic by the decoder
-    decoder.compile_backend = backend
+    decoder.compile_backend, decoder.compile_mode = backend, mode
     return model
 
 

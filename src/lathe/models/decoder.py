@@ -179,6 +179,7 @@ class LatheDecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's `model.` prefix)."""
 
     compile_backend: str | None = None   # set on an instance by compile_decoder: its layers run under torch.compile
+    compile_mode: str | None = None      # and inductor's mode it gave them (the engine's split decode forms use it too)
 
     def __init__(self, cfg: LatheConfig):
         super().__init__()

@@ -333,7 +333,8 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     walls = [s["perf/time_per_step"] for s in timed]
     keys = ("response_length/mean", "response_length/max", "response_length/clip_ratio", "perf/throughput",
             "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights", "timing_s/param_sync",
-            "trainer/idle_ratio", "rollouter/idle_ratio", "fully_async/staleness/mean", "fully_async/staleness/max",
+            "trainer/idle_ratio", "trainer/idle_staleness_ratio", "rollouter/idle_ratio", "fully_async/staleness/mean",
+            "fully_async/staleness/max",
             "fully_async/partial/partial_ratio", "fully_async/sync/send_s", "fully_async/sync/interrupted",
             "agent/tool_calls/mean", "num_turns/mean", "timing_s/agent_loop")
     # the trainer's busy seconds (async: the step less its idle share): no schedule of the rollout side can make the

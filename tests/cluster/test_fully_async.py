@@ -161,6 +161,7 @@ def test_off_policy_streams_within_its_staleness_bound_and_resumes_without_losin
     for r in rows:
         assert r["fully_async/staleness/max"] <= 1 + r["fully_async/partial/max_partial_span"], r
         assert 0 <= r["trainer/idle_ratio"] <= 1 and 0 <= r["rollouter/idle_ratio"] <= 1
+        assert 0 <= r["trainer/idle_staleness_ratio"] <= r["trainer/idle_ratio"]
     assert rows[1]["fully_async/sync/interrupted"] > 0, "no response was mid-way at the sync, in three runs"
     assert sum(r["fully_async/partial/total_partial_num"] for r in rows) > 0, "no interrupted response was trained"
     # tokens sampled with the weights the trainer holds (first update after a sync) have the log-probs it computes:
@@ -294,6 +295,20 @@ def test_a_resumed_driver_takes_the_checkpoints_version_counts_and_prompt_positi
     assert (d.version, d.syncs) == (4, 3), "saved between syncs: the replicas take the checkpoint's weights as new"
     assert d.counters == {"stale_samples": 5, "stale_trajectories": 37}
     assert (d.ledger.issued, d.ledger.skip, loaded) == (32, {40, 41}, [{"pos": 32}])
+
+
+def test_the_rollouter_is_held_back_when_the_interval_budget_is_spent_with_prompts_left():
+    """`held_back` (what `trainer/idle_staleness_ratio` times): the budget cannot send a request, prompts remain."""
+    d = AsyncDriver.__new__(AsyncDriver)              # only the fields held_back reads
+    d.ledger, d.total_prompts, d.chunk, d.dapo = Ledger(issued=32), 64, 4, None
+    for budget, issued, held in ((8, 32, False), (3, 32, True), (0, 32, True), (0, 64, False)):
+        d.budget, d.ledger.issued = budget, issued
+        assert d.held_back() is held, (budget, issued)
+    d.dapo, d.budget = object(), 1                    # dynamic sampling sends while any budget is left
+    assert not d.held_back()
+    from lathe.loop.fully_async import staleness_hint
+    hint = staleness_hint(0.4, 5, 1.0)
+    assert "40%" in hint and "async_training.staleness_threshold=1" in hint and "trainer/idle_staleness_ratio" in hint
 
 
 def test_a_trainer_waiting_for_prompts_that_cannot_come_fails_saying_why():

@@ -126,10 +126,17 @@ class AsyncDriver:
     def _budget(self, stale: int) -> int:
         return max(0, math.floor((1 + self.at.staleness_threshold) * self.per_sync) - stale)
 
+    def _can_send(self) -> bool:
+        return self.budget > 0 if self.dapo else self.budget >= self.chunk
+
+    def held_back(self) -> bool:
+        """Prompts are left to issue but the interval's budget (the staleness bound) lets the Rollouter start none."""
+        return self.ledger.issued < self.total_prompts and not self._can_send()
+
     def fill(self) -> None:
         """Send chunks of prompts to the replicas (round robin) while the interval's budget lasts."""
         requests: dict[int, list] = {}
-        while self.ledger.issued < self.total_prompts and (self.budget > 0 if self.dapo else self.budget >= self.chunk):
+        while self.ledger.issued < self.total_prompts and self._can_send():
             label = self.dapo.label() if self.dapo else None      # (step, round) of a dynamic-sampling round
             first, state = self.ledger.issued, self.t.loader.state_dict()
             rows = self.t.next_rows()
@@ -344,10 +351,14 @@ def _fit_async(t: Trainer, first: bool) -> dict[str, float]:
     last: dict[str, float] = {}
     wall = time.perf_counter()
     idle_since, idle = time.perf_counter(), 0.0
+    held, held_at, hinted = 0.0, None, False         # the trainer's wait while the staleness bound held prompts back
+    first_step = t.global_step + 1
     progress_at = time.monotonic()                    # the last finished request (or a step in training)
     busy_at = (wall, list(d.busy))
     try:
         while t.global_step < t.total_steps or training is not None:
+            if held_at is not None:
+                held += time.perf_counter() - held_at
             d.fill()
             if d.poll(wait_s=0.0 if training is not None and training[0].done() else 0.05) or training is not None:
                 progress_at = time.monotonic()
@@ -378,19 +389,39 @@ def _fit_async(t: Trainer, first: bool) -> dict[str, float]:
                 last["perf/time_per_step"] = now - wall         # wall time per update (`timing_s/step`: the update)
                 last["perf/throughput"] = last["perf/total_num_tokens"] / max(now - wall, 1e-9)
                 last["trainer/idle_ratio"] = idle / max(1e-9, now - wall)
+                last["trainer/idle_staleness_ratio"] = min(held, idle) / max(1e-9, now - wall)
                 last["rollouter/idle_ratio"] = 1 - _busy_fraction(busy_at, now, d.busy)
-                busy_at, wall, idle = (now, list(d.busy)), now, 0.0
+                if (not hinted and t.global_step > first_step and d.at.staleness_threshold > 0   # (0: waits chosen)
+                        and last["trainer/idle_staleness_ratio"] >= HINT_RATIO):
+                    hinted = True
+                    log.warning(staleness_hint(last["trainer/idle_staleness_ratio"], t.global_step,
+                                               d.at.staleness_threshold))
+                busy_at, wall, idle, held = (now, list(d.busy)), now, 0.0, 0.0
                 t.tracker.log(last, step=t.global_step)
                 bar.update(t.global_step, brief(last))
                 if tr.save_freq > 0 and (t.global_step % tr.save_freq == 0 or done):
                     save(t, extra={"fully_async": d.state_dict()})
                 progress_at = time.monotonic()             # (a sync, validation or save is no wait for prompts)
+            held_at = time.perf_counter() if training is None and d.held_back() else None
     finally:
         if training is not None:
             training[0].cancel()
         pool.shutdown(wait=True)
         bar.close()
     return last
+
+
+HINT_RATIO = 0.25        # a step's share of waiting on the staleness bound that earns the one hint of a run
+
+
+def staleness_hint(ratio: float, step: int, threshold: float) -> str:
+    """The one-time hint of a run whose trainer waited on the staleness bound (`trainer/idle_staleness_ratio`)."""
+    return (f"fully async: at step {step} the trainer waited {ratio:.0%} of the step for samples while the staleness "
+            f"bound let the Rollouter start no more prompts (async_training.staleness_threshold={threshold:g}; "
+            "prompts still running at a sync count against the next interval's budget, so a long tail of responses "
+            "holds it). A higher staleness_threshold lets the Rollouter start further ahead, at the price of older "
+            "samples (docs/fully_async.md: a cap-4096 0.5B long tail ran 1.36x the synchronous loop at 1 and 2.17x "
+            "at 2). The metric trainer/idle_staleness_ratio tracks it each step.")
 
 
 def _busy_fraction(since: tuple[float, list[float]], now: float, busy: list[float]) -> float:

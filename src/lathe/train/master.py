@@ -234,7 +234,10 @@ class StreamedAdam:
     the next forward as before.
 
     On the CPU (the tests) the streams are None and the helpers of `lathe.device` do nothing: the same code copies
-    into and out of the buffers in program order."""
+    into and out of the buffers in program order. `overlap = False` (a class switch, for A/B measurements:
+    bench/offload_adamw.py) does the same on an accelerator: every copy on the compute stream, in order."""
+
+    overlap = True
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -298,7 +301,8 @@ class StreamedAdam:
         if self.started is not None:
             return
         self.compute = current_stream(self.device)
-        self.h2d, self.d2h = new_stream(self.device), new_stream(self.device)
+        if self.overlap:
+            self.h2d, self.d2h = new_stream(self.device), new_stream(self.device)
         wait_stream(self.h2d, self.compute)
         self.started = time.perf_counter() if self.compute is None else record_event(self.compute, timing=True)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shutil
 import sys
 import time
@@ -27,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import (REWARD_FILE, SHAPES, claim_workdir, default_workdir, device_name, git_sha, write_data,  # noqa: E402
-                    write_model, write_tokenizer)
+from common import (REWARD_FILE, SHAPES, claim_workdir, default_workdir, device_name, git_sha, print_and_write,  # noqa: E402
+                    write_data, write_model, write_tokenizer)
 from e2e import lathe_command  # noqa: E402
 
 MODES = {"lathe": "as lathe saves (hashed while written)", "after": "hashing after the write",
@@ -115,10 +114,7 @@ def main() -> None:
               "what": f"{args.model}: a checkpoint of {nbytes / 1e9:.1f} GB; median save "
                       + ", ".join(f"{median[m]:.1f} s {MODES[m]}" for m in median) + "; the hash costs "
                       + ", ".join(f"{100 * v:.1f}% of a save {MODES[m]}" for m, v in share.items())}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print_and_write(result, args.out)
 
 
 if __name__ == "__main__":

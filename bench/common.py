@@ -147,6 +147,14 @@ def claim_workdir(where: Path) -> Path:
     return where
 
 
+def print_and_write(result: dict, out: str | None) -> None:
+    """A benchmark's result printed as JSON, and written to `out` (its folder made) where given."""
+    print(json.dumps(result, indent=1))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

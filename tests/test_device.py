@@ -45,6 +45,11 @@ def test_the_cpu_answers_without_an_accelerator():
     device.empty_cache(cpu), device.synchronize(cpu), device.reset_peak_memory(cpu), device.set_device(0, "cpu")
     with device.use_device(cpu):
         pass
+    assert device.current_stream(cpu) is None and device.new_stream(cpu) is None     # streams: None, doing nothing
+    assert device.record_event(None) is None
+    device.wait_event(None, None), device.wait_stream(None, None)
+    with device.stream_context(None):
+        pass
     t = torch.arange(3)
     assert device.to_device(t, cpu) is t or torch.equal(device.to_device(t, cpu), t)
 

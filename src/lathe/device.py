@@ -235,6 +235,47 @@ def new_event(device: torch.device | str, *, timing: bool = False):
     return _api(device).Event(enable_timing=timing)
 
 
+# -- streams (copies overlapping the compute stream's work) ------------------------------------------------------
+# On the CPU a stream is None and every helper does nothing: work runs in program order there, so code written for
+# side streams runs unchanged.
+def current_stream(device: torch.device | str):
+    """`device`'s current stream (the compute stream), or None on the CPU."""
+    api = _api(device)
+    return None if api is None else api.current_stream(torch.device(device))
+
+
+def new_stream(device: torch.device | str):
+    """A side stream on `device` (taken from torch's pool of streams), or None on the CPU."""
+    api = _api(device)
+    return None if api is None else api.Stream(device=torch.device(device))
+
+
+def stream_context(stream):
+    """The context in which work is queued on `stream` (nothing changes for None)."""
+    return contextlib.nullcontext() if stream is None else _api(stream.device).stream(stream)
+
+
+def record_event(stream, *, timing: bool = False):
+    """An event recorded now on `stream`: it completes once the work queued there so far has run (None for None)."""
+    if stream is None:
+        return None
+    event = new_event(stream.device, timing=timing)
+    event.record(stream)
+    return event
+
+
+def wait_event(stream, event) -> None:
+    """Work queued on `stream` from now on waits for `event` on the device (the host does not wait)."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+def wait_stream(stream, other) -> None:
+    """Work queued on `stream` from now on waits for the work queued on `other` so far (on the device)."""
+    if stream is not None and other is not None:
+        stream.wait_stream(other)
+
+
 def pin_memory_available() -> bool:
     """Whether host tensors can be page-locked (there is an accelerator to copy them to)."""
     return accelerator_available()

@@ -58,3 +58,126 @@ def rollout_batch():
         out = RolloutOutput(responses, [[0.0] * len(r) for r in responses], ["stop"] * rows)
         return to_batch(prompts, out, PAD, n=1)
     return make
+
+
+class StreamLog:
+    """Fake streams for `lathe.train.master.StreamedAdam` on the CPU, and a race check over what it queued.
+
+    The stream helpers it imports from `lathe.device` are replaced by ones that keep a vector clock per stream (a
+    record copies the stream's clock into the event, a wait takes the maximum), and its `_copy` and `adam` log the
+    byte ranges they read and write, with the stream current then and its clock (the tensors are kept, so no address
+    is reused). Operation A happens before B on the device when B's stream has seen A's position: `before(a, b)`."""
+
+    class Event:
+        def __init__(self, clock: dict):
+            self.clock = clock
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other) -> float:
+            return 0.0
+
+    def __init__(self, monkeypatch):
+        import contextlib
+
+        from lathe.train import master
+        self.current, self.clocks, self.log = "compute", {"compute": {"compute": 0}}, []
+        real_copy, real_adam = master._copy, master.adam
+
+        def copy(dst, src):
+            self.access([src], [dst], "copy")
+            real_copy(dst, src)
+
+        def adam(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, **kwargs):
+            self.access(grads, [*params, *exp_avgs, *exp_avg_sqs, *steps], "adam")
+            real_adam(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, **kwargs)
+
+        @contextlib.contextmanager
+        def stream_context(stream):
+            before, self.current = self.current, stream if stream is not None else self.current
+            try:
+                yield
+            finally:
+                self.current = before
+        for name, fake in (("current_stream", lambda device: "compute"), ("new_stream", self.new_stream),
+                           ("stream_context", stream_context), ("record_event", self.record_event),
+                           ("wait_event", self.wait_event), ("wait_stream", self.wait_stream),
+                           ("_copy", copy), ("adam", adam)):
+            monkeypatch.setattr(master, name, fake)
+
+    def new_stream(self, device) -> str:
+        name = f"side{len(self.clocks)}"
+        self.clocks[name] = {name: 0}
+        return name
+
+    def _tick(self, stream: str) -> dict:
+        self.clocks[stream][stream] += 1
+        return dict(self.clocks[stream])
+
+    def record_event(self, stream, *, timing: bool = False):
+        return None if stream is None else self.Event(self._tick(stream))
+
+    def wait_event(self, stream, event) -> None:
+        if stream is not None and event is not None:
+            clock = self.clocks[stream]
+            for k, v in event.clock.items():
+                clock[k] = max(clock.get(k, 0), v)
+
+    def wait_stream(self, stream, other) -> None:
+        if stream is not None and other is not None:
+            self.wait_event(stream, self.record_event(other))
+
+    def access(self, reads, writes, what: str) -> dict:
+        entry = {"stream": self.current, "clock": self._tick(self.current), "what": what,
+                 "tensors": [(t, False) for t in reads] + [(t, True) for t in writes]}
+        self.log.append(entry)
+        return entry
+
+    @staticmethod
+    def before(a: dict, b: dict) -> bool:
+        return a["clock"][a["stream"]] <= b["clock"].get(a["stream"], 0)
+
+    def buffers(self, stream: str) -> list[set[int]]:
+        """The storages written by each run of consecutive operations on `stream` (a chunk's copies in)."""
+        runs: list[set[int]] = []
+        for i, entry in enumerate(self.log):
+            if entry["stream"] == stream:
+                if i == 0 or self.log[i - 1]["stream"] != stream:
+                    runs.append(set())
+                runs[-1].update(t.untyped_storage().data_ptr() for t, written in entry["tensors"] if written)
+        return runs
+
+    def double_buffered(self, stream: str) -> bool:
+        """Whether the chunks copied in on `stream` used two buffers in turn: each chunk one buffer, not its
+        predecessor's, either the one of two chunks before or a new one, and a buffer left is never used again
+        (the device held two chunks' buffers at most; the tensors are kept here, so an address is not reused)."""
+        seen: set[int] = set()
+        chunks = [next(iter(run)) if len(run) == 1 else None for run in self.buffers(stream)]
+        for c, buffer in enumerate(chunks):
+            if buffer is None or c and buffer == chunks[c - 1]:
+                return False
+            if c > 1 and buffer != chunks[c - 2] and buffer in seen:
+                return False
+            seen.add(buffer)
+        return True
+
+    def races(self) -> list[tuple[dict, dict]]:
+        """Pairs of operations on different streams, one writing bytes the other touches, where the one queued
+        first does not happen before the other on the device."""
+        def spans(entry):
+            return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), w)
+                    for t, w in entry["tensors"] if t.numel()]
+        out = []
+        for i, a in enumerate(self.log):
+            for b in self.log[i + 1:]:
+                if a["stream"] != b["stream"] and not self.before(a, b) and any(
+                        s < e2 and s2 < e and (w or w2) for s, e, w in spans(a) for s2, e2, w2 in spans(b)):
+                    out.append((a, b))
+        return out
+
+
+@pytest.fixture
+def stream_log(monkeypatch):
+    """`StreamLog`: StreamedAdam's streams faked on the CPU, what it queues logged with vector clocks."""
+    return StreamLog(monkeypatch)

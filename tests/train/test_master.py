@@ -198,6 +198,36 @@ def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offl
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
+def test_pipelined_offload_over_many_chunks_equals_the_resident_step_after_step(offload_params, offload_state):
+    """Ten layers in chunks of 2^16 elements (a weight or two a chunk: some twenty chunks a step, each copy large
+    enough to overlap the next chunk's): after every step the module's parameters equal the resident optimizer's bit
+    for bit, read on the device without waiting for the host (the next step's copies in rely on this step's
+    write-backs being joined into the compute stream); at the end the masters and moments too."""
+    def net(seed: int = 0) -> nn.Module:
+        torch.manual_seed(seed)
+        layers = [nn.Embedding(512, 256)] + [m for _ in range(8) for m in (nn.Linear(256, 256), nn.GELU())]
+        return nn.Sequential(*layers, nn.Linear(256, 512)).cuda()
+
+    resident, offloaded = net(), net()
+    a = MasterAdamW(resident.parameters(), policy=MIXED, **HPARAMS)
+    b = MasterAdamW(offloaded.parameters(), policy=MIXED, offload_params=offload_params, offload_state=offload_state,
+                    chunk_numel=1 << 16, **HPARAMS)
+    for step, tokens in enumerate(_batches(6)):
+        for model, opt in ((resident, a), (offloaded, b)):
+            opt.zero_grad()
+            _loss(model, tokens.cuda()).backward()
+            opt.step()
+        assert b.last_stream.chunks >= 17
+        assert all(torch.equal(x, y) for x, y in zip(resident.parameters(), offloaded.parameters())), f"step {step}"
+    assert b.last_stream.seconds() > 0
+    assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.master_state_dict(resident).values(),
+                                                              b.master_state_dict(offloaded).values()))
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert all(torch.equal(sa[i][k].cpu(), sb[i][k].cpu()) for i in sa for k in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
 def test_offloaded_moments_are_pinned_host_memory_fresh_and_resumed(offload_params, offload_state):
     """With either switch the moments live in pinned host memory (param_offload alone: by the host masters), and a
     loaded checkpoint puts them there again. Before, param_offload alone made pageable moments (a torch.device was
@@ -214,6 +244,80 @@ def test_offloaded_moments_are_pinned_host_memory_fresh_and_resumed(offload_para
     opts[1].load_state_dict(copy.deepcopy(opts[0].state_dict()))
     for opt in opts:
         assert moments(opt) and all(t.device.type == "cpu" and t.is_pinned() for t in moments(opt))
+
+
+# -- StreamedAdam: the pipeline on fake streams (CPU) -------------------------------------------------------------
+GROUP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _streamed_tensors(sizes: list[tuple[int, ...]], seed: int = 0):
+    """Params, moments (`states`) and step counters of `sizes` elements, and 2 steps' gradients."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g) for chunk in sizes for n in chunk]
+    states = [{"exp_avg": torch.randn(p.shape, generator=g), "exp_avg_sq": torch.rand(p.shape, generator=g)}
+              for p in params]
+    grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(2)]
+    return params, states, [torch.zeros(()) for _ in params], grads
+
+
+@pytest.mark.parametrize("sizes", [[(8, 12)] * 5, [(3,), (40, 2), (5,), (7, 60), (1, 1), (90,)]],
+                         ids=["even", "growing"])
+def test_streamed_adam_overlaps_the_copies_races_nothing_and_holds_two_chunks(stream_log, sizes):
+    """Two steps of chunks (params and moments streamed, the caller reading the updated params on the compute stream
+    as MasterAdamW does), on fake streams: every pair of operations touching the same bytes on different streams is
+    ordered on the device (the slots reused two chunks later, the host tensors across steps); the device holds two
+    buffers; with even chunks, a chunk's copies in overlap the previous chunk's kernel and write-back. The numbers
+    are those of torch's kernel run on the tensors directly, bit for bit."""
+    from torch.optim.adam import adam
+
+    from lathe.train.master import StreamedAdam
+    params, states, steps, grads = _streamed_tensors(sizes)
+    ref = copy.deepcopy((params, states, steps))
+    bounds = [0]
+    for i in range(len(sizes)):
+        bounds.append(bounds[-1] + len(sizes[i]))
+    chunks = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    marks, streams, largest = [], [], 0
+    for step in range(2):
+        stream = StreamedAdam(torch.device("cpu"))
+        for chunk in chunks:
+            start = len(stream_log.log)
+            out = stream.update(GROUP, [params[i] for i in chunk], [grads[step][i] for i in chunk],
+                                [states[i] for i in chunk], [steps[i] for i in chunk], stream_params=True,
+                                stream_moments=True)
+            marks.append(stream_log.log[start:])
+            largest = max(largest, 3 * sum(-(-4 * params[i].numel() // 256) * 256 for i in chunk))
+            held = [s.buffer.numel() for s in stream.slots if s.buffer is not None]
+            assert sum(held) <= 2 * largest, "the device holds two chunks' streamed tensors at most"
+            stream_log.access(out, [], "cast")             # MasterAdamW's cast into the module
+        stream.finish()
+        streams.append(stream)
+        assert isinstance(stream.seconds(), float)
+        rp, rs, rsteps = ref
+        for chunk in chunks:
+            adam([rp[i] for i in chunk], [grads[step][i] for i in chunk], [rs[i]["exp_avg"] for i in chunk],
+                 [rs[i]["exp_avg_sq"] for i in chunk], [], [rsteps[i] for i in chunk], foreach=False,
+                 decoupled_weight_decay=True, amsgrad=False, beta1=0.9, beta2=0.95, lr=GROUP["lr"],
+                 weight_decay=GROUP["weight_decay"], eps=GROUP["eps"], maximize=False)
+    assert not stream_log.races(), [(a["stream"], a["what"], b["stream"], b["what"]) for a, b in stream_log.races()]
+    assert all(torch.equal(a, b) for a, b in zip(params, ref[0]))
+    assert all(torch.equal(s[k], r[k]) for s, r in zip(states, ref[1]) for k in ("exp_avg", "exp_avg_sq"))
+    for step, stream in enumerate(streams):
+        ops = marks[step * len(chunks):(step + 1) * len(chunks)]
+        h2d = [[e for e in chunk if e["stream"] == stream.h2d] for chunk in ops]
+        d2h = [[e for e in chunk if e["stream"] == stream.d2h] for chunk in ops]
+        kernel = [next(e for e in chunk if e["what"] == "adam") for chunk in ops]
+        assert all(h and d and k["stream"] == "compute" for h, d, k in zip(h2d, d2h, kernel))
+        assert stream_log.double_buffered(stream.h2d)
+        if sizes[0] != sizes[-1]:
+            continue
+        slots = {t.untyped_storage().data_ptr() for chunk in h2d for e in chunk for t, w in e["tensors"] if w}
+        assert len(slots) == 2, "two device buffers, taken in turn"
+        before = stream_log.before
+        for c in range(1, len(chunks) - 1):
+            nxt = h2d[c + 1]
+            assert before(d2h[c - 1][-1], nxt[0]), "a buffer is written again once written back"
+            assert not before(kernel[c], nxt[0]) and not before(d2h[c][0], nxt[0]) and not before(nxt[-1], d2h[c][0])
 
 
 def _optim_cfg():

@@ -70,6 +70,23 @@ def test_step_equals_torch_adamw_with_tensors_cut_across_chunks():
     assert all(opt.state[p][k] is not p and opt.state[p][k].device.type == "cpu" for p in params for k in MOMENTS)
 
 
+def test_the_streaming_on_fake_streams_races_nothing_and_holds_two_chunks(stream_log):
+    """The chunks (tensors cut across them, moments in packed host buffers) on StreamedAdam's fake streams
+    (tests/train/conftest.py), 3 steps: no two operations touching the same bytes on different streams unordered on
+    the device, two device buffers a step, the numbers of one chunk a step (bit for bit) and of torch's AdamW."""
+    params, opt, ref_params, ref = _pair(3)
+    assert not stream_log.races()
+    last = opt.last_stream
+    assert stream_log.double_buffered(last.h2d) and last.chunks == -(-sum(p.numel() for p in params) // CHUNK)
+    _assert_same(opt, params, ref, ref_params)
+    whole_params = _params()
+    whole = OffloadedAdamW(whole_params, chunk_numel=1 << 20, **HPARAMS)
+    _run(whole, whole_params, range(3))
+    assert whole.last_stream.chunks == 1
+    assert all(torch.equal(a, b) for a, b in zip(params, whole_params))
+    assert all(torch.equal(opt.state[a][k], whole.state[b][k]) for a, b in zip(params, whole_params) for k in MOMENTS)
+
+
 def test_state_dict_round_trips_with_torch_adamw_both_ways():
     """The layouts are the same: either optimizer resumes the other's state and goes on as if never stopped."""
     params, opt, ref_params, ref = _pair(2)
@@ -299,6 +316,43 @@ def test_offloaded_step_on_cuda_equals_adamw_with_pinned_host_moments():
     fresh.load_state_dict(ref.state_dict())    # CUDA moments come back into pinned host memory
     assert all(s[k].device.type == "cpu" and s[k].is_pinned() for s in fresh.state.values() for k in MOMENTS)
     assert saved["state"][0]["step"].device.type == "cpu"
+
+
+@pytest.mark.gpu
+def test_pipelined_streaming_on_cuda_equals_one_chunk_and_fused_adamw_step_after_step():
+    """Tensors of ~1M elements in chunks of 2^18 (a dozen chunks a step, each copy large enough to overlap the next
+    chunk's): every step equals, bit for bit, the same optimizer streaming one chunk a step (no pipelining: the
+    same kernel on the same numbers), and torch's fused AdamW to `REL`; the host is read only at the end, so the
+    next step's copies in rely on the join of this step's write-backs. The device held two chunks at most."""
+    from lathe.device import peak_memory, reset_peak_memory
+    shapes = ((1024, 1024), (4099,), (3, 1000, 333), (2048, 511))
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    runs = {}
+    for name, chunk in (("pipelined", 1 << 18), ("one_chunk", 1 << 30), ("fused", None)):
+        params = [nn.Parameter(t.cuda()) for t in init]
+        opt = (torch.optim.AdamW(params, fused=True, **HPARAMS) if chunk is None
+               else OffloadedAdamW(params, chunk_numel=chunk, **HPARAMS))
+        for step in range(5):
+            gg = torch.Generator().manual_seed(100 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gg).cuda()
+            torch.cuda.synchronize()
+            reset_peak_memory("cuda")
+            before = torch.cuda.memory_allocated()
+            opt.step()
+            peak = peak_memory("cuda")[0] - before
+            if name == "pipelined":
+                assert peak <= 2 * 3 * 4 * (1 << 18) + (1 << 20), f"step {step}: {peak} bytes over the step"
+                assert opt.last_stream.chunks > 8 and opt.last_stream.seconds() > 0
+            opt.zero_grad()
+        opt.state_dict()                           # waits for the write-backs
+        runs[name] = ([p.detach().clone() for p in params],
+                      [opt.state[p][k].to("cuda") for p in params for k in MOMENTS])
+    for a, b in zip(runs["pipelined"], runs["one_chunk"]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), "the pipeline changed the numbers"
+    for a, b in zip(runs["pipelined"], runs["fused"]):
+        assert_close_rel(torch.cat([x.flatten() for x in a]), torch.cat([y.flatten() for y in b]), REL, "vs fused")
 
 
 @pytest.mark.gpu

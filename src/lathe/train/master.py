@@ -12,8 +12,9 @@ This is mixed precision as FSDP2 does it (see `lathe.train.precision`), without 
 - `step()` runs torch's own AdamW kernel (`torch.optim.adam.adam` with decoupled weight decay: fused on CUDA)
   and casts the updated masters back into the module's parameters. With `offload_params` / `offload_state`
   (AdamW's moments in pinned CPU memory) it streams the offloaded tensors through the device in chunks of
-  `chunk_numel` elements, so the device never holds them all at once (`numel_chunks`, `adam_streamed`: shared
-  with `lathe.train.offloaded_adamw`, the same streaming over FSDP2 shards).
+  `chunk_numel` elements, so the device never holds them all at once: two chunks at most, one chunk's copies
+  in, the other's copies back and the kernel overlapping on three streams (`numel_chunks`, `StreamedAdam`:
+  shared with `lathe.train.offloaded_adamw`, the same streaming over FSDP2 shards).
 
 The state (`step`, `exp_avg`, `exp_avg_sq` per master) has `torch.optim.AdamW`'s layout, so `state_dict()`
 checkpoints are interchangeable between offloaded and resident runs; `torch.optim.lr_scheduler` works on it.
@@ -22,13 +23,15 @@ Gradient clipping goes through `clip_grad_norm_` (the gradients are not the mast
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.optim.adam import adam
 
-from lathe.device import pin_memory_available, synchronize
+from lathe.device import (current_stream, new_stream, pin_memory_available, record_event, stream_context, synchronize,
+                          wait_event, wait_stream)
 from lathe.train.precision import PrecisionPolicy
 
 
@@ -55,6 +58,7 @@ class MasterAdamW(torch.optim.Optimizer):
         self.grads: list[torch.Tensor | None] = [None] * len(masters)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
                        for i, p in enumerate(self.module_params)]
+        self.last_stream: StreamedAdam | None = None    # the last step's (`StreamedAdam.seconds`: its device time)
 
     # -- construction ---------------------------------------------------------------------------------
     def _take_master(self, p: nn.Parameter) -> torch.Tensor:
@@ -99,9 +103,11 @@ class MasterAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MasterAdamW.step takes no closure")
+        stream = self.last_stream = StreamedAdam(self.device)
         for group in self.param_groups:
             for chunk in self._chunks([m for m in group["params"] if self.grads[self._index[id(m)]] is not None]):
-                self._step_chunk(group, chunk)
+                self._step_chunk(group, chunk, stream)
+        stream.finish()
         return None
 
     def state_dict(self) -> dict:
@@ -125,6 +131,7 @@ class MasterAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def load_master_state_dict(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Set masters (exactly) and module parameters (cast) from a by-name state such as a checkpoint's."""
+        self._wait_for_copies()          # the host masters' write-backs land before they are overwritten here
         names = {id(p): name for name, p in module.named_parameters()}
         for i, p in enumerate(self.module_params):
             name = names.get(id(p))
@@ -172,12 +179,12 @@ class MasterAdamW(torch.optim.Optimizer):
         for key in MOMENTS:
             state[key] = pinned_copy(state[key]) if self._moments_on_host else state[key].to(self.device)
 
-    def _step_chunk(self, group: dict, masters: list[torch.Tensor]) -> None:
+    def _step_chunk(self, group: dict, masters: list[torch.Tensor], stream: StreamedAdam) -> None:
         indices = [self._index[id(m)] for m in masters]
         states = [self._init_state(m) for m in masters]
-        params = adam_streamed(group, masters, [self.grads[i] for i in indices], states, [s["step"] for s in states],
-                               self.device, stream_params=self.offload_params, stream_moments=self.offload_state)
-        for i, p in zip(indices, params):
+        params = stream.update(group, masters, [self.grads[i] for i in indices], states, [s["step"] for s in states],
+                               stream_params=self.offload_params, stream_moments=self.offload_state)
+        for i, p in zip(indices, params):         # on the compute stream, before the next chunk reuses `params`
             self.module_params[i].copy_(p)
 
 
@@ -208,35 +215,150 @@ def numel_chunks(numels: list[int], chunk_numel: int, *, split: bool = False) ->
     return chunks if chunks[0] else []
 
 
-def adam_streamed(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
-                  steps: list[torch.Tensor], device: torch.device, *, stream_params: bool,
-                  stream_moments: bool) -> list[torch.Tensor]:
-    """One chunk of AdamW: torch's own kernel (`adam` with decoupled weight decay; fused on CUDA) on `device`, with
-    `group`'s hyperparameters, over `params` and their `states`' moments. Streamed tensors (`stream_params`,
-    `stream_moments`: those kept in host memory) are copied in (asynchronously from pinned memory), updated there
-    and copied back (asynchronously: wait before the host reads them); the others are updated in place. A streamed
-    tensor already on `device` (a CPU test) is copied all the same, so the streaming runs wherever it is tested.
-    `steps` are the kernel's step counters, on `device`; it increments them. Gradients are cast to the parameters'
-    dtype where they differ. Returns the updated parameters on `device`."""
-    def fetch(t: torch.Tensor, streamed: bool) -> torch.Tensor:
-        return t.to(device, non_blocking=True, copy=streamed)
+class StreamedAdam:
+    """One `step()`'s AdamW over chunks of tensors on `device`: torch's own kernel (`adam` with decoupled weight decay;
+    fused on CUDA) on the compute stream, the streamed tensors copied in and back on two side streams, so that the
+    copies of one chunk overlap the kernel and the copies of the others and PCIe's two directions run at once.
 
-    on_device = [fetch(p, stream_params) for p in params]
-    moments = {k: [fetch(s[k], stream_moments) for s in states] for k in MOMENTS}
-    grads = [g.to(device=device, dtype=p.dtype) for g, p in zip(grads, on_device)]
-    beta1, beta2 = group["betas"]
-    adam(
-        on_device, grads, moments["exp_avg"], moments["exp_avg_sq"], [], steps,
-        foreach=False if device.type == "cpu" else None, fused=True if device.type == "cuda" else None,
-        decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-    for j, state in enumerate(states):     # back where each lives: streamed, or elsewhere than `device` (with
-        if stream_params or params[j].device != device:     # offload_params alone MasterAdamW's moments are host
-            params[j].copy_(on_device[j], non_blocking=True)  # tensors too: `_init_state` puts them by the master)
-        for k in MOMENTS:
-            if stream_moments or state[k].device != device:
-                state[k].copy_(moments[k][j], non_blocking=True)
-    return on_device
+    Per chunk (`update`): the host-to-device copies on `h2d`, the kernel on the compute stream once they are done,
+    the device-to-host write-backs on `d2h` once the kernel is done; events order them on the device, the host never
+    waits (`finish` joins the side streams into the compute stream: everything queued there afterwards, and
+    `synchronize`, comes after the write-backs; the next step's first copy waits for the compute stream).
+
+    Device memory: the streamed tensors of a chunk are views of one of two buffers (`_Slot`) taken in turn, each as
+    large as the largest chunk it held: the device holds at most two chunks' streamed tensors (double buffering:
+    twice the largest chunk's, against one chunk when the copies ran in order on the compute stream). A chunk's
+    copies into a buffer wait until the buffer's previous chunk is written back and done with on the compute stream
+    (its kernel and what the caller queued there with the returned tensors before the next `update`). The buffers
+    are taken on the compute stream and freed by `finish` after the join, so the caching allocator reuses them for
+    the next forward as before.
+
+    On the CPU (the tests) the streams are None and the helpers of `lathe.device` do nothing: the same code copies
+    into and out of the buffers in program order. `overlap = False` (a class switch, for A/B measurements:
+    bench/offload_adamw.py) does the same on an accelerator: every copy on the compute stream, in order."""
+
+    overlap = True
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.compute = self.h2d = self.d2h = None
+        self.slots = [_Slot(), _Slot()]
+        self.chunks = 0
+        self.started = self.finished = None    # (event or perf_counter) once something is streamed; for `seconds`
+
+    def update(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+               steps: list[torch.Tensor], *, stream_params: bool, stream_moments: bool) -> list[torch.Tensor]:
+        """One chunk of AdamW with `group`'s hyperparameters over `params` and their `states`' moments. Streamed
+        tensors (`stream_params`, `stream_moments`: those kept in host memory) are copied in, updated there and
+        written back (wait before the host reads them: `synchronize`); the others are updated in place. A tensor
+        elsewhere than `device` is streamed too, and a streamed tensor already on `device` (a CPU test) is copied
+        all the same, so the streaming runs wherever it is tested. `steps` are the kernel's step counters, on
+        `device`; it increments them. Gradients are cast to the parameters' dtype where they differ. Returns the
+        updated parameters on `device`: usable on the compute stream until the next `update`."""
+        device = self.device
+        moved_params = [stream_params or p.device != device for p in params]
+        moved_moments = {k: [stream_moments or s[k].device != device for s in states] for k in MOMENTS}
+        host = [p for p, m in zip(params, moved_params) if m] + [s[k] for k in MOMENTS
+                                                                    for s, m in zip(states, moved_moments[k]) if m]
+        slot = self.slots[self.chunks % 2]
+        if self.chunks:        # the compute stream's work on the previous chunk's buffer, the caller's included
+            self.slots[(self.chunks - 1) % 2].busy.append(record_event(self.compute))
+        self.chunks += 1
+        views, loaded = [], None
+        if host:
+            self._start()
+            views = slot.take(host, self)
+            with stream_context(self.h2d):
+                for event in slot.busy:
+                    wait_event(self.h2d, event)
+                slot.busy = []
+                for dst, src in zip(views, host):
+                    _copy(dst, src)
+            loaded = record_event(self.h2d)
+        copies = iter(views)
+        on_device = [next(copies) if m else p for p, m in zip(params, moved_params)]
+        moments = {k: [next(copies) if m else s[k] for s, m in zip(states, moved_moments[k])] for k in MOMENTS}
+        wait_event(self.compute, loaded)
+        grads = [g.to(device=device, dtype=p.dtype) for g, p in zip(grads, on_device)]
+        beta1, beta2 = group["betas"]
+        adam(
+            on_device, grads, moments["exp_avg"], moments["exp_avg_sq"], [], steps,
+            foreach=False if device.type == "cpu" else None, fused=True if device.type == "cuda" else None,
+            decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        if host:
+            updated = record_event(self.compute)
+            with stream_context(self.d2h):
+                wait_event(self.d2h, updated)
+                for src, dst in zip(views, host):
+                    _copy(dst, src)
+            slot.busy.append(record_event(self.d2h))
+        return on_device
+
+    def _start(self) -> None:
+        """At the first streamed chunk: the side streams, which start after the compute stream's queued work (the
+        gradients, and the previous step's write-backs, which its `finish` joined into it)."""
+        if self.started is not None:
+            return
+        self.compute = current_stream(self.device)
+        if self.overlap:
+            self.h2d, self.d2h = new_stream(self.device), new_stream(self.device)
+        wait_stream(self.h2d, self.compute)
+        self.started = time.perf_counter() if self.compute is None else record_event(self.compute, timing=True)
+
+    def finish(self) -> None:
+        """The end of the step: the compute stream waits for the side streams' copies (on the device), and the
+        buffers go back to the allocator."""
+        if self.started is None:
+            return
+        wait_stream(self.compute, self.h2d)
+        wait_stream(self.compute, self.d2h)
+        self.slots = []
+        self.finished = time.perf_counter() if self.compute is None else record_event(self.compute, timing=True)
+
+    def seconds(self) -> float | None:
+        """How long the streamed update took on the device, from its first copy to its last write-back (waits for
+        it); None when nothing was streamed or before `finish`."""
+        if self.finished is None:
+            return None
+        if isinstance(self.finished, float):
+            return self.finished - self.started
+        self.finished.synchronize()
+        return self.started.elapsed_time(self.finished) / 1e3
+
+
+class _Slot:
+    """One of `StreamedAdam`'s two device buffers: `views`, its current chunk's streamed tensors laid out in it
+    (each at an `ALIGN`-byte offset), and `busy`, the events after which it may be written again."""
+
+    ALIGN = 256
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.busy: list = []
+
+    def take(self, like: list[torch.Tensor], owner: StreamedAdam) -> list[torch.Tensor]:
+        """Views shaped like `like`, the buffer grown first where they do not fit (on the compute stream, which
+        first waits until the old buffer is done with; the copies into the new one wait for the compute stream)."""
+        sizes = [t.numel() * t.element_size() for t in like]
+        need = sum(-(-n // self.ALIGN) * self.ALIGN for n in sizes)
+        if self.buffer is None or self.buffer.numel() < need:
+            for event in self.busy:
+                wait_event(owner.compute, event)
+            self.buffer = self.views = None
+            self.buffer = torch.empty(need, dtype=torch.uint8, device=owner.device)
+            self.busy = [record_event(owner.compute)]
+        self.views, offset = [], 0
+        for t, n in zip(like, sizes):
+            self.views.append(self.buffer[offset:offset + n].view(t.dtype).view(t.shape))
+            offset += -(-n // self.ALIGN) * self.ALIGN
+        return self.views
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`, asynchronous between pinned host memory and a device (a seam for the tests' stream log)."""
+    dst.copy_(src, non_blocking=True)
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ step on the CPU). This keeps each rank's parameter shards and gradients on the d
 moments -- twice the fp32 shards, the largest part of a trainer's memory -- into pinned host memory: each rank holds
 its own shards' moments, and `step()` streams them through the device in chunks of at most `chunk_numel` elements
 (a shard larger than that is cut across chunks), running torch's own AdamW kernel on the local tensors of the
-parameters, gradients and moments: `lathe.train.master.adam_streamed`, the streaming `MasterAdamW` does on one
-device. The host memory is taken once, at construction (a few buffers per moment, of power-of-two sizes:
+parameters, gradients and moments: `lathe.train.master.StreamedAdam`, the streaming `MasterAdamW` does on one
+device (the copies in and back on side streams, overlapping each other and the kernel; two chunks on the device at
+most). The host memory is taken once, at construction (a few buffers per moment, of power-of-two sizes:
 `_host_moments`), and checkpoints load into it.
 
 It is a `torch.optim.AdamW` (the same parameter-group defaults) whose state has the same layout: per parameter,
@@ -29,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lathe.device import synchronize
-from lathe.train.master import MOMENTS, adam_streamed, numel_chunks
+from lathe.train.master import MOMENTS, StreamedAdam, numel_chunks
 
 
 class OffloadedAdamW(torch.optim.AdamW):
@@ -41,6 +42,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.chunk_numel = chunk_numel
         self._host = _host_moments([p for g in self.param_groups for p in g["params"]])
+        self.last_stream: StreamedAdam | None = None    # the last step's (`StreamedAdam.seconds`: its device time)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -53,6 +55,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        streams: dict[torch.device, StreamedAdam] = {}     # one per device (a rank has one)
         for group in self.param_groups:
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError("OffloadedAdamW: amsgrad and maximize are not supported (a loaded state dict set "
@@ -62,13 +65,17 @@ class OffloadedAdamW(torch.optim.AdamW):
             split = all(t.is_contiguous() and _local(p.grad).is_contiguous() for t, p in zip(local, params))
             touched = set()
             for chunk in numel_chunks([t.numel() for t in local], self.chunk_numel, split=split):
-                self._step_chunk(group, [(params[i], start, stop) for i, start, stop in chunk])
+                self._step_chunk(group, [(params[i], start, stop) for i, start, stop in chunk], streams)
                 touched.update(i for i, _, _ in chunk)
             for i in touched:                  # the kernel counted on device copies of the step
                 self.state[params[i]]["step"] += 1
+        for stream in streams.values():
+            stream.finish()
+        self.last_stream = next(iter(streams.values()), None)
         return loss
 
-    def _step_chunk(self, group: dict, pieces: list[tuple[torch.Tensor, int, int]]) -> None:
+    def _step_chunk(self, group: dict, pieces: list[tuple[torch.Tensor, int, int]],
+                    streams: dict[torch.device, StreamedAdam]) -> None:
         """AdamW over the elements `[start, stop)` of each (flattened) parameter of `pieces`."""
         states = [self._init_state(p) for p, _, _ in pieces]
         params = [_piece(_local(p), start, stop) for p, start, stop in pieces]
@@ -77,7 +84,8 @@ class OffloadedAdamW(torch.optim.AdamW):
                    for s, (_, start, stop) in zip(states, pieces)]
         device = params[0].device
         steps = [torch.full((), float(s["step"]), dtype=torch.float32, device=device) for s in states]
-        adam_streamed(group, params, grads, moments, steps, device, stream_params=False, stream_moments=True)
+        stream = streams.get(device) or streams.setdefault(device, StreamedAdam(device))
+        stream.update(group, params, grads, moments, steps, stream_params=False, stream_moments=True)
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]

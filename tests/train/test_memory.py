@@ -119,6 +119,26 @@ def test_sharded_optimizer_offload_alone_puts_each_ranks_moments_in_host_memory(
     assert next(p for p in parts if p.what.startswith("actor master weights")).on_gpu
 
 
+@pytest.mark.parametrize("world,keys,per_element", [
+    (1, ("optimizer_offload",), 8),                    # MasterAdamW: the two fp32 moments stream
+    (1, ("param_offload",), 12),                       # ... and its fp32 masters with them
+    (2, ("optimizer_offload",), 8),                    # OffloadedAdamW on the FSDP2 shards: the moments
+    (2, ("optimizer_offload", "param_offload"), 0),    # FSDP2's offload policy steps on the CPU: nothing streams
+    (1, (), 0)])
+def test_a_streamed_optimizer_step_counts_its_two_chunks_of_device_buffers(monkeypatch, world, keys, per_element):
+    """StreamedAdam holds two chunks (`CHUNK_NUMEL` elements each, or a smaller shard) of the streamed tensors on the
+    device during the update, per rank (not divided by the shards)."""
+    from lathe.train.master import CHUNK_NUMEL
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
+                               *(f"actor_rollout_ref.actor.fsdp_config.{k}=true" for k in keys)])
+    for n in (N, CHUNK_NUMEL // 4):
+        parts = memory.plan(cfg, n, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=world)
+        buffers = [p for p in parts if "streamed optimizer step" in p.what]
+        assert sum(p.nbytes for p in buffers) == 2 * min(CHUNK_NUMEL, n // world) * per_element
+        assert all(p.on_gpu and p.update_only for p in buffers)
+
+
 @pytest.mark.parametrize("world,key", [(1, "param_offload"), (2, "param_offload"), (2, "offload_policy")])
 def test_parameter_offload_puts_the_moments_in_host_memory_too(monkeypatch, world, key):
     """The moments follow the offloaded parameters: MasterAdamW keeps them by its host masters (one device), FSDP2's

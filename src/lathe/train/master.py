@@ -34,6 +34,8 @@ from lathe.device import (current_stream, new_stream, pin_memory_available, reco
                           wait_event, wait_stream)
 from lathe.train.precision import PrecisionPolicy
 
+CHUNK_NUMEL = 1 << 28     # elements a streamed optimizer step brings onto the device at once (two chunks in flight)
+
 
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW on master copies of `params` (a module's trainable parameters, still in their load dtype).
@@ -43,7 +45,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[nn.Parameter], *, policy: PrecisionPolicy, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 offload_params: bool = False, offload_state: bool = False, chunk_numel: int = 1 << 28):
+                 offload_params: bool = False, offload_state: bool = False, chunk_numel: int = CHUNK_NUMEL):
         self.module_params = [p for p in params if p.requires_grad]
         if not self.module_params:
             raise ValueError("MasterAdamW: no trainable parameters")

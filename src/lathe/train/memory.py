@@ -79,7 +79,8 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     shares = lathe_engine and engine_dtype == compute and world == 1
     note = ", shared with the rollout engine" if shares else ""
     size = lambda n, dtype: n * torch.empty((), dtype=dtype).element_size()   # noqa: E731
-    shard = lambda role, parts: _shard(parts, (shards or {}).get(role, world) if world > 1 else 1)  # noqa: E731
+    ranks = lambda role: (shards or {}).get(role, world) if world > 1 else 1   # noqa: E731  (a role's FSDP2 shards)
+    shard = lambda role, parts: _shard(parts, ranks(role))  # noqa: E731
     if lora is not None:
         adapters, adapted = lora
         parts = shard("actor", [Part(f"actor base weights (frozen), {short_name(compute)}", size(n_params, compute),
@@ -98,14 +99,40 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
                                               device, trainable=False, sharded=world > 1))
     if world > 1 and lora is None:
         parts += kept_gathered_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device)
+    trained = lora[0] if lora is not None else n_params
+    parts += streamed_step_parts("actor", "actor_rollout_ref.actor", trained // ranks("actor"), arr.actor.fsdp_config,
+                                 device, sharded=world > 1)
     if critic_params:
         parts += shard("critic", model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config,
                                              device))
+        parts += streamed_step_parts("critic", "critic.model", critic_params // ranks("critic"),
+                                     cfg.critic.model.fsdp_config, device, sharded=world > 1)
     tp = arr.rollout.tensor_model_parallel_size if colocated else 1
     if tp > 1:     # a tensor-parallel replica's rank: 1/tp of the layers and the LM head (the embeddings whole)
         parts = [replace(p, nbytes=p.nbytes // tp, what=f"{p.what}, 1/{tp} of a replica")
                  if p.what.startswith("rollout ") else p for p in parts]
     return parts
+
+
+def streamed_step_parts(role: str, prefix: str, n_local: int, fsdp_cfg, device, *, sharded: bool) -> list[Part]:
+    """The device buffers of a streamed optimizer step (`lathe.train.master.StreamedAdam`: two chunks of the tensors
+    kept in host memory, in flight at once) during the update: `OffloadedAdamW`'s moments on FSDP2 shards
+    (`optimizer_offload` alone), `MasterAdamW`'s moments and, with `param_offload`, its masters on one device. A
+    chunk holds whole tensors on one device, so one larger than `CHUNK_NUMEL` (an embedding) is its own, larger
+    chunk: an estimate there."""
+    from lathe.train.master import CHUNK_NUMEL
+    policy = resolve_policy(fsdp_cfg, device, key=f"{prefix}.fsdp_config")
+    master = torch.empty((), dtype=policy.master_dtype).element_size()
+    if sharded:
+        per = 2 * master if fsdp_cfg.optimizer_offload and not (fsdp_cfg.param_offload or fsdp_cfg.offload_policy) \
+            else 0
+    else:
+        per = 2 * master * bool(fsdp_cfg.optimizer_offload or fsdp_cfg.param_offload) + master * bool(
+            fsdp_cfg.param_offload)
+    if not per or not n_local:
+        return []
+    return [Part(f"{role} streamed optimizer step's buffers (2 chunks of {min(CHUNK_NUMEL, n_local):,} elements)",
+                 2 * min(CHUNK_NUMEL, n_local) * per, True, update_only=True)]
 
 
 def kept_gathered_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device) -> list[Part]:

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lathe.device import synchronize
-from lathe.train.master import MOMENTS, StreamedAdam, numel_chunks
+from lathe.train.master import CHUNK_NUMEL, MOMENTS, StreamedAdam, numel_chunks
 
 
 class OffloadedAdamW(torch.optim.AdamW):
@@ -38,7 +38,7 @@ class OffloadedAdamW(torch.optim.AdamW):
     streamed through the parameters' device `chunk_numel` elements at a time."""
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, chunk_numel: int = 1 << 28):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, chunk_numel: int = CHUNK_NUMEL):
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.chunk_numel = chunk_numel
         self._host = _host_moments([p for g in self.param_groups for p in g["params"]])

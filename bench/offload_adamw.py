@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from common import device_name, git_sha, print_and_write, sync  # noqa: E402
 
 from lathe.device import memory_allocated, peak_memory, reset_peak_memory  # noqa: E402
-from lathe.train.master import StreamedAdam  # noqa: E402
+from lathe.train.master import CHUNK_NUMEL, StreamedAdam  # noqa: E402
 from lathe.train.offloaded_adamw import OffloadedAdamW  # noqa: E402
 
 HPARAMS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -77,7 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--numel", type=float, default=2e9, help="fp32 parameters (moments: 8 bytes each, each way)")
     p.add_argument("--tensor-numel", type=float, default=1e8)
-    p.add_argument("--chunk-numel", type=int, default=1 << 28, help="OffloadedAdamW's default")
+    p.add_argument("--chunk-numel", type=lambda v: int(float(v)), default=CHUNK_NUMEL, help="OffloadedAdamW's default")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--modes", default="overlap,serial,resident")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")

@@ -161,6 +161,10 @@ def test_a_streamed_step_on_one_device_counts_tensors_larger_than_a_chunk_as_the
     assert buffers(1, [layer, layer]) == {"actor": 2 * CHUNK_NUMEL * 8}
     assert buffers(2, [big, big]) == {"actor": 2 * CHUNK_NUMEL * 8}          # shards cut across chunks
     assert buffers(1, [big, big], critic=[big, layer]) == {"actor": 2 * big * 8, "critic": (big + CHUNK_NUMEL) * 8}
+    cfg = load_config("base", ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
+    parts = memory.plan(cfg, n, torch.device("cpu"), need_ref=False, critic_params=None, lathe_engine=True,
+                        largest={"actor": [big, big]})
+    assert not any("streamed" in p.what for p in parts), "a CPU run offloads nothing (offload_flags), streams nothing"
 
 
 @pytest.mark.parametrize("world,key", [(1, "param_offload"), (2, "param_offload"), (2, "offload_policy")])

@@ -128,6 +128,8 @@ def streamed_step_parts(role: str, prefix: str, n_local: int, fsdp_cfg, device, 
     the two buffers are the two largest chunks, from `largest` (the numels of the role's largest trained tensors;
     without them, `CHUNK_NUMEL` each)."""
     from lathe.train.master import CHUNK_NUMEL
+    if torch.device(device).type != "cuda":          # the offload keys act on CUDA only (`offload_flags`)
+        return []
     policy = resolve_policy(fsdp_cfg, device, key=f"{prefix}.fsdp_config")
     master = torch.empty((), dtype=policy.master_dtype).element_size()
     if sharded:

@@ -71,9 +71,8 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     merged copies of the adapted layers only (on one device: it shares the rest with the frozen base; sharded, it
     holds a full copy of its own, the base and adapters being shards). `largest` ('actor', 'critic'): the numels of
     a role's largest trained tensors (the two largest at least), which size a streamed step's chunks on one device
-    (`streamed_step_parts`). The reward model or judge and the
-    distillation teachers are `lathe.train.memory_models.other_model_parts` (sized from their config.json), which
-    the caller adds."""
+    (`streamed_step_parts`). The reward model or judge and the distillation teachers are
+    `lathe.train.memory_models.other_model_parts` (sized from their config.json), which the caller adds."""
     from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype

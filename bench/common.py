@@ -129,13 +129,17 @@ def default_workdir(name: str) -> str:
     return str(Path(tempfile.gettempdir()) / name)
 
 
-_WORKDIR_LOCKS: list = []            # held open (so locked) for the bench's life
+_WORKDIR_LOCKS: dict = {}            # resolved workdir -> its lock file, held open (so locked) for the bench's life
 
 
 def claim_workdir(where: Path) -> Path:
     """Create `where` and lock it for this process's life; a second bench given the same workdir (run side by side)
-    stops at once, naming it, rather than writing over the first one's model, data and metrics."""
+    stops at once, naming it, rather than writing over the first one's model, data and metrics. The process holding
+    it claims it again at no cost (e2e.py and sft.py claim it once per model of `--models`: a lock taken on a new
+    descriptor would be refused by the process's own first one)."""
     where.mkdir(parents=True, exist_ok=True)
+    if where.resolve() in _WORKDIR_LOCKS:
+        return where
     lock = open(where / ".bench.lock", "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -143,7 +147,7 @@ def claim_workdir(where: Path) -> Path:
         lock.close()
         sys.exit(f"{where} is in use by another bench running now (it holds {where / '.bench.lock'}): give this one "
                  "a --workdir of its own (bench/parallel.py gives each arm its own temp dir)")
-    _WORKDIR_LOCKS.append(lock)
+    _WORKDIR_LOCKS[where.resolve()] = lock
     return where
 
 

@@ -41,6 +41,25 @@ def test_arms_never_share_a_bench_workdir(tmp_path):
         holder.wait()
 
 
+def test_a_bench_claims_its_workdir_again_for_each_model(tmp_path):
+    """bench/e2e.py and sft.py claim the workdir once per model of `--models` (default several): the process that holds
+    it may claim it again (a second lock on a new descriptor would be refused by its own first one, ending the bench
+    after its first model); another process still may not."""
+    claim = (f"{sys.executable} -c \"import sys; sys.path.insert(0, '{ROOT / 'bench'}'); import common; "
+             f"from pathlib import Path; w = Path('{tmp_path / 'w'}'); common.claim_workdir(w); "
+             "common.claim_workdir(w); common.claim_workdir(w / '.' ); print('claimed', flush=True); "
+             "sys.stdin.readline()\"")
+    holder = subprocess.Popen(claim, shell=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "claimed", holder.stderr.read()
+        other = subprocess.run(claim, shell=True, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert other.returncode != 0 and "in use by another bench" in other.stderr, other.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_sigterm_reaches_every_arm(tmp_path):
     """The call's own limit (SIGTERM) is passed on, so each arm's bench can still write what it measured."""
     import signal

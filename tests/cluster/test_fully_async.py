@@ -375,3 +375,74 @@ def test_close_shuts_both_ends_of_the_weight_sync_before_waiting_for_either():
     AsyncCluster(Group("trainer"), Group("rollout"), None, None, None, False, [], 0, reward_group=Group("rm"),
                  teacher_group=Group("teacher")).close()
     assert log[4:] == [("shutdown", n) for n in ("teacher", "rm", "rollout", "trainer")]
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_the_trainers_wait_while_held_back_is_timed_and_hinted_once_after_two_steps(monkeypatch, caplog, held):
+    """`trainer/idle_staleness_ratio` times the trainer's waits for samples (the driver's polls) while `held_back`:
+    here each step waits 10 polls of 0.05 s, then trains 1 s (a fake clock; the loop itself is `_fit_async`), so a
+    held-back run reports 1/3 of each step, as `trainer/idle_ratio` does, and one hint from its third step; a run not
+    held back reports none and gives no hint."""
+    import logging
+    from concurrent.futures import Future
+
+    from lathe.loop import fully_async as fa
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(fa, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=lambda: clock.now))
+
+    class Driver:
+        def __init__(self, t):
+            self.at = SimpleNamespace(staleness_threshold=1.0, trigger_parameter_sync_step=1)
+            self.version, self.updates_since_sync, self.syncs, self.busy, self.polls = 0, 0, 0, [0.0], 0
+
+        def poll(self, wait_s):
+            clock.now += wait_s
+            self.polls += 1
+            return 0
+
+        def ready(self):
+            return self.polls >= 10
+
+        def take(self):
+            self.polls = 0
+            return "batch", {}
+
+        def held_back(self):
+            return held
+        fill = check_waiting = lambda self, *a, **k: None
+        staleness_metrics = step_metrics = lambda self, batch: {}
+        sync_weights = state_dict = lambda self: {}
+
+    class Now:                                       # the update runs at once (1 s on the clock)
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def submit(self, fn, *args):
+            future = Future()
+            future.set_result(fn(*args))
+            return future
+        shutdown = lambda self, wait: None           # noqa: E731
+
+    def learn_batch(t, batch, current):
+        clock.now += 1.0
+        return {"perf/total_num_tokens": 1}
+    rows = []
+    monkeypatch.setattr(fa, "AsyncDriver", Driver)
+    monkeypatch.setattr(fa, "ThreadPoolExecutor", Now)
+    monkeypatch.setattr(fa, "learn_batch", learn_batch)
+    monkeypatch.setattr(fa, "Progress", lambda *a, **k: SimpleNamespace(update=lambda *a: None, close=lambda: None))
+    t = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(val_before_train=False, val_only=False,
+                                                                    save_freq=0, test_freq=0),
+                                            actor_rollout_ref=SimpleNamespace(model=SimpleNamespace(
+                                                lora_adapter_path=None)), rollout=SimpleNamespace(test_freq=0)),
+                        resume_state=None, val_dataset=None, global_step=0, total_steps=4,
+                        tracker=SimpleNamespace(log=lambda metrics, step: rows.append((step, dict(metrics)))))
+    with caplog.at_level(logging.WARNING, logger="lathe"):
+        fa._fit_async(t, True)
+    assert [step for step, _ in rows] == [1, 2, 3, 4]
+    for step, r in rows:
+        assert math.isclose(r["trainer/idle_ratio"], 1 / 3, rel_tol=1e-6), (step, r["trainer/idle_ratio"])
+        assert math.isclose(r["trainer/idle_staleness_ratio"], 1 / 3 if held else 0.0, abs_tol=1e-9), (
+            step, r["trainer/idle_staleness_ratio"])
+    hints = [rec.getMessage() for rec in caplog.records if "trainer/idle_staleness_ratio" in rec.getMessage()]
+    assert len(hints) == held and all("at step 3 " in h for h in hints), hints

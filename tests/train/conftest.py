@@ -66,7 +66,13 @@ class StreamLog:
     The stream helpers it imports from `lathe.device` are replaced by ones that keep a vector clock per stream (a
     record copies the stream's clock into the event, a wait takes the maximum), and its `_copy` and `adam` log the
     byte ranges they read and write, with the stream current then and its clock (the tensors are kept, so no address
-    is reused). Operation A happens before B on the device when B's stream has seen A's position: `before(a, b)`."""
+    is reused). Operation A happens before B on the device when B's stream has seen A's position: `before(a, b)`.
+
+    The caching allocator is modelled too: a device buffer (`_Slot.buffer`) is taken and given back on the compute
+    stream, and the allocator hands its bytes to the compute stream's next allocation at once, ordered after what
+    that stream has queued only (no `record_stream` here). So its taking and its freeing are logged as writes of all
+    its bytes on the compute stream ("alloc", "free"): a side stream's copy into it before it was taken, or out of it
+    not joined before it is freed, is a race."""
 
     class Event:
         def __init__(self, clock: dict):
@@ -100,11 +106,30 @@ class StreamLog:
                 yield
             finally:
                 self.current = before
+        log = self
+
+        class Slot(master._Slot):
+            def __setattr__(slot, name, value):
+                old = slot.__dict__.get(name)
+                if name == "buffer" and old is not None and old is not value:
+                    log.on_compute([old], "free")
+                object.__setattr__(slot, name, value)
+                if name == "buffer" and value is not None and old is not value:
+                    log.on_compute([value], "alloc")
+
+        real_finish = master.StreamedAdam.finish
+
+        def finish(stream):
+            held = [slot.buffer for slot in stream.slots if slot.buffer is not None]
+            real_finish(stream)
+            if stream.started is not None:       # (`finish` drops the slots: their buffers are freed there)
+                self.on_compute(held, "free")
         for name, fake in (("current_stream", lambda device: "compute"), ("new_stream", self.new_stream),
                            ("stream_context", stream_context), ("record_event", self.record_event),
                            ("wait_event", self.wait_event), ("wait_stream", self.wait_stream),
-                           ("_copy", copy), ("adam", adam)):
+                           ("_copy", copy), ("adam", adam), ("_Slot", Slot)):
             monkeypatch.setattr(master, name, fake)
+        monkeypatch.setattr(master.StreamedAdam, "finish", finish)
 
     def new_stream(self, device) -> str:
         name = f"side{len(self.clocks)}"
@@ -133,6 +158,13 @@ class StreamLog:
                  "tensors": [(t, False) for t in reads] + [(t, True) for t in writes]}
         self.log.append(entry)
         return entry
+
+    def on_compute(self, buffers, what: str) -> None:
+        """The allocator's taking or freeing of `buffers` (on the compute stream, whatever stream is current)."""
+        if buffers:
+            before, self.current = self.current, "compute"
+            self.access([], buffers, what)
+            self.current = before
 
     @staticmethod
     def before(a: dict, b: dict) -> bool:

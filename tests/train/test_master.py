@@ -227,6 +227,37 @@ def test_pipelined_offload_over_many_chunks_equals_the_resident_step_after_step(
 
 
 @pytest.mark.gpu
+def test_streamed_buffers_are_the_two_largest_chunks_as_the_memory_plan_counts(monkeypatch):
+    """MasterAdamW's chunks hold whole tensors: an embedding and an untied head larger than `chunk_numel` (2^18
+    elements against 2^16) each fill a buffer of their size. The memory plan (`streamed_step_parts`, given the largest
+    tensors) covers the device memory the step adds; two chunks of `chunk_numel` would not."""
+    from lathe.config import load_config
+    from lathe.device import peak_memory, reset_peak_memory
+    from lathe.train import master, memory
+    chunk = 1 << 16
+    monkeypatch.setattr(master, "CHUNK_NUMEL", chunk)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1024, 256), nn.Linear(256, 256), nn.Linear(256, 1024, bias=False)).cuda()
+    opt = MasterAdamW(model.parameters(), policy=MIXED, offload_params=True, offload_state=True, chunk_numel=chunk,
+                      **HPARAMS)
+    _loss(model, _batches(1)[0].cuda()).backward()
+    torch.cuda.synchronize()
+    reset_peak_memory("cuda")
+    before = torch.cuda.memory_allocated()
+    opt.step()
+    torch.cuda.synchronize()
+    added = peak_memory("cuda")[0] - before
+    fsdp = load_config("base", ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
+                       ).actor_rollout_ref.actor.fsdp_config
+    numels = sorted((p.numel() for p in model.parameters()), reverse=True)
+    planned = memory.streamed_step_parts("actor", "actor_rollout_ref.actor", sum(numels), fsdp, torch.device("cuda"),
+                                         sharded=False, largest=numels[:2])[0].nbytes
+    assert planned == 2 * (1 << 18) * 12
+    assert 2 * chunk * 12 < added <= planned + (1 << 16), (added, planned)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
 def test_offloaded_moments_are_pinned_host_memory_fresh_and_resumed(offload_params, offload_state):
     """With either switch the moments live in pinned host memory (param_offload alone: by the host masters), and a

@@ -87,6 +87,24 @@ def test_the_streaming_on_fake_streams_races_nothing_and_holds_two_chunks(stream
     assert all(torch.equal(opt.state[a][k], whole.state[b][k]) for a, b in zip(params, whole_params) for k in MOMENTS)
 
 
+def test_a_step_that_fails_midway_still_joins_the_copies_it_queued(stream_log):
+    """A step that raises after streaming some chunks (here the second group's amsgrad) still joins the side streams
+    into the compute stream (`StreamedAdam.finish`): its device buffers go back to the allocator, which hands them to
+    the compute stream's next allocation at once, so a write-back still reading them would copy garbage into the
+    host moments, and the next step's copies in would not wait for the write-backs."""
+    params = _params()
+    opt = OffloadedAdamW([{"params": params[:2]}, {"params": params[2:], "amsgrad": True}], chunk_numel=CHUNK,
+                         **HPARAMS)
+    for p, grad in zip(params, _grads(0)):
+        p.grad = grad
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+    side = [e for e in stream_log.log if e["stream"] != "compute"]
+    assert side, "the first group streamed"
+    joined = {"stream": "compute", "clock": dict(stream_log.clocks["compute"])}
+    assert all(stream_log.before(e, joined) for e in side), "the side streams' copies were never joined"
+
+
 def test_state_dict_round_trips_with_torch_adamw_both_ways():
     """The layouts are the same: either optimizer resumes the other's state and goes on as if never stopped."""
     params, opt, ref_params, ref = _pair(2)

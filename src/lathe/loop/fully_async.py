@@ -351,19 +351,21 @@ def _fit_async(t: Trainer, first: bool) -> dict[str, float]:
     last: dict[str, float] = {}
     wall = time.perf_counter()
     idle_since, idle = time.perf_counter(), 0.0
-    held, held_at, hinted = 0.0, None, False         # the trainer's wait while the staleness bound held prompts back
+    held, hinted = 0.0, False                        # the trainer's wait while the staleness bound held prompts back
     first_step = t.global_step + 1
     progress_at = time.monotonic()                    # the last finished request (or a step in training)
     busy_at = (wall, list(d.busy))
     try:
         while t.global_step < t.total_steps or training is not None:
-            if held_at is not None:
-                held += time.perf_counter() - held_at
             d.fill()
+            # the wait is the poll's: timed while the trainer is idle and the budget lets the Rollouter start nothing
+            held_at = time.perf_counter() if training is None and d.held_back() else None
             if d.poll(wait_s=0.0 if training is not None and training[0].done() else 0.05) or training is not None:
                 progress_at = time.monotonic()
             elif not d.ready():
                 d.check_waiting(since=progress_at)
+            if held_at is not None:
+                held += time.perf_counter() - held_at
             if training is None and t.global_step < t.total_steps and d.ready():
                 idle += time.perf_counter() - idle_since
                 batch, gathered = d.take()
@@ -391,7 +393,7 @@ def _fit_async(t: Trainer, first: bool) -> dict[str, float]:
                 last["trainer/idle_ratio"] = idle / max(1e-9, now - wall)
                 last["trainer/idle_staleness_ratio"] = min(held, idle) / max(1e-9, now - wall)
                 last["rollouter/idle_ratio"] = 1 - _busy_fraction(busy_at, now, d.busy)
-                if (not hinted and t.global_step > first_step and d.at.staleness_threshold > 0   # (0: waits chosen)
+                if (not hinted and t.global_step >= first_step + 2 and d.at.staleness_threshold > 0  # (0: chosen)
                         and last["trainer/idle_staleness_ratio"] >= HINT_RATIO):
                     hinted = True
                     log.warning(staleness_hint(last["trainer/idle_staleness_ratio"], t.global_step,
@@ -402,7 +404,6 @@ def _fit_async(t: Trainer, first: bool) -> dict[str, float]:
                 if tr.save_freq > 0 and (t.global_step % tr.save_freq == 0 or done):
                     save(t, extra={"fully_async": d.state_dict()})
                 progress_at = time.monotonic()             # (a sync, validation or save is no wait for prompts)
-            held_at = time.perf_counter() if training is None and d.held_back() else None
     finally:
         if training is not None:
             training[0].cancel()

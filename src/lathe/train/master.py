@@ -106,10 +106,12 @@ class MasterAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("MasterAdamW.step takes no closure")
         stream = self.last_stream = StreamedAdam(self.device)
-        for group in self.param_groups:
-            for chunk in self._chunks([m for m in group["params"] if self.grads[self._index[id(m)]] is not None]):
-                self._step_chunk(group, chunk, stream)
-        stream.finish()
+        try:
+            for group in self.param_groups:
+                for chunk in self._chunks([m for m in group["params"] if self.grads[self._index[id(m)]] is not None]):
+                    self._step_chunk(group, chunk, stream)
+        finally:               # (a failed step too: its buffers are freed, and the next step reads the write-backs)
+            stream.finish()
         return None
 
     def state_dict(self) -> dict:

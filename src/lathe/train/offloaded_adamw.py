@@ -56,22 +56,24 @@ class OffloadedAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         streams: dict[torch.device, StreamedAdam] = {}     # one per device (a rank has one)
-        for group in self.param_groups:
-            if group.get("amsgrad") or group.get("maximize"):
-                raise ValueError("OffloadedAdamW: amsgrad and maximize are not supported (a loaded state dict set "
-                                 "them); use torch.optim.AdamW (fsdp_config.optimizer_offload=false)")
-            params = [p for p in group["params"] if p.grad is not None]
-            local = [_local(p) for p in params]
-            split = all(t.is_contiguous() and _local(p.grad).is_contiguous() for t, p in zip(local, params))
-            touched = set()
-            for chunk in numel_chunks([t.numel() for t in local], self.chunk_numel, split=split):
-                self._step_chunk(group, [(params[i], start, stop) for i, start, stop in chunk], streams)
-                touched.update(i for i, _, _ in chunk)
-            for i in touched:                  # the kernel counted on device copies of the step
-                self.state[params[i]]["step"] += 1
-        for stream in streams.values():
-            stream.finish()
-        self.last_stream = next(iter(streams.values()), None)
+        try:
+            for group in self.param_groups:
+                if group.get("amsgrad") or group.get("maximize"):
+                    raise ValueError("OffloadedAdamW: amsgrad and maximize are not supported (a loaded state dict set "
+                                     "them); use torch.optim.AdamW (fsdp_config.optimizer_offload=false)")
+                params = [p for p in group["params"] if p.grad is not None]
+                local = [_local(p) for p in params]
+                split = all(t.is_contiguous() and _local(p.grad).is_contiguous() for t, p in zip(local, params))
+                touched = set()
+                for chunk in numel_chunks([t.numel() for t in local], self.chunk_numel, split=split):
+                    self._step_chunk(group, [(params[i], start, stop) for i, start, stop in chunk], streams)
+                    touched.update(i for i, _, _ in chunk)
+                for i in touched:                  # the kernel counted on device copies of the step
+                    self.state[params[i]]["step"] += 1
+        finally:               # (a failed step too: its buffers are freed, and the next step reads the write-backs)
+            for stream in streams.values():
+                stream.finish()
+            self.last_stream = next(iter(streams.values()), None)
         return loss
 
     def _step_chunk(self, group: dict, pieces: list[tuple[torch.Tensor, int, int]],

@@ -40,10 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     arms = []
     for i, (cmd, gpu) in enumerate(zip(args.commands, gpus)):
         log = open(logs / f"arm{i}.log", "w")
-        tmp = Path(tempfile.gettempdir()) / f"bench-arm{i}"
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f"bench-arm{i}-")     # a new one each call: two calls at once stay apart
         arms.append(subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "TMPDIR": str(tmp)}))
+                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "TMPDIR": tmp}))
         print(f"arm{i} on GPU {gpu}: {cmd}", flush=True)
 
     stopped: list[float] = []                       # when a SIGTERM came (the handler only forwards it)

@@ -226,6 +226,31 @@ def test_tensors_larger_than_a_chunk_are_cut_across_chunks_bit_for_bit(offload_p
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*(n.parameters() for n in nets)))
 
 
+def test_a_non_contiguous_parameter_is_streamed_whole():
+    """A weight stored transposed (non-contiguous: its gradient too) cannot be viewed flat: it goes whole, a chunk of
+    its own, while the contiguous tensors around it are cut; the numbers are the resident step's."""
+    def net() -> nn.Module:
+        model = _net()
+        model[3].weight = nn.Parameter(model[3].weight.detach().t().contiguous().t())    # (50, 32), strides (1, 50)
+        return model
+
+    streamed, plain = net(), net()
+    assert not streamed[3].weight.is_contiguous()
+    opt = _streaming_on_cpu(MasterAdamW, streamed, True, True, 300)
+    resident = MasterAdamW(plain.parameters(), policy=MIXED, **HPARAMS)
+    for tokens in _batches(3):
+        for model, o in ((streamed, opt), (plain, resident)):
+            o.zero_grad()
+            _loss(model, tokens).backward()
+            o.step()
+    chunks = opt._chunks(opt.param_groups[0]["params"])
+    head = opt.param_groups[0]["params"][3]
+    assert [(start, stop) for chunk in chunks for m, start, stop in chunk if m is head] == [(0, 1600)]
+    assert [(start, stop) for chunk in chunks for m, start, stop in chunk if m is opt.param_groups[0]["params"][0]
+            ] == [(0, 300), (300, 600), (600, 800)]
+    assert all(torch.equal(a, b) for a, b in zip(streamed.parameters(), plain.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], resident.param_groups[0]["params"]))
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
 def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offload_params, offload_state):

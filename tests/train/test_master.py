@@ -1,7 +1,8 @@
 """Tests for lathe.train.master.MasterAdamW: fp32 master weights behind a bf16 module.
 
 The reference for every step is torch's own `torch.optim.AdamW` on fp32 tensors fed the same gradients; CPU
-tests force the bf16 policy (the class does not care which device), offloading runs on a GPU.
+tests force the bf16 policy (the class does not care which device), offloading runs on a GPU; the streaming of
+offloaded tensors (chunks, pieces of tensors cut across them) runs on the CPU too (`_streaming_on_cpu`).
 """
 
 import copy

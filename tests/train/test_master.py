@@ -1,7 +1,8 @@
 """Tests for lathe.train.master.MasterAdamW: fp32 master weights behind a bf16 module.
 
 The reference for every step is torch's own `torch.optim.AdamW` on fp32 tensors fed the same gradients; CPU
-tests force the bf16 policy (the class does not care which device), offloading runs on a GPU.
+tests force the bf16 policy (the class does not care which device), offloading runs on a GPU; the streaming of
+offloaded tensors (chunks, pieces of tensors cut across them) runs on the CPU too (`_streaming_on_cpu`).
 """
 
 import copy
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lathe.train.master import MasterAdamW
+from lathe.train.master import MasterAdamW, numel_chunks
 from lathe.train.optim import build_optimizer
 from lathe.train.precision import FP32, PrecisionPolicy
 from lathe.train.update import clipped_step, load_trainable, save_trainable
@@ -175,6 +176,82 @@ def test_save_and_load_trainable_keep_the_fp32_masters(tmp_path, make_lathe):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
+class _WholeTensors(MasterAdamW):
+    """MasterAdamW as it chunked before tensors were cut: whole tensors, one larger than `chunk_numel` a chunk of its
+    own (the reference for the cut pieces' numbers)."""
+
+    def _chunks(self, masters):
+        if not (self.offload_params or self.offload_state):
+            return super()._chunks(masters)
+        return [[(masters[i], 0, masters[i].numel()) for i, _, _ in chunk]
+                for chunk in numel_chunks([m.numel() for m in masters], self.chunk_numel)]
+
+
+def _streaming_on_cpu(cls, net: nn.Module, offload_params: bool, offload_state: bool, chunk_numel: int):
+    """`cls` over `net` streaming as with offload, on the CPU: the constructor refuses offload off CUDA, the streaming
+    itself runs anywhere (`StreamedAdam` copies a streamed tensor already on the device all the same)."""
+    opt = cls(net.parameters(), policy=MIXED, chunk_numel=chunk_numel, **HPARAMS)
+    opt.offload_params, opt.offload_state = offload_params, offload_state
+    return opt
+
+
+@pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
+def test_tensors_larger_than_a_chunk_are_cut_across_chunks_bit_for_bit(offload_params, offload_state):
+    """The embedding (800 elements) and the head (1600) against chunks of 300: cut into pieces across chunks (every
+    chunk at most 300 elements, pieces starting anywhere in a tensor), the numbers are those of whole-tensor chunks
+    and of the resident step, bit for bit, over four steps: masters, moments, step counts (advanced once a step
+    however many pieces), module parameters; the state dict keeps one step and two moments per master."""
+    nets = [_net() for _ in range(3)]
+    cut = _streaming_on_cpu(MasterAdamW, nets[0], offload_params, offload_state, 300)
+    whole = _streaming_on_cpu(_WholeTensors, nets[1], offload_params, offload_state, 300)
+    resident = MasterAdamW(nets[2].parameters(), policy=MIXED, **HPARAMS)
+    opts = (cut, whole, resident)
+    for tokens in _batches(4):
+        for net, opt in zip(nets, opts):
+            opt.zero_grad()
+            _loss(net, tokens).backward()
+            opt.step()
+    masters = cut.param_groups[0]["params"]
+    chunks = cut._chunks(masters)
+    assert max(sum(stop - start for _, start, stop in chunk) for chunk in chunks) <= 300
+    assert sum(len(chunk) for chunk in chunks) > len(masters), "tensors are cut into pieces"
+    assert cut.last_stream.chunks == -(-sum(m.numel() for m in masters) // 300), "every chunk but the last is full"
+    for opt in opts[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(cut.param_groups[0]["params"], opt.param_groups[0]["params"]))
+        sa, sb = cut.state_dict(), opt.state_dict()
+        assert sa["param_groups"] == sb["param_groups"] and sa["state"].keys() == sb["state"].keys()
+        for i, state in sa["state"].items():
+            assert state.keys() == sb["state"][i].keys() == {"step", "exp_avg", "exp_avg_sq"}
+            assert all(torch.equal(state[k], sb["state"][i][k]) for k in state), i
+            assert float(state["step"]) == 4.0
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*(n.parameters() for n in nets)))
+
+
+def test_a_non_contiguous_parameter_is_streamed_whole():
+    """A weight stored transposed (non-contiguous: its gradient too) cannot be viewed flat: it goes whole, a chunk of
+    its own, while the contiguous tensors around it are cut; the numbers are the resident step's."""
+    def net() -> nn.Module:
+        model = _net()
+        model[3].weight = nn.Parameter(model[3].weight.detach().t().contiguous().t())    # (50, 32), strides (1, 50)
+        return model
+
+    streamed, plain = net(), net()
+    assert not streamed[3].weight.is_contiguous()
+    opt = _streaming_on_cpu(MasterAdamW, streamed, True, True, 300)
+    resident = MasterAdamW(plain.parameters(), policy=MIXED, **HPARAMS)
+    for tokens in _batches(3):
+        for model, o in ((streamed, opt), (plain, resident)):
+            o.zero_grad()
+            _loss(model, tokens).backward()
+            o.step()
+    chunks = opt._chunks(opt.param_groups[0]["params"])
+    head = opt.param_groups[0]["params"][3]
+    assert [(start, stop) for chunk in chunks for m, start, stop in chunk if m is head] == [(0, 1600)]
+    assert [(start, stop) for chunk in chunks for m, start, stop in chunk if m is opt.param_groups[0]["params"][0]
+            ] == [(0, 300), (300, 600), (600, 800)]
+    assert all(torch.equal(a, b) for a, b in zip(streamed.parameters(), plain.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], resident.param_groups[0]["params"]))
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
 def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offload_params, offload_state):
@@ -199,10 +276,11 @@ def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offl
 @pytest.mark.gpu
 @pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
 def test_pipelined_offload_over_many_chunks_equals_the_resident_step_after_step(offload_params, offload_state):
-    """Ten layers in chunks of 2^16 elements (a weight or two a chunk: some twenty chunks a step, each copy large
-    enough to overlap the next chunk's): after every step the module's parameters equal the resident optimizer's bit
-    for bit, read on the device without waiting for the host (the next step's copies in rely on this step's
-    write-backs being joined into the compute stream); at the end the masters and moments too."""
+    """Ten layers in chunks of 2^16 elements (the embedding and the head, 2^17 each, cut across two chunks; some
+    thirteen full chunks a step, each copy large enough to overlap the next chunk's): after every step the module's
+    parameters equal the resident optimizer's bit for bit, read on the device without waiting for the host (the next
+    step's copies in rely on this step's write-backs being joined into the compute stream); at the end the masters
+    and moments too."""
     def net(seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         layers = [nn.Embedding(512, 256)] + [m for _ in range(8) for m in (nn.Linear(256, 256), nn.GELU())]
@@ -217,7 +295,7 @@ def test_pipelined_offload_over_many_chunks_equals_the_resident_step_after_step(
             opt.zero_grad()
             _loss(model, tokens.cuda()).backward()
             opt.step()
-        assert b.last_stream.chunks >= 17
+        assert b.last_stream.chunks == -(-sum(p.numel() for p in offloaded.parameters()) // (1 << 16)) == 13
         assert all(torch.equal(x, y) for x, y in zip(resident.parameters(), offloaded.parameters())), f"step {step}"
     assert b.last_stream.seconds() > 0
     assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.master_state_dict(resident).values(),
@@ -227,10 +305,10 @@ def test_pipelined_offload_over_many_chunks_equals_the_resident_step_after_step(
 
 
 @pytest.mark.gpu
-def test_streamed_buffers_are_the_two_largest_chunks_as_the_memory_plan_counts(monkeypatch):
-    """MasterAdamW's chunks hold whole tensors: an embedding and an untied head larger than `chunk_numel` (2^18
-    elements against 2^16) each fill a buffer of their size. The memory plan (`streamed_step_parts`, given the largest
-    tensors) covers the device memory the step adds; two chunks of `chunk_numel` would not."""
+def test_streamed_buffers_stay_two_chunks_whatever_the_largest_tensor_as_the_memory_plan_counts(monkeypatch):
+    """An embedding and an untied head larger than `chunk_numel` (2^18 elements against 2^16) are cut across chunks:
+    the device memory the step adds is two chunks' buffers (masters and moments, 12 bytes an element), what the
+    memory plan (`streamed_step_parts`) counts, not the two largest tensors' (whole tensors took 2 x 2^18 x 12)."""
     from lathe.config import load_config
     from lathe.device import peak_memory, reset_peak_memory
     from lathe.train import master, memory
@@ -247,14 +325,16 @@ def test_streamed_buffers_are_the_two_largest_chunks_as_the_memory_plan_counts(m
     opt.step()
     torch.cuda.synchronize()
     added = peak_memory("cuda")[0] - before
+    n = sum(p.numel() for p in model.parameters())
+    assert opt.last_stream.chunks == -(-n // chunk) == 10, "the step ran in full chunks of 2^16 elements"
     fsdp = load_config("base", ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
                                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
                        ).actor_rollout_ref.actor.fsdp_config
-    numels = sorted((p.numel() for p in model.parameters()), reverse=True)
-    planned = memory.streamed_step_parts("actor", "actor_rollout_ref.actor", sum(numels), fsdp, torch.device("cuda"),
-                                         sharded=False, largest=numels[:2])[0].nbytes
-    assert planned == 2 * (1 << 18) * 12
-    assert 2 * chunk * 12 < added <= planned + (1 << 16), (added, planned)
+    planned = memory.streamed_step_parts("actor", "actor_rollout_ref.actor", n, fsdp, torch.device("cuda"),
+                                         sharded=False)[0].nbytes
+    assert planned == 2 * chunk * 12
+    # (the slack: each view in a buffer starts at a 256-byte boundary, and the step counters, 512 bytes each)
+    assert chunk * 12 < added <= planned + (1 << 16) < 2 * (1 << 18) * 12, (added, planned)
 
 
 @pytest.mark.gpu
@@ -350,6 +430,58 @@ def test_streamed_adam_overlaps_the_copies_races_nothing_and_holds_two_chunks(st
             assert before(d2h[c - 1][-1], nxt[0]), "a buffer is written again once written back"
             assert not before(kernel[c], nxt[0]) and not before(d2h[c][0], nxt[0]) and not before(nxt[-1], d2h[c][0])
 
+
+
+def test_master_adamw_cuts_a_big_tensor_and_holds_two_chunks_buffers_on_fake_streams(stream_log, monkeypatch):
+    """MasterAdamW streaming its masters and moments on fake streams, chunks of 300 elements against a head of 1600
+    and an embedding of 800: the big tensors go through in pieces, the device buffers live at any time (taken and
+    freed on the compute stream, as the allocator sees them) are two chunks' at most, where whole tensors needed the
+    head's and the embedding's; nothing races (the cast into the module read on the compute stream); the numbers
+    are the resident step's."""
+    from lathe.train import master
+
+    class Logged(master.StreamedAdam):
+        def update(self, *args, **kwargs):
+            out = super().update(*args, **kwargs)
+            stream_log.access(out, [], "cast")          # MasterAdamW's cast into the module, on the compute stream
+            return out
+    monkeypatch.setattr(master, "StreamedAdam", Logged)
+
+    def peak_live(log) -> int:
+        live, peak = {}, 0
+        for entry in log:
+            for t, _ in entry["tensors"] if entry["what"] in ("alloc", "free") else []:
+                if entry["what"] == "alloc":
+                    live[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+                else:
+                    live.pop(t.untyped_storage().data_ptr(), None)
+            peak = max(peak, sum(live.values()))
+        return peak
+
+    nets = [_net(), _net(), _net()]
+    cut = _streaming_on_cpu(MasterAdamW, nets[0], True, True, 300)
+    whole = _streaming_on_cpu(_WholeTensors, nets[1], True, True, 300)
+    resident = MasterAdamW(nets[2].parameters(), policy=MIXED, **HPARAMS)
+    peaks = []
+    for opt, net in zip((cut, whole), nets):
+        start = len(stream_log.log)
+        for tokens in _batches(2):
+            opt.zero_grad()
+            _loss(net, tokens).backward()
+            opt.step()
+        peaks.append(peak_live(stream_log.log[start:]))
+    for tokens in _batches(2):
+        resident.zero_grad()
+        _loss(nets[2], tokens).backward()
+        resident.step()
+    assert cut.last_stream.chunks == 10 and whole.last_stream.chunks == 5
+    pieces = max(len(chunk) for chunk in cut._chunks(cut.param_groups[0]["params"]))
+    one_chunk = 3 * (4 * 300 + 256 * pieces)      # master and moments, each piece's view at a 256-byte boundary
+    assert peaks[0] <= 2 * one_chunk < 3 * 4 * (1600 + 800) <= peaks[1], peaks
+    assert not stream_log.races(), [(a["stream"], a["what"], b["stream"], b["what"]) for a, b in stream_log.races()]
+    assert stream_log.double_buffered(cut.last_stream.h2d)
+    assert all(torch.equal(a, b) for a, b in zip(nets[0].parameters(), nets[2].parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(cut.param_groups[0]["params"], resident.param_groups[0]["params"]))
 
 def _optim_cfg():
     from lathe.config import load_config

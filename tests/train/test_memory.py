@@ -139,31 +139,26 @@ def test_a_streamed_optimizer_step_counts_its_two_chunks_of_device_buffers(monke
         assert all(p.on_gpu and p.update_only for p in buffers)
 
 
-def test_a_streamed_step_on_one_device_counts_tensors_larger_than_a_chunk_as_their_own_chunks(monkeypatch):
-    """MasterAdamW's chunks hold whole tensors: a 7B's untied embedding and LM head (545M elements each, over
-    CHUNK_NUMEL) each fill a buffer of their own size, twice what two chunks would be; a tied one fills one. FSDP2
-    shards are cut across chunks (no larger chunk); the critic counts its own tensors."""
+def test_a_streamed_step_holds_two_chunks_whatever_the_largest_tensor(monkeypatch):
+    """MasterAdamW (one device) and OffloadedAdamW (FSDP2 shards) cut a tensor larger than a chunk across chunks: a
+    7B's untied embedding and LM head (545M elements each, twice CHUNK_NUMEL) take no larger buffers than two
+    chunks', for the actor and the critic alike."""
     from lathe.train.master import CHUNK_NUMEL
     monkeypatch.setattr(memory, "total_memory", lambda device: int(140 * 2**30))
-    big, layer = 152064 * 3584, 18944 * 3584
+    big = 152064 * 3584
     n = 7_600_000_000
+    assert big > CHUNK_NUMEL
 
-    def buffers(world, largest, critic=None):
+    def buffers(world):
         cfg = load_config("base", ["trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
                                    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
                                    "critic.model.fsdp_config.optimizer_offload=true"])
-        parts = memory.plan(cfg, n, CUDA, need_ref=False, critic_params=critic and n - big, lathe_engine=True,
-                            world=world, largest={"actor": largest, **({"critic": critic} if critic else {})})
+        parts = memory.plan(cfg, n, CUDA, need_ref=False, critic_params=n - big, lathe_engine=True, world=world)
         return {p.what.split()[0]: p.nbytes for p in parts if "streamed optimizer step" in p.what}
 
-    assert buffers(1, [big, big, layer]) == {"actor": 2 * big * 8}           # untied: both buffers embedding-sized
-    assert buffers(1, [big, layer, layer]) == {"actor": (big + CHUNK_NUMEL) * 8}    # tied
-    assert buffers(1, [layer, layer]) == {"actor": 2 * CHUNK_NUMEL * 8}
-    assert buffers(2, [big, big]) == {"actor": 2 * CHUNK_NUMEL * 8}          # shards cut across chunks
-    assert buffers(1, [big, big], critic=[big, layer]) == {"actor": 2 * big * 8, "critic": (big + CHUNK_NUMEL) * 8}
+    assert buffers(1) == buffers(2) == {"actor": 2 * CHUNK_NUMEL * 8, "critic": 2 * CHUNK_NUMEL * 8}
     cfg = load_config("base", ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
-    parts = memory.plan(cfg, n, torch.device("cpu"), need_ref=False, critic_params=None, lathe_engine=True,
-                        largest={"actor": [big, big]})
+    parts = memory.plan(cfg, n, torch.device("cpu"), need_ref=False, critic_params=None, lathe_engine=True)
     assert not any("streamed" in p.what for p in parts), "a CPU run offloads nothing (offload_flags), streams nothing"
 
 

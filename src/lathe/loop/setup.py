@@ -414,15 +414,8 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
                 sum(m.weight.numel() for m in layers))
     # each model's state per device: 1/(dp_shard x tp) (tensor parallelism cuts it before FSDP2 shards the slices)
     shards = {role: run.mesh(role).dp_shard * run.mesh(role).tp for role in ("actor", "ref", "critic")}
-    # the largest trained tensors: on one device each larger than a streamed step's chunk is a chunk of its own
-    trained = sorted((p.numel() for p in model.parameters() if p.requires_grad), reverse=True)
-    largest = {"actor": trained[:2], "critic": trained[:2]}
-    if critic is not None and critic != n and head.weight.numel() in trained:    # the critic has no LM head
-        rest = list(trained)
-        rest.remove(head.weight.numel())
-        largest["critic"] = rest[:2]
     parts = plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
-                 world=run.world, colocated=not run.is_async, lora=lora, shards=shards, largest=largest)
+                 world=run.world, colocated=not run.is_async, lora=lora, shards=shards)
     parts += other_model_parts(cfg, device, world=run.world, shards=shards)    # reward model/judge, teachers
     keys = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic": "critic.model.fsdp_config.fsdp_size",
             "ref": "actor_rollout_ref.ref.fsdp_config.fsdp_size"}

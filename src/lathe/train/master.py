@@ -11,10 +11,14 @@ This is mixed precision as FSDP2 does it (see `lathe.train.precision`), without 
   over micro-batches happens in fp32 and bf16 gradients never exist for the whole model at the same time;
 - `step()` runs torch's own AdamW kernel (`torch.optim.adam.adam` with decoupled weight decay: fused on CUDA)
   and casts the updated masters back into the module's parameters. With `offload_params` / `offload_state`
-  (AdamW's moments in pinned CPU memory) it streams the offloaded tensors through the device in chunks of
-  `chunk_numel` elements, so the device never holds them all at once: two chunks at most, one chunk's copies
-  in, the other's copies back and the kernel overlapping on three streams (`numel_chunks`, `StreamedAdam`:
-  shared with `lathe.train.offloaded_adamw`, the same streaming over FSDP2 shards).
+  (AdamW's moments in pinned CPU memory) it streams the offloaded tensors through the device in chunks of at
+  most `chunk_numel` elements, so the device never holds them all at once: two chunks at most, one chunk's
+  copies in, the other's copies back and the kernel overlapping on three streams (`numel_chunks`,
+  `StreamedAdam`: shared with `lathe.train.offloaded_adamw`, the same streaming over FSDP2 shards). A tensor
+  larger than what is left of a chunk (a 7B's embedding and LM head: 545M elements each, twice `CHUNK_NUMEL`)
+  is cut across chunks, as pieces: views of the flattened master, gradient, moments and module parameter; so
+  the two device buffers stay two chunks' whatever the largest tensor (whole tensors, the embedding and head
+  made them 12.2 GiB with `offload_params` where two chunks are 6 GiB). The per-element math is the same.
 
 The state (`step`, `exp_avg`, `exp_avg_sq` per master) has `torch.optim.AdamW`'s layout, so `state_dict()`
 checkpoints are interchangeable between offloaded and resident runs; `torch.optim.lr_scheduler` works on it.
@@ -24,7 +28,7 @@ Gradient clipping goes through `clip_grad_norm_` (the gradients are not the mast
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -108,7 +112,8 @@ class MasterAdamW(torch.optim.Optimizer):
         stream = self.last_stream = StreamedAdam(self.device)
         try:
             for group in self.param_groups:
-                for chunk in self._chunks([m for m in group["params"] if self.grads[self._index[id(m)]] is not None]):
+                masters = [m for m in group["params"] if self.grads[self._index[id(m)]] is not None]
+                for chunk in self._chunks(masters):
                     self._step_chunk(group, chunk, stream)
         finally:               # (a failed step too: its buffers are freed, and the next step reads the write-backs)
             stream.finish()
@@ -154,20 +159,32 @@ class MasterAdamW(torch.optim.Optimizer):
     def _masters(self) -> list[torch.Tensor]:
         return [m for g in self.param_groups for m in g["params"]]
 
-    def _chunks(self, masters: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """All at once when everything is on the device; else groups of about `chunk_numel` elements."""
+    def _chunks(self, masters: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, int, int]]]:
+        """Pieces `(master, start, stop)` (the flattened master's elements `[start, stop)`) by chunk: every master
+        whole in one chunk when everything is on the device; else chunks of at most `chunk_numel` elements, a
+        master that does not fit in the rest of a chunk cut across chunks (`numel_chunks(split=...)`). A master
+        whose gradient, moments or module parameter is not contiguous (`view(-1)` needs it) is kept whole, a
+        chunk of its own where it is larger, as `OffloadedAdamW` keeps its non-contiguous shards."""
         if not (self.offload_params or self.offload_state):
-            return [masters] if masters else []
-        return [[masters[i] for i, _, _ in chunk] for chunk in numel_chunks([m.numel() for m in masters],
-                                                                             self.chunk_numel)]
+            return [[(m, 0, m.numel()) for m in masters]] if masters else []
+        split = [self._contiguous(m) for m in masters]
+        return [[(masters[i], start, stop) for i, start, stop in chunk]
+                for chunk in numel_chunks([m.numel() for m in masters], self.chunk_numel, split=split)]
+
+    def _contiguous(self, master: torch.Tensor) -> bool:
+        """Whether every tensor a piece of `master` is a view of (`_piece`) is contiguous."""
+        i = self._index[id(master)]
+        state = self._init_state(master)
+        return all(t.is_contiguous() for t in (master, self.grads[i], self.module_params[i],
+                                               *(state[k] for k in MOMENTS)))
 
     def _init_state(self, master: torch.Tensor) -> dict:
         state = self.state[master]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
             for key in MOMENTS:
-                state[key] = (torch.zeros(master.shape, dtype=master.dtype, pin_memory=True) if self._moments_on_host
-                              else torch.zeros_like(master))
+                state[key] = (torch.zeros(master.shape, dtype=master.dtype, pin_memory=pin_memory_available())
+                              if self._moments_on_host else torch.zeros_like(master))
         return state
 
     @property
@@ -183,34 +200,48 @@ class MasterAdamW(torch.optim.Optimizer):
         for key in MOMENTS:
             state[key] = pinned_copy(state[key]) if self._moments_on_host else state[key].to(self.device)
 
-    def _step_chunk(self, group: dict, masters: list[torch.Tensor], stream: StreamedAdam) -> None:
-        indices = [self._index[id(m)] for m in masters]
-        states = [self._init_state(m) for m in masters]
-        params = stream.update(group, masters, [self.grads[i] for i in indices], states, [s["step"] for s in states],
-                               stream_params=self.offload_params, stream_moments=self.offload_state)
-        for i, p in zip(indices, params):         # on the compute stream, before the next chunk reuses `params`
-            self.module_params[i].copy_(p)
+    def _step_chunk(self, group: dict, pieces: list[tuple[torch.Tensor, int, int]], stream: StreamedAdam) -> None:
+        """AdamW over the elements `[start, stop)` of each (flattened) master of `pieces`, cast into the same
+        elements of its module parameter.
+
+        The kernel advances the step counters it is given before its bias correction, so every piece of one master
+        must see the same count and the master's own counter advance once: the master's last piece (or its whole)
+        gets `state["step"]`, which the kernel advances; the pieces before it a copy each (taken on the compute
+        stream before the last piece's kernel, so at the count before this step). A checkpoint still has one
+        `step`, `exp_avg`, `exp_avg_sq` per master."""
+        indices = [self._index[id(m)] for m, _, _ in pieces]
+        states = [self._init_state(m) for m, _, _ in pieces]
+        masters = [_piece(m, start, stop) for m, start, stop in pieces]
+        grads = [_piece(self.grads[i], start, stop) for i, (_, start, stop) in zip(indices, pieces)]
+        moments = [{k: _piece(s[k], start, stop) for k in MOMENTS} for s, (_, start, stop) in zip(states, pieces)]
+        steps = [s["step"] if stop == m.numel() else s["step"].clone() for s, (m, _, stop) in zip(states, pieces)]
+        params = stream.update(group, masters, grads, moments, steps, stream_params=self.offload_params,
+                               stream_moments=self.offload_state)
+        for i, p, (_, start, stop) in zip(indices, params, pieces):    # on the compute stream, before the next
+            _piece(self.module_params[i], start, stop).copy_(p)           # chunk reuses `params`
 
 
 # -- streaming pieces, shared with `lathe.train.offloaded_adamw` ---------------------------------------------------
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def numel_chunks(numels: list[int], chunk_numel: int, *, split: bool = False) -> list[list[tuple[int, int, int]]]:
+def numel_chunks(numels: list[int], chunk_numel: int, *,
+                 split: bool | Sequence[bool] = False) -> list[list[tuple[int, int, int]]]:
     """Tensors of `numels` elements, in order, cut into groups of at most about `chunk_numel` elements: what one
     streamed step brings onto the device at once. Each group lists `(index, start, stop)`: the elements
     `[start, stop)` of tensor `index` (flattened). With `split`, a tensor that does not fit in the rest of a group is
     cut across groups (every group but the last holds `chunk_numel` exactly); without, whole tensors only (a larger
-    one is a group of its own)."""
+    one is a group of its own). `split` may also be one flag per tensor (whole: those that cannot be cut)."""
     chunks: list[list[tuple[int, int, int]]] = [[]]
     room = chunk_numel
     for i, n in enumerate(numels):
+        cut = split if isinstance(split, bool) else split[i]
         start = 0
         while True:
-            if chunks[-1] and (room <= 0 or not split and n - start > room):
+            if chunks[-1] and (room <= 0 or not cut and n - start > room):
                 chunks.append([])
                 room = chunk_numel
-            stop = n if not split else min(n, start + room)
+            stop = n if not cut else min(n, start + room)
             chunks[-1].append((i, start, stop))
             room -= stop - start
             start = stop
@@ -358,6 +389,11 @@ class _Slot:
             self.views.append(self.buffer[offset:offset + n].view(t.dtype).view(t.shape))
             offset += -(-n // self.ALIGN) * self.ALIGN
         return self.views
+
+
+def _piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The flattened elements `[start, stop)` of `t`, a view (`t` itself when that is all of it)."""
+    return t if start == 0 and stop == t.numel() else t.view(-1)[start:stop]
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -59,7 +59,7 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
 
 def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_params: int | None,
          lathe_engine: bool, world: int = 1, colocated: bool = True, lora: tuple[int, int] | None = None,
-         shards: dict[str, int] | None = None, largest: dict[str, list[int]] | None = None) -> list[Part]:
+         shards: dict[str, int] | None = None) -> list[Part]:
     """The parts of a run on one device: actor (+ a rollout copy unless lathe's engine runs on the actor's own
     weights in the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's
     decoder. With `world` > 1 data-parallel ranks every trained or reference part is an FSDP2 shard and the engine
@@ -69,10 +69,9 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     `lora`: (adapter parameters, parameters of the adapted layers): the base is frozen in the compute dtype, only
     the adapters have masters, gradients and moments, the reference is the base itself, and lathe's engine holds
     merged copies of the adapted layers only (on one device: it shares the rest with the frozen base; sharded, it
-    holds a full copy of its own, the base and adapters being shards). `largest` ('actor', 'critic'): the numels of
-    a role's largest trained tensors (the two largest at least), which size a streamed step's chunks on one device
-    (`streamed_step_parts`). The reward model or judge and the distillation teachers are
-    `lathe.train.memory_models.other_model_parts` (sized from their config.json), which the caller adds."""
+    holds a full copy of its own, the base and adapters being shards). The reward model or judge and the
+    distillation teachers are `lathe.train.memory_models.other_model_parts` (sized from their config.json), which
+    the caller adds."""
     from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
@@ -102,14 +101,12 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
         parts += kept_gathered_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device)
     trained = lora[0] if lora is not None else n_params
     parts += streamed_step_parts("actor", "actor_rollout_ref.actor", trained // ranks("actor"), arr.actor.fsdp_config,
-                                 device, sharded=world > 1,
-                                 largest=(largest or {}).get("actor", []) if lora is None else [])
+                                 device, sharded=world > 1)
     if critic_params:
         parts += shard("critic", model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config,
                                              device))
         parts += streamed_step_parts("critic", "critic.model", critic_params // ranks("critic"),
-                                     cfg.critic.model.fsdp_config, device, sharded=world > 1,
-                                     largest=(largest or {}).get("critic", []))
+                                     cfg.critic.model.fsdp_config, device, sharded=world > 1)
     tp = arr.rollout.tensor_model_parallel_size if colocated else 1
     if tp > 1:     # a tensor-parallel replica's rank: 1/tp of the layers and the LM head (the embeddings whole)
         parts = [replace(p, nbytes=p.nbytes // tp, what=f"{p.what}, 1/{tp} of a replica")
@@ -117,15 +114,13 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     return parts
 
 
-def streamed_step_parts(role: str, prefix: str, n_local: int, fsdp_cfg, device, *, sharded: bool,
-                        largest: list[int] = ()) -> list[Part]:
+def streamed_step_parts(role: str, prefix: str, n_local: int, fsdp_cfg, device, *, sharded: bool) -> list[Part]:
     """The device buffers of a streamed optimizer step (`lathe.train.master.StreamedAdam`: two chunks of the tensors
     kept in host memory, in flight at once) during the update: `OffloadedAdamW`'s moments on FSDP2 shards
-    (`optimizer_offload` alone; shards cut across chunks of `CHUNK_NUMEL` elements), `MasterAdamW`'s moments and,
-    with `param_offload`, its masters on one device. There a chunk holds whole tensors, so one larger than
-    `CHUNK_NUMEL` (an embedding, an LM head: 545M elements at 7B) is a chunk of its own, and its buffer as large:
-    the two buffers are the two largest chunks, from `largest` (the numels of the role's largest trained tensors;
-    without them, `CHUNK_NUMEL` each)."""
+    (`optimizer_offload` alone), `MasterAdamW`'s moments and, with `param_offload`, its masters on one device. Both
+    cut a tensor larger than what is left of a chunk across chunks (a 7B's embedding and LM head, 545M elements
+    each, too), so the two buffers are two chunks of at most `CHUNK_NUMEL` elements whatever the largest tensor
+    (the few bytes by which each piece's view is aligned in a buffer aside)."""
     from lathe.train.master import CHUNK_NUMEL
     if torch.device(device).type != "cuda":          # the offload keys act on CUDA only (`offload_flags`)
         return []
@@ -140,10 +135,8 @@ def streamed_step_parts(role: str, prefix: str, n_local: int, fsdp_cfg, device, 
     if not per or not n_local:
         return []
     chunk = min(CHUNK_NUMEL, n_local)
-    chunks = sorted([chunk, chunk, *(n for n in ([] if sharded else largest) if n > CHUNK_NUMEL)], reverse=True)[:2]
-    what = (f"2 chunks of {chunk:,} elements" if chunks[0] == chunk
-            else f"2 chunks of {chunks[0]:,} and {chunks[1]:,} elements")
-    return [Part(f"{role} streamed optimizer step's buffers ({what})", sum(chunks) * per, True, update_only=True)]
+    return [Part(f"{role} streamed optimizer step's buffers (2 chunks of {chunk:,} elements)", 2 * chunk * per, True,
+                 update_only=True)]
 
 
 def kept_gathered_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device) -> list[Part]:

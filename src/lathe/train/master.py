@@ -172,7 +172,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 for chunk in numel_chunks([m.numel() for m in masters], self.chunk_numel, split=split)]
 
     def _contiguous(self, master: torch.Tensor) -> bool:
-        """Whether every tensor a piece of `master` is a view of (`_piece`) is contiguous."""
+        """Whether every tensor a piece of `master` is a view of (`piece`) is contiguous."""
         i = self._index[id(master)]
         state = self._init_state(master)
         return all(t.is_contiguous() for t in (master, self.grads[i], self.module_params[i],
@@ -211,14 +211,14 @@ class MasterAdamW(torch.optim.Optimizer):
         `step`, `exp_avg`, `exp_avg_sq` per master."""
         indices = [self._index[id(m)] for m, _, _ in pieces]
         states = [self._init_state(m) for m, _, _ in pieces]
-        masters = [_piece(m, start, stop) for m, start, stop in pieces]
-        grads = [_piece(self.grads[i], start, stop) for i, (_, start, stop) in zip(indices, pieces)]
-        moments = [{k: _piece(s[k], start, stop) for k in MOMENTS} for s, (_, start, stop) in zip(states, pieces)]
+        masters = [piece(m, start, stop) for m, start, stop in pieces]
+        grads = [piece(self.grads[i], start, stop) for i, (_, start, stop) in zip(indices, pieces)]
+        moments = [{k: piece(s[k], start, stop) for k in MOMENTS} for s, (_, start, stop) in zip(states, pieces)]
         steps = [s["step"] if stop == m.numel() else s["step"].clone() for s, (m, _, stop) in zip(states, pieces)]
         params = stream.update(group, masters, grads, moments, steps, stream_params=self.offload_params,
                                stream_moments=self.offload_state)
         for i, p, (_, start, stop) in zip(indices, params, pieces):    # on the compute stream, before the next
-            _piece(self.module_params[i], start, stop).copy_(p)           # chunk reuses `params`
+            piece(self.module_params[i], start, stop).copy_(p)           # chunk reuses `params`
 
 
 # -- streaming pieces, shared with `lathe.train.offloaded_adamw` ---------------------------------------------------
@@ -391,7 +391,7 @@ class _Slot:
         return self.views
 
 
-def _piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+def piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """The flattened elements `[start, stop)` of `t`, a view (`t` itself when that is all of it)."""
     return t if start == 0 and stop == t.numel() else t.view(-1)[start:stop]
 

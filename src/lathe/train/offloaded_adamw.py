@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lathe.device import synchronize
-from lathe.train.master import CHUNK_NUMEL, MOMENTS, StreamedAdam, numel_chunks
+from lathe.train.master import CHUNK_NUMEL, MOMENTS, StreamedAdam, numel_chunks, piece
 
 
 class OffloadedAdamW(torch.optim.AdamW):
@@ -80,9 +80,9 @@ class OffloadedAdamW(torch.optim.AdamW):
                     streams: dict[torch.device, StreamedAdam]) -> None:
         """AdamW over the elements `[start, stop)` of each (flattened) parameter of `pieces`."""
         states = [self._init_state(p) for p, _, _ in pieces]
-        params = [_piece(_local(p), start, stop) for p, start, stop in pieces]
-        grads = [_piece(_local(p.grad), start, stop) for p, start, stop in pieces]
-        moments = [{k: _piece(_local(s[k]), start, stop) for k in MOMENTS}
+        params = [piece(_local(p), start, stop) for p, start, stop in pieces]
+        grads = [piece(_local(p.grad), start, stop) for p, start, stop in pieces]
+        moments = [{k: piece(_local(s[k]), start, stop) for k in MOMENTS}
                    for s, (_, start, stop) in zip(states, pieces)]
         device = params[0].device
         steps = [torch.full((), float(s["step"]), dtype=torch.float32, device=device) for s in states]
@@ -143,11 +143,6 @@ class OffloadedAdamW(torch.optim.AdamW):
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view: in-place updates reach the DTensor); a plain tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """The flattened elements `[start, stop)` of `t`, a view (`t` itself when that is all of it)."""
-    return t if start == 0 and stop == t.numel() else t.view(-1)[start:stop]
 
 
 MIN_BUFFER_BYTES = 1 << 26    # 64 MiB: the smallest host buffer but for the last one (see `_host_moments`)

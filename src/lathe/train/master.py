@@ -363,14 +363,13 @@ class StreamedAdam:
 
 
 class _Slot:
-    """One of `StreamedAdam`'s two device buffers: `views`, its current chunk's streamed tensors laid out in it
-    (each at an `ALIGN`-byte offset), and `busy`, the events after which it may be written again."""
+    """One of `StreamedAdam`'s two device buffers, in which a chunk's streamed tensors are laid out (each at an
+    `ALIGN`-byte offset), and `busy`, the events after which it may be written again."""
 
     ALIGN = 256
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []
         self.busy: list = []
 
     def take(self, like: list[torch.Tensor], owner: StreamedAdam) -> list[torch.Tensor]:
@@ -381,14 +380,14 @@ class _Slot:
         if self.buffer is None or self.buffer.numel() < need:
             for event in self.busy:
                 wait_event(owner.compute, event)
-            self.buffer = self.views = None
+            self.buffer = None                       # (the old one freed before the new one is taken)
             self.buffer = torch.empty(need, dtype=torch.uint8, device=owner.device)
             self.busy = [record_event(owner.compute)]
-        self.views, offset = [], 0
+        views, offset = [], 0
         for t, n in zip(like, sizes):
-            self.views.append(self.buffer[offset:offset + n].view(t.dtype).view(t.shape))
+            views.append(self.buffer[offset:offset + n].view(t.dtype).view(t.shape))
             offset += -(-n // self.ALIGN) * self.ALIGN
-        return self.views
+        return views
 
 
 def piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:

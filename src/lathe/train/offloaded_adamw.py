@@ -86,7 +86,9 @@ class OffloadedAdamW(torch.optim.AdamW):
                    for s, (_, start, stop) in zip(states, pieces)]
         device = params[0].device
         steps = [torch.full((), float(s["step"]), dtype=torch.float32, device=device) for s in states]
-        stream = streams.get(device) or streams.setdefault(device, StreamedAdam(device))
+        if device not in streams:
+            streams[device] = StreamedAdam(device)
+        stream = streams[device]
         stream.update(group, params, grads, moments, steps, stream_params=False, stream_moments=True)
 
     def _init_state(self, p: torch.Tensor) -> dict:

@@ -14,13 +14,14 @@ import atexit
 import contextlib
 import functools
 import shutil
-import socket
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from lathe import ports
 
 
 def _as_float64(x) -> torch.Tensor:
@@ -88,10 +89,8 @@ def local_gpus() -> int:
 
 
 def free_port() -> int:
-    """A TCP port free on this machine now (for a process group's or a store's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this machine now (for a process group's or a store's rendezvous; `lathe.ports`)."""
+    return ports.free_port("127.0.0.1")
 
 
 def run_processes(procs: list, queue, timeout_s: float) -> dict:

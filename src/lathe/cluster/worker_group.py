@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from lathe import ports
+
 log = logging.getLogger("lathe")
 
 
@@ -60,9 +62,7 @@ class RankHost:
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return ports.free_port()
 
     def init_process_group(self, address: str, port: int, backend: str, timeout_s: float) -> None:
         import torch.distributed as dist

@@ -297,6 +297,25 @@ def test_a_resumed_driver_takes_the_checkpoints_version_counts_and_prompt_positi
     assert (d.ledger.issued, d.ledger.skip, loaded) == (32, {40, 41}, [{"pos": 32}])
 
 
+def test_chunks_go_to_the_replica_with_the_fewest_tokens_in_flight():
+    """Rollout work is balanced over the replicas by tokens in flight (n samples of each prompt, each with the
+    whole response budget), not dealt round robin: a replica whose requests finished takes the next chunks."""
+    d = AsyncDriver.__new__(AsyncDriver)              # only the fields least_loaded and tokens read
+    d.n, d.remax, d.load = 4, False, [0, 0, 0]
+    d.t = SimpleNamespace(sampling=SimpleNamespace(max_tokens=10))
+    assert d.tokens([[1] * 6, [2] * 2]) == 4 * (6 + 10) + 4 * (2 + 10)
+    sent = []
+    for chunk in ([[1] * 6], [[1] * 2], [[1] * 4], [[1] * 3]):
+        replica = d.least_loaded()
+        d.load[replica] += d.tokens(chunk)
+        sent.append(replica)
+    assert sent == [0, 1, 2, 1] and d.load == [64, 48 + 52, 56]   # (the first among equals; then the lightest)
+    d.load[0] -= 64                                   # replica 0's request finished: it takes the next chunk
+    assert d.least_loaded() == 0
+    d.remax = True                                    # ReMax's greedy twin is one sample more per prompt
+    assert d.tokens([[1] * 6]) == 5 * 16
+
+
 def test_the_rollouter_is_held_back_when_the_interval_budget_is_spent_with_prompts_left():
     """`held_back` (what `trainer/idle_staleness_ratio` times): the budget cannot send a request, prompts remain."""
     d = AsyncDriver.__new__(AsyncDriver)              # only the fields held_back reads

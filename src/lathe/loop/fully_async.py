@@ -110,7 +110,7 @@ class AsyncDriver:
         self.in_flight: dict[int, tuple[int, Batch]] = {}        # first issue index -> (replica, prompt rows)
         self.queue: deque[Batch] = deque()                        # scored groups, in the order they finished
         self.budget = self._budget(stale=0)
-        self.next_replica = 0
+        self.load = [0] * self.cluster.rollout.world    # each replica's tokens in flight (`least_loaded`)
         self.busy = [0.0] * self.cluster.rollout.world
         self.counters = dict.fromkeys(("stale_samples", "stale_trajectories"), 0)
         self.counted: dict[str, float] = {}               # request metrics since the last trained step
@@ -134,7 +134,7 @@ class AsyncDriver:
         return self.ledger.issued < self.total_prompts and not self._can_send()
 
     def fill(self) -> None:
-        """Send chunks of prompts to the replicas (round robin) while the interval's budget lasts."""
+        """Send chunks of prompts to the replicas (each to the least loaded) while the interval's budget lasts."""
         requests: dict[int, list] = {}
         while self.ledger.issued < self.total_prompts and self._can_send():
             label = self.dapo.label() if self.dapo else None      # (step, round) of a dynamic-sampling round
@@ -155,10 +155,10 @@ class AsyncDriver:
             step, round_, i = (*label, 0) if label else (step + 1, 0, i)
             params = replace(self.t.sampling, seed=self.t.sampling.seed if self.t.sampling.seed is not None
                              else rollout_seed(self.t.cfg.trainer.seed, step, round_))
-            replica = self.next_replica
-            self.next_replica = (replica + 1) % self.cluster.rollout.world
-            self.in_flight[first] = (replica, prompts)
             ids, images = [list(p) for p in prompts["prompt_ids"]], request_images(prompts)
+            replica = self.least_loaded()
+            self.in_flight[first] = (replica, prompts)
+            self.load[replica] += self.tokens(ids)
             agent = request_agent(prompts) if self.multi_turn else None
             requests.setdefault(replica, []).append((first, ids, params, i * self.n, images, agent))
             if self.remax:        # ReMax's greedy response of each prompt, generated beside (and with) the samples
@@ -166,6 +166,18 @@ class AsyncDriver:
                                           agent))
         if requests:
             self.cluster.rollout.submit(requests)
+
+    def least_loaded(self) -> int:
+        """The replica with the fewest tokens in flight, the first among equals: balanced by tokens, not by prompts,
+        so a replica whose requests finished early (short responses) takes the next chunks, which round robin would
+        queue behind a replica still busy with long ones."""
+        return min(range(len(self.load)), key=self.load.__getitem__)
+
+    def tokens(self, ids: list[list[int]]) -> int:
+        """What a chunk of prompts asks of a replica, in tokens: n samples of each prompt with the whole response
+        budget (ReMax adds one greedy sample per prompt)."""
+        samples = self.n + self.remax
+        return sum(samples * (len(p) + self.t.sampling.max_tokens) for p in ids)
 
     def poll(self, wait_s: float) -> int:
         """Finished requests from the replicas: scored and queued. Returns how many came."""
@@ -186,7 +198,8 @@ class AsyncDriver:
     def _score(self, first: int, parts: dict[str, Batch]) -> None:
         """A finished request's groups scored (ReMax: with their greedy baselines), filtered (dynamic sampling) and
         queued. With a reward model they are queued unscored: the trainer thread scores them (`fully_async_learn.learn_batch`)."""
-        _, prompts = self.in_flight.pop(first)
+        replica, prompts = self.in_flight.pop(first)
+        self.load[replica] -= self.tokens(prompts["prompt_ids"])
         batch = prompts.repeat(self.n, interleave=True).update(parts["samples"])
         metrics: dict[str, float] = {}
         if self.t.reward_model is None:

@@ -7,12 +7,14 @@ offloaded tensors (chunks, pieces of tensors cut across them) runs on the CPU to
 
 import copy
 import math
+from unittest.mock import patch
 
 import pytest
 import torch
 from torch import nn
 
-from lathe.train.master import MasterAdamW, numel_chunks
+import lathe.train.master as master
+from lathe.train.master import MOMENTS, MasterAdamW, host_like, host_moments, numel_chunks
 from lathe.train.optim import build_optimizer
 from lathe.train.precision import FP32, PrecisionPolicy
 from lathe.train.update import clipped_step, load_trainable, save_trainable
@@ -28,6 +30,12 @@ def _net(seed: int = 0, device: str = "cpu") -> nn.Module:
 
 def _loss(net: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return net(tokens).float().logsumexp(-1).mean()
+
+
+def _transposed(net: nn.Module) -> nn.Module:
+    """`net` with its head's weight stored transposed: (50, 32), strides (1, 50)."""
+    net[3].weight = nn.Parameter(net[3].weight.detach().t().contiguous().t())
+    return net
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -192,6 +200,7 @@ def _streaming_on_cpu(cls, net: nn.Module, offload_params: bool, offload_state: 
     itself runs anywhere (`StreamedAdam` copies a streamed tensor already on the device all the same)."""
     opt = cls(net.parameters(), policy=MIXED, chunk_numel=chunk_numel, **HPARAMS)
     opt.offload_params, opt.offload_state = offload_params, offload_state
+    opt._host = host_moments(opt._masters(), pin=False)       # (the moments' host memory, as with offload)
     return opt
 
 
@@ -230,20 +239,27 @@ def test_tensors_larger_than_a_chunk_are_cut_across_chunks_bit_for_bit(offload_p
 def test_a_non_contiguous_parameter_is_streamed_whole():
     """A weight stored transposed (non-contiguous: its gradient too) cannot be viewed flat: it goes whole, a chunk of
     its own, while the contiguous tensors around it are cut; the numbers are the resident step's."""
-    def net() -> nn.Module:
-        model = _net()
-        model[3].weight = nn.Parameter(model[3].weight.detach().t().contiguous().t())    # (50, 32), strides (1, 50)
-        return model
-
-    streamed, plain = net(), net()
+    streamed, plain = _transposed(_net()), _transposed(_net())
     assert not streamed[3].weight.is_contiguous()
     opt = _streaming_on_cpu(MasterAdamW, streamed, True, True, 300)
     resident = MasterAdamW(plain.parameters(), policy=MIXED, **HPARAMS)
+    layouts = []
+
+    def adam(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):
+        layouts.extend({t.stride() for t in ts} for ts in zip(params, grads, exp_avgs, exp_avg_sqs))
+        return real_adam(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs)
+    real_adam = master.adam
     for tokens in _batches(3):
         for model, o in ((streamed, opt), (plain, resident)):
             o.zero_grad()
             _loss(model, tokens).backward()
-            o.step()
+            with patch.object(master, "adam", adam):
+                o.step()
+    # CUDA's fused kernel requires a master, its gradient and moments laid out alike: the streamed copies keep the
+    # transposed weight's strides
+    assert (50, 32) in {(m.shape[0], m.shape[1]) for m in opt._masters() if m.dim() == 2}
+    assert layouts and all(len(strides) == 1 for strides in layouts), layouts
+    assert {(1, 50)} in layouts
     chunks = opt._chunks(opt.param_groups[0]["params"])
     head = opt.param_groups[0]["params"][3]
     assert [(start, stop) for chunk in chunks for m, start, stop in chunk if m is head] == [(0, 1600)]
@@ -252,12 +268,49 @@ def test_a_non_contiguous_parameter_is_streamed_whole():
     assert all(torch.equal(a, b) for a, b in zip(streamed.parameters(), plain.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], resident.param_groups[0]["params"]))
 
+def test_host_memory_is_laid_out_like_each_tensor_in_shared_buffers():
+    """`host_like`: one host tensor per tensor, its shape, its strides where it is stored transposed (CUDA's fused
+    AdamW needs a master's moments laid out as the master), in the dtype asked; the small ones share a buffer."""
+    tensors = [torch.zeros(6, 4).t(), torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2, 5), torch.zeros(4)[::2]]
+    hosts = host_like(tensors, pin=False, dtype=torch.float32)
+    assert [h.shape for h in hosts] == [t.shape for t in tensors] and {h.dtype for h in hosts} == {torch.float32}
+    assert hosts[0].stride() == (1, 4) and hosts[2].is_contiguous() and hosts[3].is_contiguous()   # (not dense: plain)
+    assert len({h.untyped_storage().data_ptr() for h in hosts}) == 1
+
+
+def test_a_loaded_state_goes_straight_into_the_host_memory_the_moments_live_in():
+    """With the moments in host memory, `load_state_dict` copies each saved moment into it (torch's would first put
+    them all on the masters' device: twice the fp32 model on the GPU with `offload_state` alone); the resumed steps
+    are the uninterrupted ones."""
+    nets = [_net(), _net()]
+    opts = [_streaming_on_cpu(MasterAdamW, net, False, True, 300) for net in nets]
+    batches = _batches(3)
+    for tokens in batches[:2]:
+        opts[0].zero_grad()
+        _loss(nets[0], tokens).backward()
+        opts[0].step()
+    opts[1].load_master_state_dict(nets[1], opts[0].master_state_dict(nets[0]))
+    places = [t.data_ptr() for k in MOMENTS for t in opts[1]._host[k]]
+    opts[1].load_state_dict(copy.deepcopy(opts[0].state_dict()))
+    masters = opts[1]._masters()
+    assert [opts[1].state[m][k].data_ptr() for k in MOMENTS for m in masters] == places
+    assert all(opts[1].state[m]["step"].dtype == torch.float32 for m in masters)
+    for net, opt in zip(nets, opts):
+        opt.zero_grad()
+        _loss(net, batches[2]).backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(*(o._masters() for o in opts)))
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("offload_params,offload_state", [(False, True), (True, True), (True, False)])
-def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offload_params, offload_state):
+def test_offloaded_step_streams_through_the_gpu_and_equals_the_resident_one(offload_params, offload_state,
+                                                                            transposed):
     """(True, False): param_offload alone keeps the moments by the host masters too, and the step must write them
-    back (the streaming's first shared form did not)."""
-    resident, offloaded = _net(device="cuda"), _net(device="cuda")
+    back (the streaming's first shared form did not). Transposed: a weight stored transposed streams with its
+    strides (the fused kernel refuses a master, gradient and moments laid out differently)."""
+    resident, offloaded = (_transposed(n) if transposed else n for n in (_net(device="cuda"), _net(device="cuda")))
     a = MasterAdamW(resident.parameters(), policy=MIXED, **HPARAMS)
     b = MasterAdamW(offloaded.parameters(), policy=MIXED, offload_params=offload_params, offload_state=offload_state,
                     chunk_numel=700, **HPARAMS)

@@ -132,6 +132,7 @@ def test_host_memory_is_taken_in_power_of_two_buffers(monkeypatch):
     """torch's caching host allocator rounds every pinned allocation up to a power of two: one buffer of all the
     moments (2^21 + 1072 elements here) would take twice their size (2^22). The buffers are powers of two, except a
     last one under `MIN_BUFFER_BYTES`, and hold the moments, each whole, none overlapping, with little to spare."""
+    import lathe.train.master as master
     import lathe.train.offloaded_adamw as mod
     sizes = []
     real_empty = torch.empty
@@ -141,7 +142,7 @@ def test_host_memory_is_taken_in_power_of_two_buffers(monkeypatch):
         sizes.append(t.numel() * t.element_size())
         return t
     monkeypatch.setattr(mod.torch, "empty", empty)
-    monkeypatch.setattr(mod, "MIN_BUFFER_BYTES", 1 << 12, raising=False)
+    monkeypatch.setattr(master, "MIN_BUFFER_BYTES", 1 << 12)
     shapes = [(1 << 20,), (1 << 18, 2), (2, 1 << 18), (5, 7), (13,), (0, 4), (1 << 10,)]
     params = [nn.Parameter(real_empty(s)) for s in shapes]
     host = mod._host_moments(params)
@@ -159,8 +160,8 @@ def test_host_memory_is_taken_in_power_of_two_buffers(monkeypatch):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_step_equals_torch_adamw_with_the_moments_in_several_buffers(monkeypatch, device):
     """The moments in two host buffers (a 64-byte smallest buffer: 64 and 13 elements) update as torch's do."""
-    import lathe.train.offloaded_adamw as mod
-    monkeypatch.setattr(mod, "MIN_BUFFER_BYTES", 64)
+    import lathe.train.master as master
+    monkeypatch.setattr(master, "MIN_BUFFER_BYTES", 64)
     params, opt, ref_params, ref = _pair(4, device)
     opt.state_dict()                                # waits for the copies back to host memory
     _assert_same(opt, params, ref, ref_params)

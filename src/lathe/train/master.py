@@ -5,7 +5,8 @@ This is mixed precision as FSDP2 does it (see `lathe.train.precision`), without 
 - the module's parameters become `param_dtype` (bf16) tensors in place: forward, backward, and the rollout
   engine (which may share them) all run on those;
 - the optimizer's own parameters are the `master_dtype` (fp32) weights they were cast from — the originals,
-  not a copy — on the device, or in pinned CPU memory with `offload_params`;
+  not a copy — on the device, or in pinned CPU memory with `offload_params` (the host memory of the masters and
+  of offloaded moments taken at construction in a few power-of-two buffers, laid out like each tensor: `host_like`);
 - a post-accumulate hook on every module parameter adds each micro-batch's bf16 gradient into a
   `reduce_dtype` (fp32) buffer on the device and frees the bf16 gradient at once, so gradient accumulation
   over micro-batches happens in fp32 and bf16 gradients never exist for the whole model at the same time;
@@ -28,7 +29,8 @@ Gradient clipping goes through `clip_grad_norm_` (the gradients are not the mast
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate, chain
 
 import torch
 from torch import nn
@@ -58,8 +60,13 @@ class MasterAdamW(torch.optim.Optimizer):
             raise ValueError("MasterAdamW: offloading to CPU memory needs the parameters on a CUDA device")
         self.policy, self.offload_params, self.offload_state = policy, offload_params, offload_state
         self.chunk_numel = chunk_numel
-        masters = [self._take_master(p) for p in self.module_params]
+        pin = pin_memory_available()
+        hosts = (host_like(self.module_params, dtype=policy.master_dtype, pin=pin) if offload_params
+                 else [None] * len(self.module_params))
+        masters = [self._take_master(p, host) for p, host in zip(self.module_params, hosts)]
         super().__init__(masters, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        # the moments' host memory, taken once (`host_like`: packed buffers, laid out like each master)
+        self._host = host_moments(masters, pin=pin) if self._moments_on_host else None
         self._index = {id(m): i for i, m in enumerate(masters)}
         self.grads: list[torch.Tensor | None] = [None] * len(masters)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
@@ -67,11 +74,10 @@ class MasterAdamW(torch.optim.Optimizer):
         self.last_stream: StreamedAdam | None = None    # the last step's (`StreamedAdam.seconds`: its device time)
 
     # -- construction ---------------------------------------------------------------------------------
-    def _take_master(self, p: nn.Parameter) -> torch.Tensor:
-        """The master for `p` (its current tensor, in master dtype, where it lives); `p` becomes param_dtype."""
-        master = p.detach().to(self.policy.master_dtype)
-        if self.offload_params:
-            master = pinned_copy(master)
+    def _take_master(self, p: nn.Parameter, host: torch.Tensor | None) -> torch.Tensor:
+        """The master for `p` (its current tensor, in master dtype, where it lives; with `offload_params` copied into
+        `host`, its place in pinned host memory); `p` becomes param_dtype."""
+        master = p.detach().to(self.policy.master_dtype) if host is None else host.copy_(p.detach())
         p.data = p.data.to(self.policy.param_dtype)
         return master
 
@@ -124,11 +130,19 @@ class MasterAdamW(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
+        """torch's; with the moments in host memory they are copied straight into it (torch's would first put every
+        moment on its master's device: with `offload_state` alone, twice the fp32 model on the device at once)."""
+        self._wait_for_copies()          # the host moments' write-backs land before they are overwritten here
+        if self._host is None:
+            super().load_state_dict(state_dict)
+        else:
+            index = {id(m): i for i, m in enumerate(self._masters())}
+            load_without_moments(self, super().load_state_dict, state_dict,
+                                 lambda m, k, saved: self._host[k][index[id(m)]].copy_(saved))
         for master in self._masters():
             state = self.state.get(master)
             if state:
-                self._place_state(state)
+                state["step"] = state["step"].to(device=self.device, dtype=torch.float32)
 
     # -- master weights by name (checkpoints) ---------------------------------------------------------------
     def master_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -183,8 +197,8 @@ class MasterAdamW(torch.optim.Optimizer):
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
             for key in MOMENTS:
-                state[key] = (torch.zeros(master.shape, dtype=master.dtype, pin_memory=pin_memory_available())
-                              if self._moments_on_host else torch.zeros_like(master))
+                state[key] = (self._host[key][self._index[id(master)]].zero_() if self._host is not None
+                              else torch.zeros_like(master))
         return state
 
     @property
@@ -193,12 +207,6 @@ class MasterAdamW(torch.optim.Optimizer):
         host masters), in a fresh run and a resumed one alike. Pinned: the write-backs to pageable memory would
         each be synchronous."""
         return self.offload_state or self.offload_params
-
-    def _place_state(self, state: dict) -> None:
-        """After loading a checkpoint: step on the device, moments where this optimizer keeps them."""
-        state["step"] = state["step"].to(device=self.device, dtype=torch.float32)
-        for key in MOMENTS:
-            state[key] = pinned_copy(state[key]) if self._moments_on_host else state[key].to(self.device)
 
     def _step_chunk(self, group: dict, pieces: list[tuple[torch.Tensor, int, int]], stream: StreamedAdam) -> None:
         """AdamW over the elements `[start, stop)` of each (flattened) master of `pieces`, cast into the same
@@ -385,7 +393,7 @@ class _Slot:
             self.busy = [record_event(owner.compute)]
         views, offset = [], 0
         for t, n in zip(like, sizes):
-            views.append(self.buffer[offset:offset + n].view(t.dtype).view(t.shape))
+            views.append(laid_out(self.buffer[offset:offset + n].view(t.dtype), t))
             offset += -(-n // self.ALIGN) * self.ALIGN
         return views
 
@@ -400,8 +408,96 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
-def pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` in pinned (page-locked) CPU memory: device<->host copies from it run asynchronously."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin_memory_available())
-    out.copy_(t)
+def laid_out(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`flat` (`like.numel()` elements) as a tensor of `like`'s shape and, where `like` is dense but not contiguous
+    (a weight stored transposed), its strides: CUDA's fused AdamW requires a parameter, its gradient and its moments
+    to share their layout, and a gradient takes its parameter's."""
+    if like.is_contiguous() or not dense(like):
+        return flat.view(like.shape)
+    return flat.as_strided(like.shape, like.stride())
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill `t.numel()` consecutive places, in some order of its dimensions."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
+MIN_BUFFER_BYTES = 1 << 26    # 64 MiB: the smallest host buffer but for the last one (see `host_like`)
+
+
+def host_like(tensors: list[torch.Tensor], *, pin: bool, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Host memory for one tensor like each of `tensors` (its shape and layout: `laid_out`; in `dtype`, by default
+    its own), page-locked with `pin`: views of a few buffers per dtype, each a power of two in size (`pack`), rather
+    than a tensor each or one buffer of all: torch's caching host allocator rounds every pinned allocation up to a
+    power of two (up to twice the memory: a 7B's 2.2 GB embedding in 4 GB; a 72B model's 36.4 GB of fp32 shards a
+    rank on 8 ranks would take 68.7 GB per moment in one buffer; packed, 36.4 GB) and keeps what is freed."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(dtype or t.dtype, []).append(i)
+    for kind, members in by_dtype.items():
+        numels = [tensors[i].numel() for i in members]
+        sizes, where = pack(numels, max(1, MIN_BUFFER_BYTES // kind.itemsize))
+        buffers = [torch.empty(n, dtype=kind, pin_memory=pin) for n in sizes]
+        for i, n, (b, offset) in zip(members, numels, where):
+            out[i] = laid_out(buffers[b][offset:offset + n], tensors[i])
     return out
+
+
+def pack(numels: list[int], min_numel: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Tensors of `numels` elements packed into buffers whose sizes are powers of two: (the buffers' sizes, each
+    tensor's (buffer, offset)). Each buffer is the largest power of two not above what is left to place (or the
+    smallest one the largest tensor left fits), filled largest tensor first with every tensor that fits whole: the
+    binary digits of the total, about, their rests holding the small tensors. Once less than `min_numel` is left,
+    one last buffer holds exactly that (its rounding up loses less than `min_numel`). Where that would take more
+    memory than one buffer of the total (a few large tensors), one buffer."""
+    sizes: list[int] = []
+    where: list[tuple[int, int]] = [(0, 0)] * len(numels)
+    todo = sorted(range(len(numels)), key=lambda i: -numels[i])
+    while todo:
+        left = sum(numels[i] for i in todo)
+        if left < min_numel:
+            size = left
+        else:
+            size = max(1 << (left.bit_length() - 1), 1 << max(0, numels[todo[0]] - 1).bit_length())
+        used, rest = 0, []
+        for i in todo:
+            if used + numels[i] <= size:
+                where[i] = (len(sizes), used)
+                used += numels[i]
+            else:
+                rest.append(i)
+        sizes.append(size)
+        todo = rest
+    rounded = lambda n: 1 << max(0, n - 1).bit_length() if n else 0      # noqa: E731
+    if sum(map(rounded, sizes)) >= rounded(sum(numels)):     # (a few large tensors): one buffer takes no more
+        offsets = [0, *accumulate(numels)]
+        return [offsets[-1]], [(0, offsets[i]) for i in range(len(numels))]
+    return sizes, where
+
+
+def host_moments(masters: list[torch.Tensor], *, pin: bool) -> dict[str, list[torch.Tensor]]:
+    """`MasterAdamW`'s host memory for the moments of `masters`: {moment: one tensor like each master}."""
+    return {k: host_like(masters, pin=pin) for k in MOMENTS}
+
+
+def load_without_moments(opt: torch.optim.Optimizer, load: Callable[[dict], None], state_dict: dict,
+                         take: Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor]) -> None:
+    """`load(state_dict)` (torch's `Optimizer.load_state_dict`, which puts every state tensor on its parameter's
+    device first) with the moments left out, then each saved moment kept as `take(param, key, saved)` returns it
+    (copied into the optimizer's host memory)."""
+    saved = state_dict["state"]
+    load({**state_dict, "state": {i: {k: v for k, v in s.items() if k not in MOMENTS} for i, s in saved.items()}})
+    by_index = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+                        chain.from_iterable(g["params"] for g in opt.param_groups)))
+    for i, s in saved.items():
+        p = by_index.get(i)
+        for k in MOMENTS:
+            if p is not None and k in s:
+                opt.state[p][k] = take(p, k, s[k])

@@ -9,7 +9,7 @@ its own shards' moments, and `step()` streams them through the device in chunks 
 parameters, gradients and moments: `lathe.train.master.StreamedAdam`, the streaming `MasterAdamW` does on one
 device (the copies in and back on side streams, overlapping each other and the kernel; two chunks on the device at
 most). The host memory is taken once, at construction (a few buffers per moment, of power-of-two sizes:
-`_host_moments`), and checkpoints load into it.
+`lathe.train.master.host_like`), and checkpoints load into it.
 
 It is a `torch.optim.AdamW` (the same parameter-group defaults) whose state has the same layout: per parameter,
 `step` (a float32 CPU scalar) and `exp_avg` / `exp_avg_sq` placed like the parameter (DTensors for FSDP2 shards, their
@@ -24,13 +24,12 @@ On a CPU (the tests) the moments are ordinary host tensors, streamed all the sam
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import accumulate, chain
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from lathe.device import synchronize
-from lathe.train.master import CHUNK_NUMEL, MOMENTS, StreamedAdam, numel_chunks, piece
+from lathe.train.master import CHUNK_NUMEL, MOMENTS, StreamedAdam, host_like, load_without_moments, numel_chunks, piece
 
 
 class OffloadedAdamW(torch.optim.AdamW):
@@ -110,21 +109,11 @@ class OffloadedAdamW(torch.optim.AdamW):
         every moment on its parameter's device: the memory offload saves); `torch.distributed.checkpoint` loads into
         that memory itself, which is then kept as it is."""
         self._wait_for_copies()
-        saved = state_dict["state"]
-        super().load_state_dict({**state_dict, "state": {i: {k: v for k, v in s.items() if k not in MOMENTS}
-                                                         for i, s in saved.items()}})
-        by_index = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
-                            chain.from_iterable(g["params"] for g in self.param_groups)))
-        for i, s in saved.items():
-            p = by_index.get(i)
-            if p is None:
-                continue
-            state = self.state[p]
+        load_without_moments(self, super().load_state_dict, state_dict,
+                             lambda p, k, saved: _wrap(p, self._load_moment(p, k, saved)))
+        for state in self.state.values():
             if "step" in state:
                 state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device="cpu")
-            for k in MOMENTS:
-                if k in s:
-                    state[k] = _wrap(p, self._load_moment(p, k, s[k]))
 
     def _load_moment(self, p: torch.Tensor, k: str, value: torch.Tensor) -> torch.Tensor:
         host, src = self._host[p][k], _local(value)
@@ -147,60 +136,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-MIN_BUFFER_BYTES = 1 << 26    # 64 MiB: the smallest host buffer but for the last one (see `_host_moments`)
-
-
 def _host_moments(params: list[torch.Tensor]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-    """Host memory for each parameter's moments, shaped like its local tensor, page-locked when the parameters are on
-    CUDA: views of a few buffers per moment and dtype, each a power of two in size (`_pack`), rather than a tensor
-    each or one buffer of all: torch's caching host allocator rounds every pinned allocation up to a power of two
-    (up to twice the memory: a 72B model's 36.4 GB of fp32 shards a rank on 8 ranks would take 68.7 GB per moment in
-    one buffer; packed, 36.4 GB) and keeps what is freed."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(_local(p).dtype, []).append(p)
-    out: dict = {p: {} for p in params}
-    for dtype, group in by_dtype.items():
-        local = [_local(p) for p in group]
-        pin = any(t.device.type == "cuda" for t in local)
-        sizes, where = _pack([t.numel() for t in local], max(1, MIN_BUFFER_BYTES // local[0].element_size()))
-        for k in MOMENTS:
-            buffers = [torch.empty(n, dtype=dtype, pin_memory=pin) for n in sizes]
-            for p, t, (b, offset) in zip(group, local, where):
-                out[p][k] = buffers[b][offset:offset + t.numel()].view(t.shape)
-    return out
-
-
-def _pack(numels: list[int], min_numel: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """Tensors of `numels` elements packed into buffers whose sizes are powers of two: (the buffers' sizes, each
-    tensor's (buffer, offset)). Each buffer is the largest power of two not above what is left to place (or the
-    smallest one the largest tensor left fits), filled largest tensor first with every tensor that fits whole: the
-    binary digits of the total, about, their rests holding the small tensors. Once less than `min_numel` is left,
-    one last buffer holds exactly that (its rounding up loses less than `min_numel`). Where that would take more
-    memory than one buffer of the total (a few large tensors), one buffer."""
-    sizes: list[int] = []
-    where: list[tuple[int, int]] = [(0, 0)] * len(numels)
-    todo = sorted(range(len(numels)), key=lambda i: -numels[i])
-    while todo:
-        left = sum(numels[i] for i in todo)
-        if left < min_numel:
-            size = left
-        else:
-            size = max(1 << (left.bit_length() - 1), 1 << max(0, numels[todo[0]] - 1).bit_length())
-        used, rest = 0, []
-        for i in todo:
-            if used + numels[i] <= size:
-                where[i] = (len(sizes), used)
-                used += numels[i]
-            else:
-                rest.append(i)
-        sizes.append(size)
-        todo = rest
-    rounded = lambda n: 1 << max(0, n - 1).bit_length() if n else 0      # noqa: E731
-    if sum(map(rounded, sizes)) >= rounded(sum(numels)):     # (a few large tensors): one buffer takes no more
-        offsets = [0, *accumulate(numels)]
-        return [offsets[-1]], [(0, offsets[i]) for i in range(len(numels))]
-    return sizes, where
+    """Host memory for each parameter's moments, laid out like its local tensor, page-locked when the parameters are
+    on CUDA: `lathe.train.master.host_like`'s packed buffers (torch's caching host allocator rounds every pinned
+    allocation up to a power of two)."""
+    local = [_local(p) for p in params]
+    pin = any(t.device.type == "cuda" for t in local)
+    hosts = {k: host_like(local, pin=pin) for k in MOMENTS}
+    return {p: {k: hosts[k][i] for k in MOMENTS} for i, p in enumerate(params)}
 
 
 def _wrap(p: torch.Tensor, host: torch.Tensor) -> torch.Tensor:

@@ -99,15 +99,16 @@ def run_processes(procs: list, queue, timeout_s: float) -> dict:
     process still alive at the end is killed, so a broken collective never hangs the suite."""
     for p in procs:
         p.start()
-    results = {}
+    results, failed = {}, True
     try:
         for _ in procs:
             rank, result = queue.get(timeout=timeout_s)
             assert not isinstance(result, str), f"rank {rank} failed:\n{result}"
             results[rank] = result
+        failed = False
     finally:
-        for p in procs:
-            p.join(timeout=timeout_s)
+        for p in procs:        # (after a failure the others may wait on the failed rank: killed after a moment)
+            p.join(timeout=5 if failed else timeout_s)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)

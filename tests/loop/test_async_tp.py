@@ -85,8 +85,16 @@ def run_ranks(body, path: str, sender=None):
 
 
 def rank_main(body, sender, rank: int, port: int, sync_ports, path: str, queue) -> None:
+    def send():
+        try:
+            sender(sync_ports, path)
+        except BaseException:          # the test fails at once, with the sender's traceback, not at the ranks' timeout
+            import traceback
+            queue.put((0, f"the sender (a thread of rank 0) failed:\n{traceback.format_exc()}"))
+            raise
+
     def work():
-        thread = threading.Thread(target=sender, args=(sync_ports, path)) if rank == 0 else None
+        thread = threading.Thread(target=send) if rank == 0 else None
         if thread is not None:
             thread.start()                               # the trainer's rank 0, sending over the SyncGroup(s)
         result = body(rank, sync_ports, path)

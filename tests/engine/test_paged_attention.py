@@ -84,3 +84,49 @@ def test_when_no_candidate_runs_the_error_lists_each_with_its_error(monkeypatch)
     message = str(info.value)
     assert "decode attention on cuda:0" in message and "no candidate ran" in message
     assert "triton: RuntimeError: PTX too new" in message and "torch: ValueError: bad shape" in message
+
+
+def test_a_measured_choice_is_remembered_on_the_machine_and_checked_before_it_is_taken(tmp_path, monkeypatch, caplog):
+    """`pick_fastest(remember=)`: the first measurement's choice is kept in the cache directory, and a later process
+    (another rank, a resumed run) takes it, even where its own timing would have chosen the other, once it has checked
+    that the remembered candidate still runs; when it fails now, all are measured again and the new choice kept. A
+    choice is remembered per probe: another key measures for itself."""
+    from lathe.engine import choices
+    monkeypatch.setenv("LATHE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(paged_attention, "_logged_failures", set())
+    key = "decode attention (test probe) | a GPU"
+    timed = []
+
+    def timing(times, failing=()):
+        def time_one(name):
+            timed.append(name)
+            if name in failing:
+                raise RuntimeError("no kernel image for this device")
+            return times[name]
+        return time_one
+    pick = paged_attention.pick_fastest
+    assert pick(("triton", "torch"), timing({"triton": 1.0, "torch": 1.1}), "attn", remember=key)[0] == "triton"
+    assert choices.recall(key) == "triton" and timed == ["triton", "torch"]
+    timed.clear()
+    with caplog.at_level(logging.INFO, logger="lathe.engine.paged_attention"):
+        assert pick(("triton", "torch"), timing({"triton": 1.2, "torch": 1.1}), "attn", remember=key) == \
+            ("triton", {"triton": 1.2})                      # remembered: only it is run, to check it runs
+    assert timed == ["triton"] and any("as measured before" in r.getMessage() for r in caplog.records)
+    timed.clear()
+    assert pick(("triton", "torch"), timing({"triton": 1.0, "torch": 1.1}, ["triton"]), "attn", remember=key)[0] == \
+        "torch"
+    assert choices.recall(key) == "torch" and timed == ["triton", "triton", "torch"]
+    other = "decode attention (another probe) | a GPU"
+    assert pick(("triton", "torch"), timing({"triton": 1.0, "torch": 1.1}), "attn", remember=other)[0] == "triton"
+    assert (choices.recall(key), choices.recall(other)) == ("torch", "triton")
+
+
+def test_an_unwritable_cache_measures_in_each_process(tmp_path, monkeypatch):
+    from lathe.engine import choices
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LATHE_CACHE_DIR", str(blocker / "cache"))         # below a file: cannot be created
+    key = "decode attention (test probe) | a GPU"
+    assert choices.key("decode attention", "cpu") is None                # (off an accelerator: nothing to keep)
+    for times, want in (({"triton": 1.0, "torch": 1.1}, "triton"), ({"triton": 1.2, "torch": 1.1}, "torch")):
+        assert paged_attention.pick_fastest(("triton", "torch"), times.get, "attn", remember=key)[0] == want

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe import device as accel
+from lathe.engine import choices
 from lathe.engine.kv_cache import as_bytes, dequantize, quantize
 from lathe.models.attention import sink_attention
 
@@ -220,14 +221,42 @@ def choose_decode_backend(requested: str, device: torch.device, dtype: torch.dty
     tables = torch.arange(blocks, device=device, dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
     q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype, generator=g)
+    probe = (f"decode attention ({dtype}, {num_heads}/{num_kv_heads} heads of {head_dim}, blocks of {block_size}, "
+             f"cache {kv_dtype or dtype})")
     return pick_fastest(DECODE_CANDIDATES, lambda name: _time_backend(name, (q, kc, vc, tables, lens), scales),
-                        f"decode attention on {device} ({dtype}, {num_heads}/{num_kv_heads} heads of {head_dim})")
+                        f"decode attention on {device} ({dtype}, {num_heads}/{num_kv_heads} heads of {head_dim})",
+                        remember=choices.key(probe, device))
 
 
-def pick_fastest(candidates, time_one, what: str) -> tuple[str, dict[str, float]]:
+def pick_fastest(candidates, time_one, what: str, *, remember: str | None = None) -> tuple[str, dict[str, float]]:
     """(the candidate with the least `time_one(name)`, {name: time} of those that ran). A candidate that raises is
     skipped and its error logged (once per process for the same candidate and error); the choice is logged with
-    what each candidate gave; when none runs, a RuntimeError names `what` and lists each candidate's error."""
+    what each candidate gave; when none runs, a RuntimeError names `what` and lists each candidate's error.
+
+    With `remember` (a `choices.key`), the choice is the one remembered under it on this machine when that candidate
+    still runs (`time_one` of it alone), else it is measured and remembered (`lathe.engine.choices`: processes that
+    chose apart would sample apart)."""
+    if remember is None:
+        return _measure(candidates, time_one, what)
+    with choices.held() as writable:
+        known = choices.recall(remember) if writable else None
+        if known in candidates:
+            try:
+                ms = time_one(known)
+            except Exception as e:      # (it ran when it was chosen: a changed machine; measure again)
+                log.warning("%s: the remembered choice %r fails here now (%s: %s); measuring again", what, known,
+                            type(e).__name__, e)
+            else:
+                log.info("%s: chose %r, as measured before on this machine (%s; delete it to measure again)", what,
+                         known, choices.path())
+                return known, {known: ms}
+        best, times = _measure(candidates, time_one, what)
+        if writable:
+            choices.keep(remember, best)
+        return best, times
+
+
+def _measure(candidates, time_one, what: str) -> tuple[str, dict[str, float]]:
     times, errors = {}, {}
     for name in candidates:
         try:

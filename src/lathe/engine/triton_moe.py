@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from lathe import device as accel
-from lathe.engine import triton_decode
+from lathe.engine import choices, triton_decode
 from lathe.engine.paged_attention import pick_fastest
 from lathe.models.gpt_oss import GptOssExperts
 from lathe.models.moe import Experts, SparseMoeBlock, experts_forward, sparse_blocks
@@ -369,6 +369,8 @@ def choose_moe_backend(model: nn.Module, max_rows: int) -> tuple[str | None, dic
         if not err <= PROBE_AGREEMENT:
             raise RuntimeError(f"its outputs differ from experts_forward's by {err:.3g} (norm-relative, more than "
                                f"{PROBE_AGREEMENT})")
+    shape = f"{gate_up.dtype}, {e} experts of {h}x{down.shape[2]}, top-{k}"
+    measured = f"MoE experts at decode ({shape}, {min(PROBE_ROWS, max_rows)} rows, tuned to {max_rows})"
     with torch.inference_mode():
-        return pick_fastest(MOE_CANDIDATES, time_one, f"MoE experts at decode on {gate_up.device} ({gate_up.dtype}, "
-                                                      f"{e} experts of {h}x{down.shape[2]}, top-{k})")
+        return pick_fastest(MOE_CANDIDATES, time_one, f"MoE experts at decode on {gate_up.device} ({shape})",
+                            remember=choices.key(measured, gate_up.device))

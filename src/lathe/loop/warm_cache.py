@@ -24,16 +24,10 @@ from pathlib import Path
 import torch
 
 from lathe.ckpt.manifest import CheckpointDamaged, verify, write_manifest
+from lathe.models.paths import cache_root
 
 log = logging.getLogger("lathe")
 INPUTS = "inputs.json"      # what the key was computed from, for a person reading the cache
-
-
-def cache_root() -> Path:
-    """Where lathe keeps caches: $LATHE_CACHE_DIR, else $XDG_CACHE_HOME/lathe, else ~/.cache/lathe."""
-    if os.environ.get("LATHE_CACHE_DIR"):
-        return Path(os.environ["LATHE_CACHE_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lathe"
 
 
 def _code_digest() -> str:

@@ -24,6 +24,14 @@ _GIVE = "give a local Hugging Face checkpoint directory, a hub id such as Qwen/Q
 _CHECKPOINT_SUBDIRS = ("actor/huggingface", "huggingface")
 
 
+def cache_root() -> Path:
+    """Where lathe keeps caches (warm-started models, the engine's measured choices): $LATHE_CACHE_DIR, else
+    $XDG_CACHE_HOME/lathe, else ~/.cache/lathe."""
+    if os.environ.get("LATHE_CACHE_DIR"):
+        return Path(os.environ["LATHE_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lathe"
+
+
 class ModelLoadError(ValueError):
     """A model or tokenizer could not be loaded; the message says why and what to do."""
 

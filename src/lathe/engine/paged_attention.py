@@ -238,22 +238,27 @@ def pick_fastest(candidates, time_one, what: str, *, remember: str | None = None
     chose apart would sample apart)."""
     if remember is None:
         return _measure(candidates, time_one, what)
-    with choices.held() as writable:
+    with choices.held() as writable:            # (the first to measure holds the others until it has chosen)
         known = choices.recall(remember) if writable else None
-        if known in candidates:
-            try:
-                ms = time_one(known)
-            except Exception as e:      # (it ran when it was chosen: a changed machine; measure again)
-                log.warning("%s: the remembered choice %r fails here now (%s: %s); measuring again", what, known,
-                            type(e).__name__, e)
-            else:
-                log.info("%s: chose %r, as measured before on this machine (%s; delete it to measure again)", what,
-                         known, choices.path())
-                return known, {known: ms}
-        best, times = _measure(candidates, time_one, what)
-        if writable:
-            choices.keep(remember, best)
-        return best, times
+        if known not in candidates:
+            return _measure_and_keep(candidates, time_one, what, remember if writable else None)
+    try:                                        # (the check outside the lock: the ranks of a node at once)
+        ms = time_one(known)
+    except Exception as e:                      # (it ran when it was chosen: a changed machine; measure again)
+        log.warning("%s: the remembered choice %r fails here now (%s: %s); measuring again", what, known,
+                    type(e).__name__, e)
+        with choices.held():
+            return _measure_and_keep(candidates, time_one, what, remember)
+    log.info("%s: chose %r, as measured before on this machine (%s; delete it to measure again)", what, known,
+             choices.path())
+    return known, {known: ms}
+
+
+def _measure_and_keep(candidates, time_one, what: str, remember: str | None) -> tuple[str, dict[str, float]]:
+    best, times = _measure(candidates, time_one, what)
+    if remember is not None:
+        choices.keep(remember, best)
+    return best, times
 
 
 def _measure(candidates, time_one, what: str) -> tuple[str, dict[str, float]]:

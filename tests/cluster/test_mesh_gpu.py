@@ -128,8 +128,8 @@ def expert_parallel(root, device: str) -> None:
 def moe_plain_fsdp(root, device: str) -> None:
     """`expert_parallel`'s control: the same MoE model on 2 devices with plain FSDP2 (no expert parallelism), two
     engines of half the prompts each. Where this fails as `expert_parallel` does, the cause is on the engines' side
-    (bf16 router ties, the decode experts' path each engine picks by timing: its log says which), not the
-    all-to-all dispatch."""
+    (bf16 router ties between batches of other sizes), not the all-to-all dispatch. (The decode experts' path, chosen
+    by timing, is one per machine since `lathe.engine.choices`: every engine of both runs takes the first one's.)"""
     trainer_layout(root, device, (), moe_model(root), exact_samples=device == "cpu")
 
 

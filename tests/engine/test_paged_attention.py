@@ -130,3 +130,34 @@ def test_an_unwritable_cache_measures_in_each_process(tmp_path, monkeypatch):
     assert choices.key("decode attention", "cpu") is None                # (off an accelerator: nothing to keep)
     for times, want in (({"triton": 1.0, "torch": 1.1}, "triton"), ({"triton": 1.2, "torch": 1.1}, "torch")):
         assert paged_attention.pick_fastest(("triton", "torch"), times.get, "attn", remember=key)[0] == want
+
+
+@pytest.mark.parametrize("why", ["no locks here", "held elsewhere"])
+def test_a_lock_that_cannot_be_taken_measures_without_remembering(tmp_path, monkeypatch, caplog, why):
+    """A file system without locks (some NFS, Lustre), or a lock another process holds past the timeout: this
+    process measures its own choice and says why, once; the engine starts all the same."""
+    import errno
+    import fcntl
+
+    from lathe.engine import choices
+    monkeypatch.setenv("LATHE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choices, "_warned", set())
+    holder = None
+    if why == "no locks here":
+        def flock(fd, op):
+            raise OSError(errno.ENOLCK, "No locks available")
+        monkeypatch.setattr(fcntl, "flock", flock)
+    else:
+        tmp_path.mkdir(exist_ok=True)
+        holder = open(choices.path().with_suffix(".lock"), "a")
+        fcntl.flock(holder, fcntl.LOCK_EX)                    # (another open file: a lock of its own)
+        monkeypatch.setattr(choices, "LOCK_TIMEOUT_S", 0.2)
+    with caplog.at_level(logging.WARNING, logger="lathe.engine.choices"):
+        for _ in range(2):
+            assert paged_attention.pick_fastest(("triton", "torch"), {"triton": 1.0, "torch": 1.1}.get, "attn",
+                                                remember="decode attention (test probe) | a GPU")[0] == "triton"
+    if holder is not None:
+        holder.close()
+    assert not choices.path().exists()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "not remembered" in said[0] and ("No locks" in said[0] or "held" in said[0]), said

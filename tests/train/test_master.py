@@ -300,6 +300,10 @@ def test_a_loaded_state_goes_straight_into_the_host_memory_the_moments_live_in()
         _loss(net, batches[2]).backward()
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(*(o._masters() for o in opts)))
+    wrong = copy.deepcopy(opts[0].state_dict())
+    wrong["state"][0]["exp_avg"] = wrong["state"][0]["exp_avg"][:1]          # would broadcast into its place
+    with pytest.raises(ValueError, match="exp_avg has shape"):
+        opts[1].load_state_dict(wrong)
 
 
 @pytest.mark.gpu

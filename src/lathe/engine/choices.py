@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from lathe.models.paths import cache_root
 
 log = logging.getLogger(__name__)
 FILE = "engine_choices.json"
+LOCK_TIMEOUT_S = 300.0
 _warned: set[str] = set()
 
 
@@ -62,23 +64,44 @@ def _engine_digest() -> str:
 
 
 @contextlib.contextmanager
-def held() -> Iterator[bool]:
-    """The file's lock, held for a measurement and its record (True), or nothing when the cache directory cannot be
-    written (False: measure without remembering)."""
+def held(timeout_s: float | None = None) -> Iterator[bool]:
+    """The file's lock, held for a measurement and its record (True), or nothing (False: measure without
+    remembering) where the cache directory cannot be written, its file system takes no locks, or another process
+    has held the lock for `timeout_s` (`LOCK_TIMEOUT_S`; a measurement takes seconds)."""
+    lock = _locked(LOCK_TIMEOUT_S if timeout_s is None else timeout_s)
+    if lock is None:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.close()                                    # (closing the file releases its lock)
+
+
+def _locked(timeout_s: float):
+    """The lock file, opened and locked, or None (a warning, once, says why)."""
     try:
         import fcntl
         path().parent.mkdir(parents=True, exist_ok=True)
         lock = open(path().with_suffix(".lock"), "a")
     except (ImportError, OSError) as e:
         _warn_once(f"the engine's measured choices are not remembered ({e}): each process measures its own")
-        yield False
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        return None
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
-            yield True
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock
+        except BlockingIOError:
+            if time.monotonic() <= deadline:
+                time.sleep(0.05)
+                continue
+            reason = f"another process has held {lock.name} for over {timeout_s:g} s"
+        except OSError as e:                            # (a file system without locks: some NFS, Lustre, FUSE)
+            reason = f"{lock.name} cannot be locked here: {e}"
+        lock.close()
+        _warn_once(f"the engine's measured choices are not remembered ({reason}): this process measures its own")
+        return None
 
 
 def recall(name: str) -> str | None:
@@ -99,9 +122,14 @@ def keep(name: str, choice: str) -> None:
             known = {}
         known[name] = choice
         fd, tmp = tempfile.mkstemp(dir=path().parent, prefix=".engine_choices.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(known, f, indent=1, sort_keys=True)
-        os.replace(tmp, path())
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(known, f, indent=1, sort_keys=True)
+            os.chmod(tmp, 0o644)                        # (mkstemp's 0600 would hide it from others sharing the cache)
+            os.replace(tmp, path())
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     except OSError as e:
         _warn_once(f"the engine's measured choice could not be remembered in {path()} ({e})")
 

@@ -247,8 +247,14 @@ def pick_fastest(candidates, time_one, what: str, *, remember: str | None = None
     except Exception as e:                      # (it ran when it was chosen: a changed machine; measure again)
         log.warning("%s: the remembered choice %r fails here now (%s: %s); measuring again", what, known,
                     type(e).__name__, e)
-        with choices.held():
-            return _measure_and_keep(candidates, time_one, what, remember)
+        with choices.held() as writable:        # (another rank may have measured again meanwhile: take its choice)
+            again = choices.recall(remember) if writable else None
+            if again in candidates and again != known:
+                try:
+                    return again, {again: time_one(again)}
+                except Exception:
+                    pass
+            return _measure_and_keep(candidates, time_one, what, remember if writable else None)
     log.info("%s: chose %r, as measured before on this machine (%s; delete it to measure again)", what, known,
              choices.path())
     return known, {known: ms}

@@ -5,8 +5,8 @@ This is mixed precision as FSDP2 does it (see `lathe.train.precision`), without 
 - the module's parameters become `param_dtype` (bf16) tensors in place: forward, backward, and the rollout
   engine (which may share them) all run on those;
 - the optimizer's own parameters are the `master_dtype` (fp32) weights they were cast from — the originals,
-  not a copy — on the device, or in pinned CPU memory with `offload_params` (the host memory of the masters and
-  of offloaded moments taken at construction in a few power-of-two buffers, laid out like each tensor: `host_like`);
+  not a copy — on the device, or in pinned CPU memory with `offload_params` (laid out like each weight; the
+  offloaded moments' host memory taken at construction in a few power-of-two buffers: `host_like`);
 - a post-accumulate hook on every module parameter adds each micro-batch's bf16 gradient into a
   `reduce_dtype` (fp32) buffer on the device and frees the bf16 gradient at once, so gradient accumulation
   over micro-batches happens in fp32 and bf16 gradients never exist for the whole model at the same time;
@@ -61,8 +61,10 @@ class MasterAdamW(torch.optim.Optimizer):
         self.policy, self.offload_params, self.offload_state = policy, offload_params, offload_state
         self.chunk_numel = chunk_numel
         pin = pin_memory_available()
-        hosts = (host_like(self.module_params, dtype=policy.master_dtype, pin=pin) if offload_params
-                 else [None] * len(self.module_params))
+        # host masters one storage each (not packed as the moments are: a checkpoint's save_pretrained would clone
+        # every tensor that shares a storage, a transient second fp32 model in host memory)
+        hosts = ([host_like([p], dtype=policy.master_dtype, pin=pin)[0] for p in self.module_params]
+                 if offload_params else [None] * len(self.module_params))
         masters = [self._take_master(p, host) for p, host in zip(self.module_params, hosts)]
         super().__init__(masters, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         # the moments' host memory, taken once (`host_like`: packed buffers, laid out like each master)
@@ -136,20 +138,26 @@ class MasterAdamW(torch.optim.Optimizer):
         if self._host is None:
             super().load_state_dict(state_dict)
         else:
-            index = {id(m): i for i, m in enumerate(self._masters())}
-            load_without_moments(self, super().load_state_dict, state_dict,
-                                 lambda m, k, saved: self._host[k][index[id(m)]].copy_(saved))
+            load_without_moments(self, super().load_state_dict, state_dict, self._load_moment)
         for master in self._masters():
             state = self.state.get(master)
             if state:
                 state["step"] = state["step"].to(device=self.device, dtype=torch.float32)
 
+    def _load_moment(self, master: torch.Tensor, key: str, saved: torch.Tensor) -> torch.Tensor:
+        host = self._host[key][self._index[id(master)]]
+        if saved.shape != host.shape:
+            raise ValueError(f"MasterAdamW.load_state_dict: {key} has shape {tuple(saved.shape)} where its master has "
+                             f"{tuple(host.shape)} (a state dict of another model or parameter order)")
+        return host.copy_(saved)
+
     # -- master weights by name (checkpoints) ---------------------------------------------------------------
     def master_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """`module.state_dict()` with every trained parameter replaced by its master (fp32) weight."""
         self._wait_for_copies()
-        by_id = {id(p): self._masters()[i] for i, p in enumerate(self.module_params)}
-        return {name: by_id.get(id(t), t).detach() for name, t in module.state_dict(keep_vars=True).items()}
+        by_id = {id(p): self._masters()[i] for i, p in enumerate(self.module_params)}   # (a master stored transposed,
+        return {name: by_id.get(id(t), t).detach().contiguous()                         # as its weight: a copy)
+                for name, t in module.state_dict(keep_vars=True).items()}
 
     @torch.no_grad()
     def load_master_state_dict(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -64,7 +64,7 @@ from common import (SHAPES, batched_tokens, build_hf, datasheet_peak, device_nam
                     slug, sync, weight_bytes)
 from roofline import decode_weight_bytes, layer_matmul_params  # noqa: E402
 
-from lathe.engine import scheduler  # noqa: E402
+from lathe.engine import choices, scheduler  # noqa: E402
 from lathe.engine.llm_engine import LatheEngine  # noqa: E402
 from lathe.generation import SamplingParams  # noqa: E402
 from lathe.models.hf import lathe_from_transformers  # noqa: E402
@@ -276,6 +276,8 @@ def bench_model(name: str, device, args) -> dict:
                         "decode_backend_probe_ms": engine.runner.backend_times,
                         "moe_backend": engine.runner.moe_backend,
                         "moe_backend_probe_ms": engine.runner.moe_times,
+                        # (one entry per probe when the choice was remembered: `lathe.engine.choices`)
+                        "choices_remembered_in": str(choices.path()) if choices.path().exists() else None,
                         "cuda_graphs": engine.runner.graphs is not None}
     for load in args.loads:
         prompts, params, forced = loads[load]

@@ -357,3 +357,52 @@ def test_a_vision_language_teacher_counts_its_vision_tower(tmp_path, monkeypatch
     (teacher,) = _other(["distillation.enabled=true",
                          f"distillation.teacher_models.teacher_model.model_path={tmp_path}"], monkeypatch)
     assert teacher.nbytes == 2 * want and "not known" not in teacher.what
+
+
+def test_pinned_parts_beyond_the_hosts_memory_are_refused_with_the_keys_that_put_them_there(monkeypatch):
+    """Pinned host memory cannot be swapped: offloaded parts of the node's ranks beyond 90% of the host's memory are
+    refused up front (the kernel would kill the run mid-way), naming the keys; beyond what is available now, said."""
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=2",
+                               "actor_rollout_ref.actor.fsdp_config.param_offload=true"])
+    parts = memory.plan(cfg, 10 * N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=2)
+    pinned = sum(p.nbytes for p in parts if not p.on_gpu)                      # a rank's: ~56 GiB at 10B over 2
+    gib = 2**30
+    text, fits = memory.format_plan(parts, CUDA, 0.5, host_ranks=2, host_memory=(1000 * gib, 900 * gib))
+    assert fits and "DOES NOT FIT" not in text and "short" not in text and f"{2 * pinned / gib:.2f} GiB for the 2" in text
+    text, fits = memory.format_plan(parts, CUDA, 0.5, host_ranks=2, host_memory=(1000 * gib, int(1.5 * pinned)))
+    assert fits and "host memory is short" in text
+    text, fits = memory.format_plan(parts, CUDA, 0.5, host_ranks=2, host_memory=(int(2 * pinned / 0.95), None))
+    assert not fits and "DOES NOT FIT in host memory" in text
+    assert "actor_rollout_ref.actor.fsdp_config.param_offload=true" in text.split("DOES NOT FIT in host memory")[1]
+    assert memory.format_plan(parts, CUDA, 0.5, host_ranks=1, host_memory=(int(2 * pinned / 0.95), None))[1]
+    assert memory.format_plan(parts, CUDA, 0.5, host_ranks=2)[1]                 # (unknown: not checked)
+
+
+def test_pinned_rounding_counts_each_tensors_block_up_to_a_power_of_two():
+    assert memory.pinned_rounding([1 << 20, 3, 0, 5 << 20], 4) == 0 + (16 - 12) + 0 + ((32 << 20) - (20 << 20))
+    total, available = memory.host_memory()
+    assert total > 0 and (available is None or 0 < available <= total)
+
+
+def test_the_start_up_plan_counts_the_host_masters_rounding_and_refuses_what_the_host_cannot_pin(make_lathe,
+                                                                                                monkeypatch):
+    """`lathe train`'s plan on one GPU with param_offload: MasterAdamW's host masters are pinned a block each, which
+    torch rounds up to a power of two (counted), and a host too small for what is pinned is refused before anything
+    reaches the GPU."""
+    from lathe.config import run_plan
+    from lathe.loop.setup import log_memory_plan
+    model = make_lathe()
+    cfg = load_config("base", ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                               "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32"])
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    params = [p.numel() for p in model.parameters()]
+    rounding = memory.pinned_rounding(params, 4)
+    pinned = 3 * 4 * sum(params) + rounding                    # masters, two moments (fp32), the masters' rounding
+    assert rounding > 0
+    monkeypatch.setattr(memory, "host_memory", lambda: (int(pinned / 0.95), None))
+    with pytest.raises(ValueError, match="DOES NOT FIT in host memory") as info:
+        log_memory_plan(cfg, run_plan(cfg), model, CUDA)
+    assert "pinned rounding" in str(info.value) and "param_offload=true" in str(info.value)
+    monkeypatch.setattr(memory, "host_memory", lambda: (int(pinned / 0.85), None))
+    log_memory_plan(cfg, run_plan(cfg), model, CUDA)

@@ -373,7 +373,7 @@ def _async_steps(cfg, loader_batches: int, total_steps: int) -> int:
 def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device) -> None:
     """Print what will live where (GiB); refuse a run whose update cannot fit even before activations."""
     from lathe.models.config import SUPPORTED_ARCHITECTURES
-    from lathe.train.memory import count_params, format_plan, mesh_fixes, plan
+    from lathe.train.memory import Part, count_params, format_plan, host_memory, mesh_fixes, pinned_rounding, plan
     from lathe.train.memory_models import other_model_parts
     arr = cfg.actor_rollout_ref
     n = count_params(model)
@@ -417,13 +417,23 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
     parts = plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
                  world=run.world, colocated=not run.is_async, lora=lora, shards=shards)
     parts += other_model_parts(cfg, device, world=run.world, shards=shards)    # reward model/judge, teachers
+    masters = next((p for p in parts if p.what.startswith("actor master weights") and not p.on_gpu), None)
+    if masters is not None and run.world == 1 and lora is None:   # MasterAdamW's host masters: a pinned block each
+        size = masters.nbytes // max(1, n)
+        parts.append(Part("actor master weights: pinned rounding (each tensor's block a power of two)",
+                          pinned_rounding([p.numel() for p in model.parameters() if p.requires_grad], size), False,
+                          why=masters.why))
     keys = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic": "critic.model.fsdp_config.fsdp_size",
             "ref": "actor_rollout_ref.ref.fsdp_config.fsdp_size"}
     used = {"actor": True, "ref": run.needs_ref, "critic": run.critic is not None}
     fixes = mesh_fixes(parts, rollout_tp=tp, world=run.world, per_node=cfg.trainer.n_gpus_per_node,
                        fsdp_sizes={keys[r]: shards[r] for r in shards if used[r]})
+    # the host's memory is checked where this process's node is the ranks' (one node; a Ray cluster's other nodes
+    # are not seen from here)
+    one_node = cfg.trainer.nnodes == 1 and (not run.is_async or cfg.rollout.nnodes <= 1)
     text, fits = format_plan(parts, device, arr.rollout.gpu_memory_utilization, kv_seq_bytes=kv_seq, seqs=seqs,
-                             mesh_fixes=fixes)
+                             mesh_fixes=fixes, host_ranks=run.world if one_node else cfg.trainer.n_gpus_per_node,
+                             host_memory=host_memory() if one_node else None)
     log.info("%s", text)
     if not fits:
         raise ValueError(text)

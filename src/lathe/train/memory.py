@@ -8,6 +8,7 @@ out-of-memory error. Activations and the allocator's slack are not modelled: the
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -161,14 +162,17 @@ def _shard(parts: list[Part], ranks: int) -> list[Part]:
 
 
 def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization: float, *,
-                kv_seq_bytes: int = 0, seqs: int = 0, mesh_fixes: list[str] = ()) -> tuple[str, bool]:
-    """(the plan as log lines, whether the run fits in the device's memory).
+                kv_seq_bytes: int = 0, seqs: int = 0, mesh_fixes: list[str] = (), host_ranks: int = 1,
+                host_memory: tuple[int, int | None] | None = None) -> tuple[str, bool]:
+    """(the plan as log lines, whether the run fits in the device's memory, and in the host's).
 
     `kv_seq_bytes`: the KV cache of one sequence of the longest length (lathe's engine; 0 = not checked), and
     `seqs` the sequences one device generates per step. Room for none of them is refused: the engine could not
     start its second step, once the optimizer's state exists (its cache is sized again at each wake-up).
     `mesh_fixes`: other layouts of the same devices that would take less memory per device (`mesh_fixes`), named
-    beside the offload keys when the run does not fit."""
+    beside the offload keys when the run does not fit. `host_memory`: (total, available) bytes of the host that
+    `host_ranks` ranks share (None: not checked): pinned memory cannot be swapped, so offloaded parts beyond the
+    host's memory would have the kernel kill the run mid-way; beyond what is available now, it is said."""
     total = total_memory(device)
     if not total:
         return _host_plan(parts, device), True
@@ -184,7 +188,9 @@ def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization:
                  f"(rollout.gpu_memory_utilization={gpu_memory_utilization})")
     lines.append(f"  GPU during the update: {update / GIB:.2f} GiB + activations")
     if host:
-        lines.append(f"  CPU (pinned): {host / GIB:.2f} GiB")
+        lines.append(f"  CPU (pinned): {host / GIB:.2f} GiB" + (f" a rank, {host * host_ranks / GIB:.2f} GiB for the "
+                                                                 f"{host_ranks} ranks of a node" if host_ranks > 1
+                                                                 else ""))
     offload = lambda during: "; ".join([*(  # noqa: E731
         f"{p.offload_key}=true saves {p.nbytes / GIB:.1f} GiB ({p.what})"
         for p in parts if p.on_gpu and p.offload_key and (during == "update" or not p.update_only)), *mesh_fixes])
@@ -192,6 +198,8 @@ def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization:
     if not fits:
         lines.append(f"  DOES NOT FIT: the update needs {update / GIB:.1f} GiB of {total / GIB:.1f} GiB before "
                      f"activations. Fix: {offload('update')}; or use a smaller model.")
+    if host and host_memory is not None:
+        fits = _host_fits(lines, parts, host * host_ranks, host_ranks, *host_memory) and fits
     if kv_seq_bytes and seqs:
         batch = kv_seq_bytes * seqs
         enough = min(0.95, math.ceil(100 * (resident + batch) / total / 5) * 5 / 100)
@@ -206,6 +214,49 @@ def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization:
             lines.append(f"  the step's {seqs} sequences per device need {batch / GIB:.1f} GiB of KV cache at their "
                          f"longest: the engine will preempt (slower); gpu_memory_utilization={enough} avoids it")
     return "\n".join(lines), fits
+
+
+HOST_SHARE = 0.9       # of the host's memory that pinned parts may take (the processes, the page cache need the rest)
+
+
+def _host_fits(lines: list[str], parts: list[Part], pinned: int, ranks: int, total: int, available: int | None) -> bool:
+    """Whether the pinned parts of the host's `ranks` ranks fit its memory (`format_plan`); says so in `lines`."""
+    who = f"the {ranks} ranks of this node" if ranks > 1 else "this run"
+    if pinned > HOST_SHARE * total:
+        keys = sorted({p.why for p in parts if not p.on_gpu and p.why})
+        lines.append(f"  DOES NOT FIT in host memory: {who} would pin {pinned / GIB:.1f} GiB of this machine's "
+                     f"{total / GIB:.1f} GiB (pinned memory cannot be swapped: the kernel would kill the run). Fix: "
+                     f"unset {' or '.join(keys) or 'the offload keys'} where the GPUs have room, spread the ranks over "
+                     "more nodes, or use a machine with more memory.")
+        return False
+    if available is not None and pinned > available:
+        lines.append(f"  host memory is short: {who} will pin {pinned / GIB:.1f} GiB, {available / GIB:.1f} GiB "
+                     "are available now (other processes hold the rest)")
+    return True
+
+
+def host_memory() -> tuple[int, int | None] | None:
+    """(total, available) bytes of this machine's memory (available: Linux's MemAvailable, else None); None where
+    the total cannot be read."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return total, available
+
+
+def pinned_rounding(numels: list[int], element_size: int) -> int:
+    """The bytes torch's caching host allocator adds when it pins tensors of `numels` elements one allocation each:
+    it rounds every allocation up to a power of two (`MasterAdamW`'s host masters, a storage each)."""
+    return sum((1 << max(0, n * element_size - 1).bit_length()) - n * element_size for n in numels if n)
 
 
 def _host_plan(parts: list[Part], device: torch.device) -> str:

@@ -158,3 +158,80 @@ def test_a_mimo_replica_leaves_the_mtp_layers_out(tmp_path):
     assert {n: t for n, t in kept.state_dict().items() if n.startswith("model.mtp_layers.")}.keys() == whole.keys()
     assert all(torch.equal(kept.state_dict()[n], t) for n, t in whole.items())
     assert dict(kept.tensor_parallel.local_items(whole.items())).keys() == whole.keys()
+
+
+# -- the hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): linear attention, gated attention, shared experts --------
+HYBRID_CASES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def hybrid_paths(tmp_path_factory):
+    from models.lathe_tiny import HYBRIDS
+    assert set(HYBRID_CASES) == set(HYBRIDS)
+    root = tmp_path_factory.mktemp("tp-hybrid")
+    return [str(save_hf(root, family)[0]) for family in HYBRID_CASES]
+
+
+def build_expert_parallel(path, tp: TensorParallel | None, device: torch.device = torch.device("cpu")):
+    """`build`, a MoE model's experts placed over the replica (`rollout.expert_parallel_size` = its size)."""
+    model = load_lathe_model(path, torch.float32, device=device)
+    if tp is not None:
+        ep = tp.size if model.config.moe is not None else 1
+        model = shard_copy(model, torch.float32, device, tp, expert_parallel_size=ep)
+    return model
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_hybrid_slices_recombine_to_the_whole_weights(hybrid_paths, size):
+    """Each rank's key heads with their value heads (linear attention: the q, k, v sections of the projection and the
+    convolution, z, b, a, A_log, dt_bias; Qwen3-Next's groups per key head), the gated attention's query and gate rows
+    per head, the shared expert's features: the ranks' slices, joined, are the whole tensors."""
+    for path in hybrid_paths:
+        whole = load_lathe_model(path, torch.float32)
+        la, state = whole.config.linear_attention, whole.state_dict()
+        if la.num_key_heads % size:
+            with pytest.raises(ValueError, match="linear-attention key heads"):
+                ShardLayout(whole.config, TensorParallel(None, 0, size), size if whole.config.moe else 1)
+            continue
+        parts = [dict(ShardLayout(whole.config, TensorParallel(None, r, size), size if whole.config.moe else 1)
+                      .local_items(state.items())) for r in range(size)]
+        hk, dk, dv, r = la.num_key_heads, la.key_head_dim, la.value_head_dim, la.num_value_heads // la.num_key_heads
+
+        def joined(name, dim=0, sections=None):
+            if sections is None:
+                return torch.cat([p[name] for p in parts], dim)
+            cuts = [p[name].split(sections(p), dim) for p in parts]
+            return torch.cat([torch.cat([c[i] for c in cuts], dim) for i in range(3)], dim)
+        lin = "model.layers.0.linear_attn."
+        mine = lambda p: [hk // size * dk, hk // size * dk, hk // size * r * dv]       # noqa: E731
+        names = [n for n in state if n.startswith(lin)]
+        for name in names:
+            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                assert torch.equal(joined(name, sections=mine), state[name]), name
+            elif name.endswith("out_proj.weight"):
+                assert torch.equal(joined(name, 1), state[name]), name
+            elif name.endswith("norm.weight"):
+                assert all(torch.equal(p[name], state[name]) for p in parts), name
+            else:
+                assert torch.equal(joined(name), state[name]), name
+        attn = "model.layers.1.self_attn."
+        assert torch.equal(joined(attn + "q_proj.weight"), state[attn + "q_proj.weight"])
+        assert torch.equal(joined(attn + "o_proj.weight", 1), state[attn + "o_proj.weight"])
+        shared = "model.layers.1.mlp.shared_expert."
+        if shared + "down_proj.weight" in state:
+            assert torch.equal(joined(shared + "gate_proj.weight"), state[shared + "gate_proj.weight"])
+            assert torch.equal(joined(shared + "down_proj.weight", 1), state[shared + "down_proj.weight"])
+            assert all(torch.equal(p["model.layers.1.mlp.shared_expert_gate.weight"],
+                                   state["model.layers.1.mlp.shared_expert_gate.weight"]) for p in parts)
+
+
+def test_a_hybrid_replica_generates_what_one_process_generates(hybrid_paths):
+    """Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next (shared experts beside the routed ones, placed over the replica)
+    over 2 gloo ranks: the linear-attention states of each rank's heads, the gated attention's heads, greedy and
+    sampled, before and after new weights: token for token what one process generates."""
+    want = [generations(build_expert_parallel(p, None), p) for p in hybrid_paths]
+    results = run_replica(2, hybrid_paths, make=build_expert_parallel)
+    for rank, got in results.items():
+        for case, (g, w) in enumerate(zip(got, want)):
+            for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), g, w):
+                assert a == b, f"rank {rank} of 2, {HYBRID_CASES[case]}: {what} tokens differ"

@@ -137,6 +137,25 @@ def test_each_rank_of_two_moe_replicas_receives_its_experts(tmp_path):
     check(str(save_hf(tmp_path, MOE)[0]), ep=SIZE)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_each_rank_of_two_hybrid_replicas_receives_its_heads_and_shared_expert_share(tmp_path, family):
+    """Qwen3.5 and Qwen3-Next (linear attention, gated attention; Qwen3-Next's shared experts): every rank's model
+    after the sync is the engine's own cut of the new whole weights, bit for bit, and the ranks' bytes add up to
+    what the trainer sent."""
+    from models.lathe_tiny import save_hf
+    path = str(save_hf(tmp_path, family)[0])
+    ep = SIZE if load_lathe_model(path, torch.float32).config.moe is not None else 1
+    sent, received, states, whole = sync(path, ep)
+    for (i, p), state in states.items():
+        want = shard_copy(load_lathe_model(path, torch.float32), DTYPE, torch.device("cpu"),
+                          TensorParallel(None, p, SIZE), state=whole, expert_parallel_size=ep).state_dict()
+        assert state.keys() == want.keys()
+        for name in want:
+            assert torch.equal(state[name], want[name]), (i, p, name)
+    assert sent["bytes"] == sum(received[0, p]["bytes"] for p in range(SIZE))
+    assert any("linear_attn" in name for name in states[0, 0])
+
+
 def test_a_position_group_names_its_missing_rank():
     with pytest.raises(TimeoutError, match=r"position 1 of 2\): receiver rank\(s\) \[1\] \(rollout replicas \[0\]"):
         SyncGroup("127.0.0.1", free_port(), 0, 2, device=torch.device("cpu"), timeout_s=1,

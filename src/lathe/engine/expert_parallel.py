@@ -16,11 +16,11 @@ dense layer. A layout where each rank holds *different* tokens (vLLM/SGLang's da
 its expert's owner and the outputs back (two all-to-alls with per-expert counts, as training's expert parallelism
 does) or all-gather the tokens first.
 
-Shared experts (Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) would be cut like a dense MLP (columns of gate/up, rows of
-down) and their partial added before the same all-reduce: a whole copy on every rank would be counted T times by
-that sum, and the cut splits its weights and work T ways for no extra collective. No family that has them runs in a
-tensor-parallel replica yet (their linear or latent attention is not cut), so `ExpertSlice.place` refuses any other
-block type.
+Shared experts (Qwen3.5-MoE, Qwen3-Next: `SharedExpertMoeBlock`) are cut like a dense MLP (columns of gate/up, rows
+of down: `lathe.engine.tensor_parallel`) and their partial, gated by the whole `shared_expert_gate`, is added before
+the same all-reduce: a whole copy on every rank would be counted T times by that sum, and the cut splits its weights
+and work T ways for no extra collective. DeepSeek-V3's (latent attention, not cut) do not run in a replica:
+`ExpertSlice.place` refuses any other block type.
 
 The local experts run with the model's own code (`Experts.forward` / `GptOssExperts.forward`: grouped matmul or
 loop) over rows sorted by expert, as in one process; `LocalExperts.forward` picks the rows:
@@ -106,8 +106,10 @@ class ExpertSlice:
         """Make the sparse layers of `model` (on the meta device, before its weights are loaded) expert-parallel:
         each experts module holds `count` experts and runs only theirs, each block all-reduces its output."""
         from lathe.models.gpt_oss import GptOssMoeBlock
+        from lathe.models.qwen3_5 import SharedExpertMoeBlock     # (its shared expert cut as a dense MLP's columns)
         blocks = sparse_blocks(model)
-        odd = sorted({type(b).__name__ for b in blocks if type(b) not in (SparseMoeBlock, GptOssMoeBlock)})
+        odd = sorted({type(b).__name__ for b in blocks
+                      if type(b) not in (SparseMoeBlock, GptOssMoeBlock, SharedExpertMoeBlock)})
         if odd:
             raise NotImplementedError(f"rollout.tensor_model_parallel_size={tp.size}: the MoE layers {odd} of "
                                       f"{model.config.architecture} (shared experts) are not placed over tensor-"

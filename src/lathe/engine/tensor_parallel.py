@@ -11,6 +11,9 @@ Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053), as vLLM's engine r
   vocabulary and the replica gathers them, so every rank holds the same full logits and samples the same tokens;
 - embeddings and norms are whole on every rank (a GPT-OSS layer's sink logits, one per query head, go with their
   heads);
+- the hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): each rank holds key heads [r Hk/T, (r+1) Hk/T) of every
+  linear-attention layer with their value heads, and so their recurrent and convolution states; `out_proj` is
+  row-parallel; the gated attention's q_proj rows hold each head's query and output gate together (`_LinearSlices`);
 - a mixture-of-experts layer runs expert-parallel (`rollout.expert_parallel_size` = the replica's size): each rank
   holds `num_experts / tp` whole experts and the whole router, and the block's partial output is summed by one
   all-reduce, like a row-parallel down_proj's (`lathe.engine.expert_parallel`, which says why no all-to-all is
@@ -111,6 +114,10 @@ def replica_groups(size: int) -> TensorParallel:
 _NAME = re.compile(r"^(?:model\.layers\.\d+\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)"
                    r"|(?P<head>lm_head))\.(?P<part>weight|bias)$")
 _SINKS = re.compile(r"^model\.layers\.\d+\.self_attn\.sinks$")       # GPT-OSS: one logit per query head
+# the hybrid families' linear-attention layers (`lathe.models.qwen3_5.GatedDeltaNet`) and shared experts
+_LINEAR = re.compile(r"^model\.layers\.\d+\.linear_attn\.(?P<what>in_proj_qkvz|in_proj_qkv|in_proj_z|in_proj_ba|"
+                     r"in_proj_b|in_proj_a|conv1d|out_proj|dt_bias|A_log|norm)(?:\.weight)?$")
+_SHARED = re.compile(r"^model\.layers\.\d+\.mlp\.shared_expert\.(?P<proj>gate|up|down)_proj\.weight$")
 
 
 class ShardLayout:
@@ -136,6 +143,10 @@ class ShardLayout:
         d = cfg.head_dim
         self.heads = (rank * heads // size, heads // size)                     # (first query head, heads)
         self.q = (self.heads[0] * d, self.heads[1] * d)                         # (first row, rows)
+        la = cfg.linear_attention
+        # q_proj's rows: each head's query, and in the hybrid families' gated attention its output gate beside it
+        self.q_rows = self.q if la is None else (2 * self.q[0], 2 * self.q[1])
+        self.linear = _LinearSlices(la, rank, size) if la is not None else None
         kv_local = max(1, kv // size)
         first_kv = rank * kv // size if kv >= size else rank // (size // kv)
         self.kv = (first_kv * d, kv_local * d)
@@ -144,12 +155,17 @@ class ShardLayout:
         self.vocab_rows = -(-cfg.vocab_size // size)                           # padded: the last rank's may be short
         self.local_config = replace(cfg, num_attention_heads=heads // size, num_key_value_heads=kv_local,
                                     intermediate_size=self.inter[1], tie_word_embeddings=False,
-                                    num_mtp_layers=0)      # MiMo's MTP layers: training only, left out of replicas
+                                    num_mtp_layers=0,      # MiMo's MTP layers: training only, left out of replicas
+                                    linear_attention=None if la is None else self.linear.local_config)
 
     def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the whole tensor `name` (a view; the LM head's last slice padded with zero rows)."""
         m = _NAME.match(name)
         if m is None:
+            if self.linear is not None:
+                cut = self.linear.local(name, tensor)
+                if cut is not None:
+                    return cut
             return tensor.narrow(0, *self.heads) if _SINKS.match(name) else tensor
         attn, mlp, part = m["attn"], m["mlp"], m["part"]
         if m["head"]:
@@ -163,7 +179,7 @@ class ShardLayout:
                 return tensor
             start, n = self.q if attn == "o" else self.inter
             return tensor.narrow(1, start, n)
-        start, n = self.q if attn == "q" else self.kv if attn in ("k", "v") else self.inter
+        start, n = self.q_rows if attn == "q" else self.kv if attn in ("k", "v") else self.inter
         return tensor.narrow(0, start, n)
 
     def local_items(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -184,6 +200,62 @@ class ShardLayout:
                 if name == "lm_head.weight":
                     continue
             yield name, self.local(name, tensor)
+
+
+class _LinearSlices:
+    """A rank's share of the hybrid families' linear-attention layers and shared experts (`lathe.models.qwen3_5`):
+    key heads [r Hk/T, (r+1) Hk/T) with their value heads (Hv / Hk each: the convolution is per channel and the delta
+    rule per head, so heads are independent, as under Ulysses), and columns of the shared expert as of a dense MLP.
+
+    - `in_proj_qkv` and the convolution's channels: the rank's rows of each of the q, k and v sections;
+      `in_proj_z`, `in_proj_b`, `in_proj_a`, `dt_bias`, `A_log`: its value heads; Qwen3-Next's grouped
+      `in_proj_qkvz` / `in_proj_ba` ([q, k, v, z] and [b, a] per key head): its key heads' groups; `norm` (over one
+      value head's features) whole;
+    - `out_proj` is row-parallel (its columns: the rank's value heads), summed over the replica;
+    - the shared expert's gate/up rows and down columns are the rank's share of its intermediate features; its
+      output, gated by `shared_expert_gate` (whole: one scalar per token), is a partial sum that the MoE block's
+      all-reduce adds with the routed experts' (`lathe.engine.expert_parallel`)."""
+
+    def __init__(self, la, rank: int, size: int):
+        hk, hv, shared = la.num_key_heads, la.num_value_heads, la.shared_expert_intermediate_size
+        problems = [f"{what} ({n}) are not divisible by it" for what, n in (
+            ("the linear-attention key heads", hk), ("the shared expert's intermediate features", shared)) if n % size]
+        if problems:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: {'; '.join(problems)}. Fix: choose a size "
+                             f"that divides {hk} key heads{f' and {shared} features' if shared else ''}")
+        self.la, self.r = la, hv // hk
+        self.keys = (rank * hk // size, hk // size)                 # (first key head, key heads)
+        self.values = (self.keys[0] * self.r, self.keys[1] * self.r)   # their value heads
+        self.shared = (rank * shared // size, shared // size)
+        self.local_config = replace(la, num_key_heads=self.keys[1], num_value_heads=self.values[1],
+                                    shared_expert_intermediate_size=self.shared[1])
+
+    def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """This rank's slice of a linear-attention or shared-expert tensor; None for any other."""
+        m = _SHARED.match(name)
+        if m is not None:
+            return tensor.narrow(1 if m["proj"] == "down" else 0, *self.shared)
+        m = _LINEAR.match(name)
+        if m is None:
+            return None
+        la, what, (k0, kn), (v0, vn) = self.la, m["what"], self.keys, self.values
+        dk, dv = la.key_head_dim, la.value_head_dim
+        if what in ("in_proj_qkv", "conv1d"):                   # [q | k | v] sections
+            key_dim = la.num_key_heads * dk
+            return torch.cat([tensor.narrow(0, k0 * dk, kn * dk), tensor.narrow(0, key_dim + k0 * dk, kn * dk),
+                              tensor.narrow(0, 2 * key_dim + v0 * dv, vn * dv)])
+        if what == "in_proj_z":
+            return tensor.narrow(0, v0 * dv, vn * dv)
+        if what in ("in_proj_b", "in_proj_a", "dt_bias", "A_log"):
+            return tensor.narrow(0, v0, vn)
+        if what == "in_proj_qkvz":                              # per key head: [q, k, v-group, z-group]
+            per = 2 * dk + 2 * self.r * dv
+            return tensor.narrow(0, k0 * per, kn * per)
+        if what == "in_proj_ba":                                # per key head: [b-group, a-group]
+            return tensor.narrow(0, k0 * 2 * self.r, kn * 2 * self.r)
+        if what == "out_proj":
+            return tensor.narrow(1, v0 * dv, vn * dv)
+        return tensor                                           # norm: over one value head's features
 
 
 # ---- the sharded modules -------------------------------------------------------------------------------------------
@@ -215,16 +287,13 @@ class VocabParallelHead(nn.Module):
 
 def check_replica(model, size: int, expert_parallel_size: int = 1) -> None:
     """Raise unless `model` can be cut over a tensor-parallel replica of `size` ranks (lathe's text decoder, no
-    linear or latent attention, heads/features/experts that divide): what `shard_copy` checks, without a process
-    group, so a run can refuse before its workers start."""
+    latent attention, heads/features/experts that divide): what `shard_copy` checks, without a process group, so a
+    run can refuse before its workers start."""
     if type(model) is not LatheCausalLM:
         raise NotImplementedError(
             f"rollout.tensor_model_parallel_size={size}: tensor-parallel engine replicas run lathe's text decoder "
-            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS); this model is {type(model).__name__}. Fix: set it to 1")
-    if model.config.linear_attention is not None:
-        raise NotImplementedError(
-            f"rollout.tensor_model_parallel_size={size}: the linear-attention layers of {model.config.architecture} "
-            "are not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
+            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Qwen3.5, Qwen3.5-MoE, Qwen3-Next); this model is "
+            f"{type(model).__name__}. Fix: set it to 1")
     if model.config.mla is not None:
         raise NotImplementedError(
             f"rollout.tensor_model_parallel_size={size}: the latent attention of "
@@ -250,7 +319,8 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
     with torch.device("meta"):
         out = LatheCausalLM(cfg)
         for layer in out.model.layers:
-            row_parallel = [layer.self_attn.o_proj]
+            linear = getattr(layer, "linear", False)              # a hybrid family's linear-attention layer
+            row_parallel = [layer.linear_attn.out_proj if linear else layer.self_attn.o_proj]
             if not isinstance(layer.mlp, SparseMoeBlock):         # sparse blocks: `ExpertSlice.place` below
                 row_parallel.append(layer.mlp.down_proj)
             for linear in row_parallel:

@@ -51,14 +51,11 @@ def test_log_probs_equal_teacher_forced_forward(checkpoint):
 
 
 def test_what_the_engine_leaves_off_is_refused(checkpoint):
-    from lathe.engine.tensor_parallel import TensorParallel, shard_copy
     path, _ = checkpoint
     with pytest.raises(ValueError, match="fuse_projections=True: not implemented for DeepseekV3ForCausalLM"):
         _engine(path, fuse_projections=True)
     with pytest.raises(ValueError, match="quantization='fp8'.*latent attention"):
         _engine(path, quantization="fp8")
-    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2: the latent attention"):
-        shard_copy(load_lathe_model(path), torch.float32, torch.device("cpu"), TensorParallel(None, 0, 2))
 
 
 def test_engine_on_the_triton_kernel_equals_torch(triton_interpreter, checkpoint):

@@ -150,8 +150,8 @@ def test_sizes_are_checked(caplog):
 
 
 def test_a_replica_is_checked_before_any_process_group_exists():
-    """`check_replica`, which `lathe train` runs before its workers start: the sizes, and the families a replica
-    does not cut (linear attention)."""
+    """`check_replica`, which `lathe train` runs before its workers start: the sizes (a hybrid's linear-attention key
+    heads among them)."""
     from lathe.engine.tensor_parallel import check_replica
     from lathe.models.config import LatheConfig
     from lathe.models.decoder import LatheCausalLM
@@ -165,5 +165,6 @@ def test_a_replica_is_checked_before_any_process_group_exists():
     check_replica(moe, 2, 1)                  # vLLM's tensor-parallel experts: placed whole, as with 2
     with pytest.raises(ValueError, match="Fix: set rollout.expert_parallel_size=4"):
         check_replica(moe, 4, 2)
-    with pytest.raises(NotImplementedError, match="linear-attention layers"):
-        check_replica(hybrid, 2)
+    check_replica(hybrid, 2)                  # 2 linear-attention key heads: 1 a rank
+    with pytest.raises(ValueError, match="the linear-attention key heads \\(2\\) are not divisible by it"):
+        check_replica(hybrid, 4)

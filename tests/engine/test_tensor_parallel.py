@@ -235,3 +235,27 @@ def test_a_hybrid_replica_generates_what_one_process_generates(hybrid_paths):
         for case, (g, w) in enumerate(zip(got, want)):
             for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), g, w):
                 assert a == b, f"rank {rank} of 2, {HYBRID_CASES[case]}: {what} tokens differ"
+
+
+def test_a_deepseek_replica_generates_what_one_process_generates(tmp_path):
+    """DeepSeek-V3's latent attention over 2 gloo ranks (each rank its heads' query and kv_b_proj rows and o_proj
+    columns, the low-rank down-projections whole), its dense first layer, its routed experts placed over the replica
+    and its shared expert cut like a dense MLP: greedy and sampled, before and after new weights, token for token
+    what one process generates; the slices recombine to the whole weights."""
+    from models.deepseek_tiny import deepseek_model
+    path = tmp_path / "deepseek"
+    deepseek_model(seed=2).save_pretrained(path)
+    whole = load_lathe_model(str(path), torch.float32)
+    state = whole.state_dict()
+    parts = [dict(ShardLayout(whole.config, TensorParallel(None, r, 2), 2).local_items(state.items())) for r in (0, 1)]
+    for name, dim in (("model.layers.0.self_attn.q_b_proj.weight", 0), ("model.layers.0.self_attn.kv_b_proj.weight", 0),
+                      ("model.layers.0.self_attn.o_proj.weight", 1), ("model.layers.1.mlp.shared_experts.up_proj.weight", 0),
+                      ("model.layers.1.mlp.shared_experts.down_proj.weight", 1), ("model.layers.0.mlp.down_proj.weight", 1)):
+        assert torch.equal(torch.cat([p[name] for p in parts], dim), state[name]), name
+    for name in ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.self_attn.q_a_proj.weight",
+                 "model.layers.1.mlp.gate.weight"):
+        assert all(torch.equal(p[name], state[name]) for p in parts), name
+    want = [generations(build_expert_parallel(str(path), None), str(path))]
+    for rank, got in run_replica(2, [str(path)], make=build_expert_parallel).items():
+        for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), got[0], want[0]):
+            assert a == b, f"rank {rank} of 2: {what} tokens differ"

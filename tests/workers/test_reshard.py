@@ -137,13 +137,18 @@ def test_each_rank_of_two_moe_replicas_receives_its_experts(tmp_path):
     check(str(save_hf(tmp_path, MOE)[0]), ep=SIZE)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
-def test_each_rank_of_two_hybrid_replicas_receives_its_heads_and_shared_expert_share(tmp_path, family):
-    """Qwen3.5 and Qwen3-Next (linear attention, gated attention; Qwen3-Next's shared experts): every rank's model
-    after the sync is the engine's own cut of the new whole weights, bit for bit, and the ranks' bytes add up to
-    what the trainer sent."""
-    from models.lathe_tiny import save_hf
-    path = str(save_hf(tmp_path, family)[0])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "deepseek_v3"])
+def test_each_rank_of_two_hybrid_or_latent_replicas_receives_its_heads_and_shared_expert_share(tmp_path, family):
+    """Qwen3.5 and Qwen3-Next (linear attention, gated attention; Qwen3-Next's shared experts), DeepSeek-V3 (latent
+    attention, shared experts): every rank's model after the sync is the engine's own cut of the new whole weights,
+    bit for bit, and the ranks' bytes add up to what the trainer sent."""
+    if family == "deepseek_v3":
+        from models.deepseek_tiny import deepseek_model
+        path = str(tmp_path / family)
+        deepseek_model(seed=2).save_pretrained(path)
+    else:
+        from models.lathe_tiny import save_hf
+        path = str(save_hf(tmp_path, family)[0])
     ep = SIZE if load_lathe_model(path, torch.float32).config.moe is not None else 1
     sent, received, states, whole = sync(path, ep)
     for (i, p), state in states.items():
@@ -153,7 +158,7 @@ def test_each_rank_of_two_hybrid_replicas_receives_its_heads_and_shared_expert_s
         for name in want:
             assert torch.equal(state[name], want[name]), (i, p, name)
     assert sent["bytes"] == sum(received[0, p]["bytes"] for p in range(SIZE))
-    assert any("linear_attn" in name for name in states[0, 0])
+    assert any(("linear_attn" if family != "deepseek_v3" else "kv_b_proj") in name for name in states[0, 0])
 
 
 def test_a_position_group_names_its_missing_rank():

@@ -16,10 +16,10 @@ dense layer. A layout where each rank holds *different* tokens (vLLM/SGLang's da
 its expert's owner and the outputs back (two all-to-alls with per-expert counts, as training's expert parallelism
 does) or all-gather the tokens first.
 
-Shared experts (Qwen3.5-MoE, Qwen3-Next: `SharedExpertMoeBlock`) are cut like a dense MLP (columns of gate/up, rows
-of down: `lathe.engine.tensor_parallel`) and their partial, gated by the whole `shared_expert_gate`, is added before
-the same all-reduce: a whole copy on every rank would be counted T times by that sum, and the cut splits its weights
-and work T ways for no extra collective. DeepSeek-V3's (latent attention, not cut) do not run in a replica:
+Shared experts (Qwen3.5-MoE, Qwen3-Next: `SharedExpertMoeBlock`, gated by the whole `shared_expert_gate`;
+DeepSeek-V3: `DeepseekMoeBlock`) are cut like a dense MLP (columns of gate/up, rows of down:
+`lathe.engine.tensor_parallel`) and their partial is added before the same all-reduce: a whole copy on every rank
+would be counted T times by that sum, and the cut splits its weights and work T ways for no extra collective.
 `ExpertSlice.place` refuses any other block type.
 
 The local experts run with the model's own code (`Experts.forward` / `GptOssExperts.forward`: grouped matmul or
@@ -105,11 +105,12 @@ class ExpertSlice:
     def place(self, model: nn.Module, tp: TensorParallel) -> None:
         """Make the sparse layers of `model` (on the meta device, before its weights are loaded) expert-parallel:
         each experts module holds `count` experts and runs only theirs, each block all-reduces its output."""
+        from lathe.models.deepseek import DeepseekMoeBlock
         from lathe.models.gpt_oss import GptOssMoeBlock
-        from lathe.models.qwen3_5 import SharedExpertMoeBlock     # (its shared expert cut as a dense MLP's columns)
+        from lathe.models.qwen3_5 import SharedExpertMoeBlock     # (shared experts cut as a dense MLP's columns)
         blocks = sparse_blocks(model)
         odd = sorted({type(b).__name__ for b in blocks
-                      if type(b) not in (SparseMoeBlock, GptOssMoeBlock, SharedExpertMoeBlock)})
+                      if type(b) not in (SparseMoeBlock, GptOssMoeBlock, SharedExpertMoeBlock, DeepseekMoeBlock)})
         if odd:
             raise NotImplementedError(f"rollout.tensor_model_parallel_size={tp.size}: the MoE layers {odd} of "
                                       f"{model.config.architecture} (shared experts) are not placed over tensor-"

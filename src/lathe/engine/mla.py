@@ -11,8 +11,9 @@ members; the large ones need the latent cache first. The FP8 KV cache (`kv_cache
 decompressed K/V like any other (V's zero padding quantises to zeros with a finite scale).
 
 What the engine leaves off for it (`mla_settings`): CUDA graphs (its decode step has not been checked under a
-capture), fused projections (its projections are not q/k/v), FP8 (its projections are not quantised); tensor-parallel
-replicas are refused by `tensor_parallel.shard_copy`.
+capture), fused projections (its projections are not q/k/v), FP8 (its projections are not quantised). Tensor-parallel
+replicas cut it by heads (`tensor_parallel.ShardLayout`: each rank its heads' rows of q_proj / q_b_proj and kv_b_proj,
+o_proj's columns, the low-rank down-projections whole), so each rank's cache holds its heads' K and V.
 """
 
 from __future__ import annotations

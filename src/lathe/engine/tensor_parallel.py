@@ -11,6 +11,10 @@ Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053), as vLLM's engine r
   vocabulary and the replica gathers them, so every rank holds the same full logits and samples the same tokens;
 - embeddings and norms are whole on every rank (a GPT-OSS layer's sink logits, one per query head, go with their
   heads);
+- DeepSeek-V3's latent attention (the engine's cache holds each head's decompressed K and V: `lathe.engine.mla`):
+  each rank holds its heads' rows of `q_proj` / `q_b_proj` and `kv_b_proj` (each head's k_nope and v from the
+  latent) and `o_proj`'s columns of them; the low-rank down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) and their
+  norms are whole, each rank computing the latent itself; its shared experts are cut like a dense MLP;
 - the hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): each rank holds key heads [r Hk/T, (r+1) Hk/T) of every
   linear-attention layer with their value heads, and so their recurrent and convolution states; `out_proj` is
   row-parallel; the gated attention's q_proj rows hold each head's query and output gate together (`_LinearSlices`);
@@ -44,7 +48,7 @@ from torch import nn
 
 from lathe.engine.expert_parallel import ExpertSlice, check_sizes
 from lathe.models.config import LatheConfig
-from lathe.models.decoder import LatheCausalLM
+from lathe.models.decoder import MLP, LatheCausalLM
 from lathe.models.io import load_into
 from lathe.models.mtp import MTP_PREFIX, mtp_layers
 from lathe.models.moe import SparseMoeBlock
@@ -117,7 +121,11 @@ _SINKS = re.compile(r"^model\.layers\.\d+\.self_attn\.sinks$")       # GPT-OSS: 
 # the hybrid families' linear-attention layers (`lathe.models.qwen3_5.GatedDeltaNet`) and shared experts
 _LINEAR = re.compile(r"^model\.layers\.\d+\.linear_attn\.(?P<what>in_proj_qkvz|in_proj_qkv|in_proj_z|in_proj_ba|"
                      r"in_proj_b|in_proj_a|conv1d|out_proj|dt_bias|A_log|norm)(?:\.weight)?$")
-_SHARED = re.compile(r"^model\.layers\.\d+\.mlp\.shared_expert\.(?P<proj>gate|up|down)_proj\.weight$")
+# a shared expert (Qwen3.5-MoE / Qwen3-Next: shared_expert; DeepSeek-V3: shared_experts), cut like a dense MLP
+_SHARED = re.compile(r"^model\.layers\.\d+\.mlp\.shared_experts?\.(?P<proj>gate|up|down)_proj\.weight$")
+# DeepSeek-V3's latent attention: the per-head up-projections of the query and of the latent (`q_proj` without a
+# query low rank is `_NAME`'s); the low-rank down-projections and their norms are whole
+_MLA = re.compile(r"^model\.layers\.\d+\.self_attn\.(?P<proj>q_b|kv_b)_proj\.weight$")
 
 
 class ShardLayout:
@@ -143,10 +151,22 @@ class ShardLayout:
         d = cfg.head_dim
         self.heads = (rank * heads // size, heads // size)                     # (first query head, heads)
         self.q = (self.heads[0] * d, self.heads[1] * d)                         # (first row, rows)
-        la = cfg.linear_attention
+        la, mla = cfg.linear_attention, cfg.mla
         # q_proj's rows: each head's query, and in the hybrid families' gated attention its output gate beside it
         self.q_rows = self.q if la is None else (2 * self.q[0], 2 * self.q[1])
         self.linear = _LinearSlices(la, rank, size) if la is not None else None
+        self.mla = None
+        if mla is not None:      # latent attention: per head a query of qk_head_dim, k_nope + v from the latent
+            first, n = self.heads
+            self.q_rows = (first * mla.qk_head_dim, n * mla.qk_head_dim)
+            self.q = (first * mla.v_head_dim, n * mla.v_head_dim)             # o_proj's columns
+            per = mla.qk_nope_head_dim + mla.v_head_dim
+            self.mla = {"q_b": self.q_rows, "kv_b": (first * per, n * per)}
+        shared = mla.n_shared_experts * cfg.moe.moe_intermediate_size if mla is not None and cfg.moe else 0
+        if shared % size:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: the shared experts' intermediate features "
+                             f"({shared}) are not divisible by it. Fix: choose a size that divides {shared}")
+        self.shared = (rank * shared // size, shared // size) if shared else None
         kv_local = max(1, kv // size)
         first_kv = rank * kv // size if kv >= size else rank // (size // kv)
         self.kv = (first_kv * d, kv_local * d)
@@ -166,6 +186,12 @@ class ShardLayout:
                 cut = self.linear.local(name, tensor)
                 if cut is not None:
                     return cut
+            if self.mla is not None:
+                mla, shared = _MLA.match(name), _SHARED.match(name)
+                if mla is not None:
+                    return tensor.narrow(0, *self.mla[mla["proj"]])
+                if shared is not None:
+                    return tensor.narrow(1 if shared["proj"] == "down" else 0, *self.shared)
             return tensor.narrow(0, *self.heads) if _SINKS.match(name) else tensor
         attn, mlp, part = m["attn"], m["mlp"], m["part"]
         if m["head"]:
@@ -286,18 +312,14 @@ class VocabParallelHead(nn.Module):
 
 
 def check_replica(model, size: int, expert_parallel_size: int = 1) -> None:
-    """Raise unless `model` can be cut over a tensor-parallel replica of `size` ranks (lathe's text decoder, no
-    latent attention, heads/features/experts that divide): what `shard_copy` checks, without a process group, so a
-    run can refuse before its workers start."""
+    """Raise unless `model` can be cut over a tensor-parallel replica of `size` ranks (lathe's text decoder,
+    heads/features/experts that divide): what `shard_copy` checks, without a process group, so a run can refuse
+    before its workers start."""
     if type(model) is not LatheCausalLM:
         raise NotImplementedError(
             f"rollout.tensor_model_parallel_size={size}: tensor-parallel engine replicas run lathe's text decoder "
-            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Qwen3.5, Qwen3.5-MoE, Qwen3-Next); this model is "
+            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3); this model is "
             f"{type(model).__name__}. Fix: set it to 1")
-    if model.config.mla is not None:
-        raise NotImplementedError(
-            f"rollout.tensor_model_parallel_size={size}: the latent attention of "
-            f"{model.config.architecture} is not cut over tensor-parallel engine replicas yet. Fix: set it to 1")
     ShardLayout(model.config, TensorParallel(None, 0, size), expert_parallel_size)     # its size checks
 
 
@@ -319,6 +341,8 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
     with torch.device("meta"):
         out = LatheCausalLM(cfg)
         for layer in out.model.layers:
+            if layout.shared is not None and hasattr(layer.mlp, "shared_experts"):    # DeepSeek-V3: its share
+                layer.mlp.shared_experts = MLP(replace(cfg, intermediate_size=layout.shared[1], mlp_bias=False))
             linear = getattr(layer, "linear", False)              # a hybrid family's linear-attention layer
             row_parallel = [layer.linear_attn.out_proj if linear else layer.self_attn.o_proj]
             if not isinstance(layer.mlp, SparseMoeBlock):         # sparse blocks: `ExpertSlice.place` below

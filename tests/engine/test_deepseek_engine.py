@@ -33,7 +33,8 @@ def test_greedy_equals_transformers_generate(checkpoint):
     params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
     # one run with prefix sharing, prompts cut in chunks of 6 tokens, and a cache small enough to preempt
     engine = _engine(path, num_kv_blocks=10, reserve_new_tokens=False, max_num_batched_tokens=6)
-    assert engine.kv_cache.shape[2:] == (4, 24)     # every head's K (12 + 8) and V (10), padded to a multiple of 8
+    assert engine.kv_cache.shape[2:] == (1, 24)     # the latent (16) and k's rope part (8), shared by the 4 heads
+    assert engine.kv_cache.latent
     assert engine.generate(PROMPTS, params).token_ids == expected
     assert engine.scheduler.num_preemptions > 0
 

@@ -353,8 +353,10 @@ def test_fp8_cache_preemption_and_prefix_reuse_stay_right(checkpoints):
 
 def test_hybrid_and_latent_attention_models_take_the_fp8_cache(tmp_path):
     """Qwen3.5 (gated DeltaNet + full attention): its full-attention layers' K/V in FP8, its linear-attention states
-    in the model's dtype. DeepSeek-V3 (latent attention): the decompressed per-head K and zero-padded V in FP8 (a
-    zero row's scale stays finite). Greedy log-probs within the FP8 bound of the teacher-forced forward."""
+    in the model's dtype. DeepSeek-V3 (latent attention): each token's latent and k's rope part in FP8 under one
+    scale (the padding's zeros stay zeros). Greedy log-probs within the FP8 bound of the teacher-forced forward: 2%,
+    5% for the latent (one quantised entry feeds every head: 2.9% here, where the per-head decompressed cache it
+    replaced kept under 2%)."""
     from models.deepseek_tiny import deepseek_model
     from models.lathe_tiny import save_hf
     hybrid, _ = save_hf(tmp_path, "qwen3_5_text")
@@ -368,7 +370,7 @@ def test_hybrid_and_latent_attention_models_take_the_fp8_cache(tmp_path):
         if engine.states is not None:
             assert engine.states.conv.dtype == engine.states.recurrent.dtype == torch.float32
         out = engine.generate(PROMPTS, params)
-        assert _gap(load_lathe_model(path), out, prompts) < 0.02, path.name
+        assert _gap(load_lathe_model(path), out, prompts) < (0.05 if engine.kv_cache.latent else 0.02), path.name
 
 
 def _fp8_generations(model, path: str):

@@ -74,6 +74,7 @@ class KVCache:
                  *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self.shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)   # + the scratch block
         self.num_layers, self.dtype, self.device = num_layers, dtype, torch.device(device)
+        self.latent = False             # holds DeepSeek-V3's latent per token, not K/V per head (`lathe.engine.mla`)
         self.quantized = dtype == FP8               # an FP8 cache: values and their scales (module doc)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []

@@ -1,19 +1,20 @@
 """The DeepSeek-V3 family (multi-head latent attention, `lathe.models.deepseek`) in lathe's engine.
 
-The latent attention hands the engine's step attentions per-head q, k and v like any multi-head attention (k's rope
-part rotated by the layer itself, v zero-padded to k's width), so the paged KV cache holds each head's decompressed K
-and padded V: `num_key_value_heads` = the query heads, `head_dim` = max(qk_nope + qk_rope, v) (`MlaConfig.attn_dim`).
-Not done: the compressed-latent cache of absorbed MLA (kv_lora_rank + qk_rope_head_dim values per token and layer,
-queries absorbed through kv_b_proj), which takes far less memory per token: per layer and token the decompressed
-cache holds 2 * heads * width values, the latent one kv_lora_rank + qk_rope_head_dim (Moonlight: 16 heads of width
-192, 6144 against 576; DeepSeek-V3: 128 heads, 49152 against 576). So the engine's cache suits the family's small
-members; the large ones need the latent cache first. The FP8 KV cache (`kv_cache_dtype="fp8"`, `kv_cache`) takes the
-decompressed K/V like any other (V's zero padding quantises to zeros with a finite scale).
+The paged KV cache holds each token's latent, as absorbed MLA does: the normed latent c (kv_lora_rank values) and the
+rotated rope part of k (qk_rope_head_dim), one entry per token and layer shared by every head (`cache_layout`:
+one "head" of `MlaConfig.latent_dim`). The layers attend in the absorbed form (`MlaAttention.absorbed`): each head's
+query goes through its slice of kv_b_proj's key map before the scores and its output through the value map after,
+so the attention runs as multi-query attention over the latent (K and V the same entry; the V half of the cache
+repeats it, a 2x left on the table). Per layer and token the cache holds 2 x latent_dim values where the
+decompressed per-head form held 2 x heads x width (Moonlight: 1152 against 6144; DeepSeek-V3: 1152 against 49152).
+The trainer keeps the decompressed form (the same numbers, another order of the products). The FP8 KV cache
+(`kv_cache_dtype="fp8"`, `kv_cache`) takes the latent like any other entry. Prefill runs its fresh sequences through
+PyTorch's SDPA, not flash attention's varlen kernels, whose head sizes stop at 256.
 
 What the engine leaves off for it (`mla_settings`): CUDA graphs (its decode step has not been checked under a
 capture), fused projections (its projections are not q/k/v), FP8 (its projections are not quantised). Tensor-parallel
 replicas cut it by heads (`tensor_parallel.ShardLayout`: each rank its heads' rows of q_proj / q_b_proj and kv_b_proj,
-o_proj's columns, the low-rank down-projections whole), so each rank's cache holds its heads' K and V.
+o_proj's columns, the low-rank down-projections whole); every rank's cache holds the whole latent, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from __future__ import annotations
 import logging
 
 log = logging.getLogger(__name__)
+
+
+def cache_layout(cfg) -> tuple[int, int]:
+    """(heads, width) a token's entry of the KV cache takes per layer for the text config `cfg`: a DeepSeek-V3
+    model's latent (one "head" of `MlaConfig.latent_dim`), else its key/value heads of `head_dim`."""
+    mla = getattr(cfg, "mla", None)
+    return (1, mla.latent_dim) if mla is not None else (cfg.num_key_value_heads, getattr(cfg, "head_dim", None))
 
 
 def is_mla(model) -> bool:

@@ -37,7 +37,7 @@ from lathe.device import to_device
 from lathe.engine import decode_forms
 from lathe.engine.cuda_graph import DecodeGraphs
 from lathe.engine.kv_cache import KVCache
-from lathe.engine.mla import is_mla
+from lathe.engine.mla import cache_layout, is_mla
 from lathe.engine.multimodal import StepInputs, hidden_states, rope_delta, text_config
 from lathe.engine.paged_attention import choose_decode_backend
 from lathe.engine.sequence import PENDING, Sequence
@@ -65,11 +65,12 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // self.block_size)
         cfg = text_config(model)
         self.vl = is_vl(model)                      # image prompts: 3D positions, image rows spliced at prefill
+        kv_heads, width = cache_layout(cfg)         # (a DeepSeek-V3 model's latent: one "head", `mla.py`)
         self.decode_backend, self.backend_times = choose_decode_backend(
             decode_backend, self.device, model.dtype, num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, block_size=self.block_size,
-            kv_dtype=kv_cache.dtype)
-        self.packed_backend = select_packed_backend("auto", self.device, model.dtype)
+            num_kv_heads=kv_heads, head_dim=width, block_size=self.block_size, kv_dtype=kv_cache.dtype)
+        # (the latent's width is past flash attention's head sizes: SDPA)
+        self.packed_backend = select_packed_backend("sdpa" if is_mla(model) else "auto", self.device, model.dtype)
         # the MoE layers' experts in decode steps: the fused Triton kernels or `experts_forward`, the faster on a
         # probe (`triton_moe.choose_moe_backend`); prefill steps run `experts_forward` (`prefill`)
         self.moe_backend, self.moe_times = choose_moe_backend(model, max_graph_batch)

@@ -58,6 +58,11 @@ class DecodeAttention:
             self.rotates = self.kv_cache.device.type == "cuda" and triton_store.triton is not None
         self.layer = 0
         self.counters = None        # the split kernel's merge counters, one zeroed set shared by the step's layers
+
+    @property
+    def latent(self) -> bool:
+        """Whether the cache holds DeepSeek-V3's latent (the layers then attend in the absorbed form: `mla.py`)."""
+        return self.kv_cache.latent
         if self.backend == "triton" and self.num_splits > 1:
             rows, kv_heads = self.block_tables.shape[0], self.kv_cache.k[0].shape[2]
             self.counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=self.block_tables.device)
@@ -107,6 +112,8 @@ class PrefillAttention:
     def __post_init__(self):
         self.layer = 0
         self._cached = None
+
+    latent = DecodeAttention.latent
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None,
                  window: int | None = None) -> torch.Tensor:

@@ -399,9 +399,11 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         from lathe.dtypes import rollout_dtype
         c = getattr(model.config, "text", model.config)          # a VL model: its language model's config
         length = cfg.data.max_prompt_length + cfg.data.max_response_length
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         from lathe.engine.linear_state import kv_layers            # (a hybrid model: its full-attention layers)
-        kv_seq = KVCache.bytes_per_block(kv_layers(c), length, max(1, c.num_key_value_heads // tp), head_dim,
+        from lathe.engine.mla import cache_layout                  # (a DeepSeek-V3 model: its latent, whole per rank)
+        heads, head_dim = cache_layout(c)
+        head_dim = head_dim or c.hidden_size // c.num_attention_heads
+        kv_seq = KVCache.bytes_per_block(kv_layers(c), length, max(1, heads // tp), head_dim,
                                          kv_storage_dtype(arr.rollout.kv_cache_dtype,
                                                           rollout_dtype(arr.rollout.dtype, torch.device(device))))
     seqs = math.ceil(run.actor.sequences_per_step / (run.world // tp))     # what one engine replica generates

@@ -92,9 +92,33 @@ class MlaAttention(nn.Module):
             raise NotImplementedError("DeepSeek-V3's latent attention turns only the rope part of q and k, itself; "
                                       "an attention that rotates q and k (the engine's decode step) must be built "
                                       "with rotates=False for it")
+        if getattr(attn, "latent", False):
+            return self.absorbed(x, cos, sin, attn)
         out = attend(attn, *self.project(x, cos, sin), torch.compiler.is_compiling())
         out = out.unflatten(-1, (self.n_heads, self.width))[..., :self.m.v_head_dim]
         return self.o_proj(out.flatten(-2))
+
+
+    def absorbed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        """The same attention over the engine's latent cache (`lathe.engine.mla`): one key/value "head" per token,
+        [normed latent c | rotated k_rope], shared by every query head. kv_b_proj's per-head maps are absorbed: head
+        h's score is (q_nope W_UK[h]) . c + q_rope . k_rope, equal to q_nope . (W_UK[h] c) + q_rope . k_rope, and its
+        output the attention-weighted c mapped by W_UV[h] afterwards, as (sum_j p_j c_j) W_UV[h]^T = sum_j p_j v_j."""
+        m, lead, r = self.m, x.shape[:-1], self.m.kv_lora_rank
+        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(*lead, self.n_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim],
+                                                                         dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([r, m.qk_rope_head_dim], dim=-1)
+        rotate = apply_interleaved_rotary if m.rope_interleave else apply_rotary
+        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.unsqueeze(-2), cos, sin)
+        w = self.kv_b_proj.weight.view(self.n_heads, m.qk_nope_head_dim + m.v_head_dim, r)
+        w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
+        q = torch.cat([torch.einsum("...hn,hnr->...hr", q_nope, w_uk), q_rope], dim=-1)
+        q = q * (m.softmax_scale * m.latent_dim ** 0.5)        # the kernels scale by latent_dim^-0.5
+        kv = _pad(torch.cat([self.kv_a_layernorm(latent).unsqueeze(-2), k_rope], dim=-1), m.latent_dim)
+        out = attend(attn, _pad(q, m.latent_dim), kv, kv, torch.compiler.is_compiling())
+        out = out.unflatten(-1, (self.n_heads, m.latent_dim))[..., :r]
+        return self.o_proj(torch.einsum("...hr,hvr->...hv", out, w_uv).flatten(-2))
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -52,6 +52,12 @@ class MlaConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def latent_dim(self) -> int:
+        """The per-token width of the engine's latent cache (`lathe.engine.mla`): the normed latent and the rotated
+        rope part of k, shared by every head, up to a multiple of 8."""
+        return -(-(self.kv_lora_rank + self.qk_rope_head_dim) // 8) * 8
+
+    @property
     def attn_dim(self) -> int:
         """The per-head width of q, k and v as the attention callables and the KV cache see them (the shorter of
         q/k and v zero-padded to the longer, and both up to a multiple of 8: flash attention's kernels take no

@@ -259,3 +259,19 @@ def test_a_deepseek_replica_generates_what_one_process_generates(tmp_path):
     for rank, got in run_replica(2, [str(path)], make=build_expert_parallel).items():
         for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), got[0], want[0]):
             assert a == b, f"rank {rank} of 2: {what} tokens differ"
+
+
+@pytest.mark.gpu
+def test_hybrid_and_latent_replicas_over_two_gpus_generate_what_one_gpu_generates(hybrid_paths, tmp_path):
+    """NCCL, float32: the hybrids (fla's kernels, the decode states in CUDA graphs) and DeepSeek-V3 (the latent cache,
+    eager decode) as TP=2 replicas against one GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from models.deepseek_tiny import deepseek_model
+    deepseek_model(seed=2).save_pretrained(tmp_path / "deepseek")
+    paths = [*hybrid_paths, str(tmp_path / "deepseek")]
+    want = [generations(build_expert_parallel(p, None, torch.device("cuda", 0)), p) for p in paths]
+    for rank, got in run_replica(2, paths, "cuda", make=build_expert_parallel).items():
+        for case, (g, w) in enumerate(zip(got, want)):
+            for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), g, w):
+                assert a == b, f"rank {rank} of 2, {paths[case]}: {what} tokens differ"

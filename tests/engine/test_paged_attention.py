@@ -161,3 +161,45 @@ def test_a_lock_that_cannot_be_taken_measures_without_remembering(tmp_path, monk
     assert not choices.path().exists()
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "not remembered" in said[0] and ("No locks" in said[0] or "held" in said[0]), said
+
+
+def test_a_split_decode_step_allocates_its_shared_merge_counters_once():
+    """`DecodeAttention` with the Triton kernel's split-K merge: one zeroed set of counters (rows x KV heads) for all
+    the step's layers, made with the step (a latent-attention property once cut this allocation off unseen: the
+    kernel then fell back to fresh zeros at every layer)."""
+    from lathe.engine.kv_cache import KVCache
+    from lathe.engine.step_attention import DecodeAttention
+    cache = KVCache(2, 8, 4, 3, 16)
+    tables = torch.zeros(5, 2, dtype=torch.int32)
+    step = DecodeAttention(cache, torch.zeros(5, dtype=torch.long), tables, torch.ones(5, dtype=torch.int32),
+                           backend="triton", num_splits=4)
+    assert step.counters is not None and step.counters.shape == (5 * 3,) and not step.counters.any()
+    assert DecodeAttention(cache, torch.zeros(5, dtype=torch.long), tables, torch.ones(5, dtype=torch.int32),
+                           backend="torch").counters is None
+    assert step.latent is False
+
+
+def test_one_kv_head_attends_as_the_grouped_form_without_repeating_the_context():
+    """DeepSeek-V3's latent cache has one KV "head" of 576: the torch decode folds the query heads into one head's
+    queries, and a packed prefill past flash attention's head sizes repeats the KV head (so SDPA's memory-efficient
+    kernel runs, not the math form): both equal SDPA's grouped attention (norm-relative, float32)."""
+    from helpers import assert_close_rel
+    from lathe.models.attention import PackedAttention
+    g = torch.Generator().manual_seed(0)
+    blocks, block, hq, d = 6, 4, 4, 264
+    kc, vc = (torch.randn(blocks, block, 1, d, generator=g) for _ in range(2))
+    q = torch.randn(3, hq, d, generator=g)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([9, 6, 2], dtype=torch.int32)
+    got = paged_attention.decode_attention(q, kc, vc, tables, lens)
+    k, v = (paged_attention.gathered(c, None, tables, q.dtype).transpose(1, 2) for c in (kc, vc))
+    mask = (torch.arange(k.shape[2])[None, :] < lens[:, None])[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
+    assert_close_rel(got, want[:, :, 0], rel=1e-5, name="decode")
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    qp, kp, vp = torch.randn(12, hq, d, generator=g), torch.randn(12, 1, d, generator=g), torch.randn(12, 1, d, generator=g)
+    got = PackedAttention(cu, 7, "sdpa")(qp, kp, vp)
+    want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(x[a:b].transpose(0, 1)[None] for x in (qp, kp, vp)), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        for a, b in ((0, 5), (5, 12))])
+    assert_close_rel(got, want, rel=1e-5, name="packed prefill")

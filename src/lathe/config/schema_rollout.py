@@ -131,9 +131,10 @@ class RolloutConfig:
     data_parallel_size: int = spec(1, "Data-parallel degree of the engine (verl).")
     expert_parallel_size: int = spec(
         1, "Expert-parallel degree of the engine (verl; vLLM's enable_expert_parallel when above 1). lathe: a "
-           "mixture-of-experts model (Qwen3-MoE, GPT-OSS) in replicas of tensor_model_parallel_size > 1 needs it "
-           "equal to that size: each rank then holds num_experts / size whole experts (verl's EP = TP x "
-           "data_parallel_size, whose data-parallel part is refused); 1 for a dense model or one device a replica.")
+           "mixture-of-experts model (Qwen3-MoE, GPT-OSS, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) in replicas of "
+           "tensor_model_parallel_size > 1 needs it equal to that size: each rank then holds num_experts / size "
+           "whole experts (verl's EP = TP x data_parallel_size, whose data-parallel part runs as replicas of TP "
+           "ranks); 1 for a dense model or one device a replica.")
     pipeline_model_parallel_size: int = spec(1, "Pipeline-parallel degree of the engine (verl).")
     moe_tensor_parallel_size: int = spec(1, "Tensor-parallel degree of MoE layers (verl, TensorRT-LLM).")
     max_num_batched_tokens: int = spec(

@@ -113,8 +113,8 @@ class ExpertSlice:
                       if type(b) not in (SparseMoeBlock, GptOssMoeBlock, SharedExpertMoeBlock, DeepseekMoeBlock)})
         if odd:
             raise NotImplementedError(f"rollout.tensor_model_parallel_size={tp.size}: the MoE layers {odd} of "
-                                      f"{model.config.architecture} (shared experts) are not placed over tensor-"
-                                      "parallel engine replicas yet. Fix: set it to 1")
+                                      f"{model.config.architecture} are not placed over tensor-parallel engine "
+                                      "replicas yet. Fix: set it to 1")
         for block in blocks:
             experts = block.experts
             for name, p in list(experts.named_parameters(recurse=False)):

@@ -158,17 +158,18 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                  quantization: str | None = None, record_routing: bool = False, kv_cache_dtype: str | None = None,
                  num_speculative_tokens: int = 0):
         hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
+        layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
+        self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         if hybrid:
             enable_prefix_caching, fuse_projections = hybrid_settings(model, enable_prefix_caching, fuse_projections,
                                                                       quantization)
-            max_num_seqs = state_slots(model.config, max_num_seqs, model.dtype, model.device)
+            # (the ranks of a replica from each one's free memory: the fewest, so their schedulers decide alike)
+            max_num_seqs = self.tp.min_int(state_slots(model.config, max_num_seqs, model.dtype, model.device))
         if is_mla(model):           # DeepSeek-V3 family: no CUDA graphs, fused projections or FP8 (`mla.py`)
             enforce_eager, fuse_projections = mla_settings(model, enforce_eager, fuse_projections, quantization)
         self.model = model.eval()
         # the paged cache's storage: the model's dtype ("auto"), or FP8 with a scale per token and KV head (`kv_cache`)
         self.kv_dtype = kv_storage_dtype(kv_cache_dtype, model.dtype, model.device)
-        layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
-        self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         self.vl = is_vl(model)        # a vision-language model: prompts may carry images (`multimodal.py`)
         if num_speculative_tokens:
             refuse_speculative(self, num_speculative_tokens, vl=self.vl, hybrid=hybrid, mla=is_mla(model),

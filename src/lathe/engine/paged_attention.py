@@ -151,6 +151,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mask = mask & (torch.arange(L, device=q.device)[None, :] >= context_lens[:, None] - window)[:, None, None, :]
     if sinks is not None or window is not None:
         return sink_attention(q[:, :, None, :], k, v, mask, sinks, scale)[:, :, 0, :]
+    if k.shape[1] == 1 and q.shape[1] > 1:
+        # one KV head (DeepSeek-V3's latent, `mla.py`): the query heads as one head's queries, so no kernel repeats
+        # the context for each head (SDPA's GQA does, outside flash attention, whose head sizes stop at 256)
+        return F.scaled_dot_product_attention(q[:, None], k, v, attn_mask=mask, scale=scale)[:, 0]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[:, :, 0, :]

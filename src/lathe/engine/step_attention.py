@@ -58,14 +58,14 @@ class DecodeAttention:
             self.rotates = self.kv_cache.device.type == "cuda" and triton_store.triton is not None
         self.layer = 0
         self.counters = None        # the split kernel's merge counters, one zeroed set shared by the step's layers
+        if self.backend == "triton" and self.num_splits > 1:
+            rows, kv_heads = self.block_tables.shape[0], self.kv_cache.k[0].shape[2]
+            self.counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=self.block_tables.device)
 
     @property
     def latent(self) -> bool:
         """Whether the cache holds DeepSeek-V3's latent (the layers then attend in the absorbed form: `mla.py`)."""
         return self.kv_cache.latent
-        if self.backend == "triton" and self.num_splits > 1:
-            rows, kv_heads = self.block_tables.shape[0], self.kv_cache.k[0].shape[2]
-            self.counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=self.block_tables.device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None, *, sinks: torch.Tensor | None = None,

@@ -11,7 +11,7 @@ Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053), as vLLM's engine r
   vocabulary and the replica gathers them, so every rank holds the same full logits and samples the same tokens;
 - embeddings and norms are whole on every rank (a GPT-OSS layer's sink logits, one per query head, go with their
   heads);
-- DeepSeek-V3's latent attention (the engine's cache holds each head's decompressed K and V: `lathe.engine.mla`):
+- DeepSeek-V3's latent attention (the engine's cache holds each token's latent, whole on every rank: `lathe.engine.mla`):
   each rank holds its heads' rows of `q_proj` / `q_b_proj` and `kv_b_proj` (each head's k_nope and v from the
   latent) and `o_proj`'s columns of them; the low-rank down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) and their
   norms are whole, each rank computing the latent itself; its shared experts are cut like a dense MLP;

@@ -189,12 +189,17 @@ class PackedAttention:
         if self._bounds is None:   # one host sync per forward, shared by all layers
             self._bounds = self.cu_seqlens.tolist()
         groups = q.shape[1] // k.shape[1]
+        # past flash attention's head sizes (256: DeepSeek-V3's latent in the engine) the KV heads are repeated, so
+        # that the memory-efficient kernel runs; SDPA's GQA would fall to the math form and its (heads, T, T) scores
+        repeat = groups > 1 and q.shape[-1] > 256
         outs = []
         for start, end in zip(self._bounds[:-1], self._bounds[1:]):
             if end == start:
                 continue
             qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=groups > 1)
+            if repeat:
+                ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=groups > 1 and not repeat)
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 

@@ -13,9 +13,9 @@ Multi-head latent attention (`self_attn`), per token:
 The attention callables of lathe (packed, padded, the engine's paged steps) take q, k, v of one head width and scale
 by its inverse square root: the shorter of k and v is zero-padded to the longer, both up to a multiple of 8 (zeros
 add nothing to q k^T; v's zero columns are sliced off the output), and q is multiplied by softmax_scale * sqrt(width) when that is not 1. The
-engine's paged KV cache so holds each head's decompressed K and (padded) V, like any multi-head attention: the
-compressed-latent cache of absorbed MLA is not done (it would cache kv_lora_rank + qk_rope_head_dim values per token
-instead of heads * 2 * width).
+trainer's forward takes that form; lathe's engine caches each token's latent instead and attends in the absorbed form
+(`MlaAttention.absorbed`, `lathe.engine.mla`: kv_lora_rank + qk_rope_head_dim values per token and layer instead of
+heads * 2 * width).
 
 The MoE (`mlp` of the layers from `first_k_dense_replace` on; the earlier ones have a dense SwiGLU `mlp`): sigmoid
 scores s = sigmoid(x W^T) in float32; expert selection uses s + `e_score_correction_bias` (DeepSeek's auxiliary-loss-

@@ -8,9 +8,10 @@ The keys (transformers' `DeepseekV3Config`, whose defaults a config.json that le
   `n_group` / `topk_group` (group-limited routing), `norm_topk_prob`, `routed_scaling_factor`, and dense layers
   (`intermediate_size`) before `first_k_dense_replace`.
 
-In `LatheConfig` the attention looks like plain multi-head attention to the rest of lathe (the engine's paged KV
-cache, the attention callables): `num_key_value_heads` = the query heads and `head_dim` = the padded per-head width
-max(qk_nope_head_dim + qk_rope_head_dim, v_head_dim) the attention callables see (`MlaConfig.attn_dim`).
+In `LatheConfig` the attention looks like plain multi-head attention to the rest of lathe (the trainer's attention
+callables): `num_key_value_heads` = the query heads and `head_dim` = the padded per-head width
+max(qk_nope_head_dim + qk_rope_head_dim, v_head_dim) the attention callables see (`MlaConfig.attn_dim`). The engine's
+paged cache holds each token's latent instead (`MlaConfig.latent_dim`, `lathe.engine.mla.cache_layout`).
 """
 
 from __future__ import annotations

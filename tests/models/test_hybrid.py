@@ -78,16 +78,13 @@ def test_configs_outside_the_hybrid_layers_fall_back():
 
 
 def test_what_cuts_sequences_is_refused_by_name():
-    """Tensor parallelism in training, prefix-grouped rows, tensor-parallel engine replicas: refused for the
-    linear-attention layers, whose state runs along whole sequences (Ulysses splits them: tests/train/
-    test_ulysses_hybrid.py)."""
-    from lathe.engine.tensor_parallel import shard_copy
+    """Tensor parallelism in training and prefix-grouped rows: refused for the linear-attention layers, whose state
+    runs along whole sequences (Ulysses splits them by heads: tests/train/test_ulysses_hybrid.py; the engine's
+    tensor-parallel replicas too: tests/engine/test_tensor_parallel.py)."""
     from lathe.train import tensor_parallel
     lathe = lathe_from_transformers(hf_model("qwen3_5_text"))
     with pytest.raises(ValueError, match="linear-attention layers"):
         tensor_parallel.check_model(lathe, 2, "fsdp_config.tensor_parallel_size")
-    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2: the linear-attention layers"):
-        shard_copy(lathe, torch.float32, torch.device("cpu"), type("TP", (), {"size": 2})())
     ids = torch.randint(0, 100, (1, 5))
     with pytest.raises(NotImplementedError, match="use_prefix_grouper"):
         lathe.hidden_grouped(ids, torch.arange(5)[None], torch.ones(1, 1, 5, 5, dtype=torch.bool).tril())

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def run_processes(procs: list, queue, timeout_s: float) -> dict:
     try:
         for _ in procs:
             rank, result = queue.get(timeout=timeout_s)
-            assert not isinstance(result, str), f"rank {rank} failed:\n{result}"
+            assert not isinstance(result, str), f"rank {rank} failed:\n{result}{_deaths(procs)}"
             results[rank] = result
         failed = False
     finally:
@@ -113,6 +114,15 @@ def run_processes(procs: list, queue, timeout_s: float) -> dict:
                 p.kill()
                 p.join(timeout=10)
     return results
+
+
+def _deaths(procs: list) -> str:
+    """The processes that died of a signal (a crash on one rank shows on the others as a lost connection)."""
+    import signal
+    time.sleep(0.5)                         # (a crashed rank's exit lands just after the others' errors)
+    dead = [f"process {i} (pid {p.pid}) died of {signal.Signals(-p.exitcode).name}" for i, p in enumerate(procs)
+            if p.exitcode is not None and p.exitcode < 0]
+    return "\n" + "; ".join(dead) if dead else ""
 
 
 def gloo_rank(rank: int, world: int, port: int, queue, work, timeout_s: float = 120) -> None:

@@ -34,7 +34,8 @@ def test_greedy_equals_transformers_generate(checkpoint):
     # one run with prefix sharing, prompts cut in chunks of 6 tokens, and a cache small enough to preempt
     engine = _engine(path, num_kv_blocks=10, reserve_new_tokens=False, max_num_batched_tokens=6)
     assert engine.kv_cache.shape[2:] == (1, 24)     # the latent (16) and k's rope part (8), shared by the 4 heads
-    assert engine.kv_cache.latent
+    assert engine.kv_cache.latent and all(k is v for k, v in zip(engine.kv_cache.k, engine.kv_cache.v))
+    assert engine.kv_cache.nbytes == engine.kv_cache.buffer.numel() * 4                 # (one buffer: K is V)
     assert engine.generate(PROMPTS, params).token_ids == expected
     assert engine.scheduler.num_preemptions > 0
 

@@ -71,10 +71,12 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", latent: bool = False):
+        """`latent`: the cache holds DeepSeek-V3's latent per token (`lathe.engine.mla`), which is its K and its V
+        alike: one buffer, `v[i]` the same tensor as `k[i]` (a store of each writes the same values)."""
         self.shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)   # + the scratch block
         self.num_layers, self.dtype, self.device = num_layers, dtype, torch.device(device)
-        self.latent = False             # holds DeepSeek-V3's latent per token, not K/V per head (`lathe.engine.mla`)
+        self.latent = latent
         self.quantized = dtype == FP8               # an FP8 cache: values and their scales (module doc)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -86,10 +88,11 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """Bytes one block takes over all layers, K and V (an FP8 cache's float32 scales included)."""
+                        dtype: torch.dtype, latent: bool = False) -> int:
+        """Bytes one block takes over all layers, K and V (one of them for a `latent` cache; an FP8 cache's float32
+        scales included)."""
         per_head = head_dim * torch.empty(0, dtype=dtype).element_size() + (4 if dtype == FP8 else 0)
-        return 2 * num_layers * block_size * num_kv_heads * per_head
+        return (1 if latent else 2) * num_layers * block_size * num_kv_heads * per_head
 
     @property
     def num_blocks(self) -> int:
@@ -106,7 +109,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes the cache takes when allocated (K and V, every layer, the scratch block included)."""
-        return self.bytes_per_block(self.num_layers, *self.shape[1:], self.dtype) * self.shape[0]
+        return self.bytes_per_block(self.num_layers, *self.shape[1:], self.dtype, self.latent) * self.shape[0]
 
     @property
     def allocated(self) -> bool:
@@ -125,13 +128,16 @@ class KVCache:
             return
         # both allocations before either is kept: `wake_up` retries an out-of-memory error, which must not leave values
         # without their scales
-        buffer = torch.zeros((2, self.num_layers) + self.shape, dtype=self.dtype, device=self.device)
-        scales = (torch.zeros((2, self.num_layers) + self.shape[:-1], dtype=torch.float32, device=self.device)
+        sides = 1 if self.latent else 2             # (a latent cache's V is its K)
+        buffer = torch.zeros((sides, self.num_layers) + self.shape, dtype=self.dtype, device=self.device)
+        scales = (torch.zeros((sides, self.num_layers) + self.shape[:-1], dtype=torch.float32, device=self.device)
                   if self.quantized else None)
         self.buffer, self.scales = buffer, scales
-        self.k, self.v = list(buffer[0].unbind(0)), list(buffer[1].unbind(0))
+        self.k = list(buffer[0].unbind(0))
+        self.v = self.k if self.latent else list(buffer[1].unbind(0))
         if scales is not None:
-            self.k_scale, self.v_scale = list(scales[0].unbind(0)), list(scales[1].unbind(0))
+            self.k_scale = list(scales[0].unbind(0))
+            self.v_scale = self.k_scale if self.latent else list(scales[1].unbind(0))
 
     def free(self) -> None:
         self.k, self.v, self.buffer = [], [], None
@@ -159,7 +165,7 @@ class KVCache:
     def _index_store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k/v at `slot_mapping` by `index_copy_` (quantised with their scales in an FP8 cache)."""
         flat = (-1,) + self.shape[2:]
-        for x, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+        for x, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale))[:1 if self.latent else 2]:
             if self.quantized:
                 x, scale = quantize(x)
                 scales[layer].view(-1, self.shape[2]).index_copy_(0, slot_mapping, scale)
@@ -170,6 +176,6 @@ class KVCache:
         if not pairs:
             return
         src, dst = to_device(torch.tensor(pairs).T.contiguous(), self.device)
-        for cache in self.k + self.v + self.k_scale + self.v_scale:
+        for cache in self.k + self.k_scale if self.latent else self.k + self.v + self.k_scale + self.v_scale:
             cache = as_bytes(cache)
             cache[dst] = cache[src]

@@ -199,8 +199,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if num_kv_blocks is None:
             num_kv_blocks = self._default_num_blocks(block_size, gpu_memory_utilization, max_num_seqs)
         self.kv_cache = KVCache(kv_layers(cfg), num_kv_blocks, block_size, *cache_layout(cfg), dtype=self.kv_dtype,
-                                device=model.device)
-        self.kv_cache.latent = is_mla(model)        # DeepSeek-V3's latent per token (`mla.py`)
+                                device=model.device, latent=is_mla(model))    # (DeepSeek-V3's latent: `mla.py`)
         self.block_manager = (BlockManager(num_kv_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
                               if self.states is None else StateBlockManager(num_kv_blocks, block_size,
                                                                             enable_prefix_caching=False,
@@ -255,7 +254,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
 
     def _default_num_blocks(self, block_size: int, utilization: float, max_num_seqs: int) -> int:
         cfg, device = text_config(self.model), self.model.device
-        per_block = KVCache.bytes_per_block(kv_layers(cfg), block_size, *cache_layout(cfg), self.kv_dtype)
+        per_block = KVCache.bytes_per_block(kv_layers(cfg), block_size, *cache_layout(cfg), self.kv_dtype,
+                                            is_mla(self.model))
         if self.num_speculative_tokens:        # the draft layer's cache (`mtp_draft.py`)
             per_block += MtpDrafter.bytes_per_block(self.model, block_size)
         # the most blocks the running sequences can ever hold: max_num_seqs sequences of max_model_len tokens

@@ -4,9 +4,9 @@ The paged KV cache holds each token's latent, as absorbed MLA does: the normed l
 rotated rope part of k (qk_rope_head_dim), one entry per token and layer shared by every head (`cache_layout`:
 one "head" of `MlaConfig.latent_dim`). The layers attend in the absorbed form (`MlaAttention.absorbed`): each head's
 query goes through its slice of kv_b_proj's key map before the scores and its output through the value map after,
-so the attention runs as multi-query attention over the latent (K and V the same entry; the V half of the cache
-repeats it, a 2x left on the table). Per layer and token the cache holds 2 x latent_dim values where the
-decompressed per-head form held 2 x heads x width (Moonlight: 1152 against 6144; DeepSeek-V3: 1152 against 49152).
+so the attention runs as multi-query attention over the latent, whose entry is its K and its V alike (one buffer:
+`KVCache(latent=True)` makes `v[i]` the tensor `k[i]`). Per layer and token the cache holds latent_dim values where
+the decompressed per-head form held 2 x heads x width (Moonlight: 576 against 6144; DeepSeek-V3: 576 against 49152).
 The trainer keeps the decompressed form (the same numbers, another order of the products). The FP8 KV cache
 (`kv_cache_dtype="fp8"`, `kv_cache`) takes the latent like any other entry. Prefill runs its fresh sequences through
 PyTorch's SDPA, not flash attention's varlen kernels, whose head sizes stop at 256.

@@ -405,7 +405,8 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         head_dim = head_dim or c.hidden_size // c.num_attention_heads
         kv_seq = KVCache.bytes_per_block(kv_layers(c), length, max(1, heads // tp), head_dim,
                                          kv_storage_dtype(arr.rollout.kv_cache_dtype,
-                                                          rollout_dtype(arr.rollout.dtype, torch.device(device))))
+                                                          rollout_dtype(arr.rollout.dtype, torch.device(device))),
+                                         latent=getattr(c, "mla", None) is not None)
     seqs = math.ceil(run.actor.sequences_per_step / (run.world // tp))     # what one engine replica generates
     lora = None
     if arr.model.lora_rank > 0:                  # (adapter parameters, parameters of the layers they adapt)

@@ -3,6 +3,7 @@ choosing and binding draw theirs), never the same one twice, and an ephemeral on
 
 from __future__ import annotations
 
+import itertools
 import socket
 
 from lathe import ports
@@ -23,7 +24,7 @@ def test_a_port_in_use_is_passed_over(monkeypatch):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        picks = iter([busy, busy, busy + 1 if busy + 1 not in ports._given else busy + 2])
+        picks = itertools.chain([busy, busy], itertools.count(busy + 1))      # (then the next ports up)
         monkeypatch.setattr(ports, "ephemeral_range", lambda: (busy + 1024 + ports.LOWEST, 60999))
         monkeypatch.setattr(ports._random, "randrange", lambda a, b: next(picks))
         assert ports.free_port("127.0.0.1") != busy

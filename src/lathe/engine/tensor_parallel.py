@@ -118,7 +118,7 @@ def replica_groups(size: int) -> TensorParallel:
 _NAME = re.compile(r"^(?:model\.layers\.\d+\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)"
                    r"|(?P<head>lm_head))\.(?P<part>weight|bias)$")
 _SINKS = re.compile(r"^model\.layers\.\d+\.self_attn\.sinks$")       # GPT-OSS: one logit per query head
-# the hybrid families' linear-attention layers (`lathe.models.qwen3_5.GatedDeltaNet`) and shared experts
+# the hybrid families' linear-attention layers (`lathe.models.qwen3_5.GatedDeltaNet`)
 _LINEAR = re.compile(r"^model\.layers\.\d+\.linear_attn\.(?P<what>in_proj_qkvz|in_proj_qkv|in_proj_z|in_proj_ba|"
                      r"in_proj_b|in_proj_a|conv1d|out_proj|dt_bias|A_log|norm)(?:\.weight)?$")
 # a shared expert (Qwen3.5-MoE / Qwen3-Next: shared_expert; DeepSeek-V3: shared_experts), cut like a dense MLP
@@ -162,7 +162,9 @@ class ShardLayout:
             self.q = (first * mla.v_head_dim, n * mla.v_head_dim)             # o_proj's columns
             per = mla.qk_nope_head_dim + mla.v_head_dim
             self.mla = {"q_b": self.q_rows, "kv_b": (first * per, n * per)}
-        shared = mla.n_shared_experts * cfg.moe.moe_intermediate_size if mla is not None and cfg.moe else 0
+        # a shared expert's intermediate features (Qwen3.5-MoE / Qwen3-Next, DeepSeek-V3), cut like a dense MLP's
+        shared = (la.shared_expert_intermediate_size if la is not None else
+                  mla.n_shared_experts * cfg.moe.moe_intermediate_size if mla is not None and cfg.moe else 0)
         if shared % size:
             raise ValueError(f"rollout.tensor_model_parallel_size={size}: the shared experts' intermediate features "
                              f"({shared}) are not divisible by it. Fix: choose a size that divides {shared}")
@@ -176,22 +178,23 @@ class ShardLayout:
         self.local_config = replace(cfg, num_attention_heads=heads // size, num_key_value_heads=kv_local,
                                     intermediate_size=self.inter[1], tie_word_embeddings=False,
                                     num_mtp_layers=0,      # MiMo's MTP layers: training only, left out of replicas
-                                    linear_attention=None if la is None else self.linear.local_config)
+                                    linear_attention=None if la is None else replace(
+                                        self.linear.local_config, shared_expert_intermediate_size=shared // size))
 
     def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the whole tensor `name` (a view; the LM head's last slice padded with zero rows)."""
         m = _NAME.match(name)
         if m is None:
+            shared = _SHARED.match(name) if self.shared is not None else None
+            if shared is not None:
+                return tensor.narrow(1 if shared["proj"] == "down" else 0, *self.shared)
             if self.linear is not None:
                 cut = self.linear.local(name, tensor)
                 if cut is not None:
                     return cut
-            if self.mla is not None:
-                mla, shared = _MLA.match(name), _SHARED.match(name)
-                if mla is not None:
-                    return tensor.narrow(0, *self.mla[mla["proj"]])
-                if shared is not None:
-                    return tensor.narrow(1 if shared["proj"] == "down" else 0, *self.shared)
+            mla = _MLA.match(name) if self.mla is not None else None
+            if mla is not None:
+                return tensor.narrow(0, *self.mla[mla["proj"]])
             return tensor.narrow(0, *self.heads) if _SINKS.match(name) else tensor
         attn, mlp, part = m["attn"], m["mlp"], m["part"]
         if m["head"]:
@@ -229,38 +232,28 @@ class ShardLayout:
 
 
 class _LinearSlices:
-    """A rank's share of the hybrid families' linear-attention layers and shared experts (`lathe.models.qwen3_5`):
-    key heads [r Hk/T, (r+1) Hk/T) with their value heads (Hv / Hk each: the convolution is per channel and the delta
-    rule per head, so heads are independent, as under Ulysses), and columns of the shared expert as of a dense MLP.
+    """A rank's share of the hybrid families' linear-attention layers (`lathe.models.qwen3_5`): key heads
+    [r Hk/T, (r+1) Hk/T) with their value heads (Hv / Hk each: the convolution is per channel and the delta rule per
+    head, so heads are independent, as under Ulysses). (Their shared experts are `ShardLayout`'s, as DeepSeek-V3's.)
 
     - `in_proj_qkv` and the convolution's channels: the rank's rows of each of the q, k and v sections;
       `in_proj_z`, `in_proj_b`, `in_proj_a`, `dt_bias`, `A_log`: its value heads; Qwen3-Next's grouped
       `in_proj_qkvz` / `in_proj_ba` ([q, k, v, z] and [b, a] per key head): its key heads' groups; `norm` (over one
       value head's features) whole;
-    - `out_proj` is row-parallel (its columns: the rank's value heads), summed over the replica;
-    - the shared expert's gate/up rows and down columns are the rank's share of its intermediate features; its
-      output, gated by `shared_expert_gate` (whole: one scalar per token), is a partial sum that the MoE block's
-      all-reduce adds with the routed experts' (`lathe.engine.expert_parallel`)."""
+    - `out_proj` is row-parallel (its columns: the rank's value heads), summed over the replica."""
 
     def __init__(self, la, rank: int, size: int):
-        hk, hv, shared = la.num_key_heads, la.num_value_heads, la.shared_expert_intermediate_size
-        problems = [f"{what} ({n}) are not divisible by it" for what, n in (
-            ("the linear-attention key heads", hk), ("the shared expert's intermediate features", shared)) if n % size]
-        if problems:
-            raise ValueError(f"rollout.tensor_model_parallel_size={size}: {'; '.join(problems)}. Fix: choose a size "
-                             f"that divides {hk} key heads{f' and {shared} features' if shared else ''}")
+        hk, hv = la.num_key_heads, la.num_value_heads
+        if hk % size:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: the linear-attention key heads ({hk}) are "
+                             f"not divisible by it. Fix: choose a size that divides {hk} key heads")
         self.la, self.r = la, hv // hk
         self.keys = (rank * hk // size, hk // size)                 # (first key head, key heads)
         self.values = (self.keys[0] * self.r, self.keys[1] * self.r)   # their value heads
-        self.shared = (rank * shared // size, shared // size)
-        self.local_config = replace(la, num_key_heads=self.keys[1], num_value_heads=self.values[1],
-                                    shared_expert_intermediate_size=self.shared[1])
+        self.local_config = replace(la, num_key_heads=self.keys[1], num_value_heads=self.values[1])
 
     def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        """This rank's slice of a linear-attention or shared-expert tensor; None for any other."""
-        m = _SHARED.match(name)
-        if m is not None:
-            return tensor.narrow(1 if m["proj"] == "down" else 0, *self.shared)
+        """This rank's slice of a linear-attention tensor; None for any other."""
         m = _LINEAR.match(name)
         if m is None:
             return None

@@ -70,17 +70,23 @@ class MlaAttention(nn.Module):
         q_scale = m.softmax_scale * self.width ** 0.5          # 1 unless YaRN's mscale or padding changes it
         self.q_scale = 1.0 if abs(q_scale - 1.0) < 1e-12 else q_scale
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(q, k, v), each (..., heads, width): q and k rotated, padded and q scaled (module doc)."""
+    def queries_and_latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q_nope (..., heads, qk_nope), q_rope (..., heads, rope) rotated, the normed latent (..., kv_lora_rank),
+        k_rope (..., 1, rope) rotated): what both forms of the attention start from."""
         m, lead = self.m, x.shape[:-1]
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(*lead, self.n_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim],
                                                                          dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(*lead, self.n_heads, m.qk_nope_head_dim + m.v_head_dim)
-        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         rotate = apply_interleaved_rotary if m.rope_interleave else apply_rotary
-        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.unsqueeze(-2), cos, sin)
+        return q_nope, rotate(q_rope, cos, sin), self.kv_a_layernorm(latent), rotate(k_rope.unsqueeze(-2), cos, sin)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q, k, v), each (..., heads, width): q and k rotated, padded and q scaled (module doc)."""
+        m, lead = self.m, x.shape[:-1]
+        q_nope, q_rope, latent, k_rope = self.queries_and_latent(x, cos, sin)
+        kv = self.kv_b_proj(latent).view(*lead, self.n_heads, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(*lead, self.n_heads, m.qk_rope_head_dim)], dim=-1)
         if self.q_scale != 1.0:
@@ -104,18 +110,13 @@ class MlaAttention(nn.Module):
         [normed latent c | rotated k_rope], shared by every query head. kv_b_proj's per-head maps are absorbed: head
         h's score is (q_nope W_UK[h]) . c + q_rope . k_rope, equal to q_nope . (W_UK[h] c) + q_rope . k_rope, and its
         output the attention-weighted c mapped by W_UV[h] afterwards, as (sum_j p_j c_j) W_UV[h]^T = sum_j p_j v_j."""
-        m, lead, r = self.m, x.shape[:-1], self.m.kv_lora_rank
-        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(*lead, self.n_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim],
-                                                                         dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([r, m.qk_rope_head_dim], dim=-1)
-        rotate = apply_interleaved_rotary if m.rope_interleave else apply_rotary
-        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.unsqueeze(-2), cos, sin)
+        m, r = self.m, self.m.kv_lora_rank
+        q_nope, q_rope, latent, k_rope = self.queries_and_latent(x, cos, sin)
         w = self.kv_b_proj.weight.view(self.n_heads, m.qk_nope_head_dim + m.v_head_dim, r)
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
         q = torch.cat([torch.einsum("...hn,hnr->...hr", q_nope, w_uk), q_rope], dim=-1)
         q = q * (m.softmax_scale * m.latent_dim ** 0.5)        # the kernels scale by latent_dim^-0.5
-        kv = _pad(torch.cat([self.kv_a_layernorm(latent).unsqueeze(-2), k_rope], dim=-1), m.latent_dim)
+        kv = _pad(torch.cat([latent.unsqueeze(-2), k_rope], dim=-1), m.latent_dim)
         out = attend(attn, _pad(q, m.latent_dim), kv, kv, torch.compiler.is_compiling())
         out = out.unflatten(-1, (self.n_heads, m.latent_dim))[..., :r]
         return self.o_proj(torch.einsum("...hr,hvr->...hv", out, w_uv).flatten(-2))

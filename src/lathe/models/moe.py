@@ -210,6 +210,7 @@ def _grouped(rows: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, d
     return out if biases is None else out + biases[1].index_select(0, experts)
 
 
+@torch.compiler.disable     # (host-read counts: compiled, each pattern of idle experts would be another graph)
 def _looped(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act,
             biases) -> torch.Tensor:
     """The experts over their runs of `rows`, one expert at a time (experts without tokens skipped)."""

@@ -50,7 +50,7 @@ ONE_WORKER = ("tests/train/test_expert_parallel.py", "tests/train/test_tensor_pa
               "tests/workers/test_lockstep_agent.py", "tests/train/test_tp_ulysses.py",
               "tests/train/test_mtp_ulysses.py", "tests/train/test_tensor_parallel_lora.py",
               "tests/train/test_tp_ulysses_lora_mtp.py", "tests/train/test_tp_expert_parallel.py",
-              "tests/train/test_offloaded_adamw.py")
+              "tests/train/test_offloaded_adamw.py", "tests/engine/test_data_parallel.py")
 
 
 @pytest.hookimpl(tryfirst=True)    # before xdist's own hook reads the groups

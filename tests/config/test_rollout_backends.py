@@ -307,29 +307,39 @@ def test_tensor_parallel_replicas_that_cannot_run_are_refused(overrides, message
 
 
 @pytest.mark.parametrize(("devices", "overrides", "ep"), [
-    (8, ["data_parallel_size=8", "expert_parallel_size=8"], 1),                          # verl's EP = TP x DP
-    (4, ["data_parallel_size=2", "tensor_model_parallel_size=2", "expert_parallel_size=4"], 2),
     (4, ["moe_tensor_parallel_size=2", "tensor_model_parallel_size=4", "expert_parallel_size=2"], 4),
-    # EP wider than TP with no data-parallel size (verl's own check stops on it): read as DP = EP / TP
-    (8, ["tensor_model_parallel_size=2", "expert_parallel_size=8"], 2),
+    (4, ["data_parallel_size=2", "tensor_model_parallel_size=2", "expert_parallel_size=2"], 2),
 ])
 def test_verl_engine_layouts_run_as_replicas_of_tp_ranks(devices, overrides, ep):
-    """Data-parallel attention (one engine of DP x TP ranks) runs as DP replicas of TP ranks, and TensorRT-LLM's
-    moe_tensor_parallel_size x EP = TP as whole experts over the TP ranks: the same samples, another layout, one
-    notice each; expert_parallel_size becomes the replica's."""
-    with pytest.warns(IgnoredKeysWarning, match="runs as|places whole experts|reads it as data_parallel_size"):
+    """TensorRT-LLM's moe_tensor_parallel_size x EP = TP runs as whole experts over the TP ranks, and a data-parallel
+    size with EP = TP as replicas of whole experts: the same samples, another layout, one notice each."""
+    with pytest.warns(IgnoredKeysWarning, match="runs as|places whole experts"):
         cfg = load_config("base", [f"trainer.n_gpus_per_node={devices}", *(f"{R}.{o}" for o in overrides)],
                           device_count=devices)
     assert cfg.actor_rollout_ref.rollout.expert_parallel_size == ep
 
 
+@pytest.mark.parametrize(("devices", "overrides"), [
+    (8, ["data_parallel_size=8", "expert_parallel_size=8"]),
+    (4, ["data_parallel_size=2", "tensor_model_parallel_size=2", "expert_parallel_size=4"])])
+def test_verl_data_parallel_attention_is_kept(devices, overrides):
+    """verl's EP = TP x DP is data-parallel attention (`lathe.engine.data_parallel`): kept as written, no notice."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredKeysWarning)
+        cfg = load_config("base", [f"trainer.n_gpus_per_node={devices}", *(f"{R}.{o}" for o in overrides)],
+                          device_count=devices)
+    ro = cfg.actor_rollout_ref.rollout
+    assert ro.data_parallel_size * ro.tensor_model_parallel_size == ro.expert_parallel_size == devices
+
+
 def test_wide_expert_parallel_reads_as_data_parallel_attention():
     with pytest.warns(IgnoredKeysWarning, match=r"verl requires EP = TP x data_parallel_size .* reads it as "
-                                                r"data_parallel_size=4 .* 4 engine replicas of 2 rank"):
+                                                r"data_parallel_size=4 \(data-parallel attention: 4 engine replicas "
+                                                r"of 2 rank"):
         cfg = load_config("base", ["trainer.n_gpus_per_node=8", f"{R}.tensor_model_parallel_size=2",
                                    f"{R}.expert_parallel_size=8"], device_count=8)
     ro = cfg.actor_rollout_ref.rollout
-    assert (ro.data_parallel_size, ro.expert_parallel_size) == (4, 2)
+    assert (ro.data_parallel_size, ro.expert_parallel_size) == (4, 8)
     with pytest.raises(ConfigError, match="expert_parallel_size=8: expert-parallel generation over other"):
         load_config("base", ["trainer.n_gpus_per_node=4", f"{R}.tensor_model_parallel_size=2",
                              f"{R}.expert_parallel_size=8"], device_count=4)      # 8 ranks do not divide 4 devices

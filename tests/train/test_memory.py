@@ -232,6 +232,21 @@ def test_a_tensor_parallel_rank_holds_its_share_of_the_rollout_weights(monkeypat
     assert _gib(parts, "actor master weights") == pytest.approx(4 * N / 4 / 2**30)          # fp32, 1/4 shard
 
 
+def test_data_parallel_attention_spreads_the_experts_over_the_engine(monkeypatch):
+    """D=2 replicas of TP=2 with data-parallel attention: the routed experts (here 3/4 of the weights) over the
+    engine's 4 ranks, the rest over a replica's 2."""
+    monkeypatch.setattr(memory, "total_memory", lambda device: 80 * 2**30)
+    cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4",
+                               "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                               "actor_rollout_ref.rollout.data_parallel_size=2",
+                               "actor_rollout_ref.rollout.expert_parallel_size=4"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=4,
+                        engine_experts=(3 * N // 4, 2))
+    rollout = next(p for p in parts if p.what.startswith("rollout weights"))
+    assert rollout.nbytes == pytest.approx(2 * (N / 4 / 2 + 3 * N / 4 / 4), rel=1e-6)      # bf16
+    assert rollout.what.endswith("1/2 of a replica and 1/4 of its experts")
+
+
 def test_a_run_that_does_not_fit_names_the_layouts_that_would_hold_less(monkeypatch):
     monkeypatch.setattr(memory, "total_memory", lambda device: 16 * 2**30)
     cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4",

@@ -201,7 +201,10 @@ def reward_model_group(cfg: LatheConfig, group):
 def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls, critic_cls, **actor_kwargs):
     """The driver's handles on a group's actor and critic, each update cut into the plan's mini-batches."""
     balance = cfg.trainer.balance_batch
+    ro = cfg.actor_rollout_ref.rollout      # (data-parallel attention: the engine's replicas run in lockstep)
+    lockstep = ro.data_parallel_size > 1 and ro.expert_parallel_size == ro.data_parallel_size * plan.rollout_tp
     actor = actor_cls(group, pad_id=tokenizer.pad_token_id, balance=balance, has_ref=plan.needs_ref,
+                      rollout_lockstep=lockstep,
                       has_teacher=cfg.distillation.enabled,
                       mini_batch_size=plan.actor.mini_batch_sequences, rollout_tp=plan.rollout_tp,
                       actor_sp=plan.actor.group_size,

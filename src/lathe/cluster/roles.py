@@ -23,15 +23,17 @@ SUMMED = ("rollout/num_preemptions", "rollout/graph_captures")
 
 # -- on the driver -------------------------------------------------------------------------------------
 def generate_over_ranks(group, role: str, prompts: Batch, params: SamplingParams, pad_id: int, *,
-                        replica_size: int = 1) -> Batch:
+                        replica_size: int = 1, every_replica: bool = False) -> Batch:
     """`role.generate_sequences` over the group's engine replicas (consecutive blocks of `replica_size` ranks, each
     rank of a block given the same share), the prompts in consecutive shares; each sample is seeded by its place in
-    the whole call, so the samples are those one undivided call draws; the replicas' metrics merged."""
+    the whole call, so the samples are those one undivided call draws; the replicas' metrics merged. A replica
+    whose share is empty is not called, but with `every_replica` (data-parallel attention: the replicas of an engine
+    run in lockstep, `lathe.engine.data_parallel`), which calls it with no prompts."""
     if params.seed is None and not params.greedy:
         params = replace(params, seed=int(torch.randint(0, 2**62, (1,))))
     shares = contiguous_shares(len(prompts), group.world_size // replica_size)
-    calls = [((prompts.select(list(s)), params), {"first_index": s.start * params.n}) if len(s) else None
-             for s in shares]
+    calls = [((prompts.select(list(s)), params), {"first_index": s.start * params.n}) if len(s) or every_replica
+             else None for s in shares]
     answers = group.call_each(role, "generate_sequences", for_groups(calls, replica_size))
     outs = [o for o in one_per_group(answers, replica_size) if o is not None]
     batch = concat_rollouts(outs, pad_id)
@@ -49,14 +51,16 @@ class ActorRolloutRefGroup:
 
     def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool,
                  rollout_tp: int = 1, actor_sp: int = 1, ref_sp: int = 1, has_teacher: bool = False,
-                 teacher_group=None):
+                 teacher_group=None, rollout_lockstep: bool = False):
         self.group, self.pad_id, self.mini_batch_size, self.balance = group, pad_id, mini_batch_size, balance
         self.has_ref, self.rollout_tp, self.actor_sp, self.ref_sp = has_ref, rollout_tp, actor_sp, ref_sp
         self.has_teacher, self.teacher_group = has_teacher, teacher_group
+        self.rollout_lockstep = rollout_lockstep      # data-parallel attention: every replica called, even idle
         self.world = group.world_size
 
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
-        return generate_over_ranks(self.group, ACTOR, prompts, params, self.pad_id, replica_size=self.rollout_tp)
+        return generate_over_ranks(self.group, ACTOR, prompts, params, self.pad_id, replica_size=self.rollout_tp,
+                                   every_replica=self.rollout_lockstep)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         return forward_over_groups(self.group, ACTOR, "compute_log_prob", batch, self.actor_sp, self.balance)

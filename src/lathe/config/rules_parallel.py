@@ -151,16 +151,20 @@ def data_parallel(cfg: LatheConfig, role: str, devices: Devices) -> Devices:
 
 def check_rollout_tp(cfg: LatheConfig, problems: ProblemList) -> None:
     """rollout.tensor_model_parallel_size: replicas of whole ranks of one node, or of whole nodes."""
+    from .data_parallel_attention import data_parallel_verdict
     ro, t, key = cfg.actor_rollout_ref.rollout, cfg.trainer, "actor_rollout_ref.rollout.tensor_model_parallel_size"
     tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size
-    # verl's EP = TP x DP, or TP / moe_tensor_parallel_size (support_rollout's judges; engine_data_parallel)
+    verdict = data_parallel_verdict(cfg)                   # (rollout.data_parallel_size: sizes that cannot run)
+    if verdict is not None and verdict[0] == "refuse":
+        problems.add(verdict[1])
+    # verl's EP = TP x DP, or TP / moe_tensor_parallel_size (data_parallel_attention.py; engine_data_parallel)
     if ep not in (None, 1, tp, tp * max(1, ro.data_parallel_size)) and ep * max(1, ro.moe_tensor_parallel_size) != tp:
         problems.add(f"actor_rollout_ref.rollout.expert_parallel_size={ep}: expert-parallel generation over other "
-                     f"than one tensor-parallel replica's ranks is not implemented yet in lathe (lathe issue 43: a "
-                     f"mixture-of-experts model's experts are placed over the {tp} rank(s) of a replica; verl's wider "
-                     f"sizes need data-parallel attention, rollout.data_parallel_size = EP / TP, as verl's own "
-                     f"config requires EP = TP x data_parallel_size). Fix: set it to {key.rsplit('.', 1)[1]}={tp}, "
-                     "or 1.")
+                     f"than one tensor-parallel replica's ranks ({tp}) or one data-parallel-attention engine's "
+                     f"(tensor_model_parallel_size x data_parallel_size = {tp * max(1, ro.data_parallel_size)}) is "
+                     f"not implemented in lathe (verl's own config requires EP = TP x data_parallel_size; lathe issue "
+                     f"43). Fix: set it to {key.rsplit('.', 1)[1]}={tp}, or 1, or set data_parallel_size so that "
+                     "EP = TP x data_parallel_size and that many ranks divide the rollout devices.")
     if tp == 1:
         return
     if tp < 1:

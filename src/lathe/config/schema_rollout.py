@@ -128,13 +128,19 @@ class RolloutConfig:
            "columns and of the vocabulary; the trainer's devices form trainer devices / size replicas, each "
            "generating its share of the prompts). A divisor of trainer.n_gpus_per_node, or whole nodes. verl's "
            "default is 2, lathe's 1 (a whole model per device is fastest while it fits).")
-    data_parallel_size: int = spec(1, "Data-parallel degree of the engine (verl).")
+    data_parallel_size: int = spec(
+        1, "Data-parallel degree of the engine (verl; vLLM/SGLang's data-parallel attention): D replicas of "
+           "tensor_model_parallel_size ranks form one engine, each replica generating its own prompts. With "
+           "expert_parallel_size = D x tensor_model_parallel_size a mixture-of-experts model's routed experts are "
+           "spread over all D x TP ranks and the replicas step in lockstep (eager decode; the agent loop, fully-async "
+           "training and speculative decoding run it as replicas of whole experts, with a notice); with "
+           "expert_parallel_size = TP or 1 the D replicas hold whole experts (faster while they fit).")
     expert_parallel_size: int = spec(
         1, "Expert-parallel degree of the engine (verl; vLLM's enable_expert_parallel when above 1). lathe: a "
            "mixture-of-experts model (Qwen3-MoE, GPT-OSS, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) in replicas of "
-           "tensor_model_parallel_size > 1 needs it equal to that size: each rank then holds num_experts / size "
-           "whole experts (verl's EP = TP x data_parallel_size, whose data-parallel part runs as replicas of TP "
-           "ranks); 1 for a dense model or one device a replica.")
+           "tensor_model_parallel_size > 1 needs it equal to that size (each rank then holds num_experts / size "
+           "whole experts), or to data_parallel_size x that size (data-parallel attention: num_experts / (D x TP) "
+           "each); 1 for a dense model or one device a replica.")
     pipeline_model_parallel_size: int = spec(1, "Pipeline-parallel degree of the engine (verl).")
     moe_tensor_parallel_size: int = spec(1, "Tensor-parallel degree of MoE layers (verl, TensorRT-LLM).")
     max_num_batched_tokens: int = spec(

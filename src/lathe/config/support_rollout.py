@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from .backends import QUANTIZED, engine_kwargs_verdict
 from .coerce import show
-from .plan import is_async, rollout_devices, trainer_devices
+from .plan import is_async
 from .support_base import Entry, at_most, no_entries, only_on, refuse, same_as, warn
 
 R = "actor_rollout_ref.rollout"
@@ -95,29 +95,6 @@ def _backends() -> list[Entry]:
     return out
 
 
-def _engine_data_parallel(value, cfg) -> tuple[str, str] | None:
-    """verl's rollout.data_parallel_size D (vLLM/SGLang's data-parallel attention: one engine of D x TP ranks, each
-    data-parallel rank with sequences of its own, the experts over all D x TP) runs as D of lathe's replicas of TP ranks
-    (`engine_data_parallel` translates its expert-parallel size D x TP to TP): the same samples, each seeded by its
-    place in the batch; each rank holds num_experts / TP experts instead of num_experts / (D x TP)."""
-    if value in (None, 1):
-        return None
-    ro = cfg.actor_rollout_ref.rollout
-    tp, ep, key = ro.tensor_model_parallel_size, ro.expert_parallel_size, f"{R}.data_parallel_size"
-    devices = rollout_devices(cfg) or trainer_devices(cfg)         # a rollout pool's own, else the trainer's
-    if value < 1 or devices % (value * tp) or ep not in (None, 1, tp, value * tp):
-        return "refuse", (f"`{key}`={show(value)} with tensor_model_parallel_size={tp} and expert_parallel_size="
-                          f"{ep}: data-parallel attention within one engine ({MODEL_PARALLEL}) is not implemented yet; "
-                          f"lathe runs verl's engine of data_parallel_size x tensor_model_parallel_size = {value * tp} "
-                          f"ranks as {value} replicas of {tp} rank(s), which needs {value * tp} to divide the "
-                          f"{devices} rollout devices and expert_parallel_size to be 1, {tp} or {value * tp} (verl's "
-                          f"EP = TP x DP). Fix: set data_parallel_size to 1 (or such a size).")
-    return "warn", (f"`{key}`={value} (data-parallel attention: one engine of {value * tp} ranks) runs as {value} of "
-                    f"lathe's engine replicas of {tp} rank(s) each: the same samples; a mixture-of-experts model's "
-                    f"experts are placed over each replica's {tp} rank(s) (expert_parallel_size {ep} runs as {tp}), "
-                    f"so each rank holds {value} times the experts it would in verl's engine.")
-
-
 def _moe_tensor_parallel(value, cfg) -> tuple[str, str] | None:
     """verl's (TensorRT-LLM's) rollout.moe_tensor_parallel_size M with expert_parallel_size EP, M x EP = TP: each
     expert cut over M ranks and the experts over EP groups of them; lathe places whole experts over the replica's TP
@@ -139,9 +116,7 @@ def _moe_tensor_parallel(value, cfg) -> tuple[str, str] | None:
 
 def _lacking() -> list[Entry]:
     """Features of verl's engines that lathe does not have yet: refused, with the issue that brings them."""
-    out = [replace(refuse(f"{R}.data_parallel_size", f"a data-parallel size within one engine (DP attention; "
-                          f"{MODEL_PARALLEL})"), judge=_engine_data_parallel)]
-    out += [refuse(f"{R}.pipeline_model_parallel_size", f"pipeline-parallel generation ({MODEL_PARALLEL})",
+    out = [refuse(f"{R}.pipeline_model_parallel_size", f"pipeline-parallel generation ({MODEL_PARALLEL})",
                    "set it to 1", at_most(1))]
     out += [replace(refuse(f"{R}.moe_tensor_parallel_size", f"tensor-parallel MoE layers ({MODEL_PARALLEL})"),
                     judge=_moe_tensor_parallel)]

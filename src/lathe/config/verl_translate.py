@@ -43,10 +43,11 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   ``use_remove_padding`` is false there, it becomes true once every key is set (`pack_for_context_parallel`; padding
   or packing changes the layout, not what is computed; Megatron's CP splits padded micro-batches itself, lathe's
   Ulysses splits the packed stream); one notice says so (`context_parallel_notice`);
-* ``rollout.data_parallel_size`` D (data-parallel attention in one engine of D x TP ranks) runs as D of lathe's
-  engine replicas of TP ranks, and verl's expert-parallel size D x TP as each replica's TP (`engine_data_parallel`;
-  the same samples, each rank holding D times verl's experts; support_rollout gives the notice); so does
-  ``rollout.moe_tensor_parallel_size`` M with M x EP = TP (whole experts over the TP ranks instead of each cut over M);
+* ``rollout.data_parallel_size`` D with expert-parallel size D x TP is data-parallel attention in one engine of
+  D x TP ranks (`lathe.engine.data_parallel`: D replicas of TP ranks in lockstep, a MoE model's experts over all
+  D x TP ranks; replicas of whole experts where it does not run: a dense model, streamed requests, speculative
+  decoding; `data_parallel_attention.py` says which, `engine_data_parallel` warns); ``rollout.moe_tensor_parallel_size`` M with M x EP = TP runs as whole
+  experts over the TP ranks instead of each cut over M (`engine_data_parallel` sets EP = TP);
 * Megatron Lite's ``engine`` group (verl's ``megatron_lite`` backend; `verl_keys.MLITE_ENGINE`) as Megatron's:
   ``engine.tp`` / ``ep`` / ``cp`` as the tensor-, expert- and context-parallel sizes above, ``engine.pp`` / ``vpp`` as
   pipeline stages, ``engine.{param,optimizer}_offload`` as offload, ``engine.impl_cfg.recompute`` ([full] or
@@ -399,6 +400,7 @@ def wide_expert_parallel(cfg: Any) -> None:
     import warnings
     from .plan import rollout_devices, trainer_devices
     from .errors import IgnoredKeysWarning
+    from .data_parallel_attention import data_parallel_attention_lacks
     ro = cfg.actor_rollout_ref.rollout
     tp, ep = ro.tensor_model_parallel_size, ro.expert_parallel_size
     devices = rollout_devices(cfg) or trainer_devices(cfg)
@@ -406,24 +408,35 @@ def wide_expert_parallel(cfg: Any) -> None:
             or ro.moe_tensor_parallel_size > 1):
         return
     ro.data_parallel_size = ep // tp
+    lacks = data_parallel_attention_lacks(cfg)
+    lacks = f"; with {lacks}, whole over each replica's ranks instead" if lacks else ""
     warnings.warn(f"actor_rollout_ref.rollout.expert_parallel_size={ep} with tensor_model_parallel_size={tp} and no "
                   f"data_parallel_size: verl requires EP = TP x data_parallel_size and stops here; lathe reads it as "
-                  f"data_parallel_size={ep // tp} (data-parallel attention over {ep} ranks), which it runs as "
-                  f"{ep // tp} engine replicas of {tp} rank(s) each: the same samples; a mixture-of-experts model's "
-                  f"experts are placed over each replica's {tp} rank(s), so each rank holds {ep // tp} times the "
-                  "experts it would in verl's engine. Set rollout.data_parallel_size to say so yourself.",
+                  f"data_parallel_size={ep // tp} (data-parallel attention: {ep // tp} engine replicas of {tp} "
+                  f"rank(s) each, a mixture-of-experts model's experts over all {ep} ranks{lacks}). Set "
+                  "rollout.data_parallel_size to say so yourself.",
                   IgnoredKeysWarning, stacklevel=2)
 
 
 def engine_data_parallel(cfg: Any) -> None:
-    """verl's rollout.data_parallel_size D > 1 runs as D replicas of tensor_model_parallel_size ranks, and its
-    moe_tensor_parallel_size M x expert_parallel_size = TP as whole experts over a replica (support_rollout judges
-    both and gives the notices): the expert-parallel size D x TP, or TP / M, becomes each replica's TP. Called after
-    the keys are judged."""
+    """verl's expert-parallel size wider than TP with no data-parallel size reads as data-parallel attention
+    (`wide_expert_parallel`), and its moe_tensor_parallel_size M x expert_parallel_size = TP as whole experts over a
+    replica (support_rollout judges both and gives the notices): the expert-parallel size TP / M becomes the
+    replica's TP; so does verl's EP = D x TP where data-parallel attention does not run (`data_parallel_attention.
+    data_parallel_attention_lacks`: replicas of whole experts). Called after the keys are judged. (Elsewhere
+    data-parallel attention stays as verl writes it: `lathe.engine.data_parallel.engine_layout` runs it.)"""
+    import warnings
+    from .errors import IgnoredKeysWarning
+    from .data_parallel_attention import data_parallel_attention_lacks, data_parallel_verdict
+    verdict = data_parallel_verdict(cfg)
+    if verdict is not None and verdict[0] == "warn":        # (a refusal is the rules': `check_rollout_tp`)
+        warnings.warn(f"1 config key set here runs otherwise in lathe:\n  - {verdict[1]}", IgnoredKeysWarning,
+                      stacklevel=2)
     ro = cfg.actor_rollout_ref.rollout
-    tp, ep, moe_tp = ro.tensor_model_parallel_size, ro.expert_parallel_size, ro.moe_tensor_parallel_size
     wide_expert_parallel(cfg)
-    if (ro.data_parallel_size > 1 and ep == ro.data_parallel_size * tp) or (moe_tp > 1 and ep * moe_tp == tp):
+    tp, ep, moe_tp = ro.tensor_model_parallel_size, ro.expert_parallel_size, ro.moe_tensor_parallel_size
+    if (moe_tp > 1 and ep * moe_tp == tp) or (ro.data_parallel_size > 1 and ep == ro.data_parallel_size * tp
+                                              and data_parallel_attention_lacks(cfg) is not None):
         ro.expert_parallel_size = tp
 
 

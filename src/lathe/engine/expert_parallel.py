@@ -11,10 +11,15 @@ itself with the whole router (the same choice everywhere, which is also what rou
 (token, choice) rows whose expert it holds through those experts, leaves the other rows at zero, and weights and
 sums each token's k outputs as one process does (`lathe.models.moe.sorted_forward`): a partial sum of the layer's
 output. One all-reduce over the replica adds the partials, the same collective a row-parallel down_proj costs a
-dense layer. A layout where each rank holds *different* tokens (vLLM/SGLang's data-parallel attention,
-`rollout.data_parallel_size` > 1, which lathe runs as replicas of TP ranks instead) would have to send each row to
-its expert's owner and the outputs back (two all-to-alls with per-expert counts, as training's expert parallelism
-does) or all-gather the tokens first.
+dense layer. 
+Data-parallel attention (vLLM/SGLang's; verl's `rollout.data_parallel_size` D with `expert_parallel_size` D x T):
+one engine of D replicas of T ranks, each replica with sequences of its own (`lathe.engine.data_parallel`), the
+experts placed over all D x T ranks (engine rank d T + t holds the (d T + t)-th share). Each rank then holds other
+tokens than the ranks of the other replicas, so `LocalExperts` gathers the (row, expert) pairs of the D ranks at its
+position t (one all-gather, padded to the most rows), runs those of its own experts, and a reduce-scatter hands each
+rank the sums for its own rows: the outputs of the experts at position t of every replica. The block's all-reduce
+over the replica then adds the other positions' (and the shared experts' partials), as without data parallelism.
+Eager only: the row counts are read on the host (one small all-gather per layer).
 
 Shared experts (Qwen3.5-MoE, Qwen3-Next: `SharedExpertMoeBlock`, gated by the whole `shared_expert_gate`;
 DeepSeek-V3: `DeepseekMoeBlock`) are cut like a dense MLP (columns of gate/up, rows of down:
@@ -55,26 +60,32 @@ KEY = "rollout.expert_parallel_size"
 log = logging.getLogger("lathe")
 
 
-def check_sizes(cfg, tp_size: int, ep_size: int) -> None:
+def check_sizes(cfg, tp_size: int, ep_size: int, dp_size: int = 1) -> None:
     """Raise unless the experts of `cfg`'s model can be placed over a replica of `tp_size` ranks with `ep_size`
     (module doc): a MoE model needs ep_size == tp_size (or 1, which places them the same way, with a notice: lathe
-    has no tensor-parallel experts) and whole experts per rank; a dense model ep_size == 1."""
+    has no tensor-parallel experts) and whole experts per rank; a dense model ep_size == 1. With data-parallel
+    attention over `dp_size` replicas (`lathe.engine.data_parallel`) a MoE model's ep_size is dp_size x tp_size."""
     tp_key = f"rollout.tensor_model_parallel_size={tp_size}"
     if cfg.moe is None:
-        if ep_size != 1:
+        if ep_size != 1 or dp_size != 1:
             raise ValueError(f"{KEY}={ep_size}: {cfg.architecture} has no mixture-of-experts layers, so there are no "
-                             f"experts to place. Fix: set {KEY}=1")
+                             f"experts to place (and no data-parallel attention to run). Fix: set {KEY}=1")
         return
-    if ep_size not in (1, tp_size):
+    ranks = tp_size * dp_size
+    if dp_size > 1 and ep_size != ranks:
+        raise ValueError(f"{tp_key} with rollout.data_parallel_size={dp_size} (data-parallel attention): the experts "
+                         f"are placed over the engine's {ranks} ranks, and {KEY}={ep_size}. Fix: set {KEY}={ranks}")
+    if ep_size not in (1, tp_size, ranks):
         raise ValueError(f"{tp_key} with {KEY}={ep_size}: {cfg.architecture} is a mixture-of-experts model, whose "
                          f"experts lathe places whole over the replica's ranks (expert parallelism). Fix: set "
                          f"{KEY}={tp_size} (or 1, which runs the same way)")
     if ep_size == 1 and tp_size > 1:
         _notice_tensor_parallel_experts(cfg.architecture, tp_size)
     n = cfg.moe.num_experts
-    if n % tp_size:
-        raise ValueError(f"{tp_key}: each rank holds num_experts / {tp_size} whole experts, and {cfg.architecture} "
-                         f"has {n} experts. Fix: choose a size that divides {n}")
+    if n % ranks:
+        raise ValueError(f"{tp_key}{f' x rollout.data_parallel_size={dp_size}' if dp_size > 1 else ''}: each rank "
+                         f"holds num_experts / {ranks} whole experts, and {cfg.architecture} has {n} experts. Fix: "
+                         f"choose sizes whose product divides {n}")
 
 
 @functools.cache
@@ -102,9 +113,11 @@ class ExpertSlice:
         e = int(m["e"]) - self.first
         return [(f"{m['prefix']}.{e}.{m['proj']}.weight", tensor)] if 0 <= e < self.count else []
 
-    def place(self, model: nn.Module, tp: TensorParallel) -> None:
+    def place(self, model: nn.Module, tp: TensorParallel, dp=None) -> None:
         """Make the sparse layers of `model` (on the meta device, before its weights are loaded) expert-parallel:
-        each experts module holds `count` experts and runs only theirs, each block all-reduces its output."""
+        each experts module holds `count` experts and runs only theirs, each block all-reduces its output. `dp`: the
+        rank's `data_parallel.AttentionDataParallel` group (its replica's other ranks at its position) when the
+        engine runs data-parallel attention, whose rows the experts gather (module doc)."""
         from lathe.models.deepseek import DeepseekMoeBlock
         from lathe.models.gpt_oss import GptOssMoeBlock
         from lathe.models.qwen3_5 import SharedExpertMoeBlock     # (shared experts cut as a dense MLP's columns)
@@ -122,6 +135,7 @@ class ExpertSlice:
                                                               requires_grad=False))
             experts.__class__ = _subclass(LocalExperts, type(experts))
             experts.first, experts.count = self.first, self.count
+            experts.dp = dp if dp is not None and dp.size > 1 else None
             block.__class__ = _subclass(ExpertParallelBlock, type(block))
             block.tp = tp
 
@@ -140,9 +154,12 @@ class LocalExperts:
 
     first: int
     count: int
+    dp = None                        # data-parallel attention's group (module doc), or None
 
     @torch.compiler.disable          # host-read bounds in eager runs (module doc)
     def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if self.dp is not None:
+            return self._across_replicas(rows, experts)
         local = experts - self.first
         if capturing(rows.device):
             mine = (local >= 0) & (local < self.count)
@@ -154,6 +171,27 @@ class LocalExperts:
         if end > start:
             out[start:end] = super().forward(rows[start:end], local[start:end])
         return out
+
+
+    def _across_replicas(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Data-parallel attention (module doc): the rows of the replicas' ranks at this position gathered, those of
+        this rank's experts run, each rank's own rows' sums handed back by a reduce-scatter."""
+        if capturing(rows.device):
+            raise RuntimeError("data-parallel attention's experts read row counts on the host and cannot run in a "
+                               "CUDA graph's capture (the engine decodes eagerly under it)")
+        n = rows.shape[0]
+        most = max(self.dp.counts(n))
+        if most == 0:                                   # (every replica idle here: all ranks see the same counts)
+            return rows.new_zeros(rows.shape)
+        pad = most - n
+        rows_all = self.dp.gather(nn.functional.pad(rows, (0, 0, 0, pad)))
+        local = self.dp.gather(nn.functional.pad(experts, (0, pad), value=-1)) - self.first
+        mine = ((local >= 0) & (local < self.count)).nonzero().squeeze(1)   # by replica, each sorted by expert
+        out = rows_all.new_zeros(rows_all.shape)
+        if mine.numel():
+            pick = mine[local[mine].argsort(stable=True)]                   # sorted by expert, as the experts take them
+            out[pick] = super().forward(rows_all[pick], local[pick])
+        return self.dp.reduce_scatter(out)[:n]
 
 
 _CLASSES: dict[tuple[type, type], type] = {}

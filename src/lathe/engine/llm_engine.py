@@ -40,6 +40,7 @@ from lathe.engine.sequence import PENDING, Sequence, SequenceParams, SequenceSta
 from lathe.engine.spec_step import SpeculativeMixin, refuse_speculative
 from lathe.engine.speculative import spec_metrics
 from lathe.engine.stream import StreamingMixin
+from lathe.engine.data_parallel import dp_settings, idle_step
 from lathe.engine.tensor_parallel import TensorParallel, layout_of
 from lathe.generation import RolloutOutput, SamplingParams
 from lathe.generation.stop import StopStringMatcher, StopStrings
@@ -160,6 +161,10 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
+        # data-parallel attention: this replica's place among its engine's (`data_parallel.py`), or None
+        self.dp = layout.dp if layout is not None else None
+        if self.dp is not None:
+            enforce_eager = dp_settings(model, enforce_eager, num_speculative_tokens)
         if hybrid:
             enable_prefix_caching, fuse_projections = hybrid_settings(model, enable_prefix_caching, fuse_projections,
                                                                       quantization)
@@ -287,7 +292,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         processor's layout with the prompt's placeholder tokens expanded, or None for a text prompt (or what
         `prepare_images` made of them). Each prompt's images are encoded once for its `n` samples (see
         `lathe.engine.multimodal`)."""
-        if not self.kv_cache.allocated:
+        if not self.kv_cache.allocated and (prompt_token_ids or self.dp is None):   # (an idle replica needs none)
             raise RuntimeError("LatheEngine.generate: the engine is asleep (KV cache freed); call wake_up() first")
         if not self.scheduler.is_finished():
             raise RuntimeError("LatheEngine.generate: streamed requests (add_request) are unfinished; run them out "
@@ -304,8 +309,11 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
             else:
                 self.scheduler.add(seq)
         self._inflight = None
-        while not self.scheduler.is_finished():
-            self.step()
+        while not self.scheduler.is_finished() if self.dp is None else self.dp.any(not self.scheduler.is_finished()):
+            if self.scheduler.is_finished():    # (data-parallel attention: another replica runs a step)
+                idle_step(self.model)
+            else:
+                self.step()
         self._resolve(self._inflight)
         self._inflight = None
         if self.tp.size > 1:

@@ -63,7 +63,7 @@ class TensorParallel:
     size: int
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return _waited(funcol.all_reduce(x, "sum", self.group))
+        return x if self.size == 1 else _waited(funcol.all_reduce(x, "sum", self.group))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """(..., n) from every rank, concatenated in rank order along the last dimension: (..., size * n)."""
@@ -82,6 +82,45 @@ class TensorParallel:
 
     def min_int(self, value: int) -> int:
         return self.reduce_int(value, "min")
+
+
+@dataclass(frozen=True)
+class AttentionDataParallel:
+    """Data-parallel attention (`lathe.engine.data_parallel`): this rank's place among the D replicas of its engine: the group of the ranks at its position in each replica,
+    its replica's index and D."""
+
+    group: object               # a torch.distributed ProcessGroup (None with size 1)
+    rank: int
+    size: int
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any replica (outside any graph)."""
+        if self.size == 1:
+            return bool(flag)
+        t = torch.tensor([int(bool(flag))], dtype=torch.int64, device=_comm_device(self.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def counts(self, n: int) -> list[int]:
+        """Each replica's `n`, in replica order."""
+        t = torch.tensor([n], dtype=torch.int64, device=_comm_device(self.group))
+        out = torch.empty(self.size, dtype=torch.int64, device=t.device)
+        dist.all_gather_into_tensor(out, t, group=self.group)
+        return out.tolist()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, ...) from each replica (the same n everywhere), concatenated in replica order: (D n, ...)."""
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0],) + x.shape[1:])
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(D n, ...) summed over the replicas, this replica's n rows of the sum."""
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
+        dist.reduce_scatter_tensor(out, x, group=self.group)
+        return out
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -131,12 +170,17 @@ _MLA = re.compile(r"^model\.layers\.\d+\.self_attn\.(?P<proj>q_b|kv_b)_proj\.wei
 class ShardLayout:
     """The slices of a `LatheConfig`'s tensors that rank `tp.rank` of a replica of `tp.size` holds (module doc)."""
 
-    def __init__(self, cfg: LatheConfig, tp: TensorParallel, expert_parallel_size: int = 1, keep_mtp: bool = False):
-        """`expert_parallel_size`: `rollout.expert_parallel_size` (a MoE model's must be the replica's size);
-        `keep_mtp`: a MiMo model's MTP layers are kept whole on every rank (speculative decoding drafts with them,
-        `lathe.engine.mtp_draft`), else left out."""
+    def __init__(self, cfg: LatheConfig, tp: TensorParallel, expert_parallel_size: int = 1, keep_mtp: bool = False,
+                 dp=None):
+        """`expert_parallel_size`: `rollout.expert_parallel_size` (a MoE model's must be the replica's size, or the
+        engine's with `dp`); `keep_mtp`: a MiMo model's MTP layers are kept whole on every rank (speculative decoding
+        drafts with them, `lathe.engine.mtp_draft`), else left out; `dp`: the rank's place among the replicas of a
+        data-parallel-attention engine (`lathe.engine.data_parallel.AttentionDataParallel`), over whose ranks the
+        experts are placed."""
         rank, size = tp.rank, tp.size
-        check_sizes(cfg, size, expert_parallel_size)
+        self.dp = dp if dp is not None and dp.size > 1 else None
+        dp_rank, dp_size = (self.dp.rank, self.dp.size) if self.dp is not None else (0, 1)
+        check_sizes(cfg, size, expert_parallel_size, dp_size)
         heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
         dense = any(not cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))   # layers with a dense MLP
         problems = [f"{what} ({n}) are not divisible by it" for what, n in (
@@ -173,7 +217,8 @@ class ShardLayout:
         first_kv = rank * kv // size if kv >= size else rank // (size // kv)
         self.kv = (first_kv * d, kv_local * d)
         self.inter = (rank * inter // size, inter // size) if dense else (0, inter)
-        self.experts = ExpertSlice(cfg.moe.num_experts, rank, size) if cfg.moe is not None else None
+        self.experts = (ExpertSlice(cfg.moe.num_experts, dp_rank * size + rank, dp_size * size)
+                        if cfg.moe is not None else None)
         self.vocab_rows = -(-cfg.vocab_size // size)                           # padded: the last rank's may be short
         self.local_config = replace(cfg, num_attention_heads=heads // size, num_key_value_heads=kv_local,
                                     intermediate_size=self.inter[1], tie_word_embeddings=False,
@@ -304,7 +349,7 @@ class VocabParallelHead(nn.Module):
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
 
 
-def check_replica(model, size: int, expert_parallel_size: int = 1) -> None:
+def check_replica(model, size: int, expert_parallel_size: int = 1, data_parallel_size: int = 1) -> None:
     """Raise unless `model` can be cut over a tensor-parallel replica of `size` ranks (lathe's text decoder,
     heads/features/experts that divide): what `shard_copy` checks, without a process group, so a run can refuse
     before its workers start."""
@@ -313,20 +358,23 @@ def check_replica(model, size: int, expert_parallel_size: int = 1) -> None:
             f"rollout.tensor_model_parallel_size={size}: tensor-parallel engine replicas run lathe's text decoder "
             f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3); this model is "
             f"{type(model).__name__}. Fix: set it to 1")
-    ShardLayout(model.config, TensorParallel(None, 0, size), expert_parallel_size)     # its size checks
+    dp = AttentionDataParallel(None, 0, data_parallel_size) if data_parallel_size > 1 else None
+    ShardLayout(model.config, TensorParallel(None, 0, size), expert_parallel_size, dp=dp)     # its size checks
 
 
 def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, tp: TensorParallel, *,
                state: Iterable[tuple[str, torch.Tensor]] | None = None,
-               expert_parallel_size: int = 1, keep_mtp: bool = False) -> LatheCausalLM:
+               expert_parallel_size: int = 1, keep_mtp: bool = False, dp=None) -> LatheCausalLM:
     """This rank's part of `model` (lathe's text decoder) for a tensor-parallel replica, in `dtype` on `device`: each
     tensor's slice is cut on the way (the whole model is never copied to the device). `state`: (name, tensor) pairs
     to take instead of the model's own (a LoRA model's merged weights). `expert_parallel_size`:
     `rollout.expert_parallel_size` (a MoE model's experts are placed over the replica when it is `tp.size`). The
     result's `tensor_parallel` is its `ShardLayout`, whose `local_items` cuts whole weights for `update_weights`.
-    `keep_mtp`: a MiMo model's MTP layers come whole (speculative decoding; see `ShardLayout`)."""
-    check_replica(model, tp.size, expert_parallel_size)
-    layout = ShardLayout(model.config, tp, expert_parallel_size, keep_mtp=keep_mtp)
+    `keep_mtp`: a MiMo model's MTP layers come whole (speculative decoding; see `ShardLayout`). `dp`: the rank's
+    place among a data-parallel-attention engine's replicas (`lathe.engine.data_parallel`; a replica of one rank
+    then is the whole model but for its experts)."""
+    check_replica(model, tp.size, expert_parallel_size, dp.size if dp is not None else 1)
+    layout = ShardLayout(model.config, tp, expert_parallel_size, keep_mtp=keep_mtp, dp=dp)
     named = state if state is not None else model.state_dict().items()
     local = {k: v.detach().to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True).contiguous()
              for k, v in layout.local_items(named)}
@@ -340,14 +388,15 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
             row_parallel = [layer.linear_attn.out_proj if linear else layer.self_attn.o_proj]
             if not isinstance(layer.mlp, SparseMoeBlock):         # sparse blocks: `ExpertSlice.place` below
                 row_parallel.append(layer.mlp.down_proj)
-            for linear in row_parallel:
+            for linear in row_parallel if tp.size > 1 else ():
                 linear.__class__ = RowParallelLinear
                 linear.tp = tp
-        out.lm_head = VocabParallelHead(layout.vocab_rows, cfg.hidden_size, cfg.vocab_size, tp)
+        if tp.size > 1:
+            out.lm_head = VocabParallelHead(layout.vocab_rows, cfg.hidden_size, cfg.vocab_size, tp)
         if layout.keep_mtp:         # whole layers of the whole model's shapes (plain linears: no collective)
             out.model.mtp_layers = mtp_layers(model.config)
         if layout.experts is not None:
-            layout.experts.place(out, tp)
+            layout.experts.place(out, tp, layout.dp)
     load_into(out, local, "the actor's weights")
     out.tensor_parallel = layout
     return out.requires_grad_(False).eval()

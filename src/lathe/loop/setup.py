@@ -389,9 +389,12 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
             f"lathe's text decoder ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}); this run's policy is "
             f"{type(model).__name__}{' (model.impl=hf)' if arr.model.impl == 'hf' else ''}. Fix: set it to 1 (one "
             "engine per device), for as long as the model fits one device")
-    if replica > 1:                 # refused here, before any worker starts, rather than when a replica is cut
+    from lathe.engine.data_parallel import engine_layout
+    dp_size, ep_size = (engine_layout(model, arr.rollout) if lathe_engine and not run.is_async
+                        else (1, arr.rollout.expert_parallel_size))
+    if replica > 1 or dp_size > 1:  # refused here, before any worker starts, rather than when a replica is cut
         from lathe.engine.tensor_parallel import check_replica
-        check_replica(model, replica, arr.rollout.expert_parallel_size)
+        check_replica(model, replica, ep_size, dp_size)
     tp = replica if not run.is_async else 1         # (the async pool's replicas hold no trainer state)
     kv_seq = 0
     if lathe_engine and not run.is_async:       # lathe's engine: its KV cache, in the rollout dtype, for one sequence of the longest length
@@ -417,8 +420,12 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
                 sum(m.weight.numel() for m in layers))
     # each model's state per device: 1/(dp_shard x tp) (tensor parallelism cuts it before FSDP2 shards the slices)
     shards = {role: run.mesh(role).dp_shard * run.mesh(role).tp for role in ("actor", "ref", "critic")}
+    engine_experts = None
+    if dp_size > 1:                 # data-parallel attention: the routed experts over D x TP ranks
+        from lathe.models.moe import sparse_blocks
+        engine_experts = (sum(p.numel() for b in sparse_blocks(model) for p in b.experts.parameters()), dp_size)
     parts = plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
-                 world=run.world, colocated=not run.is_async, lora=lora, shards=shards)
+                 world=run.world, colocated=not run.is_async, lora=lora, shards=shards, engine_experts=engine_experts)
     parts += other_model_parts(cfg, device, world=run.world, shards=shards)    # reward model/judge, teachers
     masters = next((p for p in parts if p.what.startswith("actor master weights") and not p.on_gpu), None)
     if masters is not None and run.world == 1 and lora is None:   # MasterAdamW's host masters: a pinned block each

@@ -26,7 +26,8 @@ from lathe.batch import Batch
 from lathe.config.rules_mtp import speculative_tokens
 from lathe.device import reset_peak_memory, synchronize
 from lathe.dtypes import rollout_dtype
-from lathe.engine.tensor_parallel import TensorParallel, replica_groups, shard_copy
+from lathe.engine.data_parallel import engine_groups, engine_layout
+from lathe.engine.tensor_parallel import TensorParallel, shard_copy
 from lathe.generation import SamplingParams
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import merged_weights
@@ -66,15 +67,19 @@ class Rollout:
         self.backend = self.agent = None
         self.free_cache_engine = False
         self.tp = TensorParallel(None, 0, 1)
+        self.dp = None              # data-parallel attention: this replica's place among its engine's
         self.replica: Lockstep | None = None        # a tensor-parallel replica's agent loop: its ranks in lockstep
         self._control = None
         if actor.sharded:       # the rollout's own copy, before sharding, to the device tensor by tensor
             state = merged_weights(actor.model) if actor.lora else None
             dtype = rollout_dtype(rollout_cfg.dtype, self.device)
-            if self.name == "lathe" and rollout_cfg.tensor_model_parallel_size > 1:    # this rank's slices
-                self.tp = replica_groups(rollout_cfg.tensor_model_parallel_size)
+            # (data-parallel attention: replicas in lockstep, the experts over all their ranks)
+            dp_size, ep_size = engine_layout(actor.model, rollout_cfg)
+            if self.name == "lathe" and rollout_cfg.tensor_model_parallel_size * dp_size > 1:   # this rank's slices
+                self.tp, dp = engine_groups(rollout_cfg.tensor_model_parallel_size, dp_size)
+                self.dp = dp if dp.size > 1 else None
                 self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state,
-                                               expert_parallel_size=rollout_cfg.expert_parallel_size,
+                                               expert_parallel_size=ep_size, dp=dp,
                                                keep_mtp=speculative_tokens(actor.arr) > 0)
                 if rollout_cfg.multi_turn.enable:     # (collective: every rank builds its replica's group at once)
                     self._control = control_groups(self.tp.size, lockstep_timeout(actor.arr))
@@ -120,7 +125,11 @@ class Rollout:
         """Sample `params.n` responses per prompt; returns the prompt rows repeated n times plus the tensors.
         `first_index`: where this share's first sample sits in a rollout split over ranks (seeding). The ranks of a
         tensor-parallel replica all generate (the same samples); only its first returns them, the others None."""
-        prompt_ids = [list(p) for p in prompts["prompt_ids"]]
+        prompt_ids = [list(p) for p in prompts["prompt_ids"]] if len(prompts) else []
+        if not prompt_ids:          # (called with none only as a data-parallel-attention engine's idle replica)
+            if self.dp is not None:
+                self.backend.generate([], params)       # its experts serve the other replicas' steps
+            return None
         timings = {}
         if self.actor.sharded:                 # a step starts here: its peak memory is reported by the update
             reset_peak_memory(self.device)

@@ -1,0 +1,148 @@
+"""Data-parallel attention (`lathe.engine.data_parallel`): an engine of D replicas of T gloo ranks, the experts over
+all D x T ranks, each replica generating its own share of the prompts, samples token for token what one process
+samples for the whole batch (greedy, sampled, after new weights), also while one replica has finished or has nothing
+to do; the experts' slices recombine to the whole weights."""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.conftest import PROMPTS
+from helpers import free_port, run_processes
+from lathe.engine.data_parallel import AttentionDataParallel, engine_groups
+from lathe.engine.llm_engine import LatheEngine
+from lathe.engine.tensor_parallel import ShardLayout, TensorParallel, check_replica, shard_copy
+from lathe.generation import SamplingParams
+from lathe.models import load_lathe_model
+from models.lathe_tiny import save_hf
+
+JOIN_S = 120
+MORE = PROMPTS + [[3, 1, 4, 1, 5], [9, 2, 6]]
+# each call: (samples per prompt, temperature, each replica's prompts) — replica 1 runs out first, then has none
+CALLS = ((2, 0.0, 4), (3, 1.0, 5), (2, 0.0, 6))
+
+
+def shares(replica: int, replicas: int, first: int) -> tuple[int, int]:
+    """(start, end) of the prompts `replica` generates: replica 0 takes `first`, the others split the rest."""
+    if replica == 0:
+        return 0, first
+    rest = len(MORE) - first
+    per = -(-rest // (replicas - 1))
+    start = first + (replica - 1) * per
+    return min(start, len(MORE)), min(start + per, len(MORE))
+
+
+def new_weights(path: str):
+    whole = load_lathe_model(path, torch.float32)
+    for name, t in whole.state_dict().items():
+        yield name, t * 1.1 if t.dim() == 2 else t + 0.05
+
+
+def generations(model, path: str, replica: int | None = None, replicas: int = 1) -> list[list[list[int]]]:
+    """The three `CALLS` (the last after new weights): replica `replica`'s share, or every prompt (None)."""
+    engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48)
+    out = []
+    for i, (n, temperature, first) in enumerate(CALLS):
+        if i == 2:
+            engine.update_weights(new_weights(path))
+        start, end = shares(replica, replicas, first) if replica is not None else (0, len(MORE))
+        params = SamplingParams(n=n, temperature=temperature, top_p=0.9, max_tokens=10 if i else 12, seed=3)
+        out.append(engine.generate(MORE[start:end], params, first_index=start * n).token_ids)
+    return out
+
+
+def whole_share(want: list, replica: int, replicas: int) -> list:
+    """One process's samples of what `replica` generates."""
+    return [w[shares(replica, replicas, first)[0] * n:shares(replica, replicas, first)[1] * n]
+            for w, (n, _, first) in zip(want, CALLS)]
+
+
+def worker(rank: int, world: int, tp_size: int, port: int, paths: list[str], queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=JOIN_S))
+        dp_size = world // tp_size
+        tp, dp = engine_groups(tp_size, dp_size)
+        out = []
+        for path in paths:
+            whole = load_lathe_model(path, torch.float32)
+            model = shard_copy(whole, torch.float32, torch.device("cpu"), tp, expert_parallel_size=world, dp=dp)
+            out.append((dp.rank, generations(model, path, dp.rank, dp_size)))
+        queue.put((rank, out))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_engine(world: int, tp_size: int, paths: list[str]) -> dict[int, list]:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, tp_size, port, paths, queue), daemon=True)
+             for r in range(world)]
+    return run_processes(procs, queue, 3 * JOIN_S)
+
+
+@pytest.fixture(scope="module")
+def moe_paths(tmp_path_factory):
+    """Qwen3-MoE, Qwen3.5-MoE (shared expert, linear attention), GPT-OSS (expert biases, sinks), DeepSeek-V3 (latent
+    attention, grouped routing, a shared expert)."""
+    from models.deepseek_tiny import deepseek_model
+    from models.gpt_oss_tiny import gpt_oss_model
+    root = tmp_path_factory.mktemp("dp-ckpt")
+    paths = [str(save_hf(root, family)[0]) for family in ("qwen3_moe", "qwen3_5_moe_text")]
+    for name, make in (("gpt_oss", gpt_oss_model), ("deepseek", deepseek_model)):
+        make(seed=2).save_pretrained(root / name)
+        paths.append(str(root / name))
+    return paths
+
+
+def assert_as_one_process(results: dict[int, list], paths: list[str], replicas: int, label: str) -> None:
+    want = [generations(load_lathe_model(p, torch.float32), p) for p in paths]
+    for rank, got in results.items():
+        for path, w, (replica, g) in zip(paths, want, got):
+            for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), g,
+                                  whole_share(w, replica, replicas)):
+                assert a == b, f"{label}, rank {rank} (replica {replica}), {path}: {what} tokens differ"
+
+
+@pytest.mark.parametrize("tp_size", [1, 2], ids=["dp2", "dp2xtp2"])
+def test_an_engine_of_replicas_samples_what_one_process_samples(moe_paths, tp_size):
+    """D=2 replicas of 1 rank (each with half the experts), then of 2 ranks (a quarter each: the experts gathered
+    over the replicas, summed over the replica's ranks)."""
+    paths = moe_paths if tp_size == 1 else moe_paths[::3]         # (4 ranks on 2 cores: Qwen3-MoE and DeepSeek)
+    assert_as_one_process(run_engine(2 * tp_size, tp_size, paths), paths, 2, f"DP 2 x TP {tp_size}")
+
+
+def test_the_experts_are_spread_over_the_engine(moe_paths):
+    """Engine rank d T + t holds the (d T + t)-th share of every layer's experts; everything else is its replica's
+    position's slice."""
+    whole = load_lathe_model(moe_paths[0], torch.float32)
+    state = whole.state_dict()
+    name = next(n for n in state if n.endswith("experts.gate_up_proj"))
+    parts = {(d, t): dict(ShardLayout(whole.config, TensorParallel(None, t, 2), 4,
+                                      dp=AttentionDataParallel(None, d, 2)).local_items(state.items()))
+             for d in (0, 1) for t in (0, 1)}
+    assert torch.equal(torch.cat([parts[d, t][name] for d in (0, 1) for t in (0, 1)]), state[name])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(parts[0, 1][q], parts[1, 1][q]) and not torch.equal(parts[0, 0][q], parts[0, 1][q])
+
+
+def test_sizes_that_do_not_fit_are_refused(moe_paths, tmp_path):
+    whole = load_lathe_model(moe_paths[0], torch.float32)
+    with pytest.raises(ValueError, match="expert_parallel_size=4"):
+        check_replica(whole, 2, 2, data_parallel_size=2)
+    with pytest.raises(ValueError, match="divides 4"):
+        check_replica(whole, 1, 8, data_parallel_size=8)
+    dense = load_lathe_model(str(save_hf(tmp_path, "qwen3")[0]), torch.float32)
+    with pytest.raises(ValueError, match="no mixture-of-experts"):
+        check_replica(dense, 1, 2, data_parallel_size=2)

@@ -67,7 +67,7 @@ class TensorParallel:
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """(..., n) from every rank, concatenated in rank order along the last dimension: (..., size * n)."""
-        gathered = _waited(funcol.all_gather_tensor(x.contiguous(), 0, self.group))    # (size * lead, n)
+        gathered = _waited(_ALL_GATHER(x.contiguous(), 0, self.group))                 # (size * lead, n)
         lead, n = x.shape[:-1], x.shape[-1]
         return gathered.view(self.size, -1, n).transpose(0, 1).reshape(*lead, self.size * n)
 
@@ -121,6 +121,10 @@ class AttentionDataParallel:
         out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
         dist.reduce_scatter_tensor(out, x, group=self.group)
         return out
+
+
+# all_gather_single where this torch has it (all_gather_tensor, its old name, warns there as deprecated)
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Data-parallel attention (`lathe.engine.data_parallel`): an engine of D replicas of T gloo ranks, the experts over
 all D x T ranks, each replica generating its own share of the prompts, samples token for token what one process
 samples for the whole batch (greedy, sampled, after new weights), also while one replica has finished or has nothing
-to do; the experts' slices recombine to the whole weights."""
+to do, and a prompt one replica refuses stops them all; the experts' slices recombine to the whole weights."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import torch.multiprocessing as mp
 
 from engine.conftest import PROMPTS
 from helpers import free_port, run_processes
-from lathe.engine.data_parallel import AttentionDataParallel, engine_groups
+from lathe.engine import expert_parallel
+from lathe.engine.data_parallel import engine_groups
 from lathe.engine.llm_engine import LatheEngine
-from lathe.engine.tensor_parallel import ShardLayout, TensorParallel, check_replica, shard_copy
+from lathe.engine.tensor_parallel import AttentionDataParallel, ShardLayout, TensorParallel, check_replica, shard_copy
 from lathe.generation import SamplingParams
 from lathe.models import load_lathe_model
 from models.lathe_tiny import save_hf
@@ -46,7 +47,8 @@ def new_weights(path: str):
 
 def generations(model, path: str, replica: int | None = None, replicas: int = 1) -> list[list[list[int]]]:
     """The three `CALLS` (the last after new weights): replica `replica`'s share, or every prompt (None)."""
-    engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48)
+    engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48,
+                         record_routing=True)        # (routing replay's record: an idle replica records none)
     out = []
     for i, (n, temperature, first) in enumerate(CALLS):
         if i == 2:
@@ -54,6 +56,11 @@ def generations(model, path: str, replica: int | None = None, replicas: int = 1)
         start, end = shares(replica, replicas, first) if replica is not None else (0, len(MORE))
         params = SamplingParams(n=n, temperature=temperature, top_p=0.9, max_tokens=10 if i else 12, seed=3)
         out.append(engine.generate(MORE[start:end], params, first_index=start * n).token_ids)
+    if replica is not None:         # a prompt one replica cannot take: every replica stops, none waits for it
+        try:
+            engine.generate([[1] * 60] if replica == 0 else MORE[:1], SamplingParams(max_tokens=4))
+        except Exception as e:
+            out.append(str(e))
     return out
 
 
@@ -63,9 +70,10 @@ def whole_share(want: list, replica: int, replicas: int) -> list:
             for w, (n, _, first) in zip(want, CALLS)]
 
 
-def worker(rank: int, world: int, tp_size: int, port: int, paths: list[str], queue) -> None:
+def worker(rank: int, world: int, tp_size: int, port: int, paths: list[str], queue, gather_bytes: int) -> None:
     try:
         torch.set_num_threads(1)
+        expert_parallel.GATHER_BYTES = gather_bytes
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=JOIN_S))
         dp_size = world // tp_size
@@ -83,11 +91,11 @@ def worker(rank: int, world: int, tp_size: int, port: int, paths: list[str], que
             dist.destroy_process_group()
 
 
-def run_engine(world: int, tp_size: int, paths: list[str]) -> dict[int, list]:
+def run_engine(world: int, tp_size: int, paths: list[str], gather_bytes: int) -> dict[int, list]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, tp_size, port, paths, queue), daemon=True)
+    procs = [ctx.Process(target=worker, args=(r, world, tp_size, port, paths, queue, gather_bytes), daemon=True)
              for r in range(world)]
     return run_processes(procs, queue, 3 * JOIN_S)
 
@@ -113,14 +121,16 @@ def assert_as_one_process(results: dict[int, list], paths: list[str], replicas: 
             for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), g,
                                   whole_share(w, replica, replicas)):
                 assert a == b, f"{label}, rank {rank} (replica {replica}), {path}: {what} tokens differ"
+            assert len(g) == 4 and ("max_model_len" in g[3] if replica == 0 else "another replica" in g[3]), g[3:]
 
 
 @pytest.mark.parametrize("tp_size", [1, 2], ids=["dp2", "dp2xtp2"])
 def test_an_engine_of_replicas_samples_what_one_process_samples(moe_paths, tp_size):
     """D=2 replicas of 1 rank (each with half the experts), then of 2 ranks (a quarter each: the experts gathered
-    over the replicas, summed over the replica's ranks)."""
+    over the replicas, summed over the replica's ranks); the first with the rows gathered in pieces of 8."""
     paths = moe_paths if tp_size == 1 else moe_paths[::3]         # (4 ranks on 2 cores: Qwen3-MoE and DeepSeek)
-    assert_as_one_process(run_engine(2 * tp_size, tp_size, paths), paths, 2, f"DP 2 x TP {tp_size}")
+    gather_bytes = 8 * 2 * 32 * 4 if tp_size == 1 else expert_parallel.GATHER_BYTES      # (8 rows of 32 fp32)
+    assert_as_one_process(run_engine(2 * tp_size, tp_size, paths, gather_bytes), paths, 2, f"DP 2 x TP {tp_size}")
 
 
 def test_the_experts_are_spread_over_the_engine(moe_paths):

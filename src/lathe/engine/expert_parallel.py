@@ -11,15 +11,19 @@ itself with the whole router (the same choice everywhere, which is also what rou
 (token, choice) rows whose expert it holds through those experts, leaves the other rows at zero, and weights and
 sums each token's k outputs as one process does (`lathe.models.moe.sorted_forward`): a partial sum of the layer's
 output. One all-reduce over the replica adds the partials, the same collective a row-parallel down_proj costs a
-dense layer. 
+dense layer.
+
 Data-parallel attention (vLLM/SGLang's; verl's `rollout.data_parallel_size` D with `expert_parallel_size` D x T):
 one engine of D replicas of T ranks, each replica with sequences of its own (`lathe.engine.data_parallel`), the
 experts placed over all D x T ranks (engine rank d T + t holds the (d T + t)-th share). Each rank then holds other
 tokens than the ranks of the other replicas, so `LocalExperts` gathers the (row, expert) pairs of the D ranks at its
-position t (one all-gather, padded to the most rows), runs those of its own experts, and a reduce-scatter hands each
-rank the sums for its own rows: the outputs of the experts at position t of every replica. The block's all-reduce
-over the replica then adds the other positions' (and the shared experts' partials), as without data parallelism.
-Eager only: the row counts are read on the host (one small all-gather per layer).
+position t (their counts, then the rows and their experts, padded to the most rows: all-gathers), runs those of its
+own experts, and a reduce-scatter hands each rank the sums for its own rows: the outputs of the experts at position t
+of every replica. The rows are each token's top-k copies (the experts' input as the block sorts it), so a prefill
+step's are gathered in pieces of at most `GATHER_BYTES`; gathering each token once with its k choices would move k
+times fewer bytes (not done yet). The block's all-reduce over the replica then adds the other positions' (and the
+shared experts' partials), as without data parallelism.
+Eager only: the row counts are read on the host.
 
 Shared experts (Qwen3.5-MoE, Qwen3-Next: `SharedExpertMoeBlock`, gated by the whole `shared_expert_gate`;
 DeepSeek-V3: `DeepseekMoeBlock`) are cut like a dense MLP (columns of gate/up, rows of down:
@@ -57,6 +61,7 @@ TensorParallel = Any      # lathe.engine.tensor_parallel's (which imports this m
 # the stacked experts' tensors (Qwen3-MoE: gate_up_proj, down_proj; GPT-OSS also their biases), expert dim first
 FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
 KEY = "rollout.expert_parallel_size"
+GATHER_BYTES = 256 << 20     # data-parallel attention: the most one piece of gathered rows takes (`_across_replicas`)
 log = logging.getLogger("lathe")
 
 
@@ -175,23 +180,31 @@ class LocalExperts:
 
     def _across_replicas(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Data-parallel attention (module doc): the rows of the replicas' ranks at this position gathered, those of
-        this rank's experts run, each rank's own rows' sums handed back by a reduce-scatter."""
+        this rank's experts run, each rank's own rows' sums handed back by a reduce-scatter; in pieces of at most
+        `GATHER_BYTES` gathered (a prefill step's rows, each token's top-k copies, from D replicas would otherwise
+        take gigabytes a layer)."""
         if capturing(rows.device):
             raise RuntimeError("data-parallel attention's experts read row counts on the host and cannot run in a "
                                "CUDA graph's capture (the engine decodes eagerly under it)")
-        n = rows.shape[0]
-        most = max(self.dp.counts(n))
-        if most == 0:                                   # (every replica idle here: all ranks see the same counts)
-            return rows.new_zeros(rows.shape)
-        pad = most - n
-        rows_all = self.dp.gather(nn.functional.pad(rows, (0, 0, 0, pad)))
-        local = self.dp.gather(nn.functional.pad(experts, (0, pad), value=-1)) - self.first
-        mine = ((local >= 0) & (local < self.count)).nonzero().squeeze(1)   # by replica, each sorted by expert
-        out = rows_all.new_zeros(rows_all.shape)
-        if mine.numel():
-            pick = mine[local[mine].argsort(stable=True)]                   # sorted by expert, as the experts take them
-            out[pick] = super().forward(rows_all[pick], local[pick])
-        return self.dp.reduce_scatter(out)[:n]
+        n, width = rows.shape
+        most = max(self.dp.counts(n))                   # (every rank sees the same counts: the same pieces)
+        piece = max(1, GATHER_BYTES // (self.dp.size * width * rows.element_size()))
+        out = rows.new_empty(rows.shape)
+        for start in range(0, most, piece):
+            size = min(piece, most - start)
+            own = rows[start:start + size]
+            pad = size - own.shape[0]
+            ids = nn.functional.pad(experts[start:start + size], (0, pad), value=-1)
+            gathered = self.dp.gather(nn.functional.pad(own, (0, 0, 0, pad)))
+            local = self.dp.gather(ids) - self.first
+            mine = ((local >= 0) & (local < self.count)).nonzero().squeeze(1)   # by replica, each sorted by expert
+            part = gathered.new_zeros(gathered.shape)
+            if mine.numel():
+                pick = mine[local[mine].argsort(stable=True)]      # sorted by expert, as the experts take them
+                part[pick] = super().forward(gathered[pick], local[pick])
+            summed = self.dp.reduce_scatter(part)
+            out[start:start + own.shape[0]] = summed[:own.shape[0]]
+        return out
 
 
 _CLASSES: dict[tuple[type, type], type] = {}

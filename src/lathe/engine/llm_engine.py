@@ -292,22 +292,32 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         processor's layout with the prompt's placeholder tokens expanded, or None for a text prompt (or what
         `prepare_images` made of them). Each prompt's images are encoded once for its `n` samples (see
         `lathe.engine.multimodal`)."""
-        if not self.kv_cache.allocated and (prompt_token_ids or self.dp is None):   # (an idle replica needs none)
-            raise RuntimeError("LatheEngine.generate: the engine is asleep (KV cache freed); call wake_up() first")
-        if not self.scheduler.is_finished():
-            raise RuntimeError("LatheEngine.generate: streamed requests (add_request) are unfinished; run them out "
-                               "with step(), or add this batch as a request too")
-        self._resolve(self._inflight)           # a streamed request's last tokens, if still on the device
-        seqs = self._make_sequences(prompt_token_ids, params, first_index, multi_modal_inputs)
-        self.scheduler.new_call()
-        preempted = self.scheduler.num_preemptions
-        graphs = self.runner.graphs
-        captured = (graphs.captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
-        for seq in seqs:
-            if params.max_tokens <= 0:
-                seq.finish_reason = "length"
-            else:
-                self.scheduler.add(seq)
+        try:
+            if not self.kv_cache.allocated and (prompt_token_ids or self.dp is None):     # (an idle replica: none)
+                raise RuntimeError("LatheEngine.generate: the engine is asleep (KV cache freed); call wake_up() "
+                                   "first")
+            if not self.scheduler.is_finished():
+                raise RuntimeError("LatheEngine.generate: streamed requests (add_request) are unfinished; run them "
+                                   "out with step(), or add this batch as a request too")
+            self._resolve(self._inflight)           # a streamed request's last tokens, if still on the device
+            seqs = self._make_sequences(prompt_token_ids, params, first_index, multi_modal_inputs)
+            self.scheduler.new_call()
+            preempted = self.scheduler.num_preemptions
+            graphs = self.runner.graphs
+            captured = (graphs.captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
+            for seq in seqs:
+                if params.max_tokens <= 0:
+                    seq.finish_reason = "length"
+                else:
+                    self.scheduler.add(seq)
+        except Exception:
+            if self.dp is None:
+                raise
+            self.dp.any(True)                   # (the other replicas of the engine stop too, rather than wait)
+            raise
+        if self.dp is not None and self.dp.any(False):
+            raise RuntimeError("LatheEngine.generate: another replica of this data-parallel-attention engine failed "
+                               "before its first step (its own error is in its log); this replica stops too")
         self._inflight = None
         while not self.scheduler.is_finished() if self.dp is None else self.dp.any(not self.scheduler.is_finished()):
             if self.scheduler.is_finished():    # (data-parallel attention: another replica runs a step)
@@ -337,6 +347,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         """Each sequence's recorded routing (`routing.py`), in host memory (one copy), or None when not recorded."""
         if self.routing is None:
             return None
+        if not seqs:                            # (an idle replica of a data-parallel-attention engine)
+            return []
         per = [getattr(s, "routed_experts", None) for s in seqs]
         layers, _, top_k = self.routing.buffer.shape
         per = [self.routing.buffer.new_full((len(s.token_ids), layers, top_k), -1) if p is None else p

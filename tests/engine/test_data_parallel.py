@@ -127,9 +127,9 @@ def assert_as_one_process(results: dict[int, list], paths: list[str], replicas: 
 @pytest.mark.parametrize("tp_size", [1, 2], ids=["dp2", "dp2xtp2"])
 def test_an_engine_of_replicas_samples_what_one_process_samples(moe_paths, tp_size):
     """D=2 replicas of 1 rank (each with half the experts), then of 2 ranks (a quarter each: the experts gathered
-    over the replicas, summed over the replica's ranks); the first with the rows gathered in pieces of 8."""
+    over the replicas, summed over the replica's ranks); the first with the tokens gathered a few at a time."""
     paths = moe_paths if tp_size == 1 else moe_paths[::3]         # (4 ranks on 2 cores: Qwen3-MoE and DeepSeek)
-    gather_bytes = 8 * 2 * 32 * 4 if tp_size == 1 else expert_parallel.GATHER_BYTES      # (8 rows of 32 fp32)
+    gather_bytes = 8 * 2 * 32 * 4 if tp_size == 1 else expert_parallel.GATHER_BYTES   # (4 tokens of 32 fp32 at k=2)
     assert_as_one_process(run_engine(2 * tp_size, tp_size, paths, gather_bytes), paths, 2, f"DP 2 x TP {tp_size}")
 
 

@@ -10,8 +10,8 @@ and leaves the KV cache the room the experts no longer take.
 The pieces:
 - `engine_groups`: the replica's group and the group of the D ranks at the same position of the engine's replicas
   (ranks e D T + d T + t for d < D: consecutive ranks form replicas, consecutive replicas an engine);
-- the experts (`lathe.engine.expert_parallel.LocalExperts`) gather the (row, expert) pairs of their group, run their
-  own experts' and hand each rank back its rows' sums with a reduce-scatter;
+- the experts (`lathe.engine.expert_parallel.LocalExperts`) gather the tokens and their choices of their group, run
+  their own experts' rows and hand each rank back its rows' outputs with a reduce-scatter;
 - lockstep: every layer's gather is a collective of the D replicas, so their engines run their forwards together.
   `LatheEngine.generate` goes on while any replica has work (`AttentionDataParallel.any`, once a step); a replica
   with none runs `idle_step`: its experts take part in each sparse layer's collectives with no rows of their own.
@@ -99,7 +99,8 @@ def idle_step(model: nn.Module) -> None:
     (module doc), layer by layer, with no rows of their own."""
     for block in sparse_blocks(model):
         experts = block.experts
-        if getattr(experts, "dp", None) is None:
+        if getattr(experts, "token_major", None) is None:
             continue
         weight = next(experts.parameters())
-        experts(weight.new_zeros(0, block.moe_hidden), torch.zeros(0, dtype=torch.int64, device=weight.device))
+        experts.token_major(weight.new_zeros(0, block.moe_hidden),
+                            torch.zeros(0, experts.top_k, dtype=torch.int64, device=weight.device))

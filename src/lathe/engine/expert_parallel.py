@@ -16,14 +16,14 @@ dense layer.
 Data-parallel attention (vLLM/SGLang's; verl's `rollout.data_parallel_size` D with `expert_parallel_size` D x T):
 one engine of D replicas of T ranks, each replica with sequences of its own (`lathe.engine.data_parallel`), the
 experts placed over all D x T ranks (engine rank d T + t holds the (d T + t)-th share). Each rank then holds other
-tokens than the ranks of the other replicas, so `LocalExperts` gathers the (row, expert) pairs of the D ranks at its
-position t (their counts, then the rows and their experts, padded to the most rows: all-gathers), runs those of its
-own experts, and a reduce-scatter hands each rank the sums for its own rows: the outputs of the experts at position t
-of every replica. The rows are each token's top-k copies (the experts' input as the block sorts it), so a prefill
-step's are gathered in pieces of at most `GATHER_BYTES`; gathering each token once with its k choices would move k
-times fewer bytes (not done yet). The block's all-reduce over the replica then adds the other positions' (and the
-shared experts' partials), as without data parallelism.
-Eager only: the row counts are read on the host.
+tokens than the ranks of the other replicas, so `LocalExperts` gathers the tokens of the D ranks at its position t
+(all-gathers of their counts, then of each token once with its k choices, padded to the most tokens), runs the
+(token, choice) rows of its own experts, and a reduce-scatter hands each rank the outputs of its own rows, one per
+(token, choice), from the experts at position t of every replica. Each token's k outputs are then weighted and summed
+on its own replica in the block's order (`lathe.models.moe.sorted_forward`), so a TP=1 engine's sums are one
+process's bit for bit (summing them on the experts' owners would return k times fewer bytes). A prefill step's rows
+go in pieces of at most `GATHER_BYTES`. The block's all-reduce over the replica then adds the other positions' (and
+the shared experts' partials), as without data parallelism. Eager only: the counts are read on the host.
 
 Shared experts (Qwen3.5-MoE, Qwen3-Next: `SharedExpertMoeBlock`, gated by the whole `shared_expert_gate`;
 DeepSeek-V3: `DeepseekMoeBlock`) are cut like a dense MLP (columns of gate/up, rows of down:
@@ -141,6 +141,8 @@ class ExpertSlice:
             experts.__class__ = _subclass(LocalExperts, type(experts))
             experts.first, experts.count = self.first, self.count
             experts.dp = dp if dp is not None and dp.size > 1 else None
+            experts.top_k = block.moe.num_experts_per_tok
+            experts.token_major = experts._across_replicas if experts.dp is not None else None
             block.__class__ = _subclass(ExpertParallelBlock, type(block))
             block.tp = tp
 
@@ -160,11 +162,13 @@ class LocalExperts:
     first: int
     count: int
     dp = None                        # data-parallel attention's group (module doc), or None
+    top_k: int
+    # data-parallel attention: (tokens (T, H), their experts (T, k)) -> each (token, choice)'s output (T k, H), which
+    # `lathe.models.moe.sorted_forward` calls instead of `forward` where it is set (`_across_replicas`)
+    token_major = None
 
     @torch.compiler.disable          # host-read bounds in eager runs (module doc)
     def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        if self.dp is not None:
-            return self._across_replicas(rows, experts)
         local = experts - self.first
         if capturing(rows.device):
             mine = (local >= 0) & (local < self.count)
@@ -178,32 +182,31 @@ class LocalExperts:
         return out
 
 
-    def _across_replicas(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Data-parallel attention (module doc): the rows of the replicas' ranks at this position gathered, those of
-        this rank's experts run, each rank's own rows' sums handed back by a reduce-scatter; in pieces of at most
-        `GATHER_BYTES` gathered (a prefill step's rows, each token's top-k copies, from D replicas would otherwise
-        take gigabytes a layer)."""
-        if capturing(rows.device):
+    def _across_replicas(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Data-parallel attention (module doc; `lathe.models.moe.sorted_forward` hands the block's tokens here): the
+        tokens `x` (T, H) and their experts `chosen` (T, k) of the replicas' ranks at this position gathered, the
+        (token, choice) rows of this rank's experts run, and each rank's own rows' outputs, (T k, H) in (token,
+        choice) order, handed back by a reduce-scatter; in pieces whose k-fold rows take at most `GATHER_BYTES`."""
+        if capturing(x.device):
             raise RuntimeError("data-parallel attention's experts read row counts on the host and cannot run in a "
                                "CUDA graph's capture (the engine decodes eagerly under it)")
-        n, width = rows.shape
+        (n, width), k = x.shape, chosen.shape[1]
         most = max(self.dp.counts(n))                   # (every rank sees the same counts: the same pieces)
-        piece = max(1, GATHER_BYTES // (self.dp.size * width * rows.element_size()))
-        out = rows.new_empty(rows.shape)
+        piece = max(1, GATHER_BYTES // (self.dp.size * k * width * x.element_size()))
+        out = x.new_empty(n * k, width)
         for start in range(0, most, piece):
             size = min(piece, most - start)
-            own = rows[start:start + size]
+            own = x[start:start + size]
             pad = size - own.shape[0]
-            ids = nn.functional.pad(experts[start:start + size], (0, pad), value=-1)
-            gathered = self.dp.gather(nn.functional.pad(own, (0, 0, 0, pad)))
-            local = self.dp.gather(ids) - self.first
-            mine = ((local >= 0) & (local < self.count)).nonzero().squeeze(1)   # by replica, each sorted by expert
-            part = gathered.new_zeros(gathered.shape)
+            tokens = self.dp.gather(nn.functional.pad(own, (0, 0, 0, pad)))                       # (D size, H)
+            local = self.dp.gather(nn.functional.pad(chosen[start:start + size], (0, 0, 0, pad), value=-1))
+            local = local.reshape(-1) - self.first                                                  # (D size k,)
+            mine = ((local >= 0) & (local < self.count)).nonzero().squeeze(1)
+            rows = tokens.new_zeros(local.shape[0], width)
             if mine.numel():
                 pick = mine[local[mine].argsort(stable=True)]      # sorted by expert, as the experts take them
-                part[pick] = super().forward(gathered[pick], local[pick])
-            summed = self.dp.reduce_scatter(part)
-            out[start:start + own.shape[0]] = summed[:own.shape[0]]
+                rows[pick] = super().forward(tokens.index_select(0, pick // k), local[pick])
+            out[start * k:(start + own.shape[0]) * k] = self.dp.reduce_scatter(rows)[:own.shape[0] * k]
         return out
 
 

@@ -176,6 +176,9 @@ def sorted_forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
     order within an expert), `run(rows, experts)` over the sorted rows, the outputs put back in (token, j) order and
     summed over j."""
     top_k = chosen.shape[-1]
+    whole = getattr(run, "token_major", None)     # (data-parallel attention's experts: `lathe.engine.expert_parallel`)
+    if whole is not None:
+        return (whole(x, chosen).view(*chosen.shape, -1) * weights.unsqueeze(-1)).sum(1)
     sorted_experts, order = chosen.reshape(-1).sort(stable=True)
     ys = run(x.index_select(0, order // top_k), sorted_experts)
     # back to (token, j) order, then each token's k outputs summed: no atomic adds, so the sum is deterministic

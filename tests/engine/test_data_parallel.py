@@ -156,3 +156,12 @@ def test_sizes_that_do_not_fit_are_refused(moe_paths, tmp_path):
     dense = load_lathe_model(str(save_hf(tmp_path, "qwen3")[0]), torch.float32)
     with pytest.raises(ValueError, match="no mixture-of-experts"):
         check_replica(dense, 1, 2, data_parallel_size=2)
+
+
+def test_fp8_rollout_is_refused_with_data_parallel_attention(moe_paths):
+    """Not built together (nor with tensor-parallel replicas): refused when the engine is made, naming both."""
+    whole = load_lathe_model(moe_paths[0], torch.float32)
+    replica = shard_copy(whole, torch.float32, torch.device("cpu"), TensorParallel(None, 0, 1),
+                         expert_parallel_size=2, dp=AttentionDataParallel(None, 0, 2))
+    with pytest.raises(ValueError, match="quantization='fp8': not implemented for data-parallel attention"):
+        LatheEngine(replica, eos_token_id=None, block_size=4, num_kv_blocks=8, max_model_len=48, quantization="fp8")

@@ -103,4 +103,4 @@ def idle_step(model: nn.Module) -> None:
             continue
         weight = next(experts.parameters())
         experts.token_major(weight.new_zeros(0, block.moe_hidden),
-                            torch.zeros(0, experts.top_k, dtype=torch.int64, device=weight.device))
+                            torch.zeros(0, block.moe.num_experts_per_tok, dtype=torch.int64, device=weight.device))

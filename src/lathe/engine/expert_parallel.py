@@ -141,8 +141,6 @@ class ExpertSlice:
             experts.__class__ = _subclass(LocalExperts, type(experts))
             experts.first, experts.count = self.first, self.count
             experts.dp = dp if dp is not None and dp.size > 1 else None
-            experts.top_k = block.moe.num_experts_per_tok
-            experts.token_major = experts._across_replicas if experts.dp is not None else None
             block.__class__ = _subclass(ExpertParallelBlock, type(block))
             block.tp = tp
 
@@ -162,10 +160,12 @@ class LocalExperts:
     first: int
     count: int
     dp = None                        # data-parallel attention's group (module doc), or None
-    top_k: int
-    # data-parallel attention: (tokens (T, H), their experts (T, k)) -> each (token, choice)'s output (T k, H), which
-    # `lathe.models.moe.sorted_forward` calls instead of `forward` where it is set (`_across_replicas`)
-    token_major = None
+
+    @property
+    def token_major(self):
+        """Data-parallel attention: (tokens (T, H), their experts (T, k)) -> each (token, choice)'s output (T k, H),
+        which `lathe.models.moe.sorted_forward` calls instead of `forward` where it is not None."""
+        return self._across_replicas if self.dp is not None else None
 
     @torch.compiler.disable          # host-read bounds in eager runs (module doc)
     def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

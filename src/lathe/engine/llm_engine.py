@@ -230,9 +230,10 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
             return None
         if scheme not in fp8.SCHEMES:
             raise ValueError(f"quantization={scheme!r}: lathe's engine quantises to {', '.join(fp8.SCHEMES)} only")
-        if self.vl or self.tp.size > 1:
-            raise ValueError(f"quantization={scheme!r}: not implemented for "
-                             + ("vision-language models" if self.vl else "tensor-parallel replicas"))
+        if self.vl or self.tp.size > 1 or self.dp is not None:
+            raise ValueError(f"quantization={scheme!r}: not implemented for " + (
+                "vision-language models" if self.vl else "tensor-parallel replicas" if self.tp.size > 1 else
+                "data-parallel attention (rollout.data_parallel_size > 1 with expert_parallel_size = DP x TP)"))
         fp8.check_device(self.model.device, self.model.dtype)
         fp8.quantize_model(self.model)
         return scheme

@@ -125,7 +125,7 @@ class Rollout:
         """Sample `params.n` responses per prompt; returns the prompt rows repeated n times plus the tensors.
         `first_index`: where this share's first sample sits in a rollout split over ranks (seeding). The ranks of a
         tensor-parallel replica all generate (the same samples); only its first returns them, the others None."""
-        prompt_ids = [list(p) for p in prompts["prompt_ids"]] if len(prompts) else []
+        prompt_ids = [list(p) for p in prompts["prompt_ids"]]
         if not prompt_ids:          # (called with none only as a data-parallel-attention engine's idle replica)
             if self.dp is not None:
                 self.backend.generate([], params)       # its experts serve the other replicas' steps

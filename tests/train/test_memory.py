@@ -421,3 +421,30 @@ def test_the_start_up_plan_counts_the_host_masters_rounding_and_refuses_what_the
     assert "pinned rounding" in str(info.value) and "param_offload=true" in str(info.value)
     monkeypatch.setattr(memory, "host_memory", lambda: (int(pinned / 0.85), None))
     log_memory_plan(cfg, run_plan(cfg), model, CUDA)
+
+
+def test_auto_data_parallel_attention_takes_replicas_of_whole_experts_where_they_fit(monkeypatch):
+    """`rollout.data_parallel_attention=auto`: on a GPU, an engine of data-parallel attention runs as replicas of whole
+    experts (expert_parallel_size = TP: what the engine and the driver read) where the replicas' plan holds the step's
+    KV cache beside their weights; always keeps it, and so do CPU runs and plans without that room."""
+    from lathe.config import run_plan
+    from lathe.loop.setup import auto_replicas, log_memory_plan
+    from lathe.models.hf import lathe_from_transformers
+    from models.lathe_tiny import hf_model
+    model = lathe_from_transformers(hf_model("qwen3_moe"))
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    dp = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.data_parallel_size=2",
+          "actor_rollout_ref.rollout.expert_parallel_size=2"]
+    for setting, device, ep in (("auto", CUDA, 1), ("always", CUDA, 2), ("auto", torch.device("cpu"), 2)):
+        cfg = load_config("base", [*dp, f"actor_rollout_ref.rollout.data_parallel_attention={setting}"],
+                          device_count=2)
+        log_memory_plan(cfg, run_plan(cfg), model, device)
+        assert cfg.actor_rollout_ref.rollout.expert_parallel_size == ep, (setting, device)
+    # the replicas' weights leave 40 - 30 GiB for the KV cache: a step that needs more keeps data-parallel attention
+    parts = [memory.Part("rollout weights", 30 * 2**30, True), memory.Part("gradients", 40 * 2**30, True, True)]
+    cfg = load_config("base", dp, device_count=2)
+    assert not auto_replicas(cfg, parts, CUDA, True, 11 * 2**30)
+    assert not auto_replicas(cfg, parts, CUDA, False, 9 * 2**30)         # (the replicas' plan does not fit)
+    assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 2
+    assert auto_replicas(cfg, parts, CUDA, True, 9 * 2**30)
+    assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 1

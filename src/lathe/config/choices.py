@@ -19,6 +19,8 @@ DtypeName = Literal["fp32", "float32", "32", "bf16", "bfloat16", "fp16", "float1
 RolloutDtype = Literal["bfloat16", "float16", "float32"]
 # lathe.engine.kv_cache.KV_CACHE_DTYPES: the engine's KV-cache storage (vLLM's names; auto = the rollout dtype)
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+# lathe.config.data_parallel_attention: verl's EP = D x TP as data-parallel attention or as replicas of whole experts
+DataParallelAttention = Literal["auto", "always", "never"]
 # verl's training backends; lathe trains every one of them with its FSDP2 trainer (support.py says so once)
 Strategy = Literal["fsdp", "fsdp2", "fsdp_turbo", "megatron", "megatron_lite", "veomni", "torchtitan"]
 # verl's `model_engine` (the Hydra group that picks the backend's config groups); dp = fsdp

@@ -1,5 +1,6 @@
 """verl's `rollout.data_parallel_size` (data-parallel attention, `lathe.engine.data_parallel`): where it runs, where it
-runs as replicas of whole experts, and which sizes cannot run. Read by the translation (`verl_translate.
+runs as replicas of whole experts (lathe's `rollout.data_parallel_attention`: auto, always, never), and which sizes
+cannot run. Read by the translation (`verl_translate.
 engine_data_parallel`, which warns), the rules (`rules_parallel.check_rollout_tp`, which refuse) and the key's docs."""
 
 from __future__ import annotations
@@ -13,8 +14,16 @@ ISSUE = "lathe issue 43: model-parallel engine replicas"
 
 def data_parallel_attention_lacks(cfg) -> str | None:
     """What of the run keeps data-parallel attention (`lathe.engine.data_parallel`) from driving its engine, or None:
-    the agent loop and fully-async training stream requests step by step, speculative decoding verifies in steps of
-    its own (its lockstep is not built). Such runs take verl's EP = TP x DP as replicas of whole experts."""
+    `rollout.data_parallel_attention=never`, or what it is not built for (`engine_lacks`). Such runs take verl's
+    EP = TP x DP as replicas of whole experts."""
+    if cfg.actor_rollout_ref.rollout.data_parallel_attention == "never":
+        return f"`{R}.data_parallel_attention=never`"
+    return engine_lacks(cfg)
+
+
+def engine_lacks(cfg) -> str | None:
+    """What of the run data-parallel attention is not built for, or None: the agent loop and fully-async training
+    stream requests step by step, speculative decoding verifies in steps of its own (its lockstep is not built)."""
     from .rules_mtp import speculative_tokens
     arr = cfg.actor_rollout_ref
     if is_async(cfg):
@@ -32,10 +41,17 @@ def data_parallel_verdict(cfg) -> tuple[str, str] | None:
     (`lathe.engine.data_parallel`) with expert_parallel_size D x TP, else (EP 1 or TP) as D replicas of TP ranks with
     whole experts: the same samples either way, each seeded by its place in the batch. ("refuse", why) for sizes that
     cannot run (`rules_parallel.check_rollout_tp` refuses), ("warn", why) for the replicas (`verl_translate.
-    engine_data_parallel` warns), None for data-parallel attention or D = 1."""
+    engine_data_parallel` warns), None for data-parallel attention or D = 1. lathe's `data_parallel_attention`: never
+    takes the replicas (warned), always is refused where data-parallel attention cannot run; auto is decided when the
+    model is known (`auto_replicas`)."""
     ro = cfg.actor_rollout_ref.rollout
     value = ro.data_parallel_size
     if value in (None, 1):
+        if ro.data_parallel_attention == "always":
+            return "refuse", (f"`{R}.data_parallel_attention=always` with data_parallel_size={show(value)}: no "
+                              "engine of several replicas to run it. Fix: set data_parallel_size to the replicas of "
+                              "an engine (and expert_parallel_size to it x tensor_model_parallel_size), or remove "
+                              "the key")
         return None
     tp, ep, key = ro.tensor_model_parallel_size, ro.expert_parallel_size, f"{R}.data_parallel_size"
     devices = rollout_devices(cfg) or trainer_devices(cfg)         # a rollout pool's own, else the trainer's
@@ -46,9 +62,20 @@ def data_parallel_verdict(cfg) -> tuple[str, str] | None:
                           f"{devices} rollout devices and expert_parallel_size to be {value * tp} (data-parallel "
                           f"attention: verl's EP = TP x DP), {tp} or 1 (replicas of whole experts). Fix: set "
                           "data_parallel_size to 1 (or such a size).")
-    lacks = data_parallel_attention_lacks(cfg)
+    setting, lacks = ro.data_parallel_attention, data_parallel_attention_lacks(cfg)
+    if setting == "always" and (ep != value * tp or lacks is not None):
+        return "refuse", (f"`{R}.data_parallel_attention=always` with {key}={value}, tensor_model_parallel_size={tp} "
+                          f"and expert_parallel_size={ep}: " + (
+                              f"data-parallel attention needs expert_parallel_size = {value * tp} (D x TP)"
+                              if ep != value * tp else f"data-parallel attention does not run with {lacks} yet "
+                                                       f"({ISSUE})") + ". Fix: set it to auto or never (replicas of "
+                          "whole experts: the same samples)")
     if ep == value * tp and lacks is None:    # data-parallel attention (`lathe.engine.data_parallel`, which logs how)
         return None
+    if ep == value * tp and setting == "never":
+        return "warn", (f"`{key}`={value} with expert_parallel_size={ep} runs as {value} of lathe's engine replicas "
+                        f"of {tp} rank(s) each, a mixture-of-experts model's experts whole over each replica's ranks "
+                        f"(data_parallel_attention=never): expert_parallel_size {ep} runs as {tp}.")
     if ep == value * tp:
         return "warn", (f"`{key}`={value} with expert_parallel_size={ep} (data-parallel attention) runs with {lacks} "
                         f"as {value} of lathe's engine replicas of {tp} rank(s) each, a mixture-of-experts model's "

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .choices import (KVCacheDtype, LogprobsMode, RolloutDtype, RolloutMode, SanityCheckMode, SchedulingPolicy,
+from .choices import (DataParallelAttention, KVCacheDtype, LogprobsMode, RolloutDtype, RolloutMode, SanityCheckMode, SchedulingPolicy,
                       ToolCallFormat, TruncateSide)
 from .coerce import spec
 from .schema_async import CheckpointEngineConfig
@@ -135,6 +135,12 @@ class RolloutConfig:
            "spread over all D x TP ranks and the replicas step in lockstep (eager decode; the agent loop, fully-async "
            "training and speculative decoding run it as replicas of whole experts, with a notice); with "
            "expert_parallel_size = TP or 1 the D replicas hold whole experts (faster while they fit).")
+    data_parallel_attention: DataParallelAttention = spec(
+        "auto", "lathe: how data_parallel_size D with expert_parallel_size D x TP runs. always: data-parallel "
+                "attention (the experts over all D x TP ranks, eager decode); never: D replicas of whole experts "
+                "(the same samples; CUDA graphs); auto: replicas of whole experts on GPUs where the memory plan "
+                "holds them with the KV cache of the step's sequences (they generate several times faster: "
+                "docs/distributed.md), else data-parallel attention; CPU runs: always.")
     expert_parallel_size: int = spec(
         1, "Expert-parallel degree of the engine (verl; vLLM's enable_expert_parallel when above 1). lathe: a "
            "mixture-of-experts model (Qwen3-MoE, GPT-OSS, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) in replicas of "

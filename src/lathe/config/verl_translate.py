@@ -436,7 +436,8 @@ def engine_data_parallel(cfg: Any) -> None:
     wide_expert_parallel(cfg)
     tp, ep, moe_tp = ro.tensor_model_parallel_size, ro.expert_parallel_size, ro.moe_tensor_parallel_size
     if (moe_tp > 1 and ep * moe_tp == tp) or (ro.data_parallel_size > 1 and ep == ro.data_parallel_size * tp
-                                              and data_parallel_attention_lacks(cfg) is not None):
+                                              and data_parallel_attention_lacks(cfg) is not None
+                                              and ro.data_parallel_attention != "always"):   # (the rules refuse)
         ro.expert_parallel_size = tp
 
 

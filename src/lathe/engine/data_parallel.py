@@ -49,8 +49,8 @@ def dp_settings(model: nn.Module, enforce_eager: bool, num_speculative_tokens: i
                          f"{num_speculative_tokens}): not implemented together yet. Fix: leave one of them off")
     if not enforce_eager and model.device.type == "cuda":
         log.info("engine: data-parallel attention decodes without CUDA graphs (its experts read row counts on the "
-                 "host): slower steps than replicas of whole experts (%s=1 with expert_parallel_size = "
-                 "tensor_model_parallel_size), in exchange for the experts' memory", KEY)
+                 "host): slower steps than replicas of whole experts (rollout.data_parallel_attention=never, or auto "
+                 "where they fit), in exchange for the experts' memory")
     return True
 
 

@@ -167,6 +167,18 @@ def _shard(parts: list[Part], ranks: int) -> list[Part]:
                                      for p in parts]
 
 
+def _resident(parts: list[Part]) -> int:
+    """Bytes of `parts` on the GPU while the engine generates."""
+    return sum(p.nbytes for p in parts if p.on_gpu and not p.update_only)
+
+
+def generation_room(parts: list[Part], device: torch.device, gpu_memory_utilization: float) -> float | None:
+    """Bytes the engine's KV cache may take beside `parts` while it generates (None: the device's memory is unknown,
+    a CPU)."""
+    total = total_memory(device)
+    return max(0.0, gpu_memory_utilization * total - _resident(parts)) if total else None
+
+
 def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization: float, *,
                 kv_seq_bytes: int = 0, seqs: int = 0, mesh_fixes: list[str] = (), host_ranks: int = 1,
                 host_memory: tuple[int, int | None] | None = None) -> tuple[str, bool]:
@@ -182,14 +194,14 @@ def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization:
     total = total_memory(device)
     if not total:
         return _host_plan(parts, device), True
-    resident = sum(p.nbytes for p in parts if p.on_gpu and not p.update_only)
+    resident = _resident(parts)
     update = resident + sum(p.nbytes for p in parts if p.on_gpu and p.update_only)
     host = sum(p.nbytes for p in parts if not p.on_gpu)
     lines = [f"memory plan on {device} ({total / GIB:.1f} GiB):"]
     for p in parts:
         place = "GPU" if p.on_gpu else "CPU"
         lines.append(f"  {p.what:<58} {p.nbytes / GIB:7.2f} GiB  {place}{'  (' + p.why + ')' if p.why else ''}")
-    kv = max(0.0, gpu_memory_utilization * total - resident)
+    kv = generation_room(parts, device, gpu_memory_utilization)
     lines.append(f"  GPU while generating: {resident / GIB:.2f} GiB + KV cache up to {kv / GIB:.2f} GiB "
                  f"(rollout.gpu_memory_utilization={gpu_memory_utilization})")
     lines.append(f"  GPU during the update: {update / GIB:.2f} GiB + activations")

@@ -131,6 +131,7 @@ def expert_parallel(root, device: str) -> None:
                                                                       a["response_length/mean"]), shown(a, b)
         for key in UPDATE:
             assert abs(b[key] - a[key]) <= 1e-4 * max(abs(a[key]), 1e-2), (key, shown(a, b))
+    assert_synced(one, many)
 
 
 def moe_plain_fsdp(root, device: str) -> None:

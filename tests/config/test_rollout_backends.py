@@ -366,7 +366,8 @@ def test_data_parallel_attention_setting_picks_the_layout_or_is_refused():
     cfg = load_config("base", [*dp, f"{R}.data_parallel_attention=always"], device_count=4)
     assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 4
     for overrides, message in (([f"{R}.multi_turn.enable=true"], "does not run with the agent loop"),
-                               ([f"{R}.expert_parallel_size=2"], "needs expert_parallel_size = 4")):
+                               ([f"{R}.expert_parallel_size=2"], "needs expert_parallel_size = 4"),
+                               ([f"{R}.quantization=fp8"], "does not run with FP8 rollout")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config("base", [*dp, f"{R}.data_parallel_attention=always", *overrides], device_count=4)
     with pytest.raises(ConfigError, match=r"data_parallel_attention=always` with data_parallel_size=1: no engine"):

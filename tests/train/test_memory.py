@@ -440,11 +440,32 @@ def test_auto_data_parallel_attention_takes_replicas_of_whole_experts_where_they
                           device_count=2)
         log_memory_plan(cfg, run_plan(cfg), model, device)
         assert cfg.actor_rollout_ref.rollout.expert_parallel_size == ep, (setting, device)
-    # the replicas' weights leave 40 - 30 GiB for the KV cache: a step that needs more keeps data-parallel attention
-    parts = [memory.Part("rollout weights", 30 * 2**30, True), memory.Part("gradients", 40 * 2**30, True, True)]
+    # the replicas' weights leave 40 - 30 = 10 GiB of KV cache (sequences of 1 GiB): they hold a step of up to 10,
+    # or half of what data-parallel attention's plan holds; else it stays
+    kv = 2**30
+    replicas = [memory.Part("rollout weights", 30 * 2**30, True), memory.Part("gradients", 40 * 2**30, True, True)]
+    spread = [memory.Part("rollout weights", 10 * 2**30, True)]                  # 30 GiB of KV cache: 30 sequences
     cfg = load_config("base", dp, device_count=2)
-    assert not auto_replicas(cfg, parts, CUDA, True, 11 * 2**30)
-    assert not auto_replicas(cfg, parts, CUDA, False, 9 * 2**30)         # (the replicas' plan does not fit)
+    for fits, seqs, want in ((True, 10, True), (True, 30, False), (False, 10, False)):
+        assert auto_replicas(cfg, (replicas, fits), spread, CUDA, kv, seqs) == want, (fits, seqs)
+    assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 1                # (the first one took them)
+    cfg = load_config("base", dp, device_count=2)
+    spread = [memory.Part("rollout weights", 22 * 2**30, True)]                  # 18 sequences: replicas hold > half
+    assert auto_replicas(cfg, (replicas, True), spread, CUDA, kv, 30)
+    cfg = load_config("base", dp, device_count=2)
+    assert not auto_replicas(cfg, (replicas, True), spread, torch.device("cpu"), kv, 10)     # CPU runs keep it
     assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 2
-    assert auto_replicas(cfg, parts, CUDA, True, 9 * 2**30)
-    assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 1
+
+
+def test_data_parallel_attention_always_is_refused_where_the_model_runs_replicas(monkeypatch, make_lathe):
+    """`data_parallel_attention=always` with a model that runs verl's layout as replicas anyway (a dense model here):
+    refused at start-up, not ignored."""
+    from lathe.config import run_plan
+    from lathe.loop.setup import log_memory_plan
+    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
+    cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=2",
+                               "actor_rollout_ref.rollout.data_parallel_size=2",
+                               "actor_rollout_ref.rollout.expert_parallel_size=2",
+                               "actor_rollout_ref.rollout.data_parallel_attention=always"], device_count=2)
+    with pytest.raises(ValueError, match="has no mixture-of-experts layers, so its engine runs as replicas"):
+        log_memory_plan(cfg, run_plan(cfg), make_lathe(), CUDA)

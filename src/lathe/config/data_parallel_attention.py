@@ -23,7 +23,8 @@ def data_parallel_attention_lacks(cfg) -> str | None:
 
 def engine_lacks(cfg) -> str | None:
     """What of the run data-parallel attention is not built for, or None: the agent loop and fully-async training
-    stream requests step by step, speculative decoding verifies in steps of its own (its lockstep is not built)."""
+    stream requests step by step, speculative decoding verifies in steps of its own (its lockstep is not built), FP8
+    rollout quantises whole experts (`lathe.engine.llm_engine` refuses it on any replica of several ranks)."""
     from .rules_mtp import speculative_tokens
     arr = cfg.actor_rollout_ref
     if is_async(cfg):
@@ -32,6 +33,8 @@ def engine_lacks(cfg) -> str | None:
         return "the agent loop (multi_turn.enable=true)"
     if speculative_tokens(arr) > 0:
         return "speculative decoding (model.mtp.enable_rollout=true)"
+    if arr.rollout.quantization:
+        return f"FP8 rollout (rollout.quantization={arr.rollout.quantization})"
     return None
 
 

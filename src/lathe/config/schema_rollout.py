@@ -139,8 +139,9 @@ class RolloutConfig:
         "auto", "lathe: how data_parallel_size D with expert_parallel_size D x TP runs. always: data-parallel "
                 "attention (the experts over all D x TP ranks, eager decode); never: D replicas of whole experts "
                 "(the same samples; CUDA graphs); auto: replicas of whole experts on GPUs where the memory plan "
-                "holds them with the KV cache of the step's sequences (they generate several times faster: "
-                "docs/distributed.md), else data-parallel attention; CPU runs: always.")
+                "leaves them a KV cache for the step's sequences, or for half as many as data-parallel attention's "
+                "(they generate several times faster: docs/distributed.md), else data-parallel attention (a "
+                "notice says which); CPU runs: data-parallel attention.")
     expert_parallel_size: int = spec(
         1, "Expert-parallel degree of the engine (verl; vLLM's enable_expert_parallel when above 1). lathe: a "
            "mixture-of-experts model (Qwen3-MoE, GPT-OSS, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) in replicas of "

@@ -262,6 +262,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
     model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
     check_parallel_model(plan, model, impl=arr.model.impl)
     log_memory_plan(cfg, plan, model, device)
+    (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))        # (again: the plan may choose the engine's layout)
     cluster = None
     if uses_ray(plan):                  # Ray workers, each loading the weights
         path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
@@ -392,9 +393,7 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
     from lathe.engine.data_parallel import engine_layout
     dp_size, ep_size = (engine_layout(model, arr.rollout) if lathe_engine and not run.is_async
                         else (1, arr.rollout.expert_parallel_size))
-    if replica > 1 or dp_size > 1:  # refused here, before any worker starts, rather than when a replica is cut
-        from lathe.engine.tensor_parallel import check_replica
-        check_replica(model, replica, ep_size, dp_size)
+    check_always_data_parallel(arr, model, lathe_engine, dp_size)
     tp = replica if not run.is_async else 1         # (the async pool's replicas hold no trainer state)
     kv_seq = 0
     if lathe_engine and not run.is_async:       # lathe's engine: its KV cache, in the rollout dtype, for one sequence of the longest length
@@ -448,34 +447,69 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         return parts, text, fits
 
     parts, text, fits = planned(None)
-    if dp_size > 1 and not auto_replicas(cfg, parts, device, fits, kv_seq * seqs):
-        from lathe.models.moe import sparse_blocks    # data-parallel attention: the routed experts over D x TP ranks
+    if dp_size > 1:                 # data-parallel attention: the routed experts over D x TP ranks
+        from lathe.models.moe import sparse_blocks
         experts = sum(p.numel() for b in sparse_blocks(model) for p in b.experts.parameters())
-        parts, text, fits = planned((experts, dp_size))
+        spread = planned((experts, dp_size))
+        if auto_replicas(cfg, (parts, fits), spread[0], device, kv_seq, seqs):
+            dp_size, ep_size = 1, replica
+        else:
+            parts, text, fits = spread
+    if replica > 1 or dp_size > 1:  # refused here, before any worker starts, rather than when a replica is cut
+        from lathe.engine.tensor_parallel import check_replica
+        check_replica(model, replica, ep_size, dp_size)
     log.info("%s", text)
     if not fits:
         raise ValueError(text)
 
 
-def auto_replicas(cfg: LatheConfig, parts, device: torch.device, fits: bool, step_kv: int) -> bool:
+def check_always_data_parallel(arr, model, lathe_engine: bool, dp_size: int) -> None:
+    """`rollout.data_parallel_attention=always` where the model known now runs verl's layout as replicas of whole
+    experts anyway (`lathe.engine.data_parallel.engine_layout`): refused, not ignored."""
+    ro = arr.rollout
+    if ro.data_parallel_attention != "always" or ro.data_parallel_size <= 1 or dp_size > 1:
+        return
+    why = ("this run generates with transformers' generate (rollout.name=hf or model.impl=hf)" if not lathe_engine
+           else f"{getattr(model.config, 'architecture', type(model).__name__)} has no mixture-of-experts layers"
+           if getattr(model.config, "moe", None) is None
+           else f"data-parallel attention runs lathe's text decoder, and this run's policy is {type(model).__name__}")
+    raise ValueError(f"actor_rollout_ref.rollout.data_parallel_attention=always with data_parallel_size="
+                     f"{ro.data_parallel_size}: {why}, so its engine runs as replicas. Fix: set it to auto or never "
+                     "(the same samples)")
+
+
+def auto_replicas(cfg: LatheConfig, replicas: tuple[list, bool], spread: list, device: torch.device, kv_seq: int,
+                  seqs: int) -> bool:
     """Whether an engine of data-parallel attention (`lathe.engine.data_parallel`) runs instead as replicas of whole
-    experts (`rollout.data_parallel_attention=auto`): on a GPU, where the replicas' plan (`parts`) fits (`fits`) with
-    `step_kv` bytes of KV cache (the step's sequences of a replica at their longest) beside their weights. Replicas
-    decode under CUDA graphs, data-parallel attention eagerly: at Qwen3-30B-A3B-12l on 2 H200s the replicas generated
-    6.3x faster (docs/distributed.md). Then the rollout's expert_parallel_size becomes its tensor-parallel size (what
-    the engine and the driver read), with a notice."""
-    from lathe.train.memory import generation_room
+    experts (`rollout.data_parallel_attention=auto`), on a GPU: where the replicas' plan (`replicas`: parts, whether
+    they fit) fits and its KV cache holds the replica's `seqs` sequences of `kv_seq` bytes at their longest, or at least
+    half as many as data-parallel attention's plan (`spread`'s parts) would. Replicas decode under CUDA graphs,
+    data-parallel attention eagerly: at Qwen3-30B-A3B-12l on 2 H200s the replicas generated 6.3x faster
+    (docs/distributed.md), more than a KV cache of half the sequences costs them. Then the rollout's
+    expert_parallel_size becomes its tensor-parallel size (what the engine and the driver read), with a notice; else
+    a notice says what would let them."""
+    from lathe.train.memory import generation_room, resident_bytes, total_memory
     ro = cfg.actor_rollout_ref.rollout
-    if ro.data_parallel_attention != "auto" or device.type != "cuda" or not fits:
+    parts, fits = replicas
+    if ro.data_parallel_attention != "auto" or device.type != "cuda" or not kv_seq:
         return False
-    room = generation_room(parts, device, ro.gpu_memory_utilization)
-    if room is None or room < step_kv:
+    gmu = ro.gpu_memory_utilization
+    room, spread_room = generation_room(parts, device, gmu), generation_room(spread, device, gmu)
+    if room is None or spread_room is None:
+        return False
+    held, spread_held = int(room // kv_seq), int(spread_room // kv_seq)
+    if not fits or held < max(1, min(seqs, (spread_held + 1) // 2)):
+        need = math.ceil(100 * (resident_bytes(parts) + kv_seq * seqs) / total_memory(device)) / 100
+        log.info("engine: rollout.data_parallel_size=%d runs as data-parallel attention (eager decode): replicas of "
+                 "whole experts, several times faster, would hold %d of a replica's %d sequences at their longest "
+                 "(data-parallel attention %d)%s", ro.data_parallel_size, held, seqs, spread_held,
+                 f"; rollout.gpu_memory_utilization={need} would let them hold all" if need < 0.95 else "")
         return False
     log.info("engine: rollout.data_parallel_size=%d with expert_parallel_size=%d runs as %d replicas of whole experts "
-             "(expert_parallel_size %d): they fit beside the step's KV cache and decode under CUDA graphs, several "
-             "times faster than data-parallel attention's eager decode (rollout.data_parallel_attention=always "
-             "keeps it)", ro.data_parallel_size, ro.expert_parallel_size, ro.data_parallel_size,
-             ro.tensor_model_parallel_size)
+             "(expert_parallel_size %d): they hold %d of a replica's %d sequences at their longest and decode under "
+             "CUDA graphs, several times faster than data-parallel attention's eager decode "
+             "(rollout.data_parallel_attention=always keeps it)", ro.data_parallel_size, ro.expert_parallel_size,
+             ro.data_parallel_size, ro.tensor_model_parallel_size, min(held, seqs), seqs)
     ro.expert_parallel_size = ro.tensor_model_parallel_size
     return True
 

@@ -167,7 +167,7 @@ def _shard(parts: list[Part], ranks: int) -> list[Part]:
                                      for p in parts]
 
 
-def _resident(parts: list[Part]) -> int:
+def resident_bytes(parts: list[Part]) -> int:
     """Bytes of `parts` on the GPU while the engine generates."""
     return sum(p.nbytes for p in parts if p.on_gpu and not p.update_only)
 
@@ -176,7 +176,7 @@ def generation_room(parts: list[Part], device: torch.device, gpu_memory_utilizat
     """Bytes the engine's KV cache may take beside `parts` while it generates (None: the device's memory is unknown,
     a CPU)."""
     total = total_memory(device)
-    return max(0.0, gpu_memory_utilization * total - _resident(parts)) if total else None
+    return max(0.0, gpu_memory_utilization * total - resident_bytes(parts)) if total else None
 
 
 def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization: float, *,
@@ -194,7 +194,7 @@ def format_plan(parts: list[Part], device: torch.device, gpu_memory_utilization:
     total = total_memory(device)
     if not total:
         return _host_plan(parts, device), True
-    resident = _resident(parts)
+    resident = resident_bytes(parts)
     update = resident + sum(p.nbytes for p in parts if p.on_gpu and p.update_only)
     host = sum(p.nbytes for p in parts if not p.on_gpu)
     lines = [f"memory plan on {device} ({total / GIB:.1f} GiB):"]

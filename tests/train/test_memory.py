@@ -440,13 +440,14 @@ def test_auto_data_parallel_attention_takes_replicas_of_whole_experts_where_they
                           device_count=2)
         log_memory_plan(cfg, run_plan(cfg), model, device)
         assert cfg.actor_rollout_ref.rollout.expert_parallel_size == ep, (setting, device)
-    # the replicas' weights leave 40 - 30 = 10 GiB of KV cache (sequences of 1 GiB): they hold a step of up to 10,
-    # or half of what data-parallel attention's plan holds; else it stays
+    # the replicas' weights leave 40 - 30 = 10 GiB of KV cache (sequences of 1 GiB): they run for steps of up to 20
+    # sequences, half or more of what data-parallel attention's plan would run at once; else it stays
     kv = 2**30
     replicas = [memory.Part("rollout weights", 30 * 2**30, True), memory.Part("gradients", 40 * 2**30, True, True)]
     spread = [memory.Part("rollout weights", 10 * 2**30, True)]                  # 30 GiB of KV cache: 30 sequences
     cfg = load_config("base", dp, device_count=2)
-    for fits, seqs, want in ((True, 10, True), (True, 30, False), (False, 10, False)):
+    for fits, seqs, want in ((True, 10, True), (True, 20, True), (True, 22, False), (True, 30, False),
+                             (False, 10, False)):
         assert auto_replicas(cfg, (replicas, fits), spread, CUDA, kv, seqs) == want, (fits, seqs)
     assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 1                # (the first one took them)
     cfg = load_config("base", dp, device_count=2)
@@ -469,3 +470,19 @@ def test_data_parallel_attention_always_is_refused_where_the_model_runs_replicas
                                "actor_rollout_ref.rollout.data_parallel_attention=always"], device_count=2)
     with pytest.raises(ValueError, match="has no mixture-of-experts layers, so its engine runs as replicas"):
         log_memory_plan(cfg, run_plan(cfg), make_lathe(), CUDA)
+
+
+def test_fsdp2_shards_under_mixed_precision_hold_no_compute_copy(monkeypatch):
+    """On several ranks FSDP2 computes in bf16 on the fp32 shards, cast as each layer is gathered: the plan counts the
+    fp32 masters (1/world), no bf16 shard beside them (a phantom that cost the 30B-A3B run 7.5 GiB of planned KV
+    cache); pure bf16 training shards its bf16 weights."""
+    monkeypatch.setattr(memory, "total_memory", lambda device: 80 * 2**30)
+    for dtype, weights in (("fp32", False), ("bf16", True)):
+        cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=2",
+                                   f"actor_rollout_ref.actor.fsdp_config.model_dtype={dtype}"], device_count=2)
+        parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=2)
+        names = [p.what for p in parts]
+        assert any(n.startswith("actor weights") for n in names) == weights, names
+        assert any(n.startswith("actor master weights, fp32") for n in names) != weights, names
+        if not weights:
+            assert _gib(parts, "actor master weights, fp32") == pytest.approx(4 * N / 2 / 2**30)

@@ -139,7 +139,7 @@ class RolloutConfig:
         "auto", "lathe: how data_parallel_size D with expert_parallel_size D x TP runs. always: data-parallel "
                 "attention (the experts over all D x TP ranks, eager decode); never: D replicas of whole experts "
                 "(the same samples; CUDA graphs); auto: replicas of whole experts on GPUs where the memory plan "
-                "leaves them a KV cache for the step's sequences, or for half as many as data-parallel attention's "
+                "leaves them a KV cache for at least half of the sequences data-parallel attention would run at once "
                 "(they generate several times faster: docs/distributed.md), else data-parallel attention (a "
                 "notice says which); CPU runs: data-parallel attention.")
     expert_parallel_size: int = spec(

@@ -482,8 +482,9 @@ def auto_replicas(cfg: LatheConfig, replicas: tuple[list, bool], spread: list, d
                   seqs: int) -> bool:
     """Whether an engine of data-parallel attention (`lathe.engine.data_parallel`) runs instead as replicas of whole
     experts (`rollout.data_parallel_attention=auto`), on a GPU: where the replicas' plan (`replicas`: parts, whether
-    they fit) fits and its KV cache holds the replica's `seqs` sequences of `kv_seq` bytes at their longest, or at least
-    half as many as data-parallel attention's plan (`spread`'s parts) would. Replicas decode under CUDA graphs,
+    they fit) fits and its KV cache holds at least half of the sequences (of `kv_seq` bytes at their longest) that
+    data-parallel attention (`spread`'s parts) would run at once: the replica's `seqs`, or as many as its KV cache
+    holds. Replicas decode under CUDA graphs,
     data-parallel attention eagerly: at Qwen3-30B-A3B-12l on 2 H200s the replicas generated 6.3x faster
     (docs/distributed.md), more than a KV cache of half the sequences costs them. Then the rollout's
     expert_parallel_size becomes its tensor-parallel size (what the engine and the driver read), with a notice; else
@@ -498,7 +499,7 @@ def auto_replicas(cfg: LatheConfig, replicas: tuple[list, bool], spread: list, d
     if room is None or spread_room is None:
         return False
     held, spread_held = int(room // kv_seq), int(spread_room // kv_seq)
-    if not fits or held < max(1, min(seqs, (spread_held + 1) // 2)):
+    if not fits or held < max(1, (min(seqs, spread_held) + 1) // 2):
         need = math.ceil(100 * (resident_bytes(parts) + kv_seq * seqs) / total_memory(device)) / 100
         log.info("engine: rollout.data_parallel_size=%d runs as data-parallel attention (eager decode): replicas of "
                  "whole experts, several times faster, would hold %d of a replica's %d sequences at their longest "

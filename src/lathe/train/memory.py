@@ -45,7 +45,10 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
     if not trainable:
         return [Part(f"{role} weights, {short_name(policy.param_dtype)}", size(policy.param_dtype), not params_off,
                      why=params_off, offload_key=f"{key}.param_offload")]
-    parts = [Part(f"{role} weights, {short_name(policy.param_dtype)}{weights_note}", size(policy.param_dtype), True)]
+    # FSDP2's mixed precision computes in param_dtype on the fp32 shards, cast as each layer is gathered: no
+    # param_dtype copy stays (e2e_30b-a3b-12l_replicas: the engines' KV cache was this part larger than planned)
+    parts = ([] if sharded and policy.mixed else
+             [Part(f"{role} weights, {short_name(policy.param_dtype)}{weights_note}", size(policy.param_dtype), True)])
     if policy.mixed:
         parts.append(Part(f"{role} master weights, {short_name(policy.master_dtype)}", size(policy.master_dtype),
                           not params_off, why=params_off, offload_key=f"{key}.param_offload"))

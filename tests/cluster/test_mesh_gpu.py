@@ -182,6 +182,21 @@ def data_parallel_attention(root, device: str) -> None:
                    exact_samples=device == "cpu")
 
 
+def data_parallel_auto(root, device: str) -> None:
+    """verl's layout of `data_parallel_attention` with lathe's default `rollout.data_parallel_attention=auto`: on GPUs
+    the memory plan holds this tiny model's replicas of whole experts with the step's KV cache, so the driver runs
+    them instead (expert_parallel_size 1, what the workers and the driver read): CUDA graphs captured (data-parallel
+    attention decodes eagerly, no captures) and the same run as one device's within bf16 noise; on CPU (no graphs,
+    auto keeps data-parallel attention) only the latter."""
+    layout = ("actor_rollout_ref.rollout.data_parallel_size=2", "actor_rollout_ref.rollout.expert_parallel_size=2")
+    one = train(root / "one", f"trainer.device={device}", STEPS, *moe_model(root))
+    many = train(root / "many", f"trainer.device={device}", STEPS, TWO, *layout, *moe_model(root))
+    assert_step1_alike(one[0], many[0])
+    assert_synced(one, many)
+    if device == "cuda":
+        assert many[0]["rollout/graph_captures"] > 0, shown(one[0], many[0])
+
+
 def fully_async(root, device: str) -> None:
     """Fully async on-policy (tests/cluster/test_fully_async.py's keys: staleness 0, a sync after every update) with
     the trainer on one device and the rollout replica on another, the new weights sent over the checkpoint engine
@@ -200,7 +215,7 @@ def fully_async(root, device: str) -> None:
 
 
 CASES = {f.__name__: f for f in (tensor_parallel, ulysses, expert_parallel, moe_plain_fsdp, lora_tensor_parallel,
-                                 rollout_replica, data_parallel_attention, fully_async)}
+                                 rollout_replica, data_parallel_attention, data_parallel_auto, fully_async)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

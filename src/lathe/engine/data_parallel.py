@@ -21,6 +21,19 @@ The pieces:
 Not here yet: CUDA graphs (the experts read row counts on the host: the engine decodes eagerly), speculative
 decoding, streamed requests (the agent loop and fully-async training drive `step` themselves), and the weight sync
 of fully-async training (which cuts slices per replica position).
+
+The way to CUDA graphs (measured need: eager generation was 6.3x slower than replicas of whole experts at
+Qwen3-30B-A3B-12l, docs/distributed.md), to be built where a GPU can check it:
+- each step, after scheduling, one all-reduce (max) of (prefill?, decode batch, top-k search?, top-p search?) over
+  the replicas: any prefill, or a batch past the largest bucket, and every replica runs that step eagerly (a
+  decode replica too); else every replica replays the graph of one agreed key (bucket of the largest batch, the
+  union of the sampler searches), an idle replica with padding rows only. The key must be the same everywhere: a
+  capture runs the step once eagerly first (its collectives execute) and then records (they do not), so a replica
+  capturing while another replays would pair one's warm-up collectives with the other's replay;
+- under capture `LocalExperts._across_replicas` gathers the bucket's rows whole (no counts, one piece), sorts the
+  (token, choice) rows by local expert with rows of other ranks' experts keyed past the last, so that the grouped
+  matmul's offsets end at this rank's rows (it computes those only; clamping them, as a TP replica's capture does,
+  would compute D times the rows), and masks the others' outputs to zero before the reduce-scatter.
 """
 
 from __future__ import annotations

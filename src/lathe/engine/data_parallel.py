@@ -32,8 +32,9 @@ Qwen3-30B-A3B-12l, docs/distributed.md), to be built where a GPU can check it:
   capturing while another replays would pair one's warm-up collectives with the other's replay;
 - under capture `LocalExperts._across_replicas` gathers the bucket's rows whole (no counts, one piece), sorts the
   (token, choice) rows by local expert with rows of other ranks' experts keyed past the last, so that the grouped
-  matmul's offsets end at this rank's rows (it should then compute those only: to check; clamping them, as a TP replica's capture does,
-  would compute D times the rows), and masks the others' outputs to zero before the reduce-scatter.
+  matmul's offsets end at this rank's rows (it should then compute those only: to check; clamping them, as a TP
+  replica's capture does, would compute D times the rows), and masks the others' outputs to zero before the
+  reduce-scatter.
 """
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ def expert_parallel(root, device: str) -> None:
     came out 2.5% apart on 2 H200s (2026-11-30: 34.38 against 35.26) while the fp32 run agreed to 6e-7 (34.622133
     against 34.622152); `moe_plain_fsdp` keeps the bf16 comparison."""
     fp32 = (f"{A}.fsdp_config.mixed_precision.param_dtype=fp32",
-            "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32", "actor_rollout_ref.rollout.dtype=float32")
+            "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32",
+            "actor_rollout_ref.rollout.dtype=float32")
     one = train(root / "one", f"trainer.device={device}", STEPS, *moe_model(root), *fp32)
     many = train(root / "many", f"trainer.device={device}", STEPS, TWO, *moe_model(root), *fp32,
                  f"{A}.fsdp_config.expert_parallel_size=2")

@@ -230,6 +230,12 @@ def test_a_tensor_parallel_rank_holds_its_share_of_the_rollout_weights(monkeypat
     rollout = next(p for p in parts if p.what.startswith("rollout weights"))
     assert rollout.nbytes == 2 * N // 2 and rollout.what.endswith("1/2 of a replica")      # bf16, half a replica
     assert _gib(parts, "actor master weights") == pytest.approx(4 * N / 4 / 2**30)          # fp32, 1/4 shard
+    # the embeddings (here 1/10 of the weights) whole on each rank, and a tied model's LM head as a slice besides
+    for tied, share in ((False, 0.9 / 2 + 0.1), (True, 0.9 / 2 + 0.1 + 0.1 / 2)):
+        parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=None, lathe_engine=True, world=4,
+                            embeddings=(N // 10, tied))
+        rollout = next(p for p in parts if p.what.startswith("rollout weights"))
+        assert rollout.nbytes == pytest.approx(2 * N * share, rel=1e-6), tied
 
 
 def test_data_parallel_attention_spreads_the_experts_over_the_engine(monkeypatch):

@@ -425,13 +425,15 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
     # the host's memory is checked where this process's node is the ranks' (one node; a Ray cluster's other nodes
     # are not seen from here)
     one_node = cfg.trainer.nnodes == 1 and (not run.is_async or cfg.rollout.nnodes <= 1)
+    inputs = model.get_input_embeddings()           # (whole on every rank of an engine replica)
+    embeddings = (inputs.weight.numel(), head is not None and head.weight is inputs.weight)
 
     def planned(engine_experts: tuple[int, int] | None) -> tuple[list[Part], str, bool]:
         """(parts, the plan's text, whether it fits) with the engine's routed experts over `engine_experts`' (expert
         parameters, D) replicas' ranks (data-parallel attention), or None: each replica's whole."""
         parts = plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
                      world=run.world, colocated=not run.is_async, lora=lora, shards=shards,
-                     engine_experts=engine_experts)
+                     engine_experts=engine_experts, embeddings=embeddings)
         parts += other_model_parts(cfg, device, world=run.world, shards=shards)    # reward model/judge, teachers
         masters = next((p for p in parts if p.what.startswith("actor master weights") and not p.on_gpu), None)
         if masters is not None and run.world == 1 and lora is None:   # MasterAdamW's host masters: a pinned block each

@@ -63,7 +63,8 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
 
 def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_params: int | None,
          lathe_engine: bool, world: int = 1, colocated: bool = True, lora: tuple[int, int] | None = None,
-         shards: dict[str, int] | None = None, engine_experts: tuple[int, int] | None = None) -> list[Part]:
+         shards: dict[str, int] | None = None, engine_experts: tuple[int, int] | None = None,
+         embeddings: tuple[int, bool] = (0, False)) -> list[Part]:
     """The parts of a run on one device: actor (+ a rollout copy unless lathe's engine runs on the actor's own
     weights in the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's
     decoder. With `world` > 1 data-parallel ranks every trained or reference part is an FSDP2 shard and the engine
@@ -76,7 +77,9 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     holds a full copy of its own, the base and adapters being shards). The reward model or judge and the
     distillation teachers are `lathe.train.memory_models.other_model_parts` (sized from their config.json), which
     the caller adds. `engine_experts`: (routed experts' parameters, D) of an engine of D replicas with data-parallel
-    attention, which spreads the experts over all their ranks (`lathe.engine.data_parallel`)."""
+    attention, which spreads the experts over all their ranks (`lathe.engine.data_parallel`). `embeddings`: (input
+    embedding parameters, tied to the LM head): a tensor-parallel replica's ranks hold them whole, and a tied model's
+    LM head besides as a vocabulary slice (`lathe.engine.tensor_parallel.ShardLayout.local_items`)."""
     from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
@@ -113,14 +116,14 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
         parts += streamed_step_parts("critic", "critic.model", critic_params // ranks("critic"),
                                      cfg.critic.model.fsdp_config, device, sharded=world > 1)
     tp = arr.rollout.tensor_model_parallel_size if colocated else 1
-    if tp > 1 and engine_experts is None:   # a replica's rank: 1/tp of the layers and the LM head (embeddings whole)
-        parts = [replace(p, nbytes=p.nbytes // tp, what=f"{p.what}, 1/{tp} of a replica")
+    if tp > 1 or engine_experts is not None:    # a replica's rank: 1/tp of the layers and the LM head, embeddings whole
+        emb, tied = embeddings
+        experts, d = engine_experts or (0, 1)   # (data-parallel attention: the routed experts over D x tp ranks)
+        whole = emb + (emb / tp if tied else 0)
+        share = ((n_params - experts - emb) / tp + whole + experts / (d * tp)) / n_params
+        what = f"1/{tp} of a replica" + (f" and 1/{d * tp} of its experts" if engine_experts is not None else "")
+        parts = [replace(p, nbytes=int(p.nbytes * share), what=f"{p.what}, {what}")
                  if p.what.startswith("rollout ") else p for p in parts]
-    elif engine_experts is not None:        # the routed experts over the engine's D x tp ranks, the rest over tp
-        experts, d = engine_experts
-        share = ((n_params - experts) / tp + experts / (d * tp)) / n_params
-        parts = [replace(p, nbytes=int(p.nbytes * share), what=f"{p.what}, 1/{tp} of a replica and 1/{d * tp} of "
-                         "its experts") if p.what.startswith("rollout ") else p for p in parts]
     return parts
 
 

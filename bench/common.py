@@ -426,7 +426,8 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None
 
     A SIGTERM to the bench while the child runs (a GPU call's outer `timeout`) stops the child and returns 143, so
     the caller still writes the JSON of what the child's metrics.jsonl holds (a 7B A/B was lost once to a kill that
-    came as its child exited); later calls then return 143 at once without starting anything."""
+    came as its child exited); later calls then return 143 at once without starting anything, and further SIGTERMs
+    are ignored (a second one while the child stopped lost a data-parallel-attention run's JSON)."""
     global _TERMINATED
     if _TERMINATED:
         return 143, 0.0
@@ -445,11 +446,12 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None
                 rc = 124
             except _Terminated:
                 _TERMINATED = True
-                _stop(proc)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)   # (a second one while the child stops: the JSON
+                _stop(proc)                                      # was lost so once, 2026-11-30)
                 rc = 143
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        if main:        # (after a SIGTERM the bench ignores more of them: it writes what it has, then exits)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if _TERMINATED else previous)
     return rc, time.perf_counter() - start
 
 

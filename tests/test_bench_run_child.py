@@ -1,5 +1,6 @@
 """bench/common.run_child under an outer `timeout`: a SIGTERM to the bench stops its child and lets the bench write
-its JSON (a 7B A/B on the GPU machine was lost to a kill that came while its finished child exited)."""
+its JSON (a 7B A/B on the GPU machine was lost to a kill that came while its finished child exited), a second one
+included (a child that ignores SIGTERM here: the bench waits 15 s, then kills it)."""
 
 import json
 import signal
@@ -17,7 +18,8 @@ sys.path.insert(0, sys.argv[1])
 import common
 out = Path(sys.argv[2])
 (out.parent / "ready").write_text("")
-rc, wall = common.run_child([sys.executable, "-c", "import time; time.sleep(120)"], out.parent / "child.log", 300)
+stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+rc, wall = common.run_child([sys.executable, "-c", stubborn], out.parent / "child.log", 300)
 again = time.perf_counter()
 rc2, _ = common.run_child([sys.executable, "-c", "import time; time.sleep(120)"], out.parent / "child2.log", 300)
 out.write_text(json.dumps({"rc": rc, "wall": wall, "rc2": rc2, "second_s": time.perf_counter() - again}))
@@ -34,6 +36,8 @@ def test_a_sigterm_stops_the_child_and_the_bench_still_writes(tmp_path):
             time.sleep(0.1)
         time.sleep(1.0)                                          # the child is running
         bench.send_signal(signal.SIGTERM)
+        time.sleep(2.0)                         # the child ignores it: the bench waits to kill it, and meanwhile
+        bench.send_signal(signal.SIGTERM)       # a second SIGTERM (what lost a run's JSON once) is ignored
         _, err = bench.communicate(timeout=60)
     finally:
         bench.kill()

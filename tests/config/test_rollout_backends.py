@@ -357,7 +357,8 @@ def test_engine_layouts_that_do_not_fit_are_refused():
 def test_data_parallel_attention_setting_picks_the_layout_or_is_refused():
     """lathe's `rollout.data_parallel_attention`: never runs verl's EP = TP x DP as replicas of whole experts (a
     notice), always keeps data-parallel attention and is refused where it cannot run (no engine of several replicas,
-    EP not D x TP, the agent loop) rather than ignored; auto is decided with the memory plan (tests/train/test_memory)."""
+    EP not D x TP, the agent loop, FP8 rollout) rather than ignored; auto is decided with the memory plan
+    (tests/train/test_memory)."""
     dp = ["trainer.n_gpus_per_node=4", f"{R}.data_parallel_size=2", f"{R}.tensor_model_parallel_size=2",
           f"{R}.expert_parallel_size=4"]
     with pytest.warns(IgnoredKeysWarning, match=r"data_parallel_attention=never\): expert_parallel_size 4 runs as 2"):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .choices import (DataParallelAttention, KVCacheDtype, LogprobsMode, RolloutDtype, RolloutMode, SanityCheckMode, SchedulingPolicy,
-                      ToolCallFormat, TruncateSide)
+from .choices import (DataParallelAttention, KVCacheDtype, LogprobsMode, RolloutDtype, RolloutMode, SanityCheckMode,
+                      SchedulingPolicy, ToolCallFormat, TruncateSide)
 from .coerce import spec
 from .schema_async import CheckpointEngineConfig
 from .schema_actor import ActorConfig, ModelConfig, RefConfig

@@ -486,9 +486,9 @@ def auto_replicas(cfg: LatheConfig, replicas: tuple[list, bool], spread: list, d
     experts (`rollout.data_parallel_attention=auto`), on a GPU: where the replicas' plan (`replicas`: parts, whether
     they fit) fits and its KV cache holds at least half of the sequences (of `kv_seq` bytes at their longest) that
     data-parallel attention (`spread`'s parts) would run at once: the replica's `seqs`, or as many as its KV cache
-    holds. Replicas decode under CUDA graphs,
-    data-parallel attention eagerly: at Qwen3-30B-A3B-12l on 2 H200s the replicas generated 6.3x faster
-    (docs/distributed.md), more than a KV cache of half the sequences costs them. Then the rollout's
+    holds. Replicas decode under CUDA graphs, data-parallel attention eagerly: at Qwen3-30B-A3B-12l on 2 H200s the
+    replicas generated 6.3x faster (docs/distributed.md; two calls), more than a KV cache of half the sequences
+    costs them. Then the rollout's
     expert_parallel_size becomes its tensor-parallel size (what the engine and the driver read), with a notice; else
     a notice says what would let them."""
     from lathe.train.memory import generation_room, resident_bytes, total_memory

@@ -90,3 +90,24 @@ def test_a_small_cpu_model_trains_on_one_thread_unless_the_user_chose(monkeypatc
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_driver_of_ray_workers_keeps_a_few_threads_unless_the_user_chose(monkeypatch):
+    from lathe.cluster.placement import limit_driver_threads
+    from lathe.device import DRIVER_THREADS
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(DRIVER_THREADS + 3)
+        limit_driver_threads()
+        assert torch.get_num_threads() == DRIVER_THREADS
+        torch.set_num_threads(1)                           # fewer already: left alone
+        limit_driver_threads()
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", str(DRIVER_THREADS + 3))
+        torch.set_num_threads(DRIVER_THREADS + 3)
+        limit_driver_threads()
+        assert torch.get_num_threads() == DRIVER_THREADS + 3
+    finally:
+        torch.set_num_threads(before)

@@ -50,7 +50,19 @@ def start_ray(cfg) -> bool:
     ray.init(**kwargs)
     log.info("ray: %s, %s", f"joined {joining}" if joining else "started a local cluster",
              _show(ray.cluster_resources()))
+    limit_driver_threads()
     return True
+
+
+def limit_driver_threads() -> None:
+    """This process now drives workers: few torch threads for its cuts, joins and rewards (`device.driver_threads`)."""
+    import torch
+    from lathe.device import driver_threads
+    threads = driver_threads()
+    if threads is not None:
+        log.info("driver: %d torch threads of %d (its workers compute; set OMP_NUM_THREADS to choose)", threads,
+                 torch.get_num_threads())
+        torch.set_num_threads(threads)
 
 
 def check_local_fit(cfg, plan, device_type: str, visible_gpus: int) -> None:

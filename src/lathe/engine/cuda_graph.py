@@ -197,14 +197,17 @@ class DecodeGraphs:
         lo, hi = dirty[0], dirty[-1] + 1
         self.host_tables.copy_to(self.tables[lo:hi], self.host_tables.tensor[lo:hi])
 
-    def run(self, seqs, pending=None, sampling=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, seqs, pending=None, sampling=None, agreed: tuple | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of `seqs`: (logits (B, V), sampled (2, B) float64 or None).
 
         `sampling`: `sampler.fused_settings` of the batch, or None when the fused sampler cannot take it (then
         `sampled` is None and the caller samples from the logits). Input ids still on the device are taken as
-        `ModelRunner.take_pending` takes them."""
+        `ModelRunner.take_pending` takes them. `agreed`: the graph's key (bucket >= the batch, top-k search, top-p
+        search) that every replica of a data-parallel-attention engine runs this step (`LatheEngine._dp_agree`; an
+        idle replica runs it with no sequences)."""
         batch = len(seqs)
-        bucket = self._bucket(batch)
+        bucket = self._bucket(batch) if agreed is None else agreed[0]
         staging = self.stages[self.turn]
         self.turn ^= 1
         host = staging.writable()[:len(PAD) * bucket].view(len(PAD), bucket)
@@ -225,7 +228,7 @@ class DecodeGraphs:
         self.runner.take_pending(self.inputs[IDS], pending)
         self._sync_tables(seqs)        # padding rows keep whatever table they hold: they write the scratch slot
         samples = sampling is not None and self.samples
-        key = (bucket, samples and sampling.use_k, samples and sampling.use_p)
+        key = (bucket, samples and sampling.use_k, samples and sampling.use_p) if agreed is None else agreed
         if key not in self.graphs:
             self._capture(key)
         self.graphs[key].replay()

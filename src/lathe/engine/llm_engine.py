@@ -322,7 +322,11 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._inflight = None
         while not self.scheduler.is_finished() if self.dp is None else self.dp.any(not self.scheduler.is_finished()):
             if self.scheduler.is_finished():    # (data-parallel attention: another replica runs a step)
-                idle_step(self.model)
+                agreed = self._dp_agree(0, False, None)
+                if agreed is None:
+                    idle_step(self.model)
+                else:                           # the agreed graph, with padding rows only
+                    self.runner.graphs.run([], None, None, agreed)
             else:
                 self.step()
         self._resolve(self._inflight)
@@ -453,6 +457,9 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if self.routing is not None:
             self.routing.copy_blocks(copies)
         last = self._inflight
+        sampling = (fused_settings(self.model.device, self.vocab_size, seqs)
+                    if self.runner.graphs is not None and not is_prefill else None)   # sampled inside the step's graph
+        agreed = self._dp_agree(len(seqs), is_prefill, sampling) if self.dp is not None else None
         if is_prefill:
             if self.vl:                         # images whose embeddings a weight load dropped: the new tower's
                 for seq in seqs:
@@ -466,9 +473,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 seqs = complete
             sampled = None
         else:
-            sampling = (fused_settings(self.model.device, self.vocab_size, seqs)
-                        if self.runner.graphs is not None else None)      # sampled inside the step's graph
-            logits, sampled = self.runner.decode(seqs, self._pending_inputs(seqs, last), sampling)
+            logits, sampled = self.runner.decode(seqs, self._pending_inputs(seqs, last), sampling,
+                                                 eager=self.dp is not None and agreed is None, agreed=agreed)
         if seqs:
             out = sampled if sampled is not None else sample_on_device(logits, seqs)
             self._inflight = _InFlight(seqs, out)
@@ -481,6 +487,20 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 self._resolve(self._inflight)
                 self._inflight = None
         return len(seqs)
+
+    def _dp_agree(self, batch: int, prefill: bool, sampling) -> tuple | None:
+        """Data-parallel attention (`lathe.engine.data_parallel`): what every replica runs this step, agreed by one
+        all-reduce among them (each replica's batch, idle ones with 0): the decode graph (bucket of the largest batch,
+        the union of the sampler's searches), the same key everywhere because a capture first runs the step eagerly
+        (its collectives execute) and so must happen on every replica at once; or None: eagerly, on every replica,
+        when one of them prefills or holds more sequences than the largest graph (or the engine has no graphs: then
+        without the all-reduce, as every replica's engine is built alike)."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return None
+        use_k, use_p = (int(sampling.use_k), int(sampling.use_p)) if sampling is not None else (0, 0)
+        eager, most, use_k, use_p = self.dp.agree([int(prefill or not graphs.fits(batch)), batch, use_k, use_p])
+        return None if eager else (graphs._bucket(most), bool(use_k), bool(use_p))
 
     @staticmethod
     def _pending_inputs(seqs: list[Sequence], last: _InFlight | None):

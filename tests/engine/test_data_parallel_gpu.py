@@ -43,7 +43,9 @@ def worker(rank: int, port: int, path: str, queue) -> None:
         prompts = MORE[:4] if rank == 0 else MORE[4:]
         out = {}
         for eager in (True, False):
-            engine = LatheEngine(model, eos_token_id=None, num_kv_blocks=64, max_model_len=64, enforce_eager=eager)
+            # (replica 0 prefills 8 tokens a step: its prefill steps meet replica 1's decode steps, run eagerly)
+            engine = LatheEngine(model, eos_token_id=None, num_kv_blocks=64, max_model_len=64, enforce_eager=eager,
+                                 max_num_batched_tokens=8 if rank == 0 else 16384)
             runs = []
             for temperature in (0.0, 1.0):
                 params = SamplingParams(n=2, temperature=temperature, top_p=0.9, max_tokens=14 if rank == 0 else 5,
@@ -60,6 +62,8 @@ def worker(rank: int, port: int, path: str, queue) -> None:
 
 
 def test_data_parallel_attention_decodes_under_graphs_as_it_does_eagerly(tmp_path):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("a MoE model's decode graphs need the grouped matmul of a Hopper GPU (or later)")
     path = str(save_hf(tmp_path, "qwen3_moe")[0])
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])

@@ -37,7 +37,7 @@ import torch
 
 from lathe import device as accel
 from lathe.device import Staging
-from lathe.engine import decode_forms, triton_step
+from lathe.engine import decode_forms, expert_parallel, triton_step
 from lathe.engine.multimodal import hidden_states, rope_delta, text_config
 from lathe.engine.sampler import FUSED_ROWS, fused_rows, sample_rows
 from lathe.engine.step_attention import DecodeAttention
@@ -90,6 +90,7 @@ class DecodeGraphs:
 
     def reset(self) -> None:
         """Forget every captured graph (the KV cache they point at is gone)."""
+        self.epoch = getattr(self, "epoch", -1) + 1     # (data-parallel attention: replicas compare theirs)
         self.graphs: dict[tuple, object] = {}        # (batch bucket, top-k search, top-p search) -> captured graph
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
@@ -149,14 +150,18 @@ class DecodeGraphs:
 
     def _capture(self, key: tuple) -> None:
         start = time.perf_counter()
-        self._warm_up(key)
-        device = self.runner.device
-        accel.synchronize(device)
-        graph = accel.new_graph(device)
-        if self.pool is None:
-            self.pool = accel.graph_pool(device)
-        with accel.capture(graph, device, pool=self.pool):
-            self.outputs[key] = self._forward(key)
+        expert_parallel.STATIC_ROWS = True      # (data-parallel attention's experts: the graph's path, warm-up too)
+        try:
+            self._warm_up(key)
+            device = self.runner.device
+            accel.synchronize(device)
+            graph = accel.new_graph(device)
+            if self.pool is None:
+                self.pool = accel.graph_pool(device)
+            with accel.capture(graph, device, pool=self.pool):
+                self.outputs[key] = self._forward(key)
+        finally:
+            expert_parallel.STATIC_ROWS = False
         self.graphs[key] = graph
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start

@@ -62,6 +62,10 @@ TensorParallel = Any      # lathe.engine.tensor_parallel's (which imports this m
 FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
 KEY = "rollout.expert_parallel_size"
 GATHER_BYTES = 256 << 20     # data-parallel attention: the most one piece of gathered rows takes (`_across_replicas`)
+# set while a decode graph is warmed up and captured (`lathe.engine.cuda_graph.DecodeGraphs`): data-parallel
+# attention's experts take the graph's path then (`_across_replicas_static`), its warm-up included, so that the path's
+# first run (and any compilation of it) is not inside the capture
+STATIC_ROWS = False
 log = logging.getLogger("lathe")
 
 
@@ -182,12 +186,13 @@ class LocalExperts:
         return out
 
 
+    @torch.compiler.disable          # host reads (counts), collectives: eager inside a compiled decoder
     def _across_replicas(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Data-parallel attention (module doc; `lathe.models.moe.sorted_forward` hands the block's tokens here): the
         tokens `x` (T, H) and their experts `chosen` (T, k) of the replicas' ranks at this position gathered, the
         (token, choice) rows of this rank's experts run, and each rank's own rows' outputs, (T k, H) in (token,
         choice) order, handed back by a reduce-scatter; in pieces whose k-fold rows take at most `GATHER_BYTES`."""
-        if capturing(x.device):
+        if STATIC_ROWS or capturing(x.device):
             return self._across_replicas_static(x, chosen)
         (n, width), k = x.shape, chosen.shape[1]
         most = max(self.dp.counts(n))                   # (every rank sees the same counts: the same pieces)
@@ -213,15 +218,16 @@ class LocalExperts:
         replica runs the same batch bucket, so `x` (n, H) has the same n everywhere and goes in one piece. The
         gathered (token, choice) rows are sorted by this rank's expert, the rows of other ranks' experts keyed past
         the last, so that the grouped matmul's offsets end at this rank's rows; those others' outputs are zeroed before
-        the reduce-scatter. Outside a capture (a CPU check) the rows of this rank's experts are counted on the host."""
+        the reduce-scatter. Outside a graph's warm-up or capture (`STATIC_ROWS`; a CPU check) the rows of this rank's
+        experts are counted on the host."""
         k = chosen.shape[1]
         tokens = self.dp.gather(x)                                                  # (D n, H)
         local = self.dp.gather(chosen).reshape(-1) - self.first                     # (D n k,)
         mine = (local >= 0) & (local < self.count)
         key, order = torch.where(mine, local, torch.full_like(local, self.count)).sort(stable=True)
         rows = tokens.index_select(0, order // k)
-        if capturing(x.device):
-            ran = super().forward(rows, key)        # (rows past the offsets: not computed, zeroed below)
+        if STATIC_ROWS or capturing(x.device):      # (rows past the offsets: not computed, zeroed below)
+            ran = super().forward(rows, key)
         else:                                       # (those rows as undefined: NaN, so that a check sees them zeroed)
             ran = torch.full_like(rows, float("nan"))
             m = int(mine.sum())

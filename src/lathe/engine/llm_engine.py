@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from lathe import device as accel
-from lathe.engine import decode_forms, fp8
+from lathe.engine import decode_forms, expert_parallel, fp8
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache, kv_storage_dtype
 from lathe.engine.linear_state import LinearStateCache, StateBlockManager, hybrid_settings, kv_layers, state_slots
@@ -165,11 +165,17 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self.dp = layout.dp if layout is not None else None
         if self.dp is not None:
             enforce_eager = dp_settings(model, enforce_eager, num_speculative_tokens)
+            # the largest decode batch whose gathered (token, choice) rows a graph's experts take in one piece
+            c = text_config(model)
+            per = self.dp.size * c.moe.num_experts_per_tok * c.hidden_size * model.dtype.itemsize
+            self._dp_graph_batch = max(1, expert_parallel.GATHER_BYTES // per)
         if hybrid:
             enable_prefix_caching, fuse_projections = hybrid_settings(model, enable_prefix_caching, fuse_projections,
                                                                       quantization)
             # (the ranks of a replica from each one's free memory: the fewest, so their schedulers decide alike)
             max_num_seqs = self.tp.min_int(state_slots(model.config, max_num_seqs, model.dtype, model.device))
+            if self.dp is not None:     # (and of an engine's replicas: the same decode graphs' buckets everywhere)
+                max_num_seqs = self.dp.min_int(max_num_seqs)
         if is_mla(model):           # DeepSeek-V3 family: no CUDA graphs, fused projections or FP8 (`mla.py`)
             enforce_eager, fuse_projections = mla_settings(model, enforce_eager, fuse_projections, quantization)
         self.model = model.eval()
@@ -499,7 +505,14 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if graphs is None:
             return None
         use_k, use_p = (int(sampling.use_k), int(sampling.use_p)) if sampling is not None else (0, 0)
-        eager, most, use_k, use_p = self.dp.agree([int(prefill or not graphs.fits(batch)), batch, use_k, use_p])
+        # eager also where a replica sleeps (an idle one called while its KV cache is freed) or a bucket's gathered
+        # rows would pass GATHER_BYTES (the graph's path takes them in one piece)
+        eager = prefill or not graphs.fits(batch) or batch > self._dp_graph_batch or not self.kv_cache.allocated
+        eager, most, use_k, use_p, newest, oldest = self.dp.agree(
+            [int(eager), batch, use_k, use_p, graphs.epoch, -graphs.epoch])
+        if newest != -oldest:       # a replica reset its graphs (sleep, wake-up) and another not: all forget theirs
+            graphs.reset()
+            graphs.epoch = newest + 1
         return None if eager else (graphs._bucket(most), bool(use_k), bool(use_p))
 
     @staticmethod

@@ -109,6 +109,10 @@ class AttentionDataParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
+    def min_int(self, value: int) -> int:
+        """The smallest `value` of the replicas."""
+        return -self.agree([-value])[0]
+
     def counts(self, n: int) -> list[int]:
         """Each replica's `n`, in replica order."""
         t = torch.tensor([n], dtype=torch.int64, device=_comm_device(self.group))

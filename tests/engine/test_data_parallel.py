@@ -165,3 +165,57 @@ def test_fp8_rollout_is_refused_with_data_parallel_attention(moe_paths):
                          expert_parallel_size=2, dp=AttentionDataParallel(None, 0, 2))
     with pytest.raises(ValueError, match="quantization='fp8': not implemented for data-parallel attention"):
         LatheEngine(replica, eos_token_id=None, block_size=4, num_kv_blocks=8, max_model_len=48, quantization="fp8")
+
+
+def static_worker(rank: int, world: int, port: int, paths: list[str], queue) -> None:
+    """Each family's sparse layers' experts on D=`world` replicas of 1 rank: the decode graph's path
+    (`_across_replicas_static`) against the eager one, on the same rows: in float32 with the rows of this rank's
+    experts counted on the host, and in bfloat16 as a graph runs it (`STATIC_ROWS`; torch's grouped matmul, which has
+    a CPU form: the rows past its last offset left as they come, a bias looked up for them clamped)."""
+    from lathe.models import moe
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=JOIN_S))
+        tp, dp = engine_groups(1, world)
+        out = []
+        for dtype in (torch.float32, torch.bfloat16):
+            graph_form = dtype == torch.bfloat16
+            moe.grouped_mm_supported = (lambda *args: True) if graph_form else moe.grouped_mm_supported
+            expert_parallel.STATIC_ROWS = graph_form
+            for path in paths:
+                model = shard_copy(load_lathe_model(path, dtype), dtype, torch.device("cpu"), tp,
+                                   expert_parallel_size=world, dp=dp)
+                gen = torch.Generator().manual_seed(rank)
+                for block in moe.sparse_blocks(model):
+                    experts, k = block.experts, block.moe.num_experts_per_tok
+                    x = torch.randn(5, block.moe_hidden, generator=gen).to(dtype)
+                    chosen = torch.stack([torch.randperm(block.moe.num_experts, generator=gen)[:k]
+                                          for _ in range(5)])
+                    with torch.inference_mode():
+                        static = experts._across_replicas_static(x, chosen)
+                        expert_parallel.STATIC_ROWS = False
+                        eager = experts._across_replicas(x, chosen)
+                        expert_parallel.STATIC_ROWS = graph_form
+                    out.append((str(dtype), path.rsplit("/", 1)[-1],
+                                torch.equal(eager, static) and eager.abs().sum().item() > 0))
+        queue.put((rank, out))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_decode_graphs_experts_path_equals_the_eager_one(moe_paths):
+    """The experts' path a data-parallel-attention engine's decode graph records (the bucket's rows in one piece,
+    rows sorted with other ranks' experts keyed last, their outputs zeroed) computes what the eager path does, bit for
+    bit: the same rows reach the same experts in the same order."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=static_worker, args=(r, 2, port, moe_paths, queue), daemon=True) for r in range(2)]
+    results = run_processes(procs, queue, 3 * JOIN_S)
+    for rank, out in results.items():
+        assert not isinstance(out, str), out
+        assert out and all(ok for *_, ok in out), (rank, out)

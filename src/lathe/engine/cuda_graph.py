@@ -37,7 +37,7 @@ import torch
 
 from lathe import device as accel
 from lathe.device import Staging
-from lathe.engine import decode_forms, triton_step
+from lathe.engine import decode_forms, expert_parallel, triton_step
 from lathe.engine.multimodal import hidden_states, rope_delta, text_config
 from lathe.engine.sampler import FUSED_ROWS, fused_rows, sample_rows
 from lathe.engine.step_attention import DecodeAttention
@@ -90,6 +90,7 @@ class DecodeGraphs:
 
     def reset(self) -> None:
         """Forget every captured graph (the KV cache they point at is gone)."""
+        self.epoch = getattr(self, "epoch", -1) + 1     # (data-parallel attention: replicas compare theirs)
         self.graphs: dict[tuple, object] = {}        # (batch bucket, top-k search, top-p search) -> captured graph
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
@@ -149,14 +150,18 @@ class DecodeGraphs:
 
     def _capture(self, key: tuple) -> None:
         start = time.perf_counter()
-        self._warm_up(key)
-        device = self.runner.device
-        accel.synchronize(device)
-        graph = accel.new_graph(device)
-        if self.pool is None:
-            self.pool = accel.graph_pool(device)
-        with accel.capture(graph, device, pool=self.pool):
-            self.outputs[key] = self._forward(key)
+        expert_parallel.STATIC_ROWS = True      # (data-parallel attention's experts: the graph's path, warm-up too)
+        try:
+            self._warm_up(key)
+            device = self.runner.device
+            accel.synchronize(device)
+            graph = accel.new_graph(device)
+            if self.pool is None:
+                self.pool = accel.graph_pool(device)
+            with accel.capture(graph, device, pool=self.pool):
+                self.outputs[key] = self._forward(key)
+        finally:
+            expert_parallel.STATIC_ROWS = False
         self.graphs[key] = graph
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
@@ -197,14 +202,17 @@ class DecodeGraphs:
         lo, hi = dirty[0], dirty[-1] + 1
         self.host_tables.copy_to(self.tables[lo:hi], self.host_tables.tensor[lo:hi])
 
-    def run(self, seqs, pending=None, sampling=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, seqs, pending=None, sampling=None, agreed: tuple | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of `seqs`: (logits (B, V), sampled (2, B) float64 or None).
 
         `sampling`: `sampler.fused_settings` of the batch, or None when the fused sampler cannot take it (then
         `sampled` is None and the caller samples from the logits). Input ids still on the device are taken as
-        `ModelRunner.take_pending` takes them."""
+        `ModelRunner.take_pending` takes them. `agreed`: the graph's key (bucket >= the batch, top-k search, top-p
+        search) that every replica of a data-parallel-attention engine runs this step (`LatheEngine._dp_agree`; an
+        idle replica runs it with no sequences)."""
         batch = len(seqs)
-        bucket = self._bucket(batch)
+        bucket = self._bucket(batch) if agreed is None else agreed[0]
         staging = self.stages[self.turn]
         self.turn ^= 1
         host = staging.writable()[:len(PAD) * bucket].view(len(PAD), bucket)
@@ -225,7 +233,7 @@ class DecodeGraphs:
         self.runner.take_pending(self.inputs[IDS], pending)
         self._sync_tables(seqs)        # padding rows keep whatever table they hold: they write the scratch slot
         samples = sampling is not None and self.samples
-        key = (bucket, samples and sampling.use_k, samples and sampling.use_p)
+        key = (bucket, samples and sampling.use_k, samples and sampling.use_p) if agreed is None else agreed
         if key not in self.graphs:
             self._capture(key)
         self.graphs[key].replay()

@@ -18,23 +18,21 @@ The pieces:
   Each replica still schedules, samples and seeds its own sequences (the samples of a call are those of one
   process given the same `first_index`), and its KV cache is its own.
 
-Not here yet: CUDA graphs (the experts read row counts on the host: the engine decodes eagerly), speculative
-decoding, streamed requests (the agent loop and fully-async training drive `step` themselves), and the weight sync
-of fully-async training (which cuts slices per replica position).
+Decode under CUDA graphs (where the engine has them: a MoE model's grouped matmul, Hopper, bf16): each step, after
+scheduling, one all-reduce (max) among the replicas of (prefill?, decode batch, top-k search?, top-p search?)
+(`LatheEngine._dp_agree`): any prefill, or a batch past the largest bucket, and every replica runs the step eagerly
+(a decode replica too); else every replica replays the graph of one agreed key (the bucket of the largest batch, the
+union of the sampler's searches), an idle replica with padding rows only. The key must be the same everywhere: a
+capture runs the step once eagerly first (its collectives execute) and then records (they do not), so a replica
+capturing while another replays would pair one's warm-up collectives with the other's replay. Under capture the
+experts take the bucket's rows in one piece (`LocalExperts._across_replicas_static`): the (token, choice) rows sorted
+by this rank's expert, other ranks' experts' rows keyed past the last so that the grouped matmul's offsets end at
+this rank's rows (it computes those only: to be confirmed on a GPU), their outputs zeroed before the reduce-scatter.
+Checked on CPU (the experts' static path equals the eager one bit for bit over gloo); the graphs themselves need
+`tests/engine/test_data_parallel_gpu.py` on 2 GPUs (not run yet).
 
-The way to CUDA graphs (measured need: eager generation was 6.3x slower than replicas of whole experts at
-Qwen3-30B-A3B-12l, docs/distributed.md), to be built where a GPU can check it:
-- each step, after scheduling, one all-reduce (max) of (prefill?, decode batch, top-k search?, top-p search?) over
-  the replicas: any prefill, or a batch past the largest bucket, and every replica runs that step eagerly (a
-  decode replica too); else every replica replays the graph of one agreed key (bucket of the largest batch, the
-  union of the sampler searches), an idle replica with padding rows only. The key must be the same everywhere: a
-  capture runs the step once eagerly first (its collectives execute) and then records (they do not), so a replica
-  capturing while another replays would pair one's warm-up collectives with the other's replay;
-- under capture `LocalExperts._across_replicas` gathers the bucket's rows whole (no counts, one piece), sorts the
-  (token, choice) rows by local expert with rows of other ranks' experts keyed past the last, so that the grouped
-  matmul's offsets end at this rank's rows (it should then compute those only: to check; clamping them, as a TP
-  replica's capture does, would compute D times the rows), and masks the others' outputs to zero before the
-  reduce-scatter.
+Not here yet: speculative decoding, streamed requests (the agent loop and fully-async training drive `step`
+themselves), and the weight sync of fully-async training (which cuts slices per replica position).
 """
 
 from __future__ import annotations
@@ -56,16 +54,12 @@ NO_DATA_PARALLEL = AttentionDataParallel(None, 0, 1)
 
 
 def dp_settings(model: nn.Module, enforce_eager: bool, num_speculative_tokens: int) -> bool:
-    """`enforce_eager` for a replica of a data-parallel-attention engine: on (module doc), with a notice where CUDA
-    graphs were asked for; speculative decoding is refused."""
+    """`enforce_eager` for a replica of a data-parallel-attention engine (as asked: its decode graphs are agreed
+    among the replicas, module doc); speculative decoding is refused."""
     if num_speculative_tokens:
         raise ValueError(f"{KEY} > 1 (data-parallel attention) with speculative decoding (num_speculative_tokens="
                          f"{num_speculative_tokens}): not implemented together yet. Fix: leave one of them off")
-    if not enforce_eager and model.device.type == "cuda":
-        log.info("engine: data-parallel attention decodes without CUDA graphs (its experts read row counts on the "
-                 "host): slower steps than replicas of whole experts (rollout.data_parallel_attention=never, or auto "
-                 "where they fit), in exchange for the experts' memory")
-    return True
+    return enforce_eager
 
 
 def engine_groups(tp_size: int, dp_size: int) -> tuple[TensorParallel, AttentionDataParallel]:

@@ -62,6 +62,10 @@ TensorParallel = Any      # lathe.engine.tensor_parallel's (which imports this m
 FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
 KEY = "rollout.expert_parallel_size"
 GATHER_BYTES = 256 << 20     # data-parallel attention: the most one piece of gathered rows takes (`_across_replicas`)
+# set while a decode graph is warmed up and captured (`lathe.engine.cuda_graph.DecodeGraphs`): data-parallel
+# attention's experts take the graph's path then (`_across_replicas_static`), its warm-up included, so that the path's
+# first run (and any compilation of it) is not inside the capture
+STATIC_ROWS = False
 log = logging.getLogger("lathe")
 
 
@@ -182,14 +186,14 @@ class LocalExperts:
         return out
 
 
+    @torch.compiler.disable          # host reads (counts), collectives: eager inside a compiled decoder
     def _across_replicas(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Data-parallel attention (module doc; `lathe.models.moe.sorted_forward` hands the block's tokens here): the
         tokens `x` (T, H) and their experts `chosen` (T, k) of the replicas' ranks at this position gathered, the
         (token, choice) rows of this rank's experts run, and each rank's own rows' outputs, (T k, H) in (token,
         choice) order, handed back by a reduce-scatter; in pieces whose k-fold rows take at most `GATHER_BYTES`."""
-        if capturing(x.device):
-            raise RuntimeError("data-parallel attention's experts read row counts on the host and cannot run in a "
-                               "CUDA graph's capture (the engine decodes eagerly under it)")
+        if STATIC_ROWS or capturing(x.device):
+            return self._across_replicas_static(x, chosen)
         (n, width), k = x.shape, chosen.shape[1]
         most = max(self.dp.counts(n))                   # (every rank sees the same counts: the same pieces)
         piece = max(1, GATHER_BYTES // (self.dp.size * k * width * x.element_size()))
@@ -208,6 +212,29 @@ class LocalExperts:
                 rows[pick] = super().forward(tokens.index_select(0, pick // k), local[pick])
             out[start * k:(start + own.shape[0]) * k] = self.dp.reduce_scatter(rows)[:own.shape[0] * k]
         return out
+
+    def _across_replicas_static(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """`_across_replicas` with no host read, for a decode step's CUDA graph (`lathe.engine.data_parallel`): every
+        replica runs the same batch bucket, so `x` (n, H) has the same n everywhere and goes in one piece. The
+        gathered (token, choice) rows are sorted by this rank's expert, the rows of other ranks' experts keyed past
+        the last, so that the grouped matmul's offsets end at this rank's rows; those others' outputs are zeroed before
+        the reduce-scatter. Outside a graph's warm-up or capture (`STATIC_ROWS`; a CPU check) the rows of this rank's
+        experts are counted on the host."""
+        k = chosen.shape[1]
+        tokens = self.dp.gather(x)                                                  # (D n, H)
+        local = self.dp.gather(chosen).reshape(-1) - self.first                     # (D n k,)
+        mine = (local >= 0) & (local < self.count)
+        key, order = torch.where(mine, local, torch.full_like(local, self.count)).sort(stable=True)
+        rows = tokens.index_select(0, order // k)
+        if STATIC_ROWS or capturing(x.device):      # (rows past the offsets: not computed, zeroed below)
+            ran = super().forward(rows, key)
+        else:                                       # (those rows as undefined: NaN, so that a check sees them zeroed)
+            ran = torch.full_like(rows, float("nan"))
+            m = int(mine.sum())
+            ran[:m] = super().forward(rows[:m], key[:m])
+        out = torch.empty_like(ran).index_copy_(0, order, ran)
+        out = torch.where(mine.unsqueeze(-1), out, out.new_zeros(()))
+        return self.dp.reduce_scatter(out)
 
 
 _CLASSES: dict[tuple[type, type], type] = {}

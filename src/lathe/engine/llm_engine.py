@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from lathe import device as accel
-from lathe.engine import decode_forms, fp8
+from lathe.engine import decode_forms, expert_parallel, fp8
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache, kv_storage_dtype
 from lathe.engine.linear_state import LinearStateCache, StateBlockManager, hybrid_settings, kv_layers, state_slots
@@ -165,11 +165,17 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self.dp = layout.dp if layout is not None else None
         if self.dp is not None:
             enforce_eager = dp_settings(model, enforce_eager, num_speculative_tokens)
+            # the largest decode batch whose gathered (token, choice) rows a graph's experts take in one piece
+            c = text_config(model)
+            per = self.dp.size * c.moe.num_experts_per_tok * c.hidden_size * model.dtype.itemsize
+            self._dp_graph_batch = max(1, expert_parallel.GATHER_BYTES // per)
         if hybrid:
             enable_prefix_caching, fuse_projections = hybrid_settings(model, enable_prefix_caching, fuse_projections,
                                                                       quantization)
             # (the ranks of a replica from each one's free memory: the fewest, so their schedulers decide alike)
             max_num_seqs = self.tp.min_int(state_slots(model.config, max_num_seqs, model.dtype, model.device))
+            if self.dp is not None:     # (and of an engine's replicas: the same decode graphs' buckets everywhere)
+                max_num_seqs = self.dp.min_int(max_num_seqs)
         if is_mla(model):           # DeepSeek-V3 family: no CUDA graphs, fused projections or FP8 (`mla.py`)
             enforce_eager, fuse_projections = mla_settings(model, enforce_eager, fuse_projections, quantization)
         self.model = model.eval()
@@ -322,7 +328,11 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._inflight = None
         while not self.scheduler.is_finished() if self.dp is None else self.dp.any(not self.scheduler.is_finished()):
             if self.scheduler.is_finished():    # (data-parallel attention: another replica runs a step)
-                idle_step(self.model)
+                agreed = self._dp_agree(0, False, None)
+                if agreed is None:
+                    idle_step(self.model)
+                else:                           # the agreed graph, with padding rows only
+                    self.runner.graphs.run([], None, None, agreed)
             else:
                 self.step()
         self._resolve(self._inflight)
@@ -453,6 +463,9 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if self.routing is not None:
             self.routing.copy_blocks(copies)
         last = self._inflight
+        sampling = (fused_settings(self.model.device, self.vocab_size, seqs)
+                    if self.runner.graphs is not None and not is_prefill else None)   # sampled inside the step's graph
+        agreed = self._dp_agree(len(seqs), is_prefill, sampling) if self.dp is not None else None
         if is_prefill:
             if self.vl:                         # images whose embeddings a weight load dropped: the new tower's
                 for seq in seqs:
@@ -466,9 +479,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 seqs = complete
             sampled = None
         else:
-            sampling = (fused_settings(self.model.device, self.vocab_size, seqs)
-                        if self.runner.graphs is not None else None)      # sampled inside the step's graph
-            logits, sampled = self.runner.decode(seqs, self._pending_inputs(seqs, last), sampling)
+            logits, sampled = self.runner.decode(seqs, self._pending_inputs(seqs, last), sampling,
+                                                 eager=self.dp is not None and agreed is None, agreed=agreed)
         if seqs:
             out = sampled if sampled is not None else sample_on_device(logits, seqs)
             self._inflight = _InFlight(seqs, out)
@@ -481,6 +493,27 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 self._resolve(self._inflight)
                 self._inflight = None
         return len(seqs)
+
+    def _dp_agree(self, batch: int, prefill: bool, sampling) -> tuple | None:
+        """Data-parallel attention (`lathe.engine.data_parallel`): what every replica runs this step, agreed by one
+        all-reduce among them (each replica's batch, idle ones with 0): the decode graph (bucket of the largest batch,
+        the union of the sampler's searches), the same key everywhere because a capture first runs the step eagerly
+        (its collectives execute) and so must happen on every replica at once; or None: eagerly, on every replica,
+        when one of them prefills or holds more sequences than the largest graph (or the engine has no graphs: then
+        without the all-reduce, as every replica's engine is built alike)."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return None
+        use_k, use_p = (int(sampling.use_k), int(sampling.use_p)) if sampling is not None else (0, 0)
+        # eager also where a replica sleeps (an idle one called while its KV cache is freed) or a bucket's gathered
+        # rows would pass GATHER_BYTES (the graph's path takes them in one piece)
+        eager = prefill or not graphs.fits(batch) or batch > self._dp_graph_batch or not self.kv_cache.allocated
+        eager, most, use_k, use_p, newest, oldest = self.dp.agree(
+            [int(eager), batch, use_k, use_p, graphs.epoch, -graphs.epoch])
+        if newest != -oldest:       # a replica reset its graphs (sleep, wake-up) and another not: all forget theirs
+            graphs.reset()
+            graphs.epoch = newest + 1
+        return None if eager else (graphs._bucket(most), bool(use_k), bool(use_p))
 
     @staticmethod
     def _pending_inputs(seqs: list[Sequence], last: _InFlight | None):

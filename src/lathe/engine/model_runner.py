@@ -227,14 +227,15 @@ class ModelRunner:
         return hidden[self._tensor(rows)]
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], pending: tuple | None = None, sampling=None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(self, seqs: list[Sequence], pending: tuple | None = None, sampling=None, *, eager: bool = False,
+               agreed: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step: (logits (B, V), sampled (2, B) float64 token ids and log-probs, or None).
 
         On CUDA graphs the step samples too when `sampling` (`sampler.fused_settings` of the batch) is given;
-        otherwise `sampled` is None and the caller samples from the logits."""
-        if self.graphs is not None and self.graphs.fits(len(seqs)):
-            return self.graphs.run(seqs, pending, sampling)
+        otherwise `sampled` is None and the caller samples from the logits. A data-parallel-attention engine's replicas
+        agree on each step (`LatheEngine._dp_agree`): `eager`, or the graph `agreed`."""
+        if self.graphs is not None and not eager and (agreed is not None or self.graphs.fits(len(seqs))):
+            return self.graphs.run(seqs, pending, sampling, agreed)
         ids, positions, slots, lens = self.decode_inputs(seqs)
         attn = DecodeAttention(self.kv_cache, self._tensor(slots), to_device(self._tables(seqs), self.device),
                                self._tensor(lens, torch.int32), self.decode_backend,

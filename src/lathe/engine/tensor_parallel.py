@@ -101,6 +101,18 @@ class AttentionDataParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
+    def agree(self, values: list[int]) -> list[int]:
+        """Each of `values`' maximum over the replicas (outside any graph)."""
+        if self.size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=_comm_device(self.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` of the replicas."""
+        return -self.agree([-value])[0]
+
     def counts(self, n: int) -> list[int]:
         """Each replica's `n`, in replica order."""
         t = torch.tensor([n], dtype=torch.int64, device=_comm_device(self.group))

@@ -207,7 +207,8 @@ def _grouped(rows: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, d
     """The experts over their runs of `rows` with one grouped matmul per projection (`offsets`: each run's end;
     `experts`: each row's expert, for the biases)."""
     h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
-    if biases is not None:
+    if biases is not None:              # (rows past the last offset may name no expert: data-parallel attention's)
+        experts = experts.clamp(max=gate_up.shape[0] - 1)
         h = h + biases[0].index_select(0, experts)
     out = torch._grouped_mm(act(h), down.transpose(1, 2), offs=offsets)
     return out if biases is None else out + biases[1].index_select(0, experts)

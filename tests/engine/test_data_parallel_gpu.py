@@ -65,8 +65,7 @@ def test_data_parallel_attention_decodes_under_graphs_as_it_does_eagerly(tmp_pat
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("a MoE model's decode graphs need the grouped matmul of a Hopper GPU (or later)")
     path = str(save_hf(tmp_path, "qwen3_moe")[0])
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx = mp.get_context("spawn")       # this process holds CUDA (the capability above): a forked child could not
     queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=worker, args=(r, port, path, queue), daemon=True) for r in range(2)]
     for rank, out in run_processes(procs, queue, 3 * JOIN_S).items():

@@ -9,6 +9,7 @@ matmul (Hopper) is what lets a MoE model's decode be captured at all. Run on a h
 from __future__ import annotations
 
 import datetime
+import gc
 import traceback
 
 import pytest
@@ -53,10 +54,13 @@ def worker(rank: int, port: int, path: str, queue) -> None:
                 got = engine.generate(prompts, params, first_index=0 if rank == 0 else 8)
                 runs.append((got.token_ids, got.metrics["rollout/graph_captures"]))
             out[eager] = runs
+            del engine       # its graphs hold the replicas' collectives: freed before the process group goes
         queue.put((rank, out))
     except BaseException:
         queue.put((rank, traceback.format_exc()))
     finally:
+        gc.collect()                     # (an engine in a reference cycle)
+        torch.cuda.synchronize()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -119,7 +119,16 @@ class RankHost:
         return rank_device("cuda" if self.use_gpu else "cpu")
 
     def shutdown(self) -> None:
+        """Drop the roles (an engine's CUDA graphs hold collectives of the process group: with them alive, 2 H200s
+        hung in destroy_process_group), then leave the process group."""
+        import gc
+
         import torch.distributed as dist
+        self.roles.clear()
+        gc.collect()
+        if self.use_gpu:
+            from lathe.device import synchronize
+            synchronize(self._device())
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -132,16 +132,16 @@ class RolloutConfig:
         1, "Data-parallel degree of the engine (verl; vLLM/SGLang's data-parallel attention): D replicas of "
            "tensor_model_parallel_size ranks form one engine, each replica generating its own prompts. With "
            "expert_parallel_size = D x tensor_model_parallel_size a mixture-of-experts model's routed experts are "
-           "spread over all D x TP ranks and the replicas step in lockstep (eager decode; the agent loop, fully-async "
+           "spread over all D x TP ranks and the replicas step in lockstep (the agent loop, fully-async "
            "training and speculative decoding run it as replicas of whole experts, with a notice); with "
            "expert_parallel_size = TP or 1 the D replicas hold whole experts (faster while they fit).")
     data_parallel_attention: DataParallelAttention = spec(
         "auto", "lathe: how data_parallel_size D with expert_parallel_size D x TP runs. always: data-parallel "
-                "attention (the experts over all D x TP ranks, eager decode); never: D replicas of whole experts "
-                "(the same samples; CUDA graphs); auto: replicas of whole experts on GPUs where the memory plan "
-                "leaves them a KV cache for at least half of the sequences data-parallel attention would run at once "
-                "(they generate several times faster: docs/distributed.md), else data-parallel attention (a "
-                "notice says which); CPU runs: data-parallel attention.")
+                "attention (the experts over all D x TP ranks); never: D replicas of whole experts (the same "
+                "samples); auto: replicas of whole experts on GPUs where the memory plan leaves them a KV cache for "
+                "at least 4/5 of the sequences data-parallel attention would run at once (they generate 1.2x "
+                "faster: docs/distributed.md), else data-parallel attention (a notice says which); CPU runs: "
+                "data-parallel attention.")
     expert_parallel_size: int = spec(
         1, "Expert-parallel degree of the engine (verl; vLLM's enable_expert_parallel when above 1). lathe: a "
            "mixture-of-experts model (Qwen3-MoE, GPT-OSS, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) in replicas of "

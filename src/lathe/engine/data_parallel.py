@@ -27,9 +27,10 @@ capture runs the step once eagerly first (its collectives execute) and then reco
 capturing while another replays would pair one's warm-up collectives with the other's replay. Under capture the
 experts take the bucket's rows in one piece (`LocalExperts._across_replicas_static`): the (token, choice) rows sorted
 by this rank's expert, other ranks' experts' rows keyed past the last so that the grouped matmul's offsets end at
-this rank's rows (it computes those only: to be confirmed on a GPU), their outputs zeroed before the reduce-scatter.
-Checked on CPU (the experts' static path equals the eager one bit for bit over gloo); the graphs themselves need
-`tests/engine/test_data_parallel_gpu.py` on 2 GPUs (not run yet).
+this rank's rows (it computes those only), their outputs zeroed before the reduce-scatter. Checked on CPU (the
+experts' static path equals the eager one bit for bit over gloo) and on 2 H200s
+(`tests/engine/test_data_parallel_gpu.py`: the graphs sample what eager decode samples); a rank leaves its process
+group only after its engine's graphs are freed (with them alive, destroy_process_group hung).
 
 Not here yet: speculative decoding, streamed requests (the agent loop and fully-async training drive `step`
 themselves), and the weight sync of fully-async training (which cuts slices per replica position).

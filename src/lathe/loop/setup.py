@@ -11,6 +11,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -480,17 +481,21 @@ def check_always_data_parallel(arr, model, lathe_engine: bool, dp_size: int) -> 
                      "(the same samples)")
 
 
+# Replicas of whole experts generated 1.23x faster than data-parallel attention under CUDA graphs at
+# Qwen3-30B-A3B-12l on 2 H200s (2.89 s against 3.55 a step, gpu_memory_utilization 0.6, two calls:
+# docs/distributed.md); a KV cache holding a share f of the sequences costs them about 1/f in waves, so they pay
+# where f > 1/1.23.
+REPLICAS_HOLD = Fraction(4, 5)
+
+
 def auto_replicas(cfg: LatheConfig, replicas: tuple[list, bool], spread: list, device: torch.device, kv_seq: int,
                   seqs: int) -> bool:
     """Whether an engine of data-parallel attention (`lathe.engine.data_parallel`) runs instead as replicas of whole
     experts (`rollout.data_parallel_attention=auto`), on a GPU: where the replicas' plan (`replicas`: parts, whether
-    they fit) fits and its KV cache holds at least half of the sequences (of `kv_seq` bytes at their longest) that
+    they fit) fits and its KV cache holds `REPLICAS_HOLD` of the sequences (of `kv_seq` bytes at their longest) that
     data-parallel attention (`spread`'s parts) would run at once: the replica's `seqs`, or as many as its KV cache
-    holds. Replicas decode under CUDA graphs, data-parallel attention eagerly: at Qwen3-30B-A3B-12l on 2 H200s the
-    replicas generated 6.3x faster (docs/distributed.md; two calls), more than a KV cache of half the sequences
-    costs them. Then the rollout's
-    expert_parallel_size becomes its tensor-parallel size (what the engine and the driver read), with a notice; else
-    a notice says what would let them."""
+    holds. Then the rollout's expert_parallel_size becomes its tensor-parallel size (what the engine and the driver
+    read), with a notice; else a notice says what would let them."""
     from lathe.train.memory import generation_room, resident_bytes, total_memory
     ro = cfg.actor_rollout_ref.rollout
     parts, fits = replicas
@@ -501,16 +506,16 @@ def auto_replicas(cfg: LatheConfig, replicas: tuple[list, bool], spread: list, d
     if room is None or spread_room is None:
         return False
     held, spread_held = int(room // kv_seq), int(spread_room // kv_seq)
-    if not fits or held < max(1, (min(seqs, spread_held) + 1) // 2):
+    if not fits or held < max(1, REPLICAS_HOLD * min(seqs, spread_held)):
         need = math.ceil(100 * (resident_bytes(parts) + kv_seq * seqs) / total_memory(device)) / 100
-        log.info("engine: rollout.data_parallel_size=%d runs as data-parallel attention (eager decode): replicas of "
-                 "whole experts, several times faster, would hold %d of a replica's %d sequences at their longest "
+        log.info("engine: rollout.data_parallel_size=%d runs as data-parallel attention: replicas of whole "
+                 "experts, a little faster where they fit, would hold %d of a replica's %d sequences at their longest "
                  "(data-parallel attention %d)%s", ro.data_parallel_size, held, seqs, spread_held,
                  f"; rollout.gpu_memory_utilization={need} would let them hold all" if need < 0.95 else "")
         return False
     log.info("engine: rollout.data_parallel_size=%d with expert_parallel_size=%d runs as %d replicas of whole experts "
-             "(expert_parallel_size %d): they hold %d of a replica's %d sequences at their longest and decode under "
-             "CUDA graphs, several times faster than data-parallel attention's eager decode "
+             "(expert_parallel_size %d): they hold %d of a replica's %d sequences at their longest and generate a "
+             "little faster than data-parallel attention, with no collective a layer "
              "(rollout.data_parallel_attention=always keeps it)", ro.data_parallel_size, ro.expert_parallel_size,
              ro.data_parallel_size, ro.tensor_model_parallel_size, min(held, seqs), seqs)
     ro.expert_parallel_size = ro.tensor_model_parallel_size

@@ -7,13 +7,18 @@
     python bench/fully_async.py --workload tool --rollout-tp 2 [--modes sync]     # on tensor-parallel replicas
     python bench/fully_async.py --workload two-mode [--long-fraction 0.1]  # most short, some to the cap (reasoning RL)
     python bench/fully_async.py --staleness 1,2      # the async run once per staleness_threshold (async, async_s2)
+    python bench/fully_async.py --split 2+2,1+3,3+1  # 4 GPUs: sync on all 4, async once per split (async, async_t1r3..)
 
-Two GPUs (or two CPU workers), two `lathe train` runs in child processes, exactly as a user runs them:
+Two GPUs (or two CPU workers; `--split` for more), `lathe train` runs in child processes, exactly as a user runs
+them:
 
 - sync: `trainer.n_gpus_per_node=2`, the hybrid engine (each GPU an FSDP2 rank with its own engine, data-parallel
   rollout, the weights synced into the engines after every update), one optimizer step per RL step;
 - async: `trainer.n_gpus_per_node=1 rollout.n_gpus_per_node=1`, the trainer on one GPU and lathe's engine on the
   other, weights broadcast between them (`--trigger` updates per sync, `--staleness`, partial rollout).
+
+`--split T+R` (a comma list runs each) puts the async trainer on T devices and the rollout pool on R, and the
+synchronous run on T + R (issue 47's 2+2, 1+3, 3+1 on 4 GPUs; a trainer of T > 1 devices is an FSDP2 mesh).
 
 `--rollout-tp T` makes the engine replicas tensor-parallel (`rollout.tensor_model_parallel_size=T`): sync, one
 replica of the 2 GPUs (T=2); async, a rollout pool of T GPUs beside the trainer's one (1 + T GPUs).
@@ -263,19 +268,21 @@ def workload_keys(paths: dict, args) -> list[str]:
 
 
 def commands(paths: dict, args) -> dict[str, list[str]]:
-    """The two `lathe train` command lines: e2e's (same model, data, reward, batch) with EOS honoured, then each
-    mode's placement (later overrides win)."""
-    args.response_len, args.gpus = args.max_response_len, 2
+    """The `lathe train` command lines: e2e's (same model, data, reward, batch) with EOS honoured, then each mode's
+    placement (later overrides win): sync on all of a split's devices, each async run on its split."""
+    splits = parse_splits(args.split, args.rollout_tp)
+    # (without --split: sync on 2 devices, as before splits existed, also beside a 1 + TP async run)
+    args.response_len, args.gpus = args.max_response_len, sum(splits[0]) if args.split else 2
     args.profile_step, args.profile_stack = 0, False      # e2e's profiler knobs, which this bench does not offer
     base = [*lathe_command(args.shape, paths, args), "actor_rollout_ref.rollout.ignore_eos=false",
             *workload_keys(paths, args)]
     run = paths["run"]
     tp = [f"actor_rollout_ref.rollout.tensor_model_parallel_size={args.rollout_tp}"] if args.rollout_tp > 1 else []
-    sync = [*base, *tp, "trainer.n_gpus_per_node=2", f"trainer.default_local_dir={run / 'sync'}"]
+    sync = [*base, *tp, f"trainer.n_gpus_per_node={args.gpus}", f"trainer.default_local_dir={run / 'sync'}"]
     out = {"sync": sync}
-    for mode, staleness in async_modes(args.staleness).items():
-        out[mode] = [*base, *tp, "trainer.n_gpus_per_node=1", "rollout.nnodes=1",
-                     f"rollout.n_gpus_per_node={args.rollout_tp}", "actor_rollout_ref.hybrid_engine=false",
+    for mode, (staleness, (trainer, rollout)) in async_modes(args.staleness, splits).items():
+        out[mode] = [*base, *tp, f"trainer.n_gpus_per_node={trainer}", "rollout.nnodes=1",
+                     f"rollout.n_gpus_per_node={rollout}", "actor_rollout_ref.hybrid_engine=false",
                      "data.train_batch_size=0", "data.gen_batch_size=1", "async_training.require_batches=1",
                      f"async_training.trigger_parameter_sync_step={args.trigger}",
                      f"async_training.staleness_threshold={staleness}", "async_training.partial_rollout=true",
@@ -283,11 +290,33 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
     return out
 
 
-def async_modes(staleness: str) -> dict[str, float]:
-    """`--staleness` (one value or a comma list) as async runs: the first is `async`, each other `async_s<value>`
-    (one call measures the pipeline depth's trade-off against the same synchronous run)."""
+def parse_splits(split: str | None, rollout_tp: int) -> list[tuple[int, int]]:
+    """`--split` (T+R, or a comma list of them) as (trainer devices, rollout devices) pairs; none given: 1 + the
+    rollout's TP. Every split holds as many devices (the synchronous run uses them all), and the rollout's TP divides
+    each rollout pool."""
+    pairs = []
+    for part in (split or f"1+{rollout_tp}").split(","):
+        try:
+            trainer, rollout = (int(x) for x in part.split("+"))
+        except ValueError:
+            raise SystemExit(f"--split {split}: each split is TRAINER+ROLLOUT devices, e.g. 2+2 or 1+3,2+2") from None
+        if trainer < 1 or rollout < 1 or rollout % rollout_tp:
+            raise SystemExit(f"--split {part}: both pools need a device, and the rollout's {rollout} devices must "
+                             f"be whole replicas of --rollout-tp {rollout_tp}")
+        pairs.append((trainer, rollout))
+    if len({t + r for t, r in pairs}) > 1:
+        raise SystemExit(f"--split {split}: every split must use as many devices (the synchronous run uses them all)")
+    return pairs
+
+
+def async_modes(staleness: str, splits: list[tuple[int, int]] | None = None) -> dict[str, tuple[float, tuple]]:
+    """The async runs, {name: (staleness_threshold, split)}: each `--staleness` value (one, or a comma list) on each
+    `--split`; the first of both is `async`, another staleness adds `_s<value>`, another split `_t<T>r<R>` (one call
+    measures the pipeline depth's and the split's trade-offs against the same synchronous run)."""
     values = [float(v) for v in str(staleness).split(",")]
-    return {("async" if i == 0 else f"async_s{v:g}"): v for i, v in enumerate(values)}
+    splits = splits or [(1, 1)]
+    return {"async" + ("" if j == 0 else f"_t{t}r{r}") + ("" if i == 0 else f"_s{v:g}"): (v, (t, r))
+            for j, (t, r) in enumerate(splits) for i, v in enumerate(values)}
 
 
 def write_workload(where: Path, args) -> tuple[dict, dict]:
@@ -378,6 +407,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-answer-len", type=int, default=32, help="tool workload: words of a tool answer")
     p.add_argument("--rollout-tp", type=int, default=1, choices=(1, 2),
                    help="rollout.tensor_model_parallel_size (sync: one replica of the 2 GPUs; async: 1 + it GPUs)")
+    p.add_argument("--split", default=None, help="the async runs' devices, TRAINER+ROLLOUT (e.g. 2+2), or a comma list "
+                   "(1+3,2+2,3+1: one async run each, named async, async_t2r2, ...); sync runs on as many; default "
+                   "1+<rollout-tp>")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--workdir", default=default_workdir("lathe-fully-async"))
@@ -402,11 +434,11 @@ def main() -> None:
               "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "workload": {**{k_: getattr(args, k_) for k_ in ("shape", "prompts", "n", "prompt_len", "steps", "warmup",
                                                                "median_response_len", "max_response_len", "trigger",
-                                                               "staleness", "workload", "rollout_tp")},
+                                                               "staleness", "workload", "rollout_tp", "split")},
                            "stop_ids": described.pop("stop_ids"), "vocab": vocab, **described},
               "runs": {}}
     for mode, cmd in commands(paths, args).items():
-        if mode.split("_s")[0] not in args.modes.split(","):      # `async` selects every staleness run
+        if mode.split("_")[0] not in args.modes.split(","):      # `async` selects every staleness and split run
             continue
         metrics = paths["run"] / mode / "metrics.jsonl"
         metrics.unlink(missing_ok=True)
@@ -419,13 +451,13 @@ def main() -> None:
     s = result["runs"].get("sync", {}).get("timed_wall_s")
     for mode in [m for m in result["runs"] if m.startswith("async")]:
         a, busy = (result["runs"][mode].get(k) for k in ("timed_wall_s", "trainer_busy_s"))
-        suffix = mode[len("async"):]                                  # "" for the first staleness, "_s2", ...
+        suffix = mode[len("async"):]                          # "" for the first staleness and split, "_s2", "_t2r2"
         if s and a:
             result[f"speedup_async_vs_sync{suffix}"] = s / a
         rates = [result["runs"][m].get("timed_tokens_per_s") for m in ("sync", mode)]
         if all(rates):           # the same ratio per token: fair when the timed windows hold different lengths
             result[f"speedup_tokens_per_s{suffix}"] = rates[1] / rates[0]
-        if s and busy:  # the trainer-bound ceiling: its update on one device against the whole synchronous step
+        if s and busy:  # the trainer-bound ceiling: its update on its devices against the whole synchronous step
             result[f"speedup_ceiling_trainer_bound{suffix}"] = s / busy
     out.write_text(json.dumps(result, indent=2))
     for mode, r in result["runs"].items():

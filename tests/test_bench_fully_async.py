@@ -147,16 +147,37 @@ def test_two_mode_workload_lengths(tmp_path):
 
 STALENESS = """
 import json, sys
+from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import fully_async as fa
-print(json.dumps(fa.async_modes("1,2,0.5")))
+paths = {key: Path(sys.argv[2]) / key for key in ("model", "tokenizer", "parquet", "reward", "run")}
+four = fa.parse_args(["--device", "cpu", "--shape", "tiny", "--split", "2+2,1+3", "--staleness", "1,2"])
+errors = []
+for split, tp in (("2+2,1+2", 1), ("1+3", 2), ("2-2", 1), ("0+4", 1)):
+    try:
+        fa.parse_splits(split, tp)
+    except SystemExit as e:
+        errors.append(str(e))
+print(json.dumps({"modes": {k: v[0] for k, v in fa.async_modes("1,2,0.5").items()},
+                  "four": fa.commands(paths, four), "errors": errors}))
 """
 
 
-def test_a_staleness_list_runs_async_once_per_value():
+def test_a_staleness_list_and_splits_run_async_once_per_value():
     """`--staleness 1,2`: one async run per value (async, async_s2) against the same synchronous run, so a single call
-    measures what a deeper pipeline buys."""
-    done = subprocess.run([sys.executable, "-c", STALENESS, str(ROOT / "bench")], capture_output=True, text=True,
-                          timeout=120)
+    measures what a deeper pipeline buys; `--split 2+2,1+3` the same per split of 4 devices, sync on all 4."""
+    done = subprocess.run([sys.executable, "-c", STALENESS, str(ROOT / "bench"), "/tmp/x"], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"async": 1.0, "async_s2": 2.0, "async_s0.5": 0.5}
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["modes"] == {"async": 1.0, "async_s2": 2.0, "async_s0.5": 0.5}
+    four = got["four"]
+    assert list(four) == ["sync", "async", "async_s2", "async_t1r3", "async_t1r3_s2"]
+    assert "trainer.n_gpus_per_node=4" in four["sync"]
+    for mode, (trainer, rollout, staleness) in {"async": (2, 2, 1.0), "async_s2": (2, 2, 2.0),
+                                                "async_t1r3": (1, 3, 1.0), "async_t1r3_s2": (1, 3, 2.0)}.items():
+        assert {f"trainer.n_gpus_per_node={trainer}", f"rollout.n_gpus_per_node={rollout}",
+                f"async_training.staleness_threshold={staleness}",
+                f"trainer.default_local_dir=/tmp/x/run/{mode}"} <= set(four[mode]), mode
+    assert [("as many devices" in e, "whole replicas" in e, "TRAINER+ROLLOUT" in e) for e in got["errors"]] == [
+        (True, False, False), (False, True, False), (False, False, True), (False, True, False)]

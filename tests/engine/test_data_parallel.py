@@ -219,3 +219,58 @@ def test_the_decode_graphs_experts_path_equals_the_eager_one(moe_paths):
     for rank, out in results.items():
         assert not isinstance(out, str), out
         assert out and all(ok for *_, ok in out), (rank, out)
+
+
+def one_empty_step(engine: LatheEngine) -> None:
+    """`engine`'s third scheduled step has no sequence (its state untouched: they run at the next)."""
+    schedule, calls = engine.scheduler.schedule, []
+
+    def one_empty():
+        calls.append(1)
+        return ([], False, []) if len(calls) == 3 else schedule()
+    engine.scheduler.schedule = one_empty
+
+
+def empty_step_worker(rank: int, world: int, port: int, path: str, queue) -> None:
+    """Replica `rank` of 2, its share of `MORE`, sampled; replica 0's scheduler yields one decode step with no
+    sequences (as when its only running sequences are preempted), which it must idle through."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=JOIN_S))
+        tp, dp = engine_groups(1, world)
+        model = shard_copy(load_lathe_model(path, torch.float32), torch.float32, torch.device("cpu"), tp,
+                           expert_parallel_size=world, dp=dp)
+        engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48)
+        if rank == 0:
+            one_empty_step(engine)
+        start, end = shares(rank, world, 4)
+        params = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=8, seed=3)
+        queue.put((rank, (start, engine.generate(MORE[start:end], params, first_index=start * 2).token_ids)))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_replica_whose_step_schedules_nothing_idles_through_it(moe_paths):
+    """A decode step that schedules no sequence on one replica (all its running ones preempted) still takes part in
+    the other replica's collectives: both sample what one process samples (which such a step had crashed on, with no
+    sequence to take a block table's width from)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=empty_step_worker, args=(r, 2, port, moe_paths[0], queue), daemon=True)
+             for r in range(2)]
+    results = run_processes(procs, queue, 3 * JOIN_S)
+    engine = LatheEngine(load_lathe_model(moe_paths[0], torch.float32), eos_token_id=None, block_size=4,
+                         num_kv_blocks=64, max_model_len=48)
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=8, seed=3)
+    want = engine.generate(MORE, params).token_ids
+    one_empty_step(engine)                                  # one process too
+    assert engine.generate(MORE, params).token_ids == want
+    for rank, out in results.items():
+        assert not isinstance(out, str), out
+        start, got = out
+        assert got == want[2 * start:2 * start + len(got)] and got, rank

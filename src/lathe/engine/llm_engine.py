@@ -328,11 +328,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._inflight = None
         while not self.scheduler.is_finished() if self.dp is None else self.dp.any(not self.scheduler.is_finished()):
             if self.scheduler.is_finished():    # (data-parallel attention: another replica runs a step)
-                agreed = self._dp_agree(0, False, None)
-                if agreed is None:
-                    idle_step(self.model)
-                else:                           # the agreed graph, with padding rows only
-                    self.runner.graphs.run([], None, None, agreed)
+                self._dp_idle()
             else:
                 self.step()
         self._resolve(self._inflight)
@@ -463,6 +459,12 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if self.routing is not None:
             self.routing.copy_blocks(copies)
         last = self._inflight
+        if not seqs:        # (a decode step whose running sequences were all preempted: they wait to be recomputed)
+            if self.dp is not None:
+                self._dp_idle()
+            self._inflight = None
+            self._resolve(last)
+            return 0
         sampling = (fused_settings(self.model.device, self.vocab_size, seqs)
                     if self.runner.graphs is not None and not is_prefill else None)   # sampled inside the step's graph
         agreed = self._dp_agree(len(seqs), is_prefill, sampling) if self.dp is not None else None
@@ -493,6 +495,15 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 self._resolve(self._inflight)
                 self._inflight = None
         return len(seqs)
+
+    def _dp_idle(self) -> None:
+        """Data-parallel attention, a replica with no sequence this step: its experts take part in the other
+        replicas' step with no rows (eagerly, or the agreed graph with padding rows only)."""
+        agreed = self._dp_agree(0, False, None)
+        if agreed is None:
+            idle_step(self.model)
+        else:
+            self.runner.graphs.run([], None, None, agreed)
 
     def _dp_agree(self, batch: int, prefill: bool, sampling) -> tuple | None:
         """Data-parallel attention (`lathe.engine.data_parallel`): what every replica runs this step, agreed by one

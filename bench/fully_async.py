@@ -7,7 +7,7 @@
     python bench/fully_async.py --workload tool --rollout-tp 2 [--modes sync]     # on tensor-parallel replicas
     python bench/fully_async.py --workload two-mode [--long-fraction 0.1]  # most short, some to the cap (reasoning RL)
     python bench/fully_async.py --staleness 1,2      # the async run once per staleness_threshold (async, async_s2)
-    python bench/fully_async.py --split 2+2,1+3,3+1  # 4 GPUs: sync on all 4, async once per split (async, async_t1r3..)
+    python bench/fully_async.py --split 2+2,1+3      # 4 GPUs: sync on all 4, async once per split (async, async_t1r3)
 
 Two GPUs (or two CPU workers; `--split` for more), `lathe train` runs in child processes, exactly as a user runs
 them:
@@ -18,7 +18,8 @@ them:
   other, weights broadcast between them (`--trigger` updates per sync, `--staleness`, partial rollout).
 
 `--split T+R` (a comma list runs each) puts the async trainer on T devices and the rollout pool on R, and the
-synchronous run on T + R (issue 47's 2+2, 1+3, 3+1 on 4 GPUs; a trainer of T > 1 devices is an FSDP2 mesh).
+synchronous run on T + R (issue 47's 2+2, 1+3, 3+1 on 4 GPUs; a trainer of T > 1 devices is an FSDP2 mesh, and a
+step's samples must divide over it: 3+1 needs --prompts 48 or 96 with --n 8). The first split's run is `async`.
 
 `--rollout-tp T` makes the engine replicas tensor-parallel (`rollout.tensor_model_parallel_size=T`): sync, one
 replica of the 2 GPUs (T=2); async, a rollout pool of T GPUs beside the trainer's one (1 + T GPUs).
@@ -270,7 +271,7 @@ def workload_keys(paths: dict, args) -> list[str]:
 def commands(paths: dict, args) -> dict[str, list[str]]:
     """The `lathe train` command lines: e2e's (same model, data, reward, batch) with EOS honoured, then each mode's
     placement (later overrides win): sync on all of a split's devices, each async run on its split."""
-    splits = parse_splits(args.split, args.rollout_tp)
+    splits = parse_splits(args.split, args.rollout_tp, args.prompts * args.n)
     # (without --split: sync on 2 devices, as before splits existed, also beside a 1 + TP async run)
     args.response_len, args.gpus = args.max_response_len, sum(splits[0]) if args.split else 2
     args.profile_step, args.profile_stack = 0, False      # e2e's profiler knobs, which this bench does not offer
@@ -290,10 +291,10 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
     return out
 
 
-def parse_splits(split: str | None, rollout_tp: int) -> list[tuple[int, int]]:
+def parse_splits(split: str | None, rollout_tp: int, samples: int | None = None) -> list[tuple[int, int]]:
     """`--split` (T+R, or a comma list of them) as (trainer devices, rollout devices) pairs; none given: 1 + the
-    rollout's TP. Every split holds as many devices (the synchronous run uses them all), and the rollout's TP divides
-    each rollout pool."""
+    rollout's TP. Every split holds as many devices (the synchronous run uses them all), none twice, the rollout's TP
+    divides each rollout pool, and each trainer's devices divide a step's `samples` (its mini-batch)."""
     pairs = []
     for part in (split or f"1+{rollout_tp}").split(","):
         try:
@@ -303,6 +304,11 @@ def parse_splits(split: str | None, rollout_tp: int) -> list[tuple[int, int]]:
         if trainer < 1 or rollout < 1 or rollout % rollout_tp:
             raise SystemExit(f"--split {part}: both pools need a device, and the rollout's {rollout} devices must "
                              f"be whole replicas of --rollout-tp {rollout_tp}")
+        if samples and samples % trainer:
+            raise SystemExit(f"--split {part}: {samples} samples a step (--prompts x --n) do not divide over "
+                             f"{trainer} trainer devices; choose --prompts so that they do")
+        if (trainer, rollout) in pairs:
+            raise SystemExit(f"--split {split}: {part} twice")
         pairs.append((trainer, rollout))
     if len({t + r for t, r in pairs}) > 1:
         raise SystemExit(f"--split {split}: every split must use as many devices (the synchronous run uses them all)")
@@ -314,6 +320,8 @@ def async_modes(staleness: str, splits: list[tuple[int, int]] | None = None) -> 
     `--split`; the first of both is `async`, another staleness adds `_s<value>`, another split `_t<T>r<R>` (one call
     measures the pipeline depth's and the split's trade-offs against the same synchronous run)."""
     values = [float(v) for v in str(staleness).split(",")]
+    if len(set(values)) < len(values):
+        raise SystemExit(f"--staleness {staleness}: a value twice")
     splits = splits or [(1, 1)]
     return {"async" + ("" if j == 0 else f"_t{t}r{r}") + ("" if i == 0 else f"_s{v:g}"): (v, (t, r))
             for j, (t, r) in enumerate(splits) for i, v in enumerate(values)}
@@ -406,9 +414,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-latency", type=float, default=0.5, help="tool workload: seconds a tool call sleeps")
     p.add_argument("--tool-answer-len", type=int, default=32, help="tool workload: words of a tool answer")
     p.add_argument("--rollout-tp", type=int, default=1, choices=(1, 2),
-                   help="rollout.tensor_model_parallel_size (sync: one replica of the 2 GPUs; async: 1 + it GPUs)")
+                   help="rollout.tensor_model_parallel_size (without --split: sync one replica of the 2 GPUs, async "
+                        "1 + it GPUs; with --split: replicas of it in each pool)")
     p.add_argument("--split", default=None, help="the async runs' devices, TRAINER+ROLLOUT (e.g. 2+2), or a comma list "
-                   "(1+3,2+2,3+1: one async run each, named async, async_t2r2, ...); sync runs on as many; default "
+                   "(2+2,1+3: one async run each, named async, async_t1r3, ...); sync runs on as many; default "
                    "1+<rollout-tp>")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--timeout", type=float, default=1200)
@@ -428,7 +437,8 @@ def main() -> None:
     paths, described = write_workload(where, args)
     name = device_name(torch.device(args.device))
     kind = ("" if args.workload == "geometric" else f"{args.workload.replace('-', '_')}_") + (
-        f"tp{args.rollout_tp}_" if args.rollout_tp > 1 else "")
+        f"tp{args.rollout_tp}_" if args.rollout_tp > 1 else "") + (
+        f"split{args.split.replace('+', 'p').replace(',', '_')}_" if args.split else "")
     out = Path(args.out or ROOT / "bench" / "results" / f"fully_async_{kind}{slug(name)}.json")
     result = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_sha": args.git_sha or git_sha(), "torch": torch.__version__, "command": " ".join(sys.argv),

@@ -153,9 +153,9 @@ import fully_async as fa
 paths = {key: Path(sys.argv[2]) / key for key in ("model", "tokenizer", "parquet", "reward", "run")}
 four = fa.parse_args(["--device", "cpu", "--shape", "tiny", "--split", "2+2,1+3", "--staleness", "1,2"])
 errors = []
-for split, tp in (("2+2,1+2", 1), ("1+3", 2), ("2-2", 1), ("0+4", 1)):
+for split, tp in (("2+2,1+2", 1), ("1+3", 2), ("2-2", 1), ("0+4", 1), ("3+1", 1), ("2+2,2+2", 1)):
     try:
-        fa.parse_splits(split, tp)
+        fa.parse_splits(split, tp, 256)
     except SystemExit as e:
         errors.append(str(e))
 print(json.dumps({"modes": {k: v[0] for k, v in fa.async_modes("1,2,0.5").items()},
@@ -179,5 +179,5 @@ def test_a_staleness_list_and_splits_run_async_once_per_value():
         assert {f"trainer.n_gpus_per_node={trainer}", f"rollout.n_gpus_per_node={rollout}",
                 f"async_training.staleness_threshold={staleness}",
                 f"trainer.default_local_dir=/tmp/x/run/{mode}"} <= set(four[mode]), mode
-    assert [("as many devices" in e, "whole replicas" in e, "TRAINER+ROLLOUT" in e) for e in got["errors"]] == [
-        (True, False, False), (False, True, False), (False, False, True), (False, True, False)]
+    assert [next(i for i, words in enumerate(("as many devices", "whole replicas", "TRAINER+ROLLOUT", "--prompts",
+                                              "twice")) if words in e) for e in got["errors"]] == [0, 1, 2, 1, 3, 4]

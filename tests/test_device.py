@@ -93,6 +93,7 @@ def test_a_small_cpu_model_trains_on_one_thread_unless_the_user_chose(monkeypatc
 
 
 def test_a_driver_of_ray_workers_keeps_a_few_threads_unless_the_user_chose(monkeypatch):
+    from lathe.cluster import placement
     from lathe.cluster.placement import limit_driver_threads
     from lathe.device import DRIVER_THREADS
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -102,6 +103,9 @@ def test_a_driver_of_ray_workers_keeps_a_few_threads_unless_the_user_chose(monke
         torch.set_num_threads(DRIVER_THREADS + 3)
         limit_driver_threads()
         assert torch.get_num_threads() == DRIVER_THREADS
+        torch.set_num_threads(DRIVER_THREADS + 3)          # start_ray does it, also joining a Ray already started
+        monkeypatch.setattr(placement, "require_ray", lambda: type("Ray", (), {"is_initialized": lambda: True}))
+        assert placement.start_ray(None) is False and torch.get_num_threads() == DRIVER_THREADS
         torch.set_num_threads(1)                           # fewer already: left alone
         limit_driver_threads()
         assert torch.get_num_threads() == 1

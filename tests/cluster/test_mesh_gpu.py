@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import yaml
 
 from helpers import needs_gpus
 
@@ -186,14 +187,16 @@ def data_parallel_attention(root, device: str) -> None:
 def data_parallel_auto(root, device: str) -> None:
     """verl's layout of `data_parallel_attention` with lathe's default `rollout.data_parallel_attention=auto`: on GPUs
     the memory plan holds this tiny model's replicas of whole experts with the step's KV cache, so the driver runs
-    them instead (expert_parallel_size 1, what the workers and the driver read): CUDA graphs captured (data-parallel
-    attention decodes eagerly, no captures) and the same run as one device's within bf16 noise; on CPU (no graphs,
-    auto keeps data-parallel attention) only the latter."""
+    them instead (expert_parallel_size 1 in the config.yaml the run writes: what the workers and the driver read),
+    CUDA graphs captured, and the same run as one device's within bf16 noise; on CPU auto keeps data-parallel
+    attention (expert_parallel_size 2)."""
     layout = ("actor_rollout_ref.rollout.data_parallel_size=2", "actor_rollout_ref.rollout.expert_parallel_size=2")
     one = train(root / "one", f"trainer.device={device}", STEPS, *moe_model(root))
     many = train(root / "many", f"trainer.device={device}", STEPS, TWO, *layout, *moe_model(root))
     assert_step1_alike(one[0], many[0])
     assert_synced(one, many)
+    chosen = yaml.safe_load((root / "many" / "config.yaml").read_text())["actor_rollout_ref"]["rollout"]
+    assert chosen["expert_parallel_size"] == (1 if device == "cuda" else 2), chosen["expert_parallel_size"]
     if device == "cuda":
         assert many[0]["rollout/graph_captures"] > 0, shown(one[0], many[0])
 

@@ -446,22 +446,20 @@ def test_auto_data_parallel_attention_takes_replicas_of_whole_experts_where_they
                           device_count=2)
         log_memory_plan(cfg, run_plan(cfg), model, device)
         assert cfg.actor_rollout_ref.rollout.expert_parallel_size == ep, (setting, device)
-    # the replicas' weights leave 40 - 30 = 10 GiB of KV cache (sequences of 1 GiB): they run for steps of up to 12
-    # sequences, 4/5 or more of what data-parallel attention's plan would run at once; else it stays
+    # the replicas' weights leave 40 - 30 = 10 GiB of KV cache (sequences of 1 GiB): they run for steps of up to 10
+    # sequences, all that data-parallel attention's plan would run at once; else it stays
     kv = 2**30
     replicas = [memory.Part("rollout weights", 30 * 2**30, True), memory.Part("gradients", 40 * 2**30, True, True)]
     spread = [memory.Part("rollout weights", 10 * 2**30, True)]                  # 30 GiB of KV cache: 30 sequences
     cfg = load_config("base", dp, device_count=2)
-    for fits, seqs, want in ((True, 10, True), (True, 12, True), (True, 13, False), (True, 30, False),
+    for fits, seqs, want in ((True, 9, True), (True, 10, True), (True, 11, False), (True, 30, False),
                              (False, 10, False)):
         assert auto_replicas(cfg, (replicas, fits), spread, CUDA, kv, seqs) == want, (fits, seqs)
     assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 1                # (the first one took them)
-    cfg = load_config("base", dp, device_count=2)
-    spread = [memory.Part("rollout weights", int(27.5 * 2**30), True)]          # 12 sequences: replicas hold 10
-    assert auto_replicas(cfg, (replicas, True), spread, CUDA, kv, 30)
-    cfg = load_config("base", dp, device_count=2)
-    spread = [memory.Part("rollout weights", 25 * 2**30, True)]                  # 15: 10 is less than 4/5
-    assert not auto_replicas(cfg, (replicas, True), spread, CUDA, kv, 30)
+    for spread_gib, want in ((30, True), (29, False)):          # data-parallel attention holds 10, or 11 of the 30
+        cfg = load_config("base", dp, device_count=2)
+        spread = [memory.Part("rollout weights", spread_gib * 2**30, True)]
+        assert auto_replicas(cfg, (replicas, True), spread, CUDA, kv, 30) == want, spread_gib
     cfg = load_config("base", dp, device_count=2)
     assert not auto_replicas(cfg, (replicas, True), spread, torch.device("cpu"), kv, 10)     # CPU runs keep it
     assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 2

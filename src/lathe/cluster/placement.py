@@ -41,6 +41,7 @@ def start_ray(cfg) -> bool:
     """Join or start Ray; True when this call started it (and should shut it down)."""
     ray = require_ray()
     if ray.is_initialized():
+        limit_driver_threads()
         return False
     kwargs = ray_init_kwargs(cfg)
     joining = kwargs.get("address") or os.environ.get("RAY_ADDRESS")

@@ -139,7 +139,7 @@ class RolloutConfig:
         "auto", "lathe: how data_parallel_size D with expert_parallel_size D x TP runs. always: data-parallel "
                 "attention (the experts over all D x TP ranks); never: D replicas of whole experts (the same "
                 "samples); auto: replicas of whole experts on GPUs where the memory plan leaves them a KV cache for "
-                "at least 4/5 of the sequences data-parallel attention would run at once (they generate 1.2x "
+                "all the sequences data-parallel attention would run at once (they generate 1.2x "
                 "faster: docs/distributed.md), else data-parallel attention (a notice says which); CPU runs: "
                 "data-parallel attention.")
     expert_parallel_size: int = spec(

@@ -502,8 +502,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         agreed = self._dp_agree(0, False, None)
         if agreed is None:
             idle_step(self.model)
-        else:
-            self.runner.graphs.run([], None, None, agreed)
+        else:                   # (through decode: in inference mode, as the other replicas' replay)
+            self.runner.decode([], agreed=agreed)
 
     def _dp_agree(self, batch: int, prefill: bool, sampling) -> tuple | None:
         """Data-parallel attention (`lathe.engine.data_parallel`): what every replica runs this step, agreed by one
@@ -518,7 +518,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         use_k, use_p = (int(sampling.use_k), int(sampling.use_p)) if sampling is not None else (0, 0)
         # eager also where a replica sleeps (an idle one called while its KV cache is freed) or a bucket's gathered
         # rows would pass GATHER_BYTES (the graph's path takes them in one piece)
-        eager = prefill or not graphs.fits(batch) or batch > self._dp_graph_batch or not self.kv_cache.allocated
+        eager = (prefill or not graphs.fits(batch) or graphs._bucket(batch) > self._dp_graph_batch
+                 or not self.kv_cache.allocated)
         eager, most, use_k, use_p, newest, oldest = self.dp.agree(
             [int(eager), batch, use_k, use_p, graphs.epoch, -graphs.epoch])
         if newest != -oldest:       # a replica reset its graphs (sleep, wake-up) and another not: all forget theirs

@@ -11,7 +11,6 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -483,16 +482,16 @@ def check_always_data_parallel(arr, model, lathe_engine: bool, dp_size: int) -> 
 
 # Replicas of whole experts generated 1.23x faster than data-parallel attention under CUDA graphs at
 # Qwen3-30B-A3B-12l on 2 H200s (2.89 s against 3.55 a step, gpu_memory_utilization 0.6, two calls:
-# docs/distributed.md); a KV cache holding a share f of the sequences costs them about 1/f in waves, so they pay
-# where f > 1/1.23.
-REPLICAS_HOLD = Fraction(4, 5)
+# docs/distributed.md). A decode step costs about the same at any batch (the weights are read each step), so a KV
+# cache that holds only part of a step's sequences runs a second wave of steps, about twice the time: they pay only
+# where they hold all that data-parallel attention would run at once.
 
 
 def auto_replicas(cfg: LatheConfig, replicas: tuple[list, bool], spread: list, device: torch.device, kv_seq: int,
                   seqs: int) -> bool:
     """Whether an engine of data-parallel attention (`lathe.engine.data_parallel`) runs instead as replicas of whole
     experts (`rollout.data_parallel_attention=auto`), on a GPU: where the replicas' plan (`replicas`: parts, whether
-    they fit) fits and its KV cache holds `REPLICAS_HOLD` of the sequences (of `kv_seq` bytes at their longest) that
+    they fit) fits and its KV cache holds all the sequences (of `kv_seq` bytes at their longest) that
     data-parallel attention (`spread`'s parts) would run at once: the replica's `seqs`, or as many as its KV cache
     holds. Then the rollout's expert_parallel_size becomes its tensor-parallel size (what the engine and the driver
     read), with a notice; else a notice says what would let them."""
@@ -506,7 +505,7 @@ def auto_replicas(cfg: LatheConfig, replicas: tuple[list, bool], spread: list, d
     if room is None or spread_room is None:
         return False
     held, spread_held = int(room // kv_seq), int(spread_room // kv_seq)
-    if not fits or held < max(1, REPLICAS_HOLD * min(seqs, spread_held)):
+    if not fits or held < max(1, min(seqs, spread_held)):
         need = math.ceil(100 * (resident_bytes(parts) + kv_seq * seqs) / total_memory(device)) / 100
         log.info("engine: rollout.data_parallel_size=%d runs as data-parallel attention: replicas of whole "
                  "experts, a little faster where they fit, would hold %d of a replica's %d sequences at their longest "

@@ -323,6 +323,27 @@ def summarize_profile(prof, device, top: int = 12) -> dict:
                     for e in rows]}
 
 
+# the driver's phases (its metrics' timing_s/...) and the worker-group methods that run them on the ranks
+RANK_PHASES = {"gen": "actor_rollout_ref.generate_sequences", "old_log_prob": "actor_rollout_ref.compute_log_prob",
+               "ref": "actor_rollout_ref.compute_ref_log_prob", "update_actor": "actor_rollout_ref.update_actor",
+               "update_weights": "actor_rollout_ref.sync_weights"}
+
+
+def driver_over_ranks(profile: dict) -> dict:
+    """A profiled step of Ray workers (lathe's global_profiler summary): per phase, the driver's wall, the slowest
+    rank's, and the driver's seconds above it (cutting and joining the batch, moving it, waiting for the last rank
+    to start: 4 H200s once showed 0.15-0.24 s a phase there, from the driver's torch threads)."""
+    ranks = profile.get("ranks") or {}
+    out = {}
+    for phase, method in RANK_PHASES.items():
+        driver = (profile.get("phases") or {}).get(phase, {}).get("wall_s")
+        walls = [r["phases"][method]["wall_s"] for r in ranks.values()
+                 if (r.get("phases") or {}).get(method, {}).get("wall_s") is not None]
+        if driver is not None and walls:
+            out[phase] = {"driver_s": driver, "slowest_rank_s": max(walls), "over_s": driver - max(walls)}
+    return out
+
+
 # -- lathe as a user runs it: files on disk and a child process -------------------------------------------------------
 REWARD_FILE = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """Cheap and deterministic: the response's length in characters, folded into [0, 1)."""

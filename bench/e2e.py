@@ -53,8 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import (REWARD_FILE, SHAPES, claim_workdir, datasheet_peak, default_workdir, device_name, git_sha,  # noqa: E402
-                    lathe_row, run_child, slug, train_flops, write_data, write_model, write_tokenizer)
+from common import (REWARD_FILE, SHAPES, claim_workdir, datasheet_peak, default_workdir, device_name,  # noqa: E402
+                    driver_over_ranks, git_sha, lathe_row, run_child, slug, train_flops, write_data, write_model,
+                    write_tokenizer)
 from roofline import step_light  # noqa: E402
 
 # Per shape: lathe's micro-batch (sequences per forward/backward), gradient checkpointing, KL/ref, offload.
@@ -163,6 +164,8 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
                         **(lathe_row(steps, args.warmup, flops, peak and peak * args.gpus, args.profile_step) if steps else {})}
         if args.profile_step and summary.exists():
             res["lathe"]["profile"] = json.loads(summary.read_text())
+            if args.gpus > 1:
+                res["lathe"]["driver_over_ranks"] = driver_over_ranks(res["lathe"]["profile"])
         if steps:
             res["lathe"]["speed_of_light"] = speed_of_light(shape, res["lathe"], args)
     if "trl" in args.systems and shape not in args.trl_skip:

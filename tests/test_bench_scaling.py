@@ -96,3 +96,25 @@ def test_an_arm_starts_only_with_time_left_in_the_budget(tmp_path):
     assert limits == [145]
     arms = json.loads((tmp_path / "out.json").read_text())["arms"]
     assert "skipped" in arms["g2"] and "skipped" in arms["g2w"]
+
+
+PROFILE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import common
+rank = lambda gen, ref: {"phases": {"actor_rollout_ref.generate_sequences": {"wall_s": gen},
+                                    "actor_rollout_ref.compute_ref_log_prob": {"wall_s": ref}}}
+profile = {"phases": {"gen": {"wall_s": 1.4}, "ref": {"wall_s": 0.5}, "adv": {"wall_s": 0.02}},
+           "ranks": {"r0": rank(1.1, 0.3), "r1": rank(1.2, 0.25)}}
+print(json.dumps(common.driver_over_ranks(profile)))
+"""
+
+
+def test_a_profiled_step_gives_the_drivers_seconds_above_the_slowest_rank(tmp_path):
+    done = subprocess.run([sys.executable, "-c", PROFILE, str(ROOT / "bench")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(got) == {"gen", "ref"}                              # (adv runs on the driver only)
+    assert got["gen"]["slowest_rank_s"] == 1.2 and abs(got["gen"]["over_s"] - 0.2) < 1e-9
+    assert abs(got["ref"]["over_s"] - 0.2) < 1e-9

@@ -32,8 +32,10 @@ experts' static path equals the eager one bit for bit over gloo) and on 2 H200s
 (`tests/engine/test_data_parallel_gpu.py`: the graphs sample what eager decode samples); a rank leaves its process
 group only after its engine's graphs are freed (with them alive, destroy_process_group hung).
 
-Not here yet: speculative decoding, streamed requests (the agent loop and fully-async training drive `step`
-themselves), and the weight sync of fully-async training (which cuts slices per replica position).
+Streamed requests (`add_request`, `step`): the agent loop on replicas of one rank drives its replica's `step` in
+the replicas' lockstep (`AgentLoop._run`: one agreement a turn of its loop; `dp_idle` for a replica with nothing to
+run). Not here yet: speculative decoding, the agent loop on tensor-parallel replicas, fully-async training's
+streamed requests and its weight sync (which cuts slices per replica position).
 """
 
 from __future__ import annotations

@@ -328,7 +328,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._inflight = None
         while not self.scheduler.is_finished() if self.dp is None else self.dp.any(not self.scheduler.is_finished()):
             if self.scheduler.is_finished():    # (data-parallel attention: another replica runs a step)
-                self._dp_idle()
+                self.dp_idle()
             else:
                 self.step()
         self._resolve(self._inflight)
@@ -461,7 +461,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         last = self._inflight
         if not seqs:        # (a decode step whose running sequences were all preempted: they wait to be recomputed)
             if self.dp is not None:
-                self._dp_idle()
+                self.dp_idle()
             self._inflight = None
             self._resolve(last)
             return 0
@@ -496,9 +496,10 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 self._inflight = None
         return len(seqs)
 
-    def _dp_idle(self) -> None:
+    def dp_idle(self) -> None:
         """Data-parallel attention, a replica with no sequence this step: its experts take part in the other
-        replicas' step with no rows (eagerly, or the agreed graph with padding rows only)."""
+        replicas' step with no rows (eagerly, or the agreed graph with padding rows only). `generate` calls it, and
+        a loop that streams requests in the replicas' lockstep (the agent loop's `_run`)."""
         agreed = self._dp_agree(0, False, None)
         if agreed is None:
             idle_step(self.model)

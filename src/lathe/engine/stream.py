@@ -137,12 +137,9 @@ class StreamingMixin:
         them; callable between any two `step()` calls. `request_id`: any hashable, unique among the requests
         not yet returned by `pop_finished`. `multi_modal_inputs` (VL models): each prompt's images, as `generate`
         takes them (encoded here, once for the prompt's `n` samples), or a `prepare_images` result of a prompt that
-        this one continues (the agent loop's later turns: encoded once, the tokens after it are text)."""
-        if getattr(self, "dp", None) is not None:
-            raise NotImplementedError("rollout.data_parallel_size > 1 (data-parallel attention): streamed requests "
-                                      "(the agent loop, fully-async training) are not run in lockstep over the "
-                                      "engine's replicas yet. Fix: set data_parallel_size=1 (replicas of whole "
-                                      "experts: expert_parallel_size = tensor_model_parallel_size)")
+        this one continues (the agent loop's later turns: encoded once, the tokens after it are text). With
+        data-parallel attention (`dp`) the replicas must step in lockstep: a replica with nothing to run calls
+        `dp_idle` while another steps (the agent loop's `_run` agrees on it each step)."""
         self._requests.check_new(request_id)
         try:
             seqs = self._make_sequences(prompt_token_ids, params, first_index, multi_modal_inputs)

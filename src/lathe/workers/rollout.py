@@ -81,7 +81,8 @@ class Rollout:
                 self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state,
                                                expert_parallel_size=ep_size, dp=dp,
                                                keep_mtp=speculative_tokens(actor.arr) > 0)
-                if rollout_cfg.multi_turn.enable:     # (collective: every rank builds its replica's group at once)
+                if rollout_cfg.multi_turn.enable and self.tp.size > 1:     # (collective: every rank builds its
+                    # replica's group at once; replicas of one rank under data-parallel attention need none)
                     self._control = control_groups(self.tp.size, lockstep_timeout(actor.arr))
             elif self.name == "lathe":
                 self.engine_model = frozen_copy(actor.model, dtype, self.device, state=state)
@@ -127,8 +128,8 @@ class Rollout:
         tensor-parallel replica all generate (the same samples); only its first returns them, the others None."""
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
         if not prompt_ids:          # (called with none only as a data-parallel-attention engine's idle replica)
-            if self.dp is not None:
-                self.backend.generate([], params)       # its experts serve the other replicas' steps
+            if self.dp is not None:                     # its experts serve the other replicas' steps
+                self.agent.serve_replicas() if self.agent is not None else self.backend.generate([], params)
             return None
         timings = {}
         if self.actor.sharded:                 # a step starts here: its peak memory is reported by the update

@@ -40,6 +40,8 @@ from lathe.rollout.agent.parser import ParsedTurn
 from lathe.rollout.agent.render import ConversationRenderer
 
 TRUNCATE_SIDES = ("left", "right", "middle")
+# data-parallel attention: while no replica generates, each waits this long for its tools between two agreements
+LOCKSTEP_TICK_S = 0.002
 
 
 @dataclass
@@ -213,14 +215,34 @@ class AgentLoop:
         return [self.engine.prepare_images(p, m, where=f"prompt {i}") for i, (p, m) in
                 enumerate(zip(prompts, multi_modal_inputs))]
 
+    def serve_replicas(self) -> None:
+        """Data-parallel attention, a replica with no prompts this call: it takes part in the other replicas' steps
+        until every one's trajectories are done (`_run`'s lockstep)."""
+        self._run([])
+
     # -- the event loop -----------------------------------------------------------------------------------------
     def _run(self, trajs: list[Trajectory]) -> None:
         live = {t.index: t for t in trajs}
         waiting: set[Trajectory] = set()            # trajectories whose tool calls (or user's answer) are running
+        dp = getattr(self.engine, "dp", None)       # data-parallel attention: the engine's replicas step together
         for t in trajs:
             self._submit(t)
-        while live:
-            if self.engine.has_unfinished_requests():
+        while live or dp is not None:
+            if dp is not None:
+                # one tick of the replicas' lockstep: all step (an idle one in the others' collectives) while any
+                # generates, else those with tools running wait a moment for them; done when all are
+                busy = not self.engine.scheduler.is_finished()
+                any_busy, any_live = dp.agree([int(busy), int(bool(live))])
+                if any_busy:
+                    self.engine.step() if busy else self.engine.dp_idle()
+                elif not any_live:
+                    break
+                elif waiting:
+                    wait([f for t in waiting for f in t.pending], timeout=LOCKSTEP_TICK_S,
+                         return_when=FIRST_COMPLETED)
+                else:
+                    time.sleep(LOCKSTEP_TICK_S)
+            elif self.engine.has_unfinished_requests():
                 self.engine.step()
             elif waiting:
                 wait([f for t in waiting for f in t.pending], timeout=self.settings.tool_timeout_s + 5,

@@ -26,6 +26,7 @@ from lathe.batch import Batch
 from lathe.config.rules_mtp import speculative_tokens
 from lathe.device import reset_peak_memory, synchronize
 from lathe.dtypes import rollout_dtype
+from lathe.engine.data_parallel import KEY as DP_KEY
 from lathe.engine.data_parallel import engine_groups, engine_layout
 from lathe.engine.tensor_parallel import TensorParallel, shard_copy
 from lathe.generation import SamplingParams
@@ -78,6 +79,11 @@ class Rollout:
             if self.name == "lathe" and rollout_cfg.tensor_model_parallel_size * dp_size > 1:   # this rank's slices
                 self.tp, dp = engine_groups(rollout_cfg.tensor_model_parallel_size, dp_size)
                 self.dp = dp if dp.size > 1 else None
+                if rollout_cfg.multi_turn.enable and self.dp is not None and self.tp.size > 1:
+                    raise ValueError(f"{DP_KEY}={dp.size} (data-parallel attention) with tensor_model_parallel_size="
+                                     f"{self.tp.size} and the agent loop: its replicas' lockstep is not built for "
+                                     "replicas of several ranks yet. Fix: rollout.data_parallel_attention=never "
+                                     "(replicas of whole experts), or tensor_model_parallel_size=1")
                 self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state,
                                                expert_parallel_size=ep_size, dp=dp,
                                                keep_mtp=speculative_tokens(actor.arr) > 0)

@@ -25,7 +25,7 @@ from models.lathe_tiny import hf_config
 from rollout.agent.test_render import rendered
 from workers.test_lockstep_agent import QUESTIONS, SAMPLINGS, Calculator, parse
 
-JOIN_S = 120
+JOIN_S = 60
 N = 2
 R = "actor_rollout_ref.rollout"
 ROLLOUT_SHARES = ([[0], [1]], [[0, 1], []])     # (the worker test) each replica a prompt; then replica 1 none
@@ -75,6 +75,27 @@ def replica_calls(rank: int, path: str) -> list:
 
 def worker(rank: int, port: int, path: str, queue) -> None:
     gloo_rank(rank, 2, port, queue, lambda: replica_calls(rank, path), JOIN_S)
+
+
+def failing_call(rank: int, path: str) -> tuple[str, str, float]:
+    """Replica `rank` of 2 runs the loop on one prompt; replica 1's parser raises at its first turn: (this replica's
+    error type, its message, seconds until it came)."""
+    import time
+    tp, dp = engine_groups(1, 2)
+    model = shard_copy(load_lathe_model(path, torch.float32), torch.float32, torch.device("cpu"), tp,
+                       expert_parallel_size=2, dp=dp)
+    tok = qwen_style_tokenizer()
+    loop = loop_of(engine_of(model, tok), tok)
+    if rank == 1:
+        def broken(text):
+            raise ValueError("a broken parser")
+        loop.parse = broken
+    start = time.monotonic()
+    try:
+        loop.generate(prompts_of(tok)[rank:rank + 1], params_of(tok, "greedy"), first_index=rank * N)
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "none", "", time.monotonic() - start
 
 
 def moe_checkpoint(where, vocab_size: int, seed: int) -> str:
@@ -144,6 +165,23 @@ def dp_rollout(path: str, dp: int, shares: list[list[int]], patch=setattr) -> tu
             list(batch["tool_calls"]), list(batch["num_turns"])))
     return out, len(calls)
 
+
+
+def failing_worker(rank: int, port: int, path: str, queue) -> None:
+    gloo_rank(rank, 2, port, queue, lambda: failing_call(rank, path), JOIN_S)
+
+
+def test_a_replica_whose_loop_fails_stops_the_others_at_once(moe_path):
+    """An error in one replica's loop (here its parser's) is told to the others at the next agreement: it raises its
+    own error, they raise naming it, none waits for a collective's timeout."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=failing_worker, args=(r, port, moe_path, queue), daemon=True) for r in range(2)]
+    results = run_processes(procs, queue, 3 * JOIN_S)
+    assert results[1][:2] == ("ValueError", "a broken parser"), results[1]
+    assert results[0][0] == "RuntimeError" and "another replica" in results[0][1], results[0]
+    assert max(r[2] for r in results.values()) < 0.5 * JOIN_S
 
 
 def rollout_worker(rank: int, port: int, path: str, queue) -> None:

@@ -225,14 +225,26 @@ class AgentLoop:
         live = {t.index: t for t in trajs}
         waiting: set[Trajectory] = set()            # trajectories whose tool calls (or user's answer) are running
         dp = getattr(self.engine, "dp", None)       # data-parallel attention: the engine's replicas step together
-        for t in trajs:
-            self._submit(t)
+        failed = None                               # (data-parallel attention: this replica's error, told to all)
+        try:
+            for t in trajs:
+                self._submit(t)
+        except Exception as e:
+            if dp is None:
+                raise
+            failed = e
         while live or dp is not None:
             if dp is not None:
                 # one tick of the replicas' lockstep: all step (an idle one in the others' collectives) while any
-                # generates, else those with tools running wait a moment for them; done when all are
+                # generates, else those with tools running wait a moment for them; done when all are; all stop
+                # where one failed
                 busy = not self.engine.scheduler.is_finished()
-                any_busy, any_live = dp.agree([int(busy), int(bool(live))])
+                any_busy, any_live, any_failed = dp.agree([int(busy), int(bool(live)), int(failed is not None)])
+                if any_failed:
+                    if failed is not None:
+                        raise failed
+                    raise RuntimeError("agent loop: another replica of this data-parallel-attention engine failed "
+                                       "(its error is in its log); this replica stops too")
                 if any_busy:
                     self.engine.step() if busy else self.engine.dp_idle()
                 elif not any_live:
@@ -247,19 +259,29 @@ class AgentLoop:
             elif waiting:
                 wait([f for t in waiting for f in t.pending], timeout=self.settings.tool_timeout_s + 5,
                      return_when=FIRST_COMPLETED)
-            for key, out in self.engine.pop_finished():
-                t = live[key[1]]
-                if not self._on_turn(t, out, turn=key[2]):
-                    del live[t.index]
-                elif t.pending or t.parse_errors:
-                    waiting.add(t)
-            for t in sorted((t for t in waiting if all(f.done() for f in t.pending)), key=lambda t: t.index):
-                waiting.discard(t)
-                if not self._on_answers(t):
-                    del live[t.index]
-            if live and not waiting and not self.engine.has_unfinished_requests():
-                raise RuntimeError(f"agent loop: {len(live)} trajectories neither generating nor calling tools "
-                                   "(an internal error: please report it)")
+            try:
+                self._advance(live, waiting)
+            except Exception as e:
+                if dp is None:
+                    raise
+                failed = e
+
+    def _advance(self, live: dict, waiting: set) -> None:
+        """`_run`'s work between two engine steps: finished turns read (their tool calls started), answered
+        trajectories given their next turn, finished ones dropped from `live`."""
+        for key, out in self.engine.pop_finished():
+            t = live[key[1]]
+            if not self._on_turn(t, out, turn=key[2]):
+                del live[t.index]
+            elif t.pending or t.parse_errors:
+                waiting.add(t)
+        for t in sorted((t for t in waiting if all(f.done() for f in t.pending)), key=lambda t: t.index):
+            waiting.discard(t)
+            if not self._on_answers(t):
+                del live[t.index]
+        if live and not waiting and not self.engine.has_unfinished_requests():
+            raise RuntimeError(f"agent loop: {len(live)} trajectories neither generating nor calling tools "
+                               "(an internal error: please report it)")
 
     def _submit(self, t: Trajectory) -> None:
         turn, call = t.assistant_turns, t.call

@@ -157,3 +157,30 @@ def test_an_fp8_engine_setting_on_a_transformers_rollout_is_refused(load_cfg, ke
     (silently dropped, the rollout would run unquantised while token TIS, turned on for it, corrects nothing)."""
     with pytest.raises(ValueError, match=f"actor_rollout_ref.rollout.{key}.*generates with transformers"):
         _worker(load_cfg, "auto", f"actor_rollout_ref.rollout.{key}", model=_gpt2())
+
+
+def test_an_idle_replica_of_data_parallel_attention_serves_the_others_awake():
+    """A data-parallel-attention replica called with no prompts (its share empty) wakes its KV cache, serves the other
+    replicas' steps and sleeps again (asleep, it would make every replica decode eagerly), and returns None; a
+    worker without data-parallel attention is never called so and does nothing."""
+    from types import SimpleNamespace
+
+    from lathe.batch import Batch
+    from lathe.workers.rollout import Rollout
+    calls = []
+    backend = SimpleNamespace(wake_up=lambda: calls.append("wake_up"), sleep=lambda: calls.append("sleep"),
+                              generate=lambda prompts, params: calls.append(("generate", len(prompts))))
+    rollout = object.__new__(Rollout)
+    rollout.__dict__.update(dp=object(), agent=None, backend=backend, free_cache_engine=True, replica=None,
+                            actor=SimpleNamespace(sharded=False), device=torch.device("cpu"),
+                            tp=SimpleNamespace(rank=0))
+    empty = Batch(non_tensors={"prompt_ids": []})
+    assert rollout.generate_sequences(empty, SamplingParams(max_tokens=4)) is None
+    assert calls == ["wake_up", ("generate", 0), "sleep"]
+    calls.clear()
+    rollout.agent = SimpleNamespace(serve_replicas=lambda: calls.append("serve_replicas"))
+    assert rollout.generate_sequences(empty, SamplingParams(max_tokens=4)) is None
+    assert calls == ["wake_up", "serve_replicas", "sleep"]
+    calls.clear()
+    rollout.dp = None
+    assert rollout.generate_sequences(empty, SamplingParams(max_tokens=4)) is None and calls == []

@@ -133,10 +133,8 @@ class Rollout:
         `first_index`: where this share's first sample sits in a rollout split over ranks (seeding). The ranks of a
         tensor-parallel replica all generate (the same samples); only its first returns them, the others None."""
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
-        if not prompt_ids:          # (called with none only as a data-parallel-attention engine's idle replica)
-            if self.dp is not None:                     # its experts serve the other replicas' steps
-                self.agent.serve_replicas() if self.agent is not None else self.backend.generate([], params)
-            return None
+        if not prompt_ids and self.dp is None:      # (called with none only as a data-parallel-attention engine's
+            return None                             # idle replica)
         timings = {}
         if self.actor.sharded:                 # a step starts here: its peak memory is reported by the update
             reset_peak_memory(self.device)
@@ -146,7 +144,10 @@ class Rollout:
         # image prompts (VL): each prompt's {pixel_values, image_grid_thw}, None for text prompts
         images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
         try:
-            if self.replica is not None:           # (a follower returns None, having followed the leader's loop)
+            if not prompt_ids:      # an idle replica: its experts serve the other replicas' steps, its KV cache awake
+                out = None          # so that every replica replays decode graphs (an asleep one makes all eager)
+                self.agent.serve_replicas() if self.agent is not None else self.backend.generate([], params)
+            elif self.replica is not None:         # (a follower returns None, having followed the leader's loop)
                 out = self.replica.run(lambda: self.agent.generate(prompt_ids, params, first_index=first_index,
                                                                    **agent_kwargs(prompts), **images))
             elif self.agent is not None:
@@ -158,7 +159,7 @@ class Rollout:
             if self.free_cache_engine:
                 with self._timed(timings, "timing_s/rollout_sleep"):
                     self.backend.sleep()
-        if self.tp.rank:
+        if self.tp.rank or out is None:
             return None
         gen = to_batch(prompt_ids, out, self.tokenizer.pad_token_id, params.n)
         batch = prompts.repeat(params.n, interleave=True).update(gen)

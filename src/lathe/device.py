@@ -95,9 +95,10 @@ def use_cpu_threads(model: torch.nn.Module, device: torch.device | str) -> torch
     return model
 
 
-# A driver of Ray workers only cuts and joins batches and runs the reward: a few threads do that, and torch's default
-# (one per core) made each of its ops wait for threads the workers' spinning ranks had descheduled (4 H200s, 64
-# cores: the driver's index/cat took 4 ms a call against 30 us on 2 GPUs, about 0.5 s a 1.5B step).
+# A driver of Ray workers only cuts and joins batches and runs the reward: a few threads do that. On 4 H200s (64
+# cores) its index/cat took 4 ms a call against 30 us on 2 GPUs, about 0.5 s a 1.5B step; the likely cause (not yet
+# confirmed by an A/B) is torch's default pool, one thread per core, waiting for threads the ranks' spinning ones
+# deschedule.
 DRIVER_THREADS = 4
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.conftest import PROMPTS
-from helpers import free_port, run_processes
+from helpers import free_port, gloo_rank, run_processes
 from lathe.engine import expert_parallel
 from lathe.engine.data_parallel import engine_groups
 from lathe.engine.llm_engine import LatheEngine
@@ -231,27 +231,23 @@ def one_empty_step(engine: LatheEngine) -> None:
     engine.scheduler.schedule = one_empty
 
 
+def empty_step_share(rank: int, world: int, path: str) -> tuple[int, list]:
+    """Replica `rank` of `world`, its share of `MORE`, sampled: (its first prompt, its tokens); replica 0's scheduler
+    yields one decode step with no sequences (as when its only running sequences are preempted), which it must idle
+    through."""
+    tp, dp = engine_groups(1, world)
+    model = shard_copy(load_lathe_model(path, torch.float32), torch.float32, torch.device("cpu"), tp,
+                       expert_parallel_size=world, dp=dp)
+    engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48)
+    if rank == 0:
+        one_empty_step(engine)
+    start, end = shares(rank, world, 4)
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=8, seed=3)
+    return start, engine.generate(MORE[start:end], params, first_index=start * 2).token_ids
+
+
 def empty_step_worker(rank: int, world: int, port: int, path: str, queue) -> None:
-    """Replica `rank` of 2, its share of `MORE`, sampled; replica 0's scheduler yields one decode step with no
-    sequences (as when its only running sequences are preempted), which it must idle through."""
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=JOIN_S))
-        tp, dp = engine_groups(1, world)
-        model = shard_copy(load_lathe_model(path, torch.float32), torch.float32, torch.device("cpu"), tp,
-                           expert_parallel_size=world, dp=dp)
-        engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48)
-        if rank == 0:
-            one_empty_step(engine)
-        start, end = shares(rank, world, 4)
-        params = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=8, seed=3)
-        queue.put((rank, (start, engine.generate(MORE[start:end], params, first_index=start * 2).token_ids)))
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    gloo_rank(rank, world, port, queue, lambda: empty_step_share(rank, world, path), JOIN_S)
 
 
 def test_a_replica_whose_step_schedules_nothing_idles_through_it(moe_paths):

@@ -107,3 +107,35 @@ def test_fla_kernels_equal_the_torch_form_on_cuda():
     want, want_state = recurrent_gated_delta_rule(*(t.double() for t in (*step, g1, b1)), ref_final)
     assert_close_rel(got, want, rel=5e-3, name="fla recurrent outputs")
     assert_close_rel(got_state, want_state, rel=5e-3, name="fla recurrent states")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_dim", [128, 32])
+def test_fla_backward_equals_the_torch_form_on_cuda(key_dim):
+    """Every gradient of the delta rule on fla's kernels against the torch form in float64, at Qwen3.5's head size
+    (128) and a narrow one, on packed sequences across chunk boundaries, bf16 inputs as training feeds them. On Hopper
+    with Triton 3.4 .. 3.7.0 the 128 case runs past fla's refusal (linear_attention.SAFE_KEY_TILE_ABOVE); the 32 case
+    then trains on the torch form (the comparison still holds), elsewhere on fla."""
+    pytest.importorskip("fla")
+    from lathe.models import linear_attention
+    lengths = [300, 1, 77, 640, 64]
+    gen = torch.Generator().manual_seed(3)
+    t = sum(lengths)
+    q, k = (torch.randn(t, 2, key_dim, generator=gen) for _ in range(2))
+    v = torch.randn(t, 4, 128, generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(t, 4, generator=gen)) / 4
+    beta = torch.rand(t, 4, generator=gen).sigmoid()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    upstream = torch.randn(t, 4, 128, generator=gen).cuda()
+    leaves = [x.cuda().to(torch.bfloat16).requires_grad_() for x in (q, k, v)] + \
+        [x.cuda().requires_grad_() for x in (g, beta.to(torch.bfloat16))]
+    narrow_on_torch = key_dim <= linear_attention.SAFE_KEY_TILE_ABOVE and linear_attention._broken_triton(torch.device("cuda"))
+    assert linear_attention._fla_runs(leaves[0]) is not narrow_on_torch
+    out, _ = chunk_gated_delta_rule(*leaves, cu, max(lengths))
+    (out.float() * upstream).sum().backward()
+    exact = [x.detach().cpu().double().requires_grad_() for x in leaves]
+    want, _ = chunk_gated_delta_rule(*exact, cu.cpu(), max(lengths))
+    (want * upstream.cpu().double()).sum().backward()
+    assert_close_rel(out, want, rel=2e-2, name="outputs")
+    for name, got, ref in zip("q k v g beta".split(), leaves, exact):
+        assert_close_rel(got.grad, ref.grad, rel=3e-2, name=f"d{name}")

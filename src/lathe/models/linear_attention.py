@@ -192,29 +192,77 @@ def fla_ops():
 
 
 def _fla_runs(x: torch.Tensor) -> bool:
+    """Whether fla's kernels take this call (x: q, its last dimension the key head size)."""
     if x.device.type != "cuda":
         return False
     if fla_ops() is None:
         _notice_no_fla()
         return False
-    if torch.is_grad_enabled() and x.requires_grad and not _fla_backward_ok(x.device):
+    if torch.is_grad_enabled() and x.requires_grad and not _fla_backward_ok(x.device, x.shape[-1]):
         _notice_fla_backward()
         return False
     return True
 
 
-def _fla_backward_ok(device: torch.device) -> bool:
-    """fla 0.6 refuses its gated chunk backward on Hopper with Triton 3.4 .. 3.7.0 (wrong results there, fla #640):
-    training then takes the torch form (forward-only passes and the engine keep fla's kernels)."""
+# fla's gated chunk backward on Hopper with Triton 3.4 .. 3.7.0 (fla issue 640): the transposed product of
+# `chunk_bwd_kernel_dqkwg` miscompiles at a 64-wide key tile; fla refuses the whole backward there. Its tile is
+# min(next power of two of the key head size, 128) on Hopper, so key heads wider than 64 (Qwen3.5's and Qwen3-Next's
+# 128) take the 128 tile, which fla #640's own sweep and lathe's GPU test (tests/models/test_hybrid_kernels.py: every
+# gradient against the torch form) found correct; lathe lifts fla's refusal for those calls alone.
+SAFE_KEY_TILE_ABOVE = 64
+
+
+def _broken_triton(device: torch.device) -> bool:
     import triton
     version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
-    return (nvidia_capability(device) or (0, 0))[0] != 9 or not (3, 4, 0) <= version < (3, 7, 1)
+    return (nvidia_capability(device) or (0, 0))[0] == 9 and (3, 4, 0) <= version < (3, 7, 1)
+
+
+def _fla_backward_ok(device: torch.device, key_dim: int) -> bool:
+    """Whether fla's gated chunk backward is right for this key head size here (see SAFE_KEY_TILE_ABOVE); True
+    installs the lift of fla's refusal where the Triton needs it. Otherwise training takes the torch form
+    (forward-only passes and the engine keep fla's kernels)."""
+    if not _broken_triton(device):
+        return True
+    if key_dim <= SAFE_KEY_TILE_ABOVE:
+        return False
+    return _lift_fla_guard()
+
+
+@functools.cache
+def _lift_fla_guard() -> bool:
+    """Wrap the dq/dk/dg kernel's launcher that fla's gated delta rule backward calls: for key heads wider than
+    SAFE_KEY_TILE_ABOVE it runs with fla's version flag raised for that call only (narrower ones meet fla's own
+    refusal). False when fla's layout is not the one this was checked on (then the torch form trains)."""
+    try:
+        from fla.ops.common import chunk_o
+        from fla.ops.gated_delta_rule import chunk as gated
+    except ImportError:
+        return False
+    original = getattr(gated, "chunk_bwd_dqkwg", None)
+    if original is None or not hasattr(chunk_o, "TRITON_ABOVE_3_7_1"):
+        return False
+
+    @functools.wraps(original)
+    def dqkwg(*args, **kwargs):
+        k = kwargs["k"] if "k" in kwargs else args[1]
+        if k.shape[-1] <= SAFE_KEY_TILE_ABOVE:
+            return original(*args, **kwargs)
+        saved, chunk_o.TRITON_ABOVE_3_7_1 = chunk_o.TRITON_ABOVE_3_7_1, True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            chunk_o.TRITON_ABOVE_3_7_1 = saved
+
+    gated.chunk_bwd_dqkwg = dqkwg
+    return True
 
 
 @functools.cache
 def _notice_fla_backward() -> None:
     log.warning("linear attention: fla's gated delta-rule backward is wrong on Hopper GPUs with this Triton (3.4 .. "
-                "3.7.0, fla issue 640), so training takes the torch form (slower); Triton >= 3.7.1 lifts this")
+                "3.7.0, fla issue 640) at key heads of 64 or fewer, so training takes the torch form (slower); "
+                "Triton >= 3.7.1 lifts this")
 
 
 @functools.cache

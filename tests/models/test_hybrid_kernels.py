@@ -139,3 +139,27 @@ def test_fla_backward_equals_the_torch_form_on_cuda(key_dim):
     assert_close_rel(out, want, rel=2e-2, name="outputs")
     for name, got, ref in zip("q k v g beta".split(), leaves, exact):
         assert_close_rel(got.grad, ref.grad, rel=3e-2, name=f"d{name}")
+
+
+@pytest.mark.gpu
+def test_fla_convolution_equals_the_torch_form_on_cuda():
+    """The packed causal convolution on fla's kernels (bf16, as training feeds it) against the torch form in float64:
+    output and both gradients, sequences shorter than the kernel among them."""
+    pytest.importorskip("fla")
+    from lathe.models import linear_attention
+    assert linear_attention.fla_conv() is not None
+    lengths = [300, 1, 2, 77, 640, 64]
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(lengths), 96, generator=gen)
+    w = torch.randn(96, 4, generator=gen) / 2
+    upstream = torch.randn(sum(lengths), 96, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    got = [x.cuda().to(torch.bfloat16).requires_grad_(), w.cuda().requires_grad_()]
+    out = causal_conv1d(*got, cu.cuda())
+    (out.float() * upstream.cuda()).sum().backward()
+    exact = [t.detach().cpu().double().requires_grad_() for t in got]
+    want = causal_conv1d(*exact, cu)
+    (want * upstream.double()).sum().backward()
+    assert_close_rel(out, want, rel=2e-2, name="convolution")
+    assert_close_rel(got[0].grad, exact[0].grad, rel=2e-2, name="dx")
+    assert_close_rel(got[1].grad, exact[1].grad, rel=2e-2, name="dweight")

@@ -22,7 +22,8 @@ On CUDA, when `fla` (the `flash-linear-attention` wheel, lathe's `hybrid` extra)
 (`chunk_gated_delta_rule` for sequences, `fused_recurrent_gated_delta_rule` for single steps) run instead, with the
 same arguments; without it the torch form runs there too, with a one-time notice.
 
-`causal_conv1d`: the depthwise causal convolution over each packed sequence (zero history), then SiLU;
+`causal_conv1d`: the depthwise causal convolution over each packed sequence (zero history), then SiLU (fla's kernels
+on CUDA when it imports, from zero history);
 `conv_step`: the same for one new token per sequence after its carried inputs (a decode step: one cat and one
 product, no search over the packed bounds).
 """
@@ -56,7 +57,12 @@ def positions_in_sequence(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                   initial: torch.Tensor | None = None) -> torch.Tensor:
     """silu(depthwise causal conv) of a packed stream x (T, C) with `weight` (C, K); each sequence sees only its own
-    earlier tokens (and `initial` (S, C, K-1), the last K-1 inputs before it, when given; else zeros)."""
+    earlier tokens (and `initial` (S, C, K-1), the last K-1 inputs before it, when given; else zeros). From zero
+    history on CUDA with fla installed, fla's Triton kernels (forward and backward) run it."""
+    if initial is None and x.device.type == "cuda" and fla_conv() is not None:
+        y, _ = fla_conv()(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu", cu_seqlens=cu_seqlens.long(),
+                          backend="triton")
+        return y[0]
     total, kernel = x.shape[0], weight.shape[-1]
     pos = positions_in_sequence(cu_seqlens, total)
     w = weight.to(x.dtype)
@@ -189,6 +195,19 @@ def fla_ops():
     except ImportError:
         return None
     return chunk, recurrent
+
+
+@functools.cache
+def fla_conv():
+    """fla's packed causal convolution (`fla.modules.causal_conv1d.causal_conv1d`), or None when it does not import.
+    The torch form here is a dozen eager passes over the (T, C) stream each way (shifted copies, masks, products with
+    strided weight columns): in a Qwen3.5-2B update on an H200 the profile's largest non-matmul kernels
+    (bench/results/e2e_qwen3.5-2b_no_ckpt_*)."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d as conv
+    except ImportError:
+        return None
+    return conv
 
 
 def _fla_runs(x: torch.Tensor) -> bool:

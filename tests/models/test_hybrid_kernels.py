@@ -163,3 +163,56 @@ def test_fla_convolution_equals_the_torch_form_on_cuda():
     assert_close_rel(out, want, rel=2e-2, name="convolution")
     assert_close_rel(got[0].grad, exact[0].grad, rel=2e-2, name="dx")
     assert_close_rel(got[1].grad, exact[1].grad, rel=2e-2, name="dweight")
+
+
+def _fake_fla(monkeypatch):
+    """fla's two modules the lift touches, as fla 0.6 lays them out: chunk_o's version flag, read by the launcher
+    at call time, and the gated backward's module-level name of that launcher."""
+    import sys
+    import types
+    chunk_o = types.ModuleType("fla.ops.common.chunk_o")
+    chunk_o.TRITON_ABOVE_3_7_1 = False
+    ran = []
+
+    def dqkwg(q, k, **kwargs):
+        if not chunk_o.TRITON_ABOVE_3_7_1:
+            raise RuntimeError("fla: refused on Hopper (#640)")
+        ran.append(k.shape[-1])
+        return "grads"
+    gated = types.ModuleType("fla.ops.gated_delta_rule.chunk")
+    gated.chunk_bwd_dqkwg = dqkwg
+    for name in ("fla", "fla.ops", "fla.ops.common", "fla.ops.gated_delta_rule"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", chunk_o)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule.chunk", gated)
+    return chunk_o, gated, ran
+
+
+def test_the_lift_of_flas_hopper_refusal_covers_wide_key_heads_only(monkeypatch, request):
+    from lathe.models import linear_attention as la
+    chunk_o, gated, ran = _fake_fla(monkeypatch)
+    la._lift_fla_guard.cache_clear()
+    request.addfinalizer(la._lift_fla_guard.cache_clear)
+    monkeypatch.setattr(la, "_broken_triton", lambda device: True)
+    cpu = torch.device("cpu")
+    assert not la._fla_backward_ok(cpu, 64) and gated.chunk_bwd_dqkwg.__name__ == "dqkwg"   # nothing wrapped yet
+    assert la._fla_backward_ok(cpu, 128)
+    wide, narrow = torch.zeros(3, 1, 2, 128), torch.zeros(3, 1, 2, 64)
+    assert gated.chunk_bwd_dqkwg(q=wide, k=wide, scale=1.0) == "grads" and ran == [128]   # (fla passes keywords)
+    assert chunk_o.TRITON_ABOVE_3_7_1 is False                 # the flag is raised for that call only
+    with pytest.raises(RuntimeError, match="refused"):          # a narrow head meets fla's own refusal
+        gated.chunk_bwd_dqkwg(narrow, narrow)
+    monkeypatch.setattr(la, "_broken_triton", lambda device: False)
+    assert la._fla_backward_ok(cpu, 32)                        # elsewhere fla's backward runs at any size
+
+
+@pytest.mark.parametrize("capability, version, broken", [((9, 0), "3.6.0", True), ((9, 0), "3.4.0", True),
+                                                         ((9, 0), "3.7.1", False), ((9, 0), "3.3.1", False),
+                                                         ((8, 0), "3.6.0", False), ((10, 0), "3.6.0", False)])
+def test_the_refusal_is_hoppers_with_triton_3_4_to_3_7_0(monkeypatch, capability, version, broken):
+    import sys
+    import types
+    from lathe.models import linear_attention as la
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    monkeypatch.setattr(la, "nvidia_capability", lambda device: capability)
+    assert la._broken_triton(torch.device("cpu")) is broken

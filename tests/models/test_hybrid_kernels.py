@@ -130,7 +130,7 @@ def test_fla_backward_equals_the_torch_form_on_cuda(key_dim):
     leaves = [x.cuda().to(torch.bfloat16).requires_grad_() for x in (q, k, v)] + \
         [x.cuda().requires_grad_() for x in (g, beta.to(torch.bfloat16))]
     narrow_on_torch = key_dim <= linear_attention.SAFE_KEY_TILE_ABOVE and linear_attention._broken_triton(torch.device("cuda"))
-    assert linear_attention._fla_runs(leaves[0]) is not narrow_on_torch
+    assert linear_attention._fla_runs(*leaves, None, chunked=True) is not narrow_on_torch
     out, _ = chunk_gated_delta_rule(*leaves, cu, max(lengths))
     (out.float() * upstream).sum().backward()
     exact = [x.detach().cpu().double().requires_grad_() for x in leaves]
@@ -165,6 +165,22 @@ def test_fla_convolution_equals_the_torch_form_on_cuda():
     assert_close_rel(got[1].grad, exact[1].grad, rel=2e-2, name="dweight")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("value_heads", [16, 32])
+def test_flas_backward_passes_its_check_at_the_hybrid_families_layouts(value_heads):
+    """The check that lifts fla's Hopper refusal (`_fla_layout_ok`), at Qwen3.5-2B's layout (16 value heads of
+    128 x 128) and Qwen3-Next's / Qwen3.5-MoE's (32), bf16: every gradient within CHECK_TOLERANCE of the torch form
+    (lifted where this Triton needs it; on others fla's backward runs as it is)."""
+    pytest.importorskip("fla")
+    from lathe.models import linear_attention as la
+    device = torch.device("cuda")
+    if la._broken_triton(device):
+        assert la._lift_fla_guard()
+    errors = la._layout_errors(device, value_heads, 128, 128, torch.bfloat16)
+    print(value_heads, errors)
+    assert max(errors.values()) <= la.CHECK_TOLERANCE, errors
+
+
 def _fake_fla(monkeypatch):
     """fla's two modules the lift touches, as fla 0.6 lays them out: chunk_o's version flag, read by the launcher
     at call time, and the gated backward's module-level name of that launcher."""
@@ -191,19 +207,54 @@ def _fake_fla(monkeypatch):
 def test_the_lift_of_flas_hopper_refusal_covers_wide_key_heads_only(monkeypatch, request):
     from lathe.models import linear_attention as la
     chunk_o, gated, ran = _fake_fla(monkeypatch)
+    raw = gated.chunk_bwd_dqkwg
     la._lift_fla_guard.cache_clear()
     request.addfinalizer(la._lift_fla_guard.cache_clear)
+    checked = []
+    monkeypatch.setattr(la, "_CHECKED", {})
+    monkeypatch.setattr(la, "_fla_layout_ok", lambda *layout: checked.append(layout) or True)
     monkeypatch.setattr(la, "_broken_triton", lambda device: True)
-    cpu = torch.device("cpu")
-    assert not la._fla_backward_ok(cpu, 64) and gated.chunk_bwd_dqkwg.__name__ == "dqkwg"   # nothing wrapped yet
-    assert la._fla_backward_ok(cpu, 128)
-    wide, narrow = torch.zeros(3, 1, 2, 128), torch.zeros(3, 1, 2, 64)
+    wide, narrow, v = torch.zeros(3, 1, 2, 128), torch.zeros(3, 1, 2, 64), torch.zeros(3, 1, 4, 32)
+    assert not la._fla_backward_ok(narrow, v) and gated.chunk_bwd_dqkwg is raw      # nothing wrapped yet
+    assert la._fla_backward_ok(wide, v) and la._fla_backward_ok(wide, v)
+    assert checked == [(torch.device("cpu"), 4, 128, 32, torch.float32)]             # one check a layout
+    assert gated.chunk_bwd_dqkwg is not raw
     assert gated.chunk_bwd_dqkwg(q=wide, k=wide, scale=1.0) == "grads" and ran == [128]   # (fla passes keywords)
     assert chunk_o.TRITON_ABOVE_3_7_1 is False                 # the flag is raised for that call only
     with pytest.raises(RuntimeError, match="refused"):          # a narrow head meets fla's own refusal
         gated.chunk_bwd_dqkwg(narrow, narrow)
     monkeypatch.setattr(la, "_broken_triton", lambda device: False)
-    assert la._fla_backward_ok(cpu, 32)                        # elsewhere fla's backward runs at any size
+    assert la._fla_backward_ok(torch.zeros(3, 1, 2, 32), v)    # elsewhere fla's backward runs at any size
+
+
+def test_a_layout_is_lifted_only_where_flas_gradients_agree_with_the_torch_form(monkeypatch):
+    """`_fla_layout_ok` on CPU with fla's chunk stood in for: right, with one gradient doubled, raising."""
+    from lathe.models import linear_attention as la
+
+    class DoubleGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return 2 * grad
+
+    def right(q, k, v, g, beta, cu, initial):
+        return la._torch_chunk(q, k, v, g, beta, cu, int((cu[1:] - cu[:-1]).max()), initial)
+
+    def wrong_dk(q, k, v, g, beta, cu, initial):
+        return right(q, DoubleGrad.apply(k), v, g, beta, cu, initial)
+
+    def broken(*args):
+        raise RuntimeError("no kernel")
+    cpu = torch.device("cpu")
+    for stand_in, ok in ((right, True), (wrong_dk, False), (broken, False)):
+        monkeypatch.setattr(la, "_fla_chunk", stand_in)
+        assert la._fla_layout_ok(cpu, 2, 16, 8, torch.float32) is ok
+    monkeypatch.setattr(la, "_fla_chunk", wrong_dk)
+    errors = la._layout_errors(cpu, 2, 16, 8, torch.float32)
+    assert errors["dk"] > 0.3 and max(errors.values()) == errors["dk"]
 
 
 @pytest.mark.parametrize("capability, version, broken", [((9, 0), "3.6.0", True), ((9, 0), "3.4.0", True),

@@ -23,15 +23,18 @@ On CUDA, when `fla` (the `flash-linear-attention` wheel, lathe's `hybrid` extra)
 same arguments; without it the torch form runs there too, with a one-time notice.
 
 `causal_conv1d`: the depthwise causal convolution over each packed sequence (zero history), then SiLU (fla's kernels
-on CUDA when it imports, from zero history);
+on CUDA when it imports and no history is given: training, log-prob and reference passes; the engine's prefills carry
+their states and take the torch form);
 `conv_step`: the same for one new token per sequence after its carried inputs (a decode step: one cat and one
 product, no search over the packed bounds).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -126,8 +129,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, max_seqle
                            initial_state: torch.Tensor | None = None, chunk_size: int = 64):
     """(o (T, Hv, Dv) in v's dtype, final states (S, Hv, Dk, Dv) float32) for a packed stream: q, k (T, Hk, Dk)
     before normalisation, v (T, Hv, Dv), g and beta (T, Hv); `initial_state` (S, Hv, Dk, Dv) or zeros."""
-    if _fla_runs(q):
+    if _fla_runs(q, k, v, g, beta, initial_state, chunked=True):
         return _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state)
+    return _torch_chunk(q, k, v, g, beta, cu_seqlens, max_seqlen, initial_state, chunk_size)
+
+
+def _torch_chunk(q, k, v, g, beta, cu_seqlens, max_seqlen, initial_state, chunk_size: int = 64):
+    """`chunk_gated_delta_rule`'s torch form (the module doc)."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     length = -(-max(int(max_seqlen), 1) // chunk_size) * chunk_size
@@ -166,7 +174,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, max_seqle
 def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
     """Token by token over a batch of rows: q, k (B, L, Hk, Dk), v (B, L, Hv, Dv), g and beta (B, L, Hv), `state`
     (B, Hv, Dk, Dv) or zeros. Returns (o (B, L, Hv, Dv) in v's dtype, the final state)."""
-    if _fla_runs(q):
+    if _fla_runs(q, k, v, g, beta, state, chunked=False):
         return _fla_recurrent(q, k, v, g, beta, state)
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
@@ -210,49 +218,70 @@ def fla_conv():
     return conv
 
 
-def _fla_runs(x: torch.Tensor) -> bool:
-    """Whether fla's kernels take this call (x: q, its last dimension the key head size)."""
-    if x.device.type != "cuda":
+def _fla_runs(q, *others, chunked: bool) -> bool:
+    """Whether fla's kernels take this call: q (..., Hk, Dk), then k, v, g, beta and the initial state (or None).
+    Where a gradient is needed: the chunked form where its backward is right here (`_fla_backward_ok`), the
+    recurrent form never (fla's recurrent kernel has no backward: the torch form trains through it)."""
+    if q.device.type != "cuda":
         return False
     if fla_ops() is None:
         _notice_no_fla()
         return False
-    if torch.is_grad_enabled() and x.requires_grad and not _fla_backward_ok(x.device, x.shape[-1]):
-        _notice_fla_backward()
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *others))):
+        return True
+    if not chunked:
         return False
-    return True
+    if _fla_backward_ok(q, others[1]):
+        return True
+    _notice_fla_backward()
+    return False
 
 
-# fla's gated chunk backward on Hopper with Triton 3.4 .. 3.7.0 (fla issue 640): the transposed product of
-# `chunk_bwd_kernel_dqkwg` miscompiles at a 64-wide key tile; fla refuses the whole backward there. Its tile is
-# min(next power of two of the key head size, 128) on Hopper, so key heads wider than 64 (Qwen3.5's and Qwen3-Next's
-# 128) take the 128 tile, which fla #640's own sweep and lathe's GPU test (tests/models/test_hybrid_kernels.py: every
-# gradient against the torch form) found correct; lathe lifts fla's refusal for those calls alone.
+# fla's gated chunk backward on Hopper with Triton 3.4 .. 3.7.0 (fla issue 640): `chunk_bwd_kernel_dqkwg`'s
+# transposed product miscompiles there at some key tiles (fla #640's sweep found the 64-wide one; on an H200 with Triton
+# 3.6 lathe found the 32-wide one wrong too, the 128-wide one right), and fla refuses the whole backward. Its tile is
+# min(next power of two of the key head size, 128) on Hopper. Key heads of 64 or fewer train on the torch form; for
+# wider ones (Qwen3.5's and Qwen3-Next's 128) lathe checks each head layout at its first call that needs a gradient
+# (`_fla_layout_ok`: every gradient of a small packed stream against the torch form) and lifts fla's refusal where it
+# agrees.
 SAFE_KEY_TILE_ABOVE = 64
+CHECK_TOLERANCE = 0.1       # norm-relative; bf16 kernels agree to ~1e-2, the miscompiles measured 1.2 (dq), 5.5 (dg)
 
 
 def _broken_triton(device: torch.device) -> bool:
+    from packaging.version import Version
+
     import triton
-    version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
+    version = Version(triton.__version__).release[:3]           # (a local build's "3.4.0+git..." is 3.4.0)
     return (nvidia_capability(device) or (0, 0))[0] == 9 and (3, 4, 0) <= version < (3, 7, 1)
 
 
-def _fla_backward_ok(device: torch.device, key_dim: int) -> bool:
-    """Whether fla's gated chunk backward is right for this key head size here (see SAFE_KEY_TILE_ABOVE); True
-    installs the lift of fla's refusal where the Triton needs it. Otherwise training takes the torch form
-    (forward-only passes and the engine keep fla's kernels)."""
-    if not _broken_triton(device):
+def _fla_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether fla's gated chunk backward runs for this call's head layout: anywhere but on the broken Tritons; there
+    for key heads wider than SAFE_KEY_TILE_ABOVE whose layout passed `_fla_layout_ok` (the lift of fla's refusal
+    installed). Otherwise training takes the torch form (forward-only passes and the engine keep fla's kernels)."""
+    if not _broken_triton(q.device):
         return True
-    if key_dim <= SAFE_KEY_TILE_ABOVE:
+    if q.shape[-1] <= SAFE_KEY_TILE_ABOVE or not _lift_fla_guard():
         return False
-    return _lift_fla_guard()
+    layout = (q.device, v.shape[-2], q.shape[-1], v.shape[-1], v.dtype)
+    if layout not in _CHECKED:
+        if torch._C._current_graph_task_id() != -1:
+            return False    # a first grad-enabled call inside a backward (a recompute): its check would wait on it
+        _CHECKED[layout] = _fla_layout_ok(*layout)
+    return _CHECKED[layout]
+
+
+_CHECKED: dict[tuple, bool] = {}      # `_fla_layout_ok` of each layout met (device, value heads, sizes, dtype)
+_LIFT = threading.Lock()    # the version flag is fla's module state: one lifted call at a time, none beside it
 
 
 @functools.cache
 def _lift_fla_guard() -> bool:
     """Wrap the dq/dk/dg kernel's launcher that fla's gated delta rule backward calls: for key heads wider than
     SAFE_KEY_TILE_ABOVE it runs with fla's version flag raised for that call only (narrower ones meet fla's own
-    refusal). False when fla's layout is not the one this was checked on (then the torch form trains)."""
+    refusal); every call through it holds `_LIFT`. False when fla is not laid out as 0.6 is (then the torch form
+    trains)."""
     try:
         from fla.ops.common import chunk_o
         from fla.ops.gated_delta_rule import chunk as gated
@@ -265,23 +294,83 @@ def _lift_fla_guard() -> bool:
     @functools.wraps(original)
     def dqkwg(*args, **kwargs):
         k = kwargs["k"] if "k" in kwargs else args[1]
-        if k.shape[-1] <= SAFE_KEY_TILE_ABOVE:
-            return original(*args, **kwargs)
-        saved, chunk_o.TRITON_ABOVE_3_7_1 = chunk_o.TRITON_ABOVE_3_7_1, True
-        try:
-            return original(*args, **kwargs)
-        finally:
-            chunk_o.TRITON_ABOVE_3_7_1 = saved
+        with _LIFT:
+            if k.shape[-1] <= SAFE_KEY_TILE_ABOVE:
+                return original(*args, **kwargs)
+            saved, chunk_o.TRITON_ABOVE_3_7_1 = chunk_o.TRITON_ABOVE_3_7_1, True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                chunk_o.TRITON_ABOVE_3_7_1 = saved
 
     gated.chunk_bwd_dqkwg = dqkwg
     return True
 
 
+def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype) -> bool:
+    """fla's chunk forward and backward against the torch form (float32) on a packed stream of this layout (value
+    heads, head sizes, dtype: the autotune key of fla's kernels, so the configurations chosen here are those the
+    training calls reuse; the stream's length is not in it): every gradient within CHECK_TOLERANCE. Run in a thread
+    of its own, away from the caller's autograd state (a checkpointed forward's saved-tensor hooks, inference mode)."""
+    result: dict = {}
+
+    def check():
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                result["errors"] = _layout_errors(device, heads, key_dim, value_dim, dtype)
+        except Exception as e:          # noqa: BLE001 - a kernel that fails here trains on the torch form
+            result["failed"] = e
+    thread = threading.Thread(target=check, name="lathe-fla-check")
+    thread.start()
+    thread.join()
+    layout = f"{heads} value heads of {key_dim}x{value_dim}, {dtype}"
+    if "failed" in result:
+        log.warning("linear attention: fla's gated delta-rule backward failed its check for %s (%r): training takes "
+                    "the torch form for it", layout, result["failed"])
+        return False
+    errors = result["errors"]
+    ok = all(e <= CHECK_TOLERANCE for e in errors.values())
+    shown = ", ".join(f"{name} {e:.1e}" for name, e in errors.items())
+    if ok:
+        log.info("linear attention: fla's gated delta-rule backward agrees with the torch form for %s (%s): it runs "
+                 "past fla's refusal on this Triton (fla issue 640)", layout, shown)
+    else:
+        log.warning("linear attention: fla's gated delta-rule backward disagrees with the torch form for %s (%s; "
+                    "tolerance %g): training takes the torch form for it", layout, shown, CHECK_TOLERANCE)
+    return ok
+
+
+def _layout_errors(device, heads, key_dim, value_dim, dtype) -> dict[str, float]:
+    """Norm-relative error of fla's output and of each gradient against the torch form's, on a seeded packed stream
+    (several chunks, a lone token, a chunk-long sequence) of this layout."""
+    lengths = [700, 1, 300, 64]
+    gen = torch.Generator().manual_seed(0)
+    t = sum(lengths)
+    host = [torch.randn(t, heads, key_dim, generator=gen), torch.randn(t, heads, key_dim, generator=gen),
+            torch.randn(t, heads, value_dim, generator=gen),
+            F.logsigmoid(torch.randn(t, heads, generator=gen)) / 4, torch.rand(t, heads, generator=gen).sigmoid()]
+    upstream = torch.randn(t, heads, value_dim, generator=gen).to(device)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    with torch.enable_grad():
+        mine = [x.to(device, torch.float32 if i == 3 else dtype).requires_grad_() for i, x in enumerate(host)]
+        out, _ = _fla_chunk(*mine, cu, None)
+        (out.float() * upstream).sum().backward()
+        exact = [x.detach().float().requires_grad_() for x in mine]
+        want, _ = _torch_chunk(*exact, cu, max(lengths), None)
+        (want * upstream).sum().backward()
+
+    def rel(a, b):
+        a, b = a.detach().double(), b.detach().double()
+        return float((a - b).norm() / b.norm().clamp(min=1e-30))
+    return {"o": rel(out, want), **{f"d{n}": rel(a.grad, b.grad) for n, a, b in zip(("q", "k", "v", "g", "beta"),
+                                                                                     mine, exact)}}
+
+
 @functools.cache
 def _notice_fla_backward() -> None:
-    log.warning("linear attention: fla's gated delta-rule backward is wrong on Hopper GPUs with this Triton (3.4 .. "
-                "3.7.0, fla issue 640) at key heads of 64 or fewer, so training takes the torch form (slower); "
-                "Triton >= 3.7.1 lifts this")
+    log.warning("linear attention: fla's gated delta-rule backward is wrong on Hopper GPUs with Triton 3.4 .. 3.7.0 "
+                "(fla issue 640) at key heads of 64 or fewer, and runs at wider ones only where a check against "
+                "the torch form passes: this model trains on the torch form (slower). Triton >= 3.7.1 lifts this")
 
 
 @functools.cache

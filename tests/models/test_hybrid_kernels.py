@@ -267,3 +267,37 @@ def test_the_refusal_is_hoppers_with_triton_3_4_to_3_7_0(monkeypatch, capability
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
     monkeypatch.setattr(la, "nvidia_capability", lambda device: capability)
     assert la._broken_triton(torch.device("cpu")) is broken
+
+
+def test_the_layout_check_runs_inside_a_checkpointed_training_forward(monkeypatch):
+    """A hybrid model's training step with checkpointed layers, fla's chunk stood in for by the torch form and the
+    lift's conditions faked on CPU: the layout's check runs once (in its thread, beside the checkpoint's saved-tensor
+    hooks), not again in the recompute, and the gradients are the torch form's."""
+    from lathe.models import linear_attention as la
+    from lathe.models.hf import lathe_from_transformers
+    from lathe.models.packing import pack_padded
+
+    from .lathe_tiny import hf_model, ragged_batch
+    model = lathe_from_transformers(hf_model("qwen3_5_text")).train()
+    packed = pack_padded(*ragged_batch(1))
+
+    def grads():
+        model.zero_grad()
+        model.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
+                             return_hidden=False).pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    want = grads()
+    checks, real_check = [], la._fla_layout_ok
+    monkeypatch.setattr(la, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(la, "fla_ops", lambda: ("chunk", "recurrent"))
+    monkeypatch.setattr(la, "_broken_triton", lambda device: True)
+    monkeypatch.setattr(la, "_lift_fla_guard", lambda: True)
+    monkeypatch.setattr(la, "SAFE_KEY_TILE_ABOVE", 4)          # the tiny model's 8-wide key heads count as wide
+    monkeypatch.setattr(la, "_CHECKED", {})
+    monkeypatch.setattr(la, "_fla_chunk", lambda q, k, v, g, beta, cu, initial: la._torch_chunk(
+        q, k, v, g, beta, cu, int((cu[1:] - cu[:-1]).max()), initial))
+    monkeypatch.setattr(la, "_fla_layout_ok", lambda *layout: checks.append(layout) or real_check(*layout))
+    model.model.gradient_checkpointing = True
+    got = grads()
+    assert checks == [(torch.device("cpu"), 4, 8, 8, torch.float32)] and la._CHECKED == {checks[0]: True}
+    assert_close_rel(got, want, rel=1e-6, name="gradients")

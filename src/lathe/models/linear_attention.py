@@ -218,11 +218,15 @@ def fla_conv():
     return conv
 
 
+def _on_cuda(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda"
+
+
 def _fla_runs(q, *others, chunked: bool) -> bool:
     """Whether fla's kernels take this call: q (..., Hk, Dk), then k, v, g, beta and the initial state (or None).
     Where a gradient is needed: the chunked form where its backward is right here (`_fla_backward_ok`), the
     recurrent form never (fla's recurrent kernel has no backward: the torch form trains through it)."""
-    if q.device.type != "cuda":
+    if not _on_cuda(q):
         return False
     if fla_ops() is None:
         _notice_no_fla()

@@ -225,17 +225,18 @@ def _on_cuda(x: torch.Tensor) -> bool:
 def _fla_runs(q, *others, chunked: bool) -> bool:
     """Whether fla's kernels take this call: q (..., Hk, Dk), then k, v, g, beta and the initial state (or None).
     Where a gradient is needed: the chunked form where its backward is right here (`_fla_backward_ok`), the
-    recurrent form never (fla's recurrent kernel has no backward: the torch form trains through it)."""
+    recurrent form never (fla's recurrent kernel has no backward: the torch form trains through it). Forward-only
+    calls: fla's, unless a check found its forward wrong for the layout."""
     if not _on_cuda(q):
         return False
     if fla_ops() is None:
         _notice_no_fla()
         return False
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *others))):
-        return True
+        return _CHECKED.get(_layout(q, others[1], others[3]), (True, True))[0]
     if not chunked:
         return False
-    if _fla_backward_ok(q, others[1]):
+    if _fla_backward_ok(q, others[1], others[3]):
         return True
     _notice_fla_backward()
     return False
@@ -246,21 +247,32 @@ def _fla_runs(q, *others, chunked: bool) -> bool:
 # 3.6 lathe found the 32-wide one wrong too, the 128-wide one right), and fla refuses the whole backward. Its tile is
 # min(next power of two of the key head size, 128) on Hopper. Key heads of 64 or fewer train on the torch form; for
 # wider ones (Qwen3.5's and Qwen3-Next's 128) lathe checks each head layout at its first call that needs a gradient
-# (`_fla_layout_ok`: every gradient of a small packed stream against the torch form) and lifts fla's refusal where it
-# agrees.
+# (`_fla_layout_ok`: output and every gradient of a packed stream against the torch form) and lifts fla's refusal
+# where it agrees.
 SAFE_KEY_TILE_ABOVE = 64
 CHECK_TOLERANCE = 0.1       # norm-relative; bf16 kernels agree to ~1e-2, the miscompiles measured 1.2 (dq), 5.5 (dg)
+# the check's stream: a training micro-batch's shape (~13.5k tokens, 16 sequences: a lone token, one chunk, long
+# ones), since the autotuning its calls do picks the configurations training then reuses
+CHECK_LENGTHS = (1, 64, 700, 2047, 1500, 300, 900, 1200, 512, 1800, 640, 1000, 128, 1536, 777, 400)
 
 
 def _broken_triton(device: torch.device) -> bool:
-    from packaging.version import Version
+    """fla refuses its gated chunk backward here (its own version flags; Hopper by this device's capability)."""
+    try:
+        from fla.ops.common import chunk_o
+    except ImportError:
+        return False
+    return ((nvidia_capability(device) or (0, 0))[0] == 9 and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
+            and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True))
 
-    import triton
-    version = Version(triton.__version__).release[:3]           # (a local build's "3.4.0+git..." is 3.4.0)
-    return (nvidia_capability(device) or (0, 0))[0] == 9 and (3, 4, 0) <= version < (3, 7, 1)
+
+def _layout(q: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> tuple:
+    """What fla's kernels are tuned and compiled for (their autotune keys, dtypes included): lathe hands them q and
+    k repeated to the value heads, so the value heads count."""
+    return q.device, v.shape[-2], q.shape[-1], v.shape[-1], q.dtype, v.dtype, beta.dtype
 
 
-def _fla_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
+def _fla_backward_ok(q: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> bool:
     """Whether fla's gated chunk backward runs for this call's head layout: anywhere but on the broken Tritons; there
     for key heads wider than SAFE_KEY_TILE_ABOVE whose layout passed `_fla_layout_ok` (the lift of fla's refusal
     installed). Otherwise training takes the torch form (forward-only passes and the engine keep fla's kernels)."""
@@ -268,15 +280,15 @@ def _fla_backward_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
         return True
     if q.shape[-1] <= SAFE_KEY_TILE_ABOVE or not _lift_fla_guard():
         return False
-    layout = (q.device, v.shape[-2], q.shape[-1], v.shape[-1], v.dtype)
+    layout = _layout(q, v, beta)
     if layout not in _CHECKED:
         if torch._C._current_graph_task_id() != -1:
             return False    # a first grad-enabled call inside a backward (a recompute): its check would wait on it
         _CHECKED[layout] = _fla_layout_ok(*layout)
-    return _CHECKED[layout]
+    return _CHECKED[layout][1]
 
 
-_CHECKED: dict[tuple, bool] = {}      # `_fla_layout_ok` of each layout met (device, value heads, sizes, dtype)
+_CHECKED: dict[tuple, tuple[bool, bool]] = {}      # `_layout` -> (fla's forward right, its backward right)
 _LIFT = threading.Lock()    # the version flag is fla's module state: one lifted call at a time, none beside it
 
 
@@ -284,8 +296,8 @@ _LIFT = threading.Lock()    # the version flag is fla's module state: one lifted
 def _lift_fla_guard() -> bool:
     """Wrap the dq/dk/dg kernel's launcher that fla's gated delta rule backward calls: for key heads wider than
     SAFE_KEY_TILE_ABOVE it runs with fla's version flag raised for that call only (narrower ones meet fla's own
-    refusal); every call through it holds `_LIFT`. False when fla is not laid out as 0.6 is (then the torch form
-    trains)."""
+    refusal); every call through it holds `_LIFT`. Wraps once (a second call finds its own wrapper). False when fla
+    is not laid out as 0.6 is (then the torch form trains)."""
     try:
         from fla.ops.common import chunk_o
         from fla.ops.gated_delta_rule import chunk as gated
@@ -294,6 +306,8 @@ def _lift_fla_guard() -> bool:
     original = getattr(gated, "chunk_bwd_dqkwg", None)
     if original is None or not hasattr(chunk_o, "TRITON_ABOVE_3_7_1"):
         return False
+    if getattr(original, "lathe_lift", False):
+        return True
 
     @functools.wraps(original)
     def dqkwg(*args, **kwargs):
@@ -307,67 +321,79 @@ def _lift_fla_guard() -> bool:
             finally:
                 chunk_o.TRITON_ABOVE_3_7_1 = saved
 
+    dqkwg.lathe_lift = True
     gated.chunk_bwd_dqkwg = dqkwg
     return True
 
 
-def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype) -> bool:
-    """fla's chunk forward and backward against the torch form (float32) on a packed stream of this layout (value
-    heads, head sizes, dtype: the autotune key of fla's kernels, so the configurations chosen here are those the
-    training calls reuse; the stream's length is not in it): every gradient within CHECK_TOLERANCE. Run in a thread
-    of its own, away from the caller's autograd state (a checkpointed forward's saved-tensor hooks, inference mode)."""
+def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: int, q_dtype: torch.dtype,
+                   v_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple[bool, bool]:
+    """(forward right, backward right): fla's chunk forward and backward against the torch form (float32) on a packed
+    stream of this layout (`_layout`), the worst sequence's norm-relative error of the output and of every gradient
+    within CHECK_TOLERANCE. The layout is the autotune key of fla's kernels (but for its l2norm kernels, keyed by the
+    stream's rows too: no matrix products, outside fla #640), so the configurations chosen here are those training
+    reuses. Run in a thread of its own, away from the caller's autograd state (a checkpointed forward's saved-tensor
+    hooks, inference mode)."""
     result: dict = {}
+    dtypes = (q_dtype, v_dtype, beta_dtype)
 
     def check():
         try:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                result["errors"] = _layout_errors(device, heads, key_dim, value_dim, dtype)
+                result["errors"] = _layout_errors(device, heads, key_dim, value_dim, *dtypes)
         except Exception as e:          # noqa: BLE001 - a kernel that fails here trains on the torch form
             result["failed"] = e
     thread = threading.Thread(target=check, name="lathe-fla-check")
     thread.start()
     thread.join()
-    layout = f"{heads} value heads of {key_dim}x{value_dim}, {dtype}"
+    layout = f"{heads} value heads of {key_dim}x{value_dim}, {'/'.join(str(d)[6:] for d in dtypes)}"
     if "failed" in result:
-        log.warning("linear attention: fla's gated delta-rule backward failed its check for %s (%r): training takes "
+        log.warning("linear attention: fla's gated delta-rule kernels failed their check for %s (%r): training takes "
                     "the torch form for it", layout, result["failed"])
-        return False
+        return True, False
     errors = result["errors"]
-    ok = all(e <= CHECK_TOLERANCE for e in errors.values())
+    forward = errors["o"] <= CHECK_TOLERANCE
+    backward = forward and all(e <= CHECK_TOLERANCE for e in errors.values())
     shown = ", ".join(f"{name} {e:.1e}" for name, e in errors.items())
-    if ok:
-        log.info("linear attention: fla's gated delta-rule backward agrees with the torch form for %s (%s): it runs "
-                 "past fla's refusal on this Triton (fla issue 640)", layout, shown)
+    if backward:
+        log.info("linear attention: fla's gated delta-rule backward agrees with the torch form for %s (worst "
+                 "sequence: %s): it runs past fla's refusal on this Triton (fla issue 640)", layout, shown)
     else:
-        log.warning("linear attention: fla's gated delta-rule backward disagrees with the torch form for %s (%s; "
-                    "tolerance %g): training takes the torch form for it", layout, shown, CHECK_TOLERANCE)
-    return ok
+        log.warning("linear attention: fla's gated delta-rule %s disagrees with the torch form for %s (worst "
+                    "sequence: %s; tolerance %g): the torch form runs %s for it", "forward" if not forward else
+                    "backward", layout, shown, CHECK_TOLERANCE, "every pass" if not forward else "training")
+    return forward, backward
 
 
-def _layout_errors(device, heads, key_dim, value_dim, dtype) -> dict[str, float]:
-    """Norm-relative error of fla's output and of each gradient against the torch form's, on a seeded packed stream
-    (several chunks, a lone token, a chunk-long sequence) of this layout."""
-    lengths = [700, 1, 300, 64]
+def _layout_errors(device, heads, key_dim, value_dim, q_dtype, v_dtype, beta_dtype) -> dict[str, float]:
+    """The worst sequence's norm-relative error of fla's output and of each gradient against the torch form's, on a
+    seeded packed stream of this layout (CHECK_LENGTHS)."""
     gen = torch.Generator().manual_seed(0)
-    t = sum(lengths)
+    t = sum(CHECK_LENGTHS)
     host = [torch.randn(t, heads, key_dim, generator=gen), torch.randn(t, heads, key_dim, generator=gen),
             torch.randn(t, heads, value_dim, generator=gen),
             F.logsigmoid(torch.randn(t, heads, generator=gen)) / 4, torch.rand(t, heads, generator=gen).sigmoid()]
     upstream = torch.randn(t, heads, value_dim, generator=gen).to(device)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    bounds = [0, *torch.tensor(CHECK_LENGTHS).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     with torch.enable_grad():
-        mine = [x.to(device, torch.float32 if i == 3 else dtype).requires_grad_() for i, x in enumerate(host)]
+        mine = [x.to(device, d).requires_grad_() for x, d in zip(host, (q_dtype, q_dtype, v_dtype, torch.float32,
+                                                                         beta_dtype))]
         out, _ = _fla_chunk(*mine, cu, None)
         (out.float() * upstream).sum().backward()
         exact = [x.detach().float().requires_grad_() for x in mine]
-        want, _ = _torch_chunk(*exact, cu, max(lengths), None)
+        want, _ = _torch_chunk(*exact, cu, max(CHECK_LENGTHS), None)
         (want * upstream).sum().backward()
 
-    def rel(a, b):
+    def worst(a, b):
+        """Per sequence: its error over its norm, or over a typical sequence's of its size where its own is smaller
+        (a lone token's dg is exactly 0: nothing decays yet)."""
         a, b = a.detach().double(), b.detach().double()
-        return float((a - b).norm() / b.norm().clamp(min=1e-30))
-    return {"o": rel(out, want), **{f"d{n}": rel(a.grad, b.grad) for n, a, b in zip(("q", "k", "v", "g", "beta"),
-                                                                                     mine, exact)}}
+        rms = b.norm() / b.numel() ** 0.5
+        return max(float((a[i:j] - b[i:j]).norm() / torch.maximum(b[i:j].norm(), rms * b[i:j].numel() ** 0.5)
+                         .clamp(min=1e-30)) for i, j in zip(bounds[:-1], bounds[1:]))
+    return {"o": worst(out, want), **{f"d{n}": worst(a.grad, b.grad) for n, a, b in zip(("q", "k", "v", "g", "beta"),
+                                                                                       mine, exact)}}
 
 
 @functools.cache

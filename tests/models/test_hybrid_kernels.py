@@ -229,6 +229,22 @@ def test_the_lift_of_flas_hopper_refusal_covers_wide_key_heads_only(monkeypatch,
     assert la._fla_backward_ok(torch.zeros(3, 1, 2, 32), v, beta)     # elsewhere fla's backward runs at any size
 
 
+def _backward_runs(fn):
+    """An identity autograd function whose backward returns fn(grad)."""
+    class Hook(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return fn(grad)
+    return Hook
+
+
+_DoubleGrad = _backward_runs(lambda grad: 2 * grad)
+
+
 def test_no_layout_is_checked_inside_a_backward(monkeypatch):
     """A first grad-needing call inside a backward (a recompute) takes the torch form unchecked: its check's own
     backward would wait on the engine thread running it."""
@@ -238,28 +254,12 @@ def test_no_layout_is_checked_inside_a_backward(monkeypatch):
     monkeypatch.setattr(la, "_lift_fla_guard", lambda: True)
     monkeypatch.setattr(la, "_fla_layout_ok", lambda *layout: pytest.fail("checked inside a backward"))
     seen = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(la._fla_backward_ok(torch.zeros(3, 2, 128), torch.zeros(3, 2, 8), torch.zeros(3, 2)))
-            return grad
-    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    probe = _backward_runs(lambda grad: seen.append(la._fla_backward_ok(
+        torch.zeros(3, 2, 128), torch.zeros(3, 2, 8), torch.zeros(3, 2))) or grad)
+    probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
     assert seen == [False] and la._CHECKED == {}
 
 
-class _DoubleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return 2 * grad
 
 
 @pytest.mark.parametrize("wrong", [None, "o", "q", "k", "v", "g", "beta", "raises"])

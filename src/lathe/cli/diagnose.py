@@ -26,7 +26,8 @@ GIB = 1024 ** 3
 # what the report lists beside lathe's own requirements (imported only to read a version when no metadata says):
 # the optional packages and what each adds ...
 OPTIONAL = {"ray": "many devices, fully async", "triton": "GPU kernels", "wandb": "trainer.logger=wandb",
-            "mlflow": "trainer.logger=mlflow", "hypothesis": "the test suite", "peft": "the test suite"}
+            "mlflow": "trainer.logger=mlflow", "hypothesis": "the test suite", "peft": "the test suite",
+            "flash-linear-attention": "Qwen3.5 / Qwen3-Next kernels on GPUs: lathe[hybrid]"}
 # ... and other frameworks' packages, named only when installed: lathe has its own engine and attention kernels
 OTHERS = ("flash-attn", "vllm", "sglang")
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME",
@@ -230,7 +231,27 @@ def _check_accelerator(f: dict) -> list[Check]:
         out.append(Check("triton", "warn", "triton is missing: the engine's paged decode kernel falls back to PyTorch "
                                            "and torch.compile does not run", "pip install triton (the version "
                                                                              "torch was built with)"))
+    out += _check_fla(f, gpus)
     return out
+
+
+def _check_fla(f: dict, gpus: list[dict]) -> list[Check]:
+    """fla refuses its gated delta-rule backward on Hopper with Triton 3.4 .. 3.7.0 (`lathe.models.linear_attention`
+    says what lathe does then)."""
+    from packaging.version import InvalidVersion, Version
+    fla, triton = f["packages"].get("flash-linear-attention"), f["packages"].get("triton")
+    hopper = [g for g in gpus if str(g["capability"]).startswith("9.")]
+    try:
+        broken = triton is not None and (3, 4, 0) <= Version(triton).release[:3] < (3, 7, 1)
+    except InvalidVersion:
+        broken = False
+    if not (fla and hopper and broken):
+        return []
+    return [Check("fla backward", "warn", f"triton {triton} on {hopper[0]['name']}: fla {fla} refuses its gated "
+                  "delta-rule backward here (fla issue 640), so training Qwen3.5 / Qwen3-Next runs it only for key "
+                  "heads wider than 64, once a check of each head layout against lathe's torch form passes, and "
+                  "narrower heads (or a failed layout) on the torch form, several times slower",
+                  "a torch build whose triton is 3.7.1 or newer lifts this")]
 
 
 def _visible(value: str | None) -> list[str] | None:

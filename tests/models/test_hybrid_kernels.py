@@ -265,8 +265,8 @@ def test_no_layout_is_checked_inside_a_backward(monkeypatch):
 @pytest.mark.parametrize("wrong", [None, "o", "q", "k", "v", "g", "beta", "raises"])
 def test_a_layout_is_lifted_only_where_flas_output_and_gradients_agree(monkeypatch, wrong):
     """`_fla_layout_ok` on CPU with fla's chunk stood in for by the torch form: right; with its output 20% off, or one
-    input's gradient doubled, on the one-chunk sequence only (64 of ~13.5k tokens: over the whole stream that is
-    under the tolerance, so the worst sequence must count); raising."""
+    input's gradient doubled, on the one-chunk sequence only (64 of ~6.7k tokens: the worst sequence counts, not
+    the stream); raising."""
     from lathe.models import linear_attention as la
     names = ("q", "k", "v", "g", "beta")
     one = la.CHECK_LENGTHS.index(64)

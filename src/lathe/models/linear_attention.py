@@ -31,7 +31,6 @@ product, no search over the packed bounds).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -39,7 +38,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from lathe.device import nvidia_capability
+from lathe.device import nvidia_capability, use_device
 
 log = logging.getLogger("lathe")
 
@@ -340,7 +339,7 @@ def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: in
 
     def check():
         try:
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            with use_device(device):
                 result["errors"] = _layout_errors(device, heads, key_dim, value_dim, *dtypes)
         except Exception as e:          # noqa: BLE001 - a kernel that fails here trains on the torch form
             result["failed"] = e

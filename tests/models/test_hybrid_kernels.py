@@ -305,7 +305,9 @@ def test_the_refusal_is_hoppers_with_flas_broken_tritons(monkeypatch, capability
 def test_the_layout_check_runs_inside_a_checkpointed_training_forward(monkeypatch):
     """A hybrid model's training step with checkpointed layers, fla's chunk stood in for by the torch form and the
     lift's conditions faked on CPU: the layout's check runs once (in its thread, beside the checkpoint's saved-tensor
-    hooks), not again in the recompute, and the gradients are the torch form's."""
+    hooks: run on the caller's thread it fails with a CheckpointError), not again in the recompute, and the step's
+    gradients stay the torch form's (the stand-in is the torch form: what this guards is that the check leaves the
+    checkpointed step undisturbed)."""
     from lathe.models import linear_attention as la
     from lathe.models.hf import lathe_from_transformers
     from lathe.models.packing import pack_padded

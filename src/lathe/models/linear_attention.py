@@ -61,9 +61,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     """silu(depthwise causal conv) of a packed stream x (T, C) with `weight` (C, K); each sequence sees only its own
     earlier tokens (and `initial` (S, C, K-1), the last K-1 inputs before it, when given; else zeros). From zero
     history on CUDA with fla installed, fla's Triton kernels (forward and backward) run it."""
-    if initial is None and x.device.type == "cuda" and fla_conv() is not None:
-        y, _ = fla_conv()(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu", cu_seqlens=cu_seqlens.long(),
-                          backend="triton")
+    conv = fla_conv() if initial is None and x.device.type == "cuda" else None
+    if conv is not None:
+        y, _ = conv(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu", cu_seqlens=cu_seqlens.long(),
+                    backend="triton")
         return y[0]
     total, kernel = x.shape[0], weight.shape[-1]
     pos = positions_in_sequence(cu_seqlens, total)

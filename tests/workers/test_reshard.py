@@ -253,3 +253,15 @@ def test_the_plain_sync_packs_each_tensor_before_asking_for_the_next():
     assert send_weights(group, freeing((m.name, torch.ones(1000)) for m in metas), metas,
                         bucket_bytes=4096)["buckets"] == 8
     group.close()
+
+
+def test_the_backends_own_timeout_messages_are_read_as_timeouts():
+    """A broadcast whose backend times out first (Gloo's own timeout equals the group's) is reported as the group's
+    timeout, naming who did not answer: both ways Gloo words it (CI, 2026-12-01: "Timed out waiting 1000ms for send
+    operation to complete" was raised as it was)."""
+    from lathe.workers.checkpoint_engine import _BACKEND_TIMEOUT
+    for message in ("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 1000ms for send operation to "
+                    "complete", "Application timeout caused pair closure", "Watchdog caught collective operation "
+                    "timeout"):
+        assert _BACKEND_TIMEOUT.search(message), message
+    assert not _BACKEND_TIMEOUT.search("Connection closed by peer [127.0.0.1]:1234")

@@ -25,6 +25,7 @@ marks in the store the bucket it posts), and a side that fails (a tensor that do
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ ALIGN = 256                 # bytes: every tensor's offset in a bucket buffer is
 _ERROR_KEY = "error"        # store key where a failed rank posts its error
 _POLL_MAX_S = 2e-4          # longest sleep between two completion checks of a broadcast
 _ERROR_CHECK_S = 1.0        # how often a long wait looks for another rank's error in the store
+_BACKEND_TIMEOUT = re.compile(r"time(d)?[ -]?out", re.IGNORECASE)   # a backend's own timeout, as Gloo/NCCL word it
 _ABANDONED: list = []       # failed backends, never destroyed (see SyncGroup.close)
 
 
@@ -202,8 +204,9 @@ class SyncGroup:
             work.wait()
         except Exception as e:
             self.raise_if_failed()   # a peer's own error says more than the broken connection it left behind
-            if "timeout" in str(e).lower():     # the backend's own timeout fired first ("Application timeout
-                raise self._timed_out(bucket) from e    # caused pair closure"): say who did not answer all the same
+            if _BACKEND_TIMEOUT.search(str(e)):     # the backend's own timeout fired first (Gloo: "Application
+                raise self._timed_out(bucket) from e    # timeout caused pair closure", "Timed out waiting 1000ms for
+                                                        # send operation"): say who did not answer all the same
             raise
 
     def _timed_out(self, bucket: int | None) -> TimeoutError:

@@ -357,9 +357,8 @@ def test_engine_layouts_that_do_not_fit_are_refused():
 def test_data_parallel_attention_setting_picks_the_layout_or_is_refused():
     """lathe's `rollout.data_parallel_attention`: never runs verl's EP = TP x DP as replicas of whole experts (a
     notice), always keeps data-parallel attention and is refused where it cannot run (no engine of several replicas,
-    EP not D x TP, the agent loop on tensor-parallel replicas, FP8 rollout) rather than ignored; auto is decided with
-    the memory plan
-    (tests/train/test_memory)."""
+    EP not D x TP, FP8 rollout) rather than ignored; auto is decided with the memory plan (tests/train/test_memory).
+    The agent loop runs on it, on replicas of one rank or of several (tests/rollout/agent/test_agent_data_parallel)."""
     dp = ["trainer.n_gpus_per_node=4", f"{R}.data_parallel_size=2", f"{R}.tensor_model_parallel_size=2",
           f"{R}.expert_parallel_size=4"]
     with pytest.warns(IgnoredKeysWarning, match=r"data_parallel_attention=never\): expert_parallel_size 4 runs as 2"):
@@ -367,8 +366,7 @@ def test_data_parallel_attention_setting_picks_the_layout_or_is_refused():
     assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 2
     cfg = load_config("base", [*dp, f"{R}.data_parallel_attention=always"], device_count=4)
     assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 4
-    for overrides, message in (([f"{R}.multi_turn.enable=true"], "does not run with the agent loop on tensor-parallel"),
-                               ([f"{R}.expert_parallel_size=2"], "needs expert_parallel_size = 4"),
+    for overrides, message in (([f"{R}.expert_parallel_size=2"], "needs expert_parallel_size = 4"),
                                ([f"{R}.quantization=fp8"], "does not run with FP8 rollout")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config("base", [*dp, f"{R}.data_parallel_attention=always", *overrides], device_count=4)
@@ -378,3 +376,6 @@ def test_data_parallel_attention_setting_picks_the_layout_or_is_refused():
     cfg = load_config("base", [*one_rank, f"{R}.multi_turn.enable=true", f"{R}.data_parallel_attention=always"],
                       device_count=2)       # the agent loop on replicas of one rank: in the replicas' lockstep
     assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 2
+    cfg = load_config("base", [*dp, f"{R}.multi_turn.enable=true", f"{R}.data_parallel_attention=always"],
+                      device_count=4)       # ... and of two ranks: the leaders in lockstep, their followers following
+    assert cfg.actor_rollout_ref.rollout.expert_parallel_size == 4

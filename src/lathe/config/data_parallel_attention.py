@@ -23,16 +23,14 @@ def data_parallel_attention_lacks(cfg) -> str | None:
 
 def engine_lacks(cfg) -> str | None:
     """What of the run data-parallel attention is not built for, or None: fully-async training streams requests from
-    threads of its own and syncs weights by replica position, the agent loop runs in the replicas' lockstep on
-    replicas of one rank only (a tensor-parallel replica's lockstep is its leader's), speculative decoding verifies
-    in steps of its own (its lockstep is not built), FP8 rollout quantises whole experts (`lathe.engine.llm_engine`
-    refuses it on any replica of several ranks)."""
+    threads of its own and syncs weights by replica position, speculative decoding verifies in steps of its own (its
+    lockstep is not built), FP8 rollout quantises whole experts (`lathe.engine.llm_engine` refuses it on any replica
+    of several ranks). (The agent loop runs in the replicas' lockstep, a tensor-parallel replica's leaders agreeing
+    and their followers following: `lathe.workers.lockstep`.)"""
     from .rules_mtp import speculative_tokens
     arr = cfg.actor_rollout_ref
     if is_async(cfg):
         return "fully-async training"
-    if arr.rollout.multi_turn.enable and arr.rollout.tensor_model_parallel_size > 1:
-        return "the agent loop on tensor-parallel replicas (multi_turn.enable=true, tensor_model_parallel_size > 1)"
     if speculative_tokens(arr) > 0:
         return "speculative decoding (model.mtp.enable_rollout=true)"
     if arr.rollout.quantization:

@@ -32,10 +32,12 @@ experts' static path equals the eager one bit for bit over gloo) and on 2 H200s
 (`tests/engine/test_data_parallel_gpu.py`: the graphs sample what eager decode samples); a rank leaves its process
 group only after its engine's graphs are freed (with them alive, destroy_process_group hung).
 
-Streamed requests (`add_request`, `step`): the agent loop on replicas of one rank drives its replica's `step` in
-the replicas' lockstep (`AgentLoop._run`: one agreement a turn of its loop; `dp_idle` for a replica with nothing to
-run). Not here yet: speculative decoding, the agent loop on tensor-parallel replicas, fully-async training's
-streamed requests and its weight sync (which cuts slices per replica position).
+Streamed requests (`add_request`, `step`): the agent loop drives its replica's `step` in the replicas' lockstep
+(`AgentLoop._run`: one agreement a turn of its loop; `dp_idle` for a replica with nothing to run). On replicas of
+several tensor-parallel ranks the loop runs on each replica's leader, the leaders agree among themselves (over the
+data-parallel group of position 0), and each leader tells its followers every step and idle step
+(`lathe.workers.lockstep`), so the ranks at each position join the same collectives. Not here yet: speculative
+decoding, fully-async training's streamed requests and its weight sync (which cuts slices per replica position).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ runs on all of them at once, on the same sequences: their schedulers must take t
 replica's leader (its first rank) hears from the driver; before each engine action it tells its followers what to do,
 one small pickled message over a gloo group of the replica's ranks, and every rank then does it:
 
-    leader:    step(new requests)  interrupt()  load(args)  idle()  stop()  abort(error)
+    leader:    step(new requests)  dp_idle()  interrupt()  load(args)  idle()  stop()  abort(error)
     follower:  follow() ... the same actions, in the same order, until "stop" (or "abort": it raises the
                leader's error, naming the leader, instead of waiting out its timeout)
 
@@ -14,7 +14,10 @@ first indices) and the leader scheduler's prefill interval (the agent loop sets 
 the same sequences, admits them at the same step and samples the same tokens (the logits are gathered whole on
 every rank). "load" carries what the ranks need to receive a weight sync (each rank then receives its slices over
 the group of its tensor-parallel position, `lathe.workers.reshard`). "idle" is a heartbeat the idle leader sends so
-that a waiting follower can tell a quiet leader from a dead one.
+that a waiting follower can tell a quiet leader from a dead one. "dp_idle" (data-parallel attention, `lathe.engine.
+data_parallel`: a replica with nothing to run while another replica steps) has every rank's experts take part in the
+step of the ranks at its tensor-parallel position in the other replicas; the leaders agree among themselves when to
+step (the agent loop's lockstep), and their followers do what they are told.
 
 A loop that adds its own requests between steps (the multi-turn agent loop, `lathe.rollout.agent`) runs on the
 leader alone, over `ReplicaEngine`: the engine seen through the lockstep, whose `add_request` queues for the next
@@ -119,6 +122,12 @@ class Lockstep:
         """A heartbeat: the leader is alive and has nothing to run."""
         self._send("idle")
 
+    def dp_idle(self) -> None:
+        """Data-parallel attention, the replica has no sequence this tick: every rank's experts take part in the
+        other replicas' step (`LatheEngine.dp_idle`), each with the ranks at its own tensor-parallel position."""
+        self._send("dp_idle")
+        self.engine.dp_idle()
+
     def stop(self) -> None:
         self._send("stop")
 
@@ -179,6 +188,8 @@ class Lockstep:
                 if interval is not None:            # the leader's scheduler admits as this one must
                     self.engine.scheduler.prefill_interval = interval
                 self._step(requests)
+            elif kind == "dp_idle":
+                self.engine.dp_idle()
             elif kind == "interrupt":
                 self.engine.interrupt()
             elif kind == "load":
@@ -228,6 +239,17 @@ class ReplicaEngine:
             self.replica.idle()
         out, self._finished = self._finished, []
         return out
+
+    def dp_idle(self) -> None:
+        """Data-parallel attention: this replica (nothing queued, nothing running) steps in the others' collectives
+        with no sequence, every rank of it (`Lockstep.dp_idle`)."""
+        self.replica.dp_idle()
+
+    @property
+    def dp(self):
+        """The leader engine's place among the data-parallel-attention replicas (the leaders' group: the agent loop
+        agrees each tick over it), or None."""
+        return getattr(self.engine, "dp", None)
 
     @property
     def scheduler(self):

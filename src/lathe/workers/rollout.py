@@ -26,7 +26,6 @@ from lathe.batch import Batch
 from lathe.config.rules_mtp import speculative_tokens
 from lathe.device import reset_peak_memory, synchronize
 from lathe.dtypes import rollout_dtype
-from lathe.engine.data_parallel import KEY as DP_KEY
 from lathe.engine.data_parallel import engine_groups, engine_layout
 from lathe.engine.tensor_parallel import TensorParallel, shard_copy
 from lathe.generation import SamplingParams
@@ -79,11 +78,6 @@ class Rollout:
             if self.name == "lathe" and rollout_cfg.tensor_model_parallel_size * dp_size > 1:   # this rank's slices
                 self.tp, dp = engine_groups(rollout_cfg.tensor_model_parallel_size, dp_size)
                 self.dp = dp if dp.size > 1 else None
-                if rollout_cfg.multi_turn.enable and self.dp is not None and self.tp.size > 1:
-                    raise ValueError(f"{DP_KEY}={dp.size} (data-parallel attention) with tensor_model_parallel_size="
-                                     f"{self.tp.size} and the agent loop: its replicas' lockstep is not built for "
-                                     "replicas of several ranks yet. Fix: rollout.data_parallel_attention=never "
-                                     "(replicas of whole experts), or tensor_model_parallel_size=1")
                 self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state,
                                                expert_parallel_size=ep_size, dp=dp,
                                                keep_mtp=speculative_tokens(actor.arr) > 0)
@@ -144,12 +138,13 @@ class Rollout:
         # image prompts (VL): each prompt's {pixel_values, image_grid_thw}, None for text prompts
         images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
         try:
-            if not prompt_ids:      # an idle replica: its experts serve the other replicas' steps, its KV cache awake
+            if self.replica is not None:    # (a follower returns None, having followed the leader's loop; a leader
+                # with no prompts, a replica of data-parallel attention, serves the others' steps)
+                out = self.replica.run(lambda: self.agent.serve_replicas() if not prompt_ids else self.agent.generate(
+                    prompt_ids, params, first_index=first_index, **agent_kwargs(prompts), **images))
+            elif not prompt_ids:    # an idle replica: its experts serve the other replicas' steps, its KV cache awake
                 out = None          # so that every replica replays decode graphs (an asleep one makes all eager)
                 self.agent.serve_replicas() if self.agent is not None else self.backend.generate([], params)
-            elif self.replica is not None:         # (a follower returns None, having followed the leader's loop)
-                out = self.replica.run(lambda: self.agent.generate(prompt_ids, params, first_index=first_index,
-                                                                   **agent_kwargs(prompts), **images))
             elif self.agent is not None:
                 out = self.agent.generate(prompt_ids, params, first_index=first_index, **agent_kwargs(prompts),
                                           **images)

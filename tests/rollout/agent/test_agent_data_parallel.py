@@ -134,11 +134,12 @@ def test_the_agent_loop_on_replicas_of_data_parallel_attention_runs_what_one_pro
             assert got[i] == {k: v[start * N:end * N] for k, v in whole.items()}, (rank, sampling, shares)
 
 
-def dp_rollout(path: str, dp: int, shares: list[list[int]], patch=setattr) -> tuple:
+def dp_rollout(path: str, dp: int, shares: list[list[int]], patch=setattr, tp: int = 1) -> tuple:
     """The synchronous loop's `Rollout` (`lathe.workers.rollout`) of the `agent_demo` task on `path`'s MoE model:
-    with `dp` > 1 this rank is replica `dist.get_rank()` of an engine of data-parallel attention, beside a stand-in
-    of a sharded actor, and generates the prompts `shares[rank]` (none: it serves the others); else one process.
-    Returns, per call, each sample's response, tool calls and turns (None where it served), and the tool's calls."""
+    with `dp` > 1 this rank belongs to replica `dist.get_rank() // tp` (of `tp` ranks) of an engine of data-parallel
+    attention, beside a stand-in of a sharded actor, and generates the prompts `shares[replica]` (none: it serves
+    the others); else one process. Returns, per call, each sample's response, tool calls and turns (None where it
+    served, and on a replica's followers), and the tool's calls."""
     from types import SimpleNamespace
 
     from lathe.config import load_config
@@ -147,9 +148,10 @@ def dp_rollout(path: str, dp: int, shares: list[list[int]], patch=setattr) -> tu
     from lathe.workers.rollout import Rollout
     from workers.test_lockstep_agent import agent_demo
     tok, prompts, calls = agent_demo(patch)
-    keys = [f"{R}.data_parallel_size={dp}", f"{R}.expert_parallel_size={dp}", f"{R}.data_parallel_attention=always"]
-    cfg = load_config("agent_demo", [f"trainer.n_gpus_per_node={dp}", f"{R}.multi_turn.max_assistant_turns=3",
-                                     "data.max_response_length=64", *(keys if dp > 1 else [])], device_count=dp)
+    keys = [f"{R}.data_parallel_size={dp}", f"{R}.expert_parallel_size={dp * tp}", f"{R}.data_parallel_attention=always",
+            f"{R}.tensor_model_parallel_size={tp}"]
+    cfg = load_config("agent_demo", [f"trainer.n_gpus_per_node={dp * tp}", f"{R}.multi_turn.max_assistant_turns=3",
+                                     "data.max_response_length=64", *(keys if dp > 1 else [])], device_count=dp * tp)
     loaded = load_policy(path)
     actor = SimpleNamespace(device=torch.device("cpu"), model=select_impl(loaded, "auto", role="rollout"),
                             sharded=dp > 1, lora=False, arr=cfg.actor_rollout_ref)
@@ -157,7 +159,7 @@ def dp_rollout(path: str, dp: int, shares: list[list[int]], patch=setattr) -> tu
     rollout.start(lambda engine: build_agent_loop(cfg, engine, tok))
     rank, out = (dist.get_rank() if dp > 1 else 0), []
     for share in shares:
-        mine = share[rank] if dp > 1 else list(range(len(prompts["prompt_ids"])))
+        mine = share[rank // tp] if dp > 1 else list(range(len(prompts["prompt_ids"])))
         params = SamplingParams(n=N, temperature=1.0, max_tokens=64, seed=5)
         batch = rollout.generate_sequences(prompts.select(mine), params, first_index=(mine[0] if mine else 0) * N)
         out.append(None if batch is None else (
@@ -184,8 +186,8 @@ def test_a_replica_whose_loop_fails_stops_the_others_at_once(moe_path):
     assert max(r[2] for r in results.values()) < 0.5 * JOIN_S
 
 
-def rollout_worker(rank: int, port: int, path: str, queue) -> None:
-    gloo_rank(rank, 2, port, queue, lambda: dp_rollout(path, 2, ROLLOUT_SHARES), JOIN_S)
+def rollout_worker(rank: int, port: int, path: str, queue, tp: int) -> None:
+    gloo_rank(rank, 2 * tp, port, queue, lambda: dp_rollout(path, 2, ROLLOUT_SHARES, tp=tp), JOIN_S)
 
 
 @pytest.fixture(scope="module")
@@ -195,22 +197,26 @@ def demo_moe_path(tmp_path_factory):
     return moe_checkpoint(tmp_path_factory.mktemp("dp-agent-demo"), len(load_tokenizer("builtin:tiny")), 7)
 
 
-def test_the_rollout_worker_runs_the_agent_loop_on_data_parallel_attention(demo_moe_path, monkeypatch):
-    """`lathe.workers.rollout.Rollout` with verl's data-parallel-attention layout and the agent loop (replicas of one
-    rank: no tensor-parallel lockstep): each replica's samples, tool calls and turns are one process's for its
-    prompts, and a replica called with none serves the other's steps and returns None."""
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
+def test_the_rollout_worker_runs_the_agent_loop_on_data_parallel_attention(demo_moe_path, monkeypatch, tp):
+    """`lathe.workers.rollout.Rollout` with verl's data-parallel-attention layout and the agent loop, on two replicas
+    of one rank, or of two tensor-parallel ranks (the experts over all four; each replica's leader runs its loop and
+    the leaders agree each tick, their followers following: `lathe.workers.lockstep`): each replica's samples, tool
+    calls and turns are one process's for its prompts, and a replica called with none serves the other's steps and
+    returns None (as a follower always does)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rollout_worker, args=(r, port, demo_moe_path, queue), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=rollout_worker, args=(r, port, demo_moe_path, queue, tp), daemon=True)
+             for r in range(2 * tp)]
     results = run_processes(procs, queue, 3 * JOIN_S)
     (whole, *_), calls = dp_rollout(demo_moe_path, 1, [None], monkeypatch.setattr)
     assert all(any(whole[1][i * N:(i + 1) * N]) for i in range(2))           # each prompt's turns called the tool
     for rank, got in results.items():
         assert not isinstance(got, str), got
         for (share, out) in zip(ROLLOUT_SHARES, got[0]):
-            mine = share[rank]
-            if not mine:
+            mine = share[rank // tp]
+            if not mine or rank % tp:
                 assert out is None
                 continue
             assert out == tuple(col[mine[0] * N:(mine[-1] + 1) * N] for col in whole), (rank, share)

@@ -238,7 +238,7 @@ class AgentLoop:
                 # one tick of the replicas' lockstep: all step (an idle one in the others' collectives) while any
                 # generates, else those with tools running wait a moment for them; done when all are; all stop
                 # where one failed
-                busy = not self.engine.scheduler.is_finished()
+                busy = self.engine.has_unfinished_requests()    # (a tensor-parallel leader's: its queued turns too)
                 any_busy, any_live, any_failed = dp.agree([int(busy), int(bool(live)), int(failed is not None)])
                 if any_failed:
                     if failed is not None:

@@ -334,7 +334,10 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
         ce = cfg.async_training.checkpoint_engine
         megabytes = ce.device_buffer_size_M or arr.rollout.update_weights_bucket_megabytes
         bucket_bytes = megabytes << 20 if ce.enable else 1          # enable=false: every tensor a bucket of its own
-        tp = arr.rollout.tensor_model_parallel_size
+        ro = arr.rollout       # data-parallel attention: each replica's experts are its own, so whole tensors go to
+        dp_attention = (ro.data_parallel_size or 1) > 1 and ro.expert_parallel_size == ro.data_parallel_size * \
+            ro.tensor_model_parallel_size       # every rank, which keeps its slices (one group)
+        tp = 1 if dp_attention else ro.tensor_model_parallel_size
         ports: set[int] = set()
         while len(ports) < tp:              # one group per tensor-parallel position (`lathe.workers.reshard`)
             ports.add(trainer.free_port())

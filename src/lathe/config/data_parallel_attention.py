@@ -6,7 +6,7 @@ engine_data_parallel`, which warns), the rules (`rules_parallel.check_rollout_tp
 from __future__ import annotations
 
 from .coerce import show
-from .plan import is_async, rollout_devices, trainer_devices
+from .plan import rollout_devices, trainer_devices
 
 R = "actor_rollout_ref.rollout"
 ISSUE = "lathe issue 43: model-parallel engine replicas"
@@ -22,15 +22,13 @@ def data_parallel_attention_lacks(cfg) -> str | None:
 
 
 def engine_lacks(cfg) -> str | None:
-    """What of the run data-parallel attention is not built for, or None: fully-async training streams requests from
-    threads of its own and syncs weights by replica position, speculative decoding verifies in steps of its own (its
-    lockstep is not built), FP8 rollout quantises whole experts (`lathe.engine.llm_engine` refuses it on any replica
-    of several ranks). (The agent loop runs in the replicas' lockstep, a tensor-parallel replica's leaders agreeing
-    and their followers following: `lathe.workers.lockstep`.)"""
+    """What of the run data-parallel attention is not built for, or None: speculative decoding verifies in steps of
+    its own (its lockstep is not built), FP8 rollout quantises whole experts (`lathe.engine.llm_engine` refuses it on
+    any replica of several ranks). (The agent loop runs in the replicas' lockstep, a tensor-parallel replica's
+    leaders agreeing and their followers following: `lathe.workers.lockstep`; so do fully-async training's replicas,
+    each stepping in a thread of its own: `lathe.workers.fully_async.RolloutWorker`.)"""
     from .rules_mtp import speculative_tokens
     arr = cfg.actor_rollout_ref
-    if is_async(cfg):
-        return "fully-async training"
     if speculative_tokens(arr) > 0:
         return "speculative decoding (model.mtp.enable_rollout=true)"
     if arr.rollout.quantization:

@@ -36,8 +36,10 @@ Streamed requests (`add_request`, `step`): the agent loop drives its replica's `
 (`AgentLoop._run`: one agreement a turn of its loop; `dp_idle` for a replica with nothing to run). On replicas of
 several tensor-parallel ranks the loop runs on each replica's leader, the leaders agree among themselves (over the
 data-parallel group of position 0), and each leader tells its followers every step and idle step
-(`lathe.workers.lockstep`), so the ranks at each position join the same collectives. Not here yet: speculative
-decoding, fully-async training's streamed requests and its weight sync (which cuts slices per replica position).
+(`lathe.workers.lockstep`), so the ranks at each position join the same collectives. Fully-async training's
+replicas stream their requests the same way, each leader's engine thread agreeing with the others' every tick
+(`lathe.workers.fully_async.RolloutWorker`); their weight sync sends whole tensors to every rank, which keeps its
+slices and its own experts. Not here yet: speculative decoding.
 """
 
 from __future__ import annotations

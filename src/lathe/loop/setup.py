@@ -391,7 +391,7 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
             f"{type(model).__name__}{' (model.impl=hf)' if arr.model.impl == 'hf' else ''}. Fix: set it to 1 (one "
             "engine per device), for as long as the model fits one device")
     from lathe.engine.data_parallel import engine_layout
-    dp_size, ep_size = (engine_layout(model, arr.rollout) if lathe_engine and not run.is_async
+    dp_size, ep_size = (engine_layout(model, arr.rollout) if lathe_engine
                         else (1, arr.rollout.expert_parallel_size))
     check_always_data_parallel(arr, model, lathe_engine, dp_size)
     tp = replica if not run.is_async else 1         # (the async pool's replicas hold no trainer state)
@@ -449,7 +449,8 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         return parts, text, fits
 
     parts, text, fits = planned(None)
-    if dp_size > 1:                 # data-parallel attention: the routed experts over D x TP ranks
+    if dp_size > 1 and not run.is_async:    # data-parallel attention: the routed experts over D x TP ranks (a
+        # rollout pool of its own holds no trainer state beside them: it keeps data-parallel attention)
         from lathe.models.moe import sparse_blocks
         experts = sum(p.numel() for b in sparse_blocks(model) for p in b.experts.parameters())
         spread = planned((experts, dp_size))

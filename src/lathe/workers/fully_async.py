@@ -36,7 +36,8 @@ from lathe.config import LatheConfig
 from lathe.config.rules_mtp import speculative_tokens
 from lathe.device import rank_device
 from lathe.dtypes import rollout_dtype
-from lathe.engine.tensor_parallel import replica_groups, shard_copy
+from lathe.engine.data_parallel import engine_groups, engine_layout
+from lathe.engine.tensor_parallel import shard_copy
 from lathe.models.vl import is_vl
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import is_adapter
@@ -54,6 +55,7 @@ from lathe.workers.lockstep import Lockstep, ReplicaEngine, control_groups
 from lathe.workers.reshard import check_slices, join_as_sender, position_label, send_resharded, sliced_metas
 
 ROLLOUT = "rollout"         # the role name of a replica in its worker group
+TICK_S = (0.001, 0.02)      # data-parallel attention: the idle leaders' agreements, from every 1 ms back to 20 ms
 
 
 class RolloutWorker:
@@ -82,10 +84,12 @@ class RolloutWorker:
         self.dtype = rollout_dtype(arr.rollout.dtype, device)
         eos = eos_token_ids(tokenizer, loaded)          # the checkpoint's generation_config (the copy has none)
         size = arr.rollout.tensor_model_parallel_size
-        tp = replica_groups(size)                       # (collective: every rank of the pool builds at once)
-        if size > 1:            # a tensor-parallel replica of `size` consecutive ranks: this rank's slices
-            engine_model = shard_copy(model, self.dtype, device, tp,
-                                      expert_parallel_size=arr.rollout.expert_parallel_size,
+        dp_size, ep_size = engine_layout(model, arr.rollout)
+        tp, dp = engine_groups(size, dp_size)           # (collective: every rank of the pool builds at once)
+        self.dp = dp if dp.size > 1 else None           # data-parallel attention: this replica's place among them
+        if size > 1 or self.dp is not None:     # a tensor-parallel replica of `size` consecutive ranks, or the
+            engine_model = shard_copy(model, self.dtype, device, tp,    # experts spread over the engine's replicas:
+                                      expert_parallel_size=ep_size, dp=dp,     # this rank's slices
                                       keep_mtp=speculative_tokens(arr) > 0)
         else:
             engine_model = frozen_copy(model, self.dtype, device)      # (a VL model: a deep copy, as the workers make)
@@ -113,7 +117,8 @@ class RolloutWorker:
         self._stepping = False              # the engine has work (as of the loop's last step)
         self._error: BaseException | None = None
         self._busy_s = 0.0
-        self._thread = threading.Thread(target=self._loop if self.replica.leader else self._follow,
+        loop = self._loop if self.dp is None else self._loop_in_lockstep
+        self._thread = threading.Thread(target=loop if self.replica.leader else self._follow,
                                         name="lathe-rollout", daemon=True)
         self._thread.start()
 
@@ -159,6 +164,92 @@ class RolloutWorker:
                 self._error = e
                 self._cv.notify_all()
             self.replica.abort(e)           # a tensor-parallel leader's followers stop now, with its error
+
+    def _loop_in_lockstep(self) -> None:
+        """`_loop` for a replica of data-parallel attention (`lathe.engine.data_parallel`; its leader): every engine
+        step is a collective of the engine's replicas, so the leaders agree each tick (over `dp`, the ranks at
+        position 0 of every replica) whether any has work, whether all hold, whether any stops or failed. While any
+        has work, every replica steps, one without work (or held, its interrupted sequences waiting) in the others'
+        collectives (`dp_idle`, told to its followers too); while none has, each waits a tick (1 ms, backing off to
+        20 ms) for requests and agrees again. A replica parks for the driver's pause only once every replica holds
+        (the driver pauses them all at once); one that is shut down takes part in the others' steps until every
+        replica is (the driver shuts them all down at once).
+        An error outside a step is told to the others at the next agreement (each raises); one inside a step leaves
+        them to the collectives' timeout (nccl_timeout), as in the agent loop's lockstep."""
+        tick, stepping, failed = TICK_S[0], False, None
+        try:
+            while True:
+                with self._cv:
+                    if not (stepping or self._stop or self._hold or self._has_work()):
+                        self._cv.wait(tick)         # (another replica's request makes all step within a tick)
+                    hold, stop = self._hold, self._stop
+                    requests, self._inbox = ([], self._inbox) if hold else (self._inbox, [])
+                busy = False
+                if not (hold or stop) and failed is None:
+                    try:
+                        busy = self._queue_turns(requests) if self.agent is not None else bool(
+                            requests or self.engine.has_unfinished_requests())
+                    except Exception as e:      # noqa: BLE001 - told to the other replicas first, then raised
+                        failed = e
+                any_busy, any_unheld, any_running, any_failed = self.dp.agree(
+                    [int(busy), int(not hold), int(not stop), int(failed is not None)])
+                if any_failed:
+                    raise failed or RuntimeError(f"{self.replica.who}: another replica of this data-parallel-"
+                                                 "attention engine failed (its error is in its log); this one stops")
+                if not any_running:                 # (a stopped replica serves the others' steps until all stop)
+                    return
+                stepping = bool(any_busy)
+                if any_busy:
+                    start = time.perf_counter()
+                    done, unfinished = self._step_in_lockstep(requests, busy)
+                    with self._cv:
+                        if busy:
+                            self._busy_s += time.perf_counter() - start
+                        self._unfinished, self._stepping = unfinished, self.engine.has_unfinished_requests()
+                        self._outbox.extend(done)
+                        if done or not unfinished:
+                            self._cv.notify_all()
+                    tick = TICK_S[0]
+                elif not any_unheld:                # every replica holds: the driver's turn
+                    with self._cv:
+                        self._paused = True
+                        self._cv.notify_all()
+                        while self._hold and not self._stop:
+                            self._cv.wait()
+                        self._paused = False
+                        if self._stop:              # (all parked: none needs this replica's experts)
+                            return
+                else:
+                    due = self.replica.heartbeat_in()
+                    if due is not None and due <= 0:
+                        self.replica.idle()         # (its followers hear from it while it waits)
+                    tick = min(2 * tick, TICK_S[1])
+        except BaseException as e:      # noqa: BLE001 - handed to the driver by the next call
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+            self.replica.abort(e)
+
+    def _queue_turns(self, requests: list[tuple]) -> bool:
+        """Multi-turn in lockstep: new requests' trajectories and answered turns queued; whether a step has work."""
+        for request_id, prompt_ids, params, first_index, _, agent in requests:
+            self.agent.add(request_id, prompt_ids, params, first_index=first_index,
+                           agent={k: v for k, v in agent.items() if k != "extra_info"})
+        done = self.agent.advance()
+        if done:
+            with self._cv:
+                self._outbox.extend(done)
+                self._cv.notify_all()
+        return self.agent_engine.has_unfinished_requests()
+
+    def _step_in_lockstep(self, requests: list[tuple], busy: bool) -> tuple[list, bool]:
+        """One tick's engine step of `_loop_in_lockstep` (or an idle one, not `busy`): (finished requests, whether
+        any is not)."""
+        if self.agent is None:
+            done = self.replica.step(requests) if busy else (self.replica.dp_idle() or [])
+            return done, self.engine.has_unfinished_requests()
+        self.agent_engine.step() if busy else self.agent_engine.dp_idle()
+        return self.agent.on_finished(self.agent_engine.pop_finished()), self.agent.busy()
 
     def _follow(self) -> None:
         """A follower's thread: the leader's engine actions, as it sends them (`Lockstep.follow`)."""

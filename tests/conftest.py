@@ -15,6 +15,10 @@ torch.set_num_threads(1 if XDIST_WORKER else min(2, os.cpu_count() or 1))
 if XDIST_WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+# Inductor compiles in a pool of worker processes, one per CPU, started in each process that compiles: on 2 cores
+# already busy that pool costs more than it saves (tests/models/test_compile.py: 60 CPU-s with one compile thread
+# against 75 with the pool, 2026-12-01), so the suite's compiles run in their own process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # lathe's cache (warm-started models, lathe.loop.warm_cache) lives in a directory of this session: runs in the suite
 # share it, and nothing is read from or left in the user's ~/.cache/lathe.

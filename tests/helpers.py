@@ -279,9 +279,9 @@ RM_TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] 
                "{% if add_generation_prompt %}ASSISTANT: {% endif %}")     # a reward model's own chat rendering
 
 
-def kill_after_checkpoint(run_dir, pid: int, step: int = 2) -> None:
-    """SIGKILL process `pid` (a worker rank) as soon as the run in `run_dir` has written its step-`step` checkpoint;
-    the wait runs in a daemon thread of its own."""
+def kill_after_checkpoint(run_dir, pid, step: int = 2) -> None:
+    """SIGKILL process `pid` (a worker rank; or a callable that names it then) as soon as the run in `run_dir` has
+    written its step-`step` checkpoint; the wait runs in a daemon thread of its own."""
     import os
     import signal
     import threading
@@ -293,6 +293,6 @@ def kill_after_checkpoint(run_dir, pid: int, step: int = 2) -> None:
     def kill() -> None:
         while not (latest.exists() and latest.read_text() == str(step)):
             time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid() if callable(pid) else pid, signal.SIGKILL)
 
     threading.Thread(target=kill, daemon=True).start()

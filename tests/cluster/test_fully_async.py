@@ -57,39 +57,39 @@ def test_on_policy_async_is_the_synchronous_loop(tmp_path):
         assert b["fully_async/rollout_probs_diff_current_max"] == b["training/rollout_probs_diff_max"] < 1e-4
 
 
-@pytest.mark.parametrize("killed", ["rollout", "reward_model"])
-def test_a_killed_rank_restarts_every_pool_from_the_last_checkpoint(tmp_path, killed):
-    """trainer.restart_on_worker_failure=1: the rollout replica (or, beside it, the reward model's own pool's rank)
-    SIGKILLed right after the step-2 checkpoint; every pool starts afresh, the trainer loads step 2, the new replica
-    takes its weights, and steps 3 and 4 run once each, each prompt trained once (tests/loop/test_async_restart.py
-    checks the metrics against an uninterrupted run)."""
+def test_killed_ranks_restart_every_pool_from_the_last_checkpoint(tmp_path):
+    """trainer.restart_on_worker_failure=2: the reward model's own pool's rank SIGKILLed right after the step-2
+    checkpoint (the trainer thread's scoring call finds it), then the new rollout replica right after the step-4 one
+    (the driver's next call finds it). Each time every pool starts afresh, the trainer loads the last checkpoint and the
+    new replica takes its weights; steps 1-6 run once each, each prompt trained once
+    (tests/loop/test_async_restart.py checks the metrics against an uninterrupted run)."""
+    from helpers import tiny_reward_model
     from lathe.loop.run import fit
     from lathe.loop.setup import build_trainer
+    from loop.test_reward_model import rm_overrides
     run_dir, dumps = tmp_path / "run", tmp_path / "dumps"
-    rm = []
-    if killed == "reward_model":          # the lost rank is found by the trainer thread's scoring call
-        from helpers import tiny_reward_model
-        from loop.test_reward_model import rm_overrides
-        rm = [*rm_overrides(tiny_reward_model(tmp_path / "rm")), "reward_model.enable_resource_pool=true",
-              "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1", "ray_kwargs.ray_init.num_cpus=4"]
+    rm = [*rm_overrides(tiny_reward_model(tmp_path / "rm")), "reward_model.enable_resource_pool=true",
+          "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1", "ray_kwargs.ray_init.num_cpus=4"]
     cfg = load_config(None, [f"trainer.default_local_dir={run_dir}", *BASE, *warm_started(), *POOLS, *rm,
-                             "trainer.total_training_steps=4", "trainer.save_freq=2",
-                             "trainer.restart_on_worker_failure=1", f"trainer.rollout_data_dir={dumps}",
+                             "trainer.total_training_steps=6", "trainer.save_freq=2",
+                             "trainer.restart_on_worker_failure=2", f"trainer.rollout_data_dir={dumps}",
                              "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
                              "async_training.require_batches=1", "async_training.partial_rollout=false",
-                             "data.train_batch_size=0", "data.gen_batch_size=16", "rollout.total_rollout_steps=64"])
+                             "data.train_batch_size=0", "data.gen_batch_size=16", "rollout.total_rollout_steps=96"])
     t = build_trainer(cfg)
-    group = lambda: t.cluster.rollout_group if killed == "rollout" else t.cluster.reward_group   # noqa: E731
-    pid = group().nodes[0]["pid"]
-    kill_after_checkpoint(run_dir, pid, step=2)
+    reward_pid, rollout_pid = (g.nodes[0]["pid"] for g in (t.cluster.reward_group, t.cluster.rollout_group))
+    kill_after_checkpoint(run_dir, reward_pid, step=2)
+    restarted = lambda: t.cluster.rollout_group.nodes[0]["pid"]      # noqa: E731 - the replica of the second start
+    kill_after_checkpoint(run_dir, restarted, step=4)
     try:
         fit(t)
     finally:
         t.close()
-    assert group().nodes[0]["pid"] != pid                                # a new rank
+    assert reward_pid not in (g.nodes[0]["pid"] for g in (t.cluster.reward_group, t.cluster.rollout_group))
+    assert rollout_pid != t.cluster.rollout_group.nodes[0]["pid"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    trained = [json.loads(line)["uid"] for step in range(1, 5)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    trained = [json.loads(line)["uid"] for step in range(1, 7)
                for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
     n = cfg.actor_rollout_ref.rollout.n
     assert len(trained) == len(set(trained)) * n                         # each prompt's n samples trained once

@@ -2,12 +2,15 @@
 `_loop_in_lockstep`): an engine of two replicas, of one gloo rank each or of two tensor-parallel ranks, whose tiny
 Qwen3-MoE experts are spread over all its ranks. Each replica is driven as the driver drives it: requests streamed to
 one replica while the other, with none, steps in its collectives; a pause of both (each parks only once both hold); new
-whole weights received by every rank, each keeping its slices and its experts; requests to both after. Each replica's
-samples are one unsharded engine's for its requests, with the old weights before the sync and the new ones after."""
+whole weights received by every rank, each keeping its slices and its experts; requests to both after, then requests
+paused while running (interrupted and continued) and with partial=False (finished before the replicas park). Each
+replica's samples are one unsharded engine's for its requests, with the old weights before the sync and the new ones
+after. A replica's multi-turn trajectories in the lockstep are one worker's."""
 
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,8 +28,11 @@ from lathe.workers.checkpoint_engine import SyncGroup, metas_of, send_weights
 JOIN_S = 120
 R = "actor_rollout_ref.rollout"
 LONG = SamplingParams(n=2, temperature=1.0, max_tokens=24, ignore_eos=True, seed=7)
-# each replica's requests after the sync: (request id, prompts, first sample index)
+# each replica's requests after the sync: (request id, prompts, first sample index); then, on the same weights, one
+# each paused while running (interrupted, continued) and one each paused with partial=False (finished first)
 AFTER = (("b", PROMPTS[2:], 4), ("c", PROMPTS[1:2], 8))
+CUT = (("d", PROMPTS[:1], 12), ("e", PROMPTS[3:], 14))
+WAITED = (("f", PROMPTS[1:3], 16), ("g", PROMPTS[:1], 20))
 
 
 def responses(batch) -> list[list[int]]:
@@ -60,7 +66,20 @@ def replica_rank(rank: int, tp: int, sync_port: int, path: str):
         request_id, prompts, first = AFTER[replica]
         worker.submit([(request_id, prompts, LONG, first)])
         got.update(_collect_until(worker, {request_id}))
-        result = {k: (responses(b), b["rollout_versions"].unique().tolist()) for k, b in got.items()}
+        request_id, prompts, first = CUT[replica]               # paused mid-way (when the timing allows)
+        worker.submit([(request_id, prompts, LONG, first)])
+        time.sleep(0.05)                                        # (its prefill and a few steps)
+        interrupted = worker.pause(partial=True, timeout_s=JOIN_S)
+        worker.resume()
+        got.update(_collect_until(worker, {request_id}))
+        request_id, prompts, first = WAITED[replica]            # partial=False: the pause waits for them
+        worker.submit([(request_id, prompts, LONG, first)])
+        assert worker.pause(partial=False, timeout_s=JOIN_S) == 0
+        done = worker.collect()["done"]
+        worker.resume()
+        assert [k for k, _ in done] == [request_id]             # finished before the replica parked
+        got.update(done)
+        result = ({k: (responses(b), b["rollout_versions"].unique().tolist()) for k, b in got.items()}, interrupted)
     worker.shutdown()
     assert not worker._thread.is_alive()
     return result
@@ -101,8 +120,13 @@ def test_replicas_of_data_parallel_attention_stream_what_one_engine_streams(tmp_
     procs = [ctx.Process(target=rank_main, args=(r, tp, port, sync_port, path, queue), daemon=True)
              for r in range(2 * tp)]
     results = run_processes(procs, queue, 3 * JOIN_S)
-    assert results[0] == {"a": (want["a"], [0]), "b": (want["b"], [1])}
-    assert results[tp] == {"c": (want["c"], [1])}
+    want.update({k: engine.generate(prompts, LONG, first_index=first).token_ids for k, prompts, first in WAITED})
+    (got0, _), (got1, _) = results[0], results[tp]      # (how many were interrupted: timing; 2 and 2 here)
+    assert {k: got0[k] for k in "abf"} == {"a": (want["a"], [0]), "b": (want["b"], [1]), "f": (want["f"], [1])}
+    assert {k: got1[k] for k in "cg"} == {"c": (want["c"], [1]), "g": (want["g"], [1])}
+    # an interrupted response continues on the same weights: its recomputed KV may move later tokens by the last bits
+    assert [len(t) for t in got0["d"][0]] == [24, 24] and [len(t) for t in got1["e"][0]] == [24, 24]
+    assert got0["d"][1] == got1["e"][1] == [1]
     assert all(results[r] is True for r in range(2 * tp) if r % tp)        # followers: nothing of their own
 
 
@@ -123,8 +147,7 @@ def agent_rank(rank: int, path: str):
     if rank == 0:
         worker.submit([request])
         record = agent_record(_collect_until(worker, {"r"})["r"])
-    else:
-        _collect_until(worker, set(), timeout_s=1)
+    torch.distributed.barrier()         # (replica 1 serves replica 0's steps until this: then both shut down)
     worker.shutdown()
     return record, len(calls)
 
@@ -153,3 +176,47 @@ def test_multi_turn_trajectories_in_the_replicas_lockstep_are_one_workers(tmp_pa
     procs = [ctx.Process(target=agent_rank_main, args=(r, port, path, queue), daemon=True) for r in range(2)]
     got = run_processes(procs, queue, 3 * JOIN_S)
     assert got[0] == (want, sum(want[1])) and got[1] == (None, 0)
+
+
+class _OneReplica:
+    """A stand-in engine of one replica (its agreements are its own flags): the lockstep loop in one process."""
+
+    size, rank = 2, 0
+
+    def agree(self, values):
+        return list(values)
+
+
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "plain"])
+def test_a_pause_after_trajectories_end_between_steps_does_not_wait_for_them(tmp_path, monkeypatch, lockstep):
+    """A trajectory can end in the agent stream's `advance`, with no engine step after it (here its user stops after
+    every tool answer): the replica is then finished, and pause(partial=False) parks it at once (review of 51c3483:
+    the lockstep loop kept it unfinished, and the pause waited out its timeout)."""
+    import workers.test_lockstep_agent as demo
+    from lathe.config import load_config
+    from lathe.loop.setup import _given_model
+    from lathe.models.hf import load_policy, load_tokenizer
+    from lathe.rollout.agent.loop import AgentLoop
+    from lathe.rollout.agent.parser import ParsedTurn, ToolCall
+    from lathe.workers.fully_async import RolloutWorker
+    from loop.test_async_tp import agent_worker
+    from workers.test_fully_async import _collect_until
+    monkeypatch.setattr(demo, "even_calls", lambda text: ParsedTurn(text, [ToolCall("f", {})]))   # every turn calls
+    monkeypatch.setattr(AgentLoop, "_on_answers", lambda self, t: self._finish(t, "stop"))      # the user stops
+    if lockstep:
+        def loop(self):
+            self.dp = _OneReplica()
+            self._loop_in_lockstep()
+        monkeypatch.setattr(RolloutWorker, "_loop", loop)
+    cfg = load_config("agent_demo", ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
+                                     "data.train_batch_size=0"])
+    path, kwargs = _given_model(cfg, load_tokenizer("builtin:tiny"))
+    load_policy(path, **kwargs).save_pretrained(tmp_path / "model")
+    worker, request, _ = agent_worker(["rollout.n_gpus_per_node=1"], str(tmp_path / "model"), monkeypatch.setattr)
+    try:
+        worker.submit([request])
+        assert sum(_collect_until(worker, {"r"})["r"]["tool_calls"]) > 0
+        assert worker.pause(partial=False, timeout_s=3) == 0
+        worker.resume()
+    finally:
+        worker.shutdown()

@@ -19,6 +19,11 @@ over the group of its tensor-parallel position (`lathe.workers.reshard`). A foll
 multi-turn agent loops the trajectories and their tools are the leader's alone, and their turns reach the followers
 as the requests of the step that takes them (`ReplicaEngine`).
 
+With data-parallel attention (`rollout.data_parallel_size` D, `expert_parallel_size` D x tp: `lathe.engine.
+data_parallel`) the pool's replicas form engines whose every step is a collective of their D replicas: each leader's
+engine thread agrees with the others' every tick (`_loop_in_lockstep`), and the weight sync sends whole tensors to
+every rank over one group (each rank keeps its slices and its own experts).
+
 `AsyncTrainerWorker` is the trainer's actor/reference worker without an engine, plus the sending side of the
 sync. The engine is thread-safe only through the worker's lock: every engine call is made under it.
 """
@@ -56,6 +61,10 @@ from lathe.workers.reshard import check_slices, join_as_sender, position_label, 
 
 ROLLOUT = "rollout"         # the role name of a replica in its worker group
 TICK_S = (0.001, 0.02)      # data-parallel attention: the idle leaders' agreements, from every 1 ms back to 20 ms
+
+
+class _AfterStep(Exception):
+    """A failure after a lockstep tick's engine step (its cause): the other replicas are told at the next agreement."""
 
 
 class RolloutWorker:
@@ -144,6 +153,7 @@ class RolloutWorker:
                     if self._stop:
                         return
                     requests, self._inbox = self._inbox, []
+                    self._unfinished = self._unfinished or bool(requests)   # (a pause meanwhile waits for them)
                 if beat:                    # (no requests: it had no work)
                     self.replica.idle()
                     continue
@@ -183,7 +193,8 @@ class RolloutWorker:
                     if not (stepping or self._stop or self._hold or self._has_work()):
                         self._cv.wait(tick)         # (another replica's request makes all step within a tick)
                     hold, stop = self._hold, self._stop
-                    requests, self._inbox = ([], self._inbox) if hold else (self._inbox, [])
+                    requests, self._inbox = ([], self._inbox) if hold or stop else (self._inbox, [])
+                    self._unfinished = self._unfinished or bool(requests)   # (a pause meanwhile waits for them)
                 busy = False
                 if not (hold or stop) and failed is None:
                     try:
@@ -201,7 +212,10 @@ class RolloutWorker:
                 stepping = bool(any_busy)
                 if any_busy:
                     start = time.perf_counter()
-                    done, unfinished = self._step_in_lockstep(requests, busy)
+                    try:
+                        done, unfinished = self._step_in_lockstep(requests, busy)
+                    except _AfterStep as e:         # (the step itself ran: the others hear of it next tick)
+                        failed, done, unfinished = e.__cause__, [], True
                     with self._cv:
                         if busy:
                             self._busy_s += time.perf_counter() - start
@@ -235,10 +249,11 @@ class RolloutWorker:
         for request_id, prompt_ids, params, first_index, _, agent in requests:
             self.agent.add(request_id, prompt_ids, params, first_index=first_index,
                            agent={k: v for k, v in agent.items() if k != "extra_info"})
-        done = self.agent.advance()
-        if done:
-            with self._cv:
-                self._outbox.extend(done)
+        done = self.agent.advance()             # (a trajectory may end here, with no step: its user stops, say)
+        with self._cv:
+            self._outbox.extend(done)
+            self._unfinished = self.agent.busy()
+            if done or not self._unfinished:
                 self._cv.notify_all()
         return self.agent_engine.has_unfinished_requests()
 
@@ -249,7 +264,10 @@ class RolloutWorker:
             done = self.replica.step(requests) if busy else (self.replica.dp_idle() or [])
             return done, self.engine.has_unfinished_requests()
         self.agent_engine.step() if busy else self.agent_engine.dp_idle()
-        return self.agent.on_finished(self.agent_engine.pop_finished()), self.agent.busy()
+        try:
+            return self.agent.on_finished(self.agent_engine.pop_finished()), self.agent.busy()
+        except Exception as e:      # noqa: BLE001 - a trajectory's (its parser's, its tools'): after the step
+            raise _AfterStep() from e
 
     def _follow(self) -> None:
         """A follower's thread: the leader's engine actions, as it sends them (`Lockstep.follow`)."""
@@ -346,6 +364,9 @@ class RolloutWorker:
         self._leader_only("pause")
         with self._cv:
             self._check()
+            if not self._cv.wait_for(lambda: not self._paused or self._error is not None, timeout=timeout_s):
+                raise TimeoutError(f"rollout replica: the engine did not resume from its last pause within "
+                                   f"{timeout_s:.0f} s")     # (a pause right after a resume: one at a time)
             if not partial:
                 if not self._cv.wait_for(lambda: self._error is not None or not (self._inbox or self._unfinished),
                                          timeout=timeout_s):
@@ -366,8 +387,9 @@ class RolloutWorker:
     def join_sync_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Join the sync's group (with tensor-parallel replicas: the group of this rank's position)."""
         tp = self.replica.tp
-        self.sync = SyncGroup(host, port, rank, world_size, device=self.device, timeout_s=timeout_s,
-                              label=position_label(tp.rank, tp.size))
+        label = (position_label(tp.rank, tp.size) if self.dp is None else  # (data-parallel attention: one group)
+                 f"replica {self.dp.rank} of {self.dp.size} of a data-parallel-attention engine, its rank {tp.rank}")
+        self.sync = SyncGroup(host, port, rank, world_size, device=self.device, timeout_s=timeout_s, label=label)
 
     def receive_weights(self, metas: list[TensorMeta], bucket_bytes: int, version: int,
                         position_metas: list[list[TensorMeta]] | None = None) -> dict:

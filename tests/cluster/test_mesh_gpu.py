@@ -218,6 +218,34 @@ def fully_async(root, device: str) -> None:
         assert b["fully_async/rollout_probs_diff_current_max"] == b["training/rollout_probs_diff_max"]
 
 
+def fully_async_data_parallel(root, device: str) -> None:
+    """Fully async on-policy (`fully_async`'s keys) with a rollout pool of 2 devices that form one engine of
+    data-parallel attention (`data_parallel_attention`'s tiny Qwen3-MoE: each replica its own requests and 2 of the 4
+    experts, their engine threads agreeing every tick) beside 1 trainer device, the new weights sent whole to both:
+    against the synchronous loop on one device, the same samples and updates on CPU (1e-5), alike within bf16 noise on
+    GPUs; nothing stale or partial, and the replicas' log-probs the trainer's at every step (each rank's experts its
+    own). 3 devices."""
+    from cluster.test_ray import assert_same
+    base = (f"trainer.device={device}", STEPS, *moe_model(root))
+    sync = train(root / "sync", *base)
+    on_policy = train(root / "async", *base, *ON_POLICY, "rollout.n_gpus_per_node=2",
+                      "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.data_parallel_size=2",
+                      "actor_rollout_ref.rollout.expert_parallel_size=2",
+                      "actor_rollout_ref.rollout.data_parallel_attention=always",
+                      "ray_kwargs.ray_init.num_cpus=4")      # (on CPU: three one-slot workers of the shared cluster)
+    if device == "cpu":
+        for a, b in zip(sync, on_policy):
+            assert_same(a, b)
+    else:
+        assert_step1_alike(sync[0], on_policy[0])
+    assert_synced(sync, on_policy)
+    for b in on_policy:
+        assert b["fully_async/staleness/max"] == 0 and b["fully_async/partial/total_partial_num"] == 0
+        assert b["fully_async/rollout_probs_diff_current_max"] == b["training/rollout_probs_diff_max"]
+        if device == "cpu":
+            assert b["training/rollout_probs_diff_max"] < 1e-4
+
+
 CASES = {f.__name__: f for f in (tensor_parallel, ulysses, expert_parallel, moe_plain_fsdp, lora_tensor_parallel,
                                  rollout_replica, data_parallel_attention, data_parallel_auto, fully_async)}
 
@@ -225,3 +253,8 @@ CASES = {f.__name__: f for f in (tensor_parallel, ulysses, expert_parallel, moe_
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_layout_on_two_gpus_trains_as_one_gpu(tmp_path, case):
     CASES[case](tmp_path, "cuda")
+
+
+@needs_gpus(3)
+def test_fully_async_on_data_parallel_attention_on_three_gpus_trains_as_one_gpu(tmp_path):
+    fully_async_data_parallel(tmp_path, "cuda")

@@ -198,13 +198,18 @@ def reward_model_group(cfg: LatheConfig, group):
     return RewardModelGroup(group, balance=cfg.trainer.balance_batch) if cfg.reward_model.enable else None
 
 
+def _data_parallel_attention(ro) -> bool:
+    """Whether the loaded rollout config `ro` keeps verl's EP = D x TP: an engine of data-parallel attention, whose
+    replicas run in lockstep (`lathe.engine.data_parallel`)."""
+    dp = ro.data_parallel_size
+    return dp > 1 and ro.expert_parallel_size == dp * ro.tensor_model_parallel_size
+
+
 def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls, critic_cls, **actor_kwargs):
     """The driver's handles on a group's actor and critic, each update cut into the plan's mini-batches."""
     balance = cfg.trainer.balance_batch
-    ro = cfg.actor_rollout_ref.rollout      # (data-parallel attention: the engine's replicas run in lockstep)
-    lockstep = ro.data_parallel_size > 1 and ro.expert_parallel_size == ro.data_parallel_size * plan.rollout_tp
     actor = actor_cls(group, pad_id=tokenizer.pad_token_id, balance=balance, has_ref=plan.needs_ref,
-                      rollout_lockstep=lockstep,
+                      rollout_lockstep=_data_parallel_attention(cfg.actor_rollout_ref.rollout),
                       has_teacher=cfg.distillation.enabled,
                       mini_batch_size=plan.actor.mini_batch_sequences, rollout_tp=plan.rollout_tp,
                       actor_sp=plan.actor.group_size,
@@ -334,10 +339,9 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
         ce = cfg.async_training.checkpoint_engine
         megabytes = ce.device_buffer_size_M or arr.rollout.update_weights_bucket_megabytes
         bucket_bytes = megabytes << 20 if ce.enable else 1          # enable=false: every tensor a bucket of its own
-        ro = arr.rollout       # data-parallel attention: each replica's experts are its own, so whole tensors go to
-        dp_attention = (ro.data_parallel_size or 1) > 1 and ro.expert_parallel_size == ro.data_parallel_size * \
-            ro.tensor_model_parallel_size       # every rank, which keeps its slices (one group)
-        tp = 1 if dp_attention else ro.tensor_model_parallel_size
+        # data-parallel attention: each replica's experts are its own, so whole tensors go to every rank, which keeps
+        # its slices (one group)
+        tp = 1 if _data_parallel_attention(arr.rollout) else arr.rollout.tensor_model_parallel_size
         ports: set[int] = set()
         while len(ports) < tp:              # one group per tensor-parallel position (`lathe.workers.reshard`)
             ports.add(trainer.free_port())

@@ -163,12 +163,7 @@ class RolloutWorker:
                 else:
                     done = self.replica.step(requests)
                     unfinished = self.engine.has_unfinished_requests()
-                with self._cv:
-                    self._busy_s += time.perf_counter() - start
-                    self._unfinished, self._stepping = unfinished, self.engine.has_unfinished_requests()
-                    self._outbox.extend(done)
-                    if done or not unfinished:
-                        self._cv.notify_all()
+                self._took(done, unfinished, time.perf_counter() - start)
         except BaseException as e:      # noqa: BLE001 - handed to the driver by the next call
             with self._cv:
                 self._error = e
@@ -216,13 +211,7 @@ class RolloutWorker:
                         done, unfinished = self._step_in_lockstep(requests, busy)
                     except _AfterStep as e:         # (the step itself ran: the others hear of it next tick)
                         failed, done, unfinished = e.__cause__, [], True
-                    with self._cv:
-                        if busy:
-                            self._busy_s += time.perf_counter() - start
-                        self._unfinished, self._stepping = unfinished, self.engine.has_unfinished_requests()
-                        self._outbox.extend(done)
-                        if done or not unfinished:
-                            self._cv.notify_all()
+                    self._took(done, unfinished, time.perf_counter() - start if busy else 0.0)
                     tick = TICK_S[0]
                 elif not any_unheld:                # every replica holds: the driver's turn
                     with self._cv:
@@ -243,6 +232,15 @@ class RolloutWorker:
                 self._error = e
                 self._cv.notify_all()
             self.replica.abort(e)
+
+    def _took(self, done: list, unfinished: bool, busy_s: float) -> None:
+        """After an engine step: its finished requests out, the work left and the busy seconds noted."""
+        with self._cv:
+            self._busy_s += busy_s
+            self._unfinished, self._stepping = unfinished, self.engine.has_unfinished_requests()
+            self._outbox.extend(done)
+            if done or not unfinished:
+                self._cv.notify_all()
 
     def _queue_turns(self, requests: list[tuple]) -> bool:
         """Multi-turn in lockstep: new requests' trajectories and answered turns queued; whether a step has work."""

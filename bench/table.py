@@ -10,7 +10,7 @@ the latest result. A result is a bench's own output (its `models` in the shape t
 `rollout_close_*.json`). Left out: A/B comparisons (files named `*_ab_*`), runs whose `git_sha` is not a plain commit
 (an A/B arm such as `a33534b-old`), a comparison's baseline arm (stored under a key such as `old_1` or `base`), runs
 through the one-GPU Ray path (`--ray`), rollout runs with admission changed, and e2e runs off the bench's default
-workload (other lengths, extra keys such as LoRA). "Latest" is by `date` (no time of day counts as midnight UTC).
+workload (other lengths, extra keys such as LoRA) or with a profiled step. "Latest" is by `date` (no time of day counts as midnight UTC).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def fmt_k(x: float) -> str:
 
 def e2e_rows(doc: dict):
     w = doc.get("workload", {})
-    if any(w.get(k) != v for k, v in E2E_WORKLOAD.items()) or w.get("extra") or w.get("ray"):
+    if any(w.get(k) != v for k, v in E2E_WORKLOAD.items()) or w.get("extra") or w.get("ray") \
+            or w.get("profile_step"):      # a profiled step among the timed ones carries the profiler's cost
         return
     for shape, m in doc["models"].items():
         la, trl = m.get("lathe", {}), m.get("trl", {})

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, conv_step, \
-    recurrent_gated_delta_rule
+    fla_cu_seqlens, recurrent_gated_delta_rule
 
 from helpers import assert_close_rel
 
@@ -87,6 +87,27 @@ def test_packed_convolution_equals_one_conv_per_sequence_and_carries_its_state()
         assert_close_rel(nxt[s], whole[-1], rel=1e-12, name="carried convolution")
         assert_close_rel(single[s], whole[-1], rel=1e-12, name="single-token convolution")
         assert torch.equal(carried[s], conv_state(longer, torch.tensor([0, len(longer)], dtype=torch.int32), 4)[0])
+
+
+def test_fla_is_handed_one_bounds_tensor_per_packed_batch():
+    """fla memoises what it derives from cu_seqlens by the tensor's identity (a miss is a host sync): every layer of
+    one packed batch hands it the same int64 tensor; new or changed bounds get a new one, never stale values."""
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    first = fla_cu_seqlens(cu)
+    assert first.dtype == torch.long and first.tolist() == [0, 3, 7]
+    assert fla_cu_seqlens(cu) is first                           # the next layer: fla's memo hits
+    cu[2] = 9                                                    # written in place: new bounds, a new tensor
+    changed = fla_cu_seqlens(cu)
+    assert changed is not first and changed.tolist() == [0, 3, 9] and first.tolist() == [0, 3, 7]
+    other = torch.tensor([0, 5], dtype=torch.long)
+    taken = fla_cu_seqlens(other)
+    assert taken is not other and taken.tolist() == [0, 5]      # an int64 input is copied: fla never memoises
+    other[1] = 6                                                 # a tensor its owner may change in place
+    assert fla_cu_seqlens(other).tolist() == [0, 6]
+    assert fla_cu_seqlens(cu).tolist() == [0, 3, 9]
+    with torch.inference_mode():                                 # the engine's prefills: no version counter to read
+        made = torch.tensor([0, 2, 4], dtype=torch.int32)
+        assert fla_cu_seqlens(made).tolist() == [0, 2, 4] and fla_cu_seqlens(made) is not fla_cu_seqlens(made)
 
 
 @pytest.mark.gpu

@@ -63,8 +63,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     history on CUDA with fla installed, fla's Triton kernels (forward and backward) run it."""
     conv = fla_conv() if initial is None and x.device.type == "cuda" else None
     if conv is not None:
-        y, _ = conv(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu", cu_seqlens=cu_seqlens.long(),
-                    backend="triton")
+        y, _ = conv(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu",
+                    cu_seqlens=fla_cu_seqlens(cu_seqlens), backend="triton")
         return y[0]
     total, kernel = x.shape[0], weight.shape[-1]
     pos = positions_in_sequence(cu_seqlens, total)
@@ -216,6 +216,28 @@ def fla_conv():
     except ImportError:
         return None
     return conv
+
+
+_long_bounds: tuple = (None, -1, None)      # (the last cu_seqlens given, its version, its int64 form)
+
+
+def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """`cu_seqlens` as int64 for fla, the same tensor object for the same unchanged input. fla memoises what it
+    derives from the bounds (chunk indices, offsets, sequence ids) by the identity of the cu_seqlens tensor
+    (`fla.utils.tensor_cache`), and a miss reads the bounds to the host: a sync. A fresh `.long()` at every call
+    missed at every layer, four syncs per linear-attention layer and micro-batch in an update (the convolution and
+    the delta rule, forward and backward) and eight with gradient checkpointing, each one leaving the GPU idle
+    while the host caught up (a Qwen3.5-2B update on an H200 kept its GPU busy 56% of the time with checkpointing,
+    bench/results/e2e_qwen3.5-2b_ckpt_profile_nvidia-h200.json). An in-place change of the input (its version)
+    makes a new int64 tensor, so fla's memo never serves stale bounds."""
+    global _long_bounds
+    if cu_seqlens.is_inference():                # no version counter to tell a change by: a new tensor every call
+        return cu_seqlens.long() if cu_seqlens.dtype != torch.long else cu_seqlens.clone()
+    given, version, long = _long_bounds         # one read and one write of the tuple: safe across threads
+    if given is not cu_seqlens or version != cu_seqlens._version:
+        long = cu_seqlens.long() if cu_seqlens.dtype != torch.long else cu_seqlens.clone()
+        _long_bounds = (cu_seqlens, cu_seqlens._version, long)
+    return long
 
 
 def _on_cuda(x: torch.Tensor) -> bool:
@@ -419,7 +441,7 @@ def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
     chunk, _ = fla_ops()
     q, k = _fla_inputs(q, k, v)
     o, state = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0).float(), beta=beta.unsqueeze(0),
-                     initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens.long(),
+                     initial_state=initial_state, output_final_state=True, cu_seqlens=fla_cu_seqlens(cu_seqlens),
                      use_qk_l2norm_in_kernel=True)
     return o[0], state
 

@@ -220,3 +220,50 @@ def test_a_pause_after_trajectories_end_between_steps_does_not_wait_for_them(tmp
         worker.resume()
     finally:
         worker.shutdown()
+
+
+class _Agreements(_OneReplica):
+    """`_OneReplica` that keeps every agreement's flags."""
+
+    def __init__(self):
+        self.seen: list[list[int]] = []
+
+    def agree(self, values):
+        self.seen.append(list(values))
+        return list(values)
+
+
+def test_a_request_the_engine_refuses_fails_the_replica_at_the_agreement_before_any_step(tmp_path, monkeypatch):
+    """Data-parallel attention: each engine step is a collective of every replica, so a request a replica's engine
+    refuses (a prompt past max_model_len) must fail it before the tick's step, in the agreement that tells the other
+    replicas (which then raise too instead of waiting in the step's collectives for nccl_timeout). Before, the refusal
+    raised inside `Lockstep.step`, after the agreement had sent every replica into the step."""
+    from lathe.config import load_config
+    from lathe.loop.setup import _given_model
+    from lathe.models.hf import load_policy, load_tokenizer
+    from lathe.workers.fully_async import RolloutWorker
+    from workers.test_fully_async import _collect_until
+    agreements, steps = _Agreements(), []
+
+    def loop(self):
+        self.dp = agreements
+        self._loop_in_lockstep()
+    monkeypatch.setattr(RolloutWorker, "_loop", loop)
+    monkeypatch.setattr(LatheEngine, "step", lambda self, step=LatheEngine.step: steps.append(1) or step(self))
+    cfg = load_config("default", ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
+                                  "data.train_batch_size=0"])
+    tokenizer = load_tokenizer("builtin:tiny")
+    path, kwargs = _given_model(cfg, tokenizer)
+    load_policy(path, **kwargs).save_pretrained(tmp_path / "model")
+    worker = RolloutWorker(cfg, str(tmp_path / "model"), {"impl": "auto"}, tokenizer, device_type="cpu")
+    try:
+        worker.submit([("fits", [[3, 4]], SamplingParams(max_tokens=2, ignore_eos=True), 0)])
+        assert len(_collect_until(worker, {"fits"})) == 1 and steps          # the lockstep loop runs
+        ran = len(steps)
+        too_long = [[3] * worker.engine.max_model_len]
+        worker.submit([("too long", too_long, SamplingParams(max_tokens=2), 0)])
+        with pytest.raises(RuntimeError, match="engine failed.*add_request 'too long'.*max_model_len"):
+            _collect_until(worker, {"too long"}, timeout_s=10)
+        assert agreements.seen[-1][3] == 1 and len(steps) == ran             # told as failed; no step taken
+    finally:
+        worker.shutdown()

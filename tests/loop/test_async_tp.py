@@ -169,6 +169,26 @@ def test_a_tensor_parallel_replica_streams_what_one_engine_streams(tmp_path):
     assert run_ranks(lockstep_rank, path) == want
 
 
+def test_a_leaders_engine_refuses_a_request_at_its_add(tmp_path):
+    """The leader's engine through its lockstep (`ReplicaEngine`, which the agent loop drives) refuses a request at
+    the add, as the engine's own `add_request` does: a loop of data-parallel attention then tells the other replicas
+    at its next agreement, before any step (it used to raise at the next `step`, inside the replicas' collectives).
+    What it took before the refusal is still stepped, and a request of no tokens comes out of the next step."""
+    from models.lathe_tiny import save_hf
+    from lathe.workers.lockstep import ReplicaEngine
+    engine = engine_of(load_lathe_model(str(save_hf(tmp_path, "llama")[0]), torch.float32))
+    leader = ReplicaEngine(Lockstep(engine, replica_groups(1), None, timeout_s=JOIN_S))
+    leader.add_request("a", PROMPTS[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(ValueError, match="add_request 'b'.*max_model_len=48"):
+        leader.add_request("b", [[3] * 48], SamplingParams(max_tokens=2))
+    leader.add_request("none", PROMPTS[:1], SamplingParams(max_tokens=0))
+    finished = []
+    while leader.has_unfinished_requests():
+        leader.step()
+        finished += [rid for rid, _ in leader.pop_finished()]
+    assert sorted(finished) == ["a", "none"]
+
+
 # -- the rollout worker of a tensor-parallel replica (its engine thread, the driver's calls to the leader) -----------
 
 LONG = SamplingParams(n=2, temperature=1.0, max_tokens=24, ignore_eos=True, seed=7)

@@ -179,8 +179,9 @@ class RolloutWorker:
         20 ms) for requests and agrees again. A replica parks for the driver's pause only once every replica holds
         (the driver pauses them all at once); one that is shut down takes part in the others' steps until every
         replica is (the driver shuts them all down at once).
-        An error outside a step is told to the others at the next agreement (each raises); one inside a step leaves
-        them to the collectives' timeout (nccl_timeout), as in the agent loop's lockstep."""
+        An error outside a step is told to the others at the next agreement (each raises): the tick's requests are
+        added to the engine before it (`Lockstep.add`), so one the engine refuses is such an error. One inside a
+        step (the device's, a collective's) leaves them to the collectives' timeout (nccl_timeout)."""
         tick, stepping, failed = TICK_S[0], False, None
         try:
             while True:
@@ -192,9 +193,12 @@ class RolloutWorker:
                     self._unfinished = self._unfinished or bool(requests)   # (a pause meanwhile waits for them)
                 busy = False
                 if not (hold or stop) and failed is None:
-                    try:
-                        busy = self._queue_turns(requests) if self.agent is not None else bool(
-                            requests or self.engine.has_unfinished_requests())
+                    try:                        # (a request the engine refuses raises here, before the step)
+                        if self.agent is not None:
+                            busy = self._queue_turns(requests)
+                        else:
+                            self.replica.add(requests)
+                            busy = self.replica.unsent or self.engine.has_unfinished_requests()
                     except Exception as e:      # noqa: BLE001 - told to the other replicas first, then raised
                         failed = e
                 any_busy, any_unheld, any_running, any_failed = self.dp.agree(
@@ -208,7 +212,7 @@ class RolloutWorker:
                 if any_busy:
                     start = time.perf_counter()
                     try:
-                        done, unfinished = self._step_in_lockstep(requests, busy)
+                        done, unfinished = self._step_in_lockstep(busy)
                     except _AfterStep as e:         # (the step itself ran: the others hear of it next tick)
                         failed, done, unfinished = e.__cause__, [], True
                     self._took(done, unfinished, time.perf_counter() - start if busy else 0.0)
@@ -255,11 +259,11 @@ class RolloutWorker:
                 self._cv.notify_all()
         return self.agent_engine.has_unfinished_requests()
 
-    def _step_in_lockstep(self, requests: list[tuple], busy: bool) -> tuple[list, bool]:
+    def _step_in_lockstep(self, busy: bool) -> tuple[list, bool]:
         """One tick's engine step of `_loop_in_lockstep` (or an idle one, not `busy`): (finished requests, whether
         any is not)."""
         if self.agent is None:
-            done = self.replica.step(requests) if busy else (self.replica.dp_idle() or [])
+            done = self.replica.step() if busy else (self.replica.dp_idle() or [])     # (requests added before)
             return done, self.engine.has_unfinished_requests()
         self.agent_engine.step() if busy else self.agent_engine.dp_idle()
         try:

@@ -9,23 +9,25 @@ one small pickled message over a gloo group of the replica's ranks, and every ra
     follower:  follow() ... the same actions, in the same order, until "stop" (or "abort": it raises the
                leader's error, naming the leader, instead of waiting out its timeout)
 
-A "step" carries the requests the leader adds before the step (ids, prompts, sampling params with their seeds,
-first indices) and the leader scheduler's prefill interval (the agent loop sets it for its calls), so each rank adds
-the same sequences, admits them at the same step and samples the same tokens (the logits are gathered whole on
-every rank). "load" carries what the ranks need to receive a weight sync (each rank then receives its slices over
-the group of its tensor-parallel position, `lathe.workers.reshard`). "idle" is a heartbeat the idle leader sends so
-that a waiting follower can tell a quiet leader from a dead one. "dp_idle" (data-parallel attention, `lathe.engine.
-data_parallel`: a replica with nothing to run while another replica steps) has every rank's experts take part in the
-step of the ranks at its tensor-parallel position in the other replicas; the leaders agree among themselves when to
-step (the agent loop's lockstep), and their followers do what they are told.
+A "step" carries the requests the leader added since its last step (ids, prompts, sampling params with their seeds,
+first indices; the leader adds them to its own engine at once, `add`, so that a refused one raises before the step's
+collectives, which a replica of data-parallel attention shares with the others) and the leader scheduler's prefill
+interval (the agent loop sets it for its calls), so each rank adds the same sequences, admits them at the same step
+and samples the same tokens (the logits are gathered whole on every rank). "load" carries what the ranks need to
+receive a weight sync (each rank then receives its slices over the group of its tensor-parallel position,
+`lathe.workers.reshard`). "idle" is a heartbeat the idle leader sends so that a waiting follower can tell a quiet
+leader from a dead one. "dp_idle" (data-parallel attention, `lathe.engine.data_parallel`: a replica with nothing to
+run while another replica steps) has every rank's experts take part in the step of the ranks at its tensor-parallel
+position in the other replicas; the leaders agree among themselves when to step (the agent loop's lockstep), and
+their followers do what they are told.
 
 A loop that adds its own requests between steps (the multi-turn agent loop, `lathe.rollout.agent`) runs on the
-leader alone, over `ReplicaEngine`: the engine seen through the lockstep, whose `add_request` queues for the next
-"step" message. Its tool calls and simulated users therefore run once per replica, on the leader, and when a
-trajectory's answers are in is decided there; a follower never sees a tool, only the requests that follow from its
-answers, in the leader's order, at the leader's step (as vLLM's driver worker broadcasts its scheduler's inputs).
-`Lockstep.run` is a synchronous call of such a loop on every rank: the leader runs it, then says "stop"; a follower
-follows until then.
+leader alone, over `ReplicaEngine`: the engine seen through the lockstep, whose `add_request` adds to the leader's
+engine and queues for the next "step" message. Its tool calls and simulated users therefore run once per replica, on
+the leader, and when a trajectory's answers are in is decided there; a follower never sees a tool, only the requests
+that follow from its answers, in the leader's order, at the leader's step (as vLLM's driver worker broadcasts its
+scheduler's inputs). `Lockstep.run` is a synchronous call of such a loop on every rank: the leader runs it, then
+says "stop"; a follower follows until then.
 
 Every message also carries a digest of all the outputs the leader's engine returned so far; a follower compares it
 with its own, so ranks that drifted apart fail at once, naming themselves. Every wait has the group's timeout; a
@@ -70,6 +72,7 @@ class Lockstep:
         self.digest = b""                            # of every output popped so far
         self.heartbeat_s = min(HEARTBEAT_S, timeout_s / 4)
         self.sent_at = time.monotonic()
+        self._unsent: list[tuple] = []               # (the leader) requests added, its followers to add at "step"
 
     def heartbeat_in(self) -> float | None:
         """(The leader.) Seconds until an idle leader owes its followers a heartbeat (`idle`); None: it never does."""
@@ -78,11 +81,27 @@ class Lockstep:
         return self.heartbeat_s - (time.monotonic() - self.sent_at)
 
     # -- the leader ------------------------------------------------------------------------------------------------
-    def step(self, requests: list[tuple]) -> list[tuple[Any, Any]]:
-        """Add `(request_id, prompt ids, params, first_index, multi_modal_inputs, ...)` requests, run one engine
-        step, and return the finished `(request_id, output)` pairs, on every rank of the replica."""
-        self._send("step", ([r[:5] for r in requests], self._prefill_interval()))
-        return self._step(requests)
+    def add(self, requests: list[tuple]) -> None:
+        """Add `(request_id, prompt ids, params, first_index, multi_modal_inputs, ...)` requests to the leader's
+        engine now, where a refusal raises (a prompt past max_model_len, say) before any step's collectives, and
+        keep them for the followers, who add them with the next "step" (before their step, as the leader's engine
+        stands now: no engine action comes between)."""
+        for request in requests:                # (one by one: the followers get those taken before a refusal)
+            self._add([request])
+            self._unsent.append(request[:5])
+
+    @property
+    def unsent(self) -> bool:
+        """(The leader.) Whether requests it added wait for the next step to reach its followers."""
+        return bool(self._unsent)
+
+    def step(self, requests: list[tuple] = ()) -> list[tuple[Any, Any]]:
+        """`add(requests)`, then one engine step on every rank of the replica (the followers add what the leader
+        added since the last one first); returns the finished `(request_id, output)` pairs."""
+        self.add(list(requests))
+        unsent, self._unsent = self._unsent, []
+        self._send("step", (unsent, self._prefill_interval()))
+        return self._step([])
 
     def run(self, work: Callable[[], Any], receive: Callable[[dict], Any] | None = None) -> Any:
         """Every rank of the replica at once: the leader returns `work()` (whose engine is `ReplicaEngine(self)`)
@@ -157,10 +176,13 @@ class Lockstep:
     def _prefill_interval(self) -> int | None:
         return getattr(getattr(self.engine, "scheduler", None), "prefill_interval", None)
 
-    def _step(self, requests: list[tuple]) -> list[tuple[Any, Any]]:
+    def _add(self, requests: list[tuple]) -> None:
         for request_id, prompt_ids, params, first_index, images, *_ in requests:
             self.engine.add_request(request_id, prompt_ids, params, first_index=first_index,
                                     multi_modal_inputs=images)
+
+    def _step(self, requests: list[tuple]) -> list[tuple[Any, Any]]:
+        self._add(requests)
         self.engine.step()
         done = self.engine.pop_finished()
         if done and self.group is not None:
@@ -211,7 +233,7 @@ class Lockstep:
 class ReplicaEngine:
     """The streaming interface of the leader's engine (`LatheEngine.add_request`, `step`, `has_unfinished_requests`,
     `pop_finished`) through its replica's lockstep, for a loop that adds requests between steps (the agent loop):
-    requests wait for the next `step`, which sends them to the followers before the leader's engine takes them. An
+    the leader's engine takes requests at once, its followers with the next `step`, which sends them. An
     idle leader (its loop waiting for tools) sends a heartbeat when one is due, from `pop_finished` (which such a
     loop calls on every turn of its own loop). Only what such a loop reads besides is passed through."""
 
@@ -219,19 +241,20 @@ class ReplicaEngine:
         if not replica.leader:
             raise RuntimeError(f"{replica.who}: only a replica's leader runs the loop (this is a bug)")
         self.replica, self.engine = replica, replica.engine
-        self._queued: list[tuple] = []
         self._finished: list[tuple] = []
 
     def add_request(self, request_id, prompt_ids: list[list[int]], params, *, first_index: int = 0,
                     multi_modal_inputs=None) -> None:
-        self._queued.append((request_id, prompt_ids, params, first_index, multi_modal_inputs))
+        """Added to the leader's engine now (a refusal raises here, as the engine's own `add_request`), to the
+        followers' with the next `step`."""
+        self.replica.add([(request_id, prompt_ids, params, first_index, multi_modal_inputs)])
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._queued) or self.engine.has_unfinished_requests()
+        return self.replica.unsent or self.engine.has_unfinished_requests()   # (a request of max_tokens 0 is done
+                                                                              # at its add: its step returns it)
 
     def step(self) -> None:
-        requests, self._queued = self._queued, []
-        self._finished += self.replica.step(requests)
+        self._finished += self.replica.step()
 
     def pop_finished(self) -> list[tuple]:
         due = self.replica.heartbeat_in()

@@ -182,6 +182,8 @@ def test_a_leaders_engine_refuses_a_request_at_its_add(tmp_path):
     with pytest.raises(ValueError, match="add_request 'b'.*max_model_len=48"):
         leader.add_request("b", [[3] * 48], SamplingParams(max_tokens=2))
     leader.add_request("none", PROMPTS[:1], SamplingParams(max_tokens=0))
+    with pytest.raises(RuntimeError, match="'interrupt' while requests it added wait for its followers"):
+        leader.replica.interrupt()            # (its followers would add them to an engine in another state)
     finished = []
     while leader.has_unfinished_requests():
         leader.step()

@@ -108,6 +108,14 @@ def test_fla_is_handed_one_bounds_tensor_per_packed_batch():
     with torch.inference_mode():                                 # the engine's prefills: no version counter to read
         made = torch.tensor([0, 2, 4], dtype=torch.int32)
         assert fla_cu_seqlens(made).tolist() == [0, 2, 4] and fla_cu_seqlens(made) is not fla_cu_seqlens(made)
+    bounds = torch.tensor([0, 6], dtype=torch.int32)
+    with torch.inference_mode():
+        fla_cu_seqlens(bounds)                                   # a normal tensor's first use under inference mode
+    assert not fla_cu_seqlens(bounds).is_inference()             # is not what training gets (fla saves it for backward)
+    from lathe.models.attention import PaddedAttention              # a padded batch's rows: one tensor for all layers
+    padded, cpu = PaddedAttention(None), torch.device("cpu")
+    assert padded.row_bounds(2, 3, cpu) is padded.row_bounds(2, 3, cpu) and padded.row_bounds(2, 3, cpu).tolist() \
+        == [0, 3, 6] and padded.row_bounds(3, 2, cpu).tolist() == [0, 2, 4, 6]
 
 
 @pytest.mark.gpu

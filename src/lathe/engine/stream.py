@@ -149,16 +149,16 @@ class StreamingMixin:
             for seq in seqs:
                 seq.finish_reason, seq.status = "length", SequenceStatus.FINISHED
         elif seqs:
-            if not self.has_unfinished_requests():
-                self.scheduler.new_call()        # an idle engine starts its admission statistics afresh
-            waiting = len(self.scheduler.waiting)
+            idle, waiting = not self.has_unfinished_requests(), len(self.scheduler.waiting)
             try:
                 for seq in seqs:
                     self.scheduler.add(seq)      # raises when a sequence can never fit in the cache
             except ValueError:
-                while len(self.scheduler.waiting) > waiting:     # the request is refused whole
+                while len(self.scheduler.waiting) > waiting:     # the request is refused whole: nothing changed
                     self.scheduler.waiting.pop()
                 raise
+            if idle:
+                self.scheduler.new_call()        # an idle engine starts its admission statistics afresh
         self._requests.add(request_id, seqs, self.weight_version)
 
     def has_unfinished_requests(self) -> bool:

@@ -247,6 +247,7 @@ class PaddedAttention:
 
     def __post_init__(self):
         self._mask = None
+        self._bounds: tuple | None = None     # (rows, length, device, cu_seqlens): `row_bounds`
         if self.attention_mask is not None:
             L = self.attention_mask.shape[1]
             device = self.attention_mask.device
@@ -254,6 +255,16 @@ class PaddedAttention:
             keys = self.attention_mask.bool()[:, None, None, :]                     # (B, 1, 1, L)
             diag = torch.eye(L, dtype=torch.bool, device=device)
             self._mask = causal & (keys | diag)                                     # (B, 1, L, L)
+
+    @torch.compiler.disable        # (eager: a compiled layer would guard on the memo and recompile for it)
+    def row_bounds(self, rows: int, length: int, device: torch.device) -> torch.Tensor:
+        """The cu_seqlens (int32) of the batch's rows laid end to end, each a sequence of `length`: one tensor for
+        every layer of the forward (the linear-attention layers hand it to fla, which memoises what it derives from
+        the bounds by the tensor's identity; a new tensor per layer was a host sync per layer)."""
+        if self._bounds is None or self._bounds[:3] != (rows, length, device):
+            cu = torch.arange(0, (rows + 1) * length, length, dtype=torch.int32, device=device)
+            self._bounds = (rows, length, device, cu)
+        return self._bounds[3]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None,
                  window: int | None = None) -> torch.Tensor:

@@ -228,15 +228,20 @@ def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     missed at every layer, four syncs per linear-attention layer and micro-batch in an update (the convolution and
     the delta rule, forward and backward) and eight with gradient checkpointing, each one leaving the GPU idle
     while the host caught up (a Qwen3.5-2B update on an H200 kept its GPU busy 56% of the time with checkpointing,
-    bench/results/e2e_qwen3.5-2b_ckpt_profile_nvidia-h200.json). An in-place change of the input (its version)
-    makes a new int64 tensor, so fla's memo never serves stale bounds."""
+    bench/results/e2e_qwen3.5-2b_ckpt_profile_nvidia-h200.json). An in-place change of the input through torch (its
+    version counter) makes a new int64 tensor; writes the counter does not see (through `.data`, numpy, another
+    view of the storage, a CUDA graph's replay) would not, and lathe makes none: its bounds are built afresh for each
+    batch (`packing`, `logprob`, `PaddedAttention.row_bounds`). Under inference mode (the engine's prefills; an
+    inference tensor has no version counter, and one memoised there would fail a later backward) every call gets a
+    new tensor, as before."""
     global _long_bounds
-    if cu_seqlens.is_inference():                # no version counter to tell a change by: a new tensor every call
+    if cu_seqlens.is_inference() or torch.is_inference_mode_enabled():
         return cu_seqlens.long() if cu_seqlens.dtype != torch.long else cu_seqlens.clone()
     given, version, long = _long_bounds         # one read and one write of the tuple: safe across threads
-    if given is not cu_seqlens or version != cu_seqlens._version:
+    now = cu_seqlens._version                   # (read before the copy: a later write makes the next call miss)
+    if given is not cu_seqlens or version != now:
         long = cu_seqlens.long() if cu_seqlens.dtype != torch.long else cu_seqlens.clone()
-        _long_bounds = (cu_seqlens, cu_seqlens._version, long)
+        _long_bounds = (cu_seqlens, now, long)
     return long
 
 

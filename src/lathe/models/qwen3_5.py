@@ -245,8 +245,7 @@ class HybridDecoderLayer(nn.Module):
             b, length = h.shape[:2]
             if attn.attention_mask is not None:      # padding zeroed: it leaves the state untouched (as transformers)
                 h = h * attn.attention_mask.unsqueeze(-1).to(h.dtype)
-            cu = torch.arange(0, (b + 1) * length, length, dtype=torch.int32, device=h.device)
-            return self.linear_attn(h.reshape(b * length, -1), cu, length).view_as(h)
+            return self.linear_attn(h.reshape(b * length, -1), attn.row_bounds(b, length, h.device), length).view_as(h)
         raise NotImplementedError(
             f"lathe's Qwen3.5 / Qwen3-Next linear-attention layers run packed or padded batches; {type(attn).__name__} "
             "cuts the sequences another way (actor.use_prefix_grouper), which these layers do not implement. Fix: "

@@ -85,7 +85,9 @@ class Lockstep:
         """Add `(request_id, prompt ids, params, first_index, multi_modal_inputs, ...)` requests to the leader's
         engine now, where a refusal raises (a prompt past max_model_len, say) before any step's collectives, and
         keep them for the followers, who add them with the next "step" (before their step, as the leader's engine
-        stands now: no engine action comes between)."""
+        stands now: no engine action comes between; `_send` refuses one)."""
+        if not self.leader:
+            raise RuntimeError(f"{self.who}: a follower adds requests only at its leader's step (this is a bug)")
         for request in requests:                # (one by one: the followers get those taken before a refusal)
             self._add([request])
             self._unsent.append(request[:5])
@@ -163,6 +165,9 @@ class Lockstep:
     def _send(self, kind: str, payload: Any = None) -> None:
         if not self.leader:
             raise RuntimeError(f"{self.who}: a follower acts only on its leader's messages (this is a bug)")
+        if self._unsent and kind not in ("step", "idle", "abort"):
+            raise RuntimeError(f"{self.who}: a {kind!r} while requests it added wait for its followers: they would "
+                               "add them to an engine in another state (this is a bug: step first)")
         if self.group is None:
             return
         self.sent_at = time.monotonic()

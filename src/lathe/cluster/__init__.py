@@ -198,18 +198,12 @@ def reward_model_group(cfg: LatheConfig, group):
     return RewardModelGroup(group, balance=cfg.trainer.balance_batch) if cfg.reward_model.enable else None
 
 
-def _data_parallel_attention(ro) -> bool:
-    """Whether the loaded rollout config `ro` keeps verl's EP = D x TP: an engine of data-parallel attention, whose
-    replicas run in lockstep (`lathe.engine.data_parallel`)."""
-    dp = ro.data_parallel_size
-    return dp > 1 and ro.expert_parallel_size == dp * ro.tensor_model_parallel_size
-
-
 def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls, critic_cls, **actor_kwargs):
     """The driver's handles on a group's actor and critic, each update cut into the plan's mini-batches."""
+    from lathe.engine.data_parallel import verl_expert_layout
     balance = cfg.trainer.balance_batch
     actor = actor_cls(group, pad_id=tokenizer.pad_token_id, balance=balance, has_ref=plan.needs_ref,
-                      rollout_lockstep=_data_parallel_attention(cfg.actor_rollout_ref.rollout),
+                      rollout_lockstep=verl_expert_layout(cfg.actor_rollout_ref.rollout),
                       has_teacher=cfg.distillation.enabled,
                       mini_batch_size=plan.actor.mini_batch_sequences, rollout_tp=plan.rollout_tp,
                       actor_sp=plan.actor.group_size,
@@ -341,7 +335,8 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
         bucket_bytes = megabytes << 20 if ce.enable else 1          # enable=false: every tensor a bucket of its own
         # data-parallel attention: each replica's experts are its own, so whole tensors go to every rank, which keeps
         # its slices (one group)
-        tp = 1 if _data_parallel_attention(arr.rollout) else arr.rollout.tensor_model_parallel_size
+        from lathe.engine.data_parallel import verl_expert_layout
+        tp = 1 if verl_expert_layout(arr.rollout) else arr.rollout.tensor_model_parallel_size
         ports: set[int] = set()
         while len(ports) < tp:              # one group per tensor-parallel position (`lathe.workers.reshard`)
             ports.add(trainer.free_port())

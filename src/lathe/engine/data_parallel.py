@@ -89,6 +89,13 @@ def engine_groups(tp_size: int, dp_size: int) -> tuple[TensorParallel, Attention
     return tp, AttentionDataParallel(group, dist.get_rank() % ranks // tp_size, dp_size)
 
 
+def verl_expert_layout(ro) -> bool:
+    """Whether the loaded rollout config `ro` keeps verl's EP = D x TP with D > 1: an engine of data-parallel
+    attention, whose replicas step in lockstep, for a model `engine_layout` lets drive it."""
+    dp = ro.data_parallel_size
+    return dp > 1 and ro.expert_parallel_size == dp * ro.tensor_model_parallel_size
+
+
 def engine_layout(model: nn.Module, ro) -> tuple[int, int]:
     """(data-parallel size, expert-parallel size) of `model`'s engine under the loaded rollout config `ro` (which
     keeps verl's EP = D x TP only where data-parallel attention can drive the engine:
@@ -98,7 +105,7 @@ def engine_layout(model: nn.Module, ro) -> tuple[int, int]:
     tp, dp, ep = ro.tensor_model_parallel_size, max(1, ro.data_parallel_size), ro.expert_parallel_size
     if dp > 1 and getattr(getattr(model, "config", None), "moe", None) is None:
         return 1, 1             # (an expert-parallel size that came with the data-parallel one: nothing to place)
-    if dp == 1 or ep != dp * tp:
+    if not verl_expert_layout(ro):
         return 1, ep
     from lathe.models.decoder import LatheCausalLM
     if not isinstance(model, LatheCausalLM):

@@ -236,11 +236,11 @@ def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     new tensor, as before."""
     global _long_bounds
     if cu_seqlens.is_inference() or torch.is_inference_mode_enabled():
-        return cu_seqlens.long() if cu_seqlens.dtype != torch.long else cu_seqlens.clone()
+        return cu_seqlens.to(torch.long, copy=True)
     given, version, long = _long_bounds         # one read and one write of the tuple: safe across threads
     now = cu_seqlens._version                   # (read before the copy: a later write makes the next call miss)
     if given is not cu_seqlens or version != now:
-        long = cu_seqlens.long() if cu_seqlens.dtype != torch.long else cu_seqlens.clone()
+        long = cu_seqlens.to(torch.long, copy=True)
         _long_bounds = (cu_seqlens, now, long)
     return long
 

@@ -10,7 +10,8 @@ the latest result. A result is a bench's own output (its `models` in the shape t
 `rollout_close_*.json`). Left out: A/B comparisons (files named `*_ab_*`), runs whose `git_sha` is not a plain commit
 (an A/B arm such as `a33534b-old`), a comparison's baseline arm (stored under a key such as `old_1` or `base`), runs
 through the one-GPU Ray path (`--ray`), rollout runs with admission changed, and e2e runs off the bench's default
-workload (other lengths, extra keys such as LoRA) or with a profiled step. "Latest" is by `date` (no time of day counts as midnight UTC).
+workload (other lengths, extra keys such as LoRA; a key that restates the bench's own gradient checkpointing for the
+shape is not one) or with a profiled step. "Latest" is by `date` (no time of day counts as midnight UTC).
 """
 
 from __future__ import annotations
@@ -72,14 +73,22 @@ def fmt_k(x: float) -> str:
     return f"{x / 1000:.1f}k"
 
 
+CHECKPOINTING = "actor_rollout_ref.model.enable_gradient_checkpointing="
+
+
+def restated(extra: str, settings: dict) -> bool:
+    """An extra key that only says again what bench/e2e.py sets for the shape (its gradient checkpointing)."""
+    return "checkpointing" in settings and extra == CHECKPOINTING + str(settings["checkpointing"]).lower()
+
+
 def e2e_rows(doc: dict):
     w = doc.get("workload", {})
-    if any(w.get(k) != v for k, v in E2E_WORKLOAD.items()) or w.get("extra") or w.get("ray") \
+    if any(w.get(k) != v for k, v in E2E_WORKLOAD.items()) or w.get("ray") \
             or w.get("profile_step"):      # a profiled step among the timed ones carries the profiler's cost
         return
     for shape, m in doc["models"].items():
         la, trl = m.get("lathe", {}), m.get("trl", {})
-        if not la.get("step_s"):
+        if not la.get("step_s") or not all(restated(e, m.get("lathe_settings", {})) for e in w.get("extra") or ()):
             continue
         ph = la.get("phases_s", {})
         text = f"`lathe train` GRPO {la['step_s']:.2f} s/step (rollout {ph.get('gen', 0):.2f} s, update " \

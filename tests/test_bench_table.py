@@ -27,3 +27,16 @@ def test_a_table_edited_by_hand_is_stale(tmp_path):
     edited.write_text(readme[:row] + readme[row:].replace("s/step", "s/step (hand-edited)", 1))
     done = check(edited)
     assert done.returncode == 1 and "stale" in done.stderr
+
+
+def test_an_e2e_run_that_restates_the_benchs_checkpointing_is_its_default_workload():
+    sys.path.insert(0, str(TABLE.parent))
+    import table
+    run = {"workload": {**table.E2E_WORKLOAD, "extra": []},
+           "models": {"m": {"lathe_settings": {"checkpointing": False}, "lathe": {"step_s": 9.0, "phases_s": {}}}}}
+
+    def rows(extra: list[str]) -> int:
+        return len(list(table.e2e_rows({**run, "workload": {**run["workload"], "extra": extra}})))
+
+    assert rows([]) == rows([table.CHECKPOINTING + "false"]) == 1
+    assert rows([table.CHECKPOINTING + "true"]) == rows([table.CHECKPOINTING + "false", "trainer.x=1"]) == 0

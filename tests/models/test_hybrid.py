@@ -78,13 +78,10 @@ def test_configs_outside_the_hybrid_layers_fall_back():
 
 
 def test_what_cuts_sequences_is_refused_by_name():
-    """Tensor parallelism in training and prefix-grouped rows: refused for the linear-attention layers, whose state
-    runs along whole sequences (Ulysses splits them by heads: tests/train/test_ulysses_hybrid.py; the engine's
-    tensor-parallel replicas too: tests/engine/test_tensor_parallel.py)."""
-    from lathe.train import tensor_parallel
+    """Prefix-grouped rows: refused for the linear-attention layers, whose state runs along whole sequences (Ulysses
+    and tensor parallelism in training split them by heads: tests/train/test_ulysses_hybrid.py,
+    test_tensor_parallel_hybrid.py; the engine's tensor-parallel replicas too: tests/engine/test_tensor_parallel.py)."""
     lathe = lathe_from_transformers(hf_model("qwen3_5_text"))
-    with pytest.raises(ValueError, match="linear-attention layers"):
-        tensor_parallel.check_model(lathe, 2, "fsdp_config.tensor_parallel_size")
     ids = torch.randint(0, 100, (1, 5))
     with pytest.raises(NotImplementedError, match="use_prefix_grouper"):
         lathe.hidden_grouped(ids, torch.arange(5)[None], torch.ones(1, 1, 5, 5, dtype=torch.bool).tril())

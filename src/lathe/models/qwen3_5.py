@@ -100,7 +100,8 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         la, h = cfg.linear_attention, cfg.hidden_size
         self.la = la
-        self.key_dim, self.value_dim = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+        self.n_k, self.n_v = la.num_key_heads, la.num_value_heads      # the heads it runs (fewer on a rank of a
+        self.key_dim, self.value_dim = self.n_k * la.key_head_dim, self.n_v * la.value_head_dim    # TP group)
         conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, la.conv_kernel, groups=conv_dim, bias=False,
                                 padding=la.conv_kernel - 1)
@@ -121,15 +122,18 @@ class GatedDeltaNet(nn.Module):
         """(mixed q|k|v before the convolution (..., conv_dim), z (..., Hv, Dv), b and a (..., Hv))."""
         la = self.la
         if la.projections == "split":
-            z = self.in_proj_z(x).unflatten(-1, (la.num_value_heads, la.value_head_dim))
+            z = self.in_proj_z(x).unflatten(-1, (self.n_v, la.value_head_dim))
             return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
-        lead, r = x.shape[:-1], la.num_value_heads // la.num_key_heads
-        qkvz = self.in_proj_qkvz(x).view(*lead, la.num_key_heads, -1)
+        lead, r = x.shape[:-1], self.n_v // self.n_k
+        qkvz = self.in_proj_qkvz(x).view(*lead, self.n_k, -1)
         q, k, v, z = qkvz.split([la.key_head_dim, la.key_head_dim, r * la.value_head_dim, r * la.value_head_dim], -1)
-        b, a = self.in_proj_ba(x).view(*lead, la.num_key_heads, 2 * r).split([r, r], -1)
+        b, a = self.in_proj_ba(x).view(*lead, self.n_k, 2 * r).split([r, r], -1)
         mixed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
-        return (mixed, z.reshape(*lead, la.num_value_heads, la.value_head_dim), b.reshape(*lead, -1),
-                a.reshape(*lead, -1))
+        return (mixed, z.reshape(*lead, self.n_v, la.value_head_dim), b.reshape(*lead, -1), a.reshape(*lead, -1))
+
+    def conv_weight(self) -> torch.Tensor:
+        """The depthwise convolution's weight (conv_dim, K) over the [q | k | v] channels `project` gives."""
+        return self.conv1d.weight.squeeze(1)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, state=None):
         """A packed stream x (T, H) of sequences delimited by `cu_seqlens`, each from a zero state; or, given
@@ -138,7 +142,7 @@ class GatedDeltaNet(nn.Module):
         la = self.la
         mixed, z, b, a = self.project(x)
         conv = None if state is None else conv_state(mixed, cu_seqlens, la.conv_kernel, state[0])
-        mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state[0])
+        mixed = causal_conv1d(mixed, self.conv_weight(), cu_seqlens, None if state is None else state[0])
         o, final = chunk_gated_delta_rule(*self._qkv(mixed), *self._gates(b, a), cu_seqlens, max_seqlen,
                                           initial_state=None if state is None else state[1])
         out = self.out_proj(self.norm(o, z).flatten(-2))
@@ -176,7 +180,7 @@ class GatedDeltaNet(nn.Module):
         `LinearStep`) advances where they lie: `conv_step(mixed, weight)` and `recurrent_step(q, k, v, g, beta)`.
         No host sync and no search over packed bounds: a CUDA graph captures it (`lathe.engine.cuda_graph`)."""
         mixed, z, b, a = self.project(x)
-        mixed = states.conv_step(mixed, self.conv1d.weight.squeeze(1))
+        mixed = states.conv_step(mixed, self.conv_weight())
         o = states.recurrent_step(*self._qkv(mixed), *self._gates(b, a))
         return self.out_proj(self.norm(o, z).flatten(-2))
 
@@ -184,8 +188,8 @@ class GatedDeltaNet(nn.Module):
         """q, k (..., Hk, Dk) and v (..., Hv, Dv) of the convolved projections."""
         la = self.la
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = (t.unflatten(-1, (la.num_key_heads, la.key_head_dim)) for t in (q, k))
-        return q, k, v.unflatten(-1, (la.num_value_heads, la.value_head_dim))
+        q, k = (t.unflatten(-1, (self.n_k, la.key_head_dim)) for t in (q, k))
+        return q, k, v.unflatten(-1, (self.n_v, la.value_head_dim))
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor, heads: slice = slice(None)):
         """(g, beta): the decay's log, -exp(A_log) softplus(a + dt_bias) in float32, and sigmoid(b); b, a of the

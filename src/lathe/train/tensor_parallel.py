@@ -17,6 +17,13 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   (no sequence-parallel norms yet: more activation memory, the same numbers). Qwen3's per-head q/k norms see only
   this rank's heads, so their weights enter through `copy_to_group` (identity forward, the gradient summed over the
   group in backward: Megatron's "copy to the tensor-parallel region"), whole and the same on every rank again;
+- Qwen3.5's hybrid layers: a gated full-attention layer is cut as attention above (`q_proj`'s rows hold each head's
+  query and output gate side by side, so a rank's rows are its heads' both); a gated-DeltaNet layer runs this rank's
+  1/T of the key heads with their value heads (the convolution is per channel and the delta rule per head, so heads
+  are independent): `in_proj_z`, `in_proj_b`, `in_proj_a` column-parallel, `out_proj` row-parallel, and
+  `in_proj_qkv` and the convolution, whose rows are [all q | all k | all v] sections, stay whole on every rank, each
+  rank taking its rows of each section through `copy_to_group` (its FLOPs are its own; the weights' memory is not
+  cut, by FSDP2 only), as `A_log`, `dt_bias` (per value head) and the gated norm's weight (shared by the heads) do;
 - a mixture-of-experts layer (Qwen3-MoE's) keeps its router whole and places its routed experts over the group,
   E/T whole experts per rank, expert parallelism of the same size (`lathe.train.expert_parallel`): each rank runs
   its experts on the tokens routed there and the group sums their outputs, one all-reduce, as after the MLP.
@@ -69,16 +76,17 @@ def tensor_parallel(plan, device: torch.device) -> TensorParallel | None:
 
 
 def check_model(model, size: int, key: str, experts: int = 1) -> None:
-    """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model whose query heads,
-    key/value heads and intermediate size divide by the size (the vocabulary need not: its slices are torch.chunk's,
-    the last ones shorter). Mixture-of-experts layers only with `experts` (the expert-parallel size) equal to the
-    size, Qwen3-MoE's (`lathe.train.expert_parallel` places their experts over the group; the size must divide
-    them, `expert_parallel.check_model`)."""
+    """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model (a dense Qwen3.5 hybrid
+    too: `_check_linear_attention`) whose query heads, key/value heads and intermediate size divide by the size (the
+    vocabulary need not: its slices are torch.chunk's, the last ones shorter). Mixture-of-experts layers only with
+    `experts` (the expert-parallel size) equal to the size, Qwen3-MoE's (`lathe.train.expert_parallel` places their
+    experts over the group; the size must divide them, `expert_parallel.check_model`)."""
     if size == 1:
         return
     from lathe.models.lora import lora_layers
     from lathe.models.moe import SparseMoeBlock
     ulysses.require_text_decoder(model, size, key, "be cut over a tensor-parallel group")
+    _check_linear_attention(model, size, key)
     if any(m.lora_dropout for _, m in lora_layers(model)):
         raise ValueError(f"{key}={size} with LoRA dropout (actor_rollout_ref.model.lora_dropout > 0): the dropout "
                          "mask on a column-parallel projection's whole input must be the same on every rank of the "
@@ -121,16 +129,26 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
                   "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
                   "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                   "mlp.down_proj": RowwiseParallel()}
+    linear_plan = {"linear_attn.in_proj_z": ColwiseParallel(), "linear_attn.in_proj_b": ColwiseParallel(),
+                   "linear_attn.in_proj_a": ColwiseParallel(), "linear_attn.out_proj": RowwiseParallel()}
     mtp = list(getattr(model.model, "mtp_layers", None) or ())   # MiMo: Qwen2 layers too; their extra norms and
     for layer in [*model.model.layers, *mtp]:                     # input projection stay whole, as the norms do
+        linear = hasattr(layer, "linear_attn")                    # a hybrid's gated-DeltaNet layer (module doc)
+        mixer = {**linear_plan} if linear else {k: v for k, v in layer_plan.items() if k.startswith("self_attn.")}
         # a sparse layer's MLP: its router whole, its experts over the group (`lathe.train.expert_parallel`)
-        plan = {k: v for k, v in layer_plan.items() if not k.startswith("mlp.") or hasattr(layer.mlp, "gate_proj")}
+        plan = {**mixer, **{k: v for k, v in layer_plan.items()
+                            if k.startswith("mlp.") and hasattr(layer.mlp, "gate_proj")}}
         adapters = _take_adapters(layer, plan)
         parallelize_module(layer, tp.mesh, plan)
         _place_adapters(layer, adapters, plan, tp.mesh)
-        attn = layer.self_attn
-        attn.n_heads, attn.n_kv = attn.n_heads // tp.size, attn.n_kv // tp.size     # this rank's heads
-        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+        if linear:
+            _local_linear_heads(layer.linear_attn, tp)
+            norms = (layer.linear_attn.norm,)
+        else:
+            attn = layer.self_attn
+            attn.n_heads, attn.n_kv = attn.n_heads // tp.size, attn.n_kv // tp.size     # this rank's heads
+            norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+        for norm in norms:
             if norm is not None:                # per head, on this rank's heads: its gradient a partial sum
                 norm.__class__ = _local_heads(type(norm))
                 norm.tp_group = tp.group
@@ -179,18 +197,91 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 class _LocalHeadsNorm:
-    """A per-head norm (Qwen3's q/k norms) on this rank's heads: its weight enters through `copy_to_group` (mixed into
-    its class by `parallelize`)."""
+    """A per-head norm (Qwen3's q/k norms, a gated-DeltaNet layer's gated norm) on this rank's heads: its weight
+    enters through `copy_to_group` (mixed into its class by `parallelize`)."""
 
     tp_group: Any
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
         weight = self._parameters["weight"]
         try:
             self._parameters["weight"] = copy_to_group(weight, self.tp_group)
-            return super().forward(x)
+            return super().forward(*args)
         finally:
             self._parameters["weight"] = weight
+
+
+class _LocalDeltaNet:
+    """A gated-DeltaNet layer (`lathe.models.qwen3_5.GatedDeltaNet`, split projections) on this rank's key heads and
+    their value heads (module doc; mixed into its class by `parallelize`, after its z, b, a projections were cut
+    column-parallel): `in_proj_qkv`'s and the convolution's rows of this rank's heads in each of the q, k and v
+    sections (`tp_rows`), and its value heads' `A_log`, `dt_bias` (`tp_values`), all taken from whole weights
+    through `copy_to_group`."""
+
+    tp_group: Any
+    tp_rows: tuple[slice, slice, slice]
+    tp_values: slice
+
+    def rows(self, weight: torch.Tensor) -> torch.Tensor:
+        whole = copy_to_group(weight, self.tp_group)
+        return torch.cat([whole[part] for part in self.tp_rows])
+
+    def project(self, x: torch.Tensor):
+        z = self.in_proj_z(x).unflatten(-1, (self.n_v, self.la.value_head_dim))
+        # (x enters through copy_to_group too: this rank's rows give a partial sum of x's gradient, as a column-
+        # parallel projection's do, whose style sums them)
+        mixed = nn.functional.linear(copy_to_group(x, self.tp_group), self.rows(self.in_proj_qkv.weight))
+        return mixed, z, self.in_proj_b(x), self.in_proj_a(x)
+
+    def conv_weight(self) -> torch.Tensor:
+        return self.rows(self.conv1d.weight).squeeze(1)
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor, heads: slice = slice(None)):
+        a_log, dt_bias = (copy_to_group(p, self.tp_group)[self.tp_values] for p in (self.A_log, self.dt_bias))
+        return -a_log.float().exp() * nn.functional.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+@functools.cache
+def _local_delta_net(cls: type) -> type:
+    return type(f"TensorParallel{cls.__name__}", (_LocalDeltaNet, cls), {})
+
+
+def _local_linear_heads(mixer: nn.Module, tp: TensorParallel) -> None:
+    """`mixer` (a gated-DeltaNet layer) runs rank `tp.rank`'s 1/T of the key heads and of the value heads."""
+    la = mixer.la
+    k, v = la.num_key_heads // tp.size, la.num_value_heads // tp.size
+    dk, dv, whole_k = la.key_head_dim, la.value_head_dim, la.num_key_heads * la.key_head_dim
+    mine = slice(tp.rank * k * dk, (tp.rank + 1) * k * dk)
+    mixer.tp_rows = (mine, slice(whole_k + mine.start, whole_k + mine.stop),
+                     slice(2 * whole_k + tp.rank * v * dv, 2 * whole_k + (tp.rank + 1) * v * dv))
+    mixer.tp_values, mixer.tp_group = slice(tp.rank * v, (tp.rank + 1) * v), tp.group
+    mixer.n_k, mixer.n_v, mixer.key_dim, mixer.value_dim = k, v, k * dk, v * dv
+    mixer.__class__ = _local_delta_net(type(mixer))
+
+
+def _check_linear_attention(model, size: int, key: str) -> None:
+    """Raise unless a hybrid's gated-DeltaNet layers can be cut over `size` ranks (`parallelize`): Qwen3.5's split
+    projections, key and value heads that `size` divides, no LoRA adapter on the whole-weight projection."""
+    la = getattr(model.config, "linear_attention", None)
+    if la is None:
+        return
+    arch = model.config.architecture
+    if la.projections != "split":
+        raise ValueError(f"{key}={size}: {arch}'s linear-attention layers fuse their projections (in_proj_qkvz, "
+                         f"in_proj_ba), which lathe does not cut over a tensor-parallel group yet (Qwen3.5's split "
+                         f"ones it does). Fix: set {key}=1.")
+    if la.num_key_heads % size or la.num_value_heads % size:
+        ok = [t for t in range(1, la.num_key_heads + 1) if la.num_key_heads % t == 0 and la.num_value_heads % t == 0]
+        raise ValueError(f"{key}={size}: {arch}'s linear-attention layers have {la.num_key_heads} key heads and "
+                         f"{la.num_value_heads} value heads, which each rank of a tensor-parallel group holds 1/{size} "
+                         f"of. Fix: set {key} to one of {ok}.")
+    from lathe.models.lora import lora_layers
+    if any(name.endswith("linear_attn.in_proj_qkv") for name, _ in lora_layers(model)):
+        raise ValueError(f"{key}={size} with a LoRA adapter on the linear-attention layers' in_proj_qkv "
+                         f"(actor_rollout_ref.model.target_modules): under tensor parallelism each rank takes its "
+                         f"heads' rows of that whole projection, which an adapter does not follow yet. Fix: leave "
+                         f"in_proj_qkv out of target_modules (in_proj_z, in_proj_b, in_proj_a and out_proj are cut), "
+                         f"or set {key}=1.")
 
 
 @functools.cache

@@ -110,7 +110,7 @@ def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_con
     rank's key/value heads or be a multiple of them."""
     if size == 1:
         return
-    require_text_decoder(model, size, key, "run with Ulysses sequence parallelism", linear_attention=True)
+    require_text_decoder(model, size, key, "run with Ulysses sequence parallelism")
     c = model.config
     la = getattr(c, "linear_attention", None)
     if la is not None and la.num_key_heads % size:
@@ -119,6 +119,10 @@ def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_con
                          f"({la.num_value_heads} value heads), which are split over the {size} ranks of a group "
                          f"with their value heads, so {size} must divide {la.num_key_heads}. Fix: set {key} to "
                          f"{' or '.join(map(str, ok[-3:]))}.")
+    if la is not None and tp > 1:
+        raise ValueError(f"{key}={size} with {tp_key}={tp}: {c.architecture}'s linear-attention layers run either "
+                         f"cut over a tensor-parallel group or split over a sequence-parallel one, not both yet. Fix: "
+                         f"set {key}=1 or {tp_key}=1.")
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     if tp > 1 and (heads % (tp * size) or kv % tp or (kv // tp % size and size % (kv // tp))):
         raise ValueError(f"{key}={size} with {tp_key}={tp}: each rank of a tensor-parallel group holds 1/{tp} of the "
@@ -139,19 +143,14 @@ def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_con
                          f"forward, which each rank of a group sees only a slice of. Fix: set {key}=1.")
 
 
-def require_text_decoder(model, size: int, key: str, what: str, linear_attention: bool = False) -> None:
-    """Raise unless `model` is lathe's text decoder or value model: the only ones a parallelism `key` of `size` can
-    split (`what` it does to them, for the message); a hybrid with linear-attention layers only where the caller
-    splits those too (`linear_attention`: Ulysses does)."""
+def require_text_decoder(model, size: int, key: str, what: str) -> None:
+    """Raise unless `model` is lathe's text decoder or value model (the hybrids' among them): the only ones a
+    parallelism `key` of `size` can split (`what` it does to them, for the message)."""
     from lathe.models.decoder import LatheCausalLM, LatheValueModel
     if not isinstance(model, (LatheCausalLM, LatheValueModel)):
-        raise ValueError(f"{key}={size} needs lathe's text decoder (Llama, Qwen2, Qwen3 and their value models), but "
-                         f"this role runs {type(model).__name__}; a vision-language or transformers model cannot "
-                         f"{what} in lathe yet. Fix: set {key}=1.")
-    if not linear_attention and getattr(model.config, "linear_attention", None) is not None:
-        raise ValueError(f"{key}={size} with {model.config.architecture}: its linear-attention layers (gated DeltaNet) "
-                         f"carry a state along each whole sequence, which cannot {what} in lathe yet. Fix: set "
-                         f"{key}=1.")
+        raise ValueError(f"{key}={size} needs lathe's text decoder (Llama, Qwen2, Qwen3, Qwen3.5 and their value "
+                         f"models), but this role runs {type(model).__name__}; a vision-language or transformers "
+                         f"model cannot {what} in lathe yet. Fix: set {key}=1.")
 
 
 def _fitting_pairs(heads: int, kv: int, most: int) -> str:

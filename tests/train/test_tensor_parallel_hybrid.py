@@ -1,0 +1,129 @@
+"""lathe.train.tensor_parallel with Qwen3.5's hybrid layers (gated-DeltaNet linear attention beside gated full
+attention): a tiny Qwen3.5 cut over a tensor-parallel group of 2 (gloo, float64; 1 of the 2 linear key heads and 2 of
+the 4 value heads a rank) gives the one-process logits, loss and parameter gradients on a packed batch and on a
+padded one, each rank's gradient of a cut parameter its slice of the whole one; the sizes and layouts it refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import assert_close_rel, spawn_saving_ranks, gloo_rank
+
+from lathe.models.attention import PackedAttention, PaddedAttention
+from lathe.models.hf import lathe_from_transformers
+
+from models.lathe_tiny import hf_model, hybrid_config
+
+from .test_ulysses_hybrid import LENGTHS, inputs   # the packed batch of 4 sequences, 19 tokens
+
+T, JOIN_S = 2, 120
+KEY = "actor_rollout_ref.actor.fsdp_config.tensor_parallel_size"
+
+
+def padded_inputs():
+    """The same sequences as right-padded rows (the padded forward: each row from a zero state, padding zeroed)."""
+    ids, _, cu, w = inputs()
+    rows, width = len(LENGTHS), max(LENGTHS)
+    grid, mask = torch.zeros(rows, width, dtype=ids.dtype), torch.zeros(rows, width, dtype=torch.long)
+    for r, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        grid[r, :b - a], mask[r, :b - a] = ids[a:b], 1
+    return grid, mask, (mask.cumsum(-1) - 1).clamp(min=0), w
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def run(model) -> dict:
+    """Logits, loss sum(logits * w) and every parameter's gradient (whole), packed and padded."""
+    out = {}
+    ids, pos, cu, w = inputs()
+    grid, mask, positions, _ = padded_inputs()
+    forwards = {"packed": lambda m: m.lm_head(m.hidden_with(ids, pos, PackedAttention(cu, max(LENGTHS)))),
+                "padded": lambda m: m.lm_head(m.hidden_with(grid, positions, PaddedAttention(mask)))[mask.bool()]}
+    for name, forward in forwards.items():
+        model.zero_grad()
+        logits = whole(forward(model))
+        loss = (logits * w).sum()
+        loss.backward()
+        out[name] = {"logits": logits.detach(), "loss": loss.detach(),
+                     "grads": {n: whole(p.grad).clone() for n, p in model.named_parameters()}}
+    return out
+
+
+def rank_main(rank: int, port: int, root: str, queue) -> None:
+    def work():
+        from torch.distributed.device_mesh import init_device_mesh
+        from lathe.train.tensor_parallel import TensorParallel, check_model, parallelize
+        mesh = init_device_mesh("cpu", (T,), mesh_dim_names=("tp",))
+        tp = TensorParallel(size=T, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group(), data_group=None)
+        model = torch.load(Path(root) / "model.pt", weights_only=False)
+        check_model(model, T, KEY)
+        torch.save(run(parallelize(model, tp)), Path(root) / f"rank{rank}.pt")
+    gloo_rank(rank, T, port, queue, work, JOIN_S)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_hybrid")
+    model = lathe_from_transformers(hf_model("qwen3_5_text", seed=3)).double().train()
+    torch.save(model, root / "model.pt")
+    want = run(model)
+    return want, spawn_saving_ranks(rank_main, T, root, [__name__, "lathe.models.qwen3_5",
+                                                         "lathe.train.tensor_parallel"], JOIN_S)
+
+
+@pytest.mark.parametrize("batch", ["packed", "padded"])
+def test_a_group_of_two_equals_one_process(runs, batch):
+    want, ranks = runs
+    want = want[batch]
+    for rank, got in enumerate(ranks):
+        got = got[batch]
+        assert_close_rel(got["logits"], want["logits"], 1e-10, name=f"rank {rank}'s {batch} logits")
+        assert_close_rel(got["loss"], want["loss"], 1e-10, name=f"rank {rank}'s {batch} loss")
+        # (the decay gate and the zero-centred norms compute in float32 on both sides, and the group's sums reorder
+        # their rounding: the q/k norms' gradients come out ~1.5e-7 apart)
+        assert_close_rel(got["grads"], want["grads"], 1e-6, name=f"rank {rank}'s {batch} gradients")
+    linear, full = "model.layers.0.linear_attn.", "model.layers.1.self_attn."
+    for name in ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "in_proj_qkv.weight", "in_proj_z.weight",
+                 "in_proj_b.weight", "in_proj_a.weight", "out_proj.weight"):
+        assert want["grads"][linear + name].abs().sum() > 0, name
+    assert want["grads"][full + "q_norm.weight"].abs().sum() > 0
+
+
+def tiny():
+    return lathe_from_transformers(hf_model("qwen3_5_text"))
+
+
+def test_sizes_and_layouts_it_cannot_cut_are_refused():
+    """The tiny Qwen3.5 has 2 linear key heads, 4 value heads (and 4 query / 2 key-value heads)."""
+    from lathe.train import tensor_parallel, ulysses
+    model = tiny()
+    tensor_parallel.check_model(model, 2, KEY)
+    with pytest.raises(ValueError, match=rf"{KEY}=4: Qwen3_5ForCausalLM's linear-attention layers have 2 key heads "
+                                         rf"and 4 value heads.*Fix: set {KEY} to one of \[1, 2\]"):
+        tensor_parallel.check_model(model, 4, KEY)
+    from transformers import AutoModelForCausalLM
+    odd = lathe_from_transformers(AutoModelForCausalLM.from_config(
+        hybrid_config("qwen3_5_text", linear_num_key_heads=3, linear_num_value_heads=3)))
+    with pytest.raises(ValueError, match=rf"{KEY}=2: Qwen3_5ForCausalLM's linear-attention layers have 3 key heads "
+                                         rf"and 3 value heads.*Fix: set {KEY} to one of \[1, 3\]"):
+        tensor_parallel.check_model(odd, 2, KEY)
+    sp_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    with pytest.raises(ValueError, match=rf"{sp_key}=2 with {KEY}=2: .*not both yet"):
+        ulysses.check_model(model, 2, sp_key, 2, KEY)
+    fused = lathe_from_transformers(hf_model("qwen3_next"))
+    with pytest.raises(ValueError, match="fuse their projections"):
+        tensor_parallel.check_model(fused, 2, KEY)
+
+
+def test_a_lora_adapter_on_the_whole_projection_is_refused():
+    from lathe.models.lora import apply_lora
+    from lathe.train import tensor_parallel
+    model = tiny()
+    apply_lora(model, rank=4, alpha=8, target_modules=["in_proj_qkv", "out_proj"])
+    with pytest.raises(ValueError, match="LoRA adapter on the linear-attention layers' in_proj_qkv"):
+        tensor_parallel.check_model(model, 2, KEY)

@@ -82,10 +82,10 @@ def test_a_group_of_two_equals_one_process(runs, batch):
     want = want[batch]
     for rank, got in enumerate(ranks):
         got = got[batch]
-        assert_close_rel(got["logits"], want["logits"], 1e-10, name=f"rank {rank}'s {batch} logits")
-        assert_close_rel(got["loss"], want["loss"], 1e-10, name=f"rank {rank}'s {batch} loss")
         # (the decay gate and the zero-centred norms compute in float32 on both sides, and the group's sums reorder
-        # their rounding: the q/k norms' gradients come out ~1.5e-7 apart)
+        # their rounding: the q/k norms' gradients come out ~1.5e-7 apart, and other head layouts' logits ~1e-8)
+        assert_close_rel(got["logits"], want["logits"], 1e-7, name=f"rank {rank}'s {batch} logits")
+        assert_close_rel(got["loss"], want["loss"], 1e-7, name=f"rank {rank}'s {batch} loss")
         assert_close_rel(got["grads"], want["grads"], 1e-6, name=f"rank {rank}'s {batch} gradients")
     linear, full = "model.layers.0.linear_attn.", "model.layers.1.self_attn."
     for name in ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "in_proj_qkv.weight", "in_proj_z.weight",

@@ -236,7 +236,12 @@ class _LocalDeltaNet:
     def conv_weight(self) -> torch.Tensor:
         return self.rows(self.conv1d.weight).squeeze(1)
 
+    def head_parallel(self, x: torch.Tensor, split) -> torch.Tensor:
+        raise NotImplementedError("a gated-DeltaNet layer cut over a tensor-parallel group does not run under Ulysses "
+                                  "too (refused at load: lathe.train.ulysses.check_model)")
+
     def _gates(self, b: torch.Tensor, a: torch.Tensor, heads: slice = slice(None)):
+        assert heads == slice(None), "this rank's value heads are tp_values"
         a_log, dt_bias = (copy_to_group(p, self.tp_group)[self.tp_values] for p in (self.A_log, self.dt_bias))
         return -a_log.float().exp() * nn.functional.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
@@ -257,6 +262,14 @@ def _local_linear_heads(mixer: nn.Module, tp: TensorParallel) -> None:
     mixer.tp_values, mixer.tp_group = slice(tp.rank * v, (tp.rank + 1) * v), tp.group
     mixer.n_k, mixer.n_v, mixer.key_dim, mixer.value_dim = k, v, k * dk, v * dv
     mixer.__class__ = _local_delta_net(type(mixer))
+
+
+def whole_parameters(model: nn.Module) -> int:
+    """Parameters that every rank of a tensor-parallel group holds whole besides norms and gates' small vectors (for
+    the memory plan): a hybrid's `in_proj_qkv` and convolution weights (`_LocalDeltaNet`); 0 for other models."""
+    return sum(m.linear_attn.in_proj_qkv.weight.numel() + m.linear_attn.conv1d.weight.numel()
+               for m in getattr(getattr(model, "model", None), "layers", ())
+               if hasattr(getattr(m, "linear_attn", None), "in_proj_qkv"))
 
 
 def _check_linear_attention(model, size: int, key: str) -> None:

@@ -1,7 +1,8 @@
 """lathe.train.tensor_parallel with Qwen3.5's hybrid layers (gated-DeltaNet linear attention beside gated full
-attention): a tiny Qwen3.5 cut over a tensor-parallel group of 2 (gloo, float64; 1 of the 2 linear key heads and 2 of
-the 4 value heads a rank) gives the one-process logits, loss and parameter gradients on a packed batch and on a
-padded one, each rank's gradient of a cut parameter its slice of the whole one; the sizes and layouts it refuses."""
+attention): a tiny Qwen3.5 and a tiny Qwen3.5-MoE (its routed experts over the group, expert parallelism of the same
+size; its shared expert cut as an MLP) cut over a tensor-parallel group of 2 (gloo, float64; 1 of the 2 linear key
+heads and 2 of the 4 value heads a rank) give the one-process logits, loss and parameter gradients on a packed batch
+and on a padded one (a cut parameter's gradient gathered whole); the sizes and layouts it refuses."""
 
 from __future__ import annotations
 
@@ -57,31 +58,44 @@ def run(model) -> dict:
 def rank_main(rank: int, port: int, root: str, queue) -> None:
     def work():
         from torch.distributed.device_mesh import init_device_mesh
+        from lathe.train import expert_parallel
         from lathe.train.tensor_parallel import TensorParallel, check_model, parallelize
         mesh = init_device_mesh("cpu", (T,), mesh_dim_names=("tp",))
         tp = TensorParallel(size=T, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group(), data_group=None)
-        model = torch.load(Path(root) / "model.pt", weights_only=False)
-        check_model(model, T, KEY)
-        torch.save(run(parallelize(model, tp)), Path(root) / f"rank{rank}.pt")
+        ep = expert_parallel.ExpertParallel(size=T, rank=tp.rank, mesh=mesh, group=tp.group, same_tokens=True)
+        res = {}
+        for family, model in torch.load(Path(root) / "models.pt", weights_only=False).items():
+            moe = family == "qwen3_5_moe_text"         # its experts over the group, expert parallelism of T
+            check_model(model, T, KEY, experts=T if moe else 1)
+            parallelize(model, tp)
+            if moe:                                    # (the shared expert cut, not left whole)
+                assert hasattr(model.model.layers[0].mlp.shared_expert.gate_proj.weight, "placements")
+            res[family] = run(expert_parallel.parallelize(model, ep if moe else None))
+        torch.save(res, Path(root) / f"rank{rank}.pt")
     gloo_rank(rank, T, port, queue, work, JOIN_S)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """(one-process results, each rank's) by family: Qwen3.5, and Qwen3.5-MoE (4 experts, top-2, a shared expert)."""
     root = tmp_path_factory.mktemp("tp_hybrid")
-    model = lathe_from_transformers(hf_model("qwen3_5_text", seed=3)).double().train()
-    torch.save(model, root / "model.pt")
-    want = run(model)
-    return want, spawn_saving_ranks(rank_main, T, root, [__name__, "lathe.models.qwen3_5",
-                                                         "lathe.train.tensor_parallel"], JOIN_S)
+    models = {f: lathe_from_transformers(hf_model(f, seed=3)).double().train() for f in FAMILIES}
+    torch.save(models, root / "models.pt")
+    want = {f: run(m) for f, m in models.items()}
+    preload = [__name__, "lathe.models.qwen3_5", "lathe.train.tensor_parallel", "lathe.train.expert_parallel"]
+    return want, spawn_saving_ranks(rank_main, T, root, preload, JOIN_S)
 
 
+FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("batch", ["packed", "padded"])
-def test_a_group_of_two_equals_one_process(runs, batch):
+def test_a_group_of_two_equals_one_process(runs, batch, family):
     want, ranks = runs
-    want = want[batch]
+    want = want[family][batch]
     for rank, got in enumerate(ranks):
-        got = got[batch]
+        got = got[family][batch]
         # (the decay gate and the zero-centred norms compute in float32 on both sides, and the group's sums reorder
         # their rounding: the q/k norms' gradients come out ~1.5e-7 apart, and other head layouts' logits ~1e-8)
         assert_close_rel(got["logits"], want["logits"], 1e-7, name=f"rank {rank}'s {batch} logits")
@@ -92,6 +106,9 @@ def test_a_group_of_two_equals_one_process(runs, batch):
                  "in_proj_b.weight", "in_proj_a.weight", "out_proj.weight"):
         assert want["grads"][linear + name].abs().sum() > 0, name
     assert want["grads"][full + "q_norm.weight"].abs().sum() > 0
+    if family == "qwen3_5_moe_text":
+        for name in ("gate.weight", "shared_expert.down_proj.weight", "shared_expert_gate.weight"):
+            assert want["grads"]["model.layers.0.mlp." + name].abs().sum() > 0, name
 
 
 def tiny():

@@ -24,9 +24,10 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   `in_proj_qkv` and the convolution, whose rows are [all q | all k | all v] sections, stay whole on every rank, each
   rank taking its rows of each section through `copy_to_group` (its FLOPs are its own; the weights' memory is not
   cut, by FSDP2 only), as `A_log`, `dt_bias` (per value head) and the gated norm's weight (shared by the heads) do;
-- a mixture-of-experts layer (Qwen3-MoE's) keeps its router whole and places its routed experts over the group,
-  E/T whole experts per rank, expert parallelism of the same size (`lathe.train.expert_parallel`): each rank runs
-  its experts on the tokens routed there and the group sums their outputs, one all-reduce, as after the MLP.
+- a mixture-of-experts layer (Qwen3-MoE's, Qwen3.5-MoE's) keeps its router whole and places its routed experts over
+  the group, E/T whole experts per rank, expert parallelism of the same size (`lathe.train.expert_parallel`): each
+  rank runs its experts on the tokens routed there and the group sums their outputs, one all-reduce, as after the
+  MLP; Qwen3.5-MoE's shared expert is cut as a dense MLP, its sigmoid gate (hidden -> 1) whole.
 
 Every rank of a group holds the same data (the driver gives each group one share, as to a Ulysses group) and
 computes the same loss; the DTensor collectives' backwards route the gradients (a whole activation's gradient is the
@@ -100,11 +101,12 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
         raise ValueError(f"{key}={size} with mixture-of-experts layers ({model.config.architecture}): their experts "
                          f"are placed over a tensor-parallel group's ranks by expert parallelism of the same size "
                          f"({ep_key}={experts}). Fix: set {ep_key}={size}, or {key}=1.")
-    if any(type(mlp) is not SparseMoeBlock for mlp in sparse):
+    from lathe.models.qwen3_5 import SharedExpertMoeBlock
+    if any(type(mlp) not in (SparseMoeBlock, SharedExpertMoeBlock) for mlp in sparse):
         raise ValueError(f"{key}={size} with the mixture-of-experts layers of {model.config.architecture}: only "
-                         f"Qwen3-MoE's (a router and routed experts, no shared experts, no attention sinks) are cut "
-                         f"over a tensor-parallel group yet. Fix: set {key}=1 (and {ep_key} as without tensor "
-                         f"parallelism).")
+                         f"Qwen3-MoE's and Qwen3.5-MoE's (a router, routed experts, a shared expert; no attention "
+                         f"sinks) are cut over a tensor-parallel group yet. Fix: set {key}=1 (and {ep_key} as without "
+                         f"tensor parallelism).")
     c = model.config
     sizes = {"query heads (num_attention_heads)": c.num_attention_heads,
              "key/value heads (num_key_value_heads)": c.num_key_value_heads,
@@ -135,9 +137,12 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
     for layer in [*model.model.layers, *mtp]:                     # input projection stay whole, as the norms do
         linear = hasattr(layer, "linear_attn")                    # a hybrid's gated-DeltaNet layer (module doc)
         mixer = {**linear_plan} if linear else {k: v for k, v in layer_plan.items() if k.startswith("self_attn.")}
-        # a sparse layer's MLP: its router whole, its experts over the group (`lathe.train.expert_parallel`)
+        # a sparse layer's MLP: its router whole, its experts over the group (`lathe.train.expert_parallel`), a
+        # shared expert (Qwen3.5-MoE's) cut as a dense MLP, its sigmoid gate whole
+        shared = "mlp.shared_expert." if hasattr(layer.mlp, "shared_expert") else None
         plan = {**mixer, **{k: v for k, v in layer_plan.items()
-                            if k.startswith("mlp.") and hasattr(layer.mlp, "gate_proj")}}
+                            if k.startswith("mlp.") and hasattr(layer.mlp, "gate_proj")},
+                **({shared + k[4:]: v for k, v in layer_plan.items() if k.startswith("mlp.")} if shared else {})}
         adapters = _take_adapters(layer, plan)
         parallelize_module(layer, tp.mesh, plan)
         _place_adapters(layer, adapters, plan, tp.mesh)

@@ -122,45 +122,35 @@ def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_p
             assert 0 <= a[key] < 1e-4 and 0 <= b[key] < 1e-4, (key, a[key], b[key])    # fp32 rounding on both sides
 
 
-def test_a_reward_model_on_a_pool_of_its_own_scores_as_the_colocated_one(tmp_path, caplog):
-    """`reward_model.enable_resource_pool`: one trainer worker and the reward model on a worker group of its own (one
-    rank), a Ray run even with one trainer device; the scores and the update are the colocated one-process run's. The
-    pooled run scores in the background (`launch_reward_fn_async`): the reward model's pass overlaps the step's
-    log-prob passes and joins before the advantages."""
+def test_a_reward_model_and_a_teacher_on_pools_of_their_own_score_and_distil_as_the_colocated_ones(tmp_path, caplog):
+    """`reward_model.enable_resource_pool` and `distillation.nnodes` x `n_gpus_per_node`: one trainer worker, the
+    reward model on a worker group of its own (one rank) and the teacher on another (one rank, a whole copy), a Ray
+    run even with one trainer device; the scores, the distillation loss and the update are the colocated one-process
+    run's. The pooled run scores in the background (`launch_reward_fn_async`): the reward model's pass overlaps the
+    step's log-prob passes and joins before the advantages. (Both pools in one run, as in test_fully_async.py: one
+    Ray run and one one-process twin fewer than a run for each; each pool's own checks are unchanged.)"""
     from helpers import RM_TEMPLATE, tiny_reward_model
     path = tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE)
-    rm = ["reward_model.enable=true", f"reward_model.model.path={path}", "reward_model.micro_batch_size_per_gpu=3",
-          "reward_model.max_length=256", "trainer.total_training_steps=2"]
-    one = train(tmp_path / "one", *rm)
+    teacher = distillation_teacher(tmp_path / "teacher")
+    both = ["reward_model.enable=true", f"reward_model.model.path={path}", "reward_model.micro_batch_size_per_gpu=3",
+            "reward_model.max_length=256", *DISTILLATION,
+            f"distillation.teacher_models.teacher_model.model_path={teacher}", "trainer.total_training_steps=2"]
+    one = train(tmp_path / "one", *both)
     with caplog.at_level("INFO", logger="lathe"):
-        pooled = train(tmp_path / "pooled", *rm, "reward_model.enable_resource_pool=true", "reward_model.nnodes=1",
-                       "reward_model.n_gpus_per_node=1", "reward_model.launch_reward_fn_async=true")
+        pooled = train(tmp_path / "pooled", *both, "reward_model.enable_resource_pool=true", "reward_model.nnodes=1",
+                       "reward_model.n_gpus_per_node=1", "reward_model.launch_reward_fn_async=true",
+                       "distillation.nnodes=1", "distillation.n_gpus_per_node=1",
+                       "ray_kwargs.ray_init.num_cpus=4")      # (three one-slot workers: the shared cluster's CPUs)
     started = [r.getMessage() for r in caplog.records if " workers over " in r.getMessage()]
-    assert [m.split(":")[0] for m in started] == ["actor_rollout_ref", "reward_model"], started   # two groups, 1 each
+    assert [m.split(":")[0] for m in started] == ["actor_rollout_ref", "reward_model", "teacher"], started  # 1 each
     assert len(one) == len(pooled) == 2
     keys = ("critic/score/mean", "critic/score/max", "critic/score/min", "actor/pg_loss", "actor/grad_norm")
     for a, b in zip(one, pooled):
         assert a["critic/score/max"] > a["critic/score/min"]            # the reward model's scores
-        assert_same(a, b, keys)
-        assert "timing_s/reward_wait" in b and "timing_s/reward_wait" not in a     # joined from the background
-
-
-def test_teachers_on_a_pool_of_their_own_distil_as_the_colocated_ones(tmp_path, caplog):
-    """`distillation.nnodes` x `n_gpus_per_node`: one trainer worker and the teacher on a worker group of its own (one
-    rank, a whole copy), a Ray run even with one trainer device; the distillation loss and the update are the
-    colocated one-process run's."""
-    teacher = distillation_teacher(tmp_path / "teacher")
-    distil = [*DISTILLATION, f"distillation.teacher_models.teacher_model.model_path={teacher}",
-              "trainer.total_training_steps=2"]
-    one = train(tmp_path / "one", *distil)
-    with caplog.at_level("INFO", logger="lathe"):
-        pooled = train(tmp_path / "pooled", *distil, "distillation.nnodes=1", "distillation.n_gpus_per_node=1")
-    started = [r.getMessage() for r in caplog.records if " workers over " in r.getMessage()]
-    assert [m.split(":")[0] for m in started] == ["actor_rollout_ref", "teacher"], started     # two groups, 1 each
-    assert len(one) == len(pooled) == 2
-    for a, b in zip(one, pooled):
         assert a["distillation/loss"] > 0.01
+        assert_same(a, b, keys)
         assert_same(a, b, (*DISTILLED, "actor/pg_loss", "actor/grad_norm"))
+        assert "timing_s/reward_wait" in b and "timing_s/reward_wait" not in a     # joined from the background
 
 
 def test_a_teacher_pool_that_cannot_be_placed_names_the_distillation_keys():

@@ -432,11 +432,14 @@ def _on_term(signum, frame):
     raise _Terminated
 
 
+STOP_GRACE_S = 15.0      # how long a SIGTERMed child may take to close its Ray workers and process groups
+
+
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the child (its Ray workers and process groups close), SIGKILL after 15 s."""
+    """SIGTERM to the child (its Ray workers and process groups close), SIGKILL after `STOP_GRACE_S`."""
     proc.terminate()
     try:
-        proc.wait(15)
+        proc.wait(STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

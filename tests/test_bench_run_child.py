@@ -1,6 +1,6 @@
 """bench/common.run_child under an outer `timeout`: a SIGTERM to the bench stops its child and lets the bench write
 its JSON (a 7B A/B on the GPU machine was lost to a kill that came while its finished child exited), a second one
-included (a child that ignores SIGTERM here: the bench waits 15 s, then kills it)."""
+included (a child that ignores SIGTERM here: the bench waits its STOP_GRACE_S, 4 s here, then kills it)."""
 
 import json
 import signal
@@ -16,6 +16,7 @@ import json, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import common
+common.STOP_GRACE_S = 4.0
 out = Path(sys.argv[2])
 (out.parent / "ready").write_text("")
 stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"

@@ -132,6 +132,11 @@ def test_sizes_and_layouts_it_cannot_cut_are_refused():
     sp_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
     with pytest.raises(ValueError, match=rf"{sp_key}=2 with {KEY}=2: .*not both yet"):
         ulysses.check_model(model, 2, sp_key, 2, KEY)
+    cfg = hybrid_config("qwen3_5_moe_text")
+    cfg.shared_expert_intermediate_size = 25
+    narrow = lathe_from_transformers(AutoModelForCausalLM.from_config(cfg))
+    with pytest.raises(ValueError, match=rf"{KEY}=2: .*25 shared_expert_intermediate_size"):
+        tensor_parallel.check_model(narrow, 2, KEY, experts=2)
     fused = lathe_from_transformers(hf_model("qwen3_next"))
     with pytest.raises(ValueError, match="fuse their projections"):
         tensor_parallel.check_model(fused, 2, KEY)

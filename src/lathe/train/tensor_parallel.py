@@ -22,8 +22,8 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   1/T of the key heads with their value heads (the convolution is per channel and the delta rule per head, so heads
   are independent): `in_proj_z`, `in_proj_b`, `in_proj_a` column-parallel, `out_proj` row-parallel, and
   `in_proj_qkv` and the convolution, whose rows are [all q | all k | all v] sections, stay whole on every rank, each
-  rank taking its rows of each section through `copy_to_group` (its FLOPs are its own; the weights' memory is not
-  cut, by FSDP2 only), as `A_log`, `dt_bias` (per value head) and the gated norm's weight (shared by the heads) do;
+  rank taking its rows of each section through `copy_to_group` (its FLOPs are its own; those weights' memory is
+  divided by FSDP2's shards only), as `A_log`, `dt_bias` (per value head) and the gated norm's weight (shared by the heads) do;
 - a mixture-of-experts layer (Qwen3-MoE's, Qwen3.5-MoE's) keeps its router whole and places its routed experts over
   the group, E/T whole experts per rank, expert parallelism of the same size (`lathe.train.expert_parallel`): each
   rank runs its experts on the tokens routed there and the group sums their outputs, one all-reduce, as after the
@@ -77,11 +77,11 @@ def tensor_parallel(plan, device: torch.device) -> TensorParallel | None:
 
 
 def check_model(model, size: int, key: str, experts: int = 1) -> None:
-    """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model (a dense Qwen3.5 hybrid
-    too: `_check_linear_attention`) whose query heads, key/value heads and intermediate size divide by the size (the
-    vocabulary need not: its slices are torch.chunk's, the last ones shorter). Mixture-of-experts layers only with
-    `experts` (the expert-parallel size) equal to the size, Qwen3-MoE's (`lathe.train.expert_parallel` places their
-    experts over the group; the size must divide them, `expert_parallel.check_model`)."""
+    """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model (Qwen3.5 and Qwen3.5-MoE
+    hybrids too: `_check_linear_attention`) whose query heads, key/value heads and intermediate sizes divide by the
+    size (the vocabulary need not: its slices are torch.chunk's, the last ones shorter). Mixture-of-experts layers only
+    with `experts` (the expert-parallel size) equal to the size, Qwen3-MoE's and Qwen3.5-MoE's (`lathe.train.
+    expert_parallel` places their experts over the group; the size must divide them, `expert_parallel.check_model`)."""
     if size == 1:
         return
     from lathe.models.lora import lora_layers
@@ -111,6 +111,9 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
     sizes = {"query heads (num_attention_heads)": c.num_attention_heads,
              "key/value heads (num_key_value_heads)": c.num_key_value_heads,
              "intermediate_size": c.intermediate_size}
+    shared = getattr(getattr(c, "linear_attention", None), "shared_expert_intermediate_size", 0)
+    if shared:                                  # Qwen3.5-MoE's shared expert, cut as a dense MLP
+        sizes["shared_expert_intermediate_size"] = shared
     bad = {name: n for name, n in sizes.items() if n % size}
     if bad:
         what = ", ".join(f"{n} {name}" for name, n in bad.items())

@@ -111,6 +111,59 @@ def test_a_group_of_two_equals_one_process(runs, batch, family):
             assert want["grads"]["model.layers.0.mlp." + name].abs().sum() > 0, name
 
 
+# -- beside Ulysses: TP 2 x SP 2 on 4 ranks (the tp pairs consecutive, the sp pairs 2 apart) -------------------------
+def wide_hybrid():
+    """A tiny Qwen3.5 with 4 linear key heads and 8 value heads: 1 key head and 2 value heads a rank of TP 2 x SP 2."""
+    from transformers import AutoModelForCausalLM
+    cfg = hybrid_config("qwen3_5_text")
+    cfg.linear_num_key_heads, cfg.linear_num_value_heads = 4, 8
+    torch.manual_seed(5)
+    return lathe_from_transformers(AutoModelForCausalLM.from_config(cfg)).double().train()
+
+
+def rank_tp_sp(rank: int, port: int, root: str, queue) -> None:
+    """This rank's slice of the packed batch through the model cut over its TP pair, its Ulysses pair's logits
+    gathered, every gradient whole and summed over the Ulysses pair (as FSDP2's reduce-scatter sums them)."""
+    def work():
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from lathe.train import ulysses
+        from lathe.train.tensor_parallel import TensorParallel, check_model, parallelize
+        mesh = init_device_mesh("cpu", (2, T), mesh_dim_names=("dp", "tp"))["tp"]
+        tp = TensorParallel(size=T, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group(), data_group=None)
+        sp = ulysses.sequence_parallel(2, tp=T)
+        model = torch.load(Path(root) / "wide.pt", weights_only=False)
+        check_model(model, T, KEY)
+        ulysses.check_model(model, 2, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", T, KEY)
+        parallelize(model, tp)
+        ids, pos, cu, w = inputs()
+        n = len(ids)
+        bounds = torch.cat([cu, torch.tensor([ulysses.padded_length(n, sp.size)], dtype=torch.int32)])
+        attn = ulysses.UlyssesAttention(PackedAttention(bounds, max(LENGTHS)), sp)
+        hidden = model.hidden_with(ulysses.local_slice(ids, sp), ulysses.local_slice(pos, sp), attn)
+        logits = ulysses.gather_tokens(whole(model.lm_head(hidden)), sp)[:n]
+        loss = (logits * w).sum()
+        loss.backward()
+        grads = {name: whole(p.grad).clone() for name, p in model.named_parameters()}
+        for g in grads.values():
+            dist.all_reduce(g, group=sp.group)
+        torch.save({"logits": logits.detach(), "loss": loss.detach(), "grads": grads}, Path(root) / f"rank{rank}.pt")
+    gloo_rank(rank, 2 * T, port, queue, work, JOIN_S)
+
+
+def test_beside_ulysses_a_block_of_four_equals_one_process(tmp_path):
+    model = wide_hybrid()
+    torch.save(model, tmp_path / "wide.pt")
+    want = run(model)["packed"]
+    ranks = spawn_saving_ranks(rank_tp_sp, 2 * T, tmp_path, [__name__, "lathe.models.qwen3_5",
+                                                             "lathe.train.tensor_parallel", "lathe.train.ulysses"],
+                               JOIN_S)
+    for rank, got in enumerate(ranks):
+        assert_close_rel(got["logits"], want["logits"], 1e-7, name=f"rank {rank}'s logits")
+        assert_close_rel(got["loss"], want["loss"], 1e-7, name=f"rank {rank}'s loss")
+        assert_close_rel(got["grads"], want["grads"], 1e-6, name=f"rank {rank}'s gradients")
+
+
 def tiny():
     return lathe_from_transformers(hf_model("qwen3_5_text"))
 
@@ -130,8 +183,9 @@ def test_sizes_and_layouts_it_cannot_cut_are_refused():
                                          rf"and 3 value heads.*Fix: set {KEY} to one of \[1, 3\]"):
         tensor_parallel.check_model(odd, 2, KEY)
     sp_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
-    with pytest.raises(ValueError, match=rf"{sp_key}=2 with {KEY}=2: .*not both yet"):
-        ulysses.check_model(model, 2, sp_key, 2, KEY)
+    with pytest.raises(ValueError, match=rf"{sp_key}=2: Qwen3_5ForCausalLM's linear-attention layers have 1 key heads "
+                                         rf"per rank of a tensor-parallel group of 2 .*Fix: set {sp_key} to 1"):
+        ulysses.check_model(model, 2, sp_key, 2, KEY)      # 2 key heads: 1 a TP rank, which SP 2 cannot split
     cfg = hybrid_config("qwen3_5_moe_text")
     cfg.shared_expert_intermediate_size = 25
     narrow = lathe_from_transformers(AutoModelForCausalLM.from_config(cfg))

@@ -157,7 +157,7 @@ class GatedDeltaNet(nn.Module):
         convolution weights and those heads' A_log, dt_bias. The outputs return to the token slice, where the
         gated norm (per token and value head) meets z, which never leaves the rank."""
         la, n, size, rank = self.la, x.shape[0], split.sp.size, split.sp.rank
-        hk, r, dk, dv = la.num_key_heads, la.num_value_heads // la.num_key_heads, la.key_head_dim, la.value_head_dim
+        hk, r, dk, dv = self.n_k, self.n_v // self.n_k, la.key_head_dim, la.value_head_dim     # (a TP rank's: fewer)
         mixed, z, b, a = self.project(x)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         grouped = torch.cat([q.view(n, hk, dk), k.view(n, hk, dk), v.reshape(n, hk, r * dv), b.view(n, hk, r),
@@ -165,7 +165,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v, b, a = split.to_heads(grouped).split([dk, dk, r * dv, r, r], dim=-1)
         mine = hk // size
         keys, values = slice(rank * mine * dk, (rank + 1) * mine * dk), slice(rank * mine * r, (rank + 1) * mine * r)
-        w = self.conv1d.weight.squeeze(1)
+        w = self.conv_weight()
         weight = torch.cat([w[keys], w[self.key_dim:][keys], w[2 * self.key_dim:][values.start * dv:values.stop * dv]])
         cu, longest = split.inner.cu_seqlens, split.inner.max_seqlen
         mixed = causal_conv1d(torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1), weight, cu)

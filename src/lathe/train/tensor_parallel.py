@@ -23,7 +23,8 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   are independent): `in_proj_z`, `in_proj_b`, `in_proj_a` column-parallel, `out_proj` row-parallel, and
   `in_proj_qkv` and the convolution, whose rows are [all q | all k | all v] sections, stay whole on every rank, each
   rank taking its rows of each section through `copy_to_group` (its FLOPs are its own; those weights' memory is
-  divided by FSDP2's shards only), as `A_log`, `dt_bias` (per value head) and the gated norm's weight (shared by the heads) do;
+  divided by FSDP2's shards only), as `A_log`, `dt_bias` (per value head) and the gated norm's weight (shared by
+  the heads) do;
 - a mixture-of-experts layer (Qwen3-MoE's, Qwen3.5-MoE's) keeps its router whole and places its routed experts over
   the group, E/T whole experts per rank, expert parallelism of the same size (`lathe.train.expert_parallel`): each
   rank runs its experts on the tokens routed there and the group sums their outputs, one all-reduce, as after the
@@ -39,7 +40,8 @@ consecutive ranks holds one share; its tensor-parallel groups are cut as above, 
 stream, and the Ulysses all-to-all runs over the S ranks at the same place of the block's groups, on each rank's H/T
 local heads. The sequence-parallel layout's `data_group` (ranks S x T apart) is then the one for sums over distinct
 data (`lathe.train.parallel.data_group(sp, tp)` takes it first), and FSDP2's shard dim (world / T ranks) holds the
-sequence-parallel ranks, whose partial gradients it sums.
+sequence-parallel ranks, whose partial gradients it sums. A gated-DeltaNet layer's Hk/T key heads (with their value
+heads) are split again over S the same way (`GatedDeltaNet.head_parallel` on the rank's heads).
 """
 
 from __future__ import annotations
@@ -244,13 +246,9 @@ class _LocalDeltaNet:
     def conv_weight(self) -> torch.Tensor:
         return self.rows(self.conv1d.weight).squeeze(1)
 
-    def head_parallel(self, x: torch.Tensor, split) -> torch.Tensor:
-        raise NotImplementedError("a gated-DeltaNet layer cut over a tensor-parallel group does not run under Ulysses "
-                                  "too (refused at load: lathe.train.ulysses.check_model)")
-
     def _gates(self, b: torch.Tensor, a: torch.Tensor, heads: slice = slice(None)):
-        assert heads == slice(None), "this rank's value heads are tp_values"
-        a_log, dt_bias = (copy_to_group(p, self.tp_group)[self.tp_values] for p in (self.A_log, self.dt_bias))
+        """(`heads`: of this rank's value heads, a Ulysses rank's share of them.)"""
+        a_log, dt_bias = (copy_to_group(p, self.tp_group)[self.tp_values][heads] for p in (self.A_log, self.dt_bias))
         return -a_log.float().exp() * nn.functional.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
 

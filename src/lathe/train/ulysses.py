@@ -33,7 +33,7 @@ Linear attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next's gated-DeltaNet layers) carr
 sequence, so it is split the same way: each rank projects its slice, one all-to-all hands it all T tokens of Hk/S
 key heads with their value heads (the short convolution is per channel, the gated delta rule per head), and a second
 one brings the outputs back (`lathe.models.qwen3_5.GatedDeltaNet.head_parallel`, through `UlyssesAttention.to_heads`
-and `to_tokens`); S must divide the linear layers' key heads (`check_model`).
+and `to_tokens`); S must divide the linear layers' key heads (a tensor-parallel rank's Hk/T beside TP: `check_model`).
 
 Gradients. Each rank computes its slice's per-token results (log-probs, entropy, values) and `gather_tokens` joins
 the group's slices, so every rank of the group holds the whole micro-batch's results and computes the same loss L
@@ -113,16 +113,14 @@ def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_con
     require_text_decoder(model, size, key, "run with Ulysses sequence parallelism")
     c = model.config
     la = getattr(c, "linear_attention", None)
-    if la is not None and la.num_key_heads % size:
-        ok = [s for s in range(1, la.num_key_heads + 1) if la.num_key_heads % s == 0]
-        raise ValueError(f"{key}={size}: {c.architecture}'s linear-attention layers have {la.num_key_heads} key heads "
-                         f"({la.num_value_heads} value heads), which are split over the {size} ranks of a group "
-                         f"with their value heads, so {size} must divide {la.num_key_heads}. Fix: set {key} to "
+    if la is not None and (la.num_key_heads // tp) % size:       # (tp divides them: the tensor-parallel check)
+        mine = la.num_key_heads // tp
+        ok = [s for s in range(1, mine + 1) if mine % s == 0]
+        beside, all_ = (f" per rank of a tensor-parallel group of {tp} ({tp_key})", " in all") if tp > 1 else ("", "")
+        raise ValueError(f"{key}={size}: {c.architecture}'s linear-attention layers have {mine} key heads{beside} "
+                         f"({la.num_value_heads} value heads{all_}), which are split over the {size} ranks of a group "
+                         f"with their value heads, so {size} must divide {mine}. Fix: set {key} to "
                          f"{' or '.join(map(str, ok[-3:]))}.")
-    if la is not None and tp > 1:
-        raise ValueError(f"{key}={size} with {tp_key}={tp}: {c.architecture}'s linear-attention layers run either "
-                         f"cut over a tensor-parallel group or split over a sequence-parallel one, not both yet. Fix: "
-                         f"set {key}=1 or {tp_key}=1.")
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     if tp > 1 and (heads % (tp * size) or kv % tp or (kv // tp % size and size % (kv // tp))):
         raise ValueError(f"{key}={size} with {tp_key}={tp}: each rank of a tensor-parallel group holds 1/{tp} of the "

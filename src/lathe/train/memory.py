@@ -80,9 +80,9 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     attention, which spreads the experts over all their ranks (`lathe.engine.data_parallel`). `embeddings`: (input
     embedding parameters, tied to the LM head): a tensor-parallel replica's ranks hold them whole, and a tied model's
     LM head besides as a vocabulary slice (`lathe.engine.tensor_parallel.ShardLayout.local_items`).
-    `whole_over_tp`: by role ('actor', 'ref', 'critic'), W (T - 1) for the W parameters that each of its T tensor-parallel ranks
-    holds whole (`lathe.train.tensor_parallel.whole_parameters`): counted as that many more parameters cut by T, a
-    rank's share of the role's state is (N - W) / (dp_shard T) + W / dp_shard."""
+    `whole_over_tp`: by role ('actor', 'ref', 'critic'), W (T - 1) for the W parameters that each of its T
+    tensor-parallel ranks holds whole (`lathe.train.tensor_parallel.whole_parameters`): counted as that many more
+    parameters cut by T, a rank's share of the role's state is (N - W) / (dp_shard T) + W / dp_shard."""
     from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype

@@ -18,7 +18,7 @@ from lathe.models.hf import lathe_from_transformers
 
 from models.lathe_tiny import hf_model, hybrid_config
 
-from .test_ulysses_hybrid import LENGTHS, inputs   # the packed batch of 4 sequences, 19 tokens
+from .test_ulysses_hybrid import LENGTHS, family_runs, inputs   # (the packed batch: 4 sequences, 19 tokens)
 
 T, JOIN_S = 2, 120
 KEY = "actor_rollout_ref.actor.fsdp_config.tensor_parallel_size"
@@ -78,12 +78,8 @@ def rank_main(rank: int, port: int, root: str, queue) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(one-process results, each rank's) by family: Qwen3.5, and Qwen3.5-MoE (4 experts, top-2, a shared expert)."""
-    root = tmp_path_factory.mktemp("tp_hybrid")
-    models = {f: lathe_from_transformers(hf_model(f, seed=3)).double().train() for f in FAMILIES}
-    torch.save(models, root / "models.pt")
-    want = {f: run(m) for f, m in models.items()}
-    preload = [__name__, "lathe.models.qwen3_5", "lathe.train.tensor_parallel", "lathe.train.expert_parallel"]
-    return want, spawn_saving_ranks(rank_main, T, root, preload, JOIN_S)
+    return family_runs(tmp_path_factory.mktemp("tp_hybrid"), FAMILIES, run, rank_main, T,
+                       [__name__, "lathe.models.qwen3_5", "lathe.train.tensor_parallel", "lathe.train.expert_parallel"])
 
 
 FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")

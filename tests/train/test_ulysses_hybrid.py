@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from helpers import assert_close_rel, free_port, gloo_rank, run_processes
+from helpers import assert_close_rel, gloo_rank, spawn_saving_ranks
 
 from lathe.models.attention import PackedAttention
 from lathe.models.hf import lathe_from_transformers
@@ -75,19 +74,19 @@ def rank_main(rank: int, port: int, root: str, queue) -> None:
     gloo_rank(rank, S, port, queue, work, JOIN_S)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(one-process results, each rank's) by family."""
-    root = tmp_path_factory.mktemp("ulysses_hybrid")
-    models = {f: lathe_from_transformers(hf_model(f, seed=3)).double().train() for f in FAMILIES}
+def family_runs(root: Path, families, one_process, rank_main, world: int, preload: list[str]):
+    """(one-process results, each rank's) by family: each family's tiny float64 model saved in `root`/models.pt, run
+    by `one_process` here and by `rank_main` (a `gloo_rank` body that saves its results) on `world` ranks."""
+    models = {f: lathe_from_transformers(hf_model(f, seed=3)).double().train() for f in families}
     torch.save(models, root / "models.pt")
     want = {f: one_process(m) for f, m in models.items()}
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "lathe.models.qwen3_5", "lathe.train.ulysses"])
-    queue, port = ctx.Queue(), free_port()
-    run_processes([ctx.Process(target=rank_main, args=(r, port, str(root), queue), daemon=True) for r in range(S)],
-                  queue, JOIN_S)
-    return want, [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(S)]
+    return want, spawn_saving_ranks(rank_main, world, root, preload, JOIN_S)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return family_runs(tmp_path_factory.mktemp("ulysses_hybrid"), FAMILIES, one_process, rank_main, S,
+                       [__name__, "lathe.models.qwen3_5", "lathe.train.ulysses"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -141,7 +141,7 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
     mtp = list(getattr(model.model, "mtp_layers", None) or ())   # MiMo: Qwen2 layers too; their extra norms and
     for layer in [*model.model.layers, *mtp]:                     # input projection stay whole, as the norms do
         linear = hasattr(layer, "linear_attn")                    # a hybrid's gated-DeltaNet layer (module doc)
-        mixer = {**linear_plan} if linear else {k: v for k, v in layer_plan.items() if k.startswith("self_attn.")}
+        mixer = linear_plan if linear else {k: v for k, v in layer_plan.items() if k.startswith("self_attn.")}
         # a sparse layer's MLP: its router whole, its experts over the group (`lathe.train.expert_parallel`), a
         # shared expert (Qwen3.5-MoE's) cut as a dense MLP, its sigmoid gate whole
         shared = "mlp.shared_expert." if hasattr(layer.mlp, "shared_expert") else None

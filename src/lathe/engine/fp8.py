@@ -6,9 +6,13 @@ FP8 copy, and the engine's forms multiply with it:
 
     w8[n, :] = w[n, :] / s_w[n],      s_w[n] = max_k |w[n, k]| / 448       (per output channel, E4M3)
     x8[t, :] = x[t, :] / s_x[t],      s_x[t] = max_k |x[t, k]| / 448       (per token, at run time)
-    y[t, n]  = s_x[t] * s_w[n] * sum_k x8[t, k] w8[n, k]  (+ bias[n])      (`torch._scaled_mm`, row-wise scales)
+    y[t, n]  = s_x[t] * s_w[n] * sum_k x8[t, k] w8[n, k]  (+ bias[n])
 
-The vLLM/SGLang "fp8" scheme (dynamic per-token activations, per-channel weights). What stays in the model's dtype:
+The vLLM/SGLang "fp8" scheme (dynamic per-token activations, per-channel weights). On a GPU the sum runs as
+`torch._scaled_mm` with unit scales and fast accumulation (as vLLM's and torchao's FP8 GEMMs accumulate), and the
+scales' outer product multiplies its bf16 result after (inductor folds that into the next kernel of a compiled layer):
+cuBLAS's tensor-wise FP8 kernel is faster at decode rows than its row-wise one (`ROWWISE_GEMM`; measured in
+`bench/results/fp8_gemm_7b_nvidia-h200.json`). What stays in the model's dtype:
 embeddings, norms, the lm_head (the sampler's logits), attention and its KV cache, a mixture of experts' layers and
 LoRA layers (their own forward runs), and a projection whose features are not a multiple of 16 (the FP8 GEMM's
 alignment).
@@ -32,6 +36,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0            # largest finite E4M3 value
 ALIGN = 16                 # `_scaled_mm` wants both matrix dimensions a multiple of 16
 SCHEMES = ("fp8",)
+ROWWISE_GEMM = False       # True: the scales inside the GEMM (`_scaled_mm`'s row-wise form); the A/B's other arm
+FAST_ACCUM = True          # `_scaled_mm(use_fast_accum=...)`: Hopper's FP8 accumulation without periodic promotion
+_ONES: dict[torch.device, torch.Tensor] = {}   # the unit scale per device, made outside any graph capture
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}   # `fuse_projections`' groups
 
 
@@ -54,14 +61,26 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: t
     output in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     x8, x_scale = quantize_rows(x.reshape(-1, k))
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" and ROWWISE_GEMM:
         y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.unsqueeze(-1), scale_b=w_scale.unsqueeze(0),
-                             out_dtype=x.dtype)
+                             out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
+    elif x.device.type == "cuda":
+        one = unit_scale(x.device)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
+        y = (y.float() * x_scale.unsqueeze(-1) * w_scale).to(x.dtype)
     else:   # the same product in float32 (CPU `_scaled_mm` takes row-wise scales only from torch 2.13)
         y = ((x8.float() * x_scale.unsqueeze(-1)) @ (w8.float() * w_scale.unsqueeze(-1)).t()).to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*lead, w8.shape[0])
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on `device`, one tensor per device (`quantize_model` makes it before any graph captures it)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), device=device)
+    return one
 
 
 class Fp8Linear(nn.Linear):
@@ -108,6 +127,7 @@ def quantize_model(model: nn.Module) -> int:
     docstring); returns the bytes added. Call `fuse_projections` first when the engine fuses."""
     added = 0
     for owner, kind, name in _targets(model):
+        unit_scale(owner.weight.device if kind == "linear" else getattr(owner, f"{name}_weight").device)
         w = owner.weight if kind == "linear" else getattr(owner, f"{name}_weight")
         if not _aligned(w):
             continue

@@ -195,3 +195,32 @@ def test_probs_diff_pieces_combine_into_the_whole_batchs_statistics():
     for k in ("mean", "std"):
         assert got[k] == pytest.approx(want[k], rel=1e-9)
     assert ProbsDiffSums().metrics() == {}
+
+
+@pytest.mark.parametrize("rollout_is", ["token", "sequence"])
+def test_correction_pieces_of_micro_batches_and_ranks_give_the_whole_batchs_weights_and_metrics(rollout_is):
+    """An on-policy update's correction (`in_update`): weights micro-batch by micro-batch are the whole batch's, and
+    the pieces of two 'ranks' (a gather returning both ranks' rows; one rank's micro-batches trimmed to a narrower
+    response width, as a packed micro-batch may be) give `compute_rollout_correction`'s metrics of the whole batch."""
+    from lathe.algo.rollout_correction import ROLLOUT_CORRECTION_KEYS, CorrectionPieces, in_update, is_weights
+    cfg = {**ROLLOUT_CORRECTION_KEYS, "rollout_is": rollout_is, "rollout_is_threshold": 1.3}
+    assert in_update(cfg) and not in_update({**cfg, "rollout_rs": "token_k1"}) \
+        and not in_update({**cfg, "rollout_is_batch_normalize": True}) and not in_update({**cfg, "rollout_is": None}) \
+        and not in_update({**cfg, "bypass_mode": True}) and not in_update(None)
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(12, 9, generator=g) * 3
+    rollout = old + 0.2 * torch.randn(12, 9, generator=g)
+    mask = torch.rand(12, 9, generator=g) > 0.3
+    mask[7:, 6:] = False                                         # rank 1's rows end early
+    weights, _, want = compute_rollout_correction(old, rollout, mask, **cfg)
+    ranks = [CorrectionPieces(cfg), CorrectionPieces(cfg)]
+    for rank, rows, width in ((0, slice(0, 4), 9), (0, slice(4, 7), 9), (1, slice(7, 12), 6)):
+        o, r, m = old[rows, :width], rollout[rows, :width], mask[rows, :width]
+        assert torch.allclose(is_weights(o, r, m, cfg), weights[rows, :width], rtol=1e-6, atol=0)
+        ranks[rank].add(o, r, m)
+    got = ranks[0].metrics(lambda local: [local, ranks[1].rows])
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(float(v), rel=1e-6, abs=1e-9), k
+    assert CorrectionPieces(cfg).metrics() == {}
+

@@ -97,7 +97,9 @@ def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_p
     and log-probs are the one process's engine's; and they train as one Ulysses sequence-parallel group
     (`ulysses_sequence_parallel_size=2`, the reference's too under the KL loss), each micro-batch holding twice the
     per-device token budget (verl's rule): the same losses and gradient norms as one process. A teacher distils into
-    the policy (on-policy distillation, k3 reverse KL), sharded on the trainer's ranks like the reference."""
+    the policy (on-policy distillation, k3 reverse KL), sharded on the trainer's ranks like the reference. Token-level
+    TIS is on: the update computes it from its own forward (no old-policy pass either way), with the one process's
+    `rollout_corr/*` metrics."""
     from helpers import RM_TEMPLATE, tiny_reward_model
     path = tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE)
     teacher = distillation_teacher(tmp_path / "teacher")
@@ -106,7 +108,8 @@ def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_p
     a_ = "actor_rollout_ref.actor"
     on_policy = [f"{a_}.ppo_mini_batch_size=32", "trainer.total_training_steps=2", *rm, f"{a_}.use_kl_loss=true",
                  f"{a_}.kl_loss_coef=0.1", f"{a_}.use_dynamic_bsz=true", "actor_rollout_ref.model.use_remove_padding=true",
-                 *DISTILLATION, f"distillation.teacher_models.teacher_model.model_path={teacher}"]
+                 *DISTILLATION, f"distillation.teacher_models.teacher_model.model_path={teacher}",
+                 "algorithm.rollout_correction.rollout_is=token"]
     one = train(tmp_path / "one", *on_policy, f"{a_}.ppo_max_token_len_per_gpu=4096")
     two = train(tmp_path / "two", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                 f"{a_}.ulysses_sequence_parallel_size=2", f"{a_}.ppo_max_token_len_per_gpu=2048", *on_policy)
@@ -120,6 +123,8 @@ def test_two_workers_skip_the_old_forward_on_policy_exactly_as_one_process(tmp_p
         assert_same(a, b)
         for key in ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_std"):
             assert 0 <= a[key] < 1e-4 and 0 <= b[key] < 1e-4, (key, a[key], b[key])    # fp32 rounding on both sides
+        for key in ("rollout_corr/training_ppl", "rollout_corr/rollout_ppl", "rollout_corr/rollout_is_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), key
 
 
 def test_a_reward_model_and_a_teacher_on_pools_of_their_own_score_and_distil_as_the_colocated_ones(tmp_path, caplog):

@@ -198,7 +198,13 @@ def test_out_of_memory_names_the_phase_and_the_keys(tmp_path, monkeypatch, metho
     (["actor_rollout_ref.actor.ppo_mini_batch_size=2"], True),             # two mini-batches: the second is off-policy
     (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2"], True),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.use_kl_in_reward=true"], True),   # reads them
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.rollout_is=token"], True),
+    # IS weights alone the on-policy update computes from its own forward; rejection and batch-normalised weights
+    # need pi_old before it starts
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.rollout_is=token"], False),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.rollout_is=token",
+      "algorithm.rollout_correction.rollout_is_batch_normalize=true"], True),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.rollout_rs=token_k1",
+      "algorithm.rollout_correction.rollout_rs_threshold=2.0"], True),
 ])
 def test_the_old_policy_forward_runs_only_when_something_reads_it(tmp_path, monkeypatch, overrides, forward):
     cfg = load_config(None, [*tiny(), f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2",
@@ -218,6 +224,8 @@ def test_the_old_policy_forward_runs_only_when_something_reads_it(tmp_path, monk
                for m in metrics.values())                                  # the metrics say which happened
     # the engine-vs-trainer check is there either way (the update computes it when it takes pi_old's log-probs)
     assert all(0 <= m["training/rollout_probs_diff_max"] < 0.05 for m in metrics.values()), metrics
+    if any("rollout_correction" in o for o in overrides):      # and the correction's metrics, whoever computed them
+        assert all("rollout_corr/kl" in m for m in metrics.values())
 
 
 def test_a_reward_function_failing_on_every_sample_stops_the_run(tmp_path):

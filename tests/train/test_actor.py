@@ -207,21 +207,32 @@ def test_loss_scale_factor_divides_seq_mean_token_sum_norm(make_model, rollout_b
     assert losses[32]["actor/pg_loss"] == pytest.approx(losses["null"]["actor/pg_loss"] / 2, rel=1e-5)
 
 
+ON_POLICY = ("actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.actor.entropy_coeff=0.01")      # one mini-batch of 8 in micro-batches of 2
+
+
+def _on_policy_batch(model, rollout_batch, low, high):
+    """A PPO batch whose engine log-probs are the policy's shifted by U(low, high) per token, and the policy's own
+    log-probs (pi_old of an on-policy update)."""
+    batch = _ppo_batch(model, rollout_batch, temperature=1.0)
+    g = torch.Generator().manual_seed(7)
+    shift = low + (high - low) * torch.rand(batch["old_log_probs"].shape, generator=g)
+    batch["rollout_log_probs"] = batch["old_log_probs"] + shift
+    with torch.no_grad():
+        own, _ = response_log_probs(model.train(), batch, temperature=1.0)
+    return batch, own
+
+
 def test_on_policy_update_takes_old_log_probs_from_its_own_forward(make_model, rollout_batch, load_cfg):
     """Without `old_log_probs` (the loop saved the old-policy forward: one epoch, one mini-batch), the update equals
     one given the policy's own log-probs, and reports the engine-vs-trainer diff of the whole batch."""
     from lathe.algo import rollout_probs_diff
-    cfg = load_cfg("actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                   "actor_rollout_ref.actor.entropy_coeff=0.01")      # one mini-batch of 8 in micro-batches of 2
+    cfg = load_cfg(*ON_POLICY)
     start = _params(make_model())
     results = {}
     for given in (True, False):
         model = make_model()
-        batch = _ppo_batch(model, rollout_batch, temperature=1.0)
-        g = torch.Generator().manual_seed(7)
-        batch["rollout_log_probs"] = (batch["old_log_probs"] - 0.1 * torch.rand(batch["old_log_probs"].shape, generator=g))
-        with torch.no_grad():
-            own, _ = response_log_probs(model.train(), batch, temperature=1.0)
+        batch, own = _on_policy_batch(model, rollout_batch, -0.1, 0.0)
         if given:
             batch["old_log_probs"] = own
         else:
@@ -238,6 +249,46 @@ def test_on_policy_update_takes_old_log_probs_from_its_own_forward(make_model, r
     for k, v in expected.items():
         assert m_without[f"training/rollout_probs_diff_{k}"] == pytest.approx(v, rel=1e-4, abs=1e-7), k
     assert not any(k.startswith("training/") for k in m_with)      # the loop reports it when it ran the forward
+
+
+@pytest.mark.parametrize("correction", [dict(rollout_is="token", rollout_is_threshold=1.05),
+                                        dict(rollout_is="sequence", rollout_is_threshold="0.8_1.3")],
+                         ids=["token-tis", "sequence-icepop"])
+def test_on_policy_update_corrects_against_its_own_forward(make_model, rollout_batch, load_cfg, correction):
+    """Rollout correction's IS weights computed inside an on-policy update from its own forward (the loop saved the
+    old-policy forward: `in_update`) equal the loop's path: the weights computed from a separate forward's
+    log-probs before the update, the same update and the same `rollout_corr/*` metrics of the whole batch."""
+    from lathe.algo.rollout_correction import ROLLOUT_CORRECTION_KEYS, compute_rollout_correction
+    cfg = load_cfg(*ON_POLICY)
+    rc = {**ROLLOUT_CORRECTION_KEYS, **correction}
+    start = _params(make_model())
+    results = {}
+    for given in (True, False):
+        model = make_model()
+        batch, own = _on_policy_batch(model, rollout_batch, -0.1, 0.1)
+        expected = None
+        if given:                                   # the loop's path: pi_old's forward, then the correction
+            batch["old_log_probs"] = own
+            weights, _, expected = compute_rollout_correction(own, batch["rollout_log_probs"], batch["response_mask"],
+                                                              **rc)
+            batch["rollout_is_weights"] = weights
+        else:
+            del batch.tensors["old_log_probs"]
+        actor = PPOActor(model, torch.optim.SGD(model.parameters(), lr=0.1), None, cfg.actor_rollout_ref.actor,
+                         mini_batch_size=batch_plan(cfg).mini_batch_sequences_per_device, temperature=1.0,
+                         max_response_length=cfg.data.max_response_length, rollout_correction=rc)
+        actor.scheduler = build_scheduler(actor.optimizer, cfg.actor_rollout_ref.actor.optim, total_steps=10)
+        metrics = actor.update_policy(batch)
+        results[given] = (_params(model), metrics, expected)
+    (with_old, m_with, expected), (without, m_without, _) = results[True], results[False]
+    outside = sum(float(expected[f"rollout_corr/rollout_is_ratio_fraction_{side}"]) for side in ("high", "low"))
+    assert 0 < outside < 1, "precondition: the bounds cut some ratios, not all"
+    assert _max_diff(with_old, start) > 1e-4
+    assert_close_rel(_update(without, start), _update(with_old, start), UPDATE_REL, name="corrected on-policy update")
+    assert m_without["actor/pg_loss"] == pytest.approx(m_with["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    for k, v in expected.items():
+        assert m_without[k] == pytest.approx(float(v), rel=1e-4, abs=1e-6), k
+    assert not any(k.startswith("rollout_corr/") for k in m_with)     # the loop reports it when it ran the forward
 
 
 def test_update_without_old_log_probs_must_be_on_policy(make_model, rollout_batch, load_cfg):

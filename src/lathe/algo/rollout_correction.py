@@ -19,6 +19,10 @@ brings you off-policy RL training"):
 * Bypass mode (``bypass_mode=True``): the trainer sets ``old_log_prob := rollout_log_prob`` and skips the
   old-policy forward; the correction is then computed inside the loss against the current policy (see
   ``lathe.algo.bypass``). ``loss_type`` picks ``ppo_clip`` or ``reinforce`` there.
+* In an on-policy update (one epoch over one mini-batch), ``pi_old`` is the policy being updated, so IS weights
+  without batch normalisation or rejection (``in_update``) are computed inside the update from its own forward's
+  detached log-probs (``is_weights``, micro-batch by micro-batch), and the old-policy forward is saved: the same
+  weights in exact arithmetic, and the same ``rollout_corr/*`` metrics (``CorrectionPieces``).
 
 All metrics are floats under ``rollout_corr/`` (verl's names).
 """
@@ -39,6 +43,9 @@ __all__ = [
     "compute_rollout_correction_weights",
     "compute_rollout_rejection_mask",
     "compute_offpolicy_metrics",
+    "CorrectionPieces",
+    "in_update",
+    "is_weights",
     "parse_rollout_is_threshold",
     "rollout_probs_diff",
 ]
@@ -147,13 +154,8 @@ def _is_metrics(weights, raw, log_w, mask, level, upper, lower) -> dict[str, flo
     return m
 
 
-@torch.no_grad()
-def compute_rollout_correction_weights(log_ratio, response_mask, rollout_is="token", rollout_is_threshold=2.0,
-                                       rollout_is_batch_normalize=False):
-    """IS weights (B, T) from ``log_ratio = log pi_old - log pi_rollout`` and their ``rollout_is_*`` metrics."""
-    if rollout_is not in ("token", "sequence"):
-        raise unknown_name_error("IS level", f"{_KEY}.rollout_is", rollout_is, ("token", "sequence", "null"))
-    upper, lower = parse_rollout_is_threshold(rollout_is_threshold)
+def _weights(log_ratio, response_mask, rollout_is, upper, lower):
+    """(weights, raw ratios, per-row log-weights or None) of the module doc's IS levels; no host reads."""
     mask = response_mask.to(log_ratio.dtype)
     log_w = masked_sum(log_ratio, response_mask, dim=-1) if rollout_is == "sequence" else None
     per = log_ratio if log_w is None else log_w.unsqueeze(-1).expand_as(log_ratio)
@@ -162,6 +164,33 @@ def compute_rollout_correction_weights(log_ratio, response_mask, rollout_is="tok
         weights = raw.clamp(max=upper)
     else:
         weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+    return weights, raw, log_w
+
+
+def in_update(cfg: dict | None) -> bool:
+    """Whether an on-policy update computes this correction itself (module doc): IS weights (token or sequence
+    level, TIS or IcePop) without batch normalisation, no rejection sampling (it changes the mask that the loss's
+    token counts come from before the update starts), not bypass mode (which has no pi_old pass to save)."""
+    return bool(cfg) and cfg.get("rollout_is") in ("token", "sequence") and cfg.get("rollout_rs") is None \
+        and not cfg.get("rollout_is_batch_normalize") and not cfg.get("bypass_mode")
+
+
+@torch.no_grad()
+def is_weights(old_log_prob, rollout_log_prob, response_mask, cfg: dict) -> torch.Tensor:
+    """The IS weights (B, T) of `in_update`'s corrections, without metrics (no host read: an update's micro-batches
+    queue without waiting); `compute_rollout_correction`'s weights for the same rows."""
+    upper, lower = parse_rollout_is_threshold(cfg.get("rollout_is_threshold", 2.0))
+    return _weights(old_log_prob - rollout_log_prob, response_mask, cfg["rollout_is"], upper, lower)[0]
+
+
+@torch.no_grad()
+def compute_rollout_correction_weights(log_ratio, response_mask, rollout_is="token", rollout_is_threshold=2.0,
+                                       rollout_is_batch_normalize=False):
+    """IS weights (B, T) from ``log_ratio = log pi_old - log pi_rollout`` and their ``rollout_is_*`` metrics."""
+    if rollout_is not in ("token", "sequence"):
+        raise unknown_name_error("IS level", f"{_KEY}.rollout_is", rollout_is, ("token", "sequence", "null"))
+    upper, lower = parse_rollout_is_threshold(rollout_is_threshold)
+    weights, raw, log_w = _weights(log_ratio, response_mask, rollout_is, upper, lower)
     metrics = _is_metrics(weights, raw, log_w, response_mask, rollout_is, upper, lower)
     if rollout_is_batch_normalize:
         seq_valid = response_mask.bool().any(dim=-1)
@@ -288,6 +317,38 @@ class ProbsDiffSums:
         mean = total / n
         var = max(0.0, (squares - n * mean * mean) / (n - 1)) if n > 1 else 0.0     # torch.std's (n - 1)
         return {"max": top, "mean": mean, "std": var ** 0.5}
+
+
+class CorrectionPieces:
+    """An on-policy update's (pi_old, pi_rollout, response mask) rows, micro-batch by micro-batch (`in_update`), for
+    `compute_rollout_correction`'s metrics over the whole batch: every rank's share when `metrics` is given `gather`
+    (a function returning every rank's object, `lathe.train.parallel.all_gather_objects`). The rows stay on the
+    device until the end (one host read)."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, old_log_prob, rollout_log_prob, response_mask) -> None:
+        self.rows.append((old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach()))
+
+    def metrics(self, gather=None) -> dict[str, float]:
+        local = [tuple(t.cpu() for t in row) for row in self.rows]
+        pieces = [row for part in (gather(local) if gather is not None else [local]) for row in part]
+        if not pieces:
+            return {}
+        width = max(row[0].shape[-1] for row in pieces)
+
+        def cat(i):
+            out = []
+            for row in pieces:
+                t = row[i]
+                padded = t.new_zeros(t.shape[0], width)
+                padded[:, :t.shape[-1]] = t
+                out.append(padded)
+            return torch.cat(out)
+        _, _, metrics = compute_rollout_correction(cat(0), cat(1), cat(2), **self.cfg)
+        return {k: float(v) for k, v in metrics.items()}
 
 
 def _check_cfg(cfg: dict) -> dict:

@@ -12,6 +12,7 @@ import time
 import torch
 
 from lathe.algo import rollout_probs_diff, variance_proxy_metrics
+from lathe.algo.rollout_correction import in_update
 from lathe.batch import Batch
 from lathe.ckpt.checkpoint import save_checkpoint
 from lathe.config.profiler import torch_memory_settings, trains_checkpointed
@@ -27,6 +28,7 @@ from lathe.loop.steps import (
     compute_data_metrics,
     compute_throughput_metrics,
     rollout_correction_enabled,
+    rollout_correction_kwargs,
 )
 from lathe.loop.validate import validate
 from lathe.track import PeakMemory, Progress, Timer, brief
@@ -90,7 +92,8 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, ski
         if "rollout_log_probs" in batch:                                 # verl's engine-vs-trainer check
             metrics.update({f"training/rollout_probs_diff_{k}": v for k, v in rollout_probs_diff(
                 batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]).items()})
-    if not old_from_rollout and rollout_correction_enabled(rc):
+    if not old_from_rollout and rollout_correction_enabled(rc) and "old_log_probs" in batch:
+        # (without them the on-policy update corrects against its own forward: `needs_old_forward`)
         correction, rc_metrics = apply_rollout_correction(batch, rc)
         batch.update(correction)
         metrics.update(rc_metrics)
@@ -122,12 +125,16 @@ def needs_old_forward(t: Trainer, batch: Batch) -> bool:
     """Whether the step needs the old policy's log-probs before the actor update. An on-policy update (one epoch,
     the whole batch one mini-batch) does not: pi_old is the policy it updates, whose log-probs its own forward
     computes (verl's dp_actor then uses them, detached, in place of the recomputed ones). So the forward is saved
-    unless something else reads `old_log_probs` first: the KL penalty in the reward, rollout correction, an advantage
-    estimator that reads them with `sum_pi_squared` (`actor.calculate_sum_pi_squared`), or an actor update that does
-    not run this step (critic warm-up)."""
+    unless something else reads `old_log_probs` first: the KL penalty in the reward, a rollout correction that the
+    update cannot compute from its own forward (rejection sampling, batch-normalised weights: `in_update`; IS
+    weights alone it computes, as FP8 rollout's default token TIS), an advantage estimator that reads them with
+    `sum_pi_squared` (`actor.calculate_sum_pi_squared`), or an actor update that does not run this step (critic
+    warm-up)."""
     algo, actor = t.cfg.algorithm, t.cfg.actor_rollout_ref.actor
     on_policy = actor.ppo_epochs == 1 and len(batch) <= t.plan.actor.mini_batch_sequences
-    return (not on_policy or algo.use_kl_in_reward or rollout_correction_enabled(algo.rollout_correction)
+    rc = algo.rollout_correction
+    return (not on_policy or algo.use_kl_in_reward
+            or (rollout_correction_enabled(rc) and not in_update(rollout_correction_kwargs(rc)))
             or actor.calculate_sum_pi_squared or t.global_step < t.cfg.trainer.critic_warmup)
 
 

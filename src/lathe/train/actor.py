@@ -29,7 +29,7 @@ import torch
 from lathe.algo import agg_loss, get_policy_loss, kl_penalty
 from lathe.algo.distillation import DistillationParams, combine_losses, distillation_loss, topk_losses
 from lathe.algo.policy_loss import PolicyLossParams
-from lathe.algo.rollout_correction import ProbsDiffSums
+from lathe.algo.rollout_correction import CorrectionPieces, ProbsDiffSums, in_update, is_weights
 from lathe.batch import Batch, real_rows
 from lathe.models.compile import maybe_compile
 from lathe.models.moe import collect_router_stats, megatron_router_coefs, router_aux_loss_coef
@@ -65,8 +65,10 @@ class PPOActor:
                  distillation: DistillationParams | None = None, offload_activations: bool = False,
                  mtp: MtpTraining | None = None):
         """`mini_batch_size`: this rank's share of a mini-batch, in sequences (`BatchPlan.mini_batch_sequences_per_device`).
-        `rollout_correction`: the `algorithm.rollout_correction` keys when `bypass_mode` is on — the loss
-        then treats `old_log_probs` as the rollout's and corrects against the current policy itself.
+        `rollout_correction`: the `algorithm.rollout_correction` keys. With `bypass_mode` on, the loss treats
+        `old_log_probs` as the rollout's and corrects against the current policy itself; else an on-policy update
+        (a batch without `old_log_probs`) computes the IS weights of a correction that `in_update` allows from its
+        own forward, with the `rollout_corr/*` metrics of the whole batch.
         `use_remove_padding` (verl's `model.use_remove_padding`): packed forward for lathe's decoder.
         `use_torch_compile` and `fsdp_config.use_torch_compile` (verl's two spellings; either false turns it off):
         compile lathe's decoder layers and log-prob math, on CUDA (see `lathe.models.compile`).
@@ -95,6 +97,7 @@ class PPOActor:
         bypass = bool(rollout_correction and rollout_correction.get("bypass_mode"))
         self.loss_params = policy_loss_params(actor_cfg, rollout_correction if bypass else None)
         self.policy_loss = get_policy_loss("bypass_mode" if bypass else actor_cfg.policy_loss.loss_mode)
+        self.correction = rollout_correction if in_update(rollout_correction) else None
         self.loss_scale_factor = actor_cfg.loss_scale_factor or max_response_length   # seq-mean-token-sum-norm's divisor
         self.router_aux_coef = router_aux_loss_coef(model)     # 0 unless a MoE policy's config asks (module doc)
         self.megatron_router = megatron_router_coefs(model, actor_cfg.moe_aux_loss_coeff,   # None: both 0
@@ -135,14 +138,19 @@ class PPOActor:
         # wait for each backward before it could queue the next micro-batch
         sums: dict[str, float | torch.Tensor] = defaultdict(float)
         extremes: dict[str, torch.Tensor] = {}
-        diff = ProbsDiffSums() if "old_log_probs" not in mini and "rollout_log_probs" in mini else None
+        if self.correction is not None and "old_log_probs" not in mini and "rollout_log_probs" not in mini:
+            raise ValueError("update_policy: algorithm.rollout_correction is on and the batch has neither "
+                             "old_log_probs nor the engine's rollout_log_probs to correct against")
+        own_old = "old_log_probs" not in mini and "rollout_log_probs" in mini    # on-policy: pi_old's are ours
+        diff = ProbsDiffSums() if own_old else None
+        pieces = CorrectionPieces(self.correction) if own_old and self.correction is not None else None
         replay = ReplayStats() if ROUTED in mini else None                   # routing replay (R2/R3)
         micros = [m for m, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                               key=self.max_token_key)]
         for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
             with replay_or_nothing(self.model, micro, self.use_remove_padding, replay, self.sp):
                 with activations_on_host(self.offload_activations) as moved:
-                    loss, parts = self._micro_batch_loss(micro, agg, diff)
+                    loss, parts = self._micro_batch_loss(micro, agg, diff, pieces)
                 loss.backward()
             if self.offload_activations:       # what waited in host memory, summed over micro-batches and ranks
                 parts[OFFLOADED] = moved["bytes"] / 2**30
@@ -158,6 +166,8 @@ class PPOActor:
         if diff is not None:
             reduce = functools.partial(parallel.all_reduce, group=self.data_group)
             out.update({f"training/rollout_probs_diff_{k}": v for k, v in diff.metrics(reduce).items()})
+        if pieces is not None:
+            out.update(pieces.metrics(functools.partial(parallel.all_gather_objects, group=self.data_group)))
         if replay is not None:
             counts = parallel.sum_metrics(replay_counts(replay, self.sp), self.data_group)
             out["actor/routing_replay_changed"] = counts["changed"] / max(1.0, counts["given"])
@@ -165,8 +175,8 @@ class PPOActor:
         out["actor/skipped_updates"] = self.nonfinite.check(out["actor/grad_norm"], mini)
         return out
 
-    def _micro_batch_loss(self, micro: Batch, agg: dict, diff: ProbsDiffSums | None = None
-                          ) -> tuple[torch.Tensor, dict]:
+    def _micro_batch_loss(self, micro: Batch, agg: dict, diff: ProbsDiffSums | None = None,
+                          pieces: CorrectionPieces | None = None) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         mask = micro["response_mask"]
         z_loss = bool(self.megatron_router and self.megatron_router[1])
@@ -179,13 +189,17 @@ class PPOActor:
                                                    calculate_entropy=True, remove_padding=self.use_remove_padding,
                                                    prefix_grouper=cfg.use_prefix_grouper, sp=self.sp, keep=stream)
         old = micro.tensors.get("old_log_probs")
+        weights = micro.tensors.get("rollout_is_weights")
         if old is None:                     # on-policy (see update_policy): pi_old is this very forward
             old = log_prob.detach()
             if diff is not None:
                 diff.add(old, micro["rollout_log_probs"], mask)
+            if pieces is not None:          # rollout correction against this forward's pi_old (`in_update`)
+                weights = is_weights(old, micro["rollout_log_probs"], mask, pieces.cfg)
+                pieces.add(old, micro["rollout_log_probs"], mask)
         pg_loss, pg_metrics = self.policy_loss(
             old, log_prob, micro["advantages"], mask, loss_agg_mode=cfg.loss_agg_mode,
-            params=self.loss_params, rollout_is_weights=micro.tensors.get("rollout_is_weights"), agg_kwargs=agg)
+            params=self.loss_params, rollout_is_weights=weights, agg_kwargs=agg)
         if not cfg.entropy_coeff:
             entropy = entropy.detach()   # a zero coefficient adds exact zeros: skip the entropy backward
         entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
@@ -216,8 +230,8 @@ class PPOActor:
             token_losses, topk_metrics = self._topk_losses(micro) if self.distillation.use_topk else (None, {})
             distill, distill_metrics = distillation_loss(
                 log_prob, old, micro.tensors.get("teacher_log_probs"), mask, self.distillation,
-                loss_agg_mode=cfg.loss_agg_mode, agg_kwargs=agg,
-                rollout_is_weights=micro.tensors.get("rollout_is_weights"), token_losses=token_losses)
+                loss_agg_mode=cfg.loss_agg_mode, agg_kwargs=agg, rollout_is_weights=weights,
+                token_losses=token_losses)
             loss = combine_losses(loss, distill, self.distillation)
             parts.update(distill_metrics, **topk_metrics, **{"distillation/loss": distill.detach()})
         return loss, parts

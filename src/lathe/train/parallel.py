@@ -77,6 +77,15 @@ def all_reduce(values: list[float] | torch.Tensor, *, op: str = "sum", group=Non
     return out.cpu()
 
 
+def all_gather_objects(obj, group=None) -> list:
+    """`obj` of every rank (of `group`; None: all of them), in rank order; `[obj]` in one process."""
+    if not distributed():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def data_group(*layouts):
     """The process group over which sums of distinct data run: the `data_group` of the first sequence- or tensor-
     parallel layout given (their groups' ranks hold the same data), or None (every rank) when all are None."""

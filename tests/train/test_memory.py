@@ -210,7 +210,7 @@ def test_hybrid_sharding_divides_each_model_by_its_shard_group_not_the_world(mon
 
 
 def test_weights_whole_on_every_tensor_parallel_rank_are_divided_by_the_data_parallel_shards_only(monkeypatch):
-    """A hybrid's in_proj_qkv and convolution (W parameters) stay whole on each of a group's T ranks: a rank holds
+    """A hybrid's convolution and Qwen3.5's in_proj_qkv (W parameters) stay whole on each of a group's T ranks: a rank holds
     (N - W) / (dp T) + W / dp of the actor's and the reference's state; the engine's copy is the whole model's."""
     from lathe.models.hf import lathe_from_transformers
     from lathe.train.tensor_parallel import whole_parameters
@@ -219,6 +219,8 @@ def test_weights_whole_on_every_tensor_parallel_rank_are_divided_by_the_data_par
     linear = tiny.model.layers[0].linear_attn
     assert whole_parameters(tiny) == linear.in_proj_qkv.weight.numel() + linear.conv1d.weight.numel() > 0
     assert whole_parameters(lathe_from_transformers(hf_model("qwen2"))) == 0
+    fused = lathe_from_transformers(hf_model("qwen3_next"))            # its fused projections are cut: the conv only
+    assert whole_parameters(fused) == fused.model.layers[0].linear_attn.conv1d.weight.numel() > 0
     monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
     cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4"])
     w, tp, dp = N // 10, 2, 2

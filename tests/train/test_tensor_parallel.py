@@ -212,7 +212,7 @@ def test_mixture_of_experts_models_are_refused_without_expert_parallelism_of_the
     check_model(model, 2, key, 2)                      # TP x EP: the experts over the group
     from models.gpt_oss_tiny import gpt_oss_config
     gpt_oss = LatheCausalLM(LatheConfig.from_hf_dict(gpt_oss_config().to_dict()))
-    with pytest.raises(ValueError, match="only Qwen3-MoE's and Qwen3.5-MoE's .* are cut over a tensor-parallel group"):
+    with pytest.raises(ValueError, match="only Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's .* are cut over a tensor-parallel group"):
         check_model(gpt_oss, 2, key, 2)
 
 

@@ -1,8 +1,9 @@
 """lathe.train.tensor_parallel with Qwen3.5's hybrid layers (gated-DeltaNet linear attention beside gated full
-attention): a tiny Qwen3.5 and a tiny Qwen3.5-MoE (its routed experts over the group, expert parallelism of the same
-size; its shared expert cut as an MLP) cut over a tensor-parallel group of 2 (gloo, float64; 1 of the 2 linear key
-heads and 2 of the 4 value heads a rank) give the one-process logits, loss and parameter gradients on a packed batch
-and on a padded one (a cut parameter's gradient gathered whole); the sizes and layouts it refuses."""
+attention): a tiny Qwen3.5, a tiny Qwen3.5-MoE (its routed experts over the group, expert parallelism of the same
+size; its shared expert cut as an MLP) and a tiny Qwen3-Next (fused linear-attention projections, a dense layer and a
+sparse one) cut over a tensor-parallel group of 2 (gloo, float64; 1 of the 2 linear key heads and 2 of the 4 value
+heads a rank) give the one-process logits, loss and parameter gradients on a packed batch and on a padded one (a cut
+parameter's gradient gathered whole); the sizes and layouts it refuses."""
 
 from __future__ import annotations
 
@@ -65,11 +66,11 @@ def rank_main(rank: int, port: int, root: str, queue) -> None:
         ep = expert_parallel.ExpertParallel(size=T, rank=tp.rank, mesh=mesh, group=tp.group, same_tokens=True)
         res = {}
         for family, model in torch.load(Path(root) / "models.pt", weights_only=False).items():
-            moe = family == "qwen3_5_moe_text"         # its experts over the group, expert parallelism of T
+            moe = family in MOE                        # its experts over the group, expert parallelism of T
             check_model(model, T, KEY, experts=T if moe else 1)
             parallelize(model, tp)
             if moe:                                    # (the shared expert cut, not left whole)
-                assert hasattr(model.model.layers[0].mlp.shared_expert.gate_proj.weight, "placements")
+                assert hasattr(model.model.layers[-1].mlp.shared_expert.gate_proj.weight, "placements")
             res[family] = run(expert_parallel.parallelize(model, ep if moe else None))
         torch.save(res, Path(root) / f"rank{rank}.pt")
     gloo_rank(rank, T, port, queue, work, JOIN_S)
@@ -82,7 +83,8 @@ def runs(tmp_path_factory):
                        [__name__, "lathe.models.qwen3_5", "lathe.train.tensor_parallel", "lathe.train.expert_parallel"])
 
 
-FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
+FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+MOE = ("qwen3_5_moe_text", "qwen3_next")           # (Qwen3-Next's layer 1 sparse, layer 0 dense)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -98,13 +100,14 @@ def test_a_group_of_two_equals_one_process(runs, batch, family):
         assert_close_rel(got["loss"], want["loss"], 1e-7, name=f"rank {rank}'s {batch} loss")
         assert_close_rel(got["grads"], want["grads"], 1e-6, name=f"rank {rank}'s {batch} gradients")
     linear, full = "model.layers.0.linear_attn.", "model.layers.1.self_attn."
-    for name in ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "in_proj_qkv.weight", "in_proj_z.weight",
-                 "in_proj_b.weight", "in_proj_a.weight", "out_proj.weight"):
+    projections = (("in_proj_qkvz.weight", "in_proj_ba.weight") if family == "qwen3_next" else
+                   ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"))
+    for name in ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "out_proj.weight", *projections):
         assert want["grads"][linear + name].abs().sum() > 0, name
     assert want["grads"][full + "q_norm.weight"].abs().sum() > 0
-    if family == "qwen3_5_moe_text":
+    if family in MOE:
         for name in ("gate.weight", "shared_expert.down_proj.weight", "shared_expert_gate.weight"):
-            assert want["grads"]["model.layers.0.mlp." + name].abs().sum() > 0, name
+            assert want["grads"]["model.layers.1.mlp." + name].abs().sum() > 0, name
 
 
 # -- beside Ulysses: TP 2 x SP 2 on 4 ranks (the tp pairs consecutive, the sp pairs 2 apart) -------------------------
@@ -187,9 +190,6 @@ def test_sizes_and_layouts_it_cannot_cut_are_refused():
     narrow = lathe_from_transformers(AutoModelForCausalLM.from_config(cfg))
     with pytest.raises(ValueError, match=rf"{KEY}=2: .*25 shared_expert_intermediate_size"):
         tensor_parallel.check_model(narrow, 2, KEY, experts=2)
-    fused = lathe_from_transformers(hf_model("qwen3_next"))
-    with pytest.raises(ValueError, match="fuse their projections"):
-        tensor_parallel.check_model(fused, 2, KEY)
 
 
 def test_a_lora_adapter_on_the_whole_projection_is_refused():

@@ -16,8 +16,8 @@ Megatron scripts' tensor_model_parallel_size with context_parallel_size) the S x
 (devices / (S x T) data-parallel groups), the T of a tensor-parallel group consecutive and the S of a sequence-
 parallel group strided by T (`lathe.train.ulysses`: the all-to-all splits each rank's heads/T heads again over S), so
 S x T must divide the devices; the heads (T x S must divide the query heads) are checked when the model loads, and so
-are the models tensor parallelism does not cut yet (mixture-of-experts but Qwen3-MoE's and Qwen3.5-MoE's, Qwen3-Next's
-fused projections, latent attention).
+are the models tensor parallelism does not cut yet (mixture-of-experts but Qwen3-MoE's, Qwen3.5-MoE's and
+Qwen3-Next's, latent attention).
 Expert parallelism beside it places the experts over the ranks of each tensor-parallel group (its size equal to
 the tensor-parallel size; others, and the pair beside Ulysses or LoRA, are refused by `check_expert_parallel`).
 

@@ -24,7 +24,9 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   `in_proj_qkv` and the convolution, whose rows are [all q | all k | all v] sections, stay whole on every rank, each
   rank taking its rows of each section through `copy_to_group` (its FLOPs are its own; those weights' memory is
   divided by FSDP2's shards only), as `A_log`, `dt_bias` (per value head) and the gated norm's weight (shared by
-  the heads) do;
+  the heads) do. Qwen3-Next's fused projections lay their rows out per key head (`in_proj_qkvz`: each head's q, k,
+  its value heads' v and z; `in_proj_ba`: their b and a), so they are column-parallel as they are, each rank's rows
+  its heads'; only the convolution stays whole there;
 - a mixture-of-experts layer (Qwen3-MoE's, Qwen3.5-MoE's) keeps its router whole and places its routed experts over
   the group, E/T whole experts per rank, expert parallelism of the same size (`lathe.train.expert_parallel`): each
   rank runs its experts on the tokens routed there and the group sums their outputs, one all-reduce, as after the
@@ -79,8 +81,8 @@ def tensor_parallel(plan, device: torch.device) -> TensorParallel | None:
 
 
 def check_model(model, size: int, key: str, experts: int = 1) -> None:
-    """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model (Qwen3.5 and Qwen3.5-MoE
-    hybrids too: `_check_linear_attention`) whose query heads, key/value heads and intermediate sizes divide by the
+    """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model (Qwen3.5, Qwen3.5-MoE
+    and Qwen3-Next hybrids too: `_check_linear_attention`) whose query heads, key/value heads and intermediate sizes divide by the
     size (the vocabulary need not: its slices are torch.chunk's, the last ones shorter). Mixture-of-experts layers only
     with `experts` (the expert-parallel size) equal to the size, Qwen3-MoE's and Qwen3.5-MoE's (`lathe.train.
     expert_parallel` places their experts over the group; the size must divide them, `expert_parallel.check_model`)."""
@@ -106,7 +108,8 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
     from lathe.models.qwen3_5 import SharedExpertMoeBlock
     if any(type(mlp) not in (SparseMoeBlock, SharedExpertMoeBlock) for mlp in sparse):
         raise ValueError(f"{key}={size} with the mixture-of-experts layers of {model.config.architecture}: only "
-                         f"Qwen3-MoE's and Qwen3.5-MoE's (a router, routed experts, a shared expert; no attention "
+                         f"Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's (a router, routed experts, a shared expert; no "
+                         f"attention "
                          f"sinks) are cut over a tensor-parallel group yet. Fix: set {key}=1 (and {ep_key} as without "
                          f"tensor parallelism).")
     c = model.config
@@ -136,12 +139,17 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
                   "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
                   "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                   "mlp.down_proj": RowwiseParallel()}
-    linear_plan = {"linear_attn.in_proj_z": ColwiseParallel(), "linear_attn.in_proj_b": ColwiseParallel(),
-                   "linear_attn.in_proj_a": ColwiseParallel(), "linear_attn.out_proj": RowwiseParallel()}
+    # a gated-DeltaNet layer's column-parallel projections: Qwen3.5's z, b, a (its qkv stays whole), or Qwen3-Next's
+    # fused ones, whose rows are laid out per key head (each head's q, k, v, z; its b, a), so a cut gives whole heads
+    split = {"linear_attn.in_proj_z": ColwiseParallel(), "linear_attn.in_proj_b": ColwiseParallel(),
+             "linear_attn.in_proj_a": ColwiseParallel()}
+    fused = {"linear_attn.in_proj_qkvz": ColwiseParallel(), "linear_attn.in_proj_ba": ColwiseParallel()}
     mtp = list(getattr(model.model, "mtp_layers", None) or ())   # MiMo: Qwen2 layers too; their extra norms and
     for layer in [*model.model.layers, *mtp]:                     # input projection stay whole, as the norms do
         linear = hasattr(layer, "linear_attn")                    # a hybrid's gated-DeltaNet layer (module doc)
-        mixer = linear_plan if linear else {k: v for k, v in layer_plan.items() if k.startswith("self_attn.")}
+        mixer = ({**(split if layer.linear_attn.la.projections == "split" else fused),
+                  "linear_attn.out_proj": RowwiseParallel()} if linear else
+                 {k: v for k, v in layer_plan.items() if k.startswith("self_attn.")})
         # a sparse layer's MLP: its router whole, its experts over the group (`lathe.train.expert_parallel`), a
         # shared expert (Qwen3.5-MoE's) cut as a dense MLP, its sigmoid gate whole
         shared = "mlp.shared_expert." if hasattr(layer.mlp, "shared_expert") else None
@@ -221,12 +229,12 @@ class _LocalHeadsNorm:
             self._parameters["weight"] = weight
 
 
-class _LocalDeltaNet:
-    """A gated-DeltaNet layer (`lathe.models.qwen3_5.GatedDeltaNet`, split projections) on this rank's key heads and
-    their value heads (module doc; mixed into its class by `parallelize`, after its z, b, a projections were cut
-    column-parallel): `in_proj_qkv`'s and the convolution's rows of this rank's heads in each of the q, k and v
-    sections (`tp_rows`), and its value heads' `A_log`, `dt_bias` (`tp_values`), all taken from whole weights
-    through `copy_to_group`."""
+class _LocalFusedDeltaNet:
+    """A gated-DeltaNet layer (`lathe.models.qwen3_5.GatedDeltaNet`) on this rank's key heads and their value heads
+    (module doc; mixed into its class by `parallelize`, after its projections were cut): the convolution's rows of
+    this rank's heads in each of its q, k and v sections (`tp_rows`), and its value heads' `A_log`, `dt_bias`
+    (`tp_values`), taken from whole weights through `copy_to_group`. Qwen3-Next's fused projections, cut column-
+    parallel, give this rank's heads as they are (`project` unchanged)."""
 
     tp_group: Any
     tp_rows: tuple[slice, slice, slice]
@@ -235,13 +243,6 @@ class _LocalDeltaNet:
     def rows(self, weight: torch.Tensor) -> torch.Tensor:
         whole = copy_to_group(weight, self.tp_group)
         return torch.cat([whole[part] for part in self.tp_rows])
-
-    def project(self, x: torch.Tensor):
-        z = self.in_proj_z(x).unflatten(-1, (self.n_v, self.la.value_head_dim))
-        # (x enters through copy_to_group too: this rank's rows give a partial sum of x's gradient, as a column-
-        # parallel projection's do, whose style sums them)
-        mixed = nn.functional.linear(copy_to_group(x, self.tp_group), self.rows(self.in_proj_qkv.weight))
-        return mixed, z, self.in_proj_b(x), self.in_proj_a(x)
 
     def conv_weight(self) -> torch.Tensor:
         return self.rows(self.conv1d.weight).squeeze(1)
@@ -252,9 +253,21 @@ class _LocalDeltaNet:
         return -a_log.float().exp() * nn.functional.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
 
+class _LocalDeltaNet(_LocalFusedDeltaNet):
+    """`_LocalFusedDeltaNet` for Qwen3.5's split projections (z, b, a cut column-parallel): `in_proj_qkv`'s rows, in
+    [all q | all k | all v] sections as the convolution's, are taken as the convolution's are."""
+
+    def project(self, x: torch.Tensor):
+        z = self.in_proj_z(x).unflatten(-1, (self.n_v, self.la.value_head_dim))
+        # (x enters through copy_to_group too: this rank's rows give a partial sum of x's gradient, as a column-
+        # parallel projection's do, whose style sums them)
+        mixed = nn.functional.linear(copy_to_group(x, self.tp_group), self.rows(self.in_proj_qkv.weight))
+        return mixed, z, self.in_proj_b(x), self.in_proj_a(x)
+
+
 @functools.cache
-def _local_delta_net(cls: type) -> type:
-    return type(f"TensorParallel{cls.__name__}", (_LocalDeltaNet, cls), {})
+def _local_delta_net(cls: type, split: bool) -> type:
+    return type(f"TensorParallel{cls.__name__}", (_LocalDeltaNet if split else _LocalFusedDeltaNet, cls), {})
 
 
 def _local_linear_heads(mixer: nn.Module, tp: TensorParallel) -> None:
@@ -267,28 +280,25 @@ def _local_linear_heads(mixer: nn.Module, tp: TensorParallel) -> None:
                      slice(2 * whole_k + tp.rank * v * dv, 2 * whole_k + (tp.rank + 1) * v * dv))
     mixer.tp_values, mixer.tp_group = slice(tp.rank * v, (tp.rank + 1) * v), tp.group
     mixer.n_k, mixer.n_v, mixer.key_dim, mixer.value_dim = k, v, k * dk, v * dv
-    mixer.__class__ = _local_delta_net(type(mixer))
+    mixer.__class__ = _local_delta_net(type(mixer), la.projections == "split")
 
 
 def whole_parameters(model: nn.Module) -> int:
     """Parameters that every rank of a tensor-parallel group holds whole besides norms and gates' small vectors (for
-    the memory plan): a hybrid's `in_proj_qkv` and convolution weights (`_LocalDeltaNet`); 0 for other models."""
-    return sum(m.linear_attn.in_proj_qkv.weight.numel() + m.linear_attn.conv1d.weight.numel()
-               for m in getattr(getattr(model, "model", None), "layers", ())
-               if hasattr(getattr(m, "linear_attn", None), "in_proj_qkv"))
+    the memory plan): a hybrid's convolution weights and Qwen3.5's `in_proj_qkv` (`_LocalDeltaNet`); 0 for other
+    models."""
+    mixers = [m.linear_attn for m in getattr(getattr(model, "model", None), "layers", ()) if hasattr(m, "linear_attn")]
+    return sum(m.conv1d.weight.numel() + (m.in_proj_qkv.weight.numel() if hasattr(m, "in_proj_qkv") else 0)
+               for m in mixers)
 
 
 def _check_linear_attention(model, size: int, key: str) -> None:
-    """Raise unless a hybrid's gated-DeltaNet layers can be cut over `size` ranks (`parallelize`): Qwen3.5's split
-    projections, key and value heads that `size` divides, no LoRA adapter on the whole-weight projection."""
+    """Raise unless a hybrid's gated-DeltaNet layers can be cut over `size` ranks (`parallelize`): key and value
+    heads that `size` divides, no LoRA adapter on Qwen3.5's whole-weight projection."""
     la = getattr(model.config, "linear_attention", None)
     if la is None:
         return
     arch = model.config.architecture
-    if la.projections != "split":
-        raise ValueError(f"{key}={size}: {arch}'s linear-attention layers fuse their projections (in_proj_qkvz, "
-                         f"in_proj_ba), which lathe does not cut over a tensor-parallel group yet (Qwen3.5's split "
-                         f"ones it does). Fix: set {key}=1.")
     if la.num_key_heads % size or la.num_value_heads % size:
         ok = [t for t in range(1, la.num_key_heads + 1) if la.num_key_heads % t == 0 and la.num_value_heads % t == 0]
         raise ValueError(f"{key}={size}: {arch}'s linear-attention layers have {la.num_key_heads} key heads and "

@@ -22,15 +22,16 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   1/T of the key heads with their value heads (the convolution is per channel and the delta rule per head, so heads
   are independent): `in_proj_z`, `in_proj_b`, `in_proj_a` column-parallel, `out_proj` row-parallel, and
   `in_proj_qkv` and the convolution, whose rows are [all q | all k | all v] sections, stay whole on every rank, each
-  rank taking its rows of each section through `copy_to_group` (its FLOPs are its own; those weights' memory is
-  divided by FSDP2's shards only), as `A_log`, `dt_bias` (per value head) and the gated norm's weight (shared by
-  the heads) do. Qwen3-Next's fused projections lay their rows out per key head (`in_proj_qkvz`: each head's q, k,
-  its value heads' v and z; `in_proj_ba`: their b and a), so they are column-parallel as they are, each rank's rows
-  its heads'; only the convolution stays whole there;
-- a mixture-of-experts layer (Qwen3-MoE's, Qwen3.5-MoE's) keeps its router whole and places its routed experts over
-  the group, E/T whole experts per rank, expert parallelism of the same size (`lathe.train.expert_parallel`): each
-  rank runs its experts on the tokens routed there and the group sums their outputs, one all-reduce, as after the
-  MLP; Qwen3.5-MoE's shared expert is cut as a dense MLP, its sigmoid gate (hidden -> 1) whole.
+  rank taking its rows of each section (`take_rows`: their gradients gathered over the group; its FLOPs are its own;
+  those weights' memory is divided by FSDP2's shards only), as `A_log`, `dt_bias` (per value head) and the gated
+  norm's weight (shared by the heads) are taken through `copy_to_group`. Qwen3-Next's fused projections lay their
+  rows out per key head (`in_proj_qkvz`: each head's q, k, its value heads' v and z; `in_proj_ba`: their b and a),
+  so they are column-parallel as they are, each rank's rows its heads'; only the convolution stays whole there;
+- a mixture-of-experts layer (Qwen3-MoE's, Qwen3.5-MoE's, Qwen3-Next's) keeps its router whole and places its routed
+  experts over the group, E/T whole experts per rank, expert parallelism of the same size
+  (`lathe.train.expert_parallel`): each rank runs its experts on the tokens routed there and the group sums their
+  outputs, one all-reduce, as after the MLP; Qwen3.5-MoE's (and Qwen3-Next's) shared expert is cut as a dense MLP,
+  its sigmoid gate (hidden -> 1) whole.
 
 Every rank of a group holds the same data (the driver gives each group one share, as to a Ulysses group) and
 computes the same loss; the DTensor collectives' backwards route the gradients (a whole activation's gradient is the
@@ -81,11 +82,12 @@ def tensor_parallel(plan, device: torch.device) -> TensorParallel | None:
 
 
 def check_model(model, size: int, key: str, experts: int = 1) -> None:
-    """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model (Qwen3.5, Qwen3.5-MoE
-    and Qwen3-Next hybrids too: `_check_linear_attention`) whose query heads, key/value heads and intermediate sizes divide by the
-    size (the vocabulary need not: its slices are torch.chunk's, the last ones shorter). Mixture-of-experts layers only
-    with `experts` (the expert-parallel size) equal to the size, Qwen3-MoE's and Qwen3.5-MoE's (`lathe.train.
-    expert_parallel` places their experts over the group; the size must divide them, `expert_parallel.check_model`)."""
+    """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model (Qwen3.5, Qwen3.5-MoE and
+    Qwen3-Next hybrids too: `_check_linear_attention`) whose query heads, key/value heads and intermediate sizes
+    divide by the size (the vocabulary need not: its slices are torch.chunk's, the last ones shorter). Mixture-of-
+    experts layers only with `experts` (the expert-parallel size) equal to the size, Qwen3-MoE's, Qwen3.5-MoE's and
+    Qwen3-Next's (`lathe.train.expert_parallel` places their experts over the group; the size must divide them,
+    `expert_parallel.check_model`)."""
     if size == 1:
         return
     from lathe.models.lora import lora_layers
@@ -203,6 +205,31 @@ class _CopyToGroup(torch.autograd.Function):
         return wait_tensor(all_reduce(grad.contiguous(), "sum", ctx.group)), None
 
 
+def take_rows(weight: torch.Tensor, rows: list[tuple[slice, ...]], rank: int, group) -> torch.Tensor:
+    """`weight`'s rows `rows[rank]` (slices, concatenated) from a whole weight that every rank of `group` holds, each
+    taking its own rows (`rows`: every rank's, covering the weight). Backward gathers every rank's rows' gradients
+    whole on each rank (one all-gather: half the bytes of all-reducing a whole gradient that is (T - 1)/T zeros, and
+    no sums), so the whole weight's gradient is the same on every rank, as `copy_to_group`'s would be."""
+    return _TakeRows.apply(weight, rows, rank, group)
+
+
+class _TakeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, rows, rank: int, group) -> torch.Tensor:
+        ctx.rows, ctx.group, ctx.shape = rows, group, weight.shape
+        return torch.cat([weight[part] for part in rows[rank]])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from torch.distributed._functional_collectives import all_gather_tensor, wait_tensor
+        pieces = wait_tensor(all_gather_tensor(grad.contiguous(), 0, ctx.group)).chunk(len(ctx.rows))
+        whole = grad.new_empty(ctx.shape)
+        for parts, piece in zip(ctx.rows, pieces):
+            for part, block in zip(parts, piece.split([p.stop - p.start for p in parts])):
+                whole[part] = block
+        return whole, None, None, None
+
+
 class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
@@ -232,17 +259,17 @@ class _LocalHeadsNorm:
 class _LocalFusedDeltaNet:
     """A gated-DeltaNet layer (`lathe.models.qwen3_5.GatedDeltaNet`) on this rank's key heads and their value heads
     (module doc; mixed into its class by `parallelize`, after its projections were cut): the convolution's rows of
-    this rank's heads in each of its q, k and v sections (`tp_rows`), and its value heads' `A_log`, `dt_bias`
-    (`tp_values`), taken from whole weights through `copy_to_group`. Qwen3-Next's fused projections, cut column-
-    parallel, give this rank's heads as they are (`project` unchanged)."""
+    this rank's heads in each of its q, k and v sections (`tp_rows`, `take_rows`), and its value heads' `A_log`,
+    `dt_bias` (`tp_values`, through `copy_to_group`), taken from whole weights. Qwen3-Next's fused projections, cut
+    column-parallel, give this rank's heads as they are (`project` unchanged)."""
 
     tp_group: Any
-    tp_rows: tuple[slice, slice, slice]
+    tp_rank: int
+    tp_rows: list[tuple[slice, slice, slice]]      # every rank's rows, by its place in the group
     tp_values: slice
 
     def rows(self, weight: torch.Tensor) -> torch.Tensor:
-        whole = copy_to_group(weight, self.tp_group)
-        return torch.cat([whole[part] for part in self.tp_rows])
+        return take_rows(weight, self.tp_rows, self.tp_rank, self.tp_group)
 
     def conv_weight(self) -> torch.Tensor:
         return self.rows(self.conv1d.weight).squeeze(1)
@@ -275,10 +302,9 @@ def _local_linear_heads(mixer: nn.Module, tp: TensorParallel) -> None:
     la = mixer.la
     k, v = la.num_key_heads // tp.size, la.num_value_heads // tp.size
     dk, dv, whole_k = la.key_head_dim, la.value_head_dim, la.num_key_heads * la.key_head_dim
-    mine = slice(tp.rank * k * dk, (tp.rank + 1) * k * dk)
-    mixer.tp_rows = (mine, slice(whole_k + mine.start, whole_k + mine.stop),
-                     slice(2 * whole_k + tp.rank * v * dv, 2 * whole_k + (tp.rank + 1) * v * dv))
-    mixer.tp_values, mixer.tp_group = slice(tp.rank * v, (tp.rank + 1) * v), tp.group
+    mixer.tp_rows = [(slice(r * k * dk, (r + 1) * k * dk), slice(whole_k + r * k * dk, whole_k + (r + 1) * k * dk),
+                      slice(2 * whole_k + r * v * dv, 2 * whole_k + (r + 1) * v * dv)) for r in range(tp.size)]
+    mixer.tp_values, mixer.tp_group, mixer.tp_rank = slice(tp.rank * v, (tp.rank + 1) * v), tp.group, tp.rank
     mixer.n_k, mixer.n_v, mixer.key_dim, mixer.value_dim = k, v, k * dk, v * dv
     mixer.__class__ = _local_delta_net(type(mixer), la.projections == "split")
 

@@ -222,5 +222,39 @@ def test_correction_pieces_of_micro_batches_and_ranks_give_the_whole_batchs_weig
     assert set(got) == set(want)
     for k, v in want.items():
         assert got[k] == pytest.approx(float(v), rel=1e-6, abs=1e-9), k
+    assert ranks[1].metrics(lambda local: None) == {}            # a rank that sent its rows to another
     assert CorrectionPieces(cfg).metrics() == {}
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(10, 7, generator=g) * 3
+    return old, old + 0.2 * torch.randn(10, 7, generator=g), torch.rand(10, 7, generator=g) > 0.3
+
+
+def _two_ranks(rank: int, port: int, root: str, queue) -> None:
+    from helpers import gloo_rank
+
+    def work():
+        from lathe.algo.rollout_correction import ROLLOUT_CORRECTION_KEYS, CorrectionPieces
+        from lathe.train import parallel
+        old, rollout, mask = _batch()
+        pieces = CorrectionPieces({**ROLLOUT_CORRECTION_KEYS, "rollout_is": "token"})
+        rows = slice(0, 6) if rank == 0 else slice(6, 10)                      # different rows on each rank
+        pieces.add(old[rows], rollout[rows], mask[rows])
+        torch.save(pieces.metrics(lambda local: parallel.gather_objects(local)), f"{root}/rank{rank}.pt")
+    gloo_rank(rank, 2, port, queue, work, 60)
+
+
+def test_two_ranks_holding_different_rows_give_the_whole_batchs_metrics_on_the_first(tmp_path):
+    """`parallel.gather_objects` over 2 gloo ranks: the first rank's metrics are the whole batch's, the other's none
+    (the driver reads the first rank's)."""
+    from helpers import spawn_saving_ranks
+    from lathe.algo.rollout_correction import ROLLOUT_CORRECTION_KEYS
+    old, rollout, mask = _batch()
+    _, _, want = compute_rollout_correction(old, rollout, mask, **{**ROLLOUT_CORRECTION_KEYS, "rollout_is": "token"})
+    first, other = spawn_saving_ranks(_two_ranks, 2, tmp_path, [__name__, "lathe.algo.rollout_correction"], 60)
+    assert other == {} and set(first) == set(want)
+    for k, v in want.items():
+        assert first[k] == pytest.approx(float(v), rel=1e-6, abs=1e-9), k
 

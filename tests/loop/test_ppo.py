@@ -205,6 +205,9 @@ def test_out_of_memory_names_the_phase_and_the_keys(tmp_path, monkeypatch, metho
       "algorithm.rollout_correction.rollout_is_batch_normalize=true"], True),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.rollout_rs=token_k1",
       "algorithm.rollout_correction.rollout_rs_threshold=2.0"], True),
+    # LoRA dropout: the update's forward is not the old policy's dropout-free pass, which the weights then need
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.rollout_is=token",
+      "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_dropout=0.1"], True),
 ])
 def test_the_old_policy_forward_runs_only_when_something_reads_it(tmp_path, monkeypatch, overrides, forward):
     cfg = load_config(None, [*tiny(), f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2",
@@ -226,6 +229,25 @@ def test_the_old_policy_forward_runs_only_when_something_reads_it(tmp_path, monk
     assert all(0 <= m["training/rollout_probs_diff_max"] < 0.05 for m in metrics.values()), metrics
     if any("rollout_correction" in o for o in overrides):      # and the correction's metrics, whoever computed them
         assert all("rollout_corr/kl" in m for m in metrics.values())
+
+
+def test_an_update_that_leaves_out_the_correction_left_to_it_stops_the_run(tmp_path, monkeypatch):
+    """On-policy with token TIS the loop skips the old-policy pass and leaves the correction to the update: an update
+    that comes back without its `rollout_corr/*` metrics (a worker built without the correction's keys) stops the
+    step rather than training uncorrected."""
+    cfg = load_config(None, [*tiny(), f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=1",
+                             "trainer.test_freq=-1", "trainer.val_before_train=false",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                             "algorithm.rollout_correction.rollout_is=token"])
+    trainer = build_trainer(cfg)
+    real = trainer.worker.update_actor
+    monkeypatch.setattr(trainer.worker, "update_actor", lambda batch: {
+        k: v for k, v in real(batch).items() if not k.startswith("rollout_corr/")})
+    try:
+        with pytest.raises(RuntimeError, match="computed no rollout correction"):
+            fit(trainer)
+    finally:
+        trainer.close()
 
 
 def test_a_reward_function_failing_on_every_sample_stops_the_run(tmp_path):

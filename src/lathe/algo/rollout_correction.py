@@ -322,19 +322,26 @@ class ProbsDiffSums:
 class CorrectionPieces:
     """An on-policy update's (pi_old, pi_rollout, response mask) rows, micro-batch by micro-batch (`in_update`), for
     `compute_rollout_correction`'s metrics over the whole batch: every rank's share when `metrics` is given `gather`
-    (a function returning every rank's object, `lathe.train.parallel.all_gather_objects`). The rows stay on the
-    device until the end (one host read)."""
+    (a function returning every rank's object on one rank, None on the others, `lathe.train.parallel.
+    gather_objects`; only that rank computes them, as the driver reads the first rank's metrics). The rows stay on the
+    device until the end (one host read); they travel as float32 values and a boolean mask, 9 bytes a token (a
+    reduction of partial sums would travel O(rows): not built)."""
 
     def __init__(self, cfg: dict):
         self.cfg = cfg
         self.rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def add(self, old_log_prob, rollout_log_prob, response_mask) -> None:
-        self.rows.append((old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach()))
+        self.rows.append((old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach().bool()))
 
     def metrics(self, gather=None) -> dict[str, float]:
-        local = [tuple(t.cpu() for t in row) for row in self.rows]
-        pieces = [row for part in (gather(local) if gather is not None else [local]) for row in part]
+        # (clone: a micro-batch may be a view of the mini-batch, whose whole storage pickling would send)
+        local = [tuple(t.float().cpu().clone() if t.is_floating_point() else t.cpu().clone() for t in row)
+                 for row in self.rows]
+        parts = gather(local) if gather is not None else [local]
+        if parts is None:                                   # another rank gathers and computes them
+            return {}
+        pieces = [row for part in parts for row in part]
         if not pieces:
             return {}
         width = max(row[0].shape[-1] for row in pieces)

@@ -92,8 +92,9 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, ski
         if "rollout_log_probs" in batch:                                 # verl's engine-vs-trainer check
             metrics.update({f"training/rollout_probs_diff_{k}": v for k, v in rollout_probs_diff(
                 batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]).items()})
-    if not old_from_rollout and rollout_correction_enabled(rc) and "old_log_probs" in batch:
-        # (without them the on-policy update corrects against its own forward: `needs_old_forward`)
+    # without old log-probs the on-policy update corrects against its own forward (`needs_old_forward`)
+    corrects_in_update = not old_from_rollout and rollout_correction_enabled(rc) and "old_log_probs" not in batch
+    if not old_from_rollout and rollout_correction_enabled(rc) and not corrects_in_update:
         correction, rc_metrics = apply_rollout_correction(batch, rc)
         batch.update(correction)
         metrics.update(rc_metrics)
@@ -117,7 +118,12 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, ski
             metrics.update(t.critic.update_critic(batch))
     if t.global_step >= t.cfg.trainer.critic_warmup:          # verl: the critic may train alone first
         with timer("update_actor"):
-            metrics.update(t.worker.update_actor(batch))
+            update = t.worker.update_actor(batch)
+        if corrects_in_update and not any(k.startswith("rollout_corr/") for k in update):
+            raise RuntimeError("the actor update computed no rollout correction, which this step left to it "
+                               "(algorithm.rollout_correction is on and the old-policy pass was skipped): its worker "
+                               "was built without the algorithm.rollout_correction keys")
+        metrics.update(update)
     return metrics
 
 
@@ -127,14 +133,16 @@ def needs_old_forward(t: Trainer, batch: Batch) -> bool:
     computes (verl's dp_actor then uses them, detached, in place of the recomputed ones). So the forward is saved
     unless something else reads `old_log_probs` first: the KL penalty in the reward, a rollout correction that the
     update cannot compute from its own forward (rejection sampling, batch-normalised weights: `in_update`; IS
-    weights alone it computes, as FP8 rollout's default token TIS), an advantage estimator that reads them with
+    weights alone it computes, as FP8 rollout's default token TIS, unless LoRA dropout makes that forward differ from
+    the old-policy pass's, which runs without dropout, as verl's does), an advantage estimator that reads them with
     `sum_pi_squared` (`actor.calculate_sum_pi_squared`), or an actor update that does not run this step (critic
     warm-up)."""
     algo, actor = t.cfg.algorithm, t.cfg.actor_rollout_ref.actor
     on_policy = actor.ppo_epochs == 1 and len(batch) <= t.plan.actor.mini_batch_sequences
-    rc = algo.rollout_correction
+    rc, model = algo.rollout_correction, t.cfg.actor_rollout_ref.model
+    dropout = model.lora_rank > 0 and model.lora_dropout > 0
     return (not on_policy or algo.use_kl_in_reward
-            or (rollout_correction_enabled(rc) and not in_update(rollout_correction_kwargs(rc)))
+            or (rollout_correction_enabled(rc) and (dropout or not in_update(rollout_correction_kwargs(rc))))
             or actor.calculate_sum_pi_squared or t.global_step < t.cfg.trainer.critic_warmup)
 
 

@@ -167,7 +167,7 @@ class PPOActor:
             reduce = functools.partial(parallel.all_reduce, group=self.data_group)
             out.update({f"training/rollout_probs_diff_{k}": v for k, v in diff.metrics(reduce).items()})
         if pieces is not None:
-            out.update(pieces.metrics(functools.partial(parallel.all_gather_objects, group=self.data_group)))
+            out.update(pieces.metrics(functools.partial(parallel.gather_objects, group=self.data_group)))
         if replay is not None:
             counts = parallel.sum_metrics(replay_counts(replay, self.sp), self.data_group)
             out["actor/routing_replay_changed"] = counts["changed"] / max(1.0, counts["given"])

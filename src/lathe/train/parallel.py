@@ -77,12 +77,14 @@ def all_reduce(values: list[float] | torch.Tensor, *, op: str = "sum", group=Non
     return out.cpu()
 
 
-def all_gather_objects(obj, group=None) -> list:
-    """`obj` of every rank (of `group`; None: all of them), in rank order; `[obj]` in one process."""
+def gather_objects(obj, group=None) -> list | None:
+    """`obj` of every rank (of `group`; None: all of them), in rank order, on the group's first rank; None on the
+    others; `[obj]` in one process."""
     if not distributed():
         return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(obj, out, dst=first, group=group)
     return out
 
 

@@ -138,11 +138,14 @@ def test_a_replica_generates_what_one_process_generates(paths, world):
 
 @pytest.mark.gpu
 def test_a_replica_over_two_gpus_generates_what_one_gpu_generates(paths):
-    """NCCL, CUDA graphs (the all-reduces and the LM head's gather captured) and compiled layers, in float32."""
+    """NCCL, CUDA graphs (the all-reduces and the LM head's gather captured) and compiled layers, in float32; one
+    family (Qwen2's: what the GPU adds does not depend on the family, the CPU test covers the three), since each
+    engine compiles its layers and captures its graphs, in one process and in each rank: with the three families
+    the test did not finish within 430 s on 2 cold H200s (2026-12-01)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    want = [generations(build(p, None, torch.device("cuda", 0)), p) for p in paths]
-    assert_same_generations(run_replica(2, paths, "cuda"), want, 2)
+    want = [generations(build(paths[0], None, torch.device("cuda", 0)), paths[0])]
+    assert_same_generations(run_replica(2, paths[:1], "cuda"), want, 2)
 
 
 def test_a_mimo_replica_leaves_the_mtp_layers_out(tmp_path):

@@ -110,9 +110,8 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
     from lathe.models.qwen3_5 import SharedExpertMoeBlock
     if any(type(mlp) not in (SparseMoeBlock, SharedExpertMoeBlock) for mlp in sparse):
         raise ValueError(f"{key}={size} with the mixture-of-experts layers of {model.config.architecture}: only "
-                         f"Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's (a router, routed experts, a shared expert; no "
-                         f"attention "
-                         f"sinks) are cut over a tensor-parallel group yet. Fix: set {key}=1 (and {ep_key} as without "
+                         f"Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's (a router, routed experts, a shared expert; "
+                         f"no attention sinks) are cut over a tensor-parallel group yet. Fix: set {key}=1 (and {ep_key} as without "
                          f"tensor parallelism).")
     c = model.config
     sizes = {"query heads (num_attention_heads)": c.num_attention_heads,
@@ -221,9 +220,10 @@ class _TakeRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        from torch.distributed._functional_collectives import all_gather_tensor, wait_tensor
-        pieces = wait_tensor(all_gather_tensor(grad.contiguous(), 0, ctx.group)).chunk(len(ctx.rows))
-        whole = grad.new_empty(ctx.shape)
+        import torch.distributed._functional_collectives as funcol
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor     # (its older name)
+        pieces = funcol.wait_tensor(gather(grad.contiguous(), 0, ctx.group)).chunk(len(ctx.rows))
+        whole = grad.new_zeros(ctx.shape)       # (zeros where no rank's rows lie: none in `parallelize`'s layouts)
         for parts, piece in zip(ctx.rows, pieces):
             for part, block in zip(parts, piece.split([p.stop - p.start for p in parts])):
                 whole[part] = block

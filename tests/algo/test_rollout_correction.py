@@ -200,9 +200,11 @@ def test_probs_diff_pieces_combine_into_the_whole_batchs_statistics():
 @pytest.mark.parametrize("rollout_is", ["token", "sequence"])
 def test_correction_pieces_of_micro_batches_and_ranks_give_the_whole_batchs_weights_and_metrics(rollout_is):
     """An on-policy update's correction (`in_update`): weights micro-batch by micro-batch are the whole batch's, and
-    the pieces of two 'ranks' (a gather returning both ranks' rows; one rank's micro-batches trimmed to a narrower
-    response width, as a packed micro-batch may be) give `compute_rollout_correction`'s metrics of the whole batch."""
-    from lathe.algo.rollout_correction import ROLLOUT_CORRECTION_KEYS, CorrectionPieces, in_update, is_weights
+    the pieces of two 'ranks' (a gather returning both ranks' combined moments; one rank's micro-batches trimmed to a
+    narrower response width, as a packed micro-batch may be) give `compute_rollout_correction`'s metrics of the whole
+    batch; with no mismatch at all, spreads and divergences are exactly 0."""
+    from lathe.algo.rollout_correction import ROLLOUT_CORRECTION_KEYS, CorrectionPieces, _combine, in_update, \
+        is_weights
     cfg = {**ROLLOUT_CORRECTION_KEYS, "rollout_is": rollout_is, "rollout_is_threshold": 1.3}
     assert in_update(cfg) and not in_update({**cfg, "rollout_rs": "token_k1"}) \
         and not in_update({**cfg, "rollout_is_batch_normalize": True}) and not in_update({**cfg, "rollout_is": None}) \
@@ -218,12 +220,19 @@ def test_correction_pieces_of_micro_batches_and_ranks_give_the_whole_batchs_weig
         o, r, m = old[rows, :width], rollout[rows, :width], mask[rows, :width]
         assert torch.allclose(is_weights(o, r, m, cfg), weights[rows, :width], rtol=1e-6, atol=0)
         ranks[rank].add(o, r, m)
-    got = ranks[0].metrics(lambda local: [local, ranks[1].rows])
+    got = ranks[0].metrics(lambda local: [local, _combine(ranks[1].pieces)])
     assert set(got) == set(want)
     for k, v in want.items():
         assert got[k] == pytest.approx(float(v), rel=1e-6, abs=1e-9), k
     assert ranks[1].metrics(lambda local: None) == {}            # a rank that sent its rows to another
     assert CorrectionPieces(cfg).metrics() == {}
+    same = CorrectionPieces(cfg)
+    for rows in (slice(0, 5), slice(5, 12)):
+        same.add(old[rows], old[rows], mask[rows])
+    got = same.metrics()
+    for k in ("rollout_is_std", "rollout_is_seq_std", "rollout_is_seq_max_deviation", "kl", "k3_kl", "chi2_token",
+              "chi2_seq", "log_ppl_abs_diff"):
+        assert got[f"rollout_corr/{k}"] == 0.0, k
 
 
 def _batch(seed=0):

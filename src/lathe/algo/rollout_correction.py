@@ -320,42 +320,110 @@ class ProbsDiffSums:
 
 
 class CorrectionPieces:
-    """An on-policy update's (pi_old, pi_rollout, response mask) rows, micro-batch by micro-batch (`in_update`), for
-    `compute_rollout_correction`'s metrics over the whole batch: every rank's share when `metrics` is given `gather`
-    (a function returning every rank's object on one rank, None on the others, `lathe.train.parallel.
-    gather_objects`; only that rank computes them, as the driver reads the first rank's metrics). The rows stay on the
-    device until the end (one host read); they travel as float32 values and a boolean mask, 9 bytes a token (a
-    reduction of partial sums would travel O(rows): not built)."""
+    """An on-policy update's correction metrics (`in_update`), piece by piece (micro-batches, ranks): each piece of
+    rows (pi_old, pi_rollout, response mask) becomes, on the device and without a host read, the count, mean, sum of
+    squared deviations, max and min of each per-token or per-row quantity that `compute_rollout_correction`'s metrics
+    average or bound (`_STREAMS`); pieces combine exactly (Chan et al.'s pairwise update), so `metrics` gives the
+    whole batch's `rollout_corr/*` metrics (within float64 rounding) from O(1) numbers a rank: every rank's when it is
+    given `gather` (a function returning every rank's object on one rank, None on the others, `lathe.train.parallel.
+    gather_objects`; only that rank computes them, as the driver reads the first rank's metrics)."""
 
     def __init__(self, cfg: dict):
-        self.cfg = cfg
-        self.rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.cfg = {**ROLLOUT_CORRECTION_KEYS, **cfg}
+        self.upper, self.lower = parse_rollout_is_threshold(self.cfg["rollout_is_threshold"])
+        self.pieces: list[torch.Tensor] = []           # (streams, 5) float64 each, on the device
 
+    @torch.no_grad()
     def add(self, old_log_prob, rollout_log_prob, response_mask) -> None:
-        self.rows.append((old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach().bool()))
+        valid = response_mask.bool()
+        rows = valid.any(dim=-1)
+        level, upper, lower = self.cfg["rollout_is"], self.upper, self.lower
+        log_ratio = old_log_prob - rollout_log_prob
+        weights, raw, log_w = _weights(log_ratio, response_mask, level, upper, lower)
+        per, per_valid = (raw.double(), valid) if level == "token" else (log_w.double().exp(), rows)
+        low = 1.0 / upper if lower is None else lower
+        seq = masked_mean(weights, response_mask, dim=-1).double()
+        old_mean = masked_mean(old_log_prob.double(), response_mask, dim=-1)
+        roll_mean = masked_mean(rollout_log_prob.double(), response_mask, dim=-1)
+        diff = roll_mean - old_mean
+        lr = log_ratio.double()
+        seq_sum = masked_sum(lr, response_mask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        streams = {"w": (weights.double(), valid), "high": ((per > upper).double(), per_valid),
+                   "low": ((per < low).double(), per_valid), "seq": (seq, rows),
+                   "oob": (((raw < (lower or 0.0)) | (raw > upper)).double(), valid),
+                   "neg_old": (-old_mean, rows), "exp_neg_old": (torch.exp(-old_mean), rows),
+                   "neg_lr": (-lr, valid), "k3": (torch.exp(lr) - lr - 1, valid),
+                   "chi2_token": (torch.exp(lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)) ** 2, valid),
+                   "neg_roll": (-roll_mean, rows), "exp_neg_roll": (torch.exp(-roll_mean), rows),
+                   "diff": (diff, rows), "abs_diff": (diff.abs(), rows), "exp_diff": (torch.exp(diff), rows),
+                   "chi2_seq": (torch.exp(2.0 * seq_sum), rows)}
+        assert tuple(streams) == _STREAMS
+        self.pieces.append(torch.stack([_moments(v, ok) for v, ok in streams.values()]))
 
     def metrics(self, gather=None) -> dict[str, float]:
-        # (clone: a micro-batch may be a view of the mini-batch, whose whole storage pickling would send)
-        local = [tuple(t.float().cpu().clone() if t.is_floating_point() else t.cpu().clone() for t in row)
-                 for row in self.rows]
+        local = _combine([p.cpu() for p in self.pieces])
         parts = gather(local) if gather is not None else [local]
         if parts is None:                                   # another rank gathers and computes them
             return {}
-        pieces = [row for part in parts for row in part]
-        if not pieces:
+        parts = [p for p in parts if p is not None]
+        if not parts:
             return {}
-        width = max(row[0].shape[-1] for row in pieces)
+        st = dict(zip(_STREAMS, _combine(parts).tolist()))
+        mean = {k: (v[1] if v[0] else 0.0) for k, v in st.items()}
+        top = {k: (v[3] if v[0] else 0.0) for k, v in st.items()}
+        bottom = {k: (v[4] if v[0] else 0.0) for k, v in st.items()}
+        n_w, _, m2_w, _, _ = st["w"]
+        squares = m2_w + n_w * mean["w"] ** 2
+        n_seq, _, m2_seq, _, _ = st["seq"]
+        m = {"rollout_is_mean": mean["w"], "rollout_is_max": top["w"], "rollout_is_min": bottom["w"],
+             "rollout_is_ratio_fraction_high": mean["high"], "rollout_is_ratio_fraction_low": mean["low"],
+             "rollout_is_std": (max(0.0, m2_w / n_w) ** 0.5) if n_w > 1 else 0.0,
+             "rollout_is_eff_sample_size": ((n_w * (mean["w"] + 1e-8) ** 2 / squares if squares else math.inf)
+                                            if n_w else 0.0),
+             "rollout_is_seq_mean": mean["seq"], "rollout_is_seq_max": top["seq"], "rollout_is_seq_min": bottom["seq"],
+             "rollout_is_seq_std": (max(0.0, m2_seq / (n_seq - 1)) ** 0.5) if n_seq > 1 else 0.0,
+             "rollout_is_seq_max_deviation": max(abs(top["seq"] - 1), abs(bottom["seq"] - 1)) if n_seq else 0.0}
+        if self.lower is not None:
+            m["rollout_is_oob_ratio"] = mean["oob"]
+        m.update({"training_ppl": mean["exp_neg_old"], "training_log_ppl": mean["neg_old"], "kl": mean["neg_lr"],
+                  "k3_kl": mean["k3"], "rollout_ppl": mean["exp_neg_roll"], "rollout_log_ppl": mean["neg_roll"],
+                  "log_ppl_diff": mean["diff"], "log_ppl_abs_diff": mean["abs_diff"], "log_ppl_diff_max": top["diff"],
+                  "log_ppl_diff_min": bottom["diff"], "ppl_ratio": mean["exp_diff"],
+                  "chi2_token": mean["chi2_token"] - 1.0, "chi2_seq": mean["chi2_seq"] - 1.0})
+        return {f"rollout_corr/{k}": float(v) for k, v in m.items()}
 
-        def cat(i):
-            out = []
-            for row in pieces:
-                t = row[i]
-                padded = t.new_zeros(t.shape[0], width)
-                padded[:, :t.shape[-1]] = t
-                out.append(padded)
-            return torch.cat(out)
-        _, _, metrics = compute_rollout_correction(cat(0), cat(1), cat(2), **self.cfg)
-        return {k: float(v) for k, v in metrics.items()}
+
+_STREAMS = ("w", "high", "low", "seq", "oob", "neg_old", "exp_neg_old", "neg_lr", "k3", "chi2_token", "neg_roll",
+            "exp_neg_roll", "diff", "abs_diff", "exp_diff", "chi2_seq")
+
+
+def _moments(values: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """(count, mean, sum of squared deviations, max, min) of `values` where `ok`, float64, on their device; no host
+    read (max and min are -inf and inf over nothing)."""
+    v, n = values.double(), ok.sum().double()
+    if not v.numel():
+        return torch.tensor([0.0, 0.0, 0.0, -math.inf, math.inf], dtype=torch.float64, device=v.device)
+    mean = torch.where(ok, v, 0.0).sum() / n.clamp(min=1)
+    m2 = torch.where(ok, (v - mean) ** 2, 0.0).sum()
+    return torch.stack([n, mean, m2, torch.where(ok, v, -math.inf).max(), torch.where(ok, v, math.inf).min()])
+
+
+def _combine(pieces: list[torch.Tensor]) -> torch.Tensor | None:
+    """`_moments` rows of several pieces as one (Chan, Golub and LeVeque's pairwise update), on the CPU."""
+    out = None
+    for p in pieces:
+        p = p.double().cpu()
+        if out is None:
+            out = p.clone()
+            continue
+        na, nb = out[:, 0], p[:, 0]
+        n = na + nb
+        delta = p[:, 1] - out[:, 1]
+        share = torch.where(n > 0, nb / n.clamp(min=1), 0.0)
+        out = torch.stack([n, out[:, 1] + delta * share,
+                           out[:, 2] + p[:, 2] + delta ** 2 * na * share,
+                           torch.maximum(out[:, 3], p[:, 3]), torch.minimum(out[:, 4], p[:, 4])], dim=1)
+    return out
 
 
 def _check_cfg(cfg: dict) -> dict:

@@ -424,6 +424,9 @@ def main() -> None:
     ap.add_argument("--quantizations", type=csv, default=["none"],
                     help="none,fp8: after the bf16 rows, the same loads with rollout.quantization=fp8 (lathe_fp8, "
                          "fp8_speedup; its KV cache gets what the FP8 copies leave)")
+    ap.add_argument("--fp8-gemm", choices=["unit-fast", "rowwise", "rowwise-fast", "unit"], default="unit-fast",
+                    help="the FP8 rows' GEMM form (lathe.engine.fp8: unit scales or the scales inside cuBLAS's "
+                         "row-wise kernel; fast accumulation or not); default: lathe's own")
     ap.add_argument("--kv-cache-dtype", type=csv, default=["auto"],
                     help="the engine's KV cache (auto: bf16; fp8: e4m3 with a scale per token and KV head), recorded "
                          "in the engine block; more than one (auto,fp8): the rows with the first, then the same loads "
@@ -432,6 +435,8 @@ def main() -> None:
     ap.add_argument("--git-sha", default=None, help="the tree's sha where .git is stale (the device copy)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from lathe.engine import fp8
+    fp8.ROWWISE_GEMM, fp8.FAST_ACCUM = args.fp8_gemm.startswith("rowwise"), args.fp8_gemm.endswith("fast")
     device = torch.device(args.device)
     name = device_name(device)
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"rollout_{slug(name)}.json"

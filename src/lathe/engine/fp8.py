@@ -127,8 +127,8 @@ def quantize_model(model: nn.Module) -> int:
     docstring); returns the bytes added. Call `fuse_projections` first when the engine fuses."""
     added = 0
     for owner, kind, name in _targets(model):
-        unit_scale(owner.weight.device if kind == "linear" else getattr(owner, f"{name}_weight").device)
         w = owner.weight if kind == "linear" else getattr(owner, f"{name}_weight")
+        unit_scale(w.device)
         if not _aligned(w):
             continue
         w8, s = quantize_rows(w)

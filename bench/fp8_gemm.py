@@ -1,0 +1,183 @@
+"""FP8 rollout's projections at 7B decode sizes on one GPU (issue 48): where the FP8 decode step's time goes and how
+the GEMM forms of `lathe.engine.fp8` compare.
+
+    python bench/fp8_gemm.py [--rows 64,256,512] [--skip-engine] [--out bench/results/fp8_gemm_7b_<device>.json]
+
+- `projections_28_layers_ms`: 28 layers of Qwen2.5-7B's decode projections (qkv, o, gate_up, down) at each row count,
+  replayed as one CUDA graph: bf16 `F.linear` against `torch._scaled_mm` forms (row-wise scales inside the GEMM, with
+  and without fast accumulation; unit (tensor-wise) scales, with and without), the activation quantiser left out,
+  eager or compiled; and each projection alone, bf16 against row-wise FP8;
+- `errors`: each GPU form of `fp8.fp8_linear` at the gate_up and down shapes (rows 256, 4096; activations with
+  outlier channels), norm-relative against the formula over the quantised operands in float64 (its accumulation) and
+  against the exact product of the bf16 operands (e4m3's own rounding included), bf16 `F.linear` beside them;
+- `engine_profile`: device time by kernel of the engine's decode (CUDA graphs, compiled layers), 256 random prompts of
+  256 tokens, bf16 and fp8, over `--profile-tokens` new tokens after the prompts are cached.
+The committed `fp8_gemm_7b_nvidia-h200.json` was put together from runs of these three parts before they were one
+script (the projections and the bf16 profile at 0726f3f with the row-wise form, the errors and the FP8 profile at
+3eba334); its `git_sha` says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import build_hf, device_name, git_sha, slug  # noqa: E402
+
+from lathe.engine import fp8  # noqa: E402
+
+H, I, LAYERS = 3584, 18944, 28
+SHAPES = {"qkv": (4608, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)}   # (out, in) of Qwen2.5-7B's
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Milliseconds a replay of `fn` captured as one CUDA graph takes (after warm-up on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def projections(rows: int, dev) -> dict:
+    ws = {k: [torch.randn(n, kk, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+          for k, (n, kk) in SHAPES.items()}
+    w8 = {k: [fp8.quantize_rows(w) for w in v] for k, v in ws.items()}
+    xs = {k: torch.randn(rows, kk, device=dev, dtype=torch.bfloat16) for k, (_, kk) in SHAPES.items()}
+    x8 = {k: fp8.quantize_rows(x) for k, x in xs.items()}
+    one = torch.ones((), device=dev)
+    compiled = torch.compile(fp8.quantize_rows)
+
+    def bf16():
+        for i in range(LAYERS):
+            for k in SHAPES:
+                torch.nn.functional.linear(xs[k], ws[k][i])
+
+    def form(quant=None, fast=False, unit=False):
+        def run():
+            for i in range(LAYERS):
+                for k in SHAPES:
+                    w, sw = w8[k][i]
+                    a, sa = x8[k] if quant is None else quant(xs[k])
+                    if unit:
+                        torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                         use_fast_accum=fast)
+                    else:
+                        torch._scaled_mm(a, w.t(), scale_a=sa.unsqueeze(-1), scale_b=sw.unsqueeze(0),
+                                         out_dtype=torch.bfloat16, use_fast_accum=fast)
+        return run
+    out = {"bf16_ms": graph_ms(bf16)}
+    for name, fn in {"fp8_noquant": form(), "fp8_noquant_fast": form(fast=True),
+                     "fp8_eagerquant": form(fp8.quantize_rows), "fp8_compiledquant": form(compiled),
+                     "fp8_compiledquant_fast": form(compiled, True), "fp8_tensorwise": form(unit=True),
+                     "fp8_tensorwise_fast": form(unit=True, fast=True)}.items():
+        out[name + "_ms"] = graph_ms(fn)
+    for k in SHAPES:
+        out[f"{k}_bf16_ms"] = graph_ms(lambda k=k: [torch.nn.functional.linear(xs[k], ws[k][i])
+                                                     for i in range(LAYERS)])
+        out[f"{k}_fp8_ms"] = graph_ms(lambda k=k: [torch._scaled_mm(
+            x8[k][0], w8[k][i][0].t(), scale_a=x8[k][1].unsqueeze(-1), scale_b=w8[k][i][1].unsqueeze(0),
+            out_dtype=torch.bfloat16) for i in range(LAYERS)])
+    return out
+
+
+def errors(dev) -> dict:
+    torch.manual_seed(0)
+    res = {}
+    for name in ("gate_up", "down"):
+        n, k = SHAPES[name]
+        w = (torch.randn(n, k, device=dev) * 0.02 * (1 + torch.rand(n, 1, device=dev))).bfloat16()
+        w8, sw = fp8.quantize_rows(w)
+        for m in (256, 4096):
+            x = torch.randn(m, k, device=dev)
+            x[:, torch.randperm(k, device=dev)[:8]] *= 30           # outlier channels, as LLM activations have
+            x = (x * (0.5 + torch.rand(m, 1, device=dev))).bfloat16()
+            x8, sx = fp8.quantize_rows(x)
+            formula = (x8.double() * sx.double()[:, None]) @ (w8.double() * sw.double()[:, None]).T
+            exact = x.double() @ w.double().T
+            rel = lambda y, ref: ((y.double() - ref).norm() / ref.norm()).item()   # noqa: E731
+            row = {}
+            for rowwise in (True, False):
+                for fast in (False, True):
+                    fp8.ROWWISE_GEMM, fp8.FAST_ACCUM = rowwise, fast
+                    y = fp8.fp8_linear(x, w8, sw, None)
+                    row[("rowwise" if rowwise else "split") + ("_fast" if fast else "")] = {
+                        "accumulation_rel_err": rel(y, formula), "total_rel_err": rel(y, exact)}
+            row["bf16"] = {"total_rel_err": rel(torch.nn.functional.linear(x, w), exact)}
+            res[f"{name}_m{m}"] = row
+    fp8.ROWWISE_GEMM, fp8.FAST_ACCUM = False, True
+    return res
+
+
+def engine_profile(dev, tokens: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
+    from lathe.models.hf import lathe_from_transformers
+    prompts = [[int(t) for t in torch.randint(0, 150000, (256,))] for _ in range(256)]
+    out = {}
+    for q in ("fp8", None):
+        model = lathe_from_transformers(build_hf("7b", dev, torch.bfloat16)).eval()
+        torch.cuda.empty_cache()
+        engine = LatheEngine(model, eos_token_id=None, max_num_seqs=256, gpu_memory_utilization=0.6, quantization=q)
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=0)
+        engine.generate(prompts, params)        # (compiles, captures, caches the prompts)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, params)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:25]
+        out[str(q)] = {"device_ms": sum(e.self_device_time_total for e in events) / 1e3,
+                       "top": [{"name": e.key[:140], "ms": e.self_device_time_total / 1e3, "calls": e.count}
+                               for e in top]}
+        del engine, model
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="64,256,512")
+    ap.add_argument("--profile-tokens", type=int, default=128)
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/fp8_gemm.py times CUDA graphs and FP8 GEMMs: it needs an NVIDIA GPU")
+    dev = torch.device("cuda")
+    name = device_name(dev)
+    result = {"bench": "fp8_gemm", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "git_sha": git_sha(), "torch": torch.__version__, "args": vars(args),
+              "projections_28_layers_ms": {int(r): projections(int(r), dev) for r in args.rows.split(",")},
+              "errors": errors(dev)}
+    if not args.skip_engine:
+        result["engine_profile"] = engine_profile(dev, args.profile_tokens)
+    out = Path(args.out or ROOT / "bench" / "results" / f"fp8_gemm_7b_{slug(name)}.json")
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,10 @@ the GEMM forms of `lathe.engine.fp8` compare.
   replayed as one CUDA graph: bf16 `F.linear` against `torch._scaled_mm` forms (row-wise scales inside the GEMM, with
   and without fast accumulation; unit (tensor-wise) scales, with and without), the activation quantiser left out,
   eager or compiled; and each projection alone, bf16 against row-wise FP8;
+- `swiglu_quantize_28_layers_ms`: 28 layers' SiLU(gate) * up and its per-token quantisation at each row count, one
+  CUDA graph: `fp8.swiglu_quantize`'s Triton launches against the torch form compiled by inductor, and SwiGLU alone;
+- `swapped_28_layers_ms`: each projection's unit-scale fast FP8 GEMM as it runs (x8 @ w8.T) against the same product
+  computed transposed (w8 @ x8.T, another cuBLAS tile choice at decode rows), 28 layers, one graph;
 - `errors`: each GPU form of `fp8.fp8_linear` at the gate_up and down shapes (rows 256, 4096; activations with
   outlier channels), norm-relative against the formula over the quantised operands in float64 (its accumulation) and
   against the exact product of the bf16 operands (e4m3's own rounding included), bf16 `F.linear` beside them;
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import sys
 import time
@@ -102,6 +107,28 @@ def projections(rows: int, dev) -> dict:
     return out
 
 
+def swiglu_forms(rows: int, dev) -> dict:
+    gus = [torch.randn(rows, 2 * I, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    compiled = torch.compile(lambda gu: fp8.quantize_rows(fp8.swiglu(gu)))
+    act = torch.compile(fp8.swiglu)
+    return {"triton_ms": graph_ms(lambda: [fp8.swiglu_quantize(gu) for gu in gus]),
+            "compiled_ms": graph_ms(lambda: [compiled(gu) for gu in gus]),
+            "swiglu_only_compiled_ms": graph_ms(lambda: [act(gu) for gu in gus])}
+
+
+def swapped(rows: int, dev) -> dict:
+    one = torch.ones((), device=dev)
+    out = {}
+    for k, (n, kk) in SHAPES.items():
+        ws = [fp8.quantize_rows(torch.randn(n, kk, device=dev, dtype=torch.bfloat16) * 0.02)[0] for _ in range(LAYERS)]
+        x8 = fp8.quantize_rows(torch.randn(rows, kk, device=dev, dtype=torch.bfloat16))[0]
+        mm = lambda a, b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,  # noqa: E731
+                                           use_fast_accum=True)
+        out[f"{k}_ms"] = graph_ms(lambda: [mm(x8, w.t()) for w in ws])
+        out[f"{k}_swapped_ms"] = graph_ms(lambda: [mm(w, x8.t()) for w in ws])
+    return out
+
+
 def errors(dev) -> dict:
     torch.manual_seed(0)
     res = {}
@@ -141,7 +168,10 @@ def engine_profile(dev, tokens: int) -> dict:
     for q in ("fp8", None):
         model = lathe_from_transformers(build_hf("7b", dev, torch.bfloat16)).eval()
         torch.cuda.empty_cache()
-        engine = LatheEngine(model, eos_token_id=None, max_num_seqs=256, gpu_memory_utilization=0.6, quantization=q)
+        # the cache sized for the workload, not from free memory: what the first arm's compiled graphs keep alive
+        # after `del` left the second arm one block (fp8_gemm's first run on one process)
+        blocks = len(prompts) * -(-(256 + tokens) // 16) + 64
+        engine = LatheEngine(model, eos_token_id=None, max_num_seqs=256, num_kv_blocks=blocks, quantization=q)
         params = SamplingParams(n=1, temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=0)
         engine.generate(prompts, params)        # (compiles, captures, caches the prompts)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -152,7 +182,8 @@ def engine_profile(dev, tokens: int) -> dict:
         out[str(q)] = {"device_ms": sum(e.self_device_time_total for e in events) / 1e3,
                        "top": [{"name": e.key[:140], "ms": e.self_device_time_total / 1e3, "calls": e.count}
                                for e in top]}
-        del engine, model
+        del engine, model, prof
+        gc.collect()
         torch.cuda.empty_cache()
     return out
 
@@ -171,6 +202,8 @@ def main() -> None:
     result = {"bench": "fp8_gemm", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "git_sha": git_sha(), "torch": torch.__version__, "args": vars(args),
               "projections_28_layers_ms": {int(r): projections(int(r), dev) for r in args.rows.split(",")},
+              "swiglu_quantize_28_layers_ms": {int(r): swiglu_forms(int(r), dev) for r in args.rows.split(",")},
+              "swapped_28_layers_ms": {int(r): swapped(int(r), dev) for r in args.rows.split(",")},
               "errors": errors(dev)}
     if not args.skip_engine:
         result["engine_profile"] = engine_profile(dev, args.profile_tokens)

@@ -193,3 +193,71 @@ def test_cuda_without_fp8_products_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="compute capability 8.9.*rollout.quantization=null"):
         fp8.check_device(torch.device("cuda"), torch.bfloat16)
     fp8.check_device(torch.device("cpu"), torch.float32)        # the CPU emulates the product in any dtype
+
+
+@pytest.mark.parametrize("rows,half,spans", [(3, 40, 1), (5, 2100, 2), (1, 4100, 4)])
+def test_swiglu_quantize_kernel_is_the_unfused_quantisation(triton_interpreter, rows, half, spans):
+    """`swiglu_quantize`'s two launches (by Triton's interpreter; one span a row, two, four of which the last two are
+    past the row's end: ragged and empty) equal
+    `quantize_rows(swiglu(x))` to the interpreter's roundings: it casts float32 to bf16 by truncation (a scale may be
+    a bf16 step off: 145 for 146) and to E4M3 halving every result that is a power of two (2.004 -> 1.0 where torch
+    and CUDA give 2.0). So here: the scales agree to a bf16 step, and each value, against torch's quantisation by the
+    kernel's own scale, is within one E4M3 step or that halved power of two; on a GPU the bytes agree
+    (`test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation`)."""
+    torch.manual_seed(0)
+    gate_up = (torch.randn(rows, 2 * half) * 3).bfloat16()
+    gate_up[::2, 7] = 40.0                  # an outlier sets a row's scale: in its first span or its last column's
+    gate_up[1::2, half - 1] = 40.0
+    assert fp8._spans(rows, half)[0] == spans
+    q, s = fp8._launch_swiglu_quantize(gate_up)
+    h = fp8.swiglu(gate_up)
+    s_ref = fp8.quantize_rows(h)[1]
+    assert q.dtype == fp8.FP8 and q.shape == (rows, half) and s.shape == (rows,)
+    assert ((s - s_ref).abs() <= s_ref * 2.0 ** -7).all()
+    a = q.float()
+    b = (h.float() / s[:, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8).float()
+    near = (a - b).abs() <= b.abs() / 8 + 2.0 ** -9          # 3 mantissa bits; E4M3's smallest subnormal
+    halved = (a == b / 2) & (torch.frexp(b).mantissa.abs() == 0.5)
+    assert (near | halved).all() and halved.float().mean() < 0.05
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_fused_mlp_feeds_its_fp8_down_projection_the_quantised_swiglu(monkeypatch, triton_interpreter, kernel):
+    """A fused MLP whose down projection is FP8 computes down(swiglu(gate_up(x))) through `swiglu_down`: without the
+    kernel exactly the unfused module's FP8 output; with it (interpreted, its roundings: the test above) near it."""
+    from lathe.engine.decode_forms import FusedMLP
+    from lathe.models.config import LatheConfig
+    from lathe.models.decoder import MLP
+    monkeypatch.setattr(fp8, "_fuses_swiglu", lambda t: kernel)
+    calls = []
+    monkeypatch.setattr(fp8, "swiglu_quantize", lambda t, run=fp8.swiglu_quantize: calls.append(t.shape) or run(t))
+    torch.manual_seed(0)
+    cfg = LatheConfig(architecture="qwen2", vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    mlp = MLP(cfg).bfloat16()
+    x = torch.randn(2, 3, 32).bfloat16()
+    down8, sd = fp8.quantize_rows(mlp.down_proj.weight)
+    expected = fp8.fp8_linear(mlp.hidden(x), down8, sd, mlp.down_proj.bias)
+    mlp.gate_up_weight, mlp.gate_up_bias = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None
+    mlp.down_proj.register_buffer("weight_fp8", down8, persistent=False)
+    mlp.down_proj.register_buffer("weight_scale", sd, persistent=False)
+    mlp.down_proj.__class__, mlp.__class__ = fp8.Fp8Linear, FusedMLP
+    got = mlp(x)
+    assert got.shape == expected.shape
+    assert calls == ([(2, 3, 96)] if kernel else [])
+    assert rel_error(got.double(), expected.double()) < (0.1 if kernel else 1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation():
+    """On a GPU `swiglu_quantize`'s launches equal `quantize_rows(swiglu(x))` (both CUDA's roundings) at 7B's
+    intermediate width, decode and prefill rows: the same scales to float32 rounding and the same E4M3 bytes but for
+    rare ties (the kernel's SiLU is x * sigmoid(x), torch's x / (1 + exp(-x)))."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (1, 64, 256, 4096):
+        gate_up = (torch.randn(rows, 2 * 18944, device="cuda", generator=g) * 3).bfloat16()
+        q, s = fp8.swiglu_quantize(gate_up)
+        q_ref, s_ref = fp8.quantize_rows(fp8.swiglu(gate_up))
+        assert rel_error(s.double(), s_ref.double()) < 1e-3, rows
+        assert (q.float() != q_ref.float()).float().mean() < 1e-2, rows
+        assert rel_error(q.double() * s.double()[:, None], q_ref.double() * s_ref.double()[:, None]) < 1e-2, rows

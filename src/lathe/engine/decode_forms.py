@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lathe.device import multiprocessor_count
+from lathe.engine import fp8
 from lathe.engine.fp8 import project
 from lathe.models.decoder import MLP, Attention, DecoderLayer, LatheDecoderModel, RMSNorm, attend, \
     mark_token_dims_dynamic
@@ -43,11 +44,16 @@ class FusedAttention(Attention):
 
 
 class FusedMLP(MLP):
-    """`MLP` whose gate and up come from one matmul over `gate_up_weight` (and `gate_up_bias`)."""
+    """`MLP` whose gate and up come from one matmul over `gate_up_weight` (and `gate_up_bias`); an FP8 down projection
+    takes its input quantised with the SwiGLU in one pass (`fp8.swiglu_down`)."""
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(self, "gate_up", x).chunk(2, dim=-1)
-        return nn.functional.silu(gate) * up
+        return fp8.swiglu(project(self, "gate_up", x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.down_proj, fp8.Fp8Linear):
+            return fp8.swiglu_down(project(self, "gate_up", x), self.down_proj)
+        return self.down_proj(self.hidden(x))
 
 
 def _fuse(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]) -> None:

@@ -122,6 +122,24 @@ def test_split_decode_form_equals_the_plain_forward(family):
                                  name=f"{family} {pair}")
 
 
+def test_split_decode_form_of_an_fp8_model_runs_its_fp8_mlp_whole(monkeypatch):
+    """With FP8 projections the split form leaves the down projection to the MLP's own FP8 path (the SwiGLU and its
+    quantisation fused: `fp8.swiglu_down`), one partial per layer: the plain forward's hidden states."""
+    from lathe.engine import fp8
+    from lathe.engine.decode_forms import text_hidden
+    model = _model("qwen2")
+    fp8.quantize_model(model)
+    calls = []
+    monkeypatch.setattr(fp8, "swiglu_down", lambda gu, down, run=fp8.swiglu_down: calls.append(1) or run(gu, down))
+    with torch.no_grad():
+        ids, pos = torch.randint(0, 100, (5,)), torch.arange(5) + 3
+        ref = model.model(ids, pos, _Attention())
+        layers = len(model.model.layers)
+        assert len(calls) == layers
+        assert_close_rel(text_hidden(model.model, ids, pos, _Attention((2, 2))), ref, rel=1e-5, name="fp8 split")
+        assert len(calls) == 2 * layers
+
+
 def test_split_decode_form_compiles_once_for_all_layers_and_batches():
     """Compiled (`compile_decoder`), the split form is one code object for every layer: a model of four layers
     traces no more frames than one of two (layers share the compiled variants), and another batch size or a second

@@ -142,7 +142,8 @@ def split_layer(layer: DecoderLayer, x: torch.Tensor, part: torch.Tensor | None,
                  layer.self_attn.options())
     x = add_partials(x, split_linear(out, layer.self_attn.o_proj, splits[0]))
     h = layer.post_attention_layernorm(x)
-    if not isinstance(layer.mlp, MLP):              # a mixture of experts (`lathe.models.moe`): one partial
+    if not isinstance(layer.mlp, MLP) or isinstance(layer.mlp.down_proj, fp8.Fp8Linear):
+        # a mixture of experts (`lathe.models.moe`), or an FP8 down projection (`FusedMLP.forward`): one partial
         return x, layer.mlp(h).unsqueeze(0)
     return x, split_linear(layer.mlp.hidden(h), layer.mlp.down_proj, splits[1])
 

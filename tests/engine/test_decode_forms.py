@@ -122,15 +122,20 @@ def test_split_decode_form_equals_the_plain_forward(family):
                                  name=f"{family} {pair}")
 
 
-def test_split_decode_form_of_an_fp8_model_runs_its_fp8_mlp_whole(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_split_decode_form_of_an_fp8_model_runs_its_fp8_mlp_whole(monkeypatch, fused):
     """With FP8 projections the split form leaves the down projection to the MLP's own FP8 path (the SwiGLU and its
-    quantisation fused: `fp8.swiglu_down`), one partial per layer: the plain forward's hidden states."""
+    quantisation in one pass: `fp8.swiglu_down`), one partial per layer, gate/up fused or not (the engine fuses
+    them only where the copy is small: not at 7B): the plain forward's hidden states."""
     from lathe.engine import fp8
-    from lathe.engine.decode_forms import text_hidden
-    model = _model("qwen2")
+    from lathe.engine.decode_forms import FusedMLP, text_hidden
+    from lathe.models.hf import lathe_from_transformers
+    from models.lathe_tiny import hf_model
+    model = _model("qwen2") if fused else lathe_from_transformers(hf_model("qwen2", seed=0)).eval()
     fp8.quantize_model(model)
+    assert type(model.model.layers[0].mlp) is (FusedMLP if fused else fp8.Fp8MLP)
     calls = []
-    monkeypatch.setattr(fp8, "swiglu_down", lambda gu, down, run=fp8.swiglu_down: calls.append(1) or run(gu, down))
+    monkeypatch.setattr(fp8, "swiglu_down", lambda g, u, down, run=fp8.swiglu_down: calls.append(1) or run(g, u, down))
     with torch.no_grad():
         ids, pos = torch.randint(0, 100, (5,)), torch.arange(5) + 3
         ref = model.model(ids, pos, _Attention())

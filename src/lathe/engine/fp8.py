@@ -17,7 +17,7 @@ embeddings, norms, the lm_head (the sampler's logits), attention and its KV cach
 LoRA layers (their own forward runs), and a projection whose features are not a multiple of 16 (the FP8 GEMM's
 alignment).
 
-A fused MLP's down projection takes its input from `swiglu_quantize` on a GPU: SiLU(gate) * up and its per-token
+An MLP's FP8 down projection takes its input from `swiglu_quantize` on a GPU (`Fp8MLP`, `FusedMLP`): SiLU(gate) * up and its per-token
 quantisation in one pass of two short Triton launches (`FUSED_SWIGLU`). Inductor fuses the same work into one
 reduction kernel per row, which at decode rows (a few hundred programs, each reading a row of 2 x 18944 values at
 7B) ran at 18.6 us against SwiGLU's own 7.7 (`bench/results/fp8_gemm_7b_nvidia-h200.json`); here each row is cut
@@ -92,18 +92,18 @@ def scaled_linear(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_s
     return y if bias is None else y + bias
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up of a fused gate/up projection's output (gate's columns first), in its dtype."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up in their dtype (the MLP's own form)."""
     return nn.functional.silu(gate) * up
 
 
-def swiglu_quantize(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows(swiglu(gate_up))` for gate_up (M, 2I): on a GPU (or Triton's CPU interpreter) in the two
-    launches of the module doc, the SwiGLU rounded to gate_up's dtype as the unfused form rounds it; else in torch."""
-    if triton is None or not (gate_up.is_cuda or _interpreted()) or gate_up.shape[-1] % 2:
-        return quantize_rows(swiglu(gate_up))
-    return _swiglu_quantize_op(gate_up)
+def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(swiglu(gate, up))` over gate and up (M, I) (unit column stride each: two tensors, or the halves
+    of a fused gate/up output): on a GPU (or Triton's CPU interpreter) in the two launches of the module doc, the
+    SwiGLU rounded to their dtype as the unfused form rounds it; else in torch."""
+    if triton is None or not (gate.is_cuda or _interpreted()):
+        return quantize_rows(swiglu(gate, up).reshape(-1, gate.shape[-1]))
+    return _swiglu_quantize_op(gate, up)
 
 
 def _interpreted() -> bool:
@@ -111,93 +111,105 @@ def _interpreted() -> bool:
     return interpreted()
 
 
-def _spans(rows: int, half: int) -> tuple[int, int, int]:
-    """(spans per row, span width, block) of `swiglu_quantize`'s launches: about 1024 programs in all (a power of two
-    from 1 to 16 spans a row), each span a whole number of blocks."""
+def _spans(rows: int, width: int) -> tuple[int, int, int]:
+    """(spans per row, span width, block) of `swiglu_quantize`'s launches over rows of `width` columns: about 1024
+    programs in all (a power of two from 1 to 16 spans a row, each of at least 1024 columns), each span a whole
+    number of blocks."""
     spans = 1
-    while spans < 16 and rows * spans < 1024 and half // (spans * 2) >= 1024:
+    while spans < 16 and rows * spans < 1024 and width // (spans * 2) >= 1024:
         spans *= 2
-    block = min(1024, triton.next_power_of_2(half))
-    width = triton.cdiv(triton.cdiv(half, spans), block) * block
-    return spans, width, block
+    block = min(1024, triton.next_power_of_2(width))
+    return spans, triton.cdiv(triton.cdiv(width, spans), block) * block, block
 
 
 if triton is not None:
     @triton.jit
-    def _swiglu_span(GU, row, start, offs, half, stride):
-        """SiLU(gate) * up over columns start + offs of `row`, rounded to GU's dtype (as the unfused form), in fp32."""
+    def _swiglu_span(G, U, row, start, offs, cols_total, stride_g, stride_u):
+        """SiLU(gate) * up over columns start + offs of `row`, rounded to U's dtype (as the unfused form), in fp32."""
         cols = start + offs
-        ok = cols < half
-        g = tl.load(GU + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(GU + row * stride + half + cols, mask=ok, other=0.0)
+        ok = cols < cols_total
+        g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0)
         act = (g * tl.sigmoid(g)).to(u.dtype)
         return (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype).to(tl.float32), cols, ok
 
     @triton.jit
-    def _swiglu_amax_kernel(GU, PART, half, stride, SPANS: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    def _swiglu_amax_kernel(G, U, PART, cols_total, stride_g, stride_u, SPANS: tl.constexpr, WIDTH: tl.constexpr,
+                            BLOCK: tl.constexpr):
         row, span = tl.program_id(0), tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         top = tl.zeros([BLOCK], tl.float32)
         for start in range(span * WIDTH, span * WIDTH + WIDTH, BLOCK):
-            h, cols, ok = _swiglu_span(GU, row, start, offs, half, stride)
+            h, cols, ok = _swiglu_span(G, U, row, start, offs, cols_total, stride_g, stride_u)
             top = tl.maximum(top, tl.abs(h))
         tl.store(PART + row * SPANS + span, tl.max(top, 0))
 
     @triton.jit
-    def _swiglu_quant_kernel(GU, PART, Q, S, half, stride, stride_q, SPANS: tl.constexpr, WIDTH: tl.constexpr,
-                             BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+    def _swiglu_quant_kernel(G, U, PART, Q, S, cols_total, stride_g, stride_u, stride_q, SPANS: tl.constexpr,
+                             WIDTH: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
         row, span = tl.program_id(0), tl.program_id(1)
         scale = tl.maximum(tl.max(tl.load(PART + row * SPANS + tl.arange(0, SPANS)), 0), 1e-12) / FP8_MAX
         if span == 0:
             tl.store(S + row, scale)
         offs = tl.arange(0, BLOCK)
         for start in range(span * WIDTH, span * WIDTH + WIDTH, BLOCK):
-            h, cols, ok = _swiglu_span(GU, row, start, offs, half, stride)
+            h, cols, ok = _swiglu_span(G, U, row, start, offs, cols_total, stride_g, stride_u)
             q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
             tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=ok)
 
-    def _launch_swiglu_quantize(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gu = gate_up.reshape(-1, gate_up.shape[-1])
-        if gu.stride(-1) != 1:
-            gu = gu.contiguous()
-        rows, half = gu.shape[0], gu.shape[1] // 2
-        q = torch.empty(rows, half, dtype=FP8, device=gu.device)
-        s = torch.empty(rows, dtype=torch.float32, device=gu.device)
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        """t as (M, I) with unit column stride (a view where it can be)."""
+        t = t.reshape(-1, t.shape[-1])
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    def _launch_swiglu_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, u = _rows(gate), _rows(up)
+        rows, width = g.shape
+        q = torch.empty(rows, width, dtype=FP8, device=g.device)
+        s = torch.empty(rows, dtype=torch.float32, device=g.device)
         if rows == 0:
             return q, s
-        spans, width, block = _spans(rows, half)
-        part = torch.empty(rows, spans, dtype=torch.float32, device=gu.device)
-        _swiglu_amax_kernel[(rows, spans)](gu, part, half, gu.stride(0), SPANS=spans, WIDTH=width, BLOCK=block)
-        _swiglu_quant_kernel[(rows, spans)](gu, part, q, s, half, gu.stride(0), q.stride(0), SPANS=spans,
-                                            WIDTH=width, BLOCK=block, FP8_MAX=FP8_MAX)
+        spans, span, block = _spans(rows, width)
+        part = torch.empty(rows, spans, dtype=torch.float32, device=g.device)
+        _swiglu_amax_kernel[(rows, spans)](g, u, part, width, g.stride(0), u.stride(0), SPANS=spans, WIDTH=span,
+                                           BLOCK=block)
+        _swiglu_quant_kernel[(rows, spans)](g, u, part, q, s, width, g.stride(0), u.stride(0), q.stride(0),
+                                            SPANS=spans, WIDTH=span, BLOCK=block, FP8_MAX=FP8_MAX)
         return q, s
 
     # One operator, opaque to torch.compile: a compiled layer calls it without a graph break (the fake gives shapes).
     @torch.library.custom_op("lathe::swiglu_quantize_fp8", mutates_args=())
-    def _swiglu_quantize_op(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch_swiglu_quantize(gate_up)
+    def _swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch_swiglu_quantize(gate, up)
 
     @_swiglu_quantize_op.register_fake
-    def _(gate_up):
-        rows = gate_up.numel() // gate_up.shape[-1]
-        return (gate_up.new_empty(rows, gate_up.shape[-1] // 2, dtype=FP8),
-                gate_up.new_empty(rows, dtype=torch.float32))
+    def _(gate, up):
+        rows = gate.numel() // gate.shape[-1]
+        return gate.new_empty(rows, gate.shape[-1], dtype=FP8), gate.new_empty(rows, dtype=torch.float32)
 
 
-def _fuses_swiglu(gate_up: torch.Tensor) -> bool:
-    return FUSED_SWIGLU and gate_up.is_cuda
+def _fuses_swiglu(gate: torch.Tensor) -> bool:
+    return FUSED_SWIGLU and gate.is_cuda
 
 
-def swiglu_down(gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor:
-    """down(swiglu(gate_up)) for an `Fp8Linear` `down`: the SwiGLU and the input's quantisation in `swiglu_quantize`
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module) -> torch.Tensor:
+    """down(swiglu(gate, up)) for an `Fp8Linear` `down`: the SwiGLU and the input's quantisation in `swiglu_quantize`
     (with `FUSED_SWIGLU` on a GPU), then the FP8 product."""
-    lead = gate_up.shape[:-1]
-    if _fuses_swiglu(gate_up):
-        x8, sx = swiglu_quantize(gate_up)
+    lead = gate.shape[:-1]
+    if _fuses_swiglu(gate):
+        x8, sx = swiglu_quantize(gate, up)
     else:
-        x8, sx = quantize_rows(swiglu(gate_up).reshape(-1, gate_up.shape[-1] // 2))
-    y = scaled_linear(x8, sx, down.weight_fp8, down.weight_scale, down.bias, gate_up.dtype)
+        x8, sx = quantize_rows(swiglu(gate, up).reshape(-1, gate.shape[-1]))
+    y = scaled_linear(x8, sx, down.weight_fp8, down.weight_scale, down.bias, gate.dtype)
     return y.view(*lead, y.shape[-1])
+
+
+class Fp8MLP(MLP):
+    """A plain (unfused) `MLP` whose down projection is an `Fp8Linear`: its input quantised with the SwiGLU in one
+    pass (`swiglu_down`); `quantize_model` swaps an MLP's class to it, as `fuse_projections` swaps to `FusedMLP`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj)
 
 
 def unit_scale(device: torch.device) -> torch.Tensor:
@@ -263,6 +275,9 @@ def quantize_model(model: nn.Module) -> int:
         if kind == "linear":
             owner.__class__ = Fp8Linear
         added += w8.nbytes + s.nbytes
+    for layer in model.model.layers:
+        if type(layer.mlp) is MLP and isinstance(layer.mlp.down_proj, Fp8Linear):
+            layer.mlp.__class__ = Fp8MLP
     return added
 
 

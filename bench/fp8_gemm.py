@@ -16,9 +16,8 @@ the GEMM forms of `lathe.engine.fp8` compare.
   against the exact product of the bf16 operands (e4m3's own rounding included), bf16 `F.linear` beside them;
 - `engine_profile`: device time by kernel of the engine's decode (CUDA graphs, compiled layers), 256 random prompts of
   256 tokens, bf16 and fp8, over `--profile-tokens` new tokens after the prompts are cached.
-The committed `fp8_gemm_7b_nvidia-h200.json` was put together from runs of these three parts before they were one
-script (the projections and the bf16 profile at 0726f3f with the row-wise form, the errors and the FP8 profile at
-3eba334); its `git_sha` says which.
+The committed `fp8_gemm_7b_nvidia-h200.json` is one run of this script at 5cc121f (its SwiGLU probe then took gate and
+up as the halves of one tensor).
 """
 
 from __future__ import annotations

@@ -195,10 +195,10 @@ def test_cuda_without_fp8_products_is_refused_naming_the_key():
     fp8.check_device(torch.device("cpu"), torch.float32)        # the CPU emulates the product in any dtype
 
 
-@pytest.mark.parametrize("rows,half,spans", [(3, 40, 1), (5, 2100, 2), (1, 4100, 4)])
+@pytest.mark.parametrize("rows,half,spans", [(3, 40, 1), (5, 2100, 2), (1, 4100, 3)])
 def test_swiglu_quantize_kernel_is_the_unfused_quantisation(triton_interpreter, rows, half, spans):
-    """`swiglu_quantize`'s two launches (by Triton's interpreter; one span a row, two, four of which the last two are
-    past the row's end: ragged and empty) equal
+    """`swiglu_quantize`'s two launches (by Triton's interpreter; one span a row, two, three of which the last is
+    ragged) equal
     `quantize_rows(swiglu(x))` to the interpreter's roundings: it casts float32 to bf16 by truncation (a scale may be
     a bf16 step off: 145 for 146) and to E4M3 halving every result that is a power of two (2.004 -> 1.0 where torch
     and CUDA give 2.0). So here: the scales agree to a bf16 step, and each value, against torch's quantisation by the
@@ -219,6 +219,23 @@ def test_swiglu_quantize_kernel_is_the_unfused_quantisation(triton_interpreter, 
     near = (a - b).abs() <= b.abs() / 8 + 2.0 ** -9          # 3 mantissa bits; E4M3's smallest subnormal
     halved = (a == b / 2) & (torch.frexp(b).mantissa.abs() == 0.5)
     assert (near | halved).all() and halved.float().mean() < 0.05
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_fp8_mlps_compute_the_fp8_down_projection_of_the_swiglu(checkpoints, fuse):
+    """Without the kernel (`FUSED_SWIGLU` off, the default) an FP8 model's MLPs (`Fp8MLP`, or `FusedMLP` with fused
+    gate/up) compute exactly what `MLP.forward` does with its FP8 layers: down(silu(gate(x)) * up(x))."""
+    from lathe.engine.decode_forms import FusedMLP, fuse_projections
+    from lathe.models.decoder import MLP
+    model = load_lathe_model(checkpoints["qwen2"][0], torch.bfloat16)
+    if fuse:
+        fuse_projections(model)
+    fp8.quantize_model(model)
+    x = torch.randn(2, 5, model.config.hidden_size).bfloat16()
+    for layer in model.model.layers:
+        assert type(layer.mlp) is (FusedMLP if fuse else fp8.Fp8MLP)
+        assert torch.equal(layer.mlp(x), layer.mlp.down_proj(layer.mlp.hidden(x)))
+        assert torch.equal(layer.mlp(x), MLP.forward(layer.mlp, x))
 
 
 @pytest.mark.parametrize("kernel", [False, True])
@@ -254,10 +271,12 @@ def test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation():
     intermediate width, decode and prefill rows: the same scales to float32 rounding and the same E4M3 bytes but for
     rare ties (the kernel's SiLU is x * sigmoid(x), torch's x / (1 + exp(-x)))."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    for rows in (1, 64, 256, 4096):
+    for rows in (1, 64, 256, 4096, 60000):          # (60000 x 37888: past 2**31 elements)
         gate_up = (torch.randn(rows, 2 * 18944, device="cuda", generator=g) * 3).bfloat16()
         q, s = fp8.swiglu_quantize(*gate_up.chunk(2, dim=-1))
         q_ref, s_ref = fp8.quantize_rows(fp8.swiglu(*gate_up.chunk(2, dim=-1)))
         assert rel_error(s.double(), s_ref.double()) < 1e-3, rows
         assert (q.float() != q_ref.float()).float().mean() < 1e-2, rows
         assert rel_error(q.double() * s.double()[:, None], q_ref.double() * s_ref.double()[:, None]) < 1e-2, rows
+    gate_up[0, 3] = float("nan")            # a NaN activation stays NaN (the product sees it, as torch's form does)
+    assert fp8.swiglu_quantize(*gate_up.chunk(2, dim=-1))[0][0, 3].float().isnan()

@@ -115,13 +115,14 @@ def _interpreted() -> bool:
 
 def _spans(rows: int, width: int) -> tuple[int, int, int]:
     """(spans per row, span width, block) of `swiglu_quantize`'s launches over rows of `width` columns: about 1024
-    programs in all (a power of two from 1 to 16 spans a row, each of at least 1024 columns), each span a whole
-    number of blocks."""
+    programs in all (up to 16 spans a row, each of at least 1024 columns), each span a whole number of blocks and
+    none past the row's end."""
     spans = 1
     while spans < 16 and rows * spans < 1024 and width // (spans * 2) >= 1024:
         spans *= 2
     block = min(1024, triton.next_power_of_2(width))
-    return spans, triton.cdiv(triton.cdiv(width, spans), block) * block, block
+    span = triton.cdiv(triton.cdiv(width, spans), block) * block
+    return triton.cdiv(width, span), span, block
 
 
 if triton is not None:
@@ -138,7 +139,7 @@ if triton is not None:
     @triton.jit
     def _swiglu_amax_kernel(G, U, PART, cols_total, stride_g, stride_u, SPANS: tl.constexpr, WIDTH: tl.constexpr,
                             BLOCK: tl.constexpr):
-        row, span = tl.program_id(0), tl.program_id(1)
+        row, span = tl.program_id(0).to(tl.int64), tl.program_id(1)      # (row x stride passes 2**31 at ~57k rows)
         offs = tl.arange(0, BLOCK)
         top = tl.zeros([BLOCK], tl.float32)
         for start in range(span * WIDTH, span * WIDTH + WIDTH, BLOCK):
@@ -148,15 +149,19 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_quant_kernel(G, U, PART, Q, S, cols_total, stride_g, stride_u, stride_q, SPANS: tl.constexpr,
-                             WIDTH: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
-        row, span = tl.program_id(0), tl.program_id(1)
-        scale = tl.maximum(tl.max(tl.load(PART + row * SPANS + tl.arange(0, SPANS)), 0), 1e-12) / FP8_MAX
+                             SPANS_PAD: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+                             FP8_MAX: tl.constexpr):
+        row, span = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        parts = tl.arange(0, SPANS_PAD)
+        top = tl.max(tl.load(PART + row * SPANS + parts, mask=parts < SPANS, other=0.0), 0)
+        scale = tl.maximum(top, 1e-12) / FP8_MAX
         if span == 0:
             tl.store(S + row, scale)
         offs = tl.arange(0, BLOCK)
         for start in range(span * WIDTH, span * WIDTH + WIDTH, BLOCK):
             h, cols, ok = _swiglu_span(G, U, row, start, offs, cols_total, stride_g, stride_u)
-            q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
+            q = tl.minimum(tl.maximum(h / scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                           propagate_nan=tl.PropagateNan.ALL)         # (a NaN activation stays NaN, as in torch)
             tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=ok)
 
     def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -176,7 +181,8 @@ if triton is not None:
         _swiglu_amax_kernel[(rows, spans)](g, u, part, width, g.stride(0), u.stride(0), SPANS=spans, WIDTH=span,
                                            BLOCK=block)
         _swiglu_quant_kernel[(rows, spans)](g, u, part, q, s, width, g.stride(0), u.stride(0), q.stride(0),
-                                            SPANS=spans, WIDTH=span, BLOCK=block, FP8_MAX=FP8_MAX)
+                                            SPANS=spans, SPANS_PAD=triton.next_power_of_2(spans), WIDTH=span,
+                                            BLOCK=block, FP8_MAX=FP8_MAX)
         return q, s
 
     # One operator, opaque to torch.compile: a compiled layer calls it without a graph break (the fake gives shapes).

@@ -47,6 +47,11 @@ class Probe:
             os._exit(3)
         return self.rank
 
+    def fail_after(self, seconds: float):
+        """A call that runs for the group's life (`RayWorkerGroup.watch`) and fails after `seconds`."""
+        time.sleep(seconds)
+        raise ValueError("the engine thread broke")
+
 
 @pytest.fixture
 def two_nodes():
@@ -86,7 +91,37 @@ def test_workers_spread_over_two_nodes_and_failures_name_the_rank(two_nodes, tmp
         start, stopped = time.monotonic(), True
         group.shutdown()
         assert time.monotonic() - start < 8, "shutdown waited for the stuck rank 0 (10 s)"
+        watching_a_group_of_one_ends_another_groups_wait(tmp_path)
     finally:
         (tmp_path / "release0").touch()
         if not stopped:
             group.shutdown()
+
+
+def watching_a_group_of_one_ends_another_groups_wait(tmp_path: Path) -> None:
+    """A group's watched call that raises ends a wait on another group that watches it (a weight sync's senders
+    waiting for a receiver that failed) at once, with the watched rank's error; the waiting group's rank is left
+    running and its shutdown does not ask it."""
+    waiter = RayWorkerGroup(ResourcePool(1, 1, use_gpu=False, timeout_s=60, name="waiter"), name="waiter",
+                            timeout_s=60)
+    watched = RayWorkerGroup(ResourcePool(1, 1, use_gpu=False, timeout_s=60, name="watched"), name="watched",
+                             timeout_s=60, max_concurrency=2)
+    release = tmp_path / "release_waiter"
+    try:
+        waiter.build("probe", Probe)
+        watched.build("probe", Probe)
+        watched.watch(watched.submit_each("probe", "fail_after", [((1.0,), {})]), "its engine thread")
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="the engine thread broke") as err:
+            waiter.gather(waiter.submit_each("probe", "hang", [((0, str(release)), {})]), "probe.hang",
+                          watching=watched)
+        assert time.monotonic() - start < 20, "the wait went on after the watched rank failed"
+        assert "watched rank 0" in "\n".join(err.value.__notes__) and "waiter's probe.hang" in "\n".join(
+            err.value.__notes__)
+        assert watched.failure and 0 in waiter.unanswered
+    finally:
+        start = time.monotonic()
+        waiter.shutdown()
+        watched.shutdown()
+        assert time.monotonic() - start < 8, "a shutdown asked the stuck rank to leave (10 s)"
+        release.touch()

@@ -50,7 +50,7 @@ class LocalGroup:
         return [None if a is None else self.pool.submit(getattr(self.roles[role], method), *a[0], **a[1])
                 for a in per_rank]
 
-    def gather(self, futures: list, what: str) -> list:
+    def gather(self, futures: list, what: str, watching=None) -> list:
         return [None if f is None else f.result(timeout=120) for f in futures]
 
     def shutdown(self) -> None:

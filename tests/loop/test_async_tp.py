@@ -279,7 +279,7 @@ class FakeGroup:
         answers = {"collect": lambda r: {"done": [(r, None)] * (r % 2 == 0), "busy_s": float(r)}, "pause": lambda r: 1}
         return [None if a is None else answers.get(method, lambda r: r)(r) for r, a in enumerate(per_rank)]
 
-    def gather(self, refs, what):
+    def gather(self, refs, what, watching=None):
         return refs
 
 

@@ -256,17 +256,19 @@ class AsyncCluster:
         receives = self.rollout_group.submit_each("rollout", "receive_weights", self.rollout.leaders(
             [((self.metas, self.bucket_bytes, version, self.position_metas), {})] * self.rollout.world))
         # (their followers too)
-        stats = self.trainer_group.gather(sends, what)[0]
+        stats = self.trainer_group.gather(sends, what, watching=self.rollout_group)[0]   # (a failed receiver)
         self.rollout_group.gather(receives, what)
         return stats
 
     def close(self) -> None:
         """Stop the replicas' engine threads and close the weight sync on both sides at once: closing an NCCL
         communicator waits for every rank of it to close too, so the replicas closing alone waited out
-        actor_rollout_ref.nccl_timeout at the end of every run on GPUs (gloo does not wait)."""
+        actor_rollout_ref.nccl_timeout at the end of every run on GPUs (gloo does not wait). After a rollout rank
+        failed, the replicas do not wait for their engine threads, which may wait for it inside a collective."""
         try:
-            replicas = self.rollout_group.submit_each("rollout", "shutdown",
-                                                      [((), {})] * self.rollout_group.world_size)
+            failed = next((g.failure for g in self.groups if getattr(g, "failure", None)), None)   # (any pool's)
+            stop = ((), {"failed": failed} if failed else {})
+            replicas = self.rollout_group.submit_each("rollout", "shutdown", [stop] * self.rollout_group.world_size)
             sender = self.trainer_group.submit_each("actor_rollout_ref", "close_sync",
                                                     [((), {})] * self.trainer_group.world_size)
             self.rollout_group.gather(replicas, "rollout.shutdown")
@@ -310,7 +312,7 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
     starts = {"trainer": lambda: _own_pool("trainer", t.nnodes, t.n_gpus_per_node, device_type, timeout,
                                            build_trainer, pool_key="trainer"),
               "rollout": lambda: _own_pool("rollout", r.nnodes, r.n_gpus_per_node, device_type, timeout,
-                                           build_replicas, pool_key="rollout", max_concurrency=4)}
+                                           build_replicas, pool_key="rollout", max_concurrency=5)}  # (one: the watch)
     if own_rm:
         starts[REWARD_POOL] = lambda: reward_pool(cfg, plan, tokenizer, device_type, timeout)
     if plan.teacher_devices:
@@ -327,6 +329,7 @@ def start_async_cluster(cfg: LatheConfig, plan: RunPlan, *, model_path: str, loa
         rm_group, teachers = groups.get(REWARD_POOL), groups.get(TEACHER_POOL)
         replicas = RolloutGroup(rollout, pad_id=tokenizer.pad_token_id, timeout_s=timeout,
                                 tp=arr.rollout.tensor_model_parallel_size)
+        replicas.watch()
         actor, critic_group = _driver_groups(cfg, plan, trainer, tokenizer, AsyncActorGroup, CriticGroup,
                                              replicas=replicas, teacher_group=teachers)
         metas = trainer.call(ACTOR, "weight_metas")[0]

@@ -21,6 +21,14 @@ class RolloutGroup:
         self.group, self.pad_id, self.timeout_s, self.tp = group, pad_id, timeout_s, tp
         self.world = group.world_size // tp
 
+    def watch(self) -> None:
+        """Keep a `RolloutWorker.watch` call running on every rank (`RayWorkerGroup.watch`): a rank whose engine
+        thread fails (an engine step that raised, on a follower too) ends the driver's wait in any call to the
+        replicas at once, with its rank and error, where the leaders the driver waits for (pausing, validating) would
+        wait for it inside the step's collectives till nccl_timeout and then name themselves."""
+        self.group.watch(self.group.submit_each(ROLLOUT, "watch", [((), {})] * self.group.world_size),
+                         "its engine thread")
+
     def leaders(self, per_replica: list) -> list:
         """Per-rank calls of `call_each` from per-replica ones: each replica's to its leader, None to followers."""
         out: list = [None] * self.group.world_size

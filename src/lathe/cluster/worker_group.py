@@ -13,6 +13,9 @@ rank that raises ends the call at once with its rank and host added to the error
 dies (killed, out of memory) ends it with the exit cause Ray reports — the other ranks are not waited for. Those
 ranks may be left inside a collective that waits for the lost one (for `actor_rollout_ref.nccl_timeout`): `shutdown`
 kills them without asking them to leave the process group first, a request they could only take after that call.
+A rank can also fail between the driver's calls, in a thread of its own (fully-async training's rollout replicas
+step their engines so, `lathe.workers.fully_async`): such a thread is `watch`ed, and its failure ends whatever call
+the driver waits for on the group at once, in the same way, even a call to other ranks that wait for it.
 """
 
 from __future__ import annotations
@@ -151,6 +154,8 @@ class RayWorkerGroup:
                                       use_gpu=pool.use_gpu))
         self.last_done = ["(started)"] * self.world_size
         self.unanswered: dict[int, object] = {}     # rank -> its call left running when a gather failed
+        self.watched: dict[object, tuple[int, str]] = {}   # a call left running for the group's life -> (rank, what)
+        self.failure: str | None = None             # the first failure a gather reported (which rank, what)
         self.nodes = self._gather([h.node.remote() for h in self.hosts], "node")
         address, port = self.nodes[0]["ip"], self.free_port()
         from lathe.device import backend_for
@@ -191,42 +196,85 @@ class RayWorkerGroup:
         """`call_each` without waiting: the per-rank Ray references, for `gather` (or `ray.wait`) later."""
         return [None if a is None else h.call.remote(role, method, a[0], a[1]) for h, a in zip(self.hosts, per_rank)]
 
-    def gather(self, refs: list, what: str) -> list:
-        """The answers of `submit_each`'s references, with the same deadline and error reports as `call`."""
-        return self._gather(refs, what)
+    def gather(self, refs: list, what: str, watching: RayWorkerGroup | None = None) -> list:
+        """The answers of `submit_each`'s references, with the same deadline and error reports as `call`.
+        `watching`: another group whose watched calls end this wait too (a weight sync's senders wait for its
+        receivers inside a collective: a receiving rank that fails must end the wait for the senders)."""
+        return self._gather(refs, what, watching)
 
-    def _gather(self, refs: list, what: str) -> list:
-        """Wait for every rank's answer; fail fast on the first error, or name the silent ranks at the deadline."""
+    def watch(self, refs: list, what: str) -> None:
+        """Watch `submit_each`'s references of calls that run for the group's life (`what`: a rank's engine thread,
+        which the call returns from when the thread ends, and raises what failed it): from now on, the first of
+        them to raise ends whatever gather the driver waits in, at once, with that rank's error, as a rank raising
+        in the call itself does (the ranks the driver waits for may wait for that one inside a collective, till
+        actor_rollout_ref.nccl_timeout). A call that returns is watched no more; after the group's first failure
+        (`failure`), none is: the driver is stopping the group, and waits for its calls as it did before."""
+        self.watched.update({ref: (r, what) for r, ref in enumerate(refs) if ref is not None})
+
+    def _gather(self, refs: list, what: str, watching: RayWorkerGroup | None = None) -> list:
+        """Wait for every rank's answer; fail fast on the first error (of the call, or of a watched one, this group's
+        or `watching`'s), or name the silent ranks at the deadline."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import GetTimeoutError
         rank_of = {ref: r for r, ref in enumerate(refs) if ref is not None}
         out: list = [None] * len(refs)
         pending = list(rank_of)
         deadline = time.monotonic() + self.timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            # (after a group's failure its watched calls are not waited on: the driver is stopping it)
+            owner = {ref: g for g in (self, watching) if g is not None and not g.failure for ref in list(g.watched)}
+            watched = list(owner)
+            ready, _ = ray.wait(pending + watched, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 self._left_running(pending, rank_of)
-                raise WorkerGroupError(self._silent(sorted(rank_of[p] for p in pending), what))
+                silent = sorted(rank_of[p] for p in pending)
+                self.failure = self.failure or f"rank(s) {silent} did not answer {what}"
+                raise WorkerGroupError(self._silent(silent, what))
             ref = ready[0]
+            if ref in owner:                    # (a watched call ended: if it raised, the one waited for is over)
+                group = owner[ref]
+                entry = group.watched.pop(ref, None)
+                if entry is None:               # (another gather took it)
+                    continue
+                r, thread = entry
+                if group is self:
+                    self._answer(ref, r, f"{thread}, while the driver waited for {what}", pending, rank_of)
+                    continue
+                context = f"{thread}, while the driver waited for {self.name}'s {what}"
+                try:
+                    group._answer(ref, r, context, [], {})
+                except BaseException:
+                    self._left_running(pending, rank_of)     # (this group's ranks wait for the failed one)
+                    raise
+                continue
+            pending.remove(ref)
             r = rank_of[ref]
             try:
-                out[r] = ray.get(ref)
-            except RayActorError as e:
-                self._left_running(pending, rank_of)
-                raise WorkerGroupError(f"{self.name}: rank {r}{self._where(r)} died during {what}: "
-                                       f"{_actor_death(e)}. The run cannot continue without it.") from None
-            except RayTaskError as e:
-                self._left_running(pending, rank_of)
-                cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
-                cause.add_note(f"(raised by {self.name} rank {r}{self._where(r)} in {what}; the rank's traceback:\n"
-                               f"{_remote_traceback(e)})")
-                raise cause from None
+                out[r] = self._answer(ref, r, what, pending, rank_of)
             except GetTimeoutError:      # pragma: no cover - ray.wait said it was ready
                 pending.append(ref)
                 continue
             self.last_done[r] = what
         return out
+
+    def _answer(self, ref, r: int, what: str, pending: list, rank_of: dict) -> Any:
+        """Rank `r`'s answer to `ref` (ready); a rank that raised or died ends the gather (`pending` left running)."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+        try:
+            return ray.get(ref)
+        except RayActorError as e:
+            self._left_running(pending, rank_of)
+            self.failure = self.failure or f"rank {r} died during {what}"
+            raise WorkerGroupError(f"{self.name}: rank {r}{self._where(r)} died during {what}: "
+                                   f"{_actor_death(e)}. The run cannot continue without it.") from None
+        except RayTaskError as e:
+            self._left_running(pending, rank_of)
+            cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+            self.failure = self.failure or f"rank {r} raised in {what}: {cause!r}"
+            cause.add_note(f"(raised by {self.name} rank {r}{self._where(r)} in {what}; the rank's traceback:\n"
+                           f"{_remote_traceback(e)})")
+            raise cause from None
 
     def _left_running(self, pending: list, rank_of: dict) -> None:
         """Remember the calls a failed gather leaves running (for `shutdown`)."""
@@ -245,11 +293,15 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         """Leave the process group and stop every rank (best effort: dead ranks are skipped). A rank still inside a
-        call that a failed gather left running is killed without the request to leave: it would take it only after
-        that call, which may be a collective waiting for a lost rank (the request's 10 s went by at each such stop)."""
+        call that a failed gather left running, or (after a failure) whose watched thread still runs, is killed
+        without the request to leave: it would take it only after that call, which may be a collective waiting for a
+        lost rank (the request's 10 s went by at each such stop)."""
         import ray
         try:
-            left = getattr(self, "unanswered", {})
+            left = dict(getattr(self, "unanswered", {}))
+            if getattr(self, "failure", None):      # a rank's thread still running may wait for the failed rank
+                for ref, (r, _) in getattr(self, "watched", {}).items():
+                    left.setdefault(r, ref)
             done, _ = ray.wait(list(left.values()), num_returns=len(left), timeout=0) if left else ([], [])
             asked = [h.shutdown.remote() for r, h in enumerate(self.hosts) if r not in left or left[r] in done]
             if asked:

@@ -17,7 +17,9 @@ only; the leader's engine thread tells its followers each engine action before i
 lockstep`): the requests it adds, a step, an interrupt, a weight sync. At a sync each rank receives only its slices,
 over the group of its tensor-parallel position (`lathe.workers.reshard`). A follower's thread only follows: with
 multi-turn agent loops the trajectories and their tools are the leader's alone, and their turns reach the followers
-as the requests of the step that takes them (`ReplicaEngine`).
+as the requests of the step that takes them (`ReplicaEngine`). A rank whose engine step raises leaves the others inside
+the step's collectives (till nccl_timeout), unable to hear of it: the driver keeps a `watch` call running on every
+rank, which the failed rank's ends at once with its error, and stops the pool.
 
 With data-parallel attention (`rollout.data_parallel_size` D, `expert_parallel_size` D x tp: `lathe.engine.
 data_parallel`) the pool's replicas form engines whose every step is a collective of their D replicas: each leader's
@@ -125,13 +127,23 @@ class RolloutWorker:
         self._unfinished = False            # the engine has work, or a trajectory its tools (as of the last step)
         self._stepping = False              # the engine has work (as of the loop's last step)
         self._error: BaseException | None = None
+        self._ended = False                 # the engine's thread has returned (or failed: `_error`)
         self._busy_s = 0.0
         loop = self._loop if self.dp is None else self._loop_in_lockstep
-        self._thread = threading.Thread(target=loop if self.replica.leader else self._follow,
+        self._thread = threading.Thread(target=self._run, args=(loop if self.replica.leader else self._follow,),
                                         name="lathe-rollout", daemon=True)
         self._thread.start()
 
     # -- the engine's thread --------------------------------------------------------------------------------
+    def _run(self, body) -> None:
+        """The thread's `body` (the leader's loop, or a follower's), then `_ended` for the driver's `watch`."""
+        try:
+            body()
+        finally:
+            with self._cv:
+                self._ended = True
+                self._cv.notify_all()
+
     def _loop(self) -> None:
         """Step the engine while a request is unfinished. The engine is this thread's alone while it runs (other
         threads touch it only while the loop is parked by `pause`); the lock is held to trade requests and results,
@@ -181,7 +193,8 @@ class RolloutWorker:
         replica is (the driver shuts them all down at once).
         An error outside a step is told to the others at the next agreement (each raises): the tick's requests are
         added to the engine before it (`Lockstep.add`), so one the engine refuses is such an error. One inside a
-        step (the device's, a collective's) leaves them to the collectives' timeout (nccl_timeout)."""
+        step (the device's, a collective's) leaves them inside the step's collectives (till nccl_timeout): the
+        driver hears of it at once from the rank that failed (`watch`), and stops them all."""
         tick, stepping, failed = TICK_S[0], False, None
         try:
             while True:
@@ -305,7 +318,8 @@ class RolloutWorker:
 
     def _check(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"rollout replica: the engine failed: {self._error!r}") from self._error
+            who = self.replica.who if self.replica.group is not None else "replica"    # (a rank of a TP replica)
+            raise RuntimeError(f"rollout {who}: the engine failed: {self._error!r}") from self._error
 
     def _leader_only(self, what: str) -> None:
         if not self.replica.leader:
@@ -313,6 +327,16 @@ class RolloutWorker:
                                "RolloutGroup dispatches to leaders; this is a bug)")
 
     # -- called by the driver -------------------------------------------------------------------------------
+    def watch(self) -> None:
+        """Return when this rank's engine thread ends, or raise what failed it as soon as it does. The driver keeps
+        this call running on every rank (`RolloutGroup.watch`): a rank whose engine step raises leaves the others
+        of its replica (and of its data-parallel-attention engine) inside the step's collectives till nccl_timeout,
+        so the ranks the driver is waiting for (a leader pausing, say) would not answer before then, nor know why;
+        the failed rank's watch ends the driver's wait at once, with its rank and error."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._ended or self._error is not None)
+            self._check()
+
     def submit(self, requests: list[tuple]) -> None:
         """Queue `(request_id, prompt token ids, params, first_index[, multi_modal_inputs[, agent]])` requests; the
         engine takes them all before its next step (so requests submitted together are batched as one call would
@@ -431,11 +455,14 @@ class RolloutWorker:
             self._outbox = [(rid, o) for rid, o in self._outbox if rid != key]
         return prompts.repeat(params.n, interleave=True).update(self._to_batch(key, out))
 
-    def shutdown(self) -> None:
+    def shutdown(self, failed: str | None = None) -> None:
+        """Stop the engine's thread and close the weight sync. `failed`: a rank of the pool failed (the driver's
+        word, `RayWorkerGroup.failure`), so this rank's thread may be inside a step's collectives waiting for it
+        (till nccl_timeout): it is not waited for (the worker group's shutdown ends the process next)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=30 if failed is None else 0.5)
         if self.replica.leader and self.replica.group is not None and self._error is None \
                 and not self._thread.is_alive():
             self.replica.stop()             # (its followers' threads end)

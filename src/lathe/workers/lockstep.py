@@ -31,7 +31,9 @@ says "stop"; a follower follows until then.
 
 Every message also carries a digest of all the outputs the leader's engine returned so far; a follower compares it
 with its own, so ranks that drifted apart fail at once, naming themselves. Every wait has the group's timeout; a
-follower that hears nothing names its leader.
+follower that hears nothing names its leader. A rank that fails inside a step cannot tell the others, who wait inside
+the step's collectives: in fully-async training the driver hears of it from that rank at once (`lathe.workers.
+fully_async.RolloutWorker.watch`) and stops the replica.
 """
 
 from __future__ import annotations

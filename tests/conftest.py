@@ -1,4 +1,5 @@
 import atexit
+import multiprocessing.forkserver as forkserver
 import os
 import shutil
 import tempfile
@@ -34,12 +35,31 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Tests that start Ray clusters run one after another on one xdist worker (`--dist loadgroup`): two local clusters
-# at once would each count this machine's CPUs as their own. That worker's chain is the suite's longest, so the
-# modules there that start no Ray (marked `no_ray`: tests/cluster/conftest.py) are left to either worker.
+# Tests that start ranks fork them from multiprocessing's forkserver: one server per process (xdist worker), started by
+# the first such test with the modules that test asks it to preload; a later test's list is not read (the server runs
+# on), so each of its ranks imports what the first list lacked (lathe's trainer and engine, FSDP, DCP: seconds of CPU
+# a rank, for every rank of every later module). Every list therefore begins with the modules the ranks share.
+FORKSERVER_PRELOAD = ("torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+                      "lathe.config", "lathe.models.decoder", "lathe.train.actor", "lathe.train.critic",
+                      "lathe.engine.llm_engine", "lathe.workers.actor_rollout_ref")
+_set_forkserver_preload = forkserver.set_forkserver_preload
+
+
+def _preload_shared_modules_first(module_names):
+    _set_forkserver_preload([*FORKSERVER_PRELOAD, *(m for m in module_names if m not in FORKSERVER_PRELOAD)])
+
+
+forkserver.set_forkserver_preload = _preload_shared_modules_first     # (what context.set_forkserver_preload calls)
+
+# Tests that start Ray clusters share one local cluster per xdist worker (tests/cluster/conftest.py), in two groups
+# (`--dist loadgroup`) of about equal time: the fully-async modules, and the other cluster tests. As one group their
+# chain (15 min on 2 cores, 2026-12-01) was longer than everything else on the other worker; as two, each worker starts
+# a cluster of its own and runs one group beside the other (the clusters' CPU slots are logical: each holds 4, on any
+# machine, and no test counts the machine's CPUs). Modules that start no Ray (marked `no_ray`) are left to either worker.
 # Tests that run code in lathe's sandbox likewise share one worker: the sandbox's tests check that no sandboxed
 # process or `lathe-sbx-*` directory outlives a run, which another worker's run at that moment would fail.
-GROUPS = {"ray": ("tests/cluster/",),
+RAY_ASYNC = ("tests/cluster/test_fully_async.py", "tests/cluster/test_data_parallel_ray.py")
+GROUPS = {"ray_async": RAY_ASYNC, "ray": ("tests/cluster/",),
           "sandbox": ("tests/reward/test_sandbox.py", "tests/rollout/agent/test_tools.py", "tests/test_examples.py",
                       "tests/test_report.py")}
 
@@ -61,11 +81,12 @@ ONE_WORKER = ("tests/train/test_expert_parallel.py", "tests/train/test_tensor_pa
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.as_posix()
-        for group, paths in GROUPS.items():
-            if group == "ray" and item.get_closest_marker("no_ray"):
+        for group, paths in GROUPS.items():      # the first group that names the path (one group an item)
+            if group.startswith("ray") and item.get_closest_marker("no_ray"):
                 continue
             if any(f"/{p}" in path or path.endswith(p) for p in paths):
                 item.add_marker(pytest.mark.xdist_group(group))
+                break
         if path.endswith(ONE_WORKER):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
     if torch.cuda.is_available():

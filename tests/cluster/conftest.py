@@ -1,5 +1,6 @@
-"""One local Ray for the cluster tests of this xdist worker (they all run on one: tests/conftest.py GROUPS): each
-`lathe train` joins it instead of starting its own, which saves a Ray start (~15 s on 2 busy cores) per run. A test
+"""One local Ray for the cluster tests of this xdist worker (each Ray group of tests/conftest.py GROUPS runs on one
+worker; the other group, on the other worker, has a cluster of its own): each `lathe train` joins it instead of
+starting its own, which saves a Ray start (~15 s on 2 busy cores) per run. A test
 that needs a cluster of its own (simulated nodes) is marked `own_ray`: such tests run after all the others, so that
 the shared cluster is stopped for them once and never started again. A module that leaves workers or placement
 groups behind (after its fixtures are torn down) gets a fresh cluster after it. A module marked `no_ray` (pure

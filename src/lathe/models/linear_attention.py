@@ -124,13 +124,21 @@ def _prepare(q, k, v, g, beta):
     return q * q.shape[-1] ** -0.5, k, v.to(dtype), g.to(dtype), beta.to(dtype)
 
 
+# The torch form's chunk on CPU: its within-chunk work grows with the chunk (C x C products and a triangular solve
+# per chunk) and its loop with the chunk count; on CPU 32 tokens cost less than 64 at the lengths tried, from tens of
+# tokens to 2k (and a sequence padded to a whole chunk wastes less). Elsewhere fla's 64.
+CPU_CHUNK = 32
+
+
 @torch.compiler.disable
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                           initial_state: torch.Tensor | None = None, chunk_size: int = 64):
+                           initial_state: torch.Tensor | None = None, chunk_size: int | None = None):
     """(o (T, Hv, Dv) in v's dtype, final states (S, Hv, Dk, Dv) float32) for a packed stream: q, k (T, Hk, Dk)
-    before normalisation, v (T, Hv, Dv), g and beta (T, Hv); `initial_state` (S, Hv, Dk, Dv) or zeros."""
+    before normalisation, v (T, Hv, Dv), g and beta (T, Hv); `initial_state` (S, Hv, Dk, Dv) or zeros. The torch
+    form's `chunk_size` (any size gives the same result up to rounding): `CPU_CHUNK` on CPU, else 64."""
     if _fla_runs(q, k, v, g, beta, initial_state, chunked=True):
         return _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state)
+    chunk_size = chunk_size or (CPU_CHUNK if q.device.type == "cpu" else 64)
     return _torch_chunk(q, k, v, g, beta, cu_seqlens, max_seqlen, initial_state, chunk_size)
 
 

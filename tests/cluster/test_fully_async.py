@@ -378,7 +378,7 @@ def test_close_shuts_both_ends_of_the_weight_sync_before_waiting_for_either():
             log.append(("submit", self.name, method))
             return [f"{self.name}.{method}"]
 
-        def gather(self, refs, what):
+        def gather(self, refs, what, watching=None):
             log.append(("gather", self.name))
             return [None]
 

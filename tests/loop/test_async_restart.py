@@ -20,7 +20,7 @@ def test_a_lost_rank_restarts_both_pools_from_the_last_checkpoint(tmp_path, in_p
     run, dumps = tmp_path / "run", tmp_path / "dumps"
     lost, gather = [], LocalGroup.gather
 
-    def gather_losing_a_rank(self, futures, what):     # the trainer's first call after the step-2 checkpoint
+    def gather_losing_a_rank(self, futures, what, watching=None):   # the trainer's first call after step 2's save
         if self.name == "trainer" and not lost and (run / LATEST).exists() and (run / LATEST).read_text() == "2":
             lost.append(what)
             for f in futures:

@@ -8,7 +8,9 @@ the GEMM forms of `lathe.engine.fp8` compare.
   and without fast accumulation; unit (tensor-wise) scales, with and without), the activation quantiser left out,
   eager or compiled; and each projection alone, bf16 against row-wise FP8;
 - `swiglu_quantize_28_layers_ms`: 28 layers' SiLU(gate) * up and its per-token quantisation at each row count, one
-  CUDA graph: `fp8.swiglu_quantize`'s Triton launches against the torch form compiled by inductor, and SwiGLU alone;
+  CUDA graph: `fp8.swiglu_quantize`'s Triton launches (two launches of spans; one pass at 8, 16, 32 warps) against
+  the torch form compiled by inductor, and SwiGLU alone; each also as the engine runs it (`_scaled`: gate and up
+  unit-scale FP8 products dequantised by their scales first, `fp8.mlp_down`);
 - `swapped_28_layers_ms`: each projection's unit-scale fast FP8 GEMM as it runs (x8 @ w8.T) against the same product
   computed transposed (w8 @ x8.T, another cuBLAS tile choice at decode rows), 28 layers, one graph;
 - `errors`: each GPU form of `fp8.fp8_linear` at the gate_up and down shapes (rows 256, 4096; activations with
@@ -109,11 +111,27 @@ def projections(rows: int, dev) -> dict:
 def swiglu_forms(rows: int, dev) -> dict:
     # gate and up as two tensors, as the unfused 7B engine has them (fused: the halves of one, the same launches)
     gus = [torch.randn(2, rows, I, device=dev, dtype=torch.bfloat16).unbind(0) for _ in range(LAYERS)]
+    # the engine's form (fp8.mlp_down): gate and up unit-scale products, dequantised by (x_scale, gate/up scales)
+    scales = [(torch.rand(rows, device=dev) + 0.5, torch.rand(I, device=dev) + 0.5, torch.rand(I, device=dev) + 0.5)
+              for _ in range(LAYERS)]
     compiled = torch.compile(lambda g, u: fp8.quantize_rows(fp8.swiglu(g, u)))
+    compiled_scaled = torch.compile(lambda g, u, sx, sg, su: fp8.quantize_rows(fp8.swiglu(
+        fp8.dequantize(g, sx, sg, g.dtype), fp8.dequantize(u, sx, su, u.dtype))))
     act = torch.compile(fp8.swiglu)
-    return {"triton_ms": graph_ms(lambda: [fp8.swiglu_quantize(g, u) for g, u in gus]),
-            "compiled_ms": graph_ms(lambda: [compiled(g, u) for g, u in gus]),
-            "swiglu_only_compiled_ms": graph_ms(lambda: [act(g, u) for g, u in gus])}
+    out = {"compiled_ms": graph_ms(lambda: [compiled(g, u) for g, u in gus]),
+           "compiled_scaled_ms": graph_ms(lambda: [compiled_scaled(g, u, *sc) for (g, u), sc in zip(gus, scales)]),
+           "swiglu_only_compiled_ms": graph_ms(lambda: [act(g, u) for g, u in gus])}
+    one_pass, warps = fp8.ONE_PASS, fp8.ROW_WARPS
+    try:
+        for form, row_warps in (("spans", None), ("one_pass", 8), ("one_pass", 16), ("one_pass", 32)):
+            fp8.ONE_PASS, fp8.ROW_WARPS = form == "one_pass", row_warps or warps
+            key = form if row_warps is None else f"{form}_{row_warps}w"
+            out[f"triton_{key}_ms"] = graph_ms(lambda: [fp8.swiglu_quantize(g, u) for g, u in gus])
+            out[f"triton_{key}_scaled_ms"] = graph_ms(lambda: [fp8.swiglu_quantize(g, u, sc)
+                                                               for (g, u), sc in zip(gus, scales)])
+    finally:
+        fp8.ONE_PASS, fp8.ROW_WARPS = one_pass, warps
+    return out
 
 
 def swapped(rows: int, dev) -> dict:
@@ -193,6 +211,7 @@ def main() -> None:
     ap.add_argument("--rows", default="64,256,512")
     ap.add_argument("--profile-tokens", type=int, default=128)
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--only-swiglu", action="store_true", help="the SwiGLU probe alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -201,11 +220,12 @@ def main() -> None:
     name = device_name(dev)
     result = {"bench": "fp8_gemm", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "git_sha": git_sha(), "torch": torch.__version__, "args": vars(args),
-              "projections_28_layers_ms": {int(r): projections(int(r), dev) for r in args.rows.split(",")},
-              "swiglu_quantize_28_layers_ms": {int(r): swiglu_forms(int(r), dev) for r in args.rows.split(",")},
-              "swapped_28_layers_ms": {int(r): swapped(int(r), dev) for r in args.rows.split(",")},
-              "errors": errors(dev)}
-    if not args.skip_engine:
+              "swiglu_quantize_28_layers_ms": {int(r): swiglu_forms(int(r), dev) for r in args.rows.split(",")}}
+    if not args.only_swiglu:
+        result.update(projections_28_layers_ms={int(r): projections(int(r), dev) for r in args.rows.split(",")},
+                      swapped_28_layers_ms={int(r): swapped(int(r), dev) for r in args.rows.split(",")},
+                      errors=errors(dev))
+    if not args.skip_engine and not args.only_swiglu:
         result["engine_profile"] = engine_profile(dev, args.profile_tokens)
     out = Path(args.out or ROOT / "bench" / "results" / f"fp8_gemm_7b_{slug(name)}.json")
     out.write_text(json.dumps(result, indent=1))

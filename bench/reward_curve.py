@@ -4,16 +4,20 @@
     python bench/reward_curve.py --preset agent_demo        # the tool-calling demo: its tool-call rate too
     python bench/reward_curve.py --steps 10 --load 1 --plot '' --out /tmp/loaded.json   # a busy machine
     python bench/reward_curve.py --steps 10 --src /path/to/another/lathe --out /tmp/other.json
+    python bench/reward_curve.py --set trainer.device=cuda --set actor_rollout_ref.rollout.quantization=fp8 \
+        --plot '' --out bench/results/reward_curve_fp8_nvidia-h200.json     # on a GPU, FP8 rollout
 
 Three runs share a cache directory that starts empty: a 1-step run (warm start computed), a 1-step run (warm start
 read from the cache), then the measured run. `--load K` keeps K other CPU-bound processes running for the whole run
 (a laptop or CI box doing something else);
 `--steps` stops after that many GRPO steps; `--src` runs another checkout's lathe (its `src/`) the same way, for a
-before/after comparison in one sitting.
+before/after comparison in one sitting; `--set KEY=VALUE` (repeatable) adds config overrides to every run (the JSON
+records them, and the GPU's name when one of them is `trainer.device=cuda`).
 
 Runs the preset (`default` unless `--preset` names another) in a fresh run directory in a subprocess (so start-up
 is counted), reads its metrics.jsonl, prints a table, writes JSON (device, date, git sha, the machine's load average
-at the start, per-step `critic/score/mean` and, for a multi-turn run, `agent/tool_calls/mean`, wall time) and, when
+at the start, per-step `critic/score/mean`, for a multi-turn run `agent/tool_calls/mean`, where reported
+`training/rollout_probs_diff_mean`, wall time) and, when
 matplotlib is installed, a PNG plot (by default for the `default` preset only).
 """
 
@@ -57,6 +61,14 @@ def run_preset(run_dir: Path, preset: str = "default", *, steps: int | None = No
             p.kill()
 
 
+def device(overrides: list[str]) -> str:
+    cpu = f"cpu ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+    if "trainer.device=cuda" not in overrides:
+        return cpu
+    import torch
+    return f"{torch.cuda.get_device_name()} ({cpu})"
+
+
 def rolling(values: list[float], window: int) -> list[float]:
     return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
@@ -71,7 +83,12 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=0, help="other CPU-bound processes running meanwhile")
     parser.add_argument("--src", default=str(ROOT), help="the lathe checkout to run (default: this one)")
     parser.add_argument("--git-sha", default=None, help="the sha to record for --src (default: its git HEAD)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (repeatable)")
     args = parser.parse_args()
+    bad = [o for o in args.set if "=" not in o]
+    if bad:
+        parser.error(f"--set takes KEY=VALUE, got {bad}")
     default = args.preset == "default"
     out = args.out or str(ROOT / "bench/results" / f"reward_curve{'' if default else '_' + args.preset}_cpu.json")
     plot = args.plot if args.plot is not None else str(ROOT / "docs/reward_curve.png") if default else ""
@@ -79,9 +96,10 @@ def main() -> None:
     loadavg = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"        # lathe's cache starts empty: the first run warm-starts, the next read it
-        start_cold = run_preset(Path(tmp) / "cold", args.preset, steps=1, load=args.load, src=src, cache=cache)
-        start_cached = run_preset(Path(tmp) / "cached", args.preset, steps=1, load=args.load, src=src, cache=cache)
-        wall = run_preset(Path(tmp) / "run", args.preset, steps=args.steps, load=args.load, src=src, cache=cache)
+        runs = dict(preset=args.preset, load=args.load, src=src, cache=cache, overrides=tuple(args.set))
+        start_cold = run_preset(Path(tmp) / "cold", steps=1, **runs)
+        start_cached = run_preset(Path(tmp) / "cached", steps=1, **runs)
+        wall = run_preset(Path(tmp) / "run", steps=args.steps, **runs)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "critic/score/mean" in r]
     step_s = [r["timing_s/step"] for r in train]
@@ -95,8 +113,7 @@ def main() -> None:
     seconds_to_095 = round(sum(step_s[:steps.index(first_at_095) + 1]), 1) if first_at_095 else None
     result = {
         "bench": "reward_curve", "preset": args.preset, "command": "lathe train" + ("" if default else f" {args.preset}"),
-        "device": f"cpu ({os.cpu_count()} cores, "
-        f"{platform.processor() or platform.machine()})", "date": datetime.date.today().isoformat(),
+        "device": device(args.set), "overrides": args.set, "date": datetime.date.today().isoformat(),
         "git_sha": args.git_sha or git_sha(src), "load": args.load, "loadavg_1_5_15_min_at_start": loadavg,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "wall_seconds": round(wall, 1), "grpo_seconds": round(sum(step_s), 2), "step_seconds": step_s,
@@ -106,6 +123,9 @@ def main() -> None:
         "final_rolling10": smooth[-1], "first_step_rolling10_ge_0.8": first_at_08,
         "first_step_rolling10_ge_0.95": first_at_095, "grpo_seconds_to_rolling10_ge_0.95": seconds_to_095,
     }
+    gap = [r["training/rollout_probs_diff_mean"] for r in train if "training/rollout_probs_diff_mean" in r]
+    if gap:                                     # the rollout's log-probs differ from the trainer's (e.g. FP8 rollout)
+        result.update(rollout_probs_diff_mean=gap)
     if calls:                                   # a multi-turn run: tool calls per trajectory
         result.update(tool_calls_mean=calls, first_step_tool_calls=calls[0],
                       final_tool_calls_rolling10=rolling(calls, 10)[-1])
@@ -128,7 +148,8 @@ def main() -> None:
         ax.plot(list(map(int, val)), list(val.values()), "o", color="#d62728", label="validation (greedy)")
     ax.axhline(0.95, ls="--", color="k", lw=0.8)
     ax.set(xlabel="step", ylabel="reward", ylim=(0, 1.02),
-           title=f"lathe train{'' if default else ' ' + args.preset} (built-in GRPO, CPU): {wall:.0f} s wall")
+           title=f"lathe train{'' if default else ' ' + args.preset} (built-in GRPO, "
+                 f"{'GPU' if 'trainer.device=cuda' in args.set else 'CPU'}): {wall:.0f} s wall")
     ax.legend(loc="lower right", fontsize=8)
     save_figure(fig, plot)
 

@@ -427,9 +427,10 @@ def main() -> None:
     ap.add_argument("--fp8-gemm", choices=["unit-fast", "rowwise", "rowwise-fast", "unit"], default="unit-fast",
                     help="the FP8 rows' GEMM form (lathe.engine.fp8: unit scales or the scales inside cuBLAS's "
                          "row-wise kernel; fast accumulation or not); default: lathe's own")
-    ap.add_argument("--fp8-swiglu", choices=["triton", "compiled"], default=None,
-                    help="the FP8 rows' SwiGLU and down-projection quantisation: lathe.engine.fp8's Triton launches "
-                         "(FUSED_SWIGLU) or torch ops inductor fuses in the compiled layer; default: lathe's own")
+    ap.add_argument("--fp8-swiglu", choices=["triton", "spans", "compiled"], default=None,
+                    help="the FP8 rows' gate/up dequantisation, SwiGLU and down-projection quantisation: "
+                         "lathe.engine.fp8's Triton kernel (FUSED_SWIGLU; triton: one pass a row, spans: two "
+                         "launches) or torch ops inductor fuses in the compiled layer; default: lathe's own")
     ap.add_argument("--kv-cache-dtype", type=csv, default=["auto"],
                     help="the engine's KV cache (auto: bf16; fp8: e4m3 with a scale per token and KV head), recorded "
                          "in the engine block; more than one (auto,fp8): the rows with the first, then the same loads "
@@ -441,7 +442,7 @@ def main() -> None:
     from lathe.engine import fp8
     fp8.ROWWISE_GEMM, fp8.FAST_ACCUM = args.fp8_gemm.startswith("rowwise"), args.fp8_gemm.endswith("fast")
     if args.fp8_swiglu is not None:
-        fp8.FUSED_SWIGLU = args.fp8_swiglu == "triton"
+        fp8.FUSED_SWIGLU, fp8.ONE_PASS = args.fp8_swiglu != "compiled", args.fp8_swiglu == "triton"
     device = torch.device(args.device)
     name = device_name(device)
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"rollout_{slug(name)}.json"

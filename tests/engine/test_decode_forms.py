@@ -125,7 +125,7 @@ def test_split_decode_form_equals_the_plain_forward(family):
 @pytest.mark.parametrize("fused", [True, False])
 def test_split_decode_form_of_an_fp8_model_runs_its_fp8_mlp_whole(monkeypatch, fused):
     """With FP8 projections the split form leaves the down projection to the MLP's own FP8 path (the SwiGLU and its
-    quantisation in one pass: `fp8.swiglu_down`), one partial per layer, gate/up fused or not (the engine fuses
+    quantisation: `fp8.mlp_down`), one partial per layer, gate/up fused or not (the engine fuses
     them only where the copy is small: not at 7B): the plain forward's hidden states."""
     from lathe.engine import fp8
     from lathe.engine.decode_forms import FusedMLP, text_hidden
@@ -135,7 +135,7 @@ def test_split_decode_form_of_an_fp8_model_runs_its_fp8_mlp_whole(monkeypatch, f
     fp8.quantize_model(model)
     assert type(model.model.layers[0].mlp) is (FusedMLP if fused else fp8.Fp8MLP)
     calls = []
-    monkeypatch.setattr(fp8, "swiglu_down", lambda g, u, down, run=fp8.swiglu_down: calls.append(1) or run(g, u, down))
+    monkeypatch.setattr(fp8, "mlp_down", lambda mlp, x, run=fp8.mlp_down: calls.append(1) or run(mlp, x))
     with torch.no_grad():
         ids, pos = torch.randint(0, 100, (5,)), torch.arange(5) + 3
         ref = model.model(ids, pos, _Attention())

@@ -114,15 +114,18 @@ def _forced_cuda(model, prompt, response):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_cuda_fp8_engine_with_graphs_samples_its_own_model(checkpoints, family):
-    """On the GPU in bf16: `torch._scaled_mm`'s row-wise FP8 GEMM, compiled layers and CUDA graphs (fused
-    projections). The log-probs of what the engine samples are the quantised model's teacher-forced ones (bf16:
-    norm-relative), before and after a weight update, which re-quantises the tensors the captured graphs read."""
+@pytest.mark.parametrize("family,kernel,fuse", [("qwen2", False, True), ("qwen3", False, True), ("qwen2", True, True),
+                                               ("qwen2", True, False), ("qwen3", True, False)])
+def test_cuda_fp8_engine_with_graphs_samples_its_own_model(monkeypatch, checkpoints, family, kernel, fuse):
+    """On the GPU in bf16: `torch._scaled_mm`'s FP8 GEMM, compiled layers and CUDA graphs (projections fused or not;
+    the MLP's SwiGLU kernel on or off: `FUSED_SWIGLU`). The log-probs of what the engine samples are the quantised
+    model's teacher-forced ones (bf16: norm-relative), before and after a weight update, which re-quantises the
+    tensors the captured graphs read."""
+    monkeypatch.setattr(fp8, "FUSED_SWIGLU", kernel)
     path, _ = checkpoints[family]
     model = load_lathe_model(path, torch.bfloat16, device="cuda")
     engine = LatheEngine(model, eos_token_id=None, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=8,
-                         quantization="fp8", fuse_projections=True)
+                         quantization="fp8", fuse_projections=fuse)
     assert engine.runner.graphs is not None and fp8.is_quantized(model)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX, seed=0)
     for update in (False, True):
@@ -195,30 +198,55 @@ def test_cuda_without_fp8_products_is_refused_naming_the_key():
     fp8.check_device(torch.device("cpu"), torch.float32)        # the CPU emulates the product in any dtype
 
 
-@pytest.mark.parametrize("rows,half,spans", [(3, 40, 1), (5, 2100, 2), (1, 4100, 3)])
-def test_swiglu_quantize_kernel_is_the_unfused_quantisation(triton_interpreter, rows, half, spans):
-    """`swiglu_quantize`'s two launches (by Triton's interpreter; one span a row, two, three of which the last is
-    ragged) equal
-    `quantize_rows(swiglu(x))` to the interpreter's roundings: it casts float32 to bf16 by truncation (a scale may be
-    a bf16 step off: 145 for 146) and to E4M3 halving every result that is a power of two (2.004 -> 1.0 where torch
-    and CUDA give 2.0). So here: the scales agree to a bf16 step, and each value, against torch's quantisation by the
-    kernel's own scale, is within one E4M3 step or that halved power of two; on a GPU the bytes agree
-    (`test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation`)."""
+def _swiglu_case(rows, half, scaled):
+    """gate/up (rows, half) each as the halves of one bf16 tensor, with outliers that set a row's scale in its
+    first columns or its last, and with `scaled` the unit-scale product's scales (x_scale, gate_scale, up_scale)."""
     torch.manual_seed(0)
     gate_up = (torch.randn(rows, 2 * half) * 3).bfloat16()
-    gate_up[::2, 7] = 40.0                  # an outlier sets a row's scale: in its first span or its last column's
+    gate_up[::2, 7] = 40.0
     gate_up[1::2, half - 1] = 40.0
-    assert fp8._spans(rows, half)[0] == spans
-    q, s = fp8._launch_swiglu_quantize(*gate_up.chunk(2, dim=-1))
-    h = fp8.swiglu(*gate_up.chunk(2, dim=-1))
+    scales = (torch.rand(rows) + 0.5, torch.rand(half) + 0.5, torch.rand(half) + 0.5) if scaled else None
+    gate, up = gate_up.chunk(2, dim=-1)
+    if scales is not None:
+        gate, up = (fp8.dequantize(t, scales[0], s, t.dtype) for t, s in ((gate, scales[1]), (up, scales[2])))
+    return gate_up, scales, fp8.swiglu(gate, up)
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("rows,half,spans", [(3, 40, 1), (5, 2100, 2), (1, 4100, 3)])
+def test_swiglu_quantize_kernel_is_the_unfused_quantisation(monkeypatch, triton_interpreter, rows, half, spans,
+                                                            scaled, one_pass):
+    """`swiglu_quantize`'s launches (by Triton's interpreter: the one-pass form, a row held whole; or two launches of
+    one span a row, two, three of which the last is ragged), on gate/up as they are or as unit-scale FP8 products
+    with their scales, equal `quantize_rows(swiglu(x))` of the torch form to the interpreter's roundings: it casts
+    float32 to bf16 by truncation (a scale may be a bf16 step off: 145 for 146) and to E4M3 halving every result that
+    is a power of two (2.004 -> 1.0 where torch and CUDA give 2.0). So here: the scales agree to a bf16 step (two
+    with the dequantisation's rounding), and each value, against torch's quantisation by the kernel's own scale, is
+    within one E4M3 step or a power of two near it halved; on a GPU the bytes agree
+    (`test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation`)."""
+    monkeypatch.setattr(fp8, "ONE_PASS", one_pass)
+    gate_up, scales, h = _swiglu_case(rows, half, scaled)
+    whole = {40: 64, 2100: 4096, 4100: 8192}[half]
+    assert fp8._spans(rows, half) == (1, whole, whole) if one_pass else fp8._spans(rows, half)[0] == spans
+    q, s = fp8._launch_swiglu_quantize(*gate_up.chunk(2, dim=-1), scales)
     s_ref = fp8.quantize_rows(h)[1]
     assert q.dtype == fp8.FP8 and q.shape == (rows, half) and s.shape == (rows,)
-    assert ((s - s_ref).abs() <= s_ref * 2.0 ** -7).all()
+    assert ((s - s_ref).abs() <= s_ref * 2.0 ** (-6 if scaled else -7)).all()
     a = q.float()
     b = (h.float() / s[:, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8).float()
-    near = (a - b).abs() <= b.abs() / 8 + 2.0 ** -9          # 3 mantissa bits; E4M3's smallest subnormal
-    halved = (a == b / 2) & (torch.frexp(b).mantissa.abs() == 0.5)
-    assert (near | halved).all() and halved.float().mean() < 0.05
+    near = (a - b).abs() <= b.abs() / (4 if scaled else 8) + 2.0 ** -9     # 3 mantissa bits; the smallest subnormal
+    halved = (torch.frexp(a).mantissa.abs() == 0.5) & ((2 * a - b).abs() <= b.abs() / 8 + 2.0 ** -9)
+    assert (near | halved).all() and (~near).float().mean() < 0.05
+
+
+def test_swiglu_quantize_in_torch_dequantises_the_unit_products(monkeypatch):
+    """Off the GPU (no interpreter) `swiglu_quantize` with scales is the torch form over the dequantised products."""
+    monkeypatch.setattr(fp8, "_interpreted", lambda: False)
+    gate_up, scales, h = _swiglu_case(3, 48, True)
+    q, s = fp8.swiglu_quantize(*gate_up.chunk(2, dim=-1), scales)
+    q_ref, s_ref = fp8.quantize_rows(h)
+    assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -238,45 +266,62 @@ def test_fp8_mlps_compute_the_fp8_down_projection_of_the_swiglu(checkpoints, fus
         assert torch.equal(layer.mlp(x), MLP.forward(layer.mlp, x))
 
 
-@pytest.mark.parametrize("kernel", [False, True])
-def test_fused_mlp_feeds_its_fp8_down_projection_the_quantised_swiglu(monkeypatch, triton_interpreter, kernel):
-    """A fused MLP whose down projection is FP8 computes down(swiglu(gate_up(x))) through `swiglu_down`: without the
-    kernel exactly the unfused module's FP8 output; with it (interpreted, its roundings: the test above) near it."""
-    from lathe.engine.decode_forms import FusedMLP
-    from lathe.models.config import LatheConfig
-    from lathe.models.decoder import MLP
-    monkeypatch.setattr(fp8, "_fuses_swiglu", lambda t: kernel)
+@pytest.mark.parametrize("fuse", [False, True])
+def test_fp8_mlp_with_the_kernel_feeds_it_the_unit_products_and_their_scales(monkeypatch, triton_interpreter,
+                                                                             checkpoints, fuse):
+    """With the kernel on (`FUSED_SWIGLU`) an FP8 MLP (`Fp8MLP`, or `FusedMLP` with fused gate/up) quantises x once,
+    multiplies gate and up with unit scales and hands the products and their scales to `swiglu_quantize` (one call a
+    layer): in torch exactly that formula; interpreted near it (its roundings: the test above) and near the torch
+    form without the kernel."""
+    from lathe.engine.decode_forms import fuse_projections
+    model = load_lathe_model(checkpoints["qwen2"][0], torch.bfloat16)
+    if fuse:
+        fuse_projections(model)
+    fp8.quantize_model(model)
+    x = torch.randn(2, 5, model.config.hidden_size).bfloat16()
     calls = []
-    monkeypatch.setattr(fp8, "swiglu_quantize", lambda g, u, run=fp8.swiglu_quantize: calls.append(g.shape) or run(g, u))
-    torch.manual_seed(0)
-    cfg = LatheConfig(architecture="qwen2", vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    mlp = MLP(cfg).bfloat16()
-    x = torch.randn(2, 3, 32).bfloat16()
-    down8, sd = fp8.quantize_rows(mlp.down_proj.weight)
-    expected = fp8.fp8_linear(mlp.hidden(x), down8, sd, mlp.down_proj.bias)
-    mlp.gate_up_weight, mlp.gate_up_bias = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None
-    mlp.down_proj.register_buffer("weight_fp8", down8, persistent=False)
-    mlp.down_proj.register_buffer("weight_scale", sd, persistent=False)
-    mlp.down_proj.__class__, mlp.__class__ = fp8.Fp8Linear, FusedMLP
+    run = fp8.swiglu_quantize
+    monkeypatch.setattr(fp8, "swiglu_quantize", lambda g, u, scales=None: calls.append((g.shape, scales is None))
+                        or run(g, u, scales))
+    mlp = model.model.layers[0].mlp
+    without = mlp(x)
+    assert calls == []
+    monkeypatch.setattr(fp8, "_fuses_swiglu", lambda t: True)
+    interpreted = mlp(x)
+    assert calls == [((10, model.config.intermediate_size), False)]
+    monkeypatch.setattr(fp8, "_interpreted", lambda: False)
     got = mlp(x)
-    assert got.shape == expected.shape
-    assert calls == ([(2, 3, 48)] if kernel else [])
-    assert rel_error(got.double(), expected.double()) < (0.1 if kernel else 1e-6)
+    x8, sx = fp8.quantize_rows(x.reshape(10, -1))
+    w8 = mlp.gate_up_fp8 if fuse else torch.cat([mlp.gate_proj.weight_fp8, mlp.up_proj.weight_fp8])
+    ws = mlp.gate_up_scale if fuse else torch.cat([mlp.gate_proj.weight_scale, mlp.up_proj.weight_scale])
+    gate, up = fp8.dequantize(fp8.unit_product(x8, w8, x.dtype), sx, ws, x.dtype).chunk(2, -1)
+    h8, sh = fp8.quantize_rows(fp8.swiglu(gate, up))
+    expected = fp8.scaled_linear(h8, sh, mlp.down_proj.weight_fp8, mlp.down_proj.weight_scale, None, x.dtype)
+    assert torch.equal(got, expected.view(got.shape))
+    assert rel_error(interpreted.double(), got.double()) < 0.1
+    assert rel_error(got.double(), without.double()) < 0.05
 
 
 @pytest.mark.gpu
-def test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation():
-    """On a GPU `swiglu_quantize`'s launches equal `quantize_rows(swiglu(x))` (both CUDA's roundings) at 7B's
-    intermediate width, decode and prefill rows: the same scales to float32 rounding and the same E4M3 bytes but for
-    rare ties (the kernel's SiLU is x * sigmoid(x), torch's x / (1 + exp(-x)))."""
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation(monkeypatch, one_pass):
+    """On a GPU `swiglu_quantize`'s launches (one pass, or two of spans) equal `quantize_rows(swiglu(x))` (both CUDA's
+    roundings) at 7B's intermediate width, decode and prefill rows, on gate/up as they are or as unit-scale products
+    with their scales: the same scales to float32 rounding and the same E4M3 bytes but for rare ties (the kernel's
+    SiLU is x * sigmoid(x), torch's x / (1 + exp(-x)))."""
+    monkeypatch.setattr(fp8, "ONE_PASS", one_pass)
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows in (1, 64, 256, 4096, 60000):          # (60000 x 37888: past 2**31 elements)
         gate_up = (torch.randn(rows, 2 * 18944, device="cuda", generator=g) * 3).bfloat16()
-        q, s = fp8.swiglu_quantize(*gate_up.chunk(2, dim=-1))
-        q_ref, s_ref = fp8.quantize_rows(fp8.swiglu(*gate_up.chunk(2, dim=-1)))
-        assert rel_error(s.double(), s_ref.double()) < 1e-3, rows
-        assert (q.float() != q_ref.float()).float().mean() < 1e-2, rows
-        assert rel_error(q.double() * s.double()[:, None], q_ref.double() * s_ref.double()[:, None]) < 1e-2, rows
+        scales = tuple(torch.rand(n, device="cuda", generator=g) + 0.5 for n in (rows, 18944, 18944))
+        for sc in (None, scales):
+            q, s = fp8.swiglu_quantize(*gate_up.chunk(2, dim=-1), sc)
+            gate, up = gate_up.chunk(2, dim=-1)
+            if sc is not None:
+                gate, up = fp8.dequantize(gate, sc[0], sc[1], gate.dtype), fp8.dequantize(up, sc[0], sc[2], up.dtype)
+            q_ref, s_ref = fp8.quantize_rows(fp8.swiglu(gate, up))
+            assert rel_error(s.double(), s_ref.double()) < 1e-3, rows
+            assert (q.float() != q_ref.float()).float().mean() < 1e-2, rows
+            assert rel_error(q.double() * s.double()[:, None], q_ref.double() * s_ref.double()[:, None]) < 1e-2, rows
     gate_up[0, 3] = float("nan")            # a NaN activation stays NaN (the product sees it, as torch's form does)
     assert fp8.swiglu_quantize(*gate_up.chunk(2, dim=-1))[0][0, 3].float().isnan()

@@ -44,15 +44,15 @@ class FusedAttention(Attention):
 
 
 class FusedMLP(MLP):
-    """`MLP` whose gate and up come from one matmul over `gate_up_weight` (and `gate_up_bias`); an FP8 down projection
-    takes its input quantised with the SwiGLU in one pass (`fp8.swiglu_down`)."""
+    """`MLP` whose gate and up come from one matmul over `gate_up_weight` (and `gate_up_bias`); with an FP8 down
+    projection, `fp8.mlp_down`."""
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         return fp8.swiglu(*project(self, "gate_up", x).chunk(2, dim=-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.down_proj, fp8.Fp8Linear):
-            return fp8.swiglu_down(*project(self, "gate_up", x).chunk(2, dim=-1), self.down_proj)
+            return fp8.mlp_down(self, x)
         return self.down_proj(self.hidden(x))
 
 
@@ -143,7 +143,7 @@ def split_layer(layer: DecoderLayer, x: torch.Tensor, part: torch.Tensor | None,
     x = add_partials(x, split_linear(out, layer.self_attn.o_proj, splits[0]))
     h = layer.post_attention_layernorm(x)
     if not isinstance(layer.mlp, MLP) or isinstance(layer.mlp.down_proj, fp8.Fp8Linear):
-        # a mixture of experts (`lathe.models.moe`), or an FP8 down projection (`fp8.swiglu_down`): one partial
+        # a mixture of experts (`lathe.models.moe`), or an FP8 down projection (`fp8.mlp_down`): one partial
         return x, layer.mlp(h).unsqueeze(0)
     return x, split_linear(layer.mlp.hidden(h), layer.mlp.down_proj, splits[1])
 

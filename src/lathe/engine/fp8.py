@@ -54,6 +54,9 @@ SCHEMES = ("fp8",)
 ROWWISE_GEMM = False       # True: the scales inside the GEMM (`_scaled_mm`'s row-wise form); the A/B's other arm
 FAST_ACCUM = True          # `_scaled_mm(use_fast_accum=...)`: Hopper's FP8 accumulation without periodic promotion
 FUSED_SWIGLU = False       # an MLP's SwiGLU and the FP8 down projection's quantisation in Triton (CUDA; module doc)
+ONE_PASS = True            # rows up to ONE_PASS_MAX wide (padded) in one launch, the row held in registers
+ONE_PASS_MAX = 32768
+ROW_WARPS = 16             # warps of a one-pass program
 _ONES: dict[torch.device, torch.Tensor] = {}   # the unit scale per device, made outside any graph capture
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}   # `fuse_projections`' groups
 
@@ -86,12 +89,24 @@ def scaled_linear(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_s
         y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.unsqueeze(-1), scale_b=w_scale.unsqueeze(0),
                              out_dtype=dtype, use_fast_accum=FAST_ACCUM)
     elif x8.device.type == "cuda":
-        one = unit_scale(x8.device)
-        y = torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=FAST_ACCUM)
-        y = (y.float() * x_scale.unsqueeze(-1) * w_scale).to(dtype)
+        y = dequantize(unit_product(x8, w8, dtype), x_scale, w_scale, dtype)
     else:   # the same product in float32 (CPU `_scaled_mm` takes row-wise scales only from torch 2.13)
         y = ((x8.float() * x_scale.unsqueeze(-1)) @ (w8.float() * w_scale.unsqueeze(-1)).t()).to(dtype)
     return y if bias is None else y + bias
+
+
+def unit_product(x8: torch.Tensor, w8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x8 @ w8.T of E4M3 operands with unit scales, rounded to `dtype` (cuBLAS's tensor-wise FP8 GEMM on a GPU; in
+    float32 elsewhere): the scales multiply after (`dequantize`)."""
+    if x8.device.type == "cuda":
+        one = unit_scale(x8.device)
+        return torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=FAST_ACCUM)
+    return (x8.float() @ w8.float().t()).to(dtype)
+
+
+def dequantize(y: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A unit-scale product's rows times x_scale, its columns times w_scale, in float32, rounded to `dtype`."""
+    return (y.float() * x_scale.unsqueeze(-1) * w_scale).to(dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -99,13 +114,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, scales: tuple[torch.Tensor, ...] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows(swiglu(gate, up))` over gate and up (M, I) (unit column stride each: two tensors, or the halves
-    of a fused gate/up output): on a GPU (or Triton's CPU interpreter) in the two launches of the module doc, the
-    SwiGLU rounded to their dtype as the unfused form rounds it; else in torch."""
+    of a fused gate/up output). With `scales` (x_scale (M,), gate_scale (I,), up_scale (I,)), gate and up are unit-
+    scale FP8 products (`unit_product`), each `dequantize`d first. On a GPU (or Triton's CPU interpreter) in the
+    launches of the module doc, every intermediate rounded to their dtype as the torch form rounds it; else in torch."""
     if triton is None or not (gate.is_cuda or _interpreted()):
+        if scales is not None:
+            sx, sg, su = (t.reshape(-1) for t in scales)
+            gate, up = (dequantize(t.reshape(-1, t.shape[-1]), sx, s, t.dtype) for t, s in ((gate, sg), (up, su)))
         return quantize_rows(swiglu(gate, up).reshape(-1, gate.shape[-1]))
-    return _swiglu_quantize_op(gate, up)
+    if scales is None:
+        return _swiglu_quantize_op(gate, up)
+    return _swiglu_quantize_scaled_op(gate, up, *scales)
 
 
 def _interpreted() -> bool:
@@ -114,43 +136,71 @@ def _interpreted() -> bool:
 
 
 def _spans(rows: int, width: int) -> tuple[int, int, int]:
-    """(spans per row, span width, block) of `swiglu_quantize`'s launches over rows of `width` columns: about 1024
-    programs in all (up to 16 spans a row, each of at least 1024 columns), each span a whole number of blocks and
-    none past the row's end."""
+    """(spans per row, span width, block) of `swiglu_quantize`'s launches over rows of `width` columns: one span of
+    the whole row (padded to a power of two) in one launch when `ONE_PASS` and it is at most `ONE_PASS_MAX` wide;
+    else about 1024 programs in all (up to 16 spans a row, each of at least 1024 columns), each span a whole number
+    of blocks and none past the row's end, in two launches."""
+    whole = triton.next_power_of_2(width)
+    if ONE_PASS and whole <= ONE_PASS_MAX:
+        return 1, whole, whole
     spans = 1
     while spans < 16 and rows * spans < 1024 and width // (spans * 2) >= 1024:
         spans *= 2
-    block = min(1024, triton.next_power_of_2(width))
+    block = min(1024, whole)
     span = triton.cdiv(triton.cdiv(width, spans), block) * block
     return triton.cdiv(width, span), span, block
 
 
 if triton is not None:
     @triton.jit
-    def _swiglu_span(G, U, row, start, offs, cols_total, stride_g, stride_u):
-        """SiLU(gate) * up over columns start + offs of `row`, rounded to U's dtype (as the unfused form), in fp32."""
+    def _swiglu_span(G, U, SX, SG, SU, row, start, offs, cols_total, stride_g, stride_u, SCALED: tl.constexpr):
+        """SiLU(gate) * up over columns start + offs of `row`, each step rounded to U's dtype as the torch form
+        rounds it (with SCALED, gate and up first dequantised: (raw * sx[row]) * s[col]), in fp32."""
         cols = start + offs
         ok = cols < cols_total
-        g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0)
         u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0)
+        if SCALED:
+            sx = tl.load(SX + row)
+            g = (g.to(tl.float32) * sx * tl.load(SG + cols, mask=ok, other=0.0)).to(u.dtype)
+            u = (u.to(tl.float32) * sx * tl.load(SU + cols, mask=ok, other=0.0)).to(u.dtype)
+        g = g.to(tl.float32)
         act = (g * tl.sigmoid(g)).to(u.dtype)
         return (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype).to(tl.float32), cols, ok
 
     @triton.jit
-    def _swiglu_amax_kernel(G, U, PART, cols_total, stride_g, stride_u, SPANS: tl.constexpr, WIDTH: tl.constexpr,
-                            BLOCK: tl.constexpr):
-        row, span = tl.program_id(0).to(tl.int64), tl.program_id(1)      # (row x stride passes 2**31 at ~57k rows)
+    def _quantize_span(h, scale, Q, row, cols, ok, stride_q, FP8_MAX: tl.constexpr):
+        q = tl.minimum(tl.maximum(h / scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)         # (a NaN activation stays NaN, as in torch)
+        tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _swiglu_row_kernel(G, U, SX, SG, SU, Q, S, cols_total, stride_g, stride_u, stride_q, SCALED: tl.constexpr,
+                           BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+        """The one-pass form: a program holds its whole row's SwiGLU while it finds the maximum, then quantises."""
+        row = tl.program_id(0).to(tl.int64)                # (row x stride passes 2**31 at ~57k rows)
+        h, cols, ok = _swiglu_span(G, U, SX, SG, SU, row, 0, tl.arange(0, BLOCK), cols_total, stride_g, stride_u,
+                                   SCALED)
+        top = tl.max(tl.maximum(tl.abs(h), 0.0), 0)       # (a NaN drops out of the maximum, as in the spans' form)
+        scale = tl.maximum(top, 1e-12) / FP8_MAX
+        tl.store(S + row, scale)
+        _quantize_span(h, scale, Q, row, cols, ok, stride_q, FP8_MAX)
+
+    @triton.jit
+    def _swiglu_amax_kernel(G, U, SX, SG, SU, PART, cols_total, stride_g, stride_u, SCALED: tl.constexpr,
+                            SPANS: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+        row, span = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         top = tl.zeros([BLOCK], tl.float32)
         for start in range(span * WIDTH, span * WIDTH + WIDTH, BLOCK):
-            h, cols, ok = _swiglu_span(G, U, row, start, offs, cols_total, stride_g, stride_u)
+            h, cols, ok = _swiglu_span(G, U, SX, SG, SU, row, start, offs, cols_total, stride_g, stride_u, SCALED)
             top = tl.maximum(top, tl.abs(h))
         tl.store(PART + row * SPANS + span, tl.max(top, 0))
 
     @triton.jit
-    def _swiglu_quant_kernel(G, U, PART, Q, S, cols_total, stride_g, stride_u, stride_q, SPANS: tl.constexpr,
-                             SPANS_PAD: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-                             FP8_MAX: tl.constexpr):
+    def _swiglu_quant_kernel(G, U, SX, SG, SU, PART, Q, S, cols_total, stride_g, stride_u, stride_q,
+                             SCALED: tl.constexpr, SPANS: tl.constexpr, SPANS_PAD: tl.constexpr, WIDTH: tl.constexpr,
+                             BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
         row, span = tl.program_id(0).to(tl.int64), tl.program_id(1)
         parts = tl.arange(0, SPANS_PAD)
         top = tl.max(tl.load(PART + row * SPANS + parts, mask=parts < SPANS, other=0.0), 0)
@@ -159,65 +209,97 @@ if triton is not None:
             tl.store(S + row, scale)
         offs = tl.arange(0, BLOCK)
         for start in range(span * WIDTH, span * WIDTH + WIDTH, BLOCK):
-            h, cols, ok = _swiglu_span(G, U, row, start, offs, cols_total, stride_g, stride_u)
-            q = tl.minimum(tl.maximum(h / scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                           propagate_nan=tl.PropagateNan.ALL)         # (a NaN activation stays NaN, as in torch)
-            tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=ok)
+            h, cols, ok = _swiglu_span(G, U, SX, SG, SU, row, start, offs, cols_total, stride_g, stride_u, SCALED)
+            _quantize_span(h, scale, Q, row, cols, ok, stride_q, FP8_MAX)
 
     def _rows(t: torch.Tensor) -> torch.Tensor:
         """t as (M, I) with unit column stride (a view where it can be)."""
         t = t.reshape(-1, t.shape[-1])
         return t if t.stride(-1) == 1 else t.contiguous()
 
-    def _launch_swiglu_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _launch_swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, scales: tuple[torch.Tensor, ...] | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
         g, u = _rows(gate), _rows(up)
         rows, width = g.shape
         q = torch.empty(rows, width, dtype=FP8, device=g.device)
         s = torch.empty(rows, dtype=torch.float32, device=g.device)
         if rows == 0:
             return q, s
+        sx, sg, su = (t.reshape(-1).contiguous() for t in scales) if scales is not None else (s, s, s)
+        common = dict(SCALED=scales is not None)
         spans, span, block = _spans(rows, width)
+        if spans == 1 and span == block:
+            _swiglu_row_kernel[(rows,)](g, u, sx, sg, su, q, s, width, g.stride(0), u.stride(0), q.stride(0),
+                                        BLOCK=block, FP8_MAX=FP8_MAX, num_warps=ROW_WARPS, **common)
+            return q, s
         part = torch.empty(rows, spans, dtype=torch.float32, device=g.device)
-        _swiglu_amax_kernel[(rows, spans)](g, u, part, width, g.stride(0), u.stride(0), SPANS=spans, WIDTH=span,
-                                           BLOCK=block)
-        _swiglu_quant_kernel[(rows, spans)](g, u, part, q, s, width, g.stride(0), u.stride(0), q.stride(0),
-                                            SPANS=spans, SPANS_PAD=triton.next_power_of_2(spans), WIDTH=span,
-                                            BLOCK=block, FP8_MAX=FP8_MAX)
+        _swiglu_amax_kernel[(rows, spans)](g, u, sx, sg, su, part, width, g.stride(0), u.stride(0), SPANS=spans,
+                                           WIDTH=span, BLOCK=block, **common)
+        _swiglu_quant_kernel[(rows, spans)](g, u, sx, sg, su, part, q, s, width, g.stride(0), u.stride(0),
+                                            q.stride(0), SPANS=spans, SPANS_PAD=triton.next_power_of_2(spans),
+                                            WIDTH=span, BLOCK=block, FP8_MAX=FP8_MAX, **common)
         return q, s
 
-    # One operator, opaque to torch.compile: a compiled layer calls it without a graph break (the fake gives shapes).
+    # Operators opaque to torch.compile: a compiled layer calls them without a graph break (the fakes give shapes).
     @torch.library.custom_op("lathe::swiglu_quantize_fp8", mutates_args=())
     def _swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _launch_swiglu_quantize(gate, up)
 
-    @_swiglu_quantize_op.register_fake
-    def _(gate, up):
+    @torch.library.custom_op("lathe::swiglu_quantize_scaled_fp8", mutates_args=())
+    def _swiglu_quantize_scaled_op(gate: torch.Tensor, up: torch.Tensor, x_scale: torch.Tensor,
+                                   gate_scale: torch.Tensor, up_scale: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch_swiglu_quantize(gate, up, (x_scale, gate_scale, up_scale))
+
+    def _fake(gate, up, *scales):
         rows = gate.numel() // gate.shape[-1]
         return gate.new_empty(rows, gate.shape[-1], dtype=FP8), gate.new_empty(rows, dtype=torch.float32)
 
+    _swiglu_quantize_op.register_fake(_fake)
+    _swiglu_quantize_scaled_op.register_fake(_fake)
 
-def _fuses_swiglu(gate: torch.Tensor) -> bool:
-    return FUSED_SWIGLU and gate.is_cuda
+
+def _fuses_swiglu(x: torch.Tensor) -> bool:
+    return FUSED_SWIGLU and x.is_cuda
 
 
-def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module) -> torch.Tensor:
-    """down(swiglu(gate, up)) for an `Fp8Linear` `down`: the SwiGLU and the input's quantisation in `swiglu_quantize`
-    (with `FUSED_SWIGLU` on a GPU), then the FP8 product."""
-    lead = gate.shape[:-1]
-    if _fuses_swiglu(gate):
-        x8, sx = swiglu_quantize(gate, up)
+def _gate_up_fp8(mlp: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
+    """((w8, ...), (scale, ...)) of an MLP's gate and up FP8 copies: two each (`gate_proj`, `up_proj`), or one fused
+    (`gate_up`); None when they are not FP8 or have a bias (the one-kernel form takes neither)."""
+    w8 = getattr(mlp, "gate_up_fp8", None)
+    if w8 is not None:
+        return ((w8,), (mlp.gate_up_scale,)) if mlp.gate_up_bias is None else None
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    if not all(isinstance(p, Fp8Linear) and p.bias is None for p in (gate, up)):
+        return None
+    return (gate.weight_fp8, up.weight_fp8), (gate.weight_scale, up.weight_scale)
+
+
+def mlp_down(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """down_proj(hidden(x)) of an MLP whose down projection is an `Fp8Linear`. With `FUSED_SWIGLU` on a GPU and FP8
+    gate/up: x quantised once, gate and up as unit-scale FP8 products, and their dequantisation, the SwiGLU and the
+    down projection's input quantisation in `swiglu_quantize`'s kernel; else the torch form, which a compiled layer
+    leaves to inductor."""
+    down, lead = mlp.down_proj, x.shape[:-1]
+    parts = _gate_up_fp8(mlp) if _fuses_swiglu(x) else None
+    if parts is None:
+        h = mlp.hidden(x)
+        x8, sx = quantize_rows(h.reshape(-1, h.shape[-1]))
     else:
-        x8, sx = quantize_rows(swiglu(gate, up).reshape(-1, gate.shape[-1]))
-    y = scaled_linear(x8, sx, down.weight_fp8, down.weight_scale, down.bias, gate.dtype)
+        xin8, sxin = quantize_rows(x.reshape(-1, x.shape[-1]))
+        raw = [unit_product(xin8, w8, x.dtype) for w8 in parts[0]]
+        (gate, up), (sg, su) = (raw, parts[1]) if len(raw) == 2 else (raw[0].chunk(2, -1), parts[1][0].chunk(2))
+        x8, sx = swiglu_quantize(gate, up, (sxin, sg, su))
+    y = scaled_linear(x8, sx, down.weight_fp8, down.weight_scale, down.bias, x.dtype)
     return y.view(*lead, y.shape[-1])
 
 
 class Fp8MLP(MLP):
-    """A plain (unfused) `MLP` whose down projection is an `Fp8Linear`: its input quantised with the SwiGLU in one
-    pass (`swiglu_down`); `quantize_model` swaps an MLP's class to it, as `fuse_projections` swaps to `FusedMLP`."""
+    """A plain (unfused) `MLP` whose down projection is an `Fp8Linear` (`mlp_down`); `quantize_model` swaps an MLP's
+    class to it, as `fuse_projections` swaps to `FusedMLP`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj)
+        return mlp_down(self, x)
 
 
 def unit_scale(device: torch.device) -> torch.Tensor:

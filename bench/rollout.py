@@ -427,6 +427,9 @@ def main() -> None:
     ap.add_argument("--fp8-gemm", choices=["unit-fast", "rowwise", "rowwise-fast", "unit"], default="unit-fast",
                     help="the FP8 rows' GEMM form (lathe.engine.fp8: unit scales or the scales inside cuBLAS's "
                          "row-wise kernel; fast accumulation or not); default: lathe's own")
+    ap.add_argument("--fp8-copies", choices=["fused", "separate"], default=None,
+                    help="the FP8 rows' q/k/v and gate/up copies: one tensor (and GEMM) a group, or one a projection "
+                         "(lathe.engine.fp8.FUSE_COPIES); default: lathe's own")
     ap.add_argument("--fp8-swiglu", choices=["triton", "spans", "compiled"], default=None,
                     help="the FP8 rows' gate/up dequantisation, SwiGLU and down-projection quantisation: "
                          "lathe.engine.fp8's Triton kernel (FUSED_SWIGLU; triton: one pass a row, spans: two "
@@ -441,6 +444,8 @@ def main() -> None:
     args = ap.parse_args()
     from lathe.engine import fp8
     fp8.ROWWISE_GEMM, fp8.FAST_ACCUM = args.fp8_gemm.startswith("rowwise"), args.fp8_gemm.endswith("fast")
+    if args.fp8_copies is not None:
+        fp8.FUSE_COPIES = args.fp8_copies == "fused"
     if args.fp8_swiglu is not None:
         fp8.FUSED_SWIGLU, fp8.ONE_PASS = args.fp8_swiglu != "compiled", args.fp8_swiglu == "triton"
     device = torch.device(args.device)

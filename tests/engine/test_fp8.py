@@ -44,17 +44,25 @@ def _quantised_engine(path, **kw):
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_engine_samples_the_quantised_model_and_fused_equals_unfused(checkpoints, family):
     """The engine's greedy tokens and log-probs are the FP8 model's own teacher-forced ones (its plain forward runs
-    the same FP8 layers); fusing q/k/v and gate/up quantises the same rows with the same scales; and the gap to the
-    unquantised model is small but there."""
+    the same FP8 layers); fusing q/k/v and gate/up (the bf16 weights and their copies, `fuse_projections=True`; or
+    the FP8 copies alone, the default where the weights are not fused) quantises the same rows with the same scales;
+    and the gap to the unquantised model is small but there."""
+    from lathe.engine.decode_forms import FusedAttention, FusedMLP
     path, _ = checkpoints[family]
-    plain = _quantised_engine(path)
+    plain = _quantised_engine(path, fuse_projections=False)
     fused = _quantised_engine(path, fuse_projections=True)
-    assert fp8.is_quantized(plain.model) and fp8.is_quantized(fused.model)
+    copies = _quantised_engine(path)
+    assert all(fp8.is_quantized(e.model) for e in (plain, fused, copies))
     assert isinstance(plain.model.model.layers[0].self_attn.q_proj, fp8.Fp8Linear)
-    assert hasattr(fused.model.model.layers[0].self_attn, "qkv_fp8")
+    for engine in (fused, copies):
+        layer = engine.model.model.layers[0]
+        assert type(layer.self_attn) is FusedAttention and type(layer.mlp) is FusedMLP
+        assert hasattr(layer.self_attn, "qkv_fp8") and hasattr(layer.mlp, "gate_up_fp8")
+    layer = copies.model.model.layers[0]       # the copies alone: the bf16 weights stay the layers' own tensors
+    assert layer.self_attn.qkv_weight is None and type(layer.self_attn.q_proj) is torch.nn.Linear
     params = SamplingParams(n=1, temperature=0, max_tokens=MAX)
-    a, b = plain.generate(PROMPTS, params), fused.generate(PROMPTS, params)
-    assert a.token_ids == b.token_ids
+    a, b, c = (e.generate(PROMPTS, params) for e in (plain, fused, copies))
+    assert a.token_ids == b.token_ids == c.token_ids
     exact = load_lathe_model(path, torch.float32)
     gaps = []
     for prompt, response, logprobs in zip(PROMPTS, a.token_ids, a.logprobs):
@@ -66,11 +74,13 @@ def test_engine_samples_the_quantised_model_and_fused_equals_unfused(checkpoints
     assert 0 < max(gaps) < 0.1, gaps
 
 
-def test_weight_update_requantises_in_place(checkpoints):
+@pytest.mark.parametrize("fuse", [True, None])
+def test_weight_update_requantises_in_place(checkpoints, fuse):
     """Loading another model's weights re-quantises the FP8 copies in place (the same tensors, so captured graphs
-    stay valid): the engine then generates what an engine built on those weights generates."""
+    stay valid; fused weights, or fused FP8 copies of separate weights, q/k/v's bias with them): the engine then
+    generates what an engine built on those weights generates."""
     path, _ = checkpoints["qwen2"]
-    engine = _quantised_engine(path, fuse_projections=True)
+    engine = _quantised_engine(path, fuse_projections=fuse)
     attn = engine.model.model.layers[0].self_attn
     before = (attn.qkv_fp8.data_ptr(), attn.o_proj.weight_fp8.data_ptr())
     torch.manual_seed(1)
@@ -80,11 +90,16 @@ def test_weight_update_requantises_in_place(checkpoints):
     fresh_model = load_lathe_model(path, torch.float32)
     fresh_model.load_state_dict(new)
     fresh = LatheEngine(fresh_model, eos_token_id=None, block_size=4, num_kv_blocks=64, quantization="fp8",
-                        fuse_projections=True)
+                        fuse_projections=fuse)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX, seed=3)
     assert engine.generate(PROMPTS, params).token_ids == fresh.generate(PROMPTS, params).token_ids
     w8, s = fp8.quantize_rows(new["model.layers.0.self_attn.o_proj.weight"])
     assert torch.equal(attn.o_proj.weight_fp8.float(), w8.float()) and torch.equal(attn.o_proj.weight_scale, s)
+    k8, ks = fp8.quantize_rows(new["model.layers.0.self_attn.k_proj.weight"])
+    q_rows, k_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    assert torch.equal(attn.qkv_fp8[q_rows:q_rows + k_rows].float(), k8.float())
+    assert torch.equal(attn.qkv_scale[q_rows:q_rows + k_rows], ks)
+    assert torch.equal(attn.qkv_bias[q_rows:q_rows + k_rows], new["model.layers.0.self_attn.k_proj.bias"])
 
 
 def test_config_fills_token_tis_and_refuses_what_it_cannot_quantise():

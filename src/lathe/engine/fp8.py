@@ -59,6 +59,7 @@ ONE_PASS_MAX = 32768
 ROW_WARPS = 16             # warps of a one-pass program
 _ONES: dict[torch.device, torch.Tensor] = {}   # the unit scale per device, made outside any graph capture
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}   # `fuse_projections`' groups
+FUSE_COPIES = True         # the engine's default: one FP8 copy (and GEMM) for each q/k/v and gate/up group (`quantize_model`)
 
 
 def quantize_rows(w: torch.Tensor, out: torch.Tensor | None = None, scale: torch.Tensor | None = None
@@ -333,8 +334,9 @@ def _aligned(w: torch.Tensor) -> bool:
 
 
 def _targets(model: nn.Module):
-    """(owner, kind, name) of every projection to quantise: ("fused", "qkv"/"gate_up") for a fused one, ("linear",
-    attribute) for a plain `nn.Linear` of a layer's attention or dense MLP."""
+    """(owner, kind, name) of every projection to quantise: ("fused", "qkv"/"gate_up") for a fused one, ("copy",
+    "qkv"/"gate_up") for a group whose FP8 copy alone is fused (`quantize_model(fuse=True)`), ("linear", attribute)
+    for a plain `nn.Linear` of a layer's attention or dense MLP."""
     for layer in model.model.layers:
         for block in (layer.self_attn, layer.mlp):
             if block is layer.mlp and not isinstance(block, MLP):
@@ -344,16 +346,65 @@ def _targets(model: nn.Module):
                 if isinstance(getattr(block, f"{name}_weight", None), torch.Tensor):
                     fused.update(parts)
                     yield block, "fused", name
+                elif getattr(block, f"{name}_fp8", None) is not None:
+                    fused.update(parts)
+                    yield block, "copy", name
             for attr, child in block.named_children():
                 if type(child) in (nn.Linear, Fp8Linear) and attr not in fused:
                     yield child, "linear", attr
 
 
-def quantize_model(model: nn.Module) -> int:
+def _copy_groups(model: nn.Module):
+    """(owner, name, linears) of each q/k/v or gate/up group of plain, aligned `nn.Linear`s whose FP8 copies
+    `quantize_model(fuse=True)` makes one tensor."""
+    from lathe.models.decoder import Attention
+    for layer in model.model.layers:
+        for block, name in ((layer.self_attn, "qkv"), (layer.mlp, "gate_up")):
+            if type(block) not in (Attention, MLP):
+                continue                # (another family's attention, a mixture of experts: their own forward)
+            linears = [getattr(block, part, None) for part in FUSED[name]]
+            if all(type(lin) is nn.Linear and _aligned(lin.weight) for lin in linears):
+                yield block, name, linears
+
+
+def _fill_copy(owner: nn.Module, name: str) -> None:
+    """Quantise a fused FP8 copy's parts into their rows of it (and copy their biases into its bias), in place."""
+    linears = [getattr(owner, part) for part in FUSED[name]]
+    w8, scale, bias = (getattr(owner, f"{name}_{kind}") for kind in ("fp8", "scale", "bias"))
+    start = 0
+    for lin in linears:
+        rows = slice(start, start + lin.weight.shape[0])
+        quantize_rows(lin.weight, out=w8[rows], scale=scale[rows])
+        if bias is not None:
+            bias[rows].copy_(lin.bias.detach())
+        start = rows.stop
+
+
+def quantize_model(model: nn.Module, fuse: bool = False) -> int:
     """Give every projection of `model`'s decoder layers an FP8 copy that its forward uses (see the module
-    docstring); returns the bytes added. Call `fuse_projections` first when the engine fuses."""
+    docstring); returns the bytes added. Call `fuse_projections` first when the engine fuses. With `fuse`, a q/k/v or
+    gate/up group that is not fused gets one FP8 copy of all its parts (the bf16 weights stay where they are: no
+    bf16 copy, unlike `fuse_projections`), and its module the fused class: one FP8 GEMM for the group."""
+    from lathe.engine.decode_forms import FusedAttention, FusedMLP
     added = 0
+    if fuse:
+        for owner, name, linears in _copy_groups(model):
+            w = linears[0].weight
+            rows = sum(lin.weight.shape[0] for lin in linears)
+            owner.register_buffer(f"{name}_weight", None, persistent=False)
+            owner.register_buffer(f"{name}_fp8", torch.empty(rows, w.shape[1], dtype=FP8, device=w.device),
+                                  persistent=False)
+            owner.register_buffer(f"{name}_scale", torch.empty(rows, dtype=torch.float32, device=w.device),
+                                  persistent=False)
+            owner.register_buffer(f"{name}_bias", None if linears[0].bias is None else torch.empty(
+                rows, dtype=linears[0].bias.dtype, device=w.device), persistent=False)
+            _fill_copy(owner, name)
+            owner.__class__ = FusedAttention if name == "qkv" else FusedMLP
+            added += sum(b.nbytes for b in (getattr(owner, f"{name}_{k}") for k in ("fp8", "scale", "bias"))
+                         if b is not None)
     for owner, kind, name in _targets(model):
+        if kind == "copy":
+            continue
         w = owner.weight if kind == "linear" else getattr(owner, f"{name}_weight")
         unit_scale(w.device)
         if not _aligned(w):
@@ -383,10 +434,13 @@ def requantize(model: nn.Module, names: set[str] | None = None) -> None:
             continue
         if names is not None:
             path = paths[id(owner)]
-            sources = ([f"{path}.weight"] if kind == "linear"
-                       else [f"{path}.{part}.weight" for part in FUSED[name]])
+            sources = ([f"{path}.weight"] if kind == "linear" else
+                       [f"{path}.{part}.{t}" for part in FUSED[name] for t in ("weight", "bias")])
             if not names.intersection(sources):
                 continue
+        if kind == "copy":
+            _fill_copy(owner, name)
+            continue
         w = owner.weight if kind == "linear" else getattr(owner, f"{name}_weight")
         quantize_rows(w, out=w8, scale=getattr(owner, f"{prefix}_scale"))
 

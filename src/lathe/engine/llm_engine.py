@@ -189,7 +189,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self.num_speculative_tokens = num_speculative_tokens
         if self._should_fuse(fuse_projections):
             decode_forms.fuse_projections(model)
-        self.quantization = self._quantize(quantization)
+        # (FP8 copies are new memory either way: one tensor for each q/k/v and gate/up, unless fusion was refused)
+        self.quantization = self._quantize(quantization, fuse=fp8.FUSE_COPIES and fuse_projections is not False)
         # overlap needs a device that runs behind the host; on the CPU it would only run stopped rows once more
         self.async_scheduling = model.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _InFlight | None = None
@@ -230,8 +231,9 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._init_streaming()
         self._init_speculative(num_speculative_tokens)
 
-    def _quantize(self, scheme: str | None) -> str | None:
-        """FP8 copies of the decoder layers' projections (`lathe.engine.fp8`), for `quantization="fp8"`."""
+    def _quantize(self, scheme: str | None, fuse: bool) -> str | None:
+        """FP8 copies of the decoder layers' projections (`lathe.engine.fp8`), for `quantization="fp8"` (`fuse`: one
+        copy for each q/k/v and gate/up group not fused already)."""
         if scheme is None:
             return None
         if scheme not in fp8.SCHEMES:
@@ -241,7 +243,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 "vision-language models" if self.vl else "tensor-parallel replicas" if self.tp.size > 1 else
                 "data-parallel attention (rollout.data_parallel_size > 1 with expert_parallel_size = DP x TP)"))
         fp8.check_device(self.model.device, self.model.dtype)
-        added = fp8.quantize_model(self.model)
+        added = fp8.quantize_model(self.model, fuse=fuse)
         total = accel.total_memory(self.model.device) if self.model.device.type == "cuda" else None
         if total:       # measured at 7B beside the trainer: the cache halved, 25 preemptions a step (README)
             logger.warning("engine: quantization=fp8 keeps FP8 copies of the projections beside their bf16 weights "

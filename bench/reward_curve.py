@@ -8,7 +8,7 @@
         --plot '' --out bench/results/reward_curve_fp8_nvidia-h200.json     # on a GPU, FP8 rollout
 
 Three runs share a cache directory that starts empty: a 1-step run (warm start computed), a 1-step run (warm start
-read from the cache), then the measured run. `--load K` keeps K other CPU-bound processes running for the whole run
+read from the cache), then the measured run (`--skip-start-runs`: that one alone). `--load K` keeps K other CPU-bound processes running for the whole run
 (a laptop or CI box doing something else);
 `--steps` stops after that many GRPO steps; `--src` runs another checkout's lathe (its `src/`) the same way, for a
 before/after comparison in one sitting; `--set KEY=VALUE` (repeatable) adds config overrides to every run (the JSON
@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=0, help="other CPU-bound processes running meanwhile")
     parser.add_argument("--src", default=str(ROOT), help="the lathe checkout to run (default: this one)")
     parser.add_argument("--git-sha", default=None, help="the sha to record for --src (default: its git HEAD)")
+    parser.add_argument("--skip-start-runs", action="store_true",
+                        help="only the measured run (its wall time then includes the warm start)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run (repeatable)")
     args = parser.parse_args()
@@ -97,8 +99,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"        # lathe's cache starts empty: the first run warm-starts, the next read it
         runs = dict(preset=args.preset, load=args.load, src=src, cache=cache, overrides=tuple(args.set))
-        start_cold = run_preset(Path(tmp) / "cold", steps=1, **runs)
-        start_cached = run_preset(Path(tmp) / "cached", steps=1, **runs)
+        start_cold = start_cached = None
+        if not args.skip_start_runs:
+            start_cold = run_preset(Path(tmp) / "cold", steps=1, **runs)
+            start_cached = run_preset(Path(tmp) / "cached", steps=1, **runs)
         wall = run_preset(Path(tmp) / "run", steps=args.steps, **runs)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "critic/score/mean" in r]
@@ -117,7 +121,8 @@ def main() -> None:
         "git_sha": args.git_sha or git_sha(src), "load": args.load, "loadavg_1_5_15_min_at_start": loadavg,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "wall_seconds": round(wall, 1), "grpo_seconds": round(sum(step_s), 2), "step_seconds": step_s,
-        "one_step_run_seconds": {"empty_cache": round(start_cold, 1), "warm_start_cached": round(start_cached, 1)},
+        "one_step_run_seconds": None if start_cold is None else {"empty_cache": round(start_cold, 1),
+                                                                 "warm_start_cached": round(start_cached, 1)},
         "steps": steps, "score_mean": score,
         "score_mean_rolling10": smooth, "val_greedy": val, "first_step_score": score[0],
         "final_rolling10": smooth[-1], "first_step_rolling10_ge_0.8": first_at_08,
@@ -136,8 +141,8 @@ def main() -> None:
         print(f"{steps[i]:>6} {score[i]:>8.3f} {smooth[i]:>10.3f}" + (f" {calls[i]:>10.3f}" if calls else ""))
     print(f"wall {wall:.0f} s (GRPO steps {sum(step_s):.1f} s, load {args.load}, load average {loadavg[0]}); first "
           f"step {score[0]:.3f}; rolling mean >= 0.95 from step {first_at_095} ({seconds_to_095} s of GRPO steps); "
-          f"final {smooth[-1]:.3f}; a 1-step run: {start_cold:.1f} s with an empty cache, {start_cached:.1f} s cached "
-          f"-> {out}")
+          f"final {smooth[-1]:.3f}" + ("" if start_cold is None else f"; a 1-step run: {start_cold:.1f} s with an empty "
+                                          f"cache, {start_cached:.1f} s cached") + f" -> {out}")
     plt = pyplot() if plot else None
     if plt is None:
         return

@@ -318,6 +318,11 @@ def test_fp8_mlp_with_the_kernel_feeds_it_the_unit_products_and_their_scales(mon
 
 
 @pytest.mark.gpu
+def _rel_on_device(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation(monkeypatch, one_pass):
     """On a GPU `swiglu_quantize`'s launches (one pass, or two of spans) equal `quantize_rows(swiglu(x))` (both CUDA's
@@ -335,8 +340,9 @@ def test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation(monkeypatch, on
             if sc is not None:
                 gate, up = fp8.dequantize(gate, sc[0], sc[1], gate.dtype), fp8.dequantize(up, sc[0], sc[2], up.dtype)
             q_ref, s_ref = fp8.quantize_rows(fp8.swiglu(gate, up))
-            assert rel_error(s.double(), s_ref.double()) < 1e-3, rows
+            assert _rel_on_device(s, s_ref) < 1e-3, rows      # (on the GPU: a CPU float64 copy of 1.1e9 is slow)
             assert (q.float() != q_ref.float()).float().mean() < 1e-2, rows
-            assert rel_error(q.double() * s.double()[:, None], q_ref.double() * s_ref.double()[:, None]) < 1e-2, rows
+            assert _rel_on_device(q.double() * s.double()[:, None], q_ref.double() * s_ref.double()[:, None]) < 1e-2
+            del q, s, q_ref, s_ref, gate, up
     gate_up[0, 3] = float("nan")            # a NaN activation stays NaN (the product sees it, as torch's form does)
     assert fp8.swiglu_quantize(*gate_up.chunk(2, dim=-1))[0][0, 3].float().isnan()

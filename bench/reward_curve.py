@@ -62,11 +62,14 @@ def run_preset(run_dir: Path, preset: str = "default", *, steps: int | None = No
 
 
 def device(overrides: list[str]) -> str:
-    cpu = f"cpu ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-    if "trainer.device=cuda" not in overrides:
-        return cpu
-    import torch
-    return f"{torch.cuda.get_device_name()} ({cpu})"
+    if "trainer.device=cuda" in overrides:
+        import torch
+        return torch.cuda.get_device_name()
+    return host()
+
+
+def host() -> str:
+    return f"cpu ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
 
 
 def rolling(values: list[float], window: int) -> list[float]:
@@ -117,7 +120,7 @@ def main() -> None:
     seconds_to_095 = round(sum(step_s[:steps.index(first_at_095) + 1]), 1) if first_at_095 else None
     result = {
         "bench": "reward_curve", "preset": args.preset, "command": "lathe train" + ("" if default else f" {args.preset}"),
-        "device": device(args.set), "overrides": args.set, "date": datetime.date.today().isoformat(),
+        "device": device(args.set), "host": host(), "overrides": args.set, "date": datetime.date.today().isoformat(),
         "git_sha": args.git_sha or git_sha(src), "load": args.load, "loadavg_1_5_15_min_at_start": loadavg,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "wall_seconds": round(wall, 1), "grpo_seconds": round(sum(step_s), 2), "step_seconds": step_s,

@@ -317,12 +317,12 @@ def test_fp8_mlp_with_the_kernel_feeds_it_the_unit_products_and_their_scales(mon
     assert rel_error(got.double(), without.double()) < 0.05
 
 
-@pytest.mark.gpu
 def _rel_on_device(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_cuda_swiglu_quantize_kernel_is_the_unfused_quantisation(monkeypatch, one_pass):
     """On a GPU `swiglu_quantize`'s launches (one pass, or two of spans) equal `quantize_rows(swiglu(x))` (both CUDA's

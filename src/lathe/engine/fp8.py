@@ -17,14 +17,17 @@ embeddings, norms, the lm_head (the sampler's logits), attention and its KV cach
 LoRA layers (their own forward runs), and a projection whose features are not a multiple of 16 (the FP8 GEMM's
 alignment).
 
-With `FUSED_SWIGLU` (off by default) an MLP's FP8 down projection takes its input from `swiglu_quantize` on a GPU
-(`Fp8MLP`, `FusedMLP`): SiLU(gate) * up and its per-token quantisation in two short Triton launches, each row cut into
-up to 16 spans: the first writes each span's largest magnitude, the second reads the row's few maxima and quantises
-its span. At 7B's width and 256 rows they take 0.48 ms for 28 layers against 0.79 for the same torch form compiled
-alone, but inside the engine's compiled layer inductor fuses the quantiser with the gate/up product's scales and the
-SwiGLU into one kernel of 0.53 ms for 28 (`bench/results/fp8_gemm_7b_nvidia-h200.json`): about even, and not yet
-timed in the engine, so off. What would pay is one pass (a row's SwiGLU kept in registers while its maximum is
-found: ~24 MB a step at 7B, ~0.15 ms at HBM bandwidth).
+Each layer's q/k/v and gate/up get one FP8 copy (and one GEMM) a group even where the engine keeps their bf16
+weights separate (`quantize_model(fuse=True)`, the engine's default: at 7B 1.38x bf16's tokens/s against 1.34x with
+a copy per projection, `bench/results/rollout_fp8_copies_{fused,separate}_7b_nvidia-h200.json`).
+
+With `FUSED_SWIGLU` (off by default) an FP8 MLP (`mlp_down`) quantises x once, multiplies gate and up with unit
+scales, and dequantises them, takes SiLU(gate) * up and quantises it per token in one Triton kernel
+(`swiglu_quantize`): one pass a row held in registers (up to 32768 wide), or two launches over spans of wider rows.
+Alone it beats the same torch form compiled (0.60 ms at `ROW_WARPS` = 16, 0.54 at 32, against 0.82 for 28 layers
+at 7B's width and 256 rows, `bench/results/fp8_swiglu_7b_nvidia-h200.json`), but inside the engine's compiled layer inductor fuses that work into
+one kernel of about the same time (0.53 ms): the engine measured 1.37x with it against 1.38x without
+(`rollout_fp8_copies_fused_triton_7b_nvidia-h200.json`), so it stays off.
 
 The bf16 weights stay where they are (the trainer's own tensors on one device, or the engine's copy that weight syncs
 write): the FP8 copies are extra memory of half their size, made when the engine is built and re-quantised in place

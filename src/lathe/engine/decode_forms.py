@@ -91,6 +91,18 @@ def fuse_projections(model: nn.Module) -> None:
                 owner.__class__ = fused
 
 
+def fuse_fp8_copies(model: nn.Module) -> int:
+    """The FP8 form of `fuse_projections` for a model whose bf16 weights stay separate: each q/k/v and gate/up group
+    of plain linears gets one FP8 copy of its rows (`fp8.add_fused_copy`; the bf16 weights remain the layers' own
+    tensors, nothing copied) and its module the fused class, so the group is one FP8 GEMM. Call before
+    `fp8.quantize_model`, which quantises the rest; returns the bytes added."""
+    added = 0
+    for owner, name, linears in list(fp8.copy_groups(model)):
+        added += fp8.add_fused_copy(owner, name, linears)
+        owner.__class__ = FusedAttention if name == "qkv" else FusedMLP
+    return added
+
+
 def projection_bytes(model: nn.Module) -> int:
     """Bytes of the weights `fuse_projections` concatenates (q, k, v of every layer, gate and up of its dense MLPs)."""
     parts = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.model.layers]

@@ -18,7 +18,7 @@ LoRA layers (their own forward runs), and a projection whose features are not a 
 alignment).
 
 Each layer's q/k/v and gate/up get one FP8 copy (and one GEMM) a group even where the engine keeps their bf16
-weights separate (`quantize_model(fuse=True)`, the engine's default: at 7B 1.38x bf16's tokens/s against 1.34x with
+weights separate (`decode_forms.fuse_fp8_copies`, the engine's default: at 7B 1.38x bf16's tokens/s against 1.34x with
 a copy per projection, `bench/results/rollout_fp8_copies_{fused,separate}_7b_nvidia-h200.json`).
 
 With `FUSED_SWIGLU` (off by default) an FP8 MLP (`mlp_down`) quantises x once, multiplies gate and up with unit
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from lathe.device import nvidia_capability
-from lathe.models.decoder import MLP
+from lathe.models.decoder import MLP, Attention
 
 try:
     import triton
@@ -62,7 +62,7 @@ ONE_PASS_MAX = 32768
 ROW_WARPS = 16             # warps of a one-pass program
 _ONES: dict[torch.device, torch.Tensor] = {}   # the unit scale per device, made outside any graph capture
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}   # `fuse_projections`' groups
-FUSE_COPIES = True         # the engine's default: one FP8 copy (and GEMM) for each q/k/v and gate/up group (`quantize_model`)
+FUSE_COPIES = True         # the engine's default: one FP8 copy (and GEMM) a q/k/v or gate/up group (`fuse_fp8_copies`)
 
 
 def quantize_rows(w: torch.Tensor, out: torch.Tensor | None = None, scale: torch.Tensor | None = None
@@ -338,8 +338,8 @@ def _aligned(w: torch.Tensor) -> bool:
 
 def _targets(model: nn.Module):
     """(owner, kind, name) of every projection to quantise: ("fused", "qkv"/"gate_up") for a fused one, ("copy",
-    "qkv"/"gate_up") for a group whose FP8 copy alone is fused (`quantize_model(fuse=True)`), ("linear", attribute)
-    for a plain `nn.Linear` of a layer's attention or dense MLP."""
+    "qkv"/"gate_up") for a group whose FP8 copy alone is fused (`add_fused_copy`), ("linear", attribute) for a plain
+    `nn.Linear` of a layer's attention or dense MLP."""
     for layer in model.model.layers:
         for block in (layer.self_attn, layer.mlp):
             if block is layer.mlp and not isinstance(block, MLP):
@@ -357,10 +357,9 @@ def _targets(model: nn.Module):
                     yield child, "linear", attr
 
 
-def _copy_groups(model: nn.Module):
-    """(owner, name, linears) of each q/k/v or gate/up group of plain, aligned `nn.Linear`s whose FP8 copies
-    `quantize_model(fuse=True)` makes one tensor."""
-    from lathe.models.decoder import Attention
+def copy_groups(model: nn.Module):
+    """(owner, name, linears) of each q/k/v or gate/up group of plain, aligned `nn.Linear`s in a layer's own
+    attention or dense MLP: what `decode_forms.fuse_fp8_copies` gives one FP8 copy (`add_fused_copy`)."""
     for layer in model.model.layers:
         for block, name in ((layer.self_attn, "qkv"), (layer.mlp, "gate_up")):
             if type(block) not in (Attention, MLP):
@@ -368,6 +367,22 @@ def _copy_groups(model: nn.Module):
             linears = [getattr(block, part, None) for part in FUSED[name]]
             if all(type(lin) is nn.Linear and _aligned(lin.weight) for lin in linears):
                 yield block, name, linears
+
+
+def add_fused_copy(owner: nn.Module, name: str, linears: list[nn.Linear]) -> int:
+    """One FP8 copy of `linears` (their rows stacked: `<name>_fp8`, `<name>_scale`, and `<name>_bias` copied) on
+    `owner`, whose `<name>_weight` is None (the bf16 weights stay the linears' own); returns the bytes added."""
+    w = linears[0].weight
+    rows = sum(lin.weight.shape[0] for lin in linears)
+    bias = None if linears[0].bias is None else torch.empty(rows, dtype=linears[0].bias.dtype, device=w.device)
+    owner.register_buffer(f"{name}_weight", None, persistent=False)
+    owner.register_buffer(f"{name}_fp8", torch.empty(rows, w.shape[1], dtype=FP8, device=w.device), persistent=False)
+    owner.register_buffer(f"{name}_scale", torch.empty(rows, dtype=torch.float32, device=w.device), persistent=False)
+    owner.register_buffer(f"{name}_bias", bias, persistent=False)
+    unit_scale(w.device)
+    _fill_copy(owner, name)
+    return sum(t.nbytes for t in (getattr(owner, f"{name}_fp8"), getattr(owner, f"{name}_scale"), bias)
+               if t is not None)
 
 
 def _fill_copy(owner: nn.Module, name: str) -> None:
@@ -383,28 +398,10 @@ def _fill_copy(owner: nn.Module, name: str) -> None:
         start = rows.stop
 
 
-def quantize_model(model: nn.Module, fuse: bool = False) -> int:
+def quantize_model(model: nn.Module) -> int:
     """Give every projection of `model`'s decoder layers an FP8 copy that its forward uses (see the module
-    docstring); returns the bytes added. Call `fuse_projections` first when the engine fuses. With `fuse`, a q/k/v or
-    gate/up group that is not fused gets one FP8 copy of all its parts (the bf16 weights stay where they are: no
-    bf16 copy, unlike `fuse_projections`), and its module the fused class: one FP8 GEMM for the group."""
-    from lathe.engine.decode_forms import FusedAttention, FusedMLP
+    docstring); returns the bytes added. Call `fuse_projections` (or `fuse_fp8_copies`) first when the engine fuses."""
     added = 0
-    if fuse:
-        for owner, name, linears in _copy_groups(model):
-            w = linears[0].weight
-            rows = sum(lin.weight.shape[0] for lin in linears)
-            owner.register_buffer(f"{name}_weight", None, persistent=False)
-            owner.register_buffer(f"{name}_fp8", torch.empty(rows, w.shape[1], dtype=FP8, device=w.device),
-                                  persistent=False)
-            owner.register_buffer(f"{name}_scale", torch.empty(rows, dtype=torch.float32, device=w.device),
-                                  persistent=False)
-            owner.register_buffer(f"{name}_bias", None if linears[0].bias is None else torch.empty(
-                rows, dtype=linears[0].bias.dtype, device=w.device), persistent=False)
-            _fill_copy(owner, name)
-            owner.__class__ = FusedAttention if name == "qkv" else FusedMLP
-            added += sum(b.nbytes for b in (getattr(owner, f"{name}_{k}") for k in ("fp8", "scale", "bias"))
-                         if b is not None)
     for owner, kind, name in _targets(model):
         if kind == "copy":
             continue

@@ -243,7 +243,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 "vision-language models" if self.vl else "tensor-parallel replicas" if self.tp.size > 1 else
                 "data-parallel attention (rollout.data_parallel_size > 1 with expert_parallel_size = DP x TP)"))
         fp8.check_device(self.model.device, self.model.dtype)
-        added = fp8.quantize_model(self.model, fuse=fuse)
+        added = (decode_forms.fuse_fp8_copies(self.model) if fuse else 0) + fp8.quantize_model(self.model)
         total = accel.total_memory(self.model.device) if self.model.device.type == "cuda" else None
         if total:       # measured at 7B beside the trainer: the cache halved, 25 preemptions a step (README)
             logger.warning("engine: quantization=fp8 keeps FP8 copies of the projections beside their bf16 weights "

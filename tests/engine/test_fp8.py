@@ -130,18 +130,25 @@ def _forced_cuda(model, prompt, response):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,kernel,fuse", [("qwen2", False, True), ("qwen3", False, True), ("qwen2", True, True),
-                                               ("qwen2", True, False), ("qwen3", True, False)])
+                                               ("qwen2", True, False), ("qwen3", True, False), ("qwen2", False, None),
+                                               ("qwen3", True, None)])
 def test_cuda_fp8_engine_with_graphs_samples_its_own_model(monkeypatch, checkpoints, family, kernel, fuse):
-    """On the GPU in bf16: `torch._scaled_mm`'s FP8 GEMM, compiled layers and CUDA graphs (projections fused or not;
-    the MLP's SwiGLU kernel on or off: `FUSED_SWIGLU`). The log-probs of what the engine samples are the quantised
-    model's teacher-forced ones (bf16: norm-relative), before and after a weight update, which re-quantises the
-    tensors the captured graphs read."""
+    """On the GPU in bf16: `torch._scaled_mm`'s FP8 GEMM, compiled layers and CUDA graphs (projections fused, or not,
+    or their FP8 copies alone: fuse None, the default for weights not fused; the MLP's SwiGLU kernel on or off:
+    `FUSED_SWIGLU`). The log-probs of what the engine samples are the quantised model's teacher-forced ones (bf16:
+    norm-relative), before and after a weight update, which re-quantises the tensors the captured graphs read."""
+    from lathe.engine import llm_engine
     monkeypatch.setattr(fp8, "FUSED_SWIGLU", kernel)
+    if fuse is None:        # as at 7B: the bf16 weights too large to fuse, so the FP8 copies alone are
+        monkeypatch.setattr(llm_engine, "FUSE_MAX_FRACTION", 0.0)
     path, _ = checkpoints[family]
     model = load_lathe_model(path, torch.bfloat16, device="cuda")
     engine = LatheEngine(model, eos_token_id=None, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=8,
                          quantization="fp8", fuse_projections=fuse)
     assert engine.runner.graphs is not None and fp8.is_quantized(model)
+    attn = model.model.layers[0].self_attn
+    assert (getattr(attn, "qkv_fp8", None) is not None) == (fuse is not False)
+    assert (getattr(attn, "qkv_weight", None) is None) == (fuse is not True)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX, seed=0)
     for update in (False, True):
         if update:

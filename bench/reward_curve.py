@@ -8,8 +8,8 @@
         --plot '' --out bench/results/reward_curve_fp8_nvidia-h200.json     # on a GPU, FP8 rollout
 
 Three runs share a cache directory that starts empty: a 1-step run (warm start computed), a 1-step run (warm start
-read from the cache), then the measured run (`--skip-start-runs`: that one alone). `--load K` keeps K other CPU-bound processes running for the whole run
-(a laptop or CI box doing something else);
+read from the cache), then the measured run (`--skip-start-runs`: that one alone). `--load K` keeps K other CPU-bound
+processes running for the whole run (a laptop or CI box doing something else);
 `--steps` stops after that many GRPO steps; `--src` runs another checkout's lathe (its `src/`) the same way, for a
 before/after comparison in one sitting; `--set KEY=VALUE` (repeatable) adds config overrides to every run (the JSON
 records them, and the GPU's name when one of them is `trainer.device=cuda`).
@@ -120,7 +120,8 @@ def main() -> None:
     seconds_to_095 = round(sum(step_s[:steps.index(first_at_095) + 1]), 1) if first_at_095 else None
     result = {
         "bench": "reward_curve", "preset": args.preset, "command": "lathe train" + ("" if default else f" {args.preset}"),
-        "device": device(args.set), "host": host(), "overrides": args.set, "date": datetime.date.today().isoformat(),
+        "device": device(args.set), "host": host(), "overrides": args.set,
+        "date": datetime.date.today().isoformat(),
         "git_sha": args.git_sha or git_sha(src), "load": args.load, "loadavg_1_5_15_min_at_start": loadavg,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "wall_seconds": round(wall, 1), "grpo_seconds": round(sum(step_s), 2), "step_seconds": step_s,
@@ -144,8 +145,8 @@ def main() -> None:
         print(f"{steps[i]:>6} {score[i]:>8.3f} {smooth[i]:>10.3f}" + (f" {calls[i]:>10.3f}" if calls else ""))
     print(f"wall {wall:.0f} s (GRPO steps {sum(step_s):.1f} s, load {args.load}, load average {loadavg[0]}); first "
           f"step {score[0]:.3f}; rolling mean >= 0.95 from step {first_at_095} ({seconds_to_095} s of GRPO steps); "
-          f"final {smooth[-1]:.3f}" + ("" if start_cold is None else f"; a 1-step run: {start_cold:.1f} s with an empty "
-                                          f"cache, {start_cached:.1f} s cached") + f" -> {out}")
+          f"final {smooth[-1]:.3f}" + ("" if start_cold is None else f"; a 1-step run: {start_cold:.1f} s with an "
+                                          f"empty cache, {start_cached:.1f} s cached") + f" -> {out}")
     plt = pyplot() if plot else None
     if plt is None:
         return

@@ -25,9 +25,9 @@ With `FUSED_SWIGLU` (off by default) an FP8 MLP (`mlp_down`) quantises x once, m
 scales, and dequantises them, takes SiLU(gate) * up and quantises it per token in one Triton kernel
 (`swiglu_quantize`): one pass a row held in registers (up to 32768 wide), or two launches over spans of wider rows.
 Alone it beats the same torch form compiled (0.60 ms at `ROW_WARPS` = 16, 0.54 at 32, against 0.82 for 28 layers
-at 7B's width and 256 rows, `bench/results/fp8_swiglu_7b_nvidia-h200.json`), but inside the engine's compiled layer inductor fuses that work into
-one kernel of about the same time (0.53 ms): the engine measured 1.37x with it against 1.38x without
-(`rollout_fp8_copies_fused_triton_7b_nvidia-h200.json`), so it stays off.
+at 7B's width and 256 rows, `bench/results/fp8_swiglu_7b_nvidia-h200.json`), but inside the engine's compiled layer
+inductor fuses that work into one kernel of about the same time (0.53 ms): the engine measured 1.37x with it against
+1.38x without (`rollout_fp8_copies_fused_triton_7b_nvidia-h200.json`), so it stays off.
 
 The bf16 weights stay where they are (the trainer's own tensors on one device, or the engine's copy that weight syncs
 write): the FP8 copies are extra memory of half their size, made when the engine is built and re-quantised in place
@@ -365,7 +365,8 @@ def copy_groups(model: nn.Module):
             if type(block) not in (Attention, MLP):
                 continue                # (another family's attention, a mixture of experts: their own forward)
             linears = [getattr(block, part, None) for part in FUSED[name]]
-            if all(type(lin) is nn.Linear and _aligned(lin.weight) for lin in linears):
+            if all(type(lin) is nn.Linear and _aligned(lin.weight) for lin in linears) \
+                    and len({(lin.bias is None, lin.weight.dtype) for lin in linears}) == 1:   # (biases: all or none)
                 yield block, name, linears
 
 

@@ -38,6 +38,8 @@ log-probs then come from the FP8 model: they differ from the trainer's, which th
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -129,9 +131,7 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, scales: tuple[torch.Te
             sx, sg, su = (t.reshape(-1) for t in scales)
             gate, up = (dequantize(t.reshape(-1, t.shape[-1]), sx, s, t.dtype) for t, s in ((gate, sg), (up, su)))
         return quantize_rows(swiglu(gate, up).reshape(-1, gate.shape[-1]))
-    if scales is None:
-        return _swiglu_quantize_op(gate, up)
-    return _swiglu_quantize_scaled_op(gate, up, *scales)
+    return _swiglu_quantize_op(gate, up, *(scales if scales is not None else (None, None, None)))
 
 
 def _interpreted() -> bool:
@@ -244,23 +244,18 @@ if triton is not None:
                                             WIDTH=span, BLOCK=block, FP8_MAX=FP8_MAX, **common)
         return q, s
 
-    # Operators opaque to torch.compile: a compiled layer calls them without a graph break (the fakes give shapes).
+    # One operator, opaque to torch.compile: a compiled layer calls it without a graph break (the fake gives shapes).
     @torch.library.custom_op("lathe::swiglu_quantize_fp8", mutates_args=())
-    def _swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch_swiglu_quantize(gate, up)
+    def _swiglu_quantize_op(gate: torch.Tensor, up: torch.Tensor, x_scale: Optional[torch.Tensor],
+                            gate_scale: Optional[torch.Tensor], up_scale: Optional[torch.Tensor]
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        scales = None if x_scale is None else (x_scale, gate_scale, up_scale)
+        return _launch_swiglu_quantize(gate, up, scales)
 
-    @torch.library.custom_op("lathe::swiglu_quantize_scaled_fp8", mutates_args=())
-    def _swiglu_quantize_scaled_op(gate: torch.Tensor, up: torch.Tensor, x_scale: torch.Tensor,
-                                   gate_scale: torch.Tensor, up_scale: torch.Tensor
-                                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch_swiglu_quantize(gate, up, (x_scale, gate_scale, up_scale))
-
-    def _fake(gate, up, *scales):
+    @_swiglu_quantize_op.register_fake
+    def _(gate, up, x_scale, gate_scale, up_scale):
         rows = gate.numel() // gate.shape[-1]
         return gate.new_empty(rows, gate.shape[-1], dtype=FP8), gate.new_empty(rows, dtype=torch.float32)
-
-    _swiglu_quantize_op.register_fake(_fake)
-    _swiglu_quantize_scaled_op.register_fake(_fake)
 
 
 def _fuses_swiglu(x: torch.Tensor) -> bool:

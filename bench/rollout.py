@@ -257,11 +257,12 @@ def bench_model(name: str, device, args) -> dict:
     if args.overcommit is not None:      # an A/B of the admission rule (1 = reserve for every response in full)
         scheduler.OVERCOMMIT = args.overcommit
 
-    def new_engine(model, quantization=None, kv_cache_dtype=args.kv_cache_dtype[0]):
+    def new_engine(model, quantization=None, kv_cache_dtype=args.kv_cache_dtype[0], quantize_lm_head=False):
         return LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,
-                           quantization=quantization, kv_cache_dtype=kv_cache_dtype, **batched_tokens(args))
+                           quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                           quantize_lm_head=quantize_lm_head, **batched_tokens(args))
     if args.compile_mode and device.type == "cuda":   # issue 48's A/B: the layers compiled in another inductor mode
         from lathe.models.compile import compile_decoder
         compile_decoder(lathe, mode=args.compile_mode)   # (the engine's own compile_decoder call is then a no-op)
@@ -355,7 +356,8 @@ def bench_model(name: str, device, args) -> dict:
                                            "decode_backend": engine.runner.decode_backend,
                                            "decode_backend_probe_ms": engine.runner.backend_times}
         arm(engine, f"kv_{kv_dtype}", f"kv_cache_dtype={args.kv_cache_dtype[0]}")
-    if "fp8" in args.quantizations:       # the same shape and loads with FP8 projections, after the bf16 rows
+    # the same shape and loads with FP8 projections (fp8_lm_head: and the lm_head), after the bf16 rows
+    for scheme in [q for q in ("fp8", "fp8_lm_head") if q in args.quantizations]:
         del engine, lathe                 # (a model of its own, random like the first, as `lathe train` builds one)
         torch.cuda.empty_cache() if device.type == "cuda" else None
         lathe = lathe_from_transformers(build_hf(name, device, torch.bfloat16)).eval()
@@ -364,9 +366,9 @@ def bench_model(name: str, device, args) -> dict:
             if i:
                 del engine
                 torch.cuda.empty_cache() if device.type == "cuda" else None
-            engine = new_engine(lathe, "fp8", kv_cache_dtype=kv_dtype)
-            result[f"engine_fp8{suffix}"] = {"kv_blocks": engine.kv_cache.num_blocks}
-            arm(engine, f"fp8{suffix}", "bf16")
+            engine = new_engine(lathe, "fp8", kv_cache_dtype=kv_dtype, quantize_lm_head=scheme == "fp8_lm_head")
+            result[f"engine_{scheme}{suffix}"] = {"kv_blocks": engine.kv_cache.num_blocks}
+            arm(engine, f"{scheme}{suffix}", "bf16")
     del engine, lathe, hf
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return result
@@ -422,8 +424,9 @@ def main() -> None:
                     help="torch.compile mode of the engine's decoder layers (default: inductor's default; e.g. "
                          "max-autotune-no-cudagraphs, under lathe's own CUDA graphs)")
     ap.add_argument("--quantizations", type=csv, default=["none"],
-                    help="none,fp8: after the bf16 rows, the same loads with rollout.quantization=fp8 (lathe_fp8, "
-                         "fp8_speedup; its KV cache gets what the FP8 copies leave)")
+                    help="none,fp8,fp8_lm_head: after the bf16 rows, the same loads with rollout.quantization=fp8 "
+                         "(lathe_fp8, fp8_speedup; its KV cache gets what the FP8 copies leave), and with the "
+                         "lm_head in FP8 too (rollout.quantize_lm_head: lathe_fp8_lm_head, fp8_lm_head_speedup)")
     ap.add_argument("--fp8-gemm", choices=["unit-fast", "rowwise", "rowwise-fast", "unit"], default="unit-fast",
                     help="the FP8 rows' GEMM form (lathe.engine.fp8: unit scales or the scales inside cuBLAS's "
                          "row-wise kernel; fast accumulation or not); default: lathe's own")

@@ -102,6 +102,58 @@ def test_weight_update_requantises_in_place(checkpoints, fuse):
     assert torch.equal(attn.qkv_bias[q_rows:q_rows + k_rows], new["model.layers.0.self_attn.k_proj.bias"])
 
 
+def _fp8_head_checkpoint(tmp_path, tie: bool):
+    """A tiny Qwen2 of 112 vocabulary rows (a multiple of 16, which an FP8 lm_head needs)."""
+    from transformers import AutoModelForCausalLM
+
+    from models.lathe_tiny import hf_config
+    cfg = hf_config("qwen2", tie=tie)
+    cfg.vocab_size = 112
+    torch.manual_seed(0)
+    path = tmp_path / f"qwen2-112-{tie}"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_lm_head_in_fp8_samples_its_own_model_and_follows_weight_updates(tmp_path, tie):
+    """`quantize_lm_head`: the lm_head multiplies with an FP8 copy (per vocabulary row, per token), the sampler
+    draws from those logits (the engine's greedy log-probs are the FP8-head model's teacher-forced ones), and a
+    weight update re-quantises the copy in place (tied: when the sync names the embedding alone)."""
+    engine = _quantised_engine(_fp8_head_checkpoint(tmp_path, tie), quantize_lm_head=True)
+    head = engine.model.lm_head
+    assert type(head) is fp8.Fp8Linear and (head.weight is engine.model.model.embed_tokens.weight) == tie
+    x = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(0))
+    (x8, xs), (w8, ws) = fp8.quantize_rows(x), fp8.quantize_rows(head.weight)
+    assert rel_error(head(x), (x8.float() * xs[:, None]) @ (w8.float() * ws[:, None]).t()) < 1e-5
+    assert rel_error(head(x), x @ head.weight.t()) > 1e-4          # (the FP8 head is not the exact one)
+    out = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0, max_tokens=MAX))
+    for prompt, response, logprobs in zip(PROMPTS, out.token_ids, out.logprobs):
+        own = _teacher_forced(engine.model, prompt, response, 1.0)
+        assert rel_error(torch.tensor(logprobs, dtype=torch.float64), own) < 2e-3
+    before = head.weight_fp8.data_ptr()
+    torch.manual_seed(1)
+    new = {n: t + 0.05 * torch.randn_like(t) for n, t in engine.model.state_dict().items()
+           if not (tie and n == "lm_head.weight")}
+    engine.update_weights(new.items())
+    w8, s = fp8.quantize_rows(new["model.embed_tokens.weight" if tie else "lm_head.weight"])
+    assert head.weight_fp8.data_ptr() == before
+    assert torch.equal(head.weight_fp8.float(), w8.float()) and torch.equal(head.weight_scale, s)
+
+
+def test_lm_head_in_fp8_is_refused_where_it_cannot_act(tmp_path, checkpoints):
+    with pytest.raises(ValueError, match="multiples of 16"):        # (the tiny checkpoints' 101 rows)
+        _quantised_engine(checkpoints["qwen2"][0], quantize_lm_head=True)
+    model = load_lathe_model(_fp8_head_checkpoint(tmp_path, False), torch.float32)
+    with pytest.raises(ValueError, match="quantization=fp8"):
+        LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, quantize_lm_head=True)
+    with pytest.raises(ConfigError, match="quantize_lm_head"):
+        load_config(None, ["actor_rollout_ref.rollout.quantize_lm_head=true"])
+    cfg = load_config(None, ["actor_rollout_ref.rollout.quantization=fp8",
+                             "actor_rollout_ref.rollout.quantize_lm_head=true"])
+    assert cfg.actor_rollout_ref.rollout.quantize_lm_head
+
+
 def test_config_fills_token_tis_and_refuses_what_it_cannot_quantise():
     cfg = load_config(None, ["actor_rollout_ref.rollout.quantization=fp8"])
     assert cfg.algorithm.rollout_correction.rollout_is == "token"
@@ -156,6 +208,25 @@ def test_cuda_fp8_engine_with_graphs_samples_its_own_model(monkeypatch, checkpoi
             engine.update_weights((n, t + 0.05 * torch.randn_like(t)) for n, t in model.state_dict().items())
         out = engine.generate(PROMPTS, params)
         assert engine.runner.graphs.captures > 0
+        for i, (response, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+            own = _forced_cuda(model, PROMPTS[i // 2], response)
+            assert rel_error(torch.tensor(logprobs, dtype=torch.float64), own) < 3e-2, (update, i)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_lm_head_with_graphs_samples_its_own_model(tmp_path):
+    """The FP8 lm_head on the GPU (bf16, compiled layers, CUDA graphs): what the engine samples has the FP8-head
+    model's teacher-forced log-probs, before and after a weight update."""
+    model = load_lathe_model(_fp8_head_checkpoint(tmp_path, False), torch.bfloat16, device="cuda")
+    engine = LatheEngine(model, eos_token_id=None, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=8,
+                         quantization="fp8", quantize_lm_head=True)
+    assert engine.runner.graphs is not None and type(model.lm_head) is fp8.Fp8Linear
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX, seed=0)
+    for update in (False, True):
+        if update:
+            torch.manual_seed(1)
+            engine.update_weights((n, t + 0.05 * torch.randn_like(t)) for n, t in model.state_dict().items())
+        out = engine.generate(PROMPTS, params)
         for i, (response, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
             own = _forced_cuda(model, PROMPTS[i // 2], response)
             assert rel_error(torch.tensor(logprobs, dtype=torch.float64), own) < 3e-2, (update, i)

@@ -13,9 +13,9 @@ The vLLM/SGLang "fp8" scheme (dynamic per-token activations, per-channel weights
 scales' outer product multiplies its bf16 result after (inductor folds that into the next kernel of a compiled layer):
 cuBLAS's tensor-wise FP8 kernel is faster at decode rows than its row-wise one (`ROWWISE_GEMM`; measured in
 `bench/results/fp8_gemm_7b_nvidia-h200.json`). What stays in the model's dtype:
-embeddings, norms, the lm_head (the sampler's logits), attention and its KV cache, a mixture of experts' layers and
-LoRA layers (their own forward runs), and a projection whose features are not a multiple of 16 (the FP8 GEMM's
-alignment).
+embeddings, norms, the lm_head (the sampler's logits; `quantize_lm_head` puts it in FP8 too, as an option),
+attention and its KV cache, a mixture of experts' layers and LoRA layers (their own forward runs), and a projection
+whose features are not a multiple of 16 (the FP8 GEMM's alignment).
 
 Each layer's q/k/v and gate/up get one FP8 copy (and one GEMM) a group even where the engine keeps their bf16
 weights separate (`decode_forms.fuse_fp8_copies`, the engine's default: at 7B 1.38x bf16's tokens/s against 1.34x with
@@ -350,6 +350,8 @@ def _targets(model: nn.Module):
             for attr, child in block.named_children():
                 if type(child) in (nn.Linear, Fp8Linear) and attr not in fused:
                     yield child, "linear", attr
+    if type(getattr(model, "lm_head", None)) is Fp8Linear:       # (`quantize_lm_head`)
+        yield model.lm_head, "linear", "lm_head"
 
 
 def copy_groups(model: nn.Module):
@@ -418,6 +420,25 @@ def quantize_model(model: nn.Module) -> int:
     return added
 
 
+def quantize_lm_head(model: nn.Module) -> int:
+    """An FP8 copy of `model.lm_head` that its forward uses (`rollout.quantize_lm_head`, an option beside
+    quantization=fp8): the sampler's logits then come from an FP8 product of the final norm's output, per token and
+    per vocabulary row as the projections are. Its weight (tied to the embedding or not) stays the model's. Call after
+    `quantize_model`; returns the bytes added."""
+    head = model.lm_head
+    if type(head) is not nn.Linear or not _aligned(head.weight):
+        shape = tuple(head.weight.shape) if isinstance(getattr(head, "weight", None), torch.Tensor) else None
+        raise ValueError(f"rollout.quantize_lm_head: this lm_head ({type(head).__name__}, weight {shape}) cannot "
+                         f"take an FP8 copy: it needs a plain linear layer whose vocabulary and hidden sizes are "
+                         f"multiples of {ALIGN}. Fix: set actor_rollout_ref.rollout.quantize_lm_head=false")
+    unit_scale(head.weight.device)
+    w8, s = quantize_rows(head.weight)
+    head.register_buffer("weight_fp8", w8, persistent=False)
+    head.register_buffer("weight_scale", s, persistent=False)
+    head.__class__ = Fp8Linear
+    return w8.nbytes + s.nbytes
+
+
 @torch.no_grad()
 def requantize(model: nn.Module, names: set[str] | None = None) -> None:
     """Quantise the current weights into the FP8 copies again, in place (after a weight update); with `names` (the
@@ -432,6 +453,8 @@ def requantize(model: nn.Module, names: set[str] | None = None) -> None:
             path = paths[id(owner)]
             sources = ([f"{path}.weight"] if kind == "linear" else
                        [f"{path}.{part}.{t}" for part in FUSED[name] for t in ("weight", "bias")])
+            if name == "lm_head" and owner.weight is model.model.embed_tokens.weight:
+                sources.append("model.embed_tokens.weight")      # (tied: a sync may name the embedding only)
             if not names.intersection(sources):
                 continue
         if kind == "copy":

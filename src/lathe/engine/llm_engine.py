@@ -157,7 +157,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
                  quantization: str | None = None, record_routing: bool = False, kv_cache_dtype: str | None = None,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, quantize_lm_head: bool = False):
         hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
@@ -190,7 +190,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if self._should_fuse(fuse_projections):
             decode_forms.fuse_projections(model)
         # (FP8 copies are new memory either way: one tensor for each q/k/v and gate/up, unless fusion was refused)
-        self.quantization = self._quantize(quantization, fuse=fp8.FUSE_COPIES and fuse_projections is not False)
+        self.quantization = self._quantize(quantization, fuse=fp8.FUSE_COPIES and fuse_projections is not False,
+                                           lm_head=quantize_lm_head)
         # overlap needs a device that runs behind the host; on the CPU it would only run stopped rows once more
         self.async_scheduling = model.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _InFlight | None = None
@@ -231,10 +232,14 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._init_streaming()
         self._init_speculative(num_speculative_tokens)
 
-    def _quantize(self, scheme: str | None, fuse: bool) -> str | None:
+    def _quantize(self, scheme: str | None, fuse: bool, lm_head: bool) -> str | None:
         """FP8 copies of the decoder layers' projections (`lathe.engine.fp8`), for `quantization="fp8"` (`fuse`: one
-        copy for each q/k/v and gate/up group not fused already)."""
+        copy for each q/k/v and gate/up group not fused already; `lm_head`: the lm_head's too)."""
         if scheme is None:
+            if lm_head:
+                raise ValueError("quantize_lm_head=True puts the lm_head in FP8 beside FP8 projections, but "
+                                 "quantization is None. Fix: set actor_rollout_ref.rollout.quantization=fp8, or "
+                                 "quantize_lm_head=false")
             return None
         if scheme not in fp8.SCHEMES:
             raise ValueError(f"quantization={scheme!r}: lathe's engine quantises to {', '.join(fp8.SCHEMES)} only")
@@ -244,6 +249,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 "data-parallel attention (rollout.data_parallel_size > 1 with expert_parallel_size = DP x TP)"))
         fp8.check_device(self.model.device, self.model.dtype)
         added = (decode_forms.fuse_fp8_copies(self.model) if fuse else 0) + fp8.quantize_model(self.model)
+        added += fp8.quantize_lm_head(self.model) if lm_head else 0
         total = accel.total_memory(self.model.device) if self.model.device.type == "cuda" else None
         if total:       # measured at 7B beside the trainer: the cache halved, 25 preemptions a step (README)
             logger.warning("engine: quantization=fp8 keeps FP8 copies of the projections beside their bf16 weights "

@@ -126,7 +126,7 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engin
                        enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
                        enforce_eager=rollout_cfg.enforce_eager,
                        cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes,
-                       quantization=quantization,
+                       quantization=quantization, quantize_lm_head=getattr(rollout_cfg, "quantize_lm_head", False),
                        kv_cache_dtype=getattr(rollout_cfg, "kv_cache_dtype", None),
                        record_routing=bool(getattr(rollout_cfg, "enable_rollout_routing_replay", False)),
                        **engine_kwargs)

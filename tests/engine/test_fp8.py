@@ -180,6 +180,21 @@ def _forced_cuda(model, prompt, response):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response, device="cuda")[:, None]).squeeze(-1).cpu()
 
 
+def _samples_its_own_model(engine, model):
+    """The log-probs of what a CUDA engine samples (under its graphs) are its model's teacher-forced ones (bf16:
+    norm-relative), before and after a weight update, which re-quantises the tensors the captured graphs read."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX, seed=0)
+    for update in (False, True):
+        if update:
+            torch.manual_seed(1)
+            engine.update_weights((n, t + 0.05 * torch.randn_like(t)) for n, t in model.state_dict().items())
+        out = engine.generate(PROMPTS, params)
+        assert engine.runner.graphs.captures > 0
+        for i, (response, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+            own = _forced_cuda(model, PROMPTS[i // 2], response)
+            assert rel_error(torch.tensor(logprobs, dtype=torch.float64), own) < 3e-2, (update, i)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,kernel,fuse", [("qwen2", False, True), ("qwen3", False, True), ("qwen2", True, True),
                                                ("qwen2", True, False), ("qwen3", True, False), ("qwen2", False, None),
@@ -201,16 +216,7 @@ def test_cuda_fp8_engine_with_graphs_samples_its_own_model(monkeypatch, checkpoi
     attn = model.model.layers[0].self_attn
     assert (getattr(attn, "qkv_fp8", None) is not None) == (fuse is not False)
     assert (getattr(attn, "qkv_weight", None) is None) == (fuse is not True)
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX, seed=0)
-    for update in (False, True):
-        if update:
-            torch.manual_seed(1)
-            engine.update_weights((n, t + 0.05 * torch.randn_like(t)) for n, t in model.state_dict().items())
-        out = engine.generate(PROMPTS, params)
-        assert engine.runner.graphs.captures > 0
-        for i, (response, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
-            own = _forced_cuda(model, PROMPTS[i // 2], response)
-            assert rel_error(torch.tensor(logprobs, dtype=torch.float64), own) < 3e-2, (update, i)
+    _samples_its_own_model(engine, model)
 
 
 @pytest.mark.gpu
@@ -221,15 +227,7 @@ def test_cuda_fp8_lm_head_with_graphs_samples_its_own_model(tmp_path):
     engine = LatheEngine(model, eos_token_id=None, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=8,
                          quantization="fp8", quantize_lm_head=True)
     assert engine.runner.graphs is not None and type(model.lm_head) is fp8.Fp8Linear
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX, seed=0)
-    for update in (False, True):
-        if update:
-            torch.manual_seed(1)
-            engine.update_weights((n, t + 0.05 * torch.randn_like(t)) for n, t in model.state_dict().items())
-        out = engine.generate(PROMPTS, params)
-        for i, (response, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
-            own = _forced_cuda(model, PROMPTS[i // 2], response)
-            assert rel_error(torch.tensor(logprobs, dtype=torch.float64), own) < 3e-2, (update, i)
+    _samples_its_own_model(engine, model)
 
 
 @pytest.mark.gpu

@@ -296,3 +296,28 @@ def kill_after_checkpoint(run_dir, pid, step: int = 2) -> None:
         os.kill(pid() if callable(pid) else pid, signal.SIGKILL)
 
     threading.Thread(target=kill, daemon=True).start()
+
+
+def stop_once_risen(monkeypatch, rise: float, window: int = 10, key: str = "critic/score/mean") -> None:
+    """Let the next `lathe train` in this process stop as soon as its reward has risen: once the mean `key` of its
+    last `window` steps is at least `rise` above that of its first `window` (two windows apart: from step
+    2 x `window` on), the step just logged is its last. A reward-rise test asserts that rise on the logged metrics; its
+    `trainer.total_training_steps` stays the limit (and the learning-rate schedule's length), and the steps run are
+    those of the full run up to there: the test checks the same claim, without the steps after it is shown."""
+    from lathe.loop import setup
+
+    build_trainer = setup.build_trainer
+
+    def build_stopping(*args, **kwargs):
+        t = build_trainer(*args, **kwargs)
+        log, scores = t.tracker.log, []
+
+        def log_and_stop(metrics, step):
+            log(metrics, step=step)
+            if key in metrics:
+                scores.append(metrics[key])
+            if len(scores) >= 2 * window and sum(scores[-window:]) / window >= sum(scores[:window]) / window + rise:
+                t.total_steps = min(t.total_steps, t.global_step)
+        t.tracker.log = log_and_stop
+        return t
+    monkeypatch.setattr(setup, "build_trainer", build_stopping)

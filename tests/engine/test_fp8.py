@@ -122,7 +122,7 @@ def test_lm_head_in_fp8_samples_its_own_model_and_follows_weight_updates(tmp_pat
     weight update re-quantises the copy in place (tied: when the sync names the embedding alone)."""
     engine = _quantised_engine(_fp8_head_checkpoint(tmp_path, tie), quantize_lm_head=True)
     head = engine.model.lm_head
-    assert type(head) is fp8.Fp8Linear and (head.weight is engine.model.model.embed_tokens.weight) == tie
+    assert type(head) is fp8.Fp8Head and (head.weight is engine.model.model.embed_tokens.weight) == tie
     x = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(0))
     (x8, xs), (w8, ws) = fp8.quantize_rows(x), fp8.quantize_rows(head.weight)
     assert rel_error(head(x), (x8.float() * xs[:, None]) @ (w8.float() * ws[:, None]).t()) < 1e-5
@@ -226,7 +226,7 @@ def test_cuda_fp8_lm_head_with_graphs_samples_its_own_model(tmp_path):
     model = load_lathe_model(_fp8_head_checkpoint(tmp_path, False), torch.bfloat16, device="cuda")
     engine = LatheEngine(model, eos_token_id=None, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=8,
                          quantization="fp8", quantize_lm_head=True)
-    assert engine.runner.graphs is not None and type(model.lm_head) is fp8.Fp8Linear
+    assert engine.runner.graphs is not None and type(model.lm_head) is fp8.Fp8Head
     _samples_its_own_model(engine, model)
 
 

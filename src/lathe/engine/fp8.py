@@ -317,6 +317,20 @@ class Fp8Linear(nn.Linear):
         return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
 
 
+class Fp8Head(Fp8Linear):
+    """An FP8 lm_head (`quantize_lm_head`): on a GPU the scales multiply inside cuBLAS's row-wise GEMM, so its wide
+    output (the vocabulary) is written once, not rescaled after in another pass."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cuda":
+            return super().forward(x)
+        lead, k = x.shape[:-1], x.shape[-1]
+        x8, x_scale = quantize_rows(x.reshape(-1, k))
+        y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=x_scale.unsqueeze(-1),
+                             scale_b=self.weight_scale.unsqueeze(0), out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
+        return y.view(*lead, y.shape[-1])
+
+
 def project(owner: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
     """The fused projection `<name>_weight` of `owner` (`decode_forms.fuse_projections`) applied to x: with its FP8
     copy when `quantize_model` made one, else in the weights' dtype."""
@@ -350,7 +364,7 @@ def _targets(model: nn.Module):
             for attr, child in block.named_children():
                 if type(child) in (nn.Linear, Fp8Linear) and attr not in fused:
                     yield child, "linear", attr
-    if type(getattr(model, "lm_head", None)) is Fp8Linear:       # (`quantize_lm_head`)
+    if type(getattr(model, "lm_head", None)) is Fp8Head:       # (`quantize_lm_head`)
         yield model.lm_head, "linear", "lm_head"
 
 
@@ -435,7 +449,7 @@ def quantize_lm_head(model: nn.Module) -> int:
     w8, s = quantize_rows(head.weight)
     head.register_buffer("weight_fp8", w8, persistent=False)
     head.register_buffer("weight_scale", s, persistent=False)
-    head.__class__ = Fp8Linear
+    head.__class__ = Fp8Head
     return w8.nbytes + s.nbytes
 
 

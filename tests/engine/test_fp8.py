@@ -139,6 +139,12 @@ def test_lm_head_in_fp8_samples_its_own_model_and_follows_weight_updates(tmp_pat
     w8, s = fp8.quantize_rows(new["model.embed_tokens.weight" if tie else "lm_head.weight"])
     assert head.weight_fp8.data_ptr() == before
     assert torch.equal(head.weight_fp8.float(), w8.float()) and torch.equal(head.weight_scale, s)
+    # another engine on the same (quantised) model keeps its FP8 classes and samples what the first one samples
+    again = LatheEngine(engine.model, eos_token_id=None, block_size=4, num_kv_blocks=64, quantization="fp8",
+                        quantize_lm_head=True)
+    assert type(head) is fp8.Fp8Head and type(engine.model.model.layers[0].self_attn.o_proj) is fp8.Fp8Linear
+    params = SamplingParams(n=1, temperature=0, max_tokens=MAX)
+    assert again.generate(PROMPTS, params).token_ids == engine.generate(PROMPTS, params).token_ids
 
 
 def test_lm_head_in_fp8_is_refused_where_it_cannot_act(tmp_path, checkpoints):

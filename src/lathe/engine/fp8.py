@@ -425,7 +425,7 @@ def quantize_model(model: nn.Module) -> int:
         prefix = "weight" if kind == "linear" else name
         owner.register_buffer(f"{prefix}_fp8", w8, persistent=False)
         owner.register_buffer(f"{prefix}_scale", s, persistent=False)
-        if kind == "linear":
+        if type(owner) is nn.Linear:        # (an engine built again on a quantised model keeps its classes)
             owner.__class__ = Fp8Linear
         added += w8.nbytes + s.nbytes
     for layer in model.model.layers:
@@ -440,7 +440,7 @@ def quantize_lm_head(model: nn.Module) -> int:
     per vocabulary row as the projections are. Its weight (tied to the embedding or not) stays the model's. Call after
     `quantize_model`; returns the bytes added."""
     head = model.lm_head
-    if type(head) is not nn.Linear or not _aligned(head.weight):
+    if type(head) not in (nn.Linear, Fp8Head) or not _aligned(head.weight):
         shape = tuple(head.weight.shape) if isinstance(getattr(head, "weight", None), torch.Tensor) else None
         raise ValueError(f"rollout.quantize_lm_head: this lm_head ({type(head).__name__}, weight {shape}) cannot "
                          f"take an FP8 copy: it needs a plain linear layer whose vocabulary and hidden sizes are "

@@ -298,26 +298,37 @@ def kill_after_checkpoint(run_dir, pid, step: int = 2) -> None:
     threading.Thread(target=kill, daemon=True).start()
 
 
-def stop_once_risen(monkeypatch, rise: float, window: int = 10, key: str = "critic/score/mean") -> None:
-    """Let the next `lathe train` in this process stop as soon as its reward has risen: once the mean `key` of its
-    last `window` steps is at least `rise` above that of its first `window` (two windows apart: from step
-    2 x `window` on), the step just logged is its last. A reward-rise test asserts that rise on the logged metrics; its
-    `trainer.total_training_steps` stays the limit (and the learning-rate schedule's length), and the steps run are
-    those of the full run up to there: the test checks the same claim, without the steps after it is shown."""
+
+def stop_once_shown(monkeypatch, shown, key: str = "critic/score/mean", also=()) -> None:
+    """Let the next `lathe train` in this process stop as soon as what a test asserts of its metric `key` is shown:
+    after each logged step, `shown(values)` (the values of `key` logged so far, as the run's metrics.jsonl holds them)
+    decides whether the step just logged is the run's last. The run's `trainer.total_training_steps` stays its limit
+    (and the length of its learning-rate schedule), and the steps it runs are those of the full run up to there: a
+    test then asserts the same claim of the metrics, without the steps after it holds. (`also`: modules that
+    imported `build_trainer` by name, whose name is replaced too.)"""
     from lathe.loop import setup
 
     build_trainer = setup.build_trainer
 
     def build_stopping(*args, **kwargs):
         t = build_trainer(*args, **kwargs)
-        log, scores = t.tracker.log, []
+        log, values = t.tracker.log, []
 
         def log_and_stop(metrics, step):
             log(metrics, step=step)
             if key in metrics:
-                scores.append(metrics[key])
-            if len(scores) >= 2 * window and sum(scores[-window:]) / window >= sum(scores[:window]) / window + rise:
-                t.total_steps = min(t.total_steps, t.global_step)
+                values.append(metrics[key])
+                if shown(list(values)):
+                    t.total_steps = min(t.total_steps, t.global_step)
         t.tracker.log = log_and_stop
         return t
-    monkeypatch.setattr(setup, "build_trainer", build_stopping)
+    for module in (setup, *also):
+        monkeypatch.setattr(module, "build_trainer", build_stopping)
+
+
+def stop_once_risen(monkeypatch, rise: float, window: int = 10) -> None:
+    """`stop_once_shown` for a reward-rise test: the run stops once the mean score of its last `window` steps is at
+    least `rise` above that of its first `window` (two windows apart: from step 2 x `window` on), the test's assertion
+    (the same sums, so that what stopped the run passes it)."""
+    stop_once_shown(monkeypatch, lambda s: len(s) >= 2 * window
+                    and sum(s[-window:]) / window >= sum(s[:window]) / window + rise)

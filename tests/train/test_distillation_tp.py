@@ -21,6 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import assert_close_rel
+# the worker's `build_builtin_model` builds transformers' Qwen2: imported here, so the forkserver that preloads this
+# module imports it once, not each rank
+from transformers import Qwen2ForCausalLM  # noqa: F401
 
 from lathe.algo.distillation import DistillationParams
 from lathe.batch import Batch

@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 from helpers import assert_close_rel
 from safetensors import safe_open
+# the ranks' sparse layers read these transformers configs (models.deepseek_tiny, models.gpt_oss_tiny): imported
+# here, so the forkserver that preloads this module imports transformers once, not each of the 4 ranks
+from transformers import DeepseekV3Config, GptOssConfig  # noqa: F401
 
 from lathe.config.plan import MeshPlan
 from lathe.models.config import LatheConfig

@@ -516,7 +516,8 @@ def _check_rollout_backend(cfg: LatheConfig, problems: ProblemList) -> None:
                      "torchao's and block scales are lathe issue 48). Fix: set it to fp8 or null.")
     if ro.quantize_lm_head and ro.quantization != "fp8":
         problems.add(f"{r}.quantize_lm_head=true puts the lm_head in FP8 beside FP8 projections, but "
-                     f"{r}.quantization={ro.quantization or 'null'}. Fix: set {r}.quantization=fp8, or quantize_lm_head=false.")
+                     f"{r}.quantization={ro.quantization or 'null'}. Fix: set {r}.quantization=fp8, or "
+                     "quantize_lm_head=false.")
     if ro.kv_cache_dtype != "auto" and (ro.name == "hf" or impl == "hf"):
         problems.add(f"{r}.kv_cache_dtype={ro.kv_cache_dtype} is lathe's engine's FP8 KV cache, but the rollout runs "
                      f"transformers generate ({r}.name={ro.name}, {m}.impl={impl}). Fix: set {r}.kv_cache_dtype=auto "

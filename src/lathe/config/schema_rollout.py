@@ -206,9 +206,9 @@ class RolloutConfig:
                                           "re-quantised at each weight sync; null: the rollout dtype.")
     quantize_lm_head: bool = spec(False, "lathe: with quantization=fp8, the lm_head in FP8 too (per vocabulary "
                                          "row and per token): the sampler's logits then come from an FP8 "
-                                         "product, a faster decode step and a larger rollout/trainer log-prob gap "
-                                         "(training/rollout_probs_diff_*; README's FP8 figures). false: bf16, as "
-                                         "vLLM keeps it.")
+                                         "product (at 7B ~2% faster decoding than FP8 projections alone, the "
+                                         "rollout/trainer log-prob gap, training/rollout_probs_diff_*, about the "
+                                         "same: README). false: bf16, as vLLM keeps it.")
     kv_cache_dtype: KVCacheDtype = spec("auto", "lathe (engine_kwargs.vllm/sglang.kv_cache_dtype set it): the "
                                                 "engine's paged KV cache. auto: the rollout dtype; fp8 (= "
                                                 "fp8_e4m3): float8_e4m3fn K/V with a float32 scale per token and "

@@ -209,30 +209,6 @@ def test_hybrid_sharding_divides_each_model_by_its_shard_group_not_the_world(mon
     assert _gib(parts, "rollout weights, bf16") == pytest.approx(2 * N / 2**30)
 
 
-def test_weights_whole_on_every_tensor_parallel_rank_are_divided_by_the_data_parallel_shards_only(monkeypatch):
-    """A hybrid's convolution and Qwen3.5's in_proj_qkv (W parameters) stay whole on each of a group's T ranks: a rank holds
-    (N - W) / (dp T) + W / dp of the actor's and the reference's state; the engine's copy is the whole model's."""
-    from lathe.models.hf import lathe_from_transformers
-    from lathe.train.tensor_parallel import whole_parameters
-    from models.lathe_tiny import hf_model
-    tiny = lathe_from_transformers(hf_model("qwen3_5_text"))
-    linear = tiny.model.layers[0].linear_attn
-    assert whole_parameters(tiny) == linear.in_proj_qkv.weight.numel() + linear.conv1d.weight.numel() > 0
-    assert whole_parameters(lathe_from_transformers(hf_model("qwen2"))) == 0
-    fused = lathe_from_transformers(hf_model("qwen3_next"))            # its fused projections are cut: the conv only
-    assert whole_parameters(fused) == fused.model.layers[0].linear_attn.conv1d.weight.numel() > 0
-    monkeypatch.setattr(memory, "total_memory", lambda device: int(80 * 2**30))
-    cfg = load_config("base", ["trainer.device=cpu", "trainer.n_gpus_per_node=4"])
-    w, tp, dp = N // 10, 2, 2
-    parts = memory.plan(cfg, N, CUDA, need_ref=True, critic_params=None, lathe_engine=True, world=4,
-                        shards={"actor": dp * tp, "ref": dp * tp}, whole_over_tp={"actor": w * (tp - 1),
-                                                                                "ref": w * (tp - 1)})
-    share = (N - w) / (dp * tp) + w / dp
-    assert _gib(parts, "actor master weights, fp32, 1/4 shard") == pytest.approx(4 * share / 2**30, rel=1e-6)
-    assert _gib(parts, "reference weights, bf16, 1/4 shard") == pytest.approx(2 * share / 2**30, rel=1e-6)
-    assert _gib(parts, "rollout weights, bf16") == pytest.approx(2 * N / 2**30)
-
-
 def test_a_cpu_run_gets_one_line_for_a_small_model_and_the_table_from_one_gib():
     cfg, cpu = load_config("base", ["trainer.device=cpu"]), torch.device("cpu")
     small = memory.plan(cfg, 600_000, cpu, need_ref=False, critic_params=None, lathe_engine=True)

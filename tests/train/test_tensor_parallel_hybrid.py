@@ -110,6 +110,38 @@ def test_a_group_of_two_equals_one_process(runs, batch, family):
             assert want["grads"]["model.layers.1.mlp." + name].abs().sum() > 0, name
 
 
+# -- sharded by FSDP2 as `lathe train` shards it: the whole weights over the group's ranks too ----------------------
+def rank_fsdp(rank: int, port: int, root: str, queue) -> None:
+    """The tiny Qwen3.5 cut over a group of 2, then sharded by `shard_model` on the mesh plan 1 x 1 x TP 2: its
+    in_proj_qkv and convolution, whole weights of which each rank takes rows, sharded over the group's 2 ranks."""
+    def work():
+        from lathe.config.plan import MeshPlan
+        from lathe.train import parallel
+        from lathe.train.tensor_parallel import parallelize, tensor_parallel
+        plan, cpu = MeshPlan(dp_replicate=1, dp_shard=1, tp=T), torch.device("cpu")
+        model = torch.load(Path(root) / "models.pt", weights_only=False)["qwen3_5_text"]
+        parallel.shard_model(parallelize(model, tensor_parallel(plan, cpu)), mesh=plan, device=cpu)
+        linear = model.model.layers[0].linear_attn
+        rows = {name: (w.to_local().shape[0], w.shape[0]) for name, w in
+                (("in_proj_qkv", linear.in_proj_qkv.weight), ("conv1d", linear.conv1d.weight))}
+        torch.save({"qwen3_5_text": {"rows": rows, **run(model)}}, Path(root) / f"rank{rank}.pt")
+    gloo_rank(rank, T, port, queue, work, JOIN_S)
+
+
+def test_under_fsdp2_the_whole_weights_shard_over_the_group_and_it_equals_one_process(tmp_path):
+    want, ranks = family_runs(tmp_path, ("qwen3_5_text",), run, rank_fsdp, T,
+                              [__name__, "lathe.models.qwen3_5", "lathe.train.tensor_parallel"])
+    want = want["qwen3_5_text"]
+    for rank, got in enumerate(ranks):
+        got = got["qwen3_5_text"]
+        assert all(local * T == whole for local, whole in got["rows"].values()), got["rows"]
+        for batch in ("packed", "padded"):
+            assert_close_rel(got[batch]["logits"], want[batch]["logits"], 1e-7, name=f"rank {rank}'s {batch} logits")
+            assert_close_rel(got[batch]["grads"], want[batch]["grads"], 1e-6, name=f"rank {rank}'s {batch} gradients")
+    for name in ("in_proj_qkv.weight", "conv1d.weight"):
+        assert want["packed"]["grads"]["model.layers.0.linear_attn." + name].abs().sum() > 0, name
+
+
 # -- beside Ulysses: TP 2 x SP 2 on 4 ranks (the tp pairs consecutive, the sp pairs 2 apart) -------------------------
 def wide_hybrid():
     """A tiny Qwen3.5 with 4 linear key heads and 8 value heads: 1 key head and 2 value heads a rank of TP 2 x SP 2."""

@@ -419,8 +419,6 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
                 sum(m.weight.numel() for m in layers))
     # each model's state per device: 1/(dp_shard x tp) (tensor parallelism cuts it before FSDP2 shards the slices)
     shards = {role: run.mesh(role).dp_shard * run.mesh(role).tp for role in ("actor", "ref", "critic")}
-    from lathe.train.tensor_parallel import whole_parameters        # (a hybrid's weights whole on every TP rank)
-    whole_over_tp = {role: whole_parameters(model) * (run.mesh(role).tp - 1) for role in ("actor", "ref", "critic")}
     keys = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic": "critic.model.fsdp_config.fsdp_size",
             "ref": "actor_rollout_ref.ref.fsdp_config.fsdp_size"}
     used = {"actor": True, "ref": run.needs_ref, "critic": run.critic is not None}
@@ -435,7 +433,7 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         parameters, D) replicas' ranks (data-parallel attention), or None: each replica's whole."""
         parts = plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
                      world=run.world, colocated=not run.is_async, lora=lora, shards=shards,
-                     engine_experts=engine_experts, embeddings=embeddings, whole_over_tp=whole_over_tp)
+                     engine_experts=engine_experts, embeddings=embeddings)
         parts += other_model_parts(cfg, device, world=run.world, shards=shards)    # reward model/judge, teachers
         masters = next((p for p in parts if p.what.startswith("actor master weights") and not p.on_gpu), None)
         if masters is not None and run.world == 1 and lora is None:   # MasterAdamW's host masters: a pinned block each

@@ -64,7 +64,7 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
 def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_params: int | None,
          lathe_engine: bool, world: int = 1, colocated: bool = True, lora: tuple[int, int] | None = None,
          shards: dict[str, int] | None = None, engine_experts: tuple[int, int] | None = None,
-         embeddings: tuple[int, bool] = (0, False), whole_over_tp: dict[str, int] | None = None) -> list[Part]:
+         embeddings: tuple[int, bool] = (0, False)) -> list[Part]:
     """The parts of a run on one device: actor (+ a rollout copy unless lathe's engine runs on the actor's own
     weights in the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's
     decoder. With `world` > 1 data-parallel ranks every trained or reference part is an FSDP2 shard and the engine
@@ -79,10 +79,9 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     the caller adds. `engine_experts`: (routed experts' parameters, D) of an engine of D replicas with data-parallel
     attention, which spreads the experts over all their ranks (`lathe.engine.data_parallel`). `embeddings`: (input
     embedding parameters, tied to the LM head): a tensor-parallel replica's ranks hold them whole, and a tied model's
-    LM head besides as a vocabulary slice (`lathe.engine.tensor_parallel.ShardLayout.local_items`).
-    `whole_over_tp`: by role ('actor', 'ref', 'critic'), W (T - 1) for the W parameters that each of its T
-    tensor-parallel ranks holds whole (`lathe.train.tensor_parallel.whole_parameters`): counted as that many more
-    parameters cut by T, a rank's share of the role's state is (N - W) / (dp_shard T) + W / dp_shard."""
+    LM head besides as a vocabulary slice (`lathe.engine.tensor_parallel.ShardLayout.local_items`). (A hybrid's
+    weights that each tensor-parallel rank takes rows of are sharded over dp_shard x tp too: `lathe.train.parallel.
+    whole_weights_mesh`.)"""
     from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
@@ -92,30 +91,28 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     size = lambda n, dtype: n * torch.empty((), dtype=dtype).element_size()   # noqa: E731
     ranks = lambda role: (shards or {}).get(role, world) if world > 1 else 1   # noqa: E731  (a role's FSDP2 shards)
     shard = lambda role, parts: _shard(parts, ranks(role))  # noqa: E731
-    held = lambda role: n_params + (whole_over_tp or {}).get(role, 0)   # noqa: E731  (the role's state, as if all cut)
     if lora is not None:
         adapters, adapted = lora
-        base = Part(f"actor base weights (frozen), {short_name(compute)}", size(held("actor"), compute), True)
+        base = Part(f"actor base weights (frozen), {short_name(compute)}", size(n_params, compute), True)
         parts = shard("actor", [base, *model_parts("actor LoRA adapters", "actor_rollout_ref.actor", adapters,
                                                    arr.actor.fsdp_config, device)])
         if colocated:
             merged = adapted if lathe_engine and engine_dtype == compute and world == 1 else n_params
             parts.append(Part(f"rollout merged weights, {short_name(engine_dtype)}", size(merged, engine_dtype), True))
     else:
-        parts = shard("actor", model_parts("actor", "actor_rollout_ref.actor", held("actor"), arr.actor.fsdp_config,
+        parts = shard("actor", model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config,
                                            device, weights_note=note, sharded=world > 1))
         if not shares and colocated:
             parts.append(Part(f"rollout weights, {short_name(engine_dtype)}", size(n_params, engine_dtype), True))
         if need_ref:
-            parts += shard("ref", model_parts("reference", "actor_rollout_ref.ref", held("ref"), arr.ref.fsdp_config,
+            parts += shard("ref", model_parts("reference", "actor_rollout_ref.ref", n_params, arr.ref.fsdp_config,
                                               device, trainable=False, sharded=world > 1))
     if world > 1 and lora is None:
-        parts += kept_gathered_parts("actor", "actor_rollout_ref.actor", held("actor"), arr.actor.fsdp_config, device)
-    trained = lora[0] if lora is not None else held("actor")
+        parts += kept_gathered_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config, device)
+    trained = lora[0] if lora is not None else n_params
     parts += streamed_step_parts("actor", "actor_rollout_ref.actor", trained // ranks("actor"), arr.actor.fsdp_config,
                                  device, sharded=world > 1)
     if critic_params:
-        critic_params += (whole_over_tp or {}).get("critic", 0)
         parts += shard("critic", model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config,
                                              device))
         parts += streamed_step_parts("critic", "critic.model", critic_params // ranks("critic"),

@@ -153,17 +153,25 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
         kw["mp_policy"] = mp_policy
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device is not None and device.type == "cuda")
-    experts_kw = kw
+    experts_kw = whole_kw = kw
     if device is not None or mesh is not None:   # host weights are moved to the mesh's device, shard by shard
         from lathe.device import current_device
         device_type = (device or current_device()).type
         kw["mesh"] = device_mesh(device_type, mesh)
         if mesh is not None and mesh.ep > 1 and not mesh.experts_over_tp:
             experts_kw = {**kw, "mesh": expert_mesh(device_type, mesh)}
+        if mesh is not None and mesh.tp > 1:
+            whole_kw = {**kw, "mesh": whole_weights_mesh(device_type, mesh)}
     for layer in decoder_layers(model):
         for module in layer.modules():       # experts cut over an expert-parallel group: a group of their own
             if getattr(module, "expert_parallel", None) is not None:
                 fully_shard(module, **experts_kw)
+            # whole weights of which each tensor-parallel rank takes rows (`tensor_parallel._RowsOfWhole`): sharded
+            # over the tensor-parallel ranks too, gathered for the rows taken
+            if getattr(module, "shard_over_tp", False) and whole_kw is not kw:
+                fully_shard(module, **whole_kw)
+                register_fsdp_forward_method(module, "taken_weight")
+                module.tp_sharded = True
         fully_shard(layer, **kw)
     # the root stays gathered after forward: its heads (lm_head, score) are also used outside forward, by the
     # chunked log-prob and the value read-out; `reshard` frees it after passes without backward
@@ -211,6 +219,14 @@ def expert_mesh(device_type: str, plan):
     return mesh["dp_replicate", "dp_shard_mod_ep"] if plan.hsdp else mesh["dp_shard_mod_ep"]
 
 
+def whole_weights_mesh(device_type: str, plan):
+    """The `DeviceMesh` FSDP2 shards a tensor-parallel model's whole weights over (those each rank of a group takes
+    rows of: `lathe.train.tensor_parallel._RowsOfWhole`): the shard and tp dims flattened into one
+    (`dp_shard_tp`), beside `dp_replicate` for HSDP."""
+    mesh = world_mesh(device_type, plan)
+    return mesh["dp_replicate", "dp_shard_tp"] if plan.hsdp else mesh["dp_shard_tp"]
+
+
 def world_mesh(device_type: str, plan=None):
     """The whole `DeviceMesh` of a `MeshPlan`: `device_mesh`'s dims, plus the innermost `tp` dim when it has one."""
     if plan is not None and plan.world != world_size():
@@ -240,6 +256,8 @@ def _mesh(device_type: str, replicas: int, shards: int, tp: int = 1, ep: int = 1
     mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
     if ep > 1:              # the other weights shard over both: one flattened dim
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    elif tp > 1:            # (`whole_weights_mesh`; with tp, the experts' ep is tp's: `world_mesh`)
+        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
     return mesh
 
 

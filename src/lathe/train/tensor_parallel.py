@@ -21,9 +21,11 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   query and output gate side by side, so a rank's rows are its heads' both); a gated-DeltaNet layer runs this rank's
   1/T of the key heads with their value heads (the convolution is per channel and the delta rule per head, so heads
   are independent): `in_proj_z`, `in_proj_b`, `in_proj_a` column-parallel, `out_proj` row-parallel, and
-  `in_proj_qkv` and the convolution, whose rows are [all q | all k | all v] sections, stay whole on every rank, each
-  rank taking its rows of each section (`take_rows`: their gradients gathered over the group; its FLOPs are its own;
-  those weights' memory is divided by FSDP2's shards only), as `A_log`, `dt_bias` (per value head) and the gated
+  `in_proj_qkv` and the convolution, whose rows are [all q | all k | all v] sections (three blocks a rank, which no
+  DTensor placement of the group gives), are whole weights that FSDP2 shards over the data-parallel and the
+  tensor-parallel ranks together (`lathe.train.parallel.shard_model`: their memory divided by every rank), each rank
+  taking its rows of each section from the gathered weight (`take_rows`; its FLOPs are its own; FSDP2 sums the
+  rows' gradients over the group), as `A_log`, `dt_bias` (per value head) and the gated
   norm's weight (shared by the heads) are taken through `copy_to_group`. Qwen3-Next's fused projections lay their
   rows out per key head (`in_proj_qkvz`: each head's q, k, its value heads' v and z; `in_proj_ba`: their b and a),
   so they are column-parallel as they are, each rank's rows its heads'; only the convolution stays whole there;
@@ -204,30 +206,65 @@ class _CopyToGroup(torch.autograd.Function):
         return wait_tensor(all_reduce(grad.contiguous(), "sum", ctx.group)), None
 
 
-def take_rows(weight: torch.Tensor, rows: list[tuple[slice, ...]], rank: int, group) -> torch.Tensor:
+def take_rows(weight: torch.Tensor, rows: list[tuple[slice, ...]], rank: int, group, *,
+              sharded: bool = False) -> torch.Tensor:
     """`weight`'s rows `rows[rank]` (slices, concatenated) from a whole weight that every rank of `group` holds, each
-    taking its own rows (`rows`: every rank's, covering the weight). Backward gathers every rank's rows' gradients
-    whole on each rank (one all-gather: half the bytes of all-reducing a whole gradient that is (T - 1)/T zeros, and
-    no sums), so the whole weight's gradient is the same on every rank, as `copy_to_group`'s would be."""
-    return _TakeRows.apply(weight, rows, rank, group)
+    taking its own rows (`rows`: every rank's, covering the weight). `sharded`: FSDP2 shards the weight over the
+    group's ranks too and sums their gradients (`shard_model`): backward gives this rank's rows' gradient, zeros
+    elsewhere. Not sharded (the group's ranks each hold it whole, not summed over the group): backward gathers every
+    rank's rows' gradients whole on each rank (one all-gather), so the whole weight's gradient is the same on every
+    rank, as `copy_to_group`'s would be."""
+    return _TakeRows.apply(weight, rows, rank, group, sharded)
 
 
 class _TakeRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, rows, rank: int, group) -> torch.Tensor:
-        ctx.rows, ctx.group, ctx.shape = rows, group, weight.shape
+    def forward(ctx, weight: torch.Tensor, rows, rank: int, group, sharded: bool) -> torch.Tensor:
+        ctx.rows, ctx.rank, ctx.group, ctx.shape, ctx.sharded = rows, rank, group, weight.shape, sharded
         return torch.cat([weight[part] for part in rows[rank]])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        import torch.distributed._functional_collectives as funcol
-        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor     # (its older name)
-        pieces = funcol.wait_tensor(gather(grad.contiguous(), 0, ctx.group)).chunk(len(ctx.rows))
         whole = grad.new_zeros(ctx.shape)       # (zeros where no rank's rows lie: none in `parallelize`'s layouts)
-        for parts, piece in zip(ctx.rows, pieces):
+        if ctx.sharded:
+            pieces = {ctx.rank: grad}
+        else:
+            import torch.distributed._functional_collectives as funcol
+            gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor     # (its older name)
+            pieces = dict(enumerate(funcol.wait_tensor(gather(grad.contiguous(), 0, ctx.group)).chunk(len(ctx.rows))))
+        for r, piece in pieces.items():
+            parts = ctx.rows[r]
             for part, block in zip(parts, piece.split([p.stop - p.start for p in parts])):
                 whole[part] = block
-        return whole, None, None, None
+        return whole, None, None, None, None
+
+
+class _RowsOfWhole:
+    """A whole weight of a gated-DeltaNet layer (Qwen3.5's `in_proj_qkv`, the convolution's) of which each rank of
+    a tensor-parallel group uses its heads' rows (`taken_weight`, `take_rows`). `shard_over_tp`: FSDP2 shards it
+    over the group's ranks too (`lathe.train.parallel.shard_model`, which sets `tp_sharded` and registers
+    `taken_weight` as a forward method, so the weight is gathered for it and its gradient reduced after)."""
+
+    shard_over_tp = True
+    tp_sharded = False
+    tp_rows: list[tuple[slice, slice, slice]]      # every rank's rows, by its place in the group
+    tp_rank: int
+    tp_group: Any
+    weight: torch.Tensor
+
+    def taken_weight(self) -> torch.Tensor:
+        return take_rows(self.weight, self.tp_rows, self.tp_rank, self.tp_group, sharded=self.tp_sharded)
+
+
+class _RowsLinear(_RowsOfWhole, nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (x enters through copy_to_group: this rank's rows give a partial sum of x's gradient, as a column-parallel
+        # projection's do, whose style sums them)
+        return nn.functional.linear(copy_to_group(x, self.tp_group), self.taken_weight())
+
+
+class _RowsConv(_RowsOfWhole, nn.Conv1d):
+    pass
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -259,20 +296,16 @@ class _LocalHeadsNorm:
 class _LocalFusedDeltaNet:
     """A gated-DeltaNet layer (`lathe.models.qwen3_5.GatedDeltaNet`) on this rank's key heads and their value heads
     (module doc; mixed into its class by `parallelize`, after its projections were cut): the convolution's rows of
-    this rank's heads in each of its q, k and v sections (`tp_rows`, `take_rows`), and its value heads' `A_log`,
-    `dt_bias` (`tp_values`, through `copy_to_group`), taken from whole weights. Qwen3-Next's fused projections, cut
+    this rank's heads in each of its q, k and v sections (`_RowsConv`), and its value heads' `A_log`, `dt_bias`
+    (`tp_values`, through `copy_to_group`), taken from whole weights. Qwen3-Next's fused projections, cut
     column-parallel, give this rank's heads as they are (`project` unchanged)."""
 
     tp_group: Any
-    tp_rank: int
-    tp_rows: list[tuple[slice, slice, slice]]      # every rank's rows, by its place in the group
     tp_values: slice
-
-    def rows(self, weight: torch.Tensor) -> torch.Tensor:
-        return take_rows(weight, self.tp_rows, self.tp_rank, self.tp_group)
+    conv1d: _RowsConv
 
     def conv_weight(self) -> torch.Tensor:
-        return self.rows(self.conv1d.weight).squeeze(1)
+        return self.conv1d.taken_weight().squeeze(1)
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor, heads: slice = slice(None)):
         """(`heads`: of this rank's value heads, a Ulysses rank's share of them.)"""
@@ -282,14 +315,11 @@ class _LocalFusedDeltaNet:
 
 class _LocalDeltaNet(_LocalFusedDeltaNet):
     """`_LocalFusedDeltaNet` for Qwen3.5's split projections (z, b, a cut column-parallel): `in_proj_qkv`'s rows, in
-    [all q | all k | all v] sections as the convolution's, are taken as the convolution's are."""
+    [all q | all k | all v] sections as the convolution's, are taken as the convolution's are (`_RowsLinear`)."""
 
     def project(self, x: torch.Tensor):
         z = self.in_proj_z(x).unflatten(-1, (self.n_v, self.la.value_head_dim))
-        # (x enters through copy_to_group too: this rank's rows give a partial sum of x's gradient, as a column-
-        # parallel projection's do, whose style sums them)
-        mixed = nn.functional.linear(copy_to_group(x, self.tp_group), self.rows(self.in_proj_qkv.weight))
-        return mixed, z, self.in_proj_b(x), self.in_proj_a(x)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
 
 @functools.cache
@@ -302,20 +332,15 @@ def _local_linear_heads(mixer: nn.Module, tp: TensorParallel) -> None:
     la = mixer.la
     k, v = la.num_key_heads // tp.size, la.num_value_heads // tp.size
     dk, dv, whole_k = la.key_head_dim, la.value_head_dim, la.num_key_heads * la.key_head_dim
-    mixer.tp_rows = [(slice(r * k * dk, (r + 1) * k * dk), slice(whole_k + r * k * dk, whole_k + (r + 1) * k * dk),
-                      slice(2 * whole_k + r * v * dv, 2 * whole_k + (r + 1) * v * dv)) for r in range(tp.size)]
-    mixer.tp_values, mixer.tp_group, mixer.tp_rank = slice(tp.rank * v, (tp.rank + 1) * v), tp.group, tp.rank
+    rows = [(slice(r * k * dk, (r + 1) * k * dk), slice(whole_k + r * k * dk, whole_k + (r + 1) * k * dk),
+             slice(2 * whole_k + r * v * dv, 2 * whole_k + (r + 1) * v * dv)) for r in range(tp.size)]
+    split = la.projections == "split"
+    for module in (mixer.conv1d, *([mixer.in_proj_qkv] if split else [])):     # whole: each rank takes its rows
+        module.__class__ = _RowsConv if isinstance(module, nn.Conv1d) else _RowsLinear
+        module.tp_rows, module.tp_rank, module.tp_group = rows, tp.rank, tp.group
+    mixer.tp_values, mixer.tp_group = slice(tp.rank * v, (tp.rank + 1) * v), tp.group
     mixer.n_k, mixer.n_v, mixer.key_dim, mixer.value_dim = k, v, k * dk, v * dv
-    mixer.__class__ = _local_delta_net(type(mixer), la.projections == "split")
-
-
-def whole_parameters(model: nn.Module) -> int:
-    """Parameters that every rank of a tensor-parallel group holds whole besides norms and gates' small vectors (for
-    the memory plan): a hybrid's convolution weights and Qwen3.5's `in_proj_qkv` (`_LocalDeltaNet`); 0 for other
-    models."""
-    mixers = [m.linear_attn for m in getattr(getattr(model, "model", None), "layers", ()) if hasattr(m, "linear_attn")]
-    return sum(m.conv1d.weight.numel() + (m.in_proj_qkv.weight.numel() if hasattr(m, "in_proj_qkv") else 0)
-               for m in mixers)
+    mixer.__class__ = _local_delta_net(type(mixer), split)
 
 
 def _check_linear_attention(model, size: int, key: str) -> None:

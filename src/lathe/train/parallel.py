@@ -170,7 +170,8 @@ def shard_model(model: nn.Module, *, mp_policy=None, reshard_after_forward: bool
             # over the tensor-parallel ranks too, gathered for the rows taken
             if getattr(module, "shard_over_tp", False) and whole_kw is not kw:
                 fully_shard(module, **whole_kw)
-                register_fsdp_forward_method(module, "taken_weight")
+                if module.fsdp_method:
+                    register_fsdp_forward_method(module, module.fsdp_method)
                 module.tp_sharded = True
         fully_shard(layer, **kw)
     # the root stays gathered after forward: its heads (lm_head, score) are also used outside forward, by the

@@ -242,11 +242,13 @@ class _TakeRows(torch.autograd.Function):
 class _RowsOfWhole:
     """A whole weight of a gated-DeltaNet layer (Qwen3.5's `in_proj_qkv`, the convolution's) of which each rank of
     a tensor-parallel group uses its heads' rows (`taken_weight`, `take_rows`). `shard_over_tp`: FSDP2 shards it
-    over the group's ranks too (`lathe.train.parallel.shard_model`, which sets `tp_sharded` and registers
-    `taken_weight` as a forward method, so the weight is gathered for it and its gradient reduced after)."""
+    over the group's ranks too (`lathe.train.parallel.shard_model`, which sets `tp_sharded`; a module whose rows are
+    used outside its forward names the method that takes them, `fsdp_method`, which it registers as a forward method,
+    so the weight is gathered for it and its gradient reduced after)."""
 
     shard_over_tp = True
     tp_sharded = False
+    fsdp_method: str | None = None
     tp_rows: list[tuple[slice, slice, slice]]      # every rank's rows, by its place in the group
     tp_rank: int
     tp_group: Any
@@ -264,7 +266,7 @@ class _RowsLinear(_RowsOfWhole, nn.Linear):
 
 
 class _RowsConv(_RowsOfWhole, nn.Conv1d):
-    pass
+    fsdp_method = "taken_weight"        # (the layer's convolution kernel reads it; the module's forward never runs)
 
 
 class _SumOverGroup(torch.autograd.Function):

@@ -81,17 +81,20 @@ def quantize_rows(w: torch.Tensor, out: torch.Tensor | None = None, scale: torch
     return out, scale
 
 
-def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`linear(x, w8 * w_scale[:, None], bias)` with x quantised per token: one FP8 GEMM, the output in x's dtype."""
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, *,
+               rowwise: bool | None = None) -> torch.Tensor:
+    """`linear(x, w8 * w_scale[:, None], bias)` with x quantised per token: one FP8 GEMM, the output in x's dtype
+    (`rowwise`: `scaled_linear`'s)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x8, x_scale = quantize_rows(x.reshape(-1, k))
-    return scaled_linear(x8, x_scale, w8, w_scale, bias, x.dtype).view(*lead, w8.shape[0])
+    return scaled_linear(x8, x_scale, w8, w_scale, bias, x.dtype, rowwise=rowwise).view(*lead, w8.shape[0])
 
 
 def scaled_linear(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                  bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """(x8 * x_scale[:, None]) @ (w8 * w_scale[:, None]).T + bias in `dtype`, x8 (M, K) and w8 (N, K) in E4M3."""
-    if x8.device.type == "cuda" and ROWWISE_GEMM:
+                  bias: torch.Tensor | None, dtype: torch.dtype, *, rowwise: bool | None = None) -> torch.Tensor:
+    """(x8 * x_scale[:, None]) @ (w8 * w_scale[:, None]).T + bias in `dtype`, x8 (M, K) and w8 (N, K) in E4M3.
+    `rowwise` (None: `ROWWISE_GEMM`): on a GPU, the scales inside cuBLAS's row-wise GEMM rather than after it."""
+    if x8.device.type == "cuda" and (ROWWISE_GEMM if rowwise is None else rowwise):
         y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.unsqueeze(-1), scale_b=w_scale.unsqueeze(0),
                              out_dtype=dtype, use_fast_accum=FAST_ACCUM)
     elif x8.device.type == "cuda":
@@ -322,13 +325,7 @@ class Fp8Head(Fp8Linear):
     output (the vocabulary) is written once, not rescaled after in another pass."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cuda":
-            return super().forward(x)
-        lead, k = x.shape[:-1], x.shape[-1]
-        x8, x_scale = quantize_rows(x.reshape(-1, k))
-        y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=x_scale.unsqueeze(-1),
-                             scale_b=self.weight_scale.unsqueeze(0), out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
-        return y.view(*lead, y.shape[-1])
+        return fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias, rowwise=True)
 
 
 def project(owner: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:

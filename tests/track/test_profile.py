@@ -10,7 +10,7 @@ import torch
 
 from lathe.config import ConfigError, load_config
 from lathe.track import Timer
-from lathe.track.profile import NO_PHASE, StepProfiler, device_phases, kernel_kind
+from lathe.track.profile import CLASSES, NO_PHASE, StepProfiler, device_phases, kernel_class, kernel_kind
 
 
 def fake_step(timer: Timer) -> None:
@@ -141,6 +141,8 @@ def test_device_kernels_count_for_the_phase_that_launched_them():
     gen = phases["gen"]
     assert gen["wall_s"] == pytest.approx(1e-3) and gen["device_s"] == pytest.approx(450e-6)
     assert gen["kinds"] == pytest.approx({"attention": 100e-6, "matmul": 50e-6, "other": 300e-6})
+    assert sum(gen["classes"].values()) == pytest.approx(gen["device_s"])
+    assert gen["classes"]["fused_elementwise"] == pytest.approx(300e-6)
     assert gen["top"][0] == {"name": "triton_poi_fused_mul_silu", "s": pytest.approx(300e-6), "calls": 1}
     assert phases["gen_max"]["device_s"] == pytest.approx(10e-6)
     assert phases["update_actor"]["kinds"]["attention"] == pytest.approx(200e-6)
@@ -157,6 +159,23 @@ def test_kernel_kinds():
     assert kernel_kind("flash_fwd_kernel<...>") == "attention"
     assert kernel_kind("_decode_kernel") == "attention"
     assert kernel_kind("triton_poi_fused_mul_silu_1") == "other"
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("nvjet_sm90_tst_128x192_64x5_1x2_h_bz_coopB_NNN", "matmul"),
+    ("flash_fwd_kernel<...>", "attention_fwd"),
+    ("flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention_bwd"),
+    ("void cunn_SoftMaxForward<8, float>", "softmax_vocab"),
+    ("triton_red_fused__log_softmax_gather_3", "softmax_vocab"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "fused_elementwise"),
+    ("void at::native::multi_tensor_apply_kernel<...FusedAdamMathFunctor...>", "optimizer"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("ncclDevKernel_AllGather_RING_LL", "communication"),
+    ("void at::native::reduce_kernel<512, 1, ...>", "reduce"),
+    ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise"),
+    ("some_unknown_kernel", "other")])
+def test_kernel_classes(name, cls):
+    assert kernel_class(name) == cls and cls in CLASSES
 
 
 @pytest.mark.parametrize("overrides, message", [

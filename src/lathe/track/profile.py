@@ -10,8 +10,8 @@ writes, for each listed step N (verl's step numbers: the first step is 1),
   phase of the step (`gen`, `reward`, `update_actor`, ... the `timing_s/*` names) is a range `timing/<phase>` in it;
 - `<save_path>/step_N/summary.json`: per phase, its wall seconds, the device seconds of the kernels launched during
   it (from any thread: the backward pass launches from autograd's; a CUDA graph replay counts all its kernels),
-  those seconds by kind (matmul, attention, other) and the top kernels; on a CPU run, the top operators by their
-  own host time.
+  those seconds by kind (matmul, attention, other) and by a finer class (`kernel_class`), and the top kernels; on
+  a CPU run, the top operators by their own host time.
 
 On one device the trainer process runs the whole step. With Ray workers (several devices, `LATHE_RAY=1`) each
 rank is profiled too, in its own process, for the same step: `<save_path>/step_N/<group>_rank<R>/` holds that
@@ -42,7 +42,8 @@ from lathe.track.memory_history import MemoryHistory, snapshot_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PHASE_PREFIX", "StepProfiler", "device_phases", "finish", "host_phases", "kernel_kind", "start"]
+__all__ = ["CLASSES", "PHASE_PREFIX", "StepProfiler", "device_phases", "finish", "host_phases", "kernel_class",
+           "kernel_kind", "start"]
 
 PHASE_PREFIX = "timing/"      # the profiler range of a timed phase: `timing/<phase>` (lathe.track.timer)
 TOP = 15                      # kernels (or host operators) listed per phase
@@ -57,6 +58,31 @@ def kernel_kind(name: str) -> str:
     if any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "_mm_", "mm_kernel", "sm90_")):
         return "matmul"
     return "other"
+
+
+CLASSES = ("matmul", "attention_fwd", "attention_bwd", "softmax_vocab", "fused_elementwise", "elementwise",
+           "reduce", "optimizer", "copy", "communication", "other")
+
+
+def kernel_class(name: str) -> str:
+    """A finer cut than `kernel_kind`, for an update's profile (issue 48's classes): matmul; attention forward or
+    backward; softmax / log-softmax / logsumexp kernels (the log-prob and entropy over the vocabulary); Inductor's
+    fused kernels (`triton_*`: norms, activations, RoPE of the compiled layers and the chunked log-prob math); eager
+    elementwise and reduction kernels; the optimizer's (multi-tensor / foreach / Adam); copies and fills; NCCL."""
+    low = name.lower()
+    kind = kernel_kind(name)
+    if kind == "attention":
+        return "attention_bwd" if any(s in low for s in ("bwd", "backward", "dq", "dkdv", "dk_dv")) else "attention_fwd"
+    if kind == "matmul":
+        return "matmul"
+    rules = (("communication", ("nccl",)),
+             ("optimizer", ("multi_tensor", "foreach", "adam", "lamb")),
+             ("softmax_vocab", ("softmax", "logsumexp", "log_prob", "logprob", "entropy", "cross_entropy")),
+             ("fused_elementwise", ("triton_",)),
+             ("copy", ("memcpy", "memset", "copy", "catarray", "fill", "index", "scatter", "gather")),
+             ("reduce", ("reduce",)),
+             ("elementwise", ("elementwise", "vectorized", "unrolled")))
+    return next((cls for cls, marks in rules if any(m in low for m in marks)), "other")
 
 
 def _descendants(event) -> Iterator:
@@ -140,11 +166,14 @@ def device_phases(trace: dict) -> dict[str, dict]:
     for name, tally in tallies.items():
         total = sum(s for s, _ in tally.values())
         kinds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+        classes = dict.fromkeys(CLASSES, 0.0)
         for kernel, (s, _) in tally.items():
             kinds[kernel_kind(kernel)] += s
+            classes[kernel_class(kernel)] += s
         wall = walls.get(name)
         out[name] = {"wall_s": wall, "device_s": total, "device_busy_fraction": total / wall if wall else None,
-                     "kinds": kinds, "top": _top(tally, "s"), "host_top": _top(host.get(name, {}), "self_s")}
+                     "kinds": kinds, "classes": classes, "top": _top(tally, "s"),
+                     "host_top": _top(host.get(name, {}), "self_s")}
     return out
 
 

@@ -196,15 +196,58 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
     return res
 
 
-def speed_of_light(shape: str, row: dict, args) -> dict:
-    """bench/roofline.py's bound per phase beside the phases measured in `row` (a `lathe_row`)."""
+def speed_of_light(shape: str, row: dict, args, device: str | None = None) -> dict:
+    """bench/roofline.py's bound per phase beside the phases measured in `row` (a `lathe_row`), on `device` (a
+    device's name; default: args.device's)."""
     from lathe.config.schema_rollout import RolloutConfig
     key = "actor_rollout_ref.rollout.max_num_seqs="
     max_seqs = next((int(e[len(key):]) for e in args.extra if e.startswith(key)), RolloutConfig().max_num_seqs)
-    return step_light(SHAPES[shape], device_name(torch.device(args.device)), prompts=args.prompts, n=args.n,
+    return step_light(SHAPES[shape], device or device_name(torch.device(args.device)), prompts=args.prompts, n=args.n,
                       prompt_len=args.prompt_len, response_len=args.response_len, measured=row.get("phases_s", {}),
-                      step_s=row.get("step_s"), checkpointing=LATHE_SETTINGS[shape]["checkpointing"], gpus=args.gpus,
+                      step_s=row.get("step_s"), checkpointing=recomputed(shape, row["command"].split()), gpus=args.gpus,
                       max_num_seqs=max_seqs, teacher=SHAPES[args.teacher] if args.teacher else None)
+
+
+def recomputed(shape: str, command: list[str]) -> float:
+    """The fraction of the decoder layers that a lathe run of `command` (its key=value words) recomputes: its last
+    `enable_gradient_checkpointing` and `gradient_checkpointing_layers`. (The bound once read the shape's setting in
+    LATHE_SETTINGS alone: a run that turned recomputation off by --extra got a bound that counted it.)"""
+    def last(key: str) -> str | None:
+        return next((w.split("=", 1)[1] for w in reversed(command) if w.startswith(f"actor_rollout_ref.model.{key}=")),
+                    None)
+    if (last("enable_gradient_checkpointing") or "false").lower() != "true":
+        return 0.0
+    layers, total = last("gradient_checkpointing_layers"), SHAPES[shape]["num_hidden_layers"]
+    return 1.0 if layers in (None, "null") else min(int(layers), total) / total
+
+
+def relight(path: Path, note: str) -> list[str]:
+    """Re-derive the speed of light of each lathe row in the result file `path` from its own measured phases and
+    workload (`speed_of_light` as this script now computes it) and write it back where it changed, keeping the old step
+    fraction and `note` (why) beside it. Returns what changed, one line a row."""
+    doc = json.loads(path.read_text())
+    if "workload" not in doc or "models" not in doc:
+        return []
+    args = argparse.Namespace(**{"extra": [], "teacher": None, "gpus": 1, **doc["workload"]})
+    changed = []
+    for shape, m in doc["models"].items():
+        row = m.get("lathe") if isinstance(m, dict) else None
+        if not row or "speed_of_light" not in row or shape not in SHAPES \
+                or ("teacher" in row.get("phases_s", {}) and not args.teacher):   # written before --teacher was kept
+            continue
+        new = speed_of_light(shape, row, args, device=doc["device"])
+        old = row["speed_of_light"]
+        if old["step"]["light_s"] is None or abs(new["step"]["light_s"] / old["step"]["light_s"] - 1) < 1e-3:
+            continue
+        row["speed_of_light"] = new
+        row["speed_of_light_rederived"] = {"note": note, "step_fraction_as_written": old["step"]["fraction"],
+                                           "step_light_s_as_written": old["step"]["light_s"]}
+        m["what"] = what(shape, m)
+        changed.append(f"{path.name} {shape}: step at {old['step']['fraction']:.1%} -> {new['step']['fraction']:.1%} "
+                       "of its speed of light")
+    if changed:
+        path.write_text(json.dumps(doc, indent=2))
+    return changed
 
 
 def what(shape: str, res: dict) -> str:
@@ -278,7 +321,17 @@ def main() -> None:
                    help="with --profile-step: Python frames too (global_profiler.with_stack; bench/trace_phases.py "
                         "then names what the host does in the decode steps that fall behind)")
     p.add_argument("--out", default=None)
+    p.add_argument("--relight", nargs="+", default=None, metavar="RESULT.json",
+                   help="run nothing: re-derive the speed of light of these result files from their measured phases "
+                        "(after a correction of the bound), with --relight-note saying why")
+    p.add_argument("--relight-note", default="")
     args = p.parse_args()
+    if args.relight:
+        if not args.relight_note:
+            p.error("--relight needs --relight-note: why the bound changed (it is written into each file)")
+        for f in args.relight:
+            print("\n".join(relight(Path(f), args.relight_note)) or f"{f}: unchanged")
+        return
     args.systems = args.systems.split(",")
     args.trl_skip = {s: "not run: TRL keeps fp32 weights, gradients and AdamW state (about 16 bytes per parameter) "
                         "plus a reference copy, which does not fit one GPU at 7B"

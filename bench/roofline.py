@@ -264,13 +264,14 @@ def log_prob_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int,
 
 
 def update_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, flops_per_s: float,
-                   checkpointing: bool = False) -> float:
+                   checkpointing: bool | float = False) -> float:
     """Forward + backward = 3 x the log-prob pass's forward FLOPs, plus with gradient checkpointing the decoder
-    layers' forward once more (lm_head not recomputed)."""
+    layers' forward once more (lm_head not recomputed); a float `checkpointing` is the fraction of the layers that
+    recompute (`gradient_checkpointing_layers` of all)."""
     lengths = [prompt_len + response_len] * seqs
     flops = 3 * forward_flops(shape, lengths, seqs * response_len)
     if checkpointing:
-        flops += forward_flops(shape, lengths, 0)
+        flops += float(checkpointing) * forward_flops(shape, lengths, 0)
     return flops / flops_per_s
 
 

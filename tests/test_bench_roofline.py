@@ -188,3 +188,36 @@ def test_e2e_cpu_smoke_writes_speed_of_light(tmp_path):
     for row in (sol["gen"], sol["update_actor"], sol["step"]):
         assert row["measured_s"] > 0 and row["light_s"] is None and row["fraction"] is None
     assert "speed-of-light" in model["what"]
+
+
+def _e2e():
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_e2e_bound_counts_the_runs_own_recomputation(tmp_path):
+    e2e = _e2e()
+    on = "actor_rollout_ref.model.enable_gradient_checkpointing="
+    assert e2e.recomputed("7b", ["x=1", on + "true"]) == 1.0
+    assert e2e.recomputed("7b", [on + "true", "actor_rollout_ref.model.gradient_checkpointing_layers=14"]) == 0.5
+    assert e2e.recomputed("7b", [on + "true", on + "false"]) == 0.0       # the last word wins, as in lathe's CLI
+    # a result written with the bound counting recomputation the run's command turned off: --relight re-derives it
+    workload = dict(prompts=4, n=2, prompt_len=16, response_len=8, extra=[on + "false"], gpus=1, teacher=None)
+    row = {"command": f"-m lathe train base {on}true {on}false", "step_s": 1.0,
+           "phases_s": {"gen": 0.3, "update_actor": 0.6}}
+    args = e2e.argparse.Namespace(**workload)
+    fixed = e2e.speed_of_light("0.5b", row, args, device="NVIDIA H200")
+    wrong = roofline.step_light(e2e.SHAPES["0.5b"], "NVIDIA H200", prompts=4, n=2, prompt_len=16, response_len=8,
+                                measured=row["phases_s"], step_s=1.0, checkpointing=True)
+    assert wrong["update_actor"]["light_s"] > fixed["update_actor"]["light_s"]
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"device": "NVIDIA H200", "workload": workload,
+                                "models": {"0.5b": {"lathe": {**row, "speed_of_light": wrong}}}}))
+    assert len(e2e.relight(path, "why")) == 1
+    lathe = json.loads(path.read_text())["models"]["0.5b"]["lathe"]
+    assert lathe["speed_of_light"]["update_actor"]["light_s"] == pytest.approx(fixed["update_actor"]["light_s"])
+    assert lathe["speed_of_light_rederived"] == {"note": "why", "step_fraction_as_written": wrong["step"]["fraction"],
+                                                 "step_light_s_as_written": wrong["step"]["light_s"]}
+    assert e2e.relight(path, "again") == []                                 # a right bound is left as it is

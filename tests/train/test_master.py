@@ -564,7 +564,8 @@ def test_the_accumulation_kernel_adds_as_pytorch_does(dtype, n):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_accumulation_kernel_on_cuda_equals_add():
     from lathe.train import accumulate
-    acc = torch.randn(3, 1000, 17, device="cuda")
-    grad = torch.randn(3, 1000, 17, device="cuda", dtype=torch.bfloat16)
+    acc = torch.randn(3, 1 << 19, 3, device="cuda")
+    grad = torch.randn(3, 1 << 19, 3, device="cuda", dtype=torch.bfloat16)
     assert accumulate.fused(acc, grad) and not accumulate.fused(acc.transpose(0, 2), grad.transpose(0, 2))
+    assert not accumulate.fused(acc[:1, :1000], grad[:1, :1000])                  # small: add_
     assert torch.equal(accumulate.accumulate_(acc.clone(), grad), acc.clone().add_(grad))

@@ -7,7 +7,11 @@ an element need (`bench/results/e2e_profile_1.5b_nvidia-h200.json`: `CUDAFunctor
 kernel loads and stores wide: one program per block of elements, the bf16 value widened to fp32 and added, the
 result rounded as PyTorch's (one fp32 add of the same two values: the bytes are equal).
 
-Anything else (CPU, strided tensors, other dtypes, no Triton) goes through `add_`.
+Over every parameter of a 1.5B model the kernel on every tensor lost to add_ (the host's launches of 338 tensors,
+most of them small, were the bound), so tensors under MIN_NUMEL elements keep `add_` (`bench/grad_accumulate.py`;
+in the 1.5B update the kernel on every tensor took 64 ms of device time against add_'s 109, and the update's wall
+time did not move: `e2e_profile_accumulate_1.5b_nvidia-h200.json`). Anything else (CPU, strided tensors, other
+dtypes, no Triton) goes through `add_` too.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ except ImportError:
     triton = None
 
 BLOCK = 4096
+MIN_NUMEL = 1 << 20     # smaller tensors: add_ (a Triton launch costs the host more than their add costs the device)
 
 if triton is not None:
     @triton.jit
@@ -33,8 +38,8 @@ if triton is not None:
 
 def fused(acc: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether `accumulate_` takes the kernel for these two tensors (CUDA, fp32 += bf16/fp16, same shape, both
-    contiguous)."""
-    return (triton is not None and acc.device.type == "cuda" and acc.device == grad.device
+    contiguous, at least MIN_NUMEL elements)."""
+    return (triton is not None and acc.device.type == "cuda" and acc.device == grad.device and acc.numel() >= MIN_NUMEL
             and acc.dtype == torch.float32 and grad.dtype in (torch.bfloat16, torch.float16)
             and acc.shape == grad.shape and acc.is_contiguous() and grad.is_contiguous())
 

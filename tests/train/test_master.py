@@ -544,28 +544,3 @@ def _optim_cfg():
     from lathe.config import load_config
     return load_config(None).actor_rollout_ref.actor.optim
 
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [1, 4095, 4096 * 2 + 7])
-def test_the_accumulation_kernel_adds_as_pytorch_does(dtype, n):
-    """lathe.train.accumulate's kernel (Triton's interpreter here; CUDA in training): fp32 += bf16/fp16 gives the
-    bytes of PyTorch's mixed-dtype add_, at sizes around its block."""
-    pytest.importorskip("triton")
-    from lathe.train import accumulate
-    g = torch.Generator().manual_seed(n)
-    acc = torch.randn(n, generator=g) * 3
-    grad = (torch.randn(n, generator=g) * 1e-3).to(dtype)
-    assert torch.equal(accumulate.launch(acc.clone(), grad), acc.clone().add_(grad))
-    # off CUDA, accumulate_ is add_ (the kernel takes only CUDA tensors: contiguous fp32 += bf16/fp16 of one shape)
-    assert not accumulate.fused(acc, grad) and torch.equal(accumulate.accumulate_(acc.clone(), grad), acc + grad.float())
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_accumulation_kernel_on_cuda_equals_add():
-    from lathe.train import accumulate
-    acc = torch.randn(3, 1 << 19, 3, device="cuda")
-    grad = torch.randn(3, 1 << 19, 3, device="cuda", dtype=torch.bfloat16)
-    assert accumulate.fused(acc, grad) and not accumulate.fused(acc.transpose(0, 2), grad.transpose(0, 2))
-    assert not accumulate.fused(acc[:1, :1000], grad[:1, :1000])                  # small: add_
-    assert torch.equal(accumulate.accumulate_(acc.clone(), grad), acc.clone().add_(grad))

@@ -38,7 +38,6 @@ from torch.optim.adam import adam
 
 from lathe.device import (current_stream, new_stream, pin_memory_available, record_event, stream_context, synchronize,
                           wait_event, wait_stream)
-from lathe.train.accumulate import accumulate_
 from lathe.train.precision import PrecisionPolicy
 
 CHUNK_NUMEL = 1 << 28     # elements a streamed optimizer step brings onto the device at once (two chunks in flight)
@@ -92,7 +91,7 @@ class MasterAdamW(torch.optim.Optimizer):
             if self.grads[i] is None:
                 self.grads[i] = grad.to(reduce_dtype)
             else:
-                accumulate_(self.grads[i], grad)          # fp32 += bf16 in one vectorized pass on CUDA
+                self.grads[i].add_(grad)
         return hook
 
     # -- the torch.optim.Optimizer interface -------------------------------------------------------------

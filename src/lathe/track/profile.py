@@ -66,8 +66,8 @@ CLASSES = ("matmul", "attention_fwd", "attention_bwd", "softmax_vocab", "fused_e
 
 def kernel_class(name: str) -> str:
     """A finer cut than `kernel_kind`, for an update's profile (issue 48's classes): matmul; attention forward or
-    backward; softmax / log-softmax / logsumexp kernels (the log-prob and entropy over the vocabulary); Inductor's
-    fused kernels (`triton_*`: norms, activations, RoPE of the compiled layers and the chunked log-prob math); eager
+    backward; softmax / log-softmax / logsumexp kernels (the log-prob and entropy over the vocabulary; Inductor's
+    that compute exp, amax or log); Inductor's other fused kernels (`triton_*`: norms, activations, RoPE); eager
     elementwise and reduction kernels; the optimizer's (multi-tensor / foreach / Adam); copies and fills; NCCL."""
     low = name.lower()
     kind = kernel_kind(name)
@@ -75,6 +75,8 @@ def kernel_class(name: str) -> str:
         return "attention_bwd" if any(s in low for s in ("bwd", "backward", "dq", "dkdv", "dk_dv")) else "attention_fwd"
     if kind == "matmul":
         return "matmul"
+    if low.startswith("triton_") and {"exp", "amax", "log", "logsumexp", "softmax"} & set(low.split("_")):
+        return "softmax_vocab"          # Inductor's fused log-softmax / entropy (its kernels are named by their ops)
     rules = (("communication", ("nccl",)),
              ("optimizer", ("multi_tensor", "foreach", "adam", "lamb")),
              ("softmax_vocab", ("softmax", "logsumexp", "log_prob", "logprob", "entropy", "cross_entropy")),

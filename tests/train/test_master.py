@@ -543,4 +543,3 @@ def test_master_adamw_cuts_a_big_tensor_and_holds_two_chunks_buffers_on_fake_str
 def _optim_cfg():
     from lathe.config import load_config
     return load_config(None).actor_rollout_ref.actor.optim
-

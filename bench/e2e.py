@@ -200,24 +200,27 @@ def speed_of_light(shape: str, row: dict, args, device: str | None = None) -> di
     """bench/roofline.py's bound per phase beside the phases measured in `row` (a `lathe_row`), on `device` (a
     device's name; default: args.device's)."""
     from lathe.config.schema_rollout import RolloutConfig
-    key = "actor_rollout_ref.rollout.max_num_seqs="
-    max_seqs = next((int(e[len(key):]) for e in args.extra if e.startswith(key)), RolloutConfig().max_num_seqs)
+    command = row["command"].split()
+    max_seqs = int(last_value(command, "actor_rollout_ref.rollout.max_num_seqs") or RolloutConfig().max_num_seqs)
     return step_light(SHAPES[shape], device or device_name(torch.device(args.device)), prompts=args.prompts, n=args.n,
                       prompt_len=args.prompt_len, response_len=args.response_len, measured=row.get("phases_s", {}),
-                      step_s=row.get("step_s"), checkpointing=recomputed(shape, row["command"].split()), gpus=args.gpus,
+                      step_s=row.get("step_s"), checkpointing=recomputed(shape, command), gpus=args.gpus,
                       max_num_seqs=max_seqs, teacher=SHAPES[args.teacher] if args.teacher else None)
+
+
+def last_value(command: list[str], key: str) -> str | None:
+    """The value of the last `key=value` word of a lathe `command` (the last one wins, as in lathe's CLI), or None."""
+    return next((w.split("=", 1)[1] for w in reversed(command) if w.startswith(f"{key}=")), None)
 
 
 def recomputed(shape: str, command: list[str]) -> float:
     """The fraction of the decoder layers that a lathe run of `command` (its key=value words) recomputes: its last
     `enable_gradient_checkpointing` and `gradient_checkpointing_layers`. (The bound once read the shape's setting in
     LATHE_SETTINGS alone: a run that turned recomputation off by --extra got a bound that counted it.)"""
-    def last(key: str) -> str | None:
-        return next((w.split("=", 1)[1] for w in reversed(command) if w.startswith(f"actor_rollout_ref.model.{key}=")),
-                    None)
-    if (last("enable_gradient_checkpointing") or "false").lower() != "true":
+    model = "actor_rollout_ref.model."
+    if (last_value(command, model + "enable_gradient_checkpointing") or "false").lower() != "true":
         return 0.0
-    layers, total = last("gradient_checkpointing_layers"), SHAPES[shape]["num_hidden_layers"]
+    layers, total = last_value(command, model + "gradient_checkpointing_layers"), SHAPES[shape]["num_hidden_layers"]
     return 1.0 if layers in (None, "null") else min(int(layers), total) / total
 
 

@@ -170,8 +170,9 @@ def device_phases(trace: dict) -> dict[str, dict]:
         kinds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
         classes = dict.fromkeys(CLASSES, 0.0)
         for kernel, (s, _) in tally.items():
-            kinds[kernel_kind(kernel)] += s
-            classes[kernel_class(kernel)] += s
+            cls = kernel_class(kernel)          # (a refinement of kernel_kind: the kind follows from the class)
+            classes[cls] += s
+            kinds["matmul" if cls == "matmul" else "attention" if cls.startswith("attention") else "other"] += s
         wall = walls.get(name)
         out[name] = {"wall_s": wall, "device_s": total, "device_busy_fraction": total / wall if wall else None,
                      "kinds": kinds, "classes": classes, "top": _top(tally, "s"),

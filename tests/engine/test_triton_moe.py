@@ -133,6 +133,27 @@ def test_the_probe_never_chooses_a_fused_path_that_computes_another_sum(moe, mon
     assert moe.choose_moe_backend(block, 4) == ("experts_forward", {"experts_forward": 2.0})
 
 
+def test_a_gpt_oss_probe_never_takes_the_choice_remembered_for_a_plain_layer_of_its_shape(moe, monkeypatch):
+    """The probe's remembered choice is keyed by the experts' variant as well as their shape: GPT-OSS's (biases, a
+    clamped SwiGLU) and a Qwen3-MoE layer's of the same size (4 experts of 32 x 16, top-2) run other kernels. (On an
+    H200 the tiny GPT-OSS took the tiny Qwen3-MoE's remembered choice, 2026-12-02.)"""
+    from lathe.models.config import MoeConfig
+    from lathe.models.gpt_oss import GptOssMoeBlock
+    from lathe.models.moe import SparseMoeBlock
+
+    class Cfg:
+        hidden_size = 32
+        moe = MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+
+    keys = []
+    monkeypatch.setattr(moe, "usable", lambda device, dtype: True)
+    monkeypatch.setattr(moe.choices, "key", lambda probe, device: probe)
+    monkeypatch.setattr(moe, "pick_fastest", lambda candidates, time_one, what, remember: keys.append(remember))
+    moe.choose_moe_backend(SparseMoeBlock(Cfg()), 4)
+    moe.choose_moe_backend(GptOssMoeBlock(gpt_oss_cfg(4, 32, 16, 0.5)), 4)
+    assert len(keys) == 2 and keys[0] != keys[1] and "clamped SwiGLU" in keys[1], keys
+
+
 def test_sparse_block_uses_the_hook_and_routing_is_recorded_first(moe):
     """A block with `decode_experts` set computes its experts there, after the router (replay's recording is the
     router's): the same output as without."""
@@ -257,6 +278,8 @@ def test_cuda_engine_decodes_with_the_fused_experts_in_graphs(tmp_path, monkeypa
     from .conftest import PROMPTS
     from .test_llm_engine import _teacher_forced
 
+    # (a probe measures both candidates only where no choice is remembered for its key: this test's own cache)
+    monkeypatch.setenv("LATHE_CACHE_DIR", str(tmp_path / "cache"))
     if family == MOE:
         path, _ = save_hf(tmp_path, MOE)
     else:

@@ -74,9 +74,10 @@ def test_engine_on_cuda_equals_the_teacher_forced_forward(tmp_path, backend):
     gpt_oss_model(seed=2).save_pretrained(tmp_path / "ckpt")
     model = load_lathe_model(tmp_path / "ckpt", torch.bfloat16, device=CUDA).eval()
     engine = LatheEngine(model, eos_token_id=None, block_size=16, num_kv_blocks=64, decode_backend=backend)
-    assert engine.runner.decode_backend == backend and engine.runner.graphs is None     # no decode graphs yet
+    assert engine.runner.decode_backend == backend and engine.runner.graphs is not None    # decode steps in graphs
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 8]]
     out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10))
+    assert engine.runner.graphs.captures > 0
     ref = load_lathe_model(tmp_path / "ckpt").eval()
     for prompt, ids, lps in zip(prompts, out.token_ids, out.logprobs):
         with torch.no_grad():

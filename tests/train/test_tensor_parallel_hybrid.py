@@ -95,9 +95,10 @@ def test_a_group_of_two_equals_one_process(runs, batch, family):
     for rank, got in enumerate(ranks):
         got = got[family][batch]
         # (the decay gate and the zero-centred norms compute in float32 on both sides, and the group's sums reorder
-        # their rounding: the q/k norms' gradients come out ~1.5e-7 apart, and other head layouts' logits ~1e-8)
+        # their rounding: the q/k norms' gradients come out ~1.5e-7 apart, other head layouts' logits ~1e-8, and
+        # Qwen3-Next's packed loss, one scalar over all of them, 1.9e-7 on one 2-core run)
         assert_close_rel(got["logits"], want["logits"], 1e-7, name=f"rank {rank}'s {batch} logits")
-        assert_close_rel(got["loss"], want["loss"], 1e-7, name=f"rank {rank}'s {batch} loss")
+        assert_close_rel(got["loss"], want["loss"], 1e-6, name=f"rank {rank}'s {batch} loss")
         assert_close_rel(got["grads"], want["grads"], 1e-6, name=f"rank {rank}'s {batch} gradients")
     linear, full = "model.layers.0.linear_attn.", "model.layers.1.self_attn."
     projections = (("in_proj_qkvz.weight", "in_proj_ba.weight") if family == "qwen3_next" else

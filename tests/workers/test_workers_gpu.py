@@ -63,14 +63,14 @@ def test_offloaded_reference_and_optimizer_give_the_same_numbers(load_cfg, rollo
     off = _cuda_worker(load_cfg, *EAGER, "actor_rollout_ref.ref.fsdp_config.param_offload=true",
                        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
                        "actor_rollout_ref.actor.fsdp_config.param_offload=true")
-    assert all(p.device.type == "cpu" and p.is_pinned() for p in off.ref.parameters()), "ref waits in host memory"
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in off.ref.model.parameters()), "ref waits in host memory"
     batch = worker_ppo_batch(plain, rollout_batch)
     assert torch.equal(off.compute_ref_log_prob(batch)["ref_log_prob"], batch["ref_log_prob"])
     plain.update_actor(batch)
     off.update_actor(batch)
     plain.sync_weights()
     off.sync_weights()
-    moments = off.optimizer.state[off.optimizer.param_groups[0]["params"][0]]
+    moments = off.actor.optimizer.state[off.actor.optimizer.param_groups[0]["params"][0]]
     assert moments["exp_avg"].device.type == "cpu"
     assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), off.model.parameters()))
     assert torch.equal(off.generate_sequences(_prompts(), GREEDY)["responses"],

@@ -369,7 +369,10 @@ def choose_moe_backend(model: nn.Module, max_rows: int) -> tuple[str | None, dic
         if not err <= PROBE_AGREEMENT:
             raise RuntimeError(f"its outputs differ from experts_forward's by {err:.3g} (norm-relative, more than "
                                f"{PROBE_AGREEMENT})")
-    shape = f"{gate_up.dtype}, {e} experts of {h}x{down.shape[2]}, top-{k}"
+    # (the variant is part of the key: GPT-OSS's experts, with biases and a clamped SwiGLU, run other kernels than a
+    # Qwen3-MoE's of the same shape, and must not take the choice measured on those)
+    variant = "".join((", biases" if biases is not None else "", ", clamped SwiGLU" if clamp is not None else ""))
+    shape = f"{gate_up.dtype}, {e} experts of {h}x{down.shape[2]}, top-{k}{variant}"
     measured = f"MoE experts at decode ({shape}, {min(PROBE_ROWS, max_rows)} rows, tuned to {max_rows})"
     with torch.inference_mode():
         return pick_fastest(MOE_CANDIDATES, time_one, f"MoE experts at decode on {gate_up.device} ({shape})",

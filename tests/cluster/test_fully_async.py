@@ -178,6 +178,25 @@ def test_off_policy_streams_within_its_staleness_bound_and_resumes_without_losin
     assert all(trained.count(u) == 4 for u in set(trained)), "a prompt's group (n=4) trained twice or in part"
 
 
+def test_on_policy_lora_with_dynamic_sampling_on_a_sharded_trainer_is_the_synchronous_loop(tmp_path):
+    """LoRA and DAPO's dynamic sampling together over Ray (tests/loop/test_async_{lora,dapo}.py run each in process,
+    on an unsharded trainer): 2 FSDP2 trainer ranks gather and merge the adapted layers and send only those over the
+    weight sync to the replica's process, and the Rollouter issues dynamic sampling's extra rounds; on-policy the
+    same updates, rounds and samples as the synchronous loop in one process."""
+    from loop.test_async_dapo import DAPO
+    from loop.test_async_inprocess import ON_POLICY as ONE_REQUEST, assert_same_steps
+    from loop.test_async_inprocess import train as fast_train
+    from loop.test_async_lora import LORA
+    sync = fast_train(tmp_path / "sync", *LORA, *DAPO)
+    on_policy = fast_train(tmp_path / "async", *LORA, *DAPO, *ONE_REQUEST, "trainer.n_gpus_per_node=2",
+                           "ray_kwargs.ray_init.num_cpus=4")     # (three one-slot workers of the shared cluster)
+    assert_same_steps(sync, on_policy, keys=(*COMPARED, "train/num_gen_batches"))
+    assert max(row["train/num_gen_batches"] for row in on_policy) > 1, "no extra round: dynamic sampling not shown"
+    for row in on_policy:
+        assert row["fully_async/rollout_probs_diff_current_max"] < 1e-4, row      # the replica holds the update
+        assert 0 < row["fully_async/sync/fraction_of_full"] < 0.5, row             # the adapted layers only
+
+
 def test_the_reward_rises_as_in_the_synchronous_loop(tmp_path, monkeypatch):
     """The fully_async preset (staleness 0.5, a sync every 2 updates, partial rollout) on the built-in task (within 30
     steps: the run stops once its last 10 steps show the rise, tests/helpers.py stop_once_risen)."""

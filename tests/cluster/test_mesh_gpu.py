@@ -230,6 +230,21 @@ def fully_async(root, device: str) -> None:
         assert b["fully_async/rollout_probs_diff_current_max"] == b["training/rollout_probs_diff_max"]
 
 
+def fully_async_lora(root, device: str) -> None:
+    """`fully_async` with LoRA adapters (`lora_tensor_parallel`'s): each sync sends the adapted layers' merged
+    weights only, over the checkpoint engine (NCCL between the two GPUs), and the replica loads them over its base
+    model; against the synchronous LoRA loop on one device (its CPU twin, on 2 sharded trainer ranks with DAPO's
+    dynamic sampling: tests/cluster/test_fully_async.py)."""
+    lora = tuple(o for o in LORA if any(f".{key}=" in o for key in LORA_KEYS))
+    sync = train(root / "sync", f"trainer.device={device}", STEPS, *lora)
+    on_policy = train(root / "async", f"trainer.device={device}", STEPS, *lora, *POOLS, *ON_POLICY)
+    assert on_policy[0]["critic/score/mean"] == sync[0]["critic/score/mean"]
+    assert_near(sync[0], on_policy[0], ("actor/pg_loss", "actor/grad_norm"))
+    assert_synced(sync, on_policy)
+    for b in on_policy:
+        assert b["fully_async/staleness/max"] == 0 and 0 < b["fully_async/sync/fraction_of_full"] < 0.5, shown({}, b)
+
+
 def fully_async_data_parallel(root, device: str) -> None:
     """Fully async on-policy (`fully_async`'s keys) with a rollout pool of 2 devices that form one engine of
     data-parallel attention (`data_parallel_attention`'s tiny Qwen3-MoE: each replica its own requests and 2 of the 4
@@ -260,7 +275,7 @@ def fully_async_data_parallel(root, device: str) -> None:
 
 CASES = {f.__name__: f for f in (tensor_parallel, ulysses, expert_parallel, moe_plain_fsdp, lora_tensor_parallel,
                                  hybrid_tensor_parallel, rollout_replica, data_parallel_attention, data_parallel_auto,
-                                 fully_async)}
+                                 fully_async, fully_async_lora)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

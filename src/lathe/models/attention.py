@@ -15,10 +15,12 @@ Backends for packed batches:
 
 Per-layer options (GPT-OSS): a layer may hand its attention `sinks` (Hq,), a learned logit per head that joins each
 query's softmax denominator (its probability mass goes to no value), and `window`, a sliding window (a query sees
-itself and the window - 1 tokens before it). The callables that implement them say so (`layer_options`); they run
-them as one explicit softmax per sequence (`sink_attention`, in query slices of bounded size, each recomputed in
-backward), on any backend: correct, not fused (the flash kernel is not used for these layers: more time and traffic
-than flash attention, which has no sinks here).
+itself and the window - 1 tokens before it). The callables that implement them say so (`layer_options`). Packed
+batches on the "varlen" backend run them on the flash kernel (`lathe.models.sink_flash`: the window as flash
+attention's local window, the sinks folded into its output and log-sum-exp, the backward flash attention's own),
+where a check of that head layout against the explicit form passes on the device; elsewhere (padded batches, the
+"sdpa" backend, a layout that fails its check) they run as one explicit softmax per sequence (`sink_attention`, in
+query slices of bounded size, each recomputed in backward): correct, not fused.
 """
 
 from __future__ import annotations
@@ -180,10 +182,25 @@ class PackedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None,
                  window: int | None = None) -> torch.Tensor:
         if sinks is not None or window is not None:
+            if self.backend == "varlen":
+                return self._flash_with_options(q, k, v, sinks, window)
             return self._explicit(q, k, v, sinks, window)
         if self.backend == "varlen":
             return self._varlen(q, k, v)
         return self._sdpa(q, k, v)
+
+    @torch.compiler.disable     # (its one-time check and the custom backward run eagerly, as `_explicit` does)
+    def _flash_with_options(self, q, k, v, sinks, window) -> torch.Tensor:
+        """Sinks and a window on the flash kernel (`lathe.models.sink_flash`) where its check at this head layout
+        passed on this device, else the explicit softmax."""
+        from lathe.models.sink_flash import flash_sink_attention, flash_sinks_agree
+        if q.shape[1] != k.shape[1] and not varlen_takes_gqa(q.device.index, q.dtype):
+            groups = q.shape[1] // k.shape[1]
+            k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+        if not flash_sinks_agree(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2], window,
+                                 sinks is not None):
+            return self._explicit(q, k, v, sinks, window)
+        return flash_sink_attention(q, k, v, sinks, self.cu_seqlens.to(torch.int32), self.max_seqlen, window)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._bounds is None:   # one host sync per forward, shared by all layers

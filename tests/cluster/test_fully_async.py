@@ -197,6 +197,19 @@ def test_on_policy_lora_with_dynamic_sampling_on_a_sharded_trainer_is_the_synchr
         assert 0 < row["fully_async/sync/fraction_of_full"] < 0.5, row             # the adapted layers only
 
 
+def test_on_policy_remax_over_ray_is_the_synchronous_loop(tmp_path):
+    """ReMax over Ray (tests/loop/test_async_remax.py runs it in process): each request's greedy twin is generated on
+    the replica in its own process beside the samples, and its reward is the baseline; on-policy the synchronous
+    loop's advantages and updates."""
+    from loop.test_async_inprocess import ON_POLICY as ONE_REQUEST, assert_same_steps
+    from loop.test_async_inprocess import train as fast_train
+    remax = ["algorithm.adv_estimator=remax"]
+    sync = fast_train(tmp_path / "sync", *remax)
+    on_policy = fast_train(tmp_path / "async", *remax, *ONE_REQUEST, "data.gen_batch_size=2")
+    assert_same_steps(sync, on_policy, keys=(*COMPARED, "critic/advantages/mean", "critic/advantages/max"))
+    assert any(abs(r["critic/advantages/mean"]) > 1e-3 for r in sync), "precondition: the baselines are not the mean"
+
+
 def test_the_reward_rises_as_in_the_synchronous_loop(tmp_path, monkeypatch):
     """The fully_async preset (staleness 0.5, a sync every 2 updates, partial rollout) on the built-in task (within 30
     steps: the run stops once its last 10 steps show the rise, tests/helpers.py stop_once_risen)."""

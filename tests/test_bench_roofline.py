@@ -52,7 +52,8 @@ def test_the_bench_shapes_count_what_lathe_builds():
     import common
     from lathe.models.config import LatheConfig
     from lathe.models.decoder import LatheCausalLM
-    for name, rel in (("14b", 0), ("30b-a3b", 0), ("tiny-moe", 0), ("gpt-oss-20b", 1e-3),   # GPT-OSS: biases out
+    # (GPT-OSS: its biases are not counted, 1e-3)
+    for name, rel in (("14b", 0), ("30b-a3b", 0), ("tiny-moe", 0), ("gpt-oss-20b", 1e-3), ("gpt-oss-20b-8l", 1e-3),
                       ("qwen3.5-2b", 0), ("qwen3.5-35b-a3b", 0), ("qwen3.5-35b-a3b-12l", 0), ("tiny-qwen3.5", 0)):
         with torch.device("meta"):
             model = LatheCausalLM(LatheConfig.from_hf_dict(common.hf_config(name), source=name))

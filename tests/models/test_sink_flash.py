@@ -39,7 +39,7 @@ def reference_core_backward(dout, q, k, v, out, lse, cu, max_len, window, scale,
     groups = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     bounds = cu.tolist()
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for start, end in zip(bounds[:-1], bounds[1:]):
         qs, do, o = (x[start:end].transpose(0, 1).double() for x in (q, dout, out))
         ks, vs = (x[start:end].transpose(0, 1).double().repeat_interleave(groups, 0) for x in (k, v))
         pos = torch.arange(end - start, device=q.device)

@@ -1,6 +1,7 @@
 """lathe.train.ulysses with the hybrid families (Qwen3.5, Qwen3-Next: gated-DeltaNet linear attention beside gated
-full attention): a packed forward over 2 ranks (gloo, float64) gives the one-process logits, loss and parameter
-gradients (the group's gradients summed, as FSDP2's reduce-scatter sums them); the checks on the heads."""
+full attention) and GPT-OSS (a sink per query head, sliding-window layers): a packed forward over 2 ranks (gloo,
+float64) gives the one-process logits, loss and parameter gradients (the group's gradients summed, as FSDP2's
+reduce-scatter sums them); the checks on the heads."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from lathe.train.ulysses import check_model, local_slice, padded_length
 from models.lathe_tiny import VOCAB, hf_model
 
 S, JOIN_S = 2, 120
-FAMILIES = ("qwen3_5_text", "qwen3_next")     # split projections; fused ones with MoE layers
+FAMILIES = ("qwen3_5_text", "qwen3_next", "gpt_oss")   # split projections; fused ones with MoE layers; sinks
 LENGTHS = [5, 1, 9, 4]                         # 19 tokens: padded to 20 over 2 ranks
 KEY = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
 
@@ -77,7 +78,9 @@ def rank_main(rank: int, port: int, root: str, queue) -> None:
 def family_runs(root: Path, families, one_process, rank_main, world: int, preload: list[str]):
     """(one-process results, each rank's) by family: each family's tiny float64 model saved in `root`/models.pt, run
     by `one_process` here and by `rank_main` (a `gloo_rank` body that saves its results) on `world` ranks."""
-    models = {f: lathe_from_transformers(hf_model(f, seed=3)).double().train() for f in families}
+    from models.gpt_oss_tiny import gpt_oss_model
+    models = {f: lathe_from_transformers(gpt_oss_model(seed=3) if f == "gpt_oss" else hf_model(f, seed=3))
+              .double().train() for f in families}
     torch.save(models, root / "models.pt")
     want = {f: one_process(m) for f, m in models.items()}
     return want, spawn_saving_ranks(rank_main, world, root, preload, JOIN_S)
@@ -99,6 +102,10 @@ def test_two_ranks_equal_one_process(runs, family):
         assert_close_rel(got["loss"], want["loss"], 1e-10, name=f"{family} loss")
         # (the decay gate is computed in float32 on both sides; summing the group's parts reorders its rounding)
         assert_close_rel(got["grads"], want["grads"], 1e-7, name=f"{family} gradients")
+    if family == "gpt_oss":          # (each rank computes its heads' sinks: the group's sum is every sink's gradient)
+        for layer in (0, 1):
+            assert want["grads"][f"model.layers.{layer}.self_attn.sinks"].abs().min() > 0
+        return
     for name in ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "in_proj_qkv.weight" if family == "qwen3_5_text"
                  else "in_proj_qkvz.weight"):
         assert want["grads"][f"model.layers.0.linear_attn.{name}"].abs().sum() > 0

@@ -102,8 +102,8 @@ def refuse_layer_options(attn, options: dict) -> None:
     if options and not getattr(attn, "layer_options", False):
         names = " and ".join(f"{k}={'(learned)' if k == 'sinks' else v}" for k, v in options.items())
         raise ValueError(f"{type(attn).__name__} does not implement attention sinks or sliding windows (this "
-                         f"model's layers need {names}: GPT-OSS). lathe runs these layers on its packed, padded and "
-                         "engine attentions only (no Ulysses sequence parallelism, no prefix-grouped forward). Fix: "
+                         f"model's layers need {names}: GPT-OSS). lathe runs these layers on its packed, padded, "
+                         "Ulysses and engine attentions only (no prefix-grouped forward). Fix: "
                          "turn the feature that built this attention off for this model")
 
 

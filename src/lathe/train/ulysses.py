@@ -133,9 +133,6 @@ def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_con
         raise ValueError(f"{key}={size}: the model's {heads} query heads and {kv} key/value heads are split over the "
                          f"{size} ranks of a group, so {size} must divide {heads} and divide {kv} or be a multiple "
                          f"of it. Fix: set {key} to such a size, e.g. {_fitting(heads, kv)}.")
-    if getattr(c, "sinks_or_windows", False):
-        raise ValueError(f"{key}={size}: {c.architecture} has attention sinks / sliding-window layers (GPT-OSS), which "
-                         f"lathe's Ulysses attention does not split over devices yet. Fix: set {key}=1.")
     if c.rope.rope_type == "dynamic":
         raise ValueError(f"{key}={size}: dynamic NTK RoPE scales the frequencies by the longest position of a "
                          f"forward, which each rank of a group sees only a slice of. Fix: set {key}=1.")
@@ -249,11 +246,20 @@ class UlyssesAttention:
     sp: SequenceParallel
     rotates: ClassVar[bool] = False       # takes q and k rotated
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @property
+    def layer_options(self) -> bool:
+        """GPT-OSS's sinks and windows (`lathe.models.attention`), where the inner attention takes them."""
+        return getattr(self.inner, "layer_options", False)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
         size = self.sp.size
         if k.shape[1] < size:             # fewer key/value heads than ranks: each repeated (check_model)
             k, v = (x.repeat_interleave(size // x.shape[1], dim=1) for x in (k, v))
-        return self.to_tokens(self.inner(*(self.to_heads(x) for x in (q, k, v))))
+        if options.get("sinks") is not None:    # a sink per query head: this rank's heads' (`to_heads`)
+            share = q.shape[1] // size
+            options["sinks"] = options["sinks"][self.sp.rank * share:(self.sp.rank + 1) * share]
+        # (a window is by position within a sequence: after the exchange each rank holds every token of its heads)
+        return self.to_tokens(self.inner(*(self.to_heads(x) for x in (q, k, v)), **options))
 
     @torch.compiler.disable
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:

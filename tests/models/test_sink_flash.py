@@ -118,6 +118,23 @@ def test_packed_attention_takes_the_flash_path_only_where_its_check_passed(monke
             assert_close_rel(a, b, 1e-5)
 
 
+def test_the_one_time_check_passes_a_right_kernel_and_catches_a_window_one_key_wide():
+    """`check_errors` (what `flash_sinks_agree` runs on a GPU) on the CPU with the reference core in bfloat16: within
+    AGREEMENT at GPT-OSS's window and none; a core whose window is one key wider fails it, even asked at 128."""
+    def wide(q, k, v, cu, max_len, window, scale):
+        return reference_core(q, k, v, cu, max_len, window + 1, scale)
+
+    def wide_backward(dout, q, k, v, out, lse, cu, max_len, window, scale, state):
+        return reference_core_backward(dout, q, k, v, out, lse, cu, max_len, window + 1, scale, state)
+
+    right = dict(core=reference_core, core_backward=reference_core_backward)
+    for window in (None, 128):
+        errs = sink_flash.check_errors("cpu", torch.bfloat16, 4, 2, 16, window, True, **right)
+        assert max(errs.values()) <= sink_flash.AGREEMENT, errs
+    errs = sink_flash.check_errors("cpu", torch.bfloat16, 4, 2, 16, 128, True, core=wide, core_backward=wide_backward)
+    assert errs["output"] > sink_flash.AGREEMENT, errs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 128, 3])
 def test_flash_kernel_passes_its_check_at_gpt_oss_20bs_layout_and_matches_the_explicit_form(window):

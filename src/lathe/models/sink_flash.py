@@ -88,45 +88,48 @@ def flash_sink_attention(q, k, v, sinks, cu_seqlens, max_len, window, scale=None
 @functools.cache
 def flash_sinks_agree(device_index: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                       window: int | None, sinks: bool) -> bool:
-    """Whether `flash_sink_attention` on this CUDA device gives `sink_attention`'s output and gradients (q, k, v,
-    sinks) within AGREEMENT on a packed batch of three sequences (one longer than the window), at this head layout;
-    checked once. False (with one warning) where it does not, or where the flash ops raise. A window is checked at
-    4 tokens, whatever its size: the kernel treats every size alike, and at 4 a window one key too wide or too narrow
-    moves each row by a quarter of its weight (at GPT-OSS's 128, by less than the tolerance)."""
-    from lathe.models.attention import sink_attention, window_mask
+    """Whether `flash_sink_attention` on this CUDA device gives `sink_attention`'s output and gradients at this head
+    layout (`check_errors`), checked once; False (with one warning) where it does not, or where the flash ops raise."""
     device = torch.device("cuda", device_index)
-    lengths = (37, 5, 150)
-    window = None if window is None else min(window, 4)
     try:
-        with torch.inference_mode(False), torch.enable_grad():       # (the first caller may be the engine's prefill)
-            g = torch.Generator(device=device).manual_seed(0)
-            total = sum(lengths)
-            q, k, v = (torch.randn(total, h, head_dim, device=device, generator=g).to(dtype)
-                       for h in (heads, kv_heads, kv_heads))
-            s = (torch.randn(heads, device=device, generator=g) * 2).to(dtype) if sinks else None
-            grad = torch.randn(total, heads, head_dim, device=device, generator=g).to(dtype)
-            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-            leaves = [x.detach().requires_grad_() for x in (q, k, v, *([s] if sinks else []))]
-            out = flash_sink_attention(*leaves[:3], leaves[3] if sinks else None, cu, max(lengths), window)
-            got = [out, *torch.autograd.grad(out, leaves, grad)]
-            ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
-            outs = []
-            for start, end in zip(cu.tolist()[:-1], cu.tolist()[1:]):
-                qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in ref_leaves[:3])
-                pos = torch.arange(end - start, device=device)
-                outs.append(sink_attention(qs, ks, vs, window_mask(pos, pos, window),
-                                           ref_leaves[3] if sinks else None)[0].transpose(0, 1))
-            ref = torch.cat(outs, 0)
-            want = [ref, *torch.autograd.grad(ref, ref_leaves, grad.float())]
+        errs = check_errors(device, dtype, heads, kv_heads, head_dim, window, sinks)
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
         log.warning("attention with sinks/windows: the flash kernel failed its check on %s (%s: %s); these layers "
                     "run the explicit softmax", device, type(e).__name__, e)
         return False
-    names = ("output", "dq", "dk", "dv", "dsinks")
-    errs = {n: float((a.float() - b).norm() / b.norm().clamp_min(1e-12)) for n, a, b in zip(names, got, want)}
     if all(e <= AGREEMENT for e in errs.values()):
         return True
     log.warning("attention with sinks/windows: the flash kernel disagrees with the explicit softmax on %s at %d/%d "
                 "heads of %d, window %s (norm-relative %s); these layers run the explicit softmax", device, heads,
                 kv_heads, head_dim, window, ", ".join(f"{n} {e:.3g}" for n, e in errs.items()))
     return False
+
+
+def check_errors(device, dtype, heads: int, kv_heads: int, head_dim: int, window: int | None, sinks: bool, *,
+                 core=None, core_backward=None) -> dict[str, float]:
+    """Norm-relative errors of `flash_sink_attention` (output, dq, dk, dv, dsinks) against the explicit float32 form
+    on a packed batch of three sequences (one longer than the window). A window is checked at 4 tokens, whatever its
+    size: the kernel treats every size alike, and at 4 a window one key too wide or too narrow moves each row by a
+    quarter of its weight (at GPT-OSS's 128, by less than the tolerance)."""
+    from lathe.models.attention import PackedAttention
+    lengths = (37, 5, 150)
+    window = None if window is None else min(window, 4)
+    with torch.inference_mode(False), torch.enable_grad():       # (the first caller may be the engine's prefill)
+        g = torch.Generator(device=device).manual_seed(0)
+        total = sum(lengths)
+        q, k, v = (torch.randn(total, h, head_dim, device=device, generator=g).to(dtype)
+                   for h in (heads, kv_heads, kv_heads))
+        s = (torch.randn(heads, device=device, generator=g) * 2).to(dtype) if sinks else None
+        grad = torch.randn(total, heads, head_dim, device=device, generator=g).to(dtype)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, *([s] if sinks else []))]
+        out = flash_sink_attention(*leaves[:3], leaves[3] if sinks else None, cu, max(lengths), window, core=core,
+                                   core_backward=core_backward)
+        got = [out, *torch.autograd.grad(out, leaves, grad)]
+        ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
+        explicit = PackedAttention(cu, max(lengths), backend="sdpa")     # the per-sequence explicit softmax
+        ref = explicit(*ref_leaves[:3], sinks=ref_leaves[3] if sinks else None, window=window)
+        want = [ref, *torch.autograd.grad(ref, ref_leaves, grad.float())]
+    names = ("output", "dq", "dk", "dv", "dsinks")
+    return {n: float((a.detach().float() - b.detach()).norm() / b.detach().norm().clamp_min(1e-12))
+            for n, a, b in zip(names, got, want)}

@@ -44,6 +44,11 @@ def test_bad_sizes_and_combinations_are_refused_up_front_naming_the_key():
     run = run_plan(load(f"{EP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2",
                         "actor_rollout_ref.model.use_remove_padding=true"))
     assert run.mesh("actor") == MeshPlan(1, 4, 1, 2) and run.actor.data_parallel_size == 2
+    # beside TP: a multiple of it that the shard group takes whole groups of, or refused naming the sizes that fit
+    text = fails(f"{EP['actor']}=3", f"{A}.fsdp_config.tensor_parallel_size=2", devices=8)
+    assert f"{EP['actor']}=3 with {A}.fsdp_config.tensor_parallel_size=2" in text and "expert tensor parall" in text
+    text = fails(f"{EP['actor']}=6", f"{A}.fsdp_config.tensor_parallel_size=2", devices=8)
+    assert f"`{EP['actor']}`=6 over tensor-parallel groups of 2" in text and "one of [2, 4, 8]" in text
     assert "expert parallelism for the reward model" in fails("reward_model.model.fsdp_config.expert_parallel_size=2",
                                                               "reward_model.enable=true")
 
@@ -67,7 +72,7 @@ def test_weights_kept_gathered_with_offloaded_weights_are_refused():
                                     "megatron.override_transformer_config.tensor_model_parallel_size"])
 def test_megatron_tp_beside_ep_becomes_fsdp_sharding_with_one_notice(tp_key):
     """Megatron cuts the dense layers over TP and the experts over DP x TP: lathe shards the dense layers with FSDP over
-    those devices instead (no TP x EP in one model); TP without EP stays TP, and lathe's own TP key stays refused."""
+    those devices instead; TP without EP stays TP, and lathe's own TP key keeps TP x EP (EP a multiple of TP)."""
     import warnings
     roles = (A, REF)
     ep = [f"+{role}.megatron.expert_model_parallel_size=4" for role in roles]
@@ -80,8 +85,10 @@ def test_megatron_tp_beside_ep_becomes_fsdp_sharding_with_one_notice(tp_key):
     notices = [line for w in caught for line in str(w.message).splitlines() if "beside expert parallelism" in line]
     assert len(notices) == 1 and f"{A}: TP 2 beside EP 4" in notices[0] and f"{REF}: TP 2 beside EP 4" in notices[0]
     assert run_plan(load(f"+{A}.{tp_key}=2", devices=8)).mesh("actor").tp == 2        # no EP: TP as before
-    text = fails(*ep[:1], f"{A}.fsdp_config.tensor_parallel_size=2", devices=8)
-    assert f"{EP['actor']}=4 with {A}.fsdp_config.tensor_parallel_size=2" in text
+    assert "set lathe's fsdp_config.tensor_parallel_size" in notices[0]
+    run = run_plan(load(*ep[:1], f"{A}.fsdp_config.tensor_parallel_size=2", devices=8))
+    assert run.mesh("actor") == MeshPlan(1, 4, 2, 4) and run.actor.data_parallel_size == 4
+    assert run.mesh("actor").describe() == "FSDP: 4-way shards x TP 2, EP 4 (over 2 tensor-parallel groups)"
 
 
 def test_megatron_lora_beside_ep_loads_with_one_notice_that_the_routed_experts_stay_frozen():

@@ -197,7 +197,7 @@ def test_models_that_cannot_be_cut_are_refused(changes, needle):
         check_model(torch.nn.Linear(2, 2), 2, "k")
 
 
-def test_mixture_of_experts_models_are_refused_without_expert_parallelism_of_the_same_size():
+def test_mixture_of_experts_models_are_refused_without_expert_parallelism_a_multiple_of_the_size():
     from models.lathe_tiny import MOE, hf_config
 
     from lathe.models.config import LatheConfig
@@ -205,11 +205,12 @@ def test_mixture_of_experts_models_are_refused_without_expert_parallelism_of_the
     model = LatheCausalLM(LatheConfig.from_hf_dict(hf_config(MOE).to_dict()))
     key = "actor_rollout_ref.actor.fsdp_config.tensor_parallel_size"
     ep_key = "actor_rollout_ref.actor.fsdp_config.expert_parallel_size"
-    for ep in (1, 4):
-        with pytest.raises(ValueError, match=rf"mixture-of-experts layers .*\({ep_key}={ep}\)\. Fix: set {ep_key}=2, "
-                                             rf"or {key}=1"):
+    for ep in (1, 3):
+        with pytest.raises(ValueError, match=rf"mixture-of-experts layers .*\({ep_key}={ep}\)\. Fix: set {ep_key}=2 "
+                                             rf"\(or a multiple\), or {key}=1"):
             check_model(model, 2, key, ep)
     check_model(model, 2, key, 2)                      # TP x EP: the experts over the group
+    check_model(model, 2, key, 4)                      # over two whole groups
     from models.gpt_oss_tiny import gpt_oss_config
     gpt_oss = LatheCausalLM(LatheConfig.from_hf_dict(gpt_oss_config().to_dict()))
     with pytest.raises(ValueError, match="only Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's .* are cut over a tensor-parallel group"):

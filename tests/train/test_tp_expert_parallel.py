@@ -14,7 +14,12 @@ One group of 2 gloo ranks (forks of one forkserver, as `test_parallel`'s), all c
   without the router losses (each data-parallel rank's would be its own micro-batches', as under plain FSDP):
   metrics, the last step's gradients, the weights and the engine's whole tensors equal one process;
 - a dense Qwen3 decoder (per-head q/k norms) under TP 2, 2 updates: its gradients, the q/k norms' by name (each
-  rank's norm sees its own heads: their gradients are summed over the group, `tensor_parallel.copy_to_group`).
+  rank's norm sees its own heads: their gradients are summed over the group, `tensor_parallel.copy_to_group`);
+- 4 ranks, TP 2 x EP 4 (the experts over both tensor-parallel groups, one whole expert a rank, each rank of a group
+  dispatching half its group's rows): the float64 sparse layer, each group given tokens of its own (each rank's
+  output and input gradient its group's rows of the one-process layer's, the experts' gradients the one-process
+  ones); the actor, 3 updates: metrics, gradients, weights and the engine's whole tensors equal one process, and its
+  checkpoint after 2 updates resumes in one process exactly.
 """
 
 from __future__ import annotations
@@ -54,8 +59,52 @@ def tp_ep_job(world: int, *, ckpt: str) -> dict:
             "dense": train(world, -1, steps=range(2), model_fn=tiny_qwen3, overrides=KEYS[:1], tp=T, grads=True)}
 
 
-def fsdp_job(world: int) -> dict:
-    return train(world, -1, model_fn=tiny_moe, overrides=KEYS, tp=T, grads=True, engine=True)
+EP_OVER_GROUPS = (KEYS[0], f"actor_rollout_ref.actor.fsdp_config.expert_parallel_size={2 * T}")
+
+
+def starved_block():
+    """`moe_block`'s Qwen3-MoE layer whose router never picks expert 3 (positive tokens, its row of the router very
+    negative): the rank that holds it receives no rows."""
+    block, x, w = moe_block("qwen3_moe")
+    with torch.no_grad():
+        block.gate.weight[3] = -5.0
+    return block, x.abs(), w
+
+
+def groups_block(world: int, starved: bool = False) -> dict:
+    """The float64 sparse layer with its experts over both tensor-parallel groups (TP 2 x EP 4), each group computing
+    its own half of the tokens."""
+    from lathe.train import expert_parallel
+    block, x, w = starved_block() if starved else moe_block("qwen3_moe")
+    plan = MeshPlan(1, world // T, tp=T, ep=world)
+    ep = expert_parallel.expert_parallel(plan, torch.device("cpu"))
+    assert not ep.same_tokens and ep.size == world and ep.tp.size == T
+    expert_parallel.parallelize(block, ep)
+    group = torch.distributed.get_rank() // T
+    rows = slice(group * len(x) // 2, (group + 1) * len(x) // 2)
+    got = block_grads(block, x[rows], w[rows])
+    torch.distributed.all_reduce(got["gate.weight"])          # the router's gradient, each group's tokens' part:
+    got["gate.weight"] /= T                                    # summed over the groups, counted once a group
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in got.items()}
+
+
+def fsdp_job(world: int, *, ckpt: str) -> dict:
+    return {"fsdp": train(world, -1, model_fn=tiny_moe, overrides=KEYS, tp=T, grads=True, engine=True),
+            "groups_block": groups_block(world),
+            "starved_block": groups_block(world, starved=True),
+            "groups": train(world, -1, model_fn=tiny_moe, overrides=EP_OVER_GROUPS, tp=T, grads=True, engine=True,
+                            save=ckpt)}
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp_tp_ep")
+    return run_ranks(2 * T, root / "ranks", dict(ckpt=root / "ckpt"), fn=fsdp_job)[0], root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def one_moe():
+    return train(1, -1, model_fn=tiny_moe, grads=True)
 
 
 @pytest.fixture(scope="module")
@@ -125,15 +174,51 @@ def test_dense_qwen3_q_k_norm_gradients_under_tp_2_equal_one_process(ranks):
     assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
 
 
-def test_fsdp_2_x_tp_2_x_ep_2_updates_as_one_process(tmp_path_factory):
-    ranks = run_ranks(2 * T, tmp_path_factory.mktemp("fsdp_tp_ep"), {}, fn=fsdp_job)[0]
-    one = train(1, -1, model_fn=tiny_moe, grads=True)
-    got = ranks[0]
-    assert got["experts_mesh"] == (("dp_shard", "tp"), (2, T))    # experts over tp, sharded over 2 dp ranks
+def _equal_one_process(ranks: list, run: str, one: dict) -> None:
+    got = ranks[0][run]
     for a, b in zip(got["metrics"], one["metrics"], strict=True):
         assert_close_rel([a[k] for k in COMPARED], [b[k] for k in COMPARED], rel=1e-5, name="metrics")
     assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
     assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
     for rank in ranks:
-        assert_close_rel({k: rank["engine"][k] for k in one["weights"]}, one["weights"], rel=1e-5,
+        assert_close_rel({k: rank[run]["engine"][k] for k in one["weights"]}, one["weights"], rel=1e-5,
                          name="engine weights")
+
+
+def test_fsdp_2_x_tp_2_x_ep_2_updates_as_one_process(four, one_moe):
+    ranks, _ = four
+    assert ranks[0]["fsdp"]["experts_mesh"] == (("dp_shard", "tp"), (2, T))    # over tp, sharded over 2 dp ranks
+    _equal_one_process(ranks, "fsdp", one_moe)
+
+
+@pytest.mark.parametrize("run", ["groups_block", "starved_block"])
+def test_sparse_layer_over_two_tensor_parallel_groups_equals_one_process(four, run):
+    """Also where one rank's expert gets no rows (`starved_block`): that rank's backward took part in the collectives
+    as the others' did (its empty expert run kept in the graph: `lathe.models.moe._looped`), where it hung before."""
+    ranks, _ = four
+    block, x, w = starved_block() if run == "starved_block" else moe_block("qwen3_moe")
+    expected = block_grads(block, x, w)
+    for r, got in enumerate(ranks):
+        rows = slice(r // T * len(x) // 2, (r // T + 1) * len(x) // 2)
+        for name in ("out", "x"):                       # the group's rows, whole on both of its ranks
+            assert_close_rel(got[run][name], expected[name][rows], 1e-12, name=f"rank {r}: {name}")
+        assert_close_rel(got[run]["gate.weight"], expected["gate.weight"], 1e-12, name="router")
+    for name in ("experts.gate_up_proj", "experts.down_proj"):     # rank r holds expert r
+        assert_close_rel(torch.cat([got[run][name] for got in ranks]), expected[name], 1e-12, name=name)
+    if run == "starved_block":
+        assert not ranks[3][run]["experts.down_proj"].any() and ranks[2][run]["experts.down_proj"].any()
+
+
+def test_tp_2_x_ep_4_over_two_groups_updates_as_one_process(four, one_moe):
+    """The experts over both tensor-parallel groups, one a rank (a DTensor on the flattened ep dim, FSDP's shard dim
+    outside it of size 1), the dense weights cut over tp and sharded over the 2 data-parallel ranks."""
+    ranks, _ = four
+    assert ranks[0]["groups"]["experts_mesh"] == (("dp_shard_mod_ep", "ep"), (1, 2 * T))
+    assert ranks[0]["groups"]["mesh"][0] == (2, T)
+    _equal_one_process(ranks, "groups", one_moe)
+
+
+def test_tp_2_x_ep_4_checkpoint_resumes_in_one_process(four, one_moe):
+    _, ckpt = four
+    resumed = train(1, -1, steps=range(SAVED_AFTER, STEPS), resume=ckpt, model_fn=tiny_moe)
+    assert_close_rel(resumed["weights"], one_moe["weights"], rel=1e-5, name="resumed weights")

@@ -72,7 +72,10 @@ class MeshPlan:
     group of ep consecutive ranks holds every expert once, num_experts / ep whole experts per rank
     (`lathe.train.expert_parallel`), which FSDP2 shards over the other data-parallel dims only; every rank holds
     data of its own. ep == tp > 1 (`experts_over_tp`): the experts are placed over the ranks of each tensor-parallel
-    group instead (they hold the same tokens: no dispatch, one all-reduce), the shard dim not split."""
+    group instead (they hold the same tokens: no dispatch, one all-reduce), the shard dim not split. ep = m x tp
+    (m > 1, `ep_over_tp_groups`): each expert-parallel group is m consecutive tensor-parallel groups, the dp_shard
+    dim split into (dp_shard / m, m) (Megatron's expert_model_parallel_size above its tensor_model_parallel_size
+    with expert_tensor_parallel_size 1)."""
 
     dp_replicate: int
     dp_shard: int
@@ -94,6 +97,11 @@ class MeshPlan:
         return self.tp > 1 and self.ep == self.tp
 
     @property
+    def ep_over_tp_groups(self) -> int:
+        """m when each expert-parallel group is m > 1 whole tensor-parallel groups (ep = m x tp, tp > 1); else 0."""
+        return self.ep // self.tp if self.tp > 1 and self.ep > self.tp and self.ep % self.tp == 0 else 0
+
+    @property
     def hsdp(self) -> bool:
         """Replicated shard groups (a 2-D mesh), not plain FSDP."""
         return self.dp_replicate > 1
@@ -105,8 +113,9 @@ class MeshPlan:
         return replace(self, dp_shard=self.dp_shard * self.tp, tp=1)
 
     def describe(self) -> str:
-        tp = (f" x TP {self.tp}" + f" (EP {self.ep} over its ranks)" * self.experts_over_tp if self.tp > 1 else
-              f", EP {self.ep}" if self.ep > 1 else "")
+        tp = (f" x TP {self.tp}" + f" (EP {self.ep} over its ranks)" * self.experts_over_tp
+              + f", EP {self.ep} (over {self.ep_over_tp_groups} tensor-parallel groups)" * bool(self.ep_over_tp_groups)
+              if self.tp > 1 else f", EP {self.ep}" if self.ep > 1 else "")
         if self.hsdp:
             return f"HSDP: {self.dp_replicate} replicas x {self.dp_shard}-way shards{tp}"
         return f"FSDP: {self.dp_shard}-way shards{tp}"
@@ -301,12 +310,19 @@ def tensor_parallel_problem(cfg: LatheConfig, devices: Devices, role: str) -> st
 def expert_parallel_problem(mesh: MeshPlan, size: int, key: str) -> str | None:
     """Why an expert-parallel `size` cannot split `mesh`'s shard dim (None when it can): >= 1, and dividing the shard
     group (every rank of an expert-parallel group is also one of a shard group; the replicas repeat it). Beside
-    tensor parallelism it is the tensor-parallel size (the experts placed over a tensor-parallel group's ranks: any
-    other size is refused by `rules_parallel.check_expert_parallel`)."""
+    tensor parallelism it is the tensor-parallel size (the experts placed over a tensor-parallel group's ranks) or
+    a multiple m of it whose m divides the shard group (m whole tensor-parallel groups); a size that is not a
+    multiple is refused by `rules_parallel.check_expert_parallel`."""
     if size < 1:
         return f"`{key}`={size} must be >= 1 (1: no expert parallelism). Fix: set it to 1 or more."
     if mesh.tp > 1:
-        return None
+        if size <= mesh.tp or size % mesh.tp or mesh.dp_shard % (size // mesh.tp) == 0:
+            return None
+        fits = [mesh.tp * d for d in range(1, mesh.dp_shard + 1) if mesh.dp_shard % d == 0]
+        return (f"`{key}`={size} over tensor-parallel groups of {mesh.tp}: an expert-parallel group is "
+                f"{size // mesh.tp} consecutive tensor-parallel groups, which must divide the FSDP shard group of "
+                f"{mesh.dp_shard} data-parallel rank(s) ({mesh.describe()}). Fix: set it to one of {fits} (or raise "
+                f"fsdp_size).")
     if mesh.dp_shard % size:
         fits = [d for d in range(1, mesh.dp_shard + 1) if mesh.dp_shard % d == 0]
         return (f"`{key}`={size} does not divide the FSDP shard group of {mesh.dp_shard} device(s) ({mesh.describe()}"

@@ -92,11 +92,13 @@ def check_tensor_parallel(cfg: LatheConfig, devices: Devices, problems: ProblemL
 
 
 def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
-    """A role with expert_parallel_size P > 1 beside tensor_parallel_size T > 1 has P == T: the experts are placed
-    over the ranks of each tensor-parallel group, which hold the same tokens (`lathe.train.expert_parallel`: no
-    dispatch, one all-reduce per sparse layer); a wider expert-parallel group (over data-parallel ranks too) beside
-    tensor parallelism is not built, nor is TP x EP beside Ulysses or LoRA (each pair composes; not tested
-    together). Without tensor parallelism, Ulysses composes (each rank dispatches the tokens of its slice), and so
+    """A role with expert_parallel_size P > 1 beside tensor_parallel_size T > 1 has P a multiple of T: P == T places
+    the experts over the ranks of each tensor-parallel group, which hold the same tokens (`lathe.train.
+    expert_parallel`: no dispatch, one all-reduce per sparse layer); P = m x T over m consecutive tensor-parallel
+    groups (each rank of a group dispatches 1/T of its group's rows: Megatron's EP above TP with expert tensor
+    parallelism 1). A P that is not a multiple of T (Megatron's experts cut over TP ranks too: expert tensor
+    parallelism) is not built, nor is TP x EP beside Ulysses or LoRA (each pair composes; not tested together).
+    Without tensor parallelism, Ulysses composes (each rank dispatches the tokens of its slice), and so
     does LoRA, whose adapters sit on the attention, dense-MLP and shared-expert layers while the routed experts,
     cut over the group, stay frozen (`lathe.models.lora`). The sizes are checked with the meshes
     (`plan.mesh_problems`), the model's experts when it loads (`lathe.train.expert_parallel.check_model`)."""
@@ -107,11 +109,12 @@ def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
         tp_key, tp = f"{FSDP_GROUPS[role]}.tensor_parallel_size", tensor_parallel_size(cfg, role)
         if ep <= 1 or tp <= 1:
             continue
-        if ep != tp:
+        if ep % tp:
             problems.add(f"{key}={ep} with {tp_key}={tp}: beside tensor parallelism lathe places the experts over "
-                         f"the {tp} ranks of each tensor-parallel group (expert_parallel_size equal to "
-                         f"tensor_parallel_size); a different expert-parallel size (over data-parallel ranks too) "
-                         f"beside it is not implemented yet. Fix: set {key}={tp}, or {key}=1 (the experts whole on "
+                         f"the {tp} ranks of each tensor-parallel group, or over several whole groups (an "
+                         f"expert_parallel_size that is a multiple of tensor_parallel_size); {ep} is neither (its "
+                         f"experts would be cut over tensor-parallel ranks too: expert tensor parallelism, not "
+                         f"implemented yet). Fix: set {key} to a multiple of {tp}, or {key}=1 (the experts whole on "
                          f"every rank, sharded by FSDP), or {tp_key}=1.")
             continue
         sp = sequence_parallel_size(cfg, role)

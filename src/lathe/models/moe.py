@@ -221,11 +221,14 @@ def _looped(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down:
     counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     outs = []
     for e, part in enumerate(rows.split(counts)):
-        if counts[e]:
+        if counts[e] or not outs and e == len(counts) - 1:
+            # (no rows at all: the last expert over the empty rows, so that the output still reaches the rows and the
+            # weights: a rank of an expert-parallel group that received no rows runs the backward's collectives as
+            # the others do, not a graph without them)
             b_gate_up, b_down = (None, None) if biases is None else (biases[0][e], biases[1][e])
             hidden = act(nn.functional.linear(part, gate_up[e], b_gate_up))
             outs.append(nn.functional.linear(hidden, down[e], b_down))
-    return torch.cat(outs) if outs else rows.new_zeros(0, down.shape[1])
+    return torch.cat(outs)
 
 
 @torch.compiler.assume_constant_result     # compiled layers take the answer as it is, without tracing into it

@@ -50,6 +50,17 @@ experts' its own over all the tokens; FSDP2 shards both over the data-parallel d
 weights. The routers' statistics and load-balancing losses are the whole micro-batch's on every rank, counted once
 (the loss is the group's common loss, not a sum over it). Whole tensors (checkpoints, the engine's sync) gather the
 experts over both dims as any tensor-parallel weight (`lathe.train.parallel.full_tensors`).
+
+A size P = m x T (m > 1: `MeshPlan.ep_over_tp_groups`; Megatron's expert_model_parallel_size above its
+tensor_model_parallel_size, expert_tensor_parallel_size 1) places the experts over m consecutive tensor-parallel
+groups, E/P whole experts per rank, and dispatches as without tensor parallelism, each rank of a tensor-parallel
+group sending an equal contiguous share (1/T) of its group's sorted rows: the ranks of a group hold the same rows,
+so between them they send each row once, and an expert's gradient sums its rows over the m groups' tokens, each
+token once. The shares enter through `copy_to_group` over the tensor-parallel group (the input's gradient whole
+again) and their outputs, zeros outside each rank's share, are summed over it (one all-reduce per sparse layer, as
+above; an all-gather of the shares would move half the bytes, not measured yet). Router and load-balancing loss are
+the tensor-parallel group's, as with P == T. FSDP2 shards each experts module over the data-parallel ranks outside
+the expert-parallel group (`lathe.train.parallel.expert_mesh`).
 """
 
 from __future__ import annotations
@@ -77,6 +88,7 @@ class ExpertParallel:
     mesh: Any              # the ep dim of the world mesh (a 1-D DeviceMesh over this rank's group)
     group: Any             # its process group
     same_tokens: bool = False   # the group is a tensor-parallel group: every rank holds its tokens (module doc)
+    tp: Any = None              # P = m x T: this rank's TensorParallel, each of its ranks sending 1/T of its rows
 
 
 def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
@@ -85,8 +97,12 @@ def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
     if plan is None or plan.ep == 1:
         return None
     mesh = parallel.world_mesh(device.type, plan)["tp" if plan.experts_over_tp else "ep"]
+    tp = None
+    if plan.ep_over_tp_groups:
+        from lathe.train.tensor_parallel import tensor_parallel
+        tp = tensor_parallel(plan, device)
     return ExpertParallel(size=plan.ep, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group(),
-                          same_tokens=plan.experts_over_tp)
+                          same_tokens=plan.experts_over_tp, tp=tp)
 
 
 def check_model(model: nn.Module, size: int, key: str) -> None:
@@ -134,12 +150,19 @@ class _Dispatch:
 
     @torch.compiler.disable          # host-side split sizes and collectives
     def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
         ep = self.expert_parallel
         total = next(iter(self._parameters.values())).shape[0]        # the DTensor's global expert count
         local = total // ep.size
         if ep.same_tokens:
             return self._group_sum(rows, experts, local)
+        if ep.tp is not None:
+            return self._shares_of_group(rows, experts, total, local)
+        return self._exchange(rows, experts, total, local)
+
+    def _exchange(self, rows: torch.Tensor, experts: torch.Tensor, total: int, local: int) -> torch.Tensor:
+        """The rows (sorted by expert) to their experts' owners and their outputs back (module doc)."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        ep = self.expert_parallel
         counts = torch.bincount(experts, minlength=total)             # rows for each expert, in expert order
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=ep.group)      # [source rank, local expert] counts
@@ -154,6 +177,15 @@ class _Dispatch:
         ys = torch.empty_like(ys).index_copy_(0, order, ys)
         return all_to_all_single_autograd(ys, send, recv, ep.group)
 
+    def _shares_of_group(self, rows: torch.Tensor, experts: torch.Tensor, total: int, local: int) -> torch.Tensor:
+        """Expert parallelism over m whole tensor-parallel groups (module doc): this rank's 1/T of its group's rows
+        exchanged, the group's outputs summed."""
+        tp = self.expert_parallel.tp
+        n = len(rows)
+        start, end = n * tp.rank // tp.size, n * (tp.rank + 1) // tp.size
+        ys = self._exchange(copy_to_group(rows, tp.group)[start:end], experts[start:end], total, local)
+        out = torch.cat([ys.new_zeros(start, ys.shape[-1]), ys, ys.new_zeros(n - end, ys.shape[-1])])
+        return sum_over_group(out, tp.group)
 
     def _group_sum(self, rows: torch.Tensor, experts: torch.Tensor, local: int) -> torch.Tensor:
         """Every row's output over a tensor-parallel group that holds them all (module doc): this rank's experts'

@@ -35,11 +35,11 @@ def test_bad_sizes_and_combinations_are_refused_up_front_naming_the_key():
     assert f"`{EP['actor']}`=3 does not divide the FSDP shard group of 4 device(s)" in text
     assert "Fix: set it to one of [1, 2, 4]" in text and f"`{EP['ref']}`=0 must be >= 1" in text
     assert f"`{EP['critic']}`=2 does not divide the FSDP shard group of 1 device(s)" in text
-    text = fails(f"{EP['actor']}=2", f"{A}.fsdp_config.tensor_parallel_size=2", f"{A}.ulysses_sequence_parallel_size=2",
-                 "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.lora_rank=4")
-    assert f"{EP['actor']}=2 with {A}.fsdp_config.tensor_parallel_size=2" in text
-    assert f"{EP['actor']}=2 with {A}.ulysses_sequence_parallel_size" not in text     # Ulysses composes
-    assert f"{EP['actor']}=2 with actor_rollout_ref.model.lora_rank" not in text       # so does LoRA
+    # TP x EP composes with Ulysses and LoRA (tests/train/test_tp_expert_parallel.py)
+    run = run_plan(load(f"{EP['actor']}=4", f"{A}.fsdp_config.tensor_parallel_size=2",
+                        f"{A}.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
+                        "actor_rollout_ref.model.lora_rank=4"))
+    assert run.mesh("actor") == MeshPlan(1, 2, 2, 4) and run.actor.data_parallel_size == 1
     load(f"{EP['actor']}=2", f"{EP['ref']}=2", "actor_rollout_ref.model.lora_rank=4")
     run = run_plan(load(f"{EP['actor']}=2", f"{A}.ulysses_sequence_parallel_size=2",
                         "actor_rollout_ref.model.use_remove_padding=true"))

@@ -19,7 +19,11 @@ One group of 2 gloo ranks (forks of one forkserver, as `test_parallel`'s), all c
   dispatching half its group's rows): the float64 sparse layer, each group given tokens of its own (each rank's
   output and input gradient its group's rows of the one-process layer's, the experts' gradients the one-process
   ones); the actor, 3 updates: metrics, gradients, weights and the engine's whole tensors equal one process, and its
-  checkpoint after 2 updates resumes in one process exactly.
+  checkpoint after 2 updates resumes in one process exactly;
+- 4 ranks as one block of TP 2 x Ulysses 2 with EP 2 (over each tensor-parallel group) and EP 4 (over both), the
+  load-balancing losses on: metrics (the losses too), gradients, weights, log-probs after 3 updates equal one
+  process's; LoRA beside TP 2 x EP 4, without and with Ulysses 2, 2 updates: metrics, the adapters' gradients, the
+  weights and the merged layers the engine receives equal one process's.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from helpers import assert_close_rel
 
 from lathe.config.plan import MeshPlan
 
-from .test_expert_parallel import MEGATRON_LOSSES, aux_moe, block_grads, moe_block, tiny_moe
-from .test_parallel import COMPARED, SAVED_AFTER, STEPS, run_ranks, train
+from .test_expert_parallel import MEGATRON_LOSSES, PACKED, aux_moe, block_grads, moe_block, tiny_moe
+from .test_parallel import COMPARED, LORA, SAVED_AFTER, STEPS, run_ranks, train
 from .test_tensor_parallel_lora import tiny_qwen3
 
 pytestmark = pytest.mark.slow
@@ -88,12 +92,29 @@ def groups_block(world: int, starved: bool = False) -> dict:
     return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in got.items()}
 
 
+SP = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", *PACKED)
+# TP x EP beside Ulysses and LoRA: name -> (overrides, the one-process twin's, data-parallel group size, model)
+COMPOSED = {"sp_ep2": ((*KEYS, *SP, *MEGATRON_LOSSES), (*PACKED, *MEGATRON_LOSSES), 2 * T, aux_moe),
+            "sp_ep4": ((*EP_OVER_GROUPS, *SP, *MEGATRON_LOSSES), (*PACKED, *MEGATRON_LOSSES), 2 * T, aux_moe),
+            "lora_ep4": ((*EP_OVER_GROUPS, *LORA), LORA, T, tiny_moe),
+            "lora_sp_ep4": ((*EP_OVER_GROUPS, *LORA, *SP), (*LORA, *PACKED), 2 * T, tiny_moe)}
+
+
+def composed(world: int, name: str, one: bool = False) -> dict:
+    keys, twin, group, model = COMPOSED[name]
+    lora = "lora" in name
+    return train(1 if one else world, -1, steps=range(2) if lora else range(STEPS), model_fn=model,
+                 overrides=twin if one else keys, tp=1 if one else group, grads=True, engine=lora,
+                 log_probs=not lora)
+
+
 def fsdp_job(world: int, *, ckpt: str) -> dict:
     return {"fsdp": train(world, -1, model_fn=tiny_moe, overrides=KEYS, tp=T, grads=True, engine=True),
             "groups_block": groups_block(world),
             "starved_block": groups_block(world, starved=True),
             "groups": train(world, -1, model_fn=tiny_moe, overrides=EP_OVER_GROUPS, tp=T, grads=True, engine=True,
-                            save=ckpt)}
+                            save=ckpt),
+            **{name: composed(world, name) for name in COMPOSED}}
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +243,22 @@ def test_tp_2_x_ep_4_checkpoint_resumes_in_one_process(four, one_moe):
     _, ckpt = four
     resumed = train(1, -1, steps=range(SAVED_AFTER, STEPS), resume=ckpt, model_fn=tiny_moe)
     assert_close_rel(resumed["weights"], one_moe["weights"], rel=1e-5, name="resumed weights")
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_tp_x_ep_beside_ulysses_and_lora_updates_as_one_process(four, name):
+    ranks, _ = four
+    got, one = ranks[0][name], composed(1, name, one=True)
+    compared = (*COMPARED, *ROUTER_LOSSES) if name.startswith("sp") else COMPARED
+    for a, b in zip(got["metrics"][:STEPS], one["metrics"][:STEPS], strict=True):
+        assert_close_rel([a[k] for k in compared], [b[k] for k in compared], rel=1e-5, name="metrics")
+    assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
+    if "lora" in name:
+        assert all("lora" in k for k in one["grads"]) and len(one["engine"]) < len(one["weights"])
+        for rank in ranks:
+            assert_close_rel({k: rank[name]["engine"][k] for k in one["engine"]}, one["engine"], rel=1e-5,
+                             name="engine's merged layers")
+    else:
+        assert_close_rel(got["metrics"][STEPS]["old_log_probs"], one["metrics"][STEPS]["old_log_probs"], rel=1e-5,
+                         name="log-probs")

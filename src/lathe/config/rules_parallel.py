@@ -18,8 +18,9 @@ parallel group strided by T (`lathe.train.ulysses`: the all-to-all splits each r
 S x T must divide the devices; the heads (T x S must divide the query heads) are checked when the model loads, and so
 are the models tensor parallelism does not cut yet (mixture-of-experts but Qwen3-MoE's, Qwen3.5-MoE's and
 Qwen3-Next's, latent attention).
-Expert parallelism beside it places the experts over the ranks of each tensor-parallel group (its size equal to
-the tensor-parallel size; others, and the pair beside Ulysses or LoRA, are refused by `check_expert_parallel`).
+Expert parallelism beside it places the experts over the ranks of each tensor-parallel group, or over several whole
+groups (its size the tensor-parallel size or a multiple of it; others are refused by `check_expert_parallel`),
+beside Ulysses and LoRA too.
 
 The rollout's tensor-parallel replicas (`rollout.tensor_model_parallel_size`; `lathe.engine.tensor_parallel`) span
 devices of one node or whole nodes (the trainer's in the synchronous hybrid loop, the rollout pool's in fully-async
@@ -97,13 +98,13 @@ def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
     expert_parallel`: no dispatch, one all-reduce per sparse layer); P = m x T over m consecutive tensor-parallel
     groups (each rank of a group dispatches 1/T of its group's rows: Megatron's EP above TP with expert tensor
     parallelism 1). A P that is not a multiple of T (Megatron's experts cut over TP ranks too: expert tensor
-    parallelism) is not built, nor is TP x EP beside Ulysses or LoRA (each pair composes; not tested together).
-    Without tensor parallelism, Ulysses composes (each rank dispatches the tokens of its slice), and so
-    does LoRA, whose adapters sit on the attention, dense-MLP and shared-expert layers while the routed experts,
-    cut over the group, stay frozen (`lathe.models.lora`). The sizes are checked with the meshes
-    (`plan.mesh_problems`), the model's experts when it loads (`lathe.train.expert_parallel.check_model`)."""
+    parallelism) is not built. Ulysses composes, with or without tensor parallelism (each rank dispatches the
+    tokens of its slice, or its share of them), and so does LoRA, whose adapters sit on the attention, dense-MLP
+    and shared-expert layers while the routed experts, cut over the group, stay frozen (`lathe.models.lora`):
+    tests/train/test_tp_expert_parallel.py checks TP x EP x Ulysses, x LoRA and all four. The sizes are checked
+    with the meshes (`plan.mesh_problems`), the model's experts when it loads (`lathe.train.expert_parallel.
+    check_model`)."""
     roles = ["actor", "ref"] + ["critic"] * critic_in_use(cfg)
-    model = cfg.actor_rollout_ref.model
     for role in roles:
         ep, key = expert_parallel_size(cfg, role), f"{FSDP_GROUPS[role]}.expert_parallel_size"
         tp_key, tp = f"{FSDP_GROUPS[role]}.tensor_parallel_size", tensor_parallel_size(cfg, role)
@@ -116,16 +117,6 @@ def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
                          f"experts would be cut over tensor-parallel ranks too: expert tensor parallelism, not "
                          f"implemented yet). Fix: set {key} to a multiple of {tp}, or {key}=1 (the experts whole on "
                          f"every rank, sharded by FSDP), or {tp_key}=1.")
-            continue
-        sp = sequence_parallel_size(cfg, role)
-        if sp > 1:
-            problems.add(f"{key}={ep} with {tp_key}={tp} and {KEYS[role]}={sp}: expert parallelism over the "
-                         f"tensor-parallel groups beside Ulysses is not implemented yet in lathe (each pair composes; "
-                         f"the three are not tested together). Fix: set {KEYS[role]}=1, or {key}=1.")
-        if role != "critic" and model.lora_rank > 0:
-            problems.add(f"{key}={ep} with {tp_key}={tp} and {ARR}.model.lora_rank={model.lora_rank}: LoRA beside "
-                         f"expert parallelism over the tensor-parallel groups is not implemented yet in lathe (each "
-                         f"pair composes; the three are not tested together). Fix: set {key}=1 or {tp_key}=1.")
 
 
 def check_keep_gathered(cfg: LatheConfig, problems: ProblemList) -> None:

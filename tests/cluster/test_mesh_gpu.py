@@ -2,7 +2,8 @@
 the same tiny model and data, bf16 compute on fp32 masters: tensor parallelism, Ulysses sequence parallelism, expert
 parallelism (a tiny Qwen3-MoE), LoRA under tensor parallelism, a tiny Qwen3.5 (linear attention) under tensor
 parallelism, a tensor-parallel rollout replica in the synchronous loop, an engine of two replicas with data-parallel
-attention, and the fully asynchronous loop on 1 trainer GPU + 1 rollout GPU against the synchronous loop.
+attention, and the fully asynchronous loop on 1 trainer GPU + 1 rollout GPU against the synchronous loop; on 4 GPUs,
+TP 2 x EP 4 (the experts over both tensor-parallel groups) for the actor and the reference.
 
 Their CPU twins (gloo, fp32, within 1e-5) are tests/train/test_tensor_parallel.py (and _hybrid.py), test_ulysses.py,
 test_expert_parallel.py, test_tensor_parallel_lora.py, tests/cluster/test_ray.py (the replica),
@@ -116,6 +117,10 @@ def ulysses(root, device: str) -> None:
                    ("actor_rollout_ref.model.use_remove_padding=true",))
 
 
+FP32 = (f"{A}.fsdp_config.mixed_precision.param_dtype=fp32",
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32", "actor_rollout_ref.rollout.dtype=float32")
+
+
 def expert_parallel(root, device: str) -> None:
     """A tiny Qwen3-MoE (tests/loop/test_ppo.py's: 4 experts, top-2, its second layer sparse), warm-started so that its
     scores and advantages are not all 0, with 2 whole experts on each device (`fsdp_config.expert_parallel_size`:
@@ -123,16 +128,34 @@ def expert_parallel(root, device: str) -> None:
     CPU: in bf16 this model's first update is ill-conditioned (a gradient norm of ~34, ~0.3 at step 2), and its norm
     came out 2.5% apart on 2 H200s (2026-11-30: 34.38 against 35.26) while the fp32 run agreed to 6e-7 (34.622133
     against 34.622152); `moe_plain_fsdp` keeps the bf16 comparison."""
-    fp32 = (f"{A}.fsdp_config.mixed_precision.param_dtype=fp32",
-            "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32",
-            "actor_rollout_ref.rollout.dtype=float32")
-    one = train(root / "one", f"trainer.device={device}", STEPS, *moe_model(root), *fp32)
-    many = train(root / "many", f"trainer.device={device}", STEPS, TWO, *moe_model(root), *fp32,
+    one = train(root / "one", f"trainer.device={device}", STEPS, *moe_model(root), *FP32)
+    many = train(root / "many", f"trainer.device={device}", STEPS, TWO, *moe_model(root), *FP32,
                  f"{A}.fsdp_config.expert_parallel_size=2")
     for a, b in zip(one, many, strict=True):
         assert (b["critic/score/mean"], b["response_length/mean"]) == (a["critic/score/mean"],
                                                                       a["response_length/mean"]), shown(a, b)
         for key in UPDATE:
+            assert abs(b[key] - a[key]) <= 1e-4 * max(abs(a[key]), 1e-2), (key, shown(a, b))
+    assert_synced(one, many)
+
+
+def tp_ep_over_groups(root, device: str) -> None:
+    """4 devices: the actor and the reference (GRPO with the KL loss) under TP 2 x EP 4, the experts over both
+    tensor-parallel groups (one a device; each device of a group dispatching half its group's rows), a tiny
+    Qwen3-MoE with 2 key/value heads, fp32 as `expert_parallel`, against one device. On CPU (4 Ray workers over gloo,
+    2026-12-02) scores, lengths and rollout gaps matched and the losses, gradient norms and entropy agreed to 1e-7."""
+    model = qwen3_moe_checkpoint(root / "moe", kv_heads=2)
+    base = (f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.tokenizer_path=builtin:tiny",
+            "actor_rollout_ref.model.warm_start.steps=80", *FP32, f"{A}.use_kl_loss=true")
+    sizes = [f"{role}.fsdp_config.{k}_parallel_size={n}" for role in (A, "actor_rollout_ref.ref")
+             for k, n in (("tensor", 2), ("expert", 4))]
+    one = train(root / "one", f"trainer.device={device}", STEPS, *base)
+    many = train(root / "many", f"trainer.device={device}", STEPS, "trainer.n_gpus_per_node=4", *base, *sizes,
+                 *("ray_kwargs.ray_init.num_cpus=4",) * (device == "cpu"))    # (four one-slot workers on CPU)
+    for a, b in zip(one, many, strict=True):
+        assert (b["critic/score/mean"], b["response_length/mean"]) == (a["critic/score/mean"],
+                                                                      a["response_length/mean"]), shown(a, b)
+        for key in (*UPDATE, "actor/kl_loss"):
             assert abs(b[key] - a[key]) <= 1e-4 * max(abs(a[key]), 1e-2), (key, shown(a, b))
     assert_synced(one, many)
 
@@ -286,3 +309,8 @@ def test_a_layout_on_two_gpus_trains_as_one_gpu(tmp_path, case):
 @needs_gpus(3)
 def test_fully_async_on_data_parallel_attention_on_three_gpus_trains_as_one_gpu(tmp_path):
     fully_async_data_parallel(tmp_path, "cuda")
+
+
+@needs_gpus(4)
+def test_tp_x_ep_over_two_groups_on_four_gpus_trains_as_one_gpu(tmp_path):
+    tp_ep_over_groups(tmp_path, "cuda")

@@ -57,8 +57,9 @@ def save_with_builtin_tokenizer(model, path: Path) -> Path:
     return path
 
 
-def qwen3_moe_checkpoint(path: Path) -> Path:
-    """A tiny random Qwen3-MoE (2 layers, the second sparse: 4 experts, top-2) with the built-in tokenizer."""
+def qwen3_moe_checkpoint(path: Path, kv_heads: int = 1) -> Path:
+    """A tiny random Qwen3-MoE (2 layers, the second sparse: 4 experts, top-2) with the built-in tokenizer; `kv_heads`
+    2 for a model that tensor parallelism of 2 cuts."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from lathe.data.builtin import builtin_tokenizer
@@ -67,7 +68,7 @@ def qwen3_moe_checkpoint(path: Path) -> Path:
     return save_with_builtin_tokenizer(Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)), path)
+        num_key_value_heads=kv_heads, head_dim=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)), path)
 
 
 def steps_from(tmp_path: Path, model_path: Path, *overrides: str, steps: int = 2):

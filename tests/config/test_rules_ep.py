@@ -46,7 +46,9 @@ def test_bad_sizes_and_combinations_are_refused_up_front_naming_the_key():
     assert run.mesh("actor") == MeshPlan(1, 4, 1, 2) and run.actor.data_parallel_size == 2
     # beside TP: a multiple of it that the shard group takes whole groups of, or refused naming the sizes that fit
     text = fails(f"{EP['actor']}=3", f"{A}.fsdp_config.tensor_parallel_size=2", devices=8)
-    assert f"{EP['actor']}=3 with {A}.fsdp_config.tensor_parallel_size=2" in text and "expert tensor parall" in text
+    assert f"{EP['actor']}=3 with {A}.fsdp_config.tensor_parallel_size=2" in text and "a multiple or a divisor" in text
+    run = run_plan(load(f"{EP['actor']}=2", f"{A}.fsdp_config.tensor_parallel_size=4", devices=8))
+    assert run.mesh("actor").describe() == "FSDP: 2-way shards x TP 4, EP 2 (2 groups in each)"
     text = fails(f"{EP['actor']}=6", f"{A}.fsdp_config.tensor_parallel_size=2", devices=8)
     assert f"`{EP['actor']}`=6 over tensor-parallel groups of 2" in text and "one of [2, 4, 8]" in text
     assert "expert parallelism for the reward model" in fails("reward_model.model.fsdp_config.expert_parallel_size=2",

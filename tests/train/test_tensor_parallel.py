@@ -207,10 +207,12 @@ def test_mixture_of_experts_models_are_refused_without_expert_parallelism_a_mult
     ep_key = "actor_rollout_ref.actor.fsdp_config.expert_parallel_size"
     for ep in (1, 3):
         with pytest.raises(ValueError, match=rf"mixture-of-experts layers .*\({ep_key}={ep}\)\. Fix: set {ep_key}=2 "
-                                             rf"\(or a multiple\), or {key}=1"):
+                                             rf"\(or a multiple or divisor\), or {key}=1"):
             check_model(model, 2, key, ep)
     check_model(model, 2, key, 2)                      # TP x EP: the experts over the group
     check_model(model, 2, key, 4)                      # over two whole groups
+    with pytest.raises(ValueError, match=rf"\({ep_key}=3\)"):
+        check_model(model, 4, key, 3)                  # neither a multiple nor a divisor
     from models.gpt_oss_tiny import gpt_oss_config
     gpt_oss = LatheCausalLM(LatheConfig.from_hf_dict(gpt_oss_config().to_dict()))
     with pytest.raises(ValueError, match="only Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's .* are cut over a tensor-parallel group"):

@@ -20,6 +20,9 @@ One group of 2 gloo ranks (forks of one forkserver, as `test_parallel`'s), all c
   output and input gradient its group's rows of the one-process layer's, the experts' gradients the one-process
   ones); the actor, 3 updates: metrics, gradients, weights and the engine's whole tensors equal one process, and its
   checkpoint after 2 updates resumes in one process exactly;
+- 4 ranks, TP 4 x EP 2 (two expert-parallel groups of 2 inside the tensor-parallel group, each expert on 2 ranks):
+  the float64 sparse layer (outputs, input and router gradients whole on every rank, each expert's two partial
+  gradients summing to the one-process one) and the actor over 3 updates equal one process;
 - 4 ranks as one block of TP 2 x Ulysses 2 with EP 2 (over each tensor-parallel group) and EP 4 (over both), the
   load-balancing losses on: metrics (the losses too), gradients, weights, log-probs after 3 updates equal one
   process's; LoRA beside TP 2 x EP 4, without and with Ulysses 2, 2 updates: metrics, the adapters' gradients, the
@@ -108,13 +111,36 @@ def composed(world: int, name: str, one: bool = False) -> dict:
                  log_probs=not lora)
 
 
+def within_moe():
+    """`tiny_moe` with as many key/value heads as query heads (4), which tensor parallelism of 4 cuts."""
+    return tiny_moe(num_key_value_heads=4)
+
+
+WITHIN = ("actor_rollout_ref.actor.fsdp_config.tensor_parallel_size=4",
+          "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2")
+
+
+def within_block() -> dict:
+    """The float64 sparse layer under TP 4 x EP 2: two expert-parallel groups of 2 inside the tensor-parallel group
+    of 4 (every rank given all the tokens), each rank 2 of the 4 experts."""
+    from lathe.train import expert_parallel
+    block, x, w = moe_block("qwen3_moe")
+    ep = expert_parallel.expert_parallel(MeshPlan(1, 1, tp=4, ep=2), torch.device("cpu"))
+    assert not ep.same_tokens and ep.size == 2 and ep.tp.size == 4
+    expert_parallel.parallelize(block, ep)
+    got = block_grads(block, x, w)
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in got.items()}
+
+
 def fsdp_job(world: int, *, ckpt: str) -> dict:
     return {"fsdp": train(world, -1, model_fn=tiny_moe, overrides=KEYS, tp=T, grads=True, engine=True),
             "groups_block": groups_block(world),
             "starved_block": groups_block(world, starved=True),
             "groups": train(world, -1, model_fn=tiny_moe, overrides=EP_OVER_GROUPS, tp=T, grads=True, engine=True,
                             save=ckpt),
-            **{name: composed(world, name) for name in COMPOSED}}
+            **{name: composed(world, name) for name in COMPOSED},
+            "within_block": within_block(),
+            "within": train(world, -1, model_fn=within_moe, overrides=WITHIN, tp=4, grads=True, engine=True)}
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +288,25 @@ def test_tp_x_ep_beside_ulysses_and_lora_updates_as_one_process(four, name):
     else:
         assert_close_rel(got["metrics"][STEPS]["old_log_probs"], one["metrics"][STEPS]["old_log_probs"], rel=1e-5,
                          name="log-probs")
+
+
+def test_sparse_layer_over_two_expert_parallel_groups_inside_a_tensor_parallel_group_equals_one_process(four):
+    """TP 4 x EP 2: every rank's output and input gradient are the whole layer's; ranks r and r + 2 hold the same 2
+    experts, each with the gradient of the rows its group's shares sent it (rows 0-23 of the 48 sorted ones for
+    ranks 0 and 1, 24-47 for 2 and 3), which sum to the one-process gradient."""
+    ranks, _ = four
+    block, x, w = moe_block("qwen3_moe")
+    expected = block_grads(block, x, w)
+    for r, got in enumerate(ranks):
+        for name in ("out", "x", "gate.weight"):
+            assert_close_rel(got["within_block"][name], expected[name], 1e-12, name=f"rank {r}: {name}")
+    for name in ("experts.gate_up_proj", "experts.down_proj"):
+        summed = [ranks[r]["within_block"][name] + ranks[r + 2]["within_block"][name] for r in (0, 1)]
+        assert_close_rel(torch.cat(summed), expected[name], 1e-12, name=name)
+
+
+def test_tp_4_x_ep_2_inside_the_group_updates_as_one_process(four):
+    ranks, _ = four
+    one = train(1, -1, model_fn=within_moe, grads=True)
+    assert ranks[0]["within"]["experts_mesh"] == (("dp_shard_mod_ep", "ep"), (2, 2))
+    _equal_one_process([{"within": r["within"]} for r in ranks], "within", one)

@@ -75,7 +75,9 @@ class MeshPlan:
     group instead (they hold the same tokens: no dispatch, one all-reduce), the shard dim not split. ep = m x tp
     (m > 1, `ep_over_tp_groups`): each expert-parallel group is m consecutive tensor-parallel groups, the dp_shard
     dim split into (dp_shard / m, m) (Megatron's expert_model_parallel_size above its tensor_model_parallel_size
-    with expert_tensor_parallel_size 1)."""
+    with expert_tensor_parallel_size 1). tp = r x ep (r > 1, `ep_within_tp_groups`): each tensor-parallel group holds
+    r expert-parallel groups of ep consecutive ranks, the tp dim split into (tp / ep, ep) (Megatron's EP below its TP,
+    as verl's Qwen3-30B-A3B script sets TP 4, EP 2)."""
 
     dp_replicate: int
     dp_shard: int
@@ -102,6 +104,11 @@ class MeshPlan:
         return self.ep // self.tp if self.tp > 1 and self.ep > self.tp and self.ep % self.tp == 0 else 0
 
     @property
+    def ep_within_tp_groups(self) -> int:
+        """r when each tensor-parallel group holds r > 1 expert-parallel groups (tp = r x ep, ep > 1); else 0."""
+        return self.tp // self.ep if 1 < self.ep < self.tp and self.tp % self.ep == 0 else 0
+
+    @property
     def hsdp(self) -> bool:
         """Replicated shard groups (a 2-D mesh), not plain FSDP."""
         return self.dp_replicate > 1
@@ -115,6 +122,7 @@ class MeshPlan:
     def describe(self) -> str:
         tp = (f" x TP {self.tp}" + f" (EP {self.ep} over its ranks)" * self.experts_over_tp
               + f", EP {self.ep} (over {self.ep_over_tp_groups} tensor-parallel groups)" * bool(self.ep_over_tp_groups)
+              + f", EP {self.ep} ({self.ep_within_tp_groups} groups in each)" * bool(self.ep_within_tp_groups)
               if self.tp > 1 else f", EP {self.ep}" if self.ep > 1 else "")
         if self.hsdp:
             return f"HSDP: {self.dp_replicate} replicas x {self.dp_shard}-way shards{tp}"
@@ -310,9 +318,9 @@ def tensor_parallel_problem(cfg: LatheConfig, devices: Devices, role: str) -> st
 def expert_parallel_problem(mesh: MeshPlan, size: int, key: str) -> str | None:
     """Why an expert-parallel `size` cannot split `mesh`'s shard dim (None when it can): >= 1, and dividing the shard
     group (every rank of an expert-parallel group is also one of a shard group; the replicas repeat it). Beside
-    tensor parallelism it is the tensor-parallel size (the experts placed over a tensor-parallel group's ranks) or
-    a multiple m of it whose m divides the shard group (m whole tensor-parallel groups); a size that is not a
-    multiple is refused by `rules_parallel.check_expert_parallel`."""
+    tensor parallelism it is the tensor-parallel size (the experts placed over a tensor-parallel group's ranks), a
+    multiple m of it whose m divides the shard group (m whole tensor-parallel groups) or a divisor of it (groups
+    within each tensor-parallel group); another size is refused by `rules_parallel.check_expert_parallel`."""
     if size < 1:
         return f"`{key}`={size} must be >= 1 (1: no expert parallelism). Fix: set it to 1 or more."
     if mesh.tp > 1:

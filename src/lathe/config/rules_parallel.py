@@ -18,9 +18,9 @@ parallel group strided by T (`lathe.train.ulysses`: the all-to-all splits each r
 S x T must divide the devices; the heads (T x S must divide the query heads) are checked when the model loads, and so
 are the models tensor parallelism does not cut yet (mixture-of-experts but Qwen3-MoE's, Qwen3.5-MoE's and
 Qwen3-Next's, latent attention).
-Expert parallelism beside it places the experts over the ranks of each tensor-parallel group, or over several whole
-groups (its size the tensor-parallel size or a multiple of it; others are refused by `check_expert_parallel`),
-beside Ulysses and LoRA too.
+Expert parallelism beside it places the experts over the ranks of each tensor-parallel group, over several whole
+groups, or over groups inside each (its size the tensor-parallel size, a multiple or a divisor of it; others are
+refused by `check_expert_parallel`), beside Ulysses and LoRA too.
 
 The rollout's tensor-parallel replicas (`rollout.tensor_model_parallel_size`; `lathe.engine.tensor_parallel`) span
 devices of one node or whole nodes (the trainer's in the synchronous hybrid loop, the rollout pool's in fully-async
@@ -97,8 +97,8 @@ def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
     the experts over the ranks of each tensor-parallel group, which hold the same tokens (`lathe.train.
     expert_parallel`: no dispatch, one all-reduce per sparse layer); P = m x T over m consecutive tensor-parallel
     groups (each rank of a group dispatches 1/T of its group's rows: Megatron's EP above TP with expert tensor
-    parallelism 1). A P that is not a multiple of T (Megatron's experts cut over TP ranks too: expert tensor
-    parallelism) is not built. Ulysses composes, with or without tensor parallelism (each rank dispatches the
+    parallelism 1); P dividing T over T/P groups of P consecutive ranks inside each tensor-parallel group (the same
+    shares, dispatched within each). Other sizes (neither a multiple nor a divisor) are refused. Ulysses composes, with or without tensor parallelism (each rank dispatches the
     tokens of its slice, or its share of them), and so does LoRA, whose adapters sit on the attention, dense-MLP
     and shared-expert layers while the routed experts, cut over the group, stay frozen (`lathe.models.lora`):
     tests/train/test_tp_expert_parallel.py checks TP x EP x Ulysses, x LoRA and all four. The sizes are checked
@@ -110,13 +110,12 @@ def check_expert_parallel(cfg: LatheConfig, problems: ProblemList) -> None:
         tp_key, tp = f"{FSDP_GROUPS[role]}.tensor_parallel_size", tensor_parallel_size(cfg, role)
         if ep <= 1 or tp <= 1:
             continue
-        if ep % tp:
+        if ep % tp and tp % ep:
             problems.add(f"{key}={ep} with {tp_key}={tp}: beside tensor parallelism lathe places the experts over "
-                         f"the {tp} ranks of each tensor-parallel group, or over several whole groups (an "
-                         f"expert_parallel_size that is a multiple of tensor_parallel_size); {ep} is neither (its "
-                         f"experts would be cut over tensor-parallel ranks too: expert tensor parallelism, not "
-                         f"implemented yet). Fix: set {key} to a multiple of {tp}, or {key}=1 (the experts whole on "
-                         f"every rank, sharded by FSDP), or {tp_key}=1.")
+                         f"the ranks of each tensor-parallel group, over several whole groups, or over groups of "
+                         f"consecutive ranks inside each (an expert_parallel_size that is a multiple or a divisor of "
+                         f"tensor_parallel_size); {ep} is neither. Fix: set {key} to a multiple or a divisor of {tp}, "
+                         f"or {key}=1 (the experts whole on every rank, sharded by FSDP), or {tp_key}=1.")
 
 
 def check_keep_gathered(cfg: LatheConfig, problems: ProblemList) -> None:

@@ -35,7 +35,7 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   is then split over every device), which runs for every MoE family lathe has (its TP x EP cuts Qwen3-MoE's,
   Qwen3.5-MoE's and Qwen3-Next's layers only, and is not yet measured against FSDP x EP on GPUs); one notice says so
   (`tp_beside_ep_notice`). lathe's own ``fsdp_config.tensor_parallel_size`` beside EP keeps tensor parallelism
-  where EP is a multiple of it (`lathe.train.expert_parallel`), and is refused otherwise;
+  where EP is a multiple or a divisor of it (`lathe.train.expert_parallel`), and is refused otherwise;
 * Megatron's ``pipeline_model_parallel_size`` / ``virtual_pipeline_model_parallel_size`` and torchtitan's
   ``pipeline_parallel_size`` set no lathe key: pipeline stages compute the same loss and gradients as the whole
   model (a layout, not another computation), so lathe FSDP-shards each layer over those devices instead of cutting
@@ -251,7 +251,7 @@ def tp_beside_ep_notice(cfg: Any) -> str | None:
             "nothing: Megatron cuts the dense layers over its TP ranks and the experts over the data- x tensor-"
             "parallel ranks; lathe FSDP-shards the dense layers over those devices instead (the same computation, "
             "another memory layout) and splits a mini-batch over every device. To keep tensor parallelism (Qwen3-"
-            "MoE, Qwen3.5-MoE and Qwen3-Next; expert_parallel_size a multiple of it), set lathe's fsdp_config."
+            "MoE, Qwen3.5-MoE and Qwen3-Next; expert_parallel_size a multiple or a divisor of it), set lathe's fsdp_config."
             "tensor_parallel_size.")
 
 

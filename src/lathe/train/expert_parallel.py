@@ -61,6 +61,13 @@ again) and their outputs, zeros outside each rank's share, are summed over it (o
 above; an all-gather of the shares would move half the bytes, not measured yet). Router and load-balancing loss are
 the tensor-parallel group's, as with P == T. FSDP2 shards each experts module over the data-parallel ranks outside
 the expert-parallel group (`lathe.train.parallel.expert_mesh`).
+
+A size P dividing T (T = r x P, r > 1: `MeshPlan.ep_within_tp_groups`; Megatron's EP below its TP) makes r
+expert-parallel groups of P consecutive ranks inside each tensor-parallel group, each holding every expert once (E/P
+per rank). The rows go as above: each rank of the tensor-parallel group takes its 1/T share, dispatches it within
+its own expert-parallel group, and the tensor-parallel group sums the outputs. Each expert then has r copies in a
+tensor-parallel group, each with the gradient of the rows its group's shares sent it: FSDP2 sums them, sharding the
+experts over the data-parallel ranks and those r groups (`expert_mesh`).
 """
 
 from __future__ import annotations
@@ -88,7 +95,7 @@ class ExpertParallel:
     mesh: Any              # the ep dim of the world mesh (a 1-D DeviceMesh over this rank's group)
     group: Any             # its process group
     same_tokens: bool = False   # the group is a tensor-parallel group: every rank holds its tokens (module doc)
-    tp: Any = None              # P = m x T: this rank's TensorParallel, each of its ranks sending 1/T of its rows
+    tp: Any = None              # P = m x T or T = r x P: this rank's TensorParallel, each rank sending 1/T of its rows
 
 
 def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
@@ -98,7 +105,7 @@ def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
         return None
     mesh = parallel.world_mesh(device.type, plan)["tp" if plan.experts_over_tp else "ep"]
     tp = None
-    if plan.ep_over_tp_groups:
+    if plan.ep_over_tp_groups or plan.ep_within_tp_groups:
         from lathe.train.tensor_parallel import tensor_parallel
         tp = tensor_parallel(plan, device)
     return ExpertParallel(size=plan.ep, rank=mesh.get_local_rank(), mesh=mesh, group=mesh.get_group(),

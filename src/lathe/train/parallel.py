@@ -24,7 +24,10 @@ and flattened back into `dp_shard` for the other weights; `lathe.train.expert_pa
 experts are cut over the `tp` dim instead, the shard dim not split, and FSDP2 shards them over the data-parallel
 dims as every other tensor-parallel weight. With `ep` = m x `tp` (`MeshPlan.ep_over_tp_groups`) the shard dim is
 split into `(dp_shard_mod_ep, ep_mod_tp)`, m innermost before `tp`; `ep` is `(ep_mod_tp, tp)` flattened (m whole
-tensor-parallel groups), `dp_shard` `(dp_shard_mod_ep, ep_mod_tp)` and `dp_shard_tp` all three.
+tensor-parallel groups), `dp_shard` `(dp_shard_mod_ep, ep_mod_tp)` and `dp_shard_tp` all three. With `tp` = r x
+`ep` (`MeshPlan.ep_within_tp_groups`) the tp dim is split into `(tp_mod_ep, ep)` instead: `tp` is those two
+flattened, `dp_shard_mod_ep` `(dp_shard, tp_mod_ep)` (the experts' FSDP2 dim: each expert's r copies in a group sum
+their gradients there) and `dp_shard_tp` all three.
 """
 
 from __future__ import annotations
@@ -240,9 +243,9 @@ def world_mesh(device_type: str, plan=None):
     replicas, tp, ep = (plan.dp_replicate, plan.tp, plan.ep) if plan is not None else (1, 1, 1)
     if plan is not None and plan.experts_over_tp:     # the experts over the tp dim: no ep dim of their own
         ep = 1
-    if plan is not None and tp > 1 and ep > 1 and not plan.ep_over_tp_groups:
+    if plan is not None and tp > 1 and ep > 1 and not (plan.ep_over_tp_groups or plan.ep_within_tp_groups):
         raise ValueError(f"expert_parallel_size={ep} beside tensor_parallel_size={tp}: the expert-parallel size is "
-                         f"the tensor-parallel size or a multiple of it (rules_parallel.check_expert_parallel)")
+                         f"the tensor-parallel size, a multiple or a divisor of it (rules_parallel.check_expert_parallel)")
     return _mesh(device_type, replicas, world_size() // (replicas * tp), tp, ep)
 
 
@@ -257,16 +260,23 @@ def mesh_note(plan=None) -> str:
 @functools.lru_cache(maxsize=None)
 def _mesh(device_type: str, replicas: int, shards: int, tp: int = 1, ep: int = 1):
     from torch.distributed.device_mesh import init_device_mesh
-    groups = ep // tp                   # beside tp: ep is m = ep / tp whole tensor-parallel groups (module doc)
-    inner = ("ep_mod_tp", groups) if tp > 1 else ("ep", ep)
-    shard_dims = [("dp_shard_mod_ep", shards // inner[1]), inner] if ep > 1 else [("dp_shard", shards)]
-    dims = [("dp_replicate", replicas)] * (replicas > 1) + shard_dims + [("tp", tp)] * (tp > 1)
+    replicate = [("dp_replicate", replicas)] * (replicas > 1)
+    if 1 < ep < tp:         # ep inside each tensor-parallel group: tp split into (tp / ep, ep) (module doc)
+        dims = replicate + [("dp_shard", shards), ("tp_mod_ep", tp // ep), ("ep", ep)]
+    else:                   # beside tp, ep is m = ep / tp whole tensor-parallel groups (module doc)
+        inner = ("ep_mod_tp", ep // tp) if tp > 1 else ("ep", ep)
+        shard_dims = [("dp_shard_mod_ep", shards // inner[1]), inner] if ep > 1 else [("dp_shard", shards)]
+        dims = replicate + shard_dims + [("tp", tp)] * (tp > 1)
     mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
-    if ep > 1:              # the other weights shard over both: one flattened dim
+    if 1 < ep < tp:
+        mesh["tp_mod_ep", "ep"]._flatten("tp")
+        mesh["dp_shard", "tp_mod_ep"]._flatten("dp_shard_mod_ep")
+        mesh["dp_shard", "tp_mod_ep", "ep"]._flatten("dp_shard_tp")
+    elif ep > 1:            # the other weights shard over both: one flattened dim
         mesh["dp_shard_mod_ep", inner[0]]._flatten("dp_shard")
-    if ep > 1 and tp > 1:
-        mesh["ep_mod_tp", "tp"]._flatten("ep")
-        mesh["dp_shard_mod_ep", "ep_mod_tp", "tp"]._flatten("dp_shard_tp")
+        if tp > 1:
+            mesh["ep_mod_tp", "tp"]._flatten("ep")
+            mesh["dp_shard_mod_ep", "ep_mod_tp", "tp"]._flatten("dp_shard_tp")
     elif tp > 1:            # (`whole_weights_mesh`; with ep == tp, the experts' ep is tp's: `world_mesh`)
         mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
     return mesh

@@ -87,9 +87,10 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
     """Raise unless `model` can be cut over `size` ranks: lathe's text decoder or value model (Qwen3.5, Qwen3.5-MoE and
     Qwen3-Next hybrids too: `_check_linear_attention`) whose query heads, key/value heads and intermediate sizes
     divide by the size (the vocabulary need not: its slices are torch.chunk's, the last ones shorter). Mixture-of-
-    experts layers only with `experts` (the expert-parallel size) equal to the size or a multiple of it, Qwen3-MoE's,
-    Qwen3.5-MoE's and Qwen3-Next's (`lathe.train.expert_parallel` places their experts over the group, or over
-    several whole groups; the expert-parallel size must divide them, `expert_parallel.check_model`)."""
+    experts layers only with `experts` (the expert-parallel size) equal to the size, a multiple or a divisor of it
+    above 1, Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's (`lathe.train.expert_parallel` places their experts over
+    the group, over several whole groups or over groups inside it; the expert-parallel size must divide them,
+    `expert_parallel.check_model`)."""
     if size == 1:
         return
     from lathe.models.lora import lora_layers
@@ -105,11 +106,11 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
                          f"not cut over a tensor-parallel group yet. Fix: set {key}=1.")
     sparse = [layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "gate_proj")]
     ep_key = f"{key.rpartition('.')[0]}.expert_parallel_size".lstrip(".")
-    if sparse and (experts < size or experts % size):
+    if sparse and (experts == 1 or experts % size and size % experts):
         raise ValueError(f"{key}={size} with mixture-of-experts layers ({model.config.architecture}): their experts "
-                         f"are placed over a tensor-parallel group's ranks, or over several whole groups, by expert "
-                         f"parallelism of the same size or a multiple of it ({ep_key}={experts}). Fix: set "
-                         f"{ep_key}={size} (or a multiple), or {key}=1.")
+                         f"are placed over a tensor-parallel group's ranks, over several whole groups or over groups "
+                         f"inside each, by expert parallelism of the same size, a multiple or a divisor of it above 1 "
+                         f"({ep_key}={experts}). Fix: set {ep_key}={size} (or a multiple or divisor), or {key}=1.")
     from lathe.models.qwen3_5 import SharedExpertMoeBlock
     if any(type(mlp) not in (SparseMoeBlock, SharedExpertMoeBlock) for mlp in sparse):
         raise ValueError(f"{key}={size} with the mixture-of-experts layers of {model.config.architecture}: only "

@@ -319,4 +319,4 @@ def test_tp_4_x_ep_2_inside_the_group_updates_as_one_process(four):
     ranks, _ = four
     one = train(1, -1, model_fn=within_moe, grads=True)
     assert ranks[0]["within"]["experts_mesh"] == (("dp_shard_mod_ep", "ep"), (2, 2))
-    _equal_one_process([{"within": r["within"]} for r in ranks], "within", one)
+    _equal_one_process(ranks, "within", one)

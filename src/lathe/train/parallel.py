@@ -263,22 +263,20 @@ def _mesh(device_type: str, replicas: int, shards: int, tp: int = 1, ep: int = 1
     replicate = [("dp_replicate", replicas)] * (replicas > 1)
     if 1 < ep < tp:         # ep inside each tensor-parallel group: tp split into (tp / ep, ep) (module doc)
         dims = replicate + [("dp_shard", shards), ("tp_mod_ep", tp // ep), ("ep", ep)]
-    else:                   # beside tp, ep is m = ep / tp whole tensor-parallel groups (module doc)
-        inner = ("ep_mod_tp", ep // tp) if tp > 1 else ("ep", ep)
-        shard_dims = [("dp_shard_mod_ep", shards // inner[1]), inner] if ep > 1 else [("dp_shard", shards)]
-        dims = replicate + shard_dims + [("tp", tp)] * (tp > 1)
-    mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
-    if 1 < ep < tp:
-        mesh["tp_mod_ep", "ep"]._flatten("tp")
-        mesh["dp_shard", "tp_mod_ep"]._flatten("dp_shard_mod_ep")
-        mesh["dp_shard", "tp_mod_ep", "ep"]._flatten("dp_shard_tp")
-    elif ep > 1:            # the other weights shard over both: one flattened dim
-        mesh["dp_shard_mod_ep", inner[0]]._flatten("dp_shard")
+        flat = {"tp": ("tp_mod_ep", "ep"), "dp_shard_mod_ep": ("dp_shard", "tp_mod_ep"),
+                "dp_shard_tp": ("dp_shard", "tp_mod_ep", "ep")}
+    elif ep > 1:            # the other weights shard over both ep dims: one flattened dp_shard
+        inner = ("ep_mod_tp", ep // tp) if tp > 1 else ("ep", ep)   # beside tp: m = ep / tp whole groups
+        dims = replicate + [("dp_shard_mod_ep", shards // inner[1]), inner] + [("tp", tp)] * (tp > 1)
+        flat = {"dp_shard": ("dp_shard_mod_ep", inner[0])}
         if tp > 1:
-            mesh["ep_mod_tp", "tp"]._flatten("ep")
-            mesh["dp_shard_mod_ep", "ep_mod_tp", "tp"]._flatten("dp_shard_tp")
-    elif tp > 1:            # (`whole_weights_mesh`; with ep == tp, the experts' ep is tp's: `world_mesh`)
-        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+            flat |= {"ep": ("ep_mod_tp", "tp"), "dp_shard_tp": ("dp_shard_mod_ep", "ep_mod_tp", "tp")}
+    else:                   # (`whole_weights_mesh`; with ep == tp, the experts' ep is tp's: `world_mesh`)
+        dims = replicate + [("dp_shard", shards)] + [("tp", tp)] * (tp > 1)
+        flat = {"dp_shard_tp": ("dp_shard", "tp")} if tp > 1 else {}
+    mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
+    for name, parts in flat.items():
+        mesh[parts]._flatten(name)
     return mesh
 
 

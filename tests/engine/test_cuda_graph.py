@@ -146,3 +146,52 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
         assert "stop" in outs[0].finish_reasons and outs[1].metrics["rollout/num_preemptions"] > 0
         assert_close_rel(torch.tensor(sum(outs[1].logprobs, [])), torch.tensor(sum(outs[0].logprobs, [])),
                          name="log-probs")
+
+
+def test_graph_steps_with_shared_prefixes_equal_the_eager_engine(checkpoints, triton_interpreter, monkeypatch):
+    """The n samples of two prompts share the prompts' blocks: graph steps on the Triton kernel (run by the
+    interpreter) attend over each shared prompt once per group of rows and give the plain engine's tokens and
+    log-probs, while rows stop early (the batch shrinks and its groups are found again) and a group is cut at its
+    most rows; without groups (shared_prefix_attention=False) the plain graph."""
+    import lathe.engine.cuda_graph as cg
+    import lathe.engine.llm_engine as llm
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.engine.sampler import fused_settings
+    from lathe.generation import SamplingParams
+    from lathe.models import load_lathe_model
+    from helpers import assert_close_rel
+
+    path, _ = checkpoints["qwen2"]
+    monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
+    monkeypatch.setattr("lathe.engine.triton_step.available", lambda device: True)
+    monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
+        torch.device("cuda"), vocab, seqs))                    # the CPU stands in for CUDA here
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, b: self.graphs.__setitem__(b, _Replay(self, b)))
+    monkeypatch.setattr(cg, "PREFIX_MIN_TOKENS", 8)
+    vocab = load_lathe_model(path).config.vocab_size
+    prompts = [list(range(1, 23)), list(range(30, 49))]          # 22 and 19 tokens: 5 and 4 full blocks of 4
+    params = SamplingParams(n=5, temperature=0.9, max_tokens=8, seed=4, stop_token_ids=list(range(0, vocab, 11)))
+    outs, keys, found = [], [], []
+    sync_prefix = DecodeGraphs._sync_prefix
+
+    def recorded(self, batch, lens):
+        sync_prefix(self, batch, lens)
+        found.append(int(self.prefix_lens[:batch].gt(0).sum()) if self.prefix_split else 0)
+    monkeypatch.setattr(DecodeGraphs, "_sync_prefix", recorded)
+    for graphs, shared in ((False, False), (True, True), (True, False)):
+        engine = LatheEngine(load_lathe_model(path), eos_token_id=None, block_size=4, num_kv_blocks=60,
+                             reserve_new_tokens=False, async_scheduling=graphs, decode_backend="triton",
+                             shared_prefix_attention=shared)
+        if graphs:
+            engine.runner.graphs = DecodeGraphs(engine.runner, 16)
+            assert engine.runner.graphs.prefix_rows == (min(8, 64 // 7) if shared else 0)   # a GQA group of 7
+            engine.runner.graphs.prefix_rows = 3 if shared else 0     # each prompt's 5 rows as groups of 3 and 2
+        outs.append(engine.generate(prompts, params))
+        keys.append(set(engine.runner.graphs.graphs) if graphs else set())
+    assert {k[3] for k in keys[1]} >= {1} and {k[3] for k in keys[2]} == {0}
+    assert found[0] == 10 and min(found) < 10, found      # all rows grouped at first, fewer once rows stop
+    assert "stop" in outs[0].finish_reasons
+    for out in outs[1:]:
+        assert out.token_ids == outs[0].token_ids and out.finish_reasons == outs[0].finish_reasons
+        assert_close_rel(torch.tensor(sum(out.logprobs, [])), torch.tensor(sum(outs[0].logprobs, [])),
+                         name="log-probs")

@@ -168,6 +168,31 @@ def test_cuda_engine_logprobs_sleep_and_graph_recapture(checkpoints, monkeypatch
     assert engine.generate(PROMPTS, params).token_ids == first.token_ids
 
 
+def test_cuda_shared_prefix_graphs_give_teacher_forced_logprobs(checkpoints, monkeypatch):
+    """The n samples of long prompts on shared blocks: graph steps attend over each prompt once per group of rows
+    (the prefix launch before the Triton kernel, in the graph); each sample's log-probs equal a teacher-forced forward
+    of the same model (fp32), and the tokens those of the engine without the prefix launch."""
+    from lathe.engine import cuda_graph
+    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS", 32)
+    path, _ = checkpoints["qwen2"]
+    cpu_model = load_lathe_model(path)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, cpu_model.config.vocab_size, (n,), generator=g).tolist() for n in (70, 150, 41)]
+    params = SamplingParams(n=5, temperature=0.8, max_tokens=MAX, seed=3)
+    outs = []
+    for shared in (True, False):
+        engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=16,
+                                             num_kv_blocks=256, decode_backend="triton",
+                                             shared_prefix_attention=shared)
+        outs.append(engine.generate(prompts, params))
+        assert any(key[3] > 0 for key in engine.runner.graphs.graphs) == shared
+        del engine
+    for prompt, ids, lps in zip([p for p in prompts for _ in range(5)], outs[0].token_ids, outs[0].logprobs):
+        ref = _teacher_forced(cpu_model, prompt, ids, 0.8)
+        torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-3, rtol=0)
+    assert outs[0].token_ids == outs[1].token_ids
+
+
 def test_wake_up_shrinks_an_auto_sized_cache_when_training_took_memory(checkpoints):
     path, _ = checkpoints["qwen2"]
     engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4,
@@ -224,7 +249,7 @@ def test_cuda_graph_top_k_top_p_search_equals_the_torch_sampler(checkpoints, mon
                                                               seed=7))
                      for t, k, p in ((0.8, 20, 1.0), (1.0, -1, 0.7), (1.2, 40, 0.9))])
         if fused:
-            assert {key[1:] for key in engine.runner.graphs.graphs} >= {(True, False), (False, True), (True, True)}
+            assert {key[1:3] for key in engine.runner.graphs.graphs} >= {(True, False), (False, True), (True, True)}
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
         assert_close_rel(torch.tensor([x for r in a.logprobs for x in r]),

@@ -170,3 +170,77 @@ def test_kernel_with_the_new_token_equals_rope_store_then_attention(kernel, batc
     assert torch.equal(vc, ref_v)
     assert torch.equal(out, ref), "the token read back from the cache: the same arithmetic as store + plain kernel"
     assert_close_rel(out, decode_attention(q_rot, ref_k, ref_v, tables.long(), lens), name="reference")
+
+
+def _shared_tables(g, groups: list[int], width: int, shared: list[int], blocks: int) -> torch.Tensor:
+    """Block tables of consecutive row groups (sizes `groups`), the rows of group i sharing its first `shared[i]`
+    blocks and owning the rest."""
+    ids = iter(torch.randperm(blocks, generator=g).tolist())
+    rows = []
+    for size, same in zip(groups, shared):
+        head = [next(ids) for _ in range(same)]
+        rows += [head + [next(ids) for _ in range(width - same)] for _ in range(size)]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("splits,prefix_splits", [(1, 1), (1, 2), (3, 2)])
+@pytest.mark.parametrize("new_token", [False, True])
+def test_shared_prefix_launch_equals_the_reference(kernel, splits, prefix_splits, new_token):
+    """`prefix`: groups of rows attend over their shared blocks in one launch (each group's query heads one tile),
+    each row over the rest in the main launch, which merges both (one split or several); rows outside any group and
+    a group whose prefix ends inside a block take the plain path. With the step's new token (RoPE and store in the
+    launch) the prefix launch rotates q as the main one does. Sinks join the merge."""
+    from lathe.engine.triton_store import rope_store_kv
+    g = torch.Generator().manual_seed(splits * 10 + prefix_splits + new_token)
+    page, hq, hkv, dim, width = 4, 14, 2, 32, 10
+    tables = _shared_tables(g, [3, 2, 1, 1], width, [5, 2, 0, 0], 80)
+    lens = torch.tensor([23, 30, 21, 12, 15, 33, 9], dtype=torch.int32)
+    batch = len(lens)
+    kc, vc = (torch.randn(80, page, hkv, dim, generator=g) for _ in range(2))
+    groups, plens = kernel.shared_prefixes(tables.numpy(), lens.numpy(), page, max_rows=4, min_tokens=4,
+                                           capacity=4)
+    assert groups[:2] == [(0, 3, 20), (3, 2, 8)] and plens.tolist() == [20, 20, 20, 8, 8, 0, 0]
+    prefix = kernel.SharedPrefix(torch.tensor(groups, dtype=torch.int32), torch.from_numpy(plens), prefix_splits, 4)
+    sinks = torch.randn(hq, generator=g)
+    counters = torch.zeros(batch * hkv, dtype=torch.int32)
+    if not new_token:
+        q = torch.randn(batch, hq, dim, generator=g)
+        out = kernel.paged_decode(q, kc, vc, tables, lens, num_splits=splits, block_n=8, counters=counters,
+                                  prefix=prefix, sinks=sinks)
+        ref = decode_attention(q, kc, vc, tables.long(), lens.long(), sinks=sinks)
+    else:
+        pos = lens.long() - 1
+        slots = tables.long().gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
+        q, k, v = (torch.randn(batch, h, dim, generator=g) for h in (hq, hkv, hkv))
+        angles = torch.randn(batch, dim // 2, generator=g)
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        ref_k, ref_v = kc.clone(), vc.clone()
+        q_rot = rope_store_kv(q, k, v, cos, sin, ref_k, ref_v, slots)
+        ref = decode_attention(q_rot, ref_k, ref_v, tables.long(), lens.long(), sinks=sinks)
+        out = kernel.paged_decode(q, kc, vc, tables, lens, num_splits=splits, block_n=8, counters=counters,
+                                  prefix=prefix, sinks=sinks, new_kv=(k, v, cos, sin, slots))
+        assert torch.equal(vc, ref_v)
+    assert_close_rel(out, ref, name="shared-prefix decode")
+    assert counters.eq(0).all()
+
+
+def test_shared_prefixes_group_rows_by_their_common_blocks(kernel):
+    """Runs of rows with the same first block, cut at `max_rows`; each group's prefix ends at its first differing
+    block and before its shortest row's last position; short prefixes and lone rows are left to the rows."""
+    page = 4
+    g = torch.Generator().manual_seed(3)
+    tables = _shared_tables(g, [5, 2, 2, 1], 8, [6, 1, 4, 0], 60).numpy()
+    lens = [30, 30, 30, 30, 14, 30, 30, 30, 30, 30]
+    groups, plens = kernel.shared_prefixes(tables, lens, page, max_rows=3, min_tokens=8)
+    # rows 0-2 (24 tokens), rows 3-4 (the shortest's last position 13: 13 tokens), 5-6 share one block (4 < 8: left),
+    # 7-8 share 4 blocks, row 9 alone
+    assert groups == [(0, 3, 24), (3, 2, 13), (7, 2, 16)]
+    assert plens.tolist() == [24, 24, 24, 13, 13, 0, 0, 16, 16, 0]
+    assert kernel.shared_prefixes(tables, lens, page, max_rows=3, min_tokens=8, capacity=5)[0][3:] == [(0, 0, 0)] * 2
+    with pytest.raises(ValueError, match="capacity"):
+        kernel.shared_prefixes(tables, lens, page, max_rows=3, min_tokens=8, capacity=2)
+    assert kernel.prefix_splits([(0, 0, 0)], 2, 132) == 0
+    assert kernel.prefix_splits([(0, 8, 2048)] * 32, 2, 132) == 4       # 2048 tokens: four 512-token splits
+    assert kernel.prefix_splits([(0, 8, 4096)] * 64, 2, 132) == 2       # 264 programs over 128: 3, a power of 2
+    assert kernel.prefix_splits([(0, 8, 600)] * 32, 2, 132) == 1        # one 512-token split's worth
+    assert kernel.prefix_splits([(0, 8, 8192)] * 4, 2, 132) == 4        # capped

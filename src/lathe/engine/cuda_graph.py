@@ -41,7 +41,8 @@ from lathe.engine import decode_forms, expert_parallel, triton_step
 from lathe.engine.multimodal import hidden_states, rope_delta, text_config
 from lathe.engine.sampler import FUSED_ROWS, fused_rows, sample_rows
 from lathe.engine.step_attention import DecodeAttention
-from lathe.engine.triton_decode import choose_num_splits, pdl_available
+from lathe.engine.triton_decode import (SharedPrefix, choose_num_splits, pdl_available, prefix_splits,
+                                        shared_prefixes)
 from lathe.models.rope import RotaryEmbedding
 
 # static input rows (SEED:DELTA: fused_rows; STATE: a hybrid model's linear-attention state slot)
@@ -49,6 +50,10 @@ IDS, POS, SEED, OUT_POS, GREEDY, TEMP, TOP_K, TOP_P, DELTA, STATE = range(10)
 assert DELTA - SEED == FUSED_ROWS
 _ONE = np.array(1.0).view(np.int64)
 PAD = np.array([0, -1, 0, 0, 1, _ONE, 0, _ONE, 0, 0], dtype=np.int64)     # a padding row: greedy, scratch slot
+# the shortest prompt prefix a group of rows attends over together (`DecodeGraphs._sync_prefix`): on an H200 the
+# group launch lost to every row reading its 256-token prompt (L2 holds it for the group's rows) and won at 1024
+# (`bench/results/decode_shared_prefix_nvidia-h200.json`)
+PREFIX_MIN_TOKENS = 512
 
 
 def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
@@ -85,6 +90,21 @@ class DecodeGraphs:
                                                      runner.model.get_input_embeddings().weight.dtype, device)
         # the decode kernel starts while the q/k/v projection drains (its lengths, slots and rows come from here)
         self.pdl = self.rope_table is not None and pdl_available(device)
+        # rows sharing a prompt's blocks attend over it once per group (`triton_decode.paged_decode`'s `prefix`):
+        # up to `prefix_rows` rows a group (its query heads one tile of at most 64 rows), the groups and each row's
+        # prefix length in static buffers, recomputed on the host when the batch's rows change
+        cfg = text_config(runner.model)
+        group = cfg.num_attention_heads // max(1, cfg.num_key_value_heads)
+        self.prefix_rows = min(8, 64 // group) if (
+            runner.shared_prefix and runner.decode_backend == "triton" and not runner.kv_cache.latent
+            and runner.kv_cache.dtype == runner.model.dtype and runner.rotates is not False) else 0
+        self.prefix_rows = self.prefix_rows if self.prefix_rows >= 2 else 0
+        if self.prefix_rows:
+            cap = self.max_batch // 2
+            self.prefix_groups = torch.zeros(cap, 3, dtype=torch.int32, device=device)
+            self.prefix_lens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
+            self.prefix_stage = Staging((cap * 3 + self.max_batch,), torch.int32, device)
+        self.prefix_split, self.prefix_batch = 0, -1
         self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
         self.reset()
 
@@ -98,6 +118,7 @@ class DecodeGraphs:
 
     def forget_rows(self) -> None:
         """Forget what the device block tables hold: the next step writes each row in use again."""
+        self.prefix_batch = -1                          # (and the groups are found again)
         self.row_seq = [None] * self.max_batch      # the sequence whose table each row of `tables` holds,
         self.row_dealloc = [0] * self.max_batch     # at which of its allocations, how long, ending in which block
         self.row_len = [0] * self.max_batch
@@ -110,9 +131,9 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= batch)
 
     def _forward(self, key: tuple) -> torch.Tensor:
-        """One decode step over the static buffers for key = (bucket, top-k search, top-p search): logits
-        (bucket, V); the sampled tokens and log-probs go to `sampled`."""
-        bucket, use_k, use_p = key
+        """One decode step over the static buffers for key = (bucket, top-k search, top-p search, prefix splits):
+        logits (bucket, V); the sampled tokens and log-probs go to `sampled`."""
+        bucket, use_k, use_p, psplits = key
         runner, inp, tables = self.runner, self.inputs[:, :bucket], self.tables[:bucket]
         bs, pos, scratch = runner.block_size, inp[POS], runner.kv_cache.scratch_slot
         if self.rope_table is not None:         # slots, lengths and RoPE rows in one launch
@@ -127,7 +148,9 @@ class DecodeGraphs:
         attn = DecodeAttention(runner.kv_cache, slots, tables, lens, runner.decode_backend,
                                splits if runner.decode_backend == "triton" else 1,
                                split_k=decode_forms.step_split_k(runner.model, bucket), rope=rope, pdl=self.pdl,
-                               rotates=runner.rotates)
+                               rotates=runner.rotates,
+                               prefix=SharedPrefix(self.prefix_groups[:bucket // 2], self.prefix_lens[:bucket],
+                                                   psplits, self.prefix_rows) if psplits else None)
         if runner.states is not None:
             attn.linear_states = runner.states.decode_step(inp[STATE])
         logits = runner.model.lm_head(hidden_states(runner.model, inp[IDS], positions, attn))
@@ -189,7 +212,7 @@ class DecodeGraphs:
             row_seq[i], row_len[i], row_last[i], row_dealloc[i] = seq, n, table[-1], seq.num_deallocations
             dirty.append(i)
         if not dirty:
-            return
+            return False
         if full:                                        # whole rows, flattened: one numpy assignment for all
             tables = [seqs[i].block_table for i in full]
             lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
@@ -201,6 +224,26 @@ class DecodeGraphs:
         self.host_tables.writable().numpy()[rows, cols] = vals
         lo, hi = dirty[0], dirty[-1] + 1
         self.host_tables.copy_to(self.tables[lo:hi], self.host_tables.tensor[lo:hi])
+        return bool(full)
+
+    def _sync_prefix(self, batch: int, lens: np.ndarray) -> None:
+        """Find the batch's groups of rows sharing a prompt's blocks (`triton_decode.shared_prefixes`, from the host
+        mirror of the tables) and write them, with each row's prefix length, to the graphs' static buffers; choose
+        the prefix launch's splits (0: no group, the plain graph)."""
+        cap = self.max_batch // 2
+        groups, plens = shared_prefixes(self.host_tables.tensor.numpy()[:batch], lens, self.runner.block_size,
+                                        max_rows=self.prefix_rows, min_tokens=PREFIX_MIN_TOKENS, capacity=cap)
+        kv_heads = self.runner.kv_cache.k[0].shape[2]
+        self.prefix_split = prefix_splits(groups, kv_heads, self.num_sms)
+        self.prefix_batch = batch
+        if self.prefix_split:
+            host = self.prefix_stage.writable().numpy()
+            host[:cap * 3] = np.asarray(groups, dtype=np.int32).reshape(-1)
+            host[cap * 3:cap * 3 + batch] = plens
+            host[cap * 3 + batch:] = 0
+            staged = self.prefix_stage.tensor
+            self.prefix_groups.view(-1).copy_(staged[:cap * 3], non_blocking=True)
+            self.prefix_stage.copy_to(self.prefix_lens, staged[cap * 3:])
 
     def run(self, seqs, pending=None, sampling=None, agreed: tuple | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -231,9 +274,15 @@ class DecodeGraphs:
             stage[STATE, batch:bucket] = states.scratch_slot
         staging.copy_to(self.inputs[:, :bucket], host)
         self.runner.take_pending(self.inputs[IDS], pending)
-        self._sync_tables(seqs)        # padding rows keep whatever table they hold: they write the scratch slot
+        changed = self._sync_tables(seqs)   # padding rows keep whatever table they hold: they write the scratch slot
+        psplits = 0
+        if self.prefix_rows and agreed is None:     # (data-parallel attention's agreed graphs: without)
+            if changed or batch != self.prefix_batch:   # rows only gaining blocks keep their groups
+                self._sync_prefix(batch, stage[POS, :batch] + 1)
+            psplits = self.prefix_split
         samples = sampling is not None and self.samples
-        key = (bucket, samples and sampling.use_k, samples and sampling.use_p) if agreed is None else agreed
+        key = (bucket, samples and sampling.use_k, samples and sampling.use_p, psplits) if agreed is None \
+            else (*agreed, 0)
         if key not in self.graphs:
             self._capture(key)
         self.graphs[key].replay()

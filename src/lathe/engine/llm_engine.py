@@ -143,6 +143,11 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
 
     Scheduling overlaps the device (`async_scheduling`, on by default on CUDA): see `step`.
 
+    `shared_prefix_attention` (on by default): in graph-replayed decode steps on the Triton kernel, rows whose block
+    tables share a prompt of at least `cuda_graph.PREFIX_MIN_TOKENS` tokens (the `n` samples of a prompt: prefix
+    caching shares its blocks) attend over it once per group of rows, each K/V tile read once for the group
+    (`triton_decode.paged_decode`'s `prefix`), and each row over the rest of its context on its own.
+
     `num_speculative_tokens=k > 0`: speculative decoding with the model's first MTP layer drafting k tokens per decode
     step, verified in one forward with exact acceptance (`lathe.engine.spec_step`); its steps run eagerly, without
     the overlap. A model without MTP layers is refused.
@@ -157,7 +162,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                  compile_model: bool | None = None, tokenizer=None, reserve_new_tokens: bool = True,
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
                  quantization: str | None = None, record_routing: bool = False, kv_cache_dtype: str | None = None,
-                 num_speculative_tokens: int = 0, quantize_lm_head: bool = False):
+                 num_speculative_tokens: int = 0, quantize_lm_head: bool = False, shared_prefix_attention: bool = True):
         hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
@@ -224,7 +229,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self.runner = ModelRunner(model, self.kv_cache, max_model_len=self.max_model_len,
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
                                   max_graph_batch=min(max_num_seqs, 512), graph_sizes=cudagraph_capture_sizes,
-                                  states=self.states)
+                                  states=self.states, shared_prefix=shared_prefix_attention)
         self.routing = None         # routing replay: each token's MoE choices, per KV slot (`routing.py`)
         if record_routing:
             self.routing = model.routing_recorder = RoutingRecorder(model, self.kv_cache)

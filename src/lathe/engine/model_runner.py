@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, *, max_model_len: int, decode_backend: str = "auto",
                  cuda_graphs: bool = True, max_graph_batch: int = 512, graph_sizes: list[int] | None = None,
-                 states=None):
+                 states=None, shared_prefix: bool = True):
         self.model = model
+        self.shared_prefix = shared_prefix      # decode graphs attend a shared prompt once per group (`cuda_graph`)
         self.states = states        # a hybrid model's linear-attention states (`linear_state.py`), or None
         # whether a decode step's attention rotates q and k (`DecodeAttention.rotates`): not for the hybrid and MLA
         # layers, which rotate them themselves (partial RoPE)

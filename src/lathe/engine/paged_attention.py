@@ -168,14 +168,16 @@ _logged_failures: set[tuple[str, str]] = set()     # (candidate, error) pairs al
 def decode_with(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, num_splits: int = 1,
                 counters: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                window: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                window: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                prefix=None) -> torch.Tensor:
     """Decode attention by a resolved backend name ("triton" or "torch"); same contract as `decode_attention`.
     `counters`: the Triton kernel's zeroed merge counters (`paged_decode`), shared by a step's layers. `sinks`,
-    `window`, `scales`: module doc."""
+    `window`, `scales`: module doc. `prefix`: the Triton kernel's shared prefixes (`paged_decode`; the reference reads
+    every row's context as it is)."""
     if backend == "triton":
         from lathe.engine.triton_decode import paged_decode
         return paged_decode(q, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits,
-                            counters=counters, sinks=sinks, window=window, scales=scales)
+                            counters=counters, sinks=sinks, window=window, scales=scales, prefix=prefix)
     return decode_attention(q, k_cache, v_cache, block_tables, context_lens, sinks=sinks, window=window,
                             scales=scales)
 

@@ -51,6 +51,9 @@ class DecodeAttention:
     # only where the context lengths, slots and RoPE rows were written at the step's start (`step_inputs`), not by
     # the launch right before the attention
     pdl: bool = False
+    # groups of rows sharing a prompt's blocks, attended over it once per group (`triton_decode.paged_decode`'s
+    # `prefix`; the decode graphs set it: `cuda_graph.DecodeGraphs`), or None
+    prefix: object | None = None
     layer_options: ClassVar[bool] = True       # takes `sinks` and `window` (`AttentionFn`)
 
     def __post_init__(self):
@@ -79,7 +82,7 @@ class DecodeAttention:
             return paged_decode(q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
                                 self.context_lens, num_splits=self.num_splits, counters=self.counters,
                                 new_kv=(k, v, cos, sin, self.slot_mapping), pdl=self.pdl, sinks=sinks, window=window,
-                                scales=scales)
+                                scales=scales, prefix=self.prefix)
         if in_launch:
             q = triton_store.rope_store_kv(q, k, v, cos, sin, self.kv_cache.k[layer], self.kv_cache.v[layer],
                                            self.slot_mapping, scales)
@@ -89,7 +92,7 @@ class DecodeAttention:
             self.kv_cache.store_unchecked(layer, k, v, self.slot_mapping)
         return decode_with(self.backend, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.block_tables,
                            self.context_lens, self.num_splits, self.counters, sinks=sinks, window=window,
-                           scales=scales)
+                           scales=scales, prefix=self.prefix)
 
 
 @dataclass

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lathe.device import nvidia_capability
@@ -50,18 +52,23 @@ def interpreted() -> bool:
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt", "stride_kn", "stride_vn", "stride_cos"])   # vary: one compile
-    def _decode_kernel(Q, K, V, KS, VS, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS, SINKS, window,
+    def _decode_kernel(Q, K, V, KS, VS, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS, SINKS, PLEN, window,
                        stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms, stride_outb, stride_outh,
                        stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos, stride_sblock, stride_stok,
                        scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       NEW_KV: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr):
+                       NEW_KV: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
+                       PREFIX_SPLITS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
         ctx = tl.load(LENS + b)
         first = tl.maximum(ctx - window, 0)             # the window's first position (0 without a window)
+        if PREFIX_SPLITS > 0:       # the shared prefix [0, plen) was attended by `_prefix_kernel` (its partials merge)
+            plen = tl.load(PLEN + b)
+            first = tl.maximum(first, plen)
+            pre_ok = (tl.arange(0, GROUP_PAD) < GROUP) & (tl.arange(0, GROUP_PAD) * 0 + plen > 0)
         per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = first + s * per_split
         end = tl.minimum(start + per_split, ctx)
@@ -159,13 +166,29 @@ if triton is not None:
             sink = tl.load(SINKS + h * GROUP + g, mask=g_ok, other=0.0).to(tl.float32)
         o_ptr = O + b * stride_ob + s * stride_os + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
         if NUM_SPLITS == 1:
+            if PREFIX_SPLITS > 0:    # the prefix kernel's partials (slots 1..PREFIX_SPLITS), when this row has one
+                for t in tl.static_range(PREFIX_SPLITS):
+                    at_ml = b * stride_mb + (1 + t) * stride_ms + h * GROUP + g
+                    m_t = tl.load(M + at_ml, mask=pre_ok, other=float("-inf"))
+                    m_new = tl.maximum(m_i, m_t)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    a_own, a_t = tl.exp(m_i - m_safe), tl.exp(m_t - m_safe)
+                    l_i = l_i * a_own + a_t * tl.load(L + at_ml, mask=pre_ok, other=0.0)
+                    o_t = tl.load(O + b * stride_ob + (1 + t) * stride_os + (h * GROUP + g)[:, None] * stride_oh
+                                  + d[None, :], mask=pre_ok[:, None] & d_ok[None, :], other=0.0)
+                    acc = acc * a_own[:, None] + a_t[:, None] * o_t
+                    m_i = m_new
             if HAS_SINKS:        # the sink's exp(sink) joins the denominator, on the running max's scale
                 m_fin = tl.maximum(m_i, sink)
                 alpha = tl.exp(m_i - m_fin)
                 l_i = l_i * alpha + tl.exp(sink - m_fin)
                 acc = acc * alpha[:, None]
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(o_ptr, out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+            if PREFIX_SPLITS > 0:    # O holds the partials; the output goes to OUT
+                tl.store(OUT + b * stride_outb + (h * GROUP + g)[:, None] * stride_outh + d[None, :],
+                         out.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+            else:
+                tl.store(o_ptr, out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         else:
             tl.store(o_ptr, acc, mask=g_ok[:, None] & d_ok[None, :])
             ml = b * stride_mb + s * stride_ms + h * GROUP + g
@@ -178,8 +201,9 @@ if triton is not None:
             if done == NUM_SPLITS - 1:
                 m_row = M + b * stride_mb + h * GROUP + g
                 m_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-                for t in tl.static_range(NUM_SPLITS):
-                    m_max = tl.maximum(m_max, tl.load(m_row + t * stride_ms, mask=g_ok, other=float("-inf"),
+                for t in tl.static_range(NUM_SPLITS + PREFIX_SPLITS):
+                    t_ok = g_ok if t < NUM_SPLITS else pre_ok
+                    m_max = tl.maximum(m_max, tl.load(m_row + t * stride_ms, mask=t_ok, other=float("-inf"),
                                                       cache_modifier=".cg"))
                 if HAS_SINKS:
                     m_max = tl.maximum(m_max, sink)
@@ -189,12 +213,13 @@ if triton is not None:
                 if HAS_SINKS:
                     den += tl.exp(sink - m_max)
                 o_row = O + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
-                for t in tl.static_range(NUM_SPLITS):
-                    w = tl.exp(tl.load(m_row + t * stride_ms, mask=g_ok, other=float("-inf"),
+                for t in tl.static_range(NUM_SPLITS + PREFIX_SPLITS):
+                    t_ok = g_ok if t < NUM_SPLITS else pre_ok
+                    w = tl.exp(tl.load(m_row + t * stride_ms, mask=t_ok, other=float("-inf"),
                                        cache_modifier=".cg") - m_max)
-                    den += w * tl.load(L + b * stride_mb + t * stride_ms + h * GROUP + g, mask=g_ok, other=0.0,
+                    den += w * tl.load(L + b * stride_mb + t * stride_ms + h * GROUP + g, mask=t_ok, other=0.0,
                                        cache_modifier=".cg")
-                    num += w[:, None] * tl.load(o_row + t * stride_os, mask=g_ok[:, None] & d_ok[None, :],
+                    num += w[:, None] * tl.load(o_row + t * stride_os, mask=t_ok[:, None] & d_ok[None, :],
                                                 other=0.0, cache_modifier=".cg")
                 out = num / tl.maximum(den, 1.1754943508222875e-38)[:, None]
                 out_ptr = OUT + b * stride_outb + (h * GROUP + g)[:, None] * stride_outh + d[None, :]
@@ -202,12 +227,134 @@ if triton is not None:
                 tl.atomic_xchg(COUNT + b * tl.num_programs(1) + h, 0)
 
 
+    @triton.jit(do_not_specialize=["stride_bt", "stride_cos"])
+    def _prefix_kernel(Q, K, V, BT, GROUPS, O, M, L, COS, SIN,
+                       stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
+                       stride_ob, stride_os, stride_oh, stride_mb, stride_ms, stride_cos,
+                       scale, GROUP: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FIRST_SLOT: tl.constexpr,
+                       PREFIX_SPLITS: tl.constexpr, ROTATE: tl.constexpr):
+        """One program per (group, KV head, prefix split): the query heads of all the group's rows that share that KV
+        head, as one tile of rows x GROUP query rows, against the prefix the group's rows share (their block tables
+        agree over it), each K/V tile read once for the group. Writes each row's unnormalised partial (acc, max,
+        sum) at split slot FIRST_SLOT + split, which `_decode_kernel` merges (`paged_decode`'s `prefix`)."""
+        gi = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        row0 = tl.load(GROUPS + gi * 3)
+        rows = tl.load(GROUPS + gi * 3 + 1)
+        plen = tl.load(GROUPS + gi * 3 + 2)
+        per_split = tl.cdiv(tl.cdiv(plen, PREFIX_SPLITS), BLOCK_N) * BLOCK_N
+        start = s * per_split
+        end = tl.minimum(start + per_split, plen)
+        i = tl.arange(0, ROWS_PAD)
+        d = tl.arange(0, DIM_PAD)
+        r = i // GROUP
+        head = h * GROUP + i % GROUP
+        i_ok = r < rows
+        d_ok = d < HEAD_DIM
+        row = (row0 + tl.where(i_ok, r, 0)).to(tl.int64)
+        q_ok = i_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + row[:, None] * stride_qb + head[:, None] * stride_qh + d[None, :], mask=q_ok, other=0.0)
+        if ROTATE:      # q before RoPE, rotated as `_decode_kernel` rotates it (module doc)
+            d_rot = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
+            sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+            cos = tl.load(COS + row[:, None] * stride_cos + d[None, :], mask=q_ok, other=0.0).to(tl.float32)
+            sin = tl.load(SIN + row[:, None] * stride_cos + d[None, :], mask=q_ok, other=0.0).to(tl.float32)
+            q_rot = tl.load(Q + row[:, None] * stride_qb + head[:, None] * stride_qh + d_rot[None, :], mask=q_ok,
+                            other=0.0).to(tl.float32)
+            q = (q.to(tl.float32) * cos + sign[None, :] * q_rot * sin).to(Q.dtype.element_ty)
+        m_i = tl.full([ROWS_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS_PAD], tl.float32)
+        acc = tl.zeros([ROWS_PAD, DIM_PAD], tl.float32)
+        for start_n in range(start, end, BLOCK_N):
+            n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            block = tl.load(BT + row0.to(tl.int64) * stride_bt + n // PAGE, mask=n_ok, other=0)
+            tok = block.to(tl.int64) * stride_kblock + (n % PAGE) * stride_ktok
+            kv_off = tok[:, None] + h * stride_kh + d[None, :]
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            scores = tl.where(n_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+        slot = FIRST_SLOT + s
+        tl.store(O + row[:, None] * stride_ob + slot * stride_os + head[:, None] * stride_oh + d[None, :], acc,
+                 mask=q_ok)
+        ml = row * stride_mb + slot * stride_ms + head
+        tl.store(M + ml, m_i, mask=i_ok)
+        tl.store(L + ml, l_i, mask=i_ok)
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Rows of a decode batch that share a prefix of their block tables (`shared_prefixes`), for `paged_decode`."""
+    groups: torch.Tensor        # (G, 3) int32 on the device: first row, rows (0: an unused entry), prefix length
+    lens: torch.Tensor          # (B,) int32: each row's shared prefix length (0: none)
+    splits: int                 # programs per (group, KV head) over the prefix
+    max_rows: int               # the most rows a group holds
+
+
+def shared_prefixes(tables, lens, page: int, *, max_rows: int = 8, min_tokens: int = 512,
+                    capacity: int | None = None) -> tuple[list[tuple[int, int, int]], np.ndarray]:
+    """Groups of consecutive rows whose block tables agree over their first blocks (one physical copy of a prompt's
+    KV, as the block manager shares it between the `n` samples of a prompt): [(first row, rows, prefix length)] and
+    each row's prefix length (int32, 0 outside the groups). A group's prefix stops at its first differing block and
+    before each row's last position (the token the step writes, in a block of the row's own); a run of more than
+    `max_rows` rows is cut into groups of `max_rows` (each reads the prefix once), and prefixes shorter than
+    `min_tokens` are left to the rows. `tables` (B, W) and `lens` (B,) numpy arrays (or what converts to them);
+    `capacity` pads the list with unused entries (rows 0)."""
+    tables, lens = np.asarray(tables), np.asarray(lens)
+    rows = len(lens)
+    groups, plens = [], np.zeros(rows, dtype=np.int32)
+    if rows >= 2:
+        first = tables[:rows, 0]
+        cut = np.flatnonzero(first[1:] != first[:-1]) + 1
+        for lo, hi in zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [rows]]).tolist()):
+            for b in range(lo, hi, max_rows):
+                e = min(b + max_rows, hi)
+                shortest = int(lens[b:e].min())
+                width = min(-(-(shortest - 1) // page), tables.shape[1])    # blocks before the last position
+                if e - b < 2 or min(width * page, shortest - 1) < min_tokens:
+                    continue
+                differ = (tables[b + 1:e, :width] != tables[b, :width]).any(0)
+                plen = min((int(differ.argmax()) if differ.any() else width) * page, shortest - 1)
+                if plen >= min_tokens:
+                    groups.append((b, e - b, plen))
+                    plens[b:e] = plen
+    if capacity is not None:
+        if len(groups) > capacity:
+            raise ValueError(f"shared_prefixes: {len(groups)} groups do not fit a capacity of {capacity}")
+        groups += [(0, 0, 0)] * (capacity - len(groups))
+    return groups, plens
+
+
+def prefix_splits(groups: list[tuple[int, int, int]], num_kv_heads: int, num_sms: int, max_splits: int = 4) -> int:
+    """Programs per (group, KV head) over the shared prefixes: about two per SM over all groups, at most one per 512
+    prefix tokens (the mean group's), a power of two up to `max_splits` (each is a graph of its own); 0 without
+    groups."""
+    used = [g for g in groups if g[1]]
+    if not used:
+        return 0
+    fill = -(-2 * num_sms // (len(used) * num_kv_heads))
+    want = max(1, min(fill, sum(g[2] for g in used) // len(used) // 512, max_splits))
+    return 1 << (want.bit_length() - 1)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float | None = None, num_splits: int = 1,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                  counters: torch.Tensor | None = None, new_kv: tuple | None = None, pdl: bool = False,
                  sinks: torch.Tensor | None = None, window: int | None = None,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 prefix: SharedPrefix | None = None) -> torch.Tensor:
     """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D), any strides with the last dimension contiguous (a
     head-major cache passes as a permuted view); k and v strided alike; block_tables (B, max_blocks) int32/int64;
     context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference.
@@ -228,7 +375,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     itself and the window - 1 positions before it); both as `decode_attention` takes them (GPT-OSS).
 
     `scales` = (k_scale, v_scale), each (num_blocks, block_size, Hkv) float32 with the caches' leading strides in
-    elements of their own: an FP8 cache's (module doc)."""
+    elements of their own: an FP8 cache's (module doc).
+
+    `prefix` (`SharedPrefix`, from `shared_prefixes`): groups of consecutive rows whose block tables agree over a
+    prefix (the `n` samples of a prompt): a first launch attends each group's query heads over its prefix together,
+    reading each K/V tile once for the group, and this kernel attends each row over the rest and merges. Ignored with a
+    sliding `window` or an FP8 cache."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
     B, hq, dim = q.shape
@@ -252,32 +404,47 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             raise ValueError("paged_decode: new_kv needs an even head_dim, k and v rows contiguous, and cos/sin "
                              "(B, head_dim) rows alike")
         nb = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0))
-    if num_splits == 1:
+    if prefix is not None and (window is not None or scales is not None or prefix.splits == 0):
+        prefix = None
+    psplits = 0 if prefix is None else prefix.splits
+    if num_splits == 1 and prefix is None:
         o, m, l, count = out.unsqueeze(1), out, out, out              # m/l/count unused with one split
         sm = (0, 0)
     else:
-        o = torch.empty(B, num_splits, hq, dim, device=q.device, dtype=torch.float32)
-        m = torch.empty(B, num_splits, hq, device=q.device, dtype=torch.float32)
+        o = torch.empty(B, num_splits + psplits, hq, dim, device=q.device, dtype=torch.float32)
+        m = torch.empty(B, num_splits + psplits, hq, device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
         sm = (m.stride(0), m.stride(1))
-        count = counters if counters is not None else torch.zeros(B * hkv, dtype=torch.int32, device=q.device)
-        if count.numel() < B * hkv or count.dtype != torch.int32:
+        if num_splits == 1:
+            count = out                                                 # unused with one split
+        else:
+            count = counters if counters is not None else torch.zeros(B * hkv, dtype=torch.int32, device=q.device)
+        if num_splits > 1 and (count.numel() < B * hkv or count.dtype != torch.int32):
             raise ValueError(f"paged_decode: counters must be int32 with at least {B * hkv} elements")
     ks, vs = scales if scales is not None else (k_cache, v_cache)        # unused without FP8
     if scales is not None and (ks.stride() != vs.stride() or ks.stride(2) != 1):
         raise ValueError("paged_decode: k/v scales need the same strides and a contiguous head dimension")
     if sinks is not None and (sinks.shape != (hq,) or sinks.stride(0) != 1):
         raise ValueError(f"paged_decode: sinks must be ({hq},) and contiguous, got {tuple(sinks.shape)}")
+    if prefix is not None:
+        groups = prefix.groups
+        _prefix_kernel[(groups.shape[0], hkv, psplits)](
+            q, k_cache, v_cache, block_tables, groups, o, m, l, cos, sin,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            o.stride(0), o.stride(1), o.stride(2), *sm, nb[4], scale,
+            GROUP=group, ROWS_PAD=max(16, triton.next_power_of_2(prefix.max_rows * group)), HEAD_DIM=dim,
+            DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, FIRST_SLOT=num_splits,
+            PREFIX_SPLITS=psplits, ROTATE=new_kv is not None, num_warps=num_warps, num_stages=num_stages)
     _decode_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, ks, vs, block_tables, context_lens, o, m, l, out, count, kn, vn, cos, sin, slots,
-        q if sinks is None else sinks, window or (1 << 30),
+        q if sinks is None else sinks, context_lens if prefix is None else prefix.lens, window or (1 << 30),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), *nb,
         ks.stride(0) if scales is not None else 0, ks.stride(1) if scales is not None else 0, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=max(16, triton.next_power_of_2(dim)), PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         NEW_KV=new_kv is not None, PDL=pdl, HAS_SINKS=sinks is not None, KV_FP8=scales is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        PREFIX_SPLITS=psplits, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}))
     return out
 

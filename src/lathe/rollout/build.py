@@ -128,6 +128,7 @@ def build_engine(rollout_cfg, actor: LatheCausalLM, eos_ids: list[int], *, engin
                        cudagraph_capture_sizes=rollout_cfg.cudagraph_capture_sizes,
                        quantization=quantization, quantize_lm_head=getattr(rollout_cfg, "quantize_lm_head", False),
                        kv_cache_dtype=getattr(rollout_cfg, "kv_cache_dtype", None),
+                       shared_prefix_attention=getattr(rollout_cfg, "shared_prefix_attention", True),
                        record_routing=bool(getattr(rollout_cfg, "enable_rollout_routing_replay", False)),
                        **engine_kwargs)
 

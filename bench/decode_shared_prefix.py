@@ -121,7 +121,7 @@ def run_case(shape: str, rows: int, n: int, prompt: int, new: int, layers: int, 
         groups, plens = td.shared_prefixes(tables.numpy(), lens.cpu().numpy(), PAGE, max_rows=max_rows,
                                            min_tokens=64, capacity=rows // 2)
         out["groups"] = sum(1 for g in groups if g[1])
-        out["rule_splits"] = td.prefix_splits(groups, hkv, sms)      # what the engine's graphs would take
+        out["rule_splits"] = td.prefix_splits(groups, hkv, dim, sms)      # what the engine's graphs would take
         for ps in prefix_splits:
             pre = td.SharedPrefix(torch.tensor(groups, dtype=torch.int32, device=dev),
                                   torch.tensor(plens, dtype=torch.int32, device=dev), ps, max_rows)

@@ -88,6 +88,18 @@ class _Replay:
         self.graphs.outputs[self.key] = self.graphs._forward(self.key)
 
 
+def _graphs_on_cpu(monkeypatch):
+    """The decode graphs' step on the CPU, standing in for CUDA: step-inputs kernel and fused sampler on, captures
+    replaced by `_Replay`."""
+    import lathe.engine.llm_engine as llm
+    from lathe.engine.sampler import fused_settings
+    monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
+    monkeypatch.setattr("lathe.engine.triton_step.available", lambda device: True)
+    monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
+        torch.device("cuda"), vocab, seqs))
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, b: self.graphs.__setitem__(b, _Replay(self, b)))
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpreter, monkeypatch, kv_cache_dtype):
     """The graph step's own work (one input buffer, slots and lengths from positions and block tables, padding rows
@@ -97,20 +109,14 @@ def test_graph_step_on_cpu_equals_the_eager_engine(checkpoints, triton_interpret
     plain engine). Slots, lengths and RoPE rows come from the step-inputs kernel and its table, as on CUDA: the
     graph steps never call the model's RotaryEmbedding (only prefills do). With an FP8 KV cache (its scales stored and
     read by the graph step as by the plain one), the top-p batch is left out (time)."""
-    import lathe.engine.llm_engine as llm
     from lathe.engine.llm_engine import LatheEngine
-    from lathe.engine.sampler import fused_settings
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
     from helpers import assert_close_rel
     from .conftest import PROMPTS
 
     path, _ = checkpoints["qwen2"]
-    monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
-    monkeypatch.setattr("lathe.engine.triton_step.available", lambda device: True)
-    monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
-        torch.device("cuda"), vocab, seqs))                    # the CPU stands in for CUDA here
-    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, b: self.graphs.__setitem__(b, _Replay(self, b)))
+    _graphs_on_cpu(monkeypatch)
     from lathe.models.rope import RotaryEmbedding
     in_step, rope_in_steps = [False], []                        # RoPE computed inside a graph step, if ever
     rope_forward, graph_forward = RotaryEmbedding.forward, DecodeGraphs._forward
@@ -154,19 +160,13 @@ def test_graph_steps_with_shared_prefixes_equal_the_eager_engine(checkpoints, tr
     log-probs, while rows stop early (the batch shrinks and its groups are found again) and a group is cut at its
     most rows; without groups (shared_prefix_attention=False) the plain graph."""
     import lathe.engine.cuda_graph as cg
-    import lathe.engine.llm_engine as llm
     from lathe.engine.llm_engine import LatheEngine
-    from lathe.engine.sampler import fused_settings
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
     from helpers import assert_close_rel
 
     path, _ = checkpoints["qwen2"]
-    monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
-    monkeypatch.setattr("lathe.engine.triton_step.available", lambda device: True)
-    monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
-        torch.device("cuda"), vocab, seqs))                    # the CPU stands in for CUDA here
-    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, b: self.graphs.__setitem__(b, _Replay(self, b)))
+    _graphs_on_cpu(monkeypatch)
     monkeypatch.setattr(cg, "PREFIX_MIN_TOKENS", 8)
     vocab = load_lathe_model(path).config.vocab_size
     prompts = [list(range(1, 23)), list(range(30, 49))]          # 22 and 19 tokens: 5 and 4 full blocks of 4
@@ -188,7 +188,7 @@ def test_graph_steps_with_shared_prefixes_equal_the_eager_engine(checkpoints, tr
             engine.runner.graphs.prefix_rows = 3 if shared else 0     # each prompt's 5 rows as groups of 3 and 2
         outs.append(engine.generate(prompts, params))
         keys.append(set(engine.runner.graphs.graphs) if graphs else set())
-    assert {k[3] for k in keys[1]} >= {1} and {k[3] for k in keys[2]} == {0}
+    assert max(k[3] for k in keys[1]) > 0 and {k[3] for k in keys[2]} == {0}
     assert found[0] == 10 and min(found) < 10, found      # all rows grouped at first, fewer once rows stop
     assert "stop" in outs[0].finish_reasons
     for out in outs[1:]:

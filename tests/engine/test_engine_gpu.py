@@ -173,15 +173,15 @@ def test_cuda_shared_prefix_graphs_give_teacher_forced_logprobs(checkpoints, mon
     (the prefix launch before the Triton kernel, in the graph); each sample's log-probs equal a teacher-forced forward
     of the same model (fp32), and the tokens those of the engine without the prefix launch."""
     from lathe.engine import cuda_graph
-    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS", 32)
+    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS", 16)
     path, _ = checkpoints["qwen2"]
     cpu_model = load_lathe_model(path)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, cpu_model.config.vocab_size, (n,), generator=g).tolist() for n in (70, 150, 41)]
+    prompts = [torch.randint(1, cpu_model.config.vocab_size, (n,), generator=g).tolist() for n in (45, 33, 21)]
     params = SamplingParams(n=5, temperature=0.8, max_tokens=MAX, seed=3)
     outs = []
     for shared in (True, False):
-        engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=16,
+        engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4,
                                              num_kv_blocks=256, decode_backend="triton",
                                              shared_prefix_attention=shared)
         outs.append(engine.generate(prompts, params))

@@ -239,8 +239,9 @@ def test_shared_prefixes_group_rows_by_their_common_blocks(kernel):
     assert kernel.shared_prefixes(tables, lens, page, max_rows=3, min_tokens=8, capacity=5)[0][3:] == [(0, 0, 0)] * 2
     with pytest.raises(ValueError, match="capacity"):
         kernel.shared_prefixes(tables, lens, page, max_rows=3, min_tokens=8, capacity=2)
-    assert kernel.prefix_splits([(0, 0, 0)], 2, 132) == 0
-    assert kernel.prefix_splits([(0, 8, 2048)] * 32, 2, 132) == 4       # 2048 tokens: four 512-token splits
-    assert kernel.prefix_splits([(0, 8, 4096)] * 64, 2, 132) == 2       # 264 programs over 128: 3, a power of 2
-    assert kernel.prefix_splits([(0, 8, 600)] * 32, 2, 132) == 1        # one 512-token split's worth
-    assert kernel.prefix_splits([(0, 8, 8192)] * 4, 2, 132) == 4        # capped
+    assert kernel.prefix_splits([(0, 0, 0)], 2, 128, 132) == 0
+    assert kernel.prefix_splits([(0, 8, 2048)] * 32, 2, 64, 132) == 4    # 0.5B's heads: 4 programs a (group, head)
+    assert kernel.prefix_splits([(0, 8, 2048)] * 32, 2, 128, 132) == 2   # 1.5B's: 2
+    assert kernel.prefix_splits([(0, 8, 2048)] * 32, 4, 128, 132) == 1   # 7B's: 1
+    assert kernel.prefix_splits([(0, 8, 2048)] * 20, 2, 128, 132) == 2   # 3.3: a power of two
+    assert kernel.prefix_splits([(0, 8, 2048)] * 2, 2, 128, 132) == 4    # capped

@@ -233,8 +233,8 @@ class DecodeGraphs:
         cap = self.max_batch // 2
         groups, plens = shared_prefixes(self.host_tables.tensor.numpy()[:batch], lens, self.runner.block_size,
                                         max_rows=self.prefix_rows, min_tokens=PREFIX_MIN_TOKENS, capacity=cap)
-        kv_heads = self.runner.kv_cache.k[0].shape[2]
-        self.prefix_split = prefix_splits(groups, kv_heads, self.num_sms)
+        _, _, kv_heads, head_dim = self.runner.kv_cache.k[0].shape
+        self.prefix_split = prefix_splits(groups, kv_heads, head_dim, self.num_sms)
         self.prefix_batch = batch
         if self.prefix_split:
             host = self.prefix_stage.writable().numpy()

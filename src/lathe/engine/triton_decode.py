@@ -51,6 +51,17 @@ def interpreted() -> bool:
 
 
 if triton is not None:
+    @triton.jit
+    def _softmax_tile(scores, n_ok, m_i, l_i):
+        """One tile of the online softmax: the tile's probabilities on the new running max (masked positions 0),
+        the old sums' rescale factor, the new sum and max."""
+        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
     @triton.jit(do_not_specialize=["stride_bt", "stride_kn", "stride_vn", "stride_cos"])   # vary: one compile
     def _decode_kernel(Q, K, V, KS, VS, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS, SINKS, PLEN, window,
                        stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
@@ -144,12 +155,7 @@ if triton is not None:
                 scores = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty))).to(tl.float32) * (k_s * scale)[None, :]
             else:
                 scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            scores = tl.where(n_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, l_i, m_new = _softmax_tile(scores, n_ok, m_i, l_i)
             v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
             if KV_FP8:
                 v_s = tl.load(VS + s_off, mask=n_ok, other=0.0)
@@ -276,12 +282,7 @@ if triton is not None:
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            scores = tl.where(n_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, l_i, m_new = _softmax_tile(scores, n_ok, m_i, l_i)
             v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
@@ -336,15 +337,16 @@ def shared_prefixes(tables, lens, page: int, *, max_rows: int = 8, min_tokens: i
     return groups, plens
 
 
-def prefix_splits(groups: list[tuple[int, int, int]], num_kv_heads: int, num_sms: int, max_splits: int = 4) -> int:
-    """Programs per (group, KV head) over the shared prefixes: about two per SM over all groups, at most one per 512
-    prefix tokens (the mean group's), a power of two up to `max_splits` (each is a graph of its own); 0 without
-    groups."""
-    used = [g for g in groups if g[1]]
+def prefix_splits(groups: list[tuple[int, int, int]], num_kv_heads: int, head_dim: int, num_sms: int,
+                  max_splits: int = 4) -> int:
+    """Programs per (group, KV head) over the shared prefixes: about one per SM over all groups at head_dim 128 (two
+    at 64, whose tiles are half the bytes), a power of two up to `max_splits` (each is a graph of its own); 0 without
+    groups. On an H200 (`bench/results/decode_shared_prefix_*`) the best at 32 groups of 8 rows: 4 for 0.5B's two
+    KV heads of 64, 2 for 1.5B's two of 128, 1 for 7B's four of 128 at prompts up to 1024 (2 at 2048, by 5%)."""
+    used = sum(1 for g in groups if g[1])
     if not used:
         return 0
-    fill = -(-2 * num_sms // (len(used) * num_kv_heads))
-    want = max(1, min(fill, sum(g[2] for g in used) // len(used) // 512, max_splits))
+    want = max(1, min(round(num_sms * 128 / (head_dim * used * num_kv_heads)), max_splits))
     return 1 << (want.bit_length() - 1)
 
 

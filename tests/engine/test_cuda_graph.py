@@ -168,6 +168,7 @@ def test_graph_steps_with_shared_prefixes_equal_the_eager_engine(checkpoints, tr
     path, _ = checkpoints["qwen2"]
     _graphs_on_cpu(monkeypatch)
     monkeypatch.setattr(cg, "PREFIX_MIN_TOKENS", 8)
+    monkeypatch.setattr(cg, "PREFIX_MIN_TOKENS_WIDE", 8)
     vocab = load_lathe_model(path).config.vocab_size
     prompts = [list(range(1, 23)), list(range(30, 49))]          # 22 and 19 tokens: 5 and 4 full blocks of 4
     params = SamplingParams(n=5, temperature=0.9, max_tokens=8, seed=4, stop_token_ids=list(range(0, vocab, 11)))

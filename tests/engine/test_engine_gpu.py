@@ -174,6 +174,7 @@ def test_cuda_shared_prefix_graphs_give_teacher_forced_logprobs(checkpoints, mon
     of the same model (fp32), and the tokens those of the engine without the prefix launch."""
     from lathe.engine import cuda_graph
     monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS", 16)
+    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS_WIDE", 16)
     path, _ = checkpoints["qwen2"]
     cpu_model = load_lathe_model(path)
     g = torch.Generator().manual_seed(0)

@@ -415,8 +415,8 @@ def test_engine_rotating_and_storing_in_the_kernels_equals_the_plain_fp8_engine(
 
 
 def test_fp8_kernels_compile_for_hopper():
-    """The FP8 variants of the store, RoPE-store and decode kernels (the step's own token, split merge, sinks) compile
-    for sm_90 without a GPU (Triton's frontend, MLIR passes and ptxas; in a process of its own, as the tests run
+    """The FP8 variants of the store, RoPE-store and decode kernels (the step's own token, split merge, sinks), and
+    the shared-prefix launch with the decode kernel merging it (bf16), compile for sm_90 without a GPU (Triton's frontend, MLIR passes and ptxas; in a process of its own, as the tests run
     Triton's interpreter): the interpreter above runs their arithmetic but not Triton's type and shape checks."""
     import os
     import subprocess
@@ -462,12 +462,21 @@ def compile_fp8_kernels() -> str:
                                     "stride_cos")}},
              {"HQ": 28, "HKV": 4, "HQ_PAD": 32, "HKV_PAD": 4, "HALF": 64, "HALF_PAD": 64, "FP8": True})
     types = {**{n: "*bf16" for n in ("Q", "OUT", "KN", "VN", "COS", "SIN", "SINKS")}, "K": fp8, "V": fp8,
-             **{n: scale for n in ("KS", "VS", "O", "M", "L")}, **{n: "*i32" for n in ("BT", "LENS", "COUNT")},
+             **{n: scale for n in ("KS", "VS", "O", "M", "L")}, **{n: "*i32" for n in ("BT", "LENS", "COUNT", "PLEN")},
              "SLOTS": "*i64", "scale": "fp32"}
     constexprs = {"GROUP": 7, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
-                  "NUM_SPLITS": 3, "NEW_KV": True, "PDL": False, "HAS_SINKS": True, "KV_FP8": True}
+                  "NUM_SPLITS": 3, "NEW_KV": True, "PDL": False, "HAS_SINKS": True, "KV_FP8": True, "PREFIX_SPLITS": 0}
     names = [n for n in triton_decode._decode_kernel.arg_names if n not in constexprs]
     compile_(triton_decode._decode_kernel, {n: types.get(n, "i32") for n in names}, constexprs)
     half = {**types, **{n: "*fp16" for n in ("Q", "OUT", "KN", "VN", "COS", "SIN", "SINKS")}}    # V scaled in float16
     compile_(triton_decode._decode_kernel, {n: half.get(n, "i32") for n in names}, constexprs)
+    # the shared-prefix launch and the main kernel merging its partials (bf16 cache; one split and several)
+    bf16 = {**types, "K": "*bf16", "V": "*bf16", "GROUPS": "*i32"}
+    for splits in (1, 3):
+        compile_(triton_decode._decode_kernel, {n: bf16.get(n, "i32") for n in names},
+                 {**constexprs, "KV_FP8": False, "NUM_SPLITS": splits, "PREFIX_SPLITS": 2, "PDL": True})
+    pre = {"GROUP": 7, "ROWS_PAD": 64, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64, "FIRST_SLOT": 1,
+           "PREFIX_SPLITS": 2, "ROTATE": True}
+    compile_(triton_decode._prefix_kernel, {n: bf16.get(n, "i32") for n in triton_decode._prefix_kernel.arg_names
+                                            if n not in pre}, pre)
     return "compiled"

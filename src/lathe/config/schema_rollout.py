@@ -210,11 +210,12 @@ class RolloutConfig:
                                          "rollout/trainer log-prob gap, training/rollout_probs_diff_*, about the "
                                          "same: README). false: bf16, as vLLM keeps it.")
     shared_prefix_attention: bool = spec(True, "lathe: in decode steps (CUDA graphs, Triton attention), the rows "
-                                               "sharing a prompt of 512 tokens or more (the n samples of a prompt) "
-                                               "attend over it once per group of rows, each K/V tile read once for "
-                                               "the group (on an H200 1.13-1.47x faster decode attention at 1024- "
-                                               "and 2048-token prompts: README). false: every row reads its "
-                                               "whole context.")
+                                               "sharing a prompt of 768 tokens or more (512 for models with 512+ "
+                                               "K/V values a token and layer; the n samples of a prompt) attend "
+                                               "over it once per group of rows, each K/V tile read once for the "
+                                               "group (on an H200 1.14-1.41x faster decode attention at 1024- and "
+                                               "2048-token prompts: README). false: every row reads its whole "
+                                               "context.")
     kv_cache_dtype: KVCacheDtype = spec("auto", "lathe (engine_kwargs.vllm/sglang.kv_cache_dtype set it): the "
                                                 "engine's paged KV cache. auto: the rollout dtype; fp8 (= "
                                                 "fp8_e4m3): float8_e4m3fn K/V with a float32 scale per token and "

@@ -50,10 +50,13 @@ IDS, POS, SEED, OUT_POS, GREEDY, TEMP, TOP_K, TOP_P, DELTA, STATE = range(10)
 assert DELTA - SEED == FUSED_ROWS
 _ONE = np.array(1.0).view(np.int64)
 PAD = np.array([0, -1, 0, 0, 1, _ONE, 0, _ONE, 0, 0], dtype=np.int64)     # a padding row: greedy, scratch slot
-# the shortest prompt prefix a group of rows attends over together (`DecodeGraphs._sync_prefix`): on an H200 the
-# group launch lost to every row reading its 256-token prompt (L2 holds it for the group's rows) and won at 1024
-# (`bench/results/decode_shared_prefix_nvidia-h200.json`)
-PREFIX_MIN_TOKENS = 512
+# the shortest prompt prefix a group of rows attends over together (`DecodeGraphs._sync_prefix`), and where a token's
+# K/V in a layer are at least 512 values (KV heads x head_dim), the shortest for those: on an H200 the group launch
+# lost to every row reading a 256-token prompt on its own (L2 serves the group's rows), was even at 512 for 0.5B's
+# and 1.5B's 2 x 64 and 2 x 128 (0.89-1.04x) and won there for 7B's 4 x 128 (1.08-1.22x); from 768 it won at all three
+# (1.02-1.41x, `bench/results/decode_shared_prefix_nvidia-h200.json`)
+PREFIX_MIN_TOKENS = 768
+PREFIX_MIN_TOKENS_WIDE = 512
 
 
 def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
@@ -97,7 +100,7 @@ class DecodeGraphs:
         group = cfg.num_attention_heads // max(1, cfg.num_key_value_heads)
         self.prefix_rows = min(8, 64 // group) if (
             runner.shared_prefix and runner.decode_backend == "triton" and not runner.kv_cache.latent
-            and runner.kv_cache.dtype == runner.model.dtype and runner.rotates is not False) else 0
+            and runner.kv_cache.dtype == runner.model.dtype) else 0
         self.prefix_rows = self.prefix_rows if self.prefix_rows >= 2 else 0
         if self.prefix_rows:
             cap = self.max_batch // 2
@@ -231,9 +234,10 @@ class DecodeGraphs:
         mirror of the tables) and write them, with each row's prefix length, to the graphs' static buffers; choose
         the prefix launch's splits (0: no group, the plain graph)."""
         cap = self.max_batch // 2
-        groups, plens = shared_prefixes(self.host_tables.tensor.numpy()[:batch], lens, self.runner.block_size,
-                                        max_rows=self.prefix_rows, min_tokens=PREFIX_MIN_TOKENS, capacity=cap)
         _, _, kv_heads, head_dim = self.runner.kv_cache.k[0].shape
+        least = PREFIX_MIN_TOKENS_WIDE if kv_heads * head_dim >= 512 else PREFIX_MIN_TOKENS
+        groups, plens = shared_prefixes(self.host_tables.tensor.numpy()[:batch], lens, self.runner.block_size,
+                                        max_rows=self.prefix_rows, min_tokens=least, capacity=cap)
         self.prefix_split = prefix_splits(groups, kv_heads, head_dim, self.num_sms)
         self.prefix_batch = batch
         if self.prefix_split:

@@ -144,10 +144,10 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
     Scheduling overlaps the device (`async_scheduling`, on by default on CUDA): see `step`.
 
     `shared_prefix_attention` (on by default): in graph-replayed decode steps on the Triton kernel, rows whose block
-    tables share a prompt of at least `cuda_graph.PREFIX_MIN_TOKENS` tokens (512 where a token's K/V in a layer are 512
-    values or more: `PREFIX_MIN_TOKENS_WIDE`) (the `n` samples of a prompt: prefix
-    caching shares its blocks) attend over it once per group of rows, each K/V tile read once for the group
-    (`triton_decode.paged_decode`'s `prefix`), and each row over the rest of its context on its own.
+    tables share a prompt (the `n` samples of a prompt: prefix caching shares its blocks) of at least
+    `cuda_graph.PREFIX_MIN_TOKENS` tokens (`PREFIX_MIN_TOKENS_WIDE` where a token's K/V in a layer are 512 values or
+    more) attend over it once per group of rows, each K/V tile read once for the group (`triton_decode.paged_decode`'s
+    `prefix`), and each row over the rest of its context on its own.
 
     `num_speculative_tokens=k > 0`: speculative decoding with the model's first MTP layer drafting k tokens per decode
     step, verified in one forward with exact acceptance (`lathe.engine.spec_step`); its steps run eagerly, without

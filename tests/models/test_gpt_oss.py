@@ -118,14 +118,14 @@ def test_checkpoint_round_trip_through_transformers(tmp_path):
 
 
 def test_attentions_without_sinks_refuse_these_layers(pair):
-    """The prefix-grouped forward's masked attention has no sinks or windows: refused, named. (Ulysses splits them:
+    """The prefix-grouped forward's attention has no sinks or windows: refused, named. (Ulysses splits them:
     tests/train/test_ulysses_hybrid.py.)"""
     from lathe.train.ulysses import check_model
     _, lathe = pair
     check_model(lathe, 2, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
-    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
-    with pytest.raises(ValueError, match="MaskedAttention does not implement attention sinks"):
-        lathe.hidden_grouped(torch.arange(5)[None], torch.arange(5)[None], mask)
+    from .test_hybrid import _one_segment
+    with pytest.raises(ValueError, match="GroupedAttention does not implement attention sinks"):
+        lathe.hidden_grouped(torch.arange(5), torch.arange(5), _one_segment(5))
 
 
 def test_sink_attention_in_query_slices_equals_whole():

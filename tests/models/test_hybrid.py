@@ -84,7 +84,7 @@ def test_what_cuts_sequences_is_refused_by_name():
     lathe = lathe_from_transformers(hf_model("qwen3_5_text"))
     ids = torch.randint(0, 100, (1, 5))
     with pytest.raises(NotImplementedError, match="use_prefix_grouper"):
-        lathe.hidden_grouped(ids, torch.arange(5)[None], torch.ones(1, 1, 5, 5, dtype=torch.bool).tril())
+        lathe.hidden_grouped(ids[0], torch.arange(5), _one_segment(5))
 
 
 @pytest.mark.gpu
@@ -120,3 +120,10 @@ def bf16_follows_the_reference(family: str, device: torch.device) -> None:
         outs.append((logits, {n: p.grad for n, p in model.named_parameters()}))
     assert_close_rel(outs[1][0], outs[0][0], rel=3e-2, name="bf16 logits")
     assert_close_rel(outs[1][1], outs[0][1], rel=1e-1, name="bf16 gradients")
+
+
+def _one_segment(n: int):
+    """A prefix-grouped forward's attention over one causal segment of n tokens."""
+    from lathe.models.attention import GroupedAttention
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    return GroupedAttention(cu, cu, torch.arange(n), n, n)

@@ -28,14 +28,24 @@ def _grouped_batch(n=3, seed=0, shuffle=True):
 
 
 def test_layout_runs_each_prompt_once():
+    """One packed stream: each prompt once, then its responses; a response's segment attends to its prompt's rows,
+    then its own, and a prompt's to itself; each response token is predicted from the token before it in its own
+    segment, the first from its prompt's last token."""
     batch = _grouped_batch()
     layout = grouped_layout(batch)
-    assert layout.input_ids.shape[0] == 3                                  # three prompts, nine rows
     responses = int(batch["response_mask"].sum())
-    assert layout.source.numel() == responses
-    assert int((layout.input_ids != PAD).sum()) == (3 + 5 + 2) + responses      # prompts once, every response
-    seen = layout.attn_mask[:, 0]
-    assert torch.equal(seen, seen & torch.ones_like(seen).tril())                # causal
+    assert layout.input_ids.shape == ((3 + 5 + 2) + responses,)             # three prompts once, every response
+    assert layout.source.numel() == responses and len(layout.cu_q) == 3 + 9 + 1
+    cu_q, cu_k, kv = layout.cu_q.tolist(), layout.cu_k.tolist(), layout.kv_index.tolist()
+    prompt = None
+    for s in range(len(cu_q) - 1):
+        rows, keys = list(range(cu_q[s], cu_q[s + 1])), kv[cu_k[s]:cu_k[s + 1]]
+        if keys == rows:                                                  # a prompt's segment
+            prompt = rows
+        else:
+            assert keys == prompt + rows                                  # its prompt, then itself
+    assert layout.max_q == max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
+    assert layout.max_k == max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -71,3 +81,24 @@ def test_batched_grouped_with_sum_pi_squared(make_lathe):
 def test_grouping_needs_lathes_decoder(make_model):
     with pytest.raises(ValueError, match="use_prefix_grouper=true needs lathe's text decoder"):
         response_log_probs(make_model(), _grouped_batch(), prefix_grouper=True)
+
+
+@pytest.mark.gpu
+def test_grouped_on_flash_attention_equals_packed_on_cuda(make_lathe):
+    """bf16 on CUDA: the grouped stream in one flash varlen call (each response's keys its prompt's, gathered, then its
+    own; the causal mask aligned at each segment's end, as the probe found on this device) gives the packed
+    per-row forward's log-probs and gradients, norm-relative."""
+    from lathe.models.attention import varlen_aligns_causal_at_end
+    assert varlen_aligns_causal_at_end(0, torch.bfloat16)
+    batch = _grouped_batch(n=4).to("cuda")
+    out, grads = {}, {}
+    for grouped in (False, True):
+        model = make_lathe().to("cuda", torch.bfloat16)
+        assert model.packed_backend() == "varlen"
+        logp, _ = response_log_probs(model, batch, temperature=1.0, prefix_grouper=grouped, remove_padding=True)
+        (logp * batch["response_mask"]).sum().backward()
+        out[grouped] = logp.detach().float()
+        grads[grouped] = {k: p.grad.float() for k, p in model.named_parameters()}
+    mask = batch["response_mask"].bool()
+    assert_close_rel(out[True][mask], out[False][mask], rel=2e-2, name="log-probs")
+    assert_close_rel(grads[True], grads[False], rel=5e-2, name="gradients")

@@ -62,8 +62,8 @@ def check_sequence_parallel(cfg: LatheConfig, devices: Devices, problems: Proble
                          f"{switch}=false runs it padded. Fix: set {switch}=true (or {key}=1).")
     if sequence_parallel_size(cfg, "actor") > 1 and cfg.actor_rollout_ref.actor.use_prefix_grouper:
         problems.add(f"{ARR}.actor.use_prefix_grouper=true with {KEYS['actor']}="
-                     f"{sequence_parallel_size(cfg, 'actor')}: prefix-grouped rows run under an explicit attention "
-                     f"mask, which lathe does not split over devices. Fix: set use_prefix_grouper=false (or "
+                     f"{sequence_parallel_size(cfg, 'actor')}: each prefix-grouped response attends to its prompt's "
+                     f"tokens, which lathe does not split over devices. Fix: set use_prefix_grouper=false (or "
                      f"{KEYS['actor']}=1).")
 
 

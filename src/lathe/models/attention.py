@@ -234,20 +234,90 @@ class PackedAttention:
         return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
     def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from torch.nn.attention.varlen import varlen_attn
-        params = varlen_signature()
-        kwargs = {}
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
-        elif q.shape[1] != k.shape[1] and not varlen_takes_gqa(q.device.index, q.dtype):
-            groups = q.shape[1] // k.shape[1]
-            k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
-        if "window_size" in params:
-            kwargs["window_size"] = (-1, 0)
-        else:
-            kwargs["is_causal"] = True
         cu = self.cu_seqlens.to(torch.int32)
-        return varlen_attn(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, **kwargs)
+        return causal_varlen(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen)
+
+
+def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                  max_q: int, max_k: int) -> torch.Tensor:
+    """Flash `varlen_attn`, causal, K/V at their own head count where this torch computes GQA from them (else
+    repeated): (T, Hq, D) queries over each sequence's keys; with fewer queries than keys in a sequence, the causal
+    mask is aligned at its end (`varlen_aligns_causal_at_end` says where that holds)."""
+    from torch.nn.attention.varlen import varlen_attn
+    params = varlen_signature()
+    kwargs = {}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+    elif q.shape[1] != k.shape[1] and not varlen_takes_gqa(q.device.index, q.dtype):
+        groups = q.shape[1] // k.shape[1]
+        k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def causal_at_end(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """(queries, keys) bool: query i sees keys 0 .. keys - queries + i (the queries are the last of the keys)."""
+    last = keys - queries + torch.arange(queries, device=device)
+    return torch.arange(keys, device=device)[None, :] <= last[:, None]
+
+
+@functools.cache
+def varlen_aligns_causal_at_end(device_index: int, dtype: torch.dtype) -> bool:
+    """Whether `causal_varlen` with fewer queries than keys in a sequence masks as `causal_at_end` (flash attention
+    2.1 and later do; probed once per device and dtype against SDPA with that mask)."""
+    if varlen_signature() is None:
+        return False
+    try:
+        g = torch.Generator(device=f"cuda:{device_index}").manual_seed(0)
+        q, k, v = (torch.randn(n, 2, 64, device=f"cuda:{device_index}", generator=g, dtype=dtype) for n in (5, 19, 19))
+        cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor([0, 9, 19], dtype=torch.int32, device=q.device)
+        out = causal_varlen(q, k, v, cu_q, cu_k, 3, 10)
+        ref = torch.cat([F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1),
+            attn_mask=causal_at_end(b - a, d - c, q.device)).transpose(0, 1)
+            for a, b, c, d in ((0, 2, 0, 9), (2, 5, 9, 19))])
+    except (RuntimeError, ValueError):
+        return False
+    return torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@dataclass
+class GroupedAttention:
+    """Causal attention over a packed stream of segments whose keys are gathered from the stream: the prefix-grouped
+    forward (`lathe.train.prefix_group`), where a prompt's segment sees itself and each of its responses' segments
+    sees the prompt, then itself. Segment s holds stream tokens cu_q[s]:cu_q[s+1] as queries and the stream rows
+    kv_index[cu_k[s]:cu_k[s+1]] as keys, its queries being the last of its keys (`causal_at_end`). On flash attention
+    (`backend` "varlen", where `varlen_aligns_causal_at_end`) in one call; else SDPA per segment."""
+
+    cu_q: torch.Tensor          # (S+1,) int32
+    cu_k: torch.Tensor          # (S+1,) int32, over the gathered keys
+    kv_index: torch.Tensor      # (Tk,) int64 stream rows
+    max_q: int
+    max_k: int
+    backend: str = "sdpa"
+    rotates: ClassVar[bool] = False     # takes q and k rotated (`AttentionFn`)
+
+    def __post_init__(self):
+        self._bounds = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = k.index_select(0, self.kv_index), v.index_select(0, self.kv_index)
+        if self.backend == "varlen" and varlen_aligns_causal_at_end(q.device.index or 0, q.dtype):
+            return causal_varlen(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k)
+        if self._bounds is None:        # one host sync per forward, shared by all layers
+            self._bounds = list(zip(self.cu_q.tolist(), self.cu_k.tolist()))
+        gqa = q.shape[1] != k.shape[1]
+        outs = []
+        for (a, c), (b, d) in zip(self._bounds[:-1], self._bounds[1:]):
+            qs, ks, vs = q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)
+            out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], enable_gqa=gqa,
+                                                 attn_mask=causal_at_end(b - a, d - c, q.device))
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs, dim=0)
 
 
 @dataclass
@@ -296,19 +366,4 @@ class PaddedAttention:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask, enable_gqa=gqa)
-        return out.transpose(1, 2)
-
-
-@dataclass
-class MaskedAttention:
-    """Attention under an explicit boolean mask (B, 1, L, L), True where a query sees a key: the prefix-grouped
-    forward (`lathe.train.prefix_group`), where a prompt is computed once and each of its responses sees the prompt
-    and its own earlier tokens. The mask must let every query see at least itself."""
-
-    mask: torch.Tensor
-    rotates: ClassVar[bool] = False       # takes q and k rotated (`AttentionFn`)
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))                           # (B, H, L, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lathe.models.attention import MaskedAttention, PackedAttention, PaddedAttention, refuse_layer_options, \
+from lathe.models.attention import PackedAttention, PaddedAttention, refuse_layer_options, \
     select_packed_backend
 from lathe.models.config import LatheConfig
 from lathe.models.gpt_oss import GptOssMoeBlock
@@ -304,10 +304,10 @@ class _Backbone(nn.Module):
         a packed stream over devices (`lathe.train.ulysses`)."""
         return self.model(input_ids, position_ids, attn)
 
-    def hidden_grouped(self, input_ids, position_ids, attn_mask) -> torch.Tensor:
-        """(B, L, H) final hidden states under an explicit (B, 1, L, L) boolean attention mask (`MaskedAttention`):
-        the prefix-grouped rows of `lathe.train.prefix_group`."""
-        return self.model(input_ids, position_ids, MaskedAttention(attn_mask))
+    def hidden_grouped(self, input_ids, position_ids, attn) -> torch.Tensor:
+        """(T, H) final hidden states of the prefix-grouped stream of `lathe.train.prefix_group` under its
+        `GroupedAttention` (each prompt once, each response over its prompt and itself)."""
+        return self.model(input_ids, position_ids, attn)
 
     # The public entry points (forward, hidden_padded, hidden_packed, hidden_with, hidden_grouped) never call one
     # another: a sharding wrapper may hook each of them (FSDP2's register_fsdp_forward_method), and hooks must not nest.

@@ -37,6 +37,29 @@ def test_update_shares_keep_each_mini_batch_together():
         assert rows == set(range(4 * j, 4 * j + 4))
 
 
+
+def test_prompt_groups_are_dealt_whole_when_they_divide(caplog):
+    """actor.use_prefix_grouper: balanced shares keep a prompt's rows on one rank (dealt by their groups' tokens),
+    in the update's mini-batches too; groups of unequal sizes or a count that does not divide fall back to rows,
+    with one warning."""
+    lengths = [12, 1, 11, 2, 10, 3, 9, 4, 5, 6, 7, 8]
+    uids = [f"p{i // 3}" for i in range(12)]                  # 4 prompts x 3 rows, rows of a prompt together
+    b = batch_of(lengths)
+    b["uid"] = uids
+    parts = equal_partitions(lengths, 2, balance=True, groups=uids)
+    assert all(len({uids[i] for i in p}) == 2 and len(p) == 6 for p in parts)       # two whole prompts each
+    assert sorted(i for p in parts for i in p) == list(range(12))
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= 6                         # weights 24, 15, 18, 21: 45 / 33 contiguous
+    shares = update_shares(b, 2, mini_batch_size=6, balance=True, keep_groups=True)
+    for share in shares:                                        # each rank: one whole prompt of each mini-batch
+        assert [len({uids[i] for i in share[j * 3:(j + 1) * 3]}) for j in range(2)] == [1, 1]
+    with caplog.at_level("WARNING", logger="lathe.cluster.dispatch"):
+        rows = equal_partitions(lengths, 3, balance=True, groups=uids)                 # 4 prompts over 3 ranks
+        assert equal_partitions(lengths[:5], 1, balance=True, groups=uids[:5]) == [[0, 1, 2, 3, 4]]
+    assert rows == equal_partitions(lengths, 3, balance=True)                           # dealt by rows
+    assert sum("cannot be dealt whole" in r.message for r in caplog.records) <= 1
+
 def test_in_order_restores_the_batch_order():
     b = batch_of([5, 9, 2, 7, 3, 8])
     shares = equal_partitions([5, 9, 2, 7, 3, 8], 3, balance=True)
@@ -76,3 +99,32 @@ def test_a_sequence_parallel_group_gets_one_share_and_gives_one_answer():
     assert for_groups(["a", "b"], 2) == ["a", "a", "b", "b"]
     assert for_groups(["a", "b"], 1) == ["a", "b"]
     assert one_per_group(["a0", "a1", "b0", "b1"], 2) == ["a0", "b0"]
+
+
+def test_the_actor_group_keeps_prompts_whole_for_its_own_passes_only():
+    """ActorRolloutRefGroup(keep_groups=True): the old-log-prob pass and the update deal whole prompts; the reference
+    (which runs each row alone) is dealt by rows."""
+    from lathe.cluster.roles import ActorRolloutRefGroup
+
+    class Group:
+        world_size = 2
+
+        def __init__(self):
+            self.seen = {}
+
+        def call_each(self, role, method, calls):
+            parts = [args[0] for args, _ in calls]
+            self.seen[method] = [list(p["uid"]) for p in parts]
+            return [{} if method == "update_actor" else p for p in parts]
+
+    lengths = [12, 11, 10, 9, 4, 3, 2, 1]                   # a prompt's two rows alike: dealing rows splits them
+    b = batch_of(lengths)
+    b["uid"] = [f"p{i // 2}" for i in range(8)]
+    group = Group()
+    actor = ActorRolloutRefGroup(group, pad_id=0, mini_batch_size=8, balance=True, has_ref=True, keep_groups=True)
+    actor.compute_log_prob(b)
+    actor.compute_ref_log_prob(b)
+    actor.update_actor(b)
+    for method in ("compute_log_prob", "update_actor"):
+        assert all(len(set(uids)) == 2 for uids in group.seen[method]), method      # two whole prompts a rank
+    assert any(len(set(uids)) > 2 for uids in group.seen["compute_ref_log_prob"])    # rows, balanced by tokens

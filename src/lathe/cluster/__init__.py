@@ -206,7 +206,7 @@ def _driver_groups(cfg: LatheConfig, plan: RunPlan, group, tokenizer, actor_cls,
                       rollout_lockstep=verl_expert_layout(cfg.actor_rollout_ref.rollout),
                       has_teacher=cfg.distillation.enabled,
                       mini_batch_size=plan.actor.mini_batch_sequences, rollout_tp=plan.rollout_tp,
-                      actor_sp=plan.actor.group_size,
+                      actor_sp=plan.actor.group_size, keep_groups=cfg.actor_rollout_ref.actor.use_prefix_grouper,
                       ref_sp=plan.ref_sequence_parallel_size * plan.ref_tensor_parallel_size,
                       **actor_kwargs)
     critic = (critic_cls(group, mini_batch_size=plan.critic.mini_batch_sequences, balance=balance,

@@ -25,17 +25,27 @@ together and answer alike, and one answer per group is kept (`one_per_group`).
 from __future__ import annotations
 
 import heapq
+import logging
 
 import torch
 
 from lathe.batch import GHOST, Batch
 
+log = logging.getLogger(__name__)
 
-def equal_partitions(lengths: list[int], parts: int, *, balance: bool, ghosts: bool = False) -> list[list[int]]:
+
+def equal_partitions(lengths: list[int], parts: int, *, balance: bool, ghosts: bool = False,
+                     groups: list | None = None) -> list[list[int]]:
     """`parts` lists of row indices with len(lengths) / parts rows each (ascending in each list): consecutive
     chunks, or balanced by `lengths` (largest first into the lightest part that is not full). With `ghosts`, a
     count that does not divide is padded with ghost rows (-1, as long as the shortest row; the module doc), which
-    come last in their lists."""
+    come last in their lists. `groups` (a key per row: the prompt's `uid`, where the actor groups rows by prompt,
+    `actor.use_prefix_grouper`): balanced parts deal whole groups, as long as the groups are all of one size and
+    their count divides over the parts (as verl keeps them together); else rows, with one warning."""
+    if groups is not None and balance:
+        dealt = _deal_groups(lengths, parts, groups)
+        if dealt is not None:
+            return dealt
     n = len(lengths)
     if n % parts and ghosts:
         pad = -n % parts
@@ -56,27 +66,68 @@ def equal_partitions(lengths: list[int], parts: int, *, balance: bool, ghosts: b
     return [sorted(g) for g in groups]
 
 
+def _deal_groups(lengths: list[int], parts: int, groups: list) -> list[list[int]] | None:
+    """Whole groups of rows dealt as `equal_partitions` deals rows (each group weighing its rows' tokens), or None
+    (with a warning, once) where they cannot be dealt evenly."""
+    members: dict = {}
+    for i, key in enumerate(groups):
+        members.setdefault(key, []).append(i)
+    sizes = {len(rows) for rows in members.values()}
+    if len(sizes) != 1 or len(members) % parts:
+        global _WARNED_GROUPS
+        if not _WARNED_GROUPS:
+            _WARNED_GROUPS = True
+            log.warning("use_prefix_grouper: the rows of %d prompts (of %s rows each) cannot be dealt whole to %d "
+                        "data-parallel ranks, so they are dealt row by row and a prompt's rows may run on several "
+                        "ranks (each groups what it holds: the same result, its prompt computed once per rank). "
+                        "Fix: a batch of whole groups whose count is a multiple of the ranks", len(members),
+                        "/".join(map(str, sorted(sizes))), parts)
+        return None
+    per_part = len(members) // parts
+    dealt: list[list[int]] = [[] for _ in range(parts)]
+    heap = [(0, r) for r in range(parts)]
+    weight = {key: sum(lengths[i] for i in rows) for key, rows in members.items()}
+    for key in sorted(members, key=lambda k: (-weight[k], members[k][0])):
+        load, r = heapq.heappop(heap)
+        dealt[r] += members[key]
+        if len(dealt[r]) < per_part * len(members[key]):
+            heapq.heappush(heap, (load + weight[key], r))
+    return [sorted(part) for part in dealt]
+
+
+_WARNED_GROUPS = False
+
+
 def row_tokens(batch: Batch) -> list[int]:
     """Real tokens per row (prompt + response): what a row costs a forward."""
     return batch["attention_mask"].sum(-1).tolist()
 
 
-def even_shares(batch: Batch, world: int, *, balance: bool, ghosts: bool = False) -> list[list[int]]:
-    return equal_partitions(row_tokens(batch), world, balance=balance, ghosts=ghosts)
+def prompt_groups(batch: Batch, keep_groups: bool) -> list | None:
+    """The rows' prompt keys (`uid`) where whole prompt groups should stay on one rank (`equal_partitions`)."""
+    return list(batch["uid"]) if keep_groups and "uid" in batch else None
+
+
+def even_shares(batch: Batch, world: int, *, balance: bool, ghosts: bool = False,
+                keep_groups: bool = False) -> list[list[int]]:
+    return equal_partitions(row_tokens(batch), world, balance=balance, ghosts=ghosts,
+                            groups=prompt_groups(batch, keep_groups))
 
 
 def update_shares(batch: Batch, world: int, *, mini_batch_size: int, balance: bool,
-                  ghosts: bool = False) -> list[list[int]]:
+                  ghosts: bool = False, keep_groups: bool = False) -> list[list[int]]:
     """Each rank's rows for an update over mini-batches of `mini_batch_size` rows (see the module docstring); with
-    `ghosts`, each mini-batch padded to a multiple of `world` rows (each rank's part of it ceil(size / world))."""
+    `ghosts`, each mini-batch padded to a multiple of `world` rows (each rank's part of it ceil(size / world));
+    `keep_groups`: a mini-batch's prompt groups dealt whole (`equal_partitions`)."""
     if len(batch) % mini_batch_size or (mini_batch_size % world and not ghosts):
         raise ValueError(f"an update over {len(batch)} rows in mini-batches of {mini_batch_size} cannot be split "
                          f"evenly over {world} data-parallel ranks")
-    tokens = row_tokens(batch)
+    tokens, keys = row_tokens(batch), prompt_groups(batch, keep_groups)
     shares: list[list[int]] = [[] for _ in range(world)]
     for start in range(0, len(batch), mini_batch_size):
         rows = range(start, start + mini_batch_size)
-        parts = equal_partitions([tokens[i] for i in rows], world, balance=balance, ghosts=ghosts)
+        parts = equal_partitions([tokens[i] for i in rows], world, balance=balance, ghosts=ghosts,
+                                 groups=None if keys is None else [keys[i] for i in rows])
         for r, part in enumerate(parts):
             shares[r] += [start + i if i >= 0 else -1 for i in part]
     return shares

@@ -47,12 +47,14 @@ class ActorRolloutRefGroup:
     Ulysses sequence or tensor parallelism (`actor_sp`: the actor's group size for its log-probs and update, `ref_sp`:
     the reference's), the shares are one per such group, given to each of its ranks (`lathe.cluster.dispatch.
     for_groups`). `teacher_group`: the teachers' own pool (`lathe.cluster.teacher_pool`), where the teachers' log-probs
-    are computed instead of on the actor's ranks."""
+    are computed instead of on the actor's ranks. `keep_groups` (`actor.use_prefix_grouper`): the actor's passes deal
+    each prompt's rows to one rank, so that its prompt runs once."""
 
     def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool,
                  rollout_tp: int = 1, actor_sp: int = 1, ref_sp: int = 1, has_teacher: bool = False,
-                 teacher_group=None, rollout_lockstep: bool = False):
+                 teacher_group=None, rollout_lockstep: bool = False, keep_groups: bool = False):
         self.group, self.pad_id, self.mini_batch_size, self.balance = group, pad_id, mini_batch_size, balance
+        self.keep_groups = keep_groups
         self.has_ref, self.rollout_tp, self.actor_sp, self.ref_sp = has_ref, rollout_tp, actor_sp, ref_sp
         self.has_teacher, self.teacher_group = has_teacher, teacher_group
         self.rollout_lockstep = rollout_lockstep      # data-parallel attention: every replica called, even idle
@@ -63,7 +65,8 @@ class ActorRolloutRefGroup:
                                    every_replica=self.rollout_lockstep)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
-        return forward_over_groups(self.group, ACTOR, "compute_log_prob", batch, self.actor_sp, self.balance)
+        return forward_over_groups(self.group, ACTOR, "compute_log_prob", batch, self.actor_sp, self.balance,
+                                   self.keep_groups)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         return forward_over_groups(self.group, ACTOR, "compute_ref_log_prob", batch, self.ref_sp, self.balance)
@@ -78,7 +81,7 @@ class ActorRolloutRefGroup:
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         return update_over_groups(self.group, ACTOR, "update_actor", batch, self.actor_sp, self.mini_batch_size,
-                                  self.balance)
+                                  self.balance, self.keep_groups)
 
     def sync_weights(self) -> None:
         self.group.call(ACTOR, "sync_weights")
@@ -163,20 +166,22 @@ class SFTGroup:
         self.group.call(SFT, "load_checkpoint", Path(path))
 
 
-def forward_over_groups(group, role: str, method: str, batch: Batch, sp: int, balance: bool) -> Batch:
+def forward_over_groups(group, role: str, method: str, batch: Batch, sp: int, balance: bool,
+                        keep_groups: bool = False) -> Batch:
     """`role.method` over balanced equal shares (ghost rows padding them where the rows do not divide: `lathe.cluster.
-    dispatch`), one per data-parallel group of `sp` ranks; answers in batch order."""
-    shares = even_shares(batch, group.world_size // sp, balance=balance, ghosts=True)
+    dispatch`), one per data-parallel group of `sp` ranks; answers in batch order. `keep_groups`: a prompt's rows dealt
+    to one rank (the actor's prefix-grouped forward)."""
+    shares = even_shares(batch, group.world_size // sp, balance=balance, ghosts=True, keep_groups=keep_groups)
     outs = group.call_each(role, method, for_groups([((select_share(batch, s),), {}) for s in shares], sp))
     return in_order(one_per_group(outs, sp), shares)
 
 
 def update_over_groups(group, role: str, method: str, batch: Batch, sp: int, mini_batch_size: int,
-                       balance: bool) -> dict[str, float]:
+                       balance: bool, keep_groups: bool = False) -> dict[str, float]:
     """`role.method` (an update) over `update_shares`, one per data-parallel group of `sp` ranks; rank 0's metrics
     (already summed over the ranks)."""
     shares = update_shares(batch, group.world_size // sp, mini_batch_size=mini_batch_size, balance=balance,
-                           ghosts=True)
+                           ghosts=True, keep_groups=keep_groups)
     return group.call_each(role, method, for_groups([((select_share(batch, s),), {}) for s in shares], sp))[0]
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lathe.algo import ADV_ESTIMATORS, POLICY_LOSSES
 from lathe.cli import main
@@ -105,9 +106,23 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tmp_path, capsys):
     assert "max_num_gen_batches" in capsys.readouterr().err
 
 
-def test_prefix_grouper_runs(tmp_path):
-    # two PPO epochs: the old-log-prob pass and the update both run grouped; the numbers equal the per-row forward's
-    # (tests/train/test_prefix_group.py)
-    metrics = train(tmp_path, "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_prefix_grouper=true",
-                    "actor_rollout_ref.actor.ppo_epochs=2")
-    assert metrics[2]["actor/grad_norm"] > 0 and "timing_s/old_log_prob" in metrics[2]
+def test_prefix_grouper_equals_the_per_row_run(tmp_path, monkeypatch):
+    """Two PPO epochs with the KL loss: the old-log-prob pass, the reference's and the update run prefix-grouped;
+    the run's losses and gradient norms equal the per-row run's (tests/train/test_prefix_group.py: each pass's
+    numbers)."""
+    import lathe.train.logprob as logprob
+    grouped_hidden, models = logprob.grouped_hidden, set()
+
+    def seen(model, batch):
+        models.add((id(model), torch.is_grad_enabled()))
+        return grouped_hidden(model, batch)
+    monkeypatch.setattr(logprob, "grouped_hidden", seen)
+    runs = [train(tmp_path / str(grouped), "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_epochs=2",
+                  "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
+                  f"actor_rollout_ref.actor.use_prefix_grouper={str(grouped).lower()}") for grouped in (True, False)]
+    assert runs[0][2]["actor/grad_norm"] > 0 and "timing_s/old_log_prob" in runs[0][2]
+    assert runs[0][2]["actor/kl_loss"] > 0                      # the second step's update has moved off the reference
+    assert len({m for m, grad in models if not grad}) == 2 and any(grad for _, grad in models)   # actor and reference
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        for step in (1, 2):
+            assert runs[0][step][key] == pytest.approx(runs[1][step][key], rel=1e-4, abs=1e-7), (key, step)

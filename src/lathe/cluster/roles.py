@@ -47,8 +47,8 @@ class ActorRolloutRefGroup:
     Ulysses sequence or tensor parallelism (`actor_sp`: the actor's group size for its log-probs and update, `ref_sp`:
     the reference's), the shares are one per such group, given to each of its ranks (`lathe.cluster.dispatch.
     for_groups`). `teacher_group`: the teachers' own pool (`lathe.cluster.teacher_pool`), where the teachers' log-probs
-    are computed instead of on the actor's ranks. `keep_groups` (`actor.use_prefix_grouper`): the actor's passes deal
-    each prompt's rows to one rank, so that its prompt runs once."""
+    are computed instead of on the actor's ranks. `keep_groups` (`actor.use_prefix_grouper`): the actor's and the
+    reference's passes deal each prompt's rows to one rank, so that its prompt runs once."""
 
     def __init__(self, group, *, pad_id: int, mini_batch_size: int, balance: bool, has_ref: bool,
                  rollout_tp: int = 1, actor_sp: int = 1, ref_sp: int = 1, has_teacher: bool = False,
@@ -69,7 +69,8 @@ class ActorRolloutRefGroup:
                                    self.keep_groups)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        return forward_over_groups(self.group, ACTOR, "compute_ref_log_prob", batch, self.ref_sp, self.balance)
+        return forward_over_groups(self.group, ACTOR, "compute_ref_log_prob", batch, self.ref_sp, self.balance,
+                                   self.keep_groups)
 
     def compute_teacher_log_prob(self, batch: Batch) -> Batch:
         """The teachers on every rank of their own pool, or colocated on every rank of the actor's, each rank given its

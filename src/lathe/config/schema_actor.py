@@ -292,9 +292,9 @@ class ActorConfig:
     loss_scale_factor: float | None = spec(None, "seq-mean-token-sum-norm divisor; null = response length.")
     entropy_coeff: float = spec(0.0, "Entropy bonus coefficient in the actor loss.")
     use_prefix_grouper: bool = spec(False, "Rows that share a prompt run it once in the actor's forward passes (the "
-                                           "old log-probs and the update): each response sees its prompt and itself; "
-                                           "same numbers as the per-row forward. lathe's text decoder; replaces "
-                                           "use_remove_padding's packed forward for those passes.")
+                                           "old log-probs and the update) and the reference's: each response sees "
+                                           "its prompt and itself; same numbers as the per-row forward. lathe's text "
+                                           "decoder; replaces use_remove_padding's packed forward for those passes.")
     calculate_sum_pi_squared: bool = spec(False, "The old-log-prob pass also computes each token's sum over the "
                                                  "vocabulary of pi^2 (`sum_pi_squared`), which "
                                                  "adv_estimator=optimal_token_baseline needs.")

@@ -368,15 +368,16 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
 def batched_log_probs(model, batch: Batch, *, micro_batch_size: int, temperature: float = 1.0,
                       calculate_entropy: bool = False, remove_padding: bool = False,
                       max_tokens: int | None = None, max_tokens_key: str = "log_prob_max_token_len_per_gpu",
-                      sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      sp: SequenceParallel | None = None, prefix_grouper: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_log_probs` over micro-batches (`micro_batch_size` sequences, or packed by `max_tokens`: see
-    `lathe.train.micro`), in eval mode, without gradients; rows in the batch's order. `sp`: as
+    `lathe.train.micro`), in eval mode, without gradients; rows in the batch's order. `sp`, `prefix_grouper`: as
     `response_log_probs`; a packed micro-batch then holds up to `max_tokens` x the group's size (verl's budget: per
     device, and a group of devices computes each micro-batch)."""
     log_probs, entropy, _ = batched_token_stats(model, batch, micro_batch_size=micro_batch_size,
                                                 temperature=temperature, calculate_entropy=calculate_entropy,
-                                                remove_padding=remove_padding, max_tokens=max_tokens,
-                                                max_tokens_key=max_tokens_key, sp=sp)
+                                                remove_padding=remove_padding, prefix_grouper=prefix_grouper,
+                                                max_tokens=max_tokens, max_tokens_key=max_tokens_key, sp=sp)
     return log_probs, entropy
 
 

@@ -42,6 +42,9 @@ class Reference:
         tensor_parallel.check_model(actor.model, tp_size, tp_key, mesh.ep if mesh else 1)
         ulysses.check_model(actor.model, sp_size, key, tp_size, tp_key)
         self.sp = ulysses.sequence_parallel(sp_size, key, tp_size)
+        # the actor's prefix-grouped forward (`actor.use_prefix_grouper`) for the reference's pass too: the same
+        # log-probs, each prompt computed once (not beside Ulysses, which cuts the stream)
+        self.prefix_grouper = actor.arr.actor.use_prefix_grouper and self.sp is None
         expert_parallel.check_model(actor.model, mesh.ep if mesh else 1, f"{FSDP_KEY}.expert_parallel_size")
         if actor.lora:                      # the actor with its adapters off
             self._actor_model = actor.model
@@ -70,5 +73,5 @@ class Reference:
         with self._on_device() as ref:
             logp, _ = batched_log_probs(ref, batch.to(self.device), micro_batch_size=micro_batch_size,
                                         temperature=temperature, remove_padding=self.remove_padding, sp=self.sp,
-                                        **budget)
+                                        prefix_grouper=self.prefix_grouper, **budget)
         return Batch({"ref_log_prob": logp.cpu()})

@@ -101,9 +101,9 @@ def test_a_sequence_parallel_group_gets_one_share_and_gives_one_answer():
     assert one_per_group(["a0", "a1", "b0", "b1"], 2) == ["a0", "b0"]
 
 
-def test_the_actor_group_keeps_prompts_whole_for_its_own_passes_only():
-    """ActorRolloutRefGroup(keep_groups=True): the old-log-prob pass and the update deal whole prompts; the reference
-    (which runs each row alone) is dealt by rows."""
+def test_the_actor_group_keeps_prompts_whole_where_the_actor_groups_them():
+    """ActorRolloutRefGroup(keep_groups=True): the old-log-prob, reference and update passes deal whole prompts;
+    without it, rows balanced by tokens (which here split every prompt)."""
     from lathe.cluster.roles import ActorRolloutRefGroup
 
     class Group:
@@ -120,11 +120,12 @@ def test_the_actor_group_keeps_prompts_whole_for_its_own_passes_only():
     lengths = [12, 11, 10, 9, 4, 3, 2, 1]                   # a prompt's two rows alike: dealing rows splits them
     b = batch_of(lengths)
     b["uid"] = [f"p{i // 2}" for i in range(8)]
-    group = Group()
-    actor = ActorRolloutRefGroup(group, pad_id=0, mini_batch_size=8, balance=True, has_ref=True, keep_groups=True)
-    actor.compute_log_prob(b)
-    actor.compute_ref_log_prob(b)
-    actor.update_actor(b)
-    for method in ("compute_log_prob", "update_actor"):
-        assert all(len(set(uids)) == 2 for uids in group.seen[method]), method      # two whole prompts a rank
-    assert any(len(set(uids)) > 2 for uids in group.seen["compute_ref_log_prob"])    # rows, balanced by tokens
+    for keep in (True, False):
+        group = Group()
+        actor = ActorRolloutRefGroup(group, pad_id=0, mini_batch_size=8, balance=True, has_ref=True,
+                                     keep_groups=keep)
+        actor.compute_log_prob(b)
+        actor.compute_ref_log_prob(b)
+        actor.update_actor(b)
+        for method in ("compute_log_prob", "compute_ref_log_prob", "update_actor"):
+            assert all(len(set(uids)) == (2 if keep else 4) for uids in group.seen[method]), (keep, method)

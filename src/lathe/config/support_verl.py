@@ -405,7 +405,7 @@ def _roles() -> list[Entry]:
     out = [inert("*.rollout_n", "verl copies rollout.n here; lathe reads rollout.n"),
            inert("*.calculate_entropy", "lathe's actor reports entropy whether or not it is in the loss"),
            warn("*.calculate_sum_pi_squared", "it is read only by advantage estimators lathe does not have"),
-           warn("*.use_prefix_grouper", "lathe runs each sequence's forward whole (same result)"),
+           warn("*.use_prefix_grouper", "actor.use_prefix_grouper groups the actor's and the reference's passes"),
            warn("*.policy_loss.dro_beta", "it is read only by a policy loss lathe does not have"),
            warn("*.checkpoint.strict", "lathe always loads its checkpoints strictly"),
            warn("*.checkpoint.mbridge_config*", CKPT_FORMAT),

@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import (REWARD_FILE, SHAPES, claim_workdir, datasheet_peak, default_workdir, device_name,  # noqa: E402
                     driver_over_ranks, git_sha, lathe_row, run_child, slug, train_flops, write_data, write_model,
                     write_tokenizer)
-from roofline import step_light  # noqa: E402
+from roofline import grouped_forward_flops, step_light  # noqa: E402
 
 # Per shape: lathe's micro-batch (sequences per forward/backward), gradient checkpointing, KL/ref, offload.
 LATHE_SETTINGS = {
@@ -157,8 +157,12 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
                                        tokenizer=paths["tokenizer"])
     seqs = args.prompts * args.n
     flops = train_flops(SHAPES[shape], [args.prompt_len + args.response_len] * seqs)
+    if prefix_grouped(["base", *args.extra]):      # each prompt once for its n sequences (roofline.step_light)
+        flops = 3 * grouped_forward_flops(SHAPES[shape], args.prompts, args.n, args.prompt_len, args.response_len,
+                                          args.prompts * (args.prompt_len + args.n * args.response_len))
     res = {"shape": shape, "teacher": args.teacher, "sequences_per_step": seqs, "tokens_per_step": seqs * (args.prompt_len + args.response_len),
-           "update_model_flops": flops, "lathe_settings": LATHE_SETTINGS[shape]}
+           "update_model_flops": flops, "update_flops_prefix_grouped": prefix_grouped(["base", *args.extra]),
+           "lathe_settings": LATHE_SETTINGS[shape]}
     if "lathe" in args.systems:
         cmd = lathe_command(shape, paths, args)
         metrics = paths["run"] / "lathe" / "metrics.jsonl"
@@ -208,7 +212,13 @@ def speed_of_light(shape: str, row: dict, args, device: str | None = None) -> di
     return step_light(SHAPES[shape], device or device_name(torch.device(args.device)), prompts=args.prompts, n=args.n,
                       prompt_len=args.prompt_len, response_len=args.response_len, measured=row.get("phases_s", {}),
                       step_s=row.get("step_s"), checkpointing=recomputed(shape, command), gpus=args.gpus,
-                      max_num_seqs=max_seqs, teacher=SHAPES[args.teacher] if args.teacher else None)
+                      max_num_seqs=max_seqs, teacher=SHAPES[args.teacher] if args.teacher else None,
+                      grouped=prefix_grouped(command))
+
+
+def prefix_grouped(command: list[str]) -> bool:
+    """Whether a lathe `command` runs the actor's passes prefix-grouped (`actor.use_prefix_grouper`)."""
+    return (last_value(command, "actor_rollout_ref.actor.use_prefix_grouper") or "false").lower() == "true"
 
 
 def last_value(command: list[str], key: str) -> str | None:

@@ -225,6 +225,22 @@ def forward_flops(shape: dict, lengths: list[int], logit_rows: int) -> int:
             + sum(attention_flops(shape, s) for s in lengths))
 
 
+def grouped_forward_flops(shape: dict, prompts: int, n: int, prompt_len: int, response_len: int,
+                          logit_rows: int) -> int:
+    """One prefix-grouped forward (`actor.use_prefix_grouper`) over `prompts` groups: each prompt's tokens once, its
+    `n` responses each attending to the whole prompt and causally to themselves; the lm_head on `logit_rows` rows.
+    Full attention only (the grouped forward refuses sliding windows and linear-attention layers)."""
+    if any(w is not None for w in _windows(shape)) or _linear_state_flops(shape):
+        raise ValueError("grouped_forward_flops: a shape with sliding windows or linear attention (lathe's prefix-"
+                         "grouped forward refuses them)")
+    h, v = shape["hidden_size"], shape["vocab_size"]
+    _, _, _, q, _, _, _ = _dims(shape)
+    P, R = prompt_len, response_len
+    pairs = P * (P + 1) // 2 + n * (R * P + R * (R + 1) // 2)
+    return (2 * layer_matmul_params(shape) * prompts * (P + n * R) + 2 * v * h * logit_rows
+            + prompts * 4 * q * pairs * len(_windows(shape)))
+
+
 def prefill_seconds(shape: dict, prompts: int, prompt_len: int, flops_per_s: float) -> float:
     """Each distinct prompt once, logits on its last token: forward FLOPs over the matmul rate."""
     return forward_flops(shape, [prompt_len] * prompts, prompts) / flops_per_s
@@ -258,26 +274,33 @@ def decode_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, b
     return total
 
 
-def log_prob_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, flops_per_s: float) -> float:
-    """A log-prob pass (old or reference): one forward over the whole sequences, logits on the response tokens."""
-    return forward_flops(shape, [prompt_len + response_len] * seqs, seqs * response_len) / flops_per_s
+def log_prob_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, flops_per_s: float,
+                     n: int | None = None) -> float:
+    """A log-prob pass (old or reference): one forward over the whole sequences, logits on the response tokens;
+    with `n`, prefix-grouped (`grouped_forward_flops`: each prompt once for its n sequences)."""
+    return _pass_flops(shape, seqs, prompt_len, response_len, seqs * response_len, n) / flops_per_s
+
+
+def _pass_flops(shape: dict, seqs: int, prompt_len: int, response_len: int, logit_rows: int, n: int | None) -> int:
+    if n is None:
+        return forward_flops(shape, [prompt_len + response_len] * seqs, logit_rows)
+    return grouped_forward_flops(shape, seqs // n, n, prompt_len, response_len, logit_rows)
 
 
 def update_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, flops_per_s: float,
-                   checkpointing: bool | float = False) -> float:
+                   checkpointing: bool | float = False, n: int | None = None) -> float:
     """Forward + backward = 3 x the log-prob pass's forward FLOPs, plus with gradient checkpointing the decoder
     layers' forward once more (lm_head not recomputed); a float `checkpointing` is the fraction of the layers that
-    recompute (`gradient_checkpointing_layers` of all)."""
-    lengths = [prompt_len + response_len] * seqs
-    flops = 3 * forward_flops(shape, lengths, seqs * response_len)
+    recompute (`gradient_checkpointing_layers` of all); `n`: prefix-grouped, as `log_prob_seconds`."""
+    flops = 3 * _pass_flops(shape, seqs, prompt_len, response_len, seqs * response_len, n)
     if checkpointing:
-        flops += float(checkpointing) * forward_flops(shape, lengths, 0)
+        flops += float(checkpointing) * _pass_flops(shape, seqs, prompt_len, response_len, 0, n)
     return flops / flops_per_s
 
 
 def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: int, response_len: int,
                measured: dict, step_s: float | None, checkpointing: bool, gpus: int = 1,
-               max_num_seqs: int | None = None, teacher: dict | None = None) -> dict:
+               max_num_seqs: int | None = None, teacher: dict | None = None, grouped: bool = False) -> dict:
     """Per phase `{"measured_s", "light_s", "fraction"}` (light / measured) for the phases in `measured` (the
     run's `timing_s/*` medians: gen, old_log_prob, ref, update_actor, and teacher: the forward of a distillation
     teacher of shape `teacher` over the same tokens) and a `step` total: the
@@ -286,7 +309,9 @@ def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: in
     experts a step's batch touches), and gen `active_fraction_ceiling` (light_s / touched_light_s: the most of the
     active bound that reading them allows); the same as the active figures for a dense shape.
     With `gpus` > 1: the FLOPs spread over all of them, the rollout as data-parallel replicas of one GPU each
-    (the sequences split evenly)."""
+    (the sequences split evenly). `grouped` (the run's `actor.use_prefix_grouper`): the old-log-prob, reference and
+    update passes compute each prompt once for its `n` sequences, and their bounds count that work (`grouped` is set
+    in the result)."""
     flops, bw = device_rates(device)
     seqs = prompts * n
     light: dict = {}
@@ -295,10 +320,12 @@ def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: in
         dec = decode_seconds(shape, math.ceil(seqs / gpus), prompt_len, response_len, bw, flops, max_num_seqs)
         dec_touched = decode_seconds(shape, math.ceil(seqs / gpus), prompt_len, response_len, bw, flops,
                                      max_num_seqs, touched=True)
+        per = n if grouped else None
         light = {"gen": pre + dec,
-                 "old_log_prob": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
-                 "ref": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops),
-                 "update_actor": update_seconds(shape, seqs, prompt_len, response_len, gpus * flops, checkpointing)}
+                 "old_log_prob": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops, per),
+                 "ref": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops, per),
+                 "update_actor": update_seconds(shape, seqs, prompt_len, response_len, gpus * flops, checkpointing,
+                                                per)}
         if teacher is not None:
             light["teacher"] = log_prob_seconds(teacher, seqs, prompt_len, response_len, gpus * flops)
     out = {phase: _row(measured[phase], light.get(phase)) for phase in PHASES if measured.get(phase) is not None}
@@ -314,6 +341,8 @@ def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: in
         out["step"].update(touched_light_s=touched["light_s"], touched_fraction=touched["fraction"])
     out["rates"] = {"matmul_flops_per_s": flops, "hbm_bytes_per_s": bw, "gpus": gpus,
                     "source": RATES_SOURCE if light else "no rates for this device"}
+    if grouped:
+        out["grouped"] = True
     return out
 
 

@@ -149,6 +149,30 @@ def test_flop_counts():
     assert roofline.update_seconds(SHAPE, 8, 16, 8, 1e9, checkpointing=True) == pytest.approx(142737408e-9)
 
 
+def test_prefix_grouped_passes_count_each_prompt_once():
+    # 2 prompts x 2 responses, prompt 16, response 8: tokens 2 x (16 + 2 x 8) = 64 -> 2*73728*64; lm_head 32 rows;
+    # attention pairs a group: 16*17/2 + 2 x (8*16 + 8*9/2) = 464, x 4 x 64 x 2 layers x 2 groups
+    assert roofline.grouped_forward_flops(SHAPE, 2, 2, 16, 8, 32) == 9437184 + 4096000 + 475136
+    for n in (1, 3):       # one response a prompt: the per-row forward; more: less than the per-row forward
+        grouped = roofline.grouped_forward_flops(SHAPE, 2, n, 16, 8, 5)
+        per_row = roofline.forward_flops(SHAPE, [24] * (2 * n), 5)
+        assert grouped == per_row if n == 1 else grouped < per_row
+    assert roofline.update_seconds(SHAPE, 4, 16, 8, 1e9, n=2) == pytest.approx(
+        3 * roofline.grouped_forward_flops(SHAPE, 2, 2, 16, 8, 32) / 1e9)
+    sol = roofline.step_light(SHAPE, "NVIDIA H200", prompts=2, n=2, prompt_len=16, response_len=8,
+                              measured={"update_actor": 1.0, "ref": 1.0}, step_s=3.0, checkpointing=False,
+                              grouped=True)
+    assert sol["grouped"] and sol["ref"]["light_s"] == pytest.approx(roofline.log_prob_seconds(SHAPE, 4, 16, 8,
+                                                                                                790e12, 2))
+    with pytest.raises(ValueError, match="sliding windows or linear attention"):
+        roofline.grouped_forward_flops({**SHAPE, "sliding_window": 4, "layer_types": ["sliding_attention"] * 2},
+                                       2, 2, 16, 8, 0)
+    e2e = _e2e()
+    assert e2e.prefix_grouped(["x", "actor_rollout_ref.actor.use_prefix_grouper=true"])
+    assert not e2e.prefix_grouped(["actor_rollout_ref.actor.use_prefix_grouper=true",
+                                   "actor_rollout_ref.actor.use_prefix_grouper=false"])
+
+
 def test_decode_bound():
     # 8 sequences, prompt 16, 3 new tokens: decode steps at context 17 and 18 (the prefill gave the first token)
     # bytes: (276608 + 8*17*256) + (276608 + 8*18*256) = 311424 + 313472

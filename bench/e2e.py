@@ -213,7 +213,26 @@ def speed_of_light(shape: str, row: dict, args, device: str | None = None) -> di
                       prompt_len=args.prompt_len, response_len=args.response_len, measured=row.get("phases_s", {}),
                       step_s=row.get("step_s"), checkpointing=recomputed(shape, command), gpus=args.gpus,
                       max_num_seqs=max_seqs, teacher=SHAPES[args.teacher] if args.teacher else None,
-                      grouped=prefix_grouped(command))
+                      grouped=prefix_grouped(command), shared_rows=shared_prompt_rows(shape, command, args))
+
+
+def shared_prompt_rows(shape: str, command: list[str], args) -> int:
+    """The rows that read a prompt's K/V once in the run's decode steps (lathe's shared-prefix decode attention, as
+    the engine decides it: `lathe.engine.cuda_graph`), or 1 where they do not share: a prompt below the engine's
+    threshold, the key or prefix caching off, an FP8 KV cache; and 1 for shapes with sliding-window or linear-
+    attention layers, whose bound this does not split by layer (GPT-OSS's full layers do share: its bound keeps every
+    row's reads, a little above the work)."""
+    from lathe.engine import cuda_graph
+    cfg = SHAPES[shape]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    width = kv * (cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    least = cuda_graph.PREFIX_MIN_TOKENS_WIDE if width >= 512 else cuda_graph.PREFIX_MIN_TOKENS
+    off = ((last_value(command, "actor_rollout_ref.rollout.shared_prefix_attention") or "true").lower() == "false"
+           or (last_value(command, "actor_rollout_ref.rollout.enable_prefix_caching") or "true").lower() == "false"
+           or (last_value(command, "actor_rollout_ref.rollout.kv_cache_dtype") or "auto").startswith("fp8")
+           or "layer_types" in cfg)
+    rows = min(8, 64 // (heads // kv), args.n)
+    return 1 if off or args.prompt_len < least or rows < 2 else rows
 
 
 def prefix_grouped(command: list[str]) -> bool:

@@ -247,7 +247,8 @@ def prefill_seconds(shape: dict, prompts: int, prompt_len: int, flops_per_s: flo
 
 
 def decode_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, bytes_per_s: float,
-                   flops_per_s: float | None = None, max_num_seqs: int | None = None, touched: bool = False) -> float:
+                   flops_per_s: float | None = None, max_num_seqs: int | None = None, touched: bool = False,
+                   shared_rows: int = 1) -> float:
     """The decode steps after the prefill (which gives each sequence its first token): `response_len - 1` steps,
     step k (1..R-1) with context P + k per sequence. A step takes the longer of
       bytes: decode_weight_bytes (`touched`: touched_weight_bytes at the step's batch) + running sequences x
@@ -255,7 +256,9 @@ def decode_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, b
       FLOPs: running sequences x (2 x (layer matrix params + V x h) + 4 x attention layers x q width x context
         + the linear layers' state work), over the rate.
     All sequences decode together (fixed lengths, ignore_eos); with `max_num_seqs` below `seqs` they run in
-    waves of at most `max_num_seqs`, one after another."""
+    waves of at most `max_num_seqs`, one after another. `shared_rows` > 1 (lathe's shared-prefix decode attention,
+    where it runs: the engine's `rollout.shared_prefix_attention`): the prompt's K/V are read once for every group of
+    that many rows (the `n` samples of a prompt sit together), the rest of each context by its own row."""
     h, _, _, q, _, v, _ = _dims(shape)
     cap = max_num_seqs or seqs
     waves = [min(cap, seqs - start) for start in range(0, seqs, cap)]
@@ -264,9 +267,10 @@ def decode_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, b
     total = 0.0
     for batch in waves:
         wbytes = touched_weight_bytes(shape, batch) if touched else decode_weight_bytes(shape)
+        saved = (batch - math.ceil(batch / shared_rows)) * _kv_bytes_read(shape, prompt_len)
         for k in range(1, response_len):
             ctx = prompt_len + k
-            seconds = (wbytes + batch * (_kv_bytes_read(shape, ctx) + state)) / bytes_per_s
+            seconds = (wbytes + batch * (_kv_bytes_read(shape, ctx) + state) - saved) / bytes_per_s
             if flops_per_s:
                 keys = sum(ctx if w is None else min(ctx, w) for w in windows)
                 seconds = max(seconds, batch * (lin + 4 * q * keys) / flops_per_s)
@@ -300,7 +304,8 @@ def update_seconds(shape: dict, seqs: int, prompt_len: int, response_len: int, f
 
 def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: int, response_len: int,
                measured: dict, step_s: float | None, checkpointing: bool, gpus: int = 1,
-               max_num_seqs: int | None = None, teacher: dict | None = None, grouped: bool = False) -> dict:
+               max_num_seqs: int | None = None, teacher: dict | None = None, grouped: bool = False,
+               shared_rows: int = 1) -> dict:
     """Per phase `{"measured_s", "light_s", "fraction"}` (light / measured) for the phases in `measured` (the
     run's `timing_s/*` medians: gen, old_log_prob, ref, update_actor, and teacher: the forward of a distillation
     teacher of shape `teacher` over the same tokens) and a `step` total: the
@@ -311,15 +316,17 @@ def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: in
     With `gpus` > 1: the FLOPs spread over all of them, the rollout as data-parallel replicas of one GPU each
     (the sequences split evenly). `grouped` (the run's `actor.use_prefix_grouper`): the old-log-prob, reference and
     update passes compute each prompt once for its `n` sequences, and their bounds count that work (`grouped` is set
-    in the result)."""
+    in the result); `shared_rows`: the decode reads a prompt's K/V once for so many rows (`decode_seconds`; set in the
+    result's gen row where above 1)."""
     flops, bw = device_rates(device)
     seqs = prompts * n
     light: dict = {}
     if flops and bw:
         pre = prefill_seconds(shape, prompts, prompt_len, gpus * flops)
-        dec = decode_seconds(shape, math.ceil(seqs / gpus), prompt_len, response_len, bw, flops, max_num_seqs)
+        dec = decode_seconds(shape, math.ceil(seqs / gpus), prompt_len, response_len, bw, flops, max_num_seqs,
+                             shared_rows=shared_rows)
         dec_touched = decode_seconds(shape, math.ceil(seqs / gpus), prompt_len, response_len, bw, flops,
-                                     max_num_seqs, touched=True)
+                                     max_num_seqs, touched=True, shared_rows=shared_rows)
         per = n if grouped else None
         light = {"gen": pre + dec,
                  "old_log_prob": log_prob_seconds(shape, seqs, prompt_len, response_len, gpus * flops, per),
@@ -334,6 +341,8 @@ def step_light(shape: dict, device: str, *, prompts: int, n: int, prompt_len: in
         out["gen"].update(prefill_light_s=pre, decode_light_s=dec, decode_touched_light_s=dec_touched,
                           touched_light_s=touched["light_s"], touched_fraction=touched["fraction"],
                           active_fraction_ceiling=(pre + dec) / (pre + dec_touched))
+        if shared_rows > 1:
+            out["gen"]["shared_prompt_rows"] = shared_rows
     total = sum(r["light_s"] for r in out.values()) if light else None
     out["step"] = _row(step_s, total)
     if "gen" in out and light:

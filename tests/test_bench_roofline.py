@@ -183,6 +183,20 @@ def test_decode_bound():
     assert roofline.decode_seconds(SHAPE, 8, 16, 3, 1e9, max_num_seqs=3) == pytest.approx(1731328e-9)
 
 
+def test_decode_bound_reads_a_shared_prompt_once_per_group():
+    # 8 sequences, prompt 16, 3 new tokens, groups of 4: each step saves (8 - 2) x 16 x 256 prompt bytes
+    plain = roofline.decode_seconds(SHAPE, 8, 16, 3, 1e9)
+    assert roofline.decode_seconds(SHAPE, 8, 16, 3, 1e9, shared_rows=4) == pytest.approx(plain - 2 * 6 * 16 * 256e-9)
+    e2e = _e2e()
+    args = e2e.argparse.Namespace(prompt_len=2048, n=8)
+    assert e2e.shared_prompt_rows("1.5b", ["x"], args) == 8            # 12 heads over 2: groups of 8
+    assert e2e.shared_prompt_rows("7b", ["x"], e2e.argparse.Namespace(prompt_len=512, n=8)) == 8   # 512-wide K/V
+    assert e2e.shared_prompt_rows("1.5b", ["x"], e2e.argparse.Namespace(prompt_len=512, n=8)) == 1  # below 768
+    assert e2e.shared_prompt_rows("1.5b", ["actor_rollout_ref.rollout.shared_prefix_attention=false"], args) == 1
+    assert e2e.shared_prompt_rows("1.5b", ["actor_rollout_ref.rollout.kv_cache_dtype=fp8"], args) == 1
+    assert e2e.shared_prompt_rows("gpt-oss-20b", ["x"], args) == 1
+
+
 def test_step_light_sums_phases_and_skips_cpu():
     measured = {"gen": 2.0, "update_actor": 4.0, "reward": 0.5}
     sol = roofline.step_light(SHAPE, "NVIDIA H200", prompts=4, n=2, prompt_len=16, response_len=8,

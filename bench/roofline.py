@@ -7,7 +7,9 @@ of the two per step. Assumptions, all of which make the bound lower, never highe
   embedding, biases, softmax and the sampler count nothing; the embedding is a lookup (one row per token);
 - the lm_head runs only where logits are needed: the last prompt token in the prefill, the response tokens in the
   log-prob passes and the update;
-- each distinct prompt is prefilled once (its `n` samples share it);
+- each distinct prompt is prefilled once (its `n` samples share it); where the run's engine reads a shared prompt's
+  K/V once per group of rows (`shared_rows`) and where its training passes compute each prompt once
+  (`grouped`: `actor.use_prefix_grouper`), the bounds count that work too;
 - the optimizer step, host work, the reward and the weight sync into the engine are left out (the sync's work
   depends on what the colocated engine shares with the trainer: at 7B lathe's took less than a read + write of
   every bf16 weight, so that is no bound).

@@ -146,7 +146,7 @@ class PPOActor:
         pieces = CorrectionPieces(self.correction) if own_old and self.correction is not None else None
         replay = ReplayStats() if ROUTED in mini else None                   # routing replay (R2/R3)
         micros = [m for m, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
-                                              key=self.max_token_key)]
+                                              key=self.max_token_key, grouped=self.cfg.use_prefix_grouper)]
         for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
             with replay_or_nothing(self.model, micro, self.use_remove_padding, replay, self.sp):
                 with activations_on_host(self.offload_activations) as moved:

@@ -396,7 +396,8 @@ def batched_token_stats(model, batch: Batch, *, micro_batch_size: int, temperatu
     try:
         parts = []
         with kept_gathered(model):          # one FSDP2 gather for the pass where it fits (lathe.train.gathered)
-            for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens, key=max_tokens_key):
+            for mb, rows in micro_batches(batch, size=micro_batch_size, max_tokens=max_tokens, key=max_tokens_key,
+                                          grouped=prefix_grouper):
                 with around(mb, rows) if around is not None else nullcontext():
                     parts.append((response_token_stats(model, mb, temperature=temperature,
                                                        calculate_entropy=calculate_entropy,

@@ -47,10 +47,12 @@ def token_balanced_partitions(lengths: list[int], max_tokens: int, *, key: str, 
     return sorted((sorted(g) for g in groups if g), key=lambda g: g[0])
 
 
-def micro_batches(batch: Batch, *, size: int, max_tokens: int | None = None, key: str = "max_token_len"
-                  ) -> list[tuple[Batch, list[int] | None]]:
+def micro_batches(batch: Batch, *, size: int, max_tokens: int | None = None, key: str = "max_token_len",
+                  grouped: bool = False) -> list[tuple[Batch, list[int] | None]]:
     """(micro-batch, its rows in `batch` or None for consecutive chunks): `size` sequences each, or packed by
-    `max_tokens` real tokens when given (see the module docstring).
+    `max_tokens` real tokens when given (see the module docstring). `grouped` (the prefix-grouped forward,
+    `actor.use_prefix_grouper`): packed micro-batches take a prompt's rows together, weighing what the grouped
+    forward computes (the prompt once, then every response), a group alone over the budget split into its rows.
 
     Data-parallel ranks (each holding its share of a batch) get the same number of micro-batches, since every
     micro-batch's forward gathers sharded weights together: packed ones are cut into as many as the rank that
@@ -63,15 +65,46 @@ def micro_batches(batch: Batch, *, size: int, max_tokens: int | None = None, key
                              "fewer than another rank's: data-parallel shares must be equal")
         return [(mb, None) for mb in parts]
     lengths = batch[HOST_MASK].sum(-1).tolist()
-    groups = token_balanced_partitions(lengths, max_tokens, key=key)
+    items = prompt_items(batch, lengths, max_tokens) if grouped else [[i] for i in range(len(lengths))]
+
+    def packed(min_parts: int = 1) -> list[list[int]]:
+        costs = [_cost(rows, lengths, batch) for rows in items] if grouped else lengths
+        parts = token_balanced_partitions(costs, max_tokens, key=key, min_parts=min_parts)
+        return sorted((sorted(r for i in part for r in items[i]) for part in parts), key=lambda rows: rows[0])
+    groups = packed()
     if parallel.distributed():
         most = parallel.max_over_ranks(len(groups))
         if most > len(lengths):
             raise ValueError(f"{key}={max_tokens}: another rank packs its share into {most} micro-batches but rank "
                              f"{parallel.rank()} has only {len(lengths)} rows; raise {key}")
+        if most > len(items):           # fewer prompts than micro-batches: rows (each micro-batch groups its own)
+            items = [[i] for i in range(len(lengths))]
         if most > len(groups):
-            groups = token_balanced_partitions(lengths, max_tokens, key=key, min_parts=most)
+            groups = packed(most)
     return [(batch.select(rows), rows) for rows in groups]
+
+
+def prompt_items(batch: Batch, lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """The batch's rows by prompt (its `uid` where the batch has one, else the prompt's tokens), in order of first
+    appearance; a prompt whose grouped forward (`_cost`) would pass `max_tokens` as its rows one by one."""
+    if "uid" in batch:
+        keys = list(batch["uid"])
+    else:
+        prompts, mask = batch["prompts"].cpu(), batch[HOST_MASK][:, :batch["prompts"].shape[1]].bool()
+        keys = [tuple(prompts[i][mask[i]].tolist()) for i in range(len(lengths))]
+    members: dict = {}
+    for i, k in enumerate(keys):
+        members.setdefault(k, []).append(i)
+    items = []
+    for rows in members.values():
+        items += [rows] if _cost(rows, lengths, batch) <= max_tokens else [[i] for i in rows]
+    return items
+
+
+def _cost(rows: list[int], lengths: list[int], batch: Batch) -> int:
+    """Tokens of a prompt's rows in the prefix-grouped forward: every row's tokens, its prompt's counted once."""
+    prompt = int(batch[HOST_MASK][rows[0], :batch["prompts"].shape[1]].sum())
+    return sum(lengths[i] for i in rows) - (len(rows) - 1) * prompt
 
 
 def with_host_mask(batch: Batch) -> Batch:

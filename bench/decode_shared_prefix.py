@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import device_name, git_sha, hbm_bandwidth  # noqa: E402
+from common import device_name, git_sha, graph_seconds, hbm_bandwidth  # noqa: E402
 
 from lathe.engine import triton_decode as td  # noqa: E402
 
@@ -56,28 +56,9 @@ def tables_for(rows: int, n: int, prompt: int, ctx: int, shared: bool, gen: torc
     return tables, total
 
 
-def time_graph(fn, layers: int, repeats: int = 20) -> float:
+def time_graph(fn, layers: int) -> float:
     """Microseconds per launch of `fn` captured `layers` times in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (repeats * layers)
+    return graph_seconds(fn, captured=layers) * 1e6 / layers
 
 
 def run_case(shape: str, rows: int, n: int, prompt: int, new: int, layers: int, prefix_splits: list[int],

@@ -222,16 +222,15 @@ def shared_prompt_rows(shape: str, command: list[str], args) -> int:
     threshold, the key or prefix caching off, an FP8 KV cache; and 1 for shapes with sliding-window or linear-
     attention layers, whose bound this does not split by layer (GPT-OSS's full layers do share: its bound keeps every
     row's reads, a little above the work)."""
-    from lathe.engine import cuda_graph
+    from lathe.engine.cuda_graph import prefix_group_rows, prefix_min_tokens
     cfg = SHAPES[shape]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    width = kv * (cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    least = cuda_graph.PREFIX_MIN_TOKENS_WIDE if width >= 512 else cuda_graph.PREFIX_MIN_TOKENS
+    least = prefix_min_tokens(kv, cfg.get("head_dim") or cfg["hidden_size"] // heads)
     off = ((last_value(command, "actor_rollout_ref.rollout.shared_prefix_attention") or "true").lower() == "false"
            or (last_value(command, "actor_rollout_ref.rollout.enable_prefix_caching") or "true").lower() == "false"
            or (last_value(command, "actor_rollout_ref.rollout.kv_cache_dtype") or "auto").startswith("fp8")
            or "layer_types" in cfg)
-    rows = min(8, 64 // (heads // kv), args.n)
+    rows = min(prefix_group_rows(heads, kv), args.n)
     return 1 if off or args.prompt_len < least or rows < 2 else rows
 
 

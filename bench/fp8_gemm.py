@@ -29,7 +29,6 @@ import datetime
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import build_hf, device_name, git_sha, slug  # noqa: E402
+from common import build_hf, device_name, git_sha, graph_seconds, slug  # noqa: E402
 
 from lathe.engine import fp8  # noqa: E402
 
@@ -48,22 +47,7 @@ SHAPES = {"qkv": (4608, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)} 
 
 def graph_ms(fn, reps: int = 20) -> float:
     """Milliseconds a replay of `fn` captured as one CUDA graph takes (after warm-up on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e3
+    return graph_seconds(fn, reps=reps) * 1e3
 
 
 def projections(rows: int, dev) -> dict:

@@ -59,6 +59,18 @@ PREFIX_MIN_TOKENS = 768
 PREFIX_MIN_TOKENS_WIDE = 512
 
 
+def prefix_min_tokens(kv_heads: int, head_dim: int) -> int:
+    """The shortest shared prompt the decode graphs group rows over, for a layer's K/V of that width."""
+    return PREFIX_MIN_TOKENS_WIDE if kv_heads * head_dim >= 512 else PREFIX_MIN_TOKENS
+
+
+def prefix_group_rows(num_heads: int, num_kv_heads: int) -> int:
+    """The most rows a shared-prefix group holds (its query heads one tile of at most 64 rows), or 0 where fewer than
+    two fit."""
+    rows = min(8, 64 // (num_heads // max(1, num_kv_heads)))
+    return rows if rows >= 2 else 0
+
+
 def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
     """The decode batch sizes that get a graph (a step is padded to the next one; a larger step runs eagerly):
     `sizes` (verl's cudagraph_capture_sizes) capped at `max_batch`, else 1, 2, 4, 8, every 16th and `max_batch`."""
@@ -97,11 +109,9 @@ class DecodeGraphs:
         # up to `prefix_rows` rows a group (its query heads one tile of at most 64 rows), the groups and each row's
         # prefix length in static buffers, recomputed on the host when the batch's rows change
         cfg = text_config(runner.model)
-        group = cfg.num_attention_heads // max(1, cfg.num_key_value_heads)
-        self.prefix_rows = min(8, 64 // group) if (
+        self.prefix_rows = prefix_group_rows(cfg.num_attention_heads, cfg.num_key_value_heads) if (
             runner.shared_prefix and runner.decode_backend == "triton" and not runner.kv_cache.latent
             and runner.kv_cache.dtype == runner.model.dtype) else 0
-        self.prefix_rows = self.prefix_rows if self.prefix_rows >= 2 else 0
         if self.prefix_rows:
             cap = self.max_batch // 2
             self.prefix_groups = torch.zeros(cap, 3, dtype=torch.int32, device=device)
@@ -235,9 +245,9 @@ class DecodeGraphs:
         the prefix launch's splits (0: no group, the plain graph)."""
         cap = self.max_batch // 2
         _, _, kv_heads, head_dim = self.runner.kv_cache.k[0].shape
-        least = PREFIX_MIN_TOKENS_WIDE if kv_heads * head_dim >= 512 else PREFIX_MIN_TOKENS
         groups, plens = shared_prefixes(self.host_tables.tensor.numpy()[:batch], lens, self.runner.block_size,
-                                        max_rows=self.prefix_rows, min_tokens=least, capacity=cap)
+                                        max_rows=self.prefix_rows, min_tokens=prefix_min_tokens(kv_heads, head_dim),
+                                        capacity=cap)
         self.prefix_split = prefix_splits(groups, kv_heads, head_dim, self.num_sms)
         self.prefix_batch = batch
         if self.prefix_split:

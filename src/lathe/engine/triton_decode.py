@@ -62,6 +62,17 @@ if triton is not None:
         alpha = tl.exp(m_i - m_safe)
         return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
+    @triton.jit
+    def _kv_tile(table, start_n, end, h, d, d_ok, stride_kblock, stride_ktok, stride_kh, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+        """A tile of BLOCK_N context positions from `start_n` (those before `end`), read through a sequence's block
+        table `table`: (positions, which are in range, their blocks, KV head h's element offsets, the load mask)."""
+        n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        block = tl.load(table + n // PAGE, mask=n_ok, other=0)
+        tok = block.to(tl.int64) * stride_kblock + (n % PAGE) * stride_ktok
+        return n, n_ok, block, tok[:, None] + h * stride_kh + d[None, :], n_ok[:, None] & d_ok[None, :]
+
     @triton.jit(do_not_specialize=["stride_bt", "stride_kn", "stride_vn", "stride_cos"])   # vary: one compile
     def _decode_kernel(Q, K, V, KS, VS, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS, SINKS, PLEN, window,
                        stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
@@ -142,12 +153,8 @@ if triton is not None:
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         for start_n in range(start, end, BLOCK_N):
-            n = start_n + tl.arange(0, BLOCK_N)
-            n_ok = n < end
-            block = tl.load(BT + b * stride_bt + n // PAGE, mask=n_ok, other=0)
-            tok = block.to(tl.int64) * stride_kblock + (n % PAGE) * stride_ktok
-            kv_off = tok[:, None] + h * stride_kh + d[None, :]
-            kv_mask = n_ok[:, None] & d_ok[None, :]
+            n, n_ok, block, kv_off, kv_mask = _kv_tile(BT + b * stride_bt, start_n, end, h, d, d_ok, stride_kblock,
+                                                       stride_ktok, stride_kh, PAGE, BLOCK_N)
             k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
             if KV_FP8:      # e4m3 -> q's dtype is exact; the scales multiply the scores (module doc)
                 s_off = block.to(tl.int64) * stride_sblock + (n % PAGE) * stride_stok + h
@@ -274,12 +281,8 @@ if triton is not None:
         l_i = tl.zeros([ROWS_PAD], tl.float32)
         acc = tl.zeros([ROWS_PAD, DIM_PAD], tl.float32)
         for start_n in range(start, end, BLOCK_N):
-            n = start_n + tl.arange(0, BLOCK_N)
-            n_ok = n < end
-            block = tl.load(BT + row0.to(tl.int64) * stride_bt + n // PAGE, mask=n_ok, other=0)
-            tok = block.to(tl.int64) * stride_kblock + (n % PAGE) * stride_ktok
-            kv_off = tok[:, None] + h * stride_kh + d[None, :]
-            kv_mask = n_ok[:, None] & d_ok[None, :]
+            n, n_ok, block, kv_off, kv_mask = _kv_tile(BT + row0.to(tl.int64) * stride_bt, start_n, end, h, d, d_ok,
+                                                       stride_kblock, stride_ktok, stride_kh, PAGE, BLOCK_N)
             k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             p, alpha, l_i, m_new = _softmax_tile(scores, n_ok, m_i, l_i)

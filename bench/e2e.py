@@ -294,7 +294,7 @@ def what(shape: str, res: dict) -> str:
     if sol.get("step", {}).get("fraction") is None:
         return text + "; no speed-of-light figure on this device"
     parts = ", ".join(f"{p} {r['fraction']:.1%}" for p, r in sol.items() if p not in ("step", "rates")
-                      and r.get("fraction") is not None)
+                      and isinstance(r, dict) and r.get("fraction") is not None)   # not the flags (`grouped`)
     gen = sol.get("gen", {})
     touched = (f"; reading the experts its batch touches, gen {gen['touched_fraction']:.1%}, step "
                f"{sol['step']['touched_fraction']:.1%}" if gen.get("touched_light_s", 0) > gen.get("light_s", 0) else "")

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
 GIB = 1024 ** 3
@@ -329,6 +330,11 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not is_accelerator(device):
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def array_to_device(a, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host (numpy) array on `device` as `dtype`, without waiting for the device (`to_device`)."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(a)).to(dtype), device)
 
 
 # -- graphs (the engine's decode steps) --------------------------------------------------------------------

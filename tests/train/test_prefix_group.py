@@ -7,6 +7,7 @@ import torch
 from lathe.generation import RolloutOutput
 from lathe.rollout.base import to_batch
 from lathe.train.logprob import batched_token_stats, response_log_probs
+from lathe.train.micro import micro_batches
 from lathe.train.prefix_group import grouped_layout
 
 from helpers import assert_close_rel
@@ -46,6 +47,24 @@ def test_layout_runs_each_prompt_once():
             assert keys == prompt + rows                                  # its prompt, then itself
     assert layout.max_q == max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
     assert layout.max_k == max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+
+
+def test_layout_is_worked_out_from_the_host_copies(monkeypatch):
+    """With the pass's host copies of the mask and prompts (`with_host_mask(prompts=True)`, taken once for the whole
+    batch), a micro-batch's layout reads nothing back from the device (each read would be a host sync that drains the
+    queue between micro-batches) and equals the one worked out from the device's tensors."""
+    batch = _grouped_batch()
+    expected = grouped_layout(batch)
+    hosted = micro_batches(batch, size=len(batch), grouped=True)[0][0]
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("the layout read a tensor back from the device")
+    monkeypatch.setattr(torch.Tensor, "cpu", no_reads)
+    layout = grouped_layout(hosted)
+    monkeypatch.undo()
+    for name in ("input_ids", "position_ids", "cu_q", "cu_k", "kv_index", "source", "flat"):
+        assert torch.equal(getattr(layout, name), getattr(expected, name)), name
+    assert (layout.max_q, layout.max_k) == (expected.max_q, expected.max_k)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -101,4 +120,10 @@ def test_grouped_on_flash_attention_equals_packed_on_cuda(make_lathe):
         grads[grouped] = {k: p.grad.float() for k, p in model.named_parameters()}
     mask = batch["response_mask"].bool()
     assert_close_rel(out[True][mask], out[False][mask], rel=2e-2, name="log-probs")
+    hosted = micro_batches(batch, size=len(batch), grouped=True)[0][0]
+    torch.cuda.set_sync_debug_mode("error")         # building a micro-batch's layout waits for no device work
+    try:
+        grouped_layout(hosted)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert_close_rel(grads[True], grads[False], rel=5e-2, name="gradients")

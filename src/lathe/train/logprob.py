@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from lathe.batch import Batch
-from lathe.device import to_device
+from lathe.device import array_to_device
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.attention import PackedAttention
 from lathe.models.logprob import response_token_stats as padded_token_stats
@@ -86,10 +86,10 @@ def host_layout(batch: Batch) -> HostLayout | None:
         return None
     indices, seqlens, index, flat = host_arrays(host, batch["responses"].shape[1])
     device = batch["attention_mask"].device
-    return HostLayout(indices=_moved(indices, device),
-                      cu_seqlens=_moved(np.concatenate([[0], np.cumsum(seqlens)]), device, torch.int32),
-                      max_seqlen=int(seqlens.max()) if len(seqlens) else 0, index=_moved(index, device),
-                      flat=_moved(flat, device))
+    return HostLayout(indices=array_to_device(indices, device),
+                      cu_seqlens=array_to_device(np.concatenate([[0], np.cumsum(seqlens)]), device, torch.int32),
+                      max_seqlen=int(seqlens.max()) if len(seqlens) else 0, index=array_to_device(index, device),
+                      flat=array_to_device(flat, device))
 
 
 def host_arrays(host_mask: torch.Tensor, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -109,11 +109,6 @@ def host_arrays(host_mask: torch.Tensor, R: int) -> tuple[np.ndarray, np.ndarray
     if (index < 0).any():
         raise ValueError(BAD_LAYOUT)
     return indices, seqlens, index, np.flatnonzero(valid)
-
-
-def _moved(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A host array on `device` without waiting for it."""
-    return to_device(torch.from_numpy(np.ascontiguousarray(a)).to(dtype), device)
 
 
 BAD_LAYOUT = ("a response token follows a padding position (attention_mask 0): the batch must be a left-padded "
@@ -208,22 +203,22 @@ def sequence_parallel_response(model, batch: Batch, sp: SequenceParallel, read: 
     device, T = batch["input_ids"].device, len(indices)
     total = padded_length(T, sp.size)
     per, pad = total // sp.size, total - T
-    real = _moved(indices, device)
+    real = array_to_device(indices, device)
     whole_ids = batch["input_ids"].flatten()[real]
     ids, pos = local_slice(whole_ids, sp), local_slice(batch["position_ids"].flatten()[real], sp)
     bounds = np.concatenate([[0], np.cumsum(seqlens), [total] * bool(pad)])
-    attn = UlyssesAttention(PackedAttention(_moved(bounds, device, torch.int32), int(max(seqlens.max(), pad)),
+    attn = UlyssesAttention(PackedAttention(array_to_device(bounds, device, torch.int32), int(max(seqlens.max(), pad)),
                                             model.packed_backend()), sp)
     hidden = model.hidden_with(ids, pos, attn)
     if keep is not None:
-        keep.append(PackedStream(hidden, whole_ids, pos, _moved(bounds[:len(seqlens) + 1], device, torch.int32),
+        keep.append(PackedStream(hidden, whole_ids, pos, array_to_device(bounds[:len(seqlens) + 1], device, torch.int32),
                                  int(seqlens.max()), real, attn, sp))
     lo = sp.rank * per
     mine = (index >= lo) & (index < lo + per)
-    rows = _moved(index[mine] - lo, device)
-    out = read(hidden[rows], _moved(flat[mine], device))
+    rows = array_to_device(index[mine] - lo, device)
+    out = read(hidden[rows], array_to_device(flat[mine], device))
     slab = out.new_zeros(per, out.shape[1]).index_put((rows,), out)
-    return gather_tokens(slab, sp)[_moved(index, device)], _moved(flat, device)
+    return gather_tokens(slab, sp)[array_to_device(index, device)], array_to_device(flat, device)
 
 
 def _sequence_parallel_stats(model, batch: Batch, sp: SequenceParallel, *, temperature: float, chunk_size: int,
@@ -340,15 +335,15 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
         packed_text = remove_padding and isinstance(model, LatheCausalLM) and not prefix_grouper
         layout = host_layout(batch) if packed_text else None
         if prefix_grouper:
-            hidden, valid = grouped_hidden(model, batch)
+            hidden, where = grouped_hidden(model, batch)
         else:
             hidden, valid = response_hidden(model, batch, remove_padding=remove_padding, layout=layout, keep=keep)
-        targets = batch["responses"].flatten()[layout.flat] if layout is not None else batch["responses"][valid]
+            where = layout.flat if layout is not None else valid
+        targets = batch["responses"].flatten()[where] if where.dtype != torch.bool else batch["responses"][where]
         stats = token_stats(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size,
                             calculate_entropy=calculate_entropy, calculate_sum_pi_squared=calculate_sum_pi_squared,
                             compile_backend=getattr(model, "compile_backend", None))
-        where = layout.flat if layout is not None else valid
-        return tuple(None if x is None else scatter_response(x, where, valid.shape) for x in stats)
+        return tuple(None if x is None else scatter_response(x, where, batch["responses"].shape) for x in stats)
     responses = batch["responses"]
     R = responses.shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

@@ -19,6 +19,8 @@ from lathe.batch import Batch
 from lathe.train import parallel
 
 HOST_MASK = "host_attention_mask"     # the attention mask in host memory (see `with_host_mask`)
+HOST_PROMPT_IDS = "host_prompt_ids"   # the prompts' input ids and positions in host memory (`with_host_mask`,
+HOST_PROMPT_POS = "host_prompt_positions"   # for the prefix-grouped forward)
 
 
 def token_balanced_partitions(lengths: list[int], max_tokens: int, *, key: str, min_parts: int = 1
@@ -57,7 +59,7 @@ def micro_batches(batch: Batch, *, size: int, max_tokens: int | None = None, key
     Data-parallel ranks (each holding its share of a batch) get the same number of micro-batches, since every
     micro-batch's forward gathers sharded weights together: packed ones are cut into as many as the rank that
     needs most, and fixed-size ones require equal shares."""
-    batch = with_host_mask(batch)
+    batch = with_host_mask(batch, prompts=grouped)
     if max_tokens is None:
         parts = batch.split(size)
         if parallel.distributed() and parallel.max_over_ranks(len(parts)) != len(parts):
@@ -90,7 +92,8 @@ def prompt_items(batch: Batch, lengths: list[int], max_tokens: int) -> list[list
     if "uid" in batch:
         keys = list(batch["uid"])
     else:
-        prompts, mask = batch["prompts"].cpu(), batch[HOST_MASK][:, :batch["prompts"].shape[1]].bool()
+        prompts = batch[HOST_PROMPT_IDS] if HOST_PROMPT_IDS in batch else batch["prompts"].cpu()
+        mask = batch[HOST_MASK][:, :batch["prompts"].shape[1]].bool()
         keys = [tuple(prompts[i][mask[i]].tolist()) for i in range(len(lengths))]
     members: dict = {}
     for i, k in enumerate(keys):
@@ -107,14 +110,21 @@ def _cost(rows: list[int], lengths: list[int], batch: Batch) -> int:
     return sum(lengths[i] for i in rows) - (len(rows) - 1) * prompt
 
 
-def with_host_mask(batch: Batch) -> Batch:
+def with_host_mask(batch: Batch, *, prompts: bool = False) -> Batch:
     """`batch` with a host copy of its attention mask (`HOST_MASK`; one device-to-host copy), which micro-batches
     carry along: their packing and response positions are then worked out on the host, without waiting for the
-    device (`lathe.train.logprob.host_layout`), so the host can queue a micro-batch while the previous one runs."""
-    if "attention_mask" not in batch or HOST_MASK in batch:
+    device (`lathe.train.logprob.host_layout`), so the host can queue a micro-batch while the previous one runs.
+    `prompts` (the prefix-grouped forward): the prompts' input ids and positions too (`HOST_PROMPT_IDS`,
+    `HOST_PROMPT_POS`), which group the rows (`lathe.train.prefix_group.grouped_layout`)."""
+    if "attention_mask" not in batch:
         return batch
-    return Batch({**batch.tensors, HOST_MASK: batch["attention_mask"].cpu()}, dict(batch.non_tensors),
-                 dict(batch.meta))
+    copies = {} if HOST_MASK in batch else {HOST_MASK: batch["attention_mask"].cpu()}
+    if prompts and HOST_PROMPT_IDS not in batch:
+        P = batch["prompts"].shape[1]
+        copies |= {HOST_PROMPT_IDS: batch["input_ids"][:, :P].cpu(), HOST_PROMPT_POS: batch["position_ids"][:, :P].cpu()}
+    if not copies:
+        return batch
+    return Batch({**batch.tensors, **copies}, dict(batch.non_tensors), dict(batch.meta))
 
 
 def in_batch_order(parts: list[tuple[torch.Tensor, list[int] | None]]) -> torch.Tensor:

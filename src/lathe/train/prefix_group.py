@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lathe.batch import Batch
+from lathe.device import array_to_device
 from lathe.models.attention import GroupedAttention
+from lathe.train.micro import HOST_MASK, HOST_PROMPT_IDS, HOST_PROMPT_POS
 
 BAD_LAYOUT = ("use_prefix_grouper: a response token follows a padding position (attention_mask 0): the batch must "
               "be a left-padded prompt followed by a right-padded response, as rollout.base.to_batch builds it")
@@ -43,66 +46,74 @@ class GroupedLayout:
     max_q: int
     max_k: int
     source: torch.Tensor         # (N,) index into the stream of the hidden state that predicts each response token
-    valid: torch.Tensor          # (B, R) bool: the real response tokens, in the order of `source`
+    flat: torch.Tensor           # (N,) each real response token's position in the flattened (B * R) responses,
+    #                              in the order of `source` (rows in order, each row's tokens in order)
 
     def attention(self, backend: str) -> GroupedAttention:
         return GroupedAttention(self.cu_q, self.cu_k, self.kv_index, self.max_q, self.max_k, backend)
 
 
+def _host(batch: Batch, key: str, device_value) -> np.ndarray:
+    """The host copy `key` that `lathe.train.micro.with_host_mask` took once for the whole batch, or a copy now
+    (a host sync) where the batch has none."""
+    host = batch.tensors.get(key)
+    return (host if host is not None else device_value().cpu()).numpy()
+
+
 def grouped_layout(batch: Batch) -> GroupedLayout:
-    """Group the batch's rows by prompt (see the module docstring); built on the host, moved to the batch's device."""
+    """Group the batch's rows by prompt (see the module docstring). Worked out on the host from the batch's host
+    copies of its mask and prompts (`with_host_mask(..., prompts=True)`: taken once per pass, so building a
+    micro-batch's layout waits for no device work) and moved to the device without waiting for it; the stream's ids
+    and positions are gathered on the device."""
     P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
-    mask = batch["attention_mask"].bool().cpu()
-    ids, pos = batch["input_ids"].cpu(), batch["position_ids"].cpu()
+    mask = _host(batch, HOST_MASK, lambda: batch["attention_mask"]).astype(bool)
+    ids = _host(batch, HOST_PROMPT_IDS, lambda: batch["input_ids"][:, :P])
+    pos = _host(batch, HOST_PROMPT_POS, lambda: batch["position_ids"][:, :P])
+    B, L = mask.shape
     valid = mask[:, P:]
     lengths = valid.sum(-1)
-    if bool((valid != (torch.arange(R).unsqueeze(0) < lengths.unsqueeze(-1))).any()):
+    if (valid != (np.arange(R)[None, :] < lengths[:, None])).any():
         raise ValueError(BAD_LAYOUT)
     groups: dict[tuple, list[int]] = {}
-    for row in range(ids.shape[0]):
-        key = (tuple(ids[row, :P][mask[row, :P]].tolist()), tuple(pos[row, :P][mask[row, :P]].tolist()))
-        groups.setdefault(key, []).append(row)
-    tokens, positions, cu_q, cu_k, kv_index = [], [], [0], [0], []
-    predictor = {}                  # row -> stream index of the hidden state predicting its first response token
-    start_of = {}                   # row -> stream index of its response's first token
-    for (prompt, prompt_pos), rows in groups.items():
-        if not prompt:
+    for row in range(B):
+        real = mask[row, :P]
+        groups.setdefault((ids[row, real].tobytes(), pos[row, real].tobytes()), []).append(row)
+    src, kv, cu_q, cu_k = [], [], [0], [0]      # src: each stream token's place in the flattened (B * L) batch
+    predictor, start = np.zeros(B, np.int64), np.zeros(B, np.int64)
+    for rows in groups.values():
+        prompt = rows[0] * L + np.flatnonzero(mask[rows[0], :P])
+        if not len(prompt):
             raise ValueError("use_prefix_grouper: a row has an empty prompt; a response needs a prompt token before it")
-        at = len(tokens)
-        prompt_rows = list(range(at, at + len(prompt)))
-        tokens += prompt
-        positions += prompt_pos
-        cu_q.append(len(tokens))
-        kv_index += prompt_rows
-        cu_k.append(len(kv_index))
+        prompt_rows = np.arange(cu_q[-1], cu_q[-1] + len(prompt))
+        src.append(prompt)
+        kv.append(prompt_rows)
+        cu_q.append(cu_q[-1] + len(prompt))
+        cu_k.append(cu_k[-1] + len(prompt))
         for row in rows:
             n = int(lengths[row])
-            predictor[row], start_of[row] = prompt_rows[-1], len(tokens)
+            predictor[row], start[row] = prompt_rows[-1], cu_q[-1]
             if n == 0:
                 continue
-            kv_index += prompt_rows + list(range(len(tokens), len(tokens) + n))
-            tokens += ids[row, P:P + n].tolist()
-            positions += pos[row, P:P + n].tolist()
-            cu_q.append(len(tokens))
-            cu_k.append(len(kv_index))
-    source = []
-    for row in range(ids.shape[0]):
-        n = int(lengths[row])
-        source += [predictor[row]] + list(range(start_of[row], start_of[row] + n - 1)) if n else []
-    seg_q = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
-    seg_k = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
-    device = batch["input_ids"].device
-
-    def on_device(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device)
-    return GroupedLayout(on_device(tokens, ids.dtype), on_device(positions, pos.dtype), on_device(cu_q, torch.int32),
-                         on_device(cu_k, torch.int32), on_device(kv_index, torch.long), max(seg_q), max(seg_k),
-                         on_device(source, torch.long), valid.to(device))
+            kv += [prompt_rows, np.arange(cu_q[-1], cu_q[-1] + n)]
+            src.append(row * L + P + np.arange(n))
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + len(prompt) + n)
+    source = [np.concatenate([[predictor[row]], np.arange(start[row], start[row] + lengths[row] - 1)])
+              for row in range(B) if lengths[row]]
+    empty = np.zeros(0, np.int64)
+    src_t = array_to_device(np.concatenate(src), batch["input_ids"].device)
+    return GroupedLayout(batch["input_ids"].flatten()[src_t], batch["position_ids"].flatten()[src_t],
+                         array_to_device(np.asarray(cu_q), src_t.device, torch.int32),
+                         array_to_device(np.asarray(cu_k), src_t.device, torch.int32), array_to_device(np.concatenate(kv), src_t.device),
+                         int(np.diff(cu_q).max()), int(np.diff(cu_k).max()),
+                         array_to_device(np.concatenate(source) if source else empty, src_t.device),
+                         array_to_device(np.flatnonzero(valid), src_t.device))
 
 
 def grouped_hidden(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden (N, H), valid (B, R)): the final hidden states predicting the N real response tokens, from one
-    prefix-grouped forward of lathe's decoder (`LatheCausalLM.hidden_grouped`)."""
+    """(hidden (N, H), flat (N,)): the final hidden states predicting the N real response tokens, from one
+    prefix-grouped forward of lathe's decoder (`LatheCausalLM.hidden_grouped`), and those tokens' positions in the
+    flattened (B * R) responses (`GroupedLayout.flat`)."""
     layout = grouped_layout(batch)
     hidden = model.hidden_grouped(layout.input_ids, layout.position_ids, layout.attention(model.packed_backend()))
-    return hidden[layout.source], layout.valid
+    return hidden[layout.source], layout.flat

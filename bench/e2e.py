@@ -180,7 +180,8 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
             if args.gpus > 1:
                 res["lathe"]["driver_over_ranks"] = driver_over_ranks(res["lathe"]["profile"])
         if steps:
-            res["lathe"]["speed_of_light"] = speed_of_light(shape, res["lathe"], args)
+            res["lathe"]["speed_of_light"] = kept_going("speed of light",
+                                                        lambda: speed_of_light(shape, res["lathe"], args))
     if "trl" in args.systems and shape not in args.trl_skip:
         out = paths["run"] / "trl.json"
         out.unlink(missing_ok=True)
@@ -199,8 +200,19 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
     lathe_s, trl_s = res.get("lathe", {}).get("step_s"), res.get("trl", {}).get("step_s")
     if lathe_s and trl_s:
         res["speedup_vs_trl"] = trl_s / lathe_s
-    res["what"] = what(shape, res)
+    res["what"] = kept_going("summary", lambda: what(shape, res), lambda err: f"{shape}: no summary ({err})")
     return res
+
+
+def kept_going(name: str, derive, fallback=lambda err: {"error": err}):
+    """`derive()`, or where it raises (a bug in what this script derives from a finished run) `fallback(the error)`
+    in its place, the error printed too, so that the run's measurements are still written."""
+    try:
+        return derive()
+    except Exception as e:       # noqa: BLE001 - the measurement outlives a bug in what is computed from it
+        print(f"e2e: the {name} failed ({type(e).__name__}: {e}); the measurements are written without it",
+              file=sys.stderr)
+        return fallback(f"{type(e).__name__}: {e}")
 
 
 def speed_of_light(shape: str, row: dict, args, device: str | None = None) -> dict:
@@ -266,7 +278,7 @@ def relight(path: Path, note: str) -> list[str]:
     changed = []
     for shape, m in doc["models"].items():
         row = m.get("lathe") if isinstance(m, dict) else None
-        if not row or "speed_of_light" not in row or shape not in SHAPES \
+        if not row or "step" not in row.get("speed_of_light", {}) or shape not in SHAPES \
                 or ("teacher" in row.get("phases_s", {}) and not args.teacher):   # written before --teacher was kept
             continue
         new = speed_of_light(shape, row, args, device=doc["device"])

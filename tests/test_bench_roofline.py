@@ -169,6 +169,7 @@ def test_prefix_grouped_passes_count_each_prompt_once():
                                        2, 2, 16, 8, 0)
     e2e = _e2e()
     assert "; ref 0.0%, update_actor 0.0%)" in e2e.what("tiny", {"lathe": {"step_s": 3.0, "speed_of_light": sol}})
+    assert e2e.kept_going("summary", lambda: {}["x"], lambda err: f"no summary ({err})") == "no summary (KeyError: 'x')"
     assert e2e.prefix_grouped(["x", "actor_rollout_ref.actor.use_prefix_grouper=true"])
     assert not e2e.prefix_grouped(["actor_rollout_ref.actor.use_prefix_grouper=true",
                                    "actor_rollout_ref.actor.use_prefix_grouper=false"])

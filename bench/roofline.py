@@ -230,17 +230,23 @@ def forward_flops(shape: dict, lengths: list[int], logit_rows: int) -> int:
 def grouped_forward_flops(shape: dict, prompts: int, n: int, prompt_len: int, response_len: int,
                           logit_rows: int) -> int:
     """One prefix-grouped forward (`actor.use_prefix_grouper`) over `prompts` groups: each prompt's tokens once, its
-    `n` responses each attending to the whole prompt and causally to themselves; the lm_head on `logit_rows` rows.
-    Full attention only (the grouped forward refuses sliding windows and linear-attention layers)."""
-    if any(w is not None for w in _windows(shape)) or _linear_state_flops(shape):
-        raise ValueError("grouped_forward_flops: a shape with sliding windows or linear attention (lathe's prefix-"
-                         "grouped forward refuses them)")
+    `n` responses each attending to the whole prompt and causally to themselves (a sliding layer: each query over at
+    most its window of keys); the lm_head on `logit_rows` rows. Linear-attention layers: refused, as lathe's
+    grouped forward refuses them."""
+    if _linear_state_flops(shape):
+        raise ValueError("grouped_forward_flops: a shape with linear attention (lathe's prefix-grouped forward "
+                         "refuses it)")
     h, v = shape["hidden_size"], shape["vocab_size"]
     _, _, _, q, _, _, _ = _dims(shape)
     P, R = prompt_len, response_len
-    pairs = P * (P + 1) // 2 + n * (R * P + R * (R + 1) // 2)
-    return (2 * layer_matmul_params(shape) * prompts * (P + n * R) + 2 * v * h * logit_rows
-            + prompts * 4 * q * pairs * len(_windows(shape)))
+    pairs = sum(_keys_seen(0, P, w) + n * _keys_seen(P, P + R, w) for w in _windows(shape))
+    return 2 * layer_matmul_params(shape) * prompts * (P + n * R) + 2 * v * h * logit_rows + prompts * 4 * q * pairs
+
+
+def _keys_seen(first: int, last: int, window: int | None) -> int:
+    """The keys the queries at positions first .. last - 1 of a sequence see, causally (within `window`)."""
+    cut = last if window is None else max(first, min(last, window))     # below it a query sees all before it
+    return (cut * (cut + 1) - first * (first + 1)) // 2 + (last - cut) * (window or 0)
 
 
 def prefill_seconds(shape: dict, prompts: int, prompt_len: int, flops_per_s: float) -> float:

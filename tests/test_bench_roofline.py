@@ -164,9 +164,13 @@ def test_prefix_grouped_passes_count_each_prompt_once():
                               grouped=True)
     assert sol["grouped"] and sol["ref"]["light_s"] == pytest.approx(roofline.log_prob_seconds(SHAPE, 4, 16, 8,
                                                                                                 790e12, 2))
-    with pytest.raises(ValueError, match="sliding windows or linear attention"):
-        roofline.grouped_forward_flops({**SHAPE, "sliding_window": 4, "layer_types": ["sliding_attention"] * 2},
-                                       2, 2, 16, 8, 0)
+    windowed = {**SHAPE, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+    for n in (1, 3):       # GPT-OSS's sliding layers: each query over its window, the grouped prompt's keys included
+        grouped = roofline.grouped_forward_flops(windowed, 2, n, 16, 8, 5)
+        per_row = roofline.forward_flops(windowed, [24] * (2 * n), 5)
+        assert grouped == per_row if n == 1 else grouped < per_row
+    with pytest.raises(ValueError, match="linear attention"):
+        roofline.grouped_forward_flops(HYBRID, 2, 2, 16, 8, 0)
     e2e = _e2e()
     assert "; ref 0.0%, update_actor 0.0%)" in e2e.what("tiny", {"lathe": {"step_s": 3.0, "speed_of_light": sol}})
     assert e2e.kept_going("summary", lambda: {}["x"], lambda err: f"no summary ({err})") == "no summary (KeyError: 'x')"

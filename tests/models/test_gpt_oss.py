@@ -117,15 +117,18 @@ def test_checkpoint_round_trip_through_transformers(tmp_path):
     assert arch == "GptOssForCausalLM"
 
 
-def test_attentions_without_sinks_refuse_these_layers(pair):
-    """The prefix-grouped forward's attention has no sinks or windows: refused, named. (Ulysses splits them:
-    tests/train/test_ulysses_hybrid.py.)"""
+def test_ulysses_and_the_grouped_forward_take_these_layers(pair):
+    """Ulysses splits the sinks' and windows' layers (tests/train/test_ulysses_hybrid.py), and the prefix-grouped
+    forward's attention applies them: one segment of 7 tokens (past the 4-token window) is the packed forward of the
+    same tokens (a grouped batch against the per-row forward: tests/train/test_prefix_group.py)."""
     from lathe.train.ulysses import check_model
     _, lathe = pair
     check_model(lathe, 2, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
     from .test_hybrid import _one_segment
-    with pytest.raises(ValueError, match="GroupedAttention does not implement attention sinks"):
-        lathe.hidden_grouped(torch.arange(5), torch.arange(5), _one_segment(5))
+    ids = torch.arange(3, 10)
+    grouped = lathe.hidden_grouped(ids, torch.arange(7), _one_segment(7))
+    packed = lathe.hidden_packed(ids, torch.arange(7), torch.tensor([0, 7], dtype=torch.int32), 7)
+    assert_close_rel(grouped, packed)
 
 
 def test_sink_attention_in_query_slices_equals_whole():

@@ -86,6 +86,57 @@ def test_grouped_equals_padded_in_value_and_gradient(make_lathe, temperature):
     assert_close_rel(grads[True], grads[False], name="gradients")
 
 
+def _gpt_oss():
+    """A tiny GPT-OSS in lathe's decoder (a 4-token sliding window, then a full layer; sinks; 4 experts top-2)."""
+    from lathe.models.hf import lathe_from_transformers
+    from models.gpt_oss_tiny import gpt_oss_model
+    return lathe_from_transformers(gpt_oss_model(vocab_size=VOCAB))
+
+
+def _grouped_against_per_row(model_of, batch, **kwargs):
+    """{grouped: (log-probs, their gradients)} of the packed per-row and the prefix-grouped forward."""
+    weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for grouped in (False, True):
+        model = model_of()
+        logp, _ = response_log_probs(model, batch, prefix_grouper=grouped, remove_padding=True, **kwargs)
+        (logp * weights * batch["response_mask"]).sum().backward()
+        out[grouped] = (logp.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    return out
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_grouped_gpt_oss_windows_and_sinks_equal_the_per_row_forward(monkeypatch, flash):
+    """GPT-OSS's sliding window (here 4 tokens, shorter than prompt + response) and sinks in the grouped forward:
+    each response's window reaches back into its prompt's gathered keys. The explicit softmax per segment, and the
+    flash path (the flash ops' contract in plain torch standing in for them, `tests/models/test_sink_flash.py`), give
+    the per-row forward's log-probs and gradients."""
+    from lathe.models import attention, sink_flash
+    from models.test_sink_flash import reference_core, reference_core_backward
+    if flash:                   # the "varlen" backend on the CPU: the reference core in place of the flash ops
+        calls = []
+        monkeypatch.setattr(sink_flash, "flash_core", lambda *a: calls.append(a[3] is not a[4]) or reference_core(*a))
+        monkeypatch.setattr(sink_flash, "flash_core_backward", reference_core_backward)
+        monkeypatch.setattr(sink_flash, "flash_sinks_agree", lambda *a: True)
+        monkeypatch.setattr(attention, "varlen_aligns_causal_at_end", lambda *a: True)
+        monkeypatch.setattr(attention, "varlen_takes_gqa", lambda *a: True)
+        monkeypatch.setattr(attention, "causal_varlen", lambda q, k, v, cu_q, cu_k, mq, mk: attention.segment_attention(
+            q, k, v, cu_q.tolist(), cu_k.tolist(), None, None))
+
+        def model_of():
+            model = _gpt_oss()
+            monkeypatch.setattr(model, "packed_backend", lambda: "varlen")
+            return model
+    else:
+        model_of = _gpt_oss
+    out = _grouped_against_per_row(model_of, _grouped_batch(n=3))
+    mask = _grouped_batch(n=3)["response_mask"].bool()
+    assert_close_rel(out[True][0][mask], out[False][0][mask], name="log-probs")
+    assert_close_rel(out[True][1], out[False][1], name="gradients")
+    if flash:
+        assert any(calls) and not all(calls)       # grouped segments (fewer queries than keys) and packed sequences
+
+
 def test_batched_grouped_with_sum_pi_squared(make_lathe):
     batch = _grouped_batch(seed=3)
     model = make_lathe().eval()

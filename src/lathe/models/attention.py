@@ -189,18 +189,10 @@ class PackedAttention:
             return self._varlen(q, k, v)
         return self._sdpa(q, k, v)
 
-    @torch.compiler.disable     # (its one-time check and the custom backward run eagerly, as `_explicit` does)
     def _flash_with_options(self, q, k, v, sinks, window) -> torch.Tensor:
-        """Sinks and a window on the flash kernel (`lathe.models.sink_flash`) where its check at this head layout
-        passed on this device, else the explicit softmax."""
-        from lathe.models.sink_flash import flash_sink_attention, flash_sinks_agree
-        if q.shape[1] != k.shape[1] and not varlen_takes_gqa(q.device.index, q.dtype):
-            groups = q.shape[1] // k.shape[1]
-            k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
-        if not flash_sinks_agree(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2], window,
-                                 sinks is not None):
-            return self._explicit(q, k, v, sinks, window)
-        return flash_sink_attention(q, k, v, sinks, self.cu_seqlens.to(torch.int32), self.max_seqlen, window)
+        cu = self.cu_seqlens.to(torch.int32)
+        return flash_with_options(q, k, v, sinks, window, cu, cu, self.max_seqlen, self.max_seqlen,
+                                  lambda: self._explicit(q, k, v, sinks, window))
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._bounds is None:   # one host sync per forward, shared by all layers
@@ -221,17 +213,10 @@ class PackedAttention:
         return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
     def _explicit(self, q, k, v, sinks, window) -> torch.Tensor:
-        """Per sequence, the explicit softmax with sinks and a window (`sink_attention`)."""
+        """Per sequence, the explicit softmax with sinks and a window (`segment_attention`)."""
         if self._bounds is None:
             self._bounds = self.cu_seqlens.tolist()
-        outs = []
-        for start, end in zip(self._bounds[:-1], self._bounds[1:]):
-            if end == start:
-                continue
-            qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            pos = torch.arange(end - start, device=q.device)
-            outs.append(sink_attention(qs, ks, vs, window_mask(pos, pos, window), sinks)[0].transpose(0, 1))
-        return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+        return segment_attention(q, k, v, self._bounds, self._bounds, sinks, window)
 
     def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cu = self.cu_seqlens.to(torch.int32)
@@ -262,6 +247,36 @@ def causal_at_end(queries: int, keys: int, device: torch.device) -> torch.Tensor
     """(queries, keys) bool: query i sees keys 0 .. keys - queries + i (the queries are the last of the keys)."""
     last = keys - queries + torch.arange(queries, device=device)
     return torch.arange(keys, device=device)[None, :] <= last[:, None]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_bounds: list[int], k_bounds: list[int],
+                      sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """The explicit softmax (`sink_attention`: sinks, a sliding window) over packed segments: segment s's queries
+    q[q_bounds[s]:q_bounds[s+1]] (T, Hq, D) are the last of its keys k/v[k_bounds[s]:k_bounds[s+1]] (equal bounds:
+    causal attention within each packed sequence)."""
+    outs = []
+    for a, b, c, d in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:]):
+        if b == a:
+            continue
+        qs, ks, vs = q[a:b].transpose(0, 1)[None], k[c:d].transpose(0, 1)[None], v[c:d].transpose(0, 1)[None]
+        mask = window_mask(torch.arange(d - c - (b - a), d - c, device=q.device), torch.arange(d - c, device=q.device),
+                           window)
+        outs.append(sink_attention(qs, ks, vs, mask, sinks)[0].transpose(0, 1))
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+
+
+@torch.compiler.disable     # (its one-time check and the custom backward run eagerly, as the explicit form does)
+def flash_with_options(q, k, v, sinks, window, cu_q, cu_k, max_q: int, max_k: int, explicit) -> torch.Tensor:
+    """Sinks and a window on the flash kernel (`lathe.models.sink_flash`) where its check at this head layout (and,
+    with fewer queries than keys, `cu_q` not `cu_k`, at that alignment) passed on this device, else `explicit()`."""
+    from lathe.models.sink_flash import flash_sink_attention, flash_sinks_agree
+    if q.shape[1] != k.shape[1] and not varlen_takes_gqa(q.device.index, q.dtype):
+        groups = q.shape[1] // k.shape[1]
+        k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+    if not flash_sinks_agree(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2], window,
+                             sinks is not None, cu_q is not cu_k):
+        return explicit()
+    return flash_sink_attention(q, k, v, sinks, cu_q, max_q, window, cu_k=cu_k, max_k=max_k)
 
 
 @functools.cache
@@ -299,25 +314,35 @@ class GroupedAttention:
     max_q: int
     max_k: int
     backend: str = "sdpa"
+    bounds: tuple[list[int], list[int]] | None = None   # cu_q and cu_k on the host where known (else read back once)
     rotates: ClassVar[bool] = False     # takes q and k rotated (`AttentionFn`)
+    layer_options: ClassVar[bool] = True    # sinks and sliding windows (GPT-OSS)
 
-    def __post_init__(self):
-        self._bounds = None
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
         k, v = k.index_select(0, self.kv_index), v.index_select(0, self.kv_index)
+        options = sinks is not None or window is not None
         if self.backend == "varlen" and varlen_aligns_causal_at_end(q.device.index or 0, q.dtype):
-            return causal_varlen(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k)
-        if self._bounds is None:        # one host sync per forward, shared by all layers
-            self._bounds = list(zip(self.cu_q.tolist(), self.cu_k.tolist()))
+            if not options:
+                return causal_varlen(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k)
+            return flash_with_options(q, k, v, sinks, window, self.cu_q, self.cu_k, self.max_q, self.max_k,
+                                      lambda: segment_attention(q, k, v, *self._host_bounds(), sinks, window))
+        if options:
+            return segment_attention(q, k, v, *self._host_bounds(), sinks, window)
         gqa = q.shape[1] != k.shape[1]
         outs = []
-        for (a, c), (b, d) in zip(self._bounds[:-1], self._bounds[1:]):
+        q_bounds, k_bounds = self._host_bounds()
+        for a, b, c, d in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:]):
             qs, ks, vs = q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)
             out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], enable_gqa=gqa,
                                                  attn_mask=causal_at_end(b - a, d - c, q.device))
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs, dim=0)
+
+    def _host_bounds(self) -> tuple[list[int], list[int]]:
+        if self.bounds is None:         # one host sync per forward, shared by all layers
+            self.bounds = (self.cu_q.tolist(), self.cu_k.tolist())
+        return self.bounds
 
 
 @dataclass

@@ -48,9 +48,10 @@ class GroupedLayout:
     source: torch.Tensor         # (N,) index into the stream of the hidden state that predicts each response token
     flat: torch.Tensor           # (N,) each real response token's position in the flattened (B * R) responses,
     #                              in the order of `source` (rows in order, each row's tokens in order)
+    host_bounds: tuple[list[int], list[int]]     # cu_q and cu_k on the host
 
     def attention(self, backend: str) -> GroupedAttention:
-        return GroupedAttention(self.cu_q, self.cu_k, self.kv_index, self.max_q, self.max_k, backend)
+        return GroupedAttention(self.cu_q, self.cu_k, self.kv_index, self.max_q, self.max_k, backend, self.host_bounds)
 
 
 def _host(batch: Batch, key: str, device_value) -> np.ndarray:
@@ -107,7 +108,7 @@ def grouped_layout(batch: Batch) -> GroupedLayout:
                          array_to_device(np.asarray(cu_k), src_t.device, torch.int32), array_to_device(np.concatenate(kv), src_t.device),
                          int(np.diff(cu_q).max()), int(np.diff(cu_k).max()),
                          array_to_device(np.concatenate(source) if source else empty, src_t.device),
-                         array_to_device(np.flatnonzero(valid), src_t.device))
+                         array_to_device(np.flatnonzero(valid), src_t.device), (cu_q, cu_k))
 
 
 def grouped_hidden(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,11 +64,6 @@ class Actor:
                              f"Qwen2, Qwen3; not the linear-attention layers of Qwen3.5 / Qwen3-Next, whose state runs "
                              f"along whole sequences), but the actor runs {architecture(self.model)}. Fix: set "
                              "use_prefix_grouper=false (or model.impl=lathe for those architectures).")
-        if arr.actor.use_prefix_grouper and getattr(self.model.config, "sinks_or_windows", False):
-            raise ValueError(f"actor_rollout_ref.actor.use_prefix_grouper=true: {architecture(self.model)} has "
-                             "attention sinks / sliding-window layers (GPT-OSS), which the prefix-grouped forward "
-                             "does not implement. Fix: set use_prefix_grouper=false (the same result, each row's "
-                             "forward whole)")
         if arr.actor.router_replay.mode != "disabled":
             check_replay_model(self.model, arr.actor.router_replay.mode)
         self.mtp = mtp_training(arr.model.mtp, self.model, f"{architecture(self.model)} ({arr.model.path})")

@@ -195,6 +195,23 @@ def test_a_reward_pool_that_fails_to_start_releases_the_trainers_workers(tmp_pat
         time.sleep(0.2)
 
 
+def test_two_workers_train_prefix_grouped_exactly_as_one_process(tmp_path):
+    """`actor.use_prefix_grouper` over 2 ranks: with `trainer.balance_batch` each prompt's rows are dealt whole to one
+    rank (verl's group balancing), and each rank's old-log-prob, reference (the KL loss) and update passes run
+    grouped, token-budget micro-batches keeping prompts whole: the same losses and gradient norms as one process
+    grouped (whose numbers are the per-row run's: tests/loop/test_algorithms.py)."""
+    a_ = "actor_rollout_ref.actor"
+    grouped = [f"{a_}.use_prefix_grouper=true", "trainer.balance_batch=true", f"{a_}.use_kl_loss=true",
+               f"{a_}.kl_loss_coef=0.1", f"{a_}.ppo_epochs=2", f"{a_}.use_dynamic_bsz=true",
+               f"{a_}.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.model.use_remove_padding=true",
+               "trainer.total_training_steps=2"]
+    one = train(tmp_path / "one", *grouped)
+    two = train(tmp_path / "two", "trainer.n_gpus_per_node=2", *grouped)
+    assert len(one) == len(two) == 2 and one[-1]["actor/kl_loss"] > 0 and "timing_s/old_log_prob" in one[-1]
+    for a, b in zip(one, two):
+        assert_same(a, b, (*COMPARED, "actor/kl_loss"))
+
+
 def test_one_ray_worker_runs_the_sharded_path_exactly_as_one_process(runs, tmp_path, monkeypatch):
     """LATHE_RAY=1: one device as a worker group of one FSDP2 rank (how the distributed path is checked on one GPU)."""
     monkeypatch.setenv("LATHE_RAY", "1")

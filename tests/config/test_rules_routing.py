@@ -32,13 +32,19 @@ def test_modes_load():
     ([*R3, "actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt"], "routing replay through files"),
     ([*R3, "actor_rollout_ref.rollout.name=hf"], "rollout.name=hf"),
     ([*R3, "actor_rollout_ref.model.impl=hf"], "model.impl=hf"),
-    ([*R3, "actor_rollout_ref.actor.use_prefix_grouper=true"], "use_prefix_grouper=true"),
     ([*R3, "actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=true"),
     ([f"{MODE}=R2", "algorithm.rollout_correction.bypass_mode=true"], "bypass_mode=true"),
     ([*R3, "rollout.n_gpus_per_node=1", "rollout.nnodes=1"], "fully-async"),
 ])
 def test_unsupported_combinations_are_refused(overrides, needle):
     assert needle in fails(overrides)
+
+
+def test_prefix_grouped_passes_load():
+    """R2/R3 beside `use_prefix_grouper` (a grouped forward replays and records in its stream's order:
+    tests/train/test_routing.py)."""
+    for mode in (R3, [f"{MODE}=R2"]):
+        load_config("base", GRPO + mode + ["actor_rollout_ref.actor.use_prefix_grouper=true"])
 
 
 def test_sequence_parallel_and_engine_tensor_parallel_load():

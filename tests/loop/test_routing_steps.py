@@ -1,7 +1,8 @@
 """Routing replay end to end: a tiny Qwen3-MoE trains two GRPO steps with `actor.router_replay.mode` R3 (the engine
 records, the old-log-prob and update forwards replay) and R2 (the old-log-prob forward records, the update replays),
 every trainer forward replaying a full batch of routing; `training/rollout_probs_diff_*` is reported either way, and
-`actor/routing_replay_changed` says how much routing replay overrode."""
+`actor/routing_replay_changed` says how much routing replay overrode. Beside `use_prefix_grouper` too (R3 and R2:
+the grouped passes replay and record in their stream's order)."""
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ from lathe.train import routing
 from .test_ppo import qwen3_moe_checkpoint, steps_from
 
 
-@pytest.mark.parametrize("mode", ["R3", "R2"])
-def test_two_steps_replay_the_routing(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("mode, grouped", [("R3", False), ("R2", False), ("R3", True), ("R2", True)])
+def test_two_steps_replay_the_routing(tmp_path, monkeypatch, mode, grouped):
     model = qwen3_moe_checkpoint(tmp_path / "model")
     replayed = []
     real = routing.replay_routing
@@ -24,6 +25,8 @@ def test_two_steps_replay_the_routing(tmp_path, monkeypatch, mode):
     replay = [f"actor_rollout_ref.actor.router_replay.mode={mode}"]
     if mode == "R3":
         replay.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    if grouped:
+        replay.append("actor_rollout_ref.actor.use_prefix_grouper=true")
     trainer, metrics = steps_from(tmp_path, model, "actor_rollout_ref.actor.ppo_epochs=2",
                                   "actor_rollout_ref.actor.use_dynamic_bsz=true", *replay)
     assert trainer.global_step == 2 and torch.isfinite(torch.tensor(metrics[2]["actor/pg_loss"]))

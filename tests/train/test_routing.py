@@ -19,6 +19,7 @@ from lathe.rollout.base import ROUTED, concat_rollouts, to_batch
 from lathe.train.logprob import batched_token_stats
 from lathe.train.routing import LogProbRouting, check_replay_model, replaying
 
+from helpers import assert_close_rel
 from models.lathe_tiny import MOE, hf_model
 
 PROMPTS = [[5, 9, 2, 33, 7, 1, 8], [4, 4, 61, 12], [5, 9, 2, 33, 7, 1, 8, 90, 3, 17]]
@@ -140,3 +141,48 @@ def test_dense_and_transformers_policies_are_refused():
         check_replay_model(dense, "R3")
     with pytest.raises(ValueError, match="router_replay.mode=R2: routing replay drives lathe's MoE"):
         check_replay_model(tiny(MOE), "R2")
+
+
+def test_prefix_grouped_passes_replay_and_record_as_the_per_row_passes(rollout):
+    """`use_prefix_grouper` (each prompt once, then its rows' responses): R3 replays the engine's choices in the
+    grouped stream's order (a prompt's from its group's first row; the engine's shared prefix gave every row the same),
+    so the grouped pass's log-probs under a perturbed router are the per-row pass's; R2 records a grouped pass's
+    choices into every row (the prompt's into each row of its group): the per-row pass's recording, and an update
+    replaying it grouped gives the per-row update's log-probs and gradients."""
+    from lathe.train.logprob import response_log_probs
+    model, batch = rollout
+    real = _given(batch[ROUTED])
+    for rows in ((0, 1), (2, 3), (4, 5)):          # the engine's shared prefix: one routing for a prompt's rows
+        prompt = real[rows[0], :batch["prompts"].shape[1]]
+        assert torch.equal(batch[ROUTED][rows[0], :prompt.shape[0]][prompt],
+                           batch[ROUTED][rows[1], :prompt.shape[0]][prompt])
+    trainer = _perturbed(model)
+    r3 = {grouped: batched_token_stats(trainer, batch, micro_batch_size=4, remove_padding=True,
+                                       prefix_grouper=grouped,
+                                       around=LogProbRouting("R3", trainer, True, grouped=grouped))[0]
+          for grouped in (False, True)}
+    mask = batch["response_mask"].bool()
+    assert_close_rel(r3[True][mask], r3[False][mask], name="R3 log-probs")
+    unreplayed = batched_token_stats(trainer, batch, micro_batch_size=4, remove_padding=True, prefix_grouper=True)[0]
+    assert not torch.allclose(unreplayed[mask], r3[True][mask]), "precondition: replay changes the log-probs"
+
+    plain = Batch({k: v for k, v in batch.tensors.items() if k != ROUTED})
+    policy = copy.deepcopy(model).train()
+    recorded = {}
+    for grouped in (False, True):
+        recorder = LogProbRouting("R2", policy, True, grouped=grouped)
+        batched_token_stats(policy, plain, micro_batch_size=4, remove_padding=True, prefix_grouper=grouped,
+                            around=recorder)
+        recorded[grouped] = recorder.result()
+    assert torch.equal(recorded[True], recorded[False])           # every real position, -1 at the padding
+    moved = _perturbed(policy).train()
+    out = {}
+    for grouped in (False, True):
+        update = Batch({**plain.tensors, ROUTED: recorded[True]})
+        with replaying(moved, update, True, grouped=grouped):
+            logp, _ = response_log_probs(moved, update, remove_padding=True, prefix_grouper=grouped)
+            logp.sum().backward()
+        out[grouped] = (logp.detach(), {k: p.grad.clone() for k, p in moved.named_parameters() if p.grad is not None})
+        moved.zero_grad()
+    assert_close_rel(out[True][0][mask], out[False][0][mask], name="R2 log-probs")
+    assert_close_rel(out[True][1], out[False][1], name="R2 gradients")

@@ -148,7 +148,8 @@ class PPOActor:
         micros = [m for m, _ in micro_batches(mini, size=self.micro_batch_size, max_tokens=self.max_token_len,
                                               key=self.max_token_key, grouped=self.cfg.use_prefix_grouper)]
         for micro in accumulating(self.model, micros):     # one FSDP2 gather a mini-batch where it fits
-            with replay_or_nothing(self.model, micro, self.use_remove_padding, replay, self.sp):
+            with replay_or_nothing(self.model, micro, self.use_remove_padding, replay, self.sp,
+                                   self.cfg.use_prefix_grouper):
                 with activations_on_host(self.offload_activations) as moved:
                     loss, parts = self._micro_batch_loss(micro, agg, diff, pieces)
                 loss.backward()

@@ -61,11 +61,23 @@ def _host(batch: Batch, key: str, device_value) -> np.ndarray:
     return (host if host is not None else device_value().cpu()).numpy()
 
 
-def grouped_layout(batch: Batch) -> GroupedLayout:
-    """Group the batch's rows by prompt (see the module docstring). Worked out on the host from the batch's host
-    copies of its mask and prompts (`with_host_mask(..., prompts=True)`: taken once per pass, so building a
-    micro-batch's layout waits for no device work) and moved to the device without waiting for it; the stream's ids
-    and positions are gathered on the device."""
+@dataclass
+class HostStream:
+    """`grouped_layout`'s facts as host (numpy) arrays."""
+    src: np.ndarray          # (T,) each stream token's place in the flattened (B * L) batch
+    kv: np.ndarray           # (Tk,) `GroupedLayout.kv_index`
+    cu_q: list[int]
+    cu_k: list[int]
+    source: np.ndarray       # (N,) `GroupedLayout.source`
+    flat: np.ndarray         # (N,) `GroupedLayout.flat`
+    every: np.ndarray        # (M,) every real token of every row, flattened (B * L) ...
+    held: np.ndarray         # (M,) ... and the stream token holding it (a prompt's tokens: its group's, once)
+
+
+def host_stream(batch: Batch) -> HostStream:
+    """Group the batch's rows by prompt (see the module docstring), on the host, from the batch's host copies of
+    its mask and prompts (`with_host_mask(..., prompts=True)`: taken once per pass, so that building a micro-batch's
+    layout waits for no device work)."""
     P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
     mask = _host(batch, HOST_MASK, lambda: batch["attention_mask"]).astype(bool)
     ids = _host(batch, HOST_PROMPT_IDS, lambda: batch["input_ids"][:, :P])
@@ -79,36 +91,50 @@ def grouped_layout(batch: Batch) -> GroupedLayout:
     for row in range(B):
         real = mask[row, :P]
         groups.setdefault((ids[row, real].tobytes(), pos[row, real].tobytes()), []).append(row)
-    src, kv, cu_q, cu_k = [], [], [0], [0]      # src: each stream token's place in the flattened (B * L) batch
+    src, kv, cu_q, cu_k, every, held = [], [], [0], [0], [], []
     predictor, start = np.zeros(B, np.int64), np.zeros(B, np.int64)
     for rows in groups.values():
-        prompt = rows[0] * L + np.flatnonzero(mask[rows[0], :P])
+        prompt = np.flatnonzero(mask[rows[0], :P])
         if not len(prompt):
             raise ValueError("use_prefix_grouper: a row has an empty prompt; a response needs a prompt token before it")
         prompt_rows = np.arange(cu_q[-1], cu_q[-1] + len(prompt))
-        src.append(prompt)
+        src.append(rows[0] * L + prompt)
         kv.append(prompt_rows)
         cu_q.append(cu_q[-1] + len(prompt))
         cu_k.append(cu_k[-1] + len(prompt))
         for row in rows:
             n = int(lengths[row])
             predictor[row], start[row] = prompt_rows[-1], cu_q[-1]
+            every.append(row * L + prompt)
+            held.append(prompt_rows)
             if n == 0:
                 continue
-            kv += [prompt_rows, np.arange(cu_q[-1], cu_q[-1] + n)]
+            own = np.arange(cu_q[-1], cu_q[-1] + n)
+            kv += [prompt_rows, own]
             src.append(row * L + P + np.arange(n))
+            every.append(src[-1])
+            held.append(own)
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + len(prompt) + n)
     source = [np.concatenate([[predictor[row]], np.arange(start[row], start[row] + lengths[row] - 1)])
               for row in range(B) if lengths[row]]
-    empty = np.zeros(0, np.int64)
-    src_t = array_to_device(np.concatenate(src), batch["input_ids"].device)
-    return GroupedLayout(batch["input_ids"].flatten()[src_t], batch["position_ids"].flatten()[src_t],
-                         array_to_device(np.asarray(cu_q), src_t.device, torch.int32),
-                         array_to_device(np.asarray(cu_k), src_t.device, torch.int32), array_to_device(np.concatenate(kv), src_t.device),
-                         int(np.diff(cu_q).max()), int(np.diff(cu_k).max()),
-                         array_to_device(np.concatenate(source) if source else empty, src_t.device),
-                         array_to_device(np.flatnonzero(valid), src_t.device), (cu_q, cu_k))
+    return HostStream(np.concatenate(src), np.concatenate(kv), cu_q, cu_k,
+                      np.concatenate(source) if source else np.zeros(0, np.int64), np.flatnonzero(valid),
+                      np.concatenate(every), np.concatenate(held))
+
+
+def grouped_layout(batch: Batch) -> GroupedLayout:
+    """`host_stream`'s layout on the batch's device, moved without waiting for it; the stream's ids and positions
+    gathered on the device."""
+    host = host_stream(batch)
+    device = batch["input_ids"].device
+    src = array_to_device(host.src, device)
+    return GroupedLayout(batch["input_ids"].flatten()[src], batch["position_ids"].flatten()[src],
+                         array_to_device(np.asarray(host.cu_q), device, torch.int32),
+                         array_to_device(np.asarray(host.cu_k), device, torch.int32),
+                         array_to_device(host.kv, device), int(np.diff(host.cu_q).max()),
+                         int(np.diff(host.cu_k).max()), array_to_device(host.source, device),
+                         array_to_device(host.flat, device), (host.cu_q, host.cu_k))
 
 
 def grouped_hidden(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,12 @@ top-k (what replay changed; `training/rollout_probs_diff_*` shows the log-probs'
 - R2: the old-log-prob forward records its choices (`recording`, returned as `routed_experts` beside
   `old_log_probs`); the update forwards replay them, so the policy ratio compares the same experts.
 
-A forward runs either padded (every (B, L) position, row-major: the order its MoE layers see the tokens) or packed
-(the real tokens, row-major: `pack_padded`'s and `host_layout`'s order); `forward_order` gives the rows of the
-flattened batch the forward takes, in its order. The replay wraps forward and backward, so that layers recomputed
+A forward runs either padded (every (B, L) position, row-major: the order its MoE layers see the tokens), packed
+(the real tokens, row-major: `pack_padded`'s and `host_layout`'s order) or prefix-grouped (`grouped`, the actor's
+`use_prefix_grouper`: each prompt once, then its rows' responses, `lathe.train.prefix_group.host_stream`);
+`forward_order` gives the rows of the flattened batch the forward takes, in its order. A grouped forward replays a
+prompt's choices from its group's first row (the engine's shared prefix carries one routing for all of them) and
+records them into every row of the group. The replay wraps forward and backward, so that layers recomputed
 in backward (gradient checkpointing) route as their forward did.
 
 Under Ulysses sequence parallelism (`sp`, `lathe.train.ulysses`) a forward is packed and each rank of a group runs
@@ -35,13 +38,17 @@ from lathe.models.moe import sparse_blocks
 from lathe.models.routing import ReplayStats, record_routing, replay_routing
 from lathe.rollout.base import ROUTED
 from lathe.train.logprob import host_layout
+from lathe.device import array_to_device
 from lathe.train.micro import in_batch_order
 from lathe.train.parallel import all_reduce
+from lathe.train.prefix_group import host_stream
 from lathe.train.ulysses import SequenceParallel, gather_tokens, local_slice
 
 
-def forward_order(batch: Batch, remove_padding: bool) -> torch.Tensor | None:
+def forward_order(batch: Batch, remove_padding: bool, grouped: bool = False) -> torch.Tensor | None:
     """Rows of the flattened (B * L) batch that a forward takes, in its order; None: all of them (padded)."""
+    if grouped:
+        return array_to_device(host_stream(batch).src, batch["attention_mask"].device)
     if not remove_padding:
         return None
     layout = host_layout(batch)
@@ -50,25 +57,27 @@ def forward_order(batch: Batch, remove_padding: bool) -> torch.Tensor | None:
     return batch["attention_mask"].flatten().nonzero(as_tuple=True)[0]
 
 
-def _packed_order(batch: Batch, remove_padding: bool, sp: SequenceParallel | None) -> torch.Tensor | None:
+def _packed_order(batch: Batch, remove_padding: bool, sp: SequenceParallel | None,
+                  grouped: bool = False) -> torch.Tensor | None:
     """`forward_order`; refused under sequence parallelism unless packed (its forward always is)."""
     if sp is not None and not remove_padding:
         raise ValueError("routing replay with Ulysses sequence parallelism runs packed forwards "
                          "(actor_rollout_ref.model.use_remove_padding=true), got remove_padding=false")
-    return forward_order(batch, remove_padding)
+    return forward_order(batch, remove_padding, grouped)
 
 
 @contextmanager
 def replaying(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None,
-              sp: SequenceParallel | None = None) -> Iterator[None]:
+              sp: SequenceParallel | None = None, grouped: bool = False) -> Iterator[None]:
     """Forwards (and backwards) over `batch` inside the block replay its `routed_experts` (`stats` counts what
-    replay changed); without them, as usual. `sp`: this rank's sequence-parallel group; it replays its slice."""
+    replay changed); without them, as usual. `sp`: this rank's sequence-parallel group; it replays its slice.
+    `grouped`: the forwards are prefix-grouped."""
     routed = batch.tensors.get(ROUTED)
     if routed is None:
         yield
         return
     given = routed.flatten(0, 1)
-    order = _packed_order(batch, remove_padding, sp)
+    order = _packed_order(batch, remove_padding, sp, grouped)
     if order is not None:
         given = given.index_select(0, order.to(given.device))
     if sp is not None:                  # this rank's slice of the stream, -1 at the padding that makes it divide
@@ -84,10 +93,12 @@ class Recorded:
 
 
 @contextmanager
-def recording(model, batch: Batch, remove_padding: bool, sp: SequenceParallel | None = None) -> Iterator[Recorded]:
+def recording(model, batch: Batch, remove_padding: bool, sp: SequenceParallel | None = None,
+              grouped: bool = False) -> Iterator[Recorded]:
     """Record the choices of the one forward over `batch` inside the block; after it, `.value` holds them
     (B, L, layers, k) int16, -1 at the positions the forward skipped (padding, when packed). `sp`: this rank's
-    sequence-parallel group, whose ranks each record their slice: the whole stream's choices, on every rank."""
+    sequence-parallel group, whose ranks each record their slice: the whole stream's choices, on every rank.
+    `grouped`: a prefix-grouped forward, whose prompt choices go to every row of the group."""
     out = Recorded()
     with record_routing(model) as layers:
         yield out
@@ -95,6 +106,13 @@ def recording(model, batch: Batch, remove_padding: bool, sp: SequenceParallel | 
         raise RuntimeError(f"routing replay (R2): expected one forward's routing, got {len(layers[0])} per layer")
     chosen = torch.stack([layer[0] for layer in layers], dim=1)                     # (T, layers, k)
     B, L = batch["attention_mask"].shape
+    if grouped:
+        host = host_stream(batch)
+        full = chosen.new_full((B * L, *chosen.shape[1:]), -1, dtype=torch.int16)
+        every, held = (array_to_device(a, chosen.device) for a in (host.every, host.held))
+        out.value = full.index_copy_(0, every, chosen.index_select(0, held).to(torch.int16)).view(
+            B, L, *chosen.shape[1:])
+        return
     order = _packed_order(batch, remove_padding, sp)
     if sp is not None:                  # the group's slices joined, the padding that made the stream divide dropped
         chosen = gather_tokens(chosen.long(), sp)[:len(order)]
@@ -110,17 +128,18 @@ class LogProbRouting:
     """The old-log-prob pass's routing (`batched_token_stats`'s `around`, called per micro-batch with its rows):
     R3 replays the rollout's choices; R2 records its own, which `result` gives in the batch's row order."""
 
-    def __init__(self, mode: str, model, remove_padding: bool, sp: SequenceParallel | None = None):
-        self.mode, self.model, self.remove_padding, self.sp = mode, model, remove_padding, sp
+    def __init__(self, mode: str, model, remove_padding: bool, sp: SequenceParallel | None = None,
+                 grouped: bool = False):
+        self.mode, self.model, self.remove_padding, self.sp, self.grouped = mode, model, remove_padding, sp, grouped
         self.parts: list[tuple[torch.Tensor, list[int] | None]] = []
 
     @contextmanager
     def __call__(self, micro: Batch, rows: list[int] | None) -> Iterator[None]:
         if self.mode != "R2":
-            with replay_or_nothing(self.model, micro, self.remove_padding, sp=self.sp):
+            with replay_or_nothing(self.model, micro, self.remove_padding, sp=self.sp, grouped=self.grouped):
                 yield
             return
-        with recording(self.model, micro, self.remove_padding, self.sp) as rec:
+        with recording(self.model, micro, self.remove_padding, self.sp, self.grouped) as rec:
             yield
         self.parts.append((rec.value, rows))
 
@@ -130,9 +149,9 @@ class LogProbRouting:
 
 
 def replay_or_nothing(model, batch: Batch, remove_padding: bool, stats: ReplayStats | None = None,
-                      sp: SequenceParallel | None = None):
+                      sp: SequenceParallel | None = None, grouped: bool = False):
     """`replaying` when the batch carries routing, else a null context."""
-    return replaying(model, batch, remove_padding, stats, sp) if ROUTED in batch else nullcontext()
+    return replaying(model, batch, remove_padding, stats, sp, grouped) if ROUTED in batch else nullcontext()
 
 
 def replay_counts(stats: ReplayStats, sp: SequenceParallel | None = None) -> dict[str, float]:

@@ -142,8 +142,8 @@ class Actor:
         records this pass's as `routed_experts`."""
         sum_sq_wanted = self.arr.actor.calculate_sum_pi_squared
         mode = self.arr.actor.router_replay.mode
-        routing = (LogProbRouting(mode, self.model, self.arr.model.use_remove_padding, self.sp)
-                   if mode != "disabled" else None)
+        routing = (LogProbRouting(mode, self.model, self.arr.model.use_remove_padding, self.sp,
+                                  self.arr.actor.use_prefix_grouper) if mode != "disabled" else None)
         logp, ent, sum_sq = batched_token_stats(self.model, batch.to(self.device), micro_batch_size=micro_batch_size,
                                                 temperature=temperature, calculate_entropy=True,
                                                 calculate_sum_pi_squared=sum_sq_wanted,

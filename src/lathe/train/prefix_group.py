@@ -58,7 +58,9 @@ def _host(batch: Batch, key: str, device_value) -> np.ndarray:
     """The host copy `key` that `lathe.train.micro.with_host_mask` took once for the whole batch, or a copy now
     (a host sync) where the batch has none."""
     host = batch.tensors.get(key)
-    return (host if host is not None else device_value().cpu()).numpy()
+    if host is None:
+        host = device_value()
+    return (host if host.device.type == "cpu" else host.cpu()).numpy()     # (a batch moved whole moved it too)
 
 
 @dataclass

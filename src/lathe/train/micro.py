@@ -121,7 +121,8 @@ def with_host_mask(batch: Batch, *, prompts: bool = False) -> Batch:
     copies = {} if HOST_MASK in batch else {HOST_MASK: batch["attention_mask"].cpu()}
     if prompts and HOST_PROMPT_IDS not in batch:
         P = batch["prompts"].shape[1]
-        copies |= {HOST_PROMPT_IDS: batch["input_ids"][:, :P].cpu(), HOST_PROMPT_POS: batch["position_ids"][:, :P].cpu()}
+        copies |= {HOST_PROMPT_IDS: batch["input_ids"][:, :P].cpu(),
+                   HOST_PROMPT_POS: batch["position_ids"][:, :P].cpu()}
     if not copies:
         return batch
     return Batch({**batch.tensors, **copies}, dict(batch.non_tensors), dict(batch.meta))

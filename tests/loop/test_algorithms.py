@@ -106,10 +106,11 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tmp_path, capsys):
     assert "max_num_gen_batches" in capsys.readouterr().err
 
 
-def test_prefix_grouper_equals_the_per_row_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("lora", [False, True])
+def test_prefix_grouper_equals_the_per_row_run(tmp_path, monkeypatch, lora):
     """Two PPO epochs with the KL loss: the old-log-prob pass, the reference's and the update run prefix-grouped;
     the run's losses and gradient norms equal the per-row run's (tests/train/test_prefix_group.py: each pass's
-    numbers)."""
+    numbers). `lora`: the adapters train, and the reference is the same model with them off."""
     import lathe.train.logprob as logprob
     grouped_hidden, models = logprob.grouped_hidden, set()
 
@@ -119,10 +120,13 @@ def test_prefix_grouper_equals_the_per_row_run(tmp_path, monkeypatch):
     monkeypatch.setattr(logprob, "grouped_hidden", seen)
     runs = [train(tmp_path / str(grouped), "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_epochs=2",
                   "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
-                  f"actor_rollout_ref.actor.use_prefix_grouper={str(grouped).lower()}") for grouped in (True, False)]
+                  f"actor_rollout_ref.actor.use_prefix_grouper={str(grouped).lower()}",
+                  *(["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"] if lora else []))
+            for grouped in (True, False)]
     assert runs[0][2]["actor/grad_norm"] > 0 and "timing_s/old_log_prob" in runs[0][2]
     assert runs[0][2]["actor/kl_loss"] > 0                      # the second step's update has moved off the reference
-    assert len({m for m, grad in models if not grad}) == 2 and any(grad for _, grad in models)   # actor and reference
+    forward_only = {m for m, grad in models if not grad}        # actor and reference (LoRA: one model, adapters off)
+    assert len(forward_only) == (1 if lora else 2) and any(grad for _, grad in models)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         for step in (1, 2):
             assert runs[0][step][key] == pytest.approx(runs[1][step][key], rel=1e-4, abs=1e-7), (key, step)

@@ -117,7 +117,8 @@ def test_grouped_gpt_oss_windows_and_sinks_equal_the_per_row_forward(monkeypatch
         calls = []
         monkeypatch.setattr(sink_flash, "flash_core", lambda *a: calls.append(a[3] is not a[4]) or reference_core(*a))
         monkeypatch.setattr(sink_flash, "flash_core_backward", reference_core_backward)
-        monkeypatch.setattr(sink_flash, "flash_sinks_agree", lambda *a: True)
+        checked = []            # the layouts whose one-time check was asked for (its last argument: at_end)
+        monkeypatch.setattr(sink_flash, "flash_sinks_agree", lambda *a: checked.append(a[-1]) or True)
         monkeypatch.setattr(attention, "varlen_aligns_causal_at_end", lambda *a: True)
         monkeypatch.setattr(attention, "varlen_takes_gqa", lambda *a: True)
         monkeypatch.setattr(attention, "causal_varlen", lambda q, k, v, cu_q, cu_k, mq, mk: attention.segment_attention(
@@ -135,6 +136,7 @@ def test_grouped_gpt_oss_windows_and_sinks_equal_the_per_row_forward(monkeypatch
     assert_close_rel(out[True][1], out[False][1], name="gradients")
     if flash:
         assert any(calls) and not all(calls)       # grouped segments (fewer queries than keys) and packed sequences
+        assert set(checked) == {True, False}       # each asked for the check of its own alignment
 
 
 def test_batched_grouped_with_sum_pi_squared(make_lathe):

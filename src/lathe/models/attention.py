@@ -266,15 +266,16 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_bound
 
 
 @torch.compiler.disable     # (its one-time check and the custom backward run eagerly, as the explicit form does)
-def flash_with_options(q, k, v, sinks, window, cu_q, cu_k, max_q: int, max_k: int, explicit) -> torch.Tensor:
+def flash_with_options(q, k, v, sinks, window, cu_q, cu_k, max_q: int, max_k: int, explicit,
+                       at_end: bool = False) -> torch.Tensor:
     """Sinks and a window on the flash kernel (`lathe.models.sink_flash`) where its check at this head layout (and,
-    with fewer queries than keys, `cu_q` not `cu_k`, at that alignment) passed on this device, else `explicit()`."""
+    `at_end`: segments with fewer queries than keys, at that alignment) passed on this device, else `explicit()`."""
     from lathe.models.sink_flash import flash_sink_attention, flash_sinks_agree
     if q.shape[1] != k.shape[1] and not varlen_takes_gqa(q.device.index, q.dtype):
         groups = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
     if not flash_sinks_agree(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2], window,
-                             sinks is not None, cu_q is not cu_k):
+                             sinks is not None, at_end):
         return explicit()
     return flash_sink_attention(q, k, v, sinks, cu_q, max_q, window, cu_k=cu_k, max_k=max_k)
 
@@ -326,7 +327,8 @@ class GroupedAttention:
             if not options:
                 return causal_varlen(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k)
             return flash_with_options(q, k, v, sinks, window, self.cu_q, self.cu_k, self.max_q, self.max_k,
-                                      lambda: segment_attention(q, k, v, *self._host_bounds(), sinks, window))
+                                      lambda: segment_attention(q, k, v, *self._host_bounds(), sinks, window),
+                                      at_end=True)
         if options:
             return segment_attention(q, k, v, *self._host_bounds(), sinks, window)
         gqa = q.shape[1] != k.shape[1]

@@ -211,8 +211,8 @@ def sequence_parallel_response(model, batch: Batch, sp: SequenceParallel, read: 
                                             model.packed_backend()), sp)
     hidden = model.hidden_with(ids, pos, attn)
     if keep is not None:
-        keep.append(PackedStream(hidden, whole_ids, pos, array_to_device(bounds[:len(seqlens) + 1], device, torch.int32),
-                                 int(seqlens.max()), real, attn, sp))
+        cu = array_to_device(bounds[:len(seqlens) + 1], device, torch.int32)
+        keep.append(PackedStream(hidden, whole_ids, pos, cu, int(seqlens.max()), real, attn, sp))
     lo = sp.rank * per
     mine = (index >= lo) & (index < lo + per)
     rows = array_to_device(index[mine] - lo, device)

@@ -33,12 +33,12 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from lathe.batch import Batch
+from lathe.device import array_to_device
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.moe import sparse_blocks
 from lathe.models.routing import ReplayStats, record_routing, replay_routing
 from lathe.rollout.base import ROUTED
 from lathe.train.logprob import host_layout
-from lathe.device import array_to_device
 from lathe.train.micro import in_batch_order
 from lathe.train.parallel import all_reduce
 from lathe.train.prefix_group import host_stream

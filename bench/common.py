@@ -515,6 +515,8 @@ def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float |
     row = {"step_s": med("timing_s/step"), "phases_s": {k.split("/", 1)[1]: med(k) for k in phases},
            "tokens_per_s": med("perf/throughput"), "steps_timed": len(timed),
            "step_s_all": [s.get("timing_s/step") for s in steps],
+           "gc_s_all": [s.get("timing_s/gc") for s in steps],       # the collector's pauses, step by step
+           "gc_full_passes_all": [s.get("perf/gc_full_passes") for s in steps],
            "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps), default=None),
            "max_memory_reserved_gb": max((s.get("perf/max_memory_reserved_gb", 0) for s in steps), default=None),
            "max_memory_allocated_gb_by_phase": {k.rsplit("/", 1)[1]: max(s.get(k, 0) for s in steps)

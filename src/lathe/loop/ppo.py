@@ -32,7 +32,7 @@ from lathe.loop.steps import (
 )
 from lathe.loop.validate import validate
 from lathe.track import PeakMemory, Progress, Timer, brief
-from lathe.track.collector import CollectorPauses
+from lathe.track.collector import CollectorPauses, FreezeAfterWarmup
 from lathe.track.profile import StepProfiler
 
 
@@ -178,7 +178,8 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
     memory = torch_memory_settings(gp.global_tool_config, checkpointing=trains_checkpointed(t.cfg))
     profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, workers=t.cluster.groups if t.cluster else [],
                             with_stack=gp.with_stack, memory=memory)
-    with Progress("train", t.total_steps, initial=t.global_step, every_s=None) as bar:   # a terminal's live line
+    with Progress("train", t.total_steps, initial=t.global_step, every_s=None) as bar, \
+            FreezeAfterWarmup() as frozen:             # a terminal's live line; the collector's reach after warm-up
         while t.global_step < t.total_steps:
             rows = t.next_rows()
             t.global_step += 1
@@ -189,6 +190,7 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
                 last.update(validate(t))
             t.tracker.log(last, step=t.global_step)
             bar.update(t.global_step, brief(last))
+            frozen.after_step()                      # outside the step's timing
             if tr.save_freq > 0 and (t.global_step % tr.save_freq == 0 or done):
                 save(t)
     return last

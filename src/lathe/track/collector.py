@@ -9,9 +9,39 @@ collector's reach (`gc.freeze`, as vLLM does): measured, it did not change the s
 from __future__ import annotations
 
 import gc
+import os
 import time
 
-__all__ = ["CollectorPauses"]
+__all__ = ["CollectorPauses", "FreezeAfterWarmup"]
+
+FREEZE_STEPS = 2
+
+
+class FreezeAfterWarmup:
+    """After each of the first `FREEZE_STEPS` steps this run takes (`after_step`; a resumed run's too), collect
+    once and move every object alive then (the model, the compiled graphs and their guards, the engine's caches) to the collector's permanent generation,
+    so that later passes do not walk them; leaving the `with` block unfreezes them, so that a process that trains
+    again (a test, a notebook) reclaims them as before. `LATHE_GC_FREEZE=0` turns it off (an A/B)."""
+
+    def __init__(self) -> None:
+        self.frozen = False
+        self.steps = 0
+        self.enabled = os.environ.get("LATHE_GC_FREEZE", "1") != "0"
+
+    def __enter__(self) -> "FreezeAfterWarmup":
+        return self
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if self.enabled and self.steps <= FREEZE_STEPS:
+            gc.collect()
+            gc.freeze()
+            self.frozen = True
+
+    def __exit__(self, *exc) -> None:
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = False
 
 
 class CollectorPauses:

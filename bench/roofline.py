@@ -231,16 +231,15 @@ def grouped_forward_flops(shape: dict, prompts: int, n: int, prompt_len: int, re
                           logit_rows: int) -> int:
     """One prefix-grouped forward (`actor.use_prefix_grouper`) over `prompts` groups: each prompt's tokens once, its
     `n` responses each attending to the whole prompt and causally to themselves (a sliding layer: each query over at
-    most its window of keys); the lm_head on `logit_rows` rows. Linear-attention layers: refused, as lathe's
-    grouped forward refuses them."""
-    if _linear_state_flops(shape):
-        raise ValueError("grouped_forward_flops: a shape with linear attention (lathe's prefix-grouped forward "
-                         "refuses it)")
+    most its window of keys); the lm_head on `logit_rows` rows. Linear-attention layers: their state work on each
+    token computed (a prompt's once; the copies of its last K-1 inputs in front of each response are left out)."""
     h, v = shape["hidden_size"], shape["vocab_size"]
     _, _, _, q, _, _, _ = _dims(shape)
     P, R = prompt_len, response_len
     pairs = sum(_keys_seen(0, P, w) + n * _keys_seen(P, P + R, w) for w in _windows(shape))
-    return 2 * layer_matmul_params(shape) * prompts * (P + n * R) + 2 * v * h * logit_rows + prompts * 4 * q * pairs
+    tokens = prompts * (P + n * R)
+    return ((2 * layer_matmul_params(shape) + _linear_state_flops(shape)) * tokens + 2 * v * h * logit_rows
+            + prompts * 4 * q * pairs)
 
 
 def _keys_seen(first: int, last: int, window: int | None) -> int:

@@ -169,8 +169,10 @@ def test_prefix_grouped_passes_count_each_prompt_once():
         grouped = roofline.grouped_forward_flops(windowed, 2, n, 16, 8, 5)
         per_row = roofline.forward_flops(windowed, [24] * (2 * n), 5)
         assert grouped == per_row if n == 1 else grouped < per_row
-    with pytest.raises(ValueError, match="linear attention"):
-        roofline.grouped_forward_flops(HYBRID, 2, 2, 16, 8, 0)
+    for n in (1, 3):       # Qwen3.5's linear layers: their state work on each token computed, a prompt's once
+        grouped = roofline.grouped_forward_flops(HYBRID, 2, n, 16, 8, 5)
+        per_row = roofline.forward_flops(HYBRID, [24] * (2 * n), 5)
+        assert grouped == per_row if n == 1 else grouped < per_row
     e2e = _e2e()
     assert "; ref 0.0%, update_actor 0.0%)" in e2e.what("tiny", {"lathe": {"step_s": 3.0, "speed_of_light": sol}})
     assert e2e.kept_going("summary", lambda: {}["x"], lambda err: f"no summary ({err})") == "no summary (KeyError: 'x')"

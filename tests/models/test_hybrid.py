@@ -77,13 +77,15 @@ def test_configs_outside_the_hybrid_layers_fall_back():
             LatheConfig.from_hf_dict({**d, key: value})
 
 
-def test_what_cuts_sequences_is_refused_by_name():
-    """Prefix-grouped rows: refused for the linear-attention layers, whose state runs along whole sequences (Ulysses
-    and tensor parallelism in training split them by heads: tests/train/test_ulysses_hybrid.py,
-    test_tensor_parallel_hybrid.py; the engine's tensor-parallel replicas too: tests/engine/test_tensor_parallel.py)."""
+def test_a_grouped_stream_without_its_linear_layout_is_refused_by_name():
+    """Prefix-grouped rows need the stream's layout for linear-attention layers (`GroupedLinear`, which
+    `lathe.train.prefix_group.grouped_layout` builds for a model with them: tests/train/test_prefix_group.py); a
+    grouped attention without one is refused, not run as a packed stream (Ulysses and tensor parallelism in training
+    split the layers by heads: tests/train/test_ulysses_hybrid.py, test_tensor_parallel_hybrid.py; the engine's
+    tensor-parallel replicas too: tests/engine/test_tensor_parallel.py)."""
     lathe = lathe_from_transformers(hf_model("qwen3_5_text"))
     ids = torch.randint(0, 100, (1, 5))
-    with pytest.raises(NotImplementedError, match="use_prefix_grouper"):
+    with pytest.raises(NotImplementedError, match="GroupedAttention without one"):
         lathe.hidden_grouped(ids[0], torch.arange(5), _one_segment(5))
 
 

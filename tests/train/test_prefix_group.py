@@ -139,6 +139,55 @@ def test_grouped_gpt_oss_windows_and_sinks_equal_the_per_row_forward(monkeypatch
         assert set(checked) == {True, False}       # each asked for the check of its own alignment
 
 
+def _hybrid(family):
+    """A tiny Qwen3.5 / Qwen3.5-MoE / Qwen3-Next in lathe's decoder (a gated-DeltaNet layer with a 4-tap convolution,
+    then gated full attention)."""
+    from transformers import AutoModelForCausalLM
+
+    from lathe.models.hf import lathe_from_transformers
+    from models.lathe_tiny import hybrid_config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return lathe_from_transformers(AutoModelForCausalLM.from_config(hybrid_config(family, vocab_size=VOCAB)))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("chunk", [32, 2])
+def test_grouped_linear_attention_equals_the_per_row_forward(monkeypatch, family, chunk):
+    """Qwen3.5's linear-attention layers in the grouped stream: each prompt runs once from a zero state and each
+    response continues from its prompt's final recurrent state, its convolution behind the prompt's last K-1 inputs
+    (a 2-token prompt here is shorter than that). The per-row forward's log-probs and gradients, gradients flowing
+    back into the prompt through the shared state; `chunk` 2 runs the delta rule's chunked form over many chunks."""
+    from lathe.models import linear_attention
+    monkeypatch.setattr(linear_attention, "CPU_CHUNK", chunk)
+    batch = _grouped_batch(n=3)
+    out = _grouped_against_per_row(lambda: _hybrid(family), batch)
+    mask = batch["response_mask"].bool()
+    assert_close_rel(out[True][0][mask], out[False][0][mask], name="log-probs")
+    assert out[True][1].keys() == out[False][1].keys()
+    assert_close_rel(out[True][1], out[False][1], name="gradients")
+
+
+def test_linear_layout_continues_each_response_from_its_prompt():
+    """Prompts packed from a zero state; each response behind its prompt's last min(K-1, prompt) tokens, those
+    copies dropped from its outputs; the stream's order restored by `inverse`."""
+    batch = _grouped_batch(n=2, shuffle=False)
+    layout = grouped_layout(batch, conv_kernel=4)
+    lin, cu = layout.linear, layout.cu_q.tolist()
+    segments = [list(range(a, b)) for a, b in zip(cu[:-1], cu[1:])]
+    prompts = [segments[0], segments[3], segments[6]]                   # 3 prompts, each followed by 2 responses
+    assert lin.prompt.tolist() == sum(prompts, []) and lin.cu_prompt.tolist() == [0, 3, 8, 10]
+    responses = [s for i, s in enumerate(segments) if i % 3]
+    assert lin.response.tolist() == sum(responses, []) and lin.group.tolist() == [0, 0, 1, 1, 2, 2]
+    ext, cu_e = lin.extended.tolist(), lin.cu_extended.tolist()
+    for r, (rows, prompt) in enumerate(zip(responses, [p for p in prompts for _ in range(2)])):
+        assert ext[cu_e[r]:cu_e[r + 1]] == prompt[-3:] + rows
+    assert [ext[i] for i in lin.kept.tolist()] == lin.response.tolist()
+    order = lin.prompt.tolist() + lin.response.tolist()
+    assert [order[i] for i in lin.inverse.tolist()] == list(range(layout.input_ids.numel()))
+    assert grouped_layout(batch).linear is None
+
+
 def test_batched_grouped_with_sum_pi_squared(make_lathe):
     batch = _grouped_batch(seed=3)
     model = make_lathe().eval()
@@ -179,4 +228,37 @@ def test_grouped_on_flash_attention_equals_packed_on_cuda(make_lathe):
         grouped_layout(hosted)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert_close_rel(grads[True], grads[False], rel=5e-2, name="gradients")
+
+
+@pytest.mark.gpu
+def test_grouped_linear_attention_on_cuda_equals_packed():
+    """bf16 on CUDA, key and value heads of 128 as Qwen3.5's: fla's chunked delta rule from its prompt's final state
+    (forward and backward through the initial and final states) and its packed convolution give the packed per-row
+    forward's log-probs and gradients, norm-relative; and with no gradient (the reference pass) the same log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    from lathe.models.hf import lathe_from_transformers
+    from lathe.models.linear_attention import fla_ops
+    from models.lathe_tiny import hybrid_config
+    if fla_ops() is None:
+        pytest.skip("flash-linear-attention is not installed")
+    batch = _grouped_batch(n=4).to("cuda")
+    cfg = hybrid_config("qwen3_5_text", vocab_size=VOCAB, linear_key_head_dim=128, linear_value_head_dim=128)
+    out, grads, frozen = {}, {}, {}
+    for grouped in (False, True):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = lathe_from_transformers(AutoModelForCausalLM.from_config(cfg)).to("cuda", torch.bfloat16)
+        logp, _ = response_log_probs(model, batch, temperature=1.0, prefix_grouper=grouped, remove_padding=True)
+        (logp * batch["response_mask"]).sum().backward()
+        out[grouped] = logp.detach().float()
+        grads[grouped] = {k: p.grad.float() for k, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            frozen[grouped] = response_log_probs(model, batch, temperature=1.0, prefix_grouper=grouped,
+                                                 remove_padding=True)[0].float()
+    mask = batch["response_mask"].bool()
+    assert_close_rel(out[True][mask], out[False][mask], rel=2e-2, name="log-probs")
+    assert_close_rel(frozen[True][mask], frozen[False][mask], rel=2e-2, name="log-probs without gradients")
+    assert grads[True].keys() == grads[False].keys()
     assert_close_rel(grads[True], grads[False], rel=5e-2, name="gradients")

@@ -302,6 +302,27 @@ def varlen_aligns_causal_at_end(device_index: int, dtype: torch.dtype) -> bool:
 
 
 @dataclass
+class GroupedLinear:
+    """The prefix-grouped stream (`GroupedAttention`) as a linear-attention layer runs it (`GatedDeltaNet.grouped`):
+    the prompts' tokens as packed sequences from a zero state, then each response as a sequence of its own that
+    continues from its prompt's final states. Its short convolution sees the prompt's last K-1 inputs before the
+    response's first token: each response is convolved behind a copy of those (`extended`) and the copies' outputs
+    dropped (`kept`). Index tensors are int64 on the stream's device, bounds int32; maxima on the host."""
+
+    prompt: torch.Tensor        # (Tp,) stream rows of the prompts' tokens, prompt by prompt
+    cu_prompt: torch.Tensor     # (G+1,)
+    max_prompt: int
+    extended: torch.Tensor      # (Te,) stream rows: each response behind its prompt's last min(K-1, prompt) tokens
+    cu_extended: torch.Tensor   # (R+1,)
+    kept: torch.Tensor          # (Tr,) the response tokens' places in `extended`
+    response: torch.Tensor      # (Tr,) stream rows of the responses' tokens, response by response
+    cu_response: torch.Tensor   # (R+1,)
+    max_response: int
+    group: torch.Tensor         # (R,) each response's prompt (an index into the G prompts)
+    inverse: torch.Tensor       # (T,) stream row -> its place in [prompt tokens, response tokens]
+
+
+@dataclass
 class GroupedAttention:
     """Causal attention over a packed stream of segments whose keys are gathered from the stream: the prefix-grouped
     forward (`lathe.train.prefix_group`), where a prompt's segment sees itself and each of its responses' segments
@@ -316,6 +337,7 @@ class GroupedAttention:
     max_k: int
     backend: str = "sdpa"
     bounds: tuple[list[int], list[int]] | None = None   # cu_q and cu_k on the host where known (else read back once)
+    linear: GroupedLinear | None = None     # the same stream for linear-attention layers (Qwen3.5, Qwen3-Next)
     rotates: ClassVar[bool] = False     # takes q and k rotated (`AttentionFn`)
     layer_options: ClassVar[bool] = True    # sinks and sliding windows (GPT-OSS)
 

@@ -18,8 +18,9 @@ padded batch, padding zeroed as transformers does) from a zero state. Under Ulys
 callable with `to_heads` / `to_tokens` around a `PackedAttention`: `lathe.train.ulysses.UlyssesAttention`) each rank
 projects its slice of the tokens, and an all-to-all hands it the whole stream for a share of the key heads (each with
 its r = Hv / Hk value heads: the convolution is per channel and the delta rule per head, so heads are independent);
-the outputs go back to the slice before the gated norm (`GatedDeltaNet.head_parallel`). Prefix grouping, which cuts
-sequences another way, is refused by the layer. An attention callable that carries `linear_states` (the
+the outputs go back to the slice before the gated norm (`GatedDeltaNet.head_parallel`). Prefix grouping
+(`actor.use_prefix_grouper`) runs each prompt once and each response from its prompt's final states
+(`GatedDeltaNet.grouped`). An attention callable that carries `linear_states` (the
 engine's step: `cu_seqlens`, `max_seqlen`, and `read()` / `write(conv, recurrent)` of the next linear layer's
 per-sequence states, called in layer order) has each sequence continue from its own states instead; a step of one
 token per sequence hands the state updates to it (`GatedDeltaNet.step`), which advances them in place.
@@ -32,7 +33,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from lathe.models.attention import PackedAttention, PaddedAttention
+from lathe.models.attention import GroupedAttention, GroupedLinear, PackedAttention, PaddedAttention
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import MLP, RMSNorm, attend
 from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state
@@ -148,6 +149,24 @@ class GatedDeltaNet(nn.Module):
         out = self.out_proj(self.norm(o, z).flatten(-2))
         return out if state is None else (out, (conv, final))
 
+    def grouped(self, x: torch.Tensor, lin: GroupedLinear) -> torch.Tensor:
+        """The prefix-grouped stream x (T, H) (`lathe.train.prefix_group`): the prompts from a zero state, then
+        each response from its prompt's final states: the recurrent state, and for the convolution the prompt's last
+        K-1 inputs, run as a copy in front of the response (whose outputs are dropped). Every response token gets
+        the inputs and state it has in its own row, so the outputs equal the per-row forward's up to rounding."""
+        mixed, z, b, a = self.project(x)
+        weight = self.conv_weight()
+        g, beta = self._gates(b, a)
+        prompt = causal_conv1d(mixed.index_select(0, lin.prompt), weight, lin.cu_prompt)
+        o_prompt, final = chunk_gated_delta_rule(*self._qkv(prompt), g.index_select(0, lin.prompt),
+                                                 beta.index_select(0, lin.prompt), lin.cu_prompt, lin.max_prompt)
+        response = causal_conv1d(mixed.index_select(0, lin.extended), weight, lin.cu_extended).index_select(0, lin.kept)
+        o_response, _ = chunk_gated_delta_rule(*self._qkv(response), g.index_select(0, lin.response),
+                                               beta.index_select(0, lin.response), lin.cu_response, lin.max_response,
+                                               initial_state=final.index_select(0, lin.group))
+        o = torch.cat([o_prompt, o_response]).index_select(0, lin.inverse)
+        return self.out_proj(self.norm(o, z).flatten(-2))
+
     def head_parallel(self, x: torch.Tensor, split) -> torch.Tensor:
         """Ulysses: this rank's slice x (T/S, H) of a packed stream whose every sequence starts from a zero state.
         `split` (`UlyssesAttention`) exchanges (T/S tokens, Hk heads, ...) for (T tokens, Hk/S heads, ...) and back
@@ -243,6 +262,8 @@ class HybridDecoderLayer(nn.Module):
             return out
         if isinstance(attn, PackedAttention):
             return self.linear_attn(h, attn.cu_seqlens, attn.max_seqlen)
+        if isinstance(attn, GroupedAttention) and attn.linear is not None:      # actor.use_prefix_grouper
+            return self.linear_attn.grouped(h, attn.linear)
         if hasattr(attn, "to_heads") and isinstance(attn.inner, PackedAttention):    # Ulysses (module doc)
             return self.linear_attn.head_parallel(h, attn)
         if isinstance(attn, PaddedAttention):
@@ -251,9 +272,9 @@ class HybridDecoderLayer(nn.Module):
                 h = h * attn.attention_mask.unsqueeze(-1).to(h.dtype)
             return self.linear_attn(h.reshape(b * length, -1), attn.row_bounds(b, length, h.device), length).view_as(h)
         raise NotImplementedError(
-            f"lathe's Qwen3.5 / Qwen3-Next linear-attention layers run packed or padded batches; {type(attn).__name__} "
-            "cuts the sequences another way (actor.use_prefix_grouper), which these layers do not implement. Fix: "
-            "turn that feature off for this model")
+            f"lathe's Qwen3.5 / Qwen3-Next linear-attention layers run packed, padded or prefix-grouped batches (the "
+            f"grouped one with its `GroupedLinear` layout); got {type(attn).__name__}"
+            + (" without one" if isinstance(attn, GroupedAttention) else ""))
 
 
 def hybrid_parts(cfg: LatheConfig) -> tuple[nn.ModuleList, nn.Module, RotaryEmbedding]:

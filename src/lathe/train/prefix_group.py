@@ -27,7 +27,7 @@ import torch
 
 from lathe.batch import Batch
 from lathe.device import array_to_device
-from lathe.models.attention import GroupedAttention
+from lathe.models.attention import GroupedAttention, GroupedLinear
 from lathe.train.micro import HOST_MASK, HOST_PROMPT_IDS, HOST_PROMPT_POS
 
 BAD_LAYOUT = ("use_prefix_grouper: a response token follows a padding position (attention_mask 0): the batch must "
@@ -49,9 +49,11 @@ class GroupedLayout:
     flat: torch.Tensor           # (N,) each real response token's position in the flattened (B * R) responses,
     #                              in the order of `source` (rows in order, each row's tokens in order)
     host_bounds: tuple[list[int], list[int]]     # cu_q and cu_k on the host
+    linear: GroupedLinear | None = None          # where the model has linear-attention layers (`grouped_layout`)
 
     def attention(self, backend: str) -> GroupedAttention:
-        return GroupedAttention(self.cu_q, self.cu_k, self.kv_index, self.max_q, self.max_k, backend, self.host_bounds)
+        return GroupedAttention(self.cu_q, self.cu_k, self.kv_index, self.max_q, self.max_k, backend, self.host_bounds,
+                                self.linear)
 
 
 def _host(batch: Batch, key: str, device_value) -> np.ndarray:
@@ -74,6 +76,8 @@ class HostStream:
     flat: np.ndarray         # (N,) `GroupedLayout.flat`
     every: np.ndarray        # (M,) every real token of every row, flattened (B * L) ...
     held: np.ndarray         # (M,) ... and the stream token holding it (a prompt's tokens: its group's, once)
+    group: np.ndarray        # (S,) each segment's group (its prompt's index among the groups)
+    prompt: np.ndarray       # (S,) bool: the segment is its group's prompt
 
 
 def host_stream(batch: Batch) -> HostStream:
@@ -93,9 +97,9 @@ def host_stream(batch: Batch) -> HostStream:
     for row in range(B):
         real = mask[row, :P]
         groups.setdefault((ids[row, real].tobytes(), pos[row, real].tobytes()), []).append(row)
-    src, kv, cu_q, cu_k, every, held = [], [], [0], [0], [], []
+    src, kv, cu_q, cu_k, every, held, group, is_prompt = [], [], [0], [0], [], [], [], []
     predictor, start = np.zeros(B, np.int64), np.zeros(B, np.int64)
-    for rows in groups.values():
+    for index, rows in enumerate(groups.values()):
         prompt = np.flatnonzero(mask[rows[0], :P])
         if not len(prompt):
             raise ValueError("use_prefix_grouper: a row has an empty prompt; a response needs a prompt token before it")
@@ -104,6 +108,8 @@ def host_stream(batch: Batch) -> HostStream:
         kv.append(prompt_rows)
         cu_q.append(cu_q[-1] + len(prompt))
         cu_k.append(cu_k[-1] + len(prompt))
+        group.append(index)
+        is_prompt.append(True)
         for row in rows:
             n = int(lengths[row])
             predictor[row], start[row] = prompt_rows[-1], cu_q[-1]
@@ -118,16 +124,58 @@ def host_stream(batch: Batch) -> HostStream:
             held.append(own)
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + len(prompt) + n)
+            group.append(index)
+            is_prompt.append(False)
     source = [np.concatenate([[predictor[row]], np.arange(start[row], start[row] + lengths[row] - 1)])
               for row in range(B) if lengths[row]]
     return HostStream(np.concatenate(src), np.concatenate(kv), cu_q, cu_k,
                       np.concatenate(source) if source else np.zeros(0, np.int64), np.flatnonzero(valid),
-                      np.concatenate(every), np.concatenate(held))
+                      np.concatenate(every), np.concatenate(held), np.asarray(group, np.int64),
+                      np.asarray(is_prompt, bool))
 
 
-def grouped_layout(batch: Batch) -> GroupedLayout:
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def _runs(cu: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """The stream rows of `segments` (indices into the bounds `cu`), one after another."""
+    return _concat([np.arange(cu[s], cu[s + 1]) for s in segments])
+
+
+def _bounds(lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def linear_layout(host: HostStream, kernel: int, device: torch.device) -> GroupedLinear:
+    """The stream as linear-attention layers run it (`GroupedLinear`), for a short convolution of `kernel` taps:
+    worked out on the host, moved without waiting for the device."""
+    cu = np.asarray(host.cu_q, np.int64)
+    lengths = np.diff(cu)
+    prompts, responses = np.flatnonzero(host.prompt), np.flatnonzero(~host.prompt)
+    prompt, response = _runs(cu, prompts), _runs(cu, responses)
+    ends = cu[prompts + 1][host.group[responses]]                    # each response's prompt's end in the stream
+    tails = np.minimum(kernel - 1, lengths[prompts][host.group[responses]])
+    extended = [np.concatenate([np.arange(end - tail, end), np.arange(cu[s], cu[s + 1])])
+                for end, tail, s in zip(ends, tails, responses)]
+    cu_extended = _bounds(tails + lengths[responses])
+    kept = _concat([np.arange(start + tail, stop) for start, stop, tail in zip(cu_extended[:-1], cu_extended[1:],
+                                                                                 tails)])
+    order = np.concatenate([prompt, response])
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    move = lambda a, dtype=torch.int64: array_to_device(np.asarray(a), device, dtype)   # noqa: E731
+    return GroupedLinear(move(prompt), move(_bounds(lengths[prompts]), torch.int32),
+                         int(lengths[prompts].max(initial=1)), move(_concat(extended)),
+                         move(cu_extended, torch.int32), move(kept), move(response),
+                         move(_bounds(lengths[responses]), torch.int32), int(lengths[responses].max(initial=1)),
+                         move(host.group[responses]), move(inverse))
+
+
+def grouped_layout(batch: Batch, conv_kernel: int | None = None) -> GroupedLayout:
     """`host_stream`'s layout on the batch's device, moved without waiting for it; the stream's ids and positions
-    gathered on the device."""
+    gathered on the device. `conv_kernel`: the model has linear-attention layers with a short convolution of so many
+    taps (`linear_layout`)."""
     host = host_stream(batch)
     device = batch["input_ids"].device
     src = array_to_device(host.src, device)
@@ -136,13 +184,15 @@ def grouped_layout(batch: Batch) -> GroupedLayout:
                          array_to_device(np.asarray(host.cu_k), device, torch.int32),
                          array_to_device(host.kv, device), int(np.diff(host.cu_q).max()),
                          int(np.diff(host.cu_k).max()), array_to_device(host.source, device),
-                         array_to_device(host.flat, device), (host.cu_q, host.cu_k))
+                         array_to_device(host.flat, device), (host.cu_q, host.cu_k),
+                         None if conv_kernel is None else linear_layout(host, conv_kernel, device))
 
 
 def grouped_hidden(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden (N, H), flat (N,)): the final hidden states predicting the N real response tokens, from one
     prefix-grouped forward of lathe's decoder (`LatheCausalLM.hidden_grouped`), and those tokens' positions in the
     flattened (B * R) responses (`GroupedLayout.flat`)."""
-    layout = grouped_layout(batch)
+    linear = model.config.linear_attention
+    layout = grouped_layout(batch, None if linear is None else linear.conv_kernel)
     hidden = model.hidden_grouped(layout.input_ids, layout.position_ids, layout.attention(model.packed_backend()))
     return hidden[layout.source], layout.flat

@@ -58,12 +58,10 @@ class Actor:
         if is_vl(self.model):
             check_vl(self.model, arr, rollout=with_rollout)
         self.lora = arr.model.lora_rank > 0 and self._apply_lora(seed)
-        if arr.actor.use_prefix_grouper and (not isinstance(self.model, LatheCausalLM)
-                                             or self.model.config.linear_attention is not None):
+        if arr.actor.use_prefix_grouper and not isinstance(self.model, LatheCausalLM):
             raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, "
-                             f"Qwen2, Qwen3; not the linear-attention layers of Qwen3.5 / Qwen3-Next, whose state runs "
-                             f"along whole sequences), but the actor runs {architecture(self.model)}. Fix: set "
-                             "use_prefix_grouper=false (or model.impl=lathe for those architectures).")
+                             f"Qwen2, Qwen3, Qwen3.5, GPT-OSS ...), but the actor runs {architecture(self.model)}. "
+                             "Fix: set use_prefix_grouper=false (or model.impl=lathe for those architectures).")
         if arr.actor.router_replay.mode != "disabled":
             check_replay_model(self.model, arr.actor.router_replay.mode)
         self.mtp = mtp_training(arr.model.mtp, self.model, f"{architecture(self.model)} ({arr.model.path})")

@@ -14,3 +14,32 @@ def test_pauses_count_passes_in_the_block_only():
     assert m["perf/gc_full_passes"] == 1.0 and pauses.passes[0] >= 1
     assert m["timing_s/gc"] > 0.0
     assert pauses._on_pass not in gc.callbacks
+
+
+class _Group:
+    def __init__(self):
+        self.calls = []
+
+    def host_call(self, method):
+        self.calls.append(method)
+
+
+def test_the_first_steps_freeze_what_is_alive_and_the_end_unfreezes(monkeypatch):
+    """After each of the first two steps: collected, then frozen here and in every worker group's ranks; nothing
+    after them; unfrozen when the run ends. LATHE_GC_FREEZE=0: never."""
+    from lathe.track.collector import FREEZE_STEPS, FreezeAfterWarmup
+    gc.unfreeze()
+    group = _Group()
+    counts, kept = [], []
+    with FreezeAfterWarmup([group]) as frozen:
+        for step in range(4):
+            kept.append([[] for _ in range(100)])       # containers alive at the step's end
+            frozen.after_step()
+            counts.append(gc.get_freeze_count())
+        assert 0 < counts[0] < counts[1] == counts[2] == counts[3]      # the third step's objects stay unfrozen
+        assert group.calls == ["freeze_collector"] * FREEZE_STEPS
+    assert gc.get_freeze_count() == 0
+    monkeypatch.setenv("LATHE_GC_FREEZE", "0")
+    with FreezeAfterWarmup([group]) as frozen:
+        frozen.after_step()
+        assert gc.get_freeze_count() == 0 and len(group.calls) == FREEZE_STEPS

@@ -117,6 +117,13 @@ class RankHost:
         history, self.memory_history = self.memory_history, None
         return str(history.dump(Path(step_dir) / snapshot_name(self.rank, self.group_name)))
 
+    def freeze_collector(self) -> None:
+        """Collect once, then keep every object alive now out of the collector's later passes
+        (`lathe.track.collector.FreezeAfterWarmup`: the driver asks after its warm-up steps)."""
+        import gc
+        gc.collect()
+        gc.freeze()
+
     def _device(self):
         from lathe.device import rank_device
         return rank_device("cuda" if self.use_gpu else "cpu")

@@ -178,8 +178,9 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
     memory = torch_memory_settings(gp.global_tool_config, checkpointing=trains_checkpointed(t.cfg))
     profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, workers=t.cluster.groups if t.cluster else [],
                             with_stack=gp.with_stack, memory=memory)
+    # a terminal's live line; the collector's reach narrowed after the warm-up steps
     with Progress("train", t.total_steps, initial=t.global_step, every_s=None) as bar, \
-            FreezeAfterWarmup() as frozen:             # a terminal's live line; the collector's reach after warm-up
+            FreezeAfterWarmup(t.cluster.groups if t.cluster else []) as frozen:
         while t.global_step < t.total_steps:
             rows = t.next_rows()
             t.global_step += 1

@@ -2,8 +2,14 @@
 `perf/gc_full_passes` for generation-2 passes, which walk every tracked object and take longest).
 
 A pause lands in whichever phase allocated last (a rollout's token lists, most often), so a step slower than its
-neighbours can be told apart from one whose device work grew. lathe does not freeze its set-up objects out of the
-collector's reach (`gc.freeze`, as vLLM does): measured, it did not change the step time (docs/tried_and_not_kept.md).
+neighbours can be told apart from one whose device work grew.
+
+After its first steps a run freezes what is alive (`FreezeAfterWarmup`, `gc.freeze` as vLLM does after start-up): the
+compiled graphs, their guards and the engines' caches are then no longer walked by a full pass. GPT-OSS-20B-8l runs on
+an H200 spent 1.1-1.9 s in the collector in their first step (2-3 full passes), and unfrozen 0.41-0.48 s a step
+after it (`e2e_ab_sinks_flash_gpt-oss-20b-8l_*`, `e2e_prefix_grouper_on_1024_gpt-oss-20b-8l_*`); frozen, 0.045 s a
+step, a step with a full pass included (`e2e_gc_freeze_on_grouped_1024_gpt-oss-20b-8l_*`; not an A/B in one call:
+an unfrozen per-row run of the same call had no full pass after its first step and 0.04 s). At 0.5B on an H100 the pauses were 5-12 ms a step either way (docs/tried_and_not_kept.md).
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ FREEZE_STEPS = 2
 
 class FreezeAfterWarmup:
     """After each of the first `FREEZE_STEPS` steps this run takes (`after_step`; a resumed run's too), collect
-    once and move every object alive then (the model, the compiled graphs and their guards, the engine's caches) to the collector's permanent generation,
-    so that later passes do not walk them; leaving the `with` block unfreezes them, so that a process that trains
-    again (a test, a notebook) reclaims them as before. `LATHE_GC_FREEZE=0` turns it off (an A/B)."""
+    once and move every object alive then (the model, the compiled graphs and their guards, the engine's caches) to
+    the collector's permanent generation, so that later passes do not walk them: in this process and in the ranks of
+    the Ray worker `groups` (`RankHost.freeze_collector`), where the models live in a distributed run. Leaving the
+    `with` block unfreezes this process's objects, so that a process that trains again (a test, a notebook) reclaims
+    them as before (a rank's process ends with its run). `LATHE_GC_FREEZE=0` turns it off (an A/B)."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups=()) -> None:
+        self.groups = list(groups)
         self.frozen = False
         self.steps = 0
         self.enabled = os.environ.get("LATHE_GC_FREEZE", "1") != "0"
@@ -34,6 +43,8 @@ class FreezeAfterWarmup:
     def after_step(self) -> None:
         self.steps += 1
         if self.enabled and self.steps <= FREEZE_STEPS:
+            for group in self.groups:
+                group.host_call("freeze_collector")
             gc.collect()
             gc.freeze()
             self.frozen = True

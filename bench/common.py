@@ -459,6 +459,12 @@ def _on_term(signum, frame):
     raise _Terminated
 
 
+def _note_term(signum, frame):
+    """A SIGTERM while a timed-out child stops: noted (later calls start nothing), the stop goes on."""
+    global _TERMINATED
+    _TERMINATED = True
+
+
 STOP_GRACE_S = 15.0      # how long a SIGTERMed child may take to close its Ray workers and process groups
 
 
@@ -478,7 +484,8 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None
     A SIGTERM to the bench while the child runs (a GPU call's outer `timeout`) stops the child and returns 143, so
     the caller still writes the JSON of what the child's metrics.jsonl holds (a 7B A/B was lost once to a kill that
     came as its child exited); later calls then return 143 at once without starting anything, and further SIGTERMs
-    are ignored (a second one while the child stopped lost a data-parallel-attention run's JSON)."""
+    are ignored (a second one while the child stopped lost a data-parallel-attention run's JSON). A SIGTERM while a
+    child past its own `timeout` stops is noted the same way and the stop goes on (124)."""
     global _TERMINATED
     if _TERMINATED:
         return 143, 0.0
@@ -493,6 +500,8 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                if main:        # an outer SIGTERM during the stop lost a Qwen3.5 run's JSON (2026-12-02)
+                    signal.signal(signal.SIGTERM, _note_term)
                 _stop(proc)
                 rc = 124
             except _Terminated:

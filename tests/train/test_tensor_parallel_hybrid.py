@@ -2,8 +2,8 @@
 attention): a tiny Qwen3.5, a tiny Qwen3.5-MoE (its routed experts over the group, expert parallelism of the same
 size; its shared expert cut as an MLP) and a tiny Qwen3-Next (fused linear-attention projections, a dense layer and a
 sparse one) cut over a tensor-parallel group of 2 (gloo, float64; 1 of the 2 linear key heads and 2 of the 4 value
-heads a rank) give the one-process logits, loss and parameter gradients on a packed batch and on a padded one (a cut
-parameter's gradient gathered whole); the sizes and layouts it refuses."""
+heads a rank) give the one-process logits, loss and parameter gradients on a packed batch, a padded one and a
+prefix-grouped stream (a cut parameter's gradient gathered whole); the sizes and layouts it refuses."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from lathe.models.hf import lathe_from_transformers
 
 from models.lathe_tiny import hf_model, hybrid_config
 
+from lathe.train.prefix_group import grouped_layout
+
+from .test_prefix_group import _grouped_batch
 from .test_ulysses_hybrid import LENGTHS, family_runs, inputs   # (the packed batch: 4 sequences, 19 tokens)
 
 T, JOIN_S = 2, 120
@@ -40,16 +43,22 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(model) -> dict:
-    """Logits, loss sum(logits * w) and every parameter's gradient (whole), packed and padded."""
+    """Logits, loss sum(logits * w) and every parameter's gradient (whole), packed, padded and prefix-grouped (3
+    prompts x 3 responses as one stream: `lathe.train.prefix_group`, the linear layers' `GroupedLinear` too)."""
     out = {}
     ids, pos, cu, w = inputs()
     grid, mask, positions, _ = padded_inputs()
+    stream = grouped_layout(_grouped_batch(n=3), model.config.linear_attention.conv_kernel)
     forwards = {"packed": lambda m: m.lm_head(m.hidden_with(ids, pos, PackedAttention(cu, max(LENGTHS)))),
-                "padded": lambda m: m.lm_head(m.hidden_with(grid, positions, PaddedAttention(mask)))[mask.bool()]}
+                "padded": lambda m: m.lm_head(m.hidden_with(grid, positions, PaddedAttention(mask)))[mask.bool()],
+                "grouped": lambda m: m.lm_head(m.hidden_with(stream.input_ids, stream.position_ids,
+                                                             stream.attention("sdpa")))}
     for name, forward in forwards.items():
         model.zero_grad()
         logits = whole(forward(model))
-        loss = (logits * w).sum()
+        weights = w if name != "grouped" else torch.randn(logits.shape, dtype=logits.dtype,
+                                                          generator=torch.Generator().manual_seed(1))
+        loss = (logits * weights).sum()
         loss.backward()
         out[name] = {"logits": logits.detach(), "loss": loss.detach(),
                      "grads": {n: whole(p.grad).clone() for n, p in model.named_parameters()}}
@@ -88,7 +97,7 @@ MOE = ("qwen3_5_moe_text", "qwen3_next")           # (Qwen3-Next's layer 1 spars
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("batch", ["packed", "padded"])
+@pytest.mark.parametrize("batch", ["packed", "padded", "grouped"])
 def test_a_group_of_two_equals_one_process(runs, batch, family):
     want, ranks = runs
     want = want[family][batch]

@@ -9,7 +9,8 @@ compiled graphs, their guards and the engines' caches are then no longer walked 
 an H200 spent 1.1-1.9 s in the collector in their first step (2-3 full passes), and unfrozen 0.41-0.48 s a step
 after it (`e2e_ab_sinks_flash_gpt-oss-20b-8l_*`, `e2e_prefix_grouper_on_1024_gpt-oss-20b-8l_*`); frozen, 0.045 s a
 step, a step with a full pass included (`e2e_gc_freeze_on_grouped_1024_gpt-oss-20b-8l_*`; not an A/B in one call:
-an unfrozen per-row run of the same call had no full pass after its first step and 0.04 s). At 0.5B on an H100 the pauses were 5-12 ms a step either way (docs/tried_and_not_kept.md).
+an unfrozen per-row run of the same call had no full pass after its first step and 0.04 s). At 0.5B on an H100 the
+pauses were 5-12 ms a step either way (docs/tried_and_not_kept.md).
 """
 
 from __future__ import annotations

@@ -105,6 +105,12 @@ def test_fla_is_handed_one_bounds_tensor_per_packed_batch():
     other[1] = 6                                                 # a tensor its owner may change in place
     assert fla_cu_seqlens(other).tolist() == [0, 6]
     assert fla_cu_seqlens(cu).tolist() == [0, 3, 9]
+    three = [torch.tensor([0, k], dtype=torch.int32) for k in (1, 2, 3)]     # a prefix-grouped layer's bounds, in
+    given = [fla_cu_seqlens(t) for t in three]                               # turn: each keeps its int64 tensor
+    assert all(fla_cu_seqlens(t) is g for t, g in zip(three, given))
+    for k in range(4):                                                       # four newer ones push the oldest out
+        fla_cu_seqlens(torch.tensor([0, k + 10], dtype=torch.int32))
+    assert fla_cu_seqlens(three[0]) is not given[0] and fla_cu_seqlens(three[0]).tolist() == [0, 1]
     with torch.inference_mode():                                 # the engine's prefills: no version counter to read
         made = torch.tensor([0, 2, 4], dtype=torch.int32)
         assert fla_cu_seqlens(made).tolist() == [0, 2, 4] and fla_cu_seqlens(made) is not fla_cu_seqlens(made)

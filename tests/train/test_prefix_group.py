@@ -262,3 +262,32 @@ def test_grouped_linear_attention_on_cuda_equals_packed():
     assert_close_rel(frozen[True][mask], frozen[False][mask], rel=2e-2, name="log-probs without gradients")
     assert grads[True].keys() == grads[False].keys()
     assert_close_rel(grads[True], grads[False], rel=5e-2, name="gradients")
+
+
+@pytest.mark.gpu
+def test_grouped_linear_layers_derive_their_bounds_once_for_all_layers(monkeypatch):
+    """A grouped micro-batch hands fla three bounds tensors in turn (the prompts', the responses' behind their
+    prompts' convolution inputs, the responses'): fla expands them (`_segmented_arange`, a host sync) no more often
+    for six linear layers than for two, forward and backward (`fla_cu_seqlens` keeps each one's int64 form)."""
+    pytest.importorskip("fla")
+    import fla.ops.utils.index as index
+    from transformers import AutoModelForCausalLM
+
+    from lathe.models.hf import lathe_from_transformers
+    from models.lathe_tiny import hybrid_config
+    expand, calls = index._segmented_arange, []
+    monkeypatch.setattr(index, "_segmented_arange", lambda counts: calls.append(1) or expand(counts))
+    batch = _grouped_batch(n=4).to("cuda")
+
+    def layers(n: int) -> int:
+        cfg = hybrid_config("qwen3_5_text", vocab_size=VOCAB, linear_key_head_dim=128, linear_value_head_dim=128,
+                            num_hidden_layers=n, layer_types=["linear_attention"] * n)
+        model = lathe_from_transformers(AutoModelForCausalLM.from_config(cfg)).to("cuda", torch.bfloat16)
+        calls.clear()
+        logp, _ = response_log_probs(model, batch, temperature=1.0, prefix_grouper=True, remove_padding=True)
+        (logp * batch["response_mask"]).sum().backward()
+        torch.cuda.synchronize()
+        return len(calls)
+
+    layers(1)                                # (fla's layout check, once)
+    assert layers(6) == layers(2)

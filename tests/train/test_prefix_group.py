@@ -168,6 +168,14 @@ def test_grouped_linear_attention_equals_the_per_row_forward(monkeypatch, family
     assert_close_rel(out[True][1], out[False][1], name="gradients")
 
 
+def test_grouped_linear_attention_without_response_tokens():
+    """A micro-batch whose rows all have empty responses: the linear layers run the prompts alone; no log-prob."""
+    batch = to_batch([[3, 4, 5], [6, 7]], RolloutOutput([[]] * 4, [[]] * 4, ["stop"] * 4), PAD, n=2)
+    for grouped in (True, False):
+        logp, _ = response_log_probs(_hybrid("qwen3_5_text"), batch, prefix_grouper=grouped, remove_padding=True)
+        assert logp.shape == batch["responses"].shape and not logp.any()
+
+
 def test_linear_layout_continues_each_response_from_its_prompt():
     """Prompts packed from a zero state; each response behind its prompt's last min(K-1, prompt) tokens, those
     copies dropped from its outputs; the stream's order restored by `inverse`."""

@@ -160,6 +160,8 @@ class GatedDeltaNet(nn.Module):
         prompt = causal_conv1d(mixed.index_select(0, lin.prompt), weight, lin.cu_prompt)
         o_prompt, final = chunk_gated_delta_rule(*self._qkv(prompt), g.index_select(0, lin.prompt),
                                                  beta.index_select(0, lin.prompt), lin.cu_prompt, lin.max_prompt)
+        if not lin.response.numel():                # no response token in the micro-batch (a shape, not a sync)
+            return self.out_proj(self.norm(o_prompt.index_select(0, lin.inverse), z).flatten(-2))
         response = causal_conv1d(mixed.index_select(0, lin.extended), weight, lin.cu_extended).index_select(0, lin.kept)
         o_response, _ = chunk_gated_delta_rule(*self._qkv(response), g.index_select(0, lin.response),
                                                beta.index_select(0, lin.response), lin.cu_response, lin.max_response,

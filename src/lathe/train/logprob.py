@@ -318,7 +318,8 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
                                         wanted=(True, calculate_entropy, calculate_sum_pi_squared), keep=keep)
     if prefix_grouper and not isinstance(model, LatheCausalLM):
         raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, Qwen2, "
-                         f"Qwen3), but the actor runs {type(model).__name__}. Fix: set use_prefix_grouper=false.")
+                         f"Qwen3, Qwen3.5, GPT-OSS ...), but the actor runs {type(model).__name__}. Fix: set "
+                         "use_prefix_grouper=false.")
     if isinstance(model, LatheCausalLM) and not remove_padding and not prefix_grouper and vocab_sharded(
             model.lm_head.weight):      # tensor-parallel: the hidden states of every (B, R) position, as below
         R = batch["responses"].shape[1]

@@ -60,9 +60,10 @@ def test_prefix_grouped_qwen3_5_steps_equal_the_per_row_run(tmp_path):
     runs = {}
     for grouped in (True, False):
         run(tmp_path, f"actor_rollout_ref.model.path={tmp_path / 'model'}",
-            "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
-            "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.actor.kl_loss_coef=0.1", f"reward.custom_reward_function.path={tmp_path / 'parity.py'}",
+            "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+            "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
+            f"reward.custom_reward_function.path={tmp_path / 'parity.py'}",
             f"actor_rollout_ref.actor.use_prefix_grouper={str(grouped).lower()}", name=f"run{grouped}")
         runs[grouped] = read_metrics(tmp_path / f"run{grouped}")
     assert runs[True][1]["actor/grad_norm"] > 0.1 and runs[True][2]["actor/kl_loss"] > 0

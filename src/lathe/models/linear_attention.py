@@ -236,16 +236,16 @@ _long_bounds: tuple = ()
 def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """`cu_seqlens` as int64 for fla, the same tensor object for the same unchanged input (any of the last
     `FLA_BOUNDS` given). fla memoises what it derives from the bounds (chunk indices, offsets, sequence ids) by the
-    identity of the cu_seqlens tensor (`fla.utils.tensor_cache`), and a miss reads the bounds to the host: a sync. A fresh `.long()` at every call
-    missed at every layer, four syncs per linear-attention layer and micro-batch in an update (the convolution and
-    the delta rule, forward and backward) and eight with gradient checkpointing, each one leaving the GPU idle
-    while the host caught up (a Qwen3.5-2B update on an H200 kept its GPU busy 56% of the time with checkpointing,
-    bench/results/e2e_qwen3.5-2b_ckpt_profile_nvidia-h200.json). An in-place change of the input through torch (its
-    version counter) makes a new int64 tensor; writes the counter does not see (through `.data`, numpy, another
-    view of the storage, a CUDA graph's replay) would not, and lathe makes none: its bounds are built afresh for each
-    batch (`packing`, `logprob`, `PaddedAttention.row_bounds`, `prefix_group.linear_layout`). Under inference mode
-    (the engine's prefills; an inference tensor has no version counter, and one memoised there would fail a later
-    backward) every call gets a new tensor, as before."""
+    identity of the cu_seqlens tensor (`fla.utils.tensor_cache`), and a miss reads the bounds to the host: a sync. A
+    fresh `.long()` at every call missed at every layer, four syncs per linear-attention layer and micro-batch in an
+    update (the convolution and the delta rule, forward and backward) and eight with gradient checkpointing, each one
+    leaving the GPU idle while the host caught up (a Qwen3.5-2B update on an H200 kept its GPU busy 56% of the time
+    with checkpointing, bench/results/e2e_qwen3.5-2b_ckpt_profile_nvidia-h200.json). An in-place change of the
+    input through torch (its version counter) makes a new int64 tensor; writes the counter does not see (through
+    `.data`, numpy, another view of the storage, a CUDA graph's replay) would not, and lathe makes none: its bounds
+    are built afresh for each batch (`packing`, `logprob`, `PaddedAttention.row_bounds`,
+    `prefix_group.linear_layout`). Under inference mode (the engine's prefills; an inference tensor has no version
+    counter, and one memoised there would fail a later backward) every call gets a new tensor, as before."""
     global _long_bounds
     if cu_seqlens.is_inference() or torch.is_inference_mode_enabled():
         return cu_seqlens.to(torch.long, copy=True)

@@ -1,6 +1,7 @@
 """Prefix-grouped forward (actor.use_prefix_grouper): the same log-probs, entropies and gradients as the padded
 forward of every row alone, with each prompt computed once."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,22 +30,23 @@ def _grouped_batch(n=3, seed=0, shuffle=True):
 
 
 def test_layout_runs_each_prompt_once():
-    """One packed stream: each prompt once, then its responses; a response's segment attends to its prompt's rows,
-    then its own, and a prompt's to itself; each response token is predicted from the token before it in its own
-    segment, the first from its prompt's last token."""
+    """One packed stream: each prompt once, then every response, prompt by prompt; a response's segment attends to
+    its prompt's rows, then its own, and a prompt's to itself; each response token is predicted from the token
+    before it in its own segment, the first from its prompt's last token."""
     batch = _grouped_batch()
     layout = grouped_layout(batch)
     responses = int(batch["response_mask"].sum())
     assert layout.input_ids.shape == ((3 + 5 + 2) + responses,)             # three prompts once, every response
     assert layout.source.numel() == responses and len(layout.cu_q) == 3 + 9 + 1
     cu_q, cu_k, kv = layout.cu_q.tolist(), layout.cu_k.tolist(), layout.kv_index.tolist()
-    prompt = None
-    for s in range(len(cu_q) - 1):
-        rows, keys = list(range(cu_q[s], cu_q[s + 1])), kv[cu_k[s]:cu_k[s + 1]]
-        if keys == rows:                                                  # a prompt's segment
-            prompt = rows
-        else:
-            assert keys == prompt + rows                                  # its prompt, then itself
+    segments = [(list(range(cu_q[s], cu_q[s + 1])), kv[cu_k[s]:cu_k[s + 1]]) for s in range(len(cu_q) - 1)]
+    prompts = [rows for rows, keys in segments[:3]]
+    assert all(keys == rows for rows, keys in segments[:3])             # the prompts' segments lead
+    owners = []
+    for rows, keys in segments[3:]:
+        owners.append(prompts.index(keys[:-len(rows)]))                 # its prompt, then itself
+        assert keys[-len(rows):] == rows
+    assert owners == sorted(owners) and len(set(owners)) == 3
     assert layout.max_q == max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
     assert layout.max_k == max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
 
@@ -177,22 +179,28 @@ def test_grouped_linear_attention_without_response_tokens():
 
 
 def test_linear_layout_continues_each_response_from_its_prompt():
-    """Prompts packed from a zero state; each response behind its prompt's last min(K-1, prompt) tokens, those
-    copies dropped from its outputs; the stream's order restored by `inverse`."""
+    """The prompts lead the stream (packed from a zero state), the responses follow; each response is convolved
+    behind its prompt's last min(K-1, prompt) tokens (one convolution after the prompts), those copies dropped from
+    its outputs."""
     batch = _grouped_batch(n=2, shuffle=False)
     layout = grouped_layout(batch, conv_kernel=4)
     lin, cu = layout.linear, layout.cu_q.tolist()
     segments = [list(range(a, b)) for a, b in zip(cu[:-1], cu[1:])]
-    prompts = [segments[0], segments[3], segments[6]]                   # 3 prompts, each followed by 2 responses
-    assert lin.prompt.tolist() == sum(prompts, []) and lin.cu_prompt.tolist() == [0, 3, 8, 10]
-    responses = [s for i, s in enumerate(segments) if i % 3]
-    assert lin.response.tolist() == sum(responses, []) and lin.group.tolist() == [0, 0, 1, 1, 2, 2]
-    ext, cu_e = lin.extended.tolist(), lin.cu_extended.tolist()
+    prompts, responses = segments[:3], segments[3:]                     # 3 prompts, then 2 responses each
+    assert lin.prompt_tokens == len(sum(prompts, [])) and lin.cu_prompt.tolist() == [0, 3, 8, 10]
+    assert sum(responses, []) == list(range(lin.prompt_tokens, layout.input_ids.numel()))
+    assert lin.group.tolist() == [0, 0, 1, 1, 2, 2]
+    assert lin.cu_response.tolist() == [0] + np.cumsum([len(r) for r in responses]).tolist()
+    ext, cu_conv = lin.extended.tolist(), lin.cu_conv.tolist()
+    assert cu_conv[:4] == lin.cu_prompt.tolist()                        # the prompts, then each response extended
+    conv = list(range(lin.prompt_tokens)) + ext
     for r, (rows, prompt) in enumerate(zip(responses, [p for p in prompts for _ in range(2)])):
-        assert ext[cu_e[r]:cu_e[r + 1]] == prompt[-3:] + rows
-    assert [ext[i] for i in lin.kept.tolist()] == lin.response.tolist()
-    order = lin.prompt.tolist() + lin.response.tolist()
-    assert [order[i] for i in lin.inverse.tolist()] == list(range(layout.input_ids.numel()))
+        assert conv[cu_conv[3 + r]:cu_conv[4 + r]] == prompt[-3:] + rows
+    assert [ext[i] for i in lin.kept.tolist()] == sum(responses, [])
+    ids, rows = layout.input_ids.tolist(), batch["input_ids"].tolist()
+    P = batch["prompts"].shape[1]
+    for g, prompt in enumerate(prompts):                                # rows 2g, 2g+1 share prompt g
+        assert [ids[i] for i in prompt] == [t for t, m in zip(rows[2 * g][:P], batch["attention_mask"][2 * g]) if m]
     assert grouped_layout(batch).linear is None
 
 
@@ -274,9 +282,10 @@ def test_grouped_linear_attention_on_cuda_equals_packed():
 
 @pytest.mark.gpu
 def test_grouped_linear_layers_derive_their_bounds_once_for_all_layers(monkeypatch):
-    """A grouped micro-batch hands fla three bounds tensors in turn (the prompts', the responses' behind their
-    prompts' convolution inputs, the responses'): fla expands them (`_segmented_arange`, a host sync) no more often
-    for six linear layers than for two, forward and backward (`fla_cu_seqlens` keeps each one's int64 form)."""
+    """A grouped micro-batch hands fla three bounds tensors in turn (the convolution's over the prompts and then each
+    response behind its prompt's last inputs, the prompts', the responses'): fla expands them (`_segmented_arange`,
+    a host sync) no more often for six linear layers than for two, forward and backward (`fla_cu_seqlens` keeps each
+    one's int64 form)."""
     pytest.importorskip("fla")
     import fla.ops.utils.index as index
     from transformers import AutoModelForCausalLM

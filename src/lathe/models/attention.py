@@ -304,22 +304,22 @@ def varlen_aligns_causal_at_end(device_index: int, dtype: torch.dtype) -> bool:
 @dataclass
 class GroupedLinear:
     """The prefix-grouped stream (`GroupedAttention`) as a linear-attention layer runs it (`GatedDeltaNet.grouped`):
-    the prompts' tokens as packed sequences from a zero state, then each response as a sequence of its own that
-    continues from its prompt's final states. Its short convolution sees the prompt's last K-1 inputs before the
-    response's first token: each response is convolved behind a copy of those (`extended`) and the copies' outputs
-    dropped (`kept`). Index tensors are int64 on the stream's device, bounds int32; maxima on the host."""
+    the prompts' tokens (the stream's first `prompt_tokens` rows) as packed sequences from a zero state, then each
+    response (the rest, in order) as a sequence of its own that continues from its prompt's final states. Its short
+    convolution sees the prompt's last K-1 inputs before the response's first token: each response is convolved
+    behind a copy of those (`extended`) and the copies' outputs dropped (`kept`), in one convolution with the
+    prompts (`cu_conv`). Index tensors are int64 on the stream's device, bounds int32; sizes and maxima on the
+    host."""
 
-    prompt: torch.Tensor        # (Tp,) stream rows of the prompts' tokens, prompt by prompt
+    prompt_tokens: int          # Tp: the stream's first Tp rows are the prompts' tokens, prompt by prompt
     cu_prompt: torch.Tensor     # (G+1,)
     max_prompt: int
     extended: torch.Tensor      # (Te,) stream rows: each response behind its prompt's last min(K-1, prompt) tokens
-    cu_extended: torch.Tensor   # (R+1,)
-    kept: torch.Tensor          # (Tr,) the response tokens' places in `extended`
-    response: torch.Tensor      # (Tr,) stream rows of the responses' tokens, response by response
-    cu_response: torch.Tensor   # (R+1,)
+    cu_conv: torch.Tensor       # (G+R+1,) the convolution's sequences over [the Tp prompt rows, `extended`]
+    kept: torch.Tensor          # (T-Tp,) the response tokens' places in `extended`
+    cu_response: torch.Tensor   # (R+1,) the responses in the stream's rows Tp: (response by response)
     max_response: int
     group: torch.Tensor         # (R,) each response's prompt (an index into the G prompts)
-    inverse: torch.Tensor       # (T,) stream row -> its place in [prompt tokens, response tokens]
 
 
 @dataclass

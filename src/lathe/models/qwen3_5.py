@@ -157,17 +157,19 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.project(x)
         weight = self.conv_weight()
         g, beta = self._gates(b, a)
-        prompt = causal_conv1d(mixed.index_select(0, lin.prompt), weight, lin.cu_prompt)
-        o_prompt, final = chunk_gated_delta_rule(*self._qkv(prompt), g.index_select(0, lin.prompt),
-                                                 beta.index_select(0, lin.prompt), lin.cu_prompt, lin.max_prompt)
-        if not lin.response.numel():                # no response token in the micro-batch (a shape, not a sync)
-            return self.out_proj(self.norm(o_prompt.index_select(0, lin.inverse), z).flatten(-2))
-        response = causal_conv1d(mixed.index_select(0, lin.extended), weight, lin.cu_extended).index_select(0, lin.kept)
-        o_response, _ = chunk_gated_delta_rule(*self._qkv(response), g.index_select(0, lin.response),
-                                               beta.index_select(0, lin.response), lin.cu_response, lin.max_response,
+        tp = lin.prompt_tokens                      # the prompts lead the stream, the responses follow
+        if tp == x.shape[0]:                        # no response token in the micro-batch
+            o, _ = chunk_gated_delta_rule(*self._qkv(causal_conv1d(mixed, weight, lin.cu_prompt)), g, beta,
+                                          lin.cu_prompt, lin.max_prompt)
+            return self.out_proj(self.norm(o, z).flatten(-2))
+        # one convolution over the prompts and, after them, each response behind its copy of its prompt's tail
+        conv = causal_conv1d(torch.cat([mixed[:tp], mixed.index_select(0, lin.extended)]), weight, lin.cu_conv)
+        o_prompt, final = chunk_gated_delta_rule(*self._qkv(conv[:tp]), g[:tp], beta[:tp], lin.cu_prompt,
+                                                 lin.max_prompt)
+        o_response, _ = chunk_gated_delta_rule(*self._qkv(conv[tp:].index_select(0, lin.kept)), g[tp:], beta[tp:],
+                                               lin.cu_response, lin.max_response,
                                                initial_state=final.index_select(0, lin.group))
-        o = torch.cat([o_prompt, o_response]).index_select(0, lin.inverse)
-        return self.out_proj(self.norm(o, z).flatten(-2))
+        return self.out_proj(self.norm(torch.cat([o_prompt, o_response]), z).flatten(-2))
 
     def head_parallel(self, x: torch.Tensor, split) -> torch.Tensor:
         """Ulysses: this rank's slice x (T/S, H) of a packed stream whose every sequence starts from a zero state.

@@ -1,11 +1,13 @@
 """Prefix-grouped forward (verl's `actor.use_prefix_grouper`): each prompt runs once for all its responses.
 
 A GRPO batch holds each prompt `rollout.n` times. Here the rows of a (micro-)batch that share a prompt (the same
-real prompt tokens and positions, whatever their left padding) become one packed run of segments,
+real prompt tokens and positions, whatever their left padding) become segments of one packed stream, every
+group's prompt first, then every response:
 
-    [prompt | response_1 | response_2 | ... | response_m]
+    [prompt_1 | prompt_2 | ... | prompt_G | response_1,1 | ... | response_1,m | response_2,1 | ... ]
 
-where the prompt's segment attends causally to itself and each response's segment to the prompt, then causally to
+(the prompts and the responses each one contiguous block, which linear-attention layers slice rather than gather),
+where a prompt's segment attends causally to itself and each response's segment to the prompt, then causally to
 itself (`lathe.models.attention.GroupedAttention`: its keys gathered from the stream, its queries the last of them),
 with every token at the position it had in its own row. Each response token then gets exactly the hidden state it
 gets in its own row (the same attention inputs, summed in a different order), so log-probs, entropies and gradients
@@ -99,17 +101,20 @@ def host_stream(batch: Batch) -> HostStream:
         groups.setdefault((ids[row, real].tobytes(), pos[row, real].tobytes()), []).append(row)
     src, kv, cu_q, cu_k, every, held, group, is_prompt = [], [], [0], [0], [], [], [], []
     predictor, start = np.zeros(B, np.int64), np.zeros(B, np.int64)
-    for index, rows in enumerate(groups.values()):
+    shared = []                         # each group's prompt tokens (in its first row) and their stream rows
+    for index, rows in enumerate(groups.values()):          # every prompt's segment first, then every response's
         prompt = np.flatnonzero(mask[rows[0], :P])
         if not len(prompt):
             raise ValueError("use_prefix_grouper: a row has an empty prompt; a response needs a prompt token before it")
-        prompt_rows = np.arange(cu_q[-1], cu_q[-1] + len(prompt))
+        shared.append((prompt, np.arange(cu_q[-1], cu_q[-1] + len(prompt))))
         src.append(rows[0] * L + prompt)
-        kv.append(prompt_rows)
+        kv.append(shared[-1][1])
         cu_q.append(cu_q[-1] + len(prompt))
         cu_k.append(cu_k[-1] + len(prompt))
         group.append(index)
         is_prompt.append(True)
+    for index, rows in enumerate(groups.values()):
+        prompt, prompt_rows = shared[index]
         for row in rows:
             n = int(lengths[row])
             predictor[row], start[row] = prompt_rows[-1], cu_q[-1]
@@ -138,22 +143,17 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
-def _runs(cu: np.ndarray, segments: np.ndarray) -> np.ndarray:
-    """The stream rows of `segments` (indices into the bounds `cu`), one after another."""
-    return _concat([np.arange(cu[s], cu[s + 1]) for s in segments])
-
-
 def _bounds(lengths: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
 def linear_layout(host: HostStream, kernel: int, device: torch.device) -> GroupedLinear:
     """The stream as linear-attention layers run it (`GroupedLinear`), for a short convolution of `kernel` taps:
-    worked out on the host, moved without waiting for the device."""
+    worked out on the host, moved without waiting for the device. The prompts' segments lead the stream
+    (`host_stream`), so the prompts are its first rows and the responses the rest, in order."""
     cu = np.asarray(host.cu_q, np.int64)
     lengths = np.diff(cu)
     prompts, responses = np.flatnonzero(host.prompt), np.flatnonzero(~host.prompt)
-    prompt, response = _runs(cu, prompts), _runs(cu, responses)
     ends = cu[prompts + 1][host.group[responses]]                    # each response's prompt's end in the stream
     tails = np.minimum(kernel - 1, lengths[prompts][host.group[responses]])
     extended = [np.concatenate([np.arange(end - tail, end), np.arange(cu[s], cu[s + 1])])
@@ -161,15 +161,14 @@ def linear_layout(host: HostStream, kernel: int, device: torch.device) -> Groupe
     cu_extended = _bounds(tails + lengths[responses])
     kept = _concat([np.arange(start + tail, stop) for start, stop, tail in zip(cu_extended[:-1], cu_extended[1:],
                                                                                  tails)])
-    order = np.concatenate([prompt, response])
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(len(order))
     move = lambda a, dtype=torch.int64: array_to_device(np.asarray(a), device, dtype)   # noqa: E731
-    return GroupedLinear(move(prompt), move(_bounds(lengths[prompts]), torch.int32),
+    cu_prompt = _bounds(lengths[prompts])
+    cu_conv = np.concatenate([cu_prompt, cu_prompt[-1] + cu_extended[1:]])
+    return GroupedLinear(int(cu_prompt[-1]), move(cu_prompt, torch.int32),
                          int(lengths[prompts].max(initial=1)), move(_concat(extended)),
-                         move(cu_extended, torch.int32), move(kept), move(response),
+                         move(cu_conv, torch.int32), move(kept),
                          move(_bounds(lengths[responses]), torch.int32), int(lengths[responses].max(initial=1)),
-                         move(host.group[responses]), move(inverse))
+                         move(host.group[responses]))
 
 
 def grouped_layout(batch: Batch, conv_kernel: int | None = None) -> GroupedLayout:

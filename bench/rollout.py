@@ -258,11 +258,13 @@ def bench_model(name: str, device, args) -> dict:
         scheduler.OVERCOMMIT = args.overcommit
 
     def new_engine(model, quantization=None, kv_cache_dtype=args.kv_cache_dtype[0], quantize_lm_head=False):
-        return LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
+        made = LatheEngine(model, eos_token_id=shape["vocab_size"] - 1, max_num_seqs=max_seqs,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            reserve_new_tokens=not args.no_reserve, async_scheduling=not args.step_by_step,
                            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                            quantize_lm_head=quantize_lm_head, **batched_tokens(args))
+        made.fork_samples = made.fork_samples and not args.no_fork
+        return made
     if args.compile_mode and device.type == "cuda":   # issue 48's A/B: the layers compiled in another inductor mode
         from lathe.models.compile import compile_decoder
         compile_decoder(lathe, mode=args.compile_mode)   # (the engine's own compile_decoder call is then a no-op)
@@ -270,6 +272,7 @@ def bench_model(name: str, device, args) -> dict:
     result["engine"] = {"max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                         "compile_mode": args.compile_mode if device.type == "cuda" else None,
                         "reserve_new_tokens": not args.no_reserve, "overcommit": scheduler.OVERCOMMIT,
+                        "fork_samples": engine.fork_samples,
                         "async_scheduling": not args.step_by_step, "kv_blocks": engine.kv_cache.num_blocks,
                         "block_size": engine.kv_cache.block_size, "kv_cache_dtype": args.kv_cache_dtype[0],
                         "kv_cache_gb": engine.kv_cache.nbytes / 2**30,
@@ -409,6 +412,8 @@ def main() -> None:
                     help="the engine's prefill step budget (default: the engine's, 16384)")
     ap.add_argument("--hf-batch-timeout", type=float, default=240.0,
                     help="seconds before a generate_batch baseline (run in a child process) is killed")
+    ap.add_argument("--no-fork", action="store_true",
+                    help="hybrid models: every sample prefills its own prompt (the A/B of the engine's forks)")
     ap.add_argument("--no-reserve", action="store_true",
                     help="admit whatever prompt fits (no KV room reserved for the responses still to come)")
     ap.add_argument("--overcommit", type=float, default=None,

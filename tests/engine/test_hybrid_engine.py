@@ -194,3 +194,64 @@ def test_fp8_rollout_is_refused_by_name(tmp_path):
     path, _ = save_hf(tmp_path, "qwen3_5_text")
     with pytest.raises(ValueError, match=r"rollout.quantization.*Qwen3_5ForCausalLM"):
         LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=8, quantization="fp8")
+
+
+def _prefilled(engine, monkeypatch) -> list[int]:
+    """Counts the prompt tokens the engine's prefill steps compute (one entry per step)."""
+    counts, prefill = [], engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda seqs, num_new: counts.append(sum(num_new)) or
+                        prefill(seqs, num_new))
+    return counts
+
+
+@pytest.mark.parametrize("chunk,max_num_seqs", [(16384, 256), (3, 256), (16384, 3)])
+def test_forked_samples_equal_samples_prefilled_apart(tmp_path, monkeypatch, chunk, max_num_seqs):
+    """The `n` samples of a prompt fork from the first once its prompt is computed (their prompt's KV blocks
+    shared, its linear-attention states copied, the first token drawn from its logits with each one's own seed):
+    the same seeded tokens and log-probs as every sample prefilling its own prompt, each prompt computed once; with
+    chunked prefill (a leader's followers wait across its chunks), and where a prompt's n samples exceed
+    max_num_seqs (those past it prefill themselves). The states' slots and the blocks all come back."""
+    from models.lathe_tiny import save_hf
+    path, _ = save_hf(tmp_path, "qwen3_5_text")
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=MAX, seed=5)
+    outs, counts = {}, {}
+    for fork in (False, True):
+        engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64,
+                                             max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs)
+        engine.fork_samples = fork
+        counts[fork] = _prefilled(engine, monkeypatch)
+        outs[fork] = engine.generate(PROMPTS, params)
+        assert engine.states.slot == {} and len(engine.states.free) == engine.scheduler.max_num_seqs
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert outs[True].token_ids == outs[False].token_ids
+    assert_close_rel(sum(outs[True].logprobs, []), sum(outs[False].logprobs, []), name="log-probs")
+    prompts = sum(len(p) for p in PROMPTS)
+    assert sum(counts[False]) == 4 * prompts
+    assert sum(counts[True]) == (prompts if max_num_seqs > 4 else 2 * prompts)    # groups of 3 and 1 when 3 fit
+
+
+def test_forked_samples_survive_preemption_and_an_interrupt_mid_prefill(tmp_path):
+    """A cache too small for all sequences (forked ones preempted and recomputed from their own tokens) and a weight
+    sync's interrupt while a leader is half prefilled (it waits again with its followers): the tokens of a run
+    without forks."""
+    from models.lathe_tiny import save_hf
+    path, _ = save_hf(tmp_path, "qwen3_5_text")
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=MAX, seed=7)
+    ref = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)
+    ref.fork_samples = False
+    expected = ref.generate(PROMPTS, params).token_ids
+    engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=12,
+                                         reserve_new_tokens=False, max_num_batched_tokens=5)
+    out = engine.generate(PROMPTS, params)
+    assert out.metrics["rollout/num_preemptions"] > 0 and out.token_ids == expected
+    engine.add_request("r", PROMPTS, params)
+    engine.step()
+    leader = engine.scheduler.prefilling
+    assert leader is not None and len(leader.followers) == 2         # a leader mid-prefill, followers waiting
+    engine.interrupt()
+    assert engine.scheduler.prefilling is None and leader.followers and engine.states.slot == {}
+    engine.load_weights(engine.model.state_dict().items(), version=1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    (_, again), = engine.pop_finished()
+    assert again.token_ids == expected

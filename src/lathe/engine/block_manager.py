@@ -151,6 +151,21 @@ class BlockManager:
             seq.num_prefix_hit_tokens = min(cached, len(seq) - 1)      # (recomputed overlap included)
         seq.tail_private = False
 
+    def fork(self, seq: Sequence, followers: list[Sequence]) -> None:
+        """Give each of `followers` (the same prompt as `seq`, no blocks) `seq`'s block table, whose prompt's KV is
+        computed (`Scheduler`'s forks): every block shared, the partial last one copied at its first append
+        (`may_append`), as prefix caching shares the `n` samples' blocks."""
+        for block_id in seq.block_table:
+            self.blocks[block_id].ref_count += len(followers)
+        for follower in followers:
+            if follower.block_table or follower.token_ids != seq.token_ids:
+                raise RuntimeError(f"fork: sequence {follower.seq_id} holds blocks or another prompt than "
+                                   f"{seq.seq_id}; this is a bug")
+            follower.block_table = list(seq.block_table)
+            follower.num_cached_tokens = follower.num_kv_cached = len(follower)
+            follower.num_prefix_hit_tokens = len(follower) - 1       # (as a prefix hit counts it)
+            follower.tail_private = False
+
     def deallocate(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks nobody holds go back to the free list (keys kept)."""
         for block_id in reversed(seq.block_table):

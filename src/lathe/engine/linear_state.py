@@ -5,7 +5,9 @@ Each running sequence holds one slot of `LinearStateCache`: per linear layer, it
 its recurrent state (float32). A slot is taken, zeroed, the first time a step runs the sequence, and given back
 whenever the block manager frees the sequence's blocks (finish, preemption, a weight sync's interruption):
 a preempted sequence is recomputed from its tokens, from a zero state, like its KV. Prefix caching is off for these
-models (a cached prefix has KV but no state to continue from: state snapshots at block boundaries are not built).
+models (a cached prefix has KV but no state to continue from: state snapshots at block boundaries are not built);
+instead the `n` samples of a prompt fork from its first sample once its prompt is computed (`Scheduler`): they share
+its KV blocks and start from copies of its states (`fork`), so the prompt is prefilled once.
 With `kv_cache_dtype="fp8"` only the full-attention layers' K/V are FP8 (`kv_cache`); these states keep their dtypes
 (a recurrent state is updated in place every token: quantising it would compound the rounding).
 
@@ -93,6 +95,23 @@ class LinearStateCache:
             out.append(self.slot[seq])
         return out
 
+    def fork(self, seq: Sequence, followers: list[Sequence]) -> None:
+        """Give each of `followers` a slot holding a copy of `seq`'s states (`Scheduler`'s forks: its prompt just
+        computed, ordered after that prefill on the device's stream)."""
+        if not followers:
+            return
+        for follower in followers:
+            if follower in self.slot:
+                raise RuntimeError(f"fork: sequence {follower.seq_id} holds a state slot already; this is a bug")
+            if not self.free:
+                raise RuntimeError("linear-attention states: more running sequences than slots (max_num_seqs); "
+                                   "this is a bug")
+            self.slot[follower] = self.free.pop()
+        src = torch.full((len(followers),), self.slot[seq], dtype=torch.long, device=self.conv.device)
+        dst = torch.tensor([self.slot[f] for f in followers], dtype=torch.long, device=self.conv.device)
+        for states in (self.conv, self.recurrent):
+            states.index_copy_(1, dst, states.index_select(1, src))
+
     def release(self, seq: Sequence) -> None:
         slot = self.slot.pop(seq, None)
         if slot is not None:
@@ -172,6 +191,10 @@ class StateBlockManager(BlockManager):
     def deallocate(self, seq: Sequence) -> None:
         super().deallocate(seq)
         self.states.release(seq)
+
+    def fork(self, seq: Sequence, followers: list[Sequence]) -> None:
+        super().fork(seq, followers)
+        self.states.fork(seq, followers)
 
 
 STATE_SHARE = 0.3     # at most this share of a GPU's free memory goes to the linear-attention states

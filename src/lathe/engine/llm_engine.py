@@ -215,6 +215,9 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._cache_kept, self._kv_address = False, None        # what `sleep` left for `wake_up`
         self.states = (LinearStateCache(cfg, max_num_seqs, dtype=model.dtype, device=model.device) if hybrid
                        else None)          # the linear-attention layers' per-sequence states (before sizing the KV)
+        # the `n` samples of a text prompt fork from the first once its prompt is computed (`Scheduler`): where
+        # prefix caching, which shares their prompt otherwise, is off (hybrid models)
+        self.fork_samples = hybrid
         if num_kv_blocks is None:
             num_kv_blocks = self._default_num_blocks(block_size, gpu_memory_utilization, max_num_seqs)
         self.kv_cache = KVCache(kv_layers(cfg), num_kv_blocks, block_size, *cache_layout(cfg), dtype=self.kv_dtype,
@@ -227,10 +230,12 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill,
                                    reserve_new_tokens=reserve_new_tokens)
+        # (not yet for hybrid models, whose samples now share their prompt's blocks: the shared-prefix launch has not
+        # run on a GPU at their 256-wide heads)
         self.runner = ModelRunner(model, self.kv_cache, max_model_len=self.max_model_len,
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
                                   max_graph_batch=min(max_num_seqs, 512), graph_sizes=cudagraph_capture_sizes,
-                                  states=self.states, shared_prefix=shared_prefix_attention)
+                                  states=self.states, shared_prefix=shared_prefix_attention and not hybrid)
         self.routing = None         # routing replay: each token's MoE choices, per KV slot (`routing.py`)
         if record_routing:
             self.routing = model.routing_recorder = RoutingRecorder(model, self.kv_cache)
@@ -430,11 +435,15 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 raise ValueError(f"prompt {i}: {len(prompt)} tokens, max_model_len={self.max_model_len}; "
                                  "shorten it or raise max_model_len")
             mm = self._prompt_images(i, prompt, None if multi_modal_inputs is None else multi_modal_inputs[i])
+            leader = None
             for j in range(params.n):
                 index = i * params.n + j
                 seed = None if sp.greedy else sequence_seed(base, first_index + index)
                 seqs.append(Sequence(list(prompt), sp, seed, index=index,
-                                     length_limit=min(len(prompt) + sp.max_tokens, self.max_model_len), mm=mm))
+                                     length_limit=min(len(prompt) + sp.max_tokens, self.max_model_len), mm=mm,
+                                     leader=leader))
+                if self.fork_samples and mm is None and j == 0:
+                    leader = seqs[-1]           # the others fork from the first once its prompt is computed
                 if stops is not None:
                     self._stop_matchers[seqs[-1]] = stops.matcher(min_tokens=params.min_tokens, prompt_len=len(prompt))
         return seqs
@@ -495,9 +504,9 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                         ensure_embeddings(self.model, seq.mm)
             logits = self.runner.prefill(seqs, [s.num_scheduled_tokens for s in seqs])
             complete = self.scheduler.prefill_done(seqs)
-            if len(complete) < len(seqs):       # a prompt chunk: nothing to sample for it yet
-                keep = {id(s) for s in complete}
-                logits = logits[[i for i, s in enumerate(seqs) if id(s) in keep]]
+            if complete != seqs:                # a prompt chunk (nothing to sample for it yet), forked samples
+                rows = {id(s): i for i, s in enumerate(seqs)}       # (which sample from their leader's logits)
+                logits = logits[[rows[id(s)] if id(s) in rows else rows[id(s.leader)] for s in complete]]
                 seqs = complete
             sampled = None
         else:

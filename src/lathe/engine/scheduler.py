@@ -31,6 +31,14 @@ batch), so that requests arriving one by one (the agent loop's next turns) share
 pausing every decode for a step of its own. It changes when a sequence starts, not what it samples (up to the
 last bits of batch-dependent logits). 1 (the default) admits at every step.
 
+Forks (hybrid models, whose prefix caching is off: `linear_state.py`): the `n` samples of a text prompt come as a
+leader and its followers (`Sequence.leader`). Only the leader queues; its followers wait in `leader.followers` and
+are admitted with it (its group's seats and expected growth counted at once, each follower's private copy of the
+prompt's partial last block included). When the leader's prompt is computed (`prefill_done`) each follower shares
+its blocks and copies its linear-attention states (`BlockManager.fork`), and samples its first token from the
+leader's logits: a prompt is prefilled once for its `n` samples, as the prefix cache gives the other families. A
+follower preempted later is recomputed from its own tokens, like any sequence.
+
 `preempt_all` empties the KV cache for a weight sync (partial rollout): every sequence holding blocks goes back
 to the waiting queue, its tokens kept; that is not memory pressure, so neither counted nor boosting the reservation.
 """
@@ -80,11 +88,11 @@ class Scheduler:
 
     def _plan_call(self) -> None:
         """The call's first admission: start from 1/OVERCOMMIT instead of 1 when that admits every waiting
-        sequence but 1 would not. The `n` samples of a prompt (neighbours in the queue) count the prompt's blocks
-        once, as the prefix cache shares them."""
+        sequence but 1 would not. The `n` samples of a prompt (neighbours in the queue, or a leader's followers)
+        count the prompt's blocks once, as the prefix cache or a fork shares them."""
         self.plan_pending = False
         waiting, bs = list(self.waiting), self.block_manager.block_size
-        if not waiting or len(self.running) + len(waiting) > self.max_num_seqs:
+        if not waiting or len(self.running) + sum(self._seats(s) for s in waiting) > self.max_num_seqs:
             return
         prompt_blocks = sum(seq.num_blocks(bs) for i, seq in enumerate(waiting)
                             if i == 0 or seq.token_ids != waiting[i - 1].token_ids)
@@ -102,12 +110,20 @@ class Scheduler:
 
     def _growth(self, seq: Sequence, fraction: float) -> int:
         """Blocks `seq` is expected to take beyond those its current tokens fill; plus one for the private copy
-        of a partial last block that the `n` samples of a prompt share (copy-on-write at the first append)."""
+        of a partial last block that the `n` samples of a prompt share (copy-on-write at the first append). A
+        leader's followers (not yet forked) count as many again each, their private copies included."""
         bs = self.block_manager.block_size
         remaining = max(0, seq.params.max_tokens - seq.num_output_tokens)
         expected = len(seq) + math.ceil(fraction * remaining)
-        cow = int(self.block_manager.share_partial and remaining > 0 and len(seq) % bs != 0)
-        return max(0, (expected + bs - 1) // bs - seq.num_blocks(bs)) + cow
+        partial = remaining > 0 and len(seq) % bs != 0
+        cow = int(self.block_manager.share_partial and partial)
+        own = max(0, (expected + bs - 1) // bs - seq.num_blocks(bs)) + cow
+        return own + len(seq.followers) * (own - cow + int(partial))
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running places `seq` takes once admitted: its own and its followers'."""
+        return 1 + len(seq.followers)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and self.prefilling is None
@@ -120,6 +136,12 @@ class Scheduler:
                              f"{self.block_manager.num_blocks}; raise gpu_memory_utilization/num_kv_blocks or "
                              "lower max_tokens")
         seq.status = SequenceStatus.WAITING
+        leader = seq.leader
+        if leader is not None and leader.status == SequenceStatus.WAITING and leader.num_deallocations == 0 \
+                and not leader.block_table and self._seats(leader) < self.max_num_seqs:
+            leader.followers.append(seq)         # admitted with its leader, forked when the prompt is computed
+            return
+        seq.leader = None                        # (a group larger than max_num_seqs: the rest prefill themselves)
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
@@ -137,7 +159,8 @@ class Scheduler:
         fraction = self.expected_fraction
         if not scheduled and self._hold_prefill():
             return self._schedule_decode()
-        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs and budget > 0:
+        seats = len(self.running) + sum(self._seats(s) for s in scheduled)
+        while self.waiting and seats + self._seats(self.waiting[0]) <= self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if scheduled and not self.enable_chunked_prefill and len(seq) > budget:
                 break       # upper bound; prefix hits are found at allocation
@@ -153,6 +176,7 @@ class Scheduler:
             self.block_manager.allocate(seq)
             budget -= self._chunk(seq, budget)
             seq.status = SequenceStatus.RUNNING
+            seats += self._seats(seq)
             scheduled.append(self.waiting.popleft())
         if scheduled:
             self.decodes_since_prefill = 0
@@ -176,7 +200,8 @@ class Scheduler:
         return seq.num_scheduled_tokens
 
     def prefill_done(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Record a prefill step's progress; returns the sequences whose prompt is now complete (to sample).
+        """Record a prefill step's progress; returns the sequences whose prompt is now complete (to sample): each
+        complete leader followed by its followers, forked now (module doc), which sample from its logits.
         An incomplete one (at most one: the budget ran out on it) continues first at the next step."""
         complete = []
         for seq in seqs:
@@ -188,6 +213,13 @@ class Scheduler:
             else:
                 self.running.append(seq)
                 complete.append(seq)
+                if seq.followers:
+                    followers, seq.followers = seq.followers, []
+                    self.block_manager.fork(seq, followers)
+                    for follower in followers:
+                        follower.status = SequenceStatus.RUNNING
+                    self.running.extend(followers)
+                    complete.extend(followers)
         return complete
 
     def _schedule_decode(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:

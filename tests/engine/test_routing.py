@@ -100,3 +100,19 @@ def test_deepseek_records_and_replays_its_group_limited_choice(tmp_path):
         differ += int(not _same_sets(rec[:-1], _forward_routing(trainer, ids)[:-1]))
         assert _same_sets(rec[:-1, 0], _replayed(trainer, ids, rec)[:-1])
     assert differ, "precondition: the perturbed router routes some token otherwise"
+
+
+def test_forked_samples_of_a_hybrid_moe_record_their_prompts_routing(tmp_path):
+    """Qwen3.5-MoE (linear-attention layers, prefix caching off): a prompt's samples fork from the first once its
+    prompt is computed (`Scheduler`), sharing its blocks and so the routing recorded there; every sample's record is
+    a teacher-forced forward's choice, the partial block's copies and a chunked prefill included."""
+    from models.lathe_tiny import save_hf
+
+    from lathe.models import load_lathe_model
+    path, _ = save_hf(tmp_path, "qwen3_5_moe_text")
+    model = load_lathe_model(path).eval()
+    out = _rollout(model, max_num_batched_tokens=6)
+    for prompt, resp, rec in zip([p for p in PROMPTS for _ in range(2)], out.token_ids, out.routed_experts):
+        ids = prompt + resp
+        assert (rec[-1] == -1).all() and (rec[:-1] >= 0).all()
+        assert _same_sets(rec[:-1], _forward_routing(model, ids)[:-1])

@@ -234,7 +234,8 @@ def hybrid_settings(model, enable_prefix_caching: bool, fuse_projections: bool |
                          f"built for {arch}'s hybrid layers yet. Fix: leave rollout.quantization unset")
     if enable_prefix_caching:
         log.info("engine: prefix caching is off for %s (its linear-attention states are not cached at block "
-                 "boundaries yet; rollout.enable_prefix_caching has no effect for it)", arch)
+                 "boundaries yet; rollout.enable_prefix_caching has no effect for it; a prompt's n samples still "
+                 "prefill it once: they fork from the first)", arch)
     if fuse_projections:
         raise ValueError(f"fuse_projections=True: not implemented for {arch}'s hybrid layers")
     return False, False

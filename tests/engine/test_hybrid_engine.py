@@ -255,3 +255,84 @@ def test_forked_samples_survive_preemption_and_an_interrupt_mid_prefill(tmp_path
         engine.step()
     (_, again), = engine.pop_finished()
     assert again.token_ids == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 256])
+def test_cuda_shared_prefix_graphs_with_forked_samples(tmp_path, monkeypatch, head_dim):
+    """Forked samples share their prompt's blocks: with the shared-prefix launch in the decode graphs (lifted for
+    hybrids here, `llm_engine.HYBRID_SHARED_PREFIX`) each sample's log-probs are a teacher-forced forward's (fp32;
+    fla's TF32 products) and its tokens those of the engine without the launch, at Qwen3.5's 256-wide attention heads
+    too. Passing here is what lets the engine turn it on for hybrids."""
+    pytest.importorskip("fla")
+    import torch
+
+    from lathe.engine import cuda_graph, llm_engine
+    from models.lathe_tiny import save_hf
+    from .test_llm_engine import _teacher_forced
+    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS", 16)
+    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS_WIDE", 16)
+    monkeypatch.setattr(llm_engine, "HYBRID_SHARED_PREFIX", True)
+    path, _ = save_hf(tmp_path, "qwen3_5_text", config={"head_dim": head_dim, "max_position_embeddings": 128})
+    cpu_model = load_lathe_model(path)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, cpu_model.config.vocab_size, (n,), generator=g).tolist() for n in (45, 33, 21)]
+    params = SamplingParams(n=5, temperature=0.8, max_tokens=MAX, seed=3)
+    outs = []
+    for shared in (True, False):
+        engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4,
+                                             num_kv_blocks=256, decode_backend="triton",
+                                             shared_prefix_attention=shared)
+        outs.append(engine.generate(prompts, params))
+        assert any(key[3] > 0 for key in engine.runner.graphs.graphs) == shared
+        del engine
+    for prompt, ids, lps in zip([p for p in prompts for _ in range(5)], outs[0].token_ids, outs[0].logprobs):
+        assert_close_rel(torch.tensor(lps, dtype=torch.float64), _teacher_forced(cpu_model, prompt, ids, 0.8),
+                         rel=1e-2, name="log-probs")
+    assert outs[0].token_ids == outs[1].token_ids
+
+
+@pytest.mark.parametrize("head_dim", [16, 256])
+def test_graph_steps_with_shared_prefixes_of_forked_samples_on_cpu(tmp_path, head_dim, triton_interpreter,
+                                                                   monkeypatch):
+    """Forked samples share their prompt's blocks, so the decode graphs' shared-prefix launch (lifted for hybrids
+    here, `llm_engine.HYBRID_SHARED_PREFIX`) finds their groups: the graph step's work run by Triton's interpreter
+    (`test_graph_decode_step_on_cpu_equals_the_eager_engine`'s stand-in) attends over each prompt once per group and
+    gives the eager engine's tokens and log-probs, at Qwen3.5's 256-wide attention heads too."""
+    import torch
+
+    import lathe.engine.llm_engine as llm
+    from lathe.engine import cuda_graph
+    from lathe.engine.cuda_graph import DecodeGraphs
+    from lathe.engine.sampler import fused_settings
+    from models.lathe_tiny import save_hf
+    from .test_cuda_graph import _Replay
+
+    path, _ = save_hf(tmp_path, "qwen3_5_text", config={"head_dim": head_dim})
+    monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
+    monkeypatch.setattr("lathe.engine.triton_step.available", lambda device: True)
+    monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(
+        torch.device("cuda"), vocab, seqs))
+    monkeypatch.setattr(llm, "HYBRID_SHARED_PREFIX", True)
+    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS", 8)
+    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS_WIDE", 8)
+
+    def capture(self, key):         # as in the graph-step test above: the warm-up run, then a stand-in replay
+        self._warm_up(key)
+        self.graphs[key] = _Replay(self, key)
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    prompts = [list(range(1, 23)), list(range(30, 49))]          # 22 and 19 tokens: 5 and 4 full blocks of 4
+    params = SamplingParams(n=5, temperature=0.9, max_tokens=8, seed=4)
+    outs, keys = [], []
+    for graphs in (False, True):
+        engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=60,
+                                             reserve_new_tokens=False, async_scheduling=graphs,
+                                             decode_backend="triton")
+        if graphs:
+            engine.runner.graphs = DecodeGraphs(engine.runner, 16)
+            assert engine.runner.graphs.prefix_rows > 0
+        outs.append(engine.generate(prompts, params))
+        keys.append(set(engine.runner.graphs.graphs) if graphs else set())
+    assert max(k[3] for k in keys[1]) > 0, "no step attended over a shared prefix"
+    assert outs[1].token_ids == outs[0].token_ids
+    assert_close_rel(sum(outs[1].logprobs, []), sum(outs[0].logprobs, []), name="log-probs")

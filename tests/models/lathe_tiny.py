@@ -12,9 +12,11 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 MOE = "qwen3_moe"
 
 
-def hf_config(family: str, *, tie: bool = False, norm_topk_prob: bool = True):
+def hf_config(family: str, *, tie: bool = False, norm_topk_prob: bool = True, **overrides):
     """A tiny config: Llama with llama3 rope scaling, Qwen2 (q/k/v bias), Qwen3 (q/k norm, head_dim != H/heads),
-    Qwen3-MoE (`MOE`; `norm_topk_prob` for it only)."""
+    Qwen3-MoE (`MOE`; `norm_topk_prob` for it only); the hybrids (`hybrid_config`, which alone takes `overrides`)."""
+    if overrides and family not in HYBRIDS:
+        raise TypeError(f"hf_config: {sorted(overrides)} are taken for the hybrid families only, not {family}")
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
     if family == "llama":
         return LlamaConfig(**_COMMON, tie_word_embeddings=tie, rope_theta=500000.0,
@@ -25,7 +27,7 @@ def hf_config(family: str, *, tie: bool = False, norm_topk_prob: bool = True):
     if family == "qwen3":
         return Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=tie)
     if family in HYBRIDS:
-        return hybrid_config(family, tie=tie)
+        return hybrid_config(family, tie=tie, **overrides)
     if family == MOE:
         return Qwen3MoeConfig(**_COMMON, head_dim=16, tie_word_embeddings=tie, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=16, mlp_only_layers=[0], norm_topk_prob=norm_topk_prob)

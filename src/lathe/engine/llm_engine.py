@@ -62,6 +62,10 @@ FINISHED = SequenceStatus.FINISHED
 # allocator, the trainer's cached blocks stay for its next update, and nothing is freed to the driver and allocated
 # again each step
 KEEP_CACHED_FRACTION = 0.8
+# Shared-prefix decode attention for hybrid models, whose samples share their prompt's blocks through forks
+# (`Scheduler`): off until its GPU test at their 256-wide attention heads has passed
+# (`test_hybrid_engine.py::test_cuda_shared_prefix_graphs_with_forked_samples`)
+HYBRID_SHARED_PREFIX = False
 FUSE_MAX_FRACTION = 0.04     # fused projections by default while their copy is at most this share of the device
 
 
@@ -230,12 +234,11 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill,
                                    reserve_new_tokens=reserve_new_tokens)
-        # (not yet for hybrid models, whose samples now share their prompt's blocks: the shared-prefix launch has not
-        # run on a GPU at their 256-wide heads)
         self.runner = ModelRunner(model, self.kv_cache, max_model_len=self.max_model_len,
                                   decode_backend=decode_backend, cuda_graphs=not enforce_eager,
                                   max_graph_batch=min(max_num_seqs, 512), graph_sizes=cudagraph_capture_sizes,
-                                  states=self.states, shared_prefix=shared_prefix_attention and not hybrid)
+                                  states=self.states,
+                                  shared_prefix=shared_prefix_attention and (HYBRID_SHARED_PREFIX or not hybrid))
         self.routing = None         # routing replay: each token's MoE choices, per KV slot (`routing.py`)
         if record_routing:
             self.routing = model.routing_recorder = RoutingRecorder(model, self.kv_cache)

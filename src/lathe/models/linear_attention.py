@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -378,6 +379,11 @@ def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: in
     hooks, inference mode)."""
     result: dict = {}
     dtypes = (q_dtype, v_dtype, beta_dtype)
+    layout = f"{heads} value heads of {key_dim}x{value_dim}, {'/'.join(str(d)[6:] for d in dtypes)}"
+    log.info("linear attention: checking fla's gated delta-rule kernels for %s against the torch form (on a machine "
+             "where fla has not run them yet it compiles and autotunes them first: minutes, kept in Triton's cache "
+             "after)", layout)
+    start = time.perf_counter()
 
     def check():
         try:
@@ -388,7 +394,7 @@ def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: in
     thread = threading.Thread(target=check, name="lathe-fla-check")
     thread.start()
     thread.join()
-    layout = f"{heads} value heads of {key_dim}x{value_dim}, {'/'.join(str(d)[6:] for d in dtypes)}"
+    took = f"{time.perf_counter() - start:.0f} s"
     if "failed" in result:
         log.warning("linear attention: fla's gated delta-rule kernels failed their check for %s (%r): training takes "
                     "the torch form for it", layout, result["failed"])
@@ -399,7 +405,8 @@ def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: in
     shown = ", ".join(f"{name} {e:.1e}" for name, e in errors.items())
     if backward:
         log.info("linear attention: fla's gated delta-rule backward agrees with the torch form for %s (worst "
-                 "sequence: %s): it runs past fla's refusal on this Triton (fla issue 640)", layout, shown)
+                 "sequence: %s; checked in %s): it runs past fla's refusal on this Triton (fla issue 640)", layout,
+                 shown, took)
     else:
         log.warning("linear attention: fla's gated delta-rule %s disagrees with the torch form for %s (worst "
                     "sequence: %s; tolerance %g): the torch form runs %s for it", "forward" if not forward else

@@ -360,3 +360,28 @@ def test_a_stop_token_that_fills_a_block_is_not_reused_without_its_kv(checkpoint
     (cached, plain) = outs
     assert cached.token_ids == plain.token_ids
     assert_close_rel(cached.logprobs, plain.logprobs, rel=1e-5, name="next turn's log-probs")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["step_by_step", "overlapped"])
+def test_samples_fork_when_prefix_caching_is_off(checkpoints, async_scheduling, monkeypatch):
+    """With prefix caching off (as several of verl's scripts ask) a prompt's `n` samples still share its prefill:
+    they fork from the first once its prompt is computed (`Scheduler`), and sample what each one prefilling its own
+    prompt samples (seeded, with stop tokens, chunked prefill); with prefix caching on the cache shares it instead."""
+    path, _ = checkpoints["qwen2"]
+    params = SamplingParams(n=3, temperature=0.9, max_tokens=MAX, seed=2, stop_token_ids=[5, 17, 40])
+    outs, computed = {}, {}
+    for fork in (False, True):
+        engine = _engine(path, enable_prefix_caching=False, async_scheduling=async_scheduling,
+                         max_num_batched_tokens=7)
+        assert engine.fork_samples
+        engine.fork_samples = fork
+        computed[fork], prefill = [], engine.runner.prefill
+        monkeypatch.setattr(engine.runner, "prefill", lambda seqs, num_new, c=computed[fork], p=prefill:
+                            c.append(sum(num_new)) or p(seqs, num_new))
+        outs[fork] = engine.generate(PROMPTS, params)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert "stop" in outs[True].finish_reasons and outs[True].token_ids == outs[False].token_ids
+    assert outs[True].finish_reasons == outs[False].finish_reasons
+    assert_close_rel(sum(outs[True].logprobs, []), sum(outs[False].logprobs, []), name="log-probs")
+    assert sum(computed[True]) * 3 == sum(computed[False]) == 3 * sum(len(p) for p in PROMPTS)
+    assert not _engine(path).fork_samples

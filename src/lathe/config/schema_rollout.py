@@ -162,7 +162,8 @@ class RolloutConfig:
                                                            "null = lathe's buckets up to max_num_seqs.")
     free_cache_engine: bool = spec(True, "Release the engine's KV cache while training (CUDA; kept on CPU).")
     enable_chunked_prefill: bool = spec(True, "Split long prefills across engine steps.")
-    enable_prefix_caching: bool = spec(True, "Share KV blocks of identical prompt prefixes.")
+    enable_prefix_caching: bool = spec(True, "Share KV blocks of identical prompt prefixes (off: a prompt's n "
+                                             "samples still share its prefill).")
     load_format: str = spec("dummy", "How the engine first gets weights (verl).")
     logprobs_mode: LogprobsMode = spec(
         "processed_logprobs", "What the engine returns per token (verl/vLLM); lathe returns processed_logprobs: "

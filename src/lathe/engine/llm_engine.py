@@ -220,8 +220,9 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self.states = (LinearStateCache(cfg, max_num_seqs, dtype=model.dtype, device=model.device) if hybrid
                        else None)          # the linear-attention layers' per-sequence states (before sizing the KV)
         # the `n` samples of a text prompt fork from the first once its prompt is computed (`Scheduler`): where
-        # prefix caching, which shares their prompt otherwise, is off (hybrid models)
-        self.fork_samples = hybrid
+        # prefix caching, which shares their prompt otherwise, is off (hybrid models; or asked off, as several of
+        # verl's scripts do); not beside speculative decoding, whose prefill keeps the drafts' hidden states
+        self.fork_samples = not enable_prefix_caching and not num_speculative_tokens
         if num_kv_blocks is None:
             num_kv_blocks = self._default_num_blocks(block_size, gpu_memory_utilization, max_num_seqs)
         self.kv_cache = KVCache(kv_layers(cfg), num_kv_blocks, block_size, *cache_layout(cfg), dtype=self.kv_dtype,

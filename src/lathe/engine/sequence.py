@@ -73,8 +73,8 @@ class Sequence:
     length_limit: int = 1 << 62           # len(token_ids) at which it ends (max_tokens, max_model_len)
     finish_reason: str | None = None
     mm: object | None = None              # `multimodal.MultiModalPrompt` of an image prompt (shared by its samples)
-    # the `n` samples of a text prompt on a hybrid model (`Scheduler`'s forks): the first sample's prefill serves the
-    # rest, which wait in its `followers` (outside the queue) until its prompt is computed
+    # the `n` samples of a text prompt where prefix caching is off (`Scheduler`'s forks): the first sample's prefill
+    # serves the rest, which wait in its `followers` (outside the queue) until its prompt is computed
     leader: Sequence | None = None
     followers: list[Sequence] = field(default_factory=list)
     # speculative decoding (`spec_step.py`): the main model's hidden states at the positions whose MTP entries wait

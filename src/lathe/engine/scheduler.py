@@ -32,12 +32,12 @@ pausing every decode for a step of its own. It changes when a sequence starts, n
 last bits of batch-dependent logits). 1 (the default) admits at every step.
 
 Forks (where prefix caching is off: always for hybrid models, `linear_state.py`): the `n` samples of a text prompt
-come as a leader and its followers (`Sequence.leader`). Only the leader queues; its followers wait in `leader.followers` and
-are admitted with it (its group's seats and expected growth counted at once, each follower's private copy of the
-prompt's partial last block included). When the leader's prompt is computed (`prefill_done`) each follower shares
-its blocks and copies its linear-attention states (`BlockManager.fork`), and samples its first token from the
-leader's logits: a prompt is prefilled once for its `n` samples, as the prefix cache would share it. A
-follower preempted later is recomputed from its own tokens, like any sequence.
+come as a leader and its followers (`Sequence.leader`). Only the leader queues; its followers wait in
+`leader.followers` and are admitted with it (its group's seats and expected growth counted at once, each follower's
+private copy of the prompt's partial last block included). When the leader's prompt is computed (`prefill_done`)
+each follower shares its blocks (on a hybrid model, copies of its linear-attention states too: `BlockManager.fork`),
+and samples its first token from the leader's logits: a prompt is prefilled once for its `n` samples, as the prefix
+cache would share it. A follower preempted later is recomputed from its own tokens, like any sequence.
 
 `preempt_all` empties the KV cache for a weight sync (partial rollout): every sequence holding blocks goes back
 to the waiting queue, its tokens kept; that is not memory pressure, so neither counted nor boosting the reservation.

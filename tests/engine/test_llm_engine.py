@@ -384,4 +384,6 @@ def test_samples_fork_when_prefix_caching_is_off(checkpoints, async_scheduling, 
     assert outs[True].finish_reasons == outs[False].finish_reasons
     assert_close_rel(sum(outs[True].logprobs, []), sum(outs[False].logprobs, []), name="log-probs")
     assert sum(computed[True]) * 3 == sum(computed[False]) == 3 * sum(len(p) for p in PROMPTS)
+    assert [outs[f].metrics["rollout/prefill_tokens"] for f in (True, False)] == [sum(computed[True]),
+                                                                                 sum(computed[False])]
     assert not _engine(path).fork_samples

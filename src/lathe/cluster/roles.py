@@ -18,7 +18,7 @@ from lathe.generation import SamplingParams
 from lathe.rollout.base import concat_rollouts
 
 ACTOR, CRITIC, SFT, REWARD_MODEL, TEACHER = "actor_rollout_ref", "critic", "sft", "reward_model", "teacher"
-SUMMED = ("rollout/num_preemptions", "rollout/graph_captures")
+SUMMED = ("rollout/num_preemptions", "rollout/graph_captures", "rollout/prefill_tokens")
 
 
 # -- on the driver -------------------------------------------------------------------------------------

@@ -338,7 +338,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
             self._resolve(self._inflight)           # a streamed request's last tokens, if still on the device
             seqs = self._make_sequences(prompt_token_ids, params, first_index, multi_modal_inputs)
             self.scheduler.new_call()
-            preempted = self.scheduler.num_preemptions
+            preempted, prefilled = self.scheduler.num_preemptions, self.scheduler.num_prefill_tokens
             graphs = self.runner.graphs
             captured = (graphs.captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
             for seq in seqs:
@@ -368,6 +368,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                              routed_experts=self._routed(seqs),
                              finish_reasons=[s.finish_reason for s in seqs],
                              metrics={"rollout/num_preemptions": self.scheduler.num_preemptions - preempted,
+                                      "rollout/prefill_tokens": self.scheduler.num_prefill_tokens - prefilled,
                                       "rollout/kv_cache_blocks": self.kv_cache.num_blocks,
                                       "rollout/kv_cache_gb": (self.kv_cache.nbytes + (
                                           self.drafter.cache.nbytes if self.drafter is not None else 0)) / 2**30,

@@ -78,6 +78,7 @@ class Scheduler:
         self.prefill_interval = 1                   # decode steps between admissions while sequences run
         self.decodes_since_prefill = 0
         self.num_steps = {"prefill": 0, "decode": 0}     # steps scheduled, for benchmarks
+        self.num_prefill_tokens = 0                 # prompt tokens prefill steps computed (`rollout/prefill_tokens`)
         # speculative decoding: draft tokens a decode step verifies after each sequence's last token; the step
         # reserves their slots too (`Sequence.lookahead`: fewer near the length limit)
         self.num_lookahead_slots = 0
@@ -205,6 +206,7 @@ class Scheduler:
         An incomplete one (at most one: the budget ran out on it) continues first at the next step."""
         complete = []
         for seq in seqs:
+            self.num_prefill_tokens += seq.num_scheduled_tokens
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_kv_cached = max(seq.num_kv_cached, seq.num_cached_tokens)
             seq.num_scheduled_tokens = 0

@@ -17,8 +17,8 @@ from lathe.loop.steps import compute_reward
 from lathe.rollout.base import concat_rollouts
 from lathe.workers.judge import timed_judge
 
-SUMMED_ROLLOUT_METRICS = ("rollout/num_preemptions", "rollout/graph_captures", "timing_s/rollout_wake_up",
-                          "timing_s/rollout_sleep", "timing_s/graph_capture")
+SUMMED_ROLLOUT_METRICS = ("rollout/num_preemptions", "rollout/graph_captures", "rollout/prefill_tokens",
+                          "timing_s/rollout_wake_up", "timing_s/rollout_sleep", "timing_s/graph_capture")
 
 
 class DynamicSamplingExhausted(ValueError):

@@ -336,3 +336,90 @@ def test_graph_steps_with_shared_prefixes_of_forked_samples_on_cpu(tmp_path, hea
     assert max(k[3] for k in keys[1]) > 0, "no step attended over a shared prefix"
     assert outs[1].token_ids == outs[0].token_ids
     assert_close_rel(sum(outs[1].logprobs, []), sum(outs[0].logprobs, []), name="log-probs")
+
+
+def _turns(engine, first: list[list[int]], params, more: list[int], params2, between=None):
+    """Two streamed turns of conversations: each first prompt, then it with its response and `more` after it (the
+    agent loop's next turn). Returns (first outputs, second outputs, prefill tokens of the second turn)."""
+    outs = {}
+
+    def run():
+        while engine.has_unfinished_requests():
+            engine.step()
+            outs.update(engine.pop_finished())
+    engine.add_request("first", first, params)
+    run()
+    if between is not None:
+        between(engine)
+    before = engine.scheduler.num_prefill_tokens
+    engine.add_request("next", [p + o + more for p, o in zip(first, outs["first"].token_ids)], params2)
+    run()
+    return outs["first"], outs["next"], engine.scheduler.num_prefill_tokens - before
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["step_by_step", "overlapped"])
+@pytest.mark.parametrize("stop", [False, True], ids=["length", "stop"])
+def test_a_next_turn_continues_its_parked_conversation(tmp_path, async_scheduling, stop):
+    """A finished streamed sequence keeps its blocks and state slot (parked); a prompt that continues it (its tokens,
+    then more) takes them over and computes only the rest: the tokens and log-probs of an engine that computes the
+    whole conversation again. A sequence that stops with overlapped scheduling has taken its last token in (the
+    step that was running fed it), one that ends at its length or stops step by step has not: each computes from
+    where its states are."""
+    from models.lathe_tiny import save_hf
+    path, _ = save_hf(tmp_path, "qwen3_5_text")
+    first = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [20, 21, 22, 23, 24]]
+    plain = SamplingParams(temperature=0.8, max_tokens=6, seed=1)
+    params2 = SamplingParams(temperature=0.8, max_tokens=5, seed=2)
+    stops = []
+    if stop:        # a token each conversation samples early on, as its stop token
+        free = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)
+        free.park_finished = False
+        stops = [ids[2] for ids in _turns(free, first, plain, [11], params2)[0].token_ids]
+    params = SamplingParams(temperature=0.8, max_tokens=6, seed=1, stop_token_ids=stops)
+    outs = {}
+    for park in (False, True):
+        engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64,
+                                             async_scheduling=async_scheduling)
+        engine.park_finished = park
+        outs[park] = _turns(engine, first, params, [11, 12, 13], params2)
+        assert len(engine.block_manager.parked) == (len(first) if park else 0)
+    (a1, a2, computed), (b1, b2, parked) = outs[False], outs[True]
+    assert a1.token_ids == b1.token_ids and a2.token_ids == b2.token_ids
+    assert ("stop" in a1.finish_reasons) == stop
+    assert_close_rel(sum(b2.logprobs, []), sum(a2.logprobs, []), name="next turn's log-probs")
+    total = sum(len(p) + len(o) + 3 for p, o in zip(first, a1.token_ids))
+    fed = sum(len(p) + len(o) - (not (stop and async_scheduling)) for p, o in zip(first, a1.token_ids))
+    assert computed == total and parked == total - fed and b2.metrics["rollout/prefix_hit_tokens"] == fed
+
+
+def test_parked_sequences_give_way_and_go_with_the_weights(tmp_path, monkeypatch):
+    """Parked sequences give their blocks and slots up, least recently parked first, to sequences that need them (a
+    cache and slots too few for them all: no preemption is charged to them, the tokens are a plain engine's); a
+    weight load, an update or a sleep drops every one (their KV and states are the old weights'); `generate`'s
+    sequences are never parked."""
+    from models.lathe_tiny import save_hf
+    path, _ = save_hf(tmp_path, "qwen3_5_text")
+    first = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [20, 21, 22, 23, 24], [30, 31]]
+    params = SamplingParams(temperature=0.8, max_tokens=6, seed=1)
+    from lathe.engine.linear_state import StateBlockManager
+    outs, evicted = {}, []
+    evict = StateBlockManager._evict
+    monkeypatch.setattr(StateBlockManager, "_evict", lambda self, seq: evicted.append(seq) or evict(self, seq))
+    for park in (False, True):
+        engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=16,
+                                             max_num_seqs=3, reserve_new_tokens=False)
+        engine.park_finished = park
+        outs[park] = _turns(engine, first, params, [11, 12, 13], params)
+    assert len(evicted) >= 2 and 0 < outs[True][1].metrics["rollout/prefix_hit_tokens"]    # some kept, some not
+    assert outs[True][0].token_ids == outs[False][0].token_ids and outs[True][1].token_ids == outs[False][1].token_ids
+    assert outs[True][1].metrics["rollout/num_preemptions"] == outs[False][1].metrics["rollout/num_preemptions"]
+    engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)
+    for drop in (lambda e: e.load_weights(e.model.state_dict().items(), version=1),
+                 lambda e: e.update_weights(e.model.state_dict().items()),
+                 lambda e: (e.sleep(), e.wake_up())):
+        _, again, computed = _turns(engine, first[:2], params, [11], params, between=drop)
+        assert not again.metrics["rollout/prefix_hit_tokens"] and computed == sum(
+            len(p) + len(o) + 1 for p, o in zip(first, again.token_ids))
+        engine.block_manager.reset()
+    engine.generate(first, params)
+    assert not engine.block_manager.parked and len(engine.states.free) == engine.scheduler.max_num_seqs

@@ -168,15 +168,35 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks nobody holds go back to the free list (keys kept)."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+        self._drop_refs(seq.block_table)
         seq.block_table = []
         seq.tail_private = False
         seq.num_cached_tokens = seq.num_kv_cached = seq.num_scheduled_tokens = 0
         seq.num_deallocations += 1
+
+    def _drop_refs(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+
+    # ---- finished sequences (a hybrid model keeps some for the prompts that continue them: `StateBlockManager`) --
+    def release_finished(self, seq: Sequence) -> None:
+        """A sequence ended: its blocks go (their keys stay for prefix hits)."""
+        self.deallocate(seq)
+
+    def make_room(self, blocks: int, keep: Sequence | None = None) -> None:
+        """Give up kept finished sequences until `blocks` blocks are free (`StateBlockManager`); none here."""
+
+    def evict_one(self) -> bool:
+        """Give up the least recently kept finished sequence; False when none is kept (none here)."""
+        return False
+
+    @property
+    def holds_cache(self) -> bool:
+        """Whether KV computed by the current weights is kept for later prompts (a weight load must drop it)."""
+        return bool(self.hash_to_block)
 
     # ---- decode -----------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:

@@ -7,7 +7,8 @@ whenever the block manager frees the sequence's blocks (finish, preemption, a we
 a preempted sequence is recomputed from its tokens, from a zero state, like its KV. Prefix caching is off for these
 models (a cached prefix has KV but no state to continue from: state snapshots at block boundaries are not built);
 instead the `n` samples of a prompt fork from its first sample once its prompt is computed (`Scheduler`): they share
-its KV blocks and start from copies of its states (`fork`), so the prompt is prefilled once.
+its KV blocks and start from copies of its states (`fork`), so the prompt is prefilled once; and a finished streamed
+sequence is parked, its blocks and slot kept for a prompt that continues it (`StateBlockManager`).
 With `kv_cache_dtype="fp8"` only the full-attention layers' K/V are FP8 (`kv_cache`); these states keep their dtypes
 (a recurrent state is updated in place every token: quantising it would compound the rounding).
 
@@ -34,6 +35,7 @@ they would not be freed), and `wake_up` keeps the graphs only when the states an
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 import torch
 
@@ -57,6 +59,7 @@ class LinearStateCache:
                        (layers, num_slots + 1, la.num_value_heads, la.key_head_dim, la.value_head_dim))
         self.dtype, self.device = dtype, device
         self.conv = self.recurrent = None
+        self.reclaim = None         # frees a slot when none is free (`StateBlockManager.evict_one`): True if it did
         self.allocate()
 
     @property
@@ -86,14 +89,23 @@ class LinearStateCache:
         out = []
         for seq in seqs:
             if seq not in self.slot:
-                if not self.free:
-                    raise RuntimeError("linear-attention states: more running sequences than slots (max_num_seqs); "
-                                       "this is a bug")
-                slot = self.slot[seq] = self.free.pop()
+                slot = self.slot[seq] = self._take()
                 self.conv[:, slot].zero_()
                 self.recurrent[:, slot].zero_()
             out.append(self.slot[seq])
         return out
+
+    def _take(self) -> int:
+        while not self.free and self.reclaim is not None and self.reclaim():
+            pass
+        if not self.free:
+            raise RuntimeError("linear-attention states: more running sequences than slots (max_num_seqs); "
+                               "this is a bug")
+        return self.free.pop()
+
+    def adopt(self, old: Sequence, new: Sequence) -> None:
+        """`new` takes over `old`'s slot (a parked sequence's states, which it continues)."""
+        self.slot[new] = self.slot.pop(old)
 
     def fork(self, seq: Sequence, followers: list[Sequence]) -> None:
         """Give each of `followers` a slot holding a copy of `seq`'s states (`Scheduler`'s forks: its prompt just
@@ -103,10 +115,7 @@ class LinearStateCache:
         for follower in followers:
             if follower in self.slot:
                 raise RuntimeError(f"fork: sequence {follower.seq_id} holds a state slot already; this is a bug")
-            if not self.free:
-                raise RuntimeError("linear-attention states: more running sequences than slots (max_num_seqs); "
-                                   "this is a bug")
-            self.slot[follower] = self.free.pop()
+            self.slot[follower] = self._take()
         src = torch.full((len(followers),), self.slot[seq], dtype=torch.long, device=self.conv.device)
         dst = torch.tensor([self.slot[f] for f in followers], dtype=torch.long, device=self.conv.device)
         for states in (self.conv, self.recurrent):
@@ -181,12 +190,47 @@ class LinearStep:
         return o
 
 
+PARK_MODULUS = (1 << 61) - 1      # the parked sequences' token keys: a polynomial hash, checked token by token on a hit
+
+
+def _token_hashes(ids: list[int], lengths: set[int]) -> dict[int, int]:
+    """The hash of `ids[:n]` for each n in `lengths` (one pass over the tokens)."""
+    out, h, longest = {}, 0, max(lengths, default=0)
+    for i, token in enumerate(ids[:longest]):
+        h = (h * 1_000_003 + token + 1) % PARK_MODULUS
+        if i + 1 in lengths:
+            out[i + 1] = h
+    return out
+
+
 class StateBlockManager(BlockManager):
-    """The block manager of a hybrid model: freeing a sequence's blocks gives its state slot back too."""
+    """The block manager of a hybrid model: freeing a sequence's blocks gives its state slot back too.
+
+    Without prefix caching, a conversation's next turn (the agent loop: its prompt is the finished turn's tokens and
+    more) would compute the whole conversation again. So a finished streamed sequence (`Sequence.parkable`) is
+    parked instead: it keeps its blocks up to the tokens its KV and states have taken in (`Sequence.num_fed`) and
+    its state slot, and a later sequence whose tokens continue those takes them over (`allocate`) and computes only
+    the rest. Parked sequences give way, least recently parked first, wherever blocks or slots are wanted
+    (`make_room`, `evict_one`: admission, decode, a new slot), and all go at `reset` (weight loads, sleep)."""
 
     def __init__(self, *args, states: LinearStateCache, **kwargs):
-        super().__init__(*args, **kwargs)
+        self.parked: OrderedDict[Sequence, tuple[int, int]] = OrderedDict()     # least recently parked first
+        self.by_key: dict[tuple[int, int], Sequence] = {}                       # (tokens taken in, their hash)
         self.states = states
+        super().__init__(*args, **kwargs)
+        states.reclaim = self.evict_one
+
+    def reset(self) -> None:
+        for seq in self.parked:          # (their blocks are freed with every other by the reset below)
+            seq.block_table = []
+            self.states.release(seq)
+        self.parked.clear()
+        self.by_key.clear()
+        super().reset()
+
+    @property
+    def holds_cache(self) -> bool:
+        return bool(self.parked) or super().holds_cache
 
     def deallocate(self, seq: Sequence) -> None:
         super().deallocate(seq)
@@ -195,6 +239,77 @@ class StateBlockManager(BlockManager):
     def fork(self, seq: Sequence, followers: list[Sequence]) -> None:
         super().fork(seq, followers)
         self.states.fork(seq, followers)
+
+    def release_finished(self, seq: Sequence) -> None:
+        """Park `seq` (class doc) when it is a streamed sequence that took tokens in and its state slot and blocks
+        are its own where a continuation would write; else free them."""
+        fed, table = seq.num_fed, seq.block_table
+        keep = -(-fed // self.block_size)
+        if not (seq.parkable and fed > 0 and seq in self.states.slot and 0 < keep <= len(table)
+                and (fed % self.block_size == 0 or self.blocks[table[keep - 1]].ref_count == 1)):
+            self.deallocate(seq)
+            return
+        self._drop_refs(table[keep:])           # blocks past what it took in (a slot reserved for a dropped token)
+        del table[keep:]
+        key = (fed, _token_hashes(seq.token_ids, {fed})[fed])
+        if key in self.by_key:                  # the same tokens parked before: keep the newer
+            self._evict(self.by_key[key])
+        self.parked[seq] = key
+        self.by_key[key] = seq
+
+    def _evict(self, seq: Sequence) -> None:
+        del self.by_key[self.parked.pop(seq)]
+        self.deallocate(seq)
+
+    def evict_one(self) -> bool:
+        if not self.parked:
+            return False
+        self._evict(next(iter(self.parked)))
+        return True
+
+    def make_room(self, blocks: int, keep: Sequence | None = None) -> None:
+        for seq in [s for s in self.parked if s is not keep]:
+            if self.num_free_blocks >= blocks:
+                return
+            self._evict(seq)
+
+    def continued(self, seq: Sequence) -> Sequence | None:
+        """The parked sequence `seq` continues (the longest), if any: its taken-in tokens are the first of `seq`'s
+        (and at least one of `seq`'s is left to compute, for its logits)."""
+        if not seq.parkable or not self.parked:
+            return None
+        lengths = {fed for fed, _ in self.by_key if fed < len(seq)}
+        hashes = _token_hashes(seq.token_ids, lengths)
+        for fed in sorted(lengths, reverse=True):
+            found = self.by_key.get((fed, hashes[fed]))
+            if found is not None and found.token_ids[:fed] == seq.token_ids[:fed]:
+                return found
+        return None
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        found = self.continued(seq)
+        need = seq.num_blocks(self.block_size) - (len(found.block_table) if found is not None else 0)
+        self.make_room(need, keep=found)
+        return self.num_free_blocks >= need
+
+    def allocate(self, seq: Sequence) -> None:
+        """`BlockManager.allocate`, or, for a sequence that continues a parked one, its blocks and state slot taken
+        over: only the tokens after those it took in are computed."""
+        found = self.continued(seq)
+        if found is None:
+            super().allocate(seq)
+            return
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
+        del self.by_key[self.parked.pop(found)]
+        seq.block_table, found.block_table = found.block_table, []
+        self.states.adopt(found, seq)
+        while len(seq.block_table) < seq.num_blocks(self.block_size):
+            seq.block_table.append(self._take_free().block_id)
+        seq.num_kv_cached = seq.num_cached_tokens = found.num_fed
+        if seq.num_deallocations == 0:
+            seq.num_prefix_hit_tokens = found.num_fed
+        seq.tail_private = False
 
 
 STATE_SHARE = 0.3     # at most this share of a GPU's free memory goes to the linear-attention states

@@ -106,6 +106,7 @@ class _InFlight:
             seq.logprobs.append(nan)
             pending.append((seq, row, len(ids) - 1))
             if len(ids) >= seq.length_limit:
+                seq.num_fed = len(ids) - 1      # (its last token, on the device, is never fed)
                 finish(seq, "length")
 
     def to_host(self) -> tuple[list[float], list[float]]:
@@ -598,7 +599,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                     strings and (m := matchers.get(seq)) is not None and m.check(seq.token_ids)):
                 if seq.is_finished:
                     seq.finish_reason = "stop"          # it ended at max_tokens with a stop token: stop, as vLLM
-                else:
+                else:                                   # (the running step, if it holds the row, feeds this token)
+                    seq.num_fed = len(seq.token_ids) - (ahead is None or seq not in ahead.rows)
                     self.scheduler.finish(seq, "stop")
             if (index + 1) % bs == 0 and not seq.is_finished:     # the token fills a block: key it ...
                 if ahead is not None and seq in ahead.rows:         # ... now, as the running step computes its KV,

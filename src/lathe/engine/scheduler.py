@@ -171,6 +171,7 @@ class Scheduler:
                 if reserved is None:
                     reserved = sum(self._growth(s, fraction) for s in (*self.running, *scheduled))
                 grow, prompt_blocks = self._growth(seq, fraction), seq.num_blocks(self.block_manager.block_size)
+                self.block_manager.make_room(prompt_blocks + reserved + grow, keep=None)
                 if self.block_manager.num_free_blocks - prompt_blocks < reserved + grow:
                     break
                 reserved += grow
@@ -258,6 +259,8 @@ class Scheduler:
         """Preempt the most recently admitted running sequences until `fits(*args)`; when none is left, preempt `seq`
         itself and return False (it waits to be recomputed)."""
         while not fits(*args):
+            if self.block_manager.evict_one():      # a kept finished sequence gives way first
+                continue
             if not self.running:
                 self.preempt(seq)
                 return False
@@ -297,6 +300,6 @@ class Scheduler:
         self.length_fraction += LENGTH_EMA * (fraction - self.length_fraction)
         if self.on_release is not None:
             self.on_release(seq)
-        self.block_manager.deallocate(seq)
+        self.block_manager.release_finished(seq)
         if self.on_finish is not None:
             self.on_finish(seq)

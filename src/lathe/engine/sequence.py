@@ -77,6 +77,10 @@ class Sequence:
     # serves the rest, which wait in its `followers` (outside the queue) until its prompt is computed
     leader: Sequence | None = None
     followers: list[Sequence] = field(default_factory=list)
+    # a streamed request's sequence on a hybrid model: kept when it finishes, for a later prompt that continues it
+    # (`linear_state.StateBlockManager`), with the number of its leading tokens its KV and states have taken in
+    parkable: bool = False
+    num_fed: int = 0
     # speculative decoding (`spec_step.py`): the main model's hidden states at the positions whose MTP entries wait
     # for their next token (the last committed tokens), the leading blocks keyed so far, and the draft statistics
     spec_hidden: object | None = None

@@ -130,6 +130,9 @@ class StreamingMixin:
         self.weight_version = 0
         self._requests = RequestTracker()
         self.scheduler.on_finish = self._requests.on_finish
+        # a hybrid model keeps a finished streamed sequence's KV and states for the prompt that continues it (the
+        # agent loop's next turn), as prefix caching does for the other families (`StateBlockManager`)
+        self.park_finished = self.states is not None
 
     def add_request(self, request_id, prompt_token_ids: list[list[int]], params: SamplingParams, *,
                     first_index: int = 0, multi_modal_inputs: list[dict | None] | None = None) -> None:
@@ -145,6 +148,8 @@ class StreamingMixin:
             seqs = self._make_sequences(prompt_token_ids, params, first_index, multi_modal_inputs)
         except ValueError as e:
             raise ValueError(f"add_request {request_id!r}: {e}") from None
+        for seq in seqs:
+            seq.parkable = self.park_finished and seq.mm is None
         if params.max_tokens <= 0:
             for seq in seqs:
                 seq.finish_reason, seq.status = "length", SequenceStatus.FINISHED
@@ -206,7 +211,7 @@ class StreamingMixin:
         self._resolve(self._inflight)       # tokens sampled by the old weights (all finished: nothing holds KV)
         self._inflight = None
         self._copy_weights(named_tensors, local=local)
-        if self.block_manager.hash_to_block:        # (a sync loading bucket by bucket resets once)
+        if self.block_manager.holds_cache:          # (a sync loading bucket by bucket resets once)
             self.block_manager.reset()              # (image prompts' blocks too: the images' salt is in their key)
         drop_embeddings(sch.waiting)                # waiting image prompts encode again, with the new tower
         if version != self.weight_version:

@@ -5,7 +5,8 @@ Each trajectory alternates model turns and tool turns until the model stops call
 is reached. Nothing waits for a batch of turns: every model turn is a request streamed into the engine
 (`LatheEngine.add_request`, continuous batching beside every other trajectory's turns), and every tool call runs in a
 bounded thread pool while the engine keeps stepping. A trajectory's next turn is queued as soon as its tool
-answers are in; its prefill finds the conversation so far in the prefix cache.
+answers are in; its prefill finds the conversation so far in the prefix cache (on a hybrid model, in the finished turn
+the engine parked: `linear_state.StateBlockManager`).
 
     model turn ──parse──> tool calls ──threads──> answers ──chat template──> tokens ──> next model turn ...
 

@@ -252,6 +252,33 @@ def test_later_turns_find_the_conversation_in_the_prefix_cache(qwen_tok, caching
     assert rate > 0.4 if caching else rate == 0
 
 
+def test_later_turns_on_a_hybrid_model_continue_their_parked_turn(qwen_tok):
+    """Qwen3.5 (linear-attention layers: no prefix cache): each turn's prompt continues the finished turn, whose KV
+    and states the engine kept (parked): later turns compute only the tool answer and after, and sample what an
+    engine computing each whole conversation again samples."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from lathe.models.hf import lathe_from_transformers
+    from models.lathe_tiny import hybrid_config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = lathe_from_transformers(AutoModelForCausalLM.from_config(hybrid_config(
+            "qwen3_5_text", vocab_size=len(qwen_tok), max_position_embeddings=512))).eval()
+    outs = {}
+    for park in (False, True):
+        engine = LatheEngine(copy.deepcopy(model), eos_token_id=qwen_tok.eos_token_id, block_size=4,
+                             num_kv_blocks=512, max_model_len=512)
+        engine.park_finished = park
+        loop = AgentLoop(engine, qwen_tok, AgentSettings(response_length=60), tools=FakeTools(),
+                         parse=lambda text: get_parser("hermes")(CALL % "6*7"))
+        outs[park] = loop.generate([prompt_of(qwen_tok)] * 2, SamplingParams(seed=0, temperature=1.0,
+                                                                           stop_token_ids=list(range(7, 107))))
+    assert min(outs[True].tool_calls) >= 2 and outs[True].token_ids == outs[False].token_ids
+    assert outs[False].metrics["agent/prefix_hit_rate"] == 0 and outs[True].metrics["agent/prefix_hit_rate"] > 0.4
+
+
 def test_prefill_batching_changes_when_turns_start_not_what_they_sample(qwen_tok):
     """The agent loop sets the engine's prefill interval for its call (and restores it); the samples are the same
     (up to the last bits of batch-dependent logits, which a batch of another size may round differently and so flip

@@ -1,6 +1,6 @@
 """`lathe.rollout.agent.loop`: trajectories, loss masks, caps, budgets and concurrency on a scripted engine; on lathe's
 real engine, the loop with no tool calls samples exactly what single-turn generation samples, and later turns find
-the conversation in the prefix cache."""
+the conversation in the prefix cache (on a hybrid model, in the turn the engine parked)."""
 
 import threading
 import time

@@ -186,6 +186,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prefill-interval", type=int, default=16, help="the agent loop's prefill batching (1 = off)")
+    ap.add_argument("--no-park", action="store_true",
+                    help="hybrid models: a next turn computes its whole conversation again (the A/B of parked turns)")
     ap.add_argument("--torch-profile", action="store_true", help="add a torch.profiler table of a short agent-loop run")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
@@ -207,6 +209,7 @@ def main() -> None:
     engine = LatheEngine(model, eos_token_id=None, max_num_seqs=trajectories,
                          max_model_len=args.prompt_len + args.response_length,
                          gpu_memory_utilization=args.gpu_memory_utilization)
+    engine.park_finished = engine.park_finished and not args.no_park
     prompts = random_prompts(args.prompts, args.prompt_len, vocab, 0)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_length, seed=0, stop_token_ids=stops)
     settings = AgentSettings(response_length=args.response_length, max_assistant_turns=args.turns,
@@ -230,7 +233,7 @@ def main() -> None:
     result = {"bench": "agent_rollout", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "git_sha": git_sha(), "torch": torch.__version__, "args": vars(args), "model": args.model,
               "engine": {"kv_blocks": engine.kv_cache.num_blocks, "block_size": engine.kv_cache.block_size,
-                         "cuda_graphs": engine.runner.graphs is not None},
+                         "cuda_graphs": engine.runner.graphs is not None, "park_finished": engine.park_finished},
               "runs": runs, "best": best, "torch_profile": profile,
               "speedup_vs_turn_synchronous": best["agent_loop"]["trajectories_per_s"]
               / best["turn_synchronous"]["trajectories_per_s"]}

@@ -189,6 +189,11 @@ class BlockManager:
     def make_room(self, blocks: int, keep: Sequence | None = None) -> None:
         """Give up kept finished sequences until `blocks` blocks are free (`StateBlockManager`); none here."""
 
+    def admits(self, seq: Sequence, extra: int) -> bool:
+        """Whether `seq`'s blocks fit with `extra` more left free (the scheduler's reservation for the sequences
+        admitted): counted whole here, prefix hits not counted."""
+        return self.num_free_blocks - seq.num_blocks(self.block_size) >= extra
+
     def evict_one(self) -> bool:
         """Give up the least recently kept finished sequence; False when none is kept (none here)."""
         return False

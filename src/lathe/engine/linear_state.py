@@ -287,10 +287,14 @@ class StateBlockManager(BlockManager):
         return None
 
     def can_allocate(self, seq: Sequence) -> bool:
+        return self.admits(seq, 0)
+
+    def admits(self, seq: Sequence, extra: int) -> bool:
+        """The blocks `seq` needs past a parked sequence it continues (kept from the room made for it)."""
         found = self.continued(seq)
         need = seq.num_blocks(self.block_size) - (len(found.block_table) if found is not None else 0)
-        self.make_room(need, keep=found)
-        return self.num_free_blocks >= need
+        self.make_room(need + extra, keep=found)
+        return self.num_free_blocks - need >= extra
 
     def allocate(self, seq: Sequence) -> None:
         """`BlockManager.allocate`, or, for a sequence that continues a parked one, its blocks and state slot taken

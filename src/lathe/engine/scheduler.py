@@ -170,9 +170,8 @@ class Scheduler:
             if self.reserve_new_tokens and (self.running or scheduled):
                 if reserved is None:
                     reserved = sum(self._growth(s, fraction) for s in (*self.running, *scheduled))
-                grow, prompt_blocks = self._growth(seq, fraction), seq.num_blocks(self.block_manager.block_size)
-                self.block_manager.make_room(prompt_blocks + reserved + grow, keep=None)
-                if self.block_manager.num_free_blocks - prompt_blocks < reserved + grow:
+                grow = self._growth(seq, fraction)
+                if not self.block_manager.admits(seq, reserved + grow):
                     break
                 reserved += grow
             self.block_manager.allocate(seq)

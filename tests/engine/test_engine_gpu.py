@@ -168,14 +168,13 @@ def test_cuda_engine_logprobs_sleep_and_graph_recapture(checkpoints, monkeypatch
     assert engine.generate(PROMPTS, params).token_ids == first.token_ids
 
 
-def test_cuda_shared_prefix_graphs_give_teacher_forced_logprobs(checkpoints, monkeypatch):
-    """The n samples of long prompts on shared blocks: graph steps attend over each prompt once per group of rows
-    (the prefix launch before the Triton kernel, in the graph); each sample's log-probs equal a teacher-forced forward
-    of the same model (fp32), and the tokens those of the engine without the prefix launch."""
+def shared_prefix_runs(path, monkeypatch):
+    """(CPU model, prompts, [output with the shared-prefix launch, output without]): the n=5 samples of three long
+    prompts on CUDA with the Triton decode kernel (groups from 16 shared tokens), the launch's graphs checked to be
+    captured exactly when it is on."""
     from lathe.engine import cuda_graph
     monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS", 16)
     monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS_WIDE", 16)
-    path, _ = checkpoints["qwen2"]
     cpu_model = load_lathe_model(path)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, cpu_model.config.vocab_size, (n,), generator=g).tolist() for n in (45, 33, 21)]
@@ -188,7 +187,15 @@ def test_cuda_shared_prefix_graphs_give_teacher_forced_logprobs(checkpoints, mon
         outs.append(engine.generate(prompts, params))
         assert any(key[3] > 0 for key in engine.runner.graphs.graphs) == shared
         del engine
-    for prompt, ids, lps in zip([p for p in prompts for _ in range(5)], outs[0].token_ids, outs[0].logprobs):
+    return cpu_model, [p for p in prompts for _ in range(5)], outs
+
+
+def test_cuda_shared_prefix_graphs_give_teacher_forced_logprobs(checkpoints, monkeypatch):
+    """The n samples of long prompts on shared blocks: graph steps attend over each prompt once per group of rows
+    (the prefix launch before the Triton kernel, in the graph); each sample's log-probs equal a teacher-forced forward
+    of the same model (fp32), and the tokens those of the engine without the prefix launch."""
+    cpu_model, prompts, outs = shared_prefix_runs(checkpoints["qwen2"][0], monkeypatch)
+    for prompt, ids, lps in zip(prompts, outs[0].token_ids, outs[0].logprobs):
         ref = _teacher_forced(cpu_model, prompt, ids, 0.8)
         torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-3, rtol=0)
     assert outs[0].token_ids == outs[1].token_ids

@@ -267,26 +267,14 @@ def test_cuda_shared_prefix_graphs_with_forked_samples(tmp_path, monkeypatch, he
     pytest.importorskip("fla")
     import torch
 
-    from lathe.engine import cuda_graph, llm_engine
+    from lathe.engine import llm_engine
     from models.lathe_tiny import save_hf
+    from .test_engine_gpu import shared_prefix_runs
     from .test_llm_engine import _teacher_forced
-    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS", 16)
-    monkeypatch.setattr(cuda_graph, "PREFIX_MIN_TOKENS_WIDE", 16)
     monkeypatch.setattr(llm_engine, "HYBRID_SHARED_PREFIX", True)
     path, _ = save_hf(tmp_path, "qwen3_5_text", config={"head_dim": head_dim, "max_position_embeddings": 128})
-    cpu_model = load_lathe_model(path)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, cpu_model.config.vocab_size, (n,), generator=g).tolist() for n in (45, 33, 21)]
-    params = SamplingParams(n=5, temperature=0.8, max_tokens=MAX, seed=3)
-    outs = []
-    for shared in (True, False):
-        engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4,
-                                             num_kv_blocks=256, decode_backend="triton",
-                                             shared_prefix_attention=shared)
-        outs.append(engine.generate(prompts, params))
-        assert any(key[3] > 0 for key in engine.runner.graphs.graphs) == shared
-        del engine
-    for prompt, ids, lps in zip([p for p in prompts for _ in range(5)], outs[0].token_ids, outs[0].logprobs):
+    cpu_model, prompts, outs = shared_prefix_runs(path, monkeypatch)
+    for prompt, ids, lps in zip(prompts, outs[0].token_ids, outs[0].logprobs):
         assert_close_rel(torch.tensor(lps, dtype=torch.float64), _teacher_forced(cpu_model, prompt, ids, 0.8),
                          rel=1e-2, name="log-probs")
     assert outs[0].token_ids == outs[1].token_ids

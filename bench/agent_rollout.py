@@ -168,8 +168,8 @@ def turn_synchronous_run(engine, prompts, params, settings, args, device) -> dic
     seconds = time.perf_counter() - start
     timer.__exit__()
     model = sum(t["model"] for t in trajs)
-    return {"seconds": seconds, "engine_steps": timer.summary(), "trajectories_per_s": len(trajs) / seconds, "model_tokens": model,
-            "model_tok_s": model / seconds, "all_tokens_s": sum(len(t["ids"]) for t in trajs) / seconds}
+    return {"seconds": seconds, "engine_steps": timer.summary(), "trajectories_per_s": len(trajs) / seconds,
+            "model_tokens": model, "model_tok_s": model / seconds, "all_tokens_s": sum(len(t["ids"]) for t in trajs) / seconds}
 
 
 def main() -> None:
@@ -188,6 +188,10 @@ def main() -> None:
     ap.add_argument("--prefill-interval", type=int, default=16, help="the agent loop's prefill batching (1 = off)")
     ap.add_argument("--no-park", action="store_true",
                     help="hybrid models: a next turn computes its whole conversation again (the A/B of parked turns)")
+    ap.add_argument("--no-turn-synchronous", action="store_true", help="run the agent loop only (A/Bs of the loop)")
+    ap.add_argument("--padded-cached-prefill", action="store_true",
+                    help="continued sequences' prefill attention by masked SDPA over a padded batch (the form before "
+                         "flash over packed contexts; the A/B)")
     ap.add_argument("--torch-profile", action="store_true", help="add a torch.profiler table of a short agent-loop run")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
@@ -210,6 +214,8 @@ def main() -> None:
                          max_model_len=args.prompt_len + args.response_length,
                          gpu_memory_utilization=args.gpu_memory_utilization)
     engine.park_finished = engine.park_finished and not args.no_park
+    if args.padded_cached_prefill:
+        engine.runner.cached_backend = "sdpa"
     prompts = random_prompts(args.prompts, args.prompt_len, vocab, 0)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_length, seed=0, stop_token_ids=stops)
     settings = AgentSettings(response_length=args.response_length, max_assistant_turns=args.turns,
@@ -218,8 +224,9 @@ def main() -> None:
     runs = {"agent_loop": [], "turn_synchronous": []}
     for _ in range(args.repeats):
         runs["agent_loop"].append(agent_loop_run(engine, prompts, params, settings, args, device))
-        runs["turn_synchronous"].append(turn_synchronous_run(engine, prompts, params, settings, args, device))
-        print({k: round(v[-1]["trajectories_per_s"], 2) for k, v in runs.items()}, flush=True)
+        if not args.no_turn_synchronous:
+            runs["turn_synchronous"].append(turn_synchronous_run(engine, prompts, params, settings, args, device))
+        print({k: round(v[-1]["trajectories_per_s"], 2) for k, v in runs.items() if v}, flush=True)
     profile = None
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -229,14 +236,15 @@ def main() -> None:
         profile = {key: prof.key_averages().table(sort_by=key, row_limit=25)
                    for key in ("self_cpu_time_total",) + (("self_cuda_time_total",) if device.type == "cuda" else ())}
     name = device_name(device)
-    best = {k: max(v, key=lambda r: r["trajectories_per_s"]) for k, v in runs.items()}
+    best = {k: max(v, key=lambda r: r["trajectories_per_s"]) for k, v in runs.items() if v}
     result = {"bench": "agent_rollout", "device": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "git_sha": git_sha(), "torch": torch.__version__, "args": vars(args), "model": args.model,
               "engine": {"kv_blocks": engine.kv_cache.num_blocks, "block_size": engine.kv_cache.block_size,
-                         "cuda_graphs": engine.runner.graphs is not None, "park_finished": engine.park_finished},
+                         "cuda_graphs": engine.runner.graphs is not None, "park_finished": engine.park_finished,
+                         "cached_prefill": engine.runner.cached_backend},
               "runs": runs, "best": best, "torch_profile": profile,
               "speedup_vs_turn_synchronous": best["agent_loop"]["trajectories_per_s"]
-              / best["turn_synchronous"]["trajectories_per_s"]}
+              / best["turn_synchronous"]["trajectories_per_s"] if "turn_synchronous" in best else None}
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"agent_rollout_{slug(name)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

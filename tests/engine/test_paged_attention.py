@@ -54,6 +54,75 @@ def test_the_batched_cached_prefill_equals_the_per_sequence_reference():
         assert_close_rel(batched(q, cache.k[0], cache.v[0], max_elements=budget), ref, rel=1e-5, name="prefill")
 
 
+def _segments_reference(q, k, v, cu_q, cu_k, max_q, max_k, **_):
+    """Flash varlen's contract, written out: segment s's queries are the last of its keys (causal at the end)."""
+    outs = []
+    a, c = cu_q.tolist(), cu_k.tolist()
+    for s in range(len(a) - 1):
+        n, ctx = a[s + 1] - a[s], c[s + 1] - c[s]
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[a[s]:a[s + 1]], k[c[s]:c[s + 1]], v[c[s]:c[s + 1]]))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_packed_cached_prefill_gathers_each_context_by_its_slots(monkeypatch, fp8):
+    """`CachedPrefill`'s "varlen" form (flash over the contexts packed by their slots) with the flash call replaced by
+    its contract written out: the per-sequence reference's result, tables longer than the contexts, blocks shared
+    and out of order, an FP8 cache dequantised. The flash kernel itself is checked on a GPU
+    (`test_the_packed_cached_prefill_on_flash_equals_the_padded_one`)."""
+    monkeypatch.setattr(paged_attention, "causal_varlen", _segments_reference)
+    monkeypatch.setattr(paged_attention, "varlen_aligns_causal_at_end", lambda *a: True)
+    g = torch.Generator().manual_seed(2)
+    bs, hq, hkv, d = 4, 6, 2, 8
+    cache = KVCache(1, 40, bs, hkv, d, dtype=torch.float8_e4m3fn if fp8 else torch.float32)
+    k, v = (torch.randn(cache.shape, generator=g) for _ in range(2))
+    slots = torch.arange(cache.shape[0] * bs)
+    cache.store(0, k.flatten(0, 1), v.flatten(0, 1), slots)
+    contexts, new = [13, 7, 22, 5], [5, 7, 1, 3]
+    tables = [[3, 9, 1, 30, 11], [5, 2], [3, 9, 1, 12, 17, 25, 4], [8, 39]]    # the first's 5th block unused
+    cu = [0]
+    for n in new:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], hq, d, generator=g)
+    scales = (cache.k_scale[0], cache.v_scale[0]) if fp8 else None
+    ref = prefill_attention(q, cache.k[0], cache.v[0], cu, contexts, tables, scales=scales)
+    packed = CachedPrefill(cu, contexts, tables, q.device, backend="varlen")
+    assert packed.rows is None                                  # the padded layout is not built
+    assert_close_rel(packed(q, cache.k[0], cache.v[0], scales=scales), ref, rel=1e-5, name="packed prefill")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", ["plain", "sinks", "window"])
+def test_the_packed_cached_prefill_on_flash_equals_the_padded_one(options):
+    """On CUDA in bf16 at Qwen3.5's full-attention heads (8 query heads over 2 KV heads of 256) and GPT-OSS's
+    options: the "varlen" form of `CachedPrefill` against the padded SDPA form, contexts of hundreds of tokens
+    continued by tens (the agent loop's next turns)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    bs, hq, hkv, d = 16, 8, 2, 256 if options == "plain" else 64
+    cache = KVCache(1, 400, bs, hkv, d, dtype=torch.bfloat16, device="cuda")
+    for buf in (cache.k[0], cache.v[0]):
+        buf.copy_(torch.randn(buf.shape, generator=g, device="cuda"))
+    contexts, new = [700, 333, 1500, 64, 900], [70, 1, 64, 64, 5]
+    perm = torch.randperm(400, generator=g, device="cuda").tolist()
+    tables, at = [], 0
+    for c in contexts:
+        tables.append(perm[at:at + -(-c // bs)])
+        at += len(tables[-1])
+    cu = [0]
+    for n in new:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], hq, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    kw = {"sinks": torch.randn(hq, generator=g, device="cuda")} if options == "sinks" else \
+        {"window": 128} if options == "window" else {}
+    padded = CachedPrefill(cu, contexts, tables, q.device)(q, cache.k[0], cache.v[0], **kw)
+    packed = CachedPrefill(cu, contexts, tables, q.device, backend="varlen")(q, cache.k[0], cache.v[0], **kw)
+    assert_close_rel(packed.float(), padded.float(), rel=2e-2, name=f"packed prefill ({options})")
+
+
 def test_a_failing_candidate_is_logged_once_and_the_choice_names_every_candidate(caplog, monkeypatch):
     """`pick_fastest` (how "auto" picks the decode kernel): a candidate that raises is skipped with its error logged,
     once per process for the same error; the choice is logged with what each candidate gave."""

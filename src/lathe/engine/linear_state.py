@@ -193,14 +193,27 @@ class LinearStep:
 PARK_MODULUS = (1 << 61) - 1      # the parked sequences' token keys: a polynomial hash, checked token by token on a hit
 
 
-def _token_hashes(ids: list[int], lengths: set[int]) -> dict[int, int]:
-    """The hash of `ids[:n]` for each n in `lengths` (one pass over the tokens)."""
-    out, h, longest = {}, 0, max(lengths, default=0)
-    for i, token in enumerate(ids[:longest]):
+def _prefix_hash(ids: list[int]) -> int:
+    """The parked sequences' key of `ids`: a polynomial hash (`prefix_hashes`'s last entry)."""
+    h = 0
+    for token in ids:
         h = (h * 1_000_003 + token + 1) % PARK_MODULUS
-        if i + 1 in lengths:
-            out[i + 1] = h
-    return out
+    return h
+
+
+def prefix_hashes(seq: Sequence) -> list[int]:
+    """h[i] = `_prefix_hash(seq.token_ids[:i + 1])` for every i, memoised on the sequence with the tokens it was
+    computed from (a list comparison is cheap beside the hashing): a waiting prompt is looked up at each admission
+    check (`can_allocate`, `admits`, `allocate`), three Python passes over a conversation of thousands of tokens per
+    admitted turn before."""
+    ids, memo = seq.park_hashes
+    if ids != seq.token_ids:
+        ids, memo, h = list(seq.token_ids), [], 0
+        for token in ids:
+            h = (h * 1_000_003 + token + 1) % PARK_MODULUS
+            memo.append(h)
+        seq.park_hashes = (ids, memo)
+    return memo
 
 
 class StateBlockManager(BlockManager):
@@ -251,7 +264,7 @@ class StateBlockManager(BlockManager):
             return
         self._drop_refs(table[keep:])           # blocks past what it took in (a slot reserved for a dropped token)
         del table[keep:]
-        key = (fed, _token_hashes(seq.token_ids, {fed})[fed])
+        key = (fed, _prefix_hash(seq.token_ids[:fed]))
         if key in self.by_key:                  # the same tokens parked before: keep the newer
             self._evict(self.by_key[key])
         self.parked[seq] = key
@@ -279,9 +292,11 @@ class StateBlockManager(BlockManager):
         if not seq.parkable or not self.parked:
             return None
         lengths = {fed for fed, _ in self.by_key if fed < len(seq)}
-        hashes = _token_hashes(seq.token_ids, lengths)
+        if not lengths:
+            return None
+        hashes = prefix_hashes(seq)
         for fed in sorted(lengths, reverse=True):
-            found = self.by_key.get((fed, hashes[fed]))
+            found = self.by_key.get((fed, hashes[fed - 1]))
             if found is not None and found.token_ids[:fed] == seq.token_ids[:fed]:
                 return found
         return None

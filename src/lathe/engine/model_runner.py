@@ -11,7 +11,8 @@ Prefill sorts its sequences into three groups, each with the cheapest correct at
   CUDA, per-sequence SDPA on CPU), exactly the trainer's packed path;
 - one new token over a cached prefix (the n-1 other samples of a prompt): the decode kernel;
 - several new tokens over a cached prefix (a prefix shared across prompts, a chunk of a long prompt, the agent
-  loop's next turn): one masked SDPA over the group's gathered contexts (`CachedPrefill`).
+  loop's next turn): one attention over the group's gathered contexts (`CachedPrefill`: flash `varlen_attn` over
+  the packed contexts on CUDA, masked SDPA over a padded batch elsewhere).
 Decode runs every sequence's last token; on CUDA it replays a CUDA graph captured for the smallest
 batch bucket that holds the batch (`cuda_graph.py`), unless the model's MoE layers read per-expert counts on the
 host (their expert loop, where the grouped matmul is not available: `lathe.models.moe.graph_capturable`, and the
@@ -72,6 +73,7 @@ class ModelRunner:
             num_kv_heads=kv_heads, head_dim=width, block_size=self.block_size, kv_dtype=kv_cache.dtype)
         # (the latent's width is past flash attention's head sizes: SDPA)
         self.packed_backend = select_packed_backend("sdpa" if is_mla(model) else "auto", self.device, model.dtype)
+        self.cached_backend = self.packed_backend   # `CachedPrefill`'s (bench/agent_rollout.py --padded-cached-prefill)
         # the MoE layers' experts in decode steps: the fused Triton kernels or `experts_forward`, the faster on a
         # probe (`triton_moe.choose_moe_backend`); prefill steps run `experts_forward` (`prefill`)
         self.moe_backend, self.moe_times = choose_moe_backend(model, max_graph_batch)
@@ -162,7 +164,9 @@ class ModelRunner:
         if len(rows) < len(slots):
             store_rows, slots = self._tensor(rows), slots[rows]
         attn = PrefillAttention(self.kv_cache, self._tensor(slots), cu[n_fresh], fresh, single, rest,
-                                self.decode_backend, store_rows, decode_forms.step_split_k(self.model, len(ids), prefill=True))
+                                self.decode_backend, store_rows,
+                                decode_forms.step_split_k(self.model, len(ids), prefill=True),
+                                cached_backend=self.cached_backend)
         last = self._tensor(cu[1:]) - 1
         if step is None:
             return self._tensor(ids), self._tensor(positions), attn, last, order, None

@@ -15,15 +15,18 @@ into q's dtype (`gathered`) and attended as before.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from lathe import device as accel
 from lathe.engine import choices
 from lathe.engine.kv_cache import as_bytes, dequantize, quantize
-from lathe.models.attention import sink_attention
+from lathe.models.attention import (causal_varlen, flash_with_options, sink_attention,
+                                    varlen_aligns_causal_at_end)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,14 @@ def gathered(cache: torch.Tensor, scale: torch.Tensor | None, block_tables: torc
     """`gather_kv` in `dtype`: dequantised by the cache's per-token, per-head `scale` when it is FP8."""
     g = gather_kv(cache, block_tables)
     return g.to(dtype) if scale is None else dequantize(g, gather_kv(scale, block_tables), dtype)
+
+
+def gathered_slots(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The tokens at `slots` (N,) of a (blocks, block_size, Hkv, D) cache as (N, Hkv, D) in `dtype` (an FP8 cache
+    dequantised by its per-token, per-head `scale`)."""
+    g = as_bytes(cache).flatten(0, 1).index_select(0, slots).view(cache.dtype)
+    return g.to(dtype) if scale is None else dequantize(g, scale.flatten(0, 1).index_select(0, slots), dtype)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,16 +86,33 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 class CachedPrefill:
-    """`prefill_attention` for a whole group at once: every sequence's context gathered into one padded batch and
-    one SDPA call per layer (the per-sequence loop costs a kernel launch per sequence and layer, which made the
-    agent loop's next-turn prefills, a hundred sequences of a few hundred new tokens each, take ~0.4 s a step).
+    """`prefill_attention` for a whole group at once. With `backend` "varlen" (CUDA, fp16/bf16, where flash
+    attention aligns a causal mask with fewer queries than keys at the keys' end: `varlen_aligns_causal_at_end`),
+    every sequence's context is gathered by its slots into one packed stream and attended in one flash call per layer
+    (sinks and windows on the flash kernel where its check passed: `flash_with_options`). Otherwise, and as that
+    path's fallback, the contexts are gathered into one padded batch and attended by masked SDPA in slices (the
+    per-sequence loop cost a kernel launch per sequence and layer, which made the agent loop's next-turn prefills, a
+    hundred sequences of a few hundred new tokens each, take ~0.4 s a step). The padded form repeats the KV heads
+    and pads every sequence to the longest context and query count; the packed one does neither.
 
     Built once per forward from the group's host-side layout and called for each layer with its cache."""
 
     def __init__(self, cu_seqlens_q: list[int], context_lens: list[int], block_tables: list[list[int]],
-                 device: torch.device):
+                 device: torch.device, backend: str = "sdpa"):
         n = [cu_seqlens_q[i + 1] - cu_seqlens_q[i] for i in range(len(context_lens))]
         self.batch, self.max_new, self.max_ctx = len(n), max(n), max(context_lens)
+        self.layout = (cu_seqlens_q, context_lens, block_tables)
+        self.device = device
+        self.varlen = backend == "varlen"
+        self.packed: tuple | None = None            # the varlen form's (slots, cu_q, cu_k), built at the first call
+        self.rows = None                            # the padded form's layout, built where it runs
+        if not self.varlen:
+            self._build_padded()
+
+    def _build_padded(self) -> None:
+        cu_seqlens_q, context_lens, block_tables = self.layout
+        device = self.device
+        n = [cu_seqlens_q[i + 1] - cu_seqlens_q[i] for i in range(len(context_lens))]
         width = max(len(t) for t in block_tables)
         tables = [t + [t[0]] * (width - len(t)) for t in block_tables]
         self.tables = torch.tensor(tables, device=device)
@@ -106,11 +134,43 @@ class CachedPrefill:
             self.window_masks[window] = self.mask & (self.keys > self.qpos - window)[:, None]
         return self.window_masks[window]
 
+    def _packed(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slots (sum of contexts,) int64: each sequence's context, token by token; cu_q, cu_k int32)."""
+        if self.packed is None:
+            cu_seqlens_q, context_lens, block_tables = self.layout
+            ctx = np.asarray(context_lens, dtype=np.int64)
+            used = -(-ctx // block_size)                            # each sequence's blocks its context fills
+            blocks = np.fromiter(itertools.chain.from_iterable(t[:u] for t, u in zip(block_tables, used.tolist())),
+                                 dtype=np.int64, count=int(used.sum()))
+            pos = np.arange(int(ctx.sum()), dtype=np.int64) - np.repeat(np.cumsum(ctx) - ctx, ctx)
+            block = np.repeat(np.cumsum(used) - used, ctx) + pos // block_size
+            slots = blocks[block] * block_size + pos % block_size
+            cu_k = np.concatenate([[0], np.cumsum(ctx)])
+            self.packed = (torch.from_numpy(slots).to(self.device),
+                           torch.tensor(cu_seqlens_q, dtype=torch.int32, device=self.device),
+                           torch.from_numpy(cu_k.astype(np.int32)).to(self.device))
+        return self.packed
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scale: float | None = None, max_elements: int = 1 << 26, sinks: torch.Tensor | None = None,
                  window: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """q: (T, Hq, D) packed new tokens -> (T, Hq, D). Sequences go through SDPA in slices whose repeated K (and
-        V) stay under `max_elements` each; with `sinks` or a `window` (module doc), the explicit softmax."""
+        """q: (T, Hq, D) packed new tokens -> (T, Hq, D). The padded form's slices keep their repeated K (and V)
+        under `max_elements` each; with `sinks` or a `window` (module doc), the explicit softmax where flash cannot
+        take them."""
+        if self.varlen and scale is None and varlen_aligns_causal_at_end(q.device.index or 0, q.dtype):
+            slots, cu_q, cu_k = self._packed(k_cache.shape[1])
+            ks, vs = scales or (None, None)
+            k, v = (gathered_slots(c, s, slots, q.dtype) for c, s in ((k_cache, ks), (v_cache, vs)))
+            if sinks is None and window is None:
+                return causal_varlen(q, k, v, cu_q, cu_k, self.max_new, self.max_ctx)
+            return flash_with_options(q, k, v, sinks, window, cu_q, cu_k, self.max_new, self.max_ctx,
+                                      lambda: self._padded(q, k_cache, v_cache, scale, max_elements, sinks, window,
+                                                           scales), at_end=True)
+        return self._padded(q, k_cache, v_cache, scale, max_elements, sinks, window, scales)
+
+    def _padded(self, q, k_cache, v_cache, scale, max_elements, sinks, window, scales) -> torch.Tensor:
+        if self.rows is None:
+            self._build_padded()
         mask = self._mask(window)
         explicit = sinks is not None or window is not None
         hq, d = q.shape[1], q.shape[2]

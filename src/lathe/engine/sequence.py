@@ -81,6 +81,7 @@ class Sequence:
     # (`linear_state.StateBlockManager`), with the number of its leading tokens its KV and states have taken in
     parkable: bool = False
     num_fed: int = 0
+    park_hashes: tuple = field(default=((), ()), repr=False)     # `linear_state.prefix_hashes`' memo: (tokens, hashes)
     # speculative decoding (`spec_step.py`): the main model's hidden states at the positions whose MTP entries wait
     # for their next token (the last committed tokens), the leading blocks keyed so far, and the draft statistics
     spec_hidden: object | None = None

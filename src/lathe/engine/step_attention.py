@@ -108,6 +108,7 @@ class PrefillAttention:
     decode_backend: str = "torch"
     store_rows: torch.Tensor | None = None     # rows of the new tokens to store (None: all of them)
     split_k: tuple[int, int] | None = None     # the layers' split form (`step_split_k`), or None: their plain forward
+    cached_backend: str = "sdpa"               # the rest's `CachedPrefill` backend ("varlen": flash over packed slots)
     rotates: ClassVar[bool] = False            # takes q and k rotated (`AttentionFn`)
     rope: ClassVar[None] = None                # RoPE from the positions (`decode_forms.text_hidden`)
     layer_options: ClassVar[bool] = True       # takes `sinks` and `window` (`AttentionFn`)
@@ -139,6 +140,6 @@ class PrefillAttention:
         cu, ctx, tables = self.rest
         if ctx:
             if self._cached is None:                # built once, used by every layer
-                self._cached = CachedPrefill(cu, ctx, tables, q.device)
+                self._cached = CachedPrefill(cu, ctx, tables, q.device, self.cached_backend)
             outs.append(self._cached(q[b:], kc, vc, sinks=sinks, window=window, scales=scales))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

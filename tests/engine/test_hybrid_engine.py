@@ -4,6 +4,7 @@ interrupted partial rollout continues with the same tokens, and the state slots 
 (`lathe.engine.linear_state`)."""
 
 import pytest
+import torch
 
 from lathe.engine.llm_engine import LatheEngine
 from lathe.generation import SamplingParams
@@ -427,3 +428,31 @@ def test_the_parked_keys_memo_follows_the_tokens():
     assert prefix_hashes(seq)[-1] == _prefix_hash([5, 9, 2, 8]) != first[-1]
     seq.token_ids.append(3)
     assert prefix_hashes(seq)[-1] == _prefix_hash([5, 9, 2, 8, 3])
+
+
+@pytest.mark.gpu
+def test_a_parked_conversation_continues_on_flash_in_bf16(tmp_path, monkeypatch):
+    """On CUDA in bf16 (the engine's packed backend is flash varlen), a next turn that continues its parked
+    conversation attends over the cached context through `CachedPrefill`'s packed form (flash called, the padded
+    SDPA not), and its log-probs are near a float32 teacher-forced forward of the same weights."""
+    pytest.importorskip("fla")
+    from lathe.engine import paged_attention
+    from models.lathe_tiny import save_hf
+    path, _ = save_hf(tmp_path, "qwen3_5_text")
+    calls = {"flash": 0, "padded": 0}
+    flash, padded = paged_attention.causal_varlen, paged_attention.CachedPrefill._padded
+    monkeypatch.setattr(paged_attention, "causal_varlen",
+                        lambda *a, **k: calls.__setitem__("flash", calls["flash"] + 1) or flash(*a, **k))
+    monkeypatch.setattr(paged_attention.CachedPrefill, "_padded",
+                        lambda *a, **k: calls.__setitem__("padded", calls["padded"] + 1) or padded(*a, **k))
+    engine = LatheEngine.from_pretrained(path, dtype=torch.bfloat16, device="cuda", eos_token_id=None,
+                                         block_size=16, num_kv_blocks=64)
+    assert engine.runner.cached_backend == "varlen"
+    first = [list(range(1, 40)), list(range(50, 71))]
+    params = SamplingParams(temperature=0.8, max_tokens=12, seed=1)
+    out1, out2, computed = _turns(engine, first, params, [11, 12, 13, 14, 15], params)
+    assert out2.metrics["rollout/prefix_hit_tokens"] > 0 and calls["flash"] > 0 and calls["padded"] == 0
+    model = load_lathe_model(path, torch.bfloat16).float()
+    for p, o, ids, lps in zip(first, out1.token_ids, out2.token_ids, out2.logprobs):
+        ref = _teacher_forced(model, p + o + [11, 12, 13, 14, 15], ids, 0.8)
+        assert_close_rel(torch.tensor(lps, dtype=torch.float64), ref, rel=5e-2, name="next turn's log-probs (bf16)")

@@ -63,8 +63,9 @@ FINISHED = SequenceStatus.FINISHED
 # again each step
 KEEP_CACHED_FRACTION = 0.8
 # Shared-prefix decode attention for hybrid models, whose samples share their prompt's blocks through forks
-# (`Scheduler`): off until its GPU test at their 256-wide attention heads has passed
-# (`test_hybrid_engine.py::test_cuda_shared_prefix_graphs_with_forked_samples`)
+# (`Scheduler`): its GPU test at their 256-wide attention heads passed on an H200
+# (`test_hybrid_engine.py::test_cuda_shared_prefix_graphs_with_forked_samples`), but the one A/B of the Qwen3.5-2B grpo
+# load showed no gain (6 of 24 layers attend; its results file was not kept): off until a measurement says otherwise
 HYBRID_SHARED_PREFIX = False
 FUSE_MAX_FRACTION = 0.04     # fused projections by default while their copy is at most this share of the device
 

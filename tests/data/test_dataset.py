@@ -276,3 +276,25 @@ def test_check_columns_names_the_file_the_key_the_columns_and_the_fix(tmp_path, 
     with pytest.raises(DataError, match=rf"{path} \(data.train_files\): {match}"):
         check_columns(peek(path), "prompt", "data.train_files")
     check_columns(peek(write_parquet(tmp_path / "ok.parquet", [make_row(0)])), "prompt", "data.train_files")
+
+
+def test_rendered_prompts_are_kept_for_the_same_tokenizer_and_template(tok, tmp_path, monkeypatch):
+    """A second dataset over the same rows takes their ids from the process's memo (no chat template run) and gets
+    what rendering gives; another template, other template kwargs or new rows render again."""
+    from lathe.data import dataset
+    monkeypatch.setattr(dataset, "_RENDERED", {})
+    rendered = []
+    render = RLDataset._render
+    monkeypatch.setattr(RLDataset, "_render", lambda self, m, o: rendered.append(o) or render(self, m, o))
+    rows = [make_row(i) for i in range(4)]
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    first = [RLDataset(path, tok)[i]["prompt_ids"] for i in range(4)]
+    assert len(rendered) == 4
+    again = RLDataset(write_jsonl(tmp_path / "b.jsonl", rows + [make_row(9)]), tok)
+    assert len(rendered) == 5 and [again[i]["prompt_ids"] for i in range(4)] == first
+    assert [again[i]["prompt_ids"] for i in range(5)] == [expected_ids(tok, r["prompt"]) for r in rows + [make_row(9)]]
+    other = copy.deepcopy(tok)
+    other.chat_template = tok.chat_template + "!"
+    assert RLDataset(path, other)[0]["prompt_ids"] == expected_ids(other, rows[0]["prompt"]) != first[0]
+    RLDataset(path, tok, apply_chat_template_kwargs={"enable_thinking": False})
+    assert len(rendered) == 13

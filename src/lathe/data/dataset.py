@@ -19,6 +19,7 @@ see lathe.data.multimodal for how they are encoded and which fields their items 
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Iterable
@@ -31,6 +32,30 @@ from lathe.data.files import Columns, data_files, read_data_file
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 # The fix for each field a row must have (the row checks and `check_columns`).
+# Prompt ids by (tokenizer, template kwargs, messages), kept for the process: a second dataset over the same rows (a
+# run's validation split, another run in the same process: a sweep, a notebook, the test suite's hundreds of short
+# runs) skips the chat template and the tokenizer for them (~0.9 s for the built-in task's 4,352 prompts). Cleared when
+# it would pass RENDER_MEMO_ROWS rows.
+_RENDERED: dict[tuple, list[int]] = {}
+RENDER_MEMO_ROWS = 1 << 18
+
+
+def _tokenizer_key(tokenizer) -> tuple:
+    """What a tokenizer's prompt ids depend on, as far as a memo can tell without hashing its vocabulary: its class,
+    name, size and chat template (a tokenizer with tokens added has another size)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return (type(tokenizer).__qualname__, str(getattr(tokenizer, "name_or_path", "")), len(tokenizer),
+            json.dumps(template, sort_keys=True) if template is not None else None)
+
+
+def _messages_key(messages) -> str | None:
+    """The messages as exact JSON, or None where they hold something JSON cannot state exactly (not memoised)."""
+    try:
+        return json.dumps(messages, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+
+
 PROMPT_FIX = "add the prompt messages, or set data.prompt_key to the column that holds them"
 DATA_SOURCE_FIX = 'add "data_source" (e.g. "openai/gsm8k"); it selects the reward function'
 GROUND_TRUTH_FIX = 'add "reward_model": {"style": "rule", "ground_truth": <answer>}'
@@ -187,8 +212,7 @@ class RLDataset:
         if keep is not None:
             records, origins = [records[i] for i in keep], [origins[i] for i in keep]
         text_rows = [i for i, r in enumerate(records) if "_images" not in r]
-        texts = [self._render(records[i]["raw_prompt"], origins[i]) for i in text_rows]
-        text_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        text_ids = self._text_ids([records[i]["raw_prompt"] for i in text_rows], [origins[i] for i in text_rows])
         all_ids: list = [None] * len(records)
         for i, ids in zip(text_rows, text_ids):
             all_ids[i] = ids
@@ -206,6 +230,25 @@ class RLDataset:
                 self.num_truncated += 1
             rec["prompt_ids"] = list(ids)
             self._items.append(rec)
+
+    def _text_ids(self, prompts: list[list[dict]], origins: list[str]) -> list[list[int]]:
+        """Each text prompt's ids after the chat template: from `_RENDERED` where this tokenizer and these template
+        kwargs rendered the same messages before, else rendered and tokenized now (and kept)."""
+        try:
+            context = (_tokenizer_key(self.tokenizer), json.dumps(self.apply_chat_template_kwargs, sort_keys=True))
+        except (TypeError, ValueError):
+            context = None
+        keys = [None if context is None else _messages_key(m) for m in prompts]
+        todo = [j for j, k in enumerate(keys) if k is None or (context, k) not in _RENDERED]
+        texts = [self._render(prompts[j], origins[j]) for j in todo]
+        fresh = dict(zip(todo, self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []))
+        out = [fresh[j] if j in fresh else _RENDERED[context, k] for j, k in enumerate(keys)]
+        if len(_RENDERED) + len(todo) > RENDER_MEMO_ROWS:
+            _RENDERED.clear()
+        for j, ids in fresh.items():
+            if keys[j] is not None:
+                _RENDERED[context, keys[j]] = ids
+        return out
 
     def _truncate(self, ids: list[int], rec: dict, origin: str) -> list[int]:
         cut = truncate_ids(ids, self.max_prompt_length, self.truncation)

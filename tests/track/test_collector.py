@@ -26,7 +26,7 @@ class _Group:
 
 def test_the_first_steps_freeze_what_is_alive_and_the_end_unfreezes(monkeypatch):
     """After each of the first two steps: collected, then frozen here and in every worker group's ranks; nothing
-    after them; unfrozen when the run ends. LATHE_GC_FREEZE=0: never."""
+    after them, nor after a run's last step; unfrozen when the run ends. LATHE_GC_FREEZE=0: never."""
     from lathe.track.collector import FREEZE_STEPS, FreezeAfterWarmup
     gc.unfreeze()
     group = _Group()
@@ -39,6 +39,9 @@ def test_the_first_steps_freeze_what_is_alive_and_the_end_unfreezes(monkeypatch)
         assert 0 < counts[0] < counts[1] == counts[2] == counts[3]      # the third step's objects stay unfrozen
         assert group.calls == ["freeze_collector"] * FREEZE_STEPS
     assert gc.get_freeze_count() == 0
+    with FreezeAfterWarmup([group]) as frozen:       # a run's last step: no step follows to gain
+        frozen.after_step(last=True)
+        assert gc.get_freeze_count() == 0 and len(group.calls) == FREEZE_STEPS
     monkeypatch.setenv("LATHE_GC_FREEZE", "0")
     with FreezeAfterWarmup([group]) as frozen:
         frozen.after_step()

@@ -30,7 +30,9 @@ class FreezeAfterWarmup:
     the collector's permanent generation, so that later passes do not walk them: in this process and in the ranks of
     the Ray worker `groups` (`RankHost.freeze_collector`), where the models live in a distributed run. Leaving the
     `with` block unfreezes this process's objects, so that a process that trains again (a test, a notebook) reclaims
-    them as before (a rank's process ends with its run). `LATHE_GC_FREEZE=0` turns it off (an A/B)."""
+    them as before (a rank's process ends with its run). The run's last step freezes nothing (no step follows to
+    gain, and a full collection is ~0.2 s in a process as large as the test suite's). `LATHE_GC_FREEZE=0` turns it
+    off (an A/B)."""
 
     def __init__(self, groups=()) -> None:
         self.groups = list(groups)
@@ -41,9 +43,10 @@ class FreezeAfterWarmup:
     def __enter__(self) -> "FreezeAfterWarmup":
         return self
 
-    def after_step(self) -> None:
+    def after_step(self, last: bool = False) -> None:
+        """`last`: the run's last step (nothing is frozen)."""
         self.steps += 1
-        if self.enabled and self.steps <= FREEZE_STEPS:
+        if self.enabled and self.steps <= FREEZE_STEPS and not last:
             for group in self.groups:
                 group.host_call("freeze_collector")
             gc.collect()

@@ -280,9 +280,11 @@ def test_check_columns_names_the_file_the_key_the_columns_and_the_fix(tmp_path, 
 
 def test_rendered_prompts_are_kept_for_the_same_tokenizer_and_template(tok, tmp_path, monkeypatch):
     """A second dataset over the same rows takes their ids from the process's memo (no chat template run) and gets
-    what rendering gives; another template, other template kwargs or new rows render again."""
+    what rendering gives; another template, other template kwargs, another vocabulary or new rows render again; a
+    dataset under RENDER_MEMO_MIN_ROWS text rows is not memoised."""
     from lathe.data import dataset
     monkeypatch.setattr(dataset, "_RENDERED", {})
+    monkeypatch.setattr(dataset, "RENDER_MEMO_MIN_ROWS", 1)
     rendered = []
     render = RLDataset._render
     monkeypatch.setattr(RLDataset, "_render", lambda self, m, o: rendered.append(o) or render(self, m, o))
@@ -298,3 +300,13 @@ def test_rendered_prompts_are_kept_for_the_same_tokenizer_and_template(tok, tmp_
     assert RLDataset(path, other)[0]["prompt_ids"] == expected_ids(other, rows[0]["prompt"]) != first[0]
     RLDataset(path, tok, apply_chat_template_kwargs={"enable_thinking": False})
     assert len(rendered) == 13
+    from lathe.data.dataset import _tokenizer_key
+    swapped = copy.deepcopy(tok)            # the same size, two tokens' ids exchanged: another key
+    vocab = swapped.get_vocab()
+    a, b = sorted(vocab)[:2]
+    monkeypatch.setattr(swapped, "get_vocab", lambda: {**vocab, a: vocab[b], b: vocab[a]})
+    assert _tokenizer_key(swapped) != _tokenizer_key(tok) == _tokenizer_key(copy.deepcopy(tok))
+    monkeypatch.setattr(dataset, "RENDER_MEMO_MIN_ROWS", 5)      # fewer rows: rendered every time, never kept
+    before = len(rendered)
+    RLDataset(path, tok), RLDataset(path, tok)
+    assert len(rendered) == before + 8

@@ -415,19 +415,25 @@ def test_parked_sequences_give_way_and_go_with_the_weights(tmp_path, monkeypatch
 
 
 def test_the_parked_keys_memo_follows_the_tokens():
-    """`prefix_hashes` (the admission checks' lookup of a parked conversation) gives each prefix's key as hashing it
-    alone does, is kept while the tokens stand, and is computed again when they change, at the same length too (a
+    """`prefix_hashes` (the parked conversations' keys, looked up at every admission check) gives each prefix's
+    polynomial hash, is kept while the tokens stand, and is computed again when they change, at the same length too (a
     pending token resolved in place)."""
-    from lathe.engine.linear_state import _prefix_hash, prefix_hashes
+    from lathe.engine.linear_state import PARK_MODULUS, prefix_hashes
     from lathe.engine.sequence import Sequence
+
+    def by_hand(ids):
+        h = 0
+        for token in ids:
+            h = (h * 1_000_003 + token + 1) % PARK_MODULUS
+        return h
     seq = Sequence([5, 9, 2, 7])
     first = prefix_hashes(seq)
-    assert first == [_prefix_hash(seq.token_ids[:i + 1]) for i in range(4)]
+    assert first == [by_hand(seq.token_ids[:i + 1]) for i in range(4)]
     assert prefix_hashes(seq) is first
     seq.token_ids[-1] = 8
-    assert prefix_hashes(seq)[-1] == _prefix_hash([5, 9, 2, 8]) != first[-1]
+    assert prefix_hashes(seq)[-1] == by_hand([5, 9, 2, 8]) != first[-1]
     seq.token_ids.append(3)
-    assert prefix_hashes(seq)[-1] == _prefix_hash([5, 9, 2, 8, 3])
+    assert prefix_hashes(seq)[-1] == by_hand([5, 9, 2, 8, 3])
 
 
 @pytest.mark.gpu

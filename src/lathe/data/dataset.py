@@ -31,7 +31,6 @@ from lathe.data.errors import DataError
 from lathe.data.files import Columns, data_files, read_data_file
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
-# The fix for each field a row must have (the row checks and `check_columns`).
 # Prompt ids by (tokenizer, template kwargs, messages), kept for the process: a second dataset over the same rows (a
 # run's validation split, another run in the same process: a sweep, a notebook, the test suite's hundreds of short
 # runs) skips the chat template and the tokenizer for them (~0.9 s for the built-in task's 4,352 prompts). Cleared when
@@ -58,6 +57,7 @@ def _messages_key(messages) -> str | None:
         return None
 
 
+# The fix for each field a row must have (the row checks and `check_columns`).
 PROMPT_FIX = "add the prompt messages, or set data.prompt_key to the column that holds them"
 DATA_SOURCE_FIX = 'add "data_source" (e.g. "openai/gsm8k"); it selects the reward function'
 GROUND_TRUTH_FIX = 'add "reward_model": {"style": "rule", "ground_truth": <answer>}'

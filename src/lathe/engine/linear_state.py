@@ -193,17 +193,9 @@ class LinearStep:
 PARK_MODULUS = (1 << 61) - 1      # the parked sequences' token keys: a polynomial hash, checked token by token on a hit
 
 
-def _prefix_hash(ids: list[int]) -> int:
-    """The parked sequences' key of `ids`: a polynomial hash (`prefix_hashes`'s last entry)."""
-    h = 0
-    for token in ids:
-        h = (h * 1_000_003 + token + 1) % PARK_MODULUS
-    return h
-
-
 def prefix_hashes(seq: Sequence) -> list[int]:
-    """h[i] = `_prefix_hash(seq.token_ids[:i + 1])` for every i, memoised on the sequence with the tokens it was
-    computed from (a list comparison is cheap beside the hashing): a waiting prompt is looked up at each admission
+    """h[i] = the parked sequences' key of `seq.token_ids[:i + 1]` (a polynomial hash) for every i, memoised on the
+    sequence with the tokens it was computed from (a list comparison is cheap beside the hashing): a waiting prompt is looked up at each admission
     check (`can_allocate`, `admits`, `allocate`), three Python passes over a conversation of thousands of tokens per
     admitted turn before."""
     ids, memo = seq.park_hashes
@@ -264,7 +256,7 @@ class StateBlockManager(BlockManager):
             return
         self._drop_refs(table[keep:])           # blocks past what it took in (a slot reserved for a dropped token)
         del table[keep:]
-        key = (fed, _prefix_hash(seq.token_ids[:fed]))
+        key = (fed, prefix_hashes(seq)[fed - 1])
         if key in self.by_key:                  # the same tokens parked before: keep the newer
             self._evict(self.by_key[key])
         self.parked[seq] = key

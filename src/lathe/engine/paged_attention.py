@@ -99,8 +99,8 @@ class CachedPrefill:
 
     def __init__(self, cu_seqlens_q: list[int], context_lens: list[int], block_tables: list[list[int]],
                  device: torch.device, backend: str = "sdpa"):
-        n = [cu_seqlens_q[i + 1] - cu_seqlens_q[i] for i in range(len(context_lens))]
-        self.batch, self.max_new, self.max_ctx = len(n), max(n), max(context_lens)
+        self.new = [cu_seqlens_q[i + 1] - cu_seqlens_q[i] for i in range(len(context_lens))]
+        self.batch, self.max_new, self.max_ctx = len(self.new), max(self.new), max(context_lens)
         self.layout = (cu_seqlens_q, context_lens, block_tables)
         self.device = device
         self.varlen = backend == "varlen"
@@ -110,9 +110,8 @@ class CachedPrefill:
             self._build_padded()
 
     def _build_padded(self) -> None:
-        cu_seqlens_q, context_lens, block_tables = self.layout
-        device = self.device
-        n = [cu_seqlens_q[i + 1] - cu_seqlens_q[i] for i in range(len(context_lens))]
+        _, context_lens, block_tables = self.layout
+        device, n = self.device, self.new
         width = max(len(t) for t in block_tables)
         tables = [t + [t[0]] * (width - len(t)) for t in block_tables]
         self.tables = torch.tensor(tables, device=device)

@@ -26,23 +26,24 @@ class _Group:
 
 def test_the_first_steps_freeze_what_is_alive_and_the_end_unfreezes(monkeypatch):
     """After each of the first two steps: collected, then frozen here and in every worker group's ranks; nothing
-    after them, nor after a run's last step; unfrozen when the run ends. LATHE_GC_FREEZE=0: never."""
-    from lathe.track.collector import FREEZE_STEPS, FreezeAfterWarmup
+    after them, nor where fewer than FREEZE_MIN_LEFT steps follow; unfrozen when the run ends. LATHE_GC_FREEZE=0:
+    never."""
+    from lathe.track.collector import FREEZE_MIN_LEFT, FREEZE_STEPS, FreezeAfterWarmup
     gc.unfreeze()
     group = _Group()
     counts, kept = [], []
     with FreezeAfterWarmup([group]) as frozen:
         for step in range(4):
             kept.append([[] for _ in range(100)])       # containers alive at the step's end
-            frozen.after_step()
+            frozen.after_step(steps_left=10)
             counts.append(gc.get_freeze_count())
         assert 0 < counts[0] < counts[1] == counts[2] == counts[3]      # the third step's objects stay unfrozen
         assert group.calls == ["freeze_collector"] * FREEZE_STEPS
     assert gc.get_freeze_count() == 0
-    with FreezeAfterWarmup([group]) as frozen:       # a run's last step: no step follows to gain
-        frozen.after_step(last=True)
+    with FreezeAfterWarmup([group]) as frozen:       # a short run: too few steps follow to repay a collection
+        frozen.after_step(steps_left=FREEZE_MIN_LEFT - 1)
         assert gc.get_freeze_count() == 0 and len(group.calls) == FREEZE_STEPS
     monkeypatch.setenv("LATHE_GC_FREEZE", "0")
     with FreezeAfterWarmup([group]) as frozen:
-        frozen.after_step()
+        frozen.after_step(steps_left=10)
         assert gc.get_freeze_count() == 0 and len(group.calls) == FREEZE_STEPS

@@ -191,7 +191,7 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
                 last.update(validate(t))
             t.tracker.log(last, step=t.global_step)
             bar.update(t.global_step, brief(last))
-            frozen.after_step(last=done)             # outside the step's timing
+            frozen.after_step(t.total_steps - t.global_step)      # outside the step's timing
             if tr.save_freq > 0 and (t.global_step % tr.save_freq == 0 or done):
                 save(t)
     return last

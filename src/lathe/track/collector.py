@@ -22,6 +22,11 @@ import time
 __all__ = ["CollectorPauses", "FreezeAfterWarmup"]
 
 FREEZE_STEPS = 2
+# the fewest steps that must follow a freeze for it to be taken: its full collection costs about one full pass (~0.25 s
+# in the test suite's processes), a later step that would have walked the frozen objects gains up to 0.4 s
+# (GPT-OSS-20B-8l). A run of one or two steps (most test runs, a smoke run) only paid; `bench/e2e.py`'s four steps
+# (two timed) still freeze after the first two, as a long run does
+FREEZE_MIN_LEFT = 2
 
 
 class FreezeAfterWarmup:
@@ -30,9 +35,9 @@ class FreezeAfterWarmup:
     the collector's permanent generation, so that later passes do not walk them: in this process and in the ranks of
     the Ray worker `groups` (`RankHost.freeze_collector`), where the models live in a distributed run. Leaving the
     `with` block unfreezes this process's objects, so that a process that trains again (a test, a notebook) reclaims
-    them as before (a rank's process ends with its run). The run's last step freezes nothing (no step follows to
-    gain, and a full collection is ~0.2 s in a process as large as the test suite's). `LATHE_GC_FREEZE=0` turns it
-    off (an A/B)."""
+    them as before (a rank's process ends with its run). A step with fewer than `FREEZE_MIN_LEFT` steps after it
+    freezes nothing (too few steps follow to repay the collection: the test suite's two-step runs spent 15% of their
+    time in it). `LATHE_GC_FREEZE=0` turns it off (an A/B)."""
 
     def __init__(self, groups=()) -> None:
         self.groups = list(groups)
@@ -43,10 +48,10 @@ class FreezeAfterWarmup:
     def __enter__(self) -> "FreezeAfterWarmup":
         return self
 
-    def after_step(self, last: bool = False) -> None:
-        """`last`: the run's last step (nothing is frozen)."""
+    def after_step(self, steps_left: int) -> None:
+        """`steps_left`: the steps this run takes after this one."""
         self.steps += 1
-        if self.enabled and self.steps <= FREEZE_STEPS and not last:
+        if self.enabled and self.steps <= FREEZE_STEPS and steps_left >= FREEZE_MIN_LEFT:
             for group in self.groups:
                 group.host_call("freeze_collector")
             gc.collect()

@@ -17,6 +17,7 @@ from .judge import check_judge
 from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh_problems, reward_devices,
                    sequence_parallel_size, teacher_devices)
 from .profiler import check_profiler
+from .rules_attention import check_attention
 from .rules_fp8 import check_fp8_training
 from .rules_recompute import check_recompute
 from .rules_mtp import check_mtp
@@ -114,6 +115,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     check_mtp(cfg, problems)
     check_fp8_training(cfg, problems)
     check_recompute(cfg, problems)
+    check_attention(cfg, problems)
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         warnings.warn("actor_rollout_ref.actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: the KL to "
                       "the reference policy is applied twice (as a loss term and as a reward penalty). verl "

@@ -186,8 +186,14 @@ def _given_model(cfg, tokenizer) -> tuple[str, dict]:
     m = cfg.actor_rollout_ref.model
     return m.path, dict(impl=m.impl, needs_transformers=cfg.actor_rollout_ref.rollout.name == "hf",
                         trust_remote_code=m.trust_remote_code, vocab_size=len(tokenizer), seed=cfg.trainer.seed,
-                        override_config=m.override_config, dist_checkpoint=dist_checkpoint(cfg),
+                        override_config=hf_overrides(m.override_config), dist_checkpoint=dist_checkpoint(cfg),
                         dist_checkpoint_prefix=dist_checkpoint_prefix(cfg))
+
+
+def hf_overrides(override_config: dict) -> dict:
+    """`model.override_config` without `attn_implementation`, which chooses lathe's attention (the actor applies it:
+    `lathe.models.attention.set_attention`) rather than a config value of the checkpoint's."""
+    return {k: v for k, v in override_config.items() if k != "attn_implementation"}
 
 
 def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: Path | None,

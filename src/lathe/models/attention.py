@@ -11,6 +11,9 @@ Backends for packed batches:
   Its causal switch moved: torch 2.9 takes `is_causal=True`, later versions `window_size=(-1, 0)`;
   the signature is probed once. Grouped-query K/V go in at their own head count where the kernel takes them
   (`varlen_takes_gqa`), else repeated to the query heads.
+- "fa4": flash-attn-4's CuTe kernels (`lathe.models.flash4`; Hopper and Blackwell, the package installed), chosen
+  by `override_config.attn_implementation=flash_attention_4`; never by "auto". GPT-OSS's sinks and windows run on
+  the "varlen" kernel as below.
 - "sdpa": one `scaled_dot_product_attention(is_causal=True)` per sequence; runs anywhere, the reference.
 
 Per-layer options (GPT-OSS): a layer may hand its attention `sinks` (Hq,), a learned logit per head that joins each
@@ -34,7 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-PACKED_BACKENDS = ("auto", "varlen", "sdpa")
+from lathe.config.rules_attention import ATTN_IMPLEMENTATIONS, KEY as ATTN_KEY, attn_implementation_problem
+
+PACKED_BACKENDS = ("auto", "varlen", "fa4", "sdpa")
 
 
 class AttentionFn(Protocol):
@@ -149,6 +154,22 @@ def varlen_takes_gqa(device_index: int, dtype: torch.dtype) -> bool:
                for a, b in zip(*results))
 
 
+def set_attention(model, value, device: torch.device, dtype: torch.dtype) -> None:
+    """Run `model`'s packed attention (lathe's decoder) on the backend that `ATTN_KEY`'s `value` names (None: "auto"),
+    checked now against the device and the compute dtype, so that a backend that cannot run fails before training."""
+    if value is None:
+        return
+    problem = attn_implementation_problem(value)
+    if problem:
+        raise ValueError(problem)
+    if not hasattr(model, "attn_backend"):
+        raise ValueError(f"{ATTN_KEY}={value}: {type(model).__name__} is not lathe's decoder, whose attention this "
+                         "key chooses. Fix: leave the key out, or set actor_rollout_ref.model.impl=lathe")
+    backend = ATTN_IMPLEMENTATIONS[value]
+    select_packed_backend(backend, device, dtype)
+    model.attn_backend = backend
+
+
 def select_packed_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """Resolve "auto" to "varlen" where flash attention can run, else "sdpa"; validate explicit choices."""
     if requested not in PACKED_BACKENDS:
@@ -157,6 +178,12 @@ def select_packed_backend(requested: str, device: torch.device, dtype: torch.dty
     if requested == "varlen" and not varlen_ok:
         raise ValueError(f"attention backend 'varlen' needs CUDA, fp16/bf16 and torch >= 2.9 (have device="
                          f"{device.type}, dtype={dtype}, torch {torch.__version__}); use 'sdpa' or 'auto'")
+    if requested == "fa4":
+        from lathe.models import flash4
+        why = flash4.unavailable(device, dtype)
+        if why:
+            raise ValueError(f"{flash4.KEY}=flash_attention_4 (flash-attn-4's kernels) cannot run here: {why}. Fix: "
+                             "set it to flash_attention_2 (torch's flash attention) or leave it out")
     if requested == "auto":
         return "varlen" if varlen_ok else "sdpa"
     return requested
@@ -182,11 +209,12 @@ class PackedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None,
                  window: int | None = None) -> torch.Tensor:
         if sinks is not None or window is not None:
-            if self.backend == "varlen":
+            if self.backend in FLASH_BACKENDS:
                 return self._flash_with_options(q, k, v, sinks, window)
             return self._explicit(q, k, v, sinks, window)
-        if self.backend == "varlen":
-            return self._varlen(q, k, v)
+        if self.backend in FLASH_BACKENDS:
+            cu = self.cu_seqlens.to(torch.int32)
+            return flash_causal(self.backend, q, k, v, cu, cu, self.max_seqlen, self.max_seqlen)
         return self._sdpa(q, k, v)
 
     def _flash_with_options(self, q, k, v, sinks, window) -> torch.Tensor:
@@ -218,9 +246,19 @@ class PackedAttention:
             self._bounds = self.cu_seqlens.tolist()
         return segment_attention(q, k, v, self._bounds, self._bounds, sinks, window)
 
-    def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cu = self.cu_seqlens.to(torch.int32)
-        return causal_varlen(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen)
+
+
+FLASH_BACKENDS = ("varlen", "fa4")
+
+
+def flash_causal(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                 cu_k: torch.Tensor, max_q: int, max_k: int) -> torch.Tensor:
+    """`causal_varlen` on flash attention 2 ("varlen") or on flash-attn-4's kernels ("fa4"); the same layout and
+    the same causal alignment (each sequence's queries are the last of its keys)."""
+    if backend == "fa4":
+        from lathe.models import flash4
+        return flash4.causal(q, k, v, cu_q, cu_k, max_q, max_k)
+    return causal_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
 
 
 def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
@@ -345,7 +383,9 @@ class GroupedAttention:
                  window: int | None = None) -> torch.Tensor:
         k, v = k.index_select(0, self.kv_index), v.index_select(0, self.kv_index)
         options = sinks is not None or window is not None
-        if self.backend == "varlen" and varlen_aligns_causal_at_end(q.device.index or 0, q.dtype):
+        if self.backend == "fa4" and not options:
+            return flash_causal(self.backend, q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k)
+        if self.backend in FLASH_BACKENDS and varlen_aligns_causal_at_end(q.device.index or 0, q.dtype):
             if not options:
                 return causal_varlen(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k)
             return flash_with_options(q, k, v, sinks, window, self.cu_q, self.cu_k, self.max_q, self.max_k,

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lathe.models.attention import PackedAttention, PaddedAttention, refuse_layer_options, \
+from lathe.models.attention import FLASH_BACKENDS, PackedAttention, PaddedAttention, refuse_layer_options, \
     select_packed_backend
 from lathe.models.config import LatheConfig
 from lathe.models.gpt_oss import GptOssMoeBlock
@@ -245,7 +245,7 @@ class CausalLMOutput:
 class _Backbone(nn.Module):
     """Shared by the LM and the value model: config, backbone, layout dispatch and HF-style switches."""
 
-    attn_backend: str = "auto"      # packed attention: "auto" | "varlen" | "sdpa"
+    attn_backend: str = "auto"      # packed attention: "auto" | "varlen" | "fa4" | "sdpa" (`set_attention`)
     padded_attention: str = "auto"  # padded batches: "auto" | "mask" | "unpad"
 
     def __init__(self, cfg: LatheConfig):
@@ -320,7 +320,7 @@ class _Backbone(nn.Module):
             position_ids = position_ids_from_mask(attention_mask)
         mode = self.padded_attention
         if mode == "auto":
-            mode = "unpad" if self.packed_backend() == "varlen" else "mask"
+            mode = "unpad" if self.packed_backend() in FLASH_BACKENDS else "mask"
         if mode == "mask":
             return self.model(input_ids, position_ids, PaddedAttention(attention_mask))
         if mode != "unpad":

@@ -11,7 +11,7 @@ computes the sinked softmax's dq, dk and dv exactly (the sink is one more column
 own gradient is -sum_i p_sink_i D_i over the head's queries, p_sink_i = exp(sink - lse'_i).
 
 The window is flash attention's local window: a query sees itself and the `window - 1` keys before it
-(`lathe.models.attention.window_mask`). Without sinks or a window the plain path (`PackedAttention._varlen`) runs.
+(`lathe.models.attention.window_mask`). Without sinks or a window the plain path (`attention.flash_causal`) runs.
 A sequence may hold fewer queries than keys (`cu_k`: the prefix-grouped forward's segments, whose queries are the last
 of their keys): flash attention aligns its causal mask and its window at the sequence's end, as that forward needs.
 

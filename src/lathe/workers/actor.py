@@ -22,6 +22,7 @@ import torch
 from lathe.algo.distillation import DistillationParams
 from lathe.batch import Batch
 from lathe.config.plan import BatchPlan, MeshPlan
+from lathe.models.attention import set_attention
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.rope import cast_keeping_rope
 from lathe.models.vl import is_vl
@@ -68,6 +69,8 @@ class Actor:
         enable_recompute(self.model, arr.model.enable_gradient_checkpointing, arr.model.gradient_checkpointing_layers,
                          "actor_rollout_ref.model", lathe=runs_lathe(self.model), impl_key="actor_rollout_ref.model.impl")
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key=FSDP_KEY)
+        set_attention(self.model, arr.model.override_config.get("attn_implementation"), device,
+                      self.policy.param_dtype)
         self.sharded = parallel.in_group()             # a rank of a data-parallel group: FSDP2
         # sharded: the weights stay in host memory until fully_shard moves each layer's shard to the device
         if self.lora:            # the frozen base computes in param_dtype (bf16 on a GPU); only the adapters train

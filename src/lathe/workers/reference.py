@@ -15,6 +15,7 @@ import torch
 from lathe.batch import Batch
 from lathe.config.plan import MeshPlan
 from lathe.dtypes import short_name
+from lathe.models.attention import set_attention
 from lathe.models.compile import maybe_compile
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import adapters_disabled
@@ -54,6 +55,8 @@ class Reference:
         # sharded: built in host memory, fully_shard moves each rank's shards to the device
         self.model = frozen_copy(actor.model, policy.param_dtype,
                                  torch.device("cpu") if actor.sharded else self.device)
+        set_attention(self.model, actor.arr.model.override_config.get("attn_implementation"), self.device,
+                      policy.param_dtype)
         offload = offload_flags(ref_cfg.fsdp_config, self.device, key=FSDP_KEY, frozen=True)["offload_params"]
         if actor.sharded:
             tensor_parallel.parallelize(self.model, tensor_parallel.tensor_parallel(mesh, self.device))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lathe.models.attention import PackedAttention, PaddedAttention, select_packed_backend
+from lathe.models.attention import FLASH_BACKENDS, PackedAttention, PaddedAttention, select_packed_backend
 from lathe.models.decoder import CausalLMOutput, DecoderLayer, RMSNorm, recomputes, set_checkpointing
 from lathe.models.vl.config import VLConfig
 from lathe.models.vl.io import save_vl_pretrained
@@ -73,7 +73,7 @@ class LatheVLModel(nn.Module):
 class LatheVLForConditionalGeneration(nn.Module):
     """A Qwen2.5-VL / Qwen3-VL model: `model.visual`, `model.language_model`, `lm_head` (tied when configured)."""
 
-    attn_backend: str = "auto"      # packed attention: "auto" | "varlen" | "sdpa"
+    attn_backend: str = "auto"      # packed attention: "auto" | "varlen" | "fa4" | "sdpa" (`set_attention`)
     padded_attention: str = "auto"  # padded batches: "auto" | "mask" | "unpad"
 
     def __init__(self, cfg: VLConfig, *, vision_attn_implementation: str = "sdpa"):
@@ -183,7 +183,7 @@ class LatheVLForConditionalGeneration(nn.Module):
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         lm = self.model.language_model
         mode = self.padded_attention
-        if attention_mask is None or mode == "mask" or (mode == "auto" and self.packed_backend() != "varlen"):
+        if attention_mask is None or mode == "mask" or (mode == "auto" and self.packed_backend() not in FLASH_BACKENDS):
             return lm(embeds, position_ids, PaddedAttention(attention_mask), mask, deepstack)
         if mode not in ("auto", "unpad"):
             raise ValueError(f"padded_attention={mode!r} is unknown; use 'auto', 'mask' or 'unpad'")

@@ -1,0 +1,61 @@
+"""Training attention on flash-attn-4's CuTe kernels (`pip install flash-attn-4`): the packed backend "fa4"
+(`lathe.models.attention`), chosen by verl's `actor_rollout_ref.model.override_config.attn_implementation=
+flash_attention_4`.
+
+torch's own `varlen_attn` is flash attention 2, written for Ampere: on Hopper it leaves the tensor cores' warpgroup
+instructions and the bulk copy engine unused. flash-attn-4 ships Hopper (sm90) and Blackwell (sm100) forward and
+backward kernels with packed sequences (`cu_seqlens`), grouped-query K/V at their own head count and the causal mask
+aligned at each sequence's end when it has fewer queries than keys (as flash attention 2.1 and later align it).
+The package compiles its kernels on first use (CuTe DSL, seconds each; `FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`
+keeps them on disk between processes). It is imported only when the backend is chosen: importing it loads the
+CUTLASS DSL, a few seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+PACKAGE = "flash-attn-4"
+KEY = "actor_rollout_ref.model.override_config.attn_implementation"
+
+
+def installed() -> bool:
+    """Whether flash-attn-4 is importable (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):       # a `flash_attn` without the `cute` subpackage (flash-attn 2)
+        return False
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the "fa4" backend cannot run on `device` in `dtype`, or None where it can."""
+    if device.type != "cuda":
+        return f"it runs on NVIDIA GPUs only (this run's device is {device.type})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"its kernels take fp16 or bf16 (this model computes in {dtype})"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in (9, 10, 11):
+        return (f"its kernels are for Hopper (sm90) and Blackwell (sm100); {torch.cuda.get_device_name(device)} is "
+                f"sm{major}x")
+    if not installed():
+        return f"the package {PACKAGE} is not installed (pip install {PACKAGE})"
+    return None
+
+
+@functools.cache
+def _kernel():
+    from flash_attn.cute import flash_attn_varlen_func
+    return flash_attn_varlen_func
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+           max_k: int) -> torch.Tensor:
+    """Causal attention of packed sequences: q (T, Hq, D) over k, v (Tk, Hkv, D), sequence s's queries
+    q[cu_q[s]:cu_q[s+1]] being the last of its keys k[cu_k[s]:cu_k[s+1]]; Hkv divides Hq (grouped-query K/V go in
+    at their own head count). Differentiable in q, k and v."""
+    out, _ = _kernel()(q, k, v, cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32),
+                       max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), causal=True)
+    return out

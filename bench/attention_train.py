@@ -41,7 +41,7 @@ HEADS = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128)}
 def lengths_for(load: str, seqs: int, gen: torch.Generator) -> list[int]:
     if load == "fixed768":
         return [768] * seqs
-    return torch.randint(256, 769, (seqs,), generator=gen).tolist()
+    return torch.randint(256, 769, (seqs,), generator=torch.Generator().manual_seed(gen.initial_seed())).tolist()
 
 
 def packed(lengths: list[int], heads: tuple[int, int, int], device, gen: torch.Generator):

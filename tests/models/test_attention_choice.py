@@ -46,6 +46,17 @@ def test_set_attention_acts_or_explains():
         set_attention(torch.nn.Linear(2, 2), "sdpa", cpu, torch.float32)
 
 
+def test_a_transformers_model_gets_it_through_transformers():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1)
+    model = Qwen2ForCausalLM(cfg)
+    set_attention(model, "eager", torch.device("cpu"), torch.float32)
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="not lathe's decoder"):
+        set_attention(model, "flash_attention_4", torch.device("cpu"), torch.float32)
+
+
 def test_the_choice_is_not_a_checkpoint_config_value():
     assert hf_overrides({"attn_implementation": "sdpa", "attention_dropout": 0.1}) == {"attention_dropout": 0.1}
 
@@ -90,3 +101,17 @@ def test_fa4_aligns_causal_at_the_end_of_each_segment():
         ref.append(torch.nn.functional.scaled_dot_product_attention(
             q[a:b].transpose(0, 1).float(), ks, vs, attn_mask=causal_at_end(b - a, e - c, q.device)).transpose(0, 1))
     assert_close_rel(out.float(), torch.cat(ref), rel=2e-2, name="output")
+
+
+def test_the_trainer_runs_the_actor_and_the_reference_on_the_choice(tmp_path):
+    from lathe.loop.setup import build_trainer
+    cfg = load_config(None, [
+        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "data.max_response_length=4", "trainer.logger=[console]", "actor_rollout_ref.model.warm_start.steps=0",
+        "actor_rollout_ref.actor.use_kl_loss=true", f"trainer.default_local_dir={tmp_path}", f"+{KEY}=eager"])
+    trainer = build_trainer(cfg)
+    try:
+        worker = trainer.worker
+        assert worker.actor.model.attn_backend == "sdpa" and worker.ref.model.attn_backend == "sdpa"
+    finally:
+        trainer.close()

@@ -155,16 +155,26 @@ def varlen_takes_gqa(device_index: int, dtype: torch.dtype) -> bool:
 
 
 def set_attention(model, value, device: torch.device, dtype: torch.dtype) -> None:
-    """Run `model`'s packed attention (lathe's decoder) on the backend that `ATTN_KEY`'s `value` names (None: "auto"),
-    checked now against the device and the compute dtype, so that a backend that cannot run fails before training."""
+    """Run `model`'s attention on what `ATTN_KEY`'s `value` names (None: "auto"): lathe's decoder's packed backend,
+    checked now against the device and the compute dtype so that a backend that cannot run fails before training; a
+    transformers model (`model.impl=hf`) through transformers' own `set_attn_implementation` (flash-attn-4 is lathe's
+    decoder's alone)."""
     if value is None:
         return
     problem = attn_implementation_problem(value)
     if problem:
         raise ValueError(problem)
     if not hasattr(model, "attn_backend"):
-        raise ValueError(f"{ATTN_KEY}={value}: {type(model).__name__} is not lathe's decoder, whose attention this "
-                         "key chooses. Fix: leave the key out, or set actor_rollout_ref.model.impl=lathe")
+        if value == "flash_attention_4" or not hasattr(model, "set_attn_implementation"):
+            raise ValueError(f"{ATTN_KEY}={value}: {type(model).__name__} is not lathe's decoder, which runs "
+                             "flash-attn-4's kernels. Fix: set actor_rollout_ref.model.impl=lathe (or auto), or "
+                             "flash_attention_2/sdpa/eager for the transformers model")
+        try:
+            model.set_attn_implementation(value)
+        except (ImportError, ValueError) as e:
+            raise ValueError(f"{ATTN_KEY}={value}: transformers cannot run it for {type(model).__name__}: {e}. Fix: "
+                             "sdpa, or install what it names") from e
+        return
     backend = ATTN_IMPLEMENTATIONS[value]
     select_packed_backend(backend, device, dtype)
     model.attn_backend = backend
@@ -182,7 +192,7 @@ def select_packed_backend(requested: str, device: torch.device, dtype: torch.dty
         from lathe.models import flash4
         why = flash4.unavailable(device, dtype)
         if why:
-            raise ValueError(f"{flash4.KEY}=flash_attention_4 (flash-attn-4's kernels) cannot run here: {why}. Fix: "
+            raise ValueError(f"{ATTN_KEY}=flash_attention_4 (flash-attn-4's kernels) cannot run here: {why}. Fix: "
                              "set it to flash_attention_2 (torch's flash attention) or leave it out")
     if requested == "auto":
         return "varlen" if varlen_ok else "sdpa"

@@ -6,20 +6,26 @@ torch's own `varlen_attn` is flash attention 2, written for Ampere: on Hopper it
 instructions and the bulk copy engine unused. flash-attn-4 ships Hopper (sm90) and Blackwell (sm100) forward and
 backward kernels with packed sequences (`cu_seqlens`), grouped-query K/V at their own head count and the causal mask
 aligned at each sequence's end when it has fewer queries than keys (as flash attention 2.1 and later align it).
-The package compiles its kernels on first use (CuTe DSL, seconds each; `FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`
-keeps them on disk between processes). It is imported only when the backend is chosen: importing it loads the
-CUTLASS DSL, a few seconds.
+The package compiles its kernels on first use (CuTe DSL, seconds each); lathe turns on its disk cache
+(`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1` unless set; `FLASH_ATTENTION_CUTE_DSL_CACHE_DIR` moves it from
+/tmp/$USER), so each kernel compiles once per machine. It is imported only when the backend is chosen: importing it
+loads the CUTLASS DSL, ~12 s on an H200 machine.
+
+Measured on an H200 (`bench/attention_train.py`, `bench/results/attention_train*_nvidia-h200.json`): forward +
+backward 1.0-1.25x flash attention 2 at the e2e bench's 16 x 768-token micro-batches, 1.3-1.8x in ~37k-token
+micro-batches from 768- to 8448-token sequences; a 1.5B GRPO step 1.8% faster at 768-token sequences and 3.8% at
+2304 (`e2e_fa4_ab_*`). The rollout engine's prefill keeps torch's flash attention.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
 PACKAGE = "flash-attn-4"
-KEY = "actor_rollout_ref.model.override_config.attn_implementation"
 
 
 def installed() -> bool:
@@ -47,6 +53,9 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 @functools.cache
 def _kernel():
+    # its compiled kernels kept on disk (the package's default is off): a run compiles each once per machine, not
+    # once per process (a Ray rank, a resumed run); set the variable to 0 to turn it off
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     from flash_attn.cute import flash_attn_varlen_func
     return flash_attn_varlen_func
 

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from lathe.config.rules_attention import ATTN_IMPLEMENTATIONS, KEY as ATTN_KEY, attn_implementation_problem
 
 PACKED_BACKENDS = ("auto", "varlen", "fa4", "sdpa")
+FLASH_BACKENDS = ("varlen", "fa4")      # the flash kernels: packed causal attention in one call
 
 
 class AttentionFn(Protocol):
@@ -176,7 +177,10 @@ def set_attention(model, value, device: torch.device, dtype: torch.dtype) -> Non
                              "sdpa, or install what it names") from e
         return
     backend = ATTN_IMPLEMENTATIONS[value]
-    select_packed_backend(backend, device, dtype)
+    try:
+        select_packed_backend(backend, device, dtype)
+    except ValueError as e:
+        raise ValueError(f"{ATTN_KEY}={value}: {e}") from e
     model.attn_backend = backend
 
 
@@ -192,8 +196,8 @@ def select_packed_backend(requested: str, device: torch.device, dtype: torch.dty
         from lathe.models import flash4
         why = flash4.unavailable(device, dtype)
         if why:
-            raise ValueError(f"{ATTN_KEY}=flash_attention_4 (flash-attn-4's kernels) cannot run here: {why}. Fix: "
-                             "set it to flash_attention_2 (torch's flash attention) or leave it out")
+            raise ValueError(f"attention backend 'fa4' (flash-attn-4's kernels) cannot run here: {why}. Fix: "
+                             "flash_attention_2 (torch's flash attention), or leave the choice out")
     if requested == "auto":
         return "varlen" if varlen_ok else "sdpa"
     return requested

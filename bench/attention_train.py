@@ -7,12 +7,12 @@ flash_attention_4`).
 
 For each model shape's attention (query and KV heads, head dim) and each load (a micro-batch of about `--tokens`
 packed tokens: sequences all at the e2e bench's 768 tokens, or lengths drawn between 256 and 768 as a real batch has
-them; longer loads, `fixed4352` say, hold fewer sequences), the backend's forward and its forward + backward through `lathe.models.attention.PackedAttention` (what the decoder's
-layers call), timed with CUDA events over `--reps` calls (median), and the causal FLOPs per second (forward 4 x Hq x
-D x the causal pairs, backward 2.5x that). Correctness first: each backend's output and q/k/v gradients against
-float64 SDPA per sequence (norm-relative error), and a segment with fewer queries than keys (the prefix-grouped
-forward's layout, `GroupedAttention`) against SDPA with the mask aligned at its end (sequences up to 4608 tokens). Writes JSON (device, date, git
-sha) to `--out`.
+them; longer loads, `fixed4352` say, hold fewer sequences), the backend's forward and its forward + backward through
+`lathe.models.attention.PackedAttention` (what the decoder's layers call), timed with CUDA events over `--reps` calls
+(median), and the causal FLOPs per second (forward 4 x Hq x D x the causal pairs, backward 2.5x that). Correctness
+first: each backend's output and q/k/v gradients against float64 SDPA per sequence (norm-relative error), and a
+segment with fewer queries than keys (the prefix-grouped forward's layout, `GroupedAttention`) against SDPA with the
+mask aligned at its end (sequences up to 4608 tokens). Writes JSON (device, date, git sha) to `--out`.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from lathe import device as accel
+
 PACKAGE = "flash-attn-4"
 
 
@@ -38,14 +40,14 @@ def installed() -> bool:
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the "fa4" backend cannot run on `device` in `dtype`, or None where it can."""
-    if device.type != "cuda":
-        return f"it runs on NVIDIA GPUs only (this run's device is {device.type})"
+    capability = accel.nvidia_capability(device)
+    if capability is None:
+        return f"it runs on NVIDIA GPUs only (this run's device is {torch.device(device).type}, not one)"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"its kernels take fp16 or bf16 (this model computes in {dtype})"
-    major = torch.cuda.get_device_capability(device)[0]
-    if major not in (9, 10, 11):
-        return (f"its kernels are for Hopper (sm90) and Blackwell (sm100); {torch.cuda.get_device_name(device)} is "
-                f"sm{major}x")
+    if capability[0] not in (9, 10, 11):
+        name = accel.properties(torch.device(device).index or 0, "cuda")["name"]
+        return f"its kernels are for Hopper (sm90) and Blackwell (sm100); {name} is sm{capability[0]}{capability[1]}"
     if not installed():
         return f"the package {PACKAGE} is not installed (pip install {PACKAGE})"
     return None

@@ -64,6 +64,11 @@ SHAPES.update({
                            num_experts_per_tok=4, num_hidden_layers=8, num_attention_heads=64, num_key_value_heads=8,
                            head_dim=64, vocab_size=201088, tie_word_embeddings=False, sliding_window=128,
                            layer_types=["sliding_attention", "full_attention"] * 4),
+    # 4 of GPT-OSS-20B's layers: the step-1 kl_loss probe (bench/moe_kl_probe.py, e2e_kl_step1_oss4_*)
+    "gpt-oss-20b-4l": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_experts=32,
+                           num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8,
+                           head_dim=64, vocab_size=201088, tie_word_embeddings=False, sliding_window=128,
+                           layer_types=["sliding_attention", "full_attention"] * 2),
     "tiny-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                      num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=True),

@@ -83,6 +83,9 @@ LATHE_SETTINGS = {
     "gpt-oss-20b-8l": dict(micro=8, checkpointing=True, kl=True,
                            extra=["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
                                   "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]),
+    "gpt-oss-20b-4l": dict(micro=8, checkpointing=True, kl=True,
+                           extra=["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+                                  "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]),
     "tiny-moe": dict(micro=8, checkpointing=False, kl=False, extra=[]),
     # Qwen3.5 hybrids (issue 44): the 2B on one GPU, the 35B-A3B's layer cuts on 2 (its 40 layers: more); micro 8 in
     # the cuts: their 248k-token vocabulary's logits, beside 11B parameters' training state. The 2B trains without

@@ -50,7 +50,8 @@ def lp(model, grad=False, micro=16, stats=False):
                                   remove_padding=True)[0]
     return x.detach().double().cpu()
 
-res = {"shape": shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "pairs": {}}
+res = {"shape": shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_sha": common.git_sha(), "pairs": {}}
 base = load_policy(str(path))                      # float32 on the CPU, as the trainer loads it
 truth32 = frozen_copy(base, torch.float32, device); truth32.attn_backend = "sdpa"
 vals = {"fp32_sdpa": lp(truth32)}

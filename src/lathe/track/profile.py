@@ -78,7 +78,7 @@ def kernel_class(name: str) -> str:
     if low.startswith("triton_") and {"exp", "amax", "log", "logsumexp", "softmax"} & set(low.split("_")):
         return "softmax_vocab"          # Inductor's fused log-softmax / entropy (its kernels are named by their ops)
     rules = (("communication", ("nccl",)),
-             ("optimizer", ("multi_tensor", "foreach", "adam", "lamb")),
+             ("optimizer", ("multi_tensor", "foreach", "adam")),     # (not "lamb": most eager kernels name a lambda)
              ("softmax_vocab", ("softmax", "logsumexp", "log_prob", "logprob", "entropy", "cross_entropy")),
              ("fused_elementwise", ("triton_",)),
              ("copy", ("memcpy", "memset", "copy", "catarray", "fill", "index", "scatter", "gather")),

@@ -541,6 +541,13 @@ def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float |
                                                  for k in steps[-1] if k.startswith("perf/max_memory_allocated_gb/")}}
     row["rollout"] = {k.split("/", 1)[1]: med(k) for k in sorted({k for s in timed for k in s
                                                                    if k.startswith("rollout/")})}
+    # the device's energy and mean power per phase (lathe.track.energy: NVML's counter; a single-process run)
+    for key, name in (("perf/energy_j/", "energy_j_by_phase"), ("perf/power_w/", "power_w_by_phase")):
+        found = sorted({k for s in timed for k in s if k.startswith(key)})
+        if found:
+            row[name] = {k[len(key):]: med(k) for k in found}
+    if med("perf/power_limit_w") is not None:
+        row["power_limit_w"] = med("perf/power_limit_w")
     # the rollout/trainer log-prob gap and rollout correction's statistics (FP8 rollout or training: issue 48)
     row["consistency"] = {k: med(k) for k in sorted({k for s in timed for k in s
                                                      if k.startswith(("training/rollout_probs_diff", "rollout_corr/"))})}

@@ -20,7 +20,7 @@ def learn_batch(t: Trainer, batch: Batch, current: int | None) -> dict[str, floa
     With a reward model (`reward_model.enable`) the batch comes unscored and is scored here first, on the trainer
     pool's ranks or the reward model's own pool (`t.reward_model` goes to either), as the synchronous loop scores its
     step (`score_batch`: the same scores and metrics); the teachers' log-probs likewise (`learn`)."""
-    timer = Timer(memory=PeakMemory(t.device))
+    timer = Timer(memory=PeakMemory(t.device), energy=t.energy)
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     if t.reward_model is not None:

@@ -39,7 +39,7 @@ from lathe.track.profile import StepProfiler
 def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
     """One RL iteration on a batch of prompts; returns the step's metrics (verl's names). Running out of device
     memory names the phase and the keys that lower it (`lathe.loop.oom`)."""
-    timer = Timer(memory=PeakMemory(t.device))
+    timer = Timer(memory=PeakMemory(t.device), energy=t.energy)
     with CollectorPauses() as pauses:              # `timing_s/gc`: the garbage collector's share of the step
         try:
             metrics = _train_step(t, prompts, timer)

@@ -34,6 +34,7 @@ from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.agent import load_run_tools
 from lathe.track import Tracker, phase
+from lathe.track.energy import DeviceEnergy
 from lathe.train.fp8 import check_device as check_fp8_device
 from lathe.seeding import seed_everything
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -69,6 +70,7 @@ class Trainer:
     global_step: int = 0
     resumed_from: Path | None = None
     resume_state: dict | None = None    # the trainer_state of the checkpoint resumed from
+    energy: DeviceEnergy | None = None  # the device's energy per phase (perf/energy_j/*), where NVML reads it
 
     def close(self) -> None:
         """Flush the loggers, stop the reward processes and the workers."""
@@ -298,7 +300,8 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         sampling=sampling_params(arr.rollout, cfg.data.max_response_length),
         val_sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=True),
         kl_ctrl=make_kl_controller(**vars(cfg.algorithm.kl_ctrl)),
-        total_steps=total_steps, device=device, critic=critic, reward_model=reward_model)
+        total_steps=total_steps, device=device, critic=critic, reward_model=reward_model,
+        energy=DeviceEnergy.open(device))
     if resume_dir is not None:
         try:
             resume(trainer, resume_dir)

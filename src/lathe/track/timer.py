@@ -10,7 +10,9 @@
     timer.reset()
 
 gives ``timing_s/step``, ``timing_s/gen``, ``timing_s/update_actor`` and, for names given token
-counts, ``timing_per_token_ms/<name>`` (verl's ``compute_timing_metrics``: ms per token).
+counts, ``timing_per_token_ms/<name>`` (verl's ``compute_timing_metrics``: ms per token). With meters, each phase's
+peak device memory (`lathe.track.memory.PeakMemory`) and the device's energy and power over it
+(`lathe.track.energy.DeviceEnergy`) too.
 Nesting different names is allowed (an outer phase includes its inner ones); re-entering a name
 that is already open is refused because it would count the same seconds twice. While the PyTorch profiler
 records (`global_profiler.tool=torch`, `lathe.track.profile`), each phase is also a profiler range
@@ -39,10 +41,11 @@ def _profiler_range(name: str):
 class Timer:
     """Accumulates seconds per phase name until ``reset()``; the same name used twice adds up."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, memory=None) -> None:
-        """`memory`: a `lathe.track.memory.PeakMemory` to measure each phase's peak device memory too."""
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, memory=None, energy=None) -> None:
+        """`memory`: a `lathe.track.memory.PeakMemory` to measure each phase's peak device memory too; `energy`: a
+        `lathe.track.energy.DeviceEnergy` (or None) for its energy."""
         self._clock = clock
-        self.memory = memory
+        self._meters = [m for m in (memory, energy) if m is not None]
         self.seconds: dict[str, float] = {}
         self._open: set[str] = set()
         self.failed_phase: str | None = None
@@ -56,8 +59,8 @@ class Timer:
                 "count its seconds twice. Give the inner phase its own name."
             )
         self._open.add(name)
-        if self.memory is not None:
-            self.memory.start(name)
+        for meter in self._meters:
+            meter.start(name)
         start = self._clock()
         label = _profiler_range(name)
         try:
@@ -70,8 +73,8 @@ class Timer:
                 label.__exit__(None, None, None)
             self.seconds[name] = self.seconds.get(name, 0.0) + (self._clock() - start)
             self._open.discard(name)
-            if self.memory is not None:
-                self.memory.stop(name)
+            for meter in self._meters:
+                meter.stop(name)
 
     def metrics(self, num_tokens: Mapping[str, int] | None = None) -> dict[str, float]:
         """``{"timing_s/<name>": s}`` plus ``{"timing_per_token_ms/<name>": ms}`` for named token counts.
@@ -83,8 +86,8 @@ class Timer:
         for name, count in (num_tokens or {}).items():
             if name in self.seconds and count > 0:
                 out[f"timing_per_token_ms/{name}"] = self.seconds[name] * 1000.0 / count
-        if self.memory is not None:
-            out.update(self.memory.metrics())
+        for meter in self._meters:
+            out.update(meter.metrics())
         return out
 
     def add(self, name: str, seconds: float) -> None:
@@ -94,5 +97,5 @@ class Timer:
     def reset(self) -> None:
         """Forget the accumulated seconds (call once per step, after logging)."""
         self.seconds.clear()
-        if self.memory is not None:
-            self.memory.reset()
+        for meter in self._meters:
+            meter.reset()

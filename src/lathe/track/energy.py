@@ -1,0 +1,119 @@
+"""Energy and power per phase of a step, from the GPU's own energy counter (NVML).
+
+`DeviceEnergy` hooks into `Timer` as `PeakMemory` does (`Timer(energy=DeviceEnergy.open(device))`): each timed
+phase reads the device's total-energy counter (`nvmlDeviceGetTotalEnergyConsumption`, millijoules since the driver
+loaded) when it starts and when it ends, giving
+
+- `perf/energy_j/<phase>`: joules the device drew over the phase's wall time (the window `timing_s/<phase>`
+  measures, so a phase whose work the device finishes after it ends counts as its time does);
+- `perf/power_w/<phase>`: those joules over the phase's seconds, for phases of at least `MIN_POWER_S` (the counter
+  advances in steps of some milliseconds: a shorter phase's power would be mostly that step);
+- `perf/power_limit_w`: the device's enforced power limit. A phase that averages near it runs power-capped: its
+  clock is what the cap leaves, and it goes faster only by drawing less energy (fewer FLOPs, fewer bytes), not by
+  filling idle time (issue 48: a 1.5B GRPO step on an H200 averaged ~700 W of 700 in every phase).
+
+The device's whole draw is counted, another process's work on it included. NVML is read through the driver's own
+library (`libnvidia-ml.so.1`, no Python package); `open` returns None on a CPU, where the library or the counter is
+missing, or where it cannot tell which NVML device the CUDA device is: the metrics are then simply absent. Only the
+process's own device is read: a run whose GPUs belong to Ray workers reports no energy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from collections.abc import Callable
+
+MIN_POWER_S = 0.25
+
+
+class _Nvml:
+    """The few NVML calls used here, on one device handle."""
+
+    def __init__(self, lib, handle):
+        self.lib, self.handle = lib, handle
+
+    def energy_mj(self) -> int | None:
+        value = ctypes.c_ulonglong()
+        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(value)) != 0:
+            return None
+        return value.value
+
+    def power_limit_w(self) -> float | None:
+        value = ctypes.c_uint()
+        if self.lib.nvmlDeviceGetEnforcedPowerLimit(self.handle, ctypes.byref(value)) != 0:
+            return None
+        return value.value / 1000.0
+
+
+@functools.lru_cache(maxsize=None)
+def _nvml_for(uuid: str) -> _Nvml | None:
+    """NVML's handle of the device with this UUID (`GPU-...`), or None where NVML or the device is not there."""
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if lib.nvmlInit_v2() != 0:
+        return None
+    handle = ctypes.c_void_p()
+    if lib.nvmlDeviceGetHandleByUUID(uuid.encode("ascii"), ctypes.byref(handle)) != 0:
+        return None
+    nvml = _Nvml(lib, handle)
+    return nvml if nvml.energy_mj() is not None else None
+
+
+def cuda_uuid(device) -> str | None:
+    """NVML's name (`GPU-<uuid>`) of a CUDA device, or None where it has none (a CPU, an AMD device)."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    if not uuid:
+        return None
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+class DeviceEnergy:
+    """Accumulates joules (and seconds) per phase until `reset()`; `read_mj` gives the device's energy counter."""
+
+    def __init__(self, read_mj: Callable[[], int | None], power_limit_w: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.read_mj, self.limit, self.clock = read_mj, power_limit_w, clock
+        self.joules: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}
+        self._started: dict[str, tuple[int, float]] = {}
+
+    @classmethod
+    def open(cls, device) -> DeviceEnergy | None:
+        """The meter of `device` (a torch device), or None where NVML cannot read its energy."""
+        uuid = cuda_uuid(device)
+        nvml = _nvml_for(uuid) if uuid else None
+        return None if nvml is None else cls(nvml.energy_mj, nvml.power_limit_w())
+
+    def start(self, name: str) -> None:
+        mj = self.read_mj()
+        if mj is not None:
+            self._started[name] = (mj, self.clock())
+
+    def stop(self, name: str) -> None:
+        started, mj = self._started.pop(name, None), self.read_mj()
+        if started is None or mj is None or mj < started[0]:
+            return
+        self.joules[name] = self.joules.get(name, 0.0) + (mj - started[0]) / 1000.0
+        self.seconds[name] = self.seconds.get(name, 0.0) + (self.clock() - started[1])
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"perf/energy_j/{name}": j for name, j in self.joules.items()}
+        out.update({f"perf/power_w/{name}": j / self.seconds[name] for name, j in self.joules.items()
+                    if self.seconds[name] >= MIN_POWER_S})
+        if out and self.limit:
+            out["perf/power_limit_w"] = self.limit
+        return out
+
+    def reset(self) -> None:
+        self.joules.clear()
+        self.seconds.clear()
+        self._started.clear()

@@ -1,0 +1,40 @@
+"""bench/common.lathe_row: a run's metrics.jsonl steps into one result row (medians over the timed steps), with the
+device's energy and power per phase where the run measured them (`lathe.track.energy`). In a child process, as the
+benches import it (bench/ first on the path)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import common
+
+def step(s, watts, energy=True):
+    row = {"timing_s/step": s, "timing_s/gen": s / 3, "perf/throughput": 1000 / s}
+    if energy:
+        row.update({"perf/energy_j/step": watts * s, "perf/power_w/step": watts, "perf/power_limit_w": 700.0})
+    return row
+
+with_energy = common.lathe_row([step(9.0, 300), step(6.0, 690), step(6.2, 700), step(6.1, 680)], warmup=1,
+                               flops=0.0, peak_tflops=None)
+without = common.lathe_row([step(6.0, 0, energy=False)] * 3, warmup=1, flops=0.0, peak_tflops=None)
+print(json.dumps([with_energy, without]))
+"""
+
+
+def test_medians_energy_and_power_by_phase():
+    done = subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "bench")], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    row, without = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["step_s"] == pytest.approx(6.1) and row["phases_s"]["gen"] == pytest.approx(6.1 / 3)
+    assert row["power_w_by_phase"] == {"step": 690} and row["power_limit_w"] == 700.0
+    assert row["energy_j_by_phase"]["step"] == pytest.approx(6.1 * 680)   # the median of each metric
+    assert not {"power_w_by_phase", "energy_j_by_phase", "power_limit_w"} & set(without)

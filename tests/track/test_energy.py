@@ -1,0 +1,72 @@
+"""Energy and power per phase (`lathe.track.energy`): the meter's arithmetic on a counter and clock of our own, its
+place in `Timer`, and on an NVIDIA GPU the driver's real counter."""
+
+import pytest
+import torch
+
+from lathe.track import Timer
+from lathe.track.energy import MIN_POWER_S, DeviceEnergy
+
+
+class Counter:
+    """A device's energy counter (mJ) and a clock (s) that the test advances together: `watts` while time passes."""
+
+    def __init__(self):
+        self.mj, self.s = 1_000_000, 100.0
+
+    def run(self, seconds: float, watts: float) -> None:
+        self.s += seconds
+        self.mj += round(watts * seconds * 1000)
+
+
+def test_phases_get_their_joules_and_long_ones_their_power():
+    c = Counter()
+    meter = DeviceEnergy(lambda: c.mj, power_limit_w=700.0, clock=lambda: c.s)
+    timer = Timer(clock=lambda: c.s, energy=meter)
+    with timer("step"):
+        with timer("gen"):
+            c.run(1.0, 500.0)
+        with timer("update_actor"):
+            c.run(2.0, 690.0)
+        with timer("adv"):                  # too short for a power figure
+            c.run(MIN_POWER_S / 10, 300.0)
+        with timer("gen"):                  # a phase timed twice adds up
+            c.run(0.5, 400.0)
+    m = timer.metrics()
+    assert m["perf/energy_j/gen"] == pytest.approx(700.0) and m["perf/power_w/gen"] == pytest.approx(700 / 1.5)
+    assert m["perf/energy_j/update_actor"] == pytest.approx(1380.0) and m["perf/power_w/update_actor"] == 690.0
+    assert m["perf/energy_j/adv"] == pytest.approx(7.5, abs=1e-3) and "perf/power_w/adv" not in m
+    assert m["perf/energy_j/step"] == pytest.approx(700 + 1380 + 7.5, abs=1e-3)
+    assert m["perf/power_limit_w"] == 700.0 and m["timing_s/update_actor"] == pytest.approx(2.0)
+    timer.reset()
+    assert timer.metrics() == {}
+
+
+def test_a_counter_that_fails_or_goes_back_reports_nothing():
+    values = iter([5000, None, 9000, 100])
+    meter = DeviceEnergy(lambda: next(values), power_limit_w=700.0)
+    for _ in range(2):
+        meter.start("gen")
+        meter.stop("gen")
+    assert meter.metrics() == {}            # no limit alone either: nothing was measured
+
+
+def test_no_meter_without_a_device_counter():
+    assert DeviceEnergy.open(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+def test_the_driver_counter_on_cuda():
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        pytest.skip("needs an NVIDIA GPU")
+    meter = DeviceEnergy.open(torch.device("cuda"))
+    assert meter is not None, "NVML did not give this device's energy counter"
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    timer = Timer(energy=meter)
+    with timer("matmuls"):
+        for _ in range(400):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+    m = timer.metrics()
+    assert m["timing_s/matmuls"] >= MIN_POWER_S, "the work was too short to measure power"
+    assert 30 < m["perf/power_w/matmuls"] < m["perf/power_limit_w"] * 1.5

@@ -6,8 +6,10 @@ loaded) when it starts and when it ends, giving
 
 - `perf/energy_j/<phase>`: joules the device drew over the phase's wall time (the window `timing_s/<phase>`
   measures, so a phase whose work the device finishes after it ends counts as its time does);
-- `perf/power_w/<phase>`: those joules over the phase's seconds, for phases of at least `MIN_POWER_S` (the counter
-  advances in steps of some milliseconds: a shorter phase's power would be mostly that step);
+- `perf/power_w/<phase>`: those joules over the phase's seconds, for phases of at least `MIN_POWER_S`. The counter
+  advances in steps (every ~100 ms on an H200, measured: `bench/results/energy_counter_nvidia-h200.json`), so a phase's
+  joules are those of a window shifted by up to a step at either end: its power is good to about 0.1 s over its
+  duration (20% at `MIN_POWER_S`, 2% for a 5 s update), its median over steps better;
 - `perf/power_limit_w`: the device's enforced power limit. A phase that averages near it runs power-capped: its
   clock is what the cap leaves, and it goes faster only by drawing less energy (fewer FLOPs, fewer bytes), not by
   filling idle time (issue 48: a 1.5B GRPO step on an H200 averaged ~700 W of 700 in every phase).
@@ -25,7 +27,7 @@ import functools
 import time
 from collections.abc import Callable
 
-MIN_POWER_S = 0.25
+MIN_POWER_S = 0.5
 
 
 class _Nvml:

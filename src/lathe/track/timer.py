@@ -43,9 +43,12 @@ class Timer:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, memory=None, energy=None) -> None:
         """`memory`: a `lathe.track.memory.PeakMemory` to measure each phase's peak device memory too; `energy`: a
-        `lathe.track.energy.DeviceEnergy` (or None) for its energy."""
+        `lathe.track.energy.DeviceEnergy` (or None) for its energy. A new timer starts its meters afresh (a run
+        keeps one energy meter and times each step with a timer of its own)."""
         self._clock = clock
         self._meters = [m for m in (memory, energy) if m is not None]
+        for meter in self._meters:
+            meter.reset()
         self.seconds: dict[str, float] = {}
         self._open: set[str] = set()
         self.failed_phase: str | None = None

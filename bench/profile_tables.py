@@ -20,8 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from lathe.track import profile  # noqa: E402
 
@@ -99,15 +98,20 @@ def main() -> None:
     p.add_argument("profile_dir", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--note", default="", help="stored as the result's `what`")
+    p.add_argument("--git-sha", default=None, help="the commit the profiled run ran (default: this tree's)")
     args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import git_sha          # (here: importing this module for its functions leaves the path alone)
     found = sorted(args.profile_dir.rglob("trace.json.gz"))
     if not found:
         sys.exit(f"profile_tables: no trace.json.gz under {args.profile_dir} (run with global_profiler.tool=torch)")
     with gzip.open(found[0]) as f:
         trace = json.load(f)
     phases = tables(trace)
-    doc = {"what": args.note, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "trace": str(found[0]), "phases": phases}
+    devices = trace.get("deviceProperties") or [{}]
+    doc = {"what": args.note, "device": devices[0].get("name"),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "git_sha": args.git_sha or git_sha(), "trace": str(found[0]), "phases": phases}
     args.out.write_text(json.dumps(doc, indent=1))
     for name, ph in phases.items():
         if ph["device_s"]:

@@ -77,3 +77,41 @@ def test_the_driver_counter_on_cuda():
     m = timer.metrics()
     assert m["timing_s/matmuls"] >= MIN_POWER_S, "the work was too short to measure power"
     assert 30 < m["perf/power_w/matmuls"] < m["perf/power_limit_w"] * 1.5
+
+
+def test_several_gpus_sum():
+    a, b = Counter(), Counter()
+    meter = DeviceEnergy.summed([lambda: a.mj, lambda: b.mj], [700.0, 700.0])
+    meter.clock = lambda: a.s
+    timer = Timer(clock=lambda: a.s, energy=meter)
+    with timer("update_actor"):
+        a.run(2.0, 690.0)
+        b.mj += round(2.0 * 650.0 * 1000)
+    m = timer.metrics()
+    assert m["perf/power_w/update_actor"] == pytest.approx(1340.0) and m["perf/power_limit_w"] == 1400.0
+    assert m["perf/energy_gpus"] == 2.0
+    failing = DeviceEnergy.summed([lambda: a.mj, lambda: None], [700.0, None])
+    failing.start("gen")
+    failing.stop("gen")
+    assert failing.metrics() == {} and failing.limit is None
+
+
+def test_a_ray_runs_gpus_are_read_where_all_are_on_the_drivers_node(monkeypatch):
+    import sys
+    import types
+
+    from lathe.track import energy
+
+    class Group:
+        def __init__(self, *nodes):
+            self.nodes = [{"node_id": n, "gpu_uuid": u} for n, u in nodes]
+
+    context = types.SimpleNamespace(get_node_id=lambda: "here")
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get_runtime_context=lambda: context))
+    opened = []
+    monkeypatch.setattr(energy.DeviceEnergy, "open_uuids", classmethod(lambda cls, uuids: opened.append(uuids) or
+                                                                       "meter"))
+    assert energy.for_cluster([Group(("here", None), ("here", None))]) is None          # CPU workers
+    assert energy.for_cluster([Group(("here", "GPU-a"), ("there", "GPU-b"))]) is None   # a rank on another node
+    assert energy.for_cluster([Group(("here", "GPU-a"), ("here", "GPU-b")), Group(("here", "GPU-c"))]) == "meter"
+    assert opened == [["GPU-a", "GPU-b", "GPU-c"]]

@@ -62,7 +62,17 @@ class RankHost:
         ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id),
                   ray.util.get_node_ip_address())
         return {"ip": ip, "node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(),
-                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "gpu_uuid": self._gpu_uuid()}
+
+    def _gpu_uuid(self) -> str | None:
+        """NVML's name of this rank's GPU (the driver's energy meter reads it: `lathe.track.energy.for_cluster`)."""
+        if not self.use_gpu:
+            return None
+        from lathe.track.energy import cuda_uuid
+        try:
+            return cuda_uuid(self._device())
+        except Exception:   # noqa: BLE001 - a device without a UUID: no energy figures, the run goes on
+            return None
 
     def free_port(self) -> int:
         return ports.free_port()

@@ -34,7 +34,7 @@ from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.agent import load_run_tools
 from lathe.track import Tracker, phase
-from lathe.track.energy import DeviceEnergy
+from lathe.track.energy import DeviceEnergy, for_cluster
 from lathe.train.fp8 import check_device as check_fp8_device
 from lathe.seeding import seed_everything
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -301,7 +301,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         val_sampling=sampling_params(arr.rollout, cfg.data.max_response_length, validation=True),
         kl_ctrl=make_kl_controller(**vars(cfg.algorithm.kl_ctrl)),
         total_steps=total_steps, device=device, critic=critic, reward_model=reward_model,
-        energy=DeviceEnergy.open(device))
+        energy=DeviceEnergy.open(device) if cluster is None else for_cluster(cluster.groups))
     if resume_dir is not None:
         try:
             resume(trainer, resume_dir)

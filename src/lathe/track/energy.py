@@ -14,10 +14,13 @@ loaded) when it starts and when it ends, giving
   clock is what the cap leaves, and it goes faster only by drawing less energy (fewer FLOPs, fewer bytes), not by
   filling idle time (issue 48: a 1.5B GRPO step on an H200 averaged ~700 W of 700 in every phase).
 
-The device's whole draw is counted, another process's work on it included. NVML is read through the driver's own
-library (`libnvidia-ml.so.1`, no Python package); `open` returns None on a CPU, where the library or the counter is
-missing, or where it cannot tell which NVML device the CUDA device is: the metrics are then simply absent. Only the
-process's own device is read: a run whose GPUs belong to Ray workers reports no energy.
+A Ray run's driver holds no device: it reads the GPUs of its worker groups' ranks (`for_cluster`, each rank's GPU
+named by its UUID, `RankHost.node`), summed: joules and watts of all of them, `perf/power_limit_w` the sum of their
+limits and `perf/energy_gpus` their count. NVML reads only the GPUs of its own machine, so a run with ranks on
+other nodes reports no energy. The devices' whole draw is counted, another process's work on them included. NVML is
+read through the driver's own library (`libnvidia-ml.so.1`, no Python package); `open` returns None on a CPU, where
+the library or the counter is missing, or where it cannot tell which NVML device the CUDA device is: the metrics
+are then simply absent.
 """
 
 from __future__ import annotations
@@ -79,11 +82,12 @@ def cuda_uuid(device) -> str | None:
 
 
 class DeviceEnergy:
-    """Accumulates joules (and seconds) per phase until `reset()`; `read_mj` gives the device's energy counter."""
+    """Accumulates joules (and seconds) per phase until `reset()`; `read_mj` gives the devices' energy counter (the
+    sum of `devices` devices')."""
 
     def __init__(self, read_mj: Callable[[], int | None], power_limit_w: float | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        self.read_mj, self.limit, self.clock = read_mj, power_limit_w, clock
+                 clock: Callable[[], float] = time.perf_counter, devices: int = 1):
+        self.read_mj, self.limit, self.clock, self.devices = read_mj, power_limit_w, clock, devices
         self.joules: dict[str, float] = {}
         self.seconds: dict[str, float] = {}
         self._started: dict[str, tuple[int, float]] = {}
@@ -92,8 +96,24 @@ class DeviceEnergy:
     def open(cls, device) -> DeviceEnergy | None:
         """The meter of `device` (a torch device), or None where NVML cannot read its energy."""
         uuid = cuda_uuid(device)
-        nvml = _nvml_for(uuid) if uuid else None
-        return None if nvml is None else cls(nvml.energy_mj, nvml.power_limit_w())
+        return cls.open_uuids([uuid]) if uuid else None
+
+    @classmethod
+    def open_uuids(cls, uuids: list[str]) -> DeviceEnergy | None:
+        """One meter over the GPUs named (NVML's `GPU-...` UUIDs, each once), or None where NVML cannot read one."""
+        nvmls = [_nvml_for(u) for u in dict.fromkeys(uuids)]
+        if not nvmls or any(n is None for n in nvmls):
+            return None
+        return cls.summed([n.energy_mj for n in nvmls], [n.power_limit_w() for n in nvmls])
+
+    @classmethod
+    def summed(cls, readers: list[Callable[[], int | None]], limits: list[float | None]) -> DeviceEnergy:
+        """A meter over several counters: their sum (None when one fails), the limits' sum (None if one is)."""
+        def read() -> int | None:
+            values = [r() for r in readers]
+            return None if any(v is None for v in values) else sum(values)
+        limit = None if any(w is None for w in limits) else sum(limits)
+        return cls(read, limit, devices=len(readers))
 
     def start(self, name: str) -> None:
         mj = self.read_mj()
@@ -113,9 +133,26 @@ class DeviceEnergy:
                     if self.seconds[name] >= MIN_POWER_S})
         if out and self.limit:
             out["perf/power_limit_w"] = self.limit
+        if out and self.devices > 1:
+            out["perf/energy_gpus"] = float(self.devices)
         return out
 
     def reset(self) -> None:
         self.joules.clear()
         self.seconds.clear()
         self._started.clear()
+
+
+def for_cluster(groups: list) -> DeviceEnergy | None:
+    """The meter over a Ray run's GPUs, read by its driver: the GPUs its worker groups' ranks hold (`RankHost.node`'s
+    `gpu_uuid`), or None where the ranks hold none (CPU workers), where one is on another node (NVML reads the
+    local machine only), or where NVML cannot read them."""
+    nodes = [n for g in groups for n in (getattr(g, "nodes", None) or [])]
+    uuids = [n["gpu_uuid"] for n in nodes if n.get("gpu_uuid")]
+    if not uuids:
+        return None
+    import ray
+    here = ray.get_runtime_context().get_node_id()
+    if any(n.get("node_id") != here for n in nodes if n.get("gpu_uuid")):
+        return None
+    return DeviceEnergy.open_uuids(uuids)

@@ -178,6 +178,19 @@ def nvidia_capability(device: torch.device | str) -> tuple[int, int] | None:
     return p.major, p.minor
 
 
+def nvidia_uuid(device: torch.device | str) -> str | None:
+    """NVML's name of an NVIDIA GPU (`GPU-<uuid>`, or a MIG instance's `MIG-...`); None for the CPU and other
+    accelerators, or a device that reports none."""
+    device = torch.device(device)
+    if device.type != "cuda" or detect().name != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    if not uuid:
+        return None
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
 def total_memory(device: torch.device | str) -> int | None:
     """Bytes of memory on `device`, or None for the CPU (host memory is not planned)."""
     api = _api(device)

@@ -70,15 +70,8 @@ def _nvml_for(uuid: str) -> _Nvml | None:
 
 def cuda_uuid(device) -> str | None:
     """NVML's name (`GPU-<uuid>`) of a CUDA device, or None where it has none (a CPU, an AMD device)."""
-    import torch
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
-    if not uuid:
-        return None
-    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    from lathe.device import nvidia_uuid
+    return nvidia_uuid(device)
 
 
 class DeviceEnergy:

@@ -229,3 +229,19 @@ def test_headless_chromium_renders_the_charts(tmp_path):
     not_white = (charts < 235).any(axis=1).mean()
     blue = (np.abs(charts.astype(int) - (31, 119, 180)).sum(axis=1) < 30).sum()   # the first series' colour
     assert len(colours) > 100 and 0.02 < not_white < 0.5 and blue > 500, (len(colours), not_white, blue)
+
+
+def test_power_per_phase_in_pipeline_order(tmp_path):
+    from lathe.report.page import panel_keys
+    keys = ["perf/power_w/update_actor", "perf/power_w/zeta", "perf/power_w/gen", "perf/power_w/ref", "timing_s/gen"]
+    assert panel_keys("perf/power_w/", keys) == ["perf/power_w/gen", "perf/power_w/ref", "perf/power_w/update_actor",
+                                                 "perf/power_w/zeta"]
+    run = synthetic_run(tmp_path / "run")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    for row in rows:
+        if "timing_s/gen" in row:
+            row.update({"perf/power_w/gen": 650.0, "perf/power_w/update_actor": 695.0, "perf/power_limit_w": 700.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = write_report(run, max_samples=3).read_text()
+    assert "<h3>GPU power per phase</h3>" in html and html.count("<svg") == 14

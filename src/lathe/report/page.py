@@ -32,6 +32,7 @@ PANELS: tuple[tuple[str, str, tuple[str, ...] | str], ...] = (
     ("Throughput", "tokens / s", ("perf/throughput",)),
     ("Time per step", "seconds", ("perf/time_per_step",)),
     ("Memory", "GB", ("perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/cpu_memory_used_gb")),
+    ("GPU power per phase", "watts (all the run's GPUs)", "perf/power_w/"),     # lathe.track.energy
     ("Validation, more", "", "val-aux/"),
 )
 PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights",
@@ -65,8 +66,8 @@ def panel_keys(spec: tuple[str, ...] | str, keys: list[str]) -> list[str]:
     if isinstance(spec, tuple):
         return [k for k in spec if k in keys]
     found = [k for k in keys if k.startswith(spec)]
-    if spec == "timing_s/":
-        order = {f"timing_s/{p}": i for i, p in enumerate(PHASES)}
+    if spec in ("timing_s/", "perf/power_w/"):
+        order = {f"{spec}{p}": i for i, p in enumerate(PHASES)}
         found.sort(key=lambda k: (order.get(k, len(order)), k))
     return found
 

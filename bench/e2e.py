@@ -23,7 +23,9 @@ the reference model on).
 
 Reported per model and system: median seconds per step over the steps after `--warmup` (compilation and
 allocator warm-up excluded), per-phase seconds, tokens/s, the update phase's MFU (model FLOPs: 6 x linear
-params + causal attention per token, over the datasheet bf16 peak), peak GPU memory, and lathe/TRL speed-up.
+params + causal attention per token, over the datasheet bf16 peak), peak GPU memory, lathe's energy and mean power
+per phase where NVML reads them (`energy_j_by_phase`, `power_w_by_phase`, `power_limit_w`: `lathe.track.energy`), and
+lathe/TRL speed-up.
 
 Speed of light (lathe, `lathe.speed_of_light`): per phase (gen = prefill + decode, old_log_prob, ref, update_actor,
 those the run reports; not the weight sync, which has no bound) `{"measured_s", "light_s", "fraction"}`, light_s

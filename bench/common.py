@@ -52,23 +52,20 @@ SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, v
 _QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                       num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
                       num_key_value_heads=4, head_dim=128, vocab_size=QWEN_VOCAB, tie_word_embeddings=False)
+_GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_experts=32,
+                    num_experts_per_tok=4, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                    head_dim=64, vocab_size=201088, tie_word_embeddings=False, sliding_window=128,
+                    layer_types=["sliding_attention", "full_attention"] * 12)
 SHAPES.update({
     "30b-a3b": _QWEN3_30B_A3B,
     "30b-a3b-12l": {**_QWEN3_30B_A3B, "num_hidden_layers": 12},
-    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_experts=32,
-                        num_experts_per_tok=4, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
-                        head_dim=64, vocab_size=201088, tie_word_embeddings=False, sliding_window=128,
-                        layer_types=["sliding_attention", "full_attention"] * 12),
+    "gpt-oss-20b": _GPT_OSS_20B,
     # 8 of its 24 layers (about 8B): an A/B of both arms fits one device call
-    "gpt-oss-20b-8l": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_experts=32,
-                           num_experts_per_tok=4, num_hidden_layers=8, num_attention_heads=64, num_key_value_heads=8,
-                           head_dim=64, vocab_size=201088, tie_word_embeddings=False, sliding_window=128,
-                           layer_types=["sliding_attention", "full_attention"] * 4),
+    "gpt-oss-20b-8l": {**_GPT_OSS_20B, "num_hidden_layers": 8,
+                       "layer_types": ["sliding_attention", "full_attention"] * 4},
     # 4 of GPT-OSS-20B's layers: the step-1 kl_loss probe (bench/moe_kl_probe.py, e2e_kl_step1_oss4_*)
-    "gpt-oss-20b-4l": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_experts=32,
-                           num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8,
-                           head_dim=64, vocab_size=201088, tie_word_embeddings=False, sliding_window=128,
-                           layer_types=["sliding_attention", "full_attention"] * 2),
+    "gpt-oss-20b-4l": {**_GPT_OSS_20B, "num_hidden_layers": 4,
+                       "layer_types": ["sliding_attention", "full_attention"] * 2},
     "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_experts=8,
                          num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, vocab_size=1024, tie_word_embeddings=False, sliding_window=8,
@@ -541,7 +538,7 @@ def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float |
                                                  for k in steps[-1] if k.startswith("perf/max_memory_allocated_gb/")}}
     row["rollout"] = {k.split("/", 1)[1]: med(k) for k in sorted({k for s in timed for k in s
                                                                    if k.startswith("rollout/")})}
-    # the device's energy and mean power per phase (lathe.track.energy: NVML's counter; a single-process run)
+    # the devices' energy and mean power per phase (lathe.track.energy: NVML's counters)
     for key, name in (("perf/energy_j/", "energy_j_by_phase"), ("perf/power_w/", "power_w_by_phase")):
         found = sorted({k for s in timed for k in s if k.startswith(key)})
         if found:

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, device_name, git_sha, print_and_write, slug  # noqa: E402
 
-from lathe.track.energy import _nvml_for, cuda_uuid  # noqa: E402
+from lathe.track.energy import DeviceEnergy  # noqa: E402
 
 
 def main() -> None:
@@ -31,8 +31,8 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     device = torch.device("cuda")
-    nvml = _nvml_for(cuda_uuid(device) or "")
-    if nvml is None:
+    meter = DeviceEnergy.open(device)
+    if meter is None:
         sys.exit("energy_counter: NVML gives no energy counter for this device")
     a = torch.randn(args.size, args.size, device=device, dtype=torch.bfloat16)
     for _ in range(20):
@@ -42,13 +42,13 @@ def main() -> None:
     while time.perf_counter() - start < args.seconds:
         for _ in range(5):
             a @ a
-        reads.append((time.perf_counter() - start, nvml.energy_mj()))
+        reads.append((time.perf_counter() - start, meter.read_mj()))
     torch.cuda.synchronize()
     changed = [t for (t, mj), (_, before) in zip(reads[1:], reads) if mj != before]
     n = 1000
     t = time.perf_counter()
     for _ in range(n):
-        nvml.energy_mj()
+        meter.read_mj()
     read_us = (time.perf_counter() - t) / n * 1e6
     name = device_name(device)
     doc = {"what": f"NVML's energy counter read {len(reads)} times over {args.seconds} s of {args.size}^3 bf16 "
@@ -59,7 +59,7 @@ def main() -> None:
            "median_step_s": statistics.median(b - a for a, b in zip(changed, changed[1:])) if len(changed) > 2
            else None,
            "read_us": read_us, "watts": (reads[-1][1] - reads[0][1]) / 1000 / (reads[-1][0] - reads[0][0]),
-           "power_limit_w": nvml.power_limit_w()}
+           "power_limit_w": meter.limit}
     print_and_write(doc, str(args.out or ROOT / "bench" / "results" / f"energy_counter_{slug(name)}.json"))
 
 

@@ -73,11 +73,7 @@ def gaps(spans: list[tuple[float, float, str]], largest: int = 25) -> dict:
 
 def tables(trace: dict) -> dict:
     """{phase: {wall_s, device_s, idle_s, span_s, classes, kernels, gaps, host_top}}."""
-    kept, profile.TOP = profile.TOP, 1 << 20         # every kernel, not the summary's few
-    try:
-        phases = profile.device_phases(trace)
-    finally:
-        profile.TOP = kept
+    phases = profile.device_phases(trace, top=1 << 20)      # every kernel, not the summary's few
     spans = launched_by_phase(trace)
     out = {}
     for name, phase in phases.items():

@@ -68,9 +68,9 @@ class RankHost:
         """NVML's name of this rank's GPU (the driver's energy meter reads it: `lathe.track.energy.for_cluster`)."""
         if not self.use_gpu:
             return None
-        from lathe.track.energy import cuda_uuid
+        from lathe.device import nvidia_uuid
         try:
-            return cuda_uuid(self._device())
+            return nvidia_uuid(self._device())
         except Exception:   # noqa: BLE001 - a device without a UUID: no energy figures, the run goes on
             return None
 

@@ -68,12 +68,6 @@ def _nvml_for(uuid: str) -> _Nvml | None:
     return nvml if nvml.energy_mj() is not None else None
 
 
-def cuda_uuid(device) -> str | None:
-    """NVML's name (`GPU-<uuid>`) of a CUDA device, or None where it has none (a CPU, an AMD device)."""
-    from lathe.device import nvidia_uuid
-    return nvidia_uuid(device)
-
-
 class DeviceEnergy:
     """Accumulates joules (and seconds) per phase until `reset()`; `read_mj` gives the devices' energy counter (the
     sum of `devices` devices')."""
@@ -88,7 +82,8 @@ class DeviceEnergy:
     @classmethod
     def open(cls, device) -> DeviceEnergy | None:
         """The meter of `device` (a torch device), or None where NVML cannot read its energy."""
-        uuid = cuda_uuid(device)
+        from lathe.device import nvidia_uuid          # (lathe.track stays free of torch until a meter is opened)
+        uuid = nvidia_uuid(device)
         return cls.open_uuids([uuid]) if uuid else None
 
     @classmethod

@@ -95,8 +95,8 @@ def _descendants(event) -> Iterator:
         stack.extend(e.cpu_children)
 
 
-def _top(tally: dict[str, list[float]], key: str) -> list[dict]:
-    rows = sorted(tally.items(), key=lambda kv: -kv[1][0])[:TOP]
+def _top(tally: dict[str, list[float]], key: str, top: int = TOP) -> list[dict]:
+    rows = sorted(tally.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"name": n[:160], key: s, "calls": c} for n, (s, c) in rows]
 
 
@@ -130,8 +130,9 @@ LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")       # cudaLaunchKernel, cu
 NO_PHASE = "(outside the timed phases)"
 
 
-def device_phases(trace: dict) -> dict[str, dict]:
-    """{phase: {wall_s, device_s, device_busy_fraction, kinds, top, host_top}} from a Chrome trace of a CUDA run.
+def device_phases(trace: dict, top: int = TOP) -> dict[str, dict]:
+    """{phase: {wall_s, device_s, device_busy_fraction, kinds, top, host_top}} from a Chrome trace of a CUDA run
+    (`top`: the longest kernels and host operators listed, of each).
 
     A device kernel (or copy) belongs to the phase during which the host launched it, on whichever thread: the
     backward pass launches from autograd's own thread, a CUDA graph replay launches all the graph's kernels at once,
@@ -175,8 +176,8 @@ def device_phases(trace: dict) -> dict[str, dict]:
             kinds["matmul" if cls == "matmul" else "attention" if cls.startswith("attention") else "other"] += s
         wall = walls.get(name)
         out[name] = {"wall_s": wall, "device_s": total, "device_busy_fraction": total / wall if wall else None,
-                     "kinds": kinds, "classes": classes, "top": _top(tally, "s"),
-                     "host_top": _top(host.get(name, {}), "self_s")}
+                     "kinds": kinds, "classes": classes, "top": _top(tally, "s", top),
+                     "host_top": _top(host.get(name, {}), "self_s", top)}
     return out
 
 

@@ -200,48 +200,9 @@ def test_compile_decoder_rejects_other_models():
     assert maybe_compile(torch.nn.Linear(2, 2), True, device="cuda") is False
 
 
-def _stand_in_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
-    """flash `varlen_attn`'s causal contract on the CPU, traceable: each token attends to the earlier tokens of its
-    own packed sequence (a dense mask)."""
-    assert window_size == (-1, 0) and cu_k is cu_q and (enable_gqa or q.shape[1] == k.shape[1])
-    torch._check(max_q >= 1)
-    tokens = torch.arange(q.shape[0])
-    seq = torch.searchsorted(cu_q[1:].long(), tokens, right=True)
-    mask = (seq[:, None] == seq[None, :]) & (tokens[:, None] >= tokens[None, :])
-    out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(0, 1) for x in (q, k, v)), attn_mask=mask,
-                                                           enable_gqa=enable_gqa)
-    return out.transpose(0, 1)
-
-
-@pytest.mark.parametrize("params", [{"enable_gqa", "window_size"}, {"window_size"}], ids=["gqa_flag", "repeated_kv"])
-def test_flash_attention_runs_inside_the_compiled_layer_graph(monkeypatch, params):
-    """Where varlen_attn takes grouped K/V, a compiled layer calls it in its graph (no break around attention): the
-    same values and gradients as the eager per-sequence attention, and no compile for new lengths and longest
-    sequences (the longest is a marked size, not an int the graph would guard on)."""
-    from torch.nn.attention import varlen
-    from lathe.models import attention
-    monkeypatch.setattr(attention, "varlen_signature", lambda: frozenset(params))
-    monkeypatch.setattr(attention, "varlen_takes_gqa", lambda index, dtype: False)   # (older torch: K/V repeated)
-    monkeypatch.setattr(varlen, "varlen_attn", _stand_in_varlen)
-    eager = _tiny()
-    compiled = compile_decoder(copy.deepcopy(eager), backend="aot_eager")
-    monkeypatch.setattr(compiled, "packed_backend", lambda: "varlen")
-    assert attention.PackedAttention(torch.tensor([0, 3]), 3, "varlen").in_graph
-    counters.clear()
-    s = _stream([7, 3, 11], seed=1)
-    _assert_close(_step(compiled, s), _step(eager, s))
-    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
-    before = _graphs()
-    for seed, lengths in enumerate([[4, 9], [13, 2, 6], [5, 5, 5, 8, 20]]):
-        s = _stream(lengths, seed=seed + 2)
-        _assert_close(_step(compiled, s), _step(eager, s))
-    assert _graphs() == before, f"new lengths recompiled {_graphs() - before} graph(s)"
-
-
 @pytest.mark.gpu
 def test_cuda_bf16_varlen_compiled_step_matches_eager_and_does_not_recompile():
-    """The GPU path: bf16, varlen attention inside the compiled layers' graphs where this torch's varlen_attn takes
-    grouped K/V (`PackedAttention.in_graph`; else eager between them), inductor (Triton) kernels."""
+    """The GPU path: bf16, varlen attention left eager inside the compiled layers, inductor (Triton) kernels."""
     eager = _tiny().to("cuda", torch.bfloat16)
     assert eager.packed_backend() == "varlen"
     compiled = copy.deepcopy(eager)

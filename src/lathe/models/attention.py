@@ -219,30 +219,6 @@ class PackedAttention:
 
     def __post_init__(self):
         self._bounds = None
-        # Flash attention 2 where `varlen_attn` takes a causal `window_size`: a compiled layer calls it inside its
-        # graph (`flash`), no graph break around attention (`DecoderLayer.forward`); the bounds cast once here for all
-        # layers, their length (the batch's sequences) marked dynamic like the tokens, and the longest sequence held
-        # as a size (of an empty tensor), not as an int: a compiled layer would guard on an int attribute's value and
-        # compile again for the next batch's, a marked size is symbolic from the start
-        params = varlen_signature() if self.backend == "varlen" else None
-        self.in_graph = params is not None and "window_size" in params
-        if self.in_graph:
-            self._gqa_flag = "enable_gqa" in params     # else the kernel given fewer K/V heads, where it computes GQA
-            self._grouped = self._gqa_flag or varlen_takes_gqa(self.cu_seqlens.device.index or 0, torch.bfloat16)
-            self._cu32 = self.cu_seqlens.to(torch.int32)
-            self._longest = torch.empty(int(self.max_seqlen), 0)
-            for t in (self._cu32, self._longest):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-
-    def flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal flash attention over the packed sequences (`in_graph` only): traceable, so a compiled layer keeps
-        it in its graph; the eager call takes the same kernel with the same arguments."""
-        from torch.nn.attention.varlen import varlen_attn
-        longest, groups = self._longest.shape[0], q.shape[1] // k.shape[1]
-        kwargs = {"enable_gqa": groups > 1} if self._gqa_flag else {}
-        if groups > 1 and not self._grouped:
-            k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
-        return varlen_attn(q, k, v, self._cu32, self._cu32, longest, longest, window_size=(-1, 0), **kwargs)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None,
                  window: int | None = None) -> torch.Tensor:
@@ -250,8 +226,6 @@ class PackedAttention:
             if self.backend in FLASH_BACKENDS:
                 return self._flash_with_options(q, k, v, sinks, window)
             return self._explicit(q, k, v, sinks, window)
-        if self.in_graph:
-            return self.flash(q, k, v)
         if self.backend in FLASH_BACKENDS:
             cu = self.cu_seqlens.to(torch.int32)
             return flash_causal(self.backend, q, k, v, cu, cu, self.max_seqlen, self.max_seqlen)

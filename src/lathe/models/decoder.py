@@ -161,15 +161,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         # self_attn's steps spelled out here, so that in a compiled layer the graph breaks at `attend` in this
         # frame: one graph before attention, one after, every input of both marked dynamic
-        # (or none: flash attention inside the graph, where the attention offers it and the layer has no options)
         rotates = attn.rotates      # the attention applies RoPE itself
         q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin, rotate=not rotates)
-        options = self.self_attn.options()
-        if torch.compiler.is_compiling() and getattr(attn, "in_graph", False) and not options:
-            out = attn.flash(q, k, v).flatten(-2)
-        else:
-            out = attend(attn, q, k, v, torch.compiler.is_compiling(), (cos, sin) if rotates else None, options)
-        x = x + self.self_attn.o_proj(out)
+        x = x + self.self_attn.o_proj(attend(attn, q, k, v, torch.compiler.is_compiling(),
+                                             (cos, sin) if rotates else None, self.self_attn.options()))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -1,6 +1,7 @@
 """Is the engine's decode host-bound? Each `LatheEngine.generate` call timed step by step: the host's busy time (a
-step's wall time less its wait for the previous step's tokens), the device's time in each decode graph and the
-device's idle gap before the next one (CUDA events around the replay).
+step's wall time less its wait for the previous step's tokens) and its parts (scheduling, resolving the previous
+step's tokens, the placeholders, the graph's input staging and launch), the device's time in each decode graph and
+the device's idle gap before the next one (CUDA events around the staging and replay).
 
     python bench/decode_host.py [--model 0.5b] [--out FILE]        # the engine alone, e2e's rollout shape
     python bench/decode_host.py --train FILE train base key=value ...   # inside `lathe train` (bench/e2e.py's command)
@@ -41,15 +42,29 @@ def instrument() -> list[dict]:
         cur["wait"] = cur.get("wait", 0.0) + time.perf_counter() - start
         return to_host(self)
 
+    def timed(fn, key):
+        def wrapped(*a, **k):
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            cur[key] = cur.get(key, 0.0) + time.perf_counter() - start
+            return out
+        return wrapped
+
     def timed_generate(engine, *args, **kwargs):
         graphs, events, steps = engine.runner.graphs, [], []
         run, step = graphs.run, engine.step
+        schedule, resolve = engine.scheduler.schedule, engine._resolve
+        placeholders = llm_engine._InFlight.add_placeholders
+        engine.scheduler.schedule, engine._resolve = timed(schedule, "schedule"), timed(resolve, "resolve")
+        llm_engine._InFlight.add_placeholders = timed(placeholders, "placeholders")
 
         def timed_run(*a, **k):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = time.perf_counter()
             begin.record()
             out = run(*a, **k)
             end.record()
+            cur["staging_and_launch"] = time.perf_counter() - start
             events.append((begin, end))
             return out
 
@@ -66,7 +81,8 @@ def instrument() -> list[dict]:
             out = generate(engine, *args, **kwargs)
             torch.cuda.synchronize()
         finally:
-            graphs.run, engine.step = run, step
+            graphs.run, engine.step, engine.scheduler.schedule, engine._resolve = run, step, schedule, resolve
+            llm_engine._InFlight.add_placeholders = placeholders
         calls.append(summarize(time.perf_counter() - start, steps, events))
         print("decode_host", json.dumps(calls[-1]), flush=True)
         return out
@@ -84,7 +100,11 @@ def summarize(wall: float, steps: list[dict], events: list) -> dict:
             "other_steps_s": sum(s["wall"] for s in steps if not s["graph"]),
             "device_graph_s": sum(busy), "device_gap_s": sum(gaps), "gaps_over_100us": sum(g > 1e-4 for g in gaps),
             "largest_gaps_ms": [g * 1e3 for g in sorted(gaps)[-8:]], "device_step_ms": ms(busy),
-            "host_busy_ms": ms(host), "host_wait_s": sum(s.get("wait", 0.0) for s in decode)}
+            "host_busy_ms": ms(host), "host_wait_s": sum(s.get("wait", 0.0) for s in decode),
+            # the host's mean per decode step in each part (`resolve` less its wait for the device)
+            "host_sections_ms": {key: float(np.mean([s.get(key, 0.0) - (s.get("wait", 0.0) if key == "resolve" else 0)
+                                                     for s in decode])) * 1e3 if decode else None
+                                 for key in ("schedule", "resolve", "placeholders", "staging_and_launch")}}
 
 
 def engine_alone(name: str) -> list[dict]:

@@ -28,9 +28,9 @@ def test_summary_separates_host_work_waits_device_time_and_gaps():
     # three decode graphs of 1.5 ms; the device idles 0.05 ms before the second and 0.3 ms before the third
     events = [(Event(0.0), Event(1.5)), (Event(1.55), Event(3.05)), (Event(3.35), Event(4.85))]
     steps = [{"wall": 0.020, "graph": False},                       # a prefill
-             {"wall": 0.0016, "wait": 0.0010, "graph": True},
-             {"wall": 0.0020, "wait": 0.0002, "graph": True},
-             {"wall": 0.0012, "graph": True}]
+             {"wall": 0.0016, "wait": 0.0010, "resolve": 0.0011, "graph": True},
+             {"wall": 0.0020, "wait": 0.0002, "resolve": 0.0005, "graph": True},
+             {"wall": 0.0012, "schedule": 0.0003, "graph": True}]
     row = decode_host.summarize(0.03, steps, events)
     assert row["decode_steps"] == 3 and row["other_steps_s"] == pytest.approx(0.020)
     assert row["device_graph_s"] == pytest.approx(4.5e-3)
@@ -39,3 +39,6 @@ def test_summary_separates_host_work_waits_device_time_and_gaps():
     assert row["host_wait_s"] == pytest.approx(1.2e-3)
     assert row["host_busy_ms"][50] == pytest.approx(1.2)            # busy: 0.6, 1.8, 1.2 ms
     assert row["device_step_ms"][50] == pytest.approx(1.5)
+    sections = row["host_sections_ms"]                              # resolve less its wait: 0.1, 0.3, 0 ms
+    assert sections["resolve"] == pytest.approx(0.4 / 3) and sections["schedule"] == pytest.approx(0.1)
+    assert sections["placeholders"] == 0

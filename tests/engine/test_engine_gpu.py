@@ -236,6 +236,7 @@ def test_cuda_overlapped_scheduling_equals_step_by_step(checkpoints, sampler):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert outs[1].token_ids == outs[0].token_ids and outs[1].finish_reasons == outs[0].finish_reasons
     assert "stop" in outs[0].finish_reasons and outs[1].metrics["rollout/num_preemptions"] > 0
+    assert all(out.metrics["timing_s/rollout_device_wait"] > 0 for out in outs)     # (each step's event waited on)
     assert_close_rel(torch.tensor([x for r in outs[1].logprobs for x in r]),     # batch shapes differ: the last
                      torch.tensor([x for r in outs[0].logprobs for x in r]), name="log-probs", rel=1e-4)   # bits may too
 

@@ -387,3 +387,38 @@ def test_samples_fork_when_prefix_caching_is_off(checkpoints, async_scheduling, 
     assert [outs[f].metrics["rollout/prefill_tokens"] for f in (True, False)] == [sum(computed[True]),
                                                                                  sum(computed[False])]
     assert not _engine(path).fork_samples
+
+
+class _SlowEvent:
+    """A CUDA event's stand-in whose device takes `seconds` to reach it."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def synchronize(self) -> None:
+        import time
+        time.sleep(self.seconds)
+
+
+def test_the_hosts_wait_for_sampled_tokens_is_reported_per_call(checkpoints, monkeypatch):
+    """`timing_s/rollout_device_wait`: each step's wait for its tokens (the event's synchronize), summed over the call;
+    on the CPU, where the host computes each step itself, 0."""
+    from lathe.engine import llm_engine
+    path, _ = checkpoints["qwen2"]
+    engine = _engine(path, async_scheduling=True)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
+    out = engine.generate(PROMPTS, params)
+    assert out.metrics["timing_s/rollout_device_wait"] == 0.0
+    made = llm_engine._InFlight.__init__
+    steps = []
+
+    def with_event(self, seqs, sampled):
+        made(self, seqs, sampled)
+        self.host, self.event = self.out, _SlowEvent(0.002)
+        steps.append(self)
+    monkeypatch.setattr(llm_engine._InFlight, "__init__", with_event)
+    again = engine.generate(PROMPTS, params)
+    assert again.token_ids == out.token_ids
+    waited = again.metrics["timing_s/rollout_device_wait"]
+    assert len(steps) >= MAX and 0.002 * len(steps) <= waited < 0.002 * len(steps) + 5.0
+    assert engine.device_wait_s == waited

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 import weakref
 from collections.abc import Iterable
 
@@ -110,11 +111,14 @@ class _InFlight:
                 seq.num_fed = len(ids) - 1      # (its last token, on the device, is never fed)
                 finish(seq, "length")
 
-    def to_host(self) -> tuple[list[float], list[float]]:
+    def to_host(self) -> tuple[list[float], list[float], float]:
+        """(token ids, log-probs) as host lists, and the seconds the host waited for the device to reach them."""
         if self.event is None:
-            return self.out.tolist()
+            return *self.out.tolist(), 0.0
+        start = time.perf_counter()
         self.event.synchronize()
-        return self.host.tolist()
+        waited = time.perf_counter() - start
+        return *self.host.tolist(), waited
 
 
 def _recording(items: Iterable[tuple[str, torch.Tensor]], names: set[str]):
@@ -207,6 +211,9 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         # overlap needs a device that runs behind the host; on the CPU it would only run stopped rows once more
         self.async_scheduling = model.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._inflight: _InFlight | None = None
+        # seconds the host has waited for decode steps' sampled tokens: near the decode's time where the device paces
+        # it, near 0 where the host does (its scheduling and launches slower than the device's steps)
+        self.device_wait_s = 0.0
         if not self.vl and (compile_model if compile_model is not None else model.device.type == "cuda"):
             from lathe.models.compile import compile_decoder
             compile_decoder(model)    # fuses norms, RoPE, SwiGLU; the decode graphs capture the compiled kernels
@@ -341,6 +348,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
             seqs = self._make_sequences(prompt_token_ids, params, first_index, multi_modal_inputs)
             self.scheduler.new_call()
             preempted, prefilled = self.scheduler.num_preemptions, self.scheduler.num_prefill_tokens
+            waited = self.device_wait_s
             graphs = self.runner.graphs
             captured = (graphs.captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
             for seq in seqs:
@@ -377,7 +385,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                                       "rollout/graph_captures": (graphs.captures if graphs else 0) - captured[0],
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
                                       - captured[1],
-                                      **(spec_metrics(seqs) if self.drafter is not None else {})})
+                                      **({"timing_s/rollout_device_wait": self.device_wait_s - waited}
+                                         if self.drafter is None else spec_metrics(seqs))})
 
     def _take_routing(self, seq: Sequence) -> None:
         seq.routed_experts = self.routing.take(seq)
@@ -585,7 +594,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         they complete (see below), stop the sequences that sampled a stop token or completed a stop string."""
         if step is None:
             return
-        tokens, logprobs = step.to_host()
+        tokens, logprobs, waited = step.to_host()
+        self.device_wait_s += waited
         bm, bs, matchers = self.block_manager, self.block_manager.block_size, self._stop_matchers
         # A block is keyed (reusable by later prompts) only once its last token's KV is computed: by the step now
         # running (`ahead`), or by the sequence's next decode step. A finished sequence's last token never gets KV,

@@ -18,7 +18,8 @@ from lathe.rollout.base import concat_rollouts
 from lathe.workers.judge import timed_judge
 
 SUMMED_ROLLOUT_METRICS = ("rollout/num_preemptions", "rollout/graph_captures", "rollout/prefill_tokens",
-                          "timing_s/rollout_wake_up", "timing_s/rollout_sleep", "timing_s/graph_capture")
+                          "timing_s/rollout_wake_up", "timing_s/rollout_sleep", "timing_s/graph_capture",
+                          "timing_s/rollout_device_wait")
 
 
 class DynamicSamplingExhausted(ValueError):

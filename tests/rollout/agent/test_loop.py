@@ -232,6 +232,7 @@ def test_with_no_tool_calls_the_loop_samples_what_generate_samples(qwen_tok, sam
     out = loop.generate(prompts, params, first_index=6)
     ref = engine.generate(prompts, SamplingParams(**{**params.__dict__, "stop_token_ids": [im_end]}), first_index=6)
     assert out.token_ids == ref.token_ids and out.finish_reasons == ref.finish_reasons
+    assert out.metrics["timing_s/rollout_device_wait"] == ref.metrics["timing_s/rollout_device_wait"] == 0.0   # (CPU)
     assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5) for a, b in zip(out.logprobs, ref.logprobs))
     a, b = to_batch(prompts, out, qwen_tok.pad_token_id, 2), to_batch(prompts, ref, qwen_tok.pad_token_id, 2)
     for key in ("input_ids", "attention_mask", "position_ids", "response_mask"):

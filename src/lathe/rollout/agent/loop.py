@@ -168,6 +168,7 @@ class AgentLoop:
                          multi_modal_inputs=multi_modal_inputs, request_prefix=request_prefix)
         scheduler = getattr(self.engine, "scheduler", None)
         interval = getattr(scheduler, "prefill_interval", None)
+        waited = getattr(self.engine, "device_wait_s", None)      # lathe's engine: the host's wait for the device
         if interval is not None:                # next turns arrive one by one: batch their prefills
             scheduler.prefill_interval = self.settings.prefill_interval
         with ThreadPoolExecutor(max_workers=max(1, self.settings.max_concurrent_tool_calls),
@@ -180,7 +181,10 @@ class AgentLoop:
                     scheduler.prefill_interval = interval
                 for t in call.trajs:
                     self._close(t)
-        return self.output(call)
+        out = self.output(call)
+        if waited is not None and getattr(self.engine, "drafter", None) is None:   # (as LatheEngine.generate reports)
+            out.metrics["timing_s/rollout_device_wait"] = self.engine.device_wait_s - waited
+        return out
 
     def open(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int = 0,
              tools_kwargs: list[dict | None] | None = None, interaction_kwargs: list[dict | None] | None = None,

@@ -33,14 +33,7 @@ def instrument() -> list[dict]:
     """Wrap `LatheEngine.generate` (and, during a call, the engine's step and graph replay); returns the list each
     call's row is appended to."""
     calls, cur = [], {}
-    to_host, generate = llm_engine._InFlight.to_host, llm_engine.LatheEngine.generate
-
-    def timed_to_host(self):
-        start = time.perf_counter()
-        if self.event is not None:
-            self.event.synchronize()
-        cur["wait"] = cur.get("wait", 0.0) + time.perf_counter() - start
-        return to_host(self)
+    generate = llm_engine.LatheEngine.generate
 
     def timed(fn, key):
         def wrapped(*a, **k):
@@ -68,11 +61,12 @@ def instrument() -> list[dict]:
             events.append((begin, end))
             return out
 
-        def timed_step():
+        def timed_step():     # (the wait for the previous step's tokens: the engine's own `device_wait_s`)
             cur.clear()
-            n, start = len(events), time.perf_counter()
+            n, waited, start = len(events), engine.device_wait_s, time.perf_counter()
             out = step()
-            steps.append(dict(cur, wall=time.perf_counter() - start, graph=len(events) > n))
+            steps.append(dict(cur, wall=time.perf_counter() - start, wait=engine.device_wait_s - waited,
+                              graph=len(events) > n))
             return out
         graphs.run, engine.step = timed_run, timed_step
         torch.cuda.synchronize()
@@ -86,7 +80,7 @@ def instrument() -> list[dict]:
         calls.append(summarize(time.perf_counter() - start, steps, events))
         print("decode_host", json.dumps(calls[-1]), flush=True)
         return out
-    llm_engine._InFlight.to_host, llm_engine.LatheEngine.generate = timed_to_host, timed_generate
+    llm_engine.LatheEngine.generate = timed_generate
     return calls
 
 

@@ -58,7 +58,8 @@ def test_the_decoder_projections_convert_and_the_rest_stays(make_lathe):
     assert all(type(t) is torch.Tensor for t in after.values())
 
 
-@pytest.mark.parametrize("recipe,extra", [("tensorwise", ()), ("rowwise", ()),
+@pytest.mark.parametrize("recipe,extra", [("tensorwise", ()), ("rowwise", ()), ("tensorwise_with_gw_hp", ()),
+                                          ("rowwise_with_gw_hp", ()),
                                           ("tensorwise", ("actor_rollout_ref.model.enable_gradient_checkpointing=true",))])
 def test_an_fp8_update_stays_close_to_the_full_precision_one(load_cfg, rollout_batch, recipe, extra):
     """The same batch, the same starting weights: the loss and the gradient norm of the emulated FP8 update are
@@ -151,6 +152,7 @@ def test_fp8_pays_from_torchaos_sizes_on():
     assert fp8.pays("tensorwise", 3584, 3584) and fp8.pays("tensorwise", 18944, 3584)
     assert not fp8.pays("tensorwise", 512, 3584) and fp8.pays("tensorwise", 3584, 18944)
     assert not fp8.pays("rowwise", 1536, 8960) and fp8.pays("rowwise", 8960, 1536)
+    assert fp8.pays("rowwise_with_gw_hp", 1536, 8960) and not fp8.pays("rowwise_with_gw_hp", 256, 1536)
 
 
 def test_the_device_check_fails_up_front_outside_emulation():
@@ -209,7 +211,8 @@ def _wide_model():
 
 
 @pytest.mark.gpu
-def test_fp8_update_on_a_gpu(load_cfg, rollout_batch):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
+def test_fp8_update_on_a_gpu(load_cfg, rollout_batch, recipe):
     """The real FP8 products (torch._scaled_mm, the decoder layers compiled) on an FP8 GPU under bf16 mixed
     precision: close to the bf16 update, and the engine receives the plain bf16 weights."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
@@ -219,7 +222,7 @@ def test_fp8_update_on_a_gpu(load_cfg, rollout_batch):
     ref_worker = _worker(load_cfg, *gpu, device="cuda", model=_wide_model)
     batch = worker_ppo_batch(ref_worker, rollout_batch)
     ref = ref_worker.update_actor(batch)
-    worker = _worker(load_cfg, *gpu, f"{KEY}=tensorwise", device="cuda", model=_wide_model)
+    worker = _worker(load_cfg, *gpu, f"{KEY}={recipe}", device="cuda", model=_wide_model)
     assert fp8.is_converted(worker.model) and not fp8.is_converted(worker.rollout.backend.model)
     assert len(fp8.targets(worker.ref.model)) == 2 * 5     # q, o, gate, up, down (k/v too small to pay)
     out = worker.update_actor(batch)

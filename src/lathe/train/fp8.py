@@ -44,7 +44,7 @@ from torch import nn
 log = logging.getLogger("lathe")
 
 KEY = "actor_rollout_ref.actor.fsdp_config.fp8_training"
-RECIPES = ("tensorwise", "rowwise")       # lathe.config.choices.Fp8Recipe mirrors it
+RECIPES = ("tensorwise", "rowwise", "tensorwise_with_gw_hp", "rowwise_with_gw_hp")   # config.choices.Fp8Recipe too
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")   # a router as an nn.Linear (transformers' MoE blocks)
 _emulate = False                          # set by `emulated()` (tests only)
 
@@ -92,7 +92,14 @@ def float8_config(recipe: str):
     packed micro-batch's token count seldom is (torchao pads the FP8 operands with zeros, which add nothing)."""
     import dataclasses
     float8 = _torchao(KEY)
-    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise_with_gw_hp":       # tensorwise products, the weight gradient's in bf16
+        from torchao.float8.config import CastConfig, ScalingType
+        grad = float8.Float8LinearConfig().cast_config_grad_output.target_dtype     # (e5m2: as both its uses)
+        config = float8.Float8LinearConfig(
+            cast_config_input_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED),
+            cast_config_grad_output_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED, target_dtype=grad))
+    else:
+        config = float8.Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(config, pad_inner_dim=True, emulate=_emulate)
 
 
@@ -102,7 +109,7 @@ def pays(recipe: str, out_features: int, in_features: int) -> bool:
     n, k = out_features, in_features
     if _emulate:
         return True
-    if recipe == "tensorwise":
+    if recipe.startswith("tensorwise") or recipe == "rowwise_with_gw_hp":
         return not (k <= 4096 and n <= 1024)
     return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
 

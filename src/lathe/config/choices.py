@@ -26,7 +26,7 @@ Strategy = Literal["fsdp", "fsdp2", "fsdp_turbo", "megatron", "megatron_lite", "
 # verl's `model_engine` (the Hydra group that picks the backend's config groups); dp = fsdp
 ModelEngine = Literal["dp", "fsdp", "megatron", "veomni", "torchtitan"]
 # lathe.train.fp8.RECIPES: torchao float8 training recipes of the actor's linear layers (null = bf16)
-Fp8Recipe = Literal["tensorwise", "rowwise", "tensorwise_with_gw_hp", "rowwise_with_gw_hp"]
+Fp8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 # verl's fsdp_config.strategy (an engine override within FSDP)
 FSDPStrategy = Literal["fsdp", "fsdp2"]
 # lathe.algo.aggregate.LOSS_AGG_MODES

@@ -8,12 +8,16 @@ the device's idle gap before the next one (CUDA events around the staging and re
 
 The first form builds random bf16 weights of a bench/common.py shape and generates 32 prompts of 256 tokens x 8
 samples, 512 new tokens each (ignore_eos), three calls; the second runs the lathe command in this process with every
-generate call instrumented (its rows in FILE, one per call).
+generate call instrumented (its rows in FILE, one per call). `--cprofile` adds a fourth call whose engine steps run
+under Python's profiler: the functions the host spends the call's steps in, by own time an engine step (its
+`host_profile`; nearly all steps are decode steps; the profiler slows the host, so that call's other figures are not
+comparable with the first three).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import sys
@@ -29,9 +33,10 @@ from common import SHAPES, build_hf, device_name, git_sha, random_prompts  # noq
 from lathe.engine import llm_engine  # noqa: E402
 
 
-def instrument() -> list[dict]:
+def instrument(profile: dict | None = None) -> list[dict]:
     """Wrap `LatheEngine.generate` (and, during a call, the engine's step and graph replay); returns the list each
-    call's row is appended to."""
+    call's row is appended to. While `profile["on"]` is true, each call's steps run under a `cProfile.Profile` and
+    its row gets `host_profile` (`profile_rows`)."""
     calls, cur = [], {}
     generate = llm_engine.LatheEngine.generate
 
@@ -64,10 +69,15 @@ def instrument() -> list[dict]:
         def timed_step():     # (the wait for the previous step's tokens: the engine's own `device_wait_s`)
             cur.clear()
             n, waited, start = len(events), engine.device_wait_s, time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             out = step()
+            if profiler is not None:
+                profiler.disable()
             steps.append(dict(cur, wall=time.perf_counter() - start, wait=engine.device_wait_s - waited,
                               graph=len(events) > n))
             return out
+        profiler = cProfile.Profile() if profile and profile.get("on") else None
         graphs.run, engine.step = timed_run, timed_step
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -78,6 +88,8 @@ def instrument() -> list[dict]:
             graphs.run, engine.step, engine.scheduler.schedule, engine._resolve = run, step, schedule, resolve
             llm_engine._InFlight.add_placeholders = placeholders
         calls.append(summarize(time.perf_counter() - start, steps, events))
+        if profiler is not None:
+            calls[-1]["host_profile"] = profile_rows(profiler, len(steps))
         print("decode_host", json.dumps(calls[-1]), flush=True)
         return out
     llm_engine.LatheEngine.generate = timed_generate
@@ -101,7 +113,18 @@ def summarize(wall: float, steps: list[dict], events: list) -> dict:
                                  for key in ("schedule", "resolve", "placeholders", "staging_and_launch")}}
 
 
-def engine_alone(name: str) -> list[dict]:
+def profile_rows(profiler: cProfile.Profile, steps: int, top: int = 25) -> list[dict]:
+    """The `top` functions by own time under `profiler`, each with its own and cumulative time and its calls per step
+    (over `steps` steps)."""
+    import pstats
+    stats = pstats.Stats(profiler).stats
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "own_ms_per_step": tt / steps * 1e3,
+             "cumulative_ms_per_step": ct / steps * 1e3, "calls_per_step": nc / steps}
+            for (file, line, name), (_, nc, tt, ct, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top]
+
+
+def engine_alone(name: str, cprofile: bool = False) -> list[dict]:
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation.sampling import SamplingParams
     from lathe.models.hf import lathe_from_transformers
@@ -111,8 +134,12 @@ def engine_alone(name: str) -> list[dict]:
     engine = LatheEngine(model, eos_token_id=vocab - 1, max_num_seqs=256, gpu_memory_utilization=0.5)
     prompts = random_prompts(32, 256, 256, vocab, 0)
     params = SamplingParams(n=8, temperature=1.0, max_tokens=512, ignore_eos=True, seed=0)
-    calls = instrument()
+    profile = {"on": False}
+    calls = instrument(profile)
     for _ in range(3):
+        engine.generate(prompts, params)
+    if cprofile:
+        profile["on"] = True
         engine.generate(prompts, params)
     return calls
 
@@ -128,9 +155,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="0.5b")
     p.add_argument("--out", type=Path)
+    p.add_argument("--cprofile", action="store_true", help="a fourth call under Python's profiler (module doc)")
     args = p.parse_args()
     result = {"device": device_name(torch.device("cuda")), "date": datetime.datetime.now(datetime.UTC).isoformat(),
-              "git_sha": git_sha(), "model": args.model, "calls": engine_alone(args.model)}
+              "git_sha": git_sha(), "model": args.model, "calls": engine_alone(args.model, args.cprofile)}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -1,6 +1,7 @@
 """bench/decode_host.py's arithmetic on hand-made steps and events: the host's busy time is a step's wall time less
 its wait, the device's graph time and idle gaps come from the events around each replay."""
 
+import cProfile
 import importlib.util
 import sys
 from pathlib import Path
@@ -42,3 +43,22 @@ def test_summary_separates_host_work_waits_device_time_and_gaps():
     sections = row["host_sections_ms"]                              # resolve less its wait: 0.1, 0.3, 0 ms
     assert sections["resolve"] == pytest.approx(0.4 / 3) and sections["schedule"] == pytest.approx(0.1)
     assert sections["placeholders"] == 0
+
+
+def _busy(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def test_profile_rows_rank_functions_by_own_time_per_step():
+    profiler = cProfile.Profile()
+    for _ in range(4):              # four "steps", each calling _busy twice
+        profiler.enable()
+        _busy(20000)
+        _busy(20000)
+        profiler.disable()
+    rows = decode_host.profile_rows(profiler, steps=4, top=50)
+    busy = next(r for r in rows if r["function"].endswith("(_busy)"))
+    assert busy["function"].startswith("test_bench_decode_host.py:") and busy["calls_per_step"] == 2
+    assert busy["cumulative_ms_per_step"] >= busy["own_ms_per_step"] > 0
+    own = [r["own_ms_per_step"] for r in rows]
+    assert own == sorted(own, reverse=True) and len(decode_host.profile_rows(profiler, 4, top=1)) == 1

@@ -121,9 +121,9 @@ def _fp8() -> list[Entry]:
         inert(f"{A_OTC}.fp8_interval", "delayed scaling's update interval; lathe's FP8 training scales each tensor "
               "by its current amax"),
         refuse(f"{A_OTC}.fp8_wgrad", f"{FP8} with high-precision weight gradients (Megatron's "
-               "fp8_wgrad=false) beside per-tensor scales", f"remove it (FP8 weight gradients), or remove it and fp8=hybrid "
-               f"and set {FP8_KEY}=rowwise_with_gw_hp (the weight gradient's product in bf16, the others in FP8 with a "
-               "scale per row)",
+               "fp8_wgrad=false) beside per-tensor scales", "remove it (FP8 weight gradients), or remove it and "
+               f"fp8=hybrid and set {FP8_KEY}=rowwise_with_gw_hp (the weight gradient's product in bf16, the others "
+               "in FP8 with a scale per row)",
                one_of(None, True)),
         refuse(f"{A_OTC}.fp8_param*", f"{FP8} with FP8 parameters (weights stored and gathered in FP8)", "remove it: lathe "
                "keeps the weights in bf16/fp32 and casts them at each forward")]

@@ -4,9 +4,8 @@
 MLA's projections) for torchao's `Float8Linear`: each forward casts the input and the weight to float8_e4m3 with
 scales computed from the current tensors (dynamic scaling, no amax history), and backward casts the output
 gradient, so the three matrix products of a linear layer (two with `rowwise_with_gw_hp`) run on the FP8 tensor cores
-(`torch._scaled_mm`) while the
-weights, their gradients, the optimizer and everything outside those products stay as they were (bf16 compute on
-fp32 master weights). Recipes (`torchao.float8.Float8LinearRecipeName`):
+(`torch._scaled_mm`) while the weights, their gradients, the optimizer and everything outside those products stay as
+they were (bf16 compute on fp32 master weights). Recipes (`torchao.float8.Float8LinearRecipeName`):
 
 - `tensorwise`: one scale per tensor, e4m3 forward and e5m2 gradients (Megatron's `fp8=hybrid` with
   `fp8_recipe=tensorwise`); at 7B the update 1.24x bf16 (`rowwise_with_gw_hp` not measured there);

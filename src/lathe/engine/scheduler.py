@@ -227,9 +227,23 @@ class Scheduler:
     def _schedule_decode(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
         self.decodes_since_prefill += 1
         self.num_steps["decode"] += 1
-        scheduled, copies, bs = [], [], self.block_manager.block_size
+        copies, bs, bm = [], self.block_manager.block_size, self.block_manager
         if self.num_lookahead_slots:
             return self._schedule_verify()
+        # The sequences whose slot is not simply in their own last block (a new block, a shared or keyed one). When the
+        # free blocks cover one each, none can be refused: `_schedule_decode_preempting` would preempt nothing and
+        # keep the order, so its work is done here without its per-row queue traffic (host time at hundreds of rows).
+        needs = [s for s in self.running if not (s.tail_private and (len(s.token_ids) - 1) % bs)]
+        if len(needs) > bm.num_free_blocks:
+            return self._schedule_decode_preempting()
+        for seq in needs:
+            copies.extend(bm.may_append(seq))
+        return list(self.running), False, copies
+
+    def _schedule_decode_preempting(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
+        """A decode step when the free blocks may run short: each running sequence in turn gets its slot, preempting
+        the most recently admitted ones while it cannot."""
+        scheduled, copies, bs = [], [], self.block_manager.block_size
         while self.running:
             seq = self.running.popleft()
             if seq.tail_private and (len(seq.token_ids) - 1) % bs:     # its slot is in its own last block

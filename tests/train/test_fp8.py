@@ -25,7 +25,6 @@ pytest.importorskip("torchao.float8", reason="torchao is not installed (pip inst
 
 KEY = "actor_rollout_ref.actor.fsdp_config.fp8_training"
 OTC = "+actor_rollout_ref.actor.megatron.override_transformer_config"
-FP8 = f"{KEY}=tensorwise"
 
 
 def _worker(load_cfg, *overrides, device="cpu", model=None):
@@ -129,13 +128,14 @@ def hf_init_model() -> torch.nn.Module:
 
 
 @pytest.mark.slow
-def test_fsdp2_on_two_gloo_ranks_trains_close_to_one_process_and_saves_plain_weights(tmp_path):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
+def test_fsdp2_on_two_gloo_ranks_trains_close_to_one_process_and_saves_plain_weights(tmp_path, recipe):
     """FSDP2 gathers the fp32 (bf16 on a GPU) shards and each forward casts them (no float8 all-gather): 2 ranks
     under FP8 update close to one process without it, the full state and the rollout's weights are plain tensors,
     and the sharded checkpoint they write resumes in one process without FP8 (or torchao)."""
-    (sharded, _), = run_ranks(2, tmp_path / "ranks", dict(fsdp_size=-1, steps=range(2), engine=True, overrides=(FP8,),
-                                                          model_fn=hf_init_model, save=tmp_path / "ckpt"),
-                              fn=fp8_train)
+    job = dict(fsdp_size=-1, steps=range(2), engine=True, overrides=(f"{KEY}={recipe}",), model_fn=hf_init_model,
+               save=tmp_path / "ckpt")
+    (sharded, _), = run_ranks(2, tmp_path / "ranks", job, fn=fp8_train)
     one = train(1, -1, steps=range(2), model_fn=hf_init_model)
     resumed = train(1, -1, steps=range(0), model_fn=hf_init_model, resume=tmp_path / "ckpt")
     assert all(torch.equal(t, resumed["weights"][k]) for k, t in sharded["weights"].items())

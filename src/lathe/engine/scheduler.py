@@ -227,7 +227,8 @@ class Scheduler:
     def _schedule_decode(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
         self.decodes_since_prefill += 1
         self.num_steps["decode"] += 1
-        copies, bs, bm = [], self.block_manager.block_size, self.block_manager
+        bm, copies = self.block_manager, []
+        bs = bm.block_size
         if self.num_lookahead_slots:
             return self._schedule_verify()
         # The sequences whose slot is not simply in their own last block (a new block, a shared or keyed one). When the

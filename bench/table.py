@@ -9,9 +9,10 @@ the latest result. A result is a bench's own output (its `models` in the shape t
 `date` and `git_sha`), either a whole file or one stored inside another file (e.g. the e2e run kept in
 `rollout_close_*.json`). Left out: A/B comparisons (files named `*_ab_*`), runs whose `git_sha` is not a plain commit
 (an A/B arm such as `a33534b-old`), a comparison's baseline arm (stored under a key such as `old_1` or `base`), runs
-through the one-GPU Ray path (`--ray`), rollout runs with admission changed, and e2e runs off the bench's default
-workload (other lengths, extra keys such as LoRA; a key that restates the bench's own gradient checkpointing for the
-shape is not one) or with a profiled step. "Latest" is by `date` (no time of day counts as midnight UTC).
+through the one-GPU Ray path (`--ray`), rollout runs with admission changed or a fixed load of other sizes, and e2e
+runs off the bench's default workload (other lengths, extra keys such as LoRA; a key that restates the bench's own
+gradient checkpointing for the shape is not one) or with a profiled step. "Latest" is by `date` (no time of day
+counts as midnight UTC).
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ def e2e_rows(doc: dict):
         yield (shape, la.get("gpus", w.get("gpus", 1)), "", text)
 
 
+FIXED_LOAD = {"prompts": 256, "prompt_len": 256, "new_tokens": 512}     # bench/rollout.py's fixed load
+
+
 def rollout_rows(doc: dict):
     a = doc.get("args", {})
     if a.get("no_reserve") or a.get("overcommit") is not None or a.get("step_by_step"):
@@ -109,7 +113,7 @@ def rollout_rows(doc: dict):
     for shape, m in doc["models"].items():
         for load, r in (m.get("loads") or {}).items():
             la = r.get("lathe", {}) if isinstance(r, dict) else {}
-            if not la.get("tok_s"):
+            if not la.get("tok_s") or (load == "fixed" and any(a.get(k, v) != v for k, v in FIXED_LOAD.items())):
                 continue
             text = f"engine {fmt_k(la['tok_s'])} tok/s"
             if la.get("roofline_fraction"):

@@ -1,12 +1,16 @@
 """README.md's performance table is what bench/table.py makes of bench/results/: a result added or changed without
 `python bench/table.py --write` fails here, and so does a table edited by hand."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "bench" / "table.py"
+_spec = importlib.util.spec_from_file_location("bench_table", TABLE)
+table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(table)
 
 
 def check(readme: Path) -> subprocess.CompletedProcess:
@@ -40,3 +44,12 @@ def test_an_e2e_run_that_restates_the_benchs_checkpointing_is_its_default_worklo
 
     assert rows([]) == rows([table.CHECKPOINTING + "false"]) == 1
     assert rows([table.CHECKPOINTING + "true"]) == rows([table.CHECKPOINTING + "false", "trainer.x=1"]) == 0
+
+
+def test_rollout_rows_leave_out_a_fixed_load_of_other_sizes():
+    """A long-context run through the fixed load (other prompt or response lengths) is not the fixed load's figure."""
+    def doc(**args):
+        return {"args": {"prompts": 256, "prompt_len": 256, "new_tokens": 512, **args},
+                "models": {"1.5b": {"loads": {"fixed": {"lathe": {"tok_s": 1000.0}}}}}}
+    assert len(list(table.rollout_rows(doc()))) == 1
+    assert list(table.rollout_rows(doc(prompts=32, new_tokens=8192))) == []

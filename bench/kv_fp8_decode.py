@@ -1,0 +1,102 @@
+"""The paged decode kernel over an FP8 KV cache against a bf16 one, by shape: microseconds a call and the K/V bytes
+read per second (`lathe.engine.triton_decode.paged_decode`, do_bench: L2 flushed between calls, as between layers).
+
+    python bench/kv_fp8_decode.py [--old FILE] [--out FILE]
+
+Shapes: 1.5B's and 7B's heads at e2e's rollout (256 rows, 512 tokens of context) and at long contexts (32 rows,
+4352 and 8448 tokens); random pages, each row's blocks scattered. `--old FILE`: a previous `triton_decode.py` (e.g.
+`git show REV:src/lathe/engine/triton_decode.py > FILE`) timed in the same call on the same caches (its FP8 arm), for
+an A/B of kernel versions. Each arm's error is the norm-relative distance of its output from the bf16 cache's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_name, git_sha  # noqa: E402
+
+from lathe.engine import triton_decode  # noqa: E402
+from lathe.engine.kv_cache import quantize  # noqa: E402
+
+# (label, rows, query heads, KV heads, context); head_dim 128, pages of 16
+CASES = [("1.5b_e2e", 256, 12, 2, 512), ("1.5b_long_4352", 32, 12, 2, 4352), ("1.5b_long_8448", 32, 12, 2, 8448),
+         ("7b_e2e", 256, 28, 4, 512), ("7b_long_4352", 32, 28, 4, 4352)]
+
+
+def load_kernel(path: Path):
+    """A `triton_decode.py` from a file, as a module of its own (its kernels compile apart from lathe's)."""
+    spec = importlib.util.spec_from_file_location(f"triton_decode_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module                 # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def case(label: str, rows: int, hq: int, hkv: int, ctx: int, kernels: dict, device: torch.device,
+         page: int = 16, dim: int = 128) -> dict:
+    import triton
+    g = torch.Generator(device=device).manual_seed(0)
+    per_row = math.ceil(ctx / page)
+    num_blocks = rows * per_row + 1
+    tables = torch.randperm(num_blocks - 1, device=device, generator=g)[:rows * per_row].view(rows, per_row).int()
+    k = torch.randn(num_blocks, page, hkv, dim, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(num_blocks, page, hkv, dim, device=device, dtype=torch.bfloat16, generator=g)
+    (kq, ks), (vq, vs) = quantize(k), quantize(v)
+    q = torch.randn(rows, hq, dim, device=device, dtype=torch.bfloat16, generator=g)
+    lens = torch.full((rows,), ctx, device=device, dtype=torch.int32)
+    splits = triton_decode.choose_num_splits(rows, hkv, torch.cuda.get_device_properties(device).multi_processor_count)
+    counters = torch.zeros(rows * hkv, dtype=torch.int32, device=device)
+    kv_bytes = 2 * rows * ctx * hkv * dim * 2                       # bf16 K and V a call reads
+    row = {"rows": rows, "query_heads": hq, "kv_heads": hkv, "head_dim": dim, "context": ctx, "num_splits": splits,
+           "kv_mb_bf16": kv_bytes / 1e6}
+    arms = {"bf16": lambda: triton_decode.paged_decode(q, k, v, tables, lens, num_splits=splits, counters=counters)}
+    for name, module in kernels.items():
+        arms[name] = (lambda m=module: m.paged_decode(q, kq, vq, tables, lens, num_splits=splits, counters=counters,
+                                                     scales=(ks, vs)))
+    ref = arms["bf16"]()
+    for name, fn in arms.items():
+        err = rel(fn(), ref)
+        us = triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3
+        read = kv_bytes if name == "bf16" else kv_bytes // 2 + 2 * rows * ctx * hkv * 4     # e4m3 + float32 scales
+        row[name] = {"us": us, "tb_s": read / us / 1e6, "rel_error_vs_bf16_cache": err}
+    for name in kernels:
+        row[f"{name}_vs_bf16"] = row["bf16"]["us"] / row[name]["us"]
+    print(label, json.dumps({k: (round(v["us"], 1) if isinstance(v, dict) else v) for k, v in row.items()}))
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--old", type=Path, help="a previous triton_decode.py, timed as the arm fp8_old")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kv_fp8_decode.py times CUDA kernels: run it on a GPU")
+    device = torch.device("cuda")
+    kernels = {"fp8": triton_decode}
+    if args.old:
+        kernels["fp8_old"] = load_kernel(args.old)
+    result = {"bench": "kv_fp8_decode", "device": device_name(device),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "git_sha": git_sha(), "torch": torch.__version__, "old": str(args.old) if args.old else None,
+              "cases": {label: case(label, *shape, kernels, device) for label, *shape in CASES}}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

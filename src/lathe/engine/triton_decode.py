@@ -13,11 +13,11 @@ share what is left), and `sinks` (a logit per query head) join the softmax's den
 normalised (the last split's merge when there are several).
 
 An FP8 cache (`kv_cache`'s module doc; `scales` = its per-token, per-head float32 scales): each tile's K and V load
-as e4m3 and are dequantised in float32 (s x, as `paged_attention` dequantises), then rounded to q's dtype for the
-products. (Scaling the scores by s_k and the probabilities by s_v instead, which keeps K and V exact, compiled to a
-kernel up to 1.5x slower at long contexts on an H200 and no faster at short ones, `bench/kv_fp8_decode.py`; in
-float16 p s_v of a small V row also fell into the subnormals.) The step's own token (`new_kv`) is quantised as
-`triton_store` quantises it.
+as e4m3, convert exactly to q's dtype, and their scales multiply the tile's scores (K) and probabilities (V) in
+float32 before the products: q . (s_k k) = s_k (q . k) and sum p s_v v = sum (p s_v) v. In float16 V's tile takes its
+scales instead (s_v v, as `paged_attention` dequantises): p s_v of a small V row (scales of 1e-6 and less) would lie
+in float16's subnormals, which keep a few bits of a probability or none. The step's own token (`new_kv`) is
+quantised as `triton_store` quantises it.
 
 `paged_decode` is the public entry; `lathe.engine.paged_attention.decode_attention` is the PyTorch
 reference it must match (tests run this kernel in Triton's interpreter on CPU).
@@ -156,17 +156,22 @@ if triton is not None:
             n, n_ok, block, kv_off, kv_mask = _kv_tile(BT + b * stride_bt, start_n, end, h, d, d_ok, stride_kblock,
                                                        stride_ktok, stride_kh, PAGE, BLOCK_N)
             k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-            if KV_FP8:      # the tile dequantised in float32, then in q's dtype (module doc)
+            if KV_FP8:      # e4m3 -> q's dtype is exact; the scales multiply the scores (module doc)
                 s_off = block.to(tl.int64) * stride_sblock + (n % PAGE) * stride_stok + h
                 k_s = tl.load(KS + s_off, mask=n_ok, other=0.0)
-                k = (k.to(tl.float32) * k_s[:, None]).to(Q.dtype.element_ty)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                scores = tl.dot(q, tl.trans(k.to(Q.dtype.element_ty))).to(tl.float32) * (k_s * scale)[None, :]
+            else:
+                scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             p, alpha, l_i, m_new = _softmax_tile(scores, n_ok, m_i, l_i)
             v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
             if KV_FP8:
                 v_s = tl.load(VS + s_off, mask=n_ok, other=0.0)
-                v = (v.to(tl.float32) * v_s[:, None]).to(Q.dtype.element_ty)
-            pv = tl.dot(p.to(v.dtype), v)
+                if Q.dtype.element_ty == tl.float16:    # p x s_v would fall into float16's subnormals: scale V
+                    pv = tl.dot(p.to(tl.float16), (v.to(tl.float32) * v_s[:, None]).to(tl.float16))
+                else:
+                    pv = tl.dot((p * v_s[None, :]).to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv.to(tl.float32)
             m_i = m_new
 

@@ -1,0 +1,36 @@
+"""bench/kv_fp8_decode.py on a CPU: it loads a kernel file as a module of its own, and refuses to time without CUDA."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "kv_fp8_decode.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_kv_fp8_decode", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_old_kernel_file_loads_as_its_own_module(tmp_path):
+    pytest.importorskip("triton", reason="triton is not installed")
+    bench = _bench()
+    old = tmp_path / "triton_decode_old.py"
+    old.write_text((ROOT / "src" / "lathe" / "engine" / "triton_decode.py").read_text())
+    module = bench.load_kernel(old)
+    from lathe.engine import triton_decode
+    assert module is not triton_decode and module._decode_kernel is not triton_decode._decode_kernel
+    assert callable(module.paged_decode)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_it_refuses_without_cuda():
+    done = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "run it on a GPU" in done.stderr

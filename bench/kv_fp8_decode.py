@@ -1,12 +1,13 @@
 """The paged decode kernel over an FP8 KV cache against a bf16 one, by shape: microseconds a call and the K/V bytes
 read per second (`lathe.engine.triton_decode.paged_decode`, do_bench: L2 flushed between calls, as between layers).
 
-    python bench/kv_fp8_decode.py [--old FILE] [--out FILE]
+    python bench/kv_fp8_decode.py [--kernel FILE ...] [--out FILE]
 
 Shapes: 1.5B's and 7B's heads at e2e's rollout (256 rows, 512 tokens of context) and at long contexts (32 rows,
-4352 and 8448 tokens); random pages, each row's blocks scattered. `--old FILE`: a previous `triton_decode.py` (e.g.
-`git show REV:src/lathe/engine/triton_decode.py > FILE`) timed in the same call on the same caches (its FP8 arm), for
-an A/B of kernel versions. Each arm's error is the norm-relative distance of its output from the bf16 cache's.
+4352 and 8448 tokens); random pages, each row's blocks scattered. `--kernel FILE` (repeatable): another
+`triton_decode.py` (a previous version, `git show REV:src/lathe/engine/triton_decode.py > FILE`, or a variant) timed
+in the same call on the same caches as the arm `fp8_<its file's stem>`, for an A/B of kernel versions. Each arm's
+error is the norm-relative distance of its output from the bf16 cache's.
 """
 
 from __future__ import annotations
@@ -80,18 +81,19 @@ def case(label: str, rows: int, hq: int, hkv: int, ctx: int, kernels: dict, devi
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--old", type=Path, help="a previous triton_decode.py, timed as the arm fp8_old")
+    p.add_argument("--kernel", type=Path, action="append", default=[],
+                   help="another triton_decode.py, timed as the arm fp8_<its stem> (repeatable)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kv_fp8_decode.py times CUDA kernels: run it on a GPU")
     device = torch.device("cuda")
     kernels = {"fp8": triton_decode}
-    if args.old:
-        kernels["fp8_old"] = load_kernel(args.old)
+    for path in args.kernel:
+        kernels[f"fp8_{path.stem}"] = load_kernel(path)
     result = {"bench": "kv_fp8_decode", "device": device_name(device),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "git_sha": git_sha(), "torch": torch.__version__, "old": str(args.old) if args.old else None,
+              "git_sha": git_sha(), "torch": torch.__version__, "kernels": [str(k) for k in args.kernel],
               "cases": {label: case(label, *shape, kernels, device) for label, *shape in CASES}}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

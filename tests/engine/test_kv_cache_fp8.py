@@ -224,6 +224,16 @@ def test_decode_kernel_reads_the_fp8_cache(fp8_interpreter, splits):
     assert_close_rel(out, decode_attention(q.double(), k64, v64, tables, lens), rel=1e-5, name="paged decode")
 
 
+def test_decode_kernel_refuses_an_fp8_cache_it_cannot_read_in_words(fp8_interpreter):
+    """V's e4m3 pairs are read as 16-bit words: an odd head_dim (or odd strides) is refused by name, not misread."""
+    from lathe.engine.triton_decode import paged_decode
+    kc = torch.zeros(4, 16, 2, 23, dtype=FP8)
+    scales = (torch.ones(4, 16, 2), torch.ones(4, 16, 2))
+    with pytest.raises(ValueError, match="even head_dim"):
+        paged_decode(torch.randn(1, 2, 23), kc, kc.clone(), torch.zeros(1, 4, dtype=torch.int32),
+                     torch.ones(1, dtype=torch.int32), scales=scales)
+
+
 @pytest.mark.parametrize("v_size", [1e-3, 1e-4])
 def test_decode_kernel_in_float16_keeps_small_values(fp8_interpreter, v_size):
     """A float16 model (rollout.dtype=float16) over an FP8 cache of small V rows (max|v| of 1e-3 gives scales of
@@ -434,7 +444,7 @@ def test_fp8_kernels_compile_for_hopper():
 
 def compile_fp8_kernels() -> str:
     """Compile the FP8 kernels for sm_90 (`test_fp8_kernels_compile_for_hopper`'s child process); the PTX must convert
-    with cvt.rn.satfinite to e4m3 and divide with div.rn."""
+    with cvt.rn.satfinite to e4m3 and divide with div.rn, and the decode kernel read no byte from shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -467,7 +477,9 @@ def compile_fp8_kernels() -> str:
     constexprs = {"GROUP": 7, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
                   "NUM_SPLITS": 3, "NEW_KV": True, "PDL": False, "HAS_SINKS": True, "KV_FP8": True, "PREFIX_SPLITS": 0}
     names = [n for n in triton_decode._decode_kernel.arg_names if n not in constexprs]
-    compile_(triton_decode._decode_kernel, {n: types.get(n, "i32") for n in names}, constexprs)
+    decode = compile_(triton_decode._decode_kernel, {n: types.get(n, "i32") for n in names}, constexprs)
+    # V's tile is read as 16-bit words, never from shared memory a byte at a time (the slow form: module doc)
+    assert "ld.shared.b8 " not in decode.asm["ptx"] and "ld.shared.u8 " not in decode.asm["ptx"]
     half = {**types, **{n: "*fp16" for n in ("Q", "OUT", "KN", "VN", "COS", "SIN", "SINKS")}}    # V scaled in float16
     compile_(triton_decode._decode_kernel, {n: half.get(n, "i32") for n in names}, constexprs)
     # the shared-prefix launch and the main kernel merging its partials (bf16 cache; one split and several)

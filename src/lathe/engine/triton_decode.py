@@ -17,7 +17,10 @@ as e4m3, convert exactly to q's dtype, and their scales multiply the tile's scor
 float32 before the products: q . (s_k k) = s_k (q . k) and sum p s_v v = sum (p s_v) v. In float16 V's tile takes its
 scales instead (s_v v, as `paged_attention` dequantises): p s_v of a small V row (scales of 1e-6 and less) would lie
 in float16's subnormals, which keep a few bits of a probability or none. The step's own token (`new_kv`) is
-quantised as `triton_store` quantises it.
+quantised as `triton_store` quantises it. V's tile is read as 16-bit words (e4m3 pairs) and widened in registers:
+an 8-bit tile, the P.V product's transposed operand, would be read from shared memory a byte at a time (sm_90 has no
+8-bit transposing ldmatrix; 0.55x the bf16 kernel at 32 x 8448 tokens against 0.75x this way, bench/results'
+kv_fp8_decode_variants_ab). That needs an even head_dim and even cache strides.
 
 `paged_decode` is the public entry; `lathe.engine.paged_attention.decode_attention` is the PyTorch
 reference it must match (tests run this kernel in Triton's interpreter on CPU).
@@ -163,14 +166,21 @@ if triton is not None:
             else:
                 scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             p, alpha, l_i, m_new = _softmax_tile(scores, n_ok, m_i, l_i)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-            if KV_FP8:
+            if KV_FP8:      # V's e4m3 pairs read as 16-bit words and widened in registers (module doc)
+                half = tl.arange(0, DIM_PAD // 2)
+                tok = block.to(tl.int64) * stride_kblock + (n % PAGE) * stride_ktok + h * stride_kh
+                w = tl.load(V.to(tl.pointer_type(tl.uint16)) + (tok[:, None] // 2 + half[None, :]),
+                            mask=n_ok[:, None] & (half < HEAD_DIM // 2)[None, :], other=0)
+                lo = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(Q.dtype.element_ty)
+                hi = (w >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(Q.dtype.element_ty)
+                v = tl.reshape(tl.join(lo, hi), [BLOCK_N, DIM_PAD])
                 v_s = tl.load(VS + s_off, mask=n_ok, other=0.0)
                 if Q.dtype.element_ty == tl.float16:    # p x s_v would fall into float16's subnormals: scale V
                     pv = tl.dot(p.to(tl.float16), (v.to(tl.float32) * v_s[:, None]).to(tl.float16))
                 else:
-                    pv = tl.dot((p * v_s[None, :]).to(Q.dtype.element_ty), v.to(Q.dtype.element_ty))
+                    pv = tl.dot((p * v_s[None, :]).to(Q.dtype.element_ty), v)
             else:
+                v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv.to(tl.float32)
             m_i = m_new
@@ -429,6 +439,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ks, vs = scales if scales is not None else (k_cache, v_cache)        # unused without FP8
     if scales is not None and (ks.stride() != vs.stride() or ks.stride(2) != 1):
         raise ValueError("paged_decode: k/v scales need the same strides and a contiguous head dimension")
+    if scales is not None and (dim % 2 or any(st % 2 for st in v_cache.stride()[:3]) or v_cache.data_ptr() % 2):
+        raise ValueError("paged_decode: an FP8 cache needs an even head_dim and even strides (V is read in 16-bit "
+                         f"words), got head_dim {dim}, strides {tuple(v_cache.stride())}")
     if sinks is not None and (sinks.shape != (hq,) or sinks.stride(0) != 1):
         raise ValueError(f"paged_decode: sinks must be ({hq},) and contiguous, got {tuple(sinks.shape)}")
     if prefix is not None:

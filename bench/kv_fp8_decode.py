@@ -1,13 +1,15 @@
 """The paged decode kernel over an FP8 KV cache against a bf16 one, by shape: microseconds a call and the K/V bytes
 read per second (`lathe.engine.triton_decode.paged_decode`, do_bench: L2 flushed between calls, as between layers).
 
-    python bench/kv_fp8_decode.py [--kernel FILE ...] [--out FILE]
+    python bench/kv_fp8_decode.py [--kernel FILE ...] [--shape LABEL:ROWS:HQ:HKV:CONTEXT ...] [--rounds N]
+                                  [--out FILE]
 
 Shapes: 1.5B's and 7B's heads at e2e's rollout (256 rows, 512 tokens of context) and at long contexts (32 rows,
 4352 and 8448 tokens); random pages, each row's blocks scattered. `--kernel FILE` (repeatable): another
 `triton_decode.py` (a previous version, `git show REV:src/lathe/engine/triton_decode.py > FILE`, or a variant) timed
 in the same call on the same caches as the arm `fp8_<its file's stem>`, for an A/B of kernel versions. Each arm's
-error is the norm-relative distance of its output from the bf16 cache's.
+error is the norm-relative distance of its output from the bf16 cache's. Each round times every arm in turn
+(`--rounds`, 3); an arm's figure is its median.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import datetime
 import importlib.util
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -33,6 +36,22 @@ CASES = [("1.5b_e2e", 256, 12, 2, 512), ("1.5b_long_4352", 32, 12, 2, 4352), ("1
          ("7b_e2e", 256, 28, 4, 512), ("7b_long_4352", 32, 28, 4, 4352)]
 
 
+def parse_shape(text: str) -> tuple:
+    """`--shape LABEL:ROWS:HQ:HKV:CONTEXT` -> (label, rows, query heads, KV heads, context)."""
+    parts = text.split(":")
+    try:
+        if len(parts) != 5:
+            raise ValueError
+        label, *numbers = parts
+        rows, hq, hkv, ctx = (int(n) for n in numbers)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected LABEL:ROWS:HQ:HKV:CONTEXT, e.g. "
+                                         "1.5b_e2e:256:12:2:512") from None
+    if min(rows, hq, hkv, ctx) < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: sizes must be positive and HQ a multiple of HKV")
+    return label, rows, hq, hkv, ctx
+
+
 def load_kernel(path: Path):
     """A `triton_decode.py` from a file, as a module of its own (its kernels compile apart from lathe's)."""
     spec = importlib.util.spec_from_file_location(f"triton_decode_{path.stem}", path)
@@ -47,7 +66,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def case(label: str, rows: int, hq: int, hkv: int, ctx: int, kernels: dict, device: torch.device,
-         page: int = 16, dim: int = 128) -> dict:
+         page: int = 16, dim: int = 128, rounds: int = 3) -> dict:
     import triton
     g = torch.Generator(device=device).manual_seed(0)
     per_row = math.ceil(ctx / page)
@@ -68,11 +87,16 @@ def case(label: str, rows: int, hq: int, hkv: int, ctx: int, kernels: dict, devi
         arms[name] = (lambda m=module: m.paged_decode(q, kq, vq, tables, lens, num_splits=splits, counters=counters,
                                                      scales=(ks, vs)))
     ref = arms["bf16"]()
-    for name, fn in arms.items():
-        err = rel(fn(), ref)
-        us = triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3
+    errors = {name: rel(fn(), ref) for name, fn in arms.items()}
+    times = {name: [] for name in arms}
+    for _ in range(rounds):             # the arms in turn, each round: a clock that drifts in a call moves them alike
+        for name, fn in arms.items():
+            times[name].append(triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3)
+    for name in arms:
+        us = statistics.median(times[name])
         read = kv_bytes if name == "bf16" else kv_bytes // 2 + 2 * rows * ctx * hkv * 4     # e4m3 + float32 scales
-        row[name] = {"us": us, "tb_s": read / us / 1e6, "rel_error_vs_bf16_cache": err}
+        row[name] = {"us": us, "us_rounds": times[name], "tb_s": read / us / 1e6,
+                     "rel_error_vs_bf16_cache": errors[name]}
     for name in kernels:
         row[f"{name}_vs_bf16"] = row["bf16"]["us"] / row[name]["us"]
     print(label, json.dumps({k: (round(v["us"], 1) if isinstance(v, dict) else v) for k, v in row.items()}))
@@ -83,6 +107,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", type=Path, action="append", default=[],
                    help="another triton_decode.py, timed as the arm fp8_<its stem> (repeatable)")
+    p.add_argument("--shape", action="append", default=[], type=parse_shape, metavar="LABEL:ROWS:HQ:HKV:CONTEXT",
+                   help="time this shape in place of the built-in ones (repeatable)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every arm in turn; the median is reported")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -94,7 +121,8 @@ def main() -> None:
     result = {"bench": "kv_fp8_decode", "device": device_name(device),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_sha": git_sha(), "torch": torch.__version__, "kernels": [str(k) for k in args.kernel],
-              "cases": {label: case(label, *shape, kernels, device) for label, *shape in CASES}}
+              "rounds": args.rounds, "cases": {label: case(label, *shape, kernels, device, rounds=args.rounds)
+                                               for label, *shape in (args.shape or CASES)}}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print("wrote", args.out)

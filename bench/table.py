@@ -9,10 +9,10 @@ the latest result. A result is a bench's own output (its `models` in the shape t
 `date` and `git_sha`), either a whole file or one stored inside another file (e.g. the e2e run kept in
 `rollout_close_*.json`). Left out: A/B comparisons (files named `*_ab_*`), runs whose `git_sha` is not a plain commit
 (an A/B arm such as `a33534b-old`), a comparison's baseline arm (stored under a key such as `old_1` or `base`), runs
-through the one-GPU Ray path (`--ray`), rollout runs with admission changed or a fixed load of other sizes, and e2e
-runs off the bench's default workload (other lengths, extra keys such as LoRA; a key that restates the bench's own
-gradient checkpointing for the shape is not one) or with a profiled step. "Latest" is by `date` (no time of day
-counts as midnight UTC).
+through the one-GPU Ray path (`--ray`), rollout runs with admission changed, a fixed load of other sizes or another
+KV cache first, and e2e runs off the bench's default workload (other lengths, extra keys such as LoRA; a key that
+restates the bench's own gradient checkpointing for the shape is not one) or with a profiled step. "Latest" is by
+`date` (no time of day counts as midnight UTC).
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ FIXED_LOAD = {"prompts": 256, "prompt_len": 256, "new_tokens": 512}     # bench/
 def rollout_rows(doc: dict):
     a = doc.get("args", {})
     if a.get("no_reserve") or a.get("overcommit") is not None or a.get("step_by_step"):
+        return
+    if (a.get("kv_cache_dtype") or ["auto"])[0] != "auto":     # the `lathe` rows ran over another KV cache
         return
     for shape, m in doc["models"].items():
         for load, r in (m.get("loads") or {}).items():

@@ -34,3 +34,11 @@ def test_an_old_kernel_file_loads_as_its_own_module(tmp_path):
 def test_it_refuses_without_cuda():
     done = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "run it on a GPU" in done.stderr
+
+
+def test_shapes_parse_and_bad_ones_are_named():
+    bench = _bench()
+    assert bench.parse_shape("1.5b_e2e:256:12:2:512") == ("1.5b_e2e", 256, 12, 2, 512)
+    for bad in ("1.5b:256:12:2", "x:256:12:5:512", "x:0:12:2:512", "x:a:12:2:512"):
+        with pytest.raises(Exception, match="--shape"):
+            bench.parse_shape(bad)

@@ -53,3 +53,12 @@ def test_rollout_rows_leave_out_a_fixed_load_of_other_sizes():
                 "models": {"1.5b": {"loads": {"fixed": {"lathe": {"tok_s": 1000.0}}}}}}
     assert len(list(table.rollout_rows(doc()))) == 1
     assert list(table.rollout_rows(doc(prompts=32, new_tokens=8192))) == []
+
+
+def test_rollout_rows_leave_out_runs_whose_first_kv_cache_is_not_the_default():
+    """`--kv-cache-dtype fp8` alone puts the FP8 cache's run in the `lathe` rows: not the engine's figure."""
+    def doc(**args):
+        return {"args": {"prompts": 256, "prompt_len": 256, "new_tokens": 512, **args},
+                "models": {"1.5b": {"loads": {"fixed": {"lathe": {"tok_s": 1000.0}}}}}}
+    assert len(list(table.rollout_rows(doc(kv_cache_dtype=["auto", "fp8"])))) == 1
+    assert list(table.rollout_rows(doc(kv_cache_dtype=["fp8"]))) == []

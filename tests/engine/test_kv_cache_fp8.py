@@ -426,8 +426,9 @@ def test_engine_rotating_and_storing_in_the_kernels_equals_the_plain_fp8_engine(
 
 def test_fp8_kernels_compile_for_hopper():
     """The FP8 variants of the store, RoPE-store and decode kernels (the step's own token, split merge, sinks), and
-    the shared-prefix launch with the decode kernel merging it (bf16), compile for sm_90 without a GPU (Triton's frontend, MLIR passes and ptxas; in a process of its own, as the tests run
-    Triton's interpreter): the interpreter above runs their arithmetic but not Triton's type and shape checks."""
+    the shared-prefix launch with the decode kernel merging it (bf16), compile for sm_90 without a GPU (Triton's
+    frontend, MLIR passes and ptxas; in a process of its own, as the tests run Triton's interpreter): the interpreter
+    above runs their arithmetic but not Triton's type and shape checks."""
     import os
     import subprocess
     import sys

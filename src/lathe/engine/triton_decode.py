@@ -20,7 +20,10 @@ in float16's subnormals, which keep a few bits of a probability or none. The ste
 quantised as `triton_store` quantises it. V's tile is read as 16-bit words (e4m3 pairs) and widened in registers:
 an 8-bit tile, the P.V product's transposed operand, would be read from shared memory a byte at a time (sm_90 has no
 8-bit transposing ldmatrix; 0.55x the bf16 kernel at 32 x 8448 tokens against 0.75x this way, bench/results'
-kv_fp8_decode_variants_ab). That needs an even head_dim and even cache strides.
+kv_fp8_decode_variants_ab). That needs an even head_dim and even cache strides. The FP8 kernel pipelines 2 tiles
+ahead, not 3: 126 registers a thread in place of 154 (sm_90, Triton 3.6) keep 4 programs an SM, not 3, so a batch of
+512 (sequence, KV head) programs runs in one wave (bench/results' kv_fp8_decode_tiles_ab: 1.5B heads, 256 x 512 tokens
+46.8 us, bf16 cache 47.3; 3 stages 65.9; the byte-read form at 411f121 60.4, which held 216 registers, 2 programs).
 
 `paged_decode` is the public entry; `lathe.engine.paged_attention.decode_attention` is the PyTorch
 reference it must match (tests run this kernel in Triton's interpreter on CPU).
@@ -365,7 +368,7 @@ def prefix_splits(groups: list[tuple[int, int, int]], num_kv_heads: int, head_di
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float | None = None, num_splits: int = 1,
-                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                 block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
                  counters: torch.Tensor | None = None, new_kv: tuple | None = None, pdl: bool = False,
                  sinks: torch.Tensor | None = None, window: int | None = None,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -398,6 +401,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     sliding `window` or an FP8 cache."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
+    if num_stages is None:      # an FP8 cache: 2 stages keep 4 programs an SM (module doc)
+        num_stages = 3 if scales is None else 2
     B, hq, dim = q.shape
     _, page, hkv, _ = k_cache.shape
     if hq % hkv:

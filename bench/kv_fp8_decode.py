@@ -1,15 +1,17 @@
 """The paged decode kernel over an FP8 KV cache against a bf16 one, by shape: microseconds a call and the K/V bytes
 read per second (`lathe.engine.triton_decode.paged_decode`, do_bench: L2 flushed between calls, as between layers).
 
-    python bench/kv_fp8_decode.py [--kernel FILE ...] [--shape LABEL:ROWS:HQ:HKV:CONTEXT ...] [--rounds N]
-                                  [--out FILE]
+    python bench/kv_fp8_decode.py [--kernel FILE ...] [--shape LABEL:ROWS:HQ:HKV:CONTEXT[:DIM] ...] [--rounds N]
+                                  [--splits N,... --block-n N,...] [--out FILE]
 
 Shapes: 1.5B's and 7B's heads at e2e's rollout (256 rows, 512 tokens of context) and at long contexts (32 rows,
 4352 and 8448 tokens); random pages, each row's blocks scattered. `--kernel FILE` (repeatable): another
 `triton_decode.py` (a previous version, `git show REV:src/lathe/engine/triton_decode.py > FILE`, or a variant) timed
 in the same call on the same caches as the arm `fp8_<its file's stem>`, for an A/B of kernel versions. Each arm's
 error is the norm-relative distance of its output from the bf16 cache's. Each round times every arm in turn
-(`--rounds`, 3); an arm's figure is its median.
+(`--rounds`, 3); an arm's figure is its median. `--splits` and `--block-n` (comma lists): each pair of a split count
+and a tile width other than the engine's own (`choose_num_splits`'s, 64) adds a bf16 and an FP8 arm of lathe's
+kernel launched so (`bf16@s8b64`, `fp8@s8b64`): the sweep behind the split choice.
 """
 
 from __future__ import annotations
@@ -31,25 +33,38 @@ from common import device_name, git_sha  # noqa: E402
 from lathe.engine import triton_decode  # noqa: E402
 from lathe.engine.kv_cache import quantize  # noqa: E402
 
-# (label, rows, query heads, KV heads, context); head_dim 128, pages of 16
-CASES = [("1.5b_e2e", 256, 12, 2, 512), ("1.5b_long_4352", 32, 12, 2, 4352), ("1.5b_long_8448", 32, 12, 2, 8448),
-         ("7b_e2e", 256, 28, 4, 512), ("7b_long_4352", 32, 28, 4, 4352)]
+# (label, rows, query heads, KV heads, context); head_dim 128 unless a --shape names it; pages of 16
+CASES = [("1.5b_e2e", 256, 12, 2, 512, 128), ("1.5b_long_4352", 32, 12, 2, 4352, 128),
+         ("1.5b_long_8448", 32, 12, 2, 8448, 128), ("7b_e2e", 256, 28, 4, 512, 128), ("7b_long_4352", 32, 28, 4, 4352, 128)]
 
 
 def parse_shape(text: str) -> tuple:
-    """`--shape LABEL:ROWS:HQ:HKV:CONTEXT` -> (label, rows, query heads, KV heads, context)."""
+    """`--shape LABEL:ROWS:HQ:HKV:CONTEXT[:DIM]` -> (label, rows, query heads, KV heads, context, head_dim)."""
     parts = text.split(":")
     try:
-        if len(parts) != 5:
+        if len(parts) not in (5, 6):
             raise ValueError
         label, *numbers = parts
-        rows, hq, hkv, ctx = (int(n) for n in numbers)
+        rows, hq, hkv, ctx, *dim = (int(n) for n in numbers)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected LABEL:ROWS:HQ:HKV:CONTEXT, e.g. "
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected LABEL:ROWS:HQ:HKV:CONTEXT[:DIM], e.g. "
                                          "1.5b_e2e:256:12:2:512") from None
-    if min(rows, hq, hkv, ctx) < 1 or hq % hkv:
-        raise argparse.ArgumentTypeError(f"--shape {text!r}: sizes must be positive and HQ a multiple of HKV")
-    return label, rows, hq, hkv, ctx
+    dim = dim[0] if dim else 128
+    if min(rows, hq, hkv, ctx, dim) < 1 or hq % hkv or dim % 2:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: sizes must be positive, HQ a multiple of HKV and DIM "
+                                         "even")
+    return label, rows, hq, hkv, ctx, dim
+
+
+def parse_ints(text: str) -> list[int]:
+    """`--splits` / `--block-n`: a comma list of positive integers."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers separated by commas, e.g. 4,8,16")
+    return values
 
 
 def load_kernel(path: Path):
@@ -65,8 +80,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def case(label: str, rows: int, hq: int, hkv: int, ctx: int, kernels: dict, device: torch.device,
-         page: int = 16, dim: int = 128, rounds: int = 3) -> dict:
+def case(label: str, rows: int, hq: int, hkv: int, ctx: int, dim: int, kernels: dict, device: torch.device,
+         page: int = 16, rounds: int = 3, launches: tuple = ()) -> dict:
+    """One shape: every arm's median time, bandwidth and error. `launches`: (splits, block_n) pairs, each timed for
+    both caches with lathe's kernel besides the engine's own launch."""
     import triton
     g = torch.Generator(device=device).manual_seed(0)
     per_row = math.ceil(ctx / page)
@@ -86,6 +103,13 @@ def case(label: str, rows: int, hq: int, hkv: int, ctx: int, kernels: dict, devi
     for name, module in kernels.items():
         arms[name] = (lambda m=module: m.paged_decode(q, kq, vq, tables, lens, num_splits=splits, counters=counters,
                                                      scales=(ks, vs)))
+    for n, b in launches:
+        if (n, b) == (splits, 64):
+            continue
+        arms[f"bf16@s{n}b{b}"] = (lambda n=n, b=b: triton_decode.paged_decode(
+            q, k, v, tables, lens, num_splits=n, block_n=b, counters=counters))
+        arms[f"fp8@s{n}b{b}"] = (lambda n=n, b=b: triton_decode.paged_decode(
+            q, kq, vq, tables, lens, num_splits=n, block_n=b, counters=counters, scales=(ks, vs)))
     ref = arms["bf16"]()
     errors = {name: rel(fn(), ref) for name, fn in arms.items()}
     times = {name: [] for name in arms}
@@ -94,11 +118,12 @@ def case(label: str, rows: int, hq: int, hkv: int, ctx: int, kernels: dict, devi
             times[name].append(triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3)
     for name in arms:
         us = statistics.median(times[name])
-        read = kv_bytes if name == "bf16" else kv_bytes // 2 + 2 * rows * ctx * hkv * 4     # e4m3 + float32 scales
+        read = kv_bytes if name.startswith("bf16") else kv_bytes // 2 + 2 * rows * ctx * hkv * 4  # e4m3 + scales
         row[name] = {"us": us, "us_rounds": times[name], "tb_s": read / us / 1e6,
                      "rel_error_vs_bf16_cache": errors[name]}
-    for name in kernels:
-        row[f"{name}_vs_bf16"] = row["bf16"]["us"] / row[name]["us"]
+    for name in arms:
+        if name != "bf16":
+            row[f"{name}_vs_bf16"] = row["bf16"]["us"] / row[name]["us"]
     print(label, json.dumps({k: (round(v["us"], 1) if isinstance(v, dict) else v) for k, v in row.items()}))
     return row
 
@@ -107,11 +132,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", type=Path, action="append", default=[],
                    help="another triton_decode.py, timed as the arm fp8_<its stem> (repeatable)")
-    p.add_argument("--shape", action="append", default=[], type=parse_shape, metavar="LABEL:ROWS:HQ:HKV:CONTEXT",
-                   help="time this shape in place of the built-in ones (repeatable)")
+    p.add_argument("--shape", action="append", default=[], type=parse_shape,
+                   metavar="LABEL:ROWS:HQ:HKV:CONTEXT[:DIM]",
+                   help="time this shape in place of the built-in ones (repeatable; DIM: head_dim, 128)")
+    p.add_argument("--splits", type=parse_ints, default=None, help="split counts to time besides the engine's")
+    p.add_argument("--block-n", type=parse_ints, default=None, help="tile widths to time with them (64)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every arm in turn; the median is reported")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if args.block_n and not args.splits:
+        p.error("--block-n goes with --splits")
+    launches = tuple((n, b) for n in (args.splits or []) for b in (args.block_n or [64]))
     if not torch.cuda.is_available():
         raise SystemExit("kv_fp8_decode.py times CUDA kernels: run it on a GPU")
     device = torch.device("cuda")
@@ -121,8 +152,9 @@ def main() -> None:
     result = {"bench": "kv_fp8_decode", "device": device_name(device),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_sha": git_sha(), "torch": torch.__version__, "kernels": [str(k) for k in args.kernel],
-              "rounds": args.rounds, "cases": {label: case(label, *shape, kernels, device, rounds=args.rounds)
-                                               for label, *shape in (args.shape or CASES)}}
+              "rounds": args.rounds, "launches": [list(x) for x in launches],
+              "cases": {label: case(label, *shape, kernels, device, rounds=args.rounds, launches=launches)
+                        for label, *shape in (args.shape or CASES)}}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print("wrote", args.out)

@@ -38,7 +38,17 @@ def test_it_refuses_without_cuda():
 
 def test_shapes_parse_and_bad_ones_are_named():
     bench = _bench()
-    assert bench.parse_shape("1.5b_e2e:256:12:2:512") == ("1.5b_e2e", 256, 12, 2, 512)
-    for bad in ("1.5b:256:12:2", "x:256:12:5:512", "x:0:12:2:512", "x:a:12:2:512"):
+    assert bench.parse_shape("1.5b_e2e:256:12:2:512") == ("1.5b_e2e", 256, 12, 2, 512, 128)
+    assert bench.parse_shape("0.5b_e2e:256:14:2:512:64") == ("0.5b_e2e", 256, 14, 2, 512, 64)
+    for bad in ("1.5b:256:12:2", "x:256:12:5:512", "x:0:12:2:512", "x:a:12:2:512", "x:8:12:2:512:63",
+                "x:8:12:2:512:64:1"):
         with pytest.raises(Exception, match="--shape"):
             bench.parse_shape(bad)
+
+
+def test_split_lists_parse_and_bad_ones_are_named():
+    bench = _bench()
+    assert bench.parse_ints("4,8,16") == [4, 8, 16]
+    for bad in ("", "4,x", "0", "4,-1"):
+        with pytest.raises(Exception, match="positive integers"):
+            bench.parse_ints(bad)

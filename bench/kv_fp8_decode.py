@@ -35,7 +35,8 @@ from lathe.engine.kv_cache import quantize  # noqa: E402
 
 # (label, rows, query heads, KV heads, context); head_dim 128 unless a --shape names it; pages of 16
 CASES = [("1.5b_e2e", 256, 12, 2, 512, 128), ("1.5b_long_4352", 32, 12, 2, 4352, 128),
-         ("1.5b_long_8448", 32, 12, 2, 8448, 128), ("7b_e2e", 256, 28, 4, 512, 128), ("7b_long_4352", 32, 28, 4, 4352, 128)]
+         ("1.5b_long_8448", 32, 12, 2, 8448, 128), ("7b_e2e", 256, 28, 4, 512, 128),
+         ("7b_long_4352", 32, 28, 4, 4352, 128)]
 
 
 def parse_shape(text: str) -> tuple:

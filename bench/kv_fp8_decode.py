@@ -2,16 +2,17 @@
 read per second (`lathe.engine.triton_decode.paged_decode`, do_bench: L2 flushed between calls, as between layers).
 
     python bench/kv_fp8_decode.py [--kernel FILE ...] [--shape LABEL:ROWS:HQ:HKV:CONTEXT[:DIM] ...] [--rounds N]
-                                  [--splits N,... --block-n N,...] [--out FILE]
+                                  [--splits N,... [--block-n N,...] [--stages N,...]] [--out FILE]
 
 Shapes: 1.5B's and 7B's heads at e2e's rollout (256 rows, 512 tokens of context) and at long contexts (32 rows,
 4352 and 8448 tokens); random pages, each row's blocks scattered. `--kernel FILE` (repeatable): another
 `triton_decode.py` (a previous version, `git show REV:src/lathe/engine/triton_decode.py > FILE`, or a variant) timed
 in the same call on the same caches as the arm `fp8_<its file's stem>`, for an A/B of kernel versions. Each arm's
 error is the norm-relative distance of its output from the bf16 cache's. Each round times every arm in turn
-(`--rounds`, 3); an arm's figure is its median. `--splits` and `--block-n` (comma lists): each pair of a split count
-and a tile width other than the engine's own (`choose_num_splits`'s, 64) adds a bf16 and an FP8 arm of lathe's
-kernel launched so (`bf16@s8b64`, `fp8@s8b64`): the sweep behind the split choice.
+(`--rounds`, 3); an arm's figure is its median. `--splits`, `--block-n` and `--stages` (comma lists): each launch
+of a split count, a tile width (64) and a number of pipeline stages (the kernel's default) other than the engine's
+own adds a bf16 and an FP8 arm of lathe's kernel launched so (`bf16@s8b64`, `fp8@s8b64t2`): the sweep behind the
+split choice.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def case(label: str, rows: int, hq: int, hkv: int, ctx: int, dim: int, kernels: dict, device: torch.device,
          page: int = 16, rounds: int = 3, launches: tuple = ()) -> dict:
-    """One shape: every arm's median time, bandwidth and error. `launches`: (splits, block_n) pairs, each timed for
-    both caches with lathe's kernel besides the engine's own launch."""
+    """One shape: every arm's median time, bandwidth and error. `launches`: (splits, block_n, stages or None)
+    triples, each timed for both caches with lathe's kernel besides the engine's own launch."""
     import triton
     g = torch.Generator(device=device).manual_seed(0)
     per_row = math.ceil(ctx / page)
@@ -104,13 +105,14 @@ def case(label: str, rows: int, hq: int, hkv: int, ctx: int, dim: int, kernels: 
     for name, module in kernels.items():
         arms[name] = (lambda m=module: m.paged_decode(q, kq, vq, tables, lens, num_splits=splits, counters=counters,
                                                      scales=(ks, vs)))
-    for n, b in launches:
-        if (n, b) == (splits, 64):
+    for n, b, t in launches:
+        if (n, b, t) == (splits, 64, None):
             continue
-        arms[f"bf16@s{n}b{b}"] = (lambda n=n, b=b: triton_decode.paged_decode(
-            q, k, v, tables, lens, num_splits=n, block_n=b, counters=counters))
-        arms[f"fp8@s{n}b{b}"] = (lambda n=n, b=b: triton_decode.paged_decode(
-            q, kq, vq, tables, lens, num_splits=n, block_n=b, counters=counters, scales=(ks, vs)))
+        tag = f"@s{n}b{b}" + ("" if t is None else f"t{t}")
+        arms["bf16" + tag] = (lambda n=n, b=b, t=t: triton_decode.paged_decode(
+            q, k, v, tables, lens, num_splits=n, block_n=b, num_stages=t, counters=counters))
+        arms["fp8" + tag] = (lambda n=n, b=b, t=t: triton_decode.paged_decode(
+            q, kq, vq, tables, lens, num_splits=n, block_n=b, num_stages=t, counters=counters, scales=(ks, vs)))
     ref = arms["bf16"]()
     errors = {name: rel(fn(), ref) for name, fn in arms.items()}
     times = {name: [] for name in arms}
@@ -138,12 +140,14 @@ def main() -> None:
                    help="time this shape in place of the built-in ones (repeatable; DIM: head_dim, 128)")
     p.add_argument("--splits", type=parse_ints, default=None, help="split counts to time besides the engine's")
     p.add_argument("--block-n", type=parse_ints, default=None, help="tile widths to time with them (64)")
+    p.add_argument("--stages", type=parse_ints, default=None, help="pipeline stages to time with them (the default)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every arm in turn; the median is reported")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    if args.block_n and not args.splits:
-        p.error("--block-n goes with --splits")
-    launches = tuple((n, b) for n in (args.splits or []) for b in (args.block_n or [64]))
+    if (args.block_n or args.stages) and not args.splits:
+        p.error("--block-n and --stages go with --splits")
+    launches = tuple((n, b, t) for n in (args.splits or []) for b in (args.block_n or [64])
+                     for t in (args.stages or [None]))
     if not torch.cuda.is_available():
         raise SystemExit("kv_fp8_decode.py times CUDA kernels: run it on a GPU")
     device = torch.device("cuda")

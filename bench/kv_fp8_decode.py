@@ -9,7 +9,8 @@ Shapes: 1.5B's and 7B's heads at e2e's rollout (256 rows, 512 tokens of context)
 `triton_decode.py` (a previous version, `git show REV:src/lathe/engine/triton_decode.py > FILE`, or a variant) timed
 in the same call on the same caches as the arm `fp8_<its file's stem>`, for an A/B of kernel versions. Each arm's
 error is the norm-relative distance of its output from the bf16 cache's. Each round times every arm in turn
-(`--rounds`, 3); an arm's figure is its median. `--splits`, `--block-n` and `--stages` (comma lists): each launch
+(`--rounds`, 3); an arm's figure is its median, its fastest round beside it (`us_min`: on an H200 some rounds of
+a short kernel read 2-3x slow, `kv_decode_splits_0.5b_ab`, which a median of few rounds does not always absorb). `--splits`, `--block-n` and `--stages` (comma lists): each launch
 of a split count, a tile width (64) and a number of pipeline stages (the kernel's default) other than the engine's
 own adds a bf16 and an FP8 arm of lathe's kernel launched so (`bf16@s8b64`, `fp8@s8b64t2`): the sweep behind the
 split choice.
@@ -122,7 +123,7 @@ def case(label: str, rows: int, hq: int, hkv: int, ctx: int, dim: int, kernels: 
     for name in arms:
         us = statistics.median(times[name])
         read = kv_bytes if name.startswith("bf16") else kv_bytes // 2 + 2 * rows * ctx * hkv * 4  # e4m3 + scales
-        row[name] = {"us": us, "us_rounds": times[name], "tb_s": read / us / 1e6,
+        row[name] = {"us": us, "us_min": min(times[name]), "us_rounds": times[name], "tb_s": read / us / 1e6,
                      "rel_error_vs_bf16_cache": errors[name]}
     for name in arms:
         if name != "bf16":

@@ -4,16 +4,16 @@ read per second (`lathe.engine.triton_decode.paged_decode`, do_bench: L2 flushed
     python bench/kv_fp8_decode.py [--kernel FILE ...] [--shape LABEL:ROWS:HQ:HKV:CONTEXT[:DIM] ...] [--rounds N]
                                   [--splits N,... [--block-n N,...] [--stages N,...]] [--out FILE]
 
-Shapes: 1.5B's and 7B's heads at e2e's rollout (256 rows, 512 tokens of context) and at long contexts (32 rows,
-4352 and 8448 tokens); random pages, each row's blocks scattered. `--kernel FILE` (repeatable): another
-`triton_decode.py` (a previous version, `git show REV:src/lathe/engine/triton_decode.py > FILE`, or a variant) timed
-in the same call on the same caches as the arm `fp8_<its file's stem>`, for an A/B of kernel versions. Each arm's
-error is the norm-relative distance of its output from the bf16 cache's. Each round times every arm in turn
-(`--rounds`, 3); an arm's figure is its median, its fastest round beside it (`us_min`: on an H200 some rounds of
-a short kernel read 2-3x slow, `kv_decode_splits_0.5b_ab`, which a median of few rounds does not always absorb). `--splits`, `--block-n` and `--stages` (comma lists): each launch
-of a split count, a tile width (64) and a number of pipeline stages (the kernel's default) other than the engine's
-own adds a bf16 and an FP8 arm of lathe's kernel launched so (`bf16@s8b64`, `fp8@s8b64t2`): the sweep behind the
-split choice.
+Shapes: 1.5B's and 7B's heads at e2e's rollout (256 rows, 512 tokens of context) and at long contexts (32 rows, 4352
+and 8448 tokens); random pages, each row's blocks scattered. `--kernel FILE` (repeatable): another `triton_decode.py`
+(a previous version, `git show REV:src/lathe/engine/triton_decode.py > FILE`, or a variant) timed in the same call on
+the same caches as the arm `fp8_<its file's stem>`, for an A/B of kernel versions. Each arm's error is the
+norm-relative distance of its output from the bf16 cache's. Each round times every arm in turn (`--rounds`, 3); an
+arm's figure is its median, its fastest round beside it (`us_min`: on an H200 some rounds of a short kernel read 2-3x
+slow, `kv_decode_splits_0.5b_ab`, which a median of few rounds does not always absorb). `--splits`, `--block-n` and
+`--stages` (comma lists): each launch of a split count, a tile width (64) and a number of pipeline stages (the
+kernel's default) other than the engine's own adds a bf16 and an FP8 arm of lathe's kernel launched so (`bf16@s8b64`,
+`fp8@s8b64t2`): the sweep behind the split choice.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def parse_shape(text: str) -> tuple:
 
 
 def parse_ints(text: str) -> list[int]:
-    """`--splits` / `--block-n`: a comma list of positive integers."""
+    """`--splits`, `--block-n` and `--stages`: a comma list of positive integers."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:

@@ -46,19 +46,21 @@ def test_an_e2e_run_that_restates_the_benchs_checkpointing_is_its_default_worklo
     assert rows([table.CHECKPOINTING + "true"]) == rows([table.CHECKPOINTING + "false", "trainer.x=1"]) == 0
 
 
+def _fixed_load_run(**args) -> dict:
+    """A bench/rollout.py result of one fixed-load row, its args the fixed load's with `args` on top."""
+    return {"args": {"prompts": 256, "prompt_len": 256, "new_tokens": 512, **args},
+            "models": {"1.5b": {"loads": {"fixed": {"lathe": {"tok_s": 1000.0}}}}}}
+
+
 def test_rollout_rows_leave_out_a_fixed_load_of_other_sizes():
     """A long-context run through the fixed load (other prompt or response lengths) is not the fixed load's figure."""
-    def doc(**args):
-        return {"args": {"prompts": 256, "prompt_len": 256, "new_tokens": 512, **args},
-                "models": {"1.5b": {"loads": {"fixed": {"lathe": {"tok_s": 1000.0}}}}}}
+    doc = _fixed_load_run
     assert len(list(table.rollout_rows(doc()))) == 1
     assert list(table.rollout_rows(doc(prompts=32, new_tokens=8192))) == []
 
 
 def test_rollout_rows_leave_out_runs_whose_first_kv_cache_is_not_the_default():
     """`--kv-cache-dtype fp8` alone puts the FP8 cache's run in the `lathe` rows: not the engine's figure."""
-    def doc(**args):
-        return {"args": {"prompts": 256, "prompt_len": 256, "new_tokens": 512, **args},
-                "models": {"1.5b": {"loads": {"fixed": {"lathe": {"tok_s": 1000.0}}}}}}
+    doc = _fixed_load_run
     assert len(list(table.rollout_rows(doc(kv_cache_dtype=["auto", "fp8"])))) == 1
     assert list(table.rollout_rows(doc(kv_cache_dtype=["fp8"]))) == []

@@ -37,7 +37,10 @@ def test_the_first_steps_freeze_what_is_alive_and_the_end_unfreezes(monkeypatch)
             kept.append([[] for _ in range(100)])       # containers alive at the step's end
             frozen.after_step(steps_left=10)
             counts.append(gc.get_freeze_count())
-        assert 0 < counts[0] < counts[1] == counts[2] == counts[3]      # the third step's objects stay unfrozen
+        # what died of the frozen can lower the count (another thread's objects): the steps' own lists say it
+        assert 0 < counts[0] and max(counts[2:]) <= counts[1]
+        tracked = {id(o) for o in gc.get_objects()}     # the collector's generations, not the frozen ones
+        assert [id(step) in tracked for step in kept] == [False, False, True, True]
         assert group.calls == ["freeze_collector"] * FREEZE_STEPS
     assert gc.get_freeze_count() == 0
     with FreezeAfterWarmup([group]) as frozen:       # a short run: too few steps follow to repay a collection

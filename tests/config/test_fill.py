@@ -37,6 +37,7 @@ def test_critic_and_rollout_fall_back_to_actor_and_data():
                      "data.max_prompt_length=100", "actor_rollout_ref.model.path=m", "critic.shuffle=true"])
     assert cfg.critic.ppo_mini_batch_size == 64 and cfg.critic.ppo_epochs == 2
     assert cfg.critic.shuffle is True  # explicitly set: not overwritten
+    assert cfg.critic.data_loader_seed == cfg.actor_rollout_ref.actor.data_loader_seed == cfg.trainer.seed
     assert cfg.critic.model.path == "m" and cfg.critic.model.tokenizer_path == "m"
     assert cfg.actor_rollout_ref.rollout.prompt_length == 100
     assert cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu == cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu

@@ -116,6 +116,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
     # this test is about (timeouts have their own tests)
     common = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=2", "reward.timeout_s=0",
               "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2",
+              "actor_rollout_ref.actor.shuffle=true",          # each epoch's order drawn again after the resume
               "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.lr=3e-4"]
     whole, resumed = run_crash_and_resume(tmp_path, monkeypatch, common)
     a, b = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")

@@ -8,7 +8,7 @@ from lathe.config import batch_plan
 from lathe.train.actor import PPOActor, policy_loss_params
 from lathe.train.logprob import response_log_probs
 from lathe.train.optim import build_optimizer, build_scheduler
-from lathe.train.update import NonFiniteGuard, NonFiniteUpdates
+from lathe.train.update import EpochShuffle, NonFiniteGuard, NonFiniteUpdates
 
 from helpers import assert_close_rel
 
@@ -121,6 +121,31 @@ def test_ppo_epochs_two_optimizer_steps_per_mini_batch(make_model, rollout_batch
         assert len(calls) == expected_steps          # 8 sequences / mini-batches of 4, times ppo_epochs
         assert actor.scheduler.last_epoch == 1       # the schedule advances once per RL step
         assert {"actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/ppo_kl"} <= set(metrics)
+
+
+def test_shuffle_runs_each_epoch_over_its_own_order_of_the_rows(make_model, rollout_batch, load_cfg):
+    """actor.shuffle=true: the update equals unshuffled one-epoch updates over each epoch's order (`EpochShuffle`,
+    drawn from data_loader_seed and the update count), and differs from the unshuffled update."""
+    steady = ["actor_rollout_ref.actor.optim.lr_warmup_steps=0",       # two updates by hand at one learning rate
+              "actor_rollout_ref.actor.optim.lr_scheduler_type=constant"]
+    common = ["actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.data_loader_seed=11", *steady]
+    model = make_model()
+    start, state = _params(model), {k: v.clone() for k, v in model.state_dict().items()}
+    batch = _ppo_batch(model, rollout_batch, temperature=1.0)
+    shuffled = _actor(model, load_cfg(*common, "actor_rollout_ref.actor.shuffle=true"))
+    shuffled.update_policy(batch)
+    orders = [EpochShuffle(11, 0).order(batch, epoch) for epoch in range(2)]
+    assert orders[0] != list(range(8)) and orders[0] != orders[1]
+    by_hand = make_model()
+    by_hand.load_state_dict(state)
+    epochwise = _actor(by_hand, load_cfg("actor_rollout_ref.actor.ppo_epochs=1", *steady))
+    for order in orders:
+        epochwise.update_policy(batch.select(order))
+    assert_close_rel(_update(_params(model), start), _update(_params(by_hand), start), UPDATE_REL)
+    plain = make_model()
+    plain.load_state_dict(state)
+    _actor(plain, load_cfg(*common)).update_policy(batch)
+    assert _max_diff(_params(plain), _params(model)) > 0
 
 
 def test_non_finite_gradient_skips_the_step(make_model, rollout_batch, load_cfg):

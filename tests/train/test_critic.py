@@ -232,3 +232,21 @@ def test_critic_runs_lathe_decoder_packed_equal_to_padded(rollout_batch, load_cf
                      name="packed update")
     for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
         assert results["true"][1][key] == pytest.approx(results["false"][1][key], rel=1e-5, abs=1e-7), key
+
+
+def test_shuffle_cuts_each_epochs_own_order_into_mini_batches(rollout_batch, load_cfg):
+    """critic.shuffle=true (or the actor's, by default): each epoch's mini-batches are the cuts of its order
+    (`EpochShuffle` from critic.data_loader_seed and the update count); false: the batch's order."""
+    from lathe.train.update import EpochShuffle
+    for shuffle in ("true", "false"):
+        cfg = load_cfg(*CRITIC, "critic.ppo_epochs=2", f"actor_rollout_ref.actor.shuffle={shuffle}",
+                       "critic.data_loader_seed=4")
+        worker = _worker(cfg, model=_value_model())
+        batch = _critic_batch(worker, rollout_batch)
+        batch["row"] = torch.arange(len(batch))
+        seen = []
+        worker.critic._update_mini_batch = lambda mini: seen.append(mini["row"].tolist()) or {}
+        worker.update_critic(batch)
+        orders = ([EpochShuffle(4, 0).order(batch, e) for e in range(2)] if shuffle == "true"
+                  else [list(range(8))] * 2)
+        assert seen == [orders[0][:4], orders[0][4:], orders[1][:4], orders[1][4:]], shuffle

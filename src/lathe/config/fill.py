@@ -83,7 +83,8 @@ def _fill_rollout_ref(cfg: LatheConfig) -> None:
 def _fill_critic(cfg: LatheConfig) -> None:
     """Critic keys left null take the actor's / the policy model's values."""
     actor, model, critic = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model, cfg.critic
-    for key in ("ppo_mini_batch_size", "use_dynamic_bsz", "ppo_epochs", "shuffle", "loss_agg_mode"):
+    for key in ("ppo_mini_batch_size", "use_dynamic_bsz", "ppo_epochs", "shuffle", "data_loader_seed",
+                "loss_agg_mode"):
         if getattr(critic, key) is None:
             setattr(critic, key, getattr(actor, key))
     if critic.forward_max_token_len_per_gpu is None:

@@ -315,7 +315,9 @@ class ActorConfig:
     kl_loss_type: KLEstimator = spec("low_var_kl", "KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "
                                                    "trailing + (e.g. low_var_kl+) takes k2's gradient.")
     ppo_epochs: int = spec(1, "Passes over each step's batch.")
-    shuffle: bool = spec(False, "Shuffle sequences between PPO epochs.")
+    shuffle: bool = spec(False, "Each PPO epoch takes the step's sequences in a fresh random order before cutting "
+                                "mini-batches (a prompt's rows together with use_prefix_grouper); one mini-batch: "
+                                "nothing to shuffle.")
     grad_clip: float = spec(1.0, "Max global gradient norm.")
     tis_imp_ratio_cap: float = spec(-1.0, "Truncated IS cap on old/rollout ratio; -1 disables.")
     use_token_level_loss: bool | None = spec(None, "Old verl DAPO key; loss_agg_mode=token-mean replaces it.")
@@ -334,7 +336,8 @@ class ActorConfig:
     use_remove_padding: bool = spec(True, "verl's actor switch for the packed forward (verl's default: on); lathe "
                                           "packs actor and reference by model.use_remove_padding.")
     freeze_vision_tower: bool = spec(False, "Freeze a VLM's vision tower (verl).")
-    data_loader_seed: int | None = spec(None, "Seed for mini-batch shuffling; null = trainer.seed.")
+    data_loader_seed: int | None = spec(None, "Seed of the shuffle's orders (with the update count and the epoch); "
+                                              "null = trainer.seed.")
     checkpoint: CheckpointConfig = spec(factory=CheckpointConfig, help="Checkpoint contents.")
     optim: OptimConfig = spec(factory=OptimConfig, help="Actor optimizer.")
     fsdp_config: ActorFSDPConfig = spec(factory=ActorFSDPConfig, help="Actor sharding/offload (and FP8 training).")

@@ -288,11 +288,7 @@ PF_PPO = "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"
 
 
 def _training() -> list[Entry]:
-    out = [refuse(f"{A}.shuffle", "shuffling sequences between PPO epochs"),
-           refuse(f"{C}.shuffle", "shuffling sequences between PPO epochs"),
-           warn(f"{A}.data_loader_seed", f"it is read only with {A}.shuffle=true (not implemented yet)",
-                same_as("trainer.seed")),
-           refuse(f"{A}.tis_imp_ratio_cap", "the old truncated-IS cap",
+    out = [refuse(f"{A}.tis_imp_ratio_cap", "the old truncated-IS cap",
                   "use algorithm.rollout_correction.rollout_is=token rollout_is_threshold={value}", at_most(0)),
            refuse(f"{A}.use_token_level_loss", "an old verl DAPO key", f"use {A}.loss_agg_mode=token-mean (true) or "
                   "seq-mean-token-mean (false)"),

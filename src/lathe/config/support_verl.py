@@ -411,8 +411,6 @@ def _roles() -> list[Entry]:
            warn("*.policy_loss.dro_beta", "it is read only by a policy loss lathe does not have"),
            warn("*.checkpoint.strict", "lathe always loads its checkpoints strictly"),
            warn("*.checkpoint.mbridge_config*", CKPT_FORMAT),
-           warn("critic.data_loader_seed", "it is read only with critic.shuffle=true (not implemented yet)",
-                same_as("trainer.seed")),
            warn("critic.loss_scale_factor", "lathe's value loss is averaged over the response tokens"),
            warn("critic.nccl_timeout", "lathe's collectives use actor_rollout_ref.nccl_timeout")]
     return out

@@ -45,7 +45,7 @@ from lathe.train.router_tokens import router_tokens
 from lathe.train.routing import replay_counts, replay_or_nothing
 from lathe.train.topk import student_topk_log_probs
 from lathe.train.ulysses import SequenceParallel
-from lathe.train.update import NonFiniteGuard, clipped_step, run_ppo_epochs
+from lathe.train.update import EpochShuffle, NonFiniteGuard, clipped_step, run_ppo_epochs
 
 
 def policy_loss_params(actor_cfg, rollout_correction: dict | None = None) -> PolicyLossParams:
@@ -119,8 +119,10 @@ class PPOActor:
                              f"epoch over one mini-batch) can do without; ppo_epochs={self.cfg.ppo_epochs}, "
                              f"{len(batch)} sequences in mini-batches of {self.mini_batch_size}")
         self.model.train()
+        shuffle = (EpochShuffle(self.cfg.data_loader_seed, self.scheduler.last_epoch, self.cfg.use_prefix_grouper)
+                   if self.cfg.shuffle else None)
         out = run_ppo_epochs(batch, epochs=self.cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
-                             update_mini_batch=self._update_mini_batch)
+                             update_mini_batch=self._update_mini_batch, shuffle=shuffle)
         self.scheduler.step()
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         return out

@@ -29,7 +29,7 @@ from lathe.train.logprob import group_budget, response_hidden, scatter_response,
 from lathe.train.micro import in_batch_order, micro_batches
 from lathe.train.offload import activations_on_host
 from lathe.train.ulysses import SequenceParallel
-from lathe.train.update import (NonFiniteGuard, clipped_step, load_trainable, run_ppo_epochs,
+from lathe.train.update import (EpochShuffle, NonFiniteGuard, clipped_step, load_trainable, run_ppo_epochs,
                                 save_trainable)
 
 __all__ = ["response_values", "PPOCritic"]
@@ -112,8 +112,9 @@ class PPOCritic:
         Needs ``values`` (old predictions, the clipping centre) and ``returns`` besides the sequence tensors.
         """
         self.model.train()
+        shuffle = EpochShuffle(self.cfg.data_loader_seed, self.scheduler.last_epoch) if self.cfg.shuffle else None
         out = run_ppo_epochs(batch, epochs=self.cfg.ppo_epochs, mini_batch_size=self.mini_batch_size,
-                             update_mini_batch=self._update_mini_batch)
+                             update_mini_batch=self._update_mini_batch, shuffle=shuffle)
         self.scheduler.step()
         out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
         return out

@@ -7,23 +7,54 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from lathe.batch import Batch
+from lathe.batch import GHOST, Batch
 from lathe.ckpt import manifest
 from lathe.train import parallel
 
 log = logging.getLogger("lathe")
 
 
+@dataclass(frozen=True)
+class EpochShuffle:
+    """verl's actor/critic `shuffle`: each PPO epoch takes the rows in a fresh random order before they are cut into
+    mini-batches, so a row meets other rows in each epoch's mini-batches. The order is drawn from (`seed`, `update`,
+    epoch) alone (`data_loader_seed`, the optimizer's update count, the epoch): every rank of a sequence- or
+    tensor-parallel group draws the same, and a resumed run the same as an uninterrupted one. `by_prompt` moves a
+    prompt's rows (`uid`) as one unit, in their order, so that `use_prefix_grouper` still finds them side by side;
+    a ghost row (`lathe.cluster.dispatch`) is a unit of its own. Each rank orders its own share (as verl's workers
+    do), so a run on several ranks draws other mini-batches than one process does."""
+
+    seed: int
+    update: int
+    by_prompt: bool = False
+
+    def order(self, batch: Batch, epoch: int) -> list[int]:
+        """A permutation of `batch`'s rows for `epoch`."""
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed % 2**64, self.update, epoch]))
+        if not self.by_prompt or "uid" not in batch:
+            return rng.permutation(len(batch)).tolist()
+        ghost = batch[GHOST].tolist() if GHOST in batch else [False] * len(batch)
+        units = [("ghost", i) if g else ("uid", u) for i, (u, g) in enumerate(zip(batch["uid"], ghost))]
+        distinct = list(dict.fromkeys(units))
+        place = {distinct[j]: at for at, j in enumerate(rng.permutation(len(distinct)).tolist())}
+        return sorted(range(len(batch)), key=lambda i: (place[units[i]], i))
+
+
 def run_ppo_epochs(batch: Batch, *, epochs: int, mini_batch_size: int,
-                   update_mini_batch: Callable[[Batch], dict[str, float]]) -> dict[str, float]:
-    """`epochs` passes over `batch` in mini-batches; each mini-batch's metrics averaged over all of them."""
+                   update_mini_batch: Callable[[Batch], dict[str, float]],
+                   shuffle: EpochShuffle | None = None) -> dict[str, float]:
+    """`epochs` passes over `batch` in mini-batches; each mini-batch's metrics averaged over all of them. With
+    `shuffle`, each pass over more than one mini-batch takes the rows in its own order (`EpochShuffle`)."""
     metrics: dict[str, list[float]] = defaultdict(list)
-    for _ in range(epochs):
-        for mini in batch.split(mini_batch_size):
+    for epoch in range(epochs):
+        rows = batch if shuffle is None or len(batch) <= mini_batch_size else batch.select(shuffle.order(batch, epoch))
+        for mini in rows.split(mini_batch_size):
             for k, v in update_mini_batch(mini).items():
                 metrics[k].append(v)
     return {k: sum(v) / len(v) for k, v in metrics.items()}

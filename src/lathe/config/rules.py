@@ -18,7 +18,7 @@ from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh
                    sequence_parallel_size, teacher_devices)
 from .profiler import check_profiler
 from .rules_attention import check_attention
-from .rules_fp8 import check_fp8_training
+from .rules_fp8 import check_fp8_reference, check_fp8_training
 from .rules_recompute import check_recompute
 from .rules_mtp import check_mtp
 from .rules_routing import check_routing_replay
@@ -114,6 +114,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     check_routing_replay(cfg, problems)
     check_mtp(cfg, problems)
     check_fp8_training(cfg, problems)
+    check_fp8_reference(cfg, problems)
     check_recompute(cfg, problems)
     check_attention(cfg, problems)
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:

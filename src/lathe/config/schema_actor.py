@@ -362,4 +362,9 @@ class RefConfig:
     entropy_from_logits_with_chunking: bool = spec(False, "Chunk the entropy computation (verl).")
     entropy_checkpointing: bool = spec(False, "Recompute entropy in backward (verl).")
     fsdp_config: FSDPConfig = spec(factory=FSDPConfig, help="Ref sharding/offload (param_offload useful).")
+    quantization: str | None = spec(None, "lathe: fp8: the reference's decoder-layer projections in FP8, as "
+                                          "rollout.quantization=fp8 runs the engine's (per-channel weights quantised "
+                                          "once, per-token activations; lathe.engine.fp8): its log-probs then carry "
+                                          "FP8 rounding, so the KL starts above 0. One device, lathe's decoder, no "
+                                          "LoRA. null: the reference's dtype.")
     profiler: dict[str, Any] = spec({}, "verl profiler settings.")

@@ -475,20 +475,20 @@ def requantize(model: nn.Module, names: set[str] | None = None) -> None:
         quantize_rows(w, out=w8, scale=getattr(owner, f"{prefix}_scale"))
 
 
-def check_device(device: torch.device, dtype: torch.dtype) -> None:
+def check_device(device: torch.device, dtype: torch.dtype, *, key: str = "actor_rollout_ref.rollout.quantization",
+                 dtype_key: str = "actor_rollout_ref.rollout.dtype") -> None:
     """FP8 GEMMs on CUDA need an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper) and bf16 outputs (the
-    row-wise scaled product's only output type); the CPU takes any dtype (its product is emulated in float32)."""
+    row-wise scaled product's only output type); the CPU takes any dtype (its product is emulated in float32).
+    `key` / `dtype_key`: the settings the errors name (the engine's by default)."""
     if device.type != "cuda":
         return
     capability = nvidia_capability(device)
     if capability is None or capability < (8, 9):
-        raise ValueError(f"rollout.quantization=fp8 needs an NVIDIA GPU of compute capability 8.9 or later (Ada, "
-                         f"Hopper) for FP8 matrix products; this one reports {capability}. Fix: set "
-                         "actor_rollout_ref.rollout.quantization=null")
+        raise ValueError(f"{key}=fp8 needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper) for FP8 "
+                         f"matrix products; this one reports {capability}. Fix: set {key}=null")
     if dtype != torch.bfloat16:
-        raise ValueError(f"rollout.quantization=fp8 on CUDA computes in bfloat16 (the FP8 product's output type), "
-                         f"but the engine's model is {dtype}. Fix: set actor_rollout_ref.rollout.dtype=bfloat16, or "
-                         "quantization=null")
+        raise ValueError(f"{key}=fp8 on CUDA computes in bfloat16 (the FP8 product's output type), but the model is "
+                         f"{dtype}. Fix: set {dtype_key}=bfloat16, or {key}=null")
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -2,7 +2,8 @@
 
 A copy of the actor's weights as loaded, in the reference's compute dtype, compiled like the actor; sharded with
 FSDP2 on a rank of a group; with `ref.fsdp_config.param_offload` its weights wait in pinned CPU memory between
-uses. Under LoRA the reference is the actor itself with its adapters off: no second copy of the weights.
+uses. Under LoRA the reference is the actor itself with its adapters off: no second copy of the weights. With
+`ref.quantization=fp8` (one device, lathe's decoder) its projections multiply in FP8, as the engine's do.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import torch
 from lathe.batch import Batch
 from lathe.config.plan import MeshPlan
 from lathe.dtypes import short_name
+from lathe.engine import fp8
 from lathe.models.attention import set_attention
 from lathe.models.compile import maybe_compile
+from lathe.models.decoder import LatheCausalLM
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import adapters_disabled
 from lathe.train import expert_parallel, parallel, tensor_parallel, ulysses
@@ -28,6 +31,7 @@ from lathe.workers.actor import Actor
 
 log = logging.getLogger("lathe")
 FSDP_KEY = "actor_rollout_ref.ref.fsdp_config"
+QUANT_KEY = "actor_rollout_ref.ref.quantization"
 
 
 class Reference:
@@ -57,15 +61,28 @@ class Reference:
                                  torch.device("cpu") if actor.sharded else self.device)
         set_attention(self.model, actor.arr.model.override_config.get("attn_implementation"), self.device,
                       policy.param_dtype)
+        fp8_note = self._quantize(policy.param_dtype) if ref_cfg.quantization == "fp8" else ""
         offload = offload_flags(ref_cfg.fsdp_config, self.device, key=FSDP_KEY, frozen=True)["offload_params"]
         if actor.sharded:
             tensor_parallel.parallelize(self.model, tensor_parallel.tensor_parallel(mesh, self.device))
             expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
             parallel.shard(self.model, ref_cfg.fsdp_config, policy, self.device, mesh)
         maybe_compile(self.model, use_torch_compile(ref_cfg) and tp_size == 1, device=self.device)
-        log.info("reference: %s weights%s%s", short_name(policy.param_dtype), ", in CPU memory between uses" * offload,
-                 parallel.mesh_note(mesh) if actor.sharded else "")
+        log.info("reference: %s weights%s%s%s", short_name(policy.param_dtype), fp8_note,
+                 ", in CPU memory between uses" * offload, parallel.mesh_note(mesh) if actor.sharded else "")
         self.host = HostWeights(self.model, self.device) if offload and not actor.sharded else None
+
+    def _quantize(self, dtype: torch.dtype) -> str:
+        """`ref.quantization=fp8`: FP8 copies of the decoder layers' projections, made once (the reference never
+        changes), which their forwards then multiply with (`lathe.engine.fp8`); the bf16 weights stay (a few
+        layers read them directly). Returns the log's note."""
+        if not isinstance(self.model, LatheCausalLM):
+            raise ValueError(f"{QUANT_KEY}=fp8 quantises lathe's decoder, but this reference is "
+                             f"{type(self.model).__name__}. Fix: set {QUANT_KEY}=null")
+        fp8.check_device(self.device, dtype, key=QUANT_KEY,
+                         dtype_key=f"{FSDP_KEY}.mixed_precision.param_dtype")
+        added = fp8.quantize_model(self.model)
+        return f", its projections in FP8 (+{added / 2**30:.2f} GiB)"
 
     def _on_device(self):
         if self._actor_model is not None:

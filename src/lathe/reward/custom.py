@@ -111,6 +111,11 @@ def _binds(sig: inspect.Signature, *args, **kwargs) -> bool:
         return False
 
 
+def _named(sig: inspect.Signature, args: dict) -> bool:
+    """The function names its first parameters as one of the managers passes them (per row or as lists)."""
+    return list(sig.parameters)[:2] == list(args)[:2]
+
+
 def _call_by_keyword(fn: Callable, name: str, path: Path, reward_kwargs: dict, batch: bool = False) -> bool:
     """How to call ``fn``: True = keywords (as verl does), False = four positionals. A batch function is called by
     keyword only (verl's batch manager does).
@@ -125,10 +130,12 @@ def _call_by_keyword(fn: Callable, name: str, path: Path, reward_kwargs: dict, b
         if _binds(sig, **_BATCH_ARGS, **reward_kwargs):
             return True
         per_row = _binds(sig, **_ROW_ARGS, **reward_kwargs) or _binds(sig, *_ROW_ARGS.values(), **reward_kwargs)
-        raise TypeError(_bad_signature(name, sig, path, reward_kwargs, batch=True, other_fits=per_row))
+        raise TypeError(_bad_signature(name, sig, path, reward_kwargs, batch=True,
+                                       other_fits=per_row or _named(sig, _ROW_ARGS)))
     if _binds(sig, **_ROW_ARGS, **reward_kwargs):
         return True
-    batch_fits = _binds(sig, **_BATCH_ARGS, **reward_kwargs)    # (verl's names for lists: not a per-row function)
+    # verl's names for lists: a batch function (which four positionals would bind, wrongly)
+    batch_fits = _binds(sig, **_BATCH_ARGS, **reward_kwargs) or _named(sig, _BATCH_ARGS)
     if not batch_fits and _binds(sig, *_ROW_ARGS.values(), **reward_kwargs):
         return False
     raise TypeError(_bad_signature(name, sig, path, reward_kwargs, batch=False, other_fits=batch_fits))

@@ -145,3 +145,34 @@ def test_teachers_are_checked_before_anything_loads(tmp_path, capsys):
     assert f"{teacher}.geo.model_path" in err and str(tmp_path / "nowhere") in err
     assert (f"{data} (data.train_files): rows with data_source ['math/other'] have no teacher" in err
             and "Fix: add a teacher per data_source" in err)
+
+
+def test_a_missing_reward_fn_key_column_fails_before_anything_loads(tmp_path, capsys):
+    data = parquet(tmp_path / "d.parquet", [ROW])
+    err = error_of(capsys, "train", f"data.train_files={data}", "data.val_files=null", "trainer.test_freq=-1",
+                   "data.reward_fn_key=task")
+    assert (f"{data} (data.train_files): field 'task': missing (the file's columns ['ability', 'data_source', "
+            "'extra_info', 'prompt', 'reward_model']). Fix: data.reward_fn_key='task' names the column") in err
+
+
+def test_the_built_in_scorers_are_chosen_by_the_reward_fn_key_column(tmp_path, capsys):
+    data = parquet(tmp_path / "d.parquet", [{**ROW, "data_source": "my/task", "task": "openai/gsm8k",
+                                             "skill": "my/skill"}])
+    base = ["train", f"data.train_files={data}", "data.val_files=null", "trainer.test_freq=-1"]
+    assert "no built-in reward function for data_source='my/task'" in error_of(capsys, *base)
+    preflight(load_config(None, [*base[1:], "data.reward_fn_key=task"]))      # scored by gsm8k's rule
+    err = error_of(capsys, *base, "data.reward_fn_key=skill")
+    assert "no built-in reward function for data_source='my/skill'" in err
+
+
+def test_the_batch_manager_loads_a_batch_function_with_both_sets_of_arguments(tmp_path, capsys):
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos, tag, bonus):\n"
+                      "    return [bonus] * len(solution_strs)\n")
+    batch = ["reward_model.reward_manager=batch", f"reward.custom_reward_function.path={reward}"]
+    fn = preflight(load_config(None, [*batch, "+reward_model.reward_kwargs.tag=x", "+reward.reward_kwargs.bonus=2"]
+                               )).reward_fn
+    assert fn.batch and fn.reward_kwargs == {"tag": "x", "bonus": 2}
+    assert fn(data_sources=["a"], solution_strs=["b"], ground_truths=["c"], extra_infos=[{}]) == [2]
+    err = error_of(capsys, "train", f"reward.custom_reward_function.path={reward}")
+    assert "it takes lists (a whole batch): set reward_model.reward_manager=batch" in err

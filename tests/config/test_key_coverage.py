@@ -42,6 +42,9 @@ READ_IN_CONFIG = {
        for g in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
     "distillation.teacher_models": "distill.py: teachers(), the TeacherSpec list the teacher part loads "
                                    "(lathe.workers.teacher)",
+    "reward.reward_kwargs": "rules_reward.py: reward_fn_kwargs(), the arguments the user's reward function gets "
+                            "(preflight.load_custom_reward), merged with reward_model.reward_kwargs under the batch "
+                            "manager",
     "distillation.teacher_key": "distill.py: check_distillation() (rows route by data_source, the column lathe keeps)",
     "actor_rollout_ref.rollout.checkpoint_engine.backend": "rules.py: must agree with the placement, which picks the "
                                                            "sync (nccl: a rollout pool; naive: colocated)",

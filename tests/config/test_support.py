@@ -24,7 +24,7 @@ def refused(*overrides: str) -> str:
     ("critic.model.lora_rank=32", "set it to 0"),
     ("reward_model.ulysses_sequence_parallel_size=2", "set it to 1"),
     ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2", "set it to 1"),
-    ("reward_model.reward_manager=batch", "naive"),
+    ("reward_model.reward_manager=limited", "naive"),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size=2", "set it to 1"),
     ("data.sampler.class_path=my_sampler.py", "verl-schema parquet"),
     ("actor_rollout_ref.actor.tis_imp_ratio_cap=2.0", "rollout_is_threshold=2.0"),

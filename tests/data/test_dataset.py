@@ -310,3 +310,37 @@ def test_rendered_prompts_are_kept_for_the_same_tokenizer_and_template(tok, tmp_
     before = len(rendered)
     RLDataset(path, tok), RLDataset(path, tok)
     assert len(rendered) == before + 8
+
+
+def test_reward_fn_key_keeps_that_column_as_each_item_s_reward_source(tok, tmp_path):
+    """data.reward_fn_key=ability: the item carries the row's ability (what its reward function gets as
+    data_source) beside its data_source."""
+    from lathe.data.dataset import reward_source
+    rows = [dict(make_row(i), ability=f"skill/{i % 2}") for i in range(4)]
+    ds = RLDataset(write_parquet(tmp_path / "a.parquet", rows), tok, reward_fn_key="ability")
+    assert [ds[i]["reward_source"] for i in range(4)] == ["skill/0", "skill/1", "skill/0", "skill/1"]
+    assert [reward_source(ds[i]) for i in range(4)] == ["skill/0", "skill/1", "skill/0", "skill/1"]
+    assert all(ds[i]["data_source"] == "openai/gsm8k" for i in range(4))
+    plain = RLDataset(write_parquet(tmp_path / "b.parquet", rows), tok)
+    assert "reward_source" not in plain[0] and reward_source(plain[0]) == "openai/gsm8k"
+
+
+@pytest.mark.parametrize("value, problem", [(_drop("ability"), r"missing \(row has keys \['data_source', "
+                                                                 r"'extra_info', 'prompt', 'reward_model'\]\)"),
+                                            (lambda r: r.update(ability=None), "null")])
+def test_a_missing_reward_fn_key_column_names_the_key_the_column_and_the_columns(tok, tmp_path, value, problem):
+    rows = [make_row(0), make_row(1)]
+    value(rows[1])
+    with pytest.raises(DataError, match=rf"line 2: field 'ability': {problem}. Fix: data.reward_fn_key='ability' "
+                                        r"names the column whose value the reward function gets as data_source"):
+        RLDataset(write_jsonl(tmp_path / "a.jsonl", rows), tok, reward_fn_key="ability")
+
+
+def test_check_columns_asks_for_the_reward_fn_key_column(tmp_path):
+    from lathe.data.dataset import check_columns
+    from lathe.data.files import peek
+    path = write_parquet(tmp_path / "d.parquet", [make_row(0)])
+    with pytest.raises(DataError, match=r"field 'task': missing \(the file's columns \['ability', 'data_source', "
+                                        r"'extra_info', 'prompt', 'reward_model'\]\). Fix: data.reward_fn_key='task'"):
+        check_columns(peek(path), "prompt", "data.train_files", reward_fn_key="task")
+    check_columns(peek(path), "prompt", "data.train_files", reward_fn_key="ability")

@@ -171,3 +171,14 @@ def test_a_judge_scores_in_the_foreground_and_its_rule_part_in_the_background(tm
     for k in keys:
         assert_close_rel(rows["async"][k], rows["sync"][k], rel=1e-6, name=k)
     assert "timing_s/reward_wait" in rows["async"] and rows["async"]["timing_s/reward_judge"] > 0
+
+
+def test_the_batch_manager_s_one_call_bounds_the_background_join():
+    from lathe.loop.reward_async import SLACK_S, scoring_bound_s
+    from lathe.reward import BatchRewardManager
+
+    with BatchRewardManager(lambda **kw: [], timeout_s=2.0) as manager, \
+            RewardManager(lambda *a: 0.0, timeout_s=2.0, num_workers=4) as per_row:
+        bound, why = scoring_bound_s(manager, 8)
+        assert bound == 16.0 + SLACK_S and "8 samples in one call of the batch reward manager" in why
+        assert scoring_bound_s(per_row, 8)[0] == 4.0 + SLACK_S

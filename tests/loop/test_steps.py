@@ -25,3 +25,32 @@ def test_a_missing_key_names_it_and_the_keys_present():
         reward_components(_batch([{"acc": 1.0, "fmt": 1.0}, {"acc": 0.0}]), ["fmt"])
     with pytest.raises(ValueError, match="none: it returned plain numbers"):
         reward_components(_batch([{}, {}]), ["acc"])
+
+
+def test_the_scorer_gets_the_reward_fn_key_column_as_data_source():
+    """data.reward_fn_key: each row's `reward_source` (its column's value, carried from the dataset through
+    prompt_batch) is what the reward function gets as data_source; without it, data_source."""
+    from lathe.data.builtin import builtin_tokenizer
+    from lathe.loop.setup import prompt_batch
+    from lathe.loop.steps import compute_reward
+    from lathe.reward import ScoreResult
+
+    class Recorder:
+        def score(self, items):
+            self.sources = [item["data_source"] for item in items]
+            return [ScoreResult(1.0) for _ in items]
+
+        def metrics(self):
+            return {}
+
+    rows = [{"prompt_ids": [1], "raw_prompt": [], "data_source": "gsm8k", "ground_truth": "1", "extra_info": {},
+             "index": i, "reward_source": f"skill/{i}"} for i in range(2)]
+    tensors = {"responses": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),
+               "response_mask": torch.ones(2, 3, dtype=torch.long)}
+    tok, rec = builtin_tokenizer(), Recorder()
+    compute_reward(prompt_batch(rows, step=1).update(Batch(tensors)), tok, rec)
+    assert rec.sources == ["skill/0", "skill/1"]
+    plain = prompt_batch([{k: v for k, v in r.items() if k != "reward_source"} for r in rows], step=1)
+    assert "reward_source" not in plain
+    compute_reward(plain.update(Batch(tensors)), tok, rec)
+    assert rec.sources == ["gsm8k", "gsm8k"]

@@ -120,3 +120,40 @@ def test_a_file_that_cannot_be_imported_fails_naming_it(tmp_path, source):
     path = _write(tmp_path, source)
     with pytest.raises(ImportError, match=r"my_reward\.py"):
         load_reward_fn(str(path))
+
+
+BATCH_FN = """
+    def compute_score(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):
+        return [float(s == gt) + bonus for s, gt in zip(solution_strs, ground_truths)]
+"""
+
+
+def test_a_batch_function_is_called_by_keyword_with_its_reward_kwargs(tmp_path):
+    fn = load_reward_fn(str(_write(tmp_path, BATCH_FN)), reward_kwargs={"bonus": 0.5}, batch=True)
+    assert fn(data_sources=["s", "s"], solution_strs=["1", "2"], ground_truths=["1", "1"],
+              extra_infos=[{}, {}]) == [1.5, 0.5]
+
+
+def test_a_per_row_function_under_the_batch_manager_names_the_fix(tmp_path):
+    with pytest.raises(TypeError, match=r"cannot be called as compute_score\(data_sources=..., solution_strs=..., "
+                                        r"ground_truths=..., extra_infos=...\) \(as reward_model.reward_manager=batch "
+                                        r"calls it, once per batch\); it scores one response per call: set "
+                                        r"reward_model.reward_manager=naive"):
+        load_reward_fn(str(_write(tmp_path, FLOAT_FN)), batch=True)
+
+
+def test_a_batch_function_under_a_per_row_manager_names_the_fix(tmp_path):
+    with pytest.raises(TypeError, match=r"it takes lists \(a whole batch\): set reward_model.reward_manager=batch"):
+        load_reward_fn(str(_write(tmp_path, BATCH_FN)))
+
+
+def test_a_batch_function_of_another_shape_gets_the_batch_signature(tmp_path):
+    path = _write(tmp_path, "def compute_score(responses):\n    return [1.0] * len(responses)\n")
+    with pytest.raises(TypeError, match=r"define it as `def compute_score\(data_sources, solution_strs, "
+                                        r"ground_truths, extra_infos, \*\*kwargs\)` returning one score per row"):
+        load_reward_fn(str(path), batch=True)
+
+
+def test_the_batch_manager_needs_a_function_file():
+    with pytest.raises(ValueError, match=r"reward_model.reward_manager=batch .* set reward_manager=naive"):
+        load_reward_fn(None, batch=True)

@@ -20,6 +20,7 @@ from .profiler import check_profiler
 from .rules_attention import check_attention
 from .rules_fp8 import check_fp8_reference, check_fp8_training
 from .rules_recompute import check_recompute
+from .rules_reward import check_reward_manager
 from .rules_mtp import check_mtp
 from .rules_routing import check_routing_replay
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
@@ -110,6 +111,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     _check_backend_and_run(cfg, problems)
     _check_algorithm_keys(cfg, problems)
     _check_reward_model(cfg, problems)
+    check_reward_manager(cfg, problems)
     check_distillation(cfg, problems)
     check_routing_replay(cfg, problems)
     check_mtp(cfg, problems)

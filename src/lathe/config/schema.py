@@ -46,7 +46,8 @@ class DataConfig:
     train_max_samples: int = spec(-1, "Use at most this many training rows; -1 = all.")
     val_max_samples: int = spec(-1, "Use at most this many validation rows; -1 = all.")
     prompt_key: str = spec("prompt", "Column holding the chat-format prompt.")
-    reward_fn_key: str = spec("data_source", "Column selecting the reward function per row.")
+    reward_fn_key: str = spec("data_source", "Column whose value the reward function gets as data_source (the "
+                                             "built-in scorers pick their rule by it).")
     max_prompt_length: int = spec(512, "Prompt token budget (see truncation).")
     max_response_length: int = spec(512, "Max generated tokens per response.")
     train_batch_size: int = spec(1024, "Prompts per training step (each sampled rollout.n times).")
@@ -184,9 +185,12 @@ class RewardModelConfig:
     forward_max_token_len_per_gpu: int | None = spec(None, "Token budget per RM micro-batch.")
     ulysses_sequence_parallel_size: int = spec(1, "Sequence-parallel degree (verl).")
     reward_manager: str = spec("naive", "verl's reward manager: naive, prime, dapo, gdpo (lathe's per-response "
-                                        "scoring, which keeps a dict result's numbers) or batch.")
+                                        "scoring, which keeps a dict result's numbers) or batch (one call of the "
+                                        "custom function per batch, with lists).")
     launch_reward_fn_async: bool = spec(False, "Score on CPU while log-probs are computed.")
-    reward_kwargs: dict[str, Any] = spec({}, "Extra kwargs for verl's reward manager (e.g. max_resp_len).")
+    reward_kwargs: dict[str, Any] = spec({}, "verl's reward-manager arguments: with reward_manager=batch passed to "
+                                             "the custom function (with reward.reward_kwargs); DAPO's max_resp_len "
+                                             "(= data.max_response_length).")
     sandbox_fusion: SandboxFusionConfig = spec(factory=SandboxFusionConfig, help="Code sandbox.")
     overlong_buffer: OverlongBufferConfig = spec(factory=OverlongBufferConfig, help="DAPO overlong penalty.")
     profiler: dict[str, Any] = spec({}, "verl profiler settings.")

@@ -20,6 +20,7 @@ from .errors import IgnoredKeysWarning, ProblemList
 from .coerce import show
 from .schema import LatheConfig
 from .plan import is_async
+from .rules_reward import BATCH_MANAGER, PER_ROW_MANAGERS
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
 from .support_rollout import ROLLOUT_FEATURES
 from .support_verl import (BACKEND, ULYSSES_RM, backend_judge, judge_verl_keys, markdown_lines,
@@ -157,13 +158,18 @@ def _rewards() -> list[Entry]:
                "read scores on the driver as each request arrives; otherwise it runs: the trainer thread scores each "
                f"batch before its update, on the trainer pool's ranks or its own pool ({RM}.enable_resource_pool)",
                "remove that key, or train synchronously (rollout.n_gpus_per_node=0)"), judge=_async_reward_model)),
-           refuse(f"{RM}.reward_manager", "that reward manager (lathe's one manager is verl's naive/prime/dapo/gdpo: "
-                  "per-response scoring in worker processes with timeouts, a dict result's numbers kept)",
-                  "set it to naive", one_of("naive", "prime", "dapo", "gdpo")),
-           replace(refuse(f"{RM}.reward_kwargs", "reward-manager keyword arguments", "pass scorer arguments in "
-                          "reward.reward_kwargs; DAPO's overlong shaping is reward_model.overlong_buffer.{{enable,len,"
-                          "penalty_factor,log}} and max_resp_len is data.max_response_length"),
-                   ok=lambda v, cfg: set(v) <= {"max_resp_len"}
+           refuse(f"{RM}.reward_manager", "that reward manager (lathe's are verl's naive/prime/dapo/gdpo: "
+                  "per-response scoring in worker processes with timeouts, a dict result's numbers kept; and batch: "
+                  "one call of a custom function per batch)",
+                  "set it to naive (or batch, with reward.custom_reward_function.path)",
+                  one_of(*PER_ROW_MANAGERS, BATCH_MANAGER)),
+           replace(refuse(f"{RM}.reward_kwargs", "arguments for the naive/prime/dapo/gdpo managers (verl passes "
+                          "them to the manager: naive and prime take none, DAPO's max_resp_len and "
+                          "overlong_buffer_cfg)", "pass arguments for your function in "
+                          "custom_reward_function.reward_kwargs, or set reward_model.reward_manager=batch, which "
+                          "passes these to the function too; DAPO's overlong shaping is reward_model.overlong_buffer."
+                          "{{enable,len,penalty_factor,log}} and its max_resp_len is data.max_response_length"),
+                   ok=lambda v, cfg: cfg.reward_model.reward_manager == BATCH_MANAGER or set(v) <= {"max_resp_len"}
                    and v.get("max_resp_len", cfg.data.max_response_length) == cfg.data.max_response_length),
            only_on("a rollout pool or filter_groups", warn(
                f"{RM}.launch_reward_fn_async", "with a rollout pool the driver already scores each request as it "
@@ -243,8 +249,6 @@ def _data() -> list[Entry]:
                   lambda v, cfg: v is None or v == policy_tok(cfg)),
            refuse(f"{C}.model.tokenizer_path", "a critic tokenizer other than the policy's",
                   "remove it: the critic reads the policy's tokens", lambda v, cfg: v is None or v == policy_tok(cfg)),
-           refuse("data.reward_fn_key", "choosing the scorer by a column other than data_source",
-                  "rename that column to data_source in the data"),
            refuse("data.video_key", "video prompts (lathe's vision-language models take images only)",
                   "remove it (or set it back to {default}); give a video as image frames in the data.image_key "
                   "column, one <image> placeholder per frame"),

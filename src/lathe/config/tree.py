@@ -45,6 +45,7 @@ ALIASES: dict[str, str] = {
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
     "custom_reward_function.reward_kwargs": "reward.reward_kwargs",
+    "reward.custom_reward_function.reward_kwargs": "reward.reward_kwargs",     # verl reads it there too
     "custom_reward_function.overlong_buffer": "reward_model.overlong_buffer",
     # verl's newer spelling of the weight sync's bucket size (one setting, read where the sync is built)
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":

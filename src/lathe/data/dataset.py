@@ -61,6 +61,12 @@ def _messages_key(messages) -> str | None:
 PROMPT_FIX = "add the prompt messages, or set data.prompt_key to the column that holds them"
 DATA_SOURCE_FIX = 'add "data_source" (e.g. "openai/gsm8k"); it selects the reward function'
 GROUND_TRUTH_FIX = 'add "reward_model": {"style": "rule", "ground_truth": <answer>}'
+REWARD_SOURCE = "reward_source"     # an item's data.reward_fn_key column, when that is not data_source
+
+
+def reward_fn_key_fix(key: str) -> str:
+    return (f"data.reward_fn_key={key!r} names the column whose value the reward function gets as data_source: add "
+            "that column to the data, or set data.reward_fn_key to a column it has")
 
 
 # --------------------------------------------------------------------------- row schema
@@ -116,12 +122,30 @@ def _check_fields(row: dict, src: str, where: str) -> tuple[str, str, Any, dict]
     return ds, ability, rm["ground_truth"], extra
 
 
-def check_columns(cols: Columns, prompt_key: str, key: str) -> None:
+def reward_source(item: dict) -> Any:
+    """What an item's reward function gets as data_source: its `data.reward_fn_key` column (`data_source` by
+    default)."""
+    return item.get(REWARD_SOURCE, item["data_source"])
+
+
+def _reward_source(row: dict, key: str, src: str, where: str) -> Any:
+    """The row's `data.reward_fn_key` column: what its reward function gets as data_source."""
+    if key not in row:
+        raise missing_field(src, where, key, "row has keys", row, reward_fn_key_fix(key))
+    if row[key] is None:
+        raise _fail(src, where, key, "null", reward_fn_key_fix(key))
+    return row[key]
+
+
+def check_columns(cols: Columns, prompt_key: str, key: str, reward_fn_key: str = "data_source") -> None:
     """The fields every row needs, checked against what a file holds (`lathe.data.files.peek`: a parquet schema, a
     first row) before its rows are read; the errors name the file, `key` (the config key that named the file), the
-    columns there are and the fix, as the row checks do."""
+    columns there are and the fix, as the row checks do. `reward_fn_key`: the column the reward function's
+    data_source comes from."""
     where = f"({key})"
-    for field, fix in ((prompt_key, PROMPT_FIX), ("data_source", DATA_SOURCE_FIX), ("reward_model", GROUND_TRUTH_FIX)):
+    fields = ((prompt_key, PROMPT_FIX), ("data_source", DATA_SOURCE_FIX), ("reward_model", GROUND_TRUTH_FIX),
+              (reward_fn_key, reward_fn_key_fix(reward_fn_key)))
+    for field, fix in fields:
         if field not in cols.names:
             raise missing_field(cols.src, where, field, cols.have, cols.names, fix)
     fields = cols.names["reward_model"]
@@ -164,8 +188,10 @@ class RLDataset:
     `files` is one path or a list (parquet, jsonl, json; `~` expanded; concatenated in order),
     or "builtin:arithmetic". `split` picks the builtin split. Items are dicts with prompt_ids,
     raw_prompt (the messages), data_source, ability, ground_truth, extra_info and index (the
-    row's position in the concatenated, unfiltered data). `num_filtered` counts prompts dropped
-    as longer than max_prompt_length when filter_overlong_prompts=True.
+    row's position in the concatenated, unfiltered data); with a `reward_fn_key` other than
+    data_source also reward_source, that column's value (what the reward function gets as
+    data_source). `num_filtered` counts prompts dropped as longer than max_prompt_length when
+    filter_overlong_prompts=True.
 
     Image rows (non-empty `image_key` column) need `processor` (a Qwen-VL processor, see
     lathe.data.multimodal); `min_pixels`/`max_pixels` bound the image resize. Their items also carry
@@ -178,7 +204,7 @@ class RLDataset:
                  split: str = "train", processor=None, image_key: str = "images",
                  min_pixels: int | None = None, max_pixels: int | None = None, max_samples: int = -1,
                  shuffle: bool = False, seed: int | None = None,
-                 rows: tuple[str, Iterable[tuple[str, dict]]] | None = None):
+                 rows: tuple[str, Iterable[tuple[str, dict]]] | None = None, reward_fn_key: str = "data_source"):
         """`max_samples` > 0 keeps that many rows (verl's `data.train_max_samples` / `val_max_samples`): a random
         subset drawn with `seed` when `shuffle`, else the first ones; before long prompts are filtered. `rows`:
         (their name, (where, row) pairs) read instead of `files` (a custom dataset class's items:
@@ -201,6 +227,7 @@ class RLDataset:
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.max_samples, self.shuffle, self.seed = max_samples, shuffle, seed
         self.rows = rows
+        self.reward_fn_key = reward_fn_key
         self.num_filtered = 0
         self.num_truncated = 0
         self._items: list[dict[str, Any]] = []
@@ -288,6 +315,8 @@ class RLDataset:
                 ds, ability, gt, extra = _check_fields(row, src, where)
                 records.append({"raw_prompt": messages, "data_source": ds, "ability": ability,
                                 "ground_truth": gt, "extra_info": extra, "index": len(records)})
+                if self.reward_fn_key != "data_source":
+                    records[-1][REWARD_SOURCE] = _reward_source(row, self.reward_fn_key, src, where)
                 images = row.get(self.image_key)
                 if images is not None and (not isinstance(images, (list, tuple)) or len(images)):
                     records[-1].update(self._image_fields(images, src, where))

@@ -24,6 +24,7 @@ from lathe.ckpt.resume import resume_point
 from lathe.config import critic_in_use
 from lathe.config.distill import teachers
 from lathe.config.errors import ConfigError, join_problems
+from lathe.config.rules_reward import is_batch_manager, reward_fn_kwargs
 from lathe.data import dataset, sft
 from lathe.data.custom import load_dataset_class
 from lathe.data.files import Columns, column_values, data_files, peek
@@ -85,9 +86,9 @@ def preflight(cfg) -> Checked:
     custom = bool(cfg.reward.custom_reward_function.path)
 
     def check_file(key: str, cols: Columns) -> None:
-        dataset.check_columns(cols, cfg.data.prompt_key, key)
-        if not custom:                  # the built-in scorers: one for every data_source
-            _check_scorers(f"{cols.src} ({key})", column_values(cols, "data_source"))
+        dataset.check_columns(cols, cfg.data.prompt_key, key, cfg.data.reward_fn_key)
+        if not custom:                  # the built-in scorers: one for every data_source (data.reward_fn_key's column)
+            _check_scorers(f"{cols.src} ({key})", column_values(cols, cfg.data.reward_fn_key))
         if len(teacher_list) > 1 and key == "data.train_files":       # each training row needs its teacher
             _check_teachers(f"{cols.src} ({key})", column_values(cols, "data_source"), teacher_list)
 
@@ -100,7 +101,7 @@ def preflight(cfg) -> Checked:
         resume_point(cfg.trainer)
     reward_fn = None
     with problems.check():
-        reward_fn = load_custom_reward(cfg.reward)
+        reward_fn = load_custom_reward(cfg)
     problems.raise_if_any()
     return Checked(reward_fn=reward_fn)
 
@@ -142,12 +143,13 @@ def preflight_sft(cfg) -> None:
     problems.raise_if_any()
 
 
-def load_custom_reward(reward_cfg) -> Callable:
-    """`reward.custom_reward_function`'s function (imported from its file), or the built-in scorers; its errors
-    as one ValueError (their messages name the keys, the file and the fix)."""
-    fn_cfg = reward_cfg.custom_reward_function
+def load_custom_reward(cfg) -> Callable:
+    """`reward.custom_reward_function`'s function (imported from its file, a batch function with
+    `reward_model.reward_manager=batch`) with its keyword arguments, or the built-in scorers; its errors as one
+    ValueError (their messages name the keys, the file and the fix)."""
+    fn_cfg = cfg.reward.custom_reward_function
     try:
-        return load_reward_fn(fn_cfg.path, fn_cfg.name, reward_cfg.reward_kwargs)
+        return load_reward_fn(fn_cfg.path, fn_cfg.name, reward_fn_kwargs(cfg), batch=is_batch_manager(cfg))
     except (ImportError, AttributeError, TypeError) as e:
         raise ValueError(str(e)) from e
 

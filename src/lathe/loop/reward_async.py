@@ -60,6 +60,10 @@ def scoring_bound_s(manager, num_samples: int) -> tuple[float, str]:
     if manager.timeout_s <= 0:
         return IN_PROCESS_BOUND_S, (f"reward.timeout_s=0 scores in-process with no per-sample bound, so the join waits "
                                     f"at most {IN_PROCESS_BOUND_S:.0f} s")
+    if getattr(manager, "one_call", False):     # the batch manager: one call for all, timeout_s per sample
+        return manager.timeout_s * num_samples + SLACK_S, (
+            f"reward.timeout_s={manager.timeout_s:g} per sample, {num_samples} samples in one call of the batch "
+            f"reward manager, plus {SLACK_S:.0f} s")
     rounds = math.ceil(num_samples / manager.num_workers)
     bound = manager.timeout_s * rounds + SLACK_S
     return bound, (f"reward.timeout_s={manager.timeout_s:g} per sample, {rounds} samples per process over "

@@ -22,6 +22,7 @@ from lathe.config import LatheConfig, RunPlan, critic_in_use, run_plan, to_dict,
 from lathe.config.verl_translate import dist_checkpoint, dist_checkpoint_prefix
 from lathe.data import RLDataset, StatefulDataLoader
 from lathe.data.custom import custom_source
+from lathe.data.dataset import REWARD_SOURCE, reward_source
 from lathe.data.multimodal import multimodal_non_tensors
 from lathe.device import default_device_type, device_count, empty_cache, use_cpu_threads
 from lathe.generation import SamplingParams
@@ -29,7 +30,8 @@ from lathe.loop import warm_cache
 from lathe.loop.preflight import Checked, preflight
 from lathe.loop.warm_start import warm_start, warm_start_examples
 from lathe.models.hf import import_external_libs, is_vl_path, load_policy, load_tokenizer
-from lathe.reward import RewardManager
+from lathe.config.rules_reward import is_batch_manager
+from lathe.reward import BatchRewardManager, RewardManager
 from lathe.reward.registry import scorer_for
 from lathe.reward.sandbox import configure as configure_sandbox
 from lathe.rollout.agent import load_run_tools
@@ -139,7 +141,8 @@ def load_datasets(cfg, tokenizer, processor=None) -> tuple[RLDataset, RLDataset 
         template_kwargs["tools"] = tools.schemas()
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-              apply_chat_template_kwargs=template_kwargs, processor=processor, image_key=d.image_key)
+              apply_chat_template_kwargs=template_kwargs, processor=processor, image_key=d.image_key,
+              reward_fn_key=d.reward_fn_key)
     def split(files, name: str, max_samples: int) -> RLDataset:
         rows = None
         if d.custom_cls.path:               # a user's dataset class reads the files; its items are the rows
@@ -165,7 +168,7 @@ def check_scorers(datasets, custom_path: str | None) -> None:
     from lathe.reward.code import CODE_SOURCES
     for ds in datasets:
         if ds is not None:
-            for source in sorted({ds[i]["data_source"] for i in range(len(ds))}):
+            for source in sorted({reward_source(ds[i]) for i in range(len(ds))}):
                 scorer_for(source)
                 why = sandbox.unavailable() if source in CODE_SOURCES else None
                 if why:
@@ -291,9 +294,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
         reward_model = build_reward_model(cfg, plan, tokenizer, device=device) if cfg.reward_model.enable else None
     trainer = Trainer(
         cfg=cfg, plan=plan, tokenizer=tokenizer, worker=worker, cluster=cluster,
-        reward=RewardManager(reward_fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
-                             max_failure_fraction=cfg.reward.max_failure_fraction,
-                             max_failing_calls=cfg.reward.max_failing_calls),
+        reward=reward_manager(cfg, reward_fn),
         loader=loader, val_dataset=val_ds,
         tracker=Tracker(t.logger, run_dir, project=t.project_name, experiment=t.experiment_name,
                         config=to_dict(cfg), total_steps=total_steps),
@@ -310,6 +311,16 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
             raise
     trainer.tracker.truncate_after(trainer.global_step)
     return trainer
+
+
+def reward_manager(cfg, reward_fn) -> RewardManager:
+    """`reward_model.reward_manager`'s manager around `reward_fn`: one call per batch (`batch`), else per response."""
+    r = cfg.reward
+    limits = dict(timeout_s=r.timeout_s, max_failure_fraction=r.max_failure_fraction,
+                  max_failing_calls=r.max_failing_calls)
+    if is_batch_manager(cfg):
+        return BatchRewardManager(reward_fn, **limits)
+    return RewardManager(reward_fn, num_workers=r.num_workers, **limits)
 
 
 def check_parallel_model(plan: RunPlan, model, impl: str = "auto") -> None:
@@ -551,6 +562,7 @@ def prompt_batch(rows: list[dict], step: int, round_: int = 0) -> Batch:
     `multi_modal_data` ({"image": [PIL]}) per row, None for text rows; as non-tensors they follow their rows
     through `repeat`/`select`/`concat`, and the trainer's log-prob micro-batches take their images from them."""
     keys = ("prompt_ids", "raw_prompt", "data_source", "ground_truth", "extra_info", "index")
+    keys += (REWARD_SOURCE,) if rows and REWARD_SOURCE in rows[0] else ()      # data.reward_fn_key's column
     nt = {k: [r[k] for r in rows] for k in keys}
     nt["uid"] = [f"{step}:{round_}:{i}" for i in range(len(rows))]
     nt.update(multimodal_non_tensors(rows))

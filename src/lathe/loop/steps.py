@@ -10,6 +10,7 @@ import torch
 
 from lathe.algo import ROLLOUT_CORRECTION_KEYS, apply_kl_penalty, compute_rollout_correction, get_adv_estimator, overlong_reward_penalty
 from lathe.batch import Batch
+from lathe.data.dataset import REWARD_SOURCE
 from lathe.generation.stop import decode_texts
 from lathe.reward import ScoreResult
 from lathe.reward.judge import combine_scores
@@ -52,9 +53,9 @@ def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None, ma
     mode, weight = combine or ("judge", 1.0)
     metrics: dict[str, float] = {}
     if rm_scores is None or mode != "judge":
+        sources = batch[REWARD_SOURCE] if REWARD_SOURCE in batch else batch["data_source"]   # data.reward_fn_key
         items = [{"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": extra}
-                 for ds, text, gt, extra in zip(batch["data_source"], texts, batch["ground_truth"],
-                                                batch["extra_info"])]
+                 for ds, text, gt, extra in zip(sources, texts, batch["ground_truth"], batch["extra_info"])]
         results = reward_manager.score(items)
         metrics.update(reward_manager.metrics())
         if rm_scores is not None:

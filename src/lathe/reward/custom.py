@@ -8,8 +8,14 @@ The function has verl's signature::
 verl users hit "Can't pickle <function compute_score>" when their function must cross a
 process boundary, because a module loaded from a path is unknown to the receiving process.
 Here the loaded function is wrapped in :class:`RewardFn`, which pickles as
-``(path, name, reward_kwargs)`` and re-imports the file on the other side; and the reward
-manager's workers are forked, so they inherit the loaded function and pickle nothing.
+``(path, name, reward_kwargs, batch)`` and re-imports the file on the other side; and the reward
+managers' workers are forked, so they inherit the loaded function and pickle nothing.
+
+With ``batch=True`` (verl's ``batch`` reward manager, :mod:`lathe.reward.batch`) the function scores a
+whole batch in one call, by keyword, and returns one result per row::
+
+    def compute_score(data_sources, solution_strs, ground_truths, extra_infos, **reward_kwargs)
+        -> list[float | dict]
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from lathe.reward.registry import default_compute_score
 __all__ = ["RewardFn", "load_reward_fn"]
 
 _FIX_SIGNATURE = "def {name}(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
+_FIX_BATCH = "def {name}(data_sources, solution_strs, ground_truths, extra_infos, **kwargs)"
+_ROW_ARGS = {"data_source": "", "solution_str": "", "ground_truth": "", "extra_info": None}
+_BATCH_ARGS = {"data_sources": [], "solution_strs": [], "ground_truths": [], "extra_infos": []}
 
 
 def _module_name(path: Path) -> str:
@@ -94,43 +103,76 @@ def _find_function(module: ModuleType, name: str, path: Path) -> Callable:
     return fn
 
 
-def _call_by_keyword(fn: Callable, name: str, path: Path, reward_kwargs: dict) -> bool:
-    """How to call ``fn``: True = keywords (as verl does), False = four positionals.
+def _binds(sig: inspect.Signature, *args, **kwargs) -> bool:
+    try:
+        sig.bind(*args, **kwargs)
+        return True
+    except TypeError:
+        return False
+
+
+def _named(sig: inspect.Signature, args: dict) -> bool:
+    """The function names its first parameters as one of the managers passes them (per row or as lists)."""
+    return list(sig.parameters)[:2] == list(args)[:2]
+
+
+def _call_by_keyword(fn: Callable, name: str, path: Path, reward_kwargs: dict, batch: bool = False) -> bool:
+    """How to call ``fn``: True = keywords (as verl does), False = four positionals. A batch function is called by
+    keyword only (verl's batch manager does).
 
     Raises TypeError when neither form fits the function's signature.
     """
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return False  # no introspectable signature (C function): call positionally
-    try:
-        sig.bind(data_source="", solution_str="", ground_truth="", extra_info=None, **reward_kwargs)
+        return batch  # no introspectable signature (C function): call positionally (a batch one by keyword)
+    if batch:
+        if _binds(sig, **_BATCH_ARGS, **reward_kwargs):
+            return True
+        per_row = _binds(sig, **_ROW_ARGS, **reward_kwargs) or _binds(sig, *_ROW_ARGS.values(), **reward_kwargs)
+        raise TypeError(_bad_signature(name, sig, path, reward_kwargs, batch=True,
+                                       other_fits=per_row or _named(sig, _ROW_ARGS)))
+    if _binds(sig, **_ROW_ARGS, **reward_kwargs):
         return True
-    except TypeError:
-        pass
-    try:
-        sig.bind("", "", "", None, **reward_kwargs)
+    # verl's names for lists: a batch function (which four positionals would bind, wrongly)
+    batch_fits = _binds(sig, **_BATCH_ARGS, **reward_kwargs) or _named(sig, _BATCH_ARGS)
+    if not batch_fits and _binds(sig, *_ROW_ARGS.values(), **reward_kwargs):
         return False
-    except TypeError as exc:
-        kwargs_note = f" with reward_kwargs {sorted(reward_kwargs)}" if reward_kwargs else ""
-        raise TypeError(
-            f"reward.custom_reward_function: {name}{sig} in {str(path)!r} cannot be called as "
-            f"{name}(data_source, solution_str, ground_truth, extra_info){kwargs_note} ({exc}); "
-            f"define it as `{_FIX_SIGNATURE.format(name=name)}`"
-        ) from None
+    raise TypeError(_bad_signature(name, sig, path, reward_kwargs, batch=False, other_fits=batch_fits))
+
+
+def _bad_signature(name: str, sig: inspect.Signature, path: Path, reward_kwargs: dict, *, batch: bool,
+                   other_fits: bool) -> str:
+    """Why `name` cannot be called as the reward manager calls it, and the fix (the other manager when its form
+    fits)."""
+    kwargs_note = f" with reward_kwargs {sorted(reward_kwargs)}" if reward_kwargs else ""
+    if batch:
+        call = f"{name}(data_sources=..., solution_strs=..., ground_truths=..., extra_infos=...)"
+        how = "as reward_model.reward_manager=batch calls it, once per batch"
+        fix = ("it scores one response per call: set reward_model.reward_manager=naive" if other_fits else
+               f"define it as `{_FIX_BATCH.format(name=name)}` returning one score per row")
+    else:
+        call = f"{name}(data_source, solution_str, ground_truth, extra_info)"
+        how = "once per response"
+        fix = ("it takes lists (a whole batch): set reward_model.reward_manager=batch" if other_fits else
+               f"define it as `{_FIX_SIGNATURE.format(name=name)}`")
+    return (f"reward.custom_reward_function: {name}{sig} in {str(path)!r} cannot be called as {call}{kwargs_note} "
+            f"({how}); {fix}")
 
 
 class RewardFn:
-    """A reward function loaded from a file, called with verl's arguments.
+    """A reward function loaded from a file, called with verl's arguments (``batch``: its batch manager's lists).
 
-    Pickles by reference (path, name, reward_kwargs) and re-imports the file when
+    Pickles by reference (path, name, reward_kwargs, batch) and re-imports the file when
     unpickled, so it can be sent to any process that can read the file.
     """
 
-    def __init__(self, path: str | Path, name: str = "compute_score", reward_kwargs: dict | None = None):
+    def __init__(self, path: str | Path, name: str = "compute_score", reward_kwargs: dict | None = None,
+                 batch: bool = False):
         self.path = Path(path).expanduser().resolve()
         self.name = name
         self.reward_kwargs = dict(reward_kwargs or {})
+        self.batch = bool(batch)
         if not self.path.is_file():
             what = "is a directory" if self.path.is_dir() else "does not exist"
             raise FileNotFoundError(
@@ -138,9 +180,16 @@ class RewardFn:
                 "pass the path of a .py file that defines the reward function"
             )
         self._fn = _find_function(_import_file(self.path), name, self.path)
-        self._by_keyword = _call_by_keyword(self._fn, name, self.path, self.reward_kwargs)
+        self._by_keyword = _call_by_keyword(self._fn, name, self.path, self.reward_kwargs, self.batch)
 
-    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None):
+    def __call__(self, *args, **kwargs):
+        """Per row: ``(data_source, solution_str, ground_truth, extra_info=None)``; batch: ``(data_sources=...,
+        solution_strs=..., ground_truths=..., extra_infos=...)``. The reward kwargs are added."""
+        if self.batch:
+            return self._fn(*args, **kwargs, **self.reward_kwargs)
+        return self._call_row(*args, **kwargs)
+
+    def _call_row(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None):
         if self._by_keyword:
             return self._fn(
                 data_source=data_source,
@@ -152,7 +201,7 @@ class RewardFn:
         return self._fn(data_source, solution_str, ground_truth, extra_info, **self.reward_kwargs)
 
     def __getstate__(self) -> dict:
-        return {"path": str(self.path), "name": self.name, "reward_kwargs": self.reward_kwargs}
+        return {"path": str(self.path), "name": self.name, "reward_kwargs": self.reward_kwargs, "batch": self.batch}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
@@ -162,19 +211,26 @@ class RewardFn:
 
 
 def load_reward_fn(
-    path: str | None, name: str = "compute_score", reward_kwargs: dict | None = None
+    path: str | None, name: str = "compute_score", reward_kwargs: dict | None = None, batch: bool = False
 ) -> Callable[..., float | dict]:
     """Return ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``.
 
     ``path=None`` gives the built-in dispatcher :func:`default_compute_score` (which takes
     no extra kwargs). Otherwise the function ``name`` is loaded from the file at ``path``
-    (``~`` expanded) and ``reward_kwargs`` are passed to it on every call.
+    (``~`` expanded) and ``reward_kwargs`` are passed to it on every call. ``batch``: the function
+    scores a whole batch (verl's ``batch`` reward manager; see :class:`RewardFn`), which needs a file.
     """
     if path is None or str(path).strip() == "":
+        if batch:
+            raise ValueError(
+                "reward_model.reward_manager=batch calls the user's function once per batch, but "
+                "reward.custom_reward_function.path is not set and the built-in scorers score one response at a "
+                "time: set the path to a file whose function takes lists, or set reward_manager=naive"
+            )
         if reward_kwargs:
             raise ValueError(
                 f"reward_kwargs={reward_kwargs!r} were given but no reward.custom_reward_function.path; "
                 "the built-in scorers take no extra arguments: set the path or drop reward_kwargs"
             )
         return default_compute_score
-    return RewardFn(path, name, reward_kwargs)
+    return RewardFn(path, name, reward_kwargs, batch)

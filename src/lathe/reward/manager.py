@@ -102,14 +102,17 @@ class RewardManager:
         if not items:
             return []
         with self._lock:
-            if self.timeout_s <= 0:
-                raw = [score_one(self.compute_score, item, i, self._fn_desc) for i, item in enumerate(items)]
-            else:
-                raw = self._score_in_workers(items)
+            raw = self._score_raw(items)
             results = [self._to_result(r) for r in raw]
             self._report(items, raw, results)
             self._check_streak(items, raw, results)
         return results
+
+    def _score_raw(self, items: list[dict]) -> list[tuple]:
+        """Each item's raw result tuple (see :func:`score_one`), in input order."""
+        if self.timeout_s <= 0:
+            return [score_one(self.compute_score, item, i, self._fn_desc) for i, item in enumerate(items)]
+        return self._score_in_workers(items)
 
     def _check_streak(self, items: list[dict], raw: list, results: list[ScoreResult]) -> None:
         failed = [i for i, r in enumerate(results) if r.error is not None]
@@ -138,7 +141,7 @@ class RewardManager:
         before a background thread scores with them."""
         with self._lock:
             while self.timeout_s > 0 and len(self._workers) < self.num_workers:
-                self._workers.append(Worker(self.compute_score, self._fn_desc))
+                self._workers.append(self._new_worker())
 
     def metrics(self) -> dict[str, int]:
         """Error and timeout counts since the previous call, then reset."""
@@ -173,7 +176,7 @@ class RewardManager:
     def _score_in_workers(self, items: list[dict]) -> list[tuple]:
         """Feed chunks to idle workers; kill and replace hung or dead ones."""
         while len(self._workers) < self.num_workers:
-            self._workers.append(Worker(self.compute_score, self._fn_desc))
+            self._workers.append(self._new_worker())
         raw: list[tuple | None] = [None] * len(items)
         todo = deque(range(len(items)))
         chunk = max(1, min(_MAX_CHUNK, -(-len(items) // (4 * self.num_workers))))
@@ -230,7 +233,11 @@ class RewardManager:
     def _replace(self, slot: int) -> None:
         """Kill the worker in ``slot`` (and its process group) and fork a fresh one."""
         self._workers[slot].kill()
-        self._workers[slot] = Worker(self.compute_score, self._fn_desc)
+        self._workers[slot] = self._new_worker()
+
+    def _new_worker(self) -> Worker:
+        """A forked process that scores one sample per item (:func:`score_one`)."""
+        return Worker(self.compute_score, self._fn_desc)
 
     # ---- results and reporting -----------------------------------------------------------
 

@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["ScoreResult", "describe_fn", "score_one"]
+__all__ = ["ScoreResult", "coerce_result", "describe_fn", "score_one"]
 
 
 def describe_fn(fn: Callable) -> str:
@@ -51,7 +51,7 @@ def _as_float(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _coerce(value: Any, index: int, fn_desc: str) -> tuple[float, dict, str | None, list[str]]:
+def coerce_result(value: Any, index: int, fn_desc: str) -> tuple[float, dict, str | None, list[str]]:
     """Check a function's return value: (score, extra, error, dropped extra keys)."""
     raw = value.get("score", None) if isinstance(value, dict) else value
     score = _as_float(raw)
@@ -93,4 +93,4 @@ def score_one(fn: Callable, item: dict, index: int, fn_desc: str) -> tuple:
     except Exception as exc:  # a scorer bug costs one sample, not the run
         last_line = traceback.format_exception_only(type(exc), exc)[-1].strip()
         return 0.0, {}, last_line, [], traceback.format_exc()
-    return (*_coerce(value, index, fn_desc), None)
+    return (*coerce_result(value, index, fn_desc), None)

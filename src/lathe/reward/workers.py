@@ -33,18 +33,19 @@ _ORPHAN_CHECK_S = 1.0
 class Worker:
     """One forked process scoring the chunks it is sent, one result message per sample.
 
-    The parent tracks ``pending`` (sent, unanswered indices, in order) and ``started``
-    (when the sample at the head of ``pending`` began, as seen from here), which is
-    what tells a hung sample apart.
+    ``run(fn, item, index, fn_desc)`` makes each result (:func:`score_one`: one sample; the batch manager sends its
+    whole batch as one item and calls the function once). The parent tracks ``pending`` (sent, unanswered
+    indices, in order) and ``started`` (when the sample at the head of ``pending`` began, as seen from here),
+    which is what tells a hung sample apart.
     """
 
-    def __init__(self, fn: Callable, fn_desc: str):
+    def __init__(self, fn: Callable, fn_desc: str, run: Callable = score_one):
         ctx = multiprocessing.get_context("fork")
         self._owner_pid = os.getpid()
         self.conn, child_conn = ctx.Pipe(duplex=True)
         _OPEN.add(self)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, fn, fn_desc, os.getpid()), name="lathe-reward-worker"
+            target=_worker_main, args=(child_conn, fn, fn_desc, os.getpid(), run), name="lathe-reward-worker"
         )
         with warnings.catch_warnings():
             # Python 3.12+ warns about fork() in a threaded process; the child only runs
@@ -111,7 +112,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
                 os._exit(1)
 
 
-def _worker_main(conn, fn: Callable, fn_desc: str, parent_pid: int) -> None:
+def _worker_main(conn, fn: Callable, fn_desc: str, parent_pid: int, run: Callable) -> None:
     """Child: score chunks until the pipe closes or ``None`` arrives."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
@@ -129,4 +130,4 @@ def _worker_main(conn, fn: Callable, fn_desc: str, parent_pid: int) -> None:
         if chunk is None:
             return
         for index, item in chunk:
-            conn.send((index, score_one(fn, item, index, fn_desc)))
+            conn.send((index, run(fn, item, index, fn_desc)))

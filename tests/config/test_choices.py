@@ -58,6 +58,7 @@ def test_the_sets_agree_with_the_tables_they_mirror():
     from lathe.rollout.agent.parser import PARSERS
     from lathe.dtypes import rollout_dtype
     from lathe.train.fp8 import RECIPES
+    from lathe.algo.pf_ppo import REWEIGHT_METHODS
 
     assert set(get_args(choices.LossAggMode)) == set(LOSS_AGG_MODES)
     assert set(get_args(choices.Fp8Recipe)) == set(RECIPES)
@@ -65,5 +66,6 @@ def test_the_sets_agree_with_the_tables_they_mirror():
     assert set(get_args(choices.DtypeName)) == set(DTYPES)
     assert set(get_args(choices.TruncateSide)) == set(TRUNCATE_SIDES)
     assert set(get_args(choices.ToolCallFormat)) == set(PARSERS)
+    assert set(get_args(choices.ReweightMethod)) == set(REWEIGHT_METHODS)
     engine = {name: rollout_dtype(name, torch.device("cuda")) for name in get_args(choices.RolloutDtype)}
     assert len(set(engine.values())) == len(engine), engine          # each name is a dtype of its own

@@ -1,4 +1,5 @@
-"""Algorithm catalogue: pure tensor functions for advantages, losses, KL, aggregation, rollout correction.
+"""Algorithm catalogue: pure tensor functions for advantages, losses, KL, aggregation, rollout correction,
+PF-PPO's resampling.
 
 No models, no config objects, no distribution. Importing this package registers every built-in advantage
 estimator and policy loss, so ``ADV_ESTIMATORS`` / ``POLICY_LOSSES`` are complete after any import from
@@ -17,6 +18,7 @@ from lathe.algo.kl import (
     make_kl_controller,
 )
 from lathe.algo.otb import variance_proxy_metrics
+from lathe.algo.pf_ppo import REWEIGHT_METHODS, pf_ppo_resample, pf_ppo_weights
 from lathe.algo.policy_loss import PolicyLossParams, compute_entropy_loss, compute_value_loss
 from lathe.algo.registry import (
     ADV_ESTIMATORS,
@@ -60,6 +62,9 @@ __all__ = [
     "variance_proxy_metrics",
     "filter_groups",
     "overlong_reward_penalty",
+    "REWEIGHT_METHODS",
+    "pf_ppo_weights",
+    "pf_ppo_resample",
     "masked_sum",
     "masked_mean",
     "masked_var",

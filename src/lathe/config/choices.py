@@ -40,7 +40,7 @@ KLControllerType = Literal["fixed", "adaptive"]
 ISLevel = Literal["token", "sequence"]
 # lathe.algo.bypass: the loss of bypass mode
 BypassLoss = Literal["ppo_clip", "reinforce"]
-# verl's PF-PPO reweighting methods
+# lathe.algo.pf_ppo.REWEIGHT_METHODS: verl's PF-PPO reweighting methods
 ReweightMethod = Literal["pow", "max_min", "max_random"]
 # lathe.rollout.agent.parser.PARSERS
 ToolCallFormat = Literal["hermes", "llama3_json"]

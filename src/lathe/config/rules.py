@@ -22,6 +22,7 @@ from .rules_fp8 import check_fp8_reference, check_fp8_training
 from .rules_recompute import check_recompute
 from .rules_reward import check_reward_manager
 from .rules_mtp import check_mtp
+from .rules_pf_ppo import check_pf_ppo
 from .rules_routing import check_routing_replay
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
                              check_sequence_parallel, check_tensor_parallel, data_parallel)
@@ -110,6 +111,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     _check_ranges(cfg, problems)
     _check_backend_and_run(cfg, problems)
     _check_algorithm_keys(cfg, problems)
+    check_pf_ppo(cfg, problems)
     _check_reward_model(cfg, problems)
     check_reward_manager(cfg, problems)
     check_distillation(cfg, problems)

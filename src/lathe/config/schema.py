@@ -242,10 +242,12 @@ class FilterGroupsConfig:
 
 @dataclass
 class PFPPOConfig:
-    """Preference-feedback PPO reweighting (verl ``algorithm.pf_ppo``)."""
+    """PF-PPO, policy filtration for PPO (verl ``algorithm.pf_ppo``; ``lathe.algo.pf_ppo``)."""
 
-    reweight_method: ReweightMethod = spec("pow", "pow | max_min | max_random.")
-    weight_pow: float = spec(2.0, "Exponent for the pow method.")
+    reweight_method: ReweightMethod = spec(
+        "pow", "Weight of a response by its score s: pow (|s| ** weight_pow), max_min (1 at the batch's highest and "
+               "lowest score, else 0), max_random (0.4 at the highest, else 0.1); plus 1e-8 each.")
+    weight_pow: float = spec(2.0, "Exponent of the pow method (finite, >= 0; 0 draws uniformly).")
 
 
 @dataclass
@@ -311,7 +313,8 @@ class AlgorithmConfig:
     kl_penalty: KLEstimator = spec("kl", "In-reward KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a "
                                          "trailing + (e.g. low_var_kl+) takes k2's gradient.")
     kl_ctrl: KLControlConfig = spec(factory=KLControlConfig, help="In-reward KL coefficient.")
-    use_pf_ppo: bool = spec(False, "Preference-feedback PPO reweighting.")
+    use_pf_ppo: bool = spec(False, "PF-PPO (with adv_estimator=gae): after the advantages, redraw the batch's rows "
+                                   "with replacement, weighted by their scores (pf_ppo.*), before the updates.")
     pf_ppo: PFPPOConfig = spec(factory=PFPPOConfig, help="PF-PPO settings.")
     filter_groups: FilterGroupsConfig = spec(factory=FilterGroupsConfig, help="DAPO dynamic sampling.")
     rollout_correction: RolloutCorrectionConfig = spec(factory=RolloutCorrectionConfig,

@@ -288,16 +288,11 @@ def _models() -> list[Entry]:
     return out     # (model.mtp.enable_rollout and its speculative keys act: config/rules_mtp.py checks them)
 
 
-PF_PPO = "it is read only with algorithm.use_pf_ppo=true (not implemented yet)"
-
-
 def _training() -> list[Entry]:
     out = [refuse(f"{A}.tis_imp_ratio_cap", "the old truncated-IS cap",
                   "use algorithm.rollout_correction.rollout_is=token rollout_is_threshold={value}", at_most(0)),
            refuse(f"{A}.use_token_level_loss", "an old verl DAPO key", f"use {A}.loss_agg_mode=token-mean (true) or "
                   "seq-mean-token-mean (false)"),
-           refuse("algorithm.use_pf_ppo", "preference-feedback PPO reweighting (PF-PPO)"),
-           warn("algorithm.pf_ppo.reweight_method", PF_PPO), warn("algorithm.pf_ppo.weight_pow", PF_PPO),
            refuse("algorithm.rollout_correction.rollout_rs_threshold_lower", "a separate rejection lower bound",
                   "give both bounds in rollout_rs_threshold as 'lower_upper', e.g. '0.5_2.0'"),
            refuse("algorithm.rollout_correction.rollout_token_veto_threshold", "the per-token veto"),

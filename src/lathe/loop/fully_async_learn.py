@@ -28,8 +28,9 @@ def learn_batch(t: Trainer, batch: Batch, current: int | None) -> dict[str, floa
             scores, metrics = score_batch(t, batch)
         batch.update(scores)
     old_from_rollout = old_log_probs_from_rollout(t.cfg)
-    metrics.update(learn(t, batch, timer, old_from_rollout=old_from_rollout,
-                         skip_on_policy=False))                           # the diff below reads the old log-probs
+    batch, learned = learn(t, batch, timer, old_from_rollout=old_from_rollout,
+                           skip_on_policy=False)                          # the diff below reads the old log-probs
+    metrics.update(learned)
     if current is not None and not old_from_rollout:
         same = batch["response_mask"].bool() & (batch["rollout_versions"] == current)
         metrics.update({f"fully_async/rollout_probs_diff_current_{k}": v for k, v in rollout_probs_diff(

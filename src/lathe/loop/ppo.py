@@ -2,7 +2,7 @@
 
     prompts -> rollout -> reward -> old log-probs -> (rollout correction) -> (ref log-probs) -> (teacher log-probs)
             -> (values)
-            -> advantages -> (critic update) -> actor update -> weights into the rollout
+            -> advantages -> (PF-PPO's redraw) -> (critic update) -> actor update -> weights into the rollout
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lathe.loop.steps import (
     compute_advantage,
     compute_data_metrics,
     compute_throughput_metrics,
+    resample_by_score,
     rollout_correction_enabled,
     rollout_correction_kwargs,
 )
@@ -53,8 +54,8 @@ def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:
     pending = BackgroundScoring() if overlaps_reward(t.cfg) else None  # reward_model.launch_reward_fn_async
     try:
         batch, sample_metrics = sample_step_batch(t, prompts, timer, pending)   # rollout + reward (+ DAPO, ReMax)
-        metrics = learn(t, batch, timer, old_from_rollout=t.cfg.algorithm.rollout_correction.bypass_mode,
-                        pending=pending)
+        batch, metrics = learn(t, batch, timer, old_from_rollout=t.cfg.algorithm.rollout_correction.bypass_mode,
+                               pending=pending)
     finally:
         if pending is not None:
             pending.close()
@@ -65,10 +66,13 @@ def _train_step(t: Trainer, prompts: Batch, timer: Timer) -> dict[str, float]:
 
 
 def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, skip_on_policy: bool = True,
-          pending: BackgroundScoring | None = None) -> dict[str, float]:
+          pending: BackgroundScoring | None = None) -> tuple[Batch, dict[str, float]]:
     """Everything a step does with its scored samples: old (or the rollout's) log-probs, rollout correction,
-    reference log-probs, the teachers' log-probs (on-policy distillation), values, advantages, critic and actor
-    updates. `batch` gains the tensors on the way. The metrics say where pi_old came from:
+    reference log-probs, the teachers' log-probs (on-policy distillation), values, advantages, PF-PPO's redraw,
+    critic and actor updates; returns the batch the updates trained on, and the metrics. `batch` gains the tensors
+    on the way; it is the batch returned, except with `algorithm.use_pf_ppo`: then a redraw of its rows
+    (`resample_by_score`), which the step's data metrics then describe, as verl's. The metrics say where pi_old came
+    from:
     `training/old_log_prob_forward` 1 when a forward pass of its own computed it (`timing_s/old_log_prob`),
     `training/old_log_prob_from_rollout` 1 when the engine's log-probs serve; both 0: the on-policy update's own
     forward (the pass skipped).
@@ -113,6 +117,9 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, ski
         advantages, adv_metrics = compute_advantage(batch, t.cfg.algorithm, t.kl_ctrl)
         batch.update(advantages)
     metrics.update(adv_metrics)
+    if t.cfg.algorithm.use_pf_ppo:                            # after the advantages, before the updates (verl)
+        batch, pf_metrics = resample_by_score(batch, t.cfg.algorithm, t.cfg.trainer.seed, t.global_step)
+        metrics.update(pf_metrics)
     if t.critic is not None:
         with timer("update_critic"):
             metrics.update(t.critic.update_critic(batch))
@@ -124,7 +131,7 @@ def learn(t: Trainer, batch: Batch, timer: Timer, *, old_from_rollout: bool, ski
                                "(algorithm.rollout_correction is on and the old-policy pass was skipped): its worker "
                                "was built without the algorithm.rollout_correction keys")
         metrics.update(update)
-    return metrics
+    return batch, metrics
 
 
 def needs_old_forward(t: Trainer, batch: Batch) -> bool:

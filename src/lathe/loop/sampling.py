@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -15,6 +14,7 @@ from lathe.loop.setup import Trainer, prompt_batch
 from lathe.engine.speculative import SPEC_MEANS, SPEC_TOTALS, merge_spec_metrics
 from lathe.loop.steps import compute_reward
 from lathe.rollout.base import concat_rollouts
+from lathe.seeding import derive_seed
 from lathe.workers.judge import timed_judge
 
 SUMMED_ROLLOUT_METRICS = ("rollout/num_preemptions", "rollout/graph_captures", "rollout/prefill_tokens",
@@ -48,7 +48,7 @@ def generate_and_score(t: Trainer, prompts: Batch, timer, round_: int = 0, pendi
 
 def rollout_seed(seed: int, step: int, round_: int) -> int:
     """A well-mixed 62-bit sampling seed for one generation round of one step."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{round_}".encode()).digest()[:8], "little") >> 2
+    return derive_seed(seed, step, round_)
 
 
 def greedy_baseline(t: Trainer, prompts: Batch, batch: Batch, pending: BackgroundScoring | None = None) -> None:

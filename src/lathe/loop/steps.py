@@ -1,4 +1,4 @@
-"""The named steps the driver sequences between worker calls: reward, advantage, data metrics."""
+"""The named steps the driver sequences between worker calls: reward, advantage, PF-PPO's redraw, data metrics."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from lathe.algo import ROLLOUT_CORRECTION_KEYS, apply_kl_penalty, compute_rollout_correction, get_adv_estimator, overlong_reward_penalty
+from lathe.algo import (ROLLOUT_CORRECTION_KEYS, apply_kl_penalty, compute_rollout_correction, get_adv_estimator,
+                        overlong_reward_penalty, pf_ppo_resample)
 from lathe.batch import Batch
 from lathe.data.dataset import REWARD_SOURCE
 from lathe.generation.stop import decode_texts
 from lathe.reward import ScoreResult
 from lathe.reward.judge import combine_scores
+from lathe.seeding import derive_seed
 
 
 def response_attention(batch: Batch) -> torch.Tensor:
@@ -133,6 +135,20 @@ def compute_advantage(batch: Batch, algo_cfg, kl_ctrl=None) -> tuple[Batch, dict
         reward_components=reward_components(batch, algo_cfg.gdpo_reward_keys) if gdpo else None,
         reward_weights=algo_cfg.gdpo_reward_weights)
     return Batch({"token_level_rewards": rewards, "advantages": advantages, "returns": returns}), metrics
+
+
+def resample_by_score(batch: Batch, algo_cfg, seed: int, step: int) -> tuple[Batch, dict[str, float]]:
+    """PF-PPO (`algorithm.use_pf_ppo`, `lathe.algo.pf_ppo`): the batch the updates train on, its rows redrawn with
+    replacement by their sequence scores (`token_level_scores` summed, as verl), every field along; the draw seeded
+    by (`trainer.seed`, the step), so a resumed run redraws as the uninterrupted one. The caller's batch is left as
+    it is. Metrics: `pf_ppo/distinct_rows` (rows drawn at least once), `pf_ppo/score_before/mean` (the mean score
+    before the draw; `critic/score/*` then describe the redrawn batch, as in verl)."""
+    pf = algo_cfg.pf_ppo
+    scores = batch["token_level_scores"].sum(-1)
+    generator = torch.Generator().manual_seed(derive_seed(seed, step, "pf_ppo"))
+    rows = pf_ppo_resample(scores, pf.reweight_method, pf.weight_pow, generator=generator)
+    return batch.select(rows), {"pf_ppo/distinct_rows": float(rows.unique().numel()),
+                                "pf_ppo/score_before/mean": scores.float().mean().item()}
 
 
 def reward_components(batch: Batch, keys: list[str] | None) -> torch.Tensor:

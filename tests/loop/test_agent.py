@@ -41,3 +41,24 @@ def test_lathe_train_agent_demo_runs_end_to_end(tmp_path, capsys):
     assert (tmp_path / "init_model" / "config.json").exists()                           # the warm-started start
     out = capsys.readouterr().out
     assert "step 2/2 | score" in out and "| tool_calls " in out
+
+
+@pytest.mark.slow
+def test_function_tools_serve_the_agent_demo_in_place_of_its_tool_file(tmp_path):
+    """`multi_turn.function_tool_path` through `lathe train`: a file's @function_tool `f` (the built-in tool's
+    schema) is the tool the demo's model calls, in place of builtin:secret_lookup."""
+    log, tools = tmp_path / "calls.txt", tmp_path / "secret.py"
+    tools.write_text("from lathe.rollout.agent.builtin_tools import SecretLookupTool\n"
+                     "from lathe.rollout.agent.function_tools import function_tool\n\n\n"
+                     "@function_tool(schema=SecretLookupTool.default_schema())\n"
+                     "def f():\n"
+                     f"    with open({str(log)!r}, 'a') as out:\n"
+                     "        out.write('call\\n')\n"
+                     "    return '7'\n")
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    assert main(["train", *agent_task(), "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                 f"{mt}.tool_config_path=null", f"{mt}.function_tool_path={tools}",
+                 f"trainer.default_local_dir={tmp_path / 'run'}"]) == 0
+    calls = metric(tmp_path / "run", "agent/tool_calls/total")[0]
+    ran = len(log.read_text().splitlines()) if log.exists() else 0
+    assert 0 < ran <= calls, (ran, calls)          # 64 trajectories calling at ~0.14 each; bad calls do not run

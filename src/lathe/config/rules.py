@@ -448,6 +448,11 @@ def _check_multi_turn(cfg: LatheConfig, problems: ProblemList) -> None:
         problems.add(f"{k}.tool_config_path={path!r}: no such file. Fix: point it at a tool YAML file (verl's shape: "
                      f"tools: [{{class_name, config, tool_schema}}]) or a built-in one (builtin:secret_lookup), or "
                      f"remove it to run without tools.")
+    path = mt.function_tool_path
+    if path and not os.path.isfile(os.path.expanduser(path)):
+        problems.add(f"{k}.function_tool_path={path!r}: no such file. Fix: point it at a Python file of "
+                     f"@function_tool functions (from lathe.rollout.agent.function_tools import function_tool), or "
+                     f"remove it.")
     path = mt.interaction_config_path
     if path and not os.path.isfile(os.path.expanduser(path)):
         problems.add(f"{k}.interaction_config_path={path!r}: no such file. Fix: point it at an interaction YAML file "

@@ -51,8 +51,8 @@ class MultiTurnConfig:
                                                          "lathe never re-tokenises a conversation).")
     format: ToolCallFormat = spec("hermes", "Tool-call format of the model's text: hermes (<tool_call>{json}</tool_call>, "
                                  "Qwen2.5/Qwen3) or llama3_json (Llama 3.1+).")
-    function_tool_path: str | None = spec(None, "verl: a Python file of @function_tool functions (not implemented: "
-                                                "describe tools in tool_config_path).")
+    function_tool_path: str | None = spec(None, "verl: a Python file of @function_tool functions (from "
+                                                "lathe.rollout.agent.function_tools), tools beside tool_config_path's.")
     num_repeat_rollouts: int | None = spec(None, "verl: repeat rollouts per sample (no effect: rollout.n sets them).")
 
 

@@ -121,7 +121,8 @@ def _multi_turn() -> list[Entry]:
                         "lathe's tests), so there is nothing to choose or check"))
     needs = "it is read only with rollout.multi_turn.enable=true"
     out += [only_on("single-turn", warn(f"{mt}.{k}", needs)) for k in (
-        "max_assistant_turns", "max_user_turns", "tool_config_path", "interaction_config_path", "max_parallel_calls",
+        "max_assistant_turns", "max_user_turns", "tool_config_path", "function_tool_path", "interaction_config_path",
+        "max_parallel_calls",
         "max_tool_response_length", "tool_timeout", "max_concurrent_tool_calls")]
     return out
 

@@ -136,9 +136,7 @@ def _lacking() -> list[Entry]:
     out += [warn(f"{R}.disaggregation.{k}", "it is read only with disaggregation.enabled=true (not implemented)")
             for k in ("prefill_replicas", "decode_replicas", "decode_tensor_model_parallel_size",
                       "transfer_backend", "bootstrap_port", "ib_device")]
-    out += [refuse(f"{R}.multi_turn.function_tool_path", "tools from a Python file of @function_tool functions",
-                   f"describe the tools in a YAML file, {R}.multi_turn.tool_config_path"),
-            warn(f"{R}.multi_turn.num_repeat_rollouts", f"responses per prompt are {R}.n"),
+    out += [warn(f"{R}.multi_turn.num_repeat_rollouts", f"responses per prompt are {R}.n"),
             replace(refuse(f"{R}.agent", "verl's custom agent loops", f"remove {R}.agent"), judge=_agent),
             warn(f"{R}.checkpoint_engine.engine_kwargs", "they are arguments of verl's checkpoint-engine backends; "
                  "lathe's weight sync takes none", no_entries),

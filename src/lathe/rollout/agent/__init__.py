@@ -3,7 +3,8 @@
 - `loop.AgentLoop`: trajectories streamed through lathe's engine, tools in a bounded thread pool;
 - `render.ConversationRenderer`: the chat template's tokens between model turns (no re-tokenisation);
 - `parser`: tool calls in the model's text (`hermes`, `llama3_json`);
-- `tools`: verl-shaped tools from a YAML file (`tools.BaseTool`, `tool_config.load_tools`) and lathe's built-in ones.
+- `tools`: verl-shaped tools from a YAML file (`tools.BaseTool`, `tool_config.load_tools`) and lathe's built-in ones;
+  `function_tools`: tools from a Python file of `@function_tool` functions.
 """
 
 from __future__ import annotations
@@ -19,12 +20,25 @@ def tool_config_path(cfg) -> str | None:
 
 
 def load_run_tools(cfg):
-    """The run's `ToolSet`, or None without a tool file."""
-    path = tool_config_path(cfg)
-    if not path:
+    """The run's `ToolSet`: the tool file's tools and the `@function_tool` functions of `multi_turn.
+    function_tool_path` (`function_tools`), or None with neither."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    path, functions = tool_config_path(cfg), mt.function_tool_path if mt.enable else None
+    if not path and not functions:
         return None
     from lathe.rollout.agent.tool_config import load_tools
-    return load_tools(path)
+    from lathe.rollout.agent.tools import ToolConfigError, ToolSet
+    tools = list(load_tools(path).tools.values()) if path else []
+    if functions:
+        from lathe.rollout.agent.function_tools import load_function_tools
+        declared = {tool.name for tool in tools}
+        added = load_function_tools(functions)
+        clash = sorted(tool.name for tool in added if tool.name in declared)
+        if clash:
+            raise ToolConfigError(f"tools {clash} are declared both in {path} and as @function_tool functions in "
+                                  f"{functions}. Fix: give each tool one name across the two")
+        tools += added
+    return ToolSet(tools)
 
 
 def build_agent_loop(cfg, engine, tokenizer):

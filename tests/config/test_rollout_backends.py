@@ -184,7 +184,6 @@ def test_checkpoint_engine_bucket_size_is_the_same_setting():
     ("disaggregation.enabled=true", "prefill-decode disaggregation"),
     ("logprobs_mode=raw_logits", "raw log-probs or logits"),
     ("nnodes=1", "top-level rollout.nnodes"),
-    ("multi_turn.function_tool_path=tools.py", "tool_config_path"),
     ("agent.agent_loop_config_path=loops.yaml", "custom agent loop"),
 ])
 def test_features_lathe_lacks_are_refused_naming_them(override, feature):

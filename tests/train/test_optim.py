@@ -243,3 +243,39 @@ def test_the_sharded_path_builds_the_chosen_class_on_the_shards():
     assert type(build_optimizer(_fresh(), _choice("SGD"), sharded=True)) is torch.optim.SGD
     assert type(build_optimizer(_fresh(), _choice("SGD"), sharded=True, offload_params=True,
                                 offload_state=True)) is torch.optim.SGD
+
+
+# -- FSDP2 shards: the chosen class steps the DTensor shards; its checkpoint resumes in one process -----------------
+SGD = (f"{A}.optimizer=SGD", f"+{A}.override_optimizer_config.momentum=0.9", f"{A}.lr=1e-2")
+
+
+def sgd_actor_job(world: int, **job) -> dict:
+    """`test_parallel.train` with an SGD actor on this rank; the optimizer classes the actor built join the result."""
+    from unittest import mock
+
+    import lathe.workers.actor as actor_module
+
+    from .test_parallel import train
+    built = []
+
+    def build(*args, **kwargs):
+        opt = build_optimizer(*args, **kwargs)
+        built.append(type(opt).__name__)
+        return opt
+    with mock.patch.object(actor_module, "build_optimizer", build):
+        return {**train(world, -1, overrides=SGD, **job), "built": built}
+
+
+@pytest.mark.slow
+def test_sgd_on_fsdp2_shards_updates_and_resumes_as_one_process(tmp_path):
+    from .test_parallel import SAVED_AFTER, STEPS, assert_same_run, run_ranks, train
+    [ranks] = run_ranks(2, tmp_path / "ranks", dict(save=tmp_path / "ckpt"), fn=sgd_actor_job)
+    assert ranks[0]["built"] == ["SGD"] and ranks[0]["mesh"] == ((2,), ("shard",))
+    one = train(1, -1, overrides=SGD)
+    assert_same_run(ranks[0], one)
+    resumed = train(1, -1, overrides=SGD, steps=range(SAVED_AFTER, STEPS), resume=tmp_path / "ckpt")
+    assert_same_run(resumed, {"metrics": one["metrics"][SAVED_AFTER:], "weights": one["weights"]})
+    fresh = train(1, -1, overrides=SGD, steps=range(SAVED_AFTER, STEPS))     # (the momentum matters: not resumed,
+    assert fresh["weights"].keys() == one["weights"].keys()                   # the weights differ)
+    assert rel_error(torch.cat([v.flatten() for v in fresh["weights"].values()]),
+                     torch.cat([v.flatten() for v in one["weights"].values()])) > 1e-4

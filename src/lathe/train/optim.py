@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from lathe.dtypes import short_name
 from lathe.config.errors import ConfigError, closest, did_you_mean
 from lathe.config.rules_optim import EXAMPLES, MEGATRON_CPU_OPTIMIZER
 from lathe.train.master import MasterAdamW
@@ -189,6 +190,32 @@ def build_optimizer(params, optim_cfg, *, key: str = "optim", fsdp_key: str = "f
     if policy.mixed:
         return construct(cls, params, kwargs, key, build=partial(master_optimizer, cls, policy=policy))
     return construct(cls, params, kwargs, key)
+
+
+def optimizer_state(optim_cfg, dtype: torch.dtype) -> tuple[str, int]:
+    """(what, bytes a parameter) of the state the chosen optimizer keeps for parameters of `dtype` (the memory plan):
+    AdamW's two moments; another class's parameter-sized state tensors, counted after one step over a small tensor
+    (SGD with momentum: one; without: none). A class that cannot step there (one that needs a GPU) is taken as AdamW."""
+    element = torch.empty((), dtype=dtype).element_size()
+    adamw = ("AdamW moments, 2 x " + short_name(dtype), 2 * element)
+    if optim_cfg is None:
+        return adamw
+    cls, kwargs = optimizer_choice(optim_cfg)
+    if lathe_adamw(cls, kwargs):
+        return adamw
+    p = torch.zeros(256, dtype=dtype, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    try:
+        opt = cls([p], **kwargs)
+        opt.step()
+    except Exception:                           # noqa: BLE001 (an estimate: AdamW's size stands in)
+        return f"{cls.__name__} state (taken as AdamW's), 2 x {short_name(dtype)}", 2 * element
+    tensors = [v for v in opt.state[p].values() if torch.is_tensor(v) and v.numel() == p.numel()]
+    nbytes = sum(t.element_size() for t in tensors)
+    kinds = {short_name(t.dtype) for t in tensors}
+    what = (f"{len(tensors)} x {kinds.pop()}" if len(kinds) == 1 else
+            f"{nbytes} bytes a parameter" if tensors else "none")
+    return f"{cls.__name__} state, {what}", nbytes
 
 
 def warmup_steps(optim_cfg, total_steps: int) -> int:

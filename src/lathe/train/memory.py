@@ -33,10 +33,10 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
                 weights_note: str = "", sharded: bool = False, optim_cfg=None) -> list[Part]:
     """The parts one model contributes: compute weights, master weights, gradients and optimizer state (AdamW's
     moments, in host memory with `optimizer_offload`: `MasterAdamW` on one device, `OffloadedAdamW` on FSDP2
-    shards). `sharded`: FSDP2 shards over several devices, where `param_offload` / `offload_policy` is FSDP2's offload policy, which keeps the
-    gradient shards in host memory too (and a frozen model's shards); on one device `MasterAdamW` accumulates the
-    gradients on the device whatever is offloaded. `optim_cfg`: the role's optimizer, whose state is counted
-    (`lathe.train.optim.optimizer_state`; None: AdamW's moments)."""
+    shards). `sharded`: FSDP2 shards over several devices, where `param_offload` / `offload_policy` is FSDP2's offload
+    policy, which keeps the gradient shards in host memory too (and a frozen model's shards); on one device
+    `MasterAdamW` accumulates the gradients on the device whatever is offloaded. `optim_cfg`: the role's optimizer,
+    whose state is counted (`lathe.train.optim.optimizer_state`; None: AdamW's moments)."""
     policy = resolve_policy(fsdp_cfg, device, key=f"{prefix}.fsdp_config", trainable=trainable)
     size = lambda dtype: n_params * torch.empty((), dtype=dtype).element_size()   # noqa: E731
     key = f"{prefix}.fsdp_config"

@@ -132,6 +132,39 @@ def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
         assert torch.equal(p, q), name
 
 
+def test_sgd_actor_and_adam_critic_train_and_resume_exactly(tmp_path, monkeypatch):
+    """verl's optimizer keys act in `lathe train`: the actor steps with SGD (momentum from override_optimizer_config),
+    the critic with Adam, and a run resumed from its step-2 checkpoint takes the same steps 3 and 4."""
+    common = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1", "reward.timeout_s=0",
+              "trainer.val_before_train=false", "algorithm.adv_estimator=gae",
+              "actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.lr=1e-3",
+              "+actor_rollout_ref.actor.optim.override_optimizer_config.momentum=0.9", "critic.optim.optimizer=Adam"]
+    whole, resumed = run_crash_and_resume(tmp_path, monkeypatch, common)
+    assert type(whole.worker.actor.optimizer) is torch.optim.SGD and type(whole.critic.optimizer) is torch.optim.Adam
+    assert whole.worker.actor.optimizer.param_groups[0]["momentum"] == 0.9
+    a, b = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
+    for step in (3, 4):
+        assert a[step]["actor/grad_norm"] > 0 and a[step]["critic/grad_norm"] > 0
+        assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
+    for (name, p), q in zip(whole.worker.model.named_parameters(), resumed.worker.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_an_optimizer_argument_the_class_rejects_stops_the_run_before_a_model_loads(tmp_path, monkeypatch):
+    from lathe.config import ConfigError
+    from lathe.loop import setup
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model loaded before the optimizer was checked")
+    monkeypatch.setattr(setup, "build_model", no_model)
+    cfg = load_config(None, [*tiny(()), f"trainer.default_local_dir={tmp_path}",
+                             "actor_rollout_ref.actor.optim.optimizer=SGD",
+                             "+actor_rollout_ref.actor.optim.override_optimizer_config.momentun=0.9"])
+    with pytest.raises(ConfigError, match=r"`actor_rollout_ref.actor.optim.override_optimizer_config`=.*momentun.* "
+                                          r"Fix: remove momentun"):
+        build_trainer(cfg)
+
+
 def test_validation_does_not_change_training(tmp_path):
     with_val = run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=1", name="val")
     without = run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1",

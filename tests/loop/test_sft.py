@@ -75,6 +75,21 @@ def test_resume_continues_exactly(tmp_path):
     assert (run / "global_step_4" / "actor" / "huggingface" / "model.safetensors").read_bytes() == weights
 
 
+def test_verls_optimizer_keys_act_in_lathe_sft(tmp_path, setup, capsys):
+    tok, cfg, _, model = setup
+    cfg = copy.deepcopy(cfg)
+    cfg.optim.optimizer, cfg.optim.override_optimizer_config = "SGD", {"momentum": 0.9, "nesterov": True}
+    worker = SFTWorker(cfg, copy.deepcopy(model), tok, total_steps=4, device=torch.device("cpu"))
+    assert type(worker.optimizer) is torch.optim.SGD and worker.optimizer.param_groups[0]["nesterov"]
+    out = sft(tmp_path / "sgd", "trainer.total_training_steps=8", "data.val_files=null", "optim.optimizer=SGD",
+              "+optim.override_optimizer_config.momentum=0.9", "optim.lr=0.1")
+    assert sum(r["train/loss"] for r in out[-2:]) < 0.8 * sum(r["train/loss"] for r in out[:2])
+    capsys.readouterr()
+    assert main(["sft", f"trainer.default_local_dir={tmp_path / 'bad'}", *FAST, "optim.optimizer=Sgd2"]) != 0
+    assert "`optim.optimizer`=Sgd2: torch.optim has no such class. Did you mean `SGD`" in capsys.readouterr().err
+    assert not (tmp_path / "bad" / "global_step_1").exists()
+
+
 @pytest.fixture(scope="module")
 def setup():
     tok = builtin_tokenizer()

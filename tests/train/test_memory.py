@@ -493,3 +493,19 @@ def test_fsdp2_shards_under_mixed_precision_hold_no_compute_copy(monkeypatch):
         assert any(n.startswith("actor master weights, fp32") for n in names) != weights, names
         if not weights:
             assert _gib(parts, "actor master weights, fp32") == pytest.approx(4 * N / 2 / 2**30)
+
+
+def test_another_optimizers_state_is_counted_and_only_offloads_it_can_take_are_suggested(monkeypatch):
+    """SGD with momentum keeps one fp32 buffer a parameter (counted by one step on a small tensor); on one device
+    nothing offloads it (lathe offloads its own AdamW only), so no offload key is suggested for its masters or state."""
+    sgd = ["actor_rollout_ref.actor.optim.optimizer=SGD", "+actor_rollout_ref.actor.optim.override_optimizer_config."
+           "momentum=0.9"]
+    parts, text, fits = _plan(*sgd, total_gib=16.0, monkeypatch=monkeypatch)
+    assert _gib(parts, "actor SGD state, 1 x fp32") == pytest.approx(4 * N / 2**30)
+    assert not any("moments" in p.what for p in parts if p.what.startswith("actor"))
+    assert "actor_rollout_ref.actor.fsdp_config" not in text, "no offload key acts on another optimizer on one device"
+    plain, _, _ = _plan("actor_rollout_ref.actor.optim.optimizer=SGD", monkeypatch=monkeypatch)
+    assert _gib(plain, "actor SGD state, none") == 0
+    amsgrad, _, _ = _plan("+actor_rollout_ref.actor.optim.override_optimizer_config.amsgrad=true",
+                          monkeypatch=monkeypatch)
+    assert _gib(amsgrad, "actor AdamW state, 3 x fp32") == pytest.approx(12 * N / 2**30)

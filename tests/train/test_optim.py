@@ -1,4 +1,5 @@
-"""Tests for lathe.train.optim: AdamW from `optim.*` keys and the warm-up / cosine learning-rate schedule."""
+"""Tests for lathe.train.optim: the optimizer verl's `optim.*` keys choose (against updates written out by hand) and
+the warm-up / cosine learning-rate schedule."""
 
 import math
 from types import SimpleNamespace
@@ -6,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import assert_close_rel, rel_error
+from lathe.config import ConfigError
 from lathe.train.optim import build_optimizer, build_scheduler, warmup_steps
 
 LR = 0.5
@@ -87,3 +90,192 @@ def test_cosine_num_cycles_waves_like_verl():
     expected = [LR * 0.5 * (1 + math.cos(2 * math.pi * k / T)) for k in range(T + 1)]
     assert lrs == pytest.approx(expected, abs=1e-12)
     assert lrs[T // 2] == pytest.approx(0.0, abs=1e-12) and lrs[T] == pytest.approx(LR)   # down and back up
+
+
+# -- verl's optimizer choice: optim.optimizer from optim.optimizer_impl, override_optimizer_config on top ------------
+A = "actor_rollout_ref.actor.optim"
+WD = 0.1
+
+
+def _choice(optimizer="AdamW", impl="torch.optim", **override):
+    return _optim_cfg(weight_decay=WD, optimizer=optimizer, optimizer_impl=impl,
+                      override_optimizer_config=override or None)
+
+
+def _grads(n: int, shapes=((3, 4), (4,)), seed=3) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(n)]
+
+
+def _fresh(seed=0, shapes=((3, 4), (4,))) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def _run(opt, params, grads) -> list[torch.Tensor]:
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in params]
+
+
+def test_sgd_with_momentum_from_override_optimizer_config_is_heavy_ball_sgd():
+    """optimizer=SGD + override_optimizer_config={momentum: 0.9}: v <- 0.9 v + (g + wd p); p <- p - lr v, written out
+    here (the reference does not call torch)."""
+    params, grads = _fresh(), _grads(4)
+    opt = build_optimizer(params, _choice("SGD", momentum=0.9))
+    assert type(opt) is torch.optim.SGD and "betas" not in opt.param_groups[0]    # verl: betas for Adam's only
+    got = _run(opt, params, grads)
+    ref, velocity = [p.detach().clone() for p in _fresh()], None
+    for step in grads:
+        d = [g + WD * p for g, p in zip(step, ref)]
+        velocity = d if velocity is None else [0.9 * v + x for v, x in zip(velocity, d)]
+        ref = [p - LR * v for p, v in zip(ref, velocity)]
+    assert_close_rel(dict(enumerate(got)), dict(enumerate(ref)), rel=1e-6, name="SGD with momentum")
+
+
+def _adam_by_hand(grads, *, decoupled: bool, betas=(0.8, 0.95), eps=1e-8) -> list[torch.Tensor]:
+    params = [p.detach().clone() for p in _fresh()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for t, step in enumerate(grads, 1):
+        out = []
+        for i, (p, g) in enumerate(zip(params, step)):
+            if decoupled:
+                p = p * (1 - LR * WD)
+            else:
+                g = g + WD * p
+            m[i] = betas[0] * m[i] + (1 - betas[0]) * g
+            v[i] = betas[1] * v[i] + (1 - betas[1]) * g * g
+            m_hat, v_hat = m[i] / (1 - betas[0] ** t), v[i] / (1 - betas[1] ** t)
+            out.append(p - LR * m_hat / (v_hat.sqrt() + eps))
+        params = out
+    return params
+
+
+def test_adam_decays_the_weights_through_the_gradient_and_adamw_decoupled():
+    grads = _grads(3)
+    adam = build_optimizer(_fresh(), _choice("Adam"))
+    assert type(adam) is torch.optim.Adam and adam.param_groups[0]["betas"] == (0.8, 0.95)
+    got = {name: _run(build_optimizer(params, _choice(name)), params, grads)
+           for name, params in (("Adam", _fresh()), ("AdamW", _fresh()))}
+    assert_close_rel(dict(enumerate(got["Adam"])), dict(enumerate(_adam_by_hand(grads, decoupled=False))), rel=1e-5)
+    assert_close_rel(dict(enumerate(got["AdamW"])), dict(enumerate(_adam_by_hand(grads, decoupled=True))), rel=1e-5)
+    assert rel_error(torch.cat([p.flatten() for p in got["Adam"]]),
+                     torch.cat([p.flatten() for p in got["AdamW"]])) > 1e-3, "L2 and decoupled decay must differ"
+
+
+def test_override_optimizer_config_adds_and_overrides_arguments():
+    opt = build_optimizer(_fresh(), _choice("Adam", eps=1e-3, betas=[0.5, 0.6], lr=0.25, amsgrad=True))
+    group = opt.param_groups[0]
+    assert (group["eps"], group["betas"], group["lr"], group["amsgrad"]) == (1e-3, (0.5, 0.6), 0.25, True)
+    # Megatron's CPU-optimizer settings are no argument of any class: left out
+    opt = build_optimizer(_fresh(), _choice("SGD", optimizer_cpu_offload=True, overlap_cpu_optimizer_d2h_h2d=True))
+    assert type(opt) is torch.optim.SGD and "optimizer_cpu_offload" not in opt.param_groups[0]
+
+
+def test_a_case_insensitive_name_finds_the_one_class_it_spells():
+    assert type(build_optimizer(_fresh(), _choice("adamw"))) is torch.optim.AdamW
+    assert type(build_optimizer(_fresh(), _choice("sgd"))) is torch.optim.SGD      # Megatron's spelling
+
+
+@pytest.mark.parametrize("cfg, where, fix", [
+    (_choice("Sgdd"), f"`{A}.optimizer`=Sgdd", "name one of its optimizers"),
+    (_choice("AdamW", impl="torch.optm"), f"`{A}.optimizer_impl`=torch.optm", "name an installed module"),
+    (_choice("LBFGS"), f"`{A}.optimizer`=LBFGS", "steps on the gradients alone"),
+    (_choice("Optimizer"), f"`{A}.optimizer`=Optimizer", "name one of torch.optim's optimizers"),
+    (_choice("SGD", momentun=0.9), f"`{A}.override_optimizer_config`={{'momentun': 0.9}}",
+     f"remove momentun from {A}.override_optimizer_config"),
+    (_choice("SGD", eps=1e-6), "takes no argument eps", f"verl's Megatron key {A}.eps sets it there too"),
+    (_choice("Rprop"), f"`{A}.weight_decay`={WD}", f"set {A}.weight_decay=0"),
+])
+def test_a_class_or_argument_that_cannot_run_names_the_key_and_the_fix(cfg, where, fix):
+    with pytest.raises(ConfigError) as err:
+        build_optimizer(_fresh(), cfg, key=A)
+    message = str(err.value)
+    assert where in message and "Fix:" in message and fix in message, message
+
+
+def test_a_value_the_class_rejects_fails_the_check_before_a_model_loads():
+    from lathe.train.optim import check_optimizer
+    fsdp = SimpleNamespace(param_offload=False, optimizer_offload=False)
+    check_optimizer(_choice("SGD", momentum=0.9, nesterov=True), fsdp, torch.device("cpu"), key=A, fsdp_key="f",
+                    sharded=False)
+    with pytest.raises(ConfigError, match=rf"`{A}`: SGD\(.*nesterov=True\) fails: Nesterov .* Fix: change what"):
+        check_optimizer(_choice("SGD", nesterov=True), fsdp, torch.device("cpu"), key=A, fsdp_key="f", sharded=False)
+
+
+def test_a_zero_weight_decay_is_left_out_for_a_class_without_one():
+    opt = build_optimizer(_fresh(), SimpleNamespace(**{**vars(_choice("Rprop")), "weight_decay": 0.0}))
+    assert type(opt) is torch.optim.Rprop
+
+
+F = "actor_rollout_ref.actor.fsdp_config"
+
+
+@pytest.mark.parametrize("flags, sharded, refused", [
+    (dict(offload_state=True), False, f"`{F}.optimizer_offload`=true with {A}.optimizer=SGD: on one device"),
+    (dict(offload_params=True), False, f"`{F}.param_offload`=true with {A}.optimizer=SGD: on one device"),
+    (dict(offload_state=True), True, f"`{F}.optimizer_offload`=true with {A}.optimizer=SGD: on FSDP2 shards"),
+    (dict(offload_state=True, offload_params=True), True, None),     # FSDP2's offload policy: any optimizer
+    (dict(offload_params=True), True, None),
+    ({}, True, None),
+    ({}, False, None),
+])
+def test_offload_with_another_optimizer_than_lathes_adamw_is_refused_where_only_it_offloads(flags, sharded, refused):
+    from lathe.train.optim import check_placement
+    flags = {"offload_params": False, "offload_state": False, **flags}
+    if refused is None:
+        check_placement(torch.optim.SGD, {"lr": 1.0}, key=A, fsdp_key=F, sharded=sharded, **flags)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_placement(torch.optim.SGD, {"lr": 1.0}, key=A, fsdp_key=F, sharded=sharded, **flags)
+    assert refused in str(err.value) and "Fix:" in str(err.value)
+    # lathe's AdamW (eps too) offloads; another AdamW argument does not
+    check_placement(torch.optim.AdamW, {"lr": 1.0, "eps": 1e-6}, key=A, fsdp_key=F, sharded=sharded, **flags)
+    with pytest.raises(ConfigError, match=f"{A}.override_optimizer_config's amsgrad"):
+        check_placement(torch.optim.AdamW, {"lr": 1.0, "amsgrad": True}, key=A, fsdp_key=F, sharded=sharded, **flags)
+
+
+def test_the_sharded_path_builds_the_chosen_class_on_the_shards():
+    assert type(build_optimizer(_fresh(), _choice("SGD"), sharded=True)) is torch.optim.SGD
+    assert type(build_optimizer(_fresh(), _choice("SGD"), sharded=True, offload_params=True,
+                                offload_state=True)) is torch.optim.SGD
+
+
+# -- FSDP2 shards: the chosen class steps the DTensor shards; its checkpoint resumes in one process -----------------
+SGD = (f"{A}.optimizer=SGD", f"+{A}.override_optimizer_config.momentum=0.9", f"{A}.lr=1e-2")
+
+
+def sgd_actor_job(world: int, **job) -> dict:
+    """`test_parallel.train` with an SGD actor on this rank; the optimizer classes the actor built join the result."""
+    from unittest import mock
+
+    import lathe.workers.actor as actor_module
+
+    from .test_parallel import train
+    built = []
+
+    def build(*args, **kwargs):
+        opt = build_optimizer(*args, **kwargs)
+        built.append(type(opt).__name__)
+        return opt
+    with mock.patch.object(actor_module, "build_optimizer", build):
+        return {**train(world, -1, overrides=SGD, **job), "built": built}
+
+
+@pytest.mark.slow
+def test_sgd_on_fsdp2_shards_updates_and_resumes_as_one_process(tmp_path):
+    from .test_parallel import SAVED_AFTER, STEPS, assert_same_run, run_ranks, train
+    [ranks] = run_ranks(2, tmp_path / "ranks", dict(save=tmp_path / "ckpt"), fn=sgd_actor_job)
+    assert ranks[0]["built"] == ["SGD"] and ranks[0]["mesh"] == ((2,), ("shard",))
+    one = train(1, -1, overrides=SGD)
+    assert_same_run(ranks[0], one)
+    resumed = train(1, -1, overrides=SGD, steps=range(SAVED_AFTER, STEPS), resume=tmp_path / "ckpt")
+    assert_same_run(resumed, {"metrics": one["metrics"][SAVED_AFTER:], "weights": one["weights"]})
+    fresh = train(1, -1, overrides=SGD, steps=range(SAVED_AFTER, STEPS))     # (the momentum matters: not resumed,
+    assert fresh["weights"].keys() == one["weights"].keys()                   # the weights differ)
+    assert rel_error(torch.cat([v.flatten() for v in fresh["weights"].values()]),
+                     torch.cat([v.flatten() for v in one["weights"].values()])) > 1e-4

@@ -31,7 +31,8 @@ def fill_defaults(cfg: LatheConfig, device_count: int, problems: ProblemList) ->
 
 
 def _fill_actor(cfg: LatheConfig) -> None:
-    """Clip bounds fall back to clip_ratio; old optimizer and rollout-correction spellings go to the new keys."""
+    """Clip bounds fall back to clip_ratio; old optimizer and rollout-correction spellings go to the new keys (the
+    Megatron backend's optimizer name adam is torch.optim's AdamW)."""
     actor = cfg.actor_rollout_ref.actor
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
@@ -42,6 +43,8 @@ def _fill_actor(cfg: LatheConfig) -> None:
             owner.optim.lr_scheduler_type = owner.optim.warmup_style
         if owner.optim.clip_grad is not None:
             owner.grad_clip = owner.optim.clip_grad
+        if owner.optim.optimizer == "adam" and "megatron" in (cfg.model_engine, owner.strategy):
+            owner.optim.optimizer = "AdamW"          # Megatron's adam decays the weights decoupled: AdamW
     if actor.data_loader_seed is None:
         actor.data_loader_seed = cfg.trainer.seed
     rc = cfg.algorithm.rollout_correction

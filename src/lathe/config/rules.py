@@ -22,6 +22,7 @@ from .rules_fp8 import check_fp8_reference, check_fp8_training
 from .rules_recompute import check_recompute
 from .rules_reward import check_reward_manager
 from .rules_mtp import check_mtp
+from .rules_optim import check_optimizers
 from .rules_pf_ppo import check_pf_ppo
 from .rules_routing import check_routing_replay
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
@@ -121,6 +122,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
     check_fp8_reference(cfg, problems)
     check_recompute(cfg, problems)
     check_attention(cfg, problems)
+    check_optimizers(cfg, problems)
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         warnings.warn("actor_rollout_ref.actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: the KL to "
                       "the reference policy is applied twice (as a loss term and as a reward penalty). verl "

@@ -17,6 +17,7 @@ from .interpolate import resolve_interpolations
 from .loader import _apply_overrides, _read_mapping
 from .schema_sft import SFTConfig
 from .plan import Devices, MeshPlan, mesh_plan, trainer_devices
+from .rules_optim import check_optimizer_group
 from .rules_recompute import recompute_problems
 from .support_base import Entry, at_most, inert, one_of, only_on, refuse, warn
 from .tree import apply_layer, flatten_mapping, get_path
@@ -49,10 +50,6 @@ def entries() -> list[Entry]:
             ("forward_prefetch", "FSDP2 prefetches the next layer's gather by itself"),
             ("use_orig_params", "an FSDP1 setting; FSDP2 always keeps the original parameters"),
             ("wrap_policy", "lathe shards each decoder layer and the root, whatever the policy"))),
-        refuse("optim.optimizer", "an optimizer other than AdamW", "set it to AdamW", lambda v, cfg: v.lower() == "adamw"),
-        refuse("optim.optimizer_impl", "an optimizer module other than torch.optim", "set it to torch.optim",
-               one_of("torch.optim")),
-        refuse("optim.override_optimizer_config", "extra optimizer arguments", ok=lambda v, cfg: not v),
         warn("optim.total_training_steps", "it is set at run time from trainer.total_training_steps (or the epochs)"),
         refuse("checkpoint.load_contents", "loading only part of a checkpoint",
                "remove it: lathe resumes model, optimizer and extra", lambda v, cfg: ALWAYS_SAVED <= set(v)),
@@ -151,6 +148,7 @@ def _check(cfg: SFTConfig) -> None:
         problems.add(f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                      f"{d.max_length}: a long example would not fit a micro-batch. Fix: raise max_token_len_per_gpu "
                      "to at least max_length.")
+    check_optimizer_group(cfg.optim, "optim", problems)
     for message in recompute_problems(cfg.model, "model", cfg.model.impl, "model.impl"):
         problems.add(message)
     if t.resume_mode == "resume_path" and not t.resume_from_path:

@@ -23,8 +23,7 @@ from .plan import is_async
 from .rules_reward import BATCH_MANAGER, PER_ROW_MANAGERS
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
 from .support_rollout import ROLLOUT_FEATURES
-from .support_verl import (BACKEND, ULYSSES_RM, backend_judge, judge_verl_keys, markdown_lines,
-                           megatron_role, optimizer_overrides_judge)
+from .support_verl import BACKEND, ULYSSES_RM, backend_judge, judge_verl_keys, markdown_lines
 from .tree import get_path
 
 A, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
@@ -303,13 +302,7 @@ def _training() -> list[Entry]:
            refuse(f"{R}.use_fire_sampling", "FIRE sampling (an old verl key)"),
            refuse(f"{R}.chat_scheduler", "the chat scheduler (an old verl key)")]
     for g in (A, C):
-        out += [refuse(f"{g}.optim.optimizer", "an optimizer other than AdamW", "set it to AdamW",
-                       lambda v, cfg, g=g: v.lower() == "adamw" or v == "adam" and megatron_role(cfg, g)),
-                refuse(f"{g}.optim.optimizer_impl", "an optimizer module other than torch.optim",
-                       "set it to torch.optim", one_of("torch.optim")),
-                replace(refuse(f"{g}.optim.override_optimizer_config", "extra optimizer arguments"),
-                        judge=optimizer_overrides_judge(g)),
-                warn(f"{g}.optim.total_training_steps", "it is set at run time from trainer.total_training_steps "
+        out += [warn(f"{g}.optim.total_training_steps", "it is set at run time from trainer.total_training_steps "
                                                         "(or the epochs)")]
     return out
 

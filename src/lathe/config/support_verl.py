@@ -359,9 +359,9 @@ def _decay_steps(key: str):
 def _optim() -> list[Entry]:
     schedule = "use optim.lr_scheduler_type (constant or cosine), lr_warmup_steps(_ratio) and min_lr_ratio"
     out = [inert("actor_rollout_ref.ref.optim.*", "the reference does not train"),
-           refuse("*.optim.name", "an optimizer other than AdamW", "set it to adam (AdamW)",
+           refuse("*.optim.name", "an optimizer named by optim.name (lathe reads optim.optimizer)",
+                  "set optim.optimizer={value} (a class of optim.optimizer_impl) instead",
                   lambda v, cfg: str(v).lower() in ("adam", "adamw")),
-           refuse("*.optim.eps", "an AdamW eps other than 1e-8", "remove it", one_of(1e-8)),
            refuse("*.optim.lr_decay_style", "that learning-rate schedule", schedule, one_of("constant", "cosine")),
            replace(refuse("*.optim.min_lr", "an absolute minimum learning rate"), judge=_per_key(_min_lr)),
            replace(refuse("*.optim.lr_min", "an absolute minimum learning rate"), judge=_per_key(_min_lr)),
@@ -480,34 +480,6 @@ def backend_judge(key: str):
             return None
         return "warn", f"`{key}`={show(value)} runs on lathe's FSDP2 trainer: {BACKEND_NOTE}."
     return judge
-
-
-# Megatron's CPU-optimizer settings, which verl scripts pass in override_optimizer_config
-MEGATRON_CPU_OPTIMIZER = {"optimizer_cpu_offload", "optimizer_offload_fraction", "offload_fraction",
-                          "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer"}
-
-
-def optimizer_overrides_judge(group: str):
-    """Megatron's CPU-optimizer keys have no effect (lathe's switch is fsdp_config.optimizer_offload); any other
-    extra optimizer argument is refused."""
-    key = f"{group}.optim.override_optimizer_config"
-
-    def judge(value, cfg) -> tuple[str, str] | None:
-        if not value:
-            return None
-        other = sorted(set(value) - MEGATRON_CPU_OPTIMIZER)
-        if other:
-            return "refuse", (f"`{key}`={show(value)}: extra optimizer arguments ({', '.join(other)}) are not "
-                              f"implemented yet in lathe. Fix: remove them (lathe's AdamW takes optim.lr, betas, "
-                              f"weight_decay).")
-        return "warn", (f"`{key}`={show(value)} has no effect in lathe: Megatron's CPU-optimizer settings; lathe "
-                        "streams the optimizer state through the device with fsdp_config.optimizer_offload=true.")
-    return judge
-
-
-def megatron_role(cfg, group: str) -> bool:
-    """The role names verl's megatron backend (whose optimizer 'adam' is AdamW: decoupled weight decay)."""
-    return "megatron" in (cfg.model_engine, get_path(cfg, f"{group}.strategy"))
 
 
 FEATURES = {

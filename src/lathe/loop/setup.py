@@ -38,6 +38,7 @@ from lathe.rollout.agent import load_run_tools
 from lathe.track import Tracker, phase
 from lathe.track.energy import DeviceEnergy, for_cluster
 from lathe.train.fp8 import check_device as check_fp8_device
+from lathe.train.optim import check_optimizer
 from lathe.seeding import seed_everything
 from lathe.workers.actor_rollout_ref import ActorRolloutRefWorker
 from lathe.workers.critic import CriticWorker
@@ -104,6 +105,16 @@ def check_algorithm_names(cfg) -> None:
                       ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
         if name not in KL_PENALTIES:
             raise ValueError(f"{key}={name!r} is not a KL estimator; known: {', '.join(KL_PENALTIES)}")
+
+
+def check_optimizers(cfg, plan: RunPlan, device: torch.device) -> None:
+    """The actor's optimizer (and the critic's): its class, arguments and offload, as the workers will build it."""
+    a, c = cfg.actor_rollout_ref.actor, cfg.critic
+    groups = [("actor_rollout_ref.actor", a.optim, a.fsdp_config, "actor_rollout_ref.actor.fsdp_config")]
+    if plan.critic is not None:
+        groups.append(("critic", c.optim, c.model.fsdp_config, "critic.model.fsdp_config"))
+    for role, optim, fsdp, fsdp_key in groups:
+        check_optimizer(optim, fsdp, device, key=f"{role}.optim", fsdp_key=fsdp_key, sharded=uses_ray(plan))
 
 
 def external_libs(cfg) -> dict[str, str | None]:
@@ -251,6 +262,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
     plan = run_plan(cfg)
     device = resolve_device(t.device)
     check_fp8_device(arr.actor.fsdp_config.fp8_training, device)     # torchao and an FP8 GPU, before a model loads
+    check_optimizers(cfg, plan, device)
     if uses_ray(plan):                  # a placement this machine's Ray cluster cannot hold fails before anything loads
         from lathe.cluster.placement import check_local_fit
         check_local_fit(cfg, plan, device.type, device_count(device.type) if device.type != "cpu" else 0)

@@ -31,6 +31,7 @@ from lathe.loop.setup import CONFIG_FILE, resolve_device
 from lathe.models.hf import import_external_libs, load_policy, load_tokenizer
 from lathe.seeding import seed_everything
 from lathe.track import Progress, Tracker, brief, phase
+from lathe.train.optim import check_optimizer
 from lathe.train.sft import sft_batch
 from lathe.workers.sft import SFTWorker
 
@@ -70,6 +71,8 @@ def build_sft(cfg, *, checked: bool = False) -> SFTRun:
     if not checked:
         preflight_sft(cfg)
     device = resolve_device(t.device)
+    check_optimizer(cfg.optim, m.fsdp_config, device, key="optim", fsdp_key="model.fsdp_config",
+                    sharded=trainer_devices(cfg) > 1 or os.environ.get("LATHE_RAY") == "1")
     seed_everything(t.seed)
     resume_dir = find_resume_dir(t)
     run_dir = Path(t.default_local_dir).expanduser()

@@ -21,9 +21,11 @@ This is mixed precision as FSDP2 does it (see `lathe.train.precision`), without 
   the two device buffers stay two chunks' whatever the largest tensor (whole tensors, the embedding and head
   made them 12.2 GiB with `offload_params` where two chunks are 6 GiB). The per-element math is the same.
 
-The state (`step`, `exp_avg`, `exp_avg_sq` per master) has `torch.optim.AdamW`'s layout, so `state_dict()`
-checkpoints are interchangeable between offloaded and resident runs; `torch.optim.lr_scheduler` works on it.
-Gradient clipping goes through `clip_grad_norm_` (the gradients are not the masters' `.grad`).
+The hooks, the clipping and the masters by name are `lathe.train.master_weights.MasterWeights`', shared with the
+other optimizers lathe runs over master weights. The state (`step`, `exp_avg`, `exp_avg_sq` per master) has
+`torch.optim.AdamW`'s layout, so `state_dict()` checkpoints are interchangeable between offloaded and resident runs;
+`torch.optim.lr_scheduler` works on it. Gradient clipping goes through `clip_grad_norm_` (the gradients are not the
+masters' `.grad`).
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ from torch.optim.adam import adam
 
 from lathe.device import (current_stream, new_stream, pin_memory_available, record_event, stream_context, synchronize,
                           wait_event, wait_stream)
+from lathe.train.master_weights import MasterWeights
 from lathe.train.precision import PrecisionPolicy
 
 CHUNK_NUMEL = 1 << 28     # elements a streamed optimizer step brings onto the device at once (two chunks in flight)
 
 
-class MasterAdamW(torch.optim.Optimizer):
+class MasterAdamW(MasterWeights, torch.optim.Optimizer):
     """AdamW on master copies of `params` (a module's trainable parameters, still in their load dtype).
 
     Construction casts `params` to `policy.param_dtype` in place; the tensors they held become the masters
@@ -70,9 +73,7 @@ class MasterAdamW(torch.optim.Optimizer):
         # the moments' host memory, taken once (`host_like`: packed buffers, laid out like each master)
         self._host = host_moments(masters, pin=pin) if self._moments_on_host else None
         self._index = {id(m): i for i, m in enumerate(masters)}
-        self.grads: list[torch.Tensor | None] = [None] * len(masters)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
-                       for i, p in enumerate(self.module_params)]
+        self._hook_gradients()
         self.last_stream: StreamedAdam | None = None    # the last step's (`StreamedAdam.seconds`: its device time)
 
     # -- construction ---------------------------------------------------------------------------------
@@ -83,36 +84,7 @@ class MasterAdamW(torch.optim.Optimizer):
         p.data = p.data.to(self.policy.param_dtype)
         return master
 
-    def _accumulate_hook(self, i: int):
-        reduce_dtype = self.policy.reduce_dtype
-
-        def hook(p: torch.Tensor) -> None:
-            grad, p.grad = p.grad, None
-            if self.grads[i] is None:
-                self.grads[i] = grad.to(reduce_dtype)
-            else:
-                self.grads[i].add_(grad)
-        return hook
-
     # -- the torch.optim.Optimizer interface -------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the accumulated gradients (always freed: buffers are allocated again by the next backward)."""
-        self.grads = [None] * len(self.grads)
-        for p in self.module_params:
-            p.grad = None
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the accumulated gradients so that their global 2-norm is at most `max_norm`; returns the norm
-        before clipping (as `torch.nn.utils.clip_grad_norm_` does)."""
-        grads = [g for g in self.grads if g is not None]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        total = torch.nn.utils.get_total_norm(grads, 2.0)
-        clip = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, clip.to(grads[0].device))
-        return total
-
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
@@ -151,35 +123,11 @@ class MasterAdamW(torch.optim.Optimizer):
                              f"{tuple(host.shape)} (a state dict of another model or parameter order)")
         return host.copy_(saved)
 
-    # -- master weights by name (checkpoints) ---------------------------------------------------------------
-    def master_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """`module.state_dict()` with every trained parameter replaced by its master (fp32) weight."""
-        self._wait_for_copies()
-        by_id = {id(p): self._masters()[i] for i, p in enumerate(self.module_params)}   # (a master stored transposed,
-        return {name: by_id.get(id(t), t).detach().contiguous()                         # as its weight: a copy)
-                for name, t in module.state_dict(keep_vars=True).items()}
-
-    @torch.no_grad()
-    def load_master_state_dict(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Set masters (exactly) and module parameters (cast) from a by-name state such as a checkpoint's."""
-        self._wait_for_copies()          # the host masters' write-backs land before they are overwritten here
-        names = {id(p): name for name, p in module.named_parameters()}
-        for i, p in enumerate(self.module_params):
-            name = names.get(id(p))
-            if name is None or name not in state:
-                raise KeyError(f"MasterAdamW: the checkpoint has no tensor for parameter {name!r}")
-            master = self._masters()[i]
-            master.copy_(state[name])
-            p.copy_(master)
-
     # -- internals ------------------------------------------------------------------------------------------
     def _wait_for_copies(self) -> None:
         """Offloaded tensors are written back by asynchronous device-to-host copies: wait before the host reads."""
         if self.offload_params or self.offload_state:
             synchronize(self.device)
-
-    def _masters(self) -> list[torch.Tensor]:
-        return [m for g in self.param_groups for m in g["params"]]
 
     def _chunks(self, masters: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, int, int]]]:
         """Pieces `(master, start, stop)` (the flattened master's elements `[start, stop)`) by chunk: every master

@@ -15,6 +15,7 @@ import torch
 
 from lathe.device import GIB, total_memory
 from lathe.dtypes import short_name
+from lathe.train.optim import optimizer_state
 from lathe.train.precision import resolve_policy
 
 
@@ -29,12 +30,13 @@ class Part:
 
 
 def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trainable: bool = True,
-                weights_note: str = "", sharded: bool = False) -> list[Part]:
-    """The parts one model contributes: compute weights, master weights, gradients and AdamW moments (in host memory
-    with `optimizer_offload`: `MasterAdamW` on one device, `OffloadedAdamW` on FSDP2 shards). `sharded`: FSDP2
-    shards over several devices, where `param_offload` / `offload_policy` is FSDP2's offload policy, which keeps the
-    gradient shards in host memory too (and a frozen model's shards); on one device `MasterAdamW` accumulates the
-    gradients on the device whatever is offloaded."""
+                weights_note: str = "", sharded: bool = False, optim_cfg=None) -> list[Part]:
+    """The parts one model contributes: compute weights, master weights, gradients and optimizer state (AdamW's
+    moments, in host memory with `optimizer_offload`: `MasterAdamW` on one device, `OffloadedAdamW` on FSDP2
+    shards). `sharded`: FSDP2 shards over several devices, where `param_offload` / `offload_policy` is FSDP2's offload
+    policy, which keeps the gradient shards in host memory too (and a frozen model's shards); on one device
+    `MasterAdamW` accumulates the gradients on the device whatever is offloaded. `optim_cfg`: the role's optimizer,
+    whose state is counted (`lathe.train.optim.optimizer_state`; None: AdamW's moments)."""
     policy = resolve_policy(fsdp_cfg, device, key=f"{prefix}.fsdp_config", trainable=trainable)
     size = lambda dtype: n_params * torch.empty((), dtype=dtype).element_size()   # noqa: E731
     key = f"{prefix}.fsdp_config"
@@ -49,15 +51,18 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
     # param_dtype copy stays (e2e_30b-a3b-12l_replicas: the engines' KV cache was this part larger than planned)
     parts = ([] if sharded and policy.mixed else
              [Part(f"{role} weights, {short_name(policy.param_dtype)}{weights_note}", size(policy.param_dtype), True)])
+    what, per = optimizer_state(optim_cfg, policy.master_dtype)
+    adamw = what.startswith("AdamW moments")        # lathe's own offloads; another class only by FSDP2's policy
+    params_key = f"{key}.param_offload" if adamw or sharded else ""
     if policy.mixed:
         parts.append(Part(f"{role} master weights, {short_name(policy.master_dtype)}", size(policy.master_dtype),
-                          not params_off, why=params_off, offload_key=f"{key}.param_offload"))
+                          not params_off, why=params_off, offload_key=params_key))
     grads_off = params_off if sharded else ""
     parts.append(Part(f"{role} gradients, {short_name(policy.reduce_dtype)} (during the update)",
                       size(policy.reduce_dtype), not grads_off, update_only=True, why=grads_off))
     why = f"{key}.optimizer_offload=true" if fsdp_cfg.optimizer_offload else params_off
-    parts.append(Part(f"{role} AdamW moments, 2 x {short_name(policy.master_dtype)}", 2 * size(policy.master_dtype),
-                      not why, why=why, offload_key=f"{key}.optimizer_offload"))
+    parts.append(Part(f"{role} {what}", n_params * per, not why, why=why,
+                      offload_key=f"{key}.optimizer_offload" if adamw else params_key))
     return parts
 
 
@@ -95,13 +100,13 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
         adapters, adapted = lora
         base = Part(f"actor base weights (frozen), {short_name(compute)}", size(n_params, compute), True)
         parts = shard("actor", [base, *model_parts("actor LoRA adapters", "actor_rollout_ref.actor", adapters,
-                                                   arr.actor.fsdp_config, device)])
+                                                   arr.actor.fsdp_config, device, optim_cfg=arr.actor.optim)])
         if colocated:
             merged = adapted if lathe_engine and engine_dtype == compute and world == 1 else n_params
             parts.append(Part(f"rollout merged weights, {short_name(engine_dtype)}", size(merged, engine_dtype), True))
     else:
         parts = shard("actor", model_parts("actor", "actor_rollout_ref.actor", n_params, arr.actor.fsdp_config,
-                                           device, weights_note=note, sharded=world > 1))
+                                           device, weights_note=note, sharded=world > 1, optim_cfg=arr.actor.optim))
         if not shares and colocated:
             parts.append(Part(f"rollout weights, {short_name(engine_dtype)}", size(n_params, engine_dtype), True))
         if need_ref:
@@ -114,7 +119,7 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
                                  device, sharded=world > 1)
     if critic_params:
         parts += shard("critic", model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config,
-                                             device))
+                                             device, optim_cfg=cfg.critic.optim))
         parts += streamed_step_parts("critic", "critic.model", critic_params // ranks("critic"),
                                      cfg.critic.model.fsdp_config, device, sharded=world > 1)
     tp = arr.rollout.tensor_model_parallel_size if colocated else 1

@@ -25,13 +25,23 @@ def offload_flags(fsdp_cfg, device: torch.device, *, key: str, frozen: bool = Fa
     if frozen and fsdp_cfg.optimizer_offload:
         log.warning("%s.optimizer_offload has no effect: a frozen model has no optimizer state (param_offload "
                     "is the reference's offload switch)", key)
-    asked = {"offload_params": bool(fsdp_cfg.param_offload or sharded and getattr(fsdp_cfg, "offload_policy", False)),
-             "offload_state": bool(fsdp_cfg.optimizer_offload) and not frozen}
+    asked = _asked(fsdp_cfg, frozen=frozen, sharded=sharded)
     if any(asked.values()) and device.type != "cuda":
         log.warning("%s: param_offload/optimizer_offload have no effect on a %s run (everything is in host "
                     "memory already)", key, device.type)
         return dict.fromkeys(asked, False)
     return asked
+
+
+def requested_offload(fsdp_cfg, device: torch.device, *, sharded: bool = False) -> dict[str, bool]:
+    """What `offload_flags` returns for a trained model, without saying anything (a check before the model loads)."""
+    asked = _asked(fsdp_cfg, frozen=False, sharded=sharded)
+    return asked if torch.device(device).type == "cuda" else dict.fromkeys(asked, False)
+
+
+def _asked(fsdp_cfg, *, frozen: bool, sharded: bool) -> dict[str, bool]:
+    return {"offload_params": bool(fsdp_cfg.param_offload or sharded and getattr(fsdp_cfg, "offload_policy", False)),
+            "offload_state": bool(fsdp_cfg.optimizer_offload) and not frozen}
 
 
 class HostWeights:

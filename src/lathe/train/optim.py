@@ -1,35 +1,221 @@
-"""Optimizer and learning-rate schedule from verl's `optim.*` keys."""
+"""Optimizer and learning-rate schedule from verl's `optim.*` keys.
+
+The optimizer is verl's choice: the class `optim.optimizer` of the module `optim.optimizer_impl` (torch.optim's
+AdamW by default; torch.optim's Adam, SGD, ...; `torchao.optim`'s `_AdamW`, `bitsandbytes.optim`'s `AdamW8bit`),
+called with `lr`, `weight_decay`, `betas` when the name is an Adam's (it holds "adam" or "ademamix", lower-cased) and
+`override_optimizer_config` on top (`optimizer_kwargs`). A name that is not in the module is looked up without
+regard to case when exactly one optimizer class matches (`adamw`, Megatron's `sgd`). Where it runs:
+
+- FSDP2 shards (`sharded`): the class on the shards (DTensors), whose mixed precision and `param_offload` FSDP2 does;
+  AdamW with `optimizer_offload` alone is `OffloadedAdamW` (the moments in host memory, streamed through the device);
+- one device with master weights (a mixed precision policy): lathe's AdamW (`MasterAdamW`, which also offloads), or
+  any other class over the fp32 masters (`lathe.train.master_weights.master_optimizer`);
+- one device without: the class on the parameters.
+
+`MasterAdamW` and `OffloadedAdamW` take lr, betas, weight_decay and eps: AdamW with any other argument runs as any
+other class does, and where only they can run it (offload on one device; `optimizer_offload` alone on FSDP2 shards),
+another class or argument is refused up front (`check_optimizer`, which `lathe train` and `lathe sft` run before any
+model loads, with the errors `build_optimizer` would raise).
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
+from functools import partial
+from typing import Any
 
 import torch
 
+from lathe.dtypes import short_name
+from lathe.config.errors import ConfigError, closest, did_you_mean
+from lathe.config.rules_optim import EXAMPLES, MEGATRON_CPU_OPTIMIZER
 from lathe.train.master import MasterAdamW
+from lathe.train.master_weights import master_optimizer
+from lathe.train.offload import requested_offload
 from lathe.train.offloaded_adamw import OffloadedAdamW
 from lathe.train.precision import FP32, PrecisionPolicy
 
+FAST_ADAMW_ARGS = {"lr", "betas", "weight_decay", "eps"}     # what MasterAdamW and OffloadedAdamW take
 
-def build_optimizer(params, optim_cfg, *, policy: PrecisionPolicy = FP32, offload_params: bool = False,
-                    offload_state: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
-    """AdamW with `optim.{lr, betas, weight_decay}`.
 
-    One device: with a mixed `policy` (bf16 compute, fp32 master weights) or CPU offload, `MasterAdamW`, which casts
-    the parameters to `policy.param_dtype` in place and keeps the masters; else `torch.optim.AdamW` on `params`.
-    `sharded` (FSDP2 shards, whose mixed precision and `param_offload` FSDP2 does): `torch.optim.AdamW`, or with
-    `offload_state` alone `OffloadedAdamW` (the moments in host memory; with `offload_params` FSDP2's offload policy
-    keeps the shards and so AdamW's state there already).
-    """
-    params = [p for p in params if p.requires_grad]
-    kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay)
+def adam_like(name: str) -> bool:
+    """verl's rule for passing `betas`: the class name, lower-cased, holds "adam" or "ademamix"."""
+    lowered = str(name).lower()
+    return "adam" in lowered or "ademamix" in lowered
+
+
+def optimizer_kwargs(optim_cfg) -> dict[str, Any]:
+    """The optimizer's keyword arguments: lr, weight_decay, betas (Adam's), then `override_optimizer_config`, which
+    may add or override any of them (Megatron's CPU-optimizer keys, no arguments of any class, left out)."""
+    kwargs: dict[str, Any] = {"lr": optim_cfg.lr, "weight_decay": optim_cfg.weight_decay}
+    if adam_like(getattr(optim_cfg, "optimizer", "AdamW")):
+        kwargs["betas"] = tuple(optim_cfg.betas)
+    for name, value in (getattr(optim_cfg, "override_optimizer_config", None) or {}).items():
+        if name not in MEGATRON_CPU_OPTIMIZER:
+            kwargs[name] = tuple(value) if name == "betas" and isinstance(value, list) else value
+    return kwargs
+
+
+def optimizer_class(optim_cfg, key: str) -> type:
+    """The class `optim.optimizer` names in `optim.optimizer_impl`; a ConfigError naming the key and the fix when it
+    cannot be imported, is not there, or is no optimizer lathe's update can step."""
+    impl, name = getattr(optim_cfg, "optimizer_impl", "torch.optim"), getattr(optim_cfg, "optimizer", "AdamW")
+    try:
+        module = importlib.import_module(impl)
+    except ImportError as e:
+        raise ConfigError(f"`{key}.optimizer_impl`={impl}: importing it fails ({e}). Fix: name an installed module, "
+                          f"{EXAMPLES}, or install the package that provides {impl}.") from None
+    known = sorted(n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, torch.optim.Optimizer)
+                   and v is not torch.optim.Optimizer)
+    cls = getattr(module, name, None)
+    if cls is None:
+        same = [n for n in known if n.lower() == str(name).lower()]
+        if len(same) != 1:
+            lower = {n.lower(): n for n in known}
+            hint = did_you_mean([lower[n] for n in closest(str(name).lower(), lower)])
+            raise ConfigError(f"`{key}.optimizer`={name}: {impl} has no such class.{hint} Fix: name one of its "
+                              f"optimizers: {', '.join(known) or '(none found)'}.")
+        cls = getattr(module, same[0])
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+        raise ConfigError(f"`{key}.optimizer`={name}: {impl}.{name} is not an optimizer class (a subclass of "
+                          f"torch.optim.Optimizer). Fix: name one of {impl}'s optimizers: {', '.join(known)}.")
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(f"`{key}.optimizer`={name}: its step() needs a closure that evaluates the loss again, which "
+                          "lathe's update does not give. Fix: choose an optimizer that steps on the gradients alone "
+                          "(AdamW, Adam, SGD, ...).")
+    return cls
+
+
+def checked_kwargs(cls: type, optim_cfg, key: str) -> dict[str, Any]:
+    """`optimizer_kwargs`, each one `cls` takes (a weight_decay of 0 dropped where it takes none); else a ConfigError
+    naming the key that set the argument."""
+    kwargs = optimizer_kwargs(optim_cfg)
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    takes = [n for n, p in params.items() if n not in ("self", "params") and p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    extra = getattr(optim_cfg, "override_optimizer_config", None) or {}
+    for arg in [a for a in kwargs if a not in takes]:
+        if arg == "weight_decay" and arg not in extra and not kwargs[arg]:
+            del kwargs[arg]
+            continue
+        where = (f"`{key}.override_optimizer_config`={extra}" if arg in extra else f"`{key}.{arg}`={kwargs[arg]}")
+        eps = f" (verl's Megatron key {key}.eps sets it there too)" if arg == "eps" else ""
+        fix = (f"remove {arg} from {key}.override_optimizer_config{eps}, or spell it as one of those" if arg in extra
+               else f"set {key}.weight_decay=0" if arg == "weight_decay" else f"choose another {key}.optimizer")
+        raise ConfigError(f"{where}: {shown(optim_cfg, cls)} takes no argument {arg} (it takes {', '.join(takes)}). "
+                          f"Fix: {fix}.")
+    return kwargs
+
+
+def shown(optim_cfg, cls: type) -> str:
+    """The class as the keys name it: `torch.optim.SGD`."""
+    return f"{getattr(optim_cfg, 'optimizer_impl', 'torch.optim')}.{cls.__name__}"
+
+
+def optimizer_choice(optim_cfg, key: str = "optim") -> tuple[type, dict[str, Any]]:
+    """(class, keyword arguments) of the optim group `key`, checked (ConfigError naming the key and the fix)."""
+    cls = optimizer_class(optim_cfg, key)
+    return cls, checked_kwargs(cls, optim_cfg, key)
+
+
+def lathe_adamw(cls: type, kwargs: dict[str, Any]) -> bool:
+    """torch's AdamW with arguments `MasterAdamW` and `OffloadedAdamW` take (their fast and offloading paths)."""
+    return cls is torch.optim.AdamW and set(kwargs) <= FAST_ADAMW_ARGS
+
+
+def check_placement(cls: type, kwargs: dict[str, Any], *, key: str, fsdp_key: str, sharded: bool,
+                    offload_params: bool, offload_state: bool) -> None:
+    """A ConfigError where only lathe's own AdamW can run the offload asked for and `cls`/`kwargs` is not it."""
+    only_lathes = (offload_state and not offload_params) if sharded else (offload_params or offload_state)
+    if not only_lathes or lathe_adamw(cls, kwargs):
+        return
+    args = sorted(set(kwargs) - FAST_ADAMW_ARGS) if cls is torch.optim.AdamW else []
+    what = (f"{key}.override_optimizer_config's {', '.join(args)}" if args
+            else f"{key}.optimizer={cls.__name__}")
+    lathe_way = f"use {key}.optimizer=AdamW (torch.optim) with no other override_optimizer_config than eps"
     if sharded:
-        return (OffloadedAdamW(params, **kwargs) if offload_state and not offload_params
-                else torch.optim.AdamW(params, **kwargs))
-    if policy.mixed or offload_params or offload_state:
+        raise ConfigError(
+            f"`{fsdp_key}.optimizer_offload`=true with {what}: on FSDP2 shards lathe streams the optimizer state "
+            f"through the device for its own AdamW only (OffloadedAdamW). Fix: also set {fsdp_key}.param_offload=true "
+            f"(FSDP2's offload policy keeps the shards and any optimizer's state in host memory; the step runs on "
+            f"the CPU), or set optimizer_offload=false, or {lathe_way}.")
+    asked = " and ".join(f"`{fsdp_key}.{k}`=true" for k, on in (("param_offload", offload_params),
+                                                                  ("optimizer_offload", offload_state)) if on)
+    raise ConfigError(
+        f"{asked} with {what}: on one device lathe offloads through its own AdamW only (MasterAdamW). Fix: set "
+        f"{fsdp_key}.param_offload=false and optimizer_offload=false, or {lathe_way}.")
+
+
+def check_optimizer(optim_cfg, fsdp_cfg, device: torch.device, *, key: str, fsdp_key: str, sharded: bool) -> None:
+    """What `build_optimizer` would refuse for this group, before any model loads: the class, its arguments (it is
+    built once over a one-element CPU tensor, so that a value it rejects shows here; no device memory is taken) and
+    the offload `fsdp_cfg` asks for on `device`."""
+    cls, kwargs = optimizer_choice(optim_cfg, key)
+    check_placement(cls, kwargs, key=key, fsdp_key=fsdp_key, sharded=sharded,
+                    **requested_offload(fsdp_cfg, device, sharded=sharded))
+    construct(cls, [torch.zeros(1, requires_grad=True)], kwargs, key)
+
+
+def construct(cls: type, params, kwargs: dict[str, Any], key: str, build=None) -> torch.optim.Optimizer:
+    """`(build or cls)(params, **kwargs)`; a value the class rejects is a ConfigError naming the group `key`."""
+    try:
+        return (build or cls)(params, **kwargs)
+    except (TypeError, ValueError) as e:
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ConfigError(f"`{key}`: {cls.__name__}({args}) fails: {e}. Fix: change what it names "
+                          f"({key}.lr, weight_decay, betas or override_optimizer_config), or choose another "
+                          f"{key}.optimizer.") from None
+
+
+def build_optimizer(params, optim_cfg, *, key: str = "optim", fsdp_key: str = "fsdp_config",
+                    policy: PrecisionPolicy = FP32, offload_params: bool = False, offload_state: bool = False,
+                    sharded: bool = False) -> torch.optim.Optimizer:
+    """The optimizer of the optim group `key` (`optimizer_choice`) over the trainable `params`, placed as the module
+    docstring says; `fsdp_key` names the offload switches in errors."""
+    cls, kwargs = optimizer_choice(optim_cfg, key)
+    check_placement(cls, kwargs, key=key, fsdp_key=fsdp_key, sharded=sharded, offload_params=offload_params,
+                    offload_state=offload_state)
+    params = [p for p in params if p.requires_grad]
+    if sharded:
+        return (OffloadedAdamW(params, **kwargs) if offload_state and not offload_params and lathe_adamw(cls, kwargs)
+                else construct(cls, params, kwargs, key))
+    if offload_params or offload_state or policy.mixed and lathe_adamw(cls, kwargs):
         return MasterAdamW(params, policy=policy, offload_params=offload_params, offload_state=offload_state,
                            **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
+    if policy.mixed:
+        return construct(cls, params, kwargs, key, build=partial(master_optimizer, cls, policy=policy))
+    return construct(cls, params, kwargs, key)
+
+
+def optimizer_state(optim_cfg, dtype: torch.dtype) -> tuple[str, int]:
+    """(what, bytes a parameter) of the state the chosen optimizer keeps for parameters of `dtype` (the memory plan):
+    AdamW's two moments; another class's parameter-sized state tensors, counted after one step over a small tensor
+    (SGD with momentum: one; without: none). A class that cannot step there (one that needs a GPU) is taken as AdamW."""
+    element = torch.empty((), dtype=dtype).element_size()
+    adamw = ("AdamW moments, 2 x " + short_name(dtype), 2 * element)
+    if optim_cfg is None:
+        return adamw
+    cls, kwargs = optimizer_choice(optim_cfg)
+    if lathe_adamw(cls, kwargs):
+        return adamw
+    p = torch.zeros(256, dtype=dtype, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    try:
+        opt = cls([p], **kwargs)
+        opt.step()
+    except Exception:                           # noqa: BLE001 (an estimate: AdamW's size stands in)
+        return f"{cls.__name__} state (taken as AdamW's), 2 x {short_name(dtype)}", 2 * element
+    tensors = [v for v in opt.state[p].values() if torch.is_tensor(v) and v.numel() == p.numel()]
+    nbytes = sum(t.element_size() for t in tensors)
+    kinds = {short_name(t.dtype) for t in tensors}
+    what = (f"{len(tensors)} x {kinds.pop()}" if len(kinds) == 1 else
+            f"{nbytes} bytes a parameter" if tensors else "none")
+    return f"{cls.__name__} state, {what}", nbytes
 
 
 def warmup_steps(optim_cfg, total_steps: int) -> int:

@@ -45,6 +45,7 @@ from lathe.train.vl import check_vl, freeze_vision_tower
 
 log = logging.getLogger("lathe")
 FSDP_KEY = "actor_rollout_ref.actor.fsdp_config"
+OPTIM_KEYS = {"key": "actor_rollout_ref.actor.optim", "fsdp_key": FSDP_KEY}     # named in the optimizer's errors
 
 
 class Actor:
@@ -101,10 +102,11 @@ class Actor:
             tensor_parallel.parallelize(self.model, self.tp)
             expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
             parallel.shard(self.model, actor.fsdp_config, self.policy, self.device, mesh)
-            self.optimizer = build_optimizer(self.model.parameters(), actor.optim, sharded=True, **offload_flags(
-                actor.fsdp_config, self.device, key=FSDP_KEY, sharded=True))
+            self.optimizer = build_optimizer(self.model.parameters(), actor.optim, sharded=True, **OPTIM_KEYS,
+                                             **offload_flags(actor.fsdp_config, self.device, key=FSDP_KEY,
+                                                             sharded=True))
         else:
-            self.optimizer = build_optimizer(self.model.parameters(), actor.optim, policy=self.policy,
+            self.optimizer = build_optimizer(self.model.parameters(), actor.optim, policy=self.policy, **OPTIM_KEYS,
                                              **offload_flags(actor.fsdp_config, self.device, key=FSDP_KEY))
         self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
         log.info("actor: %s on %s%s", self.policy.describe(), self.device, parallel.mesh_note(mesh))

@@ -67,11 +67,13 @@ class CriticWorker:
             tensor_parallel.parallelize(self.model, tp)
             expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
             parallel.shard(self.model, critic.model.fsdp_config, self.policy, self.device, mesh)
-            self.optimizer = build_optimizer(self.model.parameters(), critic.optim, sharded=True, **offload_flags(
-                critic.model.fsdp_config, self.device, key=key, sharded=True))
+            self.optimizer = build_optimizer(self.model.parameters(), critic.optim, sharded=True, key="critic.optim",
+                                             fsdp_key=key, **offload_flags(critic.model.fsdp_config, self.device,
+                                                                           key=key, sharded=True))
         else:
             self.model = cast_keeping_rope(model, self.policy.master_dtype, self.device)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
+                                             key="critic.optim", fsdp_key=key,
                                              **offload_flags(critic.model.fsdp_config, self.device, key=key))
         log.info("critic: %s on %s%s", self.policy.describe(), self.device, parallel.mesh_note(mesh))
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)

@@ -59,10 +59,10 @@ class SFTWorker:
             cast_keeping_rope(self.model, self.policy.master_dtype, None if self.sharded else device)
         if self.sharded:
             parallel.shard(self.model, m.fsdp_config, self.policy, device, mesh)
-            self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, sharded=True,
+            self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, sharded=True, fsdp_key=key,
                                              **offload_flags(m.fsdp_config, device, key=key, sharded=True))
         else:
-            self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, policy=self.policy,
+            self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, policy=self.policy, fsdp_key=key,
                                              **offload_flags(m.fsdp_config, device, key=key))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
         maybe_compile(self.model, use_torch_compile(m))

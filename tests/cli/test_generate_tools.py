@@ -145,3 +145,30 @@ def test_tool_calls_are_written_as_trajectories(tmp_path, tools_yaml, caplog):
     assert "calculator" in refused["text"] and refused["text"].endswith("Sorry.")
     assert (stats.tool_calls, stats.tool_errors) == (2, 1)
     assert "2 tool calls, 1 tool errors" in caplog.text
+
+
+def test_function_tools_alone_run_the_tool_loop(tmp_path):
+    """`function_tool_path=` (a file of @function_tool functions) turns the loop on as a tool YAML does; its errors
+    name that option."""
+    path = tmp_path / "fn_tools.py"
+    path.write_text("from lathe.rollout.agent.function_tools import function_tool\n\n\n"
+                    "@function_tool\n"
+                    "def calculator(expression: str) -> str:\n"
+                    "    '''Evaluate a product.\n\n    Args:\n        expression: a*b\n    '''\n"
+                    "    a, b = expression.split('*')\n"
+                    "    return str(int(a) * int(b))\n")
+    tok = qwen_style_tokenizer()
+    opts = parse_options([f"function_tool_path={path}", "max_tokens=400", "seed=1"])
+    tools = ToolSetup.load(opts)
+    rows = read_rows(_write(tmp_path / "in.jsonl", [{"prompt": [{"role": "user", "content": "What is 6*7?"}]}]))
+    tools.check_rows(rows)
+    prompts = tokenize_rows(rows, tok, vocab_size=len(tok), max_model_len=2048, tools=tools.check_tokenizer(tok))
+    assert '"name": "calculator"' in tok.decode(prompts[0])
+    engine, out = ScriptedEngine(tok, [[CALL % "6*7", "It is 42."]]), tmp_path / "out.jsonl"
+    _run(engine, tok, rows, prompts, opts, out, tools.runner(engine, tok))
+    sample = json.loads(out.read_text())["outputs"][0]
+    answer = tok.decode([t for t, m in zip(sample["token_ids"], sample["loss_mask"]) if not m])
+    assert "<tool_response>\n42\n</tool_response>" in answer and (sample["tool_calls"], sample["tool_errors"]) == (1, 0)
+    (tmp_path / "none.py").write_text("x = 1\n")
+    with pytest.raises(GenerateError, match="function_tool_path=.*none.py: the file registers no tools"):
+        load_toolset(parse_options([f"function_tool_path={tmp_path / 'none.py'}"]))

@@ -44,6 +44,8 @@ class GenerateOptions:
     # tools (verl's rollout.multi_turn names; see lathe.cli.generate_tools); the others need tool_config_path
     tool_config_path: str | None = spec(None, "verl's tool YAML (tools: [{class_name, config, tool_schema}]): run "
                                               "the multi-turn tool loop; null = single-turn generation")
+    function_tool_path: str | None = spec(None, "a Python file of @function_tool functions (lathe.rollout.agent."
+                                                "function_tools): tools beside tool_config_path's, or alone")
     tool_format: Literal["hermes", "llama3_json"] = spec("hermes", "tool calls in the model's text: hermes "
                                                                    "(Qwen2.5/Qwen3) or llama3_json (Llama 3.1+)")
     max_assistant_turns: int | None = spec(None, "model turns per trajectory at most; null = no cap")
@@ -123,17 +125,18 @@ def _check_ranges(o: GenerateOptions) -> None:
 
 
 def check_tool_options(opts: GenerateOptions, given: set[str] | None = None) -> None:
-    """The tool keys: each needs `tool_config_path`, and their ranges. `given`: the keys set (None: those that differ
-    from their defaults)."""
+    """The tool keys: each needs a tool file (`tool_config_path` or `function_tool_path`), and their ranges.
+    `given`: the keys set (None: those that differ from their defaults)."""
     if given is None:
         default = GenerateOptions()
         given = {k for k in TOOL_KEYS if getattr(opts, k) != getattr(default, k)}
-    if not opts.tool_config_path:
+    if not opts.tool_config_path and not opts.function_tool_path:
         loose = [k for k in TOOL_KEYS if k in given]
         if loose:
-            raise GenerateError(f"{loose[0]}={getattr(opts, loose[0])} needs tool_config_path: the tool keys act only "
-                                f"in the multi-turn tool loop, which a tool file turns on. Fix: add "
-                                f"tool_config_path=TOOLS.yaml, or drop {', '.join(loose)}")
+            raise GenerateError(f"{loose[0]}={getattr(opts, loose[0])} needs tool_config_path or function_tool_path: "
+                                f"the tool keys act only in the multi-turn tool loop, which a tool file turns on. Fix: "
+                                f"add tool_config_path=TOOLS.yaml (or function_tool_path=TOOLS.py), or drop "
+                                f"{', '.join(loose)}")
         return
     rules = [
         (opts.max_assistant_turns is None or opts.max_assistant_turns >= 1,

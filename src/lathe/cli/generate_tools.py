@@ -2,11 +2,12 @@
 
     lathe generate MODEL_DIR IN.jsonl OUT.jsonl tool_config_path=TOOLS.yaml [tool_format=hermes ...]
 
-`tool_config_path` is verl's tool config (``tools: [{class_name, config, tool_schema}]``, as `lathe train` reads it);
-the other keys are verl's `rollout.multi_turn.*` settings (`tool_format` is its `format`) and act only with a tool
-file. Each sample is then a trajectory: the model's turns, and after each turn that calls tools the calls' answers,
-appended exactly as the chat template renders them, until the model answers without a call, a turn cap ends it, or
-`max_tokens` (the response budget of all turns together, tool answers included) runs out. A chat prompt is rendered
+`tool_config_path` is verl's tool config (``tools: [{class_name, config, tool_schema}]``, as `lathe train` reads it),
+`function_tool_path` a Python file of `@function_tool` functions (`lathe.rollout.agent.function_tools`); either turns
+the loop on, and the other keys are verl's `rollout.multi_turn.*` settings (`tool_format` is its `format`) and act only
+with a tool file. Each sample is then a trajectory: the model's turns, and after each turn that calls tools the calls'
+answers, appended exactly as the chat template renders them, until the model answers without a call, a turn cap ends it,
+or `max_tokens` (the response budget of all turns together, tool answers included) runs out. A chat prompt is rendered
 with the tools' schemas (``apply_chat_template(tools=...)``); a ``prompt`` string or ``prompt_token_ids`` row is used as
 given, with no tools rendered into it. A row may carry verl's ``"extra_info": {"tools_kwargs": {TOOL: {"create_kwargs":
 {...}}}}`` for its tools' instances. Besides EOS and `stop_token_ids`, the template's end-of-turn token ends a turn.
@@ -26,22 +27,25 @@ KWARGS_FIX = 'write "extra_info": {"tools_kwargs": {"TOOL_NAME": {"create_kwargs
 
 
 def load_toolset(opts: GenerateOptions):
-    """The run's `ToolSet`, or None without `tool_config_path`; a missing or bad file is a GenerateError naming it."""
+    """The run's `ToolSet` (`tool_config_path`'s tools and `function_tool_path`'s functions), or None without
+    either; a missing or bad file is a GenerateError naming it."""
     check_tool_options(opts)                    # again for options built in code (parse_options checks the keys given)
-    if not opts.tool_config_path:
+    if not opts.tool_config_path and not opts.function_tool_path:
         return None
-    from lathe.rollout.agent.tool_config import load_tools
+    from lathe.rollout.agent import combined_tools
     from lathe.rollout.agent.tools import ToolConfigError
-    builtin = opts.tool_config_path.startswith("builtin:")             # a tool config shipped with lathe
-    path = opts.tool_config_path if builtin else Path(opts.tool_config_path).expanduser()
-    if not builtin and not path.is_file():
-        raise GenerateError(f"tool_config_path={opts.tool_config_path}: no such file. Fix: give a tool YAML file in "
-                            "verl's shape (tools: [{class_name, config, tool_schema}]), e.g. with class_name: "
-                            "lathe.rollout.agent.builtin_tools.CalculatorTool")
+    path = None
+    if opts.tool_config_path:
+        builtin = opts.tool_config_path.startswith("builtin:")             # a tool config shipped with lathe
+        path = opts.tool_config_path if builtin else Path(opts.tool_config_path).expanduser()
+        if not builtin and not path.is_file():
+            raise GenerateError(f"tool_config_path={opts.tool_config_path}: no such file. Fix: give a tool YAML file "
+                                "in verl's shape (tools: [{class_name, config, tool_schema}]), e.g. with class_name: "
+                                "lathe.rollout.agent.builtin_tools.CalculatorTool")
     try:
-        return load_tools(path)
+        return combined_tools(path, opts.function_tool_path, function_key="function_tool_path")
     except ToolConfigError as e:
-        raise GenerateError(f"tool_config_path: {e}") from None
+        raise GenerateError(f"tools: {e}") from None
 
 
 def rows_tools_kwargs(rows: list[PromptRow], toolset) -> list[dict | None]:

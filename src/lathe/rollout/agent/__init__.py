@@ -23,16 +23,21 @@ def load_run_tools(cfg):
     """The run's `ToolSet`: the tool file's tools and the `@function_tool` functions of `multi_turn.
     function_tool_path` (`function_tools`), or None with neither."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
-    path, functions = tool_config_path(cfg), mt.function_tool_path if mt.enable else None
+    return combined_tools(tool_config_path(cfg), mt.function_tool_path if mt.enable else None)
+
+
+def combined_tools(path, functions, *, function_key: str | None = None):
+    """The `ToolSet` of a tool file's tools (`path`) and a Python file's `@function_tool` functions (`functions`,
+    named `function_key` in errors), a name in both refused; None with neither."""
     if not path and not functions:
         return None
     from lathe.rollout.agent.tool_config import load_tools
     from lathe.rollout.agent.tools import ToolConfigError, ToolSet
     tools = list(load_tools(path).tools.values()) if path else []
     if functions:
-        from lathe.rollout.agent.function_tools import load_function_tools
+        from lathe.rollout.agent.function_tools import KEY, load_function_tools
         declared = {tool.name for tool in tools}
-        added = load_function_tools(functions)
+        added = load_function_tools(functions, key=function_key or KEY)
         clash = sorted(tool.name for tool in added if tool.name in declared)
         if clash:
             raise ToolConfigError(f"tools {clash} are declared both in {path} and as @function_tool functions in "

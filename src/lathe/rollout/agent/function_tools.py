@@ -116,13 +116,14 @@ def _schema(fn: Callable, tool_name: str) -> dict:
     return out
 
 
-def load_function_tools(path: str | Path) -> list[FunctionTool]:
-    """The tools that the `@function_tool` decorators of the Python file at `path` register (the file runs once)."""
+def load_function_tools(path: str | Path, *, key: str = KEY) -> list[FunctionTool]:
+    """The tools that the `@function_tool` decorators of the Python file at `path` register (the file runs once);
+    `key`: the setting that names the file, in errors."""
     file = Path(path).expanduser().resolve()
     if file in _loaded:
         return _loaded[file]
     if not file.is_file():
-        raise ToolConfigError(f"{KEY}={path}: no such file. Fix: point it at a Python file of @function_tool "
+        raise ToolConfigError(f"{key}={path}: no such file. Fix: point it at a Python file of @function_tool "
                               f"functions, or remove it")
     module_name = f"lathe_function_tools_{file.stem}_{zlib.crc32(str(file).encode()):08x}"
     spec = importlib.util.spec_from_file_location(module_name, file)
@@ -136,20 +137,20 @@ def load_function_tools(path: str | Path) -> list[FunctionTool]:
     except ModuleNotFoundError as e:
         hint = (" Fix: import the decorator from lathe: from lathe.rollout.agent.function_tools import function_tool"
                 if (e.name or "").split(".")[0] == "verl" else f" Fix: install the package that provides {e.name!r}")
-        raise ToolConfigError(f"{KEY}={path}: importing it failed: {e}.{hint}") from None
+        raise ToolConfigError(f"{key}={path}: importing it failed: {e}.{hint}") from None
     except Exception as e:  # noqa: BLE001 - a broken user file is a config error
-        raise ToolConfigError(f"{KEY}={path}: running it failed: {type(e).__name__}: {e}") from e
+        raise ToolConfigError(f"{key}={path}: running it failed: {type(e).__name__}: {e}") from e
     finally:
         found = _registered[start:]
         del _registered[start:]
     if not found:
         sys.modules.pop(module_name, None)
-        raise ToolConfigError(f"{KEY}={path}: the file registers no tools. Fix: decorate each tool function with "
+        raise ToolConfigError(f"{key}={path}: the file registers no tools. Fix: decorate each tool function with "
                               f"@function_tool (from lathe.rollout.agent.function_tools import function_tool)")
     names = [tool.name for tool in found]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ToolConfigError(f"{KEY}={path}: two functions register the tool name(s) {twice}. Fix: give each its "
+        raise ToolConfigError(f"{key}={path}: two functions register the tool name(s) {twice}. Fix: give each its "
                               f"own, @function_tool(\"other_name\")")
     _loaded[file] = found
     return found

@@ -5,6 +5,7 @@ CPU tests force the bf16 policy, as tests/train/test_master.py does (the class d
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
@@ -24,18 +25,21 @@ def _cfg(optimizer: str, **override):
                            lr_scheduler_type="constant", min_lr_ratio=0.0)
 
 
-def _net(seed: int = 0) -> nn.Module:
+def _net(seed: int = 0, device: str = "cpu") -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 50))
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 50)).to(device)
 
 
 def _backward(net: nn.Module, seed: int) -> None:
     tokens = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(seed))
-    net(tokens).float().logsumexp(-1).mean().backward()
+    net(tokens.to(next(net.parameters()).device)).float().logsumexp(-1).mean().backward()
 
 
-def test_sgd_steps_the_fp32_masters_with_the_accumulated_gradients_and_casts_them_back():
-    net = _net()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sgd_steps_the_fp32_masters_with_the_accumulated_gradients_and_casts_them_back(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    net = _net(device=device)
     fp32 = [p.detach().clone() for p in net.parameters()]
     opt = build_optimizer(net.parameters(), _cfg("SGD", momentum=MOMENTUM), policy=MIXED)
     assert isinstance(opt, SteppedMasters) and isinstance(opt, torch.optim.SGD) and type(opt).__name__ == "MasterSGD"

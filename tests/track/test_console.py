@@ -58,3 +58,8 @@ def test_reward_left_out_when_it_reads_as_the_score_and_eta_last():
 def test_brief_is_the_score_or_the_sft_loss():
     assert brief({"critic/score/mean": torch.tensor(0.75), "train/loss": 1.0}) == "score 0.75"
     assert brief({"train/loss": 1.25}) == "loss 1.25" and brief({}) == ""
+
+
+def test_a_pf_ppo_step_shows_the_sampled_score_not_the_redrawn_batchs():
+    metrics = {"pf_ppo/score_before/mean": 0.6, "critic/score/mean": 0.9, "timing_s/step": 1.0}
+    assert format_step_line(2, 5, metrics) == "step 2/5 | score 0.6 | step 1.00s"

@@ -23,7 +23,7 @@ __all__ = ["format_step_line", "brief"]
 
 # (label, candidate keys in order of preference, kind). kinds: "num", "sec", "rate".
 _FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("score", ("critic/score/mean",), "num"),
+    ("score", ("pf_ppo/score_before/mean", "critic/score/mean"), "num"),   # PF-PPO: the sampled, not the redrawn
     ("tool_calls", ("agent/tool_calls/mean",), "num"),   # multi-turn: tool calls per trajectory
     ("reward", ("critic/rewards/mean",), "num"),
     ("pg_loss", ("actor/pg_loss",), "num"),

@@ -82,12 +82,12 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     holds a full copy of its own, the base and adapters being shards). `critic_lora`: the parameters a LoRA critic
     trains (its adapters and value head), counted as the actor's adapters are, beside its frozen base. The reward
     model or judge and the distillation teachers are `lathe.train.memory_models.other_model_parts` (sized from
-    their config.json), which the caller adds. `engine_experts`: (routed experts' parameters, D) of an engine of D replicas with data-parallel
-    attention, which spreads the experts over all their ranks (`lathe.engine.data_parallel`). `embeddings`: (input
-    embedding parameters, tied to the LM head): a tensor-parallel replica's ranks hold them whole, and a tied model's
-    LM head besides as a vocabulary slice (`lathe.engine.tensor_parallel.ShardLayout.local_items`). (A hybrid's
-    weights that each tensor-parallel rank takes rows of are sharded over dp_shard x tp too: `lathe.train.parallel.
-    whole_weights_mesh`.)"""
+    their config.json), which the caller adds. `engine_experts`: (routed experts' parameters, D) of an engine of D
+    replicas with data-parallel attention, which spreads the experts over all their ranks
+    (`lathe.engine.data_parallel`). `embeddings`: (input embedding parameters, tied to the LM head): a
+    tensor-parallel replica's ranks hold them whole, and a tied model's LM head besides as a vocabulary slice
+    (`lathe.engine.tensor_parallel.ShardLayout.local_items`). (A hybrid's weights that each tensor-parallel rank
+    takes rows of are sharded over dp_shard x tp too: `lathe.train.parallel.whole_weights_mesh`.)"""
     from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype

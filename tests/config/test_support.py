@@ -21,7 +21,6 @@ def refused(*overrides: str) -> str:
 
 
 @pytest.mark.parametrize(("override", "fix"), [
-    ("critic.model.lora_rank=32", "set it to 0"),
     ("reward_model.ulysses_sequence_parallel_size=2", "set it to 1"),
     ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2", "set it to 1"),
     ("reward_model.reward_manager=limited", "naive"),
@@ -38,12 +37,12 @@ def test_unimplemented_value_fails_naming_key_value_and_fix(override, fix):
 
 
 def test_all_refusals_are_reported_together_with_batch_problems():
-    text = refused("critic.model.lora_rank=8", "critic.model.fsdp_config.grad_offload=true", "data.train_batch_size=64",
-                   "actor_rollout_ref.actor.ppo_mini_batch_size=48")
-    assert "3 config problems" in text and "lora_rank" in text and "ppo_mini_batch_size=48" in text
+    text = refused("reward_model.ulysses_sequence_parallel_size=2", "critic.model.fsdp_config.grad_offload=true",
+                   "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=48")
+    assert "3 config problems" in text and "ulysses_sequence_parallel_size" in text and "ppo_mini_batch_size=48" in text
 
 
-def test_lora_is_accepted_on_several_devices_and_with_a_rollout_pool_and_refused_for_the_critic():
+def test_lora_is_accepted_on_several_devices_and_with_a_rollout_pool_and_for_the_critic():
     lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -51,7 +50,16 @@ def test_lora_is_accepted_on_several_devices_and_with_a_rollout_pool_and_refused
     assert cfg.actor_rollout_ref.model.lora_rank == 8
     cfg = load_config("base", GRPO + lora + ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false"])
     assert cfg.actor_rollout_ref.model.lora_rank == 8        # fully async: the sync sends the merged adapted layers
-    assert "LoRA for the critic" in refused("critic.model.lora_rank=8", "trainer.n_gpus_per_node=2")
+    gae = ["algorithm.adv_estimator=gae", "critic.model.lora_rank=8", "critic.model.lora_alpha=32",
+           "critic.model.target_modules=[q_proj,v_proj]"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config("base", GRPO + gae + ["trainer.n_gpus_per_node=2"])
+    assert cfg.critic.model.lora_rank == 8 and cfg.critic.model.target_modules == ["q_proj", "v_proj"]
+    text = refused(*gae, "actor_rollout_ref.model.impl=hf")
+    assert "critic.model.lora_rank=8 with actor_rollout_ref.model.impl=hf" in text and "Fix:" in text
+    with pytest.warns(UserWarning, match="critic.model.lora_alpha"):        # read only with lora_rank > 0
+        load_config("base", GRPO + ["algorithm.adv_estimator=gae", "critic.model.lora_alpha=32"])
 
 
 ASYNC = ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false"]
@@ -182,8 +190,8 @@ def test_help_says_what_the_registry_says():
 
 def test_refusal_happens_before_torch_is_imported():
     code = ("import sys; from lathe.config import load_config, ConfigError\n"
-            "try:\n    load_config('base', ['critic.model.lora_rank=32'])\n"
-            "except ConfigError as e:\n    print('lora_rank' in str(e), 'torch' in sys.modules)\n")
+            "try:\n    load_config('base', ['reward_model.ulysses_sequence_parallel_size=2'])\n"
+            "except ConfigError as e:\n    print('ulysses' in str(e), 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
 

@@ -150,6 +150,24 @@ def test_sgd_actor_and_adam_critic_train_and_resume_exactly(tmp_path, monkeypatc
         assert torch.equal(p, q), name
 
 
+def test_a_lora_critic_trains_its_adapters_and_head_and_resumes_exactly(tmp_path, monkeypatch):
+    """`critic.model.lora_rank` acts in `lathe train`: the critic's checkpoint holds its adapter and head, and a run
+    resumed from its step-2 checkpoint takes the same steps 3 and 4."""
+    common = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1", "reward.timeout_s=0",
+              "trainer.val_before_train=false", "algorithm.adv_estimator=gae", "critic.model.lora_rank=8",
+              "critic.model.lora_alpha=16", "critic.optim.lr=1e-3"]
+    whole, resumed = run_crash_and_resume(tmp_path, monkeypatch, common)
+    assert (tmp_path / "split" / "global_step_2" / "critic" / "lora_adapter" / "adapter_config.json").exists()
+    a, b = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
+    for step in (3, 4):
+        assert a[step]["critic/grad_norm"] > 0
+        assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
+    trained = {n for n, p in whole.critic.model.named_parameters() if p.requires_grad}
+    assert "score.weight" in trained and all(n.startswith("score.") or ".lora_" in n for n in trained)
+    for (name, p), q in zip(whole.critic.model.named_parameters(), resumed.critic.model.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_an_optimizer_argument_the_class_rejects_stops_the_run_before_a_model_loads(tmp_path, monkeypatch):
     from lathe.config import ConfigError
     from lathe.loop import setup

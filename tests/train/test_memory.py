@@ -61,6 +61,16 @@ def test_the_critic_has_its_own_masters_moments_and_offload_key(monkeypatch):
     assert not moments.on_gpu and moments.why == "critic.model.fsdp_config.optimizer_offload=true"
 
 
+def test_a_lora_critic_plans_a_frozen_base_and_the_masters_and_moments_of_its_adapters_and_head(monkeypatch):
+    monkeypatch.setattr(memory, "total_memory", lambda device: 80 * 2**30)
+    cfg = load_config("base", ["trainer.device=cpu", "algorithm.adv_estimator=gae", "critic.model.lora_rank=8"])
+    parts = memory.plan(cfg, N, CUDA, need_ref=False, critic_params=N, lathe_engine=True, critic_lora=20_000_000)
+    assert _gib(parts, "critic base weights (frozen), bf16") == pytest.approx(2 * N / 2**30)
+    assert _gib(parts, "critic LoRA adapters and value head master weights, fp32") == pytest.approx(4 * 20e6 / 2**30)
+    assert _gib(parts, "critic LoRA adapters and value head AdamW moments") == pytest.approx(8 * 20e6 / 2**30)
+    assert not any(p.what.startswith("critic master") for p in parts), "no masters of the frozen base"
+
+
 def _kv_plan(utilization, monkeypatch, seqs=256):
     monkeypatch.setattr(memory, "total_memory", lambda device: 80 * 2**30)
     cfg = load_config("base", ["trainer.device=cpu"])

@@ -103,6 +103,7 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
             _check_batches(cfg, "critic", cfg.critic, devices, problems)
         elif actor_ok:  # same mini-batch as the actor: only the critic's own micro-batch is new
             _check_micro("critic", cfg.critic, batch_plan(cfg, devices.count, "critic"), arr.rollout.n, problems)
+        _check_critic_lora(cfg, problems)
     for message in mesh_problems(cfg, devices):      # fsdp_size must divide the devices (HSDP)
         problems.add(message)
     check_sequence_parallel(cfg, devices, problems)
@@ -127,6 +128,15 @@ def check_config(cfg: LatheConfig, devices: Devices, problems: ProblemList) -> N
         warnings.warn("actor_rollout_ref.actor.use_kl_loss=true and algorithm.use_kl_in_reward=true: the KL to "
                       "the reference policy is applied twice (as a loss term and as a reward penalty). verl "
                       "allows this, but usually only one is wanted (GRPO: use_kl_loss).", UserWarning, stacklevel=3)
+
+
+def _check_critic_lora(cfg: LatheConfig, problems: ProblemList) -> None:
+    """LoRA for the critic runs on lathe's value model (`lathe.workers.critic`), as the actor's on lathe's decoder."""
+    rank, impl = cfg.critic.model.lora_rank, cfg.actor_rollout_ref.model.impl
+    if rank > 0 and impl == "hf":
+        problems.add(f"critic.model.lora_rank={rank} with actor_rollout_ref.model.impl=hf: lathe's LoRA adapts lathe's "
+                     "value model, not a transformers one. Fix: set actor_rollout_ref.model.impl=auto (or lathe), or "
+                     "critic.model.lora_rank=0.")
 
 
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")

@@ -101,10 +101,8 @@ def _one_device() -> list[Entry]:
 
 
 def _lora() -> list[Entry]:
-    out = [refuse(f"{C}.model.lora_rank", "LoRA for the critic", "remove it (or set it to 0): the critic trains all "
-                  "weights", at_most(0))]
-    out += [warn(f"{C}.model.{k}", "it is read only with critic.model.lora_rank > 0 (not implemented yet)")
-            for k in ("lora_alpha", "target_modules")]
+    out = [only_on("critic.model.lora_rank=0", warn(f"{C}.model.{k}", "it is read only with critic.model.lora_rank > "
+                                                    "0")) for k in ("lora_alpha", "target_modules")]
     out += [only_on("lora_rank=0", warn(f"{M}.{k}", "it is read only with lora_rank > 0"))
             for k in ("lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path", "lora_dropout")]
     return out

@@ -88,6 +88,7 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "several devices": lambda cfg: trainer_devices(cfg) > 1,
     "synchronous training": lambda cfg: not is_async(cfg),                   # no rollout pool of its own
     "lora_rank=0": lambda cfg: cfg.actor_rollout_ref.model.lora_rank == 0,     # full fine-tuning: no adapters
+    "critic.model.lora_rank=0": lambda cfg: cfg.critic.model.lora_rank == 0,   # the critic trains every weight
     "a rollout pool": is_async,                                              # fully asynchronous training
     # where the reward scores before the step goes on anyway: a rollout pool, or DAPO's dynamic sampling
     "a rollout pool or filter_groups": lambda cfg: is_async(cfg) or cfg.algorithm.filter_groups.enable,

@@ -403,6 +403,20 @@ def _async_steps(cfg, loader_batches: int, total_steps: int) -> int:
     return max(1, prompts // step)
 
 
+def _lora_sizes(model, group, key: str) -> tuple[int, int]:
+    """(adapter parameters, parameters of the layers they adapt) of LoRA from `group`'s keys (`key`) on `model`."""
+    from lathe.models.lora import target_names
+    layers = [model.get_submodule(p) for p in target_names(model, group.target_modules,
+                                                             getattr(group, "exclude_modules", None), key=key)]
+    return (sum(group.lora_rank * (m.in_features + m.out_features) for m in layers),
+            sum(m.weight.numel() for m in layers))
+
+
+def _inputs_width(model) -> int:
+    """The hidden size: the width of `model`'s input embeddings."""
+    return model.get_input_embeddings().weight.shape[1]
+
+
 def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device) -> None:
     """Print what will live where (GiB); refuse a run whose update cannot fit even before activations."""
     from lathe.models.config import SUPPORTED_ARCHITECTURES
@@ -442,13 +456,10 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
                                                           rollout_dtype(arr.rollout.dtype, torch.device(device))),
                                          latent=getattr(c, "mla", None) is not None)
     seqs = math.ceil(run.actor.sequences_per_step / (run.world // tp))     # what one engine replica generates
-    lora = None
-    if arr.model.lora_rank > 0:                  # (adapter parameters, parameters of the layers they adapt)
-        from lathe.models.lora import target_names
-        layers = [model.get_submodule(p) for p in target_names(model, arr.model.target_modules,
-                                                                 arr.model.exclude_modules)]
-        lora = (sum(arr.model.lora_rank * (m.in_features + m.out_features) for m in layers),
-                sum(m.weight.numel() for m in layers))
+    lora = _lora_sizes(model, arr.model, "actor_rollout_ref.model") if arr.model.lora_rank > 0 else None
+    critic_lora = None                           # a LoRA critic trains its adapters and its value head (hidden + 1)
+    if critic is not None and cfg.critic.model.lora_rank > 0:
+        critic_lora = _lora_sizes(model, cfg.critic.model, "critic.model")[0] + _inputs_width(model) + 1
     # each model's state per device: 1/(dp_shard x tp) (tensor parallelism cuts it before FSDP2 shards the slices)
     shards = {role: run.mesh(role).dp_shard * run.mesh(role).tp for role in ("actor", "ref", "critic")}
     keys = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic": "critic.model.fsdp_config.fsdp_size",
@@ -464,7 +475,7 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
         """(parts, the plan's text, whether it fits) with the engine's routed experts over `engine_experts`' (expert
         parameters, D) replicas' ranks (data-parallel attention), or None: each replica's whole."""
         parts = plan(cfg, n, device, need_ref=run.needs_ref, critic_params=critic, lathe_engine=lathe_engine,
-                     world=run.world, colocated=not run.is_async, lora=lora, shards=shards,
+                     world=run.world, colocated=not run.is_async, lora=lora, critic_lora=critic_lora, shards=shards,
                      engine_experts=engine_experts, embeddings=embeddings)
         parts += other_model_parts(cfg, device, world=run.world, shards=shards)    # reward model/judge, teachers
         masters = next((p for p in parts if p.what.startswith("actor master weights") and not p.on_gpu), None)

@@ -7,8 +7,10 @@ reads or writes the base weights by name (the engine's weight sync, checkpoints,
 names as without LoRA.
 
 - ``apply_lora``: turn the targeted ``nn.Linear`` layers into ``LoRALinear`` in place (no copy of the weights);
-  only the adapters are trainable. Targets follow PEFT: ``all-linear`` is every linear layer of the decoder
-  (not ``lm_head``), a name matches a module whose path ends with it; ``exclude_modules`` likewise. The routed
+  only the adapters are trainable, and the modules named in ``modules_to_save`` whole (PEFT's name: a value
+  model's ``score`` head, as PEFT's TOKEN_CLS task keeps it). Targets follow PEFT: ``all-linear`` is every
+  linear layer of the decoder (not ``lm_head``), a name matches a module whose path ends with it;
+  ``exclude_modules`` likewise. The routed
   experts of a mixture-of-experts layer (`lathe.models.moe`: one grouped tensor per projection) are not linear
   layers, so they stay frozen (a target naming them is refused); with expert parallelism they are cut over the
   ranks (`lathe.train.expert_parallel`) beside adapters on the attention, dense-MLP and shared-expert layers.
@@ -17,7 +19,8 @@ names as without LoRA.
   (``merged_state``: the same from a full state dict, what a sharded model's ranks gather; ``merge_and_unload``:
   a model's LoRA layers turned back into plain merged ones).
 - ``save_adapter`` / ``load_adapter``: PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors`` with
-  ``base_model.model.<path>.lora_A.weight`` names), which ``peft.PeftModel.from_pretrained`` loads.
+  ``base_model.model.<path>.lora_A.weight`` names, and a module to save under its own names, such as
+  ``base_model.model.score.weight``), which ``peft.PeftModel.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -60,27 +63,29 @@ class LoRALinear(nn.Linear):
         return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
 
 
-def target_names(model: nn.Module, target_modules: str | list[str], exclude_modules: str | list[str] | None
-                 ) -> list[str]:
-    """The module paths LoRA adapts (PEFT's matching: a path equal to or ending in ``.<name>``)."""
+def target_names(model: nn.Module, target_modules: str | list[str], exclude_modules: str | list[str] | None,
+                 *, key: str = "actor_rollout_ref.model") -> list[str]:
+    """The module paths LoRA adapts (PEFT's matching: a path equal to or ending in ``.<name>``); `key`: the config
+    group an error names."""
     def matches(path: str, names) -> bool:
         names = [names] if isinstance(names, str) else list(names or [])
         return any(path == n or path.endswith("." + n) for n in names)
 
     linear = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith(DECODER_PREFIXES)]
     if target_modules != "all-linear":
-        _refuse_routed_experts(model, target_modules, linear, matches)
+        _refuse_routed_experts(model, target_modules, linear, matches, key)
     chosen = linear if target_modules == "all-linear" else [p for p in linear if matches(p, target_modules)]
     chosen = [p for p in chosen if not matches(p, exclude_modules)]
     if not chosen:
         have = sorted({p.rsplit(".", 1)[-1] for p in linear})
-        raise ValueError(f"actor_rollout_ref.model.target_modules={target_modules!r} (exclude_modules="
+        raise ValueError(f"{key}.target_modules={target_modules!r} (exclude_modules="
                          f"{exclude_modules!r}) matches no linear layer of the decoder. Fix: name some of {have}, "
                          "or use all-linear.")
     return chosen
 
 
-def _refuse_routed_experts(model: nn.Module, target_modules: str | list[str], linear: list[str], matches) -> None:
+def _refuse_routed_experts(model: nn.Module, target_modules: str | list[str], linear: list[str], matches,
+                           key: str) -> None:
     """Raise for a target that names the routed experts of a mixture-of-experts layer: their module (``experts``),
     or one of their grouped weights (``gate_up_proj``) where it names no linear layer. Those weights are one
     (experts, out, in) tensor per projection, not linear layers, so LoRA leaves them frozen, as PEFT's target_modules
@@ -93,7 +98,7 @@ def _refuse_routed_experts(model: nn.Module, target_modules: str | list[str], li
               or not any(matches(p, [n]) for p in linear)
               and any(matches(f"{p}.{leaf}", [n]) for p, leaves in experts.items() for leaf in leaves)]
     if routed:
-        raise ValueError(f"actor_rollout_ref.model.target_modules={target_modules!r}: {routed} name(s) the routed "
+        raise ValueError(f"{key}.target_modules={target_modules!r}: {routed} name(s) the routed "
                          "experts' grouped weights, which lathe's LoRA does not adapt (they are one tensor per "
                          "projection over all experts, not linear layers; with expert parallelism they are cut over "
                          "the ranks and stay frozen). Fix: leave them out of target_modules; all-linear adapts the "
@@ -101,13 +106,17 @@ def _refuse_routed_experts(model: nn.Module, target_modules: str | list[str], li
 
 
 def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: str | list[str] = "all-linear",
-               exclude_modules: str | list[str] | None = None, dropout: float = 0.0, seed: int = 0) -> list[str]:
+               exclude_modules: str | list[str] | None = None, dropout: float = 0.0, seed: int = 0,
+               modules_to_save: tuple[str, ...] = (), key: str = "actor_rollout_ref.model") -> list[str]:
     """Adapt `model` in place (see the module docstring); returns the adapted module paths. Every other parameter
-    is frozen. `A` is initialised as PEFT does (Kaiming-uniform, a=sqrt(5)) from `seed`, `B` at zero."""
+    is frozen but those of `modules_to_save` (module paths, trained whole). `A` is initialised as PEFT does
+    (Kaiming-uniform, a=sqrt(5)) from `seed`, `B` at zero. `key`: the config group an error names."""
     if rank < 1:
-        raise ValueError(f"lora_rank={rank}: LoRA needs a rank >= 1")
-    names = target_names(model, target_modules, exclude_modules)
+        raise ValueError(f"{key}.lora_rank={rank}: LoRA needs a rank >= 1")
+    names = target_names(model, target_modules, exclude_modules, key=key)
     model.requires_grad_(False)
+    for path in modules_to_save:
+        model.get_submodule(path).requires_grad_(True)
     gen = torch.Generator().manual_seed(seed)
     for path in names:
         layer = model.get_submodule(path)
@@ -119,7 +128,8 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, target_modules: str
         layer.lora_B = nn.Parameter(torch.zeros(layer.out_features, rank, device=layer.weight.device,
                                                 dtype=layer.weight.dtype))
         layer.scaling, layer.lora_dropout, layer.lora_enabled = alpha / rank, float(dropout), True
-    model.lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": float(dropout), "target_modules": names}
+    model.lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": float(dropout), "target_modules": names,
+                  "modules_to_save": list(modules_to_save)}
     return names
 
 
@@ -208,13 +218,23 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     return model
 
 
+def adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """What an adapter file holds, by lathe's name: every layer's ``lora_A`` / ``lora_B`` and the parameters of the
+    modules saved whole (`apply_lora`'s `modules_to_save`)."""
+    own = {f"{p}.{leaf}": getattr(m, leaf) for p, m in lora_layers(model) for leaf in ("lora_A", "lora_B")}
+    for path in getattr(model, "lora", {}).get("modules_to_save", ()):
+        own.update((f"{path}.{n}", t) for n, t in model.get_submodule(path).named_parameters())
+    return own
+
+
 def adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The adapters under PEFT's names; `tensors` (by lathe's names) replaces the module's own (fp32 masters)."""
+    """`adapter_params` under PEFT's names (an adapter's ``<path>.lora_A.weight``, a saved module's parameter by its
+    own name); `tensors` (by lathe's names) replaces the module's own (fp32 masters)."""
     out = {}
-    for path, layer in lora_layers(model):
-        for leaf in ("lora_A", "lora_B"):
-            value = tensors[f"{path}.{leaf}"] if tensors is not None else getattr(layer, leaf)
-            out[f"{PEFT_PREFIX}{path}.{leaf}.weight"] = value.detach().to("cpu").contiguous()
+    for name, param in adapter_params(model).items():
+        value = tensors[name] if tensors is not None else param
+        peft_name = f"{PEFT_PREFIX}{name}.weight" if is_adapter(name) else f"{PEFT_PREFIX}{name}"
+        out[peft_name] = value.detach().to("cpu").contiguous()
     return out
 
 
@@ -226,10 +246,12 @@ def save_adapter(model: nn.Module, path: str | Path, *, base_model: str | None =
     path.mkdir(parents=True, exist_ok=True)
     spec = model.lora
     modules = sorted({p.rsplit(".", 1)[-1] for p in spec["target_modules"]})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec["r"],
+    saved = spec.get("modules_to_save") or None         # a value model's head: PEFT's token-classification task
+    config = {"peft_type": "LORA", "task_type": "TOKEN_CLS" if saved else "CAUSAL_LM",
+              "base_model_name_or_path": base_model, "r": spec["r"],
               "lora_alpha": spec["lora_alpha"], "lora_dropout": spec["lora_dropout"], "bias": "none",
               "target_modules": modules, "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
-              "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+              "init_lora_weights": True, "modules_to_save": saved, "layers_to_transform": None,
               "layers_pattern": None}
     same_leaves = {p for p, _ in _linear(model) if p.rsplit(".", 1)[-1] in modules}
     if same_leaves != set(spec["target_modules"]):       # some layers of those names excluded: list the paths
@@ -251,12 +273,19 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise FileNotFoundError(f"{path} is not a PEFT LoRA adapter directory: expected {ADAPTER_CONFIG} and "
                                 f"{ADAPTER_WEIGHTS} (what peft's save_pretrained writes)")
     config = json.loads((path / ADAPTER_CONFIG).read_text())
+    saved = list(config.get("modules_to_save") or [])
+    if config.get("task_type") == "TOKEN_CLS":             # (PEFT adds its token-classification heads to these)
+        saved += ["classifier", "score"]
     tensors = {}
     for name, t in load_file(str(path / ADAPTER_WEIGHTS)).items():
-        if not name.startswith(PEFT_PREFIX) or not name.endswith((".lora_A.weight", ".lora_B.weight")):
-            raise ValueError(f"{path / ADAPTER_WEIGHTS}: tensor {name!r} is not a LoRA A/B matrix of a causal LM "
-                             "(lathe reads plain LoRA adapters: no DoRA, no modules_to_save)")
-        tensors[name[len(PEFT_PREFIX):-len(".weight")].replace(".default", "")] = t
+        lathe = name[len(PEFT_PREFIX):].replace(".default", "")
+        if name.startswith(PEFT_PREFIX) and name.endswith((".lora_A.weight", ".lora_B.weight")):
+            tensors[lathe[:-len(".weight")]] = t
+        elif name.startswith(PEFT_PREFIX) and any(lathe.startswith(m + ".") for m in saved):
+            tensors[lathe] = t                               # a module saved whole (a value model's head)
+        else:
+            raise ValueError(f"{path / ADAPTER_WEIGHTS}: tensor {name!r} is neither a LoRA A/B matrix nor a "
+                             f"parameter of its modules_to_save {saved} (lathe reads plain LoRA adapters: no DoRA)")
     return config, tensors
 
 
@@ -264,7 +293,7 @@ def check_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: st
     """The model's adapter parameters by lathe's name, once `tensors` (as `read_adapter` returns them) is known to
     fit them: a missing, extra or misshapen tensor is an error naming it. (A sharded parameter reports its full
     shape.)"""
-    own = {f"{p}.{leaf}": getattr(m, leaf) for p, m in lora_layers(model) for leaf in ("lora_A", "lora_B")}
+    own = adapter_params(model)
     missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or extra:
         raise ValueError(f"{source}: the adapter does not fit this model's LoRA layers (missing {missing[:4]}, "

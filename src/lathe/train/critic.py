@@ -29,8 +29,8 @@ from lathe.train.logprob import group_budget, response_hidden, scatter_response,
 from lathe.train.micro import in_batch_order, micro_batches
 from lathe.train.offload import activations_on_host
 from lathe.train.ulysses import SequenceParallel
-from lathe.train.update import (EpochShuffle, NonFiniteGuard, clipped_step, load_trainable, run_ppo_epochs,
-                                save_trainable)
+from lathe.train.update import (EpochShuffle, NonFiniteGuard, clipped_step, load_policy_checkpoint, run_ppo_epochs,
+                                save_model_checkpoint)
 
 __all__ = ["response_values", "PPOCritic"]
 
@@ -154,8 +154,10 @@ class PPOCritic:
         return loss, parts
 
     # -- checkpoint -----------------------------------------------------------------------------
-    def save_checkpoint(self, path: Path) -> None:
-        save_trainable(Path(path), self.model, self.optimizer, self.scheduler)
+    def save_checkpoint(self, path: Path, *, base_model: str | None = None) -> None:
+        """Weights and optimizer state; a LoRA critic's adapter and head (`lathe.train.lora.save_lora`, PEFT's
+        TOKEN_CLS layout) beside the merged model. `base_model`: the path a LoRA adapter names as its base."""
+        save_model_checkpoint(Path(path), self.model, self.optimizer, self.scheduler, base_model=base_model)
 
     def load_checkpoint(self, path: Path) -> None:
-        load_trainable(Path(path), self.model, self.optimizer, self.scheduler, what="critic")
+        load_policy_checkpoint(Path(path), self.model, self.optimizer, self.scheduler, what="critic")

@@ -1,6 +1,7 @@
 """Training a LoRA model (`lathe.models.lora`) on one device or as a rank of an FSDP2 group: where its weights live,
 what the rollout engine receives, and its checkpoint.
 
+- `adapt`: LoRA on a model a worker trains (the actor's, the critic's), from an adapter directory when given.
 - `place`: the frozen base in the compute dtype (bf16 on a GPU), as on one device. On one device the adapters keep
   their dtype (`MasterAdamW` makes their fp32 masters); sharded, they become the master dtype, because FSDP2's
   shards *are* what the optimizer updates (its mixed-precision policy gathers them in the compute dtype). The
@@ -18,17 +19,42 @@ what the rollout engine receives, and its checkpoint.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from lathe.models.lora import (cast_frozen, check_adapter, load_adapter, merge, merged_state, merged_weights,
-                               read_adapter, save_adapter)
+from lathe.models.lora import (apply_lora, cast_frozen, check_adapter, load_adapter, merge, merged_state,
+                               merged_weights, read_adapter, save_adapter)
+from lathe.models.moe import sparse_blocks
 from lathe.train import parallel
 
 LORA_ADAPTER = "lora_adapter"
+log = logging.getLogger("lathe")
+
+
+def adapt(model: nn.Module, model_cfg, *, key: str, role: str, seed: int, modules_to_save: tuple[str, ...] = ()
+          ) -> list[str]:
+    """`apply_lora` with the LoRA keys of `model_cfg` (the config group at `key`: `actor_rollout_ref.model`,
+    `critic.model`; keys it lacks take their defaults), then the adapter of its `lora_adapter_path` when given;
+    logs what trains. Returns the adapted module paths."""
+    names = apply_lora(model, rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
+                       target_modules=model_cfg.target_modules,
+                       exclude_modules=getattr(model_cfg, "exclude_modules", None),
+                       dropout=getattr(model_cfg, "lora_dropout", 0.0), seed=seed, modules_to_save=modules_to_save,
+                       key=key)
+    adapter = getattr(model_cfg, "lora_adapter_path", None)
+    if adapter:
+        load_adapter(model, read_adapter(adapter)[1], f"{key}.lora_adapter_path={adapter}")
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    experts = sum(p.numel() for block in sparse_blocks(model) for p in block.experts.parameters())
+    log.info("%s: LoRA rank %d on %d layers%s: %.2fM trainable parameters of %.1fM%s", role, model_cfg.lora_rank,
+             len(names), f" (and {', '.join(modules_to_save)} whole)" if modules_to_save else "", trained / 1e6,
+             sum(p.numel() for p in model.parameters()) / 1e6,
+             f" (the routed experts' {experts / 1e6:.1f}M frozen)" if experts else "")
+    return names
 
 
 def place(model: nn.Module, policy, device: torch.device, *, sharded: bool) -> None:

@@ -68,8 +68,8 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
 
 def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_params: int | None,
          lathe_engine: bool, world: int = 1, colocated: bool = True, lora: tuple[int, int] | None = None,
-         shards: dict[str, int] | None = None, engine_experts: tuple[int, int] | None = None,
-         embeddings: tuple[int, bool] = (0, False)) -> list[Part]:
+         critic_lora: int | None = None, shards: dict[str, int] | None = None,
+         engine_experts: tuple[int, int] | None = None, embeddings: tuple[int, bool] = (0, False)) -> list[Part]:
     """The parts of a run on one device: actor (+ a rollout copy unless lathe's engine runs on the actor's own
     weights in the rollout dtype), reference, critic. `lathe_engine`: the rollout is lathe's engine over lathe's
     decoder. With `world` > 1 data-parallel ranks every trained or reference part is an FSDP2 shard and the engine
@@ -79,14 +79,15 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     `lora`: (adapter parameters, parameters of the adapted layers): the base is frozen in the compute dtype, only
     the adapters have masters, gradients and moments, the reference is the base itself, and lathe's engine holds
     merged copies of the adapted layers only (on one device: it shares the rest with the frozen base; sharded, it
-    holds a full copy of its own, the base and adapters being shards). The reward model or judge and the
-    distillation teachers are `lathe.train.memory_models.other_model_parts` (sized from their config.json), which
-    the caller adds. `engine_experts`: (routed experts' parameters, D) of an engine of D replicas with data-parallel
-    attention, which spreads the experts over all their ranks (`lathe.engine.data_parallel`). `embeddings`: (input
-    embedding parameters, tied to the LM head): a tensor-parallel replica's ranks hold them whole, and a tied model's
-    LM head besides as a vocabulary slice (`lathe.engine.tensor_parallel.ShardLayout.local_items`). (A hybrid's
-    weights that each tensor-parallel rank takes rows of are sharded over dp_shard x tp too: `lathe.train.parallel.
-    whole_weights_mesh`.)"""
+    holds a full copy of its own, the base and adapters being shards). `critic_lora`: the parameters a LoRA critic
+    trains (its adapters and value head), counted as the actor's adapters are, beside its frozen base. The reward
+    model or judge and the distillation teachers are `lathe.train.memory_models.other_model_parts` (sized from
+    their config.json), which the caller adds. `engine_experts`: (routed experts' parameters, D) of an engine of D
+    replicas with data-parallel attention, which spreads the experts over all their ranks
+    (`lathe.engine.data_parallel`). `embeddings`: (input embedding parameters, tied to the LM head): a
+    tensor-parallel replica's ranks hold them whole, and a tied model's LM head besides as a vocabulary slice
+    (`lathe.engine.tensor_parallel.ShardLayout.local_items`). (A hybrid's weights that each tensor-parallel rank
+    takes rows of are sharded over dp_shard x tp too: `lathe.train.parallel.whole_weights_mesh`.)"""
     from lathe.dtypes import rollout_dtype
     arr = cfg.actor_rollout_ref
     compute = resolve_policy(arr.actor.fsdp_config, device, key="actor_rollout_ref.actor.fsdp_config").param_dtype
@@ -118,9 +119,8 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
     parts += streamed_step_parts("actor", "actor_rollout_ref.actor", trained // ranks("actor"), arr.actor.fsdp_config,
                                  device, sharded=world > 1)
     if critic_params:
-        parts += shard("critic", model_parts("critic", "critic.model", critic_params, cfg.critic.model.fsdp_config,
-                                             device, optim_cfg=cfg.critic.optim))
-        parts += streamed_step_parts("critic", "critic.model", critic_params // ranks("critic"),
+        parts += shard("critic", _critic_parts(cfg, critic_params, critic_lora, device))
+        parts += streamed_step_parts("critic", "critic.model", (critic_lora or critic_params) // ranks("critic"),
                                      cfg.critic.model.fsdp_config, device, sharded=world > 1)
     tp = arr.rollout.tensor_model_parallel_size if colocated else 1
     if tp > 1 or engine_experts is not None:    # a replica's rank: 1/tp of the layers and the LM head, embeddings whole
@@ -132,6 +132,19 @@ def plan(cfg, n_params: int, device: torch.device, *, need_ref: bool, critic_par
         parts = [replace(p, nbytes=int(p.nbytes * share), what=f"{p.what}, {what}")
                  if p.what.startswith("rollout ") else p for p in parts]
     return parts
+
+
+def _critic_parts(cfg, n_params: int, lora: int | None, device) -> list[Part]:
+    """The critic's weights, masters, gradients and optimizer state; with LoRA (`lora`: its trained parameters) the
+    base frozen in the compute dtype beside the adapters' and head's parts, as the actor's LoRA."""
+    fsdp = cfg.critic.model.fsdp_config
+    if lora is None:
+        return model_parts("critic", "critic.model", n_params, fsdp, device, optim_cfg=cfg.critic.optim)
+    compute = resolve_policy(fsdp, device, key="critic.model.fsdp_config").param_dtype
+    nbytes = n_params * torch.empty((), dtype=compute).element_size()
+    return [Part(f"critic base weights (frozen), {short_name(compute)}", nbytes, True),
+            *model_parts("critic LoRA adapters and value head", "critic.model", lora, fsdp, device,
+                         optim_cfg=cfg.critic.optim)]
 
 
 def streamed_step_parts(role: str, prefix: str, n_local: int, fsdp_cfg, device, *, sharded: bool) -> list[Part]:

@@ -148,22 +148,28 @@ def save_trainable(path: Path, model, optimizer, scheduler) -> None:
                          written=sorted((path / "huggingface").glob("*.safetensors")))
 
 
-def save_policy_checkpoint(path: Path, model, optimizer, scheduler, tokenizer, *,
-                           base_model: str | None) -> None:
-    """A trained policy's checkpoint (the actor's, `lathe sft`'s): `lathe.train.lora.save_lora` for a LoRA model,
-    else `save_trainable`; rank 0 adds the tokenizer to `huggingface/`."""
+def save_model_checkpoint(path: Path, model, optimizer, scheduler, *, base_model: str | None) -> None:
+    """A trained model's checkpoint (the actor's, the critic's, `lathe sft`'s): `lathe.train.lora.save_lora` for a
+    LoRA model, else `save_trainable`."""
     from lathe.models.lora import has_lora
     from lathe.train.lora import save_lora
     if has_lora(model):
         save_lora(path, model, optimizer, scheduler, base_model=base_model)
     else:
         save_trainable(path, model, optimizer, scheduler)
+
+
+def save_policy_checkpoint(path: Path, model, optimizer, scheduler, tokenizer, *,
+                           base_model: str | None) -> None:
+    """`save_model_checkpoint`; rank 0 adds the tokenizer to `huggingface/`."""
+    save_model_checkpoint(path, model, optimizer, scheduler, base_model=base_model)
     if parallel.rank() == 0:
         tokenizer.save_pretrained(path / "huggingface")
 
 
 def load_policy_checkpoint(path: Path, model, optimizer, scheduler, *, what: str) -> None:
-    """Restore what `save_policy_checkpoint` wrote (a tied `lm_head.weight` is not expected in the files)."""
+    """Restore what `save_model_checkpoint` wrote (the actor's, the critic's, `lathe sft`'s; a tied
+    `lm_head.weight` is not expected in the files)."""
     from lathe.models.lora import has_lora
     from lathe.train.lora import load_lora
     if has_lora(model):

@@ -27,8 +27,6 @@ from lathe.models.decoder import LatheCausalLM
 from lathe.models.rope import cast_keeping_rope
 from lathe.models.vl import is_vl
 from lathe.models.hf import select_impl
-from lathe.models.lora import apply_lora, load_adapter, read_adapter
-from lathe.models.moe import sparse_blocks
 from lathe.rollout.base import ROUTED
 from lathe.rollout.build import architecture, runs_lathe
 from lathe.train import expert_parallel, fp8, lora, parallel, tensor_parallel, ulysses
@@ -120,21 +118,11 @@ class Actor:
 
     def _apply_lora(self, seed: int) -> bool:
         """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""
-        m = self.arr.model
         if not runs_lathe(self.model):
             raise ValueError("actor_rollout_ref.model.lora_rank > 0 needs lathe's decoder (Llama, Qwen2, Qwen3), but "
                              f"the actor runs transformers {architecture(self.model)}. Fix: set lora_rank=0, or use "
                              "an architecture lathe's decoder implements.")
-        names = apply_lora(self.model, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules,
-                           exclude_modules=m.exclude_modules, dropout=m.lora_dropout, seed=seed)
-        if m.lora_adapter_path:
-            _, tensors = read_adapter(m.lora_adapter_path)
-            load_adapter(self.model, tensors, f"actor_rollout_ref.model.lora_adapter_path={m.lora_adapter_path}")
-        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        experts = sum(p.numel() for block in sparse_blocks(self.model) for p in block.experts.parameters())
-        log.info("actor: LoRA rank %d on %d layers: %.2fM trainable parameters of %.1fM%s", m.lora_rank, len(names),
-                 trained / 1e6, sum(p.numel() for p in self.model.parameters()) / 1e6,
-                 f" (the routed experts' {experts / 1e6:.1f}M frozen)" if experts else "")
+        lora.adapt(self.model, self.arr.model, key="actor_rollout_ref.model", role="actor", seed=seed)
         return True
 
     # -- what the worker calls ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from lathe.models.decoder import LatheValueModel
 from lathe.models.hf import select_impl
 from lathe.models.rope import cast_keeping_rope
 from lathe.models.value import load_value_model
-from lathe.train import expert_parallel, parallel, tensor_parallel, ulysses
+from lathe.train import expert_parallel, lora, parallel, tensor_parallel, ulysses
 from lathe.train.critic import PPOCritic
 from lathe.train.offload import activation_offload, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
@@ -37,6 +37,11 @@ class CriticWorker:
     Precision follows the actor's rule (``lathe.train.precision``): on CUDA the critic computes in
     ``critic.model.fsdp_config.mixed_precision.param_dtype`` (bf16) and ``MasterAdamW`` updates ``model_dtype``
     (fp32) masters, offloaded to CPU memory with ``param_offload`` / ``optimizer_offload``; on CPU, fp32.
+
+    LoRA (``critic.model.lora_rank`` > 0, verl's LoRA critic: PEFT's TOKEN_CLS task): adapters of rank
+    ``lora_rank`` and ``lora_alpha`` on ``target_modules`` of the decoder (`lathe.train.lora.adapt`, as the actor's),
+    the ``score`` head trained whole, everything else frozen in the compute dtype; the optimizer holds the adapters
+    and the head. Its checkpoint holds the adapter and head in PEFT's layout, the merged model beside it.
     """
 
     def __init__(self, cfg: LatheConfig, tokenizer, *, plan: BatchPlan, total_steps: int, device: torch.device,
@@ -53,6 +58,7 @@ class CriticWorker:
                                      trust_remote_code=bool(critic.model.trust_remote_code),
                                      dtype=self.policy.master_dtype, override_config=critic.model.override_config)
         model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
+        self.lora = critic.model.lora_rank > 0 and _apply_lora(model, critic.model, cfg.trainer.seed)
         tensor_parallel.check_model(model, plan.tensor_parallel_size, f"{key}.tensor_parallel_size",
                                     mesh.ep if mesh else 1)
         ulysses.check_model(model, plan.sequence_parallel_size, "critic.ulysses_sequence_parallel_size",
@@ -61,8 +67,13 @@ class CriticWorker:
         tp = None
         enable_recompute(model, critic.model.enable_gradient_checkpointing, critic.model.gradient_checkpointing_layers,
                          "critic.model", lathe=isinstance(model, LatheValueModel), impl_key="actor_rollout_ref.model.impl")
-        if parallel.in_group():     # a rank of a data-parallel group: FSDP2 moves each rank's fp32 shards to the device
-            self.model = cast_keeping_rope(model, self.policy.master_dtype)
+        sharded = parallel.in_group()   # a rank of a data-parallel group: FSDP2 moves each rank's shards to the device
+        if self.lora:                   # the frozen base in the compute dtype; the adapters and the head train
+            lora.place(model, self.policy, self.device, sharded=sharded)
+            self.model = model
+        else:
+            self.model = cast_keeping_rope(model, self.policy.master_dtype, None if sharded else self.device)
+        if sharded:
             tp = tensor_parallel.tensor_parallel(mesh, self.device)
             tensor_parallel.parallelize(self.model, tp)
             expert_parallel.parallelize(self.model, expert_parallel.expert_parallel(mesh, self.device))
@@ -71,7 +82,6 @@ class CriticWorker:
                                              fsdp_key=key, **offload_flags(critic.model.fsdp_config, self.device,
                                                                            key=key, sharded=True))
         else:
-            self.model = cast_keeping_rope(model, self.policy.master_dtype, self.device)
             self.optimizer = build_optimizer(self.model.parameters(), critic.optim, policy=self.policy,
                                              key="critic.optim", fsdp_key=key,
                                              **offload_flags(critic.model.fsdp_config, self.device, key=key))
@@ -98,9 +108,21 @@ class CriticWorker:
 
     def save_checkpoint(self, path: Path) -> None:
         """Weights + tokenizer (a loadable HF directory, reusable as ``critic.model.path``) + optimizer state."""
-        self.critic.save_checkpoint(Path(path))
+        model = self.cfg.critic.model
+        self.critic.save_checkpoint(Path(path), base_model=model.path or self.cfg.actor_rollout_ref.model.path)
         if parallel.rank() == 0:
             self.tokenizer.save_pretrained(Path(path) / "huggingface")
 
     def load_checkpoint(self, path: Path) -> None:
         self.critic.load_checkpoint(Path(path))
+
+
+def _apply_lora(model, group, seed: int) -> bool:
+    """LoRA on the value model's decoder, its `score` head trained whole (verl: PEFT's TOKEN_CLS task)."""
+    if not isinstance(model, LatheValueModel):
+        raise ValueError(f"critic.model.lora_rank={group.lora_rank} needs lathe's value model (Llama, Qwen2, Qwen3 "
+                         f"...), but the critic runs transformers {type(model).__name__}. Fix: set "
+                         "critic.model.lora_rank=0, or actor_rollout_ref.model.impl=auto (or lathe) with an "
+                         "architecture lathe's decoder implements.")
+    lora.adapt(model, group, key="critic.model", role="critic", seed=seed, modules_to_save=("score",))
+    return True

@@ -7,6 +7,7 @@ loads (`lathe.loop.preflight`); verifying the checkpoint against its manifest an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from lathe.ckpt import manifest
@@ -44,3 +45,38 @@ def resume_point(trainer_cfg) -> Path | None:
 def is_checkpoint(path: Path) -> bool:
     """A step directory: its trainer state, or a manifest (which names what is missing when that is)."""
     return (path / "trainer_state.pt").exists() or (path / manifest.MANIFEST).exists()
+
+
+def check_lora(path: Path, roles: dict[str, tuple[str, int]]) -> None:
+    """The checkpoint `path` trained each role of `roles` (its directory name -> the LoRA-rank key of this run and
+    its value) with the LoRA this run asks for: a role saved without `lora_adapter/` resumes at rank 0 only, one
+    saved with it at its adapter's rank; else a ValueError with the fix, before anything loads."""
+    for role, (key, rank) in roles.items():
+        if not (path / role).is_dir():
+            continue
+        saved = adapter_rank(path / role / "lora_adapter")
+        if (saved or 0) == rank:
+            continue
+        model_key = key.rsplit(".", 1)[0] + ".path"
+        if saved is None:
+            fix = (f"resume with {key}=0, or start a new run with LoRA from its weights ({model_key}="
+                   f"{path / role / 'huggingface'}, trainer.resume_mode=disable)")
+        elif rank == 0:
+            fix = (f"resume with {key}={saved}, or start a new run from its merged weights ({model_key}="
+                   f"{path / role / 'huggingface'}, trainer.resume_mode=disable)")
+        else:
+            fix = f"resume with {key}={saved}"
+        how = "without LoRA" if saved is None else f"with LoRA of rank {saved}"
+        raise ValueError(f"checkpoint {path / role} was saved {how}, but this run has {key}={rank}: its optimizer "
+                         f"state would not fit. Fix: {fix}.")
+
+
+def adapter_rank(adapter: Path) -> int | None:
+    """The rank `r` of a PEFT adapter directory (its adapter_config.json), None when there is none."""
+    config = adapter / "adapter_config.json"
+    if not config.is_file():
+        return None
+    try:
+        return int(json.loads(config.read_text()).get("r", 0)) or None
+    except (ValueError, TypeError, OSError):
+        return None

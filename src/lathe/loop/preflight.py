@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from lathe.ckpt.resume import resume_point
+from lathe.ckpt.resume import check_lora, resume_point
 from lathe.config import critic_in_use
 from lathe.config.distill import teachers
 from lathe.config.errors import ConfigError, join_problems
@@ -98,7 +98,12 @@ def preflight(cfg) -> Checked:
     else:
         _check_data(problems, cfg.data, ("train", "val"), check_file)
     with problems.check():
-        resume_point(cfg.trainer)
+        path = resume_point(cfg.trainer)
+        if path is not None:
+            roles = {"actor": ("actor_rollout_ref.model.lora_rank", cfg.actor_rollout_ref.model.lora_rank)}
+            if critic_in_use(cfg):
+                roles["critic"] = ("critic.model.lora_rank", cfg.critic.model.lora_rank)
+            check_lora(path, roles)
     reward_fn = None
     with problems.check():
         reward_fn = load_custom_reward(cfg)

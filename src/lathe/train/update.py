@@ -171,10 +171,14 @@ def load_policy_checkpoint(path: Path, model, optimizer, scheduler, *, what: str
     """Restore what `save_model_checkpoint` wrote (the actor's, the critic's, `lathe sft`'s; a tied
     `lm_head.weight` is not expected in the files)."""
     from lathe.models.lora import has_lora
-    from lathe.train.lora import load_lora
+    from lathe.train.lora import LORA_ADAPTER, load_lora
     if has_lora(model):
         load_lora(path, model, optimizer, scheduler, what=what)
         return
+    if (path / LORA_ADAPTER).is_dir():          # a LoRA run's: its optimizer state is the adapters'
+        raise ValueError(f"{what} checkpoint {path} was saved by a run with LoRA ({LORA_ADAPTER}/), but this run "
+                         f"trains the {what} without it. Fix: resume with the same lora_rank as that run, or start a "
+                         f"new run from its merged weights (model.path={path / 'huggingface'}).")
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     load_trainable(path, model, optimizer, scheduler, what=what,
                    ignore_missing=lambda name: tied and name == "lm_head.weight")

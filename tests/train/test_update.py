@@ -59,3 +59,31 @@ def test_shuffled_epochs_cut_each_epochs_order_into_mini_batches():
     seen.clear()
     run_ppo_epochs(batch, epochs=1, mini_batch_size=4, update_mini_batch=record)
     assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_a_checkpoint_resumes_only_into_the_optimizer_that_wrote_it(tmp_path, make_model):
+    """`optimizer_class` in optim.pt: lathe's forms of AdamW are one; another class is refused naming both and the
+    fix (torch would take AdamW's param groups as SGD's and fail at its first step); a checkpoint from before the
+    field holds AdamW's state."""
+    import pytest
+
+    from lathe.train.master_weights import master_optimizer
+    from lathe.train.offloaded_adamw import OffloadedAdamW
+    from lathe.train.precision import PrecisionPolicy
+    from lathe.train.update import check_optimizer_class, load_policy_checkpoint, optimizer_name, save_trainable
+    one = [torch.nn.Parameter(torch.ones(2))]
+    mixed = PrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, master_dtype=torch.float32)
+    assert optimizer_name(OffloadedAdamW(one)) == optimizer_name(torch.optim.AdamW(one)) == "torch.optim.AdamW"
+    assert optimizer_name(master_optimizer(torch.optim.SGD, [torch.nn.Parameter(torch.ones(2))], policy=mixed,
+                                           lr=0.1)) == "torch.optim.SGD"
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    save_trainable(tmp_path / "ckpt", model, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0))
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="holds the state of torch.optim.SGD, but this run's actor optimizer is "
+                                         "torch.optim.AdamW. Fix: resume with the actor's optim.optimizer=SGD"):
+        load_policy_checkpoint(tmp_path / "ckpt", model, adamw,
+                               torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: 1.0), what="actor")
+    check_optimizer_class({}, adamw, tmp_path, "actor")
+    with pytest.raises(ValueError, match="holds the state of torch.optim.AdamW"):
+        check_optimizer_class({}, sgd, tmp_path, "critic")

@@ -30,6 +30,7 @@ from lathe.models.lora import (apply_lora, cast_frozen, check_adapter, load_adap
                                merged_weights, read_adapter, save_adapter)
 from lathe.models.moe import sparse_blocks
 from lathe.train import parallel
+from lathe.train.update import check_optimizer_class, optimizer_name
 
 LORA_ADAPTER = "lora_adapter"
 log = logging.getLogger("lathe")
@@ -100,8 +101,8 @@ def save_lora(path: Path, model: nn.Module, optimizer, scheduler, *, base_model:
     path.mkdir(parents=True, exist_ok=True)
     save_adapter(model, path / LORA_ADAPTER, base_model=base_model, tensors=adapters)
     model.save_pretrained(path / "huggingface", safe_serialization=True, state_dict=merged)
-    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "lora": True, "by_name": sharded},
-               path / "optim.pt")
+    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "lora": True, "by_name": sharded,
+                "optimizer_class": optimizer_name(optimizer)}, path / "optim.pt")
 
 
 def load_lora(path: Path, model: nn.Module, optimizer, scheduler, *, what: str) -> None:
@@ -113,6 +114,7 @@ def load_lora(path: Path, model: nn.Module, optimizer, scheduler, *, what: str) 
     source = f"{what} checkpoint {path}"
     _, tensors = read_adapter(path / LORA_ADAPTER)
     opt = torch.load(path / "optim.pt", weights_only=True, map_location="cpu")
+    check_optimizer_class(opt, optimizer, path, what)
     saved = opt["optimizer"]
     if parallel.in_group():
         check_adapter(model, tensors, source)

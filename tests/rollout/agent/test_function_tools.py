@@ -112,3 +112,9 @@ def test_a_missing_function_tool_file_fails_at_load_and_a_single_turn_run_is_tol
         load_config(None, [f"{mt}.enable=true", f"{mt}.function_tool_path=/nowhere.py"])
     with pytest.warns(UserWarning, match="function_tool_path"):
         load_config(None, [f"{mt}.function_tool_path={write(tmp_path, TOOLS)}"])
+
+
+def test_a_python_file_given_as_the_tool_yaml_is_pointed_to_function_tool_path(tmp_path):
+    from lathe.rollout.agent.tool_config import load_tools
+    with pytest.raises(ToolConfigError, match="a Python file where a tool YAML is read .* function_tool_path"):
+        load_tools(write(tmp_path, TOOLS))

@@ -52,6 +52,11 @@ def _file_entries(file: Path) -> list:
     if not file.is_file():
         raise ToolConfigError(f"{file}: no such tool config file; fix actor_rollout_ref.rollout.multi_turn."
                               f"tool_config_path")
+    if file.suffix == ".py":
+        raise ToolConfigError(f"{file}: a Python file where a tool YAML is read (tool_config_path). Fix: name a file "
+                              f"of @function_tool functions in multi_turn.function_tool_path (lathe generate: "
+                              f"function_tool_path), and a tool YAML (tools: [{{class_name, config, tool_schema}}]) "
+                              f"here")
     try:
         data = yaml.safe_load(file.read_text())
     except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:

@@ -70,7 +70,8 @@ def test_a_checkpoint_resumes_only_into_the_optimizer_that_wrote_it(tmp_path, ma
     from lathe.train.master_weights import master_optimizer
     from lathe.train.offloaded_adamw import OffloadedAdamW
     from lathe.train.precision import PrecisionPolicy
-    from lathe.train.update import check_optimizer_class, load_policy_checkpoint, optimizer_name, save_trainable
+    from lathe.train.optim import check_optimizer_class, optimizer_name
+    from lathe.train.update import load_policy_checkpoint, save_trainable
     one = [torch.nn.Parameter(torch.ones(2))]
     mixed = PrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, master_dtype=torch.float32)
     assert optimizer_name(OffloadedAdamW(one)) == optimizer_name(torch.optim.AdamW(one)) == "torch.optim.AdamW"

@@ -30,7 +30,7 @@ from lathe.models.lora import (apply_lora, cast_frozen, check_adapter, load_adap
                                merged_weights, read_adapter, save_adapter)
 from lathe.models.moe import sparse_blocks
 from lathe.train import parallel
-from lathe.train.update import check_optimizer_class, optimizer_name
+from lathe.train.optim import check_optimizer_class, optimizer_name
 
 LORA_ADAPTER = "lora_adapter"
 log = logging.getLogger("lathe")

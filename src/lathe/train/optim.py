@@ -24,6 +24,7 @@ import importlib
 import inspect
 import math
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -245,3 +246,29 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_sc
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+ADAMW = "torch.optim.AdamW"    # what a checkpoint without `optimizer_class` (lathe before optim.optimizer acted) holds
+
+
+def optimizer_name(optimizer) -> str:
+    """The update rule `optimizer` runs, as `module.Class`, whatever lathe's form of it: `MasterAdamW`,
+    `OffloadedAdamW` and torch's AdamW are one (their states interchange), `master_optimizer`'s `Master<cls>` is cls."""
+    if isinstance(optimizer, MasterAdamW | torch.optim.AdamW):
+        return ADAMW
+    for cls in type(optimizer).__mro__:
+        if not cls.__module__.startswith("lathe.") and issubclass(cls, torch.optim.Optimizer):
+            module = cls.__module__.rsplit(".", 1)[0] if cls.__module__.startswith("torch.optim.") else cls.__module__
+            return f"{module}.{cls.__name__}"
+    return type(optimizer).__name__
+
+
+def check_optimizer_class(saved: dict, optimizer, path: Path, what: str) -> None:
+    """A checkpoint's optimizer state resumes only into the optimizer that wrote it (another class would take its
+    hyperparameters and state as its own and fail, or worse, step with them)."""
+    wrote, runs = saved.get("optimizer_class", ADAMW), optimizer_name(optimizer)
+    if wrote != runs:
+        module, _, name = wrote.rpartition(".")
+        raise ValueError(f"{what} checkpoint {path} holds the state of {wrote}, but this run's {what} optimizer is "
+                         f"{runs}. Fix: resume with the {what}'s optim.optimizer={name} optim.optimizer_impl={module} "
+                         f"(its override_optimizer_config too), or start a new run from its weights.")

@@ -16,6 +16,7 @@ import torch
 from lathe.batch import GHOST, Batch
 from lathe.ckpt import manifest
 from lathe.train import parallel
+from lathe.train.optim import check_optimizer_class, optimizer_name
 
 log = logging.getLogger("lathe")
 
@@ -119,33 +120,6 @@ def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_
 
 
 SHARDED = "sharded"        # torch.distributed.checkpoint's directory: weights and optimizer state, one file per rank
-ADAMW = "torch.optim.AdamW"    # what a checkpoint without `optimizer_class` (lathe before optim.optimizer acted) holds
-
-
-def optimizer_name(optimizer) -> str:
-    """The update rule `optimizer` runs, as `module.Class`, whatever lathe's form of it: `MasterAdamW`,
-    `OffloadedAdamW` and torch's AdamW are one (their states interchange), `master_optimizer`'s `Master<cls>` is cls."""
-    from lathe.train.master import MasterAdamW
-    if isinstance(optimizer, MasterAdamW | torch.optim.AdamW):
-        return ADAMW
-    for cls in type(optimizer).__mro__:
-        if not cls.__module__.startswith("lathe.") and issubclass(cls, torch.optim.Optimizer):
-            module = cls.__module__.rsplit(".", 1)[0] if cls.__module__.startswith("torch.optim.") else cls.__module__
-            return f"{module}.{cls.__name__}"
-    return type(optimizer).__name__
-
-
-def check_optimizer_class(saved: dict, optimizer, path: Path, what: str) -> None:
-    """A checkpoint's optimizer state resumes only into the optimizer that wrote it (another class would take its
-    hyperparameters and state as its own and fail, or worse, step with them)."""
-    wrote, runs = saved.get("optimizer_class", ADAMW), optimizer_name(optimizer)
-    if wrote != runs:
-        module, _, name = wrote.rpartition(".")
-        raise ValueError(f"{what} checkpoint {path} holds the state of {wrote}, but this run's {what} optimizer is "
-                         f"{runs}. Fix: resume with the {what}'s optim.optimizer={name} optim.optimizer_impl={module} "
-                         f"(its override_optimizer_config too), or start a new run from its weights.")
-
-
 def save_trainable(path: Path, model, optimizer, scheduler) -> None:
     """HF-format weights under `path/huggingface` (transformers loads them) plus `path/optim.pt`.
 

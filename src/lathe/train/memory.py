@@ -15,7 +15,7 @@ import torch
 
 from lathe.device import GIB, total_memory
 from lathe.dtypes import short_name
-from lathe.train.optim import optimizer_state
+from lathe.train.optim import optimizer_state, runs_lathe_adamw
 from lathe.train.precision import resolve_policy
 
 
@@ -52,7 +52,7 @@ def model_parts(role: str, prefix: str, n_params: int, fsdp_cfg, device, *, trai
     parts = ([] if sharded and policy.mixed else
              [Part(f"{role} weights, {short_name(policy.param_dtype)}{weights_note}", size(policy.param_dtype), True)])
     what, per = optimizer_state(optim_cfg, policy.master_dtype)
-    adamw = what.startswith("AdamW moments")        # lathe's own offloads; another class only by FSDP2's policy
+    adamw = runs_lathe_adamw(optim_cfg)             # lathe's own offloads; another class only by FSDP2's policy
     params_key = f"{key}.param_offload" if adamw or sharded else ""
     if policy.mixed:
         parts.append(Part(f"{role} master weights, {short_name(policy.master_dtype)}", size(policy.master_dtype),

@@ -193,17 +193,19 @@ def build_optimizer(params, optim_cfg, *, key: str = "optim", fsdp_key: str = "f
     return construct(cls, params, kwargs, key)
 
 
+def runs_lathe_adamw(optim_cfg) -> bool:
+    """Whether the optim group (None: the default) runs lathe's own AdamW, the one that offloads its state."""
+    return optim_cfg is None or lathe_adamw(*optimizer_choice(optim_cfg))
+
+
 def optimizer_state(optim_cfg, dtype: torch.dtype) -> tuple[str, int]:
     """(what, bytes a parameter) of the state the chosen optimizer keeps for parameters of `dtype` (the memory plan):
     AdamW's two moments; another class's parameter-sized state tensors, counted after one step over a small tensor
     (SGD with momentum: one; without: none). A class that cannot step there (one that needs a GPU) is taken as AdamW."""
     element = torch.empty((), dtype=dtype).element_size()
-    adamw = ("AdamW moments, 2 x " + short_name(dtype), 2 * element)
-    if optim_cfg is None:
-        return adamw
+    if runs_lathe_adamw(optim_cfg):
+        return "AdamW moments, 2 x " + short_name(dtype), 2 * element
     cls, kwargs = optimizer_choice(optim_cfg)
-    if lathe_adamw(cls, kwargs):
-        return adamw
     p = torch.zeros(256, dtype=dtype, requires_grad=True)
     p.grad = torch.ones_like(p)
     try:

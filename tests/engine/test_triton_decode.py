@@ -113,6 +113,13 @@ def test_num_splits_fill_the_device(kernel):
     assert kernel.choose_num_splits(256, 2, 132) == 1
     assert kernel.choose_num_splits(1, 2, 132) == 16
     assert kernel.choose_num_splits(8, 4, 132) == 9
+    # half a tile's bytes (an FP8 cache, head_dim 64): about four programs an SM, a full batch left whole
+    for narrow in ({"fp8": True}, {"head_dim": 64}):
+        assert kernel.choose_num_splits(32, 2, 132, **narrow) == 8
+        assert kernel.choose_num_splits(16, 2, 132, **narrow) == 16
+        assert kernel.choose_num_splits(256, 2, 132, **narrow) == 1
+        assert kernel.choose_num_splits(128, 2, 132, **narrow) == 2
+    assert kernel.choose_num_splits(32, 2, 132, head_dim=128) == 5
 
 
 def test_no_dependent_launch_on_the_cpu_or_under_the_interpreter(kernel, monkeypatch):

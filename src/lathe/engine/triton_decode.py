@@ -505,7 +505,16 @@ def pdl_available(device: torch.device) -> bool:
             and (nvidia_capability(device) or (0,))[0] >= 9)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """Enough programs to fill the GPU about twice: split the context only when the batch is small."""
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16, *, head_dim: int = 128,
+                      fp8: bool = False) -> int:
+    """Splits of each row's context so that enough programs keep the SMs reading; only a small batch is split.
+    A program reads tiles of 64 tokens x head_dim values of K and V: at head_dim 128 in bf16, programs for about
+    twice the SMs do (rounded up); a tile of half the bytes (head_dim 64 or less, or an FP8 cache, whose kernel is
+    also slower a tile) wants about four an SM, the most that fit at once, rounded to the nearest count, so a batch
+    that fills the SMs on its own stays whole. On an H200, 32 rows of 8448 tokens: 1.5B's heads over an FP8 cache
+    5 -> 8 splits, 0.5B's (head_dim 64) over bf16 5 -> 8 (`bench/kv_fp8_decode.py --splits`,
+    `kv_decode_splits*_ab_nvidia-h200.json`)."""
     programs = batch * num_kv_heads
+    if fp8 or head_dim <= 64:
+        return max(1, min(max_splits, round(4 * num_sms / programs)))
     return max(1, min(max_splits, (2 * num_sms + programs - 1) // programs))

@@ -2,7 +2,8 @@
 read per second (`lathe.engine.triton_decode.paged_decode`, do_bench: L2 flushed between calls, as between layers).
 
     python bench/kv_fp8_decode.py [--kernel FILE ...] [--shape LABEL:ROWS:HQ:HKV:CONTEXT[:DIM] ...] [--rounds N]
-                                  [--splits N,... [--block-n N,...] [--stages N,...]] [--out FILE]
+                                  [--splits N,... [--block-n N,...] [--stages N,...]] [--min-split N,...]
+                                  [--out FILE]
 
 Shapes: 1.5B's and 7B's heads at e2e's rollout (256 rows, 512 tokens of context) and at long contexts (32 rows, 4352
 and 8448 tokens); random pages, each row's blocks scattered. `--kernel FILE` (repeatable): another `triton_decode.py`
@@ -13,7 +14,8 @@ arm's figure is its median, its fastest round beside it (`us_min`: on an H200 so
 slow, `kv_decode_splits_0.5b_ab`, which a median of few rounds does not always absorb). `--splits`, `--block-n` and
 `--stages` (comma lists): each launch of a split count, a tile width (64) and a number of pipeline stages (the
 kernel's default) other than the engine's own adds a bf16 and an FP8 arm of lathe's kernel launched so (`bf16@s8b64`,
-`fp8@s8b64t2`): the sweep behind the split choice.
+`fp8@s8b64t2`): the sweep behind the split choice. `--min-split` adds arms at the engine's splits with other least
+split lengths (`bf16@m0`).
 """
 
 from __future__ import annotations
@@ -59,14 +61,15 @@ def parse_shape(text: str) -> tuple:
     return label, rows, hq, hkv, ctx, dim
 
 
-def parse_ints(text: str) -> list[int]:
-    """`--splits`, `--block-n` and `--stages`: a comma list of positive integers."""
+def parse_ints(text: str, least: int = 1) -> list[int]:
+    """`--splits` / `--block-n` / `--stages` (positive) and `--min-split` (`least` 0): a comma list of integers."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers separated by commas, e.g. 4,8,16")
+    if not values or min(values) < least:
+        kind = "positive" if least > 0 else "non-negative"
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {kind} integers separated by commas, e.g. 4,8,16")
     return values
 
 
@@ -84,9 +87,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def case(label: str, rows: int, hq: int, hkv: int, ctx: int, dim: int, kernels: dict, device: torch.device,
-         page: int = 16, rounds: int = 3, launches: tuple = ()) -> dict:
+         page: int = 16, rounds: int = 3, launches: tuple = (), min_splits: tuple = ()) -> dict:
     """One shape: every arm's median time, bandwidth and error. `launches`: (splits, block_n, stages or None)
-    triples, each timed for both caches with lathe's kernel besides the engine's own launch."""
+    triples, each timed for both caches with lathe's kernel besides the engine's own launch; `min_splits`: the
+    engine's splits with each of these least split lengths (`paged_decode`'s `min_split`)."""
     import triton
     g = torch.Generator(device=device).manual_seed(0)
     per_row = math.ceil(ctx / page)
@@ -97,23 +101,31 @@ def case(label: str, rows: int, hq: int, hkv: int, ctx: int, dim: int, kernels: 
     (kq, ks), (vq, vs) = quantize(k), quantize(v)
     q = torch.randn(rows, hq, dim, device=device, dtype=torch.bfloat16, generator=g)
     lens = torch.full((rows,), ctx, device=device, dtype=torch.int32)
-    splits = triton_decode.choose_num_splits(rows, hkv, torch.cuda.get_device_properties(device).multi_processor_count)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    # the engine's splits for each cache (every FP8 arm, another kernel file's too, launched with the FP8 cache's)
+    splits = triton_decode.choose_num_splits(rows, hkv, sms, head_dim=dim)
+    splits8 = triton_decode.choose_num_splits(rows, hkv, sms, head_dim=dim, fp8=True)
     counters = torch.zeros(rows * hkv, dtype=torch.int32, device=device)
     kv_bytes = 2 * rows * ctx * hkv * dim * 2                       # bf16 K and V a call reads
     row = {"rows": rows, "query_heads": hq, "kv_heads": hkv, "head_dim": dim, "context": ctx, "num_splits": splits,
-           "kv_mb_bf16": kv_bytes / 1e6}
+           "num_splits_fp8": splits8, "kv_mb_bf16": kv_bytes / 1e6}
     arms = {"bf16": lambda: triton_decode.paged_decode(q, k, v, tables, lens, num_splits=splits, counters=counters)}
     for name, module in kernels.items():
-        arms[name] = (lambda m=module: m.paged_decode(q, kq, vq, tables, lens, num_splits=splits, counters=counters,
+        arms[name] = (lambda m=module: m.paged_decode(q, kq, vq, tables, lens, num_splits=splits8, counters=counters,
                                                      scales=(ks, vs)))
     for n, b, t in launches:
-        if (n, b, t) == (splits, 64, None):
-            continue
         tag = f"@s{n}b{b}" + ("" if t is None else f"t{t}")
-        arms["bf16" + tag] = (lambda n=n, b=b, t=t: triton_decode.paged_decode(
-            q, k, v, tables, lens, num_splits=n, block_n=b, num_stages=t, counters=counters))
-        arms["fp8" + tag] = (lambda n=n, b=b, t=t: triton_decode.paged_decode(
-            q, kq, vq, tables, lens, num_splits=n, block_n=b, num_stages=t, counters=counters, scales=(ks, vs)))
+        if (n, b, t) != (splits, 64, None):
+            arms["bf16" + tag] = (lambda n=n, b=b, t=t: triton_decode.paged_decode(
+                q, k, v, tables, lens, num_splits=n, block_n=b, num_stages=t, counters=counters))
+        if (n, b, t) != (splits8, 64, None):
+            arms["fp8" + tag] = (lambda n=n, b=b, t=t: triton_decode.paged_decode(
+                q, kq, vq, tables, lens, num_splits=n, block_n=b, num_stages=t, counters=counters, scales=(ks, vs)))
+    for least in min_splits:
+        arms[f"bf16@m{least}"] = (lambda least=least: triton_decode.paged_decode(
+            q, k, v, tables, lens, num_splits=splits, counters=counters, min_split=least))
+        arms[f"fp8@m{least}"] = (lambda least=least: triton_decode.paged_decode(
+            q, kq, vq, tables, lens, num_splits=splits8, counters=counters, scales=(ks, vs), min_split=least))
     ref = arms["bf16"]()
     errors = {name: rel(fn(), ref) for name, fn in arms.items()}
     times = {name: [] for name in arms}
@@ -142,6 +154,8 @@ def main() -> None:
     p.add_argument("--splits", type=parse_ints, default=None, help="split counts to time besides the engine's")
     p.add_argument("--block-n", type=parse_ints, default=None, help="tile widths to time with them (64)")
     p.add_argument("--stages", type=parse_ints, default=None, help="pipeline stages to time with them (the default)")
+    p.add_argument("--min-split", type=lambda t: parse_ints(t, least=0),
+                   default=[], help="least split lengths to time at the engine's splits (0: none), both caches")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every arm in turn; the median is reported")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -159,7 +173,9 @@ def main() -> None:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_sha": git_sha(), "torch": torch.__version__, "kernels": [str(k) for k in args.kernel],
               "rounds": args.rounds, "launches": [list(x) for x in launches],
-              "cases": {label: case(label, *shape, kernels, device, rounds=args.rounds, launches=launches)
+              "min_splits": args.min_split,
+              "cases": {label: case(label, *shape, kernels, device, rounds=args.rounds, launches=launches,
+                                    min_splits=tuple(args.min_split))
                         for label, *shape in (args.shape or CASES)}}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -52,3 +52,6 @@ def test_split_lists_parse_and_bad_ones_are_named():
     for bad in ("", "4,x", "0", "4,-1"):
         with pytest.raises(Exception, match="positive integers"):
             bench.parse_ints(bad)
+    assert bench.parse_ints("0,256", least=0) == [0, 256]
+    with pytest.raises(Exception, match="non-negative integers"):
+        bench.parse_ints("-1", least=0)

@@ -53,6 +53,43 @@ def test_split_merge_counters_are_shared_and_left_at_zero(kernel):
         kernel.paged_decode(q, kc, vc, tables, lens, num_splits=2, counters=torch.zeros(2, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("min_split", [16, 40, 1000])
+def test_a_least_split_length_uses_the_first_splits_and_merges_those(kernel, min_split):
+    """`min_split`: each split takes at least that many tokens, so short contexts fill only the first splits; the
+    rest write nothing and the merge reads the used ones: the reference's output, the counters left at zero over
+    several layers, with the step's new token (stored by the split that holds its position) and sinks."""
+    from lathe.engine.triton_store import rope_store_kv
+    g = torch.Generator().manual_seed(min_split)
+    page, batch, hq, hkv, dim, width = 4, 5, 8, 2, 16, 30
+    lens = torch.tensor([1, 15, 17, 64, 113], dtype=torch.int32)
+    blocks = batch * width + 2
+    tables = torch.randperm(blocks, generator=g)[:batch * width].view(batch, width).int()
+    counters = torch.zeros(batch * hkv, dtype=torch.int32)
+    sinks = torch.randn(hq, generator=g)
+    for layer in range(2):
+        kc, vc = (torch.randn(blocks, page, hkv, dim, generator=g) for _ in range(2))
+        q = torch.randn(batch, hq, dim, generator=g)
+        out = kernel.paged_decode(q, kc, vc, tables, lens, num_splits=4, block_n=8, counters=counters,
+                                  min_split=min_split, sinks=sinks)
+        assert_close_rel(out, decode_attention(q, kc, vc, tables.long(), lens.long(), sinks=sinks),
+                         name=f"layer {layer}")
+        assert counters.eq(0).all()
+    pos = lens.long() - 1
+    slots = tables.long().gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
+    k, v = (torch.randn(batch, hkv, dim, generator=g) for _ in range(2))
+    angles = torch.randn(batch, dim // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    q_rot = rope_store_kv(q, k, v, cos, sin, ref_k, ref_v, slots)
+    out = kernel.paged_decode(q, kc, vc, tables, lens, num_splits=4, block_n=8, counters=counters,
+                              min_split=min_split, new_kv=(k, v, cos, sin, slots))
+    assert torch.equal(vc, ref_v), "each row's new token stored once, by the split that holds its position"
+    assert_close_rel(out, decode_attention(q_rot, ref_k, ref_v, tables.long(), lens.long()), name="new token")
+    assert counters.eq(0).all()
+    with pytest.raises(ValueError, match="min_split"):
+        kernel.paged_decode(q, kc, vc, tables, lens, num_splits=4, counters=counters, min_split=-1)
+
+
 def test_engine_with_triton_decode_equals_torch_decode(kernel, tmp_path):
     """The whole engine (prefill single-token group and decode) on the kernel gives the reference's output."""
     from lathe.engine.llm_engine import LatheEngine
@@ -76,6 +113,13 @@ def test_num_splits_fill_the_device(kernel):
     assert kernel.choose_num_splits(256, 2, 132) == 1
     assert kernel.choose_num_splits(1, 2, 132) == 16
     assert kernel.choose_num_splits(8, 4, 132) == 9
+    # half a tile's bytes (an FP8 cache, head_dim 64): about four programs an SM, a full batch left whole
+    for narrow in ({"fp8": True}, {"head_dim": 64}):
+        assert kernel.choose_num_splits(32, 2, 132, **narrow) == 8
+        assert kernel.choose_num_splits(16, 2, 132, **narrow) == 16
+        assert kernel.choose_num_splits(256, 2, 132, **narrow) == 1
+        assert kernel.choose_num_splits(128, 2, 132, **narrow) == 2
+    assert kernel.choose_num_splits(32, 2, 132, head_dim=128) == 5
 
 
 def test_no_dependent_launch_on_the_cpu_or_under_the_interpreter(kernel, monkeypatch):
@@ -183,9 +227,9 @@ def _shared_tables(g, groups: list[int], width: int, shared: list[int], blocks: 
     return torch.tensor(rows, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("splits,prefix_splits", [(1, 1), (1, 2), (3, 2)])
+@pytest.mark.parametrize("splits,prefix_splits,min_split", [(1, 1, 0), (1, 2, 0), (3, 2, 0), (3, 2, 12)])
 @pytest.mark.parametrize("new_token", [False, True])
-def test_shared_prefix_launch_equals_the_reference(kernel, splits, prefix_splits, new_token):
+def test_shared_prefix_launch_equals_the_reference(kernel, splits, prefix_splits, min_split, new_token):
     """`prefix`: groups of rows attend over their shared blocks in one launch (each group's query heads one tile),
     each row over the rest in the main launch, which merges both (one split or several); rows outside any group and
     a group whose prefix ends inside a block take the plain path. With the step's new token (RoPE and store in the
@@ -206,7 +250,7 @@ def test_shared_prefix_launch_equals_the_reference(kernel, splits, prefix_splits
     if not new_token:
         q = torch.randn(batch, hq, dim, generator=g)
         out = kernel.paged_decode(q, kc, vc, tables, lens, num_splits=splits, block_n=8, counters=counters,
-                                  prefix=prefix, sinks=sinks)
+                                  prefix=prefix, sinks=sinks, min_split=min_split)
         ref = decode_attention(q, kc, vc, tables.long(), lens.long(), sinks=sinks)
     else:
         pos = lens.long() - 1
@@ -218,7 +262,7 @@ def test_shared_prefix_launch_equals_the_reference(kernel, splits, prefix_splits
         q_rot = rope_store_kv(q, k, v, cos, sin, ref_k, ref_v, slots)
         ref = decode_attention(q_rot, ref_k, ref_v, tables.long(), lens.long(), sinks=sinks)
         out = kernel.paged_decode(q, kc, vc, tables, lens, num_splits=splits, block_n=8, counters=counters,
-                                  prefix=prefix, sinks=sinks, new_kv=(k, v, cos, sin, slots))
+                                  prefix=prefix, sinks=sinks, new_kv=(k, v, cos, sin, slots), min_split=min_split)
         assert torch.equal(vc, ref_v)
     assert_close_rel(out, ref, name="shared-prefix decode")
     assert counters.eq(0).all()

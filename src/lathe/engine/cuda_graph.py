@@ -157,7 +157,9 @@ class DecodeGraphs:
             rope, positions = None, pos.clamp_min(0)
             if runner.vl:
                 positions = positions + inp[DELTA]      # an image prompt's tokens sit at index + delta
-        splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms)
+        cache = runner.kv_cache
+        splits = choose_num_splits(bucket, text_config(runner.model).num_key_value_heads, self.num_sms,
+                                   head_dim=cache.k[0].shape[-1], fp8=cache.quantized)
         attn = DecodeAttention(runner.kv_cache, slots, tables, lens, runner.decode_backend,
                                splits if runner.decode_backend == "triton" else 1,
                                split_k=decode_forms.step_split_k(runner.model, bucket), rope=rope, pdl=self.pdl,

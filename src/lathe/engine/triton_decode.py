@@ -47,6 +47,11 @@ except ImportError:          # CPU-only installs: the PyTorch reference path is 
     triton = None
 
 
+# the least tokens a context split takes (`paged_decode`'s `min_split`): with `choose_num_splits`'s wider splits for
+# narrow tiles, a context up to ~1.3k tokens in a bucket of 32 rows uses about the splits the old rule gave it
+SPLIT_MIN_TOKENS = 256
+
+
 def available() -> bool:
     return triton is not None
 
@@ -81,6 +86,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["stride_bt", "stride_kn", "stride_vn", "stride_cos"])   # vary: one compile
     def _decode_kernel(Q, K, V, KS, VS, BT, LENS, O, M, L, OUT, COUNT, KN, VN, COS, SIN, SLOTS, SINKS, PLEN, window,
+                       min_split,
                        stride_qb, stride_qh, stride_kblock, stride_ktok, stride_kh, stride_bt,
                        stride_ob, stride_os, stride_oh, stride_mb, stride_ms, stride_outb, stride_outh,
                        stride_kn, stride_knh, stride_vn, stride_vnh, stride_cos, stride_sblock, stride_stok,
@@ -98,6 +104,9 @@ if triton is not None:
             first = tl.maximum(first, plen)
             pre_ok = (tl.arange(0, GROUP_PAD) < GROUP) & (tl.arange(0, GROUP_PAD) * 0 + plen > 0)
         per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        if NUM_SPLITS > 1:      # at least `min_split` tokens a split: a short context uses the first `used` splits
+            per_split = tl.maximum(per_split, tl.maximum(min_split, BLOCK_N))
+        used = tl.maximum(tl.cdiv(ctx - first, per_split), 1) if NUM_SPLITS > 1 else 1
         start = first + s * per_split
         end = tl.minimum(start + per_split, ctx)
 
@@ -215,22 +224,25 @@ if triton is not None:
                          out.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
             else:
                 tl.store(o_ptr, out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-        else:
+        elif s < used:      # a split past the context's `used` ones read nothing: it writes nothing, nor counts
             tl.store(o_ptr, acc, mask=g_ok[:, None] & d_ok[None, :])
             ml = b * stride_mb + s * stride_ms + h * GROUP + g
             tl.store(M + ml, m_i, mask=g_ok)
             tl.store(L + ml, l_i, mask=g_ok)
-            # The split that finishes last for this (sequence, KV head) merges all splits, in split order
-            # (deterministic); the counter goes back to zero for the next layer or graph replay.
+            # The split that finishes last of the used ones for this (sequence, KV head) merges them, in split order
+            # (deterministic), then the prefix kernel's partials; the counter goes back to zero for the next layer or
+            # graph replay.
             tl.debug_barrier()
             done = tl.atomic_add(COUNT + b * tl.num_programs(1) + h, 1, sem="acq_rel")
-            if done == NUM_SPLITS - 1:
+            if done == used - 1:
                 m_row = M + b * stride_mb + h * GROUP + g
                 m_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-                for t in tl.static_range(NUM_SPLITS + PREFIX_SPLITS):
-                    t_ok = g_ok if t < NUM_SPLITS else pre_ok
-                    m_max = tl.maximum(m_max, tl.load(m_row + t * stride_ms, mask=t_ok, other=float("-inf"),
+                for t in range(used):
+                    m_max = tl.maximum(m_max, tl.load(m_row + t * stride_ms, mask=g_ok, other=float("-inf"),
                                                       cache_modifier=".cg"))
+                for t in tl.static_range(PREFIX_SPLITS):
+                    m_max = tl.maximum(m_max, tl.load(m_row + (NUM_SPLITS + t) * stride_ms, mask=pre_ok,
+                                                      other=float("-inf"), cache_modifier=".cg"))
                 if HAS_SINKS:
                     m_max = tl.maximum(m_max, sink)
                 m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
@@ -239,13 +251,19 @@ if triton is not None:
                 if HAS_SINKS:
                     den += tl.exp(sink - m_max)
                 o_row = O + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
-                for t in tl.static_range(NUM_SPLITS + PREFIX_SPLITS):
-                    t_ok = g_ok if t < NUM_SPLITS else pre_ok
-                    w = tl.exp(tl.load(m_row + t * stride_ms, mask=t_ok, other=float("-inf"),
+                l_row = L + b * stride_mb + h * GROUP + g
+                for t in range(used):
+                    w = tl.exp(tl.load(m_row + t * stride_ms, mask=g_ok, other=float("-inf"),
                                        cache_modifier=".cg") - m_max)
-                    den += w * tl.load(L + b * stride_mb + t * stride_ms + h * GROUP + g, mask=t_ok, other=0.0,
-                                       cache_modifier=".cg")
-                    num += w[:, None] * tl.load(o_row + t * stride_os, mask=t_ok[:, None] & d_ok[None, :],
+                    den += w * tl.load(l_row + t * stride_ms, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    num += w[:, None] * tl.load(o_row + t * stride_os, mask=g_ok[:, None] & d_ok[None, :],
+                                                other=0.0, cache_modifier=".cg")
+                for t in tl.static_range(PREFIX_SPLITS):
+                    pre_at = NUM_SPLITS + t
+                    w = tl.exp(tl.load(m_row + pre_at * stride_ms, mask=pre_ok, other=float("-inf"),
+                                       cache_modifier=".cg") - m_max)
+                    den += w * tl.load(l_row + pre_at * stride_ms, mask=pre_ok, other=0.0, cache_modifier=".cg")
+                    num += w[:, None] * tl.load(o_row + pre_at * stride_os, mask=pre_ok[:, None] & d_ok[None, :],
                                                 other=0.0, cache_modifier=".cg")
                 out = num / tl.maximum(den, 1.1754943508222875e-38)[:, None]
                 out_ptr = OUT + b * stride_outb + (h * GROUP + g)[:, None] * stride_outh + d[None, :]
@@ -372,7 +390,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  counters: torch.Tensor | None = None, new_kv: tuple | None = None, pdl: bool = False,
                  sinks: torch.Tensor | None = None, window: int | None = None,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 prefix: SharedPrefix | None = None) -> torch.Tensor:
+                 prefix: SharedPrefix | None = None, min_split: int | None = None) -> torch.Tensor:
     """q (B, Hq, D); k/v_cache (num_blocks, block_size, Hkv, D), any strides with the last dimension contiguous (a
     head-major cache passes as a permuted view); k and v strided alike; block_tables (B, max_blocks) int32/int64;
     context_lens (B,) >= 1. Returns (B, Hq, D) in q's dtype. Same contract as the PyTorch reference.
@@ -398,9 +416,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     `prefix` (`SharedPrefix`, from `shared_prefixes`): groups of consecutive rows whose block tables agree over a
     prefix (the `n` samples of a prompt): a first launch attends each group's query heads over its prefix together,
     reading each K/V tile once for the group, and this kernel attends each row over the rest and merges. Ignored with a
-    sliding `window` or an FP8 cache."""
+    sliding `window` or an FP8 cache.
+
+    `min_split` (`SPLIT_MIN_TOKENS` when None): with several splits, each split takes at least this many tokens of
+    the context (and at least one tile), so a short context uses only the first splits it fills; the others write
+    nothing and the merge reads only the used ones. The launch stays the same for every context (graph-safe)."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; install triton or use the 'torch' decode backend")
+    min_split = SPLIT_MIN_TOKENS if min_split is None else min_split
+    if min_split < 0:
+        raise ValueError(f"paged_decode: min_split must be >= 0 tokens, got {min_split}")
     if num_stages is None:      # an FP8 cache: 2 stages keep 4 programs an SM (module doc)
         num_stages = 3 if scales is None else 2
     B, hq, dim = q.shape
@@ -461,6 +486,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _decode_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, ks, vs, block_tables, context_lens, o, m, l, out, count, kn, vn, cos, sin, slots,
         q if sinks is None else sinks, context_lens if prefix is None else prefix.lens, window or (1 << 30),
+        min_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2), *sm, out.stride(0), out.stride(1), *nb,
         ks.stride(0) if scales is not None else 0, ks.stride(1) if scales is not None else 0, scale,
@@ -480,7 +506,16 @@ def pdl_available(device: torch.device) -> bool:
             and (nvidia_capability(device) or (0,))[0] >= 9)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """Enough programs to fill the GPU about twice: split the context only when the batch is small."""
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16, *, head_dim: int = 128,
+                      fp8: bool = False) -> int:
+    """Splits of each row's context so that enough programs keep the SMs reading; only a small batch is split.
+    A program reads tiles of 64 tokens x head_dim values of K and V: at head_dim 128 in bf16, programs for about
+    twice the SMs do (rounded up); a tile of half the bytes (head_dim 64 or less, or an FP8 cache, whose kernel is
+    also slower a tile) wants about four an SM, the most that fit at once, rounded to the nearest count, so a batch
+    that fills the SMs on its own stays whole. On an H200, 32 rows of 8448 tokens: 1.5B's heads over an FP8 cache
+    5 -> 8 splits, 0.5B's (head_dim 64) over bf16 5 -> 8 (`bench/kv_fp8_decode.py --splits`,
+    `kv_decode_splits*_ab_nvidia-h200.json`)."""
     programs = batch * num_kv_heads
+    if fp8 or head_dim <= 64:
+        return max(1, min(max_splits, round(4 * num_sms / programs)))
     return max(1, min(max_splits, (2 * num_sms + programs - 1) // programs))

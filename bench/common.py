@@ -548,6 +548,9 @@ def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float |
     # the rollout/trainer log-prob gap and rollout correction's statistics (FP8 rollout or training: issue 48)
     row["consistency"] = {k: med(k) for k in sorted({k for s in timed for k in s
                                                      if k.startswith(("training/rollout_probs_diff", "rollout_corr/"))})}
+    # the KL loss step by step (a quantised reference: step 1's, where actor = reference, is the quantisation's gap)
+    if any("actor/kl_loss" in s for s in steps):
+        row["consistency"]["kl_loss_all"] = [s.get("actor/kl_loss") for s in steps]
     wake, gb = row["phases_s"].get("rollout_wake_up"), row["rollout"].get("kv_cache_gb")
     if wake is not None and gb:
         row["rollout"]["wake_up_ms_per_gb"] = 1000 * wake / gb

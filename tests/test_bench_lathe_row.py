@@ -29,12 +29,36 @@ print(json.dumps([with_energy, without]))
 """
 
 
-def test_medians_energy_and_power_by_phase():
-    done = subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "bench")], capture_output=True, text=True,
+def rows_of(child: str) -> list:
+    """The rows a child script prints last, as JSON."""
+    done = subprocess.run([sys.executable, "-c", child, str(ROOT / "bench")], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    row, without = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_medians_energy_and_power_by_phase():
+    row, without = rows_of(CHILD)
     assert row["step_s"] == pytest.approx(6.1) and row["phases_s"]["gen"] == pytest.approx(6.1 / 3)
     assert row["power_w_by_phase"] == {"step": 690} and row["power_limit_w"] == 700.0
     assert row["energy_j_by_phase"]["step"] == pytest.approx(6.1 * 680)   # the median of each metric
     assert not {"power_w_by_phase", "energy_j_by_phase", "power_limit_w"} & set(without)
+
+
+KL_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import common
+
+steps = [{"timing_s/step": 6.0, "actor/kl_loss": k} for k in (0.04, 0.041, 0.039)]
+with_kl = common.lathe_row(steps, warmup=1, flops=0.0, peak_tflops=None)
+without = common.lathe_row([{"timing_s/step": 6.0}] * 3, warmup=1, flops=0.0, peak_tflops=None)
+print(json.dumps([with_kl, without]))
+"""
+
+
+def test_the_kl_loss_is_kept_step_by_step_warm_up_included():
+    """A quantised reference's gap is step 1's KL (actor = reference there), which the medians leave out."""
+    with_kl, without = rows_of(KL_CHILD)
+    assert with_kl["consistency"]["kl_loss_all"] == [0.04, 0.041, 0.039]
+    assert "kl_loss_all" not in without["consistency"]

@@ -184,7 +184,7 @@ def test_checkpoint_engine_bucket_size_is_the_same_setting():
     ("disaggregation.enabled=true", "prefill-decode disaggregation"),
     ("logprobs_mode=raw_logits", "raw log-probs or logits"),
     ("nnodes=1", "top-level rollout.nnodes"),
-    ("agent.agent_loop_config_path=loops.yaml", "custom agent loop"),
+    ("agent.custom_async_server.path=server.py", "custom_async_server"),
 ])
 def test_features_lathe_lacks_are_refused_naming_them(override, feature):
     with pytest.raises(ConfigError, match=re.escape(feature)):

@@ -158,11 +158,24 @@ def test_presets_and_their_printed_config_load_without_warnings(name, tmp_path):
         load_config(str(path))
 
 
-def test_agent_loop_workers_warn_and_custom_agent_loops_fail():
+def test_agent_loop_workers_warn_and_custom_agent_loops_are_checked(tmp_path):
+    """Custom agent loops act (lathe.rollout.agent.custom); a missing file, a loop no file lists, and what they do
+    not run with yet are refused naming the key."""
+    a = "actor_rollout_ref.rollout.agent"
     with pytest.warns(IgnoredKeysWarning, match="agent-loop workers"):
-        load_config("base", GRPO + ["actor_rollout_ref.rollout.agent.num_workers=8"])
-    text = refused("actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml")
-    assert "agent_loop_config_path" in text and "not implemented yet" in text and "Fix:" in text
+        load_config("base", GRPO + [f"{a}.num_workers=8"])
+    text = refused(f"{a}.agent_loop_config_path={tmp_path / 'loops.yaml'}")
+    assert "agent_loop_config_path" in text and "no such file" in text and "Fix:" in text
+    text = refused(f"{a}.default_agent_loop=my_agent")
+    assert "names a custom agent loop, but no" in text and "agent_loop_config_path" in text
+    (tmp_path / "loops.yaml").write_text("- name: my_agent\n  _target_: pkg.MyAgent\n")
+    path = f"{a}.agent_loop_config_path={tmp_path / 'loops.yaml'}"
+    cfg = load_config("base", GRPO + [path, f"{a}.default_agent_loop=my_agent"])
+    assert cfg.actor_rollout_ref.rollout.agent["default_agent_loop"] == "my_agent"
+    for extra, what in ((["actor_rollout_ref.actor.use_prefix_grouper=true"], "use_prefix_grouper"),
+                        ([f"{a}.default_agent_loop=tool_agent"], "tool loop")):
+        text = refused(path, *extra)
+        assert what in text and "Fix:" in text
 
 
 def test_keys_with_no_effect_warn_once_together():

@@ -344,3 +344,17 @@ def test_check_columns_asks_for_the_reward_fn_key_column(tmp_path):
                                         r"'extra_info', 'prompt', 'reward_model'\]\). Fix: data.reward_fn_key='task'"):
         check_columns(peek(path), "prompt", "data.train_files", reward_fn_key="task")
     check_columns(peek(path), "prompt", "data.train_files", reward_fn_key="ability")
+
+
+def test_an_agent_name_column_names_each_rows_agent_loop(tok, tmp_path):
+    """verl's `agent_name` column (the custom agent loop of a row; null: the default loop) reaches the prompt batch;
+    a value that is not a name is refused naming the row."""
+    from lathe.loop.setup import prompt_batch
+    rows = [dict(make_row(i), agent_name=[None, "math_agent"][i % 2]) for i in range(4)]
+    ds = RLDataset(write_jsonl(tmp_path / "a.jsonl", rows), tok)
+    assert [ds[i].get("agent_name") for i in range(4)] == [None, "math_agent", None, "math_agent"]
+    assert list(prompt_batch([ds[i] for i in range(4)], step=1)["agent_name"]) == [None, "math_agent"] * 2
+    assert "agent_name" not in prompt_batch([ds[0], ds[2]], step=1)
+    rows[2]["agent_name"] = 3
+    with pytest.raises(DataError, match=r"line 3: field 'agent_name': expected a loop's name, got 3"):
+        RLDataset(write_jsonl(tmp_path / "b.jsonl", rows), tok)

@@ -54,3 +54,34 @@ def test_the_scorer_gets_the_reward_fn_key_column_as_data_source():
     assert "reward_source" not in plain
     compute_reward(plain.update(Batch(tensors)), tok, rec)
     assert rec.sources == ["gsm8k", "gsm8k"]
+
+
+def test_a_custom_loops_scores_stand_and_only_the_other_samples_are_scored():
+    """`agent_reward_score` (a custom agent loop's AgentLoopOutput.reward_score, None where it gave none): those
+    samples keep their score and skip the reward function; the others are scored; a reward model's scores yield to
+    them as well."""
+    from lathe.data.builtin import builtin_tokenizer
+    from lathe.loop.setup import prompt_batch
+    from lathe.loop.steps import compute_reward
+    from lathe.reward import ScoreResult
+    from lathe.rollout.agent import AGENT_SCORE
+
+    class Recorder:
+        def score(self, items):
+            self.indices = [item["extra_info"]["i"] for item in items]
+            return [ScoreResult(10.0 + item["extra_info"]["i"]) for item in items]
+
+        def metrics(self):
+            return {}
+
+    rows = [{"prompt_ids": [1], "raw_prompt": [], "data_source": "d", "ground_truth": "1", "extra_info": {"i": i},
+             "index": i} for i in range(3)]
+    tensors = {"responses": torch.ones(3, 3, dtype=torch.long), "attention_mask": torch.ones(3, 4, dtype=torch.long),
+               "response_mask": torch.ones(3, 3, dtype=torch.long)}
+    batch = prompt_batch(rows, step=1).update(Batch(tensors))
+    batch[AGENT_SCORE] = [0.5, None, -1.0]
+    rec = Recorder()
+    out, _ = compute_reward(batch, builtin_tokenizer(), rec)
+    assert rec.indices == [1] and out["seq_scores"].tolist() == [0.5, 11.0, -1.0]
+    out, _ = compute_reward(batch, builtin_tokenizer(), rec, rm_scores=torch.tensor([3.0, 4.0, 5.0]))
+    assert out["seq_scores"].tolist() == [0.5, 4.0, -1.0]

@@ -93,6 +93,8 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     # where the reward scores before the step goes on anyway: a rollout pool, or DAPO's dynamic sampling
     "a rollout pool or filter_groups": lambda cfg: is_async(cfg) or cfg.algorithm.filter_groups.enable,
     "single-turn": lambda cfg: not cfg.actor_rollout_ref.rollout.multi_turn.enable,
+    # no custom agent loops (rollout.agent.agent_loop_config_path unset; with them `rules_agent` judges the group)
+    "no custom agent loops": lambda cfg: not (cfg.actor_rollout_ref.rollout.agent or {}).get("agent_loop_config_path"),
     "no reward model": lambda cfg: not cfg.reward_model.enable,             # reward_model.enable=false
     # the reward model has no pool of its own: none, or colocated (reward_model.enable_resource_pool=false)
     "no reward pool": lambda cfg: not (cfg.reward_model.enable and cfg.reward_model.enable_resource_pool),

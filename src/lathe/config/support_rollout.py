@@ -25,22 +25,34 @@ POOL = ("set the top-level rollout.nnodes and rollout.n_gpus_per_node (lathe's r
 
 
 def _agent(value, cfg) -> tuple[str, str] | None:
-    """verl's agent loop settings: its worker count and its tool loop have no effect (lathe's rollout is single-turn,
-    or multi-turn with multi_turn.enable; single_turn_agent is lathe's behaviour); a custom loop, manager or server
-    is refused."""
-    custom = {k: v for k, v in (value or {}).items() if k not in ("num_workers", "default_agent_loop")
-              and v not in (None, {}, {"path": None, "name": None})}
-    loop = (value or {}).get("default_agent_loop", "single_turn_agent")
+    """verl's agent loop settings without custom loops (with them, `agent_loop_config_path` set, `rules_agent` judges
+    the group): its worker count and its tool loop have no effect (lathe's rollout is single-turn, or multi-turn
+    with multi_turn.enable; single_turn_agent is lathe's behaviour); a custom loop no file lists, a custom manager
+    or server is refused."""
+    value = value or {}
+    loop = value.get("default_agent_loop", "single_turn_agent")
+    refused = unsupported_agent_keys(value)
+    if refused:
+        return "refuse", refused
     if loop not in ("single_turn_agent", "tool_agent"):
-        custom["default_agent_loop"] = loop
-    if custom:
-        return "refuse", (f"`{R}.agent`: {show(custom)}: a custom agent loop (verl's AgentLoop classes) is not "
-                          f"implemented yet in lathe. Fix: remove it; lathe generates single-turn, or multi-turn with "
-                          f"tools with {R}.multi_turn.enable=true.")
-    if "num_workers" not in (value or {}) and loop == "single_turn_agent":
+        return "refuse", (f"`{R}.agent.default_agent_loop`={loop!r} names a custom agent loop, but no "
+                          f"{R}.agent.agent_loop_config_path lists it. Fix: set agent_loop_config_path to the YAML "
+                          f"file of your loops (- name: {loop} / _target_: your_pkg.module.YourAgentLoop).")
+    if "num_workers" not in value and loop == "single_turn_agent":
         return None
     return "warn", (f"`{R}.agent`={show(value)} has no effect in lathe: lathe's engine needs no agent-loop workers, "
                     f"and it runs single-turn or tool loops by {R}.multi_turn.enable.")
+
+
+def unsupported_agent_keys(value: dict) -> str | None:
+    """The refusal of `rollout.agent` keys lathe does not implement (a custom async server...), or None."""
+    custom = {k: v for k, v in value.items() if k not in ("num_workers", "default_agent_loop",
+                                                          "agent_loop_config_path")
+              and v not in (None, {}, {"path": None, "name": None})}
+    if not custom:
+        return None
+    return (f"`{R}.agent`: {show(custom)} is not implemented yet in lathe (lathe's engine serves the agent loops "
+            f"itself). Fix: remove it.")
 
 
 def _pool_keys() -> list[Entry]:
@@ -137,7 +149,10 @@ def _lacking() -> list[Entry]:
             for k in ("prefill_replicas", "decode_replicas", "decode_tensor_model_parallel_size",
                       "transfer_backend", "bootstrap_port", "ib_device")]
     out += [warn(f"{R}.multi_turn.num_repeat_rollouts", f"responses per prompt are {R}.n"),
-            replace(refuse(f"{R}.agent", "verl's custom agent loops", f"remove {R}.agent"), judge=_agent),
+            only_on("no custom agent loops", replace(refuse(
+                f"{R}.agent", "a custom async server (agent.custom_async_server) or agent-loop manager (custom agent "
+                "loops act: agent_loop_config_path, default_agent_loop, a row's agent_name; agent.num_workers has no "
+                "effect)", "remove it"), judge=_agent)),
             warn(f"{R}.checkpoint_engine.engine_kwargs", "they are arguments of verl's checkpoint-engine backends; "
                  "lathe's weight sync takes none", no_entries),
             refuse(f"{R}.checkpoint_engine.custom_backend_module", "a checkpoint-engine backend of its own",

@@ -317,6 +317,12 @@ class RLDataset:
                                 "ground_truth": gt, "extra_info": extra, "index": len(records)})
                 if self.reward_fn_key != "data_source":
                     records[-1][REWARD_SOURCE] = _reward_source(row, self.reward_fn_key, src, where)
+                if row.get("agent_name") is not None:        # verl: the custom agent loop that runs the row
+                    if not isinstance(row["agent_name"], str) or not row["agent_name"]:
+                        raise _fail(src, where, "agent_name", f"expected a loop's name, got {row['agent_name']!r}",
+                                    "give the name of an agent loop (rollout.agent.agent_loop_config_path's), or "
+                                    "leave it null for rollout.agent.default_agent_loop")
+                    records[-1]["agent_name"] = row["agent_name"]
                 images = row.get(self.image_key)
                 if images is not None and (not isinstance(images, (list, tuple)) or len(images)):
                     records[-1].update(self._image_fields(images, src, where))

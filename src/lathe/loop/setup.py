@@ -588,6 +588,8 @@ def prompt_batch(rows: list[dict], step: int, round_: int = 0) -> Batch:
     keys += (REWARD_SOURCE,) if rows and REWARD_SOURCE in rows[0] else ()      # data.reward_fn_key's column
     nt = {k: [r[k] for r in rows] for k in keys}
     nt["uid"] = [f"{step}:{round_}:{i}" for i in range(len(rows))]
+    if any("agent_name" in r for r in rows):                                   # a row's custom agent loop
+        nt["agent_name"] = [r.get("agent_name") for r in rows]
     nt.update(multimodal_non_tensors(rows))
     return Batch(non_tensors=nt)
 

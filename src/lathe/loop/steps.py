@@ -14,6 +14,7 @@ from lathe.batch import Batch
 from lathe.data.dataset import REWARD_SOURCE
 from lathe.generation.stop import decode_texts
 from lathe.reward import ScoreResult
+from lathe.rollout.agent import AGENT_SCORE
 from lathe.reward.judge import combine_scores
 from lathe.seeding import derive_seed
 
@@ -54,17 +55,21 @@ def compute_reward(batch: Batch, tokenizer, reward_manager, *, overlong=None, ma
     texts = decode_responses(batch, tokenizer)
     mode, weight = combine or ("judge", 1.0)
     metrics: dict[str, float] = {}
+    # a custom agent loop's own scores (its AgentLoopOutput.reward_score): those samples skip the reward function
+    given = list(batch[AGENT_SCORE]) if AGENT_SCORE in batch else [None] * len(texts)
     if rm_scores is None or mode != "judge":
         sources = batch[REWARD_SOURCE] if REWARD_SOURCE in batch else batch["data_source"]   # data.reward_fn_key
         items = [{"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": extra}
                  for ds, text, gt, extra in zip(sources, texts, batch["ground_truth"], batch["extra_info"])]
-        results = reward_manager.score(items)
+        todo = [i for i, x in enumerate(given) if x is None]
+        scored = iter(reward_manager.score([items[i] for i in todo]) if todo else [])
+        results = [ScoreResult(float(x)) if x is not None else next(scored) for x in given]
         metrics.update(reward_manager.metrics())
         if rm_scores is not None:
             joined = combine_scores([r.score for r in results], rm_scores.tolist(), mode, weight)
             results = [replace(r, score=float(x)) for r, x in zip(results, joined)]
     else:
-        results = [ScoreResult(float(x)) for x in rm_scores.tolist()]
+        results = [ScoreResult(float(x if g is None else g)) for x, g in zip(rm_scores.tolist(), given)]
     mask = batch["response_mask"]
     scores = torch.tensor([r.score for r in results], dtype=torch.float32)
     shaped = scores

@@ -36,7 +36,8 @@ def to_batch(prompt_token_ids: list[list[int]], out: RolloutOutput, pad_id: int,
     `attention_mask` covers every response token either way.
     """
     loss_masks = getattr(out, "loss_masks", None) or None
-    prompts = [p for p in prompt_token_ids for _ in range(n)]
+    # (a custom agent loop's output carries each sample's own prompt)
+    prompts = getattr(out, "prompt_ids", None) or [p for p in prompt_token_ids for _ in range(n)]
     if len(prompts) != len(out.token_ids):
         raise ValueError(f"rollout returned {len(out.token_ids)} samples for {len(prompts)} (prompts x n)")
     for name, per_token in (("logprobs", out.logprobs), ("loss_masks", loss_masks)):

@@ -141,13 +141,13 @@ class Rollout:
             if self.replica is not None:    # (a follower returns None, having followed the leader's loop; a leader
                 # with no prompts, a replica of data-parallel attention, serves the others' steps)
                 out = self.replica.run(lambda: self.agent.serve_replicas() if not prompt_ids else self.agent.generate(
-                    prompt_ids, params, first_index=first_index, **agent_kwargs(prompts), **images))
+                    prompt_ids, params, first_index=first_index, **agent_kwargs(prompts, self.agent), **images))
             elif not prompt_ids:    # an idle replica: its experts serve the other replicas' steps, its KV cache awake
                 out = None          # so that every replica replays decode graphs (an asleep one makes all eager)
                 self.agent.serve_replicas() if self.agent is not None else self.backend.generate([], params)
             elif self.agent is not None:
-                out = self.agent.generate(prompt_ids, params, first_index=first_index, **agent_kwargs(prompts),
-                                          **images)
+                out = self.agent.generate(prompt_ids, params, first_index=first_index,
+                                          **agent_kwargs(prompts, self.agent), **images)
             else:
                 out = self.backend.generate(prompt_ids, params, first_index=first_index, **images)
         finally:
@@ -160,6 +160,8 @@ class Rollout:
         batch = prompts.repeat(params.n, interleave=True).update(gen)
         if self.agent is not None:
             batch.update(agent_columns(out, batch["extra_info"]))
+            if getattr(out, "prompt_ids", None):        # a custom agent loop's prompts (`to_batch` took them)
+                batch["prompt_ids"] = [list(p) for p in out.prompt_ids]
         batch.meta["rollout_metrics"] = {**out.metrics, **timings}   # the engine's own (preemptions, cache, graphs)
         return batch
 

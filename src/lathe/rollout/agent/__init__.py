@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from lathe.batch import Batch
 
+AGENT_SCORE = "agent_reward_score"      # a batch column: a custom agent loop's score of its sample (None: none)
+
 
 def tool_config_path(cfg) -> str | None:
     """The run's tool file: `rollout.multi_turn.tool_config_path`, else verl's `data.tool_config_path`."""
@@ -47,7 +49,12 @@ def combined_tools(path, functions, *, function_key: str | None = None):
 
 
 def build_agent_loop(cfg, engine, tokenizer):
-    """An `AgentLoop` over `engine` with the run's tools, simulated users, parser and `multi_turn` settings."""
+    """An `AgentLoop` over `engine` with the run's tools, simulated users, parser and `multi_turn` settings; the
+    run's custom agent loops (`custom.CustomAgentLoops`) when `rollout.agent.agent_loop_config_path` is set."""
+    from lathe.rollout.agent.custom import build_custom_loops, custom_loops_configured
+    if custom_loops_configured(cfg):
+        tools = load_run_tools(cfg)
+        return build_custom_loops(cfg, engine, tokenizer, tools=list(tools.tools.values()) if tools else None)
     from lathe.rollout.agent.loop import AgentLoop, AgentSettings
     from lathe.rollout.agent.parser import get_parser
     mt = cfg.actor_rollout_ref.rollout.multi_turn
@@ -60,22 +67,37 @@ def build_agent_loop(cfg, engine, tokenizer):
                      interactions=interactions)
 
 
-def agent_kwargs(prompts: Batch) -> dict:
+ROW_FIELDS = ("raw_prompt", "data_source", "ability", "extra_info", "index", "uid", "agent_name")
+
+
+def agent_kwargs(prompts: Batch, agent=None) -> dict:
     """What `AgentLoop.generate` reads of the prompt rows besides their tokens: each row's tools' `create_kwargs`
     (verl's `extra_info["tools_kwargs"]`), its simulated user's (`extra_info["interaction_kwargs"]`) and its chat
-    messages (`raw_prompt`)."""
+    messages (`raw_prompt`). For custom agent loops (an `agent` with `takes_rows`) also `rows`: each row's fields
+    as verl's loops get them (`reward_model` holding the ground truth, `tools_kwargs`, `interaction_kwargs`)."""
     extra = prompts["extra_info"]
-    return {"tools_kwargs": [(x or {}).get("tools_kwargs") for x in extra],
-            "interaction_kwargs": [(x or {}).get("interaction_kwargs") for x in extra],
-            "messages": list(prompts["raw_prompt"])}
+    out = {"tools_kwargs": [(x or {}).get("tools_kwargs") for x in extra],
+           "interaction_kwargs": [(x or {}).get("interaction_kwargs") for x in extra],
+           "messages": list(prompts["raw_prompt"])}
+    if getattr(agent, "takes_rows", False):
+        columns = {k: list(prompts[k]) for k in ROW_FIELDS if k in prompts}
+        out["rows"] = [{**{k: v[i] for k, v in columns.items()},
+                        "reward_model": {"ground_truth": prompts["ground_truth"][i], "style": "rule"},
+                        "tools_kwargs": out["tools_kwargs"][i] or {},
+                        "interaction_kwargs": out["interaction_kwargs"][i] or {}} for i in range(len(extra))]
+    return out
 
 
 def agent_columns(out, extra_info: list) -> Batch:
     """Per-sample columns of a multi-turn rollout: verl's `num_turns`, tool calls/errors/seconds, and each sample's
     `extra_info` gaining `num_turns`, `tool_rewards` (each tool's `calc_reward`) and `turn_scores` (the simulated
     user's score of each turn) for the reward function."""
-    extra = [{**(x or {}), "num_turns": n, "tool_rewards": dict(r), "turn_scores": list(s)}
-             for x, n, r, s in zip(extra_info, out.num_turns, out.tool_rewards, out.turn_scores)]
-    return Batch(non_tensors={"num_turns": list(out.num_turns), "tool_calls": list(out.tool_calls),
-                              "tool_errors": list(out.tool_errors), "tool_seconds": list(out.tool_seconds),
-                              "extra_info": extra})
+    fields = getattr(out, "extra_fields", None) or [{} for _ in out.num_turns]     # (a custom loop's own)
+    extra = [{**(x or {}), **f, "num_turns": n, "tool_rewards": dict(r), "turn_scores": list(s)}
+             for x, f, n, r, s in zip(extra_info, fields, out.num_turns, out.tool_rewards, out.turn_scores)]
+    columns = {"num_turns": list(out.num_turns), "tool_calls": list(out.tool_calls),
+               "tool_errors": list(out.tool_errors), "tool_seconds": list(out.tool_seconds), "extra_info": extra}
+    scores = getattr(out, "reward_scores", None)
+    if scores and any(x is not None for x in scores):      # a custom loop's own scores (`compute_reward` takes them)
+        columns[AGENT_SCORE] = list(scores)
+    return Batch(non_tensors=columns)

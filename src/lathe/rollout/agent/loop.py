@@ -80,6 +80,11 @@ class AgentOutput(RolloutOutput):
     tool_seconds: list[float] = field(default_factory=list)
     turn_scores: list[list[float]] = field(default_factory=list)   # the simulated user's score of each turn
     tool_rewards: list[dict] = field(default_factory=list)      # each tool's calc_reward, by name
+    # custom agent loops (`lathe.rollout.agent.custom`): per sample, the prompt its loop generated from (empty: the
+    # data set's), its own score (None: the reward function's) and its extra fields (into the row's extra_info)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    reward_scores: list[float | None] = field(default_factory=list)
+    extra_fields: list[dict] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -1,0 +1,651 @@
+"""verl's custom agent loops on lathe's engine: `actor_rollout_ref.rollout.agent.agent_loop_config_path`.
+
+A verl user writes an agent loop as a class with one coroutine, `run(sampling_params, **row) -> AgentLoopOutput`,
+that calls the model through `self.server_manager.generate(request_id, prompt_ids=..., sampling_params=...)` (token
+ids in, `TokenOutput` out) and does whatever else between calls (tools, environments, a LangGraph graph). The YAML
+file at `agent_loop_config_path` lists them:
+
+    - name: math_expression
+      _target_: my_pkg.agents.MathExpressionAgentLoop     # imported from the working directory, as verl does
+      max_terms: 6                                          # the rest: keyword arguments of the constructor
+
+and a row's `agent_name` column picks one (`agent.default_agent_loop` for rows without it; `single_turn_agent` is
+built in). Here every sample's loop runs as a coroutine in one asyncio event loop on the rollout's thread, and the
+same thread steps the engine between the coroutines' turns: each `generate` call is one request streamed into the
+engine (`LatheEngine.add_request`, continuous batching beside every other sample's), answered when it finishes.
+
+    run() ... await server_manager.generate(...) ──> engine.add_request ──> engine.step() ... ──> pop_finished
+      <── TokenOutput(token_ids, log_probs) ───────────────────────────────────────────────────────┘
+
+The loops import from here what they imported from verl (one line changes: `from verl.experimental.agent_loop
+import AgentLoopBase, AgentLoopOutput, register` becomes `from lathe.rollout.agent.custom import ...`; a module that
+imports verl's is told so). Seeding: the k-th `generate` call of sample i draws as the agent loop's k-th turn of
+sample i (`lathe.rollout.agent.loop`), so `single_turn_agent` samples exactly what single-turn generation samples and
+a resumed run samples again what it sampled. What a loop returns is checked (lengths, the response budget) and, when
+it leaves out `response_logprobs`, they are taken from its `generate` calls where its model tokens are those calls'
+tokens in order (else the run stops and says to return them).
+
+Not implemented (refused where configured, or stopped when a loop asks for it): images, video and audio
+(`image_data`, `multi_modal_data`), routing replay (`routed_experts`), fully-async rollouts, a rollout engine over
+several devices (tensor parallelism, data-parallel attention), `agent.custom_async_server`, and rows naming verl's
+`tool_agent` beside custom loops (lathe's tool loop, `multi_turn.enable`, runs only when no custom loop is set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from lathe.engine.llm_engine import sequence_seed
+from lathe.generation import RolloutOutput, SamplingParams
+from lathe.rollout.agent.loop import AgentOutput
+
+KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+BUILTIN = "single_turn_agent"
+VERL_IMPORT_FIX = ("import them from lathe instead: from lathe.rollout.agent.custom import AgentLoopBase, "
+                   "AgentLoopOutput, AgentLoopMetrics, TokenOutput, register")
+# vLLM's sampling arguments a loop may pass: lathe's, and those that change nothing here
+SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_tokens", "max_new_tokens", "min_tokens", "stop",
+                 "stop_token_ids", "ignore_eos", "n"}
+IGNORED_SAMPLING_KEYS = {"logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                         "include_stop_str_in_output"}
+IDLE_POLL_S = 0.002
+
+
+class AgentLoopError(RuntimeError):
+    """A custom agent loop failed, returned something lathe cannot train on, or asked for what is not implemented."""
+
+
+# -- verl's data types ---------------------------------------------------------------------------------------------
+@dataclass
+class AgentLoopMetrics:
+    """verl's per-sample timings (seconds) of a loop."""
+
+    generate_sequences: float = 0.0
+    tool_calls: float = 0.0
+    compute_score: float = 0.0
+    num_preempted: int = -1
+
+
+@dataclass
+class TokenOutput:
+    """What `server_manager.generate` returns: the sampled tokens and their log-probs (always given by lathe's
+    engine); `stop_reason` "completed" (an end token or stop string) or "length"."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None = None
+    routed_experts: Any = None
+    stop_reason: str | None = None
+    num_preempted: int | None = None
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AgentLoopOutput:
+    """One sample's trajectory, verl's fields: `response_mask` 1 on the model's tokens, 0 on what the loop appended
+    (tool answers...); `reward_score` (optional) is the sample's score, given to the trainer in place of the reward
+    function's; `extra_fields` reach the reward function in the row's `extra_info`."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float] | None = None
+    routed_experts: Any = None
+    multi_modal_data: dict[str, Any] | None = None
+    reward_score: float | None = None
+    num_turns: int = 0
+    metrics: AgentLoopMetrics | dict = field(default_factory=AgentLoopMetrics)
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.metrics, dict):          # (verl's pydantic model takes a dict)
+            self.metrics = AgentLoopMetrics(**{k: v for k, v in self.metrics.items() if k in AGENT_METRICS})
+
+
+AGENT_METRICS = {f.name for f in fields(AgentLoopMetrics)}
+
+
+class DictConfigWrap:
+    """verl's wrapper of a config handed to a loop's constructor (`.config`)."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+class ToolListWrap:
+    """verl's wrapper of the run's tools handed to a loop's constructor (`.tools`)."""
+
+    def __init__(self, tools: list):
+        self.tools = tools
+
+
+def _view(value):
+    if hasattr(value, "__dataclass_fields__"):
+        return ConfigView(value)
+    return _AttrDict(value) if isinstance(value, dict) else value
+
+
+class _AttrDict(dict):
+    """A dict whose keys read as attributes too (an OmegaConf mapping node, as verl's loops read one)."""
+
+    def __getattr__(self, name):
+        if name not in self:
+            raise AttributeError(name)
+        return _view(self[name])
+
+
+class ConfigView:
+    """A lathe config group read as verl's loops read an OmegaConf node: attributes, `.get(key, default)`,
+    `[key]`; nested groups are views too, dicts mappings with attribute access."""
+
+    def __init__(self, node):
+        object.__setattr__(self, "_node", node)
+
+    def __getattr__(self, name):
+        return _view(getattr(object.__getattribute__(self, "_node"), name))
+
+    def get(self, name, default=None):
+        try:
+            return self.__getattr__(name)
+        except AttributeError:
+            return default
+
+    def __getitem__(self, name):
+        try:
+            return self.__getattr__(name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def __contains__(self, name):
+        return self.get(name, KeyError) is not KeyError
+
+
+@dataclass
+class MergeResult:
+    """`ct_merge_*`'s result: the conversation's tokens so far."""
+
+    token_ids: list[int]
+
+
+# -- the base class and the registry -------------------------------------------------------------------------------
+class AgentLoopBase:
+    """verl's agent loop base class: subclass it and write `async run(self, sampling_params, **kwargs)`. The
+    constructor takes verl's arguments; `self.config` is the run's config (read as OmegaConf is), `self.rollout_config`
+    its `actor_rollout_ref.rollout` (with verl's `prompt_length` and `response_length`), `self.server_manager`
+    generates, `self.tokenizer` and `self.loop` (the event loop) are there as in verl."""
+
+    def __init__(self, trainer_config: DictConfigWrap, server_manager: "ServerManager", tokenizer, processor=None,
+                 dataset_cls=None, data_config: DictConfigWrap | None = None, hf_model_type: str | None = None,
+                 **kwargs):
+        self.config = trainer_config.config
+        self.rollout_config = self.config.actor_rollout_ref.rollout
+        self.server_manager = server_manager
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.dataset_cls = dataset_cls
+        self.data_config = data_config.config if data_config is not None else self.config.data
+        self.apply_chat_template_kwargs = dict(self.data_config.get("apply_chat_template_kwargs") or {})
+        self.hf_model_type = hf_model_type
+        self.loop = asyncio.get_event_loop()
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        raise NotImplementedError("an agent loop's run(sampling_params, **row) returns an AgentLoopOutput")
+
+    # verl's helpers (text only)
+    async def process_vision_info(self, messages: list[dict]) -> dict:
+        return await self.process_multi_modal_info(messages)
+
+    async def process_multi_modal_info(self, messages: list[dict]) -> dict:
+        if any(isinstance(m.get("content"), list) for m in messages):
+            raise AgentLoopError(_unsupported("a message with images, video or audio (a content list)"))
+        return {}
+
+    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, images=None,
+                                  videos=None, remove_system_prompt: bool = False) -> list[int]:
+        """The messages' tokens with the generation prompt (verl's helper; `remove_system_prompt` drops what the
+        template prepends to a conversation, for appending later messages)."""
+        if images or videos:
+            raise AgentLoopError(_unsupported("images or video"))
+        ids = self._render(messages, tools)
+        if remove_system_prompt:
+            ids = ids[len(self._render([], tools, add_generation_prompt=False)):]
+        return ids
+
+    def _render(self, messages, tools, *, add_generation_prompt: bool = True) -> list[int]:
+        if not messages:
+            stub = self.tokenizer.apply_chat_template([{"role": "user", "content": ""}], tools=tools, tokenize=False,
+                                                      add_generation_prompt=False, **self.apply_chat_template_kwargs)
+            text = stub[:stub.find("user")] if "user" in stub else ""
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,      # (as the data set
+                                                  add_generation_prompt=add_generation_prompt,  # renders prompts)
+                                                  **self.apply_chat_template_kwargs)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def ct_build_initial_tokens(self, messages: list[dict], tools: list[dict] | None = None, images=None,
+                                      videos=None, audios=None) -> list[int]:
+        """The prompt's tokens (the chat template with the generation prompt), left-cut to `prompt_length`."""
+        if images or videos or audios:
+            raise AgentLoopError(_unsupported("images, video or audio"))
+        ids = self._render(messages, tools)
+        limit = self.rollout_config.prompt_length
+        return ids[-limit:] if limit and len(ids) > limit else ids
+
+    async def ct_merge_assistant_token(self, runtime_token_ids: list[int], assistant_token_ids: list[int],
+                                       response_mask: list[int], response_logprobs: list[float] | None = None,
+                                       assistant_logprobs: list[float] | None = None):
+        """The model's tokens appended as sampled: mask 1, their log-probs."""
+        n = len(assistant_token_ids)
+        mask = list(response_mask) + [1] * n
+        logprobs = None if response_logprobs is None else (
+            list(response_logprobs) + list(assistant_logprobs if assistant_logprobs is not None else [0.0] * n))
+        return MergeResult(list(runtime_token_ids) + list(assistant_token_ids)), mask, logprobs
+
+    async def ct_merge_non_assistant_msg(self, previous_messages: list[dict], updated_messages: list[dict],
+                                         runtime_token_ids: list[int], response_mask: list[int],
+                                         response_logprobs: list[float] | None = None,
+                                         tools: list[dict] | None = None):
+        """The messages after `previous_messages` (tool answers, a user turn) appended as the chat template renders
+        them after the last model turn, and the next generation prompt: mask 0 (lathe's `ConversationRenderer`)."""
+        added = list(updated_messages)[len(previous_messages):]
+        renderer = _renderer(self.tokenizer, tools)
+        delta = renderer.close_turn(list(runtime_token_ids[-1:])) + renderer.messages_delta(added)
+        mask = list(response_mask) + [0] * len(delta)
+        logprobs = None if response_logprobs is None else list(response_logprobs) + [0.0] * len(delta)
+        return MergeResult(list(runtime_token_ids) + delta), mask, logprobs
+
+
+_RENDERERS: dict = {}
+
+
+def _renderer(tokenizer, tools: list[dict] | None):
+    """A `ConversationRenderer` for the tokenizer and tools, made once (it renders a stand-in conversation)."""
+    import json
+    from lathe.rollout.agent.render import ConversationRenderer
+    key = (id(tokenizer), json.dumps(tools, sort_keys=True, default=str))
+    if key not in _RENDERERS:
+        if len(_RENDERERS) > 64:
+            _RENDERERS.clear()
+        _RENDERERS[key] = (tokenizer, ConversationRenderer(tokenizer, tools=tools))   # (holds the tokenizer: the
+    return _RENDERERS[key][1]                                                        # id stays its own)
+
+
+_REGISTRY: dict[str, dict] = {}
+
+
+def register(agent_name: str):
+    """verl's decorator: `@register("my_agent")` names a loop class (its module must be imported: list it in the
+    agent_loop_config_path file, or import it from one that is)."""
+    def decorator(cls):
+        _REGISTRY[agent_name] = {"_target_": f"{cls.__module__}.{cls.__qualname__}"}
+        return cls
+    return decorator
+
+
+@register(BUILTIN)
+class SingleTurnAgentLoop(AgentLoopBase):
+    """verl's `single_turn_agent`: the row's prompt (as the data set rendered it), one `generate` call."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        prompt_ids = list(kwargs["prompt_ids"])
+        start = time.perf_counter()
+        out = await self.server_manager.generate(request_id=f"single-{kwargs.get('index')}", prompt_ids=prompt_ids,
+                                                 sampling_params=sampling_params)
+        n = self.rollout_config.response_length
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=out.token_ids[:n],
+                               response_mask=[1] * len(out.token_ids[:n]), response_logprobs=out.log_probs[:n],
+                               num_turns=2, metrics={"generate_sequences": time.perf_counter() - start,
+                                                     "num_preempted": out.num_preempted or 0})
+
+
+def _unsupported(what: str) -> str:
+    return (f"{what} in a custom agent loop is not implemented yet in lathe (its loops are text-only). Fix: keep "
+            f"the loop's prompts and tool answers text, or run image prompts without {KEY}")
+
+
+def _import_target(target: str, where: str):
+    """The class at a dotted `_target_`, imported with the working directory on the path (as verl's hydra does)."""
+    module_name, _, name = target.rpartition(".")
+    if not module_name:
+        raise AgentLoopError(f"{where}: _target_={target!r} is not a dotted path. Fix: name the class as "
+                             "package.module.ClassName, importable from the directory you run lathe in")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] == "verl":
+            raise AgentLoopError(f"{where}: module {module_name!r} imports verl ({e}); lathe runs verl's agent loops "
+                                 f"without verl. Fix: {VERL_IMPORT_FIX}") from None
+        raise AgentLoopError(f"{where}: cannot import {module_name!r} for _target_={target!r} ({e}). Fix: run lathe "
+                             f"from the directory that holds the package, or add it to PYTHONPATH") from None
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise AgentLoopError(f"{where}: module {module_name!r} has no {name!r}. Fix: name a class it defines")
+    if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
+        raise AgentLoopError(f"{where}: {target} is not a subclass of lathe's AgentLoopBase. Fix: {VERL_IMPORT_FIX}, "
+                             "and derive the class from AgentLoopBase")
+    return cls
+
+
+def load_registry(path: str | None) -> dict[str, tuple[type, dict]]:
+    """name -> (class, constructor kwargs): lathe's built-in loop, every `@register`ed one, and the YAML file's."""
+    entries = {name: dict(spec) for name, spec in _REGISTRY.items()}
+    if path:
+        import yaml
+        try:
+            with open(os.path.expanduser(path)) as f:
+                listed = yaml.safe_load(f)
+        except OSError as e:
+            raise AgentLoopError(f"{KEY}={path!r}: cannot read it ({e.strerror}). Fix: give the path of a YAML list "
+                                 "of {name, _target_} entries") from None
+        except yaml.YAMLError as e:
+            raise AgentLoopError(f"{KEY}={path!r}: not valid YAML ({e})") from None
+        if not isinstance(listed, list) or not listed:
+            raise AgentLoopError(f"{KEY}={path!r}: expected a non-empty YAML list of entries like "
+                                 "'- name: my_agent\\n  _target_: my_pkg.agents.MyAgentLoop', got "
+                                 f"{type(listed).__name__}")
+        for i, entry in enumerate(listed):
+            where = f"{path} entry {i}"
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(
+                    entry.get("_target_"), str):
+                raise AgentLoopError(f"{where}: expected a mapping with a string 'name' and '_target_', got {entry!r}")
+            entries[entry["name"]] = dict(entry)
+    out = {}
+    for name, spec in entries.items():
+        spec = dict(spec)
+        spec.pop("name", None)
+        cls = _import_target(spec.pop("_target_"), f"agent loop {name!r}" + (f" ({path})" if path else ""))
+        out[name] = (cls, spec)
+    return out
+
+
+# -- the server facade and the runner ------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Sample:
+    index: int                      # prompt-major, within the call
+    row: dict
+    name: str
+    calls: int = 0                  # generate calls so far (turn k's seed)
+    generated: list = field(default_factory=list)    # (token ids, log-probs) of each generate call, in order
+    last_finish: str = "stop"
+
+
+class ServerManager:
+    """verl's `server_manager` of one sample: `generate` streams a request into the engine and waits for it."""
+
+    def __init__(self, runner: "CustomAgentLoops", sample: _Sample):
+        self._runner, self._sample = runner, sample
+
+    async def generate(self, request_id=None, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data=None, video_data=None, audio_data=None, mm_processor_kwargs=None,
+                       priority: int = 0, **kwargs) -> TokenOutput:
+        if image_data or video_data or audio_data:
+            raise AgentLoopError(_unsupported("image_data, video_data or audio_data"))
+        if kwargs:
+            raise AgentLoopError(f"server_manager.generate: arguments {sorted(kwargs)} are not lathe's (it takes "
+                                 "request_id, prompt_ids, sampling_params, priority)")
+        return await self._runner._generate(self._sample, list(prompt_ids), dict(sampling_params or {}))
+
+
+class CustomAgentLoops:
+    """Runs each sample's agent loop (see the module docstring); `generate` has `AgentLoop.generate`'s contract and
+    also takes the prompt rows (`rows`: each prompt's dataset fields, what verl hands `run` as keyword arguments)."""
+
+    takes_rows = True
+
+    def __init__(self, engine, tokenizer, cfg, *, registry: dict, default: str, response_length: int,
+                 prompt_length: int, timeout_s: float, tools: list | None = None):
+        self.engine, self.tokenizer = engine, tokenizer
+        # the loops read verl's rollout.prompt_length / response_length: lathe's null ones filled from data.*
+        arr = cfg.actor_rollout_ref
+        self.cfg = replace(cfg, actor_rollout_ref=replace(arr, rollout=replace(
+            arr.rollout, prompt_length=arr.rollout.prompt_length or prompt_length,
+            response_length=arr.rollout.response_length or response_length)))
+        self.registry, self.default = registry, default
+        self.response_length, self.prompt_length, self.timeout_s = response_length, prompt_length, timeout_s
+        self.tools = tools or []
+        self._calls = 0
+        if default not in registry:
+            raise AgentLoopError(f"actor_rollout_ref.rollout.agent.default_agent_loop={default!r} is not a loop of "
+                                 f"{KEY} (loops: {sorted(registry)}). Fix: list it there or name one of those")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int = 0,
+                 rows: list[dict] | None = None, multi_modal_inputs: list | None = None, request_prefix: str = "custom",
+                 **_unused) -> AgentOutput:
+        if multi_modal_inputs is not None and any(m is not None for m in multi_modal_inputs):
+            raise AgentLoopError(_unsupported("an image prompt"))
+        rows = rows or [{} for _ in prompts]
+        self._calls += 1
+        self._prefix = f"{request_prefix}{self._calls}"
+        self._base = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        self._first, self._params, self._waiting, self._requests = first_index, params, {}, 0
+        samples = []
+        for i, (prompt, row) in enumerate(zip(prompts, rows)):
+            name = row.get("agent_name") or self.default
+            if name not in self.registry:
+                raise AgentLoopError(f"prompt {row.get('index', i)}: agent_name={name!r} names no agent loop (loops: "
+                                     f"{sorted(self.registry)}). Fix: list it in {KEY}, or fix the row's agent_name")
+            for _ in range(params.n):
+                samples.append(_Sample(len(samples), {**row, "prompt_ids": list(prompt)}, name))
+        start = time.perf_counter()
+        loop = asyncio.new_event_loop()
+        try:
+            results = loop.run_until_complete(self._run(samples))
+        finally:
+            loop.close()
+        return self._output(samples, results, time.perf_counter() - start)
+
+    # -- the event loop
+    async def _run(self, samples: list[_Sample]) -> list:
+        tasks = [asyncio.ensure_future(self._one(s)) for s in samples]
+        quiet, seen = time.monotonic(), None
+        try:
+            while True:
+                await asyncio.sleep(0)                  # the loops run to their next wait
+                failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+                if failed is not None:
+                    failed.result()
+                done = sum(t.done() for t in tasks)
+                if done == len(tasks):
+                    return [t.result() for t in tasks]
+                if (done, self._requests) != seen:     # a loop finished or asked for a turn: not stuck
+                    quiet, seen = time.monotonic(), (done, self._requests)
+                if self.engine.has_unfinished_requests():
+                    self.engine.step()
+                    quiet = time.monotonic()
+                else:                                   # nothing to generate: the loops wait on their own work
+                    await asyncio.sleep(IDLE_POLL_S)
+                    if time.monotonic() - quiet > self.timeout_s:
+                        stuck = [s.index for s, t in zip(samples, tasks) if not t.done()]
+                        raise AgentLoopError(
+                            f"custom agent loops: samples {stuck[:8]}{'...' if len(stuck) > 8 else ''} neither "
+                            f"generated nor finished for {self.timeout_s:.0f} s (a tool or environment that does not "
+                            "answer?). Fix: bound their waits, or raise actor_rollout_ref.rollout.multi_turn."
+                            "tool_timeout (this limit is it + 60 s)")
+                for key, out in self.engine.pop_finished():
+                    future = self._waiting.pop(key, None)
+                    if future is not None and not future.done():
+                        future.set_result(out)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._drain()
+            raise
+
+    def _drain(self) -> None:
+        """After a failure: finish what the engine still runs (bounded by the requests' max_tokens), so that it is
+        empty for the next call."""
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        self.engine.pop_finished()
+        self._waiting.clear()
+
+    async def _one(self, s: _Sample):
+        cls, kwargs = self.registry[s.name]
+        try:
+            agent = cls(trainer_config=DictConfigWrap(ConfigView(self.cfg)), server_manager=ServerManager(self, s),
+                        tokenizer=self.tokenizer, processor=None, dataset_cls=None,
+                        data_config=DictConfigWrap(ConfigView(self.cfg.data)), hf_model_type=None,
+                        tools=ToolListWrap(self.tools), **kwargs)
+            sampling = {"temperature": self._params.temperature, "top_p": self._params.top_p,
+                        "top_k": self._params.top_k, "repetition_penalty": 1.0, "logprobs": True}
+            if self._params.greedy:
+                sampling.update(temperature=0.0, top_p=1.0, top_k=-1)
+            return await agent.run(sampling, **s.row)
+        except AgentLoopError:
+            raise
+        except Exception as e:
+            raise AgentLoopError(f"agent loop {s.name!r} ({cls.__module__}.{cls.__qualname__}) failed on sample "
+                                 f"{self._first + s.index} (prompt {s.row.get('index')}): {type(e).__name__}: {e}") \
+                from e
+
+    async def _generate(self, s: _Sample, prompt_ids: list[int], sampling: dict) -> TokenOutput:
+        params = self._sampling(s, prompt_ids, sampling)
+        key = (self._prefix, s.index, s.calls)
+        s.calls += 1
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[key] = future
+        self.engine.add_request(key, [prompt_ids], params, first_index=self._first + s.index)
+        self._requests += 1
+        out: RolloutOutput = await future
+        ids, logprobs = list(out.token_ids[0]), [float(x) for x in out.logprobs[0]]
+        s.generated.append((ids, logprobs))
+        s.last_finish = out.finish_reasons[0]
+        return TokenOutput(token_ids=ids, log_probs=logprobs,
+                           stop_reason="length" if out.finish_reasons[0] == "length" else "completed",
+                           num_preempted=int(out.metrics.get("rollout/num_preemptions", 0)))
+
+    def _sampling(self, s: _Sample, prompt_ids: list[int], sampling: dict) -> SamplingParams:
+        """verl's sampling dict as lathe's parameters; the run's seeding by sample and turn."""
+        if not prompt_ids:
+            raise AgentLoopError(f"agent loop {s.name!r}: generate got empty prompt_ids (sample "
+                                 f"{self._first + s.index})")
+        unknown = sorted(set(sampling) - SAMPLING_KEYS - IGNORED_SAMPLING_KEYS - {"repetition_penalty", "seed"})
+        if unknown:
+            raise AgentLoopError(f"agent loop {s.name!r}: sampling_params {unknown} are not implemented in lathe's "
+                                 f"engine (it takes {sorted(SAMPLING_KEYS)}). Fix: remove them")
+        if sampling.get("repetition_penalty", 1.0) != 1.0:
+            raise AgentLoopError(f"agent loop {s.name!r}: repetition_penalty={sampling['repetition_penalty']} is not "
+                                 "implemented in lathe's engine. Fix: leave it at 1.0")
+        if sampling.get("n", 1) != 1:
+            raise AgentLoopError(f"agent loop {s.name!r}: sampling_params n={sampling['n']}; a generate call samples "
+                                 "one response (verl's too). Fix: call generate once per response")
+        budget = sampling.get("max_tokens", sampling.get("max_new_tokens", self.response_length))
+        stop = sampling.get("stop") or []
+        temperature = float(sampling.get("temperature", self._params.temperature))
+        seed = self._base if s.calls == 0 else sequence_seed(self._base, -s.calls)
+        return replace(self._params, n=1, temperature=temperature, do_sample=temperature > 0,
+                       top_p=float(sampling.get("top_p", self._params.top_p)),
+                       top_k=int(sampling.get("top_k", self._params.top_k)),
+                       max_tokens=max(0, min(int(budget), self.response_length)),
+                       min_tokens=int(sampling.get("min_tokens", 0)),
+                       ignore_eos=bool(sampling.get("ignore_eos", False)),
+                       stop=[stop] if isinstance(stop, str) else list(stop),
+                       stop_token_ids=sorted(set(self._params.stop_token_ids) | set(sampling.get("stop_token_ids")
+                                                                                    or [])), seed=seed)
+
+    # -- outputs
+    def _output(self, samples: list[_Sample], results: list, seconds: float) -> AgentOutput:
+        prompts, ids, logprobs, masks, finish, turns, scores, extras, gen_s, tool_s = ([] for _ in range(10))
+        for s, out in zip(samples, results):
+            p, r, m, lp = self._checked(s, out)
+            prompts.append(p)
+            ids.append(r)
+            masks.append(m)
+            logprobs.append(lp)
+            finish.append("length" if len(r) >= self.response_length or s.last_finish == "length" else "stop")
+            turns.append(int(out.num_turns or 0))
+            scores.append(None if out.reward_score is None else float(out.reward_score))
+            extras.append(dict(out.extra_fields or {}))
+            timing = out.metrics if isinstance(out.metrics, AgentLoopMetrics) else AgentLoopMetrics(
+                **{k: v for k, v in (out.metrics or {}).items() if k in AGENT_METRICS})
+            gen_s.append(timing.generate_sequences)
+            tool_s.append(timing.tool_calls)
+        version = getattr(self.engine, "weight_version", 0)
+        metrics = {"timing_s/agent_loop": seconds, "agent/custom_loops": float(len(samples))}
+        if samples:
+            for name, values in (("generate_sequences", gen_s), ("tool_calls", tool_s)):
+                metrics.update({f"timing_s/agent_loop/{name}/mean": sum(values) / len(values),
+                                f"timing_s/agent_loop/{name}/max": max(values)})
+        return AgentOutput(token_ids=ids, logprobs=logprobs, finish_reasons=finish, metrics=metrics,
+                           versions=[[(version, 0)] for _ in samples], loss_masks=masks, num_turns=turns,
+                           tool_calls=[0] * len(samples), tool_errors=[0] * len(samples), tool_seconds=tool_s,
+                           turn_scores=[list(e.get("turn_scores") or []) for e in extras],
+                           tool_rewards=[{} for _ in samples], prompt_ids=prompts, reward_scores=scores,
+                           extra_fields=extras)
+
+    def _checked(self, s: _Sample, out) -> tuple[list[int], list[int], list[int], list[float]]:
+        where = f"agent loop {s.name!r}, sample {self._first + s.index} (prompt {s.row.get('index')})"
+        if not all(hasattr(out, k) for k in ("prompt_ids", "response_ids", "response_mask")):
+            raise AgentLoopError(f"{where}: run returned {type(out).__name__}, not an AgentLoopOutput. Fix: return "
+                                 "AgentLoopOutput(prompt_ids=..., response_ids=..., response_mask=..., ...)")
+        prompt, response, mask = list(out.prompt_ids), list(out.response_ids), list(out.response_mask)
+        if out.multi_modal_data:
+            raise AgentLoopError(f"{where}: " + _unsupported("multi_modal_data"))
+        if out.routed_experts is not None:
+            raise AgentLoopError(f"{where}: routed_experts (routing replay) from a custom agent loop is not "
+                                 "implemented yet in lathe. Fix: leave it None")
+        if not prompt:
+            raise AgentLoopError(f"{where}: empty prompt_ids. Fix: return the prompt the loop generated from")
+        if len(prompt) > self.prompt_length:
+            raise AgentLoopError(f"{where}: {len(prompt)} prompt tokens, over data.max_prompt_length="
+                                 f"{self.prompt_length}. Fix: cut them in the loop (prompt_ids[-prompt_length:]) "
+                                 "or raise data.max_prompt_length")
+        if len(mask) != len(response) or set(mask) - {0, 1}:
+            raise AgentLoopError(f"{where}: response_mask has {len(mask)} values for {len(response)} response "
+                                 "tokens. Fix: one 0/1 per response token (1 on the model's)")
+        if len(response) > self.response_length:
+            raise AgentLoopError(f"{where}: {len(response)} response tokens, over data.max_response_length="
+                                 f"{self.response_length}. Fix: cut them in the loop (response_ids[:response_length], "
+                                 "and the mask and log-probs alike)")
+        logprobs = out.response_logprobs
+        if logprobs is None:
+            logprobs = _aligned_logprobs(response, mask, s.generated)
+            if logprobs is None:
+                raise AgentLoopError(f"{where}: no response_logprobs, and its model tokens (mask 1) are not its "
+                                     "generate calls' tokens in order, so they cannot be taken from there. Fix: "
+                                     "return response_logprobs (TokenOutput.log_probs on the model's tokens, 0.0 "
+                                     "elsewhere)")
+        elif len(logprobs) != len(response):
+            raise AgentLoopError(f"{where}: {len(logprobs)} response_logprobs for {len(response)} response tokens. "
+                                 "Fix: one per response token (0.0 where the mask is 0)")
+        return prompt, response, mask, [float(x) for x in logprobs]
+
+
+def _aligned_logprobs(response: list[int], mask: list[int], generated: list) -> list[float] | None:
+    """The log-probs of the response's model tokens from the generate calls, when those tokens are the calls' tokens
+    in order (a prefix of them: the loop may cut the last); 0.0 on the rest. None when they are not."""
+    tokens = [t for ids, _ in generated for t in ids]
+    values = [v for _, lp in generated for v in lp]
+    out, k = [], 0
+    for token, m in zip(response, mask):
+        if not m:
+            out.append(0.0)
+            continue
+        if k >= len(tokens) or tokens[k] != token:
+            return None
+        out.append(values[k])
+        k += 1
+    return out
+
+
+def build_custom_loops(cfg, engine, tokenizer, tools=None) -> CustomAgentLoops:
+    """The run's custom agent loops over `engine` (`agent_loop_config_path`, `default_agent_loop`)."""
+    agent = cfg.actor_rollout_ref.rollout.agent or {}
+    return CustomAgentLoops(engine, tokenizer, cfg, registry=load_registry(agent.get("agent_loop_config_path")),
+                            default=agent.get("default_agent_loop") or BUILTIN,
+                            response_length=cfg.data.max_response_length, prompt_length=cfg.data.max_prompt_length,
+                            timeout_s=cfg.actor_rollout_ref.rollout.multi_turn.tool_timeout + 60.0, tools=tools)
+
+
+def custom_loops_configured(cfg) -> bool:
+    """Whether the run's rollouts go through custom agent loops: an agent_loop_config_path is set."""
+    return bool((cfg.actor_rollout_ref.rollout.agent or {}).get("agent_loop_config_path"))

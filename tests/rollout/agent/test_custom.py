@@ -1,0 +1,268 @@
+"""`lathe.rollout.agent.custom`: verl's custom agent loops on lathe's engine. The built-in `single_turn_agent` samples
+exactly what single-turn generation samples; a two-turn loop written as a verl user writes one (imported by its
+`_target_` from the working directory) gets the row's fields, its turns' tokens as the engine sampled them, the tool
+answer as the chat template renders it, and its log-probs taken from its calls when it returns none; a failing,
+hanging or malformed loop stops the call with its name and sample, leaving the engine empty."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from lathe.batch import Batch
+from lathe.generation import SamplingParams
+from lathe.rollout.agent import AGENT_SCORE, agent_columns, agent_kwargs
+from lathe.rollout.agent.custom import AgentLoopError, CustomAgentLoops, load_registry
+from lathe.rollout.base import to_batch
+
+from rollout.agent.test_loop import prompt_of, tiny_engine
+from rollout.agent.test_render import ids
+
+LOOPS = '''
+from lathe.rollout.agent.custom import AgentLoopBase, AgentLoopOutput
+
+SEEN = []
+
+
+class TwoTurns(AgentLoopBase):
+    """A turn of 3 tokens, a tool answer, a turn of 3 tokens; no log-probs returned (taken from the calls)."""
+
+    def __init__(self, *args, hint="42", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hint = hint
+
+    async def run(self, sampling_params, **kwargs):
+        SEEN.append(kwargs)
+        messages = list(kwargs["raw_prompt"])
+        prompt = await self.ct_build_initial_tokens(messages)
+        params = {**sampling_params, "max_tokens": 3}
+        first = await self.server_manager.generate(request_id="r", prompt_ids=prompt, sampling_params=params)
+        ids, mask, lp = await self.ct_merge_assistant_token(prompt, first.token_ids, [], [], first.log_probs)
+        said = messages + [{"role": "assistant", "content": "x"}]
+        ids, mask, lp = await self.ct_merge_non_assistant_msg(said, said + [{"role": "tool", "content": self.hint}],
+                                                              ids.token_ids, mask, lp)
+        SEEN.append({"second_prompt": list(ids.token_ids), "first": list(first.token_ids)})
+        second = await self.server_manager.generate(request_id="r", prompt_ids=ids.token_ids, sampling_params=params)
+        ids, mask, lp = await self.ct_merge_assistant_token(ids.token_ids, second.token_ids, mask, lp,
+                                                            second.log_probs)
+        n = self.rollout_config.response_length
+        return AgentLoopOutput(prompt_ids=prompt, response_ids=ids.token_ids[len(prompt):][:n], response_mask=mask[:n],
+                               reward_score=float(kwargs["index"]), num_turns=4, extra_fields={"hint": self.hint},
+                               metrics={"generate_sequences": 0.5})
+
+
+class Raises(AgentLoopBase):
+    async def run(self, sampling_params, **kwargs):
+        await self.server_manager.generate(prompt_ids=kwargs["prompt_ids"], sampling_params={"max_tokens": 8})
+        raise KeyError("no such column")
+
+
+class Hangs(AgentLoopBase):
+    async def run(self, sampling_params, **kwargs):
+        import asyncio
+        await asyncio.sleep(60)
+
+
+class BadMask(AgentLoopBase):
+    async def run(self, sampling_params, **kwargs):
+        out = await self.server_manager.generate(prompt_ids=kwargs["prompt_ids"], sampling_params={})
+        return AgentLoopOutput(prompt_ids=kwargs["prompt_ids"], response_ids=out.token_ids, response_mask=[1],
+                               metrics={})
+
+
+class Retokenised(AgentLoopBase):
+    async def run(self, sampling_params, **kwargs):
+        out = await self.server_manager.generate(prompt_ids=kwargs["prompt_ids"], sampling_params={"max_tokens": 4})
+        ids = [t + 1 for t in out.token_ids]
+        return AgentLoopOutput(prompt_ids=kwargs["prompt_ids"], response_ids=ids, response_mask=[1] * len(ids),
+                               metrics={})
+'''
+
+
+@pytest.fixture
+def loops(tmp_path, monkeypatch):
+    """The loops module in a fresh working directory, listed in a YAML file; the registry loaded from it."""
+    (tmp_path / "my_loops.py").write_text(LOOPS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ["TwoTurns", "Raises", "Hangs", "BadMask", "Retokenised"]
+    yaml = "".join(f"- name: {n.lower()}\n  _target_: my_loops.{n}\n" for n in names) + "  # (kwargs below)\n"
+    yaml = yaml.replace("my_loops.TwoTurns\n", "my_loops.TwoTurns\n  hint: '7'\n")
+    (tmp_path / "loops.yaml").write_text(yaml)
+    yield load_registry(str(tmp_path / "loops.yaml"))
+    import sys
+    sys.modules.pop("my_loops", None)
+
+
+def run_cfg(response_length=24):
+    from lathe.config.loader import load_config
+    return load_config(None, [f"data.max_response_length={response_length}", "data.max_prompt_length=512"])
+
+
+def runner(tok, registry, *, default="single_turn_agent", timeout_s=30.0, response_length=24):
+    engine = tiny_engine(tok)
+    return engine, CustomAgentLoops(engine, tok, run_cfg(response_length), registry=registry, default=default,
+                                    response_length=response_length, prompt_length=512, timeout_s=timeout_s)
+
+
+def rows_of(tok, questions, agent_name=None):
+    return [{"raw_prompt": [{"role": "user", "content": q}], "data_source": "t", "extra_info": {"k": i},
+             "index": i, "agent_name": agent_name, "reward_model": {"ground_truth": str(i)}}
+            for i, q in enumerate(questions)]
+
+
+@pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(temperature=1.0, seed=11)], ids=["greedy", "seeded"])
+def test_single_turn_agent_samples_what_generate_samples(qwen_tok, sampling):
+    engine, run = runner(qwen_tok, load_registry(None))
+    questions = ("1+2=", "What is 6*7?", "hi")
+    prompts = [prompt_of(qwen_tok, q) for q in questions]
+    params = SamplingParams(n=2, max_tokens=24, **sampling)
+    out = run.generate(prompts, params, first_index=6, rows=rows_of(qwen_tok, questions))
+    ref = engine.generate(prompts, params, first_index=6)
+    assert out.token_ids == ref.token_ids and out.finish_reasons == ref.finish_reasons
+    assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5) for a, b in zip(out.logprobs, ref.logprobs))
+    assert out.prompt_ids == [p for p in prompts for _ in range(2)] and out.loss_masks == [[1] * len(r) for r in
+                                                                                          ref.token_ids]
+    a, b = to_batch(prompts, out, qwen_tok.pad_token_id, 2), to_batch(prompts, ref, qwen_tok.pad_token_id, 2)
+    for key in ("input_ids", "attention_mask", "position_ids", "response_mask"):
+        assert torch.equal(a[key], b[key]), key
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_two_turn_loop_gets_its_row_its_turns_and_the_rendered_tool_answer(qwen_tok, loops):
+    import my_loops
+    from lathe.rollout.agent.render import ConversationRenderer
+    engine, run = runner(qwen_tok, loops, default="twoturns")
+    questions = ("1+2=", "hi")
+    prompts = [prompt_of(qwen_tok, q) for q in questions]
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24)
+    out = run.generate(prompts, params, first_index=0, rows=rows_of(qwen_tok, questions))
+    rows = [s for s in my_loops.SEEN if "raw_prompt" in s]
+    assert [r["index"] for r in rows] == [0, 0, 1, 1] and rows[2]["extra_info"] == {"k": 1}
+    assert rows[0]["reward_model"] == {"ground_truth": "0"} and rows[0]["prompt_ids"] == prompts[0]
+    turns = [s for s in my_loops.SEEN if "first" in s]
+    delta = ConversationRenderer(qwen_tok).messages_delta([{"role": "tool", "content": "7"}])   # (the YAML's hint)
+    for sample, turn in zip(range(4), turns):                      # (one loop's turns, in the order they ran)
+        assert turn["second_prompt"][-len(delta):] == delta
+    for i in range(4):
+        response, mask, logprobs = out.token_ids[i], out.loss_masks[i], out.logprobs[i]
+        first = response[:mask.index(0)]
+        own = ids(qwen_tok, qwen_tok.apply_chat_template([{"role": "user", "content": questions[i // 2]}],
+                                                         tokenize=False, add_generation_prompt=True))
+        assert 1 <= len(first) <= 3 and mask.count(1) <= 6 and out.prompt_ids[i] == own != prompts[i // 2]
+        assert all(lp < 0 for lp, m in zip(logprobs, mask) if m) and all(lp == 0 for lp, m in zip(logprobs, mask)
+                                                                         if not m)
+    assert out.reward_scores == [0.0, 0.0, 1.0, 1.0] and out.extra_fields == [{"hint": "7"}] * 4
+    assert out.num_turns == [4] * 4 and out.metrics["timing_s/agent_loop/generate_sequences/mean"] == 0.5
+    again = runner(qwen_tok, loops, default="twoturns")[1].generate(prompts, params, rows=rows_of(qwen_tok, questions))
+    assert again.token_ids == out.token_ids                        # every turn seeded by (seed, sample, turn)
+    batch = Batch(non_tensors={"extra_info": [{"k": i // 2} for i in range(4)]})
+    columns = agent_columns(out, batch["extra_info"])
+    assert list(columns[AGENT_SCORE]) == [0.0, 0.0, 1.0, 1.0] and columns["extra_info"][3]["hint"] == "7"
+
+
+@pytest.mark.parametrize("name, match", [
+    ("raises", r"agent loop 'raises' \(my_loops.Raises\) failed on sample 0 \(prompt 0\): KeyError"),
+    ("badmask", r"response_mask has 1 values for \d+ response tokens"),
+    ("retokenised", r"no response_logprobs, and its model tokens .* are not its generate calls' tokens"),
+])
+def test_a_failing_or_malformed_loop_stops_the_call_naming_it_and_leaves_the_engine_empty(qwen_tok, loops, name,
+                                                                                          match):
+    engine, run = runner(qwen_tok, loops, default=name)
+    with pytest.raises(AgentLoopError, match=match):
+        run.generate([prompt_of(qwen_tok)], SamplingParams(n=2, max_tokens=8), rows=rows_of(qwen_tok, ["q"]))
+    assert not engine.has_unfinished_requests() and not engine.pop_finished()
+
+
+def test_a_hanging_loop_is_stopped_after_the_timeout(qwen_tok, loops):
+    engine, run = runner(qwen_tok, loops, default="hangs", timeout_s=0.3)
+    with pytest.raises(AgentLoopError, match=r"samples \[0\] neither generated nor finished for 0 s"):
+        run.generate([prompt_of(qwen_tok)], SamplingParams(n=1, max_tokens=8), rows=rows_of(qwen_tok, ["q"]))
+
+
+def test_rows_pick_their_loop_and_an_unknown_one_is_named(qwen_tok, loops):
+    engine, run = runner(qwen_tok, loops)
+    rows = rows_of(qwen_tok, ["a", "b"])
+    rows[1]["agent_name"] = "twoturns"
+    out = run.generate([prompt_of(qwen_tok, "a"), prompt_of(qwen_tok, "b")], SamplingParams(max_tokens=6), rows=rows)
+    assert out.num_turns == [2, 4]
+    rows[0]["agent_name"] = "nope"
+    with pytest.raises(AgentLoopError, match=r"prompt 0: agent_name='nope' names no agent loop \(loops: \['badmask'"):
+        run.generate([prompt_of(qwen_tok, "a")], SamplingParams(max_tokens=6), rows=rows[:1])
+
+
+def test_unknown_sampling_arguments_and_images_are_refused(qwen_tok, loops):
+    from lathe.rollout.agent.custom import ServerManager, _Sample
+    engine, run = runner(qwen_tok, loops)
+    run._params, run._base, run._first, run._prefix, run._waiting = SamplingParams(), 0, 0, "x", {}
+    manager = ServerManager(run, _Sample(0, {}, "single_turn_agent"))
+    for kwargs, match in ((dict(sampling_params={"frequency_penalty": 0.5}), r"\['frequency_penalty'\] are not"),
+                          (dict(sampling_params={"repetition_penalty": 1.1}), "repetition_penalty=1.1"),
+                          (dict(sampling_params={}, image_data=["img"]), "not implemented yet in lathe")):
+        with pytest.raises(AgentLoopError, match=match):
+            asyncio.run(manager.generate(prompt_ids=[1, 2], **kwargs))
+
+
+def test_loading_names_what_is_wrong_with_the_file_or_the_class(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "uses_verl.py").write_text("from verl.experimental.agent_loop import AgentLoopBase\n")
+    (tmp_path / "not_a_loop.py").write_text("class Plain:\n    pass\n")
+    for body, match in (("- name: a\n  _target_: uses_verl.X\n", "imports verl .* from lathe.rollout.agent.custom"),
+                        ("- name: a\n  _target_: not_a_loop.Plain\n", "not a subclass of lathe's AgentLoopBase"),
+                        ("- name: a\n  _target_: not_a_loop.Missing\n", "has no 'Missing'"),
+                        ("name: a\n", "expected a non-empty YAML list"),
+                        ("- name: a\n", "a string 'name' and '_target_'")):
+        (tmp_path / "l.yaml").write_text(body)
+        with pytest.raises(AgentLoopError, match=match):
+            load_registry(str(tmp_path / "l.yaml"))
+    for name in ("uses_verl", "not_a_loop"):
+        import sys
+        sys.modules.pop(name, None)
+
+
+def test_agent_kwargs_gives_a_custom_runner_the_rows(qwen_tok):
+    prompts = Batch(non_tensors={"raw_prompt": [[{"role": "user", "content": "a"}]], "data_source": ["d"],
+                                 "ground_truth": ["3"], "extra_info": [{"tools_kwargs": {"t": {}}}], "index": [4],
+                                 "uid": ["1:0:0"]})
+    assert "rows" not in agent_kwargs(prompts)
+    row = agent_kwargs(prompts, CustomAgentLoops)["rows"][0]
+    assert row["reward_model"] == {"ground_truth": "3", "style": "rule"} and row["tools_kwargs"] == {"t": {}}
+    assert row["index"] == 4 and row["uid"] == "1:0:0" and row["interaction_kwargs"] == {}
+
+
+def test_to_batch_lays_out_each_samples_own_prompt():
+    from lathe.rollout.agent.loop import AgentOutput
+    out = AgentOutput(token_ids=[[5, 6], [7]], logprobs=[[-1.0, -1.0], [-1.0]], finish_reasons=["stop"] * 2,
+                      loss_masks=[[1, 1], [1]], prompt_ids=[[1, 2, 3], [9]])
+    b = to_batch([[1, 2, 3]], out, 0, 2)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 5, 6], [0, 0, 9, 7, 0]]
+    assert b["position_ids"].tolist()[1][2:4] == [0, 1]
+
+
+def test_a_loop_busy_with_its_own_work_longer_than_the_timeout_is_not_stopped_while_it_progresses(qwen_tok, tmp_path,
+                                                                                                monkeypatch):
+    """The limit is on a stretch with no progress (no turn asked for, no loop finished), not on a loop's total."""
+    (tmp_path / "slow_loops.py").write_text(
+        "import asyncio\n"
+        "from lathe.rollout.agent.custom import AgentLoopBase, AgentLoopOutput\n\n\n"
+        "class Slow(AgentLoopBase):\n"
+        "    async def run(self, sampling_params, **kwargs):\n"
+        "        ids = []\n"
+        "        for _ in range(3):\n"
+        "            await asyncio.sleep(0.2)\n"
+        "            out = await self.server_manager.generate(prompt_ids=kwargs['prompt_ids'] + ids,\n"
+        "                                                     sampling_params={'max_tokens': 1})\n"
+        "            ids += out.token_ids\n"
+        "        return AgentLoopOutput(prompt_ids=kwargs['prompt_ids'], response_ids=ids, response_mask=[1] * 3,\n"
+        "                               metrics={})\n")
+    (tmp_path / "l.yaml").write_text("- name: slow\n  _target_: slow_loops.Slow\n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        engine, run = runner(qwen_tok, load_registry(str(tmp_path / "l.yaml")), default="slow", timeout_s=0.35)
+        out = run.generate([prompt_of(qwen_tok)], SamplingParams(max_tokens=8), rows=rows_of(qwen_tok, ["q"]))
+    finally:
+        import sys
+        sys.modules.pop("slow_loops", None)
+    assert len(out.token_ids[0]) == 3 and all(lp < 0 for lp in out.logprobs[0])

@@ -116,6 +116,17 @@ def run_processes(procs: list, queue, timeout_s: float) -> dict:
     return results
 
 
+def forkserver_ranks(module: str, target, world: int, timeout_s: float) -> dict:
+    """`target(rank, port, queue)` (a function of `module`, which a test's ranks import: the forkserver imports torch
+    and lathe once) in `world` processes: {rank: result} (`run_processes`)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([module])
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, port, queue), daemon=True) for r in range(world)]
+    return run_processes(procs, queue, timeout_s)
+
+
 def _deaths(procs: list) -> str:
     """The processes that died of a signal (a crash on one rank shows on the others as a lost connection)."""
     import signal

@@ -172,6 +172,8 @@ def test_agent_loop_workers_warn_and_custom_agent_loops_are_checked(tmp_path):
     path = f"{a}.agent_loop_config_path={tmp_path / 'loops.yaml'}"
     cfg = load_config("base", GRPO + [path, f"{a}.default_agent_loop=my_agent"])
     assert cfg.actor_rollout_ref.rollout.agent["default_agent_loop"] == "my_agent"
+    tp = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    assert load_config("base", GRPO + [path] + tp, device_count=2).actor_rollout_ref.rollout.agent    # a TP replica
     for extra, what in ((["actor_rollout_ref.actor.use_prefix_grouper=true"], "use_prefix_grouper"),
                         ([f"{a}.default_agent_loop=tool_agent"], "tool loop")):
         text = refused(path, *extra)

@@ -154,14 +154,20 @@ def sync_rollout(tp: int, patch=setattr):
     return (rows, list(batch["tool_calls"]), list(batch["num_turns"])), len(calls)
 
 
-def rank_body(rank: int):
-    tok = qwen_style_tokenizer()
+def tp_replica(tok):
+    """This rank's replica of two ranks of the tiny model (its engine's requests and steps `recorded`), the random
+    module seeded apart on each rank: (the replica, its engine, the record)."""
     tp = replica_groups(2)
     control = control_groups(2, JOIN_S)
     engine = engine_of(shard_copy(tiny_model(tok), torch.float32, torch.device("cpu"), tp), tok)
     log = recorded(engine)
-    replica = Lockstep(engine, tp, control, timeout_s=JOIN_S)
     random.seed(os.getpid())                 # the tools' sleeps differ between the ranks (and would, between runs)
+    return Lockstep(engine, tp, control, timeout_s=JOIN_S), engine, log
+
+
+def rank_body(rank: int):
+    tok = qwen_style_tokenizer()
+    replica, engine, log = tp_replica(tok)
     results = {}
     for case in CASES:
         CALLS.clear()

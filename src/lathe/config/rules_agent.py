@@ -35,8 +35,6 @@ def check_custom_agent_loops(cfg: LatheConfig, problems: ProblemList) -> None:
                      f"single_turn_agent or one of your loops, or remove {A}.agent_loop_config_path to run the tool "
                      f"loop.")
     not_yet = [(is_async(cfg), "fully-asynchronous training (a rollout pool of its own)"),
-               (ro.tensor_model_parallel_size > 1, f"actor_rollout_ref.rollout.tensor_model_parallel_size="
-                                                   f"{ro.tensor_model_parallel_size}"),
                (ro.data_parallel_size > 1, f"actor_rollout_ref.rollout.data_parallel_size={ro.data_parallel_size}"),
                (ro.name == "hf", "actor_rollout_ref.rollout.name=hf (transformers generate streams no requests)"),
                (cfg.actor_rollout_ref.actor.use_prefix_grouper, "actor_rollout_ref.actor.use_prefix_grouper=true "
@@ -44,5 +42,5 @@ def check_custom_agent_loops(cfg: LatheConfig, problems: ProblemList) -> None:
     for bad, what in not_yet:
         if bad:
             problems.add(f"{A}.agent_loop_config_path with {what}: custom agent loops are not implemented there yet "
-                         f"(they run on one engine of one device group, synchronous training). Fix: remove one of "
-                         f"the two.")
+                         f"(they run on one engine replica, tensor-parallel or not, in synchronous training). Fix: "
+                         f"remove one of the two.")

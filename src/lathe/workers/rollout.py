@@ -32,6 +32,7 @@ from lathe.generation import SamplingParams
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import merged_weights
 from lathe.rollout.agent import agent_columns, agent_kwargs
+from lathe.rollout.agent.custom import custom_loops_in
 from lathe.rollout.base import to_batch
 from lathe.rollout.build import build_engine, build_hf_rollout, eos_token_ids, resolve_rollout_name
 from lathe.workers.actor import Actor
@@ -81,8 +82,9 @@ class Rollout:
                 self.engine_model = shard_copy(actor.model, dtype, self.device, self.tp, state=state,
                                                expert_parallel_size=ep_size, dp=dp,
                                                keep_mtp=speculative_tokens(actor.arr) > 0)
-                if rollout_cfg.multi_turn.enable and self.tp.size > 1:     # (collective: every rank builds its
-                    # replica's group at once; replicas of one rank under data-parallel attention need none)
+                if (rollout_cfg.multi_turn.enable or custom_loops_in(rollout_cfg)) and self.tp.size > 1:
+                    # (collective: every rank builds its replica's group at once; replicas of one rank under
+                    # data-parallel attention need none)
                     self._control = control_groups(self.tp.size, lockstep_timeout(actor.arr))
             elif self.name == "lathe":
                 self.engine_model = frozen_copy(actor.model, dtype, self.device, state=state)

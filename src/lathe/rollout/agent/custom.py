@@ -25,9 +25,12 @@ a resumed run samples again what it sampled. What a loop returns is checked (len
 it leaves out `response_logprobs`, they are taken from its `generate` calls where its model tokens are those calls'
 tokens in order (else the run stops and says to return them).
 
+On a tensor-parallel engine replica the leader runs the loops over `ReplicaEngine` (`lathe.workers.lockstep`), its
+followers following its steps, as the tool loop does.
+
 Not implemented (refused where configured, or stopped when a loop asks for it): images, video and audio
-(`image_data`, `multi_modal_data`), routing replay (`routed_experts`), fully-async rollouts, a rollout engine over
-several devices (tensor parallelism, data-parallel attention), `agent.custom_async_server`, and rows naming verl's
+(`image_data`, `multi_modal_data`), routing replay (`routed_experts`), fully-async rollouts, an engine of
+data-parallel replicas (`rollout.data_parallel_size`), `agent.custom_async_server`, and rows naming verl's
 `tool_agent` beside custom loops (lathe's tool loop, `multi_turn.enable`, runs only when no custom loop is set).
 """
 
@@ -43,7 +46,7 @@ from typing import Any
 
 from lathe.engine.llm_engine import sequence_seed
 from lathe.generation import RolloutOutput, SamplingParams
-from lathe.rollout.agent.loop import AgentOutput
+from lathe.rollout.agent.loop import AgentOutput, AgentSettings
 
 KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
 BUILTIN = "single_turn_agent"
@@ -55,6 +58,7 @@ SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_tokens", "max_new_tokens"
 IGNORED_SAMPLING_KEYS = {"logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                          "include_stop_str_in_output"}
 IDLE_POLL_S = 0.002
+PREFILL_INTERVAL = AgentSettings.prefill_interval
 
 
 class AgentLoopError(RuntimeError):
@@ -435,11 +439,17 @@ class CustomAgentLoops:
             for _ in range(params.n):
                 samples.append(_Sample(len(samples), {**row, "prompt_ids": list(prompt)}, name))
         start = time.perf_counter()
+        scheduler = getattr(self.engine, "scheduler", None)
+        interval = getattr(scheduler, "prefill_interval", None)
+        if interval is not None:                # later turns arrive one by one: batch their prefills (as the tool
+            scheduler.prefill_interval = PREFILL_INTERVAL          # loop does; a replica's followers get it too)
         loop = asyncio.new_event_loop()
         try:
             results = loop.run_until_complete(self._run(samples))
         finally:
             loop.close()
+            if interval is not None:
+                scheduler.prefill_interval = interval
         return self._output(samples, results, time.perf_counter() - start)
 
     # -- the event loop
@@ -648,4 +658,9 @@ def build_custom_loops(cfg, engine, tokenizer, tools=None) -> CustomAgentLoops:
 
 def custom_loops_configured(cfg) -> bool:
     """Whether the run's rollouts go through custom agent loops: an agent_loop_config_path is set."""
-    return bool((cfg.actor_rollout_ref.rollout.agent or {}).get("agent_loop_config_path"))
+    return custom_loops_in(cfg.actor_rollout_ref.rollout)
+
+
+def custom_loops_in(rollout_cfg) -> bool:
+    """`custom_loops_configured` from the `actor_rollout_ref.rollout` group."""
+    return bool((rollout_cfg.agent or {}).get("agent_loop_config_path"))

@@ -266,3 +266,24 @@ def test_a_loop_busy_with_its_own_work_longer_than_the_timeout_is_not_stopped_wh
         import sys
         sys.modules.pop("slow_loops", None)
     assert len(out.token_ids[0]) == 3 and all(lp < 0 for lp in out.logprobs[0])
+
+
+def test_verls_helpers_a_loop_uses(qwen_tok):
+    """`apply_chat_template(remove_system_prompt=True)` drops the template's default system prompt (a tool message
+    rendered for appending), `simple_timer` times a block, `rollout_trace_op` leaves the function as it is."""
+    from lathe.rollout.agent.custom import AgentLoopBase, rollout_trace_op, simple_timer
+    engine, run = runner(qwen_tok, load_registry(None))
+    from lathe.rollout.agent.custom import ConfigView, DictConfigWrap, ServerManager, _Sample
+
+    async def render():
+        loop = AgentLoopBase(DictConfigWrap(ConfigView(run.cfg)), ServerManager(run, _Sample(0, {}, "x")), qwen_tok)
+        tool = [{"role": "tool", "content": "42"}]
+        return (await loop.apply_chat_template(tool), await loop.apply_chat_template(tool, remove_system_prompt=True),
+                loop._system_prefix(None))
+
+    whole, cut, system = asyncio.run(render())
+    assert system and whole == system + cut and "system" in qwen_tok.decode(system) and "42" in qwen_tok.decode(cut)
+    timing = {}
+    with simple_timer("generate_sequences", timing):
+        pass
+    assert timing["generate_sequences"] >= 0 and rollout_trace_op(len) is len

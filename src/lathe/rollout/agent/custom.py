@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+from contextlib import contextmanager
 import os
 import sys
 import time
@@ -51,7 +52,7 @@ from lathe.rollout.agent.loop import AgentOutput, AgentSettings
 KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
 BUILTIN = "single_turn_agent"
 VERL_IMPORT_FIX = ("import them from lathe instead: from lathe.rollout.agent.custom import AgentLoopBase, "
-                   "AgentLoopOutput, AgentLoopMetrics, TokenOutput, register")
+                   "AgentLoopOutput, AgentLoopMetrics, TokenOutput, register, simple_timer, rollout_trace_op")
 # vLLM's sampling arguments a loop may pass: lathe's, and those that change nothing here
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_tokens", "max_new_tokens", "min_tokens", "stop",
                  "stop_token_ids", "ignore_eos", "n"}
@@ -218,15 +219,18 @@ class AgentLoopBase:
             raise AgentLoopError(_unsupported("images or video"))
         ids = self._render(messages, tools)
         if remove_system_prompt:
-            ids = ids[len(self._render([], tools, add_generation_prompt=False)):]
+            ids = ids[len(self._system_prefix(tools)):]
         return ids
 
+    def _system_prefix(self, tools) -> list[int]:
+        """The tokens a template puts before a conversation's first message (a default system prompt): one empty
+        user message's rendering less the tokens a second one adds."""
+        user = {"role": "user", "content": ""}
+        one = self._render([user], tools, add_generation_prompt=False)
+        two = self._render([user, user], tools, add_generation_prompt=False)
+        return one[:max(0, 2 * len(one) - len(two))]
+
     def _render(self, messages, tools, *, add_generation_prompt: bool = True) -> list[int]:
-        if not messages:
-            stub = self.tokenizer.apply_chat_template([{"role": "user", "content": ""}], tools=tools, tokenize=False,
-                                                      add_generation_prompt=False, **self.apply_chat_template_kwargs)
-            text = stub[:stub.find("user")] if "user" in stub else ""
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
         text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,      # (as the data set
                                                   add_generation_prompt=add_generation_prompt,  # renders prompts)
                                                   **self.apply_chat_template_kwargs)
@@ -263,6 +267,22 @@ class AgentLoopBase:
         mask = list(response_mask) + [0] * len(delta)
         logprobs = None if response_logprobs is None else list(response_logprobs) + [0.0] * len(delta)
         return MergeResult(list(runtime_token_ids) + delta), mask, logprobs
+
+
+@contextmanager
+def simple_timer(name: str, timing: dict):
+    """verl's timer: the block's seconds into `timing[name]` (a loop's metrics, as `generate_sequences`)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing[name] = time.perf_counter() - start
+
+
+def rollout_trace_op(func):
+    """verl's rollout-trace decorator: lathe records no traces of a loop (its trajectories are in the batch); the
+    function is returned as it is."""
+    return func
 
 
 _RENDERERS: dict = {}

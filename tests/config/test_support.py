@@ -163,7 +163,7 @@ def test_agent_loop_workers_warn_and_custom_agent_loops_are_checked(tmp_path):
     not run with yet are refused naming the key."""
     a = "actor_rollout_ref.rollout.agent"
     with pytest.warns(IgnoredKeysWarning, match="agent-loop workers"):
-        load_config("base", GRPO + [f"{a}.num_workers=8"])
+        load_config("base", GRPO + [f"{a}.num_workers=4"])
     text = refused(f"{a}.agent_loop_config_path={tmp_path / 'loops.yaml'}")
     assert "agent_loop_config_path" in text and "no such file" in text and "Fix:" in text
     text = refused(f"{a}.default_agent_loop=my_agent")
@@ -172,6 +172,8 @@ def test_agent_loop_workers_warn_and_custom_agent_loops_are_checked(tmp_path):
     path = f"{a}.agent_loop_config_path={tmp_path / 'loops.yaml'}"
     cfg = load_config("base", GRPO + [path, f"{a}.default_agent_loop=my_agent"])
     assert cfg.actor_rollout_ref.rollout.agent["default_agent_loop"] == "my_agent"
+    tool = load_config("base", GRPO + [f"{a}.default_agent_loop=tool_agent"])       # verl's tool loop: lathe's
+    assert tool.actor_rollout_ref.rollout.multi_turn.enable
     tp = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
     assert load_config("base", GRPO + [path] + tp, device_count=2).actor_rollout_ref.rollout.agent    # a TP replica
     for extra, what in ((["actor_rollout_ref.actor.use_prefix_grouper=true"], "use_prefix_grouper"),

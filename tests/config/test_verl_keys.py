@@ -254,7 +254,7 @@ def verl_file(tmp_path, **changes) -> str:
 
 
 # Rollout keys that warn at verl's defaults (the rollout branch's verdicts; quiet them there, then drop them here)
-WARN_AT_VERLS_DEFAULT = (f"{R}.update_weights_bucket_megabytes", f"{R}.trace", f"{R}.agent")
+WARN_AT_VERLS_DEFAULT = (f"{R}.update_weights_bucket_megabytes", f"{R}.trace")
 
 
 def notices(caught) -> list[str]:

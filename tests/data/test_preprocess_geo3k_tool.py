@@ -17,7 +17,7 @@ from .test_preprocess_gsm8k_tool import tool_reward
 
 
 def _expected(raw: dict, split: str, index: int) -> dict:
-    """The row verl's geo3k_multiturn_w_tool.py writes, less agent_name (lathe's loop reads none)."""
+    """The row verl's geo3k_multiturn_w_tool.py writes, less agent_name (lathe's tool loop runs every row)."""
     return {"data_source": "hiyouga/geometry3k",
             "prompt": [{"role": "system", "content": SYSTEM_PROMPT},
                        {"role": "user", "content": raw["problem"] + " " + INSTRUCTION}],

@@ -17,6 +17,7 @@ from .fill import fill_defaults
 from .interpolate import resolve_interpolations
 from .plan import resolve_devices
 from .rules import check_config, check_visible_devices
+from .rules_agent import apply_tool_agent
 from .schema import LatheConfig
 from .support import check_support
 from .tree import apply_layer, flatten_mapping, parse_override
@@ -58,6 +59,7 @@ def load_config(source: str | os.PathLike | None = None, overrides: Sequence[str
     devices = resolve_devices(cfg, device_count)
     problems = ProblemList()
     apply_engine_kwargs(cfg, problems)      # verl's engine arguments with a lathe meaning set the rollout keys
+    apply_tool_agent(cfg)                   # verl's default_agent_loop=tool_agent: lathe's tool loop
     check_support(cfg, problems)
     pack_for_context_parallel(cfg)          # verl's context parallelism over padded micro-batches: Ulysses, packed
     engine_data_parallel(cfg)               # verl's data-parallel attention: replicas of TP ranks

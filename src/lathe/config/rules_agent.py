@@ -9,9 +9,17 @@ import warnings
 from .errors import IgnoredKeysWarning, ProblemList
 from .plan import is_async
 from .schema import LatheConfig
-from .support_rollout import unsupported_agent_keys
+from .support_rollout import VERL_AGENT_WORKERS, unsupported_agent_keys
 
 A = "actor_rollout_ref.rollout.agent"
+
+
+def apply_tool_agent(cfg: LatheConfig) -> None:
+    """verl's `agent.default_agent_loop=tool_agent` (its tool loop, whatever `multi_turn.enable` says) turns on
+    lathe's tool loop (`multi_turn.enable`), unless custom loops are set (`check_custom_agent_loops` refuses that)."""
+    agent = cfg.actor_rollout_ref.rollout.agent or {}
+    if agent.get("default_agent_loop") == "tool_agent" and not agent.get("agent_loop_config_path"):
+        cfg.actor_rollout_ref.rollout.multi_turn.enable = True
 
 
 def check_custom_agent_loops(cfg: LatheConfig, problems: ProblemList) -> None:
@@ -23,7 +31,7 @@ def check_custom_agent_loops(cfg: LatheConfig, problems: ProblemList) -> None:
     refused = unsupported_agent_keys(agent)
     if refused:
         problems.add(refused)
-    if agent.get("num_workers") is not None:
+    if agent.get("num_workers") not in (None, VERL_AGENT_WORKERS):
         warnings.warn(f"{A}.num_workers={agent['num_workers']} has no effect in lathe: its custom agent loops run as "
                       "coroutines of the rollout's own thread, beside the engine.", IgnoredKeysWarning, stacklevel=2)
     if not os.path.isfile(os.path.expanduser(str(path))):

@@ -26,9 +26,9 @@ POOL = ("set the top-level rollout.nnodes and rollout.n_gpus_per_node (lathe's r
 
 def _agent(value, cfg) -> tuple[str, str] | None:
     """verl's agent loop settings without custom loops (with them, `agent_loop_config_path` set, `rules_agent` judges
-    the group): its worker count and its tool loop have no effect (lathe's rollout is single-turn, or multi-turn
-    with multi_turn.enable; single_turn_agent is lathe's behaviour); a custom loop no file lists, a custom manager
-    or server is refused."""
+    the group): its worker count has no effect; `default_agent_loop` single_turn_agent is lathe's single-turn
+    rollout and tool_agent its tool loop (`rules_agent.apply_tool_agent`); a custom loop no file lists, a custom
+    manager or server is refused."""
     value = value or {}
     loop = value.get("default_agent_loop", "single_turn_agent")
     refused = unsupported_agent_keys(value)
@@ -38,10 +38,13 @@ def _agent(value, cfg) -> tuple[str, str] | None:
         return "refuse", (f"`{R}.agent.default_agent_loop`={loop!r} names a custom agent loop, but no "
                           f"{R}.agent.agent_loop_config_path lists it. Fix: set agent_loop_config_path to the YAML "
                           f"file of your loops (- name: {loop} / _target_: your_pkg.module.YourAgentLoop).")
-    if "num_workers" not in value and loop == "single_turn_agent":
-        return None
-    return "warn", (f"`{R}.agent`={show(value)} has no effect in lathe: lathe's engine needs no agent-loop workers, "
-                    f"and it runs single-turn or tool loops by {R}.multi_turn.enable.")
+    if value.get("num_workers") in (None, VERL_AGENT_WORKERS):       # (quiet at verl's default)
+        return None         # (tool_agent: lathe's tool loop, multi_turn.enable turned on: rules_agent.apply_tool_agent)
+    return "warn", (f"`{R}.agent.num_workers`={show(value['num_workers'])} has no effect in lathe: lathe's engine "
+                    f"needs no agent-loop workers.")
+
+
+VERL_AGENT_WORKERS = 8     # verl's rollout.agent.num_workers default
 
 
 def unsupported_agent_keys(value: dict) -> str | None:

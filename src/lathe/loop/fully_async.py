@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lathe.batch import Batch
+from lathe.rollout.agent import check_agent_names
 from lathe.cluster.roles import ACTOR
 from lathe.workers.fully_async import request_agent, request_images
 from lathe.loop.fully_async_dapo import DynamicSampling
@@ -149,6 +150,7 @@ class AsyncDriver:
                 self.dapo.issued(first, label, len(rows))
             prompts = prompt_batch(rows, step=0)
             prompts = Batch(non_tensors={**prompts.non_tensors, "uid": [f"p{first + i}" for i in range(len(rows))]})
+            check_agent_names(prompts, self.t.cfg.actor_rollout_ref.rollout)       # (rows naming verl's loops)
             # seeded as the synchronous loop seeds prompt i of its step s (same samples when on-policy); a dynamic-
             # sampling round as it seeds round r of step s
             step, i = divmod(first, self.step_prompts)

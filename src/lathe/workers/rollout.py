@@ -31,7 +31,7 @@ from lathe.engine.tensor_parallel import TensorParallel, shard_copy
 from lathe.generation import SamplingParams
 from lathe.models.frozen import frozen_copy
 from lathe.models.lora import merged_weights
-from lathe.rollout.agent import agent_columns, agent_kwargs
+from lathe.rollout.agent import agent_columns, agent_kwargs, check_agent_names
 from lathe.rollout.agent.custom import custom_loops_in
 from lathe.rollout.base import to_batch
 from lathe.rollout.build import build_engine, build_hf_rollout, eos_token_ids, resolve_rollout_name
@@ -129,6 +129,7 @@ class Rollout:
         `first_index`: where this share's first sample sits in a rollout split over ranks (seeding). The ranks of a
         tensor-parallel replica all generate (the same samples); only its first returns them, the others None."""
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
+        check_agent_names(prompts, self.cfg)
         if not prompt_ids and self.dp is None:      # (called with none only as a data-parallel-attention engine's
             return None                             # idle replica)
         timings = {}

@@ -164,7 +164,7 @@ def test_a_two_turn_loop_gets_its_row_its_turns_and_the_rendered_tool_answer(qwe
 
 
 @pytest.mark.parametrize("name, match", [
-    ("raises", r"agent loop 'raises' \(my_loops.Raises\) failed on sample 0 \(prompt 0\): KeyError"),
+    ("raises", r"agent loop 'raises' \(my_loops.Raises\) failed on sample [01] \(prompt 0\): KeyError"),
     ("badmask", r"response_mask has 1 values for \d+ response tokens"),
     ("retokenised", r"no response_logprobs, and its model tokens .* are not its generate calls' tokens"),
 ])
@@ -287,3 +287,26 @@ def test_verls_helpers_a_loop_uses(qwen_tok):
     with simple_timer("generate_sequences", timing):
         pass
     assert timing["generate_sequences"] >= 0 and rollout_trace_op(len) is len
+
+
+def test_rows_naming_a_loop_this_run_does_not_have_are_refused_naming_the_fix():
+    """verl's `agent_name` column without custom loops: `tool_agent` runs on the tool loop only, any other name is
+    a custom loop's; `single_turn_agent` and null run anywhere."""
+    from types import SimpleNamespace
+
+    from lathe.rollout.agent import check_agent_names
+
+    def rollout_cfg(tools=False, custom=None):
+        return SimpleNamespace(multi_turn=SimpleNamespace(enable=tools), agent={"agent_loop_config_path": custom})
+
+    def rows(*names):
+        return Batch(non_tensors={"agent_name": list(names), "index": list(range(10, 10 + len(names)))})
+
+    check_agent_names(rows(None, "single_turn_agent"), rollout_cfg())
+    check_agent_names(rows("tool_agent", None), rollout_cfg(tools=True))
+    check_agent_names(rows("anything"), rollout_cfg(custom="loops.yaml"))       # (the custom runner checks it)
+    with pytest.raises(ValueError, match=r"prompt 11: agent_name='tool_agent' .*single-turn generation.*"
+                                         r"multi_turn.enable=true"):
+        check_agent_names(rows(None, "tool_agent"), rollout_cfg())
+    with pytest.raises(ValueError, match=r"prompt 10: agent_name='math' .*the tool loop.*agent_loop_config_path"):
+        check_agent_names(rows("math"), rollout_cfg(tools=True))

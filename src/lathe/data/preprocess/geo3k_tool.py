@@ -9,8 +9,9 @@ passed through, data_source "hiyouga/geometry3k", ability "math", reward_model g
 - extra_info.need_tools_kwargs = True and extra_info.tools_kwargs = {"calc_geo3k_reward": {"create_kwargs":
   {"ground_truth": <the answer>}}}: the agent loop creates each trajectory's tool instance with them, so the tool
   scores submissions against this row's answer.
-verl's rows also carry agent_name "tool_agent" (verl's agent-loop registry); lathe runs its agent loop for every row
-when rollout.multi_turn.enable=true and reads no agent_name, so it is left out.
+verl's rows also carry agent_name "tool_agent" (verl's agent-loop registry); lathe runs its tool loop for every row
+when rollout.multi_turn.enable=true, so it is left out (a row's agent_name picks a custom agent loop in lathe, and
+"tool_agent" rows are refused on a single-turn run).
 """
 
 from __future__ import annotations

@@ -88,6 +88,28 @@ def agent_kwargs(prompts: Batch, agent=None) -> dict:
     return out
 
 
+def check_agent_names(prompts: Batch, rollout_cfg) -> None:
+    """Rows naming verl's loops (`agent_name`) that this rollout (`actor_rollout_ref.rollout`) does not run: a custom
+    loop's name without custom loops, `tool_agent` on a single-turn rollout (with custom loops their runner checks
+    the names). From the config alone: every rank of a replica decides alike."""
+    from lathe.rollout.agent.custom import custom_loops_in
+    if "agent_name" not in prompts or custom_loops_in(rollout_cfg):
+        return
+    tools = rollout_cfg.multi_turn.enable
+    builtin = {None, "single_turn_agent"} | ({"tool_agent"} if tools else set())
+    bad = next(((i, n) for i, n in enumerate(prompts["agent_name"]) if n not in builtin), None)
+    if bad is None:
+        return
+    index = prompts["index"][bad[0]] if "index" in prompts else bad[0]
+    if bad[1] == "tool_agent":
+        fix = "set actor_rollout_ref.rollout.multi_turn.enable=true (lathe's tool loop) with a tool file"
+    else:
+        fix = ("list the loop in actor_rollout_ref.rollout.agent.agent_loop_config_path (lathe.rollout.agent.custom), "
+               "or drop the column")
+    raise ValueError(f"prompt {index}: agent_name={bad[1]!r} names an agent loop this run does not have "
+                     f"({'the tool loop' if tools else 'single-turn generation'} runs its rows). Fix: {fix}")
+
+
 def agent_columns(out, extra_info: list) -> Batch:
     """Per-sample columns of a multi-turn rollout: verl's `num_turns`, tool calls/errors/seconds, and each sample's
     `extra_info` gaining `num_turns`, `tool_rewards` (each tool's `calc_reward`) and `turn_scores` (the simulated

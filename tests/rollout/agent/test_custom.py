@@ -203,6 +203,12 @@ def test_unknown_sampling_arguments_and_images_are_refused(qwen_tok, loops):
                           (dict(sampling_params={}, image_data=["img"]), "not implemented yet in lathe")):
         with pytest.raises(AgentLoopError, match=match):
             asyncio.run(manager.generate(prompt_ids=[1, 2], **kwargs))
+    sample = _Sample(0, {}, "single_turn_agent")
+    assert run._sampling(sample, [1], {"seed": 7}).seed == 7 and run._sampling(sample, [1], {}).seed == 0
+    sample.calls = 1                                    # a later call: the seed mixed with the call's number
+    assert run._sampling(sample, [1], {"seed": 7}).seed not in (7, run._sampling(sample, [1], {}).seed)
+    got = run._sampling(sample, [1], {"temperature": 0, "max_new_tokens": 5, "stop": "x", "stop_token_ids": [3]})
+    assert got.greedy and got.max_tokens == 5 and got.stop == ["x"] and 3 in got.stop_token_ids
 
 
 def test_loading_names_what_is_wrong_with_the_file_or_the_class(tmp_path, monkeypatch):

@@ -467,6 +467,7 @@ class CustomAgentLoops:
         try:
             results = loop.run_until_complete(self._run(samples))
         finally:
+            loop.run_until_complete(loop.shutdown_default_executor())      # (the loops' run_in_executor threads)
             loop.close()
             if interval is not None:
                 scheduler.prefill_interval = interval
@@ -475,14 +476,17 @@ class CustomAgentLoops:
     # -- the event loop
     async def _run(self, samples: list[_Sample]) -> list:
         tasks = [asyncio.ensure_future(self._one(s)) for s in samples]
-        quiet, seen = time.monotonic(), None
+        finished: list = []                             # tasks as they finish (no scan of all tasks each step)
+        for t in tasks:
+            t.add_done_callback(finished.append)
+        quiet, seen, checked = time.monotonic(), None, 0
         try:
             while True:
                 await asyncio.sleep(0)                  # the loops run to their next wait
-                failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
-                if failed is not None:
-                    failed.result()
-                done = sum(t.done() for t in tasks)
+                for t in finished[checked:]:
+                    if t.exception() is not None:       # (a loop's error: raised here, naming it)
+                        t.result()
+                done = checked = len(finished)
                 if done == len(tasks):
                     return [t.result() for t in tasks]
                 if (done, self._requests) != seen:     # a loop finished or asked for a turn: not stuck
@@ -507,7 +511,10 @@ class CustomAgentLoops:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self._drain()
+            try:
+                self._drain()
+            except Exception:           # (an engine that failed itself: its own error is the one raised)
+                pass
             raise
 
     def _drain(self) -> None:
@@ -571,7 +578,8 @@ class CustomAgentLoops:
         budget = sampling.get("max_tokens", sampling.get("max_new_tokens", self.response_length))
         stop = sampling.get("stop") or []
         temperature = float(sampling.get("temperature", self._params.temperature))
-        seed = self._base if s.calls == 0 else sequence_seed(self._base, -s.calls)
+        base = int(sampling["seed"]) if sampling.get("seed") is not None else self._base    # (a loop's own seed)
+        seed = base if s.calls == 0 else sequence_seed(base, -s.calls)
         return replace(self._params, n=1, temperature=temperature, do_sample=temperature > 0,
                        top_p=float(sampling.get("top_p", self._params.top_p)),
                        top_k=int(sampling.get("top_k", self._params.top_k)),

@@ -21,7 +21,7 @@ from rollout.agent.test_loop import prompt_of, tiny_engine
 from rollout.agent.test_render import ids
 
 LOOPS = '''
-from lathe.rollout.agent.custom import AgentLoopBase, AgentLoopOutput
+from lathe.rollout.agent.custom import AgentLoopBase, AgentLoopOutput, register
 
 SEEN = []
 
@@ -70,6 +70,11 @@ class BadMask(AgentLoopBase):
         out = await self.server_manager.generate(prompt_ids=kwargs["prompt_ids"], sampling_params={})
         return AgentLoopOutput(prompt_ids=kwargs["prompt_ids"], response_ids=out.token_ids, response_mask=[1],
                                metrics={})
+
+
+@register("registered_here")
+class Registered(AgentLoopBase):
+    """Registered by the decorator as the YAML file's module is imported (the file does not list it)."""
 
 
 class Retokenised(AgentLoopBase):
@@ -183,6 +188,7 @@ def test_a_hanging_loop_is_stopped_after_the_timeout(qwen_tok, loops):
 
 
 def test_rows_pick_their_loop_and_an_unknown_one_is_named(qwen_tok, loops):
+    assert loops["registered_here"][0].__name__ == "Registered" and loops["twoturns"][1] == {"hint": "7"}
     engine, run = runner(qwen_tok, loops)
     rows = rows_of(qwen_tok, ["a", "b"])
     rows[1]["agent_name"] = "twoturns"
@@ -316,3 +322,19 @@ def test_rows_naming_a_loop_this_run_does_not_have_are_refused_naming_the_fix():
         check_agent_names(rows(None, "tool_agent"), rollout_cfg())
     with pytest.raises(ValueError, match=r"prompt 10: agent_name='math' .*the tool loop.*agent_loop_config_path"):
         check_agent_names(rows("math"), rollout_cfg(tools=True))
+
+
+def test_merging_messages_twice_after_a_turn_is_refused(qwen_tok):
+    """After a tool answer the generation prompt is already appended: a second merge would repeat it."""
+    from lathe.rollout.agent.custom import AgentLoopBase, ConfigView, DictConfigWrap, ServerManager, _Sample
+    engine, run = runner(qwen_tok, load_registry(None))
+
+    async def twice():
+        loop = AgentLoopBase(DictConfigWrap(ConfigView(run.cfg)), ServerManager(run, _Sample(0, {}, "x")), qwen_tok)
+        said = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        tool = said + [{"role": "tool", "content": "1"}]
+        ids, mask, _ = await loop.ct_merge_non_assistant_msg(said, tool, [5, 6], [1])
+        await loop.ct_merge_non_assistant_msg(tool, tool + [{"role": "user", "content": "more"}], ids.token_ids, mask)
+
+    with pytest.raises(AgentLoopError, match="previous_messages must end with the model's turn"):
+        asyncio.run(twice())

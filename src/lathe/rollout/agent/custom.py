@@ -262,6 +262,10 @@ class AgentLoopBase:
         """The messages after `previous_messages` (tool answers, a user turn) appended as the chat template renders
         them after the last model turn, and the next generation prompt: mask 0 (lathe's `ConversationRenderer`)."""
         added = list(updated_messages)[len(previous_messages):]
+        if not previous_messages or previous_messages[-1].get("role") != "assistant":
+            raise AgentLoopError("ct_merge_non_assistant_msg: previous_messages must end with the model's turn (an "
+                                 "assistant message): lathe appends what follows a model turn, and the next generation "
+                                 "prompt, once. Fix: merge all the messages after a model turn in one call")
         renderer = _renderer(self.tokenizer, tools)
         delta = renderer.close_turn(list(runtime_token_ids[-1:])) + renderer.messages_delta(added)
         mask = list(response_mask) + [0] * len(delta)
@@ -300,14 +304,17 @@ def _renderer(tokenizer, tools: list[dict] | None):
     return _RENDERERS[key][1]                                                        # id stays its own)
 
 
-_REGISTRY: dict[str, dict] = {}
+_REGISTRY: dict[str, type] = {}
 
 
 def register(agent_name: str):
     """verl's decorator: `@register("my_agent")` names a loop class (its module must be imported: list it in the
     agent_loop_config_path file, or import it from one that is)."""
     def decorator(cls):
-        _REGISTRY[agent_name] = {"_target_": f"{cls.__module__}.{cls.__qualname__}"}
+        if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
+            raise AgentLoopError(f"@register({agent_name!r}): {cls!r} is not a subclass of lathe's AgentLoopBase. "
+                                 f"Fix: {VERL_IMPORT_FIX}, and derive the class from AgentLoopBase")
+        _REGISTRY[agent_name] = cls
         return cls
     return decorator
 
@@ -359,8 +366,9 @@ def _import_target(target: str, where: str):
 
 
 def load_registry(path: str | None) -> dict[str, tuple[type, dict]]:
-    """name -> (class, constructor kwargs): lathe's built-in loop, every `@register`ed one, and the YAML file's."""
-    entries = {name: dict(spec) for name, spec in _REGISTRY.items()}
+    """name -> (class, constructor kwargs): the YAML file's loops, then every `@register`ed one (lathe's built-in
+    loop, and those the file's modules register as they are imported) under a name the file does not use."""
+    entries: dict[str, dict] = {}
     if path:
         import yaml
         try:
@@ -385,8 +393,9 @@ def load_registry(path: str | None) -> dict[str, tuple[type, dict]]:
     for name, spec in entries.items():
         spec = dict(spec)
         spec.pop("name", None)
-        cls = _import_target(spec.pop("_target_"), f"agent loop {name!r}" + (f" ({path})" if path else ""))
-        out[name] = (cls, spec)
+        out[name] = (_import_target(spec.pop("_target_"), f"agent loop {name!r} ({path})"), spec)
+    for name, cls in list(_REGISTRY.items()):           # (after the file's imports: what they registered too)
+        out.setdefault(name, (cls, {}))
     return out
 
 

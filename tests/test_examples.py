@@ -53,6 +53,10 @@ def run_example(name: str, *args: str, **env) -> subprocess.CompletedProcess:
                                  "actor_rollout_ref.rollout.multi_turn.tool_config_path":
                                      str(ROOT / "examples" / "tools" / "gsm8k_tool.yaml"),
                                  "data.max_prompt_length": 1024, "trainer.n_gpus_per_node": 8}),
+    ("gsm8k_custom_agent.sh", {"actor_rollout_ref.rollout.agent.agent_loop_config_path":
+                                   str(ROOT / "examples" / "agents" / "loops.yaml"),
+                               "actor_rollout_ref.rollout.agent.default_agent_loop": "self_check",
+                               "actor_rollout_ref.rollout.multi_turn.enable": False, "trainer.n_gpus_per_node": 1}),
     ("geo3k_qwen2_5_vl.sh", {"data.image_key": "images", "actor_rollout_ref.rollout.n": 5,
                              "actor_rollout_ref.rollout.name": "lathe", "data.max_response_length": 2048,
                              "trainer.n_gpus_per_node": 8}),
@@ -138,7 +142,7 @@ def test_the_sft_example_resolves_to_verls_gsm8k_sft_recipe(data_dir):
 
 @pytest.mark.parametrize("name", ["gsm8k_grpo_1gpu.sh", "qwen3_8b_gb200.sh", "gsm8k_grpo_slurm.sh", "gsm8k_sft.sh",
                                   "gsm8k_multiturn_tool.sh", "geo3k_qwen2_5_vl.sh", "geo3k_qwen3_vl_fully_async.sh",
-                                  "geo3k_multiturn_qwen2_5_vl.sh"])
+                                  "geo3k_multiturn_qwen2_5_vl.sh", "gsm8k_custom_agent.sh"])
 def test_an_example_without_its_data_says_how_to_make_it(name, tmp_path):
     out = run_example(name, DATA_DIR=str(tmp_path / "nowhere"), SBATCH="false")
     assert out.returncode == 2 and "train.parquet" in out.stderr and "DATA_DIR" in out.stderr

@@ -7,6 +7,7 @@ hanging or malformed loop stops the call with its name and sample, leaving the e
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import torch
@@ -97,7 +98,6 @@ def loops(tmp_path, monkeypatch):
     yaml = yaml.replace("my_loops.TwoTurns\n", "my_loops.TwoTurns\n  hint: '7'\n")
     (tmp_path / "loops.yaml").write_text(yaml)
     yield load_registry(str(tmp_path / "loops.yaml"))
-    import sys
     sys.modules.pop("my_loops", None)
 
 
@@ -230,7 +230,6 @@ def test_loading_names_what_is_wrong_with_the_file_or_the_class(tmp_path, monkey
         with pytest.raises(AgentLoopError, match=match):
             load_registry(str(tmp_path / "l.yaml"))
     for name in ("uses_verl", "not_a_loop"):
-        import sys
         sys.modules.pop(name, None)
 
 
@@ -275,7 +274,6 @@ def test_a_loop_busy_with_its_own_work_longer_than_the_timeout_is_not_stopped_wh
         engine, run = runner(qwen_tok, load_registry(str(tmp_path / "l.yaml")), default="slow", timeout_s=0.35)
         out = run.generate([prompt_of(qwen_tok)], SamplingParams(max_tokens=8), rows=rows_of(qwen_tok, ["q"]))
     finally:
-        import sys
         sys.modules.pop("slow_loops", None)
     assert len(out.token_ids[0]) == 3 and all(lp < 0 for lp in out.logprobs[0])
 
@@ -338,3 +336,33 @@ def test_merging_messages_twice_after_a_turn_is_refused(qwen_tok):
 
     with pytest.raises(AgentLoopError, match="previous_messages must end with the model's turn"):
         asyncio.run(twice())
+
+
+def test_the_examples_self_check_loop_asks_again_when_the_answer_has_no_final_line(qwen_tok, monkeypatch):
+    """examples/agents/self_check.py (examples/gsm8k_custom_agent.sh) loaded from its YAML file as the script loads
+    it: the tiny random model never writes "####", so each sample is a turn, the reminder (mask 0, as the chat template
+    renders it after the turn), and a second turn; with "####" in a turn's text, one turn."""
+    from pathlib import Path
+    from lathe.rollout.agent.render import ConversationRenderer
+    agents = Path(__file__).resolve().parents[3] / "examples" / "agents"
+    monkeypatch.syspath_prepend(str(agents))
+    registry = load_registry(str(agents / "loops.yaml"))
+    import self_check
+    engine, run = runner(qwen_tok, registry, default="self_check", response_length=250)
+    out = run.generate([prompt_of(qwen_tok, "What is 6*7?")], SamplingParams(n=1, temperature=1.0, seed=3,
+                                                                            max_tokens=250),
+                       rows=[{"raw_prompt": [{"role": "user", "content": "What is 6*7?"}], "uid": "u"}])
+    renderer = ConversationRenderer(qwen_tok)
+    delta = renderer.messages_delta([{"role": "user", "content": self_check.REMINDER}])
+    for tokens, mask in zip(out.token_ids, out.loss_masks):
+        first = mask.index(0)
+        added = renderer.close_turn(tokens[first - 1:first]) + delta       # (the turn's end marker, the reminder)
+        assert mask[first:first + len(added)] == [0] * len(added) and 1 in mask[first + len(added):]
+        assert tokens[first:first + len(added)] == added
+    assert out.num_turns == [4]
+    monkeypatch.setattr(qwen_tok, "decode", lambda *a, **k: "#### 42")      # an answer with its final line
+    once = runner(qwen_tok, registry, default="self_check", response_length=250)[1].generate(
+        [prompt_of(qwen_tok)], SamplingParams(n=1, max_tokens=250), rows=[{"raw_prompt": [{"role": "user",
+                                                                                          "content": "q"}]}])
+    assert once.num_turns == [2] and 0 not in once.loss_masks[0]
+    sys.modules.pop("self_check", None)

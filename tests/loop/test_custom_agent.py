@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from loop.test_async_inprocess import ON_POLICY, in_process_pools  # noqa: F401
 from lathe.cli import main
 
 FAST = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
@@ -63,3 +64,55 @@ def test_lathe_train_runs_a_custom_agent_loop_and_takes_its_scores(tmp_path, mon
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["critic/score/mean"] == pytest.approx(0.25) and "timing_s/agent_loop" in m
+
+
+TWO_TURNS = '''
+from lathe.rollout.agent.custom import AgentLoopBase, AgentLoopOutput
+
+
+class TwoTurns(AgentLoopBase):
+    """A turn of at most 3 tokens, a tool answer as the chat template renders it, a second turn; its score: the
+    first token, odd or even."""
+
+    async def run(self, sampling_params, **kwargs):
+        prompt = list(kwargs["prompt_ids"])
+        first = await self.server_manager.generate(prompt_ids=prompt, sampling_params={**sampling_params,
+                                                                                      "max_tokens": 3})
+        ids, mask, lp = await self.ct_merge_assistant_token(prompt, first.token_ids, [], [], first.log_probs)
+        said = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        ids, mask, lp = await self.ct_merge_non_assistant_msg(said, said + [{"role": "tool", "content": "7"}],
+                                                              ids.token_ids, mask, lp)
+        second = await self.server_manager.generate(prompt_ids=ids.token_ids, sampling_params=sampling_params)
+        ids, mask, lp = await self.ct_merge_assistant_token(ids.token_ids, second.token_ids, mask, lp,
+                                                            second.log_probs)
+        n = self.rollout_config.response_length
+        return AgentLoopOutput(prompt_ids=prompt, response_ids=ids.token_ids[len(prompt):][:n], response_mask=mask[:n],
+                               response_logprobs=lp[:n], reward_score=float(first.token_ids[0] % 2), num_turns=4,
+                               metrics={})
+'''
+
+
+def test_on_policy_fully_async_custom_loops_equal_the_synchronous_run(tmp_path, monkeypatch, in_process_pools):
+    """The loops on a rollout pool's replica (`CustomStream`: an event loop of their own, their turns added by the
+    engine's thread) train as the synchronous run's, on-policy, validation included."""
+    (tmp_path / "two_turns.py").write_text(TWO_TURNS)
+    (tmp_path / "loops.yaml").write_text("- name: two\n  _target_: two_turns.TwoTurns\n")
+    monkeypatch.chdir(tmp_path)
+    a = "actor_rollout_ref.rollout.agent"
+    keys = [*FAST, "data.max_response_length=48", f"{a}.agent_loop_config_path={tmp_path / 'loops.yaml'}",
+            f"{a}.default_agent_loop=two", "trainer.test_freq=2", "data.val_max_samples=4", "data.val_batch_size=4"]
+    runs = []
+    try:
+        for name, extra in (("sync", []), ("async", ON_POLICY)):
+            assert main(["train", *keys, *extra, f"trainer.default_local_dir={tmp_path / name}"]) == 0
+            runs.append([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+    finally:
+        sys.modules.pop("two_turns", None)
+    sync, on_policy = runs
+    assert len(sync) == len(on_policy) == 2 and 0 < sync[0]["critic/score/mean"] < 1     # (a mixture of scores)
+    assert sync[0]["actor/grad_norm"] > 0 and sync[0]["timing_s/agent_loop"] > 0
+    for a_row, b_row in zip(sync, on_policy):
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean",
+                    *(k for k in a_row if k.startswith("val-"))):
+            assert abs(a_row[key] - b_row[key]) <= 1e-4 * max(abs(a_row[key]), 1e-3), (key, a_row[key], b_row[key])
+        assert b_row["fully_async/staleness/max"] == 0

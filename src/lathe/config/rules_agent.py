@@ -7,7 +7,6 @@ import os
 import warnings
 
 from .errors import IgnoredKeysWarning, ProblemList
-from .plan import is_async
 from .schema import LatheConfig
 from .support_rollout import VERL_AGENT_WORKERS, unsupported_agent_keys
 
@@ -42,13 +41,12 @@ def check_custom_agent_loops(cfg: LatheConfig, problems: ProblemList) -> None:
                      f"(multi_turn.enable) and custom loops in one run are not implemented yet. Fix: name "
                      f"single_turn_agent or one of your loops, or remove {A}.agent_loop_config_path to run the tool "
                      f"loop.")
-    not_yet = [(is_async(cfg), "fully-asynchronous training (a rollout pool of its own)"),
-               (ro.data_parallel_size > 1, f"actor_rollout_ref.rollout.data_parallel_size={ro.data_parallel_size}"),
+    not_yet = [(ro.data_parallel_size > 1, f"actor_rollout_ref.rollout.data_parallel_size={ro.data_parallel_size}"),
                (ro.name == "hf", "actor_rollout_ref.rollout.name=hf (transformers generate streams no requests)"),
                (cfg.actor_rollout_ref.actor.use_prefix_grouper, "actor_rollout_ref.actor.use_prefix_grouper=true "
                                                                  "(a loop may change a sample's prompt)")]
     for bad, what in not_yet:
         if bad:
             problems.add(f"{A}.agent_loop_config_path with {what}: custom agent loops are not implemented there yet "
-                         f"(they run on one engine replica, tensor-parallel or not, in synchronous training). Fix: "
+                         f"(they run on engine replicas, tensor-parallel or not). Fix: "
                          f"remove one of the two.")

@@ -47,7 +47,8 @@ import torch
 from lathe.batch import Batch
 from lathe.rollout.agent import check_agent_names
 from lathe.cluster.roles import ACTOR
-from lathe.workers.fully_async import request_agent, request_images
+from lathe.rollout.agent.custom import custom_loops_in
+from lathe.workers.fully_async import agent_rollout, request_agent, request_images
 from lathe.loop.fully_async_dapo import DynamicSampling
 from lathe.loop.fully_async_learn import learn_batch
 from lathe.loop.ppo import save
@@ -119,7 +120,9 @@ class AsyncDriver:
         self.dapo = (DynamicSampling(fg, step_prompts=self.step_prompts, n=self.n, first_step=t.global_step + 1)
                      if fg.enable else None)
         self.remax = cfg.algorithm.adv_estimator == "remax"   # each request's greedy twin, its reward the baseline
-        self.multi_turn = cfg.actor_rollout_ref.rollout.multi_turn.enable    # requests carry tools' kwargs, messages
+        # requests carry tools' kwargs and messages (the tool loop), the rows' fields too (custom agent loops)
+        self.multi_turn, self.custom_loops = agent_rollout(cfg.actor_rollout_ref.rollout), custom_loops_in(
+            cfg.actor_rollout_ref.rollout)
         self.arrived: dict[int, dict[str, Batch]] = {}    # first issue index -> what came of its requests so far
         self.full_bytes: int | None = None
 
@@ -161,7 +164,7 @@ class AsyncDriver:
             replica = self.least_loaded()
             self.in_flight[first] = (replica, prompts)
             self.load[replica] += self.tokens(ids)
-            agent = request_agent(prompts) if self.multi_turn else None
+            agent = request_agent(prompts, self.custom_loops) if self.multi_turn else None
             requests.setdefault(replica, []).append((first, ids, params, i * self.n, images, agent))
             if self.remax:        # ReMax's greedy response of each prompt, generated beside (and with) the samples
                 requests[replica].append((("greedy", first), ids, replace(params, n=1, do_sample=False), 0, images,

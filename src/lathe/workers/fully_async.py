@@ -51,7 +51,7 @@ from lathe.models.lora import is_adapter
 from lathe.models.hf import load_policy, select_impl
 from lathe.generation import SamplingParams
 from lathe.rollout.agent import agent_columns, agent_kwargs, build_agent_loop
-from lathe.rollout.agent.stream import AgentStream
+from lathe.rollout.agent.custom import CustomAgentLoops, agent_stream, custom_loops_in
 from lathe.rollout.base import to_batch
 from lathe.rollout.build import VERL_BACKENDS, backend_notice, build_engine, eos_token_ids, runs_lathe
 from lathe.seeding import seed_everything
@@ -86,7 +86,7 @@ class RolloutWorker:
             logging.getLogger("lathe").info("rollout: lathe engine (%s)", backend_notice(arr.rollout.name))
         if is_vl(model):                # image prompts: each request carries its prompts' images (`submit`)
             check_vl(model, arr, rollout=True)
-            if arr.rollout.multi_turn.enable:
+            if agent_rollout(arr.rollout):
                 raise NotImplementedError(
                     "actor_rollout_ref.rollout.multi_turn.enable=true with a vision-language model on a rollout pool "
                     "of its own: a trajectory's later turns reuse its images' embeddings, which a weight sync would "
@@ -116,8 +116,9 @@ class RolloutWorker:
         # turns reach the engine through the lockstep (`ReplicaEngine`), so a follower adds them at the same step
         # and never runs a tool
         self.agent_engine = ReplicaEngine(self.replica) if self.replica.leader else None
-        self.agent = (AgentStream(build_agent_loop(cfg, self.agent_engine, tokenizer), self._wake)
-                      if arr.rollout.multi_turn.enable and self.replica.leader else None)
+        self.custom_loops = custom_loops_in(arr.rollout)            # (custom agent loops: `CustomStream`)
+        self.agent = (agent_stream(build_agent_loop(cfg, self.agent_engine, tokenizer), self._wake)
+                      if agent_rollout(arr.rollout) and self.replica.leader else None)
         self.sync: SyncGroup | None = None
         self._inbox: list[tuple] = []
         self._prompts: dict = {}            # request id -> (prompt token ids, n, extra_info) until it is collected
@@ -447,7 +448,7 @@ class RolloutWorker:
         key = ("blocking", time.monotonic_ns())
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
         self.submit([(key, prompt_ids, params, first_index, request_images(prompts),
-                      request_agent(prompts) if self.agent is not None else None)])
+                      request_agent(prompts, self.custom_loops) if self.agent is not None else None)])
         with self._cv:
             self._cv.wait_for(lambda: self._error is not None or any(rid == key for rid, _ in self._outbox))
             self._check()
@@ -547,10 +548,17 @@ def request_images(prompts: Batch) -> list | None:
     return list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts else None
 
 
-def request_agent(prompts: Batch) -> dict:
+def request_agent(prompts: Batch, custom: bool = False) -> dict:
     """What a multi-turn request carries of its prompt rows besides their tokens: `agent_kwargs` (tools, simulated
-    users, messages) and the rows' `extra_info` (which the replica returns with the loop's additions)."""
-    return {**agent_kwargs(prompts), "extra_info": list(prompts["extra_info"])}
+    users, messages; `custom`: for custom agent loops, the rows' fields too) and the rows' `extra_info` (which the
+    replica returns with the loop's additions)."""
+    rows = agent_kwargs(prompts, CustomAgentLoops if custom else None)
+    return {**rows, "extra_info": list(prompts["extra_info"])}
+
+
+def agent_rollout(rollout_cfg) -> bool:
+    """Whether requests run through an agent loop: the tool loop (`multi_turn.enable`) or custom ones."""
+    return rollout_cfg.multi_turn.enable or custom_loops_in(rollout_cfg)
 
 
 def token_versions(spans: list[list[tuple[int, int]]], width: int) -> torch.Tensor:

@@ -200,16 +200,16 @@ def test_rows_pick_their_loop_and_an_unknown_one_is_named(qwen_tok, loops):
 
 
 def test_unknown_sampling_arguments_and_images_are_refused(qwen_tok, loops):
-    from lathe.rollout.agent.custom import ServerManager, _Sample
+    from lathe.rollout.agent.custom import ServerManager, _Call, _Sample
     engine, run = runner(qwen_tok, loops)
-    run._params, run._base, run._first, run._prefix, run._waiting = SamplingParams(), 0, 0, "x", {}
-    manager = ServerManager(run, _Sample(0, {}, "single_turn_agent"))
+    call = _Call("x", SamplingParams(), 0, 0)
+    manager = ServerManager(run, _Sample(0, {}, "single_turn_agent", call))
     for kwargs, match in ((dict(sampling_params={"frequency_penalty": 0.5}), r"\['frequency_penalty'\] are not"),
                           (dict(sampling_params={"repetition_penalty": 1.1}), "repetition_penalty=1.1"),
                           (dict(sampling_params={}, image_data=["img"]), "not implemented yet in lathe")):
         with pytest.raises(AgentLoopError, match=match):
             asyncio.run(manager.generate(prompt_ids=[1, 2], **kwargs))
-    sample = _Sample(0, {}, "single_turn_agent")
+    sample = _Sample(0, {}, "single_turn_agent", call)
     assert run._sampling(sample, [1], {"seed": 7}).seed == 7 and run._sampling(sample, [1], {}).seed == 0
     sample.calls = 1                                    # a later call: the seed mixed with the call's number
     assert run._sampling(sample, [1], {"seed": 7}).seed not in (7, run._sampling(sample, [1], {}).seed)
@@ -366,3 +366,68 @@ def test_the_examples_self_check_loop_asks_again_when_the_answer_has_no_final_li
                                                                                           "content": "q"}]}])
     assert once.num_turns == [2] and 0 not in once.loss_masks[0]
     sys.modules.pop("self_check", None)
+
+
+def test_a_stream_of_requests_samples_what_generate_samples(qwen_tok, loops):
+    """`CustomStream` (a fully-async replica's): two requests added while the engine runs, their loops in a thread of
+    their own, the engine stepped by this one: each request's samples are what one `generate` call samples."""
+    import threading
+    from lathe.rollout.agent.custom import CustomStream
+    questions = ("1+2=", "hi")
+    prompts = [prompt_of(qwen_tok, q) for q in questions]
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24)
+    want = [runner(qwen_tok, loops, default="twoturns")[1].generate([p], params, first_index=2 * i,
+                                                                     rows=rows_of(qwen_tok, [q]))
+            for i, (p, q) in enumerate(zip(prompts, questions))]
+    engine, run = runner(qwen_tok, loops, default="twoturns")
+    woken = threading.Event()
+    stream = CustomStream(run, woken.set)
+    done = {}
+    try:
+        for i, (p, q) in enumerate(zip(prompts, questions)):
+            stream.add(f"r{i}", [p], params, first_index=2 * i, agent={"rows": rows_of(qwen_tok, [q])})
+            for _ in range(3):                          # (the second request arrives mid-way through the first)
+                done.update(stream.advance())
+                if engine.has_unfinished_requests():
+                    engine.step()
+                done.update(stream.on_finished(engine.pop_finished()))
+        while stream.busy():
+            if not (stream.ready() or engine.has_unfinished_requests()):
+                assert woken.wait(timeout=30), "the loops neither queued a turn nor finished"
+            woken.clear()
+            done.update(stream.advance())
+            if engine.has_unfinished_requests():
+                engine.step()
+            done.update(stream.on_finished(engine.pop_finished()))
+    finally:
+        stream.close()
+    assert sorted(done) == ["r0", "r1"]
+    for i in range(2):
+        assert done[f"r{i}"].token_ids == want[i].token_ids and done[f"r{i}"].loss_masks == want[i].loss_masks
+        assert done[f"r{i}"].versions == [[(0, 0)]] * 2
+
+
+def test_each_token_keeps_the_version_that_sampled_it():
+    """Model tokens take their call's versions; appended ones the token before's; a retokenised response the oldest
+    version of its calls throughout."""
+    from lathe.rollout.agent.custom import _aligned_versions
+    generated = [([5, 6], [-1.0, -1.0], [3, 4]), ([7], [-1.0], [5])]
+    assert _aligned_versions([5, 6, 9, 9, 7], [1, 1, 0, 0, 1], generated) == [3, 4, 4, 4, 5]
+    assert _aligned_versions([5, 8], [1, 1], generated) == [3, 3]
+    assert _aligned_versions([9, 5], [0, 1], generated) == [3, 3]
+
+
+def test_a_stream_whose_loop_hangs_raises_in_the_engines_thread(qwen_tok, loops):
+    import threading
+    from lathe.rollout.agent.custom import CustomStream
+    engine, run = runner(qwen_tok, loops, default="hangs", timeout_s=0.5)
+    woken = threading.Event()
+    stream = CustomStream(run, woken.set)
+    try:
+        stream.add("r", [prompt_of(qwen_tok)], SamplingParams(max_tokens=8), first_index=0,
+                   agent={"rows": rows_of(qwen_tok, ["q"])})
+        assert woken.wait(timeout=10) and stream.ready()
+        with pytest.raises(AgentLoopError, match=r"1 request\(s\) neither generated nor finished for 0 s"):
+            stream.advance()
+    finally:
+        stream.close()

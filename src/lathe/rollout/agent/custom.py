@@ -26,18 +26,21 @@ it leaves out `response_logprobs`, they are taken from its `generate` calls wher
 tokens in order (else the run stops and says to return them).
 
 On a tensor-parallel engine replica the leader runs the loops over `ReplicaEngine` (`lathe.workers.lockstep`), its
-followers following its steps, as the tool loop does.
+followers following its steps, as the tool loop does. On a fully-async rollout pool's replica (`CustomStream`) the
+loops run in an event loop of their own thread, beside the engine's thread that steps without end; each token keeps
+the weight version that sampled it.
 
 Not implemented (refused where configured, or stopped when a loop asks for it): images, video and audio
-(`image_data`, `multi_modal_data`), routing replay (`routed_experts`), fully-async rollouts, an engine of
-data-parallel replicas (`rollout.data_parallel_size`), `agent.custom_async_server`, and rows naming verl's
-`tool_agent` beside custom loops (lathe's tool loop, `multi_turn.enable`, runs only when no custom loop is set).
+(`image_data`, `multi_modal_data`), routing replay (`routed_experts`), an engine of data-parallel replicas
+(`rollout.data_parallel_size`), `agent.custom_async_server`, and rows naming verl's `tool_agent` beside custom loops
+(lathe's tool loop, `multi_turn.enable`, runs only when no custom loop is set).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import threading
 from contextlib import contextmanager
 import os
 import sys
@@ -47,7 +50,7 @@ from typing import Any
 
 from lathe.engine.llm_engine import sequence_seed
 from lathe.generation import RolloutOutput, SamplingParams
-from lathe.rollout.agent.loop import AgentOutput, AgentSettings
+from lathe.rollout.agent.loop import AgentOutput, AgentSettings, per_token_versions, version_spans
 
 KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
 BUILTIN = "single_turn_agent"
@@ -401,12 +404,28 @@ def load_registry(path: str | None) -> dict[str, tuple[type, dict]]:
 
 # -- the server facade and the runner ------------------------------------------------------------------------------
 @dataclass(eq=False)
+class _Call:
+    """One `generate` call's (or one streamed request's) samples and what their turns share."""
+
+    prefix: str                     # request keys' prefix
+    params: SamplingParams
+    base: int                       # turn 0's seed
+    first: int                      # the first sample's index in the rollout (seeding)
+    samples: list = field(default_factory=list)
+    request_id: Any = None          # (a streamed request's)
+    results: list = field(default_factory=list)
+    left: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
 class _Sample:
     index: int                      # prompt-major, within the call
     row: dict
     name: str
+    call: _Call | None = None
     calls: int = 0                  # generate calls so far (turn k's seed)
-    generated: list = field(default_factory=list)    # (token ids, log-probs) of each generate call, in order
+    generated: list = field(default_factory=list)    # (token ids, log-probs, per-token versions) of each call
     last_finish: str = "stop"
 
 
@@ -445,42 +464,52 @@ class CustomAgentLoops:
         self.response_length, self.prompt_length, self.timeout_s = response_length, prompt_length, timeout_s
         self.tools = tools or []
         self._calls = 0
+        self._waiting: dict = {}            # request key -> the future its loop awaits
+        self._requests = 0                  # requests added so far (progress, for the timeout)
+        # how a loop's request reaches the engine: at once (`generate`: this thread steps it), or through a
+        # `CustomStream` (the engine's own thread adds it)
+        self._submit = self._add_now
         if default not in registry:
             raise AgentLoopError(f"actor_rollout_ref.rollout.agent.default_agent_loop={default!r} is not a loop of "
                                  f"{KEY} (loops: {sorted(registry)}). Fix: list it there or name one of those")
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int = 0,
-                 rows: list[dict] | None = None, multi_modal_inputs: list | None = None, request_prefix: str = "custom",
-                 **_unused) -> AgentOutput:
+    def open(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int, rows: list[dict] | None,
+             multi_modal_inputs: list | None = None, request_prefix: str = "custom") -> _Call:
+        """A call's samples (`params.n` per prompt, prompt-major), their loops not started."""
         if multi_modal_inputs is not None and any(m is not None for m in multi_modal_inputs):
             raise AgentLoopError(_unsupported("an image prompt"))
         rows = rows or [{} for _ in prompts]
         self._calls += 1
-        self._prefix = f"{request_prefix}{self._calls}"
-        self._base = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
-        self._first, self._params, self._waiting, self._requests = first_index, params, {}, 0
-        samples = []
+        base = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        call = _Call(f"{request_prefix}{self._calls}", params, base, first_index)
         for i, (prompt, row) in enumerate(zip(prompts, rows)):
             name = row.get("agent_name") or self.default
             if name not in self.registry:
                 raise AgentLoopError(f"prompt {row.get('index', i)}: agent_name={name!r} names no agent loop (loops: "
                                      f"{sorted(self.registry)}). Fix: list it in {KEY}, or fix the row's agent_name")
             for _ in range(params.n):
-                samples.append(_Sample(len(samples), {**row, "prompt_ids": list(prompt)}, name))
-        start = time.perf_counter()
+                call.samples.append(_Sample(len(call.samples), {**row, "prompt_ids": list(prompt)}, name, call))
+        call.results, call.left = [None] * len(call.samples), len(call.samples)
+        return call
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int = 0,
+                 rows: list[dict] | None = None, multi_modal_inputs: list | None = None, request_prefix: str = "custom",
+                 **_unused) -> AgentOutput:
+        call = self.open(prompts, params, first_index=first_index, rows=rows, multi_modal_inputs=multi_modal_inputs,
+                         request_prefix=request_prefix)
         scheduler = getattr(self.engine, "scheduler", None)
         interval = getattr(scheduler, "prefill_interval", None)
         if interval is not None:                # later turns arrive one by one: batch their prefills (as the tool
             scheduler.prefill_interval = PREFILL_INTERVAL          # loop does; a replica's followers get it too)
         loop = asyncio.new_event_loop()
         try:
-            results = loop.run_until_complete(self._run(samples))
+            results = loop.run_until_complete(self._run(call.samples))
         finally:
             loop.run_until_complete(loop.shutdown_default_executor())      # (the loops' run_in_executor threads)
             loop.close()
             if interval is not None:
                 scheduler.prefill_interval = interval
-        return self._output(samples, results, time.perf_counter() - start)
+        return self.output(call, results)
 
     # -- the event loop
     async def _run(self, samples: list[_Sample]) -> list:
@@ -512,10 +541,7 @@ class CustomAgentLoops:
                             f"generated nor finished for {self.timeout_s:.0f} s (a tool or environment that does not "
                             "answer?). Fix: bound their waits, or raise actor_rollout_ref.rollout.multi_turn."
                             "tool_timeout (this limit is it + 60 s)")
-                for key, out in self.engine.pop_finished():
-                    future = self._waiting.pop(key, None)
-                    if future is not None and not future.done():
-                        future.set_result(out)
+                self.deliver(self.engine.pop_finished())
         except BaseException:
             for t in tasks:
                 t.cancel()
@@ -525,6 +551,14 @@ class CustomAgentLoops:
             except Exception:           # (an engine that failed itself: its own error is the one raised)
                 pass
             raise
+
+    def deliver(self, finished: list[tuple]) -> None:
+        """The engine's finished requests (`pop_finished`) to the loops awaiting them (from the loops' own event
+        loop's thread, or any other: each future is resolved in its loop)."""
+        for key, out in finished:
+            future = self._waiting.pop(key, None)
+            if future is not None and not future.done():
+                future.get_loop().call_soon_threadsafe(_resolve, future, out)
 
     def _drain(self) -> None:
         """After a failure: finish what the engine still runs (bounded by the requests' max_tokens), so that it is
@@ -536,44 +570,50 @@ class CustomAgentLoops:
 
     async def _one(self, s: _Sample):
         cls, kwargs = self.registry[s.name]
+        params = s.call.params
         try:
             agent = cls(trainer_config=DictConfigWrap(ConfigView(self.cfg)), server_manager=ServerManager(self, s),
                         tokenizer=self.tokenizer, processor=None, dataset_cls=None,
                         data_config=DictConfigWrap(ConfigView(self.cfg.data)), hf_model_type=None,
                         tools=ToolListWrap(self.tools), **kwargs)
-            sampling = {"temperature": self._params.temperature, "top_p": self._params.top_p,
-                        "top_k": self._params.top_k, "repetition_penalty": 1.0, "logprobs": True}
-            if self._params.greedy:
+            sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                        "repetition_penalty": 1.0, "logprobs": True}
+            if params.greedy:
                 sampling.update(temperature=0.0, top_p=1.0, top_k=-1)
             return await agent.run(sampling, **s.row)
         except AgentLoopError:
             raise
         except Exception as e:
             raise AgentLoopError(f"agent loop {s.name!r} ({cls.__module__}.{cls.__qualname__}) failed on sample "
-                                 f"{self._first + s.index} (prompt {s.row.get('index')}): {type(e).__name__}: {e}") \
-                from e
+                                 f"{s.call.first + s.index} (prompt {s.row.get('index')}): {type(e).__name__}: "
+                                 f"{e}") from e
 
     async def _generate(self, s: _Sample, prompt_ids: list[int], sampling: dict) -> TokenOutput:
         params = self._sampling(s, prompt_ids, sampling)
-        key = (self._prefix, s.index, s.calls)
+        key = (s.call.prefix, s.index, s.calls)
         s.calls += 1
         future = asyncio.get_running_loop().create_future()
         self._waiting[key] = future
-        self.engine.add_request(key, [prompt_ids], params, first_index=self._first + s.index)
-        self._requests += 1
+        self._submit(key, prompt_ids, params, s.call.first + s.index)
         out: RolloutOutput = await future
         ids, logprobs = list(out.token_ids[0]), [float(x) for x in out.logprobs[0]]
-        s.generated.append((ids, logprobs))
+        version = getattr(self.engine, "weight_version", 0)
+        s.generated.append((ids, logprobs, per_token_versions(out.versions[0] if out.versions else None, len(ids),
+                                                              version)))
         s.last_finish = out.finish_reasons[0]
         return TokenOutput(token_ids=ids, log_probs=logprobs,
                            stop_reason="length" if out.finish_reasons[0] == "length" else "completed",
                            num_preempted=int(out.metrics.get("rollout/num_preemptions", 0)))
 
+    def _add_now(self, key, prompt_ids: list[int], params: SamplingParams, first_index: int) -> None:
+        self.engine.add_request(key, [prompt_ids], params, first_index=first_index)
+        self._requests += 1
+
     def _sampling(self, s: _Sample, prompt_ids: list[int], sampling: dict) -> SamplingParams:
         """verl's sampling dict as lathe's parameters; the run's seeding by sample and turn."""
         if not prompt_ids:
             raise AgentLoopError(f"agent loop {s.name!r}: generate got empty prompt_ids (sample "
-                                 f"{self._first + s.index})")
+                                 f"{s.call.first + s.index})")
         unknown = sorted(set(sampling) - SAMPLING_KEYS - IGNORED_SAMPLING_KEYS - {"repetition_penalty", "seed"})
         if unknown:
             raise AgentLoopError(f"agent loop {s.name!r}: sampling_params {unknown} are not implemented in lathe's "
@@ -584,30 +624,37 @@ class CustomAgentLoops:
         if sampling.get("n", 1) != 1:
             raise AgentLoopError(f"agent loop {s.name!r}: sampling_params n={sampling['n']}; a generate call samples "
                                  "one response (verl's too). Fix: call generate once per response")
+        base_params = s.call.params
         budget = sampling.get("max_tokens", sampling.get("max_new_tokens", self.response_length))
         stop = sampling.get("stop") or []
-        temperature = float(sampling.get("temperature", self._params.temperature))
-        base = int(sampling["seed"]) if sampling.get("seed") is not None else self._base    # (a loop's own seed)
+        temperature = float(sampling.get("temperature", base_params.temperature))
+        base = int(sampling["seed"]) if sampling.get("seed") is not None else s.call.base    # (a loop's own seed)
         seed = base if s.calls == 0 else sequence_seed(base, -s.calls)
-        return replace(self._params, n=1, temperature=temperature, do_sample=temperature > 0,
-                       top_p=float(sampling.get("top_p", self._params.top_p)),
-                       top_k=int(sampling.get("top_k", self._params.top_k)),
+        return replace(base_params, n=1, temperature=temperature, do_sample=temperature > 0,
+                       top_p=float(sampling.get("top_p", base_params.top_p)),
+                       top_k=int(sampling.get("top_k", base_params.top_k)),
                        max_tokens=max(0, min(int(budget), self.response_length)),
                        min_tokens=int(sampling.get("min_tokens", 0)),
                        ignore_eos=bool(sampling.get("ignore_eos", False)),
                        stop=[stop] if isinstance(stop, str) else list(stop),
-                       stop_token_ids=sorted(set(self._params.stop_token_ids) | set(sampling.get("stop_token_ids")
-                                                                                    or [])), seed=seed)
+                       stop_token_ids=sorted(set(base_params.stop_token_ids) | set(sampling.get("stop_token_ids")
+                                                                                   or [])), seed=seed)
 
     # -- outputs
-    def _output(self, samples: list[_Sample], results: list, seconds: float) -> AgentOutput:
-        prompts, ids, logprobs, masks, finish, turns, scores, extras, gen_s, tool_s = ([] for _ in range(10))
+    def output(self, call: _Call, results: list) -> AgentOutput:
+        """The call's samples as `AgentLoop.generate` returns them, each loop's output checked; per token, the
+        weight version that sampled it (what the loop appended: the last model token's)."""
+        samples = call.samples
+        prompts, ids, logprobs, masks, finish, turns, scores, extras, gen_s, tool_s, versions = (
+            [] for _ in range(11))
+        current = getattr(self.engine, "weight_version", 0)
         for s, out in zip(samples, results):
             p, r, m, lp = self._checked(s, out)
             prompts.append(p)
             ids.append(r)
             masks.append(m)
             logprobs.append(lp)
+            versions.append(version_spans(_aligned_versions(r, m, s.generated), current))
             finish.append("length" if len(r) >= self.response_length or s.last_finish == "length" else "stop")
             turns.append(int(out.num_turns or 0))
             scores.append(None if out.reward_score is None else float(out.reward_score))
@@ -616,21 +663,20 @@ class CustomAgentLoops:
                 **{k: v for k, v in (out.metrics or {}).items() if k in AGENT_METRICS})
             gen_s.append(timing.generate_sequences)
             tool_s.append(timing.tool_calls)
-        version = getattr(self.engine, "weight_version", 0)
-        metrics = {"timing_s/agent_loop": seconds, "agent/custom_loops": float(len(samples))}
+        metrics = {"timing_s/agent_loop": time.perf_counter() - call.start, "agent/custom_loops": float(len(samples))}
         if samples:
             for name, values in (("generate_sequences", gen_s), ("tool_calls", tool_s)):
                 metrics.update({f"timing_s/agent_loop/{name}/mean": sum(values) / len(values),
                                 f"timing_s/agent_loop/{name}/max": max(values)})
         return AgentOutput(token_ids=ids, logprobs=logprobs, finish_reasons=finish, metrics=metrics,
-                           versions=[[(version, 0)] for _ in samples], loss_masks=masks, num_turns=turns,
+                           versions=versions, loss_masks=masks, num_turns=turns,
                            tool_calls=[0] * len(samples), tool_errors=[0] * len(samples), tool_seconds=tool_s,
                            turn_scores=[list(e.get("turn_scores") or []) for e in extras],
                            tool_rewards=[{} for _ in samples], prompt_ids=prompts, reward_scores=scores,
                            extra_fields=extras)
 
     def _checked(self, s: _Sample, out) -> tuple[list[int], list[int], list[int], list[float]]:
-        where = f"agent loop {s.name!r}, sample {self._first + s.index} (prompt {s.row.get('index')})"
+        where = f"agent loop {s.name!r}, sample {s.call.first + s.index} (prompt {s.row.get('index')})"
         if not all(hasattr(out, k) for k in ("prompt_ids", "response_ids", "response_mask")):
             raise AgentLoopError(f"{where}: run returned {type(out).__name__}, not an AgentLoopOutput. Fix: return "
                                  "AgentLoopOutput(prompt_ids=..., response_ids=..., response_mask=..., ...)")
@@ -667,21 +713,190 @@ class CustomAgentLoops:
         return prompt, response, mask, [float(x) for x in logprobs]
 
 
-def _aligned_logprobs(response: list[int], mask: list[int], generated: list) -> list[float] | None:
-    """The log-probs of the response's model tokens from the generate calls, when those tokens are the calls' tokens
-    in order (a prefix of them: the loop may cut the last); 0.0 on the rest. None when they are not."""
-    tokens = [t for ids, _ in generated for t in ids]
-    values = [v for _, lp in generated for v in lp]
+def _aligned(response: list[int], mask: list[int], generated: list, field_: int, other) -> list | None:
+    """Per response token, field `field_` of the generate calls' records (`_Sample.generated`: 1 the log-probs, 2 the
+    versions) on the model's tokens (mask 1), when those are the calls' tokens in order (a prefix of them: the loop
+    may cut the last); `other(previous value)` on the rest. None when they are not."""
+    tokens = [t for record in generated for t in record[0]]
+    values = [v for record in generated for v in record[field_]]
     out, k = [], 0
     for token, m in zip(response, mask):
         if not m:
-            out.append(0.0)
+            out.append(other(out[-1] if out else None))
             continue
         if k >= len(tokens) or tokens[k] != token:
             return None
         out.append(values[k])
         k += 1
     return out
+
+
+def _aligned_logprobs(response: list[int], mask: list[int], generated: list) -> list[float] | None:
+    """The log-probs of the response's model tokens from the generate calls (0.0 on the rest), or None."""
+    return _aligned(response, mask, generated, 1, lambda previous: 0.0)
+
+
+def _aligned_versions(response: list[int], mask: list[int], generated: list) -> list[int]:
+    """Per response token, the weight version that sampled it (an appended token: the one before it's); when the
+    model's tokens are not the calls' in order, every token the oldest version any call used (the staleness bound
+    then holds for the whole trajectory)."""
+    oldest = min((v for record in generated for v in record[2]), default=None)
+    out = _aligned(response, mask, generated, 2, lambda previous: oldest if previous is None else previous)
+    if out is None or (out and out[0] is None):
+        return [oldest] * len(response) if oldest is not None else []
+    return out
+
+
+def _resolve(future: asyncio.Future, out) -> None:
+    if not future.done():
+        future.set_result(out)
+
+
+class CustomStream:
+    """Custom agent loops on an engine that a fully-async replica's thread steps without end (`AgentStream`'s
+    interface, driven by `lathe.workers.fully_async`). The loops run as coroutines of an event loop in a thread of
+    their own; a loop's `generate` call is queued for the engine's thread, which adds it to the engine at its next
+    `advance` (on a tensor-parallel replica through its lockstep, as the tool loop's turns), and `on_finished` hands
+    the engine's finished requests back to the loops awaiting them. A request's output is ready once every one of its
+    samples' loops has returned; each token keeps the weight version that sampled it (a sync that interrupts a turn
+    leaves it continuing under the new weights). `on_answer` wakes the engine's thread: a turn queued, a request
+    done, a loop failed (its error is raised in that thread by the next `advance` or `on_finished`)."""
+
+    def __init__(self, runner: CustomAgentLoops, on_answer):
+        self.runner, self.on_answer = runner, on_answer
+        self._lock = threading.Lock()
+        self._adds: list[tuple] = []
+        self._done: list[tuple] = []
+        self._error: BaseException | None = None
+        self._live = 0                                  # requests not done
+        self._futures: set = set()
+        self._progress = time.monotonic()               # the last turn queued or answered, or loop returned
+        self._closed = False
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="lathe-agent-loops", daemon=True)
+        self._thread.start()
+        self.loop.call_soon_threadsafe(self._watch)
+        runner._submit = self._queue
+        scheduler = getattr(runner.engine, "scheduler", None)
+        if scheduler is not None:                       # later turns arrive one by one: batch their prefills
+            scheduler.prefill_interval = PREFILL_INTERVAL
+
+    def add(self, request_id, prompts: list[list[int]], params: SamplingParams, *, first_index: int,
+            agent: dict | None = None) -> None:
+        """Start a request's loops (`agent`: `rows`, the prompts' dataset fields, as `agent_kwargs` gives them)."""
+        call = self.runner.open(prompts, params, first_index=first_index, rows=(agent or {}).get("rows"),
+                                multi_modal_inputs=(agent or {}).get("multi_modal_inputs"), request_prefix="stream")
+        call.request_id = request_id
+        with self._lock:
+            self._live += 1
+        if not call.samples:
+            self._finish(call)
+        for s in call.samples:
+            future = asyncio.run_coroutine_threadsafe(self.runner._one(s), self.loop)
+            self._futures.add(future)
+            future.add_done_callback(lambda f, s=s: self._sample_done(s, f))
+
+    def _queue(self, key, prompt_ids: list[int], params: SamplingParams, first_index: int) -> None:
+        """(The loops' thread.) A loop's turn, for the engine's thread to add."""
+        with self._lock:
+            self._adds.append((key, prompt_ids, params, first_index))
+            self._progress = time.monotonic()
+        self.on_answer()
+
+    def _watch(self) -> None:
+        """(The loops' thread, every second.) Loops that are not done, none of them waiting for the engine, and
+        nothing queued, answered or returned for `timeout_s`: stuck (a tool or environment that never answers), an
+        error for the engine's thread."""
+        if self._closed:
+            return
+        with self._lock:
+            stuck = (self._live and not self._adds and not self.runner._waiting
+                     and time.monotonic() - self._progress > self.runner.timeout_s)
+            if stuck and self._error is None:
+                self._error = AgentLoopError(
+                    f"custom agent loops: {self._live} request(s) neither generated nor finished for "
+                    f"{self.runner.timeout_s:.0f} s (a tool or environment that does not answer?). Fix: bound their "
+                    "waits, or raise actor_rollout_ref.rollout.multi_turn.tool_timeout (this limit is it + 60 s)")
+        if stuck:
+            self.on_answer()
+        self.loop.call_later(1.0, self._watch)
+
+    def _sample_done(self, s: _Sample, future) -> None:
+        self._futures.discard(future)
+        self._progress = time.monotonic()
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is None:
+            call = s.call
+            call.results[s.index] = future.result()
+            call.left -= 1                              # (each sample's callback once, in the loops' thread)
+            if call.left:
+                return
+            try:
+                self._finish(call)
+                return
+            except BaseException as e:                  # noqa: BLE001 - a malformed output: raised in the engine's
+                error = e                               # thread
+        with self._lock:
+            self._error = self._error or error
+        self.on_answer()
+
+    def _finish(self, call: _Call) -> None:
+        output = self.runner.output(call, call.results)
+        with self._lock:
+            self._done.append((call.request_id, output))
+            self._live -= 1
+        self.on_answer()
+
+    def on_finished(self, finished: list[tuple]) -> list[tuple]:
+        """The engine's finished turns (`pop_finished`) to their loops; the requests done so far."""
+        if finished:
+            self._progress = time.monotonic()
+        self.runner.deliver(finished)
+        return self._take()
+
+    def advance(self) -> list[tuple]:
+        """The loops' queued turns into the engine; the requests done so far."""
+        with self._lock:
+            adds, self._adds = self._adds, []
+        for key, prompt_ids, params, first_index in adds:
+            self.runner.engine.add_request(key, [prompt_ids], params, first_index=first_index)
+            self.runner._requests += 1
+        return self._take()
+
+    def _take(self) -> list[tuple]:
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            out, self._done = self._done, []
+        return out
+
+    def ready(self) -> bool:
+        """Turns to add, requests done, or a loop's error to raise (`advance` has work)."""
+        with self._lock:
+            return bool(self._adds or self._done or self._error is not None)
+
+    def busy(self) -> bool:
+        """A request is not done."""
+        with self._lock:
+            return self._live > 0
+
+    def close(self) -> None:
+        self._closed = True
+        for future in list(self._futures):
+            future.cancel()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+def agent_stream(loop, on_answer):
+    """The fully-async replica's multi-turn stream over `loop`: custom agent loops' (`CustomStream`) or the tool
+    loop's (`lathe.rollout.agent.stream.AgentStream`)."""
+    if isinstance(loop, CustomAgentLoops):
+        return CustomStream(loop, on_answer)
+    from lathe.rollout.agent.stream import AgentStream
+    return AgentStream(loop, on_answer)
 
 
 def build_custom_loops(cfg, engine, tokenizer, tools=None) -> CustomAgentLoops:

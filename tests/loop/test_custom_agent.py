@@ -67,28 +67,16 @@ def test_lathe_train_runs_a_custom_agent_loop_and_takes_its_scores(tmp_path, mon
 
 
 TWO_TURNS = '''
-from lathe.rollout.agent.custom import AgentLoopBase, AgentLoopOutput
+from workers.test_lockstep_custom import Pause
 
 
-class TwoTurns(AgentLoopBase):
-    """A turn of at most 3 tokens, a tool answer as the chat template renders it, a second turn; its score: the
-    first token, odd or even."""
+class TwoTurns(Pause):
+    """Pause's two turns around a tool answer; its score: the first token, odd or even."""
 
     async def run(self, sampling_params, **kwargs):
-        prompt = list(kwargs["prompt_ids"])
-        first = await self.server_manager.generate(prompt_ids=prompt, sampling_params={**sampling_params,
-                                                                                      "max_tokens": 3})
-        ids, mask, lp = await self.ct_merge_assistant_token(prompt, first.token_ids, [], [], first.log_probs)
-        said = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-        ids, mask, lp = await self.ct_merge_non_assistant_msg(said, said + [{"role": "tool", "content": "7"}],
-                                                              ids.token_ids, mask, lp)
-        second = await self.server_manager.generate(prompt_ids=ids.token_ids, sampling_params=sampling_params)
-        ids, mask, lp = await self.ct_merge_assistant_token(ids.token_ids, second.token_ids, mask, lp,
-                                                            second.log_probs)
-        n = self.rollout_config.response_length
-        return AgentLoopOutput(prompt_ids=prompt, response_ids=ids.token_ids[len(prompt):][:n], response_mask=mask[:n],
-                               response_logprobs=lp[:n], reward_score=float(first.token_ids[0] % 2), num_turns=4,
-                               metrics={})
+        out = await super().run(sampling_params, **kwargs)
+        out.reward_score = float(out.response_ids[0] % 2)
+        return out
 '''
 
 

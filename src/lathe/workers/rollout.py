@@ -129,7 +129,8 @@ class Rollout:
         `first_index`: where this share's first sample sits in a rollout split over ranks (seeding). The ranks of a
         tensor-parallel replica all generate (the same samples); only its first returns them, the others None."""
         prompt_ids = [list(p) for p in prompts["prompt_ids"]]
-        check_agent_names(prompts, self.cfg)
+        if "agent_name" in prompts:                 # (rows naming verl's agent loops: ones this run has)
+            check_agent_names(prompts, self.cfg)
         if not prompt_ids and self.dp is None:      # (called with none only as a data-parallel-attention engine's
             return None                             # idle replica)
         timings = {}

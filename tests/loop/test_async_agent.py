@@ -82,6 +82,78 @@ def test_off_policy_multi_turn_stays_within_the_staleness_bound_and_resumes_each
     assert len(trained) == 4 * 2 * 4 and all(trained.count(u) == 4 for u in set(trained)), trained
 
 
+def versioned_weights(model) -> list[dict]:
+    """Weights versions 0, 1, 2 of `model` (its lm_head scaled)."""
+    return [{name: t * scale if name == "lm_head.weight" else t for name, t in model.state_dict().items()}
+            for scale in (1.0, 1.5, 0.7)]
+
+
+def hold_mid_turn(worker, mid_turn: threading.Event) -> None:
+    """The 4th engine step under weights version 1 sets `mid_turn` and waits for the driver's pause: it comes in the
+    middle of a turn."""
+    step, steps = worker.engine.step, [0]
+
+    def step_then_hold():
+        out = step()
+        if worker.engine.weight_version == 1:
+            steps[0] += 1
+            if steps[0] == 4:
+                mid_turn.set()
+                while not worker._hold:
+                    time.sleep(0.005)
+        return out
+
+    worker.engine.step = step_then_hold
+
+
+def two_syncs(worker, weights, started: threading.Event, release: threading.Event, mid_turn: threading.Event):
+    """Request "r" on `worker`: when turn 0 is done (`started`) a sync to version 1 while the trajectory waits off
+    the engine, then `release` it; a sync to version 2 in the middle of turn 1 (`hold_mid_turn`). Its batch."""
+    assert started.wait(60), "turn 0 ran"
+    assert worker.pause(partial=True, timeout_s=60) == 0           # no turn in progress: the wait runs on
+    worker.engine.load_weights([(k, v.float()) for k, v in weights[1].items()], version=1)
+    release.set()
+    worker.resume()
+    assert mid_turn.wait(60), "turn 1 ran 4 engine steps"
+    assert worker.pause(partial=True, timeout_s=60) == 1           # turn 1 interrupted
+    worker.engine.load_weights([(k, v.float()) for k, v in weights[2].items()], version=2)
+    worker.resume()
+    return collect_one(worker, "r")
+
+
+def collect_one(worker, key, timeout_s: float = 60):
+    got = {}
+    deadline = time.monotonic() + timeout_s
+    while key not in got and time.monotonic() < deadline:
+        got.update(worker.collect(wait_s=0.5)["done"])
+    return got[key]
+
+
+def check_versions_and_logprobs(out, model, weights):
+    """A one-sample request's batch: the first appended token, where the last turn starts, and that every model
+    token's log-prob is the one its version gives (teacher-forced, float64). Returns (tool, turn_1, mask, versions,
+    ids)."""
+    length = int(out["attention_mask"][0].sum()) - out["prompts"].shape[1]
+    mask, versions = out["response_mask"][0, :length].bool(), out["rollout_versions"][0, :length]
+    ids = out["responses"][0, :length]
+    tool = int((~mask).nonzero()[0])                            # the first appended token
+    turn_1 = tool + int(mask[tool:].nonzero()[0])
+    assert mask[turn_1:].all() and not mask[tool:turn_1].any()
+    assert (versions[:turn_1] == 0).all() and versions[turn_1] == 1 and versions[-1] == 2
+    assert (versions[turn_1:].diff() >= 0).all()
+    prompt = out["prompts"][0][out["attention_mask"][0, :out["prompts"].shape[1]].bool()]
+    seq = torch.cat([prompt, ids])[None]
+    got_lp = out["rollout_log_probs"][0, :length].double()
+    for version in (0, 1, 2):
+        model.load_state_dict(weights[version])
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1]
+        want = logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+        mine = mask & (versions == version)
+        assert mine.any() and (want - got_lp)[mine].norm() <= 1e-4 * want[mine].norm(), (version, want, got_lp)
+    return tool, turn_1, mask, versions, ids
+
+
 def test_syncs_during_a_tool_call_and_during_a_turn_keep_the_answer_and_each_tokens_version(tmp_path, monkeypatch):
     """One trajectory on a replica: turn 0; a call of `f` held until the replica has paused and loaded weights
     version 1; the answer appended; turn 1 interrupted a few tokens in by a second sync (version 2) and continued.
@@ -110,64 +182,20 @@ def test_syncs_during_a_tool_call_and_during_a_turn_keep_the_answer_and_each_tok
     path, kwargs = _given_model(cfg, tokenizer)
     model = load_policy(path, **kwargs).double()
     model.save_pretrained(tmp_path / "model")
-    weights = [{name: t * scale if name == "lm_head.weight" else t for name, t in model.state_dict().items()}
-               for scale in (1.0, 1.5, 0.7)]                                   # versions 0, 1, 2
+    weights = versioned_weights(model)
     worker = RolloutWorker(cfg, str(tmp_path / "model"), {"impl": "auto"}, tokenizer, device_type="cpu")
-    step, turn_1_steps = worker.engine.step, [0]
-
-    def step_then_hold():        # the 4th engine step of turn 1 waits for the driver's pause: it comes mid-turn
-        out = step()
-        if worker.engine.weight_version == 1:
-            turn_1_steps[0] += 1
-            if turn_1_steps[0] == 4:
-                mid_turn.set()
-                while not worker._hold:
-                    time.sleep(0.005)
-        return out
-
-    worker.engine.step = step_then_hold
+    hold_mid_turn(worker, mid_turn)
     try:
         prompts = Batch(non_tensors={"prompt_ids": [tokenizer.encode("item 3")],
                                      "raw_prompt": [[{"role": "user", "content": "item 3"}]],
                                      "extra_info": [{"tools_kwargs": {"f": {"create_kwargs": {"secret": "7"}}}}]})
         params = SamplingParams(n=1, temperature=1.0, max_tokens=96, seed=5)
         worker.submit([("r", [list(prompts["prompt_ids"][0])], params, 0, None, request_agent(prompts))])
-        assert started.wait(60), "turn 0 called the tool"
-        assert worker.pause(partial=True, timeout_s=60) == 0           # no turn in progress: the tool call runs
-        worker.engine.load_weights([(k, v.float()) for k, v in weights[1].items()], version=1)
-        release.set()
-        worker.resume()
-        assert mid_turn.wait(60), "turn 1 ran 4 engine steps"
-        assert worker.pause(partial=True, timeout_s=60) == 1           # turn 1 interrupted
-        worker.engine.load_weights([(k, v.float()) for k, v in weights[2].items()], version=2)
-        worker.resume()
-        got = {}
-        deadline = time.monotonic() + 60
-        while "r" not in got and time.monotonic() < deadline:
-            got.update(worker.collect(wait_s=0.5)["done"])
-        out = got["r"]
+        out = two_syncs(worker, weights, started, release, mid_turn)
     finally:
         release.set()
         worker.shutdown()
-    length = int(out["attention_mask"][0].sum()) - out["prompts"].shape[1]
-    mask, versions = out["response_mask"][0, :length].bool(), out["rollout_versions"][0, :length]
-    ids = out["responses"][0, :length]
-    tool = int((~mask).nonzero()[0])                            # the first appended token
-    turn_1 = tool + int(mask[tool:].nonzero()[0])
+    tool, turn_1, mask, versions, ids = check_versions_and_logprobs(out, model, weights)
     assert out["num_turns"] == [4] and out["tool_calls"] == [1]          # prompt, turn 0, the answer, turn 1
     assert out["extra_info"][0]["tool_rewards"] == {"f": 1.0}             # the call ran and was kept
     assert "7" in tokenizer.decode(ids[tool:turn_1].tolist())             # its answer is in the trajectory
-    assert mask[turn_1:].all() and not mask[tool:turn_1].any()
-    assert (versions[:turn_1] == 0).all() and versions[turn_1] == 1 and versions[-1] == 2
-    assert (versions[turn_1:].diff() >= 0).all()
-    # each token's log-prob is its version's (teacher-forced, float64)
-    prompt = out["prompts"][0][out["attention_mask"][0, :out["prompts"].shape[1]].bool()]
-    seq = torch.cat([prompt, ids])[None]
-    for version in (0, 1, 2):
-        model.load_state_dict(weights[version])
-        with torch.no_grad():
-            logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1]
-        want = logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
-        mine = mask & (versions == version)
-        got_lp = out["rollout_log_probs"][0, :length].double()
-        assert mine.any() and (want - got_lp)[mine].norm() <= 1e-4 * want[mine].norm(), (version, want, got_lp)

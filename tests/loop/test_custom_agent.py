@@ -104,3 +104,82 @@ def test_on_policy_fully_async_custom_loops_equal_the_synchronous_run(tmp_path, 
                     *(k for k in a_row if k.startswith("val-"))):
             assert abs(a_row[key] - b_row[key]) <= 1e-4 * max(abs(a_row[key]), 1e-3), (key, a_row[key], b_row[key])
         assert b_row["fully_async/staleness/max"] == 0
+
+
+HELD = '''
+import asyncio
+import threading
+
+from lathe.rollout.agent.custom import AgentLoopBase, AgentLoopOutput
+
+STARTED, RELEASE = threading.Event(), threading.Event()
+
+
+class Held(AgentLoopBase):
+    """Turn 0 (6 tokens); a wait for the test's word (a tool that runs across a weight sync); a tool answer; turn 1
+    (20 tokens, long enough for a sync to interrupt it). No log-probs returned: taken from the calls."""
+
+    async def run(self, sampling_params, **kwargs):
+        prompt = list(kwargs["prompt_ids"])
+        params = {**sampling_params, "ignore_eos": True}
+        first = await self.server_manager.generate(prompt_ids=prompt, sampling_params={**params, "max_tokens": 6})
+        STARTED.set()
+        await asyncio.get_running_loop().run_in_executor(None, RELEASE.wait, 60)
+        ids, mask, _ = await self.ct_merge_assistant_token(prompt, first.token_ids, [], None)
+        said = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        ids, mask, _ = await self.ct_merge_non_assistant_msg(said, said + [{"role": "tool", "content": "7"}],
+                                                             ids.token_ids, mask)
+        second = await self.server_manager.generate(prompt_ids=ids.token_ids, sampling_params={**params,
+                                                                                               "max_tokens": 20})
+        ids, mask, _ = await self.ct_merge_assistant_token(ids.token_ids, second.token_ids, mask, None)
+        return AgentLoopOutput(prompt_ids=prompt, response_ids=ids.token_ids[len(prompt):], response_mask=mask,
+                               num_turns=4, metrics={})
+'''
+
+
+def test_syncs_during_a_loops_own_wait_and_during_its_turn_keep_each_tokens_version(tmp_path, monkeypatch):
+    """One custom-loop sample on a fully-async replica (`CustomStream`): turn 0; the loop's own wait held until the
+    replica has paused and loaded weights version 1; turn 1 interrupted a few tokens in by a second sync (version 2)
+    and continued. Every token carries the version that sampled it and that version's log-prob (the loop returned
+    none: they are its calls')."""
+    import threading
+
+    from lathe.batch import Batch
+    from lathe.config import load_config
+    from lathe.generation import SamplingParams
+    from lathe.loop.setup import _given_model
+    from lathe.models.hf import load_policy, load_tokenizer
+    from lathe.workers.fully_async import RolloutWorker, request_agent
+    from loop.test_async_agent import check_versions_and_logprobs, hold_mid_turn, two_syncs, versioned_weights
+
+    (tmp_path / "held_loop.py").write_text(HELD)
+    (tmp_path / "loops.yaml").write_text("- name: held\n  _target_: held_loop.Held\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a = "actor_rollout_ref.rollout.agent"
+    cfg = load_config(None, ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
+                             "data.train_batch_size=0", "data.max_response_length=96",
+                             f"{a}.agent_loop_config_path={tmp_path / 'loops.yaml'}", f"{a}.default_agent_loop=held"])
+    tokenizer = load_tokenizer("builtin:tiny")
+    path, kwargs = _given_model(cfg, tokenizer)
+    model = load_policy(path, **kwargs).double()
+    model.save_pretrained(tmp_path / "model")
+    weights = versioned_weights(model)
+    mid_turn = threading.Event()
+    try:
+        worker = RolloutWorker(cfg, str(tmp_path / "model"), {"impl": "auto"}, tokenizer, device_type="cpu")
+        import held_loop
+        hold_mid_turn(worker, mid_turn)
+        try:
+            prompts = Batch(non_tensors={"prompt_ids": [tokenizer.encode("item 3")], "index": [0],
+                                         "raw_prompt": [[{"role": "user", "content": "item 3"}]],
+                                         "ground_truth": ["3"], "extra_info": [{}]})
+            params = SamplingParams(n=1, temperature=1.0, max_tokens=96, seed=5)
+            worker.submit([("r", [list(prompts["prompt_ids"][0])], params, 0, None, request_agent(prompts, True))])
+            out = two_syncs(worker, weights, held_loop.STARTED, held_loop.RELEASE, mid_turn)
+        finally:
+            held_loop.RELEASE.set()
+            worker.shutdown()
+    finally:
+        sys.modules.pop("held_loop", None)
+    tool, turn_1, mask, versions, ids = check_versions_and_logprobs(out, model, weights)
+    assert tool == 6 and len(ids) - turn_1 == 20                # the loop's turns, as it asked for them

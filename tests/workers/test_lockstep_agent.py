@@ -127,26 +127,33 @@ def agent_demo(patch=setattr):
     return tok, prompts, calls
 
 
-def sync_rollout(tp: int, patch=setattr):
-    """The synchronous loop's `Rollout` (`lathe.workers.rollout`) of `agent_demo` on a tensor-parallel replica of
-    `tp` ranks, beside a stand-in of a sharded actor (the built-in tiny policy): its samples' responses, tool calls
-    and turns (None on a follower), and this process's tool calls."""
+def started_rollout(cfg, tok):
+    """The synchronous loop's `Rollout` (`lathe.workers.rollout`) of `cfg` beside a stand-in of a sharded actor (the
+    built-in tiny policy), started with the run's agent loop."""
     from types import SimpleNamespace
 
-    from lathe.config import load_config
     from lathe.loop.setup import _given_model
     from lathe.models.hf import load_policy, select_impl
     from lathe.rollout.agent import build_agent_loop
     from lathe.workers.rollout import Rollout
-    tok, prompts, calls = agent_demo(patch)
-    cfg = load_config("agent_demo", [f"trainer.n_gpus_per_node={tp}", f"{R}.tensor_model_parallel_size={tp}",
-                                     f"{R}.multi_turn.max_assistant_turns=3", "data.max_response_length=64"])
     path, kwargs = _given_model(cfg, tok)
     loaded = load_policy(path, **kwargs)
     actor = SimpleNamespace(device=torch.device("cpu"), model=select_impl(loaded, "auto", role="rollout"),
                             sharded=True, lora=False, arr=cfg.actor_rollout_ref)
     rollout = Rollout(cfg.actor_rollout_ref.rollout, actor, loaded, tok)
     rollout.start(lambda engine: build_agent_loop(cfg, engine, tok))
+    return rollout
+
+
+def sync_rollout(tp: int, patch=setattr):
+    """The synchronous loop's `Rollout` (`lathe.workers.rollout`) of `agent_demo` on a tensor-parallel replica of
+    `tp` ranks, beside a stand-in of a sharded actor (the built-in tiny policy): its samples' responses, tool calls
+    and turns (None on a follower), and this process's tool calls."""
+    from lathe.config import load_config
+    tok, prompts, calls = agent_demo(patch)
+    cfg = load_config("agent_demo", [f"trainer.n_gpus_per_node={tp}", f"{R}.tensor_model_parallel_size={tp}",
+                                     f"{R}.multi_turn.max_assistant_turns=3", "data.max_response_length=64"])
+    rollout = started_rollout(cfg, tok)
     batch = rollout.generate_sequences(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=64, seed=5))
     if batch is None:
         return None, len(calls)

@@ -18,7 +18,7 @@ from lathe.generation import SamplingParams
 from lathe.rollout.agent.custom import AgentLoopBase, AgentLoopOutput, CustomAgentLoops
 from lathe.workers.lockstep import ReplicaEngine
 from rollout.agent.test_loop import tiny_model
-from workers.test_lockstep_agent import engine_of, tp_replica
+from workers.test_lockstep_agent import engine_of, started_rollout, tp_replica
 from rollout.agent.test_render import rendered
 
 JOIN_S = 60
@@ -64,14 +64,9 @@ def custom_rollout(tp: int, where: str):
     """The synchronous loop's `Rollout` (`lathe.workers.rollout`) of a TP=`tp` replica running `Pause` (listed in a
     YAML file at `where`) on two prompts of the built-in tiny policy: its samples' responses and masks (None on a
     follower)."""
-    from types import SimpleNamespace
-
     from lathe.batch import Batch
     from lathe.config import load_config
-    from lathe.loop.setup import _given_model
-    from lathe.models.hf import load_policy, load_tokenizer, select_impl
-    from lathe.rollout.agent import build_agent_loop
-    from lathe.workers.rollout import Rollout
+    from lathe.models.hf import load_tokenizer
     with open(where, "w") as f:
         f.write(f"- name: pause\n  _target_: {__name__}.Pause\n")
     R = "actor_rollout_ref.rollout"
@@ -79,12 +74,7 @@ def custom_rollout(tp: int, where: str):
                              f"{R}.agent.agent_loop_config_path={where}", f"{R}.agent.default_agent_loop=pause",
                              "data.max_response_length=40"], device_count=tp)
     tok = load_tokenizer("builtin:tiny")
-    path, kwargs = _given_model(cfg, tok)
-    loaded = load_policy(path, **kwargs)
-    actor = SimpleNamespace(device=torch.device("cpu"), model=select_impl(loaded, "auto", role="rollout"),
-                            sharded=True, lora=False, arr=cfg.actor_rollout_ref)
-    rollout = Rollout(cfg.actor_rollout_ref.rollout, actor, loaded, tok)
-    rollout.start(lambda engine: build_agent_loop(cfg, engine, tok))
+    rollout = started_rollout(cfg, tok)
     items = ("item 3", "item 5")
     prompts = Batch(non_tensors={"prompt_ids": [tok.encode(x) for x in items], "index": [0, 1],
                                  "raw_prompt": [[{"role": "user", "content": x}] for x in items],

@@ -21,7 +21,7 @@ from lathe.config import LatheConfig, RunPlan
 from lathe.config.distill import teachers
 from lathe.generation import SamplingParams
 from lathe.rollout.agent import build_agent_loop
-from lathe.rollout.agent.custom import custom_loops_configured
+from lathe.rollout.agent.custom import custom_loops_in
 from lathe.train.update import nonfinite_guard
 from lathe.workers.actor import Actor
 from lathe.workers.reference import Reference
@@ -54,7 +54,7 @@ class ActorRolloutRefWorker:
                                   distillation=distill)
         if self.rollout is not None:            # last: the engine sizes its KV cache from the memory left
             agent = ((lambda engine: build_agent_loop(cfg, engine, tokenizer))
-                     if arr.rollout.multi_turn.enable or custom_loops_configured(cfg) else None)
+                     if arr.rollout.multi_turn.enable or custom_loops_in(arr.rollout) else None)
             self.rollout.start(agent)
         self.log_prob_micro_batch_size = (arr.rollout.log_prob_micro_batch_size_per_gpu
                                           or self.actor.ppo.micro_batch_size)

@@ -51,8 +51,8 @@ def combined_tools(path, functions, *, function_key: str | None = None):
 def build_agent_loop(cfg, engine, tokenizer):
     """An `AgentLoop` over `engine` with the run's tools, simulated users, parser and `multi_turn` settings; the
     run's custom agent loops (`custom.CustomAgentLoops`) when `rollout.agent.agent_loop_config_path` is set."""
-    from lathe.rollout.agent.custom import build_custom_loops, custom_loops_configured
-    if custom_loops_configured(cfg):
+    from lathe.rollout.agent.custom import build_custom_loops, custom_loops_in
+    if custom_loops_in(cfg.actor_rollout_ref.rollout):
         tools = load_run_tools(cfg)
         return build_custom_loops(cfg, engine, tokenizer, tools=list(tools.tools.values()) if tools else None)
     from lathe.rollout.agent.loop import AgentLoop, AgentSettings

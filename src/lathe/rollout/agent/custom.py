@@ -494,7 +494,9 @@ class CustomAgentLoops:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_index: int = 0,
                  rows: list[dict] | None = None, multi_modal_inputs: list | None = None, request_prefix: str = "custom",
-                 **_unused) -> AgentOutput:
+                 tools_kwargs=None, interaction_kwargs=None, messages=None) -> AgentOutput:
+        """`AgentLoop.generate`'s call; `tools_kwargs`, `interaction_kwargs` and `messages` (what `agent_kwargs` gives
+        the tool loop) reach the loops inside `rows`, as verl's loops get them."""
         call = self.open(prompts, params, first_index=first_index, rows=rows, multi_modal_inputs=multi_modal_inputs,
                          request_prefix=request_prefix)
         scheduler = getattr(self.engine, "scheduler", None)
@@ -555,9 +557,17 @@ class CustomAgentLoops:
     def deliver(self, finished: list[tuple]) -> None:
         """The engine's finished requests (`pop_finished`) to the loops awaiting them (from the loops' own event
         loop's thread, or any other: each future is resolved in its loop)."""
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         for key, out in finished:
             future = self._waiting.pop(key, None)
-            if future is not None and not future.done():
+            if future is None or future.done():
+                continue
+            if future.get_loop() is here:
+                future.set_result(out)
+            else:
                 future.get_loop().call_soon_threadsafe(_resolve, future, out)
 
     def _drain(self) -> None:
@@ -793,7 +803,8 @@ class CustomStream:
             self._finish(call)
         for s in call.samples:
             future = asyncio.run_coroutine_threadsafe(self.runner._one(s), self.loop)
-            self._futures.add(future)
+            with self._lock:
+                self._futures.add(future)
             future.add_done_callback(lambda f, s=s: self._sample_done(s, f))
 
     def _queue(self, key, prompt_ids: list[int], params: SamplingParams, first_index: int) -> None:
@@ -822,7 +833,8 @@ class CustomStream:
         self.loop.call_later(1.0, self._watch)
 
     def _sample_done(self, s: _Sample, future) -> None:
-        self._futures.discard(future)
+        with self._lock:
+            self._futures.discard(future)
         self._progress = time.monotonic()
         if future.cancelled():
             return
@@ -884,7 +896,9 @@ class CustomStream:
 
     def close(self) -> None:
         self._closed = True
-        for future in list(self._futures):
+        with self._lock:
+            running = list(self._futures)
+        for future in running:
             future.cancel()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
@@ -908,11 +922,7 @@ def build_custom_loops(cfg, engine, tokenizer, tools=None) -> CustomAgentLoops:
                             timeout_s=cfg.actor_rollout_ref.rollout.multi_turn.tool_timeout + 60.0, tools=tools)
 
 
-def custom_loops_configured(cfg) -> bool:
-    """Whether the run's rollouts go through custom agent loops: an agent_loop_config_path is set."""
-    return custom_loops_in(cfg.actor_rollout_ref.rollout)
-
-
 def custom_loops_in(rollout_cfg) -> bool:
-    """`custom_loops_configured` from the `actor_rollout_ref.rollout` group."""
+    """Whether rollouts (`actor_rollout_ref.rollout`) go through custom agent loops: an agent_loop_config_path is
+    set."""
     return bool((rollout_cfg.agent or {}).get("agent_loop_config_path"))

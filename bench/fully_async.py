@@ -8,6 +8,7 @@
     python bench/fully_async.py --workload two-mode [--long-fraction 0.1]  # most short, some to the cap (reasoning RL)
     python bench/fully_async.py --staleness 1,2      # the async run once per staleness_threshold (async, async_s2)
     python bench/fully_async.py --split 2+2,1+3      # 4 GPUs: sync on all 4, async once per split (async, async_t1r3)
+    python bench/fully_async.py --gpus 1 --modes sync,colocate --colocate 1,2   # verl V1's colocate_async, 1 GPU
 
 Two GPUs (or two CPU workers; `--split` for more), `lathe train` runs in child processes, exactly as a user runs
 them:
@@ -20,6 +21,11 @@ them:
 `--split T+R` (a comma list runs each) puts the async trainer on T devices and the rollout pool on R, and the
 synchronous run on T + R (issue 47's 2+2, 1+3, 3+1 on 4 GPUs; a trainer of T > 1 devices is an FSDP2 mesh, and a
 step's samples must divide over it: 3+1 needs --prompts 48 or 96 with --n 8). The first split's run is `async`.
+
+`--colocate W` (a comma list runs each; mode `colocate`, with `--modes ...,colocate`): verl V1's colocated
+asynchronous trainer on the synchronous run's devices (`trainer.v1.trainer_mode=colocate_async`, `num_warmup_batches`
+W: the rollout runs W batches ahead and continues unfinished responses across steps, `lathe.loop.colocate_async`);
+the first W is `colocate`, others `colocate_w<W>`. `--gpus G` sets the synchronous (and colocated) run's devices.
 
 `--rollout-tp T` makes the engine replicas tensor-parallel (`rollout.tensor_model_parallel_size=T`): sync, one
 replica of the 2 GPUs (T=2); async, a rollout pool of T GPUs beside the trainer's one (1 + T GPUs).
@@ -273,7 +279,8 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
     placement (later overrides win): sync on all of a split's devices, each async run on its split."""
     splits = parse_splits(args.split, args.rollout_tp, args.prompts * args.n)
     # (without --split: sync on 2 devices, as before splits existed, also beside a 1 + TP async run)
-    args.response_len, args.gpus = args.max_response_len, sum(splits[0]) if args.split else 2
+    args.response_len = args.max_response_len
+    args.gpus = args.gpus or (sum(splits[0]) if args.split else 2)
     args.profile_step, args.profile_stack = 0, False      # e2e's profiler knobs, which this bench does not offer
     base = [*lathe_command(args.shape, paths, args), "actor_rollout_ref.rollout.ignore_eos=false",
             *workload_keys(paths, args)]
@@ -287,6 +294,11 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
                      "data.train_batch_size=0", "data.gen_batch_size=1", "async_training.require_batches=1",
                      f"async_training.trigger_parameter_sync_step={args.trigger}",
                      f"async_training.staleness_threshold={staleness}", "async_training.partial_rollout=true",
+                     f"trainer.default_local_dir={run / mode}"]
+    for i, warmup in enumerate(int(w) for w in args.colocate.split(",")):
+        mode = "colocate" if i == 0 else f"colocate_w{warmup}"
+        out[mode] = [*base, *tp, f"trainer.n_gpus_per_node={args.gpus}", "trainer.v1.trainer_mode=colocate_async",
+                     f"trainer.v1.colocate_async.num_warmup_batches={warmup}",
                      f"trainer.default_local_dir={run / mode}"]
     return out
 
@@ -373,6 +385,9 @@ def summarize(steps: list[dict], warmup: int) -> dict:
             "trainer/idle_ratio", "trainer/idle_staleness_ratio", "rollouter/idle_ratio", "fully_async/staleness/mean",
             "fully_async/staleness/max",
             "fully_async/partial/partial_ratio", "fully_async/sync/send_s", "fully_async/sync/interrupted",
+            "colocate_async/interrupted", "training/off_policy/trajectory_spans/mean",
+            "training/off_policy/trajectory_staleness_worst/mean", "timing_s/rollout_wake_up",
+            "timing_s/rollout_sleep",
             "agent/tool_calls/mean", "num_turns/mean", "timing_s/agent_loop")
     # the trainer's busy seconds (async: the step less its idle share): no schedule of the rollout side can make the
     # timed steps shorter than this, so sync seconds over it bound the speed-up at this split
@@ -420,6 +435,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(2+2,1+3: one async run each, named async, async_t1r3, ...); sync runs on as many; default "
                    "1+<rollout-tp>")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    p.add_argument("--gpus", type=int, default=None, help="the synchronous and colocated runs' devices (default: 2, "
+                   "or a split's)")
+    p.add_argument("--colocate", default="1", help="colocate mode: trainer.v1.colocate_async.num_warmup_batches; a "
+                   "comma list runs each (colocate, colocate_w<W>)")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--workdir", default=default_workdir("lathe-fully-async"))
     p.add_argument("--git-sha", default=None, help="the commit measured, as your checkout names it")
@@ -459,14 +478,15 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
     s = result["runs"].get("sync", {}).get("timed_wall_s")
-    for mode in [m for m in result["runs"] if m.startswith("async")]:
+    for mode in [m for m in result["runs"] if m.startswith(("async", "colocate"))]:
         a, busy = (result["runs"][mode].get(k) for k in ("timed_wall_s", "trainer_busy_s"))
-        suffix = mode[len("async"):]                          # "" for the first staleness and split, "_s2", "_t2r2"
+        kind = "async" if mode.startswith("async") else "colocate"
+        suffix = mode[len(kind):]                  # "" for the first staleness, split or warm-up, "_s2", "_t2r2"
         if s and a:
-            result[f"speedup_async_vs_sync{suffix}"] = s / a
+            result[f"speedup_{kind}_vs_sync{suffix}"] = s / a
         rates = [result["runs"][m].get("timed_tokens_per_s") for m in ("sync", mode)]
         if all(rates):           # the same ratio per token: fair when the timed windows hold different lengths
-            result[f"speedup_tokens_per_s{suffix}"] = rates[1] / rates[0]
+            result[f"speedup_tokens_per_s{'' if kind == 'async' else '_colocate'}{suffix}"] = rates[1] / rates[0]
         if s and busy:  # the trainer-bound ceiling: its update on its devices against the whole synchronous step
             result[f"speedup_ceiling_trainer_bound{suffix}"] = s / busy
     out.write_text(json.dumps(result, indent=2))
@@ -476,11 +496,12 @@ def main() -> None:
               f"response length {r.get('medians', {}).get('response_length/mean', float('nan')):.0f} mean")
         if "length_modes" in r:
             print("       " + ", ".join(f"{key} {value:.3g}" for key, value in r["length_modes"].items()))
-    for key in [k for k in result if k.startswith("speedup_async_vs_sync")]:
-        suffix = key[len("speedup_async_vs_sync"):]
-        ceiling = result.get(f"speedup_ceiling_trainer_bound{suffix}")
-        per_token = result.get(f"speedup_tokens_per_s{suffix}")
-        print(f"speed-up (async{suffix} / sync): {result[key]:.2f}x"
+    for key in [k for k in result if k.startswith(("speedup_async_vs_sync", "speedup_colocate_vs_sync"))]:
+        kind = key.split("_")[1]
+        suffix = key[len(f"speedup_{kind}_vs_sync"):]
+        ceiling = result.get(f"speedup_ceiling_trainer_bound{suffix}") if kind == "async" else None
+        per_token = result.get(f"speedup_tokens_per_s{'' if kind == 'async' else '_colocate'}{suffix}")
+        print(f"speed-up ({kind}{suffix} / sync): {result[key]:.2f}x"
               + (f", {per_token:.2f}x in tokens/s" if per_token else "")
               + (f" (trainer-bound ceiling {ceiling:.2f}x)" if ceiling else ""))
     print(f"wrote {out}")

@@ -53,6 +53,19 @@ def test_two_workers_train_exactly_as_one_process(runs):
         assert_same(a, b)
 
 
+def test_two_workers_run_colocate_async_without_warmup_exactly_as_one_synchronous_process(runs, tmp_path):
+    """verl V1's colocate_async (`lathe.loop.colocate_async`) with no warm-up batch on 2 Ray workers, each rank's
+    engine a replica streaming its share of the prompts (`ActorRolloutRefGroup.stream_run_each`): the one process's
+    synchronous run (the same samples, seeded by each prompt's place in its step, and the same updates)."""
+    _, one, _ = runs
+    two = train(tmp_path / "two", "trainer.n_gpus_per_node=2", "trainer.v1.trainer_mode=colocate_async",
+                "trainer.v1.colocate_async.num_warmup_batches=0")
+    assert len(two) == 4
+    for a, b in zip(one, two):
+        assert_same(a, b)
+        assert b["training/off_policy/trajectory_staleness_worst/max"] == 0
+
+
 def test_a_profiled_step_covers_every_rank(runs):
     """global_profiler on a Ray run: the driver's phases and each rank's, the worker calls as its phases."""
     root, _, _ = runs

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lathe.batch import Batch
-from lathe.workers.fully_async import RolloutWorker, token_versions
+from lathe.rollout.base import token_versions
+from lathe.workers.fully_async import RolloutWorker
 from lathe.config import load_config
 from lathe.generation import SamplingParams
 from lathe.loop.setup import _given_model

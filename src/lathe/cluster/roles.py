@@ -87,6 +87,16 @@ class ActorRolloutRefGroup:
     def sync_weights(self) -> None:
         self.group.call(ACTOR, "sync_weights")
 
+    # colocate_async (`lathe.loop.colocate_async`): each rank's engine a replica streaming its own requests
+    def stream_run_each(self, per_rank: list[list[tuple]], max_steps: int) -> list[dict]:
+        return self.group.call_each(ACTOR, "stream_run", [((r, max_steps), {}) for r in per_rank])
+
+    def stream_pause(self) -> int:
+        return sum(self.group.call(ACTOR, "stream_pause"))
+
+    def sync_stream_weights(self, version: int) -> None:
+        self.group.call(ACTOR, "sync_stream_weights", version)
+
     def save_checkpoint(self, path: Path) -> None:
         self.group.call(ACTOR, "save_checkpoint", Path(path))
 

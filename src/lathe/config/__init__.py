@@ -13,6 +13,7 @@ from .plan import BatchPlan, RunPlan, batch_plan, critic_in_use, is_async, resol
 from .schema import LatheConfig
 from .help import help_for
 from .tree import to_dict, to_yaml
+from .v1 import is_colocate_async, v1_settings
 
 __all__ = [
     "BatchPlan",
@@ -24,10 +25,12 @@ __all__ = [
     "describe_preset",
     "help_for",
     "is_async",
+    "is_colocate_async",
     "list_presets",
     "load_config",
     "resolve_devices",
     "run_plan",
     "to_dict",
     "to_yaml",
+    "v1_settings",
 ]

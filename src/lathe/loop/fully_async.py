@@ -94,26 +94,54 @@ class Ledger:
                                                                                       if i >= chunk)}
 
 
-class AsyncDriver:
-    """The single controller of the two pools (see the module docstring)."""
+@dataclass(frozen=True)
+class Pace:
+    """How the driver issues prompts: a training step's prompts, the prompts of a sync interval, the staleness
+    bound (the interval starts at most `(1 + staleness) x per_sync` prompts, less those still queued or running),
+    prompts per request, and the prompts it issues in all."""
 
-    def __init__(self, t: Trainer):
-        cfg, self.t = t.cfg, t
-        self.at, self.cluster = cfg.async_training, t.cluster
-        self.step_prompts = t.plan.actor.prompts_per_step   # require_batches x ppo_mini_batch_size (config/fill.py)
-        self.per_sync = self.at.trigger_parameter_sync_step * self.step_prompts
-        self.n, self.chunk = t.sampling.n, cfg.data.gen_batch_size
+    step_prompts: int
+    per_sync: int
+    staleness: float
+    chunk: int
+    total_prompts: float
+
+    @staticmethod
+    def fully_async(t: Trainer) -> Pace:
+        """verl's fully_async_policy: a step is require_batches x ppo_mini_batch_size prompts (config/fill.py), a
+        sync every trigger_parameter_sync_step steps, requests of data.gen_batch_size prompts."""
+        cfg, at = t.cfg, t.cfg.async_training
+        step = t.plan.actor.prompts_per_step
         # (dynamic sampling needs more prompts than it trains: as many as its dropped groups, each step at most
         # `max_num_gen_batches` rounds)
-        self.total_prompts = cfg.rollout.total_rollout_steps or (
-            math.inf if cfg.algorithm.filter_groups.enable else t.total_steps * self.step_prompts)
+        total = cfg.rollout.total_rollout_steps or (
+            math.inf if cfg.algorithm.filter_groups.enable else t.total_steps * step)
+        return Pace(step, at.trigger_parameter_sync_step * step, at.staleness_threshold, cfg.data.gen_batch_size,
+                    total)
+
+
+class AsyncDriver:
+    """The single controller of the two pools (see the module docstring). `rollout`: the replicas' handle
+    (`RolloutGroup`'s methods; the rollout pool's by default), `pace`: how prompts are issued (`Pace.fully_async`
+    by default); `lathe.loop.colocate_async` drives the trainer's own engines with both of its own."""
+
+    def __init__(self, t: Trainer, rollout=None, pace: Pace | None = None):
+        cfg, self.t = t.cfg, t
+        self.at, self.cluster = cfg.async_training, t.cluster
+        self.rollout = rollout if rollout is not None else t.cluster.rollout
+        self.pace = pace or Pace.fully_async(t)
+        self.step_prompts, self.per_sync = self.pace.step_prompts, self.pace.per_sync
+        self.n, self.chunk, self.total_prompts = t.sampling.n, self.pace.chunk, self.pace.total_prompts
         self.version, self.syncs, self.updates_since_sync = 0, 0, 0
         self.ledger = Ledger()
+        self.rows: list[dict] = []      # drawn from the loader, not yet issued (requests smaller than its batches)
         self.in_flight: dict[int, tuple[int, Batch]] = {}        # first issue index -> (replica, prompt rows)
+        self.issued_at: dict[int, int] = {}     # first issue index -> `self.step` when it was sent
+        self.step = t.global_step + 1           # the training step the prompts sent now are for (or after)
         self.queue: deque[Batch] = deque()                        # scored groups, in the order they finished
         self.budget = self._budget(stale=0)
-        self.load = [0] * self.cluster.rollout.world    # each replica's tokens in flight (`least_loaded`)
-        self.busy = [0.0] * self.cluster.rollout.world
+        self.load = [0] * self.rollout.world    # each replica's tokens in flight (`least_loaded`)
+        self.busy = [0.0] * self.rollout.world
         self.counters = dict.fromkeys(("stale_samples", "stale_trajectories"), 0)
         self.counted: dict[str, float] = {}               # request metrics since the last trained step
         fg = cfg.algorithm.filter_groups                  # DAPO's dynamic sampling: lathe.loop.fully_async_dapo
@@ -128,7 +156,7 @@ class AsyncDriver:
 
     # -- the Rollouter's side ------------------------------------------------------------------------------
     def _budget(self, stale: int) -> int:
-        return max(0, math.floor((1 + self.at.staleness_threshold) * self.per_sync) - stale)
+        return max(0, math.floor((1 + self.pace.staleness) * self.per_sync) - stale)
 
     def _can_send(self) -> bool:
         return self.budget > 0 if self.dapo else self.budget >= self.chunk
@@ -142,12 +170,11 @@ class AsyncDriver:
         requests: dict[int, list] = {}
         while self.ledger.issued < self.total_prompts and self._can_send():
             label = self.dapo.label() if self.dapo else None      # (step, round) of a dynamic-sampling round
-            first, state = self.ledger.issued, self.t.loader.state_dict()
-            rows = self.t.next_rows()
+            first = self.ledger.issued
+            rows = self._next_rows()
             self.ledger.issued += len(rows)
             if all(first + i in self.ledger.skip for i in range(len(rows))):
                 continue                                                   # trained before the resume
-            self.ledger.chunk_states[first] = state
             self.budget -= len(rows)
             if self.dapo:
                 self.dapo.issued(first, label, len(rows))
@@ -162,7 +189,7 @@ class AsyncDriver:
                              else rollout_seed(self.t.cfg.trainer.seed, step, round_))
             ids, images = [list(p) for p in prompts["prompt_ids"]], request_images(prompts)
             replica = self.least_loaded()
-            self.in_flight[first] = (replica, prompts)
+            self.in_flight[first], self.issued_at[first] = (replica, prompts), self.step
             self.load[replica] += self.tokens(ids)
             agent = request_agent(prompts, self.custom_loops) if self.multi_turn else None
             requests.setdefault(replica, []).append((first, ids, params, i * self.n, images, agent))
@@ -170,7 +197,16 @@ class AsyncDriver:
                 requests[replica].append((("greedy", first), ids, replace(params, n=1, do_sample=False), 0, images,
                                           agent))
         if requests:
-            self.cluster.rollout.submit(requests)
+            self.rollout.submit(requests)
+
+    def _next_rows(self) -> list[dict]:
+        """The next request's rows: `chunk` of them, drawn from the loader's batches (whose state before each is kept
+        for a resume, keyed by the issue index of its first row)."""
+        while len(self.rows) < self.chunk:
+            self.ledger.chunk_states[self.ledger.issued + len(self.rows)] = self.t.loader.state_dict()
+            self.rows += self.t.next_rows()
+        rows, self.rows = self.rows[:self.chunk], self.rows[self.chunk:]
+        return rows
 
     def least_loaded(self) -> int:
         """The replica with the fewest tokens in flight, the first among equals: balanced by tokens, not by prompts,
@@ -186,7 +222,7 @@ class AsyncDriver:
 
     def poll(self, wait_s: float) -> int:
         """Finished requests from the replicas: scored and queued. Returns how many came."""
-        done, busy = self.cluster.rollout.collect(wait_s)
+        done, busy = self.rollout.collect(wait_s)
         self.busy = busy
         finished = 0
         for request_id, gen in done:
@@ -225,7 +261,8 @@ class AsyncDriver:
                 self.counted[key] = self.counted.get(key, 0) + value
             elif not key.startswith("reward_extra/"):    # (those are over the trained batch: step_metrics)
                 self.counted[key] = value
-        batch.meta.update(first=first, indices=list(range(first, first + len(prompts))))
+        batch.meta.update(first=first, indices=list(range(first, first + len(prompts))),
+                          issued_at=self.issued_at.pop(first))
         if self.dapo:
             never = self.dapo.arrived(first, batch)          # dropped groups: their prompts are done with
             self.ledger.trained.update(never)
@@ -312,21 +349,25 @@ class AsyncDriver:
     def sync_weights(self) -> dict[str, float]:
         """Pause the replicas, broadcast the trainer's weights, resume; a new interval's budget."""
         start = time.perf_counter()
-        interrupted = self.cluster.rollout.pause(partial=self.at.partial_rollout)
+        interrupted = self.rollout.pause(partial=self.at.partial_rollout)
         self.poll(0.0)                                     # what finished while pausing
         stats = self.cluster.sync(self.version + 1)
         if self.full_bytes is None:              # what a sync of every weight would send (LoRA sends less)
             self.full_bytes = self.cluster.trainer_group.call(ACTOR, "full_weight_bytes")[0]
         self.version += 1
         self.syncs += 1
-        self.cluster.rollout.resume()
-        self.budget = self._budget(stale=self.queued_prompts() + sum(len(p) for _, p in self.in_flight.values()))
+        self.rollout.resume()
+        self.renew_budget()
         seconds = time.perf_counter() - start
         return {"timing_s/param_sync": seconds, "fully_async/sync/interrupted": interrupted,
                 "fully_async/sync/gb": stats.get("bytes", 0) / 2**30,   # sent by the trainer's rank 0, all groups
                 "fully_async/sync/gb_per_rollout_rank": stats.get("rank_bytes", stats.get("bytes", 0)) / 2**30,
                 "fully_async/sync/fraction_of_full": stats.get("bytes", 0) / max(1, self.full_bytes),
                 "fully_async/sync/send_s": stats.get("seconds", 0.0)}
+
+    def renew_budget(self) -> None:
+        """A new sync interval's budget: the staleness bound less the prompts still queued or running."""
+        self.budget = self._budget(stale=self.queued_prompts() + sum(len(p) for _, p in self.in_flight.values()))
 
     def state_dict(self) -> dict:
         return {**self.ledger.state_dict(self.pending(), self.t.loader.state_dict()), "version": self.version,

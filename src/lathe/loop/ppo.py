@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -38,12 +39,17 @@ from lathe.track.profile import StepProfiler
 
 
 def train_step(t: Trainer, prompts: Batch) -> dict[str, float]:
-    """One RL iteration on a batch of prompts; returns the step's metrics (verl's names). Running out of device
-    memory names the phase and the keys that lower it (`lathe.loop.oom`)."""
+    """One RL iteration on a batch of prompts; returns the step's metrics (verl's names)."""
+    return timed_step(t, lambda timer: _train_step(t, prompts, timer))
+
+
+def timed_step(t: Trainer, body: Callable[[Timer], dict[str, float]]) -> dict[str, float]:
+    """A step's `body(timer)`, its phases timed (with peak memory and energy) and the collector's pauses counted
+    (`timing_s/gc`); running out of device memory names the phase and the keys that lower it (`lathe.loop.oom`)."""
     timer = Timer(memory=PeakMemory(t.device), energy=t.energy)
-    with CollectorPauses() as pauses:              # `timing_s/gc`: the garbage collector's share of the step
+    with CollectorPauses() as pauses:
         try:
-            metrics = _train_step(t, prompts, timer)
+            metrics = body(timer)
         except torch.OutOfMemoryError as e:
             raise explain_oom(e, timer.failed_phase) from e
     return {**metrics, **pauses.metrics()}
@@ -181,10 +187,7 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
         t.tracker.log(validate(t), step=t.global_step)
     if tr.val_only:
         return {}
-    gp = t.cfg.global_profiler                                          # global_profiler.tool=torch / torch_memory
-    memory = torch_memory_settings(gp.global_tool_config, checkpointing=trains_checkpointed(t.cfg))
-    profiler = StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, workers=t.cluster.groups if t.cluster else [],
-                            with_stack=gp.with_stack, memory=memory)
+    profiler = step_profiler(t)
     # a terminal's live line; the collector's reach narrowed after the warm-up steps
     with Progress("train", t.total_steps, initial=t.global_step, every_s=None) as bar, \
             FreezeAfterWarmup(t.cluster.groups if t.cluster else []) as frozen:
@@ -202,6 +205,14 @@ def _fit(t: Trainer, first: bool) -> dict[str, float]:
             if tr.save_freq > 0 and (t.global_step % tr.save_freq == 0 or done):
                 save(t)
     return last
+
+
+def step_profiler(t: Trainer) -> StepProfiler:
+    """The run's `global_profiler` (tool=torch / torch_memory) over its listed steps, on every worker."""
+    gp = t.cfg.global_profiler
+    memory = torch_memory_settings(gp.global_tool_config, checkpointing=trains_checkpointed(t.cfg))
+    return StepProfiler(gp.tool, gp.steps, gp.save_path, t.device, workers=t.cluster.groups if t.cluster else [],
+                        with_stack=gp.with_stack, memory=memory)
 
 
 def save(t: Trainer, extra: dict | None = None) -> None:

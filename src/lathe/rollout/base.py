@@ -134,3 +134,24 @@ def _repad(batch: Batch, P: int, R: int, pad_id: int) -> Batch:
             out.tensors[key] = torch.nn.functional.pad(t, (0, R - r), value=value)
     out.tensors["position_ids"] = position_ids_from_mask(out.tensors["attention_mask"])
     return out
+
+
+def streamed_batch(prompt_ids: list[list[int]], out, pad_id: int, n: int, version: int) -> Batch:
+    """A finished streamed request's rows: `to_batch`'s tensors, the weight version each response token was sampled
+    with (`rollout_versions`; `version` for an output that records none), the request's engine metrics."""
+    batch = to_batch(prompt_ids, out, pad_id, n)
+    spans = out.versions or [[(version, 0)] for _ in out.token_ids]
+    batch["rollout_versions"] = token_versions(spans, batch["responses"].shape[1])
+    batch.meta["rollout_metrics"] = dict(out.metrics)
+    return batch
+
+
+def token_versions(spans: list[list[tuple[int, int]]], width: int) -> torch.Tensor:
+    """(B, width) long: the weight version each response token was sampled with, from `RolloutOutput.versions`
+    spans ((version, first token index), ascending); padding after a response carries its last version."""
+    out = torch.empty(len(spans), width, dtype=torch.long)
+    for i, sample in enumerate(spans):
+        for k, (version, start) in enumerate(sample):
+            end = sample[k + 1][1] if k + 1 < len(sample) else width
+            out[i, start:end] = version
+    return out

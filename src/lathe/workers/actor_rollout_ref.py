@@ -103,6 +103,17 @@ class ActorRolloutRefWorker:
         if self.rollout is not None:
             self.rollout.update_weights(self.actor.weights())
 
+    # colocate_async (`lathe.loop.colocate_async`): the engine's requests streamed across steps
+    def stream_run(self, requests: list[tuple], max_steps: int) -> dict:
+        return self.rollout.stream_run(requests, max_steps)
+
+    def stream_pause(self) -> int:
+        return self.rollout.stream_pause()
+
+    def sync_stream_weights(self, version: int) -> None:
+        """`sync_weights` for streamed requests: the tokens sampled from now on are of weight `version`."""
+        self.rollout.stream_weights(self.actor.weights(), version)
+
     def save_checkpoint(self, path: Path) -> None:
         self.actor.save_checkpoint(path, self.tokenizer)
 

@@ -52,7 +52,7 @@ from lathe.models.hf import load_policy, select_impl
 from lathe.generation import SamplingParams
 from lathe.rollout.agent import agent_columns, agent_kwargs, build_agent_loop
 from lathe.rollout.agent.custom import CustomAgentLoops, agent_stream, custom_loops_in
-from lathe.rollout.base import to_batch
+from lathe.rollout.base import streamed_batch
 from lathe.rollout.build import VERL_BACKENDS, backend_notice, build_engine, eos_token_ids, runs_lathe
 from lathe.seeding import seed_everything
 from lathe.train import parallel
@@ -376,12 +376,9 @@ class RolloutWorker:
 
     def _to_batch(self, request_id, out) -> Batch:
         prompt_ids, n, extra_info = self._prompts.pop(request_id)
-        batch = to_batch(prompt_ids, out, self.pad_id, n)
+        batch = streamed_batch(prompt_ids, out, self.pad_id, n, self.engine.weight_version)
         if extra_info is not None:              # multi-turn: the sync loop's columns (tool counts, enriched extra_info)
             batch.update(agent_columns(out, [x for x in extra_info for _ in range(n)]))
-        spans = out.versions or [[(self.engine.weight_version, 0)] for _ in out.token_ids]
-        batch["rollout_versions"] = token_versions(spans, batch["responses"].shape[1])
-        batch.meta["rollout_metrics"] = dict(out.metrics)
         return batch
 
     def pause(self, partial: bool, timeout_s: float) -> int:
@@ -559,14 +556,3 @@ def request_agent(prompts: Batch, custom: bool = False) -> dict:
 def agent_rollout(rollout_cfg) -> bool:
     """Whether requests run through an agent loop: the tool loop (`multi_turn.enable`) or custom ones."""
     return rollout_cfg.multi_turn.enable or custom_loops_in(rollout_cfg)
-
-
-def token_versions(spans: list[list[tuple[int, int]]], width: int) -> torch.Tensor:
-    """(B, width) long: the weight version each response token was sampled with, from `RolloutOutput.versions`
-    spans ((version, first token index), ascending); padding after a response carries its last version."""
-    out = torch.empty(len(spans), width, dtype=torch.long)
-    for i, sample in enumerate(spans):
-        for k, (version, start) in enumerate(sample):
-            end = sample[k + 1][1] if k + 1 < len(sample) else width
-            out[i, start:end] = version
-    return out

@@ -36,6 +36,7 @@ from lathe.rollout.agent.custom import custom_loops_in
 from lathe.rollout.base import to_batch
 from lathe.rollout.build import build_engine, build_hf_rollout, eos_token_ids, resolve_rollout_name
 from lathe.workers.actor import Actor
+from lathe.workers.colocated_stream import ColocatedStream
 from lathe.workers.lockstep import Lockstep, ReplicaEngine, control_groups
 
 
@@ -71,6 +72,7 @@ class Rollout:
         self.dp = None              # data-parallel attention: this replica's place among its engine's
         self.replica: Lockstep | None = None        # a tensor-parallel replica's agent loop: its ranks in lockstep
         self._control = None
+        self.stream: ColocatedStream | None = None  # colocate_async: requests streamed across steps
         if actor.sharded:       # the rollout's own copy, before sharding, to the device tensor by tensor
             state = merged_weights(actor.model) if actor.lora else None
             dtype = rollout_dtype(rollout_cfg.dtype, self.device)
@@ -133,14 +135,16 @@ class Rollout:
             check_agent_names(prompts, self.cfg)
         if not prompt_ids and self.dp is None:      # (called with none only as a data-parallel-attention engine's
             return None                             # idle replica)
+        images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
+        if self.stream is not None:                 # colocate_async: beside the streamed requests (validation)
+            out = self.stream.generate(prompt_ids, params, first_index=first_index, **images)
+            return self._rows(prompts, prompt_ids, out, params, {})
         timings = {}
         if self.actor.sharded:                 # a step starts here: its peak memory is reported by the update
             reset_peak_memory(self.device)
         if self.free_cache_engine:
             with self._timed(timings, "timing_s/rollout_wake_up"):
                 self.backend.wake_up()
-        # image prompts (VL): each prompt's {pixel_values, image_grid_thw}, None for text prompts
-        images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
         try:
             if self.replica is not None:    # (a follower returns None, having followed the leader's loop; a leader
                 # with no prompts, a replica of data-parallel attention, serves the others' steps)
@@ -160,6 +164,10 @@ class Rollout:
                     self.backend.sleep()
         if self.tp.rank or out is None:
             return None
+        return self._rows(prompts, prompt_ids, out, params, timings)
+
+    def _rows(self, prompts: Batch, prompt_ids: list[list[int]], out, params: SamplingParams, timings: dict) -> Batch:
+        """The prompt rows repeated `n` times with the responses' tensors, the agent loop's columns, the metrics."""
         gen = to_batch(prompt_ids, out, self.tokenizer.pad_token_id, params.n)
         batch = prompts.repeat(params.n, interleave=True).update(gen)
         if self.agent is not None:
@@ -171,7 +179,46 @@ class Rollout:
 
     def update_weights(self, named_tensors) -> None:
         """Load (name, tensor) pairs into the backend (a no-op for tensors the two already share)."""
+        if self.stream is not None:
+            raise RuntimeError("Rollout.update_weights while requests stream across steps (colocate_async): their "
+                               "tokens need the new weights' version; use stream_weights")
         self.backend.update_weights(named_tensors)
+
+    # -- colocate_async: the engine's requests streamed across training steps (`lathe.workers.colocated_stream`) --
+    def stream_run(self, requests: list[tuple], max_steps: int) -> dict:
+        """Add requests and run up to `max_steps` engine steps; the finished requests' rows (`ColocatedStream.run`)."""
+        return self._stream().run(requests, max_steps)
+
+    def stream_pause(self) -> int:
+        """Interrupt the unfinished samples and sleep (`ColocatedStream.pause`); how many were interrupted."""
+        return self.stream.pause() if self.stream is not None else 0
+
+    def stream_weights(self, named_tensors, version: int) -> None:
+        """The actor's weights into the engine as weight `version` (`ColocatedStream.load_weights`)."""
+        self._stream().load_weights(named_tensors, version)
+
+    def _stream(self) -> ColocatedStream:
+        if self.stream is None:
+            if self.name != "lathe" or self.agent is not None or self.tp.size > 1 or self.dp is not None:
+                raise NotImplementedError(
+                    "trainer.v1.trainer_mode=colocate_async streams requests through lathe's engine on one rank per "
+                    f"replica; this rollout runs {self.name!r}{' with an agent loop' if self.agent else ''} over "
+                    f"{self.tp.size} tensor-parallel rank(s){' with data-parallel attention' if self.dp else ''} "
+                    "(see the 'rollout:' log line). Fix: train with trainer.v1.trainer_mode=sync, or use a model "
+                    "lathe's decoder implements (actor_rollout_ref.model.impl=auto) on single-rank replicas.")
+            self.stream = ColocatedStream(self.backend, self.tokenizer.pad_token_id, wake=self._stream_wake,
+                                          sleep=self._stream_sleep)
+        return self.stream
+
+    def _stream_wake(self, timings: dict) -> None:
+        if self.free_cache_engine:
+            with self._timed(timings, "timing_s/rollout_wake_up"):
+                self.backend.wake_up()
+
+    def _stream_sleep(self, timings: dict) -> None:
+        if self.free_cache_engine:
+            with self._timed(timings, "timing_s/rollout_sleep"):
+                self.backend.sleep()
 
     @contextmanager
     def _timed(self, into: dict, key: str):

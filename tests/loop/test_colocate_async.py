@@ -1,0 +1,82 @@
+"""verl V1's colocated asynchronous trainer (`trainer.v1.trainer_mode=colocate_async`, lathe.loop.colocate_async)
+under `lathe train` on the built-in task, one CPU process: without warm-up batches it is the synchronous loop; with
+them unfinished samples continue across steps under the new weights; stale groups are dropped or waited for; a
+resumed run goes on; validation runs beside the streamed requests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loop.test_async_inprocess import COMPARED, train
+
+COLOCATE = ["trainer.v1.trainer_mode=colocate_async"]
+# responses long enough to outlast a slice of 2 engine steps, ended by eos at lengths of their own
+LONG = ["data.max_response_length=12", "trainer.total_training_steps=4"]
+SPANS = "training/off_policy/trajectory_spans/max"
+WORST = "training/off_policy/trajectory_staleness_worst/max"
+
+
+@pytest.fixture
+def short_slices(monkeypatch):
+    """Two engine steps between the driver's looks: responses finish across slices, and across steps."""
+    import lathe.loop.colocate_async
+    monkeypatch.setattr(lathe.loop.colocate_async, "SLICE_STEPS", 2)
+
+
+def test_without_warmup_batches_it_is_the_synchronous_loop(tmp_path):
+    sync = train(tmp_path / "sync")
+    colocated = train(tmp_path / "colocated", *COLOCATE, "trainer.v1.colocate_async.num_warmup_batches=0")
+    assert len(sync) == len(colocated) == 2
+    for a, b in zip(sync, colocated):
+        for key in COMPARED:
+            assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
+        assert b["colocate_async/interrupted"] == 0 and b[SPANS] == 1 and b[WORST] == 0
+        assert b["training/off_policy/trajectory_staleness/mean"] == 0 and "timing_s/gen" in b
+
+
+def trained_uids(dumps, steps) -> list[str]:
+    """The prompt group (`p<issue index>`) of every trained sample, from the steps' `rollout_data_dir` dumps."""
+    return [json.loads(line)["uid"] for step in steps for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+
+
+def test_unfinished_samples_continue_across_steps_under_the_new_weights(tmp_path, short_slices):
+    dumps = tmp_path / "dumps"
+    rows = train(tmp_path / "run", *COLOCATE, *LONG, "trainer.v1.sampler.max_off_policy_threshold=8",
+                 f"trainer.rollout_data_dir={dumps}")
+    assert len(rows) == 4
+    uids = trained_uids(dumps, range(1, 5))                     # each prompt trained once, all its samples
+    assert len(uids) == 4 * 4 * 4 and all(uids.count(u) == 4 for u in uids)
+    assert sum(r["colocate_async/interrupted"] for r in rows) > 0, "precondition: some samples were interrupted"
+    assert max(r[SPANS] for r in rows) >= 2                     # a response sampled by two weight versions
+    assert max(r[WORST] for r in rows) >= 1                     # trained a step (or more) after it began
+    assert all(r["colocate_async/queue_size"] + r["colocate_async/in_flight_prompts"] <= 4 for r in rows)
+    assert all(r["actor/pg_loss"] == r["actor/pg_loss"] for r in rows)       # (finite: the updates ran)
+
+
+def test_stale_groups_are_dropped_or_waited_for(tmp_path, short_slices):
+    dropped = train(tmp_path / "drop", *COLOCATE, *LONG, "trainer.v1.sampler.max_off_policy_threshold=1")
+    assert sum(r.get("training/off_policy/evicted_samples", 0) for r in dropped) > 0
+    assert all(r[WORST] == 0 and r[SPANS] == 1 for r in dropped)    # only groups begun in their own step train
+    waited = train(tmp_path / "wait", *COLOCATE, *LONG, "trainer.v1.sampler.max_off_policy_threshold=1",
+                   "trainer.v1.sampler.max_off_policy_strategy=wait")
+    assert all(r["colocate_async/interrupted"] == 0 for r in waited)   # every group in flight is waited for
+    assert not any("training/off_policy/evicted_samples" in r for r in waited)
+    assert max(r[WORST] for r in waited) == 1                         # the warm-up batch trains a step later
+
+
+def test_a_resumed_run_trains_each_prompt_once_and_validation_runs_beside_the_streamed_requests(tmp_path,
+                                                                                             short_slices):
+    run, dumps = tmp_path / "run", tmp_path / "dumps"
+    args = [*COLOCATE, *LONG, "trainer.save_freq=2", "trainer.test_freq=1", f"trainer.rollout_data_dir={dumps}"]
+    rows = train(run, *args)
+    assert all(any(k.startswith("val-core/") for k in r) for r in rows)
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = train(run, *args)                                   # from step 2's checkpoint: steps 3 and 4 again
+    assert len(resumed) == 4 and [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert all(any(k.startswith("val-core/") for k in r) for r in resumed[2:])
+    # over steps 1-4 no prompt's group is trained twice or in part: those issued and not trained by step 2 (in
+    # flight, interrupted or finished) are issued again
+    uids = trained_uids(dumps, range(1, 5))
+    assert len(uids) == 4 * 4 * 4 and all(uids.count(u) == 4 for u in uids), uids

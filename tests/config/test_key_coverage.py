@@ -52,6 +52,8 @@ READ_IN_CONFIG = {
        "(workers/rollout.py, workers/fully_async.py), and check_mtp's rules on the other keys"
        for k in ("enable_rollout", "method", "num_speculative_tokens", "speculative_algorithm",
                  "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_num_steps")},
+    "trainer.use_v1": "plan.py: trainer_mode() (false: verl's legacy trainer, lathe's synchronous loop), which "
+                      "loop/run.py dispatches on through is_colocate_async()",
 }
 
 # Keys the registry says act only in some set-ups (``when``) whose effect is decided inside config/.
@@ -60,6 +62,12 @@ REGISTERED_READ_IN_CONFIG = {
                                       "prompts (RunPlan.actor.prompts_per_step)",
     "reward_model.micro_batch_size": "fill.py: converted to reward_model.micro_batch_size_per_gpu (no effect without "
                                      "a sequence-classification reward model)",
+    "trainer.v1.trainer_mode": "plan.py: trainer_mode() (sync or colocate_async), which loop/run.py dispatches on "
+                               "through is_colocate_async()",
+    # transitional: lathe.loop.colocate_async reads these through plan.v1_settings() until it reads them itself
+    **{f"trainer.v1.{k}": "plan.py: v1_settings(), which lathe.loop.colocate_async reads"
+       for k in ("colocate_async.num_warmup_batches", "sampler.max_off_policy_threshold",
+                 "sampler.max_off_policy_strategy")},
 }
 
 # Keys read through a name the scan cannot follow; each is checked against the mechanism below.

@@ -36,6 +36,22 @@ def test_without_warmup_batches_it_is_the_synchronous_loop(tmp_path):
         assert b["training/off_policy/trajectory_staleness/mean"] == 0 and "timing_s/gen" in b
 
 
+def test_lora_remax_a_reward_model_and_the_kl_loss_stream_as_the_synchronous_loop(tmp_path):
+    """Without warm-up batches: ReMax's greedy twins are requests of their own, a learned reward model scores the
+    step's groups, LoRA's merged weights reach the engine as each version, the reference's KL loss reads the same
+    batch; all as the synchronous loop."""
+    from helpers import RM_TEMPLATE, tiny_reward_model
+    from loop.test_async_lora import LORA
+    rm = tiny_reward_model(tmp_path / "rm", chat_template=RM_TEMPLATE)
+    extra = [*LORA, "algorithm.adv_estimator=remax", "actor_rollout_ref.actor.use_kl_loss=true",
+             "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.max_length=256"]
+    sync = train(tmp_path / "sync", *extra)
+    colocated = train(tmp_path / "colocated", *COLOCATE, "trainer.v1.colocate_async.num_warmup_batches=0", *extra)
+    for a, b in zip(sync, colocated):
+        for key in (*COMPARED, "actor/kl_loss"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
+
+
 def trained_uids(dumps, steps) -> list[str]:
     """The prompt group (`p<issue index>`) of every trained sample, from the steps' `rollout_data_dir` dumps."""
     return [json.loads(line)["uid"] for step in steps for line in (dumps / f"{step}.jsonl").read_text().splitlines()]

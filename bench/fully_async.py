@@ -295,7 +295,8 @@ def commands(paths: dict, args) -> dict[str, list[str]]:
                      f"async_training.trigger_parameter_sync_step={args.trigger}",
                      f"async_training.staleness_threshold={staleness}", "async_training.partial_rollout=true",
                      f"trainer.default_local_dir={run / mode}"]
-    for i, warmup in enumerate(int(w) for w in args.colocate.split(",")):
+    colocated = "colocate" in args.modes.split(",")
+    for i, warmup in enumerate(int(w) for w in args.colocate.split(",") if colocated):
         mode = "colocate" if i == 0 else f"colocate_w{warmup}"
         out[mode] = [*base, *tp, f"trainer.n_gpus_per_node={args.gpus}", "trainer.v1.trainer_mode=colocate_async",
                      f"trainer.v1.colocate_async.num_warmup_batches={warmup}",

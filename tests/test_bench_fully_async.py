@@ -20,6 +20,8 @@ args = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--trigger"
 paths = {key: Path(sys.argv[2]) / key for key in ("model", "tokenizer", "parquet", "reward", "run")}
 tool = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--workload", "tool", "--turns", "3"])
 tp = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--workload", "tool", "--rollout-tp", "2"])
+colocated = fully_async.parse_args(["--device", "cpu", "--shape", "tiny", "--gpus", "1", "--modes", "sync,colocate",
+                                    "--colocate", "1,2"])
 tool_paths = {**paths, "tool": fully_async.write_tool(Path(sys.argv[2]), tool)}
 sys.path.insert(0, sys.argv[2])
 import bench_sleep_tool
@@ -29,7 +31,7 @@ steps = [{"perf/time_per_step": 9.0, "trainer/idle_ratio": 0.5, "perf/total_num_
          {"perf/time_per_step": 2.0, "trainer/idle_ratio": 0.25, "perf/total_num_tokens": 300},
          {"perf/time_per_step": 4.0, "trainer/idle_ratio": 0.5, "perf/total_num_tokens": 900}]
 print(json.dumps({"plain": fully_async.commands(paths, args), "tool": fully_async.commands(tool_paths, tool),
-                  "tp": fully_async.commands(tool_paths, tp),
+                  "tp": fully_async.commands(tool_paths, tp), "colocated": fully_async.commands(paths, colocated),
                   "calls": [c.name for c in calls], "busy": fully_async.summarize(steps, 1)["trainer_busy_s"],
                   "rate": fully_async.summarize(steps, 1)["timed_tokens_per_s"]}))
 """
@@ -48,6 +50,11 @@ def test_fully_async_builds_both_command_lines(tmp_path):
         assert "actor_rollout_ref.nccl_timeout=120" in cmd
         assert not any(c.startswith("global_profiler.") for c in cmd)
     assert cmds["sync"][-2:] == ["trainer.n_gpus_per_node=2", f"trainer.default_local_dir={tmp_path / 'run' / 'sync'}"]
+    colocated = built["colocated"]       # --modes sync,colocate --colocate 1,2 --gpus 1: both on the sync run's GPU
+    assert colocated["colocate_w2"][-4:] == ["trainer.n_gpus_per_node=1", "trainer.v1.trainer_mode=colocate_async",
+                                             "trainer.v1.colocate_async.num_warmup_batches=2",
+                                             f"trainer.default_local_dir={tmp_path / 'run' / 'colocate_w2'}"]
+    assert "trainer.v1.colocate_async.num_warmup_batches=1" in colocated["colocate"]
     assert {"trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1",
             "async_training.trigger_parameter_sync_step=3"} <= set(cmds["async"])
     # --workload tool: both runs multi-turn with the bench's tool, whose module makes every turn call it

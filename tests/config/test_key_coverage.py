@@ -64,10 +64,6 @@ REGISTERED_READ_IN_CONFIG = {
                                      "a sequence-classification reward model)",
     "trainer.v1.trainer_mode": "plan.py: trainer_mode() (sync or colocate_async), which loop/run.py dispatches on "
                                "through is_colocate_async()",
-    # transitional: lathe.loop.colocate_async reads these through plan.v1_settings() until it reads them itself
-    **{f"trainer.v1.{k}": "plan.py: v1_settings(), which lathe.loop.colocate_async reads"
-       for k in ("colocate_async.num_warmup_batches", "sampler.max_off_policy_threshold",
-                 "sampler.max_off_policy_strategy")},
 }
 
 # Keys read through a name the scan cannot follow; each is checked against the mechanism below.

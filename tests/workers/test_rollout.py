@@ -171,7 +171,7 @@ def test_an_idle_replica_of_data_parallel_attention_serves_the_others_awake():
     backend = SimpleNamespace(wake_up=lambda: calls.append("wake_up"), sleep=lambda: calls.append("sleep"),
                               generate=lambda prompts, params: calls.append(("generate", len(prompts))))
     rollout = object.__new__(Rollout)
-    rollout.__dict__.update(dp=object(), agent=None, backend=backend, free_cache_engine=True, replica=None,
+    rollout.__dict__.update(dp=object(), agent=None, backend=backend, free_cache_engine=True, replica=None, stream=None,
                             actor=SimpleNamespace(sharded=False), device=torch.device("cpu"),
                             tp=SimpleNamespace(rank=0))
     empty = Batch(non_tensors={"prompt_ids": []})

@@ -9,11 +9,11 @@ This package is a leaf: it imports only the standard library and PyYAML (never t
 
 from .errors import ConfigError
 from .loader import describe_preset, list_presets, load_config
-from .plan import BatchPlan, RunPlan, batch_plan, critic_in_use, is_async, resolve_devices, run_plan
+from .plan import (BatchPlan, RunPlan, batch_plan, critic_in_use, is_async, is_colocate_async, resolve_devices,
+                   run_plan, trainer_mode)
 from .schema import LatheConfig
 from .help import help_for
 from .tree import to_dict, to_yaml
-from .v1 import is_colocate_async, v1_settings
 
 __all__ = [
     "BatchPlan",
@@ -32,5 +32,5 @@ __all__ = [
     "run_plan",
     "to_dict",
     "to_yaml",
-    "v1_settings",
+    "trainer_mode",
 ]

@@ -196,6 +196,17 @@ def is_async(cfg: LatheConfig) -> bool:
     return cfg.rollout.n_gpus_per_node > 0
 
 
+def trainer_mode(cfg: LatheConfig) -> str:
+    """verl V1's trainer mode that runs: `trainer.v1.trainer_mode` with `trainer.use_v1`, else `sync` (verl's legacy
+    trainer is synchronous and reads no trainer.v1 key)."""
+    return cfg.trainer.v1.trainer_mode if cfg.trainer.use_v1 else "sync"
+
+
+def is_colocate_async(cfg: LatheConfig) -> bool:
+    """verl V1's colocated asynchronous trainer runs (`lathe.loop.colocate_async`)."""
+    return trainer_mode(cfg) == "colocate_async"
+
+
 def critic_in_use(cfg: LatheConfig) -> bool:
     """critic.enable when set, else whether the advantage estimator is GAE."""
     if cfg.critic.enable is not None:

@@ -18,7 +18,6 @@ from .plan import (BatchPlan, Devices, batch_plan, critic_in_use, is_async, mesh
                    sequence_parallel_size, teacher_devices)
 from .profiler import check_profiler
 from .rules_agent import check_custom_agent_loops
-from .v1 import check_v1
 from .rules_attention import check_attention
 from .rules_fp8 import check_fp8_reference, check_fp8_training
 from .rules_recompute import check_recompute
@@ -27,6 +26,7 @@ from .rules_mtp import check_mtp
 from .rules_optim import check_optimizers
 from .rules_pf_ppo import check_pf_ppo
 from .rules_routing import check_routing_replay
+from .rules_v1 import check_v1
 from .rules_parallel import (KEYS as SP_KEYS, check_expert_parallel, check_keep_gathered, check_rollout_tp,
                              check_sequence_parallel, check_tensor_parallel, data_parallel)
 from .schema import LatheConfig
@@ -425,7 +425,7 @@ def _check_backend_and_run(cfg: LatheConfig, problems: ProblemList) -> None:
     _check_async(cfg, problems)
     _check_multi_turn(cfg, problems)
     check_custom_agent_loops(cfg, problems)
-    check_v1(cfg, problems)                     # verl V1's trainer modes (lathe.config.v1)
+    check_v1(cfg, problems)                     # verl V1's trainer modes (lathe.config.rules_v1)
     check_profiler(cfg, problems)
     _check_custom_dataset(cfg, problems)
     if t.test_freq > 0 and not cfg.data.val_files:

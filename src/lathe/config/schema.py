@@ -17,6 +17,7 @@ from .schema_async import AsyncTrainingConfig, RolloutPoolConfig
 from .schema_distill import DistillationConfig
 from .schema_judge import JudgeConfig, JudgeRolloutConfig
 from .schema_rollout import ActorRolloutRefConfig
+from .schema_v1 import TrainerV1Config
 
 
 @dataclass
@@ -378,6 +379,10 @@ class TrainerConfig:
     esi_redundant_time: int = spec(0, "Seconds before an elastic instance expires to save (verl).")
     ray_wait_register_center_timeout: int = spec(300, "Seconds to wait for Ray workers to register.")
     use_legacy_worker_impl: LegacyWorkerImpl = spec("auto", "verl's worker implementation: auto | enable | disable.")
+    use_v1: bool = spec(True, "verl's V1 trainer, which runs trainer.v1.trainer_mode; false = verl's legacy trainer "
+                              "(lathe's synchronous loop), which reads no trainer.v1 key.")
+    v1: TrainerV1Config = spec(factory=TrainerV1Config, help="verl V1's trainer mode (sync / colocate_async) and "
+                                                              "its settings.")
 
 
 @dataclass

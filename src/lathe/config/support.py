@@ -22,7 +22,9 @@ from .schema import LatheConfig
 from .plan import is_async
 from .rules_reward import BATCH_MANAGER, PER_ROW_MANAGERS
 from .support_base import Entry, at_most, inert, no_entries, one_of, only_on, refuse, same_as, warn
+from .support_base import defaults as _defaults
 from .support_rollout import ROLLOUT_FEATURES
+from .support_v1 import V1_FEATURES
 from .support_verl import BACKEND, ULYSSES_RM, backend_judge, judge_verl_keys, markdown_lines
 from .tree import get_path
 
@@ -367,6 +369,7 @@ FEATURES = {
     "Distribution settings with no effect (on one device, or at all)": _one_device,
     "Accepted: lathe behaves the same either way": _same_either_way,
     **ROLLOUT_FEATURES,
+    **V1_FEATURES,
 }
 
 
@@ -380,11 +383,6 @@ def registry() -> dict[str, Entry]:
                 raise RuntimeError(f"config/support.py lists {entry.key} twice")
             out[entry.key] = replace(entry, feature=feature)
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def _defaults() -> LatheConfig:
-    return LatheConfig()
 
 
 def check_support(cfg: LatheConfig, problems: ProblemList, *, skip: frozenset[str] = frozenset(),

@@ -14,12 +14,14 @@ the key holds a value other than its default:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .coerce import show
-from .plan import is_async, teacher_devices, trainer_devices
+from .plan import is_async, is_colocate_async, teacher_devices, trainer_devices
+from .schema import LatheConfig
 from .tree import get_path
 
 Check = Callable[[Any, Any], bool]
@@ -102,6 +104,11 @@ WHEN: dict[str, Callable[[Any], bool]] = {
     "no teacher pool": lambda cfg: not teacher_devices(cfg),
     # no sequence-classification reward model: none, or a generative judge (reward_model.judge.enable)
     "no classifier reward model": lambda cfg: not cfg.reward_model.enable or cfg.reward_model.judge.enable,
+    # verl V1's colocated asynchronous trainer does not run: another trainer.v1.trainer_mode, or trainer.use_v1=false
+    "no colocate_async": lambda cfg: not is_colocate_async(cfg),
+    # no V1 mode lathe runs is asked for: separate_async (refused), or trainer.use_v1=false (reads no trainer.v1 key)
+    "separate_async or use_v1=false": lambda cfg: (not cfg.trainer.use_v1
+                                                   or cfg.trainer.v1.trainer_mode == "separate_async"),
 }
 
 
@@ -110,6 +117,17 @@ def only_on(when: str, entry: Entry) -> Entry:
     if when not in WHEN:
         raise ValueError(f"only_on: {when!r} is not one of {', '.join(WHEN)}")
     return replace(entry, when=when)
+
+
+@functools.lru_cache(maxsize=1)
+def defaults() -> LatheConfig:
+    """lathe's defaults, which a key's value is judged against."""
+    return LatheConfig()
+
+
+def default_of(key: str) -> Any:
+    """The default of the dotted ``key``."""
+    return get_path(defaults(), key)
 
 
 def is_off(value: Any, default: Any) -> bool:

@@ -20,7 +20,6 @@ from .plan import needs_ref, trainer_devices
 from .support_base import Entry, at_most, inert, one_of, refuse, same_as, warn
 from .support_rollout import ROUTING
 from .tree import get_path
-from .v1 import judge_strategy, judge_threshold, judge_trainer_mode, judge_warmup
 from .verl_keys import flatten, is_verl_group, is_verl_key, verl_default, verl_defaults
 from .verl_translate import (DIST_USE, RECOMPUTE, RULES, TRAINED_MODEL, block_recompute_layers,
                              context_parallel_notice, dist_checkpoint, dist_checkpoint_prefix, lora_experts_notice,
@@ -447,27 +446,7 @@ def _rewards() -> list[Entry]:
 
 
 def _runs() -> list[Entry]:
-    v1 = "trainer.v1"
-    return [inert("trainer.use_v1", "false runs verl's legacy trainer, lathe's synchronous loop, and no "
-                  "trainer.v1 key is read; true reads trainer.v1.trainer_mode (lathe.config.v1)"),
-            replace(refuse(f"{v1}.trainer_mode", "verl V1's separate_async (standalone rollout devices)",
-                           "use fully-asynchronous training's keys"), judge=judge_trainer_mode),
-            replace(warn(f"{v1}.colocate_async.num_warmup_batches", "it is read only with trainer_mode="
-                         "colocate_async"), judge=judge_warmup),
-            replace(warn(f"{v1}.sampler.max_off_policy_threshold", "it is read only with trainer_mode="
-                         "colocate_async"), judge=judge_threshold),
-            replace(warn(f"{v1}.sampler.max_off_policy_strategy", "it is read only with trainer_mode="
-                         "colocate_async"), judge=judge_strategy),
-            refuse(f"{v1}.sampler.custom_sampler.*", "a custom replay buffer (verl's ReplayBuffer subclass over its "
-                   "TransferQueue)", "remove it"),
-            refuse(f"{v1}.sampler.sampler_kwargs*", "a custom replay buffer's arguments (read only by one)",
-                   "remove them"),
-            warn(f"{v1}.sampler.sync_refill_failed_groups", "lathe's rollout has no failed groups: a trajectory "
-                 "that fails stops the step with its error"),
-            inert(f"{v1}.sync*", "the synchronous mode has no settings"),
-            warn(f"{v1}.*", "it is read only with trainer.v1.trainer_mode=separate_async, which lathe runs as "
-                 "fully-asynchronous training with verl's fully_async_policy keys"),
-            warn("transfer_queue.*", "lathe moves batches between its workers itself"),
+    return [warn("transfer_queue.*", "lathe moves batches between its workers itself"),
             refuse("skip.*.enable", "replaying dumped rollouts instead of generating (skip_rollout)"),
             warn("skip.*", "it is read only with skip.<stage>.enable=true"),
             warn("algorithm.filter_groups.max_inflight_gen_batches", "lathe generates the filter_groups batches "

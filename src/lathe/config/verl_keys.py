@@ -2,7 +2,7 @@
 
 lathe declares the keys it acts on in ``schema*.py``. verl's schema also holds whole subtrees lathe will not
 build as fields (the megatron / veomni / torchtitan engine groups, per-role profilers, megatron's optimizer and
-learning-rate keys, QAT, MTP, the v1 trainer, ...). Rather than a dataclass field for each of
+learning-rate keys, QAT, MTP, ...). Rather than a dataclass field for each of
 those ~900 keys, lathe keeps verl's list in ``verl_keys.yaml`` (dotted key -> verl's default) and:
 
 * a key of that list with no field in lathe's tree is stored, as given, in ``LatheConfig.verl_keys``;

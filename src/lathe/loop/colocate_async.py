@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from lathe.batch import Batch
-from lathe.config import v1_settings
 from lathe.loop.fully_async import AsyncDriver, Pace
 from lathe.loop.ppo import finish_metrics, learn, save, step_profiler, timed_step
 from lathe.loop.recover import run_with_restarts
@@ -82,11 +81,11 @@ class ColocatedDriver(AsyncDriver):
     """`AsyncDriver` over the trainer's own engines, a step's rollout phase at a time (see the module docstring)."""
 
     def __init__(self, t: Trainer):
-        v1 = v1_settings(t.cfg)
-        self.threshold, self.strategy = v1.max_off_policy_threshold, v1.max_off_policy_strategy
+        v1 = t.cfg.trainer.v1
+        self.threshold, self.strategy = v1.sampler.max_off_policy_threshold, v1.sampler.max_off_policy_strategy
         step = t.plan.actor.prompts_per_step
         # one prompt per request (a group finishes on its own); dropped groups are replaced, so no prompt count bounds
-        pace = Pace(step, step, v1.num_warmup_batches, chunk=1,
+        pace = Pace(step, step, v1.colocate_async.num_warmup_batches, chunk=1,
                     total_prompts=math.inf if self.strategy == "drop" else t.total_steps * step)
         super().__init__(t, rollout=ColocatedReplicas(t), pace=pace)
         self.evicted: list[int] = []    # ages of the groups dropped as stale since the last trained step

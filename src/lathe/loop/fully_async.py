@@ -370,7 +370,9 @@ class AsyncDriver:
         self.budget = self._budget(stale=self.queued_prompts() + sum(len(p) for _, p in self.in_flight.values()))
 
     def state_dict(self) -> dict:
-        return {**self.ledger.state_dict(self.pending(), self.t.loader.state_dict()), "version": self.version,
+        # rows drawn from the loader and not yet issued resume from their batch's state, as untrained prompts do
+        pending = self.pending() | ({self.ledger.issued} if self.rows else set())
+        return {**self.ledger.state_dict(pending, self.t.loader.state_dict()), "version": self.version,
                 "syncs": self.syncs, "updates_since_sync": self.updates_since_sync, "counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict) -> None:

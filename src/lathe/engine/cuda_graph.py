@@ -187,6 +187,20 @@ class DecodeGraphs:
         self.inputs[STATE].copy_(slots)
 
     def _capture(self, key: tuple) -> None:
+        """Capture the graph of `key`. A capture that runs out of device memory is tried once more after the caching
+        allocator gives its unused blocks back to the driver: the graphs' pool takes new memory from the driver,
+        and after a training step the allocator may hold most of the device unused (a larger batch first met
+        mid-run, as colocate_async's rollout running ahead meets it)."""
+        try:
+            self._capture_once(key)
+        except torch.OutOfMemoryError:
+            self.graphs.pop(key, None)
+            self.outputs.pop(key, None)
+            accel.synchronize(self.runner.device)
+            accel.empty_cache(self.runner.device)
+            self._capture_once(key)
+
+    def _capture_once(self, key: tuple) -> None:
         start = time.perf_counter()
         expert_parallel.STATIC_ROWS = True      # (data-parallel attention's experts: the graph's path, warm-up too)
         try:

@@ -196,3 +196,25 @@ def test_graph_steps_with_shared_prefixes_equal_the_eager_engine(checkpoints, tr
         assert out.token_ids == outs[0].token_ids and out.finish_reasons == outs[0].finish_reasons
         assert_close_rel(torch.tensor(sum(out.logprobs, [])), torch.tensor(sum(outs[0].logprobs, [])),
                          name="log-probs")
+
+
+def test_a_capture_that_runs_out_of_memory_is_tried_once_more_after_emptying_the_cache(monkeypatch):
+    """The graphs' pool takes new memory from the driver: after a training step the caching allocator may hold most
+    of the device unused, so a capture that fails for memory gives it back (`empty_cache`) and captures again; a
+    second failure is the caller's."""
+    from types import SimpleNamespace
+    from lathe import device as accel
+    emptied, tries = [], []
+
+    def capture_once(key):
+        tries.append(key)
+        if len(tries) == 1 or key == "twice":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        graphs.graphs[key] = "graph"
+    graphs = SimpleNamespace(graphs={}, outputs={}, runner=SimpleNamespace(device=torch.device("cpu")),
+                             _capture_once=capture_once)
+    monkeypatch.setattr(accel, "empty_cache", lambda device: emptied.append(device))
+    DecodeGraphs._capture(graphs, "k")
+    assert tries == ["k", "k"] and graphs.graphs == {"k": "graph"} and len(emptied) == 1
+    with pytest.raises(torch.OutOfMemoryError):
+        DecodeGraphs._capture(graphs, "twice")

@@ -53,17 +53,38 @@ def test_two_workers_train_exactly_as_one_process(runs):
         assert_same(a, b)
 
 
-def test_two_workers_run_colocate_async_without_warmup_exactly_as_one_synchronous_process(runs, tmp_path):
-    """verl V1's colocate_async (`lathe.loop.colocate_async`) with no warm-up batch on 2 Ray workers, each rank's
-    engine a replica streaming its share of the prompts (`ActorRolloutRefGroup.stream_run_each`): the one process's
-    synchronous run (the same samples, seeded by each prompt's place in its step, and the same updates)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_workers_run_colocate_async_without_warmup_exactly_as_one_synchronous_process(runs, tmp_path, tp):
+    """verl V1's colocate_async (`lathe.loop.colocate_async`) with no warm-up batch on 2 Ray workers: each rank's
+    engine a replica streaming its share of the prompts, or one tensor-parallel replica over both whose ranks take the
+    same requests for the same engine steps (`ActorRolloutRefGroup.stream_run_each`): the one process's synchronous
+    run (the same samples, seeded by each prompt's place in its step, and the same updates)."""
     _, one, _ = runs
     two = train(tmp_path / "two", "trainer.n_gpus_per_node=2", "trainer.v1.trainer_mode=colocate_async",
-                "trainer.v1.colocate_async.num_warmup_batches=0")
+                "trainer.v1.colocate_async.num_warmup_batches=0",
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}")
     assert len(two) == 4
     for a, b in zip(one, two):
         assert_same(a, b)
         assert b["training/off_policy/trajectory_staleness_worst/max"] == 0
+
+
+def test_a_tensor_parallel_replica_continues_interrupted_samples_across_steps(tmp_path, monkeypatch):
+    """colocate_async with its warm-up batch on one TP=2 replica over 2 Ray workers, in slices of 2 engine steps:
+    samples interrupted at a step's end continue under the next version on both ranks, validation runs beside
+    them, and each prompt trains once (all its samples)."""
+    import lathe.loop.colocate_async
+    monkeypatch.setattr(lathe.loop.colocate_async, "SLICE_STEPS", 2)
+    dumps = tmp_path / "dumps"
+    rows = train(tmp_path / "run", "trainer.n_gpus_per_node=2",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.v1.trainer_mode=colocate_async", "data.max_response_length=12", "trainer.test_freq=2",
+                 f"trainer.rollout_data_dir={dumps}")
+    assert sum(r["colocate_async/interrupted"] for r in rows) > 0
+    assert max(r["training/off_policy/trajectory_spans/max"] for r in rows) == 2
+    assert any(k.startswith("val-core/") for k in rows[3])
+    uids = [json.loads(line)["uid"] for step in range(1, 5)
+            for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+    assert len(uids) == 4 * 32 * 8 and all(uids.count(u) == 8 for u in set(uids))
 
 
 def test_a_profiled_step_covers_every_rank(runs):

@@ -95,7 +95,6 @@ def test_an_unknown_mode_or_strategy_is_refused_by_its_type():
 @pytest.mark.parametrize("key,value,shown", [
     ("rollout.n_gpus_per_node", "1", "1"),
     ("actor_rollout_ref.rollout.multi_turn.enable", "true", "true"),
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size", "2", "2"),
     ("actor_rollout_ref.rollout.data_parallel_size", "2", "2"),
     ("algorithm.filter_groups.enable", "true", "true"),
     ("reward_model.launch_reward_fn_async", "true", "true"),
@@ -119,7 +118,7 @@ def test_colocate_async_refuses_custom_agent_loops(tmp_path):
 
 def test_the_clash_list_is_one_row_per_feature():
     keys = [row[0] for row in CLASHES]
-    assert len(keys) == len(set(keys)) == 8
+    assert len(keys) == len(set(keys)) == 7
     assert colocate_async_problems(LatheConfig()) == []
 
 

@@ -87,12 +87,14 @@ class ActorRolloutRefGroup:
     def sync_weights(self) -> None:
         self.group.call(ACTOR, "sync_weights")
 
-    # colocate_async (`lathe.loop.colocate_async`): each rank's engine a replica streaming its own requests
-    def stream_run_each(self, per_rank: list[list[tuple]], max_steps: int) -> list[dict]:
-        return self.group.call_each(ACTOR, "stream_run", [((r, max_steps), {}) for r in per_rank])
+    # colocate_async (`lathe.loop.colocate_async`): each engine replica streams its own requests, every rank of a
+    # tensor-parallel replica the same ones for the same engine steps (their schedulers agree), its first answering
+    def stream_run_each(self, per_replica: list[list[tuple]], max_steps: int) -> list[dict]:
+        calls = for_groups([((r, max_steps), {}) for r in per_replica], self.rollout_tp)
+        return one_per_group(self.group.call_each(ACTOR, "stream_run", calls), self.rollout_tp)
 
     def stream_pause(self) -> int:
-        return sum(self.group.call(ACTOR, "stream_pause"))
+        return sum(one_per_group(self.group.call(ACTOR, "stream_pause"), self.rollout_tp))
 
     def sync_stream_weights(self, version: int) -> None:
         self.group.call(ACTOR, "sync_stream_weights", version)

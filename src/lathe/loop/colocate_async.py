@@ -51,7 +51,8 @@ SLICE_STEPS = 32        # engine steps each replica runs between two looks at th
 class ColocatedReplicas:
     """`AsyncDriver`'s handle on the trainer's own engines (a rollout pool's `RolloutGroup` methods): requests in,
     each `collect` a slice of `SLICE_STEPS` engine steps on every replica, `pause` interrupts and puts them to sleep.
-    One replica per rank (`ActorRolloutRefGroup.stream_run_each` on Ray workers)."""
+    On Ray workers each engine replica (one rank, or a tensor-parallel replica's ranks, which take the same requests
+    for the same engine steps) streams its own share (`ActorRolloutRefGroup.stream_run_each`)."""
 
     def __init__(self, t: Trainer, max_steps: int | None = None):
         self.worker, self.world = t.worker, t.plan.rollout_replicas

@@ -138,7 +138,7 @@ class Rollout:
         images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
         if self.stream is not None:                 # colocate_async: beside the streamed requests (validation)
             out = self.stream.generate(prompt_ids, params, first_index=first_index, **images)
-            return self._rows(prompts, prompt_ids, out, params, {})
+            return None if self.tp.rank else self._rows(prompts, prompt_ids, out, params, {})
         timings = {}
         if self.actor.sharded:                 # a step starts here: its peak memory is reported by the update
             reset_peak_memory(self.device)
@@ -199,13 +199,13 @@ class Rollout:
 
     def _stream(self) -> ColocatedStream:
         if self.stream is None:
-            if self.name != "lathe" or self.agent is not None or self.tp.size > 1 or self.dp is not None:
+            if self.name != "lathe" or self.agent is not None or self.dp is not None:
                 raise NotImplementedError(
-                    "trainer.v1.trainer_mode=colocate_async streams requests through lathe's engine on one rank per "
-                    f"replica; this rollout runs {self.name!r}{' with an agent loop' if self.agent else ''} over "
-                    f"{self.tp.size} tensor-parallel rank(s){' with data-parallel attention' if self.dp else ''} "
-                    "(see the 'rollout:' log line). Fix: train with trainer.v1.trainer_mode=sync, or use a model "
-                    "lathe's decoder implements (actor_rollout_ref.model.impl=auto) on single-rank replicas.")
+                    "trainer.v1.trainer_mode=colocate_async streams requests through lathe's engine; this rollout "
+                    f"runs {self.name!r}{' with an agent loop' if self.agent else ''}"
+                    f"{' with data-parallel attention' if self.dp else ''} (see the 'rollout:' log line). Fix: train "
+                    "with trainer.v1.trainer_mode=sync, or use a model lathe's decoder implements "
+                    "(actor_rollout_ref.model.impl=auto) without agent loops or data-parallel attention.")
             self.stream = ColocatedStream(self.backend, self.tokenizer.pad_token_id, wake=self._stream_wake,
                                           sleep=self._stream_sleep)
         return self.stream

@@ -1,7 +1,10 @@
 """Tests for lathe.workers.colocated_stream: the colocated engine's requests streamed across training steps
 (colocate_async), CPU fp32, on tests/engine/test_stream.py's tiny random decoders (weights A, then B as version 1)."""
 
+import time
+
 import pytest
+import torch
 
 from engine.test_stream import P0, P1, P2, P3, _engine, _model, _teacher_forced
 from helpers import assert_close_rel
@@ -95,3 +98,15 @@ def test_the_rollout_refuses_streaming_where_it_cannot(weights):
             size = 1
     with pytest.raises(NotImplementedError, match="colocate_async.*trainer_mode=sync"):
         Rollout._stream(Stub())
+
+
+def test_the_rollouts_timings_add_up_until_a_request_carries_them():
+    """Two sleeps before a finished request carries them: both counted (`Rollout._timed` adds)."""
+    from lathe.workers.rollout import Rollout
+    rollout = object.__new__(Rollout)
+    rollout.device = torch.device("cpu")
+    into: dict = {}
+    for _ in range(2):
+        with rollout._timed(into, "timing_s/rollout_sleep"):
+            time.sleep(0.01)
+    assert into["timing_s/rollout_sleep"] >= 0.02

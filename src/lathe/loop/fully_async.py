@@ -137,7 +137,8 @@ class AsyncDriver:
         self.rows: list[dict] = []      # drawn from the loader, not yet issued (requests smaller than its batches)
         self.in_flight: dict[int, tuple[int, Batch]] = {}        # first issue index -> (replica, prompt rows)
         self.issued_at: dict[int, int] = {}     # first issue index -> `self.step` when it was sent
-        self.step = t.global_step + 1           # the training step the prompts sent now are for (or after)
+        self.step = t.global_step + 1   # the step whose rollout sends prompts now (colocate_async advances it;
+                                        # fully-async leaves it: its batches' `issued_at` go unread)
         self.queue: deque[Batch] = deque()                        # scored groups, in the order they finished
         self.budget = self._budget(stale=0)
         self.load = [0] * self.rollout.world    # each replica's tokens in flight (`least_loaded`)

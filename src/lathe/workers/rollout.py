@@ -222,12 +222,14 @@ class Rollout:
 
     @contextmanager
     def _timed(self, into: dict, key: str):
-        """Seconds of the block into `into[key]`, the device's queued work included (it syncs before and after)."""
+        """Seconds of the block added to `into[key]`, the device's queued work included (it syncs before and after).
+        (Added: colocate_async's stream keeps its wake-ups' and sleeps' seconds until a finished request carries
+        them, which may be after a second sleep.)"""
         synchronize(self.device)
         start = time.perf_counter()
         yield
         synchronize(self.device)
-        into[key] = time.perf_counter() - start
+        into[key] = into.get(key, 0.0) + time.perf_counter() - start
 
 
 def lockstep_timeout(arr) -> float:

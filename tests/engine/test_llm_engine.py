@@ -170,6 +170,32 @@ def test_sleep_frees_kv_and_wake_up_restores(checkpoints):
     assert engine.generate(PROMPTS, params).token_ids == before.token_ids
 
 
+def test_a_call_that_fails_midway_leaves_nothing_running_and_its_own_error_raised(checkpoints, monkeypatch):
+    """A step that raises mid-call (a decode graph's capture out of device memory, say) drops the call's sequences
+    and their KV blocks: the caller's cleanup can put the engine to sleep (it refused while sequences held blocks,
+    and its error hid the one that stopped the call), and after waking the engine generates as before."""
+    path, _ = checkpoints["qwen2"]
+    engine = _engine(path)
+    params = SamplingParams(temperature=0, max_tokens=MAX)
+    before = engine.generate(PROMPTS, params)
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(torch.OutOfMemoryError, match="test"):
+        engine.generate(PROMPTS, params)
+    assert engine.scheduler.is_finished() and engine.block_manager.num_free_blocks == engine.kv_cache.num_blocks
+    engine.sleep()
+    monkeypatch.undo()
+    engine.wake_up()
+    assert engine.generate(PROMPTS, params).token_ids == before.token_ids
+
+
 def test_sequence_too_long_for_the_cache_is_refused(checkpoints):
     path, _ = checkpoints["qwen2"]
     with pytest.raises(ValueError, match="KV blocks"):

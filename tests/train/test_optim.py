@@ -279,3 +279,53 @@ def test_sgd_on_fsdp2_shards_updates_and_resumes_as_one_process(tmp_path):
     assert fresh["weights"].keys() == one["weights"].keys()                   # the weights differ)
     assert rel_error(torch.cat([v.flatten() for v in fresh["weights"].values()]),
                      torch.cat([v.flatten() for v in one["weights"].values()])) > 1e-4
+
+
+# -- the state made before the first step (`materialize_state`) ----------------------------------------------------
+def _steps(opt, params, grads):
+    for g in grads:
+        for p, gp in zip(params, g):
+            p.grad = gp.clone()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_torch_adams_state_is_made_up_front_and_trains_as_a_lazy_one(cls):
+    """Made by build_optimizer (zero moments, step 0, no parameter moved); three steps after it give bit for bit what
+    three steps of a lazily made state give: the same parameters and moments."""
+    torch.manual_seed(0)
+    init = [torch.randn(3, 4), torch.randn(5)]
+    grads = [[torch.randn_like(t) for t in init] for _ in range(3)]
+    eager = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = build_optimizer(eager, _optim_cfg(optimizer=cls.__name__, optimizer_impl="torch.optim"))
+    assert type(opt) is cls and all(p.grad is None for p in eager)
+    assert [float(opt.state[p]["step"]) for p in eager] == [0.0, 0.0]
+    assert all(not opt.state[p][k].any() for p in eager for k in ("exp_avg", "exp_avg_sq"))
+    assert all(torch.equal(p, t) for p, t in zip(eager, init)) and opt.param_groups[0]["lr"] == LR
+    lazy = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = cls(lazy, lr=LR, betas=(0.8, 0.95), weight_decay=0.1)
+    _steps(opt, eager, grads)
+    _steps(ref, lazy, grads)
+    for p, q in zip(eager, lazy):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt.state[p][k], ref.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_master_adamws_moments_are_made_up_front():
+    from lathe.train.precision import PrecisionPolicy
+    model = torch.nn.Linear(4, 3)
+    opt = build_optimizer(model.parameters(), _optim_cfg(),
+                          policy=PrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                        master_dtype=torch.float32))
+    assert type(opt).__name__ == "MasterAdamW"
+    states = [opt.state[m] for m in opt._masters()]
+    assert len(states) == 2 and all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+                                    for s in states)
+
+
+def test_a_class_whose_state_does_not_start_at_zero_keeps_its_own_first_step():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = build_optimizer([p], _optim_cfg(optimizer="SGD", optimizer_impl="torch.optim",
+                                          override_optimizer_config={"momentum": 0.9}))
+    assert not opt.state

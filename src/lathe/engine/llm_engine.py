@@ -365,11 +365,19 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
             raise RuntimeError("LatheEngine.generate: another replica of this data-parallel-attention engine failed "
                                "before its first step (its own error is in its log); this replica stops too")
         self._inflight = None
-        while not self.scheduler.is_finished() if self.dp is None else self.dp.any(not self.scheduler.is_finished()):
-            if self.scheduler.is_finished():    # (data-parallel attention: another replica runs a step)
-                self.dp_idle()
-            else:
-                self.step()
+        try:
+            while not self.scheduler.is_finished() if self.dp is None else self.dp.any(
+                    not self.scheduler.is_finished()):
+                if self.scheduler.is_finished():    # (data-parallel attention: another replica runs a step)
+                    self.dp_idle()
+                else:
+                    self.step()
+        except BaseException:
+            # the call's sequences go, their KV blocks freed: the caller's `sleep` (in its cleanup) then frees the
+            # cache, and the error that stopped the call is the one raised
+            self._inflight = None
+            self.scheduler.abandon()
+            raise
         self._resolve(self._inflight)
         self._inflight = None
         if self.tp.size > 1:

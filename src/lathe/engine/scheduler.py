@@ -305,6 +305,17 @@ class Scheduler:
             self.waiting.appendleft(seq)
         return seqs
 
+    def abandon(self) -> list[Sequence]:
+        """Drop every unfinished sequence (a call that failed midway): their blocks freed, none left to run. Returns
+        them."""
+        self.preempt_all()                  # (the running ones and the one mid-prefill give their blocks back)
+        seqs = list(self.waiting)
+        self.waiting.clear()
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "abort"
+        return seqs
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (running, or waiting: preempted while its last token was still on the device)."""
         (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)

@@ -148,6 +148,12 @@ class MasterAdamW(MasterWeights, torch.optim.Optimizer):
         return all(t.is_contiguous() for t in (master, self.grads[i], self.module_params[i],
                                                *(state[k] for k in MOMENTS)))
 
+    def init_state(self) -> None:
+        """Every master's moments (zeros) and step now, before the first step would make them
+        (`lathe.train.optim.materialize_state` says why)."""
+        for master in self._masters():
+            self._init_state(master)
+
     def _init_state(self, master: torch.Tensor) -> dict:
         state = self.state[master]
         if not state:

@@ -183,14 +183,52 @@ def build_optimizer(params, optim_cfg, *, key: str = "optim", fsdp_key: str = "f
                     offload_state=offload_state)
     params = [p for p in params if p.requires_grad]
     if sharded:
-        return (OffloadedAdamW(params, **kwargs) if offload_state and not offload_params and lathe_adamw(cls, kwargs)
-                else construct(cls, params, kwargs, key))
-    if offload_params or offload_state or policy.mixed and lathe_adamw(cls, kwargs):
-        return MasterAdamW(params, policy=policy, offload_params=offload_params, offload_state=offload_state,
-                           **kwargs)
-    if policy.mixed:
-        return construct(cls, params, kwargs, key, build=partial(master_optimizer, cls, policy=policy))
-    return construct(cls, params, kwargs, key)
+        opt = (OffloadedAdamW(params, **kwargs) if offload_state and not offload_params and lathe_adamw(cls, kwargs)
+               else construct(cls, params, kwargs, key))
+    elif offload_params or offload_state or policy.mixed and lathe_adamw(cls, kwargs):
+        opt = MasterAdamW(params, policy=policy, offload_params=offload_params, offload_state=offload_state,
+                          **kwargs)
+    elif policy.mixed:
+        opt = construct(cls, params, kwargs, key, build=partial(master_optimizer, cls, policy=policy))
+    else:
+        opt = construct(cls, params, kwargs, key)
+    materialize_state(opt)
+    return opt
+
+
+def materialize_state(opt: torch.optim.Optimizer) -> None:
+    """Create the moments of torch's Adam/AdamW or lathe's `MasterAdamW` now, as their first step would (zeros, step
+    0), so that they take their device memory before any activation or KV cache does. Created at the first step,
+    they are carved from the update's freed activations, or from the rollout's KV cache left with PyTorch's allocator
+    while the engine sleeps, and pin those segments: the allocator cannot give them back to the driver, and the
+    engine's next CUDA-graph capture (a private pool) finds no memory (a 1.5B run with long responses on one H200
+    held 62 GiB so, unusable, and stopped at its second step's rollout). Other classes keep their own first step:
+    their state does not start at zeros (SGD's momentum starts at the gradient). Exact: torch's step over zero
+    gradients at lr 0 and weight decay 0 changes no parameter and leaves zero moments; its step counts go back to 0."""
+    if isinstance(opt, MasterAdamW):
+        opt.init_state()
+        return
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or opt.state:
+        return
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    if not params or any(p.grad is not None for p in params):
+        return
+    saved = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in opt.param_groups:        # (Adam's weight decay joins the gradient: off too)
+            g["lr"], g["weight_decay"] = g["lr"] * 0 if torch.is_tensor(g["lr"]) else 0.0, 0.0
+        opt.step()
+    finally:
+        for g, (lr, decay) in zip(opt.param_groups, saved):
+            g["lr"], g["weight_decay"] = lr, decay
+        opt.zero_grad(set_to_none=True)
+    for state in opt.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
 
 
 def runs_lathe_adamw(optim_cfg) -> bool:

@@ -208,6 +208,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
                            f"unexpected {unexpected}")
     opt = torch.load(path / "optim.pt", weights_only=True)
     check_optimizer_class(opt, optimizer, path, what)
+    optimizer.state.clear()     # the fresh zero moments (`optim.materialize_state`) go before the saved ones come
     load_masters = getattr(optimizer, "load_master_state_dict", None)
     if opt.get("sharded") and load_masters is None:       # any number of ranks, one process included
         parallel.load_sharded(path / SHARDED, model, optimizer)   # each rank reads its own shards only

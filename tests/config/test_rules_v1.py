@@ -96,7 +96,7 @@ def test_an_unknown_mode_or_strategy_is_refused_by_its_type():
     ("rollout.n_gpus_per_node", "1", "1"),
     ("actor_rollout_ref.rollout.multi_turn.enable", "true", "true"),
     ("actor_rollout_ref.rollout.data_parallel_size", "2", "2"),
-    ("algorithm.filter_groups.enable", "true", "true"),
+    ("algorithm.filter_groups.enable", "true reward_model.enable=true reward_model.model.path=rm", "true"),
     ("reward_model.launch_reward_fn_async", "true", "true"),
     ("algorithm.adv_estimator", "remax reward_model.enable=true reward_model.model.path=rm", "remax")])
 def test_colocate_async_names_what_it_does_not_run_beside(key, value, shown):
@@ -104,6 +104,11 @@ def test_colocate_async_names_what_it_does_not_run_beside(key, value, shown):
                     "actor_rollout_ref.hybrid_engine=false")
     assert (f"{COLOCATE} with {key}={shown}: colocate_async beside" in text
             and f"Fix: train with {MODE}=sync, or remove {key}." in text), text
+
+
+def test_colocate_async_runs_dapos_dynamic_sampling_scored_by_rule():
+    cfg = _quiet(COLOCATE, "algorithm.filter_groups.enable=true", "trainer.n_gpus_per_node=2")
+    assert colocate_async_problems(cfg) == [] and cfg.algorithm.filter_groups.enable
 
 
 def test_colocate_async_refuses_custom_agent_loops(tmp_path):

@@ -114,3 +114,35 @@ def test_rows_drawn_from_the_loader_and_not_yet_issued_resume_from_their_batch()
                         counters={}, pending=set, t=SimpleNamespace(loader=loader))
     state = AsyncDriver.state_dict(d)
     assert (state["issued"], state["loader"], state["trained"]) == (4, {"at": 4}, [4, 5])
+
+
+DAPO = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
+
+
+def test_dynamic_sampling_evicts_groups_without_signal_and_trains_whole_steps_of_the_others(tmp_path):
+    """verl V1's DAPO in its asynchronous modes: a group whose `acc` is the same for every sample is evicted as it
+    finishes and a fresh prompt issued in its place, so every step trains train_batch_size groups, each with reward
+    variance, each once; the evictions are counted (training/filter_groups/evicted_samples)."""
+    dumps = tmp_path / "dumps"
+    rows = train(tmp_path / "run", *COLOCATE, *DAPO, "trainer.total_training_steps=3",
+                 f"trainer.rollout_data_dir={dumps}")
+    assert len(rows) == 3
+    assert sum(r["training/filter_groups/evicted_samples"] for r in rows) > 0, "precondition: groups without signal"
+    samples = [json.loads(line) for step in range(1, 4) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+    groups: dict[str, list[float]] = {}
+    for s in samples:
+        groups.setdefault(s["uid"], []).append(s["score"])
+    assert len(samples) == 3 * 4 * 4 and len(groups) == 3 * 4 and all(len(g) == 4 for g in groups.values())
+    assert all(len(set(g)) > 1 for g in groups.values())          # every trained group has signal
+
+
+def test_dynamic_sampling_that_finds_no_signal_stops_and_says_so(tmp_path, capsys):
+    from lathe.cli import main
+    from loop.test_async_inprocess import FAST
+    # no warm start: every sample scores 0, so no group ever has variance
+    rc = main(["train", *FAST, f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.model.warm_start.steps=0",
+               *COLOCATE, *DAPO, "algorithm.filter_groups.max_num_gen_batches=2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "9 prompt groups had no reward variance (by acc) while step 1 gathered 0 of its 4" in err, err
+    assert "max_num_gen_batches x data.gen_batch_size = 8" in err

@@ -34,8 +34,9 @@ CLASHES: tuple[Clash, ...] = (
      "custom agent loops (their trajectories are not streamed across steps yet)"),
     (f"{R}.data_parallel_size", lambda cfg: cfg.actor_rollout_ref.rollout.data_parallel_size, lambda v: v > 1,
      "data-parallel attention engines (their replicas step in lockstep, whatever each has to do)"),
-    ("algorithm.filter_groups.enable", lambda cfg: cfg.algorithm.filter_groups.enable, bool,
-     "DAPO's dynamic sampling (its rounds of generation are the synchronous loop's)"),
+    ("algorithm.filter_groups.enable", lambda cfg: cfg.algorithm.filter_groups.enable and cfg.reward_model.enable,
+     bool, "DAPO's dynamic sampling with a learned reward model (reward_model.enable: colocate_async filters each "
+     "group by its scores as it finishes, the reward model scores a step's groups just before its update)"),
     ("reward_model.launch_reward_fn_async", lambda cfg: cfg.reward_model.launch_reward_fn_async, bool,
      "scoring in the background (colocate_async scores each group as it finishes)"),
     ("algorithm.adv_estimator", lambda cfg: cfg.algorithm.adv_estimator if cfg.reward_model.enable else None,

@@ -20,6 +20,12 @@ waits for every in-flight group of that age to finish, which then trains. Metric
 `training/off_policy/{trajectory_spans,trajectory_staleness,trajectory_staleness_worst}/{mean,max,min}` and
 `training/off_policy/evicted_samples`.
 
+DAPO's dynamic sampling (`algorithm.filter_groups`), as verl V1 runs it in its asynchronous modes: a group whose
+`filter_groups.metric` is the same for every sample (no GRPO signal) is evicted as it finishes and one fresh prompt is
+issued in its place, so a step still trains `train_batch_size` groups; `training/filter_groups/evicted_samples` counts
+them. Where more than `max_num_gen_batches` x `data.gen_batch_size` groups (the most the synchronous loop generates
+for one step) are evicted between two steps, the run stops and says so (0: no limit).
+
 Samples are seeded as the synchronous loop seeds the same prompt of the same step, and the engines run in slices
 of engine steps, not seconds: with `num_warmup_batches=0` (nothing issued ahead, nothing interrupted) a run is the
 synchronous one. A checkpoint records which issued prompts trained; a resumed run issues the others again
@@ -35,11 +41,12 @@ from collections import deque
 import numpy as np
 import torch
 
+from lathe.algo import filter_groups
 from lathe.batch import Batch
 from lathe.loop.fully_async import AsyncDriver, Pace
 from lathe.loop.ppo import finish_metrics, learn, save, step_profiler, timed_step
 from lathe.loop.recover import run_with_restarts
-from lathe.loop.sampling import score_batch
+from lathe.loop.sampling import DynamicSamplingExhausted, group_metric, score_batch
 from lathe.loop.setup import Trainer
 from lathe.loop.validate import validate
 from lathe.track import Progress, Timer, brief
@@ -82,14 +89,19 @@ class ColocatedDriver(AsyncDriver):
     """`AsyncDriver` over the trainer's own engines, a step's rollout phase at a time (see the module docstring)."""
 
     def __init__(self, t: Trainer):
-        v1 = t.cfg.trainer.v1
+        v1, fg = t.cfg.trainer.v1, t.cfg.algorithm.filter_groups
         self.threshold, self.strategy = v1.sampler.max_off_policy_threshold, v1.sampler.max_off_policy_strategy
         step = t.plan.actor.prompts_per_step
-        # one prompt per request (a group finishes on its own); dropped groups are replaced, so no prompt count bounds
+        # one prompt per request (a group finishes on its own); dropped (stale or filtered) groups are replaced, so
+        # no prompt count bounds the run then
         pace = Pace(step, step, v1.colocate_async.num_warmup_batches, chunk=1,
-                    total_prompts=math.inf if self.strategy == "drop" else t.total_steps * step)
+                    total_prompts=math.inf if self.strategy == "drop" or fg.enable else t.total_steps * step)
         super().__init__(t, rollout=ColocatedReplicas(t), pace=pace)
+        self.dapo = None                # (not fully-async's rounds: each filtered group is replaced on its own)
+        self.filter = fg if fg.enable else None
+        self.most_filtered = fg.max_num_gen_batches * t.cfg.data.gen_batch_size   # between two steps (0: no limit)
         self.evicted: list[int] = []    # ages of the groups dropped as stale since the last trained step
+        self.filtered = 0               # groups evicted by the filter since the last trained step
 
     def age(self, issued_at: int) -> int:
         """Steps from a prompt's issue to the step being gathered, both counted (verl V1's span)."""
@@ -131,6 +143,32 @@ class ColocatedDriver(AsyncDriver):
             self.budget += len(b.meta["indices"])
             self.evicted += [self.age(b.meta["issued_at"])] * len(b.meta["indices"])
 
+    def _arrive(self, batch: Batch) -> None:
+        """A finished group joins the queue; with dynamic sampling one without signal is evicted instead and a fresh
+        prompt may be issued in its place (verl V1's refill)."""
+        if self.filter is not None:
+            keep = filter_groups(batch["uid"], group_metric(batch, self.filter.metric))
+            groups = keep.reshape(len(batch.meta["indices"]), self.n)[:, 0].tolist()
+            evicted = [i for i, k in zip(batch.meta["indices"], groups) if not k]
+            if evicted:
+                self.ledger.trained.update(evicted)           # done with: never trained, never issued again
+                self.budget += len(evicted)
+                self.filtered += len(evicted)
+                if 0 < self.most_filtered < self.filtered:
+                    raise DynamicSamplingExhausted(
+                        f"algorithm.filter_groups: {self.filtered} prompt groups had no reward variance (by "
+                        f"{self.filter.metric}) while step {self.step} gathered {self.queued_prompts()} of its "
+                        f"{self.step_prompts}: more than max_num_gen_batches x data.gen_batch_size = "
+                        f"{self.most_filtered}, the most the synchronous loop generates for a step. The policy is "
+                        "solving (or failing) nearly every prompt: raise max_num_gen_batches (0 = no limit), use "
+                        "harder/easier data, or disable filter_groups.")
+                if not any(groups):
+                    return
+                kept = batch.select(keep)
+                kept.meta = {**batch.meta, "indices": [i for i, k in zip(batch.meta["indices"], groups) if k]}
+                batch = kept
+        self.queue.append(batch)
+
     def take(self) -> tuple[Batch, dict[str, float]]:
         """The step's groups: the `train_batch_size` finished ones issued earliest (verl V1's order)."""
         self.queue = deque(sorted(self.queue, key=lambda b: b.meta["first"]))
@@ -159,6 +197,8 @@ class ColocatedDriver(AsyncDriver):
                         "training/off_policy/evicted_samples_staleness/max": float(ages.max()),
                         "training/off_policy/evicted_samples_staleness/min": float(ages.min())})
             self.evicted = []
+        if self.filter is not None:
+            out["training/filter_groups/evicted_samples"], self.filtered = self.filtered, 0
         out["colocate_async/queue_size"] = self.queued_prompts()
         out["colocate_async/in_flight_prompts"] = sum(len(p) for _, p in self.in_flight.values())
         return out

@@ -264,8 +264,12 @@ class AsyncDriver:
                 self.counted[key] = value
         batch.meta.update(first=first, indices=list(range(first, first + len(prompts))),
                           issued_at=self.issued_at.pop(first))
+        self._arrive(batch)
+
+    def _arrive(self, batch: Batch) -> None:
+        """A scored request's groups join the queue (dynamic sampling: its round's kept groups wait for their step)."""
         if self.dapo:
-            never = self.dapo.arrived(first, batch)          # dropped groups: their prompts are done with
+            never = self.dapo.arrived(batch.meta["first"], batch)     # dropped groups: their prompts are done with
             self.ledger.trained.update(never)
             self.budget += len(never)
         else:

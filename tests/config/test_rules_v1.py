@@ -94,7 +94,7 @@ def test_an_unknown_mode_or_strategy_is_refused_by_its_type():
 
 @pytest.mark.parametrize("key,value,shown", [
     ("rollout.n_gpus_per_node", "1", "1"),
-    ("actor_rollout_ref.rollout.multi_turn.enable", "true", "true"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size", "2 actor_rollout_ref.rollout.multi_turn.enable=true", "2"),
     ("actor_rollout_ref.rollout.data_parallel_size", "2", "2"),
     ("algorithm.filter_groups.enable", "true reward_model.enable=true reward_model.model.path=rm", "true"),
     ("reward_model.launch_reward_fn_async", "true", "true"),
@@ -111,19 +111,21 @@ def test_colocate_async_runs_dapos_dynamic_sampling_scored_by_rule():
     assert colocate_async_problems(cfg) == [] and cfg.algorithm.filter_groups.enable
 
 
-def test_colocate_async_refuses_custom_agent_loops(tmp_path):
+def test_colocate_async_runs_agent_loops_but_not_on_tensor_parallel_replicas(tmp_path):
     loops = tmp_path / "loops.yaml"
     loops.write_text("- name: mine\n  _target_: my_pkg.MyLoop\n")
-    key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+    key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     cfg = LatheConfig()
     cfg.trainer.v1.trainer_mode = "colocate_async"
     cfg.actor_rollout_ref.rollout.agent = {"agent_loop_config_path": str(loops)}
-    assert [m for m in colocate_async_problems(cfg) if f"{key}={loops}" in m and "custom agent loops" in m]
+    assert colocate_async_problems(cfg) == []
+    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 2
+    assert [m for m in colocate_async_problems(cfg) if f"{key}=2" in m and "agent loops" in m]
 
 
 def test_the_clash_list_is_one_row_per_feature():
     keys = [row[0] for row in CLASHES]
-    assert len(keys) == len(set(keys)) == 7
+    assert len(keys) == len(set(keys)) == 6
     assert colocate_async_problems(LatheConfig()) == []
 
 

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from loop.test_async_agent import forced_calls  # noqa: F401
 from loop.test_async_inprocess import COMPARED, train
 
 COLOCATE = ["trainer.v1.trainer_mode=colocate_async"]
@@ -146,3 +147,34 @@ def test_dynamic_sampling_that_finds_no_signal_stops_and_says_so(tmp_path, capsy
     err = capsys.readouterr().err
     assert "9 prompt groups had no reward variance (by acc) while step 1 gathered 0 of its 4" in err, err
     assert "max_num_gen_batches x data.gen_batch_size = 8" in err
+
+
+def test_multi_turn_trajectories_stream_as_the_synchronous_loop_without_warm_up(tmp_path, forced_calls):
+    """The tool loop's trajectories through colocate_async's stream (tool calls in its threads, turns in the slices'
+    engine steps): without warm-up batches the synchronous loop's losses, scores, tool calls and turns, and its
+    validation (run through the stream too)."""
+    from loop.test_async_agent import COMPARED as AGENT_COMPARED, train as agent_train
+    val = ["trainer.test_freq=2", "data.val_max_samples=4", "data.val_batch_size=4"]
+    sync = agent_train(tmp_path / "sync", *val)
+    colocated = agent_train(tmp_path / "colocated", *COLOCATE, "trainer.v1.colocate_async.num_warmup_batches=0", *val)
+    assert len(sync) == len(colocated) == 2
+    assert 0 < sync[0]["agent/tool_calls/mean"], "precondition: tools were called"
+    assert "val-core/lathe/secret_lookup/reward/mean@1" in colocated[-1]
+    for a, b in zip(sync, colocated):
+        for key in (*AGENT_COMPARED, *(k for k in a if k.startswith("val-"))):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
+        assert b["colocate_async/interrupted"] == 0 and b[SPANS] == 1
+
+
+def test_multi_turn_trajectories_continue_across_steps(tmp_path, forced_calls, short_slices):
+    """With a warm-up batch and slices of 2 engine steps, trajectories are interrupted mid-turn and continue under
+    the next weights (their tokens spanning versions), each prompt trained once."""
+    from loop.test_async_agent import train as agent_train
+    dumps = tmp_path / "dumps"
+    rows = agent_train(tmp_path / "run", *COLOCATE, "trainer.total_training_steps=4",
+                       f"trainer.rollout_data_dir={dumps}")
+    assert len(rows) == 4 and sum(r["agent/tool_calls/mean"] for r in rows) > 0
+    assert sum(r["colocate_async/interrupted"] for r in rows) > 0 and max(r[SPANS] for r in rows) >= 2
+    uids = trained_uids(dumps, range(1, 5))
+    assert len(uids) == 4 * 2 * 4 and all(uids.count(u) == 4 for u in uids)
+    assert all(r["actor/pg_loss"] == r["actor/pg_loss"] for r in rows)

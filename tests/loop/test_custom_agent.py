@@ -66,6 +66,7 @@ def test_lathe_train_runs_a_custom_agent_loop_and_takes_its_scores(tmp_path, mon
         assert m["critic/score/mean"] == pytest.approx(0.25) and "timing_s/agent_loop" in m
 
 
+SPANS_KEY = "training/off_policy/trajectory_spans/max"
 TWO_TURNS = '''
 from workers.test_lockstep_custom import Pause
 
@@ -80,9 +81,11 @@ class TwoTurns(Pause):
 '''
 
 
-def test_on_policy_fully_async_custom_loops_equal_the_synchronous_run(tmp_path, monkeypatch, in_process_pools):
+@pytest.mark.parametrize("mode", ["fully_async", "colocate_async"])
+def test_on_policy_fully_async_custom_loops_equal_the_synchronous_run(tmp_path, monkeypatch, in_process_pools, mode):
     """The loops on a rollout pool's replica (`CustomStream`: an event loop of their own, their turns added by the
-    engine's thread) train as the synchronous run's, on-policy, validation included."""
+    engine's thread), or streamed on the trainer's own engine by colocate_async without warm-up batches, train as
+    the synchronous run's, on-policy, validation included."""
     (tmp_path / "two_turns.py").write_text(TWO_TURNS)
     (tmp_path / "loops.yaml").write_text("- name: two\n  _target_: two_turns.TwoTurns\n")
     monkeypatch.chdir(tmp_path)
@@ -91,7 +94,9 @@ def test_on_policy_fully_async_custom_loops_equal_the_synchronous_run(tmp_path, 
             f"{a}.default_agent_loop=two", "trainer.test_freq=2", "data.val_max_samples=4", "data.val_batch_size=4"]
     runs = []
     try:
-        for name, extra in (("sync", []), ("async", ON_POLICY)):
+        other = ON_POLICY if mode == "fully_async" else ["trainer.v1.trainer_mode=colocate_async",
+                                                          "trainer.v1.colocate_async.num_warmup_batches=0"]
+        for name, extra in (("sync", []), ("async", other)):
             assert main(["train", *keys, *extra, f"trainer.default_local_dir={tmp_path / name}"]) == 0
             runs.append([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
     finally:
@@ -103,7 +108,10 @@ def test_on_policy_fully_async_custom_loops_equal_the_synchronous_run(tmp_path, 
         for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean",
                     *(k for k in a_row if k.startswith("val-"))):
             assert abs(a_row[key] - b_row[key]) <= 1e-4 * max(abs(a_row[key]), 1e-3), (key, a_row[key], b_row[key])
-        assert b_row["fully_async/staleness/max"] == 0
+        if mode == "fully_async":
+            assert b_row["fully_async/staleness/max"] == 0
+        else:
+            assert b_row[SPANS_KEY] == 1 and b_row["colocate_async/interrupted"] == 0
 
 
 HELD = '''

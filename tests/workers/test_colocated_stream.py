@@ -88,11 +88,12 @@ def test_weights_load_only_paused_and_a_pause_when_asleep_interrupts_nothing(wei
 
 
 def test_the_rollout_refuses_streaming_where_it_cannot(weights):
-    """A rollout with transformers' generate (or an agent loop, or a multi-rank replica) names the fix."""
+    """A rollout with transformers' generate (or an agent loop on a tensor-parallel replica, or data-parallel
+    attention) names the fix."""
     from lathe.workers.rollout import Rollout
 
     class Stub:
-        name, agent, dp, stream = "hf", None, None, None
+        name, agent, dp, stream, replica = "hf", None, None, None, None
 
         class tp:
             size = 1

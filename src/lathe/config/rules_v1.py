@@ -28,10 +28,10 @@ Clash = tuple[str, Callable[[LatheConfig], Any], Callable[[Any], bool], str]
 CLASHES: tuple[Clash, ...] = (
     ("rollout.n_gpus_per_node", lambda cfg: cfg.rollout.n_gpus_per_node, lambda v: v > 0,     # plan.is_async
      "a rollout pool of its own (fully-asynchronous training): two asynchronous modes at once"),
-    (f"{R}.multi_turn.enable", lambda cfg: cfg.actor_rollout_ref.rollout.multi_turn.enable, bool,
-     "multi-turn agent loops (their trajectories are not streamed across steps yet)"),
-    (f"{R}.agent.agent_loop_config_path", _agent_loops, bool,
-     "custom agent loops (their trajectories are not streamed across steps yet)"),
+    (f"{R}.tensor_model_parallel_size", lambda cfg: cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+     if cfg.actor_rollout_ref.rollout.multi_turn.enable or _agent_loops(cfg) else 1, lambda v: v > 1,
+     "agent loops (multi_turn.enable, agent.agent_loop_config_path) on tensor-parallel engine replicas (there the "
+     "replica's leader runs the loop and its ranks follow its steps; colocate_async's ranks each take the requests)"),
     (f"{R}.data_parallel_size", lambda cfg: cfg.actor_rollout_ref.rollout.data_parallel_size, lambda v: v > 1,
      "data-parallel attention engines (their replicas step in lockstep, whatever each has to do)"),
     ("algorithm.filter_groups.enable", lambda cfg: cfg.algorithm.filter_groups.enable and cfg.reward_model.enable,

@@ -20,6 +20,10 @@ waits for every in-flight group of that age to finish, which then trains. Metric
 `training/off_policy/{trajectory_spans,trajectory_staleness,trajectory_staleness_worst}/{mean,max,min}` and
 `training/off_policy/evicted_samples`.
 
+Agent loops (the tool loop, `multi_turn.enable`, or custom ones) run each request's trajectories through the engine's
+stream (`lathe.workers.colocated_stream`): a turn in progress at a step's end is interrupted and continues under the
+next weights, a tool call in flight keeps running while the step trains.
+
 DAPO's dynamic sampling (`algorithm.filter_groups`), as verl V1 runs it in its asynchronous modes: a group whose
 `filter_groups.metric` is the same for every sample (no GRPO signal) is evicted as it finishes and one fresh prompt is
 issued in its place, so a step still trains `train_batch_size` groups; `training/filter_groups/evicted_samples` counts
@@ -68,7 +72,7 @@ class ColocatedReplicas:
 
     def submit(self, requests: dict[int, list]) -> None:
         for replica, reqs in requests.items():
-            self.inbox[replica] += [r[:5] for r in reqs]     # (request_id, prompt ids, params, first_index, images)
+            self.inbox[replica] += reqs     # (request_id, prompt ids, params, first_index, images, agent)
 
     def collect(self, wait_s: float = 0.0) -> tuple[list[tuple[object, Batch]], list[float]]:
         per_rank, self.inbox = self.inbox, [[] for _ in range(self.world)]

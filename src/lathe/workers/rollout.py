@@ -137,7 +137,8 @@ class Rollout:
             return None                             # idle replica)
         images = {"multi_modal_inputs": list(prompts["multi_modal_inputs"])} if "multi_modal_inputs" in prompts else {}
         if self.stream is not None:                 # colocate_async: beside the streamed requests (validation)
-            out = self.stream.generate(prompt_ids, params, first_index=first_index, **images)
+            out = self.stream.generate(prompt_ids, params, first_index=first_index, **images,
+                                       agent=agent_kwargs(prompts, self.agent) if self.agent is not None else None)
             return None if self.tp.rank else self._rows(prompts, prompt_ids, out, params, {})
         timings = {}
         if self.actor.sharded:                 # a step starts here: its peak memory is reported by the update
@@ -199,15 +200,17 @@ class Rollout:
 
     def _stream(self) -> ColocatedStream:
         if self.stream is None:
-            if self.name != "lathe" or self.agent is not None or self.dp is not None:
+            if self.name != "lathe" or self.replica is not None or self.dp is not None:
                 raise NotImplementedError(
                     "trainer.v1.trainer_mode=colocate_async streams requests through lathe's engine; this rollout "
-                    f"runs {self.name!r}{' with an agent loop' if self.agent else ''}"
+                    f"runs {self.name!r}{' with an agent loop on a tensor-parallel replica' if self.replica else ''}"
                     f"{' with data-parallel attention' if self.dp else ''} (see the 'rollout:' log line). Fix: train "
                     "with trainer.v1.trainer_mode=sync, or use a model lathe's decoder implements "
-                    "(actor_rollout_ref.model.impl=auto) without agent loops or data-parallel attention.")
+                    "(actor_rollout_ref.model.impl=auto) without data-parallel attention (and agent loops on an "
+                    "engine of one device a replica).")
             self.stream = ColocatedStream(self.backend, self.tokenizer.pad_token_id, wake=self._stream_wake,
-                                          sleep=self._stream_sleep)
+                                          sleep=self._stream_sleep, agent=self.agent,
+                                          answer_timeout_s=lockstep_timeout(self.actor.arr))
         return self.stream
 
     def _stream_wake(self, timings: dict) -> None:

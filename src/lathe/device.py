@@ -207,6 +207,12 @@ def memory_allocated(device: torch.device | str) -> int:
     return 0 if api is None else api.memory_allocated(torch.device(device))
 
 
+def memory_reserved(device: torch.device | str) -> int:
+    """Bytes PyTorch's caching allocator holds on `device` (allocated or cached), 0 on the CPU."""
+    api = _api(device)
+    return 0 if api is None else api.memory_reserved(torch.device(device))
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     api = _api(device)
     if api is not None:
@@ -243,6 +249,17 @@ def dump_memory_snapshot(device: torch.device | str, path: str) -> None:
     after `device`'s queued work; pytorch.org/memory_viz draws it."""
     synchronize(device)
     torch.cuda.memory._dump_snapshot(path)
+
+
+def clear_blas_workspaces(device: torch.device | str) -> None:
+    """Free cuBLAS's workspaces (one per handle and stream, 32 MiB each on Hopper, made through PyTorch's allocator at
+    a handle's first product, and kept): made where the allocator finds room, inside a large cached segment, such a
+    workspace keeps the whole segment from going back to the driver (the backward thread's, made at the first update
+    inside the sleeping engine's cached KV cache, held 62 GiB of an H200 so). The next product makes one again. Safe
+    for lathe's decode graphs: their captures make their own inside the graphs' pool (`CudaGraphs._capture_once`)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)     # (absent from a CPU build)
+    if torch.device(device).type == "cuda" and clear is not None:
+        clear()
 
 
 def empty_cache(device: torch.device | str) -> None:

@@ -218,3 +218,40 @@ def test_a_capture_that_runs_out_of_memory_is_tried_once_more_after_emptying_the
     assert tries == ["k", "k"] and graphs.graphs == {"k": "graph"} and len(emptied) == 1
     with pytest.raises(torch.OutOfMemoryError):
         DecodeGraphs._capture(graphs, "twice")
+
+
+def test_the_engine_frees_cublas_workspaces_before_giving_memory_back_and_captures_make_their_own(monkeypatch):
+    """A cuBLAS workspace made inside a large cached segment keeps the whole segment from the driver (the update's
+    backward made one inside the sleeping engine's cached KV cache on an H200: 62 GiB held): the engine frees the
+    workspaces (after dropping its graphs) before it empties the cache, and a capture clears them before and after,
+    so that its graph's own workspace is in the graphs' pool and none outside it is replayed into."""
+    from types import SimpleNamespace
+    from lathe import device as accel
+    from lathe.engine.llm_engine import LatheEngine
+    calls = []
+    monkeypatch.setattr(accel, "clear_blas_workspaces", lambda device: calls.append("clear"))
+    monkeypatch.setattr(accel, "empty_cache", lambda device: calls.append("empty"))
+    engine = SimpleNamespace(runner=SimpleNamespace(graphs=SimpleNamespace(reset=lambda: calls.append("reset"))),
+                             model=SimpleNamespace(device=torch.device("cpu")))
+    LatheEngine._release_memory(engine)
+    assert calls == ["reset", "clear", "empty"]
+    calls.clear()
+    monkeypatch.setattr(accel, "synchronize", lambda device: None)
+    monkeypatch.setattr(accel, "new_graph", lambda device: "graph")
+    monkeypatch.setattr(accel, "graph_pool", lambda device: "pool")
+
+    class Capture:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            calls.append("capture")
+
+        def __exit__(self, *exc):
+            calls.append("captured")
+    monkeypatch.setattr(accel, "capture", Capture)
+    graphs = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cpu")), pool=None, graphs={}, outputs={},
+                             captures=0, capture_seconds=0.0, _warm_up=lambda key: calls.append("warm"),
+                             _forward=lambda key: "out")
+    DecodeGraphs._capture_once(graphs, "k")
+    assert calls == ["warm", "clear", "capture", "captured", "clear"] and graphs.graphs == {"k": "graph"}

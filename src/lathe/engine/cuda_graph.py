@@ -210,8 +210,15 @@ class DecodeGraphs:
             graph = accel.new_graph(device)
             if self.pool is None:
                 self.pool = accel.graph_pool(device)
-            with accel.capture(graph, device, pool=self.pool):
-                self.outputs[key] = self._forward(key)
+            # the capture makes its own cuBLAS workspaces, inside the graphs' pool, and leaves none behind: then no
+            # graph replays into a workspace outside its pool, and the engine may free those
+            # (`accel.clear_blas_workspaces`, as inductor's CUDA graphs do around their captures)
+            accel.clear_blas_workspaces(device)
+            try:
+                with accel.capture(graph, device, pool=self.pool):
+                    self.outputs[key] = self._forward(key)
+            finally:
+                accel.clear_blas_workspaces(device)
         finally:
             expert_parallel.STATIC_ROWS = False
         self.graphs[key] = graph

@@ -225,6 +225,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._stop_matchers: weakref.WeakKeyDictionary[Sequence, StopStringMatcher] = weakref.WeakKeyDictionary()
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self._auto_size = None if num_kv_blocks is not None else (block_size, gpu_memory_utilization, max_num_seqs)
+        self._sizing = (0, 0, 0)      # (bytes allocated, cached by the allocator, free) when the cache was last sized
         self._cache_kept, self._kv_address = False, None        # what `sleep` left for `wake_up`
         self.states = (LinearStateCache(cfg, max_num_seqs, dtype=model.dtype, device=model.device) if hybrid
                        else None)          # the linear-attention layers' per-sequence states (before sizing the KV)
@@ -315,11 +316,14 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         if device.type == "cuda":
             # Cached segments go back to the driver first: what PyTorch holds but has not allocated is mostly
             # fragments of the update's activations, useless for the cache's large tensors (counting it as room
-            # ran a 7B step out of memory at wake-up). Then `free` is what the cache can take, less the
-            # allocator's rounding of its 2 x layers tensors and a little for the step's own buffers.
+            # ran a 7B step out of memory at wake-up), cuBLAS's workspaces first (one made inside a cached segment
+            # keeps all of it). Then `free` is what the cache can take, less the allocator's rounding of its
+            # 2 x layers tensors and a little for the step's own buffers.
+            accel.clear_blas_workspaces(device)
             accel.empty_cache(device)
             free, total = accel.memory_info(device)
             allocated = accel.memory_allocated(device)
+            self._sizing = (allocated, accel.memory_reserved(device) - allocated, free)     # (said if it shrinks)
             slack = 2 * cfg.num_hidden_layers * (2 << 20) + (256 << 20)
             budget = min(free - slack, total * utilization - allocated)
             # a tensor-parallel replica's ranks hold the same blocks (their schedulers must agree): the fewest
@@ -677,6 +681,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
     def _release_memory(self) -> None:
         if self.runner.graphs is not None:
             self.runner.graphs.reset()
+        accel.clear_blas_workspaces(self.model.device)      # (see `_default_num_blocks`)
         accel.empty_cache(self.model.device)
 
     def _blocks_within_utilization(self) -> int:
@@ -693,7 +698,9 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         """Take the KV cache back after `sleep()`.
 
         A cache sized from `gpu_memory_utilization` is sized again first: training may now hold more memory
-        (optimizer states appear at the first step), so the cache shrinks, with a warning, rather than
+        (an optimizer whose state appears at its first step; `lathe.train.optim` makes AdamW's up front, but other
+        classes and tensors kept across steps remain), so the cache shrinks, with a warning that says where the
+        device's memory is, rather than
         running the device out of memory. It never grows past its first size. When `sleep` kept the allocator's
         cached memory and the budget still holds the cache, it is taken from there (on an out-of-memory error,
         everything cached goes back to the driver and the cache is sized as above); when it (and a hybrid model's
@@ -722,8 +729,9 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 blocks = self._default_num_blocks(*self._auto_size)
                 if blocks < self.kv_cache.num_blocks:
                     logger.warning("engine: KV cache shrinks from %d to %d blocks of %d tokens to stay within "
-                                   "gpu_memory_utilization=%.2f", self.kv_cache.num_blocks, blocks,
-                                   self.kv_cache.block_size, self._auto_size[1])
+                                   "gpu_memory_utilization=%.2f (%.2f GiB allocated, %.2f GiB held by PyTorch's "
+                                   "allocator unallocated, %.2f GiB free)", self.kv_cache.num_blocks, blocks,
+                                   self.kv_cache.block_size, self._auto_size[1], *(b / 2**30 for b in self._sizing))
                     self.kv_cache.shape = (blocks + 1,) + self.kv_cache.shape[1:]
                     self.block_manager.resize(blocks)
             self.kv_cache.allocate()

@@ -256,7 +256,7 @@ def clear_blas_workspaces(device: torch.device | str) -> None:
     a handle's first product, and kept): made where the allocator finds room, inside a large cached segment, such a
     workspace keeps the whole segment from going back to the driver (the backward thread's, made at the first update
     inside the sleeping engine's cached KV cache, held 62 GiB of an H200 so). The next product makes one again. Safe
-    for lathe's decode graphs: their captures make their own inside the graphs' pool (`CudaGraphs._capture_once`)."""
+    for lathe's decode graphs: their captures make their own inside the graphs' pool (`DecodeGraphs._capture_once`)."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)     # (absent from a CPU build)
     if torch.device(device).type == "cuda" and clear is not None:
         clear()

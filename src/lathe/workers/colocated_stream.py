@@ -133,8 +133,8 @@ class ColocatedStream:
         while not self.agent.ready():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"colocate_async: no tool call or agent loop answered in {self.answer_timeout_s:.0f}"
-                                   " s while the engine had nothing to run (actor_rollout_ref.rollout.multi_turn."
-                                   "tool_timeout + 60 s)")
+                                   " s while the engine had nothing to run (the larger of actor_rollout_ref."
+                                   "nccl_timeout and rollout.multi_turn.tool_timeout + 60 s)")
             self._answered.wait(timeout=0.05)
             self._answered.clear()
 
@@ -170,7 +170,3 @@ class ColocatedStream:
         if extra_info is not None:      # an agent loop's: the sync loop's columns (tool counts, enriched extra_info)
             batch.update(agent_columns(out, [x for x in extra_info for _ in range(n)]))
         return batch
-
-    def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()

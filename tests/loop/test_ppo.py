@@ -10,7 +10,7 @@ import torch
 
 from lathe.config import load_config
 from lathe.loop import ppo
-from lathe.loop.ppo import fit
+from lathe.loop.run import fit        # (`lathe train`'s driver: the config's mode picks the loop)
 from lathe.loop.oom import OutOfMemory
 from lathe.loop.setup import build_trainer
 from lathe.reward.manager import RewardFunctionFailing

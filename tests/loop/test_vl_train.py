@@ -156,18 +156,6 @@ def test_colocate_async_streams_image_prompts_as_the_synchronous_loop(tmp_path):
     """verl V1's colocate_async on image prompts: without warm-up batches each request's images reach the streamed
     engine with its prompt and the step is the synchronous loop's; with one, image samples generated a step ahead
     train under the newer weights."""
-    from lathe.config import load_config
-    from lathe.loop.run import fit
-    from lathe.loop.setup import build_trainer
-    from .test_ppo import tiny
-
-    def run(tmp_path, *overrides, name):            # `lathe train`'s driver: the mode decides the loop
-        trainer = build_trainer(load_config(None, [*tiny(overrides), f"trainer.default_local_dir={tmp_path / name}",
-                                                   *overrides]))
-        try:
-            fit(trainer)
-        finally:
-            trainer.close()
     common = [*vl_keys(tmp_path, "float(solution_str[:1] == ground_truth) + (sum(map(ord, solution_str)) % 3) / 4",
                        response_length=12), "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.total_training_steps=2",
               "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]

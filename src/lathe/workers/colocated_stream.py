@@ -62,8 +62,6 @@ class ColocatedStream:
                 break
             done += more
         self.busy_s += time.perf_counter() - start
-        if self.agent is None:
-            done += self.engine.pop_finished()
         batches = [(rid, self._rows(rid, out)) for rid, out in done]
         if batches:                         # the wake-ups and sleeps since the last answer ride with its requests
             batches[0][1].meta["rollout_metrics"].update(self.timings)
@@ -98,7 +96,7 @@ class ColocatedStream:
             if finished is None:
                 raise RuntimeError("ColocatedStream.generate: the engine and the agent loop ran out of work before "
                                    "the blocking request finished; this is a bug in lathe")
-            for rid, o in finished if self.agent is not None else self.engine.pop_finished():
+            for rid, o in finished:
                 if rid == key:
                     out = o
                 else:
@@ -108,13 +106,13 @@ class ColocatedStream:
 
     def _step(self) -> list | None:
         """One engine step (with an agent loop: answered trajectories' turns queued first, the finished turns handed
-        back after; when only tools are at work, the wait for one's answer); the agent loop's finished requests
-        (none without one: the engine's are popped by the caller). None once there is nothing left to run."""
+        back after; when only tools are at work, the wait for one's answer); the requests it finished. None once
+        there is nothing left to run."""
         if self.agent is None:
             if not self.engine.has_unfinished_requests():
                 return None
             self.engine.step()
-            return []
+            return self.engine.pop_finished()
         done = self.agent.advance()
         if self.engine.has_unfinished_requests():
             self.engine.step()

@@ -358,3 +358,19 @@ def test_an_agent_name_column_names_each_rows_agent_loop(tok, tmp_path):
     rows[2]["agent_name"] = 3
     with pytest.raises(DataError, match=r"line 3: field 'agent_name': expected a loop's name, got 3"):
         RLDataset(write_jsonl(tmp_path / "b.jsonl", rows), tok)
+
+
+def test_video_rows_are_refused_naming_the_row_and_column(tok, tmp_path):
+    """verl's video schema (a `videos` column, `<video>` placeholders) is not implemented: a row with videos fails
+    at load, naming its file, row and column (it was read as text before, its videos dropped); an empty or null
+    column loads as text, and `video_key` names the column."""
+    rows = [{**make_row(i), "videos": []} for i in range(3)]
+    rows[2]["videos"] = [{"video": "clip.mp4", "fps": 2.0}]
+    rows[2]["prompt"] = [{"role": "user", "content": "<video>What happens?"}]
+    path = write_parquet(tmp_path / "v.parquet", rows)
+    with pytest.raises(DataError, match=r"v\.parquet row 2: field 'videos': the row has videos.*image frames"):
+        RLDataset(path, tok)
+    assert len(RLDataset(write_parquet(tmp_path / "ok.parquet", rows[:2]), tok)) == 2
+    with pytest.raises(DataError, match="field 'clips'"):
+        RLDataset(write_parquet(tmp_path / "c.parquet", [{**make_row(0), "clips": ["a.mp4"]}]), tok,
+                  video_key="clips")

@@ -62,12 +62,33 @@ def test_engine_greedy_equals_transformers_generate_on_image_prompts(pair, budge
         assert out.token_ids[2 * i] == out.token_ids[2 * i + 1] == _hf_greedy(hf, prompt, mm), f"prompt {i}"
 
 
-def test_samples_share_an_image_prompt_and_other_images_do_not(pair):
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cached", "forked"])
+def test_samples_share_an_image_prompt_and_other_images_do_not(pair, prefix_caching):
     """The second sample of an image prompt finds its prompt in the prefix cache; the same tokens with other pixels
-    find nothing (and generate what transformers generates for those pixels)."""
+    find nothing (and generate what transformers generates for those pixels). Without prefix caching (always so
+    for Qwen3.5's hybrid layers) the n samples fork from the first once its prompt, images and all, is computed."""
     hf, path = pair
     prompts, inputs = _prompts()
-    engine = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128)
+    engine = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128,
+                         enable_prefix_caching=prefix_caching)
+    if not engine.block_manager.enable_prefix_caching:
+        params = SamplingParams(n=3, temperature=1.0, max_tokens=MAX, seed=5)
+        seqs = engine._make_sequences([prompts[1]], params, 0, [inputs[1]])
+        for seq in seqs:
+            engine.scheduler.add(seq)
+        while not engine.scheduler.is_finished():
+            engine.step()
+        assert [s.num_prefix_hit_tokens for s in seqs] == [0] + [len(prompts[1]) - 1] * 2     # forked, not prefilled
+        alone = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128,
+                            enable_prefix_caching=False)
+        for j, seq in enumerate(seqs):       # each sample's tokens as it draws them prefilling on its own
+            one = alone._make_sequences([prompts[1]], params, 0, [inputs[1]])[j]
+            one.leader = None
+            alone.scheduler.add(one)
+            while not alone.scheduler.is_finished():
+                alone.step()
+            assert one.output_token_ids == seq.output_token_ids, f"sample {j}"
+        return
     params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
     engine.generate([prompts[1]], params, multi_modal_inputs=[inputs[1]])
     other = {**inputs[1], "pixel_values": inputs[1]["pixel_values"] + 1.0}

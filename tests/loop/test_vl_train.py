@@ -6,6 +6,7 @@ import io
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from PIL import Image
 
@@ -23,9 +24,9 @@ def _png(colour, size=(16, 16)) -> bytes:
     return buf.getvalue()
 
 
-def _checkpoint(tmp_path):
-    """A random Qwen2.5-VL model whose vocabulary and vision tokens are the tiny processor's (saved apart: a
-    tokenizer beside a qwen config.json would be read as Qwen2's)."""
+def _checkpoint(tmp_path, family: str = "qwen2_5_vl"):
+    """A random Qwen2.5-VL (or Qwen3.5: hybrid layers) model whose vocabulary and vision tokens are the tiny
+    processor's (saved apart: a tokenizer beside a qwen config.json would be read as Qwen2's)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     processor = tiny_vl_processor()
     tok = processor.tokenizer
@@ -39,8 +40,19 @@ def _checkpoint(tmp_path):
                   temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, window_size=16,
                   fullatt_block_indexes=[0])
     torch.manual_seed(0)
-    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, video_token_id=len(tok) + 1, **ids)
-    Qwen2_5_VLForConditionalGeneration._from_config(cfg).save_pretrained(tmp_path / "model")
+    if family == "qwen3_5":
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+        text.update(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
+        cfg = Qwen3_5Config(text_config=text, vision_config={**vision, "num_position_embeddings": 16},
+                            video_token_id=len(tok) + 1, **ids)
+        Qwen3_5ForConditionalGeneration._from_config(cfg).save_pretrained(tmp_path / "model")
+    else:
+        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, video_token_id=len(tok) + 1, **ids)
+        Qwen2_5_VLForConditionalGeneration._from_config(cfg).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "tokenizer")
     processor.image_processor.save_pretrained(tmp_path / "tokenizer")
     return tmp_path / "model", tmp_path / "tokenizer"
@@ -71,8 +83,11 @@ def vl_keys(tmp_path, score: str, *, rows: int = 8, response_length: int = 4) ->
             "actor_rollout_ref.model.warm_start.steps=0"]
 
 
-def test_grpo_on_image_prompts_runs_end_to_end(tmp_path):
-    model, tokenizer = _checkpoint(tmp_path)
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_grpo_on_image_prompts_runs_end_to_end(tmp_path, family):
+    """Qwen2.5-VL, and Qwen3.5 as released (a vision-language checkpoint whose language model has hybrid layers):
+    its checkpoint's Hugging Face weights are the same architecture again, vision tower included."""
+    model, tokenizer = _checkpoint(tmp_path, family)
     data = _data(tmp_path)
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -91,6 +106,14 @@ def test_grpo_on_image_prompts_runs_end_to_end(tmp_path):
     moved = [k for k, p in trainer.worker.model.state_dict().items() if k.startswith("model.visual.")
              and not torch.equal(p.cpu(), start[k])]
     assert moved, "the update did not reach the vision tower"
+    if family == "qwen3_5":
+        from transformers import Qwen3_5ForConditionalGeneration
+        assert trainer.worker.rollout.backend.states is not None        # the linear layers' states beside the KV
+        back, info = Qwen3_5ForConditionalGeneration.from_pretrained(
+            tmp_path / "run" / "global_step_2" / "actor" / "huggingface", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        assert torch.equal(back.state_dict()["model.visual.patch_embed.proj.weight"],
+                           trainer.worker.model.state_dict()["model.visual.patch_embed.proj.weight"].cpu())
 
 
 def _weights(path):
@@ -99,7 +122,6 @@ def _weights(path):
 
 
 def test_warm_start_of_a_vl_model_is_refused(tmp_path):
-    import pytest
     model, tokenizer = _checkpoint(tmp_path)
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
@@ -173,3 +195,125 @@ def test_colocate_async_streams_image_prompts_as_the_synchronous_loop(tmp_path):
     # (image samples generated a step ahead, trained under newer weights; this load's samples all end together, so
     # none is interrupted: a continued image sample is not covered here)
     assert max(r["training/off_policy/trajectory_staleness_worst/max"] for r in ahead.values()) >= 1
+
+
+def _text_keys(tmp_path) -> tuple[list[str], object]:
+    """(keys, checkpoint directory) of a GRPO run of a tiny Qwen3.5 vision-language checkpoint on 8 text rows."""
+    model, tokenizer = _checkpoint(tmp_path, "qwen3_5")
+    rows = [{"data_source": "digits", "prompt": [{"role": "user", "content": f"say {i % 4}"}], "ability": "text",
+             "reward_model": {"style": "rule", "ground_truth": str(i % 4)}, "extra_info": {"index": i}}
+            for i in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "text.parquet")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str[:1] == ground_truth) + (sum(map(ord, solution_str)) % 3) / 4\n")
+    return [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={tokenizer}",
+            f"data.train_files={tmp_path / 'text.parquet'}", "data.val_files=null", "trainer.test_freq=-1",
+            "data.max_prompt_length=64", "data.max_response_length=6", f"reward.custom_reward_function.path={reward}",
+            "actor_rollout_ref.model.warm_start.steps=0"], model
+
+
+def _text_run(tmp_path, *keys):
+    common, model = _text_keys(tmp_path)
+    return run(tmp_path, *common, "trainer.total_training_steps=2", *keys), model
+
+
+def test_text_grpo_on_a_qwen3_5_vision_language_checkpoint(tmp_path):
+    """The common Qwen3.5 run: text prompts (math, code) on the released checkpoint, a vision-language model. With
+    no image in the data its language model runs alone, as lathe's text decoder (everything a text model does:
+    tensor, expert and sequence parallelism), and its engine generates (the n samples of a prompt fork from the
+    first); the engine's log-probs are the trainer's; the checkpoint's Hugging Face weights are the whole
+    vision-language model again: the trained language model and the vision tower as it was."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from lathe.models.decoder import LatheCausalLM
+    trainer, model = _text_run(tmp_path, "actor_rollout_ref.actor.freeze_vision_tower=true")   # (it is, here)
+    metrics = read_metrics(tmp_path / "run")
+    actor = trainer.worker.model
+    assert isinstance(actor, LatheCausalLM) and actor.config.linear_attention is not None
+    engine = trainer.worker.rollout.backend
+    assert isinstance(engine, LatheEngine) and engine.states is not None and engine.fork_samples
+    assert metrics[2]["actor/grad_norm"] > 0 and metrics[2]["training/rollout_probs_diff_max"] < 1e-4
+    back, info = Qwen3_5ForConditionalGeneration.from_pretrained(
+        tmp_path / "run" / "global_step_2" / "actor" / "huggingface", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    start, saved = _weights(model), back.state_dict()
+    for name, p in start.items():
+        if name.startswith("model.visual."):
+            assert torch.equal(saved[name], p), name
+    trained = {f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else k: p
+               for k, p in actor.state_dict().items()}
+    assert all(torch.equal(saved[k], p.cpu()) for k, p in trained.items())
+    assert any(not torch.equal(saved[k], start[k]) for k in trained)
+
+
+def test_text_grpo_on_a_qwen3_5_vision_language_checkpoint_with_tensor_parallel_training(tmp_path):
+    """The same on 2 Ray CPU workers, the language model's layers cut over both (tensor parallelism, which lathe's
+    VL model does not do): each worker loads the language model alone and rank 0 writes the whole checkpoint."""
+    from transformers import Qwen3_5ForConditionalGeneration
+    _text_run(tmp_path, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.tensor_parallel_size=2")
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[2]["actor/grad_norm"] > 0 and metrics[2]["training/rollout_probs_diff_max"] < 1e-4
+    _, info = Qwen3_5ForConditionalGeneration.from_pretrained(
+        tmp_path / "run" / "global_step_2" / "actor" / "huggingface", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_text_run_of_a_qwen3_5_checkpoint_resumes_exactly(tmp_path, monkeypatch, lora):
+    """A crash after the step-2 checkpoint (the whole vision-language model on disk, or a LoRA adapter named for it,
+    which PEFT applies to that checkpoint) and a resume: steps 3 and 4 as the uninterrupted run's."""
+    from .test_ppo import deterministic, run_crash_and_resume
+    keys, model = _text_keys(tmp_path)
+    keys += ["trainer.total_training_steps=4", "trainer.save_freq=2", "reward.timeout_s=0",
+             "actor_rollout_ref.actor.optim.lr=1e-3"]
+    if lora:
+        keys += ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+                 "actor_rollout_ref.model.target_modules=all-linear"]
+    run_crash_and_resume(tmp_path, monkeypatch, keys)
+    a, b = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
+    for step in (3, 4):
+        assert deterministic(a[step]) == deterministic(b[step]), step
+    if lora:
+        import json
+        adapter = tmp_path / "split" / "global_step_4" / "actor" / "lora_adapter"
+        from safetensors.torch import load_file
+        names = list(load_file(adapter / "adapter_model.safetensors"))
+        assert names and all(n.startswith("base_model.model.model.language_model.layers.") for n in names)
+        assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+        import peft
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        from helpers import assert_close_rel
+        base = Qwen3_5ForConditionalGeneration.from_pretrained(model).eval()
+        with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+        merged = Qwen3_5ForConditionalGeneration.from_pretrained(adapter.parent / "huggingface").eval()
+        ids = torch.tensor([[5, 9, 14, 3, 7, 11]])
+        with torch.no_grad():
+            trained = merged(input_ids=ids).logits
+            assert_close_rel(with_adapter(input_ids=ids).logits, trained, 1e-5,
+                             name="PEFT's adapter on the checkpoint vs lathe's merged save")
+            start = Qwen3_5ForConditionalGeneration.from_pretrained(model).eval()(input_ids=ids).logits
+        assert float((trained - start).abs().max()) > 1e-4, "the adapter changed nothing: the test would not tell"
+
+
+def test_ppo_critic_from_a_qwen3_5_vision_language_checkpoint(tmp_path):
+    """verl's PPO with a critic initialised from the actor's Qwen3.5 checkpoint: its language model is lathe's value
+    model (a zero `score` head; not transformers' token-classification model, whose linear attention falls back to
+    torch's reference code), and the critic's checkpoint is transformers' token-classification form of the whole
+    model, vision tower included."""
+    from transformers import AutoModelForTokenClassification
+
+    from lathe.models.decoder import LatheValueModel
+    keys, model = _text_keys(tmp_path)
+    trainer = run(tmp_path, *keys, "trainer.total_training_steps=2", "algorithm.adv_estimator=gae",
+                  f"critic.model.path={model}")
+    assert isinstance(trainer.critic.model, LatheValueModel)
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[2]["critic/vf_loss"] > 0 and metrics[1]["critic/values/mean"] == 0.0     # the zero head's
+    back, info = AutoModelForTokenClassification.from_pretrained(
+        tmp_path / "run" / "global_step_2" / "critic" / "huggingface", output_loading_info=True)
+    assert type(back).__name__ == "Qwen3_5ForTokenClassification"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    trained = trainer.critic.model.state_dict()
+    assert torch.equal(back.state_dict()["score.weight"], trained["score.weight"].cpu())

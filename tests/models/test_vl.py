@@ -8,6 +8,7 @@ import torch
 
 from lathe.models import UnsupportedArchitecture, load_lathe_model
 from lathe.models.io import read_state_dict
+from lathe.models.moe import fuse_expert_weights
 from lathe.models.vl import (ImageEmbeddings, LatheVLForConditionalGeneration, VLConfig, load_lathe_vl_model,
                              mrope_positions, packed_mrope_positions, rename_legacy_keys)
 
@@ -47,7 +48,8 @@ def test_state_dict_names_equal_the_hf_checkpoint(pair):
     names = set(lathe.state_dict())
     assert names == set(hf.state_dict())
     # transformers 5 writes Qwen2.5-VL in the hub's layout (`visual.*`, `model.layers.*`), Qwen3-VL as its modules
-    assert names == set(rename_legacy_keys(read_state_dict(path)))
+    # (Qwen3.5-MoE's experts: one tensor per expert on disk, stacked in the modules, as lathe's text MoE models)
+    assert names == set(fuse_expert_weights(rename_legacy_keys(read_state_dict(path))))
     assert any(n.startswith("model.visual.") for n in names) and "lm_head.weight" in names
     assert any(n.startswith("model.language_model.layers.1.") for n in names)
 
@@ -217,3 +219,23 @@ def test_bf16_frozen_copy_keeps_the_vision_towers_rope_frequencies(pair):
     for name, want in freqs.items():
         assert got[name].dtype == torch.float32 and torch.equal(got[name], want), name
     assert copy.get_input_embeddings().weight.dtype == torch.bfloat16
+
+
+def test_qwen3_5_checkpoints_multi_token_prediction_block_is_dropped_on_load(tmp_path, batch, caplog):
+    """Qwen3.5's hub checkpoints hold an MTP block (`mtp.*`) that transformers' model ignores too: lathe loads the
+    rest, says what it left out, and its saved checkpoint has no `mtp.*` tensors (transformers' does not either)."""
+    import logging
+    from safetensors.torch import load_file, save_file
+    path, hf = save_hf(tmp_path, "qwen3_5")
+    state = load_file(path / "model.safetensors")
+    state.update({"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.mlp.up_proj.weight": torch.randn(96, 64)})
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="lathe"):
+        lathe = load_lathe_vl_model(path).eval()
+    assert any("2 tensors of the multi-token-prediction block (mtp.*)" in r.getMessage() for r in caplog.records)
+    ids, mask, pixels, grid, _ = batch
+    with torch.no_grad():
+        out = lathe(ids, mask, pixel_values=pixels, image_grid_thw=grid).logits
+    assert_close_rel(out[mask.bool()], _hf_logits(hf, batch)[mask.bool()], name="logits beside an MTP block")
+    lathe.save_pretrained(tmp_path / "out")
+    assert not any(k.startswith("mtp.") for k in load_file(tmp_path / "out" / "model.safetensors"))

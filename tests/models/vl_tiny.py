@@ -1,4 +1,5 @@
-"""Tiny random transformers Qwen2.5-VL / Qwen3-VL checkpoints and synthetic image batches (test helper, not a test).
+"""Tiny random transformers Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3.5-MoE checkpoints and synthetic image batches
+(test helper, not a test).
 
 Images are built directly in the processor's layout: `pixel_values` (patches, C * temporal_patch * patch * patch)
 and `image_grid_thw` (images, 3) in patches; each image then takes t * h * w / merge**2 placeholder tokens.
@@ -11,7 +12,7 @@ import torch
 VOCAB = 128
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 118, 119
 PATCH, TEMPORAL_PATCH, MERGE = 4, 2, 2
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 _IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
             vision_end_token_id=VISION_END)
 
@@ -33,13 +34,30 @@ def hf_config(family: str, *, tie: bool = False):
                                                   "mrope_section": [4, 2, 2], "mrope_interleaved": True})
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **_IDS)
+    if family in ("qwen3_5", "qwen3_5_moe"):        # hybrid layers: gated DeltaNet, then gated attention
+        from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+        text.update(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                    linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                               "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                                               "mrope_interleaved": True})
+        vision.update(num_position_embeddings=16)
+        if family == "qwen3_5_moe":
+            del text["intermediate_size"]
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=24)
+            return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **_IDS)
+        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie, **_IDS)
     raise KeyError(family)
 
 
 def hf_model(family: str, *, tie: bool = False, seed: int = 0):
     """A random transformers VL model (fp32, eval, sdpa); biases and norms randomised so bugs show."""
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
-    cls = Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
+    import transformers
+    cls = getattr(transformers, {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                 "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                                 "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[family])
     torch.manual_seed(seed)
     model = cls._from_config(hf_config(family, tie=tie), attn_implementation="sdpa")
     with torch.no_grad():

@@ -67,7 +67,8 @@ def teacher_forced(model, batch):
     return logp * batch["response_mask"]
 
 
-@pytest.mark.parametrize("family,remove_padding", [("qwen2_5_vl", True), ("qwen3_vl", True), ("qwen3_vl", False)])
+@pytest.mark.parametrize("family,remove_padding", [("qwen2_5_vl", True), ("qwen3_vl", True), ("qwen3_vl", False),
+                                                   ("qwen3_5", True), ("qwen3_5", False)])
 def test_log_probs_follow_their_rows_images_under_micro_batching(vl_models, family, remove_padding):
     vl_model = vl_models(family)
     batch = vl_rollout_batch()
@@ -105,11 +106,12 @@ def _ppo_batch(model, seed=0):
     return batch
 
 
-def test_update_runs_and_does_not_depend_on_micro_batch_size(vl_models):
-    """One GRPO-style PPO update (one mini-batch of all 6 rows) of Qwen3-VL (deepstack included): micro-batches of
-    1 row and of all rows give the same update, loss and gradient norm, and the weights move (vision tower
-    included)."""
-    vl_model = vl_models("qwen3_vl")
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
+def test_update_runs_and_does_not_depend_on_micro_batch_size(vl_models, family):
+    """One GRPO-style PPO update (one mini-batch of all 6 rows) of Qwen3-VL (deepstack included) and Qwen3.5 (hybrid
+    layers; -MoE's experts): micro-batches of 1 row and of all rows give the same update, loss and gradient norm, and
+    the weights move (vision tower included)."""
+    vl_model = vl_models(family)
     cfg = load_config(None, ["data.train_batch_size=3", "actor_rollout_ref.rollout.n=2",
                              "actor_rollout_ref.actor.ppo_mini_batch_size=3", "algorithm.adv_estimator=grpo",
                              "actor_rollout_ref.actor.entropy_coeff=0.01",

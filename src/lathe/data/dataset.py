@@ -204,7 +204,8 @@ class RLDataset:
                  split: str = "train", processor=None, image_key: str = "images",
                  min_pixels: int | None = None, max_pixels: int | None = None, max_samples: int = -1,
                  shuffle: bool = False, seed: int | None = None,
-                 rows: tuple[str, Iterable[tuple[str, dict]]] | None = None, reward_fn_key: str = "data_source"):
+                 rows: tuple[str, Iterable[tuple[str, dict]]] | None = None, reward_fn_key: str = "data_source",
+                 video_key: str = "videos"):
         """`max_samples` > 0 keeps that many rows (verl's `data.train_max_samples` / `val_max_samples`): a random
         subset drawn with `seed` when `shuffle`, else the first ones; before long prompts are filtered. `rows`:
         (their name, (where, row) pairs) read instead of `files` (a custom dataset class's items:
@@ -223,7 +224,7 @@ class RLDataset:
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.split = split
         self.processor = processor
-        self.image_key = image_key
+        self.image_key, self.video_key = image_key, video_key
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.max_samples, self.shuffle, self.seed = max_samples, shuffle, seed
         self.rows = rows
@@ -323,6 +324,12 @@ class RLDataset:
                                     "give the name of an agent loop (rollout.agent.agent_loop_config_path's), or "
                                     "leave it null for rollout.agent.default_agent_loop")
                     records[-1]["agent_name"] = row["agent_name"]
+                videos = row.get(self.video_key)
+                if videos is not None and (not isinstance(videos, (list, tuple)) or len(videos)):
+                    raise _fail(src, where, self.video_key, "the row has videos, and video prompts are not "
+                                "implemented in lathe (its vision-language models take images)", "give a video as "
+                                f"image frames in the '{self.image_key}' column, one <image> placeholder per frame, "
+                                f"and drop the '{self.video_key}' column (or leave it empty)")
                 images = row.get(self.image_key)
                 if images is not None and (not isinstance(images, (list, tuple)) or len(images)):
                     records[-1].update(self._image_fields(images, src, where))
@@ -367,6 +374,11 @@ class RLDataset:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any row carries images (`image_key`)."""
+        return any("_images" in item for item in self._items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = self._items[i]

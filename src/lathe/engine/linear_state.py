@@ -354,7 +354,7 @@ def hybrid_settings(model, enable_prefix_caching: bool, fuse_projections: bool |
                     quantization: str | None = None) -> tuple[bool, bool]:
     """(enable_prefix_caching, fuse_projections) for a hybrid model: both off (module doc; fused projections are not
     built for its layers), with a notice for prefix caching asked for; fused projections and FP8 refused."""
-    arch = model.config.architecture
+    arch = model.config.architecture        # (a VL model's: the checkpoint's, Qwen3_5ForConditionalGeneration)
     if quantization is not None:
         raise ValueError(f"quantization={quantization!r} (rollout.quantization): lathe's FP8 engine layers are not "
                          f"built for {arch}'s hybrid layers yet. Fix: leave rollout.quantization unset")

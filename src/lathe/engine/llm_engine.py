@@ -174,7 +174,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
                  quantization: str | None = None, record_routing: bool = False, kv_cache_dtype: str | None = None,
                  num_speculative_tokens: int = 0, quantize_lm_head: bool = False, shared_prefix_attention: bool = True):
-        hybrid = getattr(model.config, "linear_attention", None) is not None    # Qwen3.5 / Qwen3-Next: linear_state.py
+        hybrid = text_config(model).linear_attention is not None   # Qwen3.5 / Qwen3-Next: linear_state.py
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         # data-parallel attention: this replica's place among its engine's (`data_parallel.py`), or None
@@ -189,7 +189,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
             enable_prefix_caching, fuse_projections = hybrid_settings(model, enable_prefix_caching, fuse_projections,
                                                                       quantization)
             # (the ranks of a replica from each one's free memory: the fewest, so their schedulers decide alike)
-            max_num_seqs = self.tp.min_int(state_slots(model.config, max_num_seqs, model.dtype, model.device))
+            max_num_seqs = self.tp.min_int(state_slots(text_config(model), max_num_seqs, model.dtype, model.device))
             if self.dp is not None:     # (and of an engine's replicas: the same decode graphs' buckets everywhere)
                 max_num_seqs = self.dp.min_int(max_num_seqs)
         if is_mla(model):           # DeepSeek-V3 family: no CUDA graphs, fused projections or FP8 (`mla.py`)
@@ -229,7 +229,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self._cache_kept, self._kv_address = False, None        # what `sleep` left for `wake_up`
         self.states = (LinearStateCache(cfg, max_num_seqs, dtype=model.dtype, device=model.device) if hybrid
                        else None)          # the linear-attention layers' per-sequence states (before sizing the KV)
-        # the `n` samples of a text prompt fork from the first once its prompt is computed (`Scheduler`): where
+        # the `n` samples of a prompt (its images too) fork from the first once it is computed (`Scheduler`): where
         # prefix caching, which shares their prompt otherwise, is off (hybrid models; or asked off, as several of
         # verl's scripts do); not beside speculative decoding, whose prefill keeps the drafts' hidden states
         self.fork_samples = not enable_prefix_caching and not num_speculative_tokens
@@ -470,7 +470,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                 seqs.append(Sequence(list(prompt), sp, seed, index=index,
                                      length_limit=min(len(prompt) + sp.max_tokens, self.max_model_len), mm=mm,
                                      leader=leader))
-                if self.fork_samples and mm is None and j == 0:
+                if self.fork_samples and j == 0:
                     leader = seqs[-1]           # the others fork from the first once its prompt is computed
                 if stops is not None:
                     self._stop_matchers[seqs[-1]] = stops.matcher(min_tokens=params.min_tokens, prompt_len=len(prompt))

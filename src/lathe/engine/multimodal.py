@@ -1,4 +1,5 @@
-"""Image prompts in the engine (Qwen2.5-VL / Qwen3-VL, `lathe.models.vl`): encode once, splice, position in 3D.
+"""Image prompts in the engine (Qwen2.5-VL / Qwen3-VL / Qwen3.5, `lathe.models.vl`): encode once, splice, position
+in 3D.
 
 A prompt with images arrives as its token ids (each image's placeholder tokens already expanded, as the processor
 and `lathe.data.multimodal` make them) plus `{"pixel_values", "image_grid_thw"}`. `prepare_prompt` runs the vision

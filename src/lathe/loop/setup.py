@@ -153,7 +153,7 @@ def load_datasets(cfg, tokenizer, processor=None) -> tuple[RLDataset, RLDataset 
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
               apply_chat_template_kwargs=template_kwargs, processor=processor, image_key=d.image_key,
-              reward_fn_key=d.reward_fn_key)
+              video_key=d.video_key, reward_fn_key=d.reward_fn_key)
     def split(files, name: str, max_samples: int) -> RLDataset:
         rows = None
         if d.custom_cls.path:               # a user's dataset class reads the files; its items are the rows
@@ -187,20 +187,21 @@ def check_scorers(datasets, custom_path: str | None) -> None:
                                      f"lathe's local sandbox, which cannot run here: {why}.")
 
 
-def model_source(cfg, tokenizer, run_dir: Path, resume_dir: Path | None) -> tuple[str, dict]:
+def model_source(cfg, tokenizer, run_dir: Path, resume_dir: Path | None, *, vision: bool = True) -> tuple[str, dict]:
     """(path, `load_policy` keywords) of the starting policy: the warm-started copy in `run_dir/init_model` once
-    `build_model` wrote it (or a resumed run finds it), else `model.path`."""
+    `build_model` wrote it (or a resumed run finds it), else `model.path`. `vision`: whether the run's data has
+    images (without, a Qwen3.5 vision-language checkpoint's language model runs alone: `load_policy`)."""
     m = cfg.actor_rollout_ref.model
     init_dir = run_dir / INIT_MODEL
     needs_transformers = cfg.actor_rollout_ref.rollout.name == "hf"
     if (resume_dir is not None or m.warm_start.steps > 0) and (init_dir / "config.json").exists():
-        return str(init_dir), dict(impl=m.impl, needs_transformers=needs_transformers)
-    return _given_model(cfg, tokenizer)
+        return str(init_dir), dict(impl=m.impl, needs_transformers=needs_transformers, vision=vision)
+    return _given_model(cfg, tokenizer, vision)
 
 
-def _given_model(cfg, tokenizer) -> tuple[str, dict]:
+def _given_model(cfg, tokenizer, vision: bool = True) -> tuple[str, dict]:
     m = cfg.actor_rollout_ref.model
-    return m.path, dict(impl=m.impl, needs_transformers=cfg.actor_rollout_ref.rollout.name == "hf",
+    return m.path, dict(impl=m.impl, needs_transformers=cfg.actor_rollout_ref.rollout.name == "hf", vision=vision,
                         trust_remote_code=m.trust_remote_code, vocab_size=len(tokenizer), seed=cfg.trainer.seed,
                         override_config=hf_overrides(m.override_config), dist_checkpoint=dist_checkpoint(cfg),
                         dist_checkpoint_prefix=dist_checkpoint_prefix(cfg))
@@ -213,15 +214,15 @@ def hf_overrides(override_config: dict) -> dict:
 
 
 def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: Path | None,
-                device: torch.device):
+                device: torch.device, *, vision: bool = True):
     """The starting policy: `model.path`, warm-started when asked (saved as `run_dir/init_model`; the same warm
-    start again is read from lathe's cache, `loop/warm_cache.py`)."""
+    start again is read from lathe's cache, `loop/warm_cache.py`); `vision`: see `model_source`."""
     ws = cfg.actor_rollout_ref.model.warm_start
     init_dir = run_dir / INIT_MODEL
     if resume_dir is not None and (init_dir / "config.json").exists():
-        path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
+        path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir, vision=vision)
         return use_cpu_threads(load_policy(path, **kwargs), device)
-    path, kwargs = _given_model(cfg, tokenizer)
+    path, kwargs = _given_model(cfg, tokenizer, vision)
     if ws.steps <= 0:
         return use_cpu_threads(load_policy(path, **kwargs), device)
     if is_vl_path(path):
@@ -236,7 +237,7 @@ def build_model(cfg, tokenizer, train_ds: RLDataset, run_dir: Path, resume_dir: 
     if ws.cache and warm_cache.fetch(key, init_dir):
         log.info("warm start: %d supervised steps read from the cache (%s; warm_start.cache=false trains again)",
                  ws.steps, warm_cache.cache_root() / "warm_start" / key)
-        path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
+        path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir, vision=vision)
         return use_cpu_threads(load_policy(path, **kwargs), device)
     model = use_cpu_threads(load_policy(path, **kwargs), device)
     model.to(device)
@@ -282,13 +283,14 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
     if plan.is_async:                       # fully async: a step is train_batch_size prompts
         total_steps = _async_steps(cfg, len(loader), total_steps)
 
-    model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device)
+    vision = any(ds is not None and ds.has_images for ds in (train_ds, val_ds))    # (see `model_source`)
+    model = build_model(cfg, tokenizer, train_ds, run_dir, resume_dir, device, vision=vision)
     check_parallel_model(plan, model, impl=arr.model.impl)
     log_memory_plan(cfg, plan, model, device)
     (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))        # (again: the plan may choose the engine's layout)
     cluster = None
     if uses_ray(plan):                  # Ray workers, each loading the weights
-        path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir)
+        path, kwargs = model_source(cfg, tokenizer, run_dir, resume_dir, vision=vision)
         del model
         empty_cache(device)
         from lathe.cluster import start_async_cluster, start_cluster

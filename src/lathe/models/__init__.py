@@ -68,19 +68,27 @@ def load_lathe_value_model(path: str | Path, dtype: torch.dtype | None = None, *
     """
     import torch
     dtype = torch.float32 if dtype is None else dtype
-    from lathe.models.decoder import LatheValueModel
-    from lathe.models.io import load_into, read_state_dict
+    from lathe.models.io import read_state_dict
     cfg = LatheConfig.from_pretrained(path)
     state = {k: v for k, v in read_state_dict(path, dtype=dtype, device=device).items() if k != "lm_head.weight"}
     if cfg.num_mtp_layers:          # a critic predicts values, not tokens: a policy's MTP layers have no use there
         from lathe.models.mtp import MTP_PREFIX
         state = {k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}
         cfg.num_mtp_layers = 0
+    return value_model_of(cfg, state, str(path), dtype=dtype, device=device)
+
+
+def value_model_of(cfg: LatheConfig, state: dict, source: str, *, dtype, device):
+    """A `LatheValueModel` of `cfg` holding `state` (a causal LM's tensors without `lm_head`, or a token-classification
+    checkpoint's): its `score` head as saved, or zero (the first values exactly 0) where `state` has none."""
+    import torch
+    from lathe.models.decoder import LatheValueModel
+    from lathe.models.io import load_into
     score_bias = "score.bias" in state or "score.weight" not in state
     cfg.tie_word_embeddings = False   # a critic has no lm_head to tie
     with torch.device("meta"):
         model = LatheValueModel(cfg, score_bias=score_bias)
-    if load_into(model, state, str(path), optional=("score.",)):
+    if load_into(model, state, source, optional=("score.",)):
         model.score = torch.nn.Linear(cfg.hidden_size, 1, bias=score_bias, device=device, dtype=dtype)
         torch.nn.init.zeros_(model.score.weight)
         if score_bias:
@@ -90,7 +98,7 @@ def load_lathe_value_model(path: str | Path, dtype: torch.dtype | None = None, *
 
 def load_lathe_vl_model(path: str | Path, dtype: torch.dtype | None = None, *, device: str | torch.device = "cpu",
                         vision_attn_implementation: str = "sdpa"):
-    """A `LatheVLForConditionalGeneration` (Qwen2.5-VL / Qwen3-VL) from a checkpoint directory; see
+    """A `LatheVLForConditionalGeneration` (Qwen2.5-VL / Qwen3-VL / Qwen3.5) from a checkpoint directory; see
     `lathe.models.vl`. `load_lathe_model` keeps refusing VL checkpoints (its callers expect a text model)."""
     import torch
     dtype = torch.float32 if dtype is None else dtype

@@ -135,6 +135,9 @@ class LatheConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     torch_dtype: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    # the language model of a vision-language checkpoint, run alone (`lathe.models.vl.load_language_model`): that
+    # checkpoint's directory and config.json, so that a save writes the whole model back (`io.save_pretrained`)
+    vl_checkpoint: tuple[str, dict[str, Any]] | None = field(default=None, repr=False)
 
     @property
     def family(self) -> str:

@@ -114,10 +114,13 @@ def loading_problem(info: dict, architecture: str) -> str | None:
 
 def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = False, trust_remote_code: bool = False,
                 vocab_size: int | None = None, seed: int = 0, override_config: dict | None = None,
-                dist_checkpoint: str | None = None, dist_checkpoint_prefix: str = ""):
+                dist_checkpoint: str | None = None, dist_checkpoint_prefix: str = "", vision: bool = True):
     """The policy to train, in float32 on the CPU: lathe's decoder read straight from the checkpoint when it runs
     the architecture and nothing needs the transformers module (`impl` not `hf`, no transformers rollout, no
     config overrides); else the transformers model (`load_causal_lm`), which the trainer may still convert.
+    A vision-language checkpoint loads as lathe's VL model; with `vision` false (a run without images) a Qwen3.5
+    one loads as its language model alone (`lathe.models.vl.load_language_model`: lathe's text decoder, which
+    saves the whole checkpoint back).
 
     Reading straight into lathe's decoder skips transformers' own copy of the weights: for a 7B model that is
     28 GiB of host memory and a full copy's time. A load that takes a while shows its progress
@@ -131,14 +134,23 @@ def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = Fal
     with phase(f"loading the policy {path}", done=f"loaded the policy {path}"):
         return _load_policy(path, impl=impl, needs_transformers=needs_transformers,
                             trust_remote_code=trust_remote_code, vocab_size=vocab_size, seed=seed,
-                            override_config=override_config)
+                            override_config=override_config, vision=vision)
 
 
 def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote_code: bool, vocab_size: int | None,
-                 seed: int, override_config: dict | None):
+                 seed: int, override_config: dict | None, vision: bool = True):
     from lathe.models import supports
     if is_vl_path(path):
-        return load_vl_policy(path, impl=impl, override_config=override_config)
+        from lathe.models.vl import language_model_runs_alone, load_language_model
+        local = os.path.expanduser(str(path))
+        if vision or impl == "hf" or needs_transformers or override_config or not language_model_runs_alone(local):
+            return load_vl_policy(path, impl=impl, override_config=override_config)
+        model = load_language_model(local, torch.float32)
+        log.info("model: no image prompts, so %s's language model runs alone (%s, lathe's text decoder); its "
+                 "checkpoints hold the whole model, the vision tower as read", model.config.vl_checkpoint[1]
+                 ["architectures"][0], model.config.architecture)
+        model.generation_config = _generation_config(local)
+        return model
     direct = (impl != "hf" and not needs_transformers and not override_config and not is_builtin(path)
               and Path(os.path.expanduser(str(path))).is_dir())
     if direct and supports(os.path.expanduser(str(path)))[0]:
@@ -200,7 +212,7 @@ def is_vl_path(path: str) -> bool:
 
 
 def load_vl_policy(path: str, *, impl: str = "auto", override_config: dict | None = None):
-    """A vision-language policy (Qwen2.5-VL / Qwen3-VL checkpoint directory): lathe's VL model
+    """A vision-language policy (Qwen2.5-VL / Qwen3-VL / Qwen3.5 checkpoint directory): lathe's VL model
     (`lathe.models.vl.load_lathe_vl_model`) in float32 on the CPU; the trainer has no transformers path for it."""
     key = "actor_rollout_ref.model"
     if impl == "hf":

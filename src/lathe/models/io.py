@@ -6,8 +6,8 @@ plain safetensors write plus `config.json`, which `transformers.AutoModelFor*.fr
 The one layout that differs is a Qwen3-MoE model's experts: one tensor per expert and projection on disk, stacked in
 the modules (`lathe.models.moe.fuse_expert_weights` on load, `split_expert_weights` on save); GPT-OSS's checkpoints
 hold the stacked tensors themselves. A MiMo checkpoint's multi-token-prediction layers (`model.mtp_layers.*`,
-`lathe.models.mtp`) load and save under their own names like every other tensor; DeepSeek-V3's are dropped on load,
-with a warning.
+`lathe.models.mtp`) load and save under their own names like every other tensor; DeepSeek-V3's, Qwen3.5's and
+Qwen3-Next's (`mtp.*`) are dropped on load, with a warning.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
                         source, len(state) - len(kept), model.config.num_hidden_layers)
         state = kept
     _drop_absent_mtp(model, state, source)
+    state = _drop_hybrid_mtp(model, state, source)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -103,6 +104,21 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return missing
+
+
+def _drop_hybrid_mtp(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Qwen3.5's and Qwen3-Next's checkpoints hold a multi-token-prediction block (`mtp.*`) that neither lathe's
+    decoder nor transformers' model runs: dropped on load (with a log line), and left out of what lathe saves, as
+    transformers does."""
+    text = getattr(model.config, "text", model.config)          # (a VL model's language model)
+    if getattr(text, "linear_attention", None) is None:
+        return state
+    kept = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    if len(kept) < len(state):
+        log.warning("%s: %d tensors of the multi-token-prediction block (mtp.*) are not loaded: lathe's decoder does "
+                    "not run them, and checkpoints it saves leave them out (as transformers' do)", source,
+                    len(state) - len(kept))
+    return kept
 
 
 def _drop_absent_mtp(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -174,6 +190,10 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
         state = split_expert_weights(state)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
+    config = export_config(model, _weights_dtype(state))
+    if getattr(model.config, "vl_checkpoint", None) is not None:     # the whole vision-language model again
+        from lathe.models.vl.io import whole_vl_checkpoint
+        state, config = whole_vl_checkpoint(model.config, state, _weights_dtype(state), value=hasattr(model, "score"))
     shards = _shard(state, parse_size(max_shard_size))
     for stale in list(path.glob("model*.safetensors")) + [path / SAFE_INDEX]:
         stale.unlink(missing_ok=True)
@@ -189,7 +209,7 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
         with open(path / SAFE_INDEX, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(path / "config.json", "w") as f:
-        json.dump(export_config(model, _weights_dtype(state)), f, indent=2)
+        json.dump(config, f, indent=2)
 
 
 def _weights_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:

@@ -233,6 +233,7 @@ def adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor] | None = No
     out = {}
     for name, param in adapter_params(model).items():
         value = tensors[name] if tensors is not None else param
+        name = _checkpoint_path(model, name)
         peft_name = f"{PEFT_PREFIX}{name}.weight" if is_adapter(name) else f"{PEFT_PREFIX}{name}"
         out[peft_name] = value.detach().to("cpu").contiguous()
     return out
@@ -255,10 +256,29 @@ def save_adapter(model: nn.Module, path: str | Path, *, base_model: str | None =
               "layers_pattern": None}
     same_leaves = {p for p, _ in _linear(model) if p.rsplit(".", 1)[-1] in modules}
     if same_leaves != set(spec["target_modules"]):       # some layers of those names excluded: list the paths
-        config["target_modules"] = "(?:" + "|".join(p.replace(".", r"\.") for p in spec["target_modules"]) + ")"
+        config["target_modules"] = "(?:" + "|".join(_checkpoint_path(model, p).replace(".", r"\.")
+                                                    for p in spec["target_modules"]) + ")"
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     save_file(adapter_state(model, tensors), str(path / ADAPTER_WEIGHTS))
     return path
+
+
+_VL_TEXT = "model.language_model."      # a VL checkpoint's language model, run alone (`lathe.models.vl`)
+
+
+def _checkpoint_path(model: nn.Module, path: str) -> str:
+    """A module path as the model's checkpoint names it: a VL checkpoint's language model run alone
+    (`config.vl_checkpoint`) saves its adapters for the whole model, which PEFT applies to that checkpoint."""
+    if getattr(getattr(model, "config", None), "vl_checkpoint", None) is not None and path.startswith("model."):
+        return _VL_TEXT + path[len("model."):]
+    return path
+
+
+def model_paths(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (as `read_adapter` returns them) under the model's own module paths (see `_checkpoint_path`)."""
+    if getattr(getattr(model, "config", None), "vl_checkpoint", None) is None:
+        return tensors
+    return {("model." + k[len(_VL_TEXT):] if k.startswith(_VL_TEXT) else k): t for k, t in tensors.items()}
 
 
 def _linear(model: nn.Module):
@@ -294,6 +314,7 @@ def check_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: st
     fit them: a missing, extra or misshapen tensor is an error naming it. (A sharded parameter reports its full
     shape.)"""
     own = adapter_params(model)
+    tensors = model_paths(model, tensors)
     missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or extra:
         raise ValueError(f"{source}: the adapter does not fit this model's LoRA layers (missing {missing[:4]}, "
@@ -310,5 +331,6 @@ def check_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: st
 def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy adapter tensors (lathe's names, as `read_adapter` returns them) into an adapted model (not sharded);
     see `check_adapter` for the errors."""
+    tensors = model_paths(model, tensors)
     for name, param in check_adapter(model, tensors, source).items():
         param.copy_(tensors[name])

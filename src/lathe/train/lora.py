@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lathe.models.lora import (apply_lora, cast_frozen, check_adapter, load_adapter, merge, merged_state,
-                               merged_weights, read_adapter, save_adapter)
+                               merged_weights, model_paths, read_adapter, save_adapter)
 from lathe.models.moe import sparse_blocks
 from lathe.train import parallel
 from lathe.train.optim import check_optimizer_class, optimizer_name
@@ -112,7 +112,7 @@ def load_lora(path: Path, model: nn.Module, optimizer, scheduler, *, what: str) 
         raise FileNotFoundError(f"{what} checkpoint {path} holds no LoRA adapter ({LORA_ADAPTER}/ and optim.pt): it "
                                 "was saved by a run without LoRA. Resume it with lora_rank=0, or start a new run.")
     source = f"{what} checkpoint {path}"
-    _, tensors = read_adapter(path / LORA_ADAPTER)
+    tensors = model_paths(model, read_adapter(path / LORA_ADAPTER)[1])
     opt = torch.load(path / "optim.pt", weights_only=True, map_location="cpu")
     check_optimizer_class(opt, optimizer, path, what)
     saved = opt["optimizer"]

@@ -200,6 +200,10 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
         with safe_open(f, framework="pt") as handle:
             saved.update(handle.keys())
     saved = fused_names(saved)                   # a MoE model's experts: one tensor per expert on disk
+    text_of_vl = getattr(getattr(model, "config", None), "vl_checkpoint", None) is not None
+    if text_of_vl:                               # a VL checkpoint's language model alone: the whole model saved
+        from lathe.models.vl.io import language_model_names
+        saved = language_model_names(saved)
     names = set(model.state_dict().keys())
     missing = [m for m in sorted(names - saved) if not ignore_missing(m)]
     unexpected = sorted(saved - names)
@@ -218,6 +222,9 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     for f in files:
         state.update(load_file(f))
     state = fuse_expert_weights(state)
+    if text_of_vl:
+        from lathe.models.vl.io import language_model_state
+        state = language_model_state(state)
     if load_masters is not None:
         if opt.get("by_name"):
             raise RuntimeError(f"{what} checkpoint {path} was written by a run without fp32 master weights (CPU or "

@@ -12,6 +12,8 @@ from lathe.models.vl import is_vl
 def freeze_vision_tower(model, dtype: torch.dtype, *, sharded: bool) -> None:
     """verl's `actor.freeze_vision_tower`: the vision tower (patch embedding, blocks, merger) takes no gradient and stays
     out of the optimizer; on one device it is held in the compute dtype, as a frozen LoRA base is."""
+    if getattr(model.config, "vl_checkpoint", None) is not None:
+        return          # a VL checkpoint's language model run alone: its vision tower is not trained (kept as read)
     if not is_vl(model):
         raise ValueError("actor_rollout_ref.actor.freeze_vision_tower=true: the policy is a text model, which has no "
                          "vision tower. Fix: remove the key (or set it to false).")

@@ -1,8 +1,14 @@
-"""Vision-language models: Qwen2.5-VL and Qwen3-VL on lathe's decoder layers (images; videos are refused).
+"""Vision-language models: Qwen2.5-VL, Qwen3-VL and Qwen3.5(-MoE) on lathe's decoder layers (images; videos are
+refused).
 
 `load_lathe_vl_model(path)` builds `LatheVLForConditionalGeneration` from a local checkpoint directory saved by
-transformers (`architectures`: `Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration`), or raises
-`UnsupportedArchitecture` for what lathe does not implement. Only transformers' vision-tower class is imported.
+transformers (`architectures`: `Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`,
+`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`), or raises `UnsupportedArchitecture` for
+what lathe does not implement. Only transformers' vision-tower class is imported.
+
+`load_language_model(path)` reads the language model of a Qwen3.5 checkpoint alone, as lathe's text decoder
+(`LatheCausalLM`: everything lathe's text models do, tensor, expert and sequence parallelism among it), for runs
+without images; what it saves is the whole checkpoint again, its vision tower as it was read.
 """
 
 from __future__ import annotations
@@ -11,14 +17,15 @@ from pathlib import Path
 
 import torch
 
-from lathe.models.vl.config import VL_ARCHITECTURES, VLConfig
-from lathe.models.vl.io import is_vl_checkpoint, rename_legacy_keys, save_vl_pretrained
+from lathe.models.vl.config import HYBRID_TEXT, VL_ARCHITECTURES, VLConfig
+from lathe.models.vl.io import is_vl_checkpoint, language_model_state, rename_legacy_keys, save_vl_pretrained
 from lathe.models.vl.model import LatheVLForConditionalGeneration, LatheVLTextModel
 from lathe.models.vl.rope import MRotaryEmbedding, mrope_positions, packed_mrope_positions
 from lathe.models.vl.vision import ImageEmbeddings, embed_images, merge_image_embeddings, rebuild_meta_buffers
 
 __all__ = ["VL_ARCHITECTURES", "ImageEmbeddings", "is_vl", "LatheVLForConditionalGeneration", "LatheVLTextModel",
-           "MRotaryEmbedding", "VLConfig", "embed_images", "is_vl_checkpoint", "load_lathe_vl_model",
+           "MRotaryEmbedding", "VLConfig", "embed_images", "is_vl_checkpoint", "language_model_runs_alone",
+           "load_language_model", "load_lathe_vl_model",
            "merge_image_embeddings", "mrope_positions", "packed_mrope_positions", "rename_legacy_keys",
            "save_vl_pretrained"]
 
@@ -39,3 +46,41 @@ def load_lathe_vl_model(path: str | Path, dtype: torch.dtype = torch.float32, *,
     load_into(model, rename_legacy_keys(read_state_dict(path, dtype=dtype, device=device)), str(path))
     rebuild_meta_buffers(model.model.visual, device)
     return model
+
+
+def language_model_runs_alone(path: str | Path) -> bool:
+    """Whether `load_language_model` reads the VL checkpoint `path` (the Qwen3.5 families', whose language model is
+    lathe's hybrid text decoder)."""
+    try:
+        return VLConfig.from_pretrained(path).family in HYBRID_TEXT
+    except (ValueError, OSError):
+        return False
+
+
+def load_language_model(path: str | Path, dtype: torch.dtype = torch.float32, *, device: str | torch.device = "cpu",
+                        value: bool = False):
+    """The language model of the Qwen3.5 vision-language checkpoint `path` as a `LatheCausalLM` (its text-only
+    architecture, `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`), in `dtype` on `device`; its `save_pretrained`
+    writes the whole checkpoint (`lathe.models.vl.io.whole_vl_checkpoint`). `value`: a `LatheValueModel` (a
+    critic: the checkpoint's `score` head, or a zero one where it has none, as `load_lathe_value_model`), saved as
+    transformers' token-classification form of the whole model (`Qwen3_5ForTokenClassification`: vision tower
+    included)."""
+    from lathe.models.config import UnsupportedArchitecture, read_config_json
+    from lathe.models.decoder import LatheCausalLM
+    from lathe.models.io import load_into, read_state_dict
+    vl = VLConfig.from_pretrained(path)
+    if vl.family not in HYBRID_TEXT:
+        raise UnsupportedArchitecture(f"{path}: {vl.architecture}'s language model does not run alone in lathe "
+                                      f"(only the Qwen3.5 families' do); load it with load_lathe_vl_model")
+    d, _ = read_config_json(path)
+    cfg = vl.text
+    cfg.vl_checkpoint = (str(Path(path).resolve()), {**d, "architectures": [vl.architecture]})
+    state = language_model_state(rename_legacy_keys(read_state_dict(path, dtype=dtype, device=device)))
+    if not value:
+        with torch.device("meta"):
+            model = LatheCausalLM(cfg)
+        load_into(model, state, str(path))
+        return model
+    from lathe.models import value_model_of
+    state.pop("lm_head.weight", None)
+    return value_model_of(cfg, state, str(path), dtype=dtype, device=device)

@@ -1,8 +1,9 @@
-"""The shape of a Qwen2.5-VL / Qwen3-VL checkpoint, read from its plain `config.json`.
+"""The shape of a Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3.5-MoE checkpoint, read from its plain `config.json`.
 
 Both layouts are read: transformers 5 (`text_config` / `vision_config` sub-dictionaries) and the flat 4.x layout
 of the early Qwen2.5-VL releases (text keys at the top level, `rope_scaling: {"type": "mrope", ...}`). The language
-model becomes a `LatheConfig` for lathe's decoder layers; the vision part stays a dictionary, handed to
+model becomes a `LatheConfig` for lathe's decoder layers (Qwen3.5's: the hybrid gated-DeltaNet / gated-attention
+layers of `lathe.models.qwen3_5`, as its text-only checkpoints); the vision part stays a dictionary, handed to
 transformers' own vision-tower class (`lathe.models.vl.vision`).
 """
 
@@ -16,8 +17,15 @@ from lathe.models.config import LatheConfig, UnsupportedArchitecture, read_confi
 
 # architecture -> family; Qwen3-VL interleaves the M-RoPE axes over the rotary dims, Qwen2.5-VL splits them in blocks
 VL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-                    "Qwen3VLForConditionalGeneration": "qwen3_vl"}
-_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+                    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+                    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+                    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+# the Qwen3.5 families' language models: lathe's hybrid decoder layers, read as their text-only checkpoints are
+HYBRID_TEXT = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+INTERLEAVED = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")     # M-RoPE axes interleaved over the rotary dims
+_DEFAULT_THETA = {"qwen2_5_vl": 1000000.0, "qwen3_vl": 5000000.0, "qwen3_5": 10000.0, "qwen3_5_moe": 10000.0}
 _FALLBACK = "; the transformers fallback will be used"
 
 
@@ -26,11 +34,11 @@ class VLConfig:
     """What the VL model needs: the text decoder's `LatheConfig`, the vision dictionary and the special tokens."""
 
     architecture: str
-    family: str                      # "qwen2_5_vl" | "qwen3_vl"
+    family: str                      # "qwen2_5_vl" | "qwen3_vl" | "qwen3_5" | "qwen3_5_moe"
     text: LatheConfig
     vision: dict[str, Any]
     mrope_section: list[int]         # rotary half-dims given to the (temporal, height, width) position axes
-    mrope_interleaved: bool          # Qwen3-VL: axes interleaved (T H W T H W ...); Qwen2.5-VL: one block per axis
+    mrope_interleaved: bool          # Qwen3-VL, Qwen3.5: axes interleaved (T H W T H W ...); Qwen2.5-VL: blocks
     image_token_id: int
     video_token_id: int
     vision_start_token_id: int | None = None
@@ -71,10 +79,10 @@ class VLConfig:
                              "(re-save it with transformers' save_pretrained)")
         params = dict(text.get("rope_parameters") or text.get("rope_scaling") or d.get("rope_parameters")
                       or d.get("rope_scaling") or {})
-        if "rope_theta" not in params:
-            params["rope_theta"] = text.get("rope_theta", d.get("rope_theta", 1000000.0 if family == "qwen2_5_vl"
-                                                                     else 5000000.0))
-        section = params.pop("mrope_section", None)
+        if "rope_theta" not in params:      # transformers' defaults of each family
+            params["rope_theta"] = text.get("rope_theta", d.get("rope_theta", _DEFAULT_THETA[family]))
+        # (Qwen3.5's rotary embedding falls back to [11, 11, 10] where its config names no sections)
+        section = params.pop("mrope_section", [11, 11, 10] if family in HYBRID_TEXT else None)
         params.pop("mrope_interleaved", None)
         if (params.get("rope_type") or params.get("type")) == "mrope":
             params["rope_type"] = "default"
@@ -82,12 +90,14 @@ class VLConfig:
         if not section or len(section) != 3:
             raise ValueError(f"{source}: {arch} needs rope_parameters.mrope_section, three ints (temporal, height, "
                              f"width rotary half-dims), got {section!r}; copy it from the model card's config.json")
-        text_cfg = _text_config(text, family, arch, params, source)
-        _check_section(section, text_cfg.head_dim, family, source)
+        text_cfg = (_hybrid_text_config(text, family, params, source) if family in HYBRID_TEXT
+                    else _text_config(text, family, arch, params, source))
+        _check_section(section, _rotary_dim(text_cfg), family, source)
         tie = bool(d.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
         text_cfg.tie_word_embeddings = tie
         return cls(architecture=arch, family=family, text=text_cfg, vision=vision,
-                   mrope_section=[int(s) for s in section], mrope_interleaved=family == "qwen3_vl", image_token_id=int(d["image_token_id"]),
+                   mrope_section=[int(s) for s in section], mrope_interleaved=family in INTERLEAVED,
+                   image_token_id=int(d["image_token_id"]),
                    video_token_id=int(d.get("video_token_id", -1)),
                    vision_start_token_id=d.get("vision_start_token_id"), tie_word_embeddings=tie,
                    torch_dtype=d.get("dtype") or d.get("torch_dtype") or text.get("dtype"), hf_config=dict(d))
@@ -124,11 +134,29 @@ def _text_config(t: dict[str, Any], family: str, arch: str, rope_params: dict, s
         torch_dtype=t.get("dtype") or t.get("torch_dtype"), hf_config=dict(t))
 
 
-def _check_section(section: list[int], head_dim: int, family: str, source: str) -> None:
-    half = head_dim // 2
+def _hybrid_text_config(t: dict[str, Any], family: str, rope_params: dict, source: str) -> LatheConfig:
+    """Qwen3.5's language model as its text-only checkpoint (`Qwen3_5ForCausalLM`) reads: lathe's hybrid layers,
+    the rotary embedding over each head's `partial_rotary_factor` (M-RoPE's sections count its half-dims)."""
+    arch = HYBRID_TEXT[family]
+    d = {**t, "architectures": [arch], "rope_parameters": {**rope_params, "rope_type": "default"}
+         if (rope_params.get("rope_type") or "default") == "default" else rope_params}
+    d.pop("vision_config", None)
+    return LatheConfig.from_hf_dict(d, source=source)
+
+
+def _rotary_dim(text: LatheConfig) -> int:
+    """The features of each head that RoPE turns: all of them, or the hybrids' partial share."""
+    la = text.linear_attention
+    return text.head_dim if la is None else la.rotary_dim(text.head_dim)
+
+
+def _check_section(section: list[int], rotary_dim: int, family: str, source: str) -> None:
+    half = rotary_dim // 2
     if family == "qwen2_5_vl" and sum(section) != half:
         raise ValueError(f"{source}: mrope_section {section} must sum to head_dim / 2 = {half}; fix "
                          "rope_parameters.mrope_section")
-    if family == "qwen3_vl" and 3 * max(section[1], section[2]) > half:
-        raise ValueError(f"{source}: interleaved mrope_section {section} needs 3 * max(height, width) <= "
-                         f"head_dim / 2 = {half}; fix rope_parameters.mrope_section")
+    # interleaved: the height axis takes half-dims 1, 4, ..., the width axis 2, 5, ..., section[axis] of each
+    if family in INTERLEAVED and any(3 * (section[a] - 1) + a >= half for a in (1, 2) if section[a]):
+        raise ValueError(f"{source}: interleaved mrope_section {section} needs 3 * (n - 1) + axis < rotary dims / 2 "
+                         f"= {half} for the height (axis 1) and width (axis 2) sections; fix "
+                         "rope_parameters.mrope_section")

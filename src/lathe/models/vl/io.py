@@ -55,6 +55,9 @@ def save_vl_pretrained(model, path: str | Path, *,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
+    if model.config.text.moe is not None:       # Qwen3.5-MoE: one tensor per expert and projection, as on the hub
+        from lathe.models.moe import split_expert_weights
+        state = split_expert_weights(state)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = checkpoint_names(state, model.config.family)
@@ -79,3 +82,54 @@ def save_vl_pretrained(model, path: str | Path, *,
             config[key] = str(dtype).replace("torch.", "")
     with open(path / "config.json", "w") as f:
         json.dump(config, f, indent=2)
+
+
+_TEXT = "model.language_model."
+
+
+def language_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A VL checkpoint's tensors (transformers 5 names) as its language model alone names them (`model.*`,
+    `lm_head.weight`); the vision tower's and any others left out."""
+    return {name: state[key] for key, name in zip(state, _text_names(state)) if name is not None}
+
+
+def language_model_names(names) -> set[str]:
+    """`language_model_state`'s names of a VL checkpoint's tensor names."""
+    return {name for name in _text_names(names) if name is not None}
+
+
+def _text_names(names):
+    for k in names:     # (a token-classification checkpoint's `score` head: a critic's)
+        yield "model." + k[len(_TEXT):] if k.startswith(_TEXT) else (k if k == "lm_head.weight" or
+                                                                     k.startswith("score.") else None)
+
+
+def whole_vl_checkpoint(cfg, state: dict[str, torch.Tensor], dtype: torch.dtype | None, *, value: bool = False
+                        ) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, config.json) of the vision-language checkpoint whose language model `cfg` (with `vl_checkpoint`)
+    describes and `state` holds under the text model's names (experts split, lm_head dropped when tied): the
+    language model's tensors under the checkpoint's names, the vision tower's as the checkpoint has them (they do
+    not train in this form) in `dtype`, and the checkpoint's own config.json with `dtype` brought up to date.
+    `value`: a critic's (`score` head, no lm_head), whose config names transformers' token-classification class of
+    the whole model (`Qwen3_5ForTokenClassification`: its backbone holds the vision tower too)."""
+    import copy
+    from lathe.models.io import read_state_dict
+    source, d = cfg.vl_checkpoint
+    out = {(_TEXT + k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
+    tower = {k: v for k, v in rename_legacy_keys(read_state_dict(source)).items() if k.startswith("model.visual.")}
+    if not tower:
+        raise ValueError(f"{source}: the vision-language checkpoint this model's language model came from no longer "
+                         "holds its vision tower (model.visual.*); a save would lose it. Fix: keep the original "
+                         "checkpoint where actor_rollout_ref.model.path points until the run ends")
+    out.update({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in tower.items()})
+    config = copy.deepcopy(d)
+    if value:
+        config["architectures"] = [config["architectures"][0].replace("ForConditionalGeneration",
+                                                                      "ForTokenClassification")]
+        config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, num_labels=1, tie_word_embeddings=False)
+    if dtype is not None:
+        name = str(dtype).replace("torch.", "")
+        for sub in (config, config.get("text_config") or {}):
+            for key in [k for k in ("dtype", "torch_dtype") if k in sub] or ["dtype"]:
+                sub[key] = name
+    return checkpoint_names(out, VL_ARCHITECTURES[d["architectures"][0]]), config

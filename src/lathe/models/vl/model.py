@@ -1,4 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL: transformers' vision tower feeding lathe's decoder layers with M-RoPE.
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5(-MoE): transformers' vision tower feeding lathe's decoder layers with M-RoPE
+(Qwen3.5's: the hybrid gated-DeltaNet / gated-attention layers of `lathe.models.qwen3_5`).
 
 Module and parameter names are the checkpoints' (`model.visual.*`, `model.language_model.layers.N.*`,
 `model.language_model.embed_tokens.weight`, `lm_head.weight`), so state dicts move with no renaming.
@@ -29,7 +30,8 @@ from lathe.models.vl.vision import ImageEmbeddings, build_vision_tower, embed_im
 
 class LatheVLTextModel(nn.Module):
     """Embeddings, lathe's decoder layers and the final norm (HF's `model.language_model.` prefix), with M-RoPE
-    and Qwen3-VL's deepstack: extra image features added to the image tokens after each of the first layers."""
+    and Qwen3-VL's deepstack: extra image features added to the image tokens after each of the first layers
+    (Qwen3.5 has none)."""
 
     compile_backend: str | None = None
 
@@ -37,9 +39,15 @@ class LatheVLTextModel(nn.Module):
         super().__init__()
         t = cfg.text
         self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(t, i) for i in range(t.num_hidden_layers))
-        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
-        self.rotary_emb = MRotaryEmbedding(t.rope, t.head_dim, t.max_position_embeddings, cfg.mrope_section,
+        rotary_dim = t.head_dim
+        if t.linear_attention is not None:      # Qwen3.5: the hybrid layers, RoPE over part of each head
+            from lathe.models.qwen3_5 import hybrid_parts
+            self.layers, self.norm, _ = hybrid_parts(t)
+            rotary_dim = t.linear_attention.rotary_dim(t.head_dim)
+        else:
+            self.layers = nn.ModuleList(DecoderLayer(t, i) for i in range(t.num_hidden_layers))
+            self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(t.rope, rotary_dim, t.max_position_embeddings, cfg.mrope_section,
                                            cfg.mrope_interleaved)
         self.gradient_checkpointing = False
         self.gradient_checkpointing_layers: int | None = None     # `lathe.models.decoder.recomputes`
@@ -71,7 +79,8 @@ class LatheVLModel(nn.Module):
 
 
 class LatheVLForConditionalGeneration(nn.Module):
-    """A Qwen2.5-VL / Qwen3-VL model: `model.visual`, `model.language_model`, `lm_head` (tied when configured)."""
+    """A Qwen2.5-VL / Qwen3-VL / Qwen3.5 model: `model.visual`, `model.language_model`, `lm_head` (tied when
+    configured)."""
 
     attn_backend: str = "auto"      # packed attention: "auto" | "varlen" | "fa4" | "sdpa" (`set_attention`)
     padded_attention: str = "auto"  # padded batches: "auto" | "mask" | "unpad"

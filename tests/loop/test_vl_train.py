@@ -3,6 +3,7 @@ schema), on the CPU: the processor is found from `model.tokenizer_path`, the eng
 reward sees the responses, the update moves the vision tower too, and a validation pass runs."""
 
 import io
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -40,16 +41,24 @@ def _checkpoint(tmp_path, family: str = "qwen2_5_vl"):
                   temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, window_size=16,
                   fullatt_block_indexes=[0])
     torch.manual_seed(0)
-    if family == "qwen3_5":
-        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-        text.update(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    if family in ("qwen3_5", "qwen3_vl_moe"):
+        import transformers
         vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
-        cfg = Qwen3_5Config(text_config=text, vision_config={**vision, "num_position_embeddings": 16},
-                            video_token_id=len(tok) + 1, **ids)
-        Qwen3_5ForConditionalGeneration._from_config(cfg).save_pretrained(tmp_path / "model")
+        vision["num_position_embeddings"] = 16
+        if family == "qwen3_5":
+            text.update(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                         "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        else:       # Qwen3-VL-MoE: both layers sparse, deepstack features from the vision block
+            text.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                         "mrope_interleaved": True})
+            vision["deepstack_visual_indexes"] = [0]
+        name = {"qwen3_5": "Qwen3_5", "qwen3_vl_moe": "Qwen3VLMoe"}[family]
+        cfg = getattr(transformers, f"{name}Config")(text_config=text, vision_config=vision,
+                                                     video_token_id=len(tok) + 1, tie_word_embeddings=False, **ids)
+        getattr(transformers, f"{name}ForConditionalGeneration")._from_config(cfg).save_pretrained(tmp_path / "model")
     else:
         cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, video_token_id=len(tok) + 1, **ids)
         Qwen2_5_VLForConditionalGeneration._from_config(cfg).save_pretrained(tmp_path / "model")
@@ -83,10 +92,11 @@ def vl_keys(tmp_path, score: str, *, rows: int = 8, response_length: int = 4) ->
             "actor_rollout_ref.model.warm_start.steps=0"]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe", "qwen3_5"])
 def test_grpo_on_image_prompts_runs_end_to_end(tmp_path, family):
-    """Qwen2.5-VL, and Qwen3.5 as released (a vision-language checkpoint whose language model has hybrid layers):
-    its checkpoint's Hugging Face weights are the same architecture again, vision tower included."""
+    """Qwen2.5-VL, Qwen3-VL-MoE (its experts stacked on disk), and Qwen3.5 as released (a vision-language checkpoint
+    whose language model has hybrid layers): its checkpoint's Hugging Face weights are the same architecture again,
+    vision tower included."""
     model, tokenizer = _checkpoint(tmp_path, family)
     data = _data(tmp_path)
     reward = tmp_path / "reward.py"
@@ -106,11 +116,13 @@ def test_grpo_on_image_prompts_runs_end_to_end(tmp_path, family):
     moved = [k for k, p in trainer.worker.model.state_dict().items() if k.startswith("model.visual.")
              and not torch.equal(p.cpu(), start[k])]
     assert moved, "the update did not reach the vision tower"
-    if family == "qwen3_5":
-        from transformers import Qwen3_5ForConditionalGeneration
-        assert trainer.worker.rollout.backend.states is not None        # the linear layers' states beside the KV
-        back, info = Qwen3_5ForConditionalGeneration.from_pretrained(
+    if family != "qwen2_5_vl":
+        from transformers import AutoModelForImageTextToText
+        if family == "qwen3_5":
+            assert trainer.worker.rollout.backend.states is not None        # the linear layers' states beside the KV
+        back, info = AutoModelForImageTextToText.from_pretrained(
             tmp_path / "run" / "global_step_2" / "actor" / "huggingface", output_loading_info=True)
+        assert type(back).__name__ == json.loads((model / "config.json").read_text())["architectures"][0]
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
         assert torch.equal(back.state_dict()["model.visual.patch_embed.proj.weight"],
                            trainer.worker.model.state_dict()["model.visual.patch_embed.proj.weight"].cpu())
@@ -275,7 +287,6 @@ def test_text_run_of_a_qwen3_5_checkpoint_resumes_exactly(tmp_path, monkeypatch,
     for step in (3, 4):
         assert deterministic(a[step]) == deterministic(b[step]), step
     if lora:
-        import json
         adapter = tmp_path / "split" / "global_step_4" / "actor" / "lora_adapter"
         from safetensors.torch import load_file
         names = list(load_file(adapter / "adapter_model.safetensors"))

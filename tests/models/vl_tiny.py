@@ -1,4 +1,4 @@
-"""Tiny random transformers Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3.5-MoE checkpoints and synthetic image batches
+"""Tiny random transformers Qwen2.5-VL / Qwen3-VL(-MoE) / Qwen3.5(-MoE) checkpoints and synthetic image batches
 (test helper, not a test).
 
 Images are built directly in the processor's layout: `pixel_values` (patches, C * temporal_patch * patch * patch)
@@ -12,7 +12,7 @@ import torch
 VOCAB = 128
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 118, 119
 PATCH, TEMPORAL_PATCH, MERGE = 4, 2, 2
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 _IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
             vision_end_token_id=VISION_END)
 
@@ -28,11 +28,14 @@ def hf_config(family: str, *, tie: bool = False):
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         vision.update(window_size=16, fullatt_block_indexes=[1], tokens_per_second=2)
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **_IDS)
-    if family == "qwen3_vl":
-        from transformers import Qwen3VLConfig
+    if family in ("qwen3_vl", "qwen3_vl_moe"):
+        from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
         text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "mrope_section": [4, 2, 2], "mrope_interleaved": True})
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+        if family == "qwen3_vl_moe":        # layer 0 dense (mlp_only_layers), layer 1 sparse
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0])
+            return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **_IDS)
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **_IDS)
     if family in ("qwen3_5", "qwen3_5_moe"):        # hybrid layers: gated DeltaNet, then gated attention
         from transformers import Qwen3_5Config, Qwen3_5MoeConfig
@@ -56,6 +59,7 @@ def hf_model(family: str, *, tie: bool = False, seed: int = 0):
     import transformers
     cls = getattr(transformers, {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                                  "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                                 "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                                  "qwen3_5": "Qwen3_5ForConditionalGeneration",
                                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[family])
     torch.manual_seed(seed)

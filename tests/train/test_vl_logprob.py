@@ -106,7 +106,7 @@ def _ppo_batch(model, seed=0):
     return batch
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
 def test_update_runs_and_does_not_depend_on_micro_batch_size(vl_models, family):
     """One GRPO-style PPO update (one mini-batch of all 6 rows) of Qwen3-VL (deepstack included) and Qwen3.5 (hybrid
     layers; -MoE's experts): micro-batches of 1 row and of all rows give the same update, loss and gradient norm, and

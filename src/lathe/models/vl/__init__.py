@@ -1,9 +1,10 @@
-"""Vision-language models: Qwen2.5-VL, Qwen3-VL and Qwen3.5(-MoE) on lathe's decoder layers (images; videos are
-refused).
+"""Vision-language models: Qwen2.5-VL, Qwen3-VL(-MoE) and Qwen3.5(-MoE) on lathe's decoder layers (images; videos
+are refused).
 
 `load_lathe_vl_model(path)` builds `LatheVLForConditionalGeneration` from a local checkpoint directory saved by
 transformers (`architectures`: `Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`,
-`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`), or raises `UnsupportedArchitecture` for
+`Qwen3VLMoeForConditionalGeneration`, `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`), or
+raises `UnsupportedArchitecture` for
 what lathe does not implement. Only transformers' vision-tower class is imported.
 
 `load_language_model(path)` reads the language model of a Qwen3.5 checkpoint alone, as lathe's text decoder
@@ -18,7 +19,8 @@ from pathlib import Path
 import torch
 
 from lathe.models.vl.config import HYBRID_TEXT, VL_ARCHITECTURES, VLConfig
-from lathe.models.vl.io import is_vl_checkpoint, language_model_state, rename_legacy_keys, save_vl_pretrained
+from lathe.models.vl.io import (is_vl_checkpoint, language_model_state, module_expert_layout, rename_legacy_keys,
+                                save_vl_pretrained)
 from lathe.models.vl.model import LatheVLForConditionalGeneration, LatheVLTextModel
 from lathe.models.vl.rope import MRotaryEmbedding, mrope_positions, packed_mrope_positions
 from lathe.models.vl.vision import ImageEmbeddings, embed_images, merge_image_embeddings, rebuild_meta_buffers
@@ -43,7 +45,9 @@ def load_lathe_vl_model(path: str | Path, dtype: torch.dtype = torch.float32, *,
     cfg = VLConfig.from_pretrained(path)
     with torch.device("meta"):
         model = LatheVLForConditionalGeneration(cfg, vision_attn_implementation=vision_attn_implementation)
-    load_into(model, rename_legacy_keys(read_state_dict(path, dtype=dtype, device=device)), str(path))
+    state = module_expert_layout(rename_legacy_keys(read_state_dict(path, dtype=dtype, device=device)), cfg.family,
+                                 {k: v.shape for k, v in model.state_dict().items()})
+    load_into(model, state, str(path))
     rebuild_meta_buffers(model.model.visual, device)
     return model
 

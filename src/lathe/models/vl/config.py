@@ -13,19 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lathe.models.config import LatheConfig, UnsupportedArchitecture, read_config_json, read_rope
+from lathe.models.config import LatheConfig, MoeConfig, UnsupportedArchitecture, read_config_json, read_rope
 
 # architecture -> family; Qwen3-VL interleaves the M-RoPE axes over the rotary dims, Qwen2.5-VL splits them in blocks
 VL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
                     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+                    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
                     "Qwen3_5ForConditionalGeneration": "qwen3_5",
                     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
 _MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                 "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 # the Qwen3.5 families' language models: lathe's hybrid decoder layers, read as their text-only checkpoints are
 HYBRID_TEXT = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
-INTERLEAVED = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")     # M-RoPE axes interleaved over the rotary dims
-_DEFAULT_THETA = {"qwen2_5_vl": 1000000.0, "qwen3_vl": 5000000.0, "qwen3_5": 10000.0, "qwen3_5_moe": 10000.0}
+INTERLEAVED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")   # M-RoPE axes interleaved over rotary dims
+QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")              # Qwen3-style attention (q/k norms), deepstack features
+_DEFAULT_THETA = {"qwen2_5_vl": 1000000.0, "qwen3_vl": 5000000.0, "qwen3_vl_moe": 5000000.0, "qwen3_5": 10000.0,
+                  "qwen3_5_moe": 10000.0}
 _FALLBACK = "; the transformers fallback will be used"
 
 
@@ -34,7 +38,7 @@ class VLConfig:
     """What the VL model needs: the text decoder's `LatheConfig`, the vision dictionary and the special tokens."""
 
     architecture: str
-    family: str                      # "qwen2_5_vl" | "qwen3_vl" | "qwen3_5" | "qwen3_5_moe"
+    family: str                      # "qwen2_5_vl" | "qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe"
     text: LatheConfig
     vision: dict[str, Any]
     mrope_section: list[int]         # rotary half-dims given to the (temporal, height, width) position axes
@@ -93,7 +97,9 @@ class VLConfig:
         text_cfg = (_hybrid_text_config(text, family, params, source) if family in HYBRID_TEXT
                     else _text_config(text, family, arch, params, source))
         _check_section(section, _rotary_dim(text_cfg), family, source)
-        tie = bool(d.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
+        # the top-level key decides where there is one, as transformers reads it (Qwen3-VL-MoE's text config
+        # defaults to tied beside an untied model)
+        tie = bool(d["tie_word_embeddings"] if "tie_word_embeddings" in d else text.get("tie_word_embeddings", False))
         text_cfg.tie_word_embeddings = tie
         return cls(architecture=arch, family=family, text=text_cfg, vision=vision,
                    mrope_section=[int(s) for s in section], mrope_interleaved=family in INTERLEAVED,
@@ -120,17 +126,19 @@ def _text_config(t: dict[str, Any], family: str, arch: str, rope_params: dict, s
         raise UnsupportedArchitecture(f"{source}: {arch} with rope_type='dynamic' (lathe's M-RoPE implements "
                                       f"fixed frequencies){_FALLBACK}")
     hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
-    qwen3 = family == "qwen3_vl"
+    qwen3 = family in QWEN3_VL
+    # Qwen3-VL-MoE's router always renormalises its top-k weights (transformers' Qwen3VLMoeTextTopKRouter)
+    moe = MoeConfig.from_hf_dict({**t, "norm_topk_prob": True}) if family == "qwen3_vl_moe" else None
     bias = bool(t.get("attention_bias", False))
     return LatheConfig(
         architecture=arch, vocab_size=int(t["vocab_size"]), hidden_size=hidden,
-        intermediate_size=int(t["intermediate_size"]), num_hidden_layers=int(t["num_hidden_layers"]),
+        intermediate_size=int(t.get("intermediate_size") or t["moe_intermediate_size"]), num_hidden_layers=int(t["num_hidden_layers"]),
         num_attention_heads=heads, num_key_value_heads=int(t.get("num_key_value_heads") or heads),
         # Qwen2.5-VL ignores a head_dim key (always hidden / heads); Qwen3-VL reads it (default 128)
         head_dim=int(t.get("head_dim", 128)) if qwen3 else hidden // heads,
         max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-        qkv_bias=bias if qwen3 else True, o_bias=bias if qwen3 else False, qk_norm=qwen3, rope=rope,
+        qkv_bias=bias if qwen3 else True, o_bias=bias if qwen3 else False, qk_norm=qwen3, rope=rope, moe=moe,
         torch_dtype=t.get("dtype") or t.get("torch_dtype"), hf_config=dict(t))
 
 

@@ -15,6 +15,30 @@ _LEGACY_VISUAL = re.compile(r"^visual\.")
 _LEGACY_TEXT = re.compile(r"^model\.(?!language_model\.|visual\.)")
 
 
+# Qwen3-VL-MoE's hub checkpoints hold each layer's experts stacked, (E, hidden, 2 x inter) and (E, inter, hidden): the
+# modules' (E, 2 x inter, hidden) and (E, hidden, inter) transposed. transformers transposes on load where the shape
+# is not the module's (its own saves keep the modules' layout); lathe reads both and writes the hub's.
+FUSED_EXPERTS_ON_DISK = ("qwen3_vl_moe",)
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def module_expert_layout(state: dict[str, torch.Tensor], family: str, shapes: dict[str, torch.Size]
+                         ) -> dict[str, torch.Tensor]:
+    """`state` with a `FUSED_EXPERTS_ON_DISK` family's stacked experts in the modules' layout: transposed where
+    their shape is not the module's (`shapes`, by name), as transformers reads them; other tensors as they are."""
+    if family not in FUSED_EXPERTS_ON_DISK:
+        return state
+    return {k: v.transpose(1, 2).contiguous() if _STACKED_EXPERTS.search(k) and k in shapes and v.shape != shapes[k]
+            else v for k, v in state.items()}
+
+
+def hub_expert_layout(state: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
+    """The modules' stacked experts of a `FUSED_EXPERTS_ON_DISK` family in the hub's layout (for saving)."""
+    if family not in FUSED_EXPERTS_ON_DISK:
+        return state
+    return {k: v.transpose(1, 2).contiguous() if _STACKED_EXPERTS.search(k) else v for k, v in state.items()}
+
+
 def is_vl_checkpoint(path: str | Path) -> bool:
     """True when `<path>/config.json` names an architecture this package implements."""
     import json
@@ -55,7 +79,9 @@ def save_vl_pretrained(model, path: str | Path, *,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
-    if model.config.text.moe is not None:       # Qwen3.5-MoE: one tensor per expert and projection, as on the hub
+    if model.config.family in FUSED_EXPERTS_ON_DISK:
+        state = hub_expert_layout(state, model.config.family)
+    elif model.config.text.moe is not None:     # Qwen3.5-MoE: one tensor per expert and projection, as on the hub
         from lathe.models.moe import split_expert_weights
         state = split_expert_weights(state)
     if model.config.tie_word_embeddings:

@@ -1,8 +1,8 @@
 """The vision tower (transformers' own module, built from `vision_config`) and splicing image embeddings into text.
 
 The tower is transformers' class itself (`Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel`,
-`Qwen3_5VisionModel`, `Qwen3_5MoeVisionModel`), so its parameter names and numerics are the checkpoint's; only that
-class is imported, never the full VL model.
+`Qwen3VLMoeVisionModel`, `Qwen3_5VisionModel`, `Qwen3_5MoeVisionModel`), so its parameter names and numerics are the
+checkpoint's; only that class is imported, never the full VL model.
 
 Inputs are in the processor's layout: `pixel_values` (patches, C * temporal_patch * patch * patch), the patches of
 all images end to end, and `image_grid_thw` (images, 3) in patches. Image i yields t*h*w / merge**2 embeddings.
@@ -59,6 +59,10 @@ def vision_classes(family: str):
         from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
         return Qwen3VLVisionModel, Qwen3VLVisionConfig
+    if family == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+        return Qwen3VLMoeVisionModel, Qwen3VLMoeVisionConfig
     if family == "qwen3_5":
         from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
@@ -67,8 +71,8 @@ def vision_classes(family: str):
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
         return Qwen3_5MoeVisionModel, Qwen3_5MoeVisionConfig
-    raise ValueError(f"VL family {family!r} has no vision tower in lathe; supported: qwen2_5_vl, qwen3_vl, qwen3_5, "
-                     "qwen3_5_moe")
+    raise ValueError(f"VL family {family!r} has no vision tower in lathe; supported: qwen2_5_vl, qwen3_vl, "
+                     "qwen3_vl_moe, qwen3_5, qwen3_5_moe")
 
 
 def build_vision_tower(cfg: VLConfig, attn_implementation: str = "sdpa") -> nn.Module:

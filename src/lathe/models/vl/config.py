@@ -28,6 +28,8 @@ _MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": 
 HYBRID_TEXT = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 INTERLEAVED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")   # M-RoPE axes interleaved over rotary dims
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")              # Qwen3-style attention (q/k norms), deepstack features
+_DEFAULT_SECTION = {"qwen3_vl": [24, 20, 20], "qwen3_vl_moe": [24, 20, 20], "qwen3_5": [11, 11, 10],
+                    "qwen3_5_moe": [11, 11, 10]}
 _DEFAULT_THETA = {"qwen2_5_vl": 1000000.0, "qwen3_vl": 5000000.0, "qwen3_vl_moe": 5000000.0, "qwen3_5": 10000.0,
                   "qwen3_5_moe": 10000.0}
 _FALLBACK = "; the transformers fallback will be used"
@@ -85,8 +87,8 @@ class VLConfig:
                       or d.get("rope_scaling") or {})
         if "rope_theta" not in params:      # transformers' defaults of each family
             params["rope_theta"] = text.get("rope_theta", d.get("rope_theta", _DEFAULT_THETA[family]))
-        # (Qwen3.5's rotary embedding falls back to [11, 11, 10] where its config names no sections)
-        section = params.pop("mrope_section", [11, 11, 10] if family in HYBRID_TEXT else None)
+        # (where a config names no sections, transformers' rotary embeddings fall back to these)
+        section = params.pop("mrope_section", _DEFAULT_SECTION.get(family))
         params.pop("mrope_interleaved", None)
         if (params.get("rope_type") or params.get("type")) == "mrope":
             params["rope_type"] = "default"

@@ -328,3 +328,19 @@ def test_ppo_critic_from_a_qwen3_5_vision_language_checkpoint(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     trained = trainer.critic.model.state_dict()
     assert torch.equal(back.state_dict()["score.weight"], trained["score.weight"].cpu())
+
+
+def test_sft_of_a_qwen3_5_vision_language_checkpoint_saves_the_whole_model(tmp_path):
+    """`lathe sft` (text examples) on Qwen3.5 as released: its language model trains alone, and the checkpoint
+    `lathe train` starts from is the whole vision-language model."""
+    from transformers import AutoModelForImageTextToText
+
+    from lathe.cli import main
+    model, tokenizer = _checkpoint(tmp_path, "qwen3_5")
+    assert main(["sft", f"trainer.default_local_dir={tmp_path / 'sft'}", f"model.path={model}",
+                 f"model.tokenizer_path={tokenizer}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4",
+                 "data.val_files=null", "trainer.logger=[console]", "trainer.total_training_steps=2"]) == 0
+    back, info = AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "sft" / "global_step_2" / "actor" / "huggingface", output_loading_info=True)
+    assert type(back).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]

@@ -92,8 +92,9 @@ def build_sft(cfg, *, checked: bool = False) -> SFTRun:
     world = trainer_devices(cfg)
     log.info("sft: %d training examples (%d truncated), %s validation; %d steps of %d", len(train),
              train.num_truncated, len(val) if val is not None else "no", total_steps, d.train_batch_size)
+    # (text examples: a Qwen3.5 vision-language checkpoint's language model trains alone, saved whole: load_policy)
     load_kwargs = dict(impl=m.impl, trust_remote_code=m.trust_remote_code, vocab_size=len(tokenizer), seed=t.seed,
-                       override_config=m.override_config)
+                       override_config=m.override_config, vision=False)
     cluster = None
     if world > 1 or os.environ.get("LATHE_RAY") == "1":
         from lathe.cluster import start_sft_cluster

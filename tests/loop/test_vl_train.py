@@ -41,21 +41,25 @@ def _checkpoint(tmp_path, family: str = "qwen2_5_vl"):
                   temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, window_size=16,
                   fullatt_block_indexes=[0])
     torch.manual_seed(0)
-    if family in ("qwen3_5", "qwen3_vl_moe"):
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"):
         import transformers
         vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
         vision["num_position_embeddings"] = 16
-        if family == "qwen3_5":
+        if family.endswith("moe"):      # both layers sparse
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+        if family.startswith("qwen3_5"):
             text.update(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                          "mrope_section": [2, 1, 1], "mrope_interleaved": True})
-        else:       # Qwen3-VL-MoE: both layers sparse, deepstack features from the vision block
-            text.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
-                                         "mrope_interleaved": True})
+            if family == "qwen3_5_moe":
+                del text["intermediate_size"]
+                text["shared_expert_intermediate_size"] = 24
+        else:       # Qwen3-VL-MoE: deepstack features from the vision block
+            text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                      "mrope_section": [4, 2, 2], "mrope_interleaved": True})
             vision["deepstack_visual_indexes"] = [0]
-        name = {"qwen3_5": "Qwen3_5", "qwen3_vl_moe": "Qwen3VLMoe"}[family]
+        name = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_vl_moe": "Qwen3VLMoe"}[family]
         cfg = getattr(transformers, f"{name}Config")(text_config=text, vision_config=vision,
                                                      video_token_id=len(tok) + 1, tie_word_embeddings=False, **ids)
         getattr(transformers, f"{name}ForConditionalGeneration")._from_config(cfg).save_pretrained(tmp_path / "model")
@@ -344,3 +348,21 @@ def test_sft_of_a_qwen3_5_vision_language_checkpoint_saves_the_whole_model(tmp_p
         tmp_path / "sft" / "global_step_2" / "actor" / "huggingface", output_loading_info=True)
     assert type(back).__name__ == "Qwen3_5ForConditionalGeneration"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+def test_expert_parallel_image_run_of_a_qwen3_5_moe_checkpoint_equals_one_process(tmp_path, monkeypatch):
+    """Image rows on Qwen3.5-MoE (VL model: hybrid layers, routed and shared experts) with its experts cut over 2
+    Ray CPU workers (expert parallelism under FSDP2): step 2's loss, gradient norm and entropy are one process's."""
+    from . import test_vl_train
+    plain = _checkpoint
+    monkeypatch.setattr(test_vl_train, "_checkpoint", lambda path, family="qwen2_5_vl": plain(path, "qwen3_5_moe"))
+    keys = vl_keys(tmp_path, "float(solution_str[:1] == ground_truth) + (sum(map(ord, solution_str)) % 3) / 4")
+    out = {}
+    for name, extra in (("one", []), ("ep", ["trainer.n_gpus_per_node=2",
+                                             "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"])):
+        run(tmp_path, *keys, "trainer.total_training_steps=2", "actor_rollout_ref.actor.optim.lr=1e-3", *extra,
+            name=name)
+        out[name] = read_metrics(tmp_path / name)[2]
+    assert out["one"]["critic/score/mean"] == out["ep"]["critic/score/mean"]          # the same samples
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert abs(out["one"][key] - out["ep"][key]) <= 1e-5 * max(1.0, abs(out["one"][key])), key

@@ -153,7 +153,7 @@ def load_datasets(cfg, tokenizer, processor=None) -> tuple[RLDataset, RLDataset 
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
               apply_chat_template_kwargs=template_kwargs, processor=processor, image_key=d.image_key,
-              video_key=d.video_key, reward_fn_key=d.reward_fn_key)
+              reward_fn_key=d.reward_fn_key)     # (data.video_key: another column than verl's is refused)
     def split(files, name: str, max_samples: int) -> RLDataset:
         rows = None
         if d.custom_cls.path:               # a user's dataset class reads the files; its items are the rows

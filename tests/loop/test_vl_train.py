@@ -350,19 +350,28 @@ def test_sft_of_a_qwen3_5_vision_language_checkpoint_saves_the_whole_model(tmp_p
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
 
-def test_expert_parallel_image_run_of_a_qwen3_5_moe_checkpoint_equals_one_process(tmp_path, monkeypatch):
-    """Image rows on Qwen3.5-MoE (VL model: hybrid layers, routed and shared experts) with its experts cut over 2
-    Ray CPU workers (expert parallelism under FSDP2): step 2's loss, gradient norm and entropy are one process's."""
+FSDP = "actor_rollout_ref.actor.fsdp_config"
+
+
+@pytest.mark.parametrize("family,parallel,common", [
+    ("qwen3_5_moe", [f"{FSDP}.expert_parallel_size=2"], []),
+    ("qwen3_5", [f"{FSDP}.tensor_parallel_size=2"], ["actor_rollout_ref.actor.use_kl_loss=true"]),
+    ("qwen3_vl_moe", [f"{FSDP}.tensor_parallel_size=2", f"{FSDP}.expert_parallel_size=2"], []),
+], ids=["qwen3_5_moe-ep2", "qwen3_5-tp2-kl", "qwen3_vl_moe-tp2-ep2"])
+def test_model_parallel_image_runs_equal_one_process(tmp_path, monkeypatch, family, parallel, common):
+    """Image rows on 2 Ray CPU workers under FSDP2, the VL model's language model cut over both: experts (Qwen3.5-MoE:
+    hybrid layers, routed and shared experts), tensor parallelism (Qwen3.5's gated DeltaNet and gated attention; the
+    reference cut too, for the KL loss), both (Qwen3-VL-MoE, deepstack); the vision tower whole on each. Step 2's
+    loss, gradient norm and entropy are one process's."""
     from . import test_vl_train
     plain = _checkpoint
-    monkeypatch.setattr(test_vl_train, "_checkpoint", lambda path, family="qwen2_5_vl": plain(path, "qwen3_5_moe"))
+    monkeypatch.setattr(test_vl_train, "_checkpoint", lambda path, family_="qwen2_5_vl": plain(path, family))
     keys = vl_keys(tmp_path, "float(solution_str[:1] == ground_truth) + (sum(map(ord, solution_str)) % 3) / 4")
     out = {}
-    for name, extra in (("one", []), ("ep", ["trainer.n_gpus_per_node=2",
-                                             "actor_rollout_ref.actor.fsdp_config.expert_parallel_size=2"])):
-        run(tmp_path, *keys, "trainer.total_training_steps=2", "actor_rollout_ref.actor.optim.lr=1e-3", *extra,
-            name=name)
+    for name, extra in (("one", []), ("many", ["trainer.n_gpus_per_node=2", *parallel])):
+        run(tmp_path, *keys, "trainer.total_training_steps=2", "actor_rollout_ref.actor.optim.lr=1e-3", *common,
+            *extra, name=name)
         out[name] = read_metrics(tmp_path / name)[2]
-    assert out["one"]["critic/score/mean"] == out["ep"]["critic/score/mean"]          # the same samples
+    assert out["one"]["critic/score/mean"] == out["many"]["critic/score/mean"]          # the same samples
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
-        assert abs(out["one"][key] - out["ep"][key]) <= 1e-5 * max(1.0, abs(out["one"][key])), key
+        assert abs(out["one"][key] - out["many"][key]) <= 1e-5 * max(1.0, abs(out["one"][key])), key

@@ -35,6 +35,9 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   outputs, one all-reduce, as after the MLP; Qwen3.5-MoE's (and Qwen3-Next's) shared expert is cut as a dense MLP,
   its sigmoid gate (hidden -> 1) whole.
 
+A vision-language model's language model (`lathe.models.vl`) is cut the same way; its vision tower stays whole on every
+rank of a group, which computes it on the same images (`decoder_stack`).
+
 Every rank of a group holds the same data (the driver gives each group one share, as to a Ulysses group) and
 computes the same loss; the DTensor collectives' backwards route the gradients (a whole activation's gradient is the
 same on every rank of the group), so each rank's gradients are those of its slices, and FSDP2 (applied after, over
@@ -58,6 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lathe.models.vl import is_vl
 from lathe.train import parallel, ulysses
 
 
@@ -95,29 +99,30 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
         return
     from lathe.models.lora import lora_layers
     from lathe.models.moe import SparseMoeBlock
-    ulysses.require_text_decoder(model, size, key, "be cut over a tensor-parallel group")
+    if not is_vl(model):
+        ulysses.require_text_decoder(model, size, key, "be cut over a tensor-parallel group")
+    stack, c, _ = decoder_stack(model)
     _check_linear_attention(model, size, key)
     if any(m.lora_dropout for _, m in lora_layers(model)):
         raise ValueError(f"{key}={size} with LoRA dropout (actor_rollout_ref.model.lora_dropout > 0): the dropout "
                          "mask on a column-parallel projection's whole input must be the same on every rank of the "
                          f"group, which lathe does not arrange yet. Fix: set lora_dropout=0 (or {key}=1).")
-    if getattr(model.config, "mla", None) is not None:
-        raise ValueError(f"{key}={size}: the latent attention of {model.config.architecture} (DeepSeek-V3 family) is "
+    if getattr(c, "mla", None) is not None:
+        raise ValueError(f"{key}={size}: the latent attention of {c.architecture} (DeepSeek-V3 family) is "
                          f"not cut over a tensor-parallel group yet. Fix: set {key}=1.")
-    sparse = [layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "gate_proj")]
+    sparse = [layer.mlp for layer in stack.layers if not hasattr(layer.mlp, "gate_proj")]
     ep_key = f"{key.rpartition('.')[0]}.expert_parallel_size".lstrip(".")
     if sparse and (experts == 1 or experts % size and size % experts):
-        raise ValueError(f"{key}={size} with mixture-of-experts layers ({model.config.architecture}): their experts "
+        raise ValueError(f"{key}={size} with mixture-of-experts layers ({c.architecture}): their experts "
                          f"are placed over a tensor-parallel group's ranks, over several whole groups or over groups "
                          f"inside each, by expert parallelism of the same size, a multiple or a divisor of it above 1 "
                          f"({ep_key}={experts}). Fix: set {ep_key}={size} (or a multiple or divisor), or {key}=1.")
     from lathe.models.qwen3_5 import SharedExpertMoeBlock
     if any(type(mlp) not in (SparseMoeBlock, SharedExpertMoeBlock) for mlp in sparse):
-        raise ValueError(f"{key}={size} with the mixture-of-experts layers of {model.config.architecture}: only "
+        raise ValueError(f"{key}={size} with the mixture-of-experts layers of {c.architecture}: only "
                          f"Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's (a router, routed experts, a shared expert; "
                          f"no attention sinks) are cut over a tensor-parallel group yet. Fix: set {key}=1 (and {ep_key} as without "
                          f"tensor parallelism).")
-    c = model.config
     sizes = {"query heads (num_attention_heads)": c.num_attention_heads,
              "key/value heads (num_key_value_heads)": c.num_key_value_heads,
              "intermediate_size": c.intermediate_size}
@@ -149,8 +154,9 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
     split = {"linear_attn.in_proj_z": ColwiseParallel(), "linear_attn.in_proj_b": ColwiseParallel(),
              "linear_attn.in_proj_a": ColwiseParallel()}
     fused = {"linear_attn.in_proj_qkvz": ColwiseParallel(), "linear_attn.in_proj_ba": ColwiseParallel()}
-    mtp = list(getattr(model.model, "mtp_layers", None) or ())   # MiMo: Qwen2 layers too; their extra norms and
-    for layer in [*model.model.layers, *mtp]:                     # input projection stay whole, as the norms do
+    stack, _, embed = decoder_stack(model)
+    mtp = list(getattr(stack, "mtp_layers", None) or ())         # MiMo: Qwen2 layers too; their extra norms and
+    for layer in [*stack.layers, *mtp]:                           # input projection stay whole, as the norms do
         linear = hasattr(layer, "linear_attn")                    # a hybrid's gated-DeltaNet layer (module doc)
         mixer = ({**(split if layer.linear_attn.la.projections == "split" else fused),
                   "linear_attn.out_proj": RowwiseParallel()} if linear else
@@ -175,7 +181,7 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
             if norm is not None:                # per head, on this rank's heads: its gradient a partial sum
                 norm.__class__ = _local_heads(type(norm))
                 norm.tp_group = tp.group
-    root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    root = {embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
     if hasattr(model, "lm_head"):           # its forward (full logits) gathers them; training reads its weight only
         root["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     parallelize_module(model, tp.mesh, root)
@@ -327,6 +333,16 @@ class _LocalDeltaNet(_LocalFusedDeltaNet):
 
 
 @functools.cache
+def decoder_stack(model) -> tuple[nn.Module, object, str]:
+    """(the module holding the decoder layers, their config, the token embeddings' path) of lathe's text decoder or
+    value model (`model.model`), or of a vision-language model's language model (`model.model.language_model`,
+    whose vision tower stays whole on every rank of a group: each computes it on the same images, and its
+    gradients, through the embeddings' whole gradient, are the same on all of them)."""
+    if is_vl(model):
+        return model.model.language_model, model.config.text, "model.language_model.embed_tokens"
+    return model.model, model.config, "model.embed_tokens"
+
+
 def _local_delta_net(cls: type, split: bool) -> type:
     return type(f"TensorParallel{cls.__name__}", (_LocalDeltaNet if split else _LocalFusedDeltaNet, cls), {})
 
@@ -350,10 +366,11 @@ def _local_linear_heads(mixer: nn.Module, tp: TensorParallel) -> None:
 def _check_linear_attention(model, size: int, key: str) -> None:
     """Raise unless a hybrid's gated-DeltaNet layers can be cut over `size` ranks (`parallelize`): key and value
     heads that `size` divides, no LoRA adapter on Qwen3.5's whole-weight projection."""
-    la = getattr(model.config, "linear_attention", None)
+    _, c, _ = decoder_stack(model)
+    la = getattr(c, "linear_attention", None)
     if la is None:
         return
-    arch = model.config.architecture
+    arch = c.architecture
     if la.num_key_heads % size or la.num_value_heads % size:
         ok = [t for t in range(1, la.num_key_heads + 1) if la.num_key_heads % t == 0 and la.num_value_heads % t == 0]
         raise ValueError(f"{key}={size}: {arch}'s linear-attention layers have {la.num_key_heads} key heads and "

@@ -233,3 +233,47 @@ def test_an_interrupted_image_prompt_continues_on_the_new_vision_tower(pair, asy
         changed |= want != _continued(old, prompt, images, tokens[:switch], max_tokens)[0]
     assert changed, "precondition: the new vision tower changes the continuation"
     assert done["queued"].token_ids == new.generate([prompt], params, multi_modal_inputs=[images]).token_ids
+
+
+# ---- tensor-parallel engine replicas of a VL model (`lathe.engine.tensor_parallel`, module-level for the forkserver)
+
+def build_vl(path: str, tp, device=torch.device("cpu")):
+    """lathe's VL model of `path`, whole (`tp` None) or this rank's slice of a replica (its experts over the replica,
+    its vision tower whole)."""
+    from lathe.engine.tensor_parallel import shard_copy
+    model = load_lathe_vl_model(path)
+    if tp is None:
+        return model
+    moe = model.config.text.moe is not None
+    return shard_copy(model, torch.float32, device, tp, expert_parallel_size=tp.size if moe else 1)
+
+
+def vl_generations(model, path: str) -> list:
+    """Greedy and sampled on text and image prompts, and greedy again after new weights (each scaled, the vision
+    tower's too): what a trainer's update sends, by name."""
+    prompts, inputs = _prompts()
+    engine = LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=128, max_model_len=64)
+    out = [engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=MAX),
+                           multi_modal_inputs=inputs).token_ids,
+           engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=MAX, seed=3),
+                           multi_modal_inputs=inputs).token_ids]
+    whole = load_lathe_vl_model(path)
+    engine.update_weights((name, t * 1.05 if t.dim() == 2 else t) for name, t in whole.state_dict().items())
+    out.append(engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=MAX),
+                               multi_modal_inputs=inputs).token_ids)
+    return out
+
+
+def test_a_tensor_parallel_replica_of_a_vl_model_generates_what_one_process_generates(tmp_path):
+    """Qwen2.5-VL, Qwen3.5-MoE (hybrid layers, routed and shared experts) and Qwen3-VL-MoE (deepstack, experts) over 2
+    gloo ranks: each rank its language model's slice (heads, MLP columns, linear-attention heads, experts) and the
+    whole vision tower, which each runs on the prompt's images; greedy and sampled on text and image prompts, and
+    after new weights: token for token what one process generates."""
+    from engine.test_tensor_parallel import run_replica
+    families = ("qwen2_5_vl", "qwen3_5_moe", "qwen3_vl_moe")
+    paths = [str(save_hf(tmp_path, family)[0]) for family in families]
+    want = [vl_generations(build_vl(p, None), p) for p in paths]
+    for rank, got in run_replica(2, paths, make=build_vl, generate=vl_generations).items():
+        for family, g, w in zip(families, got, want):
+            for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), g, w):
+                assert a == b, f"rank {rank} of 2, {family}: {what} tokens differ"

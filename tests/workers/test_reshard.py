@@ -49,13 +49,13 @@ def ports(n: int) -> list[int]:
     return sorted(out)
 
 
-def sync(path: str, ep: int = 1) -> tuple[dict, dict, dict, list]:
+def sync(path: str, ep: int = 1, load=load_lathe_model) -> tuple[dict, dict, dict, list]:
     """One resharding sync from the trainer's rank 0 to REPLICAS replicas of SIZE ranks: (the sender's stats, {(replica,
     position): received stats}, {(replica, position): the rank's state after it}, the whole weights sent)."""
-    base = load_lathe_model(path, torch.float32)
+    base = load(path, torch.float32)
     whole = changed(base)
     metas = metas_of(whole, DTYPE)
-    layouts = position_layouts(base.config, SIZE, ep)
+    layouts = position_layouts(getattr(base.config, "text", base.config), SIZE, ep)
     at = ports(SIZE)
     models = {(i, p): shard_copy(base, DTYPE, torch.device("cpu"), TensorParallel(None, p, SIZE),
                                  expert_parallel_size=ep) for i in range(REPLICAS) for p in range(SIZE)}
@@ -151,14 +151,36 @@ def test_each_rank_of_two_hybrid_or_latent_replicas_receives_its_heads_and_share
         path = str(save_hf(tmp_path, family)[0])
     ep = SIZE if load_lathe_model(path, torch.float32).config.moe is not None else 1
     sent, received, states, whole = sync(path, ep)
+    assert_engine_cuts(states, path, whole, ep)
+    assert any(("linear_attn" if family != "deepseek_v3" else "kv_b_proj") in name for name in states[0, 0])
+    assert sent["bytes"] == sum(received[0, p]["bytes"] for p in range(SIZE))
+
+
+def assert_engine_cuts(states: dict, path: str, whole, ep: int, load=load_lathe_model) -> None:
+    """Every rank's state after the sync is the engine's own cut (shard_copy) of the new whole weights, bit for bit."""
     for (i, p), state in states.items():
-        want = shard_copy(load_lathe_model(path, torch.float32), DTYPE, torch.device("cpu"),
-                          TensorParallel(None, p, SIZE), state=whole, expert_parallel_size=ep).state_dict()
+        want = shard_copy(load(path, torch.float32), DTYPE, torch.device("cpu"), TensorParallel(None, p, SIZE),
+                          state=whole, expert_parallel_size=ep).state_dict()
         assert state.keys() == want.keys()
         for name in want:
             assert torch.equal(state[name], want[name]), (i, p, name)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5_moe"])
+def test_each_rank_of_two_vl_replicas_receives_its_language_model_slices_and_the_whole_vision_tower(tmp_path, family):
+    """A vision-language model's replicas (fully-asynchronous training, `rollout.tensor_model_parallel_size`): every
+    rank's model after the sync is the engine's own cut of the new whole weights (its language model's slices under
+    the VL model's names, the vision tower whole), bit for bit."""
+    from lathe.models.vl import load_lathe_vl_model
+    from models.vl_tiny import save_hf
+    path = str(save_hf(tmp_path, family)[0])
+    ep = SIZE if family.endswith("moe") else 1
+    sent, received, states, whole = sync(path, ep, load=load_lathe_vl_model)
+    assert_engine_cuts(states, path, whole, ep, load=load_lathe_vl_model)
+    for state in states.values():
+        tower = [n for n in state if n.startswith("model.visual.")]
+        assert tower and all(torch.equal(state[n], dict(whole)[n].to(DTYPE)) for n in tower)
     assert sent["bytes"] == sum(received[0, p]["bytes"] for p in range(SIZE))
-    assert any(("linear_attn" if family != "deepseek_v3" else "kv_b_proj") in name for name in states[0, 0])
 
 
 def test_a_position_group_names_its_missing_rank():

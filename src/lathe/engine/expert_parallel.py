@@ -59,7 +59,7 @@ from lathe.models.moe import EXPERT_NAME, SparseMoeBlock, sparse_blocks
 TensorParallel = Any      # lathe.engine.tensor_parallel's (which imports this module)
 
 # the stacked experts' tensors (Qwen3-MoE: gate_up_proj, down_proj; GPT-OSS also their biases), expert dim first
-FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
+FUSED = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
 KEY = "rollout.expert_parallel_size"
 GATHER_BYTES = 256 << 20     # data-parallel attention: the most one piece of gathered rows takes (`_across_replicas`)
 # set while a decode graph is warmed up and captured (`lathe.engine.cuda_graph.DecodeGraphs`): data-parallel

@@ -47,7 +47,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from lathe.engine.expert_parallel import ExpertSlice, check_sizes
+from lathe.engine.multimodal import text_config
 from lathe.models.config import LatheConfig
+from lathe.models.vl import is_vl
 from lathe.models.decoder import MLP, LatheCausalLM
 from lathe.models.io import load_into
 from lathe.models.mtp import MTP_PREFIX, mtp_layers
@@ -170,17 +172,22 @@ def replica_groups(size: int) -> TensorParallel:
 
 # ---- which slice of each tensor a rank holds ----------------------------------------------------------------------
 
-_NAME = re.compile(r"^(?:model\.layers\.\d+\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)"
+_NAME = re.compile(r"^(?:model\.(?:language_model\.)?layers\.\d+\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)"
                    r"|(?P<head>lm_head))\.(?P<part>weight|bias)$")
-_SINKS = re.compile(r"^model\.layers\.\d+\.self_attn\.sinks$")       # GPT-OSS: one logit per query head
+_SINKS = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.self_attn\.sinks$")       # GPT-OSS: one logit per query head
 # the hybrid families' linear-attention layers (`lathe.models.qwen3_5.GatedDeltaNet`)
-_LINEAR = re.compile(r"^model\.layers\.\d+\.linear_attn\.(?P<what>in_proj_qkvz|in_proj_qkv|in_proj_z|in_proj_ba|"
+_LINEAR = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.linear_attn\.(?P<what>in_proj_qkvz|in_proj_qkv|in_proj_z|in_proj_ba|"
                      r"in_proj_b|in_proj_a|conv1d|out_proj|dt_bias|A_log|norm)(?:\.weight)?$")
 # a shared expert (Qwen3.5-MoE / Qwen3-Next: shared_expert; DeepSeek-V3: shared_experts), cut like a dense MLP
-_SHARED = re.compile(r"^model\.layers\.\d+\.mlp\.shared_experts?\.(?P<proj>gate|up|down)_proj\.weight$")
+_SHARED = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.mlp\.shared_experts?\.(?P<proj>gate|up|down)_proj\.weight$")
 # DeepSeek-V3's latent attention: the per-head up-projections of the query and of the latent (`q_proj` without a
 # query low rank is `_NAME`'s); the low-rank down-projections and their norms are whole
-_MLA = re.compile(r"^model\.layers\.\d+\.self_attn\.(?P<proj>q_b|kv_b)_proj\.weight$")
+_MLA = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.self_attn\.(?P<proj>q_b|kv_b)_proj\.weight$")
+
+
+# the token embeddings of lathe's text decoder and of a VL model's language model (`lathe.models.vl`), whose tensor
+# names all take `model.language_model.` where the text decoder's take `model.` (the vision tower's stay whole)
+EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 
 
 class ShardLayout:
@@ -285,7 +292,7 @@ class ShardLayout:
             if experts is not None:
                 yield from experts
                 continue
-            if name == "lm_head.weight" or (self.cfg.tie_word_embeddings and name == "model.embed_tokens.weight"):
+            if name == "lm_head.weight" or (self.cfg.tie_word_embeddings and name in EMBEDDINGS):
                 yield "lm_head.weight", self.local("lm_head.weight", tensor)
                 if name == "lm_head.weight":
                     continue
@@ -369,13 +376,18 @@ def check_replica(model, size: int, expert_parallel_size: int = 1, data_parallel
     """Raise unless `model` can be cut over a tensor-parallel replica of `size` ranks (lathe's text decoder,
     heads/features/experts that divide): what `shard_copy` checks, without a process group, so a run can refuse
     before its workers start."""
-    if type(model) is not LatheCausalLM:
+    if type(model) is not LatheCausalLM and not is_vl(model):
         raise NotImplementedError(
             f"rollout.tensor_model_parallel_size={size}: tensor-parallel engine replicas run lathe's text decoder "
-            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3); this model is "
-            f"{type(model).__name__}. Fix: set it to 1")
+            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) and its VL "
+            f"models; this model is {type(model).__name__}. Fix: set it to 1")
+    if is_vl(model) and data_parallel_size > 1:
+        raise NotImplementedError(
+            f"rollout.data_parallel_size={data_parallel_size}: data-parallel attention engines for a vision-language "
+            f"model ({model.config.architecture}) are not implemented yet. Fix: set rollout.data_parallel_size=1 "
+            f"(tensor-parallel replicas, rollout.tensor_model_parallel_size, run it)")
     dp = AttentionDataParallel(None, 0, data_parallel_size) if data_parallel_size > 1 else None
-    ShardLayout(model.config, TensorParallel(None, 0, size), expert_parallel_size, dp=dp)     # its size checks
+    ShardLayout(text_config(model), TensorParallel(None, 0, size), expert_parallel_size, dp=dp)     # its size checks
 
 
 def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, tp: TensorParallel, *,
@@ -390,14 +402,16 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
     place among a data-parallel-attention engine's replicas (`lathe.engine.data_parallel`; a replica of one rank
     then is the whole model but for its experts)."""
     check_replica(model, tp.size, expert_parallel_size, dp.size if dp is not None else 1)
-    layout = ShardLayout(model.config, tp, expert_parallel_size, keep_mtp=keep_mtp, dp=dp)
+    layout = ShardLayout(text_config(model), tp, expert_parallel_size, keep_mtp=keep_mtp, dp=dp)
     named = state if state is not None else model.state_dict().items()
     local = {k: v.detach().to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True).contiguous()
              for k, v in layout.local_items(named)}
     cfg = layout.local_config
+    vl = is_vl(model)       # a VL model: its language model cut as the text decoder, its vision tower whole
     with torch.device("meta"):
-        out = LatheCausalLM(cfg)
-        for layer in out.model.layers:
+        out = (type(model)(replace(model.config, text=cfg, tie_word_embeddings=False)) if vl else
+               LatheCausalLM(cfg))
+        for layer in (out.model.language_model if vl else out.model).layers:
             if layout.shared is not None and hasattr(layer.mlp, "shared_experts"):    # DeepSeek-V3: its share
                 layer.mlp.shared_experts = MLP(replace(cfg, intermediate_size=layout.shared[1], mlp_bias=False))
             linear = getattr(layer, "linear", False)              # a hybrid family's linear-attention layer
@@ -414,6 +428,9 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
         if layout.experts is not None:
             layout.experts.place(out, tp, layout.dp)
     load_into(out, local, "the actor's weights")
+    if vl:
+        from lathe.models.vl.vision import rebuild_meta_buffers
+        rebuild_meta_buffers(out.model.visual, device)
     out.tensor_parallel = layout
     return out.requires_grad_(False).eval()
 

@@ -432,10 +432,12 @@ def log_memory_plan(cfg: LatheConfig, run: RunPlan, model, device: torch.device)
     runs_lathe = type(model).__name__ in SUPPORTED_ARCHITECTURES or getattr(model.config, "architecture", None)
     lathe_engine = arr.rollout.name != "hf" and bool(runs_lathe) and arr.model.impl != "hf"
     replica = arr.rollout.tensor_model_parallel_size
-    if replica > 1 and not (lathe_engine and type(model).__name__ == "LatheCausalLM"):
+    replicable = type(model).__name__ in ("LatheCausalLM", "LatheVLForConditionalGeneration")
+    if replica > 1 and not (lathe_engine and replicable):
         raise NotImplementedError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={replica}: tensor-parallel engine replicas run "
-            f"lathe's text decoder ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}); this run's policy is "
+            f"lathe's text decoder ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}) and its VL models; this run's "
+            f"policy is "
             f"{type(model).__name__}{' (model.impl=hf)' if arr.model.impl == 'hf' else ''}. Fix: set it to 1 (one "
             "engine per device), for as long as the model fits one device")
     from lathe.engine.data_parallel import engine_layout

@@ -54,8 +54,10 @@ def join_as_sender(model, host: str, port: int | list[int], rank: int, world_siz
 
 
 def replica_config(model, size: int) -> LatheConfig:
-    """The lathe config of the trainer's `model`, which the replicas' layouts are cut from."""
+    """The lathe config of the trainer's `model` (a VL model's language model's), which the replicas' layouts are
+    cut from (a VL model's vision tower goes whole to every rank)."""
     cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text", cfg)
     if not isinstance(cfg, LatheConfig):
         raise NotImplementedError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={size}: the resharding weight sync cuts the "

@@ -172,17 +172,18 @@ def replica_groups(size: int) -> TensorParallel:
 
 # ---- which slice of each tensor a rank holds ----------------------------------------------------------------------
 
-_NAME = re.compile(r"^(?:model\.(?:language_model\.)?layers\.\d+\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)"
+_LAYER = r"model\.(?:language_model\.)?layers\.\d+\."     # a decoder layer's names (a VL model's language model's)
+_NAME = re.compile(rf"^(?:{_LAYER}(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)"
                    r"|(?P<head>lm_head))\.(?P<part>weight|bias)$")
-_SINKS = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.self_attn\.sinks$")       # GPT-OSS: one logit per query head
+_SINKS = re.compile(rf"^{_LAYER}self_attn\.sinks$")       # GPT-OSS: one logit per query head
 # the hybrid families' linear-attention layers (`lathe.models.qwen3_5.GatedDeltaNet`)
-_LINEAR = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.linear_attn\.(?P<what>in_proj_qkvz|in_proj_qkv|in_proj_z|in_proj_ba|"
+_LINEAR = re.compile(rf"^{_LAYER}linear_attn\.(?P<what>in_proj_qkvz|in_proj_qkv|in_proj_z|in_proj_ba|"
                      r"in_proj_b|in_proj_a|conv1d|out_proj|dt_bias|A_log|norm)(?:\.weight)?$")
 # a shared expert (Qwen3.5-MoE / Qwen3-Next: shared_expert; DeepSeek-V3: shared_experts), cut like a dense MLP
-_SHARED = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.mlp\.shared_experts?\.(?P<proj>gate|up|down)_proj\.weight$")
+_SHARED = re.compile(rf"^{_LAYER}mlp\.shared_experts?\.(?P<proj>gate|up|down)_proj\.weight$")
 # DeepSeek-V3's latent attention: the per-head up-projections of the query and of the latent (`q_proj` without a
 # query low rank is `_NAME`'s); the low-rank down-projections and their norms are whole
-_MLA = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.self_attn\.(?P<proj>q_b|kv_b)_proj\.weight$")
+_MLA = re.compile(rf"^{_LAYER}self_attn\.(?P<proj>q_b|kv_b)_proj\.weight$")
 
 
 # the token embeddings of lathe's text decoder and of a VL model's language model (`lathe.models.vl`), whose tensor

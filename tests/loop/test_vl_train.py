@@ -359,13 +359,16 @@ FSDP = "actor_rollout_ref.actor.fsdp_config"
     ("qwen3_vl_moe", [f"{FSDP}.tensor_parallel_size=2", f"{FSDP}.expert_parallel_size=2"], []),
     ("qwen3_5_moe", ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                      "actor_rollout_ref.rollout.expert_parallel_size=2"], []),
-], ids=["qwen3_5_moe-ep2", "qwen3_5-tp2-kl", "qwen3_vl_moe-tp2-ep2", "qwen3_5_moe-rollout-tp2"])
+    ("qwen3_vl_moe", ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+     ["actor_rollout_ref.model.use_remove_padding=true"]),
+], ids=["qwen3_5_moe-ep2", "qwen3_5-tp2-kl", "qwen3_vl_moe-tp2-ep2", "qwen3_5_moe-rollout-tp2", "qwen3_vl_moe-sp2"])
 def test_model_parallel_image_runs_equal_one_process(tmp_path, monkeypatch, family, parallel, common):
     """Image rows on 2 Ray CPU workers under FSDP2, the VL model's language model cut over both: experts (Qwen3.5-MoE:
     hybrid layers, routed and shared experts), tensor parallelism (Qwen3.5's gated DeltaNet and gated attention; the
     reference cut too, for the KL loss), both (Qwen3-VL-MoE, deepstack); or the engine a tensor-parallel replica over
-    both (its experts placed over it); the vision tower whole on each. Step 2's loss, gradient norm and entropy (after
-    a weight sync) are one process's."""
+    both (its experts placed over it); or Ulysses, each rank a slice of the packed stream (its deepstack rows too);
+    the vision tower whole on each. Step 2's loss, gradient norm and entropy (after a weight sync) are one
+    process's."""
     from . import test_vl_train
     plain = _checkpoint
     monkeypatch.setattr(test_vl_train, "_checkpoint", lambda path, family_="qwen2_5_vl": plain(path, family))

@@ -209,7 +209,13 @@ def sequence_parallel_response(model, batch: Batch, sp: SequenceParallel, read: 
     bounds = np.concatenate([[0], np.cumsum(seqlens), [total] * bool(pad)])
     attn = UlyssesAttention(PackedAttention(array_to_device(bounds, device, torch.int32), int(max(seqlens.max(), pad)),
                                             model.packed_backend()), sp)
-    hidden = model.hidden_with(ids, pos, attn)
+    if isinstance(model, LatheVLForConditionalGeneration):     # the whole stream's images and 3D positions
+        images = image_inputs(batch, device)
+        pos3, placeholders = vl_positions(model, batch, images.get("image_grid_thw"))
+        hidden = model.hidden_with(whole_ids, pos3.reshape(3, -1)[:, real], attn, **images,
+                                   image_mask=placeholders.reshape(-1)[real])
+    else:
+        hidden = model.hidden_with(ids, pos, attn)
     if keep is not None:
         cu = array_to_device(bounds[:len(seqlens) + 1], device, torch.int32)
         keep.append(PackedStream(hidden, whole_ids, pos, cu, int(seqlens.max()), real, attn, sp))
@@ -310,8 +316,10 @@ def response_token_stats(model, batch: Batch, *, temperature: float = 1.0, calcu
                              f"use_prefix_grouper; got {type(model).__name__}")
         remove_padding = True
     if sp is not None:
-        if not (isinstance(model, LatheCausalLM) and remove_padding and not prefix_grouper):
-            raise ValueError("Ulysses sequence parallelism runs lathe's text decoder packed (use_remove_padding=true) "
+        if not (isinstance(model, (LatheCausalLM, LatheVLForConditionalGeneration)) and remove_padding
+                and not prefix_grouper):
+            raise ValueError("Ulysses sequence parallelism runs lathe's text decoder (or VL model) packed "
+                             "(use_remove_padding=true) "
                              f"without use_prefix_grouper; got {type(model).__name__}, remove_padding="
                              f"{remove_padding}, prefix_grouper={prefix_grouper}")
         return _sequence_parallel_stats(model, batch, sp, temperature=temperature, chunk_size=chunk_size,

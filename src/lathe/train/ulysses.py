@@ -35,6 +35,11 @@ key heads with their value heads (the short convolution is per channel, the gate
 one brings the outputs back (`lathe.models.qwen3_5.GatedDeltaNet.head_parallel`, through `UlyssesAttention.to_heads`
 and `to_tokens`); S must divide the linear layers' key heads (a tensor-parallel rank's Hk/T beside TP: `check_model`).
 
+A vision-language model (`lathe.models.vl`) splits its language model's packed stream the same way: every rank of a
+group splices the images into the whole stream's embeddings first, then takes its slice of them, of the 3D positions,
+of the placeholders and of Qwen3-VL's deepstack rows (`LatheVLForConditionalGeneration.hidden_with`); its vision
+tower, whole on every rank, gets each rank's partial gradient, summed as every other weight's.
+
 Gradients. Each rank computes its slice's per-token results (log-probs, entropy, values) and `gather_tokens` joins
 the group's slices, so every rank of the group holds the whole micro-batch's results and computes the same loss L
 from them (normalised by counts summed over the data-parallel group only: `data_group`). The backward of the gather
@@ -110,8 +115,10 @@ def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_con
     rank's key/value heads or be a multiple of them."""
     if size == 1:
         return
-    require_text_decoder(model, size, key, "run with Ulysses sequence parallelism")
-    c = model.config
+    from lathe.models.vl import is_vl
+    if not is_vl(model):        # a VL model's language model splits as a text model does (`hidden_with`)
+        require_text_decoder(model, size, key, "run with Ulysses sequence parallelism")
+    c = getattr(model.config, "text", model.config)
     la = getattr(c, "linear_attention", None)
     if la is not None and (la.num_key_heads // tp) % size:       # (tp divides them: the tensor-parallel check)
         mine = la.num_key_heads // tp

@@ -11,6 +11,7 @@ Entry points (as lathe's text model):
   S sequences end to end with positions (3, T) -> hidden states (T, H); `forward_packed` also gives logits.
 - `embed_images(pixel_values, image_grid_thw)` -> `ImageEmbeddings`: the vision call alone; both forwards also
   take `image_embeds=` (precomputed, e.g. once per image by a rollout engine) instead of pixels.
+- `hidden_with(input_ids, position_ids, attn, ...)`: a sequence-parallel rank's slice of a packed stream (Ulysses).
 Videos are not implemented and are refused.
 """
 
@@ -217,6 +218,27 @@ class LatheVLForConditionalGeneration(nn.Module):
                                                image_mask)
         attn = PackedAttention(cu_seqlens.to(input_ids.device), int(max_seqlen), self.packed_backend())
         return self.model.language_model(embeds, position_ids, attn, mask, deepstack)
+
+    def hidden_with(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn, pixel_values=None,
+                    image_grid_thw=None, *, image_embeds: ImageEmbeddings | None = None,
+                    image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, H) final hidden states of this rank's slice of a packed stream that a sequence-parallel group computes
+        together (`attn`: `lathe.train.ulysses.UlyssesAttention`): `input_ids` (T,) and `position_ids` (3, T) are the
+        whole stream's. Every rank of the group splices the images into the whole stream's embeddings (the vision
+        tower runs on all of them: each rank's loss reaches it through its own tokens only, and the group's partial
+        gradients add up), then takes its slice of the embeddings, positions, placeholders and deepstack rows."""
+        from lathe.train.ulysses import local_slice
+        sp = attn.sp
+        embeds, mask, deepstack = self._inputs(input_ids, pixel_values, image_grid_thw, image_embeds, False,
+                                               image_mask)
+        local = local_slice(embeds, sp)
+        positions = local_slice(position_ids.transpose(0, 1), sp).transpose(0, 1)
+        if deepstack:                   # the rows of the image tokens that fall in this rank's slice
+            first, per = sp.rank * local.shape[0], local.shape[0]
+            where = mask.nonzero().squeeze(1)
+            mine = (where >= first) & (where < first + per)
+            deepstack = [d[mine] for d in deepstack]
+        return self.model.language_model(local, positions, attn, local_slice(mask, sp), deepstack)
 
     def forward_packed(self, input_ids, position_ids, cu_seqlens, max_seqlen, pixel_values=None,
                        image_grid_thw=None, *, image_embeds=None, return_hidden: bool = True) -> torch.Tensor:

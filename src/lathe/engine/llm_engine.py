@@ -174,7 +174,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
                  quantization: str | None = None, record_routing: bool = False, kv_cache_dtype: str | None = None,
                  num_speculative_tokens: int = 0, quantize_lm_head: bool = False, shared_prefix_attention: bool = True):
-        hybrid = text_config(model).linear_attention is not None   # Qwen3.5 / Qwen3-Next: linear_state.py
+        hybrid = getattr(text_config(model), "linear_attention", None) is not None   # Qwen3.5 / Qwen3-Next
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         # data-parallel attention: this replica's place among its engine's (`data_parallel.py`), or None

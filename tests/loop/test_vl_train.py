@@ -381,3 +381,30 @@ def test_model_parallel_image_runs_equal_one_process(tmp_path, monkeypatch, fami
     assert out["one"]["critic/score/mean"] == out["many"]["critic/score/mean"]          # the same samples
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert abs(out["one"][key] - out["many"][key]) <= 1e-5 * max(1.0, abs(out["one"][key])), key
+
+
+def test_a_hub_id_of_a_vision_language_checkpoint_loads_as_one(tmp_path, monkeypatch):
+    """verl's scripts name models by hub id (`Qwen/Qwen3.5-4B`, `Qwen/Qwen3-VL-8B-Instruct`): such an id is read from
+    the hub's local cache (downloaded there first when online) and recognised as a vision-language checkpoint, here
+    offline from a cache holding a tiny Qwen3.5: its language model runs alone and the save is the whole model (the
+    transformers fallback hub ids took read it as a text model and saved it without its vision tower)."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from lathe.models import hf
+    keys, model = _text_keys(tmp_path)
+    repo = tmp_path / "hub" / "models--tiny--qwen35"
+    shutil.copytree(model, repo / "snapshots" / "abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)     # (read once at import time)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hf.checkpoint_config_dir.cache_clear()
+    keys = [k for k in keys if not k.startswith("actor_rollout_ref.model.path=")]
+    trainer = run(tmp_path, *keys, "actor_rollout_ref.model.path=tiny/qwen35", "trainer.total_training_steps=1")
+    hf.checkpoint_config_dir.cache_clear()
+    assert trainer.worker.model.config.vl_checkpoint is not None
+    config = json.loads((tmp_path / "run" / "global_step_1" / "actor" / "huggingface" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config

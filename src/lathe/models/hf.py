@@ -10,6 +10,7 @@ what the trainer runs (`actor_rollout_ref.model.impl`).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -20,6 +21,7 @@ import torch
 from lathe.models.paths import (
     BUILTIN_PREFIX,
     BUILTIN_SHAPES,
+    HUB_ID,
     ModelLoadError,
     is_builtin,
     resolve,
@@ -142,9 +144,9 @@ def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote
     from lathe.models import supports
     if is_vl_path(path):
         from lathe.models.vl import language_model_runs_alone, load_language_model
-        local = os.path.expanduser(str(path))
+        local = vl_checkpoint_dir(path)
         if vision or impl == "hf" or needs_transformers or override_config or not language_model_runs_alone(local):
-            return load_vl_policy(path, impl=impl, override_config=override_config)
+            return load_vl_policy(local, impl=impl, override_config=override_config)
         model = load_language_model(local, torch.float32)
         log.info("model: no image prompts, so %s's language model runs alone (%s, lathe's text decoder); its "
                  "checkpoints hold the whole model, the vision tower as read", model.config.vl_checkpoint[1]
@@ -205,10 +207,46 @@ def _local_config_dir(path: str) -> str:
     return snapshot_download(str(path), allow_patterns=["*.json", "*.py", "*.model", "*.tiktoken", "*.txt"])
 
 
+# a vision-language checkpoint's files lathe reads (weights, configs, tokenizer, chat template, processor)
+VL_FILES = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
 def is_vl_path(path: str) -> bool:
-    """Whether `path` (a checkpoint directory, `~` allowed; never a built-in model) holds a vision-language model."""
+    """Whether `path` (a checkpoint directory, `~` allowed, or a hub id: its config.json read from the local cache,
+    downloaded there first when the hub is online; never a built-in model) holds a vision-language model."""
     from lathe.models.vl import is_vl_checkpoint
-    return not is_builtin(path) and is_vl_checkpoint(os.path.expanduser(str(path)))
+    if is_builtin(path):
+        return False
+    return is_vl_checkpoint(checkpoint_config_dir(str(path)))
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint_config_dir(path: str) -> str:
+    """`path` (`~` expanded) when it is a directory, else a hub id's cached config directory, else `path` (not a
+    checkpoint lathe finds: the loaders name it)."""
+    local = os.path.expanduser(path)
+    if Path(local).is_dir() or not HUB_ID.match(path):
+        return local
+    try:
+        return _local_config_dir(path)
+    except Exception:       # (unreachable, or offline and not cached: preflight's check_model names it)
+        return local
+
+
+def vl_checkpoint_dir(path: str) -> str:
+    """The local directory of the vision-language checkpoint `path`: itself, or a hub id's snapshot in the local
+    cache (`VL_FILES`, downloaded there first when the hub is online), which lathe's VL model reads directly (the
+    transformers fallback that hub ids take otherwise would read it as a text model)."""
+    local = os.path.expanduser(str(path))
+    if Path(local).is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(str(path), allow_patterns=VL_FILES)
+    except Exception as err:
+        raise ModelLoadError(f"{path}: the vision-language checkpoint could not be read from the hub or its local "
+                             f"cache ({type(err).__name__}: {err}). Fix: download it (`hf download {path}`) and set "
+                             "the model path to that directory.") from err
 
 
 def load_vl_policy(path: str, *, impl: str = "auto", override_config: dict | None = None):

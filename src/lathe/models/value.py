@@ -32,8 +32,9 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
 
     A Hugging Face checkpoint loads through ``AutoModelForTokenClassification(num_labels=1)``; a missing
     ``score`` head is zero-initialised. A Qwen3.5 vision-language checkpoint's language model loads as lathe's value
-    model directly (`lathe.models.vl.load_language_model`), saved as the whole model's token-classification form. ``builtin:<shape>`` builds the built-in policy's architecture with
-    the same seeded backbone weights (see ``build_builtin_value_model``).
+    model directly (`lathe.models.vl.load_language_model`), saved as the whole model's token-classification form.
+    ``builtin:<shape>`` builds the built-in policy's architecture with the same seeded backbone weights (see
+    ``build_builtin_value_model``).
     """
     dtype = to_dtype(dtype, "critic.model.fsdp_config.model_dtype")
     if is_builtin(path):
@@ -41,9 +42,10 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
     from transformers import AutoConfig, AutoModelForTokenClassification
     local = resolve(path, "critic.model.path")
     local_only = Path(local).is_dir()
-    from lathe.models.vl import is_vl_checkpoint, language_model_runs_alone, load_language_model
-    if local_only and not override_config and is_vl_checkpoint(local) and language_model_runs_alone(local):
-        return load_language_model(local, dtype, value=True)      # Qwen3.5's language model, a critic's backbone
+    from lathe.models.hf import is_vl_path, vl_checkpoint_dir
+    from lathe.models.vl import language_model_runs_alone, load_language_model
+    if not override_config and is_vl_path(path) and language_model_runs_alone(checkpoint := vl_checkpoint_dir(path)):
+        return load_language_model(checkpoint, dtype, value=True)      # Qwen3.5's language model, a critic's backbone
     try:
         config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=local_only)
         for key, value in {"num_labels": 1, "classifier_dropout": 0.0, **(override_config or {})}.items():

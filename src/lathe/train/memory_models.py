@@ -35,14 +35,14 @@ def checkpoint_params(path: str, *, classifier: bool = False, trust_remote_code:
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                               AutoModelForSequenceClassification)
 
-    from lathe.models.hf import build_builtin_model, is_vl_path
+    from lathe.models.hf import build_builtin_model, checkpoint_config_dir, is_vl_path
     from lathe.models.paths import BUILTIN_PREFIX, is_builtin, resolve
     with torch.device("meta"):
         if is_builtin(path):
             return count_params(build_builtin_model(path[len(BUILTIN_PREFIX):], vocab_size=None))
         if not classifier and is_vl_path(path):          # the policy's loader runs lathe's VL model for these
             from lathe.models.vl import LatheVLForConditionalGeneration, VLConfig
-            return count_params(LatheVLForConditionalGeneration(VLConfig.from_pretrained(path)))
+            return count_params(LatheVLForConditionalGeneration(VLConfig.from_pretrained(checkpoint_config_dir(path))))
         config = AutoConfig.from_pretrained(resolve(path), trust_remote_code=trust_remote_code)
         if classifier:
             config.num_labels = 1

@@ -388,20 +388,10 @@ def test_a_hub_id_of_a_vision_language_checkpoint_loads_as_one(tmp_path, monkeyp
     the hub's local cache (downloaded there first when online) and recognised as a vision-language checkpoint, here
     offline from a cache holding a tiny Qwen3.5: its language model runs alone and the save is the whole model (the
     transformers fallback hub ids took read it as a text model and saved it without its vision tower)."""
-    import shutil
-
-    import huggingface_hub.constants
-
     from lathe.models import hf
+    from models.test_hf import _fake_hub
     keys, model = _text_keys(tmp_path)
-    repo = tmp_path / "hub" / "models--tiny--qwen35"
-    shutil.copytree(model, repo / "snapshots" / "abc")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("abc")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)     # (read once at import time)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    hf.checkpoint_config_dir.cache_clear()
+    _fake_hub(tmp_path, monkeypatch, "tiny/qwen35", model)
     keys = [k for k in keys if not k.startswith("actor_rollout_ref.model.path=")]
     trainer = run(tmp_path, *keys, "actor_rollout_ref.model.path=tiny/qwen35", "trainer.total_training_steps=1")
     hf.checkpoint_config_dir.cache_clear()

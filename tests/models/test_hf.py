@@ -160,3 +160,38 @@ def test_external_lib_is_imported_and_a_failure_names_the_key(tmp_path, monkeypa
     assert sys.modules["my_models_pkg"].REGISTERED
     with pytest.raises(ModelLoadError, match=r"critic\.model\.external_lib='no_such_pkg_x'.*no_such_pkg_x.*PYTHONPATH"):
         import_external_libs({"critic.model.external_lib": "no_such_pkg_x"})
+
+
+def _fake_hub(tmp_path, monkeypatch, repo: str, source) -> None:
+    """An offline hub cache holding `source` (a checkpoint directory) as hub id `repo`."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from lathe.models import hf
+    cached = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(source, cached / "snapshots" / "abc")
+    (cached / "refs").mkdir()
+    (cached / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)     # (read once at import time)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hf.checkpoint_config_dir.cache_clear()
+
+
+def test_a_hub_id_lathe_runs_loads_straight_from_the_cache_into_its_decoder(tmp_path, monkeypatch):
+    """verl's scripts name models by hub id (`Qwen/Qwen3-8B`): lathe's decoder reads the cached snapshot's safetensors
+    directly (no transformers copy of the weights on the host first), as it reads a local directory; an id whose
+    repository holds no safetensors goes to transformers as before."""
+    from lathe.models import hf
+    from lathe.models.decoder import LatheCausalLM
+    path, model, _ = _save_checkpoint(tmp_path, "qwen2")
+    _fake_hub(tmp_path, monkeypatch, "tiny/qwen2", path)
+    monkeypatch.setattr(hf, "load_causal_lm", lambda *a, **k: pytest.fail("read through transformers"))
+    loaded = hf.load_policy("tiny/qwen2")
+    assert isinstance(loaded, LatheCausalLM)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    hf.checkpoint_config_dir.cache_clear()
+    for f in (tmp_path / "hub" / "models--tiny--qwen2" / "snapshots" / "abc").glob("*.safetensors"):
+        f.unlink()
+    assert hf.hub_snapshot("tiny/qwen2") is None

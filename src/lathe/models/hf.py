@@ -122,7 +122,8 @@ def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = Fal
     config overrides); else the transformers model (`load_causal_lm`), which the trainer may still convert.
     A vision-language checkpoint loads as lathe's VL model; with `vision` false (a run without images) a Qwen3.5
     one loads as its language model alone (`lathe.models.vl.load_language_model`: lathe's text decoder, which
-    saves the whole checkpoint back).
+    saves the whole checkpoint back). A hub id is read from the hub's local cache (downloaded there first when
+    online) when lathe's decoder runs it (`hub_snapshot`), as a local directory would be.
 
     Reading straight into lathe's decoder skips transformers' own copy of the weights: for a 7B model that is
     28 GiB of host memory and a full copy's time. A load that takes a while shows its progress
@@ -153,12 +154,13 @@ def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote
                  ["architectures"][0], model.config.architecture)
         model.generation_config = _generation_config(local)
         return model
-    direct = (impl != "hf" and not needs_transformers and not override_config and not is_builtin(path)
-              and Path(os.path.expanduser(str(path))).is_dir())
-    if direct and supports(os.path.expanduser(str(path)))[0]:
+    local = os.path.expanduser(str(path))
+    direct = impl != "hf" and not needs_transformers and not override_config and not is_builtin(path)
+    if direct and not Path(local).is_dir() and HUB_ID.match(str(path)) and supports(checkpoint_config_dir(path))[0]:
+        local = hub_snapshot(str(path)) or local      # a hub id lathe's decoder runs: read from the cache, directly
+    if direct and Path(local).is_dir() and supports(local)[0]:
         from lathe.models import load_lathe_model
         from lathe.models.config import UnsupportedArchitecture
-        local = os.path.expanduser(str(path))
         try:
             model = load_lathe_model(local, torch.float32)
         except UnsupportedArchitecture as e:     # tensors lathe's decoder does not know: transformers decides
@@ -231,6 +233,20 @@ def checkpoint_config_dir(path: str) -> str:
         return _local_config_dir(path)
     except Exception:       # (unreachable, or offline and not cached: preflight's check_model names it)
         return local
+
+
+def hub_snapshot(repo_id: str) -> str | None:
+    """The local snapshot of hub id `repo_id` with the files lathe's decoder reads (`VL_FILES`: safetensors weights,
+    configs, tokenizer), downloaded to the hub's cache first when online; None where the repository holds no
+    safetensors weights (transformers then reads its other formats)."""
+    from huggingface_hub import snapshot_download
+    try:
+        local = snapshot_download(repo_id, allow_patterns=VL_FILES)
+    except Exception as err:
+        log.info("model: %s could not be read from the hub's cache for lathe's decoder (%s: %s); transformers "
+                 "loads it", repo_id, type(err).__name__, err)
+        return None
+    return local if any(Path(local).glob("*.safetensors")) else None
 
 
 def vl_checkpoint_dir(path: str) -> str:

@@ -54,16 +54,25 @@ def weight_files(path: str | Path) -> list[Path]:
 
 
 def read_state_dict(path: str | Path, *, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory, cast to `dtype` (floating tensors only) on `device`."""
+                    device: str | torch.device = "cpu", prefixes: tuple[str, ...] | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, cast to `dtype` (floating tensors only) on `device`; with `prefixes`
+    only those whose names start with one of them (read alone from safetensors files: a large model's other weights
+    are not read)."""
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
-        if file.suffix == ".safetensors":
+        if file.suffix == ".safetensors" and prefixes is not None:
+            from safetensors import safe_open
+            with safe_open(str(file), framework="pt", device=str(device)) as handle:
+                part = {k: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefixes)}
+        elif file.suffix == ".safetensors":
             from safetensors.torch import load_file
             part = load_file(str(file), device=str(device))
         else:
             part = torch.load(file, map_location=device, weights_only=True)
         for name, t in part.items():
+            if prefixes is not None and not name.startswith(prefixes):
+                continue
             if _IGNORED.search(name):
                 continue
             cast = dtype is not None and t.is_floating_point() and not _KEPT_DTYPE.search(name)

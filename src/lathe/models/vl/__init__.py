@@ -4,8 +4,7 @@ are refused).
 `load_lathe_vl_model(path)` builds `LatheVLForConditionalGeneration` from a local checkpoint directory saved by
 transformers (`architectures`: `Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`,
 `Qwen3VLMoeForConditionalGeneration`, `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`), or
-raises `UnsupportedArchitecture` for
-what lathe does not implement. Only transformers' vision-tower class is imported.
+raises `UnsupportedArchitecture` for what lathe does not implement. Only transformers' vision-tower class is imported.
 
 `load_language_model(path)` reads the language model of a Qwen3.5 checkpoint alone, as lathe's text decoder
 (`LatheCausalLM`: everything lathe's text models do, tensor, expert and sequence parallelism among it), for runs

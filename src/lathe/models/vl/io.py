@@ -142,7 +142,8 @@ def whole_vl_checkpoint(cfg, state: dict[str, torch.Tensor], dtype: torch.dtype 
     from lathe.models.io import read_state_dict
     source, d = cfg.vl_checkpoint
     out = {(_TEXT + k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
-    tower = {k: v for k, v in rename_legacy_keys(read_state_dict(source)).items() if k.startswith("model.visual.")}
+    tower = {k: v for k, v in rename_legacy_keys(read_state_dict(source, prefixes=("model.visual.", "visual."))).items()
+             if k.startswith("model.visual.")}       # (the vision tower's tensors alone are read)
     if not tower:
         raise ValueError(f"{source}: the vision-language checkpoint this model's language model came from no longer "
                          "holds its vision tower (model.visual.*); a save would lose it. Fix: keep the original "

@@ -258,6 +258,11 @@ class UlyssesAttention:
         """GPT-OSS's sinks and windows (`lathe.models.attention`), where the inner attention takes them."""
         return getattr(self.inner, "layer_options", False)
 
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole packed stream's (T, ...) tensor (`local_slice`): what a model that builds
+        its inputs from the whole stream (a VL model's image splice) hands its layers."""
+        return local_slice(x, self.sp)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
         size = self.sp.size
         if k.shape[1] < size:             # fewer key/value heads than ranks: each repeated (check_model)

@@ -224,21 +224,20 @@ class LatheVLForConditionalGeneration(nn.Module):
                     image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(n, H) final hidden states of this rank's slice of a packed stream that a sequence-parallel group computes
         together (`attn`: `lathe.train.ulysses.UlyssesAttention`): `input_ids` (T,) and `position_ids` (3, T) are the
-        whole stream's. Every rank of the group splices the images into the whole stream's embeddings (the vision
-        tower runs on all of them: each rank's loss reaches it through its own tokens only, and the group's partial
-        gradients add up), then takes its slice of the embeddings, positions, placeholders and deepstack rows."""
-        from lathe.train.ulysses import local_slice
-        sp = attn.sp
+        whole stream's (`attn.local` takes this rank's slice of a whole-stream tensor). Every rank of the group splices
+        the images into the whole stream's embeddings (the vision tower runs on all of them: each rank's loss reaches
+        it through its own tokens only, and the group's partial gradients add up), then takes its slice of the
+        embeddings, positions, placeholders and deepstack rows."""
         embeds, mask, deepstack = self._inputs(input_ids, pixel_values, image_grid_thw, image_embeds, False,
                                                image_mask)
-        local = local_slice(embeds, sp)
-        positions = local_slice(position_ids.transpose(0, 1), sp).transpose(0, 1)
+        local = attn.local(embeds)
+        positions = attn.local(position_ids.transpose(0, 1)).transpose(0, 1)
         if deepstack:                   # the rows of the image tokens that fall in this rank's slice
-            first, per = sp.rank * local.shape[0], local.shape[0]
+            first, per = attn.sp.rank * local.shape[0], local.shape[0]
             where = mask.nonzero().squeeze(1)
             mine = (where >= first) & (where < first + per)
             deepstack = [d[mine] for d in deepstack]
-        return self.model.language_model(local, positions, attn, local_slice(mask, sp), deepstack)
+        return self.model.language_model(local, positions, attn, attn.local(mask), deepstack)
 
     def forward_packed(self, input_ids, position_ids, cu_seqlens, max_seqlen, pixel_values=None,
                        image_grid_thw=None, *, image_embeds=None, return_hidden: bool = True) -> torch.Tensor:

@@ -277,3 +277,32 @@ def test_a_tensor_parallel_replica_of_a_vl_model_generates_what_one_process_gene
         for family, g, w in zip(families, got, want):
             for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), g, w):
                 assert a == b, f"rank {rank} of 2, {family}: {what} tokens differ"
+
+
+def test_a_hybrid_vl_models_parked_turn_is_continued_only_with_its_own_images(tmp_path):
+    """Qwen3.5 (no prefix cache: hybrid layers) parks a finished streamed turn with its KV and linear-attention states
+    for the prompt that continues it (the agent loop's next turn). An image prompt's turn is keyed by its tokens and
+    its images: the same tokens with other pixels compute everything again; with its own prepared images the
+    continuation takes the parked turn over and generates what a fresh engine does for the whole conversation."""
+    path, _ = save_hf(tmp_path, "qwen3_5")
+    prompts, inputs = _prompts()
+    params = SamplingParams(n=1, temperature=0, max_tokens=3)
+
+    def turn(engine, key, prompt, mm):
+        engine.add_request(key, [prompt], params, multi_modal_inputs=[mm])
+        while engine.has_unfinished_requests():
+            engine.step()
+        (_, out), = engine.pop_finished()
+        return out
+
+    engine = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128)
+    first = turn(engine, "a", prompts[1], inputs[1])
+    prepared = engine.prepare_images(prompts[1], inputs[1])
+    conversation = prompts[1] + first.token_ids[0] + [5, 9]            # its answer, then a tool's (text)
+    other = {**inputs[1], "pixel_values": inputs[1]["pixel_values"] + 1.0}
+    assert turn(engine, "b", conversation, other).metrics["rollout/prefix_hit_tokens"] == 0
+    turn(engine, "c", prompts[1], inputs[1])                              # parked again
+    again = turn(engine, "d", conversation, prepared)
+    assert again.metrics["rollout/prefix_hit_tokens"] >= len(prompts[1])
+    fresh = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128)
+    assert again.token_ids == turn(fresh, "e", conversation, inputs[1]).token_ids

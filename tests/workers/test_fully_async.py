@@ -75,9 +75,11 @@ def test_token_versions_follow_the_spans():
     assert token_versions([], 3).shape == (0, 3) and token_versions(spans, 5).dtype == torch.long
 
 
-def test_a_replica_of_a_vl_model_generates_from_each_prompts_images(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_a_replica_of_a_vl_model_generates_from_each_prompts_images(tmp_path, family):
     """Requests carry their prompts' images (`multi_modal_inputs`, one entry per prompt, None for text), streamed
-    and in the blocking validation call alike: the replica samples what the engine's `generate` samples for them."""
+    and in the blocking validation call alike: the replica samples what the engine's `generate` samples for them
+    (Qwen3.5: hybrid layers, whose n samples of a prompt fork from the first)."""
     from types import SimpleNamespace
 
     from lathe.engine.llm_engine import LatheEngine
@@ -85,7 +87,7 @@ def test_a_replica_of_a_vl_model_generates_from_each_prompts_images(tmp_path):
     from engine.test_multimodal import _prompts
     from models.vl_tiny import save_hf
 
-    path, _ = save_hf(tmp_path, "qwen2_5_vl")
+    path, _ = save_hf(tmp_path, family)
     cfg = load_config("default", ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
                                   "data.max_response_length=6", "data.train_batch_size=0"])
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=2)     # (the replica reads these two ids only)

@@ -40,7 +40,7 @@ from collections import OrderedDict
 import torch
 
 from lathe.engine import triton_gdn
-from lathe.engine.block_manager import BlockManager
+from lathe.engine.block_manager import BlockManager, _salt
 from lathe.engine.sequence import Sequence
 from lathe.models.linear_attention import conv_step, recurrent_gated_delta_rule
 
@@ -256,7 +256,7 @@ class StateBlockManager(BlockManager):
             return
         self._drop_refs(table[keep:])           # blocks past what it took in (a slot reserved for a dropped token)
         del table[keep:]
-        key = (fed, prefix_hashes(seq)[fed - 1])
+        key = (fed, prefix_hashes(seq)[fed - 1], _salt(seq))       # (an image prompt's: its images' digest too)
         if key in self.by_key:                  # the same tokens parked before: keep the newer
             self._evict(self.by_key[key])
         self.parked[seq] = key
@@ -283,12 +283,12 @@ class StateBlockManager(BlockManager):
         (and at least one of `seq`'s is left to compute, for its logits)."""
         if not seq.parkable or not self.parked:
             return None
-        lengths = {fed for fed, _ in self.by_key if fed < len(seq)}
+        lengths = {fed for fed, _, _ in self.by_key if fed < len(seq)}
         if not lengths:
             return None
-        hashes = prefix_hashes(seq)
+        hashes, salt = prefix_hashes(seq), _salt(seq)
         for fed in sorted(lengths, reverse=True):
-            found = self.by_key.get((fed, hashes[fed - 1]))
+            found = self.by_key.get((fed, hashes[fed - 1], salt))
             if found is not None and found.token_ids[:fed] == seq.token_ids[:fed]:
                 return found
         return None

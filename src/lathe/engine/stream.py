@@ -149,7 +149,7 @@ class StreamingMixin:
         except ValueError as e:
             raise ValueError(f"add_request {request_id!r}: {e}") from None
         for seq in seqs:
-            seq.parkable = self.park_finished and seq.mm is None
+            seq.parkable = self.park_finished     # (an image prompt's turns too: parked by tokens and images)
         if params.max_tokens <= 0:
             for seq in seqs:
                 seq.finish_reason, seq.status = "length", SequenceStatus.FINISHED

@@ -27,12 +27,14 @@ VALUE_HEAD = "score"   # the head's module name in transformers' *ForTokenClassi
 
 
 def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0, trust_remote_code: bool = False,
-                     dtype: torch.dtype | str = torch.float32, override_config: dict | None = None):
+                     dtype: torch.dtype | str = torch.float32, override_config: dict | None = None,
+                     impl: str = "auto"):
     """A value model from ``path``: a local HF directory, a hub id, or ``builtin:<shape>``.
 
     A Hugging Face checkpoint loads through ``AutoModelForTokenClassification(num_labels=1)``; a missing
     ``score`` head is zero-initialised. A Qwen3.5 vision-language checkpoint's language model loads as lathe's value
-    model directly (`lathe.models.vl.load_language_model`), saved as the whole model's token-classification form.
+    model directly (`lathe.models.vl.load_language_model`), saved as the whole model's token-classification form
+    (not with `impl` hf, where transformers' model is asked for).
     ``builtin:<shape>`` builds the built-in policy's architecture with the same seeded backbone weights (see
     ``build_builtin_value_model``).
     """
@@ -44,7 +46,8 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
     local_only = Path(local).is_dir()
     from lathe.models.hf import is_vl_path, vl_checkpoint_dir
     from lathe.models.vl import language_model_runs_alone, load_language_model
-    if not override_config and is_vl_path(path) and language_model_runs_alone(checkpoint := vl_checkpoint_dir(path)):
+    if impl != "hf" and not override_config and is_vl_path(path) and language_model_runs_alone(
+            checkpoint := vl_checkpoint_dir(path)):
         return load_language_model(checkpoint, dtype, value=True)      # Qwen3.5's language model, a critic's backbone
     try:
         config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=local_only)

@@ -56,7 +56,8 @@ class CriticWorker:
         if model is None:
             model = load_value_model(critic.model.path, vocab_size=len(tokenizer), seed=cfg.trainer.seed,
                                      trust_remote_code=bool(critic.model.trust_remote_code),
-                                     dtype=self.policy.master_dtype, override_config=critic.model.override_config)
+                                     dtype=self.policy.master_dtype, override_config=critic.model.override_config,
+                                     impl=cfg.actor_rollout_ref.model.impl)
         model = select_impl(model, cfg.actor_rollout_ref.model.impl, role="critic")
         self.lora = critic.model.lora_rank > 0 and _apply_lora(model, critic.model, cfg.trainer.seed)
         tensor_parallel.check_model(model, plan.tensor_parallel_size, f"{key}.tensor_parallel_size",

@@ -209,8 +209,10 @@ def _local_config_dir(path: str) -> str:
     return snapshot_download(str(path), allow_patterns=["*.json", "*.py", "*.model", "*.tiktoken", "*.txt"])
 
 
-# a vision-language checkpoint's files lathe reads (weights, configs, tokenizer, chat template, processor)
+# a checkpoint's files lathe reads (weights, configs, tokenizer, chat template, processor), at the repository's top
+# level only: some hold another copy of the weights in a folder (gpt-oss's original/), which is not downloaded
 VL_FILES = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+SUBFOLDERS = ["*/*"]
 
 
 def is_vl_path(path: str) -> bool:
@@ -241,7 +243,7 @@ def hub_snapshot(repo_id: str) -> str | None:
     safetensors weights (transformers then reads its other formats)."""
     from huggingface_hub import snapshot_download
     try:
-        local = snapshot_download(repo_id, allow_patterns=VL_FILES)
+        local = snapshot_download(repo_id, allow_patterns=VL_FILES, ignore_patterns=SUBFOLDERS)
     except Exception as err:
         log.info("model: %s could not be read from the hub's cache for lathe's decoder (%s: %s); transformers "
                  "loads it", repo_id, type(err).__name__, err)
@@ -258,7 +260,7 @@ def vl_checkpoint_dir(path: str) -> str:
         return local
     from huggingface_hub import snapshot_download
     try:
-        return snapshot_download(str(path), allow_patterns=VL_FILES)
+        return snapshot_download(str(path), allow_patterns=VL_FILES, ignore_patterns=SUBFOLDERS)
     except Exception as err:
         raise ModelLoadError(f"{path}: the vision-language checkpoint could not be read from the hub or its local "
                              f"cache ({type(err).__name__}: {err}). Fix: download it (`hf download {path}`) and set "

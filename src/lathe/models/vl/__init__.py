@@ -78,7 +78,9 @@ def load_language_model(path: str | Path, dtype: torch.dtype = torch.float32, *,
     d, _ = read_config_json(path)
     cfg = vl.text
     cfg.vl_checkpoint = (str(Path(path).resolve()), {**d, "architectures": [vl.architecture]})
-    state = language_model_state(rename_legacy_keys(read_state_dict(path, dtype=dtype, device=device)))
+    # (the language model's tensors alone are read: the vision tower stays on disk until a save copies it)
+    state = language_model_state(read_state_dict(path, dtype=dtype, device=device,
+                                                 prefixes=("model.language_model.", "lm_head.", "score.")))
     if not value:
         with torch.device("meta"):
             model = LatheCausalLM(cfg)

@@ -117,6 +117,13 @@ SHAPES.update({
                          linear_conv_kernel_dim=4, layer_types=hybrid_layers(4), vocab_size=1000,
                          tie_word_embeddings=True),
 })
+# Qwen3.5 as it is released: every checkpoint on the hub is the vision-language `Qwen3_5ForConditionalGeneration`
+# (the text shape's language model under `model.language_model.*`, a vision tower under `model.visual.*`). A
+# `-vl` shape is its text shape written in that form (`write_model`), with transformers' default Qwen3.5 vision
+# tower (27 blocks of 1152; its output projected to the text width): lathe runs text-only data on it through the
+# language model alone, so its figures (FLOPs, roofline) are the text shape's.
+VL_FORMS = {"qwen3.5-2b-vl": "qwen3.5-2b", "tiny-qwen3.5-vl": "tiny-qwen3.5"}
+SHAPES.update({vl: SHAPES[text] for vl, text in VL_FORMS.items()})
 DENSE_SHAPES = sorted(k for k, v in SHAPES.items() if "model_type" not in v)   # Qwen2.5: what Qwen2Config builds
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]   # dense datasheet
 HBM_TBPS = [("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8), ("A100", 2.0)]   # datasheet TB/s
@@ -397,22 +404,60 @@ def write_model(shape: str, where: Path, device: str, *, name: str = "model", se
     out = where / f"{name}-{shape}"
     if (out / "config.json").exists():
         return out
-    hf = hf_config(shape, max_position_embeddings=4096, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    hf = hf_config(VL_FORMS.get(shape, shape), max_position_embeddings=4096, eos_token_id=0, pad_token_id=0,
+                   bos_token_id=None)
     cfg = LatheConfig.from_hf_dict(hf, source=f"bench shape {shape}")
+    torch.manual_seed(seed)     # (before the build: what init_weights leaves, a Qwen3.5 conv1d, is drawn there)
     with torch.device(device):
         model = LatheCausalLM(cfg).to(torch.bfloat16)
-    torch.manual_seed(seed)
     init_weights(model)
     if edit is not None:
         with torch.no_grad():
             edit(model)
     model.save_pretrained(out)
+    del model
+    if shape in VL_FORMS:
+        as_vl_checkpoint(out, hf, device)
     for f in (tokenizer.iterdir() if tokenizer else ()):
         shutil.copy(f, out / f.name)
-    del model           # the trainers run in child processes: this one must not keep the GPU's memory
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():      # the trainers run in child processes: this one must not keep the GPU's memory
         torch.cuda.empty_cache()
     return out
+
+
+def as_vl_checkpoint(out: Path, text: dict, device: str) -> None:
+    """Rewrite the Qwen3.5 text checkpoint in `out` (transformers config dict `text`) as the released
+    `Qwen3_5ForConditionalGeneration`: the language model's tensors under `model.language_model.*` (`lm_head`
+    as it was), a random bf16 vision tower (transformers' default Qwen3.5 vision config, projecting to the text
+    width) under `model.visual.*`, and the whole model's config.json (transformers' token ids, the text
+    config's tie flag at the top, where it decides)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    rope = dict(text["rope_parameters"])
+    if text["head_dim"] * rope.get("partial_rotary_factor", 1.0) < 16:   # a CPU smoke shape: room for 3 sections
+        rope["partial_rotary_factor"] = 1.0
+    half = int(text["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+    hw = round(half * 11 / 32)                  # the released [11, 11, 10] over 32 rotary pairs
+    text["rope_parameters"] = {**rope, "mrope_section": [hw, hw, half - 2 * hw], "mrope_interleaved": True}
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(out_hidden_size=text["hidden_size"]),
+                        tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(1)
+    with torch.device(device):
+        tower = Qwen3_5VisionModel._from_config(cfg.vision_config).to(torch.bfloat16)
+    state = {}
+    for f in sorted(out.glob("model*.safetensors")):
+        state.update({("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+                      for k, v in load_file(f).items()})
+        f.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    state.update({"model.visual." + k: v.detach().cpu().contiguous() for k, v in tower.state_dict().items()})
+    del tower
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    d = cfg.to_dict()
+    d.update(architectures=["Qwen3_5ForConditionalGeneration"], dtype="bfloat16")
+    (out / "config.json").write_text(json.dumps(d, indent=2))
 
 
 def write_tokenizer(vocab_size: int, where: Path) -> Path:

@@ -9,8 +9,8 @@
         --prompt-len 16 --response-len 8 --out /tmp/e2e_smoke.json                                   # CPU smoke test
 
 The workload (the one that issue 9 measured): random-weight Qwen2.5 shapes (or another of bench/common.py's
-SHAPES: Qwen3-MoE, GPT-OSS, Qwen3.5 — `--models tiny-qwen3.5` for a CPU smoke run), `--prompts` prompts x `--n` samples
-per step, prompts of exactly `--prompt-len` tokens (synthetic words of a synthetic word-level tokenizer with
+SHAPES: Qwen3-MoE, GPT-OSS, Qwen3.5 — `--models tiny-qwen3.5` for a CPU smoke run; `qwen3.5-2b-vl`: the 2B as
+released, a Qwen3_5ForConditionalGeneration checkpoint), `--prompts` prompts x `--n` samples per step, prompts of exactly `--prompt-len` tokens (synthetic words of a synthetic word-level tokenizer with
 the model's vocabulary size), exactly `--response-len` new tokens (lathe: `rollout.ignore_eos=true`; TRL:
 `min_new_tokens`), a cheap custom reward, one optimizer step per RL step, no KL (7B: `use_kl_loss=true` in lathe,
 the reference model on).
@@ -55,9 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import (REWARD_FILE, SHAPES, claim_workdir, datasheet_peak, default_workdir, device_name,  # noqa: E402
-                    driver_over_ranks, git_sha, lathe_row, run_child, slug, train_flops, write_data, write_model,
-                    write_tokenizer)
+from common import (REWARD_FILE, SHAPES, VL_FORMS, claim_workdir, datasheet_peak, default_workdir,  # noqa: E402
+                    device_name, driver_over_ranks, git_sha, lathe_row, run_child, slug, train_flops, write_data,
+                    write_model, write_tokenizer)
 from roofline import grouped_forward_flops, step_light  # noqa: E402
 
 # Per shape: lathe's micro-batch (sequences per forward/backward), gradient checkpointing, KL/ref, offload.
@@ -99,6 +99,7 @@ LATHE_SETTINGS = {
     "qwen3.5-35b-a3b-8l": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "tiny-qwen3.5": dict(micro=8, checkpointing=False, kl=False, extra=[]),
 }
+LATHE_SETTINGS.update({vl: LATHE_SETTINGS[text] for vl, text in VL_FORMS.items()})  # as released: the text shape's
 # One GPU needs the 7B optimizer state in host memory; sharded over several GPUs it fits (and lathe refuses
 # optimizer offload without parameter offload there), so these settings are dropped when --gpus > 1.
 SINGLE_GPU_ONLY = ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",

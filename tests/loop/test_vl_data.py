@@ -92,12 +92,35 @@ def test_image_rows_of_a_text_model_fail_naming_the_column(tmp_path):
 
 def test_the_processor_is_loaded_for_a_vl_checkpoint_only(tmp_path):
     from models.vl_tiny import save_hf
-    assert load_vl_processor(load_config(None, ["actor_rollout_ref.model.path=builtin:tiny"])) is None
+    assert load_vl_processor(load_config(None, ["actor_rollout_ref.model.path=builtin:tiny"])) == (None, None)
     path, _ = save_hf(tmp_path, "qwen2_5_vl")
     processor = tiny_vl_processor()
     processor.tokenizer.save_pretrained(path)
     processor.image_processor.save_pretrained(path)
-    loaded = load_vl_processor(load_config(None, [f"actor_rollout_ref.model.path={path}"]))
-    assert loaded is not None
+    loaded, why = load_vl_processor(load_config(None, [f"actor_rollout_ref.model.path={path}"]))
+    assert loaded is not None and why is None
     assert int(loaded.image_processor.patch_size) == int(processor.image_processor.patch_size)
     assert loaded.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+
+
+def test_a_vl_checkpoint_without_a_processor_runs_text_rows_and_names_the_cause_at_an_image_row(tmp_path):
+    """A released Qwen3.5 checkpoint is vision-language; a run of text data with `tokenizer_path` at a tokenizer
+    alone (no preprocessor_config.json) needs no processor (its language model runs alone): it loads, and only an
+    image row fails, with the processor loader's error."""
+    from models.vl_tiny import save_hf
+    path, _ = save_hf(tmp_path, "qwen3_5")
+    tokenizer_dir = tmp_path / "tok"
+    processor = tiny_vl_processor()
+    processor.tokenizer.save_pretrained(tokenizer_dir)
+    keys = [f"actor_rollout_ref.model.path={path}", f"actor_rollout_ref.model.tokenizer_path={tokenizer_dir}",
+            "data.val_files=null", "trainer.test_freq=-1", "data.image_key=pictures", "data.max_prompt_length=128"]
+    loaded, why = load_vl_processor(load_config(None, keys))
+    assert loaded is None and "preprocessor_config.json" in why and str(tokenizer_dir) in why
+    text = tmp_path / "text.parquet"
+    pq.write_table(pa.Table.from_pylist([{"data_source": "d", "prompt": [{"role": "user", "content": "text only"}],
+                                          "reward_model": {"ground_truth": "0"}}]), str(text))
+    train, _ = load_datasets(load_config(None, [*keys, f"data.train_files={text}"]), processor.tokenizer, loaded, why)
+    assert len(train) == 1 and not train.has_images and "multi_modal_inputs" not in train[0]
+    with pytest.raises(ValueError, match=r"mm.parquet row 0: field 'pictures'.*could not be loaded.*tok"):
+        load_datasets(load_config(None, [*keys, f"data.train_files={write_rows(tmp_path)}"]), processor.tokenizer,
+                      loaded, why)

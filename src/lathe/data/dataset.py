@@ -195,7 +195,9 @@ class RLDataset:
 
     Image rows (non-empty `image_key` column) need `processor` (a Qwen-VL processor, see
     lathe.data.multimodal); `min_pixels`/`max_pixels` bound the image resize. Their items also carry
-    multi_modal_data {"image": [PIL]} and multi_modal_inputs {pixel_values, image_grid_thw}.
+    multi_modal_data {"image": [PIL]} and multi_modal_inputs {pixel_values, image_grid_thw}. `processor_error`:
+    why a vision-language checkpoint's processor could not be loaded (text rows do not need it), said by the
+    error of the first image row.
     """
 
     def __init__(self, files: str | list[str], tokenizer, *, prompt_key: str = "prompt",
@@ -205,7 +207,7 @@ class RLDataset:
                  min_pixels: int | None = None, max_pixels: int | None = None, max_samples: int = -1,
                  shuffle: bool = False, seed: int | None = None,
                  rows: tuple[str, Iterable[tuple[str, dict]]] | None = None, reward_fn_key: str = "data_source",
-                 video_key: str = "videos"):
+                 video_key: str = "videos", processor_error: str | None = None):
         """`max_samples` > 0 keeps that many rows (verl's `data.train_max_samples` / `val_max_samples`): a random
         subset drawn with `seed` when `shuffle`, else the first ones; before long prompts are filtered. `rows`:
         (their name, (where, row) pairs) read instead of `files` (a custom dataset class's items:
@@ -223,7 +225,7 @@ class RLDataset:
         self.truncation = truncation
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.split = split
-        self.processor = processor
+        self.processor, self.processor_error = processor, processor_error
         self.image_key, self.video_key = image_key, video_key
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.max_samples, self.shuffle, self.seed = max_samples, shuffle, seed
@@ -348,6 +350,9 @@ class RLDataset:
         if not isinstance(images, (list, tuple)):
             raise _fail(src, where, self.image_key, f"expected a list of images, got {type(images).__name__}",
                         "store one list of images per row (HF datasets' Sequence(Image()))")
+        if self.processor is None and self.processor_error:
+            raise _fail(src, where, self.image_key, f"the row has {len(images)} image(s) but the model's processor "
+                        f"could not be loaded ({self.processor_error})", "see the processor's error")
         if self.processor is None:
             raise _fail(src, where, self.image_key, f"the row has {len(images)} image(s) but no vision processor "
                         "was given", "train a vision-language model (its processor encodes the images), or drop "

@@ -12,6 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from lathe.config.verl_translate import dist_checkpoint, dist_checkpoint_prefix
 from lathe.data import RLDataset, StatefulDataLoader
 from lathe.data.custom import custom_source
 from lathe.data.dataset import REWARD_SOURCE, reward_source
+from lathe.data.errors import DataError
 from lathe.data.multimodal import multimodal_non_tensors
 from lathe.device import default_device_type, device_count, empty_cache, use_cpu_threads
 from lathe.generation import SamplingParams
@@ -131,20 +133,26 @@ def sampling_params(rollout_cfg, max_tokens: int, *, validation: bool = False) -
                           do_sample=src.do_sample, max_tokens=max_tokens, ignore_eos=rollout_cfg.ignore_eos)
 
 
-def load_vl_processor(cfg):
-    """The image processor of a vision-language policy (`lathe.data.multimodal.load_processor` of
-    `model.tokenizer_path` or `model.path`), or None for a text model: image rows then fail in `RLDataset`,
-    naming the column."""
+def load_vl_processor(cfg) -> tuple[Any, str | None]:
+    """(processor, why not): the image processor of a vision-language policy (`lathe.data.multimodal.load_processor`
+    of `model.tokenizer_path` or `model.path`), or None for a text model: image rows then fail in `RLDataset`,
+    naming the column. A VL checkpoint whose processor cannot be loaded (a `tokenizer_path` with a tokenizer
+    alone) gives None and the loader's error: text-only data runs its language model alone and needs none; the
+    first image row fails with that error."""
     m = cfg.actor_rollout_ref.model
     if not is_vl_path(m.path):
-        return None
+        return None, None
     from lathe.data.multimodal import load_processor
-    return load_processor(os.path.expanduser(str(m.tokenizer_path or m.path)))
+    try:
+        return load_processor(os.path.expanduser(str(m.tokenizer_path or m.path))), None
+    except DataError as err:
+        return None, str(err)
 
 
-def load_datasets(cfg, tokenizer, processor=None) -> tuple[RLDataset, RLDataset | None]:
+def load_datasets(cfg, tokenizer, processor=None, processor_error: str | None = None
+                  ) -> tuple[RLDataset, RLDataset | None]:
     """(train, val) datasets of `data.*`; `processor` (a VL policy's, see `load_vl_processor`) encodes the
-    images of the `data.image_key` column."""
+    images of the `data.image_key` column; `processor_error`: why a VL policy has none."""
     d = cfg.data
     template_kwargs = dict(d.apply_chat_template_kwargs)
     tools = load_run_tools(cfg)           # multi-turn: the prompts show the tools (and a bad tool file fails here)
@@ -152,7 +160,8 @@ def load_datasets(cfg, tokenizer, processor=None) -> tuple[RLDataset, RLDataset 
         template_kwargs["tools"] = tools.schemas()
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-              apply_chat_template_kwargs=template_kwargs, processor=processor, image_key=d.image_key,
+              apply_chat_template_kwargs=template_kwargs, processor=processor, processor_error=processor_error,
+              image_key=d.image_key,
               reward_fn_key=d.reward_fn_key)     # (data.video_key: another column than verl's is refused)
     def split(files, name: str, max_samples: int) -> RLDataset:
         rows = None
@@ -276,7 +285,7 @@ def build_trainer(cfg, checked: Checked | None = None) -> Trainer:
     import_external_libs(external_libs(cfg))
     tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, chat_template=arr.model.custom_chat_template,
                                trust_remote_code=arr.model.trust_remote_code or cfg.data.trust_remote_code)
-    train_ds, val_ds = load_datasets(cfg, tokenizer, load_vl_processor(cfg))
+    train_ds, val_ds = load_datasets(cfg, tokenizer, *load_vl_processor(cfg))
     check_scorers([train_ds, val_ds], cfg.reward.custom_reward_function.path)
     loader = StatefulDataLoader(train_ds, cfg.data.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     total_steps = t.total_training_steps or len(loader) * t.total_epochs

@@ -407,6 +407,13 @@ def summarize(steps: list[dict], warmup: int) -> dict:
             "max_memory_allocated_gb": max((s.get("perf/max_memory_allocated_gb", 0) for s in steps), default=None)}
 
 
+def kv_cache_shrinks(log: Path) -> list[str]:
+    """The engine's wake-up warnings in a child's log: each time its KV cache came back smaller than it was
+    sized, with where the device's memory was (memory another phase kept cached)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [line.split("lathe: ", 1)[-1] for line in text.splitlines() if "KV cache shrinks" in line]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
@@ -475,7 +482,8 @@ def main() -> None:
         rc, wall = run_child(cmd, where / "logs" / f"{mode}.log", args.timeout)
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         result["runs"][mode] = {"command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall,
-                                **(summarize(steps, args.warmup) if steps else {}), **length_modes(steps)}
+                                **(summarize(steps, args.warmup) if steps else {}), **length_modes(steps),
+                                "kv_cache_shrinks": kv_cache_shrinks(where / "logs" / f"{mode}.log")}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
     s = result["runs"].get("sync", {}).get("timed_wall_s")

@@ -30,7 +30,11 @@ calls = get_parser("hermes")("any text").calls
 steps = [{"perf/time_per_step": 9.0, "trainer/idle_ratio": 0.5, "perf/total_num_tokens": 50},
          {"perf/time_per_step": 2.0, "trainer/idle_ratio": 0.25, "perf/total_num_tokens": 300},
          {"perf/time_per_step": 4.0, "trainer/idle_ratio": 0.5, "perf/total_num_tokens": 900}]
-print(json.dumps({"plain": fully_async.commands(paths, args), "tool": fully_async.commands(tool_paths, tool),
+log = Path(sys.argv[2]) / "child.log"
+log.write_text("01:47:15 lathe: memory plan\\n12:01:47:21 lathe: engine: KV cache shrinks from 8 to 6 blocks (x)\\n")
+print(json.dumps({"shrinks": fully_async.kv_cache_shrinks(log),
+                  "none": fully_async.kv_cache_shrinks(Path(sys.argv[2]) / "absent.log"),
+                  "plain": fully_async.commands(paths, args), "tool": fully_async.commands(tool_paths, tool),
                   "tp": fully_async.commands(tool_paths, tp), "colocated": fully_async.commands(paths, colocated),
                   "calls": [c.name for c in calls], "busy": fully_async.summarize(steps, 1)["trainer_busy_s"],
                   "rate": fully_async.summarize(steps, 1)["timed_tokens_per_s"]}))
@@ -43,6 +47,7 @@ def test_fully_async_builds_both_command_lines(tmp_path):
     assert done.returncode == 0, done.stderr
     built = json.loads(done.stdout.strip().splitlines()[-1])
     cmds = built["plain"]
+    assert built["shrinks"] == ["engine: KV cache shrinks from 8 to 6 blocks (x)"] and built["none"] == []
     assert set(cmds) == {"sync", "async"}
     for cmd in cmds.values():
         assert cmd[1:4] == ["-m", "lathe", "train"]

@@ -10,6 +10,9 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidde
 FAMILIES = ("llama", "qwen2", "qwen3")
 # Qwen3-MoE: 4 experts, top-2, layer 0 dense (`mlp_only_layers`), layer 1 sparse; kept out of FAMILIES (its own tests)
 MOE = "qwen3_moe"
+# Llama-like families with their own tests (tests/models/test_llama_like.py): Mistral without and with its sliding
+# window (5 tokens: shorter than the test sequences), Seed-OSS (q/k/v bias without o bias; its dropout set to 0)
+LLAMA_LIKE = ("mistral", "mistral_window", "seed_oss")
 
 
 def hf_config(family: str, *, tie: bool = False, norm_topk_prob: bool = True, **overrides):
@@ -28,6 +31,14 @@ def hf_config(family: str, *, tie: bool = False, norm_topk_prob: bool = True, **
         return Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=tie)
     if family in HYBRIDS:
         return hybrid_config(family, tie=tie, **overrides)
+    if family in ("mistral", "mistral_window"):
+        from transformers import MistralConfig
+        return MistralConfig(**_COMMON, head_dim=16, tie_word_embeddings=tie, rope_theta=1000000.0,
+                             sliding_window=5 if family == "mistral_window" else None)
+    if family == "seed_oss":
+        from transformers import SeedOssConfig
+        return SeedOssConfig(**_COMMON, head_dim=16, tie_word_embeddings=tie, attention_dropout=0.0,
+                             residual_dropout=0.0)
     if family == MOE:
         return Qwen3MoeConfig(**_COMMON, head_dim=16, tie_word_embeddings=tie, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=16, mlp_only_layers=[0], norm_topk_prob=norm_topk_prob)

@@ -14,7 +14,7 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden
 def test_registry_names_the_families():
     assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                        "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
-                                       "MiMoForCausalLM", "Qwen3_5ForCausalLM",
+                                       "MiMoForCausalLM", "MistralForCausalLM", "SeedOssForCausalLM", "Qwen3_5ForCausalLM",
                                        "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
 
 
@@ -60,7 +60,8 @@ def test_family_switches():
 
 
 @pytest.mark.parametrize("extra, words", [
-    ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
+    ({"architectures": ["Phi3ForCausalLM"]}, "Phi3ForCausalLM"),
+    ({"architectures": ["LlamaForCausalLM"], "attention_dropout": 0.1}, "no dropout.*override_config.attention_drop"),
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64}, "sliding"),
     ({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}, "gelu"),
     ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "longrope"}}, "longrope"),

@@ -19,17 +19,23 @@ from lathe.models.hybrid_config import HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES,
 
 # the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are in HYBRID_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "GptOssForCausalLM", "DeepseekV3ForCausalLM", "MiMoForCausalLM", *HYBRID_ARCHITECTURES}
+                           "GptOssForCausalLM", "DeepseekV3ForCausalLM", "MiMoForCausalLM", "MistralForCausalLM",
+                           "SeedOssForCausalLM", *HYBRID_ARCHITECTURES}
 # The token-classification (critic) heads over the same backbones load too.
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
                        "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification",
-                       "DeepseekV3ForTokenClassification"}
+                       "DeepseekV3ForTokenClassification", "MistralForTokenClassification",
+                       "SeedOssForTokenClassification"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "mimo": "MiMoForCausalLM", **HYBRID_MODEL_TYPES}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "mimo": "MiMoForCausalLM", "mistral": "MistralForCausalLM",
+               "seed_oss": "SeedOssForCausalLM", **HYBRID_MODEL_TYPES}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 # Families whose main model is exactly Qwen2's (q/k/v bias, no o bias): MiMo is Qwen2 plus its MTP layers
 QWEN2_BODIES = ("Qwen2", "MiMo")
+# Dropout keys of the families' configs: lathe's decoder has none (an RL update's ratio is taken against a rollout
+# without it), so a checkpoint that asks for it runs in transformers, unless override_config sets it to 0
+DROPOUT_KEYS = ("attention_dropout", "residual_dropout", "hidden_dropout")
 
 
 def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -175,8 +181,10 @@ class LatheConfig:
             check_hybrid_features(d, arch, source)
         elif not arch.startswith("DeepseekV3"):     # its own checks: `deepseek_config.refuse_deepseek_features`
             _check_features(d, arch, source)
+        _check_dropout(d, arch, source)
         heads = int(d["num_attention_heads"])
-        attention_bias = bool(d.get("attention_bias", False))
+        attention_bias = bool(d.get("attention_bias", family == "SeedOss"))     # (transformers' defaults)
+        window, layer_types = _mistral_window(d, family)
         if family == "GptOss":
             from lathe.models.gpt_oss_config import gpt_oss_fields
             return cls(architecture=arch, **gpt_oss_fields(d, source), hf_config=dict(d))
@@ -195,9 +203,11 @@ class LatheConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=True if family in QWEN2_BODIES else attention_bias,
-            o_bias=False if family in QWEN2_BODIES else attention_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)) if family == "Llama" else False,
+            qkv_bias=True if family in QWEN2_BODIES else attention_bias and family != "Mistral",
+            o_bias=(bool(d.get("attention_out_bias", False)) if family == "SeedOss"
+                    else False if family in QWEN2_BODIES + ("Mistral",) else attention_bias),
+            mlp_bias=bool(d.get("mlp_bias", False)) if family in ("Llama", "SeedOss") else False,
+            sliding_window=window, layer_types=layer_types,
             qk_norm=family in ("Qwen3", "Qwen3Moe") or hybrid,
             moe=MoeConfig.from_hf_dict(_hybrid_moe_dict(d, arch)) if family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next")
             else None,
@@ -207,6 +217,26 @@ class LatheConfig:
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             hf_config=dict(d),
         )
+
+
+def _check_dropout(d: dict[str, Any], arch: str, source: str) -> None:
+    """Refuse a config with dropout: transformers applies it in a training-mode forward, lathe's decoder never."""
+    on = {k: d[k] for k in DROPOUT_KEYS if float(d.get(k) or 0.0) > 0.0}
+    if on:
+        keys = ", ".join(f"{k}={v}" for k, v in on.items())
+        zero = " and ".join(f"actor_rollout_ref.model.override_config.{k}=0.0" for k in on)
+        raise UnsupportedArchitecture(f"{source}: {arch} with {keys} (lathe's decoder has no dropout: set {zero} "
+                                      "to run it there, as verl's scripts often do); the transformers fallback will "
+                                      "be used")
+
+
+def _mistral_window(d: dict[str, Any], family: str) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) of a Mistral config: its `sliding_window` (transformers' Mistral masks every
+    layer so when it is set; Mistral-7B-v0.1 4096, later releases null), else full attention."""
+    window = d.get("sliding_window") if family == "Mistral" else None
+    if not window:
+        return None, ()
+    return int(window), ("sliding_attention",) * int(d["num_hidden_layers"])
 
 
 def _hybrid_moe_dict(d: dict[str, Any], arch: str) -> dict[str, Any]:

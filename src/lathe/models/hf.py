@@ -339,10 +339,9 @@ def lathe_from_transformers(model, *, clone: bool = True):
     d["architectures"] = [name]
     source = f"{name} ({getattr(model.config, '_name_or_path', '') or 'in memory'})"
     cfg = LatheConfig.from_hf_dict(d, source=source)
-    for key in ("attention_dropout", "classifier_dropout", "hidden_dropout"):
-        if float(d.get(key) or 0.0) > 0.0:
-            raise UnsupportedArchitecture(f"{source}: {key}={d[key]} (lathe's decoder has no dropout); the "
-                                          "transformers fallback will be used")
+    if float(d.get("classifier_dropout") or 0.0) > 0.0:       # (the body's dropout: `LatheConfig`'s check)
+        raise UnsupportedArchitecture(f"{source}: classifier_dropout={d['classifier_dropout']} (lathe's decoder has "
+                                      "no dropout); the transformers fallback will be used")
     is_value = name.endswith("ForTokenClassification")
     state = {k: v.detach().clone() if clone else v.detach() for k, v in model.state_dict().items()}
     if is_value:

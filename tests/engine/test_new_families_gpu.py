@@ -106,3 +106,31 @@ def test_gpt_oss_decode_graphs_equal_eager_decode(tmp_path, backend):
     ref = load_lathe_model(tmp_path / "ckpt").eval()
     for prompt, ids, lps in zip([p for p in PROMPTS for _ in range(2)], outs[False].token_ids, outs[False].logprobs):
         assert_close_rel(lps, _teacher_log_probs(ref, prompt, ids), rel=5e-2, name="graph decode (bf16) vs fp32")
+
+
+@pytest.mark.parametrize("family", ["mistral_window", "seed_oss"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_llama_like_families_on_cuda_equal_the_fp32_forward(tmp_path, family, backend):
+    """Mistral's sliding window on every layer (5 tokens) and Seed-OSS's q/k/v bias: decode graphs give the eager
+    steps' tokens and the fp32 forward's log-probs, and the packed bf16 training forward its logits."""
+    from models.lathe_tiny import save_hf
+
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
+    from lathe.models import load_lathe_model
+    from lathe.models.packing import pack_sequences
+    path, _ = save_hf(tmp_path, family, seed=2)
+    model = load_lathe_model(path, torch.bfloat16, device=CUDA).eval()
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)
+    outs = {eager: LatheEngine(model, eos_token_id=None, block_size=16, num_kv_blocks=64, decode_backend=backend,
+                               enforce_eager=eager).generate(PROMPTS, params) for eager in (True, False)}
+    assert outs[False].token_ids == outs[True].token_ids
+    ref = load_lathe_model(path).eval()
+    for prompt, ids, lps in zip([p for p in PROMPTS for _ in range(2)], outs[False].token_ids, outs[False].logprobs):
+        assert_close_rel(lps, _teacher_log_probs(ref, prompt, ids), rel=5e-2, name="graph decode (bf16) vs fp32")
+    seqs = [torch.tensor(p + ids) for p, ids in zip(PROMPTS, outs[False].token_ids[::2])]
+    with torch.no_grad():
+        ids, pos, cu, mx = pack_sequences(seqs)
+        got = model.forward_packed(ids.to(CUDA), pos.to(CUDA), cu.to(CUDA), mx, return_hidden=False).float().cpu()
+        want = ref.forward_packed(ids, pos, cu, mx, return_hidden=False)
+    assert_close_rel(got, want, rel=5e-2, name="packed bf16 logits on CUDA vs fp32 CPU")

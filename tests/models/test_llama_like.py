@@ -127,3 +127,12 @@ def test_dropout_in_the_config_runs_in_transformers_unless_override_config_zeroe
     ids = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
         assert_close_rel(zeroed.eval()(ids).logits, hf(input_ids=ids, use_cache=False).logits, name="logits")
+
+
+def test_a_tensor_parallel_engine_replica_generates_what_one_process_generates(tmp_path):
+    """Over 2 gloo ranks (heads cut, the window and the biases per slice): greedy, sampled, and greedy after new
+    weights, as one process."""
+    from engine.test_tensor_parallel import assert_same_generations, build, generations, run_replica
+    paths = [str(save_hf(tmp_path, family)[0]) for family in ("mistral_window", "seed_oss")]
+    want = [generations(build(p, None), p) for p in paths]
+    assert_same_generations(run_replica(2, paths), want, 2)

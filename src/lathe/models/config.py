@@ -224,10 +224,10 @@ def _check_dropout(d: dict[str, Any], arch: str, source: str) -> None:
     on = {k: d[k] for k in DROPOUT_KEYS if float(d.get(k) or 0.0) > 0.0}
     if on:
         keys = ", ".join(f"{k}={v}" for k, v in on.items())
-        zero = " and ".join(f"actor_rollout_ref.model.override_config.{k}=0.0" for k in on)
+        zero = " and ".join(f"override_config.{k}=0.0" for k in on)
         raise UnsupportedArchitecture(f"{source}: {arch} with {keys} (lathe's decoder has no dropout: set {zero} "
-                                      "to run it there, as verl's scripts often do); the transformers fallback will "
-                                      "be used")
+                                      "under actor_rollout_ref.model (critic.model for a critic) to run it there, as "
+                                      "verl's scripts often do); the transformers fallback will be used")
 
 
 def _mistral_window(d: dict[str, Any], family: str) -> tuple[int | None, tuple[str, ...]]:

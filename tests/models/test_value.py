@@ -53,3 +53,28 @@ def test_unknown_dtype_names_the_key():
     assert to_dtype("fp32", "critic.model.fsdp_config.model_dtype") is torch.float32
     with pytest.raises(ValueError, match="model_dtype='fp8'"):
         load_value_model("builtin:tiny", dtype="fp8")
+
+
+def test_a_checkpoint_lathe_runs_loads_as_lathe_s_value_model_directly(tmp_path):
+    """One copy of the weights, no transformers model first: the values of transformers' token-classification
+    model of the same saved critic; with impl=hf (or override_config) transformers' own model."""
+    from transformers import AutoModelForTokenClassification
+    from lathe.models.decoder import LatheValueModel
+    policy = build_builtin_model("tiny", vocab_size=None, seed=3)
+    policy.save_pretrained(tmp_path / "policy")
+    critic = load_value_model(str(tmp_path / "policy"))
+    assert isinstance(critic, LatheValueModel) and torch.all(critic.score.weight == 0)
+    with torch.no_grad():
+        critic.score.weight.normal_()
+        critic.score.bias.fill_(0.1)
+    critic.save_pretrained(tmp_path / "critic")
+    ids = torch.randint(0, policy.config.vocab_size, (2, 9))
+    ref = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = load_value_model(str(tmp_path / "critic")).eval()(input_ids=ids).logits
+        want = ref(input_ids=ids).logits
+    from helpers import assert_close_rel
+    assert_close_rel(got, want, name="values")
+    assert type(load_value_model(str(tmp_path / "critic"), impl="hf")).__name__ == "Qwen2ForTokenClassification"
+    assert not isinstance(load_value_model(str(tmp_path / "critic"), override_config={"attention_dropout": 0.0}),
+                          LatheValueModel)

@@ -60,20 +60,20 @@ def test_packed_scores_equal_transformers_forward(tmp_path, family, caplog):
 
 
 def test_the_transformers_path_stays_for_what_lathe_does_not_run(tmp_path):
-    from transformers import MistralConfig, MistralForSequenceClassification
+    from transformers import Phi3Config, Phi3ForSequenceClassification
     path = tiny_reward_model(tmp_path / "llama")
     rm = worker(path, impl="hf")
     assert not rm.packed and "impl=hf" in rm.impl
     batch = ragged_batch(builtin_tokenizer())
     assert_close_rel(rm.compute_rm_score(batch)["rm_scores"], hf_scores(path, rm.rm_inputs(batch)), rel=1e-5)
 
-    mistral = MistralForSequenceClassification(MistralConfig(
+    phi3 = Phi3ForSequenceClassification(Phi3Config(           # (Mistral's reward models run on lathe's decoder)
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_labels=1)).eval()
-    model, packed, why = select_reward_impl(mistral)
-    assert model is mistral and not packed and "does not implement MistralForSequenceClassification" in why
+        num_key_value_heads=1, num_labels=1, pad_token_id=0)).eval()
+    model, packed, why = select_reward_impl(phi3)
+    assert model is phi3 and not packed and "does not implement Phi3ForSequenceClassification" in why
     with pytest.raises(UnsupportedArchitecture):
-        select_reward_impl(mistral, "lathe")
+        select_reward_impl(phi3, "lathe")
 
 
 def test_a_head_lathe_does_not_read_is_refused(tmp_path):

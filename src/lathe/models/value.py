@@ -12,6 +12,7 @@ zero, so the first values are exactly 0 whatever the seed; a saved critic keeps 
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import torch
@@ -22,6 +23,8 @@ from lathe.models.paths import resolve
 from lathe.models.rope import cast_keeping_rope
 
 __all__ = ["VALUE_HEAD", "load_value_model", "build_builtin_value_model"]
+
+log = logging.getLogger("lathe")
 
 VALUE_HEAD = "score"   # the head's module name in transformers' *ForTokenClassification models
 
@@ -49,6 +52,9 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
     if impl != "hf" and not override_config and is_vl_path(path) and language_model_runs_alone(
             checkpoint := vl_checkpoint_dir(path)):
         return load_language_model(checkpoint, dtype, value=True)      # Qwen3.5's language model, a critic's backbone
+    direct = _direct_value_model(path, local, dtype) if impl != "hf" and not override_config else None
+    if direct is not None:
+        return direct
     try:
         config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=local_only)
         for key, value in {"num_labels": 1, "classifier_dropout": 0.0, **(override_config or {})}.items():
@@ -67,6 +73,24 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
     if any(is_head(k) for k in info.get("missing_keys", ())):
         _zero_value_head(model)
     return model
+
+
+def _direct_value_model(path: str, local: str, dtype: torch.dtype):
+    """lathe's value model read straight from the checkpoint (a local directory, or a hub id's copy in the cache)
+    when lathe's decoder runs its architecture: one copy of the weights, no transformers model first. None when it
+    does not (or the checkpoint holds tensors lathe's decoder does not know): transformers loads it then."""
+    from lathe.models import load_lathe_value_model, supports
+    from lathe.models.config import UnsupportedArchitecture
+    from lathe.models.hf import HUB_ID, checkpoint_config_dir, hub_snapshot
+    if not Path(local).is_dir() and HUB_ID.match(str(path)) and supports(checkpoint_config_dir(path))[0]:
+        local = hub_snapshot(str(path)) or local
+    if not Path(local).is_dir() or not supports(local)[0]:
+        return None
+    try:
+        return load_lathe_value_model(local, dtype)
+    except UnsupportedArchitecture as e:
+        log.info("critic: %s", e)
+        return None
 
 
 def build_builtin_value_model(shape: str, *, vocab_size: int | None, seed: int = 0, dtype=torch.float32):

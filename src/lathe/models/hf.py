@@ -142,7 +142,6 @@ def load_policy(path: str, *, impl: str = "auto", needs_transformers: bool = Fal
 
 def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote_code: bool, vocab_size: int | None,
                  seed: int, override_config: dict | None, vision: bool = True):
-    from lathe.models import supports
     if is_vl_path(path):
         from lathe.models.vl import language_model_runs_alone, load_language_model
         local = vl_checkpoint_dir(path)
@@ -154,11 +153,9 @@ def _load_policy(path: str, *, impl: str, needs_transformers: bool, trust_remote
                  ["architectures"][0], model.config.architecture)
         model.generation_config = _generation_config(local)
         return model
-    local = os.path.expanduser(str(path))
     direct = impl != "hf" and not needs_transformers and not override_config and not is_builtin(path)
-    if direct and not Path(local).is_dir() and HUB_ID.match(str(path)) and supports(checkpoint_config_dir(path))[0]:
-        local = hub_snapshot(str(path)) or local      # a hub id lathe's decoder runs: read from the cache, directly
-    if direct and Path(local).is_dir() and supports(local)[0]:
+    local = direct_checkpoint_dir(path) if direct else None
+    if local is not None:
         from lathe.models import load_lathe_model
         from lathe.models.config import UnsupportedArchitecture
         try:
@@ -249,6 +246,17 @@ def hub_snapshot(repo_id: str) -> str | None:
                  "loads it", repo_id, type(err).__name__, err)
         return None
     return local if any(Path(local).glob("*.safetensors")) else None
+
+
+def direct_checkpoint_dir(path: str) -> str | None:
+    """The local directory lathe's decoder reads `path` from directly: `path` itself (`~` expanded), or a hub id's
+    copy in the local cache (`hub_snapshot`), when lathe's decoder runs its architecture; else None (transformers
+    loads it)."""
+    from lathe.models import supports
+    local = os.path.expanduser(str(path))
+    if not Path(local).is_dir() and HUB_ID.match(str(path)) and supports(checkpoint_config_dir(path))[0]:
+        local = hub_snapshot(str(path)) or local
+    return local if Path(local).is_dir() and supports(local)[0] else None
 
 
 def vl_checkpoint_dir(path: str) -> str:

@@ -34,8 +34,9 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
                      impl: str = "auto"):
     """A value model from ``path``: a local HF directory, a hub id, or ``builtin:<shape>``.
 
-    A Hugging Face checkpoint loads through ``AutoModelForTokenClassification(num_labels=1)``; a missing
-    ``score`` head is zero-initialised. A Qwen3.5 vision-language checkpoint's language model loads as lathe's value
+    A checkpoint whose architecture lathe's decoder runs loads as lathe's value model directly (one copy of the
+    weights; `load_lathe_value_model`); another, or one with `impl` hf or `override_config`, through
+    ``AutoModelForTokenClassification(num_labels=1)``; a missing ``score`` head is zero-initialised. A Qwen3.5 vision-language checkpoint's language model loads as lathe's value
     model directly (`lathe.models.vl.load_language_model`), saved as the whole model's token-classification form
     (not with `impl` hf, where transformers' model is asked for).
     ``builtin:<shape>`` builds the built-in policy's architecture with the same seeded backbone weights (see
@@ -47,14 +48,19 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
     from transformers import AutoConfig, AutoModelForTokenClassification
     local = resolve(path, "critic.model.path")
     local_only = Path(local).is_dir()
-    from lathe.models.hf import is_vl_path, vl_checkpoint_dir
+    from lathe.models import load_lathe_value_model
+    from lathe.models.config import UnsupportedArchitecture
+    from lathe.models.hf import direct_checkpoint_dir, is_vl_path, vl_checkpoint_dir
     from lathe.models.vl import language_model_runs_alone, load_language_model
     if impl != "hf" and not override_config and is_vl_path(path) and language_model_runs_alone(
             checkpoint := vl_checkpoint_dir(path)):
         return load_language_model(checkpoint, dtype, value=True)      # Qwen3.5's language model, a critic's backbone
-    direct = _direct_value_model(path, local, dtype) if impl != "hf" and not override_config else None
-    if direct is not None:
-        return direct
+    direct = direct_checkpoint_dir(path) if impl != "hf" and not override_config else None
+    if direct is not None:          # one copy of the weights, no transformers model converted after
+        try:
+            return load_lathe_value_model(direct, dtype)
+        except UnsupportedArchitecture as e:      # tensors lathe's decoder does not know: transformers decides
+            log.info("critic: %s", e)
     try:
         config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=local_only)
         for key, value in {"num_labels": 1, "classifier_dropout": 0.0, **(override_config or {})}.items():
@@ -73,24 +79,6 @@ def load_value_model(path: str, *, vocab_size: int | None = None, seed: int = 0,
     if any(is_head(k) for k in info.get("missing_keys", ())):
         _zero_value_head(model)
     return model
-
-
-def _direct_value_model(path: str, local: str, dtype: torch.dtype):
-    """lathe's value model read straight from the checkpoint (a local directory, or a hub id's copy in the cache)
-    when lathe's decoder runs its architecture: one copy of the weights, no transformers model first. None when it
-    does not (or the checkpoint holds tensors lathe's decoder does not know): transformers loads it then."""
-    from lathe.models import load_lathe_value_model, supports
-    from lathe.models.config import UnsupportedArchitecture
-    from lathe.models.hf import HUB_ID, checkpoint_config_dir, hub_snapshot
-    if not Path(local).is_dir() and HUB_ID.match(str(path)) and supports(checkpoint_config_dir(path))[0]:
-        local = hub_snapshot(str(path)) or local
-    if not Path(local).is_dir() or not supports(local)[0]:
-        return None
-    try:
-        return load_lathe_value_model(local, dtype)
-    except UnsupportedArchitecture as e:
-        log.info("critic: %s", e)
-        return None
 
 
 def build_builtin_value_model(shape: str, *, vocab_size: int | None, seed: int = 0, dtype=torch.float32):

@@ -168,6 +168,30 @@ def test_cuda_engine_logprobs_sleep_and_graph_recapture(checkpoints, monkeypatch
     assert engine.generate(PROMPTS, params).token_ids == first.token_ids
 
 
+def test_a_kept_cache_comes_back_in_place_after_an_update_s_backward(checkpoints):
+    """The update's backward runs on autograd's device thread, whose cuBLAS workspace is made at its first product,
+    inside the sleeping engine's freed cache when that is the allocator's best fit (its one buffer, 256 MiB here): the
+    engine frees the workspaces at wake-up, the cache lands where it was and the decode graphs are kept, step after
+    step (at c811447 they were captured again at every 0.5B step)."""
+    path, _ = checkpoints["qwen2"]
+    engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=64,
+                                         num_kv_blocks=16384)
+    assert engine.kv_cache.buffer.nbytes >= 128 << 20
+    params = SamplingParams(n=4, temperature=0.8, max_tokens=MAX, seed=5)
+    first = engine.generate(PROMPTS, params)
+    address = engine.kv_cache.address
+    for _ in range(3):
+        engine.sleep()
+        assert engine._cache_kept
+        weight = torch.randn(512, 512, device="cuda", requires_grad=True)
+        (weight @ weight).square().sum().backward()
+        del weight
+        engine.wake_up()
+        assert engine.kv_cache.address == address
+        out = engine.generate(PROMPTS, params)
+        assert out.metrics["rollout/graph_captures"] == 0 and out.token_ids == first.token_ids
+
+
 def shared_prefix_runs(path, monkeypatch):
     """(CPU model, prompts, [output with the shared-prefix launch, output without]): the n=5 samples of three long
     prompts on CUDA with the Triton decode kernel (groups from 16 shared tokens), the launch's graphs checked to be

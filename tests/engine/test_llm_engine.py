@@ -170,6 +170,26 @@ def test_sleep_frees_kv_and_wake_up_restores(checkpoints):
     assert engine.generate(PROMPTS, params).token_ids == before.token_ids
 
 
+def test_wake_up_frees_cublas_workspaces_before_taking_the_kept_cache_back(checkpoints, monkeypatch):
+    """The update's backward makes its cuBLAS workspace inside the sleeping engine's kept cache: the engine frees the
+    workspaces before it takes the cache back from the allocator, so that the cache lands where it was and its decode
+    graphs are kept (they were captured again at every step while a 32 MiB workspace split a layer's segment)."""
+    from lathe import device as accel
+    engine = _engine(checkpoints["qwen2"][0])
+    params = SamplingParams(temperature=0, max_tokens=MAX)
+    before = engine.generate(PROMPTS, params)
+    calls = []
+    monkeypatch.setattr(accel, "clear_blas_workspaces", lambda device: calls.append("clear"))
+    allocate = engine.kv_cache.allocate
+    monkeypatch.setattr(engine.kv_cache, "allocate", lambda: (calls.append("allocate"), allocate())[1])
+    engine.sleep()
+    engine._cache_kept = True           # (a CPU engine never keeps it: as a GPU one with room to spare)
+    calls.clear()
+    engine.wake_up()
+    assert calls == ["clear", "allocate"]
+    assert engine.generate(PROMPTS, params).token_ids == before.token_ids
+
+
 def test_a_call_that_fails_midway_leaves_nothing_running_and_its_own_error_raised(checkpoints, monkeypatch):
     """A step that raises mid-call (a decode graph's capture out of device memory, say) drops the call's sequences
     and their KV blocks: the caller's cleanup can put the engine to sleep (it refused while sequences held blocks,

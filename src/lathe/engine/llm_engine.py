@@ -708,14 +708,15 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         again."""
         if self.kv_cache.allocated:
             return
+        kept, self._cache_kept = self._cache_kept, False
+        if kept:
+            # cuBLAS's workspaces go first: the update's backward makes one at its first product inside the freed
+            # cache (32 MiB splitting its segment), and the cache (or the states) would land elsewhere, the graphs
+            # captured again. Safe beside live graphs: a capture keeps no workspace outside its pool (`DecodeGraphs`)
+            accel.clear_blas_workspaces(self.model.device)
         if self.states is not None:
             self.states.allocate()
-        kept, self._cache_kept = self._cache_kept, False
         if kept and (self._auto_size is None or self._blocks_within_utilization() >= self.kv_cache.num_blocks):
-            # cuBLAS's workspaces go first: the update's backward makes one at its first product inside the freed
-            # cache (32 MiB splitting a layer's segment), and the cache would land elsewhere, its graphs captured
-            # again. Safe beside live graphs: a capture keeps no workspace outside its pool (`DecodeGraphs`)
-            accel.clear_blas_workspaces(self.model.device)
             try:
                 self.kv_cache.allocate()
                 if self.drafter is not None:        # (the draft layer's cache too, or both are sized again)

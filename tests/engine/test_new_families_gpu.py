@@ -108,6 +108,22 @@ def test_gpt_oss_decode_graphs_equal_eager_decode(tmp_path, backend):
         assert_close_rel(lps, _teacher_log_probs(ref, prompt, ids), rel=5e-2, name="graph decode (bf16) vs fp32")
 
 
+def assert_graphs_eager_and_packed_agree(model, ref, outs) -> None:
+    """`outs` {enforce_eager: the engine's output} of PROMPTS (n=2, greedy) on `model` (bf16, CUDA): graph decode
+    gives the eager steps' tokens and the log-probs of `ref` (the fp32 CPU model), and the packed bf16 forward its
+    logits."""
+    from lathe.models.packing import pack_sequences
+    assert outs[False].token_ids == outs[True].token_ids
+    for prompt, ids, lps in zip([p for p in PROMPTS for _ in range(2)], outs[False].token_ids, outs[False].logprobs):
+        assert_close_rel(lps, _teacher_log_probs(ref, prompt, ids), rel=5e-2, name="graph decode (bf16) vs fp32")
+    seqs = [torch.tensor(p + ids) for p, ids in zip(PROMPTS, outs[False].token_ids[::2])]
+    with torch.no_grad():
+        ids, pos, cu, mx = pack_sequences(seqs)
+        got = model.forward_packed(ids.to(CUDA), pos.to(CUDA), cu.to(CUDA), mx, return_hidden=False).float().cpu()
+        want = ref.forward_packed(ids, pos, cu, mx, return_hidden=False)
+    assert_close_rel(got, want, rel=5e-2, name="packed bf16 logits on CUDA vs fp32 CPU")
+
+
 @pytest.mark.parametrize("family", ["mistral_window", "seed_oss"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_llama_like_families_on_cuda_equal_the_fp32_forward(tmp_path, family, backend):
@@ -118,19 +134,30 @@ def test_llama_like_families_on_cuda_equal_the_fp32_forward(tmp_path, family, ba
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
-    from lathe.models.packing import pack_sequences
     path, _ = save_hf(tmp_path, family, seed=2)
     model = load_lathe_model(path, torch.bfloat16, device=CUDA).eval()
     params = SamplingParams(n=2, temperature=0, max_tokens=12)
     outs = {eager: LatheEngine(model, eos_token_id=None, block_size=16, num_kv_blocks=64, decode_backend=backend,
                                enforce_eager=eager).generate(PROMPTS, params) for eager in (True, False)}
-    assert outs[False].token_ids == outs[True].token_ids
-    ref = load_lathe_model(path).eval()
-    for prompt, ids, lps in zip([p for p in PROMPTS for _ in range(2)], outs[False].token_ids, outs[False].logprobs):
-        assert_close_rel(lps, _teacher_log_probs(ref, prompt, ids), rel=5e-2, name="graph decode (bf16) vs fp32")
-    seqs = [torch.tensor(p + ids) for p, ids in zip(PROMPTS, outs[False].token_ids[::2])]
-    with torch.no_grad():
-        ids, pos, cu, mx = pack_sequences(seqs)
-        got = model.forward_packed(ids.to(CUDA), pos.to(CUDA), cu.to(CUDA), mx, return_hidden=False).float().cpu()
-        want = ref.forward_packed(ids, pos, cu, mx, return_hidden=False)
-    assert_close_rel(got, want, rel=5e-2, name="packed bf16 logits on CUDA vs fp32 CPU")
+    assert_graphs_eager_and_packed_agree(model, load_lathe_model(path).eval(), outs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_glm_4_5_on_cuda_equals_the_fp32_forward(tmp_path, backend):
+    """GLM-4.5 (RoPE over half of each head, so the decode attention cannot rotate in its launch; the sigmoid router's
+    MoE block on the engine's fused experts when the probe picks them): decode graphs give the eager steps' tokens and
+    the fp32 forward's log-probs (every expert chosen, so routing cannot flip between the precisions), and the packed
+    bf16 training forward its logits."""
+    from models.glm_tiny import glm_model
+
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
+    from lathe.models import load_lathe_model
+    glm_model(seed=2, num_experts_per_tok=8, topk_group=4).save_pretrained(tmp_path)
+    model = load_lathe_model(tmp_path, torch.bfloat16, device=CUDA).eval()
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)
+    engines = {eager: LatheEngine(model, eos_token_id=None, block_size=16, num_kv_blocks=64, decode_backend=backend,
+                                  enforce_eager=eager) for eager in (True, False)}
+    assert engines[False].runner.graphs is not None, "GLM-4.5's decode steps ran without CUDA graphs"
+    outs = {eager: engine.generate(PROMPTS, params) for eager, engine in engines.items()}
+    assert_graphs_eager_and_packed_agree(model, load_lathe_model(tmp_path).eval(), outs)

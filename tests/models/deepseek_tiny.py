@@ -28,15 +28,21 @@ def deepseek_config(**overrides):
 def deepseek_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """A random `DeepseekV3ForCausalLM` (eval mode, SDPA attention) in `dtype`."""
     from transformers import DeepseekV3ForCausalLM
+    return randomised(DeepseekV3ForCausalLM, deepseek_config(**overrides), seed, dtype)
+
+
+def randomised(model_class, cfg, seed: int, dtype: torch.dtype):
+    """`model_class(cfg)` (a DeepSeek-V3-style MoE: DeepSeek-V3, GLM-4.5) seeded, on SDPA attention and transformers'
+    eager experts (its grouped-mm path refuses float64), its norms and biases shifted off their initial values and the
+    sparse layers' selection biases drawn at random; eval mode, in `dtype`."""
     torch.manual_seed(seed)
-    cfg = deepseek_config(**overrides)
     cfg._attn_implementation = "sdpa"
-    cfg._experts_implementation = "eager"        # its grouped-mm path refuses float64
-    model = DeepseekV3ForCausalLM(cfg)
+    cfg._experts_implementation = "eager"
+    model = model_class(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.3)
-        for layer in model.model.layers[1:]:
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.2)
     return model.to(dtype).eval()

@@ -1,6 +1,7 @@
-"""The MoE families' shared checks against transformers (test helper, not a test): logits of a ragged batch, padded
-and packed; one ragged batch through both models with the load-balancing loss on, a loss over logits and aux loss
-backpropagated on each side; a checkpoint saved by transformers, loaded and saved by lathe, loaded by transformers."""
+"""The families' shared checks against transformers (test helper, not a test): logits of a ragged batch, padded
+and packed; gradients of one loss over them; one ragged batch through both models with the load-balancing loss on, a
+loss over logits and aux loss backpropagated on each side; a checkpoint saved by transformers, loaded and saved by
+lathe, loaded by transformers; the engine's greedy tokens and log-probs."""
 
 from __future__ import annotations
 
@@ -30,6 +31,43 @@ def assert_logits_equal_transformers(hf, lathe, seed: int = 0, rel: float = 1e-5
         out = lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
                                    return_hidden=False)
     assert_close_rel(out, ref[real], rel=rel, name="packed logits")
+
+
+def assert_gradients_equal_transformers(hf, lathe, nonzero: tuple[str, ...], rel: float = 1e-6) -> None:
+    """The gradients of every parameter after one loss over a ragged batch's logits (transformers padded, lathe packed)
+    agree within `rel`; those named in `nonzero` are not all zero (they take part)."""
+    ids, mask, pos = ragged_batch(1)
+    real = mask.bool()
+    hf.zero_grad()
+    hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits[real].pow(2).mean().backward()
+    packed = pack_padded(ids, mask, pos)
+    lathe.zero_grad()
+    lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
+                         return_hidden=False).pow(2).mean().backward()
+    grads = {n: p.grad for n, p in lathe.named_parameters()}
+    ref = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(grads) == set(ref)
+    for name in nonzero:
+        assert grads[name].abs().sum() > 0, name
+    assert_close_rel(grads, ref, rel=rel, name="gradients")
+
+
+def assert_engine_equals_transformers(hf, lathe, path, name: str = "") -> None:
+    """lathe's engine over checkpoint `path`: greedy tokens of three prompts those of transformers' `generate`, and
+    their log-probs lathe's teacher-forced forward's."""
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
+    prompts = [[3, 17, 42, 9, 4, 77, 12, 5], [8, 1, 66, 23], [50, 2, 31, 99, 14, 7]]
+    engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10))
+    for prompt, tokens, lps in zip(prompts, out.token_ids, out.logprobs):
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=10, min_new_tokens=10, eos_token_id=None, pad_token_id=0)
+        assert tokens == ref[0, len(prompt):].tolist(), name
+        with torch.no_grad():
+            logits = lathe(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
+        forced = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+        assert_close_rel(torch.as_tensor(lps, dtype=torch.float64), forced, name=f"{name} log-probs")
 
 
 def _loss(logits, aux):

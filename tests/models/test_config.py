@@ -14,8 +14,9 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden
 def test_registry_names_the_families():
     assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                        "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
-                                       "MiMoForCausalLM", "MistralForCausalLM", "SeedOssForCausalLM", "Qwen3_5ForCausalLM",
-                                       "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
+                                       "MiMoForCausalLM", "MistralForCausalLM", "SeedOssForCausalLM",
+                                       "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                                       "Qwen3NextForCausalLM"}
 
 
 def test_qwen3_moe_keys():

@@ -10,13 +10,11 @@ import torch
 from lathe.models.config import LatheConfig, UnsupportedArchitecture
 from lathe.models.deepseek import DeepseekMoeBlock, MlaAttention
 from lathe.models.hf import lathe_from_transformers
-from lathe.models.packing import pack_padded
 
 from helpers import assert_close_rel
 
 from .deepseek_tiny import deepseek_config, deepseek_model
-from .lathe_tiny import ragged_batch
-from .moe_reference import assert_logits_equal_transformers, round_trip
+from .moe_reference import assert_gradients_equal_transformers, assert_logits_equal_transformers, round_trip
 
 # q_proj instead of the low-rank q, the plain (half-split) RoPE layout, no YaRN, v wider than q/k, no group limit
 PLAIN = dict(q_lora_rank=None, rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
@@ -41,7 +39,9 @@ def test_config_reads_the_deepseek_shape():
     assert (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.v_head_dim, cfg.head_dim) == (24, 16, 20, 10, 24)
     assert cfg.num_key_value_heads == cfg.num_attention_heads == 4
     assert [cfg.is_sparse_layer(i) for i in range(3)] == [False, True, True]
-    assert (m.n_group, m.topk_group, m.routed_scaling_factor, cfg.moe.num_experts) == (4, 2, 2.5, 8)
+    moe = cfg.moe
+    assert (moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.num_experts, moe.scoring) == (
+        4, 2, 2.5, 8, "sigmoid")
     mscale = 0.1 * 0.7 * torch.log(torch.tensor(4.0)).item() + 1
     assert m.softmax_scale == pytest.approx(20 ** -0.5 * mscale ** 2)
     assert LatheConfig.from_hf_dict(_hf_dict(**PLAIN)).head_dim == 24
@@ -83,22 +83,10 @@ def test_logits_equal_transformers(pair, variant):
 
 
 def test_gradients_equal_transformers(pair):
-    hf, lathe = pair
-    ids, mask, pos = ragged_batch(1)
-    real = mask.bool()
-    hf.zero_grad()
-    hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits[real].pow(2).mean().backward()
-    packed = pack_padded(ids, mask, pos)
-    lathe.zero_grad()
-    lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
-                         return_hidden=False).pow(2).mean().backward()
-    grads = {n: p.grad for n, p in lathe.named_parameters()}
-    ref = {n: p.grad for n, p in hf.named_parameters()}
-    assert set(grads) == set(ref)
-    for name in ("model.layers.1.self_attn.q_a_layernorm.weight", "model.layers.2.mlp.gate.weight",
-                 "model.layers.2.mlp.shared_experts.down_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight"):
-        assert grads[name].abs().sum() > 0, name
-    assert_close_rel(grads, ref, rel=1e-6, name="gradients")
+    assert_gradients_equal_transformers(*pair, ("model.layers.1.self_attn.q_a_layernorm.weight",
+                                                "model.layers.2.mlp.gate.weight",
+                                                "model.layers.2.mlp.shared_experts.down_proj.weight",
+                                                "model.layers.0.self_attn.kv_b_proj.weight"))
 
 
 def test_router_limits_groups_and_uses_the_bias_for_selection_only(pair):

@@ -8,8 +8,6 @@ import json
 import pytest
 import torch
 
-from lathe.engine.llm_engine import LatheEngine
-from lathe.generation import SamplingParams
 from lathe.models import load_lathe_model, load_lathe_value_model, supports
 from lathe.models.decoder import LatheCausalLM
 from lathe.models.io import save_pretrained
@@ -18,6 +16,7 @@ from lathe.models.packing import pack_padded, unpack_to_padded
 from helpers import assert_close_rel
 
 from .lathe_tiny import LLAMA_LIKE, VOCAB, ragged_batch, save_hf
+from .moe_reference import assert_engine_equals_transformers
 
 ARCH = {"mistral": "MistralForCausalLM", "mistral_window": "MistralForCausalLM", "seed_oss": "SeedOssForCausalLM"}
 
@@ -83,16 +82,7 @@ def test_a_save_loads_back_in_transformers_as_the_same_class(pair, tmp_path):
 @torch.no_grad()
 def test_engine_greedy_equals_transformers_and_its_log_probs_the_forward(pair):
     family, path, hf, lathe = pair
-    prompts = [[3, 17, 42, 9, 4, 77, 12, 5], [8, 1, 66, 23], [50, 2, 31, 99, 14, 7]]
-    engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64)
-    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10))
-    for prompt, tokens, lps in zip(prompts, out.token_ids, out.logprobs):
-        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          do_sample=False, max_new_tokens=10, min_new_tokens=10, eos_token_id=None, pad_token_id=0)
-        assert tokens == ref[0, len(prompt):].tolist(), family
-        logits = lathe(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
-        forced = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-        assert_close_rel(torch.as_tensor(lps, dtype=torch.float64), forced, name=f"{family} log-probs")
+    assert_engine_equals_transformers(hf, lathe, path, family)
 
 
 def test_a_critic_round_trips_through_transformers_token_classification(pair, tmp_path):

@@ -215,7 +215,8 @@ def test_mixture_of_experts_models_are_refused_without_expert_parallelism_a_mult
         check_model(model, 4, key, 3)                  # neither a multiple nor a divisor
     from models.gpt_oss_tiny import gpt_oss_config
     gpt_oss = LatheCausalLM(LatheConfig.from_hf_dict(gpt_oss_config().to_dict()))
-    with pytest.raises(ValueError, match="only Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's .* are cut over a tensor-parallel group"):
+    with pytest.raises(ValueError, match="only Qwen3-MoE's, Qwen3.5-MoE's, Qwen3-Next's and GLM-4.5's .* are cut "
+                                         "over a tensor-parallel group"):
         check_model(gpt_oss, 2, key, 2)
 
 

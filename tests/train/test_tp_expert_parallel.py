@@ -27,7 +27,9 @@ One group of 2 gloo ranks (forks of one forkserver, as `test_parallel`'s), all c
   load-balancing losses on: metrics (the losses too), gradients, weights, log-probs after 3 updates equal one
   process's; LoRA beside TP 2 x EP 4, without and with Ulysses 2, 2 updates: metrics, the adapters' gradients, the
   weights and the merged layers the engine receives equal one process's; a tiny Qwen3.5-MoE (linear attention, a
-  shared expert) under TP 2 x EP 4 too (metrics, gradients and weights over 3 updates).
+  shared expert) under TP 2 x EP 4 too (metrics, gradients and weights over 3 updates);
+- a tiny GLM-4.5 (partial RoPE, q/k norms, group-limited sigmoid routing, a shared expert) under TP 2 x EP 2, 2
+  updates: metrics, gradients, weights and the engine's whole tensors equal one process's.
 """
 
 from __future__ import annotations
@@ -60,11 +62,21 @@ def rank_block() -> dict:
     return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in got.items()}
 
 
+def tiny_glm():
+    """A tiny GLM-4.5 in lathe's decoder (RoPE over half of each head, q/k norms and biases, group-limited sigmoid
+    routing over 8 experts, a shared expert, layer 0 dense: models.glm_tiny)."""
+    from models.glm_tiny import glm_model
+
+    from lathe.models.hf import lathe_from_transformers
+    return lathe_from_transformers(glm_model(seed=5))
+
+
 def tp_ep_job(world: int, *, ckpt: str) -> dict:
     return {"block": rank_block(),
             "actor": train(world, -1, model_fn=aux_moe, overrides=(*KEYS, *MEGATRON_LOSSES), tp=T, log_probs=True,
                            grads=True, engine=True, save=ckpt),
-            "dense": train(world, -1, steps=range(2), model_fn=tiny_qwen3, overrides=KEYS[:1], tp=T, grads=True)}
+            "dense": train(world, -1, steps=range(2), model_fn=tiny_qwen3, overrides=KEYS[:1], tp=T, grads=True),
+            "glm": train(world, -1, steps=range(2), model_fn=tiny_glm, overrides=KEYS, tp=T, grads=True, engine=True)}
 
 
 EP_OVER_GROUPS = (KEYS[0], f"actor_rollout_ref.actor.fsdp_config.expert_parallel_size={2 * T}")
@@ -218,6 +230,24 @@ def test_tp_x_ep_checkpoint_resumes_in_one_process(checkpointed, one):
     _, ckpt = checkpointed
     resumed = train(1, -1, steps=range(SAVED_AFTER, STEPS), resume=ckpt, model_fn=aux_moe, overrides=MEGATRON_LOSSES)
     assert_close_rel(resumed["weights"], one["weights"], rel=1e-5, name="resumed weights")
+
+
+def test_glm_4_5_under_tp_2_x_ep_2_updates_as_one_process(ranks):
+    """GLM-4.5's layers cut over the group (heads with their partial RoPE and q/k norms, the dense and shared experts'
+    columns, the routed experts placed 4 a rank, the router and its selection bias whole), 2 updates: metrics, the last
+    step's gradients, the weights and the engine's whole tensors equal one process's."""
+    one = train(1, -1, steps=range(2), model_fn=tiny_glm, grads=True, engine=True)
+    got = ranks[0]["glm"]
+    for a, b in zip(got["metrics"], one["metrics"], strict=True):
+        assert_close_rel([a[k] for k in COMPARED], [b[k] for k in COMPARED], rel=1e-5, name="metrics")
+    assert {"model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.2.self_attn.k_norm.weight",
+            "model.layers.1.mlp.experts.gate_up_proj"} <= set(one["grads"])
+    assert_close_rel(got["grads"], one["grads"], rel=1e-5, name="last step's gradients")
+    assert_close_rel(got["weights"], one["weights"], rel=1e-5, name="weights")
+    for rank in ranks:      # (the sharded actor sends parameters; the selection bias, a buffer never trained, stays)
+        sent = rank["glm"]["engine"]
+        assert {k.rpartition(".")[2] for k in one["engine"].keys() - sent.keys()} == {"e_score_correction_bias"}
+        assert_close_rel(sent, {k: one["engine"][k] for k in sent}, rel=1e-5, name="engine's whole tensors")
 
 
 def test_dense_qwen3_q_k_norm_gradients_under_tp_2_equal_one_process(ranks):

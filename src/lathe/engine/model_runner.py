@@ -59,8 +59,10 @@ class ModelRunner:
         self.shared_prefix = shared_prefix      # decode graphs attend a shared prompt once per group (`cuda_graph`)
         self.states = states        # a hybrid model's linear-attention states (`linear_state.py`), or None
         # whether a decode step's attention rotates q and k (`DecodeAttention.rotates`): not for the hybrid and MLA
-        # layers, which rotate them themselves (partial RoPE)
-        self.rotates = False if states is not None or is_mla(model) else None
+        # layers, which rotate them themselves, nor under RoPE over part of each head (GLM-4.5), which the attention's
+        # one launch does not do (`triton_store.can_rope_store`)
+        partial = getattr(text_config(model), "rotary_dim", None) not in (None, text_config(model).head_dim)
+        self.rotates = False if states is not None or is_mla(model) or partial else None
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.max_model_len = max_model_len

@@ -230,9 +230,9 @@ class ShardLayout:
             self.q = (first * mla.v_head_dim, n * mla.v_head_dim)             # o_proj's columns
             per = mla.qk_nope_head_dim + mla.v_head_dim
             self.mla = {"q_b": self.q_rows, "kv_b": (first * per, n * per)}
-        # a shared expert's intermediate features (Qwen3.5-MoE / Qwen3-Next, DeepSeek-V3), cut like a dense MLP's
+        # a shared expert's intermediate features (Qwen3.5-MoE / Qwen3-Next, DeepSeek-V3, GLM-4.5), cut as a dense MLP's
         shared = (la.shared_expert_intermediate_size if la is not None else
-                  mla.n_shared_experts * cfg.moe.moe_intermediate_size if mla is not None and cfg.moe else 0)
+                  cfg.moe.n_shared_experts * cfg.moe.moe_intermediate_size if cfg.moe is not None else 0)
         if shared % size:
             raise ValueError(f"rollout.tensor_model_parallel_size={size}: the shared experts' intermediate features "
                              f"({shared}) are not divisible by it. Fix: choose a size that divides {shared}")
@@ -380,7 +380,8 @@ def check_replica(model, size: int, expert_parallel_size: int = 1, data_parallel
     if type(model) is not LatheCausalLM and not is_vl(model):
         raise NotImplementedError(
             f"rollout.tensor_model_parallel_size={size}: tensor-parallel engine replicas run lathe's text decoder "
-            f"(Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3) and its VL "
+            f"(Llama, Mistral, Seed-OSS, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, "
+            f"DeepSeek-V3, GLM-4.5) and its VL "
             f"models; this model is {type(model).__name__}. Fix: set it to 1")
     if is_vl(model) and data_parallel_size > 1:
         raise NotImplementedError(

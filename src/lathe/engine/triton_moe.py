@@ -283,11 +283,9 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 def fusable_blocks(model: nn.Module) -> list[SparseMoeBlock]:
     """The sparse layers whose experts the fused kernels compute: the plain SwiGLU experts without biases
-    (`Experts`: Qwen3-MoE's, Qwen3.5-MoE's) and GPT-OSS's (`GptOssExperts`), not an expert-parallel slice, in a
-    block whose forward reads `decode_experts` (DeepSeek-V3's forward is its own)."""
-    from lathe.models.deepseek import DeepseekMoeBlock
-    return [b for b in sparse_blocks(model)
-            if type(b.experts) in (Experts, GptOssExperts) and not isinstance(b, DeepseekMoeBlock)]
+    (`Experts`: Qwen3-MoE's, Qwen3.5-MoE's, DeepSeek-V3's and GLM-4.5's) and GPT-OSS's (`GptOssExperts`), not an
+    expert-parallel slice (every block's forward reads `decode_experts`)."""
+    return [b for b in sparse_blocks(model) if type(b.experts) in (Experts, GptOssExperts)]
 
 
 def experts_args(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, tuple | None, tuple[float, float] | None]:

@@ -20,16 +20,17 @@ from lathe.models.hybrid_config import HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES,
 # the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are in HYBRID_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "GptOssForCausalLM", "DeepseekV3ForCausalLM", "MiMoForCausalLM", "MistralForCausalLM",
-                           "SeedOssForCausalLM", *HYBRID_ARCHITECTURES}
-# The token-classification (critic) heads over the same backbones load too.
+                           "SeedOssForCausalLM", "Glm4MoeForCausalLM", *HYBRID_ARCHITECTURES}
+# The token-classification (critic) heads over the same backbones load too (GLM-4.5's: the name lathe saves a critic
+# under; transformers has no such class)
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
                        "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification",
                        "DeepseekV3ForTokenClassification", "MistralForTokenClassification",
-                       "SeedOssForTokenClassification"}
+                       "SeedOssForTokenClassification", "Glm4MoeForTokenClassification"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "mimo": "MiMoForCausalLM", "mistral": "MistralForCausalLM",
-               "seed_oss": "SeedOssForCausalLM", **HYBRID_MODEL_TYPES}
+               "seed_oss": "SeedOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", **HYBRID_MODEL_TYPES}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 # Families whose main model is exactly Qwen2's (q/k/v bias, no o bias): MiMo is Qwen2 plus its MTP layers
 QWEN2_BODIES = ("Qwen2", "MiMo")
@@ -88,6 +89,14 @@ class MoeConfig:
     swiglu_alpha: float | None = None       # None: the plain SwiGLU of Qwen3-MoE
     swiglu_limit: float | None = None
     fused_on_disk: bool = False
+    # DeepSeek-V3's and GLM-4.5's routing (`lathe.models.deepseek.DeepseekMoeBlock`): sigmoid scores, a selection
+    # bias, the top `topk_group` of `n_group` expert groups, the weights times `routed_scaling_factor`, and
+    # `n_shared_experts` shared experts of moe_intermediate_size beside the routed ones. "softmax": Qwen3-MoE's top-k
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
 
     def is_sparse(self, index: int) -> bool:
         return (index not in self.mlp_only_layers and self.num_experts > 0
@@ -139,11 +148,23 @@ class LatheConfig:
     num_mtp_layers: int = 0                  # MiMo: multi-token-prediction layers (`lathe.models.mtp`), HF's
                                              # `num_nextn_predict_layers`; 0 = none
     rope: RopeConfig = field(default_factory=RopeConfig)
+    partial_rotary_factor: float = 1.0       # GLM-4.5: RoPE turns the first rotary_dim features of each head
     torch_dtype: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     # the language model of a vision-language checkpoint, run alone (`lathe.models.vl.load_language_model`): that
     # checkpoint's directory and config.json, so that a save writes the whole model back (`io.save_pretrained`)
     vl_checkpoint: tuple[str, dict[str, Any]] | None = field(default=None, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The features of each query and key head that RoPE turns (the first ones; the rest pass unturned)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def stacked_mtp_layers(self) -> bool:
+        """Whether the checkpoint may hold multi-token-prediction layers as `model.layers.<n>` past the decoder's
+        (DeepSeek-V3, GLM-4.5): neither lathe's decoder nor transformers runs them (`io.load_into` drops them)."""
+        return self.mla is not None or self.family == "glm4moe"
 
     @property
     def family(self) -> str:
@@ -182,7 +203,7 @@ class LatheConfig:
         elif not arch.startswith("DeepseekV3"):     # its own checks: `deepseek_config.refuse_deepseek_features`
             _check_features(d, arch, source)
         _check_dropout(d, arch, source)
-        heads = int(d["num_attention_heads"])
+        heads, glm = int(d["num_attention_heads"]), family == "Glm4Moe"
         attention_bias = bool(d.get("attention_bias", family == "SeedOss"))     # (transformers' defaults)
         window, layer_types = _mistral_window(d, family)
         if family == "GptOss":
@@ -205,18 +226,35 @@ class LatheConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=True if family in QWEN2_BODIES else attention_bias and family != "Mistral",
             o_bias=(bool(d.get("attention_out_bias", False)) if family == "SeedOss"
-                    else False if family in QWEN2_BODIES + ("Mistral",) else attention_bias),
+                    else False if family in QWEN2_BODIES + ("Mistral", "Glm4Moe") else attention_bias),
             mlp_bias=bool(d.get("mlp_bias", False)) if family in ("Llama", "SeedOss") else False,
             sliding_window=window, layer_types=layer_types,
-            qk_norm=family in ("Qwen3", "Qwen3Moe") or hybrid,
+            qk_norm=family in ("Qwen3", "Qwen3Moe") or hybrid or glm and bool(d.get("use_qk_norm", False)),
             moe=MoeConfig.from_hf_dict(_hybrid_moe_dict(d, arch)) if family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next")
-            else None,
+            else _glm_moe(d, source) if glm else None,
+            partial_rotary_factor=_partial_rotary_factor(d, 0.5) if glm else 1.0,
             linear_attention=LinearAttentionConfig.from_hf_dict(d, arch, source) if hybrid else None,
             num_mtp_layers=int(d.get("num_nextn_predict_layers") or 0) if family == "MiMo" else 0,
             rope=read_rope(d, source),
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             hf_config=dict(d),
         )
+
+
+def _partial_rotary_factor(d: dict[str, Any], default: float) -> float:
+    """The share of each head RoPE turns: `rope_parameters.partial_rotary_factor` (transformers 5), the top-level key
+    (4.x), else the family's default (GLM-4.5's 0.5, as transformers sets it for configs without the key)."""
+    prf = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    prf = default if prf is None else float(prf)
+    if not 0.0 < prf <= 1.0:
+        raise ValueError(f"partial_rotary_factor={prf}: the share of each head RoPE turns lies in (0, 1]. Fix "
+                         "config.json")
+    return prf
+
+
+def _glm_moe(d: dict[str, Any], source: str) -> MoeConfig:
+    from lathe.models.deepseek_config import GLM4_MOE_DEFAULTS, group_routed_moe
+    return group_routed_moe(d, GLM4_MOE_DEFAULTS, int(d["num_hidden_layers"]), source)
 
 
 def _check_dropout(d: dict[str, Any], arch: str, source: str) -> None:
@@ -278,7 +316,7 @@ def _check_features(d: dict[str, Any], arch: str, source: str) -> None:
         raise UnsupportedArchitecture(f"{source}: {arch} with layer_types other than {' or '.join(sorted(allowed))}"
                                       f"{fallback}")
     prf = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
-    if prf not in (None, 1, 1.0):
+    if prf not in (None, 1, 1.0) and not arch.startswith("Glm4Moe"):       # (GLM-4.5's: `LatheConfig.rotary_dim`)
         raise UnsupportedArchitecture(f"{source}: {arch} with partial_rotary_factor={prf}{fallback}")
 
 

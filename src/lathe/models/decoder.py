@@ -1,8 +1,9 @@
-"""lathe's decoder: Llama 3.x, Qwen2/2.5 (q/k/v bias; MiMo is Qwen2 plus multi-token-prediction layers,
-`lathe.models.mtp`), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts
-MLPs, `lathe.models.moe`) and GPT-OSS (attention sinks, sliding-window layers, its own MoE: `lathe.models.gpt_oss`)
-in one module tree; the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) bring their own layers
-(`lathe.models.qwen3_5`), and so does the DeepSeek-V3 family (latent attention, its MoE: `lathe.models.deepseek`).
+"""lathe's decoder: Llama 3.x, Mistral, Seed-OSS, Qwen2/2.5 (q/k/v bias; MiMo is Qwen2 plus multi-token-prediction
+layers, `lathe.models.mtp`), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts MLPs, `lathe.models.moe`),
+GPT-OSS (attention sinks, sliding-window layers, its own MoE: `lathe.models.gpt_oss`) and GLM-4.5 (partial RoPE,
+DeepSeek-V3's MoE: `lathe.models.deepseek.DeepseekMoeBlock`) in one module tree; the hybrid linear-attention families
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next) bring their own layers (`lathe.models.qwen3_5`), and so does the DeepSeek-V3
+family (latent attention, its MoE: `lathe.models.deepseek`).
 
 Module and parameter names are those of the Hugging Face checkpoints (`model.embed_tokens.weight`,
 `model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`), so a state dict moves between the
@@ -169,9 +170,13 @@ class DecoderLayer(nn.Module):
 
 
 def sparse_block(cfg: LatheConfig) -> type[SparseMoeBlock]:
-    """The module class of the family's sparse MLP: GPT-OSS's (clamped SwiGLU, biases) or Qwen3-MoE's."""
+    """The module class of the family's sparse MLP: GPT-OSS's (clamped SwiGLU, biases), DeepSeek-V3's (sigmoid
+    group-limited routing, shared experts: GLM-4.5's) or Qwen3-MoE's."""
     if cfg.moe.swiglu_limit is not None:
         return GptOssMoeBlock
+    if cfg.moe.scoring == "sigmoid":
+        from lathe.models.deepseek import DeepseekMoeBlock      # (it imports this module)
+        return DeepseekMoeBlock
     return SparseMoeBlock
 
 
@@ -193,7 +198,7 @@ class LatheDecoderModel(nn.Module):
         else:
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+            self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
         if cfg.num_mtp_layers:                      # MiMo: run by training only (`lathe.models.mtp.mtp_stream`)
             from lathe.models.mtp import mtp_layers
             self.mtp_layers = mtp_layers(cfg)

@@ -162,18 +162,19 @@ def group_limited_route(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_
 
 
 class DeepseekMoeBlock(SparseMoeBlock):
-    """A DeepSeek-V3 sparse layer's MLP: routed experts (module doc) plus the shared expert. It adds no
-    load-balancing loss (transformers' DeepseekV3 has none): `collect_router_stats` records nothing for it."""
+    """A DeepSeek-V3-style sparse layer's MLP (DeepSeek-V3's, GLM-4.5's: `MoeConfig.scoring == "sigmoid"`): routed
+    experts (module doc) plus the shared experts. It adds no load-balancing loss (transformers' DeepseekV3 and
+    Glm4Moe have none): `collect_router_stats` records nothing for it."""
 
     balance_losses = False
 
     def __init__(self, cfg: LatheConfig):
         nn.Module.__init__(self)
-        self.moe, self.moe_hidden, self.m = cfg.moe, cfg.hidden_size, cfg.mla
+        self.moe, self.moe_hidden = cfg.moe, cfg.hidden_size
         self.gate = DeepseekRouter(cfg.hidden_size, cfg.moe.num_experts)
         self.experts = Experts(cfg.moe, cfg.hidden_size)
-        if cfg.mla.n_shared_experts:
-            width = cfg.moe.moe_intermediate_size * cfg.mla.n_shared_experts
+        if cfg.moe.n_shared_experts:
+            width = cfg.moe.moe_intermediate_size * cfg.moe.n_shared_experts
             self.shared_experts = MLP(replace(cfg, intermediate_size=width, mlp_bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,21 +185,25 @@ class DeepseekMoeBlock(SparseMoeBlock):
             weights, chosen = self._hooked(scores, self.moe.norm_topk_prob, own=self.choose, weigh=self.weigh)
         else:
             weights, chosen = self.choose(scores)
-        out = sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)   # EP wraps experts
-        return out + self.shared_experts(x) if self.m.n_shared_experts else out
+        if self.decode_experts is not None:     # the engine's decode steps (`SparseMoeBlock.decode_experts`)
+            out = self.decode_experts(flat, weights.to(x.dtype), chosen, self.experts.gate_up_proj,
+                                      self.experts.down_proj).view(*lead, h)
+        else:
+            out = sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)  # EP wraps experts
+        return out + self.shared_experts(x) if self.moe.n_shared_experts else out
 
     def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) of the group-limited choice over the sigmoid `scores` (module doc)."""
-        m = self.m
-        return group_limited_route(scores, self.gate.e_score_correction_bias, self.moe.num_experts_per_tok,
-                                   m.n_group, m.topk_group, self.moe.norm_topk_prob, m.routed_scaling_factor)
+        m = self.moe
+        return group_limited_route(scores, self.gate.e_score_correction_bias, m.num_experts_per_tok, m.n_group,
+                                   m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
 
     def weigh(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The weights of given experts: their scores (no bias), normalised when the family does, routed-scaled."""
         weights = scores.gather(1, chosen)
         if self.moe.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.m.routed_scaling_factor
+        return weights * self.moe.routed_scaling_factor
 
 
 class MlaDecoderLayer(nn.Module):

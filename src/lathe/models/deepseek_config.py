@@ -30,6 +30,11 @@ DEFAULTS = {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 1843
             "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6, "rope_interleave": True, "attention_bias": False}
 
+# transformers' `Glm4MoeConfig` defaults of its MoE keys (GLM-4.5, GLM-4.5-Air, GLM-4.6: `lathe.models.config`)
+GLM4_MOE_DEFAULTS = {"n_routed_experts": 128, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+                     "moe_intermediate_size": 1408, "norm_topk_prob": True, "first_k_dense_replace": 1,
+                     "routed_scaling_factor": 1.0, "n_shared_experts": 1}
+
 
 @dataclass
 class MlaConfig:
@@ -42,11 +47,6 @@ class MlaConfig:
     v_head_dim: int
     rope_interleave: bool
     softmax_scale: float            # qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN
-    n_group: int
-    topk_group: int
-    routed_scaling_factor: float
-    n_shared_experts: int
-    first_k_dense_replace: int
 
     @property
     def qk_head_dim(self) -> int:
@@ -90,10 +90,6 @@ def refuse_deepseek_features(d: dict[str, Any], source: str) -> None:
     if kv is not None and heads is not None and int(kv) != int(heads):
         raise UnsupportedArchitecture(f"{source}: {ARCHITECTURE} with num_key_value_heads={kv} != num_attention_heads="
                                       f"{heads} (the latent attention expands K/V to every query head){FALLBACK}")
-    groups, experts = d.get("n_group", DEFAULTS["n_group"]) or 1, _get(d, "n_routed_experts")
-    if experts % groups or experts // groups < 2 or (d.get("topk_group") or 1) > groups:
-        raise ValueError(f"{source}: n_routed_experts={experts} must split into n_group={groups} groups of 2 or more "
-                         f"experts, and topk_group={d.get('topk_group')} must be at most n_group. Fix config.json")
 
 
 def softmax_scale(qk_head_dim: int, rope: dict[str, Any]) -> float:
@@ -109,7 +105,7 @@ def softmax_scale(qk_head_dim: int, rope: dict[str, Any]) -> float:
 
 def deepseek_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
     """The `LatheConfig` keyword arguments of a DeepSeek-V3 config (all but architecture and hf_config)."""
-    from lathe.models.config import MoeConfig, read_rope
+    from lathe.models.config import read_rope
     refuse_deepseek_features(d, source)
     heads, layers = int(_get(d, "num_attention_heads")), int(_get(d, "num_hidden_layers"))
     q_lora = _get(d, "q_lora_rank")
@@ -118,19 +114,9 @@ def deepseek_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
                     qk_nope_head_dim=int(_get(d, "qk_nope_head_dim")),
                     qk_rope_head_dim=int(_get(d, "qk_rope_head_dim")),
                     v_head_dim=int(_get(d, "v_head_dim")), rope_interleave=bool(_get(d, "rope_interleave")),
-                    softmax_scale=0.0, n_group=int(d.get("n_group", DEFAULTS["n_group"]) or 1),
-                    topk_group=int(d.get("topk_group", DEFAULTS["topk_group"]) or 1),
-                    routed_scaling_factor=float(_get(d, "routed_scaling_factor")),
-                    n_shared_experts=int(d.get("n_shared_experts", DEFAULTS["n_shared_experts"]) or 0),
-                    first_k_dense_replace=int(d.get("first_k_dense_replace", 3) or 0))
+                    softmax_scale=0.0)
     mla.softmax_scale = softmax_scale(mla.qk_head_dim, rope_params)
-    experts, top_k = int(_get(d, "n_routed_experts")), int(_get(d, "num_experts_per_tok"))
-    # transformers' DeepseekV3 adds no load-balancing loss (the aux-free bias balances the experts), so neither does
-    # lathe: output_router_logits is read as off
-    moe = MoeConfig(num_experts=experts, num_experts_per_tok=top_k,
-                    moe_intermediate_size=int(_get(d, "moe_intermediate_size")),
-                    norm_topk_prob=bool(_get(d, "norm_topk_prob")),
-                    mlp_only_layers=tuple(range(min(mla.first_k_dense_replace, layers))))
+    moe = group_routed_moe(d, DEFAULTS, layers, source)
     bias = bool(_get(d, "attention_bias"))
     return dict(vocab_size=int(_get(d, "vocab_size")), hidden_size=int(_get(d, "hidden_size")),
                 intermediate_size=int(_get(d, "intermediate_size")), num_hidden_layers=layers,
@@ -139,6 +125,30 @@ def deepseek_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
                 rms_norm_eps=float(_get(d, "rms_norm_eps")), tie_word_embeddings=bool(d.get("tie_word_embeddings")),
                 qkv_bias=bias, o_bias=bias, moe=moe, mla=mla, rope=read_rope(d, source),
                 torch_dtype=d.get("dtype") or d.get("torch_dtype"))
+
+
+def group_routed_moe(d: dict[str, Any], defaults: dict[str, Any], layers: int, source: str):
+    """The `MoeConfig` of a DeepSeek-V3-style MoE (DeepSeek-V3, GLM-4.5): `n_routed_experts` experts in `n_group`
+    groups, sigmoid scores, dense layers before `first_k_dense_replace`; `defaults`: the family's transformers
+    defaults for keys the config leaves out. transformers adds no load-balancing loss for these (the aux-free bias
+    balances the experts), so neither does lathe: output_router_logits is read as off."""
+    from lathe.models.config import MoeConfig
+
+    def get(key):
+        return d[key] if key in d else defaults[key]
+    experts = int(d.get("n_routed_experts") or d.get("num_local_experts") or defaults["n_routed_experts"])
+    groups, top_groups, top_k = int(get("n_group") or 1), int(get("topk_group") or 1), int(get("num_experts_per_tok"))
+    if experts % groups or experts // groups < 2 or top_groups > groups or not 1 <= top_k <= experts:
+        raise ValueError(f"{source}: n_routed_experts={experts} must split into n_group={groups} groups of 2 or more "
+                         f"experts, topk_group={top_groups} must be at most n_group and num_experts_per_tok={top_k} "
+                         f"1 .. n_routed_experts. Fix config.json")
+    return MoeConfig(num_experts=experts, num_experts_per_tok=top_k,
+                     moe_intermediate_size=int(get("moe_intermediate_size")),
+                     norm_topk_prob=bool(get("norm_topk_prob")),
+                     mlp_only_layers=tuple(range(min(int(get("first_k_dense_replace") or 0), layers))),
+                     scoring="sigmoid", n_group=groups, topk_group=top_groups,
+                     routed_scaling_factor=float(get("routed_scaling_factor")),
+                     n_shared_experts=int(get("n_shared_experts") or 0))
 
 
 def drop_mtp_weights(state: dict, num_hidden_layers: int) -> dict:

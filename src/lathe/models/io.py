@@ -85,13 +85,13 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
     """Assign `state` (checkpoint names: per-expert MoE weights are fused here) to a (meta-device) model; names in
     `optional` may be missing. Returns those missing."""
     state = fuse_expert_weights(state)
-    if getattr(model.config, "mla", None) is not None:      # DeepSeek-V3's multi-token-prediction layers: unused
+    if getattr(model.config, "stacked_mtp_layers", False):  # DeepSeek-V3's, GLM-4.5's MTP layers: unused
         from lathe.models.deepseek_config import drop_mtp_weights
         kept = drop_mtp_weights(state, model.config.num_hidden_layers)
         if len(kept) < len(state):
-            log.warning("%s: %d tensors of DeepSeek-V3's multi-token-prediction layers (model.layers.%d and on) are "
-                        "not loaded: lathe's decoder does not run them, and checkpoints it saves leave them out",
-                        source, len(state) - len(kept), model.config.num_hidden_layers)
+            log.warning("%s: %d tensors of %s's multi-token-prediction layers (model.layers.%d and on) are not loaded: "
+                        "lathe's decoder does not run them, and checkpoints it saves leave them out", source,
+                        len(state) - len(kept), model.config.architecture, model.config.num_hidden_layers)
         state = kept
     _drop_absent_mtp(model, state, source)
     state = _drop_hybrid_mtp(model, state, source)

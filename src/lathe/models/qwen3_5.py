@@ -38,7 +38,7 @@ from lathe.models.config import LatheConfig
 from lathe.models.decoder import MLP, RMSNorm, attend
 from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state
 from lathe.models.moe import SparseMoeBlock
-from lathe.models.rope import RotaryEmbedding, rotate_half
+from lathe.models.rope import RotaryEmbedding, apply_rotary
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
@@ -57,14 +57,6 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return (super().forward(x) * nn.functional.silu(gate.float())).to(x.dtype)
-
-
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] features of each head of x (..., heads, head_dim); the rest pass."""
-    dim = cos.shape[-1]
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    turned, kept = x[..., :dim], x[..., dim:]
-    return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
 
 
 class GatedAttention(nn.Module):
@@ -87,8 +79,8 @@ class GatedAttention(nn.Module):
                                       "itself (the engine's decode step) does not run Qwen3.5 / Qwen3-Next")
         lead = x.shape[:-1]
         q, gate = self.q_proj(x).view(*lead, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_partial_rotary(self.q_norm(q), cos, sin)
-        k = apply_partial_rotary(self.k_norm(self.k_proj(x).view(*lead, self.n_kv, self.head_dim)), cos, sin)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(*lead, self.n_kv, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
         out = attend(attn, q, k, v, torch.compiler.is_compiling())
         return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))

@@ -141,6 +141,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` (..., heads, head_dim) by cos/sin (..., head_dim), broadcast over heads."""
+    """Rotate `x` (..., heads, head_dim) by cos/sin (..., rotary_dim), broadcast over heads: the first rotary_dim
+    features of each head when cos is narrower (partial RoPE: GLM-4.5, Qwen3.5), the rest passing unturned."""
+    dim = cos.shape[-1]
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return (x * cos) + (rotate_half(x) * sin)
+    if dim == x.shape[-1]:
+        return (x * cos) + (rotate_half(x) * sin)
+    turned, kept = x[..., :dim], x[..., dim:]
+    return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)

@@ -114,17 +114,17 @@ def expert_parallel(plan, device: torch.device) -> ExpertParallel | None:
 
 def check_model(model: nn.Module, size: int, key: str) -> None:
     """Raise unless `model`'s experts can be cut over `size` ranks: lathe's mixture-of-experts layers (Qwen3-MoE,
-    Qwen3.5-MoE, GPT-OSS), `num_experts` divisible by the size. LoRA adapters may sit beside them: they are on
-    linear layers, never on the routed experts' grouped weights (`lathe.models.lora.target_names`), so the experts
-    cut here stay frozen and whole per rank."""
+    Qwen3.5-MoE, GPT-OSS, DeepSeek-V3, GLM-4.5), `num_experts` divisible by the size. LoRA adapters may sit beside
+    them: they are on linear layers, never on the routed experts' grouped weights (`lathe.models.lora.target_names`),
+    so the experts cut here stay frozen and whole per rank."""
     if size == 1:
         return
     blocks = sparse_blocks(model)
     arch = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
     if not blocks:
         raise ValueError(f"{key}={size}: the model ({arch}) has no mixture-of-experts layers of lathe's (Qwen3-MoE, "
-                         f"Qwen3.5-MoE, GPT-OSS, with model.impl=lathe), so there are no experts to place. Fix: set "
-                         f"{key}=1.")
+                         f"Qwen3.5-MoE, GPT-OSS, DeepSeek-V3, GLM-4.5, with model.impl=lathe), so there are no "
+                         f"experts to place. Fix: set {key}=1.")
     n = blocks[0].moe.num_experts
     if n % size:
         fits = [d for d in range(1, n + 1) if n % d == 0]

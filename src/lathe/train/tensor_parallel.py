@@ -92,9 +92,9 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
     Qwen3-Next hybrids too: `_check_linear_attention`) whose query heads, key/value heads and intermediate sizes
     divide by the size (the vocabulary need not: its slices are torch.chunk's, the last ones shorter). Mixture-of-
     experts layers only with `experts` (the expert-parallel size) equal to the size, a multiple or a divisor of it
-    above 1, Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's (`lathe.train.expert_parallel` places their experts over
-    the group, over several whole groups or over groups inside it; the expert-parallel size must divide them,
-    `expert_parallel.check_model`)."""
+    above 1, Qwen3-MoE's, Qwen3.5-MoE's, Qwen3-Next's and GLM-4.5's (`lathe.train.expert_parallel` places their
+    experts over the group, over several whole groups or over groups inside it; the expert-parallel size must divide
+    them, `expert_parallel.check_model`)."""
     if size == 1:
         return
     from lathe.models.lora import lora_layers
@@ -117,17 +117,19 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
                          f"are placed over a tensor-parallel group's ranks, over several whole groups or over groups "
                          f"inside each, by expert parallelism of the same size, a multiple or a divisor of it above 1 "
                          f"({ep_key}={experts}). Fix: set {ep_key}={size} (or a multiple or divisor), or {key}=1.")
+    from lathe.models.deepseek import DeepseekMoeBlock
     from lathe.models.qwen3_5 import SharedExpertMoeBlock
-    if any(type(mlp) not in (SparseMoeBlock, SharedExpertMoeBlock) for mlp in sparse):
+    if any(type(mlp) not in (SparseMoeBlock, SharedExpertMoeBlock, DeepseekMoeBlock) for mlp in sparse):
         raise ValueError(f"{key}={size} with the mixture-of-experts layers of {c.architecture}: only "
-                         f"Qwen3-MoE's, Qwen3.5-MoE's and Qwen3-Next's (a router, routed experts, a shared expert; "
-                         f"no attention sinks) are cut over a tensor-parallel group yet. Fix: set {key}=1 (and {ep_key} as without "
-                         f"tensor parallelism).")
+                         f"Qwen3-MoE's, Qwen3.5-MoE's, Qwen3-Next's and GLM-4.5's (a router, routed experts, shared "
+                         f"experts; no attention sinks) are cut over a tensor-parallel group yet. Fix: set {key}=1 "
+                         f"(and {ep_key} as without tensor parallelism).")
     sizes = {"query heads (num_attention_heads)": c.num_attention_heads,
              "key/value heads (num_key_value_heads)": c.num_key_value_heads,
              "intermediate_size": c.intermediate_size}
-    shared = getattr(getattr(c, "linear_attention", None), "shared_expert_intermediate_size", 0)
-    if shared:                                  # Qwen3.5-MoE's shared expert, cut as a dense MLP
+    shared = getattr(getattr(c, "linear_attention", None), "shared_expert_intermediate_size", 0) or (
+        c.moe.n_shared_experts * c.moe.moe_intermediate_size if c.moe is not None else 0)
+    if shared:                                  # Qwen3.5-MoE's shared expert, GLM-4.5's, cut as a dense MLP
         sizes["shared_expert_intermediate_size"] = shared
     bad = {name: n for name, n in sizes.items() if n % size}
     if bad:
@@ -162,8 +164,9 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
                   "linear_attn.out_proj": RowwiseParallel()} if linear else
                  {k: v for k, v in layer_plan.items() if k.startswith("self_attn.")})
         # a sparse layer's MLP: its router whole, its experts over the group (`lathe.train.expert_parallel`), a
-        # shared expert (Qwen3.5-MoE's) cut as a dense MLP, its sigmoid gate whole
-        shared = "mlp.shared_expert." if hasattr(layer.mlp, "shared_expert") else None
+        # shared expert (Qwen3.5-MoE's, its sigmoid gate whole; GLM-4.5's shared_experts) cut as a dense MLP
+        shared = next((f"mlp.{name}." for name in ("shared_expert", "shared_experts") if hasattr(layer.mlp, name)),
+                      None)
         plan = {**mixer, **{k: v for k, v in layer_plan.items()
                             if k.startswith("mlp.") and hasattr(layer.mlp, "gate_proj")},
                 **({shared + k[4:]: v for k, v in layer_plan.items() if k.startswith("mlp.")} if shared else {})}

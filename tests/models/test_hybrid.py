@@ -70,7 +70,7 @@ def test_checkpoint_round_trip_through_transformers(tmp_path, family):
 def test_configs_outside_the_hybrid_layers_fall_back():
     d = hf_model("qwen3_5_text").config.to_dict()
     d["architectures"] = ["Qwen3_5ForCausalLM"]
-    assert LatheConfig.from_hf_dict(d).linear_attention.rotary_dim(16) == 4
+    assert LatheConfig.from_hf_dict(d).rotary_dim == 4
     for key, value, words in (("layer_types", ["linear_attention", "sliding_attention"], "layer_types"),
                               ("hidden_act", "gelu", "hidden_act")):
         with pytest.raises((UnsupportedArchitecture, ValueError), match=words):

@@ -61,13 +61,12 @@ class ModelRunner:
         # whether a decode step's attention rotates q and k (`DecodeAttention.rotates`): not for the hybrid and MLA
         # layers, which rotate them themselves, nor under RoPE over part of each head (GLM-4.5), which the attention's
         # one launch does not do (`triton_store.can_rope_store`)
-        partial = getattr(text_config(model), "rotary_dim", None) not in (None, text_config(model).head_dim)
-        self.rotates = False if states is not None or is_mla(model) or partial else None
+        cfg = text_config(model)
+        self.rotates = False if states is not None or is_mla(model) or cfg.rotary_dim != cfg.head_dim else None
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // self.block_size)
-        cfg = text_config(model)
         self.vl = is_vl(model)                      # image prompts: 3D positions, image rows spliced at prefill
         kv_heads, width = cache_layout(cfg)         # (a DeepSeek-V3 model's latent: one "head", `mla.py`)
         self.decode_backend, self.backend_times = choose_decode_backend(

@@ -148,7 +148,7 @@ class LatheConfig:
     num_mtp_layers: int = 0                  # MiMo: multi-token-prediction layers (`lathe.models.mtp`), HF's
                                              # `num_nextn_predict_layers`; 0 = none
     rope: RopeConfig = field(default_factory=RopeConfig)
-    partial_rotary_factor: float = 1.0       # GLM-4.5: RoPE turns the first rotary_dim features of each head
+    partial_rotary_factor: float = 1.0       # GLM-4.5, the hybrids: RoPE turns the first rotary_dim of each head
     torch_dtype: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     # the language model of a vision-language checkpoint, run alone (`lathe.models.vl.load_language_model`): that
@@ -232,7 +232,7 @@ class LatheConfig:
             qk_norm=family in ("Qwen3", "Qwen3Moe") or hybrid or glm and bool(d.get("use_qk_norm", False)),
             moe=MoeConfig.from_hf_dict(_hybrid_moe_dict(d, arch)) if family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next")
             else _glm_moe(d, source) if glm else None,
-            partial_rotary_factor=_partial_rotary_factor(d, 0.5) if glm else 1.0,
+            partial_rotary_factor=_partial_rotary_factor(d, 0.5 if glm else 1.0),     # (others: 1, `_check_features`)
             linear_attention=LinearAttentionConfig.from_hf_dict(d, arch, source) if hybrid else None,
             num_mtp_layers=int(d.get("num_nextn_predict_layers") or 0) if family == "MiMo" else 0,
             rope=read_rope(d, source),
@@ -243,7 +243,7 @@ class LatheConfig:
 
 def _partial_rotary_factor(d: dict[str, Any], default: float) -> float:
     """The share of each head RoPE turns: `rope_parameters.partial_rotary_factor` (transformers 5), the top-level key
-    (4.x), else the family's default (GLM-4.5's 0.5, as transformers sets it for configs without the key)."""
+    (4.x), else the family's default (GLM-4.5's 0.5, as transformers sets it for configs without the key; 1)."""
     prf = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
     prf = default if prf is None else float(prf)
     if not 0.0 < prf <= 1.0:

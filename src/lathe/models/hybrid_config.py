@@ -3,7 +3,7 @@
 
 These families interleave gated-DeltaNet layers (`layer_types` entry `linear_attention`) with gated full attention
 (`full_attention`); their norms are zero-centred ((1 + w) * x / rms(x)), RoPE turns only the first
-`partial_rotary_factor` of each head, and their MoE layers (Qwen3.5-MoE, Qwen3-Next) add a sigmoid-gated shared
+`partial_rotary_factor` of each head (`LatheConfig.rotary_dim`), and their MoE layers (Qwen3.5-MoE, Qwen3-Next) add a sigmoid-gated shared
 expert to the routed ones.
 """
 
@@ -34,11 +34,7 @@ class LinearAttentionConfig:
     key_head_dim: int                       # linear_key_head_dim
     value_head_dim: int                     # linear_value_head_dim
     conv_kernel: int = 4                    # linear_conv_kernel_dim: the short causal depthwise convolution
-    partial_rotary_factor: float = 1.0      # the share of each full-attention head that RoPE turns
     shared_expert_intermediate_size: int = 0    # MoE layers: the shared expert's width (0: none)
-
-    def rotary_dim(self, head_dim: int) -> int:
-        return int(head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], arch: str, source: str) -> "LinearAttentionConfig":
@@ -47,14 +43,12 @@ class LinearAttentionConfig:
         if len(types) != n or any(t not in LAYER_TYPES for t in types):
             raise ValueError(f"{source}: {arch} needs layer_types with one of {', '.join(LAYER_TYPES)} per layer "
                              f"({n} layers); got {list(types)}. Fix the checkpoint's config.json")
-        rope = d.get("rope_parameters") or {}
-        prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
         kh, vh = int(d["linear_num_key_heads"]), int(d["linear_num_value_heads"])
         if vh % kh:
             raise ValueError(f"{source}: linear_num_value_heads={vh} is not a multiple of linear_num_key_heads={kh}")
         return cls(layer_types=types, projections=HYBRID_ARCHITECTURES[arch], num_key_heads=kh, num_value_heads=vh,
                    key_head_dim=int(d["linear_key_head_dim"]), value_head_dim=int(d["linear_value_head_dim"]),
-                   conv_kernel=int(d.get("linear_conv_kernel_dim", 4)), partial_rotary_factor=float(prf),
+                   conv_kernel=int(d.get("linear_conv_kernel_dim", 4)),
                    shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0))
 
 

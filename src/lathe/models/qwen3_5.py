@@ -276,7 +276,7 @@ class HybridDecoderLayer(nn.Module):
 def hybrid_parts(cfg: LatheConfig) -> tuple[nn.ModuleList, nn.Module, RotaryEmbedding]:
     """(layers, final norm, rotary embedding over the rotated features) of a hybrid `LatheDecoderModel`."""
     layers = nn.ModuleList(HybridDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-    rotary = RotaryEmbedding(cfg.rope, cfg.linear_attention.rotary_dim(cfg.head_dim), cfg.max_position_embeddings)
+    rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
     return layers, ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), rotary
 
 

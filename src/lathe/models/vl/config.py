@@ -98,7 +98,7 @@ class VLConfig:
                              f"width rotary half-dims), got {section!r}; copy it from the model card's config.json")
         text_cfg = (_hybrid_text_config(text, family, params, source) if family in HYBRID_TEXT
                     else _text_config(text, family, arch, params, source))
-        _check_section(section, _rotary_dim(text_cfg), family, source)
+        _check_section(section, text_cfg.rotary_dim, family, source)
         # the top-level key decides where there is one, as transformers reads it (Qwen3-VL-MoE's text config
         # defaults to tied beside an untied model)
         tie = bool(d["tie_word_embeddings"] if "tie_word_embeddings" in d else text.get("tie_word_embeddings", False))
@@ -152,12 +152,6 @@ def _hybrid_text_config(t: dict[str, Any], family: str, rope_params: dict, sourc
          if (rope_params.get("rope_type") or "default") == "default" else rope_params}
     d.pop("vision_config", None)
     return LatheConfig.from_hf_dict(d, source=source)
-
-
-def _rotary_dim(text: LatheConfig) -> int:
-    """The features of each head that RoPE turns: all of them, or the hybrids' partial share."""
-    la = text.linear_attention
-    return text.head_dim if la is None else la.rotary_dim(text.head_dim)
 
 
 def _check_section(section: list[int], rotary_dim: int, family: str, source: str) -> None:

@@ -40,15 +40,13 @@ class LatheVLTextModel(nn.Module):
         super().__init__()
         t = cfg.text
         self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
-        rotary_dim = t.head_dim
         if t.linear_attention is not None:      # Qwen3.5: the hybrid layers, RoPE over part of each head
             from lathe.models.qwen3_5 import hybrid_parts
             self.layers, self.norm, _ = hybrid_parts(t)
-            rotary_dim = t.linear_attention.rotary_dim(t.head_dim)
         else:
             self.layers = nn.ModuleList(DecoderLayer(t, i) for i in range(t.num_hidden_layers))
             self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
-        self.rotary_emb = MRotaryEmbedding(t.rope, rotary_dim, t.max_position_embeddings, cfg.mrope_section,
+        self.rotary_emb = MRotaryEmbedding(t.rope, t.rotary_dim, t.max_position_embeddings, cfg.mrope_section,
                                            cfg.mrope_interleaved)
         self.gradient_checkpointing = False
         self.gradient_checkpointing_layers: int | None = None     # `lathe.models.decoder.recomputes`

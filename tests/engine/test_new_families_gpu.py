@@ -143,21 +143,27 @@ def test_llama_like_families_on_cuda_equal_the_fp32_forward(tmp_path, family, ba
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_glm_4_5_on_cuda_equals_the_fp32_forward(tmp_path, backend):
-    """GLM-4.5 (RoPE over half of each head, so the decode attention cannot rotate in its launch; the sigmoid router's
-    MoE block on the engine's fused experts when the probe picks them): decode graphs give the eager steps' tokens and
-    the fp32 forward's log-probs (every expert chosen, so routing cannot flip between the precisions), and the packed
-    bf16 training forward its logits."""
+@pytest.mark.parametrize("family", ["glm4_moe", "hy_v3"])
+def test_glm_4_5_and_hy_v3_on_cuda_equal_the_fp32_forward(tmp_path, family, backend):
+    """GLM-4.5 (RoPE over half of each head, so the decode attention cannot rotate in its launch) and HY-V3 (q/k norms,
+    whole-head RoPE rotated in the launch; its checkpoint under the hub's names), both on DeepSeek's sigmoid-router MoE
+    block, on the engine's fused experts when the probe picks them: decode graphs give the eager steps' tokens and the
+    fp32 forward's log-probs (every expert chosen, so routing cannot flip between the precisions), and the packed bf16
+    training forward its logits."""
     from models.glm_tiny import glm_model
+    from models.hy_tiny import hy_model
 
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
-    glm_model(seed=2, num_experts_per_tok=8, topk_group=4).save_pretrained(tmp_path)
+    every_expert = {"glm4_moe": lambda: glm_model(seed=2, num_experts_per_tok=8, topk_group=4),
+                    "hy_v3": lambda: hy_model(seed=2, num_experts_per_tok=8)}[family]
+    every_expert().save_pretrained(tmp_path)
     model = load_lathe_model(tmp_path, torch.bfloat16, device=CUDA).eval()
     params = SamplingParams(n=2, temperature=0, max_tokens=12)
     engines = {eager: LatheEngine(model, eos_token_id=None, block_size=16, num_kv_blocks=64, decode_backend=backend,
                                   enforce_eager=eager) for eager in (True, False)}
-    assert engines[False].runner.graphs is not None, "GLM-4.5's decode steps ran without CUDA graphs"
+    assert engines[False].runner.graphs is not None, f"{family}'s decode steps ran without CUDA graphs"
     outs = {eager: engine.generate(PROMPTS, params) for eager, engine in engines.items()}
     assert_graphs_eager_and_packed_agree(model, load_lathe_model(tmp_path).eval(), outs)
+

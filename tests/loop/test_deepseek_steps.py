@@ -1,4 +1,4 @@
-"""A tiny DeepSeek-V3 and a tiny GLM-4.5 checkpoint each train for two GRPO steps on lathe's decoder and engine, with
+"""A tiny DeepSeek-V3, GLM-4.5 and HY-V3 checkpoint each train for two GRPO steps on lathe's decoder and engine, with
 routing replay R3 (the engine records their group-limited choices, the trainer's forwards replay them); the checkpoint
 each saves reads back into transformers' class with every tensor (the per-expert names, the selection bias)."""
 
@@ -8,18 +8,19 @@ import torch
 from .test_ppo import reads_back, save_with_builtin_tokenizer, steps_from
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "hy_v3"])
 def test_two_steps_with_a_deepseek_style_checkpoint(tmp_path, family):
-    from transformers import DeepseekV3ForCausalLM, Glm4MoeForCausalLM
+    from transformers import DeepseekV3ForCausalLM, Glm4MoeForCausalLM, HYV3ForCausalLM
 
     from lathe.data.builtin import builtin_tokenizer
     from lathe.models.deepseek import DeepseekMoeBlock
 
     from models.deepseek_tiny import deepseek_model
     from models.glm_tiny import glm_model
+    from models.hy_tiny import hy_model
     tok = builtin_tokenizer()
     build, hf_class = {"deepseek_v3": (deepseek_model, DeepseekV3ForCausalLM),
-                       "glm4_moe": (glm_model, Glm4MoeForCausalLM)}[family]
+                       "glm4_moe": (glm_model, Glm4MoeForCausalLM), "hy_v3": (hy_model, HYV3ForCausalLM)}[family]
     model = save_with_builtin_tokenizer(build(vocab_size=len(tok), num_attention_heads=2, num_key_value_heads=2,
                                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
                                         tmp_path / "model")

@@ -32,9 +32,9 @@ def deepseek_model(seed: int = 0, dtype: torch.dtype = torch.float32, **override
 
 
 def randomised(model_class, cfg, seed: int, dtype: torch.dtype):
-    """`model_class(cfg)` (a DeepSeek-V3-style MoE: DeepSeek-V3, GLM-4.5) seeded, on SDPA attention and transformers'
-    eager experts (its grouped-mm path refuses float64), its norms and biases shifted off their initial values and the
-    sparse layers' selection biases drawn at random; eval mode, in `dtype`."""
+    """`model_class(cfg)` (a DeepSeek-V3-style MoE: DeepSeek-V3, GLM-4.5, HY-V3) seeded, on SDPA attention and
+    transformers' eager experts (its grouped-mm path refuses float64), its norms and biases shifted off their initial
+    values and the sparse layers' selection biases drawn at random; eval mode, in `dtype`."""
     torch.manual_seed(seed)
     cfg._attn_implementation = "sdpa"
     cfg._experts_implementation = "eager"
@@ -43,6 +43,7 @@ def randomised(model_class, cfg, seed: int, dtype: torch.dtype):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.3)
-        for layer in model.model.layers[cfg.first_k_dense_replace:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.2)
+        for name, bias in model.named_buffers():        # (HY-V3 keeps it on the block, the others on the gate)
+            if name.endswith("e_score_correction_bias"):
+                bias.normal_(0.0, 0.2)
     return model.to(dtype).eval()

@@ -1,7 +1,8 @@
 """The families' shared checks against transformers (test helper, not a test): logits of a ragged batch, padded
 and packed; gradients of one loss over them; one ragged batch through both models with the load-balancing loss on, a
 loss over logits and aux loss backpropagated on each side; a checkpoint saved by transformers, loaded and saved by
-lathe, loaded by transformers; the engine's greedy tokens and log-probs."""
+lathe, loaded by transformers; the engine's greedy tokens and log-probs; a critic from a causal LM's checkpoint and
+back; a tensor-parallel engine replica."""
 
 from __future__ import annotations
 
@@ -115,3 +116,58 @@ def round_trip(hf_dir, out_dir, vocab: int, **load_kwargs) -> tuple[set[str], st
     with torch.no_grad():
         assert_close_rel(back(ids).logits, ref, name="transformers' logits after loading lathe's save")
     return names, json.loads((out_dir / "config.json").read_text())["architectures"][0]
+
+
+def assert_critic_round_trip(hf, tmp_path, vocab: int, architecture: str) -> None:
+    """lathe's value model loads the causal LM `hf`'s saved backbone (its head at zero) and reads back the critic it
+    saves (under `architecture`, for families transformers has no token-classification class of: lathe's name)."""
+    from lathe.models.decoder import LatheValueModel
+    from lathe.models.deepseek import DeepseekMoeBlock
+    from lathe.models.value import load_value_model
+    hf.save_pretrained(tmp_path / "policy")
+    critic = load_value_model(str(tmp_path / "policy"))
+    assert isinstance(critic, LatheValueModel) and isinstance(critic.model.layers[1].mlp, DeepseekMoeBlock)
+    ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert critic(ids).logits.abs().max() == 0
+        critic.score.weight.normal_()
+        want = critic(ids).logits
+    critic.save_pretrained(tmp_path / "critic")
+    back = load_value_model(str(tmp_path / "critic"))
+    assert isinstance(back, LatheValueModel) and back.config.architecture == architecture
+    with torch.no_grad():
+        assert_close_rel(back(ids).logits, want, rel=1e-6, name="values after the round trip")
+
+
+def assert_tp_replica_equals_one_process(hf, tmp_path) -> None:
+    """A TP=2 engine replica over 2 gloo ranks of `hf`'s saved checkpoint: greedy, sampled, and greedy after new
+    weights, as one process."""
+    from engine.test_tensor_parallel import assert_same_generations, build, generations, run_replica
+    hf.save_pretrained(tmp_path)
+    path = str(tmp_path)
+    want = [generations(build(path, None), path)]
+    assert_same_generations(run_replica(2, [path]), want, 2)
+
+
+def assert_round_trip_without_the_mtp_layer(hf, tmp_path, vocab: int, architecture: str, shared: str, bias: str,
+                                            names: set[str]) -> None:
+    """transformers' save of `hf` (3 layers, layer 1 sparse) plus an MTP layer at model.layers.3 (as DeepSeek-style
+    checkpoints hold one: its `shared` experts' name among its tensors) loads into lathe with the selection bias
+    (`model.layers.1.<bias>` on disk) in float32; lathe's save holds the same tensors under the same names (`names`
+    among them) but the MTP layer's, and transformers loads it to the same logits."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from lathe.models import load_lathe_model
+    hf.save_pretrained(tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    state = load_file(str(file))
+    with_mtp = {**state, "model.layers.3.eh_proj.weight": torch.zeros(32, 64),
+                f"model.layers.3.mlp.{shared}.up_proj.weight": torch.zeros(16, 32)}
+    save_file(with_mtp, str(file), metadata={"format": "pt"})
+    saved, arch = round_trip(tmp_path / "hf", tmp_path / "lathe", vocab, experts_implementation="eager")
+    assert saved == set(state) and arch == architecture and names <= saved
+    loaded = load_lathe_model(tmp_path / "hf", torch.bfloat16).model.layers[1].mlp.gate.e_score_correction_bias
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, state[f"model.layers.1.{bias}"])
+    with safe_open(str(tmp_path / "lathe" / "model.safetensors"), "pt") as f:
+        assert not any(k.startswith("model.layers.3.") for k in f.keys())

@@ -12,11 +12,10 @@ from lathe.models.config import LatheConfig
 from lathe.models.deepseek import DeepseekMoeBlock
 from lathe.models.hf import lathe_from_transformers
 
-from helpers import assert_close_rel
-
 from .glm_tiny import VOCAB, glm_config, glm_model
-from .moe_reference import assert_engine_equals_transformers, assert_gradients_equal_transformers, \
-    assert_logits_equal_transformers, round_trip
+from .moe_reference import assert_critic_round_trip, assert_engine_equals_transformers, \
+    assert_gradients_equal_transformers, assert_logits_equal_transformers, assert_round_trip_without_the_mtp_layer, \
+    assert_tp_replica_equals_one_process
 
 # no group limit, no q/k norms or biases, RoPE over a quarter of each head, no renormalisation, two shared experts
 PLAIN = dict(n_group=1, topk_group=1, use_qk_norm=False, attention_bias=False, norm_topk_prob=False,
@@ -84,43 +83,16 @@ def test_checkpoint_round_trip_and_the_mtp_layer_is_dropped(tmp_path):
     """transformers' save (plus an MTP layer at model.layers.3, as GLM-4.5's checkpoints hold one) loads into lathe
     with the selection bias in float32; lathe's save holds the same tensors but the MTP layer's, and transformers
     loads it to the same logits."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-    glm_model(seed=1).save_pretrained(tmp_path / "hf")
-    file = tmp_path / "hf" / "model.safetensors"
-    state = load_file(str(file))
-    with_mtp = {**state, "model.layers.3.eh_proj.weight": torch.zeros(32, 64),
-                "model.layers.3.mlp.shared_experts.up_proj.weight": torch.zeros(16, 32)}
-    save_file(with_mtp, str(file), metadata={"format": "pt"})
-    names, arch = round_trip(tmp_path / "hf", tmp_path / "lathe", VOCAB, experts_implementation="eager")
-    assert names == set(state) and arch == "Glm4MoeForCausalLM"
-    assert {"model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
-            "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.0.self_attn.q_proj.bias"} <= names
-    model = load_lathe_model(tmp_path / "hf", torch.bfloat16)
-    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
-    assert bias.dtype == torch.float32 and torch.equal(bias, state["model.layers.1.mlp.gate.e_score_correction_bias"])
-    with safe_open(str(tmp_path / "lathe" / "model.safetensors"), "pt") as f:
-        assert not any(k.startswith("model.layers.3.") for k in f.keys())
+    assert_round_trip_without_the_mtp_layer(
+        glm_model(seed=1), tmp_path, VOCAB, "Glm4MoeForCausalLM", "shared_experts", "mlp.gate.e_score_correction_bias",
+        {"model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
+         "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.0.self_attn.q_proj.bias"})
 
 
 def test_a_critic_loads_from_the_policy_checkpoint_and_reads_its_own_save_back(tmp_path):
     """transformers has no GLM-4.5 token-classification class: lathe's value model loads the causal LM's backbone
     (its head at zero) and reads back the critic it saves (`Glm4MoeForTokenClassification`, lathe's name)."""
-    from lathe.models.decoder import LatheValueModel
-    from lathe.models.value import load_value_model
-    glm_model(seed=6).save_pretrained(tmp_path / "policy")
-    critic = load_value_model(str(tmp_path / "policy"))
-    assert isinstance(critic, LatheValueModel) and isinstance(critic.model.layers[1].mlp, DeepseekMoeBlock)
-    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert critic(ids).logits.abs().max() == 0
-        critic.score.weight.normal_()
-        want = critic(ids).logits
-    critic.save_pretrained(tmp_path / "critic")
-    back = load_value_model(str(tmp_path / "critic"))
-    assert isinstance(back, LatheValueModel) and back.config.architecture == "Glm4MoeForTokenClassification"
-    with torch.no_grad():
-        assert_close_rel(back(ids).logits, want, rel=1e-6, name="values after the round trip")
+    assert_critic_round_trip(glm_model(seed=6), tmp_path, VOCAB, "Glm4MoeForTokenClassification")
 
 
 def test_engine_greedy_equals_transformers_and_its_log_probs_the_forward(tmp_path):
@@ -132,8 +104,4 @@ def test_engine_greedy_equals_transformers_and_its_log_probs_the_forward(tmp_pat
 def test_a_tensor_parallel_engine_replica_generates_what_one_process_generates(tmp_path):
     """Over 2 gloo ranks (heads, the dense MLP and the shared experts cut, the experts placed over the ranks, q/k norms
     and the partial RoPE per head): greedy, sampled, and greedy after new weights, as one process."""
-    from engine.test_tensor_parallel import assert_same_generations, build, generations, run_replica
-    glm_model(seed=4).save_pretrained(tmp_path)
-    path = str(tmp_path)
-    want = [generations(build(path, None), path)]
-    assert_same_generations(run_replica(2, [path]), want, 2)
+    assert_tp_replica_equals_one_process(glm_model(seed=4), tmp_path)

@@ -20,17 +20,19 @@ from lathe.models.hybrid_config import HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES,
 # the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are in HYBRID_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "GptOssForCausalLM", "DeepseekV3ForCausalLM", "MiMoForCausalLM", "MistralForCausalLM",
-                           "SeedOssForCausalLM", "Glm4MoeForCausalLM", *HYBRID_ARCHITECTURES}
-# The token-classification (critic) heads over the same backbones load too (GLM-4.5's: the name lathe saves a critic
-# under; transformers has no such class)
+                           "SeedOssForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM", *HYBRID_ARCHITECTURES}
+# The token-classification (critic) heads over the same backbones load too (GLM-4.5's and HY-V3's: the names lathe
+# saves a critic under; transformers has no such classes)
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
                        "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification",
                        "DeepseekV3ForTokenClassification", "MistralForTokenClassification",
-                       "SeedOssForTokenClassification", "Glm4MoeForTokenClassification"}
+                       "SeedOssForTokenClassification", "Glm4MoeForTokenClassification",
+                       "HYV3ForTokenClassification"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "mimo": "MiMoForCausalLM", "mistral": "MistralForCausalLM",
-               "seed_oss": "SeedOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", **HYBRID_MODEL_TYPES}
+               "seed_oss": "SeedOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "hy_v3": "HYV3ForCausalLM",
+               **HYBRID_MODEL_TYPES}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 # Families whose main model is exactly Qwen2's (q/k/v bias, no o bias): MiMo is Qwen2 plus its MTP layers
 QWEN2_BODIES = ("Qwen2", "MiMo")
@@ -163,8 +165,9 @@ class LatheConfig:
     @property
     def stacked_mtp_layers(self) -> bool:
         """Whether the checkpoint may hold multi-token-prediction layers as `model.layers.<n>` past the decoder's
-        (DeepSeek-V3, GLM-4.5): neither lathe's decoder nor transformers runs them (`io.load_into` drops them)."""
-        return self.mla is not None or self.family == "glm4moe"
+        (DeepSeek-V3, GLM-4.5, HY-V3): neither lathe's decoder nor transformers runs them (`io.load_into` drops
+        them)."""
+        return self.mla is not None or self.family in ("glm4moe", "hyv3")
 
     @property
     def family(self) -> str:
@@ -203,6 +206,11 @@ class LatheConfig:
         elif not arch.startswith("DeepseekV3"):     # its own checks: `deepseek_config.refuse_deepseek_features`
             _check_features(d, arch, source)
         _check_dropout(d, arch, source)
+        raw = d                             # (saved back as it was)
+        if family == "HYV3":                # transformers' defaults for the keys its config.json leaves out
+            from lathe.models.deepseek_config import HYV3_DEFAULTS, refuse_hy_v3_features
+            d = {**HYV3_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+            refuse_hy_v3_features(d, source)
         heads, glm = int(d["num_attention_heads"]), family == "Glm4Moe"
         attention_bias = bool(d.get("attention_bias", family == "SeedOss"))     # (transformers' defaults)
         window, layer_types = _mistral_window(d, family)
@@ -229,15 +237,15 @@ class LatheConfig:
                     else False if family in QWEN2_BODIES + ("Mistral", "Glm4Moe") else attention_bias),
             mlp_bias=bool(d.get("mlp_bias", False)) if family in ("Llama", "SeedOss") else False,
             sliding_window=window, layer_types=layer_types,
-            qk_norm=family in ("Qwen3", "Qwen3Moe") or hybrid or glm and bool(d.get("use_qk_norm", False)),
+            qk_norm=family in ("Qwen3", "Qwen3Moe", "HYV3") or hybrid or glm and bool(d.get("use_qk_norm", False)),
             moe=MoeConfig.from_hf_dict(_hybrid_moe_dict(d, arch)) if family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next")
-            else _glm_moe(d, source) if glm else None,
+            else _glm_moe(d, source) if glm else _hy_moe(d, source) if family == "HYV3" else None,
             partial_rotary_factor=_partial_rotary_factor(d, 0.5 if glm else 1.0),     # (others: 1, `_check_features`)
             linear_attention=LinearAttentionConfig.from_hf_dict(d, arch, source) if hybrid else None,
             num_mtp_layers=int(d.get("num_nextn_predict_layers") or 0) if family == "MiMo" else 0,
             rope=read_rope(d, source),
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
-            hf_config=dict(d),
+            hf_config=dict(raw),
         )
 
 
@@ -255,6 +263,11 @@ def _partial_rotary_factor(d: dict[str, Any], default: float) -> float:
 def _glm_moe(d: dict[str, Any], source: str) -> MoeConfig:
     from lathe.models.deepseek_config import GLM4_MOE_DEFAULTS, group_routed_moe
     return group_routed_moe(d, GLM4_MOE_DEFAULTS, int(d["num_hidden_layers"]), source)
+
+
+def _hy_moe(d: dict[str, Any], source: str) -> MoeConfig:
+    from lathe.models.deepseek_config import hy_v3_moe
+    return hy_v3_moe(d, int(d["num_hidden_layers"]), source)
 
 
 def _check_dropout(d: dict[str, Any], arch: str, source: str) -> None:

@@ -162,9 +162,11 @@ def group_limited_route(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_
 
 
 class DeepseekMoeBlock(SparseMoeBlock):
-    """A DeepSeek-V3-style sparse layer's MLP (DeepSeek-V3's, GLM-4.5's: `MoeConfig.scoring == "sigmoid"`): routed
-    experts (module doc) plus the shared experts. It adds no load-balancing loss (transformers' DeepseekV3 and
-    Glm4Moe have none): `collect_router_stats` records nothing for it."""
+    """A DeepSeek-V3-style sparse layer's MLP (DeepSeek-V3's, GLM-4.5's, HY-V3's: `MoeConfig.scoring == "sigmoid"`):
+    routed experts (module doc) plus the shared experts. It adds no load-balancing loss (transformers' DeepseekV3,
+    Glm4Moe and HYV3 have none): `collect_router_stats` records nothing for it. HY-V3's checkpoints name the router
+    `mlp.router.gate`, the selection bias `mlp.expert_bias` and the shared experts `mlp.shared_mlp`
+    (`lathe.models.io.HUB_NAMES` renames them on load and save)."""
 
     balance_losses = False
 

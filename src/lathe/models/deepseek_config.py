@@ -35,6 +35,13 @@ GLM4_MOE_DEFAULTS = {"n_routed_experts": 128, "n_group": 1, "topk_group": 1, "nu
                      "moe_intermediate_size": 1408, "norm_topk_prob": True, "first_k_dense_replace": 1,
                      "routed_scaling_factor": 1.0, "n_shared_experts": 1}
 
+# transformers' `HYV3Config` defaults (HY-V3: Tencent's Hy3), for keys a config.json leaves out
+HYV3_DEFAULTS = {"vocab_size": 120832, "hidden_size": 4096, "intermediate_size": 13312, "num_hidden_layers": 80,
+                 "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 11158840.0,
+                 "num_experts": 192, "num_experts_per_tok": 8, "num_shared_experts": 1, "moe_intermediate_size": 1536, "router_scaling_factor": 2.826,
+                 "attention_bias": False, "mlp_bias": False}
+
 
 @dataclass
 class MlaConfig:
@@ -149,6 +156,34 @@ def group_routed_moe(d: dict[str, Any], defaults: dict[str, Any], layers: int, s
                      scoring="sigmoid", n_group=groups, topk_group=top_groups,
                      routed_scaling_factor=float(get("routed_scaling_factor")),
                      n_shared_experts=int(get("n_shared_experts") or 0))
+
+
+def refuse_hy_v3_features(d: dict[str, Any], source: str) -> None:
+    """HY-V3 with `mlp_bias` (biases on its dense and shared experts' projections; Hy3 as released has none): lathe's
+    shared experts and their tensor-parallel cuts take no bias."""
+    from lathe.models.config import UnsupportedArchitecture
+    if d.get("mlp_bias"):
+        raise UnsupportedArchitecture(f"{source}: HYV3ForCausalLM with mlp_bias=true (lathe's decoder runs HY-V3's "
+                                      f"MLPs and shared experts without biases){FALLBACK}")
+
+
+def hy_v3_moe(d: dict[str, Any], layers: int, source: str):
+    """The `MoeConfig` of an HY-V3 config (`HYV3_DEFAULTS` merged in): DeepSeek-V3's sigmoid routing without expert
+    groups, the top-k weights always renormalised and times `router_scaling_factor`, `num_shared_experts` shared
+    experts, and the dense layers those `mlp_layer_types` names "dense" (transformers' default: the first alone).
+    `enable_moe_fp32_combine` (the shared and routed outputs added in float32, then rounded) is what adding two
+    bfloat16 tensors does anyway (torch adds in float32 and rounds once), so both of its values run as they are."""
+    from lathe.models.config import MoeConfig
+    experts, top_k = int(d.get("num_experts") or d.get("num_local_experts")), int(d["num_experts_per_tok"])
+    kinds = d.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    if len(kinds) != layers or set(kinds) - {"dense", "sparse"} or not 1 <= top_k <= experts:
+        raise ValueError(f"{source}: mlp_layer_types must name each of the {layers} layers 'dense' or 'sparse' (got "
+                         f"{kinds}) and num_experts_per_tok={top_k} lie in 1 .. num_experts={experts}. Fix config.json")
+    return MoeConfig(num_experts=experts, num_experts_per_tok=top_k,
+                     moe_intermediate_size=int(d["moe_intermediate_size"]), norm_topk_prob=True,
+                     mlp_only_layers=tuple(i for i, kind in enumerate(kinds) if kind == "dense"), scoring="sigmoid",
+                     routed_scaling_factor=float(d["router_scaling_factor"]),
+                     n_shared_experts=int(d.get("num_shared_experts") or 0))
 
 
 def drop_mtp_weights(state: dict, num_hidden_layers: int) -> dict:

@@ -5,9 +5,10 @@ shards listed in `model.safetensors.index.json`; `pytorch_model.bin` as a last r
 plain safetensors write plus `config.json`, which `transformers.AutoModelFor*.from_pretrained` reads back.
 The one layout that differs is a Qwen3-MoE model's experts: one tensor per expert and projection on disk, stacked in
 the modules (`lathe.models.moe.fuse_expert_weights` on load, `split_expert_weights` on save); GPT-OSS's checkpoints
-hold the stacked tensors themselves. A MiMo checkpoint's multi-token-prediction layers (`model.mtp_layers.*`,
-`lathe.models.mtp`) load and save under their own names like every other tensor; DeepSeek-V3's, Qwen3.5's and
-Qwen3-Next's (`mtp.*`) are dropped on load, with a warning.
+hold the stacked tensors themselves. HY-V3's checkpoints name three of its MoE tensors otherwise (`HUB_NAMES`:
+`module_layout` on load, `hub_layout` on save). A MiMo checkpoint's multi-token-prediction layers
+(`model.mtp_layers.*`, `lathe.models.mtp`) load and save under their own names like every other tensor; DeepSeek-V3's,
+Qwen3.5's and Qwen3-Next's (`mtp.*`) are dropped on load, with a warning.
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # Tensors read in their stored dtype whatever `dtype` asks: DeepSeek-V3's expert-selection bias (float32, as
 # transformers keeps it; `lathe.models.deepseek.DeepseekRouter`)
-_KEPT_DTYPE = re.compile(r"\.mlp\.gate\.e_score_correction_bias$")
+_KEPT_DTYPE = re.compile(r"\.mlp\.(gate\.e_score_correction_bias|expert_bias)$")
+# Checkpoint names that are not lathe's module names, by `LatheConfig.family`: (on disk, in the modules). HY-V3's
+# router, selection bias and shared experts (DeepseekMoeBlock's gate, gate.e_score_correction_bias, shared_experts)
+HUB_NAMES = {"hyv3": ((".mlp.router.gate.weight", ".mlp.gate.weight"),
+                      (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+                      (".mlp.shared_mlp.", ".mlp.shared_experts."))}
+# ... and the names transformers' modules hold where they are neither (read by `lathe.models.hf`'s conversion)
+MODULE_ALIASES = {"hyv3": ((".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)}
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -80,11 +88,45 @@ def read_state_dict(path: str | Path, *, dtype: torch.dtype | None = None,
     return state
 
 
+def _renamed(name: str, pairs) -> str:
+    for old, new in pairs:
+        if old in name:
+            return name.replace(old, new, 1)
+    return name
+
+
+def _to_modules(cfg) -> tuple[tuple[str, str], ...]:
+    family = getattr(cfg, "family", None)      # (a transformers model's config, impl=hf, has none: no renames)
+    return HUB_NAMES.get(family, ()) + MODULE_ALIASES.get(family, ())
+
+
+def module_names(names: Iterable[str], cfg) -> set[str]:
+    """The module names of a checkpoint's tensor names (`module_layout`'s, without reading the tensors)."""
+    from lathe.models.moe import fused_names
+    pairs = _to_modules(cfg)
+    return fused_names(_renamed(n, pairs) for n in names)
+
+
+def module_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under lathe's module names: per-expert MoE weights fused, `HUB_NAMES` renamed."""
+    pairs = _to_modules(cfg)
+    return fuse_expert_weights({_renamed(k, pairs): v for k, v in state.items()} if pairs else state)
+
+
+def hub_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """The modules' tensors under the checkpoint names transformers writes and reads (`module_layout` undone)."""
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and not moe.fused_on_disk:      # GPT-OSS's checkpoints keep the fused tensors
+        state = split_expert_weights(state)
+    pairs = tuple((new, old) for old, new in HUB_NAMES.get(getattr(cfg, "family", None), ()))
+    return {_renamed(k, pairs): v for k, v in state.items()} if pairs else state
+
+
 def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
               optional: tuple[str, ...] = ()) -> list[str]:
     """Assign `state` (checkpoint names: per-expert MoE weights are fused here) to a (meta-device) model; names in
     `optional` may be missing. Returns those missing."""
-    state = fuse_expert_weights(state)
+    state = module_layout(state, model.config)
     if getattr(model.config, "stacked_mtp_layers", False):  # DeepSeek-V3's, GLM-4.5's MTP layers: unused
         from lathe.models.deepseek_config import drop_mtp_weights
         kept = drop_mtp_weights(state, model.config.num_hidden_layers)
@@ -194,9 +236,7 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
-    moe = getattr(model.config, "moe", None)
-    if moe is not None and not moe.fused_on_disk:      # GPT-OSS's checkpoints keep the fused tensors
-        state = split_expert_weights(state)
+    state = hub_layout(state, model.config)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     config = export_config(model, _weights_dtype(state))

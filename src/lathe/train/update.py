@@ -190,7 +190,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from lathe.models.moe import fuse_expert_weights, fused_names
+    from lathe.models.io import module_layout, module_names
     files = sorted((path / "huggingface").glob("*.safetensors"))
     if not files or not (path / "optim.pt").exists():
         raise FileNotFoundError(f"{what} checkpoint {path} is incomplete: expected huggingface/*.safetensors and "
@@ -199,7 +199,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     for f in files:                              # names from the headers: the tensors are read only when used
         with safe_open(f, framework="pt") as handle:
             saved.update(handle.keys())
-    saved = fused_names(saved)                   # a MoE model's experts: one tensor per expert on disk
+    saved = module_names(saved, model.config)   # a MoE model's experts: one tensor per expert on disk
     text_of_vl = getattr(getattr(model, "config", None), "vl_checkpoint", None) is not None
     if text_of_vl:                               # a VL checkpoint's language model alone: the whole model saved
         from lathe.models.vl.io import language_model_names
@@ -221,7 +221,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     state = {}
     for f in files:
         state.update(load_file(f))
-    state = fuse_expert_weights(state)
+    state = module_layout(state, model.config)
     if text_of_vl:
         from lathe.models.vl.io import language_model_state
         state = language_model_state(state)

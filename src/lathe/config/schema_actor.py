@@ -176,10 +176,14 @@ class RouterReplayConfig:
 @dataclass
 class MtpConfig:
     """Multi-token prediction (verl ``actor_rollout_ref.model.mtp``): a policy's MTP layers (MiMo's
-    ``model.mtp_layers``, lathe.models.mtp) are loaded and saved with the checkpoint whatever these say."""
+    ``model.mtp_layers``, lathe.models.mtp) are loaded and saved with the checkpoint whatever these say; those lathe's
+    decoder does not run (DeepSeek-V3's, GLM-4.5's, HY-V3's, Qwen3.5's) are saved with ``enable``."""
 
-    enable: bool = spec(False, "verl: use the checkpoint's MTP layers (lathe keeps and saves them either way; "
-                               "enable_train and enable_rollout need it).")
+    enable: bool = spec(False, "verl: use the checkpoint's MTP layers (MiMo's: lathe keeps and saves them either "
+                               "way; enable_train and enable_rollout need it). The MTP layers lathe's decoder loads "
+                               "but does not run (DeepSeek-V3's, GLM-4.5's, HY-V3's model.layers.<n>, Qwen3.5's and "
+                               "Qwen3-Next's mtp.*) are copied unchanged from model.path into every checkpoint the "
+                               "policy saves with it, left out without (lathe.train.mtp.keep_checkpoint_mtp).")
     enable_train: bool = spec(False, "verl: train the MTP layers beside the RL loss: their next-next-token "
                                      "cross-entropy over the response tokens, times mtp_loss_scaling_factor "
                                      "(lathe.train.mtp; logged as actor/mtp_losses/mtp_<k>_loss).")

@@ -156,6 +156,10 @@ class LatheConfig:
     # the language model of a vision-language checkpoint, run alone (`lathe.models.vl.load_language_model`): that
     # checkpoint's directory and config.json, so that a save writes the whole model back (`io.save_pretrained`)
     vl_checkpoint: tuple[str, dict[str, Any]] | None = field(default=None, repr=False)
+    # a checkpoint directory whose multi-token-prediction layers lathe's decoder does not run (DeepSeek-V3's, GLM-4.5's,
+    # HY-V3's, the hybrids'), copied unchanged into every checkpoint this model saves (`io.stacked_mtp_tensors`;
+    # `actor_rollout_ref.model.mtp.enable=true`); None: saves leave them out
+    mtp_source: str | None = field(default=None, repr=False)
 
     @property
     def rotary_dim(self) -> int:

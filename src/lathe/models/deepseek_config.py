@@ -184,14 +184,3 @@ def hy_v3_moe(d: dict[str, Any], layers: int, source: str):
                      mlp_only_layers=tuple(i for i, kind in enumerate(kinds) if kind == "dense"), scoring="sigmoid",
                      routed_scaling_factor=float(d["router_scaling_factor"]),
                      n_shared_experts=int(d.get("num_shared_experts") or 0))
-
-
-def drop_mtp_weights(state: dict, num_hidden_layers: int) -> dict:
-    """`state` without the multi-token-prediction layers' tensors (`model.layers.<n>.` for n >= the config's
-    `num_hidden_layers`, DeepSeek-V3's layer 61): lathe's decoder, like transformers', does not run them."""
-    def layer_of(name: str) -> int | None:
-        if not name.startswith("model.layers."):
-            return None
-        index = name.split(".", 3)[2]
-        return int(index) if index.isdigit() else None
-    return {k: v for k, v in state.items() if (layer_of(k) or 0) < num_hidden_layers}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -62,24 +62,26 @@ def weight_files(path: str | Path) -> list[Path]:
 
 
 def read_state_dict(path: str | Path, *, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu", prefixes: tuple[str, ...] | None = None
-                    ) -> dict[str, torch.Tensor]:
+                    device: str | torch.device = "cpu", prefixes: tuple[str, ...] | None = None,
+                    select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, cast to `dtype` (floating tensors only) on `device`; with `prefixes`
-    only those whose names start with one of them (read alone from safetensors files: a large model's other weights
-    are not read)."""
+    only those whose names start with one of them, with `select` those it keeps (read alone from safetensors files: a
+    large model's other weights are not read)."""
+    if prefixes is not None:
+        select = (lambda name: name.startswith(prefixes)) if select is None else select
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
-        if file.suffix == ".safetensors" and prefixes is not None:
+        if file.suffix == ".safetensors" and select is not None:
             from safetensors import safe_open
             with safe_open(str(file), framework="pt", device=str(device)) as handle:
-                part = {k: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefixes)}
+                part = {k: handle.get_tensor(k) for k in handle.keys() if select(k)}
         elif file.suffix == ".safetensors":
             from safetensors.torch import load_file
             part = load_file(str(file), device=str(device))
         else:
             part = torch.load(file, map_location=device, weights_only=True)
         for name, t in part.items():
-            if prefixes is not None and not name.startswith(prefixes):
+            if select is not None and not select(name):
                 continue
             if _IGNORED.search(name):
                 continue
@@ -126,15 +128,15 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
               optional: tuple[str, ...] = ()) -> list[str]:
     """Assign `state` (checkpoint names: per-expert MoE weights are fused here) to a (meta-device) model; names in
     `optional` may be missing. Returns those missing."""
-    state = module_layout(state, model.config)
-    if getattr(model.config, "stacked_mtp_layers", False):  # DeepSeek-V3's, GLM-4.5's MTP layers: unused
-        from lathe.models.deepseek_config import drop_mtp_weights
-        kept = drop_mtp_weights(state, model.config.num_hidden_layers)
+    if getattr(model.config, "stacked_mtp_layers", False):  # DeepSeek-V3's, GLM-4.5's, HY-V3's MTP layers: unused
+        kept = {k: v for k, v in state.items() if not unrun_mtp(k, model.config)}
         if len(kept) < len(state):
             log.warning("%s: %d tensors of %s's multi-token-prediction layers (model.layers.%d and on) are not loaded: "
-                        "lathe's decoder does not run them, and checkpoints it saves leave them out", source,
+                        "lathe's decoder does not run them; checkpoints it saves leave them out unless "
+                        "actor_rollout_ref.model.mtp.enable=true (which copies them there unchanged)", source,
                         len(state) - len(kept), model.config.architecture, model.config.num_hidden_layers)
         state = kept
+    state = module_layout(state, model.config)
     _drop_absent_mtp(model, state, source)
     state = _drop_hybrid_mtp(model, state, source)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -160,16 +162,37 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
 def _drop_hybrid_mtp(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Qwen3.5's and Qwen3-Next's checkpoints hold a multi-token-prediction block (`mtp.*`) that neither lathe's
     decoder nor transformers' model runs: dropped on load (with a log line), and left out of what lathe saves, as
-    transformers does."""
+    transformers does, unless `mtp_source` is set (`stacked_mtp_tensors`)."""
     text = getattr(model.config, "text", model.config)          # (a VL model's language model)
     if getattr(text, "linear_attention", None) is None:
         return state
     kept = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     if len(kept) < len(state):
         log.warning("%s: %d tensors of the multi-token-prediction block (mtp.*) are not loaded: lathe's decoder does "
-                    "not run them, and checkpoints it saves leave them out (as transformers' do)", source,
+                    "not run them; checkpoints it saves leave them out (as transformers' do) unless "
+                    "actor_rollout_ref.model.mtp.enable=true (which copies them there unchanged)", source,
                     len(state) - len(kept))
     return kept
+
+
+def unrun_mtp(name: str, cfg) -> bool:
+    """Whether checkpoint tensor `name` belongs to multi-token-prediction layers lathe's decoder loads but does not
+    run: DeepSeek-V3's, GLM-4.5's and HY-V3's `model.layers.<n>` past the decoder's (`stacked_mtp_layers`), the
+    hybrids' `mtp.*`."""
+    if getattr(cfg, "linear_attention", None) is not None:
+        return name.startswith("mtp.")
+    if not getattr(cfg, "stacked_mtp_layers", False) or not name.startswith("model.layers."):
+        return False
+    index = name.split(".", 3)[2]
+    return index.isdigit() and int(index) >= cfg.num_hidden_layers
+
+
+def stacked_mtp_tensors(cfg) -> dict[str, torch.Tensor]:
+    """The tensors of the MTP layers lathe does not run (`unrun_mtp`) as `cfg.mtp_source` holds them (their stored
+    names and dtype), which saves copy unchanged (`actor_rollout_ref.model.mtp.enable=true`:
+    `lathe.train.mtp.keep_checkpoint_mtp`); none when it is unset."""
+    source = getattr(cfg, "mtp_source", None)
+    return {} if source is None else read_state_dict(source, select=lambda name: unrun_mtp(name, cfg))
 
 
 def _drop_absent_mtp(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -243,6 +266,7 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_size: int |
     if getattr(model.config, "vl_checkpoint", None) is not None:     # the whole vision-language model again
         from lathe.models.vl.io import whole_vl_checkpoint
         state, config = whole_vl_checkpoint(model.config, state, _weights_dtype(state), value=hasattr(model, "score"))
+    state.update(stacked_mtp_tensors(model.config))
     shards = _shard(state, parse_size(max_shard_size))
     for stale in list(path.glob("model*.safetensors")) + [path / SAFE_INDEX]:
         stale.unlink(missing_ok=True)

@@ -27,6 +27,7 @@ over the group.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from lathe.train import parallel
 from lathe.train.logprob import LOGPROB_CHUNK_SIZE, PackedStream
 from lathe.train.vocab_parallel import token_stats
 
+log = logging.getLogger("lathe")
 METRIC_PREFIX = "actor/mtp_losses/"
 KEY = "actor_rollout_ref.model.mtp"
 
@@ -64,6 +66,54 @@ def mtp_training(mtp_cfg, model, what: str) -> MtpTraining | None:
                          f"{KEY}.enable=false), or point actor_rollout_ref.model.path at a checkpoint with MTP layers.")
     return MtpTraining(float(mtp_cfg.mtp_loss_scaling_factor), bool(mtp_cfg.detach_encoder),
                        len(model.model.mtp_layers))
+
+
+# transformers' classes of the families whose checkpoints hold MTP layers lathe's decoder loads but does not run
+UNRUN_MTP_CLASSES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM", "Qwen3_5ForCausalLM",
+                     "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+
+
+def keep_checkpoint_mtp(mtp_cfg, model, path: str) -> None:
+    """`mtp.enable=true` with a policy whose checkpoint holds MTP layers lathe's decoder loads but does not run
+    (DeepSeek-V3's, GLM-4.5's, HY-V3's `model.layers.<n>`, the hybrids' `mtp.*`: `lathe.models.io.unrun_mtp`): every
+    checkpoint the policy saves carries them, copied unchanged from `path` (verl keeps them with mtp.enable, frozen
+    unless enable_train), so that the trained model still serves with MTP speculative decoding (the drafts then come
+    from the original layers). Where the policy cannot (transformers' module, model.impl=hf; lathe's vision-language
+    model of a Qwen3.5 checkpoint) this fails, naming the key."""
+    if not mtp_cfg.enable or has_mtp(model):
+        return
+    from lathe.models.decoder import LatheCausalLM
+    from lathe.models.hf import direct_checkpoint_dir
+    from lathe.models.io import unrun_mtp, weight_files
+    name, text = type(model).__name__, getattr(getattr(model, "config", None), "text", None)
+    if not isinstance(model, LatheCausalLM):
+        if name in UNRUN_MTP_CLASSES or getattr(text, "linear_attention", None) is not None:
+            raise ValueError(f"{KEY}.enable=true: the policy runs as {name}, whose saves leave out the checkpoint's "
+                             "MTP layers (lathe copies them into the saves of its text decoder only: "
+                             f"model.impl=auto with a text checkpoint or text data). Fix: set {KEY}.enable=false")
+        return
+    cfg = model.config
+    source = cfg.vl_checkpoint[0] if cfg.vl_checkpoint is not None else direct_checkpoint_dir(path)
+    if source is None or not any(unrun_mtp(n, cfg) for n in _tensor_names(weight_files(source))):
+        log.warning("%s.enable=true: %s holds no multi-token-prediction layers that lathe's decoder leaves unrun, so "
+                    "its saves carry none", KEY, path)
+        return
+    cfg.mtp_source = str(source)
+    log.info("%s.enable=true: the MTP layers of %s are copied unchanged into every checkpoint the policy saves "
+             "(lathe's decoder does not run them)", KEY, path)
+
+
+def _tensor_names(files) -> set[str]:
+    """The tensor names of checkpoint files, read from their headers (a `.bin`'s by memory-mapping it)."""
+    from safetensors import safe_open
+    names: set[str] = set()
+    for file in files:
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt") as handle:
+                names.update(handle.keys())
+        else:
+            names.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True).keys())
+    return names
 
 
 def full_response_mask(batch: Batch) -> torch.Tensor:

@@ -190,7 +190,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from lathe.models.io import module_layout, module_names
+    from lathe.models.io import module_layout, module_names, unrun_mtp
     files = sorted((path / "huggingface").glob("*.safetensors"))
     if not files or not (path / "optim.pt").exists():
         raise FileNotFoundError(f"{what} checkpoint {path} is incomplete: expected huggingface/*.safetensors and "
@@ -199,8 +199,10 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     for f in files:                              # names from the headers: the tensors are read only when used
         with safe_open(f, framework="pt") as handle:
             saved.update(handle.keys())
-    saved = module_names(saved, model.config)   # a MoE model's experts: one tensor per expert on disk
-    text_of_vl = getattr(getattr(model, "config", None), "vl_checkpoint", None) is not None
+    config = getattr(model, "config", None)
+    saved = {n for n in saved if not unrun_mtp(n, config)}     # MTP layers copied from model.path (mtp.enable)
+    saved = module_names(saved, config)         # a MoE model's experts: one tensor per expert on disk
+    text_of_vl = getattr(config, "vl_checkpoint", None) is not None
     if text_of_vl:                               # a VL checkpoint's language model alone: the whole model saved
         from lathe.models.vl.io import language_model_names
         saved = language_model_names(saved)
@@ -221,7 +223,7 @@ def load_trainable(path: Path, model, optimizer, scheduler, *, what: str,
     state = {}
     for f in files:
         state.update(load_file(f))
-    state = module_layout(state, model.config)
+    state = module_layout({k: v for k, v in state.items() if not unrun_mtp(k, config)}, config)
     if text_of_vl:
         from lathe.models.vl.io import language_model_state
         state = language_model_state(state)

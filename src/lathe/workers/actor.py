@@ -32,7 +32,7 @@ from lathe.rollout.build import architecture, runs_lathe
 from lathe.train import expert_parallel, fp8, lora, parallel, tensor_parallel, ulysses
 from lathe.train.actor import PPOActor
 from lathe.train.logprob import batched_token_stats
-from lathe.train.mtp import mtp_training
+from lathe.train.mtp import keep_checkpoint_mtp, mtp_training
 from lathe.train.offload import activation_offload, offload_flags
 from lathe.train.optim import build_optimizer, build_scheduler
 from lathe.train.precision import resolve_policy
@@ -65,6 +65,7 @@ class Actor:
         if arr.actor.router_replay.mode != "disabled":
             check_replay_model(self.model, arr.actor.router_replay.mode)
         self.mtp = mtp_training(arr.model.mtp, self.model, f"{architecture(self.model)} ({arr.model.path})")
+        keep_checkpoint_mtp(arr.model.mtp, self.model, arr.model.path)
         enable_recompute(self.model, arr.model.enable_gradient_checkpointing, arr.model.gradient_checkpointing_layers,
                          "actor_rollout_ref.model", lathe=runs_lathe(self.model), impl_key="actor_rollout_ref.model.impl")
         self.policy = resolve_policy(arr.actor.fsdp_config, device, key=FSDP_KEY)

@@ -39,8 +39,8 @@ GLM4_MOE_DEFAULTS = {"n_routed_experts": 128, "n_group": 1, "topk_group": 1, "nu
 HYV3_DEFAULTS = {"vocab_size": 120832, "hidden_size": 4096, "intermediate_size": 13312, "num_hidden_layers": 80,
                  "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
                  "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 11158840.0,
-                 "num_experts": 192, "num_experts_per_tok": 8, "num_shared_experts": 1, "moe_intermediate_size": 1536, "router_scaling_factor": 2.826,
-                 "attention_bias": False, "mlp_bias": False}
+                 "num_experts": 192, "num_experts_per_tok": 8, "num_shared_experts": 1, "moe_intermediate_size": 1536,
+                 "router_scaling_factor": 2.826, "attention_bias": False, "mlp_bias": False}
 
 
 @dataclass

@@ -8,7 +8,8 @@ the modules (`lathe.models.moe.fuse_expert_weights` on load, `split_expert_weigh
 hold the stacked tensors themselves. HY-V3's checkpoints name three of its MoE tensors otherwise (`HUB_NAMES`:
 `module_layout` on load, `hub_layout` on save). A MiMo checkpoint's multi-token-prediction layers
 (`model.mtp_layers.*`, `lathe.models.mtp`) load and save under their own names like every other tensor; DeepSeek-V3's,
-Qwen3.5's and Qwen3-Next's (`mtp.*`) are dropped on load, with a warning.
+GLM-4.5's, HY-V3's (`model.layers.<n>`), Qwen3.5's and Qwen3-Next's (`mtp.*`) are dropped on load, with a warning,
+and copied unchanged into saves with `actor_rollout_ref.model.mtp.enable=true` (`stacked_mtp_tensors`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 # Buffers some older checkpoints carry; lathe recomputes them from the config.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # Tensors read in their stored dtype whatever `dtype` asks: DeepSeek-V3's expert-selection bias (float32, as
-# transformers keeps it; `lathe.models.deepseek.DeepseekRouter`)
+# transformers keeps it; `lathe.models.deepseek.DeepseekRouter`), HY-V3's under its checkpoints' name
 _KEPT_DTYPE = re.compile(r"\.mlp\.(gate\.e_score_correction_bias|expert_bias)$")
 # Checkpoint names that are not lathe's module names, by `LatheConfig.family`: (on disk, in the modules). HY-V3's
 # router, selection bias and shared experts (DeepseekMoeBlock's gate, gate.e_score_correction_bias, shared_experts)

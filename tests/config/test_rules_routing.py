@@ -40,6 +40,14 @@ def test_unsupported_combinations_are_refused(overrides, needle):
     assert needle in fails(overrides)
 
 
+def test_r2_loads_beside_the_agent_loop():
+    """R2 in multi-turn rollouts: the old-log-prob forward records what the update replays, whatever the trajectory
+    holds (tests/loop/test_routing_steps.py); R3 stays refused there (above)."""
+    cfg = load_config("base", GRPO + [f"{MODE}=R2", "actor_rollout_ref.rollout.multi_turn.enable=true"])
+    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R2"
+    assert f"use {MODE}=R2" in fails([*R3, "actor_rollout_ref.rollout.multi_turn.enable=true"])
+
+
 def test_prefix_grouped_passes_load():
     """R2/R3 beside `use_prefix_grouper` (a grouped forward replays and records in its stream's order:
     tests/train/test_routing.py)."""

@@ -2,7 +2,7 @@
 records, the old-log-prob and update forwards replay) and R2 (the old-log-prob forward records, the update replays),
 every trainer forward replaying a full batch of routing; `training/rollout_probs_diff_*` is reported either way, and
 `actor/routing_replay_changed` says how much routing replay overrode. Beside `use_prefix_grouper` too (R3 and R2:
-the grouped passes replay and record in their stream's order)."""
+the grouped passes replay and record in their stream's order), and R2 in the agent loop's multi-turn batches."""
 
 import pytest
 import torch
@@ -35,3 +35,27 @@ def test_two_steps_replay_the_routing(tmp_path, monkeypatch, mode, grouped):
     assert replayed and all(g.dim() == 3 and g.shape[1:] == (1, 2) for g in replayed)
     # the packed forwards replay a choice for every real token but each response's last (R3: never fed)
     assert all((g >= 0).float().mean() > 0.8 for g in replayed)
+
+
+def test_r2_replays_the_agent_loop_s_multi_turn_batches(tmp_path, monkeypatch):
+    """The agent demo's multi-turn rollouts on a tiny Qwen3-MoE with R2 and two epochs: the old-log-prob forward
+    records every token's choices (the turns' and the tool answers' alike) and each update forward replays them."""
+    from lathe.cli import main
+
+    from agent_task import agent_task, metric
+    model = qwen3_moe_checkpoint(tmp_path / "model")
+    replayed = []
+    real = routing.replay_routing
+
+    def spy(model, given, *args):
+        replayed.append(given)
+        return real(model, given, *args)
+    monkeypatch.setattr(routing, "replay_routing", spy)
+    assert main(["train", *agent_task(), f"actor_rollout_ref.model.path={model}",
+                 "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                 f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.actor.router_replay.mode=R2",
+                 "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.use_dynamic_bsz=true"]) == 0
+    assert metric(tmp_path / "run", "num_turns/max")[-1] >= 2
+    assert metric(tmp_path / "run", "training/old_log_prob_forward") == [1.0, 1.0]
+    assert len(metric(tmp_path / "run", "actor/routing_replay_changed")) == 2
+    assert replayed and all((g >= 0).all() for g in replayed)      # every token of the packed stream replayed

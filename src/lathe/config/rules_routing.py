@@ -27,7 +27,8 @@ def check_routing_replay(cfg, problems: ProblemList) -> None:
         return
     unsupported = [
         (is_async(cfg), "rollout.n_gpus_per_node > 0 (fully-async training)", "train synchronously"),
-        (arr.rollout.multi_turn.enable, f"{R}.multi_turn.enable=true (the agent loop)", "set it to false"),
+        (mode == "R3" and arr.rollout.multi_turn.enable, f"{R}.multi_turn.enable=true (the agent loop)",
+         f"use {MODE}=R2 (the old-log-prob forward records what the update replays), or multi_turn.enable=false"),
         (arr.rollout.name == "hf", f"{R}.name=hf (transformers generate records no routing)", f"set {R}.name=lathe"),
         (arr.model.impl == "hf", "actor_rollout_ref.model.impl=hf (transformers' MoE layers)",
          "set it to auto or lathe"),

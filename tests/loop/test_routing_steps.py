@@ -12,16 +12,22 @@ from lathe.train import routing
 from .test_ppo import qwen3_moe_checkpoint, steps_from
 
 
-@pytest.mark.parametrize("mode, grouped", [("R3", False), ("R2", False), ("R3", True), ("R2", True)])
-def test_two_steps_replay_the_routing(tmp_path, monkeypatch, mode, grouped):
-    model = qwen3_moe_checkpoint(tmp_path / "model")
-    replayed = []
+@pytest.fixture
+def replayed(monkeypatch) -> list:
+    """The routing each trainer forward replays (`routing.replay_routing`'s `given`), in call order."""
+    calls = []
     real = routing.replay_routing
 
     def spy(model, given, *args):
-        replayed.append(given)
+        calls.append(given)
         return real(model, given, *args)
     monkeypatch.setattr(routing, "replay_routing", spy)
+    return calls
+
+
+@pytest.mark.parametrize("mode, grouped", [("R3", False), ("R2", False), ("R3", True), ("R2", True)])
+def test_two_steps_replay_the_routing(tmp_path, replayed, mode, grouped):
+    model = qwen3_moe_checkpoint(tmp_path / "model")
     replay = [f"actor_rollout_ref.actor.router_replay.mode={mode}"]
     if mode == "R3":
         replay.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
@@ -37,20 +43,13 @@ def test_two_steps_replay_the_routing(tmp_path, monkeypatch, mode, grouped):
     assert all((g >= 0).float().mean() > 0.8 for g in replayed)
 
 
-def test_r2_replays_the_agent_loop_s_multi_turn_batches(tmp_path, monkeypatch):
+def test_r2_replays_the_agent_loop_s_multi_turn_batches(tmp_path, replayed):
     """The agent demo's multi-turn rollouts on a tiny Qwen3-MoE with R2 and two epochs: the old-log-prob forward
     records every token's choices (the turns' and the tool answers' alike) and each update forward replays them."""
     from lathe.cli import main
 
     from agent_task import agent_task, metric
     model = qwen3_moe_checkpoint(tmp_path / "model")
-    replayed = []
-    real = routing.replay_routing
-
-    def spy(model, given, *args):
-        replayed.append(given)
-        return real(model, given, *args)
-    monkeypatch.setattr(routing, "replay_routing", spy)
     assert main(["train", *agent_task(), f"actor_rollout_ref.model.path={model}",
                  "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2", "trainer.test_freq=-1",
                  f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.actor.router_replay.mode=R2",

@@ -32,7 +32,6 @@ def test_modes_load():
     ([*R3, "actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt"], "routing replay through files"),
     ([*R3, "actor_rollout_ref.rollout.name=hf"], "rollout.name=hf"),
     ([*R3, "actor_rollout_ref.model.impl=hf"], "model.impl=hf"),
-    ([*R3, "actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=true"),
     ([f"{MODE}=R2", "algorithm.rollout_correction.bypass_mode=true"], "bypass_mode=true"),
     ([*R3, "rollout.n_gpus_per_node=1", "rollout.nnodes=1"], "fully-async"),
 ])
@@ -40,12 +39,16 @@ def test_unsupported_combinations_are_refused(overrides, needle):
     assert needle in fails(overrides)
 
 
-def test_r2_loads_beside_the_agent_loop():
-    """R2 in multi-turn rollouts: the old-log-prob forward records what the update replays, whatever the trajectory
-    holds (tests/loop/test_routing_steps.py); R3 stays refused there (above)."""
-    cfg = load_config("base", GRPO + [f"{MODE}=R2", "actor_rollout_ref.rollout.multi_turn.enable=true"])
-    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R2"
-    assert f"use {MODE}=R2" in fails([*R3, "actor_rollout_ref.rollout.multi_turn.enable=true"])
+def test_replay_loads_beside_the_agent_loop_and_r3_is_refused_beside_custom_loops(tmp_path):
+    """R2 and R3 in multi-turn rollouts (tests/loop/test_routing_steps.py); custom agent loops record no routing of
+    their turns, so R3 is refused beside them."""
+    for mode in (R3, [f"{MODE}=R2"]):
+        load_config("base", GRPO + mode + ["actor_rollout_ref.rollout.multi_turn.enable=true"])
+    loops = tmp_path / "loops.yaml"
+    loops.write_text("- name: mine\n  _target_: my_pkg.Loop\n")
+    custom = f"+actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}"
+    load_config("base", GRPO + [f"{MODE}=R2", custom])
+    assert f"use {MODE}=R2" in fails([*R3, custom])
 
 
 def test_prefix_grouped_passes_load():

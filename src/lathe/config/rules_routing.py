@@ -27,8 +27,9 @@ def check_routing_replay(cfg, problems: ProblemList) -> None:
         return
     unsupported = [
         (is_async(cfg), "rollout.n_gpus_per_node > 0 (fully-async training)", "train synchronously"),
-        (mode == "R3" and arr.rollout.multi_turn.enable, f"{R}.multi_turn.enable=true (the agent loop)",
-         f"use {MODE}=R2 (the old-log-prob forward records what the update replays), or multi_turn.enable=false"),
+        (mode == "R3" and bool((arr.rollout.agent or {}).get("agent_loop_config_path")),
+         f"{R}.agent.agent_loop_config_path (custom agent loops: their turns' routing is not recorded)",
+         f"use {MODE}=R2 (the old-log-prob forward records what the update replays)"),
         (arr.rollout.name == "hf", f"{R}.name=hf (transformers generate records no routing)", f"set {R}.name=lathe"),
         (arr.model.impl == "hf", "actor_rollout_ref.model.impl=hf (transformers' MoE layers)",
          "set it to auto or lathe"),

@@ -52,10 +52,19 @@ class _Request:
         """Every sample's last token has reached the host (none is a `PENDING` placeholder)."""
         return all(s.token_ids[-1] != PENDING for s in self.seqs)
 
-    def output(self) -> RolloutOutput:
+    def output(self, routing=None) -> RolloutOutput:
+        """The request's `RolloutOutput`; with `routing` (the engine's `RoutingRecorder`: routing replay R3) each
+        sample's recorded choices too, taken now from a sample whose blocks the engine still holds (a hybrid model's
+        parked turn, `park_finished`)."""
+        routed = None
+        if routing is not None:
+            routed = [(routing.take(s) if getattr(s, "routed_experts", None) is None else s.routed_experts).cpu()
+                      for s in self.seqs]
+            for s in self.seqs:
+                s.routed_experts = None
         return RolloutOutput(
             token_ids=[s.output_token_ids for s in self.seqs], logprobs=[list(s.logprobs) for s in self.seqs],
-            finish_reasons=[s.finish_reason for s in self.seqs],
+            finish_reasons=[s.finish_reason for s in self.seqs], routed_experts=routed,
             metrics={"rollout/num_preemptions": sum(s.num_preemptions for s in self.seqs),
                      "rollout/num_interrupted": self.num_interrupted,
                      "rollout/prefix_hit_tokens": sum(s.num_prefix_hit_tokens for s in self.seqs),
@@ -71,6 +80,7 @@ class RequestTracker:
         self.requests: dict[Any, _Request] = {}              # added, not yet returned
         self.owner: dict[Sequence, tuple[_Request, int]] = {}  # unfinished sequence -> (request, sample)
         self.done: list[_Request] = []                      # all sequences finished, in finish order
+        self.routing = None                                 # the engine's RoutingRecorder (routing replay R3)
 
     def check_new(self, request_id) -> None:
         if request_id in self.requests:
@@ -117,7 +127,7 @@ class RequestTracker:
         self.done = [r for r in self.done if not r.on_host()]
         for r in ready:
             del self.requests[r.request_id]
-        return [(r.request_id, r.output()) for r in ready]
+        return [(r.request_id, r.output(self.routing)) for r in ready]
 
 
 class StreamingMixin:
@@ -129,6 +139,7 @@ class StreamingMixin:
     def _init_streaming(self) -> None:
         self.weight_version = 0
         self._requests = RequestTracker()
+        self._requests.routing = self.routing
         self.scheduler.on_finish = self._requests.on_finish
         # a hybrid model keeps a finished streamed sequence's KV and states for the prompt that continues it (the
         # agent loop's next turn), as prefix caching does for the other families (`StateBlockManager`)

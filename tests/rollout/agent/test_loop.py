@@ -341,3 +341,42 @@ def test_the_loop_over_a_speculative_engine_gives_the_plain_engines_greedy_turns
     assert spec.token_ids == plain.token_ids and spec.finish_reasons == plain.finish_reasons
     assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5) for a, b in zip(spec.logprobs, plain.logprobs))
     assert "rollout/spec_accept_rate" in spec.metrics and "rollout/spec_accept_rate" not in plain.metrics
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_r3_each_trajectory_s_routing_is_stitched_from_its_turns(qwen_tok, caching):
+    """Routing replay R3 in the agent loop (a tiny Qwen3-MoE recording its choices): a trajectory's routing covers
+    every token its turns fed the engine (the prompt, each turn's response, the tool answers), as a teacher-forced
+    forward of the whole trajectory routes them, whether a later turn found the conversation in the prefix cache or
+    computed it again; its last token, never fed, is -1. `to_batch` lays it out as `input_ids`."""
+    from lathe.models.config import LatheConfig, MoeConfig
+    from lathe.models.decoder import LatheCausalLM, init_weights
+    from lathe.models.routing import record_routing
+    from lathe.rollout.base import ROUTED
+    cfg = LatheConfig(architecture="Qwen3MoeForCausalLM", vocab_size=len(qwen_tok), hidden_size=32,
+                      intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=512, qk_norm=True,
+                      moe=MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    norm_topk_prob=True))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LatheCausalLM(cfg)
+        init_weights(model, std=0.3)
+    model.eval()
+    engine = LatheEngine(model, eos_token_id=qwen_tok.eos_token_id, block_size=4, num_kv_blocks=512,
+                         max_model_len=512, record_routing=True, enable_prefix_caching=caching)
+    loop = AgentLoop(engine, qwen_tok, AgentSettings(response_length=60), tools=FakeTools(),
+                     parse=lambda text: get_parser("hermes")(CALL % "6*7"))
+    prompts = [prompt_of(qwen_tok), prompt_of(qwen_tok, "hi")]
+    out = loop.generate(prompts, SamplingParams(seed=0, temperature=1.0, stop_token_ids=list(range(7, 107))))
+    assert min(out.tool_calls) >= 2
+    for prompt, resp, rec in zip(prompts, out.token_ids, out.routed_experts):
+        ids = prompt + resp
+        assert rec.dtype == torch.int16 and rec.shape == (len(ids), 2, 2)
+        assert (rec[-1] == -1).all() and (rec[:-1] >= 0).all()
+        with torch.no_grad(), record_routing(model) as forward:
+            model(torch.tensor([ids]))
+        want = torch.stack([layer[0] for layer in forward], dim=1)[:-1]
+        assert torch.equal(rec[:-1].sort(-1).values.long(), want.sort(-1).values.long())
+    batch = to_batch(prompts, out, qwen_tok.pad_token_id, 1)
+    assert batch[ROUTED].shape[:2] == batch["input_ids"].shape

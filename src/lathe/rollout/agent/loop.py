@@ -118,6 +118,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)   # per token: the weights that sampled it (appended: the last)
+    routing: list[torch.Tensor] = field(default_factory=list)   # routing replay R3: the turns' records (`_on_turn`)
     last_turn: list[int] = field(default_factory=list)
     assistant_turns: int = 0
     user_turns: int = 0
@@ -312,6 +313,8 @@ class AgentLoop:
             call.resumed[1] += len(t.prompt) + len(t.ids)
         t.versions += per_token_versions(out.versions[0] if out.versions else None, len(ids),
                                      getattr(self.engine, "weight_version", 0))
+        if out.routed_experts is not None:      # routing replay R3: the positions this turn fed first
+            t.routing.append(out.routed_experts[0][sum(len(r) for r in t.routing):-1])
         t.ids += ids
         t.logprobs += logprobs
         t.mask += [1] * len(ids)
@@ -401,6 +404,7 @@ class AgentLoop:
             metrics["agent/prefix_hit_rate"] = call.resumed[0] / call.resumed[1]
         metrics.update(call.spec)
         version = getattr(self.engine, "weight_version", 0)
+        routed = [trajectory_routing(t) for t in trajs] if trajs and trajs[0].routing else None
         return AgentOutput(
             token_ids=[t.ids for t in trajs], logprobs=[t.logprobs for t in trajs],
             finish_reasons=[t.finish_reason or "stop" for t in trajs], metrics=metrics,
@@ -408,7 +412,19 @@ class AgentLoop:
             loss_masks=[t.mask for t in trajs], num_turns=[1 + t.assistant_turns + t.user_turns for t in trajs],
             tool_calls=[t.calls for t in trajs], tool_errors=[t.errors for t in trajs],
             tool_seconds=[t.tool_seconds for t in trajs], turn_scores=[t.turn_scores for t in trajs],
-            tool_rewards=[t.rewards for t in trajs])
+            tool_rewards=[t.rewards for t in trajs], routed_experts=routed)
+
+
+def trajectory_routing(t: Trajectory) -> torch.Tensor:
+    """(prompt + response tokens, MoE layers, k) int16: the routing the engine recorded for each token a trajectory
+    fed it, stitched from its turns (routing replay R3). Turn k's record (`RolloutOutput.routed_experts`) covers its
+    whole sequence, the conversation so far and its response but the last token; of it the trajectory keeps the
+    positions this turn fed first: the previous turn's last token, the tool answers, and its own response tokens (the
+    earlier ones keep their first turn's routing, the one their log-probs were sampled under). The last token and
+    answers appended after the last turn were never fed: -1 (they route by their own top-k)."""
+    rows = torch.cat(t.routing)
+    tail = len(t.prompt) + len(t.ids) - len(rows)
+    return torch.cat([rows, rows.new_full((tail, *rows.shape[1:]), -1)]) if tail > 0 else rows
 
 
 def per_token_versions(spans: list[tuple[int, int]] | None, length: int, current: int) -> list[int]:

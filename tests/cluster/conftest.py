@@ -29,9 +29,12 @@ def pytest_collection_modifyitems(config, items):
 
 def _start() -> None:
     """At least 4 CPU slots (logical: Ray does not pin them), so that fully-async runs with a reward model's and the
-    teachers' pools of their own place their four one-slot groups (tests/cluster/test_fully_async.py)."""
+    teachers' pools of their own place their four one-slot groups (tests/cluster/test_fully_async.py). A cluster of
+    this worker's own (`address="local"`): without it, a restart while the other xdist worker's cluster runs joined
+    that one (Ray 2.60 joins the latest cluster it finds on the machine) and failed on `num_cpus`."""
     if not ray.is_initialized():
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                 logging_level="WARNING")
 
 
 def _all_free(wait_s: float = 10) -> bool:

@@ -129,17 +129,8 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
               optional: tuple[str, ...] = ()) -> list[str]:
     """Assign `state` (checkpoint names: per-expert MoE weights are fused here) to a (meta-device) model; names in
     `optional` may be missing. Returns those missing."""
-    if getattr(model.config, "stacked_mtp_layers", False):  # DeepSeek-V3's, GLM-4.5's, HY-V3's MTP layers: unused
-        kept = {k: v for k, v in state.items() if not unrun_mtp(k, model.config)}
-        if len(kept) < len(state):
-            log.warning("%s: %d tensors of %s's multi-token-prediction layers (model.layers.%d and on) are not loaded: "
-                        "lathe's decoder does not run them; checkpoints it saves leave them out unless "
-                        "actor_rollout_ref.model.mtp.enable=true (which copies them there unchanged)", source,
-                        len(state) - len(kept), model.config.architecture, model.config.num_hidden_layers)
-        state = kept
-    state = module_layout(state, model.config)
+    state = module_layout(_drop_unrun_mtp(model, state, source), model.config)
     _drop_absent_mtp(model, state, source)
-    state = _drop_hybrid_mtp(model, state, source)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -160,19 +151,18 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
     return missing
 
 
-def _drop_hybrid_mtp(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """Qwen3.5's and Qwen3-Next's checkpoints hold a multi-token-prediction block (`mtp.*`) that neither lathe's
-    decoder nor transformers' model runs: dropped on load (with a log line), and left out of what lathe saves, as
-    transformers does, unless `mtp_source` is set (`stacked_mtp_tensors`)."""
-    text = getattr(model.config, "text", model.config)          # (a VL model's language model)
-    if getattr(text, "linear_attention", None) is None:
-        return state
-    kept = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+def _drop_unrun_mtp(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """`state` without the multi-token-prediction layers neither lathe's decoder nor transformers runs (`unrun_mtp`:
+    DeepSeek-V3's, GLM-4.5's, HY-V3's `model.layers.<n>`, Qwen3.5's and Qwen3-Next's `mtp.*`), with a log line; saves
+    leave them out, as transformers' do, unless `mtp_source` is set (`stacked_mtp_tensors`)."""
+    cfg = getattr(model.config, "text", model.config)          # (a VL model's language model)
+    kept = {k: v for k, v in state.items() if not unrun_mtp(k, cfg)}
     if len(kept) < len(state):
-        log.warning("%s: %d tensors of the multi-token-prediction block (mtp.*) are not loaded: lathe's decoder does "
-                    "not run them; checkpoints it saves leave them out (as transformers' do) unless "
-                    "actor_rollout_ref.model.mtp.enable=true (which copies them there unchanged)", source,
-                    len(state) - len(kept))
+        what = ("block (mtp.*)" if getattr(cfg, "linear_attention", None) is not None else
+                f"layers of {cfg.architecture} (model.layers.{cfg.num_hidden_layers} and on)")
+        log.warning("%s: %d tensors of the multi-token-prediction %s are not loaded: lathe's decoder does not run "
+                    "them; checkpoints it saves leave them out unless actor_rollout_ref.model.mtp.enable=true (which "
+                    "copies them there unchanged)", source, len(state) - len(kept), what)
     return kept
 
 

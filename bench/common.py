@@ -566,9 +566,11 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict | None = None
     return rc, time.perf_counter() - start
 
 
-def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float | None, profiled: int = 0) -> dict:
-    """`peak_tflops`: of all the GPUs the run uses (MFU is per GPU). `profiled`: a step (1-based) left out of the
-    median, since the profiler slowed it."""
+def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float | None, profiled: int = 0,
+              matmul_rate: float | None = None) -> dict:
+    """`peak_tflops`: of all the GPUs the run uses (MFU is per GPU); `matmul_rate`: their measured bf16 matmul
+    FLOP/s (`roofline.device_rates`), for the update's MFU against it (issue 48's figure) beside the datasheet's.
+    `profiled`: a step (1-based) left out of the median, since the profiler slowed it."""
     timed = [s for i, s in enumerate(steps) if i >= warmup and i + 1 != profiled] or steps[-1:]
     med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
     phases = sorted({k for s in timed for k in s if k.startswith("timing_s/")})
@@ -602,4 +604,6 @@ def lathe_row(steps: list[dict], warmup: int, flops: float, peak_tflops: float |
     update = row["phases_s"].get("update_actor")
     if update and peak_tflops:
         row["update_mfu"] = flops / update / 1e12 / peak_tflops
+    if update and matmul_rate:
+        row["update_mfu_measured_rate"] = flops / update / matmul_rate
     return row

@@ -23,7 +23,8 @@ the reference model on).
 
 Reported per model and system: median seconds per step over the steps after `--warmup` (compilation and
 allocator warm-up excluded), per-phase seconds, tokens/s, the update phase's MFU (model FLOPs: 6 x linear
-params + causal attention per token, over the datasheet bf16 peak), peak GPU memory, lathe's energy and mean power
+params + causal attention per token, over the datasheet bf16 peak, and as `update_mfu_measured_rate` over the
+measured matmul rate of bench/roofline.py, issue 48's figure), peak GPU memory, lathe's energy and mean power
 per phase where NVML reads them (`energy_j_by_phase`, `power_w_by_phase`, `power_limit_w`: `lathe.track.energy`), and
 lathe/TRL speed-up.
 
@@ -58,7 +59,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import (REWARD_FILE, SHAPES, VL_FORMS, claim_workdir, datasheet_peak, default_workdir,  # noqa: E402
                     device_name, driver_over_ranks, git_sha, lathe_row, run_child, slug, train_flops, write_data,
                     write_model, write_tokenizer)
-from roofline import grouped_forward_flops, step_light  # noqa: E402
+from roofline import device_rates, grouped_forward_flops, step_light  # noqa: E402
 
 # Per shape: lathe's micro-batch (sequences per forward/backward), gradient checkpointing, KL/ref, offload.
 LATHE_SETTINGS = {
@@ -149,7 +150,7 @@ def profile_keys(paths: dict, args) -> list[str]:
             *(["global_profiler.with_stack=true"] if args.profile_stack else [])]
 
 
-def bench_model(shape: str, args, peak: float | None) -> dict:
+def bench_model(shape: str, args, peak: float | None, rate: float | None = None) -> dict:
     where = claim_workdir(Path(args.workdir))
     where.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[shape]["vocab_size"]
@@ -180,7 +181,8 @@ def bench_model(shape: str, args, peak: float | None) -> dict:
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         res["lathe"] = {"command": " ".join([*(f"{k}={v}" for k, v in env.items()), *cmd[1:]]), "returncode": rc,
                         "wall_s": wall, "gpus": args.gpus, "ray_workers": args.ray or args.gpus > 1,
-                        **(lathe_row(steps, args.warmup, flops, peak and peak * args.gpus, args.profile_step) if steps else {})}
+                        **(lathe_row(steps, args.warmup, flops, peak and peak * args.gpus, args.profile_step,
+                                      rate and rate * args.gpus) if steps else {})}
         if args.profile_step and summary.exists():
             res["lathe"]["profile"] = json.loads(summary.read_text())
             if args.gpus > 1:
@@ -400,7 +402,7 @@ def main() -> None:
                                                           "profile_step", "profile_stack")},
                "peak_bf16_tflops_datasheet": datasheet_peak(name), "models": {}}
     for shape in args.models.split(","):
-        results["models"][shape] = bench_model(shape, args, datasheet_peak(name))
+        results["models"][shape] = bench_model(shape, args, datasheet_peak(name), device_rates(name)[0])
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
         print_table(results)

@@ -82,6 +82,16 @@ def restated(extra: str, settings: dict) -> bool:
     return "checkpointing" in settings and extra == CHECKPOINTING + str(settings["checkpointing"]).lower()
 
 
+def measured_rate_mfu(doc: dict, la: dict) -> float | None:
+    """The update's model FLOPs over the matmul rate measured on the device (`roofline.DEVICE_RATES`, 790 TFLOP/s on
+    H100 and H200): issue 48's "update MFU of the measured matmul rate". `update_mfu` is over the datasheet peak."""
+    if la.get("update_mfu_measured_rate"):
+        return la["update_mfu_measured_rate"]
+    from roofline import device_rates
+    rate, peak = device_rates(str(doc.get("device", "")))[0], doc.get("peak_bf16_tflops_datasheet")
+    return la["update_mfu"] * peak * 1e12 / rate if la.get("update_mfu") and rate and peak else None
+
+
 def e2e_rows(doc: dict):
     w = doc.get("workload", {})
     if any(w.get(k) != v for k, v in E2E_WORKLOAD.items()) or w.get("ray") \
@@ -94,7 +104,10 @@ def e2e_rows(doc: dict):
         ph = la.get("phases_s", {})
         text = f"`lathe train` GRPO {la['step_s']:.2f} s/step (rollout {ph.get('gen', 0):.2f} s, update " \
                f"{ph.get('update_actor', 0):.2f} s"
-        text += f", update MFU {la['update_mfu']:.1%})" if la.get("update_mfu") else ")"
+        measured = measured_rate_mfu(doc, la)
+        text += f", update MFU {la['update_mfu']:.1%}" if la.get("update_mfu") else ""
+        text += f" of the datasheet peak, {measured:.1%} of the measured matmul rate" if measured else ""
+        text += ")"
         sol = (la.get("speed_of_light") or {}).get("step", {}).get("fraction")
         if sol is not None:     # results written before bench/roofline.py have none
             text += f", at {sol:.1%} of speed of light"

@@ -62,3 +62,23 @@ def test_the_kl_loss_is_kept_step_by_step_warm_up_included():
     with_kl, without = rows_of(KL_CHILD)
     assert with_kl["consistency"]["kl_loss_all"] == [0.04, 0.041, 0.039]
     assert "kl_loss_all" not in without["consistency"]
+
+
+MFU_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import common
+
+steps = [{"timing_s/step": 6.0, "timing_s/update_actor": 4.0}] * 3
+both = common.lathe_row(steps, warmup=1, flops=2e15, peak_tflops=1000.0, matmul_rate=800e12)
+datasheet = common.lathe_row(steps, warmup=1, flops=2e15, peak_tflops=1000.0)
+print(json.dumps([both, datasheet]))
+"""
+
+
+def test_the_update_mfu_over_the_datasheet_peak_and_over_the_measured_matmul_rate():
+    """Issue 48 asks for the update's MFU of the measured matmul rate; `update_mfu` is over the datasheet's peak."""
+    both, datasheet = rows_of(MFU_CHILD)
+    assert both["update_mfu"] == pytest.approx(0.5) == datasheet["update_mfu"]
+    assert both["update_mfu_measured_rate"] == pytest.approx(2e15 / 4.0 / 800e12)
+    assert "update_mfu_measured_rate" not in datasheet

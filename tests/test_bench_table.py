@@ -64,3 +64,15 @@ def test_rollout_rows_leave_out_runs_whose_first_kv_cache_is_not_the_default():
     doc = _fixed_load_run
     assert len(list(table.rollout_rows(doc(kv_cache_dtype=["auto", "fp8"])))) == 1
     assert list(table.rollout_rows(doc(kv_cache_dtype=["fp8"]))) == []
+
+
+def test_an_e2e_row_gives_the_update_mfu_of_the_measured_matmul_rate_too():
+    """Derived from the datasheet MFU where an older results file has only that (790 TFLOP/s on an H200)."""
+    sys.path.insert(0, str(TABLE.parent))
+    import table
+    run = {"device": "NVIDIA H200", "peak_bf16_tflops_datasheet": 989.4, "workload": {**table.E2E_WORKLOAD},
+           "models": {"m": {"lathe": {"step_s": 9.0, "phases_s": {"update_actor": 4.0}, "update_mfu": 0.5}}}}
+    (row,) = table.e2e_rows(run)
+    assert "update MFU 50.0% of the datasheet peak, 62.6% of the measured matmul rate" in row[3]
+    run["models"]["m"]["lathe"]["update_mfu_measured_rate"] = 0.6
+    assert "60.0% of the measured matmul rate" in next(table.e2e_rows(run))[3]

@@ -80,3 +80,24 @@ def test_lathe_train_refuses_the_placement_in_seconds_with_one_paragraph(tmp_pat
     assert out.returncode == 2, out.stderr
     assert f"= {2 * cpus} workers, one CPU each" in out.stderr and "Traceback" not in out.stderr
     assert "warm start" not in out.stderr, "refused before the model loads"
+
+
+def test_a_cluster_that_ray_start_left_on_this_machine_is_joined_not_second_guessed(monkeypatch):
+    """verl's multi-node recipe: `ray start --head` here, `ray start --address` on the other nodes, then the trainer
+    on the head with neither RAY_ADDRESS nor ray_init.address set. `ray.init` joins that cluster (its address file in
+    Ray's temp directory), so its size is the cluster's, not this machine's; and start_ray's log says it joined."""
+    ray_services = pytest.importorskip("ray._private.services")
+    from lathe.cluster.placement import joining_address
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = load_config(None, FOUR_CPU_WORKERS)
+    monkeypatch.setattr(ray_services, "find_gcs_addresses", lambda: [])
+    monkeypatch.setattr(ray_services, "find_bootstrap_address", lambda temp_dir: None)
+    assert joining_address({}) is None and joining_address({"address": "local"}) is None
+    with pytest.raises(ClusterError):
+        check_local_fit(cfg, run_plan(cfg), "cpu", 0)
+    monkeypatch.setattr(ray_services, "find_bootstrap_address", lambda temp_dir: "10.0.0.2:6379")
+    assert joining_address({}) == "10.0.0.2:6379"
+    assert joining_address({"address": "local"}) is None            # ray.init(address="local") starts its own
+    assert joining_address({"address": "10.0.0.1:6379"}) == "10.0.0.1:6379"
+    check_local_fit(cfg, run_plan(cfg), "cpu", 0)

@@ -37,19 +37,37 @@ def ray_init_kwargs(cfg) -> dict:
     return {k: v for k, v in merged.items() if v is not None}
 
 
+def joining_address(kwargs: dict) -> str | None:
+    """The cluster `ray.init(**kwargs)` will join, found as Ray finds it: `ray_init.address`, else RAY_ADDRESS, else
+    the cluster a `ray start` left running on this machine (its address file in Ray's temp directory: verl's
+    multi-node recipe starts the head so and runs the trainer there with neither set); None where it will start one
+    of its own."""
+    address = kwargs.get("address") or os.environ.get("RAY_ADDRESS")
+    if address and address not in ("auto", "local"):
+        return address
+    if address == "local":
+        return None
+    require_ray()
+    from ray._private.services import canonicalize_bootstrap_address
+    try:
+        return canonicalize_bootstrap_address(address, kwargs.get("_temp_dir"))
+    except (ConnectionError, ValueError):    # "auto" with none running: ray.init says so itself
+        return address
+
+
 def start_ray(cfg) -> bool:
-    """Join or start Ray; True when this call started it (and should shut it down)."""
+    """Join or start Ray; True when this call connected this process (and should shut the connection down)."""
     ray = require_ray()
     if ray.is_initialized():
         limit_driver_threads()
         return False
     kwargs = ray_init_kwargs(cfg)
-    joining = kwargs.get("address") or os.environ.get("RAY_ADDRESS")
+    joining = joining_address(kwargs)
     if not joining:
         kwargs.setdefault("include_dashboard", False)
     kwargs.setdefault("logging_level", logging.WARNING)
     ray.init(**kwargs)
-    log.info("ray: %s, %s", f"joined {joining}" if joining else "started a local cluster",
+    log.info("ray: %s, %s", f"joined the cluster at {joining}" if joining else "started a local cluster",
              _show(ray.cluster_resources()))
     limit_driver_threads()
     return True
@@ -69,10 +87,11 @@ def limit_driver_threads() -> None:
 def check_local_fit(cfg, plan, device_type: str, visible_gpus: int) -> None:
     """Refuse, before anything loads, workers that a Ray cluster started here could never place: the trainer's, the
     rollout pool's, the reward model's pool's and the teachers' pool's ranks, one CPU slot each on a CPU run
-    (`ray_kwargs.ray_init.num_cpus`, else this machine's CPUs) or one GPU each. Joining a cluster (`ray_init.address` or RAY_ADDRESS) is checked when
-    the pools are placed, against what that cluster holds."""
+    (`ray_kwargs.ray_init.num_cpus`, else this machine's CPUs) or one GPU each. Joining a cluster (`ray_init.address`
+    or RAY_ADDRESS, or one a `ray start` left running on this machine, which `ray.init` joins as well:
+    `joining_address`) is checked when the pools are placed, against what that cluster holds."""
     kwargs = ray_init_kwargs(cfg)
-    if kwargs.get("address") or os.environ.get("RAY_ADDRESS"):
+    if joining_address(kwargs):
         return
     workers = plan.world + plan.rollout_devices + plan.reward_devices + plan.teacher_devices
     kind, have = (("CPU", int(kwargs.get("num_cpus") or os.cpu_count() or 1)) if device_type == "cpu"

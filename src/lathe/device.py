@@ -202,30 +202,60 @@ def memory_info(device: torch.device | str) -> tuple[int, int]:
     return _api(device).mem_get_info(torch.device(device))
 
 
+# Device memory lathe maps itself, outside PyTorch's allocator (the engine's KV cache: `lathe.engine.vmm`), by device
+# index: [bytes mapped now, the most mapped since the last `reset_peak_memory`]. The figures below count it as
+# allocated and reserved, as they counted the cache when it was a tensor.
+_MAPPED: dict[int, list[int]] = {}
+
+
+def _index(device: torch.device | str) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def count_mapped(device: torch.device | str, nbytes: int) -> None:
+    """`nbytes` more (or, negative, fewer) bytes mapped outside PyTorch's allocator on `device`."""
+    now = _MAPPED.setdefault(_index(device), [0, 0])
+    now[0] += nbytes
+    now[1] = max(now[1], now[0])
+
+
+def _mapped(device: torch.device | str, peak: bool = False) -> int:
+    if torch.device(device).type != "cuda" or not _MAPPED:
+        return 0
+    return _MAPPED.get(_index(device), [0, 0])[int(peak)]
+
+
 def memory_allocated(device: torch.device | str) -> int:
+    """Bytes allocated on `device`: PyTorch's allocator's and lathe's own mappings (`count_mapped`), 0 on the CPU."""
     api = _api(device)
-    return 0 if api is None else api.memory_allocated(torch.device(device))
+    return 0 if api is None else api.memory_allocated(torch.device(device)) + _mapped(device)
 
 
 def memory_reserved(device: torch.device | str) -> int:
-    """Bytes PyTorch's caching allocator holds on `device` (allocated or cached), 0 on the CPU."""
+    """Bytes PyTorch's caching allocator holds on `device` (allocated or cached) and lathe's own mappings, 0 on the
+    CPU."""
     api = _api(device)
-    return 0 if api is None else api.memory_reserved(torch.device(device))
+    return 0 if api is None else api.memory_reserved(torch.device(device)) + _mapped(device)
 
 
 def reset_peak_memory(device: torch.device | str) -> None:
     api = _api(device)
     if api is not None:
         api.reset_peak_memory_stats(torch.device(device))
+        if torch.device(device).type == "cuda" and _MAPPED:
+            now = _MAPPED.setdefault(_index(device), [0, 0])
+            now[1] = now[0]
 
 
 def peak_memory(device: torch.device | str) -> tuple[int, int] | None:
-    """(peak allocated, peak reserved) bytes since the last `reset_peak_memory`, or None on the CPU."""
+    """(peak allocated, peak reserved) bytes since the last `reset_peak_memory` (lathe's own mappings added at
+    their peak), or None on the CPU."""
     api = _api(device)
     if api is None:
         return None
-    device = torch.device(device)
-    return api.max_memory_allocated(device), api.max_memory_reserved(device)
+    device, mapped = torch.device(device), _mapped(device, peak=True)
+    return api.max_memory_allocated(device) + mapped, api.max_memory_reserved(device) + mapped
 
 
 def record_memory_history(device: torch.device | str, *, max_entries: int, context: str = "all",

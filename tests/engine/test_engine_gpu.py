@@ -192,6 +192,55 @@ def test_a_kept_cache_comes_back_in_place_after_an_update_s_backward(checkpoints
         assert out.metrics["rollout/graph_captures"] == 0 and out.token_ids == first.token_ids
 
 
+def test_fixed_address_memory_comes_back_at_its_address_after_the_driver_lent_it_out():
+    """`vmm.FixedAddress`: unmapped, its memory goes to the driver (a tensor of nearly all the free memory fits);
+    mapped again, new memory sits under the same address, zeroed; the bytes count as allocated while mapped."""
+    from lathe import device as accel
+    from lathe.engine import vmm
+    assert vmm.supported(0)
+    fixed = vmm.FixedAddress(3 << 30, torch.device("cuda"))
+    raw = fixed.map()
+    address, before = raw.data_ptr(), accel.memory_allocated("cuda")
+    raw.fill_(7)
+    assert int(raw[-1]) == 7 and before >= fixed.nbytes
+    del raw
+    fixed.unmap()
+    assert accel.memory_allocated("cuda") == before - fixed.nbytes
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (1 << 30), dtype=torch.uint8, device="cuda")     # the cache's memory among it
+    with pytest.raises(torch.OutOfMemoryError):
+        fixed.map()
+    del hog
+    torch.cuda.empty_cache()
+    raw = fixed.map()
+    assert raw.data_ptr() == address and int(raw.max()) == 0
+    del raw
+    fixed.close()
+
+
+def test_a_cache_freed_near_the_device_s_limit_keeps_its_address_and_its_graphs(checkpoints):
+    """Training that takes nearly all the device between two rollouts (here: a tensor of all its free memory) gets
+    the KV cache's memory too (fixed-address memory goes back to the driver at sleep); at wake-up the cache comes
+    back under the same addresses and the decode graphs are replayed, not captured again, with the same samples."""
+    path, _ = checkpoints["qwen2"]
+    engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=64, num_kv_blocks=16384)
+    nbytes = engine.kv_cache.buffer.nbytes
+    assert engine.kv_cache._fixed is not None and nbytes >= 128 << 20
+    params = SamplingParams(n=4, temperature=0.8, max_tokens=MAX, seed=5)
+    first = engine.generate(PROMPTS, params)
+    address = engine.kv_cache.address
+    for _ in range(2):
+        engine.sleep()
+        free, _ = torch.cuda.mem_get_info()
+        hog = torch.empty(free - (256 << 20), dtype=torch.uint8, device="cuda")   # more than the cache's bytes
+        assert hog.nbytes > nbytes
+        del hog
+        engine.wake_up()
+        assert engine.kv_cache.address == address
+        out = engine.generate(PROMPTS, params)
+        assert out.metrics["rollout/graph_captures"] == 0 and out.token_ids == first.token_ids
+
+
 def shared_prefix_runs(path, monkeypatch):
     """(CPU model, prompts, [output with the shared-prefix launch, output without]): the n=5 samples of three long
     prompts on CUDA with the Triton decode kernel (groups from 16 shared tokens), the launch's graphs checked to be

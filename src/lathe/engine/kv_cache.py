@@ -3,9 +3,10 @@
 A token's slot is `block_id * block_size + offset`; `store` writes new tokens' K/V to their slots
 (slot -1 = already cached, skipped). One extra block past `num_blocks`, never handed out, holds
 `scratch_slot`: padding rows of a CUDA-graph batch write there. `free()` drops the tensors (engine `sleep`), `allocate()` takes
-them back (`wake_up`). All layers' K and V are views of one allocation, so that the cache comes back at the same
-address when the allocator still holds that block (`address`): the engine's captured decode graphs, which hold
-it, then stay valid across a sleep.
+them back (`wake_up`). All layers' K and V are views of one allocation; on CUDA it is fixed-address memory
+(`lathe.engine.vmm`: `free()` gives it to the driver, `allocate()` maps new memory under the same addresses), so the
+engine's captured decode graphs, which hold it, stay valid across a sleep (`address`); elsewhere an ordinary tensor,
+back at the same address only when the allocator still holds that block.
 
 An FP8 cache (`dtype=torch.float8_e4m3fn`, `kv_cache_dtype="fp8"`: verl's vLLM/SGLang key) stores each token's K and
 V per KV head as e4m3 values with a float32 scale beside them (`k_scale[i]`, `v_scale[i]`: (num_blocks + 1,
@@ -19,9 +20,12 @@ model's dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from lathe.device import nvidia_capability, to_device
+from lathe.device import current_device, empty_cache, nvidia_capability, to_device
+from lathe.engine import vmm
 from lathe.engine.triton_store import FP8_MAX, can_store, store_kv
 
 FP8 = torch.float8_e4m3fn
@@ -84,6 +88,7 @@ class KVCache:
         self.v_scale: list[torch.Tensor] = []
         self.buffer: torch.Tensor | None = None     # (2, layers, *shape): k[i] is buffer[0, i], v[i] buffer[1, i]
         self.scales: torch.Tensor | None = None     # FP8: (2, layers, *shape[:-1]), as `buffer`
+        self._fixed = None                          # on CUDA: the `vmm.FixedAddress` both live in (module doc)
         self.allocate()
 
     @staticmethod
@@ -129,9 +134,16 @@ class KVCache:
         # both allocations before either is kept: `wake_up` retries an out-of-memory error, which must not leave values
         # without their scales
         sides = 1 if self.latent else 2             # (a latent cache's V is its K)
-        buffer = torch.zeros((sides, self.num_layers) + self.shape, dtype=self.dtype, device=self.device)
-        scales = (torch.zeros((sides, self.num_layers) + self.shape[:-1], dtype=torch.float32, device=self.device)
-                  if self.quantized else None)
+        values, scale_shape = (sides, self.num_layers) + self.shape, (sides, self.num_layers) + self.shape[:-1]
+        fixed = self._fixed_memory()
+        if fixed is not None:
+            at = -(-math.prod(values) * self.dtype.itemsize // 256) * 256      # the scales 256-byte aligned after
+            buffer = fixed[:math.prod(values) * self.dtype.itemsize].view(self.dtype).view(values)
+            scales = fixed[at:at + math.prod(scale_shape) * 4].view(torch.float32).view(scale_shape) \
+                if self.quantized else None
+        else:
+            buffer = torch.zeros(values, dtype=self.dtype, device=self.device)
+            scales = torch.zeros(scale_shape, dtype=torch.float32, device=self.device) if self.quantized else None
         self.buffer, self.scales = buffer, scales
         self.k = list(buffer[0].unbind(0))
         self.v = self.k if self.latent else list(buffer[1].unbind(0))
@@ -139,9 +151,33 @@ class KVCache:
             self.k_scale = list(scales[0].unbind(0))
             self.v_scale = self.k_scale if self.latent else list(scales[1].unbind(0))
 
+    def _fixed_memory(self) -> torch.Tensor | None:
+        """The cache's bytes at the addresses it had before (`vmm`): a reservation of its size, made at the first
+        allocation and again when the size changes; None off CUDA or where the driver does not take it. An
+        out-of-memory error first empties PyTorch's cached blocks (the trainer's, on waking) and tries once more."""
+        if self.device.type != "cuda" or not vmm.supported(
+                self.device.index if self.device.index is not None else current_device("cuda").index):
+            return None
+        values = (1 if self.latent else 2) * self.num_layers * math.prod(self.shape)
+        nbytes = -(-values * self.dtype.itemsize // 256) * 256 + (values // self.shape[-1] * 4 if self.quantized else 0)
+        if self._fixed is not None and self._fixed.requested != nbytes:
+            self._fixed.close()
+            self._fixed = None
+        if self._fixed is None:
+            self._fixed = vmm.FixedAddress(nbytes, self.device)
+        try:
+            return self._fixed.map()
+        except torch.OutOfMemoryError:
+            empty_cache(self.device)
+            return self._fixed.map()
+
     def free(self) -> None:
+        """Drop the cache; its memory goes back to the driver where it is fixed-address memory, else to PyTorch's
+        allocator."""
         self.k, self.v, self.buffer = [], [], None
         self.k_scale, self.v_scale, self.scales = [], [], None
+        if self._fixed is not None:
+            self._fixed.unmap()
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(k_scale, v_scale) of `layer` for the readers (`paged_attention`, `triton_decode`), None unless FP8."""

@@ -641,9 +641,11 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self.block_manager.reset()
 
     def sleep(self) -> None:
-        """Free the KV cache (and forget cached prefixes) so training can use the memory: back to PyTorch's
-        allocator while the device has room to spare (`KEEP_CACHED_FRACTION`), else to the driver. Unfinished
-        streamed requests must hold no KV (`interrupt()` first); they continue after `wake_up()`."""
+        """Free the KV cache (and forget cached prefixes) so training can use the memory. On CUDA the cache's memory
+        goes to the driver and comes back under the same addresses (`lathe.engine.vmm`); elsewhere it goes back to
+        PyTorch's allocator. The decode graphs (and the allocator's cached blocks) are kept while the device has room
+        to spare (`KEEP_CACHED_FRACTION`), else released too. Unfinished streamed requests must hold no KV
+        (`interrupt()` first); they continue after `wake_up()`."""
         if self.scheduler.running or self.scheduler.prefilling is not None:
             raise RuntimeError("LatheEngine.sleep: sequences hold KV blocks; call engine.interrupt() first")
         self._resolve(self._inflight)

@@ -152,11 +152,27 @@ def test_cuda_engine_logprobs_sleep_and_graph_recapture(checkpoints, monkeypatch
         assert out.token_ids == first.token_ids
         return out.metrics["rollout/graph_captures"]
 
+    def hog():
+        return torch.empty(engine.kv_cache.nbytes, dtype=torch.uint8, device="cuda")
+
+    # fixed-address memory (lathe.engine.vmm): back under the same addresses, even where its memory was taken while
+    # the engine slept; the graphs stay
+    address = engine.kv_cache.address
+    assert engine.kv_cache._fixed is not None
+    assert cycle() == 0 and cycle(hog) == 0 and engine.kv_cache.address == address
+
+    def plain():        # from here an ordinary tensor, as with LATHE_KV_FIXED_ADDRESS=0
+        from lathe.engine import vmm
+        engine.kv_cache._fixed.close()
+        engine.kv_cache._fixed = None
+        monkeypatch.setattr(vmm, "supported", lambda index: False)
+
+    assert cycle(plain) >= 1 and engine.kv_cache._fixed is None
     # room to spare: the allocator keeps the freed cache and hands the same block back; the graphs stay
     address = engine.kv_cache.address
     assert cycle() == 0 and engine.kv_cache.address == address
     # the block taken while asleep: the cache lands elsewhere and the graphs are captured again
-    assert cycle(lambda: torch.empty(engine.kv_cache.nbytes, dtype=torch.uint8, device="cuda")) >= 1
+    assert cycle(hog) >= 1
     assert engine.kv_cache.address != address
     # near the device's limit: sleep gives everything back to the driver, graphs included
     from lathe.engine import llm_engine

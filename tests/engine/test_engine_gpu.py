@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lathe import device as accel
 from lathe.engine.llm_engine import LatheEngine
 from lathe.engine.paged_attention import decode_attention
 from lathe.generation import SamplingParams
@@ -299,7 +300,7 @@ def test_wake_up_shrinks_an_auto_sized_cache_when_training_took_memory(checkpoin
     engine.sleep()
     # optimizer states, say: leave the 0.3 budget room for half the blocks the engine had
     total = torch.cuda.mem_get_info()[1]
-    hog = torch.empty(int(total * 0.3) - torch.cuda.memory_allocated() - (before // 2) * per_block,
+    hog = torch.empty(int(total * 0.3) - accel.memory_allocated("cuda") - (before // 2) * per_block,
                       dtype=torch.uint8, device="cuda")
     engine.wake_up()
     assert engine.kv_cache.num_blocks < before and engine.block_manager.num_blocks == engine.kv_cache.num_blocks

@@ -235,7 +235,7 @@ def test_fixed_address_memory_comes_back_at_its_address_after_the_driver_lent_it
     fixed.close()
 
 
-def test_a_cache_freed_near_the_device_s_limit_keeps_its_address_and_its_graphs(checkpoints):
+def test_a_cache_freed_near_the_device_s_limit_keeps_its_address_and_its_graphs(checkpoints, monkeypatch):
     """Training that takes nearly all the device between two rollouts (here: a tensor of all its free memory) gets
     the KV cache's memory too (fixed-address memory goes back to the driver at sleep); at wake-up the cache comes
     back under the same addresses and the decode graphs are replayed, not captured again, with the same samples."""
@@ -256,6 +256,20 @@ def test_a_cache_freed_near_the_device_s_limit_keeps_its_address_and_its_graphs(
         assert engine.kv_cache.address == address
         out = engine.generate(PROMPTS, params)
         assert out.metrics["rollout/graph_captures"] == 0 and out.token_ids == first.token_ids
+    # past KEEP_CACHED_FRACTION the allocator's cache goes to the driver, but the graphs (a small pool) stay
+    from lathe.engine import llm_engine
+    monkeypatch.setattr(llm_engine, "KEEP_CACHED_FRACTION", 0.0)
+    assert 0 < engine.runner.graphs.pool_bytes <= llm_engine.KEEP_GRAPHS_FRACTION * torch.cuda.mem_get_info()[1]
+    engine.sleep()
+    assert not engine._cache_kept and engine.runner.graphs.graphs
+    engine.wake_up()
+    out = engine.generate(PROMPTS, params)
+    assert out.metrics["rollout/graph_captures"] == 0 and out.token_ids == first.token_ids
+    monkeypatch.setattr(llm_engine, "KEEP_GRAPHS_FRACTION", 0.0)      # a pool too large for the update's room
+    engine.sleep()
+    assert not engine.runner.graphs.graphs
+    engine.wake_up()
+    assert engine.generate(PROMPTS, params).token_ids == first.token_ids
 
 
 def shared_prefix_runs(path, monkeypatch):

@@ -117,6 +117,11 @@ class KVCache:
         return self.bytes_per_block(self.num_layers, *self.shape[1:], self.dtype, self.latent) * self.shape[0]
 
     @property
+    def fixed_address(self) -> bool:
+        """Whether the cache comes back under the same addresses at every `allocate()` of its size (`vmm`)."""
+        return self._fixed is not None
+
+    @property
     def allocated(self) -> bool:
         return bool(self.k)
 

@@ -399,6 +399,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                                       "rollout/kv_cache_gb": (self.kv_cache.nbytes + (
                                           self.drafter.cache.nbytes if self.drafter is not None else 0)) / 2**30,
                                       "rollout/graph_captures": (graphs.captures if graphs else 0) - captured[0],
+                                      "rollout/graph_pool_gb": (graphs.pool_bytes if graphs else 0) / 2**30,
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
                                       - captured[1],
                                       **({"timing_s/rollout_device_wait": self.device_wait_s - waited}

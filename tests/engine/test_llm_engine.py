@@ -170,6 +170,20 @@ def test_sleep_frees_kv_and_wake_up_restores(checkpoints):
     assert engine.generate(PROMPTS, params).token_ids == before.token_ids
 
 
+def test_releasing_memory_keeps_the_decode_graphs_only_over_a_fixed_address_cache(checkpoints):
+    """`_release_memory` (sleep near the device's limit, or a kept cache that no longer fits at wake-up) drops the
+    decode graphs, whose KV cache may land elsewhere, unless the cache is fixed-address memory (`lathe.engine.vmm`,
+    CUDA only: stood in for here), which comes back under the graphs' addresses."""
+    engine = _engine(checkpoints["qwen2"][0])
+    resets = []
+    engine.runner.graphs = SimpleNamespace(reset=lambda: resets.append(1))
+    engine._release_memory()
+    assert resets == [1]
+    engine.kv_cache._fixed = SimpleNamespace(unmap=lambda: None)
+    engine._release_memory()
+    assert resets == [1] and engine.kv_cache.fixed_address
+
+
 def test_wake_up_frees_cublas_workspaces_before_taking_the_kept_cache_back(checkpoints, monkeypatch):
     """The update's backward makes its cuBLAS workspace inside the sleeping engine's kept cache: the engine frees the
     workspaces before it takes the cache back from the allocator, so that the cache lands where it was and its decode

@@ -119,7 +119,6 @@ class DecodeGraphs:
             self.prefix_stage = Staging((cap * 3 + self.max_batch,), torch.int32, device)
         self.prefix_split, self.prefix_batch = 0, -1
         self.captures, self.capture_seconds = 0, 0.0        # since the engine was built (reset() keeps them)
-        self.pool_bytes = 0             # what the captures reserved since the last reset (the graphs' pool, roughly)
         self.reset()
 
     def reset(self) -> None:
@@ -127,7 +126,7 @@ class DecodeGraphs:
         self.epoch = getattr(self, "epoch", -1) + 1     # (data-parallel attention: replicas compare theirs)
         self.graphs: dict[tuple, object] = {}        # (batch bucket, top-k search, top-p search) -> captured graph
         self.outputs: dict[tuple, torch.Tensor] = {}
-        self.pool, self.pool_bytes = None, 0
+        self.pool = None
         self.forget_rows()
 
     def forget_rows(self) -> None:
@@ -215,13 +214,11 @@ class DecodeGraphs:
             # graph replays into a workspace outside its pool, and the engine may free those
             # (`accel.clear_blas_workspaces`, as inductor's CUDA graphs do around their captures)
             accel.clear_blas_workspaces(device)
-            reserved = accel.memory_reserved(device)
             try:
                 with accel.capture(graph, device, pool=self.pool):
                     self.outputs[key] = self._forward(key)
             finally:
                 accel.clear_blas_workspaces(device)
-                self.pool_bytes += max(0, accel.memory_reserved(device) - reserved)
         finally:
             expert_parallel.STATIC_ROWS = False
         self.graphs[key] = graph

@@ -63,10 +63,6 @@ FINISHED = SequenceStatus.FINISHED
 # allocator, the trainer's cached blocks stay for its next update, and nothing is freed to the driver and allocated
 # again each step
 KEEP_CACHED_FRACTION = 0.8
-# Past it, the decode graphs are kept all the same where the KV cache is fixed-address memory (it comes back under the
-# same addresses) and their pool is at most this share of the device: the update's room for them against a capture
-# at every rollout (0.05 s a step at 1.5B with the reference on an 80 GB H100)
-KEEP_GRAPHS_FRACTION = 0.02
 # Shared-prefix decode attention for hybrid models, whose samples share their prompt's blocks through forks
 # (`Scheduler`): its GPU test at their 256-wide attention heads passed on an H200
 # (`test_hybrid_engine.py::test_cuda_shared_prefix_graphs_with_forked_samples`), but the one A/B of the Qwen3.5-2B grpo
@@ -399,7 +395,6 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                                       "rollout/kv_cache_gb": (self.kv_cache.nbytes + (
                                           self.drafter.cache.nbytes if self.drafter is not None else 0)) / 2**30,
                                       "rollout/graph_captures": (graphs.captures if graphs else 0) - captured[0],
-                                      "rollout/graph_pool_gb": (graphs.pool_bytes if graphs else 0) / 2**30,
                                       "timing_s/graph_capture": (graphs.capture_seconds if graphs else 0.0)
                                       - captured[1],
                                       **({"timing_s/rollout_device_wait": self.device_wait_s - waited}
@@ -646,11 +641,11 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         self.block_manager.reset()
 
     def sleep(self) -> None:
-        """Free the KV cache (and forget cached prefixes) so training can use the memory. On CUDA the cache's memory
-        goes to the driver and comes back under the same addresses (`lathe.engine.vmm`); elsewhere it goes back to
-        PyTorch's allocator. The decode graphs (and the allocator's cached blocks) are kept while the device has room
-        to spare (`KEEP_CACHED_FRACTION`), else released too. Unfinished streamed requests must hold no KV
-        (`interrupt()` first); they continue after `wake_up()`."""
+        """Free the KV cache (and forget cached prefixes) so training can use the memory: back to PyTorch's
+        allocator, or to the driver where it is fixed-address memory (`lathe.engine.vmm`, which brings it back under
+        the same addresses). The decode graphs and the allocator's cached blocks are kept while the device has room
+        to spare (`KEEP_CACHED_FRACTION`), else released too (the graphs kept where the cache is fixed-address).
+        Unfinished streamed requests must hold no KV (`interrupt()` first); they continue after `wake_up()`."""
         if self.scheduler.running or self.scheduler.prefilling is not None:
             raise RuntimeError("LatheEngine.sleep: sequences hold KV blocks; call engine.interrupt() first")
         self._resolve(self._inflight)
@@ -672,10 +667,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         else:
             self._cache_kept = False
         if not self._cache_kept:
-            graphs = self.runner.graphs
-            self._release_memory(keep_graphs=self.kv_cache.fixed_address and self.states is None
-                                 and graphs is not None and self.tp.min_int(
-                                     graphs.pool_bytes <= KEEP_GRAPHS_FRACTION * accel.total_memory(device)))
+            self._release_memory()
 
     def _free_kv(self) -> None:
         """Free the KV cache and a speculative engine's draft-layer cache."""
@@ -688,8 +680,13 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         (graphs captured against them are kept across a sleep only when both come back there)."""
         return self.kv_cache.address, None if self.states is None else self.states.address
 
-    def _release_memory(self, keep_graphs: bool = False) -> None:
-        if self.runner.graphs is not None and not keep_graphs:
+    def _release_memory(self) -> None:
+        """Everything the engine holds goes back to the driver: the allocator's cached blocks, and the decode graphs
+        with their pool, unless the cache is fixed-address memory (`lathe.engine.vmm`), which comes back under the
+        graphs' addresses: they are kept then, with their pool, rather than captured again at each rollout."""
+        fixed = self.kv_cache.fixed_address and self.states is None and (
+            self.drafter is None or self.drafter.cache.fixed_address)
+        if self.runner.graphs is not None and not fixed:
             self.runner.graphs.reset()
         accel.clear_blas_workspaces(self.model.device)      # (see `_default_num_blocks`)
         accel.empty_cache(self.model.device)

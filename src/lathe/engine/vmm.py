@@ -8,8 +8,11 @@ elsewhere, and every decode graph is captured again (0.06 s a step at 1.5B with 
 7B on an H200). A `FixedAddress` reserves a virtual address range once and maps physical memory into it only while
 the cache is held: `unmap` gives the memory to the driver (the trainer can take all of it) and `map` brings new
 memory back under the same addresses, so graphs captured against the cache stay valid whatever happened in between
-(vLLM's sleep mode does the same). Off where the driver lacks it (CPU, another vendor, a driver without VMM) or with
-LATHE_KV_FIXED_ADDRESS=0: the cache is an ordinary tensor then."""
+(vLLM's sleep mode does the same); the graphs are then kept, with their pool, through the update.
+
+Opt-in for now (LATHE_KV_FIXED_ADDRESS=1): its GPU tests pass (the cache's addresses and graphs kept where the update
+took its memory, the same samples), but its end-to-end gain is not measured yet. Unavailable where the driver lacks
+it (CPU, another vendor, a driver without VMM): the cache is an ordinary tensor then."""
 
 from __future__ import annotations
 
@@ -75,7 +78,7 @@ def _prop(index: int) -> _Prop:
 @functools.cache
 def supported(index: int) -> bool:
     """Whether device `index` takes fixed-address memory (checked once by mapping and unmapping one granule)."""
-    if os.environ.get("LATHE_KV_FIXED_ADDRESS", "1") == "0" or accel.detect().name != "cuda":     # (not ROCm)
+    if os.environ.get("LATHE_KV_FIXED_ADDRESS", "0") != "1" or accel.detect().name != "cuda":     # (not ROCm)
         return False
     try:
         probe = FixedAddress(1, torch.device("cuda", index))

@@ -232,7 +232,8 @@ def test_the_engine_frees_cublas_workspaces_before_giving_memory_back_and_captur
     monkeypatch.setattr(accel, "clear_blas_workspaces", lambda device: calls.append("clear"))
     monkeypatch.setattr(accel, "empty_cache", lambda device: calls.append("empty"))
     engine = SimpleNamespace(runner=SimpleNamespace(graphs=SimpleNamespace(reset=lambda: calls.append("reset"))),
-                             model=SimpleNamespace(device=torch.device("cpu")))
+                             model=SimpleNamespace(device=torch.device("cpu")), states=None, drafter=None,
+                             kv_cache=SimpleNamespace(fixed_address=False), tp=SimpleNamespace(min_int=int))
     LatheEngine._release_memory(engine)
     assert calls == ["reset", "clear", "empty"]
     calls.clear()

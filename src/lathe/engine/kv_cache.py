@@ -159,8 +159,8 @@ class KVCache:
     def _fixed_memory(self) -> torch.Tensor | None:
         """The cache's bytes at the addresses it had before (`vmm`): a reservation of its size, made at the first
         allocation and again when the size changes; None off CUDA, where the driver does not take it, or unless
-        LATHE_KV_FIXED_ADDRESS=1. An
-        out-of-memory error first empties PyTorch's cached blocks (the trainer's, on waking) and tries once more."""
+        LATHE_KV_FIXED_ADDRESS=1. An out-of-memory error first empties PyTorch's cached blocks (the trainer's, on
+        waking) and tries once more."""
         if self.device.type != "cuda" or not vmm.supported(
                 self.device.index if self.device.index is not None else current_device("cuda").index):
             return None

@@ -686,7 +686,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         graphs' addresses: they are kept then, with their pool, rather than captured again at each rollout."""
         fixed = self.kv_cache.fixed_address and self.states is None and (
             self.drafter is None or self.drafter.cache.fixed_address)
-        if self.runner.graphs is not None and not fixed:
+        # (a tensor-parallel replica's ranks keep or drop their graphs together, as in `sleep`)
+        if self.runner.graphs is not None and not self.tp.min_int(int(fixed)):
             self.runner.graphs.reset()
         accel.clear_blas_workspaces(self.model.device)      # (see `_default_num_blocks`)
         accel.empty_cache(self.model.device)

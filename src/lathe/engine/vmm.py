@@ -10,8 +10,9 @@ the cache is held: `unmap` gives the memory to the driver (the trainer can take 
 memory back under the same addresses, so graphs captured against the cache stay valid whatever happened in between
 (vLLM's sleep mode does the same); the graphs are then kept, with their pool, through the update.
 
-Opt-in for now (LATHE_KV_FIXED_ADDRESS=1): its GPU tests pass (the cache's addresses and graphs kept where the update
-took its memory, the same samples), but its end-to-end gain is not measured yet. Unavailable where the driver lacks
+Opt-in for now (LATHE_KV_FIXED_ADDRESS=1): its GPU tests passed on an H100 (the cache's addresses and graphs kept
+where the update took its memory, the same samples), but the graphs' keeping at a wake-up that sizes the cache again
+is CPU-tested only and the end-to-end gain is not measured yet. Unavailable where the driver lacks
 it (CPU, another vendor, a driver without VMM): the cache is an ordinary tensor then."""
 
 from __future__ import annotations

@@ -48,7 +48,10 @@ def joining_address(kwargs: dict) -> str | None:
     if address == "local":
         return None
     require_ray()
-    from ray._private.services import canonicalize_bootstrap_address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address     # (Ray's own lookup; private)
+    except ImportError:
+        return address
     try:
         return canonicalize_bootstrap_address(address, kwargs.get("_temp_dir"))
     except (ConnectionError, ValueError):    # "auto" with none running: ray.init says so itself

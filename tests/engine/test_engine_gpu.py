@@ -259,8 +259,8 @@ def test_a_cache_freed_near_the_device_s_limit_keeps_its_address_and_its_graphs(
         assert engine.kv_cache.address == address
         out = engine.generate(PROMPTS, params)
         assert out.metrics["rollout/graph_captures"] == 0 and out.token_ids == first.token_ids
-    # past KEEP_CACHED_FRACTION the allocator's cache goes to the driver, the graphs stay (and a kept cache that no
-    # longer fits the budget at wake-up, sized again to the same size, keeps them too)
+    # past KEEP_CACHED_FRACTION the allocator's cache goes to the driver, the graphs stay (the same release at a
+    # wake-up that sizes a kept cache again: tests/engine/test_llm_engine.py, on the CPU)
     from lathe.engine import llm_engine
     monkeypatch.setattr(llm_engine, "KEEP_CACHED_FRACTION", 0.0)
     engine.sleep()

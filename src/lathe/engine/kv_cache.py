@@ -140,12 +140,12 @@ class KVCache:
         # without their scales
         sides = 1 if self.latent else 2             # (a latent cache's V is its K)
         values, scale_shape = (sides, self.num_layers) + self.shape, (sides, self.num_layers) + self.shape[:-1]
-        fixed = self._fixed_memory()
+        value_bytes, scale_bytes = math.prod(values) * self.dtype.itemsize, math.prod(scale_shape) * 4
+        at = -(-value_bytes // 256) * 256           # (fixed-address memory: the scales 256-byte aligned after)
+        fixed = self._fixed_memory(at + scale_bytes if self.quantized else value_bytes)
         if fixed is not None:
-            at = -(-math.prod(values) * self.dtype.itemsize // 256) * 256      # the scales 256-byte aligned after
-            buffer = fixed[:math.prod(values) * self.dtype.itemsize].view(self.dtype).view(values)
-            scales = fixed[at:at + math.prod(scale_shape) * 4].view(torch.float32).view(scale_shape) \
-                if self.quantized else None
+            buffer = fixed[:value_bytes].view(self.dtype).view(values)
+            scales = fixed[at:at + scale_bytes].view(torch.float32).view(scale_shape) if self.quantized else None
         else:
             buffer = torch.zeros(values, dtype=self.dtype, device=self.device)
             scales = torch.zeros(scale_shape, dtype=torch.float32, device=self.device) if self.quantized else None
@@ -156,16 +156,14 @@ class KVCache:
             self.k_scale = list(scales[0].unbind(0))
             self.v_scale = self.k_scale if self.latent else list(scales[1].unbind(0))
 
-    def _fixed_memory(self) -> torch.Tensor | None:
-        """The cache's bytes at the addresses it had before (`vmm`): a reservation of its size, made at the first
+    def _fixed_memory(self, nbytes: int) -> torch.Tensor | None:
+        """`nbytes` at the addresses the cache had before (`vmm`): a reservation of that size, made at the first
         allocation and again when the size changes; None off CUDA, where the driver does not take it, or unless
         LATHE_KV_FIXED_ADDRESS=1. An out-of-memory error first empties PyTorch's cached blocks (the trainer's, on
         waking) and tries once more."""
         if self.device.type != "cuda" or not vmm.supported(
                 self.device.index if self.device.index is not None else current_device("cuda").index):
             return None
-        values = (1 if self.latent else 2) * self.num_layers * math.prod(self.shape)
-        nbytes = -(-values * self.dtype.itemsize // 256) * 256 + (values // self.shape[-1] * 4 if self.quantized else 0)
         if self._fixed is not None and self._fixed.requested != nbytes:
             self._fixed.close()
             self._fixed = None

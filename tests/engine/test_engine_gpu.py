@@ -194,9 +194,9 @@ def test_a_kept_cache_comes_back_in_place_after_an_update_s_backward(checkpoints
 
 
 def fixed_address_on(monkeypatch):
-    """LATHE_KV_FIXED_ADDRESS=1 for this test (the KV cache in `lathe.engine.vmm`'s memory: opt-in)."""
+    """The KV cache in `lathe.engine.vmm`'s memory for this test (the default, whatever the environment says)."""
     from lathe.engine import vmm
-    monkeypatch.setenv("LATHE_KV_FIXED_ADDRESS", "1")
+    monkeypatch.delenv("LATHE_KV_FIXED_ADDRESS", raising=False)
     vmm.supported.cache_clear()         # (and after each test: `_fixed_address_answer_is_per_test`)
 
 
@@ -212,8 +212,8 @@ def test_fixed_address_memory_comes_back_at_its_address_after_the_driver_lent_it
     mapped again, new memory sits under the same address, zeroed; the bytes count as allocated while mapped."""
     from lathe import device as accel
     from lathe.engine import vmm
-    monkeypatch.delenv("LATHE_KV_FIXED_ADDRESS", raising=False)
-    assert not vmm.supported(0), "opt-in"
+    monkeypatch.setenv("LATHE_KV_FIXED_ADDRESS", "0")
+    assert not vmm.supported(0), "LATHE_KV_FIXED_ADDRESS=0 turns it off"
     vmm.supported.cache_clear()
     fixed_address_on(monkeypatch)
     assert vmm.supported(0)

@@ -5,7 +5,7 @@ A token's slot is `block_id * block_size + offset`; `store` writes new tokens' K
 `scratch_slot`: padding rows of a CUDA-graph batch write there. `free()` drops the tensors (engine `sleep`), `allocate()` takes
 them back (`wake_up`). All layers' K and V are views of one allocation: an ordinary tensor, back at the same address
 (`address`) only when the allocator still holds that block, so that the engine's captured decode graphs, which hold
-it, stay valid across a sleep; or, on CUDA with LATHE_KV_FIXED_ADDRESS=1, fixed-address memory (`lathe.engine.vmm`:
+it, stay valid across a sleep; or, on CUDA (unless LATHE_KV_FIXED_ADDRESS=0), fixed-address memory (`lathe.engine.vmm`:
 `free()` gives it to the driver, `allocate()` maps new memory under the same addresses, whatever happened between).
 
 An FP8 cache (`dtype=torch.float8_e4m3fn`, `kv_cache_dtype="fp8"`: verl's vLLM/SGLang key) stores each token's K and
@@ -158,8 +158,8 @@ class KVCache:
 
     def _fixed_memory(self, nbytes: int) -> torch.Tensor | None:
         """`nbytes` at the addresses the cache had before (`vmm`): a reservation of that size, made at the first
-        allocation and again when the size changes; None off CUDA, where the driver does not take it, or unless
-        LATHE_KV_FIXED_ADDRESS=1. An out-of-memory error first empties PyTorch's cached blocks (the trainer's, on
+        allocation and again when the size changes; None off CUDA, where the driver does not take it, or with
+        LATHE_KV_FIXED_ADDRESS=0. An out-of-memory error first empties PyTorch's cached blocks (the trainer's, on
         waking) and tries once more."""
         if self.device.type != "cuda" or not vmm.supported(
                 self.device.index if self.device.index is not None else current_device("cuda").index):

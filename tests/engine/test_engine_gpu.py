@@ -132,7 +132,16 @@ def test_cuda_engine_greedy_equals_transformers(checkpoints, family):
     hf.to("cpu")
 
 
+def fixed_address_off(monkeypatch):
+    """The KV cache in PyTorch's allocator for this test (LATHE_KV_FIXED_ADDRESS=0: the path where the driver lacks
+    fixed-address memory)."""
+    from lathe.engine import vmm
+    monkeypatch.setenv("LATHE_KV_FIXED_ADDRESS", "0")
+    vmm.supported.cache_clear()         # (and after each test: `_fixed_address_answer_is_per_test`)
+
+
 def test_cuda_engine_logprobs_sleep_and_graph_recapture(checkpoints, monkeypatch):
+    fixed_address_off(monkeypatch)
     path, _ = checkpoints["qwen2"]
     engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4, num_kv_blocks=128)
     cpu_model = load_lathe_model(path)
@@ -169,11 +178,12 @@ def test_cuda_engine_logprobs_sleep_and_graph_recapture(checkpoints, monkeypatch
     assert engine.generate(PROMPTS, params).token_ids == first.token_ids
 
 
-def test_a_kept_cache_comes_back_in_place_after_an_update_s_backward(checkpoints):
+def test_a_kept_cache_comes_back_in_place_after_an_update_s_backward(checkpoints, monkeypatch):
     """The update's backward runs on autograd's device thread, whose cuBLAS workspace is made at its first product,
     inside the sleeping engine's freed cache when that is the allocator's best fit (its one buffer, 256 MiB here): the
     engine frees the workspaces at wake-up, the cache lands where it was and the decode graphs are kept, step after
     step (at c811447 they were captured again at every 0.5B step)."""
+    fixed_address_off(monkeypatch)
     path, _ = checkpoints["qwen2"]
     engine = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=64,
                                          num_kv_blocks=16384)

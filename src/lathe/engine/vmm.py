@@ -11,9 +11,10 @@ memory back under the same addresses, so graphs captured against the cache stay 
 (vLLM's sleep mode does the same); the graphs are then kept, with their pool, through the update.
 
 On by default; LATHE_KV_FIXED_ADDRESS=0 keeps the cache in PyTorch's allocator. On an H100 at 1.5B with the reference
-on the graphs were captured once, not at every step, the wake-up took 0.010 s against 0.042, and the step 6.90 s
-against 6.95 (`e2e_fixed_address_ab_{1,0}_ref_1.5b_nvidia-h100-80gb-hbm3.json`). PyTorch's allocator keeps the
-trainer's cached blocks through the rollout, beside the cache (its reserved memory shows both); an out-of-memory error
+on, two calls, the graph was no longer captured at every step, the wake-up took 0.008-0.010 s against 0.04-0.08, and
+the step 6.77 s against 6.90 and 6.90 against 6.95
+(`e2e_fixed_address_ab{3,2}_{1,0}_ref_1.5b_nvidia-h100-80gb-hbm3.json`). PyTorch's allocator keeps the trainer's
+cached blocks through the rollout, beside the cache (its reserved memory shows both); an out-of-memory error
 at mapping empties them and tries again (`KVCache._fixed_memory`). Unavailable where the driver lacks
 it (CPU, another vendor, a driver without VMM): the cache is an ordinary tensor then."""
 

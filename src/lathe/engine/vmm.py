@@ -133,6 +133,7 @@ class FixedAddress:
         if not self.mapped:
             d = _driver()
             with accel.use_device(self.device):
+                accel.synchronize(self.device)  # the primary context current on this thread (a rollout thread's too)
                 handle = ctypes.c_uint64()
                 prop = _prop(self.index)
                 _check(d.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.nbytes), ctypes.byref(prop),

@@ -63,8 +63,8 @@ def test_config_reads_a_hub_layout():
 
 
 def test_config_refuses_what_the_decoder_lacks():
-    with pytest.raises(UnsupportedArchitecture, match="quant_method='fp8'"):
-        LatheConfig.from_hf_dict({**_hf_dict(), "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(UnsupportedArchitecture, match="quant_method='awq'"):    # (block FP8: tests/models/test_quantized.py)
+        LatheConfig.from_hf_dict({**_hf_dict(), "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(UnsupportedArchitecture, match="scoring_func='softmax'"):
         LatheConfig.from_hf_dict({**_hf_dict(), "scoring_func": "softmax"})
     with pytest.raises(UnsupportedArchitecture, match="num_key_value_heads=2"):

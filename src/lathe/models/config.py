@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lathe.models import quantized
 from lathe.models.deepseek_config import MlaConfig
 from lathe.models.hybrid_config import HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES, LinearAttentionConfig, \
     check_hybrid_features
@@ -318,9 +319,7 @@ def _architecture(d: dict[str, Any], source: str) -> str:
 def _check_features(d: dict[str, Any], arch: str, source: str) -> None:
     """Refuse configs whose math lathe's decoder does not reproduce."""
     fallback = "; the transformers fallback will be used"
-    if d.get("quantization_config"):
-        from lathe.models.gpt_oss_config import refuse_quantized
-        refuse_quantized(d, arch, source)
+    quantized.scheme(d, source)         # (a scheme lathe reads is dequantised as the weights load)
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitecture(f"{source}: {arch} with hidden_act={act!r} (lathe implements silu){fallback}")

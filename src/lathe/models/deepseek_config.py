@@ -80,12 +80,8 @@ def _get(d: dict[str, Any], key: str):
 def refuse_deepseek_features(d: dict[str, Any], source: str) -> None:
     """Raise `UnsupportedArchitecture` for what lathe's DeepSeek-V3 layers do not compute."""
     from lathe.models.config import UnsupportedArchitecture
-    if d.get("quantization_config"):
-        method = (d.get("quantization_config") or {}).get("quant_method", "?")
-        raise UnsupportedArchitecture(
-            f"{source}: {ARCHITECTURE} is quantised (quantization_config.quant_method={method!r}, e.g. DeepSeek-V3's "
-            "and Kimi-K2's FP8 block weights); lathe's decoder trains and serves unquantised weights only. Fix: point "
-            f"the model path at a bfloat16 (dequantised) checkpoint{FALLBACK}")
+    from lathe.models import quantized
+    quantized.scheme(d, source)         # (DeepSeek-V3's and Kimi-K2's block-FP8 weights are read dequantised)
     checks = {"hidden_act": ("silu", d.get("hidden_act", "silu")),
               "scoring_func": ("sigmoid", d.get("scoring_func", "sigmoid")),
               "topk_method": ("noaux_tc", d.get("topk_method", "noaux_tc"))}

@@ -7,7 +7,8 @@ SwiGLU (`swiglu_alpha`, `swiglu_limit`); attention with biases on all four proje
 and `layer_types` alternating sliding-window (`sliding_window`) and full attention; YaRN RoPE.
 
 Real checkpoints ship their experts quantised to MXFP4 (`quantization_config.quant_method: mxfp4`); lathe reads the
-bfloat16 layout transformers writes once they are dequantised (`refuse_quantized` says how to get it).
+bfloat16 layout transformers writes once they are dequantised (`lathe.models.quantized` refuses MXFP4 and says how
+to get it).
 """
 
 from __future__ import annotations
@@ -19,18 +20,6 @@ FALLBACK = "; the transformers fallback will be used"
 DEFAULT_THETA = 150000.0
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
-
-
-def refuse_quantized(d: dict[str, Any], arch: str, source: str) -> None:
-    """Raise `UnsupportedArchitecture` for a checkpoint with a `quantization_config`: lathe's decoder reads
-    unquantised weights only."""
-    from lathe.models.config import UnsupportedArchitecture
-    method = (d.get("quantization_config") or {}).get("quant_method", "?")
-    fix = ("dequantise it first: load it with transformers and `quantization_config=Mxfp4Config(dequantize=True)`, "
-           "then `save_pretrained` it (bfloat16 experts), and point the model path at that directory"
-           if method == "mxfp4" else "point the model path at an unquantised (bfloat16 or float32) checkpoint")
-    raise UnsupportedArchitecture(f"{source}: {arch} is quantised (quantization_config.quant_method={method!r}); "
-                                  f"lathe's decoder trains and serves unquantised weights only. Fix: {fix}{FALLBACK}")
 
 
 def gpt_oss_fields(d: dict[str, Any], source: str) -> dict[str, Any]:

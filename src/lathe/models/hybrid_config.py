@@ -56,6 +56,8 @@ def check_hybrid_features(d: dict[str, Any], arch: str, source: str) -> None:
     """Refuse what lathe's hybrid layers do not reproduce (the transformers fallback then runs the model)."""
     from lathe.models.config import UnsupportedArchitecture
     fallback = "; the transformers fallback will be used"
+    from lathe.models import quantized
+    quantized.scheme(d, source)
     if d.get("hidden_act", "silu") != "silu":
         raise UnsupportedArchitecture(f"{source}: {arch} with hidden_act={d.get('hidden_act')!r} (lathe implements "
                                       f"silu){fallback}")

@@ -10,6 +10,7 @@ hold the stacked tensors themselves. HY-V3's checkpoints name three of its MoE t
 (`model.mtp_layers.*`, `lathe.models.mtp`) load and save under their own names like every other tensor; DeepSeek-V3's,
 GLM-4.5's, HY-V3's (`model.layers.<n>`), Qwen3.5's and Qwen3-Next's (`mtp.*`) are dropped on load, with a warning,
 and copied unchanged into saves with `actor_rollout_ref.model.mtp.enable=true` (`stacked_mtp_tensors`).
+A quantised checkpoint's weights are read dequantised (`lathe.models.quantized`) and saved so.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from lathe.models.config import LatheConfig, UnsupportedArchitecture
 from lathe.models.moe import fuse_expert_weights, split_expert_weights
+from lathe.models.quantized import Dequantizer, checkpoint_scheme
 
 log = logging.getLogger("lathe")
 
@@ -71,6 +73,8 @@ def read_state_dict(path: str | Path, *, dtype: torch.dtype | None = None,
     if prefixes is not None:
         select = (lambda name: name.startswith(prefixes)) if select is None else select
     state: dict[str, torch.Tensor] = {}
+    scheme = checkpoint_scheme(path)
+    quantized = Dequantizer(scheme, dtype, str(path)) if scheme is not None else None
     for file in weight_files(path):
         if file.suffix == ".safetensors" and select is not None:
             from safetensors import safe_open
@@ -86,8 +90,13 @@ def read_state_dict(path: str | Path, *, dtype: torch.dtype | None = None,
                 continue
             if _IGNORED.search(name):
                 continue
+            if quantized is not None and quantized.wants(name, t):
+                state.update(quantized.take(name, t))
+                continue
             cast = dtype is not None and t.is_floating_point() and not _KEPT_DTYPE.search(name)
             state[name] = t.to(dtype) if cast else t
+    if quantized is not None:
+        quantized.finish()
     return state
 
 
@@ -235,6 +244,7 @@ def export_config(model: nn.Module, dtype: torch.dtype | None = None) -> dict:
         d["id2label"], d["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
         d["num_labels"] = 1
     d["tie_word_embeddings"] = cfg.tie_word_embeddings
+    d.pop("quantization_config", None)     # (a quantised checkpoint's weights were read unquantised: `quantized`)
     dtype = str(dtype or next(model.parameters()).dtype).replace("torch.", "")
     keys = [k for k in ("dtype", "torch_dtype") if k in d] or ["dtype"]
     for k in keys:

@@ -100,6 +100,7 @@ def save_vl_pretrained(model, path: str | Path, *,
             json.dump({"metadata": {"total_size": total},
                        "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}}, f, indent=2)
     config = dict(model.config.hf_config)
+    config.pop("quantization_config", None)     # (weights read dequantised: `lathe.models.quantized`)
     config["architectures"] = [model.config.architecture]
     config["tie_word_embeddings"] = model.config.tie_word_embeddings
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), None)
@@ -150,6 +151,7 @@ def whole_vl_checkpoint(cfg, state: dict[str, torch.Tensor], dtype: torch.dtype 
                          "checkpoint where actor_rollout_ref.model.path points until the run ends")
     out.update({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in tower.items()})
     config = copy.deepcopy(d)
+    config.pop("quantization_config", None)     # (weights read dequantised: `lathe.models.quantized`)
     if value:
         config["architectures"] = [config["architectures"][0].replace("ForConditionalGeneration",
                                                                       "ForTokenClassification")]

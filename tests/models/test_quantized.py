@@ -98,6 +98,8 @@ def test_int4_unpacks_compressed_tensors_packing_and_scales_each_group():
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match=r"w.weight_packed: torch.int32 \(6, 5\) for a \[6, 48\] weight"):
         unpack_int4(packed, 6, 48, "w")
+    per_row = scale[:, :1]                      # the channel strategy: one scale a row
+    assert torch.equal(dequantize_int4(packed, per_row, torch.tensor([6, 40]), 0, "w"), q.float() * per_row.float())
     with pytest.raises(ValueError, match=r"w.weight_scale: \(6, 5\) for a \[6, 40\] weight in groups of 16; "
                                          r"expected \(6, 2\)"):
         dequantize_int4(packed, scale, torch.tensor([6, 40]), 16, "w")
@@ -234,6 +236,9 @@ def test_schemes_read():
     assert scheme({"quantization_config": FP8_CONFIG}, "c") == Scheme("fp8", (8, 8))
     assert scheme({"quantization_config": {"quant_method": "fp8"}}, "c") == Scheme("fp8", None)
     assert scheme({"quantization_config": int4_config(32)}, "c") == Scheme("int4", group_size=32)
+    channel = {**int4_config(32), "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                      "strategy": "channel"}}}}
+    assert scheme({"quantization_config": channel}, "c") == Scheme("int4")
     fp8_dynamic = {"quant_method": "compressed-tensors", "format": "float-quantized",
                    "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "symmetric": True,
                                                              "strategy": "channel", "dynamic": False},

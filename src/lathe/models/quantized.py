@@ -17,7 +17,8 @@ The formats, as their writers define them:
   inference, which training does not do).
 - compressed-tensors `float-quantized`, FP8 weights: `X.weight` float8_e4m3fn and `X.weight_scale` per tensor,
   per output channel ([rows, 1]) or per `block_structure` block: w = q * scale.
-- compressed-tensors `pack-quantized`, symmetric INT4 weights in groups along the input dimension: `X.weight_packed`
+- compressed-tensors `pack-quantized`, symmetric INT4 weights in groups along the input dimension (or one group a
+  row: the `channel` strategy): `X.weight_packed`
   int32 [rows, ceil(cols / 8)], element i of a row at bits 4i..4i+3 of its word (i mod 8) stored as q + 8;
   `X.weight_scale` [rows, cols / group_size]; `X.weight_shape` [rows, cols]: w = q * scale of its group.
 
@@ -44,7 +45,8 @@ PART_SUFFIXES = (FP8_SCALE_INV, SCALE, PACKED, SHAPE)
 @dataclass(frozen=True)
 class Scheme:
     """How a checkpoint's weights are quantised: `fp8` (`weight_block_size` or per tensor), `fp8-ct`
-    (compressed-tensors' FP8: the scale's shape says tensor, channel or block) or `int4` (packed, `group_size`)."""
+    (compressed-tensors' FP8: per tensor, per row, or per `block`) or `int4` (packed, `group_size` columns a scale, 0:
+    a row)."""
 
     method: str
     block: tuple[int, int] | None = None
@@ -54,7 +56,7 @@ class Scheme:
         if self.method == "fp8":
             return f"FP8 weights, {'x'.join(map(str, self.block)) + ' blocks' if self.block else 'one scale each'}"
         if self.method == "int4":
-            return f"INT4 weights in groups of {self.group_size}"
+            return f"INT4 weights in groups of {self.group_size}" if self.group_size else "INT4 weights, a scale a row"
         return "FP8 weights (compressed-tensors)"
 
 
@@ -111,6 +113,9 @@ def _compressed_tensors(q: dict[str, Any], source: str) -> Scheme:
         if fmt_here == "pack-quantized" and w.get("type") == "int" and int(w.get("num_bits", 0)) == 4 \
                 and w.get("strategy") == "group" and int(w.get("group_size") or 0) > 0:
             schemes.add(Scheme("int4", group_size=int(w["group_size"])))
+        elif fmt_here == "pack-quantized" and w.get("type") == "int" and int(w.get("num_bits", 0)) == 4 \
+                and w.get("strategy") == "channel":
+            schemes.add(Scheme("int4"))             # (one scale per row: a group of the whole row)
         elif fmt_here == "float-quantized" and w.get("type") == "float" and int(w.get("num_bits", 0)) == 8 \
                 and w.get("strategy") in ("tensor", "channel"):
             schemes.add(Scheme("fp8-ct"))
@@ -226,6 +231,7 @@ def dequantize_int4(packed, scale, shape, group_size: int, name: str):
     """float32 [rows, cols] = q * the scale of its group of `group_size` input columns."""
     import torch
     rows, cols = (int(v) for v in shape.tolist())
+    group_size = group_size or cols         # (0: one scale per row)
     if cols % group_size or tuple(scale.shape) != (rows, cols // group_size):
         raise ValueError(f"{name}.weight_scale: {tuple(scale.shape)} for a [{rows}, {cols}] weight in groups of "
                          f"{group_size}; expected {(rows, cols // group_size)}")

@@ -96,3 +96,19 @@ def test_generate_command_writes_one_row_per_prompt(tmp_path, caplog):
     assert [r["prompt"] for r in rows] == ["1+1=", "22+3=", "7*7="] and [r["index"] for r in rows] == [0, 1, 2]
     assert all(len(r["outputs"]) == 2 and all(1 <= len(s["token_ids"]) <= 5 for s in r["outputs"]) for r in rows)
     assert "3 prompts, 6 samples" in caplog.text and "tok/s" in caplog.text
+
+
+def test_a_model_of_ones_own_without_a_preset_asks_for_one(tmp_path):
+    """No preset named: the demo's settings (`default`: CPU, a supervised warm start at its own learning rate) would
+    run on the user's model. Refused before anything loads, naming both presets; a warm start set explicitly, a preset
+    named or a built-in model pass this check."""
+    r = lathe("train", f"actor_rollout_ref.model.path={tmp_path}", "data.train_batch_size=16")
+    assert r.returncode == 2 and "NO_TORCH" in r.stdout
+    assert f"actor_rollout_ref.model.path={tmp_path} with no preset named" in r.stderr
+    assert "trainer.device=cpu, a supervised warm start of 300 steps" in r.stderr
+    assert "lathe train base key=value" in r.stderr and "lathe train default" in r.stderr
+    from lathe.cli import _demo_settings_on_a_users_model as check
+    check(["actor_rollout_ref.model.path=builtin:tiny"])
+    check([f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.model.warm_start.steps=0"])
+    check([f"++actor_rollout_ref.model.path={tmp_path}", "+actor_rollout_ref.model.warm_start.steps=50"])
+    check(["trainer.total_training_steps=2"])

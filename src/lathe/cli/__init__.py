@@ -34,9 +34,35 @@ def _split_source(items: list[str]) -> tuple[str | None, list[str]]:
     return None, items
 
 
+def _demo_settings_on_a_users_model(overrides: list[str]) -> None:
+    """`lathe train key=value ...` names no preset, so it starts from the built-in demo's (`default`); pointed at a
+    model of the user's, the demo's supervised warm start (its learning rate meant for a random tiny model) would
+    rewrite that model before RL, on the CPU. Refused unless the warm start is set explicitly; naming a preset
+    (`base`: verl's defaults, `default`: the demo's, on purpose) says which is meant."""
+    from lathe.config import ConfigError
+    from lathe.config.loader import DEFAULT_PRESET, PRESET_DIR, _read_mapping
+    given = dict(item.lstrip("+").partition("=")[::2] for item in overrides)
+    path = given.get("actor_rollout_ref.model.path")
+    if path is None or path.startswith("builtin:") or any(k.startswith("actor_rollout_ref.model.warm_start.steps")
+                                                          for k in given):
+        return
+    demo = _read_mapping(PRESET_DIR / f"{DEFAULT_PRESET}.yaml")
+    model, trainer = demo["actor_rollout_ref"]["model"], demo.get("trainer", {})
+    warm, actor_lr = model["warm_start"], demo["actor_rollout_ref"]["actor"]["optim"]["lr"]
+    raise ConfigError(
+        f"actor_rollout_ref.model.path={path} with no preset named: `lathe train` then starts from the built-in "
+        f"demo's settings (preset `{DEFAULT_PRESET}`: trainer.device={trainer.get('device')}, a supervised warm start "
+        f"of {warm['steps']} steps at lr {warm['lr']:g} on extra_info.answer before RL, actor lr {actor_lr:g}), made "
+        f"for its tiny random model, not yours. Fix: `lathe train base key=value ...` to start from verl's defaults "
+        f"(what a verl launch line expects), or `lathe train {DEFAULT_PRESET} ...` to keep the demo's settings "
+        f"(actor_rollout_ref.model.warm_start.steps=0 turns its warm start off)")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from lathe.config import load_config, to_yaml
     source, overrides = _split_source(args.items)
+    if source is None and not args.print_config:
+        _demo_settings_on_a_users_model(overrides)
     cfg = load_config(source, overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")

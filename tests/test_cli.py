@@ -105,6 +105,7 @@ def test_a_model_of_ones_own_without_a_preset_asks_for_one(tmp_path):
     r = lathe("train", f"actor_rollout_ref.model.path={tmp_path}", "data.train_batch_size=16")
     assert r.returncode == 2 and "NO_TORCH" in r.stdout
     assert f"actor_rollout_ref.model.path={tmp_path} with no preset named" in r.stderr
+    assert "no config.json" in r.stderr            # (the path's own problem, in the same message: preflight's)
     assert "trainer.device=cpu, a supervised warm start of 300 steps" in r.stderr
     assert "lathe train base key=value" in r.stderr and "lathe train default" in r.stderr
     from lathe.cli import _demo_settings_on_a_users_model as check

@@ -60,15 +60,20 @@ def _demo_settings_on_a_users_model(overrides: list[str]) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from lathe.config import load_config, to_yaml
+    from lathe.config import ConfigError
     source, overrides = _split_source(args.items)
+    found = []
     if source is None and not args.print_config:
-        _demo_settings_on_a_users_model(overrides)
+        try:
+            _demo_settings_on_a_users_model(overrides)
+        except ConfigError as e:            # (reported with preflight's problems: every problem at once)
+            found.append(e)
     cfg = load_config(source, overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
     from lathe.loop.preflight import preflight
-    checked = preflight(cfg)                # model paths, data, reward function: before torch is imported
+    checked = preflight(cfg, found=found)   # model paths, data, reward function: before torch is imported
     from lathe.loop.run import fit
     from lathe.loop.setup import build_trainer
     trainer = build_trainer(cfg, checked)

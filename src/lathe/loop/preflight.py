@@ -15,7 +15,7 @@ and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,9 +65,11 @@ class _Problems:
             raise ConfigError(join_problems([str(e) for e in self.errors], "problems found before loading anything"))
 
 
-def preflight(cfg) -> Checked:
-    """`lathe train`'s checks of `cfg` (a validated LatheConfig); raises what it finds, else returns what it loaded."""
+def preflight(cfg, *, found: Sequence[BaseException] = ()) -> Checked:
+    """`lathe train`'s checks of `cfg` (a validated LatheConfig); raises what it finds, with the problems its caller
+    `found` already, else returns what it loaded."""
     problems = _Problems()
+    problems.errors.extend(found)
     m, critic = cfg.actor_rollout_ref.model, cfg.critic.model
     _check_paths(problems, [(check_model, "actor_rollout_ref.model.path", m.path),
                             (check_tokenizer, "actor_rollout_ref.model.tokenizer_path" if m.tokenizer_path else

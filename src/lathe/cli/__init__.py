@@ -59,8 +59,7 @@ def _demo_settings_on_a_users_model(overrides: list[str]) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from lathe.config import load_config, to_yaml
-    from lathe.config import ConfigError
+    from lathe.config import ConfigError, load_config, to_yaml
     source, overrides = _split_source(args.items)
     found = []
     if source is None and not args.print_config:

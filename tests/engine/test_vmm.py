@@ -27,7 +27,9 @@ def _as_cuda(monkeypatch):
 
 
 def test_off_the_gpu_and_when_switched_off_there_is_none(monkeypatch):
-    assert not vmm.supported(0)                 # this machine: no CUDA
+    monkeypatch.setattr(vmm.accel, "detect", lambda: SimpleNamespace(name="cpu"))     # (whatever this machine has)
+    monkeypatch.setattr(vmm, "FixedAddress", lambda *a: pytest.fail("no CUDA: nothing to probe"))
+    assert not vmm.supported(0)
     vmm.supported.cache_clear()
     _as_cuda(monkeypatch)
     monkeypatch.setenv("LATHE_KV_FIXED_ADDRESS", "0")

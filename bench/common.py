@@ -47,7 +47,7 @@ SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, v
                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 # Mixture-of-experts shapes (issue 44's figures), with the transformers model type that builds them (`hf_config`):
-# Qwen3-30B-A3B, the same with 12 of its 48 layers (7.7B: GRPO on 2 GPUs), GPT-OSS-20B (its alternating 128-token
+# Qwen3-30B-A3B, the same with 12 of its 48 layers (7.7B: GRPO on 2 GPUs) or 6 (4.4B: one H200), GPT-OSS-20B (its alternating 128-token
 # sliding windows, attention sinks and MXFP4-free bf16 experts), and a tiny Qwen3-MoE for CPU smoke runs.
 _QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                       num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
@@ -59,6 +59,7 @@ _GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=28
 SHAPES.update({
     "30b-a3b": _QWEN3_30B_A3B,
     "30b-a3b-12l": {**_QWEN3_30B_A3B, "num_hidden_layers": 12},
+    "30b-a3b-6l": {**_QWEN3_30B_A3B, "num_hidden_layers": 6},
     "gpt-oss-20b": _GPT_OSS_20B,
     # 8 of its 24 layers (about 8B): an A/B of both arms fits one device call
     "gpt-oss-20b-8l": {**_GPT_OSS_20B, "num_hidden_layers": 8,

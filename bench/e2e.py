@@ -77,6 +77,7 @@ LATHE_SETTINGS = {
     "32b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "30b-a3b": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "30b-a3b-12l": dict(micro=16, checkpointing=True, kl=True, extra=[]),
+    "30b-a3b-6l": dict(micro=16, checkpointing=True, kl=True, extra=[]),     # one GPU's MoE profile
     # GPT-OSS-20B on one H200 (issue 44): bf16 master weights and AdamW moments in host memory (the memory plan: 117
     # GiB on the device during the update, 78 GiB pinned on the host; fp32 masters would need 234 GiB); run it with
     # --gpu-memory-utilization 0.7 (the resident 78 GiB leave no KV cache at 0.5)

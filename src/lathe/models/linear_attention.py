@@ -58,19 +58,20 @@ def positions_in_sequence(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 @torch.compiler.disable
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
-                  initial: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(depthwise causal conv) of a packed stream x (T, C) with `weight` (C, K); each sequence sees only its own
-    earlier tokens (and `initial` (S, C, K-1), the last K-1 inputs before it, when given; else zeros). From zero
-    history on CUDA with fla installed, fla's Triton kernels (forward and backward) run it."""
+                  initial: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(depthwise causal conv (+ `bias` (C,))) of a packed stream x (T, C) with `weight` (C, K); each sequence
+    sees only its own earlier tokens (and `initial` (S, C, K-1), the last K-1 inputs before it, when given; else
+    zeros). From zero history on CUDA with fla installed, fla's Triton kernels (forward and backward) run it."""
     conv = fla_conv() if initial is None and x.device.type == "cuda" else None
     if conv is not None:
+        extra = {} if bias is None else {"bias": bias.to(x.dtype)}      # (Qwen3.5's call stays as it was)
         y, _ = conv(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu",
-                    cu_seqlens=fla_cu_seqlens(cu_seqlens), backend="triton")
+                    cu_seqlens=fla_cu_seqlens(cu_seqlens), backend="triton", **extra)
         return y[0]
     total, kernel = x.shape[0], weight.shape[-1]
     pos = positions_in_sequence(cu_seqlens, total)
     w = weight.to(x.dtype)
-    out = x * w[:, kernel - 1]
+    out = x * w[:, kernel - 1] if bias is None else x * w[:, kernel - 1] + bias.to(x.dtype)
     for j in range(1, kernel):         # the input j steps back, where it is in the same sequence
         shifted = F.pad(x, (0, 0, j, 0))[:total]
         part = shifted * (pos >= j).unsqueeze(-1).to(x.dtype)

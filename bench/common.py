@@ -47,8 +47,9 @@ SHAPES = {   # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, v
                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 # Mixture-of-experts shapes (issue 44's figures), with the transformers model type that builds them (`hf_config`):
-# Qwen3-30B-A3B, the same with 12 of its 48 layers (7.7B: GRPO on 2 GPUs) or 6 (4.4B: one H200), GPT-OSS-20B (its alternating 128-token
-# sliding windows, attention sinks and MXFP4-free bf16 experts), and a tiny Qwen3-MoE for CPU smoke runs.
+# Qwen3-30B-A3B, the same with 12 of its 48 layers (7.7B: GRPO on 2 GPUs) or 6 (4.4B: one H200, or an H100 with the
+# AdamW moments offloaded), GPT-OSS-20B (its alternating 128-token sliding windows, attention sinks and MXFP4-free bf16
+# experts), and a tiny Qwen3-MoE for CPU smoke runs.
 _QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                       num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
                       num_key_value_heads=4, head_dim=128, vocab_size=QWEN_VOCAB, tie_word_embeddings=False)

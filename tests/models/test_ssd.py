@@ -79,7 +79,7 @@ def test_steps_continue_a_chunked_prefix_as_the_recurrence_does():
     assert rel(state, want_final) < 1e-10
 
 
-def test_gradients_equal_the_recurrence_s_gradients():
+def test_gradients_equal_those_of_the_recurrence():
     lengths = [6, 11]
     leaves = [t.requires_grad_() for t in inputs(lengths, seed=2)[:7]]
     x, dt, A, B, C, D, initial = leaves

@@ -25,7 +25,8 @@ from lathe.models.ssd import chunk_scan
 
 @dataclass
 class Mamba2Config:
-    """A Nemotron-H `config.json`'s Mamba keys (with the `mamba_*` spellings its Hub configs use)."""
+    """A Nemotron-H `config.json`'s Mamba keys (with the `mamba_*` spellings its Hub configs use). Its `chunk_size`
+    is not read: the scan's chunk changes only its rounding (`lathe.models.ssd.chunk_scan` picks its own)."""
 
     hidden_size: int
     num_heads: int                          # mamba_num_heads
@@ -37,7 +38,6 @@ class Mamba2Config:
     proj_bias: bool = False                 # use_bias
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
     eps: float = 1e-5                       # layer_norm_epsilon
-    chunk_size: int = 128
 
     @property
     def inner(self) -> int:
@@ -59,8 +59,7 @@ class Mamba2Config:
                    n_groups=groups, state_size=int(d["ssm_state_size"]), conv_kernel=int(key("conv_kernel",
                    "mamba_d_conv", 4)), conv_bias=bool(key("use_conv_bias", "mamba_conv_bias", True)),
                    proj_bias=bool(d.get("use_bias", False)), time_step_limit=(float(limit[0]), float(limit[1])),
-                   eps=float(d.get("layer_norm_epsilon", 1e-5)), chunk_size=int(key("chunk_size",
-                   "mamba_chunk_size", 128)))
+                   eps=float(d.get("layer_norm_epsilon", 1e-5)))
 
 
 class GroupedGatedRMSNorm(nn.Module):

@@ -138,10 +138,11 @@ def test_sleep_drops_the_states_and_wake_up_brings_them_back(tmp_path):
     assert engine.generate(PROMPTS, params).token_ids == ref
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "nemotron_h"])
 def test_graph_decode_step_on_cpu_equals_the_eager_engine(tmp_path, family, triton_interpreter, monkeypatch):
     """The CUDA-graph decode step's own work run eagerly on the CPU (`test_cuda_graph`'s stand-in for a replay, after
-    the capture's warm-up run): the linear layers take their rows' state slots from the graph's static input buffer,
+    the capture's warm-up run): the linear layers (gated DeltaNet's; Nemotron-H's Mamba2) take their rows' state
+    slots from the graph's static input buffer,
     padding rows (6 and then fewer sequences in buckets of 4 and 8, preemptions) read and write the scratch slot, and
     the seeded samples and log-probs (overlapped scheduling: input ids still on the device) equal the plain engine's;
     after a sleep and wake-up (new states: graphs captured again) too."""
@@ -154,7 +155,12 @@ def test_graph_decode_step_on_cpu_equals_the_eager_engine(tmp_path, family, trit
     from models.lathe_tiny import save_hf
     from .test_cuda_graph import _Replay
 
-    path, _ = save_hf(tmp_path, family)
+    if family == "nemotron_h":
+        pytest.importorskip("transformers.models.nemotron_h")
+        from models.nemotron_tiny import nemotron_model
+        nemotron_model(seed=6).save_pretrained(path := tmp_path / "nemotron_h")
+    else:
+        path, _ = save_hf(tmp_path, family)
     monkeypatch.setattr("lathe.device.multiprocessor_count", lambda device: 4)
     monkeypatch.setattr("lathe.engine.triton_step.available", lambda device: True)
     monkeypatch.setattr(llm, "fused_settings", lambda device, vocab, seqs: fused_settings(

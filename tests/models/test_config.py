@@ -16,7 +16,7 @@ def test_registry_names_the_families():
                                        "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
                                        "MiMoForCausalLM", "MistralForCausalLM", "SeedOssForCausalLM",
                                        "Glm4MoeForCausalLM", "HYV3ForCausalLM", "Qwen3_5ForCausalLM",
-                                       "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
+                                       "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM"}
 
 
 def test_qwen3_moe_keys():

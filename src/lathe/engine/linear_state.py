@@ -1,8 +1,10 @@
 """The per-sequence states of the linear-attention layers of a hybrid model (Qwen3.5, Qwen3-Next:
-`lathe.models.qwen3_5`), kept beside the paged KV cache of its full-attention layers.
+`lathe.models.qwen3_5`; Nemotron-H's Mamba2 layers: `lathe.models.nemotron_h`), kept beside the paged KV cache of
+its full-attention layers.
 
 Each running sequence holds one slot of `LinearStateCache`: per linear layer, its last K-1 convolution inputs and
-its recurrent state (float32). A slot is taken, zeroed, the first time a step runs the sequence, and given back
+its recurrent state (float32): (Hv, Dk, Dv) for a gated-DeltaNet layer, (H, P, N) for a Mamba2 layer
+(`state_layout`). A slot is taken, zeroed, the first time a step runs the sequence, and given back
 whenever the block manager frees the sequence's blocks (finish, preemption, a weight sync's interruption):
 a preempted sequence is recomputed from its tokens, from a zero state, like its KV. Prefix caching is off for these
 models (a cached prefix has KV but no state to continue from: state snapshots at block boundaries are not built);
@@ -35,6 +37,7 @@ they would not be freed), and `wake_up` keeps the graphs only when the states an
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 
 import torch
@@ -43,6 +46,7 @@ from lathe.engine import triton_gdn
 from lathe.engine.block_manager import BlockManager, _salt
 from lathe.engine.sequence import Sequence
 from lathe.models.linear_attention import conv_step, recurrent_gated_delta_rule
+from lathe.models.ssd import scan_step
 
 log = logging.getLogger("lathe")
 
@@ -51,12 +55,9 @@ class LinearStateCache:
     """Convolution and recurrent states of `num_slots` sequences for every linear-attention layer of `cfg`."""
 
     def __init__(self, cfg, num_slots: int, *, dtype: torch.dtype, device: torch.device):
-        la = cfg.linear_attention
-        layers = sum(t == "linear_attention" for t in la.layer_types)
-        conv_dim = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+        layers, conv_dim, kernel, recurrent = state_layout(cfg)
         self.num_slots = num_slots          # + the scratch slot (`scratch_slot`), never given to a sequence
-        self.shapes = ((layers, num_slots + 1, conv_dim, la.conv_kernel - 1),
-                       (layers, num_slots + 1, la.num_value_heads, la.key_head_dim, la.value_head_dim))
+        self.shapes = ((layers, num_slots + 1, conv_dim, kernel - 1), (layers, num_slots + 1, *recurrent))
         self.dtype, self.device = dtype, device
         self.conv = self.recurrent = None
         self.reclaim = None         # frees a slot when none is free (`StateBlockManager.evict_one`): True if it did
@@ -165,12 +166,13 @@ class LinearStep:
     # in their slots.
 
     @torch.compiler.disable
-    def conv_step(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """silu(conv) (B, C) of each row's new input x after its slot's last K-1 inputs, which move on by one."""
+    def conv_step(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(conv + bias) (B, C) of each row's new input x after its slot's last K-1 inputs, which move on by one
+        (a convolution with a bias, Mamba2's, runs the torch form: `triton_gdn`'s launch takes none)."""
         conv = self.cache.conv[self.layer]
-        if triton_gdn.available(x.device):
+        if bias is None and triton_gdn.available(x.device):
             return triton_gdn.conv_step_(x, weight, conv, self.index)
-        out, window = conv_step(x, weight, conv.index_select(0, self.index))
+        out, window = conv_step(x, weight, conv.index_select(0, self.index), bias)
         conv.index_copy_(0, self.index, window.to(conv.dtype))
         return out
 
@@ -188,6 +190,16 @@ class LinearStep:
             o = o.squeeze(1)
         self.layer += 1
         return o
+
+    @torch.compiler.disable
+    def scan_step(self, x, dt, A, B, C, D) -> torch.Tensor:
+        """y (B, H, P) of each row's token through a Mamba2 layer's scan (`lathe.models.ssd.scan_step`), its state
+        advanced in its slot; then on to the next linear layer."""
+        states = self.cache.recurrent[self.layer]
+        y, new = scan_step(x, dt, A, B, C, states.index_select(0, self.index), D=D)
+        states.index_copy_(0, self.index, new)
+        self.layer += 1
+        return y
 
 
 PARK_MODULUS = (1 << 61) - 1      # the parked sequences' token keys: a polynomial hash, checked token by token on a hit
@@ -332,11 +344,9 @@ def state_slots(cfg, max_num_seqs: int, dtype: torch.dtype, device: torch.device
     if device.type != "cuda":
         return max_num_seqs
     from lathe import device as accel
-    la = cfg.linear_attention
-    layers = sum(t == "linear_attention" for t in la.layer_types)
-    conv = (2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim) * (la.conv_kernel - 1)
-    per_slot = layers * (conv * torch.empty(0, dtype=dtype).element_size()
-                         + 4 * la.num_value_heads * la.key_head_dim * la.value_head_dim)
+    layers, conv_dim, kernel, recurrent = state_layout(cfg)
+    per_slot = layers * (conv_dim * (kernel - 1) * torch.empty(0, dtype=dtype).element_size()
+                         + 4 * math.prod(recurrent))
     fits = max(1, int(STATE_SHARE * accel.memory_info(device)[0] // per_slot) - 1)     # - the scratch slot
     if fits < max_num_seqs:
         log.info("engine: %s runs at most %d sequences at once (max_num_seqs=%d): each one's linear-attention states "
@@ -345,9 +355,30 @@ def state_slots(cfg, max_num_seqs: int, dtype: torch.dtype, device: torch.device
 
 
 def kv_layers(cfg) -> int:
-    """How many layers keep paged KV: the full-attention ones of a hybrid model, else all."""
-    la = getattr(cfg, "linear_attention", None)
+    """How many layers keep paged KV: the full-attention ones of a hybrid model (or Nemotron-H), else all."""
+    la, nemotron = getattr(cfg, "linear_attention", None), getattr(cfg, "nemotron", None)
+    if nemotron is not None:
+        return len(nemotron.layers("full_attention"))
     return cfg.num_hidden_layers if la is None else sum(t == "full_attention" for t in la.layer_types)
+
+
+def has_states(cfg) -> bool:
+    """Whether the model keeps per-sequence states in linear layers (`LinearStateCache`): the hybrids, Nemotron-H."""
+    return getattr(cfg, "linear_attention", None) is not None or getattr(cfg, "nemotron", None) is not None
+
+
+def state_layout(cfg) -> tuple[int, int, int, tuple[int, ...]]:
+    """(linear layers, convolution channels, convolution kernel K, one slot's recurrent state shape) of a model with
+    states: gated DeltaNet's (Hv, Dk, Dv), Mamba2's (H, P, N)."""
+    nemotron = getattr(cfg, "nemotron", None)
+    if nemotron is not None:
+        m = nemotron.mamba
+        return len(nemotron.layers("linear_attention")), m.conv_dim, m.conv_kernel, (m.num_heads, m.head_dim,
+                                                                                     m.state_size)
+    la = cfg.linear_attention
+    conv_dim = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+    return (sum(t == "linear_attention" for t in la.layer_types), conv_dim, la.conv_kernel,
+            (la.num_value_heads, la.key_head_dim, la.value_head_dim))
 
 
 def hybrid_settings(model, enable_prefix_caching: bool, fuse_projections: bool | None,

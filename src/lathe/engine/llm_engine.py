@@ -28,7 +28,8 @@ from lathe import device as accel
 from lathe.engine import decode_forms, expert_parallel, fp8
 from lathe.engine.block_manager import BlockManager
 from lathe.engine.kv_cache import KVCache, kv_storage_dtype
-from lathe.engine.linear_state import LinearStateCache, StateBlockManager, hybrid_settings, kv_layers, state_slots
+from lathe.engine.linear_state import LinearStateCache, StateBlockManager, has_states, hybrid_settings, kv_layers, \
+    state_slots
 from lathe.engine.mla import cache_layout, is_mla, mla_settings
 from lathe.engine.model_runner import ModelRunner
 from lathe.engine.multimodal import (MultiModalPrompt, check_continuation, ensure_embeddings, prepare_prompt,
@@ -174,7 +175,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
                  async_scheduling: bool | None = None, fuse_projections: bool | None = None,
                  quantization: str | None = None, record_routing: bool = False, kv_cache_dtype: str | None = None,
                  num_speculative_tokens: int = 0, quantize_lm_head: bool = False, shared_prefix_attention: bool = True):
-        hybrid = getattr(text_config(model), "linear_attention", None) is not None   # Qwen3.5 / Qwen3-Next
+        hybrid = has_states(text_config(model))      # Qwen3.5 / Qwen3-Next, Nemotron-H: per-sequence states
         layout = layout_of(model)           # a tensor-parallel replica's rank (`tensor_parallel.shard_copy`)
         self.tp = layout.tp if layout is not None else TensorParallel(None, 0, 1)
         # data-parallel attention: this replica's place among its engine's (`data_parallel.py`), or None

@@ -205,6 +205,10 @@ class ShardLayout:
         self.dp = dp if dp is not None and dp.size > 1 else None
         dp_rank, dp_size = (self.dp.rank, self.dp.size) if self.dp is not None else (0, 1)
         check_sizes(cfg, size, expert_parallel_size, dp_size)
+        if cfg.nemotron is not None and (size > 1 or dp_size > 1):
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}, rollout.data_parallel_size={dp_size}: "
+                             f"lathe's engine does not cut Nemotron-H's layers ({cfg.architecture}) over ranks yet. "
+                             "Fix: set both to 1 (one engine per GPU)")
         heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
         dense = any(not cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))   # layers with a dense MLP
         problems = [f"{what} ({n}) are not divisible by it" for what, n in (

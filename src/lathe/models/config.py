@@ -17,11 +17,13 @@ from lathe.models import quantized
 from lathe.models.deepseek_config import MlaConfig
 from lathe.models.hybrid_config import HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES, LinearAttentionConfig, \
     check_hybrid_features
+from lathe.models.nemotron_h_config import NemotronConfig
 
 # the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are in HYBRID_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "GptOssForCausalLM", "DeepseekV3ForCausalLM", "MiMoForCausalLM", "MistralForCausalLM",
-                           "SeedOssForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM", *HYBRID_ARCHITECTURES}
+                           "SeedOssForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM", "NemotronHForCausalLM",
+                           *HYBRID_ARCHITECTURES}
 # The token-classification (critic) heads over the same backbones load too (GLM-4.5's and HY-V3's: the names lathe
 # saves a critic under; transformers has no such classes)
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
@@ -33,7 +35,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3"
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "mimo": "MiMoForCausalLM", "mistral": "MistralForCausalLM",
                "seed_oss": "SeedOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "hy_v3": "HYV3ForCausalLM",
-               **HYBRID_MODEL_TYPES}
+               "nemotron_h": "NemotronHForCausalLM", **HYBRID_MODEL_TYPES}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 # Families whose main model is exactly Qwen2's (q/k/v bias, no o bias): MiMo is Qwen2 plus its MTP layers
 QWEN2_BODIES = ("Qwen2", "MiMo")
@@ -148,6 +150,7 @@ class LatheConfig:
     layer_types: tuple[str, ...] = ()        # per layer: "full_attention" or "sliding_attention"; () = all full
     linear_attention: LinearAttentionConfig | None = None   # Qwen3.5 / Qwen3-Next hybrids; None otherwise
     mla: MlaConfig | None = None             # DeepSeek-V3 family: latent attention, its router; None otherwise
+    nemotron: NemotronConfig | None = None   # Nemotron-H: Mamba2 / attention / MLP / MoE layers; None otherwise
     num_mtp_layers: int = 0                  # MiMo: multi-token-prediction layers (`lathe.models.mtp`), HF's
                                              # `num_nextn_predict_layers`; 0 = none
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -208,7 +211,7 @@ class LatheConfig:
         hybrid = arch in HYBRID_ARCHITECTURES
         if hybrid:
             check_hybrid_features(d, arch, source)
-        elif not arch.startswith("DeepseekV3"):     # its own checks: `deepseek_config.refuse_deepseek_features`
+        elif not arch.startswith(("DeepseekV3", "NemotronH")):     # their own checks (their `*_config` modules)
             _check_features(d, arch, source)
         _check_dropout(d, arch, source)
         raw = d                             # (saved back as it was)
@@ -225,6 +228,9 @@ class LatheConfig:
         if family == "DeepseekV3":
             from lathe.models.deepseek_config import deepseek_fields
             return cls(architecture=arch, **deepseek_fields(d, source), hf_config=dict(d))
+        if family == "NemotronH":
+            from lathe.models.nemotron_h_config import nemotron_fields
+            return cls(architecture=arch, **nemotron_fields(d, source), hf_config=dict(d))
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),

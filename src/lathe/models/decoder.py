@@ -195,6 +195,9 @@ class LatheDecoderModel(nn.Module):
         elif cfg.mla is not None:                   # DeepSeek-V3 family: `lathe.models.deepseek`
             from lathe.models.deepseek import deepseek_parts
             self.layers, self.norm, self.rotary_emb = deepseek_parts(cfg)
+        elif cfg.nemotron is not None:              # Nemotron-H: `lathe.models.nemotron_h`
+            from lathe.models.nemotron_h import nemotron_parts
+            self.layers, self.norm, self.rotary_emb = nemotron_parts(cfg)
         else:
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -404,9 +407,12 @@ def init_weights(model: nn.Module, std: float = 0.02) -> None:
             nn.init.normal_(module.sinks, mean=0.0, std=std)
         if isinstance(module, GptOssMoeBlock):
             module.init_weights(std)
-        elif isinstance(module, SparseMoeBlock):
+        elif isinstance(module, SparseMoeBlock) and hasattr(module.experts, "gate_up_proj"):
             for p in (module.gate.weight, module.experts.gate_up_proj, module.experts.down_proj):
                 nn.init.normal_(p, mean=0.0, std=std)
     if getattr(getattr(model, "config", None), "linear_attention", None) is not None:
         from lathe.models.qwen3_5 import init_hybrid_weights
         init_hybrid_weights(model)
+    if getattr(getattr(model, "config", None), "nemotron", None) is not None:
+        from lathe.models.nemotron_h import init_nemotron_weights
+        init_nemotron_weights(model, std)

@@ -182,17 +182,21 @@ class DeepseekMoeBlock(SparseMoeBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, h = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, h)
-        scores = torch.sigmoid(nn.functional.linear(flat.float(), self.gate.weight.float()))
-        if self.hooks_routing:                # routing replay: recorded or given experts (lathe.models.routing)
-            weights, chosen = self._hooked(scores, self.moe.norm_topk_prob, own=self.choose, weigh=self.weigh)
-        else:
-            weights, chosen = self.choose(scores)
+        weights, chosen = self.routed(flat)
         if self.decode_experts is not None:     # the engine's decode steps (`SparseMoeBlock.decode_experts`)
             out = self.decode_experts(flat, weights.to(x.dtype), chosen, self.experts.gate_up_proj,
                                       self.experts.down_proj).view(*lead, h)
         else:
             out = sorted_forward(flat, weights.to(x.dtype), chosen, self.experts).view(*lead, h)  # EP wraps experts
         return out + self.shared_experts(x) if self.moe.n_shared_experts else out
+
+    def routed(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) of the tokens `flat` (T, H): the sigmoid scores' group-limited choice, or routing
+        replay's (recorded or given experts: `lathe.models.routing`)."""
+        scores = torch.sigmoid(nn.functional.linear(flat.float(), self.gate.weight.float()))
+        if self.hooks_routing:
+            return self._hooked(scores, self.moe.norm_topk_prob, own=self.choose, weigh=self.weigh)
+        return self.choose(scores)
 
     def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) of the group-limited choice over the sigmoid `scores` (module doc)."""

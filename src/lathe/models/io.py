@@ -36,14 +36,18 @@ BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # Tensors read in their stored dtype whatever `dtype` asks: DeepSeek-V3's expert-selection bias (float32, as
 # transformers keeps it; `lathe.models.deepseek.DeepseekRouter`), HY-V3's under its checkpoints' name
-_KEPT_DTYPE = re.compile(r"\.mlp\.(gate\.e_score_correction_bias|expert_bias)$")
+_KEPT_DTYPE = re.compile(r"\.(?:mlp|mixer)\.(gate\.e_score_correction_bias|expert_bias)$")
 # Checkpoint names that are not lathe's module names, by `LatheConfig.family`: (on disk, in the modules). HY-V3's
 # router, selection bias and shared experts (DeepseekMoeBlock's gate, gate.e_score_correction_bias, shared_experts)
 HUB_NAMES = {"hyv3": ((".mlp.router.gate.weight", ".mlp.gate.weight"),
                       (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
-                      (".mlp.shared_mlp.", ".mlp.shared_experts."))}
+                      (".mlp.shared_mlp.", ".mlp.shared_experts.")),
+             # Nemotron-H's `backbone.*`, its embeddings and final norm (`lathe.models.nemotron_h`)
+             "nemotronh": (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
+                           ("backbone.", "model."))}
 # ... and the names transformers' modules hold where they are neither (read by `lathe.models.hf`'s conversion)
-MODULE_ALIASES = {"hyv3": ((".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)}
+MODULE_ALIASES = {"hyv3": ((".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),),
+                  "nemotronh": (("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm."))}
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -167,7 +171,7 @@ def _drop_unrun_mtp(model: nn.Module, state: dict[str, torch.Tensor], source: st
     cfg = getattr(model.config, "text", model.config)          # (a VL model's language model)
     kept = {k: v for k, v in state.items() if not unrun_mtp(k, cfg)}
     if len(kept) < len(state):
-        what = ("block (mtp.*)" if getattr(cfg, "linear_attention", None) is not None else
+        what = ("block (mtp.*)" if _keeps_mtp_block(cfg) else
                 f"layers of {cfg.architecture} (model.layers.{cfg.num_hidden_layers} and on)")
         log.warning("%s: %d tensors of the multi-token-prediction %s are not loaded: lathe's decoder does not run "
                     "them; checkpoints it saves leave them out unless actor_rollout_ref.model.mtp.enable=true (which "
@@ -175,11 +179,16 @@ def _drop_unrun_mtp(model: nn.Module, state: dict[str, torch.Tensor], source: st
     return kept
 
 
+def _keeps_mtp_block(cfg) -> bool:
+    """Whether the family keeps its MTP layers under `mtp.*` (the hybrids, Nemotron-H)."""
+    return getattr(cfg, "linear_attention", None) is not None or getattr(cfg, "nemotron", None) is not None
+
+
 def unrun_mtp(name: str, cfg) -> bool:
     """Whether checkpoint tensor `name` belongs to multi-token-prediction layers lathe's decoder loads but does not
     run: DeepSeek-V3's, GLM-4.5's and HY-V3's `model.layers.<n>` past the decoder's (`stacked_mtp_layers`), the
-    hybrids' `mtp.*`."""
-    if getattr(cfg, "linear_attention", None) is not None:
+    hybrids' and Nemotron-H's `mtp.*`."""
+    if _keeps_mtp_block(cfg):
         return name.startswith("mtp.")
     if not getattr(cfg, "stacked_mtp_layers", False) or not name.startswith("model.layers."):
         return False

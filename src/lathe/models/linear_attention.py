@@ -84,11 +84,29 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     return F.silu(out)
 
 
-def conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def stepped(mixer, h: torch.Tensor, attn) -> torch.Tensor | None:
+    """A linear layer's mixer (`GatedDeltaNet`, Nemotron-H's `Mamba2Mixer`) over `h` in the engine's step, when the
+    attention callable carries one (`attn.linear_states`: `lathe.engine.linear_state.LinearStep`): one token per
+    sequence advances the states where they lie (`mixer.step`); else each sequence continues from its own states,
+    written back after. None when `attn` carries no states."""
+    states = getattr(attn, "linear_states", None)
+    if states is None:
+        return None
+    if states.max_seqlen == 1:
+        return mixer.step(h, states)
+    out, new = mixer(h, states.cu_seqlens, states.max_seqlen, states.read())
+    states.write(*new)
+    return out
+
+
+def conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`causal_conv1d` and `conv_state` of one new token per sequence: x (S, C), `weight` (C, K), `state`
-    (S, C, K-1) each sequence's last K-1 inputs. Returns (silu(conv) (S, C), the new last K-1 inputs (S, C, K-1))."""
+    (S, C, K-1) each sequence's last K-1 inputs, `bias` (C,) or None. Returns (silu(conv) (S, C), the new last K-1
+    inputs (S, C, K-1))."""
     window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)          # (S, C, K), oldest input first
-    return F.silu((window * weight.to(x.dtype)).sum(-1)), window[..., 1:]
+    conv = (window * weight.to(x.dtype)).sum(-1)
+    return F.silu(conv if bias is None else conv + bias.to(x.dtype)), window[..., 1:]
 
 
 @torch.compiler.disable

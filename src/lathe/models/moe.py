@@ -40,7 +40,9 @@ from torch import nn
 
 from lathe.models.config import LatheConfig, MoeConfig
 
-EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# (Nemotron-H's: `mixer.experts`, non-gated: up_proj and down_proj alone, `lathe.models.nemotron_h`)
+EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.(?:mlp|mixer)\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                         r"\.weight$")
 
 
 class TopKRouter(nn.Module):
@@ -418,7 +420,9 @@ def collect_router_stats(model: nn.Module, keep_logits: bool = False) -> Iterato
 
 def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict with per-expert names (`...mlp.experts.<e>.gate_proj.weight`, the Hub's layout) in the fused
-    layout lathe's and transformers 5's modules hold; other names pass through. Experts must be numbered 0..E-1."""
+    layout lathe's and transformers 5's modules hold; other names pass through. Experts must be numbered 0..E-1.
+    Non-gated experts (Nemotron-H's `mixer.experts`: up_proj and down_proj alone) stack into `up_proj` and
+    `down_proj`."""
     groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out = {}
     for name, t in state.items():
@@ -430,14 +434,25 @@ def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     for prefix, projs in groups.items():
         counts = {p: sorted(ts) for p, ts in projs.items()}
         n = len(counts.get("down_proj", []))
-        if set(projs) != {"gate_proj", "up_proj", "down_proj"} or any(c != list(range(n)) for c in counts.values()):
+        gated = _gated(prefix)
+        wanted = {"gate_proj", "up_proj", "down_proj"} if gated else {"up_proj", "down_proj"}
+        if set(projs) != wanted or any(c != list(range(n)) for c in counts.values()):
             found = {p: len(c) for p, c in counts.items()}
-            raise ValueError(f"{prefix}: the checkpoint's experts are incomplete ({found} of gate_proj/up_proj/"
-                             "down_proj, numbered from 0); re-export or re-download it")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)])
+            raise ValueError(f"{prefix}: the checkpoint's experts are incomplete ({found} of "
+                             f"{'/'.join(sorted(wanted))}, numbered from 0); re-export or re-download it")
+        if gated:
+            out[f"{prefix}.gate_up_proj"] = torch.stack(
+                [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)])
+        else:
+            out[f"{prefix}.up_proj"] = torch.stack([projs["up_proj"][e] for e in range(n)])
         out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
     return out
+
+
+def _gated(prefix: str) -> bool:
+    """Whether the experts under `prefix` are SwiGLU (gate and up projections) rather than Nemotron-H's non-gated
+    ones (`mixer.experts`)."""
+    return not prefix.endswith(".mixer.experts")
 
 
 def fused_names(names) -> set[str]:
@@ -445,7 +460,11 @@ def fused_names(names) -> set[str]:
     out = set()
     for name in names:
         m = EXPERT_NAME.match(name)
-        out.add(name if m is None else f"{m['prefix']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}")
+        if m is None:
+            out.add(name)
+        else:
+            fused = "down_proj" if m["proj"] == "down_proj" else "gate_up_proj" if _gated(m["prefix"]) else "up_proj"
+            out.add(f"{m['prefix']}.{fused}")
     return out
 
 
@@ -460,10 +479,10 @@ def split_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
             for e in range(t.shape[0]):
                 out[f"{prefix}.{e}.gate_proj.weight"] = gates[e].contiguous()
                 out[f"{prefix}.{e}.up_proj.weight"] = ups[e].contiguous()
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name[:-len(".down_proj")]
+        elif name.endswith((".mlp.experts.down_proj", ".mixer.experts.down_proj", ".mixer.experts.up_proj")):
+            prefix, proj = name.rsplit(".", 1)
             for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+                out[f"{prefix}.{e}.{proj}.weight"] = t[e].contiguous()
         else:
             out[name] = t
     return out

@@ -1,65 +1,48 @@
-"""Nemotron-H's Mamba2 token mixer (`backbone.layers.<i>.mixer` of a `mamba` / `linear_attention` layer), on packed
-sequences: the first part of a native Nemotron-H (NVIDIA-Nemotron-3-Nano, verl's
-`run_nemotron_nano_v3_30b_a3b_megatron.sh`), which still runs on the transformers fallback. Not yet built: the
-decoder's other layer kinds (relu^2 MLP, the MoE with non-gated experts and latent projections, attention without
-RoPE) and their config in `LatheConfig`, the checkpoint names, the engine's Mamba states, and fla's kernels on CUDA.
+"""Nemotron-H (`NemotronHForCausalLM`: NVIDIA-Nemotron-3-Nano, Nemotron-H; verl's
+`run_nemotron_nano_v3_30b_a3b_*.sh`) in lathe's decoder, as transformers' `modeling_nemotron_h` computes it
+(`LatheConfig.nemotron`, `lathe.models.nemotron_h_config`).
 
-The mixer, as transformers' `NemotronHMamba2Mixer` computes it (its parameter names, so a state dict moves as it is):
-in_proj splits into z (the gate, H P), xBC (H P + 2 G N) and dt (H); xBC goes through the depthwise causal
-convolution (with bias) and SiLU and splits into x, B, C; dt = clamp(softplus(dt + dt_bias), time_step_limit),
-A = -exp(A_log); the scan (`lathe.models.ssd`) with the D skip; then a gated RMSNorm over groups of channels
-(x silu(z), normalised per group of H P / G, times its weight) and out_proj.
+Each layer is `x + mixer(norm(x))`, its mixer one of four by the layer's block type: Mamba2, attention, a relu^2
+MLP or a MoE. The norms keep their weight's multiply in float32 (`NemotronRMSNorm`).
+- Mamba2 (`Mamba2Mixer`): in_proj splits into z (the gate, H P), xBC (H P + 2 G N) and dt (H); xBC goes through the
+  depthwise causal convolution (with bias) and SiLU and splits into x, B, C; dt = clamp(softplus(dt + dt_bias),
+  time_step_limit), A = -exp(A_log); the scan (`lathe.models.ssd`) with the D skip; then a gated RMSNorm over groups
+  of channels (x silu(z), normalised per group of H P / G, times its weight) and out_proj.
+- Attention (`NemotronAttention`): q, k, v, o projections without biases, grouped-query heads, no RoPE and no q/k norm:
+  the layer order alone gives the model its positions.
+- MLP (`NemotronMLP`): down_proj(relu(up_proj(x))^2).
+- MoE (`NemotronMoeBlock`): DeepSeek-V3's group-limited sigmoid router with its selection bias
+  (`lathe.models.deepseek`), routed experts that are non-gated relu^2 MLPs (`mixer.experts.up_proj` (E, I, Hl),
+  `down_proj` (E, Hl, I); per expert on disk), run on the optional latent projections' width Hl (fc1_latent_proj
+  before, fc2_latent_proj after), plus a shared relu^2 expert (`shared_experts`) on the layer's input.
+
+Names are transformers' module names, `model.layers.<i>.norm` / `.mixer.*`, with lathe's `model.embed_tokens` and
+`model.norm` for transformers' `model.embeddings` and `model.norm_f`; checkpoints hold `backbone.*` and one tensor
+per expert (`lathe.models.io.HUB_NAMES`, `lathe.models.moe.fuse_expert_weights`).
+
+The Mamba2 layers see each packed sequence from a zero state. A padded batch runs them on its rows' real tokens packed
+(transformers zeroes the padding instead, the same for left or right padding). An attention callable that carries
+`linear_states` (the engine's step, `lathe.engine.linear_state`) has each sequence continue from its own states; a
+step of one token per sequence hands them to `Mamba2Mixer.step`. Not built yet: prefix grouping, Ulysses and tensor
+or expert parallelism over these layers (refused by name), and fla's kernels for the scan on CUDA (the torch scan runs
+there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torch import nn
 
-from lathe.models.linear_attention import causal_conv1d, conv_state
+from lathe.models.attention import GroupedAttention, PackedAttention, PaddedAttention
+from lathe.models.config import LatheConfig
+from lathe.models.decoder import RMSNorm, attend
+from lathe.models.deepseek import DeepseekMoeBlock, DeepseekRouter
+from lathe.models.linear_attention import causal_conv1d, conv_state, stepped
+from lathe.models.moe import run_experts, sorted_forward
+from lathe.models.nemotron_h_config import Mamba2Config
 from lathe.models.ssd import chunk_scan
 
-
-@dataclass
-class Mamba2Config:
-    """A Nemotron-H `config.json`'s Mamba keys (with the `mamba_*` spellings its Hub configs use). Its `chunk_size`
-    is not read: the scan's chunk changes only its rounding (`lathe.models.ssd.chunk_scan` picks its own)."""
-
-    hidden_size: int
-    num_heads: int                          # mamba_num_heads
-    head_dim: int                           # mamba_head_dim
-    n_groups: int                           # n_groups / mamba_n_groups
-    state_size: int                         # ssm_state_size
-    conv_kernel: int = 4                    # conv_kernel / mamba_d_conv
-    conv_bias: bool = True                  # use_conv_bias / mamba_conv_bias
-    proj_bias: bool = False                 # use_bias
-    time_step_limit: tuple[float, float] = (0.0, float("inf"))
-    eps: float = 1e-5                       # layer_norm_epsilon
-
-    @property
-    def inner(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.inner + 2 * self.n_groups * self.state_size
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Mamba2Config":
-        def key(name: str, alias: str, default=None):
-            return d[alias] if alias in d else d.get(name, default)
-        heads, groups = int(d["mamba_num_heads"]), int(key("n_groups", "mamba_n_groups", 8))
-        if heads % groups:
-            raise ValueError(f"mamba_num_heads={heads} is not a multiple of n_groups={groups}")
-        limit = key("time_step_limit", "mamba_dt_limit", (0.0, float("inf")))
-        return cls(hidden_size=int(d["hidden_size"]), num_heads=heads, head_dim=int(d["mamba_head_dim"]),
-                   n_groups=groups, state_size=int(d["ssm_state_size"]), conv_kernel=int(key("conv_kernel",
-                   "mamba_d_conv", 4)), conv_bias=bool(key("use_conv_bias", "mamba_conv_bias", True)),
-                   proj_bias=bool(d.get("use_bias", False)), time_step_limit=(float(limit[0]), float(limit[1])),
-                   eps=float(d.get("layer_norm_epsilon", 1e-5)))
+__all__ = ["Mamba2Config", "Mamba2Mixer", "NemotronBlock", "nemotron_parts"]
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -110,7 +93,191 @@ class Mamba2Mixer(nn.Module):
         out = self.out_proj(self.norm(y.flatten(-2), z))
         return out if state is None else (out, (conv, final))
 
+    def step(self, x: torch.Tensor, states) -> torch.Tensor:
+        """One new token per sequence, x (S, hidden), each continuing from its own states, which `states` (the
+        engine's `LinearStep`) advances where they lie (`conv_step`, `scan_step`). No host sync."""
+        cfg = self.cfg
+        z, xbc, dt = self.in_proj(x).split([cfg.inner, cfg.conv_dim, cfg.num_heads], dim=-1)
+        xbc = states.conv_step(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias)
+        xs, B, C = xbc.split([cfg.inner, cfg.n_groups * cfg.state_size, cfg.n_groups * cfg.state_size], dim=-1)
+        y = states.scan_step(xs.unflatten(-1, (cfg.num_heads, cfg.head_dim)), self.step_sizes(dt),
+                             -self.A_log.float().exp(), B.unflatten(-1, (cfg.n_groups, cfg.state_size)),
+                             C.unflatten(-1, (cfg.n_groups, cfg.state_size)), self.D)
+        return self.out_proj(self.norm(y.flatten(-2), z))
+
     def step_sizes(self, dt: torch.Tensor) -> torch.Tensor:
         """clamp(softplus(dt + dt_bias), time_step_limit) in float32."""
         low, high = self.cfg.time_step_limit
         return nn.functional.softplus(dt.float() + self.dt_bias.float()).clamp(min=low, max=high)
+
+
+class NemotronRMSNorm(RMSNorm):
+    """weight * x / rms(x) with the weight's multiply in float32, cast back after it (transformers'
+    `NemotronHRMSNorm`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight.float() * self.normalized(x)).to(x.dtype)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x).square()
+
+
+class NemotronMLP(nn.Module):
+    """down_proj(relu(up_proj(x))^2): the `mlp` layers' mixer and the MoE's shared expert."""
+
+    def __init__(self, hidden: int, width: int, bias: bool):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, width, bias=bias)
+        self.down_proj = nn.Linear(width, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(relu2(self.up_proj(x)))
+
+
+class NemotronAttention(nn.Module):
+    """Grouped-query attention without RoPE, q/k norms or biases."""
+
+    def __init__(self, cfg: LatheConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
+        if attn.rotates:
+            raise NotImplementedError("Nemotron-H's attention has no RoPE; an attention that rotates q and k itself "
+                                      "(the engine's decode step) must be built with rotates=False for it")
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        return self.o_proj(attend(attn, q, k, v, torch.compiler.is_compiling()))
+
+
+class NemotronExperts(nn.Module):
+    """`mixer.experts`: every routed expert's up_proj (E, I, Hl) and down_proj (E, Hl, I), stacked."""
+
+    def __init__(self, num_experts: int, width: int, inter: int):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, inter, width))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, inter))
+
+    def forward(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each row of `rows` (N, Hl) through its expert, `experts` (N,) ascending (`run_experts`)."""
+        return run_experts(rows, experts, self.up_proj, self.down_proj, act=relu2)
+
+
+class NemotronMoeBlock(DeepseekMoeBlock):
+    """The `moe` layers' mixer (module doc). Routing replay and the router's choice are DeepSeek-V3's
+    (`DeepseekMoeBlock.choose`, `weigh`); no load-balancing loss (transformers' has none)."""
+
+    def __init__(self, cfg: LatheConfig):
+        nn.Module.__init__(self)
+        n, h = cfg.nemotron, cfg.hidden_size
+        self.moe, self.latent = cfg.moe, n.moe_latent_size
+        self.moe_hidden = self.latent or h
+        self.gate = DeepseekRouter(h, cfg.moe.num_experts)
+        self.experts = NemotronExperts(cfg.moe.num_experts, self.moe_hidden, cfg.moe.moe_intermediate_size)
+        self.shared_experts = NemotronMLP(h, n.shared_expert_intermediate_size, cfg.mlp_bias)
+        if self.latent:
+            self.fc1_latent_proj = nn.Linear(h, self.latent, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(self.latent, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, h = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, h)
+        weights, chosen = self.routed(flat)
+        rows = self.fc1_latent_proj(flat) if self.latent else flat
+        out = sorted_forward(rows, weights.to(x.dtype), chosen, self.experts)
+        if self.latent:
+            out = self.fc2_latent_proj(out)
+        return out.view(*lead, h) + self.shared_experts(x)
+
+
+class NoRope(nn.Module):
+    """The decoder's `rotary_emb` for a model without RoPE: empty (..., 0) cos and sin, which no layer reads."""
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        empty = torch.zeros(*position_ids.shape, 0, dtype=dtype, device=position_ids.device)
+        return empty, empty
+
+
+class NemotronBlock(nn.Module):
+    """One decoder layer: x + mixer(norm(x)), the mixer by the layer's block type (`index`: its place)."""
+
+    def __init__(self, cfg: LatheConfig, index: int):
+        super().__init__()
+        self.block_type = cfg.nemotron.block_types[index]
+        self.norm = NemotronRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.block_type == "linear_attention":
+            self.mixer = Mamba2Mixer(cfg.nemotron.mamba)
+        elif self.block_type == "full_attention":
+            self.mixer = NemotronAttention(cfg)
+        elif self.block_type == "moe":
+            self.mixer = NemotronMoeBlock(cfg)
+        else:
+            self.mixer = NemotronMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        h = self.norm(x)
+        if self.block_type == "linear_attention":
+            return x + self._mamba(h, attn)
+        return x + (self.mixer(h, attn) if self.block_type == "full_attention" else self.mixer(h))
+
+    def _mamba(self, h: torch.Tensor, attn) -> torch.Tensor:
+        out = stepped(self.mixer, h, attn)              # the engine's steps
+        if out is not None:
+            return out
+        if isinstance(attn, PackedAttention):
+            return self.mixer(h, attn.cu_seqlens, attn.max_seqlen)
+        if isinstance(attn, PaddedAttention):
+            return _rows_packed(self.mixer, h, attn)
+        what = ("prefix-grouped rows (actor.use_prefix_grouper)" if isinstance(attn, GroupedAttention)
+                else "Ulysses sequence parallelism" if hasattr(attn, "to_heads") else type(attn).__name__)
+        raise NotImplementedError(f"lathe's Nemotron-H Mamba2 layers run packed or padded batches and the engine's "
+                                  f"steps; {what} is not built for them yet")
+
+
+def _rows_packed(mixer: Mamba2Mixer, h: torch.Tensor, attn: PaddedAttention) -> torch.Tensor:
+    """The mixer over each row of a padded batch h (B, L, hidden): every row from a zero state; with a mask, over the
+    row's real tokens alone, packed (module doc), the padding's outputs zero."""
+    b, length = h.shape[:2]
+    mask = attn.attention_mask
+    if mask is None:
+        return mixer(h.reshape(b * length, -1), attn.row_bounds(b, length, h.device), length).view_as(h)
+    real = mask.reshape(-1).nonzero().squeeze(1)
+    lengths = mask.sum(1)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    out = mixer(h.reshape(b * length, -1).index_select(0, real), cu, int(lengths.max()))
+    return out.new_zeros(b * length, out.shape[-1]).index_copy(0, real, out).view(b, length, -1)
+
+
+def nemotron_parts(cfg: LatheConfig) -> tuple[nn.ModuleList, nn.Module, nn.Module]:
+    """(layers, final norm, `NoRope`) of a Nemotron-H `LatheDecoderModel`."""
+    layers = nn.ModuleList(NemotronBlock(cfg, i) for i in range(cfg.num_hidden_layers))
+    return layers, NemotronRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), NoRope()
+
+
+def init_nemotron_weights(model: nn.Module, std: float = 0.02) -> None:
+    """The initialisation of the Nemotron-H-only parameters (`lathe.models.decoder.init_weights` does the rest):
+    A_log = log(1 .. H), D and the norms at 1, dt_bias at 1, the router and the routed experts normal(0, std), the
+    selection bias 0."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Mamba2Mixer):
+                m.A_log.copy_(torch.arange(1, m.A_log.numel() + 1, dtype=torch.float32).log())
+                m.D.fill_(1.0)
+                m.dt_bias.fill_(1.0)
+                m.norm.weight.fill_(1.0)
+                if m.conv1d.bias is not None:
+                    m.conv1d.bias.zero_()
+            elif isinstance(m, NemotronExperts):
+                m.up_proj.normal_(0.0, std)
+                m.down_proj.normal_(0.0, std)
+            elif isinstance(m, DeepseekRouter):
+                m.weight.normal_(0.0, std)
+                m.e_score_correction_bias.zero_()

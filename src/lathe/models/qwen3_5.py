@@ -36,7 +36,7 @@ from torch import nn
 from lathe.models.attention import GroupedAttention, GroupedLinear, PackedAttention, PaddedAttention
 from lathe.models.config import LatheConfig
 from lathe.models.decoder import MLP, RMSNorm, attend
-from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state
+from lathe.models.linear_attention import causal_conv1d, chunk_gated_delta_rule, conv_state, stepped
 from lathe.models.moe import SparseMoeBlock
 from lathe.models.rope import RotaryEmbedding, apply_rotary
 
@@ -249,12 +249,8 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _linear(self, h: torch.Tensor, attn) -> torch.Tensor:
-        states = getattr(attn, "linear_states", None)
-        if states is not None and states.max_seqlen == 1:     # a decode step: the states advance where they lie
-            return self.linear_attn.step(h, states)
-        if states is not None:      # an inference step: each sequence continues from its own states
-            out, new = self.linear_attn(h, states.cu_seqlens, states.max_seqlen, states.read())
-            states.write(*new)
+        out = stepped(self.linear_attn, h, attn)        # the engine's steps
+        if out is not None:
             return out
         if isinstance(attn, PackedAttention):
             return self.linear_attn(h, attn.cu_seqlens, attn.max_seqlen)

@@ -1,7 +1,7 @@
 """Mamba2's selective state-space scan (Dao and Gu, "Transformers are SSMs", 2024: state-space duality), the token
-mixer of Nemotron-H's Mamba layers. Torch forms, the CPU path and the reference; not yet wired into a model (lathe's
-Nemotron-H layers and the engine's Mamba state are the next steps: on CUDA fla's `chunk_simple_gla` takes the same
-scan with q = C, k = B, v = dt x, g = dt A, scale 1).
+mixer of Nemotron-H's Mamba layers (`lathe.models.nemotron_h`; the engine's states: `lathe.engine.linear_state`).
+Torch forms, which run on every device (not yet: fla's `chunk_simple_gla` on CUDA, which takes the same scan with
+q = C, k = B, v = dt x, g = dt A, scale 1).
 
 Per head h (H heads of P channels, `n_groups` groups of B and C of N features; head h reads group h // (H / G)), a
 state S (P, N) runs over the tokens of one sequence, from zero or a given state:

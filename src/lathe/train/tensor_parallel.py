@@ -110,6 +110,9 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
     if getattr(c, "mla", None) is not None:
         raise ValueError(f"{key}={size}: the latent attention of {c.architecture} (DeepSeek-V3 family) is "
                          f"not cut over a tensor-parallel group yet. Fix: set {key}=1.")
+    if getattr(c, "nemotron", None) is not None:
+        raise ValueError(f"{key}={size}: Nemotron-H's layers ({c.architecture}) are not cut over a tensor-parallel "
+                         f"group yet. Fix: set {key}=1.")
     sparse = [layer.mlp for layer in stack.layers if not hasattr(layer.mlp, "gate_proj")]
     ep_key = f"{key.rpartition('.')[0]}.expert_parallel_size".lstrip(".")
     if sparse and (experts == 1 or experts % size and size % experts):

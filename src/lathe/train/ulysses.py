@@ -119,6 +119,9 @@ def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_con
     if not is_vl(model):        # a VL model's language model splits as a text model does (`hidden_with`)
         require_text_decoder(model, size, key, "run with Ulysses sequence parallelism")
     c = getattr(model.config, "text", model.config)
+    if getattr(c, "nemotron", None) is not None:
+        raise ValueError(f"{key}={size}: Nemotron-H's Mamba2 layers ({c.architecture}) do not run with Ulysses "
+                         f"sequence parallelism yet. Fix: set {key}=1.")
     la = getattr(c, "linear_attention", None)
     if la is not None and (la.num_key_heads // tp) % size:       # (tp divides them: the tensor-parallel check)
         mine = la.num_key_heads // tp

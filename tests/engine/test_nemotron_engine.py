@@ -1,0 +1,91 @@
+"""lathe's engine over Nemotron-H (Mamba2 layers with per-sequence states, attention without RoPE, the MoE with
+non-gated experts): greedy tokens equal transformers' generate with preemption and chunked prefill, and forked
+samples equal samples prefilled apart (the CUDA-graph decode step's work, run on the CPU, against the eager engine's:
+tests/engine/test_hybrid_engine.py)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.nemotron_h")
+
+from lathe.engine.llm_engine import LatheEngine  # noqa: E402
+from lathe.generation import SamplingParams  # noqa: E402
+
+from helpers import assert_close_rel  # noqa: E402
+
+from .conftest import PROMPTS  # noqa: E402
+from .test_llm_engine import MAX, _hf_greedy  # noqa: E402
+
+
+def _saved(tmp_path, **overrides):
+    from models.nemotron_tiny import nemotron_model
+    hf = nemotron_model(seed=6, **overrides)
+    hf.save_pretrained(tmp_path)
+    return tmp_path, hf
+
+
+def test_greedy_equals_transformers_generate_with_preemption_and_chunked_prefill(tmp_path):
+    path, hf = _saved(tmp_path)
+    expected = [tokens for p in PROMPTS for tokens in [_hf_greedy(hf, p, MAX)] * 2]
+    assert len({tuple(t) for t in expected}) > 2, "precondition: prompts give different continuations"
+    engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=10,
+                                         reserve_new_tokens=False, max_num_batched_tokens=3)
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_tokens=MAX))
+    assert out.token_ids == expected
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_cache.num_layers == 1      # one attention layer
+    assert engine.states.shapes[1][0] == 2 and engine.states.shapes[1][2:] == (4, 8, 8)   # 2 Mamba2 layers (H, P, N)
+    assert engine.states.slot == {} and len(engine.states.free) == engine.scheduler.max_num_seqs
+
+
+def test_forked_samples_equal_samples_prefilled_apart(tmp_path):
+    path, _ = _saved(tmp_path, moe_latent_size=12)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=MAX, seed=5)
+    outs = {}
+    for fork in (False, True):
+        engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64,
+                                             max_num_batched_tokens=5)
+        engine.fork_samples = fork
+        outs[fork] = engine.generate(PROMPTS, params)
+        assert engine.states.slot == {} and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert outs[True].token_ids == outs[False].token_ids
+    assert_close_rel(sum(outs[True].logprobs, []), sum(outs[False].logprobs, []), name="log-probs")
+
+
+def test_parallel_engines_and_fp8_are_refused_by_name(tmp_path):
+    path, _ = _saved(tmp_path)
+    with pytest.raises(ValueError, match=r"rollout.quantization.*NemotronHForCausalLM"):
+        LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=8, quantization="fp8")
+    from lathe.engine.tensor_parallel import ShardLayout
+    from lathe.models.config import LatheConfig
+
+    class _TP:
+        rank, size = 0, 2
+    with pytest.raises(ValueError, match="Nemotron-H"):
+        ShardLayout(LatheConfig.from_pretrained(path), _TP(), expert_parallel_size=2)
+
+
+@pytest.mark.gpu
+def test_cuda_engine_and_its_graphs_equal_the_cpu_engine(tmp_path):
+    """On CUDA in float32 the engine's greedy tokens are the CPU engine's (which equal transformers' above); in bf16,
+    where the experts run as grouped matmuls (Hopper) and the decode steps can be captured, decode steps replayed
+    from CUDA graphs give the eager engine's, with preemptions (padding rows on the scratch slot), parting at a
+    near-tie only."""
+    from .test_hybrid_engine import _assert_same_greedy
+    path, _ = _saved(tmp_path)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX)
+    expected = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64).generate(
+        PROMPTS[:3], params)
+    fp32 = LatheEngine.from_pretrained(path, device="cuda", eos_token_id=None, block_size=4, num_kv_blocks=64)
+    out = fp32.generate(PROMPTS[:3], params)
+    assert out.token_ids == expected.token_ids
+    for got, want in zip(out.logprobs, expected.logprobs):
+        assert_close_rel(got, want, rel=1e-3, name="CUDA vs CPU engine log-probs")
+    outs = {}
+    for eager in (True, False):
+        engine = LatheEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, eos_token_id=None,
+                                             block_size=4, num_kv_blocks=14, reserve_new_tokens=False,
+                                             enforce_eager=eager)
+        assert (engine.runner.graphs is None) == eager
+        outs[eager] = engine.generate(PROMPTS[:3], params)
+    assert outs[True].metrics["rollout/num_preemptions"] > 0 and outs[False].metrics["rollout/graph_captures"] > 0
+    _assert_same_greedy(outs[False], outs[True], exact=False)

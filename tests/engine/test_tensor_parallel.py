@@ -264,6 +264,47 @@ def test_a_deepseek_replica_generates_what_one_process_generates(tmp_path):
             assert a == b, f"rank {rank} of 2: {what} tokens differ"
 
 
+def test_a_nemotron_h_replica_generates_what_one_process_generates(tmp_path):
+    """Nemotron-H over 2 gloo ranks (each rank its Mamba2 heads with their groups of B and C, and their states; its
+    attention heads; its rows of the relu^2 MLP and of the shared expert; its half of the routed experts, between
+    whole latent projections in the second model): greedy and sampled, before and after new weights, token for token
+    what one process generates; the slices recombine to the whole weights; 4 ranks, more than the groups, are
+    refused by name."""
+    pytest.importorskip("transformers.models.nemotron_h")
+    from models.nemotron_tiny import nemotron_model
+    paths = []
+    for latent in (None, 12):
+        paths.append(str(tmp_path / f"nemotron{latent}"))
+        nemotron_model(seed=7, moe_latent_size=latent).save_pretrained(paths[-1])
+    whole = load_lathe_model(paths[0], torch.float32)
+    state, m = whole.state_dict(), whole.config.nemotron.mamba
+    parts = [dict(ShardLayout(whole.config, TensorParallel(None, r, 2), 2).local_items(state.items())) for r in (0, 1)]
+    inner, bc = m.inner, m.n_groups * m.state_size
+    sections = {"model.layers.0.mixer.in_proj.weight": [inner, inner, bc, bc, m.num_heads],
+                "model.layers.0.mixer.conv1d.weight": [inner, bc, bc], "model.layers.0.mixer.conv1d.bias": [inner, bc, bc]}
+    for name, sizes in sections.items():          # each section cut in two, the halves side by side per rank
+        halves = [p[name].split([n // 2 for n in sizes]) for p in parts]
+        joined = torch.cat([torch.cat([h[i] for h in halves]) for i in range(len(sizes))])
+        assert torch.equal(joined, state[name]), name
+    for name, dim in (("model.layers.0.mixer.out_proj.weight", 1), ("model.layers.0.mixer.A_log", 0),
+                      ("model.layers.0.mixer.norm.weight", 0), ("model.layers.2.mixer.q_proj.weight", 0),
+                      ("model.layers.2.mixer.o_proj.weight", 1), ("model.layers.3.mixer.up_proj.weight", 0),
+                      ("model.layers.3.mixer.down_proj.weight", 1),
+                      ("model.layers.1.mixer.shared_experts.up_proj.weight", 0),
+                      ("model.layers.1.mixer.shared_experts.down_proj.weight", 1),
+                      ("model.layers.1.mixer.experts.up_proj", 0)):
+        assert torch.equal(torch.cat([p[name] for p in parts], dim), state[name]), name
+    for name in ("model.layers.1.mixer.gate.weight", "model.layers.0.norm.weight"):
+        assert all(torch.equal(p[name], state[name]) for p in parts), name
+    with pytest.raises(ValueError, match=r"Mamba2 layers' groups \(2, n_groups\)"):
+        ShardLayout(whole.config, TensorParallel(None, 0, 4), 4)
+    want = [generations(build_expert_parallel(p, None), p) for p in paths]
+    for rank, got in run_replica(2, paths, make=build_expert_parallel).items():
+        for case, (g, w) in enumerate(zip(got, want)):
+            for what, a, b in zip(("greedy", "sampled", "greedy after new weights"), g, w):
+                assert a == b, f"rank {rank} of 2, {paths[case]}: {what} tokens differ"
+
+
 @pytest.mark.gpu
 def test_hybrid_and_latent_replicas_over_two_gpus_generate_what_one_gpu_generates(hybrid_paths, tmp_path):
     """NCCL, float32: the hybrids (fla's kernels, the decode states in CUDA graphs) and DeepSeek-V3 (the latent cache,

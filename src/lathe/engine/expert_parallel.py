@@ -26,10 +26,12 @@ go in pieces of at most `GATHER_BYTES`. The block's all-reduce over the replica 
 the shared experts' partials), as without data parallelism. Eager only: the counts are read on the host.
 
 Shared experts (Qwen3.5-MoE, Qwen3-Next: `SharedExpertMoeBlock`, gated by the whole `shared_expert_gate`;
-DeepSeek-V3: `DeepseekMoeBlock`) are cut like a dense MLP (columns of gate/up, rows of down:
-`lathe.engine.tensor_parallel`) and their partial is added before the same all-reduce: a whole copy on every rank
-would be counted T times by that sum, and the cut splits its weights and work T ways for no extra collective.
-`ExpertSlice.place` refuses any other block type.
+DeepSeek-V3: `DeepseekMoeBlock`; Nemotron-H: `NemotronMoeBlock`) are cut like a dense MLP (columns of gate/up, rows
+of down: `lathe.engine.tensor_parallel`) and their partial is added before the same all-reduce: a whole copy on every
+rank would be counted T times by that sum, and the cut splits its weights and work T ways for no extra collective.
+Nemotron-H's latent projections are whole: every rank projects each token down itself, its experts' partial sum is
+projected back up (a linear map without bias, so the all-reduce after it sums the same thing). `ExpertSlice.place`
+refuses any other block type.
 
 The local experts run with the model's own code (`Experts.forward` / `GptOssExperts.forward`: grouped matmul or
 loop) over rows sorted by expert, as in one process; `LocalExperts.forward` picks the rows:
@@ -59,7 +61,9 @@ from lathe.models.moe import EXPERT_NAME, SparseMoeBlock, sparse_blocks
 TensorParallel = Any      # lathe.engine.tensor_parallel's (which imports this module)
 
 # the stacked experts' tensors (Qwen3-MoE: gate_up_proj, down_proj; GPT-OSS also their biases), expert dim first
-FUSED = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
+# (Nemotron-H's non-gated ones: mixer.experts.up_proj, down_proj)
+FUSED = re.compile(r"^model\.(?:language_model\.)?layers\.\d+\.(?:mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?"
+                   r"|mixer\.experts\.(?:up_proj|down_proj))$")
 KEY = "rollout.expert_parallel_size"
 GATHER_BYTES = 256 << 20     # data-parallel attention: the most one piece of gathered rows takes (`_across_replicas`)
 # set while a decode graph is warmed up and captured (`lathe.engine.cuda_graph.DecodeGraphs`): data-parallel
@@ -129,10 +133,11 @@ class ExpertSlice:
         engine runs data-parallel attention, whose rows the experts gather (module doc)."""
         from lathe.models.deepseek import DeepseekMoeBlock
         from lathe.models.gpt_oss import GptOssMoeBlock
+        from lathe.models.nemotron_h import NemotronMoeBlock
         from lathe.models.qwen3_5 import SharedExpertMoeBlock     # (shared experts cut as a dense MLP's columns)
         blocks = sparse_blocks(model)
-        odd = sorted({type(b).__name__ for b in blocks
-                      if type(b) not in (SparseMoeBlock, GptOssMoeBlock, SharedExpertMoeBlock, DeepseekMoeBlock)})
+        known = (SparseMoeBlock, GptOssMoeBlock, SharedExpertMoeBlock, DeepseekMoeBlock, NemotronMoeBlock)
+        odd = sorted({type(b).__name__ for b in blocks if type(b) not in known})
         if odd:
             raise NotImplementedError(f"rollout.tensor_model_parallel_size={tp.size}: the MoE layers {odd} of "
                                       f"{model.config.architecture} are not placed over tensor-parallel engine "

@@ -18,6 +18,11 @@ Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053), as vLLM's engine r
 - the hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): each rank holds key heads [r Hk/T, (r+1) Hk/T) of every
   linear-attention layer with their value heads, and so their recurrent and convolution states; `out_proj` is
   row-parallel; the gated attention's q_proj rows hold each head's query and output gate together (`_LinearSlices`);
+- Nemotron-H (`lathe.models.nemotron_h`): its attention layers (`mixer.q_proj` ...) and relu^2 MLPs (`mixer.up_proj`,
+  `mixer.down_proj`) are cut as above, its shared expert like a dense MLP; each rank holds heads [r H/T, (r+1) H/T)
+  of every Mamba2 layer with their groups of B and C (T must divide the groups, so that each of the gated norm's
+  groups lies on one rank), and so their convolution and scan states; `out_proj` is row-parallel (`_NemotronSlices`);
+  the MoE's router and latent projections are whole, its experts placed as below;
 - a mixture-of-experts layer runs expert-parallel (`rollout.expert_parallel_size` = the replica's size): each rank
   holds `num_experts / tp` whole experts and the whole router, and the block's partial output is summed by one
   all-reduce, like a row-parallel down_proj's (`lathe.engine.expert_parallel`, which says why no all-to-all is
@@ -173,14 +178,18 @@ def replica_groups(size: int) -> TensorParallel:
 # ---- which slice of each tensor a rank holds ----------------------------------------------------------------------
 
 _LAYER = r"model\.(?:language_model\.)?layers\.\d+\."     # a decoder layer's names (a VL model's language model's)
-_NAME = re.compile(rf"^(?:{_LAYER}(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)"
-                   r"|(?P<head>lm_head))\.(?P<part>weight|bias)$")
+# (Nemotron-H's attention and dense MLP: `mixer.q_proj` ..., `mixer.up_proj`, `mixer.down_proj`)
+_NAME = re.compile(rf"^(?:{_LAYER}(?:(?:self_attn|mixer)\.(?P<attn>[qkvo])_proj"
+                   r"|(?:mlp|mixer)\.(?P<mlp>gate|up|down)_proj)|(?P<head>lm_head))\.(?P<part>weight|bias)$")
 _SINKS = re.compile(rf"^{_LAYER}self_attn\.sinks$")       # GPT-OSS: one logit per query head
 # the hybrid families' linear-attention layers (`lathe.models.qwen3_5.GatedDeltaNet`)
 _LINEAR = re.compile(rf"^{_LAYER}linear_attn\.(?P<what>in_proj_qkvz|in_proj_qkv|in_proj_z|in_proj_ba|"
                      r"in_proj_b|in_proj_a|conv1d|out_proj|dt_bias|A_log|norm)(?:\.weight)?$")
 # a shared expert (Qwen3.5-MoE / Qwen3-Next: shared_expert; DeepSeek-V3: shared_experts), cut like a dense MLP
-_SHARED = re.compile(rf"^{_LAYER}mlp\.shared_experts?\.(?P<proj>gate|up|down)_proj\.weight$")
+_SHARED = re.compile(rf"^{_LAYER}(?:mlp|mixer)\.shared_experts?\.(?P<proj>gate|up|down)_proj\.weight$")
+# Nemotron-H's Mamba2 layers (`lathe.models.nemotron_h.Mamba2Mixer`)
+_MAMBA = re.compile(rf"^{_LAYER}mixer\.(?P<what>in_proj|conv1d|dt_bias|A_log|D|norm|out_proj)"
+                    r"(?:\.(?P<part>weight|bias))?$")
 # DeepSeek-V3's latent attention: the per-head up-projections of the query and of the latent (`q_proj` without a
 # query low rank is `_NAME`'s); the low-rank down-projections and their norms are whole
 _MLA = re.compile(rf"^{_LAYER}self_attn\.(?P<proj>q_b|kv_b)_proj\.weight$")
@@ -205,12 +214,17 @@ class ShardLayout:
         self.dp = dp if dp is not None and dp.size > 1 else None
         dp_rank, dp_size = (self.dp.rank, self.dp.size) if self.dp is not None else (0, 1)
         check_sizes(cfg, size, expert_parallel_size, dp_size)
-        if cfg.nemotron is not None and (size > 1 or dp_size > 1):
-            raise ValueError(f"rollout.tensor_model_parallel_size={size}, rollout.data_parallel_size={dp_size}: "
-                             f"lathe's engine does not cut Nemotron-H's layers ({cfg.architecture}) over ranks yet. "
-                             "Fix: set both to 1 (one engine per GPU)")
+        nemotron = cfg.nemotron
+        if nemotron is not None and dp_size > 1:
+            raise ValueError(f"rollout.data_parallel_size={dp_size}: data-parallel attention engines for Nemotron-H "
+                             f"({cfg.architecture}) are not built yet. Fix: set rollout.data_parallel_size=1 "
+                             "(tensor-parallel replicas run it)")
+        if nemotron is not None and size > 1 and cfg.mlp_bias:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: Nemotron-H with mlp_bias=true: the biases of "
+                             "its latent projections and shared expert would be summed once per rank. Fix: set it to 1")
         heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
-        dense = any(not cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))   # layers with a dense MLP
+        dense = (any(not cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)) if nemotron is None
+                 else "mlp" in nemotron.block_types)                   # layers with a dense MLP
         problems = [f"{what} ({n}) are not divisible by it" for what, n in (
             ("the attention heads", heads), ("the MLP's intermediate features", inter if dense else 0)) if n % size]
         if kv % size and size % kv:
@@ -227,6 +241,7 @@ class ShardLayout:
         # q_proj's rows: each head's query, and in the hybrid families' gated attention its output gate beside it
         self.q_rows = self.q if la is None else (2 * self.q[0], 2 * self.q[1])
         self.linear = _LinearSlices(la, rank, size) if la is not None else None
+        self.mamba = _NemotronSlices(nemotron.mamba, rank, size) if nemotron is not None else None
         self.mla = None
         if mla is not None:      # latent attention: per head a query of qk_head_dim, k_nope + v from the latent
             first, n = self.heads
@@ -236,6 +251,7 @@ class ShardLayout:
             self.mla = {"q_b": self.q_rows, "kv_b": (first * per, n * per)}
         # a shared expert's intermediate features (Qwen3.5-MoE / Qwen3-Next, DeepSeek-V3, GLM-4.5), cut as a dense MLP's
         shared = (la.shared_expert_intermediate_size if la is not None else
+                  nemotron.shared_expert_intermediate_size if nemotron is not None and cfg.moe is not None else
                   cfg.moe.n_shared_experts * cfg.moe.moe_intermediate_size if cfg.moe is not None else 0)
         if shared % size:
             raise ValueError(f"rollout.tensor_model_parallel_size={size}: the shared experts' intermediate features "
@@ -252,7 +268,10 @@ class ShardLayout:
                                     intermediate_size=self.inter[1], tie_word_embeddings=False,
                                     num_mtp_layers=0,      # MiMo's MTP layers: training only, left out of replicas
                                     linear_attention=None if la is None else replace(
-                                        self.linear.local_config, shared_expert_intermediate_size=shared // size))
+                                        self.linear.local_config, shared_expert_intermediate_size=shared // size),
+                                    nemotron=None if nemotron is None else replace(
+                                        nemotron, mamba=self.mamba.local_config,
+                                        shared_expert_intermediate_size=shared // size))
 
     def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the whole tensor `name` (a view; the LM head's last slice padded with zero rows)."""
@@ -261,8 +280,8 @@ class ShardLayout:
             shared = _SHARED.match(name) if self.shared is not None else None
             if shared is not None:
                 return tensor.narrow(1 if shared["proj"] == "down" else 0, *self.shared)
-            if self.linear is not None:
-                cut = self.linear.local(name, tensor)
+            for slices in (self.linear, self.mamba):
+                cut = slices.local(name, tensor) if slices is not None else None
                 if cut is not None:
                     return cut
             mla = _MLA.match(name) if self.mla is not None else None
@@ -350,6 +369,53 @@ class _LinearSlices:
         return tensor                                           # norm: over one value head's features
 
 
+class _NemotronSlices:
+    """A rank's share of Nemotron-H's Mamba2 layers: heads [r H/T, (r+1) H/T) with their groups of B and C
+    [r G/T, (r+1) G/T) (the convolution is per channel and the scan per head, each head reading its group's B and C;
+    the gated norm normalises over one group's H P / G channels, so T must divide the groups).
+
+    - `in_proj`'s rows: the rank's heads' z and x channels, its groups' B and C, its heads' dt; the convolution's
+      channels (weight and bias): its x, B and C channels; `dt_bias`, `A_log`, `D`: its heads; the norm's weight: its
+      channels;
+    - `out_proj` is row-parallel (its columns: the rank's channels), summed over the replica."""
+
+    def __init__(self, mamba, rank: int, size: int):
+        h, g = mamba.num_heads, mamba.n_groups
+        if g % size:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size}: the Mamba2 layers' groups ({g}, n_groups) "
+                             f"are not divisible by it (each group's gated norm must lie on one rank). Fix: choose a "
+                             f"size that divides {g}")
+        self.m = mamba
+        self.heads = (rank * h // size, h // size)
+        self.groups = (rank * g // size, g // size)
+        self.local_config = replace(mamba, num_heads=h // size, n_groups=g // size)
+
+    def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """This rank's slice of a Mamba2 tensor; None for any other."""
+        m = _MAMBA.match(name)
+        if m is None:
+            return None
+        what, p, n = m["what"], self.m.head_dim, self.m.state_size
+        (h0, hn), (g0, gn) = self.heads, self.groups
+        inner, bc = self.m.inner, self.m.n_groups * n
+        channels = (h0 * p, hn * p)
+
+        def x_b_c(start: int) -> list[torch.Tensor]:        # the x, B and C sections from row `start` on
+            return [tensor.narrow(0, start + channels[0], channels[1]),
+                    tensor.narrow(0, start + inner + g0 * n, gn * n),
+                    tensor.narrow(0, start + inner + bc + g0 * n, gn * n)]
+        if what == "in_proj":                                   # [z | x | B | C | dt]
+            return torch.cat([tensor.narrow(0, *channels), *x_b_c(inner),
+                              tensor.narrow(0, 2 * inner + 2 * bc + h0, hn)])
+        if what == "conv1d":                                    # [x | B | C]
+            return torch.cat(x_b_c(0))
+        if what in ("dt_bias", "A_log", "D"):
+            return tensor.narrow(0, h0, hn)
+        if what == "norm":
+            return tensor.narrow(0, *channels)
+        return tensor if m["part"] == "bias" else tensor.narrow(1, *channels)      # out_proj: row-parallel
+
+
 # ---- the sharded modules -------------------------------------------------------------------------------------------
 
 
@@ -385,7 +451,7 @@ def check_replica(model, size: int, expert_parallel_size: int = 1, data_parallel
         raise NotImplementedError(
             f"rollout.tensor_model_parallel_size={size}: tensor-parallel engine replicas run lathe's text decoder "
             f"(Llama, Mistral, Seed-OSS, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, "
-            f"DeepSeek-V3, GLM-4.5) and its VL "
+            f"DeepSeek-V3, GLM-4.5, Nemotron-H) and its VL "
             f"models; this model is {type(model).__name__}. Fix: set it to 1")
     if is_vl(model) and data_parallel_size > 1:
         raise NotImplementedError(
@@ -418,11 +484,15 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
         out = (type(model)(replace(model.config, text=cfg, tie_word_embeddings=False)) if vl else
                LatheCausalLM(cfg))
         for layer in (out.model.language_model if vl else out.model).layers:
-            if layout.shared is not None and hasattr(layer.mlp, "shared_experts"):    # DeepSeek-V3: its share
+            if layout.shared is not None and hasattr(getattr(layer, "mlp", None), "shared_experts"):  # DeepSeek-V3
                 layer.mlp.shared_experts = MLP(replace(cfg, intermediate_size=layout.shared[1], mlp_bias=False))
             linear = getattr(layer, "linear", False)              # a hybrid family's linear-attention layer
-            row_parallel = [layer.linear_attn.out_proj if linear else layer.self_attn.o_proj]
-            if not isinstance(layer.mlp, SparseMoeBlock):         # sparse blocks: `ExpertSlice.place` below
+            if hasattr(layer, "block_type"):                      # Nemotron-H: one mixer (its MoE's: as below)
+                row = {"linear_attention": "out_proj", "full_attention": "o_proj", "mlp": "down_proj"}
+                row_parallel = [getattr(layer.mixer, row[layer.block_type])] if layer.block_type in row else []
+            else:
+                row_parallel = [layer.linear_attn.out_proj if linear else layer.self_attn.o_proj]
+            if hasattr(layer, "mlp") and not isinstance(layer.mlp, SparseMoeBlock):   # sparse: `ExpertSlice.place`
                 row_parallel.append(layer.mlp.down_proj)
             for linear in row_parallel if tp.size > 1 else ():
                 linear.__class__ = RowParallelLinear

@@ -1,6 +1,7 @@
 """GRPO steps on a tiny Nemotron-H checkpoint (Mamba2, attention without RoPE, relu^2 MLP and MoE layers): lathe's
-decoder trains, lathe's engine generates (its Mamba2 states beside the paged KV cache), the sampling log-probs equal
-the trainer's, and the checkpoint saved is the Hub's layout, which transformers reads back."""
+decoder trains (the reference and the update prefix-grouped: each prompt's layers once), lathe's engine generates
+(its Mamba2 states beside the paged KV cache), the sampling log-probs equal the trainer's, and the checkpoint saved is
+the Hub's layout, which transformers reads back."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_grpo_steps_on_a_nemotron_h_checkpoint(tmp_path):
     tok.save_pretrained(tmp_path / "model")
     trainer = run(tmp_path, f"actor_rollout_ref.model.path={tmp_path / 'model'}",
                   "actor_rollout_ref.model.warm_start.steps=0", "trainer.total_training_steps=2",
-                  "trainer.test_freq=-1", "trainer.val_before_train=false", "actor_rollout_ref.actor.use_kl_loss=true")
+                  "trainer.test_freq=-1", "trainer.val_before_train=false", "actor_rollout_ref.actor.use_kl_loss=true",
+                  "actor_rollout_ref.actor.use_prefix_grouper=true")
     actor = trainer.worker.model
     assert isinstance(actor, LatheCausalLM) and actor.config.nemotron is not None
     assert isinstance(trainer.worker.rollout.backend, LatheEngine)

@@ -142,8 +142,10 @@ def test_unbuilt_layouts_are_refused_by_name():
     from lathe.models.attention import GroupedAttention
     lathe = lathe_from_transformers(nemotron_model())
     h = torch.zeros(5, 32)
-    with pytest.raises(NotImplementedError, match="prefix-grouped"):
-        lathe.model.layers[0]._mamba(h, GroupedAttention.__new__(GroupedAttention))
+    grouped = GroupedAttention.__new__(GroupedAttention)
+    grouped.linear = None
+    with pytest.raises(NotImplementedError, match="GroupedAttention without its GroupedLinear layout"):
+        lathe.model.layers[0]._mamba(h, grouped)
 
 
 @pytest.mark.parametrize("latent", [None, 12])

@@ -148,20 +148,27 @@ def _hybrid(family):
 
     from lathe.models.hf import lathe_from_transformers
     from models.lathe_tiny import hybrid_config
+    if family == "nemotron_h":      # Mamba2, MoE, attention, MLP, Mamba2, MoE layers
+        from models.nemotron_tiny import nemotron_model
+        return lathe_from_transformers(nemotron_model(vocab_size=VOCAB))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return lathe_from_transformers(AutoModelForCausalLM.from_config(hybrid_config(family, vocab_size=VOCAB)))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"])
 @pytest.mark.parametrize("chunk", [32, 2])
 def test_grouped_linear_attention_equals_the_per_row_forward(monkeypatch, family, chunk):
-    """Qwen3.5's linear-attention layers in the grouped stream: each prompt runs once from a zero state and each
-    response continues from its prompt's final recurrent state, its convolution behind the prompt's last K-1 inputs
-    (a 2-token prompt here is shorter than that). The per-row forward's log-probs and gradients, gradients flowing
-    back into the prompt through the shared state; `chunk` 2 runs the delta rule's chunked form over many chunks."""
-    from lathe.models import linear_attention
+    """Qwen3.5's linear-attention layers (Nemotron-H's Mamba2 ones) in the grouped stream: each prompt runs once from
+    a zero state and each response continues from its prompt's final recurrent (scan) state, its convolution behind
+    the prompt's last K-1 inputs (a 2-token prompt here is shorter than that). The per-row forward's log-probs and
+    gradients, gradients flowing back into the prompt through the shared state; `chunk` 2 runs the delta rule's (the
+    scan's) chunked form over many chunks."""
+    import functools
+
+    from lathe.models import linear_attention, nemotron_h, ssd
     monkeypatch.setattr(linear_attention, "CPU_CHUNK", chunk)
+    monkeypatch.setattr(nemotron_h, "chunk_scan", functools.partial(ssd.chunk_scan, chunk_size=chunk))
     batch = _grouped_batch(n=3)
     out = _grouped_against_per_row(lambda: _hybrid(family), batch)
     mask = batch["response_mask"].bool()

@@ -23,9 +23,10 @@ per expert (`lathe.models.io.HUB_NAMES`, `lathe.models.moe.fuse_expert_weights`)
 The Mamba2 layers see each packed sequence from a zero state. A padded batch runs them on its rows' real tokens packed
 (transformers zeroes the padding instead, the same for left or right padding). An attention callable that carries
 `linear_states` (the engine's step, `lathe.engine.linear_state`) has each sequence continue from its own states; a
-step of one token per sequence hands them to `Mamba2Mixer.step`. Not built yet: prefix grouping, Ulysses and tensor
-or expert parallelism over these layers (refused by name), and fla's kernels for the scan on CUDA (the torch scan runs
-there).
+step of one token per sequence hands them to `Mamba2Mixer.step`. Prefix grouping (`actor.use_prefix_grouper`) runs
+each prompt once and each response from its prompt's final states (`Mamba2Mixer.grouped`). Not built yet: Ulysses and
+tensor parallelism in training over these layers (refused by name), and fla's kernels for the scan on CUDA (the torch
+scan runs there).
 """
 
 from __future__ import annotations
@@ -83,15 +84,42 @@ class Mamba2Mixer(nn.Module):
         cfg = self.cfg
         z, xbc, dt = self.in_proj(x).split([cfg.inner, cfg.conv_dim, cfg.num_heads], dim=-1)
         conv = None if state is None else conv_state(xbc, cu_seqlens, cfg.conv_kernel, state[0])
-        xbc = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state[0],
-                            bias=self.conv1d.bias)
-        xs, B, C = xbc.split([cfg.inner, cfg.n_groups * cfg.state_size, cfg.n_groups * cfg.state_size], dim=-1)
-        y, final = chunk_scan(xs.unflatten(-1, (cfg.num_heads, cfg.head_dim)), self.step_sizes(dt),
-                              -self.A_log.float().exp(), B.unflatten(-1, (cfg.n_groups, cfg.state_size)),
-                              C.unflatten(-1, (cfg.n_groups, cfg.state_size)), cu_seqlens, max_seqlen, D=self.D,
-                              initial_state=None if state is None else state[1])
+        xbc = self._conv(xbc, cu_seqlens, None if state is None else state[0])
+        y, final = self._scan(xbc, self.step_sizes(dt), cu_seqlens, max_seqlen,
+                              None if state is None else state[1])
         out = self.out_proj(self.norm(y.flatten(-2), z))
         return out if state is None else (out, (conv, final))
+
+    def grouped(self, x: torch.Tensor, lin) -> torch.Tensor:
+        """The prefix-grouped stream x (T, hidden) (`lathe.train.prefix_group`, its `GroupedLinear` layout `lin`):
+        the prompts from a zero state, then each response from its prompt's final scan state, its convolution behind
+        a copy of the prompt's last K-1 inputs (whose outputs are dropped), as `GatedDeltaNet.grouped` runs them. Each
+        response token gets the inputs and state it has in its own row."""
+        cfg = self.cfg
+        z, xbc, dt = self.in_proj(x).split([cfg.inner, cfg.conv_dim, cfg.num_heads], dim=-1)
+        dt, tp = self.step_sizes(dt), lin.prompt_tokens       # the prompts lead the stream, the responses follow
+        if tp == x.shape[0]:                                  # no response token in the micro-batch
+            y, _ = self._scan(self._conv(xbc, lin.cu_prompt), dt, lin.cu_prompt, lin.max_prompt)
+            return self.out_proj(self.norm(y.flatten(-2), z))
+        conv = self._conv(torch.cat([xbc[:tp], xbc.index_select(0, lin.extended)]), lin.cu_conv)
+        y_prompt, final = self._scan(conv[:tp], dt[:tp], lin.cu_prompt, lin.max_prompt)
+        y_response, _ = self._scan(conv[tp:].index_select(0, lin.kept), dt[tp:], lin.cu_response, lin.max_response,
+                                   final.index_select(0, lin.group))
+        return self.out_proj(self.norm(torch.cat([y_prompt, y_response]).flatten(-2), z))
+
+    def _conv(self, xbc: torch.Tensor, cu_seqlens: torch.Tensor, initial: torch.Tensor | None = None):
+        """silu(the depthwise causal convolution, with its bias) of xBC over the packed sequences."""
+        return causal_conv1d(xbc, self.conv1d.weight.squeeze(1), cu_seqlens, initial, bias=self.conv1d.bias)
+
+    def _scan(self, xbc: torch.Tensor, dt: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+              initial_state: torch.Tensor | None = None):
+        """(y (T, H, P), final states (S, H, P, N)) of the convolved xBC's scan with steps dt."""
+        cfg = self.cfg
+        xs, B, C = xbc.split([cfg.inner, cfg.n_groups * cfg.state_size, cfg.n_groups * cfg.state_size], dim=-1)
+        return chunk_scan(xs.unflatten(-1, (cfg.num_heads, cfg.head_dim)), dt, -self.A_log.float().exp(),
+                          B.unflatten(-1, (cfg.n_groups, cfg.state_size)),
+                          C.unflatten(-1, (cfg.n_groups, cfg.state_size)), cu_seqlens, max_seqlen, D=self.D,
+                          initial_state=initial_state)
 
     def step(self, x: torch.Tensor, states) -> torch.Tensor:
         """One new token per sequence, x (S, hidden), each continuing from its own states, which `states` (the
@@ -236,7 +264,9 @@ class NemotronBlock(nn.Module):
             return self.mixer(h, attn.cu_seqlens, attn.max_seqlen)
         if isinstance(attn, PaddedAttention):
             return _rows_packed(self.mixer, h, attn)
-        what = ("prefix-grouped rows (actor.use_prefix_grouper)" if isinstance(attn, GroupedAttention)
+        if isinstance(attn, GroupedAttention) and attn.linear is not None:      # actor.use_prefix_grouper
+            return self.mixer.grouped(h, attn.linear)
+        what = ("a GroupedAttention without its GroupedLinear layout" if isinstance(attn, GroupedAttention)
                 else "Ulysses sequence parallelism" if hasattr(attn, "to_heads") else type(attn).__name__)
         raise NotImplementedError(f"lathe's Nemotron-H Mamba2 layers run packed or padded batches and the engine's "
                                   f"steps; {what} is not built for them yet")

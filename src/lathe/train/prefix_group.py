@@ -191,7 +191,9 @@ def grouped_hidden(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden (N, H), flat (N,)): the final hidden states predicting the N real response tokens, from one
     prefix-grouped forward of lathe's decoder (`LatheCausalLM.hidden_grouped`), and those tokens' positions in the
     flattened (B * R) responses (`GroupedLayout.flat`)."""
-    linear = model.config.linear_attention
-    layout = grouped_layout(batch, None if linear is None else linear.conv_kernel)
+    cfg = model.config
+    kernel = (cfg.linear_attention.conv_kernel if cfg.linear_attention is not None else
+              cfg.nemotron.mamba.conv_kernel if cfg.nemotron is not None else None)
+    layout = grouped_layout(batch, kernel)
     hidden = model.hidden_grouped(layout.input_ids, layout.position_ids, layout.attention(model.packed_backend()))
     return hidden[layout.source], layout.flat

@@ -62,9 +62,6 @@ class Actor:
             raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true needs lathe's text decoder (Llama, "
                              f"Qwen2, Qwen3, Qwen3.5, GPT-OSS ...), but the actor runs {architecture(self.model)}. "
                              "Fix: set use_prefix_grouper=false (or model.impl=lathe for those architectures).")
-        if arr.actor.use_prefix_grouper and getattr(self.model.config, "nemotron", None) is not None:
-            raise ValueError("actor_rollout_ref.actor.use_prefix_grouper=true: lathe's Nemotron-H Mamba2 layers do "
-                             "not run prefix-grouped rows yet. Fix: set use_prefix_grouper=false.")
         if arr.actor.router_replay.mode != "disabled":
             check_replay_model(self.model, arr.actor.router_replay.mode)
         self.mtp = mtp_training(arr.model.mtp, self.model, f"{architecture(self.model)} ({arr.model.path})")

@@ -20,7 +20,8 @@ from lathe.train.ulysses import check_model, local_slice, padded_length
 from models.lathe_tiny import VOCAB, hf_model
 
 S, JOIN_S = 2, 120
-FAMILIES = ("qwen3_5_text", "qwen3_next", "gpt_oss")   # split projections; fused ones with MoE layers; sinks
+# split projections; fused ones with MoE layers; sinks; Mamba2 (split by groups), attention without RoPE, MoE
+FAMILIES = ("qwen3_5_text", "qwen3_next", "gpt_oss", "nemotron_h")
 LENGTHS = [5, 1, 9, 4]                         # 19 tokens: padded to 20 over 2 ranks
 KEY = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
 
@@ -79,7 +80,9 @@ def family_runs(root: Path, families, one_process, rank_main, world: int, preloa
     """(one-process results, each rank's) by family: each family's tiny float64 model saved in `root`/models.pt, run
     by `one_process` here and by `rank_main` (a `gloo_rank` body that saves its results) on `world` ranks."""
     from models.gpt_oss_tiny import gpt_oss_model
-    models = {f: lathe_from_transformers(gpt_oss_model(seed=3) if f == "gpt_oss" else hf_model(f, seed=3))
+    from models.nemotron_tiny import nemotron_model
+    special = {"gpt_oss": gpt_oss_model, "nemotron_h": nemotron_model}
+    models = {f: lathe_from_transformers(special[f](seed=3) if f in special else hf_model(f, seed=3))
               .double().train() for f in families}
     torch.save(models, root / "models.pt")
     want = {f: one_process(m) for f, m in models.items()}
@@ -106,6 +109,10 @@ def test_two_ranks_equal_one_process(runs, family):
         for layer in (0, 1):
             assert want["grads"][f"model.layers.{layer}.self_attn.sinks"].abs().min() > 0
         return
+    if family == "nemotron_h":       # (each rank its groups' heads: every head's and channel's gradient is reached)
+        for name in ("A_log", "D", "dt_bias", "conv1d.weight", "conv1d.bias", "norm.weight", "in_proj.weight"):
+            assert want["grads"][f"model.layers.0.mixer.{name}"].abs().min() > 0, name
+        return
     for name in ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "in_proj_qkv.weight" if family == "qwen3_5_text"
                  else "in_proj_qkvz.weight"):
         assert want["grads"][f"model.layers.0.linear_attn.{name}"].abs().sum() > 0
@@ -117,4 +124,14 @@ def test_linear_key_heads_must_split_over_the_group():
     check_model(model, 2, KEY)
     with pytest.raises(ValueError, match=rf"{KEY}=4: Qwen3_5ForCausalLM's linear-attention layers have 2 key heads "
                                          rf"\(4 value heads\).* Fix: set {KEY} to 1 or 2"):
+        check_model(model, 4, KEY)
+
+
+def test_mamba2_groups_must_split_over_the_group():
+    """The tiny Nemotron-H: 2 groups of 2 Mamba2 heads (and 4 query / 2 key-value heads)."""
+    from models.nemotron_tiny import nemotron_model
+    model = lathe_from_transformers(nemotron_model())
+    check_model(model, 2, KEY)
+    with pytest.raises(ValueError, match=rf"{KEY}=4: NemotronHForCausalLM's Mamba2 layers have 2 groups .* Fix: set "
+                                         rf"{KEY} to 1 or 2"):
         check_model(model, 4, KEY)

@@ -24,9 +24,10 @@ The Mamba2 layers see each packed sequence from a zero state. A padded batch run
 (transformers zeroes the padding instead, the same for left or right padding). An attention callable that carries
 `linear_states` (the engine's step, `lathe.engine.linear_state`) has each sequence continue from its own states; a
 step of one token per sequence hands them to `Mamba2Mixer.step`. Prefix grouping (`actor.use_prefix_grouper`) runs
-each prompt once and each response from its prompt's final states (`Mamba2Mixer.grouped`). Not built yet: Ulysses and
-tensor parallelism in training over these layers (refused by name), and fla's kernels for the scan on CUDA (the torch
-scan runs there).
+each prompt once and each response from its prompt's final states (`Mamba2Mixer.grouped`); Ulysses sequence
+parallelism splits the Mamba2 layers by groups with their heads (`Mamba2Mixer.head_parallel`). Not built yet: tensor
+parallelism in training over these layers (refused by name), and fla's kernels for the scan on CUDA (the torch scan
+runs there).
 """
 
 from __future__ import annotations
@@ -107,6 +108,35 @@ class Mamba2Mixer(nn.Module):
                                    final.index_select(0, lin.group))
         return self.out_proj(self.norm(torch.cat([y_prompt, y_response]).flatten(-2), z))
 
+    def head_parallel(self, x: torch.Tensor, split) -> torch.Tensor:
+        """Ulysses: this rank's slice x (T/S, hidden) of a packed stream whose every sequence starts from a zero
+        state. `split` (`lathe.train.ulysses.UlyssesAttention`) exchanges (T/S tokens, G groups, ...) for (T tokens,
+        G/S groups, ...) and back (`to_heads`, `to_tokens`); its `inner` holds the whole padded stream's bounds. Each
+        group's B and C travel with its heads' x and dt (one all-to-all), so rank s runs the convolution and the scan
+        over every token for groups [s G/S, (s+1) G/S) and their heads, with those channels' convolution weights and
+        bias and those heads' dt_bias, A_log and D. The outputs return to the token slice, where the gated norm (per
+        token and group) meets z, which never leaves the rank."""
+        cfg, n, size, rank = self.cfg, x.shape[0], split.sp.size, split.sp.rank
+        g, per, p, s = cfg.n_groups, cfg.num_heads // cfg.n_groups, cfg.head_dim, cfg.state_size
+        z, xbc, dt = self.in_proj(x).split([cfg.inner, cfg.conv_dim, cfg.num_heads], dim=-1)
+        xs, B, C = xbc.split([cfg.inner, g * s, g * s], dim=-1)
+        grouped = torch.cat([xs.view(n, g, per * p), B.view(n, g, s), C.view(n, g, s), dt.view(n, g, per)], dim=-1)
+        xs, B, C, dt = split.to_heads(grouped).split([per * p, s, s, per], dim=-1)        # (T, G/S, ...)
+        mine = g // size
+        heads, groups = slice(rank * mine * per, (rank + 1) * mine * per), slice(rank * mine * s, (rank + 1) * mine * s)
+
+        def channels(t: torch.Tensor) -> torch.Tensor:          # the rank's x, B and C channels of a conv tensor
+            return torch.cat([t[heads.start * p:heads.stop * p], t[cfg.inner:][groups], t[cfg.inner + g * s:][groups]])
+        bias = None if self.conv1d.bias is None else channels(self.conv1d.bias)
+        cu, longest = split.inner.cu_seqlens, split.inner.max_seqlen
+        mixed = causal_conv1d(torch.cat([xs.flatten(-2), B.flatten(-2), C.flatten(-2)], dim=-1),
+                              channels(self.conv1d.weight.squeeze(1)), cu, bias=bias)
+        xs, B, C = mixed.split([mine * per * p, mine * s, mine * s], dim=-1)
+        y, _ = chunk_scan(xs.unflatten(-1, (mine * per, p)), self.step_sizes(dt.flatten(-2), heads),
+                          -self.A_log[heads].float().exp(), B.unflatten(-1, (mine, s)), C.unflatten(-1, (mine, s)),
+                          cu, longest, D=self.D[heads])
+        return self.out_proj(self.norm(split.to_tokens(y).flatten(-2), z))
+
     def _conv(self, xbc: torch.Tensor, cu_seqlens: torch.Tensor, initial: torch.Tensor | None = None):
         """silu(the depthwise causal convolution, with its bias) of xBC over the packed sequences."""
         return causal_conv1d(xbc, self.conv1d.weight.squeeze(1), cu_seqlens, initial, bias=self.conv1d.bias)
@@ -133,10 +163,11 @@ class Mamba2Mixer(nn.Module):
                              C.unflatten(-1, (cfg.n_groups, cfg.state_size)), self.D)
         return self.out_proj(self.norm(y.flatten(-2), z))
 
-    def step_sizes(self, dt: torch.Tensor) -> torch.Tensor:
-        """clamp(softplus(dt + dt_bias), time_step_limit) in float32."""
+    def step_sizes(self, dt: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
+        """clamp(softplus(dt + dt_bias), time_step_limit) in float32 (dt of the `heads` only: a rank's under
+        Ulysses)."""
         low, high = self.cfg.time_step_limit
-        return nn.functional.softplus(dt.float() + self.dt_bias.float()).clamp(min=low, max=high)
+        return nn.functional.softplus(dt.float() + self.dt_bias[heads].float()).clamp(min=low, max=high)
 
 
 class NemotronRMSNorm(RMSNorm):
@@ -266,6 +297,8 @@ class NemotronBlock(nn.Module):
             return _rows_packed(self.mixer, h, attn)
         if isinstance(attn, GroupedAttention) and attn.linear is not None:      # actor.use_prefix_grouper
             return self.mixer.grouped(h, attn.linear)
+        if hasattr(attn, "to_heads") and isinstance(attn.inner, PackedAttention):    # Ulysses
+            return self.mixer.head_parallel(h, attn)
         what = ("a GroupedAttention without its GroupedLinear layout" if isinstance(attn, GroupedAttention)
                 else "Ulysses sequence parallelism" if hasattr(attn, "to_heads") else type(attn).__name__)
         raise NotImplementedError(f"lathe's Nemotron-H Mamba2 layers run packed or padded batches and the engine's "

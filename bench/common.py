@@ -119,6 +119,36 @@ SHAPES.update({
                          linear_conv_kernel_dim=4, layer_types=hybrid_layers(4), vocab_size=1000,
                          tie_word_embeddings=True),
 })
+# Nemotron-H (`nemotron_h`): NVIDIA-Nemotron-3-Nano-30B-A3B's shape as its config.json gives it, from memory (the hub
+# is out of reach here; its count, 31.6B parameters, 3.6B active with the embeddings, is the model card's): 52
+# layers "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME" (23 Mamba2, 23 MoE, 6 attention), hidden 2688,
+# 64 Mamba2 heads of 64 with 8 groups of B and C of 128, 32 query / 2 key-value heads of 128, 128 non-gated relu^2
+# experts of 1856 top-6 (routed scale 2.5) plus a shared one of 3712, no latent projections, vocabulary 131072,
+# untied. Cut to its first 8 layers "MEMEM*EM" (4 Mamba2, 3 MoE, 1 attention; 4.8B): one GPU's GRPO step.
+_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+_NANO_BLOCKS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
+def nemotron_blocks(pattern: str) -> list[str]:
+    return [_NANO_BLOCKS[c] for c in pattern]
+
+
+_NEMOTRON_NANO = dict(model_type="nemotron_h", hidden_size=2688, num_hidden_layers=52,
+                      layers_block_type=nemotron_blocks(_NANO_PATTERN), num_attention_heads=32, num_key_value_heads=2,
+                      head_dim=128, intermediate_size=1856, mamba_num_heads=64, mamba_head_dim=64, n_groups=8,
+                      ssm_state_size=128, conv_kernel=4, n_routed_experts=128, num_experts_per_tok=6,
+                      moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5,
+                      n_group=1, topk_group=1, norm_topk_prob=True, vocab_size=131072, tie_word_embeddings=False)
+SHAPES.update({
+    "nemotron-nano": _NEMOTRON_NANO,
+    "nemotron-nano-8l": {**_NEMOTRON_NANO, "num_hidden_layers": 8, "layers_block_type": nemotron_blocks("MEMEM*EM")},
+    "tiny-nemotron": dict(model_type="nemotron_h", hidden_size=64, num_hidden_layers=4,
+                          layers_block_type=nemotron_blocks("ME*E"), num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, intermediate_size=128, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+                          ssm_state_size=16, conv_kernel=4, n_routed_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, vocab_size=1000,
+                          tie_word_embeddings=False),
+})
 # Qwen3.5 as it is released: every checkpoint on the hub is the vision-language `Qwen3_5ForConditionalGeneration`
 # (the text shape's language model under `model.language_model.*`, a vision tower under `model.visual.*`). A
 # `-vl` shape is its text shape written in that form (`write_model`), with transformers' default Qwen3.5 vision
@@ -257,7 +287,8 @@ def train_flops(shape: dict, lengths: list[int]) -> float:
 
 # -- random-weight models and workloads -------------------------------------------------------------------------------
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                 "nemotron_h": "NemotronHForCausalLM"}
 
 
 def hf_config(shape_name: str, **overrides) -> dict:

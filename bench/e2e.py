@@ -9,8 +9,8 @@
         --prompt-len 16 --response-len 8 --out /tmp/e2e_smoke.json                                   # CPU smoke test
 
 The workload (the one that issue 9 measured): random-weight Qwen2.5 shapes (or another of bench/common.py's
-SHAPES: Qwen3-MoE, GPT-OSS, Qwen3.5 — `--models tiny-qwen3.5` for a CPU smoke run; `qwen3.5-2b-vl`: the 2B as
-released, a Qwen3_5ForConditionalGeneration checkpoint), `--prompts` prompts x `--n` samples per step, prompts of exactly `--prompt-len` tokens (synthetic words of a synthetic word-level tokenizer with
+SHAPES: Qwen3-MoE, GPT-OSS, Qwen3.5, Nemotron-H — `--models tiny-qwen3.5` (`tiny-nemotron`) for a CPU smoke run;
+`qwen3.5-2b-vl`: the 2B as released, a Qwen3_5ForConditionalGeneration checkpoint), `--prompts` prompts x `--n` samples per step, prompts of exactly `--prompt-len` tokens (synthetic words of a synthetic word-level tokenizer with
 the model's vocabulary size), exactly `--response-len` new tokens (lathe: `rollout.ignore_eos=true`; TRL:
 `min_new_tokens`), a cheap custom reward, one optimizer step per RL step, no KL (7B: `use_kl_loss=true` in lathe,
 the reference model on).
@@ -100,6 +100,11 @@ LATHE_SETTINGS = {
     "qwen3.5-35b-a3b-12l": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "qwen3.5-35b-a3b-8l": dict(micro=8, checkpointing=True, kl=True, extra=[]),
     "tiny-qwen3.5": dict(micro=8, checkpointing=False, kl=False, extra=[]),
+    # Nemotron-H (NVIDIA-Nemotron-3-Nano-30B-A3B's shape): its first 8 layers (4.8B) on one GPU, as 30b-a3b-6l (an H100
+    # needs --extra actor_rollout_ref.actor.fsdp_config.optimizer_offload=true); the whole model on several
+    "nemotron-nano": dict(micro=8, checkpointing=True, kl=True, extra=[]),
+    "nemotron-nano-8l": dict(micro=16, checkpointing=True, kl=True, extra=[]),
+    "tiny-nemotron": dict(micro=8, checkpointing=False, kl=False, extra=[]),
 }
 LATHE_SETTINGS.update({vl: LATHE_SETTINGS[text] for vl, text in VL_FORMS.items()})  # as released: the text shape's
 # One GPU needs the 7B optimizer state in host memory; sharded over several GPUs it fits (and lathe refuses

@@ -36,6 +36,14 @@ output projection, and no KV cache: a decode step reads and writes back each seq
 x key dim x value dim, float32 as lathe's engine keeps it) and convolution inputs (q|k|v width x (kernel - 1)). Its
 full-attention layers' q_proj is twice as wide (a query and an output gate per head); a MoE hybrid adds a shared
 expert (`shared_expert_intermediate_size`) and its one-column gate. Only the attention layers hold KV.
+
+A Nemotron-H shape (`layers_block_type`: each layer one block, `linear_attention` (Mamba2), `full_attention`, `mlp`
+or `moe`; `mamba_num_heads` H, `mamba_head_dim` P, `n_groups` G, `ssm_state_size` N, `conv_kernel`; its MoE's
+`n_routed_experts`, `moe_intermediate_size`, `moe_shared_expert_intermediate_size`, `moe_latent_size`) counts each
+block's own matrices: a Mamba2 block's in_proj to z, x, B, C and dt (h (2 H P + 2 G N + H)) and out_proj; the
+attention's q/k/v/o (no RoPE); the relu^2 MLP's up and down; the MoE's router, k (all E for parameters) non-gated
+experts of 2 x width x i on the latent width (h without latent projections), the latent projections and the shared
+expert. A decode step reads and writes back each sequence's Mamba2 state (H x P x N, float32) and convolution inputs.
 Self-contained, so a test can load it by path.
 """
 
@@ -70,8 +78,59 @@ def _dims(shape: dict) -> tuple[int, int, int, int, int, int, int]:
 
 
 def _kinds(shape: dict) -> list[str]:
-    """Each layer's token mixer: full_attention, sliding_attention or linear_attention."""
-    return shape.get("layer_types") or ["full_attention"] * shape["num_hidden_layers"]
+    """Each layer's token mixer: full_attention, sliding_attention or linear_attention (a Nemotron-H shape's
+    blocks: also mlp and moe)."""
+    return (shape.get("layers_block_type") or shape.get("layer_types")
+            or ["full_attention"] * shape["num_hidden_layers"])
+
+
+def _nemotron(shape: dict) -> bool:
+    return "layers_block_type" in shape
+
+
+def _mamba_dims(shape: dict) -> tuple[int, int, int]:
+    """A Nemotron-H Mamba2 block's (inner width H P, B and C width G N each, heads H)."""
+    heads = shape["mamba_num_heads"]
+    return heads * shape["mamba_head_dim"], shape["n_groups"] * shape["ssm_state_size"], heads
+
+
+def _block_params(shape: dict, kind: str, experts: int) -> int:
+    """A Nemotron-H block's matrices (module doc), its MoE with `experts` experts."""
+    h, i, _, q, kv, _, _ = _dims(shape)
+    if kind == "linear_attention":
+        inner, bc, heads = _mamba_dims(shape)
+        return h * (2 * inner + 2 * bc + heads) + inner * h
+    if kind == "full_attention":
+        return 2 * h * q + 2 * h * kv
+    if kind == "mlp":
+        return 2 * h * i
+    latent = shape.get("moe_latent_size") or 0
+    return (h * _num_experts(shape) + experts * 2 * (latent or h) * shape["moe_intermediate_size"]
+            + 2 * h * latent + 2 * h * shape["moe_shared_expert_intermediate_size"])
+
+
+def _block_vectors(shape: dict, kind: str) -> int:
+    """A Nemotron-H block's norm; a Mamba2 block's convolution (weight and bias), dt_bias, A_log, D and gated norm."""
+    h = shape["hidden_size"]
+    if kind != "linear_attention":
+        return h
+    inner, bc, heads = _mamba_dims(shape)
+    return h + (inner + 2 * bc) * (shape.get("conv_kernel", 4) + 1) + 3 * heads + inner
+
+
+def _num_experts(shape: dict) -> int:
+    return shape.get("num_experts") or shape.get("n_routed_experts") or 0
+
+
+def _expert_matrix(shape: dict) -> int:
+    """One routed expert's weights: 3 x h x i (SwiGLU), Nemotron-H's 2 x width x i (non-gated, on the latent width)."""
+    if _nemotron(shape):
+        return 2 * (shape.get("moe_latent_size") or shape["hidden_size"]) * shape["moe_intermediate_size"]
+    return 3 * shape["hidden_size"] * _expert_width(shape)
+
+
+def _moe_layers(shape: dict) -> int:
+    return _kinds(shape).count("moe") if _nemotron(shape) else shape["num_hidden_layers"]
 
 
 def _linear_dims(shape: dict) -> tuple[int, int, int, int]:
@@ -104,11 +163,15 @@ def _small_params(shape: dict, kind: str) -> int:
 
 def linear_state_bytes(shape: dict) -> int:
     """Bytes of one sequence's linear-attention states that a decode step reads and writes back: per linear layer
-    the recurrent state (value heads x key dim x value dim, float32) and the convolution inputs (conv width x
-    (kernel - 1), bf16). 0 without linear layers."""
+    the recurrent state (value heads x key dim x value dim, float32; Mamba2's H x P x N) and the convolution inputs
+    (conv width x (kernel - 1), bf16). 0 without linear layers."""
     layers = _kinds(shape).count("linear_attention")
     if not layers:
         return 0
+    if _nemotron(shape):
+        inner, bc, _ = _mamba_dims(shape)
+        return layers * (inner * shape["ssm_state_size"] * 4 + (inner + 2 * bc) * (shape.get("conv_kernel", 4) - 1)
+                         * BYTES)
     conv, value, _, key_dim = _linear_dims(shape)
     return 2 * layers * (value * key_dim * 4 + conv * (shape.get("linear_conv_kernel_dim", 4) - 1) * BYTES)
 
@@ -119,6 +182,8 @@ def _linear_state_flops(shape: dict) -> int:
     layers = _kinds(shape).count("linear_attention")
     if not layers:
         return 0
+    if _nemotron(shape):                 # Mamba2: the same four passes over each head's P x N state
+        return layers * 8 * _mamba_dims(shape)[0] * shape["ssm_state_size"]
     _, value, _, key_dim = _linear_dims(shape)
     return layers * 8 * value * key_dim
 
@@ -140,6 +205,8 @@ def _mlp_params(shape: dict, experts: int) -> int:
 def layer_matmul_params(shape: dict) -> int:
     """Weights of the decoder layers' matrices one token runs through: per layer its token mixer's (`_mixer_params`)
     + its MLP: 3*h*i dense, or k experts' 3*h*i_e plus the router's h*E (and a shared expert)."""
+    if _nemotron(shape):
+        return sum(_block_params(shape, kind, shape["num_experts_per_tok"]) for kind in _kinds(shape))
     mlp = _mlp_params(shape, shape.get("num_experts_per_tok", 0))
     return sum(_mixer_params(shape, kind) + mlp for kind in _kinds(shape))
 
@@ -150,8 +217,12 @@ def param_count(shape: dict) -> int:
     embedding, and the lm_head unless tied (GPT-OSS's attention biases, sinks and expert biases are left out: under
     0.1%)."""
     h, _, _, _, _, v, _ = _dims(shape)
-    mlp = _mlp_params(shape, shape.get("num_experts", 0))
-    layers = sum(_mixer_params(shape, kind) + mlp + _small_params(shape, kind) for kind in _kinds(shape))
+    if _nemotron(shape):
+        layers = sum(_block_params(shape, kind, _num_experts(shape)) + _block_vectors(shape, kind)
+                     for kind in _kinds(shape))
+    else:
+        mlp = _mlp_params(shape, shape.get("num_experts", 0))
+        layers = sum(_mixer_params(shape, kind) + mlp + _small_params(shape, kind) for kind in _kinds(shape))
     return layers + h + v * h * (1 if shape["tie_word_embeddings"] else 2)
 
 
@@ -162,9 +233,8 @@ def decode_weight_bytes(shape: dict) -> int:
     h, v = shape["hidden_size"], shape["vocab_size"]
     untied_embedding = 0 if shape["tie_word_embeddings"] else v * h
     idle = 0
-    if shape.get("num_experts"):
-        idle = shape["num_hidden_layers"] * (shape["num_experts"] - shape["num_experts_per_tok"]) * 3 * h * \
-            _expert_width(shape)
+    if _num_experts(shape):
+        idle = _moe_layers(shape) * (_num_experts(shape) - shape["num_experts_per_tok"]) * _expert_matrix(shape)
     return BYTES * (param_count(shape) - untied_embedding - idle)
 
 
@@ -178,18 +248,17 @@ def touched_weight_bytes(shape: dict, rows: int) -> float:
     """The weight bytes a decode step of `rows` (>= 1) rows physically reads: `decode_weight_bytes` plus, in each MoE
     layer, the experts beyond k that the rows are expected to touch (`expected_distinct_experts`). A dense shape:
     `decode_weight_bytes`."""
-    if not shape.get("num_experts"):
+    if not _num_experts(shape):
         return decode_weight_bytes(shape)
-    experts, k = shape["num_experts"], shape["num_experts_per_tok"]
+    experts, k = _num_experts(shape), shape["num_experts_per_tok"]
     extra = expected_distinct_experts(experts, k, rows) - k
-    return decode_weight_bytes(shape) + BYTES * shape["num_hidden_layers"] * extra * 3 * shape["hidden_size"] * \
-        _expert_width(shape)
+    return decode_weight_bytes(shape) + BYTES * _moe_layers(shape) * extra * _expert_matrix(shape)
 
 
 def _windows(shape: dict) -> list[int | None]:
     """Each attention layer's window (None: the whole causal context); linear-attention layers have none."""
     return [shape.get("sliding_window") if k == "sliding_attention" else None
-            for k in _kinds(shape) if k != "linear_attention"]
+            for k in _kinds(shape) if k in ("full_attention", "sliding_attention")]
 
 
 def kv_bytes_per_token(shape: dict) -> int:

@@ -54,11 +54,38 @@ def test_the_bench_shapes_count_what_lathe_builds():
     from lathe.models.decoder import LatheCausalLM
     # (GPT-OSS: its biases are not counted, 1e-3)
     for name, rel in (("14b", 0), ("30b-a3b", 0), ("tiny-moe", 0), ("gpt-oss-20b", 1e-3), ("gpt-oss-20b-8l", 1e-3),
-                      ("qwen3.5-2b", 0), ("qwen3.5-35b-a3b", 0), ("qwen3.5-35b-a3b-12l", 0), ("tiny-qwen3.5", 0)):
+                      ("qwen3.5-2b", 0), ("qwen3.5-35b-a3b", 0), ("qwen3.5-35b-a3b-12l", 0), ("tiny-qwen3.5", 0),
+                      ("nemotron-nano", 0), ("nemotron-nano-8l", 0), ("tiny-nemotron", 0)):
         with torch.device("meta"):
             model = LatheCausalLM(LatheConfig.from_hf_dict(common.hf_config(name), source=name))
         real = sum(p.numel() for p in model.parameters())
         assert abs(roofline.param_count(common.SHAPES[name]) - real) <= rel * real, name
+
+
+def test_nemotron_blocks_count_their_own_matrices_states_and_only_the_attention_kv():
+    """Nemotron-3-Nano's shape: 31.6B parameters and 3.2B read per decode step without the embedding (the model
+    card's 31.6B and 3.2B active); a made-up one: Mamba2, MoE, attention, MLP blocks."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import common
+    nano = common.SHAPES["nemotron-nano"]
+    assert round(roofline.param_count(nano) / 1e9, 1) == 31.6
+    assert round(roofline.decode_weight_bytes(nano) / 2 / 1e9, 1) == 3.2
+    # hidden 64; Mamba2 4 heads of 8 (inner 32), 2 groups of B, C of 4 (8 each), kernel 4; attention 4 heads of 16,
+    # 2 kv heads; MLP 128; MoE 8 experts of 16 top-2, shared 32, no latent; vocab 1000 untied
+    shape = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": False,
+             "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"], "mamba_num_heads": 4,
+             "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 4, "conv_kernel": 4, "n_routed_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 32}
+    mamba = 64 * (2 * 32 + 2 * 8 + 4) + 32 * 64                         # in_proj (z, x, B, C, dt) + out_proj
+    moe = lambda k: 64 * 8 + k * 2 * 64 * 16 + 2 * 64 * 32              # noqa: E731  router, experts, shared
+    attention, mlp = 2 * 64 * 64 + 2 * 64 * 32, 2 * 64 * 128
+    assert roofline.layer_matmul_params(shape) == mamba + moe(2) + attention + mlp
+    vectors = 4 * 64 + (32 + 16) * 5 + 3 * 4 + 32       # norms; conv weight + bias, dt_bias, A_log, D, gated norm
+    assert roofline.param_count(shape) == mamba + moe(8) + attention + mlp + vectors + 64 + 2 * 1000 * 64
+    assert roofline.decode_weight_bytes(shape) == 2 * (roofline.param_count(shape) - 64000 - 6 * 2 * 64 * 16)
+    assert roofline.kv_bytes_per_token(shape) == 2 * 1 * 32 * 2             # the attention block's K and V only
+    assert roofline.linear_state_bytes(shape) == 32 * 4 * 4 + 48 * 3 * 2    # H P N float32 + conv inputs (K - 1)
 
 
 # A made-up hybrid: layers linear, full; hidden 64, 4 heads of 16 (q 64), 2 kv heads (kv 32); linear attention 2 key

@@ -24,13 +24,13 @@ SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
                            "GptOssForCausalLM", "DeepseekV3ForCausalLM", "MiMoForCausalLM", "MistralForCausalLM",
                            "SeedOssForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM", "NemotronHForCausalLM",
                            *HYBRID_ARCHITECTURES}
-# The token-classification (critic) heads over the same backbones load too (GLM-4.5's and HY-V3's: the names lathe
-# saves a critic under; transformers has no such classes)
+# The token-classification (critic) heads over the same backbones load too (GLM-4.5's, HY-V3's and Nemotron-H's: the
+# names lathe saves a critic under; transformers has no such classes)
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
                        "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification",
                        "DeepseekV3ForTokenClassification", "MistralForTokenClassification",
                        "SeedOssForTokenClassification", "Glm4MoeForTokenClassification",
-                       "HYV3ForTokenClassification"}
+                       "HYV3ForTokenClassification", "NemotronHForTokenClassification"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "mimo": "MiMoForCausalLM", "mistral": "MistralForCausalLM",

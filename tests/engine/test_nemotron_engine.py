@@ -88,3 +88,22 @@ def test_cuda_engine_and_its_graphs_equal_the_cpu_engine(tmp_path):
         outs[eager] = engine.generate(PROMPTS[:3], params)
     assert outs[True].metrics["rollout/num_preemptions"] > 0 and outs[False].metrics["rollout/graph_captures"] > 0
     _assert_same_greedy(outs[False], outs[True], exact=False)
+
+
+def test_the_states_leave_the_kv_cache_half_of_the_engines_budget(tmp_path, monkeypatch):
+    """The state slots take at most half of what gpu_memory_utilization leaves beside the allocated memory (an H100's
+    first nemotron-nano-8l run gave them all of it: the KV cache got one block), and at most 30% of the free memory."""
+    from lathe import device as accel
+    from lathe.engine.linear_state import state_layout, state_slots
+    from lathe.models.config import LatheConfig
+    path, _ = _saved(tmp_path)
+    cfg = LatheConfig.from_pretrained(path)
+    layers, conv, kernel, recurrent = state_layout(cfg)
+    per_slot = layers * (conv * (kernel - 1) * 4 + 4 * recurrent[0] * recurrent[1] * recurrent[2])
+    gib = 1 << 30
+    monkeypatch.setattr(accel, "memory_info", lambda device: (40 * gib, 80 * gib))
+    monkeypatch.setattr(accel, "memory_allocated", lambda device: 38 * gib)
+    cuda = torch.device("cuda")
+    assert state_slots(cfg, 10 ** 9, torch.float32, cuda, 0.5) == int(gib // per_slot) - 1       # half of 2 GiB
+    assert state_slots(cfg, 10 ** 9, torch.float32, cuda) == int(12 * gib // per_slot) - 1      # 30% of 40 GiB
+    assert state_slots(cfg, 7, torch.float32, cuda, 0.5) == 7

@@ -335,22 +335,32 @@ class StateBlockManager(BlockManager):
         seq.tail_private = False
 
 
-STATE_SHARE = 0.3     # at most this share of a GPU's free memory goes to the linear-attention states
+STATE_SHARE = 0.3     # at most this share of a GPU's free memory goes to the linear-attention states ...
+BUDGET_SHARE = 0.5    # ... and at most this share of the engine's budget (gpu_memory_utilization's): the rest is KV
 
 
-def state_slots(cfg, max_num_seqs: int, dtype: torch.dtype, device: torch.device) -> int:
+def state_slots(cfg, max_num_seqs: int, dtype: torch.dtype, device: torch.device,
+                utilization: float | None = None) -> int:
     """How many sequences may run at once: `max_num_seqs`, fewer on a GPU where their states would take more than
-    `STATE_SHARE` of the free memory (with a notice: each slot holds every linear layer's recurrent state)."""
+    `STATE_SHARE` of the free memory or, given the engine's `utilization` (`gpu_memory_utilization`), more than
+    `BUDGET_SHARE` of what it leaves the engine beside the memory already allocated (the KV cache is sized from the
+    same budget after the states: states that took it all would leave the cache one block). With a notice: each slot
+    holds every linear layer's states (Nemotron-3-Nano's Mamba2 layers: 48 MiB a sequence in float32)."""
     if device.type != "cuda":
         return max_num_seqs
     from lathe import device as accel
     layers, conv_dim, kernel, recurrent = state_layout(cfg)
     per_slot = layers * (conv_dim * (kernel - 1) * torch.empty(0, dtype=dtype).element_size()
                          + 4 * math.prod(recurrent))
-    fits = max(1, int(STATE_SHARE * accel.memory_info(device)[0] // per_slot) - 1)     # - the scratch slot
+    free, total = accel.memory_info(device)
+    room = STATE_SHARE * free
+    if utilization is not None:
+        room = min(room, BUDGET_SHARE * (total * utilization - accel.memory_allocated(device)))
+    fits = max(1, int(room // per_slot) - 1)     # - the scratch slot
     if fits < max_num_seqs:
         log.info("engine: %s runs at most %d sequences at once (max_num_seqs=%d): each one's linear-attention states "
-                 "take %.1f MiB", cfg.architecture, fits, max_num_seqs, per_slot / 2**20)
+                 "take %.1f MiB (a larger rollout.gpu_memory_utilization runs more)", cfg.architecture, fits,
+                 max_num_seqs, per_slot / 2**20)
     return min(fits, max_num_seqs)
 
 

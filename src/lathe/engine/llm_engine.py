@@ -190,7 +190,8 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
             enable_prefix_caching, fuse_projections = hybrid_settings(model, enable_prefix_caching, fuse_projections,
                                                                       quantization)
             # (the ranks of a replica from each one's free memory: the fewest, so their schedulers decide alike)
-            max_num_seqs = self.tp.min_int(state_slots(text_config(model), max_num_seqs, model.dtype, model.device))
+            max_num_seqs = self.tp.min_int(state_slots(text_config(model), max_num_seqs, model.dtype, model.device,
+                                                       None if num_kv_blocks is not None else gpu_memory_utilization))
             if self.dp is not None:     # (and of an engine's replicas: the same decode graphs' buckets everywhere)
                 max_num_seqs = self.dp.min_int(max_num_seqs)
         if is_mla(model):           # DeepSeek-V3 family: no CUDA graphs, fused projections or FP8 (`mla.py`)

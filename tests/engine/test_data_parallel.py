@@ -103,12 +103,14 @@ def run_engine(world: int, tp_size: int, paths: list[str], gather_bytes: int) ->
 @pytest.fixture(scope="module")
 def moe_paths(tmp_path_factory):
     """Qwen3-MoE, Qwen3.5-MoE (shared expert, linear attention), GPT-OSS (expert biases, sinks), DeepSeek-V3 (latent
-    attention, grouped routing, a shared expert)."""
+    attention, grouped routing, a shared expert), Nemotron-H (Mamba2, non-gated experts between latent projections)."""
     from models.deepseek_tiny import deepseek_model
     from models.gpt_oss_tiny import gpt_oss_model
+    from models.nemotron_tiny import nemotron_model
     root = tmp_path_factory.mktemp("dp-ckpt")
     paths = [str(save_hf(root, family)[0]) for family in ("qwen3_moe", "qwen3_5_moe_text")]
-    for name, make in (("gpt_oss", gpt_oss_model), ("deepseek", deepseek_model)):
+    for name, make in (("gpt_oss", gpt_oss_model), ("deepseek", deepseek_model),
+                       ("nemotron", lambda seed: nemotron_model(seed=seed, moe_latent_size=16))):
         make(seed=2).save_pretrained(root / name)
         paths.append(str(root / name))
     return paths

@@ -51,16 +51,12 @@ def test_forked_samples_equal_samples_prefilled_apart(tmp_path):
     assert_close_rel(sum(outs[True].logprobs, []), sum(outs[False].logprobs, []), name="log-probs")
 
 
-def test_data_parallel_attention_and_fp8_are_refused_by_name(tmp_path):
-    """(Tensor-parallel replicas run it: tests/engine/test_tensor_parallel.py.)"""
+def test_fp8_rollout_is_refused_by_name(tmp_path):
+    """(Tensor-parallel replicas and data-parallel attention run it: tests/engine/test_tensor_parallel.py,
+    test_data_parallel.py.)"""
     path, _ = _saved(tmp_path)
     with pytest.raises(ValueError, match=r"rollout.quantization.*NemotronHForCausalLM"):
         LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=8, quantization="fp8")
-    from lathe.engine.tensor_parallel import AttentionDataParallel, ShardLayout, TensorParallel
-    from lathe.models.config import LatheConfig
-    with pytest.raises(ValueError, match="data-parallel attention engines for Nemotron-H"):
-        ShardLayout(LatheConfig.from_pretrained(path), TensorParallel(None, 0, 1), expert_parallel_size=2,
-                    dp=AttentionDataParallel(None, 0, 2))
 
 
 @pytest.mark.gpu

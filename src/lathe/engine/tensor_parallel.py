@@ -215,10 +215,6 @@ class ShardLayout:
         dp_rank, dp_size = (self.dp.rank, self.dp.size) if self.dp is not None else (0, 1)
         check_sizes(cfg, size, expert_parallel_size, dp_size)
         nemotron = cfg.nemotron
-        if nemotron is not None and dp_size > 1:
-            raise ValueError(f"rollout.data_parallel_size={dp_size}: data-parallel attention engines for Nemotron-H "
-                             f"({cfg.architecture}) are not built yet. Fix: set rollout.data_parallel_size=1 "
-                             "(tensor-parallel replicas run it)")
         if nemotron is not None and size > 1 and cfg.mlp_bias:
             raise ValueError(f"rollout.tensor_model_parallel_size={size}: Nemotron-H with mlp_bias=true: the biases of "
                              "its latent projections and shared expert would be summed once per rank. Fix: set it to 1")

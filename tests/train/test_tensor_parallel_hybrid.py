@@ -48,7 +48,9 @@ def run(model) -> dict:
     out = {}
     ids, pos, cu, w = inputs()
     grid, mask, positions, _ = padded_inputs()
-    stream = grouped_layout(_grouped_batch(n=3), model.config.linear_attention.conv_kernel)
+    cfg = model.config
+    stream = grouped_layout(_grouped_batch(n=3), cfg.linear_attention.conv_kernel if cfg.nemotron is None
+                            else cfg.nemotron.mamba.conv_kernel)
     forwards = {"packed": lambda m: m.lm_head(m.hidden_with(ids, pos, PackedAttention(cu, max(LENGTHS)))),
                 "padded": lambda m: m.lm_head(m.hidden_with(grid, positions, PaddedAttention(mask)))[mask.bool()],
                 "grouped": lambda m: m.lm_head(m.hidden_with(stream.input_ids, stream.position_ids,
@@ -79,7 +81,9 @@ def rank_main(rank: int, port: int, root: str, queue) -> None:
             check_model(model, T, KEY, experts=T if moe else 1)
             parallelize(model, tp)
             if moe:                                    # (the shared expert cut, not left whole)
-                assert hasattr(model.model.layers[-1].mlp.shared_expert.gate_proj.weight, "placements")
+                shared = (model.model.layers[-1].mixer.shared_experts.up_proj if family == "nemotron_h" else
+                          model.model.layers[-1].mlp.shared_expert.gate_proj)
+                assert hasattr(shared.weight, "placements")
             res[family] = run(expert_parallel.parallelize(model, ep if moe else None))
         torch.save(res, Path(root) / f"rank{rank}.pt")
     gloo_rank(rank, T, port, queue, work, JOIN_S)
@@ -92,8 +96,9 @@ def runs(tmp_path_factory):
                        [__name__, "lathe.models.qwen3_5", "lathe.train.tensor_parallel", "lathe.train.expert_parallel"])
 
 
-FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-MOE = ("qwen3_5_moe_text", "qwen3_next")           # (Qwen3-Next's layer 1 sparse, layer 0 dense)
+# (Nemotron-H: Mamba2, MoE, attention, MLP, Mamba2, MoE layers; 2 groups of 2 Mamba2 heads, 1 group a rank)
+FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h")
+MOE = ("qwen3_5_moe_text", "qwen3_next", "nemotron_h")           # (Qwen3-Next's layer 1 sparse, layer 0 dense)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -109,6 +114,14 @@ def test_a_group_of_two_equals_one_process(runs, batch, family):
         assert_close_rel(got["logits"], want["logits"], 1e-7, name=f"rank {rank}'s {batch} logits")
         assert_close_rel(got["loss"], want["loss"], 1e-6, name=f"rank {rank}'s {batch} loss")
         assert_close_rel(got["grads"], want["grads"], 1e-6, name=f"rank {rank}'s {batch} gradients")
+    if family == "nemotron_h":
+        for name in ("A_log", "D", "dt_bias", "conv1d.weight", "conv1d.bias", "norm.weight", "in_proj.weight",
+                     "out_proj.weight"):
+            assert want["grads"]["model.layers.0.mixer." + name].abs().min() > 0, name
+        for name in ("1.mixer.gate.weight", "1.mixer.shared_experts.down_proj.weight", "2.mixer.q_proj.weight",
+                     "3.mixer.down_proj.weight"):
+            assert want["grads"]["model.layers." + name].abs().sum() > 0, name
+        return
     linear, full = "model.layers.0.linear_attn.", "model.layers.1.self_attn."
     projections = (("in_proj_qkvz.weight", "in_proj_ba.weight") if family == "qwen3_next" else
                    ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"))
@@ -121,35 +134,44 @@ def test_a_group_of_two_equals_one_process(runs, batch, family):
 
 
 # -- sharded by FSDP2 as `lathe train` shards it: the whole weights over the group's ranks too ----------------------
+WHOLE = {"qwen3_5_text": ("linear_attn", "in_proj_qkv"), "nemotron_h": ("mixer", "in_proj")}   # (the conv too)
+
+
 def rank_fsdp(rank: int, port: int, root: str, queue) -> None:
-    """The tiny Qwen3.5 cut over a group of 2, then sharded by `shard_model` on the mesh plan 1 x 1 x TP 2: its
-    in_proj_qkv and convolution, whole weights of which each rank takes rows, sharded over the group's 2 ranks."""
+    """The tiny Qwen3.5 (and Nemotron-H) cut over a group of 2, then sharded by `shard_model` on the mesh plan 1 x 1 x
+    TP 2: its in_proj_qkv (in_proj) and convolution, whole weights of which each rank takes rows, sharded over the
+    group's 2 ranks (Nemotron-H's convolution bias with its weight)."""
     def work():
         from lathe.config.plan import MeshPlan
         from lathe.train import parallel
         from lathe.train.tensor_parallel import parallelize, tensor_parallel
         plan, cpu = MeshPlan(dp_replicate=1, dp_shard=1, tp=T), torch.device("cpu")
-        model = torch.load(Path(root) / "models.pt", weights_only=False)["qwen3_5_text"]
-        parallel.shard_model(parallelize(model, tensor_parallel(plan, cpu)), mesh=plan, device=cpu)
-        linear = model.model.layers[0].linear_attn
-        rows = {name: (w.to_local().shape[0], w.shape[0]) for name, w in
-                (("in_proj_qkv", linear.in_proj_qkv.weight), ("conv1d", linear.conv1d.weight))}
-        torch.save({"qwen3_5_text": {"rows": rows, **run(model)}}, Path(root) / f"rank{rank}.pt")
+        out = {}
+        for family, model in torch.load(Path(root) / "models.pt", weights_only=False).items():
+            parallel.shard_model(parallelize(model, tensor_parallel(plan, cpu)), mesh=plan, device=cpu)
+            mixer, proj = WHOLE[family]
+            linear = getattr(model.model.layers[0], mixer)
+            rows = {name: (w.to_local().shape[0], w.shape[0]) for name, w in
+                    ((proj, getattr(linear, proj).weight), ("conv1d", linear.conv1d.weight))}
+            out[family] = {"rows": rows, **run(model)}
+        torch.save(out, Path(root) / f"rank{rank}.pt")
     gloo_rank(rank, T, port, queue, work, JOIN_S)
 
 
 def test_under_fsdp2_the_whole_weights_shard_over_the_group_and_it_equals_one_process(tmp_path):
-    want, ranks = family_runs(tmp_path, ("qwen3_5_text",), run, rank_fsdp, T,
+    want, ranks = family_runs(tmp_path, tuple(WHOLE), run, rank_fsdp, T,
                               [__name__, "lathe.models.qwen3_5", "lathe.train.tensor_parallel"])
-    want = want["qwen3_5_text"]
-    for rank, got in enumerate(ranks):
-        got = got["qwen3_5_text"]
-        assert all(local * T == whole for local, whole in got["rows"].values()), got["rows"]
-        for batch in ("packed", "padded"):
-            assert_close_rel(got[batch]["logits"], want[batch]["logits"], 1e-7, name=f"rank {rank}'s {batch} logits")
-            assert_close_rel(got[batch]["grads"], want[batch]["grads"], 1e-6, name=f"rank {rank}'s {batch} gradients")
-    for name in ("in_proj_qkv.weight", "conv1d.weight"):
-        assert want["packed"]["grads"]["model.layers.0.linear_attn." + name].abs().sum() > 0, name
+    for family, (mixer, proj) in WHOLE.items():
+        for rank, got in enumerate(ranks):
+            got = got[family]
+            assert all(local * T == whole for local, whole in got["rows"].values()), got["rows"]
+            for batch in ("packed", "padded"):
+                assert_close_rel(got[batch]["logits"], want[family][batch]["logits"], 1e-7,
+                                 name=f"{family} rank {rank}'s {batch} logits")
+                assert_close_rel(got[batch]["grads"], want[family][batch]["grads"], 1e-6,
+                                 name=f"{family} rank {rank}'s {batch} gradients")
+        for name in (f"{proj}.weight", "conv1d.weight"):
+            assert want[family]["packed"]["grads"][f"model.layers.0.{mixer}.{name}"].abs().sum() > 0, name
 
 
 # -- beside Ulysses: TP 2 x SP 2 on 4 ranks (the tp pairs consecutive, the sp pairs 2 apart) -------------------------
@@ -241,3 +263,23 @@ def test_a_lora_adapter_on_the_whole_projection_is_refused():
     apply_lora(model, rank=4, alpha=8, target_modules=["in_proj_qkv", "out_proj"])
     with pytest.raises(ValueError, match="LoRA adapter on the linear-attention layers' in_proj_qkv"):
         tensor_parallel.check_model(model, 2, KEY)
+
+
+def test_nemotron_h_groups_must_split_over_the_group():
+    """The tiny Nemotron-H has 2 groups of 2 Mamba2 heads: TP 2 cuts them, 4 is refused; so is an adapter on in_proj,
+    and Ulysses beside TP 2 (one group a rank)."""
+    from lathe.models.lora import apply_lora
+    from lathe.train import tensor_parallel, ulysses
+    from models.nemotron_tiny import nemotron_model
+    model = lathe_from_transformers(nemotron_model())
+    tensor_parallel.check_model(model, 2, KEY, experts=2)
+    with pytest.raises(ValueError, match=rf"{KEY}=4: NemotronHForCausalLM's Mamba2 layers have 2 groups of heads "
+                                         rf"\(n_groups\).*Fix: set {KEY} to one of \[1, 2\]"):
+        tensor_parallel.check_model(model, 4, KEY, experts=4)
+    sp_key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    with pytest.raises(ValueError, match=rf"{sp_key}=2: NemotronHForCausalLM's Mamba2 layers have 1 groups of heads "
+                                         rf"\(n_groups\) per rank of a tensor-parallel group of 2"):
+        ulysses.check_model(model, 2, sp_key, 2, KEY)
+    apply_lora(model, rank=2, alpha=4, target_modules=["in_proj", "q_proj"])
+    with pytest.raises(ValueError, match=r"LoRA adapter on the Mamba2 layers' in_proj"):
+        tensor_parallel.check_model(model, 2, KEY, experts=2)

@@ -127,29 +127,40 @@ class Mamba2Mixer(nn.Module):
 
         def channels(t: torch.Tensor) -> torch.Tensor:          # the rank's x, B and C channels of a conv tensor
             return torch.cat([t[heads.start * p:heads.stop * p], t[cfg.inner:][groups], t[cfg.inner + g * s:][groups]])
-        bias = None if self.conv1d.bias is None else channels(self.conv1d.bias)
+        weight, bias = self.conv_params()
         cu, longest = split.inner.cu_seqlens, split.inner.max_seqlen
-        mixed = causal_conv1d(torch.cat([xs.flatten(-2), B.flatten(-2), C.flatten(-2)], dim=-1),
-                              channels(self.conv1d.weight.squeeze(1)), cu, bias=bias)
+        mixed = causal_conv1d(torch.cat([xs.flatten(-2), B.flatten(-2), C.flatten(-2)], dim=-1), channels(weight), cu,
+                              bias=None if bias is None else channels(bias))
         xs, B, C = mixed.split([mine * per * p, mine * s, mine * s], dim=-1)
+        _, a_log, d = self.head_params()
         y, _ = chunk_scan(xs.unflatten(-1, (mine * per, p)), self.step_sizes(dt.flatten(-2), heads),
-                          -self.A_log[heads].float().exp(), B.unflatten(-1, (mine, s)), C.unflatten(-1, (mine, s)),
-                          cu, longest, D=self.D[heads])
+                          -a_log[heads].float().exp(), B.unflatten(-1, (mine, s)), C.unflatten(-1, (mine, s)),
+                          cu, longest, D=d[heads])
         return self.out_proj(self.norm(split.to_tokens(y).flatten(-2), z))
 
     def _conv(self, xbc: torch.Tensor, cu_seqlens: torch.Tensor, initial: torch.Tensor | None = None):
         """silu(the depthwise causal convolution, with its bias) of xBC over the packed sequences."""
-        return causal_conv1d(xbc, self.conv1d.weight.squeeze(1), cu_seqlens, initial, bias=self.conv1d.bias)
+        weight, bias = self.conv_params()
+        return causal_conv1d(xbc, weight, cu_seqlens, initial, bias=bias)
 
     def _scan(self, xbc: torch.Tensor, dt: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
               initial_state: torch.Tensor | None = None):
         """(y (T, H, P), final states (S, H, P, N)) of the convolved xBC's scan with steps dt."""
-        cfg = self.cfg
+        cfg, (_, a_log, d) = self.cfg, self.head_params()
         xs, B, C = xbc.split([cfg.inner, cfg.n_groups * cfg.state_size, cfg.n_groups * cfg.state_size], dim=-1)
-        return chunk_scan(xs.unflatten(-1, (cfg.num_heads, cfg.head_dim)), dt, -self.A_log.float().exp(),
+        return chunk_scan(xs.unflatten(-1, (cfg.num_heads, cfg.head_dim)), dt, -a_log.float().exp(),
                           B.unflatten(-1, (cfg.n_groups, cfg.state_size)),
-                          C.unflatten(-1, (cfg.n_groups, cfg.state_size)), cu_seqlens, max_seqlen, D=self.D,
+                          C.unflatten(-1, (cfg.n_groups, cfg.state_size)), cu_seqlens, max_seqlen, D=d,
                           initial_state=initial_state)
+
+    def conv_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The depthwise convolution's (weight (C, K), bias (C,) or None) over the [x | B | C] channels it runs (a
+        tensor-parallel rank's: `lathe.train.tensor_parallel`)."""
+        return self.conv1d.weight.squeeze(1), self.conv1d.bias
+
+    def head_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dt_bias, A_log, D) of the heads it runs (a tensor-parallel rank's: `lathe.train.tensor_parallel`)."""
+        return self.dt_bias, self.A_log, self.D
 
     def step(self, x: torch.Tensor, states) -> torch.Tensor:
         """One new token per sequence, x (S, hidden), each continuing from its own states, which `states` (the
@@ -167,7 +178,7 @@ class Mamba2Mixer(nn.Module):
         """clamp(softplus(dt + dt_bias), time_step_limit) in float32 (dt of the `heads` only: a rank's under
         Ulysses)."""
         low, high = self.cfg.time_step_limit
-        return nn.functional.softplus(dt.float() + self.dt_bias[heads].float()).clamp(min=low, max=high)
+        return nn.functional.softplus(dt.float() + self.head_params()[0][heads].float()).clamp(min=low, max=high)
 
 
 class NemotronRMSNorm(RMSNorm):

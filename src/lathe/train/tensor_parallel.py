@@ -29,6 +29,13 @@ data-parallel group. Within a group (Shoeybi et al. 2019, "Megatron-LM", arXiv:1
   norm's weight (shared by the heads) are taken through `copy_to_group`. Qwen3-Next's fused projections lay their
   rows out per key head (`in_proj_qkvz`: each head's q, k, its value heads' v and z; `in_proj_ba`: their b and a),
   so they are column-parallel as they are, each rank's rows its heads'; only the convolution stays whole there;
+- Nemotron-H's layers: its attention and relu^2 MLPs are cut as above (`mixer.q_proj` ..., `mixer.up_proj`,
+  `mixer.down_proj`); a Mamba2 layer runs this rank's 1/T of the groups of B and C with their heads (T must divide
+  `n_groups`, so that each group of the gated norm lies on one rank): `in_proj` ([z | x | B | C | dt] rows) and the
+  convolution ([x | B | C] channels, with its bias) are whole weights of which each rank takes its rows, as Qwen3.5's
+  `in_proj_qkv`; dt_bias, A_log, D and the gated norm's weight (per head, per channel) enter through `copy_to_group`;
+  `out_proj` is row-parallel (`_LocalMamba2`). Its MoE keeps its router and latent projections whole, its experts
+  over the group, its shared expert cut as a dense MLP;
 - a mixture-of-experts layer (Qwen3-MoE's, Qwen3.5-MoE's, Qwen3-Next's) keeps its router whole and places its routed
   experts over the group, E/T whole experts per rank, expert parallelism of the same size
   (`lathe.train.expert_parallel`): each rank runs its experts on the tokens routed there and the group sums their
@@ -110,10 +117,12 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
     if getattr(c, "mla", None) is not None:
         raise ValueError(f"{key}={size}: the latent attention of {c.architecture} (DeepSeek-V3 family) is "
                          f"not cut over a tensor-parallel group yet. Fix: set {key}=1.")
-    if getattr(c, "nemotron", None) is not None:
-        raise ValueError(f"{key}={size}: Nemotron-H's layers ({c.architecture}) are not cut over a tensor-parallel "
-                         f"group yet. Fix: set {key}=1.")
-    sparse = [layer.mlp for layer in stack.layers if not hasattr(layer.mlp, "gate_proj")]
+    nemotron = getattr(c, "nemotron", None)
+    if nemotron is not None:
+        _check_mamba(model, size, key)
+        sparse = [layer.mixer for layer in stack.layers if layer.block_type == "moe"]
+    else:
+        sparse = [layer.mlp for layer in stack.layers if not hasattr(layer.mlp, "gate_proj")]
     ep_key = f"{key.rpartition('.')[0]}.expert_parallel_size".lstrip(".")
     if sparse and (experts == 1 or experts % size and size % experts):
         raise ValueError(f"{key}={size} with mixture-of-experts layers ({c.architecture}): their experts "
@@ -121,16 +130,20 @@ def check_model(model, size: int, key: str, experts: int = 1) -> None:
                          f"inside each, by expert parallelism of the same size, a multiple or a divisor of it above 1 "
                          f"({ep_key}={experts}). Fix: set {ep_key}={size} (or a multiple or divisor), or {key}=1.")
     from lathe.models.deepseek import DeepseekMoeBlock
+    from lathe.models.nemotron_h import NemotronMoeBlock
     from lathe.models.qwen3_5 import SharedExpertMoeBlock
-    if any(type(mlp) not in (SparseMoeBlock, SharedExpertMoeBlock, DeepseekMoeBlock) for mlp in sparse):
+    if any(type(mlp) not in (SparseMoeBlock, SharedExpertMoeBlock, DeepseekMoeBlock, NemotronMoeBlock)
+           for mlp in sparse):
         raise ValueError(f"{key}={size} with the mixture-of-experts layers of {c.architecture}: only "
                          f"Qwen3-MoE's, Qwen3.5-MoE's, Qwen3-Next's and GLM-4.5's (a router, routed experts, shared "
                          f"experts; no attention sinks) are cut over a tensor-parallel group yet. Fix: set {key}=1 "
                          f"(and {ep_key} as without tensor parallelism).")
     sizes = {"query heads (num_attention_heads)": c.num_attention_heads,
-             "key/value heads (num_key_value_heads)": c.num_key_value_heads,
-             "intermediate_size": c.intermediate_size}
+             "key/value heads (num_key_value_heads)": c.num_key_value_heads}
+    if nemotron is None or "mlp" in nemotron.block_types:
+        sizes["intermediate_size"] = c.intermediate_size
     shared = getattr(getattr(c, "linear_attention", None), "shared_expert_intermediate_size", 0) or (
+        nemotron.shared_expert_intermediate_size if nemotron is not None and c.moe is not None else
         c.moe.n_shared_experts * c.moe.moe_intermediate_size if c.moe is not None else 0)
     if shared:                                  # Qwen3.5-MoE's shared expert, GLM-4.5's, cut as a dense MLP
         sizes["shared_expert_intermediate_size"] = shared
@@ -162,6 +175,9 @@ def parallelize(model: nn.Module, tp: TensorParallel | None) -> nn.Module:
     stack, _, embed = decoder_stack(model)
     mtp = list(getattr(stack, "mtp_layers", None) or ())         # MiMo: Qwen2 layers too; their extra norms and
     for layer in [*stack.layers, *mtp]:                           # input projection stay whole, as the norms do
+        if hasattr(layer, "block_type"):                          # Nemotron-H: one mixer a layer
+            _parallelize_nemotron_block(layer, tp)
+            continue
         linear = hasattr(layer, "linear_attn")                    # a hybrid's gated-DeltaNet layer (module doc)
         mixer = ({**(split if layer.linear_attn.la.projections == "split" else fused),
                   "linear_attn.out_proj": RowwiseParallel()} if linear else
@@ -336,6 +352,126 @@ class _LocalDeltaNet(_LocalFusedDeltaNet):
     def project(self, x: torch.Tensor):
         z = self.in_proj_z(x).unflatten(-1, (self.n_v, self.la.value_head_dim))
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+
+NEMOTRON_PLANS = {"full_attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("up_proj", "down_proj"),
+                  "moe": ("shared_experts.up_proj", "shared_experts.down_proj"), "linear_attention": ("out_proj",)}
+
+
+def _parallelize_nemotron_block(layer: nn.Module, tp: TensorParallel) -> None:
+    """A Nemotron-H layer cut over `tp`'s group (module doc): its projections column-parallel (q/k/v, up), or
+    row-parallel (o, down, out_proj); a Mamba2 mixer's whole weights and per-head vectors taken by rows
+    (`_local_mamba`); the MoE's experts by expert parallelism, after (`lathe.train.expert_parallel`)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    row = ("o_proj", "down_proj", "out_proj")
+    plan = {f"mixer.{name}": RowwiseParallel() if name.endswith(row) else ColwiseParallel()
+            for name in NEMOTRON_PLANS[layer.block_type]}
+    adapters = _take_adapters(layer, plan)
+    parallelize_module(layer, tp.mesh, plan)
+    _place_adapters(layer, adapters, plan, tp.mesh)
+    if layer.block_type == "full_attention":
+        layer.mixer.n_heads, layer.mixer.n_kv = layer.mixer.n_heads // tp.size, layer.mixer.n_kv // tp.size
+    elif layer.block_type == "linear_attention":
+        _local_mamba(layer.mixer, tp)
+
+
+def _local_mamba(mixer: nn.Module, tp: TensorParallel) -> None:
+    """`mixer` (a Mamba2 layer) runs rank `tp.rank`'s 1/T of the groups and of the heads (module doc)."""
+    from dataclasses import replace
+    cfg, t = mixer.cfg, tp.size
+    p, s, inner, bc = cfg.head_dim, cfg.state_size, cfg.inner, cfg.n_groups * cfg.state_size
+    heads, groups = cfg.num_heads // t, cfg.n_groups // t
+
+    def sections(r: int, start: int) -> tuple[slice, slice, slice]:      # x, B, C from row `start` on
+        return (slice(start + r * heads * p, start + (r + 1) * heads * p),
+                slice(start + inner + r * groups * s, start + inner + (r + 1) * groups * s),
+                slice(start + inner + bc + r * groups * s, start + inner + bc + (r + 1) * groups * s))
+    in_rows = [(slice(r * heads * p, (r + 1) * heads * p), *sections(r, inner),
+                slice(2 * inner + 2 * bc + r * heads, 2 * inner + 2 * bc + (r + 1) * heads)) for r in range(t)]
+    for module, rows, cls in ((mixer.in_proj, in_rows, _RowsLinear),
+                              (mixer.conv1d, [sections(r, 0) for r in range(t)], _RowsConvWithBias)):
+        module.__class__ = cls
+        module.tp_rows, module.tp_rank, module.tp_group = rows, tp.rank, tp.group
+    mixer.tp_heads, mixer.tp_group = slice(tp.rank * heads, (tp.rank + 1) * heads), tp.group
+    mixer.norm.__class__ = _local_channels(type(mixer.norm))
+    mixer.norm.tp_group, mixer.norm.tp_channels = tp.group, slice(tp.rank * heads * p, (tp.rank + 1) * heads * p)
+    mixer.cfg = replace(cfg, num_heads=heads, n_groups=groups)
+    mixer.__class__ = _local_mamba_class(type(mixer))
+
+
+class _RowsConvWithBias(_RowsOfWhole, nn.Conv1d):
+    """A Mamba2 layer's convolution: its rows' weight and bias taken together (`taken`, the method FSDP2 gathers
+    them for)."""
+
+    fsdp_method = "taken"
+
+    def taken(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bias = None if self.bias is None else take_rows(self.bias, self.tp_rows, self.tp_rank, self.tp_group,
+                                                        sharded=self.tp_sharded)
+        return self.taken_weight(), bias
+
+
+class _LocalMamba2:
+    """A Mamba2 mixer (`lathe.models.nemotron_h.Mamba2Mixer`) on this rank's groups and heads (module doc; mixed
+    into its class by `parallelize`): the convolution's rows (`_RowsConvWithBias`), the heads' dt_bias, A_log and D
+    through `copy_to_group`."""
+
+    tp_group: Any
+    tp_heads: slice
+
+    def conv_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight, bias = self.conv1d.taken()
+        return weight.squeeze(1), bias
+
+    def head_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(copy_to_group(p, self.tp_group)[self.tp_heads] for p in (self.dt_bias, self.A_log, self.D))
+
+
+class _LocalChannelsNorm:
+    """A Mamba2 layer's gated norm on this rank's channels: its weight (one per channel) enters through
+    `copy_to_group`, this rank's channels taken."""
+
+    tp_group: Any
+    tp_channels: slice
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        weight = self._parameters["weight"]
+        try:
+            self._parameters["weight"] = copy_to_group(weight, self.tp_group)[self.tp_channels]
+            return super().forward(*args)
+        finally:
+            self._parameters["weight"] = weight
+
+
+@functools.cache
+def _local_mamba_class(cls: type) -> type:
+    return type(f"TensorParallel{cls.__name__}", (_LocalMamba2, cls), {})
+
+
+@functools.cache
+def _local_channels(cls: type) -> type:
+    return type(f"TensorParallel{cls.__name__}", (_LocalChannelsNorm, cls), {})
+
+
+def _check_mamba(model, size: int, key: str) -> None:
+    """Raise unless Nemotron-H's Mamba2 layers can be cut over `size` ranks: groups that `size` divides, no bias on
+    in_proj (`use_bias`), no LoRA adapter on in_proj (a whole weight each rank takes rows of)."""
+    _, c, _ = decoder_stack(model)
+    m = c.nemotron.mamba
+    if m.n_groups % size:
+        ok = [t for t in range(1, m.n_groups + 1) if m.n_groups % t == 0]
+        raise ValueError(f"{key}={size}: {c.architecture}'s Mamba2 layers have {m.n_groups} groups of heads "
+                         f"(n_groups), which each rank of a tensor-parallel group holds 1/{size} of (each group's "
+                         f"gated norm on one rank). Fix: set {key} to one of {ok}.")
+    if m.proj_bias:
+        raise ValueError(f"{key}={size}: {c.architecture} with use_bias=true (biases on the Mamba2 projections) is "
+                         f"not cut over a tensor-parallel group yet. Fix: set {key}=1.")
+    from lathe.models.lora import lora_layers
+    if any(name.endswith("mixer.in_proj") for name, _ in lora_layers(model)):
+        raise ValueError(f"{key}={size} with a LoRA adapter on the Mamba2 layers' in_proj "
+                         f"(actor_rollout_ref.model.target_modules): under tensor parallelism each rank takes its "
+                         f"rows of that whole projection, which an adapter does not follow yet. Fix: leave in_proj "
+                         f"out of target_modules (out_proj is cut), or set {key}=1.")
 
 
 @functools.cache

@@ -120,12 +120,13 @@ def check_model(model, size: int, key: str, tp: int = 1, tp_key: str = "fsdp_con
         require_text_decoder(model, size, key, "run with Ulysses sequence parallelism")
     c = getattr(model.config, "text", model.config)
     nemotron = getattr(c, "nemotron", None)
-    if nemotron is not None and nemotron.mamba.n_groups % size:     # (no tensor parallelism beside: refused there)
-        groups = nemotron.mamba.n_groups
+    if nemotron is not None and (nemotron.mamba.n_groups // tp) % size:     # (tp divides them: its own check)
+        groups = nemotron.mamba.n_groups // tp
         ok = [s for s in range(1, groups + 1) if groups % s == 0]
-        raise ValueError(f"{key}={size}: {c.architecture}'s Mamba2 layers have {groups} groups of heads (n_groups), "
-                         f"which are split over the {size} ranks of a group with their heads and B, C, so {size} must "
-                         f"divide {groups}. Fix: set {key} to {' or '.join(map(str, ok[-3:]))}.")
+        beside = f" per rank of a tensor-parallel group of {tp} ({tp_key})" if tp > 1 else ""
+        raise ValueError(f"{key}={size}: {c.architecture}'s Mamba2 layers have {groups} groups of heads (n_groups)"
+                         f"{beside}, which are split over the {size} ranks of a group with their heads and B, C, so "
+                         f"{size} must divide {groups}. Fix: set {key} to {' or '.join(map(str, ok[-3:]))}.")
     la = getattr(c, "linear_attention", None)
     if la is not None and (la.num_key_heads // tp) % size:       # (tp divides them: the tensor-parallel check)
         mine = la.num_key_heads // tp

@@ -25,9 +25,10 @@ The Mamba2 layers see each packed sequence from a zero state. A padded batch run
 `linear_states` (the engine's step, `lathe.engine.linear_state`) has each sequence continue from its own states; a
 step of one token per sequence hands them to `Mamba2Mixer.step`. Prefix grouping (`actor.use_prefix_grouper`) runs
 each prompt once and each response from its prompt's final states (`Mamba2Mixer.grouped`); Ulysses sequence
-parallelism splits the Mamba2 layers by groups with their heads (`Mamba2Mixer.head_parallel`). Not built yet: tensor
-parallelism in training over these layers (refused by name), and fla's kernels for the scan on CUDA (the torch scan
-runs there).
+parallelism splits the Mamba2 layers by groups with their heads (`Mamba2Mixer.head_parallel`); tensor parallelism
+(training: `lathe.train.tensor_parallel`; the engine: `lathe.engine.tensor_parallel`) cuts them by groups too, a
+rank's convolution and per-head vectors read through `conv_params` / `head_params`. Not built yet: fla's kernels for
+the scan on CUDA (the torch scan runs there).
 """
 
 from __future__ import annotations
@@ -165,13 +166,13 @@ class Mamba2Mixer(nn.Module):
     def step(self, x: torch.Tensor, states) -> torch.Tensor:
         """One new token per sequence, x (S, hidden), each continuing from its own states, which `states` (the
         engine's `LinearStep`) advances where they lie (`conv_step`, `scan_step`). No host sync."""
-        cfg = self.cfg
+        cfg, (_, a_log, d) = self.cfg, self.head_params()
         z, xbc, dt = self.in_proj(x).split([cfg.inner, cfg.conv_dim, cfg.num_heads], dim=-1)
-        xbc = states.conv_step(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias)
+        xbc = states.conv_step(xbc, *self.conv_params())
         xs, B, C = xbc.split([cfg.inner, cfg.n_groups * cfg.state_size, cfg.n_groups * cfg.state_size], dim=-1)
         y = states.scan_step(xs.unflatten(-1, (cfg.num_heads, cfg.head_dim)), self.step_sizes(dt),
-                             -self.A_log.float().exp(), B.unflatten(-1, (cfg.n_groups, cfg.state_size)),
-                             C.unflatten(-1, (cfg.n_groups, cfg.state_size)), self.D)
+                             -a_log.float().exp(), B.unflatten(-1, (cfg.n_groups, cfg.state_size)),
+                             C.unflatten(-1, (cfg.n_groups, cfg.state_size)), d)
         return self.out_proj(self.norm(y.flatten(-2), z))
 
     def step_sizes(self, dt: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:

@@ -118,15 +118,16 @@ def round_trip(hf_dir, out_dir, vocab: int, **load_kwargs) -> tuple[set[str], st
     return names, json.loads((out_dir / "config.json").read_text())["architectures"][0]
 
 
-def assert_critic_round_trip(hf, tmp_path, vocab: int, architecture: str) -> None:
+def assert_critic_round_trip(hf, tmp_path, vocab: int, architecture: str, sparse=lambda layer: layer.mlp) -> None:
     """lathe's value model loads the causal LM `hf`'s saved backbone (its head at zero) and reads back the critic it
-    saves (under `architecture`, for families transformers has no token-classification class of: lathe's name)."""
+    saves (under `architecture`, for families transformers has no token-classification class of: lathe's name).
+    `sparse`: layer 1's DeepSeek-style MoE block (Nemotron-H's: its mixer)."""
     from lathe.models.decoder import LatheValueModel
     from lathe.models.deepseek import DeepseekMoeBlock
     from lathe.models.value import load_value_model
     hf.save_pretrained(tmp_path / "policy")
     critic = load_value_model(str(tmp_path / "policy"))
-    assert isinstance(critic, LatheValueModel) and isinstance(critic.model.layers[1].mlp, DeepseekMoeBlock)
+    assert isinstance(critic, LatheValueModel) and isinstance(sparse(critic.model.layers[1]), DeepseekMoeBlock)
     ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert critic(ids).logits.abs().max() == 0

@@ -141,22 +141,9 @@ def test_mtp_tensors_are_dropped_and_the_selection_bias_stays_float32(tmp_path):
 def test_a_critic_loads_the_policy_backbone_and_reads_back_its_own_save(tmp_path):
     """A value model from the causal LM's save (its head at zero), saved as lathe's NemotronHForTokenClassification
     under the Hub's backbone.* names, reads back the same values."""
-    from lathe.models.decoder import LatheValueModel
-    from lathe.models.value import load_value_model
-    nemotron_model(seed=8).save_pretrained(tmp_path / "policy")
-    critic = load_value_model(str(tmp_path / "policy"))
-    assert isinstance(critic, LatheValueModel) and critic.config.nemotron is not None
-    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert critic(ids).logits.abs().max() == 0
-        critic.score.weight.normal_()
-        want = critic(ids).logits
-    critic.save_pretrained(tmp_path / "critic")
-    assert json.loads((tmp_path / "critic" / "config.json").read_text())["architectures"] == [
-        "NemotronHForTokenClassification"]
-    back = load_value_model(str(tmp_path / "critic"))
-    with torch.no_grad():
-        assert_close_rel(back(ids).logits, want, rel=1e-6, name="values after the round trip")
+    from .moe_reference import assert_critic_round_trip
+    assert_critic_round_trip(nemotron_model(seed=8), tmp_path, VOCAB, "NemotronHForTokenClassification",
+                             sparse=lambda layer: layer.mixer)
 
 
 def test_unbuilt_layouts_are_refused_by_name():

@@ -34,9 +34,11 @@ def assert_logits_equal_transformers(hf, lathe, seed: int = 0, rel: float = 1e-5
     assert_close_rel(out, ref[real], rel=rel, name="packed logits")
 
 
-def assert_gradients_equal_transformers(hf, lathe, nonzero: tuple[str, ...], rel: float = 1e-6) -> None:
+def assert_gradients_equal_transformers(hf, lathe, nonzero: tuple[str, ...], rel: float = 1e-6,
+                                        layout=lambda grads: grads) -> None:
     """The gradients of every parameter after one loss over a ragged batch's logits (transformers padded, lathe packed)
-    agree within `rel`; those named in `nonzero` are not all zero (they take part)."""
+    agree within `rel`; those named in `nonzero` are not all zero (they take part). `layout`: lathe's gradients by
+    name in the checkpoint's layout (GLM-4's: `lathe.models.glm4.to_hub`)."""
     ids, mask, pos = ragged_batch(1)
     real = mask.bool()
     hf.zero_grad()
@@ -45,7 +47,7 @@ def assert_gradients_equal_transformers(hf, lathe, nonzero: tuple[str, ...], rel
     lathe.zero_grad()
     lathe.forward_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen,
                          return_hidden=False).pow(2).mean().backward()
-    grads = {n: p.grad for n, p in lathe.named_parameters()}
+    grads = layout({n: p.grad for n, p in lathe.named_parameters()})
     ref = {n: p.grad for n, p in hf.named_parameters()}
     assert set(grads) == set(ref)
     for name in nonzero:
@@ -121,13 +123,14 @@ def round_trip(hf_dir, out_dir, vocab: int, **load_kwargs) -> tuple[set[str], st
 def assert_critic_round_trip(hf, tmp_path, vocab: int, architecture: str, sparse=lambda layer: layer.mlp) -> None:
     """lathe's value model loads the causal LM `hf`'s saved backbone (its head at zero) and reads back the critic it
     saves (under `architecture`, for families transformers has no token-classification class of: lathe's name).
-    `sparse`: layer 1's DeepSeek-style MoE block (Nemotron-H's: its mixer)."""
+    `sparse`: layer 1's DeepSeek-style MoE block (Nemotron-H's: its mixer); None for a dense model."""
     from lathe.models.decoder import LatheValueModel
     from lathe.models.deepseek import DeepseekMoeBlock
     from lathe.models.value import load_value_model
     hf.save_pretrained(tmp_path / "policy")
     critic = load_value_model(str(tmp_path / "policy"))
-    assert isinstance(critic, LatheValueModel) and isinstance(sparse(critic.model.layers[1]), DeepseekMoeBlock)
+    assert isinstance(critic, LatheValueModel)
+    assert sparse is None or isinstance(sparse(critic.model.layers[1]), DeepseekMoeBlock)
     ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert critic(ids).logits.abs().max() == 0

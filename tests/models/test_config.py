@@ -15,7 +15,7 @@ def test_registry_names_the_families():
     assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                        "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
                                        "MiMoForCausalLM", "MistralForCausalLM", "SeedOssForCausalLM",
-                                       "Glm4MoeForCausalLM", "HYV3ForCausalLM", "Qwen3_5ForCausalLM",
+                                       "Glm4ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM", "Qwen3_5ForCausalLM",
                                        "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM"}
 
 

@@ -1,6 +1,7 @@
 """LoRA beside tensor parallelism (`lathe.train.tensor_parallel`'s adapter layout): on one group of 2 gloo ranks, the
 actor of a tiny Qwen2 decoder (q/k/v biases; and a Qwen3 one: q/k norms, tied embeddings) with adapters on every
-linear layer (all-linear) updates exactly as one process does over 2 AdamW steps: the metrics, the last step's adapter gradients (whole on every rank: a replicated
+linear layer (all-linear; and a GLM-4 one: norms on the attention's and MLP's outputs) updates exactly as one
+process does over 2 AdamW steps: the metrics, the last step's adapter gradients (whole on every rank: a replicated
 adapter's gradient is not a partial sum), the adapters after the updates and the log-probs after them. The base
 weights stay frozen; the reference (the adapters off) is the base model; the rollout engine receives the whole
 merged layers; the checkpoint written under TP 2 holds
@@ -35,6 +36,12 @@ def tiny_qwen3() -> LatheCausalLM:
     return tiny_model(1, architectures=["Qwen3ForCausalLM"], head_dim=8, tie_word_embeddings=True)
 
 
+def tiny_glm4() -> LatheCausalLM:
+    """GLM-4-shaped (q/k/v biases, RoPE over half of each head, its q/k rows permuted: `lathe.models.glm4`; norms on
+    the attention's and MLP's outputs), 2 layers."""
+    return tiny_model(2, architectures=["Glm4ForCausalLM"], head_dim=8)
+
+
 def lora_job(world: int, *, save=None, model_fn=None) -> dict:
     """2 updates (saved after them) of the one-process actor or of a rank of one TP group, then log-probs (and the
     reference's: the actor's model with its adapters off)."""
@@ -46,8 +53,9 @@ def lora_job(world: int, *, save=None, model_fn=None) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_lora")
     one = lora_job(1, save=root / "one")
-    ranks, qwen3 = run_ranks(T, root / "ranks", dict(save=root / "tp"), dict(model_fn=tiny_qwen3), fn=lora_job)
-    return ranks, one, root, qwen3
+    ranks, qwen3, glm4 = run_ranks(T, root / "ranks", dict(save=root / "tp"), dict(model_fn=tiny_qwen3),
+                                   dict(model_fn=tiny_glm4), fn=lora_job)
+    return ranks, one, root, qwen3, glm4
 
 
 def assert_same_updates(ranks: list[dict], one: dict, model_fn) -> None:
@@ -98,8 +106,15 @@ def test_fsdp_2_x_tp_2_with_lora_updates_as_one_process(runs, tmp_path):
 
 
 def test_tp_2_with_lora_updates_a_tied_qwen3_as_one_process(runs):
-    *_, qwen3 = runs
+    *_, qwen3, _ = runs
     assert_same_updates(qwen3, lora_job(1, model_fn=tiny_qwen3), tiny_qwen3)
+
+
+def test_tp_2_with_lora_updates_a_glm4_as_one_process(runs):
+    """GLM-4's post norms replicated beside the cut projections; its q/k rows permuted within each head."""
+    *_, glm4 = runs
+    assert tiny_glm4().config.rope_interleave
+    assert_same_updates(glm4, lora_job(1, model_fn=tiny_glm4), tiny_glm4)
 
 
 def test_reference_is_the_base_model_on_the_actors_groups(runs):
@@ -119,7 +134,7 @@ def test_engine_receives_the_whole_merged_layers(runs):
 
 
 def test_tp_checkpoint_holds_the_one_process_adapter_and_resumes_in_one_process(runs):
-    _, _, root, _ = runs
+    _, _, root, *_ = runs
     got, expected = (load_file(root / d / "lora_adapter" / ADAPTER_WEIGHTS) for d in ("tp", "one"))
     assert sorted(got) == sorted(expected) and all(k.startswith("base_model.model.model.layers.") for k in got)
     assert all(got[k].shape == expected[k].shape for k in got)                      # whole, PEFT's layout

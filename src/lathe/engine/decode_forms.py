@@ -216,8 +216,9 @@ def step_split_k(model, rows: int, prefill: bool = False) -> tuple[int, int] | N
     if not isinstance(decoder, LatheDecoderModel) or decoder.compile_backend is None or model.dtype == torch.float32 \
             or getattr(model.config, "mla", None) is not None \
             or getattr(model.config, "linear_attention", None) is not None \
-            or getattr(model.config, "nemotron", None) is not None:   # DeepSeek-V3's, the hybrids', Nemotron-H's
-        return None                                                    # layers have no split form
+            or getattr(model.config, "nemotron", None) is not None \
+            or getattr(model.config, "post_norms", False):    # DeepSeek-V3's, the hybrids', Nemotron-H's layers
+        return None                                            # have no split form, nor GLM-4's (a norm per output)
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda":
         return None

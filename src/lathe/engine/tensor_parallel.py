@@ -499,7 +499,7 @@ def shard_copy(model: LatheCausalLM, dtype: torch.dtype, device: torch.device, t
             out.model.mtp_layers = mtp_layers(model.config)
         if layout.experts is not None:
             layout.experts.place(out, tp, layout.dp)
-    load_into(out, local, "the actor's weights")
+    load_into(out, local, "the actor's weights", hub=False)
     if vl:
         from lathe.models.vl.vision import rebuild_meta_buffers
         rebuild_meta_buffers(out.model.visual, device)

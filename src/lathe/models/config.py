@@ -22,19 +22,21 @@ from lathe.models.nemotron_h_config import NemotronConfig
 # the hybrid linear-attention families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are in HYBRID_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "GptOssForCausalLM", "DeepseekV3ForCausalLM", "MiMoForCausalLM", "MistralForCausalLM",
-                           "SeedOssForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM", "NemotronHForCausalLM",
-                           *HYBRID_ARCHITECTURES}
-# The token-classification (critic) heads over the same backbones load too (GLM-4.5's, HY-V3's and Nemotron-H's: the
-# names lathe saves a critic under; transformers has no such classes)
+                           "SeedOssForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM",
+                           "NemotronHForCausalLM", *HYBRID_ARCHITECTURES}
+# The token-classification (critic) heads over the same backbones load too (GLM-4's, GLM-4.5's, HY-V3's and
+# Nemotron-H's: the names lathe saves a critic under; transformers has no such classes)
 VALUE_ARCHITECTURES = {"LlamaForTokenClassification", "Qwen2ForTokenClassification",
                        "Qwen3ForTokenClassification", "Qwen3MoeForTokenClassification", "GptOssForTokenClassification",
                        "DeepseekV3ForTokenClassification", "MistralForTokenClassification",
-                       "SeedOssForTokenClassification", "Glm4MoeForTokenClassification",
+                       "SeedOssForTokenClassification", "Glm4ForTokenClassification",
+                       "Glm4MoeForTokenClassification",
                        "HYV3ForTokenClassification", "NemotronHForTokenClassification"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "mimo": "MiMoForCausalLM", "mistral": "MistralForCausalLM",
-               "seed_oss": "SeedOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "hy_v3": "HYV3ForCausalLM",
+               "seed_oss": "SeedOssForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+               "hy_v3": "HYV3ForCausalLM",
                "nemotron_h": "NemotronHForCausalLM", **HYBRID_MODEL_TYPES}
 ROPE_TYPES = {"default", "linear", "llama3", "dynamic", "yarn"}
 # Families whose main model is exactly Qwen2's (q/k/v bias, no o bias): MiMo is Qwen2 plus its MTP layers
@@ -154,7 +156,12 @@ class LatheConfig:
     num_mtp_layers: int = 0                  # MiMo: multi-token-prediction layers (`lathe.models.mtp`), HF's
                                              # `num_nextn_predict_layers`; 0 = none
     rope: RopeConfig = field(default_factory=RopeConfig)
-    partial_rotary_factor: float = 1.0       # GLM-4.5, the hybrids: RoPE turns the first rotary_dim of each head
+    partial_rotary_factor: float = 1.0       # GLM-4, GLM-4.5, the hybrids: RoPE turns the first rotary_dim of a head
+    # GLM-4: the checkpoint's q/k heads turn their rotary features in interleaved pairs (x0, x1), (x2, x3), ...;
+    # lathe's modules hold them permuted to RoPE's halves layout, as its other models (`lathe.models.glm4`), and the
+    # checkpoint I/O permutes them (`io.module_layout` / `io.hub_layout`)
+    rope_interleave: bool = False
+    post_norms: bool = False                 # GLM-4: an RMSNorm on the attention's and the MLP's outputs too
     torch_dtype: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     # the language model of a vision-language checkpoint, run alone (`lathe.models.vl.load_language_model`): that
@@ -220,7 +227,8 @@ class LatheConfig:
             d = {**HYV3_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
             refuse_hy_v3_features(d, source)
         heads, glm = int(d["num_attention_heads"]), family == "Glm4Moe"
-        attention_bias = bool(d.get("attention_bias", family == "SeedOss"))     # (transformers' defaults)
+        glm4 = family == "Glm4"
+        attention_bias = bool(d.get("attention_bias", family in ("SeedOss", "Glm4")))     # (transformers' defaults)
         window, layer_types = _mistral_window(d, family)
         if family == "GptOss":
             from lathe.models.gpt_oss_config import gpt_oss_fields
@@ -239,19 +247,22 @@ class LatheConfig:
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            # (transformers' GLM-4 config defaults head_dim to 128)
+            head_dim=int(d.get("head_dim") or (128 if glm4 else int(d["hidden_size"]) // heads)),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=True if family in QWEN2_BODIES else attention_bias and family != "Mistral",
             o_bias=(bool(d.get("attention_out_bias", False)) if family == "SeedOss"
-                    else False if family in QWEN2_BODIES + ("Mistral", "Glm4Moe") else attention_bias),
+                    else False if family in QWEN2_BODIES + ("Mistral", "Glm4", "Glm4Moe") else attention_bias),
             mlp_bias=bool(d.get("mlp_bias", False)) if family in ("Llama", "SeedOss") else False,
             sliding_window=window, layer_types=layer_types,
             qk_norm=family in ("Qwen3", "Qwen3Moe", "HYV3") or hybrid or glm and bool(d.get("use_qk_norm", False)),
             moe=MoeConfig.from_hf_dict(_hybrid_moe_dict(d, arch)) if family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next")
             else _glm_moe(d, source) if glm else _hy_moe(d, source) if family == "HYV3" else None,
-            partial_rotary_factor=_partial_rotary_factor(d, 0.5 if glm else 1.0),     # (others: 1, `_check_features`)
+            # (others: 1, `_check_features`)
+            partial_rotary_factor=_partial_rotary_factor(d, 0.5 if glm or glm4 else 1.0),
+            rope_interleave=glm4, post_norms=glm4,
             linear_attention=LinearAttentionConfig.from_hf_dict(d, arch, source) if hybrid else None,
             num_mtp_layers=int(d.get("num_nextn_predict_layers") or 0) if family == "MiMo" else 0,
             rope=read_rope(d, source),
@@ -262,7 +273,8 @@ class LatheConfig:
 
 def _partial_rotary_factor(d: dict[str, Any], default: float) -> float:
     """The share of each head RoPE turns: `rope_parameters.partial_rotary_factor` (transformers 5), the top-level key
-    (4.x), else the family's default (GLM-4.5's 0.5, as transformers sets it for configs without the key; 1)."""
+    (4.x), else the family's default (GLM-4's and GLM-4.5's 0.5, as transformers sets it for configs without the key;
+    1)."""
     prf = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
     prf = default if prf is None else float(prf)
     if not 0.0 < prf <= 1.0:
@@ -338,7 +350,7 @@ def _check_features(d: dict[str, Any], arch: str, source: str) -> None:
         raise UnsupportedArchitecture(f"{source}: {arch} with layer_types other than {' or '.join(sorted(allowed))}"
                                       f"{fallback}")
     prf = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
-    if prf not in (None, 1, 1.0) and not arch.startswith("Glm4Moe"):       # (GLM-4.5's: `LatheConfig.rotary_dim`)
+    if prf not in (None, 1, 1.0) and not arch.startswith("Glm4"):       # (GLM-4's, GLM-4.5's: `LatheConfig.rotary_dim`)
         raise UnsupportedArchitecture(f"{source}: {arch} with partial_rotary_factor={prf}{fallback}")
 
 

@@ -1,7 +1,8 @@
 """lathe's decoder: Llama 3.x, Mistral, Seed-OSS, Qwen2/2.5 (q/k/v bias; MiMo is Qwen2 plus multi-token-prediction
 layers, `lathe.models.mtp`), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with mixture-of-experts MLPs, `lathe.models.moe`),
-GPT-OSS (attention sinks, sliding-window layers, its own MoE: `lathe.models.gpt_oss`) and GLM-4.5 (partial RoPE,
-DeepSeek-V3's MoE: `lathe.models.deepseek.DeepseekMoeBlock`) in one module tree; the hybrid linear-attention families
+GPT-OSS (attention sinks, sliding-window layers, its own MoE: `lathe.models.gpt_oss`), GLM-4 (partial RoPE, norms on
+the attention's and MLP's outputs: `lathe.models.glm4`) and GLM-4.5 (partial RoPE, DeepSeek-V3's MoE:
+`lathe.models.deepseek.DeepseekMoeBlock`) in one module tree; the hybrid linear-attention families
 (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) bring their own layers (`lathe.models.qwen3_5`), and so does the DeepSeek-V3
 family (latent attention, its MoE: `lathe.models.deepseek`).
 
@@ -150,7 +151,8 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)); the MLP is a mixture of experts in the sparse
-    layers of a MoE model (`index`: the layer's place in the stack)."""
+    layers of a MoE model (`index`: the layer's place in the stack). GLM-4's (`cfg.post_norms`) norms the attention's
+    and the MLP's outputs too before each residual add (`post_self_attn_layernorm`, `post_mlp_layernorm`)."""
 
     def __init__(self, cfg: LatheConfig, index: int = 0):
         super().__init__()
@@ -158,14 +160,21 @@ class DecoderLayer(nn.Module):
         self.mlp = sparse_block(cfg)(cfg) if cfg.is_sparse_layer(index) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.post_norms:
+            self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         # self_attn's steps spelled out here, so that in a compiled layer the graph breaks at `attend` in this
         # frame: one graph before attention, one after, every input of both marked dynamic
         rotates = attn.rotates      # the attention applies RoPE itself
         q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin, rotate=not rotates)
-        x = x + self.self_attn.o_proj(attend(attn, q, k, v, torch.compiler.is_compiling(),
-                                             (cos, sin) if rotates else None, self.self_attn.options()))
+        out = self.self_attn.o_proj(attend(attn, q, k, v, torch.compiler.is_compiling(),
+                                           (cos, sin) if rotates else None, self.self_attn.options()))
+        if hasattr(self, "post_self_attn_layernorm"):       # GLM-4
+            x = x + self.post_self_attn_layernorm(out)
+            return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
+        x = x + out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -32,7 +32,7 @@ def frozen_copy(model, dtype: torch.dtype, device: torch.device, *, share: bool 
              if not (tied and k == "lm_head.weight")}
     with torch.device("meta"):
         out = type(model)(model.config)
-    load_into(out, state, "the actor's weights")
+    load_into(out, state, "the actor's weights", hub=False)
     return out.requires_grad_(False).eval()
 
 

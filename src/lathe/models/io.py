@@ -120,13 +120,21 @@ def module_names(names: Iterable[str], cfg) -> set[str]:
     """The module names of a checkpoint's tensor names (`module_layout`'s, without reading the tensors)."""
     from lathe.models.moe import fused_names
     pairs = _to_modules(cfg)
-    return fused_names(_renamed(n, pairs) for n in names)
+    names = (_renamed(n, pairs) for n in names)
+    if getattr(cfg, "rope_interleave", False):         # GLM-4: gate_up_proj read as gate_proj + up_proj
+        from lathe.models import glm4
+        names = glm4.module_names(names)
+    return fused_names(names)
 
 
 def module_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors under lathe's module names: per-expert MoE weights fused, `HUB_NAMES` renamed."""
     pairs = _to_modules(cfg)
-    return fuse_expert_weights({_renamed(k, pairs): v for k, v in state.items()} if pairs else state)
+    state = fuse_expert_weights({_renamed(k, pairs): v for k, v in state.items()} if pairs else state)
+    if getattr(cfg, "rope_interleave", False):         # GLM-4's RoPE pairs and fused gate/up (`lathe.models.glm4`)
+        from lathe.models import glm4
+        state = glm4.to_modules(state, cfg)
+    return state
 
 
 def hub_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
@@ -134,15 +142,20 @@ def hub_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     moe = getattr(cfg, "moe", None)
     if moe is not None and not moe.fused_on_disk:      # GPT-OSS's checkpoints keep the fused tensors
         state = split_expert_weights(state)
+    if getattr(cfg, "rope_interleave", False):
+        from lathe.models import glm4
+        state = glm4.to_hub(state, cfg)
     pairs = tuple((new, old) for old, new in HUB_NAMES.get(getattr(cfg, "family", None), ()))
     return {_renamed(k, pairs): v for k, v in state.items()} if pairs else state
 
 
 def load_into(model: nn.Module, state: dict[str, torch.Tensor], source: str, *,
-              optional: tuple[str, ...] = ()) -> list[str]:
-    """Assign `state` (checkpoint names: per-expert MoE weights are fused here) to a (meta-device) model; names in
-    `optional` may be missing. Returns those missing."""
-    state = module_layout(_drop_unrun_mtp(model, state, source), model.config)
+              optional: tuple[str, ...] = (), hub: bool = True) -> list[str]:
+    """Assign `state` (checkpoint names: per-expert MoE weights are fused here; with `hub=False` the tensors of
+    another lathe model, in its modules' layout but for per-expert weights, which are fused) to a (meta-device)
+    model; names in `optional` may be missing. Returns those missing."""
+    state = _drop_unrun_mtp(model, state, source)
+    state = module_layout(state, model.config) if hub else fuse_expert_weights(state)
     _drop_absent_mtp(model, state, source)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied:

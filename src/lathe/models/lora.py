@@ -67,8 +67,12 @@ def target_names(model: nn.Module, target_modules: str | list[str], exclude_modu
                  *, key: str = "actor_rollout_ref.model") -> list[str]:
     """The module paths LoRA adapts (PEFT's matching: a path equal to or ending in ``.<name>``); `key`: the config
     group an error names."""
+    glm4 = getattr(_text_config(model), "rope_interleave", False)
+
     def matches(path: str, names) -> bool:
         names = [names] if isinstance(names, str) else list(names or [])
+        if glm4 and "gate_up_proj" in names:            # GLM-4's module, lathe's gate_proj + up_proj
+            names += ["gate_proj", "up_proj"]
         return any(path == n or path.endswith("." + n) for n in names)
 
     linear = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith(DECODER_PREFIXES)]
@@ -230,13 +234,30 @@ def adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
 def adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """`adapter_params` under PEFT's names (an adapter's ``<path>.lora_A.weight``, a saved module's parameter by its
     own name); `tensors` (by lathe's names) replaces the module's own (fp32 masters)."""
+    return _peft_state(model, tensors)[0]
+
+
+def _peft_state(model: nn.Module, tensors: dict[str, torch.Tensor] | None):
+    """(`adapter_state`, the written rank of each GLM-4 gate_up_proj in units of the model's rank by its path)."""
+    state = {name: (tensors[name] if tensors is not None else param).detach().to("cpu")
+             for name, param in adapter_params(model).items()}
+    ranks = {}
+    cfg = _text_config(model)
+    if getattr(cfg, "rope_interleave", False):          # GLM-4's checkpoint layout (`lathe.models.glm4`)
+        from lathe.models import glm4
+        state, ranks = glm4.adapter_to_hub(state, cfg)
     out = {}
-    for name, param in adapter_params(model).items():
-        value = tensors[name] if tensors is not None else param
+    for name, value in state.items():
         name = _checkpoint_path(model, name)
         peft_name = f"{PEFT_PREFIX}{name}.weight" if is_adapter(name) else f"{PEFT_PREFIX}{name}"
-        out[peft_name] = value.detach().to("cpu").contiguous()
-    return out
+        out[peft_name] = value.contiguous()
+    return out, {_checkpoint_path(model, k): v for k, v in ranks.items()}
+
+
+def _text_config(model: nn.Module):
+    """The config of the model's language model (a VL model's `text`)."""
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "text", cfg)
 
 
 def save_adapter(model: nn.Module, path: str | Path, *, base_model: str | None = None,
@@ -255,11 +276,26 @@ def save_adapter(model: nn.Module, path: str | Path, *, base_model: str | None =
               "init_lora_weights": True, "modules_to_save": saved, "layers_to_transform": None,
               "layers_pattern": None}
     same_leaves = {p for p, _ in _linear(model) if p.rsplit(".", 1)[-1] in modules}
+    state, ranks = _peft_state(model, tensors)
+    written = [_checkpoint_path(model, p) for p in spec["target_modules"]]
+    if ranks:       # GLM-4: lathe's gate and up adapters written as one gate_up_proj adapter (`lathe.models.glm4`)
+        written = list(dict.fromkeys(_gate_up_path(p) for p in written))
+        config["target_modules"] = sorted({_gate_up_path(m) for m in modules})
+        keys = {"gate_up_proj": next(iter(ranks.values()))} if len(set(ranks.values())) == 1 else ranks
+        config["rank_pattern"] = {k: spec["r"] * n for k, n in keys.items()}          # PEFT's: each its rank and
+        config["alpha_pattern"] = {k: spec["lora_alpha"] * n for k, n in keys.items()}   # alpha (scale alpha / r)
     if same_leaves != set(spec["target_modules"]):       # some layers of those names excluded: list the paths
-        config["target_modules"] = "(?:" + "|".join(_checkpoint_path(model, p).replace(".", r"\.")
-                                                    for p in spec["target_modules"]) + ")"
+        config["target_modules"] = "(?:" + "|".join(p.replace(".", r"\.") for p in written) + ")"
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-    save_file(adapter_state(model, tensors), str(path / ADAPTER_WEIGHTS))
+    save_file(state, str(path / ADAPTER_WEIGHTS))
+    return path
+
+
+def _gate_up_path(path: str) -> str:
+    """GLM-4's module of lathe's gate_proj / up_proj (`lathe.models.glm4`)."""
+    for leaf in ("gate_proj", "up_proj"):
+        if path == leaf or path.endswith(".mlp." + leaf):
+            return path[:-len(leaf)] + "gate_up_proj"
     return path
 
 
@@ -275,10 +311,15 @@ def _checkpoint_path(model: nn.Module, path: str) -> str:
 
 
 def model_paths(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` (as `read_adapter` returns them) under the model's own module paths (see `_checkpoint_path`)."""
-    if getattr(getattr(model, "config", None), "vl_checkpoint", None) is None:
-        return tensors
-    return {("model." + k[len(_VL_TEXT):] if k.startswith(_VL_TEXT) else k): t for k, t in tensors.items()}
+    """`tensors` (as `read_adapter` returns them) under the model's own module paths (see `_checkpoint_path`), in its
+    layers' layout (GLM-4's: `lathe.models.glm4.adapter_to_modules`)."""
+    if getattr(getattr(model, "config", None), "vl_checkpoint", None) is not None:
+        tensors = {("model." + k[len(_VL_TEXT):] if k.startswith(_VL_TEXT) else k): t for k, t in tensors.items()}
+    cfg = _text_config(model)
+    if getattr(cfg, "rope_interleave", False):
+        from lathe.models import glm4
+        tensors = glm4.adapter_to_modules(tensors, cfg, model.lora["r"])
+    return tensors
 
 
 def _linear(model: nn.Module):
@@ -310,11 +351,10 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def check_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> dict[str, nn.Parameter]:
-    """The model's adapter parameters by lathe's name, once `tensors` (as `read_adapter` returns them) is known to
-    fit them: a missing, extra or misshapen tensor is an error naming it. (A sharded parameter reports its full
-    shape.)"""
+    """The model's adapter parameters by lathe's name, once `tensors` (`read_adapter`'s, through `model_paths`) is
+    known to fit them: a missing, extra or misshapen tensor is an error naming it. (A sharded parameter reports its
+    full shape.)"""
     own = adapter_params(model)
-    tensors = model_paths(model, tensors)
     missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or extra:
         raise ValueError(f"{source}: the adapter does not fit this model's LoRA layers (missing {missing[:4]}, "
@@ -329,8 +369,7 @@ def check_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: st
 
 @torch.no_grad()
 def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy adapter tensors (lathe's names, as `read_adapter` returns them) into an adapted model (not sharded);
-    see `check_adapter` for the errors."""
-    tensors = model_paths(model, tensors)
+    """Copy adapter tensors (`read_adapter`'s, through `model_paths`) into an adapted model (not sharded); see
+    `check_adapter` for the errors."""
     for name, param in check_adapter(model, tensors, source).items():
         param.copy_(tensors[name])

@@ -48,7 +48,7 @@ def adapt(model: nn.Module, model_cfg, *, key: str, role: str, seed: int, module
                        key=key)
     adapter = getattr(model_cfg, "lora_adapter_path", None)
     if adapter:
-        load_adapter(model, read_adapter(adapter)[1], f"{key}.lora_adapter_path={adapter}")
+        load_adapter(model, model_paths(model, read_adapter(adapter)[1]), f"{key}.lora_adapter_path={adapter}")
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     experts = sum(p.numel() for block in sparse_blocks(model) for p in block.experts.parameters())
     log.info("%s: LoRA rank %d on %d layers%s: %.2fM trainable parameters of %.1fM%s", role, model_cfg.lora_rank,

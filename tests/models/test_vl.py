@@ -1,5 +1,5 @@
-"""lathe's Qwen2.5-VL / Qwen3-VL against transformers: same logits on ragged image+text batches, packed == padded,
-the 3D positions of `get_rope_index`, M-RoPE cos/sin, checkpoint names and loading."""
+"""lathe's Qwen2.5-VL / Qwen3-VL / Qwen3.5 / GLM-4.1V against transformers: same logits on ragged image+text
+batches, packed == padded, the 3D positions of `get_rope_index`, M-RoPE cos/sin, checkpoint names and loading."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lathe.models import UnsupportedArchitecture, load_lathe_model
-from lathe.models.io import read_state_dict
+from lathe.models.io import module_names, read_state_dict
 from lathe.models.moe import fuse_expert_weights
 from lathe.models.vl import (ImageEmbeddings, LatheVLForConditionalGeneration, VLConfig, load_lathe_vl_model,
                              mrope_positions, packed_mrope_positions, rename_legacy_keys)
@@ -46,10 +46,10 @@ def _pack(ids, mask, positions):
 def test_state_dict_names_equal_the_hf_checkpoint(pair):
     hf, lathe, path = pair
     names = set(lathe.state_dict())
-    assert names == set(hf.state_dict())
+    assert names == module_names(hf.state_dict(), lathe.config)     # (GLM-4.1V's gate_up_proj: gate_proj, up_proj)
     # transformers 5 writes Qwen2.5-VL in the hub's layout (`visual.*`, `model.layers.*`), Qwen3-VL as its modules
     # (Qwen3.5-MoE's experts: one tensor per expert on disk, stacked in the modules, as lathe's text MoE models)
-    assert names == set(fuse_expert_weights(rename_legacy_keys(read_state_dict(path))))
+    assert names == module_names(fuse_expert_weights(rename_legacy_keys(read_state_dict(path))), lathe.config)
     assert any(n.startswith("model.visual.") for n in names) and "lm_head.weight" in names
     assert any(n.startswith("model.language_model.layers.1.") for n in names)
 
@@ -77,6 +77,10 @@ def test_mrope_cos_sin_equal_transformers(pair):
     positions = torch.randint(0, 200, (3, 2, 11))
     ref_cos, ref_sin = hf.model.language_model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
     cos, sin = lathe.model.language_model.rotary_emb(positions, torch.float32)
+    if lathe.config.text.rope_interleave:       # GLM-4.1V: transformers' pairs, lathe's halves (`models.glm4`)
+        from lathe.models.glm4 import rope_order
+        order = rope_order(cos.shape[-1], cos.shape[-1])
+        ref_cos, ref_sin = ref_cos[..., order], ref_sin[..., order]
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
 
 

@@ -142,14 +142,16 @@ def test_lora_on_a_vl_model_adapts_the_language_model_and_the_engine_runs_merged
         assert torch.allclose(merged[f"{path}.weight"].float(), engine[f"{path}.weight"].float(), atol=1e-6), path
 
 
-def test_peft_loads_a_vl_adapter_to_the_same_logits(tmp_path):
-    """A VL model's adapter, saved in PEFT's layout, loads onto transformers' Qwen2.5-VL with PEFT to the same logits
-    on a ragged image batch."""
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "glm4v"])
+def test_peft_loads_a_vl_adapter_to_the_same_logits(tmp_path, family):
+    """A VL model's adapter, saved in PEFT's layout, loads onto transformers' Qwen2.5-VL (GLM-4.1V: its q/k rows and
+    gate_up_proj in the checkpoint's layout, `lathe.models.glm4`) with PEFT to the same logits on a ragged image
+    batch."""
     peft = pytest.importorskip("peft")
     from lathe.models.lora import apply_lora, lora_layers, save_adapter
     from lathe.models.vl import load_lathe_vl_model
     from models.vl_tiny import ragged_vl_batch
-    path, hf = save_hf(tmp_path, "qwen2_5_vl")
+    path, hf = save_hf(tmp_path, family)
     model = load_lathe_vl_model(path)
     apply_lora(model, rank=4, alpha=8)
     with torch.no_grad():

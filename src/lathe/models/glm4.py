@@ -26,6 +26,8 @@ import torch
 
 _ROTATED = (".self_attn.q_proj.", ".self_attn.k_proj.")
 _GATE_UP = ".mlp.gate_up_proj."
+# the language model's layers (a GLM-4.1V checkpoint's too; its vision tower's MLPs are gate_proj / up_proj already)
+_TEXT = ("model.layers.", "model.language_model.layers.")
 
 
 @functools.cache
@@ -49,7 +51,12 @@ def _orders(cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rotated(name: str) -> bool:
     """Whether tensor `name` is a q or k projection's (its rows in the heads' feature order)."""
-    return any(part in name for part in _ROTATED)
+    return name.startswith(_TEXT) and any(part in name for part in _ROTATED)
+
+
+def _mlp(name: str, part: str) -> bool:
+    """Whether tensor `name` is of a language-model layer's MLP projection `part` (".mlp.gate_up_proj." ...)."""
+    return name.startswith(_TEXT) and part in name
 
 
 def to_modules(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
@@ -57,7 +64,7 @@ def to_modules(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     order, _ = _orders(cfg)
     out = {}
     for name, t in state.items():
-        if _GATE_UP in name and ".lora_" not in name:
+        if _mlp(name, _GATE_UP) and ".lora_" not in name:
             gate, up = t.chunk(2, dim=0)
             out[name.replace(_GATE_UP, ".mlp.gate_proj.")] = gate
             out[name.replace(_GATE_UP, ".mlp.up_proj.")] = up
@@ -73,9 +80,9 @@ def to_hub(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     _, inverse = _orders(cfg)
     out = {}
     for name, t in state.items():
-        if ".mlp.gate_proj." in name and ".lora_" not in name:
+        if _mlp(name, ".mlp.gate_proj.") and ".lora_" not in name:
             out[name.replace(".mlp.gate_proj.", _GATE_UP)] = torch.cat([t, state[name.replace("gate_proj", "up_proj")]])
-        elif ".mlp.up_proj." in name and ".lora_" not in name:
+        elif _mlp(name, ".mlp.up_proj.") and ".lora_" not in name:
             continue
         elif _rotated(name):
             out[name] = _heads_rows(t, inverse)
@@ -88,7 +95,7 @@ def module_names(names) -> set[str]:
     """The module names of a checkpoint's tensor names (`to_modules` without the tensors)."""
     out = set()
     for name in names:
-        if _GATE_UP in name:
+        if _mlp(name, _GATE_UP):
             out |= {name.replace(_GATE_UP, ".mlp.gate_proj."), name.replace(_GATE_UP, ".mlp.up_proj.")}
         else:
             out.add(name)
@@ -114,13 +121,13 @@ def adapter_to_modules(tensors: dict[str, torch.Tensor], cfg, rank: int) -> dict
     order, _ = _orders(cfg)
     out = {}
     for name, t in tensors.items():
-        if _GATE_UP in name and name.endswith(".lora_A"):
+        if _mlp(name, _GATE_UP) and name.endswith(".lora_A"):
             base = name[:-len(".lora_A")]
             gate, up = _adapter_split(base, t, tensors[base + ".lora_B"], rank)
             for proj, (a, b) in (("gate_proj", gate), ("up_proj", up)):
                 stem = base.replace(_GATE_UP[:-1], f".mlp.{proj}")
                 out[stem + ".lora_A"], out[stem + ".lora_B"] = a, b
-        elif _GATE_UP in name:
+        elif _mlp(name, _GATE_UP):
             continue
         elif _rotated(name + ".") and name.endswith(".lora_B"):
             out[name] = _heads_rows(t, order)
@@ -135,10 +142,10 @@ def adapter_to_hub(tensors: dict[str, torch.Tensor], cfg) -> tuple[dict[str, tor
     _, inverse = _orders(cfg)
     out, ranks = {}, {}
     for name, t in tensors.items():
-        if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+        if _mlp(name, ".mlp.gate_proj.") or _mlp(name, ".mlp.up_proj."):
             continue
         out[name] = _heads_rows(t, inverse) if _rotated(name + ".") and name.endswith(".lora_B") else t
-    stems = {n.rsplit(".mlp.", 1)[0] for n in tensors if ".mlp.gate_proj." in n or ".mlp.up_proj." in n}
+    stems = {n.rsplit(".mlp.", 1)[0] for n in tensors if _mlp(n, ".mlp.gate_proj.") or _mlp(n, ".mlp.up_proj.")}
     for stem in sorted(stems):
         parts = [(tensors.get(f"{stem}.mlp.{p}.lora_A"), tensors.get(f"{stem}.mlp.{p}.lora_B"))
                  for p in ("gate_proj", "up_proj")]

@@ -121,7 +121,7 @@ def module_names(names: Iterable[str], cfg) -> set[str]:
     from lathe.models.moe import fused_names
     pairs = _to_modules(cfg)
     names = (_renamed(n, pairs) for n in names)
-    if getattr(cfg, "rope_interleave", False):         # GLM-4: gate_up_proj read as gate_proj + up_proj
+    if _glm4(cfg) is not None:         # GLM-4: gate_up_proj read as gate_proj + up_proj
         from lathe.models import glm4
         names = glm4.module_names(names)
     return fused_names(names)
@@ -131,10 +131,16 @@ def module_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor
     """A checkpoint's tensors under lathe's module names: per-expert MoE weights fused, `HUB_NAMES` renamed."""
     pairs = _to_modules(cfg)
     state = fuse_expert_weights({_renamed(k, pairs): v for k, v in state.items()} if pairs else state)
-    if getattr(cfg, "rope_interleave", False):         # GLM-4's RoPE pairs and fused gate/up (`lathe.models.glm4`)
+    if _glm4(cfg) is not None:         # GLM-4's RoPE pairs and fused gate/up (`lathe.models.glm4`)
         from lathe.models import glm4
-        state = glm4.to_modules(state, cfg)
+        state = glm4.to_modules(state, _glm4(cfg))
     return state
+
+
+def _glm4(cfg):
+    """The language model's config where it is GLM-4's (GLM-4.1V's too: `lathe.models.glm4`), else None."""
+    text = getattr(cfg, "text", cfg)
+    return text if getattr(text, "rope_interleave", False) else None
 
 
 def hub_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
@@ -142,9 +148,9 @@ def hub_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     moe = getattr(cfg, "moe", None)
     if moe is not None and not moe.fused_on_disk:      # GPT-OSS's checkpoints keep the fused tensors
         state = split_expert_weights(state)
-    if getattr(cfg, "rope_interleave", False):
+    if _glm4(cfg) is not None:
         from lathe.models import glm4
-        state = glm4.to_hub(state, cfg)
+        state = glm4.to_hub(state, _glm4(cfg))
     pairs = tuple((new, old) for old, new in HUB_NAMES.get(getattr(cfg, "family", None), ()))
     return {_renamed(k, pairs): v for k, v in state.items()} if pairs else state
 

@@ -1,4 +1,5 @@
-"""The shape of a Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3.5-MoE checkpoint, read from its plain `config.json`.
+"""The shape of a Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3.5-MoE / GLM-4.1V checkpoint, read from its plain
+`config.json`.
 
 Both layouts are read: transformers 5 (`text_config` / `vision_config` sub-dictionaries) and the flat 4.x layout
 of the early Qwen2.5-VL releases (text keys at the top level, `rope_scaling: {"type": "mrope", ...}`). The language
@@ -20,18 +21,20 @@ VL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
                     "Qwen3VLForConditionalGeneration": "qwen3_vl",
                     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
                     "Qwen3_5ForConditionalGeneration": "qwen3_5",
-                    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+                    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+                    "Glm4vForConditionalGeneration": "glm4v"}
 _MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
                 "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-                "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+                "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                "glm4v": "Glm4vForConditionalGeneration"}
 # the Qwen3.5 families' language models: lathe's hybrid decoder layers, read as their text-only checkpoints are
 HYBRID_TEXT = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 INTERLEAVED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")   # M-RoPE axes interleaved over rotary dims
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")              # Qwen3-style attention (q/k norms), deepstack features
 _DEFAULT_SECTION = {"qwen3_vl": [24, 20, 20], "qwen3_vl_moe": [24, 20, 20], "qwen3_5": [11, 11, 10],
-                    "qwen3_5_moe": [11, 11, 10]}
+                    "qwen3_5_moe": [11, 11, 10], "glm4v": [8, 12, 12]}
 _DEFAULT_THETA = {"qwen2_5_vl": 1000000.0, "qwen3_vl": 5000000.0, "qwen3_vl_moe": 5000000.0, "qwen3_5": 10000.0,
-                  "qwen3_5_moe": 10000.0}
+                  "qwen3_5_moe": 10000.0, "glm4v": 10000.0}
 _FALLBACK = "; the transformers fallback will be used"
 
 
@@ -40,7 +43,7 @@ class VLConfig:
     """What the VL model needs: the text decoder's `LatheConfig`, the vision dictionary and the special tokens."""
 
     architecture: str
-    family: str                      # "qwen2_5_vl" | "qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe"
+    family: str                      # "qwen2_5_vl" | "qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe" | "glm4v"
     text: LatheConfig
     vision: dict[str, Any]
     mrope_section: list[int]         # rotary half-dims given to the (temporal, height, width) position axes
@@ -90,6 +93,7 @@ class VLConfig:
         # (where a config names no sections, transformers' rotary embeddings fall back to these)
         section = params.pop("mrope_section", _DEFAULT_SECTION.get(family))
         params.pop("mrope_interleaved", None)
+        prf = params.get("partial_rotary_factor", text.get("partial_rotary_factor"))    # (GLM-4.1V's; else 1)
         if (params.get("rope_type") or params.get("type")) == "mrope":
             params["rope_type"] = "default"
             params.pop("type", None)
@@ -97,7 +101,7 @@ class VLConfig:
             raise ValueError(f"{source}: {arch} needs rope_parameters.mrope_section, three ints (temporal, height, "
                              f"width rotary half-dims), got {section!r}; copy it from the model card's config.json")
         text_cfg = (_hybrid_text_config(text, family, params, source) if family in HYBRID_TEXT
-                    else _text_config(text, family, arch, params, source))
+                    else _text_config(text, family, arch, params, source, prf))
         _check_section(section, text_cfg.rotary_dim, family, source)
         # the top-level key decides where there is one, as transformers reads it (Qwen3-VL-MoE's text config
         # defaults to tied beside an untied model)
@@ -111,8 +115,11 @@ class VLConfig:
                    torch_dtype=d.get("dtype") or d.get("torch_dtype") or text.get("dtype"), hf_config=dict(d))
 
 
-def _text_config(t: dict[str, Any], family: str, arch: str, rope_params: dict, source: str) -> LatheConfig:
-    """The language model as lathe's decoder sees it: Qwen2-style (q/k/v bias) or Qwen3-style (q/k norm)."""
+def _text_config(t: dict[str, Any], family: str, arch: str, rope_params: dict, source: str,
+                 partial_rotary_factor: float | None = None) -> LatheConfig:
+    """The language model as lathe's decoder sees it: Qwen2-style (q/k/v bias), Qwen3-style (q/k norm) or GLM-4's
+    (q/k/v bias, RoPE over `partial_rotary_factor` of each head in interleaved pairs, norms on the attention's and
+    MLP's outputs: `lathe.models.glm4`)."""
     act = t.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitecture(f"{source}: {arch} with text hidden_act={act!r} (lathe implements silu)"
@@ -141,6 +148,8 @@ def _text_config(t: dict[str, Any], family: str, arch: str, rope_params: dict, s
         max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         qkv_bias=bias if qwen3 else True, o_bias=bias if qwen3 else False, qk_norm=qwen3, rope=rope, moe=moe,
+        partial_rotary_factor=1.0 if partial_rotary_factor is None else float(partial_rotary_factor),
+        rope_interleave=family == "glm4v", post_norms=family == "glm4v",
         torch_dtype=t.get("dtype") or t.get("torch_dtype"), hf_config=dict(t))
 
 
@@ -156,9 +165,9 @@ def _hybrid_text_config(t: dict[str, Any], family: str, rope_params: dict, sourc
 
 def _check_section(section: list[int], rotary_dim: int, family: str, source: str) -> None:
     half = rotary_dim // 2
-    if family == "qwen2_5_vl" and sum(section) != half:
-        raise ValueError(f"{source}: mrope_section {section} must sum to head_dim / 2 = {half}; fix "
-                         "rope_parameters.mrope_section")
+    if family in ("qwen2_5_vl", "glm4v") and sum(section) != half:
+        raise ValueError(f"{source}: mrope_section {section} must sum to the rotary dims / 2 = {half}; fix "
+                         "rope_parameters.mrope_section (or partial_rotary_factor)")
     # interleaved: the height axis takes half-dims 1, 4, ..., the width axis 2, 5, ..., section[axis] of each
     if family in INTERLEAVED and any(3 * (section[a] - 1) + a >= half for a in (1, 2) if section[a]):
         raise ValueError(f"{source}: interleaved mrope_section {section} needs 3 * (n - 1) + axis < rotary dims / 2 "

@@ -84,6 +84,9 @@ def save_vl_pretrained(model, path: str | Path, *,
     elif model.config.text.moe is not None:     # Qwen3.5-MoE: one tensor per expert and projection, as on the hub
         from lathe.models.moe import split_expert_weights
         state = split_expert_weights(state)
+    if model.config.text.rope_interleave:       # GLM-4.1V's language model (`lathe.models.glm4`)
+        from lathe.models import glm4
+        state = glm4.to_hub(state, model.config.text)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = checkpoint_names(state, model.config.family)

@@ -1,5 +1,6 @@
-"""Qwen2.5-VL, Qwen3-VL and Qwen3.5(-MoE): transformers' vision tower feeding lathe's decoder layers with M-RoPE
-(Qwen3.5's: the hybrid gated-DeltaNet / gated-attention layers of `lathe.models.qwen3_5`).
+"""Qwen2.5-VL, Qwen3-VL, Qwen3.5(-MoE) and GLM-4.1V: transformers' vision tower feeding lathe's decoder layers with
+M-RoPE (Qwen3.5's: the hybrid gated-DeltaNet / gated-attention layers of `lathe.models.qwen3_5`; GLM-4.1V's: GLM-4's,
+whose checkpoint layout `lathe.models.glm4` converts).
 
 Module and parameter names are the checkpoints' (`model.visual.*`, `model.language_model.layers.N.*`,
 `model.language_model.embed_tokens.weight`, `lm_head.weight`), so state dicts move with no renaming.

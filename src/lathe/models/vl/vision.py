@@ -1,8 +1,8 @@
 """The vision tower (transformers' own module, built from `vision_config`) and splicing image embeddings into text.
 
 The tower is transformers' class itself (`Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel`,
-`Qwen3VLMoeVisionModel`, `Qwen3_5VisionModel`, `Qwen3_5MoeVisionModel`), so its parameter names and numerics are the
-checkpoint's; only that class is imported, never the full VL model.
+`Qwen3VLMoeVisionModel`, `Qwen3_5VisionModel`, `Qwen3_5MoeVisionModel`, `Glm4vVisionModel`), so its parameter names
+and numerics are the checkpoint's; only that class is imported, never the full VL model.
 
 Inputs are in the processor's layout: `pixel_values` (patches, C * temporal_patch * patch * patch), the patches of
 all images end to end, and `image_grid_thw` (images, 3) in patches. Image i yields t*h*w / merge**2 embeddings.
@@ -71,8 +71,12 @@ def vision_classes(family: str):
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
         return Qwen3_5MoeVisionModel, Qwen3_5MoeVisionConfig
+    if family == "glm4v":
+        from transformers.models.glm4v.configuration_glm4v import Glm4vVisionConfig
+        from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
+        return Glm4vVisionModel, Glm4vVisionConfig
     raise ValueError(f"VL family {family!r} has no vision tower in lathe; supported: qwen2_5_vl, qwen3_vl, "
-                     "qwen3_vl_moe, qwen3_5, qwen3_5_moe")
+                     "qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v")
 
 
 def build_vision_tower(cfg: VLConfig, attn_implementation: str = "sdpa") -> nn.Module:

@@ -265,13 +265,13 @@ def vl_generations(model, path: str) -> list:
 
 
 def test_a_tensor_parallel_replica_of_a_vl_model_generates_what_one_process_generates(tmp_path):
-    """Qwen2.5-VL, Qwen3.5-MoE (hybrid layers, routed and shared experts), Qwen3-VL-MoE (deepstack, experts) and
-    GLM-4.1V (its q/k rows permuted, norms on each output) over 2 gloo ranks: each rank its language model's slice
-    (heads, MLP columns, linear-attention heads, experts) and the whole vision tower, which each runs on the prompt's
-    images; greedy and sampled on text and image prompts, and after new weights: token for token what one process
-    generates."""
+    """Qwen2.5-VL, Qwen3.5-MoE (hybrid layers, routed and shared experts), Qwen3-VL-MoE (deepstack, experts),
+    GLM-4.1V (its q/k rows permuted, norms on each output) and GLM-4.5V (GLM-4.5's MoE layers) over 2 gloo ranks:
+    each rank its language model's slice (heads, MLP columns, linear-attention heads, experts) and the whole vision
+    tower, which each runs on the prompt's images; greedy and sampled on text and image prompts, and after new
+    weights: token for token what one process generates."""
     from engine.test_tensor_parallel import run_replica
-    families = ("qwen2_5_vl", "qwen3_5_moe", "qwen3_vl_moe", "glm4v")
+    families = ("qwen2_5_vl", "qwen3_5_moe", "qwen3_vl_moe", "glm4v", "glm4v_moe")
     paths = [str(save_hf(tmp_path, family)[0]) for family in families]
     want = [vl_generations(build_vl(p, None), p) for p in paths]
     for rank, got in run_replica(2, paths, make=build_vl, generate=vl_generations).items():

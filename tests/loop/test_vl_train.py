@@ -26,8 +26,8 @@ def _png(colour, size=(16, 16)) -> bytes:
 
 
 def _checkpoint(tmp_path, family: str = "qwen2_5_vl"):
-    """A random Qwen2.5-VL (or Qwen3.5: hybrid layers; Qwen3-VL-MoE; GLM-4.1V) model whose vocabulary and vision
-    tokens are the tiny processor's (saved apart: a tokenizer beside a qwen config.json would be read as Qwen2's)."""
+    """A random Qwen2.5-VL (or Qwen3.5: hybrid layers; Qwen3-VL-MoE; GLM-4.1V; GLM-4.5V) model whose vocabulary and
+    vision tokens are the tiny processor's (saved apart: a tokenizer beside a qwen config.json would be read as Qwen2's)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     processor = tiny_vl_processor()
     tok = processor.tokenizer
@@ -63,15 +63,20 @@ def _checkpoint(tmp_path, family: str = "qwen2_5_vl"):
         cfg = getattr(transformers, f"{name}Config")(text_config=text, vision_config=vision,
                                                      video_token_id=len(tok) + 1, tie_word_embeddings=False, **ids)
         getattr(transformers, f"{name}ForConditionalGeneration")._from_config(cfg).save_pretrained(tmp_path / "model")
-    elif family == "glm4v":       # RoPE over half of each head in interleaved pairs; its own marker keys
-        from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+    elif family in ("glm4v", "glm4v_moe"):     # RoPE over half of each head; their own marker keys
+        import transformers
         vision = {k: v for k, v in vision.items() if k not in ("window_size", "fullatt_block_indexes")}
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                    "mrope_section": [2, 1, 1]}
-        cfg = Glm4vConfig(text_config=text, vision_config={**vision, "image_size": 16}, video_token_id=len(tok) + 1,
-                          image_token_id=ids["image_token_id"], image_start_token_id=ids["vision_start_token_id"],
-                          image_end_token_id=ids["vision_end_token_id"])
-        Glm4vForConditionalGeneration._from_config(cfg).save_pretrained(tmp_path / "model")
+        if family == "glm4v_moe":       # GLM-4.5's layers: layer 0 dense, layer 1 sparse
+            text.update(head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                        moe_intermediate_size=16, first_k_dense_replace=1)
+        name = {"glm4v": "Glm4v", "glm4v_moe": "Glm4vMoe"}[family]
+        cfg = getattr(transformers, f"{name}Config")(
+            text_config=text, vision_config={**vision, "image_size": 16}, video_token_id=len(tok) + 1,
+            image_token_id=ids["image_token_id"], image_start_token_id=ids["vision_start_token_id"],
+            image_end_token_id=ids["vision_end_token_id"])
+        getattr(transformers, f"{name}ForConditionalGeneration")._from_config(cfg).save_pretrained(tmp_path / "model")
     else:
         cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, video_token_id=len(tok) + 1, **ids)
         Qwen2_5_VLForConditionalGeneration._from_config(cfg).save_pretrained(tmp_path / "model")
@@ -105,11 +110,12 @@ def vl_keys(tmp_path, score: str, *, rows: int = 8, response_length: int = 4) ->
             "actor_rollout_ref.model.warm_start.steps=0"]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe", "qwen3_5", "glm4v"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe", "qwen3_5", "glm4v", "glm4v_moe"])
 def test_grpo_on_image_prompts_runs_end_to_end(tmp_path, family):
     """Qwen2.5-VL, Qwen3-VL-MoE (its experts stacked on disk), Qwen3.5 as released (a vision-language checkpoint
-    whose language model has hybrid layers) and GLM-4.1V (its checkpoint layout: `lathe.models.glm4`): its
-    checkpoint's Hugging Face weights are the same architecture again, vision tower included."""
+    whose language model has hybrid layers), GLM-4.1V (its checkpoint layout: `lathe.models.glm4`) and GLM-4.5V
+    (GLM-4.5's MoE layers): its checkpoint's Hugging Face weights are the same architecture again, vision tower
+    included."""
     model, tokenizer = _checkpoint(tmp_path, family)
     data = _data(tmp_path)
     reward = tmp_path / "reward.py"

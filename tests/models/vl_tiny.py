@@ -1,5 +1,5 @@
-"""Tiny random transformers Qwen2.5-VL / Qwen3-VL(-MoE) / Qwen3.5(-MoE) / GLM-4.1V checkpoints and synthetic image
-batches
+"""Tiny random transformers Qwen2.5-VL / Qwen3-VL(-MoE) / Qwen3.5(-MoE) / GLM-4.1V / GLM-4.5V checkpoints and synthetic
+image batches
 (test helper, not a test).
 
 Images are built directly in the processor's layout: `pixel_values` (patches, C * temporal_patch * patch * patch)
@@ -13,7 +13,7 @@ import torch
 VOCAB = 128
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 118, 119
 PATCH, TEMPORAL_PATCH, MERGE = 4, 2, 2
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe")
 _IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
             vision_end_token_id=VISION_END)
 
@@ -59,6 +59,16 @@ def hf_config(family: str, *, tie: bool = False):
         vision.update(image_size=16, rms_norm_eps=1e-5)
         return Glm4vConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, image_token_id=IMAGE,
                            video_token_id=VIDEO, image_start_token_id=VISION_START, image_end_token_id=VISION_END)
+    if family == "glm4v_moe":   # GLM-4.5's layers: layer 0 dense, layer 1 sparse (8 experts in 4 groups, top-2 of 2)
+        from transformers import Glm4vMoeConfig
+        text.update(head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                    moe_intermediate_size=16, n_group=4, topk_group=2, first_k_dense_replace=1,
+                    routed_scaling_factor=2.5,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [2, 1, 1]})
+        vision.update(image_size=16, rms_norm_eps=1e-5)
+        return Glm4vMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, image_token_id=IMAGE,
+                              video_token_id=VIDEO, image_start_token_id=VISION_START, image_end_token_id=VISION_END)
     raise KeyError(family)
 
 
@@ -70,7 +80,8 @@ def hf_model(family: str, *, tie: bool = False, seed: int = 0):
                                  "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                                  "qwen3_5": "Qwen3_5ForConditionalGeneration",
                                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                                 "glm4v": "Glm4vForConditionalGeneration"}[family])
+                                 "glm4v": "Glm4vForConditionalGeneration",
+                                 "glm4v_moe": "Glm4vMoeForConditionalGeneration"}[family])
     torch.manual_seed(seed)
     model = cls._from_config(hf_config(family, tie=tie), attn_implementation="sdpa")
     with torch.no_grad():

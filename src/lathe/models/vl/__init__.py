@@ -1,10 +1,10 @@
-"""Vision-language models: Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE) and GLM-4.1V on lathe's decoder layers (images;
-videos are refused).
+"""Vision-language models: Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE), GLM-4.1V and GLM-4.5V on lathe's decoder layers
+(images; videos are refused).
 
 `load_lathe_vl_model(path)` builds `LatheVLForConditionalGeneration` from a local checkpoint directory saved by
 transformers (`architectures`: `Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`,
 `Qwen3VLMoeForConditionalGeneration`, `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`,
-`Glm4vForConditionalGeneration`), or
+`Glm4vForConditionalGeneration`, `Glm4vMoeForConditionalGeneration`), or
 raises `UnsupportedArchitecture` for what lathe does not implement. Only transformers' vision-tower class is imported.
 
 `load_language_model(path)` reads the language model of a Qwen3.5 checkpoint alone, as lathe's text decoder

@@ -1,4 +1,4 @@
-"""The shape of a Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3.5-MoE / GLM-4.1V checkpoint, read from its plain
+"""The shape of a Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3.5-MoE / GLM-4.1V / GLM-4.5V checkpoint, read from its plain
 `config.json`.
 
 Both layouts are read: transformers 5 (`text_config` / `vision_config` sub-dictionaries) and the flat 4.x layout
@@ -22,19 +22,22 @@ VL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
                     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
                     "Qwen3_5ForConditionalGeneration": "qwen3_5",
                     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-                    "Glm4vForConditionalGeneration": "glm4v"}
+                    "Glm4vForConditionalGeneration": "glm4v",
+                    "Glm4vMoeForConditionalGeneration": "glm4v_moe"}
 _MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
                 "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                 "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                "glm4v": "Glm4vForConditionalGeneration"}
+                "glm4v": "Glm4vForConditionalGeneration", "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
 # the Qwen3.5 families' language models: lathe's hybrid decoder layers, read as their text-only checkpoints are
 HYBRID_TEXT = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+# ... and GLM-4.5V's: GLM-4.5's layers (partial RoPE, DeepSeek-V3's MoE), read as its text checkpoints are
+TEXT_ARCHITECTURES = {**HYBRID_TEXT, "glm4v_moe": "Glm4MoeForCausalLM"}
 INTERLEAVED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")   # M-RoPE axes interleaved over rotary dims
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")              # Qwen3-style attention (q/k norms), deepstack features
 _DEFAULT_SECTION = {"qwen3_vl": [24, 20, 20], "qwen3_vl_moe": [24, 20, 20], "qwen3_5": [11, 11, 10],
-                    "qwen3_5_moe": [11, 11, 10], "glm4v": [8, 12, 12]}
+                    "qwen3_5_moe": [11, 11, 10], "glm4v": [8, 12, 12], "glm4v_moe": [8, 12, 12]}
 _DEFAULT_THETA = {"qwen2_5_vl": 1000000.0, "qwen3_vl": 5000000.0, "qwen3_vl_moe": 5000000.0, "qwen3_5": 10000.0,
-                  "qwen3_5_moe": 10000.0, "glm4v": 10000.0}
+                  "qwen3_5_moe": 10000.0, "glm4v": 10000.0, "glm4v_moe": 10000.0}
 _FALLBACK = "; the transformers fallback will be used"
 
 
@@ -43,7 +46,7 @@ class VLConfig:
     """What the VL model needs: the text decoder's `LatheConfig`, the vision dictionary and the special tokens."""
 
     architecture: str
-    family: str                      # "qwen2_5_vl" | "qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe" | "glm4v"
+    family: str                      # VL_ARCHITECTURES' values: "qwen2_5_vl", "qwen3_vl", ..., "glm4v_moe"
     text: LatheConfig
     vision: dict[str, Any]
     mrope_section: list[int]         # rotary half-dims given to the (temporal, height, width) position axes
@@ -100,7 +103,7 @@ class VLConfig:
         if not section or len(section) != 3:
             raise ValueError(f"{source}: {arch} needs rope_parameters.mrope_section, three ints (temporal, height, "
                              f"width rotary half-dims), got {section!r}; copy it from the model card's config.json")
-        text_cfg = (_hybrid_text_config(text, family, params, source) if family in HYBRID_TEXT
+        text_cfg = (_hybrid_text_config(text, family, params, source) if family in TEXT_ARCHITECTURES
                     else _text_config(text, family, arch, params, source, prf))
         _check_section(section, text_cfg.rotary_dim, family, source)
         # the top-level key decides where there is one, as transformers reads it (Qwen3-VL-MoE's text config
@@ -155,8 +158,9 @@ def _text_config(t: dict[str, Any], family: str, arch: str, rope_params: dict, s
 
 def _hybrid_text_config(t: dict[str, Any], family: str, rope_params: dict, source: str) -> LatheConfig:
     """Qwen3.5's language model as its text-only checkpoint (`Qwen3_5ForCausalLM`) reads: lathe's hybrid layers,
-    the rotary embedding over each head's `partial_rotary_factor` (M-RoPE's sections count its half-dims)."""
-    arch = HYBRID_TEXT[family]
+    the rotary embedding over each head's `partial_rotary_factor` (M-RoPE's sections count its half-dims); GLM-4.5V's
+    as GLM-4.5's (`Glm4MoeForCausalLM`)."""
+    arch = TEXT_ARCHITECTURES[family]
     d = {**t, "architectures": [arch], "rope_parameters": {**rope_params, "rope_type": "default"}
          if (rope_params.get("rope_type") or "default") == "default" else rope_params}
     d.pop("vision_config", None)
@@ -165,7 +169,7 @@ def _hybrid_text_config(t: dict[str, Any], family: str, rope_params: dict, sourc
 
 def _check_section(section: list[int], rotary_dim: int, family: str, source: str) -> None:
     half = rotary_dim // 2
-    if family in ("qwen2_5_vl", "glm4v") and sum(section) != half:
+    if family in ("qwen2_5_vl", "glm4v", "glm4v_moe") and sum(section) != half:
         raise ValueError(f"{source}: mrope_section {section} must sum to the rotary dims / 2 = {half}; fix "
                          "rope_parameters.mrope_section (or partial_rotary_factor)")
     # interleaved: the height axis takes half-dims 1, 4, ..., the width axis 2, 5, ..., section[axis] of each

@@ -1,6 +1,6 @@
-"""Qwen2.5-VL, Qwen3-VL, Qwen3.5(-MoE) and GLM-4.1V: transformers' vision tower feeding lathe's decoder layers with
-M-RoPE (Qwen3.5's: the hybrid gated-DeltaNet / gated-attention layers of `lathe.models.qwen3_5`; GLM-4.1V's: GLM-4's,
-whose checkpoint layout `lathe.models.glm4` converts).
+"""Qwen2.5-VL, Qwen3-VL, Qwen3.5(-MoE), GLM-4.1V and GLM-4.5V: transformers' vision tower feeding lathe's decoder
+layers with M-RoPE (Qwen3.5's: the hybrid gated-DeltaNet / gated-attention layers of `lathe.models.qwen3_5`;
+GLM-4.1V's: GLM-4's, whose checkpoint layout `lathe.models.glm4` converts; GLM-4.5V's: GLM-4.5's MoE layers).
 
 Module and parameter names are the checkpoints' (`model.visual.*`, `model.language_model.layers.N.*`,
 `model.language_model.embed_tokens.weight`, `lm_head.weight`), so state dicts move with no renaming.

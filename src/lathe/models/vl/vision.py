@@ -1,7 +1,8 @@
 """The vision tower (transformers' own module, built from `vision_config`) and splicing image embeddings into text.
 
 The tower is transformers' class itself (`Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel`,
-`Qwen3VLMoeVisionModel`, `Qwen3_5VisionModel`, `Qwen3_5MoeVisionModel`, `Glm4vVisionModel`), so its parameter names
+`Qwen3VLMoeVisionModel`, `Qwen3_5VisionModel`, `Qwen3_5MoeVisionModel`, `Glm4vVisionModel`, `Glm4vMoeVisionModel`), so
+its parameter names
 and numerics are the checkpoint's; only that class is imported, never the full VL model.
 
 Inputs are in the processor's layout: `pixel_values` (patches, C * temporal_patch * patch * patch), the patches of
@@ -75,8 +76,12 @@ def vision_classes(family: str):
         from transformers.models.glm4v.configuration_glm4v import Glm4vVisionConfig
         from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
         return Glm4vVisionModel, Glm4vVisionConfig
+    if family == "glm4v_moe":
+        from transformers.models.glm4v_moe.configuration_glm4v_moe import Glm4vMoeVisionConfig
+        from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeVisionModel
+        return Glm4vMoeVisionModel, Glm4vMoeVisionConfig
     raise ValueError(f"VL family {family!r} has no vision tower in lathe; supported: qwen2_5_vl, qwen3_vl, "
-                     "qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v")
+                     "qwen3_vl_moe, qwen3_5, qwen3_5_moe, glm4v, glm4v_moe")
 
 
 def build_vision_tower(cfg: VLConfig, attn_implementation: str = "sdpa") -> nn.Module:

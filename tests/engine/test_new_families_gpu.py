@@ -167,3 +167,23 @@ def test_glm_4_5_and_hy_v3_on_cuda_equal_the_fp32_forward(tmp_path, family, back
     outs = {eager: engine.generate(PROMPTS, params) for eager, engine in engines.items()}
     assert_graphs_eager_and_packed_agree(model, load_lathe_model(tmp_path).eval(), outs)
 
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_glm4_on_cuda_equals_the_fp32_forward(tmp_path, backend):
+    """GLM-4 (its q/k rows permuted to RoPE's halves over half of each head: `lathe.models.glm4`; norms on the
+    attention's and MLP's outputs, so no split-K decode form): decode graphs give the eager steps' tokens and the fp32
+    forward's log-probs, and the packed bf16 training forward its logits."""
+    from models.glm4_tiny import glm4_model
+
+    from lathe.engine.llm_engine import LatheEngine
+    from lathe.generation import SamplingParams
+    from lathe.models import load_lathe_model
+    glm4_model(seed=2).save_pretrained(tmp_path)
+    model = load_lathe_model(tmp_path, torch.bfloat16, device=CUDA).eval()
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)
+    engines = {eager: LatheEngine(model, eos_token_id=None, block_size=16, num_kv_blocks=64, decode_backend=backend,
+                                  enforce_eager=eager) for eager in (True, False)}
+    assert engines[False].runner.graphs is not None, "GLM-4's decode steps ran without CUDA graphs"
+    outs = {eager: engine.generate(PROMPTS, params) for eager, engine in engines.items()}
+    assert_graphs_eager_and_packed_agree(model, load_lathe_model(tmp_path).eval(), outs)

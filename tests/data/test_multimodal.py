@@ -215,3 +215,28 @@ def test_a_tokenizer_and_image_processor_without_a_processor_config_load_without
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_processor(path).image_processor is not None
+
+
+def test_a_glm_checkpoint_s_image_token_is_read_from_its_config_when_its_processor_cannot_be_built(tmp_path,
+                                                                                                  monkeypatch):
+    """GLM-4.1V's placeholder is `<|image|>` (config.json's image_token_id), not Qwen-VL's `<|image_pad|>`: lathe's
+    own processor (transformers' needs torchvision for its video part) expands that one by each image's grid."""
+    import json
+    glm = tiny_vl_processor()
+    tok = glm.tokenizer
+    tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>"]})
+    tok.chat_template = ("{%- for m in messages %}{%- for c in m['content'] %}{%- if c['type'] == 'image' %}"
+                         "{{- '<|begin_of_image|><|image|><|end_of_image|>' }}{%- else %}{{- c['text'] }}{%- endif %}"
+                         "{%- endfor %}{%- endfor %}")
+    path = _saved(tmp_path, glm)
+    image = tok.convert_tokens_to_ids("<|image|>")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Glm4vForConditionalGeneration"],
+                                                      "image_token_id": image}))
+    _auto_processor_raises(monkeypatch, ImportError("Glm4vVideoProcessor requires the Torchvision library"))
+    with pytest.warns(UserWarning, match="cannot be built here"):
+        loaded = load_processor(path)
+    assert loaded.image_token == "<|image|>"
+    out = encode_multimodal_prompt([{"role": "user", "content": "<image>x"}], [png(30, 30)], loaded, "o")
+    grid = out.multi_modal_inputs["image_grid_thw"][0]
+    assert out.prompt_ids.count(image) == int(grid.prod()) // 4 > 1
+    assert tok.convert_tokens_to_ids(IMAGE_TOKEN) not in out.prompt_ids

@@ -28,6 +28,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from lathe.data.errors import DataError
@@ -104,7 +105,23 @@ def load_processor(path: str):
                         f"checkpoint lathe can read: {_cause(err)}. Fix: point "
                         f"actor_rollout_ref.model.tokenizer_path (or model.path) at a directory with the tokenizer "
                         f"files and preprocessor_config.json of a Qwen2-VL style model.") from err
-    return VisionProcessor(tokenizer, image_processor)
+    return VisionProcessor(tokenizer, image_processor, image_token=_image_token(path, tokenizer))
+
+
+def _image_token(path: str, tokenizer) -> str:
+    """The image placeholder token of the checkpoint at `path`: the tokenizer's own `image_token`, else the token of
+    config.json's `image_token_id` (GLM-4.1V's `<|image|>`), else Qwen-VL's `<|image_pad|>`."""
+    import json
+    own = getattr(tokenizer, "image_token", None)
+    if isinstance(own, str) and own:
+        return own
+    file = Path(path) / "config.json"
+    try:
+        token_id = json.loads(file.read_text()).get("image_token_id") if file.is_file() else None
+    except (OSError, ValueError):
+        token_id = None
+    token = tokenizer.convert_ids_to_tokens(int(token_id)) if isinstance(token_id, int) else None
+    return token if isinstance(token, str) and token != tokenizer.unk_token else IMAGE_TOKEN
 
 
 def _cause(err: Exception) -> str:

@@ -18,12 +18,13 @@ def frozen_copy(model, dtype: torch.dtype, device: torch.device, *, share: bool 
 
     lathe's decoder is rebuilt from its state dict tensor by tensor (no second full-precision copy on the way),
     or from `state` ((name, tensor) pairs: a LoRA model's merged weights); with `share`, tensors already in `dtype`
-    on `device` are the very same storage (updates show through). A transformers module is deep-copied, its linear
-    layers plain `nn.Linear`s (an FP8-trained actor's `Float8Linear`s too: a copy computes in `dtype`)."""
+    on `device` are the very same storage (updates show through). A transformers module is deep-copied, its LoRA
+    layers merged and an FP8-trained actor's `Float8Linear`s plain `nn.Linear`s (a copy computes in `dtype`); other
+    subclasses of `nn.Linear` keep their own forward (DeepSeek-V4's grouped output projection is one)."""
     if not isinstance(model, LatheCausalLM):    # transformers, or a VL model: a copy (its LoRA layers merged)
         out = merge_and_unload(copy.deepcopy(model))
         for m in out.modules():
-            if isinstance(m, nn.Linear) and type(m) is not nn.Linear:
+            if isinstance(m, nn.Linear) and type(m).__name__ == "Float8Linear":     # (torchao's: `train.fp8`)
                 m.__class__ = nn.Linear      # the same weight and bias; nn.Linear's forward
         return cast_keeping_rope(out, dtype, device).requires_grad_(False).eval()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

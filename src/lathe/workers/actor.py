@@ -120,9 +120,10 @@ class Actor:
     def _apply_lora(self, seed: int) -> bool:
         """Adapters on the targeted layers (`lathe.models.lora`), from `lora_adapter_path` when given."""
         if not runs_lathe(self.model):
-            raise ValueError("actor_rollout_ref.model.lora_rank > 0 needs lathe's decoder (Llama, Qwen2, Qwen3), but "
-                             f"the actor runs transformers {architecture(self.model)}. Fix: set lora_rank=0, or use "
-                             "an architecture lathe's decoder implements.")
+            raise ValueError("actor_rollout_ref.model.lora_rank > 0 needs lathe's own model (the architectures of "
+                             "lathe.models.SUPPORTED_ARCHITECTURES and the VL ones), but the actor runs transformers "
+                             f"{architecture(self.model)} (the fallback). Fix: set lora_rank=0, or use an architecture "
+                             "lathe's decoder implements.")
         lora.adapt(self.model, self.arr.model, key="actor_rollout_ref.model", role="actor", seed=seed)
         return True
 

@@ -43,8 +43,10 @@ class SFTWorker:
         self.lora = m.lora_rank > 0
         if self.lora:
             if not isinstance(self.model, LatheCausalLM):
-                raise ValueError("model.lora_rank > 0 needs lathe's decoder (Llama, Qwen2, Qwen3). Fix: set "
-                                 "model.lora_rank=0, or use an architecture lathe's decoder implements.")
+                raise ValueError("model.lora_rank > 0 needs lathe's decoder (the architectures of "
+                                 "lathe.models.SUPPORTED_ARCHITECTURES), but the model runs on the transformers "
+                                 "fallback. Fix: set model.lora_rank=0, or use an architecture lathe's decoder "
+                                 "implements.")
             apply_lora(self.model, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules,
                        seed=cfg.trainer.seed)
         self.base_model = m.path

@@ -26,8 +26,10 @@ class _Attention:
 def _model(family, seed=0):
     from lathe.engine.decode_forms import fuse_projections
     from lathe.models.hf import lathe_from_transformers
+    from models.glm4_tiny import glm4_model
     from models.lathe_tiny import hf_model
-    model = lathe_from_transformers(hf_model(family, seed=seed)).eval()
+    hf = glm4_model(seed=seed) if family == "glm4" else hf_model(family, seed=seed)
+    model = lathe_from_transformers(hf).eval()
     fuse_projections(model)
     return model
 
@@ -106,10 +108,11 @@ def test_split_linear_keeps_a_bias_a_subclass_a_strided_weight_and_an_uneven_spl
         assert torch.equal(parts[0], lin(x))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4"])
 def test_split_decode_form_equals_the_plain_forward(family):
     """Every layer in its split form (partials handed to the next layer, the last sum before the final norm): the
-    plain forward's hidden states, for several split pairs and batch sizes (a MoE layer's experts: one partial)."""
+    plain forward's hidden states, for several split pairs and batch sizes (a MoE layer's experts: one partial;
+    GLM-4's norms on each output: its pending add one normed partial)."""
     from lathe.engine.decode_forms import text_hidden
     model = _model(family)
     with torch.no_grad():

@@ -145,19 +145,32 @@ def split_layer(layer: DecoderLayer, x: torch.Tensor, part: torch.Tensor | None,
     residual add of the down projection is left to the next layer (`part`, this layer's (S, T, H) partial products,
     None before the first layer), where summing the partials, adding the residual and the input norm are one kernel
     of the compiled layer; o_proj's sum and residual add fold into the post-attention norm the same way. Returns
-    (x before the pending add, the down projection's partials)."""
+    (x before the pending add, the down projection's partials). GLM-4's layers (a norm on each output,
+    `LatheConfig.post_norms`) norm the summed partials before the add: the pending add is then one normed partial."""
     if part is not None:
         x = add_partials(x, part)
     rotates = attn.rotates
     q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin, rotate=not rotates)
     out = attend(attn, q, k, v, torch.compiler.is_compiling(), (cos, sin) if rotates else None,
                  layer.self_attn.options())
-    x = add_partials(x, split_linear(out, layer.self_attn.o_proj, splits[0]))
+    post = getattr(layer, "post_self_attn_layernorm", None)
+    out = split_linear(out, layer.self_attn.o_proj, splits[0])
+    x = add_partials(x, out) if post is None else x + post(sum_partials(out))
     h = layer.post_attention_layernorm(x)
     if not isinstance(layer.mlp, MLP) or isinstance(layer.mlp.down_proj, fp8.Fp8Linear):
         # a mixture of experts (`lathe.models.moe`), or an FP8 down projection (`fp8.mlp_down`): one partial
-        return x, layer.mlp(h).unsqueeze(0)
-    return x, split_linear(layer.mlp.hidden(h), layer.mlp.down_proj, splits[1])
+        down = layer.mlp(h).unsqueeze(0)
+    else:
+        down = split_linear(layer.mlp.hidden(h), layer.mlp.down_proj, splits[1])
+    return x, down if post is None else layer.post_mlp_layernorm(sum_partials(down)).unsqueeze(0)
+
+
+def sum_partials(part: torch.Tensor) -> torch.Tensor:
+    """part.sum(0) in float32 in a fixed order, rounded once (`add_partials` without the residual)."""
+    total = part[0].float()
+    for p in part.unbind(0)[1:]:
+        total = total + p.float()
+    return total.to(part.dtype)
 
 
 def split_final(norm: RMSNorm, x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
@@ -216,9 +229,8 @@ def step_split_k(model, rows: int, prefill: bool = False) -> tuple[int, int] | N
     if not isinstance(decoder, LatheDecoderModel) or decoder.compile_backend is None or model.dtype == torch.float32 \
             or getattr(model.config, "mla", None) is not None \
             or getattr(model.config, "linear_attention", None) is not None \
-            or getattr(model.config, "nemotron", None) is not None \
-            or getattr(model.config, "post_norms", False):    # DeepSeek-V3's, the hybrids', Nemotron-H's layers
-        return None                                            # have no split form, nor GLM-4's (a norm per output)
+            or getattr(model.config, "nemotron", None) is not None:   # DeepSeek-V3's, the hybrids', Nemotron-H's
+        return None                                                    # layers have no split form
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda":
         return None

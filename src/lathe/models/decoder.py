@@ -8,7 +8,9 @@ family (latent attention, its MoE: `lathe.models.deepseek`).
 
 Module and parameter names are those of the Hugging Face checkpoints (`model.embed_tokens.weight`,
 `model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`), so a state dict moves between the
-two with no renaming. Only the math lives here: no KV cache, paging, sharding or optimizer.
+two with no renaming; where a family's checkpoints differ (other names: `io.HUB_NAMES`; per-expert tensors, fused
+here; GLM-4's interleaved RoPE pairs and fused gate/up: `lathe.models.glm4`), `lathe.models.io` converts them on
+reading and writing. Only the math lives here: no KV cache, paging, sharding or optimizer.
 
 Two forward forms share the layers:
 - `forward(input_ids, attention_mask, position_ids)`: a padded (B, L) batch, as transformers takes it;

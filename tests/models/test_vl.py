@@ -225,21 +225,27 @@ def test_bf16_frozen_copy_keeps_the_vision_towers_rope_frequencies(pair):
     assert copy.get_input_embeddings().weight.dtype == torch.bfloat16
 
 
-def test_qwen3_5_checkpoints_multi_token_prediction_block_is_dropped_on_load(tmp_path, batch, caplog):
-    """Qwen3.5's hub checkpoints hold an MTP block (`mtp.*`) that transformers' model ignores too: lathe loads the
-    rest, says what it left out, and its saved checkpoint has no `mtp.*` tensors (transformers' does not either)."""
+@pytest.mark.parametrize("family, extra, said", [
+    ("qwen3_5", ("mtp.fc.weight", "mtp.layers.0.mlp.up_proj.weight"), "block (mtp.*)"),
+    ("glm4v_moe", ("model.language_model.layers.2.eh_proj.weight", "model.language_model.layers.2.mlp.gate.weight"),
+     "layers of Glm4MoeForCausalLM (model.layers.2 and on)")])
+def test_a_checkpoint_s_multi_token_prediction_layers_are_dropped_on_load(tmp_path, batch, caplog, family, extra,
+                                                                          said):
+    """Qwen3.5's hub checkpoints hold an MTP block (`mtp.*`), GLM-4.5V's may hold GLM-4.5's MTP layer past the
+    language model's (`model.language_model.layers.<n>`), which transformers' model ignores too: lathe loads the rest,
+    says what it left out, and its saved checkpoint has none of them (transformers' does not either)."""
     import logging
     from safetensors.torch import load_file, save_file
-    path, hf = save_hf(tmp_path, "qwen3_5")
+    path, hf = save_hf(tmp_path, family)
     state = load_file(path / "model.safetensors")
-    state.update({"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.mlp.up_proj.weight": torch.randn(96, 64)})
+    state.update({name: torch.randn(8, 64) for name in extra})
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     with caplog.at_level(logging.WARNING, logger="lathe"):
         lathe = load_lathe_vl_model(path).eval()
-    assert any("2 tensors of the multi-token-prediction block (mtp.*)" in r.getMessage() for r in caplog.records)
+    assert any(f"2 tensors of the multi-token-prediction {said}" in r.getMessage() for r in caplog.records)
     ids, mask, pixels, grid, _ = batch
     with torch.no_grad():
         out = lathe(ids, mask, pixel_values=pixels, image_grid_thw=grid).logits
     assert_close_rel(out[mask.bool()], _hf_logits(hf, batch)[mask.bool()], name="logits beside an MTP block")
     lathe.save_pretrained(tmp_path / "out")
-    assert not any(k.startswith("mtp.") for k in load_file(tmp_path / "out" / "model.safetensors"))
+    assert not set(extra) & set(load_file(tmp_path / "out" / "model.safetensors"))

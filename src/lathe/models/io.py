@@ -209,10 +209,13 @@ def unrun_mtp(name: str, cfg) -> bool:
     hybrids' and Nemotron-H's `mtp.*`."""
     if _keeps_mtp_block(cfg):
         return name.startswith("mtp.")
-    if not getattr(cfg, "stacked_mtp_layers", False) or not name.startswith("model.layers."):
+    if not getattr(cfg, "stacked_mtp_layers", False):
         return False
-    index = name.split(".", 3)[2]
-    return index.isdigit() and int(index) >= cfg.num_hidden_layers
+    for prefix in ("model.layers.", "model.language_model.layers."):      # (GLM-4.5V's: its language model's)
+        if name.startswith(prefix):
+            index = name[len(prefix):].split(".", 1)[0]
+            return index.isdigit() and int(index) >= cfg.num_hidden_layers
+    return False
 
 
 def stacked_mtp_tensors(cfg) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ The prompt length (data.max_prompt_length) is counted on these expanded ids, as 
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import warnings
@@ -111,7 +112,6 @@ def load_processor(path: str):
 def _image_token(path: str, tokenizer) -> str:
     """The image placeholder token of the checkpoint at `path`: the tokenizer's own `image_token`, else the token of
     config.json's `image_token_id` (GLM-4.1V's `<|image|>`), else Qwen-VL's `<|image_pad|>`."""
-    import json
     own = getattr(tokenizer, "image_token", None)
     if isinstance(own, str) and own:
         return own

@@ -133,10 +133,15 @@ def add_partials(x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     """x + part.sum(0), added up in float32 in a fixed order and rounded once: written as a chain of adds (the split
     count is static) so that the compiled layer folds it into the norm that follows; inductor makes `sum(0)` a
     reduction kernel of its own."""
-    total = x.float()
-    for p in part.unbind(0):
-        total = total + p.float()
-    return total.to(x.dtype)
+    return _chain_f32(x, *part.unbind(0)).to(x.dtype)
+
+
+def _chain_f32(*tensors: torch.Tensor) -> torch.Tensor:
+    """The sum of `tensors` in float32, added in their order (an unrolled chain of adds: see `add_partials`)."""
+    total = tensors[0].float()
+    for t in tensors[1:]:
+        total = total + t.float()
+    return total
 
 
 def split_layer(layer: DecoderLayer, x: torch.Tensor, part: torch.Tensor | None, cos: torch.Tensor,
@@ -167,10 +172,7 @@ def split_layer(layer: DecoderLayer, x: torch.Tensor, part: torch.Tensor | None,
 
 def sum_partials(part: torch.Tensor) -> torch.Tensor:
     """part.sum(0) in float32 in a fixed order, rounded once (`add_partials` without the residual)."""
-    total = part[0].float()
-    for p in part.unbind(0)[1:]:
-        total = total + p.float()
-    return total.to(part.dtype)
+    return _chain_f32(*part.unbind(0)).to(part.dtype)
 
 
 def split_final(norm: RMSNorm, x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:

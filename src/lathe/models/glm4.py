@@ -129,7 +129,7 @@ def adapter_to_modules(tensors: dict[str, torch.Tensor], cfg, rank: int) -> dict
                 out[stem + ".lora_A"], out[stem + ".lora_B"] = a, b
         elif _mlp(name, _GATE_UP):
             continue
-        elif _rotated(name + ".") and name.endswith(".lora_B"):
+        elif _rotated(name) and name.endswith(".lora_B"):
             out[name] = _heads_rows(t, order)
         else:
             out[name] = t
@@ -144,7 +144,7 @@ def adapter_to_hub(tensors: dict[str, torch.Tensor], cfg) -> tuple[dict[str, tor
     for name, t in tensors.items():
         if _mlp(name, ".mlp.gate_proj.") or _mlp(name, ".mlp.up_proj."):
             continue
-        out[name] = _heads_rows(t, inverse) if _rotated(name + ".") and name.endswith(".lora_B") else t
+        out[name] = _heads_rows(t, inverse) if _rotated(name) and name.endswith(".lora_B") else t
     stems = {n.rsplit(".mlp.", 1)[0] for n in tensors if _mlp(n, ".mlp.gate_proj.") or _mlp(n, ".mlp.up_proj.")}
     for stem in sorted(stems):
         parts = [(tensors.get(f"{stem}.mlp.{p}.lora_A"), tensors.get(f"{stem}.mlp.{p}.lora_B"))

@@ -131,9 +131,10 @@ def module_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor
     """A checkpoint's tensors under lathe's module names: per-expert MoE weights fused, `HUB_NAMES` renamed."""
     pairs = _to_modules(cfg)
     state = fuse_expert_weights({_renamed(k, pairs): v for k, v in state.items()} if pairs else state)
-    if _glm4(cfg) is not None:         # GLM-4's RoPE pairs and fused gate/up (`lathe.models.glm4`)
+    text = _glm4(cfg)
+    if text is not None:               # GLM-4's RoPE pairs and fused gate/up (`lathe.models.glm4`)
         from lathe.models import glm4
-        state = glm4.to_modules(state, _glm4(cfg))
+        state = glm4.to_modules(state, text)
     return state
 
 
@@ -148,9 +149,10 @@ def hub_layout(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     moe = getattr(cfg, "moe", None)
     if moe is not None and not moe.fused_on_disk:      # GPT-OSS's checkpoints keep the fused tensors
         state = split_expert_weights(state)
-    if _glm4(cfg) is not None:
+    text = _glm4(cfg)
+    if text is not None:
         from lathe.models import glm4
-        state = glm4.to_hub(state, _glm4(cfg))
+        state = glm4.to_hub(state, text)
     pairs = tuple((new, old) for old, new in HUB_NAMES.get(getattr(cfg, "family", None), ()))
     return {_renamed(k, pairs): v for k, v in state.items()} if pairs else state
 

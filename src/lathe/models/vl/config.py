@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lathe.models.config import LatheConfig, MoeConfig, UnsupportedArchitecture, read_config_json, read_rope
+from lathe.models.config import LatheConfig, MoeConfig, UnsupportedArchitecture, _partial_rotary_factor, \
+    read_config_json, read_rope
 
 # architecture -> family; Qwen3-VL interleaves the M-RoPE axes over the rotary dims, Qwen2.5-VL splits them in blocks
 VL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
@@ -96,7 +97,6 @@ class VLConfig:
         # (where a config names no sections, transformers' rotary embeddings fall back to these)
         section = params.pop("mrope_section", _DEFAULT_SECTION.get(family))
         params.pop("mrope_interleaved", None)
-        prf = params.get("partial_rotary_factor", text.get("partial_rotary_factor"))    # (GLM-4.1V's; else 1)
         if (params.get("rope_type") or params.get("type")) == "mrope":
             params["rope_type"] = "default"
             params.pop("type", None)
@@ -104,7 +104,7 @@ class VLConfig:
             raise ValueError(f"{source}: {arch} needs rope_parameters.mrope_section, three ints (temporal, height, "
                              f"width rotary half-dims), got {section!r}; copy it from the model card's config.json")
         text_cfg = (_hybrid_text_config(text, family, params, source) if family in TEXT_ARCHITECTURES
-                    else _text_config(text, family, arch, params, source, prf))
+                    else _text_config(text, family, arch, params, source))
         _check_section(section, text_cfg.rotary_dim, family, source)
         # the top-level key decides where there is one, as transformers reads it (Qwen3-VL-MoE's text config
         # defaults to tied beside an untied model)
@@ -118,8 +118,7 @@ class VLConfig:
                    torch_dtype=d.get("dtype") or d.get("torch_dtype") or text.get("dtype"), hf_config=dict(d))
 
 
-def _text_config(t: dict[str, Any], family: str, arch: str, rope_params: dict, source: str,
-                 partial_rotary_factor: float | None = None) -> LatheConfig:
+def _text_config(t: dict[str, Any], family: str, arch: str, rope_params: dict, source: str) -> LatheConfig:
     """The language model as lathe's decoder sees it: Qwen2-style (q/k/v bias), Qwen3-style (q/k norm) or GLM-4's
     (q/k/v bias, RoPE over `partial_rotary_factor` of each head in interleaved pairs, norms on the attention's and
     MLP's outputs: `lathe.models.glm4`)."""
@@ -151,7 +150,8 @@ def _text_config(t: dict[str, Any], family: str, arch: str, rope_params: dict, s
         max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         qkv_bias=bias if qwen3 else True, o_bias=bias if qwen3 else False, qk_norm=qwen3, rope=rope, moe=moe,
-        partial_rotary_factor=1.0 if partial_rotary_factor is None else float(partial_rotary_factor),
+        # (GLM-4.1V's, where its config gives one; 1 otherwise, as transformers reads it)
+        partial_rotary_factor=_partial_rotary_factor({**t, "rope_parameters": rope_params}, 1.0),
         rope_interleave=family == "glm4v", post_norms=family == "glm4v",
         torch_dtype=t.get("dtype") or t.get("torch_dtype"), hf_config=dict(t))
 

@@ -2,8 +2,7 @@
 
 The tower is transformers' class itself (`Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel`,
 `Qwen3VLMoeVisionModel`, `Qwen3_5VisionModel`, `Qwen3_5MoeVisionModel`, `Glm4vVisionModel`, `Glm4vMoeVisionModel`), so
-its parameter names
-and numerics are the checkpoint's; only that class is imported, never the full VL model.
+its parameter names and numerics are the checkpoint's; only that class is imported, never the full VL model.
 
 Inputs are in the processor's layout: `pixel_values` (patches, C * temporal_patch * patch * patch), the patches of
 all images end to end, and `image_grid_thw` (images, 3) in patches. Image i yields t*h*w / merge**2 embeddings.

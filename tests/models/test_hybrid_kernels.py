@@ -301,6 +301,25 @@ def test_the_lift_of_flas_hopper_refusal_covers_wide_key_heads_only(monkeypatch,
     assert la._fla_backward_ok(torch.zeros(3, 1, 2, 32), v, beta)     # elsewhere fla's backward runs at any size
 
 
+def test_the_lift_covers_flas_simple_gla_too(monkeypatch, request):
+    """Mamba2's scan (`lathe.models.ssd`) runs fla's simple GLA, whose module imported the same launcher: the lift
+    wraps it there too, with the same wrapper."""
+    import sys
+    import types
+    from lathe.models import linear_attention as la
+    chunk_o, gated, ran = _fake_fla(monkeypatch)
+    simple = types.ModuleType("fla.ops.simple_gla.chunk")
+    simple.chunk_bwd_dqkwg = gated.chunk_bwd_dqkwg
+    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", types.ModuleType("fla.ops.simple_gla"))
+    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla.chunk", simple)
+    la._lift_fla_guard.cache_clear()
+    request.addfinalizer(la._lift_fla_guard.cache_clear)
+    assert la._lift_fla_guard() and simple.chunk_bwd_dqkwg is gated.chunk_bwd_dqkwg
+    wide = torch.zeros(3, 1, 2, 128)
+    assert simple.chunk_bwd_dqkwg(q=wide, k=wide, g=wide) == "grads" and ran == [128]
+    assert chunk_o.TRITON_ABOVE_3_7_1 is False
+
+
 def _backward_runs(fn):
     """An identity autograd function whose backward returns fn(grad)."""
     class Hook(torch.autograd.Function):

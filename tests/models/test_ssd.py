@@ -153,3 +153,162 @@ def test_the_mamba2_mixer_equals_transformers_on_packed_sequences_and_continues_
         out1, states = ours(x[first], torch.tensor([0, 3, 9, 10]), 6, zero)
         out2, _ = ours(x[rest], torch.tensor([0, 2, 9, 9]), 7, states)
         assert rel(out1, want[first]) < 1e-6 and rel(out2, want[rest]) < 1e-6
+
+
+# ---- fla's chunk_simple_gla on CUDA (`ssd._fla_scan`) -----------------------------------------------------------
+
+def simple_gla_reference(q, k, v, g, *, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
+    """fla's `chunk_simple_gla` as its documentation states it, token by token per packed sequence: q, k (1, T, H, K),
+    v (1, T, H, V), g (1, T, H) the log decay; S_t = exp(g_t) S_{t-1} + k_t v_t^T (K x V), o_t = scale S_t^T q_t;
+    states stored (V, K) under state_v_first. Only the arguments lathe passes are taken."""
+    assert state_v_first and output_final_state and cu_seqlens.dtype == torch.int64
+    assert q.dtype == k.dtype == v.dtype and g.dtype == torch.float32
+    heads, keys, values = k.shape[2], k.shape[3], v.shape[3]
+    outs, finals = [], []
+    for i in range(cu_seqlens.numel() - 1):
+        state = (torch.zeros(heads, keys, values, dtype=torch.float32) if initial_state is None
+                 else initial_state[i].transpose(-1, -2))
+        for t in range(int(cu_seqlens[i]), int(cu_seqlens[i + 1])):
+            state = state * g[0, t].exp()[:, None, None] + k[0, t].float()[:, :, None] * v[0, t].float()[:, None, :]
+            outs.append(scale * (state * q[0, t].float()[:, :, None]).sum(-2))
+        finals.append(state.transpose(-1, -2))
+    return torch.stack(outs)[None].to(v.dtype), torch.stack(finals)
+
+
+def _as_if_on_cuda(monkeypatch, fla=simple_gla_reference, broken=False):
+    from lathe.models import linear_attention as la
+    from lathe.models import ssd
+    monkeypatch.setattr(la, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(ssd, "fla_scan", lambda: fla)
+    monkeypatch.setattr(la, "_broken_triton", lambda device: broken)
+    monkeypatch.setattr(la, "_CHECKED", {})
+    return la, ssd
+
+
+@pytest.mark.parametrize("with_initial", [False, True])
+def test_flas_scan_takes_the_mamba2_scan_as_simple_gla(monkeypatch, with_initial):
+    """chunk_scan through fla's entry (stood in for by the reference of its documented semantics above): the torch
+    form's output, final states and gradients (x, dt, A, B, C, D, the initial states), float32."""
+    from lathe.models import ssd
+    lengths = [6, 1, 11]
+    leaves = [t.float().requires_grad_() for t in inputs(lengths, seed=6)[:7]]
+    cu = inputs(lengths)[7]
+    gen = torch.Generator().manual_seed(7)
+    results = []
+    for through_fla in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            if through_fla:
+                _as_if_on_cuda(mp)
+            x, dt, A, B, C, D, initial = leaves
+            assert ssd._fla_takes(x, dt, A, B, C, initial) is through_fla
+            y, final = chunk_scan(x, dt, A, B, C, cu, max(lengths), D=D, initial_state=initial if with_initial
+                                  else None, chunk_size=4)
+        if not through_fla:
+            wy, wf = torch.randn(y.shape, generator=gen), torch.randn(final.shape, generator=gen)
+        grads = torch.autograd.grad((y * wy).sum() + (final * wf).sum(), leaves, allow_unused=True)
+        results.append((y, final, grads))
+    (y0, f0, g0), (y1, f1, g1) = results
+    assert rel(y1, y0) < 1e-5 and rel(f1, f0) < 1e-5
+    for name, a, b in zip("x dt A B C D initial".split(), g1, g0):
+        if name == "initial" and not with_initial:
+            assert a is None and b is None
+        else:
+            assert rel(a, b) < 1e-5, name
+
+
+def test_float64_and_cpu_scans_stay_on_the_torch_form(monkeypatch):
+    from lathe.models import ssd
+    x, dt, A, B, C, D, initial, cu = inputs([4])
+    assert not ssd._fla_takes(x.float(), dt, A, B, C, None)                 # on CPU
+    _as_if_on_cuda(monkeypatch)
+    assert not ssd._fla_takes(x, dt, A, B, C, None)                         # float64
+    assert ssd._fla_takes(x.float(), dt.float(), A.float(), B.float(), C.float(), None)
+    monkeypatch.setattr(ssd, "fla_scan", lambda: None)                      # fla not installed
+    assert not ssd._fla_takes(x.float(), dt.float(), A.float(), B.float(), C.float(), None)
+
+
+@pytest.mark.parametrize("state", [16, 128])
+def test_on_flas_broken_tritons_the_scan_trains_on_fla_only_where_its_check_passes(monkeypatch, state):
+    """Hopper with Triton 3.4 .. 3.7.0 (fla #640): forward-only calls take fla's kernels; a training call takes them
+    for states wider than 64 once the layout's check passes (run once a layout), else the torch form."""
+    la, ssd = _as_if_on_cuda(monkeypatch, broken=True)
+    checks = []
+    monkeypatch.setattr(la, "_lift_fla_guard", lambda: True)
+    monkeypatch.setattr(ssd, "_layout_ok", lambda *layout: checks.append(layout) or (True, True))
+    x = torch.zeros(5, 2, 3)
+    dt, A, B = torch.ones(5, 2), -torch.ones(2), torch.zeros(5, 1, state)
+    assert ssd._fla_takes(x, dt, A, B, B, None)                             # no gradient: fla
+    A.requires_grad_()
+    assert ssd._fla_takes(x, dt, A, B, B, None) is (state > 64)
+    assert ssd._fla_takes(x, dt, A, B, B, None) is (state > 64)
+    assert checks == ([(torch.device("cpu"), 2, state, 3, torch.float32, torch.float32)] if state > 64 else [])
+    with torch.no_grad():
+        assert ssd._fla_takes(x, dt, A, B, B, None)
+
+
+@pytest.mark.parametrize("wrong", [None, "o", "x", "dt", "A", "raises"])
+def test_a_scan_layout_passes_its_check_only_where_flas_output_and_gradients_agree(monkeypatch, wrong):
+    """`ssd._layout_ok` on CPU with fla's scan stood in for by the torch form: right; with its output 20% off on
+    the one-chunk sequence (the worst sequence counts, not the stream), or x's or dt's gradient doubled on the lone
+    token's, or A's (the heads' rates, a whole) doubled; raising."""
+    from lathe.models import linear_attention as la
+    from lathe.models import ssd
+    monkeypatch.setattr(la, "CHECK_LENGTHS", (1, 64, 300, 200))             # (the suite's time)
+    from .test_hybrid_kernels import _DoubleGrad as doubled
+
+    def stand_in(x, dt, A, B, C, cu, D, initial):
+        if wrong == "raises":
+            raise RuntimeError("no kernel")
+        if wrong in ("x", "dt"):
+            inputs_ = {"x": x, "dt": dt}
+            t = inputs_[wrong]
+            inputs_[wrong] = torch.cat([doubled.apply(t[:1]), t[1:]])
+            x, dt = inputs_["x"], inputs_["dt"]
+        if wrong == "A":
+            A = doubled.apply(A)
+        y, state = ssd.torch_scan(x, dt, A, B, C, cu, int((cu[1:] - cu[:-1]).max()), D=D, initial_state=initial)
+        return (torch.cat([y[:1], y[1:65] * 1.2, y[65:]]) if wrong == "o" else y), state
+    monkeypatch.setattr(ssd, "_fla_scan", stand_in)
+    want = {None: (True, True), "o": (False, False), "raises": (True, False)}.get(wrong, (True, False))
+    assert ssd._layout_ok(torch.device("cpu"), 2, 8, 4, torch.float32, torch.float32) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state", [16, 128])
+def test_flas_scan_equals_the_torch_form_on_cuda(state):
+    """fla's kernels (when installed) at a small layout and at Nemotron-H's state size, bf16 inputs: output, final
+    states and gradients near the float32 torch form's, with and without initial states; at state 128 the layout's
+    check passes (it is what lifts fla's Hopper refusal)."""
+    from lathe.models import linear_attention as la
+    from lathe.models import ssd
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if ssd.fla_scan() is None:
+        pytest.skip("flash-linear-attention is not installed")
+    device = torch.device("cuda")
+    if state > la.SAFE_KEY_TILE_ABOVE:
+        assert ssd._layout_ok(device, 16, state, 64, torch.bfloat16, torch.float32) == (True, True)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [1, 64, 300, 777]
+    t, heads, groups = sum(lengths), 16, 4
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+    softplus = torch.nn.functional.softplus
+    host = [torch.randn(t, heads, 64, generator=gen), softplus(torch.randn(t, heads, generator=gen) - 2),
+            -(torch.rand(heads, generator=gen) * 4 + 0.5), torch.randn(t, groups, state, generator=gen) / state ** 0.5,
+            torch.randn(t, groups, state, generator=gen) / state ** 0.5, torch.randn(heads, generator=gen),
+            torch.randn(len(lengths), heads, 64, state, generator=gen)]
+    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32,
+              torch.float32]
+    for with_initial in (False, True):
+        low = [h.to(device, d).requires_grad_() for h, d in zip(host, dtypes)]
+        exact = [h.detach().float().requires_grad_() for h in low]
+        got, want = [], []
+        for leaves, fn, out in ((low, ssd._fla_scan, got), (exact, None, want)):
+            x, dt, A, B, C, D, initial = leaves
+            initial = initial if with_initial else None
+            y, final = (fn(x, dt, A, B, C, cu, D, initial) if fn else
+                        ssd.torch_scan(x, dt, A, B, C, cu, max(lengths), D=D, initial_state=initial))
+            (y.float().square().sum() + final.square().sum()).backward()
+            out.extend([y.float(), final] + [p.grad for p in leaves[:6]])
+        for name, a, b in zip("y final x dt A B C D".split(), got, want):
+            assert rel(a.float(), b) < 3e-2, (name, with_initial)

@@ -291,7 +291,7 @@ def _fla_runs(q, *others, chunked: bool) -> bool:
     if not _on_cuda(q):
         return False
     if fla_ops() is None:
-        _notice_no_fla()
+        notice_no_fla()
         return False
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *others))):
         return _CHECKED.get(_layout(q, others[1], others[3]), (True, True))[0]
@@ -299,7 +299,7 @@ def _fla_runs(q, *others, chunked: bool) -> bool:
         return False
     if _fla_backward_ok(q, others[1], others[3]):
         return True
-    _notice_fla_backward()
+    notice_fla_backward()
     return False
 
 
@@ -335,36 +335,51 @@ def _layout(q: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> tuple:
 
 
 def _fla_backward_ok(q: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> bool:
-    """Whether fla's gated chunk backward runs for this call's head layout: anywhere but on the broken Tritons; there
-    for key heads wider than SAFE_KEY_TILE_ABOVE whose layout passed `_fla_layout_ok` (the lift of fla's refusal
-    installed). Otherwise training takes the torch form (forward-only passes and the engine keep fla's kernels)."""
-    if not _broken_triton(q.device):
-        return True
-    if q.shape[-1] <= SAFE_KEY_TILE_ABOVE or not _lift_fla_guard():
-        return False
+    """Whether fla's gated chunk backward runs for this call's head layout (`lifted_backward_ok`); otherwise training
+    takes the torch form (forward-only passes and the engine keep fla's kernels)."""
     layout = _layout(q, v, beta)
+    return lifted_backward_ok(q.device, q.shape[-1], layout, lambda: _fla_layout_ok(*layout))
+
+
+def lifted_backward_ok(device: torch.device, key_dim: int, layout: tuple, check) -> bool:
+    """Whether an fla chunk backward that runs the gated `chunk_bwd_dqkwg` (the gated delta rule's; Mamba2's scan,
+    `lathe.models.ssd`) runs for a head layout: anywhere but on the broken Tritons; there for key heads wider than
+    SAFE_KEY_TILE_ABOVE whose layout passed `check()` ((forward right, backward right), kept in `_CHECKED` by
+    `layout`), with the lift of fla's refusal installed."""
+    if not _broken_triton(device):
+        return True
+    if key_dim <= SAFE_KEY_TILE_ABOVE or not _lift_fla_guard():
+        return False
     if layout not in _CHECKED:
         if torch._C._current_graph_task_id() != -1:
             return False    # a first grad-enabled call inside a backward (a recompute): its check would wait on it
-        _CHECKED[layout] = _fla_layout_ok(*layout)
+        _CHECKED[layout] = check()
     return _CHECKED[layout][1]
 
 
-_CHECKED: dict[tuple, tuple[bool, bool]] = {}      # `_layout` -> (fla's forward right, its backward right)
+# a layout (the delta rule's `_layout`, the scan's `ssd._layout`) -> (fla's forward right, its backward right)
+_CHECKED: dict[tuple, tuple[bool, bool]] = {}
 _LIFT = threading.Lock()    # the version flag is fla's module state: one lifted call at a time, none beside it
 
 
 @functools.cache
 def _lift_fla_guard() -> bool:
-    """Wrap the dq/dk/dg kernel's launcher that fla's gated delta rule backward calls: for key heads wider than
-    SAFE_KEY_TILE_ABOVE it runs with fla's version flag raised for that call only (narrower ones meet fla's own
-    refusal); every call through it holds `_LIFT`. Wraps once (a second call finds its own wrapper). False when fla
-    is not laid out as 0.6 is (then the torch form trains)."""
+    """Wrap the dq/dk/dg kernel's launcher that fla's gated delta rule and simple GLA (Mamba2's scan) backwards call,
+    in each module that imported it: for key heads wider than SAFE_KEY_TILE_ABOVE it runs with fla's version flag
+    raised for that call only (narrower ones meet fla's own refusal); every call through it holds `_LIFT`. Wraps
+    once (a second call finds its own wrapper). False when fla is not laid out as 0.6 is (then the torch form
+    trains)."""
     try:
         from fla.ops.common import chunk_o
         from fla.ops.gated_delta_rule import chunk as gated
     except ImportError:
         return False
+    callers = [gated]
+    try:
+        from fla.ops.simple_gla import chunk as simple          # Mamba2's scan (`lathe.models.ssd`)
+        callers.append(simple)
+    except ImportError:
+        pass
     original = getattr(gated, "chunk_bwd_dqkwg", None)
     if original is None or not hasattr(chunk_o, "TRITON_ABOVE_3_7_1"):
         return False
@@ -384,30 +399,38 @@ def _lift_fla_guard() -> bool:
                 chunk_o.TRITON_ABOVE_3_7_1 = saved
 
     dqkwg.lathe_lift = True
-    gated.chunk_bwd_dqkwg = dqkwg
+    for module in callers:
+        if getattr(module, "chunk_bwd_dqkwg", None) is original:
+            module.chunk_bwd_dqkwg = dqkwg
     return True
 
 
 def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: int, q_dtype: torch.dtype,
                    v_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple[bool, bool]:
-    """(forward right, backward right): fla's chunk forward and backward against the torch form (float32) on a packed
-    stream of this layout (`_layout`), the worst sequence's norm-relative error of the output and of every gradient
-    within CHECK_TOLERANCE. The layout is the autotune key of fla's kernels (but for its l2norm kernels, keyed by the
-    stream's rows too: no matrix products, outside fla #640), so the configurations chosen here are those training
-    reuses. Run in a thread of its own, away from the caller's autograd state (a checkpointed forward's saved-tensor
-    hooks, inference mode)."""
-    result: dict = {}
+    """`checked_layout` of fla's gated delta-rule chunk kernels at this layout (`_layout`). The layout is the
+    autotune key of fla's kernels (but for its l2norm kernels, keyed by the stream's rows too: no matrix products,
+    outside fla #640), so the configurations chosen here are those training reuses."""
     dtypes = (q_dtype, v_dtype, beta_dtype)
-    layout = f"{heads} value heads of {key_dim}x{value_dim}, {'/'.join(str(d)[6:] for d in dtypes)}"
-    log.info("linear attention: checking fla's gated delta-rule kernels for %s against the torch form (on a machine "
-             "where fla has not run them yet it compiles and autotunes them first: minutes, kept in Triton's cache "
-             "after)", layout)
+    text = f"{heads} value heads of {key_dim}x{value_dim}, {'/'.join(str(d)[6:] for d in dtypes)}"
+    return checked_layout("gated delta-rule", text, device,
+                          lambda: _layout_errors(device, heads, key_dim, value_dim, *dtypes))
+
+
+def checked_layout(what: str, layout: str, device: torch.device, errors) -> tuple[bool, bool]:
+    """(forward right, backward right) of fla's `what` kernels at a head layout (`layout`: its text for the log):
+    `errors()` gives the norm-relative errors of their output ("o") and of every gradient ("d..."), on a packed
+    stream of that layout against the torch form in float32; each must be within CHECK_TOLERANCE. Run in a thread of
+    its own, away from the caller's autograd state (a checkpointed forward's saved-tensor hooks, inference mode)."""
+    result: dict = {}
+    log.info("linear attention: checking fla's %s kernels for %s against the torch form (on a machine where fla "
+             "has not run them yet it compiles and autotunes them first: minutes, kept in Triton's cache after)",
+             what, layout)
     start = time.perf_counter()
 
     def check():
         try:
             with use_device(device):
-                result["errors"] = _layout_errors(device, heads, key_dim, value_dim, *dtypes)
+                result["errors"] = errors()
         except Exception as e:          # noqa: BLE001 - a kernel that fails here trains on the torch form
             result["failed"] = e
     thread = threading.Thread(target=check, name="lathe-fla-check")
@@ -415,21 +438,21 @@ def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: in
     thread.join()
     took = f"{time.perf_counter() - start:.0f} s"
     if "failed" in result:
-        log.warning("linear attention: fla's gated delta-rule kernels failed their check for %s (%r): training takes "
-                    "the torch form for it", layout, result["failed"])
+        log.warning("linear attention: fla's %s kernels failed their check for %s (%r): training takes the torch "
+                    "form for it", what, layout, result["failed"])
         return True, False
     errors = result["errors"]
     forward = errors["o"] <= CHECK_TOLERANCE
     backward = forward and all(e <= CHECK_TOLERANCE for e in errors.values())
     shown = ", ".join(f"{name} {e:.1e}" for name, e in errors.items())
     if backward:
-        log.info("linear attention: fla's gated delta-rule backward agrees with the torch form for %s (worst "
-                 "sequence: %s; checked in %s): it runs past fla's refusal on this Triton (fla issue 640)", layout,
-                 shown, took)
+        log.info("linear attention: fla's %s backward agrees with the torch form for %s (worst sequence: %s; "
+                 "checked in %s): it runs past fla's refusal on this Triton (fla issue 640)", what, layout, shown,
+                 took)
     else:
-        log.warning("linear attention: fla's gated delta-rule %s disagrees with the torch form for %s (worst "
-                    "sequence: %s; tolerance %g): the torch form runs %s for it", "forward" if not forward else
-                    "backward", layout, shown, CHECK_TOLERANCE, "every pass" if not forward else "training")
+        log.warning("linear attention: fla's %s %s disagrees with the torch form for %s (worst sequence: %s; "
+                    "tolerance %g): the torch form runs %s for it", what, "forward" if not forward else "backward",
+                    layout, shown, CHECK_TOLERANCE, "every pass" if not forward else "training")
     return forward, backward
 
 
@@ -442,7 +465,7 @@ def _layout_errors(device, heads, key_dim, value_dim, q_dtype, v_dtype, beta_dty
             torch.randn(t, heads, value_dim, generator=gen),
             F.logsigmoid(torch.randn(t, heads, generator=gen)) / 4, torch.rand(t, heads, generator=gen).sigmoid()]
     upstream = torch.randn(t, heads, value_dim, generator=gen).to(device)
-    bounds = [0, *torch.tensor(CHECK_LENGTHS).cumsum(0).tolist()]
+    bounds = check_bounds()
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     with torch.enable_grad():
         mine = [x.to(device, d).requires_grad_() for x, d in zip(host, (q_dtype, q_dtype, v_dtype, torch.float32,
@@ -452,29 +475,36 @@ def _layout_errors(device, heads, key_dim, value_dim, q_dtype, v_dtype, beta_dty
         exact = [x.detach().float().requires_grad_() for x in mine]
         want, _ = _torch_chunk(*exact, cu, max(CHECK_LENGTHS), None)
         (want * upstream).sum().backward()
+    return {"o": worst_sequence(out, want, bounds),
+            **{f"d{n}": worst_sequence(a.grad, b.grad, bounds) for n, a, b in zip(("q", "k", "v", "g", "beta"),
+                                                                                 mine, exact)}}
 
-    def worst(a, b):
-        """Per sequence: its error over its norm, or over a typical sequence's of its size where its own is smaller
-        (a lone token's dg is exactly 0: nothing decays yet)."""
-        a, b = a.detach().double(), b.detach().double()
-        rms = b.norm() / b.numel() ** 0.5
-        return max(float((a[i:j] - b[i:j]).norm() / torch.maximum(b[i:j].norm(), rms * b[i:j].numel() ** 0.5)
-                         .clamp(min=1e-30)) for i, j in zip(bounds[:-1], bounds[1:]))
-    return {"o": worst(out, want), **{f"d{n}": worst(a.grad, b.grad) for n, a, b in zip(("q", "k", "v", "g", "beta"),
-                                                                                       mine, exact)}}
+
+def check_bounds() -> list[int]:
+    """The check stream's sequence bounds (CHECK_LENGTHS)."""
+    return [0, *torch.tensor(CHECK_LENGTHS).cumsum(0).tolist()]
+
+
+def worst_sequence(a: torch.Tensor, b: torch.Tensor, bounds: list[int]) -> float:
+    """The largest over the packed sequences of |a - b| over |b|, or over a typical sequence's norm of its size where
+    its own is smaller (a lone token's dg is exactly 0: nothing decays yet)."""
+    a, b = a.detach().double(), b.detach().double()
+    rms = b.norm() / b.numel() ** 0.5
+    return max(float((a[i:j] - b[i:j]).norm() / torch.maximum(b[i:j].norm(), rms * b[i:j].numel() ** 0.5)
+                     .clamp(min=1e-30)) for i, j in zip(bounds[:-1], bounds[1:]))
 
 
 @functools.cache
-def _notice_fla_backward() -> None:
-    log.warning("linear attention: fla's gated delta-rule backward is wrong on Hopper GPUs with Triton 3.4 .. 3.7.0 "
-                "(fla issue 640) at key heads of 64 or fewer, and runs at wider ones only where a check against "
-                "the torch form passes: this model trains on the torch form (slower). Triton >= 3.7.1 lifts this")
+def notice_fla_backward(what: str = "gated delta-rule") -> None:
+    log.warning("linear attention: fla's %s backward is wrong on Hopper GPUs with Triton 3.4 .. 3.7.0 (fla issue "
+                "640) at key heads of 64 or fewer, and runs at wider ones only where a check against the torch form "
+                "passes: this model trains on the torch form (slower). Triton >= 3.7.1 lifts this", what)
 
 
 @functools.cache
-def _notice_no_fla() -> None:
-    log.warning("linear attention: flash-linear-attention is not installed, so the gated delta rule runs in torch on "
-                "the GPU (much slower); install it with `pip install 'lathe[hybrid]'` (or flash-linear-attention)")
+def notice_no_fla(what: str = "the gated delta rule") -> None:
+    log.warning("linear attention: flash-linear-attention is not installed, so %s runs in torch on the GPU (much "
+                "slower); install it with `pip install 'lathe[hybrid]'` (or flash-linear-attention)", what)
 
 
 def _fla_inputs(q, k, v):

@@ -105,3 +105,25 @@ def test_a_tensor_parallel_engine_replica_generates_what_one_process_generates(t
     """Over 2 gloo ranks (heads, the dense MLP and the shared experts cut, the experts placed over the ranks, q/k norms
     and the partial RoPE per head): greedy, sampled, and greedy after new weights, as one process."""
     assert_tp_replica_equals_one_process(glm_model(seed=4), tmp_path)
+
+
+def test_an_adapter_on_the_shared_experts_says_that_peft_would_load_it_elsewhere(pair, tmp_path, caplog):
+    """PEFT 0.21 under transformers 5 re-targets gate/up/down_proj adapters of GLM-4.5 to the routed experts
+    (huggingface/peft#3711): lathe's save says so where the adapter has such layers (its shared experts, its dense
+    first layer), and not for attention-only adapters."""
+    import copy
+    import logging
+    pytest.importorskip("peft")
+    from lathe.models import lora
+    _, base = pair
+    for targets, warned in ((["q_proj", "o_proj"], False), ("all-linear", True)):
+        model = copy.deepcopy(base)
+        lora.apply_lora(model, rank=2, alpha=4, target_modules=targets)
+        lora._warn_peft_retargets.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lathe"):
+            lora.save_adapter(model, tmp_path / str(warned))
+        said = [r.getMessage() for r in caplog.records if "peft#3711" in r.getMessage()]
+        assert bool(said) is warned
+        if warned:
+            assert "glm4_moe layers named down_proj, gate_proj, up_proj" in said[0]

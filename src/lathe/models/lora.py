@@ -25,7 +25,9 @@ names as without LoRA.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +41,7 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 # is left frozen, as verl's freeze_vision_tower)
 DECODER_PREFIXES = ("model.layers.", "model.language_model.layers.")
 PEFT_PREFIX = "base_model.model."
+log = logging.getLogger("lathe")
 
 
 class LoRALinear(nn.Linear):
@@ -288,7 +291,43 @@ def save_adapter(model: nn.Module, path: str | Path, *, base_model: str | None =
         config["target_modules"] = "(?:" + "|".join(p.replace(".", r"\.") for p in written) + ")"
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     save_file(state, str(path / ADAPTER_WEIGHTS))
+    if renamed := sorted(set(modules) & _peft_retargets(_checkpoint_model_type(model))):
+        _warn_peft_retargets(_checkpoint_model_type(model), tuple(renamed))
     return path
+
+
+def _checkpoint_model_type(model: nn.Module) -> str | None:
+    """The model_type of the checkpoint the adapter applies to (a VL checkpoint's, when its language model runs)."""
+    cfg = getattr(model, "config", None)
+    vl = getattr(cfg, "vl_checkpoint", None)
+    hub = vl[1] if vl is not None else getattr(cfg, "hf_config", None) or {}
+    return hub.get("model_type")
+
+
+def _peft_retargets(model_type: str | None) -> set[str]:
+    """The module names that PEFT's loader re-targets to a mixture-of-experts model's fused routed experts on this
+    checkpoint type under transformers 5 (`peft.utils.transformers_weight_conversion`, PEFT 0.19 .. 0.21): every
+    target so named, a shared expert's or a dense layer's too (huggingface/peft#3711). Empty where PEFT is not
+    installed or lays that out otherwise."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        base = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+        if base is None or get_checkpoint_conversion_mapping(model_type) is None:
+            return set()
+        return set(conversion._MOE_TARGET_MODULE_MAPPING.get(base, {}))
+    except (ImportError, AttributeError, TypeError):
+        return set()
+
+
+@functools.cache
+def _warn_peft_retargets(model_type: str, names: tuple[str, ...]) -> None:
+    log.warning("LoRA: this adapter adapts %s layers named %s outside the routed experts (shared experts, dense MLPs). "
+                "lathe reads it back exactly (resume, `lora_adapter_path`), and each checkpoint's merged model "
+                "(`actor/huggingface`) holds the trained weights; but PEFT 0.21 under transformers 5 re-targets those "
+                "names to the routed experts when it loads an adapter onto this model type "
+                "(huggingface/peft#3711), so `PeftModel.from_pretrained` would apply it to other weights",
+                model_type, ", ".join(names))
 
 
 def _gate_up_path(path: str) -> str:

@@ -277,8 +277,8 @@ def test_a_scan_layout_passes_its_check_only_where_flas_output_and_gradients_agr
 @pytest.mark.parametrize("state", [16, 128])
 def test_flas_scan_equals_the_torch_form_on_cuda(state):
     """fla's kernels (when installed) at a small layout and at Nemotron-H's state size, bf16 inputs: output, final
-    states and gradients near the float32 torch form's, with and without initial states; at state 128 the layout's
-    check passes (it is what lifts fla's Hopper refusal)."""
+    states and gradients near the float32 torch form's, with and without initial states; on Hopper's broken Tritons
+    state 128 trains once its layout's check passes (what lifts fla's refusal) and state 16 runs forward only."""
     from lathe.models import linear_attention as la
     from lathe.models import ssd
     if not torch.cuda.is_available():
@@ -286,8 +286,10 @@ def test_flas_scan_equals_the_torch_form_on_cuda(state):
     if ssd.fla_scan() is None:
         pytest.skip("flash-linear-attention is not installed")
     device = torch.device("cuda")
-    if state > la.SAFE_KEY_TILE_ABOVE:
-        assert ssd._layout_ok(device, 16, state, 64, torch.bfloat16, torch.float32) == (True, True)
+    broken = la._broken_triton(device)         # Hopper, Triton 3.4 .. 3.7.0: fla refuses this backward (fla #640)
+    if broken:
+        assert la._lift_fla_guard()
+    trains = state > la.SAFE_KEY_TILE_ABOVE or not broken      # else training takes the torch form (forward: fla)
     gen = torch.Generator().manual_seed(0)
     lengths = [1, 64, 300, 777]
     t, heads, groups = sum(lengths), 16, 4
@@ -302,13 +304,20 @@ def test_flas_scan_equals_the_torch_form_on_cuda(state):
     for with_initial in (False, True):
         low = [h.to(device, d).requires_grad_() for h, d in zip(host, dtypes)]
         exact = [h.detach().float().requires_grad_() for h in low]
+        x, dt, A, B, C, D, initial = low
+        assert ssd._fla_takes(x, dt, A, B, C, initial) is trains      # (the layout's check at its first call)
+        if broken and trains:
+            assert la._CHECKED[ssd._layout(x, B, dt)] == (True, True)
         got, want = [], []
         for leaves, fn, out in ((low, ssd._fla_scan, got), (exact, None, want)):
             x, dt, A, B, C, D, initial = leaves
             initial = initial if with_initial else None
-            y, final = (fn(x, dt, A, B, C, cu, D, initial) if fn else
-                        ssd.torch_scan(x, dt, A, B, C, cu, max(lengths), D=D, initial_state=initial))
-            (y.float().square().sum() + final.square().sum()).backward()
-            out.extend([y.float(), final] + [p.grad for p in leaves[:6]])
+            with torch.set_grad_enabled(trains):
+                y, final = (fn(x, dt, A, B, C, cu, D, initial) if fn else
+                            ssd.torch_scan(x, dt, A, B, C, cu, max(lengths), D=D, initial_state=initial))
+            out.extend([y.float(), final])
+            if trains:
+                (y.float().square().sum() + final.square().sum()).backward()
+                out.extend(p.grad for p in leaves[:6])
         for name, a, b in zip("y final x dt A B C D".split(), got, want):
             assert rel(a.float(), b) < 3e-2, (name, with_initial)

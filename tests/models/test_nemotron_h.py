@@ -172,7 +172,8 @@ def test_engine_greedy_tokens_and_log_probs_equal_transformers(tmp_path, latent)
 @pytest.mark.gpu
 @pytest.mark.parametrize("latent", [None, 12])
 def test_bf16_packed_forward_and_gradients_on_cuda_follow_the_cpu_reference(latent):
-    """On CUDA in bf16 (varlen attention, the experts as grouped matmuls on Hopper, the torch scan): logits and
+    """On CUDA in bf16 (varlen attention, the experts as grouped matmuls on Hopper, the scan on fla's kernels where
+    installed, its backward on them or on the torch form by `ssd._fla_takes`): logits and
     gradients near the float32 CPU path, the bf16 forward replaying the reference's expert choices (near ties that
     bf16 rounding flips are a discrete change the tolerance is not about)."""
     from lathe.models.packing import pack_padded

@@ -136,7 +136,8 @@ def test_each_broken_setup_fails_naming_what_to_change(over, name, words):
     (dict(ray={"address": "10.0.0.1:6379", "local_cluster": False, "error": "ConnectionError: no cluster"}),
      "ray cluster", "could not join Ray at 10.0.0.1:6379"),
     (dict(versions={"torch": "2.11.0", "transformers": "5.17.0", "ray": "2.60.0", "triton": "3.6.0",
-                    "flash-linear-attention": "0.6.0"}), "fla backward", "refuses its gated delta-rule backward"),
+                    "flash-linear-attention": "0.6.0"}), "fla backward",
+     "refuses its gated delta-rule and Mamba2-scan backwards"),
     (dict(env={"OMP_WAIT_POLICY": "active"}), "cpu threads", "idle OpenMP threads spin"),
     (dict(cpu={"cores": 2, "load1": 1.7}), "cpu threads", "busy (load 1.7 on 2 cores)"),
 ])

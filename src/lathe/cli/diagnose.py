@@ -27,7 +27,7 @@ GIB = 1024 ** 3
 # the optional packages and what each adds ...
 OPTIONAL = {"ray": "many devices, fully async", "triton": "GPU kernels", "wandb": "trainer.logger=wandb",
             "mlflow": "trainer.logger=mlflow", "hypothesis": "the test suite", "peft": "the test suite",
-            "flash-linear-attention": "Qwen3.5 / Qwen3-Next kernels on GPUs: lathe[hybrid]"}
+            "flash-linear-attention": "Qwen3.5 / Qwen3-Next / Nemotron-H kernels on GPUs: lathe[hybrid]"}
 # ... and other frameworks' packages, named only when installed: lathe has its own engine and attention kernels
 OTHERS = ("flash-attn", "vllm", "sglang")
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME",
@@ -248,9 +248,10 @@ def _check_fla(f: dict, gpus: list[dict]) -> list[Check]:
     if not (fla and hopper and broken):
         return []
     return [Check("fla backward", "warn", f"triton {triton} on {hopper[0]['name']}: fla {fla} refuses its gated "
-                  "delta-rule backward here (fla issue 640), so training Qwen3.5 / Qwen3-Next runs it only for key "
-                  "heads wider than 64, once a check of each head layout against lathe's torch form passes, and "
-                  "narrower heads (or a failed layout) on the torch form, several times slower",
+                  "delta-rule and Mamba2-scan backwards here (fla issue 640), so training Qwen3.5 / Qwen3-Next / "
+                  "Nemotron-H runs them only for key heads (Mamba2: states) wider than 64, once a check of each head "
+                  "layout against lathe's torch form passes, and narrower ones (or a failed layout) on the torch "
+                  "form, several times slower",
                   "a torch build whose triton is 3.7.1 or newer lifts this")]
 
 

@@ -27,8 +27,8 @@ step of one token per sequence hands them to `Mamba2Mixer.step`. Prefix grouping
 each prompt once and each response from its prompt's final states (`Mamba2Mixer.grouped`); Ulysses sequence
 parallelism splits the Mamba2 layers by groups with their heads (`Mamba2Mixer.head_parallel`); tensor parallelism
 (training: `lathe.train.tensor_parallel`; the engine: `lathe.engine.tensor_parallel`) cuts them by groups too, a
-rank's convolution and per-head vectors read through `conv_params` / `head_params`. Not built yet: fla's kernels for
-the scan on CUDA (the torch scan runs there).
+rank's convolution and per-head vectors read through `conv_params` / `head_params`. The scan runs on fla's kernels on
+CUDA where installed (`lathe.models.ssd`), the convolution on fla's packed one (`linear_attention.causal_conv1d`).
 """
 
 from __future__ import annotations

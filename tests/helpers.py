@@ -343,3 +343,34 @@ def stop_once_risen(monkeypatch, rise: float, window: int = 10) -> None:
     (the same sums, so that what stopped the run passes it)."""
     stop_once_shown(monkeypatch, lambda s: len(s) >= 2 * window
                     and sum(s[-window:]) / window >= sum(s[:window]) / window + rise)
+
+
+def compiles_for_hopper(entry: str, timeout: int = 600) -> None:
+    """Run `entry` ("module:function", importable from tests/) in a child process without Triton's interpreter (the
+    tests run it in-process); the function compiles Triton kernels for sm_90 without a GPU (Triton's frontend, MLIR
+    passes and ptxas: the type and shape checks the interpreter skips) and returns "compiled", or "SKIP: why"."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    pytest.importorskip("triton", reason="triton is not installed")
+    pytest.importorskip("triton.backends.nvidia", reason="triton has no CUDA backend here")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    module, function = entry.split(":")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([f"{root}/src", f"{root}/tests"])}
+    done = subprocess.run([sys.executable, "-c", f"from {module} import {function} as c; print(c())"], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if "SKIP" in done.stdout:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict):
+    """`triton.compile` of a @triton.jit function for sm_90 (signature: argument -> Triton type)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = {**signature, **{n: "constexpr" for n in constexprs}}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32))

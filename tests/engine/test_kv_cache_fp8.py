@@ -12,7 +12,7 @@ from lathe.engine.paged_attention import decode_attention, prefill_attention
 from lathe.generation import SamplingParams
 from lathe.models import load_lathe_model
 
-from helpers import assert_close_rel
+from helpers import assert_close_rel, compile_sm90, compiles_for_hopper
 
 from .conftest import PROMPTS
 from .test_llm_engine import _teacher_forced
@@ -429,32 +429,14 @@ def test_fp8_kernels_compile_for_hopper():
     the shared-prefix launch with the decode kernel merging it (bf16), compile for sm_90 without a GPU (Triton's
     frontend, MLIR passes and ptxas; in a process of its own, as the tests run Triton's interpreter): the interpreter
     above runs their arithmetic but not Triton's type and shape checks."""
-    import os
-    import subprocess
-    import sys
-    pytest.importorskip("triton", reason="triton is not installed")
-    pytest.importorskip("triton.backends.nvidia", reason="triton has no CUDA backend here")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([f"{root}/src", f"{root}/tests"])}
-    done = subprocess.run([sys.executable, "-c", "from engine.test_kv_cache_fp8 import compile_fp8_kernels as c; "
-                           "print(c())"], env=env, capture_output=True, text=True, timeout=600)
-    if "SKIP" in done.stdout:
-        pytest.skip(done.stdout.strip())
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compiles_for_hopper("engine.test_kv_cache_fp8:compile_fp8_kernels")
 
 
 def compile_fp8_kernels() -> str:
     """Compile the FP8 kernels for sm_90 (`test_fp8_kernels_compile_for_hopper`'s child process); the PTX must convert
     with cvt.rn.satfinite to e4m3 and divide with div.rn, and the decode kernel read no byte from shared memory."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from lathe.engine import triton_decode, triton_store
-    target = GPUTarget("cuda", 90, 32)
-
-    def compile_(fn, signature, constexprs):
-        signature = {**signature, **{n: "constexpr" for n in constexprs}}
-        return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
+    compile_ = compile_sm90
     fp8, scale = "*fp8e4nv", "*fp32"
     try:
         store = compile_(triton_store._store_fp8_kernel,

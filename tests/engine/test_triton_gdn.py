@@ -63,10 +63,11 @@ def _conv_case(device, rows=5, channels=40, kernel=4, slots=9, seed=1):
     return [t.to(device) for t in (x, weight, states, index)]
 
 
-def _check_conv(x, weight, states, index, rel):
+def _check_conv(x, weight, states, index, rel, bias=None):
     before = states.clone()
-    want, want_states = conv_step(x.double(), weight.double(), before.double()[index])
-    got = triton_gdn.conv_step_(x, weight, states, index)
+    want, want_states = conv_step(x.double(), weight.double(), before.double()[index],
+                                  None if bias is None else bias.double())
+    got = triton_gdn.conv_step_(x, weight, states, index, bias)
     real = index[:-2]
     assert_close_rel(got[:-2], want[:-2], rel=rel, name="convolved inputs")
     assert torch.equal(states[real], want_states[:-2].to(states.dtype))      # the window moved on by one, exactly
@@ -74,8 +75,12 @@ def _check_conv(x, weight, states, index, rel):
     assert torch.equal(states[untouched], before[untouched])
 
 
-def test_in_place_conv_step_equals_the_torch_step_on_gathered_inputs(triton_interpreter):
-    _check_conv(*_conv_case("cpu"), rel=1e-5)
+@pytest.mark.parametrize("bias", [False, True])
+def test_in_place_conv_step_equals_the_torch_step_on_gathered_inputs(triton_interpreter, bias):
+    """With Mamba2's bias (Nemotron-H) and without (Qwen3.5)."""
+    x, weight, states, index = _conv_case("cpu")
+    _check_conv(x, weight, states, index, rel=1e-5,
+                bias=torch.randn(x.shape[1], generator=torch.Generator().manual_seed(2)) if bias else None)
 
 
 @pytest.mark.gpu

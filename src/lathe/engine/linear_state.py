@@ -19,7 +19,7 @@ states of the step's sequences, one linear layer after the other (gathered by sl
 with `index_copy_`). A step of one token per sequence (every decode step) instead hands each layer's inputs to the
 `LinearStep`, which advances the states where they lie: on CUDA the convolution inputs and the recurrent state in
 one Triton launch each per layer that reads and writes each row's slot (`triton_gdn`: a third of the gather /
-kernel / scatter traffic).
+kernel / scatter traffic; Mamba2's scan: `triton_ssd`, one pass over the states where PyTorch took about eleven).
 
 Decode steps replay CUDA graphs as the other families' do (`cuda_graph.py`): a decode step's layers take one token
 per sequence (`GatedDeltaNet`'s single-token form: no host sync), and the graph's `LinearStep` reads the rows' slots
@@ -42,7 +42,7 @@ from collections import OrderedDict
 
 import torch
 
-from lathe.engine import triton_gdn
+from lathe.engine import triton_gdn, triton_ssd
 from lathe.engine.block_manager import BlockManager, _salt
 from lathe.engine.sequence import Sequence
 from lathe.models.linear_attention import conv_step, recurrent_gated_delta_rule
@@ -168,10 +168,10 @@ class LinearStep:
     @torch.compiler.disable
     def conv_step(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu(conv + bias) (B, C) of each row's new input x after its slot's last K-1 inputs, which move on by one
-        (a convolution with a bias, Mamba2's, runs the torch form: `triton_gdn`'s launch takes none)."""
+        (on CUDA in place, one launch: `triton_gdn`)."""
         conv = self.cache.conv[self.layer]
-        if bias is None and triton_gdn.available(x.device):
-            return triton_gdn.conv_step_(x, weight, conv, self.index)
+        if triton_gdn.available(x.device):
+            return triton_gdn.conv_step_(x, weight, conv, self.index, bias)
         out, window = conv_step(x, weight, conv.index_select(0, self.index), bias)
         conv.index_copy_(0, self.index, window.to(conv.dtype))
         return out
@@ -194,10 +194,13 @@ class LinearStep:
     @torch.compiler.disable
     def scan_step(self, x, dt, A, B, C, D) -> torch.Tensor:
         """y (B, H, P) of each row's token through a Mamba2 layer's scan (`lathe.models.ssd.scan_step`), its state
-        advanced in its slot; then on to the next linear layer."""
+        advanced in its slot (on CUDA in place, one launch: `triton_ssd`); then on to the next linear layer."""
         states = self.cache.recurrent[self.layer]
-        y, new = scan_step(x, dt, A, B, C, states.index_select(0, self.index), D=D)
-        states.index_copy_(0, self.index, new)
+        if triton_ssd.available(x.device):
+            y = triton_ssd.scan_step_(x, dt, A, B, C, D, states, self.index)
+        else:
+            y, new = scan_step(x, dt, A, B, C, states.index_select(0, self.index), D=D)
+            states.index_copy_(0, self.index, new)
         self.layer += 1
         return y
 

@@ -13,8 +13,9 @@ head where it lies, and writes the row's output:
     o    = S^T q
 
 in float32, as `lathe.models.linear_attention.recurrent_gated_delta_rule` computes it. The short convolution before
-it (`conv_step_`) likewise reads each row's last K-1 inputs from its slot and shifts the new input in, in one launch
-(in PyTorch: a gather, a cat, a product, a sum over K and a scatter, 1.9 ms of that 2B step). Rows that share a slot
+it (`conv_step_`, with Mamba2's bias too) likewise reads each row's last K-1 inputs from its slot and shifts the new
+input in, in one launch (in PyTorch: a gather, a cat, a product, a sum over K and a scatter, 1.9 ms of that 2B step).
+Mamba2's scan step: `lathe.engine.triton_ssd`. Rows that share a slot
 (a decode graph's padding rows, all at the scratch slot) race there; nothing reads the scratch slot.
 """
 
@@ -58,8 +59,8 @@ if triton is not None:
 
 
     @triton.jit
-    def _conv_step_kernel(X, W, STATE, OUT, INDEX, stride_x, C, K: tl.constexpr, KP: tl.constexpr,
-                          BC: tl.constexpr):
+    def _conv_step_kernel(X, W, BIAS, STATE, OUT, INDEX, stride_x, C, K: tl.constexpr, KP: tl.constexpr,
+                          BC: tl.constexpr, HAS_BIAS: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(INDEX + row).to(tl.int64)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -72,6 +73,8 @@ if triton is not None:
         window = tl.where(j[None, :] == K - 1, x[:, None].to(window.dtype), window)
         w = tl.load(W + c[:, None] * K + j[None, :], mask=mc[:, None] & (j[None, :] < K), other=0.0)
         acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), 1)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + c, mask=mc, other=0.0).to(tl.float32)
         tl.store(OUT + row * C + c, (acc / (1.0 + tl.exp(-acc))).to(OUT.dtype.element_ty), mask=mc)
         # the window moves on by one: input j + 1 becomes carried input j
         shifted = tl.load(at + 1, mask=mc[:, None] & (j[None, :] < K - 2), other=0.0)
@@ -82,6 +85,13 @@ if triton is not None:
 
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
+
+
+def float32_states(states: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Raise unless `states` is (slots, *shape) float32 and contiguous, as the in-place step kernels address it."""
+    if states.dtype != torch.float32 or not states.is_contiguous() or tuple(states.shape[1:]) != shape:
+        raise ValueError(f"states {tuple(states.shape)} {states.dtype}: expected contiguous float32 "
+                         f"(slots, {', '.join(map(str, shape))})")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -96,9 +106,7 @@ def gated_delta_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     (B, Hv, Dv) in v's dtype."""
     rows, hk, dk = q.shape
     hv, dv = v.shape[1:]
-    if states.dtype != torch.float32 or not states.is_contiguous() or states.shape[1:] != (hv, dk, dv):
-        raise ValueError(f"states {tuple(states.shape)} {states.dtype}: expected contiguous float32 "
-                         f"(slots, {hv}, {dk}, {dv})")
+    float32_states(states, (hv, dk, dv))
     q, k, v = _rows(q), _rows(k), _rows(v)
     g, beta = g.contiguous(), beta.contiguous()
     o = torch.empty(rows, hv, dv, dtype=v.dtype, device=v.device)
@@ -111,10 +119,10 @@ def gated_delta_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 
 def conv_step_(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, index: torch.Tensor,
-               block_c: int = 256) -> torch.Tensor:
-    """silu(depthwise causal conv) of one new input per row, x (B, C) (any row stride), `weight` (C, K), after the
-    last K-1 inputs in `states[index[i]]` ((slots, C, K-1), contiguous), which move on by one in place. Returns
-    (B, C) in x's dtype (the products summed in float32)."""
+               bias: torch.Tensor | None = None, block_c: int = 256) -> torch.Tensor:
+    """silu(depthwise causal conv + `bias` (C,) or none) of one new input per row, x (B, C) (any row stride),
+    `weight` (C, K), after the last K-1 inputs in `states[index[i]]` ((slots, C, K-1), contiguous), which move on by
+    one in place. Returns (B, C) in x's dtype (the products and the bias summed in float32)."""
     rows, channels = x.shape
     kernel = weight.shape[-1]
     if not states.is_contiguous() or states.shape[1:] != (channels, kernel - 1):
@@ -123,6 +131,8 @@ def conv_step_(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, inde
         x = x.contiguous()
     out = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
     grid = (rows, triton.cdiv(channels, block_c))
-    _conv_step_kernel[grid](x, weight.contiguous(), states, out, index, x.stride(0), channels, K=kernel,
-                            KP=triton.next_power_of_2(kernel), BC=block_c, num_warps=4)
+    weight = weight.contiguous()
+    _conv_step_kernel[grid](x, weight, weight if bias is None else bias.contiguous(), states, out, index, x.stride(0),
+                            channels, K=kernel, KP=triton.next_power_of_2(kernel), BC=block_c,
+                            HAS_BIAS=bias is not None, num_warps=4)
     return out

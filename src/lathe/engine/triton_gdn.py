@@ -15,8 +15,8 @@ head where it lies, and writes the row's output:
 in float32, as `lathe.models.linear_attention.recurrent_gated_delta_rule` computes it. The short convolution before
 it (`conv_step_`, with Mamba2's bias too) likewise reads each row's last K-1 inputs from its slot and shifts the new
 input in, in one launch (in PyTorch: a gather, a cat, a product, a sum over K and a scatter, 1.9 ms of that 2B step).
-Mamba2's scan step: `lathe.engine.triton_ssd`. Rows that share a slot
-(a decode graph's padding rows, all at the scratch slot) race there; nothing reads the scratch slot.
+Rows that share a slot (a decode graph's padding rows, all at the scratch slot) race there; nothing reads the scratch
+slot. Mamba2's scan step: `lathe.engine.triton_ssd`.
 """
 
 from __future__ import annotations

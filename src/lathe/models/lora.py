@@ -291,8 +291,9 @@ def save_adapter(model: nn.Module, path: str | Path, *, base_model: str | None =
         config["target_modules"] = "(?:" + "|".join(p.replace(".", r"\.") for p in written) + ")"
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     save_file(state, str(path / ADAPTER_WEIGHTS))
-    if renamed := sorted(set(modules) & _peft_retargets(_checkpoint_model_type(model))):
-        _warn_peft_retargets(_checkpoint_model_type(model), tuple(renamed))
+    model_type = _checkpoint_model_type(model)
+    if renamed := sorted(set(modules) & _peft_retargets(model_type)):
+        _warn_peft_retargets(model_type, tuple(renamed))
     return path
 
 

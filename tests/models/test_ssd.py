@@ -227,6 +227,51 @@ def test_float64_and_cpu_scans_stay_on_the_torch_form(monkeypatch):
     assert not ssd._fla_takes(x.float(), dt.float(), A.float(), B.float(), C.float(), None)
 
 
+def test_a_slow_first_use_of_flas_kernels_says_they_are_compiling(monkeypatch, caplog):
+    """The first forward and backward of fla's scan at a layout (stood in for by a reference that takes 0.3 s each
+    way, as Triton compiling would take minutes) log that fla is compiling its kernels and when they are ready;
+    later calls at that layout, and a first call quicker than the notice's delay, log nothing; the gradients are
+    the same as without the watch."""
+    import logging
+    import time
+
+    from .test_hybrid_kernels import _backward_runs
+    slow_backward = _backward_runs(lambda grad: (time.sleep(0.3), grad)[1])
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        out, state = simple_gla_reference(*args, **kwargs)
+        return slow_backward.apply(out), state
+    la, ssd = _as_if_on_cuda(monkeypatch, fla=slow)
+    monkeypatch.setattr(la, "FIRST_USE_NOTICE_S", 0.1)
+    monkeypatch.setattr(la, "_used", set())
+    lengths = [3, 5]
+    x, dt, A, B, C, D, _, cu = inputs(lengths, seed=2)
+    leaves = [t.float().requires_grad_() for t in (x, dt, A, B, C)]
+    caplog.set_level(logging.INFO, logger="lathe")
+    grads = []
+    for _ in range(2):
+        caplog.clear()
+        y, _ = chunk_scan(*leaves, cu, max(lengths), D=D.float())
+        grads.append(torch.autograd.grad(y.square().sum(), leaves))
+        lines = [r.getMessage() for r in caplog.records]
+        if not grads[1:]:
+            for phase in ("forward", "backward"):
+                assert any(f"compiling and autotuning its {ssd.WHAT} {phase} kernels for 4 heads of 3 with states of "
+                           f"5, float32" in m for m in lines), (phase, lines)
+                assert any(f"{ssd.WHAT} {phase} kernels for 4 heads of 3 with states of 5, float32 are ready" in m
+                           for m in lines), (phase, lines)
+        else:
+            assert not lines, lines
+    for a, b in zip(*grads):
+        assert rel(a, b) < 1e-6
+    caplog.clear()
+    monkeypatch.setattr(la, "FIRST_USE_NOTICE_S", 30.0)
+    with torch.no_grad():                                                   # a new key (no gradient), quick
+        chunk_scan(*(t.detach() for t in leaves), cu, max(lengths), D=D.float())
+    assert not caplog.records
+
+
 @pytest.mark.parametrize("state", [16, 128])
 def test_on_flas_broken_tritons_the_scan_trains_on_fla_only_where_its_check_passes(monkeypatch, state):
     """Hopper with Triton 3.4 .. 3.7.0 (fla #640): forward-only calls take fla's kernels; a training call takes them

@@ -20,7 +20,10 @@ Two torch forms, the CPU path and the reference:
 
 On CUDA, when `fla` (the `flash-linear-attention` wheel, lathe's `hybrid` extra) imports, its Triton kernels
 (`chunk_gated_delta_rule` for sequences, `fused_recurrent_gated_delta_rule` for single steps) run instead, with the
-same arguments; without it the torch form runs there too, with a one-time notice.
+same arguments; without it the torch form runs there too, with a one-time notice. On a machine where fla's kernels
+have not run, Triton compiles and autotunes each of their configurations at the first call of a layout (minutes
+in all, kept in Triton's cache after): `first_use` watches each layout's first forward and backward and says so
+when one passes FIRST_USE_NOTICE_S, so the wait does not read as a hang.
 
 `causal_conv1d`: the depthwise causal convolution over each packed sequence (zero history), then SiLU (fla's kernels
 on CUDA when it imports and no history is given: training, log-prob and reference passes; the engine's prefills carry
@@ -65,9 +68,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     conv = fla_conv() if initial is None and x.device.type == "cuda" else None
     if conv is not None:
         extra = {} if bias is None else {"bias": bias.to(x.dtype)}      # (Qwen3.5's call stays as it was)
+        watch = first_use("causal convolution", ("conv", x.device, *weight.shape, x.dtype, bias is None,
+                                                 x.requires_grad), lambda: f"{weight.shape[0]} channels, kernel "
+                          f"{weight.shape[-1]}, {str(x.dtype).removeprefix('torch.')}")
+        if watch:
+            x = watch.before(x)
         y, _ = conv(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu",
                     cu_seqlens=fla_cu_seqlens(cu_seqlens), backend="triton", **extra)
-        return y[0]
+        return watch.after(y[0]) if watch else y[0]
     total, kernel = x.shape[0], weight.shape[-1]
     pos = positions_in_sequence(cu_seqlens, total)
     w = weight.to(x.dtype)
@@ -501,6 +509,77 @@ def notice_fla_backward(what: str = "gated delta-rule") -> None:
                 "passes: this model trains on the torch form (slower). Triton >= 3.7.1 lifts this", what)
 
 
+# fla's kernels run for the first time in this process at each key of `first_use`: a line when that takes longer
+# than this many seconds (Triton compiling and autotuning them)
+FIRST_USE_NOTICE_S = 20.0
+_used: set = set()
+
+
+class _Mark(torch.autograd.Function):
+    """The identity, calling `then()` when its gradient passes (a watch's start or end of a backward)."""
+
+    @staticmethod
+    def forward(ctx, x, then):
+        ctx.then = then
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.then()
+        return grad, None
+
+
+class _Watch:
+    """The first forward (and backward) of fla's `what` kernels at one key: while one runs longer than
+    FIRST_USE_NOTICE_S a line says fla is compiling them (it would look like a hang: on a machine where they have not
+    run, Triton compiles and autotunes each kernel's configurations, minutes in all), and a second how long it
+    took."""
+
+    def __init__(self, what: str, layout: str):
+        self.what, self.layout = what, layout
+        self.timer: threading.Timer | None = None
+
+    def _start(self, phase: str) -> None:
+        self.start, self.noticed = time.perf_counter(), False
+        self.timer = threading.Timer(FIRST_USE_NOTICE_S, self._notice, (phase,))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _notice(self, phase: str) -> None:
+        self.noticed = True
+        log.info("linear attention: fla is compiling and autotuning its %s %s kernels for %s (their first use on this "
+                 "machine: minutes; Triton's cache keeps them for later runs)", self.what, phase, self.layout)
+
+    def _stop(self, phase: str) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+            if self.noticed:
+                log.info("linear attention: fla's %s %s kernels for %s are ready (%.0f s)", self.what, phase,
+                         self.layout, time.perf_counter() - self.start)
+
+    def before(self, x: torch.Tensor) -> torch.Tensor:
+        """Call with an input of the kernels' call, right before it: starts the forward's watch; where a gradient
+        flows, the returned tensor (hand it to the call) ends the backward's when fla's backward has passed it."""
+        self._start("forward")
+        return _Mark.apply(x, lambda: self._stop("backward")) if x.requires_grad else x
+
+    def after(self, out: torch.Tensor) -> torch.Tensor:
+        """Call with the call's output: ends the forward's watch; where a gradient flows, the returned tensor starts
+        the backward's when the gradient reaches it."""
+        self._stop("forward")
+        return _Mark.apply(out, lambda: self._start("backward")) if out.requires_grad else out
+
+
+def first_use(what: str, key: tuple, layout) -> _Watch | None:
+    """A watch (`_Watch`) for the first call of fla's `what` kernels at `key` (what they are compiled and tuned for)
+    in this process, or None after it (and under torch.compile's tracing); `layout()` gives its text for the log."""
+    if key in _used or torch.compiler.is_compiling():
+        return None
+    _used.add(key)
+    return _Watch(what, layout())
+
+
 @functools.cache
 def notice_no_fla(what: str = "the gated delta rule") -> None:
     log.warning("linear attention: flash-linear-attention is not installed, so %s runs in torch on the GPU (much "
@@ -515,10 +594,18 @@ def _fla_inputs(q, k, v):
 def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
     chunk, _ = fla_ops()
     q, k = _fla_inputs(q, k, v)
+    watch = first_use("gated delta-rule", ("chunk", *_layout(q, v, beta), initial_state is None, v.requires_grad),
+                      lambda: _layout_text(q, v))
+    if watch:
+        v = watch.before(v)
     o, state = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0).float(), beta=beta.unsqueeze(0),
                      initial_state=initial_state, output_final_state=True, cu_seqlens=fla_cu_seqlens(cu_seqlens),
                      use_qk_l2norm_in_kernel=True)
-    return o[0], state
+    return (watch.after(o[0]) if watch else o[0]), state
+
+
+def _layout_text(q: torch.Tensor, v: torch.Tensor) -> str:
+    return f"{v.shape[-2]} heads of {q.shape[-1]} x {v.shape[-1]}, {str(v.dtype).removeprefix('torch.')}"
 
 
 def _fla_recurrent(q, k, v, g, beta, state):

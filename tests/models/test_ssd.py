@@ -272,6 +272,25 @@ def test_a_slow_first_use_of_flas_kernels_says_they_are_compiling(monkeypatch, c
     assert not caplog.records
 
 
+def test_a_first_use_that_fails_leaves_no_watch_running(monkeypatch, caplog):
+    """fla's scan raising at its first call: the error reaches the caller, and no line follows it later."""
+    import logging
+    import time
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    la, _ = _as_if_on_cuda(monkeypatch, fla=fails)
+    monkeypatch.setattr(la, "FIRST_USE_NOTICE_S", 0.05)
+    monkeypatch.setattr(la, "_used", set())
+    *leaves, _, cu = inputs([3])
+    x, dt, A, B, C, D = (t.float() for t in leaves)
+    caplog.set_level(logging.INFO, logger="lathe")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        chunk_scan(x, dt, A, B, C, cu, 3, D=D)
+    time.sleep(0.2)
+    assert not caplog.records
+
+
 @pytest.mark.parametrize("state", [16, 128])
 def test_on_flas_broken_tritons_the_scan_trains_on_fla_only_where_its_check_passes(monkeypatch, state):
     """Hopper with Triton 3.4 .. 3.7.0 (fla #640): forward-only calls take fla's kernels; a training call takes them

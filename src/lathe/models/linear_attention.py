@@ -71,11 +71,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
         watch = first_use("causal convolution", ("conv", x.device, *weight.shape, x.dtype, bias is None,
                                                  x.requires_grad), lambda: f"{weight.shape[0]} channels, kernel "
                           f"{weight.shape[-1]}, {str(x.dtype).removeprefix('torch.')}")
-        if watch:
-            x = watch.before(x)
-        y, _ = conv(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu",
-                    cu_seqlens=fla_cu_seqlens(cu_seqlens), backend="triton", **extra)
-        return watch.after(y[0]) if watch else y[0]
+        y, _ = watched(watch, lambda x: conv(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu",
+                                             cu_seqlens=fla_cu_seqlens(cu_seqlens), backend="triton", **extra), x)
+        return y[0]
     total, kernel = x.shape[0], weight.shape[-1]
     pos = positions_in_sequence(cu_seqlens, total)
     w = weight.to(x.dtype)
@@ -539,8 +537,8 @@ class _Watch:
         self.what, self.layout = what, layout
         self.timer: threading.Timer | None = None
 
-    def _start(self, phase: str) -> None:
-        self.start, self.noticed = time.perf_counter(), False
+    def start(self, phase: str) -> None:
+        self.started, self.noticed = time.perf_counter(), False
         self.timer = threading.Timer(FIRST_USE_NOTICE_S, self._notice, (phase,))
         self.timer.daemon = True
         self.timer.start()
@@ -550,25 +548,27 @@ class _Watch:
         log.info("linear attention: fla is compiling and autotuning its %s %s kernels for %s (their first use on this "
                  "machine: minutes; Triton's cache keeps them for later runs)", self.what, phase, self.layout)
 
-    def _stop(self, phase: str) -> None:
+    def stop(self, phase: str) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
             if self.noticed:
                 log.info("linear attention: fla's %s %s kernels for %s are ready (%.0f s)", self.what, phase,
-                         self.layout, time.perf_counter() - self.start)
+                         self.layout, time.perf_counter() - self.started)
 
-    def before(self, x: torch.Tensor) -> torch.Tensor:
-        """Call with an input of the kernels' call, right before it: starts the forward's watch; where a gradient
-        flows, the returned tensor (hand it to the call) ends the backward's when fla's backward has passed it."""
-        self._start("forward")
-        return _Mark.apply(x, lambda: self._stop("backward")) if x.requires_grad else x
 
-    def after(self, out: torch.Tensor) -> torch.Tensor:
-        """Call with the call's output: ends the forward's watch; where a gradient flows, the returned tensor starts
-        the backward's when the gradient reaches it."""
-        self._stop("forward")
-        return _Mark.apply(out, lambda: self._start("backward")) if out.requires_grad else out
+def watched(watch: _Watch | None, call, x: torch.Tensor) -> tuple:
+    """`call(x)` (fla's kernels; it returns (output, *rest)), through `watch` where `first_use` gave one: the forward
+    watched while it runs, and where a gradient flows, the backward from the output's gradient to x's (two identity
+    marks, on a first call only)."""
+    if watch is None:
+        return call(x)
+    watch.start("forward")
+    try:
+        out, *rest = call(_Mark.apply(x, lambda: watch.stop("backward")) if x.requires_grad else x)
+    finally:
+        watch.stop("forward")
+    return (_Mark.apply(out, lambda: watch.start("backward")) if out.requires_grad else out, *rest)
 
 
 def first_use(what: str, key: tuple, layout) -> _Watch | None:
@@ -596,12 +596,11 @@ def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
     q, k = _fla_inputs(q, k, v)
     watch = first_use("gated delta-rule", ("chunk", *_layout(q, v, beta), initial_state is None, v.requires_grad),
                       lambda: _layout_text(q, v))
-    if watch:
-        v = watch.before(v)
-    o, state = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0).float(), beta=beta.unsqueeze(0),
-                     initial_state=initial_state, output_final_state=True, cu_seqlens=fla_cu_seqlens(cu_seqlens),
-                     use_qk_l2norm_in_kernel=True)
-    return (watch.after(o[0]) if watch else o[0]), state
+    o, state = watched(watch, lambda v: chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0).float(),
+                                              beta=beta.unsqueeze(0), initial_state=initial_state,
+                                              output_final_state=True, cu_seqlens=fla_cu_seqlens(cu_seqlens),
+                                              use_qk_l2norm_in_kernel=True), v)
+    return o[0], state
 
 
 def _layout_text(q: torch.Tensor, v: torch.Tensor) -> str:

@@ -130,12 +130,11 @@ def _fla_scan(x, dt, A, B, C, cu_seqlens, D, initial_state):
     watch = la.first_use(WHAT, (*_layout(x, B, dt), initial_state is None, v.requires_grad),
                          lambda: f"{heads} heads of {x.shape[-1]} with states of {B.shape[-1]}, "
                                  f"{str(x.dtype).removeprefix('torch.')}")
-    if watch:
-        v = watch.before(v)
-    o, state = fla_scan()(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), scale=1.0,
-                          initial_state=None if initial_state is None else initial_state.float(),
-                          output_final_state=True, state_v_first=True, cu_seqlens=la.fla_cu_seqlens(cu_seqlens))
-    y = (watch.after(o[0]) if watch else o[0]).float()
+    o, state = la.watched(watch, lambda v: fla_scan()(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), scale=1.0,
+        initial_state=None if initial_state is None else initial_state.float(), output_final_state=True,
+        state_v_first=True, cu_seqlens=la.fla_cu_seqlens(cu_seqlens)), v)
+    y = o[0].float()
     if D is not None:
         y = y + x.float() * D.float().unsqueeze(-1)
     return y.to(x.dtype), state.float()

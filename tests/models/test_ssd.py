@@ -272,6 +272,25 @@ def test_a_slow_first_use_of_flas_kernels_says_they_are_compiling(monkeypatch, c
     assert not caplog.records
 
 
+def test_a_watched_first_call_under_checkpointing_gives_the_unwatched_gradients(monkeypatch):
+    """The watch's identity marks inside a non-reentrant checkpointed forward (recomputed without them): the
+    gradients of a forward without the watch."""
+    from torch.utils.checkpoint import checkpoint
+    la, _ = _as_if_on_cuda(monkeypatch)
+    *leaves, _, cu = inputs([3, 5], seed=1)
+    grads = []
+    for watch in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(la, "_used", set())
+            if not watch:
+                mp.setattr(la, "first_use", lambda *args: None)
+            mine = [t.float().detach().requires_grad_() for t in leaves[:5]]
+            y = checkpoint(lambda *a: chunk_scan(*a, cu, 5, D=leaves[5].float())[0], *mine, use_reentrant=False)
+            grads.append(torch.autograd.grad(y.square().sum(), mine))
+    for a, b in zip(*grads):
+        assert rel(a, b) < 1e-6
+
+
 def test_a_first_use_that_fails_leaves_no_watch_running(monkeypatch, caplog):
     """fla's scan raising at its first call: the error reaches the caller, and no line follows it later."""
     import logging

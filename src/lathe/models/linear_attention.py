@@ -70,7 +70,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
         extra = {} if bias is None else {"bias": bias.to(x.dtype)}      # (Qwen3.5's call stays as it was)
         watch = first_use("causal convolution", ("conv", x.device, *weight.shape, x.dtype, bias is None,
                                                  x.requires_grad), lambda: f"{weight.shape[0]} channels, kernel "
-                          f"{weight.shape[-1]}, {str(x.dtype).removeprefix('torch.')}")
+                          f"{weight.shape[-1]}, {str(x.dtype)[6:]}")
         y, _ = watched(watch, lambda x: conv(x.unsqueeze(0), weight=weight.to(x.dtype), activation="silu",
                                              cu_seqlens=fla_cu_seqlens(cu_seqlens), backend="triton", **extra), x)
         return y[0]
@@ -417,9 +417,13 @@ def _fla_layout_ok(device: torch.device, heads: int, key_dim: int, value_dim: in
     autotune key of fla's kernels (but for its l2norm kernels, keyed by the stream's rows too: no matrix products,
     outside fla #640), so the configurations chosen here are those training reuses."""
     dtypes = (q_dtype, v_dtype, beta_dtype)
-    text = f"{heads} value heads of {key_dim}x{value_dim}, {'/'.join(str(d)[6:] for d in dtypes)}"
-    return checked_layout("gated delta-rule", text, device,
+    return checked_layout("gated delta-rule", _layout_text(heads, key_dim, value_dim, *dtypes), device,
                           lambda: _layout_errors(device, heads, key_dim, value_dim, *dtypes))
+
+
+def _layout_text(heads: int, key_dim: int, value_dim: int, *dtypes: torch.dtype) -> str:
+    """A layout (`_layout`, but its device) as the log names it."""
+    return f"{heads} value heads of {key_dim}x{value_dim}, {'/'.join(str(d)[6:] for d in dtypes)}"
 
 
 def checked_layout(what: str, layout: str, device: torch.device, errors) -> tuple[bool, bool]:
@@ -594,17 +598,14 @@ def _fla_inputs(q, k, v):
 def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
     chunk, _ = fla_ops()
     q, k = _fla_inputs(q, k, v)
-    watch = first_use("gated delta-rule", ("chunk", *_layout(q, v, beta), initial_state is None, v.requires_grad),
-                      lambda: _layout_text(q, v))
+    layout = _layout(q, v, beta)
+    watch = first_use("gated delta-rule", ("chunk", *layout, initial_state is None, v.requires_grad),
+                      lambda: _layout_text(*layout[1:]))
     o, state = watched(watch, lambda v: chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0).float(),
                                               beta=beta.unsqueeze(0), initial_state=initial_state,
                                               output_final_state=True, cu_seqlens=fla_cu_seqlens(cu_seqlens),
                                               use_qk_l2norm_in_kernel=True), v)
     return o[0], state
-
-
-def _layout_text(q: torch.Tensor, v: torch.Tensor) -> str:
-    return f"{v.shape[-2]} heads of {q.shape[-1]} x {v.shape[-1]}, {str(v.dtype).removeprefix('torch.')}"
 
 
 def _fla_recurrent(q, k, v, g, beta, state):

@@ -127,9 +127,8 @@ def _fla_scan(x, dt, A, B, C, cu_seqlens, D, initial_state):
     q, k = (heads_of_groups(t.to(x.dtype), heads) for t in (C, B))
     v = (x.float() * dt.float().unsqueeze(-1)).to(x.dtype)
     g = dt.float() * A.float()
-    watch = la.first_use(WHAT, (*_layout(x, B, dt), initial_state is None, v.requires_grad),
-                         lambda: f"{heads} heads of {x.shape[-1]} with states of {B.shape[-1]}, "
-                                 f"{str(x.dtype).removeprefix('torch.')}")
+    layout = _layout(x, B, dt)
+    watch = la.first_use(WHAT, (*layout, initial_state is None, v.requires_grad), lambda: _layout_text(*layout[2:6]))
     o, state = la.watched(watch, lambda v: fla_scan()(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), scale=1.0,
         initial_state=None if initial_state is None else initial_state.float(), output_final_state=True,
@@ -143,9 +142,13 @@ def _fla_scan(x, dt, A, B, C, cu_seqlens, D, initial_state):
 def _layout_ok(device: torch.device, heads: int, state: int, head_dim: int, x_dtype: torch.dtype,
                dt_dtype: torch.dtype) -> tuple[bool, bool]:
     """`linear_attention.checked_layout` of fla's scan at this layout (`_layout`)."""
-    text = f"{heads} heads of {head_dim} with states of {state}, {str(x_dtype)[6:]}"
-    return la.checked_layout(WHAT, text, device, lambda: _layout_errors(device, heads, state, head_dim, x_dtype,
-                                                                       dt_dtype))
+    return la.checked_layout(WHAT, _layout_text(heads, state, head_dim, x_dtype), device,
+                             lambda: _layout_errors(device, heads, state, head_dim, x_dtype, dt_dtype))
+
+
+def _layout_text(heads: int, state: int, head_dim: int, x_dtype: torch.dtype) -> str:
+    """A layout (`_layout`) as the log names it."""
+    return f"{heads} heads of {head_dim} with states of {state}, {str(x_dtype)[6:]}"
 
 
 def _layout_errors(device, heads, state, head_dim, x_dtype, dt_dtype) -> dict[str, float]:

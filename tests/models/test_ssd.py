@@ -246,7 +246,7 @@ def test_a_slow_first_use_of_flas_kernels_says_they_are_compiling(monkeypatch, c
     monkeypatch.setattr(la, "FIRST_USE_NOTICE_S", 0.1)
     monkeypatch.setattr(la, "_used", set())
     lengths = [3, 5]
-    x, dt, A, B, C, D, _, cu = inputs(lengths, seed=2)
+    x, dt, A, B, C, D, initial, cu = inputs(lengths, seed=2)
     leaves = [t.float().requires_grad_() for t in (x, dt, A, B, C)]
     caplog.set_level(logging.INFO, logger="lathe")
     grads = []
@@ -270,6 +270,12 @@ def test_a_slow_first_use_of_flas_kernels_says_they_are_compiling(monkeypatch, c
     with torch.no_grad():                                                   # a new key (no gradient), quick
         chunk_scan(*(t.detach() for t in leaves), cu, max(lengths), D=D.float())
     assert not caplog.records
+    monkeypatch.setattr(la, "FIRST_USE_NOTICE_S", 0.1)
+    with torch.no_grad():                    # from given states: another variant of the kernels, named as one
+        chunk_scan(*(t.detach() for t in leaves), cu, max(lengths), D=D.float(), initial_state=initial.float())
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("forward kernels for 4 heads of 3 with states of 5, float32, from given states are ready" in m
+               for m in lines), lines
 
 
 def test_a_watched_first_call_under_checkpointing_gives_the_unwatched_gradients(monkeypatch):

@@ -575,6 +575,15 @@ def watched(watch: _Watch | None, call, x: torch.Tensor) -> tuple:
     return (_Mark.apply(out, lambda: watch.start("backward")) if out.requires_grad else out, *rest)
 
 
+def variant_text(layout: str, initial_state: torch.Tensor | None) -> str:
+    """A first use's layout text with the kernels' variant where it has one: fla compiles its kernels apart for
+    calls from given states (the engine's prefill, which starts each sequence from its slot's states; a prefix-grouped
+    response) and from zero states (a training or log-prob forward), each variant with its own compile and autotune
+    at its first use (38 s each for Nemotron-3-Nano's scan forward on an H100); two lines that read the same would
+    look like one compile done twice."""
+    return layout if initial_state is None else f"{layout}, from given states"
+
+
 def first_use(what: str, key: tuple, layout) -> _Watch | None:
     """A watch (`_Watch`) for the first call of fla's `what` kernels at `key` (what they are compiled and tuned for)
     in this process, or None after it (and under torch.compile's tracing); `layout()` gives its text for the log."""
@@ -600,7 +609,7 @@ def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
     q, k = _fla_inputs(q, k, v)
     layout = _layout(q, v, beta)
     watch = first_use("gated delta-rule", ("chunk", *layout, initial_state is None, v.requires_grad),
-                      lambda: _layout_text(*layout[1:]))
+                      lambda: variant_text(_layout_text(*layout[1:]), initial_state))
     o, state = watched(watch, lambda v: chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0).float(),
                                               beta=beta.unsqueeze(0), initial_state=initial_state,
                                               output_final_state=True, cu_seqlens=fla_cu_seqlens(cu_seqlens),

@@ -128,7 +128,8 @@ def _fla_scan(x, dt, A, B, C, cu_seqlens, D, initial_state):
     v = (x.float() * dt.float().unsqueeze(-1)).to(x.dtype)
     g = dt.float() * A.float()
     layout = _layout(x, B, dt)
-    watch = la.first_use(WHAT, (*layout, initial_state is None, v.requires_grad), lambda: _layout_text(*layout[2:6]))
+    watch = la.first_use(WHAT, (*layout, initial_state is None, v.requires_grad),
+                         lambda: la.variant_text(_layout_text(*layout[2:6]), initial_state))
     o, state = la.watched(watch, lambda v: fla_scan()(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), scale=1.0,
         initial_state=None if initial_state is None else initial_state.float(), output_final_state=True,

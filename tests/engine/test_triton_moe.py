@@ -1,6 +1,7 @@
 """The fused MoE decode kernels (`lathe.engine.triton_moe`), run in Triton's CPU interpreter, against
-`experts_forward` (Qwen3-MoE's plain SwiGLU experts) and GPT-OSS's own experts (biases, input-major interleaved
-gate/up, the clamped SwiGLU); on a GPU, at Qwen3-30B-A3B's and GPT-OSS-20B's layer shapes."""
+`experts_forward` (Qwen3-MoE's plain SwiGLU experts), GPT-OSS's own experts (biases, input-major interleaved
+gate/up, the clamped SwiGLU) and Nemotron-H's (relu² without a gate); on a GPU, at Qwen3-30B-A3B's, GPT-OSS-20B's
+and Nemotron-3-Nano's layer shapes."""
 
 import copy
 
@@ -104,6 +105,60 @@ def test_fused_gpt_oss_equals_its_experts(moe, dtype, tokens, e, k, h, i, only):
     assert_close_rel(out.float(), ref, rel=1e-5 if dtype == torch.float32 else 2e-2, name=f"fused GPT-OSS {dtype}")
 
 
+def nemotron_experts(e, h, i, dtype, seed, device="cpu"):
+    """A `NemotronExperts` (up (E, I, H), down (E, H, I)) with random weights, and its generator."""
+    from lathe.models.nemotron_h import NemotronExperts
+    g = torch.Generator(device=device).manual_seed(seed)
+    experts = NemotronExperts(e, h, i).to(device)
+    with torch.no_grad():
+        experts.up_proj.copy_(torch.randn(e, i, h, generator=g, device=device) * h ** -0.5)
+        experts.down_proj.copy_(torch.randn(e, h, i, generator=g, device=device) * i ** -0.5)
+    return experts.to(dtype), g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,e,k,h,i,only", [
+    (1, 8, 3, 32, 24, None),            # one token; I not a multiple of the tile
+    (20, 6, 2, 48, 16, [1, 4, 5]),      # three experts without rows; rows across a block boundary
+])
+def test_fused_nemotron_equals_its_experts(moe, dtype, tokens, e, k, h, i, only):
+    """Nemotron-H's experts (one up projection, relu² between it and down) through the fused kernels as the engine
+    passes them (`experts_args`, `experts_kwargs`): the sum of `NemotronExperts.forward` in float32."""
+    from lathe.models.moe import sorted_forward
+    experts, g = nemotron_experts(e, h, i, dtype, seed=tokens + e)
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    weights, chosen = routing(tokens, e, k, g, only)
+    weights = weights.to(dtype)
+    assert moe.experts_kwargs(experts) == {"relu2": True}
+    out = moe.fused_experts(x, weights, chosen, *moe.experts_args(experts), **moe.experts_kwargs(experts))
+    with torch.no_grad():
+        ref = sorted_forward(x.float(), weights.float(), chosen, copy.deepcopy(experts).float())
+        pre = torch.einsum("th,tjnh->tjn", x.float(), experts.up_proj.float()[chosen])
+    assert 0.2 < (pre > 0).float().mean() < 0.8, "precondition: the relu cuts some up values and passes others"
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close_rel(out.float(), ref, rel=1e-5 if dtype == torch.float32 else 2e-2, name=f"fused Nemotron {dtype}")
+    with pytest.raises(ValueError, match="two activations"):
+        moe.fused_experts(x, weights, chosen, *moe.experts_args(experts)[:3], (1.0, 7.0), relu2=True)
+
+
+@pytest.mark.parametrize("latent", [None, 24])
+def test_nemotron_blocks_use_the_hook(moe, tmp_path, latent):
+    """A lathe Nemotron-H's sparse blocks (with and without latent projections around the routed experts) are
+    fusable, and with `decode_experts` set compute their experts there: the model's logits as without."""
+    from lathe.models import load_lathe_model
+    from models.nemotron_tiny import nemotron_model
+    nemotron_model(seed=3, **({} if latent is None else {"moe_latent_size": latent})).save_pretrained(tmp_path)
+    model = load_lathe_model(tmp_path)
+    blocks = moe.fusable_blocks(model)
+    assert len(blocks) == 2 and all(b.latent == latent for b in blocks)
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        moe.set_decode_experts(blocks, True)
+        out = model(ids).logits
+    assert_close_rel(out, ref, rel=1e-5, name="Nemotron-H with the fused experts")
+
+
 def test_gpt_oss_block_uses_the_hook(moe):
     """GPT-OSS's sparse block with `decode_experts` set computes its experts there (`fusable_blocks` serves it):
     the same output as without (router bias, non-zero expert biases, the clamps acting)."""
@@ -186,28 +241,30 @@ def test_rows_bucket_and_prune(moe):
                                                                                                                64}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "nemotron_h"])
 def test_engine_decode_steps_use_the_fused_experts_and_prefill_does_not(moe, tmp_path, monkeypatch, family):
     """The engine's wiring on CPU (the kernels interpreted), the fused path forced: decode steps call it, prefill
-    steps do not, and the greedy tokens are transformers' (Qwen3-MoE; GPT-OSS with its biases, clamps and sinks)."""
+    steps do not, and the greedy tokens are transformers' (Qwen3-MoE; GPT-OSS with its biases, clamps and sinks;
+    Nemotron-H, its relu² experts beside Mamba2 layers)."""
     from lathe.engine import model_runner
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
     from models.gpt_oss_tiny import gpt_oss_model
     from models.lathe_tiny import MOE, save_hf
+    from models.nemotron_tiny import nemotron_model
     from .conftest import PROMPTS
     from .test_llm_engine import _hf_greedy
 
     if family == MOE:
         path, hf = save_hf(tmp_path, MOE)
     else:
-        path, hf = tmp_path / "gpt-oss", gpt_oss_model(seed=2)
+        path, hf = tmp_path / family, (gpt_oss_model if family == "gpt_oss" else nemotron_model)(seed=2)
         hf.save_pretrained(path)
     rows, fused = [], moe.fused_experts
 
-    def spy(x, *args):
+    def spy(x, *args, **kwargs):
         rows.append(x.shape[0])
-        return fused(x, *args)
+        return fused(x, *args, **kwargs)
     monkeypatch.setattr(model_runner, "choose_moe_backend", lambda model, max_rows: ("triton_fused", {}))
     monkeypatch.setattr(moe, "fused_experts", spy)
     engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64,
@@ -263,18 +320,42 @@ def test_fused_equals_gpt_oss_experts_cuda_20b(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_fused_equals_nemotron_experts_cuda_nano(tokens):
+    """Nemotron-3-Nano's layer (128 experts of 2688 x 1856, top-6, relu² without a gate) in bfloat16: the autotuned
+    kernels against `experts_forward` as `NemotronExperts` runs it (torch's grouped matmuls), both against the
+    float32 loop."""
+    from lathe.engine.triton_moe import experts_args, experts_kwargs, fused_experts
+    from lathe.models.nemotron_h import relu2
+    experts, g = nemotron_experts(128, 2688, 1856, torch.bfloat16, seed=tokens, device="cuda")
+    x = torch.randn(tokens, 2688, generator=g, device="cuda").to(torch.bfloat16)
+    weights, chosen = routing(tokens, 128, 6, g, device="cuda")
+    weights = weights.to(torch.bfloat16)
+    args, keywords = experts_args(experts), experts_kwargs(experts)
+    out = fused_experts(x, weights, chosen, *args, **keywords)
+    grouped = experts_forward(x, weights, chosen, *args[:3], relu2)
+    exact = experts_forward(x.float(), weights.float(), chosen, *experts_args(copy.deepcopy(experts).float())[:3],
+                            relu2)
+    assert_close_rel(out.float(), exact, rel=1e-2, name="fused vs float32")
+    assert_close_rel(grouped.float(), exact, rel=1e-2, name="grouped vs float32")
+    assert_close_rel(out.float(), grouped.float(), rel=2e-2, name="fused vs grouped")
+    torch.testing.assert_close(fused_experts(x, weights, chosen, *args, **keywords), out, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "nemotron_h"])
 @pytest.mark.parametrize("backend", ["triton_fused", "experts_forward"])
 def test_cuda_engine_decodes_with_the_fused_experts_in_graphs(tmp_path, monkeypatch, family, backend):
-    """A tiny Qwen3-MoE or GPT-OSS engine in bfloat16 on CUDA, its decode steps' experts fused (replayed from CUDA
-    graphs) or not: the log-probs of its greedy tokens equal the float32 forward's, teacher-forced; prefill keeps
-    `experts_forward`. The probe itself runs (and tunes) on the model, whatever it picks."""
+    """A tiny Qwen3-MoE, GPT-OSS or Nemotron-H engine in bfloat16 on CUDA, its decode steps' experts fused (replayed
+    from CUDA graphs) or not: the log-probs of its greedy tokens equal the float32 forward's, teacher-forced; prefill
+    keeps `experts_forward`. The probe itself runs (and tunes) on the model, whatever it picks."""
     from lathe.engine import model_runner, triton_moe
     from lathe.engine.llm_engine import LatheEngine
     from lathe.generation import SamplingParams
     from lathe.models import load_lathe_model
     from models.gpt_oss_tiny import gpt_oss_model
     from models.lathe_tiny import MOE, save_hf
+    from models.nemotron_tiny import nemotron_model
     from .conftest import PROMPTS
     from .test_llm_engine import _teacher_forced
 
@@ -283,8 +364,8 @@ def test_cuda_engine_decodes_with_the_fused_experts_in_graphs(tmp_path, monkeypa
     if family == MOE:
         path, _ = save_hf(tmp_path, MOE)
     else:
-        path = tmp_path / "gpt-oss"
-        gpt_oss_model(seed=2).save_pretrained(path)
+        path = tmp_path / family
+        (gpt_oss_model if family == "gpt_oss" else nemotron_model)(seed=2).save_pretrained(path)
     probed = []
 
     def choose(model, rows):

@@ -263,7 +263,11 @@ class NemotronMoeBlock(DeepseekMoeBlock):
         flat = x.reshape(-1, h)
         weights, chosen = self.routed(flat)
         rows = self.fc1_latent_proj(flat) if self.latent else flat
-        out = sorted_forward(rows, weights.to(x.dtype), chosen, self.experts)
+        if self.decode_experts is not None:     # the engine's decode steps (`SparseMoeBlock.decode_experts`)
+            out = self.decode_experts(rows, weights.to(x.dtype), chosen, self.experts.up_proj, self.experts.down_proj,
+                                      relu2=True)
+        else:
+            out = sorted_forward(rows, weights.to(x.dtype), chosen, self.experts)
         if self.latent:
             out = self.fc2_latent_proj(out)
         return out.view(*lead, h) + self.shared_experts(x)

@@ -468,3 +468,38 @@ def test_a_parked_conversation_continues_on_flash_in_bf16(tmp_path, monkeypatch)
     for p, o, ids, lps in zip(first, out1.token_ids, out2.token_ids, out2.logprobs):
         ref = _teacher_forced(model, p + o + [11, 12, 13, 14, 15], ids, 0.8)
         assert_close_rel(torch.tensor(lps, dtype=torch.float64), ref, rel=5e-2, name="next turn's log-probs (bf16)")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_a_step_of_fresh_sequences_hands_the_layers_no_states(tmp_path, monkeypatch, family):
+    """A prefill step whose sequences all start there (none holds a state slot yet) hands its linear layers no
+    states (`LinearStep.read`: (None, None)), so they run the forms without given states (on CUDA fla's convolution
+    and its kernels' zero-state variant); a step with a sequence that holds its slot (a prompt's later chunk, a
+    preempted one's) reads them. Each mixer gives the output and final states of zero given states either way, and
+    the engine transformers' greedy tokens with both kinds of steps in the run."""
+    from lathe.engine.linear_state import LinearStep
+    from models.lathe_tiny import save_hf
+    from models.nemotron_tiny import nemotron_model
+    if family == "nemotron_h":
+        path, hf = tmp_path / family, nemotron_model(seed=6)
+        hf.save_pretrained(path)
+    else:
+        path, hf = save_hf(tmp_path, family)
+    seen, read = [], LinearStep.read
+    monkeypatch.setattr(LinearStep, "read", lambda self: seen.append(self.fresh) or read(self))
+    engine = LatheEngine.from_pretrained(path, eos_token_id=None, block_size=4, num_kv_blocks=64,
+                                         max_num_batched_tokens=5)         # prompts of up to 14 tokens: chunks
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=3))
+    assert out.token_ids == [_hf_greedy(hf, p, 3) for p in PROMPTS]
+    assert True in seen and False in seen, seen
+    # one mixer, both ways, on a packed stream of three sequences
+    mixer = next(m for m in load_lathe_model(path).modules() if hasattr(m, "step") and hasattr(m, "out_proj"))
+    cu = torch.tensor([0, 3, 8, 12], dtype=torch.int32)
+    x = torch.randn(12, mixer.out_proj.out_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out, (conv, final) = mixer(x, cu, 5, (None, None))
+        given, (given_conv, given_final) = mixer(x, cu, 5, (torch.zeros_like(conv), torch.zeros_like(final)))
+    assert final.abs().sum() > 0, "precondition: the final states are not zeros"
+    pairs = ((out, given, "output"), (conv, given_conv, "convolution inputs"), (final, given_final, "states"))
+    for a, b, name in pairs:
+        assert_close_rel(a, b, rel=1e-6, name=name)

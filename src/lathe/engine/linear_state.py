@@ -128,11 +128,14 @@ class LinearStateCache:
             self.free.append(slot)
 
     def step(self, seqs: list[Sequence], lengths: list[int]) -> "LinearStep":
-        """The states of a step that runs `lengths[i]` new tokens of `seqs[i]`, packed in that order."""
+        """The states of a step that runs `lengths[i]` new tokens of `seqs[i]`, packed in that order. `fresh` when
+        no sequence of it holds a slot yet (every one starts from zero states: a prompt's first chunk, a preempted
+        sequence computed again; not a fork or a parked turn's continuation, which hold theirs before their step)."""
         device = self.conv.device
+        fresh = not any(seq in self.slot for seq in seqs)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
         index = torch.tensor(self.slots(seqs), dtype=torch.long, device=device)
-        return LinearStep(self, index, cu, max(lengths))
+        return LinearStep(self, index, cu, max(lengths), fresh=fresh)
 
     def decode_step(self, index: torch.Tensor) -> "LinearStep":
         """The states of a decode graph's step: one token per row, `index` (B,) int64 the rows' slots, a static
@@ -145,13 +148,20 @@ class LinearStep:
     """One step's view of the cache: what `lathe.models.qwen3_5.HybridDecoderLayer` reads and writes. `layer`
     counts the linear layers as they run (in a decode graph, only while it is captured: module doc)."""
 
-    def __init__(self, cache: LinearStateCache, index: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
+    def __init__(self, cache: LinearStateCache, index: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                 fresh: bool = False):
         self.cache, self.index, self.cu_seqlens, self.max_seqlen = cache, index, cu_seqlens, max_seqlen
+        self.fresh = fresh
         self.layer = 0
 
     @torch.compiler.disable
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(convolution inputs, recurrent states) of the step's sequences at the next linear layer."""
+    def read(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(convolution inputs, recurrent states) of the step's sequences at the next linear layer; (None, None) in a
+        `fresh` step, whose sequences all start from zero states: the layers then run the forms without given states
+        (on CUDA fla's convolution and scans as a training forward runs them: the torch form of the convolution is
+        what takes given inputs, and fla compiles its kernels with given states as a variant of their own)."""
+        if self.fresh:
+            return None, None
         c = self.cache
         return c.conv[self.layer].index_select(0, self.index), c.recurrent[self.layer].index_select(0, self.index)
 

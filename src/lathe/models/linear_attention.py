@@ -93,8 +93,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
 def stepped(mixer, h: torch.Tensor, attn) -> torch.Tensor | None:
     """A linear layer's mixer (`GatedDeltaNet`, Nemotron-H's `Mamba2Mixer`) over `h` in the engine's step, when the
     attention callable carries one (`attn.linear_states`: `lathe.engine.linear_state.LinearStep`): one token per
-    sequence advances the states where they lie (`mixer.step`); else each sequence continues from its own states,
-    written back after. None when `attn` carries no states."""
+    sequence advances the states where they lie (`mixer.step`); else each sequence continues from its own states
+    (none given where every sequence starts from zero: `LinearStep.read`), written back after. None when `attn`
+    carries no states."""
     states = getattr(attn, "linear_states", None)
     if states is None:
         return None

@@ -82,7 +82,8 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, state=None):
         """A packed stream x (T, hidden) of sequences delimited by `cu_seqlens`, each from a zero state; or, given
         `state` = (convolution inputs (S, conv_dim, K-1), scan states (S, H, P, N)), each continuing from its own,
-        and then returns (output, the final states in the same form)."""
+        and then returns (output, the final states in the same form); (None, None): each from a zero state, returning
+        the final states as well (the engine's step of fresh sequences)."""
         cfg = self.cfg
         z, xbc, dt = self.in_proj(x).split([cfg.inner, cfg.conv_dim, cfg.num_heads], dim=-1)
         conv = None if state is None else conv_state(xbc, cu_seqlens, cfg.conv_kernel, state[0])

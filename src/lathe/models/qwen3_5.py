@@ -131,7 +131,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, state=None):
         """A packed stream x (T, H) of sequences delimited by `cu_seqlens`, each from a zero state; or, given
         `state` = (convolution inputs (S, conv_dim, K-1), recurrent states (S, Hv, Dk, Dv)), each continuing from its
-        own, and then returns (output, the final states in the same form): an inference step's form."""
+        own, and then returns (output, the final states in the same form): an inference step's form; (None, None):
+        each from a zero state, returning the final states as well (the engine's step of fresh sequences)."""
         la = self.la
         mixed, z, b, a = self.project(x)
         conv = None if state is None else conv_state(mixed, cu_seqlens, la.conv_kernel, state[0])

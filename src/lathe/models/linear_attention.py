@@ -578,10 +578,10 @@ def watched(watch: _Watch | None, call, x: torch.Tensor) -> tuple:
 
 def variant_text(layout: str, initial_state: torch.Tensor | None) -> str:
     """A first use's layout text with the kernels' variant where it has one: fla compiles its kernels apart for
-    calls from given states (the engine's prefill, which starts each sequence from its slot's states; a prefix-grouped
-    response) and from zero states (a training or log-prob forward), each variant with its own compile and autotune
-    at its first use (27-38 s each for Nemotron-3-Nano's scan forward on an H100); two lines that read the same would
-    look like one compile done twice."""
+    calls from given states (the engine's prefill of a prompt's later chunk or a parked turn's continuation; a
+    prefix-grouped response) and from zero states (a training or log-prob forward, the engine's prefill of fresh
+    sequences), each variant with its own compile and autotune at its first use (27-38 s each for Nemotron-3-Nano's
+    scan forward on an H100); two lines that read the same would look like one compile done twice."""
     return layout if initial_state is None else f"{layout}, from given states"
 
 

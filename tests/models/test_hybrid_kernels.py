@@ -111,9 +111,13 @@ def test_fla_is_handed_one_bounds_tensor_per_packed_batch():
     for k in range(4):                                                       # four newer ones push the oldest out
         fla_cu_seqlens(torch.tensor([0, k + 10], dtype=torch.int32))
     assert fla_cu_seqlens(three[0]) is not given[0] and fla_cu_seqlens(three[0]).tolist() == [0, 1]
-    with torch.inference_mode():                                 # the engine's prefills: no version counter to read
-        made = torch.tensor([0, 2, 4], dtype=torch.int32)
-        assert fla_cu_seqlens(made).tolist() == [0, 2, 4] and fla_cu_seqlens(made) is not fla_cu_seqlens(made)
+    with torch.inference_mode():        # the engine's prefills: no version counter to read; one step's bounds, made
+        made = torch.tensor([0, 2, 4], dtype=torch.int32)         # afresh, serve every layer of the step
+        assert fla_cu_seqlens(made).tolist() == [0, 2, 4] and fla_cu_seqlens(made) is fla_cu_seqlens(made)
+        assert fla_cu_seqlens(made).is_inference()
+        fresh = torch.tensor([0, 2, 4], dtype=torch.int32)        # the next step's: equal values, another tensor
+        assert fla_cu_seqlens(fresh) is not fla_cu_seqlens(made)
+    assert not fla_cu_seqlens(made).is_inference() and fla_cu_seqlens(made) is not fla_cu_seqlens(made)   # outside
     bounds = torch.tensor([0, 6], dtype=torch.int32)
     with torch.inference_mode():
         fla_cu_seqlens(bounds)                                   # a normal tensor's first use under inference mode

@@ -26,8 +26,8 @@ in all, kept in Triton's cache after): `first_use` watches each layout's first f
 when one passes FIRST_USE_NOTICE_S, so the wait does not read as a hang.
 
 `causal_conv1d`: the depthwise causal convolution over each packed sequence (zero history), then SiLU (fla's kernels
-on CUDA when it imports and no history is given: training, log-prob and reference passes; the engine's prefills carry
-their states and take the torch form);
+on CUDA when it imports and no history is given: training, log-prob and reference passes, the engine's prefill steps
+of fresh sequences; a prefill step that continues given states takes the torch form);
 `conv_step`: the same for one new token per sequence after its carried inputs (a decode step: one cat and one
 product, no search over the packed bounds).
 """
@@ -258,6 +258,7 @@ def fla_conv():
 # `GroupedLinear`); fla memoises its derivations for up to 4 per function (FLA_TENSOR_CACHE_SIZE's default)
 FLA_BOUNDS = 4
 _long_bounds: tuple = ()
+_inference_bounds: tuple = ()        # inference mode's: (tensor, its int64 form), by identity alone (no version)
 
 
 def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -271,9 +272,21 @@ def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     input through torch (its version counter) makes a new int64 tensor; writes the counter does not see (through
     `.data`, numpy, another view of the storage, a CUDA graph's replay) would not, and lathe makes none: its bounds
     are built afresh for each batch (`packing`, `logprob`, `PaddedAttention.row_bounds`,
-    `prefix_group.linear_layout`). Under inference mode (the engine's prefills; an inference tensor has no version
-    counter, and one memoised there would fail a later backward) every call gets a new tensor, as before."""
-    global _long_bounds
+    `prefix_group.linear_layout`). Under inference mode (the engine's prefills) an inference tensor, which has no
+    version counter, is memoised by identity alone, and its int64 form is given only under inference mode (one
+    returned outside it would fail a later backward): the engine builds each step's bounds afresh
+    (`LinearStateCache.step`) and never writes them, so its linear layers share fla's derivations within a step, two
+    host syncs a step (the convolution's and the scan's) where each layer took its own. Any other tensor under
+    inference mode, or an inference tensor outside it, gets a new int64 tensor at every call."""
+    global _long_bounds, _inference_bounds
+    if cu_seqlens.is_inference() and torch.is_inference_mode_enabled():
+        entries = _inference_bounds
+        for given, long in entries:
+            if given is cu_seqlens:
+                return long
+        long = cu_seqlens.to(torch.long, copy=True)
+        _inference_bounds = (*[e for e in entries if e[0] is not cu_seqlens][-(FLA_BOUNDS - 1):], (cu_seqlens, long))
+        return long
     if cu_seqlens.is_inference() or torch.is_inference_mode_enabled():
         return cu_seqlens.to(torch.long, copy=True)
     entries = _long_bounds                      # one read and one write of the tuple: safe across threads

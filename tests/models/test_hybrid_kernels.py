@@ -129,11 +129,14 @@ def test_fla_is_handed_one_bounds_tensor_per_packed_batch():
 
 
 @pytest.mark.gpu
-def test_fla_derives_a_packed_batchs_bounds_once_for_all_its_layers(monkeypatch):
-    """The convolution and the delta rule of every layer of one packed batch, forward and backward, as training runs
-    them on fla: fla expands the sequence bounds (`_segmented_arange`, a host sync on a CUDA tensor) no more often for
-    six layers than for two (before `fla_cu_seqlens`, once more per call: the profiled Qwen3.5-2B update,
-    bench/results/e2e_qwen3.5-2b_ckpt_profile_nvidia-h200.json). Key heads of 128, whose backward runs on fla."""
+@pytest.mark.parametrize("inference", [False, True])
+def test_fla_derives_a_packed_batchs_bounds_once_for_all_its_layers(monkeypatch, inference):
+    """The convolution and the delta rule of every layer of one packed batch on fla: fla expands the sequence bounds
+    (`_segmented_arange`, a host sync on a CUDA tensor) no more often for six layers than for two. Training: forward
+    and backward (before `fla_cu_seqlens`, once more per call: the profiled Qwen3.5-2B update,
+    bench/results/e2e_qwen3.5-2b_ckpt_profile_nvidia-h200.json), key heads of 128, whose backward runs on fla. The
+    engine's prefill step of fresh sequences (`inference`): under inference mode, from zero states, the bounds an
+    inference tensor made for the step (`LinearStateCache.step`)."""
     pytest.importorskip("fla")
     import fla.ops.utils.index as index
     expand = index._segmented_arange
@@ -141,26 +144,30 @@ def test_fla_derives_a_packed_batchs_bounds_once_for_all_its_layers(monkeypatch)
     monkeypatch.setattr(index, "_segmented_arange", lambda counts: calls.append(1) or expand(counts))
     lengths, hk, hv, dk, dv = [300, 1, 77, 640, 64], 2, 4, 128, 128
     gen = torch.Generator().manual_seed(6)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).cuda()
     total, channels = sum(lengths), 2 * hk * dk + hv * dv
 
     def layers(n: int) -> int:
         calls.clear()
-        bounds = cu.clone()                  # a new batch's bounds: fla derives them afresh, once
-        x = torch.randn(total, channels, generator=gen).cuda().to(torch.bfloat16).requires_grad_()
+        # a new batch's bounds: fla derives them afresh, once
+        bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        x = torch.randn(total, channels, generator=gen).cuda().to(torch.bfloat16).requires_grad_(not inference)
         h = x
         for _ in range(n):
             mixed = causal_conv1d(h, torch.randn(channels, 4, generator=gen).cuda() / 2, bounds)
             q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
             g = torch.nn.functional.logsigmoid(torch.randn(total, hv, generator=gen)).cuda() / 4
             beta = torch.rand(total, hv, generator=gen).cuda().to(torch.bfloat16)
-            o, _ = chunk_gated_delta_rule(q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)),
-                                          v.unflatten(-1, (hv, dv)), g, beta, bounds, max(lengths))
+            o, final = chunk_gated_delta_rule(q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)),
+                                              v.unflatten(-1, (hv, dv)), g, beta, bounds, max(lengths))
+            assert final.shape[0] == len(lengths)
             h = torch.cat([o.flatten(-2), h[:, hv * dv:]], dim=-1) + h
-        h.float().square().mean().backward()
+        if not inference:
+            h.float().square().mean().backward()
         torch.cuda.synchronize()
         return len(calls)
 
+    if inference:
+        layers = torch.inference_mode()(layers)
     layers(1)                                # (fla's layout check, once)
     assert layers(6) == layers(2) > 0
 

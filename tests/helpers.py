@@ -16,6 +16,7 @@ import functools
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -94,17 +95,27 @@ def free_port() -> int:
     return ports.free_port("127.0.0.1")
 
 
+class RankCrashed(AssertionError):
+    """A rank of `run_processes` failed while another died of a signal: torch's gloo and DTensor code has crashed so
+    under load (SIGSEGV, a rank of test_tp_ulysses_lora_mtp in a CI run, a rank of
+    test_tensor_parallel_hybrid's FSDP2 test in a local suite, 2026-12-06; neither again when run alone), so the
+    launchers run the ranks once more (`again_after_a_crash`)."""
+
+
 def run_processes(procs: list, queue, timeout_s: float) -> dict:
     """Start `procs`, each of which puts one (rank, result) on `queue` (the text of its traceback when it failed), and
-    wait for every one within `timeout_s`: {rank: result}. A failed rank fails the caller with its traceback; a
-    process still alive at the end is killed, so a broken collective never hangs the suite."""
+    wait for every one within `timeout_s`: {rank: result}. A failed rank fails the caller with its traceback
+    (`RankCrashed` when a process died of a signal); a process still alive at the end is killed, so a broken
+    collective never hangs the suite."""
     for p in procs:
         p.start()
     results, failed = {}, True
     try:
         for _ in procs:
             rank, result = queue.get(timeout=timeout_s)
-            assert not isinstance(result, str), f"rank {rank} failed:\n{result}{_deaths(procs)}"
+            if isinstance(result, str):
+                deaths = _deaths(procs)
+                raise (RankCrashed if deaths else AssertionError)(f"rank {rank} failed:\n{result}{deaths}")
             results[rank] = result
         failed = False
     finally:
@@ -116,15 +127,28 @@ def run_processes(procs: list, queue, timeout_s: float) -> dict:
     return results
 
 
+def again_after_a_crash(launch):
+    """`launch()`, and once more, with a warning, when a rank died of a signal (`RankCrashed`): a crash that comes
+    back fails the test."""
+    try:
+        return launch()
+    except RankCrashed as crash:
+        warnings.warn(f"a rank died of a signal; the ranks run once more. The first run: {crash}")
+        return launch()
+
+
 def forkserver_ranks(module: str, target, world: int, timeout_s: float) -> dict:
     """`target(rank, port, queue)` (a function of `module`, which a test's ranks import: the forkserver imports torch
-    and lathe once) in `world` processes: {rank: result} (`run_processes`)."""
+    and lathe once) in `world` processes: {rank: result} (`run_processes`, `again_after_a_crash`)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([module])
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=target, args=(r, port, queue), daemon=True) for r in range(world)]
-    return run_processes(procs, queue, timeout_s)
+
+    def launch():
+        queue, port = ctx.Queue(), free_port()
+        procs = [ctx.Process(target=target, args=(r, port, queue), daemon=True) for r in range(world)]
+        return run_processes(procs, queue, timeout_s)
+    return again_after_a_crash(launch)
 
 
 def _deaths(procs: list) -> str:
@@ -164,9 +188,12 @@ def spawn_saving_ranks(rank_main, world: int, root: Path, preload: list[str], ti
     import torch.multiprocessing as mp
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(preload)
-    queue, port = ctx.Queue(), free_port()
-    run_processes([ctx.Process(target=rank_main, args=(r, port, str(root), queue), daemon=True) for r in range(world)],
-                  queue, timeout_s)
+
+    def launch():
+        queue, port = ctx.Queue(), free_port()
+        run_processes([ctx.Process(target=rank_main, args=(r, port, str(root), queue), daemon=True)
+                       for r in range(world)], queue, timeout_s)
+    again_after_a_crash(launch)
     return [torch.load(Path(root) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

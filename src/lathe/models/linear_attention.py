@@ -253,12 +253,12 @@ def fla_conv():
     return conv
 
 
-# the last FLA_BOUNDS bounds given: (tensor, its version, its int64 form), newest last. A prefix-grouped layer hands fla
-# three bounds tensors in turn (the prompts', the responses' behind their prompts' convolution inputs, the responses':
-# `GroupedLinear`); fla memoises its derivations for up to 4 per function (FLA_TENSOR_CACHE_SIZE's default)
+# the last FLA_BOUNDS bounds given, apart under inference mode (True) and outside it (False): (tensor, its version or
+# None for an inference tensor, its int64 form), newest last. A prefix-grouped layer hands fla three bounds tensors in
+# turn (the prompts', the responses' behind their prompts' convolution inputs, the responses': `GroupedLinear`); fla
+# memoises its derivations for up to 4 per function (FLA_TENSOR_CACHE_SIZE's default)
 FLA_BOUNDS = 4
-_long_bounds: tuple = ()
-_inference_bounds: tuple = ()        # inference mode's: (tensor, its int64 form), by identity alone (no version)
+_long_bounds: dict[bool, tuple] = {False: (), True: ()}
 
 
 def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -275,27 +275,20 @@ def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     `prefix_group.linear_layout`). Under inference mode (the engine's prefills) an inference tensor, which has no
     version counter, is memoised by identity alone, and its int64 form is given only under inference mode (one
     returned outside it would fail a later backward): the engine builds each step's bounds afresh
-    (`LinearStateCache.step`) and never writes them, so its linear layers share fla's derivations within a step, two
-    host syncs a step (the convolution's and the scan's) where each layer took its own. Any other tensor under
-    inference mode, or an inference tensor outside it, gets a new int64 tensor at every call."""
-    global _long_bounds, _inference_bounds
-    if cu_seqlens.is_inference() and torch.is_inference_mode_enabled():
-        entries = _inference_bounds
-        for given, long in entries:
-            if given is cu_seqlens:
-                return long
-        long = cu_seqlens.to(torch.long, copy=True)
-        _inference_bounds = (*[e for e in entries if e[0] is not cu_seqlens][-(FLA_BOUNDS - 1):], (cu_seqlens, long))
-        return long
-    if cu_seqlens.is_inference() or torch.is_inference_mode_enabled():
+    (`LinearStateCache.step`) and never writes them, so the linear layers of one step hand fla one tensor, whose
+    derivations fla then makes once a step rather than once a layer (the GPU test that counts them has not run yet).
+    Any other tensor under inference mode, or an inference tensor outside it, gets a new int64 tensor at every call."""
+    inference = cu_seqlens.is_inference()
+    if inference != torch.is_inference_mode_enabled():
         return cu_seqlens.to(torch.long, copy=True)
-    entries = _long_bounds                      # one read and one write of the tuple: safe across threads
-    now = cu_seqlens._version                   # (read before the copy: a later write makes the next call miss)
+    entries = _long_bounds[inference]           # one read and one write of the tuple: safe across threads
+    now = None if inference else cu_seqlens._version    # (read before the copy: a later write makes the next call miss)
     for given, version, long in entries:
         if given is cu_seqlens and version == now:
             return long
     long = cu_seqlens.to(torch.long, copy=True)
-    _long_bounds = (*[e for e in entries if e[0] is not cu_seqlens][-(FLA_BOUNDS - 1):], (cu_seqlens, now, long))
+    _long_bounds[inference] = (*[e for e in entries if e[0] is not cu_seqlens][-(FLA_BOUNDS - 1):],
+                               (cu_seqlens, now, long))
     return long
 
 

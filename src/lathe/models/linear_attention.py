@@ -276,7 +276,8 @@ def fla_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     version counter, is memoised by identity alone, and its int64 form is given only under inference mode (one
     returned outside it would fail a later backward): the engine builds each step's bounds afresh
     (`LinearStateCache.step`) and never writes them, so the linear layers of one step hand fla one tensor, whose
-    derivations fla then makes once a step rather than once a layer (the GPU test that counts them has not run yet).
+    derivations fla then makes once a step rather than once a layer (as many for six layers as for two: the GPU test
+    passed on an H100, bench/results/gpu_tests_hybrid_fresh_24ff103_*).
     Any other tensor under inference mode, or an inference tensor outside it, gets a new int64 tensor at every call."""
     inference = cu_seqlens.is_inference()
     if inference != torch.is_inference_mode_enabled():

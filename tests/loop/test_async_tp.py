@@ -8,6 +8,8 @@ with the tools on its leader alone, as one worker runs them."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
@@ -22,6 +24,7 @@ from lathe.engine.llm_engine import LatheEngine
 from lathe.engine.tensor_parallel import replica_groups, shard_copy
 from lathe.generation import SamplingParams
 from lathe.models import load_lathe_model
+from lathe.models.vl import load_lathe_vl_model
 from lathe.workers.checkpoint_engine import SyncGroup, metas_of, receive_weights, send_weights
 from lathe.workers.lockstep import Lockstep, control_groups
 from lathe.workers.reshard import position_layouts, send_resharded, sliced_metas
@@ -40,20 +43,51 @@ def engine_of(model) -> LatheEngine:
     return LatheEngine(model, eos_token_id=None, block_size=4, num_kv_blocks=64, max_model_len=48)
 
 
-def play(step, sync) -> dict:
-    """Run SCRIPT: `step(new requests)` returns finished (id, output) pairs; `sync(version)` interrupts and loads
+def is_vl(path: str) -> bool:
+    with open(os.path.join(path, "config.json")) as f:
+        return "vision_config" in json.load(f)
+
+
+def load(path: str):
+    """lathe's model of `path` in float32: its VL model for a vision-language checkpoint, else its decoder."""
+    return load_lathe_vl_model(path) if is_vl(path) else load_lathe_model(path, torch.float32)
+
+
+def changed(path: str):
+    """`new_weights` of any model `load` takes (a VL model's vision tower changed too)."""
+    for name, t in load(path).state_dict().items():
+        yield name, t * 1.1 if t.dim() == 2 else t + 0.05
+
+
+def script_of(path: str) -> list:
+    """SCRIPT, or for a VL checkpoint the same actions on image prompts (two with images, two without), each request
+    carrying its prompts' images."""
+    if not is_vl(path):
+        return SCRIPT
+    from engine.test_multimodal import _prompts
+    prompts, images = _prompts()
+    return [(0, ("add", [("a", prompts[1:3], SAMPLED, 0, images[1:3]), ("b", prompts[:1], GREEDY, 0, images[:1])])),
+            (3, ("add", [("c", prompts[2:], SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=5), 4,
+                          images[2:])])),
+            (2, ("sync", 1)),
+            (0, ("add", [("d", prompts[1:2] + prompts[3:], SAMPLED, 0, images[1:2] + images[3:])]))]
+
+
+def play(step, sync, script=SCRIPT) -> dict:
+    """Run `script`: `step(new requests)` returns finished (id, output) pairs; `sync(version)` interrupts and loads
     the new weights. Returns {request id: (tokens, number of log-probs, versions)}."""
     done, new = {}, []
 
     def take(outputs):
         done.update({rid: (out.token_ids, [len(x) for x in out.logprobs], out.versions) for rid, out in outputs})
 
-    for steps, (kind, arg) in SCRIPT:
+    for steps, (kind, arg) in script:
         for _ in range(steps):
             take(step(new))
             new = []
         if kind == "add":
-            new += [(rid, prompts, params, first, None) for rid, prompts, params, first in arg]
+            new += [(rid, prompts, params, first, images[0] if images else None)
+                    for rid, prompts, params, first, *images in arg]
         else:
             sync(arg)
     while len(done) < 4:
@@ -63,14 +97,14 @@ def play(step, sync) -> dict:
 
 
 def reference(path: str) -> dict:
-    engine = engine_of(load_lathe_model(path, torch.float32))
+    engine = engine_of(load(path))
     replica = Lockstep(engine, replica_groups(1), None, timeout_s=JOIN_S)       # (one rank: the engine alone)
 
     def sync(version):
         assert replica.interrupt() > 0                    # in-flight samples: the partial rollout is exercised
-        engine.load_weights(new_weights(path), version=version)
+        engine.load_weights(changed(path), version=version)
 
-    return play(replica.step, sync)
+    return play(replica.step, sync, script_of(path))
 
 
 def run_ranks(body, path: str, sender=None):
@@ -109,7 +143,7 @@ def lockstep_rank(rank: int, sync_ports, path: str):
     control = control_groups(2, JOIN_S)
     quick = control_groups(2, 0.5)                   # (for the silent leader at the end)
     failing = control_groups(2, JOIN_S)              # (for the leader that fails, last)
-    engine = engine_of(shard_copy(load_lathe_model(path, torch.float32), torch.float32, torch.device("cpu"), tp))
+    engine = engine_of(shard_copy(load(path), torch.float32, torch.device("cpu"), tp))
     replica = Lockstep(engine, tp, control, timeout_s=JOIN_S)
     group = SyncGroup("127.0.0.1", sync_ports[0], 1 + rank, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
 
@@ -117,14 +151,14 @@ def lockstep_rank(rank: int, sync_ports, path: str):
         return receive_weights(group, args["metas"], bucket_bytes=args["bucket_bytes"],
                                consume=lambda named: engine.load_weights(named, version=args["version"]))
 
-    metas = metas_of(load_lathe_model(path, torch.float32).state_dict().items(), torch.float32)
+    metas = metas_of(load(path).state_dict().items(), torch.float32)
     result = None
     if rank == 0:
         def sync(version):
             assert replica.interrupt() > 0
             replica.load({"metas": metas, "bucket_bytes": 1 << 14, "version": version}, receive)
 
-        result = play(replica.step, sync)
+        result = play(replica.step, sync, script_of(path))
         replica.stop()
         time.sleep(1.5)                              # silent: the follower's quick group times out
         Lockstep(engine, tp, failing, timeout_s=JOIN_S).abort(ValueError("the engine broke"))
@@ -143,7 +177,7 @@ def lockstep_rank(rank: int, sync_ports, path: str):
 def send(ports, path: str) -> None:
     """Whole tensors to both ranks over one group (each rank cuts its slices)."""
     group = SyncGroup("127.0.0.1", ports[0], 0, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
-    named = list(new_weights(path))
+    named = list(changed(path))
     send_weights(group, named, metas_of(named, torch.float32), bucket_bytes=1 << 14)
     group.close()
 
@@ -161,9 +195,22 @@ def layouts(path: str):
     return position_layouts(load_lathe_model(path, torch.float32).config, 2)
 
 
-def test_a_tensor_parallel_replica_streams_what_one_engine_streams(tmp_path):
-    from models.lathe_tiny import save_hf
-    path = str(save_hf(tmp_path, "llama", tie=True)[0])      # tied: the LM head's slices come from the embeddings
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text", "deepseek_v3", "qwen2_5_vl"])
+def test_a_tensor_parallel_replica_streams_what_one_engine_streams(tmp_path, family):
+    """Also a hybrid (Qwen3.5: each rank's linear-attention states of its key heads, through the interrupt, where the
+    partial rollout computes them again, and the sync), latent attention (DeepSeek-V3: its heads' latent cache) and
+    a vision-language model (Qwen2.5-VL: image prompts, the images sent to the follower with their requests, the
+    interrupted ones encoded again by the new vision tower)."""
+    if family == "deepseek_v3":
+        from models.deepseek_tiny import deepseek_model
+        path = str(tmp_path / family)
+        deepseek_model(seed=2).save_pretrained(path)
+    elif family == "qwen2_5_vl":
+        from models.vl_tiny import save_hf as save_vl
+        path = str(save_vl(tmp_path, family)[0])
+    else:
+        from models.lathe_tiny import save_hf
+        path = str(save_hf(tmp_path, family, tie=True)[0])  # tied: the LM head's slices come from the embeddings
     want = reference(path)
     assert any(len({v for v, _ in spans}) > 1 for _, _, versions in want.values() for spans in versions)
     assert run_ranks(lockstep_rank, path) == want

@@ -307,3 +307,25 @@ def test_a_hybrid_vl_models_parked_turn_is_continued_only_with_its_own_images(tm
     assert again.metrics["rollout/prefix_hit_tokens"] >= len(prompts[1])
     fresh = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128)
     assert again.token_ids == turn(fresh, "e", conversation, inputs[1]).token_ids
+
+
+def test_prepared_images_held_across_a_weight_load_are_encoded_again_by_the_new_tower(pair):
+    """An agent's trajectory holds its prompt's prepared images between turns; a weight load (a fully-async sync
+    while a tool runs) drops their embeddings wherever they are held, so the next turn encodes them with the new
+    vision tower and generates what an engine that had the new weights from the start generates."""
+    _, path = pair
+    prompts, inputs = _prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=MAX)
+    engine = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128)
+    prepared = engine.prepare_images(prompts[1], inputs[1])
+    first = engine.generate([prompts[1]], greedy, multi_modal_inputs=[prepared]).token_ids[0]
+    old = prepared.embeds.clone()
+    tower = _other_tower(engine.model)
+    engine.load_weights(tower, version=1)
+    assert prepared.embeds is None
+    conversation = prompts[1] + first + [5, 9]                          # its answer, then a tool's (text)
+    got = engine.generate([conversation], greedy, multi_modal_inputs=[prepared]).token_ids
+    assert not torch.equal(prepared.embeds, old)                        # precondition: the new tower differs
+    fresh = LatheEngine(load_lathe_vl_model(path), eos_token_id=None, block_size=4, num_kv_blocks=128)
+    fresh.load_weights(tower, version=1)
+    assert got == fresh.generate([conversation], greedy, multi_modal_inputs=[inputs[1]]).token_ids

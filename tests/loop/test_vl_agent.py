@@ -80,3 +80,30 @@ def test_a_tool_that_answers_with_an_image_stops_the_run_naming_it():
         assert "'crop'" in str(e) and "ToolResponse.image" in str(e) and "Fix:" in str(e)
     else:
         raise AssertionError("an image in a tool answer was dropped silently")
+
+
+def test_on_policy_async_multi_turn_on_image_prompts_equals_the_synchronous_loop(tmp_path, monkeypatch):
+    """The same run on a rollout pool of its own (both pools in this process, on-policy): each request's images reach
+    its trajectories on the replica, prepared once for all their turns, and the run samples, scores and updates as
+    the synchronous loop does."""
+    from loop.test_async_inprocess import ON_POLICY, start_in_process
+    import lathe.cluster
+    (tmp_path / "tools.yaml").write_text(TOOLS)
+    real = parser_module.get_parser
+    monkeypatch.setattr(parser_module, "get_parser", lambda name: (lambda parse: lambda text: parse(CALL))(real(name)))
+    keys = [*vl_keys(tmp_path, "(sum(map(ord, solution_str)) % 5) / 4", response_length=96),
+            "trainer.total_training_steps=2", "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+            "data.train_batch_size=2"]                      # one mini-batch a step, as on-policy async steps
+    run(tmp_path, *keys, name="sync")
+    monkeypatch.setattr(lathe.cluster, "start_async_cluster", start_in_process)
+    run(tmp_path, *keys, *ON_POLICY, name="async")
+    sync, on_policy = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "async")
+    assert sorted(sync) == sorted(on_policy) == [1, 2]
+    for step in (1, 2):
+        a, b = sync[step], on_policy[step]
+        assert b["agent/tool_calls/total"] >= 1 and b["num_turns/max"] == 4
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean",
+                    "agent/tool_calls/mean", "num_turns/mean"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (step, key, a[key], b[key])

@@ -109,18 +109,3 @@ def test_a_replica_of_a_vl_model_generates_from_each_prompts_images(tmp_path, fa
         assert validation["multi_modal_inputs"][2] is inputs[1], "the rows keep their own images (n=2 each)"
     finally:
         worker.shutdown()
-
-
-def test_a_replica_of_a_vl_model_refuses_multi_turn_naming_the_key(tmp_path):
-    """Multi-turn trajectories on a rollout pool reuse their images' embeddings across turns, which a sync would leave
-    encoded by the old vision tower: refused when the replica starts, with the fix."""
-    from types import SimpleNamespace
-
-    from models.vl_tiny import save_hf
-
-    path, _ = save_hf(tmp_path, "qwen2_5_vl")
-    cfg = load_config("default", ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
-                                  "data.train_batch_size=0", "actor_rollout_ref.rollout.multi_turn.enable=true"])
-    with pytest.raises(NotImplementedError, match=r"multi_turn.enable=true .*Fix: "):
-        RolloutWorker(cfg, str(path), {"impl": "auto"}, SimpleNamespace(pad_token_id=0, eos_token_id=2),
-                      device_type="cpu")

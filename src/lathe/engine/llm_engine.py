@@ -200,6 +200,7 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         # the paged cache's storage: the model's dtype ("auto"), or FP8 with a scale per token and KV head (`kv_cache`)
         self.kv_dtype = kv_storage_dtype(kv_cache_dtype, model.dtype, model.device)
         self.vl = is_vl(model)        # a vision-language model: prompts may carry images (`multimodal.py`)
+        self.prepared_images = weakref.WeakSet()   # every prompt's images this engine prepared, while held anywhere
         if num_speculative_tokens:
             refuse_speculative(self, num_speculative_tokens, vl=self.vl, hybrid=hybrid, mla=is_mla(model),
                                quantization=quantization, record_routing=record_routing,
@@ -482,13 +483,17 @@ class LatheEngine(StreamingMixin, SpeculativeMixin):
         """A prompt's shared image state (`multimodal.prepare_prompt`: its images encoded, its 3D positions), None
         for a text prompt. Given as the prompt's `multi_modal_inputs` entry, to `generate` or `add_request`, for
         this prompt or any prompt that continues it (later turns of a conversation), it is reused: the images are
-        encoded once, and the tokens after this prompt are text (`multimodal.check_continuation`)."""
+        encoded once, and the tokens after this prompt are text (`multimodal.check_continuation`). A weight load
+        drops its embeddings wherever it is held (an agent's trajectory between two turns, across a fully-async
+        weight sync): the next prefill of a prompt that carries it encodes them with the new vision tower."""
         if inputs is None or inputs.get("pixel_values") is None:
             return None
         if not self.vl:
             raise ValueError(f"{where} carries images, but the engine's model "
                              f"({type(self.model).__name__}) is a text model")
-        return prepare_prompt(self.model, prompt, inputs, where)
+        prepared = prepare_prompt(self.model, prompt, inputs, where)
+        self.prepared_images.add(prepared)      # (a weight load drops its embeddings wherever it is held)
+        return prepared
 
     def _prompt_images(self, i: int, prompt: list[int], inputs):
         """Prompt i's shared image state: `inputs` prepared here, or as `prepare_images` prepared it."""

@@ -13,8 +13,9 @@ tower once for the prompt's images and keeps, in a `MultiModalPrompt` that the p
   one prompt (and a preempted sample's recompute) do.
 
 The embeddings belong to the vision tower's weights. When the engine loads new weights while prompts wait (a weight
-sync of fully-asynchronous training: queued requests, responses interrupted by partial rollout), it drops them
-(`drop_embeddings`); the prompt's next prefill encodes its images again with the new tower (`ensure_embeddings`).
+sync of fully-asynchronous training: queued requests, responses interrupted by partial rollout, an agent's
+trajectory between two turns), it drops them (`drop_embeddings`: every prompt's the engine prepared and that is still
+held anywhere); the prompt's next prefill encodes its images again with the new tower (`ensure_embeddings`).
 The positions, image rows and salt depend on the tokens and pixels only, and stay.
 
 `StepInputs` gathers what a prefill or decode step's forward needs beyond the token ids: 3D positions, and the
@@ -68,12 +69,12 @@ def ensure_embeddings(model, mm: MultiModalPrompt) -> None:
     mm.embeds, mm.deepstack = out.embeds, list(out.deepstack)
 
 
-def drop_embeddings(seqs) -> int:
-    """Forget the image embeddings of `seqs`' prompts (new vision weights came); returns how many prompts'."""
+def drop_embeddings(prompts) -> int:
+    """Forget the image embeddings of `prompts` (`MultiModalPrompt`s: new vision weights came); returns how many."""
     dropped = 0
-    for seq in seqs:
-        if seq.mm is not None and seq.mm.embeds is not None:
-            seq.mm.embeds, seq.mm.deepstack = None, []
+    for mm in list(prompts):            # (a copy: `prompts` may be a WeakSet)
+        if mm.embeds is not None:
+            mm.embeds, mm.deepstack = None, []
             dropped += 1
     return dropped
 

@@ -224,7 +224,9 @@ class StreamingMixin:
         self._copy_weights(named_tensors, local=local)
         if self.block_manager.holds_cache:          # (a sync loading bucket by bucket resets once)
             self.block_manager.reset()              # (image prompts' blocks too: the images' salt is in their key)
-        drop_embeddings(sch.waiting)                # waiting image prompts encode again, with the new tower
+        # image prompts encode again with the new tower at their next prefill: the waiting ones (a follower's came
+        # from its leader) and any other this engine prepared that is still held (an agent's trajectory between turns)
+        drop_embeddings([*(seq.mm for seq in sch.waiting if seq.mm is not None), *self.prepared_images])
         if version != self.weight_version:
             self._requests.new_version(version)
             self.weight_version = version

@@ -84,14 +84,8 @@ class RolloutWorker:
                              "(rollout.n_gpus_per_node=0).")
         if arr.rollout.name in VERL_BACKENDS:       # (replicas other than rank 0 log warnings only: once a run)
             logging.getLogger("lathe").info("rollout: lathe engine (%s)", backend_notice(arr.rollout.name))
-        if is_vl(model):                # image prompts: each request carries its prompts' images (`submit`)
-            check_vl(model, arr, rollout=True)
-            if agent_rollout(arr.rollout):
-                raise NotImplementedError(
-                    "actor_rollout_ref.rollout.multi_turn.enable=true with a vision-language model on a rollout pool "
-                    "of its own: a trajectory's later turns reuse its images' embeddings, which a weight sync would "
-                    "leave encoded by the old vision tower (not implemented). Fix: train it synchronously "
-                    "(rollout.n_gpus_per_node=0), or set multi_turn.enable=false.")
+        if is_vl(model):                # image prompts: each request carries its prompts' images (`submit`), which
+            check_vl(model, arr, rollout=True)      # multi-turn trajectories prepare once for all their turns
         self.dtype = rollout_dtype(arr.rollout.dtype, device)
         eos = eos_token_ids(tokenizer, loaded)          # the checkpoint's generation_config (the copy has none)
         size = arr.rollout.tensor_model_parallel_size
@@ -262,8 +256,8 @@ class RolloutWorker:
 
     def _queue_turns(self, requests: list[tuple]) -> bool:
         """Multi-turn in lockstep: new requests' trajectories and answered turns queued; whether a step has work."""
-        for request_id, prompt_ids, params, first_index, _, agent in requests:
-            self.agent.add(request_id, prompt_ids, params, first_index=first_index,
+        for request_id, prompt_ids, params, first_index, images, agent in requests:
+            self.agent.add(request_id, prompt_ids, params, first_index=first_index, multi_modal_inputs=images,
                            agent={k: v for k, v in agent.items() if k != "extra_info"})
         done = self.agent.advance()             # (a trajectory may end here, with no step: its user stops, say)
         with self._cv:
@@ -304,8 +298,8 @@ class RolloutWorker:
     def _agent_step(self, requests: list[tuple]) -> tuple[list, bool]:
         """Multi-turn: new requests' trajectories and answered ones' next turns queued, one engine step, finished
         turns appended (`AgentStream`). Returns the finished requests and whether any trajectory is not done."""
-        for request_id, prompt_ids, params, first_index, _, agent in requests:
-            self.agent.add(request_id, prompt_ids, params, first_index=first_index,
+        for request_id, prompt_ids, params, first_index, images, agent in requests:
+            self.agent.add(request_id, prompt_ids, params, first_index=first_index, multi_modal_inputs=images,
                            agent={k: v for k, v in agent.items() if k != "extra_info"})
         done = self.agent.advance()
         if self.agent_engine.has_unfinished_requests():        # (the followers take the new turns with the step)

@@ -44,9 +44,13 @@ class AgentStream:
         self.waiting: set[Trajectory] = set()                    # tool calls (or a user's answer) running
         self._done: list[tuple[object, AgentOutput]] = []
 
-    def add(self, request_id, prompts: list[list[int]], params, *, first_index: int, agent: dict | None) -> None:
-        """Queue a request's trajectories (`agent`: `agent_kwargs` of its prompts: tools, users, messages)."""
-        call = self.loop.open(prompts, params, first_index=first_index, **(agent or {}))
+    def add(self, request_id, prompts: list[list[int]], params, *, first_index: int, agent: dict | None,
+            multi_modal_inputs: list[dict | None] | None = None) -> None:
+        """Queue a request's trajectories (`agent`: `agent_kwargs` of its prompts: tools, users, messages;
+        `multi_modal_inputs`: a VL model's images, one entry per prompt, prepared once for all their turns: a weight
+        sync drops their embeddings wherever they are held, so the next turn encodes them with the new tower)."""
+        call = self.loop.open(prompts, params, first_index=first_index, multi_modal_inputs=multi_modal_inputs,
+                              **(agent or {}))
         self.calls[call.prefix] = (request_id, call)
         self.left[call.prefix] = len(call.trajs)
         if not call.trajs:

@@ -109,3 +109,68 @@ def test_a_replica_of_a_vl_model_generates_from_each_prompts_images(tmp_path, fa
         assert validation["multi_modal_inputs"][2] is inputs[1], "the rows keep their own images (n=2 each)"
     finally:
         worker.shutdown()
+
+
+def test_a_vl_trajectory_waiting_for_its_tool_across_a_sync_takes_the_new_vision_tower(tmp_path, monkeypatch):
+    """Multi-turn on a replica of a VL model: turn 0 runs on the prompt's image; its tool call is held while the
+    replica pauses and loads new vision-tower weights; then it answers, and turn 1's prefill encodes the image again:
+    every prefill's image embeddings are the vision tower's of that moment."""
+    import threading
+
+    from PIL import Image
+
+    from engine.test_multimodal import _other_tower
+    from lathe.data.multimodal import encode_multimodal_prompt, tiny_vl_processor
+    from lathe.engine import llm_engine
+    from lathe.rollout.agent import builtin_tools
+    from lathe.rollout.agent import parser as parser_module
+    from lathe.workers.fully_async import request_agent
+    from loop.test_vl_agent import CALL, TOOLS
+    from loop.test_vl_train import _checkpoint
+
+    model_dir, tokenizer_dir = _checkpoint(tmp_path)
+    (tmp_path / "tools.yaml").write_text(TOOLS)
+    real = parser_module.get_parser
+    monkeypatch.setattr(parser_module, "get_parser", lambda name: (lambda parse: lambda text: parse(CALL))(real(name)))
+    started, release = threading.Event(), threading.Event()
+    execute = builtin_tools.CalculatorTool.execute
+
+    def held(self, *args, **kwargs):
+        started.set()
+        assert release.wait(WAIT_S)
+        return execute(self, *args, **kwargs)
+    monkeypatch.setattr(builtin_tools.CalculatorTool, "execute", held)
+    encoded = []                                    # at each prefill of an image prompt: its embeddings are current
+    ensure = llm_engine.ensure_embeddings
+
+    def checked(model, mm):
+        ensure(model, mm)
+        with torch.inference_mode():
+            now = model.embed_images(mm.pixel_values, mm.grid).embeds
+        encoded.append(torch.equal(mm.embeds, now))
+    monkeypatch.setattr(llm_engine, "ensure_embeddings", checked)
+    cfg = load_config("default", ["rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
+                                  "data.train_batch_size=0", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                  "data.max_response_length=96", "data.max_prompt_length=64",
+                                  f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+                                  "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2"])
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    messages = [{"role": "user", "content": "<image>which?"}]
+    ids, images, _ = encode_multimodal_prompt(messages, [Image.new("RGB", (16, 16), (200, 30, 30))],
+                                              tiny_vl_processor(), "row 0")
+    prompts = Batch(non_tensors={"prompt_ids": [ids], "extra_info": [{}], "raw_prompt": [messages]})
+    worker = RolloutWorker(cfg, str(model_dir), {"impl": "auto"}, tokenizer, device_type="cpu")
+    try:
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=96, seed=5)
+        worker.submit([("r", prompts["prompt_ids"], params, 0, [images], request_agent(prompts))])
+        assert started.wait(WAIT_S), "turn 0 ran and called the tool"
+        assert worker.pause(partial=True, timeout_s=WAIT_S) == 0         # no turn in progress: the tool waits
+        worker.engine.load_weights(_other_tower(worker.engine.model), version=1)
+        release.set()
+        worker.resume()
+        out = _collect_until(worker, {"r"})["r"]
+    finally:
+        release.set()
+        worker.shutdown()
+    assert out["num_turns"] == [4] and out["tool_calls"] == [1]          # prompt, turn 0, the answer, turn 1
+    assert len(encoded) >= 2 and all(encoded), encoded                  # turn 1 took the new tower's embeddings

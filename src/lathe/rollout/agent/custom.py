@@ -792,10 +792,13 @@ class CustomStream:
             scheduler.prefill_interval = PREFILL_INTERVAL
 
     def add(self, request_id, prompts: list[list[int]], params: SamplingParams, *, first_index: int,
-            agent: dict | None = None) -> None:
-        """Start a request's loops (`agent`: `rows`, the prompts' dataset fields, as `agent_kwargs` gives them)."""
+            agent: dict | None = None, multi_modal_inputs: list[dict | None] | None = None) -> None:
+        """Start a request's loops (`agent`: `rows`, the prompts' dataset fields, as `agent_kwargs` gives them;
+        `multi_modal_inputs`: the request's images, as `AgentStream.add` takes them, else the rows')."""
+        if multi_modal_inputs is None:
+            multi_modal_inputs = (agent or {}).get("multi_modal_inputs")
         call = self.runner.open(prompts, params, first_index=first_index, rows=(agent or {}).get("rows"),
-                                multi_modal_inputs=(agent or {}).get("multi_modal_inputs"), request_prefix="stream")
+                                multi_modal_inputs=multi_modal_inputs, request_prefix="stream")
         call.request_id = request_id
         with self._lock:
             self._live += 1

@@ -34,9 +34,10 @@ def generations(model, path: str) -> list[list[list[int]]]:
     return out
 
 
-def new_weights(path: str):
-    """Whole weights, changed: what a trainer's update sends."""
-    whole = load_lathe_model(path, torch.float32)
+def new_weights(path: str, load=None):
+    """Whole weights, changed: what a trainer's update sends. `load`: how to load `path` (lathe's decoder in float32
+    by default)."""
+    whole = load(path) if load is not None else load_lathe_model(path, torch.float32)
     for name, t in whole.state_dict().items():
         yield name, t * 1.1 if t.dim() == 2 else t + 0.05
 

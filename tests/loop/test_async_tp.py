@@ -53,12 +53,6 @@ def load(path: str):
     return load_lathe_vl_model(path) if is_vl(path) else load_lathe_model(path, torch.float32)
 
 
-def changed(path: str):
-    """`new_weights` of any model `load` takes (a VL model's vision tower changed too)."""
-    for name, t in load(path).state_dict().items():
-        yield name, t * 1.1 if t.dim() == 2 else t + 0.05
-
-
 def script_of(path: str) -> list:
     """SCRIPT, or for a VL checkpoint the same actions on image prompts (two with images, two without), each request
     carrying its prompts' images."""
@@ -102,7 +96,7 @@ def reference(path: str) -> dict:
 
     def sync(version):
         assert replica.interrupt() > 0                    # in-flight samples: the partial rollout is exercised
-        engine.load_weights(changed(path), version=version)
+        engine.load_weights(new_weights(path, load), version=version)
 
     return play(replica.step, sync, script_of(path))
 
@@ -177,7 +171,7 @@ def lockstep_rank(rank: int, sync_ports, path: str):
 def send(ports, path: str) -> None:
     """Whole tensors to both ranks over one group (each rank cuts its slices)."""
     group = SyncGroup("127.0.0.1", ports[0], 0, 3, device=torch.device("cpu"), timeout_s=JOIN_S)
-    named = list(changed(path))
+    named = list(new_weights(path, load))
     send_weights(group, named, metas_of(named, torch.float32), bucket_bytes=1 << 14)
     group.close()
 

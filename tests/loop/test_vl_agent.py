@@ -20,14 +20,27 @@ TOOLS = """tools:
 """
 
 
-def test_multi_turn_grpo_on_image_prompts_calls_the_tool_and_trains(tmp_path, monkeypatch):
-    (tmp_path / "tools.yaml").write_text(TOOLS)
+def force_calls(monkeypatch) -> None:
+    """The parser reads CALL in every turn (the random model writes no tool calls of its own)."""
     real = parser_module.get_parser
 
     def forced(name):
         parse = real(name)
         return lambda text: parse(CALL)
     monkeypatch.setattr(parser_module, "get_parser", forced)
+
+
+def agent_keys(tmp_path) -> list[str]:
+    """The geo3k-style VL multi-turn run's keys: two steps, the calculator from a tool file, two assistant turns."""
+    (tmp_path / "tools.yaml").write_text(TOOLS)
+    return [*vl_keys(tmp_path, "(sum(map(ord, solution_str)) % 5) / 4", response_length=96),
+            "trainer.total_training_steps=2", "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2"]
+
+
+def test_multi_turn_grpo_on_image_prompts_calls_the_tool_and_trains(tmp_path, monkeypatch):
+    force_calls(monkeypatch)
     batches = []
     generate = ActorRolloutRefWorker.generate_sequences
 
@@ -35,10 +48,7 @@ def test_multi_turn_grpo_on_image_prompts_calls_the_tool_and_trains(tmp_path, mo
         batches.append(generate(self, prompts, params, **kw))
         return batches[-1]
     monkeypatch.setattr(ActorRolloutRefWorker, "generate_sequences", spy)
-    run(tmp_path, *vl_keys(tmp_path, "(sum(map(ord, solution_str)) % 5) / 4", response_length=96),
-        "trainer.total_training_steps=2", "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2")
+    run(tmp_path, *agent_keys(tmp_path))
     metrics = read_metrics(tmp_path / "run")
     assert sorted(metrics) == [1, 2]
     for m in metrics.values():
@@ -88,14 +98,8 @@ def test_on_policy_async_multi_turn_on_image_prompts_equals_the_synchronous_loop
     the synchronous loop does."""
     from loop.test_async_inprocess import ON_POLICY, start_in_process
     import lathe.cluster
-    (tmp_path / "tools.yaml").write_text(TOOLS)
-    real = parser_module.get_parser
-    monkeypatch.setattr(parser_module, "get_parser", lambda name: (lambda parse: lambda text: parse(CALL))(real(name)))
-    keys = [*vl_keys(tmp_path, "(sum(map(ord, solution_str)) % 5) / 4", response_length=96),
-            "trainer.total_training_steps=2", "actor_rollout_ref.rollout.multi_turn.enable=true",
-            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
-            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
-            "data.train_batch_size=2"]                      # one mini-batch a step, as on-policy async steps
+    force_calls(monkeypatch)
+    keys = [*agent_keys(tmp_path), "data.train_batch_size=2"]      # one mini-batch a step, as on-policy async steps
     run(tmp_path, *keys, name="sync")
     monkeypatch.setattr(lathe.cluster, "start_async_cluster", start_in_process)
     run(tmp_path, *keys, *ON_POLICY, name="async")

@@ -123,15 +123,13 @@ def test_a_vl_trajectory_waiting_for_its_tool_across_a_sync_takes_the_new_vision
     from lathe.data.multimodal import encode_multimodal_prompt, tiny_vl_processor
     from lathe.engine import llm_engine
     from lathe.rollout.agent import builtin_tools
-    from lathe.rollout.agent import parser as parser_module
     from lathe.workers.fully_async import request_agent
-    from loop.test_vl_agent import CALL, TOOLS
+    from loop.test_vl_agent import TOOLS, force_calls
     from loop.test_vl_train import _checkpoint
 
     model_dir, tokenizer_dir = _checkpoint(tmp_path)
     (tmp_path / "tools.yaml").write_text(TOOLS)
-    real = parser_module.get_parser
-    monkeypatch.setattr(parser_module, "get_parser", lambda name: (lambda parse: lambda text: parse(CALL))(real(name)))
+    force_calls(monkeypatch)
     started, release = threading.Event(), threading.Event()
     execute = builtin_tools.CalculatorTool.execute
 

@@ -75,6 +75,38 @@ def test_on_cuda_what_waits_for_the_backward_leaves_the_device_and_the_gradients
     assert held[0] - held[1] >= 0.5 * moved["bytes"] > 0, (held, moved)
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_forward_does_not_wait_for_the_copies_to_host_memory(make_lathe, monkeypatch):
+    """The copies to host memory run on a side stream: the offloaded forward makes no more synchronizing CUDA calls
+    than the plain one (a blocking copy a saved tensor made one each), and the gradients are the same, bit for bit,
+    with the forward's next kernels overwriting freed memory while the copies run."""
+    import warnings
+    monkeypatch.setattr(offload, "OFFLOAD_MIN_BYTES", 0)
+    model, batch = make_lathe().cuda(), _batch().to("cuda")
+    model.gradient_checkpointing_enable()
+    model.train()
+    syncs, grads = [], []
+    for offloaded in (False, True):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with offload.activations_on_host(offloaded, "cuda") as moved:
+                    logp, _ = response_log_probs(model, batch)
+                    scratch = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(8)]   # reuse
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        del scratch
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        (logp * batch["response_mask"]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert moved["tensors"] >= model.config.num_hidden_layers
+    assert syncs[1] <= syncs[0], syncs
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
 def test_an_actor_update_with_offload_updates_the_same_and_reports_what_it_moved(make_lathe, rollout_batch, load_cfg,
                                                                                   monkeypatch):
     """The actor's update with `offload_activations` (its tensors 'offloaded' to other CPU memory here): the same

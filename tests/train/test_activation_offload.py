@@ -1,6 +1,8 @@
 """verl's `model.enable_activation_offload` (`lathe.train.offload.activations_on_host`): what a training forward
 saves for its backward waits in host memory and comes back for the backward; the gradients are the same."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -49,6 +51,83 @@ def test_off_cuda_it_has_nothing_to_move(make_lathe, caplog):
     assert "k has no effect on a cpu run" in caplog.text
     _, moved = _grads(make_lathe().train(), _batch(), True, "cuda")        # CPU tensors: none moved
     assert moved == {"tensors": 0, "bytes": 0}
+
+
+class _Streams:
+    """Stands in for `torch.cuda`'s streams and events on a CPU: waits are logged as (what, on, for)."""
+
+    def __init__(self):
+        self.log, self.now = [], None
+        self.compute = _Stream(self, "compute")
+
+    def Stream(self, device=None):
+        return _Stream(self, "side")
+
+    def Event(self):
+        return _Event()
+
+    def current_stream(self, device):
+        return self.now or self.compute
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        self.now = stream
+        try:
+            yield
+        finally:
+            self.now = None
+
+
+class _Stream:
+    def __init__(self, streams: _Streams, name: str):
+        self.streams, self.name = streams, name
+
+    def wait_stream(self, other: "_Stream"):
+        self.streams.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: "_Event"):
+        self.streams.log.append(("wait_event", self.name, event))
+
+
+class _Event:
+    by = None                               # the stream that recorded it
+
+    def record(self, stream: _Stream):
+        self.by = stream.name
+
+
+def test_the_side_stream_path_orders_every_copy_and_prefetches_in_the_backwards_order(make_lathe, monkeypatch):
+    """The side stream's bookkeeping on a CPU, its stream calls stood in for (`_Streams`): each copy to the host
+    waits for the compute stream and records its event; each read waits for the event of its own tensor's copy or of
+    its prefetch (which waited for that copy) and holds what the side stream made for the compute stream. Through
+    checkpointed layers every read after the first node's (the log-probs', read as the backward starts) finds its
+    tensor prefetched, and nothing prefetched goes unread. The gradients are the same, bit for bit."""
+    monkeypatch.setattr(offload, "OFFLOAD_MIN_BYTES", 0)
+    streams = _Streams()
+    monkeypatch.setattr(offload, "cuda", streams)
+    monkeypatch.setattr(offload, "SIDE_STREAM", ("cpu",))
+    monkeypatch.setattr(offload, "_COPY_STREAMS", {})
+    held, hits = [], []
+    monkeypatch.setattr(offload, "_hold", lambda t, stream: held.append(stream.name))
+    take = offload._OnHost.take
+    monkeypatch.setattr(offload._OnHost, "take", lambda self: hits.append(self.back is not None) or take(self))
+    model, batch = make_lathe(), _batch()
+    model.gradient_checkpointing_enable()
+    model.train()
+    want, _ = _grads(model, batch, False, "cpu")
+    got, moved = _grads(model, batch, True, "cpu")
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    n = moved["tensors"]
+    assert n >= 3 * model.config.num_hidden_layers and len(hits) == n        # each layer's input, cos and sin
+    log = streams.log
+    assert [e for e in log if e[0] == "wait_stream"] == [("wait_stream", "side", "compute")] * n
+    prefetches = [e for e in log if e[:2] == ("wait_event", "side")]         # each after its tensor's copy
+    reads = [e for e in log if e[:2] == ("wait_event", "compute")]
+    assert len(reads) == n and all(e[2].by == "side" for e in prefetches + reads)
+    first = hits.index(True)
+    assert 0 < first <= 4 and all(hits[first:]), hits      # one node's misses, then every read prefetched
+    assert len(prefetches) == sum(hits) == held.count("compute")
+    assert held.count("side") == n                          # each saved tensor held for its copy
 
 
 @pytest.mark.gpu

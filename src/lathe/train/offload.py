@@ -81,51 +81,54 @@ def activation_offload(enabled: bool, device: torch.device, *, key: str) -> bool
     return enabled and device.type == "cuda"
 
 
+# The offload's stream calls go through `cuda` and `_hold`, and tensors of the `SIDE_STREAM` device types take the
+# side stream: a CPU test stands in for both (`tests/train/test_activation_offload.py`).
+cuda = torch.cuda
+SIDE_STREAM = ("cuda",)
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _hold(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """`t`'s memory is not handed out again before `stream`'s work queued so far is done."""
+    t.record_stream(stream)
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream a device for the offload's copies, both ways (made once: streams are not freed)."""
     if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+        _COPY_STREAMS[device] = cuda.Stream(device=device)
     return _COPY_STREAMS[device]
 
 
 class _OnHost:
-    """A saved CUDA tensor's copy in pinned host memory: `copied` is recorded after the copy to the host, `back` is
-    its prefetched copy on the device (with `arrived`), made when the backward read the tensor saved after it."""
+    """A saved CUDA tensor's copy in pinned host memory, the `index`-th of its forward: `copied` is recorded after the
+    copy to the host; `back` is its prefetched copy on the device (with `arrived`); `read` once the backward took it."""
 
-    __slots__ = ("device", "host", "copied", "back", "arrived", "read", "before")
+    __slots__ = ("index", "device", "host", "copied", "back", "arrived", "read")
 
-    def __init__(self, device: torch.device, host: torch.Tensor, copied: torch.cuda.Event, before: "_OnHost | None"):
-        self.device, self.host, self.copied, self.before = device, host, copied, before
+    def __init__(self, index: int, device: torch.device, host: torch.Tensor, copied: torch.cuda.Event):
+        self.index, self.device, self.host, self.copied = index, device, host, copied
         self.back = self.arrived = None
         self.read = False
 
     def prefetch(self, stream: torch.cuda.Stream) -> None:
-        if self.read or self.back is not None:
-            return
-        with torch.cuda.stream(stream):
+        with cuda.stream(stream):
             stream.wait_event(self.copied)
             self.back = self.host.to(self.device, non_blocking=True)
-            self.arrived = torch.cuda.Event()
+            self.arrived = cuda.Event()
             self.arrived.record(stream)
 
-    def take(self, stream: torch.cuda.Stream) -> torch.Tensor:
-        """The tensor on the device for the backward, on the current stream; then the one saved before it starts
-        coming back (the backward reads saved tensors in about the reverse of their order)."""
-        current = torch.cuda.current_stream(self.device)
+    def take(self) -> torch.Tensor:
+        """The tensor on the device for the backward, on the current stream."""
+        current = cuda.current_stream(self.device)
         if self.back is not None:
             current.wait_event(self.arrived)
             tensor, self.back = self.back, None
-            tensor.record_stream(current)       # made on the side stream, used and freed on this one
+            _hold(tensor, current)              # made on the side stream, used and freed on this one
         else:
             current.wait_event(self.copied)
             tensor = self.host.to(self.device, non_blocking=True)
         self.read = True
-        if self.before is not None:
-            self.before.prefetch(stream)
-            self.before = None                  # (no chain of references back through the whole forward)
         return tensor
 
 
@@ -142,14 +145,18 @@ def activations_on_host(enabled: bool, device_type: str = "cuda") -> Iterator[di
     them (blocking copies to the host stalled it at every saved tensor, the device idle until the host had queued
     more: 0.5B's update with every layer recomputed took 2.30 s against 1.77 without offload,
     `e2e_actoff_ab_*_bdc8104_0.5b_*`). A copy to the host starts after the kernels that wrote its tensor; the
-    tensor's memory returns to the allocator once the copy has read it (`record_stream`). When the backward reads a
-    tensor, the one saved before it starts coming back (prefetched), so the next read finds it on the device or on
-    its way; any other read waits for its own copy. Events order each read after its copies."""
+    tensor's memory returns to the allocator once the copy has read it (`record_stream`). The backward reads the
+    nodes' saved tensors in about the reverse of the forward's order (a node's own in their order: a checkpointed
+    layer's input, then its position embeddings), so each read starts the nearest tensor saved before it that is
+    neither read nor on its way back (prefetched): after the first read every one is on the device or on its way
+    when it is read, about one node's tensors ahead. A read of one not prefetched waits for its own copy. Events
+    order each read after its copies. A tensor saved by several nodes (the position embeddings, by every layer) is
+    copied once for each."""
     moved = {"tensors": 0, "bytes": 0}
     if not enabled:
         yield moved
         return
-    last: list[_OnHost | None] = [None]
+    saved: list[_OnHost] = []
 
     def pack(t: torch.Tensor):
         base = t if t._base is None else t._base
@@ -159,26 +166,31 @@ def activations_on_host(enabled: bool, device_type: str = "cuda") -> Iterator[di
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=t.is_cuda)
         moved["tensors"] += 1
         moved["bytes"] += size
-        if not t.is_cuda:
+        if t.device.type not in SIDE_STREAM:
             host.copy_(t)
             return t.device, host
         stream = _copy_stream(t.device)
-        stream.wait_stream(torch.cuda.current_stream(t.device))    # after the kernels that wrote t
-        with torch.cuda.stream(stream):
+        stream.wait_stream(cuda.current_stream(t.device))    # after the kernels that wrote t
+        with cuda.stream(stream):
             host.copy_(t, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = cuda.Event()
             copied.record(stream)
-        t.record_stream(stream)         # its memory not reused (by the forward's next kernels) before the copy read it
-        last[0] = _OnHost(t.device, host, copied, last[0])
-        return last[0]
+        _hold(t, stream)                # its memory not reused (by the forward's next kernels) before the copy read it
+        saved.append(_OnHost(len(saved), t.device, host, copied))
+        return saved[-1]
 
     def unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        if isinstance(packed, _OnHost):
-            return packed.take(_copy_stream(packed.device))
-        device, host = packed
-        return host.to(device)
+        if not isinstance(packed, _OnHost):
+            device, host = packed
+            return host.to(device)
+        tensor = packed.take()
+        for earlier in reversed(saved[:packed.index]):
+            if not earlier.read and earlier.back is None:
+                earlier.prefetch(_copy_stream(earlier.device))
+                break
+        return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield moved

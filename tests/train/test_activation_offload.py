@@ -158,9 +158,13 @@ def test_on_cuda_what_waits_for_the_backward_leaves_the_device_and_the_gradients
 def test_on_cuda_the_forward_does_not_wait_for_the_copies_to_host_memory(make_lathe, monkeypatch):
     """The copies to host memory run on a side stream: the offloaded forward makes no more synchronizing CUDA calls
     than the plain one (a blocking copy a saved tensor made one each), and the gradients are the same, bit for bit,
-    with the forward's next kernels overwriting freed memory while the copies run."""
+    with the forward's next kernels overwriting freed memory while the copies run; every read after the first node's
+    finds its tensor prefetched."""
     import warnings
     monkeypatch.setattr(offload, "OFFLOAD_MIN_BYTES", 0)
+    hits = []
+    take = offload._OnHost.take
+    monkeypatch.setattr(offload._OnHost, "take", lambda self: hits.append(self.back is not None) or take(self))
     model, batch = make_lathe().cuda(), _batch().to("cuda")
     model.gradient_checkpointing_enable()
     model.train()
@@ -184,6 +188,8 @@ def test_on_cuda_the_forward_does_not_wait_for_the_copies_to_host_memory(make_la
     assert moved["tensors"] >= model.config.num_hidden_layers
     assert syncs[1] <= syncs[0], syncs
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    first = hits.index(True)                # read on autograd's device thread as on the CPU: prefetched after one node
+    assert len(hits) == moved["tensors"] and 0 < first <= 4 and all(hits[first:]), hits
 
 
 def test_an_actor_update_with_offload_updates_the_same_and_reports_what_it_moved(make_lathe, rollout_batch, load_cfg,

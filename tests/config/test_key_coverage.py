@@ -23,6 +23,8 @@ READ_IN_CONFIG = {
     "critic.forward_micro_batch_size": "fill.py: converted to forward_micro_batch_size_per_gpu",
     "actor_rollout_ref.actor.optim.clip_grad": "fill.py: copied to actor.grad_clip",
     "critic.optim.clip_grad": "fill.py: copied to critic.grad_clip",
+    **{f"{g}.optim.lr_decay_style": "rules_optim.fill_schedule: copied to optim.lr_scheduler_type (Megatron's name)"
+       for g in ("actor_rollout_ref.actor", "critic")},
     "algorithm.rollout_correction.use_policy_gradient": "fill.py: converted to loss_type=reinforce",
     "actor_rollout_ref.rollout.quantization_correction": "fill.py: an FP8 rollout turns token-level TIS on",
     "critic.enable": "plan.py: critic_in_use(), which run_plan (the plan the workers are built from) calls",

@@ -90,3 +90,44 @@ def test_lathe_sft_takes_the_same_keys():
     assert (cfg.optim.optimizer, cfg.optim.override_optimizer_config) == ("SGD", {"momentum": 0.9})
     with pytest.raises(ConfigError, match="`optim.optimizer_impl`=torch.optm: no module .* Fix: name an installed"):
         load_sft_config(None, ["optim.optimizer_impl=torch.optm"])
+
+
+# -- the learning-rate schedule: Megatron's keys are lathe's own (lathe.train.optim.schedule_rate) ---------------------
+
+def test_megatrons_schedule_keys_load_in_lathe_train_and_sft():
+    """A verl Megatron script's schedule (lr_decay_style and the keys it reads) loads as lathe's schedule, for the
+    actor, the critic and `lathe sft` (verl's SFT Megatron scripts: cosine to min_lr from lr_warmup_init)."""
+    keys = ["lr_decay_style=WSD", "lr_wsd_decay_steps=20", "lr_wsd_decay_style=minus_sqrt", "lr_decay_steps=100",
+            "lr_warmup_init=1e-7", "min_lr=1e-7"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load(*(f"{A}.{k}" for k in keys), *(f"critic.optim.{k}" for k in keys))
+        sft = load_sft_config(None, ["optim.lr=1e-5", "optim.lr_decay_style=cosine", "optim.min_lr=1e-6",
+                                     "optim.lr_warmup_init=0", "optim.lr_warmup_steps_ratio=0.2"])
+    for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
+        assert (optim.lr_scheduler_type, optim.lr_wsd_decay_steps, optim.min_lr) == ("WSD", 20, 1e-7)
+    assert (sft.optim.lr_scheduler_type, sft.optim.min_lr) == ("cosine", 1e-6)
+    assert load(f"{A}.lr_decay_style=inverse-square-root").actor_rollout_ref.actor.optim.lr_scheduler_type == \
+        "inverse_square_root"                                                    # Megatron's own spelling
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"{A}.lr_decay_style=WSD"], f"`{A}.lr_wsd_decay_steps`=None. Fix: set {A}.lr_wsd_decay_steps to a positive"),
+    ([f"{A}.lr_decay_style=WSD", f"{A}.lr_wsd_decay_steps=30", f"{A}.lr_decay_steps=20"],
+     f"`{A}.lr_wsd_decay_steps`=30 is longer than `{A}.lr_decay_steps`=20"),
+    ([f"{A}.lr_decay_steps=0"], f"`{A}.lr_decay_steps`=0: the schedule's length must be positive"),
+    ([f"{A}.warmup_style=cosine", f"{A}.lr_decay_style=linear"], "name two schedules"),
+    ([f"{A}.min_lr=-1e-6"], "a floor cannot be negative"),
+])
+def test_a_schedule_that_cannot_run_fails_at_load_naming_its_keys(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load(*overrides)
+    assert message in str(err.value)
+
+
+def test_schedule_keys_the_schedule_does_not_read_are_named_in_a_warning():
+    with pytest.warns(UserWarning) as caught:
+        load(f"{A}.lr_scheduler_type=constant", f"{A}.min_lr=1e-7", f"{A}.lr_wsd_decay_steps=4")
+    text = " ".join(str(w.message) for w in caught)
+    assert f"`{A}.min_lr`=1e-07 has no effect: the learning rate is constant after warm-up" in text
+    assert f"`{A}.lr_wsd_*` have no effect" in text

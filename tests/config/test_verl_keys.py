@@ -179,7 +179,6 @@ def test_verl_defaults_leave_lathe_keys_alone():
     ("actor_rollout_ref.ref.router_replay.mode=R3", "MoE routing replay (R2/R3, lathe issue 44"),
     (f"{A}.fsdp_config.qat.enable=true", "quantization-aware training (QAT; lathe issue 48"),
     (f"+{A}.megatron.override_transformer_config.fp8=e4m3", "FP8 training (lathe issue 48"),
-    (f"{A}.optim.lr_decay_style=WSD", "that learning-rate schedule"),
 ])
 def test_features_lathe_lacks_are_refused_by_name(override, feature):
     with pytest.raises(ConfigError) as err:

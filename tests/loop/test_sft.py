@@ -195,7 +195,8 @@ def test_every_sft_key_is_read_or_registered():
     from lathe.config.schema_sft import SFTConfig
     from lathe.config.sft import entries
     src = Path(__file__).resolve().parents[2] / "src" / "lathe"
-    modules = ["loop/sft.py", "data/sft.py", "workers/sft.py", "train/sft.py", "config/sft.py", "train/precision.py",
+    modules = ["loop/sft.py", "data/sft.py", "workers/sft.py", "train/sft.py", "config/sft.py", "config/rules_optim.py",
+               "train/precision.py",
                "train/optim.py", "train/offload.py", "train/parallel.py", "ckpt/checkpoint.py", "cluster/placement.py", "cluster/__init__.py",
                "track/tracker.py", "data/loader.py"]
     code = "\n".join((src / m).read_text() for m in modules)

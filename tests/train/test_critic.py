@@ -164,7 +164,8 @@ def test_value_clipping_engages_when_predictions_leave_the_range(rollout_batch, 
 
 
 def test_builtin_critic_checkpoint_round_trip(rollout_batch, load_cfg, tmp_path):
-    cfg = load_cfg(*CRITIC, "critic.model.path=builtin:tiny", "critic.optim.lr_warmup_steps=3")
+    cfg = load_cfg(*CRITIC, "critic.model.path=builtin:tiny", "critic.optim.lr_warmup_steps=3",
+                   "critic.optim.lr_warmup_init=2.5e-4")      # the first update moves (verl's warm-up starts at 0)
     worker = _worker(cfg)
     batch = _critic_batch(worker, rollout_batch, seed=7)
     assert torch.all(batch["values"] == batch["values"]), "no NaN"

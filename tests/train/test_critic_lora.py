@@ -23,6 +23,10 @@ RANK, ALPHA = 4, 8
 LORA = [f"critic.model.lora_rank={RANK}", f"critic.model.lora_alpha={ALPHA}", "critic.model.use_remove_padding=true"]
 
 
+# a warm-up whose first update moves (verl's starts at 0)
+WARM = ("critic.optim.lr_warmup_steps=3", "critic.optim.lr_warmup_init=2.5e-4")
+
+
 def lora_worker(load_cfg, *overrides, seed=0):
     return _worker(load_cfg(*CRITIC, *LORA, *overrides), model=_value_model(seed))
 
@@ -88,7 +92,7 @@ def test_adapter_gradients_equal_those_of_the_merged_weights_written_out_by_hand
 
 def test_a_lora_critic_checkpoint_holds_a_peft_adapter_and_the_merged_model_and_resumes_exactly(
         load_cfg, rollout_batch, tmp_path):
-    w = lora_worker(load_cfg, "critic.optim.lr_warmup_steps=3")
+    w = lora_worker(load_cfg, *WARM)
     w.update_critic(_critic_batch(w, rollout_batch, seed=1))
     w.save_checkpoint(tmp_path / "critic")
     config = json.loads((tmp_path / "critic" / "lora_adapter" / ADAPTER_CONFIG).read_text())
@@ -103,7 +107,7 @@ def test_a_lora_critic_checkpoint_holds_a_peft_adapter_and_the_merged_model_and_
                      name="the merged value model (what lathe export copies) vs the adapted one")
 
     expected = w.update_critic(second)
-    restored = lora_worker(load_cfg, "critic.optim.lr_warmup_steps=3")    # the same base (not in the checkpoint)
+    restored = lora_worker(load_cfg, *WARM)                                 # the same base (not in the checkpoint)
     with torch.no_grad():
         restored.model.score.weight.mul_(-2)                                # another head: the file's wins
     restored.load_checkpoint(tmp_path / "critic")

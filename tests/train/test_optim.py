@@ -16,7 +16,8 @@ LR = 0.5
 
 def _optim_cfg(**kw):
     base = dict(lr=LR, betas=[0.8, 0.95], weight_decay=0.1, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.0,
-                min_lr_ratio=0.0, lr_scheduler_type="constant", warmup_style=None)
+                min_lr_ratio=0.0, lr_scheduler_type="constant", warmup_style=None, min_lr=0.0, lr_warmup_init=0.0,
+                lr_decay_steps=None, lr_wsd_decay_steps=None, lr_wsd_decay_style="exponential")
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -45,38 +46,127 @@ def test_warmup_steps_explicit_or_ratio():
     assert warmup_steps(_optim_cfg(lr_warmup_steps=3, lr_warmup_steps_ratio=0.5), 100) == 3
     assert warmup_steps(_optim_cfg(lr_warmup_steps=-1, lr_warmup_steps_ratio=0.25), 10) == 2
     assert warmup_steps(_optim_cfg(lr_warmup_steps=None, lr_warmup_steps_ratio=0.1), 50) == 5
+    assert warmup_steps(_optim_cfg(lr_warmup_steps=0, lr_warmup_steps_ratio=0.1), 50) == 5    # verl: <= 0 defers
+    assert warmup_steps(_optim_cfg(lr_decay_steps=200, lr_warmup_steps_ratio=0.1), 50) == 20  # Megatron: of decay
     assert warmup_steps(_optim_cfg(), 10) == 0
+
+
+# -- the learning-rate schedule against verl's two, written out here from their formulas: ---------------------------
+# verl.utils.torch_functional's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup (FSDP), and
+# Megatron's OptimizerParamScheduler.get_lr, which verl's Megatron backend builds from lr_warmup_init, min_lr,
+# lr_decay_steps (null: the run's steps), lr_decay_style and lr_wsd_* (its warm-up: lr_warmup_steps when > 0, else
+# the ratio x lr_decay_steps). Both are stepped once per update, the first update taking step 0's rate.
+
+def verl_fsdp_factor(step, *, warm, total, style, min_ratio=0.0, cycles=0.5, zero_indexed=True):
+    if style == "constant":
+        return step / max(1.0, warm) if step < warm else 1.0
+    if not zero_indexed:
+        step += 1
+    if step < warm:
+        return step / max(1, warm)
+    progress = (step - warm) / max(1, total - warm)
+    x = math.cos(math.pi * cycles * 2.0 * progress)
+    return max(min_ratio, x * (1 - min_ratio) * 0.5 + (1 + min_ratio) * 0.5)
+
+
+def megatron_lr(n, *, peak, init, floor, warm, decay, style, wsd=None, wsd_style="exponential"):
+    if warm > 0 and n <= warm:
+        return init + (peak - init) * n / warm
+    if style == "constant":
+        return peak
+    if n > decay:
+        return floor
+    if style == "inverse-square-root":
+        return max(floor, peak * max(warm, 1) ** 0.5 / max(n, 1) ** 0.5)
+    ratio = (n - warm) / (decay - warm)
+    if style == "linear":
+        coeff = 1.0 - ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:                                                   # WSD
+        anneal = decay - wsd
+        if n <= anneal:
+            coeff = 1.0
+        else:
+            r = (n - anneal) / wsd
+            coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                     "exponential": 2.0 * 0.5 ** r - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[wsd_style]
+    return floor + coeff * (peak - floor)
 
 
 def test_constant_without_warmup():
     assert _lrs(_optim_cfg(), 10, 6) == [LR] * 6
 
 
-def test_linear_warmup_then_constant():
+def test_linear_warmup_then_constant_as_verl():
     W = 4
     lrs = _lrs(_optim_cfg(lr_warmup_steps=W), 20, 8)
-    expected = [LR * (k + 1) / (W + 1) for k in range(W)] + [LR] * 4
-    assert lrs == pytest.approx(expected)
-    assert all(x < y for x, y in zip(lrs[:W + 1], lrs[1:W + 1]))   # strictly rising, never 0
-    assert lrs[0] > 0
+    assert lrs == pytest.approx([LR * verl_fsdp_factor(k, warm=W, total=20, style="constant") for k in range(8)])
+    assert lrs[:W + 1] == pytest.approx([0.0, LR / 4, LR / 2, 3 * LR / 4, LR])   # verl's first update: rate 0
 
 
 @pytest.mark.parametrize("key", ["lr_scheduler_type", "warmup_style"])
-def test_cosine_after_warmup_decays_to_min_ratio(key):
+@pytest.mark.parametrize("zero_indexed", [True, False])
+def test_cosine_after_warmup_decays_to_min_ratio_as_verl(key, zero_indexed):
     W, T, MIN = 2, 10, 0.1
-    kw = {"lr_scheduler_type": None, key: "cosine"}
-    lrs = _lrs(_optim_cfg(lr_warmup_steps=W, min_lr_ratio=MIN, **kw), T, T + 3)
-    for k, lr in enumerate(lrs):
-        if k < W:
-            expected = LR * (k + 1) / (W + 1)
-        else:
-            progress = min(1.0, (k - W) / (T - W))
-            expected = LR * (MIN + (1 - MIN) * (1 + math.cos(math.pi * progress)) / 2)
-        assert lr == pytest.approx(expected), k
-    assert lrs[W] == pytest.approx(LR)                       # full lr right after warm-up
-    assert lrs[W + (T - W) // 2] == pytest.approx(LR * (1 + MIN) / 2)   # half-way: the mean of max and min
-    assert lrs[T:] == pytest.approx([LR * MIN] * 3)          # floor held after the last step
+    kw = {"lr_scheduler_type": None, key: "cosine", "zero_indexed_step": zero_indexed}
+    lrs = _lrs(_optim_cfg(lr_warmup_steps=W, min_lr_ratio=MIN, **kw), T, T)
+    want = [LR * verl_fsdp_factor(k, warm=W, total=T, style="cosine", min_ratio=MIN, zero_indexed=zero_indexed)
+            for k in range(T)]
+    assert lrs == pytest.approx(want, abs=1e-12)
+    if zero_indexed:
+        assert lrs[W] == pytest.approx(LR)                                  # full lr right after warm-up
+        assert lrs[W + (T - W) // 2] == pytest.approx(LR * (1 + MIN) / 2)   # half-way: the mean of max and min
     assert all(x >= y for x, y in zip(lrs[W:], lrs[W + 1:]))
+
+
+def test_past_its_last_step_the_cosine_holds_its_floor():
+    """verl's cosine (num_cycles 0.5) rises again past the run's last step; lathe holds the floor, as Megatron."""
+    lrs = _lrs(_optim_cfg(lr_scheduler_type="cosine", min_lr_ratio=0.1), 10, 14)
+    assert lrs[10:] == pytest.approx([0.1 * LR] * 4)
+
+
+MEGATRON = [  # (lr_decay_style, extra keys, the run's steps)
+    ("constant", dict(lr_warmup_steps=3, lr_warmup_init=0.1), 12),
+    ("linear", dict(lr_warmup_steps=3, min_lr=0.05), 12),
+    ("linear", dict(lr_warmup_steps_ratio=0.25, lr_decay_steps=8, min_lr=0.05), 12),     # decays over part of the run
+    ("cosine", dict(lr_warmup_steps=2, lr_warmup_init=0.2, min_lr=0.05, lr_decay_steps=20), 12),
+    ("inverse-square-root", dict(lr_warmup_steps=4, min_lr=0.1), 30),
+    ("inverse_square_root", dict(), 6),
+    ("WSD", dict(lr_warmup_steps=2, lr_wsd_decay_steps=4, min_lr=0.01), 12),
+    ("WSD", dict(lr_wsd_decay_steps=5, lr_wsd_decay_style="linear", lr_decay_steps=10), 12),
+    ("WSD", dict(lr_wsd_decay_steps=3, lr_wsd_decay_style="cosine"), 9),
+    ("WSD", dict(lr_wsd_decay_steps=4, lr_wsd_decay_style="minus_sqrt", min_lr=0.1), 9),
+]
+
+
+@pytest.mark.parametrize("style, keys, total", MEGATRON)
+def test_megatrons_schedules_as_its_scheduler(load_cfg, style, keys, total):
+    """Megatron's keys, loaded as a verl Megatron script sets them, give Megatron's rates at every step, and the
+    floor past lr_decay_steps."""
+    A = "actor_rollout_ref.actor.optim"
+    keys = {"lr_warmup_steps": -1, "min_lr_ratio": 0.0, "lr_warmup_init": 0.0, **keys}   # verl's (lathe's demo warms)
+    cfg = load_cfg(f"{A}.lr={LR}", f"{A}.lr_decay_style={style}", *(f"{A}.{k}={v}" for k, v in keys.items()))
+    optim = cfg.actor_rollout_ref.actor.optim
+    assert optim.lr_scheduler_type == style.replace("-", "_")
+    decay = keys.get("lr_decay_steps", total)
+    warm = max(keys["lr_warmup_steps"], 0) or int(keys.get("lr_warmup_steps_ratio", 0.0) * decay)
+    want = [megatron_lr(n, peak=LR, init=keys.get("lr_warmup_init", 0.0), floor=keys.get("min_lr", 0.0), warm=warm,
+                        decay=decay, style=style.replace("_", "-"), wsd=keys.get("lr_wsd_decay_steps"),
+                        wsd_style=keys.get("lr_wsd_decay_style", "exponential")) for n in range(total + 3)]
+    assert _lrs(optim, total, total + 3) == pytest.approx(want, abs=1e-12)
+
+
+def test_megatrons_schedules_by_hand():
+    """A few of Megatron's rates worked out by hand (peak 0.5; no warm-up unless given)."""
+    cfg = _optim_cfg(lr_scheduler_type="linear", min_lr=0.1, lr_decay_steps=4)
+    assert _lrs(cfg, 10, 6) == pytest.approx([0.5, 0.4, 0.3, 0.2, 0.1, 0.1])
+    cfg = _optim_cfg(lr_scheduler_type="inverse_square_root", lr_warmup_steps=4)
+    assert _lrs(cfg, 100, 17)[16] == pytest.approx(LR / 2)           # peak x sqrt(4 / 16)
+    cfg = _optim_cfg(lr_scheduler_type="WSD", lr_wsd_decay_steps=2, lr_wsd_decay_style="exponential")
+    assert _lrs(cfg, 6, 8) == pytest.approx([LR] * 5 + [LR * (2 * 0.5 ** 0.5 - 1), 0.0, 0.0])
+    cfg = _optim_cfg(lr_scheduler_type="constant", lr_warmup_steps=2, lr_warmup_init=0.1)
+    assert _lrs(cfg, 6, 4) == pytest.approx([0.1, 0.3, 0.5, 0.5])
 
 
 def test_cosine_default_min_ratio_reaches_zero():

@@ -29,6 +29,12 @@ ModelEngine = Literal["dp", "fsdp", "megatron", "veomni", "torchtitan"]
 Fp8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 # verl's fsdp_config.strategy (an engine override within FSDP)
 FSDPStrategy = Literal["fsdp", "fsdp2"]
+# the learning-rate schedule after warmup: verl's FSDP schedules, then Megatron's (lathe.train.optim.schedule_rate)
+ScheduleName = Literal["constant", "cosine", "linear", "inverse_square_root", "WSD"]
+# Megatron's lr_decay_style: the same, and its own spelling of the inverse square root
+MegatronSchedule = Literal["constant", "cosine", "linear", "inverse_square_root", "inverse-square-root", "WSD"]
+# the annealing of Megatron's WSD schedule (lr_wsd_decay_style)
+WSDDecay = Literal["linear", "cosine", "exponential", "minus_sqrt"]
 # lathe.algo.aggregate.LOSS_AGG_MODES
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # lathe.algo.kl.KL_PENALTIES: k1/k2/k3 estimators by either name; a trailing + takes k2's gradient (straight-through)

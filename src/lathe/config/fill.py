@@ -11,6 +11,7 @@ import warnings
 
 from .errors import ProblemList
 from .plan import is_async
+from .rules_optim import fill_schedule
 from .schema import LatheConfig
 
 
@@ -39,8 +40,7 @@ def _fill_actor(cfg: LatheConfig) -> None:
     if actor.clip_ratio_high is None:
         actor.clip_ratio_high = actor.clip_ratio
     for owner in (actor, cfg.critic):
-        if owner.optim.warmup_style is not None:
-            owner.optim.lr_scheduler_type = owner.optim.warmup_style
+        fill_schedule(owner.optim)
         if owner.optim.clip_grad is not None:
             owner.grad_clip = owner.optim.clip_grad
         if owner.optim.optimizer == "adam" and "megatron" in (cfg.model_engine, owner.strategy):

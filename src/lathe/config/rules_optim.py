@@ -76,12 +76,14 @@ def megatron_offload_notice(optim, key: str) -> str | None:
 
 
 def check_optimizer_group(optim, key: str, problems: ProblemList) -> None:
-    """`optimizer_problems` into `problems`; the Megatron-offload note as a warning."""
-    for message in optimizer_problems(optim, key):
+    """`optimizer_problems` and the schedule's errors into `problems`; the Megatron-offload note and the schedule's
+    keys that have no effect as warnings."""
+    errors, notes = schedule_problems(optim, key)
+    for message in optimizer_problems(optim, key) + errors:
         problems.add(message)
-    notice = megatron_offload_notice(optim, key)
-    if notice is not None:
-        warnings.warn(notice, UserWarning, stacklevel=4)
+    for notice in [megatron_offload_notice(optim, key), *notes]:
+        if notice is not None:
+            warnings.warn(notice, UserWarning, stacklevel=4)
 
 
 def check_optimizers(cfg, problems: ProblemList) -> None:
@@ -89,3 +91,47 @@ def check_optimizers(cfg, problems: ProblemList) -> None:
     check_optimizer_group(cfg.actor_rollout_ref.actor.optim, "actor_rollout_ref.actor.optim", problems)
     if critic_in_use(cfg):
         check_optimizer_group(cfg.critic.optim, "critic.optim", problems)
+
+
+def fill_schedule(optim) -> None:
+    """verl's other names for the schedule onto `lr_scheduler_type`: the FSDP config's older `warmup_style` and
+    the Megatron config's `lr_decay_style` (and its spelling inverse-square-root)."""
+    if optim.warmup_style is not None:
+        optim.lr_scheduler_type = optim.warmup_style
+    if optim.lr_decay_style is not None:
+        optim.lr_scheduler_type = optim.lr_decay_style.replace("-", "_")
+
+
+def schedule_problems(optim, key: str) -> tuple[list[str], list[str]]:
+    """(errors, notes) of the optim group `key`'s learning-rate schedule (`lathe.train.optim.schedule_rate`), read
+    after `fill_schedule`: keys that contradict each other or that WSD needs; keys the schedule does not read."""
+    errors, notes = [], []
+    style, names = optim.lr_scheduler_type, (optim.warmup_style, optim.lr_decay_style)
+    if None not in names and names[0] != names[1].replace("-", "_"):
+        errors.append(f"`{key}.warmup_style`={names[0]} and `{key}.lr_decay_style`={names[1]} name two schedules "
+                      f"(verl's FSDP and Megatron names of one key). Fix: set one of them.")
+    if optim.lr_decay_steps is not None and optim.lr_decay_steps <= 0:
+        errors.append(f"`{key}.lr_decay_steps`={optim.lr_decay_steps}: the schedule's length must be positive. Fix: "
+                      "set a number of update steps, or null for the run's training steps.")
+    wsd = optim.lr_wsd_decay_steps
+    if style == "WSD" and (wsd is None or wsd <= 0):
+        errors.append(f"`{key}.lr_scheduler_type`=WSD anneals over its last lr_wsd_decay_steps steps, and "
+                      f"`{key}.lr_wsd_decay_steps`={wsd}. Fix: set {key}.lr_wsd_decay_steps to a positive number of "
+                      "steps (at most lr_decay_steps), as Megatron requires.")
+    elif style == "WSD" and optim.lr_decay_steps is not None and wsd > optim.lr_decay_steps:
+        errors.append(f"`{key}.lr_wsd_decay_steps`={wsd} is longer than `{key}.lr_decay_steps`="
+                      f"{optim.lr_decay_steps}, of which the annealing is the last part. Fix: shorten it.")
+    ratio = optim.min_lr_ratio or 0.0
+    if optim.min_lr < 0 or ratio < 0:
+        errors.append(f"`{key}.min_lr`={optim.min_lr}, `{key}.min_lr_ratio`={ratio}: a floor cannot be negative. "
+                      "Fix: set it to 0 or more.")
+    if style == "constant":
+        unread = [f"`{key}.{k}`={v}" for k, v in (("min_lr", optim.min_lr), ("lr_decay_steps", optim.lr_decay_steps))
+                  if v]
+        if unread:
+            notes.append(f"{' and '.join(unread)} {'have' if len(unread) > 1 else 'has'} no effect: the learning "
+                         "rate is constant after warm-up (lr_scheduler_type / lr_decay_style constant).")
+    if style != "WSD" and (wsd is not None or optim.lr_wsd_decay_style != "exponential"):
+        notes.append(f"`{key}.lr_wsd_*` have no effect: they shape the WSD schedule's annealing, and the schedule "
+                     f"is {style}.")
+    return errors, notes

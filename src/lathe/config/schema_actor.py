@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .choices import CheckpointPart, DtypeName, Fp8Recipe, FSDPStrategy, KLEstimator, LossAggMode, Strategy
+from .choices import (CheckpointPart, DtypeName, Fp8Recipe, FSDPStrategy, KLEstimator, LossAggMode, MegatronSchedule,
+                      ScheduleName, Strategy, WSDDecay)
 from .coerce import spec
 
 
@@ -130,12 +131,29 @@ class OptimConfig:
 
     lr: float = spec(1e-6, "Peak learning rate.")
     lr_warmup_steps: int | None = spec(-1, "Warmup steps; <= 0 or null defers to lr_warmup_steps_ratio.")
-    lr_warmup_steps_ratio: float = spec(0.0, "Warmup steps as a fraction of total training steps.")
-    min_lr_ratio: float | None = spec(0.0, "Cosine schedule floor as a fraction of lr.")
+    lr_warmup_steps_ratio: float = spec(0.0, "Warmup steps as a fraction of the decay steps (lr_decay_steps, by "
+                                             "default the run's training steps).")
+    min_lr_ratio: float | None = spec(0.0, "Decay floor as a fraction of lr (verl's FSDP key; min_lr is Megatron's).")
     num_cycles: float = spec(0.5, "Number of cosine half-waves over training (0.5 = decay once).")
-    lr_scheduler_type: Literal["constant", "cosine"] = spec("constant", "LR schedule after warmup.")
+    lr_scheduler_type: ScheduleName = spec(
+        "constant", "LR schedule after warmup: verl's FSDP constant or cosine, or one of Megatron's (linear, "
+                    "inverse_square_root, WSD: lathe takes them here too, as lr_decay_style names them).")
     warmup_style: Literal["constant", "cosine"] | None = spec(
         None, "verl's older name for lr_scheduler_type; when set it wins and is copied there.")
+    # Megatron's OptimizerParamScheduler (verl's McoreOptimizerConfig): the same schedule, its own key names
+    lr_decay_style: MegatronSchedule | None = spec(
+        None, "verl's Megatron name for lr_scheduler_type; when set it wins and is copied there (Megatron's "
+              "spelling inverse-square-root too).")
+    lr_decay_steps: int | None = spec(None, "Steps the decay spans, warmup included (Megatron); null = the run's "
+                                            "training steps. Past them the rate stays at the floor.")
+    lr_warmup_init: float = spec(0.0, "The rate the warmup starts from (Megatron).")
+    min_lr: float = spec(0.0, "Decay floor, absolute (Megatron); when above 0 it wins over min_lr_ratio.")
+    lr_wsd_decay_style: WSDDecay = spec("exponential", "With lr_scheduler_type=WSD: the shape of the final "
+                                                       "annealing (Megatron).")
+    lr_wsd_decay_steps: int | None = spec(None, "With lr_scheduler_type=WSD: the annealing's steps, the last of "
+                                                "lr_decay_steps (Megatron; required by WSD).")
+    zero_indexed_step: bool = spec(True, "verl's cosine schedule counts steps from 0; false counts from 1 "
+                                         "(torchtitan's), the cosine one step ahead.")
     weight_decay: float = spec(0.01, "Decoupled (AdamW) weight decay.")
     betas: list[float] = spec([0.9, 0.999], "Adam betas [beta1, beta2].")
     clip_grad: float | None = spec(None, "verl's newer spelling of grad_clip; when set it wins.")

@@ -17,7 +17,7 @@ from .interpolate import resolve_interpolations
 from .loader import _apply_overrides, _read_mapping
 from .schema_sft import SFTConfig
 from .plan import Devices, MeshPlan, mesh_plan, trainer_devices
-from .rules_optim import check_optimizer_group
+from .rules_optim import check_optimizer_group, fill_schedule
 from .rules_recompute import recompute_problems
 from .support_base import Entry, at_most, inert, one_of, only_on, refuse, warn
 from .tree import apply_layer, flatten_mapping, get_path
@@ -106,8 +106,7 @@ def _fill(cfg: SFTConfig) -> None:
         o.lr_warmup_steps_ratio = o.warmup_steps_ratio
     if o.lr_scheduler is not None:
         o.lr_scheduler_type = o.lr_scheduler
-    if o.warmup_style is not None:
-        o.lr_scheduler_type = o.warmup_style
+    fill_schedule(o)
     if cfg.use_remove_padding is not None and m.use_remove_padding is None:
         m.use_remove_padding = cfg.use_remove_padding
     devices = trainer_devices(cfg)

@@ -323,66 +323,31 @@ def _dist_checkpointing() -> list[Entry]:
             warn("*.megatron.dist*", "it is read only with megatron.use_dist_checkpointing")]
 
 
-def _schedule(key: str, cfg: Any) -> tuple[str, float]:
-    """(lr_scheduler_type, lr) of the optim group ``key`` belongs to."""
-    group = key.rsplit(".", 1)[0]
-    return get_path(cfg, f"{group}.lr_scheduler_type"), get_path(cfg, f"{group}.lr")
-
-
-def _min_lr(key: str):
-    """Megatron's absolute floor: nothing under a constant schedule; under cosine, min_lr_ratio's value."""
-    def judge(value, cfg) -> tuple[str, str] | None:
-        kind, lr = _schedule(key, cfg)
-        ratio = get_path(cfg, key.rsplit(".", 1)[0] + ".min_lr_ratio") or 0.0
-        if not value or kind == "cosine" and abs(value - lr * ratio) <= 1e-12:
-            return None
-        if kind == "constant":
-            return "warn", f"`{key}`={show(value)} has no effect in lathe: the learning rate is constant."
-        return "refuse", (f"`{key}`={show(value)}: an absolute minimum learning rate is not implemented yet in "
-                          f"lathe. Fix: set {key.rsplit('.', 1)[0]}.min_lr_ratio={show(value / lr)} (its fraction "
-                          f"of lr) instead.")
-    return judge
-
-
-def _decay_steps(key: str):
-    """A decay length: nothing to decay under a constant schedule."""
-    def judge(value, cfg) -> tuple[str, str] | None:
-        if value is None:
-            return None
-        if _schedule(key, cfg)[0] == "constant":
-            return "warn", f"`{key}`={show(value)} has no effect in lathe: the learning rate is constant."
-        return "refuse", (f"`{key}`={show(value)}: a decay length other than the run's is not implemented yet in "
-                          "lathe. Fix: remove it; the cosine schedule decays over the run's training steps.")
-    return judge
-
-
 def _optim() -> list[Entry]:
-    schedule = "use optim.lr_scheduler_type (constant or cosine), lr_warmup_steps(_ratio) and min_lr_ratio"
+    schedule = ("use optim.lr_scheduler_type (or Megatron's lr_decay_style), lr_warmup_steps(_ratio), lr_warmup_init, "
+                "lr_decay_steps and min_lr (or min_lr_ratio)")
     out = [inert("actor_rollout_ref.ref.optim.*", "the reference does not train"),
            refuse("*.optim.name", "an optimizer named by optim.name (lathe reads optim.optimizer)",
                   "set optim.optimizer={value} (a class of optim.optimizer_impl) instead",
                   lambda v, cfg: str(v).lower() in ("adam", "adamw")),
-           refuse("*.optim.lr_decay_style", "that learning-rate schedule", schedule, one_of("constant", "cosine")),
-           replace(refuse("*.optim.min_lr", "an absolute minimum learning rate"), judge=_per_key(_min_lr)),
-           replace(refuse("*.optim.lr_min", "an absolute minimum learning rate"), judge=_per_key(_min_lr)),
+           refuse("*.optim.lr_min", "VeOmni's learning-rate floor key", "set optim.min_lr={value} (the floor the "
+                  "decay ends at) instead"),
            refuse("*.optim.min_lr_factor", "a minimum learning-rate factor of this optimizer config",
                   "set optim.min_lr_ratio instead"),
-           refuse("*.optim.lr_warmup_init", "a warm-up that starts above 0", schedule),
-           refuse("*.optim.lr_start", "a warm-up that starts above 0", schedule),
-           replace(refuse("*.optim.lr_decay_steps", "a decay length other than the run's", schedule),
-                   judge=_per_key(_decay_steps)),
+           refuse("*.optim.lr_start", "VeOmni's warm-up start key", "set optim.lr_warmup_init={value} (the rate the "
+                  "warm-up starts from) instead"),
            refuse("*.optim.lr_decay_ratio", "a decay over part of the run", schedule),
-           refuse("*.optim.decay_type", "a weight-decay schedule", "remove it: AdamW's weight decay is constant"),
-           refuse("*.optim.weight_decay_incr_style", "a weight-decay schedule", "remove it"),
-           warn("*.optim.lr_wsd_*", "it is read only with lr_decay_style=WSD (not implemented)"),
+           refuse("*.optim.decay_type", "torchtitan's learning-rate decay key", "set optim.lr_scheduler_type (linear "
+                  "or cosine; torchtitan's sqrt has no equivalent) and min_lr_ratio instead"),
+           inert("*.optim.weight_decay_incr_style", "verl hands Megatron's scheduler one weight decay as its start "
+                 "and end, so no style changes it"),
            refuse("*.optim.exp_avg*_dtype", LOW_PRECISION_OPTIM, "set it to fp32"),
            refuse("*.optim.main_grads_dtype", LOW_PRECISION_OPTIM, "set it to fp32"),
            refuse("*.optim.use_precision_aware_optimizer", LOW_PRECISION_OPTIM),
            warn("*.optim.muon_*", "it is read only by the Muon optimizer (not in lathe)"),
            warn("*.optim.use_checkpoint_opt_param_scheduler", "lathe always resumes the schedule from its "
                 "checkpoint"),
-           warn("*.optim.use_layer_wise_distributed_optimizer", "FSDP2 shards the optimizer state by itself"),
-           inert("*.optim.zero_indexed_step", "lathe's schedule counts steps its own way; the rates are verl's")]
+           warn("*.optim.use_layer_wise_distributed_optimizer", "FSDP2 shards the optimizer state by itself")]
     return out
 
 

@@ -60,7 +60,7 @@ layer and in order, so a later ``fsdp_config`` override still wins:
   scale per tensor, `lathe.train.fp8`); ``fp8_recipe`` tensorwise and delayed (an amax history instead of the
   current amax: the same per-tensor scales, estimated) both run so, the other recipes are refused (support_verl);
 * Megatron's ``optim.eps`` -> ``optim.override_optimizer_config.eps`` (an argument of the role's optimizer class,
-  `lathe.config.rules_optim`); ``optim.lr_decay_style`` constant/cosine -> ``optim.lr_scheduler_type``;
+  `lathe.config.rules_optim`) (Megatron's schedule keys, ``optim.lr_decay_style`` and the rest, are lathe's own);
 * the actor's ``megatron.override_transformer_config.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` ->
   ``actor.moe_aux_loss_coeff`` / ``actor.moe_z_loss_coeff`` (Megatron's router losses, `lathe.models.moe`);
 * verl's newer megatron-style LoRA group ``model.lora.{rank,alpha,dropout,adapter_path}`` -> ``model.lora_*``;
@@ -163,8 +163,6 @@ RULES: tuple[tuple[str, str, Map, str], ...] = (
     ("megatron.override_transformer_config.moe_z_loss_coeff", "actor.moe_z_loss_coeff", _same,
      "the actor's moe_z_loss_coeff (Megatron's router z-loss)"),
     ("veomni.router_replay.mode", "actor.router_replay.mode", _same, "router_replay.mode (the actor's)"),
-    ("optim.lr_decay_style", "optim.lr_scheduler_type", lambda v: v if v in ("constant", "cosine") else None,
-     "constant/cosine: optim.lr_scheduler_type"),
     ("optim.eps", "optim.override_optimizer_config.eps", _same,
      "optim.override_optimizer_config.eps (the optimizer's eps argument)"),
 )

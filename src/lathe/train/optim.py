@@ -259,33 +259,80 @@ def optimizer_state(optim_cfg, dtype: torch.dtype) -> tuple[str, int]:
     return f"{cls.__name__} state, {what}", nbytes
 
 
+def decay_steps(optim_cfg, total_steps: int) -> int:
+    """The steps the schedule spans, warmup included: Megatron's `lr_decay_steps`, else the run's."""
+    steps = getattr(optim_cfg, "lr_decay_steps", None)
+    return int(steps) if steps is not None else total_steps
+
+
 def warmup_steps(optim_cfg, total_steps: int) -> int:
-    """`lr_warmup_steps` when >= 0, else `lr_warmup_steps_ratio * total_steps` (verl's rule)."""
-    if optim_cfg.lr_warmup_steps is not None and optim_cfg.lr_warmup_steps >= 0:
+    """`lr_warmup_steps` when > 0, else `lr_warmup_steps_ratio` x the decay steps (verl's rule, both backends)."""
+    if optim_cfg.lr_warmup_steps is not None and optim_cfg.lr_warmup_steps > 0:
         return int(optim_cfg.lr_warmup_steps)
-    return int(optim_cfg.lr_warmup_steps_ratio * total_steps)
+    return int(optim_cfg.lr_warmup_steps_ratio * decay_steps(optim_cfg, total_steps))
+
+
+def _anneal(style: str, progress: float, cycles: float = 0.5) -> float:
+    """The fraction of the way from the floor to the peak at `progress` (0 .. 1) through a decay of `style`."""
+    if style == "linear":
+        return 1.0 - progress
+    if style == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * 2.0 * cycles * progress))
+    if style == "exponential":
+        return 2.0 * 0.5 ** progress - 1.0
+    return 1.0 - math.sqrt(progress)                     # minus_sqrt
+
+
+def schedule_rate(step: int, *, peak: float, style: str, warm: int, decay: int, start: float = 0.0,
+                  floor: float = 0.0, cycles: float = 0.5, wsd_steps: int | None = None,
+                  wsd_style: str = "exponential") -> float:
+    """The learning rate of the update after `step` scheduler steps (the first update's is step 0's): verl's
+    FSDP schedules (constant, cosine) and Megatron's (`OptimizerParamScheduler`: linear, inverse_square_root, WSD)
+    are one formula. A linear warmup from `start` reaches `peak` at step `warm`; then `style` decays to `floor` at
+    step `decay` (the inverse square root: peak x sqrt(warm / step), not below the floor), which holds after it; WSD
+    holds the peak until its last `wsd_steps` steps, which anneal by `wsd_style`. A constant schedule stays at
+    the peak. (verl's cosine rises again past its last step: lathe holds the floor, as Megatron does.)"""
+    if warm > 0 and step <= warm:
+        return start + (peak - start) * step / warm
+    if style == "constant":
+        return peak
+    if step > decay:
+        return floor
+    if style == "inverse_square_root":
+        return max(floor, peak * math.sqrt(max(warm, 1) / max(step, 1)))
+    if style == "WSD":
+        stable = decay - wsd_steps
+        coeff = 1.0 if step <= stable else _anneal(wsd_style, (step - stable) / wsd_steps)
+    else:
+        coeff = _anneal(style, (step - warm) / max(1, decay - warm), cycles)
+    return floor + coeff * (peak - floor)
+
+
+def floor_rate(optim_cfg) -> float:
+    """The decay's floor: Megatron's absolute `min_lr`, else `min_lr_ratio` x lr (the config allows one)."""
+    if getattr(optim_cfg, "min_lr", 0.0):
+        return float(optim_cfg.min_lr)
+    return (getattr(optim_cfg, "min_lr_ratio", 0.0) or 0.0) * optim_cfg.lr
 
 
 def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then constant or cosine decay to `min_lr_ratio * lr`. Stepped once per RL step.
+    """`schedule_rate` over the run, stepped once per update step, as a factor on each group's lr.
 
-    The cosine makes `num_cycles` waves over the steps after warm-up (verl's default 0.5: one decay).
+    verl's FSDP keys (lr_scheduler_type constant or cosine, min_lr_ratio, num_cycles, zero_indexed_step) and its
+    Megatron ones (lr_decay_style, which config filling copied to lr_scheduler_type; lr_decay_steps,
+    lr_warmup_init, min_lr, lr_wsd_*) set the one schedule. `zero_indexed_step=false` counts the cosine's steps
+    from 1, as verl's cosine does (its constant schedule ignores the key).
     """
-    warm = warmup_steps(optim_cfg, total_steps)
-    style = getattr(optim_cfg, "lr_scheduler_type", None) or getattr(optim_cfg, "warmup_style", "constant")
-    min_ratio = getattr(optim_cfg, "min_lr_ratio", 0.0) or 0.0
-    cycles = getattr(optim_cfg, "num_cycles", 0.5)
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / (warm + 1)
-        if style == "cosine":
-            progress = min(1.0, (step - warm) / max(1, total_steps - warm))
-            wave = max(0.0, 0.5 * (1 + math.cos(math.pi * 2.0 * cycles * progress)))
-            return min_ratio + (1 - min_ratio) * wave
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    peak = optim_cfg.lr
+    style = getattr(optim_cfg, "lr_scheduler_type", None) or getattr(optim_cfg, "warmup_style", None) or "constant"
+    shift = int(style == "cosine" and not getattr(optim_cfg, "zero_indexed_step", True))
+    rate = partial(
+        schedule_rate, peak=peak, style=style, warm=warmup_steps(optim_cfg, total_steps),
+        decay=decay_steps(optim_cfg, total_steps), start=getattr(optim_cfg, "lr_warmup_init", 0.0) or 0.0,
+        floor=floor_rate(optim_cfg), cycles=getattr(optim_cfg, "num_cycles", 0.5),
+        wsd_steps=getattr(optim_cfg, "lr_wsd_decay_steps", None),
+        wsd_style=getattr(optim_cfg, "lr_wsd_decay_style", "exponential"))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: rate(step + shift) / peak if peak else 0.0)
 
 
 ADAMW = "torch.optim.AdamW"    # what a checkpoint without `optimizer_class` (lathe before optim.optimizer acted) holds

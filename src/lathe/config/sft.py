@@ -16,6 +16,7 @@ from .errors import ConfigError, ProblemList
 from .interpolate import resolve_interpolations
 from .loader import _apply_overrides, _read_mapping
 from .schema_sft import SFTConfig
+from .sft_engine import newer_trainer_layers, split_selections, translate_engine
 from .plan import Devices, MeshPlan, mesh_plan, trainer_devices
 from .rules_optim import check_optimizer_group, fill_schedule
 from .rules_recompute import recompute_problems
@@ -70,6 +71,11 @@ def load_sft_config(source: str | os.PathLike | None = None, overrides: Sequence
     """The SFT config from the defaults, an optional YAML file (a partial tree) and ``key=value`` overrides.
     Raises ConfigError listing every problem."""
     cfg = SFTConfig()
+    problems = ProblemList()
+    chosen, overrides = split_selections(list(overrides))
+    overrides, notes = translate_engine(overrides, problems)
+    if chosen:                   # a script for verl's newer SFT trainer: its defaults (lathe.config.sft_engine)
+        _apply_overrides(cfg, [f"{k}={_text(v)}" for k, v in newer_trainer_layers(chosen).items()])
     if source is not None:
         path = Path(os.path.expanduser(str(source)))
         if not path.is_file():
@@ -78,11 +84,26 @@ def load_sft_config(source: str | os.PathLike | None = None, overrides: Sequence
                               "overrides.")
         apply_layer(cfg, flatten_mapping(_read_mapping(path), f"in file {path}", SFTConfig),
                     context=f"Config file {path}: ")
-    _apply_overrides(cfg, overrides)
+    try:
+        _apply_overrides(cfg, overrides)
+    except ConfigError as err:
+        problems.add(str(err))
+    problems.raise_if_any()
     resolve_interpolations(cfg)
     _fill(cfg)
-    _check(cfg)
+    _check(cfg, notes)
     return cfg
+
+
+def _text(value) -> str:
+    """A default as an override's value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
 
 
 def sft_mesh(cfg: SFTConfig) -> MeshPlan:
@@ -116,8 +137,8 @@ def _fill(cfg: SFTConfig) -> None:
         d.seed = cfg.trainer.seed
 
 
-def _check(cfg: SFTConfig) -> None:
-    problems, ignored, defaults = ProblemList(), [], SFTConfig()
+def _check(cfg: SFTConfig, notes: Sequence[str] = ()) -> None:
+    problems, ignored, defaults = ProblemList(), list(notes), SFTConfig()
     for entry in entries():
         verdict = entry.verdict(get_path(cfg, entry.key), get_path(defaults, entry.key), cfg)
         if verdict is not None:

@@ -75,6 +75,15 @@ def test_resume_continues_exactly(tmp_path):
     assert (run / "global_step_4" / "actor" / "huggingface" / "model.safetensors").read_bytes() == weights
 
 
+def test_after_each_epoch_saves_and_validates_at_each_epochs_end(tmp_path):
+    """verl's sft_trainer takes trainer.save_freq / test_freq=after_each_epoch: an epoch's steps (3 here)."""
+    run = tmp_path / "run"
+    out = sft(run, "data.train_max_samples=24", "trainer.total_epochs=2", "trainer.save_freq=after_each_epoch",
+              "trainer.test_freq=after_each_epoch", "trainer.max_ckpt_to_keep=null")
+    assert [r["step"] for r in out if "val/loss" in r] == [3, 6]
+    assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_3", "global_step_6"]
+
+
 def test_verls_optimizer_keys_act_in_lathe_sft(tmp_path, setup, capsys):
     tok, cfg, _, model = setup
     cfg = copy.deepcopy(cfg)

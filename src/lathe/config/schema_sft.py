@@ -126,8 +126,12 @@ class SFTTrainerConfig:
     total_training_steps: int | None = spec(None, "Stop after this many steps; null = total_epochs.")
     logger: list[Logger] = spec(["console"], "Loggers; metrics.jsonl is always written.", scalar_to_list=True)
     seed: int = spec(1, "Seeds python, numpy and torch.")
-    save_freq: int = spec(-1, "Save a checkpoint every N steps (and at the last); -1 = only at the last step.")
-    test_freq: int = spec(-1, "Validation loss every N steps (and at the last); -1 = only at the last step.")
+    save_freq: int | Literal["after_each_epoch"] = spec(-1, "Save a checkpoint every N steps (and at the last); -1 = "
+                                                            "only at the last step; after_each_epoch = every epoch's "
+                                                            "steps (verl's sft_trainer).")
+    test_freq: int | Literal["after_each_epoch"] = spec(-1, "Validation loss every N steps (and at the last); -1 = "
+                                                            "only at the last step; after_each_epoch = every epoch's "
+                                                            "steps (verl's sft_trainer).")
     nnodes: int = spec(1, "Nodes.")
     n_gpus_per_node: int = spec(1, "Devices per node; more than one device in all runs Ray workers with FSDP2.")
     max_ckpt_to_keep: int | None = spec(None, "Keep only the newest N checkpoints; null = all.")

@@ -57,6 +57,10 @@ class SFTRun:
     global_step: int = 0
     total_tokens: int = 0
 
+    def every(self, freq: int | str) -> int:
+        """A save or validation frequency in steps: verl's `after_each_epoch` is an epoch's steps."""
+        return len(self.loader) if freq == "after_each_epoch" else freq
+
     def close(self) -> None:
         try:
             self.tracker.close()
@@ -148,7 +152,7 @@ def fit_sft(run: SFTRun) -> dict[str, float]:
             last = sft_step(run, pad)
             bar.update(run.global_step, brief(last))
             done = run.global_step >= run.total_steps
-            if done or (t.save_freq > 0 and run.global_step % t.save_freq == 0):
+            if done or (run.every(t.save_freq) > 0 and run.global_step % run.every(t.save_freq) == 0):
                 path = save_checkpoint(Path(t.default_local_dir).expanduser(), run.global_step, {"actor": run.worker},
                                        {"loader": run.loader.state_dict(), "total_tokens": run.total_tokens},
                                        max_to_keep=t.max_ckpt_to_keep)
@@ -171,7 +175,7 @@ def sft_step(run: SFTRun, pad: int) -> dict[str, float]:
     metrics.update({"train/global_tokens": tokens, "train/total_tokens(B)": run.total_tokens / 1e9,
                     "timing_s/step": seconds, "perf/throughput": tokens / max(seconds, 1e-9) / run.world})
     done = run.global_step >= run.total_steps
-    if run.val is not None and (done or (t.test_freq > 0 and run.global_step % t.test_freq == 0)):
+    if run.val is not None and (done or (run.every(t.test_freq) > 0 and run.global_step % run.every(t.test_freq) == 0)):
         metrics["val/loss"] = validation_loss(run)
     run.tracker.log(metrics, step=run.global_step)
     return metrics

@@ -61,6 +61,12 @@ def _api(device: torch.device | str) -> ModuleType | None:
     return getattr(torch, kind, None) if kind in ("cuda", "npu") else None
 
 
+def device_api(device_type: str) -> ModuleType | None:
+    """torch's module for a device type's streams and events (torch.cuda for "cuda"), or None for the CPU: for code
+    that drives streams itself (lathe.train.offload), where the helpers below take None for the CPU."""
+    return _api(device_type)
+
+
 def is_accelerator(device: torch.device | str) -> bool:
     return _api(device) is not None
 

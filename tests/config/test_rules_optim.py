@@ -131,3 +131,12 @@ def test_schedule_keys_the_schedule_does_not_read_are_named_in_a_warning():
     text = " ".join(str(w.message) for w in caught)
     assert f"`{A}.min_lr`=1e-07 has no effect: the learning rate is constant after warm-up" in text
     assert f"`{A}.lr_wsd_*` have no effect" in text
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"{A}.init_lr_ratio=1.5"], "the warm-up's start is a fraction of lr, from 0 to 1"),
+    ([f"{A}.init_lr_ratio=0.1", f"{A}.lr_warmup_init=1e-7"], "give two starts of the warm-up"),
+])
+def test_a_warmup_start_that_cannot_be_fails_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load(*overrides)

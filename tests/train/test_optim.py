@@ -17,7 +17,7 @@ LR = 0.5
 def _optim_cfg(**kw):
     base = dict(lr=LR, betas=[0.8, 0.95], weight_decay=0.1, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.0,
                 min_lr_ratio=0.0, lr_scheduler_type="constant", warmup_style=None, min_lr=0.0, lr_warmup_init=0.0,
-                lr_decay_steps=None, lr_wsd_decay_steps=None, lr_wsd_decay_style="exponential")
+                lr_decay_steps=None, lr_wsd_decay_steps=None, lr_wsd_decay_style="exponential", init_lr_ratio=None)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -57,13 +57,13 @@ def test_warmup_steps_explicit_or_ratio():
 # lr_decay_steps (null: the run's steps), lr_decay_style and lr_wsd_* (its warm-up: lr_warmup_steps when > 0, else
 # the ratio x lr_decay_steps). Both are stepped once per update, the first update taking step 0's rate.
 
-def verl_fsdp_factor(step, *, warm, total, style, min_ratio=0.0, cycles=0.5, zero_indexed=True):
+def verl_fsdp_factor(step, *, warm, total, style, min_ratio=0.0, cycles=0.5, zero_indexed=True, init_ratio=0.0):
     if style == "constant":
         return step / max(1.0, warm) if step < warm else 1.0
     if not zero_indexed:
         step += 1
     if step < warm:
-        return step / max(1, warm)
+        return init_ratio + (1.0 - init_ratio) * step / max(1, warm)
     progress = (step - warm) / max(1, total - warm)
     x = math.cos(math.pi * cycles * 2.0 * progress)
     return max(min_ratio, x * (1 - min_ratio) * 0.5 + (1 + min_ratio) * 0.5)
@@ -120,6 +120,21 @@ def test_cosine_after_warmup_decays_to_min_ratio_as_verl(key, zero_indexed):
     assert all(x >= y for x, y in zip(lrs[W:], lrs[W + 1:]))
 
 
+def test_init_lr_ratio_starts_the_warmup_as_verls_cosine():
+    W, T = 4, 12
+    lrs = _lrs(_optim_cfg(lr_scheduler_type="cosine", lr_warmup_steps=W, init_lr_ratio=0.1), T, T)
+    assert lrs == pytest.approx([LR * verl_fsdp_factor(k, warm=W, total=T, style="cosine", init_ratio=0.1)
+                                 for k in range(T)], abs=1e-12)
+    assert lrs[0] == pytest.approx(0.1 * LR)
+
+
+def test_the_built_in_demo_warms_up_from_a_sixth_of_its_lr():
+    """lathe's own preset: its first updates at lr/6, 2 lr/6, ... (what it was tuned with), through init_lr_ratio."""
+    from lathe.config import load_config
+    optim = load_config(None, []).actor_rollout_ref.actor.optim
+    assert _lrs(optim, 100, 6) == pytest.approx([optim.lr * (k + 1) / 6 for k in range(6)], rel=1e-9)
+
+
 def test_past_its_last_step_the_cosine_holds_its_floor():
     """verl's cosine (num_cycles 0.5) rises again past the run's last step; lathe holds the floor, as Megatron."""
     lrs = _lrs(_optim_cfg(lr_scheduler_type="cosine", min_lr_ratio=0.1), 10, 14)
@@ -145,7 +160,7 @@ def test_megatrons_schedules_as_its_scheduler(load_cfg, style, keys, total):
     """Megatron's keys, loaded as a verl Megatron script sets them, give Megatron's rates at every step, and the
     floor past lr_decay_steps."""
     A = "actor_rollout_ref.actor.optim"
-    keys = {"lr_warmup_steps": -1, "min_lr_ratio": 0.0, "lr_warmup_init": 0.0, **keys}   # verl's (lathe's demo warms)
+    keys = {"lr_warmup_steps": -1, "min_lr_ratio": 0.0, "init_lr_ratio": "null", **keys}  # verl's (lathe's demo warms)
     cfg = load_cfg(f"{A}.lr={LR}", f"{A}.lr_decay_style={style}", *(f"{A}.{k}={v}" for k, v in keys.items()))
     optim = cfg.actor_rollout_ref.actor.optim
     assert optim.lr_scheduler_type == style.replace("-", "_")

@@ -121,6 +121,13 @@ def schedule_problems(optim, key: str) -> tuple[list[str], list[str]]:
     elif style == "WSD" and optim.lr_decay_steps is not None and wsd > optim.lr_decay_steps:
         errors.append(f"`{key}.lr_wsd_decay_steps`={wsd} is longer than `{key}.lr_decay_steps`="
                       f"{optim.lr_decay_steps}, of which the annealing is the last part. Fix: shorten it.")
+    start = optim.init_lr_ratio
+    if start is not None and not 0.0 <= start <= 1.0:
+        errors.append(f"`{key}.init_lr_ratio`={start}: the warm-up's start is a fraction of lr, from 0 to 1. Fix: set "
+                      "it within [0, 1], or null.")
+    elif start is not None and optim.lr_warmup_init:
+        errors.append(f"`{key}.init_lr_ratio`={start} and `{key}.lr_warmup_init`={optim.lr_warmup_init} give two "
+                      "starts of the warm-up (a fraction of lr and Megatron's rate). Fix: set one.")
     ratio = optim.min_lr_ratio or 0.0
     if optim.min_lr < 0 or ratio < 0:
         errors.append(f"`{key}.min_lr`={optim.min_lr}, `{key}.min_lr_ratio`={ratio}: a floor cannot be negative. "

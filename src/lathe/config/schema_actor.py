@@ -147,6 +147,9 @@ class OptimConfig:
     lr_decay_steps: int | None = spec(None, "Steps the decay spans, warmup included (Megatron); null = the run's "
                                             "training steps. Past them the rate stays at the floor.")
     lr_warmup_init: float = spec(0.0, "The rate the warmup starts from (Megatron).")
+    init_lr_ratio: float | None = spec(None, "The rate the warmup starts from as a fraction of lr (verl's cosine "
+                                             "schedule's init_lr_ratio, its automodel optimizer's key); null = "
+                                             "lr_warmup_init.")
     min_lr: float = spec(0.0, "Decay floor, absolute (Megatron); when above 0 it wins over min_lr_ratio.")
     lr_wsd_decay_style: WSDDecay = spec("exponential", "With lr_scheduler_type=WSD: the shape of the final "
                                                        "annealing (Megatron).")

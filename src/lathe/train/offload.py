@@ -7,9 +7,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
+
+from lathe.device import device_api
 
 log = logging.getLogger("lathe")
 
@@ -83,17 +86,17 @@ def activation_offload(enabled: bool, device: torch.device, *, key: str) -> bool
 
 # The offload's stream calls go through `cuda` and `_hold`, and tensors of the `SIDE_STREAM` device types take the
 # side stream: a CPU test stands in for both (`tests/train/test_activation_offload.py`).
-cuda = torch.cuda
+cuda = device_api("cuda")
 SIDE_STREAM = ("cuda",)
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_COPY_STREAMS: dict[torch.device, Any] = {}             # a device's side stream
 
 
-def _hold(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
+def _hold(t: torch.Tensor, stream) -> None:
     """`t`'s memory is not handed out again before `stream`'s work queued so far is done."""
     t.record_stream(stream)
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+def _copy_stream(device: torch.device):
     """One side stream a device for the offload's copies, both ways (made once: streams are not freed)."""
     if device not in _COPY_STREAMS:
         _COPY_STREAMS[device] = cuda.Stream(device=device)
@@ -106,12 +109,12 @@ class _OnHost:
 
     __slots__ = ("index", "device", "host", "copied", "back", "arrived", "read")
 
-    def __init__(self, index: int, device: torch.device, host: torch.Tensor, copied: torch.cuda.Event):
+    def __init__(self, index: int, device: torch.device, host: torch.Tensor, copied):
         self.index, self.device, self.host, self.copied = index, device, host, copied
         self.back = self.arrived = None
         self.read = False
 
-    def prefetch(self, stream: torch.cuda.Stream) -> None:
+    def prefetch(self, stream) -> None:
         with cuda.stream(stream):
             stream.wait_event(self.copied)
             self.back = self.host.to(self.device, non_blocking=True)

@@ -315,12 +315,19 @@ def floor_rate(optim_cfg) -> float:
     return (getattr(optim_cfg, "min_lr_ratio", 0.0) or 0.0) * optim_cfg.lr
 
 
+def start_rate(optim_cfg) -> float:
+    """The warm-up's first rate: `init_lr_ratio` x lr when set, else Megatron's `lr_warmup_init` (the config allows
+    one)."""
+    ratio = getattr(optim_cfg, "init_lr_ratio", None)
+    return ratio * optim_cfg.lr if ratio is not None else getattr(optim_cfg, "lr_warmup_init", 0.0) or 0.0
+
+
 def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """`schedule_rate` over the run, stepped once per update step, as a factor on each group's lr.
 
     verl's FSDP keys (lr_scheduler_type constant or cosine, min_lr_ratio, num_cycles, zero_indexed_step) and its
     Megatron ones (lr_decay_style, which config filling copied to lr_scheduler_type; lr_decay_steps,
-    lr_warmup_init, min_lr, lr_wsd_*) set the one schedule. `zero_indexed_step=false` counts the cosine's steps
+    lr_warmup_init, min_lr, lr_wsd_*) set the one schedule, and init_lr_ratio (verl's cosine's argument) its start. `zero_indexed_step=false` counts the cosine's steps
     from 1, as verl's cosine does (its constant schedule ignores the key).
     """
     peak = optim_cfg.lr
@@ -328,7 +335,7 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_sc
     shift = int(style == "cosine" and not getattr(optim_cfg, "zero_indexed_step", True))
     rate = partial(
         schedule_rate, peak=peak, style=style, warm=warmup_steps(optim_cfg, total_steps),
-        decay=decay_steps(optim_cfg, total_steps), start=getattr(optim_cfg, "lr_warmup_init", 0.0) or 0.0,
+        decay=decay_steps(optim_cfg, total_steps), start=start_rate(optim_cfg),
         floor=floor_rate(optim_cfg), cycles=getattr(optim_cfg, "num_cycles", 0.5),
         wsd_steps=getattr(optim_cfg, "lr_wsd_decay_steps", None),
         wsd_style=getattr(optim_cfg, "lr_wsd_decay_style", "exponential"))

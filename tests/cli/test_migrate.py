@@ -93,3 +93,14 @@ def test_megatron_block_recompute_moves_over_as_lathes_count(tmp_path):
     lines = command(text)
     assert "actor_rollout_ref.model.gradient_checkpointing_layers=8" in lines
     assert load_config("base", lines[1:], device_count=2).actor_rollout_ref.model.gradient_checkpointing_layers == 8
+
+
+def test_an_sft_script_becomes_a_lathe_sft_command_with_torchruns_devices():
+    code, _, text = run("sft_fsdp.sh")
+    assert code == 0, text
+    lines = command(text)
+    assert lines[0] == "lathe sft" and "engine=fsdp" in lines and "trainer.n_gpus_per_node=4" in lines
+    assert "trainer.nnodes=1" not in lines                          # one node: lathe sft's default
+    assert "trainer.n_gpus_per_node=4: from the launcher's torchrun flags" in text
+    code, _, text = run("sft_fsdp.sh", SP="2")
+    assert code == 1 and "Not ready: lathe sft stops on" in text and "Ulysses sequence parallelism in lathe sft" in text

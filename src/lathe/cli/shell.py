@@ -19,7 +19,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-TRAINERS = re.compile(r"^verl\.(trainer\.main_ppo(_sync)?|experimental\.fully_async_policy\.fully_async_main)$")
+TRAINERS = re.compile(r"^verl\.(trainer\.(main_ppo(_sync)?|sft_trainer|fsdp_sft_trainer)|"
+                      r"experimental\.fully_async_policy\.fully_async_main)$")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]")
 _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
 _ARITH = re.compile(r"^[\d\s+\-*/%()<>=!&|]*$")
@@ -40,6 +41,7 @@ class Script:
     unresolved: list[str] = field(default_factory=list)   # variables used but never set (left as ${NAME})
     commands: list[str] = field(default_factory=list)     # $(...) substitutions left unrun in the arguments
     line: int = 0                                            # the trainer call's first line
+    launcher: list[str] = field(default_factory=list)       # the words before the module (torchrun and its flags)
 
 
 @dataclass
@@ -443,12 +445,13 @@ def read_script(text: str, env: Mapping[str, str] | None = None) -> Script:
             else:
                 found = _command(shell, words) if live() else None
                 if found is not None:
-                    module, args = found
+                    module, args, launcher = found
                     commands = sorted({m for a in args for m in re.findall(r"\$\([^)]*\)", a)})
-                    return Script(module, args, shell.unresolved, commands, line)
+                    return Script(module, args, shell.unresolved, commands, line, launcher)
                 words = []
     raise ShellError("no trainer call found: the script must run `python3 -m verl.trainer.main_ppo` (or "
-                     "main_ppo_sync, or verl.experimental.fully_async_policy.fully_async_main)")
+                     "main_ppo_sync, or verl.experimental.fully_async_policy.fully_async_main), or verl's SFT "
+                     "trainer (`torchrun ... -m verl.trainer.sft_trainer` or fsdp_sft_trainer)")
 
 
 def _pattern_end(words: list[_Word]) -> int | None:
@@ -475,9 +478,10 @@ def _flat(shell: _Shell, words: list[_Word]) -> list[str]:
     return [value for word in words for value in (shell.words(word) or [""])]
 
 
-def _command(shell: _Shell, words: list[_Word]) -> tuple[str, list[str]] | None:
-    """Run one command list (simple commands joined by && and ||, as bash: left to right); return (module, args)
-    when a command that runs is the trainer call. A test's status is its result; any other command succeeds."""
+def _command(shell: _Shell, words: list[_Word]) -> tuple[str, list[str], list[str]] | None:
+    """Run one command list (simple commands joined by && and ||, as bash: left to right); return (module, args,
+    the words before the module) when a command that runs is the trainer call. A test's status is its result; any
+    other command succeeds."""
     status, op, i = True, "&&", 0
     while i < len(words):
         j = next((k for k in range(i, len(words)) if words[k].op), len(words))
@@ -497,8 +501,8 @@ def _command(shell: _Shell, words: list[_Word]) -> tuple[str, list[str]] | None:
     return None
 
 
-def _simple(shell: _Shell, words: list[_Word]) -> tuple[str, list[str]] | None:
-    """One simple command: its assignments take effect; (module, args) when it runs the trainer."""
+def _simple(shell: _Shell, words: list[_Word]) -> tuple[str, list[str], list[str]] | None:
+    """One simple command: its assignments take effect; (module, args, launcher) when it runs the trainer."""
     if words and words[0].bare in ("export", "local", "declare", "readonly"):
         words = [w for w in words[1:] if not (w.bare or "").startswith("-")]
     assignments = 0
@@ -523,5 +527,5 @@ def _simple(shell: _Shell, words: list[_Word]) -> tuple[str, list[str]] | None:
     command = [v for word in words[assignments:] for v in shell.words(word)]
     for k, value in enumerate(command):
         if TRAINERS.match(value):
-            return value, [a.replace(_KEPT, " ") for a in command[k + 1:]]
+            return value, [a.replace(_KEPT, " ") for a in command[k + 1:]], command[:k]
     return None

@@ -327,8 +327,9 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_sc
 
     verl's FSDP keys (lr_scheduler_type constant or cosine, min_lr_ratio, num_cycles, zero_indexed_step) and its
     Megatron ones (lr_decay_style, which config filling copied to lr_scheduler_type; lr_decay_steps,
-    lr_warmup_init, min_lr, lr_wsd_*) set the one schedule, and init_lr_ratio (verl's cosine's argument) its start. `zero_indexed_step=false` counts the cosine's steps
-    from 1, as verl's cosine does (its constant schedule ignores the key).
+    lr_warmup_init, min_lr, lr_wsd_*) set the one schedule, and init_lr_ratio (verl's cosine's argument) its
+    start. `zero_indexed_step=false` counts the cosine's steps from 1, as verl's cosine does (its constant schedule
+    ignores the key).
     """
     peak = optim_cfg.lr
     style = getattr(optim_cfg, "lr_scheduler_type", None) or getattr(optim_cfg, "warmup_style", None) or "constant"

@@ -57,6 +57,8 @@ def test_a_group_selection_brings_the_newer_trainers_defaults_and_the_scripts_ke
     assert (mega.optim.lr_scheduler_type, mega.optim.min_lr, mega.optim.lr, mega.optim.betas) == \
         ("cosine", 1e-6, 1e-5, [0.9, 0.999])
     assert load("optim=megatron").optim.lr_scheduler_type == "constant"       # optim/megatron.yaml's
+    assert load("optim=megatron", "optim.optimizer=adam").optim.optimizer == "AdamW"   # Megatron's adam: decoupled
+    assert load("optim.optimizer=Adam").optim.optimizer == "Adam"                       # torch's, elsewhere
 
 
 def test_the_fsdp_engines_keys_act_as_lathe_sfts():

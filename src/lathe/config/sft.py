@@ -91,6 +91,8 @@ def load_sft_config(source: str | os.PathLike | None = None, overrides: Sequence
     problems.raise_if_any()
     resolve_interpolations(cfg)
     _fill(cfg)
+    if chosen.get("optim") == "megatron" and cfg.optim.optimizer == "adam":
+        cfg.optim.optimizer = "AdamW"      # Megatron's adam decays the weights decoupled (as lathe train's fill)
     _check(cfg, notes)
     return cfg
 

@@ -55,11 +55,7 @@ def migrate(path: str, *, env: dict[str, str] | None = None, out: TextIO = sys.s
     for flag in flags:
         notes.append(f"{flag}: not needed — lathe starts from its `base` preset (verl's defaults); "
                      f"the script's keys are applied over it")
-    for name in script.unresolved:
-        notes.append(f"${{{name}}} is never set in the script: set it in the environment "
-                     f"(`{name}=... lathe migrate {path}`) or edit the value in the command below")
-    for command in script.commands:
-        notes.append(f"{command} is not run here: it stays in the value as written")
+    notes += _shell_notes(path, script)
     for problem in result.problems:
         notes.append(f"the whole config: {problem}")
     if notes:
@@ -78,6 +74,13 @@ def migrate(path: str, *, env: dict[str, str] | None = None, out: TextIO = sys.s
               f"{' and the config breaks a rule' if result.problems else ''} (above).", file=out)
         return 1
     return 0
+
+
+def _shell_notes(path: str, script) -> list[str]:
+    """What the reading left as written: variables never set, `$(...)` substitutions not run."""
+    return ([f"${{{name}}} is never set in the script: set it in the environment (`{name}=... lathe migrate "
+             f"{path}`) or edit the value in the command below" for name in script.unresolved]
+            + [f"{command} is not run here: it stays in the value as written" for command in script.commands])
 
 
 def _launcher_devices(launcher: list[str]) -> dict[str, str]:
@@ -106,9 +109,7 @@ def _migrate_sft(path: str, script, out: TextIO) -> int:
     print(f"{path}: {script.module} (line {script.line}), {len(overrides)} keys", file=out)
     notes = [f"{k}={v}: from the launcher's {' '.join(script.launcher[:1])} flags (lathe sft starts its own "
              "workers; no torchrun)" for k, v in (a.split("=", 1) for a in added)]
-    notes += [f"${{{name}}} is never set in the script: set it in the environment (`{name}=... lathe migrate "
-              f"{path}`) or edit the value in the command below" for name in script.unresolved]
-    notes += [f"{command} is not run here: it stays in the value as written" for command in script.commands]
+    notes += _shell_notes(path, script)
     problems = []
     try:
         with warnings.catch_warnings(record=True) as caught:

@@ -21,7 +21,7 @@ from .plan import Devices, MeshPlan, mesh_plan, trainer_devices
 from .rules_optim import check_optimizer_group, fill_schedule
 from .rules_recompute import recompute_problems
 from .support_base import Entry, at_most, inert, one_of, only_on, refuse, warn
-from .tree import apply_layer, flatten_mapping, get_path
+from .tree import Assignment, apply_layer, flatten_mapping, get_path
 
 F = "model.fsdp_config"
 ALWAYS_SAVED = {"model", "optimizer", "extra"}
@@ -75,7 +75,8 @@ def load_sft_config(source: str | os.PathLike | None = None, overrides: Sequence
     chosen, overrides = split_selections(list(overrides))
     overrides, notes = translate_engine(overrides, problems)
     if chosen:                   # a script for verl's newer SFT trainer: its defaults (lathe.config.sft_engine)
-        _apply_overrides(cfg, [f"{k}={_text(v)}" for k, v in newer_trainer_layers(chosen).items()])
+        apply_layer(cfg, [Assignment(k, v, None, k, "verl's sft_trainer defaults")
+                          for k, v in newer_trainer_layers(chosen).items()], context="")
     if source is not None:
         path = Path(os.path.expanduser(str(source)))
         if not path.is_file():
@@ -96,16 +97,6 @@ def load_sft_config(source: str | os.PathLike | None = None, overrides: Sequence
     _check(cfg, notes)
     return cfg
 
-
-def _text(value) -> str:
-    """A default as an override's value."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ",".join(map(str, value)) + "]"
-    return str(value)
 
 
 def sft_mesh(cfg: SFTConfig) -> MeshPlan:
